@@ -1,0 +1,1 @@
+"""hybridcache: a prefix cache and inference engine for hybrid language models."""
