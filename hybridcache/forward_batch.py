@@ -15,8 +15,9 @@ Worked example (block_size B=16, kernel_block_size 8, so 2 kernel pages per sche
     block_tables   seq 0 owns scheduler blocks [3, 7]   -> kernel pages [6, 7, 14, 15]
                    seq 1 owns scheduler blocks [1, 2, 5] -> kernel pages [2, 3, 4, 5, 10, 11]
                    padded with 0 to the longest row
-    slot_mapping   token at position p of a sequence goes to flat KV row page(p // 8) * 8 + p % 8:
-                   seq 0: p=20..24 -> page 14 (row 112..116); seq 1: p=40 -> page 5 (row 40)
+    slot_mapping   the token at position p goes to flat KV row pages[p // 8] * 8 + p % 8:
+                   seq 0: p=20..23 -> page 14, rows 116..119; p=24 -> page 15, row 120
+                   seq 1: p=40 -> page 11, row 88
     state_slots    [slot of seq 0, slot of seq 1]
     logits_indices [4, 5]           (the last token of each sequence)
 

@@ -8,7 +8,8 @@ Worked example (block_size 16, kernel_block_size 8, pages_per_block 2)::
 
     chunk: start 20, 5 new tokens, block_ids [3, 7]
     kernel pages of the sequence: [6, 7, 14, 15]
-    positions 20..24 lie in scheduler block index 1 (block 7), kernel page 14, offsets 4..8 of it
+    positions 20..24 lie in scheduler block index 1 (block 7): 20..23 in kernel page 14 at offsets
+    4..7, 24 in kernel page 15 at offset 0
     slot_mapping = 14 * 8 + [4, 5, 6, 7] and 15 * 8 + 0 = [116, 117, 118, 119, 120]
 """
 
