@@ -1,0 +1,243 @@
+"""The engine: requests in, tokens out. One `step()` = schedule -> build inputs -> forward -> postprocess."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.runner import ModelRunner
+from hybridcache.engine.sequence import Sequence, SeqStatus
+from hybridcache.models import ModelConfig, load_model
+from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.outputs import CompletionOutput, RequestOutput
+from hybridcache.sampling import SamplingParams, make_generator, sample
+from hybridcache.scheduler.plain_memory import PlainMemory
+from hybridcache.scheduler.scheduler import ScheduledChunk, Scheduler
+from hybridcache.tokenizer import Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MAX_DEFAULT_MODEL_LEN = 8192
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
+
+    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.model_path = Path(model_path) if model_path is not None else ensure_builtin_model()
+        self.model_config = ModelConfig.from_model_dir(self.model_path)
+        model_len_limit = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or min(model_len_limit, _MAX_DEFAULT_MODEL_LEN)
+        if self.max_model_len > model_len_limit:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
+            )
+        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        self.num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
+        if self.num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV pool is too small for one sequence: {self.num_blocks} blocks of {config.block_size} "
+                f"tokens hold {self.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
+            )
+        self.tokenizer = Tokenizer(self.model_path)
+        self.device = torch.device(config.device)
+        model = load_model(self.model_path, dtype=_DTYPES[config.dtype], device=self.device)
+        num_slots = config.max_num_seqs
+        self.runner = ModelRunner(
+            model,
+            num_blocks=self.num_blocks,
+            block_size=config.block_size,
+            kernel_block_size=config.page_size,
+            num_slots=num_slots,
+            dtype=_DTYPES[config.dtype],
+            state_dtype=_DTYPES[config.state_dtype],
+            device=self.device,
+        )
+        self.memory = PlainMemory(self.num_blocks, num_slots, config.block_size)
+        self.scheduler = Scheduler(
+            self.memory, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        self._requests: dict[str, _Request] = {}
+        self._seq_counter = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+
+    # ----------------------------------------------------------------------------------- requests
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. Raises ValueError (and changes nothing) on a bad prompt or a duplicate id."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.validate_prompt(prompt)
+        request = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params)
+        for index in range(params.n):
+            request.seqs.append(
+                Sequence(
+                    seq_id=next(self._seq_counter),
+                    request_id=request_id,
+                    index=index,
+                    token_ids=list(prompt_ids),
+                    prompt_len=len(prompt_ids),
+                    params=params,
+                    generator=make_generator(params, index, self.device),
+                    arrival=next(self._arrivals),
+                )
+            )
+        self._requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, or a ValueError naming what is wrong with it."""
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            prompt_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            for i, token in enumerate(prompt_ids):
+                if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                    raise ValueError(f"prompt token {i} is {token!r}: token ids must be integers in [0, {vocab})")
+        else:
+            raise TypeError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, which leaves "
+                "no room for a completion"
+            )
+        return prompt_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and release everything it holds."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ----------------------------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one forward; returns the outputs of the requests that finished in it."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_work:
+                raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
+            return []
+        batch = build_forward_batch(
+            [self._seq_chunk(c) for c in chunks],
+            block_size=self.config.block_size,
+            kernel_block_size=self.config.page_size,
+            device=self.device,
+        )
+        logits = self.runner.execute(batch)
+        self.memory.commit_step([(c.seq, c.num_tokens) for c in chunks])
+        return self._postprocess(chunks, logits)
+
+    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
+        seq = chunk.seq
+        return SeqChunk(seq.token_ids[chunk.start : chunk.end], chunk.start, seq.block_ids, seq.slot)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        sampled = [c.seq for c in chunks if c.samples]
+        for chunk in chunks:
+            chunk.seq.num_computed = chunk.end
+            if chunk.start < chunk.seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
+                self.num_prefill_tokens += chunk.num_tokens
+            else:
+                self.num_decode_tokens += chunk.num_tokens
+        tokens = sample(logits[rows], [s.params for s in sampled], [s.generator for s in sampled]) if rows else []
+        finished_requests = []
+        for seq, token in zip(sampled, tokens):
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+                request = self._requests[seq.request_id]
+                if request.finished:
+                    finished_requests.append(self._output(self._requests.pop(seq.request_id)))
+        return finished_requests
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._cut_at_stop_string(seq):
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids)
+        positions = [text.find(s) for s in seq.params.stop if s in text]
+        if not positions:
+            return False
+        seq.stop_text_len = min(positions)
+        return True
+
+    # ----------------------------------------------------------------------------------- outputs
+    def _output(self, request: _Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            output_ids = seq.output_ids
+            if seq.finish_reason == "stop" and output_ids and self._is_stop_token(seq, output_ids[-1]):
+                output_ids = output_ids[:-1]
+            text = self.tokenizer.decode(output_ids)
+            if seq.stop_text_len is not None:
+                text = text[: seq.stop_text_len]
+            completions.append(CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason))
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_ids),
+            outputs=completions,
+            cached_tokens=min(seq.num_cached for seq in request.seqs),
+            finished=request.finished,
+        )
+
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
+
+    def check_integrity(self) -> None:
+        """Recompute the memory manager's counts from scratch; raises AssertionError on any mismatch."""
+        self.memory.check_integrity()
+        held = [b for seq in self.scheduler.running for b in seq.block_ids]
+        if len(held) + self.memory.num_free_blocks != self.num_blocks:
+            raise AssertionError(
+                f"{len(held)} blocks held + {self.memory.num_free_blocks} free != {self.num_blocks} blocks"
+            )
+        if len(self.scheduler.running) + self.memory.num_free_slots != self.memory.num_slots:
+            raise AssertionError("slots held by running sequences + free slots != total slots")

@@ -1,0 +1,60 @@
+"""A sequence: one completion of a request, as the scheduler and the engine track it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridcache.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token state of one completion.
+
+    `token_ids` = prompt + generated tokens. `num_computed` = tokens whose KV and recurrent state are in the
+    cache (the step the next chunk starts at). The next chunk feeds `token_ids[num_computed:...]`; a token is
+    sampled when a chunk reaches the end of `token_ids`. `block_ids` and `slot` are owned by the scheduler's
+    memory manager while the sequence runs.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None
+    stop_text_len: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens still to feed before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,106 @@
+"""The built-in model: a small Qwen3.5-architecture model with seeded random weights, written as a real
+model folder (config.json, model.safetensors, a byte-level tokenizer.json with a ChatML chat template), so
+every command works with no download. Its text is gibberish; its compute shape is a real hybrid model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_NAME = "hybridcache-builtin-qwen3.5-tiny"
+BUILTIN_VERSION = 1
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# 3 gated-DeltaNet layers : 1 gated-attention layer, as in Qwen3.5.
+BUILTIN_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=8,
+    layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    linear_conv_kernel_dim=4,
+    max_position_embeddings=32768,
+    tie_word_embeddings=False,
+)
+
+
+def builtin_model_dir() -> Path:
+    """Where the built-in model lives: $HYBRIDCACHE_HOME (default ~/.cache/hybridcache) / name-vVERSION."""
+    home = Path(os.environ.get("HYBRIDCACHE_HOME", Path.home() / ".cache" / "hybridcache"))
+    return home / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
+
+
+def ensure_builtin_model(seed: int = 0) -> Path:
+    """Create the built-in model folder if it does not exist yet (atomically) and return its path."""
+    target = builtin_model_dir()
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=target.parent))
+    try:
+        write_builtin_model(tmp, seed=seed)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process created it first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def write_builtin_model(path: Path, seed: int = 0) -> None:
+    """Write the built-in model folder to `path` (which must exist)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from hybridcache.models.random_weights import randomize_
+
+    tokenizer = build_byte_tokenizer()
+    ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    config = Qwen3_5TextConfig(
+        **BUILTIN_CONFIG,
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        bos_token_id=None,
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(config).eval()
+    randomize_(model, seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": BUILTIN_CONFIG["max_position_embeddings"],
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+
+
+def build_byte_tokenizer():
+    """A byte-level tokenizer: one token per byte (ids 0-255) and the ChatML special tokens after them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer

@@ -1,0 +1,29 @@
+"""What `LLM.generate` returns: one `RequestOutput` per prompt, holding `n` `CompletionOutput`s."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled completion. finish_reason: 'stop' (EOS, stop token or stop string), 'length'
+    (max_tokens or the model length limit), 'abort', or None while it is still running."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A request's result. `cached_tokens`: prompt tokens whose computation the prefix cache skipped
+    (for n > 1, the smallest over its completions, each of which runs the prompt as its own sequence)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    cached_tokens: int = 0
+    finished: bool = False
