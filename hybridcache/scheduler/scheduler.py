@@ -20,20 +20,21 @@ from hybridcache.scheduler.plain_memory import PlainMemory
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """`seq` feeds `token_ids[start : start + num_tokens]` in this step."""
+    """`seq` feeds `token_ids[start : start + num_tokens]` in this step. `samples`: the chunk reaches the
+    end of the sequence's tokens, so a token is sampled from its logits."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence's tokens, so its logits are sampled."""
-        return self.end == self.seq.num_tokens
+    @classmethod
+    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        return cls(seq, seq.num_computed, num_tokens, seq.num_computed + num_tokens == seq.num_tokens)
 
 
 class Scheduler:
@@ -71,7 +72,7 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                chunks.append(ScheduledChunk(seq, seq.num_computed, num_tokens))
+                chunks.append(ScheduledChunk.of(seq, num_tokens))
                 budget -= num_tokens
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -82,7 +83,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             num_tokens = min(seq.num_remaining, budget)
-            chunks.append(ScheduledChunk(seq, seq.num_computed, num_tokens))
+            chunks.append(ScheduledChunk.of(seq, num_tokens))
             budget -= num_tokens
         return chunks
 
