@@ -1,0 +1,313 @@
+"""copy_blocks / copy_slots against a plain Python reference: torch path, Triton kernel, launcher errors.
+
+The Triton kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is imported;
+so the `test_triton_interpreted_*` tests run in a child pytest process started by
+`test_triton_interpreter_in_subprocess` (this process never imports triton). Under a CUDA device the
+`test_cuda_*` tests compare both paths on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED,
+    reason="runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter_in_subprocess",
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def reference_copy(
+    pool: torch.Tensor, src_ids: list[int], dst_ids: list[int], pages_per_block: int, page_dim: int
+) -> torch.Tensor:
+    """A new pool where every destination block holds its source block (page-dim slices, pair by pair)."""
+    out = pool.clone()
+    for src, dst in zip(src_ids, dst_ids, strict=True):
+        src_pages = pool.narrow(page_dim, src * pages_per_block, pages_per_block)
+        out.narrow(page_dim, dst * pages_per_block, pages_per_block).copy_(src_pages)
+    return out
+
+
+def random_pool(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = "cpu") -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype=dtype, device=device)
+
+
+def random_plan(num_blocks: int, num_pairs: int, seed: int) -> tuple[list[int], list[int]]:
+    """Unique destinations; sources drawn with repeats from the other blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    dst_ids = order[:num_pairs]
+    candidates = order[num_pairs:]
+    picks = torch.randint(0, max(1, len(candidates) // 2), (num_pairs,), generator=generator).tolist()
+    return [candidates[i] for i in picks], dst_ids
+
+
+def kv_shape(num_pages: int) -> tuple[int, ...]:
+    """[num_attention_layers, 2, num_pages, kernel_block_size, num_kv_heads, head_dim]"""
+    return (3, 2, num_pages, 4, 2, 8)
+
+
+def check_copy_blocks(
+    impl: str, pages_per_block: int, dtype: torch.dtype, seed: int, device: str = "cpu", **kwargs: int
+) -> None:
+    num_blocks = 12
+    pool = random_pool(kv_shape(num_blocks * pages_per_block), dtype, seed, device)
+    src_ids, dst_ids = random_plan(num_blocks, 5, seed)
+    assert len(set(src_ids)) < len(src_ids), "the plan must repeat a source"
+    expected = reference_copy(pool, src_ids, dst_ids, pages_per_block, page_dim=2)
+    assert not torch.equal(expected, pool)
+    copy_blocks(pool, torch.tensor(src_ids), torch.tensor(dst_ids, dtype=torch.int32),
+                pages_per_block=pages_per_block, impl=impl, **kwargs)
+    assert torch.equal(pool, expected)
+
+
+def check_copy_slots(impl: str, device: str = "cpu") -> None:
+    conv = random_pool((3, 10, 6, 3), torch.bfloat16, 1, device)  # [L, num_slots, conv_dim, conv_width]
+    ssm = random_pool((3, 10, 2, 4, 5), torch.float32, 2, device)  # [L, num_slots, Hv, Dk, Dv]
+    src_ids, dst_ids = [7, 7, 4], [0, 2, 9]
+    for pool in (conv, ssm):
+        expected = reference_copy(pool, src_ids, dst_ids, pages_per_block=1, page_dim=1)
+        copy_slots(pool, torch.tensor(src_ids), torch.tensor(dst_ids), impl=impl)
+        assert torch.equal(pool, expected)
+        assert torch.equal(pool[:, 0], pool[:, 7]) and torch.equal(pool[:, 9], pool[:, 4])
+
+
+# ---- torch path ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_torch_copy_blocks_matches_reference(pages_per_block: int, dtype: torch.dtype, seed: int) -> None:
+    check_copy_blocks("torch", pages_per_block, dtype, seed)
+
+
+@pytest.mark.parametrize("workspace_pages", [1, 3, 7], ids=lambda n: f"ws{n}pages")
+def test_torch_copy_blocks_tiles_within_workspace(
+    workspace_pages: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page_bytes = 4 * 2 * 8 * 4  # kernel_block_size * heads * head_dim * fp32
+    budget = workspace_pages * page_bytes
+    largest: list[int] = []
+    original = torch.Tensor.index_select
+
+    def recording_index_select(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        out = original(self, dim, index)
+        largest.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "index_select", recording_index_select)
+    check_copy_blocks("torch", 2, torch.float32, seed=3, max_workspace_bytes=budget)
+    assert len(largest) > 1 and max(largest) <= budget
+
+
+def test_torch_copy_blocks_one_tile_when_workspace_is_large(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select", lambda t, d, i: calls.append(1) or original(t, d, i))
+    check_copy_blocks("torch", 4, torch.bfloat16, seed=4)
+    assert len(calls) == 1
+
+
+def test_torch_copy_slots_matches_reference() -> None:
+    check_copy_slots("torch")
+
+
+def test_auto_on_cpu_uses_torch_path() -> None:
+    check_copy_blocks("auto", 2, torch.bfloat16, seed=5)
+
+
+def test_other_page_dim() -> None:
+    pool = random_pool((2, 9, 3, 5), torch.float32, 6)  # [outer, num_pages, ...], blocks of 3 pages
+    expected = reference_copy(pool, [2, 2], [0, 1], pages_per_block=3, page_dim=1)
+    copy_blocks(pool, torch.tensor([2, 2]), torch.tensor([0, 1]), pages_per_block=3, page_dim=1, impl="torch")
+    assert torch.equal(pool, expected)
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto"])
+def test_empty_plan_is_a_no_op(impl: str) -> None:
+    pool = random_pool(kv_shape(8), torch.bfloat16, 7)
+    before = pool.clone()
+    empty = torch.empty(0, dtype=torch.int64)
+    copy_blocks(pool, empty, empty, pages_per_block=2, impl=impl)
+    copy_slots(pool.view(3, 2 * 8, -1), empty, empty, impl=impl)
+    assert torch.equal(pool, before)
+
+
+# ---- launcher errors ----------------------------------------------------------------------------------
+
+IDS = torch.tensor([1, 2])
+
+
+def _pool() -> torch.Tensor:
+    return torch.zeros(kv_shape(8))
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: copy_blocks([0], IDS, IDS + 2, pages_per_block=1), TypeError, "pool must be a torch.Tensor"),
+        (lambda: copy_blocks(_pool().to_sparse(), IDS, IDS + 2, pages_per_block=1), ValueError, "dense"),
+        (lambda: copy_blocks(_pool().transpose(0, 1), IDS, IDS + 2, pages_per_block=1), ValueError,
+         "contiguous"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, page_dim=6), ValueError, "page_dim"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, page_dim=-1), ValueError, "page_dim"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=0), ValueError, "pages_per_block"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=2.0), ValueError, "pages_per_block"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=9), ValueError, "exceeds"),
+        (lambda: copy_blocks(_pool(), [1, 2], IDS + 2, pages_per_block=1), TypeError, "src_ids must be a"),
+        (lambda: copy_blocks(_pool(), IDS.float(), IDS + 2, pages_per_block=1), TypeError, "int32 or int64"),
+        (lambda: copy_blocks(_pool(), IDS, (IDS + 2).to(torch.int16), pages_per_block=1), TypeError,
+         "dst_ids must be int32 or int64"),
+        (lambda: copy_blocks(_pool(), IDS[None], IDS[None] + 2, pages_per_block=1), ValueError, "1-D"),
+        (lambda: copy_blocks(_pool(), IDS, IDS.to("meta"), pages_per_block=1), ValueError, "pool's device"),
+        (lambda: copy_blocks(_pool(), IDS, torch.tensor([3, 4, 5]), pages_per_block=1), ValueError,
+         "2 ids but dst_ids has 3"),
+        (lambda: copy_blocks(_pool(), IDS, torch.tensor([3, 4]), pages_per_block=2), ValueError,
+         r"dst_ids must lie in \[0, 4\)"),
+        (lambda: copy_blocks(_pool(), torch.tensor([-1, 2]), IDS + 2, pages_per_block=1), ValueError,
+         r"src_ids must lie in \[0, 8\)"),
+        (lambda: copy_blocks(_pool(), IDS, torch.tensor([3, 3]), pages_per_block=1), ValueError, "unique"),
+        (lambda: copy_blocks(_pool(), IDS, torch.tensor([3, 1]), pages_per_block=1), ValueError,
+         r"disjoint from src_ids; both hold \[1\]"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="cuda"), ValueError, "impl must"),
+        (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="torch", max_workspace_bytes=100),
+         ValueError, "max_workspace_bytes"),
+        (lambda: copy_slots(torch.zeros(2, 4, 3), IDS, torch.tensor([0, 4])), ValueError,
+         r"dst_ids must lie in \[0, 4\)"),
+    ],
+    ids=[
+        "pool-not-tensor", "pool-sparse", "pool-not-contiguous", "page-dim-too-large", "page-dim-negative",
+        "ppb-zero", "ppb-not-int", "ppb-too-large", "ids-not-tensor", "src-float", "dst-int16", "ids-2d",
+        "ids-other-device", "length-mismatch", "dst-out-of-range", "src-negative", "dst-repeats",
+        "dst-overlaps-src", "unknown-impl", "workspace-below-one-page", "slot-out-of-range",
+    ],
+)
+def test_launcher_errors(call, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_errors_leave_the_pool_untouched() -> None:
+    pool = random_pool(kv_shape(8), torch.float32, 8)
+    before = pool.clone()
+    with pytest.raises(ValueError, match="disjoint"):
+        copy_blocks(pool, torch.tensor([1, 2]), torch.tensor([3, 2]), pages_per_block=1, impl="torch")
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="only meaningful without TRITON_INTERPRET")
+def test_triton_on_cpu_without_interpreter_is_refused() -> None:
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="triton")
+    assert "triton" not in sys.modules, "the refusal must come before triton is imported"
+
+
+# ---- Triton kernel under the interpreter (child process) ----------------------------------------------
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")
+def test_triton_interpreter_in_subprocess() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+               "-k", "triton_interpreted"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
+def test_triton_interpreted_copy_blocks(pages_per_block: int, dtype: torch.dtype) -> None:
+    check_copy_blocks("triton", pages_per_block, dtype, seed=10 + pages_per_block)
+
+
+@needs_interpreter
+def test_triton_interpreted_copy_slots() -> None:
+    check_copy_slots("triton")
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    ("dtype", "page_shape", "offset", "word"),
+    [
+        (torch.float16, (3,), 0, 2),  # 6-byte page rows -> 2-byte words
+        (torch.uint8, (5,), 0, 1),  # 5-byte page rows -> bytes
+        (torch.float32, (2,), 1, 4),  # 8-byte rows at an address 4 past an 8-aligned one -> 4-byte words
+        (torch.bfloat16, (4, 8), 0, 8),
+    ],
+    ids=["fp16-2byte", "uint8-1byte", "fp32-misaligned", "bf16-8byte"],
+)
+def test_triton_interpreted_word_sizes(dtype: torch.dtype, page_shape: tuple[int, ...], offset: int,
+                                       word: int) -> None:
+    from hybridcache.kernels.triton_block_copy import word_size
+
+    num_pages, numel = 10, 1
+    for size in page_shape:
+        numel *= size
+    storage = (torch.arange(offset + 2 * num_pages * numel) % 251).to(dtype)
+    pool = storage[offset:].view(2, num_pages, *page_shape)
+    assert word_size(pool, numel * pool.element_size()) == word
+    expected = reference_copy(pool, [4, 4, 0], [2, 9, 1], pages_per_block=1, page_dim=1)
+    head = storage[:offset].clone()
+    copy_blocks(pool, torch.tensor([4, 4, 0]), torch.tensor([2, 9, 1]), pages_per_block=1, page_dim=1,
+                impl="triton")
+    assert torch.equal(pool, expected)
+    assert torch.equal(storage[:offset], head)
+
+
+@needs_interpreter
+def test_triton_interpreted_multi_chunk_blocks() -> None:
+    # blocks of 2 pages of 12,000 bytes: 2 chunks of 2048 words per pair, the second one masked
+    pool = random_pool((2, 2, 6, 3, 1024), torch.float32, 11)[..., :1000].contiguous()
+    expected = reference_copy(pool, [0, 0], [1, 2], pages_per_block=2, page_dim=2)
+    copy_blocks(pool, torch.tensor([0, 0]), torch.tensor([1, 2]), pages_per_block=2, impl="triton")
+    assert torch.equal(pool, expected)
+
+
+@needs_interpreter
+def test_triton_interpreted_empty_plan() -> None:
+    pool = random_pool(kv_shape(8), torch.bfloat16, 12)
+    before = pool.clone()
+    empty = torch.empty(0, dtype=torch.int32)
+    copy_blocks(pool, empty, empty, pages_per_block=2, impl="triton")
+    assert torch.equal(pool, before)
+
+
+# ---- GPU ----------------------------------------------------------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "torch", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
+def test_cuda_copy_blocks_matches_reference(impl: str, pages_per_block: int, dtype: torch.dtype) -> None:
+    check_copy_blocks(impl, pages_per_block, dtype, seed=20 + pages_per_block, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_cuda_copy_slots_matches_reference(impl: str) -> None:
+    check_copy_slots(impl, device="cuda")
+
+
+@needs_cuda
+def test_cuda_ids_on_device() -> None:
+    pool = random_pool(kv_shape(16), torch.bfloat16, 13, "cuda")
+    expected = reference_copy(pool, [3, 3, 0], [1, 7, 5], pages_per_block=2, page_dim=2)
+    copy_blocks(pool, torch.tensor([3, 3, 0], device="cuda"), torch.tensor([1, 7, 5], device="cuda"),
+                pages_per_block=2, impl="triton")
+    assert torch.equal(pool, expected)
