@@ -1,0 +1,171 @@
+"""Gated DeltaNet token mixer of Qwen3.5 (separate input projections) and Qwen3-Next (packed ones).
+
+Per sequence of the batch (T new tokens, hidden [T, hidden]):
+    q|k|v (pre-conv) [T, C], z [T, Hv, Dv], b, a [T, Hv]      <- input projections
+    q|k|v = silu(causal depthwise conv(q|k|v))                 conv state: last K-1 inputs per channel
+    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+    o = gated delta rule(q, k, v, g, beta)                     recurrent state [Hv, Dk, Dv] (fp32)
+    out = out_proj(GatedRMSNorm(o, z))                         norm over Dv, per value head
+
+State rows: `conv_pool[slot]` [C, K-1] and `ssm_pool[slot]` [Hv, Dk, Dv], with slot =
+batch.state_slots[i]. A sequence with context_len == query_len starts from zero state whatever the row
+holds; every sequence's final states are written back to its row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels import reference
+from hybridcache.layers.norm import GatedRMSNorm
+
+
+class _GatedDeltaNetBase(nn.Module):
+    """Shared parameters and forward; subclasses define the input projections and `_project`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        num_k_heads: int,
+        num_v_heads: int,
+        k_head_dim: int,
+        v_head_dim: int,
+        conv_kernel_size: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.num_k_heads = num_k_heads
+        self.num_v_heads = num_v_heads
+        self.k_head_dim = k_head_dim
+        self.v_head_dim = v_head_dim
+        self.key_dim = num_k_heads * k_head_dim
+        self.value_dim = num_v_heads * v_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            conv_kernel_size,
+            groups=self.conv_dim,
+            bias=False,
+            padding=conv_kernel_size - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(num_v_heads))
+        self.norm = GatedRMSNorm(v_head_dim, eps=eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden [T, hidden] -> mixed_qkv [T, C] (q | k | v), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
+        raise NotImplementedError
+
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; conv_pool [num_slots, C, K-1] and
+        ssm_pool [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
+        mixed_qkv, z, b, a = self._project(hidden)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        weight = self.conv1d.weight.squeeze(1)
+        core = torch.empty(
+            hidden.shape[0], self.num_v_heads, self.v_head_dim, dtype=hidden.dtype, device=hidden.device
+        )
+        starts = batch.cu_seqlens.tolist()
+        slots = batch.state_slots.tolist()
+        for i, (query_len, context_len) in enumerate(
+            zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True)
+        ):
+            rows = slice(starts[i], starts[i] + query_len)
+            slot = slots[i]
+            fresh = context_len == query_len
+            conv_out, conv_state = reference.causal_conv1d(
+                mixed_qkv[rows], weight, self.conv1d.bias, None if fresh else conv_pool[slot]
+            )
+            q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            q = q.reshape(query_len, self.num_k_heads, self.k_head_dim)
+            k = k.reshape(query_len, self.num_k_heads, self.k_head_dim)
+            v = v.reshape(query_len, self.num_v_heads, self.v_head_dim)
+            rule = (
+                reference.recurrent_gated_delta_rule if query_len == 1 else reference.chunk_gated_delta_rule
+            )
+            out, state = rule(q, k, v, g[rows], beta[rows], None if fresh else ssm_pool[slot])
+            core[rows] = out
+            conv_pool[slot] = conv_state
+            ssm_pool[slot] = state
+        core = self.norm(core, z)
+        return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
+
+
+class GatedDeltaNet(_GatedDeltaNetBase):
+    """Qwen3.5 / Qwen3.5-MoE: separate `in_proj_qkv` [C, hidden], `in_proj_z` [Hv*Dv, hidden],
+    `in_proj_b` and `in_proj_a` [Hv, hidden]."""
+
+    def __init__(self, hidden_size: int, **kwargs: int | float) -> None:
+        super().__init__(hidden_size, **kwargs)
+        self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        z = self.in_proj_z(hidden).view(-1, self.num_v_heads, self.v_head_dim)
+        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+
+
+class PackedGatedDeltaNet(_GatedDeltaNetBase):
+    """Qwen3-Next: packed `in_proj_qkvz` [2*Hk*Dk + 2*Hv*Dv, hidden] and `in_proj_ba` [2*Hv, hidden],
+    grouped per key head (see `unpack_qkvz_ba`)."""
+
+    def __init__(self, hidden_size: int, **kwargs: int | float) -> None:
+        super().__init__(hidden_size, **kwargs)
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k, v, z, b, a = unpack_qkvz_ba(
+            self.in_proj_qkvz(hidden),
+            self.in_proj_ba(hidden),
+            num_k_heads=self.num_k_heads,
+            num_v_heads=self.num_v_heads,
+            k_head_dim=self.k_head_dim,
+            v_head_dim=self.v_head_dim,
+        )
+        num_tokens = hidden.shape[0]
+        mixed_qkv = torch.cat([x.reshape(num_tokens, -1) for x in (q, k, v)], dim=-1)
+        return mixed_qkv, z, b, a
+
+
+def unpack_qkvz_ba(
+    mixed_qkvz: torch.Tensor,
+    mixed_ba: torch.Tensor,
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    k_head_dim: int,
+    v_head_dim: int,
+) -> tuple[torch.Tensor, ...]:
+    """Undo Qwen3-Next's per-key-head grouping (transformers' `fix_query_key_value_ordering`).
+
+    mixed_qkvz [T, Hk * (2*Dk + 2*r*Dv)], mixed_ba [T, Hk * 2r], with r = Hv / Hk value heads per key head.
+    Layout, for each key head j in turn (r = 2 shown)::
+
+        qkvz: | q_j (Dk) | k_j (Dk) | v_{2j} v_{2j+1} (2*Dv) | z_{2j} z_{2j+1} (2*Dv) |  j = 0 .. Hk-1
+        ba:   | b_{2j} b_{2j+1} | a_{2j} a_{2j+1} |                                       j = 0 .. Hk-1
+
+    returns q, k [T, Hk, Dk], v, z [T, Hv, Dv], b, a [T, Hv]
+    """
+    num_tokens = mixed_qkvz.shape[0]
+    ratio = num_v_heads // num_k_heads
+    grouped = mixed_qkvz.view(num_tokens, num_k_heads, 2 * k_head_dim + 2 * ratio * v_head_dim)
+    q, k, v, z = torch.split(
+        grouped, [k_head_dim, k_head_dim, ratio * v_head_dim, ratio * v_head_dim], dim=-1
+    )
+    b, a = torch.split(mixed_ba.view(num_tokens, num_k_heads, 2 * ratio), [ratio, ratio], dim=-1)
+    v = v.reshape(num_tokens, num_v_heads, v_head_dim)
+    z = z.reshape(num_tokens, num_v_heads, v_head_dim)
+    return q, k, v, z, b.reshape(num_tokens, num_v_heads), a.reshape(num_tokens, num_v_heads)

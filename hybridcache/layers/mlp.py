@@ -1,0 +1,67 @@
+"""Feed-forward blocks: the dense SiLU-gated MLP and the sparse MoE block with a gated shared expert.
+
+Parameter names equal the checkpoints': `gate_proj`, `up_proj`, `down_proj`; for MoE `gate` (router,
+weight [E, hidden]), `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate`
+(weight [1, hidden]).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    """x [N, hidden] -> down(silu(gate(x)) * up(x)) [N, hidden]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts plus a sigmoid-gated shared expert; x [N, hidden] -> [N, hidden].
+
+    Routing (transformers' Qwen3-Next / Qwen3.5-MoE): probs = softmax(gate(x)) in fp32, keep the top-k,
+    renormalise them to sum 1 when `norm_topk_prob`; out = sum_k w_k expert_k(x)
+    + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        *,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        shared_expert_intermediate_size: int,
+        norm_topk_prob: bool,
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
+        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
+        if self.norm_topk_prob:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        top_weights = top_weights.to(logits.dtype)
+        out = torch.zeros_like(x)
+        for expert_id in torch.unique(top_ids).tolist():
+            token_ids, slot = torch.where(top_ids == expert_id)
+            expert_out = self.experts[expert_id](x[token_ids]) * top_weights[token_ids, slot, None]
+            out.index_add_(0, token_ids, expert_out.to(out.dtype))
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out + shared

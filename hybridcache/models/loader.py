@@ -1,0 +1,190 @@
+"""Loading a Hugging Face model folder (config.json + *.safetensors) into our model classes.
+
+Tensor name rules, applied to every checkpoint tensor in this order:
+
+1. ignored: names starting with `mtp.` (multi-token-prediction head, unused by this engine) or
+   `model.visual.` (vision tower of the multimodal wrappers; only the language model is built); and
+   `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead);
+2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
+3. MoE experts are accepted in either form, mapped onto our per-expert modules:
+   - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
+     `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
+   - stacked, as transformers' in-memory modules hold them: `...mlp.experts.gate_up_proj` [E, 2I, H]
+     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I];
+4. every other name must equal one of our parameter names exactly.
+
+A missing tensor, an unexpected tensor, or a shape mismatch raises `ValueError` naming the tensor and
+the shapes; all checks read only safetensors headers, before any weight memory is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridcache.models.config import ModelConfig
+from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.registry import get_model_class
+
+IGNORED_PREFIXES = ("mtp.", "model.visual.")
+RENAMED_PREFIXES = (("model.language_model.", "model."),)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where one of our parameters comes from: a checkpoint tensor, optionally one expert's slice of it."""
+
+    checkpoint_name: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None  # row range inside the expert's matrix (gate / up halves)
+
+    def extract(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.expert is not None:
+            tensor = tensor[self.expert]
+        if self.rows is not None:
+            tensor = tensor[self.rows[0] : self.rows[1]]
+        return tensor
+
+
+def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def plan_weights(
+    model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]
+) -> dict[str, _Source]:
+    """Match checkpoint tensors (name -> shape) to the model's parameters; raise `ValueError` on any
+    missing, unexpected or mis-shaped tensor. Returns our parameter name -> its source."""
+    expected = {name: _shape(p.shape) for name, p in model.named_parameters(remove_duplicate=True)}
+    tied = model.config.tie_word_embeddings
+    if tied:
+        expected.pop("lm_head.weight", None)
+    plan: dict[str, _Source] = {}
+    problems: list[str] = []
+    for raw_name, raw_shape in checkpoint_shapes.items():
+        shape = _shape(raw_shape)
+        if raw_name.startswith(IGNORED_PREFIXES) or (tied and raw_name == "lm_head.weight"):
+            continue
+        name = raw_name
+        for old, new in RENAMED_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked:
+            problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan)
+        elif name not in expected:
+            problems.append(f"unexpected tensor {raw_name!r} with shape {list(shape)}")
+        elif shape != expected[name]:
+            problems.append(
+                f"shape mismatch for tensor {raw_name!r}: "
+                f"checkpoint {list(shape)}, model {list(expected[name])}"
+            )
+        else:
+            plan[name] = _Source(raw_name)
+    problems += [
+        f"missing tensor {name!r} (model shape {list(shape)})"
+        for name, shape in expected.items()
+        if name not in plan
+    ]
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValueError(f"checkpoint does not match {type(model).__name__}:\n  {shown}{more}")
+    return plan
+
+
+def _plan_stacked(
+    prefix: str,
+    kind: str,
+    raw_name: str,
+    shape: tuple[int, ...],
+    expected: Mapping[str, tuple[int, ...]],
+    plan: dict[str, _Source],
+) -> list[str]:
+    """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""
+    num_experts = sum(1 for n in expected if n.startswith(prefix + ".") and n.endswith(".down_proj.weight"))
+    if num_experts == 0:
+        return [f"unexpected tensor {raw_name!r} with shape {list(shape)}"]
+    down = expected[f"{prefix}.0.down_proj.weight"]  # [H, I]
+    hidden, inter = down
+    want = (num_experts, 2 * inter, hidden) if kind == "gate_up_proj" else (num_experts, hidden, inter)
+    if shape != want:
+        return [f"shape mismatch for tensor {raw_name!r}: checkpoint {list(shape)}, model {list(want)}"]
+    for e in range(num_experts):
+        if kind == "gate_up_proj":
+            plan[f"{prefix}.{e}.gate_proj.weight"] = _Source(raw_name, e, (0, inter))
+            plan[f"{prefix}.{e}.up_proj.weight"] = _Source(raw_name, e, (inter, 2 * inter))
+        else:
+            plan[f"{prefix}.{e}.down_proj.weight"] = _Source(raw_name, e)
+    return []
+
+
+@torch.no_grad()
+def _copy_planned(
+    model: HybridCausalLM, plan: Mapping[str, _Source], read: Callable[[str], torch.Tensor]
+) -> None:
+    """Copy every planned parameter, reading each checkpoint tensor once (grouped by source name)."""
+    params = dict(model.named_parameters())
+    by_source: dict[str, list[tuple[str, _Source]]] = {}
+    for target, source in plan.items():
+        by_source.setdefault(source.checkpoint_name, []).append((target, source))
+    for checkpoint_name, targets in by_source.items():
+        tensor = read(checkpoint_name)
+        for target, source in targets:
+            params[target].copy_(source.extract(tensor))
+
+
+def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Load in-memory tensors (e.g. a transformers model's `state_dict()`) with the rules above."""
+    plan = plan_weights(model, {name: _shape(t.shape) for name, t in tensors.items()})
+    _copy_planned(model, plan, tensors.__getitem__)
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> HybridCausalLM:
+    """Build the model described by `<model_dir>/config.json` and load its safetensors weights.
+
+    Single-file and sharded (`model.safetensors.index.json`) folders are read. Every check (architecture,
+    config, tensor names and shapes) runs on a meta-device model and the safetensors headers before any
+    weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`.
+    """
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    model_cls = get_model_class(config.architecture)
+    files = _safetensors_files(model_dir)
+    location: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                location[name] = file
+                shapes[name] = _shape(handle.get_slice(name).get_shape())
+    with torch.device("meta"):
+        model = model_cls(config)
+    plan = plan_weights(model, shapes)
+
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
+    _copy_planned(model, plan, lambda name: handles[location[name]].get_tensor(name))
+    return model.eval()

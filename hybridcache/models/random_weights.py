@@ -1,0 +1,118 @@
+"""Random weights for tests and the built-in demo model.
+
+`randomize_` draws every matrix at std 1/sqrt(fan_in) rather than the usual 0.02: with tiny weights the
+recurrent paths barely move the logits and a broken recurrent state goes unnoticed. It works on our
+models and on the transformers ones (fan_in is the last dim for Linear [out, in], depthwise conv
+[C, 1, K] and stacked experts [E, out, in]).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+# Rules by parameter name (both our and transformers' names), applied in this order:
+#   *.A_log                    log(uniform(0.05, 1.0))   decay rates: slow and fast heads
+#   *.dt_bias                  uniform(-1, 1)
+#   *linear_attn.norm.weight   1 + N(0, 0.1)             gated RMSNorm, centred on 1
+#   other 1-D *norm*.weight    N(0, 0.1)                 zero-centred RMSNorm (scale 1 + w)
+#   *embed_tokens.weight       N(0, 1)
+#   other 1-D parameters       N(0, 0.1)                 biases
+#   any tensor with ndim >= 2  N(0, 1/fan_in), fan_in = shape[-1]
+
+
+def _draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    def normal(std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    def uniform(low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=generator) * (high - low) + low
+
+    if name.endswith("A_log"):
+        return uniform(0.05, 1.0).log()
+    if name.endswith("dt_bias"):
+        return uniform(-1.0, 1.0)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + normal(0.1)
+    if "embed_tokens" in name:
+        return normal(1.0)
+    if len(shape) <= 1:
+        return normal(0.1)
+    return normal(1.0 / math.sqrt(shape[-1]))
+
+
+@torch.no_grad()
+def randomize_(module: nn.Module, seed: int) -> None:
+    """Overwrite every parameter of `module` in place, deterministically from `seed` (see the rules above).
+
+    Draws happen on the CPU in `named_parameters()` order (tied parameters once), so the same module
+    class gets the same values on any device.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        param.copy_(_draw(name, param.shape, generator).to(param.dtype))
+
+
+_TINY_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 5,
+    "layer_types": [
+        "linear_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+    ],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "linear_conv_kernel_dim": 4,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+    "dtype": "float32",
+}
+
+_TINY_MOE: dict[str, Any] = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
+
+
+def tiny_hf_config(model_type: str, **overrides: Any) -> Any:
+    """A transformers config for a tiny model (hidden 64, vocab 256, 5 layers: 4 DeltaNet + 1 attention).
+
+    model_type: `qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next` (Qwen3-Next: MoE everywhere except a
+    dense MLP in layer 1, via `mlp_only_layers`). `overrides` replace any config field.
+    """
+    import transformers
+
+    if model_type == "qwen3_5_text":
+        cls, fields = transformers.Qwen3_5TextConfig, {"intermediate_size": 128}
+    elif model_type == "qwen3_5_moe_text":
+        cls, fields = transformers.Qwen3_5MoeTextConfig, dict(_TINY_MOE)
+    elif model_type == "qwen3_next":
+        cls, fields = (
+            transformers.Qwen3NextConfig,
+            {
+                **_TINY_MOE,
+                "intermediate_size": 128,
+                "mlp_only_layers": [1],
+                "decoder_sparse_step": 1,
+                "norm_topk_prob": True,
+            },
+        )
+    else:
+        raise ValueError(f"no tiny config for model_type {model_type!r}")
+    return cls(**{**_TINY_COMMON, **fields, **overrides})

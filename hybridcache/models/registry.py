@@ -1,0 +1,31 @@
+"""Maps the `architectures` entry of config.json to our model class."""
+
+from __future__ import annotations
+
+from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from hybridcache.models.qwen3_next import Qwen3NextForCausalLM
+
+
+def _model_classes() -> dict[str, type[HybridCausalLM]]:
+    return {
+        "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+        # the multimodal checkpoint: only its language model is built
+        "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
+        "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+        "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,
+        "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    }
+
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_model_classes())
+
+
+def get_model_class(architecture: str) -> type[HybridCausalLM]:
+    """Our class for a config.json `architectures` entry; `ValueError` listing the supported ones if none."""
+    classes = _model_classes()
+    if architecture not in classes:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return classes[architecture]
