@@ -1,0 +1,115 @@
+"""The checkpoint record, its step geometry, and the search for the deepest usable checkpoint.
+
+Geometry (B = block_size): a checkpoint at step s has q = s // B full blocks and r = s % B tail tokens.
+
+    s = 3B + 17:  [ block 0 ][ block 1 ][ block 2 ][ 17 tail tokens | ...... ]
+                                         ^ anchor (depth 3, ends at 3B)
+                  state slot = recurrent state after tokens [0, s)
+                  frozen block = private copy of the KV of tokens [3B, s)   (only when r > 0)
+
+    s = B - 1:    anchor = the adapter's root, tail = tokens [0, B - 1)
+    s = 2B:       anchor = the node of block 1, no tail, no frozen block
+
+Life: RESERVED (slot and frozen block taken, not visible to matches) -> PUBLISHED (hangs on its anchor,
+matchable) -> RELEASED (slot and frozen block returned). `num_pins > 0` forbids release and eviction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from enum import Enum
+from typing import Any
+
+from hybridcache.cache.request import CacheRequest, SaveReason
+from hybridcache.cache.trie import Node, Trie
+
+
+class CheckpointState(str, Enum):
+    RESERVED = "reserved"
+    PUBLISHED = "published"
+    RELEASED = "released"
+
+
+class Checkpoint:
+    """A saved recurrent state at an exact step (see the module docstring for the geometry).
+
+    tail_ids / tail_spans  the r tokens past the anchor and the spans overlapping them (absolute offsets);
+                           filled at publish time, when the producing sequence has fed them.
+    routed_experts         the tail's routed-expert history (opaque), None when not known.
+    owner                  the request that produced it (for the one-live-decode-checkpoint rule).
+    """
+
+    __slots__ = (
+        "ckpt_id", "adapter", "step", "reason", "slot", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
+        "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned",
+    )
+
+    def __init__(
+        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
+        frozen_block: int | None, routed_experts: Any, owner: Hashable, now: int,
+    ) -> None:
+        self.ckpt_id = ckpt_id
+        self.adapter = adapter
+        self.step = step
+        self.reason = reason
+        self.slot = slot
+        self.frozen_block = frozen_block
+        self.tail_ids: tuple[int, ...] = ()
+        self.tail_spans: tuple = ()
+        self.tail_hash = 0
+        self.routed_experts = routed_experts
+        self.anchor: Node | None = None
+        self.state = CheckpointState.RESERVED
+        self.num_pins = 0
+        self.last_access = now
+        self.owner = owner
+        self.release_when_unpinned = False
+
+    @property
+    def is_usable(self) -> bool:
+        """Published, still hanging on an attached anchor, not released."""
+        return self.state is CheckpointState.PUBLISHED and self.anchor is not None and self.anchor.attached
+
+    @property
+    def slot_owner(self) -> tuple[str, int]:
+        return ("ckpt", self.ckpt_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint(id={self.ckpt_id}, step={self.step}, reason={self.reason.value}, "
+            f"state={self.state.value}, pins={self.num_pins})"
+        )
+
+
+def find_deepest(
+    trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int,
+) -> Checkpoint | None:
+    """The deepest usable checkpoint for `request` on `path` (path[d] = node at depth d, path[0] = root).
+
+    Candidates on a node are looked up by (step, tail hash of the request's tokens at that step) and then
+    verified exactly: tail tokens, tail spans, adapter, ownership, safe boundary, step <= max_step, and the
+    routed-expert history when the request asks for it and the tail is partial. Ties: most recently used.
+    Cost: one dict probe per path node plus O(B) per distinct candidate step.
+    """
+    prompt = request.prompt_ids
+    for depth in range(len(path) - 1, -1, -1):
+        node = path[depth]
+        if not node.checkpoints:
+            continue
+        base = depth * block_size
+        steps = sorted({step for step, _ in node.checkpoints if step <= max_step}, reverse=True)
+        for step in steps:
+            if not request.is_safe(step):
+                continue
+            tail = prompt[base:step]
+            spans = request.spans_in(base, step)
+            bucket = node.checkpoints.get((step, trie.hash_fn(node.hash, tail, spans)), ())
+            valid = [
+                c for c in bucket
+                if c.is_usable and c.adapter == request.adapter
+                and c.tail_ids == tail and c.tail_spans == spans
+                and (step == base or not request.routed_experts or c.routed_experts is not None)
+            ]
+            if valid:
+                return max(valid, key=lambda c: (c.last_access, c.ckpt_id))
+    return None

@@ -1,0 +1,71 @@
+"""Configuration of the prefix cache and the cost model the FLOP-aware policies read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EVICTION_POLICIES = ("lru", "flop_aware")
+ADMISSION_POLICIES = ("all", "repeat_branch")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Sizes and policies of one `PrefixCache`.
+
+    block_size                 B, tokens per KV block (the unit of sharing and of trie identity).
+    num_blocks                 logical KV block ids `0 .. num_blocks - 1` the cache hands out.
+    num_slots                  state slots `0 .. num_slots - 1`, shared by running sequences (one each) and
+                               checkpoints (one each). Checkpoints borrow idle slots and are evicted when a
+                               running sequence needs one; size it as `max_running + checkpoint slots`.
+    max_checkpoints_per_anchor how many checkpoints (different steps or tails) may hang on one trie node.
+    decode_checkpoint_interval tokens between decode checkpoints (a multiple of B), None = off. The cache only
+                               validates it; the scheduler reserves the saves (see docs/cache.md).
+    eviction                   'lru' or 'flop_aware' (recency + alpha * FLOPs saved per byte held).
+    flop_aware_alpha           the alpha of 'flop_aware'.
+    admission                  'all' (admit every save) or 'repeat_branch' (a branch point is saved only
+                               the second time the same prefix is seen as a branch point).
+    """
+
+    block_size: int = 64
+    num_blocks: int = 1024
+    num_slots: int = 64
+    max_checkpoints_per_anchor: int = 4
+    decode_checkpoint_interval: int | None = None
+    eviction: str = "lru"
+    flop_aware_alpha: float = 1.0
+    admission: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 1 or self.num_slots < 1:
+            raise ValueError("num_blocks and num_slots must be >= 1")
+        if self.max_checkpoints_per_anchor < 1:
+            raise ValueError("max_checkpoints_per_anchor must be >= 1")
+        interval = self.decode_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.block_size):
+            raise ValueError(f"decode_checkpoint_interval {interval} is not a multiple of block_size")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What a token costs to compute and to hold, for the FLOP-aware policy.
+
+    prefill_flops(n) = flops_per_token * n + attn_flops_per_token_pair * n * (n + 1) / 2
+    A checkpoint holds `state_bytes` (one slot) plus, when partial, one frozen block of
+    `block_size * kv_bytes_per_token`; a trie node holds one block.
+    """
+
+    flops_per_token: float = 1.0
+    attn_flops_per_token_pair: float = 0.0
+    kv_bytes_per_token: float = 1.0
+    state_bytes: float = 64.0
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        return self.flops_per_token * num_tokens + self.attn_flops_per_token_pair * num_tokens * (
+            num_tokens + 1
+        ) / 2

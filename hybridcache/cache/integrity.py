@@ -1,0 +1,153 @@
+"""`check_integrity`: recompute every count of a `PrefixCache` from scratch and compare.
+
+Checked: block reference counts equal their holders (trie nodes, running sequences, checkpoints' frozen
+tails) and the free list is exactly the blocks with count 0; every slot has exactly the owner the pool
+records; trie hashes, depths, parent links, children index and leaf set; checkpoint geometry, index keys,
+anchors and pins (pins == live matches + pending restores + pending saves); partial blocks are private;
+sequences' trie nodes hold their blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from hybridcache.cache.checkpoint import CheckpointState
+
+if TYPE_CHECKING:
+    from hybridcache.cache.manager import PrefixCache
+
+
+class IntegrityError(AssertionError):
+    """A count or a link of the cache disagrees with what its holders say."""
+
+
+def _fail(message: str) -> None:
+    raise IntegrityError(message)
+
+
+def check_integrity(cache: PrefixCache) -> None:
+    life = cache._life
+    size = cache.block_size
+    blocks, slots, trie = life.blocks, life.slots, life.trie
+
+    # -- trie ------------------------------------------------------------------------------------------
+    holders: Counter[int] = Counter()
+    num_nodes = 0
+    leaves = set()
+    for node in trie.iter_nodes():
+        if not node.attached:
+            _fail(f"{node} reachable but detached")
+        if node.is_root:
+            if trie.roots.get(node.adapter) is not node:
+                _fail(f"root of {node.adapter!r} is not registered")
+        else:
+            num_nodes += 1
+            holders[node.block_id] += 1
+            if len(node.token_ids) != size:
+                _fail(f"{node} holds {len(node.token_ids)} tokens, not {size}")
+            if node.depth != node.parent.depth + 1:
+                _fail(f"{node} depth {node.depth} under parent depth {node.parent.depth}")
+            expected = trie.hash_fn(node.parent.hash, node.token_ids, node.spans)
+            if node.hash != expected:
+                _fail(f"{node} hash {node.hash} != recomputed {expected}")
+            if node not in node.parent.children.get(node.hash, ()):
+                _fail(f"{node} missing from its parent's children index")
+            if not node.children:
+                leaves.add(node)
+        for key, bucket in node.children.items():
+            if not bucket:
+                _fail(f"{node} has an empty children bucket {key}")
+            for child in bucket:
+                if child.parent is not node or child.hash != key:
+                    _fail(f"{child} indexed under {node} with key {key}")
+    if num_nodes != trie.num_nodes:
+        _fail(f"trie counts {trie.num_nodes} nodes, found {num_nodes}")
+    if leaves != trie.leaves:
+        _fail(f"leaf set differs: extra {trie.leaves - leaves}, missing {leaves - trie.leaves}")
+
+    # -- expected pins ---------------------------------------------------------------------------------
+    pins: Counter[int] = Counter()
+    for _request, ckpt in cache._matches.values():
+        if ckpt is not None:
+            pins[ckpt.ckpt_id] += 1
+    for seq in cache._seqs.values():
+        if seq.restore is not None:
+            pins[seq.restore.ckpt_id] += 1
+        for ckpt in seq.saves:
+            pins[ckpt.ckpt_id] += 1
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    slot_owners: dict[int, object] = {}
+    indexed = 0
+    for node in trie.iter_nodes():
+        if node.num_checkpoints() > life.config.max_checkpoints_per_anchor:
+            _fail(f"{node} carries {node.num_checkpoints()} checkpoints, over the cap")
+        for key, bucket in node.checkpoints.items():
+            if not bucket:
+                _fail(f"{node} has an empty checkpoint bucket {key}")
+            for ckpt in bucket:
+                indexed += 1
+                if ckpt.anchor is not node or ckpt.state is not CheckpointState.PUBLISHED:
+                    _fail(f"{ckpt} indexed on {node} but anchored on {ckpt.anchor}")
+                if key != (ckpt.step, ckpt.tail_hash):
+                    _fail(f"{ckpt} indexed under {key}")
+                if ckpt.tail_hash != trie.hash_fn(node.hash, ckpt.tail_ids, ckpt.tail_spans):
+                    _fail(f"{ckpt} tail hash does not match its tail")
+    for ckpt_id, ckpt in life.checkpoints.items():
+        if ckpt.ckpt_id != ckpt_id or ckpt.state is CheckpointState.RELEASED:
+            _fail(f"{ckpt} registered under {ckpt_id}")
+        q, r = divmod(ckpt.step, size)
+        if ckpt.state is CheckpointState.PUBLISHED:
+            indexed -= 1
+            if ckpt.anchor is None or ckpt.anchor.depth != q or len(ckpt.tail_ids) != r:
+                _fail(f"{ckpt} geometry: anchor {ckpt.anchor}, tail {len(ckpt.tail_ids)}, step {ckpt.step}")
+            if ckpt.anchor.adapter != ckpt.adapter:
+                _fail(f"{ckpt} of adapter {ckpt.adapter!r} on a node of {ckpt.anchor.adapter!r}")
+        if (ckpt.frozen_block is not None) != (r != 0):
+            _fail(f"{ckpt} frozen block {ckpt.frozen_block} with tail length {r}")
+        if ckpt.frozen_block is not None:
+            holders[ckpt.frozen_block] += 1
+        if ckpt.num_pins != pins[ckpt_id]:
+            _fail(f"{ckpt} has {ckpt.num_pins} pins, holders say {pins[ckpt_id]}")
+        if ckpt.slot in slot_owners:
+            _fail(f"slot {ckpt.slot} held by {ckpt} and {slot_owners[ckpt.slot]}")
+        slot_owners[ckpt.slot] = ckpt.slot_owner
+    if indexed != 0:
+        _fail(f"{indexed} more checkpoints indexed on nodes than registered as published")
+    for ckpt_id in pins:
+        if ckpt_id not in life.checkpoints:
+            _fail(f"a pin is held on released checkpoint {ckpt_id}")
+
+    # -- sequences -------------------------------------------------------------------------------------
+    for rid, seq in cache._seqs.items():
+        if seq.slot in slot_owners:
+            _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
+        slot_owners[seq.slot] = seq.slot_owner
+        if len(seq.nodes) != seq.num_computed // size:
+            _fail(f"{rid!r} has {len(seq.nodes)} trie nodes for {seq.num_computed} computed tokens")
+        if len(seq.block_ids) * size < seq.num_computed:
+            _fail(f"{rid!r} has {len(seq.block_ids)} blocks for {seq.num_computed} computed tokens")
+        for i, node in enumerate(seq.nodes):
+            if node.block_id != seq.block_ids[i] or node.depth != i + 1 or not node.attached:
+                _fail(f"{rid!r} block {i} ({seq.block_ids[i]}) is not its trie node {node}")
+        for block_id in seq.block_ids:
+            holders[block_id] += 1
+    for rid, seq in cache._seqs.items():
+        for block_id in seq.block_ids[len(seq.nodes):]:
+            if holders[block_id] != 1:
+                _fail(f"private block {block_id} of {rid!r} has {holders[block_id]} holders")
+
+    # -- pools -----------------------------------------------------------------------------------------
+    for block_id in range(blocks.num_blocks):
+        if blocks.ref_counts[block_id] != holders[block_id]:
+            _fail(f"block {block_id} ref count {blocks.ref_counts[block_id]} != {holders[block_id]} holders")
+    free_blocks = blocks.free_ids()
+    if sorted(free_blocks) != [b for b in range(blocks.num_blocks) if holders[b] == 0]:
+        _fail(f"free block list {sorted(free_blocks)} is not the set of blocks without holders")
+    for slot in range(slots.num_slots):
+        if slots.owners[slot] != slot_owners.get(slot):
+            _fail(f"slot {slot} owner {slots.owners[slot]} != holder {slot_owners.get(slot)}")
+    free_slots = slots.free_ids()
+    if sorted(free_slots) != [s for s in range(slots.num_slots) if s not in slot_owners]:
+        _fail(f"free slot list {sorted(free_slots)} is not the set of slots without holders")

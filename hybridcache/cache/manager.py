@@ -1,0 +1,455 @@
+"""`PrefixCache`: the one facade the scheduler (and the simulator) drives. See docs/cache.md.
+
+One step of the engine, as the cache sees it::
+
+    m = cache.match(req)                  # pins the checkpoint it would restore
+    a = cache.admit(m)                    # runtime slot + blocks; restore copies queued (or None: no room)
+    cache.ensure_capacity(rid, n)         # grow the block list to hold n tokens (False: no room, no trace)
+    cache.reserve_save(rid, step, reason) # slot (+ frozen block) for a save at the end of this step's chunk
+    copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
+                                          # release restore pins, return this step's CheckpointCopies
+    # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
+    cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
+
+Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
+dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import xxhash
+
+from hybridcache.cache.checkpoint import Checkpoint, CheckpointState, find_deepest
+from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.plan import CheckpointCopies, PlanBuilder
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason, common_prefix_len
+from hybridcache.cache.sequence import RunningSeq
+from hybridcache.cache.stats import CacheStats
+from hybridcache.cache.trie import HashFn, Node, chain_hash
+
+
+class PrefixCache:
+    """Block trie + exact-step state checkpoints for hybrid models; deals only in ids, emits copy plans.
+
+    `hash_fn` replaces the chained block hash (tests use it to force collisions).
+    """
+
+    def __init__(
+        self, config: CacheConfig, cost_model: CostModel | None = None, *, hash_fn: HashFn = chain_hash,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.cost_model = cost_model or CostModel()
+        self._life = Lifecycle(config, self.cost_model, hash_fn)
+        self._seqs: dict[Hashable, RunningSeq] = {}
+        self._matches: dict[int, tuple[CacheRequest, Checkpoint | None]] = {}
+        self._next_match_id = 0
+
+    # ---- admission ---------------------------------------------------------------------------------------
+
+    def match(self, request: CacheRequest) -> MatchResult:
+        """Find the deepest usable checkpoint for `request` and pin it. Changes nothing else.
+
+        Walks the adapter's trie with the prompt's full blocks (exact tokens and spans), then takes the
+        deepest published checkpoint on that path with step <= prompt_len - 1, at a safe boundary, whose
+        tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
+        """
+        trie, size = self._life.trie, self.block_size
+        prompt = request.prompt_ids
+        root = trie.roots.get(request.adapter)
+        path: list[Node] = []
+        if root is not None:
+            path.append(root)
+            node = root
+            for i in range(len(prompt) // size):
+                tokens = prompt[i * size:(i + 1) * size]
+                spans = request.spans_in(i * size, (i + 1) * size)
+                child = trie.find_child(node, trie.hash_fn(node.hash, tokens, spans), tokens, spans)
+                if child is None:
+                    break
+                path.append(child)
+                node = child
+        ckpt = find_deepest(trie, path, request, size, request.prompt_len - 1) if path else None
+        cached_len = ckpt.step if ckpt is not None else 0
+        divergence_len = max(self._divergence(path, request), cached_len)
+        if ckpt is not None:
+            self._life.pin(ckpt)
+        match_id = self._next_match_id
+        self._next_match_id += 1
+        self._matches[match_id] = (request, ckpt)
+        return MatchResult(
+            match_id=match_id,
+            request_id=request.request_id,
+            cached_len=cached_len,
+            block_ids=tuple(n.block_id for n in path[1:cached_len // size + 1]),
+            checkpoint_id=None if ckpt is None else ckpt.ckpt_id,
+            checkpoint_reason=None if ckpt is None else ckpt.reason,
+            divergence_len=divergence_len,
+            routed_experts=None if ckpt is None else ckpt.routed_experts,
+        )
+
+    def _divergence(self, path: list[Node], request: CacheRequest) -> int:
+        """How far the prompt agrees with cached content: the matched full blocks, then the longest common
+        prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
+        prompt_len - 1 and moved down to a safe boundary."""
+        if not path:
+            return 0
+        node = path[-1]
+        base = node.depth * self.block_size
+        rest = request.prompt_ids[base:base + self.block_size]
+        best = 0
+        others = [(c.token_ids, c.spans) for bucket in node.children.values() for c in bucket]
+        others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
+        for tokens, spans in others:
+            agree = common_prefix_len(tokens, rest)
+            if agree <= best:
+                continue
+            mine = set(request.spans_in(base, base + agree))
+            theirs = {s for s in spans if s.start < base + agree and s.end > base}
+            differing = mine ^ theirs
+            if differing:
+                agree = max(0, min(s.start for s in differing) - base)
+            best = max(best, agree)
+        step = min(base + best, request.prompt_len - 1)
+        for span in request.spans_in(step - 1, step + 1):
+            if span.start < step < span.end:
+                step = span.start
+        return step
+
+    def admit(self, match: MatchResult) -> Admitted | None:
+        """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
+        partial one private block that the frozen tail is restored into (copies queued for the next
+        `commit_step`). Evicts under pressure. Returns None when there is no room; then nothing changed
+        and the match is still pinned (retry later or `release_match`)."""
+        entry = self._matches.get(match.match_id)
+        if entry is None:
+            raise ValueError(f"match {match.match_id} was already admitted or released")
+        request, ckpt = entry
+        if request.request_id in self._seqs:
+            raise ValueError(f"request {request.request_id!r} is already running")
+        life = self._life
+        cached_len = match.cached_len
+        partial = cached_len % self.block_size != 0
+        if not life.make_room(1 if partial else 0, 1):
+            return None
+        del self._matches[match.match_id]
+        seq = RunningSeq(request, -1)
+        seq.slot = life.slots.allocate(seq.slot_owner)
+        now = life.tick()
+        life.stats.num_queries += 1
+        life.stats.num_query_tokens += request.prompt_len
+        if ckpt is not None:
+            seq.nodes = _path_to(ckpt.anchor)
+            seq.block_ids = [n.block_id for n in seq.nodes]
+            if tuple(seq.block_ids) != match.block_ids:
+                raise AssertionError(f"match {match.match_id} blocks changed while pinned")
+            for node in seq.nodes:
+                life.blocks.incref(node.block_id)
+                node.last_access = now
+            ckpt.anchor.last_access = now
+            if partial:
+                private = life.blocks.allocate()
+                seq.block_ids.append(private)
+                seq.restore_copies.append(("kv_restore", ckpt.frozen_block, private))
+            seq.restore_copies.append(("state_restore", ckpt.slot, seq.slot))
+            seq.restore = ckpt
+            seq.token_ids = list(request.prompt_ids[:cached_len])
+            ckpt.last_access = now
+            life.stats.num_hits += 1
+            life.stats.num_hit_tokens += cached_len
+            life.stats.hits_by_reason[ckpt.reason.value] += 1
+        self._seqs[request.request_id] = seq
+        return Admitted(request.request_id, seq.slot, tuple(seq.block_ids), seq.num_computed)
+
+    def release_match(self, match: MatchResult) -> None:
+        """Give up a match that will not be admitted: drops its pin; nothing else had changed."""
+        entry = self._matches.pop(match.match_id, None)
+        if entry is None:
+            raise ValueError(f"match {match.match_id} was already admitted or released")
+        if entry[1] is not None:
+            self._life.unpin(entry[1])
+
+    # ---- per step ----------------------------------------------------------------------------------------
+
+    def ensure_capacity(self, request_id: Hashable, num_tokens: int) -> bool:
+        """Grow the sequence's block list to hold `num_tokens` tokens in all (new blocks are private),
+        evicting under pressure. False when there is no room; then nothing changed."""
+        seq = self._seq(request_id)
+        need = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        if need <= 0:
+            return True
+        if not self._life.make_room(need, 0):
+            return False
+        seq.block_ids.extend(self._life.blocks.allocate() for _ in range(need))
+        return True
+
+    def reserve_save(
+        self, request_id: Hashable, step: int, reason: SaveReason | str, routed_experts: Any = None,
+    ) -> bool:
+        """Reserve a checkpoint at `step`, which must be where this step's chunk of the sequence ends.
+
+        Takes a slot, and a frozen block when `step % B != 0`, evicting under pressure. Returns False
+        (counted in `stats.declined_saves`) when the step is inside a multimodal span, when the tail is
+        partial and the request wants routed experts but `routed_experts` (the tail's history) is None,
+        when the admission policy declines, or when there is no room. Published by the next `commit_step`.
+        """
+        seq = self._seq(request_id)
+        reason = SaveReason(reason)
+        size = self.block_size
+        if not seq.num_computed < step <= len(seq.block_ids) * size:
+            raise ValueError(
+                f"save step {step} of {request_id!r} not in ({seq.num_computed}, {len(seq.block_ids) * size}]"
+            )
+        if reason is SaveReason.DECODE_INTERVAL and step % size:
+            raise ValueError(f"decode-interval save at step {step} is not block-aligned")
+        if reason in (SaveReason.FINISH, SaveReason.PREEMPT):
+            raise ValueError(f"{reason.value} checkpoints are made by finish() / preempt()")
+        declined = self._life.stats.declined_saves
+        request = seq.request
+        if any(c.step == step for c in seq.saves):
+            declined["duplicate"] += 1
+            return False
+        if not request.is_safe(step):
+            declined["unsafe"] += 1
+            return False
+        if step % size and request.routed_experts and routed_experts is None:
+            declined["routed_experts"] += 1
+            return False
+        if not self._life.admission.admit(reason, self._prefix_key(request, step)):
+            declined["policy"] += 1
+            return False
+        ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
+        if ckpt is None:
+            declined["no_room"] += 1
+            return False
+        seq.saves.append(ckpt)
+        return True
+
+    def _prefix_key(self, request: CacheRequest, step: int) -> Hashable:
+        """Identity of the prompt prefix [0, step) for admission bookkeeping (branch points only)."""
+        h = xxhash.xxh64(array("q", request.prompt_ids[:step]).tobytes())
+        h.update(repr(request.spans_in(0, step)).encode())
+        return (request.adapter, step, h.intdigest())
+
+    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CheckpointCopies:
+        """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
+
+        In order: every block that became full is inserted into the trie (deduplicated onto an identical
+        node: the sequence's own block is freed and it shares the canonical one from the next step on),
+        the step's saves are published (their state_save / kv_save copies emitted), restore pins and save
+        pins are dropped. Returns this step's copies: restores queued by `admit` since the last commit,
+        and the saves. The caller must enqueue restore copies, the forward, then save copies, on one stream,
+        before its next cache call: that ordering is what makes freeing a deduplicated block and dropping
+        the pins safe here (any later writer of those ids is queued after).
+        """
+        size = self.block_size
+        for rid, tokens in fed.items():
+            seq = self._seq(rid)
+            new_len = seq.num_computed + len(tokens)
+            if not tokens or new_len > len(seq.block_ids) * size:
+                raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
+            prompt = seq.request.prompt_ids
+            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
+                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
+        for rid, seq in self._seqs.items():
+            for ckpt in seq.saves:
+                if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
+                    raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
+        builder = PlanBuilder()
+        for seq in self._seqs.values():
+            for kind, src, dst in seq.restore_copies:
+                builder.add(kind, src, dst)
+        for rid, tokens in fed.items():
+            seq = self._seqs[rid]
+            seq.token_ids.extend(tokens)
+            self._insert_full_blocks(seq)
+        published: list[Checkpoint] = []
+        for seq in self._seqs.values():
+            for ckpt in seq.saves:
+                if self._publish_save(seq, ckpt, builder):
+                    published.append(ckpt)
+            seq.saves = []
+        for seq in self._seqs.values():
+            if seq.restore is not None:
+                self._life.unpin(seq.restore)
+                seq.restore = None
+                seq.restore_copies = []
+        for ckpt in published:
+            self._life.unpin(ckpt)
+        return builder.build()
+
+    def _insert_full_blocks(self, seq: RunningSeq) -> None:
+        life, size = self._life, self.block_size
+        trie = life.trie
+        parent = seq.nodes[-1] if seq.nodes else trie.root(seq.request.adapter)
+        now = life.tick()
+        while len(seq.nodes) < seq.num_computed // size:
+            i = len(seq.nodes)
+            tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
+            spans = seq.request.spans_in(i * size, (i + 1) * size)
+            node_hash = trie.hash_fn(parent.hash, tokens, spans)
+            node = trie.find_child(parent, node_hash, tokens, spans)
+            own = seq.block_ids[i]
+            if node is None:
+                node = trie.add_child(parent, node_hash, tokens, spans, own, now)
+                life.blocks.incref(own)
+            else:
+                life.blocks.incref(node.block_id)
+                life.blocks.decref(own)
+                seq.block_ids[i] = node.block_id
+                life.stats.num_deduplicated_blocks += 1
+            node.last_access = now
+            seq.nodes.append(node)
+            parent = node
+
+    def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
+        q = step // self.block_size
+        anchor = seq.nodes[q - 1] if q else self._life.trie.root(seq.request.adapter)
+        base = q * self.block_size
+        return anchor, tuple(seq.token_ids[base:step]), seq.request.spans_in(base, step)
+
+    def _publish_save(self, seq: RunningSeq, ckpt: Checkpoint, builder: PlanBuilder) -> bool:
+        anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
+        if not self._life.publish(ckpt, anchor, tail, spans):
+            return False
+        builder.add("state_save", seq.slot, ckpt.slot)
+        if ckpt.frozen_block is not None:
+            builder.add("kv_save", seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
+        if ckpt.reason is SaveReason.DECODE_INTERVAL:
+            old = seq.decode_ckpt
+            if old is not None and old.state is CheckpointState.PUBLISHED:
+                if old.num_pins:
+                    old.release_when_unpinned = True
+                else:
+                    self._life.release(old, "decode_replaced")
+            seq.decode_ckpt = ckpt
+        return True
+
+    # ---- end of a sequence -------------------------------------------------------------------------------
+
+    def finish(self, request_id: Hashable, routed_experts: Any = None) -> bool:
+        """The sequence is done (after its last forward was queued): save a FINISH checkpoint at the exact
+        step of all fed tokens by taking over its runtime slot and private partial block (zero copies),
+        and drop its other blocks. `routed_experts` is the tail's routed-expert history, if known.
+        Returns whether a checkpoint was published (False: declined or identical one already cached)."""
+        seq = self._seq(request_id)
+        if seq.has_pending_work:
+            raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves")
+        return self._retire(seq, SaveReason.FINISH, routed_experts, keep=True)
+
+    def preempt(self, request_id: Hashable, keep_checkpoint: bool = True) -> bool:
+        """Stop a running sequence and release what it holds; it may be called while a step is being
+        planned (its reservations and queued restores are cancelled). With `keep_checkpoint`, its slot and
+        partial block become a PREEMPT checkpoint at its computed step (as in `finish`), so the re-queued
+        request hits; skipped when it was admitted in the step being planned (its slot is not restored
+        yet). Returns whether a checkpoint was published."""
+        seq = self._seq(request_id)
+        restored_now = seq.restore is not None
+        self._cancel_pending(seq)
+        return self._retire(seq, SaveReason.PREEMPT, None, keep=keep_checkpoint and not restored_now)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a running sequence and everything it holds (pending restores and saves included)."""
+        seq = self._seq(request_id)
+        self._cancel_pending(seq)
+        self._retire(seq, SaveReason.PREEMPT, None, keep=False)
+
+    def _cancel_pending(self, seq: RunningSeq) -> None:
+        for ckpt in seq.saves:
+            self._life.cancel(ckpt)
+        seq.saves = []
+        if seq.restore is not None:
+            self._life.unpin(seq.restore)
+            seq.restore = None
+            seq.restore_copies = []
+
+    def _retire(self, seq: RunningSeq, reason: SaveReason, routed_experts: Any, keep: bool) -> bool:
+        life, size = self._life, self.block_size
+        step = seq.num_computed
+        partial = step % size != 0
+        request = seq.request
+        declined = life.stats.declined_saves
+        if keep and step > 0:
+            if not request.is_safe(step):
+                declined["unsafe"] += 1
+                keep = False
+            elif partial and request.routed_experts and routed_experts is None:
+                declined["routed_experts"] += 1
+                keep = False
+            elif not life.admission.admit(reason, None):
+                declined["policy"] += 1
+                keep = False
+        published = False
+        blocks = list(seq.block_ids)
+        if keep and step > 0:
+            frozen = blocks.pop(step // size) if partial else None
+            ckpt = life.adopt(
+                request.adapter, step, reason, seq.slot, frozen, routed_experts, request.request_id
+            )
+            anchor, tail, spans = self._anchor_and_tail(seq, step)
+            published = life.publish(ckpt, anchor, tail, spans)
+        else:
+            life.slots.free(seq.slot)
+        for block_id in blocks:
+            life.blocks.decref(block_id)
+        del self._seqs[request.request_id]
+        return published
+
+    # ---- queries and maintenance -------------------------------------------------------------------------
+
+    def _seq(self, request_id: Hashable) -> RunningSeq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KeyError(f"request {request_id!r} is not running")
+        return seq
+
+    def block_ids(self, request_id: Hashable) -> tuple[int, ...]:
+        """The sequence's blocks in order (block i holds positions [i*B, (i+1)*B))."""
+        return tuple(self._seq(request_id).block_ids)
+
+    def slot(self, request_id: Hashable) -> int:
+        return self._seq(request_id).slot
+
+    def num_computed(self, request_id: Hashable) -> int:
+        """Tokens the sequence has in the cache (its cached prefix plus everything fed)."""
+        return self._seq(request_id).num_computed
+
+    def running_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def clear(self) -> None:
+        """Drop every cached thing that is not pinned and not held by a running sequence."""
+        self._life.clear()
+
+    @property
+    def stats(self) -> CacheStats:
+        life = self._life
+        return life.stats.snapshot(
+            num_blocks_used=life.blocks.num_used,
+            num_slots_used=life.slots.num_used,
+            num_checkpoints=len(life.published()),
+            num_nodes=life.trie.num_nodes,
+            num_running=len(self._seqs),
+        )
+
+    def check_integrity(self) -> None:
+        """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
+        from hybridcache.cache.integrity import check_integrity
+
+        check_integrity(self)
+
+
+def _path_to(anchor: Node) -> list[Node]:
+    """The nodes from depth 1 down to `anchor` (empty for a root)."""
+    nodes = []
+    node = anchor
+    while not node.is_root:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return nodes

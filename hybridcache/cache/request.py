@@ -1,0 +1,123 @@
+"""What the caller hands the cache (requests, spans) and what the cache hands back (match results)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+
+class SaveReason(str, Enum):
+    """Why a checkpoint was saved; counted in stats (saves and hits by reason)."""
+
+    PREFILL_END = "prefill_end"
+    CHUNK_END = "chunk_end"
+    FINISH = "finish"
+    BRANCH_POINT = "branch_point"
+    DECODE_INTERVAL = "decode_interval"
+    PREEMPT = "preempt"
+
+
+class MultimodalSpan(NamedTuple):
+    """Prompt positions `[start, end)` filled by one multimodal item with content hash `content_hash`."""
+
+    start: int
+    end: int
+    content_hash: Hashable
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """One request as the cache sees it.
+
+    request_id     any hashable id, unique among admitted sequences.
+    prompt_ids     the prompt's token ids (at least one).
+    adapter        LoRA name, None for the base model: each adapter has its own trie root.
+    mm_spans       non-overlapping multimodal spans inside the prompt, as `MultimodalSpan` or plain
+                   `(start, end, content_hash)` triples; kept sorted by start.
+    routed_experts whether the caller wants the routed-expert ids of the prompt: then a partial hit needs the
+                   checkpoint's tail routed-expert history, and partial saves need it too.
+    """
+
+    request_id: Hashable
+    prompt_ids: tuple[int, ...]
+    adapter: str | None = None
+    mm_spans: tuple[MultimodalSpan, ...] = ()
+    routed_experts: bool = False
+    _span_ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        prompt = tuple(self.prompt_ids)
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token")
+        spans = tuple(sorted(MultimodalSpan(*s) for s in self.mm_spans))
+        prev_end = 0
+        for span in spans:
+            if not 0 <= span.start < span.end <= len(prompt) or span.start < prev_end:
+                raise ValueError(f"bad or overlapping multimodal span {span} for a prompt of {len(prompt)}")
+            prev_end = span.end
+        object.__setattr__(self, "prompt_ids", prompt)
+        object.__setattr__(self, "mm_spans", spans)
+        object.__setattr__(self, "_span_ends", tuple(s.end for s in spans))
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def spans_in(self, start: int, end: int) -> tuple[MultimodalSpan, ...]:
+        """The spans overlapping positions `[start, end)` (absolute offsets): the multimodal identity."""
+        if not self.mm_spans:
+            return ()
+        i = bisect.bisect_right(self._span_ends, start)
+        out = []
+        while i < len(self.mm_spans) and self.mm_spans[i].start < end:
+            out.append(self.mm_spans[i])
+            i += 1
+        return tuple(out)
+
+    def is_safe(self, step: int) -> bool:
+        """True when `step` does not fall strictly inside a multimodal span."""
+        return not any(s.start < step < s.end for s in self.spans_in(step - 1, step + 1))
+
+
+class MatchResult(NamedTuple):
+    """What `PrefixCache.match` found; immutable. Pass it to `admit` or `release_match` exactly once.
+
+    cached_len       s, the step the request starts from (0 = miss); always <= prompt_len - 1.
+    block_ids        the q = s // B shared full blocks (read-only) the request starts with.
+    checkpoint_id    the checkpoint restored (pinned until the step after admission is committed), or None.
+    checkpoint_reason why that checkpoint was saved, or None.
+    divergence_len   how far the prompt agrees with cached content (trie blocks, child blocks, checkpoint
+                     tails), clamped to prompt_len - 1 and down to a safe boundary; >= cached_len. When it
+                     is larger, ending a chunk there and saving a BRANCH_POINT makes the next such prompt hit.
+    routed_experts   the checkpoint's tail routed-expert history (opaque), or None.
+    """
+
+    match_id: int
+    request_id: Hashable
+    cached_len: int
+    block_ids: tuple[int, ...]
+    checkpoint_id: int | None
+    checkpoint_reason: SaveReason | None
+    divergence_len: int
+    routed_experts: Any = None
+
+
+class Admitted(NamedTuple):
+    """A running sequence right after admission: its runtime slot, blocks and computed tokens."""
+
+    request_id: Hashable
+    slot: int
+    block_ids: tuple[int, ...]
+    num_computed: int
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,49 @@
+"""What the cache keeps for one running sequence."""
+
+from __future__ import annotations
+
+from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.request import CacheRequest
+from hybridcache.cache.trie import Node
+
+
+class RunningSeq:
+    """A running sequence: its tokens, blocks, trie nodes, runtime slot and this step's pending work.
+
+    token_ids         every token fed so far (the cached prefix included): num_computed = len(token_ids).
+    block_ids         its blocks in order; block i holds positions [i*B, (i+1)*B). The first len(nodes)
+                      are full and in the trie (shared, read-only); the others are private to it.
+    nodes             nodes[i] is the trie node of block i (its depth is i + 1).
+    slot              its runtime state slot.
+    restore           the checkpoint restored at admission, pinned until the next commit, and its copies.
+    saves             checkpoints reserved for the step being planned (RESERVED, pinned).
+    decode_ckpt       its live decode-interval checkpoint, if any.
+    """
+
+    __slots__ = (
+        "request", "token_ids", "block_ids", "nodes", "slot", "restore", "restore_copies", "saves",
+        "decode_ckpt",
+    )
+
+    def __init__(self, request: CacheRequest, slot: int) -> None:
+        self.request = request
+        self.token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.nodes: list[Node] = []
+        self.slot = slot
+        self.restore: Checkpoint | None = None
+        self.restore_copies: list[tuple[str, int, int]] = []
+        self.saves: list[Checkpoint] = []
+        self.decode_ckpt: Checkpoint | None = None
+
+    @property
+    def num_computed(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def slot_owner(self) -> tuple[str, object]:
+        return ("seq", self.request.request_id)
+
+    @property
+    def has_pending_work(self) -> bool:
+        return self.restore is not None or bool(self.saves)

@@ -1,0 +1,139 @@
+"""The trie of full blocks: one root per adapter, chained xxhash identities, exact verification.
+
+A node is one full block of B tokens. Its identity is its parent, its tokens and the multimodal spans that
+overlap it (absolute offsets + content hash); the hash chains all three:
+
+    hash(node) = xxh64(hash(parent) | tokens | spans)          hash(root) = xxh64(adapter name)
+
+    root('lora-a') ── n1 [t0..t63] ── n2 [t64..t127] ── n3 [t128..t191]
+                                  └── n2' [t64..t127 with another image]
+
+Children are indexed by hash; a hash match is always followed by an exact comparison of tokens and spans,
+so a collision only costs a comparison (`hash_fn` can be replaced to force collisions in tests).
+A node holds one reference on its block; a leaf whose block has no other holder can be evicted.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import xxhash
+
+HashFn = Callable[[int, tuple[int, ...], tuple], int]
+
+
+def chain_hash(parent_hash: int, token_ids: tuple[int, ...], spans: tuple) -> int:
+    """The chained identity of `token_ids` (with the spans overlapping them) after `parent_hash`."""
+    h = xxhash.xxh64(parent_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if spans:
+        h.update(repr(spans).encode())
+    return h.intdigest()
+
+
+def root_hash(adapter: str | None) -> int:
+    return xxhash.xxh64(repr(adapter).encode()).intdigest()
+
+
+class Node:
+    """One full block in the trie (or a root: `block_id` None, depth 0, no tokens).
+
+    depth        number of full blocks from the root to this node inclusive: the node ends at step depth*B.
+    checkpoints  published checkpoints anchored here, indexed by (step, tail hash) -> list (collisions).
+    """
+
+    __slots__ = (
+        "adapter", "parent", "block_id", "token_ids", "spans", "hash", "depth", "children", "checkpoints",
+        "last_access", "attached",
+    )
+
+    def __init__(
+        self, adapter: str | None, parent: Node | None, block_id: int | None, token_ids: tuple[int, ...],
+        spans: tuple, node_hash: int, last_access: int,
+    ) -> None:
+        self.adapter = adapter
+        self.parent = parent
+        self.block_id = block_id
+        self.token_ids = token_ids
+        self.spans = spans
+        self.hash = node_hash
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.children: dict[int, list[Node]] = {}
+        self.checkpoints: dict[tuple[int, int], list[Any]] = {}
+        self.last_access = last_access
+        self.attached = True
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def num_checkpoints(self) -> int:
+        return sum(len(v) for v in self.checkpoints.values())
+
+    def iter_checkpoints(self) -> Iterator[Any]:
+        for bucket in self.checkpoints.values():
+            yield from bucket
+
+    def __repr__(self) -> str:
+        return f"Node(adapter={self.adapter!r}, depth={self.depth}, block={self.block_id})"
+
+
+class Trie:
+    def __init__(self, hash_fn: HashFn = chain_hash) -> None:
+        self.hash_fn = hash_fn
+        self.roots: dict[str | None, Node] = {}
+        self.leaves: set[Node] = set()
+        self.num_nodes = 0
+
+    def root(self, adapter: str | None) -> Node:
+        node = self.roots.get(adapter)
+        if node is None:
+            node = Node(adapter, None, None, (), (), root_hash(adapter), 0)
+            self.roots[adapter] = node
+        return node
+
+    def find_child(
+        self, parent: Node, node_hash: int, token_ids: tuple[int, ...], spans: tuple,
+    ) -> Node | None:
+        """The child of `parent` with exactly these tokens and spans (the hash only narrows the search)."""
+        for node in parent.children.get(node_hash, ()):
+            if node.token_ids == token_ids and node.spans == spans:
+                return node
+        return None
+
+    def add_child(
+        self, parent: Node, node_hash: int, token_ids: tuple[int, ...], spans: tuple, block_id: int, now: int,
+    ) -> Node:
+        """A new child; the caller gives the node its reference on `block_id`."""
+        node = Node(parent.adapter, parent, block_id, token_ids, spans, node_hash, now)
+        parent.children.setdefault(node_hash, []).append(node)
+        self.leaves.discard(parent)
+        self.leaves.add(node)
+        self.num_nodes += 1
+        return node
+
+    def remove_leaf(self, node: Node) -> None:
+        """Detach a leaf (no children, no checkpoints); the caller drops its block reference."""
+        if node.children or node.checkpoints or node.is_root:
+            raise RuntimeError(f"{node} is not a removable leaf")
+        parent = node.parent
+        bucket = parent.children[node.hash]
+        bucket.remove(node)
+        if not bucket:
+            del parent.children[node.hash]
+        self.leaves.discard(node)
+        if not parent.children and not parent.is_root:
+            self.leaves.add(parent)
+        node.attached = False
+        self.num_nodes -= 1
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every node (roots included), parents before children."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            for bucket in node.children.values():
+                stack.extend(bucket)
