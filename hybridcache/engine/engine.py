@@ -11,8 +11,8 @@ import torch
 from hybridcache.config import EngineConfig
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.runner import ModelRunner
-from hybridcache.engine.sequence import Sequence, SeqStatus
-from hybridcache.models import ModelConfig, load_model
+from hybridcache.engine.sequence import Sequence
+from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import SamplingParams, make_generator, sample
@@ -44,6 +44,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.model_path = Path(model_path) if model_path is not None else ensure_builtin_model()
         self.model_config = ModelConfig.from_model_dir(self.model_path)
+        get_model_class(self.model_config.architecture)  # an unknown architecture fails here, first
         model_len_limit = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or min(model_len_limit, _MAX_DEFAULT_MODEL_LEN)
         if self.max_model_len > model_len_limit:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from hybridcache.engine.sequence import Sequence, SeqStatus
+from hybridcache.engine.sequence import SeqStatus, Sequence
 from hybridcache.scheduler.plain_memory import PlainMemory
 
 

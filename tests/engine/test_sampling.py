@@ -45,7 +45,8 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
     torch.manual_seed(1)
     logits = torch.randn(4, 100)
     best = logits.argmax(-1).tolist()
-    for params in (SamplingParams(temperature=1.0, top_k=1, seed=0), SamplingParams(temperature=1.0, top_p=1e-6, seed=0)):
+    nearly_greedy = (SamplingParams(temperature=1, top_k=1, seed=0), SamplingParams(temperature=1, top_p=1e-6, seed=0))
+    for params in nearly_greedy:
         tokens = sample(logits, [params] * 4, [make_generator(params, i, "cpu") for i in range(4)])
         assert tokens == best
 

@@ -1,4 +1,4 @@
-from hybridcache.engine.sequence import Sequence, SeqStatus
+from hybridcache.engine.sequence import SeqStatus, Sequence
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.plain_memory import PlainMemory
 from hybridcache.scheduler.scheduler import Scheduler

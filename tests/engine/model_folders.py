@@ -1,0 +1,32 @@
+"""Tiny random model folders (transformers `save_pretrained` + the byte tokenizer) for engine tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.random_weights import randomize_, tiny_hf_config
+
+HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+
+
+def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random transformers model of `model_type` with a byte-level tokenizer to `path`."""
+    import transformers
+
+    config = tiny_hf_config(model_type, vocab_size=320, eos_token_id=258, **overrides)
+    config.architectures = [HF_CLASSES[model_type]]
+    torch.manual_seed(seed)
+    model = getattr(transformers, HF_CLASSES[model_type])(config).eval()
+    randomize_(model, seed=seed)
+    model.save_pretrained(path)
+    build_byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def load_hf_model(path: Path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,0 +1,49 @@
+"""The built-in model folder and the `hybridcache generate` command."""
+
+import json
+
+from hybridcache import LLM, SamplingParams
+from hybridcache.cli import main
+from hybridcache.models import ModelConfig
+from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
+from hybridcache.tokenizer import Tokenizer
+
+
+def test_builtin_model_is_a_real_model_folder():
+    path = ensure_builtin_model()
+    assert path == builtin_model_dir()
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= {p.name for p in path.iterdir()}
+    assert list(path.glob("*.safetensors"))
+    config = ModelConfig.from_model_dir(path)
+    assert config.architecture == "Qwen3_5ForCausalLM"
+    assert config.layer_types.count("linear_attention") >= 3 and "full_attention" in config.layer_types
+    tokenizer = Tokenizer(path)
+    text = "héllo, wörld"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ensure_builtin_model() == path  # the second call reuses the folder
+
+
+def test_builtin_greedy_generate_is_deterministic():
+    llm = LLM()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    first = llm.generate(["The quick brown fox", "Hello"], params, use_tqdm=False)
+    again = llm.generate(["The quick brown fox", "Hello"], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
+    assert first[0].prompt == "The quick brown fox"
+    assert first[0].prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
+    assert first[0].cached_tokens == 0
+
+
+def test_cli_generate_prints_one_json_line_per_completion(capsys):
+    assert main(["generate", "--prompt", "abc", "--prompt", "xyz", "--max-tokens", "4", "-n", "2",
+                 "--temperature", "0.7", "--seed", "3"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["prompt"], r["completion"]) for r in lines] == [("abc", 0), ("abc", 1), ("xyz", 0), ("xyz", 1)]
+    assert all(1 <= r["num_tokens"] <= 4 for r in lines)
+
+
+def test_cli_reports_bad_input_as_an_error(capsys):
+    assert main(["generate", "--prompt", "abc", "--max-tokens", "0"]) == 2
+    assert "max_tokens" in capsys.readouterr().err
