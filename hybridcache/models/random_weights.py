@@ -94,25 +94,18 @@ def tiny_hf_config(model_type: str, **overrides: Any) -> Any:
     """A transformers config for a tiny model (hidden 64, vocab 256, 5 layers: 4 DeltaNet + 1 attention).
 
     model_type: `qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next` (Qwen3-Next: MoE everywhere except a
-    dense MLP in layer 1, via `mlp_only_layers`). `overrides` replace any config field.
+    dense MLP in layer 1, via `mlp_only_layers`). `overrides` replace any config field. `architectures`
+    is set to the matching transformers causal-LM class, so `save_pretrained` writes a loadable folder.
     """
     import transformers
 
-    if model_type == "qwen3_5_text":
-        cls, fields = transformers.Qwen3_5TextConfig, {"intermediate_size": 128}
-    elif model_type == "qwen3_5_moe_text":
-        cls, fields = transformers.Qwen3_5MoeTextConfig, dict(_TINY_MOE)
-    elif model_type == "qwen3_next":
-        cls, fields = (
-            transformers.Qwen3NextConfig,
-            {
-                **_TINY_MOE,
-                "intermediate_size": 128,
-                "mlp_only_layers": [1],
-                "decoder_sparse_step": 1,
-                "norm_topk_prob": True,
-            },
-        )
-    else:
-        raise ValueError(f"no tiny config for model_type {model_type!r}")
-    return cls(**{**_TINY_COMMON, **fields, **overrides})
+    next_fields = {"intermediate_size": 128, "mlp_only_layers": [1], "decoder_sparse_step": 1}
+    choices = {
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, "Qwen3_5ForCausalLM", {"intermediate_size": 128}),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig, "Qwen3_5MoeForCausalLM", _TINY_MOE),
+        "qwen3_next": (transformers.Qwen3NextConfig, "Qwen3NextForCausalLM", {**_TINY_MOE, **next_fields}),
+    }
+    if model_type not in choices:
+        raise ValueError(f"no tiny config for model_type {model_type!r}; known: {sorted(choices)}")
+    cls, arch, fields = choices[model_type]
+    return cls(**{**_TINY_COMMON, "architectures": [arch], **fields, **overrides})
