@@ -1,0 +1,174 @@
+"""A fake device and a tiny driver for cache tests: executes copy plans and "forwards" on ids.
+
+The fake device stores, for every KV position and every state slot, the identity of what a real model
+would hold there: KV at position p depends on the whole prefix [0, p] (adapter, tokens, spans), and the
+state at step s is the prefix [0, s). Executing the plan exactly as the engine would (restore copies,
+forward writes into the blocks the scheduler planned with, save copies) and then checking every running
+sequence, checkpoint and trie node against those identities catches wrong ids, wrong order, a block
+freed too early or a restore from the wrong place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from hybridcache.cache import CacheRequest, CheckpointCopies, PrefixCache
+
+
+def prefix_id(request: CacheRequest, token_ids: Sequence[int], end: int) -> tuple:
+    """Identity of the prefix [0, end) of a sequence (what KV at end-1 / state at end depend on)."""
+    return (request.adapter, tuple(token_ids[:end]), request.spans_in(0, end))
+
+
+def node_prefix(node) -> tuple[int, ...]:
+    parts = []
+    while not node.is_root:
+        parts.append(node.token_ids)
+        node = node.parent
+    return tuple(t for block in reversed(parts) for t in block)
+
+
+class FakeDevice:
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        size = cache.block_size
+        self.kv: list[list] = [[None] * size for _ in range(cache.config.num_blocks)]
+        self.state: list = [None] * cache.config.num_slots
+
+    def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CheckpointCopies:
+        """commit_step + execute: restores, forward writes (into the pre-commit block lists), saves."""
+        cache, size = self.cache, self.cache.block_size
+        planned = {
+            rid: (cache._seqs[rid], list(cache.block_ids(rid)), cache.slot(rid), cache.num_computed(rid))
+            for rid in fed
+        }
+        copies = cache.commit_step(fed)
+        for src, dst in copies.kv_restore:
+            self.kv[dst] = list(self.kv[src])
+        for src, dst in copies.state_restore:
+            self.state[dst] = self.state[src]
+        for rid, tokens in fed.items():
+            seq, block_ids, slot, start = planned[rid]
+            request = seq.request
+            all_tokens = seq.token_ids  # already extended by commit
+            if start > 0:
+                assert self.state[slot] == prefix_id(request, all_tokens, start), f"{rid}: bad state at {start}"
+                for pos in range(start):
+                    got = self.kv[block_ids[pos // size]][pos % size]
+                    assert got == prefix_id(request, all_tokens, pos + 1), f"{rid}: bad KV at {pos}"
+            for pos in range(start, start + len(tokens)):
+                self.kv[block_ids[pos // size]][pos % size] = prefix_id(request, all_tokens, pos + 1)
+            self.state[slot] = prefix_id(request, all_tokens, start + len(tokens))
+        for src, dst in copies.kv_save:
+            self.kv[dst] = list(self.kv[src])
+        for src, dst in copies.state_save:
+            self.state[dst] = self.state[src]
+        return copies
+
+    def check(self) -> None:
+        """Every running sequence, published checkpoint and trie node holds what its ids say."""
+        cache, size = self.cache, self.cache.block_size
+        for rid, seq in cache._seqs.items():
+            if seq.restore is not None:
+                continue  # restore copies not executed yet
+            n = seq.num_computed
+            if n:
+                assert self.state[seq.slot] == prefix_id(seq.request, seq.token_ids, n), f"{rid}: state"
+            for pos in range(n):
+                got = self.kv[seq.block_ids[pos // size]][pos % size]
+                assert got == prefix_id(seq.request, seq.token_ids, pos + 1), f"{rid}: KV at {pos}"
+        for ckpt in cache._life.published():
+            prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
+            spans = _spans_of(ckpt)
+            assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
+            base = ckpt.anchor.depth * size
+            for pos in range(base, ckpt.step):
+                assert self.kv[ckpt.frozen_block][pos - base][1] == prefix[: pos + 1], f"{ckpt}: tail KV"
+        for node in cache._life.trie.iter_nodes():
+            if node.is_root:
+                continue
+            prefix = node_prefix(node)
+            base = (node.depth - 1) * size
+            for pos in range(base, base + size):
+                got = self.kv[node.block_id][pos - base]
+                assert got is not None and got[0] == node.adapter and got[1] == prefix[: pos + 1], (
+                    f"{node}: KV at {pos}"
+                )
+
+
+def _spans_of(ckpt) -> tuple:
+    spans: list = []
+    node = ckpt.anchor
+    while not node.is_root:
+        spans.extend(node.spans)
+        node = node.parent
+    spans.extend(ckpt.tail_spans)
+    return tuple(sorted(set(spans)))
+
+
+def fingerprint(cache: PrefixCache) -> tuple:
+    """Everything an exact rollback must restore: counts, free lists, pins, LRU times, stats."""
+    life = cache._life
+    nodes = sorted((n.hash, n.depth, n.block_id, n.last_access) for n in life.trie.iter_nodes() if not n.is_root)
+    ckpts = sorted(
+        (c.ckpt_id, c.state.value, c.num_pins, c.last_access, c.slot, c.frozen_block)
+        for c in life.checkpoints.values()
+    )
+    seqs = sorted((repr(r), tuple(s.block_ids), s.slot, s.num_computed) for r, s in cache._seqs.items())
+    return (
+        tuple(life.blocks.ref_counts), tuple(sorted(life.blocks.free_ids())), tuple(life.slots.owners),
+        tuple(nodes), tuple(ckpts), tuple(seqs), cache.stats, len(cache._matches),
+    )
+
+
+class Driver:
+    """Runs whole requests through a cache and a fake device (prefill in chunks, decode, finish)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.device = FakeDevice(cache)
+
+    def admit(self, request: CacheRequest):
+        match = self.cache.match(request)
+        admitted = self.cache.admit(match)
+        assert admitted is not None, "no room"
+        return match
+
+    def step(self, rid: Hashable, tokens: Sequence[int], saves: Sequence[tuple] = ()) -> CheckpointCopies:
+        cache = self.cache
+        end = cache.num_computed(rid) + len(tokens)
+        assert cache.ensure_capacity(rid, end)
+        for reason, *rest in saves:
+            cache.reserve_save(rid, end, reason, *rest)
+        copies = self.device.run_step({rid: list(tokens)})
+        self.device.check()
+        cache.check_integrity()
+        return copies
+
+    def run(
+        self, request: CacheRequest, decode: Sequence[int] = (), chunk: int | None = None,
+        branch: bool = False, finish: bool = True,
+    ):
+        """Admit, prefill (chunked; a chunk ends at the branch point when `branch`), decode, finish."""
+        cache = self.cache
+        match = self.admit(request)
+        rid = request.request_id
+        prompt = request.prompt_ids
+        pos = cache.num_computed(rid)
+        while pos < len(prompt):
+            end = len(prompt) if chunk is None else min(len(prompt), pos + chunk)
+            saves = []
+            if branch and pos < match.divergence_len < end:
+                end = match.divergence_len
+                saves.append(("branch_point",))
+            else:
+                saves.append(("prefill_end",) if end == len(prompt) else ("chunk_end",))
+            self.step(rid, prompt[pos:end], saves)
+            pos = end
+        for token in decode:
+            self.step(rid, [token])
+        if finish:
+            cache.finish(rid)
+            self.device.check()
+            cache.check_integrity()
+        return match
