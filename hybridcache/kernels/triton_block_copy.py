@@ -9,7 +9,8 @@ Grid (2-D)::
 
     axis 0: num_pairs * num_chunks programs; program p copies chunk (p % num_chunks) of pair
             (p // num_chunks): words [chunk * BLOCK, chunk * BLOCK + BLOCK) of the block, masked at its end
-    axis 1: min(num_outer, 65535) programs; program r copies outer rows r, r + grid_1, r + 2 * grid_1, ...
+    axis 1: grid_1 = the largest divisor of num_outer that is <= 65535 (num_outer itself in practice);
+            program r copies outer rows r, r + grid_1, ..., num_outer / grid_1 rows
 
 Use it through `hybridcache.kernels.block_copy`, which checks the arguments; set TRITON_INTERPRET=1 before
 this module is imported to run it on CPU tensors.
@@ -36,11 +37,12 @@ def _copy_blocks_kernel(
     words_ptr,
     src_ids_ptr,
     dst_ids_ptr,
-    num_outer,
     outer_stride,
     block_words,
     num_chunks,
+    num_row_programs,
     BLOCK: tl.constexpr,
+    ROWS_PER_PROGRAM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pair = pid // num_chunks
@@ -51,12 +53,14 @@ def _copy_blocks_kernel(
     mask = offsets < block_words
     src_offsets = src * block_words + offsets
     dst_offsets = dst * block_words + offsets
-    base = tl.program_id(1).to(tl.int64) * outer_stride
-    step = tl.num_programs(1).to(tl.int64) * outer_stride
-    for _ in range(tl.program_id(1), num_outer, tl.num_programs(1)):
+    row = tl.program_id(1).to(tl.int64)
+    # ROWS_PER_PROGRAM * num_row_programs == num_outer exactly. The bound is a constexpr (1 unless
+    # num_outer > 65535): Triton 3.6's interpreter with NumPy >= 2.4 fails on runtime loop bounds.
+    for _ in range(ROWS_PER_PROGRAM):
+        base = row * outer_stride
         words = tl.load(words_ptr + base + src_offsets, mask=mask)
         tl.store(words_ptr + base + dst_offsets, words, mask=mask)
-        base += step
+        row += num_row_programs
 
 
 def word_size(pool: torch.Tensor, page_bytes: int) -> int:
@@ -65,6 +69,13 @@ def word_size(pool: torch.Tensor, page_bytes: int) -> int:
         if page_bytes % size == 0 and pool.data_ptr() % size == 0:
             return size
     return 1
+
+
+def _num_row_programs(num_outer: int) -> int:
+    """The largest divisor of `num_outer` that fits in grid axis 1."""
+    if num_outer <= _MAX_GRID_1:
+        return num_outer
+    return next(d for d in range(_MAX_GRID_1, 0, -1) if num_outer % d == 0)
 
 
 def launch_copy_blocks(
@@ -84,18 +95,20 @@ def launch_copy_blocks(
     num_pairs = src_ids.numel()
     if num_pairs * num_chunks > _MAX_GRID_0:
         raise ValueError(f"{num_pairs} pairs x {num_chunks} chunks exceed the launch grid; split the plan")
-    grid = (num_pairs * num_chunks, min(geometry.num_outer, _MAX_GRID_1))
+    num_row_programs = _num_row_programs(geometry.num_outer)
+    grid = (num_pairs * num_chunks, num_row_programs)
     num_warps = 4 if tile * word >= 4096 else 1
     with torch.cuda.device(pool.device) if pool.device.type == "cuda" else nullcontext():
         _copy_blocks_kernel[grid](
             words,
             src_ids.contiguous(),
             dst_ids.contiguous(),
-            geometry.num_outer,
             geometry.num_pages * page_words,
             block_words,
             num_chunks,
+            num_row_programs,
             BLOCK=tile,
+            ROWS_PER_PROGRAM=geometry.num_outer // num_row_programs,
             num_warps=num_warps,
         )
 

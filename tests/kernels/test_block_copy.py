@@ -281,6 +281,21 @@ def test_triton_interpreted_multi_chunk_blocks() -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize(("num_outer", "num_row_programs"), [(6, 3), (7, 1)], ids=["6rows-3progs", "7rows-1prog"])
+def test_triton_interpreted_rows_per_program(num_outer: int, num_row_programs: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # pretend grid axis 1 holds at most 4 programs: each program then loops over several outer rows
+    from hybridcache.kernels import triton_block_copy
+
+    monkeypatch.setattr(triton_block_copy, "_MAX_GRID_1", 4)
+    assert triton_block_copy._num_row_programs(num_outer) == num_row_programs
+    pool = random_pool((num_outer, 8, 2, 3), torch.bfloat16, 14)
+    expected = reference_copy(pool, [6, 6], [0, 3], pages_per_block=1, page_dim=1)
+    copy_blocks(pool, torch.tensor([6, 6]), torch.tensor([0, 3]), pages_per_block=1, page_dim=1, impl="triton")
+    assert torch.equal(pool, expected)
+
+
+@needs_interpreter
 def test_triton_interpreted_empty_plan() -> None:
     pool = random_pool(kv_shape(8), torch.bfloat16, 12)
     before = pool.clone()
