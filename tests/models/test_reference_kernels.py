@@ -1,0 +1,96 @@
+"""The torch reference kernels against naive formulations and against each other."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridcache.kernels import reference
+
+
+def delta_inputs(seq_len: int, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq_len, num_k_heads, k_dim, generator=gen)
+    k = torch.randn(seq_len, num_k_heads, k_dim, generator=gen)
+    v = torch.randn(seq_len, num_v_heads, v_dim, generator=gen)
+    g = -torch.rand(seq_len, num_v_heads, generator=gen) * 0.5
+    beta = torch.rand(seq_len, num_v_heads, generator=gen)
+    state = torch.randn(num_v_heads, k_dim, v_dim, generator=gen)
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("seq_len", [1, 63, 64, 150])
+def test_chunked_equals_recurrent_delta_rule(seq_len):
+    q, k, v, g, beta, state = delta_inputs(seq_len)
+    out_c, state_c = reference.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    out_r, state_r = reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    assert out_c.shape == (seq_len, 4, 8) and state_c.shape == (4, 16, 8)
+    torch.testing.assert_close(out_c, out_r, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state_c, state_r, rtol=1e-4, atol=1e-4)
+
+
+def test_delta_rule_split_at_any_step_continues_exactly():
+    q, k, v, g, beta, _ = delta_inputs(150, seed=1)
+    whole, final = reference.chunk_gated_delta_rule(q, k, v, g, beta, None)
+    first, mid = reference.chunk_gated_delta_rule(q[:77], k[:77], v[:77], g[:77], beta[:77], None)
+    second, end = reference.chunk_gated_delta_rule(q[77:], k[77:], v[77:], g[77:], beta[77:], mid)
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(end, final, rtol=1e-4, atol=1e-4)
+
+
+def test_recurrent_delta_rule_matches_the_textbook_update():
+    q, k, v, g, beta, state = delta_inputs(5, num_k_heads=1, num_v_heads=1, seed=2)
+    out, final = reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    s = state[0].clone()
+    for t in range(5):
+        kt, qt = F.normalize(k[t, 0], dim=-1, eps=0), F.normalize(q[t, 0], dim=-1, eps=0) / 4.0
+        s = torch.exp(g[t, 0]) * s
+        s = s + torch.outer(kt, beta[t, 0] * (v[t, 0] - s.T @ kt))
+        torch.testing.assert_close(out[t, 0], s.T @ qt, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(final[0], s, rtol=1e-4, atol=1e-5)
+
+
+def test_causal_conv1d_with_state_equals_one_long_convolution():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 6, generator=gen)
+    weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    whole, state = reference.causal_conv1d(x, weight, bias, None)
+    padded = F.pad(x.T, (3, 0))
+    naive = F.silu(torch.stack([(padded[:, t : t + 4] * weight).sum(-1) + bias for t in range(40)]))
+    torch.testing.assert_close(whole, naive)
+    torch.testing.assert_close(state, x[-3:].T)
+    pieces, carried = [], None
+    for start, end in [(0, 2), (2, 3), (3, 25), (25, 40)]:  # includes pieces shorter than the kernel
+        out, carried = reference.causal_conv1d(x[start:end], weight, bias, carried)
+        pieces.append(out)
+    torch.testing.assert_close(torch.cat(pieces), whole)
+    torch.testing.assert_close(carried, state)
+
+
+def test_paged_attention_equals_dense_causal_attention():
+    gen = torch.Generator().manual_seed(4)
+    num_pages, block, kv_heads, q_heads, dim = 40, 8, 2, 4, 16
+    pool = torch.randn(2, num_pages, block, kv_heads, dim, generator=gen)
+    # seq 0: 30 tokens of history + 5 new; seq 1: 12 history + 1 decode; seq 2: a fresh prefill of 9
+    query_lens, context_lens = (5, 1, 9), (35, 13, 9)
+    pages = [[7, 3, 30, 12, 5], [20, 1], [33, 9]]
+    table = torch.tensor([row + [0] * (5 - len(row)) for row in pages], dtype=torch.int32)
+    keys = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
+    values = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
+    slot_mapping = []
+    for row, ctx in zip(pages, context_lens, strict=True):
+        slot_mapping += [row[p // block] * block + p % block for p in range(ctx)]
+    reference.write_kv(pool, keys, values, torch.tensor(slot_mapping))
+    q = torch.randn(sum(query_lens), q_heads, dim, generator=gen)
+    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    out = reference.paged_attention(q, pool, table, cu, query_lens, context_lens, scale=dim**-0.5)
+    kv_start = 0
+    for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
+        k = keys[kv_start : kv_start + ctx].repeat_interleave(2, dim=1).transpose(0, 1)
+        v = values[kv_start : kv_start + ctx].repeat_interleave(2, dim=1).transpose(0, 1)
+        kv_start += ctx
+        mask = torch.ones(qlen, ctx, dtype=torch.bool).tril(ctx - qlen)
+        qi = q[cu[i] : cu[i + 1]].transpose(0, 1)
+        dense = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[cu[i] : cu[i + 1]], dense, rtol=1e-5, atol=1e-5)
