@@ -3,8 +3,11 @@
     .venv/bin/python bench/throughput.py [--model DIR] [--num-prompts 8] [--prompt-len 512] [--decode-len 64]
 
 Both engines run greedy on the same random prompts of equal length (so transformers needs no padding) in
-one process; the table gives tokens/s and the ratio, and whether the generated tokens agree. Prefill time is
-the time to produce the first token; decode time is the rest. Results go to results/throughput.json.
+one process, alternating, `--repeats` times each; the best time of each is kept (the machine is shared and
+noisy). Prefill time is the time to produce the first token; decode time is the rest. The table gives
+tokens/s and the ratio, and whether the generated tokens agree (transformers' `generate` is known to drift
+from its own full forward on these hybrid classes after the first token, so disagreement there is expected;
+the tests check our tokens against transformers' full forward instead). Results: results/throughput.json.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="results/throughput.json")
     args = parser.parse_args()
 
@@ -65,8 +69,13 @@ def main() -> None:
     num_prefill = args.num_prompts * args.prompt_len
     num_decode = args.num_prompts * args.decode_len
     rows = {}
-    ours = time_hybridcache(llm, prompts, args.decode_len)
-    theirs = time_transformers(llm.engine.model_path, prompts, args.decode_len)
+    runs: dict[str, list] = {"hybridcache": [], "transformers": []}
+    for _ in range(args.repeats):
+        runs["hybridcache"].append(time_hybridcache(llm, prompts, args.decode_len))
+        runs["transformers"].append(time_transformers(llm.engine.model_path, prompts, args.decode_len))
+    ours, theirs = (
+        (min(r[0] for r in runs[k]), min(r[1] for r in runs[k]), runs[k][0][2]) for k in ("hybridcache", "transformers")
+    )
     for name, (prefill, decode, _) in (("hybridcache", ours), ("transformers", theirs)):
         rows[name] = {"prefill_tokens_per_s": num_prefill / prefill, "decode_tokens_per_s": num_decode / decode}
     same = sum(a == b for a, b in zip(ours[2], theirs[2]))
