@@ -123,8 +123,14 @@ class HybridCausalLM(nn.Module):
             v_head_dim=c.linear_value_head_dim,
         )
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
+        """Run the step under `torch.inference_mode`; the pools are updated in place. The logits are
+        returned as an ordinary tensor (cloned out of inference mode) so callers may modify them in place."""
+        with torch.inference_mode():
+            logits = self._forward(batch, pools)
+        return logits.clone()
+
+    def _forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
         c = self.config
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         rope = rotary_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, hidden.dtype)
