@@ -95,6 +95,24 @@ class DevicePools:
         return cls(kv=kv, conv=conv, ssm=ssm)
 
 
+IdPairs = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepCopies:
+    """One step's checkpoint copies as device id tensors: each kind is (src_ids [N], dst_ids [N]) int64, or
+    None when it has no pairs. KV ids are scheduler blocks; state ids are slots (conv and ssm rows alike).
+
+    The runner executes kv_restore and state_restore before the forward, kv_save and state_save after it,
+    in that order, on the forward's stream. Within a kind destinations are unique and disjoint from sources.
+    """
+
+    kv_restore: IdPairs | None = None
+    state_restore: IdPairs | None = None
+    kv_save: IdPairs | None = None
+    state_save: IdPairs | None = None
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     """Everything one forward step needs, already on the model's device (see the module docstring).
@@ -108,6 +126,8 @@ class ForwardBatch:
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
+    copies         the step's checkpoint copies, executed by the runner around the forward (the model never
+                   reads them).
     """
 
     input_ids: torch.Tensor
@@ -120,6 +140,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
+    copies: StepCopies = StepCopies()
 
     @property
     def num_seqs(self) -> int:
