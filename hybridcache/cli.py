@@ -6,6 +6,11 @@ import argparse
 import json
 import sys
 import time
+from importlib import import_module
+from importlib.util import find_spec
+
+# Subcommands that live with their feature: each module has `register(subparsers)`.
+_SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli")
 
 DEFAULT_PROMPTS = (
     "The quick brown fox",
@@ -86,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-n", type=int, default=1)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=cmd_generate)
+    for name in _SUBCOMMAND_MODULES:
+        if find_spec(name.rsplit(".", 1)[0]) is not None and find_spec(name) is not None:
+            import_module(name).register(sub)
     return parser
 
 

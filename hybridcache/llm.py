@@ -60,8 +60,9 @@ class LLM:
             try:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
-                        results[output.request_id] = output
-                        bar.update(1)
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
             except BaseException:
                 for request_id in ids:
                     self.engine.abort(request_id)

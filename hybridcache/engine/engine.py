@@ -149,7 +149,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one forward; returns the outputs of the requests that finished in it."""
+        """Run one forward; returns the output so far of every request that sampled a token in it
+        (`finished` tells which are done; their memory is already released)."""
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.has_work:
@@ -179,17 +180,20 @@ class LLMEngine:
             else:
                 self.num_decode_tokens += chunk.num_tokens
         tokens = sample(logits[rows], [s.params for s in sampled], [s.generator for s in sampled]) if rows else []
-        finished_requests = []
+        touched: dict[str, _Request] = {}
         for seq, token in zip(sampled, tokens):
             seq.token_ids.append(token)
             reason = self._finish_reason(seq, token)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
-                request = self._requests[seq.request_id]
-                if request.finished:
-                    finished_requests.append(self._output(self._requests.pop(seq.request_id)))
-        return finished_requests
+            touched[seq.request_id] = self._requests[seq.request_id]
+        outputs = []
+        for request_id, request in touched.items():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self._requests[request_id]
+        return outputs
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params

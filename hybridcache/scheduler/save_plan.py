@@ -1,0 +1,98 @@
+"""Where a chunk ends and which checkpoint it saves: one pure function shared by the engine's scheduler
+and the cache simulator (no torch), parameterised by a `CheckpointPolicy`.
+
+Cache modes (the `cache_mode` engine option and the simulator's policies):
+
+| mode            | saves at                                                             | per anchor |
+| --------------- | -------------------------------------------------------------------- | ---------- |
+| `hybridcache`   | exact prefill end, chunk ends, branch points, sequence finish          | 4          |
+| `seed`          | exact prefill end and chunk ends only (LMDeploy's seed PR)             | 1          |
+| `block-aligned` | chunk ends cut back to block boundaries only (vLLM's align mode)       | 1          |
+| `none`          | nothing (prefix caching off)                                         | -          |
+
+Worked example (B = 16, budget 64 tokens, prompt of 100 tokens, a cached checkpoint at step 20 and the
+prompt agreeing with cached content up to step 37, so `branch_step` = 37)::
+
+    hybridcache:   [20, 37) branch_point   [37, 100) prefill_end (then one token is sampled)
+    seed:          [20, 84) chunk_end      [84, 100) prefill_end
+    block-aligned: [20, 80) chunk_end   [80, 96) chunk_end   [96, 100) no save (100 is not a multiple of B)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """Which checkpoints a cache mode saves (see the module docstring)."""
+
+    name: str
+    chunk_end: bool = True
+    finish: bool = True
+    branch_point: bool = True
+    block_aligned: bool = False
+    max_checkpoints_per_anchor: int = 4
+
+
+CACHE_MODES: dict[str, CheckpointPolicy | None] = {
+    "none": None,
+    "block-aligned": CheckpointPolicy(
+        "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1
+    ),
+    "seed": CheckpointPolicy("seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1),
+    "hybridcache": CheckpointPolicy("hybridcache"),
+}
+
+
+def checkpoint_policy(mode: str) -> CheckpointPolicy | None:
+    """The policy of a cache mode; None for `none`. Unknown modes are a ValueError listing the known ones."""
+    if mode not in CACHE_MODES:
+        raise ValueError(f"unknown cache mode {mode!r}; choose one of {', '.join(CACHE_MODES)}")
+    return CACHE_MODES[mode]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """A chunk `[start, end)` and the save at `end` (`reason` is a `SaveReason` value, or None)."""
+
+    end: int
+    reason: str | None
+
+
+def plan_chunk(
+    policy: CheckpointPolicy | None,
+    *,
+    start: int,
+    num_tokens: int,
+    budget: int,
+    prompt_len: int,
+    block_size: int,
+    branch_step: int | None = None,
+    decode_interval: int | None = None,
+) -> ChunkPlan:
+    """Plan the next chunk of a sequence that has `start` tokens computed and `num_tokens` tokens in all.
+
+    The chunk feeds at most `budget` tokens. A chunk that reaches `num_tokens` samples the next token. The
+    prompt is `[0, prompt_len)` (for a re-queued sequence, everything it had when it was queued). The chunk
+    is shortened to end exactly at `branch_step` when that lies inside it (and the policy saves branch
+    points); with `block_aligned`, a prefill chunk is cut back to the last block boundary inside it.
+    Decode steps (one token past the prompt) save only at multiples of `decode_interval`.
+    """
+    end = min(num_tokens, start + budget)
+    if policy is None:
+        return ChunkPlan(end, None)
+    if start >= prompt_len:  # decode
+        if decode_interval and end % decode_interval == 0:
+            return ChunkPlan(end, "decode_interval")
+        return ChunkPlan(end, None)
+    if policy.branch_point and branch_step is not None and start < branch_step < end:
+        return ChunkPlan(branch_step, "branch_point")
+    if policy.block_aligned:
+        aligned = end - end % block_size
+        if aligned <= start:
+            return ChunkPlan(end, None)
+        return ChunkPlan(aligned, "prefill_end" if aligned == prompt_len else "chunk_end")
+    if end == prompt_len:
+        return ChunkPlan(end, "prefill_end")
+    return ChunkPlan(end, "chunk_end" if policy.chunk_end else None)
