@@ -121,11 +121,12 @@ class PrefixCache:
                 step = span.start
         return step
 
-    def admit(self, match: MatchResult) -> Admitted | None:
+    def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
         partial one private block that the frozen tail is restored into (copies queued for the next
-        `commit_step`). Evicts under pressure. Returns None when there is no room; then nothing changed
-        and the match is still pinned (retry later or `release_match`)."""
+        `commit_step`), plus private blocks so that it holds `num_tokens` tokens in all (its first chunk).
+        Evicts under pressure. Returns None when there is no room; then nothing changed and the match is
+        still pinned (retry later or `release_match`)."""
         entry = self._matches.get(match.match_id)
         if entry is None:
             raise ValueError(f"match {match.match_id} was already admitted or released")
@@ -135,7 +136,9 @@ class PrefixCache:
         life = self._life
         cached_len = match.cached_len
         partial = cached_len % self.block_size != 0
-        if not life.make_room(1 if partial else 0, 1):
+        num_shared = len(match.block_ids)
+        num_blocks = max(-(-num_tokens // self.block_size), num_shared + partial)
+        if not life.make_room(num_blocks - num_shared, 1):
             return None
         del self._matches[match.match_id]
         seq = RunningSeq(request, -1)
@@ -163,6 +166,7 @@ class PrefixCache:
             life.stats.num_hits += 1
             life.stats.num_hit_tokens += cached_len
             life.stats.hits_by_reason[ckpt.reason.value] += 1
+        seq.block_ids.extend(life.blocks.allocate() for _ in range(num_blocks - len(seq.block_ids)))
         self._seqs[request.request_id] = seq
         return Admitted(request.request_id, seq.slot, tuple(seq.block_ids), seq.num_computed)
 

@@ -346,3 +346,21 @@ def test_stats_count_queries_hits_and_saves():
     assert stats.saves_by_reason == {"prefill_end": 2}
     assert stats.declined_saves == {"duplicate": 2}  # both finished where their prefill ended
     assert stats.hit_rate == pytest.approx(40 / 82)
+
+
+def test_admit_with_a_first_chunk_takes_its_blocks_or_nothing():
+    driver = make_driver(num_blocks=7, num_slots=4)
+    cache = driver.cache
+    prompt = tokens(40, seed=21)
+    driver.run(CacheRequest("a", prompt))  # finish checkpoint at 40 = 2B + 8: 2 trie blocks + a frozen tail
+    request = CacheRequest("b", prompt + tokens(60, seed=22))
+    match = cache.match(request)
+    assert match.cached_len == 40
+    before = fingerprint(cache)
+    assert cache.admit(match, num_tokens=200) is None  # 13 blocks: more than the pool holds
+    assert fingerprint(cache) == before
+    admitted = cache.admit(match, num_tokens=90)  # 6 blocks: 2 shared + restored tail + 3 new; 4 of 4 free
+    assert admitted is not None and admitted.num_computed == 40
+    assert len(admitted.block_ids) == 6 and admitted.block_ids[:2] == match.block_ids
+    assert len(set(admitted.block_ids)) == 6
+    cache.check_integrity()
