@@ -26,6 +26,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    cache_mode: str = "hybridcache"
+    decode_checkpoint_interval: int | None = None
+    eviction: str = "lru"
     dtype: str = "float32"
     state_dtype: str = "float32"
     device: str = "cpu"
@@ -48,6 +51,14 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        from hybridcache.scheduler.save_plan import checkpoint_policy
+
+        checkpoint_policy(self.cache_mode)  # unknown modes raise, listing the known ones
+        if self.eviction not in ("lru", "flop_aware"):
+            raise ValueError(f"eviction must be 'lru' or 'flop_aware', got {self.eviction!r}")
+        interval = self.decode_checkpoint_interval
+        if interval is not None and (interval < 1 or interval % self.block_size):
+            raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.state_dtype not in ("float32", "bfloat16", "float16"):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EngineConfig
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.runner import ModelRunner
@@ -16,7 +18,7 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import SamplingParams, make_generator, sample
-from hybridcache.scheduler.plain_memory import PlainMemory
+from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import ScheduledChunk, Scheduler
 from hybridcache.tokenizer import Tokenizer
 
@@ -61,7 +63,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.device = torch.device(config.device)
         model = load_model(self.model_path, dtype=_DTYPES[config.dtype], device=self.device)
-        num_slots = config.max_num_seqs
+        self.policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
+        num_slots = config.max_num_seqs + config.num_checkpoint_slots
         self.runner = ModelRunner(
             model,
             num_blocks=self.num_blocks,
@@ -72,10 +75,24 @@ class LLMEngine:
             state_dtype=_DTYPES[config.state_dtype],
             device=self.device,
         )
-        self.memory = PlainMemory(self.num_blocks, num_slots, config.block_size)
-        self.scheduler = Scheduler(
-            self.memory, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        self.cache = PrefixCache(
+            CacheConfig(
+                block_size=config.block_size,
+                num_blocks=self.num_blocks,
+                num_slots=num_slots,
+                max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor if self.policy else 1,
+                decode_checkpoint_interval=config.decode_checkpoint_interval,
+                eviction=config.eviction,
+            )
         )
+        self.scheduler = Scheduler(
+            self.cache,
+            self.policy,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            decode_checkpoint_interval=config.decode_checkpoint_interval,
+        )
+        self.debug = os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0")
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
@@ -156,19 +173,27 @@ class LLMEngine:
             if self.scheduler.has_work:
                 raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
             return []
+        # The forward writes the blocks the step was planned with: read them before commit_step, which may
+        # swap a sequence onto a shared copy of a block that became full in this step.
+        seq_chunks = [self._seq_chunk(c) for c in chunks]
+        copies = self.cache.commit_step({c.seq.seq_id: c.seq.token_ids[c.start : c.end] for c in chunks})
         batch = build_forward_batch(
-            [self._seq_chunk(c) for c in chunks],
+            seq_chunks,
             block_size=self.config.block_size,
             kernel_block_size=self.config.page_size,
             device=self.device,
+            copies=copies,
         )
         logits = self.runner.execute(batch)
-        self.memory.commit_step([(c.seq, c.num_tokens) for c in chunks])
-        return self._postprocess(chunks, logits)
+        outputs = self._postprocess(chunks, logits)
+        if self.debug and not self.scheduler.running:
+            self.check_integrity()
+        return outputs
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
-        seq = chunk.seq
-        return SeqChunk(seq.token_ids[chunk.start : chunk.end], chunk.start, seq.block_ids, seq.slot)
+        seq_id = chunk.seq.seq_id
+        tokens = chunk.seq.token_ids[chunk.start : chunk.end]
+        return SeqChunk(tokens, chunk.start, self.cache.block_ids(seq_id), self.cache.slot(seq_id))
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         rows = [i for i, c in enumerate(chunks) if c.samples]
@@ -229,7 +254,7 @@ class LLMEngine:
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_ids),
             outputs=completions,
-            cached_tokens=min(seq.num_cached for seq in request.seqs),
+            cached_tokens=min(seq.num_cached or 0 for seq in request.seqs),
             finished=request.finished,
         )
 
@@ -237,12 +262,25 @@ class LLMEngine:
         return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
 
     def check_integrity(self) -> None:
-        """Recompute the memory manager's counts from scratch; raises AssertionError on any mismatch."""
-        self.memory.check_integrity()
-        held = [b for seq in self.scheduler.running for b in seq.block_ids]
-        if len(held) + self.memory.num_free_blocks != self.num_blocks:
-            raise AssertionError(
-                f"{len(held)} blocks held + {self.memory.num_free_blocks} free != {self.num_blocks} blocks"
-            )
-        if len(self.scheduler.running) + self.memory.num_free_slots != self.memory.num_slots:
-            raise AssertionError("slots held by running sequences + free slots != total slots")
+        """Recompute the cache's counts from scratch and check that it runs exactly the running sequences;
+        raises on any mismatch."""
+        self.cache.check_integrity()
+        running = sorted(seq.seq_id for seq in self.scheduler.running)
+        if sorted(self.cache.running_ids()) != running:
+            raise AssertionError(f"cache runs {sorted(self.cache.running_ids())}, scheduler runs {running}")
+
+    def stats(self) -> dict:
+        """Counters for metrics: the cache's stats plus block, slot and token counts."""
+        cache = self.cache.stats
+        return {
+            "cache": cache,
+            "num_blocks": self.num_blocks,
+            "num_blocks_used": cache.num_blocks_used,
+            "num_slots": self.cache.config.num_slots,
+            "num_slots_used": cache.num_slots_used,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+        }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -22,8 +22,11 @@ class Sequence:
 
     `token_ids` = prompt + generated tokens. `num_computed` = tokens whose KV and recurrent state are in the
     cache (the step the next chunk starts at). The next chunk feeds `token_ids[num_computed:...]`; a token is
-    sampled when a chunk reaches the end of `token_ids`. `block_ids` and `slot` are owned by the scheduler's
-    memory manager while the sequence runs.
+    sampled when a chunk reaches the end of `token_ids`. While it runs, its blocks and state slot are held by
+    the prefix cache under `seq_id`. `num_cached`: tokens its first admission took from the cache.
+    `cache_prompt_len`: the tokens it had when it was last admitted (the prompt as the cache sees it; more
+    than `prompt_len` after a preemption). `branch_step`: where its prompt diverges from cached content
+    (a chunk ends there, to save a branch-point checkpoint), or None.
     """
 
     seq_id: int
@@ -36,9 +39,9 @@ class Sequence:
     arrival: int
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
-    num_cached: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    slot: int | None = None
+    num_cached: int | None = None
+    cache_prompt_len: int = 0
+    branch_step: int | None = None
     finish_reason: str | None = None
     stop_text_len: int | None = None
 

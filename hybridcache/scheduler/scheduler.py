@@ -1,12 +1,17 @@
-"""Continuous batching: which sequences feed how many tokens in the next forward.
+"""Continuous batching over the prefix cache: which sequences feed how many tokens in the next forward.
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest first (a decode
 costs one token, an unfinished prefill takes what the budget leaves); then waiting sequences are admitted
-in arrival order while the budget, the slot count and memory allow. Long prompts are therefore prefilled in
-chunks that end wherever the budget runs out.
+in arrival order while the budget, `max_num_seqs` and memory allow. Where a chunk ends and which checkpoint
+it saves come from `save_plan.plan_chunk` (branch points, chunk ends, block alignment per cache mode).
 
-When a running sequence cannot get the blocks it needs, the newest running sequence is preempted: it gives
-back its blocks and slot and goes back to the front of the waiting queue, to recompute later.
+Admission is two-phase through `PrefixCache`: `match` (pins the checkpoint it would restore), then
+`admit(match, first_chunk_end)` (slot + blocks for the cached prefix and the first chunk, restore copies
+queued) or, when there is no room, `release_match`, which leaves the cache exactly as it was.
+
+When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
+prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
+the waiting queue; on re-admission its prefix is a hit.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from hybridcache.cache import CacheRequest, PrefixCache
 from hybridcache.engine.sequence import SeqStatus, Sequence
-from hybridcache.scheduler.plain_memory import PlainMemory
+from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
 
 
 @dataclass(frozen=True)
@@ -33,17 +39,28 @@ class ScheduledChunk:
         return self.start + self.num_tokens
 
     @classmethod
-    def of(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
-        return cls(seq, seq.num_computed, num_tokens, seq.num_computed + num_tokens == seq.num_tokens)
+    def of(cls, seq: Sequence, end: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return cls(seq, start, end - start, end == seq.num_tokens)
 
 
 class Scheduler:
-    """Waiting and running queues over a memory manager; see the module docstring for the policy."""
+    """Waiting and running queues over a `PrefixCache`; see the module docstring for the policy."""
 
-    def __init__(self, memory: PlainMemory, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.memory = memory
+    def __init__(
+        self,
+        cache: PrefixCache,
+        policy: CheckpointPolicy | None,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        decode_checkpoint_interval: int | None = None,
+    ) -> None:
+        self.cache = cache
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.decode_checkpoint_interval = decode_checkpoint_interval
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -64,41 +81,74 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_remaining, budget)
-            while not self.memory.grow(seq, seq.num_computed + num_tokens):
+            plan = self._plan(seq, seq.num_computed, budget)
+            while not self.cache.ensure_capacity(seq.seq_id, plan.end):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                chunks.append(ScheduledChunk.of(seq, num_tokens))
-                budget -= num_tokens
+                chunks.append(self._schedule(seq, plan))
+                budget -= chunks[-1].num_tokens
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_remaining, budget)
-            if not self.memory.admit(seq, seq.num_computed + num_tokens):
+            if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            num_tokens = min(seq.num_remaining, budget)
-            chunks.append(ScheduledChunk.of(seq, num_tokens))
-            budget -= num_tokens
+            chunks.append(self._schedule(seq, self._plan(seq, seq.num_computed, budget)))
+            budget -= chunks[-1].num_tokens
         return chunks
 
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Match and admit a waiting sequence with room for its first chunk; False changes nothing."""
+        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids)))
+        seq.cache_prompt_len = seq.num_tokens
+        seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
+        plan = self._plan(seq, match.cached_len, budget)
+        if self.cache.admit(match, plan.end) is None:
+            self.cache.release_match(match)
+            return False
+        seq.num_computed = match.cached_len
+        if seq.num_cached is None:
+            seq.num_cached = match.cached_len
+        seq.status = SeqStatus.RUNNING
+        return True
+
+    def _plan(self, seq: Sequence, start: int, budget: int) -> ChunkPlan:
+        return plan_chunk(
+            self.policy,
+            start=start,
+            num_tokens=seq.num_tokens,
+            budget=budget,
+            prompt_len=seq.cache_prompt_len,
+            block_size=self.cache.block_size,
+            branch_step=seq.branch_step,
+            decode_interval=self.decode_checkpoint_interval,
+        )
+
+    def _schedule(self, seq: Sequence, plan: ChunkPlan) -> ScheduledChunk:
+        if plan.reason is not None:
+            self.cache.reserve_save(seq.seq_id, plan.end, plan.reason)
+        return ScheduledChunk.of(seq, plan.end)
+
     def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence and release what it holds."""
+        """Remove a finished or aborted sequence. A running one that finished normally leaves a finish
+        checkpoint when the mode saves them; an aborted one (`seq.finish_reason == 'abort'`) leaves nothing."""
         if seq in self.running:
             self.running.remove(seq)
+            if self.policy is not None and self.policy.finish and seq.finish_reason != "abort":
+                self.cache.finish(seq.seq_id)
+            else:
+                self.cache.abort(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.memory.release(seq)
         seq.status = SeqStatus.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.memory.release(seq)
+        self.cache.preempt(seq.seq_id, keep_checkpoint=self.policy is not None and self.policy.finish)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -1,42 +1,49 @@
-from hybridcache.engine.sequence import SeqStatus, Sequence
+"""The scheduler over a real PrefixCache, without a model: chunking, batching, admission, preemption."""
+
+from hybridcache.cache import CacheConfig, PrefixCache
+from hybridcache.engine.sequence import Sequence, SeqStatus
 from hybridcache.sampling import SamplingParams
-from hybridcache.scheduler.plain_memory import PlainMemory
+from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
 
 
-def make_seq(seq_id: int, prompt_len: int) -> Sequence:
+def make_seq(seq_id: int, prompt_len: int, offset: int = 0) -> Sequence:
     return Sequence(
-        seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=list(range(prompt_len)), prompt_len=prompt_len,
-        params=SamplingParams(temperature=0), generator=None, arrival=seq_id,
+        seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=[offset + i for i in range(prompt_len)],
+        prompt_len=prompt_len, params=SamplingParams(temperature=0), generator=None, arrival=seq_id,
     )
 
 
+def make_scheduler(*, num_blocks=64, num_slots=4, mode="none", **kwargs) -> Scheduler:
+    cache = PrefixCache(CacheConfig(block_size=16, num_blocks=num_blocks, num_slots=num_slots))
+    defaults = dict(max_num_seqs=4, max_num_batched_tokens=50)
+    return Scheduler(cache, checkpoint_policy(mode), **{**defaults, **kwargs})
+
+
 def run_step(scheduler: Scheduler):
-    """Schedule, then pretend the forward ran: advance num_computed and append a token where sampled."""
+    """Schedule, commit, pretend the forward ran: advance num_computed and append a token where sampled."""
     chunks = scheduler.schedule()
+    scheduler.cache.commit_step({c.seq.seq_id: c.seq.token_ids[c.start : c.end] for c in chunks})
     for chunk in chunks:
         chunk.seq.num_computed = chunk.end
         if chunk.samples:
-            chunk.seq.token_ids.append(0)
+            chunk.seq.token_ids.append(1000 + chunk.seq.num_tokens)
+    scheduler.cache.check_integrity()
     return chunks
 
 
 def test_long_prompt_is_chunked_by_the_token_budget():
-    memory = PlainMemory(num_blocks=64, num_slots=4, block_size=16)
-    scheduler = Scheduler(memory, max_num_seqs=4, max_num_batched_tokens=50)
+    scheduler = make_scheduler()
     seq = make_seq(0, 130)
     scheduler.add(seq)
-    spans = [(c.start, c.num_tokens, c.samples) for c in run_step(scheduler)]
-    spans += [(c.start, c.num_tokens, c.samples) for c in run_step(scheduler)]
-    spans += [(c.start, c.num_tokens, c.samples) for c in run_step(scheduler)]
+    spans = [(c.start, c.num_tokens, c.samples) for _ in range(3) for c in run_step(scheduler)]
     assert spans == [(0, 50, False), (50, 50, False), (100, 30, True)]
-    assert len(seq.block_ids) == -(-130 // 16)
+    assert len(scheduler.cache.block_ids(seq.seq_id)) == -(-130 // 16)
 
 
 def test_decodes_and_new_prefills_share_a_step():
-    memory = PlainMemory(num_blocks=64, num_slots=4, block_size=16)
-    scheduler = Scheduler(memory, max_num_seqs=4, max_num_batched_tokens=40)
-    a, b = make_seq(0, 20), make_seq(1, 100)
+    scheduler = make_scheduler(max_num_batched_tokens=40)
+    a, b = make_seq(0, 20), make_seq(1, 100, offset=500)
     scheduler.add(a)
     run_step(scheduler)
     scheduler.add(b)
@@ -45,30 +52,52 @@ def test_decodes_and_new_prefills_share_a_step():
 
 
 def test_max_num_seqs_limits_admission():
-    memory = PlainMemory(num_blocks=64, num_slots=8, block_size=16)
-    scheduler = Scheduler(memory, max_num_seqs=2, max_num_batched_tokens=1000)
+    scheduler = make_scheduler(num_slots=8, max_num_seqs=2, max_num_batched_tokens=1000)
     for i in range(3):
-        scheduler.add(make_seq(i, 10))
+        scheduler.add(make_seq(i, 10, offset=100 * i))
     chunks = run_step(scheduler)
     assert [c.seq.seq_id for c in chunks] == [0, 1]
     assert len(scheduler.waiting) == 1
 
 
 def test_preemption_frees_the_newest_and_requeues_it_first():
-    memory = PlainMemory(num_blocks=4, num_slots=4, block_size=16)
-    scheduler = Scheduler(memory, max_num_seqs=4, max_num_batched_tokens=1000)
-    a, b = make_seq(0, 31), make_seq(1, 31)
+    scheduler = make_scheduler(num_blocks=4, max_num_batched_tokens=1000)
+    a, b = make_seq(0, 31), make_seq(1, 31, offset=100)
     scheduler.add(a)
     scheduler.add(b)
     run_step(scheduler)  # each holds 2 blocks; both sampled a token -> 32 tokens
     run_step(scheduler)  # decode at position 31 fits; now 33 tokens, the next decode needs a 3rd block
     chunks = run_step(scheduler)
     assert [c.seq.seq_id for c in chunks] == [0]
-    assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.block_ids == [] and b.slot is None
+    assert b.status is SeqStatus.WAITING and b.num_computed == 0 and b.seq_id not in scheduler.cache.running_ids()
     assert scheduler.waiting[0] is b and scheduler.num_preemptions == 1
-    assert memory.num_free_blocks == 1
+    b.finish_reason = "stop"
+    a.finish_reason = "stop"
     scheduler.finish(a)
     chunks = run_step(scheduler)
     assert [(c.seq.seq_id, c.start, c.num_tokens) for c in chunks] == [(1, 0, 33)]
     scheduler.finish(b)
-    assert memory.num_free_blocks == 4 and memory.num_free_slots == 4
+    stats = scheduler.cache.stats
+    assert stats.num_running == 0 and stats.num_slots_used == 0
+
+
+def test_hybridcache_mode_ends_a_chunk_at_the_branch_point_and_the_next_prompt_hits_there():
+    scheduler = make_scheduler(mode="hybridcache", max_num_batched_tokens=1000)
+    system = list(range(37))
+    first, second, third = (make_seq(i, 0) for i in range(3))
+    for seq, suffix in ((first, [900, 901, 902]), (second, [800, 801]), (third, [700, 701, 702, 703])):
+        seq.token_ids = system + suffix
+        seq.prompt_len = len(seq.token_ids)
+    scheduler.add(first)
+    run_step(scheduler)
+    first.finish_reason = "stop"
+    scheduler.finish(first)
+    scheduler.add(second)
+    chunks = run_step(scheduler)  # diverges from the first prompt at 37: the chunk ends there
+    assert second.num_cached == 0 and [(c.start, c.end) for c in chunks] == [(0, 37)]
+    run_step(scheduler)
+    second.finish_reason = "stop"
+    scheduler.finish(second)
+    scheduler.add(third)
+    run_step(scheduler)
+    assert third.num_cached == 37
