@@ -1,7 +1,7 @@
 """The scheduler over a real PrefixCache, without a model: chunking, batching, admission, preemption."""
 
 from hybridcache.cache import CacheConfig, PrefixCache
-from hybridcache.engine.sequence import Sequence, SeqStatus
+from hybridcache.engine.sequence import SeqStatus, Sequence
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
