@@ -30,6 +30,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
+    parser.add_argument(
+        "--cache-mode", default="hybridcache", choices=["hybridcache", "seed", "block-aligned", "none"],
+        help="where state checkpoints are saved (see docs/design.md)",
+    )
+    parser.add_argument("--num-checkpoint-slots", type=int, default=32, help="state slots for checkpoints")
+    parser.add_argument("--decode-checkpoint-interval", type=int, default=None)
+    parser.add_argument("--eviction", default="lru", choices=["lru", "flop_aware"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
 
@@ -43,6 +50,10 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_cache,
+        cache_mode=args.cache_mode,
+        num_checkpoint_slots=args.num_checkpoint_slots,
+        decode_checkpoint_interval=args.decode_checkpoint_interval,
+        eviction=args.eviction,
         dtype=args.dtype,
         device=args.device,
     )

@@ -8,12 +8,14 @@ from dataclasses import dataclass, field
 @dataclass
 class CompletionOutput:
     """One sampled completion. finish_reason: 'stop' (EOS, stop token or stop string), 'length'
-    (max_tokens or the model length limit), 'abort', or None while it is still running."""
+    (max_tokens or the model length limit), 'abort', or None while it is still running. cached_tokens: prompt
+    tokens this completion's sequence took from the prefix cache when it was first admitted."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 @dataclass

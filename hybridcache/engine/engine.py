@@ -248,13 +248,15 @@ class LLMEngine:
             text = self.tokenizer.decode(output_ids)
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]
-            completions.append(CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason))
+            completions.append(
+                CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason, seq.num_cached or 0)
+            )
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=list(request.prompt_ids),
             outputs=completions,
-            cached_tokens=min(seq.num_cached or 0 for seq in request.seqs),
+            cached_tokens=min(c.cached_tokens for c in completions),
             finished=request.finished,
         )
 

@@ -1,0 +1,223 @@
+"""Prefix caching end to end: cached and uncached runs compute the same thing, and the cache hits where
+checkpoints at block boundaries or at prompt ends alone would miss."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.sampling import SamplingParams
+
+from .model_folders import write_tiny_model
+
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def make_engine(model_dir, *, caching=True, block_size=16, kernel_block_size=8, **options) -> LLMEngine:
+    config = EngineConfig(
+        block_size=block_size, kernel_block_size=kernel_block_size, enable_prefix_caching=caching,
+        **{"max_num_batched_tokens": 96, "max_num_seqs": 6, **options},
+    )
+    engine = LLMEngine(model_dir, config)
+    engine.logits = {}
+    original = engine._postprocess
+
+    def recording_postprocess(chunks, logits):
+        for row, chunk in enumerate(chunks):
+            if chunk.samples:
+                seq = chunk.seq
+                engine.logits[(seq.request_id, seq.index, seq.num_tokens)] = logits[row].clone()
+        return original(chunks, logits)
+
+    engine._postprocess = recording_postprocess
+    return engine
+
+
+def tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def run_workload(
+    engine: LLMEngine, seed: int = 0, *, check_every_step: bool = False, reply_lens: tuple[int, int] = (3, 10)
+) -> dict:
+    """A randomized multi-turn workload; returns {request_id: RequestOutput}.
+
+    Four conversations over two shared system prompts (37 and 70 tokens) take 3 turns each with user
+    messages and replies of random, non-aligned lengths, arriving at random steps; an identical resend of
+    an earlier prompt; and an n=2 request.
+    """
+    rng = random.Random(seed)  # everything random is drawn up front, so both runs see the same workload
+    systems = [tokens(rng, 37), tokens(rng, 70)]
+    conversations = []
+    for i in range(4):
+        conversations.append({
+            "history": systems[i % 2] + tokens(rng, rng.randrange(5, 40)),
+            "turn": 0, "busy": None, "wait": rng.randrange(0, 6),
+            "max_tokens": [rng.randrange(*reply_lens) for _ in range(3)],
+            "users": [tokens(rng, rng.randrange(3, 20)) for _ in range(3)],
+            "gaps": [rng.randrange(0, 4) for _ in range(3)],
+        })
+    fanout_prompt = systems[1] + tokens(rng, 11)
+    extras = {"resend": (8, 1), "fanout": (12, 2)}  # name: (arrival step, n)
+    results = {}
+    first_prompt = list(conversations[0]["history"])
+    step = 0
+    while True:
+        for i, conv in enumerate(conversations):
+            if conv["busy"] is None and conv["turn"] < 3 and step >= conv["wait"]:
+                request_id = f"conv{i}-turn{conv['turn']}"
+                params = SamplingParams(temperature=0, max_tokens=conv["max_tokens"][conv["turn"]], ignore_eos=True)
+                engine.add_request(request_id, list(conv["history"]), params)
+                conv["busy"] = request_id
+        for name, (at, n) in list(extras.items()):
+            if step >= at:
+                prompt = first_prompt if name == "resend" else fanout_prompt
+                engine.add_request(name, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=n))
+                del extras[name]
+        if not engine.has_unfinished_requests() and all(c["turn"] == 3 for c in conversations) and not extras:
+            break
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output
+                for conv in conversations:
+                    if conv["busy"] == output.request_id:
+                        turn = conv["turn"]
+                        conv["history"] = conv["history"] + output.outputs[0].token_ids + conv["users"][turn]
+                        conv["turn"] += 1
+                        conv["busy"] = None
+                        conv["wait"] = step + conv["gaps"][turn]
+        if check_every_step:
+            engine.check_integrity()
+        step += 1
+    engine.check_integrity()
+    return results
+
+
+def assert_same(cached: LLMEngine, uncached: LLMEngine, out_cached: dict, out_uncached: dict) -> None:
+    assert out_cached.keys() == out_uncached.keys()
+    for request_id in out_uncached:
+        got = [c.token_ids for c in out_cached[request_id].outputs]
+        want = [c.token_ids for c in out_uncached[request_id].outputs]
+        assert got == want, request_id
+    assert cached.logits.keys() == uncached.logits.keys()
+    for key, want in uncached.logits.items():
+        error = (cached.logits[key] - want).abs().max() / want.abs().max()
+        assert error <= REL_TOL, (key, float(error))
+
+
+@pytest.mark.parametrize("block_size, kernel_block_size", [(16, 8), (64, 64)])
+def test_cached_run_equals_uncached_run(model_dir, block_size, kernel_block_size):
+    uncached = make_engine(model_dir, caching=False, block_size=block_size, kernel_block_size=kernel_block_size)
+    cached = make_engine(model_dir, block_size=block_size, kernel_block_size=kernel_block_size)
+    out_uncached = run_workload(uncached)
+    out_cached = run_workload(cached, check_every_step=True)
+    assert_same(cached, uncached, out_cached, out_uncached)
+    hit = sum(o.cached_tokens for o in out_cached.values())
+    assert hit > 0 and sum(o.cached_tokens for o in out_uncached.values()) == 0
+    assert cached.num_prefill_tokens < uncached.num_prefill_tokens
+    stats = cached.stats()["cache"]
+    assert cached.stats()["num_preemptions"] == 0
+    assert stats.num_hit_tokens == sum(c.cached_tokens for o in out_cached.values() for c in o.outputs)
+    assert stats.saves_by_reason["finish"] > 0 and stats.hits_by_reason["finish"] > 0
+
+
+def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
+    # 24 blocks of 16 tokens for up to 6 running sequences of up to ~250 tokens, 2 spare state slots.
+    uncached = make_engine(model_dir, caching=False)
+    tight = make_engine(
+        model_dir, num_blocks=24, num_checkpoint_slots=2, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256
+    )
+    out_uncached = run_workload(uncached, seed=1, reply_lens=(20, 40))
+    out_tight = run_workload(tight, seed=1, check_every_step=True, reply_lens=(20, 40))
+    assert_same(tight, uncached, out_tight, out_uncached)
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0
+    assert sum(stats["cache"].evictions_by_kind.values()) > 0
+    tight.cache.clear()
+    tight.check_integrity()
+    assert tight.stats()["num_blocks_used"] == 0 and tight.stats()["num_slots_used"] == 0
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def finish_one(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int):
+    engine.add_request(request_id, prompt, greedy(max_tokens))
+    while True:
+        for output in engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+
+
+def test_multi_turn_reuses_the_whole_previous_conversation(model_dir):
+    engine = make_engine(model_dir)
+    reference = make_engine(model_dir, caching=False)
+    rng = random.Random(3)
+    history = tokens(rng, 45)  # 45 = 2 * 16 + 13: turn 1 ends mid-block
+    expected_hits = []
+    for turn in range(3):
+        out = finish_one(engine, f"t{turn}", history, 6)
+        ref = finish_one(reference, f"t{turn}", history, 6)
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        expected_hits.append(out.cached_tokens)
+        reply = out.outputs[0].token_ids
+        # The finish checkpoint is at every fed token: the prompt and all replies but the last token.
+        fed = len(history) + len(reply) - 1
+        history = history + reply + tokens(rng, 9 + turn)
+        if turn < 2:
+            next_hit = fed
+    assert expected_hits[0] == 0
+    assert expected_hits[1] == 45 + 6 - 1
+    assert expected_hits[2] == next_hit
+    assert expected_hits[2] % 16 != 0
+
+
+def test_shared_system_prompt_hits_the_third_request_at_the_divergence_step(model_dir):
+    engine = make_engine(model_dir)
+    rng = random.Random(4)
+    system = tokens(rng, 53)
+    suffixes = [[200 + i] + tokens(rng, 20) for i in range(3)]
+    hits = [finish_one(engine, f"r{i}", system + suffix, 3).cached_tokens for i, suffix in enumerate(suffixes)]
+    assert hits == [0, 0, 53]
+    assert engine.stats()["cache"].hits_by_reason["branch_point"] == 1
+
+
+def test_two_requests_restore_one_checkpoint_in_the_same_forward(model_dir):
+    engine = make_engine(model_dir)
+    reference = make_engine(model_dir, caching=False)
+    rng = random.Random(5)
+    prompt = tokens(rng, 40)
+    first = finish_one(engine, "first", prompt, 4)
+    finish_one(reference, "first", prompt, 4)
+    base = prompt + first.outputs[0].token_ids
+    followups = {"a": base + tokens(rng, 7), "b": base + tokens(rng, 12)}
+    results = {}
+    for e in (engine, reference):
+        for name, p in followups.items():
+            e.add_request(name, p, greedy(5))
+        outs = {}
+        while e.has_unfinished_requests():
+            outs.update({o.request_id: o for o in e.step() if o.finished})
+        results[e is engine] = outs
+    for name in followups:
+        assert results[True][name].cached_tokens == 40 + 4 - 1
+        assert results[True][name].outputs[0].token_ids == results[False][name].outputs[0].token_ids
+    for key, want in reference.logits.items():
+        if key[0] in followups:
+            assert (engine.logits[key] - want).abs().max() / want.abs().max() <= REL_TOL
+
+
+def test_identical_resend_hits_from_the_second_resend(model_dir):
+    engine = make_engine(model_dir)
+    prompt = tokens(random.Random(6), 50)
+    hits = [finish_one(engine, f"r{i}", prompt, 3).cached_tokens for i in range(3)]
+    assert hits == [0, 0, 49]
