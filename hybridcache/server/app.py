@@ -1,0 +1,281 @@
+"""The FastAPI application: OpenAI-compatible routes over an `EngineLoop`.
+
+    POST /v1/completions        prompt as text or token ids; stream, n, temperature, top_p, top_k,
+                                max_tokens, stop, seed (+ vLLM's ignore_eos, stop_token_ids)
+    POST /v1/chat/completions   messages through the model folder's chat template; the same options
+    GET  /v1/models             the served model
+    GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
+    GET  /metrics               Prometheus text format
+    GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
+                                `?clear_cache=true` first drops what the prefix cache holds
+
+Every error is an OpenAI error object (errors.py). /v1 routes need the API key when one is configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hybridcache.outputs import RequestOutput
+from hybridcache.sampling import SamplingParams
+from hybridcache.server.config import ServerConfig
+from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
+from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+from hybridcache.server.responses import ResponseMeta, chunk, full_response, sse, usage_chunk
+from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
+from hybridcache.server.text_stream import TextStream
+
+logger = logging.getLogger("hybridcache.server")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the routes need to know about the model: its tokenizer (the server's own instance, used only on
+    the event loop; the engine has another) and the prompt + completion limit."""
+
+    tokenizer: Any
+    max_model_len: int
+
+
+def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
+    """The application; its lifespan starts the engine thread and stops it (aborting leftovers) at shutdown."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine_loop.start()
+        yield
+        await asyncio.to_thread(engine_loop.stop)
+
+    app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    routes = _Routes(engine_loop, model, config, metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
+    if config.enable_debug_endpoints:
+        app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+    return app
+
+
+class _Routes:
+    def __init__(self, engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
+                 metrics: ServerMetrics) -> None:
+        self.engine_loop = engine_loop
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------------------------ generation
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body: CompletionRequest = parse_request(CompletionRequest, await self._read_json(request))
+        self._check_model(body.model)
+        prompt = body.single_prompt()
+        prompt_ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        params = body.sampling_params(max_tokens)
+        meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
+        return await self._respond(request, meta, prompt_ids, params, body.stream, body.include_usage())
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
+        self._check_model(body.model)
+        messages = [m.as_template_input() for m in body.messages]
+        try:
+            text = self.model.tokenizer.apply_chat_template(messages)
+        except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
+            raise APIError(400, f"the chat template could not render these messages: {error}",
+                           param="messages") from None
+        prompt_ids = self.model.tokenizer.encode(text)
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages")
+        params = body.sampling_params(max_tokens)
+        meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
+        return await self._respond(request, meta, prompt_ids, params, body.stream, body.include_usage())
+
+    async def _respond(self, request: Request, meta: ResponseMeta, prompt_ids: list[int], params: SamplingParams,
+                       stream: bool, include_usage: bool) -> Response:
+        request_id = meta.response_id
+        loop = self.engine_loop
+        try:
+            sink = await loop.add(request_id, prompt_ids, params)
+        except (ValueError, TypeError) as error:
+            raise APIError(400, str(error), param="prompt" if "prompt" in str(error) else None) from None
+        except EngineFailure as error:
+            raise APIError(503, str(error)) from None
+        except asyncio.CancelledError:
+            loop.abort(request_id)
+            raise
+        outputs = _outputs(sink)
+        if stream:
+            events = _events(meta, outputs, params, include_usage)
+            return EventStreamResponse(events, on_close=lambda: loop.abort(request_id))
+        try:
+            final = await run_until_disconnect(request.receive, _last(outputs))
+        except ClientGone:
+            return Response(status_code=499)
+        except EngineFailure as error:
+            raise APIError(500, str(error)) from None
+        finally:
+            loop.abort(request_id)  # a no-op once it has finished
+        return JSONResponse(full_response(meta, final))
+
+    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str) -> int:
+        limit = self.model.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; max_model_len is {limit}, which leaves no "
+                           "room for a completion", param=prompt_param, code="context_length_exceeded")
+        room = limit - prompt_len
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(400, f"max_tokens is {requested}, but the prompt has {prompt_len} tokens and "
+                           f"max_model_len is {limit}: at most {room} new tokens fit", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    # ------------------------------------------------------------------------------------ other routes
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "hybridcache", "max_model_len": self.model.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self) -> JSONResponse:
+        loop = self.engine_loop
+        ok = loop.running and loop.healthy
+        body = {"status": "ok" if ok else "unhealthy", "engine": loop.state.as_dict(), "last_error": loop.last_error}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def metrics_text(self) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def debug_engine(self, clear_cache: bool = False) -> JSONResponse:
+        try:
+            state = await self.engine_loop.check(clear_cache=clear_cache)
+        except EngineBusy as error:
+            raise APIError(409, str(error)) from None
+        except AssertionError as error:
+            raise APIError(500, f"integrity check failed: {error}") from None
+        return JSONResponse({"integrity": "ok", "engine": state.as_dict()})
+
+    # ------------------------------------------------------------------------------------ checks
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    def _check_model(self, name: str | None) -> None:
+        served = self.config.served_model_name
+        if name is not None and name != served:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"the request body has {declared} bytes; the limit is {limit} bytes")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise APIError(413, f"the request body is over the limit of {limit} bytes")
+        try:
+            return json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+
+
+async def _outputs(sink: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    """A request's outputs; when several are waiting only the newest is yielded (each holds all text so far).
+    Raises EngineFailure when the engine failed while running the request."""
+    while True:
+        item = await sink.get()
+        while not sink.empty():
+            item = sink.get_nowait()
+        if isinstance(item, Exception):
+            raise item
+        yield item
+        if item.finished:
+            return
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in outputs:
+        last = output
+    return last
+
+
+async def _events(meta: ResponseMeta, outputs: AsyncIterator[RequestOutput], params: SamplingParams,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """The server-sent events of one streaming response, ending with `data: [DONE]`."""
+    texts = [TextStream(params.stop) for _ in range(params.n)]
+    done = [False] * params.n
+    if meta.chat:
+        for index in range(params.n):
+            yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
+    final = None
+    try:
+        async for output in outputs:
+            final = output
+            for c in output.outputs:
+                if done[c.index]:
+                    continue
+                finished = c.finish_reason is not None
+                delta = texts[c.index].update(c.text, finished)
+                if delta or finished:
+                    done[c.index] = finished
+                    yield sse(chunk(meta, c.index, text=delta, finish_reason=c.finish_reason,
+                                    with_usage_field=include_usage))
+    except EngineFailure as error:
+        yield sse(error_body(500, str(error)))
+        yield sse("[DONE]")
+        return
+    if include_usage and final is not None:
+        yield sse(usage_chunk(meta, final))
+    yield sse("[DONE]")

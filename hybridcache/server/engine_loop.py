@@ -1,0 +1,263 @@
+"""The one thread that owns the engine. HTTP handlers reach it only through its command queue.
+
+    event loop (HTTP handlers)                       engine thread
+    ------------------------------                   ----------------------------------------------
+    await add(id, prompt, params)  --- _Add ----->   engine.add_request (errors go back to the caller)
+    abort(id)                      --- _Abort --->   engine.abort, metrics
+    await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
+                                                     while requests are unfinished: engine.step()
+    per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(queue.put_nowait, output)
+
+Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch.
+Each item on a request's queue is a `RequestOutput` (the last one has `finished` set) or an `EngineFailure`
+(the engine raised; the request was aborted). After every step the thread publishes an `EngineState` snapshot
+that any thread may read (`state`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridcache.outputs import RequestOutput
+from hybridcache.sampling import SamplingParams
+from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
+from hybridcache.server.metrics import ServerMetrics
+
+logger = logging.getLogger("hybridcache.server")
+
+
+class EngineFailure(Exception):
+    """The engine raised while running a request; the request was aborted and the server goes on."""
+
+
+class EngineBusy(Exception):
+    """An idle-only operation was asked for while requests are running."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sink: asyncio.Queue
+    done: asyncio.Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Check:
+    clear_cache: bool
+    done: asyncio.Future
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Stream:
+    """Engine-thread bookkeeping of one request."""
+
+    sink: asyncio.Queue
+    arrival: float
+    num_tokens: int = 0
+    last_token_time: float | None = None
+    last_output: RequestOutput | None = field(default=None, repr=False)
+
+
+class EngineLoop:
+    """Runs `engine` (an `LLMEngine`) in a dedicated thread; see the module docstring."""
+
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.state: EngineState = read_engine_state(engine)
+        self.healthy = True
+        self.last_error: str | None = None
+
+    # ---------------------------------------------------------------------------- event-loop side
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will await `add` and `check`."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="hybridcache-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Abort whatever still runs and end the thread (blocks until it has)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; returns its output queue. Raises the engine's ValueError/TypeError for a bad one."""
+        if not self.running:
+            raise EngineFailure("the engine is not running")
+        sink: asyncio.Queue = asyncio.Queue()
+        done = self._loop.create_future()
+        self._commands.put(_Add(request_id, prompt, params, sink, done))
+        await done
+        return sink
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds (a no-op for an unknown or finished one)."""
+        self._commands.put(_Abort(request_id))
+
+    async def check(self, clear_cache: bool = False) -> EngineState:
+        """Debug: recompute the engine's counts from scratch (raises on a mismatch; EngineBusy while requests
+        run), optionally drop the prefix cache's contents, and return a fresh snapshot."""
+        done = self._loop.create_future()
+        self._commands.put(_Check(clear_cache, done))
+        return await done
+
+    # ---------------------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self._engine
+        while True:
+            commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._abort_all(None)
+                    return
+                self._handle(command)
+            if engine.has_unfinished_requests():
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # noqa: BLE001 - a failing request must not end the server
+                    logger.exception("engine step failed; aborting the running requests")
+                    self._abort_all(error)
+                else:
+                    self._dispatch(outputs)
+            self._publish_state()
+
+    def _handle(self, command: _Add | _Abort | _Check) -> None:
+        engine = self._engine
+        if isinstance(command, _Add):
+            try:
+                engine.add_request(command.request_id, command.prompt, command.params)
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                self._resolve(command.done, error=error)
+                return
+            self._streams[command.request_id] = _Stream(command.sink, time.perf_counter())
+            self._resolve(command.done, None)
+        elif isinstance(command, _Abort):
+            stream = self._streams.pop(command.request_id, None)
+            output = engine.abort(command.request_id)
+            if stream is not None and output is not None:
+                self._record_finish(stream, output)
+                self._send(stream, output)
+        elif isinstance(command, _Check):
+            if engine.has_unfinished_requests():
+                self._resolve(command.done, error=EngineBusy("requests are running; the check needs an idle engine"))
+                return
+            try:
+                state = check_engine(engine, clear_cache=command.clear_cache)
+            except Exception as error:  # noqa: BLE001
+                self._resolve(command.done, error=error)
+                return
+            self.state = state
+            self._resolve(command.done, state)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if num_tokens > stream.num_tokens and self._metrics is not None:
+                if stream.last_token_time is None:
+                    self._metrics.ttft.observe(now - stream.arrival)
+                else:
+                    self._metrics.itl.observe(now - stream.last_token_time)
+                self._metrics.generation_tokens.inc(num_tokens - stream.num_tokens)
+            if num_tokens > stream.num_tokens:
+                stream.num_tokens = num_tokens
+                stream.last_token_time = now
+            stream.last_output = output
+            if output.finished:
+                del self._streams[output.request_id]
+                self._record_finish(stream, output)
+            self._send(stream, output)
+
+    def _abort_all(self, error: Exception | None) -> None:
+        """Abort every request (engine failure, or shutdown when `error` is None) and tell its handler."""
+        for request_id, stream in list(self._streams.items()):
+            try:
+                output = self._engine.abort(request_id)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort of %s failed", request_id)
+                output = None
+            if output is not None:
+                self._record_finish(stream, output, reason_override="error" if error is not None else None)
+            if error is not None:
+                self._send(stream, EngineFailure(f"the engine failed while running this request: {error}"))
+            elif output is not None:
+                self._send(stream, output)
+        self._streams.clear()
+        if error is not None:
+            self.last_error = f"{type(error).__name__}: {error}"
+            try:
+                self._engine.check_integrity()
+            except Exception:  # noqa: BLE001
+                logger.exception("the engine is inconsistent after a failure; reporting unhealthy")
+                self.healthy = False
+
+    def _record_finish(self, stream: _Stream, output: RequestOutput, reason_override: str | None = None) -> None:
+        if self._metrics is None:
+            return
+        if stream.last_output is None and stream.num_tokens == 0 and not output.finished:
+            # aborted before its prompt was computed: it queried nothing
+            self._metrics.finished.labels(finish_reason=reason_override or "abort").inc(len(output.outputs))
+            return
+        reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
+        self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
+                                       time.perf_counter() - stream.arrival)
+
+    def _publish_state(self) -> None:
+        try:
+            self.state = read_engine_state(self._engine)
+        except Exception:  # noqa: BLE001 - metrics must not end the loop
+            logger.exception("reading the engine state failed")
+
+    def _send(self, stream: _Stream, item: RequestOutput | Exception) -> None:
+        self._call_soon(stream.sink.put_nowait, item)
+
+    def _call_soon(self, callback: Any, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _resolve(self, future: asyncio.Future, value: Any = None, *, error: Exception | None = None) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        self._call_soon(settle)

@@ -1,0 +1,64 @@
+"""The one place that reads the engine's memory and prefix-cache counters (so engine renames touch only this).
+
+Everything here runs on the engine thread; the result is an immutable snapshot that any thread may read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """A snapshot of the engine's memory and cache counters.
+
+    num_blocks_used / num_slots_used count everything held: by running sequences and by the prefix cache
+    (trie blocks, frozen tails, checkpoint slots). `checkpoint_saves` (by reason) and `checkpoint_evictions`
+    (by kind) are the cache's running totals since start.
+    """
+
+    num_blocks: int = 0
+    num_blocks_used: int = 0
+    num_slots: int = 0
+    num_slots_used: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_checkpoints: int = 0
+    num_cache_nodes: int = 0
+    num_preemptions: int = 0
+    checkpoint_saves: dict[str, int] = field(default_factory=dict)
+    checkpoint_evictions: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def read_engine_state(engine: Any) -> EngineState:
+    """Snapshot `engine` (an `LLMEngine`); call only from the thread that owns it."""
+    stats = engine.stats()
+    cache = stats.get("cache")
+    return EngineState(
+        num_blocks=stats["num_blocks"],
+        num_blocks_used=stats["num_blocks_used"],
+        num_slots=stats["num_slots"],
+        num_slots_used=stats["num_slots_used"],
+        num_running=stats.get("num_running", 0),
+        num_waiting=stats.get("num_waiting", 0),
+        num_checkpoints=getattr(cache, "num_checkpoints", 0),
+        num_cache_nodes=getattr(cache, "num_nodes", 0),
+        num_preemptions=stats.get("num_preemptions", 0),
+        checkpoint_saves=dict(getattr(cache, "saves_by_reason", {}) or {}),
+        checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
+    )
+
+
+def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:
+    """Debug check (engine thread, idle engine): recompute every count from scratch (raises on a mismatch),
+    optionally drop everything the prefix cache holds, and snapshot. After `clear_cache` on an idle engine,
+    every block and slot must be free."""
+    engine.check_integrity()
+    if clear_cache:
+        engine.cache.clear()
+        engine.check_integrity()
+    return read_engine_state(engine)
