@@ -1,0 +1,89 @@
+"""Start a real `hybridcache serve` process on a free loopback port and stop it, whatever happens."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+# Small engine settings keep the built-in model fast on 2 cores.
+SMALL_ENGINE = ("--block-size", "16", "--max-model-len", "512", "--num-blocks", "2048")
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(*args: str, tmp_dir: Path, startup_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
+    """`hybridcache serve --port P *args` with this session's HYBRIDCACHE_HOME; yields once /health answers 200;
+    kills the process on exit."""
+    port = free_port()
+    log_path = tmp_dir / f"server-{port}.log"
+    command = [sys.executable, "-m", "hybridcache.cli", "serve", "--port", str(port), "--log-level", "warning",
+               *args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(process, port, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()}")
+            try:
+                if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start in {startup_timeout_s} s:\n{server.log()}")
+            time.sleep(0.1)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The value of `name{labels}` in a Prometheus text exposition (0 when absent)."""
+    key = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(key + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
