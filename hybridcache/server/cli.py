@@ -40,6 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.server.config import ServerConfig
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
+    from hybridcache.server.uvicorn_server import Server
     from hybridcache.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -58,7 +59,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics.watch_engine(lambda: engine_loop.state)
     model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len)
     app = build_app(engine_loop, model, config, metrics)
-    server = uvicorn.Server(uvicorn.Config(
+    server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, access_log=False,
         timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on",
     ))

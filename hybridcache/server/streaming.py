@@ -67,6 +67,9 @@ class EventStreamResponse(StreamingResponse):
             await run_until_disconnect(receive, stream())
         except (ClientGone, ClientDisconnect, OSError):
             pass
+        except asyncio.CancelledError:
+            # the server cancels responses still running when its shutdown timeout expires: end quietly
+            pass
         finally:
             with contextlib.suppress(Exception):
                 await self._events.aclose()

@@ -41,34 +41,51 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*args: str, tmp_dir: Path, startup_timeout_s: float = 60.0) -> Iterator[ServerProcess]:
-    """`hybridcache serve --port P *args` with this session's HYBRIDCACHE_HOME; yields once /health answers 200;
-    kills the process on exit."""
-    port = free_port()
-    log_path = tmp_dir / f"server-{port}.log"
-    command = [sys.executable, "-m", "hybridcache.cli", "serve", "--port", str(port), "--log-level", "warning",
-               *args]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
-    server = ServerProcess(process, port, log_path)
+def running_servers(*arg_lists: tuple[str, ...], tmp_dir: Path,
+                    startup_timeout_s: float = 90.0) -> Iterator[list[ServerProcess]]:
+    """Start `hybridcache serve --port P *args` for every arg list at once (this session's HYBRIDCACHE_HOME);
+    yields once every /health answers 200; kills every process on exit."""
+    servers: list[ServerProcess] = []
     try:
+        for args in arg_lists:
+            port = free_port()
+            log_path = tmp_dir / f"server-{port}.log"
+            command = [sys.executable, "-m", "hybridcache.cli", "serve", "--port", str(port),
+                       "--log-level", "warning", *args]
+            with open(log_path, "wb") as log:
+                process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=log,
+                                           stderr=subprocess.STDOUT)
+            servers.append(ServerProcess(process, port, log_path))
         deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited with {process.returncode}:\n{server.log()}")
-            try:
-                if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start in {startup_timeout_s} s:\n{server.log()}")
-            time.sleep(0.1)
-        yield server
+        for server in servers:
+            _wait_ready(server, deadline)
+        yield servers
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
+        for server in servers:
+            if server.process.poll() is None:
+                server.process.send_signal(signal.SIGKILL)
+            server.process.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def running_server(*args: str, tmp_dir: Path) -> Iterator[ServerProcess]:
+    """One server; see `running_servers`."""
+    with running_servers(args, tmp_dir=tmp_dir) as servers:
+        yield servers[0]
+
+
+def _wait_ready(server: ServerProcess, deadline: float) -> None:
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.process.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start in time:\n{server.log()}")
+        time.sleep(0.1)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
