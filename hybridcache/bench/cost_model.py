@@ -1,0 +1,106 @@
+"""What a model's tokens cost: bytes per KV token, bytes per state slot, prefill FLOPs (no torch).
+
+Read from a model folder's config.json through `ModelConfig` (only that file is read):
+
+    kv_bytes_per_token = attention layers * 2 (K, V) * kv_heads * head_dim * dtype bytes
+    state_bytes        = DeltaNet layers * (conv_dim * (kernel - 1) * dtype bytes          (conv state)
+                                            + v_heads * k_head_dim * v_head_dim * 4)       (fp32 recurrent state)
+    flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included)
+                         + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
+    attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
+    prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
+
+so computing tokens [s, n) costs prefill_flops(n) - prefill_flops(s), and a hit of s tokens saves
+prefill_flops(s). Worked example (the built-in model, float32): 2 attention layers * 2 * 2 kv heads * 32
+* 4 B = 1,024 B per KV token; 6 DeltaNet layers * (256 * 3 * 4 + 4 * 32 * 32 * 4) = 116,736 B per slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridcache.cache import CostModel
+from hybridcache.models.config import ModelConfig
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Sizes and FLOPs of one model (see the module docstring); `name` is for reports."""
+
+    name: str
+    kv_bytes_per_token: int
+    state_bytes: int
+    flops_per_token: float
+    attn_flops_per_token_pair: float
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        return self.flops_per_token * num_tokens + self.attn_flops_per_token_pair * num_tokens * (num_tokens + 1) / 2
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+    def cache_cost_model(self) -> CostModel:
+        """The `hybridcache.cache.CostModel` the FLOP-aware eviction reads."""
+        return CostModel(
+            flops_per_token=self.flops_per_token,
+            attn_flops_per_token_pair=self.attn_flops_per_token_pair,
+            kv_bytes_per_token=float(self.kv_bytes_per_token),
+            state_bytes=float(self.state_bytes),
+        )
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, name: str = "") -> ModelCost:
+        c = config
+        dtype_bytes = _DTYPE_BYTES.get(c.torch_dtype, 2)
+        h = c.hidden_size
+        q_dim = c.num_attention_heads * c.head_dim
+        kv_dim = c.num_key_value_heads * c.head_dim
+        attn_params = h * 2 * q_dim + 2 * h * kv_dim + q_dim * h  # q + output gate, k, v, o
+        vh = c.linear_num_value_heads
+        linear_params = (
+            h * (2 * c.linear_key_dim + 2 * c.linear_value_dim)  # q, k, v, z
+            + h * 2 * vh  # b, a
+            + c.conv_dim * c.linear_conv_kernel_dim
+            + c.linear_value_dim * h
+        )
+        params = h * c.vocab_size  # lm_head
+        for layer_id, kind in enumerate(c.layer_types):
+            params += attn_params if kind == "full_attention" else linear_params
+            if c.is_moe_layer(layer_id):
+                params += h * c.num_experts + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
+                params += 3 * h * c.shared_expert_intermediate_size + h
+            else:
+                params += 3 * h * (c.intermediate_size or 0)
+        recurrent = c.num_linear_layers * 6 * vh * c.linear_key_head_dim * c.linear_value_head_dim
+        return cls(
+            name=name or c.architecture,
+            kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
+            state_bytes=c.num_linear_layers * (
+                c.conv_dim * c.conv_width * dtype_bytes + vh * c.linear_key_head_dim * c.linear_value_head_dim * 4
+            ),
+            flops_per_token=float(2 * params + recurrent),
+            attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),
+        )
+
+
+def builtin_model_config() -> ModelConfig:
+    """The built-in model's config: its folder's config.json when written, else built from its constants
+    (no torch: the simulator does not write the model folder)."""
+    from hybridcache.models.builtin import BUILTIN_CONFIG, builtin_model_dir
+
+    path = builtin_model_dir()
+    if (path / "config.json").is_file():
+        return ModelConfig.from_model_dir(path)
+    raw = {**BUILTIN_CONFIG, "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+           "dtype": "float32"}
+    return ModelConfig.from_dict(raw)
+
+
+def load_model_cost(model_dir: str | Path | None = None) -> ModelCost:
+    """The cost model of a model folder (only config.json is read); None = the built-in model."""
+    if model_dir is None:
+        return ModelCost.from_config(builtin_model_config(), "builtin")
+    return ModelCost.from_config(ModelConfig.from_model_dir(model_dir), Path(model_dir).name)

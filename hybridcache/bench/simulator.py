@@ -1,0 +1,454 @@
+"""The cache simulator (`hybridcache simulate`): replays a workload through the real `PrefixCache` (the code
+the engine runs, no model) under several policies side by side, and counts what each one saves.
+
+Per request and policy (`CacheReplay.run`)::
+
+    m = cache.match(CacheRequest(rid, prompt))        branch = m.divergence_len when > m.cached_len
+    plan = plan_chunk(policy, start=m.cached_len, ...) the engine's own chunk/save planner (save_plan.py)
+    cache.admit(m, plan.end)                           None: no room even after eviction -> uncacheable
+    repeat until the prompt is fed:
+        cache.ensure_capacity(rid, plan.end); cache.reserve_save(rid, plan.end, plan.reason)
+        cache.commit_step({rid: prompt[start:plan.end]}); plan = plan_chunk(...)
+    cache.commit_step({rid: output[:-1]})              all decode tokens but the last in one commit
+    cache.finish(rid) if policy.finish else cache.abort(rid)
+
+Simplifications (documented in docs/bench.md):
+- Requests are simulated one at a time in arrival order, even when they overlap in time; the `n`
+  completions of one request run together (matched and admitted before any is fed), as in the engine.
+- Decode tokens are fed in one commit: with decode checkpoints off (the default) only the blocks they fill
+  and the finish step matter to the cache, and both are the same as one commit per token.
+- Each sequence gets the whole chunk budget (`chunk_budget`, 8192 tokens by default).
+
+Policies (`parse_policies`): `none`; `block-aligned` (state only at block boundaries, one per anchor; a
+block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B); `seed` (exact prefill
+and chunk ends, one checkpoint per anchor, LRU); `hybridcache` (this project's defaults: chunk ends, branch
+points, finish, 4 per anchor, LRU) and `hybridcache+flop` (the same with FLOP-aware eviction); `oracle`
+(unbounded memory and a state at every step: the longest prefix shared with any earlier request's fed
+tokens, capped at prompt_len - 1, computed directly by `OracleIndex`).
+
+Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that there is one slot per
+`kv_tokens_per_slot` tokens of KV (`cache_sizing`); the running sequences' own state slots come on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import asdict, dataclass, field
+
+from hybridcache.bench.cost_model import ModelCost
+from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
+
+POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle")
+DEFAULT_POLICIES = POLICY_NAMES
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One simulated policy: `name` as reported, the cache `mode` of save_plan.py (or `none` / `oracle`),
+    the eviction policy and the block size it runs with."""
+
+    name: str
+    mode: str
+    block_size: int
+    eviction: str = "lru"
+
+
+def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
+    """`"none,block-aligned:528,hybridcache"` -> specs; `NAME:B` overrides the block size of one policy."""
+    names = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    specs = []
+    for name in names:
+        base, _, size = name.partition(":")
+        if base not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
+        mode = "hybridcache" if base == "hybridcache+flop" else base
+        eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction))
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"policies repeat: {names}")
+    return specs
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Memory budget (bytes, KV + checkpoint states), default block size, chunk budget, slot sizing."""
+
+    memory_bytes: int
+    block_size: int = 64
+    chunk_budget: int = 8192
+    kv_tokens_per_slot: int = 2048
+    check_integrity: bool = False
+
+
+def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
+    """(num_blocks, num_checkpoint_slots) that fit `memory_bytes`: one state slot per `kv_tokens_per_slot`
+    KV tokens. Example: 1 GiB of the built-in model (1,024 B per KV token, 116,736 B per slot), B = 64,
+    2,048 tokens per slot: share = 116736 / (116736 + 2048 * 1024) = 5.3 %, 487 slots, 15,515 blocks."""
+    share = cost.state_bytes / (cost.state_bytes + kv_tokens_per_slot * cost.kv_bytes_per_token)
+    num_slots = int(memory_bytes * share // cost.state_bytes)
+    num_blocks = int((memory_bytes - num_slots * cost.state_bytes) // cost.block_bytes(block_size))
+    if num_blocks < 1 or num_slots < 1:
+        raise ValueError(f"a budget of {memory_bytes / GIB:.3g} GiB holds {num_blocks} blocks and {num_slots} slots")
+    return num_blocks, num_slots
+
+
+@dataclass
+class Counters:
+    """What one policy did over a workload (mutable while it runs)."""
+
+    num_requests: int = 0
+    num_sequences: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    flops_saved: float = 0.0
+    num_uncacheable: int = 0
+    bytes_peak: int = 0
+    hit_tokens_by_turn: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, request: SimRequest, hit_tokens: int, cost: ModelCost) -> None:
+        """One completed sequence of `request` that skipped `hit_tokens` prompt tokens."""
+        self.num_sequences += 1
+        self.prompt_tokens += request.prompt_len
+        self.hit_tokens += hit_tokens
+        self.flops_saved += cost.prefill_flops(hit_tokens)
+        by_turn = self.hit_tokens_by_turn.setdefault(request.turn, [0, 0])
+        by_turn[0] += hit_tokens
+        by_turn[1] += request.prompt_len
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """The simulator's report for one policy. `token_hit_rate` = hit tokens / prompt tokens (every
+    completion counts its prompt); `bytes_peak` = the largest KV + checkpoint-state bytes held (for
+    `oracle`: the KV of every distinct fed token; its states are not counted)."""
+
+    name: str
+    token_hit_rate: float
+    prefill_tokens_computed: int
+    flops_saved: float
+    checkpoints_saved: int
+    evictions: int
+    bytes_peak: int
+    num_requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    num_uncacheable: int
+    num_blocks: int | None
+    num_slots: int | None
+    hits_by_reason: dict[str, int]
+    evictions_by_kind: dict[str, int]
+    hit_rate_by_turn: dict[int, float]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _result(name: str, c: Counters, **extra) -> PolicyResult:
+    values = dict(checkpoints_saved=0, evictions=0, num_blocks=None, num_slots=None, hits_by_reason={},
+                  evictions_by_kind={})
+    values.update(extra)
+    return PolicyResult(
+        name=name,
+        token_hit_rate=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        prefill_tokens_computed=c.prompt_tokens - c.hit_tokens,
+        flops_saved=c.flops_saved,
+        bytes_peak=c.bytes_peak,
+        num_requests=c.num_requests,
+        prompt_tokens=c.prompt_tokens,
+        hit_tokens=c.hit_tokens,
+        num_uncacheable=c.num_uncacheable,
+        hit_rate_by_turn={t: h / p if p else 0.0 for t, (h, p) in sorted(c.hit_tokens_by_turn.items())},
+        **values,
+    )
+
+
+class NoCacheReplay:
+    """`none`: nothing is reused; the running sequence's own KV is the only memory held."""
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost) -> None:
+        self.spec, self.cost, self.counters = spec, cost, Counters()
+
+    def run(self, request: SimRequest) -> None:
+        self.counters.num_requests += 1
+        fed = request.prompt_len + max(len(o) for o in request.outputs()) - 1
+        self.counters.bytes_peak = max(self.counters.bytes_peak, request.n * fed * self.cost.kv_bytes_per_token)
+        for _ in range(request.n):
+            self.counters.add(request, 0, self.cost)
+
+    def result(self) -> PolicyResult:
+        return _result(self.spec.name, self.counters)
+
+
+class OracleIndex:
+    """Every fed token sequence so far, as a trie of `block_size`-token blocks keyed exactly by
+    (parent node, tokens); each node also lists its children and partial tails by first token, so the
+    longest common prefix with anything fed costs O(prompt / B) dict lookups plus a few comparisons::
+
+        fed so far: [a b c d | e f g h | i j]          (B = 4)
+        query:      [a b c d | e f x y | ...]  -> 4 (block) + 2 (common prefix with child "e f g h") = 6
+    """
+
+    def __init__(self, block_size: int = 64) -> None:
+        self.block_size = block_size
+        self._nodes: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._by_first: dict[int, dict[int, list[tuple[int, ...]]]] = {}
+        self.num_tokens = 0
+
+    def longest_prefix(self, token_ids: tuple[int, ...]) -> int:
+        size, node, pos = self.block_size, 0, 0
+        while pos + size <= len(token_ids):
+            child = self._nodes.get((node, token_ids[pos:pos + size]))
+            if child is None:
+                break
+            node, pos = child, pos + size
+        rest = token_ids[pos:pos + size]
+        best = 0
+        if rest:
+            for other in self._by_first.get(node, {}).get(rest[0], ()):
+                agree = _common_prefix_len(other, rest)
+                best = max(best, agree)
+        return pos + best
+
+    def insert(self, token_ids: tuple[int, ...]) -> None:
+        size, node, pos = self.block_size, 0, 0
+        while pos < len(token_ids):
+            block = token_ids[pos:pos + size]
+            if len(block) == size:
+                child = self._nodes.get((node, block))
+                if child is None:
+                    child = len(self._nodes) + 1
+                    self._nodes[(node, block)] = child
+                    self._by_first.setdefault(node, {}).setdefault(block[0], []).append(block)
+                    self.num_tokens += size
+                node, pos = child, pos + size
+            else:
+                tails = self._by_first.setdefault(node, {}).setdefault(block[0], [])
+                if not any(t[: len(block)] == block for t in tails):
+                    tails.append(block)
+                    self.num_tokens += len(block)
+                break
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class OracleReplay:
+    """`oracle`: unbounded memory and a state at every step (see `OracleIndex`)."""
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost) -> None:
+        self.spec, self.cost, self.counters = spec, cost, Counters()
+        self.index = OracleIndex()
+
+    def run(self, request: SimRequest) -> None:
+        self.counters.num_requests += 1
+        hit = min(self.index.longest_prefix(request.prompt_ids), request.prompt_len - 1)
+        for _ in range(request.n):
+            self.counters.add(request, hit, self.cost)
+        for output in request.outputs():
+            self.index.insert(request.prompt_ids + output[:-1])
+        self.counters.bytes_peak = self.index.num_tokens * self.cost.kv_bytes_per_token
+
+    def result(self) -> PolicyResult:
+        return _result(self.spec.name, self.counters)
+
+
+@dataclass
+class _Seq:
+    rid: Hashable
+    output_ids: tuple[int, ...]
+    cached_len: int
+    branch_step: int | None
+    computed: int
+
+
+class CacheReplay:
+    """A policy that drives a real `PrefixCache` (see the module docstring for the call sequence)."""
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
+        self.spec, self.cost, self.config = spec, cost, config
+        self.policy: CheckpointPolicy = checkpoint_policy(spec.mode)
+        self.block_size = spec.block_size
+        self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
+                                                       config.kv_tokens_per_slot)
+        self.num_slots = num_ckpt_slots + max_running
+        self.max_running = max_running
+        self.cache = PrefixCache(
+            CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
+                        max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
+                        eviction=spec.eviction),
+            cost.cache_cost_model(),
+        )
+        self.counters = Counters()
+
+    def _plan(self, seq: _Seq, prompt_len: int):
+        return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=self.config.chunk_budget,
+                          prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step)
+
+    def run(self, request: SimRequest) -> None:
+        if request.n > self.max_running:
+            raise ValueError(f"request {request.request_id} has n={request.n} > max_running {self.max_running}")
+        self.counters.num_requests += 1
+        pending = list(enumerate(request.outputs()))
+        while pending:
+            wave = self._admit(request, pending)
+            if not wave:  # not even one sequence fits next to nothing: computed without the cache
+                pending.pop(0)
+                self.counters.num_uncacheable += 1
+                self.counters.add(request, 0, self.cost)
+                continue
+            pending = pending[len(wave):]
+            self._run_wave(request, wave)
+
+    def _admit(self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]]) -> list[_Seq]:
+        cache, prompt = self.cache, request.prompt_ids
+        wave: list[_Seq] = []
+        for index, output in pending:
+            rid = (request.request_id, index)
+            match = cache.match(CacheRequest(rid, prompt))
+            branch = match.divergence_len if match.divergence_len > match.cached_len else None
+            seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
+            if cache.admit(match, self._plan(seq, len(prompt)).end) is None:
+                cache.release_match(match)
+                break
+            wave.append(seq)
+        return wave
+
+    def _run_wave(self, request: SimRequest, wave: list[_Seq]) -> None:
+        cache, prompt = self.cache, request.prompt_ids
+        prompt_len = len(prompt)
+        active = list(wave)
+        while any(s.computed < prompt_len for s in active):
+            fed = {}
+            for seq in list(active):
+                if seq.computed >= prompt_len:
+                    continue
+                plan = self._plan(seq, prompt_len)
+                if not cache.ensure_capacity(seq.rid, plan.end):
+                    self._drop(request, seq, active)
+                    continue
+                if plan.reason is not None:
+                    cache.reserve_save(seq.rid, plan.end, plan.reason)
+                fed[seq.rid] = prompt[seq.computed:plan.end]
+                seq.computed = plan.end
+            if fed:
+                cache.commit_step(fed)
+        decode = {}
+        for seq in list(active):
+            if len(seq.output_ids) > 1:
+                if not cache.ensure_capacity(seq.rid, prompt_len + len(seq.output_ids) - 1):
+                    self._drop(request, seq, active)
+                    continue
+                decode[seq.rid] = seq.output_ids[:-1]
+        if decode:
+            cache.commit_step(decode)
+        self._sample_memory()
+        for seq in active:
+            if self.policy.finish:
+                cache.finish(seq.rid)
+            else:
+                cache.abort(seq.rid)
+            self.counters.add(request, seq.cached_len, self.cost)
+        if self.config.check_integrity:
+            cache.check_integrity()
+
+    def _drop(self, request: SimRequest, seq: _Seq, active: list[_Seq]) -> None:
+        """No room for the sequence's next blocks even after eviction: it runs without the cache."""
+        self.cache.abort(seq.rid)
+        active.remove(seq)
+        self.counters.num_uncacheable += 1
+        self.counters.add(request, 0, self.cost)
+
+    def _sample_memory(self) -> None:
+        stats = self.cache.stats
+        held = (stats.num_blocks_used * self.cost.block_bytes(self.block_size)
+                + (stats.num_slots_used - stats.num_running) * self.cost.state_bytes)
+        self.counters.bytes_peak = max(self.counters.bytes_peak, held)
+
+    def result(self) -> PolicyResult:
+        stats = self.cache.stats
+        return _result(
+            self.spec.name, self.counters,
+            checkpoints_saved=sum(stats.saves_by_reason.values()),
+            evictions=sum(stats.evictions_by_kind.values()),
+            num_blocks=self.num_blocks, num_slots=self.num_slots,
+            hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
+        )
+
+
+Replay = NoCacheReplay | OracleReplay | CacheReplay
+
+
+def make_replay(spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> Replay:
+    if spec.mode == "none":
+        return NoCacheReplay(spec, cost)
+    if spec.mode == "oracle":
+        return OracleReplay(spec, cost)
+    return CacheReplay(spec, cost, config, max_running)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """One simulator run: the workload, the model, the budget and every policy's result."""
+
+    workload: str
+    model: str
+    memory_bytes: int
+    block_size: int
+    num_requests: int
+    policies: dict[str, PolicyResult]
+
+    def to_json(self) -> dict:
+        return {
+            "workload": self.workload,
+            "model": self.model,
+            "memory_gib": self.memory_bytes / GIB,
+            "block_size": self.block_size,
+            "num_requests": self.num_requests,
+            "policies": {name: r.to_json() for name, r in self.policies.items()},
+        }
+
+
+def simulate(
+    workload: Workload,
+    specs: list[PolicySpec],
+    cost: ModelCost,
+    config: SimConfig,
+    on_request: Callable[[int], None] | None = None,
+) -> SimResult:
+    """Replay `workload` once, feeding each request to every policy in turn (tokens are rendered once).
+    `on_request(i)` is called after request i (for a progress bar)."""
+    requests = iter(workload)
+    first = next(requests, None)
+    max_running = 1 if first is None else first.n
+    replays = [make_replay(s, cost, config, max_running) for s in specs]
+    count = 0
+    if first is not None:
+        for request in _chain(first, requests):
+            if request.n > max_running:  # resize is not possible mid-run; workloads keep n constant
+                raise ValueError(f"request {request.request_id}: n={request.n}, the first request had {max_running}")
+            for replay in replays:
+                replay.run(request)
+            if on_request is not None:
+                on_request(count)
+            count += 1
+    return SimResult(workload.name, cost.name, config.memory_bytes, config.block_size, count,
+                     {r.spec.name: r.result() for r in replays})
+
+
+def _chain(first: SimRequest, rest: Iterable[SimRequest]) -> Iterable[SimRequest]:
+    yield first
+    yield from rest

@@ -1,0 +1,99 @@
+"""`mooncake`: the Mooncake conversation trace (FAST '25), one JSON object per line:
+`{"timestamp" (ms), "input_length", "output_length", "hash_ids"}`, one hash id per 512-token block.
+
+Replay: hash id h becomes a fixed pseudo-random block of 512 tokens drawn from `default_rng([seed, h])`
+(so it depends only on the seed and the id, not on how the trace is cut), the prompt is the concatenation
+of its ids' blocks cut to `input_length`, and the output is `output_length` pseudo-random tokens private to
+the request. Arrivals are the timestamps times `time_scale`.
+
+Token ids are drawn from `[0, min(vocab, 256))`: CPython shares the int objects of small numbers, so a
+cache trie holding 10^8 tokens costs 8 bytes a token instead of 36. Distinct blocks still differ (a
+collision of two 512-token blocks has probability 256^-512).
+
+    hash_ids [0, 7, 9], input_length 1100:
+    tokens   [ block(0): 512 ][ block(7): 512 ][ block(9)[:76] ]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybridcache.bench.workloads.base import SimRequest, Workload
+
+MOONCAKE_BLOCK_LEN = 512
+
+
+@dataclass(frozen=True)
+class MooncakeRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake(path: str | Path, num_requests: int | None = None) -> list[MooncakeRecord]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if num_requests is not None and len(records) >= num_requests:
+                break
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            hash_ids = tuple(int(h) for h in r["hash_ids"])
+            if not 0 < r["input_length"] <= len(hash_ids) * MOONCAKE_BLOCK_LEN:
+                raise ValueError(f"{path}: input_length {r['input_length']} does not fit {len(hash_ids)} blocks")
+            records.append(MooncakeRecord(float(r["timestamp"]), int(r["input_length"]),
+                                          max(1, int(r["output_length"])), hash_ids))
+    return records
+
+
+class BlockTokens:
+    """The pseudo-random token block of each hash id, generated on first use and kept (uint8, 512 bytes)."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed = seed
+        self.vocab = min(vocab, 256)
+        self._blocks: dict[int, np.ndarray] = {}
+
+    def block(self, hash_id: int) -> np.ndarray:
+        block = self._blocks.get(hash_id)
+        if block is None:
+            rng = np.random.default_rng([self.seed, hash_id])
+            block = rng.integers(0, self.vocab, size=MOONCAKE_BLOCK_LEN, dtype=np.uint8)
+            self._blocks[hash_id] = block
+        return block
+
+    def prompt(self, hash_ids: tuple[int, ...], length: int) -> tuple[int, ...]:
+        return tuple(np.concatenate([self.block(h) for h in hash_ids])[:length].tolist())
+
+
+def mooncake_workload(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    num_requests: int | None = None,
+    time_scale: float = 1.0,
+    vocab: int = 256,
+) -> Workload:
+    """The trace's first `num_requests` requests, rendered lazily (see the module docstring)."""
+    records = read_mooncake(path, num_requests)
+
+    def render() -> Iterator[SimRequest]:
+        blocks = BlockTokens(seed, vocab)
+        for i, r in enumerate(records):
+            out_rng = np.random.default_rng([seed, 1 << 40, i])
+            yield SimRequest(
+                request_id=f"mooncake/{i}",
+                prompt_ids=blocks.prompt(r.hash_ids, r.input_length),
+                output_ids=tuple(out_rng.integers(0, blocks.vocab, size=r.output_length).tolist()),
+                arrival_s=r.timestamp_ms / 1000.0 * time_scale,
+                session_id=f"mooncake/{i}",
+            )
+
+    return Workload("mooncake", len(records), render)

@@ -1,0 +1,76 @@
+"""`sharegpt`: multi-turn chats from the ShareGPT V3 file, rendered with the model's chat template.
+
+Each line is `{"id", "conversations": [{"from": "human"|"gpt", "value": text}, ...]}`. Leading assistant
+messages are dropped (they have nothing before them); turn k's prompt is every message before the k-th
+assistant reply, with the generation prompt. Sessions arrive as a Poisson process (mean `session_gap_s`)
+and a session's next call follows after an exponential think time (mean `think_s`), both seeded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hybridcache.bench.workloads.base import ChatSession, session_arrivals
+from hybridcache.bench.workloads.text import ChatEncoder
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
+          "system": "system"}
+
+
+def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
+    """(id, messages) per line, roles mapped to user/assistant/system, leading assistant messages dropped;
+    conversations left without a user message before an assistant message are skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            messages = [
+                {"role": _ROLES[m["from"]], "content": m["value"]}
+                for m in record.get("conversations", [])
+                if m.get("from") in _ROLES and isinstance(m.get("value"), str)
+            ]
+            while messages and messages[0]["role"] == "assistant":
+                messages.pop(0)
+            if any(m["role"] == "assistant" for m in messages):
+                out.append((str(record.get("id", len(out))), messages))
+    return out
+
+
+def load_sharegpt(
+    path: str | Path,
+    encoder: ChatEncoder,
+    *,
+    seed: int = 0,
+    num_sessions: int | None = None,
+    max_turns: int | None = None,
+    max_message_chars: int | None = None,
+    max_prompt_len: int | None = None,
+    session_gap_s: float = 2.0,
+    think_s: float = 30.0,
+) -> tuple[ChatSession, ...]:
+    """Sessions of the file, in file order, cut to `num_sessions`, `max_turns` model calls each, messages cut
+    to `max_message_chars` characters and prompts to `max_prompt_len` tokens (see `ChatEncoder.session`)."""
+    rng = np.random.default_rng(seed)
+    sessions = []
+    start = 0.0
+    for conv_id, messages in read_conversations(path):
+        if num_sessions is not None and len(sessions) >= num_sessions:
+            break
+        if max_message_chars is not None:
+            messages = [{**m, "content": m["content"][:max_message_chars]} for m in messages]
+        if max_turns is not None:
+            calls = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+            if len(calls) > max_turns:
+                messages = messages[: calls[max_turns - 1] + 1]
+        num_calls = sum(m["role"] == "assistant" for m in messages)
+        arrivals = session_arrivals(num_calls, start, rng, think_s)
+        start += float(rng.exponential(session_gap_s))
+        session = encoder.session(f"sharegpt-{conv_id}", messages, arrivals, max_prompt_len)
+        if session is not None:
+            sessions.append(session)
+    return tuple(sessions)

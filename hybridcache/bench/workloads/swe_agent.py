@@ -1,0 +1,68 @@
+"""`swe-agent`: SWE-agent trajectories (`*.traj` JSON); each assistant message of `history` is one model
+call whose prompt is every message before it (rendered with the chat template).
+
+Runs are sessions in sorted path order; they start `session_gap_s` apart (seeded exponential gaps) and a
+run's next call follows after an exponential tool time of mean `think_s`, so concurrent agents interleave.
+Message content that is a list of parts (`{"type": "text", "text": ...}`) is joined.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hybridcache.bench.workloads.base import ChatSession, session_arrivals
+from hybridcache.bench.workloads.text import ChatEncoder
+
+
+def _text(content) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return str(content)
+
+
+def trajectory_files(path: str | Path) -> list[Path]:
+    """A `.traj` file, or every `.traj` file under a folder (sorted)."""
+    path = Path(path)
+    return [path] if path.is_file() else sorted(path.rglob("*.traj"))
+
+
+def load_swe_agent(
+    path: str | Path,
+    encoder: ChatEncoder,
+    *,
+    seed: int = 0,
+    num_sessions: int | None = None,
+    max_message_chars: int | None = None,
+    max_prompt_len: int | None = None,
+    session_gap_s: float = 5.0,
+    think_s: float = 5.0,
+) -> tuple[ChatSession, ...]:
+    """One session per trajectory (see the module docstring)."""
+    files = trajectory_files(path)
+    if not files:
+        raise FileNotFoundError(f"no .traj files under {path}")
+    rng = np.random.default_rng(seed)
+    sessions = []
+    start = 0.0
+    for file in files:
+        if num_sessions is not None and len(sessions) >= num_sessions:
+            break
+        history = json.loads(file.read_text(encoding="utf-8")).get("history", [])
+        messages = [
+            {"role": m["role"], "content": _text(m.get("content", ""))[:max_message_chars]}
+            for m in history
+            if m.get("role") in ("system", "user", "assistant")
+        ]
+        num_calls = sum(m["role"] == "assistant" for m in messages)
+        arrivals = session_arrivals(num_calls, start, rng, think_s)
+        start += float(rng.exponential(session_gap_s))
+        name = file.relative_to(path).with_suffix("").as_posix() if Path(path).is_dir() else file.stem
+        session = encoder.session(f"swe-{name}", messages, arrivals, max_prompt_len)
+        if session is not None:
+            sessions.append(session)
+    return tuple(sessions)
