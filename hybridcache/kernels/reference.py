@@ -144,6 +144,32 @@ def recurrent_gated_delta_rule(
     return out.transpose(0, 1).contiguous().to(out_dtype), state
 
 
+def gated_delta_rule_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of N sequences at once (the decode case of `recurrent_gated_delta_rule`).
+
+    q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv]; state [N, Hv, Dk, Dv]
+    returns out [N, Hv, Dv] in q's dtype, new_state [N, Hv, Dk, Dv] fp32
+    """
+    out_dtype = q.dtype
+    # With the N sequences in place of time, the per-token preparation is the same; then move N back first.
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _prepare_delta_inputs(q, k, v, g, beta, use_qk_l2norm))
+    state = state.to(torch.float32) * g.exp()[..., None, None]
+    predicted = (state * k.unsqueeze(-1)).sum(dim=-2)  # S^T k: [N, Hv, Dv]
+    delta = (v - predicted) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * q.unsqueeze(-1)).sum(dim=-2)
+    return out.to(out_dtype), state
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -168,12 +194,40 @@ def causal_conv1d(
     if conv_state is None:
         conv_state = torch.zeros(channels, width, dtype=x.dtype, device=x.device)
     full = torch.cat([conv_state.to(weight.dtype), x.transpose(0, 1).to(weight.dtype)], dim=-1)  # [C, K-1+T]
-    out = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), bias, groups=channels)[0]  # [C, T]
-    if activation == "silu":
-        out = F.silu(out)
-    elif activation is not None:
-        raise ValueError(f"unsupported activation {activation!r}")
+    out = _depthwise_windows(full, weight, bias, activation)  # [C, T]
     return out.transpose(0, 1).to(x.dtype), full[:, full.shape[-1] - width :].to(conv_state.dtype)
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token for each of N sequences at once (the decode case of `causal_conv1d`).
+
+    x [N, C]; weight [C, K]; bias [C] or None; conv_state [N, C, K-1]
+    returns out [N, C], new_state [N, C, K-1]  (window = state + x, new_state = window[..., 1:])
+    """
+    window = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype).unsqueeze(-1)], dim=-1)  # [N, C, K]
+    out = _depthwise_windows(window, weight, bias, activation)[..., 0]
+    return out.to(x.dtype), window[..., 1:].to(conv_state.dtype)
+
+
+def _depthwise_windows(
+    full: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """full [..., C, K-1+T] -> [..., C, T]: every window of K inputs times the channel's kernel, summed."""
+    out = (full.unfold(-1, weight.shape[-1], 1) * weight.unsqueeze(-2)).sum(-1)
+    if bias is not None:
+        out = out + bias.unsqueeze(-1)
+    if activation == "silu":
+        return F.silu(out)
+    if activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    return out
 
 
 def write_kv(

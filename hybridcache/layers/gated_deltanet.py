@@ -1,6 +1,7 @@
 """Gated DeltaNet token mixer of Qwen3.5 (separate input projections) and Qwen3-Next (packed ones).
 
-Per sequence of the batch (T new tokens, hidden [T, hidden]):
+Per sequence of the batch (T new tokens, hidden [T, hidden]; sequences decoding one token from a saved state
+are processed together, the others one by one):
     q|k|v (pre-conv) [T, C], z [T, Hv, Dv], b, a [T, Hv]      <- input projections
     q|k|v = silu(causal depthwise conv(q|k|v))                 conv state: last K-1 inputs per channel
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
@@ -63,6 +64,16 @@ class _GatedDeltaNetBase(nn.Module):
         """hidden [T, hidden] -> mixed_qkv [T, C] (q | k | v), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
         raise NotImplementedError
 
+    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv_out [N, C] -> q, k [N, Hk, Dk], v [N, Hv, Dv]."""
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        num = conv_out.shape[0]
+        return (
+            q.reshape(num, self.num_k_heads, self.k_head_dim),
+            k.reshape(num, self.num_k_heads, self.k_head_dim),
+            v.reshape(num, self.num_v_heads, self.v_head_dim),
+        )
+
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
     ) -> torch.Tensor:
@@ -77,19 +88,20 @@ class _GatedDeltaNetBase(nn.Module):
         )
         starts = batch.cu_seqlens.tolist()
         slots = batch.state_slots.tolist()
+        decode_ids = []
         for i, (query_len, context_len) in enumerate(
             zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True)
         ):
+            if query_len == 1 and context_len > 1:
+                decode_ids.append(i)  # one token continuing a state: batched below
+                continue
             rows = slice(starts[i], starts[i] + query_len)
             slot = slots[i]
             fresh = context_len == query_len
             conv_out, conv_state = reference.causal_conv1d(
                 mixed_qkv[rows], weight, self.conv1d.bias, None if fresh else conv_pool[slot]
             )
-            q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            q = q.reshape(query_len, self.num_k_heads, self.k_head_dim)
-            k = k.reshape(query_len, self.num_k_heads, self.k_head_dim)
-            v = v.reshape(query_len, self.num_v_heads, self.v_head_dim)
+            q, k, v = self._split_heads(conv_out)
             rule = (
                 reference.recurrent_gated_delta_rule if query_len == 1 else reference.chunk_gated_delta_rule
             )
@@ -97,6 +109,17 @@ class _GatedDeltaNetBase(nn.Module):
             core[rows] = out
             conv_pool[slot] = conv_state
             ssm_pool[slot] = state
+        if decode_ids:
+            rows = torch.tensor([starts[i] for i in decode_ids], device=hidden.device)
+            slot_ids = batch.state_slots[decode_ids]
+            conv_out, conv_state = reference.causal_conv1d_step(
+                mixed_qkv[rows], weight, self.conv1d.bias, conv_pool[slot_ids]
+            )
+            q, k, v = self._split_heads(conv_out)
+            out, state = reference.gated_delta_rule_step(q, k, v, g[rows], beta[rows], ssm_pool[slot_ids])
+            core[rows] = out
+            conv_pool.index_copy_(0, slot_ids, conv_state)
+            ssm_pool.index_copy_(0, slot_ids, state.to(ssm_pool.dtype))
         core = self.norm(core, z)
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 
