@@ -94,3 +94,22 @@ def test_paged_attention_equals_dense_causal_attention():
         qi = q[cu[i] : cu[i + 1]].transpose(0, 1)
         dense = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask).transpose(0, 1)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]], dense, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decode_steps_equal_per_sequence_steps():
+    """The N-sequence one-token kernels give what the per-sequence kernels give for each sequence."""
+    gen = torch.Generator().manual_seed(4)
+    num = 5
+    weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    x, conv_state = torch.randn(num, 6, generator=gen), torch.randn(num, 6, 3, generator=gen)
+    out, new_conv = reference.causal_conv1d_step(x, weight, bias, conv_state)
+    inputs = [delta_inputs(1, seed=10 + i) for i in range(num)]
+    q, k, v, g, beta, state = (torch.cat([x_[j] if j < 5 else x_[j][None] for x_ in inputs]) for j in range(6))
+    delta_out, delta_state = reference.gated_delta_rule_step(q, k, v, g, beta, state)
+    for i in range(num):
+        want, want_state = reference.causal_conv1d(x[i : i + 1], weight, bias, conv_state[i])
+        torch.testing.assert_close(out[i : i + 1], want)
+        torch.testing.assert_close(new_conv[i], want_state)
+        want, want_state = reference.recurrent_gated_delta_rule(*inputs[i])
+        torch.testing.assert_close(delta_out[i : i + 1], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(delta_state[i], want_state, rtol=1e-5, atol=1e-6)
