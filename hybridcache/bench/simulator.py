@@ -452,3 +452,69 @@ def simulate(
 def _chain(first: SimRequest, rest: Iterable[SimRequest]) -> Iterable[SimRequest]:
     yield first
     yield from rest
+
+
+def simulate_many(
+    workload: Workload,
+    jobs: list[tuple[PolicySpec, SimConfig]],
+    cost: ModelCost,
+    num_workers: int = 1,
+    on_request: Callable[[], None] | None = None,
+) -> list[PolicyResult]:
+    """Run each (policy, config) job over the workload; results in job order. With `num_workers` > 1 the
+    jobs run in forked processes (each renders the workload itself); `on_request()` is called once per
+    simulated request of any job (polled from a shared counter), for a progress bar."""
+    if num_workers <= 1 or len(jobs) <= 1:
+        results = []
+        for spec, config in jobs:
+            results.append(simulate(workload, [spec], cost, config,
+                                    None if on_request is None else lambda _: on_request()).policies[spec.name])
+        return results
+    import multiprocessing as mp
+    import queue as queue_module
+
+    ctx = mp.get_context("fork")
+    counter = ctx.Value("q", 0)
+    done = ctx.Queue()
+    results: dict[int, PolicyResult] = {}
+    waiting = list(enumerate(jobs))
+    running: dict[int, mp.process.BaseProcess] = {}
+    seen = 0
+    while waiting or running:
+        while waiting and len(running) < num_workers:
+            i, (spec, config) = waiting.pop(0)
+            running[i] = ctx.Process(target=_job, args=(workload, spec, config, cost, counter, done, i), daemon=True)
+            running[i].start()
+        try:
+            i, result = done.get(timeout=0.2)
+        except queue_module.Empty:
+            seen = _report(counter, seen, on_request)
+            for j, proc in running.items():
+                if proc.exitcode not in (None, 0):
+                    raise RuntimeError(f"simulating {jobs[j][0].name} died (exit code {proc.exitcode})") from None
+            continue
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"simulating {jobs[i][0].name} failed") from result
+        results[i] = result
+        running.pop(i).join()
+    _report(counter, seen, on_request)
+    return [results[i] for i in range(len(jobs))]
+
+
+def _report(counter, seen: int, on_request: Callable[[], None] | None) -> int:
+    value = counter.value
+    if on_request is not None:
+        for _ in range(value - seen):
+            on_request()
+    return value
+
+
+def _job(workload, spec, config, cost, counter, queue, index) -> None:
+    def tick(_: int) -> None:
+        with counter.get_lock():
+            counter.value += 1
+
+    try:
+        queue.put((index, simulate(workload, [spec], cost, config, tick).policies[spec.name]))
+    except BaseException as error:  # sent to the parent, which raises it
+        queue.put((index, error))

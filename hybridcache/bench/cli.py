@@ -1,0 +1,197 @@
+"""`hybridcache simulate` (the cache simulator, no torch) and `hybridcache bench` (the engine benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies")
+    sim.add_argument("--workload", required=True,
+                     help="sharegpt, mooncake, swe-agent, shared-prefix, group-sampling[-n]")
+    sim.add_argument("--trace", default=None, help="trace file or folder (default: <repo>/../shared/traces/...)")
+    sim.add_argument("--num-requests", type=int, default=None)
+    sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
+                     help="comma-separated; NAME:B runs a policy at block size B (e.g. block-aligned:528)")
+    sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
+    sim.add_argument("--model", default=None, help="model folder whose config.json sizes the cache (default: built-in)")
+    sim.add_argument("--block-size", type=int, default=64)
+    sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
+    sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
+                     help="the budget holds one checkpoint slot per this many KV tokens")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--json", default=None, help="write the results as JSON here")
+    sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
+    sim.add_argument("--sweep", default=None, help="memory points of the sweep in GiB (default: budget x "
+                     + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
+    sim.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (one policy each)")
+    sim.add_argument("--no-progress", action="store_true")
+    sim.set_defaults(func=cmd_simulate)
+
+    bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes")
+    bench.add_argument("--workload", default="sharegpt")
+    bench.add_argument("--trace", default=None)
+    bench.add_argument("--modes", default="none,block-aligned,hybridcache")
+    bench.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    bench.add_argument("--num-sessions", type=int, default=24, help="chat workloads: sessions")
+    bench.add_argument("--max-turns", type=int, default=4, help="chat workloads: model calls per session")
+    bench.add_argument("--max-message-chars", type=int, default=600)
+    bench.add_argument("--max-prompt-len", type=int, default=3000)
+    bench.add_argument("--num-requests", type=int, default=None)
+    bench.add_argument("--max-reply-tokens", type=int, default=32)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--block-size", type=int, default=64)
+    bench.add_argument("--max-num-seqs", type=int, default=16)
+    bench.add_argument("--max-num-batched-tokens", type=int, default=512)
+    bench.add_argument("--num-blocks", type=int, default=None)
+    bench.add_argument("--num-checkpoint-slots", type=int, default=32)
+    bench.add_argument("--server", default=None, help="benchmark a running `hybridcache serve` (not yet supported)")
+    bench.add_argument("--out-dir", default="results", help="where the JSON and PNGs go")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+
+# ---- simulate ---------------------------------------------------------------------------------------------
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from hybridcache.bench.cost_model import load_model_cost
+    from hybridcache.bench.simulator import GIB, SimConfig, SimResult, parse_policies, simulate_many
+    from hybridcache.bench.workloads import load_workload
+
+    specs = parse_policies(args.policies, args.block_size)
+    cost = load_model_cost(args.model)
+    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
+                             model_dir=args.model)
+    budget = int(args.memory_gib * GIB)
+    memories = [budget]
+    if args.plot:
+        factors = [float(x) / args.memory_gib for x in args.sweep.split(",")] if args.sweep else SWEEP_FACTORS
+        points = [args.memory_gib * f for f in factors]
+        memories = sorted({int(g * GIB) for g in points} | {budget})
+
+    def config(memory: int) -> SimConfig:
+        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot)
+
+    # none and oracle do not depend on memory: run them once.
+    jobs = [(s, config(m)) for m in memories for s in specs if s.mode not in ("none", "oracle") or m == budget]
+    bar = tqdm(total=len(jobs) * len(workload), desc=f"simulate {workload.name}", unit="req",
+               disable=args.no_progress, file=sys.stderr, mininterval=1.0)
+    results = simulate_many(workload, jobs, cost, min(args.jobs, len(jobs)), bar.update)
+    bar.close()
+    by_memory: dict[int, dict] = {m: {} for m in memories}
+    for (spec, cfg), result in zip(jobs, results):
+        by_memory[cfg.memory_bytes][spec.name] = result
+    for m in memories:
+        for (spec, _), result in zip(jobs, results):
+            if spec.mode in ("none", "oracle"):
+                by_memory[m].setdefault(spec.name, result)
+    main = SimResult(workload.name, cost.name, budget, args.block_size, len(workload),
+                     {s.name: by_memory[budget][s.name] for s in specs})
+    print(format_sim_table(main))
+    record = main.to_json()
+    if len(memories) > 1:
+        record["sweep"] = [{"memory_gib": m / GIB, "token_hit_rate": {s.name: by_memory[m][s.name].token_hit_rate
+                                                                         for s in specs}} for m in memories]
+    if args.plot:
+        from hybridcache.bench.plots import plot_hit_rate_sweep
+
+        path = plot_hit_rate_sweep(
+            args.plot, f"{workload.name}: {len(workload)} requests, {cost.name}, B={args.block_size}",
+            [m / GIB for m in memories],
+            {s.name: [by_memory[m][s.name].token_hit_rate for m in memories] for s in specs},
+        )
+        print(f"plot: {path}")
+    if args.json:
+        _write_json(args.json, record)
+    return 0
+
+
+def format_sim_table(result) -> str:
+    """The terminal table of one simulator run."""
+    from hybridcache.bench.simulator import GIB
+
+    oracle = result.policies.get("oracle")
+    lines = [
+        f"workload {result.workload}: {result.num_requests} requests, model {result.model}, "
+        f"memory {result.memory_bytes / GIB:.3g} GiB, block size {result.block_size}",
+        f"{'policy':<20}{'hit rate':>9}{'/oracle':>9}{'computed tok':>14}{'PFLOPs saved':>14}{'ckpts':>9}"
+        f"{'evictions':>11}{'peak GiB':>10}{'uncacheable':>12}",
+    ]
+    for name, r in result.policies.items():
+        rel = f"{r.token_hit_rate / oracle.token_hit_rate:.3f}" if oracle and oracle.token_hit_rate else "-"
+        lines.append(
+            f"{name:<20}{r.token_hit_rate:>9.3f}{rel:>9}{r.prefill_tokens_computed:>14,}{r.flops_saved / 1e15:>14.3f}"
+            f"{r.checkpoints_saved:>9,}{r.evictions:>11,}{r.bytes_peak / GIB:>10.3f}{r.num_uncacheable:>12,}"
+        )
+    return "\n".join(lines)
+
+
+# ---- bench ------------------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.server:
+        raise ValueError("--server is not supported yet: `hybridcache bench` runs the engine offline only")
+    from tqdm.auto import tqdm
+
+    from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench
+    from hybridcache.bench.workloads import ChatOptions, load_workload
+    from hybridcache.models.builtin import ensure_builtin_model
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    model_path = Path(args.model) if args.model else ensure_builtin_model()
+    chat = ChatOptions(args.num_sessions, args.max_turns, args.max_message_chars, args.max_prompt_len)
+    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
+                             model_dir=model_path, chat=chat)
+    options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                   num_checkpoint_slots=args.num_checkpoint_slots)
+    config = BenchConfig(modes, args.max_reply_tokens, options)
+    bar = tqdm(total=count_calls(workload) * len(modes), desc=f"bench {workload.name}", unit="req",
+               disable=args.no_progress, file=sys.stderr)
+    result = run_bench(model_path, workload, config, bar.update, model_name=model_path.name)
+    bar.close()
+    print(format_bench_table(result, count_calls(workload)))
+    out = Path(args.out_dir)
+    _write_json(out / f"bench_{workload.name}.json", result.to_json())
+    from hybridcache.bench.plots import plot_hit_rate_by_turn, plot_ttft_cdf
+
+    title = f"{workload.name}, {model_path.name}"
+    ttfts = {m: list(r.ttfts_s) for m, r in result.modes.items()}
+    by_turn = {m: r.hit_rate_by_turn for m, r in result.modes.items()}
+    print(f"plot: {plot_ttft_cdf(out / f'bench_{workload.name}_ttft_cdf.png', title, ttfts)}")
+    print(f"plot: {plot_hit_rate_by_turn(out / f'bench_{workload.name}_hit_rate_by_turn.png', title, by_turn)}")
+    return 0 if result.outputs_identical else 1
+
+
+def format_bench_table(result, num_requests: int) -> str:
+    lines = [
+        f"workload {result.workload}: {num_requests} requests per mode, model {result.model}",
+        f"{'mode':<16}{'hit rate':>9}{'prefill tok':>13}{'TTFT p50 ms':>13}{'TTFT p95 ms':>13}{'E2E p50 ms':>12}"
+        f"{'E2E p95 ms':>12}{'out tok/s':>11}{'wall s':>8}",
+    ]
+    for mode, r in result.modes.items():
+        lines.append(
+            f"{mode:<16}{r.token_hit_rate:>9.3f}{r.prefill_tokens_computed:>13,}{r.ttft_p50_s * 1e3:>13.1f}"
+            f"{r.ttft_p95_s * 1e3:>13.1f}{r.e2e_p50_s * 1e3:>12.1f}{r.e2e_p95_s * 1e3:>12.1f}"
+            f"{r.output_tokens_per_s:>11.1f}{r.wall_s:>8.2f}"
+        )
+    same = "yes" if result.outputs_identical else f"NO ({len(result.mismatched_calls)} calls differ)"
+    lines.append(f"greedy outputs identical across modes: {same}")
+    return "\n".join(lines)
+
+
+def _write_json(path: str | Path, record: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    print(f"json: {path}")

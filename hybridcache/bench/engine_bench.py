@@ -1,0 +1,217 @@
+"""The engine benchmark (`hybridcache bench`): a workload through the real engine, once per cache mode.
+
+For each mode a fresh `LLM(model, cache_mode=MODE, ...)` runs the same workload, driven step by step
+through `llm.engine.add_request` / `llm.engine.step()`, so each request's time to first token is the time
+from `add_request` to the first step whose outputs include it. Greedy sampling, `ignore_eos`, and
+`max_tokens` = the recorded reply length (+1 for the end-of-turn token) capped at `max_reply_tokens`.
+
+Chat workloads are closed-loop clients: every session starts at once, and when turn k finishes its next
+prompt is built from the *generated* reply and queued at once (no think time)::
+
+    prompt_{k+1} = prompt_k + generated_k + turns[k].after_ids   (end-of-turn, next message, generation prompt)
+
+Other workloads queue every request at the start, in arrival order (`n` completions per request).
+
+Reported per mode: token hit rate (cached prompt tokens / prompt tokens, every completion counted), prefill
+tokens computed (`engine.num_prefill_tokens`), TTFT p50/p95, end-to-end latency p50/p95, output tokens/s over
+the mode's wall time, and the hit rate per turn; plus whether every mode generated the same tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hybridcache.bench.workloads import SimRequest, Workload
+
+BENCH_MODES = ("none", "block-aligned", "seed", "hybridcache")
+_WARMUP_PROMPT = list(range(1, 40))
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Modes to compare, the reply-length cap and the engine options every mode shares."""
+
+    modes: tuple[str, ...] = ("none", "block-aligned", "hybridcache")
+    max_reply_tokens: int = 32
+    engine_options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """One completion: its key (session/turn or request/index), lengths, cache hit and timings (seconds)."""
+
+    key: str
+    turn: int
+    prompt_len: int
+    cached_tokens: int
+    output_ids: tuple[int, ...]
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    mode: str
+    token_hit_rate: float
+    prefill_tokens_computed: int
+    ttft_p50_s: float
+    ttft_p95_s: float
+    e2e_p50_s: float
+    e2e_p95_s: float
+    output_tokens_per_s: float
+    wall_s: float
+    num_calls: int
+    hit_rate_by_turn: dict[int, float]
+    ttfts_s: tuple[float, ...]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    workload: str
+    model: str
+    modes: dict[str, ModeResult]
+    outputs_identical: bool
+    mismatched_calls: tuple[str, ...]
+
+    def to_json(self) -> dict:
+        return {"workload": self.workload, "model": self.model, "outputs_identical": self.outputs_identical,
+                "mismatched_calls": list(self.mismatched_calls),
+                "modes": {m: r.to_json() for m, r in self.modes.items()}}
+
+
+class _Driver:
+    """Steps one engine, timing each request from `add` to its first and last token."""
+
+    def __init__(self, engine, max_reply_tokens: int) -> None:
+        from hybridcache import SamplingParams
+
+        self.engine = engine
+        self.max_reply_tokens = max_reply_tokens
+        self._params = SamplingParams
+        self.added: dict[str, tuple[float, int, Callable]] = {}
+        self.first: dict[str, float] = {}
+        self.records: list[CallRecord] = []
+
+    def add(self, request_id: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int,
+            on_done: Callable[[list[tuple[int, ...]]], None]) -> None:
+        params = self._params(temperature=0.0, max_tokens=max(1, min(reply_len, self.max_reply_tokens)),
+                              ignore_eos=True, n=n)
+        self.engine.add_request(request_id, list(prompt_ids), params)
+        self.added[request_id] = (time.perf_counter(), turn, on_done)
+
+    def run(self, on_progress: Callable[[], None] | None = None) -> None:
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                self.first.setdefault(out.request_id, now)
+                if not out.finished:
+                    continue
+                start, turn, on_done = self.added.pop(out.request_id)
+                for completion in out.outputs:
+                    self.records.append(CallRecord(
+                        key=f"{out.request_id}#{completion.index}", turn=turn,
+                        prompt_len=len(out.prompt_token_ids), cached_tokens=completion.cached_tokens,
+                        output_ids=tuple(completion.token_ids), ttft_s=self.first[out.request_id] - start,
+                        e2e_s=now - start,
+                    ))
+                if on_progress is not None:
+                    on_progress()
+                on_done([tuple(c.token_ids) for c in out.outputs])
+
+
+def _queue_workload(driver: _Driver, workload: Workload) -> None:
+    if workload.sessions is None:
+        for request in workload:
+            _queue_request(driver, request)
+        return
+    for session in workload.sessions:
+        _queue_turn(driver, session, 0, session.first_prompt_ids)
+
+
+def _queue_request(driver: _Driver, request: SimRequest) -> None:
+    driver.add(request.request_id, request.turn, request.prompt_ids, len(request.output_ids), request.n,
+               lambda outputs: None)
+
+
+def _queue_turn(driver: _Driver, session, k: int, prompt_ids: tuple[int, ...]) -> None:
+    turn = session.turns[k]
+
+    def on_done(outputs: list[tuple[int, ...]]) -> None:
+        if k + 1 < len(session.turns):
+            _queue_turn(driver, session, k + 1, prompt_ids + outputs[0] + turn.after_ids)
+
+    driver.add(f"{session.session_id}/{k}", k, prompt_ids, len(turn.reply_ids) + 1, 1, on_done)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run_mode(model_path: str | Path | None, mode: str, workload: Workload, config: BenchConfig,
+             on_progress: Callable[[], None] | None = None) -> tuple[ModeResult, dict[str, tuple[int, ...]]]:
+    """One mode: a fresh engine, a warm-up request, then the workload. Returns the summary and every
+    completion's generated ids by key."""
+    from hybridcache import LLM, SamplingParams
+
+    llm = LLM(model_path, cache_mode=mode, **config.engine_options)
+    engine = llm.engine
+    llm.generate([_WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    prefill_before = engine.num_prefill_tokens
+    driver = _Driver(engine, config.max_reply_tokens)
+    start = time.perf_counter()
+    _queue_workload(driver, workload)
+    driver.run(on_progress)
+    wall = time.perf_counter() - start
+    records = driver.records
+    prompt = sum(r.prompt_len for r in records)
+    cached = sum(r.cached_tokens for r in records)
+    by_turn: dict[int, list[int]] = {}
+    for r in records:
+        acc = by_turn.setdefault(r.turn, [0, 0])
+        acc[0] += r.cached_tokens
+        acc[1] += r.prompt_len
+    ttfts = [r.ttft_s for r in records]
+    e2es = [r.e2e_s for r in records]
+    result = ModeResult(
+        mode=mode,
+        token_hit_rate=cached / prompt if prompt else 0.0,
+        prefill_tokens_computed=engine.num_prefill_tokens - prefill_before,
+        ttft_p50_s=_percentile(ttfts, 50), ttft_p95_s=_percentile(ttfts, 95),
+        e2e_p50_s=_percentile(e2es, 50), e2e_p95_s=_percentile(e2es, 95),
+        output_tokens_per_s=sum(len(r.output_ids) for r in records) / wall if wall > 0 else 0.0,
+        wall_s=wall,
+        num_calls=len(records),
+        hit_rate_by_turn={t: c / p if p else 0.0 for t, (c, p) in sorted(by_turn.items())},
+        ttfts_s=tuple(sorted(ttfts)),
+    )
+    return result, {r.key: r.output_ids for r in records}
+
+
+def run_bench(model_path: str | Path | None, workload: Workload, config: BenchConfig,
+              on_progress: Callable[[], None] | None = None, model_name: str = "builtin") -> BenchResult:
+    """Every mode in `config.modes` over the same workload; compares the generated tokens across modes."""
+    results: dict[str, ModeResult] = {}
+    outputs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for mode in config.modes:
+        results[mode], outputs[mode] = run_mode(model_path, mode, workload, config, on_progress)
+    reference = outputs[config.modes[0]]
+    mismatched = sorted({key for mode in config.modes[1:] for key in set(reference) | set(outputs[mode])
+                         if reference.get(key) != outputs[mode].get(key)})
+    return BenchResult(workload.name, model_name, results, not mismatched, tuple(mismatched))
+
+
+def count_calls(workload: Workload) -> int:
+    """Requests the benchmark runs per mode (for a progress bar)."""
+    if workload.sessions is not None:
+        return sum(len(s.turns) for s in workload.sessions)
+    return len(workload)

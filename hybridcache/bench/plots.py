@@ -1,0 +1,75 @@
+"""PNG figures of the simulator and the engine benchmark (matplotlib, the `bench` extra; Agg backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_hit_rate_sweep(path: str | Path, title: str, memory_gib: list[float],
+                        hit_rates: dict[str, list[float]]) -> Path:
+    """Token hit rate versus cache memory, one line per policy (`hit_rates[policy][i]` at `memory_gib[i]`)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rates in hit_rates.items():
+        style = "--" if name in ("oracle", "none") else "-"
+        ax.plot(memory_gib, rates, style, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("cache memory (GiB, KV + checkpoint states)")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_ttft_cdf(path: str | Path, title: str, ttfts_s: dict[str, list[float]]) -> Path:
+    """CDF of time to first token, one line per mode."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, values in ttfts_s.items():
+        values = sorted(v * 1000 for v in values)
+        if values:
+            ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=mode)
+    ax.set_xlabel("time to first token (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_hit_rate_by_turn(path: str | Path, title: str, by_turn: dict[str, dict[int, float]]) -> Path:
+    """Token hit rate of each conversation turn, one line per mode."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, rates in by_turn.items():
+        turns = sorted(rates)
+        ax.plot(turns, [rates[t] for t in turns], marker="o", label=mode)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("token hit rate")
+    ax.set_ylim(0, 1)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    return _save(fig, path)
+
+
+def _save(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
