@@ -128,6 +128,8 @@ class ForwardBatch:
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
     copies         the step's checkpoint copies, executed by the runner around the forward (the model never
                    reads them).
+    embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
+                   spans) instead of looked up from input_ids; None when there are none.
     """
 
     input_ids: torch.Tensor
@@ -141,6 +143,8 @@ class ForwardBatch:
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
     copies: StepCopies = StepCopies()
+    embed_rows: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EngineConfig
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.multimodal import MultimodalInput, chunk_embeds, resolve_inputs
 from hybridcache.engine.runner import ModelRunner
 from hybridcache.engine.sequence import Sequence
 from hybridcache.models import ModelConfig, get_model_class, load_model
@@ -102,15 +104,21 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        mm_inputs: SequenceOf[MultimodalInput] = (),
     ) -> None:
-        """Queue a request. Raises ValueError (and changes nothing) on a bad prompt or a duplicate id."""
+        """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
+        a duplicate id. `mm_inputs`: multimodal spans of the prompt (see `engine.multimodal`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self.validate_prompt(prompt)
+        mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
         request = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params)
         for index in range(params.n):
             request.seqs.append(
@@ -123,6 +131,7 @@ class LLMEngine:
                     params=params,
                     generator=make_generator(params, index, self.device),
                     arrival=next(self._arrivals),
+                    mm_inputs=mm,
                 )
             )
         self._requests[request_id] = request
@@ -191,9 +200,14 @@ class LLMEngine:
         return outputs
 
     def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
-        seq_id = chunk.seq.seq_id
-        tokens = chunk.seq.token_ids[chunk.start : chunk.end]
-        return SeqChunk(tokens, chunk.start, self.cache.block_ids(seq_id), self.cache.slot(seq_id))
+        seq = chunk.seq
+        return SeqChunk(
+            seq.token_ids[chunk.start : chunk.end],
+            chunk.start,
+            self.cache.block_ids(seq.seq_id),
+            self.cache.slot(seq.seq_id),
+            chunk_embeds(seq.mm_inputs, chunk.start, chunk.end),
+        )
 
     def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         rows = [i for i, c in enumerate(chunks) if c.samples]

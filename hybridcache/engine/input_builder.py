@@ -38,13 +38,16 @@ class SeqChunk:
     """The tokens one sequence feeds in one step.
 
     token_ids: the new tokens; start: tokens already in the cache before them (the step they begin at);
-    block_ids: scheduler blocks holding positions [0, start + len(token_ids)), in order; slot: state row.
+    block_ids: scheduler blocks holding positions [0, start + len(token_ids)), in order; slot: state row;
+    embeds: (offset in the chunk, vectors [n, hidden]) pairs: input embeddings given for chunk rows
+    offset .. offset + n - 1 (multimodal spans) instead of looked up from their token ids.
     """
 
     token_ids: Sequence[int]
     start: int
     block_ids: Sequence[int]
     slot: int
+    embeds: tuple[tuple[int, torch.Tensor], ...] = ()
 
 
 def build_forward_batch(
@@ -67,6 +70,8 @@ def build_forward_batch(
     context_lens: list[int] = []
     page_rows: list[list[int]] = []
     logits_indices: list[int] = []
+    embed_rows: list[int] = []
+    embeds: list[torch.Tensor] = []
     for chunk in chunks:
         num_new = len(chunk.token_ids)
         if num_new == 0:
@@ -75,6 +80,9 @@ def build_forward_batch(
         if len(chunk.block_ids) * block_size < end:
             raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold {end} tokens")
         pages = [b * pages_per_block + j for b in chunk.block_ids for j in range(pages_per_block)]
+        for offset, vectors in chunk.embeds:
+            embed_rows.extend(range(len(input_ids) + offset, len(input_ids) + offset + vectors.shape[0]))
+            embeds.append(vectors)
         input_ids.extend(chunk.token_ids)
         for pos in range(chunk.start, end):
             positions.append(pos)
@@ -101,6 +109,8 @@ def build_forward_batch(
         query_lens_cpu=tuple(len(c.token_ids) for c in chunks),
         context_lens_cpu=tuple(context_lens),
         copies=_device_copies(copies, device) if copies is not None else StepCopies(),
+        embed_rows=tensor(embed_rows, torch.int64) if embed_rows else None,
+        embeds=torch.cat(embeds).to(device) if embeds else None,
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridcache.engine.multimodal import MultimodalInput
 from hybridcache.sampling import SamplingParams
 
 
@@ -26,7 +27,8 @@ class Sequence:
     the prefix cache under `seq_id`. `num_cached`: tokens its first admission took from the cache.
     `cache_prompt_len`: the tokens it had when it was last admitted (the prompt as the cache sees it; more
     than `prompt_len` after a preemption). `branch_step`: where its prompt diverges from cached content
-    (a chunk ends there, to save a branch-point checkpoint), or None.
+    (a chunk ends there, to save a branch-point checkpoint), or None. `mm_inputs`: its multimodal spans
+    (with embeddings), sorted by start.
     """
 
     seq_id: int
@@ -43,6 +45,7 @@ class Sequence:
     cache_prompt_len: int = 0
     branch_step: int | None = None
     finish_reason: str | None = None
+    mm_inputs: tuple[MultimodalInput, ...] = ()
     stop_text_len: int | None = None
 
     @property

@@ -133,6 +133,8 @@ class HybridCausalLM(nn.Module):
     def _forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
         c = self.config
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        if batch.embeds is not None:
+            hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
         rope = rotary_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, hidden.dtype)
         linear_id = attention_id = 0
         for layer in self.model.layers:

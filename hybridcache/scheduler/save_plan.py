@@ -20,6 +20,7 @@ prompt agreeing with cached content up to step 37, so `branch_step` = 37)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -70,6 +71,7 @@ def plan_chunk(
     block_size: int,
     branch_step: int | None = None,
     decode_interval: int | None = None,
+    spans: Sequence[tuple[int, int]] = (),
 ) -> ChunkPlan:
     """Plan the next chunk of a sequence that has `start` tokens computed and `num_tokens` tokens in all.
 
@@ -78,8 +80,11 @@ def plan_chunk(
     is shortened to end exactly at `branch_step` when that lies inside it (and the policy saves branch
     points); with `block_aligned`, a prefill chunk is cut back to the last block boundary inside it.
     Decode steps (one token past the prompt) save only at multiples of `decode_interval`.
+
+    A chunk never ends strictly inside a multimodal span `[s, e)` of `spans`: it ends at `s` instead, or,
+    when it starts at or inside the span, at `e` (going over the budget: a span is fed whole).
     """
-    end = min(num_tokens, start + budget)
+    end = _outside_spans(min(num_tokens, start + budget), start, spans)
     if policy is None:
         return ChunkPlan(end, None)
     if start >= prompt_len:  # decode
@@ -90,9 +95,17 @@ def plan_chunk(
         return ChunkPlan(branch_step, "branch_point")
     if policy.block_aligned:
         aligned = end - end % block_size
-        if aligned <= start:
+        if aligned <= start or _outside_spans(aligned, start, spans) != aligned:
             return ChunkPlan(end, None)
         return ChunkPlan(aligned, "prefill_end" if aligned == prompt_len else "chunk_end")
     if end == prompt_len:
         return ChunkPlan(end, "prefill_end")
     return ChunkPlan(end, "chunk_end" if policy.chunk_end else None)
+
+
+def _outside_spans(end: int, start: int, spans: Sequence[tuple[int, int]]) -> int:
+    """Move a chunk end that falls strictly inside a span to the span's start (or end, see `plan_chunk`)."""
+    for span_start, span_end in spans:
+        if span_start < end < span_end:
+            return span_start if span_start > start else span_end
+    return end

@@ -90,7 +90,7 @@ class Scheduler:
                     break
             if seq.status is SeqStatus.RUNNING:
                 chunks.append(self._schedule(seq, plan))
-                budget -= chunks[-1].num_tokens
+                budget = max(0, budget - chunks[-1].num_tokens)  # a multimodal span may go over the budget
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, budget):
@@ -98,12 +98,13 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             chunks.append(self._schedule(seq, self._plan(seq, seq.num_computed, budget)))
-            budget -= chunks[-1].num_tokens
+            budget = max(0, budget - chunks[-1].num_tokens)
         return chunks
 
     def _admit(self, seq: Sequence, budget: int) -> bool:
         """Match and admit a waiting sequence with room for its first chunk; False changes nothing."""
-        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids)))
+        spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
+        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans))
         seq.cache_prompt_len = seq.num_tokens
         seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
         plan = self._plan(seq, match.cached_len, budget)
@@ -126,6 +127,7 @@ class Scheduler:
             block_size=self.cache.block_size,
             branch_step=seq.branch_step,
             decode_interval=self.decode_checkpoint_interval,
+            spans=[(m.start, m.end) for m in seq.mm_inputs],
         )
 
     def _schedule(self, seq: Sequence, plan: ChunkPlan) -> ScheduledChunk:

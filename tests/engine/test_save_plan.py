@@ -43,3 +43,19 @@ def test_unknown_mode_lists_the_known_ones():
     with pytest.raises(ValueError, match="hybridcache") as info:
         checkpoint_policy("lru-ish")
     assert "block-aligned" in str(info.value)
+
+
+def test_chunks_never_end_inside_a_multimodal_span():
+    policy = checkpoint_policy("hybridcache")
+    kwargs = dict(num_tokens=100, prompt_len=100, block_size=16, spans=[(30, 50)])
+    # The budget would end the chunk at 40, inside the span: it ends at the span's start instead.
+    assert plan_chunk(policy, start=0, budget=40, **kwargs) == plan_chunk(policy, start=0, budget=30, **kwargs)
+    assert plan_chunk(policy, start=0, budget=40, **kwargs).end == 30
+    # Starting at the span, a small budget still feeds the whole span.
+    assert plan_chunk(policy, start=30, budget=5, **kwargs).end == 50
+    # Block-aligned: a chunk cut back to 30 saves at the boundary 16; a boundary inside a span is no save.
+    aligned = plan_chunk(checkpoint_policy("block-aligned"), start=0, budget=36, **kwargs)
+    assert (aligned.end, aligned.reason) == (16, "chunk_end")
+    aligned = plan_chunk(checkpoint_policy("block-aligned"), start=0, budget=45, **{**kwargs, "spans": [(10, 40)]})
+    assert (aligned.end, aligned.reason) == (45, None)
+    assert plan_chunk(None, start=0, budget=40, **kwargs).end == 30
