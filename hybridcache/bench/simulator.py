@@ -86,7 +86,7 @@ class SimConfig:
 def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
     """(num_blocks, num_checkpoint_slots) that fit `memory_bytes`: one state slot per `kv_tokens_per_slot`
     KV tokens. Example: 1 GiB of the built-in model (1,024 B per KV token, 116,736 B per slot), B = 64,
-    2,048 tokens per slot: share = 116736 / (116736 + 2048 * 1024) = 5.3 %, 487 slots, 15,515 blocks."""
+    2,048 tokens per slot: share = 116736 / (116736 + 2048 * 1024) = 5.3 %, 485 slots, 15,520 blocks."""
     share = cost.state_bytes / (cost.state_bytes + kv_tokens_per_slot * cost.kv_bytes_per_token)
     num_slots = int(memory_bytes * share // cost.state_bytes)
     num_blocks = int((memory_bytes - num_slots * cost.state_bytes) // cost.block_bytes(block_size))

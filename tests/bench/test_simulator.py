@@ -1,0 +1,127 @@
+"""The simulator's accounting: a hand-computed trace gives exact hit tokens for every policy."""
+
+import pytest
+
+from hybridcache.bench.cost_model import ModelCost, load_model_cost
+from hybridcache.bench.simulator import (
+    GIB,
+    OracleIndex,
+    SimConfig,
+    cache_sizing,
+    parse_policies,
+    simulate,
+)
+from hybridcache.bench.workloads import SimRequest, Workload
+
+COST = ModelCost("toy", kv_bytes_per_token=16, state_bytes=256, flops_per_token=10.0, attn_flops_per_token_pair=1.0)
+
+
+def _workload(requests):
+    requests = tuple(requests)
+    return Workload("toy", len(requests), lambda: iter(requests))
+
+
+def _run(requests, policies, block_size=4, memory=1 << 20, chunk_budget=100):
+    specs = parse_policies(policies, block_size)
+    config = SimConfig(memory, block_size, chunk_budget, kv_tokens_per_slot=16, check_integrity=True)
+    return simulate(_workload(requests), specs, COST, config).policies
+
+
+# B = 4. r1 feeds [1..10] + output 50 (51 is sampled, never fed): 11 tokens.
+# r2 = r1's fed tokens + [60, 61, 62]; r3 shares [1..6] with r1, then diverges.
+R1 = SimRequest("r1", tuple(range(1, 11)), (50, 51))
+R2 = SimRequest("r2", tuple(range(1, 11)) + (50, 60, 61, 62), (70,))
+R3 = SimRequest("r3", (1, 2, 3, 4, 5, 6, 80, 81, 82), (90,))
+
+
+def test_hand_computed_trace_gives_exact_hits_for_every_policy():
+    results = _run([R1, R2, R3], "none,block-aligned,seed,hybridcache,hybridcache+flop,oracle")
+    hits = {name: r.hit_tokens for name, r in results.items()}
+    assert hits == {
+        "none": 0,
+        # r1 saves at 8 (its chunk [0, 10) cut back to the block boundary); r2 restores it; r3's path
+        # stops at block 1, which holds no checkpoint.
+        "block-aligned": 8,
+        # r1 saves its prefill end (10); r2 restores it (tail [9, 10] matches); r3 misses.
+        "seed": 10,
+        # r1's finish checkpoint at 11 serves r2; r3 misses but saves a branch point at 6.
+        "hybridcache": 11,
+        "hybridcache+flop": 11,
+        # r2: 11 tokens of r1's fed tokens; r3: 6.
+        "oracle": 17,
+    }
+    for r in results.values():
+        assert r.prompt_tokens == 10 + 14 + 9
+        assert r.prefill_tokens_computed == 33 - r.hit_tokens
+        assert r.token_hit_rate == pytest.approx(r.hit_tokens / 33)
+    assert results["hybridcache"].flops_saved == COST.prefill_flops(11)
+    assert results["oracle"].flops_saved == COST.prefill_flops(11) + COST.prefill_flops(6)
+    assert results["hybridcache"].hits_by_reason == {"finish": 1}
+    assert results["seed"].hits_by_reason == {"prefill_end": 1}
+    # block-aligned saves at 8 (r1), 12 (r2) and 8 (r3, on its own block [5, 6, 80, 81]); hybridcache saves
+    # r1's prefill end (10) and finish (11), r2's prefill end (14; its finish at 14 is a duplicate: one
+    # output token is never fed), r3's branch point (6) and prefill end (9)
+    assert results["block-aligned"].checkpoints_saved == 3
+    assert results["hybridcache"].checkpoints_saved == 5
+
+
+def test_a_fourth_request_hits_the_branch_point_only_under_hybridcache():
+    r4 = SimRequest("r4", (1, 2, 3, 4, 5, 6, 99, 98), (1,))
+    results = _run([R1, R2, R3, r4], "seed,hybridcache,oracle")
+    assert results["hybridcache"].hit_tokens == 11 + 6
+    assert results["seed"].hit_tokens == 10
+    assert results["oracle"].hit_tokens == 17 + 6
+
+
+def test_identical_resend_hits_from_the_second_resend_on():
+    prompt = tuple(range(100, 130))
+    requests = [SimRequest(f"x{i}", prompt, (7, 8)) for i in range(3)]
+    results = _run(requests, "seed,hybridcache,oracle")
+    assert results["oracle"].hit_tokens == 2 * 29
+    # hybridcache: the first resend saves a branch point at 29 (prompt_len - 1); the second hits it.
+    # The first resend finds r0's finish checkpoint at 31 > 29 unusable, and no chunk end below.
+    assert results["hybridcache"].hit_tokens == 29
+    assert results["seed"].hit_tokens == 0
+
+
+def test_n_completions_of_one_request_run_together_and_do_not_hit_each_other():
+    prompt = tuple(range(200, 220))
+    request = SimRequest("g", prompt, (1, 2), n=3, sibling_output_ids=((3, 4), (5, 6)))
+    again = SimRequest("h", prompt + (9, 9, 9), (1,))
+    results = _run([request, again], "hybridcache,oracle")
+    assert results["oracle"].hit_tokens == 20  # only the later request hits (all of the shared prompt)
+    assert results["oracle"].prompt_tokens == 3 * 20 + 23
+    # the finish checkpoints (at 21, after each completion's own output token) do not match the later
+    # prompt; the prefill end at 20 does
+    assert results["hybridcache"].hit_tokens == 20
+    assert results["hybridcache"].hits_by_reason == {"prefill_end": 1}
+
+
+def test_a_prompt_larger_than_the_cache_is_uncacheable():
+    big = SimRequest("big", tuple(range(300, 400)), (1,))
+    results = _run([big, big], "hybridcache", memory=64 * 16 + 2 * 256)
+    r = results["hybridcache"]
+    assert r.num_uncacheable == 2 and r.hit_tokens == 0
+
+
+def test_oracle_index_token_granularity():
+    index = OracleIndex(block_size=4)
+    index.insert((1, 2, 3, 4, 5, 6, 7, 8, 9, 10))
+    assert index.longest_prefix((1, 2, 3, 4, 5, 6, 0)) == 6
+    assert index.longest_prefix((1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)) == 10
+    assert index.longest_prefix((1, 2, 3, 4, 5, 6, 7, 8, 9, 0)) == 9
+    assert index.longest_prefix((2,)) == 0
+
+
+def test_cache_sizing_and_policy_parsing():
+    cost = load_model_cost()
+    assert (cost.kv_bytes_per_token, cost.state_bytes) == (1024, 116736)
+    num_blocks, num_slots = cache_sizing(GIB, cost, 64, 2048)
+    assert (num_blocks, num_slots) == (15520, 485)
+    assert num_blocks * 64 * 1024 + num_slots * 116736 <= GIB
+    specs = parse_policies("none,block-aligned:528,hybridcache+flop", 64)
+    assert [(s.name, s.mode, s.block_size, s.eviction) for s in specs] == [
+        ("none", "none", 64, "lru"), ("block-aligned:528", "block-aligned", 528, "lru"),
+        ("hybridcache+flop", "hybridcache", 64, "flop_aware")]
+    with pytest.raises(ValueError, match="oracle"):
+        parse_policies("lru", 64)
