@@ -279,13 +279,21 @@ def paged_attention(
     returns      [T, Hq, D] in q's dtype
 
     Query head h reads kv head h // (Hq / Hkv). Query at position p sees keys at positions <= p
-    (softmax in fp32, like transformers' eager attention).
+    (softmax in fp32, like transformers' eager attention). Sequences with one query token (decode) are
+    computed together by `paged_decode_attention`; the others one by one.
     """
     out = torch.empty_like(q)
     num_q_heads, num_kv_heads = q.shape[1], kv_pool.shape[3]
     group = num_q_heads // num_kv_heads
     starts = cu_seqlens.tolist()
+    decode_ids = [i for i, query_len in enumerate(query_lens) if query_len == 1]
+    if decode_ids:
+        rows = torch.tensor([starts[i] for i in decode_ids], device=q.device)
+        lens = torch.tensor([context_lens[i] for i in decode_ids], device=q.device)
+        out[rows] = paged_decode_attention(q[rows], kv_pool, block_tables[decode_ids], lens, scale=scale)
     for i, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
+        if query_len == 1:
+            continue
         rows = slice(starts[i], starts[i] + query_len)
         keys, values = gather_kv(kv_pool, block_tables[i], context_len)
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
@@ -298,3 +306,26 @@ def paged_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[rows] = (probs @ values).transpose(0, 1)
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """One query token per sequence, N sequences at once, over the paged pool.
+
+    q [N, Hq, D] (the token at position context_len - 1 of each sequence); kv_pool [2, num_pages,
+    kernel_block_size, Hkv, D]; block_tables [N, P]; context_lens [N] -> [N, Hq, D] in q's dtype.
+    Keys are gathered for P * kernel_block_size positions per sequence and those >= context_len masked.
+    """
+    num, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_pool.shape[3]
+    max_len = int(context_lens.max())
+    pages = block_tables[:, : -(-max_len // kv_pool.shape[2])].long()
+    kv = kv_pool[:, pages].reshape(2, num, -1, num_kv_heads, head_dim)  # [2, N, L, Hkv, D]
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [N, Hkv, L, D]
+    query = q.reshape(num, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # head h = kv * group + g
+    scores = (query @ keys.transpose(-1, -2)) * scale  # [N, Hkv, group, L]
+    beyond = torch.arange(keys.shape[2], device=q.device)[None, :] >= context_lens[:, None]  # [N, L]
+    scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ values).reshape(num, num_q_heads, head_dim)

@@ -72,9 +72,10 @@ def test_paged_attention_equals_dense_causal_attention():
     gen = torch.Generator().manual_seed(4)
     num_pages, block, kv_heads, q_heads, dim = 40, 8, 2, 4, 16
     pool = torch.randn(2, num_pages, block, kv_heads, dim, generator=gen)
-    # seq 0: 30 tokens of history + 5 new; seq 1: 12 history + 1 decode; seq 2: a fresh prefill of 9
-    query_lens, context_lens = (5, 1, 9), (35, 13, 9)
-    pages = [[7, 3, 30, 12, 5], [20, 1], [33, 9]]
+    # seq 0: 30 tokens of history + 5 new; seq 1: 12 history + 1 decode; seq 2: a fresh prefill of 9;
+    # seq 3: 25 history + 1 decode (decodes of different lengths are batched together, with padding masked)
+    query_lens, context_lens = (5, 1, 9, 1), (35, 13, 9, 26)
+    pages = [[7, 3, 30, 12, 5], [20, 1], [33, 9], [14, 15, 16, 17]]
     table = torch.tensor([row + [0] * (5 - len(row)) for row in pages], dtype=torch.int32)
     keys = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
     values = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
@@ -83,7 +84,7 @@ def test_paged_attention_equals_dense_causal_attention():
         slot_mapping += [row[p // block] * block + p % block for p in range(ctx)]
     reference.write_kv(pool, keys, values, torch.tensor(slot_mapping))
     q = torch.randn(sum(query_lens), q_heads, dim, generator=gen)
-    cu = torch.tensor([0, 5, 6, 15], dtype=torch.int32)
+    cu = torch.tensor([0, 5, 6, 15, 16], dtype=torch.int32)
     out = reference.paged_attention(q, pool, table, cu, query_lens, context_lens, scale=dim**-0.5)
     kv_start = 0
     for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
