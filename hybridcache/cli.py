@@ -1,4 +1,5 @@
-"""The `hybridcache` command line: `hybridcache generate ...` (more subcommands as they land)."""
+"""The `hybridcache` command line: generate (offline), serve (OpenAI-compatible HTTP), simulate (the cache
+simulator) and bench (the engine benchmark)."""
 
 from __future__ import annotations
 
