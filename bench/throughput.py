@@ -62,7 +62,11 @@ def main() -> None:
     parser.add_argument("--json", default="results/throughput.json")
     args = parser.parse_args()
 
-    llm = LLM(args.model, max_num_batched_tokens=args.num_prompts * args.prompt_len, max_num_seqs=args.num_prompts)
+    # Prefix caching off: every run recomputes the same prompts, and raw compute is what is measured here.
+    llm = LLM(
+        args.model, max_num_batched_tokens=args.num_prompts * args.prompt_len, max_num_seqs=args.num_prompts,
+        enable_prefix_caching=False,
+    )
     vocab = llm.engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, min(vocab, 256), (args.num_prompts, args.prompt_len), generator=generator).tolist()
