@@ -30,7 +30,7 @@ from hybridcache.cache.plan import CheckpointCopies, PlanBuilder
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason, common_prefix_len
 from hybridcache.cache.sequence import RunningSeq
 from hybridcache.cache.stats import CacheStats
-from hybridcache.cache.trie import HashFn, Node, chain_hash
+from hybridcache.cache.trie import HashFn, Node, chain_hash, prompt_block_hashes
 
 
 class PrefixCache:
@@ -66,10 +66,13 @@ class PrefixCache:
         if root is not None:
             path.append(root)
             node = root
+            hashes = prompt_block_hashes(request, size, trie.hash_fn)
             for i in range(len(prompt) // size):
+                if not node.children:
+                    break
                 tokens = prompt[i * size:(i + 1) * size]
                 spans = request.spans_in(i * size, (i + 1) * size)
-                child = trie.find_child(node, trie.hash_fn(node.hash, tokens, spans), tokens, spans)
+                child = trie.find_child(node, hashes[i], tokens, spans)
                 if child is None:
                     break
                 path.append(child)
@@ -155,6 +158,7 @@ class PrefixCache:
                 life.blocks.incref(node.block_id)
                 node.last_access = now
             ckpt.anchor.last_access = now
+            life.touch_checkpoint(ckpt, now)
             if partial:
                 private = life.blocks.allocate()
                 seq.block_ids.append(private)
@@ -162,7 +166,6 @@ class PrefixCache:
             seq.restore_copies.append(("state_restore", ckpt.slot, seq.slot))
             seq.restore = ckpt
             seq.token_ids = list(request.prompt_ids[:cached_len])
-            ckpt.last_access = now
             life.stats.num_hits += 1
             life.stats.num_hit_tokens += cached_len
             life.stats.hits_by_reason[ckpt.reason.value] += 1
@@ -224,7 +227,9 @@ class PrefixCache:
         if step % size and request.routed_experts and routed_experts is None:
             declined["routed_experts"] += 1
             return False
-        if not self._life.admission.admit(reason, self._prefix_key(request, step)):
+        admission = self._life.admission
+        key = self._prefix_key(request, step) if admission.needs_key else None
+        if not admission.admit(reason, key):
             declined["policy"] += 1
             return False
         ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
@@ -290,13 +295,22 @@ class PrefixCache:
     def _insert_full_blocks(self, seq: RunningSeq) -> None:
         life, size = self._life, self.block_size
         trie = life.trie
-        parent = seq.nodes[-1] if seq.nodes else trie.root(seq.request.adapter)
+        request = seq.request
+        parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)
         now = life.tick()
-        while len(seq.nodes) < seq.num_computed // size:
+        num_full = seq.num_computed // size
+        prompt_hashes = (
+            prompt_block_hashes(request, size, trie.hash_fn) if len(seq.nodes) < num_full else []
+        )
+        while len(seq.nodes) < num_full:
             i = len(seq.nodes)
-            tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
-            spans = seq.request.spans_in(i * size, (i + 1) * size)
-            node_hash = trie.hash_fn(parent.hash, tokens, spans)
+            spans = request.spans_in(i * size, (i + 1) * size)
+            if i < len(prompt_hashes):  # a prompt block: commit_step checked that the fed tokens are the prompt's
+                tokens = request.prompt_ids[i * size:(i + 1) * size]
+                node_hash = prompt_hashes[i]
+            else:
+                tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
+                node_hash = trie.hash_fn(parent.hash, tokens, spans)
             node = trie.find_child(parent, node_hash, tokens, spans)
             own = seq.block_ids[i]
             if node is None:
@@ -310,6 +324,8 @@ class PrefixCache:
             node.last_access = now
             seq.nodes.append(node)
             parent = node
+        if seq.nodes:  # every node touched above but the last has a child now: only it can be a leaf
+            life.leaf_changed(seq.nodes[-1])
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
@@ -436,7 +452,7 @@ class PrefixCache:
         return life.stats.snapshot(
             num_blocks_used=life.blocks.num_used,
             num_slots_used=life.slots.num_used,
-            num_checkpoints=len(life.published()),
+            num_checkpoints=life.num_published,
             num_nodes=life.trie.num_nodes,
             num_running=len(self._seqs),
         )

@@ -14,7 +14,7 @@ Admission policies answer whether a save is worth reserving.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
@@ -68,6 +68,50 @@ class FlopAwarePolicy:
             candidates, [_leaf_recency(n) for n in candidates], [self._leaf_value(n) for n in candidates]
         )
 
+    @property
+    def can_prune(self) -> bool:
+        """Whether `pick_checkpoint_by_recency` applies: scores never fall below their recency term and
+        efficiency grows with the step (non-negative alpha and cost coefficients)."""
+        cost = self.cost
+        return self.alpha >= 0 and cost.flops_per_token >= 0 and cost.attn_flops_per_token_pair >= 0
+
+    def efficiency(self, ckpt: Checkpoint) -> float:
+        flops, held = self._checkpoint_value(ckpt)
+        return flops / held if held > 0 else 0.0
+
+    def pick_checkpoint_by_recency(
+        self, oldest_first: Iterable[Checkpoint], newest: Checkpoint, top_efficiency: float,
+    ) -> Checkpoint:
+        """The same victim as `pick_checkpoint(candidates)`, found without scoring every candidate.
+
+        `oldest_first` yields the candidates in strictly increasing `last_access`, `newest` is the last of
+        them and `top_efficiency` the largest `efficiency` among them (requires `can_prune`). A score is
+        its recency term plus a non-negative term, so once the recency term alone exceeds the best score
+        found, no later (newer) candidate can win and the scan stops::
+
+            recency term: 0.00  0.10  0.20  0.35 | 0.60 ...   best score so far 0.30 (set by the 2nd)
+                          scored ---------------- stop: 0.35 > 0.30, and every later one is larger still
+        """
+        lo = None
+        span: float = 1.0
+        top = top_efficiency or 1.0
+        best: Checkpoint | None = None
+        best_score = 0.0
+        for ckpt in oldest_first:
+            t = ckpt.last_access
+            if lo is None:
+                lo = t
+                span = (newest.last_access - lo) or 1.0
+            recency = (t - lo) / span
+            if best is not None and recency > best_score:
+                break
+            score = recency + self.alpha * self.efficiency(ckpt) / top
+            if best is None or score < best_score:
+                best, best_score = ckpt, score
+        if best is None:
+            raise ValueError("pick_checkpoint_by_recency needs at least one candidate")
+        return best
+
 
 def _leaf_recency(node: Node) -> int:
     return max([node.last_access, *(c.last_access for c in node.iter_checkpoints())])
@@ -77,6 +121,8 @@ EvictionPolicy = LruPolicy | FlopAwarePolicy
 
 
 class AdmitAll:
+    needs_key = False  # `admit` ignores its key: callers may pass None instead of computing one
+
     def admit(self, reason: SaveReason, key: Hashable) -> bool:
         return True
 
@@ -86,6 +132,8 @@ class RepeatBranchAdmission:
 
     Remembers the last `capacity` branch-point keys (bounded memory).
     """
+
+    needs_key = True
 
     def __init__(self, capacity: int = 65536) -> None:
         self.capacity = capacity

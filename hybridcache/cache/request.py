@@ -39,6 +39,8 @@ class CacheRequest:
                    `(start, end, content_hash)` triples; kept sorted by start.
     routed_experts whether the caller wants the routed-expert ids of the prompt: then a partial hit needs the
                    checkpoint's tail routed-expert history, and partial saves need it too.
+    memo           values the cache derives from the request alone (its chained block hashes), computed on
+                   first use and reused by every match of this object (and by every cache it is given to).
     """
 
     request_id: Hashable
@@ -47,6 +49,7 @@ class CacheRequest:
     mm_spans: tuple[MultimodalSpan, ...] = ()
     routed_experts: bool = False
     _span_ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         prompt = tuple(self.prompt_ids)

@@ -33,6 +33,44 @@ def chain_hash(parent_hash: int, token_ids: tuple[int, ...], spans: tuple) -> in
     return h.intdigest()
 
 
+def prompt_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[int]:
+    """`hash_fn`-chained identities of every full block of `request.prompt_ids`, computed once per request,
+    block size and hash function and kept on the request (`CacheRequest.memo`): the simulator's policies
+    and repeated matches of one request reuse them. Entry i is the identity of the node of block i
+    (tokens `[i*B, (i+1)*B)`), chained from the adapter's root:
+
+        hashes[0] = hash_fn(root_hash(adapter), prompt[0:B], spans in [0, B))
+        hashes[i] = hash_fn(hashes[i - 1], prompt[i*B:(i+1)*B], spans in [i*B, (i+1)*B))
+
+    With the default `chain_hash` the prompt is serialised once and each block hashes a slice of it
+    (the same bytes `chain_hash` would build, hence the same values)."""
+    key = ("block_hashes", block_size, hash_fn)
+    hashes = request.memo.get(key)
+    if hashes is not None:
+        return hashes
+    prompt = request.prompt_ids
+    parent = root_hash(request.adapter)
+    hashes = []
+    if hash_fn is chain_hash:
+        data = memoryview(array("q", prompt).tobytes())
+        step = 8 * block_size
+        for i in range(len(prompt) // block_size):
+            h = xxhash.xxh64(parent.to_bytes(8, "little"))
+            h.update(data[i * step:(i + 1) * step])
+            spans = request.spans_in(i * block_size, (i + 1) * block_size)
+            if spans:
+                h.update(repr(spans).encode())
+            parent = h.intdigest()
+            hashes.append(parent)
+    else:
+        for i in range(len(prompt) // block_size):
+            start = i * block_size
+            parent = hash_fn(parent, prompt[start:start + block_size], request.spans_in(start, start + block_size))
+            hashes.append(parent)
+    request.memo[key] = hashes
+    return hashes
+
+
 def root_hash(adapter: str | None) -> int:
     return xxhash.xxh64(repr(adapter).encode()).intdigest()
 

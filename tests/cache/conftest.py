@@ -11,7 +11,9 @@ from tests.cache.fake_engine import Driver
 def make_driver(**overrides) -> Driver:
     params = dict(block_size=16, num_blocks=256, num_slots=32, max_checkpoints_per_anchor=4)
     params.update(overrides)
-    return Driver(PrefixCache(CacheConfig(**params)))
+    cache = PrefixCache(CacheConfig(**params))
+    cache._life.verify_picks = True  # every eviction victim is checked against a full scan
+    return Driver(cache)
 
 
 def tokens(n: int, seed: int = 0, vocab: int = 1000) -> tuple[int, ...]:

@@ -187,6 +187,7 @@ def test_flop_aware_cache_runs_clean():
     )
     from tests.cache.fake_engine import Driver
 
+    cache._life.verify_picks = True
     driver = Driver(cache)
     for i in range(8):
         driver.run(CacheRequest(f"r{i}", tokens(20 + 3 * i, seed=22 + i % 3)))
@@ -265,6 +266,7 @@ def test_repeat_branch_admission_declines_first_sighting():
     cache = PrefixCache(CacheConfig(block_size=16, num_blocks=64, num_slots=8, admission="repeat_branch"))
     from tests.cache.fake_engine import Driver
 
+    cache._life.verify_picks = True
     driver = Driver(cache)
     prompt = tokens(40, seed=70)
     for rid in ("a", "b"):

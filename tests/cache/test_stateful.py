@@ -41,6 +41,7 @@ class CacheMachine(RuleBasedStateMachine):
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
         )
         self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
+        self.cache._life.verify_picks = True  # every eviction victim is checked against a full scan
         self.device = FakeDevice(self.cache)
         self.size = block_size
         self.saved: dict[tuple, bool] = {}  # prefix identity -> routed-expert history known
