@@ -93,8 +93,11 @@ def chunk_gated_delta_rule(
     ut_system = (k_beta @ k.transpose(-1, -2)) * decay
     intra_attn = (q @ k.transpose(-1, -2)) * decay
     decayed_k_beta = k_beta * g_cum.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    # One triangular solve for both right-hand sides (the factorisation, not the width, is what costs).
+    solved = torch.linalg.solve_triangular(
+        ut_system, torch.cat([v_beta, decayed_k_beta], dim=-1), upper=False, unitriangular=True
+    )
+    new_values, k_cumdecay = solved.split([v_dim, k_dim], dim=-1)
 
     if initial_state is None:
         state = torch.zeros(num_heads, k_dim, v_dim, dtype=torch.float32, device=q.device)
