@@ -32,7 +32,7 @@ Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from hybridcache.bench.cost_model import ModelCost
@@ -298,13 +298,17 @@ class CacheReplay:
         return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=self.config.chunk_budget,
                           prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step)
 
-    def run(self, request: SimRequest) -> None:
+    def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
+        """Replay `request`; `cache_requests[i]` (from `cache_requests_of`) is completion i's cache request,
+        shared by every policy so that its block hashes are computed once."""
         if request.n > self.max_running:
             raise ValueError(f"request {request.request_id} has n={request.n} > max_running {self.max_running}")
         self.counters.num_requests += 1
         pending = list(enumerate(request.outputs()))
+        if cache_requests is None:
+            cache_requests = cache_requests_of(request)
         while pending:
-            wave = self._admit(request, pending)
+            wave = self._admit(request, pending, cache_requests)
             if not wave:  # not even one sequence fits next to nothing: computed without the cache
                 pending.pop(0)
                 self.counters.num_uncacheable += 1
@@ -313,12 +317,14 @@ class CacheReplay:
             pending = pending[len(wave):]
             self._run_wave(request, wave)
 
-    def _admit(self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]]) -> list[_Seq]:
+    def _admit(
+        self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
+    ) -> list[_Seq]:
         cache, prompt = self.cache, request.prompt_ids
         wave: list[_Seq] = []
         for index, output in pending:
             rid = (request.request_id, index)
-            match = cache.match(CacheRequest(rid, prompt))
+            match = cache.match(cache_requests[index])
             branch = match.divergence_len if match.divergence_len > match.cached_len else None
             seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
             if cache.admit(match, self._plan(seq, len(prompt)).end) is None:
@@ -392,6 +398,35 @@ class CacheReplay:
 Replay = NoCacheReplay | OracleReplay | CacheReplay
 
 
+def cache_requests_of(request: SimRequest) -> list[CacheRequest]:
+    """The cache's view of each completion of `request` (request id `(request_id, i)`)."""
+    return [CacheRequest((request.request_id, i), request.prompt_ids) for i in range(request.n)]
+
+
+def _replay_all(
+    requests: Iterable[SimRequest], replays: list[Replay], max_running: int,
+    on_request: Callable[[int], None] | None,
+) -> int:
+    """Feed each request to every replay in turn (one rendering, one set of cache requests whose block
+    hashes every cache policy reuses); `on_request(i)` after request i. Returns the number of requests."""
+    count = 0
+    for request in requests:
+        if request.n > max_running:  # resize is not possible mid-run; workloads keep n constant
+            raise ValueError(f"request {request.request_id}: n={request.n}, the first request had {max_running}")
+        shared = None
+        for replay in replays:
+            if isinstance(replay, CacheReplay):
+                if shared is None:
+                    shared = cache_requests_of(request)
+                replay.run(request, shared)
+            else:
+                replay.run(request)
+        if on_request is not None:
+            on_request(count)
+        count += 1
+    return count
+
+
 def make_replay(spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> Replay:
     if spec.mode == "none":
         return NoCacheReplay(spec, cost)
@@ -431,22 +466,22 @@ def simulate(
 ) -> SimResult:
     """Replay `workload` once, feeding each request to every policy in turn (tokens are rendered once).
     `on_request(i)` is called after request i (for a progress bar)."""
+    results, count = _simulate_jobs(workload, [(s, config) for s in specs], cost, on_request)
+    return SimResult(workload.name, cost.name, config.memory_bytes, config.block_size, count,
+                     {s.name: r for s, r in zip(specs, results, strict=True)})
+
+
+def _simulate_jobs(
+    workload: Workload, jobs: list[tuple[PolicySpec, SimConfig]], cost: ModelCost,
+    on_request: Callable[[int], None] | None,
+) -> tuple[list[PolicyResult], int]:
+    """Every (policy, config) job over one rendering of the workload; results in job order, and the count."""
     requests = iter(workload)
     first = next(requests, None)
     max_running = 1 if first is None else first.n
-    replays = [make_replay(s, cost, config, max_running) for s in specs]
-    count = 0
-    if first is not None:
-        for request in _chain(first, requests):
-            if request.n > max_running:  # resize is not possible mid-run; workloads keep n constant
-                raise ValueError(f"request {request.request_id}: n={request.n}, the first request had {max_running}")
-            for replay in replays:
-                replay.run(request)
-            if on_request is not None:
-                on_request(count)
-            count += 1
-    return SimResult(workload.name, cost.name, config.memory_bytes, config.block_size, count,
-                     {r.spec.name: r.result() for r in replays})
+    replays = [make_replay(spec, cost, config, max_running) for spec, config in jobs]
+    count = 0 if first is None else _replay_all(_chain(first, requests), replays, max_running, on_request)
+    return [r.result() for r in replays], count
 
 
 def _chain(first: SimRequest, rest: Iterable[SimRequest]) -> Iterable[SimRequest]:
@@ -461,15 +496,14 @@ def simulate_many(
     num_workers: int = 1,
     on_request: Callable[[], None] | None = None,
 ) -> list[PolicyResult]:
-    """Run each (policy, config) job over the workload; results in job order. With `num_workers` > 1 the
-    jobs run in forked processes (each renders the workload itself); `on_request()` is called once per
-    simulated request of any job (polled from a shared counter), for a progress bar."""
+    """Run each (policy, config) job over the workload; results in job order. The jobs are split into
+    `num_workers` groups of about equal cost (`_split_jobs`); a group replays one rendering of the workload
+    through all its jobs, in one forked process per group when `num_workers` > 1. `on_request()` is called
+    once per simulated request of any job (polled from a shared counter), for a progress bar."""
     if num_workers <= 1 or len(jobs) <= 1:
-        results = []
-        for spec, config in jobs:
-            results.append(simulate(workload, [spec], cost, config,
-                                    None if on_request is None else lambda _: on_request()).policies[spec.name])
-        return results
+        tick = None if on_request is None else lambda _: [on_request() for _ in jobs]
+        return _simulate_jobs(workload, jobs, cost, tick)[0]
+    groups = _split_jobs(jobs, num_workers)
     import multiprocessing as mp
     import queue as queue_module
 
@@ -477,28 +511,46 @@ def simulate_many(
     counter = ctx.Value("q", 0)
     done = ctx.Queue()
     results: dict[int, PolicyResult] = {}
-    waiting = list(enumerate(jobs))
     running: dict[int, mp.process.BaseProcess] = {}
+    for g, group in enumerate(groups):
+        running[g] = ctx.Process(target=_job, args=(workload, [jobs[i] for i in group], cost, counter, done, g),
+                                 daemon=True)
+        running[g].start()
     seen = 0
-    while waiting or running:
-        while waiting and len(running) < num_workers:
-            i, (spec, config) = waiting.pop(0)
-            running[i] = ctx.Process(target=_job, args=(workload, spec, config, cost, counter, done, i), daemon=True)
-            running[i].start()
+
+    def names(g: int) -> str:
+        return ", ".join(jobs[i][0].name for i in groups[g])
+
+    while running:
         try:
-            i, result = done.get(timeout=0.2)
+            g, result = done.get(timeout=0.2)
         except queue_module.Empty:
             seen = _report(counter, seen, on_request)
-            for j, proc in running.items():
+            for g, proc in running.items():
                 if proc.exitcode not in (None, 0):
-                    raise RuntimeError(f"simulating {jobs[j][0].name} died (exit code {proc.exitcode})") from None
+                    raise RuntimeError(f"simulating {names(g)} died (exit code {proc.exitcode})") from None
             continue
         if isinstance(result, BaseException):
-            raise RuntimeError(f"simulating {jobs[i][0].name} failed") from result
-        results[i] = result
-        running.pop(i).join()
+            raise RuntimeError(f"simulating {names(g)} failed") from result
+        results.update(zip(groups[g], result, strict=True))
+        running.pop(g).join()
     _report(counter, seen, on_request)
     return [results[i] for i in range(len(jobs))]
+
+
+def _split_jobs(jobs: list[tuple[PolicySpec, SimConfig]], num_groups: int) -> list[list[int]]:
+    """Job indices in at most `num_groups` non-empty groups of about equal estimated cost (a cache policy
+    costs 1, `oracle` 0.5, `none` nothing), heaviest first onto the lightest group: 6 default policies on
+    2 groups -> [block-aligned, hybridcache, oracle] and [seed, hybridcache+flop, none]."""
+    weight = {"none": 0.0, "oracle": 0.5}
+    order = sorted(range(len(jobs)), key=lambda i: -weight.get(jobs[i][0].mode, 1.0))
+    groups: list[list[int]] = [[] for _ in range(min(num_groups, len(jobs)))]
+    loads = [0.0] * len(groups)
+    for i in order:
+        g = min(range(len(groups)), key=lambda k: (loads[k], len(groups[k])))
+        groups[g].append(i)
+        loads[g] += weight.get(jobs[i][0].mode, 1.0)
+    return [sorted(group) for group in groups]
 
 
 def _report(counter, seen: int, on_request: Callable[[], None] | None) -> int:
@@ -509,12 +561,12 @@ def _report(counter, seen: int, on_request: Callable[[], None] | None) -> int:
     return value
 
 
-def _job(workload, spec, config, cost, counter, queue, index) -> None:
+def _job(workload, jobs, cost, counter, queue, index) -> None:
     def tick(_: int) -> None:
         with counter.get_lock():
-            counter.value += 1
+            counter.value += len(jobs)
 
     try:
-        queue.put((index, simulate(workload, [spec], cost, config, tick).policies[spec.name]))
+        queue.put((index, _simulate_jobs(workload, jobs, cost, tick)[0]))
     except BaseException as error:  # sent to the parent, which raises it
         queue.put((index, error))

@@ -61,6 +61,14 @@ def check_integrity(cache: PrefixCache) -> None:
             for child in bucket:
                 if child.parent is not node or child.hash != key:
                     _fail(f"{child} indexed under {node} with key {key}")
+        if node.by_first is not None:
+            by_first = {t: sorted(id(c) for c in group) for t, group in node.by_first.items()}
+            expected_first: dict[int, list[int]] = {}
+            for bucket in node.children.values():
+                for child in bucket:
+                    expected_first.setdefault(child.token_ids[0], []).append(id(child))
+            if by_first != {t: sorted(ids) for t, ids in expected_first.items()}:
+                _fail(f"{node} first-token index differs from its children")
     if num_nodes != trie.num_nodes:
         _fail(f"trie counts {trie.num_nodes} nodes, found {num_nodes}")
     if leaves != trie.leaves:

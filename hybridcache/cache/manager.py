@@ -106,7 +106,10 @@ class PrefixCache:
         base = node.depth * self.block_size
         rest = request.prompt_ids[base:base + self.block_size]
         best = 0
-        others = [(c.token_ids, c.spans) for bucket in node.children.values() for c in bucket]
+        if not rest:
+            return min(base, request.prompt_len - 1)
+        # a child whose first token differs agrees on 0 tokens: only those sharing it can raise `best`
+        others = [(c.token_ids, c.spans) for c in self._life.trie.children_starting_with(node, rest[0])]
         others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
         for tokens, spans in others:
             agree = common_prefix_len(tokens, rest)

@@ -80,11 +80,14 @@ class Node:
 
     depth        number of full blocks from the root to this node inclusive: the node ends at step depth*B.
     checkpoints  published checkpoints anchored here, indexed by (step, tail hash) -> list (collisions).
+    by_first     children indexed by their first token, kept only while the node has more than
+                 `Trie.INDEX_FIRST_TOKEN_AT` children (None otherwise): a shared system prompt's node can
+                 have thousands of children, and a divergence search only needs those sharing a token.
     """
 
     __slots__ = (
         "adapter", "parent", "block_id", "token_ids", "spans", "hash", "depth", "children", "checkpoints",
-        "last_access", "attached",
+        "last_access", "attached", "by_first",
     )
 
     def __init__(
@@ -102,6 +105,7 @@ class Node:
         self.checkpoints: dict[tuple[int, int], list[Any]] = {}
         self.last_access = last_access
         self.attached = True
+        self.by_first: dict[int, list[Node]] | None = None
 
     @property
     def is_root(self) -> bool:
@@ -119,6 +123,8 @@ class Node:
 
 
 class Trie:
+    INDEX_FIRST_TOKEN_AT = 16
+
     def __init__(self, hash_fn: HashFn = chain_hash) -> None:
         self.hash_fn = hash_fn
         self.roots: dict[str | None, Node] = {}
@@ -147,6 +153,14 @@ class Trie:
         """A new child; the caller gives the node its reference on `block_id`."""
         node = Node(parent.adapter, parent, block_id, token_ids, spans, node_hash, now)
         parent.children.setdefault(node_hash, []).append(node)
+        if parent.by_first is not None:
+            parent.by_first.setdefault(token_ids[0], []).append(node)
+        elif len(parent.children) > self.INDEX_FIRST_TOKEN_AT:
+            by_first: dict[int, list[Node]] = {}
+            for bucket in parent.children.values():
+                for child in bucket:
+                    by_first.setdefault(child.token_ids[0], []).append(child)
+            parent.by_first = by_first
         self.leaves.discard(parent)
         self.leaves.add(node)
         self.num_nodes += 1
@@ -161,11 +175,25 @@ class Trie:
         bucket.remove(node)
         if not bucket:
             del parent.children[node.hash]
+        if parent.by_first is not None:
+            if len(parent.children) <= self.INDEX_FIRST_TOKEN_AT // 2:
+                parent.by_first = None
+            else:
+                same_first = parent.by_first[node.token_ids[0]]
+                same_first.remove(node)
+                if not same_first:
+                    del parent.by_first[node.token_ids[0]]
         self.leaves.discard(node)
         if not parent.children and not parent.is_root:
             self.leaves.add(parent)
         node.attached = False
         self.num_nodes -= 1
+
+    def children_starting_with(self, parent: Node, token_id: int) -> list[Node]:
+        """The children of `parent` whose first token is `token_id`."""
+        if parent.by_first is not None:
+            return parent.by_first.get(token_id, [])
+        return [c for bucket in parent.children.values() for c in bucket if c.token_ids[0] == token_id]
 
     def iter_nodes(self) -> Iterator[Node]:
         """Every node (roots included), parents before children."""
