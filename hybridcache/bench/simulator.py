@@ -32,7 +32,9 @@ Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Sequence
+import gc
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 from hybridcache.bench.cost_model import ModelCost
@@ -480,8 +482,24 @@ def _simulate_jobs(
     first = next(requests, None)
     max_running = 1 if first is None else first.n
     replays = [make_replay(spec, cost, config, max_running) for spec, config in jobs]
-    count = 0 if first is None else _replay_all(_chain(first, requests), replays, max_running, on_request)
+    with _cyclic_gc_paused():
+        count = 0 if first is None else _replay_all(_chain(first, requests), replays, max_running, on_request)
     return [r.result() for r in replays], count
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while replaying. A replay holds millions of live objects
+    (trie nodes, token tuples) and frees almost everything by reference counting; each full collection
+    walks them all and finds next to nothing (173 objects in 3,000 Mooncake requests x 3 policies), and
+    they took half of the run time. Reference counting still frees memory while paused."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _chain(first: SimRequest, rest: Iterable[SimRequest]) -> Iterable[SimRequest]:

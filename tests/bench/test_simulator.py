@@ -125,3 +125,36 @@ def test_cache_sizing_and_policy_parsing():
         ("hybridcache+flop", "hybridcache", 64, "flop_aware")]
     with pytest.raises(ValueError, match="oracle"):
         parse_policies("lru", 64)
+
+
+def _shared_stem_requests(num: int) -> list[SimRequest]:
+    """Prompts that share stems and grow turn by turn, so that a small cache evicts."""
+    import random
+
+    rng = random.Random(3)
+    stems = [tuple(rng.randrange(100) for _ in range(rng.randint(5, 30))) for _ in range(4)]
+    return [
+        SimRequest(f"q{i}", rng.choice(stems) + tuple(rng.randrange(100) for _ in range(rng.randint(1, 25))),
+                   tuple(rng.randrange(100) for _ in range(rng.randint(1, 6))))
+        for i in range(num)
+    ]
+
+
+def test_grouped_parallel_jobs_give_the_results_of_separate_runs():
+    from hybridcache.bench.simulator import _split_jobs, simulate_many
+
+    requests = _shared_stem_requests(40)
+    specs = parse_policies("none,block-aligned,seed,hybridcache,hybridcache+flop,oracle", 4)
+    small = SimConfig(4096, 4, 100, kv_tokens_per_slot=16, check_integrity=True)
+    large = SimConfig(1 << 20, 4, 100, kv_tokens_per_slot=16, check_integrity=True)
+    jobs = [(s, small) for s in specs] + [(s, large) for s in specs if s.mode not in ("none", "oracle")]
+    groups = _split_jobs(jobs, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(jobs))) and len(groups) == 3
+    ticks = []
+    grouped = simulate_many(_workload(requests), jobs, COST, num_workers=3, on_request=lambda: ticks.append(1))
+    alone = [simulate(_workload(requests), [spec], COST, config).policies[spec.name] for spec, config in jobs]
+    assert grouped == alone
+    assert len(ticks) == len(jobs) * len(requests)
+    assert sum(r.evictions for r in alone) > 0  # the small budget evicts
+    serial = simulate_many(_workload(requests), jobs, COST, num_workers=1)
+    assert serial == alone
