@@ -30,7 +30,9 @@ def register(subparsers) -> None:
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
     sim.add_argument("--sweep", default=None, help="memory points of the sweep in GiB (default: budget x "
                      + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
-    sim.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (one policy each)")
+    sim.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (one group of policies per worker)"
+    )
     sim.add_argument("--no-progress", action="store_true")
     sim.set_defaults(func=cmd_simulate)
 
