@@ -23,13 +23,8 @@ def plot_hit_rate_sweep(path: str | Path, title: str, memory_gib: list[float],
         style = "--" if name in ("oracle", "none") else "-"
         ax.plot(memory_gib, rates, style, marker="o", label=name)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("cache memory (GiB, KV + checkpoint states)")
-    ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+    return _finish(fig, ax, path, title, "cache memory (GiB, KV + checkpoint states)", "token hit rate")
 
 
 def plot_ttft_cdf(path: str | Path, title: str, ttfts_s: dict[str, list[float]]) -> Path:
@@ -40,12 +35,7 @@ def plot_ttft_cdf(path: str | Path, title: str, ttfts_s: dict[str, list[float]])
         values = sorted(v * 1000 for v in values)
         if values:
             ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=mode)
-    ax.set_xlabel("time to first token (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(title)
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    return _save(fig, path)
+    return _finish(fig, ax, path, title, "time to first token (ms)", "fraction of requests")
 
 
 def plot_hit_rate_by_turn(path: str | Path, title: str, by_turn: dict[str, dict[int, float]]) -> Path:
@@ -55,9 +45,14 @@ def plot_hit_rate_by_turn(path: str | Path, title: str, by_turn: dict[str, dict[
     for mode, rates in by_turn.items():
         turns = sorted(rates)
         ax.plot(turns, [rates[t] for t in turns], marker="o", label=mode)
-    ax.set_xlabel("turn")
-    ax.set_ylabel("token hit rate")
     ax.set_ylim(0, 1)
+    return _finish(fig, ax, path, title, "turn", "token hit rate")
+
+
+def _finish(fig, ax, path: str | Path, title: str, xlabel: str, ylabel: str) -> Path:
+    """Label, grid and legend a one-axes figure, then save it."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
