@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:  # bad input, missing files, an unreachable server
         print(f"hybridcache: error: {error}", file=sys.stderr)
         return 2
 

@@ -53,7 +53,12 @@ def register(subparsers) -> None:
     bench.add_argument("--max-num-batched-tokens", type=int, default=512)
     bench.add_argument("--num-blocks", type=int, default=None)
     bench.add_argument("--num-checkpoint-slots", type=int, default=32)
-    bench.add_argument("--server", default=None, help="benchmark a running `hybridcache serve` (not yet supported)")
+    bench.add_argument(
+        "--server", default=None,
+        help="URL of a running `hybridcache serve` to benchmark over HTTP instead of the offline engine "
+        "(--modes is then ignored: the server runs one mode; --model must name the server's model folder)",
+    )
+    bench.add_argument("--concurrency", type=int, default=64, help="with --server: requests in flight at most")
     bench.add_argument("--out-dir", default="results", help="where the JSON and PNGs go")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=cmd_bench)
@@ -141,15 +146,13 @@ def format_sim_table(result) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if args.server:
-        raise ValueError("--server is not supported yet: `hybridcache bench` runs the engine offline only")
     from tqdm.auto import tqdm
 
     from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench
     from hybridcache.bench.workloads import ChatOptions, load_workload
     from hybridcache.models.builtin import ensure_builtin_model
 
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    modes = ("server",) if args.server else tuple(m.strip() for m in args.modes.split(",") if m.strip())
     model_path = Path(args.model) if args.model else ensure_builtin_model()
     chat = ChatOptions(args.num_sessions, args.max_turns, args.max_message_chars, args.max_prompt_len)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
@@ -160,7 +163,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig(modes, args.max_reply_tokens, options)
     bar = tqdm(total=count_calls(workload) * len(modes), desc=f"bench {workload.name}", unit="req",
                disable=args.no_progress, file=sys.stderr)
-    result = run_bench(model_path, workload, config, bar.update, model_name=model_path.name)
+    if args.server:
+        from hybridcache.bench.server_bench import run_server_bench
+
+        result = run_server_bench(args.server, workload, config, concurrency=args.concurrency, on_progress=bar.update)
+    else:
+        result = run_bench(model_path, workload, config, bar.update, model_name=model_path.name)
     bar.close()
     print(format_bench_table(result, count_calls(workload)))
     out = Path(args.out_dir)

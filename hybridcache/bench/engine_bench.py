@@ -175,7 +175,12 @@ def run_mode(model_path: str | Path | None, mode: str, workload: Workload, confi
     _queue_workload(driver, workload)
     driver.run(on_progress)
     wall = time.perf_counter() - start
-    records = driver.records
+    result = summarize(mode, driver.records, wall, engine.num_prefill_tokens - prefill_before)
+    return result, {r.key: r.output_ids for r in driver.records}
+
+
+def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens: int) -> ModeResult:
+    """One mode's summary of its completions (shared by the offline and the server benchmark)."""
     prompt = sum(r.prompt_len for r in records)
     cached = sum(r.cached_tokens for r in records)
     by_turn: dict[int, list[int]] = {}
@@ -185,10 +190,10 @@ def run_mode(model_path: str | Path | None, mode: str, workload: Workload, confi
         acc[1] += r.prompt_len
     ttfts = [r.ttft_s for r in records]
     e2es = [r.e2e_s for r in records]
-    result = ModeResult(
+    return ModeResult(
         mode=mode,
         token_hit_rate=cached / prompt if prompt else 0.0,
-        prefill_tokens_computed=engine.num_prefill_tokens - prefill_before,
+        prefill_tokens_computed=prefill_tokens,
         ttft_p50_s=_percentile(ttfts, 50), ttft_p95_s=_percentile(ttfts, 95),
         e2e_p50_s=_percentile(e2es, 50), e2e_p95_s=_percentile(e2es, 95),
         output_tokens_per_s=sum(len(r.output_ids) for r in records) / wall if wall > 0 else 0.0,
@@ -197,7 +202,6 @@ def run_mode(model_path: str | Path | None, mode: str, workload: Workload, confi
         hit_rate_by_turn={t: c / p if p else 0.0 for t, (c, p) in sorted(by_turn.items())},
         ttfts_s=tuple(sorted(ttfts)),
     )
-    return result, {r.key: r.output_ids for r in records}
 
 
 def run_bench(model_path: str | Path | None, workload: Workload, config: BenchConfig,

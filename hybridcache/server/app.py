@@ -113,7 +113,7 @@ class _Routes:
         max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
         params = body.sampling_params(max_tokens)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
-        return await self._respond(request, meta, prompt_ids, params, body.stream, body.include_usage())
+        return await self._respond(request, meta, prompt_ids, params, body)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -129,10 +129,10 @@ class _Routes:
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages")
         params = body.sampling_params(max_tokens)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, prompt_ids, params, body.stream, body.include_usage())
+        return await self._respond(request, meta, prompt_ids, params, body)
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompt_ids: list[int], params: SamplingParams,
-                       stream: bool, include_usage: bool) -> Response:
+                       body: CompletionRequest | ChatCompletionRequest) -> Response:
         request_id = meta.response_id
         loop = self.engine_loop
         try:
@@ -145,8 +145,8 @@ class _Routes:
             loop.abort(request_id)
             raise
         outputs = _outputs(sink)
-        if stream:
-            events = _events(meta, outputs, params, include_usage)
+        if body.stream:
+            events = _events(meta, outputs, params, body.include_usage(), body.return_token_ids)
             return EventStreamResponse(events, on_close=lambda: loop.abort(request_id))
         try:
             final = await run_until_disconnect(request.receive, _last(outputs))
@@ -156,7 +156,7 @@ class _Routes:
             raise APIError(500, str(error)) from None
         finally:
             loop.abort(request_id)  # a no-op once it has finished
-        return JSONResponse(full_response(meta, final))
+        return JSONResponse(full_response(meta, final, body.return_token_ids))
 
     def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str) -> int:
         limit = self.model.max_model_len
@@ -252,7 +252,7 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 
 async def _events(meta: ResponseMeta, outputs: AsyncIterator[RequestOutput], params: SamplingParams,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  include_usage: bool, return_token_ids: bool = False) -> AsyncIterator[bytes]:
     """The server-sent events of one streaming response, ending with `data: [DONE]`."""
     texts = [TextStream(params.stop) for _ in range(params.n)]
     done = [False] * params.n
@@ -270,8 +270,9 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[RequestOutput], par
                 delta = texts[c.index].update(c.text, finished)
                 if delta or finished:
                     done[c.index] = finished
+                    token_ids = list(c.token_ids) if finished and return_token_ids else None
                     yield sse(chunk(meta, c.index, text=delta, finish_reason=c.finish_reason,
-                                    with_usage_field=include_usage))
+                                    with_usage_field=include_usage, token_ids=token_ids))
     except EngineFailure as error:
         yield sse(error_body(500, str(error)))
         yield sse("[DONE]")

@@ -40,6 +40,7 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False  # vLLM's extension: the generated token ids with each finished choice
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

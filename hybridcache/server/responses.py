@@ -41,24 +41,28 @@ def usage(output: RequestOutput) -> dict[str, Any]:
     }
 
 
-def full_response(meta: ResponseMeta, output: RequestOutput) -> dict[str, Any]:
-    """The non-streaming body of a finished request."""
+def full_response(meta: ResponseMeta, output: RequestOutput, return_token_ids: bool = False) -> dict[str, Any]:
+    """The non-streaming body of a finished request (`return_token_ids`: each choice carries `token_ids`)."""
     choices = []
     for c in output.outputs:
         if meta.chat:
             message = {"role": "assistant", "content": c.text}
-            choices.append({"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason})
+            choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
         else:
-            choices.append({"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
+            choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+        if return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        choices.append(choice)
     return {**meta.header(streaming=False), "choices": choices, "usage": usage(output)}
 
 
 def chunk(
     meta: ResponseMeta, index: int, *, text: str | None = None, role: bool = False,
-    finish_reason: str | None = None, with_usage_field: bool = False,
+    finish_reason: str | None = None, with_usage_field: bool = False, token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk for choice `index`: a piece of text, the assistant role (chat's first chunk), or
-    the finish reason. `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`."""
+    the finish reason. `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`.
+    `token_ids`: every generated token id of the choice (on its finishing chunk, with `return_token_ids`)."""
     if meta.chat:
         delta: dict[str, Any] = {}
         if role:
@@ -69,6 +73,8 @@ def chunk(
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
     else:
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     body = {**meta.header(streaming=True), "choices": [choice]}
     if with_usage_field:
         body["usage"] = None

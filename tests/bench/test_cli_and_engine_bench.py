@@ -54,6 +54,31 @@ def test_engine_bench_modes_agree_and_the_cache_hits(tmp_path):
     assert none.num_calls == cached.num_calls == len(workload)
 
 
-def test_bench_server_mode_is_a_clear_error(capsys):
-    assert main(["bench", "--server", "http://localhost:8000"]) == 2
-    assert "not supported yet" in capsys.readouterr().err
+def test_server_bench_matches_the_offline_engine_and_reports_hits(tmp_path):
+    """`hybridcache bench --server` against a real server: same greedy tokens as the offline engine in the same
+    mode, and cached_tokens from the responses' usage."""
+    pytest.importorskip("torch")
+    from hybridcache.bench.engine_bench import BenchConfig, run_bench
+    from hybridcache.bench.server_bench import run_server_bench
+    from hybridcache.bench.workloads import ChatOptions, default_trace_path, load_workload
+    from tests.server.server_process import running_servers
+
+    if not default_trace_path("sharegpt").exists():
+        pytest.skip("sharegpt trace absent")
+    workload = load_workload("sharegpt", chat=ChatOptions(num_sessions=3, max_turns=2, max_message_chars=100))
+    config = BenchConfig(("hybridcache",), max_reply_tokens=6, engine_options=dict(
+        block_size=16, max_model_len=2048, num_blocks=1024))
+    offline = run_bench(None, workload, config)
+    server_args = ("--block-size", "16", "--max-model-len", "2048", "--num-blocks", "1024")
+    with running_servers(server_args, tmp_dir=tmp_path) as (server,):
+        online = run_server_bench(server.base_url, workload, config, concurrency=8)
+    served = online.modes["server"]
+    assert served.num_calls == offline.modes["hybridcache"].num_calls == len(workload)
+    assert served.hit_rate_by_turn[1] > 0.5
+    assert served.ttft_p50_s > 0 and served.e2e_p50_s >= served.ttft_p50_s
+    assert served.token_hit_rate == pytest.approx(offline.modes["hybridcache"].token_hit_rate)
+
+
+def test_server_bench_names_an_unreachable_server(capsys):
+    assert main(["bench", "--server", "http://127.0.0.1:9", "--num-sessions", "1", "--no-progress"]) != 0
+    assert "127.0.0.1:9" in capsys.readouterr().err

@@ -1,0 +1,108 @@
+"""`hybridcache bench --server URL`: the same workload against a running `hybridcache serve`, with concurrent
+clients over HTTP.
+
+Every chat session is one client that sends its turns one after another (closed loop, like the offline
+benchmark); all sessions run at once, up to `concurrency` requests in flight. Other workloads send every
+request at once (up to `concurrency`). Each call is a streaming `POST /v1/completions` with the prompt as
+token ids, greedy, `ignore_eos`, `stream_options.include_usage` and `return_token_ids`, so that:
+time to first token = first streamed chunk; end-to-end = the `[DONE]` event; `cached_tokens` =
+`usage.prompt_tokens_details.cached_tokens`; the generated token ids (for the next turn's prompt) come with
+each choice's finishing chunk. The server runs one cache mode, so the result has one mode, named `server`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+from hybridcache.bench.engine_bench import BenchConfig, BenchResult, CallRecord, summarize
+from hybridcache.bench.workloads import Workload
+
+
+class ServerError(ConnectionError):
+    """The server could not be reached or answered a request with an error."""
+
+
+async def _call(client, url: str, model: str, prompt_ids: tuple[int, ...], max_tokens: int, n: int,
+                key: str, turn: int) -> list[CallRecord]:
+    body = {
+        "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0, "n": n,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+    }
+    start = time.perf_counter()
+    first = None
+    token_ids: dict[int, list[int]] = {}
+    cached = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise ServerError(f"{url} answered {response.status_code}: {(await response.aread()).decode()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                raise ServerError(f"{url} failed the request: {event['error']}")
+            if event.get("choices") and first is None:
+                first = time.perf_counter()
+            for choice in event.get("choices", []):
+                if "token_ids" in choice:
+                    token_ids[choice["index"]] = choice["token_ids"]
+            if event.get("usage"):
+                cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
+    end = time.perf_counter()
+    return [
+        CallRecord(key=f"{key}#{i}", turn=turn, prompt_len=len(prompt_ids), cached_tokens=cached,
+                   output_ids=tuple(token_ids.get(i, ())), ttft_s=(first or end) - start, e2e_s=end - start)
+        for i in range(n)
+    ]
+
+
+async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: int,
+               on_progress: Callable[[], None] | None) -> tuple[str, list[CallRecord], float]:
+    import httpx
+
+    limit = asyncio.Semaphore(concurrency)
+    records: list[CallRecord] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        models = (await client.get(f"{url}/v1/models")).json()["data"]
+        model = models[0]["id"]
+
+        async def call(key: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int) -> list[CallRecord]:
+            async with limit:
+                max_tokens = max(1, min(reply_len, config.max_reply_tokens))
+                result = await _call(client, url, model, prompt_ids, max_tokens, n, key, turn)
+            records.extend(result)
+            if on_progress is not None:
+                on_progress()
+            return result
+
+        async def session(s) -> None:
+            prompt_ids = s.first_prompt_ids
+            for k, turn in enumerate(s.turns):
+                result = await call(f"{s.session_id}/{k}", k, prompt_ids, len(turn.reply_ids) + 1, 1)
+                prompt_ids = prompt_ids + result[0].output_ids + turn.after_ids
+
+        start = time.perf_counter()
+        if workload.sessions is not None:
+            await asyncio.gather(*(session(s) for s in workload.sessions))
+        else:
+            await asyncio.gather(*(call(r.request_id, r.turn, r.prompt_ids, len(r.output_ids), r.n)
+                                   for r in workload))
+        return model, records, time.perf_counter() - start
+
+
+def run_server_bench(url: str, workload: Workload, config: BenchConfig, *, concurrency: int = 64,
+                     on_progress: Callable[[], None] | None = None) -> BenchResult:
+    """Run `workload` against the server at `url` (e.g. http://127.0.0.1:8000); one mode, `server`.
+    `prefill_tokens_computed` is the prompt tokens the server did not take from its cache."""
+    import httpx
+
+    try:
+        model, records, wall = asyncio.run(_run(url.rstrip("/"), workload, config, concurrency, on_progress))
+    except httpx.HTTPError as error:
+        raise ServerError(f"cannot benchmark {url}: {error!r}") from error
+    prefill = sum(r.prompt_len - r.cached_tokens for r in records)
+    result = summarize("server", records, wall, prefill)
+    return BenchResult(workload.name, model, {"server": result}, True, ())
