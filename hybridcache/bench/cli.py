@@ -195,8 +195,9 @@ def format_bench_table(result, num_requests: int) -> str:
             f"{r.ttft_p95_s * 1e3:>13.1f}{r.e2e_p50_s * 1e3:>12.1f}{r.e2e_p95_s * 1e3:>12.1f}"
             f"{r.output_tokens_per_s:>11.1f}{r.wall_s:>8.2f}"
         )
-    same = "yes" if result.outputs_identical else f"NO ({len(result.mismatched_calls)} calls differ)"
-    lines.append(f"greedy outputs identical across modes: {same}")
+    if len(result.modes) > 1:
+        same = "yes" if result.outputs_identical else f"NO ({len(result.mismatched_calls)} calls differ)"
+        lines.append(f"greedy outputs identical across modes: {same}")
     return "\n".join(lines)
 
 
