@@ -236,7 +236,7 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+        if self._is_stop_token(seq, token):
             return "stop"
         if params.stop and self._cut_at_stop_string(seq):
             return "stop"
