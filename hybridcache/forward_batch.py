@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridcache.cache.plan import CopyKind
+
 
 @dataclass(frozen=True)
 class LayerShapes:
@@ -95,22 +97,15 @@ class DevicePools:
         return cls(kv=kv, conv=conv, ssm=ssm)
 
 
-IdPairs = tuple[torch.Tensor, torch.Tensor]
-
-
 @dataclass(frozen=True)
-class StepCopies:
-    """One step's checkpoint copies as device id tensors: each kind is (src_ids [N], dst_ids [N]) int64, or
-    None when it has no pairs. KV ids are scheduler blocks; state ids are slots (conv and ssm rows alike).
+class DeviceCopyOp:
+    """One `hybridcache.cache.CopyOp` as device id tensors: src_ids, dst_ids [N] int64. KV ids are scheduler
+    blocks; state ids are slots. The runner executes the ops in order, on the forward's stream: those whose
+    `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
 
-    The runner executes kv_restore and state_restore before the forward, kv_save and state_save after it,
-    in that order, on the forward's stream. Within a kind destinations are unique and disjoint from sources.
-    """
-
-    kv_restore: IdPairs | None = None
-    state_restore: IdPairs | None = None
-    kv_save: IdPairs | None = None
-    state_save: IdPairs | None = None
+    kind: CopyKind
+    src_ids: torch.Tensor
+    dst_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -126,8 +121,7 @@ class ForwardBatch:
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
-    copies         the step's checkpoint copies, executed by the runner around the forward (the model never
-                   reads them).
+    copies         the step's copy ops, executed by the runner around the forward (the model never reads them).
     embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
                    spans) instead of looked up from input_ids; None when there are none.
     """
@@ -142,7 +136,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
-    copies: StepCopies = StepCopies()
+    copies: tuple[DeviceCopyOp, ...] = ()
     embed_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
 

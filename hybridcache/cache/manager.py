@@ -7,7 +7,7 @@ One step of the engine, as the cache sees it::
     cache.ensure_capacity(rid, n)         # grow the block list to hold n tokens (False: no room, no trace)
     cache.reserve_save(rid, step, reason) # slot (+ frozen block) for a save at the end of this step's chunk
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
-                                          # release restore pins, return this step's CheckpointCopies
+                                          # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
@@ -26,7 +26,7 @@ import xxhash
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState, find_deepest
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.lifecycle import Lifecycle
-from hybridcache.cache.plan import CheckpointCopies, PlanBuilder
+from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason, common_prefix_len
 from hybridcache.cache.sequence import RunningSeq
 from hybridcache.cache.stats import CacheStats
@@ -165,8 +165,8 @@ class PrefixCache:
             if partial:
                 private = life.blocks.allocate()
                 seq.block_ids.append(private)
-                seq.restore_copies.append(("kv_restore", ckpt.frozen_block, private))
-            seq.restore_copies.append(("state_restore", ckpt.slot, seq.slot))
+                seq.restore_copies.append((CopyKind.KV_RESTORE, ckpt.frozen_block, private))
+            seq.restore_copies.append((CopyKind.STATE_RESTORE, ckpt.slot, seq.slot))
             seq.restore = ckpt
             seq.token_ids = list(request.prompt_ids[:cached_len])
             life.stats.num_hits += 1
@@ -248,12 +248,12 @@ class PrefixCache:
         h.update(repr(request.spans_in(0, step)).encode())
         return (request.adapter, step, h.intdigest())
 
-    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CheckpointCopies:
+    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
         """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
 
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
-        the step's saves are published (their state_save / kv_save copies emitted), restore pins and save
+        the step's saves are published (their STATE_SAVE / KV_SAVE copies emitted), restore pins and save
         pins are dropped. Returns this step's copies: restores queued by `admit` since the last commit,
         and the saves. The caller must enqueue restore copies, the forward, then save copies, on one stream,
         before its next cache call: that ordering is what makes freeing a deduplicated block and dropping
@@ -340,9 +340,9 @@ class PrefixCache:
         anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
         if not self._life.publish(ckpt, anchor, tail, spans):
             return False
-        builder.add("state_save", seq.slot, ckpt.slot)
+        builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
         if ckpt.frozen_block is not None:
-            builder.add("kv_save", seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
+            builder.add(CopyKind.KV_SAVE, seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
         if ckpt.reason is SaveReason.DECODE_INTERVAL:
             old = seq.decode_ckpt
             if old is not None and old.state is CheckpointState.PUBLISHED:

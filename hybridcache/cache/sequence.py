@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.plan import CopyKind
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node
 
@@ -32,7 +33,7 @@ class RunningSeq:
         self.nodes: list[Node] = []
         self.slot = slot
         self.restore: Checkpoint | None = None
-        self.restore_copies: list[tuple[str, int, int]] = []
+        self.restore_copies: list[tuple[CopyKind, int, int]] = []
         self.saves: list[Checkpoint] = []
         self.decode_ckpt: Checkpoint | None = None
 

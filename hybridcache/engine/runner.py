@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridcache.forward_batch import DevicePools, ForwardBatch, IdPairs
+from hybridcache.cache.plan import Phase, Pool
+from hybridcache.forward_batch import DeviceCopyOp, DevicePools, ForwardBatch
 from hybridcache.kernels.block_copy import copy_blocks, copy_slots
 
 
@@ -40,21 +41,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run restores, the forward, then saves; returns fp32 logits [num_seqs, vocab] at each sequence's
-        last token."""
-        copies = batch.copies
-        self._copy_kv(copies.kv_restore)
-        self._copy_state(copies.state_restore)
+        """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
+        [num_seqs, vocab] at each sequence's last token."""
+        for op in batch.copies:
+            if op.kind.phase is Phase.BEFORE_FORWARD:
+                self._copy(op)
         logits = self.model(batch, self.pools)
-        self._copy_kv(copies.kv_save)
-        self._copy_state(copies.state_save)
+        for op in batch.copies:
+            if op.kind.phase is Phase.AFTER_FORWARD:
+                self._copy(op)
         return logits
 
-    def _copy_kv(self, pairs: IdPairs | None) -> None:
-        if pairs is not None:
-            copy_blocks(self.pools.kv, pairs[0], pairs[1], pages_per_block=self.pages_per_block, page_dim=2)
-
-    def _copy_state(self, pairs: IdPairs | None) -> None:
-        if pairs is not None:
-            copy_slots(self.pools.conv, pairs[0], pairs[1])
-            copy_slots(self.pools.ssm, pairs[0], pairs[1])
+    def _copy(self, op: DeviceCopyOp) -> None:
+        """One batched copy per pool tensor."""
+        if op.kind.pool is Pool.KV:
+            copy_blocks(self.pools.kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
+        else:
+            copy_slots(self.pools.conv, op.src_ids, op.dst_ids)
+            copy_slots(self.pools.ssm, op.src_ids, op.dst_ids)

@@ -1,6 +1,6 @@
 """Batched copies of logical KV blocks and state slots inside the device pools.
 
-The runner executes a step's `CheckpointCopies` with these functions: `copy_blocks` for the KV pool
+The runner executes a step's `CopyPlan` (as `DeviceCopyOp`s) with these functions: `copy_blocks` for the KV pool
 (restore before the forward, save after it) and `copy_slots` for the conv and ssm state pools. Each call
 is one batched operation over all pairs and all layers: one Triton launch on CUDA, or a few bounded
 `index_select` / `index_copy_` calls with the torch path. Neither synchronises with the host when the ids
