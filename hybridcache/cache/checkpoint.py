@@ -33,8 +33,15 @@ class CheckpointState(str, Enum):
 class Checkpoint:
     """A saved recurrent state at an exact step (see the module docstring for the geometry).
 
+    Constructed by keyword once its slot (and frozen block, when partial) is held, so no field is ever a
+    placeholder::
+
+        Checkpoint(ckpt_id=7, adapter=None, step=3 * B + 17, reason=SaveReason.CHUNK_END, slot=12,
+                   frozen_block=40, routed_experts=None, owner="req-1", last_access=now)
+
     tail_ids / tail_spans  the r tokens past the anchor and the spans overlapping them (absolute offsets);
                            filled at publish time, when the producing sequence has fed them.
+    tail_hash              the hash of the tail chained from the anchor (the index key), set at publish time.
     routed_experts         the tail's routed-expert history (opaque), None when not known.
     owner                  the request that produced it (for the one-live-decode-checkpoint rule).
     """
@@ -45,8 +52,8 @@ class Checkpoint:
     )
 
     def __init__(
-        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
-        frozen_block: int | None, routed_experts: Any, owner: Hashable, now: int,
+        self, *, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
+        frozen_block: int | None, routed_experts: Any, owner: Hashable, last_access: int,
     ) -> None:
         self.ckpt_id = ckpt_id
         self.adapter = adapter
@@ -61,9 +68,14 @@ class Checkpoint:
         self.anchor: Node | None = None
         self.state = CheckpointState.RESERVED
         self.num_pins = 0
-        self.last_access = now
+        self.last_access = last_access
         self.owner = owner
         self.release_when_unpinned = False
+
+    @staticmethod
+    def slot_owner_of(ckpt_id: int) -> tuple[str, int]:
+        """The `StatePool` owner key of checkpoint `ckpt_id`'s slot (known before the checkpoint exists)."""
+        return ("ckpt", ckpt_id)
 
     @property
     def is_usable(self) -> bool:
@@ -72,7 +84,7 @@ class Checkpoint:
 
     @property
     def slot_owner(self) -> tuple[str, int]:
-        return ("ckpt", self.ckpt_id)
+        return self.slot_owner_of(self.ckpt_id)
 
     def __repr__(self) -> str:
         return (

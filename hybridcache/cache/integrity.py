@@ -1,4 +1,7 @@
-"""`check_integrity`: recompute every count of a `PrefixCache` from scratch and compare.
+"""`check_integrity`: recompute every count of a prefix cache from scratch and compare.
+
+It inspects the parts (the `Lifecycle`, the running sequences, the pending matches' checkpoints), not
+the facade, so the facade imports it and nothing here imports the facade.
 
 Checked: block reference counts equal their holders (trie nodes, running sequences, checkpoints' frozen
 tails) and the free list is exactly the blocks with count 0; every slot has exactly the owner the pool
@@ -10,12 +13,11 @@ sequences' trie nodes hold their blocks.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterable, Mapping
 
-from hybridcache.cache.checkpoint import CheckpointState
-
-if TYPE_CHECKING:
-    from hybridcache.cache.manager import PrefixCache
+from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.sequence import RunningSeq
 
 
 class IntegrityError(AssertionError):
@@ -26,9 +28,12 @@ def _fail(message: str) -> None:
     raise IntegrityError(message)
 
 
-def check_integrity(cache: PrefixCache) -> None:
-    life = cache._life
-    size = cache.block_size
+def check_integrity(
+    life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None],
+) -> None:
+    """Raise `IntegrityError` on the first disagreement. `seqs`: the running sequences by request id;
+    `matched`: the checkpoint each pending match pinned (None for a miss)."""
+    size = life.block_size
     blocks, slots, trie = life.blocks, life.slots, life.trie
 
     # -- trie ------------------------------------------------------------------------------------------
@@ -76,10 +81,10 @@ def check_integrity(cache: PrefixCache) -> None:
 
     # -- expected pins ---------------------------------------------------------------------------------
     pins: Counter[int] = Counter()
-    for _request, ckpt in cache._matches.values():
+    for ckpt in matched:
         if ckpt is not None:
             pins[ckpt.ckpt_id] += 1
-    for seq in cache._seqs.values():
+    for seq in seqs.values():
         if seq.restore is not None:
             pins[seq.restore.ckpt_id] += 1
         for ckpt in seq.saves:
@@ -128,7 +133,7 @@ def check_integrity(cache: PrefixCache) -> None:
             _fail(f"a pin is held on released checkpoint {ckpt_id}")
 
     # -- sequences -------------------------------------------------------------------------------------
-    for rid, seq in cache._seqs.items():
+    for rid, seq in seqs.items():
         if seq.slot in slot_owners:
             _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
         slot_owners[seq.slot] = seq.slot_owner
@@ -141,7 +146,7 @@ def check_integrity(cache: PrefixCache) -> None:
                 _fail(f"{rid!r} block {i} ({seq.block_ids[i]}) is not its trie node {node}")
         for block_id in seq.block_ids:
             holders[block_id] += 1
-    for rid, seq in cache._seqs.items():
+    for rid, seq in seqs.items():
         for block_id in seq.block_ids[len(seq.nodes):]:
             if holders[block_id] != 1:
                 _fail(f"private block {block_id} of {rid!r} has {holders[block_id]} holders")
