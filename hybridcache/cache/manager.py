@@ -16,7 +16,7 @@ dropped by `release_match` or by the next `commit_step`; nothing pinned is evict
 
 Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: tokens, blocks, trie nodes,
 slot, pending restores and saves) and the pending matches, reads the trie to match, and asks the
-admission policy (`_admits`) whether a save is worth making. `Lifecycle` (lifecycle.py) owns the pools,
+admission policy (`_decline_cause`) whether a save is worth making. `Lifecycle` (lifecycle.py) owns the pools,
 the checkpoints' states and every change to the trie; its `Evictor` (evictor.py) picks eviction victims.
 """
 

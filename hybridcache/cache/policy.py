@@ -8,7 +8,7 @@ caller filtered out pinned checkpoints and leaves still held by a sequence):
       efficiency = FLOPs the item saves / bytes it holds, normalised by the candidates' maximum.
   A checkpoint saves `prefill_flops(step)` and holds one slot plus a frozen block when partial; a leaf
   saves what its deepest checkpoint saves and holds its block plus its checkpoints.
-Admission policies answer whether a save is worth reserving (`PrefixCache._admits` asks them).
+Admission policies answer whether a save is worth reserving (`PrefixCache._decline_cause` asks them).
 `Evictor` (evictor.py) applies an eviction policy through its indexes; docs/cache.md says how to add one.
 """
 
