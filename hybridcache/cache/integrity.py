@@ -32,12 +32,21 @@ def check_integrity(
     life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None],
 ) -> None:
     """Raise `IntegrityError` on the first disagreement. `seqs`: the running sequences by request id;
-    `matched`: the checkpoint each pending match pinned (None for a miss)."""
-    size = life.block_size
-    blocks, slots, trie = life.blocks, life.slots, life.trie
+    `matched`: the checkpoint each pending match pinned (None for a miss).
 
-    # -- trie ------------------------------------------------------------------------------------------
+    Each section below adds the holders it sees (of blocks: `holders`, of slots: `slot_owners`); the
+    pools are checked last against those totals."""
     holders: Counter[int] = Counter()
+    _check_trie(life, holders)
+    slot_owners: dict[int, object] = {}
+    _check_checkpoints(life, _expected_pins(seqs, matched), holders, slot_owners)
+    _check_sequences(life, seqs, holders, slot_owners)
+    _check_pools(life, holders, slot_owners)
+
+
+def _check_trie(life: Lifecycle, holders: Counter[int]) -> None:
+    """Hashes, depths, parent links, children and first-token indexes, node count, leaf set."""
+    size, trie = life.block_size, life.trie
     num_nodes = 0
     leaves = set()
     for node in trie.iter_nodes():
@@ -79,7 +88,10 @@ def check_integrity(
     if leaves != trie.leaves:
         _fail(f"leaf set differs: extra {trie.leaves - leaves}, missing {leaves - trie.leaves}")
 
-    # -- expected pins ---------------------------------------------------------------------------------
+
+
+def _expected_pins(seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None]) -> Counter[int]:
+    """Pins each checkpoint should have: one per pending match, pending restore and pending save."""
     pins: Counter[int] = Counter()
     for ckpt in matched:
         if ckpt is not None:
@@ -89,9 +101,14 @@ def check_integrity(
             pins[seq.restore.ckpt_id] += 1
         for ckpt in seq.saves:
             pins[ckpt.ckpt_id] += 1
+    return pins
 
-    # -- checkpoints -----------------------------------------------------------------------------------
-    slot_owners: dict[int, object] = {}
+
+def _check_checkpoints(
+    life: Lifecycle, pins: Counter[int], holders: Counter[int], slot_owners: dict[int, object],
+) -> None:
+    """Index keys, anchors, geometry, frozen blocks, pins and slots of every registered checkpoint."""
+    size, trie = life.block_size, life.trie
     indexed = 0
     for node in trie.iter_nodes():
         if node.num_checkpoints() > life.config.max_checkpoints_per_anchor:
@@ -132,7 +149,12 @@ def check_integrity(
         if ckpt_id not in life.checkpoints:
             _fail(f"a pin is held on released checkpoint {ckpt_id}")
 
-    # -- sequences -------------------------------------------------------------------------------------
+
+def _check_sequences(
+    life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], holders: Counter[int], slot_owners: dict[int, object],
+) -> None:
+    """Each running sequence's slot, trie nodes and blocks; its blocks past the trie are private."""
+    size = life.block_size
     for rid, seq in seqs.items():
         if seq.slot in slot_owners:
             _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
@@ -151,7 +173,10 @@ def check_integrity(
             if holders[block_id] != 1:
                 _fail(f"private block {block_id} of {rid!r} has {holders[block_id]} holders")
 
-    # -- pools -----------------------------------------------------------------------------------------
+
+def _check_pools(life: Lifecycle, holders: Counter[int], slot_owners: dict[int, object]) -> None:
+    """Reference counts equal holders; free lists are exactly the blocks and slots nobody holds."""
+    blocks, slots = life.blocks, life.slots
     for block_id in range(blocks.num_blocks):
         if blocks.ref_counts[block_id] != holders[block_id]:
             _fail(f"block {block_id} ref count {blocks.ref_counts[block_id]} != {holders[block_id]} holders")

@@ -69,25 +69,9 @@ class PrefixCache:
         deepest published checkpoint on that path with step <= prompt_len - 1, at a safe boundary, whose
         tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
         """
-        trie, size = self._trie, self.block_size
-        prompt = request.prompt_ids
-        root = trie.roots.get(request.adapter)
-        path: list[Node] = []
-        if root is not None:
-            path.append(root)
-            node = root
-            hashes = prompt_block_hashes(request, size, trie.hash_fn)
-            for i in range(len(prompt) // size):
-                if not node.children:
-                    break
-                tokens = prompt[i * size:(i + 1) * size]
-                spans = request.spans_in(i * size, (i + 1) * size)
-                child = trie.find_child(node, hashes[i], tokens, spans)
-                if child is None:
-                    break
-                path.append(child)
-                node = child
-        ckpt = find_deepest(trie, path, request, size, request.prompt_len - 1) if path else None
+        size = self.block_size
+        path = self._walk(request)
+        ckpt = find_deepest(self._trie, path, request, size, request.prompt_len - 1) if path else None
         cached_len = ckpt.step if ckpt is not None else 0
         divergence_len = max(self._divergence(path, request), cached_len)
         if ckpt is not None:
@@ -105,6 +89,29 @@ class PrefixCache:
             divergence_len=divergence_len,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
+
+    def _walk(self, request: CacheRequest) -> list[Node]:
+        """The trie path of the prompt's full blocks: [root, node of block 0, ...] as far as they match
+        exactly; [] when the adapter has no root yet."""
+        trie, size = self._trie, self.block_size
+        prompt = request.prompt_ids
+        root = trie.roots.get(request.adapter)
+        if root is None:
+            return []
+        path = [root]
+        node = root
+        hashes = prompt_block_hashes(request, size, trie.hash_fn)
+        for i in range(len(prompt) // size):
+            if not node.children:
+                break
+            tokens = prompt[i * size:(i + 1) * size]
+            spans = request.spans_in(i * size, (i + 1) * size)
+            child = trie.find_child(node, hashes[i], tokens, spans)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        return path
 
     def _divergence(self, path: list[Node], request: CacheRequest) -> int:
         """How far the prompt agrees with cached content: the matched full blocks, then the longest common
@@ -271,19 +278,7 @@ class PrefixCache:
         before its next cache call: that ordering is what makes freeing a deduplicated block and dropping
         the pins safe here (any later writer of those ids is queued after).
         """
-        size = self.block_size
-        for rid, tokens in fed.items():
-            seq = self._seq(rid)
-            new_len = seq.num_computed + len(tokens)
-            if not tokens or new_len > len(seq.block_ids) * size:
-                raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
-            prompt = seq.request.prompt_ids
-            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
-                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
-        for rid, seq in self._seqs.items():
-            for ckpt in seq.saves:
-                if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
-                    raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
+        self._check_fed(fed)
         builder = PlanBuilder()
         for seq in self._seqs.values():
             for kind, src, dst in seq.restore_copies:
@@ -303,6 +298,23 @@ class PrefixCache:
         for ckpt in published:
             self._life.unpin(ckpt)
         return builder.build()
+
+    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]]) -> None:
+        """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
+        they equal its prompt where they overlap it, and every reserved save is at the end of its chunk."""
+        size = self.block_size
+        for rid, tokens in fed.items():
+            seq = self._seq(rid)
+            new_len = seq.num_computed + len(tokens)
+            if not tokens or new_len > len(seq.block_ids) * size:
+                raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
+            prompt = seq.request.prompt_ids
+            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
+                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
+        for rid, seq in self._seqs.items():
+            for ckpt in seq.saves:
+                if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
+                    raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
 
     def _insert_full_blocks(self, seq: RunningSeq) -> None:
         """Put every block of `seq` that became full into the trie (deduplicated onto identical nodes)."""
