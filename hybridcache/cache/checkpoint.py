@@ -1,4 +1,4 @@
-"""The checkpoint record, its step geometry, and the search for the deepest usable checkpoint.
+"""The checkpoint record and its step geometry (matching.py searches for the deepest usable one).
 
 Geometry (B = block_size): a checkpoint at step s has q = s // B full blocks and r = s % B tail tokens.
 
@@ -20,8 +20,8 @@ from collections.abc import Hashable
 from enum import Enum
 from typing import Any
 
-from hybridcache.cache.request import CacheRequest, SaveReason
-from hybridcache.cache.trie import Node, Trie
+from hybridcache.cache.request import SaveReason
+from hybridcache.cache.trie import Node
 
 
 class CheckpointState(str, Enum):
@@ -91,37 +91,3 @@ class Checkpoint:
             f"Checkpoint(id={self.ckpt_id}, step={self.step}, reason={self.reason.value}, "
             f"state={self.state.value}, pins={self.num_pins})"
         )
-
-
-def find_deepest(
-    trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int,
-) -> Checkpoint | None:
-    """The deepest usable checkpoint for `request` on `path` (path[d] = node at depth d, path[0] = root).
-
-    Candidates on a node are looked up by (step, tail hash of the request's tokens at that step) and then
-    verified exactly: tail tokens, tail spans, adapter, ownership, safe boundary, step <= max_step, and the
-    routed-expert history when the request asks for it and the tail is partial. Ties: most recently used.
-    Cost: one dict probe per path node plus O(B) per distinct candidate step.
-    """
-    prompt = request.prompt_ids
-    for depth in range(len(path) - 1, -1, -1):
-        node = path[depth]
-        if not node.checkpoints:
-            continue
-        base = depth * block_size
-        steps = sorted({step for step, _ in node.checkpoints if step <= max_step}, reverse=True)
-        for step in steps:
-            if not request.is_safe(step):
-                continue
-            tail = prompt[base:step]
-            spans = request.spans_in(base, step)
-            bucket = node.checkpoints.get((step, trie.hash_fn(node.hash, tail, spans)), ())
-            valid = [
-                c for c in bucket
-                if c.is_usable and c.adapter == request.adapter
-                and c.tail_ids == tail and c.tail_spans == spans
-                and (step == base or not request.routed_experts or c.routed_experts is not None)
-            ]
-            if valid:
-                return max(valid, key=lambda c: (c.last_access, c.ckpt_id))
-    return None

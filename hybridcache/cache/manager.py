@@ -28,13 +28,14 @@ from typing import Any
 
 import xxhash
 
-from hybridcache.cache.checkpoint import Checkpoint, find_deepest
+from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason, common_prefix_len
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
 from hybridcache.cache.sequence import RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
 from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
@@ -70,10 +71,10 @@ class PrefixCache:
         tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
         """
         size = self.block_size
-        path = self._walk(request)
+        path = walk_prompt(self._trie, request, size)
         ckpt = find_deepest(self._trie, path, request, size, request.prompt_len - 1) if path else None
         cached_len = ckpt.step if ckpt is not None else 0
-        divergence_len = max(self._divergence(path, request), cached_len)
+        divergence = max(divergence_len(self._trie, path, request, size), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
         match_id = self._next_match_id
@@ -86,63 +87,9 @@ class PrefixCache:
             block_ids=tuple(n.block_id for n in path[1:cached_len // size + 1]),
             checkpoint_id=None if ckpt is None else ckpt.ckpt_id,
             checkpoint_reason=None if ckpt is None else ckpt.reason,
-            divergence_len=divergence_len,
+            divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
-
-    def _walk(self, request: CacheRequest) -> list[Node]:
-        """The trie path of the prompt's full blocks: [root, node of block 0, ...] as far as they match
-        exactly; [] when the adapter has no root yet."""
-        trie, size = self._trie, self.block_size
-        prompt = request.prompt_ids
-        root = trie.roots.get(request.adapter)
-        if root is None:
-            return []
-        path = [root]
-        node = root
-        hashes = prompt_block_hashes(request, size, trie.hash_fn)
-        for i in range(len(prompt) // size):
-            if not node.children:
-                break
-            tokens = prompt[i * size:(i + 1) * size]
-            spans = request.spans_in(i * size, (i + 1) * size)
-            child = trie.find_child(node, hashes[i], tokens, spans)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        return path
-
-    def _divergence(self, path: list[Node], request: CacheRequest) -> int:
-        """How far the prompt agrees with cached content: the matched full blocks, then the longest common
-        prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
-        prompt_len - 1 and moved down to a safe boundary."""
-        if not path:
-            return 0
-        node = path[-1]
-        base = node.depth * self.block_size
-        rest = request.prompt_ids[base:base + self.block_size]
-        best = 0
-        if not rest:
-            return min(base, request.prompt_len - 1)
-        # a child whose first token differs agrees on 0 tokens: only those sharing it can raise `best`
-        others = [(c.token_ids, c.spans) for c in self._trie.children_starting_with(node, rest[0])]
-        others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
-        for tokens, spans in others:
-            agree = common_prefix_len(tokens, rest)
-            if agree <= best:
-                continue
-            mine = set(request.spans_in(base, base + agree))
-            theirs = {s for s in spans if s.start < base + agree and s.end > base}
-            differing = mine ^ theirs
-            if differing:
-                agree = max(0, min(s.start for s in differing) - base)
-            best = max(best, agree)
-        step = min(base + best, request.prompt_len - 1)
-        for span in request.spans_in(step - 1, step + 1):
-            if span.start < step < span.end:
-                step = span.start
-        return step
 
     def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
