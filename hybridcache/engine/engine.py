@@ -59,6 +59,27 @@ class _Request:
         return all(seq.is_finished for seq in self.seqs)
 
 
+def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) -> Scheduler:
+    """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls)."""
+    policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
+    cache_config = CacheConfig(
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        num_slots=num_slots,
+        max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
+        decode_checkpoint_interval=config.decode_checkpoint_interval,
+        eviction=config.eviction,
+    )
+    return Scheduler(
+        PrefixCache(cache_config),
+        policy,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        decode_checkpoint_interval=config.decode_checkpoint_interval,
+        debug=os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0"),
+    )
+
+
 class LLMEngine:
     """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
 
@@ -83,7 +104,6 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.device = torch.device(config.device)
         model = load_model(self.model_path, dtype=_DTYPES[config.dtype], device=self.device)
-        policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
         num_slots = config.max_num_seqs + config.num_checkpoint_slots
         self.runner = ModelRunner(
             model,
@@ -95,22 +115,7 @@ class LLMEngine:
             state_dtype=_DTYPES[config.state_dtype],
             device=self.device,
         )
-        cache_config = CacheConfig(
-            block_size=config.block_size,
-            num_blocks=self.num_blocks,
-            num_slots=num_slots,
-            max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
-            decode_checkpoint_interval=config.decode_checkpoint_interval,
-            eviction=config.eviction,
-        )
-        self.scheduler = Scheduler(
-            PrefixCache(cache_config),
-            policy,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            decode_checkpoint_interval=config.decode_checkpoint_interval,
-            debug=os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0"),
-        )
+        self.scheduler = _make_scheduler(config, num_blocks=self.num_blocks, num_slots=num_slots)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
