@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
 
 NUM_WARMUP = 3
 NUM_TIMED = 20

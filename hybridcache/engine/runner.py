@@ -1,18 +1,21 @@
-"""The model runner: owns the model and its device pools, and runs one `ForwardBatch` at a time, with the
-step's checkpoint copies around it: restores, then the forward, then saves, all on one stream with no host
-synchronisation (one batched copy per pool and kind)."""
+"""The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
+time, with the step's checkpoint copies around it: restores, then the forward, then saves, all on one
+stream with no host synchronisation (one batched copy per pool group and kind)."""
 
 from __future__ import annotations
 
 import torch
 
 from hybridcache.cache.plan import Phase, Pool
-from hybridcache.forward_batch import DeviceCopyOp, DevicePools, ForwardBatch
-from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+from hybridcache.kernels.backend import get_backend
+from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
+from hybridcache.state_spec import DevicePools
 
 
 class ModelRunner:
-    """Runs forwards on the device pools. The pools are allocated once, at construction."""
+    """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
+    specs) are allocated once, at construction."""
 
     def __init__(
         self,
@@ -28,14 +31,13 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        self.backend = get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
         self.pools = DevicePools.allocate(
-            model.layer_shapes(),
-            num_pages=num_blocks * (block_size // kernel_block_size),
+            model.state_specs(dtype, state_dtype),
+            num_pages=num_blocks * self.pages_per_block,
             kernel_block_size=kernel_block_size,
             num_slots=num_slots,
-            dtype=dtype,
-            state_dtype=state_dtype,
             device=device,
         )
 
@@ -43,19 +45,22 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
         [num_seqs, vocab] at each sequence's last token."""
+        batch = self.backend.prepare(batch)
         for op in batch.copies:
             if op.kind.phase is Phase.BEFORE_FORWARD:
                 self._copy(op)
-        logits = self.model(batch, self.pools)
+        logits = self.model(batch, self.pools, self.backend)
         for op in batch.copies:
             if op.kind.phase is Phase.AFTER_FORWARD:
                 self._copy(op)
         return logits
 
     def _copy(self, op: DeviceCopyOp) -> None:
-        """One batched copy per pool tensor."""
+        """One batched copy per pool group: every attention layer's pages of each block (KV), or every
+        recurrent state tensor's rows of each slot (STATE)."""
         if op.kind.pool is Pool.KV:
-            copy_blocks(self.pools.kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
+            for kv in self.pools.kv_groups:
+                copy_blocks(kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
         else:
-            copy_slots(self.pools.conv, op.src_ids, op.dst_ids)
-            copy_slots(self.pools.ssm, op.src_ids, op.dst_ids)
+            for state in self.pools.state_groups:
+                copy_slots(state, op.src_ids, op.dst_ids)
