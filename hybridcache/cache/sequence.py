@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.plan import CopyKind
 from hybridcache.cache.request import CacheRequest
@@ -26,7 +28,7 @@ class RunningSeq:
         "decode_ckpt",
     )
 
-    def __init__(self, request: CacheRequest, slot: int) -> None:
+    def __init__(self, *, request: CacheRequest, slot: int) -> None:
         self.request = request
         self.token_ids: list[int] = []
         self.block_ids: list[int] = []
@@ -43,7 +45,12 @@ class RunningSeq:
 
     @property
     def slot_owner(self) -> tuple[str, object]:
-        return ("seq", self.request.request_id)
+        return self.slot_owner_of(self.request.request_id)
+
+    @staticmethod
+    def slot_owner_of(request_id: Hashable) -> tuple[str, object]:
+        """The `StatePool` owner key of a running sequence's slot (known before the sequence exists)."""
+        return ("seq", request_id)
 
     @property
     def has_pending_work(self) -> bool:

@@ -7,7 +7,7 @@ For each prompt length (1k .. 128k tokens, B = 64) and number of cached checkpoi
 and a request = prompt + 32 new tokens is timed: `match`, `admit`, `commit_step({})` (the restore plan),
 then `abort` (untimed) to reset. Median of `--repeats` runs.
 
-    .venv/bin/python bench/cache_micro.py            # prints a table, writes results/cache_micro.json
+    .venv/bin/python benchmarks/cache_micro.py            # prints a table, writes results/cache_micro.json
 """
 
 from __future__ import annotations
