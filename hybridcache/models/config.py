@@ -193,13 +193,6 @@ class ModelConfig:
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers")
         layer_types = tuple(LayerKind(t) for t in layer_types)
 
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
-        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
-
         hidden_act = text.get("hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
@@ -207,9 +200,6 @@ class ModelConfig:
         eos = pick("eos_token_id")
         eos_ids = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
-        is_qwen3_next = model_type == "qwen3_next"
-        is_moe = model_type == "qwen3_5_moe_text" or (is_qwen3_next and int(text.get("num_experts", 512)) > 0)
-        num_attention_heads = int(text["num_attention_heads"])
         return cls(
             architecture=str(architectures[0]),
             model_type=model_type,
@@ -223,36 +213,9 @@ class ModelConfig:
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             hidden_act=hidden_act,
-            attention=AttentionConfig(
-                num_heads=num_attention_heads,
-                num_kv_heads=int(text.get("num_key_value_heads", num_attention_heads)),
-                head_dim=int(text.get("head_dim") or text["hidden_size"] // num_attention_heads),
-                bias=bool(text.get("attention_bias", False)),
-                rope_theta=rope_theta,
-                partial_rotary_factor=partial,
-            ),
-            gated_delta=GatedDeltaConfig(
-                num_k_heads=int(text.get("linear_num_key_heads", 16)),
-                num_v_heads=int(text.get("linear_num_value_heads", 32)),
-                k_head_dim=int(text.get("linear_key_head_dim", 128)),
-                v_head_dim=int(text.get("linear_value_head_dim", 128)),
-                conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
-            ),
-            mlp=FeedForwardConfig(
-                intermediate_size=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
-                num_experts=int(text.get("num_experts", 0)) if is_moe else 0,
-                num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if is_moe else 0,
-                moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if is_moe else 0,
-                shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0))
-                if is_moe
-                else 0,
-                # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
-                norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
-                decoder_sparse_step=int(text.get("decoder_sparse_step", 1)) if is_qwen3_next else 1,
-                mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ()))
-                if is_qwen3_next
-                else (),
-            ),
+            attention=_attention_config(text),
+            gated_delta=_gated_delta_config(text),
+            mlp=_feed_forward_config(text, model_type),
         )._validated()
 
     def _validated(self) -> ModelConfig:
@@ -281,3 +244,49 @@ class ModelConfig:
             merged = config.eos_token_ids + tuple(int(e) for e in extra if int(e) not in config.eos_token_ids)
             config = replace(config, eos_token_ids=merged)
         return config
+
+
+def _attention_config(text: dict[str, Any]) -> AttentionConfig:
+    """The attention group of a text config (rotary settings in either layout, see the module docstring)."""
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
+    rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+
+    num_heads = int(text["num_attention_heads"])
+    return AttentionConfig(
+        num_heads=num_heads,
+        num_kv_heads=int(text.get("num_key_value_heads", num_heads)),
+        head_dim=int(text.get("head_dim") or text["hidden_size"] // num_heads),
+        bias=bool(text.get("attention_bias", False)),
+        rope_theta=rope_theta,
+        partial_rotary_factor=partial,
+    )
+
+
+def _gated_delta_config(text: dict[str, Any]) -> GatedDeltaConfig:
+    return GatedDeltaConfig(
+        num_k_heads=int(text.get("linear_num_key_heads", 16)),
+        num_v_heads=int(text.get("linear_num_value_heads", 32)),
+        k_head_dim=int(text.get("linear_key_head_dim", 128)),
+        v_head_dim=int(text.get("linear_value_head_dim", 128)),
+        conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
+    )
+
+
+def _feed_forward_config(text: dict[str, Any], model_type: str) -> FeedForwardConfig:
+    is_qwen3_next = model_type == "qwen3_next"
+    is_moe = model_type == "qwen3_5_moe_text" or (is_qwen3_next and int(text.get("num_experts", 512)) > 0)
+    return FeedForwardConfig(
+        intermediate_size=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
+        num_experts=int(text.get("num_experts", 0)) if is_moe else 0,
+        num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if is_moe else 0,
+        moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if is_moe else 0,
+        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)) if is_moe else 0,
+        # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
+        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
+        decoder_sparse_step=int(text.get("decoder_sparse_step", 1)) if is_qwen3_next else 1,
+        mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())) if is_qwen3_next else (),
+    )
