@@ -7,6 +7,16 @@ from dataclasses import dataclass
 
 import torch
 
+_SEED_LIMIT = 1 << 63  # seeds are 64-bit signed integers (torch's generator takes seed + completion index)
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    """`value` (a list, tuple or other iterable) as a tuple; a TypeError naming the field for anything else."""
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}") from None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,8 +39,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples, so the object stays hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop, "a list of strings")
         object.__setattr__(self, "stop", stop)
         checks = [
             (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
@@ -42,7 +53,8 @@ class SamplingParams:
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
+             f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (all(isinstance(s, str) and s for s in stop), f"stop must hold non-empty strings, got {stop!r}"),

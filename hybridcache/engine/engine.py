@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.cache import CacheConfig, PrefixCache
-from hybridcache.config import EngineConfig
+from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.input_builder import build_forward_batch
 from hybridcache.engine.runner import ModelRunner
 from hybridcache.models import ModelConfig, get_model_class, load_model
@@ -68,7 +68,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
         num_slots=num_slots,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
-        eviction=config.eviction,
+        eviction=EVICTION_POLICIES[config.eviction],
     )
     return Scheduler(
         PrefixCache(cache_config),
