@@ -54,6 +54,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, key: str | None) -> str | None:
+    """The startup warning for a server that anyone who reaches `host` may use (None when it has a key or
+    binds a loopback address)."""
+    if key is not None or is_loopback(host):
+        return None
+    return (f"binding {host} with no API key: anyone who can reach this address can use the server "
+            f"(set --api-key or ${API_KEY_ENV})")
+
+
 def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
     """`--served-model-name`s, else the model argument as given, else the built-in model's name."""
     from hybridcache.models.builtin import BUILTIN_NAME
@@ -85,9 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_request_bytes=args.max_request_bytes, enable_debug_endpoints=args.enable_debug_endpoints,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    if config.api_key is None and not is_loopback(config.host):
-        logger.warning("binding %s with no API key: anyone who can reach this address can use the server "
-                       "(set --api-key or $%s)", config.host, API_KEY_ENV)
+    warning = exposure_warning(config.host, config.api_key)
+    if warning is not None:
+        logger.warning(warning)
     resolved = resolve_model(model_arg)
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])
