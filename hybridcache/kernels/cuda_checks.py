@@ -1,0 +1,276 @@
+"""Each CUDA kernel against the torch reference on random varlen batches: the cases, and the error of every
+output and final state. Used by tests/kernels/test_cuda_kernels.py (which asserts tolerances) and
+benchmarks/gpu_kernels.py (which prints the table). Imports the Triton kernels, so call it only where they run.
+
+A case is a batch of sequences with new-token counts `lengths` and `history` tokens already cached before
+them (0 = a fresh sequence: zero initial state; otherwise a random initial state / cached prefix, and for
+attention a chunk that starts mid-page whenever history is not a multiple of the page size). State slots and
+KV pages are shuffled so that no kernel can get away with identity indexing, and pool rows outside the batch
+are checked to be left untouched.
+
+Errors (`ErrorStats`): max_abs = max |out - ref|; max_rel = max_abs / max |ref|; norm_rel = ||out - ref|| /
+||ref||. The reference runs in fp32 (it upcasts internally) on the same, already-rounded inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridcache.kernels import reference
+
+LENGTHS = (1, 17, 63, 64, 65, 200, 1500)
+HISTORY = (0, 5, 100, 64, 0, 37, 130)
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    max_abs: float
+    max_rel: float
+    norm_rel: float
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
+    """Errors of out against ref (both upcast to fp64); NaN anywhere gives inf errors."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return ErrorStats(float("inf"), float("inf"), float("inf"))
+    diff = (out - ref).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    return ErrorStats(
+        max_abs=max_abs,
+        max_rel=max_abs / max(ref.abs().max().item(), 1e-30),
+        norm_rel=(diff.norm() / ref.norm().clamp_min(1e-30)).item(),
+    )
+
+
+@dataclass(frozen=True)
+class VarlenBatch:
+    cu_seqlens: torch.Tensor  # [S+1] int32
+    context_lens: torch.Tensor  # [S] int32
+    state_slots: torch.Tensor  # [S] int64, shuffled and distinct
+    query_lens_cpu: tuple[int, ...]
+    context_lens_cpu: tuple[int, ...]
+    num_slots: int
+
+
+def varlen_batch(lengths: Sequence[int], history: Sequence[int], device: torch.device, seed: int = 0) -> VarlenBatch:
+    gen = torch.Generator().manual_seed(seed)
+    num = len(lengths)
+    num_slots = 2 * num + 1
+    slots = torch.randperm(num_slots, generator=gen)[:num]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = [h + q for h, q in zip(history, lengths, strict=True)]
+    return VarlenBatch(
+        cu_seqlens=cu.to(device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        state_slots=slots.to(device),
+        query_lens_cpu=tuple(lengths),
+        context_lens_cpu=tuple(ctx),
+        num_slots=num_slots,
+    )
+
+
+def _float(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.float()
+
+
+def _untouched(pool_after: torch.Tensor, pool_before: torch.Tensor, slots: torch.Tensor) -> ErrorStats:
+    keep = torch.ones(pool_before.shape[0], dtype=torch.bool, device=pool_before.device)
+    keep[slots] = False
+    return error_stats(pool_after[keep], pool_before[keep])
+
+
+def _gdn_inputs(num_tokens: int, heads: tuple[int, int], dims: tuple[int, int], dtype: torch.dtype,
+                device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    (hk, hv), (dk, dv) = heads, dims
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q, k = rand(num_tokens, hk, dk).to(dtype), rand(num_tokens, hk, dk).to(dtype)
+    v = rand(num_tokens, hv, dv).to(dtype)
+    g = -F.softplus(rand(num_tokens, hv) - 1.0)  # fp32 log decay, as the layer computes it
+    beta = rand(num_tokens, hv).sigmoid().to(dtype)
+    return q, k, v, g, beta
+
+
+def check_gated_delta(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+                      history: Sequence[int] = HISTORY, heads: tuple[int, int] = (2, 4),
+                      dims: tuple[int, int] = (128, 128), seed: int = 0) -> dict[str, ErrorStats]:
+    """fla's chunked rule (any lengths) and, when every length is 1, the in-place step kernel, via
+    `gated_delta_rule_varlen`, against `reference.chunk_gated_delta_rule` per sequence."""
+    from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    q, k, v, g, beta = _gdn_inputs(sum(lengths), heads, dims, dtype, device, gen)
+    pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)
+    before = pool.clone()
+    out = gated_delta_rule_varlen(q, k, v, g, beta, pool, batch.state_slots, batch.cu_seqlens,
+                                  batch.context_lens, batch.query_lens_cpu)
+    ref_out = torch.empty_like(out, dtype=torch.float32)
+    ref_states = []
+    starts = batch.cu_seqlens.tolist()
+    for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
+        rows = slice(starts[i], starts[i] + length)
+        initial = None if hist == 0 else before[batch.state_slots[i]]
+        ref_out[rows], state = reference.chunk_gated_delta_rule(
+            q[rows].float(), k[rows].float(), v[rows].float(), g[rows], beta[rows].float(), initial
+        )
+        ref_states.append(state)
+    return {
+        "out": error_stats(out, ref_out),
+        "final_state": error_stats(pool[batch.state_slots], torch.stack(ref_states)),
+        "other_slots": _untouched(pool, before, batch.state_slots),
+    }
+
+
+def _conv_inputs(num_tokens: int, channels: int, kernel: int, dtype: torch.dtype, device: torch.device,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(num_tokens, channels, generator=gen).to(device, dtype)
+    weight = (0.5 * torch.randn(channels, kernel, generator=gen)).to(device, dtype)
+    bias = (0.1 * torch.randn(channels, generator=gen)).to(device, dtype)
+    return x, weight, bias
+
+
+def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+               history: Sequence[int] = HISTORY, channels: int = 320, kernel: int = 4, with_bias: bool = True,
+               seed: int = 0) -> dict[str, ErrorStats]:
+    """`causal_conv1d_varlen` against `reference.causal_conv1d` per sequence (channels not a multiple of the
+    kernel's channel block, to exercise its masks)."""
+    from hybridcache.kernels.conv.triton import causal_conv1d_varlen
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    x, weight, bias = _conv_inputs(sum(lengths), channels, kernel, dtype, device, gen)
+    bias = bias if with_bias else None
+    pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
+    before = pool.clone()
+    out = causal_conv1d_varlen(x, weight, bias, pool, batch.state_slots, batch.cu_seqlens, batch.context_lens,
+                               batch.query_lens_cpu)
+    ref_out, ref_states = torch.empty_like(out, dtype=torch.float32), []
+    starts = batch.cu_seqlens.tolist()
+    for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
+        rows = slice(starts[i], starts[i] + length)
+        initial = None if hist == 0 else before[batch.state_slots[i]].float()
+        ref_out[rows], state = reference.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial)
+        ref_states.append(state)
+    return {
+        "out": error_stats(out, ref_out),
+        "final_state": error_stats(pool[batch.state_slots], torch.stack(ref_states)),
+        "other_slots": _untouched(pool, before, batch.state_slots),
+    }
+
+
+def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Sequence[int] = LENGTHS,
+                      heads: tuple[int, int] = (2, 4), dims: tuple[int, int] = (128, 128), channels: int = 320,
+                      kernel: int = 4, seed: int = 0) -> dict[str, ErrorStats]:
+    """The decode kernels (one token per sequence; context_len 1 = fresh): conv step and gated delta step
+    against `reference.causal_conv1d_step` / `reference.gated_delta_rule_step`."""
+    from hybridcache.kernels.conv.triton import causal_conv1d_decode
+    from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    num = len(context_lens)
+    batch = varlen_batch([1] * num, [c - 1 for c in context_lens], device, seed)
+    fresh = torch.tensor([c == 1 for c in context_lens], device=device)
+    x, weight, bias = _conv_inputs(num, channels, kernel, dtype, device, gen)
+    conv_pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
+    conv_before = conv_pool.clone()
+    conv_out = causal_conv1d_decode(x, weight, bias, conv_pool, batch.state_slots, batch.context_lens)
+    conv_init = conv_before[batch.state_slots].masked_fill(fresh[:, None, None], 0)
+    ref_conv, ref_conv_state = reference.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float())
+
+    q, k, v, g, beta = _gdn_inputs(num, heads, dims, dtype, device, gen)
+    ssm_pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)
+    ssm_before = ssm_pool.clone()
+    out = gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, batch.state_slots, batch.context_lens)
+    ssm_init = ssm_before[batch.state_slots].masked_fill(fresh[:, None, None, None], 0)
+    ref_out, ref_state = reference.gated_delta_rule_step(q.float(), k.float(), v.float(), g, beta.float(), ssm_init)
+    return {
+        "conv_out": error_stats(conv_out, ref_conv),
+        "conv_state": error_stats(conv_pool[batch.state_slots], ref_conv_state),
+        "conv_other_slots": _untouched(conv_pool, conv_before, batch.state_slots),
+        "gdn_out": error_stats(out, ref_out),
+        "gdn_state": error_stats(ssm_pool[batch.state_slots], ref_state),
+        "gdn_other_slots": _untouched(ssm_pool, ssm_before, batch.state_slots),
+    }
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    kv_pool: torch.Tensor  # [2, num_pages, page, Hkv, D]
+    block_tables: torch.Tensor  # [S, P] int32, shuffled pages, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 rows of the new tokens
+
+
+def paged_kv(batch: VarlenBatch, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device, gen: torch.Generator) -> PagedKV:
+    """A pool with random history K/V already in place, pages handed out in shuffled order."""
+    pages_per_seq = [-(-c // page) for c in batch.context_lens_cpu]
+    num_pages = sum(pages_per_seq) + 3
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is never handed out
+    table = torch.zeros(len(pages_per_seq), max(pages_per_seq), dtype=torch.int32)
+    rows = []
+    for i, (count, ctx, qlen) in enumerate(zip(pages_per_seq, batch.context_lens_cpu, batch.query_lens_cpu,
+                                               strict=True)):
+        table[i, :count] = torch.tensor(order[:count])
+        order = order[count:]
+        rows += [int(table[i, p // page]) * page + p % page for p in range(ctx - qlen, ctx)]
+    kv_pool = torch.randn(2, num_pages, page, kv_heads, head_dim, generator=gen).to(device, dtype)
+    return PagedKV(kv_pool, table.to(device), torch.tensor(rows, dtype=torch.int64, device=device))
+
+
+def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+                    history: Sequence[int] = HISTORY, page: int = 16, heads: tuple[int, int] = (8, 2),
+                    head_dim: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
+    """`write_kv` + `paged_attention` (prefill kernel, or decode kernel when every length is 1) against the
+    reference pair on the same pool."""
+    from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    num_q, num_kv = heads
+    kv = paged_kv(batch, page, num_kv, head_dim, dtype, device, gen)
+    num_tokens = sum(lengths)
+    q = torch.randn(num_tokens, num_q, head_dim, generator=gen).to(device, dtype)
+    keys = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    values = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    ref_pool = kv.kv_pool.clone()
+    reference.write_kv(ref_pool, keys, values, kv.slot_mapping)
+    write_kv(kv.kv_pool, keys, values, kv.slot_mapping)
+    scale = head_dim**-0.5
+    out = paged_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
+                          batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+    # The reference's softmax probabilities are rounded to q's dtype before P @ V; upcast for an fp32 oracle.
+    ref = reference.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
+                                    batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+    return {"kv_write": error_stats(kv.kv_pool, ref_pool), "out": error_stats(out, ref)}
+
+
+def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, hidden: int = 256,
+              experts: int = 8, top_k: int = 2, intermediate: int = 128, shared_intermediate: int = 256,
+              seed: int = 0) -> dict[str, ErrorStats]:
+    """`moe_forward` (grouped GEMM) against `layers.mlp.SparseMoeBlock` with the same weights."""
+    from hybridcache.kernels.moe.grouped import ExpertWeights, SharedExpert, moe_forward
+    from hybridcache.layers.mlp import SparseMoeBlock
+
+    torch.manual_seed(seed)
+    block = SparseMoeBlock(hidden, num_experts=experts, top_k=top_k, moe_intermediate_size=intermediate,
+                           shared_expert_intermediate_size=shared_intermediate, norm_topk_prob=True)
+    block = block.to(device, dtype)
+    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
+    stacked = ExpertWeights.stack([e.gate_proj.weight for e in block.experts],
+                                  [e.up_proj.weight for e in block.experts],
+                                  [e.down_proj.weight for e in block.experts])
+    se = block.shared_expert
+    shared = SharedExpert(torch.cat([se.gate_proj.weight, se.up_proj.weight]), se.down_proj.weight,
+                          block.shared_expert_gate.weight)
+    with torch.no_grad():
+        out = moe_forward(x, block.gate.weight, stacked, shared, top_k=top_k, norm_topk_prob=True)
+        ref = block(x)  # same dtype: routing must see the same logits (a near tie can flip in fp32)
+    return {"out": error_stats(out, ref)}
