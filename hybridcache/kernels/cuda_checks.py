@@ -274,3 +274,61 @@ def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, h
         out = moe_forward(x, block.gate.weight, stacked, shared, top_k=top_k, norm_topk_prob=True)
         ref = block(x)  # same dtype: routing must see the same logits (a near tie can flip in fp32)
     return {"out": error_stats(out, ref)}
+
+
+def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """Run every kernel entry point once to warm up (compilation, autotuning), then again under
+    `torch.cuda.set_sync_debug_mode("error")`; name -> "ok", or the error of the first host sync it hit."""
+    from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
+    from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
+    from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
+    from hybridcache.kernels.moe.grouped import ExpertWeights, moe_forward
+
+    gen = torch.Generator().manual_seed(0)
+    prefill = varlen_batch((1, 17, 65, 200), (0, 5, 64, 37), device)
+    decode = varlen_batch((1,) * 4, (0, 5, 64, 37), device)
+    calls = {}
+    for label, batch in (("prefill", prefill), ("decode", decode)):
+        tokens = sum(batch.query_lens_cpu)
+        q, k, v, g, beta = _gdn_inputs(tokens, (2, 4), (128, 128), dtype, device, gen)
+        ssm = torch.zeros(batch.num_slots, 4, 128, 128, device=device)
+        calls[f"gated_delta {label}"] = lambda b=batch, q=q, k=k, v=v, g=g, beta=beta, ssm=ssm: (
+            gated_delta_rule_varlen(q, k, v, g, beta, ssm, b.state_slots, b.cu_seqlens, b.context_lens,
+                                    b.query_lens_cpu))
+        x, weight, bias = _conv_inputs(tokens, 320, 4, dtype, device, gen)
+        conv = torch.zeros(batch.num_slots, 320, 3, device=device, dtype=dtype)
+        calls[f"conv {label}"] = (
+            (lambda b=batch, x=x, w=weight, bias=bias, conv=conv: causal_conv1d_varlen(
+                x, w, bias, conv, b.state_slots, b.cu_seqlens, b.context_lens, b.query_lens_cpu))
+            if label == "prefill" else
+            (lambda b=batch, x=x, w=weight, bias=bias, conv=conv: causal_conv1d_decode(
+                x, w, bias, conv, b.state_slots, b.context_lens)))
+        kv = paged_kv(batch, 16, 2, 128, dtype, device, gen)
+        qa = torch.randn(tokens, 8, 128, generator=gen).to(device, dtype)
+        keys = torch.randn(tokens, 2, 128, generator=gen).to(device, dtype)
+
+        def attend(b=batch, kv=kv, qa=qa, keys=keys) -> None:
+            write_kv(kv.kv_pool, keys, keys, kv.slot_mapping)
+            paged_attention(qa, kv.kv_pool, kv.block_tables, b.cu_seqlens, b.context_lens, b.query_lens_cpu,
+                            b.context_lens_cpu, scale=0.1)
+
+        calls[f"attention {label}"] = attend
+        experts = ExpertWeights(torch.randn(8, 256, 128, generator=gen).to(device, dtype),
+                                torch.randn(8, 128, 128, generator=gen).to(device, dtype))
+        router = torch.randn(8, 128, generator=gen).to(device, dtype)
+        xm = torch.randn(tokens, 128, generator=gen).to(device, dtype)
+        calls[f"moe {label}"] = lambda xm=xm, router=router, experts=experts: moe_forward(
+            xm, router, experts, None, top_k=2, norm_topk_prob=True)
+    report = {}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            report[name] = "ok"
+        except RuntimeError as exc:
+            report[name] = str(exc).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return report

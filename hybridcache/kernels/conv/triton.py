@@ -7,7 +7,8 @@ conv_pool [num_slots, C, K-1] (the last K-1 pre-convolution inputs of each slot,
 Prefill (`causal_conv1d_varlen`), two launches:
   1. one program per (sequence, block of BLOCK_T rows, block of BLOCK_C channels): output row t of a
      sequence reads inputs at positions t-K+1 .. t; a position < 0 comes from the slot's old state (or 0 for a
-     fresh sequence, context_len == query_len);
+     fresh sequence, context_len == query_len), which only a sequence's first block reads (a branch, so the
+     other blocks issue no strided state loads);
   2. one program per (sequence, channel block) writes the new state, the last K-1 of (old state ++ x), in place.
   The second launch runs after the first, so no program reads a state row another has already rewritten.
 Decode (`causal_conv1d_decode`): one token per sequence, one launch; each program owns its (slot, channels)
@@ -54,18 +55,19 @@ def _conv_varlen_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(K):
         src = rows - (K - 1) + j  # input position read by tap j; < 0 means the old state
-        in_x = (src >= 0) & row_ok
         xv = tl.load(
             x_ptr + (bos + src)[:, None] * stride_xt + chans[None, :],
-            mask=in_x[:, None] & chan_ok[None, :], other=0.0,
+            mask=((src >= 0) & row_ok)[:, None] & chan_ok[None, :], other=0.0,
         ).to(tl.float32)
-        in_state = (src < 0) & (src >= state_lo) & row_ok
-        sv = tl.load(
-            pool_ptr + slot * stride_ps + chans[None, :] * stride_pc + (src + K - 1)[:, None] * stride_pw,
-            mask=in_state[:, None] & chan_ok[None, :], other=0.0,
-        ).to(tl.float32)
-        wj = tl.load(w_ptr + chans * K + j, mask=chan_ok, other=0.0).to(tl.float32)
-        acc += (xv + sv) * wj[None, :]
+        acc += xv * tl.load(w_ptr + chans * K + j, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    if block * BLOCK_T + state_lo < 0:  # only the first block of a continuing sequence reads the old state
+        for j in tl.static_range(K - 1):
+            src = rows - (K - 1) + j
+            sv = tl.load(
+                pool_ptr + slot * stride_ps + chans[None, :] * stride_pc + (src + K - 1)[:, None] * stride_pw,
+                mask=((src < 0) & row_ok)[:, None] & chan_ok[None, :], other=0.0,
+            ).to(tl.float32)
+            acc += sv * tl.load(w_ptr + chans * K + j, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
     if SILU:

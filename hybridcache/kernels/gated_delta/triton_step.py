@@ -73,23 +73,24 @@ def gated_delta_rule_decode(
 
     q, k [N, Hk, Dk]; v [N, Hv, Dv] (unit stride on the last dim; other strides free, e.g. views of the conv
     output); g, beta [N, Hv] (log decay, write strength); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
-    state_slots [N] distinct; context_lens [N] (1 = fresh). Dk and Dv must be powers of two, Dv >= 32.
+    state_slots [N] distinct; context_lens [N] (1 = fresh). Dk and Dv must be powers of two.
     Returns out [N, Hv, Dv] in q's dtype.
     """
     num, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
-    if k_dim & (k_dim - 1) or v_dim & (v_dim - 1) or v_dim < _BLOCK_V:
-        raise ValueError(f"head dims must be powers of two (Dv >= {_BLOCK_V}), got Dk={k_dim}, Dv={v_dim}")
+    if k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
+        raise ValueError(f"head dims must be powers of two, got Dk={k_dim}, Dv={v_dim}")
+    block_v = min(_BLOCK_V, v_dim)
     if ssm_pool.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v and ssm_pool need unit stride on their last dim")
     g, beta = g.contiguous(), beta.contiguous()
     out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
     if num == 0:
         return out
-    _gdn_step_kernel[(num, num_v_heads, v_dim // _BLOCK_V)](
+    _gdn_step_kernel[(num, num_v_heads, v_dim // block_v)](
         q, k, v, g, beta, out, ssm_pool, state_slots, context_lens, k_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
-        RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=_BLOCK_V, L2NORM=use_qk_l2norm,
+        RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
     )
     return out
