@@ -7,7 +7,7 @@ Steps for N tokens, E experts, top-k (every tensor stays on the device; nothing 
     offs = cumsum(counts) (int32 group ends);  xs = x[token of each sorted pair]            [N*k, H]
     h = grouped_mm(xs, W_gate_up^T, offs) -> silu(gate) * up                                [N*k, I]
     y = grouped_mm(h, W_down^T, offs)                                                        [N*k, H]
-    out[n] = sum over its k pairs of weight * y  (fp32 sum, in choice order, no atomics)
+    out[n] = sum over its k pairs of weight * y  (a batched [1, k] @ [k, H] product: fp32 accumulation, no atomics)
     out += sigmoid(x @ shared_gate^T) * shared_mlp(x)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
@@ -78,9 +78,9 @@ def grouped_experts(
     h = torch._grouped_mm(xs, experts.gate_up.transpose(1, 2), offs=offs)
     gate, up = h.chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, experts.down.transpose(1, 2), offs=offs)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y)
-    out = (unsorted.view(num_tokens, top_k, -1).float() * weights.float().unsqueeze(-1)).sum(dim=1)
-    return out.to(x.dtype)
+    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1)
+    # [N, 1, k] @ [N, k, H]: the weighted sum over each token's k experts, accumulated in fp32, rounded once
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), unsorted).squeeze(1)
 
 
 def moe_forward(
