@@ -117,6 +117,16 @@ def test_cuda_moe(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+@DTYPES
+def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_norms
+
+    stats = check_norms(dtype, cuda)
+    # Same roundings as the modules; only the fp32 sum order differs, which can move a bf16 result by one step.
+    assert_within(stats, {name: OURS[dtype] for name in stats})
+
+
+@needs_cuda
 def test_cuda_no_host_sync(cuda: torch.device) -> None:
     """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
     from hybridcache.kernels.cuda_checks import host_syncs
@@ -170,6 +180,14 @@ def test_interpreted_attention(decode: bool) -> None:
     stats = check_attention(torch.float32, torch.device("cpu"), lengths, history, page=16, heads=(4, 2),
                             head_dim=32)
     assert_within(stats, {"kv_write": EXACT, "out": OURS[torch.float32]})
+
+
+@needs_interpreter
+def test_interpreted_norms() -> None:
+    from hybridcache.kernels.cuda_checks import check_norms
+
+    stats = check_norms(torch.float32, torch.device("cpu"), rows=7)
+    assert_within(stats, {name: OURS[torch.float32] for name in stats})
 
 
 @needs_interpreter
