@@ -10,6 +10,8 @@ import time
 from importlib import import_module
 from importlib.util import find_spec
 
+from hybridcache.engine_args import add_engine_args, engine_options
+
 # Subcommands that live with their feature: each module has `register(subparsers)`.
 _SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli")
 
@@ -19,45 +21,6 @@ DEFAULT_PROMPTS = (
     "Prefix caching for hybrid models needs",
     "Once upon a time",
 )
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Engine options shared by every subcommand that runs a model."""
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--kernel-block-size", type=int, default=None)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    parser.add_argument(
-        "--cache-mode", default="hybridcache", choices=["hybridcache", "seed", "block-aligned", "none"],
-        help="where state checkpoints are saved (see docs/design.md)",
-    )
-    parser.add_argument("--num-checkpoint-slots", type=int, default=32, help="state slots for checkpoints")
-    parser.add_argument("--decode-checkpoint-interval", type=int, default=None)
-    parser.add_argument("--eviction", default="lru", choices=["lru", "flop_aware"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(
-        block_size=args.block_size,
-        kernel_block_size=args.kernel_block_size,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_cache,
-        cache_mode=args.cache_mode,
-        num_checkpoint_slots=args.num_checkpoint_slots,
-        decode_checkpoint_interval=args.decode_checkpoint_interval,
-        eviction=args.eviction,
-        dtype=args.dtype,
-        device=args.device,
-    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

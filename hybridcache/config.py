@@ -1,8 +1,16 @@
-"""Engine configuration: one frozen dataclass, validated before any memory is taken."""
+"""Engine configuration: one frozen dataclass, validated before any memory is taken.
+
+A leaf module: it imports nothing from the project, so every layer may read it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# The cache modes (the `cache_mode` option); `scheduler.save_plan.CACHE_MODES` maps each to its policy.
+CACHE_MODES: tuple[str, ...] = ("none", "block-aligned", "seed", "hybridcache")
+EVICTION_POLICIES: tuple[str, ...] = ("lru", "flop_aware")
+DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -10,7 +18,8 @@ class EngineConfig:
     """How the engine runs a model.
 
     block_size: tokens per scheduler block (the unit of KV sharing). kernel_block_size: tokens per kernel page
-    (divides block_size; None = min(block_size, 64)). num_blocks: KV blocks in the pool (None = enough for
+    (a power of two dividing block_size; None at construction = min(block_size, 64), resolved in
+    `__post_init__`, so it is always an int afterwards). num_blocks: KV blocks in the pool (None = enough for
     max_num_seqs sequences of max_model_len tokens, plus as many again for the prefix cache).
     max_num_seqs: running sequences at once (one runtime state slot each). num_checkpoint_slots: extra state
     slots for prefix-cache checkpoints. max_num_batched_tokens: the token budget of one forward step; long
@@ -32,9 +41,10 @@ class EngineConfig:
     dtype: str = "float32"
     state_dtype: str = "float32"
     device: str = "cpu"
-    seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.kernel_block_size is None and isinstance(self.block_size, int):
+            object.__setattr__(self, "kernel_block_size", min(self.block_size, 64))
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             value = getattr(self, name)
@@ -42,8 +52,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
-        kbs = self.page_size
-        if kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
+        kbs = self.kernel_block_size
+        if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(
                 f"kernel_block_size must be a power of two that divides block_size {self.block_size}, got {kbs}"
             )
@@ -51,20 +61,19 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        from hybridcache.scheduler.save_plan import checkpoint_policy
-
-        checkpoint_policy(self.cache_mode)  # unknown modes raise, listing the known ones
-        if self.eviction not in ("lru", "flop_aware"):
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {', '.join(CACHE_MODES)}")
+        if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be 'lru' or 'flop_aware', got {self.eviction!r}")
         interval = self.decode_checkpoint_interval
         if interval is not None and (interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.state_dtype not in ("float32", "bfloat16", "float16"):
+        if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
 
     @property
-    def page_size(self) -> int:
-        """The kernel block size actually used."""
-        return self.kernel_block_size if self.kernel_block_size is not None else min(self.block_size, 64)
+    def pages_per_block(self) -> int:
+        """Kernel pages per scheduler block: block_size // kernel_block_size."""
+        return self.block_size // self.kernel_block_size

@@ -1,7 +1,8 @@
-"""The one object that carries a forward step, and the device pools the model reads and writes.
+"""The one object that carries a forward step.
 
-This module is the contract between the engine (which builds a `ForwardBatch` and owns the pools) and
-the models (which only read the batch and update the pools in place). It imports only torch.
+This module is the contract between the engine (which builds a `ForwardBatch`), the kernel backend (whose
+`prepare` attaches its step metadata) and the models (which only read the batch and update the pools of
+`hybridcache.state_spec` in place). It imports only torch.
 
 Worked example (block_size B=16, kernel_block_size 8, so 2 kernel pages per scheduler block)::
 
@@ -28,89 +29,22 @@ zero whatever its slot holds. Otherwise its states are read from `state_slots` a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class LayerShapes:
-    """Shapes of the per-layer cache tensors a model needs; the engine allocates pools from it.
-
-    `conv_width` is the number of past pre-convolution inputs kept per channel: conv kernel size - 1.
-    """
-
-    num_attention_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_linear_layers: int
-    conv_dim: int
-    conv_width: int
-    num_v_heads: int
-    k_head_dim: int
-    v_head_dim: int
-
-
-@dataclass
-class DevicePools:
-    """The device memory the cache manages; every tensor is updated in place by the forward.
-
-    kv   : [num_attention_layers, 2, num_pages, kernel_block_size, num_kv_heads, head_dim]
-           (index 0 of dim 1 = keys after q/k-norm and RoPE, 1 = values), model dtype
-    conv : [num_linear_layers, num_slots, conv_dim, conv_width], model dtype
-    ssm  : [num_linear_layers, num_slots, num_v_heads, k_head_dim, v_head_dim], fp32 by default
-    """
-
-    kv: torch.Tensor
-    conv: torch.Tensor
-    ssm: torch.Tensor
-
-    @property
-    def kernel_block_size(self) -> int:
-        return self.kv.shape[3]
-
-    @classmethod
-    def allocate(
-        cls,
-        shapes: LayerShapes,
-        *,
-        num_pages: int,
-        kernel_block_size: int,
-        num_slots: int,
-        dtype: torch.dtype,
-        state_dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> DevicePools:
-        kv = torch.zeros(
-            shapes.num_attention_layers, 2, num_pages, kernel_block_size, shapes.num_kv_heads,
-            shapes.head_dim, dtype=dtype, device=device,
-        )
-        conv = torch.zeros(
-            shapes.num_linear_layers, num_slots, shapes.conv_dim, shapes.conv_width, dtype=dtype,
-            device=device,
-        )
-        ssm = torch.zeros(
-            shapes.num_linear_layers, num_slots, shapes.num_v_heads, shapes.k_head_dim,
-            shapes.v_head_dim, dtype=state_dtype, device=device,
-        )
-        return cls(kv=kv, conv=conv, ssm=ssm)
-
-
-IdPairs = tuple[torch.Tensor, torch.Tensor]
+from hybridcache.cache.plan import CopyKind
 
 
 @dataclass(frozen=True)
-class StepCopies:
-    """One step's checkpoint copies as device id tensors: each kind is (src_ids [N], dst_ids [N]) int64, or
-    None when it has no pairs. KV ids are scheduler blocks; state ids are slots (conv and ssm rows alike).
+class DeviceCopyOp:
+    """One `hybridcache.cache.CopyOp` as device id tensors: src_ids, dst_ids [N] int64. KV ids are scheduler
+    blocks; state ids are slots. The runner executes the ops in order, on the forward's stream: those whose
+    `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
 
-    The runner executes kv_restore and state_restore before the forward, kv_save and state_save after it,
-    in that order, on the forward's stream. Within a kind destinations are unique and disjoint from sources.
-    """
-
-    kv_restore: IdPairs | None = None
-    state_restore: IdPairs | None = None
-    kv_save: IdPairs | None = None
-    state_save: IdPairs | None = None
+    kind: CopyKind
+    src_ids: torch.Tensor
+    dst_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -126,10 +60,12 @@ class ForwardBatch:
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
-    copies         the step's checkpoint copies, executed by the runner around the forward (the model never
-                   reads them).
+    copies         the step's copy ops, executed by the runner around the forward (the model never reads them).
     embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
                    spans) instead of looked up from input_ids; None when there are none.
+    metadata       what the kernel backend's `prepare` derived from the batch for this step (decode rows,
+                   fresh-sequence masks, host copies, kernel plans); None until prepared. Only the backend
+                   that attached it reads it.
     """
 
     input_ids: torch.Tensor
@@ -142,9 +78,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
-    copies: StepCopies = StepCopies()
+    copies: tuple[DeviceCopyOp, ...] = ()
     embed_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    metadata: Any = None
 
     @property
     def num_seqs(self) -> int:

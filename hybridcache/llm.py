@@ -47,10 +47,9 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        for prompt in prompts:
-            self.engine.validate_prompt(prompt)
+        validated = [self.engine.validate_prompt(prompt) for prompt in prompts]  # tokenized here, once
         ids = []
-        for prompt, params in zip(prompts, params_list):
+        for prompt, params in zip(validated, params_list):
             request_id = str(self._next_id)
             self._next_id += 1
             self.engine.add_request(request_id, prompt, params)

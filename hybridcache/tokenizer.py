@@ -4,8 +4,11 @@ chat template), through transformers' fast-tokenizer class."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
+import tokenizers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -36,6 +39,11 @@ class Tokenizer:
         self.chat_template: str | None = template
 
     @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers.Tokenizer` underneath (what `DecodeStream` steps over)."""
+        return self._tok.backend_tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return len(self._tok)
 
@@ -46,8 +54,12 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, stop: tuple[str, ...] = ()) -> IncrementalDetokenizer:
+        """A fresh incremental decoder of one completion's tokens (see `IncrementalDetokenizer`)."""
+        return IncrementalDetokenizer(self, stop)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render messages to the prompt text (tokenize it with `encode`)."""
@@ -57,3 +69,57 @@ class Tokenizer:
             messages, chat_template=self.chat_template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
+
+
+class IncrementalDetokenizer:
+    """The text of one growing completion, decoded a token at a time with tokenizers' `DecodeStream`.
+
+    Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids)` (special tokens
+    skipped) cut before the first occurrence of any `stop` string. A token costs a decode of the few tokens
+    since the last complete character, and the stop search looks only at the characters that can complete a
+    stop string, so a completion of n tokens costs O(n), not O(n^2).
+
+    Tokens whose bytes do not yet form a complete character are `pending`: `DecodeStream` returns nothing for
+    them, and `text` appends their own decode (U+FFFD replacement characters), as a full decode would. Worked
+    example (byte-level tokens, stop = ("END",))::
+
+        add("a")   text "a"
+        add(0xE2)  text "a\ufffd"      (pending: the first byte of a 3-byte character)
+        add(0x82)  text "a\ufffd\ufffd"
+        add(0xAC)  text "a€"           (complete: the stream emits "€")
+        add("E"), add("N"), add("D") -> the last returns True; text "a€" from then on
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop = stop
+        self._emitted = ""
+        self._pending: list[int] = []
+        self._stop_at: int | None = None
+
+    def add(self, token_id: int) -> bool:
+        """Decode one more token; True when the text now contains a stop string (it is then cut there)."""
+        piece = self._stream.step(self._tokenizer.backend, token_id)
+        if piece is None:
+            self._pending.append(token_id)
+            return False
+        self._pending.clear()
+        searched_to = len(self._emitted)
+        self._emitted += piece
+        positions = []
+        for stop in self._stop:  # an occurrence not found before must end inside the new piece
+            position = self._emitted.find(stop, max(0, searched_to - len(stop) + 1))
+            if position >= 0:
+                positions.append(position)
+        if positions and self._stop_at is None:
+            self._stop_at = min(positions)
+        return self._stop_at is not None
+
+    @property
+    def text(self) -> str:
+        if self._stop_at is not None:
+            return self._emitted[: self._stop_at]
+        if self._pending:
+            return self._emitted + self._tokenizer.decode(self._pending)
+        return self._emitted

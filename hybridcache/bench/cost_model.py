@@ -53,33 +53,33 @@ class ModelCost:
 
     @classmethod
     def from_config(cls, config: ModelConfig, name: str = "") -> ModelCost:
-        c = config
+        c, attention, delta, mlp = config, config.attention, config.gated_delta, config.mlp
         dtype_bytes = _DTYPE_BYTES.get(c.torch_dtype, 2)
         h = c.hidden_size
-        q_dim = c.num_attention_heads * c.head_dim
-        kv_dim = c.num_key_value_heads * c.head_dim
+        q_dim = attention.num_heads * attention.head_dim
+        kv_dim = attention.num_kv_heads * attention.head_dim
         attn_params = h * 2 * q_dim + 2 * h * kv_dim + q_dim * h  # q + output gate, k, v, o
-        vh = c.linear_num_value_heads
+        vh = delta.num_v_heads
         linear_params = (
-            h * (2 * c.linear_key_dim + 2 * c.linear_value_dim)  # q, k, v, z
+            h * (2 * delta.key_dim + 2 * delta.value_dim)  # q, k, v, z
             + h * 2 * vh  # b, a
-            + c.conv_dim * c.linear_conv_kernel_dim
-            + c.linear_value_dim * h
+            + delta.conv_dim * delta.conv_kernel_size
+            + delta.value_dim * h
         )
         params = h * c.vocab_size  # lm_head
         for layer_id, kind in enumerate(c.layer_types):
             params += attn_params if kind == "full_attention" else linear_params
             if c.is_moe_layer(layer_id):
-                params += h * c.num_experts + c.num_experts_per_tok * 3 * h * c.moe_intermediate_size
-                params += 3 * h * c.shared_expert_intermediate_size + h
+                params += h * mlp.num_experts + mlp.num_experts_per_tok * 3 * h * mlp.moe_intermediate_size
+                params += 3 * h * mlp.shared_expert_intermediate_size + h
             else:
-                params += 3 * h * (c.intermediate_size or 0)
-        recurrent = c.num_linear_layers * 6 * vh * c.linear_key_head_dim * c.linear_value_head_dim
+                params += 3 * h * (mlp.intermediate_size or 0)
+        recurrent = c.num_linear_layers * 6 * vh * delta.k_head_dim * delta.v_head_dim
         return cls(
             name=name or c.architecture,
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
             state_bytes=c.num_linear_layers * (
-                c.conv_dim * c.conv_width * dtype_bytes + vh * c.linear_key_head_dim * c.linear_value_head_dim * 4
+                delta.conv_dim * delta.conv_width * dtype_bytes + vh * delta.k_head_dim * delta.v_head_dim * 4
             ),
             flops_per_token=float(2 * params + recurrent),
             attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),

@@ -1,13 +1,13 @@
 """The prefix cache for hybrid models: a block trie plus exact-step state checkpoints.
 
 Pure Python (standard library + xxhash): it deals in block ids, slot ids, token ids and steps and emits
-copy plans (`CheckpointCopies`). The facade is `PrefixCache`; docs/cache.md describes its contract.
+copy plans (`CopyPlan`). The facade is `PrefixCache`; docs/cache.md describes its contract.
 """
 
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.integrity import IntegrityError
 from hybridcache.cache.manager import PrefixCache
-from hybridcache.cache.plan import CheckpointCopies
+from hybridcache.cache.plan import CopyKind, CopyOp, CopyPlan, Phase, Pool
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, MultimodalSpan, SaveReason
 from hybridcache.cache.stats import CacheStats
 
@@ -16,11 +16,15 @@ __all__ = [
     "CacheConfig",
     "CacheRequest",
     "CacheStats",
-    "CheckpointCopies",
+    "CopyKind",
+    "CopyOp",
+    "CopyPlan",
     "CostModel",
     "IntegrityError",
     "MatchResult",
     "MultimodalSpan",
+    "Phase",
+    "Pool",
     "PrefixCache",
     "SaveReason",
 ]

@@ -1,4 +1,4 @@
-"""The checkpoint record, its step geometry, and the search for the deepest usable checkpoint.
+"""The checkpoint record and its step geometry (matching.py searches for the deepest usable one).
 
 Geometry (B = block_size): a checkpoint at step s has q = s // B full blocks and r = s % B tail tokens.
 
@@ -20,8 +20,8 @@ from collections.abc import Hashable
 from enum import Enum
 from typing import Any
 
-from hybridcache.cache.request import CacheRequest, SaveReason
-from hybridcache.cache.trie import Node, Trie
+from hybridcache.cache.request import SaveReason
+from hybridcache.cache.trie import Node
 
 
 class CheckpointState(str, Enum):
@@ -33,8 +33,15 @@ class CheckpointState(str, Enum):
 class Checkpoint:
     """A saved recurrent state at an exact step (see the module docstring for the geometry).
 
+    Constructed by keyword once its slot (and frozen block, when partial) is held, so no field is ever a
+    placeholder::
+
+        Checkpoint(ckpt_id=7, adapter=None, step=3 * B + 17, reason=SaveReason.CHUNK_END, slot=12,
+                   frozen_block=40, routed_experts=None, owner="req-1", last_access=now)
+
     tail_ids / tail_spans  the r tokens past the anchor and the spans overlapping them (absolute offsets);
                            filled at publish time, when the producing sequence has fed them.
+    tail_hash              the hash of the tail chained from the anchor (the index key), set at publish time.
     routed_experts         the tail's routed-expert history (opaque), None when not known.
     owner                  the request that produced it (for the one-live-decode-checkpoint rule).
     """
@@ -45,8 +52,8 @@ class Checkpoint:
     )
 
     def __init__(
-        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
-        frozen_block: int | None, routed_experts: Any, owner: Hashable, now: int,
+        self, *, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
+        frozen_block: int | None, routed_experts: Any, owner: Hashable, last_access: int,
     ) -> None:
         self.ckpt_id = ckpt_id
         self.adapter = adapter
@@ -61,9 +68,14 @@ class Checkpoint:
         self.anchor: Node | None = None
         self.state = CheckpointState.RESERVED
         self.num_pins = 0
-        self.last_access = now
+        self.last_access = last_access
         self.owner = owner
         self.release_when_unpinned = False
+
+    @staticmethod
+    def slot_owner_of(ckpt_id: int) -> tuple[str, int]:
+        """The `StatePool` owner key of checkpoint `ckpt_id`'s slot (known before the checkpoint exists)."""
+        return ("ckpt", ckpt_id)
 
     @property
     def is_usable(self) -> bool:
@@ -72,44 +84,10 @@ class Checkpoint:
 
     @property
     def slot_owner(self) -> tuple[str, int]:
-        return ("ckpt", self.ckpt_id)
+        return self.slot_owner_of(self.ckpt_id)
 
     def __repr__(self) -> str:
         return (
             f"Checkpoint(id={self.ckpt_id}, step={self.step}, reason={self.reason.value}, "
             f"state={self.state.value}, pins={self.num_pins})"
         )
-
-
-def find_deepest(
-    trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int,
-) -> Checkpoint | None:
-    """The deepest usable checkpoint for `request` on `path` (path[d] = node at depth d, path[0] = root).
-
-    Candidates on a node are looked up by (step, tail hash of the request's tokens at that step) and then
-    verified exactly: tail tokens, tail spans, adapter, ownership, safe boundary, step <= max_step, and the
-    routed-expert history when the request asks for it and the tail is partial. Ties: most recently used.
-    Cost: one dict probe per path node plus O(B) per distinct candidate step.
-    """
-    prompt = request.prompt_ids
-    for depth in range(len(path) - 1, -1, -1):
-        node = path[depth]
-        if not node.checkpoints:
-            continue
-        base = depth * block_size
-        steps = sorted({step for step, _ in node.checkpoints if step <= max_step}, reverse=True)
-        for step in steps:
-            if not request.is_safe(step):
-                continue
-            tail = prompt[base:step]
-            spans = request.spans_in(base, step)
-            bucket = node.checkpoints.get((step, trie.hash_fn(node.hash, tail, spans)), ())
-            valid = [
-                c for c in bucket
-                if c.is_usable and c.adapter == request.adapter
-                and c.tail_ids == tail and c.tail_spans == spans
-                and (step == base or not request.routed_experts or c.routed_experts is not None)
-            ]
-            if valid:
-                return max(valid, key=lambda c: (c.last_access, c.ckpt_id))
-    return None

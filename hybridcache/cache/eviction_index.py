@@ -1,6 +1,6 @@
-"""Indexes that hand `Lifecycle` its eviction victims without walking the trie or every checkpoint.
+"""Indexes that hand `Evictor` its victims without walking the trie or every checkpoint.
 
-Two structures, both kept in step with the trie and the checkpoints by `Lifecycle`:
+Two structures, both kept in step with the trie and the checkpoints by `Evictor` (told of every change by `Lifecycle`):
 
 - `RecencyOrder`: published checkpoints in increasing `last_access`. Every write of `last_access` sets it
   to the newest clock value, so "move to the end on touch" keeps the order sorted. The LRU victim is the

@@ -1,4 +1,7 @@
-"""`check_integrity`: recompute every count of a `PrefixCache` from scratch and compare.
+"""`check_integrity`: recompute every count of a prefix cache from scratch and compare.
+
+It inspects the parts (the `Lifecycle`, the running sequences, the pending matches' checkpoints), not
+the facade, so the facade imports it and nothing here imports the facade.
 
 Checked: block reference counts equal their holders (trie nodes, running sequences, checkpoints' frozen
 tails) and the free list is exactly the blocks with count 0; every slot has exactly the owner the pool
@@ -10,12 +13,11 @@ sequences' trie nodes hold their blocks.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterable, Mapping
 
-from hybridcache.cache.checkpoint import CheckpointState
-
-if TYPE_CHECKING:
-    from hybridcache.cache.manager import PrefixCache
+from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.sequence import RunningSeq
 
 
 class IntegrityError(AssertionError):
@@ -26,13 +28,25 @@ def _fail(message: str) -> None:
     raise IntegrityError(message)
 
 
-def check_integrity(cache: PrefixCache) -> None:
-    life = cache._life
-    size = cache.block_size
-    blocks, slots, trie = life.blocks, life.slots, life.trie
+def check_integrity(
+    life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None],
+) -> None:
+    """Raise `IntegrityError` on the first disagreement. `seqs`: the running sequences by request id;
+    `matched`: the checkpoint each pending match pinned (None for a miss).
 
-    # -- trie ------------------------------------------------------------------------------------------
+    Each section below adds the holders it sees (of blocks: `holders`, of slots: `slot_owners`); the
+    pools are checked last against those totals."""
     holders: Counter[int] = Counter()
+    _check_trie(life, holders)
+    slot_owners: dict[int, object] = {}
+    _check_checkpoints(life, _expected_pins(seqs, matched), holders, slot_owners)
+    _check_sequences(life, seqs, holders, slot_owners)
+    _check_pools(life, holders, slot_owners)
+
+
+def _check_trie(life: Lifecycle, holders: Counter[int]) -> None:
+    """Hashes, depths, parent links, children and first-token indexes, node count, leaf set."""
+    size, trie = life.block_size, life.trie
     num_nodes = 0
     leaves = set()
     for node in trie.iter_nodes():
@@ -74,19 +88,27 @@ def check_integrity(cache: PrefixCache) -> None:
     if leaves != trie.leaves:
         _fail(f"leaf set differs: extra {trie.leaves - leaves}, missing {leaves - trie.leaves}")
 
-    # -- expected pins ---------------------------------------------------------------------------------
+
+
+def _expected_pins(seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None]) -> Counter[int]:
+    """Pins each checkpoint should have: one per pending match, pending restore and pending save."""
     pins: Counter[int] = Counter()
-    for _request, ckpt in cache._matches.values():
+    for ckpt in matched:
         if ckpt is not None:
             pins[ckpt.ckpt_id] += 1
-    for seq in cache._seqs.values():
+    for seq in seqs.values():
         if seq.restore is not None:
             pins[seq.restore.ckpt_id] += 1
         for ckpt in seq.saves:
             pins[ckpt.ckpt_id] += 1
+    return pins
 
-    # -- checkpoints -----------------------------------------------------------------------------------
-    slot_owners: dict[int, object] = {}
+
+def _check_checkpoints(
+    life: Lifecycle, pins: Counter[int], holders: Counter[int], slot_owners: dict[int, object],
+) -> None:
+    """Index keys, anchors, geometry, frozen blocks, pins and slots of every registered checkpoint."""
+    size, trie = life.block_size, life.trie
     indexed = 0
     for node in trie.iter_nodes():
         if node.num_checkpoints() > life.config.max_checkpoints_per_anchor:
@@ -127,8 +149,13 @@ def check_integrity(cache: PrefixCache) -> None:
         if ckpt_id not in life.checkpoints:
             _fail(f"a pin is held on released checkpoint {ckpt_id}")
 
-    # -- sequences -------------------------------------------------------------------------------------
-    for rid, seq in cache._seqs.items():
+
+def _check_sequences(
+    life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], holders: Counter[int], slot_owners: dict[int, object],
+) -> None:
+    """Each running sequence's slot, trie nodes and blocks; its blocks past the trie are private."""
+    size = life.block_size
+    for rid, seq in seqs.items():
         if seq.slot in slot_owners:
             _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
         slot_owners[seq.slot] = seq.slot_owner
@@ -141,12 +168,15 @@ def check_integrity(cache: PrefixCache) -> None:
                 _fail(f"{rid!r} block {i} ({seq.block_ids[i]}) is not its trie node {node}")
         for block_id in seq.block_ids:
             holders[block_id] += 1
-    for rid, seq in cache._seqs.items():
+    for rid, seq in seqs.items():
         for block_id in seq.block_ids[len(seq.nodes):]:
             if holders[block_id] != 1:
                 _fail(f"private block {block_id} of {rid!r} has {holders[block_id]} holders")
 
-    # -- pools -----------------------------------------------------------------------------------------
+
+def _check_pools(life: Lifecycle, holders: Counter[int], slot_owners: dict[int, object]) -> None:
+    """Reference counts equal holders; free lists are exactly the blocks and slots nobody holds."""
+    blocks, slots = life.blocks, life.slots
     for block_id in range(blocks.num_blocks):
         if blocks.ref_counts[block_id] != holders[block_id]:
             _fail(f"block {block_id} ref count {blocks.ref_counts[block_id]} != {holders[block_id]} holders")

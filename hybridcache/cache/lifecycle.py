@@ -1,24 +1,15 @@
-"""Checkpoint lifecycle (reserve -> publish -> pin/unpin -> release) and eviction under pressure.
+"""`Lifecycle`: the pools, the checkpoints' states, trie insertion and removal, and eviction under pressure.
 
-`Lifecycle` owns the pools, the trie and every checkpoint; the facade (`PrefixCache`) owns the running
-sequences and calls in here. Rules kept here:
-- A reserved checkpoint holds a slot (and a frozen block when partial) and one save pin; it is invisible
-  to matches and to eviction until published on its anchor.
+The facade (`PrefixCache`) owns the running sequences and asks in here for slots, blocks, trie nodes and
+checkpoints; it reads the trie (to match) but changes it only through this class, which keeps the
+`Evictor`'s indexes in step with every change. Rules kept here:
+- A checkpoint goes RESERVED -> PUBLISHED -> RELEASED (checkpoint.py). A reserved checkpoint holds a slot
+  (and a frozen block when partial) and one save pin; it is invisible to matches and to eviction until
+  published on its anchor.
 - Nothing pinned is ever released or evicted; a checkpoint marked `release_when_unpinned` (an older
   decode checkpoint) is released by the unpin that brings its pins to zero.
-- `make_room` first checks that enough could be reclaimed and only then evicts, so a failure changes
-  nothing. Eviction order, one victim at a time:
-    state pressure: unpinned published checkpoints, by policy;
-    KV pressure:    1. dead leaves: leaves with no checkpoint and no holder but the trie (no checkpoint
-                       at or below them can use their KV, so they are dead weight for a hybrid model);
-                    2. frozen tails: unpinned partial checkpoints, by policy;
-                    3. leaves by policy (no pinned checkpoint, no holder but the trie), releasing the
-                       checkpoints hanging on them.
-Victims come from indexes kept in step with every change (eviction_index.py): checkpoints in recency order
-and leaves in lazily invalidated heaps, so one eviction costs O(log n) instead of a scan of every leaf and
-checkpoint; `reclaimable_blocks` counts cheap certainties (unpinned frozen tails, evictable leaves) first
-and walks the trie only when they do not suffice. With `verify_picks` set (tests), every victim is also
-computed by a full scan with the policy's list-based pick and the two must agree.
+- `make_room` first asks the evictor whether enough could be reclaimed and only then evicts, so a failure
+  changes nothing. The evictor picks each victim (evictor.py); `evict` releases it.
 """
 
 from __future__ import annotations
@@ -29,37 +20,80 @@ from typing import Any
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
-from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder, leaf_recency
-from hybridcache.cache.policy import FlopAwarePolicy, LruPolicy, make_policies
+from hybridcache.cache.evictor import Evictor, Victim
+from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.state_pool import StatePool
-from hybridcache.cache.stats import StatsCounter
-from hybridcache.cache.trie import HashFn, Node, Trie
+from hybridcache.cache.stats import DeclineCause, EvictionKind, StatsCounter
+from hybridcache.cache.trie import Node, Trie
 
 
 class Lifecycle:
-    def __init__(self, config: CacheConfig, cost: CostModel, hash_fn: HashFn) -> None:
+    """Pools (`blocks`, `slots`), every checkpoint (`checkpoints`: id -> RESERVED or PUBLISHED checkpoint),
+    the logical clock, and the `evictor`. Shares `trie` and `stats` with the facade."""
+
+    def __init__(self, config: CacheConfig, cost: CostModel, trie: Trie, stats: StatsCounter) -> None:
         self.config = config
         self.block_size = config.block_size
         self.blocks = BlockPool(config.num_blocks)
         self.slots = StatePool(config.num_slots)
-        self.trie = Trie(hash_fn)
-        self.eviction, self.admission = make_policies(config, cost)
-        self.stats = StatsCounter()
+        self.trie = trie
+        self.stats = stats
+        self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks)
         self.checkpoints: dict[int, Checkpoint] = {}
         self.clock = 0
         self._next_ckpt_id = 0
-        flop = isinstance(self.eviction, FlopAwarePolicy)
-        self._published = RecencyOrder(track_steps=flop)
-        self._tails = RecencyOrder(track_steps=flop)
-        self._dead_leaves = LeafHeap(dead=True)
-        self._live_leaves = LeafHeap(dead=False)
-        self.verify_picks = False
 
     def tick(self) -> int:
         """Advance the logical clock (LRU time) and return it."""
         self.clock += 1
         return self.clock
+
+    # ---- what running sequences hold (the caller made room first) ----------------------------------------
+
+    def take_slot(self, owner: Hashable) -> int:
+        return self.slots.allocate(owner)
+
+    def free_slot(self, slot: int) -> None:
+        self.slots.free(slot)
+
+    def take_blocks(self, num_blocks: int) -> list[int]:
+        """`num_blocks` private blocks (count 1 each)."""
+        return [self.blocks.allocate() for _ in range(num_blocks)]
+
+    def drop_blocks(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block (a block with no holder left is free again)."""
+        for block_id in block_ids:
+            self.blocks.decref(block_id)
+
+    def share_path(self, nodes: list[Node], ckpt: Checkpoint, now: int) -> None:
+        """A sequence starts from `ckpt`, whose anchor ends `nodes`: hold their blocks, mark all used at `now`."""
+        for node in nodes:
+            self.blocks.incref(node.block_id)
+            node.last_access = now
+        ckpt.anchor.last_access = now
+        self.touch_checkpoint(ckpt, now)
+
+    def insert_block(
+        self, parent: Node, node_hash: int, token_ids: tuple[int, ...], spans: tuple, own_block: int, now: int,
+    ) -> Node:
+        """The node under `parent` for a sequence's full block `own_block` holding `token_ids`.
+
+        New: the node takes a reference on `own_block`. Deduplicated (an identical node exists): the
+        sequence's reference moves from `own_block` (freed when private) to the node's block, which the
+        caller puts in its block list instead. Either way the node is marked used at `now`; the caller calls
+        `leaf_changed` on the deepest node it inserted.
+        """
+        node = self.trie.find_child(parent, node_hash, token_ids, spans)
+        if node is None:
+            node = self.trie.add_child(parent, node_hash, token_ids, spans, own_block, now)
+            self.blocks.incref(own_block)
+        else:
+            self.blocks.incref(node.block_id)
+            self.blocks.decref(own_block)
+            self.stats.num_deduplicated_blocks += 1
+        node.last_access = now
+        return node
 
     # ---- reserve / adopt / publish / release -------------------------------------------------------------
 
@@ -73,9 +107,10 @@ class Lifecycle:
         partial = step % self.block_size != 0
         if not self.make_room(1 if partial else 0, 1):
             return None
-        ckpt = self._new(adapter, step, reason, routed_experts, owner)
-        ckpt.slot = self.slots.allocate(ckpt.slot_owner)
-        ckpt.frozen_block = self.blocks.allocate() if partial else None
+        ckpt_id = self._new_id()
+        slot = self.slots.allocate(Checkpoint.slot_owner_of(ckpt_id))
+        frozen_block = self.blocks.allocate() if partial else None
+        ckpt = self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner)
         ckpt.num_pins = 1
         return ckpt
 
@@ -84,18 +119,23 @@ class Lifecycle:
         routed_experts: Any, owner: Hashable,
     ) -> Checkpoint:
         """A RESERVED checkpoint that takes over a sequence's slot and partial block (no copy, no pin)."""
-        ckpt = self._new(adapter, step, reason, routed_experts, owner)
-        self.slots.transfer(slot, ckpt.slot_owner)
-        ckpt.slot = slot
-        ckpt.frozen_block = frozen_block
-        return ckpt
+        ckpt_id = self._new_id()
+        self.slots.transfer(slot, Checkpoint.slot_owner_of(ckpt_id))
+        return self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner)
 
-    def _new(
-        self, adapter: str | None, step: int, reason: SaveReason, routed_experts: Any, owner: Hashable,
-    ) -> Checkpoint:
+    def _new_id(self) -> int:
         ckpt_id = self._next_ckpt_id
         self._next_ckpt_id += 1
-        ckpt = Checkpoint(ckpt_id, adapter, step, reason, -1, None, routed_experts, owner, self.tick())
+        return ckpt_id
+
+    def _register(
+        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
+        frozen_block: int | None, routed_experts: Any, owner: Hashable,
+    ) -> Checkpoint:
+        ckpt = Checkpoint(
+            ckpt_id=ckpt_id, adapter=adapter, step=step, reason=reason, slot=slot, frozen_block=frozen_block,
+            routed_experts=routed_experts, owner=owner, last_access=self.tick(),
+        )
         self.checkpoints[ckpt_id] = ckpt
         return ckpt
 
@@ -105,7 +145,7 @@ class Lifecycle:
         Returns False, and discards `ckpt` (its pins, slot and frozen block), when an identical checkpoint
         (same anchor, step, tail tokens and spans) is already published (that one is refreshed and learns
         the routed-expert history if it lacked it), or when the anchor is at its cap and every checkpoint
-        on it is pinned. At the cap, the policy's victim among the anchor's unpinned checkpoints goes.
+        on it is pinned. At the cap, the evictor's victim among the anchor's unpinned checkpoints goes.
         """
         if anchor.depth != ckpt.step // self.block_size or len(tail_ids) != ckpt.step % self.block_size:
             raise AssertionError(f"{ckpt} does not fit anchor {anchor} with a tail of {len(tail_ids)}")
@@ -116,30 +156,27 @@ class Lifecycle:
                 if other.routed_experts is None:
                     other.routed_experts = ckpt.routed_experts
                 self.touch_checkpoint(other, self.tick())
-                self._discard(ckpt, "duplicate")
+                self._discard(ckpt, DeclineCause.DUPLICATE)
                 return False
         if anchor.num_checkpoints() >= self.config.max_checkpoints_per_anchor:
-            candidates = [c for c in anchor.iter_checkpoints() if c.num_pins == 0]
-            if not candidates:
-                self._discard(ckpt, "anchor_full")
+            victim = self.evictor.anchor_victim(anchor)
+            if victim is None:
+                self._discard(ckpt, DeclineCause.ANCHOR_FULL)
                 return False
-            self.release(self.eviction.pick_checkpoint(candidates), "anchor_cap")
+            self.evict(victim)
         ckpt.tail_ids, ckpt.tail_spans, ckpt.tail_hash = tail_ids, tail_spans, tail_hash
         ckpt.anchor = anchor
         ckpt.state = CheckpointState.PUBLISHED
         ckpt.last_access = self.tick()
         anchor.checkpoints.setdefault(key, []).append(ckpt)
-        self._published.add(ckpt)
-        if ckpt.frozen_block is not None:
-            self._tails.add(ckpt)
-        self.leaf_changed(anchor)
+        self.evictor.on_publish(ckpt)
         self.stats.saves_by_reason[ckpt.reason.value] += 1
         return True
 
-    def _discard(self, ckpt: Checkpoint, cause: str) -> None:
+    def _discard(self, ckpt: Checkpoint, cause: DeclineCause) -> None:
         ckpt.num_pins = 0
         self.release(ckpt, None)
-        self.stats.declined_saves[cause] += 1
+        self.stats.declined(cause)
 
     def cancel(self, ckpt: Checkpoint) -> None:
         """Undo a reservation that will not be published (its sequence was aborted before the forward)."""
@@ -148,7 +185,7 @@ class Lifecycle:
         ckpt.num_pins = 0
         self.release(ckpt, None)
 
-    def release(self, ckpt: Checkpoint, kind: str | None) -> None:
+    def release(self, ckpt: Checkpoint, kind: EvictionKind | None) -> None:
         """Give back the slot and frozen block of an unpinned checkpoint; `kind` counts it as an eviction."""
         if ckpt.num_pins:
             raise AssertionError(f"release of pinned {ckpt}")
@@ -161,10 +198,7 @@ class Lifecycle:
             bucket.remove(ckpt)
             if not bucket:
                 del anchor.checkpoints[key]
-            self._published.remove(ckpt)
-            if ckpt.frozen_block is not None:
-                self._tails.remove(ckpt)
-            self.leaf_changed(anchor)
+            self.evictor.on_unpublish(ckpt, anchor)
         self.slots.free(ckpt.slot)
         if ckpt.frozen_block is not None:
             self.blocks.decref(ckpt.frozen_block)
@@ -172,7 +206,17 @@ class Lifecycle:
         ckpt.anchor = None
         del self.checkpoints[ckpt.ckpt_id]
         if kind is not None:
-            self.stats.evictions_by_kind[kind] += 1
+            self.stats.evicted(kind)
+
+    def replace_decode_checkpoint(self, old: Checkpoint) -> None:
+        """A newer decode-interval checkpoint of the same sequence was published: `old` goes now, or by
+        the unpin that frees it when it is pinned."""
+        if old.state is not CheckpointState.PUBLISHED:
+            return
+        if old.num_pins:
+            old.release_when_unpinned = True
+        else:
+            self.release(old, EvictionKind.DECODE_REPLACED)
 
     def pin(self, ckpt: Checkpoint) -> None:
         if not ckpt.is_usable:
@@ -184,35 +228,29 @@ class Lifecycle:
             raise AssertionError(f"unpin of unpinned {ckpt}")
         ckpt.num_pins -= 1
         if ckpt.num_pins == 0 and ckpt.release_when_unpinned:
-            self.release(ckpt, "decode_replaced")
+            self.release(ckpt, EvictionKind.DECODE_REPLACED)
 
     def published(self) -> list[Checkpoint]:
         return [c for c in self.checkpoints.values() if c.state is CheckpointState.PUBLISHED]
 
-    @property
-    def num_published(self) -> int:
-        return len(self._published)
+    def usage(self) -> dict[str, int]:
+        """The pool and checkpoint sizes `CacheStats` reports."""
+        return {
+            "num_blocks_used": self.blocks.num_used,
+            "num_slots_used": self.slots.num_used,
+            "num_checkpoints": self.evictor.num_published,
+        }
 
-    # ---- recency bookkeeping (keeps the eviction indexes current) ----------------------------------------
+    # ---- recency bookkeeping (keeps the evictor's indexes current) ---------------------------------------
 
     def touch_checkpoint(self, ckpt: Checkpoint, now: int) -> None:
         """A published checkpoint was used at `now` (the newest clock value)."""
         ckpt.last_access = now
-        self._published.touch(ckpt)
-        if ckpt.frozen_block is not None:
-            self._tails.touch(ckpt)
-        self.leaf_changed(ckpt.anchor)
+        self.evictor.on_touch(ckpt)
 
     def leaf_changed(self, node: Node) -> None:
-        """`node` may have become a leaf, or changed its recency or its checkpoints: index it afresh.
-        Called for every such change (see eviction_index.py); a no-op for roots and inner nodes."""
-        if node.children or node.parent is None or not node.attached:
-            return
-        heap = self._live_leaves if node.checkpoints else self._dead_leaves
-        heap.push(node)
-        if len(heap) > 4 * len(self.trie.leaves) + 1024:
-            leaves = [n for n in self.trie.leaves if bool(n.checkpoints) != heap.dead]
-            heap.reset(leaves)
+        """`node` may have become a leaf or changed its recency: see `Evictor.leaf_changed`."""
+        self.evictor.leaf_changed(node)
 
     # ---- eviction ----------------------------------------------------------------------------------------
 
@@ -222,144 +260,40 @@ class Lifecycle:
         need_blocks = num_blocks - self.blocks.num_free
         if need_slots <= 0 and need_blocks <= 0:
             return True
-        if need_slots > 0 and self.reclaimable_slots(need_slots) < need_slots:
+        if need_slots > 0 and not self.evictor.can_free_slots(need_slots):
             return False
-        if need_blocks > 0:
-            enough = self.reclaimable_blocks(need_blocks) >= need_blocks
-            if self.verify_picks:
-                _agree(enough, self.reclaimable_blocks() >= need_blocks, "reclaimable blocks suffice")
-            if not enough:
-                return False
+        if need_blocks > 0 and not self.evictor.can_free_blocks(need_blocks):
+            return False
         while self.slots.num_free < num_slots:
-            self._evict_for_slot()
+            self.evict(_promised(self.evictor.slot_victim(), "slot"))
         while self.blocks.num_free < num_blocks:
-            self._evict_for_block()
+            self.evict(_promised(self.evictor.block_victim(), "block"))
         return True
 
-    def reclaimable_slots(self, enough: int | None = None) -> int:
-        """Slots that evicting every unpinned checkpoint would free (stops counting early at `enough`)."""
-        return self._published.count_unpinned(enough)
-
-    def reclaimable_blocks(self, enough: int | None = None) -> int:
-        """Blocks that evicting every unpinned thing would free (stops counting early at `enough`).
-
-        Certain first: unpinned frozen tails, then from each leaf up the chain of nodes that only the trie
-        holds, with no pinned checkpoint, and (above the leaf) a single child: removing the leaf makes the
-        next one a removable leaf, so each counts once. Only when those fall short is the trie walked::
-
-            root ── a ── b ── c (leaf)      c, b, a count (each has one child, only the trie holds it)
-                         └── d (leaf, held by a sequence)   -> b has two children: the climb from c stops
-        """
-        count = self._tails.count_unpinned(enough)
-        if enough is not None and count >= enough:
-            return count
-        refs = self.blocks.ref_counts
-        if enough is not None:
-            bound = count
-            for leaf in self.trie.leaves:
-                node = leaf
-                while (
-                    node.parent is not None and refs[node.block_id] == 1
-                    and (node is leaf or len(node.children) == 1 and len(next(iter(node.children.values()))) == 1)
-                    and all(c.num_pins == 0 for c in node.iter_checkpoints())
-                ):
-                    bound += 1
-                    if bound >= enough:
-                        return bound
-                    node = node.parent
-        removable: dict[Node, bool] = {}
-        for node in reversed(list(self.trie.iter_nodes())):
-            if node.is_root:
-                continue
-            ok = (
-                refs[node.block_id] == 1
-                and all(c.num_pins == 0 for c in node.iter_checkpoints())
-                and all(removable[child] for bucket in node.children.values() for child in bucket)
-            )
-            removable[node] = ok
-            count += ok
-            if enough is not None and count >= enough:
-                break
-        return count
-
-    def _pick_checkpoint(self, order: RecencyOrder) -> Checkpoint | None:
-        """The policy's victim among the unpinned checkpoints of `order` (None: there is none)."""
-        policy = self.eviction
-        if isinstance(policy, LruPolicy):
-            return order.first_unpinned()
-        newest = next((c for c in order.newest_first() if c.num_pins == 0), None)
-        if newest is None:
-            return None
-        if not policy.can_prune:
-            return policy.pick_checkpoint([c for c in order.oldest_first() if c.num_pins == 0])
-        top = max(
-            policy.efficiency(c) for c in (order.max_step(True), order.max_step(False)) if c is not None
-        )
-        unpinned = (c for c in order.oldest_first() if c.num_pins == 0)
-        return policy.pick_checkpoint_by_recency(unpinned, newest, top)
-
-    def _evict_for_slot(self) -> None:
-        victim = self._pick_checkpoint(self._published)
-        if self.verify_picks:
-            candidates = [c for c in self.published() if c.num_pins == 0]
-            _agree(victim, self.eviction.pick_checkpoint(candidates) if candidates else None, "slot victim")
-        if victim is None:
-            raise AssertionError("make_room promised a slot that cannot be reclaimed")
-        self.release(victim, "checkpoint")
-
-    def _evict_for_block(self) -> None:
-        refs = self.blocks.ref_counts
-        dead = self._dead_leaves.pick(lambda n: refs[n.block_id] == 1)
-        if self.verify_picks:
-            leaves = [n for n in self.trie.leaves if refs[n.block_id] == 1]
-            expected = [n for n in leaves if not n.checkpoints]
-            want = self.eviction.pick_leaf(expected) if expected else None
-            if isinstance(self.eviction, FlopAwarePolicy) and want is not None and dead is not None:
-                # FLOP-aware ranks dead leaves by recency alone; equal recencies tie arbitrarily
-                _agree(leaf_recency(dead), leaf_recency(want), "dead leaf recency")
-            else:
-                _agree(dead, want, "dead leaf")
-        if dead is not None:
-            self._remove_leaf(dead, "dead_block")
+    def evict(self, victim: Victim) -> None:
+        """Release what the evictor picked: a checkpoint, or a leaf with the checkpoints hanging on it."""
+        target = victim.target
+        if isinstance(target, Checkpoint):
+            self.release(target, victim.kind)
             return
-        tail = self._pick_checkpoint(self._tails)
-        if self.verify_picks:
-            tails = [c for c in self.published() if c.num_pins == 0 and c.frozen_block is not None]
-            _agree(tail, self.eviction.pick_checkpoint(tails) if tails else None, "frozen tail")
-        if tail is not None:
-            self.release(tail, "frozen_tail")
-            return
+        for ckpt in list(target.iter_checkpoints()):
+            self.release(ckpt, EvictionKind.LEAF_CHECKPOINT)
+        self._remove_leaf(target, victim.kind)
 
-        def unpinned(node: Node) -> bool:
-            return refs[node.block_id] == 1 and all(c.num_pins == 0 for c in node.iter_checkpoints())
-
-        if isinstance(self.eviction, LruPolicy):
-            victim = self._live_leaves.pick(unpinned)
-            if self.verify_picks:
-                live = [n for n in self.trie.leaves if unpinned(n)]
-                _agree(victim, self.eviction.pick_leaf(live) if live else None, "live leaf")
-        else:
-            live = [n for n in self.trie.leaves if unpinned(n)]
-            victim = self.eviction.pick_leaf(live) if live else None
-        if victim is None:
-            raise AssertionError("make_room promised a block that cannot be reclaimed")
-        for ckpt in list(victim.iter_checkpoints()):
-            self.release(ckpt, "leaf_checkpoint")
-        self._remove_leaf(victim, "leaf")
-
-    def _remove_leaf(self, node: Node, kind: str | None) -> None:
+    def _remove_leaf(self, node: Node, kind: EvictionKind | None) -> None:
         parent = node.parent
         self.trie.remove_leaf(node)
         self.blocks.decref(node.block_id)
-        self.leaf_changed(parent)
+        self.evictor.leaf_changed(parent)
         if kind is not None:
-            self.stats.evictions_by_kind[kind] += 1
+            self.stats.evicted(kind)
 
     def clear(self) -> None:
         """Release every unpinned checkpoint and every trie node no sequence or pinned checkpoint needs."""
         for ckpt in self.published():
             if ckpt.num_pins == 0:
                 self.release(ckpt, None)
+
         def removable(node: Node) -> bool:
             return self.blocks.ref_counts[node.block_id] == 1 and not node.checkpoints
 
@@ -371,6 +305,7 @@ class Lifecycle:
                 self._remove_leaf(node, None)
 
 
-def _agree(fast: object, full: object, what: str) -> None:
-    if fast is not full and fast != full:
-        raise AssertionError(f"indexed {what} {fast!r} differs from the full scan's {full!r}")
+def _promised(victim: Victim | None, what: str) -> Victim:
+    if victim is None:
+        raise AssertionError(f"make_room promised a {what} that cannot be reclaimed")
+    return victim

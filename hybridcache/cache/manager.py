@@ -7,12 +7,17 @@ One step of the engine, as the cache sees it::
     cache.ensure_capacity(rid, n)         # grow the block list to hold n tokens (False: no room, no trace)
     cache.reserve_save(rid, step, reason) # slot (+ frozen block) for a save at the end of this step's chunk
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
-                                          # release restore pins, return this step's CheckpointCopies
+                                          # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
 Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
 dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released.
+
+Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: tokens, blocks, trie nodes,
+slot, pending restores and saves) and the pending matches, reads the trie to match, and asks the
+admission policy (`_decline_cause`) whether a save is worth making. `Lifecycle` (lifecycle.py) owns the pools,
+the checkpoints' states and every change to the trie; its `Evictor` (evictor.py) picks eviction victims.
 """
 
 from __future__ import annotations
@@ -23,14 +28,17 @@ from typing import Any
 
 import xxhash
 
-from hybridcache.cache.checkpoint import Checkpoint, CheckpointState, find_deepest
+from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle
-from hybridcache.cache.plan import CheckpointCopies, PlanBuilder
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason, common_prefix_len
+from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
+from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
+from hybridcache.cache.policy import make_admission_policy
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
 from hybridcache.cache.sequence import RunningSeq
-from hybridcache.cache.stats import CacheStats
-from hybridcache.cache.trie import HashFn, Node, chain_hash, prompt_block_hashes
+from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
+from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
 
 
 class PrefixCache:
@@ -45,7 +53,10 @@ class PrefixCache:
         self.config = config
         self.block_size = config.block_size
         self.cost_model = cost_model or CostModel()
-        self._life = Lifecycle(config, self.cost_model, hash_fn)
+        self._trie = Trie(hash_fn)
+        self._stats = StatsCounter()
+        self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
+        self._admission = make_admission_policy(config)
         self._seqs: dict[Hashable, RunningSeq] = {}
         self._matches: dict[int, tuple[CacheRequest, Checkpoint | None]] = {}
         self._next_match_id = 0
@@ -59,27 +70,11 @@ class PrefixCache:
         deepest published checkpoint on that path with step <= prompt_len - 1, at a safe boundary, whose
         tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
         """
-        trie, size = self._life.trie, self.block_size
-        prompt = request.prompt_ids
-        root = trie.roots.get(request.adapter)
-        path: list[Node] = []
-        if root is not None:
-            path.append(root)
-            node = root
-            hashes = prompt_block_hashes(request, size, trie.hash_fn)
-            for i in range(len(prompt) // size):
-                if not node.children:
-                    break
-                tokens = prompt[i * size:(i + 1) * size]
-                spans = request.spans_in(i * size, (i + 1) * size)
-                child = trie.find_child(node, hashes[i], tokens, spans)
-                if child is None:
-                    break
-                path.append(child)
-                node = child
-        ckpt = find_deepest(trie, path, request, size, request.prompt_len - 1) if path else None
+        size = self.block_size
+        path = walk_prompt(self._trie, request, size)
+        ckpt = find_deepest(self._trie, path, request, size, request.prompt_len - 1) if path else None
         cached_len = ckpt.step if ckpt is not None else 0
-        divergence_len = max(self._divergence(path, request), cached_len)
+        divergence = max(divergence_len(self._trie, path, request, size), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
         match_id = self._next_match_id
@@ -92,40 +87,9 @@ class PrefixCache:
             block_ids=tuple(n.block_id for n in path[1:cached_len // size + 1]),
             checkpoint_id=None if ckpt is None else ckpt.ckpt_id,
             checkpoint_reason=None if ckpt is None else ckpt.reason,
-            divergence_len=divergence_len,
+            divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
-
-    def _divergence(self, path: list[Node], request: CacheRequest) -> int:
-        """How far the prompt agrees with cached content: the matched full blocks, then the longest common
-        prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
-        prompt_len - 1 and moved down to a safe boundary."""
-        if not path:
-            return 0
-        node = path[-1]
-        base = node.depth * self.block_size
-        rest = request.prompt_ids[base:base + self.block_size]
-        best = 0
-        if not rest:
-            return min(base, request.prompt_len - 1)
-        # a child whose first token differs agrees on 0 tokens: only those sharing it can raise `best`
-        others = [(c.token_ids, c.spans) for c in self._life.trie.children_starting_with(node, rest[0])]
-        others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
-        for tokens, spans in others:
-            agree = common_prefix_len(tokens, rest)
-            if agree <= best:
-                continue
-            mine = set(request.spans_in(base, base + agree))
-            theirs = {s for s in spans if s.start < base + agree and s.end > base}
-            differing = mine ^ theirs
-            if differing:
-                agree = max(0, min(s.start for s in differing) - base)
-            best = max(best, agree)
-        step = min(base + best, request.prompt_len - 1)
-        for span in request.spans_in(step - 1, step + 1):
-            if span.start < step < span.end:
-                step = span.start
-        return step
 
     def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
@@ -147,32 +111,26 @@ class PrefixCache:
         if not life.make_room(num_blocks - num_shared, 1):
             return None
         del self._matches[match.match_id]
-        seq = RunningSeq(request, -1)
-        seq.slot = life.slots.allocate(seq.slot_owner)
+        seq = RunningSeq(request=request, slot=life.take_slot(RunningSeq.slot_owner_of(request.request_id)))
         now = life.tick()
-        life.stats.num_queries += 1
-        life.stats.num_query_tokens += request.prompt_len
+        self._stats.num_queries += 1
+        self._stats.num_query_tokens += request.prompt_len
         if ckpt is not None:
             seq.nodes = _path_to(ckpt.anchor)
             seq.block_ids = [n.block_id for n in seq.nodes]
             if tuple(seq.block_ids) != match.block_ids:
                 raise AssertionError(f"match {match.match_id} blocks changed while pinned")
-            for node in seq.nodes:
-                life.blocks.incref(node.block_id)
-                node.last_access = now
-            ckpt.anchor.last_access = now
-            life.touch_checkpoint(ckpt, now)
+            life.share_path(seq.nodes, ckpt, now)
             if partial:
-                private = life.blocks.allocate()
-                seq.block_ids.append(private)
-                seq.restore_copies.append(("kv_restore", ckpt.frozen_block, private))
-            seq.restore_copies.append(("state_restore", ckpt.slot, seq.slot))
+                seq.block_ids.extend(life.take_blocks(1))
+                seq.restore_copies.append((CopyKind.KV_RESTORE, ckpt.frozen_block, seq.block_ids[-1]))
+            seq.restore_copies.append((CopyKind.STATE_RESTORE, ckpt.slot, seq.slot))
             seq.restore = ckpt
             seq.token_ids = list(request.prompt_ids[:cached_len])
-            life.stats.num_hits += 1
-            life.stats.num_hit_tokens += cached_len
-            life.stats.hits_by_reason[ckpt.reason.value] += 1
-        seq.block_ids.extend(life.blocks.allocate() for _ in range(num_blocks - len(seq.block_ids)))
+            self._stats.num_hits += 1
+            self._stats.num_hit_tokens += cached_len
+            self._stats.hits_by_reason[ckpt.reason.value] += 1
+        seq.block_ids.extend(life.take_blocks(num_blocks - len(seq.block_ids)))
         self._seqs[request.request_id] = seq
         return Admitted(request.request_id, seq.slot, tuple(seq.block_ids), seq.num_computed)
 
@@ -195,7 +153,7 @@ class PrefixCache:
             return True
         if not self._life.make_room(need, 0):
             return False
-        seq.block_ids.extend(self._life.blocks.allocate() for _ in range(need))
+        seq.block_ids.extend(self._life.take_blocks(need))
         return True
 
     def reserve_save(
@@ -219,28 +177,36 @@ class PrefixCache:
             raise ValueError(f"decode-interval save at step {step} is not block-aligned")
         if reason in (SaveReason.FINISH, SaveReason.PREEMPT):
             raise ValueError(f"{reason.value} checkpoints are made by finish() / preempt()")
-        declined = self._life.stats.declined_saves
         request = seq.request
         if any(c.step == step for c in seq.saves):
-            declined["duplicate"] += 1
-            return False
+            cause = DeclineCause.DUPLICATE
+        else:
+            cause = self._decline_cause(request, step, reason, routed_experts, key_needed=True)
+        if cause is None:
+            ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
+            if ckpt is not None:
+                seq.saves.append(ckpt)
+                return True
+            cause = DeclineCause.NO_ROOM
+        self._stats.declined(cause)
+        return False
+
+    def _decline_cause(
+        self, request: CacheRequest, step: int, reason: SaveReason, routed_experts: Any, *, key_needed: bool,
+    ) -> DeclineCause | None:
+        """Why a save at `step` must not be made, checked in this order; None when it may be.
+
+        The admission point: the policy (policy.py) sees the reason and, when it asks for one (`needs_key`)
+        and `key_needed`, the identity of the prompt prefix [0, step) (finish/preempt pass no key).
+        """
         if not request.is_safe(step):
-            declined["unsafe"] += 1
-            return False
-        if step % size and request.routed_experts and routed_experts is None:
-            declined["routed_experts"] += 1
-            return False
-        admission = self._life.admission
-        key = self._prefix_key(request, step) if admission.needs_key else None
-        if not admission.admit(reason, key):
-            declined["policy"] += 1
-            return False
-        ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
-        if ckpt is None:
-            declined["no_room"] += 1
-            return False
-        seq.saves.append(ckpt)
-        return True
+            return DeclineCause.UNSAFE
+        if step % self.block_size and request.routed_experts and routed_experts is None:
+            return DeclineCause.ROUTED_EXPERTS
+        key = self._prefix_key(request, step) if key_needed and self._admission.needs_key else None
+        if not self._admission.admit(reason, key):
+            return DeclineCause.POLICY
+        return None
 
     def _prefix_key(self, request: CacheRequest, step: int) -> Hashable:
         """Identity of the prompt prefix [0, step) for admission bookkeeping (branch points only)."""
@@ -248,30 +214,18 @@ class PrefixCache:
         h.update(repr(request.spans_in(0, step)).encode())
         return (request.adapter, step, h.intdigest())
 
-    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CheckpointCopies:
+    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
         """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
 
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
-        the step's saves are published (their state_save / kv_save copies emitted), restore pins and save
+        the step's saves are published (their STATE_SAVE / KV_SAVE copies emitted), restore pins and save
         pins are dropped. Returns this step's copies: restores queued by `admit` since the last commit,
         and the saves. The caller must enqueue restore copies, the forward, then save copies, on one stream,
         before its next cache call: that ordering is what makes freeing a deduplicated block and dropping
         the pins safe here (any later writer of those ids is queued after).
         """
-        size = self.block_size
-        for rid, tokens in fed.items():
-            seq = self._seq(rid)
-            new_len = seq.num_computed + len(tokens)
-            if not tokens or new_len > len(seq.block_ids) * size:
-                raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
-            prompt = seq.request.prompt_ids
-            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
-                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
-        for rid, seq in self._seqs.items():
-            for ckpt in seq.saves:
-                if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
-                    raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
+        self._check_fed(fed)
         builder = PlanBuilder()
         for seq in self._seqs.values():
             for kind, src, dst in seq.restore_copies:
@@ -287,20 +241,34 @@ class PrefixCache:
                     published.append(ckpt)
             seq.saves = []
         for seq in self._seqs.values():
-            if seq.restore is not None:
-                self._life.unpin(seq.restore)
-                seq.restore = None
-                seq.restore_copies = []
+            self._drop_restore(seq)
         for ckpt in published:
             self._life.unpin(ckpt)
         return builder.build()
 
+    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]]) -> None:
+        """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
+        they equal its prompt where they overlap it, and every reserved save is at the end of its chunk."""
+        size = self.block_size
+        for rid, tokens in fed.items():
+            seq = self._seq(rid)
+            new_len = seq.num_computed + len(tokens)
+            if not tokens or new_len > len(seq.block_ids) * size:
+                raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
+            prompt = seq.request.prompt_ids
+            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
+                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
+        for rid, seq in self._seqs.items():
+            for ckpt in seq.saves:
+                if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
+                    raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
+
     def _insert_full_blocks(self, seq: RunningSeq) -> None:
-        life, size = self._life, self.block_size
-        trie = life.trie
+        """Put every block of `seq` that became full into the trie (deduplicated onto identical nodes)."""
+        size, trie = self.block_size, self._trie
         request = seq.request
         parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)
-        now = life.tick()
+        now = self._life.tick()
         num_full = seq.num_computed // size
         prompt_hashes = (
             prompt_block_hashes(request, size, trie.hash_fn) if len(seq.nodes) < num_full else []
@@ -314,25 +282,16 @@ class PrefixCache:
             else:
                 tokens = tuple(seq.token_ids[i * size:(i + 1) * size])
                 node_hash = trie.hash_fn(parent.hash, tokens, spans)
-            node = trie.find_child(parent, node_hash, tokens, spans)
-            own = seq.block_ids[i]
-            if node is None:
-                node = trie.add_child(parent, node_hash, tokens, spans, own, now)
-                life.blocks.incref(own)
-            else:
-                life.blocks.incref(node.block_id)
-                life.blocks.decref(own)
-                seq.block_ids[i] = node.block_id
-                life.stats.num_deduplicated_blocks += 1
-            node.last_access = now
+            node = self._life.insert_block(parent, node_hash, tokens, spans, seq.block_ids[i], now)
+            seq.block_ids[i] = node.block_id
             seq.nodes.append(node)
             parent = node
         if seq.nodes:  # every node touched above but the last has a child now: only it can be a leaf
-            life.leaf_changed(seq.nodes[-1])
+            self._life.leaf_changed(seq.nodes[-1])
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
-        anchor = seq.nodes[q - 1] if q else self._life.trie.root(seq.request.adapter)
+        anchor = seq.nodes[q - 1] if q else self._trie.root(seq.request.adapter)
         base = q * self.block_size
         return anchor, tuple(seq.token_ids[base:step]), seq.request.spans_in(base, step)
 
@@ -340,16 +299,12 @@ class PrefixCache:
         anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
         if not self._life.publish(ckpt, anchor, tail, spans):
             return False
-        builder.add("state_save", seq.slot, ckpt.slot)
+        builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
         if ckpt.frozen_block is not None:
-            builder.add("kv_save", seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
+            builder.add(CopyKind.KV_SAVE, seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
         if ckpt.reason is SaveReason.DECODE_INTERVAL:
-            old = seq.decode_ckpt
-            if old is not None and old.state is CheckpointState.PUBLISHED:
-                if old.num_pins:
-                    old.release_when_unpinned = True
-                else:
-                    self._life.release(old, "decode_replaced")
+            if seq.decode_ckpt is not None:
+                self._life.replace_decode_checkpoint(seq.decode_ckpt)
             seq.decode_ckpt = ckpt
         return True
 
@@ -386,40 +341,38 @@ class PrefixCache:
         for ckpt in seq.saves:
             self._life.cancel(ckpt)
         seq.saves = []
+        self._drop_restore(seq)
+
+    def _drop_restore(self, seq: RunningSeq) -> None:
+        """The restore queued at admission is committed or cancelled: drop its pin and copies."""
         if seq.restore is not None:
             self._life.unpin(seq.restore)
             seq.restore = None
             seq.restore_copies = []
 
     def _retire(self, seq: RunningSeq, reason: SaveReason, routed_experts: Any, keep: bool) -> bool:
+        """Drop a sequence; with `keep`, its slot and partial block become a `reason` checkpoint at its
+        computed step (when one is allowed there). Returns whether that checkpoint was published."""
         life, size = self._life, self.block_size
         step = seq.num_computed
-        partial = step % size != 0
         request = seq.request
-        declined = life.stats.declined_saves
         if keep and step > 0:
-            if not request.is_safe(step):
-                declined["unsafe"] += 1
-                keep = False
-            elif partial and request.routed_experts and routed_experts is None:
-                declined["routed_experts"] += 1
-                keep = False
-            elif not life.admission.admit(reason, None):
-                declined["policy"] += 1
+            cause = self._decline_cause(request, step, reason, routed_experts, key_needed=False)
+            if cause is not None:
+                self._stats.declined(cause)
                 keep = False
         published = False
         blocks = list(seq.block_ids)
         if keep and step > 0:
-            frozen = blocks.pop(step // size) if partial else None
+            frozen = blocks.pop(step // size) if step % size else None
             ckpt = life.adopt(
                 request.adapter, step, reason, seq.slot, frozen, routed_experts, request.request_id
             )
             anchor, tail, spans = self._anchor_and_tail(seq, step)
             published = life.publish(ckpt, anchor, tail, spans)
         else:
-            life.slots.free(seq.slot)
-        for block_id in blocks:
-            life.blocks.decref(block_id)
+            life.free_slot(seq.slot)
+        life.drop_blocks(blocks)
         del self._seqs[request.request_id]
         return published
 
@@ -451,20 +404,13 @@ class PrefixCache:
 
     @property
     def stats(self) -> CacheStats:
-        life = self._life
-        return life.stats.snapshot(
-            num_blocks_used=life.blocks.num_used,
-            num_slots_used=life.slots.num_used,
-            num_checkpoints=life.num_published,
-            num_nodes=life.trie.num_nodes,
-            num_running=len(self._seqs),
+        return self._stats.snapshot(
+            **self._life.usage(), num_nodes=self._trie.num_nodes, num_running=len(self._seqs),
         )
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
-        from hybridcache.cache.integrity import check_integrity
-
-        check_integrity(self)
+        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt in self._matches.values()])
 
 
 def _path_to(anchor: Node) -> list[Node]:

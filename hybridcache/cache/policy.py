@@ -8,7 +8,8 @@ caller filtered out pinned checkpoints and leaves still held by a sequence):
       efficiency = FLOPs the item saves / bytes it holds, normalised by the candidates' maximum.
   A checkpoint saves `prefill_flops(step)` and holds one slot plus a frozen block when partial; a leaf
   saves what its deepest checkpoint saves and holds its block plus its checkpoints.
-Admission policies answer whether a save is worth reserving.
+Admission policies answer whether a save is worth reserving (`PrefixCache._decline_cause` asks them).
+`Evictor` (evictor.py) applies an eviction policy through its indexes; docs/cache.md says how to add one.
 """
 
 from __future__ import annotations
@@ -154,10 +155,13 @@ class RepeatBranchAdmission:
 AdmissionPolicy = AdmitAll | RepeatBranchAdmission
 
 
-def make_policies(config: CacheConfig, cost: CostModel) -> tuple[EvictionPolicy, AdmissionPolicy]:
-    eviction: EvictionPolicy = (
-        LruPolicy() if config.eviction == "lru"
-        else FlopAwarePolicy(config.flop_aware_alpha, cost, config.block_size)
-    )
-    admission: AdmissionPolicy = AdmitAll() if config.admission == "all" else RepeatBranchAdmission()
-    return eviction, admission
+def make_eviction_policy(config: CacheConfig, cost: CostModel) -> EvictionPolicy:
+    """The eviction policy `config.eviction` names (a new policy: a class here and a branch below)."""
+    if config.eviction == "lru":
+        return LruPolicy()
+    return FlopAwarePolicy(config.flop_aware_alpha, cost, config.block_size)
+
+
+def make_admission_policy(config: CacheConfig) -> AdmissionPolicy:
+    """The admission policy `config.admission` names."""
+    return AdmitAll() if config.admission == "all" else RepeatBranchAdmission()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.plan import CopyKind
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node
 
@@ -25,14 +28,14 @@ class RunningSeq:
         "decode_ckpt",
     )
 
-    def __init__(self, request: CacheRequest, slot: int) -> None:
+    def __init__(self, *, request: CacheRequest, slot: int) -> None:
         self.request = request
         self.token_ids: list[int] = []
         self.block_ids: list[int] = []
         self.nodes: list[Node] = []
         self.slot = slot
         self.restore: Checkpoint | None = None
-        self.restore_copies: list[tuple[str, int, int]] = []
+        self.restore_copies: list[tuple[CopyKind, int, int]] = []
         self.saves: list[Checkpoint] = []
         self.decode_ckpt: Checkpoint | None = None
 
@@ -42,7 +45,12 @@ class RunningSeq:
 
     @property
     def slot_owner(self) -> tuple[str, object]:
-        return ("seq", self.request.request_id)
+        return self.slot_owner_of(self.request.request_id)
+
+    @staticmethod
+    def slot_owner_of(request_id: Hashable) -> tuple[str, object]:
+        """The `StatePool` owner key of a running sequence's slot (known before the sequence exists)."""
+        return ("seq", request_id)
 
     @property
     def has_pending_work(self) -> bool:

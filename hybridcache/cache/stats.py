@@ -1,9 +1,33 @@
-"""Counters of the prefix cache and their immutable snapshot."""
+"""Counters of the prefix cache, their immutable snapshot, and the enums that name what they count."""
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
+
+
+class EvictionKind(enum.Enum):
+    """Why something cached was released to make room (counted in `CacheStats.evictions_by_kind`)."""
+
+    CHECKPOINT = "checkpoint"  # state pressure: an unpinned published checkpoint gave back its slot
+    DEAD_BLOCK = "dead_block"  # KV pressure: a leaf with no checkpoint and no holder but the trie
+    FROZEN_TAIL = "frozen_tail"  # KV pressure: a partial checkpoint gave back its slot and frozen block
+    LEAF = "leaf"  # KV pressure: a leaf chosen by the policy (its checkpoints go with it)
+    LEAF_CHECKPOINT = "leaf_checkpoint"  # a checkpoint released with its LEAF
+    ANCHOR_CAP = "anchor_cap"  # a publish on an anchor at `max_checkpoints_per_anchor` pushed it out
+    DECODE_REPLACED = "decode_replaced"  # a newer decode-interval checkpoint of the same sequence replaced it
+
+
+class DeclineCause(enum.Enum):
+    """Why a save was not made (counted in `CacheStats.declined_saves`)."""
+
+    POLICY = "policy"  # the admission policy said no
+    NO_ROOM = "no_room"  # no slot (or frozen block) could be reclaimed
+    ROUTED_EXPERTS = "routed_experts"  # a partial tail without the routed-expert history the request wants
+    UNSAFE = "unsafe"  # the step falls inside a multimodal span
+    DUPLICATE = "duplicate"  # an identical checkpoint exists (or one is already reserved at that step)
+    ANCHOR_FULL = "anchor_full"  # the anchor is at its cap and every checkpoint on it is pinned
 
 
 @dataclass(frozen=True)
@@ -15,11 +39,8 @@ class CacheStats:
     num_hits / num_hit_tokens       admitted requests that started from a checkpoint, and the steps skipped.
     hits_by_reason                  hits by the reason of the checkpoint used.
     saves_by_reason                 published checkpoints by reason (finish/preempt adoptions included).
-    declined_saves                  saves not made, by cause: 'policy', 'no_room', 'routed_experts',
-                                    'unsafe', 'duplicate' (an identical checkpoint existed), 'anchor_full'.
-    evictions_by_kind               'checkpoint' (state pressure), 'dead_block', 'frozen_tail', 'leaf',
-                                    'leaf_checkpoint' (released with its leaf), 'anchor_cap',
-                                    'decode_replaced'.
+    declined_saves                  saves not made, by `DeclineCause.value` ('policy', 'no_room', ...).
+    evictions_by_kind               releases to make room, by `EvictionKind.value` ('checkpoint', ...).
     num_deduplicated_blocks         computed full blocks that were found in the trie and shared instead.
     """
 
@@ -57,6 +78,12 @@ class StatsCounter:
         self.declined_saves: Counter[str] = Counter()
         self.evictions_by_kind: Counter[str] = Counter()
         self.num_deduplicated_blocks = 0
+
+    def evicted(self, kind: EvictionKind) -> None:
+        self.evictions_by_kind[kind.value] += 1
+
+    def declined(self, cause: DeclineCause) -> None:
+        self.declined_saves[cause.value] += 1
 
     def snapshot(self, **sizes: int) -> CacheStats:
         return CacheStats(

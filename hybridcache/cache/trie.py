@@ -91,7 +91,7 @@ class Node:
     )
 
     def __init__(
-        self, adapter: str | None, parent: Node | None, block_id: int | None, token_ids: tuple[int, ...],
+        self, *, adapter: str | None, parent: Node | None, block_id: int | None, token_ids: tuple[int, ...],
         spans: tuple, node_hash: int, last_access: int,
     ) -> None:
         self.adapter = adapter
@@ -134,7 +134,10 @@ class Trie:
     def root(self, adapter: str | None) -> Node:
         node = self.roots.get(adapter)
         if node is None:
-            node = Node(adapter, None, None, (), (), root_hash(adapter), 0)
+            node = Node(
+                adapter=adapter, parent=None, block_id=None, token_ids=(), spans=(), node_hash=root_hash(adapter),
+                last_access=0,
+            )
             self.roots[adapter] = node
         return node
 
@@ -151,7 +154,10 @@ class Trie:
         self, parent: Node, node_hash: int, token_ids: tuple[int, ...], spans: tuple, block_id: int, now: int,
     ) -> Node:
         """A new child; the caller gives the node its reference on `block_id`."""
-        node = Node(parent.adapter, parent, block_id, token_ids, spans, node_hash, now)
+        node = Node(
+            adapter=parent.adapter, parent=parent, block_id=block_id, token_ids=token_ids, spans=spans,
+            node_hash=node_hash, last_access=now,
+        )
         parent.children.setdefault(node_hash, []).append(node)
         if parent.by_first is not None:
             parent.by_first.setdefault(token_ids[0], []).append(node)

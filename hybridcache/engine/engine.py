@@ -1,4 +1,9 @@
-"""The engine: requests in, tokens out. One `step()` = schedule -> build inputs -> forward -> postprocess."""
+"""The engine: requests in, tokens out. One `step()` = schedule -> build inputs -> execute -> postprocess.
+
+The engine never calls the prefix cache: the scheduler drives it (admission, growth, saves and the step's
+commit) and hands back the step's chunks with their block ids, slots and copy plan; the engine only asks the
+scheduler for its integrity check and counters.
+"""
 
 from __future__ import annotations
 
@@ -12,33 +17,67 @@ import torch
 
 from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EngineConfig
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.engine.multimodal import MultimodalInput, chunk_embeds, resolve_inputs
+from hybridcache.engine.input_builder import build_forward_batch
 from hybridcache.engine.runner import ModelRunner
-from hybridcache.engine.sequence import Sequence
 from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import SamplingParams, make_generator, sample
+from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.save_plan import checkpoint_policy
-from hybridcache.scheduler.scheduler import ScheduledChunk, Scheduler
-from hybridcache.tokenizer import Tokenizer
+from hybridcache.scheduler.scheduler import Scheduler
+from hybridcache.scheduler.sequence import Seq
+from hybridcache.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_DEFAULT_MODEL_LEN = 8192
 
 
+@dataclass(frozen=True)
+class ValidPrompt:
+    """A prompt as `LLMEngine.validate_prompt` returns it: its text (None when given as token ids) and its
+    token ids, checked against the vocabulary and `max_model_len`. `add_request` takes it as is."""
+
+    text: str | None
+    token_ids: tuple[int, ...]
+
+
 @dataclass
 class _Request:
+    """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
+    `texts[i]` its incremental detokenizer."""
+
     request_id: str
     prompt: str | None
-    prompt_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Seq] = field(default_factory=list)
+    texts: list[IncrementalDetokenizer] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) -> Scheduler:
+    """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls)."""
+    policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
+    cache_config = CacheConfig(
+        block_size=config.block_size,
+        num_blocks=num_blocks,
+        num_slots=num_slots,
+        max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
+        decode_checkpoint_interval=config.decode_checkpoint_interval,
+        eviction=config.eviction,
+    )
+    return Scheduler(
+        PrefixCache(cache_config),
+        policy,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        decode_checkpoint_interval=config.decode_checkpoint_interval,
+        debug=os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0"),
+    )
 
 
 class LLMEngine:
@@ -65,36 +104,18 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_path)
         self.device = torch.device(config.device)
         model = load_model(self.model_path, dtype=_DTYPES[config.dtype], device=self.device)
-        self.policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
         num_slots = config.max_num_seqs + config.num_checkpoint_slots
         self.runner = ModelRunner(
             model,
             num_blocks=self.num_blocks,
             block_size=config.block_size,
-            kernel_block_size=config.page_size,
+            kernel_block_size=config.kernel_block_size,
             num_slots=num_slots,
             dtype=_DTYPES[config.dtype],
             state_dtype=_DTYPES[config.state_dtype],
             device=self.device,
         )
-        self.cache = PrefixCache(
-            CacheConfig(
-                block_size=config.block_size,
-                num_blocks=self.num_blocks,
-                num_slots=num_slots,
-                max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor if self.policy else 1,
-                decode_checkpoint_interval=config.decode_checkpoint_interval,
-                eviction=config.eviction,
-            )
-        )
-        self.scheduler = Scheduler(
-            self.cache,
-            self.policy,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            decode_checkpoint_interval=config.decode_checkpoint_interval,
-        )
-        self.debug = os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0")
+        self.scheduler = _make_scheduler(config, num_blocks=self.num_blocks, num_slots=num_slots)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
@@ -106,23 +127,25 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | ValidPrompt,
         params: SamplingParams | None = None,
         mm_inputs: SequenceOf[MultimodalInput] = (),
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
-        a duplicate id. `mm_inputs`: multimodal spans of the prompt (see `engine.multimodal`)."""
+        a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
+        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt_ids = self.validate_prompt(prompt)
+        prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
+        prompt_ids = prompt.token_ids
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
-        request = _Request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params)
+        request = _Request(request_id, prompt.text, params)
         for index in range(params.n):
             request.seqs.append(
-                Sequence(
+                Seq(
                     seq_id=next(self._seq_counter),
                     request_id=request_id,
                     index=index,
@@ -134,12 +157,13 @@ class LLMEngine:
                     mm_inputs=mm,
                 )
             )
+            request.texts.append(self.tokenizer.detokenizer(params.stop))
         self._requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
 
-    def validate_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, or a ValueError naming what is wrong with it."""
+    def validate_prompt(self, prompt: str | list[int]) -> ValidPrompt:
+        """The prompt tokenized and checked, or a ValueError naming what is wrong with it."""
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
@@ -157,7 +181,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len}, which leaves "
                 "no room for a completion"
             )
-        return prompt_ids
+        return ValidPrompt(prompt if isinstance(prompt, str) else None, tuple(prompt_ids))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and release everything it holds."""
@@ -177,39 +201,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; returns the output so far of every request that sampled a token in it
         (`finished` tells which are done; their memory is already released)."""
-        chunks = self.scheduler.schedule()
-        if not chunks:
-            if self.scheduler.has_work:
-                raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
             return []
-        # The forward writes the blocks the step was planned with: read them before commit_step, which may
-        # swap a sequence onto a shared copy of a block that became full in this step.
-        seq_chunks = [self._seq_chunk(c) for c in chunks]
-        copies = self.cache.commit_step({c.seq.seq_id: c.seq.token_ids[c.start : c.end] for c in chunks})
-        batch = build_forward_batch(
-            seq_chunks,
-            block_size=self.config.block_size,
-            kernel_block_size=self.config.page_size,
-            device=self.device,
-            copies=copies,
-        )
-        logits = self.runner.execute(batch)
-        outputs = self._postprocess(chunks, logits)
-        if self.debug and not self.scheduler.running:
-            self.check_integrity()
-        return outputs
+        batch = build_forward_batch(scheduled.chunks, block_size=self.config.block_size,
+                                    kernel_block_size=self.config.kernel_block_size, device=self.device,
+                                    copies=scheduled.copies)
+        return self._postprocess(scheduled.chunks, self.runner.execute(batch))
 
-    def _seq_chunk(self, chunk: ScheduledChunk) -> SeqChunk:
-        seq = chunk.seq
-        return SeqChunk(
-            seq.token_ids[chunk.start : chunk.end],
-            chunk.start,
-            self.cache.block_ids(seq.seq_id),
-            self.cache.slot(seq.seq_id),
-            chunk_embeds(seq.mm_inputs, chunk.start, chunk.end),
-        )
-
-    def _postprocess(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
+    def _postprocess(self, chunks: SequenceOf[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [c.seq for c in chunks if c.samples]
         for chunk in chunks:
@@ -221,12 +221,13 @@ class LLMEngine:
         tokens = sample(logits[rows], [s.params for s in sampled], [s.generator for s in sampled]) if rows else []
         touched: dict[str, _Request] = {}
         for seq, token in zip(sampled, tokens):
+            request = self._requests[seq.request_id]
             seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+            reason = self._finish_reason(seq, token, request.texts[seq.index])
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
-            touched[seq.request_id] = self._requests[seq.request_id]
+            touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
             outputs.append(self._output(request))
@@ -234,69 +235,51 @@ class LLMEngine:
                 del self._requests[request_id]
         return outputs
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
+    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer) -> str | None:
+        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
         if self._is_stop_token(seq, token):
             return "stop"
-        if params.stop and self._cut_at_stop_string(seq):
+        if text.add(token):
             return "stop"
-        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _cut_at_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
-        positions = [text.find(s) for s in seq.params.stop if s in text]
-        if not positions:
-            return False
-        seq.stop_text_len = min(positions)
-        return True
-
     # ----------------------------------------------------------------------------------- outputs
     def _output(self, request: _Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            output_ids = seq.output_ids
-            if seq.finish_reason == "stop" and output_ids and self._is_stop_token(seq, output_ids[-1]):
-                output_ids = output_ids[:-1]
-            text = self.tokenizer.decode(output_ids)
-            if seq.stop_text_len is not None:
-                text = text[: seq.stop_text_len]
-            completions.append(
-                CompletionOutput(seq.index, text, list(seq.output_ids), seq.finish_reason, seq.num_cached or 0)
-            )
+        completions = [
+            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0)
+            for seq, text in zip(request.seqs, request.texts)
+        ]
+        first = request.seqs[0]
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_ids),
+            prompt_token_ids=first.token_ids[: first.prompt_len],
             outputs=completions,
             cached_tokens=min(c.cached_tokens for c in completions),
             finished=request.finished,
         )
 
-    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+    def _is_stop_token(self, seq: Seq, token: int) -> bool:
         return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
 
+    # ----------------------------------------------------------------------------------- introspection
     def check_integrity(self) -> None:
-        """Recompute the cache's counts from scratch and check that it runs exactly the running sequences;
-        raises on any mismatch."""
-        self.cache.check_integrity()
-        running = sorted(seq.seq_id for seq in self.scheduler.running)
-        if sorted(self.cache.running_ids()) != running:
-            raise AssertionError(f"cache runs {sorted(self.cache.running_ids())}, scheduler runs {running}")
+        """Recompute the cache's counts from scratch and check that it runs exactly the scheduler's running
+        sequences; raises on any mismatch."""
+        self.scheduler.check_integrity()
+
+    def clear_cache(self) -> None:
+        """Drop everything the prefix cache holds that no running sequence uses."""
+        self.scheduler.clear_cache()
 
     def stats(self) -> dict:
-        """Counters for metrics: the cache's stats plus block, slot and token counts."""
-        cache = self.cache.stats
+        """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
+        pool size and token counts."""
         return {
-            "cache": cache,
             "num_blocks": self.num_blocks,
-            "num_blocks_used": cache.num_blocks_used,
-            "num_slots": self.cache.config.num_slots,
-            "num_slots_used": cache.num_slots_used,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_preemptions": self.scheduler.num_preemptions,
+            **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
         }

@@ -17,20 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from hybridcache.forward_batch import ForwardBatch, IdPairs, StepCopies
-
-
-class CopyLists(Protocol):
-    """The host-side copy plan of a step: (src, dst) id pairs per kind (`hybridcache.cache.CheckpointCopies`)."""
-
-    kv_restore: list[tuple[int, int]]
-    state_restore: list[tuple[int, int]]
-    kv_save: list[tuple[int, int]]
-    state_save: list[tuple[int, int]]
+from hybridcache.cache.plan import CopyPlan
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -56,7 +47,7 @@ def build_forward_batch(
     block_size: int,
     kernel_block_size: int,
     device: torch.device | str = "cpu",
-    copies: CopyLists | None = None,
+    copies: CopyPlan | None = None,
 ) -> ForwardBatch:
     """Concatenate the chunks into one `ForwardBatch` (see `hybridcache.forward_batch`), with the step's copy
     plan turned into device id tensors."""
@@ -108,22 +99,16 @@ def build_forward_batch(
         logits_indices=tensor(logits_indices, torch.int64),
         query_lens_cpu=tuple(len(c.token_ids) for c in chunks),
         context_lens_cpu=tuple(context_lens),
-        copies=_device_copies(copies, device) if copies is not None else StepCopies(),
+        copies=_device_copies(copies, device) if copies is not None else (),
         embed_rows=tensor(embed_rows, torch.int64) if embed_rows else None,
         embeds=torch.cat(embeds).to(device) if embeds else None,
     )
 
 
-def _device_copies(copies: CopyLists, device: torch.device | str) -> StepCopies:
-    def pairs(items: list[tuple[int, int]]) -> IdPairs | None:
-        if not items:
-            return None
-        ids = torch.tensor(items, dtype=torch.int64).T.contiguous().to(device)
-        return ids[0], ids[1]
-
-    return StepCopies(
-        kv_restore=pairs(copies.kv_restore),
-        state_restore=pairs(copies.state_restore),
-        kv_save=pairs(copies.kv_save),
-        state_save=pairs(copies.state_save),
-    )
+def _device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
+    """Each op's ids in one host tensor, moved to the device in one transfer."""
+    ops = []
+    for op in copies.ops:
+        ids = torch.tensor([op.src_ids, op.dst_ids], dtype=torch.int64).to(device)
+        ops.append(DeviceCopyOp(op.kind, ids[0], ids[1]))
+    return tuple(ops)

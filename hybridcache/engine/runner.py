@@ -1,17 +1,21 @@
-"""The model runner: owns the model and its device pools, and runs one `ForwardBatch` at a time, with the
-step's checkpoint copies around it: restores, then the forward, then saves, all on one stream with no host
-synchronisation (one batched copy per pool and kind)."""
+"""The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
+time, with the step's checkpoint copies around it: restores, then the forward, then saves, all on one
+stream with no host synchronisation (one batched copy per pool group and kind)."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridcache.forward_batch import DevicePools, ForwardBatch, IdPairs
-from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+from hybridcache.cache.plan import Phase, Pool
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+from hybridcache.kernels.backend import get_backend
+from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
+from hybridcache.state_spec import DevicePools
 
 
 class ModelRunner:
-    """Runs forwards on the device pools. The pools are allocated once, at construction."""
+    """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
+    specs) are allocated once, at construction."""
 
     def __init__(
         self,
@@ -27,34 +31,36 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.device = device
+        self.backend = get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
         self.pools = DevicePools.allocate(
-            model.layer_shapes(),
-            num_pages=num_blocks * (block_size // kernel_block_size),
+            model.state_specs(dtype, state_dtype),
+            num_pages=num_blocks * self.pages_per_block,
             kernel_block_size=kernel_block_size,
             num_slots=num_slots,
-            dtype=dtype,
-            state_dtype=state_dtype,
             device=device,
         )
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run restores, the forward, then saves; returns fp32 logits [num_seqs, vocab] at each sequence's
-        last token."""
-        copies = batch.copies
-        self._copy_kv(copies.kv_restore)
-        self._copy_state(copies.state_restore)
-        logits = self.model(batch, self.pools)
-        self._copy_kv(copies.kv_save)
-        self._copy_state(copies.state_save)
+        """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
+        [num_seqs, vocab] at each sequence's last token."""
+        batch = self.backend.prepare(batch)
+        for op in batch.copies:
+            if op.kind.phase is Phase.BEFORE_FORWARD:
+                self._copy(op)
+        logits = self.model(batch, self.pools, self.backend)
+        for op in batch.copies:
+            if op.kind.phase is Phase.AFTER_FORWARD:
+                self._copy(op)
         return logits
 
-    def _copy_kv(self, pairs: IdPairs | None) -> None:
-        if pairs is not None:
-            copy_blocks(self.pools.kv, pairs[0], pairs[1], pages_per_block=self.pages_per_block, page_dim=2)
-
-    def _copy_state(self, pairs: IdPairs | None) -> None:
-        if pairs is not None:
-            copy_slots(self.pools.conv, pairs[0], pairs[1])
-            copy_slots(self.pools.ssm, pairs[0], pairs[1])
+    def _copy(self, op: DeviceCopyOp) -> None:
+        """One batched copy per pool group: every attention layer's pages of each block (KV), or every
+        recurrent state tensor's rows of each slot (STATE)."""
+        if op.kind.pool is Pool.KV:
+            for kv in self.pools.kv_groups:
+                copy_blocks(kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
+        else:
+            for state in self.pools.state_groups:
+                copy_slots(state, op.src_ids, op.dst_ids)

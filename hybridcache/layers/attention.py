@@ -4,7 +4,7 @@ Per token (hidden [T, hidden]):
     q_proj(x) -> [T, Hq, 2D], split per head into query [T, Hq, D] | gate [T, Hq, D]
     query = q_norm(query), key = k_norm(k_proj(x)), both zero-centred RMSNorm over D
     query, key = partial RoPE (first rotary_dim channels) at the tokens' absolute positions
-    key/value are written to the pool via slot_mapping, then attention reads positions [0, context_len)
+    key/value are written to the layer's KV pool (backend.write_kv), then backend.attention reads them
     out = o_proj(attn * sigmoid(gate))
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels import reference
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.rotary import apply_partial_rotary
+from hybridcache.layers.step import StepContext
+from hybridcache.state_spec import AttentionSpec
 
 
 class GatedAttention(nn.Module):
@@ -41,32 +41,23 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        batch: ForwardBatch,
-        kv_pool: torch.Tensor,
-    ) -> torch.Tensor:
-        """hidden [T, hidden]; rope = (cos, sin) [T, rotary_dim] at batch.positions;
-        kv_pool [2, num_pages, kernel_block_size, Hkv, D] of this layer (updated in place) -> [T, hidden]."""
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
+        """Paged KV in the model dtype (`state_dtype` is for recurrent state)."""
+        del state_dtype
+        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] of this layer
+        (updated in place)."""
         num_tokens = hidden.shape[0]
         query, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = self.q_norm(query)
         key = self.k_norm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim))
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        cos, sin = rope
+        cos, sin = step.rope
         query = apply_partial_rotary(query, cos, sin)
         key = apply_partial_rotary(key, cos, sin)
-        reference.write_kv(kv_pool, key, value, batch.slot_mapping)
-        attn = reference.paged_attention(
-            query,
-            kv_pool,
-            batch.block_tables,
-            batch.cu_seqlens,
-            batch.query_lens_cpu,
-            batch.context_lens_cpu,
-            scale=self.head_dim**-0.5,
-        )
+        step.backend.write_kv(kv_layer, key, value, step.batch)
+        attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5)
         attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(attn)

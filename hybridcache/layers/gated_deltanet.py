@@ -1,27 +1,28 @@
 """Gated DeltaNet token mixer of Qwen3.5 (separate input projections) and Qwen3-Next (packed ones).
 
-Per sequence of the batch (T new tokens, hidden [T, hidden]; sequences decoding one token from a saved state
-are processed together, the others one by one):
+Over the whole batch (T new tokens, hidden [T, hidden]; the backend runs each sequence from its own state):
     q|k|v (pre-conv) [T, C], z [T, Hv, Dv], b, a [T, Hv]      <- input projections
     q|k|v = silu(causal depthwise conv(q|k|v))                 conv state: last K-1 inputs per channel
     beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
     o = gated delta rule(q, k, v, g, beta)                     recurrent state [Hv, Dk, Dv] (fp32)
     out = out_proj(GatedRMSNorm(o, z))                         norm over Dv, per value head
 
-State rows: `conv_pool[slot]` [C, K-1] and `ssm_pool[slot]` [Hv, Dk, Dv], with slot =
-batch.state_slots[i]. A sequence with context_len == query_len starts from zero state whatever the row
-holds; every sequence's final states are written back to its row.
+State (`state_spec`): `conv` [num_slots, C, K-1] in the model dtype and `ssm` [num_slots, Hv, Dk, Dv] in the
+state dtype; sequence i uses row batch.state_slots[i]. A sequence with context_len == query_len starts
+from zero state whatever the row holds; every sequence's final states are written back to its row.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels import reference
 from hybridcache.layers.norm import GatedRMSNorm
+from hybridcache.layers.step import StepContext
+from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -74,52 +75,29 @@ class _GatedDeltaNetBase(nn.Module):
             v.reshape(num, self.num_v_heads, self.v_head_dim),
         )
 
-    def forward(
-        self, hidden: torch.Tensor, batch: ForwardBatch, conv_pool: torch.Tensor, ssm_pool: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden [T, hidden] -> [T, hidden]; conv_pool [num_slots, C, K-1] and
-        ssm_pool [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
+        """conv: the last K-1 pre-convolution inputs [C, K-1] (model dtype); ssm: S [Hv, Dk, Dv] (state dtype)."""
+        conv_width = self.conv1d.kernel_size[0] - 1
+        return RecurrentSpec(
+            tensors=(
+                StateTensorSpec(name="conv", shape=(self.conv_dim, conv_width), dtype=dtype),
+                StateTensorSpec(
+                    name="ssm", shape=(self.num_v_heads, self.k_head_dim, self.v_head_dim), dtype=state_dtype
+                ),
+            )
+        )
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and
+        state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        backend, batch = step.backend, step.batch
         weight = self.conv1d.weight.squeeze(1)
-        core = torch.empty(
-            hidden.shape[0], self.num_v_heads, self.v_head_dim, dtype=hidden.dtype, device=hidden.device
-        )
-        starts = batch.cu_seqlens.tolist()
-        slots = batch.state_slots.tolist()
-        decode_ids = []
-        for i, (query_len, context_len) in enumerate(
-            zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True)
-        ):
-            if query_len == 1 and context_len > 1:
-                decode_ids.append(i)  # one token continuing a state: batched below
-                continue
-            rows = slice(starts[i], starts[i] + query_len)
-            slot = slots[i]
-            fresh = context_len == query_len
-            conv_out, conv_state = reference.causal_conv1d(
-                mixed_qkv[rows], weight, self.conv1d.bias, None if fresh else conv_pool[slot]
-            )
-            q, k, v = self._split_heads(conv_out)
-            rule = (
-                reference.recurrent_gated_delta_rule if query_len == 1 else reference.chunk_gated_delta_rule
-            )
-            out, state = rule(q, k, v, g[rows], beta[rows], None if fresh else ssm_pool[slot])
-            core[rows] = out
-            conv_pool[slot] = conv_state
-            ssm_pool[slot] = state
-        if decode_ids:
-            rows = torch.tensor([starts[i] for i in decode_ids], device=hidden.device)
-            slot_ids = batch.state_slots[decode_ids]
-            conv_out, conv_state = reference.causal_conv1d_step(
-                mixed_qkv[rows], weight, self.conv1d.bias, conv_pool[slot_ids]
-            )
-            q, k, v = self._split_heads(conv_out)
-            out, state = reference.gated_delta_rule_step(q, k, v, g[rows], beta[rows], ssm_pool[slot_ids])
-            core[rows] = out
-            conv_pool.index_copy_(0, slot_ids, conv_state)
-            ssm_pool.index_copy_(0, slot_ids, state.to(ssm_pool.dtype))
+        conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
+        q, k, v = self._split_heads(conv_out)
+        core = backend.gated_delta_rule(q, k, v, g, beta, state["ssm"], batch)
         core = self.norm(core, z)
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 

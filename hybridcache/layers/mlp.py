@@ -3,6 +3,8 @@
 Parameter names equal the checkpoints': `gate_proj`, `up_proj`, `down_proj`; for MoE `gate` (router,
 weight [E, hidden]), `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shared_expert_gate`
 (weight [1, hidden]).
+
+Both blocks take `(x, step)` like every block of a decoder layer; the routed experts run on `step.backend.moe`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridcache.layers.step import StepContext
 
 
 class MLP(nn.Module):
@@ -21,7 +25,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """Dense: `step` is not read."""
+        del step
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -51,17 +57,13 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         logits = self.gate(x)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
         if self.norm_topk_prob:
             top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
         top_weights = top_weights.to(logits.dtype)
-        out = torch.zeros_like(x)
-        for expert_id in torch.unique(top_ids).tolist():
-            token_ids, slot = torch.where(top_ids == expert_id)
-            expert_out = self.experts[expert_id](x[token_ids]) * top_weights[token_ids, slot, None]
-            out.index_add_(0, token_ids, expert_out.to(out.dtype))
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = step.backend.moe(x, top_weights, top_ids, self.experts)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, step)
         return out + shared

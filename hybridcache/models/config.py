@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-LINEAR_ATTENTION = "linear_attention"
-FULL_ATTENTION = "full_attention"
+
+class LayerKind(StrEnum):
+    """The token mixer of a decoder layer, spelled as in config.json's `layer_types`."""
+
+    LINEAR_ATTENTION = "linear_attention"  # gated DeltaNet
+    FULL_ATTENTION = "full_attention"  # gated attention over the paged KV cache
+
 
 # model_type of the text model each supported model_type stands for.
 _TEXT_MODEL_TYPES = {
@@ -36,40 +42,59 @@ _TEXT_MODEL_TYPES = {
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of one hybrid (gated DeltaNet + gated attention) decoder-only model.
+class AttentionConfig:
+    """Gated full attention: `num_heads` query heads (each with an output gate), `num_kv_heads` key/value
+    heads of `head_dim`, RoPE on the first `rotary_dim` channels of each head."""
 
-    `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`) even when
-    config.json describes a multimodal wrapper; `architecture` is the config.json entry as written.
-    `num_experts == 0` means every layer has a dense MLP of width `intermediate_size`.
-    """
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_hidden_layers: int
-    layer_types: tuple[str, ...]
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    tie_word_embeddings: bool
-    torch_dtype: str
-    rms_norm_eps: float
-    hidden_act: str
-    # gated full attention
-    num_attention_heads: int
-    num_key_value_heads: int
+    num_heads: int
+    num_kv_heads: int
     head_dim: int
-    attention_bias: bool
+    bias: bool
     rope_theta: float
     partial_rotary_factor: float
-    # gated DeltaNet
-    linear_conv_kernel_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    # feed-forward
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading channels of each attention head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+@dataclass(frozen=True)
+class GatedDeltaConfig:
+    """Gated DeltaNet: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads of
+    `v_head_dim`, a depthwise causal convolution of `conv_kernel_size` over q | k | v."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel_size: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q | k | v."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def conv_width(self) -> int:
+        """Past pre-convolution inputs kept per channel: kernel size - 1."""
+        return self.conv_kernel_size - 1
+
+
+@dataclass(frozen=True)
+class FeedForwardConfig:
+    """The feed-forward block after each mixer: a dense SiLU-gated MLP of `intermediate_size`, or a sparse
+    MoE block (`num_experts` routed experts, top `num_experts_per_tok`, plus a gated shared expert) where
+    `is_moe_layer`. `num_experts == 0` means dense everywhere."""
+
     intermediate_size: int | None
     num_experts: int
     num_experts_per_tok: int
@@ -79,19 +104,49 @@ class ModelConfig:
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
 
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """True where layer `layer_id` has a sparse MoE block (the transformers rule)."""
+        return (
+            layer_id not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of one hybrid decoder-only model: the model-wide fields, then one group per layer
+    family (`attention`, `gated_delta`) and the feed-forward group (`mlp`). A new family (say Mamba2) is a
+    new group, a new `LayerKind` and a new mixer.
+
+    `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`) even when
+    config.json describes a multimodal wrapper; `architecture` is the config.json entry as written.
+    """
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[LayerKind, ...]
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    torch_dtype: str
+    rms_norm_eps: float
+    hidden_act: str
+    attention: AttentionConfig
+    gated_delta: GatedDeltaConfig
+    mlp: FeedForwardConfig
+
     # ---- derived quantities -------------------------------------------------------------------------
     @property
-    def rotary_dim(self) -> int:
-        """Leading channels of each attention head that RoPE rotates (the rest pass through)."""
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
     def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.LINEAR_ATTENTION)
 
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.FULL_ATTENTION)
 
     @property
     def num_linear_layers(self) -> int:
@@ -101,31 +156,9 @@ class ModelConfig:
     def num_attention_layers(self) -> int:
         return len(self.attention_layer_ids)
 
-    @property
-    def linear_key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def linear_value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the DeltaNet short convolution: q | k | v."""
-        return 2 * self.linear_key_dim + self.linear_value_dim
-
-    @property
-    def conv_width(self) -> int:
-        """Past pre-convolution inputs kept per channel: kernel size - 1."""
-        return self.linear_conv_kernel_dim - 1
-
     def is_moe_layer(self, layer_id: int) -> bool:
         """True where layer `layer_id` has a sparse MoE block (the transformers rule)."""
-        return (
-            layer_id not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
+        return self.mlp.is_moe_layer(layer_id)
 
     # ---- parsing ------------------------------------------------------------------------------------
     @classmethod
@@ -152,11 +185,13 @@ class ModelConfig:
         if layer_types is None:
             interval = int(text.get("full_attention_interval", 4))
             layer_types = [
-                LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)
+                LayerKind.LINEAR_ATTENTION if (i + 1) % interval else LayerKind.FULL_ATTENTION
+                for i in range(num_layers)
             ]
-        layer_types = tuple(layer_types)
-        if len(layer_types) != num_layers or set(layer_types) - {LINEAR_ATTENTION, FULL_ATTENTION}:
-            raise ValueError(f"layer_types {layer_types} do not describe {num_layers} supported layers")
+        known = {kind.value for kind in LayerKind}
+        if len(layer_types) != num_layers or set(layer_types) - known:
+            raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers")
+        layer_types = tuple(LayerKind(t) for t in layer_types)
 
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -188,43 +223,46 @@ class ModelConfig:
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             hidden_act=hidden_act,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=int(text.get("num_key_value_heads", num_attention_heads)),
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // num_attention_heads),
-            attention_bias=bool(text.get("attention_bias", False)),
-            rope_theta=rope_theta,
-            partial_rotary_factor=partial,
-            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
-            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
-            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
-            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
-            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
-            intermediate_size=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
-            num_experts=int(text.get("num_experts", 0)) if is_moe else 0,
-            num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if is_moe else 0,
-            moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if is_moe else 0,
-            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0))
-            if is_moe
-            else 0,
-            # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
-            decoder_sparse_step=int(text.get("decoder_sparse_step", 1)) if is_qwen3_next else 1,
-            mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ()))
-            if is_qwen3_next
-            else (),
+            attention=AttentionConfig(
+                num_heads=num_attention_heads,
+                num_kv_heads=int(text.get("num_key_value_heads", num_attention_heads)),
+                head_dim=int(text.get("head_dim") or text["hidden_size"] // num_attention_heads),
+                bias=bool(text.get("attention_bias", False)),
+                rope_theta=rope_theta,
+                partial_rotary_factor=partial,
+            ),
+            gated_delta=GatedDeltaConfig(
+                num_k_heads=int(text.get("linear_num_key_heads", 16)),
+                num_v_heads=int(text.get("linear_num_value_heads", 32)),
+                k_head_dim=int(text.get("linear_key_head_dim", 128)),
+                v_head_dim=int(text.get("linear_value_head_dim", 128)),
+                conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
+            ),
+            mlp=FeedForwardConfig(
+                intermediate_size=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
+                num_experts=int(text.get("num_experts", 0)) if is_moe else 0,
+                num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if is_moe else 0,
+                moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if is_moe else 0,
+                shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0))
+                if is_moe
+                else 0,
+                # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
+                norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
+                decoder_sparse_step=int(text.get("decoder_sparse_step", 1)) if is_qwen3_next else 1,
+                mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ()))
+                if is_qwen3_next
+                else (),
+            ),
         )._validated()
 
     def _validated(self) -> ModelConfig:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"{self.num_attention_heads} attention heads / {self.num_key_value_heads} kv heads"
-            )
-        if self.linear_num_value_heads % self.linear_num_key_heads:
-            raise ValueError(
-                f"{self.linear_num_value_heads} DeltaNet value heads / {self.linear_num_key_heads} key heads"
-            )
+        attention, delta = self.attention, self.gated_delta
+        if attention.num_heads % attention.num_kv_heads:
+            raise ValueError(f"{attention.num_heads} attention heads / {attention.num_kv_heads} kv heads")
+        if delta.num_v_heads % delta.num_k_heads:
+            raise ValueError(f"{delta.num_v_heads} DeltaNet value heads / {delta.num_k_heads} key heads")
         needs_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        if needs_dense and not self.intermediate_size:
+        if needs_dense and not self.mlp.intermediate_size:
             raise ValueError("a dense MLP layer needs intermediate_size")
         return self
 

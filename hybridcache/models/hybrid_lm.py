@@ -11,8 +11,9 @@ Module tree (names equal the checkpoint tensor names)::
     model.norm
     lm_head                                 [vocab, hidden] (the embedding itself when tied)
 
-Pool indices: the j-th DeltaNet layer uses pools.conv[j] / pools.ssm[j]; the j-th attention layer uses
-pools.kv[j] (j counts only layers of that kind, in layer order).
+A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
+checkpoint name. Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
+them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`.
 """
 
 from __future__ import annotations
@@ -20,70 +21,55 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybridcache.forward_batch import DevicePools, ForwardBatch, LayerShapes
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.rotary import rotary_cos_sin
-from hybridcache.models.config import LINEAR_ATTENTION, ModelConfig
+from hybridcache.layers.step import StepContext
+from hybridcache.models.config import LayerKind, ModelConfig
+from hybridcache.state_spec import DevicePools, LayerSpec, LayerState
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, deltanet_cls: type[nn.Module]) -> None:
+    """hidden + mixer(input_layernorm(hidden)); then, when the layer has a feed-forward block,
+    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float):
         super().__init__()
-        self.is_linear = config.layer_types[layer_id] == LINEAR_ATTENTION
-        eps = config.rms_norm_eps
-        if self.is_linear:
-            self.linear_attn = deltanet_cls(
-                config.hidden_size,
-                num_k_heads=config.linear_num_key_heads,
-                num_v_heads=config.linear_num_value_heads,
-                k_head_dim=config.linear_key_head_dim,
-                v_head_dim=config.linear_value_head_dim,
-                conv_kernel_size=config.linear_conv_kernel_dim,
-                eps=eps,
-            )
-        else:
-            self.self_attn = GatedAttention(
-                config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
-                bias=config.attention_bias,
-                eps=eps,
-            )
-        if config.is_moe_layer(layer_id):
-            self.mlp = SparseMoeBlock(
-                config.hidden_size,
-                num_experts=config.num_experts,
-                top_k=config.num_experts_per_tok,
-                moe_intermediate_size=config.moe_intermediate_size,
-                shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                norm_topk_prob=config.norm_topk_prob,
-            )
-        else:
-            self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, eps=eps)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps) if mlp is not None else None
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), step, state)
+        if self.mlp is not None:
+            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden), step)
+        return hidden
 
 
 class _Backbone(nn.Module):
     """Holds `embed_tokens`, `layers`, `norm` so that their names start with `model.`."""
 
-    def __init__(self, config: ModelConfig, deltanet_cls: type[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, deltanet_cls) for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class HybridCausalLM(nn.Module):
     """Base class of the supported models; subclasses set `deltanet_cls` and `supported_model_types`.
 
-    `model(batch, pools)` runs one forward over a `ForwardBatch` and returns fp32 logits
+    `model(batch, pools, backend)` runs one forward over a `ForwardBatch` and returns fp32 logits
     [len(batch.logits_indices), vocab] (one row per sequence in engine batches).
     """
 
@@ -98,7 +84,11 @@ class HybridCausalLM(nn.Module):
                 f"not {config.model_type!r}"
             )
         self.config = config
-        self.model = _Backbone(config, self.deltanet_cls)
+        layers = [
+            DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), config.hidden_size, config.rms_norm_eps)
+            for layer_id in range(config.num_hidden_layers)
+        ]
+        self.model = _Backbone(config, layers)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         self.eval()
@@ -109,45 +99,64 @@ class HybridCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def layer_shapes(self) -> LayerShapes:
+    def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
+        """(checkpoint name, module) of layer `layer_id`'s token mixer."""
         c = self.config
-        return LayerShapes(
-            num_attention_layers=c.num_attention_layers,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.head_dim,
-            num_linear_layers=c.num_linear_layers,
-            conv_dim=c.conv_dim,
-            conv_width=c.conv_width,
-            num_v_heads=c.linear_num_value_heads,
-            k_head_dim=c.linear_key_head_dim,
-            v_head_dim=c.linear_value_head_dim,
+        if c.layer_types[layer_id] is LayerKind.LINEAR_ATTENTION:
+            delta = c.gated_delta
+            return "linear_attn", self.deltanet_cls(
+                c.hidden_size,
+                num_k_heads=delta.num_k_heads,
+                num_v_heads=delta.num_v_heads,
+                k_head_dim=delta.k_head_dim,
+                v_head_dim=delta.v_head_dim,
+                conv_kernel_size=delta.conv_kernel_size,
+                eps=c.rms_norm_eps,
+            )
+        attention = c.attention
+        return "self_attn", GatedAttention(
+            c.hidden_size,
+            num_heads=attention.num_heads,
+            num_kv_heads=attention.num_kv_heads,
+            head_dim=attention.head_dim,
+            bias=attention.bias,
+            eps=c.rms_norm_eps,
         )
 
-    def forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
-        """Run the step under `torch.inference_mode`; the pools are updated in place. The logits are
-        returned as an ordinary tensor (cloned out of inference mode) so callers may modify them in place."""
+    def _mlp(self, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s feed-forward block (every layer of the supported models has one)."""
+        c, mlp = self.config, self.config.mlp
+        if c.is_moe_layer(layer_id):
+            return SparseMoeBlock(
+                c.hidden_size,
+                num_experts=mlp.num_experts,
+                top_k=mlp.num_experts_per_tok,
+                moe_intermediate_size=mlp.moe_intermediate_size,
+                shared_expert_intermediate_size=mlp.shared_expert_intermediate_size,
+                norm_topk_prob=mlp.norm_topk_prob,
+            )
+        return MLP(c.hidden_size, mlp.intermediate_size)
+
+    def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
+        """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""
+        return tuple(layer.mixer.state_spec(dtype, state_dtype) for layer in self.model.layers)
+
+    def forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend) -> torch.Tensor:
+        """Run the step (`batch` prepared by `backend.prepare`) under `torch.inference_mode`; the pools are
+        updated in place. The logits are returned as an ordinary tensor (cloned out of inference mode) so
+        callers may modify them in place."""
         with torch.inference_mode():
-            logits = self._forward(batch, pools)
+            logits = self._forward(batch, pools, backend)
         return logits.clone()
 
-    def _forward(self, batch: ForwardBatch, pools: DevicePools) -> torch.Tensor:
-        c = self.config
+    def _forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend) -> torch.Tensor:
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
-        rope = rotary_cos_sin(batch.positions, c.rotary_dim, c.rope_theta, hidden.dtype)
-        linear_id = attention_id = 0
-        for layer in self.model.layers:
-            residual = hidden
-            hidden = layer.input_layernorm(hidden)
-            if layer.is_linear:
-                hidden = layer.linear_attn(hidden, batch, pools.conv[linear_id], pools.ssm[linear_id])
-                linear_id += 1
-            else:
-                hidden = layer.self_attn(hidden, rope, batch, pools.kv[attention_id])
-                attention_id += 1
-            hidden = residual + hidden
-            residual = hidden
-            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        attention = self.config.attention
+        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
+        step = StepContext(batch=batch, backend=backend, rope=rope)
+        for layer, state in zip(self.model.layers, pools.layers, strict=True):
+            hidden = layer(hidden, step, state)
         last = self.model.norm(hidden[batch.logits_indices])
         return self.lm_head(last).float()

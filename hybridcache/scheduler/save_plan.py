@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridcache.config import CACHE_MODES
+
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
@@ -36,7 +38,8 @@ class CheckpointPolicy:
     max_checkpoints_per_anchor: int = 4
 
 
-CACHE_MODES: dict[str, CheckpointPolicy | None] = {
+# One policy per name of `config.CACHE_MODES` (the engine config validates modes from that tuple).
+POLICIES: dict[str, CheckpointPolicy | None] = {
     "none": None,
     "block-aligned": CheckpointPolicy(
         "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1
@@ -48,9 +51,9 @@ CACHE_MODES: dict[str, CheckpointPolicy | None] = {
 
 def checkpoint_policy(mode: str) -> CheckpointPolicy | None:
     """The policy of a cache mode; None for `none`. Unknown modes are a ValueError listing the known ones."""
-    if mode not in CACHE_MODES:
+    if mode not in POLICIES:
         raise ValueError(f"unknown cache mode {mode!r}; choose one of {', '.join(CACHE_MODES)}")
-    return CACHE_MODES[mode]
+    return POLICIES[mode]
 
 
 @dataclass(frozen=True)

@@ -12,40 +12,31 @@ queued) or, when there is no room, `release_match`, which leaves the cache exact
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
 the waiting queue; on re-admission its prefix is a hit.
+
+The scheduler is the only component that calls the cache. `schedule()` ends the step's cache work in this
+order, here and nowhere else::
+
+    plan chunks (ensure_capacity / match + admit / reserve_save)  ->  read each chunk's block ids and slot
+    ->  commit_step(fed tokens)  ->  SchedulerOutput(chunks, copies)
+
+Block ids are read before `commit_step` because the forward writes the blocks the step was planned with;
+`commit_step` may swap a sequence onto a shared copy of a block that became full in this step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-from hybridcache.cache import CacheRequest, PrefixCache
-from hybridcache.engine.sequence import SeqStatus, Sequence
+from hybridcache.cache import CacheRequest, CacheStats, PrefixCache
+from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
-
-
-@dataclass(frozen=True)
-class ScheduledChunk:
-    """`seq` feeds `token_ids[start : start + num_tokens]` in this step. `samples`: the chunk reaches the
-    end of the sequence's tokens, so a token is sampled from its logits."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
-
-    @classmethod
-    def of(cls, seq: Sequence, end: int) -> ScheduledChunk:
-        start = seq.num_computed
-        return cls(seq, start, end - start, end == seq.num_tokens)
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 
 
 class Scheduler:
-    """Waiting and running queues over a `PrefixCache`; see the module docstring for the policy."""
+    """Waiting and running queues over a `PrefixCache`; see the module docstring for the policy.
+
+    `debug`: check the cache's integrity whenever the last running sequence leaves (slow; for tests)."""
 
     def __init__(
         self,
@@ -55,26 +46,43 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         decode_checkpoint_interval: int | None = None,
+        debug: bool = False,
     ) -> None:
         self.cache = cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_checkpoint_interval = decode_checkpoint_interval
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.debug = debug
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledChunk]:
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next forward and commit it to the cache (see the module docstring for the order).
+
+        Returns an empty output when there is nothing to run; raises RuntimeError when there is work but no
+        sequence fits (the KV pool or the slot count is too small for even one)."""
+        planned = self._plan_step()
+        if not planned:
+            if self.has_work:
+                raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
+            return SchedulerOutput()
+        chunks = tuple(self._chunk(seq, end) for seq, end in planned)  # block ids: before commit_step
+        copies = self.cache.commit_step({chunk.seq.seq_id: chunk.token_ids for chunk in chunks})
+        return SchedulerOutput(chunks, copies)
+
+    def _plan_step(self) -> list[tuple[Seq, int]]:
+        """(sequence, chunk end) of each sequence that feeds tokens in the next forward, in batch order."""
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
+        planned: list[tuple[Seq, int]] = []
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -89,19 +97,20 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SeqStatus.RUNNING:
-                chunks.append(self._schedule(seq, plan))
-                budget = max(0, budget - chunks[-1].num_tokens)  # a multimodal span may go over the budget
+                planned.append(self._reserve(seq, plan))
+                budget = max(0, budget - (plan.end - seq.num_computed))  # a multimodal span may go over it
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
             self.running.append(seq)
-            chunks.append(self._schedule(seq, self._plan(seq, seq.num_computed, budget)))
-            budget = max(0, budget - chunks[-1].num_tokens)
-        return chunks
+            plan = self._plan(seq, seq.num_computed, budget)
+            planned.append(self._reserve(seq, plan))
+            budget = max(0, budget - (plan.end - seq.num_computed))
+        return planned
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
+    def _admit(self, seq: Seq, budget: int) -> bool:
         """Match and admit a waiting sequence with room for its first chunk; False changes nothing."""
         spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
         match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans))
@@ -117,7 +126,7 @@ class Scheduler:
         seq.status = SeqStatus.RUNNING
         return True
 
-    def _plan(self, seq: Sequence, start: int, budget: int) -> ChunkPlan:
+    def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
         return plan_chunk(
             self.policy,
             start=start,
@@ -130,12 +139,24 @@ class Scheduler:
             spans=[(m.start, m.end) for m in seq.mm_inputs],
         )
 
-    def _schedule(self, seq: Sequence, plan: ChunkPlan) -> ScheduledChunk:
+    def _reserve(self, seq: Seq, plan: ChunkPlan) -> tuple[Seq, int]:
         if plan.reason is not None:
             self.cache.reserve_save(seq.seq_id, plan.end, plan.reason)
-        return ScheduledChunk.of(seq, plan.end)
+        return seq, plan.end
 
-    def finish(self, seq: Sequence) -> None:
+    def _chunk(self, seq: Seq, end: int) -> ScheduledChunk:
+        start = seq.num_computed
+        return ScheduledChunk(
+            seq=seq,
+            start=start,
+            num_tokens=end - start,
+            samples=end == seq.num_tokens,
+            token_ids=tuple(seq.token_ids[start:end]),
+            block_ids=self.cache.block_ids(seq.seq_id),
+            slot=self.cache.slot(seq.seq_id),
+        )
+
+    def finish(self, seq: Seq) -> None:
         """Remove a finished or aborted sequence. A running one that finished normally leaves a finish
         checkpoint when the mode saves them; an aborted one (`seq.finish_reason == 'abort'`) leaves nothing."""
         if seq in self.running:
@@ -144,14 +165,42 @@ class Scheduler:
                 self.cache.finish(seq.seq_id)
             else:
                 self.cache.abort(seq.seq_id)
+            if self.debug and not self.running:
+                self.check_integrity()
         elif seq in self.waiting:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.cache.preempt(seq.seq_id, keep_checkpoint=self.policy is not None and self.policy.finish)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    # ------------------------------------------------------------------------ what the engine may ask
+    def check_integrity(self) -> None:
+        """Recompute the cache's counts from scratch and check that it runs exactly the running sequences;
+        raises on any mismatch."""
+        self.cache.check_integrity()
+        running = sorted(seq.seq_id for seq in self.running)
+        if sorted(self.cache.running_ids()) != running:
+            raise AssertionError(f"cache runs {sorted(self.cache.running_ids())}, scheduler runs {running}")
+
+    def clear_cache(self) -> None:
+        """Drop everything the prefix cache holds for no running sequence (see `PrefixCache.clear`)."""
+        self.cache.clear()
+
+    def stats(self) -> dict:
+        """The cache's stats plus block, slot and queue counts."""
+        cache: CacheStats = self.cache.stats
+        return {
+            "cache": cache,
+            "num_blocks_used": cache.num_blocks_used,
+            "num_slots": self.cache.config.num_slots,
+            "num_slots_used": cache.num_slots_used,
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+        }

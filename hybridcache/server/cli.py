@@ -9,7 +9,7 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
-    from hybridcache.cli import add_engine_args
+    from hybridcache.engine_args import add_engine_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
     add_engine_args(serve)
@@ -17,9 +17,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     serve.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
-    if "--state-cache-budget" not in serve._option_string_actions:
-        serve.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
-                           help="state slots for prefix-cache checkpoints (engine num_checkpoint_slots)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
@@ -32,9 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from hybridcache.cli import engine_options
     from hybridcache.config import EngineConfig
     from hybridcache.engine.engine import LLMEngine
+    from hybridcache.engine_args import engine_options
     from hybridcache.models.builtin import BUILTIN_NAME
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.config import ServerConfig
@@ -45,8 +42,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = engine_options(args)
-    if getattr(args, "state_cache_budget", None) is not None and "state_cache_budget" not in options:
-        options["num_checkpoint_slots"] = args.state_cache_budget
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else BUILTIN_NAME)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,

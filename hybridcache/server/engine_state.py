@@ -59,6 +59,6 @@ def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:
     every block and slot must be free."""
     engine.check_integrity()
     if clear_cache:
-        engine.cache.clear()
+        engine.clear_cache()
         engine.check_integrity()
     return read_engine_state(engine)

@@ -5,14 +5,14 @@ import random
 import pytest
 
 from hybridcache.cache import CacheConfig, PrefixCache
+from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import Driver
 
 
 def make_driver(**overrides) -> Driver:
     params = dict(block_size=16, num_blocks=256, num_slots=32, max_checkpoints_per_anchor=4)
     params.update(overrides)
-    cache = PrefixCache(CacheConfig(**params))
-    cache._life.verify_picks = True  # every eviction victim is checked against a full scan
+    cache = check_picks(PrefixCache(CacheConfig(**params)))  # every eviction victim is checked against a full scan
     return Driver(cache)
 
 

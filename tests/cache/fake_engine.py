@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-from hybridcache.cache import CacheRequest, CheckpointCopies, PrefixCache
+from hybridcache.cache import CacheRequest, CopyKind, CopyPlan, PrefixCache
 
 
 def prefix_id(request: CacheRequest, token_ids: Sequence[int], end: int) -> tuple:
@@ -35,7 +35,7 @@ class FakeDevice:
         self.kv: list[list] = [[None] * size for _ in range(cache.config.num_blocks)]
         self.state: list = [None] * cache.config.num_slots
 
-    def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CheckpointCopies:
+    def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CopyPlan:
         """commit_step + execute: restores, forward writes (into the pre-commit block lists), saves."""
         cache, size = self.cache, self.cache.block_size
         planned = {
@@ -43,9 +43,9 @@ class FakeDevice:
             for rid in fed
         }
         copies = cache.commit_step(fed)
-        for src, dst in copies.kv_restore:
+        for src, dst in copies.pairs(CopyKind.KV_RESTORE):
             self.kv[dst] = list(self.kv[src])
-        for src, dst in copies.state_restore:
+        for src, dst in copies.pairs(CopyKind.STATE_RESTORE):
             self.state[dst] = self.state[src]
         for rid, tokens in fed.items():
             seq, block_ids, slot, start = planned[rid]
@@ -59,9 +59,9 @@ class FakeDevice:
             for pos in range(start, start + len(tokens)):
                 self.kv[block_ids[pos // size]][pos % size] = prefix_id(request, all_tokens, pos + 1)
             self.state[slot] = prefix_id(request, all_tokens, start + len(tokens))
-        for src, dst in copies.kv_save:
+        for src, dst in copies.pairs(CopyKind.KV_SAVE):
             self.kv[dst] = list(self.kv[src])
-        for src, dst in copies.state_save:
+        for src, dst in copies.pairs(CopyKind.STATE_SAVE):
             self.state[dst] = self.state[src]
         return copies
 
@@ -134,7 +134,7 @@ class Driver:
         assert admitted is not None, "no room"
         return match
 
-    def step(self, rid: Hashable, tokens: Sequence[int], saves: Sequence[tuple] = ()) -> CheckpointCopies:
+    def step(self, rid: Hashable, tokens: Sequence[int], saves: Sequence[tuple] = ()) -> CopyPlan:
         cache = self.cache
         end = cache.num_computed(rid) + len(tokens)
         assert cache.ensure_capacity(rid, end)

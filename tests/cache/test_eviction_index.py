@@ -14,12 +14,16 @@ from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
 from hybridcache.cache.policy import FlopAwarePolicy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.trie import Trie, chain_hash, prompt_block_hashes, root_hash
+from tests.cache.checked_evictor import check_picks
 from tests.cache.conftest import make_driver, tokens
 from tests.cache.fake_engine import Driver
 
 
 def _ckpt(ckpt_id: int, step: int, last_access: int, frozen: bool) -> Checkpoint:
-    ckpt = Checkpoint(ckpt_id, None, step, SaveReason.CHUNK_END, ckpt_id, 7 if frozen else None, None, "r", 0)
+    ckpt = Checkpoint(
+        ckpt_id=ckpt_id, adapter=None, step=step, reason=SaveReason.CHUNK_END, slot=ckpt_id,
+        frozen_block=7 if frozen else None, routed_experts=None, owner="r", last_access=0,
+    )
     ckpt.state = CheckpointState.PUBLISHED
     ckpt.last_access = last_access
     return ckpt
@@ -91,7 +95,7 @@ def _pressure_run(eviction: str, seed: int, num_blocks: int, num_slots: int) -> 
                     max_checkpoints_per_anchor=2),
         CostModel(attn_flops_per_token_pair=0.5),
     )
-    cache._life.verify_picks = True
+    check_picks(cache)
     driver = Driver(cache)
     rng = random.Random(seed)
     stems = [tokens(rng.randint(5, 40), seed=100 + i, vocab=50) for i in range(5)]
@@ -118,14 +122,14 @@ def test_indexed_victims_match_full_scans_under_pressure(eviction, seed, num_blo
 def test_reclaimable_lower_bound_climbs_single_child_chains_only():
     driver = make_driver(block_size=4, num_blocks=64, num_slots=8)
     cache = driver.cache
-    life = cache._life
+    evictor = cache._life.evictor
     base = tokens(12, seed=1)
     driver.run(CacheRequest("a", base + tokens(6, seed=2)))  # chain of 4 full blocks (16 tokens + tail)
     driver.run(CacheRequest("b", base + tokens(9, seed=3)))  # branches after block 3
-    full = life.reclaimable_blocks()
+    full = evictor.reclaimable_blocks()
     for enough in range(1, full + 2):
-        assert (life.reclaimable_blocks(enough) >= enough) == (full >= enough)
-    assert life.reclaimable_blocks(full + 1) == full
+        assert (evictor.reclaimable_blocks(enough) >= enough) == (full >= enough)
+    assert evictor.reclaimable_blocks(full + 1) == full
 
 
 def test_prompt_block_hashes_equal_the_chain_and_are_computed_once():

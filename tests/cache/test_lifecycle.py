@@ -7,6 +7,7 @@ import pytest
 from hybridcache.cache import CacheConfig, CacheRequest, CostModel, IntegrityError, PrefixCache
 from hybridcache.cache.checkpoint import CheckpointState
 from hybridcache.cache.policy import FlopAwarePolicy, LruPolicy
+from tests.cache.checked_evictor import check_picks
 from tests.cache.conftest import make_driver, tokens
 from tests.cache.fake_engine import fingerprint
 
@@ -119,7 +120,7 @@ def test_frozen_tail_is_released_with_its_checkpoint():
     (ckpt,) = cache._life.published()
     frozen = ckpt.frozen_block
     assert frozen is not None and cache._life.blocks.ref_counts[frozen] == 1
-    cache._life.release(ckpt, "test")
+    cache._life.release(ckpt, None)
     assert cache._life.blocks.ref_counts[frozen] == 0 and frozen in cache._life.blocks.free_ids()
     cache.check_integrity()
 
@@ -187,7 +188,7 @@ def test_flop_aware_cache_runs_clean():
     )
     from tests.cache.fake_engine import Driver
 
-    cache._life.verify_picks = True
+    check_picks(cache)
     driver = Driver(cache)
     for i in range(8):
         driver.run(CacheRequest(f"r{i}", tokens(20 + 3 * i, seed=22 + i % 3)))
@@ -266,7 +267,7 @@ def test_repeat_branch_admission_declines_first_sighting():
     cache = PrefixCache(CacheConfig(block_size=16, num_blocks=64, num_slots=8, admission="repeat_branch"))
     from tests.cache.fake_engine import Driver
 
-    cache._life.verify_picks = True
+    check_picks(cache)
     driver = Driver(cache)
     prompt = tokens(40, seed=70)
     for rid in ("a", "b"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridcache.cache import CacheConfig, CacheRequest, MultimodalSpan, PrefixCache
+from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, MultimodalSpan, PrefixCache
 from tests.cache.conftest import make_driver, tokens
 from tests.cache.fake_engine import Driver
 
@@ -33,12 +33,12 @@ def test_step_geometry_hits_exactly(step):
     assert admitted.num_computed == step
     assert len(admitted.block_ids) == step // B + (1 if step % B else 0)
     copies = driver.step("r", request.prompt_ids[step:], [("prefill_end",)])
-    assert len(copies.state_restore) == 1
+    assert len(copies.pairs(CopyKind.STATE_RESTORE)) == 1
     if step % B:
-        frozen, private = copies.kv_restore[0]
+        frozen, private = copies.pairs(CopyKind.KV_RESTORE)[0]
         assert private == admitted.block_ids[-1] and private not in match.block_ids and frozen != private
     else:
-        assert copies.kv_restore == []
+        assert copies.pairs(CopyKind.KV_RESTORE) == []
     assert driver.cache.stats.hits_by_reason == {"chunk_end": 1}
 
 
@@ -178,6 +178,6 @@ def test_same_checkpoint_restored_into_several_requests_in_one_forward():
     copies = driver.device.run_step({rid: prompt[37:] for rid in ("x", "y", "z")})
     driver.device.check()
     cache.check_integrity()
-    assert len({src for src, _ in copies.state_restore}) == 1
-    assert len({dst for _, dst in copies.state_restore}) == 3
-    assert len({dst for _, dst in copies.kv_restore}) == 3
+    assert len({src for src, _ in copies.pairs(CopyKind.STATE_RESTORE)}) == 1
+    assert len({dst for _, dst in copies.pairs(CopyKind.STATE_RESTORE)}) == 3
+    assert len({dst for _, dst in copies.pairs(CopyKind.KV_RESTORE)}) == 3

@@ -21,6 +21,7 @@ from hypothesis.stateful import (
 )
 
 from hybridcache.cache import CacheConfig, CacheRequest, CostModel, MultimodalSpan, PrefixCache
+from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import FakeDevice, fingerprint
 
 DOCS = [tuple((d * 7 + i * 3) % 11 for i in range(40)) for d in range(3)]
@@ -41,7 +42,7 @@ class CacheMachine(RuleBasedStateMachine):
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
         )
         self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
-        self.cache._life.verify_picks = True  # every eviction victim is checked against a full scan
+        check_picks(self.cache)  # every eviction victim is checked against a full scan
         self.device = FakeDevice(self.cache)
         self.size = block_size
         self.saved: dict[tuple, bool] = {}  # prefix identity -> routed-expert history known

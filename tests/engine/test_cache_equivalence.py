@@ -141,7 +141,7 @@ def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
     stats = tight.stats()
     assert stats["num_preemptions"] > 0
     assert sum(stats["cache"].evictions_by_kind.values()) > 0
-    tight.cache.clear()
+    tight.clear_cache()
     tight.check_integrity()
     assert tight.stats()["num_blocks_used"] == 0 and tight.stats()["num_slots_used"] == 0
 

@@ -66,7 +66,7 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens(model_dir):
     engine = tight_llm.engine
     engine.check_integrity()
     assert engine.stats()["num_slots_used"] == engine.stats()["cache"].num_checkpoints
-    engine.cache.clear()
+    engine.clear_cache()
     assert engine.stats()["num_blocks_used"] == 0 and engine.stats()["num_slots_used"] == 0
 
 
@@ -170,7 +170,7 @@ def test_abort_mid_prefill_and_mid_decode_releases_everything(model_dir):
     aborted = engine.abort("short")
     assert aborted.outputs[0].finish_reason == "abort" and aborted.outputs[0].token_ids
     engine.check_integrity()
-    assert engine.stats()["num_running"] == 0 and engine.cache.running_ids() == []
-    engine.cache.clear()
+    assert engine.stats()["num_running"] == 0 and engine.scheduler.cache.running_ids() == []
+    engine.clear_cache()
     assert engine.stats()["num_blocks_used"] == 0 and engine.stats()["num_slots_used"] == 0
     assert not engine.has_unfinished_requests()

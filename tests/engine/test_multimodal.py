@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from hybridcache.engine.multimodal import MultimodalInput, placeholder_embeds
+from hybridcache.multimodal import MultimodalInput, placeholder_embeds
 from hybridcache.sampling import SamplingParams
 
 from .model_folders import load_hf_model, write_tiny_model
@@ -46,9 +46,9 @@ def test_span_embeddings_match_transformers_inputs_embeds(model_dir):
     original = engine.scheduler.schedule
 
     def recording_schedule():
-        chunks = original()
-        ends.extend(c.end for c in chunks)
-        return chunks
+        output = original()
+        ends.extend(c.end for c in output.chunks)
+        return output
 
     engine.scheduler.schedule = recording_schedule
     prompt, span = image_prompt(random.Random(0), 33, 40, 90, content_hash="cat.png")

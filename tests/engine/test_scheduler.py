@@ -1,14 +1,14 @@
 """The scheduler over a real PrefixCache, without a model: chunking, batching, admission, preemption."""
 
 from hybridcache.cache import CacheConfig, PrefixCache
-from hybridcache.engine.sequence import SeqStatus, Sequence
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 
 
-def make_seq(seq_id: int, prompt_len: int, offset: int = 0) -> Sequence:
-    return Sequence(
+def make_seq(seq_id: int, prompt_len: int, offset: int = 0) -> Seq:
+    return Seq(
         seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=[offset + i for i in range(prompt_len)],
         prompt_len=prompt_len, params=SamplingParams(temperature=0), generator=None, arrival=seq_id,
     )
@@ -21,9 +21,9 @@ def make_scheduler(*, num_blocks=64, num_slots=4, mode="none", **kwargs) -> Sche
 
 
 def run_step(scheduler: Scheduler):
-    """Schedule, commit, pretend the forward ran: advance num_computed and append a token where sampled."""
-    chunks = scheduler.schedule()
-    scheduler.cache.commit_step({c.seq.seq_id: c.seq.token_ids[c.start : c.end] for c in chunks})
+    """Schedule (which commits the step to the cache), pretend the forward ran: advance num_computed and
+    append a token where sampled."""
+    chunks = scheduler.schedule().chunks
     for chunk in chunks:
         chunk.seq.num_computed = chunk.end
         if chunk.samples:
@@ -101,3 +101,19 @@ def test_hybridcache_mode_ends_a_chunk_at_the_branch_point_and_the_next_prompt_h
     scheduler.add(third)
     run_step(scheduler)
     assert third.num_cached == 37
+
+
+def test_chunks_carry_the_blocks_read_before_the_commit_and_the_steps_copy_plan():
+    # Two identical 20-token prompts in one step: at commit the second one's full first block is deduplicated
+    # onto the first one's, but its forward still writes its own block, which the chunk carries.
+    scheduler = make_scheduler(mode="hybridcache", max_num_batched_tokens=1000)
+    a, b = make_seq(0, 20), make_seq(1, 20)
+    scheduler.add(a)
+    scheduler.add(b)
+    output = scheduler.schedule()
+    chunk_a, chunk_b = output.chunks
+    assert chunk_b.token_ids == tuple(b.token_ids) and chunk_b.slot == scheduler.cache.slot(b.seq_id)
+    assert chunk_a.block_ids == scheduler.cache.block_ids(a.seq_id)
+    assert chunk_b.block_ids[0] != chunk_a.block_ids[0]
+    assert scheduler.cache.block_ids(b.seq_id)[0] == chunk_a.block_ids[0]
+    assert not output.copies.is_empty  # hybridcache mode saves at the prefill end of both

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -209,7 +209,7 @@ def test_errors_leave_the_pool_untouched() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="only meaningful without TRITON_INTERPRET")
 def test_triton_on_cpu_without_interpreter_is_refused() -> None:
-    kernel_module = "hybridcache.kernels.triton_block_copy"
+    kernel_module = "hybridcache.kernels.copy.triton"
     imported_before = kernel_module in sys.modules
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="triton")
@@ -255,7 +255,7 @@ def test_triton_interpreted_copy_slots() -> None:
 )
 def test_triton_interpreted_word_sizes(dtype: torch.dtype, page_shape: tuple[int, ...], offset: int,
                                        word: int) -> None:
-    from hybridcache.kernels.triton_block_copy import word_size
+    from hybridcache.kernels.copy.triton import word_size
 
     num_pages, numel = 10, 1
     for size in page_shape:
@@ -285,7 +285,7 @@ def test_triton_interpreted_multi_chunk_blocks() -> None:
 def test_triton_interpreted_rows_per_program(num_outer: int, num_row_programs: int,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # pretend grid axis 1 holds at most 4 programs: each program then loops over several outer rows
-    from hybridcache.kernels import triton_block_copy
+    from hybridcache.kernels.copy import triton as triton_block_copy
 
     monkeypatch.setattr(triton_block_copy, "_MAX_GRID_1", 4)
     assert triton_block_copy._num_row_programs(num_outer) == num_row_programs

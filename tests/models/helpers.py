@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.forward_batch import DevicePools, ForwardBatch
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.backend import KernelBackend, ReferenceBackend
 from hybridcache.models import ModelConfig, get_model_class, load_weights
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.random_weights import randomize_, tiny_hf_config
+from hybridcache.state_spec import DevicePools
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 TOLERANCE = 1e-4
@@ -72,6 +74,7 @@ class PagedRunner:
     max_seqs: int = 4
     seed: int = 0
     pools: DevicePools = field(init=False)
+    backend: KernelBackend = field(init=False, default_factory=ReferenceBackend)
     blocks: dict[int, list[int]] = field(init=False, default_factory=dict)
     slots: dict[int, int] = field(init=False, default_factory=dict)
     fed: dict[int, int] = field(init=False, default_factory=dict)
@@ -89,34 +92,32 @@ class PagedRunner:
             self.slots[seq] = slot_ids[seq]
             self.fed[seq] = 0
         self.pools = DevicePools.allocate(
-            self.model.layer_shapes(),
+            self.model.state_specs(torch.float32, torch.float32),
             num_pages=num_blocks * (self.block_size // self.kernel_block_size),
             kernel_block_size=self.kernel_block_size,
             num_slots=self.max_seqs + 1,
-            dtype=torch.float32,
         )
         # garbage everywhere: a fresh sequence must not read its slot, attention must not read stale KV
         generator = torch.Generator().manual_seed(self.seed + 1)
-        for pool in (self.pools.kv, self.pools.conv, self.pools.ssm):
+        for pool in (*self.pools.kv_groups, *self.pools.state_groups):
             pool.copy_(torch.randn(pool.shape, generator=generator))
 
     def batch_for(self, feeds: list[tuple[int, list[int]]]) -> ForwardBatch:
-        """The ForwardBatch feeding `(seq, new tokens)` pairs; marks the tokens as fed."""
+        """The ForwardBatch feeding `(seq, new tokens)` pairs, prepared by the backend; marks the tokens as fed."""
         chunks = []
         for seq, tokens in feeds:
             end = self.fed[seq] + len(tokens)
             needed = -(-end // self.block_size)
             chunks.append(SeqChunk(tokens, self.fed[seq], self.blocks[seq][:needed], self.slots[seq]))
             self.fed[seq] = end
-        return build_forward_batch(
-            chunks, block_size=self.block_size, kernel_block_size=self.kernel_block_size
-        )
+        batch = build_forward_batch(chunks, block_size=self.block_size, kernel_block_size=self.kernel_block_size)
+        return self.backend.prepare(batch)
 
     def step(self, feeds: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
         """Feed `(seq, new tokens)` pairs in one ForwardBatch; returns each feed's logits [len(tokens), vocab]
         (logits are requested at every row, not only at each sequence's last token)."""
         batch = self.batch_for(feeds)
         every_row = torch.arange(batch.input_ids.shape[0])
-        logits = self.model(dataclasses.replace(batch, logits_indices=every_row), self.pools)
+        logits = self.model(dataclasses.replace(batch, logits_indices=every_row), self.pools, self.backend)
         bounds = batch.cu_seqlens.tolist()
         return [logits[bounds[i] : bounds[i + 1]] for i in range(len(feeds))]

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridcache.models import ModelConfig
+from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 
 from .helpers import make_pair
 
@@ -51,9 +53,13 @@ def test_older_layout_with_defaults():
         "linear_attention",
     ) * 3 + ("full_attention",)
     assert config.linear_layer_ids == (0, 1, 2, 4, 5, 6) and config.attention_layer_ids == (3, 7)
-    assert (config.rope_theta, config.partial_rotary_factor, config.rotary_dim) == (5000.0, 0.5, 16)
+    assert (config.attention.rope_theta, config.attention.partial_rotary_factor, config.attention.rotary_dim) == (
+        5000.0,
+        0.5,
+        16,
+    )
     assert config.eos_token_ids == (5, 6) and config.torch_dtype == "bfloat16"
-    assert config.conv_dim == 2 * 32 + 32 and config.conv_width == 3
+    assert config.gated_delta.conv_dim == 2 * 32 + 32 and config.gated_delta.conv_width == 3
     # sparse on odd layers (decoder_sparse_step 2) except layer 3 (mlp_only_layers)
     assert [config.is_moe_layer(i) for i in range(8)] == [False, True, False, False, False, True, False, True]
 
@@ -79,19 +85,20 @@ def test_transformers5_rope_parameters_and_multimodal_nesting():
     }
     config = ModelConfig.from_dict(raw)
     assert config.model_type == "qwen3_5_moe_text" and config.architecture == raw["architectures"][0]
-    assert (config.rope_theta, config.rotary_dim, config.torch_dtype) == (1e7, 8, "float32")
+    assert (config.attention.rope_theta, config.attention.rotary_dim, config.torch_dtype) == (1e7, 8, "float32")
     assert config.tie_word_embeddings and config.eos_token_ids == (9,)
     assert all(config.is_moe_layer(i) for i in range(8))  # Qwen3.5-MoE: every layer
 
 
-def test_round_trip_of_a_transformers_config_gives_matching_layer_shapes():
+def test_round_trip_of_a_transformers_config_gives_matching_state_specs():
     pair = make_pair("qwen3_5_text")
-    shapes = pair.ours.layer_shapes()
+    specs = pair.ours.state_specs(torch.float32, torch.float32)
     hf = pair.hf_config
-    assert shapes.num_linear_layers == hf.layer_types.count("linear_attention")
-    assert shapes.num_attention_layers == hf.layer_types.count("full_attention")
+    assert sum(isinstance(s, RecurrentSpec) for s in specs) == hf.layer_types.count("linear_attention")
+    assert sum(isinstance(s, AttentionSpec) for s in specs) == hf.layer_types.count("full_attention")
     conv = pair.hf.model.layers[0].linear_attn.conv1d.weight
-    assert (shapes.conv_dim, shapes.conv_width) == (conv.shape[0], conv.shape[-1] - 1)
+    (conv_spec,) = (t for t in specs[0].tensors if t.name == "conv")
+    assert conv_spec.shape == (conv.shape[0], conv.shape[-1] - 1)
 
 
 @pytest.mark.parametrize(

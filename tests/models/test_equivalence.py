@@ -101,7 +101,7 @@ def test_default_logits_are_one_row_per_sequence_at_its_last_token(pair):
     first, second = random_tokens(90, seed=20), random_tokens(33, seed=21)
     runner = PagedRunner(pair.ours, 16, 8)
     batch = runner.batch_for([(0, first), (1, second)])
-    logits = pair.ours(batch, runner.pools)
+    logits = pair.ours(batch, runner.pools, runner.backend)
     assert logits.shape == (2, pair.ours.config.vocab_size) and logits.dtype == torch.float32
     expected = torch.stack([pair.hf_logits(first)[-1], pair.hf_logits(second)[-1]])
     assert rel_err(logits, expected) <= TOLERANCE
@@ -114,7 +114,8 @@ def test_the_comparison_notices_a_lost_recurrent_state(pair):
     ref = pair.hf_logits(tokens)
     runner = PagedRunner(pair.ours, 16, 8)
     runner.step([(0, tokens[:100])])
-    runner.pools.ssm.zero_()
+    for layer_id in pair.ours.config.linear_layer_ids:
+        runner.pools.layers[layer_id]["ssm"].zero_()
     (ours,) = runner.step([(0, tokens[100:])])
     assert rel_err(ours, ref[100:]) > 100 * TOLERANCE
 
@@ -122,7 +123,7 @@ def test_the_comparison_notices_a_lost_recurrent_state(pair):
 def test_forward_runs_without_autograd_and_returns_an_ordinary_tensor(pair):
     runner = PagedRunner(pair.ours, 16, 8)
     batch = runner.batch_for([(0, random_tokens(20, seed=5))])
-    logits = pair.ours(batch, runner.pools)
+    logits = pair.ours(batch, runner.pools, runner.backend)
     assert not logits.requires_grad and not pair.ours.training
     assert not torch.is_inference(logits)
     logits.div_(2.0)  # samplers may scale logits in place

@@ -39,11 +39,12 @@ def hf_states_after(pair, tokens: list[int], chunk_lens: list[int]):
 def assert_states_equal(pair, runner: PagedRunner, cache, seq: int) -> None:
     config = pair.ours.config
     slot = runner.slots[seq]
-    for j, layer_id in enumerate(config.linear_layer_ids):
+    for layer_id in config.linear_layer_ids:
         hf_layer = cache.layers[layer_id]
         hf_conv, hf_ssm = hf_layer.conv_states[0][0], hf_layer.recurrent_states[0][0]
-        assert hf_conv.shape[-1] == config.linear_conv_kernel_dim
-        ours_conv, ours_ssm = runner.pools.conv[j][slot], runner.pools.ssm[j][slot]
+        assert hf_conv.shape[-1] == config.gated_delta.conv_kernel_size
+        state = runner.pools.layers[layer_id]
+        ours_conv, ours_ssm = state["conv"][slot], state["ssm"][slot]
         assert rel_err(ours_conv, hf_conv[:, 1:]) <= STATE_TOLERANCE, f"conv state, layer {layer_id}"
         assert rel_err(ours_ssm, hf_ssm) <= STATE_TOLERANCE, f"recurrent state, layer {layer_id}"
 

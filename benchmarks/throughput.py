@@ -1,6 +1,6 @@
 """Prefill and decode throughput of hybridcache next to transformers, on the same model and tokens.
 
-    .venv/bin/python bench/throughput.py [--model DIR] [--num-prompts 8] [--prompt-len 512] [--decode-len 64]
+    .venv/bin/python benchmarks/throughput.py [--model DIR] [--num-prompts 8] [--prompt-len 512] [--decode-len 64]
 
 Both engines run greedy on the same random prompts of equal length (so transformers needs no padding) in
 one process, alternating, `--repeats` times each; the best time of each is kept (the machine is shared and

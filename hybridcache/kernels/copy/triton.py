@@ -12,7 +12,7 @@ Grid (2-D)::
     axis 1: grid_1 = the largest divisor of num_outer that is <= 65535 (num_outer itself in practice);
             program r copies outer rows r, r + grid_1, ..., num_outer / grid_1 rows
 
-Use it through `hybridcache.kernels.block_copy`, which checks the arguments; set TRITON_INTERPRET=1 before
+Use it through `hybridcache.kernels.copy.block_copy`, which checks the arguments; set TRITON_INTERPRET=1 before
 this module is imported to run it on CPU tensors.
 """
 
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridcache.kernels.block_copy import PoolGeometry
+from hybridcache.kernels.copy.geometry import PoolGeometry
 
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _TILE_BYTES = 16 << 10
@@ -84,7 +84,7 @@ def launch_copy_blocks(
     """One kernel launch copying block `src_ids[i]` onto `dst_ids[i]` in every outer row of `pool`.
 
     pool: contiguous, viewed as [num_outer, num_pages, page_numel] by `geometry`; src_ids, dst_ids: [N]
-    int32/int64 on the pool's device, N >= 1, already checked by `block_copy.check_copy_args`.
+    int32/int64 on the pool's device, N >= 1, already checked by `geometry.check_copy_args`.
     """
     word = word_size(pool, geometry.page_bytes)
     words = pool.view(-1).view(_WORD_DTYPES[word])

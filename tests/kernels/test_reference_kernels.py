@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridcache.kernels import reference
+from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.conv import reference as conv_ref
+from hybridcache.kernels.gated_delta import reference as delta_ref
 
 
 def delta_inputs(seq_len: int, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=8, seed=0):
@@ -23,8 +25,8 @@ def delta_inputs(seq_len: int, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=8, 
 @pytest.mark.parametrize("seq_len", [1, 63, 64, 150])
 def test_chunked_equals_recurrent_delta_rule(seq_len):
     q, k, v, g, beta, state = delta_inputs(seq_len)
-    out_c, state_c = reference.chunk_gated_delta_rule(q, k, v, g, beta, state)
-    out_r, state_r = reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out_c, state_c = delta_ref.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    out_r, state_r = delta_ref.recurrent_gated_delta_rule(q, k, v, g, beta, state)
     assert out_c.shape == (seq_len, 4, 8) and state_c.shape == (4, 16, 8)
     torch.testing.assert_close(out_c, out_r, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state_c, state_r, rtol=1e-4, atol=1e-4)
@@ -32,16 +34,16 @@ def test_chunked_equals_recurrent_delta_rule(seq_len):
 
 def test_delta_rule_split_at_any_step_continues_exactly():
     q, k, v, g, beta, _ = delta_inputs(150, seed=1)
-    whole, final = reference.chunk_gated_delta_rule(q, k, v, g, beta, None)
-    first, mid = reference.chunk_gated_delta_rule(q[:77], k[:77], v[:77], g[:77], beta[:77], None)
-    second, end = reference.chunk_gated_delta_rule(q[77:], k[77:], v[77:], g[77:], beta[77:], mid)
+    whole, final = delta_ref.chunk_gated_delta_rule(q, k, v, g, beta, None)
+    first, mid = delta_ref.chunk_gated_delta_rule(q[:77], k[:77], v[:77], g[:77], beta[:77], None)
+    second, end = delta_ref.chunk_gated_delta_rule(q[77:], k[77:], v[77:], g[77:], beta[77:], mid)
     torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(end, final, rtol=1e-4, atol=1e-4)
 
 
 def test_recurrent_delta_rule_matches_the_textbook_update():
     q, k, v, g, beta, state = delta_inputs(5, num_k_heads=1, num_v_heads=1, seed=2)
-    out, final = reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    out, final = delta_ref.recurrent_gated_delta_rule(q, k, v, g, beta, state)
     s = state[0].clone()
     for t in range(5):
         kt, qt = F.normalize(k[t, 0], dim=-1, eps=0), F.normalize(q[t, 0], dim=-1, eps=0) / 4.0
@@ -55,14 +57,14 @@ def test_causal_conv1d_with_state_equals_one_long_convolution():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(40, 6, generator=gen)
     weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
-    whole, state = reference.causal_conv1d(x, weight, bias, None)
+    whole, state = conv_ref.causal_conv1d(x, weight, bias, None)
     padded = F.pad(x.T, (3, 0))
     naive = F.silu(torch.stack([(padded[:, t : t + 4] * weight).sum(-1) + bias for t in range(40)]))
     torch.testing.assert_close(whole, naive)
     torch.testing.assert_close(state, x[-3:].T)
     pieces, carried = [], None
     for start, end in [(0, 2), (2, 3), (3, 25), (25, 40)]:  # includes pieces shorter than the kernel
-        out, carried = reference.causal_conv1d(x[start:end], weight, bias, carried)
+        out, carried = conv_ref.causal_conv1d(x[start:end], weight, bias, carried)
         pieces.append(out)
     torch.testing.assert_close(torch.cat(pieces), whole)
     torch.testing.assert_close(carried, state)
@@ -82,10 +84,10 @@ def test_paged_attention_equals_dense_causal_attention():
     slot_mapping = []
     for row, ctx in zip(pages, context_lens, strict=True):
         slot_mapping += [row[p // block] * block + p % block for p in range(ctx)]
-    reference.write_kv(pool, keys, values, torch.tensor(slot_mapping))
+    attention_ref.write_kv(pool, keys, values, torch.tensor(slot_mapping))
     q = torch.randn(sum(query_lens), q_heads, dim, generator=gen)
     cu = torch.tensor([0, 5, 6, 15, 16], dtype=torch.int32)
-    out = reference.paged_attention(q, pool, table, cu, query_lens, context_lens, scale=dim**-0.5)
+    out = attention_ref.paged_attention(q, pool, table, cu, query_lens, context_lens, scale=dim**-0.5)
     kv_start = 0
     for i, (qlen, ctx) in enumerate(zip(query_lens, context_lens, strict=True)):
         k = keys[kv_start : kv_start + ctx].repeat_interleave(2, dim=1).transpose(0, 1)
@@ -103,14 +105,14 @@ def test_batched_decode_steps_equal_per_sequence_steps():
     num = 5
     weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
     x, conv_state = torch.randn(num, 6, generator=gen), torch.randn(num, 6, 3, generator=gen)
-    out, new_conv = reference.causal_conv1d_step(x, weight, bias, conv_state)
+    out, new_conv = conv_ref.causal_conv1d_step(x, weight, bias, conv_state)
     inputs = [delta_inputs(1, seed=10 + i) for i in range(num)]
     q, k, v, g, beta, state = (torch.cat([x_[j] if j < 5 else x_[j][None] for x_ in inputs]) for j in range(6))
-    delta_out, delta_state = reference.gated_delta_rule_step(q, k, v, g, beta, state)
+    delta_out, delta_state = delta_ref.gated_delta_rule_step(q, k, v, g, beta, state)
     for i in range(num):
-        want, want_state = reference.causal_conv1d(x[i : i + 1], weight, bias, conv_state[i])
+        want, want_state = conv_ref.causal_conv1d(x[i : i + 1], weight, bias, conv_state[i])
         torch.testing.assert_close(out[i : i + 1], want)
         torch.testing.assert_close(new_conv[i], want_state)
-        want, want_state = reference.recurrent_gated_delta_rule(*inputs[i])
+        want, want_state = delta_ref.recurrent_gated_delta_rule(*inputs[i])
         torch.testing.assert_close(delta_out[i : i + 1], want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(delta_state[i], want_state, rtol=1e-5, atol=1e-6)

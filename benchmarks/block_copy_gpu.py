@@ -2,8 +2,8 @@
 
 Run from the repository root on a CUDA machine:
 
-    PYTHONPATH=. python3 bench/block_copy_gpu.py
-    TRITON_INTERPRET=1 PYTHONPATH=. python3 bench/block_copy_gpu.py --cpu-smoke   # tiny pools, CPU, no JSON
+    PYTHONPATH=. python3 benchmarks/block_copy_gpu.py
+    TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/block_copy_gpu.py --cpu-smoke   # tiny pools, CPU, no JSON
 
 For each pool variant (bf16 KV pools of 16 attention layers and 8 KV heads; fp32 ssm and bf16 conv state
 pools) and each plan size, it first checks that both implementations give exactly the reference result over
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import triton
 
-from hybridcache.kernels.block_copy import copy_blocks, copy_slots
+from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
 
 NUM_WARMUP = 3
 NUM_TIMED = 20

@@ -1,6 +1,6 @@
 """The engine on a CUDA device: cached vs uncached equivalence and a throughput figure, in one run.
 
-    PYTHONPATH=. python bench/gpu_smoke.py [--device cuda] [--json results/gpu_smoke.json]
+    PYTHONPATH=. python benchmarks/gpu_smoke.py [--device cuda] [--json results/gpu_smoke.json]
 
 Runs the tests' randomized multi-turn workload (tests/engine/test_cache_equivalence.py) on tiny random
 Qwen3.5 and Qwen3-Next folders with the pools, the copy kernels (Triton) and the torch reference layers on

@@ -7,7 +7,7 @@ For each prompt length (1k .. 128k tokens, B = 64) and number of cached checkpoi
 and a request = prompt + 32 new tokens is timed: `match`, `admit`, `commit_step({})` (the restore plan),
 then `abort` (untimed) to reset. Median of `--repeats` runs.
 
-    .venv/bin/python bench/cache_micro.py            # prints a table, writes results/cache_micro.json
+    .venv/bin/python benchmarks/cache_micro.py            # prints a table, writes results/cache_micro.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, PrefixCache
 
 BLOCK = 64
 CHUNK = 8192
@@ -67,7 +67,7 @@ def measure(cache: PrefixCache, prompt: tuple[int, ...], repeats: int) -> dict:
         copies = cache.commit_step({})
         t2 = time.perf_counter()
         assert admitted is not None and match.cached_len == len(prompt), match
-        assert len(copies.state_restore) == 1
+        assert len(copies.pairs(CopyKind.STATE_RESTORE)) == 1
         cache.abort("query")
         match_s.append(t1 - t0)
         total_s.append(t2 - t0)

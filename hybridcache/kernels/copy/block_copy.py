@@ -1,6 +1,6 @@
 """Batched copies of logical KV blocks and state slots inside the device pools.
 
-The runner executes a step's `CheckpointCopies` with these functions: `copy_blocks` for the KV pool
+The runner executes a step's `CopyPlan` (as `DeviceCopyOp`s) with these functions: `copy_blocks` for the KV pool
 (restore before the forward, save after it) and `copy_slots` for the conv and ssm state pools. Each call
 is one batched operation over all pairs and all layers: one Triton launch on CUDA, or a few bounded
 `index_select` / `index_copy_` calls with the torch path. Neither synchronises with the host when the ids
@@ -9,6 +9,9 @@ are already on the pool's device.
 A pool is read as `[outer, num_pages, page]`: every dim before `page_dim` is folded into `outer` (layers,
 and K/V for the KV pool), every dim after it into `page`. Scheduler block `b` is the run of kernel pages
 `b * pages_per_block + j`, `j < pages_per_block` (see `hybridcache.engine.input_builder`).
+
+Modules: `geometry` (the pool view and the argument checks), `reference` (the torch path), `triton` (the
+Triton kernel, imported only when used); this module dispatches between them.
 
 Worked example (KV pool, 2 attention layers, pages_per_block 2, plan src_ids [5, 5], dst_ids [1, 3])::
 
@@ -25,38 +28,15 @@ keys and values alike, and nothing else in the pool does.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from importlib.util import find_spec
 
 import torch
 
+from hybridcache.kernels.copy.geometry import PoolGeometry, check_copy_args
+from hybridcache.kernels.copy.reference import copy_blocks_torch
+
 DEFAULT_MAX_WORKSPACE_BYTES = 64 << 20
 _IMPLS = ("auto", "torch", "triton")
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True)
-class PoolGeometry:
-    """A pool viewed as `[num_outer, num_pages, page_numel]`, with `pages_per_block` pages per block."""
-
-    num_outer: int
-    num_pages: int
-    page_numel: int
-    pages_per_block: int
-    element_size: int
-
-    @property
-    def num_blocks(self) -> int:
-        return self.num_pages // self.pages_per_block
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_numel * self.element_size
-
-    @property
-    def block_bytes(self) -> int:
-        """Bytes one pair copies, over all outer rows."""
-        return self.num_outer * self.pages_per_block * self.page_bytes
 
 
 def copy_blocks(
@@ -117,69 +97,6 @@ def copy_slots(
     _dispatch(pool, src_ids, dst_ids, geometry, impl=impl, max_workspace_bytes=max_workspace_bytes)
 
 
-def check_copy_args(
-    pool: torch.Tensor,
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    *,
-    pages_per_block: int,
-    page_dim: int,
-) -> PoolGeometry:
-    """Check every argument of a copy (see `copy_blocks`) and return the pool's geometry.
-
-    Raises TypeError for wrong types and dtypes, ValueError for wrong shapes, devices, layouts and plans.
-    """
-    if not isinstance(pool, torch.Tensor):
-        raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
-    if pool.layout != torch.strided:
-        raise ValueError(f"pool must be a dense (strided) tensor, got layout {pool.layout}")
-    if not isinstance(page_dim, int) or not 0 <= page_dim < pool.dim():
-        raise ValueError(f"page_dim must be an int in [0, {pool.dim()}) for a pool of shape "
-                         f"{tuple(pool.shape)}, got {page_dim!r}")
-    if not pool.is_contiguous():
-        raise ValueError(f"pool must be contiguous; shape {tuple(pool.shape)} has strides {pool.stride()}")
-    num_pages = pool.shape[page_dim]
-    if not isinstance(pages_per_block, int) or pages_per_block < 1:
-        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
-    if pages_per_block > num_pages:
-        raise ValueError(f"pages_per_block {pages_per_block} exceeds the pool's {num_pages} pages")
-    num_outer = 1
-    for size in pool.shape[:page_dim]:
-        num_outer *= size
-    page_numel = 1
-    for size in pool.shape[page_dim + 1 :]:
-        page_numel *= size
-    geometry = PoolGeometry(num_outer, num_pages, page_numel, pages_per_block, pool.element_size())
-
-    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
-        if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(ids).__name__}")
-        if ids.dtype not in _ID_DTYPES:
-            raise TypeError(f"{name} must be int32 or int64, got {ids.dtype}")
-        if ids.dim() != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(ids.shape)}")
-        if ids.device != pool.device and ids.device.type != "cpu":
-            raise ValueError(f"{name} is on {ids.device}; it must be on the pool's device ({pool.device}) "
-                             "or on the CPU")
-    if src_ids.shape != dst_ids.shape:
-        raise ValueError(f"src_ids has {src_ids.numel()} ids but dst_ids has {dst_ids.numel()}")
-    if src_ids.numel() and src_ids.device.type == "cpu" and dst_ids.device.type == "cpu":
-        _check_host_plan(src_ids, dst_ids, geometry.num_blocks)
-    return geometry
-
-
-def _check_host_plan(src_ids: torch.Tensor, dst_ids: torch.Tensor, num_blocks: int) -> None:
-    for name, ids in (("src_ids", src_ids), ("dst_ids", dst_ids)):
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= num_blocks:
-            raise ValueError(f"{name} must lie in [0, {num_blocks}), got values in [{low}, {high}]")
-    if torch.unique(dst_ids).numel() != dst_ids.numel():
-        raise ValueError("dst_ids must be unique (a destination written twice is a race)")
-    overlap = torch.isin(dst_ids, src_ids)
-    if bool(overlap.any()):
-        raise ValueError(f"dst_ids must be disjoint from src_ids; both hold {dst_ids[overlap].tolist()}")
-
-
 def _dispatch(
     pool: torch.Tensor,
     src_ids: torch.Tensor,
@@ -207,39 +124,10 @@ def _dispatch(
     src_ids = src_ids.to(pool.device, non_blocking=True)
     dst_ids = dst_ids.to(pool.device, non_blocking=True)
     if impl == "triton":
-        from hybridcache.kernels.triton_block_copy import launch_copy_blocks
+        from hybridcache.kernels.copy.triton import launch_copy_blocks
 
         launch_copy_blocks(pool, src_ids, dst_ids, geometry)
     else:
-        _copy_blocks_torch(pool, src_ids, dst_ids, geometry, max_workspace_bytes)
+        copy_blocks_torch(pool, src_ids, dst_ids, geometry, max_workspace_bytes)
 
 
-def _block_pages(block_ids: torch.Tensor, pages_per_block: int) -> torch.Tensor:
-    """[N] block ids -> [N * pages_per_block] int64 page ids, block by block."""
-    offsets = torch.arange(pages_per_block, device=block_ids.device, dtype=torch.int64)
-    return (block_ids.to(torch.int64)[:, None] * pages_per_block + offsets).reshape(-1)
-
-
-def _copy_blocks_torch(
-    pool: torch.Tensor,
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    geometry: PoolGeometry,
-    max_workspace_bytes: int,
-) -> None:
-    """index_select + index_copy_ over the page dim, in tiles of `[outer_rows, pages, page_numel]` whose
-    temporary holds at most `max_workspace_bytes`. Tiles never overlap and destinations are disjoint from
-    sources, so the order of the tiles does not matter."""
-    flat = pool.view(geometry.num_outer, geometry.num_pages, geometry.page_numel)
-    src_pages = _block_pages(src_ids, geometry.pages_per_block)
-    dst_pages = _block_pages(dst_ids, geometry.pages_per_block)
-    num_copy_pages = src_pages.numel()
-    pages_per_tile = min(num_copy_pages, max_workspace_bytes // geometry.page_bytes)
-    rows_per_tile = 1
-    if pages_per_tile == num_copy_pages:
-        rows_per_tile = min(geometry.num_outer, max_workspace_bytes // (num_copy_pages * geometry.page_bytes))
-    for row in range(0, geometry.num_outer, rows_per_tile):
-        rows = flat[row : row + rows_per_tile]
-        for start in range(0, num_copy_pages, pages_per_tile):
-            tile = rows.index_select(1, src_pages[start : start + pages_per_tile])
-            rows.index_copy_(1, dst_pages[start : start + pages_per_tile], tile)

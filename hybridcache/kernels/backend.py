@@ -1,0 +1,280 @@
+"""The kernel backend seam: the batch-level ops every layer calls, and the torch reference backend.
+
+The runner picks one backend per device, once (`get_backend`), and per step calls `prepare(batch)`,
+which returns the batch with the backend's step metadata attached (`batch.metadata`). The model passes
+that prepared batch to the ops. Every op works on the whole varlen batch at once:
+
+- rows: token `t` of sequence `i` is row `batch.cu_seqlens[i] + t` of every [T, ...] tensor;
+- state rows: sequence `i` reads and writes row `batch.state_slots[i]` of a recurrent state tensor;
+- fresh sequences (`context_len == query_len`, the first chunk of a sequence) start from zero recurrent
+  and conv state whatever their slot holds; every other sequence continues from its slot;
+- KV: the new keys/values go to flat rows `batch.slot_mapping`; a sequence's query at position p sees keys
+  at positions <= p of its pages `batch.block_tables[i]`.
+
+Backends may not change results beyond float rounding; the reference backend defines them. Only
+`ReferenceBackend` loops over sequences in Python and reads device tensors on the host, and only inside
+`prepare` and the reference kernels (`kernels/*/reference.py`).
+
+Notation: T tokens of the step, S sequences, Hq / Hkv attention query / kv heads, D attention head dim,
+C conv channels, K conv kernel size, Hk / Hv DeltaNet key / value heads, Dk / Dv their head dims,
+H hidden size, k experts per token, E experts, I expert width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.conv import reference as conv_ref
+from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.moe import reference as moe_ref
+
+
+class KernelBackend(Protocol):
+    """The ops layers call. All tensors live on the batch's device; ops never synchronise with the host
+    except inside `ReferenceBackend`. Ops must be given the batch returned by `prepare`."""
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        """Once per step, before the forward: return `batch` with this backend's metadata in
+        `batch.metadata` (e.g. decode rows, fresh mask, attention plans, static buffers for graphs)."""
+        ...
+
+    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
+        """Write the step's keys and values into one layer's paged pool, in place.
+
+        kv_layer   [2, num_pages, kernel_block_size, Hkv, D]   (0 = keys, 1 = values)
+        key, value [T, Hkv, D]; token t goes to flat row batch.slot_mapping[t] = page * kernel_block_size + offset
+        """
+        ...
+
+    def attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+    ) -> torch.Tensor:
+        """Causal GQA attention of every sequence over its pages (the step's KV already written).
+
+        query    [T, Hq, D]; kv_layer [2, num_pages, kernel_block_size, Hkv, D]
+        returns  [T, Hq, D] in query's dtype. Query head h reads kv head h // (Hq / Hkv); the query at
+                 position p (batch.positions) sees keys at positions 0..p of its sequence; softmax in fp32.
+        """
+        ...
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """Depthwise causal convolution with SiLU, per sequence, continuing from its conv state.
+
+        x          [T, C]   pre-convolution inputs
+        weight     [C, K];  bias [C] or None
+        conv_layer [num_slots, C, K-1]   the last K-1 inputs of each slot, oldest first; updated in place
+                   for every sequence of the batch (fresh sequences read zeros instead of their row)
+        returns    [T, C] in x's dtype: silu(sum_j weight[:, j] * window[j] + bias)
+        """
+        ...
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """The gated delta rule per sequence, continuing from its recurrent state (q, k l2-normalised here).
+
+        q, k      [T, Hk, Dk];  v [T, Hv, Dv];  g [T, Hv] fp32 log decay (<= 0);  beta [T, Hv] in (0, 1)
+        ssm_layer [num_slots, Hv, Dk, Dv]   state S of each slot (fp32 by default); updated in place for every
+                  sequence (fresh sequences start from zeros)
+        returns   [T, Hv, Dv] in q's dtype. Per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)
+        """
+        ...
+
+    def moe(
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+    ) -> torch.Tensor:
+        """The routed experts of a sparse MoE block (routing is done by the layer).
+
+        x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
+        experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
+        returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """Sequences of a step that feed one token each, processed together by the reference ops.
+
+    seq_ids  the sequences (batch order); rows [N] int64: their token's row; slots [N] int64: their state rows.
+    """
+
+    seq_ids: tuple[int, ...]
+    rows: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ReferenceMetadata:
+    """What `ReferenceBackend.prepare` derives once per step (host ints and the decode groups).
+
+    seq_starts   first row of each sequence (cu_seqlens[:-1] on the host)
+    state_slots  state row of each sequence, on the host
+    fresh        per sequence: context_len == query_len (starts from zero state)
+    state_decode sequences with one token continuing a saved state (query_len 1, context_len > 1), or None
+    """
+
+    seq_starts: tuple[int, ...]
+    state_slots: tuple[int, ...]
+    fresh: tuple[bool, ...]
+    state_decode: DecodeRows | None
+
+
+class ReferenceBackend:
+    """The torch reference kernels behind the `KernelBackend` ops (any device; the CPU ground truth).
+
+    Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
+    (`causal_conv1d_step`, `gated_delta_rule_step`); every other sequence runs alone through the
+    sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
+    fresh token). Attention: `paged_attention` (decode rows batched inside it).
+    """
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        starts, total = [], 0
+        for query_len in batch.query_lens_cpu:
+            starts.append(total)
+            total += query_len
+        slots = tuple(batch.state_slots.tolist())
+        lens = tuple(zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True))
+        decode_ids = [i for i, (query_len, context_len) in enumerate(lens) if query_len == 1 and context_len > 1]
+        state_decode = None
+        if decode_ids:
+            device = batch.input_ids.device
+            state_decode = DecodeRows(
+                seq_ids=tuple(decode_ids),
+                rows=torch.tensor([starts[i] for i in decode_ids], device=device),
+                slots=batch.state_slots[decode_ids],
+            )
+        metadata = ReferenceMetadata(
+            seq_starts=tuple(starts),
+            state_slots=slots,
+            fresh=tuple(query_len == context_len for query_len, context_len in lens),
+            state_decode=state_decode,
+        )
+        return dataclasses.replace(batch, metadata=metadata)
+
+    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
+        attention_ref.write_kv(kv_layer, key, value, batch.slot_mapping)
+
+    def attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+    ) -> torch.Tensor:
+        return attention_ref.paged_attention(
+            query,
+            kv_layer,
+            batch.block_tables,
+            batch.cu_seqlens,
+            batch.query_lens_cpu,
+            batch.context_lens_cpu,
+            scale=scale,
+        )
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = _metadata(batch)
+        out = torch.empty_like(x)
+        for i, rows in _sequence_rows(batch, meta):
+            slot = meta.state_slots[i]
+            out[rows], conv_layer[slot] = conv_ref.causal_conv1d(
+                x[rows], weight, bias, None if meta.fresh[i] else conv_layer[slot]
+            )
+        decode = meta.state_decode
+        if decode is not None:
+            out[decode.rows], state = conv_ref.causal_conv1d_step(
+                x[decode.rows], weight, bias, conv_layer[decode.slots]
+            )
+            conv_layer.index_copy_(0, decode.slots, state)
+        return out
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = _metadata(batch)
+        out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
+        for i, rows in _sequence_rows(batch, meta):
+            slot = meta.state_slots[i]
+            rule = (
+                delta_ref.recurrent_gated_delta_rule
+                if batch.query_lens_cpu[i] == 1
+                else delta_ref.chunk_gated_delta_rule
+            )
+            out[rows], ssm_layer[slot] = rule(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], None if meta.fresh[i] else ssm_layer[slot]
+            )
+        decode = meta.state_decode
+        if decode is not None:
+            rows = decode.rows
+            out[rows], state = delta_ref.gated_delta_rule_step(
+                q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_layer[decode.slots]
+            )
+            ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
+        return out
+
+    def moe(
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+    ) -> torch.Tensor:
+        return moe_ref.routed_experts(
+            x,
+            top_weights,
+            top_ids,
+            [e.gate_proj.weight for e in experts],
+            [e.up_proj.weight for e in experts],
+            [e.down_proj.weight for e in experts],
+        )
+
+
+def _metadata(batch: ForwardBatch) -> ReferenceMetadata:
+    if not isinstance(batch.metadata, ReferenceMetadata):
+        raise ValueError("the batch was not prepared by ReferenceBackend.prepare")
+    return batch.metadata
+
+
+def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[int, slice]]:
+    """(sequence, its rows) of every sequence the recurrent ops process alone (all but `state_decode`)."""
+    batched = set() if meta.state_decode is None else set(meta.state_decode.seq_ids)
+    return [
+        (i, slice(start, start + query_len))
+        for i, (start, query_len) in enumerate(zip(meta.seq_starts, batch.query_lens_cpu, strict=True))
+        if i not in batched
+    ]
+
+
+def get_backend(device: torch.device | str) -> KernelBackend:
+    """The backend for `device`, chosen once by the runner. Today the reference backend everywhere."""
+    del device  # the CUDA backend plugs in here
+    return ReferenceBackend()

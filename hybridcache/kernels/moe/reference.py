@@ -1,0 +1,41 @@
+"""Torch reference of the routed experts of a sparse MoE block.
+
+Each expert e is a SiLU-gated MLP: down_e(silu(gate_e(x)) * up_e(x)), with weights gate_e, up_e [I, H]
+and down_e [H, I] (checkpoint layout, `nn.Linear` convention: y = x W^T).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+def routed_experts(
+    x: torch.Tensor,
+    top_weights: torch.Tensor,
+    top_ids: torch.Tensor,
+    gate_weights: Sequence[torch.Tensor],
+    up_weights: Sequence[torch.Tensor],
+    down_weights: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Weighted sum of each token's top-k experts.
+
+    x            [T, H]
+    top_weights  [T, k]   routing weight of each pick, in x's dtype
+    top_ids      [T, k]   int64 expert id of each pick
+    *_weights    per expert e: gate/up [I, H], down [H, I]
+    returns      [T, H]: out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])
+
+    Experts are visited in increasing id; each gathers its tokens, and `index_add_` scatters the weighted
+    outputs back (one host sync: the set of picked experts).
+    """
+    out = torch.zeros_like(x)
+    for expert_id in torch.unique(top_ids).tolist():
+        token_ids, pick = torch.where(top_ids == expert_id)
+        tokens = x[token_ids]
+        hidden = F.silu(F.linear(tokens, gate_weights[expert_id])) * F.linear(tokens, up_weights[expert_id])
+        expert_out = F.linear(hidden, down_weights[expert_id]) * top_weights[token_ids, pick, None]
+        out.index_add_(0, token_ids, expert_out.to(out.dtype))
+    return out

@@ -1,0 +1,49 @@
+"""What one `Scheduler.schedule()` hands the engine: the step's chunks and its copy plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridcache.cache.plan import CopyPlan
+from hybridcache.multimodal import chunk_embeds
+from hybridcache.scheduler.sequence import Seq
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """`seq` feeds `token_ids` = its tokens `[start, start + num_tokens)` in this step.
+
+    `samples`: the chunk reaches the end of the sequence's tokens, so a token is sampled from its logits.
+    `block_ids`: the scheduler blocks the forward reads and writes, holding positions `[0, end)` in order,
+    as they were BEFORE the step's `commit_step` (which may move the sequence onto a shared copy of a block
+    that became full in this step; the forward must still write the sequence's own block). `slot`: the
+    sequence's state row. These are the attributes `build_forward_batch` reads.
+    """
+
+    seq: Seq
+    start: int
+    num_tokens: int
+    samples: bool
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    slot: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def embeds(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """(offset in the chunk, vectors) of the multimodal spans the chunk overlaps."""
+        return chunk_embeds(self.seq.mm_inputs, self.start, self.end)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step: the chunks to feed (running sequences first, then newly admitted ones) and the copies the
+    device runs around the forward (restores before, saves after). Empty chunks: nothing to run."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    copies: CopyPlan = CopyPlan()

@@ -1,0 +1,64 @@
+"""A sequence: one completion of a request, as the scheduler tracks it (and the engine reads it).
+
+It lives below the scheduler so that the scheduler imports nothing from the engine. Named `Seq` so that it
+does not shadow `collections.abc.Sequence`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from hybridcache.multimodal import MultimodalInput
+from hybridcache.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Seq:
+    """Token state of one completion.
+
+    `token_ids` = prompt + generated tokens (the only copy the engine side holds). `num_computed` = tokens
+    whose KV and recurrent state are in the cache (the step the next chunk starts at). The next chunk feeds
+    `token_ids[num_computed:...]`; a token is sampled when a chunk reaches the end of `token_ids`. While it
+    runs, its blocks and state slot are held by the prefix cache under `seq_id`. `num_cached`: tokens its
+    first admission took from the cache. `cache_prompt_len`: the tokens it had when it was last admitted
+    (the prompt as the cache sees it; more than `prompt_len` after a preemption). `branch_step`: where its
+    prompt diverges from cached content (a chunk ends there, to save a branch-point checkpoint), or None.
+    `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    num_cached: int | None = None
+    cache_prompt_len: int = 0
+    branch_step: int | None = None
+    finish_reason: str | None = None
+    mm_inputs: tuple[MultimodalInput, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
