@@ -11,7 +11,7 @@ JSON to DIR/gpu_kernels.json (DIR defaults to $OUT, else the current directory).
 Ceilings are measured first on the same device: copy bandwidth (a 4 GiB device-to-device copy, bytes read +
 written) and the bf16 matrix rate (8192^3 torch.matmul on random data). Shapes are Qwen3-Next's per layer:
 gated DeltaNet Hk=16, Hv=32, Dk=Dv=128, conv channels 8192, kernel 4; attention Hq=16, Hkv=2, D=256, pages of
-64; MoE hidden 2048, expert intermediate 512, 64 experts top-8, shared expert 512.
+64; MoE hidden 2048, expert intermediate 512, 64 experts top-8, no shared expert (the layer runs it as a dense MLP).
 
 Counted work (what the rates divide by):
 - GDN prefill FLOPs per token and value head: 6*Dk*Dv (state read, correction, update) + 2*64*(3*Dk + 2*Dv)
@@ -36,12 +36,16 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridcache.kernels import cuda_checks, reference  # noqa: E402
+from hybridcache.kernels import cuda_checks  # noqa: E402
+from hybridcache.kernels.attention import reference as attention_ref  # noqa: E402
 from hybridcache.kernels.attention import triton_paged  # noqa: E402
+from hybridcache.kernels.conv import reference as conv_ref  # noqa: E402
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen  # noqa: E402
+from hybridcache.kernels.gated_delta import reference as delta_ref  # noqa: E402
 from hybridcache.kernels.gated_delta.fla import chunk_gated_delta_rule_varlen  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode  # noqa: E402
-from hybridcache.kernels.moe.grouped import ExpertWeights, SharedExpert, moe_forward  # noqa: E402
+from hybridcache.kernels.moe import reference as moe_ref  # noqa: E402
+from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts  # noqa: E402
 from hybridcache.kernels.varlen import chunk_indices  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -139,7 +143,7 @@ def bench_gdn(limits: dict) -> list[dict]:
             def ref(q=q, k=k, v=v, g=g, beta=beta, starts=starts, lengths=lengths):
                 for i, n in enumerate(lengths):
                     rows_ = slice(starts[i], starts[i] + n)
-                    reference.chunk_gated_delta_rule(q[rows_], k[rows_], v[rows_], g[rows_], beta[rows_])
+                    delta_ref.chunk_gated_delta_rule(q[rows_], k[rows_], v[rows_], g[rows_], beta[rows_])
 
             row["reference_ms"] = once_ms(ref)
         rows.append(row)
@@ -166,7 +170,7 @@ def bench_gdn(limits: dict) -> list[dict]:
         pool.index_copy_(0, batch.state_slots, ht)
 
     def ref():
-        out, state = reference.gated_delta_rule_step(q, k, v, g, beta, pool[batch.state_slots])
+        out, state = delta_ref.gated_delta_rule_step(q, k, v, g, beta, pool[batch.state_slots])
         pool.index_copy_(0, batch.state_slots, state)
 
     for name, fn in (("gdn decode (triton in-place)", ours), ("gdn decode (fla recurrent + gather)",
@@ -194,7 +198,7 @@ def bench_conv(limits: dict) -> list[dict]:
 
     def ref():
         for i, n in enumerate(lengths):
-            reference.causal_conv1d(x[starts[i]:starts[i] + n], w, None, pool[batch.state_slots[i]])
+            conv_ref.causal_conv1d(x[starts[i]:starts[i] + n], w, None, pool[batch.state_slots[i]])
 
     rows.append({"kernel": "conv varlen", "shape": "64 x 1024", "ms": ms, "rate": nbytes / ms / 1e6, "unit": "GB/s",
                  "of_ceiling": nbytes / ms / 1e6 / limits["copy_GBps"], "reference_ms": once_ms(ref)})
@@ -241,7 +245,7 @@ def bench_attention(limits: dict) -> list[dict]:
                    "ms": ms, "rate": flops / ms / 1e9, "unit": "TFLOP/s",
                    "of_ceiling": flops / ms / 1e9 / limits["bf16_TFLOPs"]}
             if label == "64 x 1024":
-                row["reference_ms"] = once_ms(lambda q=q, kv=kv, batch=batch: reference.paged_attention(
+                row["reference_ms"] = once_ms(lambda q=q, kv=kv, batch=batch: attention_ref.paged_attention(
                     q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.query_lens_cpu,
                     batch.context_lens_cpu, scale=scale))
             rows.append(row)
@@ -258,7 +262,7 @@ def bench_attention(limits: dict) -> list[dict]:
         nbytes = num * ctx * HKV * HEAD_DIM * 2 * 2
         ms = median_ms(lambda q=q, kv=kv, batch=batch, ctx=ctx: triton_paged.paged_decode_attention(
             q, kv.kv_pool, kv.block_tables, batch.context_lens, ctx, scale=scale))
-        ref_ms = once_ms(lambda q=q, kv=kv, batch=batch: reference.paged_decode_attention(
+        ref_ms = once_ms(lambda q=q, kv=kv, batch=batch: attention_ref.paged_decode_attention(
             q, kv.kv_pool, kv.block_tables, batch.context_lens, scale=scale))
         rows.append({"kernel": "attn decode (triton split-KV)", "shape": label, "ms": ms, "rate": nbytes / ms / 1e6,
                      "unit": "GB/s", "of_ceiling": nbytes / ms / 1e6 / limits["copy_GBps"], "reference_ms": ref_ms})
@@ -266,40 +270,34 @@ def bench_attention(limits: dict) -> list[dict]:
 
 
 def bench_moe(limits: dict) -> list[dict]:
-    from hybridcache.layers.mlp import SparseMoeBlock
-
     hidden, inter, experts, top_k = 2048, 512, 64, 8
-    torch.manual_seed(0)
-    block = SparseMoeBlock(hidden, num_experts=experts, top_k=top_k, moe_intermediate_size=inter,
-                           shared_expert_intermediate_size=inter, norm_topk_prob=True).to(DEV, BF16)
-    stacked = ExpertWeights.stack([e.gate_proj.weight for e in block.experts],
-                                  [e.up_proj.weight for e in block.experts],
-                                  [e.down_proj.weight for e in block.experts])
-    se = block.shared_expert
-    shared = SharedExpert(torch.cat([se.gate_proj.weight, se.up_proj.weight]), se.down_proj.weight,
-                          block.shared_expert_gate.weight)
+    gen = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(experts, inter, hidden, generator=gen).to(DEV, BF16) / hidden**0.5 for _ in range(2))
+    down = torch.randn(experts, hidden, inter, generator=gen).to(DEV, BF16) / inter**0.5
+    stacked = ExpertWeights.stack(list(gate), list(up), list(down))
     rows = []
     for num in (16384, 64):
         x = torch.randn(num, hidden, device=DEV, dtype=BF16)
-        with torch.no_grad():
-            ms = median_ms(lambda x=x: moe_forward(x, block.gate.weight, stacked, shared, top_k=top_k,
-                                                   norm_topk_prob=True))
-            ref_ms = once_ms(lambda x=x: block(x))
-        flops = num * (top_k + 1) * 6 * hidden * inter  # routed pairs + the shared expert
-        weight_bytes = (experts + 1) * 3 * hidden * inter * 2
-        rows.append({"kernel": "moe (grouped_mm)", "shape": f"{num} tokens", "ms": ms, "rate": flops / ms / 1e9,
-                     "unit": "TFLOP/s", "of_ceiling": flops / ms / 1e9 / limits["bf16_TFLOPs"],
+        weights, ids = cuda_checks.routing(num, experts, top_k, BF16, DEV, gen)
+        ms = median_ms(lambda x=x, weights=weights, ids=ids: grouped_experts(x, weights, ids, stacked))
+        ref_ms = once_ms(lambda x=x, weights=weights, ids=ids: moe_ref.routed_experts(
+            x, weights, ids, list(gate), list(up), list(down)))
+        flops = num * top_k * 6 * hidden * inter
+        weight_bytes = experts * 3 * hidden * inter * 2
+        rows.append({"kernel": "moe routed experts (grouped_mm)", "shape": f"{num} tokens", "ms": ms,
+                     "rate": flops / ms / 1e9, "unit": "TFLOP/s",
+                     "of_ceiling": flops / ms / 1e9 / limits["bf16_TFLOPs"],
                      "weights_GBps": weight_bytes / ms / 1e6, "reference_ms": ref_ms})
         # where the time goes: one grouped GEMM (gate_up) alone, tokens spread evenly over the experts
         per_expert = num * top_k // experts
         offs = torch.arange(1, experts + 1, device=DEV, dtype=torch.int32) * per_expert
         xs = torch.randn(per_expert * experts, hidden, device=DEV, dtype=BF16)
         ms_mm = median_ms(lambda xs=xs, offs=offs: torch._grouped_mm(xs, stacked.gate_up.transpose(1, 2), offs=offs))
-        mm_bytes = stacked.gate_up.numel() * 2
+        mm_flops = 4 * per_expert * experts * hidden * inter
         rows.append({"kernel": "  grouped_mm gate_up alone", "shape": f"{num} tokens", "ms": ms_mm,
-                     "rate": 4 * per_expert * experts * hidden * inter / ms_mm / 1e9, "unit": "TFLOP/s",
-                     "of_ceiling": 4 * per_expert * experts * hidden * inter / ms_mm / 1e9 / limits["bf16_TFLOPs"],
-                     "weights_GBps": mm_bytes / ms_mm / 1e6})
+                     "rate": mm_flops / ms_mm / 1e9, "unit": "TFLOP/s",
+                     "of_ceiling": mm_flops / ms_mm / 1e9 / limits["bf16_TFLOPs"],
+                     "weights_GBps": stacked.gate_up.numel() * 2 / ms_mm / 1e6})
     return rows
 
 

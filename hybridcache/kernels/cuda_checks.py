@@ -20,7 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hybridcache.kernels import reference
+from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.conv import reference as conv_ref
+from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.moe import reference as moe_ref
 
 LENGTHS = (1, 17, 63, 64, 65, 200, 1500)
 HISTORY = (0, 5, 100, 64, 0, 37, 130)
@@ -102,7 +105,7 @@ def check_gated_delta(dtype: torch.dtype, device: torch.device, lengths: Sequenc
                       history: Sequence[int] = HISTORY, heads: tuple[int, int] = (2, 4),
                       dims: tuple[int, int] = (128, 128), seed: int = 0) -> dict[str, ErrorStats]:
     """fla's chunked rule (any lengths) and, when every length is 1, the in-place step kernel, via
-    `gated_delta_rule_varlen`, against `reference.chunk_gated_delta_rule` per sequence."""
+    `gated_delta_rule_varlen`, against `gated_delta/reference.py` per sequence."""
     from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
 
     gen = torch.Generator().manual_seed(seed)
@@ -118,7 +121,7 @@ def check_gated_delta(dtype: torch.dtype, device: torch.device, lengths: Sequenc
     for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
         rows = slice(starts[i], starts[i] + length)
         initial = None if hist == 0 else before[batch.state_slots[i]]
-        ref_out[rows], state = reference.chunk_gated_delta_rule(
+        ref_out[rows], state = delta_ref.chunk_gated_delta_rule(
             q[rows].float(), k[rows].float(), v[rows].float(), g[rows], beta[rows].float(), initial
         )
         ref_states.append(state)
@@ -140,7 +143,7 @@ def _conv_inputs(num_tokens: int, channels: int, kernel: int, dtype: torch.dtype
 def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
                history: Sequence[int] = HISTORY, channels: int = 320, kernel: int = 4, with_bias: bool = True,
                seed: int = 0) -> dict[str, ErrorStats]:
-    """`causal_conv1d_varlen` against `reference.causal_conv1d` per sequence (channels not a multiple of the
+    """`causal_conv1d_varlen` against `conv/reference.py` per sequence (channels not a multiple of the
     kernel's channel block, to exercise its masks)."""
     from hybridcache.kernels.conv.triton import causal_conv1d_varlen
 
@@ -157,7 +160,7 @@ def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] 
     for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
         rows = slice(starts[i], starts[i] + length)
         initial = None if hist == 0 else before[batch.state_slots[i]].float()
-        ref_out[rows], state = reference.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial)
+        ref_out[rows], state = conv_ref.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial)
         ref_states.append(state)
     return {
         "out": error_stats(out, ref_out),
@@ -170,7 +173,7 @@ def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Se
                       heads: tuple[int, int] = (2, 4), dims: tuple[int, int] = (128, 128), channels: int = 320,
                       kernel: int = 4, seed: int = 0) -> dict[str, ErrorStats]:
     """The decode kernels (one token per sequence; context_len 1 = fresh): conv step and gated delta step
-    against `reference.causal_conv1d_step` / `reference.gated_delta_rule_step`."""
+    against the conv and gated delta references."""
     from hybridcache.kernels.conv.triton import causal_conv1d_decode
     from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 
@@ -183,14 +186,14 @@ def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Se
     conv_before = conv_pool.clone()
     conv_out = causal_conv1d_decode(x, weight, bias, conv_pool, batch.state_slots, batch.context_lens)
     conv_init = conv_before[batch.state_slots].masked_fill(fresh[:, None, None], 0)
-    ref_conv, ref_conv_state = reference.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float())
+    ref_conv, ref_conv_state = conv_ref.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float())
 
     q, k, v, g, beta = _gdn_inputs(num, heads, dims, dtype, device, gen)
     ssm_pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)
     ssm_before = ssm_pool.clone()
     out = gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, batch.state_slots, batch.context_lens)
     ssm_init = ssm_before[batch.state_slots].masked_fill(fresh[:, None, None, None], 0)
-    ref_out, ref_state = reference.gated_delta_rule_step(q.float(), k.float(), v.float(), g, beta.float(), ssm_init)
+    ref_out, ref_state = delta_ref.gated_delta_rule_step(q.float(), k.float(), v.float(), g, beta.float(), ssm_init)
     return {
         "conv_out": error_stats(conv_out, ref_conv),
         "conv_state": error_stats(conv_pool[batch.state_slots], ref_conv_state),
@@ -241,38 +244,40 @@ def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[
     keys = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
     values = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
     ref_pool = kv.kv_pool.clone()
-    reference.write_kv(ref_pool, keys, values, kv.slot_mapping)
+    attention_ref.write_kv(ref_pool, keys, values, kv.slot_mapping)
     write_kv(kv.kv_pool, keys, values, kv.slot_mapping)
     scale = head_dim**-0.5
     out = paged_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
                           batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
     # The reference's softmax probabilities are rounded to q's dtype before P @ V; upcast for an fp32 oracle.
-    ref = reference.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
+    ref = attention_ref.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
                                     batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
     return {"kv_write": error_stats(kv.kv_pool, ref_pool), "out": error_stats(out, ref)}
 
 
-def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, hidden: int = 256,
-              experts: int = 8, top_k: int = 2, intermediate: int = 128, shared_intermediate: int = 256,
-              seed: int = 0) -> dict[str, ErrorStats]:
-    """`moe_forward` (grouped GEMM) against `layers.mlp.SparseMoeBlock` with the same weights."""
-    from hybridcache.kernels.moe.grouped import ExpertWeights, SharedExpert, moe_forward
-    from hybridcache.layers.mlp import SparseMoeBlock
+def routing(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing as the layer makes it: distinct experts per token, weights summing to 1."""
+    ids = torch.rand(num_tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k]
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return (weights / weights.sum(-1, keepdim=True)).to(device, dtype), ids.to(device)
 
-    torch.manual_seed(seed)
-    block = SparseMoeBlock(hidden, num_experts=experts, top_k=top_k, moe_intermediate_size=intermediate,
-                           shared_expert_intermediate_size=shared_intermediate, norm_topk_prob=True)
-    block = block.to(device, dtype)
-    x = torch.randn(num_tokens, hidden, device=device, dtype=dtype)
-    stacked = ExpertWeights.stack([e.gate_proj.weight for e in block.experts],
-                                  [e.up_proj.weight for e in block.experts],
-                                  [e.down_proj.weight for e in block.experts])
-    se = block.shared_expert
-    shared = SharedExpert(torch.cat([se.gate_proj.weight, se.up_proj.weight]), se.down_proj.weight,
-                          block.shared_expert_gate.weight)
-    with torch.no_grad():
-        out = moe_forward(x, block.gate.weight, stacked, shared, top_k=top_k, norm_topk_prob=True)
-        ref = block(x)  # same dtype: routing must see the same logits (a near tie can flip in fp32)
+
+def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, hidden: int = 256,
+              experts: int = 8, top_k: int = 2, intermediate: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
+    """`grouped_experts` (grouped GEMM) against `moe/reference.py::routed_experts` on the same routing; the
+    reference runs in fp32 on the same rounded weights."""
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    gate, up = (torch.randn(experts, intermediate, hidden, generator=gen).to(device, dtype) / hidden**0.5
+                for _ in range(2))
+    down = torch.randn(experts, hidden, intermediate, generator=gen).to(device, dtype) / intermediate**0.5
+    weights, ids = routing(num_tokens, experts, top_k, dtype, device, gen)
+    out = grouped_experts(x, weights, ids, ExpertWeights.stack(list(gate), list(up), list(down)))
+    ref = moe_ref.routed_experts(x.float(), weights.float(), ids, list(gate.float()), list(up.float()),
+                                 list(down.float()))
     return {"out": error_stats(out, ref)}
 
 
@@ -282,7 +287,7 @@ def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dic
     from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
     from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
     from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
-    from hybridcache.kernels.moe.grouped import ExpertWeights, moe_forward
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
 
     gen = torch.Generator().manual_seed(0)
     prefill = varlen_batch((1, 17, 65, 200), (0, 5, 64, 37), device)
@@ -315,10 +320,10 @@ def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dic
         calls[f"attention {label}"] = attend
         experts = ExpertWeights(torch.randn(8, 256, 128, generator=gen).to(device, dtype),
                                 torch.randn(8, 128, 128, generator=gen).to(device, dtype))
-        router = torch.randn(8, 128, generator=gen).to(device, dtype)
         xm = torch.randn(tokens, 128, generator=gen).to(device, dtype)
-        calls[f"moe {label}"] = lambda xm=xm, router=router, experts=experts: moe_forward(
-            xm, router, experts, None, top_k=2, norm_topk_prob=True)
+        weights, ids = routing(tokens, 8, 2, dtype, device, gen)
+        calls[f"moe {label}"] = lambda xm=xm, weights=weights, ids=ids, experts=experts: grouped_experts(
+            xm, weights, ids, experts)
     report = {}
     for name, call in calls.items():
         call()

@@ -18,7 +18,7 @@ that a norm over thousands of rows would dilute.
 - fla's chunked rule keeps its WY factors and the chunk states in bf16 for bf16 inputs, and runs fp32 inputs
   through tf32 matrix products: 2e-2 (bf16) / 5e-3 (fp32) on outputs; the fp32 final state 2e-2 / 5e-3.
 - Conv state rows are copies of inputs: exact. Pool rows outside the batch: exact (untouched).
-- MoE bf16 is compared to the bf16 reference block (the same routing logits): 2e-2.
+- MoE bf16: bf16 GEMMs with the hidden activation rounded to bf16 between them: 2e-2.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Paged causal GQA attention on CUDA (Triton) over one layer's KV pool; same contract as
-`reference.write_kv` / `reference.paged_attention`.
+`attention/reference.py` (`write_kv`, `paged_attention`).
 
 Pool: kv_pool [2, num_pages, page, Hkv, D] (0 = keys, 1 = values); block_tables [S, P] lists each sequence's
 pages; the new tokens of sequence i sit at positions [context_len - query_len, context_len).
@@ -209,10 +209,12 @@ def paged_prefill_attention(
     *,
     scale: float,
     config: PrefillConfig | None = None,
+    chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention: q [T, Hq, D] -> [T, Hq, D] in q's dtype (new K/V already in the pool).
 
-    cu_seqlens [S+1], context_lens [S], block_tables [S, P] on the device; query_lens_cpu gives the grid.
+    cu_seqlens [S+1], context_lens [S], block_tables [S, P] on the device; query_lens_cpu gives the grid;
+    chunk_indices: `varlen.chunk_indices(cu_seqlens, query_lens_cpu, config.block_m)` if already built.
     """
     _check(q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
@@ -220,7 +222,7 @@ def paged_prefill_attention(
     if num_tokens == 0:
         return out
     cfg = config or default_prefill_config(head_dim, q.dtype)
-    table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m)
+    table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
     _prefill_kernel[(table.shape[0], num_heads)](
         q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

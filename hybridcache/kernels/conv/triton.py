@@ -1,5 +1,5 @@
 """Causal depthwise conv1d of gated DeltaNet on CUDA (Triton), varlen, with conv state read from and written
-to the state pool by slot (same math as `reference.causal_conv1d` / `causal_conv1d_step`).
+to the state pool by slot (same math as `conv/reference.py`).
 
 Layouts: x [T, C] (rows of all sequences, cu_seqlens), weight [C, K], bias [C] or None,
 conv_pool [num_slots, C, K-1] (the last K-1 pre-convolution inputs of each slot, oldest first).

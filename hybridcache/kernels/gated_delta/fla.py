@@ -4,7 +4,7 @@ chunks, the in-place Triton step kernel (`triton_step`) for decode.
 flash-linear-attention (`fla-core`, pure Python + Triton) is imported inside the functions, so importing this
 module never imports fla; only CUDA callers reach it (fla in a CPU environment breaks transformers' CPU path).
 
-Contract of `gated_delta_rule_varlen` (same math as `reference.chunk_gated_delta_rule`, one call for all
+Contract of `gated_delta_rule_varlen` (same math as `gated_delta/reference.py`, one call for all
 sequences):
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] log decay (fp32); beta [T, Hv]; rows of sequence i are
     cu_seqlens[i]:cu_seqlens[i+1]. Each sequence starts from ssm_pool[state_slots[i]] (zeros when fresh:

@@ -1,6 +1,6 @@
 """One decode step of the gated delta rule on CUDA (Triton), reading and writing the state pool in place.
 
-Same math as `reference.gated_delta_rule_step`, per sequence n and value head h (S is [Dk, Dv], fp32):
+Same math as `gated_delta/reference.py::gated_delta_rule_step`, per sequence n and value head h (S is [Dk, Dv], fp32):
     q, k = l2norm(q), l2norm(k) (when use_qk_l2norm);  q = q * Dk^-1/2
     S = exp(g) S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
 with S = ssm_pool[state_slots[n], h] (zeros when context_len == 1: a fresh sequence) and the new S written
