@@ -15,7 +15,9 @@ def register(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies")
     sim.add_argument("--workload", required=True,
                      help="sharegpt, mooncake, swe-agent, shared-prefix, group-sampling[-n]")
-    sim.add_argument("--trace", default=None, help="trace file or folder (default: <repo>/../shared/traces/...)")
+    sim.add_argument("--trace", default=None,
+                     help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/; "
+                     "sharegpt has none)")
     sim.add_argument("--num-requests", type=int, default=None)
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated; NAME:B runs a policy at block size B (e.g. block-aligned:528)")
@@ -37,8 +39,10 @@ def register(subparsers) -> None:
     sim.set_defaults(func=cmd_simulate)
 
     bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes")
-    bench.add_argument("--workload", default="sharegpt")
-    bench.add_argument("--trace", default=None)
+    bench.add_argument("--workload", default="swe-agent",
+                       help="a workload name, as for simulate (default: %(default)s)")
+    bench.add_argument("--trace", default=None,
+                       help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
     bench.add_argument("--modes", default="none,block-aligned,hybridcache")
     bench.add_argument("--model", default=None, help="model folder (default: the built-in model)")
     bench.add_argument("--num-sessions", type=int, default=24, help="chat workloads: sessions")
