@@ -90,3 +90,34 @@ def test_server_config_validates_the_new_limits():
         ServerConfig(max_request_tokens=0)
     assert ServerConfig(host="127.0.0.1").binds_loopback_only()
     assert not ServerConfig(host="0.0.0.0").binds_loopback_only()
+
+
+def _app(config: ServerConfig):
+    from types import SimpleNamespace
+
+    from hybridcache.server.app import ServedModel, build_app
+
+    loop = SimpleNamespace(running=True, healthy=True, last_error=None, state=None)
+    return build_app(loop, ServedModel(tokenizer=None, max_model_len=64), config, metrics=None)
+
+
+def test_cors_headers_only_for_allowed_origins():
+    from fastapi.testclient import TestClient
+
+    preflight = {"origin": "http://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    with_cors = TestClient(_app(ServerConfig(allowed_origins=("http://app.example",))))
+    ok = with_cors.options("/v1/chat/completions", headers=preflight)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = with_cors.options("/v1/chat/completions", headers={**preflight, "origin": "http://evil.example"})
+    assert other.headers.get("access-control-allow-origin") is None
+    plain = TestClient(_app(ServerConfig())).options("/v1/chat/completions", headers=preflight)
+    assert plain.headers.get("access-control-allow-origin") is None
+
+
+def test_text_plain_is_refused_before_anything_runs():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(_app(ServerConfig()))
+    response = client.post("/v1/completions", content='{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert response.status_code == 415 and response.json()["error"]["param"] == "content-type"
