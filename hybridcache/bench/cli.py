@@ -45,10 +45,14 @@ def register(subparsers) -> None:
                        help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
     bench.add_argument("--modes", default="none,block-aligned,hybridcache")
     bench.add_argument("--model", default=None, help="model folder (default: the built-in model)")
-    bench.add_argument("--num-sessions", type=int, default=24, help="chat workloads: sessions")
-    bench.add_argument("--max-turns", type=int, default=4, help="chat workloads: model calls per session")
-    bench.add_argument("--max-message-chars", type=int, default=600)
-    bench.add_argument("--max-prompt-len", type=int, default=3000)
+    bench.add_argument("--num-sessions", type=int, default=8, help="chat workloads: sessions (default: %(default)s)")
+    bench.add_argument("--max-turns", type=int, default=3,
+                       help="chat workloads: model calls per session (default: %(default)s)")
+    bench.add_argument("--max-message-chars", type=int, default=200,
+                       help="chat workloads: characters kept of each message (default: %(default)s)")
+    bench.add_argument("--max-prompt-len", type=int, default=2048,
+                       help="chat workloads: a session ends before a call whose prompt + reply would pass this "
+                       "(default: %(default)s)")
     bench.add_argument("--num-requests", type=int, default=None)
     bench.add_argument("--max-reply-tokens", type=int, default=32)
     bench.add_argument("--seed", type=int, default=0)
