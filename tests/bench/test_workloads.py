@@ -176,3 +176,9 @@ def test_no_code_or_test_reads_outside_the_repository():
                  for f in (repo / folder).rglob("*") if f.suffix in (".py", ".sh")
                  and any(n in f.read_text(encoding="utf-8") for n in needles)]
     assert offenders == []
+
+
+def test_swe_agent_sessions_are_cut_to_max_turns():
+    chat = ChatOptions(num_sessions=4, max_turns=2, max_message_chars=100)
+    workload = load_workload("swe-agent", chat=chat)
+    assert len(workload.sessions) == 4 and all(len(s.turns) == 2 for s in workload.sessions)

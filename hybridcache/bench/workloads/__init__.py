@@ -115,7 +115,7 @@ def load_workload(
         sessions = load_sharegpt(path, encoder, seed=seed, num_sessions=chat.num_sessions, max_turns=chat.max_turns,
                                  max_message_chars=chat.max_message_chars, max_prompt_len=chat.max_prompt_len)
     else:
-        sessions = load_swe_agent(path, encoder, seed=seed, num_sessions=chat.num_sessions,
+        sessions = load_swe_agent(path, encoder, seed=seed, num_sessions=chat.num_sessions, max_turns=chat.max_turns,
                                   max_message_chars=chat.max_message_chars, max_prompt_len=chat.max_prompt_len)
     if num_requests is not None:
         sessions = truncate_sessions(sessions, num_requests)
