@@ -212,9 +212,9 @@ class _Routes:
     # ------------------------------------------------------------------------------------ other routes
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "hybridcache", "max_model_len": self.model.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "hybridcache",
+                  "max_model_len": self.model.max_model_len} for name in self.config.served_model_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self) -> JSONResponse:
         loop = self.engine_loop
@@ -247,9 +247,10 @@ class _Routes:
                            code="invalid_api_key")
 
     def _check_model(self, name: str | None) -> None:
-        served = self.config.served_model_name
-        if name is not None and name != served:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}'",
+        served = self.config.served_model_names
+        if name is not None and name not in served:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in served)}",
                            param="model", code="model_not_found")
 
     async def _read_json(self, request: Request) -> Any:

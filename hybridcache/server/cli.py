@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 
 API_KEY_ENV = "HYBRIDCACHE_API_KEY"
-logger = logging.getLogger("hybridcache.server")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,6 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                        help="model ids clients may send; the first one is reported (default: MODEL as given)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
+    serve.add_argument("--max-request-tokens", type=int, default=1 << 16,
+                       help="the most tokens one request may ask for (n x max_tokens)")
+    serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
+                       help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
@@ -42,25 +44,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def api_key(args: argparse.Namespace) -> str | None:
     """`--api-key`, else $HYBRIDCACHE_API_KEY, else None (an empty value counts as unset)."""
     return args.api_key or os.environ.get(API_KEY_ENV) or None
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding `host` keeps the server reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: assume it may be reachable from elsewhere
-        return False
-
-
-def exposure_warning(host: str, key: str | None) -> str | None:
-    """The startup warning for a server that anyone who reaches `host` may use (None when it has a key or
-    binds a loopback address)."""
-    if key is not None or is_loopback(host):
-        return None
-    return (f"binding {host} with no API key: anyone who can reach this address can use the server "
-            f"(set --api-key or ${API_KEY_ENV})")
 
 
 def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
@@ -91,12 +74,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = served_model_names(args, model_arg)
     config = ServerConfig(
         host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
-        max_request_bytes=args.max_request_bytes, enable_debug_endpoints=args.enable_debug_endpoints,
-        shutdown_timeout_s=args.shutdown_timeout,
+        served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
+        enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
+        max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
     )
-    warning = exposure_warning(config.host, config.api_key)
-    if warning is not None:
-        logger.warning(warning)
     resolved = resolve_model(model_arg)
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])

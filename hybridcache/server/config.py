@@ -10,7 +10,8 @@ class ServerConfig:
     """How the HTTP server runs.
 
     host / port: where to listen (loopback by default). api_key: when set, every /v1 request must send
-    `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model`.
+    `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model` (and responses
+    report); served_model_aliases: further ids clients may pass for the same model (`served_model_names` is all).
     max_request_bytes: request bodies above this are refused with 413. enable_debug_endpoints: serve
     `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
     is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
@@ -24,11 +25,17 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str = "hybridcache"
+    served_model_aliases: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20
     enable_debug_endpoints: bool = False
     shutdown_timeout_s: float = 10.0
     max_request_tokens: int = 1 << 16
     allowed_origins: tuple[str, ...] = ()
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every model id clients may send, the reported one first."""
+        return (self.served_model_name, *self.served_model_aliases)
 
     def binds_loopback_only(self) -> bool:
         """Whether `host` is a loopback address (only this machine can connect)."""
@@ -46,3 +53,6 @@ class ServerConfig:
         if self.max_request_tokens < 1:
             raise ValueError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))
+        if not all(self.served_model_aliases):
+            raise ValueError("served model names must not be empty")

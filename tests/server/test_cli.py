@@ -1,5 +1,5 @@
-"""`hybridcache serve`: the model argument (a hub id from a fake local Hugging Face cache), served names,
-the API key from the environment, the exposure warning, the access log, the stats line and the model_name
+"""`hybridcache serve`: the model argument (a hub id from a fake local Hugging Face cache), several served
+names, the API key from the environment, CORS origins, the access log, the stats line and the model_name
 label, against a real server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from hybridcache.cli import build_parser
 from hybridcache.models.builtin import BUILTIN_NAME
-from hybridcache.server.cli import api_key, exposure_warning, is_loopback, served_model_names
+from hybridcache.server.cli import api_key, served_model_names
 from tests.engine.test_model_path import fake_hub_cache
 from tests.server.server_process import SMALL_ENGINE, metric_value, running_server
 
@@ -40,12 +40,11 @@ def test_api_key_flag_then_environment(monkeypatch):
     assert api_key(parse()) is None
 
 
-def test_exposure_warning_only_for_a_keyless_non_loopback_bind():
-    assert all(is_loopback(host) for host in ("127.0.0.1", "127.5.0.1", "::1", "localhost"))
-    assert not any(is_loopback(host) for host in ("0.0.0.0", "::", "10.0.0.2", "example.org"))
-    assert exposure_warning("127.0.0.1", None) is None
-    assert exposure_warning("0.0.0.0", "key") is None
-    assert "no API key" in exposure_warning("0.0.0.0", None)
+def test_allowed_origins_and_request_token_cap_reach_the_server_config():
+    args = parse("--allowed-origins", "http://a.example", "http://b.example", "--max-request-tokens", "99")
+    assert args.allowed_origins == ["http://a.example", "http://b.example"]
+    assert args.max_request_tokens == 99
+    assert parse().allowed_origins is None
 
 
 def test_serve_a_hub_id_with_access_log_stats_line_and_model_label(tmp_path, monkeypatch):
@@ -54,12 +53,14 @@ def test_serve_a_hub_id_with_access_log_stats_line_and_model_label(tmp_path, mon
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HYBRIDCACHE_API_KEY", "env-key")
     args = ("acme/tiny-hybrid", *SMALL_ENGINE, "--log-level", "info", "--enable-access-log",
-            "--log-stats-interval", "0.2")
+            "--log-stats-interval", "0.2", "--allowed-origins", "http://app.example")
     with running_server(*args, tmp_dir=tmp_path) as server:
         headers = {"authorization": "Bearer env-key"}
         assert httpx.get(f"{server.base_url}/v1/models", timeout=30).status_code == 401
-        models = httpx.get(f"{server.base_url}/v1/models", headers=headers, timeout=30).json()
-        assert [card["id"] for card in models["data"]] == ["acme/tiny-hybrid"]
+        models = httpx.get(f"{server.base_url}/v1/models", timeout=30,
+                           headers={**headers, "origin": "http://app.example"})
+        assert models.headers["access-control-allow-origin"] == "http://app.example"
+        assert [card["id"] for card in models.json()["data"]] == ["acme/tiny-hybrid"]  # as given, not the hash
         body = {"model": "acme/tiny-hybrid", "prompt": "hello", "max_tokens": 3, "temperature": 0}
         r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 200 and r.json()["model"] == "acme/tiny-hybrid"
@@ -86,3 +87,16 @@ def test_two_different_models_are_an_error(argv, capsys):
 
     assert main(argv) == 2
     assert "given twice" in capsys.readouterr().err
+
+
+def test_several_served_model_names(tmp_path):
+    with running_server(*SMALL_ENGINE, "--served-model-name", "first", "second", tmp_dir=tmp_path) as server:
+        models = httpx.get(f"{server.base_url}/v1/models", timeout=30).json()
+        assert [card["id"] for card in models["data"]] == ["first", "second"]
+        body = {"model": "second", "prompt": "hello", "max_tokens": 2}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "first"
+        r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "model": "third"}, timeout=60)
+        assert r.status_code == 404 and "'first', 'second'" in r.json()["error"]["message"]
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+        assert metric_value(metrics, "hybridcache_prompt_tokens_total", 'model_name="first"') > 0
