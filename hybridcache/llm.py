@@ -49,9 +49,10 @@ class LLM:
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         for i, conversation in enumerate(conversations):
-            if not all(isinstance(message, dict) for message in conversation):
-                raise TypeError(f"messages must be a list of message dicts or a list of such lists "
-                                f"(conversation {i} holds a {type(conversation[0]).__name__})")
+            for message in conversation:
+                if not isinstance(message, dict):
+                    raise TypeError(f"messages must be a list of message dicts or a list of such lists "
+                                    f"(conversation {i} holds a {type(message).__name__})")
         prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
                    for conversation in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
