@@ -39,6 +39,11 @@ class Tokenizer:
         self.chat_template: str | None = template
 
     @property
+    def hf(self) -> PreTrainedTokenizerFast:
+        """The transformers tokenizer (what grammar libraries build their token tables from)."""
+        return self._tok
+
+    @property
     def backend(self) -> tokenizers.Tokenizer:
         """The `tokenizers.Tokenizer` underneath (what `DecodeStream` steps over)."""
         return self._tok.backend_tokenizer
