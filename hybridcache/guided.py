@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,14 +101,14 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.JSON_OBJECT:
         return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
     if kind is GuidedKind.JSON_SCHEMA:
-        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, separators=_TOJSON_SEPARATORS)
+        return _json_schema(xgr, spec.spec)
     if kind is GuidedKind.REGEX:
         return xgr.Grammar.from_regex(spec.spec)
     if kind is GuidedKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec.spec)
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
-        return xgr.Grammar.from_regex("|".join(f"({re.escape(choice)})" for choice in choices))
+        return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
     calls = [_tool_call_grammar(xgr, tool) for tool in json.loads(spec.spec)]
     return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
 
@@ -123,9 +122,27 @@ def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:
                        "arguments": function.get("parameters") or {"type": "object"}},
         "required": ["name", "arguments"],
     }
-    body = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_TOJSON_SEPARATORS)
-    return xgr.Grammar.concat(xgr.Grammar.from_regex(re.escape("<tool_call>\n")), body,
-                              xgr.Grammar.from_regex(re.escape("\n</tool_call>")))
+    body = _json_schema(xgr, schema)
+    return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
+
+
+# xgrammar writes the characters of a length-bounded string as this class, which lets raw control characters
+# through (invalid JSON); they must be escaped, as in its unbounded strings.
+_LOOSE_CHARACTERS = r'[^\"\\\r\n]'
+_STRICT_CHARACTERS = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema(xgr: Any, schema: str | dict[str, Any]) -> Any:
+    """The schema's grammar, written the way `tojson` writes JSON, with no raw control characters in strings."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_TOJSON_SEPARATORS)
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS)) if _LOOSE_CHARACTERS in text \
+        else grammar
+
+
+def _literal(xgr: Any, text: str) -> Any:
+    """A grammar matching exactly `text` (an EBNF string literal: JSON string escapes are EBNF's)."""
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
 def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> torch.Tensor | None:

@@ -99,7 +99,7 @@ def parse_block(body: str, tools: list[dict] | None = None) -> ToolCall | None:
             arguments[key] = _convert(value, types.get(key, {}))
         return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False))
     try:
-        data = json.loads(body)
+        data = json.loads(body, strict=False)  # grammars may let control characters through unescaped
     except json.JSONDecodeError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
