@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridcache.server.reasoning import ReasoningParser
 
 
 @dataclass(frozen=True)
@@ -17,7 +20,10 @@ class ServerConfig:
     (streams then end with an error event and `[DONE]`). max_request_tokens: the most tokens one request may
     ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
-    browsers keep other origins out); "*" allows every origin.
+    browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
+    `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
+    default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
+    request's own `chat_template_kwargs` override them.
     """
 
     host: str = "127.0.0.1"
@@ -29,6 +35,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     max_request_tokens: int = 1 << 16
     allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: ReasoningParser | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def binds_loopback_only(self) -> bool:
         """Whether `host` is a loopback address (only this machine can connect)."""
@@ -46,3 +54,6 @@ class ServerConfig:
         if self.max_request_tokens < 1:
             raise ValueError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        if isinstance(self.reasoning_parser, str):
+            object.__setattr__(self, "reasoning_parser", ReasoningParser(self.reasoning_parser))
+        object.__setattr__(self, "default_chat_template_kwargs", dict(self.default_chat_template_kwargs))
