@@ -1,8 +1,10 @@
 """The FastAPI application: OpenAI-compatible routes over an `EngineLoop`.
 
-    POST /v1/completions        prompt as text or token ids; stream, n, temperature, top_p, top_k,
-                                max_tokens, stop, seed (+ vLLM's ignore_eos, stop_token_ids)
-    POST /v1/chat/completions   messages through the model folder's chat template; the same options
+    POST /v1/completions        prompt as text or token ids, or a batch of prompts; sampling options,
+                                logprobs, echo, structured output (every field: docs/server.md)
+    POST /v1/chat/completions   messages and tools through the model folder's chat template; the same
+                                options, tool_choice, chat_template_kwargs; the output's tool calls and
+                                reasoning parsed out of its text (chat_output.py)
     GET  /v1/models             the served model
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
     GET  /metrics               Prometheus text format
