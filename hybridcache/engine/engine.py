@@ -19,11 +19,12 @@ from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.input_builder import build_forward_batch
 from hybridcache.engine.runner import ModelRunner
+from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import SamplingParams, make_generator, sample
+from hybridcache.sampling import SamplingParams, TokenLogprob, make_generator, sample
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -46,13 +47,16 @@ class ValidPrompt:
 @dataclass
 class _Request:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
-    `texts[i]` its incremental detokenizer."""
+    `texts[i]` its incremental detokenizer, `logprobs[i]` its tokens' logprobs (when asked for),
+    `matchers[i]` its own grammar state (structured output; None when unconstrained)."""
 
     request_id: str
     prompt: str | None
     params: SamplingParams
     seqs: list[Seq] = field(default_factory=list)
     texts: list[IncrementalDetokenizer] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    matchers: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -122,6 +126,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(
@@ -158,6 +163,8 @@ class LLMEngine:
                 )
             )
             request.texts.append(self.tokenizer.detokenizer(params.stop))
+            request.logprobs.append([])
+            request.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
         self._requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -218,11 +225,18 @@ class LLMEngine:
                 self.num_prefill_tokens += chunk.num_tokens
             else:
                 self.num_decode_tokens += chunk.num_tokens
-        tokens = sample(logits[rows], [s.params for s in sampled], [s.generator for s in sampled]) if rows else []
+        matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
+        bitmask = fill_bitmask(matchers, logits.shape[-1])
+        out = sample(logits[rows], sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
         touched: dict[str, _Request] = {}
-        for seq, token in zip(sampled, tokens):
+        for i, seq in enumerate(sampled):
+            token = out.tokens[i]
             request = self._requests[seq.request_id]
             seq.token_ids.append(token)
+            if out.logprobs[i] is not None:
+                request.logprobs[seq.index].append(out.logprobs[i])
+            if matchers[i] is not None and not matchers[i].is_terminated():
+                matchers[i].accept_token(token)
             reason = self._finish_reason(seq, token, request.texts[seq.index])
             if reason is not None:
                 seq.finish_reason = reason
@@ -248,8 +262,9 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- outputs
     def _output(self, request: _Request) -> RequestOutput:
         completions = [
-            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0)
-            for seq, text in zip(request.seqs, request.texts)
+            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+            for seq, text, logprobs in zip(request.seqs, request.texts, request.logprobs)
         ]
         first = request.seqs[0]
         return RequestOutput(

@@ -7,7 +7,7 @@
   error names the top-level field that holds the deep value.
 - Fields this server does not implement (`UNSUPPORTED_FIELDS`, `UNSUPPORTED_MESSAGE_FIELDS`) are refused
   unless they hold a neutral value (what leaving them out means), so a request never silently loses a
-  field it relies on. A message's content may not be null.
+  field it relies on. Only an assistant message's content may be null (a message of tool calls).
 
 Worked example: `{"messages": [{"role": "user", "content": "a\\ud800b"}]}` fails with param
 `messages.0.content`; `{"min_p": 0.1}` fails with param `min_p`; `{"min_p": 0}` passes.
@@ -26,30 +26,13 @@ MAX_JSON_DEPTH = 32
 # the same as leaving the field out). Implementing a field = removing its entry here and handling it in
 # protocol.py.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None, 0),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}),
-    "min_p": (None, 0),
-    "min_tokens": (None, 0),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "bad_words": (None, []),
@@ -59,16 +42,15 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "prediction": (None,),
     "modalities": (None, ["text"]),
-    "continue_final_message": (None, False),
-    "add_generation_prompt": (None, True),
     "chat_template": (None,),
-    "chat_template_kwargs": (None, {}),
     "documents": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
 }
 
 # Fields of a chat message this server does not implement (same rule).
 UNSUPPORTED_MESSAGE_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tool_calls": (None, []),
     "function_call": (None,),
     "audio": (None,),
 }
@@ -85,9 +67,9 @@ def check_body(data: dict[str, Any]) -> None:
             if not isinstance(message, dict):
                 continue
             _refuse_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, f"messages.{i}.")
-            if "content" in message and message["content"] is None:
-                raise APIError(400, f"messages.{i}.content is null; this server needs the content of every "
-                               "message (a string or a list of text parts)", param=f"messages.{i}.content")
+            if "content" in message and message["content"] is None and message.get("role") != "assistant":
+                raise APIError(400, f"messages.{i}.content is null; only an assistant message may have null "
+                               "content (a string or a list of text parts)", param=f"messages.{i}.content")
 
 
 def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:

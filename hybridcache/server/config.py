@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridcache.server.reasoning import ReasoningParser
 
 
 @dataclass(frozen=True)
@@ -18,7 +21,10 @@ class ServerConfig:
     (streams then end with an error event and `[DONE]`). max_request_tokens: the most tokens one request may
     ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
-    browsers keep other origins out); "*" allows every origin.
+    browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
+    `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
+    default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
+    request's own `chat_template_kwargs` override them.
     """
 
     host: str = "127.0.0.1"
@@ -31,6 +37,8 @@ class ServerConfig:
     shutdown_timeout_s: float = 10.0
     max_request_tokens: int = 1 << 16
     allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: ReasoningParser | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
@@ -56,3 +64,6 @@ class ServerConfig:
         object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))
         if not all(self.served_model_aliases):
             raise ValueError("served model names must not be empty")
+        if isinstance(self.reasoning_parser, str):
+            object.__setattr__(self, "reasoning_parser", ReasoningParser(self.reasoning_parser))
+        object.__setattr__(self, "default_chat_template_kwargs", dict(self.default_chat_template_kwargs))

@@ -9,14 +9,17 @@ internal union branch.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridcache.sampling import SamplingParams
+from hybridcache.guided import GuidedSpec
+from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
+from hybridcache.server.structured import guided_spec, response_format_spec, tool_choice_spec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -52,18 +55,57 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids with each finished choice
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: Int64 = 0
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each token carries, or None when logprobs are off (each endpoint names the
+        fields its own way)."""
+        return None
+
+    def guided(self) -> GuidedSpec | None:
+        """The one structured-output constraint of the request (a 400 when it sets several)."""
+        specs = [(name, spec) for name, spec in (
+            ("response_format", response_format_spec(self.response_format)),
+            ("guided_json", guided_spec(self.model_dump(include={"guided_json", "guided_regex", "guided_choice",
+                                                                  "guided_grammar", "structured_outputs"}))),
+        ) if spec is not None]
+        if len(specs) > 1:
+            raise APIError(400, "response_format and the guided_* / structured_outputs fields exclude each other",
+                           param="response_format")
+        return specs[0][1] if specs else None
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= 2**31:
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     def check_n(self) -> None:
         if self.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for `max_tokens` new tokens; a bad value is an APIError(400) naming it."""
+    def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None) -> SamplingParams:
+        """SamplingParams for `max_tokens` new tokens under the constraint `guided`; a bad value is an
+        APIError(400) naming it."""
         self.check_n()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -75,6 +117,14 @@ class _SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 seed=self.seed,
                 n=self.n,
+                min_p=self.min_p or 0.0,
+                min_tokens=min(self.min_tokens, max_tokens),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias,
+                logprobs=self.num_logprobs(),
+                guided=guided,
             )
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
@@ -84,15 +134,23 @@ class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`: `prompt` is a string or a list of token ids (one prompt per request)."""
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: Int64 | None = None
+    echo: bool = False
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or several (a list of strings or of token-id lists: a batch, whose
+        choices are numbered prompt by prompt, `n` each)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"batched prompts are not supported: got {len(prompt)} prompts; send one "
-                               "prompt (a string or a list of token ids) per request", param="prompt")
-            prompt = prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is None:
+            return None
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -101,18 +159,80 @@ class ContentPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallMessage(BaseModel):
+    """An assistant message's earlier tool call."""
+
+    model_config = _CONFIG
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatMessage(BaseModel):
-    """A message; null content is refused before validation (body_checks.py), a missing one is ""."""
+    """A message; null content is allowed only for an assistant message with tool calls (body_checks.py);
+    a missing one is "". Assistant messages may carry `tool_calls` and `reasoning_content` (vLLM's
+    `reasoning` is the same), tool messages `tool_call_id`."""
 
     model_config = _CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] = ""
+    content: str | list[ContentPart] | None = ""
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates take it; tool-call arguments as objects where they parse as JSON
+        objects (templates that iterate over arguments need them so; `tojson` writes them back the same)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -120,9 +240,44 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def guided(self) -> GuidedSpec | None:
+        forced = tool_choice_spec(self.tool_dicts(), self.effective_tool_choice())
+        other = super().guided()
+        if forced is not None and other is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                           "response_format or guided decoding", param="tool_choice")
+        return forced or other
 
 
 def parse_request(model: type[BaseModel], data: Any) -> Any:

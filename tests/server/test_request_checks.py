@@ -48,7 +48,7 @@ def _nested(depth: int) -> dict:
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, True,
      "messages.0.content.0.type"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, True,
-     "messages.0.tool_calls"),
+     "messages.0.tool_calls.0.function"),
 ])
 def test_bad_field_is_a_400_naming_it(body, chat, param):
     error = _refused(body, chat)
@@ -70,9 +70,9 @@ def test_every_unsupported_field_is_refused_by_name_unless_neutral(name):
 
 
 def test_a_boolean_is_not_taken_for_a_neutral_number():
-    assert _refused({"prompt": "hi", "repetition_penalty": True}).param == "repetition_penalty"
-    assert _refused({"prompt": "hi", "min_p": 0.05}).param == "min_p"
-    parse_request(CompletionRequest, {"prompt": "hi", "presence_penalty": 0.0, "logprobs": False})
+    assert _refused({"prompt": "hi", "length_penalty": True}).param == "length_penalty"
+    assert _refused({"prompt": "hi", "prompt_logprobs": 2}).param == "prompt_logprobs"
+    parse_request(CompletionRequest, {"prompt": "hi", "length_penalty": 1.0, "prompt_logprobs": 0})
 
 
 def test_valid_requests_still_parse():
