@@ -27,13 +27,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="where state checkpoints are saved (see docs/design.md)",
     )
     parser.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="SLOTS",
-                        help="state slots for prefix-cache checkpoints (default 32)")
+                        help="state slots for prefix-cache checkpoints (default: 32 on the CPU, from the memory "
+                        "budget on CUDA)")
     parser.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
                         help="deprecated alias of --num-checkpoint-slots")
     parser.add_argument("--decode-checkpoint-interval", type=int, default=None)
     parser.add_argument("--eviction", default="lru", choices=list(EVICTION_POLICIES))
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="CUDA: fraction of the device memory for weights, activations and the cache "
+                        "(default 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -62,6 +67,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         eviction=args.eviction,
         dtype=args.dtype,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     if slots is not None:
         options["num_checkpoint_slots"] = slots
