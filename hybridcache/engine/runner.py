@@ -3,9 +3,10 @@ time, with the step's checkpoint copies around it: restores, then the forward, t
 stream with no host synchronisation (one batched copy per pool group and kind).
 
 Decode-only steps (every sequence feeds one token) replay a CUDA graph when the backend supports graphs
-(`supports_cuda_graphs`), the device is CUDA and graphs are not turned off (`enforce_eager`). One graph is
-captured per batch-size bucket (1, 2, 4, 8, ... up to the first power of two >= max_num_seqs, see
-`graph_batch_sizes`); a step of n sequences runs the smallest bucket b >= n, its rows n..b-1 padded::
+(its `supports_cuda_graphs(dtype)`; the CUDA backend in bf16), the device is CUDA and graphs are not turned
+off (`enforce_eager`). One graph is captured per batch-size bucket (1, 2, 4, 8, ... up to the first power
+of two >= max_num_seqs, see `graph_batch_sizes`); a step of n sequences runs the smallest bucket b >= n,
+its rows n..b-1 padded::
 
     n = 3, bucket 4: input_ids [t0 t1 t2 0]   positions [p0 p1 p2 0]   context_lens [c0 c1 c2 1]
                      state_slots [s0 s1 s2 SCRATCH_SLOT]   slot_mapping [r0 r1 r2 SCRATCH_PAGE * page]
@@ -136,7 +137,8 @@ class ModelRunner:
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
-        use_graphs = cuda_graphs and getattr(self.backend, "supports_cuda_graphs", False)
+        supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
+        use_graphs = cuda_graphs and supports is not None and supports(dtype)
         extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
         self.pools = DevicePools.allocate(
             model.state_specs(dtype, state_dtype),

@@ -92,12 +92,14 @@ def test_cpu_runner_never_captures(runner):
 def test_graph_decode_equals_eager_on_cuda(tmp_path):
     from hybridcache import LLM, SamplingParams
 
+    """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket: the
+    graph replays the eager step's exact shapes, and bf16 tokens must be identical."""
     folder = write_tiny_model(tmp_path, "qwen3_next")
-    prompts = torch.randint(0, 256, (24, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
-        llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=24, gpu_memory_utilization=0.2,
+        llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
                   enforce_eager=eager)
         assert (llm.engine.runner.graph_batch_sizes == ()) == eager
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
