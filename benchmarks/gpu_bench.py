@@ -39,6 +39,7 @@ import string
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -227,7 +228,12 @@ def main() -> None:
     warm_up(llm, random.Random(99))
     runners = {"A": phase_a, "B": phase_b, "C": phase_c, "D": phase_d}
     for phase in phases:
-        result["phases"][phase] = runners[phase](llm, rng)
+        try:
+            result["phases"][phase] = runners[phase](llm, rng)
+        except Exception as error:  # one broken phase must not cost the others' figures
+            traceback.print_exc()
+            result.setdefault("errors", {})[phase] = repr(error)
+            continue
         print_row(phase, result["phases"][phase])
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
