@@ -221,7 +221,17 @@ def main() -> None:
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization)
     start = time.perf_counter()
-    llm = LLM(folder, **options, enforce_eager=args.enforce_eager)
+    try:
+        llm = LLM(folder, **options, enforce_eager=args.enforce_eager)
+    except Exception as error:  # graph capture failed: measure eagerly, and say so
+        if args.enforce_eager:
+            raise
+        traceback.print_exc()
+        result.setdefault("errors", {})["engine"] = repr(error)
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(folder, **options, enforce_eager=True)
+    result["cuda_graphs"] = list(llm.engine.runner.graph_batch_sizes)
     result["engine_init_s"] = time.perf_counter() - start
     result["memory"] = llm.engine.memory_plan.describe()
     rng = random.Random(0)
