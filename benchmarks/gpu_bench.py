@@ -221,13 +221,15 @@ def main() -> None:
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization)
     start = time.perf_counter()
+    llm = None
     try:
         llm = LLM(folder, **options, enforce_eager=args.enforce_eager)
-    except Exception as error:  # graph capture failed: measure eagerly, and say so
+    except Exception as error:  # graph capture failed: measure eagerly (below, once the traceback is gone)
         if args.enforce_eager:
             raise
         traceback.print_exc()
         result.setdefault("errors", {})["engine"] = repr(error)
+    if llm is None:
         gc.collect()
         torch.cuda.empty_cache()
         llm = LLM(folder, **options, enforce_eager=True)
