@@ -29,6 +29,7 @@ DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -146,12 +147,13 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"d{i}", prompt, params)
-    finished, prefill_steps, decode_steps = {}, [], []
+    finished, prefill_steps, decode_steps, steps = {}, [], [], []
     while engine.has_unfinished_requests():
         step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens
         outputs = engine.step()
-        (prefill_steps if engine.num_prefill_tokens != prefilled else decode_steps).append(
-            time.perf_counter() - step_start)
+        elapsed = time.perf_counter() - step_start
+        (prefill_steps if engine.num_prefill_tokens != prefilled else decode_steps).append(elapsed)
+        steps.append((engine.num_prefill_tokens - prefilled, round(1000 * elapsed, 2)))
         finished.update((o.request_id, o) for o in outputs if o.finished)
     seconds = time.perf_counter() - start
     outputs = [finished[f"d{i}"] for i in range(len(prompts))]
@@ -159,7 +161,8 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     result.update(output_tokens=out_tokens, output_tok_per_s=out_tokens / seconds,
                   prefill_steps=len(prefill_steps), prefill_s=sum(prefill_steps), decode_steps=len(decode_steps),
-                  decode_step_ms_p50=1000 * statistics.median(decode_steps) if decode_steps else None)
+                  decode_step_ms_p50=1000 * statistics.median(decode_steps) if decode_steps else None,
+                  steps_prefill_tokens_ms=steps)
     return result
 
 
@@ -167,29 +170,28 @@ def warm_up(llm: LLM, rng: random.Random) -> None:
     """Compile every kernel shape family once (long prefill, cached prefix, batched decode), then forget it."""
     timed(llm, [letters(rng, 3000)], 1)
     timed(llm, [letters(rng, 300) for _ in range(8)], 16)
+    timed(llm, [letters(rng, 1024) for _ in range(32)], 2)
     llm.engine.clear_cache()
 
 
-def check_graphs(folder: Path, options: dict) -> dict:
-    """Greedy tokens of a long decode with CUDA graphs vs eagerly (two engines, one after the other)."""
+def check_graphs(llm: LLM, max_tokens: int) -> dict:
+    """Greedy tokens of a long decode (32 prompts in lockstep, so every decode step is a 32-row bucket) with
+    CUDA graphs, then eagerly on the same engine (`runner.eager()`), the cache cleared before each."""
     rng = random.Random(1)
     prompts = [letters(rng, rng.randint(50, 400)) for _ in range(32)]
-    tokens = {}
-    for eager in (True, False):
-        llm = LLM(folder, **options, enforce_eager=eager)
-        start = time.perf_counter()
-        outputs = timed(llm, prompts, 512)[1]
+    tokens, seconds = {}, {}
+    for eager in (False, True):
+        llm.engine.clear_cache()
+        mode = llm.engine.runner.eager() if eager else contextlib.nullcontext()
+        with mode:
+            seconds[eager], outputs = timed(llm, prompts, max_tokens)
         tokens[eager] = [list(o.outputs[0].token_ids) for o in outputs]
-        print(f"graph check: enforce_eager={eager}: {time.perf_counter() - start:.2f} s", flush=True)
-        del llm, outputs
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
              for a, b in zip(tokens[True], tokens[False])]
     return {"completions": len(prompts), "identical": same, "tokens": sum(map(len, tokens[True])),
-            "first_divergence": [i for i in first if i is not None]}
+            "first_divergence": [i for i in first if i is not None], "graph_s": seconds[False],
+            "eager_s": seconds[True]}
 
 
 def main() -> None:
@@ -197,6 +199,7 @@ def main() -> None:
     parser.add_argument("--model", default="next-1b", choices=list(MODELS))
     parser.add_argument("--phases", default="C,D,A,B", help="comma-separated, run in this order")
     parser.add_argument("--check-graphs", action="store_true")
+    parser.add_argument("--check-tokens", type=int, default=512, help="tokens per completion of --check-graphs")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -251,9 +254,7 @@ def main() -> None:
         (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
     print_table(result)
     if args.check_graphs:
-        del llm
-        gc.collect()
-        result["graph_check"] = check_graphs(folder, {**options, "gpu_memory_utilization": 0.4})
+        result["graph_check"] = check_graphs(llm, args.check_tokens)
         print(f"graph check: {result['graph_check']}", flush=True)
         (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
 

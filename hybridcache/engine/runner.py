@@ -20,7 +20,8 @@ them (device-to-device, on the forward's stream) and replays.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -160,6 +161,15 @@ class ModelRunner:
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The captured decode batch sizes; () when steps run eagerly."""
         return self._graphs.sizes if self._graphs is not None else ()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Within the block every step runs eagerly (for comparing graph and eager decode on one engine)."""
+        graphs, self._graphs = self._graphs, None
+        try:
+            yield
+        finally:
+            self._graphs = graphs
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
