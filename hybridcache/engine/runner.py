@@ -149,6 +149,7 @@ class ModelRunner:
             device=device,
         )
         self._graphs: _DecodeGraphs | None = None
+        self._replay = True
         if use_graphs:
             self._graphs = _DecodeGraphs(
                 graph_batch_sizes(max_num_seqs), width=-(-max_model_len // kernel_block_size),
@@ -164,12 +165,25 @@ class ModelRunner:
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
-        """Within the block every step runs eagerly (for comparing graph and eager decode on one engine)."""
+        """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
         graphs, self._graphs = self._graphs, None
         try:
             yield
         finally:
             self._graphs = graphs
+
+    @contextlib.contextmanager
+    def without_replay(self) -> Iterator[None]:
+        """Within the block, decode steps run the very batch a graph replays (the padded static buffers, the
+        kernel choices made at capture, e.g. split-KV splits sized for max_model_len) eagerly, without the
+        graph: graph replay must give bit-identical logits. (An `enforce_eager` engine sizes its split-KV
+        splits from the step's own longest context, so its bf16 rounding, and on a random model with nearly
+        flat logits its greedy tokens, differ.)"""
+        self._replay = False
+        try:
+            yield
+        finally:
+            self._replay = True
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -190,6 +204,9 @@ class ModelRunner:
         if size is None:
             return self.model(self.backend.prepare(batch), self.pools, self.backend)
         graphs.load(batch, size)
+        if not self._replay:
+            static = self.backend.prepare(graphs.static_batch(size))
+            return self.model(static, self.pools, self.backend)[: batch.num_seqs]
         graphs.graphs[size].replay()
         return graphs.outputs[size][: batch.num_seqs].clone()
 
