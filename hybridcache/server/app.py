@@ -9,7 +9,12 @@
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
                                 `?clear_cache=true` first drops what the prefix cache holds
 
-Every error is an OpenAI error object (errors.py). /v1 routes need the API key when one is configured.
+Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
+`Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
+asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
+(body_checks.py); a request may ask for at most `max_request_tokens` tokens (n x max_tokens). /v1 routes
+and the debug route need the API key when one is configured. With `allowed_origins` set, CORS headers
+let those origins call the API from a browser.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -47,6 +53,7 @@ from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_un
 from hybridcache.server.text_stream import TextStream
 
 logger = logging.getLogger("hybridcache.server")
+SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 
 
 @dataclass(frozen=True)
@@ -63,26 +70,32 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.api_key is None and not config.binds_loopback_only():
+            logger.warning("listening on %s with no API key: anyone who can reach this address can use the "
+                           "server (set an API key, or bind 127.0.0.1)", config.host)
         engine_loop.start()
         yield
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     routes = _Routes(engine_loop, model, config, metrics)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return ErrorResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {error.detail}"
-        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+        return ErrorResponse(error_body(error.status_code, message), status_code=error.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+        return ErrorResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
@@ -92,6 +105,13 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
     return app
+
+
+class ErrorResponse(JSONResponse):
+    """An error body rendered as ASCII JSON, so that whatever text it quotes can always be encoded."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class _Routes:
@@ -108,9 +128,11 @@ class _Routes:
         self._authorize(request)
         body: CompletionRequest = parse_request(CompletionRequest, await self._read_json(request))
         self._check_model(body.model)
+        body.check_n()
         prompt = body.single_prompt()
         prompt_ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
+        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt",
+                                      body.n)
         params = body.sampling_params(max_tokens)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body)
@@ -119,6 +141,7 @@ class _Routes:
         self._authorize(request)
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
         self._check_model(body.model)
+        body.check_n()
         messages = [m.as_template_input() for m in body.messages]
         try:
             text = self.model.tokenizer.apply_chat_template(messages)
@@ -126,7 +149,7 @@ class _Routes:
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
         prompt_ids = self.model.tokenizer.encode(text)
-        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages")
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages", body.n)
         params = body.sampling_params(max_tokens)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
         return await self._respond(request, meta, prompt_ids, params, body)
@@ -137,7 +160,7 @@ class _Routes:
         loop = self.engine_loop
         try:
             sink = await loop.add(request_id, prompt_ids, params)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, OverflowError) as error:
             raise APIError(400, str(error), param="prompt" if "prompt" in str(error) else None) from None
         except EngineFailure as error:
             raise APIError(503, str(error)) from None
@@ -147,25 +170,39 @@ class _Routes:
         outputs = _outputs(sink)
         if body.stream:
             events = _events(meta, outputs, params, body.include_usage(), body.return_token_ids)
-            return EventStreamResponse(events, on_close=lambda: loop.abort(request_id))
+            final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
+            return EventStreamResponse(events, on_close=lambda: loop.abort(request_id), final_events=final_events)
         try:
             final = await run_until_disconnect(request.receive, _last(outputs))
         except ClientGone:
             return Response(status_code=499)
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
+        except asyncio.CancelledError:
+            # the server's shutdown grace period ended before this request finished
+            return ErrorResponse(error_body(503, SHUTDOWN_MESSAGE), status_code=503)
         finally:
             loop.abort(request_id)  # a no-op once it has finished
         return JSONResponse(full_response(meta, final, body.return_token_ids))
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str,
+                    n: int) -> int:
+        """The new-token limit of each of the `n` choices: `requested` if it fits the context and the request
+        budget (else 400), or the default (`default`, else all the room), cut to fit both."""
         limit = self.model.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens; max_model_len is {limit}, which leaves no "
                            "room for a completion", param=prompt_param, code="context_length_exceeded")
         room = limit - prompt_len
+        budget = self.config.max_request_tokens
+        n = max(n, 1)  # n < 1 is refused with the other sampling options
+        if n > budget:
+            raise APIError(400, f"n is {n}, but a request may generate at most {budget} tokens in all", param="n")
         if requested is None:
-            return room if default is None else min(default, room)
+            return min(room if default is None else default, room, budget // n)
+        if requested >= 1 and n * requested > budget:
+            raise APIError(400, f"n x max_tokens is {n} x {requested} = {n * requested} tokens; a request may "
+                           f"generate at most {budget} tokens in all", param="max_tokens")
         if requested > room:
             raise APIError(400, f"max_tokens is {requested}, but the prompt has {prompt_len} tokens and "
                            f"max_model_len is {limit}: at most {room} new tokens fit", param="max_tokens",
@@ -188,7 +225,8 @@ class _Routes:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def debug_engine(self, clear_cache: bool = False) -> JSONResponse:
+    async def debug_engine(self, request: Request, clear_cache: bool = False) -> JSONResponse:
+        self._authorize(request)
         try:
             state = await self.engine_loop.check(clear_cache=clear_cache)
         except EngineBusy as error:
@@ -215,6 +253,10 @@ class _Routes:
                            param="model", code="model_not_found")
 
     async def _read_json(self, request: Request) -> Any:
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
+                           f"{media_type or 'no content type'!r}", param="content-type")
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -226,7 +268,9 @@ class _Routes:
                 raise APIError(413, f"the request body is over the limit of {limit} bytes")
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
