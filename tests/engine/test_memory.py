@@ -77,3 +77,23 @@ def test_fixed_plan_and_description():
                            state_bytes_per_slot=STATE)
     assert got.budget_bytes == 10 * KV + 5 * STATE
     assert "10 blocks" in got.describe() and "2 runtime + 3 checkpoint slots" in got.describe()
+
+
+def test_cpu_engine_keeps_its_defaults(tmp_path, caplog):
+    """On the CPU: max_model_len capped at 8192, 2 x max_num_seqs sequences of KV, 32 checkpoint slots; the
+    startup summary is logged once."""
+    import logging
+
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    from .model_folders import write_tiny_model
+
+    folder = write_tiny_model(tmp_path, "qwen3_5_text", max_position_embeddings=100_000)
+    with caplog.at_level(logging.INFO, logger="hybridcache.engine"):
+        engine = LLMEngine(folder, EngineConfig(max_num_seqs=2))
+    assert engine.max_model_len == 8192
+    assert engine.num_blocks == 2 * 2 * 8192 // 64
+    assert engine.memory_plan.num_checkpoint_slots == 32 and engine.memory_plan.num_slots == 34
+    summaries = [r.getMessage() for r in caplog.records if r.name == "hybridcache.engine"]
+    assert len(summaries) == 1 and "max_model_len 8192" in summaries[0] and "cuda graphs off" in summaries[0]
