@@ -26,16 +26,21 @@ class EngineConfig:
     num_blocks: KV blocks in the pool (None = enough for max_num_seqs sequences of max_model_len tokens, plus as
     many again for the prefix cache).
     max_num_seqs: running sequences at once (one runtime state slot each). num_checkpoint_slots: extra state
-    slots for prefix-cache checkpoints. max_num_batched_tokens: the token budget of one forward step; long
+    slots for prefix-cache checkpoints (None: 32 on the CPU; on CUDA derived from the memory budget, see
+    `hybridcache.engine.memory`). max_num_batched_tokens: the token budget of one forward step; long
     prompts are prefilled in chunks of at most this many tokens. max_model_len: prompt + output limit
-    (None = the model's max_position_embeddings, capped at 8192).
+    (None = the model's max_position_embeddings; capped at 8192 on the CPU, where the pools are sized per
+    sequence, not from a memory budget).
+    gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
+    activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
+    graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
     """
 
     block_size: int = 64
     kernel_block_size: int | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 16
-    num_checkpoint_slots: int = 32
+    num_checkpoint_slots: int | None = None
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -45,6 +50,8 @@ class EngineConfig:
     dtype: str = "float32"
     state_dtype: str = "float32"
     device: str = "cpu"
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -56,13 +63,16 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_checkpoint_slots < 0:
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         kbs = self.kernel_block_size
         if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(
                 f"kernel_block_size must be a power of two that divides block_size {self.block_size}, got {kbs}"
             )
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

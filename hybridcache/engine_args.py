@@ -55,7 +55,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-mode", default="hybridcache", choices=list(CACHE_MODES),
                         help="where state checkpoints are saved (see docs/design.md)")
     parser.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="SLOTS",
-                        help="state slots for prefix-cache checkpoints (default: 32)")
+                        help="state slots for prefix-cache checkpoints (default: 32 on the CPU, from the memory "
+                             "budget on CUDA)")
     parser.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
                         help="deprecated alias of --num-checkpoint-slots (default: unset)")
     parser.add_argument("--decode-checkpoint-interval", type=int, default=None,
@@ -68,6 +69,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "when it is bfloat16 or float16, else bfloat16 (default: auto)")
     parser.add_argument("--device", default=AUTO,
                         help="cpu, cuda or cuda:N; auto: cuda when a GPU is present, else cpu (default: auto)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="CUDA: fraction of the device memory for weights, activations and the cache "
+                             "(default: 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -105,6 +110,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         eviction=args.eviction,
         dtype=args.dtype,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     if slots is not None:
         options["num_checkpoint_slots"] = slots
