@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridcache.server.config import ServerConfig
 
 API_KEY_ENV = "HYBRIDCACHE_API_KEY"
 
@@ -32,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> into reasoning_content (default: off)")
+    serve.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
+                            "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
     serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
@@ -39,6 +49,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
     serve.set_defaults(func=cmd_serve)
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of `--chat-template-kwargs`: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -55,6 +76,19 @@ def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str
     return (model if model is not None else BUILTIN_NAME,)
 
 
+def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerConfig:
+    """The `ServerConfig` the parsed `serve` options describe (`names`: the served model names, reported first)."""
+    from hybridcache.server.config import ServerConfig
+
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
+        served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
+        enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
+        max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
+        reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
+    )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -62,7 +96,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
     from hybridcache.model_path import resolve_model
     from hybridcache.server.app import ServedModel, build_app
-    from hybridcache.server.config import ServerConfig
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
@@ -72,12 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = engine_options(args)
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
-    config = ServerConfig(
-        host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
-        served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
-        enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
-        max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
-    )
+    config = server_config(args, names)
     resolved = resolve_model(model_arg)
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])

@@ -12,7 +12,8 @@ import pytest
 
 from hybridcache.cli import build_parser
 from hybridcache.models.builtin import BUILTIN_NAME
-from hybridcache.server.cli import api_key, served_model_names
+from hybridcache.server.cli import api_key, served_model_names, server_config
+from hybridcache.server.reasoning import ReasoningParser
 from tests.engine.test_model_path import fake_hub_cache
 from tests.server.server_process import SMALL_ENGINE, metric_value, running_server
 
@@ -45,6 +46,19 @@ def test_allowed_origins_and_request_token_cap_reach_the_server_config():
     assert args.allowed_origins == ["http://a.example", "http://b.example"]
     assert args.max_request_tokens == 99
     assert parse().allowed_origins is None
+
+
+def test_reasoning_parser_and_chat_template_kwargs_reach_the_server_config(capsys):
+    config = server_config(parse("--reasoning-parser", "qwen3", "--chat-template-kwargs", '{"enable_thinking": false}'),
+                           ("m",))
+    assert config.reasoning_parser is ReasoningParser.QWEN3
+    assert config.default_chat_template_kwargs == {"enable_thinking": False}
+    defaults = server_config(parse(), ("m",))
+    assert defaults.reasoning_parser is None and defaults.default_chat_template_kwargs == {}
+    for bad in ("[1, 2]", "{not json"):
+        with pytest.raises(SystemExit):
+            parse("--chat-template-kwargs", bad)
+        assert "--chat-template-kwargs" in capsys.readouterr().err
 
 
 def test_serve_a_hub_id_with_access_log_stats_line_and_model_label(tmp_path, monkeypatch):
