@@ -67,14 +67,17 @@ class PrefixCache:
         """Find the deepest usable checkpoint for `request` and pin it. Changes nothing else.
 
         Walks the adapter's trie with the prompt's full blocks (exact tokens and spans), then takes the
-        deepest published checkpoint on that path with step <= prompt_len - 1, at a safe boundary, whose
-        tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
+        deepest published checkpoint on that path with step <= `max_match_step(request)`, at a safe
+        boundary, whose tail equals the prompt there. The result must go to `admit` or `release_match`
+        exactly once. With `full_prompt_hits`, `cached_len == prompt_len` is a zero-prefill hit: the
+        restored slot holds the last prompt position's hidden state, and the caller samples from it.
         """
         size = self.block_size
+        max_step = self.max_match_step(request)
         path = walk_prompt(self._trie, request, size)
-        ckpt = find_deepest(self._trie, path, request, size, request.prompt_len - 1) if path else None
+        ckpt = find_deepest(self._trie, path, request, size, max_step) if path else None
         cached_len = ckpt.step if ckpt is not None else 0
-        divergence = max(divergence_len(self._trie, path, request, size), cached_len)
+        divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
         match_id = self._next_match_id
@@ -90,6 +93,10 @@ class PrefixCache:
             divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
+
+    def max_match_step(self, request: CacheRequest) -> int:
+        """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
+        return request.prompt_len - (0 if self.config.full_prompt_hits else 1)
 
     def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is

@@ -99,13 +99,13 @@ def build_forward_batch(
         logits_indices=tensor(logits_indices, torch.int64),
         query_lens_cpu=tuple(len(c.token_ids) for c in chunks),
         context_lens_cpu=tuple(context_lens),
-        copies=_device_copies(copies, device) if copies is not None else (),
+        copies=device_copies(copies, device) if copies is not None else (),
         embed_rows=tensor(embed_rows, torch.int64) if embed_rows else None,
         embeds=torch.cat(embeds).to(device) if embeds else None,
     )
 
 
-def _device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
+def device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
     """Each op's ids in one host tensor, moved to the device in one transfer."""
     ops = []
     for op in copies.ops:

@@ -28,7 +28,13 @@ from hybridcache.config import CACHE_MODES
 
 @dataclass(frozen=True)
 class CheckpointPolicy:
-    """Which checkpoints a cache mode saves (see the module docstring)."""
+    """Which checkpoints a cache mode saves (see the module docstring), and how it reuses them.
+
+    `full_prompt_hits`: a checkpoint at the prompt's end serves an identical prompt with no prefill at all
+    (the slot keeps the last position's hidden state; `CacheConfig.full_prompt_hits`). `share_in_flight`:
+    a waiting sequence whose prompt shares a prefix with a prompt still being prefilled waits for that
+    prefill to pass the shared part (which it saves as a branch point) and then forks from it.
+    """
 
     name: str
     chunk_end: bool = True
@@ -36,15 +42,21 @@ class CheckpointPolicy:
     branch_point: bool = True
     block_aligned: bool = False
     max_checkpoints_per_anchor: int = 4
+    full_prompt_hits: bool = True
+    share_in_flight: bool = True
 
 
 # One policy per name of `config.CACHE_MODES` (the engine config validates modes from that tuple).
 POLICIES: dict[str, CheckpointPolicy | None] = {
     "none": None,
     "block-aligned": CheckpointPolicy(
-        "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1
+        "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1,
+        full_prompt_hits=False, share_in_flight=False,
     ),
-    "seed": CheckpointPolicy("seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1),
+    "seed": CheckpointPolicy(
+        "seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1, full_prompt_hits=False,
+        share_in_flight=False,
+    ),
     "hybridcache": CheckpointPolicy("hybridcache"),
 }
 
