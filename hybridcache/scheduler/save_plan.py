@@ -34,6 +34,9 @@ class CheckpointPolicy:
     (the slot keeps the last position's hidden state; `CacheConfig.full_prompt_hits`). `share_in_flight`:
     a waiting sequence whose prompt shares a prefix with a prompt still being prefilled waits for that
     prefill to pass the shared part (which it saves as a branch point) and then forks from it.
+    `saves_after_hit`: False models LMDeploy 0.18, whose chains stop growing after a partial hit (the blocks
+    filled after a restored checkpoint are not attached to its trie): a sequence that started from a hit
+    saves nothing.
     """
 
     name: str
@@ -44,6 +47,7 @@ class CheckpointPolicy:
     max_checkpoints_per_anchor: int = 4
     full_prompt_hits: bool = True
     share_in_flight: bool = True
+    saves_after_hit: bool = True
 
 
 # One policy per name of `config.CACHE_MODES` (the engine config validates modes from that tuple).
@@ -55,7 +59,7 @@ POLICIES: dict[str, CheckpointPolicy | None] = {
     ),
     "seed": CheckpointPolicy(
         "seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1, full_prompt_hits=False,
-        share_in_flight=False,
+        share_in_flight=False, saves_after_hit=False,
     ),
     "hybridcache": CheckpointPolicy("hybridcache"),
 }
@@ -87,6 +91,7 @@ def plan_chunk(
     branch_step: int | None = None,
     decode_interval: int | None = None,
     spans: Sequence[tuple[int, int]] = (),
+    hit_len: int = 0,
 ) -> ChunkPlan:
     """Plan the next chunk of a sequence that has `start` tokens computed and `num_tokens` tokens in all.
 
@@ -94,13 +99,15 @@ def plan_chunk(
     prompt is `[0, prompt_len)` (for a re-queued sequence, everything it had when it was queued). The chunk
     is shortened to end exactly at `branch_step` when that lies inside it (and the policy saves branch
     points); with `block_aligned`, a prefill chunk is cut back to the last block boundary inside it.
-    Decode steps (one token past the prompt) save only at multiples of `decode_interval`.
+    Decode steps (one token past the prompt) save only at multiples of `decode_interval`. `hit_len`: the
+    tokens the sequence took from the cache when admitted (a policy without `saves_after_hit` then saves
+    nothing).
 
     A chunk never ends strictly inside a multimodal span `[s, e)` of `spans`: it ends at `s` instead, or,
     when it starts at or inside the span, at `e` (going over the budget: a span is fed whole).
     """
     end = _outside_spans(min(num_tokens, start + budget), start, spans)
-    if policy is None:
+    if policy is None or (hit_len and not policy.saves_after_hit):
         return ChunkPlan(end, None)
     if start >= prompt_len:  # decode
         if decode_interval and end % decode_interval == 0:

@@ -185,6 +185,7 @@ class Scheduler:
             branch_step=min(stops, default=None),
             decode_interval=self.decode_checkpoint_interval,
             spans=[(m.start, m.end) for m in seq.mm_inputs],
+            hit_len=start if seq.num_cached is None else seq.num_cached,
         )
 
     def _reserve(self, seq: Seq, plan: ChunkPlan) -> tuple[Seq, int]:

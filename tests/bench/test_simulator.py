@@ -73,28 +73,42 @@ def test_a_fourth_request_hits_the_branch_point_only_under_hybridcache():
     assert results["oracle"].hit_tokens == 17 + 6
 
 
-def test_identical_resend_hits_from_the_second_resend_on():
+def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend_on():
     prompt = tuple(range(100, 130))
     requests = [SimRequest(f"x{i}", prompt, (7, 8)) for i in range(3)]
-    results = _run(requests, "seed,hybridcache,oracle")
-    assert results["oracle"].hit_tokens == 2 * 29
-    # hybridcache: the first resend saves a branch point at 29 (prompt_len - 1); the second hits it.
-    # The first resend finds r0's finish checkpoint at 31 > 29 unusable, and no chunk end below.
-    assert results["hybridcache"].hit_tokens == 29
+    results = _run(requests, "seed,hybridcache,oracle,bounded-oracle")
+    assert results["oracle"].hit_tokens == 2 * 30
+    # hybridcache: the prefill-end checkpoint at 30 keeps the last hidden state: each resend only samples.
+    assert results["hybridcache"].hit_tokens == 2 * 30
+    assert results["bounded-oracle"].hit_tokens == 2 * 30
+    # seed (LMDeploy 0.18): its checkpoint at 30 is out of reach (at most prompt_len - 1), no chunk end below.
     assert results["seed"].hit_tokens == 0
 
 
-def test_n_completions_of_one_request_run_together_and_do_not_hit_each_other():
+def test_seed_chains_stop_growing_after_a_partial_hit():
+    """LMDeploy 0.18: a sequence that started from a hit saves nothing, so turn 2 of a chat hits only what
+    turn 0 saved, while hybridcache hits turn 1's finish."""
+    t0 = SimRequest("t0", tuple(range(1, 21)), (50, 51))
+    t1 = SimRequest("t1", t0.prompt_ids + (50, 60, 61, 62), (70, 71))
+    t2 = SimRequest("t2", t1.prompt_ids + (70, 80, 81), (90,))
+    results = _run([t0, t1, t2], "seed,hybridcache")
+    assert results["seed"].hit_tokens == 20 + 20
+    assert results["hybridcache"].hit_tokens == 21 + 25
+
+
+def test_n_completions_of_one_request_share_the_first_ones_prefill():
     prompt = tuple(range(200, 220))
     request = SimRequest("g", prompt, (1, 2), n=3, sibling_output_ids=((3, 4), (5, 6)))
     again = SimRequest("h", prompt + (9, 9, 9), (1,))
-    results = _run([request, again], "hybridcache,oracle")
-    assert results["oracle"].hit_tokens == 20  # only the later request hits (all of the shared prompt)
+    results = _run([request, again], "seed,hybridcache,oracle,bounded-oracle")
+    assert results["oracle"].hit_tokens == 2 * 20 + 20  # the siblings and the later request: the whole prompt
     assert results["oracle"].prompt_tokens == 3 * 20 + 23
-    # the finish checkpoints (at 21, after each completion's own output token) do not match the later
-    # prompt; the prefill end at 20 does
-    assert results["hybridcache"].hit_tokens == 20
-    assert results["hybridcache"].hits_by_reason == {"prefill_end": 1}
+    # the siblings wait for the first prefill and only sample (zero-prefill hits on its prefill end at 20);
+    # the finish checkpoints (at 21) do not match the later prompt, the prefill end at 20 does
+    assert results["hybridcache"].hit_tokens == 3 * 20
+    assert results["hybridcache"].hits_by_reason == {"prefill_end": 3}
+    assert results["bounded-oracle"].hit_tokens == 3 * 20
+    assert results["seed"].hit_tokens == 20  # run together, the siblings miss; the later request hits 20
 
 
 def test_a_prompt_larger_than_the_cache_is_uncacheable():
