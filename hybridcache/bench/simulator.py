@@ -282,6 +282,8 @@ class _Seq:
 class CacheReplay:
     """A policy that drives a real `PrefixCache` (see the module docstring for the call sequence)."""
 
+    admission: str | None = None  # the cache's admission policy; None: the cache mode's
+
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
         self.spec, self.cost, self.config = spec, cost, config
         self.policy: CheckpointPolicy = checkpoint_policy(spec.mode)
@@ -293,7 +295,8 @@ class CacheReplay:
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
-                        eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits),
+                        eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
+                        admission=self.admission or self.policy.admission),
             cost.cache_cost_model(),
         )
         self.counters = Counters()
@@ -491,6 +494,7 @@ class BoundedOracleReplay(CacheReplay):
     Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`)."""
 
     needs_future = True
+    admission = "all"  # it admits by looking ahead (`_wants_save`)
 
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
         super().__init__(spec, cost, config, max_running)

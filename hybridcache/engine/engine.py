@@ -65,6 +65,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
     cache_config = CacheConfig(
         block_size=config.block_size,
         full_prompt_hits=policy.full_prompt_hits if policy else False,
+        admission=policy.admission if policy else "all",
         num_blocks=num_blocks,
         num_slots=num_slots,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,

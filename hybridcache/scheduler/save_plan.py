@@ -36,7 +36,8 @@ class CheckpointPolicy:
     prefill to pass the shared part (which it saves as a branch point) and then forks from it.
     `saves_after_hit`: False models LMDeploy 0.18, whose chains stop growing after a partial hit (the blocks
     filled after a restored checkpoint are not attached to its trie): a sequence that started from a hit
-    saves nothing.
+    saves nothing. `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a
+    save reason only while its checkpoints pay for their bytes).
     """
 
     name: str
@@ -48,6 +49,7 @@ class CheckpointPolicy:
     full_prompt_hits: bool = True
     share_in_flight: bool = True
     saves_after_hit: bool = True
+    admission: str = "learned"
 
 
 # One policy per name of `config.CACHE_MODES` (the engine config validates modes from that tuple).
@@ -55,11 +57,11 @@ POLICIES: dict[str, CheckpointPolicy | None] = {
     "none": None,
     "block-aligned": CheckpointPolicy(
         "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1,
-        full_prompt_hits=False, share_in_flight=False,
+        full_prompt_hits=False, share_in_flight=False, admission="all",
     ),
     "seed": CheckpointPolicy(
         "seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1, full_prompt_hits=False,
-        share_in_flight=False, saves_after_hit=False,
+        share_in_flight=False, saves_after_hit=False, admission="all",
     ),
     "hybridcache": CheckpointPolicy("hybridcache"),
 }
