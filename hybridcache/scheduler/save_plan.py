@@ -5,16 +5,19 @@ Cache modes (the `cache_mode` engine option and the simulator's policies):
 
 | mode            | saves at                                                             | per anchor |
 | --------------- | -------------------------------------------------------------------- | ---------- |
-| `hybridcache`   | exact prefill end, chunk ends, branch points, sequence finish          | 4          |
-| `seed`          | exact prefill end and chunk ends only (LMDeploy's seed PR)             | 1          |
-| `block-aligned` | chunk ends cut back to block boundaries only (vLLM's align mode)       | 1          |
+| `hybridcache`   | exact prefill end, chunk ends, branch points (and in-flight forks),  | 4          |
+|                 | sequence finish; learned admission; an identical prompt only samples |            |
+| `seed`          | exact prefill end and chunk ends only, nothing after a partial hit   | 1          |
+|                 | (LMDeploy 0.18's seed PR)                                            |            |
+| `block-aligned` | chunk ends cut back to block boundaries only (vLLM's align mode)     | 1          |
 | `none`          | nothing (prefix caching off)                                         | -          |
 
 Worked example (B = 16, budget 64 tokens, prompt of 100 tokens, a cached checkpoint at step 20 and the
 prompt agreeing with cached content up to step 37, so `branch_step` = 37)::
 
     hybridcache:   [20, 37) branch_point   [37, 100) prefill_end (then one token is sampled)
-    seed:          [20, 84) chunk_end      [84, 100) prefill_end
+    seed:          [20, 84)                [84, 100)             (no saves: the sequence started from a hit;
+                                                                  with hit_len=0, chunk_end and prefill_end)
     block-aligned: [20, 80) chunk_end   [80, 96) chunk_end   [96, 100) no save (100 is not a multiple of B)
 """
 

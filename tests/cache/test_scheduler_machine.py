@@ -34,7 +34,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy = checkpoint_policy(mode)
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
-                             full_prompt_hits=policy.full_prompt_hits)
+                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)

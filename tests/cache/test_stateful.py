@@ -36,12 +36,13 @@ class CacheMachine(RuleBasedStateMachine):
         eviction=st.sampled_from(["lru", "flop_aware"]),
         decode=st.booleans(),
         full_hits=st.booleans(),
+        admission=st.sampled_from(["all", "learned"]),
     )
-    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits):
+    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission):
         config = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, num_slots=num_slots, max_checkpoints_per_anchor=cap,
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
-            full_prompt_hits=full_hits,
+            full_prompt_hits=full_hits, admission=admission,
         )
         self.max_back = 0 if full_hits else 1  # a match may reach prompt_len - max_back
         self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
