@@ -23,6 +23,8 @@ H hidden size, k experts per token, E experts, I expert width.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -275,6 +277,16 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
 
 
 def get_backend(device: torch.device | str) -> KernelBackend:
-    """The backend for `device`, chosen once by the runner. Today the reference backend everywhere."""
-    del device  # the CUDA backend plugs in here
+    """The backend for `device`, chosen once by the runner: `CudaBackend` on CUDA devices when Triton and
+    flash-linear-attention are installed (`hybridcache[cuda]`), the reference backend everywhere else. The
+    CUDA module is imported only here, so CPU runs never import Triton or fla."""
+    if torch.device(device).type == "cuda":
+        if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None:
+            from hybridcache.kernels.cuda_backend import CudaBackend
+
+            return CudaBackend()
+        warnings.warn(
+            "CUDA device without triton and flash-linear-attention (pip install hybridcache[cuda]): "
+            "running the torch reference kernels", stacklevel=2
+        )
     return ReferenceBackend()

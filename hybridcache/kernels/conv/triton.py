@@ -1,0 +1,217 @@
+"""Causal depthwise conv1d of gated DeltaNet on CUDA (Triton), varlen, with conv state read from and written
+to the state pool by slot (same math as `conv/reference.py`).
+
+Layouts: x [T, C] (rows of all sequences, cu_seqlens), weight [C, K], bias [C] or None,
+conv_pool [num_slots, C, K-1] (the last K-1 pre-convolution inputs of each slot, oldest first).
+
+Prefill (`causal_conv1d_varlen`), two launches:
+  1. one program per (sequence, block of BLOCK_T rows, block of BLOCK_C channels): output row t of a
+     sequence reads inputs at positions t-K+1 .. t; a position < 0 comes from the slot's old state (or 0 for a
+     fresh sequence, context_len == query_len), which only a sequence's first block reads (a branch, so the
+     other blocks issue no strided state loads);
+  2. one program per (sequence, channel block) writes the new state, the last K-1 of (old state ++ x), in place.
+  The second launch runs after the first, so no program reads a state row another has already rewritten.
+Decode (`causal_conv1d_decode`): one token per sequence, one launch; each program owns its (slot, channels)
+rows, reads the state, writes the output and the shifted state.
+
+Accumulation is fp32; the output is rounded once to x's dtype (the reference rounds each product in bf16,
+so bf16 results differ by about one bf16 ulp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
+
+_BLOCK_T = 64
+_BLOCK_C = 128
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, chunk_ptr,
+    stride_xt, stride_ot, stride_ps, stride_pc, stride_pw, num_channels,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    seq = tl.load(chunk_ptr + 2 * pid_t).to(tl.int64)
+    block = tl.load(chunk_ptr + 2 * pid_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    # Old-state taps are src in [state_lo, 0): none for a fresh sequence (context_len == query_len).
+    state_lo = -(K - 1) * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+
+    rows = block * BLOCK_T + tl.arange(0, BLOCK_T)  # positions within the sequence
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_ok = rows < query_len
+    chan_ok = chans < num_channels
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = rows - (K - 1) + j  # input position read by tap j; < 0 means the old state
+        xv = tl.load(
+            x_ptr + (bos + src)[:, None] * stride_xt + chans[None, :],
+            mask=((src >= 0) & row_ok)[:, None] & chan_ok[None, :], other=0.0,
+        ).to(tl.float32)
+        acc += xv * tl.load(w_ptr + chans * K + j, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    if block * BLOCK_T + state_lo < 0:  # only the first block of a continuing sequence reads the old state
+        for j in tl.static_range(K - 1):
+            src = rows - (K - 1) + j
+            sv = tl.load(
+                pool_ptr + slot * stride_ps + chans[None, :] * stride_pc + (src + K - 1)[:, None] * stride_pw,
+                mask=((src < 0) & row_ok)[:, None] & chan_ok[None, :], other=0.0,
+            ).to(tl.float32)
+            acc += sv * tl.load(w_ptr + chans * K + j, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(
+        out_ptr + (bos + rows)[:, None] * stride_ot + chans[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & chan_ok[None, :],
+    )
+
+
+@triton.jit
+def _conv_state_kernel(
+    x_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr,
+    stride_xt, stride_ps, stride_pc, stride_pw, num_channels,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)  # 0 when fresh
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = tl.arange(0, BLOCK_W)
+    ok = (chans < num_channels)[:, None] & (cols < W)[None, :]
+    src = query_len - W + cols  # sequence position that becomes state entry `col`; < 0: old entry W + src
+    xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :], other=0.0)
+    state_row = pool_ptr + slot * stride_ps + chans[:, None] * stride_pc
+    from_state = (src < 0) & (src >= state_lo)
+    sv = tl.load(state_row + (src + W)[None, :] * stride_pw, mask=ok & from_state[None, :], other=0.0)
+    new_state = xv.to(tl.float32) + sv.to(tl.float32)  # exactly one of the two is non-zero: a copy
+    tl.store(state_row + cols[None, :] * stride_pw, new_state.to(pool_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _conv_step_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr,
+    stride_xn, stride_on, stride_ps, stride_pc, stride_pw, num_channels,
+    K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    width = (K - 1) * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # old entries to read: none when fresh
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < num_channels
+    cols = tl.arange(0, BLOCK_W)
+    col_ok = cols < K - 1
+    state_row = pool_ptr + slot * stride_ps + chans[:, None] * stride_pc
+    old = tl.load(state_row + cols[None, :] * stride_pw, mask=chan_ok[:, None] & (cols < width)[None, :],
+                  other=0.0).to(tl.float32)
+    shifted = tl.load(state_row + (cols + 1)[None, :] * stride_pw,
+                      mask=chan_ok[:, None] & (cols + 1 < width)[None, :], other=0.0)
+    xv = tl.load(x_ptr + seq * stride_xn + chans, mask=chan_ok, other=0.0)
+    w_old = tl.load(w_ptr + chans[:, None] * K + cols[None, :], mask=chan_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+    w_new = tl.load(w_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(old * w_old, axis=1) + xv.to(tl.float32) * w_new
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + seq * stride_on + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+    new_state = tl.where((cols == K - 2)[None, :], xv[:, None].to(pool_ptr.dtype.element_ty),
+                         shifted.to(pool_ptr.dtype.element_ty))
+    tl.store(state_row + cols[None, :] * stride_pw, new_state, mask=chan_ok[:, None] & col_ok[None, :])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, activation: str | None) -> None:
+    if activation not in (None, "silu"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    if x.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError("x needs unit stride over channels and weight [C, K] must be contiguous")
+    if weight.shape[1] < 2 or conv_pool.shape[-1] != weight.shape[1] - 1:
+        raise ValueError(f"conv_pool width {conv_pool.shape[-1]} != kernel size {weight.shape[1]} - 1")
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens_cpu: Sequence[int],
+    *,
+    activation: str | None = "silu",
+    chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Conv of every sequence of a varlen batch; updates conv_pool[state_slots] in place.
+
+    x [T, C]; weight [C, K]; bias [C] or None; conv_pool [num_slots, C, K-1]; state_slots [S] int;
+    cu_seqlens [S+1]; context_lens [S] (fresh sequences, context_len == query_len, start from zeros);
+    query_lens_cpu: host lengths (for the grid); chunk_indices: `varlen.chunk_indices(cu_seqlens, query_lens_cpu,
+    64)` if already built. Returns out [T, C] in x's dtype. Slots must be distinct.
+    """
+    _check(x, weight, conv_pool, activation)
+    num_tokens, channels = x.shape
+    kernel_size = weight.shape[1]
+    out = torch.empty(num_tokens, channels, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    if chunk_indices is None:
+        chunk_indices = make_chunk_indices(cu_seqlens, query_lens_cpu, _BLOCK_T)
+    grid_c = triton.cdiv(channels, _BLOCK_C)
+    pool_strides = conv_pool.stride()
+    _conv_varlen_kernel[(chunk_indices.shape[0], grid_c)](
+        x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, cu_seqlens, context_lens,
+        chunk_indices, x.stride(0), out.stride(0), *pool_strides, channels,
+        K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
+    )
+    _conv_state_kernel[(len(query_lens_cpu), grid_c)](
+        x, conv_pool, state_slots, cu_seqlens, context_lens, x.stride(0), *pool_strides, channels,
+        W=kernel_size - 1, BLOCK_W=triton.next_power_of_2(kernel_size - 1), BLOCK_C=_BLOCK_C,
+    )
+    return out
+
+
+def causal_conv1d_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One new token per sequence: x [N, C] -> out [N, C]; conv_pool[state_slots] shifted in place.
+
+    A sequence with context_len == 1 is fresh (its old state is read as zeros). Slots must be distinct.
+    """
+    _check(x, weight, conv_pool, activation)
+    num, channels = x.shape
+    kernel_size = weight.shape[1]
+    out = torch.empty(num, channels, dtype=x.dtype, device=x.device)
+    if num == 0:
+        return out
+    _conv_step_kernel[(num, triton.cdiv(channels, _BLOCK_C))](
+        x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens,
+        x.stride(0), out.stride(0), *conv_pool.stride(), channels,
+        K=kernel_size, BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=bias is not None,
+        SILU=activation == "silu", BLOCK_C=_BLOCK_C,
+    )
+    return out

@@ -1,0 +1,147 @@
+"""The CUDA kernel backend: the `KernelBackend` ops on the Triton / flash-linear-attention / grouped-GEMM kernels.
+
+| op               | all-decode step (every query_len == 1)      | any other step                                  |
+| ---------------- | ------------------------------------------- | ----------------------------------------------- |
+| write_kv         | `attention/triton_paged.write_kv` (two index_copy_)                                           |
+| attention        | split-KV decode kernel                      | paged flash-attention prefill kernel            |
+| causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
+| gated_delta_rule | in-place Triton step kernel                 | fla's chunked kernel over all sequences         |
+| moe              | `torch._grouped_mm` over all experts (`moe/grouped.py`)                                       |
+
+`prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
+`CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
+(sequence, block) tables of the varlen kernels, built on the device. No op synchronises with the host
+(bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module imports Triton; fla is
+imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for CUDA devices when
+both are installed (`pip install hybridcache[cuda]`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.attention import triton_paged
+from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
+from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
+from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+from hybridcache.kernels.varlen import chunk_indices
+
+_ATTENTION_BLOCK_M = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
+
+
+@dataclass(frozen=True)
+class CudaMetadata:
+    """What `CudaBackend.prepare` derives once per step.
+
+    all_decode       every sequence feeds one token (decode kernels), from the host lengths
+    max_context_len  the longest context_len (sizes the split-KV decode grid)
+    cu_seqlens       batch.cu_seqlens as int64 (flash-linear-attention's index type)
+    chunks           [NT, 2] int64 (sequence, block of 64 rows) for the conv and gated delta prefill kernels, or
+                     None in an all-decode step
+    attention_chunks [NT', 2] the same with the bf16 attention prefill block (128 rows), or None
+    """
+
+    all_decode: bool
+    max_context_len: int
+    cu_seqlens: torch.Tensor
+    chunks: torch.Tensor | None
+    attention_chunks: torch.Tensor | None
+
+
+class CudaBackend:
+    """`KernelBackend` on CUDA (see the module docstring). Holds, per sparse MoE block, its experts' weights
+    stacked for the grouped GEMM (the experts' parameters are re-pointed at the stack: one copy in memory)."""
+
+    def __init__(self) -> None:
+        self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights] = weakref.WeakKeyDictionary()
+
+    def prepare(self, batch: ForwardBatch) -> ForwardBatch:
+        all_decode = all(length == 1 for length in batch.query_lens_cpu)
+        cu_seqlens = batch.cu_seqlens.long()
+        chunks = attention_chunks = None
+        if not all_decode:
+            chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, CHUNK_SIZE)
+            attention_chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, _ATTENTION_BLOCK_M)
+        metadata = CudaMetadata(
+            all_decode=all_decode,
+            max_context_len=max(batch.context_lens_cpu, default=0),
+            cu_seqlens=cu_seqlens,
+            chunks=chunks,
+            attention_chunks=attention_chunks,
+        )
+        return dataclasses.replace(batch, metadata=metadata)
+
+    def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
+        triton_paged.write_kv(kv_layer, key, value, batch.slot_mapping)
+
+    def attention(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+    ) -> torch.Tensor:
+        meta = _metadata(batch)
+        if meta.all_decode:
+            return triton_paged.paged_decode_attention(
+                query, kv_layer, batch.block_tables, batch.context_lens, meta.max_context_len, scale=scale
+            )
+        config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
+        table = meta.attention_chunks if config.block_m == _ATTENTION_BLOCK_M else None
+        return triton_paged.paged_prefill_attention(
+            query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
+            scale=scale, config=config, chunk_indices=table,
+        )
+
+    def causal_conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = _metadata(batch)
+        if meta.all_decode:
+            return causal_conv1d_decode(x, weight, bias, conv_layer, batch.state_slots, batch.context_lens)
+        return causal_conv1d_varlen(
+            x, weight, bias, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
+            batch.query_lens_cpu, chunk_indices=meta.chunks,
+        )
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        meta = _metadata(batch)
+        if meta.all_decode:
+            return gated_delta_rule_decode(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens)
+        return chunk_gated_delta_rule_varlen(
+            q, k, v, g, beta, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
+            batch.query_lens_cpu, chunk_indices=meta.chunks,
+        )
+
+    def moe(
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+    ) -> torch.Tensor:
+        """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module."""
+        stacked = self._experts.get(experts)
+        if stacked is None:
+            stacked = self._experts[experts] = ExpertWeights.share(experts)
+        return grouped_experts(x, top_weights, top_ids, stacked)
+
+
+def _metadata(batch: ForwardBatch) -> CudaMetadata:
+    if not isinstance(batch.metadata, CudaMetadata):
+        raise ValueError("the batch was not prepared by CudaBackend.prepare")
+    return batch.metadata

@@ -1,0 +1,362 @@
+"""Each CUDA kernel against the torch reference on random varlen batches: the cases, and the error of every
+output and final state. Used by tests/kernels/test_cuda_kernels.py (which asserts tolerances) and
+benchmarks/gpu_kernels.py (which prints the table). Imports the Triton kernels, so call it only where they run.
+
+A case is a batch of sequences with new-token counts `lengths` and `history` tokens already cached before
+them (0 = a fresh sequence: zero initial state; otherwise a random initial state / cached prefix, and for
+attention a chunk that starts mid-page whenever history is not a multiple of the page size). State slots and
+KV pages are shuffled so that no kernel can get away with identity indexing, and pool rows outside the batch
+are checked to be left untouched.
+
+Errors (`ErrorStats`): max_abs = max |out - ref|; max_rel = max_abs / max |ref|; norm_rel = ||out - ref|| /
+||ref||. The reference runs in fp32 (it upcasts internally) on the same, already-rounded inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.conv import reference as conv_ref
+from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.moe import reference as moe_ref
+
+LENGTHS = (1, 17, 63, 64, 65, 200, 1500)
+HISTORY = (0, 5, 100, 64, 0, 37, 130)
+
+
+@dataclass(frozen=True)
+class ErrorStats:
+    max_abs: float
+    max_rel: float
+    norm_rel: float
+
+
+def error_stats(out: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
+    """Errors of out against ref (both upcast to fp64); NaN anywhere gives inf errors."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return ErrorStats(float("inf"), float("inf"), float("inf"))
+    diff = (out - ref).abs()
+    max_abs = diff.max().item() if diff.numel() else 0.0
+    return ErrorStats(
+        max_abs=max_abs,
+        max_rel=max_abs / max(ref.abs().max().item(), 1e-30),
+        norm_rel=(diff.norm() / ref.norm().clamp_min(1e-30)).item(),
+    )
+
+
+@dataclass(frozen=True)
+class VarlenBatch:
+    cu_seqlens: torch.Tensor  # [S+1] int32
+    context_lens: torch.Tensor  # [S] int32
+    state_slots: torch.Tensor  # [S] int64, shuffled and distinct
+    query_lens_cpu: tuple[int, ...]
+    context_lens_cpu: tuple[int, ...]
+    num_slots: int
+
+
+def varlen_batch(lengths: Sequence[int], history: Sequence[int], device: torch.device, seed: int = 0) -> VarlenBatch:
+    gen = torch.Generator().manual_seed(seed)
+    num = len(lengths)
+    num_slots = 2 * num + 1
+    slots = torch.randperm(num_slots, generator=gen)[:num]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    ctx = [h + q for h, q in zip(history, lengths, strict=True)]
+    return VarlenBatch(
+        cu_seqlens=cu.to(device),
+        context_lens=torch.tensor(ctx, dtype=torch.int32, device=device),
+        state_slots=slots.to(device),
+        query_lens_cpu=tuple(lengths),
+        context_lens_cpu=tuple(ctx),
+        num_slots=num_slots,
+    )
+
+
+def _float(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.float()
+
+
+def _untouched(pool_after: torch.Tensor, pool_before: torch.Tensor, slots: torch.Tensor) -> ErrorStats:
+    keep = torch.ones(pool_before.shape[0], dtype=torch.bool, device=pool_before.device)
+    keep[slots] = False
+    return error_stats(pool_after[keep], pool_before[keep])
+
+
+def _gdn_inputs(num_tokens: int, heads: tuple[int, int], dims: tuple[int, int], dtype: torch.dtype,
+                device: torch.device, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    (hk, hv), (dk, dv) = heads, dims
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(device)
+
+    q, k = rand(num_tokens, hk, dk).to(dtype), rand(num_tokens, hk, dk).to(dtype)
+    v = rand(num_tokens, hv, dv).to(dtype)
+    g = -F.softplus(rand(num_tokens, hv) - 1.0)  # fp32 log decay, as the layer computes it
+    beta = rand(num_tokens, hv).sigmoid().to(dtype)
+    return q, k, v, g, beta
+
+
+def check_gated_delta(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+                      history: Sequence[int] = HISTORY, heads: tuple[int, int] = (2, 4),
+                      dims: tuple[int, int] = (128, 128), seed: int = 0) -> dict[str, ErrorStats]:
+    """fla's chunked rule (any lengths) and, when every length is 1, the in-place step kernel, via
+    `gated_delta_rule_varlen`, against `gated_delta/reference.py` per sequence."""
+    from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    q, k, v, g, beta = _gdn_inputs(sum(lengths), heads, dims, dtype, device, gen)
+    pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)
+    before = pool.clone()
+    out = gated_delta_rule_varlen(q, k, v, g, beta, pool, batch.state_slots, batch.cu_seqlens,
+                                  batch.context_lens, batch.query_lens_cpu)
+    ref_out = torch.empty_like(out, dtype=torch.float32)
+    ref_states = []
+    starts = batch.cu_seqlens.tolist()
+    for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
+        rows = slice(starts[i], starts[i] + length)
+        initial = None if hist == 0 else before[batch.state_slots[i]]
+        ref_out[rows], state = delta_ref.chunk_gated_delta_rule(
+            q[rows].float(), k[rows].float(), v[rows].float(), g[rows], beta[rows].float(), initial
+        )
+        ref_states.append(state)
+    return {
+        "out": error_stats(out, ref_out),
+        "final_state": error_stats(pool[batch.state_slots], torch.stack(ref_states)),
+        "other_slots": _untouched(pool, before, batch.state_slots),
+    }
+
+
+def _conv_inputs(num_tokens: int, channels: int, kernel: int, dtype: torch.dtype, device: torch.device,
+                 gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x = torch.randn(num_tokens, channels, generator=gen).to(device, dtype)
+    weight = (0.5 * torch.randn(channels, kernel, generator=gen)).to(device, dtype)
+    bias = (0.1 * torch.randn(channels, generator=gen)).to(device, dtype)
+    return x, weight, bias
+
+
+def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+               history: Sequence[int] = HISTORY, channels: int = 320, kernel: int = 4, with_bias: bool = True,
+               seed: int = 0) -> dict[str, ErrorStats]:
+    """`causal_conv1d_varlen` against `conv/reference.py` per sequence (channels not a multiple of the
+    kernel's channel block, to exercise its masks)."""
+    from hybridcache.kernels.conv.triton import causal_conv1d_varlen
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    x, weight, bias = _conv_inputs(sum(lengths), channels, kernel, dtype, device, gen)
+    bias = bias if with_bias else None
+    pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
+    before = pool.clone()
+    out = causal_conv1d_varlen(x, weight, bias, pool, batch.state_slots, batch.cu_seqlens, batch.context_lens,
+                               batch.query_lens_cpu)
+    ref_out, ref_states = torch.empty_like(out, dtype=torch.float32), []
+    starts = batch.cu_seqlens.tolist()
+    for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
+        rows = slice(starts[i], starts[i] + length)
+        initial = None if hist == 0 else before[batch.state_slots[i]].float()
+        ref_out[rows], state = conv_ref.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial)
+        ref_states.append(state)
+    return {
+        "out": error_stats(out, ref_out),
+        "final_state": error_stats(pool[batch.state_slots], torch.stack(ref_states)),
+        "other_slots": _untouched(pool, before, batch.state_slots),
+    }
+
+
+def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Sequence[int] = LENGTHS,
+                      heads: tuple[int, int] = (2, 4), dims: tuple[int, int] = (128, 128), channels: int = 320,
+                      kernel: int = 4, seed: int = 0) -> dict[str, ErrorStats]:
+    """The decode kernels (one token per sequence; context_len 1 = fresh): conv step and gated delta step
+    against the conv and gated delta references."""
+    from hybridcache.kernels.conv.triton import causal_conv1d_decode
+    from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+
+    gen = torch.Generator().manual_seed(seed)
+    num = len(context_lens)
+    batch = varlen_batch([1] * num, [c - 1 for c in context_lens], device, seed)
+    fresh = torch.tensor([c == 1 for c in context_lens], device=device)
+    x, weight, bias = _conv_inputs(num, channels, kernel, dtype, device, gen)
+    conv_pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
+    conv_before = conv_pool.clone()
+    conv_out = causal_conv1d_decode(x, weight, bias, conv_pool, batch.state_slots, batch.context_lens)
+    conv_init = conv_before[batch.state_slots].masked_fill(fresh[:, None, None], 0)
+    ref_conv, ref_conv_state = conv_ref.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float())
+
+    q, k, v, g, beta = _gdn_inputs(num, heads, dims, dtype, device, gen)
+    ssm_pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)
+    ssm_before = ssm_pool.clone()
+    out = gated_delta_rule_decode(q, k, v, g, beta, ssm_pool, batch.state_slots, batch.context_lens)
+    ssm_init = ssm_before[batch.state_slots].masked_fill(fresh[:, None, None, None], 0)
+    ref_out, ref_state = delta_ref.gated_delta_rule_step(q.float(), k.float(), v.float(), g, beta.float(), ssm_init)
+    return {
+        "conv_out": error_stats(conv_out, ref_conv),
+        "conv_state": error_stats(conv_pool[batch.state_slots], ref_conv_state),
+        "conv_other_slots": _untouched(conv_pool, conv_before, batch.state_slots),
+        "gdn_out": error_stats(out, ref_out),
+        "gdn_state": error_stats(ssm_pool[batch.state_slots], ref_state),
+        "gdn_other_slots": _untouched(ssm_pool, ssm_before, batch.state_slots),
+    }
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    kv_pool: torch.Tensor  # [2, num_pages, page, Hkv, D]
+    block_tables: torch.Tensor  # [S, P] int32, shuffled pages, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64 rows of the new tokens
+
+
+def paged_kv(batch: VarlenBatch, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+             device: torch.device, gen: torch.Generator) -> PagedKV:
+    """A pool with random history K/V already in place, pages handed out in shuffled order."""
+    pages_per_seq = [-(-c // page) for c in batch.context_lens_cpu]
+    num_pages = sum(pages_per_seq) + 3
+    order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is never handed out
+    table = torch.zeros(len(pages_per_seq), max(pages_per_seq), dtype=torch.int32)
+    rows = []
+    for i, (count, ctx, qlen) in enumerate(zip(pages_per_seq, batch.context_lens_cpu, batch.query_lens_cpu,
+                                               strict=True)):
+        table[i, :count] = torch.tensor(order[:count])
+        order = order[count:]
+        rows += [int(table[i, p // page]) * page + p % page for p in range(ctx - qlen, ctx)]
+    kv_pool = torch.randn(2, num_pages, page, kv_heads, head_dim, generator=gen).to(device, dtype)
+    return PagedKV(kv_pool, table.to(device), torch.tensor(rows, dtype=torch.int64, device=device))
+
+
+def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
+                    history: Sequence[int] = HISTORY, page: int = 16, heads: tuple[int, int] = (8, 2),
+                    head_dim: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
+    """`write_kv` + `paged_attention` (prefill kernel, or decode kernel when every length is 1) against the
+    reference pair on the same pool."""
+    from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = varlen_batch(lengths, history, device, seed)
+    num_q, num_kv = heads
+    kv = paged_kv(batch, page, num_kv, head_dim, dtype, device, gen)
+    num_tokens = sum(lengths)
+    q = torch.randn(num_tokens, num_q, head_dim, generator=gen).to(device, dtype)
+    keys = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    values = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
+    ref_pool = kv.kv_pool.clone()
+    attention_ref.write_kv(ref_pool, keys, values, kv.slot_mapping)
+    write_kv(kv.kv_pool, keys, values, kv.slot_mapping)
+    scale = head_dim**-0.5
+    out = paged_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
+                          batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+    # The reference's softmax probabilities are rounded to q's dtype before P @ V; upcast for an fp32 oracle.
+    ref = attention_ref.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
+                                    batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+    return {"kv_write": error_stats(kv.kv_pool, ref_pool), "out": error_stats(out, ref)}
+
+
+def routing(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routing as the layer makes it: distinct experts per token, weights summing to 1."""
+    ids = torch.rand(num_tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k]
+    weights = torch.rand(num_tokens, top_k, generator=gen) + 0.1
+    return (weights / weights.sum(-1, keepdim=True)).to(device, dtype), ids.to(device)
+
+
+def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, hidden: int = 256,
+              experts: int = 8, top_k: int = 2, intermediate: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
+    """`grouped_experts` (grouped GEMM) against `moe/reference.py::routed_experts` on the same routing; the
+    reference runs in fp32 on the same rounded weights."""
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    gate, up = (torch.randn(experts, intermediate, hidden, generator=gen).to(device, dtype) / hidden**0.5
+                for _ in range(2))
+    down = torch.randn(experts, hidden, intermediate, generator=gen).to(device, dtype) / intermediate**0.5
+    weights, ids = routing(num_tokens, experts, top_k, dtype, device, gen)
+    out = grouped_experts(x, weights, ids, ExpertWeights.stack(list(gate), list(up), list(down)))
+    ref = moe_ref.routed_experts(x.float(), weights.float(), ids, list(gate.float()), list(up.float()),
+                                 list(down.float()))
+    return {"out": error_stats(out, ref)}
+
+
+def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+    """Run every kernel entry point once to warm up (compilation, autotuning), then again under
+    `torch.cuda.set_sync_debug_mode("error")`; name -> "ok", or the error of the first host sync it hit."""
+    from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
+    from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
+    from hybridcache.kernels.gated_delta.fla import gated_delta_rule_varlen
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+
+    gen = torch.Generator().manual_seed(0)
+    prefill = varlen_batch((1, 17, 65, 200), (0, 5, 64, 37), device)
+    decode = varlen_batch((1,) * 4, (0, 5, 64, 37), device)
+    calls = {}
+    for label, batch in (("prefill", prefill), ("decode", decode)):
+        tokens = sum(batch.query_lens_cpu)
+        q, k, v, g, beta = _gdn_inputs(tokens, (2, 4), (128, 128), dtype, device, gen)
+        ssm = torch.zeros(batch.num_slots, 4, 128, 128, device=device)
+        calls[f"gated_delta {label}"] = lambda b=batch, q=q, k=k, v=v, g=g, beta=beta, ssm=ssm: (
+            gated_delta_rule_varlen(q, k, v, g, beta, ssm, b.state_slots, b.cu_seqlens, b.context_lens,
+                                    b.query_lens_cpu))
+        x, weight, bias = _conv_inputs(tokens, 320, 4, dtype, device, gen)
+        conv = torch.zeros(batch.num_slots, 320, 3, device=device, dtype=dtype)
+        calls[f"conv {label}"] = (
+            (lambda b=batch, x=x, w=weight, bias=bias, conv=conv: causal_conv1d_varlen(
+                x, w, bias, conv, b.state_slots, b.cu_seqlens, b.context_lens, b.query_lens_cpu))
+            if label == "prefill" else
+            (lambda b=batch, x=x, w=weight, bias=bias, conv=conv: causal_conv1d_decode(
+                x, w, bias, conv, b.state_slots, b.context_lens)))
+        kv = paged_kv(batch, 16, 2, 128, dtype, device, gen)
+        qa = torch.randn(tokens, 8, 128, generator=gen).to(device, dtype)
+        keys = torch.randn(tokens, 2, 128, generator=gen).to(device, dtype)
+
+        def attend(b=batch, kv=kv, qa=qa, keys=keys) -> None:
+            write_kv(kv.kv_pool, keys, keys, kv.slot_mapping)
+            paged_attention(qa, kv.kv_pool, kv.block_tables, b.cu_seqlens, b.context_lens, b.query_lens_cpu,
+                            b.context_lens_cpu, scale=0.1)
+
+        calls[f"attention {label}"] = attend
+        experts = ExpertWeights(torch.randn(8, 256, 128, generator=gen).to(device, dtype),
+                                torch.randn(8, 128, 128, generator=gen).to(device, dtype))
+        xm = torch.randn(tokens, 128, generator=gen).to(device, dtype)
+        weights, ids = routing(tokens, 8, 2, dtype, device, gen)
+        calls[f"moe {label}"] = lambda xm=xm, weights=weights, ids=ids, experts=experts: grouped_experts(
+            xm, weights, ids, experts)
+    report = {}
+    for name, call in calls.items():
+        call()
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            call()
+            report[name] = "ok"
+        except RuntimeError as exc:
+            report[name] = str(exc).splitlines()[0][:200]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return report
+
+
+def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed: int = 0) -> dict[str, ErrorStats]:
+    """The fused norms against `layers.norm` with random weights: hidden-size rows (2048) and head rows (128,
+    the DeltaNet gated norm and q/k norms), on a non-contiguous input (a head slice) as the layers pass them."""
+    from hybridcache.kernels.norm.triton import gated_rms_norm, rms_norm
+    from hybridcache.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
+
+    gen = torch.Generator().manual_seed(seed)
+    stats = {}
+    for dim in (2048, 128):
+        plain, gated = ZeroCenteredRMSNorm(dim, eps=1e-6), GatedRMSNorm(dim, eps=1e-6)
+        with torch.no_grad():
+            plain.weight.copy_(0.1 * torch.randn(dim, generator=gen))
+            gated.weight.copy_(1 + 0.1 * torch.randn(dim, generator=gen))
+        plain, gated = plain.to(device, dtype), gated.to(device, dtype)
+        x = (3 * torch.randn(rows, 2, dim, generator=gen)).to(device, dtype)[:, 0]  # row stride 2 * dim
+        gate = torch.randn(rows, dim, generator=gen).to(device, dtype)
+        with torch.no_grad():
+            stats[f"rms_norm d{dim}"] = error_stats(rms_norm(x, plain.weight, plain.eps), plain(x))
+            stats[f"gated_rms_norm d{dim}"] = error_stats(gated_rms_norm(x, gate, gated.weight, gated.eps),
+                                                          gated(x, gate))
+    return stats

@@ -1,0 +1,99 @@
+"""Gated delta rule on CUDA over a whole varlen batch: flash-linear-attention's chunked kernel for prefill
+chunks, the in-place Triton step kernel (`triton_step`) for decode.
+
+flash-linear-attention (`fla-core`, pure Python + Triton) is imported inside the functions, so importing this
+module never imports fla; only CUDA callers reach it (fla in a CPU environment breaks transformers' CPU path).
+
+Contract of `gated_delta_rule_varlen` (same math as `gated_delta/reference.py`, one call for all
+sequences):
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] log decay (fp32); beta [T, Hv]; rows of sequence i are
+    cu_seqlens[i]:cu_seqlens[i+1]. Each sequence starts from ssm_pool[state_slots[i]] (zeros when fresh:
+    context_len == query_len) and its final state is written back to that row (in the pool's dtype).
+No host sync: the initial states are gathered and the final states scattered with device index ops, fresh rows
+are zeroed with a device mask, and fla's chunk table is built on the device from the host query lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
+from hybridcache.kernels.varlen import fresh_mask
+
+CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule
+
+
+def chunk_gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens_cpu: Sequence[int],
+    *,
+    use_qk_l2norm: bool = True,
+    chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fla's chunked gated delta rule over every sequence of the batch (see the module docstring).
+
+    ssm_pool [num_slots, Hv, Dk, Dv]; state_slots [S] distinct; context_lens [S]; chunk_indices: the
+    `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table when the caller already has it.
+    Returns out [T, Hv, Dv] in q's dtype.
+    """
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    cu = cu_seqlens.long()
+    if chunk_indices is None:
+        chunk_indices = make_chunk_indices(cu, query_lens_cpu, CHUNK_SIZE)
+    slots = state_slots.long()
+    initial = ssm_pool.index_select(0, slots).float()
+    initial = initial.masked_fill(fresh_mask(cu, context_lens)[:, None, None, None], 0.0)
+    out, final = chunk_gated_delta_rule(
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        g.float().unsqueeze(0),
+        beta.unsqueeze(0),
+        scale=q.shape[-1] ** -0.5,
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu,
+        chunk_indices=chunk_indices.long(),
+    )
+    ssm_pool.index_copy_(0, slots, final.to(ssm_pool.dtype))
+    return out[0]
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens_cpu: Sequence[int],
+    *,
+    use_qk_l2norm: bool = True,
+    chunk_indices: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Any batch: all-decode batches (every query_len == 1) take the in-place step kernel, others fla's chunked
+    kernel for every sequence (decode rows included). Same contract as `chunk_gated_delta_rule_varlen`."""
+    if all(length == 1 for length in query_lens_cpu):
+        return gated_delta_rule_decode(
+            q, k, v, g, beta, ssm_pool, state_slots, context_lens, use_qk_l2norm=use_qk_l2norm
+        )
+    return chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, context_lens, query_lens_cpu,
+        use_qk_l2norm=use_qk_l2norm, chunk_indices=chunk_indices,
+    )

@@ -1,0 +1,96 @@
+"""One decode step of the gated delta rule on CUDA (Triton), reading and writing the state pool in place.
+
+Same math as `gated_delta/reference.py::gated_delta_rule_step`, per sequence n and value head h (S is [Dk, Dv], fp32):
+    q, k = l2norm(q), l2norm(k) (when use_qk_l2norm);  q = q * Dk^-1/2
+    S = exp(g) S;  S = S + k (beta (v - S^T k))^T;  o = S^T q
+with S = ssm_pool[state_slots[n], h] (zeros when context_len == 1: a fresh sequence) and the new S written
+back to the same row. Key head h // (Hv / Hk) serves value head h.
+
+Grid (N, Hv, Dv / BLOCK_V): each program owns a [Dk, BLOCK_V] column block of one state, so the state is read
+once and written once (the bytes floor of decode), with no gather/scatter copies. flash-linear-attention's
+fused recurrent kernel takes dense [N, Hv, Dk, Dv] states, which would need a gather and a scatter around it
+(three times the state traffic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_V = 32
+
+
+@triton.jit
+def _gdn_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, scale,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
+    stride_ps, stride_ph, stride_pk,
+    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    key_head = head // RATIO
+    ks = tl.arange(0, DK)
+    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
+
+    bq = tl.load(q_ptr + seq * stride_qn + key_head * stride_qh + ks).to(tl.float32)
+    bk = tl.load(k_ptr + seq * stride_kn + key_head * stride_kh + ks).to(tl.float32)
+    if L2NORM:
+        bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
+        bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
+    bq = bq * scale
+    bv = tl.load(v_ptr + seq * stride_vn + head * stride_vh + vs).to(tl.float32)
+    bg = tl.load(g_ptr + seq * stride_gn + head).to(tl.float32)
+    bb = tl.load(beta_ptr + seq * stride_bn + head).to(tl.float32)
+
+    state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
+    state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
+    state = state * tl.exp(bg)
+    delta = (bv - tl.sum(state * bk[:, None], axis=0)) * bb
+    state = state + bk[:, None] * delta[None, :]
+    out = tl.sum(state * bq[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
+    tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """One token for each of N sequences; ssm_pool[state_slots] is updated in place.
+
+    q, k [N, Hk, Dk]; v [N, Hv, Dv] (unit stride on the last dim; other strides free, e.g. views of the conv
+    output); g, beta [N, Hv] (log decay, write strength); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
+    state_slots [N] distinct; context_lens [N] (1 = fresh). Dk and Dv must be powers of two.
+    Returns out [N, Hv, Dv] in q's dtype.
+    """
+    num, num_k_heads, k_dim = q.shape
+    num_v_heads, v_dim = v.shape[1], v.shape[2]
+    if k_dim & (k_dim - 1) or v_dim & (v_dim - 1):
+        raise ValueError(f"head dims must be powers of two, got Dk={k_dim}, Dv={v_dim}")
+    block_v = min(_BLOCK_V, v_dim)
+    if ssm_pool.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k, v and ssm_pool need unit stride on their last dim")
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
+    if num == 0:
+        return out
+    _gdn_step_kernel[(num, num_v_heads, v_dim // block_v)](
+        q, k, v, g, beta, out, ssm_pool, state_slots, context_lens, k_dim**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
+        RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+    )
+    return out

@@ -1,0 +1,209 @@
+"""The CUDA kernels (gated delta rule via flash-linear-attention + the Triton step kernel, causal conv1d,
+paged attention, grouped-GEMM MoE) against the torch reference, via `hybridcache.kernels.cuda_checks`.
+
+- `test_cuda_*` run on a CUDA device (skipped without one): the full varlen case, lengths 1, 17, 63, 64, 65,
+  200 and 1,500 in one batch, cached history 0 (fresh) or not (initial state / prefix, chunks starting
+  mid-page), bf16 and fp32.
+- The Triton kernels of our own (not fla, not the grouped GEMM) also run on the CPU under TRITON_INTERPRET=1
+  on small cases: `test_triton_interpreter_in_subprocess` starts a child pytest that runs the
+  `test_interpreted_*` tests (this process never imports triton). The interpreter's bf16 matrix products are
+  wrong, so attention is interpreted in fp32 only.
+
+Tolerances (norm_rel = ||out - ref|| / ||ref||, max_rel = max |out - ref| / max |ref|; the reference is fp32
+on the same rounded inputs). A single wrong row pushes max_rel to O(1), so max_rel catches indexing errors
+that a norm over thousands of rows would dilute.
+- fp32, our kernels: fp32 arithmetic in another order: 1e-5.
+- bf16 outputs of our kernels: the output is rounded to bf16 once (relative step 2^-8 = 3.9e-3, half of it
+  on average) and attention also rounds the probabilities to bf16 before P @ V: norm_rel 1e-2, max_rel 2e-2.
+- fla's chunked rule keeps its WY factors and the chunk states in bf16 for bf16 inputs, and runs fp32 inputs
+  through tf32 matrix products: 2e-2 (bf16) / 5e-3 (fp32) on outputs; the fp32 final state 2e-2 / 5e-3.
+- Conv state rows are copies of inputs: exact. Pool rows outside the batch: exact (untouched).
+- MoE bf16: bf16 GEMMs with the hidden activation rounded to bf16 between them: 2e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_in_subprocess"
+)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+
+EXACT = (0.0, 0.0)
+OURS = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 2e-2)}  # (norm_rel, max_rel)
+FLA = {torch.float32: (5e-3, 5e-3), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def assert_within(stats: dict, bounds: dict) -> None:
+    """Each named error within its (norm_rel, max_rel) bound; prints all of them on failure."""
+    failed = {
+        name: stats[name]
+        for name, (norm_rel, max_rel) in bounds.items()
+        if not (stats[name].norm_rel <= norm_rel and stats[name].max_rel <= max_rel)
+    }
+    assert not failed, f"out of bounds {bounds}: {failed}"
+
+
+@pytest.fixture
+def cuda() -> torch.device:
+    return torch.device("cuda")
+
+
+@needs_cuda
+@DTYPES
+def test_cuda_gated_delta_chunk(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_gated_delta
+
+    stats = check_gated_delta(dtype, cuda)
+    assert_within(stats, {"out": FLA[dtype], "final_state": FLA[dtype], "other_slots": EXACT})
+
+
+@needs_cuda
+@DTYPES
+def test_cuda_decode_steps(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_decode_step
+
+    stats = check_decode_step(dtype, cuda)
+    assert_within(stats, {
+        "conv_out": OURS[dtype], "conv_state": EXACT, "conv_other_slots": EXACT,
+        "gdn_out": OURS[dtype], "gdn_state": OURS[torch.float32], "gdn_other_slots": EXACT,
+    })
+
+
+@needs_cuda
+@DTYPES
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
+def test_cuda_conv(dtype: torch.dtype, with_bias: bool, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_conv
+
+    stats = check_conv(dtype, cuda, with_bias=with_bias)
+    assert_within(stats, {"out": OURS[dtype], "final_state": EXACT, "other_slots": EXACT})
+
+
+@needs_cuda
+@DTYPES
+@pytest.mark.parametrize(("page", "heads", "head_dim"), [(16, (16, 2), 256), (64, (8, 2), 128)],
+                         ids=["page16-d256", "page64-d128"])
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_cuda_attention(dtype: torch.dtype, page: int, heads: tuple[int, int], head_dim: int, decode: bool,
+                        cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import HISTORY, LENGTHS, check_attention
+
+    lengths, history = LENGTHS, HISTORY
+    if decode:  # one new token after the prefix: contexts 1 (fresh) .. 1,631 keys
+        history = tuple(h + n - 1 for h, n in zip(HISTORY, LENGTHS, strict=True))
+        lengths = (1,) * len(LENGTHS)
+    stats = check_attention(dtype, cuda, lengths, history, page=page, heads=heads, head_dim=head_dim)
+    assert_within(stats, {"kv_write": EXACT, "out": OURS[dtype]})
+
+
+@needs_cuda
+@DTYPES
+def test_cuda_moe(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_moe
+
+    bound = (2e-2, 2e-2) if dtype == torch.bfloat16 else OURS[torch.float32]
+    assert_within(check_moe(dtype, cuda), {"out": bound})
+
+
+@needs_cuda
+@DTYPES
+def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_norms
+
+    stats = check_norms(dtype, cuda)
+    # Same roundings as the modules; only the fp32 sum order differs, which can move a bf16 result by one step.
+    assert_within(stats, {name: OURS[dtype] for name in stats})
+
+
+@needs_cuda
+def test_cuda_no_host_sync(cuda: torch.device) -> None:
+    """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
+    from hybridcache.kernels.cuda_checks import host_syncs
+
+    report = host_syncs(cuda)
+    assert report and all(result == "ok" for result in report.values()), report
+
+
+# --- our Triton kernels on the CPU, interpreted ---------------------------------------------------------------
+
+SMALL_LENGTHS = (1, 17, 5, 33)
+SMALL_HISTORY = (0, 5, 16, 3)
+
+
+def test_triton_interpreter_in_subprocess() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+               "-k", "interpreted"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+
+
+@needs_interpreter
+@DTYPES
+def test_interpreted_conv(dtype: torch.dtype) -> None:
+    from hybridcache.kernels.cuda_checks import check_conv
+
+    stats = check_conv(dtype, torch.device("cpu"), SMALL_LENGTHS, SMALL_HISTORY, channels=200)
+    # The interpreter emulates bf16 by truncation, so its bf16 rounding step is twice the hardware's.
+    bound = OURS[dtype] if dtype == torch.float32 else (2e-2, 4e-2)
+    assert_within(stats, {"out": bound, "final_state": EXACT, "other_slots": EXACT})
+
+
+@needs_interpreter
+def test_interpreted_decode_steps() -> None:
+    from hybridcache.kernels.cuda_checks import check_decode_step
+
+    stats = check_decode_step(torch.float32, torch.device("cpu"), (1, 2, 17, 40), heads=(1, 2), dims=(32, 16),
+                              channels=100)
+    assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_interpreted_attention(decode: bool) -> None:
+    from hybridcache.kernels.cuda_checks import check_attention
+
+    lengths, history = (SMALL_LENGTHS, SMALL_HISTORY) if not decode else ((1,) * 4, (0, 16, 40, 100))
+    stats = check_attention(torch.float32, torch.device("cpu"), lengths, history, page=16, heads=(4, 2),
+                            head_dim=32)
+    assert_within(stats, {"kv_write": EXACT, "out": OURS[torch.float32]})
+
+
+@needs_interpreter
+def test_interpreted_norms() -> None:
+    from hybridcache.kernels.cuda_checks import check_norms
+
+    stats = check_norms(torch.float32, torch.device("cpu"), rows=7)
+    assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_decode_splits() -> None:
+    from hybridcache.kernels.attention.triton_paged import decode_splits
+
+    assert decode_splits(1, 2, 16000, 64, 132) == (125, 128)  # the docstring's example
+    assert decode_splits(64, 2, 4096, 64, 132) == (3, 1408)  # 128 programs already: ceil(264/128) = 3 splits
+    assert decode_splits(4, 2, 1, 64, 132) == (1, 64)  # never more splits than key blocks
+
+
+def test_chunk_indices_and_fresh_mask() -> None:
+    from hybridcache.kernels.varlen import chunk_indices, fresh_mask
+
+    cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
+    table = chunk_indices(cu, (3, 1, 5), 2)
+    assert table.dtype == torch.int32
+    assert table.tolist() == [[0, 0], [0, 1], [1, 0], [2, 0], [2, 1], [2, 2]]
+    assert fresh_mask(cu, torch.tensor([3, 7, 5])).tolist() == [True, False, True]
