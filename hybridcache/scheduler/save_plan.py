@@ -16,7 +16,7 @@ Worked example (B = 16, budget 64 tokens, prompt of 100 tokens, a cached checkpo
 prompt agreeing with cached content up to step 37, so `branch_step` = 37)::
 
     hybridcache:   [20, 37) branch_point   [37, 100) prefill_end (then one token is sampled)
-    seed:          [20, 84)                [84, 100)             (no saves: the sequence started from a hit;
+    seed:          [20, 84)                [84, 100)             (no saves: it started from a partial hit;
                                                                   with hit_len=0, chunk_end and prefill_end)
     block-aligned: [20, 80) chunk_end   [80, 96) chunk_end   [96, 100) no save (100 is not a multiple of B)
 """
@@ -38,8 +38,8 @@ class CheckpointPolicy:
     a waiting sequence whose prompt shares a prefix with a prompt still being prefilled waits for that
     prefill to pass the shared part (which it saves as a branch point) and then forks from it.
     `saves_after_hit`: False models LMDeploy 0.18, whose chains stop growing after a partial hit (the blocks
-    filled after a restored checkpoint are not attached to its trie): a sequence that started from a hit
-    saves nothing. `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a
+    filled after a checkpoint restored into a partial block are not attached to its trie): a sequence that
+    started from a hit at a step that is not a multiple of the block size saves nothing. `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a
     save reason only while its checkpoints pay for their bytes).
     """
 
@@ -105,14 +105,14 @@ def plan_chunk(
     is shortened to end exactly at `branch_step` when that lies inside it (and the policy saves branch
     points); with `block_aligned`, a prefill chunk is cut back to the last block boundary inside it.
     Decode steps (one token past the prompt) save only at multiples of `decode_interval`. `hit_len`: the
-    tokens the sequence took from the cache when admitted (a policy without `saves_after_hit` then saves
-    nothing).
+    tokens the sequence took from the cache when admitted (a policy without `saves_after_hit` saves nothing
+    when it is not a multiple of `block_size`: a partial hit).
 
     A chunk never ends strictly inside a multimodal span `[s, e)` of `spans`: it ends at `s` instead, or,
     when it starts at or inside the span, at `e` (going over the budget: a span is fed whole).
     """
     end = _outside_spans(min(num_tokens, start + budget), start, spans)
-    if policy is None or (hit_len and not policy.saves_after_hit):
+    if policy is None or (hit_len % block_size and not policy.saves_after_hit):
         return ChunkPlan(end, None)
     if start >= prompt_len:  # decode
         if decode_interval and end % decode_interval == 0:

@@ -86,14 +86,45 @@ def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend_on():
 
 
 def test_seed_chains_stop_growing_after_a_partial_hit():
-    """LMDeploy 0.18: a sequence that started from a hit saves nothing, so turn 2 of a chat hits only what
-    turn 0 saved, while hybridcache hits turn 1's finish."""
-    t0 = SimRequest("t0", tuple(range(1, 21)), (50, 51))
+    """LMDeploy 0.18: a sequence that started from a partial hit (21 is not a multiple of B = 4) saves
+    nothing, so turn 2 of a chat hits only what turn 0 saved, while hybridcache hits turn 1's finish."""
+    t0 = SimRequest("t0", tuple(range(1, 22)), (50, 51))
     t1 = SimRequest("t1", t0.prompt_ids + (50, 60, 61, 62), (70, 71))
     t2 = SimRequest("t2", t1.prompt_ids + (70, 80, 81), (90,))
     results = _run([t0, t1, t2], "seed,hybridcache")
-    assert results["seed"].hit_tokens == 20 + 20
-    assert results["hybridcache"].hit_tokens == 21 + 25
+    assert results["seed"].hit_tokens == 21 + 21
+    assert results["hybridcache"].hit_tokens == 22 + 26
+
+
+def test_seed_reproduces_lmdeploy_per_turn_figures_on_the_gpu_chat_workload():
+    """Issue 11's phase A (4 system prompts of 2,000 tokens, 16 sessions, 4 turns, 200-600-token user
+    messages, fixed 100-300-token replies, one new token per call; 209,144 prompt tokens), as its benchmark
+    draws it. LMDeploy 0.18 on the H200 reported 0 / 37,872 / 38,575 / 38,575 cached tokens by turn (115,022),
+    hybridcache 159,072 (before zero-prefill hits and learned admission)."""
+    import random
+
+    rng = random.Random(0)
+
+    def letters(n):
+        return tuple(rng.randrange(97, 123) for _ in range(n))
+
+    systems = [letters(2000) for _ in range(4)]
+    history = [systems[i % 4] for i in range(16)]
+    requests = []
+    for turn in range(4):
+        for i in range(16):
+            prompt = history[i] + letters(rng.randint(200, 600))
+            reply = letters(rng.randint(100, 300))
+            requests.append(SimRequest(f"s{i}t{turn}", prompt, reply[:1], session_id=str(i), turn=turn))
+            history[i] = prompt + reply
+    assert sum(r.prompt_len for r in requests) == 209_144
+    specs = parse_policies("seed,hybridcache", 64)
+    results = simulate(_workload(requests), specs, load_model_cost(None), SimConfig(8 * GIB)).policies
+    by_turn = {t: sum(r.prompt_len for r in requests if r.turn == t) for t in range(4)}
+    seed = results["seed"]
+    assert [round(seed.hit_rate_by_turn[t] * by_turn[t]) for t in range(4)] == [0, 37_872, 38_575, 38_575]
+    assert seed.hit_tokens == 115_022
+    assert results["hybridcache"].hit_tokens >= 159_000
 
 
 def test_n_completions_of_one_request_share_the_first_ones_prefill():

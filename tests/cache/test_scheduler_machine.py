@@ -99,7 +99,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(400):  # everything left finishes: nobody waits forever for a leader
             if not self.scheduler.has_work:
                 break
-            output = self.scheduler.schedule()
+            try:
+                output = self.scheduler.schedule()
+            except RuntimeError:  # as in `step`: the pool cannot hold this prompt next to its own hit
+                seq = self.scheduler.waiting[0]
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+                continue
             self.device.execute_step(output)
             for chunk in output.chunks:
                 chunk.seq.num_computed = chunk.end
