@@ -39,8 +39,9 @@ class CheckpointPolicy:
     prefill to pass the shared part (which it saves as a branch point) and then forks from it.
     `saves_after_hit`: False models LMDeploy 0.18, whose chains stop growing after a partial hit (the blocks
     filled after a checkpoint restored into a partial block are not attached to its trie): a sequence that
-    started from a hit at a step that is not a multiple of the block size saves nothing. `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a
-    save reason only while its checkpoints pay for their bytes).
+    started from a hit at a step that is not a multiple of the block size saves nothing.
+    `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a save reason only
+    while its checkpoints pay for their bytes).
     """
 
     name: str
