@@ -10,7 +10,7 @@ import time
 from importlib import import_module
 from importlib.util import find_spec
 
-from hybridcache.engine_args import add_engine_args, engine_options
+from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument
 
 # Subcommands that live with their feature: each module has `register(subparsers)`.
 _SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli")
@@ -31,7 +31,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
     )
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    llm = LLM(args.model, **engine_options(args))
+    llm = LLM(model_argument(args), **engine_options(args))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -55,16 +55,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridcache", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    gen = sub.add_parser("generate", help="generate completions for prompts (offline)", description=(
+        "Generate completions for prompts with one engine, and print one JSON line per completion."),
+        formatter_class=HelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("-n", type=int, default=1)
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per completion at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 is off)")
+    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 is off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed of random sampling (default: unseeded)")
+    gen.add_argument("-n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.set_defaults(func=cmd_generate)
     for name in _SUBCOMMAND_MODULES:
         if find_spec(name.rsplit(".", 1)[0]) is not None and find_spec(name) is not None:

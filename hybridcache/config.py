@@ -9,7 +9,10 @@ from dataclasses import dataclass
 
 # The cache modes (the `cache_mode` option); `scheduler.save_plan.CACHE_MODES` maps each to its policy.
 CACHE_MODES: tuple[str, ...] = ("none", "block-aligned", "seed", "hybridcache")
-EVICTION_POLICIES: tuple[str, ...] = ("lru", "flop_aware")
+# The eviction policies (the `eviction` option), each mapped to the prefix cache's name for it.
+EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}
+# Older spellings still accepted (and stored as the current one).
+EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
@@ -18,20 +21,26 @@ class EngineConfig:
     """How the engine runs a model.
 
     block_size: tokens per scheduler block (the unit of KV sharing). kernel_block_size: tokens per kernel page
-    (a power of two dividing block_size; None at construction = min(block_size, 64), resolved in
-    `__post_init__`, so it is always an int afterwards). num_blocks: KV blocks in the pool (None = enough for
-    max_num_seqs sequences of max_model_len tokens, plus as many again for the prefix cache).
+    (a power of two dividing block_size; None at construction = the largest such power of two up to 64, e.g.
+    64 for block_size 128, 16 for 48, resolved in `__post_init__`, so it is always an int afterwards).
+    num_blocks: KV blocks in the pool (None = enough for max_num_seqs sequences of max_model_len tokens, plus as
+    many again for the prefix cache).
     max_num_seqs: running sequences at once (one runtime state slot each). num_checkpoint_slots: extra state
-    slots for prefix-cache checkpoints. max_num_batched_tokens: the token budget of one forward step; long
+    slots for prefix-cache checkpoints (None: 32 on the CPU; on CUDA derived from the memory budget, see
+    `hybridcache.engine.memory`). max_num_batched_tokens: the token budget of one forward step; long
     prompts are prefilled in chunks of at most this many tokens. max_model_len: prompt + output limit
-    (None = the model's max_position_embeddings, capped at 8192).
+    (None = the model's max_position_embeddings; capped at 8192 on the CPU, where the pools are sized per
+    sequence, not from a memory budget).
+    gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
+    activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
+    graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
     """
 
     block_size: int = 64
     kernel_block_size: int | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 16
-    num_checkpoint_slots: int = 32
+    num_checkpoint_slots: int | None = None
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -41,22 +50,29 @@ class EngineConfig:
     dtype: str = "float32"
     state_dtype: str = "float32"
     device: str = "cpu"
+    gpu_memory_utilization: float | None = None
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
-        if self.kernel_block_size is None and isinstance(self.block_size, int):
-            object.__setattr__(self, "kernel_block_size", min(self.block_size, 64))
+        if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
+            largest_power_of_two_divisor = self.block_size & -self.block_size
+            object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))
+        object.__setattr__(self, "eviction", EVICTION_ALIASES.get(self.eviction, self.eviction))
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.num_checkpoint_slots < 0:
+        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         kbs = self.kernel_block_size
         if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(
                 f"kernel_block_size must be a power of two that divides block_size {self.block_size}, got {kbs}"
             )
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -64,12 +80,13 @@ class EngineConfig:
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {', '.join(CACHE_MODES)}")
         if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be 'lru' or 'flop_aware', got {self.eviction!r}")
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         interval = self.decode_checkpoint_interval
         if interval is not None and (interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
+                             "('auto' is resolved by LLM and the command line, see engine_args.resolve_engine_config)")
         if self.state_dtype not in DTYPES:
             raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
 

@@ -1,4 +1,5 @@
-"""Command-line options of `EngineConfig`, shared by every subcommand that runs a model.
+"""Command-line options of `EngineConfig`, shared by every subcommand that runs a model, and the resolution of
+`dtype="auto"` / `device="auto"` that both the command line and `LLM` use.
 
 It lives next to the config (not in `cli.py`) so that `cli.py` and the subcommand modules it loads
 (`server/cli.py`, `bench/cli.py`) both import it from below and never each other.
@@ -8,36 +9,83 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_POLICIES
+from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, EngineConfig
+
+AUTO = "auto"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default is argparse.SUPPRESS:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _eviction(value: str) -> str:
+    """`--eviction`'s type: the old underscore spelling is accepted and means the same policy."""
+    return EVICTION_ALIASES.get(value, value)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Add the engine options (`--model` and the `EngineConfig` fields) to a subcommand's parser."""
-    parser.add_argument("--model", default=None, help="model folder (default: the built-in model)")
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--kernel-block-size", type=int, default=None)
-    parser.add_argument("--num-blocks", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-prefix-cache", action="store_true", help="disable prefix caching")
-    parser.add_argument(
-        "--cache-mode", default="hybridcache", choices=list(CACHE_MODES),
-        help="where state checkpoints are saved (see docs/design.md)",
-    )
+    """Add the model (positional MODEL or `--model`) and the `EngineConfig` options to a subcommand's parser."""
+    model_help = ("a model folder, a Hugging Face snapshot folder, or a hub id (org/name) held by the local "
+                  "Hugging Face cache")
+    parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                        help=f"{model_help} (default: the built-in model)")
+    parser.add_argument("--model", default=None, help="the same as MODEL (give one of the two; default: MODEL)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (the unit of sharing)")
+    parser.add_argument("--kernel-block-size", type=int, default=None,
+                        help="tokens per kernel page, a power of two dividing --block-size (default: the "
+                             "largest such power of two up to 64)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks in the pool (default: twice what --max-num-seqs full sequences need)")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="prompt + completion limit (default: the model's, capped at 8192)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse computed prefixes across requests")
+    parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",
+                        help="alias of --no-enable-prefix-caching (default: not given)")
+    parser.add_argument("--cache-mode", default="hybridcache", choices=list(CACHE_MODES),
+                        help="where state checkpoints are saved (see docs/design.md)")
     parser.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="SLOTS",
-                        help="state slots for prefix-cache checkpoints (default 32)")
+                        help="state slots for prefix-cache checkpoints (default: 32 on the CPU, from the memory "
+                             "budget on CUDA)")
     parser.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
-                        help="deprecated alias of --num-checkpoint-slots")
-    parser.add_argument("--decode-checkpoint-interval", type=int, default=None)
-    parser.add_argument("--eviction", default="lru", choices=list(EVICTION_POLICIES))
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    parser.add_argument("--device", default="cpu")
+                        help="deprecated alias of --num-checkpoint-slots (default: unset)")
+    parser.add_argument("--decode-checkpoint-interval", type=int, default=None,
+                        help="also save a checkpoint every this many decoded tokens, a multiple of --block-size "
+                             "(default: off)")
+    parser.add_argument("--eviction", default="lru", type=_eviction, choices=list(EVICTION_POLICIES),
+                        help="prefix-cache eviction policy (flop_aware is accepted for flop-aware)")
+    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
+                        help="weights and activations; auto: float32 on CPU, on CUDA the model's torch_dtype "
+                             "when it is bfloat16 or float16, else bfloat16 (default: auto)")
+    parser.add_argument("--device", default=AUTO,
+                        help="cpu, cuda or cuda:N; auto: cuda when a GPU is present, else cpu (default: auto)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                        help="CUDA: fraction of the device memory for weights, activations and the cache "
+                             "(default: 0.9)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
+
+
+def model_argument(args: argparse.Namespace) -> str | None:
+    """The model the command line names: MODEL or `--model` (a ValueError when both name different ones)."""
+    positional, flag = args.model_arg, args.model
+    if positional is not None and flag is not None and positional != flag:
+        raise ValueError(f"the model is given twice: MODEL {positional!r} and --model {flag!r}")
+    return positional if positional is not None else flag
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` keyword arguments of parsed engine options.
+    """The `EngineConfig` keyword arguments of parsed engine options (`dtype`/`device` may be "auto": pass them
+    through `resolve_engine_config`).
 
     `--state-cache-budget` sets `num_checkpoint_slots` with a warning on stderr; given together with a
     different `--num-checkpoint-slots` it is a ValueError (the command line says two things)."""
@@ -56,13 +104,48 @@ def engine_options(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=not args.no_prefix_cache,
+        enable_prefix_caching=args.enable_prefix_caching,
         cache_mode=args.cache_mode,
         decode_checkpoint_interval=args.decode_checkpoint_interval,
         eviction=args.eviction,
         dtype=args.dtype,
         device=args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
     )
     if slots is not None:
         options["num_checkpoint_slots"] = slots
     return options
+
+
+def auto_device() -> str:
+    """"cuda" when torch sees a GPU, else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def auto_dtype(device: str, model_torch_dtype: str) -> str:
+    """The dtype `auto` means: float32 on CPU; on CUDA the model's own `torch_dtype` when it is a half type,
+    else bfloat16 (a float32 checkpoint runs in bfloat16 on a GPU).
+
+    >>> auto_dtype("cpu", "bfloat16"), auto_dtype("cuda:1", "float16"), auto_dtype("cuda", "float32")
+    ('float32', 'float16', 'bfloat16')
+    """
+    if not device.startswith("cuda"):
+        return "float32"
+    return model_torch_dtype if model_torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
+    """`EngineConfig(**options)` with `device="auto"` and `dtype="auto"` replaced by what they mean for the
+    model in `model_dir` on this machine (see `auto_device`, `auto_dtype`)."""
+    options = dict(options)
+    if options.get("device") == AUTO:
+        options["device"] = auto_device()
+    if options.get("dtype") == AUTO:
+        from hybridcache.models import ModelConfig
+
+        torch_dtype = ModelConfig.from_model_dir(model_dir).torch_dtype
+        options["dtype"] = auto_dtype(str(options.get("device", EngineConfig.device)), torch_dtype)
+    return EngineConfig(**options)

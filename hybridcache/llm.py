@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model_path=None, **engine_options).generate(prompts, sampling_params)`."""
+"""The offline API: `LLM(model=None, **engine_options).generate(prompts, sampling_params)` and
+`.chat(messages, sampling_params)`."""
 
 from __future__ import annotations
 
@@ -7,22 +8,54 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine_args import resolve_engine_config
+from hybridcache.model_path import resolve_model
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 
 Prompt = str | list[int]
+Message = dict[str, object]
 
 
 class LLM:
-    """Offline batched generation. `model_path=None` uses the built-in model; `engine_options` are the
-    fields of `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, ...)."""
+    """Offline batched generation.
 
-    def __init__(self, model_path: str | Path | None = None, **engine_options) -> None:
-        self.engine = LLMEngine(model_path, EngineConfig(**engine_options))
+    `model`: a model folder, a Hugging Face snapshot folder, or a hub id held by the local Hugging Face cache
+    (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
+    `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, ...); `dtype` and `device` also take
+    "auto", as on the command line (`LLM` itself defaults to EngineConfig's float32 on cpu).
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_options) -> None:
+        resolved = resolve_model(model)
+        self.model_name = resolved.name
+        self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations: `messages` is one conversation (a list of `{"role", "content"}`
+        dicts) or a list of them. Each is rendered with the model's chat template (`Tokenizer.apply_chat_template`,
+        as the server does) and generated as that text, so `chat(m, p)` equals
+        `generate(tokenizer.apply_chat_template(m), p)`; each output's `prompt` is the rendered text."""
+        messages = list(messages)
+        conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
+        for i, conversation in enumerate(conversations):
+            for message in conversation:
+                if not isinstance(message, dict):
+                    raise TypeError(f"messages must be a list of message dicts or a list of such lists "
+                                    f"(conversation {i} holds a {type(message).__name__})")
+        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
         self,

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridcache.sampling import TokenLogprob
+
 
 @dataclass
 class CompletionOutput:
     """One sampled completion. finish_reason: 'stop' (EOS, stop token or stop string), 'length'
     (max_tokens or the model length limit), 'abort', or None while it is still running. cached_tokens: prompt
-    tokens this completion's sequence took from the prefix cache when it was first admitted."""
+    tokens this completion's sequence took from the prefix cache when it was first admitted. logprobs: one
+    entry per token of `token_ids` when the request asked for logprobs, else None."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -1,11 +1,25 @@
-"""Sampling parameters (validated at construction) and the sampler that turns logits into tokens."""
+"""Sampling parameters (validated at construction) and the batched sampler that turns logits into tokens."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+_SEED_LIMIT = 1 << 63  # seeds are 64-bit signed integers (torch's generator takes seed + completion index)
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    """`value` (a list, tuple or other iterable) as a tuple; a TypeError naming the field for anything else."""
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}") from None
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -13,39 +27,77 @@ class SamplingParams:
     """How to sample one request's completions, in the shape vLLM users know.
 
     temperature 0 means greedy (deterministic). `top_k` 0 or -1 disables top-k; `top_p` 1.0 disables
-    nucleus sampling. `seed` makes random sampling reproducible (completion i of n uses seed + i).
+    nucleus sampling; `min_p` 0 disables min-p (drop tokens less likely than min_p x the likeliest one).
+    `seed` makes random sampling reproducible (completion i of n uses seed + i).
     `stop` holds strings that end a completion (the text is cut before the stop string).
+
+    Penalties, as vLLM defines them (applied to the raw logits, before temperature):
+    `repetition_penalty` r (1 = off) divides a positive logit by r and multiplies a negative one by r, for every
+    token that occurs in the prompt or the output; `frequency_penalty` f subtracts f x (times the token occurs
+    in the output); `presence_penalty` p subtracts p once if it occurs in the output at all.
+    `logit_bias` adds a fixed value to the logit of a token id. `min_tokens`: the EOS and stop tokens cannot be
+    sampled before the completion has that many tokens.
+    `logprobs`: None (off) or k in [0, 20]: each sampled token carries its log-probability and the k most
+    likely tokens with theirs (log_softmax of the model's fp32 logits, before any penalty or temperature).
+    `guided`: a structured-output constraint (see `hybridcache.guided`), or None.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 16
+    min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    guided: object | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but store tuples, so the object stays hashable and immutable.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        # Accept lists and dicts from callers but store tuples, so the object stays hashable and immutable.
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop, "a list of strings")
         object.__setattr__(self, "stop", stop)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple((token, value) for token, value in bias))
+        number = (int, float)
         checks = [
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+            (isinstance(self.temperature, number) and self.temperature >= 0,
              f"temperature must be >= 0, got {self.temperature!r}"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
+            (isinstance(self.top_p, number) and 0 < self.top_p <= 1,
              f"top_p must be in (0, 1], got {self.top_p!r}"),
             (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
              f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}"),
+            (isinstance(self.min_p, number) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
             (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
+             f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (all(isinstance(s, str) and s for s in stop), f"stop must hold non-empty strings, got {stop!r}"),
+            (isinstance(self.presence_penalty, number) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (isinstance(self.frequency_penalty, number) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (isinstance(self.repetition_penalty, number) and self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
+            (all(isinstance(t, int) and t >= 0 and isinstance(v, number) and -100 <= v <= 100
+                 for t, v in self.logit_bias),
+             "logit_bias maps non-negative token ids to values in [-100, 100]"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -54,6 +106,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def make_generator(params: SamplingParams, index: int, device: torch.device | str) -> torch.Generator | None:
@@ -68,30 +124,191 @@ def make_generator(params: SamplingParams, index: int, device: torch.device | st
     return generator
 
 
+class SamplingRow(Protocol):
+    """What the sampler reads of one sequence (the scheduler's `Seq` is one): its parameters and generator,
+    `token_ids` = prompt + output so far, and `prompt_len`."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int]
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `logprobs` most likely tokens (id, logprob), best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """One token per row; `logprobs[i]` is None where row i did not ask for logprobs."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
 def sample(
     logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int]:
-    """Sample one token per row.
+    rows: Sequence[SamplingRow],
+    *,
+    stop_token_ids: frozenset[int] | Sequence[int] = (),
+    allowed_bitmask: torch.Tensor | None = None,
+) -> SamplerOutput:
+    """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once.
 
-    logits: [num_seqs, vocab] fp32; params[i] and generators[i] belong to row i.
-    Greedy rows take the argmax. Other rows apply temperature, then top-k, then top-p (keeping at least the
-    most likely token), then draw from their own generator, so a row's draw does not depend on the others.
+    Order (vLLM's): logit_bias and min_tokens (EOS/stop tokens masked), the structured-output mask
+    (`allowed_bitmask` [num_rows, ceil(vocab/32)] int32, bit v of a row set = token v allowed; rows that are
+    unconstrained have every bit set), penalties, then temperature, min_p, top-k and top-p (keeping at least
+    the likeliest token). Greedy rows take the argmax of the processed logits. Random rows draw by the
+    exponential race (argmax of probs / E with E ~ Exp(1) drawn from the row's own generator), so a row's draw
+    does not depend on the other rows. Only the tokens (and the logprobs asked for) are copied to the host,
+    once. `stop_token_ids`: the model's EOS ids (`min_tokens` masks them and the row's own stop_token_ids).
     """
-    tokens = logits.argmax(dim=-1).tolist()
-    for row, (p, generator) in enumerate(zip(params, generators)):
-        if p.greedy:
+    num_rows = logits.shape[0]
+    if num_rows != len(rows):
+        raise ValueError(f"{num_rows} rows of logits but {len(rows)} sampling rows")
+    device = logits.device
+    params = [row.params for row in rows]
+    raw = logits.float()
+    scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
+    greedy = torch.tensor([p.greedy for p in params], device=device)
+    tokens = scores.argmax(dim=-1)
+    if not all(p.greedy for p in params):
+        probs = _filtered_probs(scores, params)
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            if row.generator is None:
+                noise[i].exponential_()
+            else:
+                noise[i].exponential_(generator=row.generator)
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = torch.where(greedy, tokens, drawn)
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return SamplerOutput(tokens.tolist(), [None] * num_rows)
+    return _with_logprobs(raw, tokens, params, want)
+
+
+def process_logits(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    *,
+    stop_token_ids: frozenset[int] | Sequence[int] = (),
+    allowed_bitmask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 copy of `logits` after logit_bias, min_tokens, the structured-output mask and the penalties (what
+    temperature and the filters of `sample` then act on)."""
+    scores = logits.float().clone()
+    _apply_bias_and_min_tokens(scores, rows, stop_token_ids)
+    if allowed_bitmask is not None:
+        scores.masked_fill_(~_unpack_bitmask(allowed_bitmask.to(scores.device), scores.shape[1]), float("-inf"))
+    if any(row.params.penalized for row in rows):
+        _apply_penalties(scores, rows)
+    return scores
+
+
+def _apply_bias_and_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow],
+                               stop_token_ids: frozenset[int] | Sequence[int]) -> None:
+    """Add each row's logit_bias; mask EOS/stop tokens of rows still short of min_tokens (in place)."""
+    bias_rows, bias_cols, bias_values, ban_rows, ban_cols = [], [], [], [], []
+    vocab = scores.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        for token, value in p.logit_bias:
+            if token < vocab:
+                bias_rows.append(i)
+                bias_cols.append(token)
+                bias_values.append(value)
+        if p.min_tokens and len(row.token_ids) - row.prompt_len < p.min_tokens:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_token_ids))
+            for token in stops:
+                if token < vocab:
+                    ban_rows.append(i)
+                    ban_cols.append(token)
+    device = scores.device
+    if bias_rows:
+        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
+        scores.index_put_(index, torch.tensor(bias_values, device=device, dtype=scores.dtype), accumulate=True)
+    if ban_rows:
+        scores[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = float("-inf")
+
+
+def _unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, words] int32 -> [rows, vocab] bool: bit (v % 32) of word v // 32."""
+    positions = torch.arange(vocab, device=bitmask.device)
+    words = bitmask[:, positions // 32]
+    return ((words >> (positions % 32)) & 1).bool()
+
+
+def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Repetition, frequency and presence penalties (vLLM's formulas; see SamplingParams), in place.
+
+    Worked example, logits [2.0, -1.0, 0.5], prompt [0], output [1, 1], repetition 2, frequency 0.5,
+    presence 0.25: repetition -> [1.0, -2.0, 0.5] (tokens 0 and 1 seen); frequency -> token 1: -2.0 - 2 x 0.5;
+    presence -> token 1: -3.0 - 0.25 = -3.25. Result [1.0, -3.25, 0.5].
+    """
+    num_rows, vocab = scores.shape
+    device = scores.device
+    output_counts = torch.zeros(num_rows, vocab, device=device)
+    seen_in_prompt = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        if not row.params.penalized:
             continue
-        scores = logits[row].float() / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            outside = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
-            sorted_probs[outside] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generator).item())
-    return tokens
+        output = row.token_ids[row.prompt_len:]
+        if output:
+            ids = torch.tensor(output, device=device)
+            output_counts[i].index_add_(0, ids, torch.ones(len(output), device=device))
+        if row.params.repetition_penalty != 1:
+            seen_in_prompt[i, torch.tensor(row.token_ids[:row.prompt_len], device=device)] = True
+    params = [row.params for row in rows]
+    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    seen = seen_in_prompt | (output_counts > 0)
+    penalized = torch.where(scores > 0, scores / repetition, scores * repetition)
+    scores.copy_(torch.where(seen, penalized, scores))
+    scores -= frequency * output_counts + presence * (output_counts > 0).float()
+
+
+def _filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Per-row probabilities after temperature, min_p, top-k and top-p (greedy rows get temperature 1; their
+    probabilities are not used)."""
+    device = scores.device
+    vocab = scores.shape[1]
+    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    scores = scores / temperature.unsqueeze(1)
+    if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
+        return torch.softmax(scores, dim=-1)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
+    top_p = torch.tensor([float(p.top_p) for p in params], device=device).unsqueeze(1)
+    min_p = torch.tensor([float(p.min_p) for p in params], device=device).unsqueeze(1)
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    drop = sorted_probs < min_p * sorted_probs[:, :1]
+    drop |= torch.arange(vocab, device=device).unsqueeze(0) >= top_k
+    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+    sorted_probs = torch.softmax(sorted_scores, dim=-1)
+    drop |= sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
+    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
+                   want: list[int]) -> SamplerOutput:
+    """The sampled tokens and, for rows in `want`, log_softmax(raw)[token] and the top-k (one host copy)."""
+    device = raw.device
+    index = torch.tensor(want, device=device)
+    logprobs = torch.log_softmax(raw[index], dim=-1)
+    chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+    k = max(params[i].logprobs for i in want)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], index.new_zeros(len(want), 0))
+    tokens_list, chosen_list, values, ids = (t.tolist() for t in (tokens, chosen, top_values, top_ids))
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for j, i in enumerate(want):
+        count = params[i].logprobs
+        out[i] = TokenLogprob(tokens_list[i], chosen_list[j], tuple(zip(ids[j][:count], values[j][:count])))
+    return SamplerOutput(tokens_list, out)

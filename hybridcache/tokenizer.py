@@ -39,6 +39,11 @@ class Tokenizer:
         self.chat_template: str | None = template
 
     @property
+    def hf(self) -> PreTrainedTokenizerFast:
+        """The transformers tokenizer (what grammar libraries build their token tables from)."""
+        return self._tok
+
+    @property
     def backend(self) -> tokenizers.Tokenizer:
         """The `tokenizers.Tokenizer` underneath (what `DecodeStream` steps over)."""
         return self._tok.backend_tokenizer
@@ -61,13 +66,33 @@ class Tokenizer:
         """A fresh incremental decoder of one completion's tokens (see `IncrementalDetokenizer`)."""
         return IncrementalDetokenizer(self, stop)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render messages to the prompt text (tokenize it with `encode`)."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> str:
+        """Render messages to the prompt text (tokenize it with `encode`) with the folder's own template.
+
+        Messages are OpenAI-shaped dicts: assistant turns may carry `tool_calls` and `reasoning_content`, `tool`
+        turns `tool_call_id`. `tools`: the request's tool definitions (the template renders them).
+        `template_kwargs`: extra template variables (for example `enable_thinking`); they cannot override the
+        arguments above. `continue_final_message`: leave the last (assistant) message open, to be continued.
+        """
         if self.chat_template is None:
             raise ValueError("this model folder has no chat template (tokenizer_config.json 'chat_template')")
+        extra = dict(template_kwargs or {})
+        for name in ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
+                     "tokenize"):
+            if name in extra:
+                raise ValueError(f"chat_template_kwargs may not set '{name}'")
         return self._tok.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            messages, tools=tools or None, chat_template=self.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **extra,
         )
 
 

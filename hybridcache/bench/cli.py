@@ -15,7 +15,9 @@ def register(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies")
     sim.add_argument("--workload", required=True,
                      help="sharegpt, mooncake, swe-agent, shared-prefix, group-sampling[-n]")
-    sim.add_argument("--trace", default=None, help="trace file or folder (default: <repo>/../shared/traces/...)")
+    sim.add_argument("--trace", default=None,
+                     help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/; "
+                     "sharegpt has none)")
     sim.add_argument("--num-requests", type=int, default=None)
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated; NAME:B runs a policy at block size B (e.g. block-aligned:528)")
@@ -37,14 +39,20 @@ def register(subparsers) -> None:
     sim.set_defaults(func=cmd_simulate)
 
     bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes")
-    bench.add_argument("--workload", default="sharegpt")
-    bench.add_argument("--trace", default=None)
+    bench.add_argument("--workload", default="swe-agent",
+                       help="a workload name, as for simulate (default: %(default)s)")
+    bench.add_argument("--trace", default=None,
+                       help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
     bench.add_argument("--modes", default="none,block-aligned,hybridcache")
     bench.add_argument("--model", default=None, help="model folder (default: the built-in model)")
-    bench.add_argument("--num-sessions", type=int, default=24, help="chat workloads: sessions")
-    bench.add_argument("--max-turns", type=int, default=4, help="chat workloads: model calls per session")
-    bench.add_argument("--max-message-chars", type=int, default=600)
-    bench.add_argument("--max-prompt-len", type=int, default=3000)
+    bench.add_argument("--num-sessions", type=int, default=8, help="chat workloads: sessions (default: %(default)s)")
+    bench.add_argument("--max-turns", type=int, default=3,
+                       help="chat workloads: model calls per session (default: %(default)s)")
+    bench.add_argument("--max-message-chars", type=int, default=200,
+                       help="chat workloads: characters kept of each message (default: %(default)s)")
+    bench.add_argument("--max-prompt-len", type=int, default=2048,
+                       help="chat workloads: a session ends before a call whose prompt + reply would pass this "
+                       "(default: %(default)s)")
     bench.add_argument("--num-requests", type=int, default=None)
     bench.add_argument("--max-reply-tokens", type=int, default=32)
     bench.add_argument("--seed", type=int, default=0)
@@ -78,6 +86,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cost = load_model_cost(args.model)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=args.model)
+    json_path, plot_path = fresh_paths(args.json, args.plot)
     budget = int(args.memory_gib * GIB)
     memories = [budget]
     if args.plot:
@@ -108,17 +117,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if len(memories) > 1:
         record["sweep"] = [{"memory_gib": m / GIB, "token_hit_rate": {s.name: by_memory[m][s.name].token_hit_rate
                                                                          for s in specs}} for m in memories]
-    if args.plot:
+    if plot_path:
         from hybridcache.bench.plots import plot_hit_rate_sweep
 
         path = plot_hit_rate_sweep(
-            args.plot, f"{workload.name}: {len(workload)} requests, {cost.name}, B={args.block_size}",
+            plot_path, f"{workload.name}: {len(workload)} requests, {cost.name}, B={args.block_size}",
             [m / GIB for m in memories],
             {s.name: [by_memory[m][s.name].token_hit_rate for m in memories] for s in specs},
         )
         print(f"plot: {path}")
-    if args.json:
-        _write_json(args.json, record)
+    if json_path:
+        _write_json(json_path, record)
     return 0
 
 
@@ -172,14 +181,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bar.close()
     print(format_bench_table(result, count_calls(workload)))
     out = Path(args.out_dir)
-    _write_json(out / f"bench_{workload.name}.json", result.to_json())
+    json_path, cdf_path, turn_path = fresh_paths(out / f"bench_{workload.name}.json",
+                                                 out / f"bench_{workload.name}_ttft_cdf.png",
+                                                 out / f"bench_{workload.name}_hit_rate_by_turn.png")
+    _write_json(json_path, result.to_json())
     from hybridcache.bench.plots import plot_hit_rate_by_turn, plot_ttft_cdf
 
     title = f"{workload.name}, {model_path.name}"
     ttfts = {m: list(r.ttfts_s) for m, r in result.modes.items()}
     by_turn = {m: r.hit_rate_by_turn for m, r in result.modes.items()}
-    print(f"plot: {plot_ttft_cdf(out / f'bench_{workload.name}_ttft_cdf.png', title, ttfts)}")
-    print(f"plot: {plot_hit_rate_by_turn(out / f'bench_{workload.name}_hit_rate_by_turn.png', title, by_turn)}")
+    print(f"plot: {plot_ttft_cdf(cdf_path, title, ttfts)}")
+    print(f"plot: {plot_hit_rate_by_turn(turn_path, title, by_turn)}")
     return 0 if result.outputs_identical else 1
 
 
@@ -199,6 +211,28 @@ def format_bench_table(result, num_requests: int) -> str:
         same = "yes" if result.outputs_identical else f"NO ({len(result.mismatched_calls)} calls differ)"
         lines.append(f"greedy outputs identical across modes: {same}")
     return "\n".join(lines)
+
+
+def fresh_paths(*paths: str | Path | None) -> tuple[Path | None, ...]:
+    """Where one run writes its files without overwriting an earlier run's: `paths` as given if none exists,
+    else all of them with the first suffix -2, -3, ... that is free for every one (so one run's files keep
+    one suffix), and a line on stdout saying so. None entries stay None.
+
+    Example: results/bench_x.json exists -> bench_x-2.json, bench_x_ttft_cdf-2.png, bench_x_hit_rate_by_turn-2.png
+    (or -3 where a -2 file exists)."""
+    given = [Path(p) if p is not None else None for p in paths]
+    real = [p for p in given if p is not None]
+    k = 1
+    while any(_suffixed(p, k).exists() for p in real):
+        k += 1
+    if k > 1:
+        print(f"{', '.join(str(p) for p in real if p.exists())} exists: this run writes "
+              f"{', '.join(str(_suffixed(p, k)) for p in real)} instead")
+    return tuple(_suffixed(p, k) if p is not None else None for p in given)
+
+
+def _suffixed(path: Path, k: int) -> Path:
+    return path if k == 1 else path.with_name(f"{path.stem}-{k}{path.suffix}")
 
 
 def _write_json(path: str | Path, record: dict) -> None:

@@ -27,15 +27,32 @@ def plot_hit_rate_sweep(path: str | Path, title: str, memory_gib: list[float],
     return _finish(fig, ax, path, title, "cache memory (GiB, KV + checkpoint states)", "token hit rate")
 
 
+# A TTFT axis turns logarithmic when one mode's median is this many times another's: on a linear axis the
+# fast modes would be squeezed against zero by the slow one.
+LOG_AXIS_SPREAD = 10.0
+
+
+def ttft_axis_is_log(ttfts_s: dict[str, list[float]]) -> bool:
+    """Whether the TTFT CDF needs a log axis: the largest median over the smallest is >= LOG_AXIS_SPREAD.
+
+    Example: medians none 900 ms, block-aligned 300 ms, hybridcache 40 ms -> 900 / 40 = 22.5 -> log."""
+    medians = [sorted(v)[len(v) // 2] for v in ttfts_s.values() if v]
+    return len(medians) > 1 and min(medians) > 0 and max(medians) / min(medians) >= LOG_AXIS_SPREAD
+
+
 def plot_ttft_cdf(path: str | Path, title: str, ttfts_s: dict[str, list[float]]) -> Path:
-    """CDF of time to first token, one line per mode."""
+    """CDF of time to first token, one line per mode; the axis is logarithmic where `ttft_axis_is_log`."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, values in ttfts_s.items():
         values = sorted(v * 1000 for v in values)
         if values:
             ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=mode)
-    return _finish(fig, ax, path, title, "time to first token (ms)", "fraction of requests")
+    xlabel = "time to first token (ms)"
+    if ttft_axis_is_log(ttfts_s):
+        ax.set_xscale("log")
+        xlabel += ", log scale"
+    return _finish(fig, ax, path, title, xlabel, "fraction of requests")
 
 
 def plot_hit_rate_by_turn(path: str | Path, title: str, by_turn: dict[str, dict[int, float]]) -> Path:
@@ -46,6 +63,9 @@ def plot_hit_rate_by_turn(path: str | Path, title: str, by_turn: dict[str, dict[
         turns = sorted(rates)
         ax.plot(turns, [rates[t] for t in turns], marker="o", label=mode)
     ax.set_ylim(0, 1)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # turns are whole numbers
     return _finish(fig, ax, path, title, "turn", "token hit rate")
 
 

@@ -8,6 +8,7 @@ scheduler for its integrity check and counters.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -16,14 +17,17 @@ from pathlib import Path
 import torch
 
 from hybridcache.cache import CacheConfig, PrefixCache
-from hybridcache.config import EngineConfig
+from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
-from hybridcache.engine.runner import ModelRunner
+from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes
+from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
+from hybridcache.guided import GrammarCache, fill_bitmask
+from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import SamplingParams, make_generator, sample
+from hybridcache.sampling import SamplingParams, TokenLogprob, make_generator, sample
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -31,7 +35,9 @@ from hybridcache.scheduler.sequence import Seq
 from hybridcache.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_MAX_DEFAULT_MODEL_LEN = 8192
+_MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
+_CPU_CHECKPOINT_SLOTS = 32
+_logger = logging.getLogger("hybridcache.engine")
 
 
 @dataclass(frozen=True)
@@ -46,13 +52,16 @@ class ValidPrompt:
 @dataclass
 class _Request:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
-    `texts[i]` its incremental detokenizer."""
+    `texts[i]` its incremental detokenizer, `logprobs[i]` its tokens' logprobs (when asked for),
+    `matchers[i]` its own grammar state (structured output; None when unconstrained)."""
 
     request_id: str
     prompt: str | None
     params: SamplingParams
     seqs: list[Seq] = field(default_factory=list)
     texts: list[IncrementalDetokenizer] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    matchers: list = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -70,7 +79,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
         num_slots=num_slots,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
-        eviction=config.eviction,
+        eviction=EVICTION_POLICIES[config.eviction],
     )
     return Scheduler(
         PrefixCache(cache_config),
@@ -82,6 +91,26 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
     )
 
 
+def _cuda_budget(
+    model: torch.nn.Module,
+    backend: KernelBackend,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Bytes left for the pools on a CUDA device: gpu_memory_utilization x total, minus what is in use after
+    the weights are loaded (weights, CUDA context, other processes) and minus the activation peak of one
+    forward of max_num_batched_tokens tokens (measured; see `hybridcache.engine.memory`)."""
+    activation = measure_activation_bytes(
+        model, backend, num_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+        kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
+    )
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
+    return int(utilization * total) - (total - free) - activation
+
+
 class LLMEngine:
     """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
 
@@ -90,32 +119,64 @@ class LLMEngine:
         self.model_path = Path(model_path) if model_path is not None else ensure_builtin_model()
         self.model_config = ModelConfig.from_model_dir(self.model_path)
         get_model_class(self.model_config.architecture)  # an unknown architecture fails here, first
+        self.device = torch.device(config.device)
+        on_cuda = self.device.type == "cuda"
         model_len_limit = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or min(model_len_limit, _MAX_DEFAULT_MODEL_LEN)
+        default_len = model_len_limit if on_cuda else min(model_len_limit, _MAX_CPU_DEFAULT_MODEL_LEN)
+        self.max_model_len = config.max_model_len or default_len
         if self.max_model_len > model_len_limit:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
             )
         blocks_per_seq = -(-self.max_model_len // config.block_size)
-        self.num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
-        if self.num_blocks < blocks_per_seq:
+        if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading
             raise ValueError(
-                f"the KV pool is too small for one sequence: {self.num_blocks} blocks of {config.block_size} "
-                f"tokens hold {self.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
+                f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "
+                f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
-        self.device = torch.device(config.device)
-        model = load_model(self.model_path, dtype=_DTYPES[config.dtype], device=self.device)
-        num_slots = config.max_num_seqs + config.num_checkpoint_slots
+        dtype, state_dtype = _DTYPES[config.dtype], _DTYPES[config.state_dtype]
+        model = load_model(self.model_path, dtype=dtype, device=self.device)
+        backend = get_backend(self.device)
+        specs = model.state_specs(dtype, state_dtype)
+        kv_per_block, state_per_slot = pool_bytes(specs, config.block_size)
+        if on_cuda:
+            budget = _cuda_budget(model, backend, config, dtype, state_dtype, self.device)
+            plan = plan_memory(
+                budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
+                max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
+                num_blocks=config.num_blocks, num_checkpoint_slots=config.num_checkpoint_slots,
+            )
+        else:
+            num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
+            slots = _CPU_CHECKPOINT_SLOTS if config.num_checkpoint_slots is None else config.num_checkpoint_slots
+            plan = MemoryPlan.fixed(
+                num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs, num_checkpoint_slots=slots,
+                kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
+            )
+        self.memory_plan = plan
+        self.num_blocks = num_blocks = plan.num_blocks
+        num_slots = plan.num_slots
         self.runner = ModelRunner(
             model,
-            num_blocks=self.num_blocks,
+            backend=backend,
+            num_blocks=num_blocks,
             block_size=config.block_size,
             kernel_block_size=config.kernel_block_size,
             num_slots=num_slots,
-            dtype=_DTYPES[config.dtype],
-            state_dtype=_DTYPES[config.state_dtype],
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=dtype,
+            state_dtype=state_dtype,
             device=self.device,
+            cuda_graphs=on_cuda and not config.enforce_eager,
+        )
+        _logger.info(
+            "hybridcache: model %s (%s), dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
+            "kernels %s, cuda graphs %s",
+            self.model_path.name, self.model_config.architecture, config.dtype, self.device, self.max_model_len,
+            config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
+            type(backend).__name__, self.runner.graph_batch_sizes or "off",
         )
         self.scheduler = _make_scheduler(config, num_blocks=self.num_blocks, num_slots=num_slots)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -124,6 +185,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(
@@ -160,6 +222,8 @@ class LLMEngine:
                 )
             )
             request.texts.append(self.tokenizer.detokenizer(params.stop))
+            request.logprobs.append([])
+            request.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
         self._requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -232,11 +296,20 @@ class LLMEngine:
                 self.num_prefill_tokens += chunk.num_tokens
             else:
                 self.num_decode_tokens += chunk.num_tokens
-        tokens = sample(logits, [s.params for s in sampled], [s.generator for s in sampled]) if sampled else []
+        if not sampled:
+            return []
+        matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
+        bitmask = fill_bitmask(matchers, logits.shape[-1])
+        out = sample(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
         touched: dict[str, _Request] = {}
-        for seq, token in zip(sampled, tokens):
+        for i, seq in enumerate(sampled):
+            token = out.tokens[i]
             request = self._requests[seq.request_id]
             seq.token_ids.append(token)
+            if out.logprobs[i] is not None:
+                request.logprobs[seq.index].append(out.logprobs[i])
+            if matchers[i] is not None and not matchers[i].is_terminated():
+                matchers[i].accept_token(token)
             reason = self._finish_reason(seq, token, request.texts[seq.index])
             if reason is not None:
                 seq.finish_reason = reason
@@ -262,8 +335,9 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- outputs
     def _output(self, request: _Request) -> RequestOutput:
         completions = [
-            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0)
-            for seq, text in zip(request.seqs, request.texts)
+            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+            for seq, text, logprobs in zip(request.seqs, request.texts, request.logprobs)
         ]
         first = request.seqs[0]
         return RequestOutput(

@@ -85,30 +85,64 @@ def build_forward_batch(
     width = max(len(row) for row in page_rows)
     table = [row + [0] * (width - len(row)) for row in page_rows]
 
-    def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    num_seqs = len(chunks)
+    fields = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "slot_mapping": slot_mapping,
+        "state_slots": [c.slot for c in chunks],
+        "logits_indices": logits_indices,
+        "cu_seqlens": cu_seqlens,
+        "context_lens": context_lens,
+        "block_tables": [page for row in table for page in row],
+        "embed_rows": embed_rows,
+    }
+    ops = copies.ops if copies is not None else ()
+    for i, op in enumerate(ops):
+        fields[f"copy{i}"] = [*op.src_ids, *op.dst_ids]
+    device_fields = _to_device(fields, device)
+    int32 = {name: device_fields[name].to(torch.int32) for name in ("cu_seqlens", "context_lens", "block_tables")}
+    device_copies = []
+    for i, op in enumerate(ops):
+        ids = device_fields[f"copy{i}"].view(2, -1)
+        device_copies.append(DeviceCopyOp(op.kind, ids[0], ids[1]))
     return ForwardBatch(
-        input_ids=tensor(input_ids, torch.int64),
-        positions=tensor(positions, torch.int64),
-        cu_seqlens=tensor(cu_seqlens, torch.int32),
-        context_lens=tensor(context_lens, torch.int32),
-        block_tables=tensor(table, torch.int32),
-        slot_mapping=tensor(slot_mapping, torch.int64),
-        state_slots=tensor([c.slot for c in chunks], torch.int64),
-        logits_indices=tensor(logits_indices, torch.int64),
+        input_ids=device_fields["input_ids"],
+        positions=device_fields["positions"],
+        cu_seqlens=int32["cu_seqlens"],
+        context_lens=int32["context_lens"],
+        block_tables=int32["block_tables"].view(num_seqs, width),
+        slot_mapping=device_fields["slot_mapping"],
+        state_slots=device_fields["state_slots"],
+        logits_indices=device_fields["logits_indices"],
         query_lens_cpu=tuple(len(c.token_ids) for c in chunks),
         context_lens_cpu=tuple(context_lens),
-        copies=device_copies(copies, device) if copies is not None else (),
-        embed_rows=tensor(embed_rows, torch.int64) if embed_rows else None,
+        copies=tuple(device_copies),
+        embed_rows=device_fields["embed_rows"] if embed_rows else None,
         embeds=torch.cat(embeds).to(device) if embeds else None,
     )
 
 
+def _to_device(fields: dict[str, list[int]], device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Every integer field in one int64 host tensor, moved to `device` in one transfer (pinned and non-blocking
+    on CUDA: the host does not wait for it; the pinned buffer is kept alive by torch's caching host allocator
+    until the copy is done); returns views of the device tensor, one per field."""
+    flat = [value for values in fields.values() for value in values]
+    host = torch.tensor(flat, dtype=torch.int64)
+    on_cuda = torch.device(device).type == "cuda"
+    packed = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)
+    out, offset = {}, 0
+    for name, values in fields.items():
+        out[name] = packed[offset: offset + len(values)]
+        offset += len(values)
+    return out
+
+
 def device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
-    """Each op's ids in one host tensor, moved to the device in one transfer."""
-    ops = []
-    for op in copies.ops:
-        ids = torch.tensor([op.src_ids, op.dst_ids], dtype=torch.int64).to(device)
-        ops.append(DeviceCopyOp(op.kind, ids[0], ids[1]))
-    return tuple(ops)
+    """The step's copy ops alone, on the device in one transfer (a step with no forward: only zero-prefill
+    samples, whose restores still run)."""
+    fields = {f"copy{i}": [*op.src_ids, *op.dst_ids] for i, op in enumerate(copies.ops)}
+    if not fields:
+        return ()
+    on_device = _to_device(fields, device)
+    return tuple(DeviceCopyOp(op.kind, *on_device[f"copy{i}"].view(2, -1)) for i, op in enumerate(copies.ops))

@@ -1,21 +1,122 @@
 """The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
 time, with the step's checkpoint copies around it: restores, then the forward, then saves, all on one
-stream with no host synchronisation (one batched copy per pool group and kind)."""
+stream with no host synchronisation (one batched copy per pool group and kind).
+
+Decode-only steps (every sequence feeds one token) replay a CUDA graph when the backend supports graphs
+(its `supports_cuda_graphs(dtype)`; the CUDA backend in bf16), the device is CUDA and graphs are not turned
+off (`enforce_eager`). One graph is captured per batch-size bucket (1, 2, 4, 8, ... up to the first power
+of two >= max_num_seqs, see `graph_batch_sizes`); a step of n sequences runs the smallest bucket b >= n,
+its rows n..b-1 padded::
+
+    n = 3, bucket 4: input_ids [t0 t1 t2 0]   positions [p0 p1 p2 0]   context_lens [c0 c1 c2 1]
+                     state_slots [s0 s1 s2 SCRATCH_SLOT]   slot_mapping [r0 r1 r2 SCRATCH_PAGE * page]
+                     block_tables row 3 = [SCRATCH_PAGE, ...]        logits rows 0..2 are returned
+
+A padding row is a fresh one-token sequence that writes only the scratch slot and the scratch page (one
+extra state slot and one extra scheduler block the runner allocates beyond the scheduler's pools), so it can
+never touch a real sequence's state. The graphs read static device buffers; each step copies its batch into
+them (device-to-device, on the forward's stream) and replays.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from hybridcache.cache.plan import Phase, Pool
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
-from hybridcache.kernels.backend import get_backend
+from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
 from hybridcache.state_spec import DevicePools
 
 
+def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode batch sizes captured: powers of two from 1 up to the first one >= max_num_seqs.
+    Example: max_num_seqs 48 -> (1, 2, 4, 8, 16, 32, 64)."""
+    sizes = [1]
+    while sizes[-1] < max_num_seqs:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def graph_bucket(num_seqs: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size >= num_seqs, or None when num_seqs exceeds them all."""
+    return next((size for size in sizes if size >= num_seqs), None)
+
+
+def is_decode_only(batch: ForwardBatch) -> bool:
+    """Every sequence feeds one token, the input embeddings are all looked up (no multimodal rows)."""
+    return batch.embeds is None and all(length == 1 for length in batch.query_lens_cpu)
+
+
+class _DecodeGraphs:
+    """Static input buffers and one captured decode graph per batch-size bucket (see the module docstring)."""
+
+    def __init__(self, sizes: tuple[int, ...], *, width: int, max_model_len: int, scratch_slot: int,
+                 scratch_page: int, kernel_block_size: int, device: torch.device) -> None:
+        biggest = sizes[-1]
+        self.sizes = sizes
+        self.max_model_len = max_model_len
+        self.scratch_slot = scratch_slot
+        self.scratch_page = scratch_page
+        self.scratch_row = scratch_page * kernel_block_size
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+        def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full(shape, value, dtype=dtype, device=device)
+
+        self.input_ids = full((biggest,), 0, torch.int64)
+        self.positions = full((biggest,), 0, torch.int64)
+        self.slot_mapping = full((biggest,), self.scratch_row, torch.int64)
+        self.state_slots = full((biggest,), scratch_slot, torch.int64)
+        self.context_lens = full((biggest,), 1, torch.int32)
+        self.block_tables = full((biggest, width), scratch_page, torch.int32)
+        self.cu_seqlens = torch.arange(biggest + 1, dtype=torch.int32, device=device)
+        self.logits_indices = torch.arange(biggest, dtype=torch.int64, device=device)
+
+    def static_batch(self, size: int) -> ForwardBatch:
+        """The batch a graph of `size` rows is captured on. Its host context lengths claim max_model_len for the
+        first row, so backends that size work from the longest context (split-KV decode) cover every replay."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:size],
+            positions=self.positions[:size],
+            cu_seqlens=self.cu_seqlens[: size + 1],
+            context_lens=self.context_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+            state_slots=self.state_slots[:size],
+            logits_indices=self.logits_indices[:size],
+            query_lens_cpu=(1,) * size,
+            context_lens_cpu=(self.max_model_len,) + (1,) * (size - 1),
+        )
+
+    def load(self, batch: ForwardBatch, size: int) -> None:
+        """Copy `batch` (n <= size decode rows) into the static buffers; rows n..size-1 become padding."""
+        n = batch.num_seqs
+        width = batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
+        self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        if n < size:
+            self.input_ids[n:size] = 0
+            self.positions[n:size] = 0
+            self.slot_mapping[n:size] = self.scratch_row
+            self.state_slots[n:size] = self.scratch_slot
+            self.context_lens[n:size] = 1
+            self.block_tables[n:size, 0] = self.scratch_page
+
+
 class ModelRunner:
     """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
-    specs) are allocated once, at construction."""
+    specs) are allocated once, at construction; with `cuda_graphs`, decode graphs are captured there too."""
 
     def __init__(
         self,
@@ -28,29 +129,71 @@ class ModelRunner:
         dtype: torch.dtype,
         state_dtype: torch.dtype,
         device: torch.device,
+        backend: KernelBackend | None = None,
+        max_num_seqs: int = 1,
+        max_model_len: int = 1,
+        cuda_graphs: bool = False,
     ) -> None:
         self.model = model
         self.device = device
-        self.backend = get_backend(device)
+        self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
+        supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
+        use_graphs = cuda_graphs and supports is not None and supports(dtype)
+        extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
         self.pools = DevicePools.allocate(
             model.state_specs(dtype, state_dtype),
-            num_pages=num_blocks * self.pages_per_block,
+            num_pages=(num_blocks + extra) * self.pages_per_block,
             kernel_block_size=kernel_block_size,
-            num_slots=num_slots,
+            num_slots=num_slots + extra,
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
+        self._graphs: _DecodeGraphs | None = None
+        self._replay = True
+        if use_graphs:
+            self._graphs = _DecodeGraphs(
+                graph_batch_sizes(max_num_seqs), width=-(-max_model_len // kernel_block_size),
+                max_model_len=max_model_len, scratch_slot=num_slots, scratch_page=num_blocks * self.pages_per_block,
+                kernel_block_size=kernel_block_size, device=device,
+            )
+            self._capture()
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """The captured decode batch sizes; () when steps run eagerly."""
+        return self._graphs.sizes if self._graphs is not None else ()
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
+        graphs, self._graphs = self._graphs, None
+        try:
+            yield
+        finally:
+            self._graphs = graphs
+
+    @contextlib.contextmanager
+    def without_replay(self) -> Iterator[None]:
+        """Within the block, decode steps run the very batch a graph replays (the padded static buffers, the
+        kernel choices made at capture, e.g. split-KV splits sized for max_model_len) eagerly, without the
+        graph: graph replay must give bit-identical logits. (An `enforce_eager` engine sizes its split-KV
+        splits from the step's own longest context, so its bf16 rounding, and on a random model with nearly
+        flat logits its greedy tokens, differ.)"""
+        self._replay = False
+        try:
+            yield
+        finally:
+            self._replay = True
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
         [num_seqs, vocab] at each sequence's last token."""
-        batch = self.backend.prepare(batch)
         for op in batch.copies:
             if op.kind.phase is Phase.BEFORE_FORWARD:
                 self._copy(op)
-        logits = self.model(batch, self.pools, self.backend)
+        logits = self._forward(batch)
         for op in batch.copies:
             if op.kind.phase is Phase.AFTER_FORWARD:
                 self._copy(op)
@@ -69,6 +212,40 @@ class ModelRunner:
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
         return self.model.logits_from_slots(self.pools, slots)
 
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        graphs = self._graphs
+        size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None and is_decode_only(batch) else None
+        if size is None:
+            return self.model(self.backend.prepare(batch), self.pools, self.backend)
+        graphs.load(batch, size)
+        if not self._replay:
+            static = self.backend.prepare(graphs.static_batch(size))
+            return self.model(static, self.pools, self.backend)[: batch.num_seqs]
+        graphs.graphs[size].replay()
+        return graphs.outputs[size][: batch.num_seqs].clone()
+
+    def _capture(self) -> None:
+        """Capture one decode graph per bucket, largest first (smaller ones reuse its memory pool); each is run
+        once eagerly first (kernel compilation, lazily built weights) on the all-padding static batch."""
+        graphs = self._graphs
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for size in reversed(graphs.sizes):
+                batch = self.backend.prepare(graphs.static_batch(size))
+                self.model(batch, self.pools, self.backend)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        with torch.inference_mode():
+            for size in reversed(graphs.sizes):
+                batch = self.backend.prepare(graphs.static_batch(size))
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=graphs.pool):
+                    graphs.outputs[size] = self.model(batch, self.pools, self.backend)
+                graphs.pool = graph.pool()
+                graphs.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
     def _copy(self, op: DeviceCopyOp) -> None:
         """One batched copy per pool group: every attention layer's pages of each block (KV), or every
         recurrent state tensor's rows of each slot (STATE)."""
@@ -78,3 +255,37 @@ class ModelRunner:
         else:
             for state in self.pools.state_groups:
                 copy_slots(state, op.src_ids, op.dst_ids)
+
+
+def measure_activation_bytes(
+    model: torch.nn.Module,
+    backend: KernelBackend,
+    *,
+    num_tokens: int,
+    block_size: int,
+    kernel_block_size: int,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """The activation peak (bytes above what was allocated before) of one prefill forward of `num_tokens`
+    tokens as one fresh sequence, on pools just big enough for it (freed after). Run twice: the first run
+    compiles kernels and lets backends build their lazy weight layouts (which briefly hold two copies)."""
+    num_blocks = -(-num_tokens // block_size)
+    pools = DevicePools.allocate(
+        model.state_specs(dtype, state_dtype), num_pages=num_blocks * (block_size // kernel_block_size),
+        kernel_block_size=kernel_block_size, num_slots=1, device=device,
+    )
+    chunk = SeqChunk(token_ids=[0] * num_tokens, start=0, block_ids=list(range(num_blocks)), slot=0)
+    batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size, device=device)
+    peak = 0
+    for _ in range(2):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        model(backend.prepare(batch), pools, backend)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+    del pools, batch
+    torch.cuda.empty_cache()
+    return peak

@@ -63,6 +63,12 @@ class CudaBackend:
     def __init__(self) -> None:
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights] = weakref.WeakKeyDictionary()
 
+    def supports_cuda_graphs(self, dtype: torch.dtype) -> bool:
+        """Whether an all-decode step in `dtype` can be captured in a CUDA graph (no host sync, no host-sized
+        work beyond `max_context_len`, which the runner fixes at capture): bf16 only, since the fp32/fp16 MoE
+        fallback of `torch._grouped_mm` reads its offsets on the host."""
+        return dtype == torch.bfloat16
+
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)
         cu_seqlens = batch.cu_seqlens.long()

@@ -13,8 +13,9 @@ def rotary_cos_sin(
     positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int -> cos, sin [T, rotary_dim] (the rotary_dim/2 frequencies, repeated twice)."""
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
-    inv_freq = 1.0 / (base**exponents).to(positions.device)
+    # built on positions' device: no host-to-device copy in a step (CUDA graphs capture this function)
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).to(torch.float32)
+    inv_freq = 1.0 / (base ** (exponents / rotary_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -12,12 +12,72 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_NAME = "hybridcache-builtin-qwen3.5-tiny"
-BUILTIN_VERSION = 1
+BUILTIN_VERSION = 2  # 2: the chat template renders tools and thinking
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# ChatML with tools and thinking in the shapes Qwen3's template renders (<tools>, <tool_call>, <tool_response>,
+# <think>), so tool-calling and reasoning tests exercise the real formats. Unlike Qwen3's, every earlier turn keeps
+# its reasoning: history renders the same on every turn, so the prefix cache hits across an agent's turns.
+CHAT_TEMPLATE = """\
+{%- set ns = namespace(system='') -%}
+{%- if messages and messages[0].role in ('system', 'developer') -%}
+{%- set ns.system = messages[0].content -%}
+{%- endif -%}
+{%- if tools -%}
+<|im_start|>system
+{% if ns.system %}{{ ns.system }}
+
+{% endif %}# Tools
+
+Function signatures, one JSON object a line:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+To call a function, answer with one block per call:
+<tool_call>
+{"name": <function-name>, "arguments": <arguments-json-object>}
+</tool_call><|im_end|>
+{% elif ns.system -%}
+<|im_start|>system
+{{ ns.system }}<|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if loop.first and message.role in ('system', 'developer') -%}
+{%- elif message.role == 'assistant' -%}
+<|im_start|>assistant
+{% if message.reasoning_content %}<think>
+{{ message.reasoning_content }}
+</think>
+
+{% endif %}{{ message.content or '' }}
+{%- for call in message.tool_calls or [] -%}
+{%- set fn = call.function or call -%}
+{%- if message.content or not loop.first %}{{ '\n' }}{% endif -%}
+<tool_call>
+{"name": "{{ fn.name }}", "arguments": {% if fn.arguments is string %}{{ fn.arguments }}
+{%- else %}{{ fn.arguments | tojson }}{% endif %}}
+</tool_call>
+{%- endfor -%}
+<|im_end|>
+{% elif message.role == 'tool' -%}
+{%- if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}{{ '\n<tool_response>\n' }}
+{{- message.content }}{{ '\n</tool_response>' }}
+{%- if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>
+{% endif -%}
+{%- else -%}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif -%}
+{%- endif -%}
+"""
 # 3 gated-DeltaNet layers : 1 gated-attention layer, as in Qwen3.5.
 BUILTIN_CONFIG = dict(
     vocab_size=320,

@@ -1,15 +1,22 @@
 """The FastAPI application: OpenAI-compatible routes over an `EngineLoop`.
 
-    POST /v1/completions        prompt as text or token ids; stream, n, temperature, top_p, top_k,
-                                max_tokens, stop, seed (+ vLLM's ignore_eos, stop_token_ids)
-    POST /v1/chat/completions   messages through the model folder's chat template; the same options
+    POST /v1/completions        prompt as text or token ids, or a batch of prompts; sampling options,
+                                logprobs, echo, structured output (every field: docs/server.md)
+    POST /v1/chat/completions   messages and tools through the model folder's chat template; the same
+                                options, tool_choice, chat_template_kwargs; the output's tool calls and
+                                reasoning parsed out of its text (chat_output.py)
     GET  /v1/models             the served model
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
     GET  /metrics               Prometheus text format
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
                                 `?clear_cache=true` first drops what the prefix cache holds
 
-Every error is an OpenAI error object (errors.py). /v1 routes need the API key when one is configured.
+Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
+`Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
+asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
+(body_checks.py); a request may ask for at most `max_request_tokens` tokens (n x max_tokens). /v1 routes
+and the debug route need the API key when one is configured. With `allowed_origins` set, CORS headers
+let those origins call the API from a browser.
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
+from hybridcache.server import reasoning
+from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError, error_body
@@ -42,11 +52,20 @@ from hybridcache.server.protocol import (
     CompletionRequest,
     parse_request,
 )
-from hybridcache.server.responses import ResponseMeta, chunk, full_response, sse, usage_chunk
+from hybridcache.server.responses import (
+    Rendering,
+    ResponseMeta,
+    chunk,
+    full_response,
+    logprobs_of,
+    sse,
+    usage_chunk,
+)
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.text_stream import TextStream
 
 logger = logging.getLogger("hybridcache.server")
+SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 
 
 @dataclass(frozen=True)
@@ -63,26 +82,32 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if config.api_key is None and not config.binds_loopback_only():
+            logger.warning("listening on %s with no API key: anyone who can reach this address can use the "
+                           "server (set an API key, or bind 127.0.0.1)", config.host)
         engine_loop.start()
         yield
         await asyncio.to_thread(engine_loop.stop)
 
     app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     routes = _Routes(engine_loop, model, config, metrics)
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return ErrorResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {error.detail}"
-        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+        return ErrorResponse(error_body(error.status_code, message), status_code=error.status_code)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+        return ErrorResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
@@ -92,6 +117,13 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
     return app
+
+
+class ErrorResponse(JSONResponse):
+    """An error body rendered as ASCII JSON, so that whatever text it quotes can always be encoded."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 class _Routes:
@@ -108,64 +140,109 @@ class _Routes:
         self._authorize(request)
         body: CompletionRequest = parse_request(CompletionRequest, await self._read_json(request))
         self._check_model(body.model)
-        prompt = body.single_prompt()
-        prompt_ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._max_tokens(body.max_tokens, len(prompt_ids), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt")
-        params = body.sampling_params(max_tokens)
+        body.check_n()
+        prompts = body.prompts()
+        tokenizer = self.model.tokenizer
+        prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        longest = max(prompt_ids, key=len)
+        max_tokens = self._max_tokens(body.max_tokens, len(longest), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt",
+                                      body.n * len(prompts))
+        params = body.sampling_params(max_tokens, body.guided())
+        echo = tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts) if body.echo else None
+        rendering = Rendering(logprobs=params.logprobs is not None, top_logprobs=bool(params.logprobs),
+                              tokenizer=tokenizer, echo_texts=echo, return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
-        return await self._respond(request, meta, prompt_ids, params, body)
+        return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
         self._check_model(body.model)
+        body.check_n()
         messages = [m.as_template_input() for m in body.messages]
+        tools = body.tool_dicts()
+        template_kwargs = {**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
         try:
-            text = self.model.tokenizer.apply_chat_template(messages)
+            text = self.model.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                continue_final_message=body.continue_final_message, template_kwargs=template_kwargs)
         except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
         prompt_ids = self.model.tokenizer.encode(text)
-        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages")
-        params = body.sampling_params(max_tokens)
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages", body.n)
+        params = body.sampling_params(max_tokens, body.guided())
+        chat = ChatOutputOptions(
+            split_reasoning=self.config.reasoning_parser is not None,
+            in_reasoning=reasoning.starts_in_reasoning(text),
+            parse_tools=bool(tools) and body.effective_tool_choice() != "none",
+            tools=tools,
+        )
+        rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
+                              return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, prompt_ids, params, body)
+        return await self._respond(request, meta, [prompt_ids], params, body, rendering)
 
-    async def _respond(self, request: Request, meta: ResponseMeta, prompt_ids: list[int], params: SamplingParams,
-                       body: CompletionRequest | ChatCompletionRequest) -> Response:
-        request_id = meta.response_id
+    async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
+                       body: CompletionRequest | ChatCompletionRequest, rendering: Rendering) -> Response:
+        """Run one engine request per prompt (ids `<response id>` or `<response id>-<i>` for a batch)."""
         loop = self.engine_loop
+        request_ids = [meta.response_id] if len(prompts) == 1 else [f"{meta.response_id}-{i}"
+                                                                     for i in range(len(prompts))]
+
+        def abort_all() -> None:
+            for request_id in request_ids:
+                loop.abort(request_id)  # a no-op once it has finished
+
+        sinks = []
         try:
-            sink = await loop.add(request_id, prompt_ids, params)
-        except (ValueError, TypeError) as error:
+            for request_id, prompt_ids in zip(request_ids, prompts):
+                sinks.append(await loop.add(request_id, prompt_ids, params))
+        except (ValueError, TypeError, OverflowError) as error:
+            abort_all()
             raise APIError(400, str(error), param="prompt" if "prompt" in str(error) else None) from None
         except EngineFailure as error:
+            abort_all()
             raise APIError(503, str(error)) from None
         except asyncio.CancelledError:
-            loop.abort(request_id)
+            abort_all()
             raise
-        outputs = _outputs(sink)
+        outputs = _merged([_outputs(sink) for sink in sinks])
         if body.stream:
-            events = _events(meta, outputs, params, body.include_usage(), body.return_token_ids)
-            return EventStreamResponse(events, on_close=lambda: loop.abort(request_id))
+            events = _events(meta, outputs, params, len(prompts), body.include_usage(), rendering)
+            final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
+            return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
         try:
-            final = await run_until_disconnect(request.receive, _last(outputs))
+            finals = await run_until_disconnect(request.receive, _last(outputs, len(prompts)))
         except ClientGone:
             return Response(status_code=499)
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
+        except asyncio.CancelledError:
+            # the server's shutdown grace period ended before this request finished
+            return ErrorResponse(error_body(503, SHUTDOWN_MESSAGE), status_code=503)
         finally:
-            loop.abort(request_id)  # a no-op once it has finished
-        return JSONResponse(full_response(meta, final, body.return_token_ids))
+            abort_all()
+        return JSONResponse(full_response(meta, finals, rendering))
 
-    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str,
+                    n: int) -> int:
+        """The new-token limit of each of the `n` choices: `requested` if it fits the context and the request
+        budget (else 400), or the default (`default`, else all the room), cut to fit both."""
         limit = self.model.max_model_len
         if prompt_len >= limit:
             raise APIError(400, f"the prompt has {prompt_len} tokens; max_model_len is {limit}, which leaves no "
                            "room for a completion", param=prompt_param, code="context_length_exceeded")
         room = limit - prompt_len
+        budget = self.config.max_request_tokens
+        n = max(n, 1)  # n < 1 is refused with the other sampling options
+        if n > budget:
+            raise APIError(400, f"n is {n}, but a request may generate at most {budget} tokens in all", param="n")
         if requested is None:
-            return room if default is None else min(default, room)
+            return min(room if default is None else default, room, budget // n)
+        if requested >= 1 and n * requested > budget:
+            raise APIError(400, f"n x max_tokens is {n} x {requested} = {n * requested} tokens; a request may "
+                           f"generate at most {budget} tokens in all", param="max_tokens")
         if requested > room:
             raise APIError(400, f"max_tokens is {requested}, but the prompt has {prompt_len} tokens and "
                            f"max_model_len is {limit}: at most {room} new tokens fit", param="max_tokens",
@@ -175,9 +252,9 @@ class _Routes:
     # ------------------------------------------------------------------------------------ other routes
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
-        card = {"id": self.config.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "hybridcache", "max_model_len": self.model.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "hybridcache",
+                  "max_model_len": self.model.max_model_len} for name in self.config.served_model_names]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def health(self) -> JSONResponse:
         loop = self.engine_loop
@@ -188,7 +265,8 @@ class _Routes:
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def debug_engine(self, clear_cache: bool = False) -> JSONResponse:
+    async def debug_engine(self, request: Request, clear_cache: bool = False) -> JSONResponse:
+        self._authorize(request)
         try:
             state = await self.engine_loop.check(clear_cache=clear_cache)
         except EngineBusy as error:
@@ -209,12 +287,17 @@ class _Routes:
                            code="invalid_api_key")
 
     def _check_model(self, name: str | None) -> None:
-        served = self.config.served_model_name
-        if name is not None and name != served:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{served}'",
+        served = self.config.served_model_names
+        if name is not None and name not in served:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                           f"{', '.join(repr(n) for n in served)}",
                            param="model", code="model_not_found")
 
     async def _read_json(self, request: Request) -> Any:
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
+                           f"{media_type or 'no content type'!r}", param="content-type")
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -226,7 +309,9 @@ class _Routes:
                 raise APIError(413, f"the request body is over the limit of {limit} bytes")
         try:
             return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
@@ -244,39 +329,83 @@ async def _outputs(sink: asyncio.Queue) -> AsyncIterator[RequestOutput]:
             return
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for output in outputs:
-        last = output
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several requests' outputs, as they come."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    output = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+                yield i, output
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _last(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * count
+    async for i, output in outputs:
+        last[i] = output
     return last
 
 
-async def _events(meta: ResponseMeta, outputs: AsyncIterator[RequestOutput], params: SamplingParams,
-                  include_usage: bool, return_token_ids: bool = False) -> AsyncIterator[bytes]:
-    """The server-sent events of one streaming response, ending with `data: [DONE]`."""
-    texts = [TextStream(params.stop) for _ in range(params.n)]
-    done = [False] * params.n
+async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestOutput]], params: SamplingParams,
+                  num_prompts: int, include_usage: bool, rendering: Rendering) -> AsyncIterator[bytes]:
+    """The server-sent events of one streaming response, ending with `data: [DONE]`. Choice
+    `prompt_index * n + i` is completion i of prompt `prompt_index`."""
+    n = params.n
+    count = n * num_prompts
+    chats = [ChoiceStream(rendering.chat, params.stop) for _ in range(count)]
+    texts = [TextStream(params.stop) for _ in range(count)]
+    done = [False] * count
+    logprobs_sent = [0] * count
+    echo_pending = [bool(rendering.echo_texts)] * count
     if meta.chat:
-        for index in range(params.n):
+        for index in range(count):
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
-    final = None
+    finals: list[RequestOutput | None] = [None] * num_prompts
     try:
-        async for output in outputs:
-            final = output
+        async for prompt_index, output in outputs:
+            finals[prompt_index] = output
             for c in output.outputs:
-                if done[c.index]:
+                index = prompt_index * n + c.index
+                if done[index]:
                     continue
                 finished = c.finish_reason is not None
-                delta = texts[c.index].update(c.text, finished)
-                if delta or finished:
-                    done[c.index] = finished
-                    token_ids = list(c.token_ids) if finished and return_token_ids else None
-                    yield sse(chunk(meta, c.index, text=delta, finish_reason=c.finish_reason,
-                                    with_usage_field=include_usage, token_ids=token_ids))
+                if meta.chat:
+                    delta = chats[index].update(c.text, finished)
+                    text = None
+                    has_news = bool(delta)
+                else:
+                    delta = None
+                    text = texts[index].update(c.text, finished)
+                    if echo_pending[index]:
+                        text = rendering.echo_texts[prompt_index] + text
+                        echo_pending[index] = False
+                    has_news = bool(text)
+                if not (has_news or finished):
+                    continue
+                done[index] = finished
+                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index])
+                logprobs_sent[index] = len(c.token_ids)
+                reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
+                token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
+                yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
+                                with_usage_field=include_usage, token_ids=token_ids))
     except EngineFailure as error:
         yield sse(error_body(500, str(error)))
         yield sse("[DONE]")
         return
-    if include_usage and final is not None:
-        yield sse(usage_chunk(meta, final))
+    if include_usage and all(f is not None for f in finals):
+        yield sse(usage_chunk(meta, finals))
     yield sse("[DONE]")

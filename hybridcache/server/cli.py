@@ -1,40 +1,101 @@
-"""`hybridcache serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine."""
+"""`hybridcache serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-from pathlib import Path
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridcache.server.config import ServerConfig
+
+API_KEY_ENV = "HYBRIDCACHE_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
-    from hybridcache.engine_args import add_engine_args
+    from hybridcache.engine_args import HelpFormatter, add_engine_args
 
-    serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
+                                  description="Serve one model over an OpenAI-compatible HTTP API.")
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
-    serve.add_argument("--served-model-name", default=None, help="model id clients send (default: folder name)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} when set, "
+                            "else no key)")
+    serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                       help="model ids clients may send; the first one is reported (default: MODEL as given)")
     serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
+    serve.add_argument("--max-request-tokens", type=int, default=1 << 16,
+                       help="the most tokens one request may ask for (n x max_tokens)")
+    serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
+                       help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                       help="split <think>...</think> into reasoning_content (default: off)")
+    serve.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
+                            "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
+    serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
+    serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                       help="seconds between stats lines (throughput, cache hit rate, memory use)")
+    serve.add_argument("--disable-log-stats", action="store_true", help="write no stats lines")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                       help="log level of the server and uvicorn")
     serve.set_defaults(func=cmd_serve)
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of `--chat-template-kwargs`: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None (an empty value counts as unset)."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
+    """`--served-model-name`s, else the model argument as given, else the built-in model's name."""
+    from hybridcache.models.builtin import BUILTIN_NAME
+
+    if args.served_model_name:
+        return tuple(args.served_model_name)
+    return (model if model is not None else BUILTIN_NAME,)
+
+
+def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerConfig:
+    """The `ServerConfig` the parsed `serve` options describe (`names`: the served model names, reported first)."""
+    from hybridcache.server.config import ServerConfig
+
+    return ServerConfig(
+        host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
+        served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
+        enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
+        max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
+        reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from hybridcache.config import EngineConfig
     from hybridcache.engine.engine import LLMEngine
-    from hybridcache.engine_args import engine_options
-    from hybridcache.models.builtin import BUILTIN_NAME
+    from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
+    from hybridcache.model_path import resolve_model
     from hybridcache.server.app import ServedModel, build_app
-    from hybridcache.server.config import ServerConfig
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
@@ -42,20 +103,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     options = engine_options(args)
-    name = args.served_model_name or (Path(args.model).resolve().name if args.model else BUILTIN_NAME)
-    config = ServerConfig(
-        host=args.host, port=args.port, api_key=args.api_key, served_model_name=name,
-        max_request_bytes=args.max_request_bytes, enable_debug_endpoints=args.enable_debug_endpoints,
-        shutdown_timeout_s=args.shutdown_timeout,
-    )
-    engine = LLMEngine(args.model, EngineConfig(**options))
-    metrics = ServerMetrics()
-    engine_loop = EngineLoop(engine, metrics)
+    model_arg = model_argument(args)
+    names = served_model_names(args, model_arg)
+    config = server_config(args, names)
+    resolved = resolve_model(model_arg)
+    engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
+    metrics = ServerMetrics(model_name=names[0])
+    engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
+                             else args.log_stats_interval)
     metrics.watch_engine(lambda: engine_loop.state)
     model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len)
     app = build_app(engine_loop, model, config, metrics)
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=args.log_level, access_log=False,
+        app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
         timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on",
     ))
     server.run()

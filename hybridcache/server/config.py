@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridcache.server.reasoning import ReasoningParser
 
 
 @dataclass(frozen=True)
@@ -10,19 +13,41 @@ class ServerConfig:
     """How the HTTP server runs.
 
     host / port: where to listen (loopback by default). api_key: when set, every /v1 request must send
-    `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model`.
+    `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model` (and responses
+    report); served_model_aliases: further ids clients may pass for the same model (`served_model_names` is all).
     max_request_bytes: request bodies above this are refused with 413. enable_debug_endpoints: serve
-    `GET /debug/engine` (integrity check and memory counters; off by default). shutdown_timeout_s: on SIGTERM,
-    how long in-flight requests may run before they are aborted.
+    `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
+    is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
+    (streams then end with an error event and `[DONE]`). max_request_tokens: the most tokens one request may
+    ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
+    allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
+    browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
+    `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
+    default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
+    request's own `chat_template_kwargs` override them.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
     served_model_name: str = "hybridcache"
+    served_model_aliases: tuple[str, ...] = ()
     max_request_bytes: int = 1 << 20
     enable_debug_endpoints: bool = False
     shutdown_timeout_s: float = 10.0
+    max_request_tokens: int = 1 << 16
+    allowed_origins: tuple[str, ...] = ()
+    reasoning_parser: ReasoningParser | None = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every model id clients may send, the reported one first."""
+        return (self.served_model_name, *self.served_model_aliases)
+
+    def binds_loopback_only(self) -> bool:
+        """Whether `host` is a loopback address (only this machine can connect)."""
+        return self.host in ("localhost", "::1") or self.host.startswith("127.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -33,3 +58,12 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_request_tokens < 1:
+            raise ValueError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))
+        if not all(self.served_model_aliases):
+            raise ValueError("served model names must not be empty")
+        if isinstance(self.reasoning_parser, str):
+            object.__setattr__(self, "reasoning_parser", ReasoningParser(self.reasoning_parser))
+        object.__setattr__(self, "default_chat_template_kwargs", dict(self.default_chat_template_kwargs))

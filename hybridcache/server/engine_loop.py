@@ -11,7 +11,8 @@
 Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch.
 Each item on a request's queue is a `RequestOutput` (the last one has `finished` set) or an `EngineFailure`
 (the engine raised; the request was aborted). After every step the thread publishes an `EngineState` snapshot
-that any thread may read (`state`).
+that any thread may read (`state`), and, every `stats_interval_s` seconds while something changes, logs the
+stats line (`server.stats_log`); an idle thread waits on its queue only as long as a pending line allows.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
 from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
 logger = logging.getLogger("hybridcache.server")
 
@@ -80,9 +82,12 @@ class _Stream:
 class EngineLoop:
     """Runs `engine` (an `LLMEngine`) in a dedicated thread; see the module docstring."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: Any, metrics: ServerMetrics | None = None,
+                 stats_interval_s: float | None = None) -> None:
         self._engine = engine
         self._metrics = metrics
+        self._stats = StatsLogger(stats_interval_s, time.monotonic()) if stats_interval_s else None
+        self._generated = self._queried = self._hit = 0  # engine thread only: totals for the stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -133,7 +138,10 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self._engine
         while True:
-            commands = [self._commands.get()] if not engine.has_unfinished_requests() else []
+            commands = []
+            if not engine.has_unfinished_requests():
+                with contextlib.suppress(queue.Empty):  # on a timeout, a stats line is due
+                    commands.append(self._commands.get(timeout=self._stats_due_in()))
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -153,6 +161,7 @@ class EngineLoop:
                 else:
                     self._dispatch(outputs)
             self._publish_state()
+            self._log_stats()
 
     def _handle(self, command: _Add | _Abort | _Check) -> None:
         engine = self._engine
@@ -196,6 +205,7 @@ class EngineLoop:
                     self._metrics.itl.observe(now - stream.last_token_time)
                 self._metrics.generation_tokens.inc(num_tokens - stream.num_tokens)
             if num_tokens > stream.num_tokens:
+                self._generated += num_tokens - stream.num_tokens
                 stream.num_tokens = num_tokens
                 stream.last_token_time = now
             stream.last_output = output
@@ -228,11 +238,14 @@ class EngineLoop:
                 self.healthy = False
 
     def _record_finish(self, stream: _Stream, output: RequestOutput, reason_override: str | None = None) -> None:
-        if self._metrics is None:
-            return
         if stream.last_output is None and stream.num_tokens == 0 and not output.finished:
             # aborted before its prompt was computed: it queried nothing
-            self._metrics.finished.labels(finish_reason=reason_override or "abort").inc(len(output.outputs))
+            if self._metrics is not None:
+                self._metrics.finished(reason_override or "abort").inc(len(output.outputs))
+            return
+        self._queried += len(output.prompt_token_ids)
+        self._hit += output.cached_tokens
+        if self._metrics is None:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
@@ -243,6 +256,19 @@ class EngineLoop:
             self.state = read_engine_state(self._engine)
         except Exception:  # noqa: BLE001 - metrics must not end the loop
             logger.exception("reading the engine state failed")
+
+    def _stats_counters(self) -> StatsCounters:
+        return StatsCounters(self.state.num_prefill_tokens, self._generated, self._queried, self._hit)
+
+    def _stats_due_in(self) -> float | None:
+        """How long an idle engine thread may block on its queue (None: until a command comes)."""
+        return None if self._stats is None else self._stats.due_in(time.monotonic(), self._stats_counters())
+
+    def _log_stats(self) -> None:
+        if self._stats is not None:
+            line = self._stats.line(time.monotonic(), self._stats_counters(), self.state)
+            if line is not None:
+                logger.info(line)
 
     def _send(self, stream: _Stream, item: RequestOutput | Exception) -> None:
         self._call_soon(stream.sink.put_nowait, item)

@@ -15,7 +15,7 @@ class EngineState:
 
     num_blocks_used / num_slots_used count everything held: by running sequences and by the prefix cache
     (trie blocks, frozen tails, checkpoint slots). `checkpoint_saves` (by reason) and `checkpoint_evictions`
-    (by kind) are the cache's running totals since start.
+    (by kind) are the cache's running totals since start; num_prefill_tokens counts prompt tokens computed.
     """
 
     num_blocks: int = 0
@@ -27,6 +27,7 @@ class EngineState:
     num_checkpoints: int = 0
     num_cache_nodes: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0
     checkpoint_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
 
@@ -48,6 +49,7 @@ def read_engine_state(engine: Any) -> EngineState:
         num_checkpoints=getattr(cache, "num_checkpoints", 0),
         num_cache_nodes=getattr(cache, "num_nodes", 0),
         num_preemptions=stats.get("num_preemptions", 0),
+        num_prefill_tokens=stats.get("num_prefill_tokens", 0),
         checkpoint_saves=dict(getattr(cache, "saves_by_reason", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
     )

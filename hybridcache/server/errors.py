@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 500: "internal_error", 503: "service_unavailable"}
+          409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_error",
+          503: "service_unavailable"}
 
 
 class APIError(Exception):
-    """An error to send to the client. `status`: 400, 401, 404, 413, 500 or 503; `param`: the offending field
+    """An error to send to the client. `status`: 400, 401, 404, 409, 413, 415, 500 or 503; `param`: the offending field
     (or None); `code`: a short machine-readable reason (or None)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:

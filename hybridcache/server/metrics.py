@@ -1,6 +1,7 @@
 """Prometheus metrics of one server (its own registry: no process-wide state).
 
-Request-level metrics are recorded by the engine thread as outputs come out of `engine.step()`:
+Every metric carries a `model_name` label (the first served model name), as vLLM's do, so one dashboard can
+show several servers. Request-level metrics are recorded by the engine thread as outputs come out of `engine.step()`:
 
     hybridcache_prefix_cache_queries_tokens_total   prompt tokens of finished requests (as in `usage`)
     hybridcache_prefix_cache_hit_tokens_total       their `cached_tokens` (as in `usage`), so the two move by
@@ -17,12 +18,14 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_checkpoint_saves_total{reason}      published state checkpoints, by save reason
     hybridcache_checkpoint_evictions_total{kind}    evictions, by kind
     hybridcache_kv_blocks_used / _total, hybridcache_state_slots_used / _total (cache contents included)
+    hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -36,28 +39,37 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The metric objects of one server; `render()` is the /metrics body. Thread-safe (prometheus-client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "hybridcache") -> None:
+        self.model_name = model_name
         self.registry = registry = CollectorRegistry()
-        self.query_tokens = Counter(
-            "hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests", registry=registry)
-        self.hit_tokens = Counter(
+        model = {"model_name": model_name}
+
+        def counter(name: str, documentation: str) -> Any:
+            return Counter(name, documentation, ["model_name"], registry=registry).labels(**model)
+
+        def histogram(name: str, documentation: str) -> Any:
+            return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
+                             registry=registry).labels(**model)
+
+        self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests")
+        self.hit_tokens = counter(
             "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of finished requests whose computation the "
-            "prefix cache skipped (usage.prompt_tokens_details.cached_tokens)", registry=registry)
-        self.prompt_tokens = Counter("hybridcache_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=registry)
-        self.generation_tokens = Counter("hybridcache_generation_tokens", "Generated tokens", registry=registry)
-        self.finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
-                                ["finish_reason"], registry=registry)
-        self.ttft = Histogram("hybridcache_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=registry)
-        self.itl = Histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps",
-                             buckets=_LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish",
-                             buckets=_LATENCY_BUCKETS, registry=registry)
+            "prefix cache skipped (usage.prompt_tokens_details.cached_tokens)")
+        self.prompt_tokens = counter("hybridcache_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("hybridcache_generation_tokens", "Generated tokens")
+        self._finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
+                                 ["model_name", "finish_reason"], registry=registry)
+        self.ttft = histogram("hybridcache_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps")
+        self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
+
+    def finished(self, finish_reason: str) -> Any:
+        """The counter of completions that ended for `finish_reason`."""
+        return self._finished.labels(model_name=self.model_name, finish_reason=finish_reason)
 
     def watch_engine(self, engine_state: Callable[[], EngineState]) -> None:
         """Export the engine-level metrics, read from `engine_state()` at every scrape."""
-        self.registry.register(_EngineCollector(engine_state))
+        self.registry.register(_EngineCollector(engine_state, self.model_name))
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
                          latency_s: float) -> None:
@@ -66,7 +78,7 @@ class ServerMetrics:
         self.hit_tokens.inc(num_cached_tokens)
         self.prompt_tokens.inc(num_prompt_tokens)
         for reason in finish_reasons:
-            self.finished.labels(finish_reason=reason).inc()
+            self.finished(reason).inc()
         self.e2e.observe(latency_s)
 
     def render(self) -> bytes:
@@ -76,32 +88,47 @@ class ServerMetrics:
 class _EngineCollector(Collector):
     """Reads the engine snapshot at scrape time (the engine thread refreshes it after every step)."""
 
-    def __init__(self, engine_state: Callable[[], EngineState]) -> None:
+    def __init__(self, engine_state: Callable[[], EngineState], model_name: str) -> None:
         self._engine_state = engine_state
+        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
         state = self._engine_state()
+        model = self._model_name
         saves = CounterMetricFamily("hybridcache_checkpoint_saves", "Published state checkpoints, by reason",
-                                    labels=["reason"])
+                                    labels=["model_name", "reason"])
         for reason, count in sorted(state.checkpoint_saves.items()):
-            saves.add_metric([str(reason)], count)
+            saves.add_metric([model, str(reason)], count)
         yield saves
         evictions = CounterMetricFamily("hybridcache_checkpoint_evictions", "Cache evictions, by kind",
-                                        labels=["kind"])
+                                        labels=["model_name", "kind"])
         for kind, count in sorted(state.checkpoint_evictions.items()):
-            evictions.add_metric([str(kind)], count)
+            evictions.add_metric([model, str(kind)], count)
         yield evictions
-        yield CounterMetricFamily("hybridcache_preemptions", "Preempted sequences", value=state.num_preemptions)
+        preemptions = CounterMetricFamily("hybridcache_preemptions", "Preempted sequences", labels=["model_name"])
+        preemptions.add_metric([model], state.num_preemptions)
+        yield preemptions
         gauges = (
             ("hybridcache_kv_blocks_used", "KV blocks in use (running sequences and the prefix cache)",
              state.num_blocks_used),
             ("hybridcache_kv_blocks_total", "KV blocks in the pool", state.num_blocks),
+            ("hybridcache_kv_cache_usage_percent", "KV blocks in use, percent of the pool (0-100)",
+             usage_percent(state.num_blocks_used, state.num_blocks)),
             ("hybridcache_state_slots_used", "State slots in use (running sequences and checkpoints)",
              state.num_slots_used),
             ("hybridcache_state_slots_total", "State slots in the pool", state.num_slots),
+            ("hybridcache_state_slot_usage_percent", "State slots in use, percent of the pool (0-100)",
+             usage_percent(state.num_slots_used, state.num_slots)),
             ("hybridcache_checkpoints", "Published state checkpoints held", state.num_checkpoints),
             ("hybridcache_num_requests_running", "Sequences running", state.num_running),
             ("hybridcache_num_requests_waiting", "Sequences waiting", state.num_waiting),
         )
         for name, documentation, value in gauges:
-            yield GaugeMetricFamily(name, documentation, value=value)
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([model], value)
+            yield gauge
+
+
+def usage_percent(used: int, total: int) -> float:
+    """`used` as a percentage of `total` (0 when the pool is empty)."""
+    return 100.0 * used / total if total else 0.0

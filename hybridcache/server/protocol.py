@@ -1,63 +1,111 @@
 """Request bodies of the OpenAI API (the fields this server understands) and their translation into
-`SamplingParams`. Unknown fields are ignored; fields we cannot honour (logprobs, echo, penalties, ...)
-are refused with a message that names them rather than silently dropped."""
+`SamplingParams`. Unknown fields are ignored, except those listed in body_checks.py as not implemented,
+which are refused with a message that names them rather than silently dropped.
+
+Integers are bounded (a seed fits 64 bits, a token id 31), floats must be finite, and every validation
+error names the field as the client sent it (`prompt.2`, `messages.0.content.0.type`), never the schema's
+internal union branch.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hybridcache.sampling import SamplingParams
+from hybridcache.guided import GuidedSpec
+from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
+from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
+from hybridcache.server.structured import guided_spec, response_format_spec, tool_choice_spec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 128  # OpenAI's limit on choices per request
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# seed + i seeds choice i (i < MAX_N), and a torch generator takes seeds below 2**64
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+_CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by both endpoints."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
 
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    n: int = 1
+    top_k: Int64 | None = None
+    n: Int64 = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: Seed | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
+    return_token_ids: bool = False  # vLLM's extension: the generated token ids with each finished choice
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: Int64 = 0
     logit_bias: dict[str, float] | None = None
-    return_token_ids: bool = False  # vLLM's extension: the generated token ids with each finished choice
+    response_format: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _refuse_unsupported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs is not supported by this server", param="logprobs")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported by this server (send 0 or leave it out)", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each token carries, or None when logprobs are off (each endpoint names the
+        fields its own way)."""
+        return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """SamplingParams for `max_tokens` new tokens; a bad value is an APIError(400) naming it."""
-        self._refuse_unsupported()
+    def guided(self) -> GuidedSpec | None:
+        """The one structured-output constraint of the request (a 400 when it sets several)."""
+        specs = [(name, spec) for name, spec in (
+            ("response_format", response_format_spec(self.response_format)),
+            ("guided_json", guided_spec(self.model_dump(include={"guided_json", "guided_regex", "guided_choice",
+                                                                  "guided_grammar", "structured_outputs"}))),
+        ) if spec is not None]
+        if len(specs) > 1:
+            raise APIError(400, "response_format and the guided_* / structured_outputs fields exclude each other",
+                           param="response_format")
+        return specs[0][1] if specs else None
+
+    def _logit_bias(self) -> dict[int, float]:
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= 2**31:
+                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
+    def check_n(self) -> None:
+        if self.n > MAX_N:
+            raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
+
+    def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None) -> SamplingParams:
+        """SamplingParams for `max_tokens` new tokens under the constraint `guided`; a bad value is an
+        APIError(400) naming it."""
+        self.check_n()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logit_bias = self._logit_bias()
         try:
             return SamplingParams(
                 temperature=1.0 if self.temperature is None else self.temperature,
@@ -69,6 +117,14 @@ class _SamplingRequest(BaseModel):
                 ignore_eos=self.ignore_eos,
                 seed=self.seed,
                 n=self.n,
+                min_p=self.min_p or 0.0,
+                min_tokens=min(self.min_tokens, max_tokens),
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=logit_bias,
+                logprobs=self.num_logprobs(),
+                guided=guided,
             )
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
@@ -77,66 +133,181 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`: `prompt` is a string or a list of token ids (one prompt per request)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or several (a list of strings or of token-id lists: a batch, whose
+        choices are numbered prompt by prompt, `n` each)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"batched prompts are not supported: got {len(prompt)} prompts; send one "
-                               "prompt (a string or a list of token ids) per request", param="prompt")
-            prompt = prompt[0]
-        if self.echo:
-            raise APIError(400, "echo is not supported by this server", param="echo")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported by this server", param="suffix")
-        if self.best_of not in (None, 1, self.n):
-            raise APIError(400, "best_of is not supported by this server", param="best_of")
-        return prompt
+            return list(prompt)
+        return [prompt]
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is None:
+            return None
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _CONFIG
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
+class FunctionCall(BaseModel):
+    model_config = _CONFIG
+    name: str
+    arguments: str | dict[str, Any] = "{}"
 
-    def as_template_input(self) -> dict[str, str]:
+
+class ToolCallMessage(BaseModel):
+    """An assistant message's earlier tool call."""
+
+    model_config = _CONFIG
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _CONFIG
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _CONFIG
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatMessage(BaseModel):
+    """A message; null content is allowed only for an assistant message with tool calls (body_checks.py);
+    a missing one is "". Assistant messages may carry `tool_calls` and `reasoning_content` (vLLM's
+    `reasoning` is the same), tool messages `tool_call_id`."""
+
+    model_config = _CONFIG
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = ""
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates take it; tool-call arguments as objects where they parse as JSON
+        objects (templates that iterate over arguments need them so; `tojson` writes them back the same)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`: messages rendered by the model folder's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
+    logprobs: bool = False
+    top_logprobs: Int64 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                           param="top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def guided(self) -> GuidedSpec | None:
+        forced = tool_choice_spec(self.tool_dicts(), self.effective_tool_choice())
+        other = super().guided()
+        if forced is not None and other is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "
+                           "response_format or guided decoding", param="tool_choice")
+        return forced or other
+
 
 def parse_request(model: type[BaseModel], data: Any) -> Any:
-    """Validate a decoded JSON body; the first problem becomes an APIError(400) naming its field."""
+    """Validate a decoded JSON body; the first problem becomes an APIError(400) naming its field.
+
+    Of several errors (a union reports one per branch) the one deepest in the body is reported, so a float in
+    a token-id prompt reports `prompt.1`, not the string branch's `prompt`."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    check_body(data)
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        field = ".".join(str(part) for part in first["loc"]) or None
-        problem = first["msg"]
+        errors = error.errors(include_url=False)
+        paths = [_client_path(e["loc"]) for e in errors]
+        depth = max(len(p) for p in paths)
+        first, path = next((e, p) for e, p in zip(errors, paths) if len(p) == depth)
+        field = ".".join(str(part) for part in path) or None
         if first["type"] == "missing":
             raise APIError(400, f"'{field}' is a required field", param=field) from None
-        raise APIError(400, f"invalid value for '{field}': {problem} (got {first.get('input')!r})"[:500],
+        raise APIError(400, f"invalid value for '{field}': {first['msg']} (got {first.get('input')!r})"[:500],
                        param=field) from None
+
+
+_FIELD_NAME = re.compile(r"[a-z_][a-z0-9_]*")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _client_path(loc: tuple) -> tuple:
+    """A pydantic error location without its union-branch tags (`list[int]`, `str`, `ContentPart`): what
+    remains are the keys and indexes of the client's body."""
+    return tuple(part for part in loc
+                 if isinstance(part, int) or (_FIELD_NAME.fullmatch(part) and part not in _TYPE_TAGS))

@@ -1,13 +1,35 @@
-"""Response bodies and server-sent-event chunks of the OpenAI API, built from the engine's `RequestOutput`."""
+"""Response bodies and server-sent-event chunks of the OpenAI API, built from the engine's `RequestOutput`s.
+
+A response covers one or more engine requests (a batch of completion prompts is one engine request per
+prompt): choice `prompt_index * n + i` is completion i of prompt `prompt_index`. What a choice looks like
+beyond its text (reasoning split, tool calls, logprobs, echo, token ids) is the response's `Rendering`.
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from hybridcache.outputs import RequestOutput
+from hybridcache.outputs import CompletionOutput, RequestOutput
+from hybridcache.server.chat_output import ChatOutputOptions, ChoiceDelta, final_message, finish_reason
+from hybridcache.server.logprobs_format import chat_logprobs, completion_logprobs
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How choices are rendered. chat: the chat message options (reasoning, tools). logprobs: choices carry
+    their tokens' logprobs (`tokenizer` decodes their tokens). echo: completions start with their prompt's text
+    (`echo_texts[prompt_index]`). return_token_ids: each finished choice carries its token ids."""
+
+    chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
+    logprobs: bool = False
+    top_logprobs: bool = True
+    tokenizer: Any = None
+    echo_texts: tuple[str, ...] | None = None
+    return_token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -29,61 +51,91 @@ class ResponseMeta:
         return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(output: RequestOutput) -> dict[str, Any]:
-    """Token counts of a request; `cached_tokens`: prompt tokens whose computation the prefix cache skipped."""
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """Token counts of a response's requests; `cached_tokens`: prompt tokens whose computation the prefix
+    cache skipped."""
+    prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
+    completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": output.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(output.cached_tokens for output in outputs)},
     }
 
 
-def full_response(meta: ResponseMeta, output: RequestOutput, return_token_ids: bool = False) -> dict[str, Any]:
-    """The non-streaming body of a finished request (`return_token_ids`: each choice carries `token_ids`)."""
+def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: int = 0,
+                text_offset: int = 0) -> dict[str, Any] | None:
+    """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for)."""
+    if not rendering.logprobs or c.logprobs is None:
+        return None
+    entries = c.logprobs[start:]
+    if chat:
+        return chat_logprobs(rendering.tokenizer, entries)
+    return completion_logprobs(rendering.tokenizer, entries, text_offset, rendering.top_logprobs)
+
+
+def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], rendering: Rendering) -> dict[str, Any]:
+    """The non-streaming body of finished requests."""
     choices = []
-    for c in output.outputs:
-        if meta.chat:
-            message = {"role": "assistant", "content": c.text}
-            choice = {"index": c.index, "message": message, "logprobs": None, "finish_reason": c.finish_reason}
-        else:
-            choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-        if return_token_ids:
-            choice["token_ids"] = list(c.token_ids)
-        choices.append(choice)
-    return {**meta.header(streaming=False), "choices": choices, "usage": usage(output)}
+    for prompt_index, output in enumerate(outputs):
+        n = len(output.outputs)
+        for c in output.outputs:
+            index = prompt_index * n + c.index
+            if meta.chat:
+                message = final_message(c.text, rendering.chat)
+                reason = finish_reason(c.finish_reason, bool(message.get("tool_calls")))
+                choice = {"index": index, "message": message, "logprobs": logprobs_of(rendering, True, c),
+                          "finish_reason": reason}
+            else:
+                echo = rendering.echo_texts[prompt_index] if rendering.echo_texts else ""
+                choice = {"index": index, "text": echo + c.text,
+                          "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo)),
+                          "finish_reason": c.finish_reason}
+            if rendering.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
+    return {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
 
 
 def chunk(
     meta: ResponseMeta, index: int, *, text: str | None = None, role: bool = False,
     finish_reason: str | None = None, with_usage_field: bool = False, token_ids: list[int] | None = None,
+    delta: ChoiceDelta | None = None, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One streaming chunk for choice `index`: a piece of text, the assistant role (chat's first chunk), or
-    the finish reason. `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`.
-    `token_ids`: every generated token id of the choice (on its finishing chunk, with `return_token_ids`)."""
+    """One streaming chunk for choice `index`: a piece of text (or, for chat, a `ChoiceDelta`: reasoning,
+    content and tool calls), the assistant role (chat's first chunk), or the finish reason.
+    `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`. `token_ids`: every
+    generated token id of the choice (on its finishing chunk, with `return_token_ids`). `logprobs`: those of the
+    tokens this chunk covers."""
     if meta.chat:
-        delta: dict[str, Any] = {}
+        body: dict[str, Any] = {}
         if role:
-            delta["role"] = "assistant"
-            delta["content"] = ""
+            body["role"] = "assistant"
+            body["content"] = ""
         if text:
-            delta["content"] = text
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            body["content"] = text
+        if delta is not None:
+            if delta.reasoning:
+                body["reasoning_content"] = delta.reasoning
+            if delta.content:
+                body["content"] = delta.content
+            if delta.tool_calls:
+                body["tool_calls"] = [call.as_openai(i) for i, call in delta.tool_calls]
+        choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    body = {**meta.header(streaming=True), "choices": [choice]}
+    chunk_body = {**meta.header(streaming=True), "choices": [choice]}
     if with_usage_field:
-        body["usage"] = None
-    return body
+        chunk_body["usage"] = None
+    return chunk_body
 
 
-def usage_chunk(meta: ResponseMeta, output: RequestOutput) -> dict[str, Any]:
-    """The last chunk when `stream_options.include_usage` is set: no choices, the request's usage."""
-    return {**meta.header(streaming=True), "choices": [], "usage": usage(output)}
+def usage_chunk(meta: ResponseMeta, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The last chunk when `stream_options.include_usage` is set: no choices, the response's usage."""
+    return {**meta.header(streaming=True), "choices": [], "usage": usage(outputs)}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -48,29 +48,50 @@ async def run_until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that stops at a client disconnect and always runs `on_close` once
-    the stream ends, however it ends (finished, disconnected, failed or cancelled)."""
+    the stream ends, however it ends (finished, disconnected, failed or cancelled).
 
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Any]) -> None:
+    Cancelled (the server's shutdown grace period ended while it still ran), it sends `final_events`
+    (an error event and `data: [DONE]`) and ends the body, so that the client sees a complete stream."""
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Any],
+                 final_events: tuple[bytes, ...] = ()) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
         self._on_close = on_close
+        self._final_events = final_events
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
         async def stream() -> None:
+            nonlocal started
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            started = True
             async for event in self._events:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+        task = asyncio.ensure_future(stream())
         try:
-            await run_until_disconnect(receive, stream())
+            await run_until_disconnect(receive, task)
         except (ClientGone, ClientDisconnect, OSError):
             pass
         except asyncio.CancelledError:
-            # the server cancels responses still running when its shutdown timeout expires: end quietly
-            pass
+            # the server cancels responses still running when its shutdown grace period ends
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            with contextlib.suppress(Exception):
+                await self._finish(send, started)
         finally:
             with contextlib.suppress(Exception):
                 await self._events.aclose()
             self._on_close()
+
+    async def _finish(self, send: Send, started: bool) -> None:
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for event in self._final_events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

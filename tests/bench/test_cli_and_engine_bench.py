@@ -37,14 +37,13 @@ def test_simulate_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
 
-def test_engine_bench_modes_agree_and_the_cache_hits(tmp_path):
+def test_engine_bench_modes_agree_and_the_cache_hits(tmp_path, sharegpt_trace):
     pytest.importorskip("torch")
     from hybridcache.bench.engine_bench import BenchConfig, run_bench
-    from hybridcache.bench.workloads import ChatOptions, default_trace_path, load_workload
+    from hybridcache.bench.workloads import ChatOptions, load_workload
 
-    if not default_trace_path("sharegpt").exists():
-        pytest.skip("sharegpt trace absent")
-    workload = load_workload("sharegpt", chat=ChatOptions(num_sessions=3, max_turns=2, max_message_chars=300))
+    workload = load_workload("sharegpt", trace=sharegpt_trace,
+                             chat=ChatOptions(num_sessions=3, max_turns=2, max_message_chars=300))
     result = run_bench(None, workload, BenchConfig(("none", "hybridcache"), max_reply_tokens=8))
     assert result.outputs_identical
     none, cached = result.modes["none"], result.modes["hybridcache"]
@@ -54,18 +53,17 @@ def test_engine_bench_modes_agree_and_the_cache_hits(tmp_path):
     assert none.num_calls == cached.num_calls == len(workload)
 
 
-def test_server_bench_matches_the_offline_engine_and_reports_hits(tmp_path):
+def test_server_bench_matches_the_offline_engine_and_reports_hits(tmp_path, sharegpt_trace):
     """`hybridcache bench --server` against a real server: same greedy tokens as the offline engine in the same
     mode, and cached_tokens from the responses' usage."""
     pytest.importorskip("torch")
     from hybridcache.bench.engine_bench import BenchConfig, run_bench
     from hybridcache.bench.server_bench import run_server_bench
-    from hybridcache.bench.workloads import ChatOptions, default_trace_path, load_workload
+    from hybridcache.bench.workloads import ChatOptions, load_workload
     from tests.server.server_process import running_servers
 
-    if not default_trace_path("sharegpt").exists():
-        pytest.skip("sharegpt trace absent")
-    workload = load_workload("sharegpt", chat=ChatOptions(num_sessions=3, max_turns=2, max_message_chars=100))
+    workload = load_workload("sharegpt", trace=sharegpt_trace,
+                             chat=ChatOptions(num_sessions=3, max_turns=2, max_message_chars=100))
     config = BenchConfig(("hybridcache",), max_reply_tokens=6, engine_options=dict(
         block_size=16, max_model_len=2048, num_blocks=1024))
     offline = run_bench(None, workload, config)

@@ -17,9 +17,9 @@ def _shared(a, b):
 
 
 def _trace(name):
+    """The slice shipped in the package: present in every checkout."""
     path = default_trace_path(name)
-    if not path.exists():
-        pytest.skip(f"trace {path} is absent")
+    assert path.exists(), f"the shipped trace slice {path} is missing"
     return path
 
 
@@ -51,10 +51,10 @@ def test_mooncake_real_trace_first_requests_share_the_system_block():
     assert all(_shared(r.prompt_ids, requests[0].prompt_ids) >= MOONCAKE_BLOCK_LEN for r in requests[1:])
 
 
-def test_sharegpt_turns_build_on_the_history():
+def test_sharegpt_turns_build_on_the_history(sharegpt_trace):
     encoder = ChatEncoder()
     chat = ChatOptions(num_sessions=5, max_turns=3)
-    workload = load_workload("sharegpt", trace=_trace("sharegpt"), chat=chat)
+    workload = load_workload("sharegpt", trace=sharegpt_trace, chat=chat)
     assert len(workload.sessions) == 5 and all(1 <= len(s.turns) <= 3 for s in workload.sessions)
     requests = list(workload)
     assert len(requests) == len(workload)
@@ -70,13 +70,13 @@ def test_sharegpt_turns_build_on_the_history():
     assert encoder.encode("<|im_start|>")[0] == first.prompt_ids[0]
     assert first.prompt_ids[-len(encoder.encode("<|im_start|>assistant\n")):] == encoder.encode(
         "<|im_start|>assistant\n")
-    again = load_workload("sharegpt", trace=_trace("sharegpt"), chat=chat)
+    again = load_workload("sharegpt", trace=sharegpt_trace, chat=chat)
     assert [r.prompt_ids for r in again] == [r.prompt_ids for r in requests]
 
 
-def test_sharegpt_prompt_cut_and_request_cut():
+def test_sharegpt_prompt_cut_and_request_cut(sharegpt_trace):
     chat = ChatOptions(num_sessions=20, max_message_chars=200, max_prompt_len=800)
-    workload = load_workload("sharegpt", trace=_trace("sharegpt"), chat=chat, num_requests=15)
+    workload = load_workload("sharegpt", trace=sharegpt_trace, chat=chat, num_requests=15)
     requests = list(workload)
     assert len(requests) == 15 == sum(len(s.turns) for s in workload.sessions)
     assert all(r.prompt_len + len(r.output_ids) <= 800 for r in requests)
@@ -150,5 +150,35 @@ def test_group_sampling_as_separate_requests_and_as_n():
 def test_unknown_workload_and_missing_trace_are_errors(tmp_path):
     with pytest.raises(ValueError, match="sharegpt"):
         load_workload("nope")
+    with pytest.raises(ValueError, match="--trace"):
+        load_workload("sharegpt")  # not shipped
     with pytest.raises(FileNotFoundError, match="--trace"):
         load_workload("mooncake", trace=tmp_path / "missing.jsonl")
+
+
+def test_shipped_slices_carry_their_licences_and_stay_small():
+    from hybridcache.bench.workloads import shipped_traces_dir
+
+    root = shipped_traces_dir()
+    assert (root / "mooncake" / "LICENSE-APACHE").is_file() and (root / "swe_agent" / "LICENSE").is_file()
+    assert "MIT License" in (root / "swe_agent" / "LICENSE").read_text()
+    assert "Apache License" in (root / "mooncake" / "LICENSE-APACHE").read_text()
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) < 2_000_000
+
+
+def test_no_code_or_test_reads_outside_the_repository():
+    """Nothing may depend on a folder next to the checkout (a fresh clone has none)."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    needles = ("shared/" + "traces", "../" + "shared", "parent / " + '"shared"')
+    offenders = [str(f.relative_to(repo)) for folder in ("hybridcache", "tests", "scripts")
+                 for f in (repo / folder).rglob("*") if f.suffix in (".py", ".sh")
+                 and any(n in f.read_text(encoding="utf-8") for n in needles)]
+    assert offenders == []
+
+
+def test_swe_agent_sessions_are_cut_to_max_turns():
+    chat = ChatOptions(num_sessions=4, max_turns=2, max_message_chars=100)
+    workload = load_workload("swe-agent", chat=chat)
+    assert len(workload.sessions) == 4 and all(len(s.turns) == 2 for s in workload.sessions)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from hybridcache import LLM, SamplingParams
 from hybridcache.cli import main
 from hybridcache.models import ModelConfig
@@ -47,3 +49,27 @@ def test_cli_generate_prints_one_json_line_per_completion(capsys):
 def test_cli_reports_bad_input_as_an_error(capsys):
     assert main(["generate", "--prompt", "abc", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_chat_equals_generate_on_the_rendered_prompt():
+    llm = LLM()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    rendered = llm.tokenizer.apply_chat_template(conversation)
+    [chat] = llm.chat(conversation, params, use_tqdm=False)
+    [plain] = llm.generate(rendered, params, use_tqdm=False)
+    assert chat.prompt == rendered
+    assert chat.prompt_token_ids == plain.prompt_token_ids == llm.tokenizer.encode(rendered)
+    assert chat.outputs[0].token_ids == plain.outputs[0].token_ids
+    other = [{"role": "user", "content": "another"}]
+    batch = llm.chat([conversation, other], params, use_tqdm=False)
+    assert [o.prompt for o in batch] == [rendered, llm.tokenizer.apply_chat_template(other)]
+    assert batch[0].outputs[0].token_ids == plain.outputs[0].token_ids
+    continued = llm.chat(other, params, add_generation_prompt=False, use_tqdm=False)
+    assert continued[0].prompt == llm.tokenizer.apply_chat_template(other, add_generation_prompt=False)
+
+
+def test_chat_rejects_what_is_not_messages():
+    llm = LLM()
+    with pytest.raises(TypeError, match="message dicts"):
+        llm.chat(["hello"], use_tqdm=False)

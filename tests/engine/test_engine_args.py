@@ -1,5 +1,6 @@
-"""Engine command-line options: defaults match EngineConfig; the deprecated --state-cache-budget alias
-says so and never silently overrides --num-checkpoint-slots."""
+"""Engine command-line options: defaults match EngineConfig (with auto dtype/device resolved on a CPU machine);
+vLLM spellings and the old ones mean the same; the deprecated --state-cache-budget alias says so and never
+silently overrides --num-checkpoint-slots; every flag's help states its default; auto dtype/device rules."""
 
 from __future__ import annotations
 
@@ -7,18 +8,93 @@ import argparse
 
 import pytest
 
+from hybridcache import engine_args
+from hybridcache.cli import build_parser
 from hybridcache.config import EngineConfig
-from hybridcache.engine_args import add_engine_args, engine_options
+from hybridcache.engine_args import (
+    add_engine_args,
+    auto_dtype,
+    engine_options,
+    model_argument,
+    resolve_engine_config,
+)
+from hybridcache.models.builtin import ensure_builtin_model
+
+
+def parse_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(argv)
 
 
 def parse(*argv: str) -> dict:
-    parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    return engine_options(parser.parse_args(argv))
+    return engine_options(parse_args(*argv))
 
 
-def test_defaults_are_the_engine_configs():
-    assert EngineConfig(**parse()) == EngineConfig()
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(engine_args, "auto_device", lambda: "cpu")
+
+
+def test_defaults_are_the_engine_configs(no_gpu):
+    assert resolve_engine_config(ensure_builtin_model(), parse()) == EngineConfig()
+
+
+def test_auto_device_and_dtype(monkeypatch):
+    folder = ensure_builtin_model()  # its config.json says float32
+    monkeypatch.setattr(engine_args, "auto_device", lambda: "cuda")
+    config = resolve_engine_config(folder, parse())
+    assert (config.device, config.dtype) == ("cuda", "bfloat16")
+    assert resolve_engine_config(folder, parse("--dtype", "float16")).dtype == "float16"
+    assert resolve_engine_config(folder, parse("--device", "cpu")).dtype == "float32"
+    assert [auto_dtype("cpu", "bfloat16"), auto_dtype("cuda:1", "float16"), auto_dtype("cuda", "bfloat16"),
+            auto_dtype("cuda", "float32")] == ["float32", "float16", "bfloat16", "bfloat16"]
+
+
+def test_prefix_caching_flags_vllm_spelling_and_alias():
+    assert parse()["enable_prefix_caching"] is True
+    assert parse("--enable-prefix-caching")["enable_prefix_caching"] is True
+    assert parse("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert parse("--no-prefix-cache")["enable_prefix_caching"] is False
+
+
+def test_eviction_value_is_spelled_with_a_hyphen_and_the_old_spelling_still_works():
+    assert parse("--eviction", "flop-aware")["eviction"] == "flop-aware"
+    assert parse("--eviction", "flop_aware")["eviction"] == "flop-aware"
+    assert EngineConfig(eviction="flop_aware").eviction == "flop-aware"
+    with pytest.raises(SystemExit):
+        parse("--eviction", "random")
+
+
+def test_model_is_positional_or_a_flag():
+    assert model_argument(parse_args()) is None
+    assert model_argument(parse_args("org/name")) == "org/name"
+    assert model_argument(parse_args("--model", "org/name")) == "org/name"
+    assert model_argument(parse_args("org/name", "--model", "org/name")) == "org/name"
+    with pytest.raises(ValueError, match="given twice"):
+        model_argument(parse_args("org/a", "--model", "org/b"))
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_every_flag_help_states_its_default(command):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    formatter = sub._get_formatter()
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        assert action.help, action.option_strings
+        assert "default" in formatter._get_help_string(action).lower(), action.option_strings
+
+
+def test_block_size_without_a_power_of_two_gets_a_fitting_kernel_page():
+    assert EngineConfig(block_size=48).kernel_block_size == 16
+    assert EngineConfig(block_size=128).kernel_block_size == 64
+    assert EngineConfig(block_size=16).kernel_block_size == 16
+    with pytest.raises(ValueError, match="kernel_block_size"):  # the user sent it: it is named
+        EngineConfig(block_size=48, kernel_block_size=32)
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig(block_size=0)
 
 
 def test_state_cache_budget_is_a_deprecated_alias(capsys):
@@ -29,3 +105,14 @@ def test_state_cache_budget_is_a_deprecated_alias(capsys):
     assert parse("--state-cache-budget", "7", "--num-checkpoint-slots", "7")["num_checkpoint_slots"] == 7
     with pytest.raises(ValueError, match="disagree"):
         parse("--state-cache-budget", "7", "--num-checkpoint-slots", "8")
+
+
+def test_gpu_memory_options():
+    options = parse("--gpu-memory-utilization", "0.5", "--enforce-eager")
+    assert (options["gpu_memory_utilization"], options["enforce_eager"]) == (0.5, True)
+    config = EngineConfig(**options)
+    assert (config.gpu_memory_utilization, config.enforce_eager) == (0.5, True)
+    assert EngineConfig().num_checkpoint_slots is None  # 32 on the CPU, from the budget on CUDA
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization"):
+            EngineConfig(gpu_memory_utilization=bad)

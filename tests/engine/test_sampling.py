@@ -1,7 +1,20 @@
 import pytest
 import torch
 
-from hybridcache.sampling import SamplingParams, make_generator, sample
+from hybridcache.sampling import SamplingParams, make_generator, process_logits
+from hybridcache.sampling import sample as sample_rows
+
+
+class Row:
+    """A sequence as the sampler sees it (the engine passes its `Seq`s)."""
+
+    def __init__(self, params, generator=None, prompt=(0,), output=()):
+        self.params, self.generator = params, generator
+        self.token_ids, self.prompt_len = [*prompt, *output], len(prompt)
+
+
+def sample(logits, params, generators):
+    return sample_rows(logits, [Row(p, g) for p, g in zip(params, generators)]).tokens
 
 
 @pytest.mark.parametrize(
@@ -57,3 +70,117 @@ def test_top_k_restricts_support():
     generator = make_generator(params, 0, "cpu")
     drawn = {sample(logits, [params], [generator])[0] for _ in range(200)}
     assert drawn <= {0, 1, 2} and len(drawn) > 1
+
+
+def test_penalties_follow_vllm_formulas_exactly():
+    torch.manual_seed(2)
+    logits = torch.randn(3, 12)
+    prompt, output = (0, 3, 3), (1, 1, 5, 3)
+    cases = [
+        SamplingParams(temperature=0, repetition_penalty=1.7),
+        SamplingParams(temperature=0, frequency_penalty=0.6, presence_penalty=-0.3),
+        SamplingParams(temperature=0, repetition_penalty=0.5, frequency_penalty=-1.0, presence_penalty=2.0),
+    ]
+    rows = [Row(p, prompt=prompt, output=output) for p in cases]
+    got = process_logits(logits, rows)
+    counts = torch.zeros(12)
+    for t in output:
+        counts[t] += 1
+    seen = counts > 0
+    seen[list(prompt)] = True
+    for i, p in enumerate(cases):
+        expected = logits[i].clone()
+        r = p.repetition_penalty
+        expected[seen] = torch.where(expected[seen] > 0, expected[seen] / r, expected[seen] * r)
+        expected -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-6)
+
+
+def test_penalty_worked_example_from_docstring():
+    logits = torch.tensor([[2.0, -1.0, 0.5]])
+    params = SamplingParams(temperature=0, repetition_penalty=2, frequency_penalty=0.5, presence_penalty=0.25)
+    got = process_logits(logits, [Row(params, prompt=(0,), output=(1, 1))])
+    assert got.tolist() == [[1.0, -3.25, 0.5]]
+
+
+def test_unpenalized_rows_in_a_penalized_batch_are_untouched():
+    torch.manual_seed(3)
+    logits = torch.randn(2, 10)
+    rows = [Row(SamplingParams(temperature=0), output=(1, 2)),
+            Row(SamplingParams(temperature=0, presence_penalty=1.0), output=(1, 2))]
+    got = process_logits(logits, rows)
+    assert torch.equal(got[0], logits[0])
+    assert not torch.equal(got[1], logits[1])
+
+
+def test_logit_bias_and_min_tokens():
+    logits = torch.zeros(2, 6)
+    biased = SamplingParams(temperature=0, logit_bias={4: 100.0, 2: -5.0})
+    short = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    got = process_logits(logits, [Row(biased), Row(short, output=(1,))], stop_token_ids=frozenset({5}))
+    assert got[0].tolist() == [0, 0, -5, 0, 100, 0]
+    assert got[1, 3] == float("-inf") and got[1, 5] == float("-inf") and got[1, :3].eq(0).all()
+    done = process_logits(logits, [Row(short, output=(1, 2))], stop_token_ids=frozenset({5}))
+    assert done.eq(0).all()
+    out = sample_rows(logits[:1], [Row(biased)])
+    assert out.tokens == [4]
+
+
+def test_allowed_bitmask_restricts_tokens():
+    torch.manual_seed(4)
+    logits = torch.randn(2, 40)
+    mask = torch.zeros(2, 2, dtype=torch.int32)
+    mask[0, 1] = 1 << 3  # token 35 only
+    mask[1, 0] = (1 << 2) | (1 << 7)  # tokens 2 and 7
+    params = SamplingParams(temperature=1.0, seed=0)
+    for _ in range(20):
+        rows = [Row(params, make_generator(params, i, "cpu")) for i in range(2)]
+        tokens = sample_rows(logits, rows, allowed_bitmask=mask).tokens
+        assert tokens[0] == 35 and tokens[1] in (2, 7)
+
+
+def test_min_p_drops_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    params = SamplingParams(temperature=1.0, min_p=0.2, seed=0)
+    generator = make_generator(params, 0, "cpu")
+    drawn = {sample_rows(logits, [Row(params, generator)]).tokens[0] for _ in range(300)}
+    assert drawn == {0, 1, 2}
+
+
+def test_logprobs_are_log_softmax_of_the_fp32_logits():
+    torch.manual_seed(5)
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, seed=1, logprobs=0),
+              SamplingParams(temperature=0)]
+    rows = [Row(p, make_generator(p, 0, "cpu"), output=(1, 1)) for p in params]
+    out = sample_rows(logits, rows)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    first, second, third = out.logprobs
+    assert third is None
+    assert first.token_id == out.tokens[0] == int(logits[0].argmax())
+    assert first.logprob == pytest.approx(float(expected[0, out.tokens[0]]), abs=1e-6)
+    top = expected[0].topk(3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert [v for _, v in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+    assert second.logprob == pytest.approx(float(expected[1, out.tokens[1]]), abs=1e-6) and second.top == ()
+
+
+def test_batched_rows_match_rows_sampled_alone():
+    torch.manual_seed(6)
+    logits = torch.randn(4, 64)
+    params = [SamplingParams(temperature=0.7, top_k=10, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, seed=2), SamplingParams(temperature=1.0, seed=3)]
+    batch = sample_rows(logits, [Row(p, make_generator(p, 0, "cpu")) for p in params]).tokens
+    alone = [sample_rows(logits[i:i + 1], [Row(p, make_generator(p, 0, "cpu"))]).tokens[0]
+             for i, p in enumerate(params)]
+    assert batch == alone
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {3: 101}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
+])
+def test_bad_new_sampling_params_raise(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)

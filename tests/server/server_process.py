@@ -98,9 +98,15 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
-    """The value of `name{labels}` in a Prometheus text exposition (0 when absent)."""
-    key = f"{name}{{{labels}}}" if labels else name
+    """The sum of `name`'s samples whose labels include `labels` (e.g. 'reason="prefill_end"') in a Prometheus
+    text exposition (0 when absent). Every sample also carries `model_name`, which a caller need not name."""
+    wanted = {pair for pair in labels.split(",") if pair}
+    total = 0.0
     for line in text.splitlines():
-        if line.startswith(key + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        sample, _, label_text = key.partition("{")
+        if sample == name and wanted <= set(label_text.rstrip("}").split(",")):
+            total += float(value)
+    return total

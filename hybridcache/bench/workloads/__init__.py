@@ -1,5 +1,9 @@
-"""Workloads for the simulator and the engine benchmark: loaders for the real traces in
-`<repo>/../shared/traces/` and generators for the shapes they lack. See base.py for the request model.
+"""Workloads for the simulator and the engine benchmark: loaders for real traces and generators for the
+shapes they lack. See base.py for the request model.
+
+Slices of the SWE-agent and Mooncake traces ship inside the package (`hybridcache/bench/traces/`, each with
+its licence) and are read by default; `trace=` (CLI `--trace`) reads a full or other copy. ShareGPT is not
+shipped (its redistribution terms are unclear): `sharegpt` needs `trace=`.
 
 | name               | source                                   | shape                                       |
 | ------------------ | ---------------------------------------- | ------------------------------------------- |
@@ -34,6 +38,7 @@ from hybridcache.bench.workloads.synthetic import group_sampling_workload, share
 from hybridcache.bench.workloads.text import ChatEncoder
 
 __all__ = [
+    "TRACE_WORKLOADS",
     "WORKLOAD_NAMES",
     "ChatEncoder",
     "ChatOptions",
@@ -45,8 +50,8 @@ __all__ = [
     "load_workload",
 ]
 
-_TRACES = {
-    "sharegpt": "sharegpt/sharegpt_v3_sample1000.part0.jsonl",
+TRACE_WORKLOADS = ("sharegpt", "mooncake", "swe-agent")
+_SHIPPED_TRACES = {
     "mooncake": "mooncake/conversation_trace.jsonl",
     "swe-agent": "swe_agent/trajectories",
 }
@@ -64,15 +69,20 @@ class ChatOptions:
     max_prompt_len: int | None = None
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
+def shipped_traces_dir() -> Path:
+    """The folder of the trace slices shipped as package data."""
+    return Path(__file__).resolve().parent.parent / "traces"
 
 
 def default_trace_path(name: str) -> Path:
-    """`<repo>/../shared/traces/<file>` for a trace workload (a ValueError for generated ones)."""
-    if name not in _TRACES:
+    """The shipped slice of a trace workload's trace. A ValueError for generated workloads and for
+    `sharegpt`, which ships no slice (pass its file with `trace=` / `--trace`)."""
+    if name not in TRACE_WORKLOADS:
         raise ValueError(f"workload {name!r} reads no trace")
-    return repo_root().parent / "shared" / "traces" / _TRACES[name]
+    if name not in _SHIPPED_TRACES:
+        raise ValueError(f"workload {name!r} ships no trace (its redistribution terms are unclear): pass a "
+                         f"ShareGPT V3 .jsonl file with --trace")
+    return shipped_traces_dir() / _SHIPPED_TRACES[name]
 
 
 def load_workload(
@@ -89,7 +99,7 @@ def load_workload(
     the chat workloads (None: the built-in model's); `vocab` bounds the generated token ids."""
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
-    if name in _TRACES:
+    if name in TRACE_WORKLOADS:
         path = Path(trace) if trace is not None else default_trace_path(name)
         if not path.exists():
             raise FileNotFoundError(f"trace for {name!r} not found at {path} (pass --trace)")
@@ -105,7 +115,7 @@ def load_workload(
         sessions = load_sharegpt(path, encoder, seed=seed, num_sessions=chat.num_sessions, max_turns=chat.max_turns,
                                  max_message_chars=chat.max_message_chars, max_prompt_len=chat.max_prompt_len)
     else:
-        sessions = load_swe_agent(path, encoder, seed=seed, num_sessions=chat.num_sessions,
+        sessions = load_swe_agent(path, encoder, seed=seed, num_sessions=chat.num_sessions, max_turns=chat.max_turns,
                                   max_message_chars=chat.max_message_chars, max_prompt_len=chat.max_prompt_len)
     if num_requests is not None:
         sessions = truncate_sessions(sessions, num_requests)

@@ -37,12 +37,13 @@ def load_swe_agent(
     *,
     seed: int = 0,
     num_sessions: int | None = None,
+    max_turns: int | None = None,
     max_message_chars: int | None = None,
     max_prompt_len: int | None = None,
     session_gap_s: float = 5.0,
     think_s: float = 5.0,
 ) -> tuple[ChatSession, ...]:
-    """One session per trajectory (see the module docstring)."""
+    """One session per trajectory (see the module docstring), cut to `max_turns` model calls."""
     files = trajectory_files(path)
     if not files:
         raise FileNotFoundError(f"no .traj files under {path}")
@@ -58,6 +59,9 @@ def load_swe_agent(
             for m in history
             if m.get("role") in ("system", "user", "assistant")
         ]
+        calls = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
+        if max_turns is not None and len(calls) > max_turns:
+            messages = messages[: calls[max_turns - 1] + 1]
         num_calls = sum(m["role"] == "assistant" for m in messages)
         arrivals = session_arrivals(num_calls, start, rng, think_s)
         start += float(rng.exponential(session_gap_s))

@@ -1,0 +1,284 @@
+"""The GPU benchmark of issue 11: phases A-D through `LLM` on random model folders it builds itself.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
+        [--check-graphs] [--out DIR]
+
+Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`; bf16; byte tokenizer):
+
+| name       | config                                                                                          |
+| ---------- | ----------------------------------------------------------------------------------------------- |
+| `next-1b`  | Qwen3-Next, hidden 2048, 16 layers 3:1, 16 experts top-4, vocab 4096: 1.39B parameters             |
+| `next-16b` | Qwen3-Next, hidden 4096, 32 layers 3:1, 32 experts top-8, expert width 1024, vocab 151,936: 16.6B  |
+| `dense-9b` | transformers' default `Qwen3_5TextConfig` (hidden 4096, 32 layers 3:1, vocab 248,320): 9.0B        |
+
+Workload (prompts are random lowercase letters under the byte tokenizer: one token per character; greedy,
+`ignore_eos`; one engine per process, after a warm-up that is then cleared from the cache):
+
+- A: 4 system prompts of 2,000 tokens; 16 sessions (session i uses system prompt i mod 4); 4 turns each. Turn t's
+  prompt = the session history + a new user message of 200-600 tokens; after each turn a fixed reply of 100-300
+  tokens joins the history. Sent turn 0 of every session, then turn 1, ..., one request at a time, 1 new token.
+- B: one 6,000-token prompt sent three times (1 new token).
+- C: a cold 16,000-token prompt, then it + 200 tokens (1 new token each).
+- D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
+
+`--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs and eagerly
+(`enforce_eager`) on two engines and reports whether the tokens are identical. Prints one table and writes
+DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from hybridcache import LLM
+from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.random_weights import randomize_
+from hybridcache.sampling import SamplingParams
+
+MODELS = {
+    "next-1b": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=4096, hidden_size=2048, num_hidden_layers=16, num_experts=16, num_experts_per_tok=4)),
+    "next-16b": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        vocab_size=151936, hidden_size=4096, num_hidden_layers=32, num_experts=32, num_experts_per_tok=8,
+        moe_intermediate_size=1024, shared_expert_intermediate_size=1024)),
+    "dense-9b": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "tiny": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(  # a smoke test of this script (--device cpu)
+        vocab_size=320, hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16)),
+}
+PHASES = ("A", "B", "C", "D")
+
+
+def build_model(name: str, path: Path, seed: int = 0) -> Path:
+    """Write the random bf16 model folder `name` (see MODELS) with the byte tokenizer to `path`."""
+    import transformers
+
+    config_class, model_class, fields = MODELS[name]
+    config = getattr(transformers, config_class)(**fields, eos_token_id=258, dtype="bfloat16")
+    config.architectures = [model_class]
+    with torch.device("meta"):
+        model = getattr(transformers, model_class)(config)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    randomize_(model, seed=seed)
+    model.save_pretrained(path)
+    build_byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+SCALE = {"value": 1.0}  # --scale: every length of the workload is multiplied by it (smoke tests)
+
+
+def letters(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(string.ascii_lowercase, k=max(1, int(n * SCALE["value"]))))
+
+
+def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, outputs
+
+
+def summary(latencies: list[float], outputs: list, prompt_lens: list[int]) -> dict:
+    """Hit rate, cached tokens, latency percentiles (ms), total (s) of a phase's requests."""
+    cached = [o.cached_tokens for o in outputs]
+    ordered = sorted(latencies)
+    pct = lambda q: 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {
+        "requests": len(outputs), "prompt_tokens": sum(prompt_lens), "cached_tokens": sum(cached),
+        "hit_rate": sum(cached) / sum(prompt_lens), "cached_per_request": cached,
+        "p50_ms": 1000 * statistics.median(latencies), "p95_ms": pct(0.95), "total_s": sum(latencies),
+        "latencies_ms": [1000 * t for t in latencies],
+    }
+
+
+def phase_a(llm: LLM, rng: random.Random) -> dict:
+    systems = [letters(rng, 2000) for _ in range(4)]
+    history = [systems[i % 4] for i in range(16)]
+    latencies, outputs, lens = [], [], []
+    for _turn in range(4):
+        for session in range(16):
+            prompt = history[session] + letters(rng, rng.randint(200, 600))
+            seconds, out = timed(llm, [prompt], 1)
+            latencies.append(seconds)
+            outputs += out
+            lens.append(len(out[0].prompt_token_ids))
+            history[session] = prompt + letters(rng, rng.randint(100, 300))
+    return summary(latencies, outputs, lens)
+
+
+def phase_b(llm: LLM, rng: random.Random) -> dict:
+    prompt = letters(rng, 6000)
+    runs = [timed(llm, [prompt], 1) for _ in range(3)]
+    return summary([t for t, _ in runs], [o[0] for _, o in runs], [len(prompt)] * 3)
+
+
+def phase_c(llm: LLM, rng: random.Random) -> dict:
+    prompt = letters(rng, 16000)
+    longer = prompt + letters(rng, 200)
+    cold = timed(llm, [prompt], 1)
+    warm = timed(llm, [longer], 1)
+    return summary([cold[0], warm[0]], cold[1] + warm[1], [len(prompt), len(longer)])
+
+
+def phase_d(llm: LLM, rng: random.Random) -> dict:
+    """Driven step by step through the engine, so prefill and decode steps are timed apart (each step ends on
+    the host with its sampled tokens, so a step's wall time is its real time)."""
+    prompts = [letters(rng, 1024) for _ in range(64)]
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"d{i}", prompt, params)
+    finished, prefill_steps, decode_steps, steps = {}, [], [], []
+    while engine.has_unfinished_requests():
+        step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens
+        outputs = engine.step()
+        elapsed = time.perf_counter() - step_start
+        (prefill_steps if engine.num_prefill_tokens != prefilled else decode_steps).append(elapsed)
+        steps.append((engine.num_prefill_tokens - prefilled, round(1000 * elapsed, 2)))
+        finished.update((o.request_id, o) for o in outputs if o.finished)
+    seconds = time.perf_counter() - start
+    outputs = [finished[f"d{i}"] for i in range(len(prompts))]
+    result = summary([seconds], outputs, [len(p) for p in prompts])
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    result.update(output_tokens=out_tokens, output_tok_per_s=out_tokens / seconds,
+                  prefill_steps=len(prefill_steps), prefill_s=sum(prefill_steps), decode_steps=len(decode_steps),
+                  decode_step_ms_p50=1000 * statistics.median(decode_steps) if decode_steps else None,
+                  steps_prefill_tokens_ms=steps)
+    return result
+
+
+def warm_up(llm: LLM, rng: random.Random) -> None:
+    """Compile every kernel shape family once (long prefill, cached prefix, batched decode), then forget it."""
+    timed(llm, [letters(rng, 3000)], 1)
+    timed(llm, [letters(rng, 300) for _ in range(8)], 16)
+    timed(llm, [letters(rng, 1024) for _ in range(32)], 2)
+    llm.engine.clear_cache()
+
+
+def check_graphs(llm: LLM, max_tokens: int) -> dict:
+    """Greedy tokens of a long decode (32 prompts in lockstep, so every decode step is a 32-row bucket) with
+    CUDA graphs, then the same captured batches run eagerly (`runner.without_replay()`), then on the plain eager
+    path (each step's own split-KV split count), the cache cleared before each run."""
+    rng = random.Random(1)
+    prompts = [letters(rng, rng.randint(50, 400)) for _ in range(32)]
+    runner = llm.engine.runner
+    modes = {"graph": contextlib.nullcontext, "without_replay": runner.without_replay, "eager": runner.eager}
+    tokens, result = {}, {"completions": len(prompts)}
+    for name, mode in modes.items():
+        llm.engine.clear_cache()
+        with mode():
+            result[f"{name}_s"], outputs = timed(llm, prompts, max_tokens)
+        tokens[name] = [list(o.outputs[0].token_ids) for o in outputs]
+    for name in ("without_replay", "eager"):
+        pairs = list(zip(tokens["graph"], tokens[name]))
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in pairs]
+        result[f"identical_{name}"] = sum(a == b for a, b in pairs)
+        result[f"first_divergence_{name}"] = [i for i in first if i is not None]
+    result["tokens"] = sum(map(len, tokens["graph"]))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="next-1b", choices=list(MODELS))
+    parser.add_argument("--phases", default="C,D,A,B", help="comma-separated, run in this order")
+    parser.add_argument("--check-graphs", action="store_true")
+    parser.add_argument("--check-tokens", type=int, default=512, help="tokens per completion of --check-graphs")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}")
+    SCALE["value"] = args.scale
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    start = time.perf_counter()
+    folder = build_model(args.model, Path(tempfile.mkdtemp()))
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    result: dict = {"model": args.model, "device": device_name, "build_s": time.perf_counter() - start,
+                    "date": time.strftime("%Y-%m-%d"), "phases": {}}
+    print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
+    options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
+                   max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
+                   gpu_memory_utilization=args.gpu_memory_utilization)
+    start = time.perf_counter()
+    llm = None
+    try:
+        llm = LLM(folder, **options, enforce_eager=args.enforce_eager)
+    except Exception as error:  # graph capture failed: measure eagerly (below, once the traceback is gone)
+        if args.enforce_eager:
+            raise
+        traceback.print_exc()
+        result.setdefault("errors", {})["engine"] = repr(error)
+    if llm is None:
+        gc.collect()
+        torch.cuda.empty_cache()
+        llm = LLM(folder, **options, enforce_eager=True)
+    result["cuda_graphs"] = list(llm.engine.runner.graph_batch_sizes)
+    result["engine_init_s"] = time.perf_counter() - start
+    result["memory"] = llm.engine.memory_plan.describe()
+    rng = random.Random(0)
+    warm_up(llm, random.Random(99))
+    runners = {"A": phase_a, "B": phase_b, "C": phase_c, "D": phase_d}
+    for phase in phases:
+        try:
+            result["phases"][phase] = runners[phase](llm, rng)
+        except Exception as error:  # one broken phase must not cost the others' figures
+            traceback.print_exc()
+            result.setdefault("errors", {})[phase] = repr(error)
+            continue
+        print_row(phase, result["phases"][phase])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
+    print_table(result)
+    if args.check_graphs:
+        result["graph_check"] = check_graphs(llm, args.check_tokens)
+        print(f"graph check: {result['graph_check']}", flush=True)
+        (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
+
+
+def print_row(phase: str, r: dict) -> None:
+    tok_s = f"{r['output_tok_per_s']:.0f}" if "output_tok_per_s" in r else "-"
+    few = len(r["cached_per_request"]) <= 3
+    cached = "/".join(str(c) for c in r["cached_per_request"]) if few else r["cached_tokens"]
+    lat = "/".join(f"{t:.0f}" for t in r["latencies_ms"]) if len(r["latencies_ms"]) <= 3 else ""
+    decode = f"{r['decode_step_ms_p50']:.1f}" if r.get("decode_step_ms_p50") else "-"
+    print(f"| {phase} | {r['hit_rate']:.3f} | {cached} | {r['p50_ms']:.0f} | {r['p95_ms']:.0f} | {lat} | "
+          f"{r['total_s']:.2f} | {tok_s} | {decode} |", flush=True)
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['model']} on {result['device']} ({result['memory']})")
+    print("| phase | hit rate | cached tokens | p50 ms | p95 ms | each ms | total s | out tok/s | decode step ms |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for phase, r in result["phases"].items():
+        print_row(phase, r)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Structured output: a constraint on what a completion may be (JSON, a JSON schema, a regex, a grammar, a
+choice or a Qwen-format tool call), enforced token by token with xgrammar.
+
+`GuidedSpec` is what a request asks for (hashable, it rides in `SamplingParams.guided`). `GrammarCache` turns
+specs into xgrammar matchers for one tokenizer; each completion of a request (n > 1) gets its own matcher, so
+the grammar state forks: every completion advances only by its own tokens. The sampler applies
+`fill_bitmask`'s allowed-token bitmask; the engine calls `accept` with each sampled token.
+
+xgrammar is imported only when a constrained request arrives (it is the `guided` extra).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class GuidedKind(enum.Enum):
+    JSON_OBJECT = "json_object"  # any JSON object
+    JSON_SCHEMA = "json_schema"  # `spec`: the schema as JSON text
+    REGEX = "regex"
+    GRAMMAR = "grammar"  # EBNF (GBNF) text
+    CHOICE = "choice"  # `spec`: a JSON list of strings, the completion is one of them
+    TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; one or more Qwen <tool_call> blocks
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    kind: GuidedKind
+    spec: str = ""
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
+        return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def tool_calls(cls, tools: Sequence[dict[str, Any]]) -> GuidedSpec:
+        """Qwen3's tool-call format, one block: `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`
+        with N one of `tools`' names and A valid for that tool's `parameters` schema."""
+        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools), sort_keys=True))
+
+
+class GuidedUnavailable(ValueError):
+    """Structured output needs the xgrammar package (a ValueError: the request asks for what is missing)."""
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as error:
+        raise GuidedUnavailable("structured output needs the xgrammar package (pip install "
+                                "'hybridcache-llm[guided]')") from error
+    return xgrammar
+
+
+_TOJSON_SEPARATORS = (", ", ": ")  # how Jinja's tojson (and json.dumps) writes JSON: what chat templates render
+
+
+class GrammarCache:
+    """Compiles specs for one tokenizer (compiled grammars are cached by spec) and makes matchers."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler = None
+        self._compiled: dict[GuidedSpec, Any] = {}
+
+    def check(self, spec: GuidedSpec) -> None:
+        """Compile `spec` now; raises ValueError (bad schema, regex or grammar) or GuidedUnavailable."""
+        self._compile(spec)
+
+    def matcher(self, spec: GuidedSpec) -> Any:
+        """A fresh matcher at the start of `spec`'s grammar."""
+        return _xgrammar().GrammarMatcher(self._compile(spec))
+
+    def _compile(self, spec: GuidedSpec) -> Any:
+        compiled = self._compiled.get(spec)
+        if compiled is not None:
+            return compiled
+        xgr = _xgrammar()
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info)
+        try:
+            compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
+        except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
+            raise ValueError(f"invalid {spec.kind.value} constraint: {error}") from None
+        self._compiled[spec] = compiled
+        return compiled
+
+
+def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
+    kind = spec.kind
+    if kind is GuidedKind.JSON_OBJECT:
+        return xgr.Grammar.from_json_schema({"type": "object"}, any_whitespace=False)
+    if kind is GuidedKind.JSON_SCHEMA:
+        return _json_schema(xgr, spec.spec)
+    if kind is GuidedKind.REGEX:
+        return xgr.Grammar.from_regex(spec.spec)
+    if kind is GuidedKind.GRAMMAR:
+        return xgr.Grammar.from_ebnf(spec.spec)
+    if kind is GuidedKind.CHOICE:
+        choices = json.loads(spec.spec)
+        return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
+    calls = [_tool_call_grammar(xgr, tool) for tool in json.loads(spec.spec)]
+    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+
+
+def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:
+    """`<tool_call>\\n{"name": "<name>", "arguments": <args>}\\n</tool_call>` for one tool."""
+    function = tool.get("function", tool)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]},
+                       "arguments": function.get("parameters") or {"type": "object"}},
+        "required": ["name", "arguments"],
+    }
+    body = _json_schema(xgr, schema)
+    return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
+
+
+# xgrammar writes the characters of a length-bounded string as this class, which lets raw control characters
+# through (invalid JSON); they must be escaped, as in its unbounded strings.
+_LOOSE_CHARACTERS = r'[^\"\\\r\n]'
+_STRICT_CHARACTERS = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema(xgr: Any, schema: str | dict[str, Any]) -> Any:
+    """The schema's grammar, written the way `tojson` writes JSON, with no raw control characters in strings."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_TOJSON_SEPARATORS)
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS)) if _LOOSE_CHARACTERS in text \
+        else grammar
+
+
+def _literal(xgr: Any, text: str) -> Any:
+    """A grammar matching exactly `text` (an EBNF string literal: JSON string escapes are EBNF's)."""
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+
+
+def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> torch.Tensor | None:
+    """The allowed-token bitmask [len(matchers), ceil(vocab/32)] int32 of these rows (every bit set where a
+    row has no matcher), or None when no row is constrained."""
+    if all(m is None for m in matchers):
+        return None
+    xgr = _xgrammar()
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, matcher in enumerate(matchers):
+        if matcher is not None and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask

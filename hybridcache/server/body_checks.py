@@ -1,0 +1,121 @@
+"""Checks on a decoded JSON request body before its schema is validated: every problem is an
+`APIError(400)` whose `param` names the field, as a dotted path (`messages.0.content`).
+
+- Strings (values and keys) must be encodable as UTF-8: JSON's `\\ud800` escape decodes to a lone surrogate,
+  which no tokenizer and no response can encode.
+- Nesting is at most `MAX_JSON_DEPTH` levels (the walk is iterative: no recursion on client data); the
+  error names the top-level field that holds the deep value.
+- Fields this server does not implement (`UNSUPPORTED_FIELDS`, `UNSUPPORTED_MESSAGE_FIELDS`) are refused
+  unless they hold a neutral value (what leaving them out means), so a request never silently loses a
+  field it relies on. Only an assistant message's content may be null (a message of tool calls).
+
+Worked example: `{"messages": [{"role": "user", "content": "a\\ud800b"}]}` fails with param
+`messages.0.content`; `{"min_p": 0.1}` fails with param `min_p`; `{"min_p": 0}` passes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hybridcache.server.errors import APIError
+
+MAX_JSON_DEPTH = 32
+
+# Request fields this server does not implement, with the values that mean "off" (sending one of those is
+# the same as leaving the field out). Implementing a field = removing its entry here and handling it in
+# protocol.py.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "suffix": (None, ""),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "prompt_embeds": (None,),
+    "audio": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+    "chat_template": (None,),
+    "documents": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "web_search_options": (None,),
+}
+
+# Fields of a chat message this server does not implement (same rule).
+UNSUPPORTED_MESSAGE_FIELDS: dict[str, tuple[Any, ...]] = {
+    "function_call": (None,),
+    "audio": (None,),
+}
+
+
+def check_body(data: dict[str, Any]) -> None:
+    """Raise APIError(400) naming the field for the first problem of a decoded request object (see the
+    module docstring)."""
+    _check_strings_and_depth(data)
+    _refuse_unsupported(data, UNSUPPORTED_FIELDS, "")
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict):
+                continue
+            _refuse_unsupported(message, UNSUPPORTED_MESSAGE_FIELDS, f"messages.{i}.")
+            if "content" in message and message["content"] is None and message.get("role") != "assistant":
+                raise APIError(400, f"messages.{i}.content is null; only an assistant message may have null "
+                               "content (a string or a list of text parts)", param=f"messages.{i}.content")
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # bool is an int in Python: True must not pass as 1, nor False as 0
+    return any(isinstance(value, bool) == isinstance(n, bool) and value == n for n in neutral)
+
+
+def _refuse_unsupported(obj: dict[str, Any], fields: dict[str, tuple[Any, ...]], prefix: str) -> None:
+    for name, neutral in fields.items():
+        if name in obj and not _is_neutral(obj[name], neutral):
+            shown = ", ".join(json.dumps(n) for n in neutral)
+            raise APIError(400, f"{prefix}{name} is not supported by this server (leave it out or send {shown})",
+                           param=f"{prefix}{name}", code="unsupported_parameter")
+
+
+def _check_strings_and_depth(data: Any) -> None:
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, path or "body")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                field = path.split(".", 1)[0]
+                raise APIError(400, f"{field} is nested more than {MAX_JSON_DEPTH} levels deep (at {path[:200]})",
+                               param=field)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not _encodable(key):
+                    shown = key.encode("utf-8", "backslashreplace").decode("utf-8")  # names it, encodable
+                    field = f"{path}.{shown}" if path else shown
+                    raise APIError(400, f"the key {field} holds a lone UTF-16 surrogate", param=field)
+                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(400, f"{path} holds a lone UTF-16 surrogate ({text[error.start]!r} at character "
+                       f"{error.start}); send valid Unicode text", param=path) from None

@@ -1,0 +1,92 @@
+"""The structured-output fields of a request (`response_format`, vLLM's `guided_*` and `structured_outputs`,
+and `tool_choice` "required" or a named function) as one `GuidedSpec`, or a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hybridcache.guided import GuidedKind, GuidedSpec
+from hybridcache.server.errors import APIError
+
+
+def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec | None:
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GuidedSpec(GuidedKind.JSON_OBJECT)
+    if kind == "json_schema":
+        holder = response_format.get("json_schema")
+        schema = holder.get("schema", holder.get("json_schema")) if isinstance(holder, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format.json_schema.schema")
+        return GuidedSpec.json_schema(schema)
+    raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format.type")
+
+
+def guided_spec(fields: dict[str, Any]) -> GuidedSpec | None:
+    """vLLM's constraint fields: `guided_json` (a schema, object or text), `guided_regex`, `guided_choice` (a
+    list of strings), `guided_grammar` (EBNF), or the same as `structured_outputs.{json,regex,choice,grammar,
+    json_object}`. At most one may be set."""
+    found: list[tuple[str, GuidedSpec]] = []
+    nested = fields.get("structured_outputs") or {}
+    if not isinstance(nested, dict):
+        raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+    sources = [(f"guided_{k}", fields.get(f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
+    sources += [(f"structured_outputs.{k}", nested.get(k)) for k in ("json", "regex", "choice", "grammar")]
+    if nested.get("json_object"):
+        found.append(("structured_outputs.json_object", GuidedSpec(GuidedKind.JSON_OBJECT)))
+    for name, value in sources:
+        if value is None:
+            continue
+        kind = name.rsplit("_", 1)[-1].rsplit(".", 1)[-1]
+        found.append((name, _one(name, kind, value)))
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise APIError(400, f"send at most one structured-output constraint, got {names}", param=found[1][0])
+    return found[0][1] if found else None
+
+
+def _one(name: str, kind: str, value: Any) -> GuidedSpec:
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise APIError(400, f"{name} is not valid JSON: {error}", param=name) from None
+        if not isinstance(value, dict):
+            raise APIError(400, f"{name} must be a JSON schema object", param=name)
+        return GuidedSpec.json_schema(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"{name} must be a non-empty list of non-empty strings", param=name)
+        return GuidedSpec(GuidedKind.CHOICE, json.dumps(value))
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{name} must be a non-empty string", param=name)
+    return GuidedSpec(GuidedKind.REGEX if kind == "regex" else GuidedKind.GRAMMAR, value)
+
+
+def tool_choice_spec(tools: list[dict] | None, tool_choice: Any) -> GuidedSpec | None:
+    """`tool_choice` "required" (some tool) or `{"type": "function", "function": {"name": N}}` (tool N) forces
+    a tool call in Qwen3's `<tool_call>` JSON format; "auto" and "none" constrain nothing."""
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {json.dumps(tool_choice)} needs tools", param="tool_choice")
+    if tool_choice == "required":
+        return GuidedSpec.tool_calls(tools)
+    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    if name is None:
+        raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", param="tool_choice")
+    chosen = [tool for tool in tools if tool.get("function", {}).get("name") == name]
+    if not chosen:
+        raise APIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                       param="tool_choice")
+    return GuidedSpec.tool_calls(chosen)

@@ -1,0 +1,178 @@
+"""Tool calls in a completion's text, in the Qwen formats, into OpenAI `tool_calls`.
+
+A call is a `<tool_call>...</tool_call>` block whose body is either Qwen3's JSON object::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+or the XML-style function block of Qwen3-Coder and Qwen3.5::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+XML parameter values are text; they are converted to the type the tool's JSON schema declares for that parameter
+(integer, number, boolean, object, array, null), else kept as strings. The text outside the blocks is the
+message's `content`. A block that does not parse stays in the content, as text.
+
+`parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
+block may start and each call once its block is closed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+CALL_START = "<tool_call>"
+CALL_END = "</tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call: the function name and its arguments as JSON text (what OpenAI's `arguments` holds)."""
+
+    id: str
+    name: str
+    arguments: str
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ParsedText:
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+
+
+def _new_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _parameter_types(tools: list[dict] | None, name: str) -> dict[str, Any]:
+    for tool in tools or []:
+        function = tool.get("function", tool)
+        if function.get("name") == name:
+            return (function.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def _convert(value: str, schema: dict[str, Any]) -> Any:
+    """An XML parameter's text as the type its schema names (the text itself when it does not parse)."""
+    kinds = schema.get("type", "string")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "string" in kinds:
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        lowered = value.lower()
+        if "boolean" in kinds and lowered in ("true", "false"):
+            return lowered == "true"
+        return value
+    return parsed
+
+
+def parse_block(body: str, tools: list[dict] | None = None) -> ToolCall | None:
+    """One block's body (between the tags) as a call, or None when it is neither format."""
+    body = body.strip()
+    function = _FUNCTION.match(body)
+    if function is not None:
+        name = function.group(1).strip()
+        types = _parameter_types(tools, name)
+        arguments = {}
+        for parameter in _PARAMETER.finditer(function.group(2)):
+            key = parameter.group(1).strip()
+            value = parameter.group(2).strip("\n")
+            arguments[key] = _convert(value, types.get(key, {}))
+        return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False))
+    try:
+        data = json.loads(body, strict=False)  # grammars may let control characters through unescaped
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(_new_id(), data["name"], text)
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
+    """Every well-formed block of `text` as a call; the rest (whitespace-trimmed) as content. An unclosed
+    block at the end is parsed as if closed (a completion cut by its stop token)."""
+    stream = ToolCallStream(tools)
+    content = stream.feed(text, finished=True)
+    return ParsedText(content.strip() if stream.calls else content, tuple(stream.calls))
+
+
+class ToolCallStream:
+    """Incremental parsing of a growing text: `feed(text_so_far, finished)` returns the content to send now;
+    new calls appear in `calls` (`new_calls()` returns those not yet taken). Content is held back from the
+    first character that may start a block (a partial `<tool_call>` at the end) until the block closes."""
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.tools = tools
+        self.calls: list[ToolCall] = []
+        self._taken = 0
+        self._scanned = 0  # text[:_scanned] is decided (content sent or blocks parsed)
+        self._held_space = ""  # trailing whitespace of the content, sent once more content follows it
+
+    def new_calls(self) -> list[tuple[int, ToolCall]]:
+        fresh = list(enumerate(self.calls))[self._taken:]
+        self._taken = len(self.calls)
+        return fresh
+
+    def feed(self, text: str, finished: bool) -> str:
+        """The content to send now: text outside the blocks, except a possible block start and trailing
+        whitespace (which only goes out before more content, so the whitespace around calls is dropped)."""
+        content = self._held_space + self._scan(text, finished)
+        if finished:
+            self._held_space = ""
+            return content.rstrip() if self.calls else content
+        kept = content.rstrip()
+        self._held_space = content[len(kept):]
+        return kept
+
+    def _scan(self, text: str, finished: bool) -> str:
+        content = []
+        while True:
+            rest = text[self._scanned:]
+            start = rest.find(CALL_START)
+            if start < 0:
+                keep = 0 if finished else _partial_suffix(rest, CALL_START)
+                content.append(rest[: len(rest) - keep])
+                self._scanned += len(rest) - keep
+                return "".join(content)
+            content.append(rest[:start])
+            body_from = start + len(CALL_START)
+            end = rest.find(CALL_END, body_from)
+            if end < 0 and not finished:
+                self._scanned += start
+                return "".join(content)
+            body = rest[body_from:] if end < 0 else rest[body_from:end]
+            call = parse_block(body, self.tools)
+            block_end = len(rest) if end < 0 else end + len(CALL_END)
+            if call is None:
+                content.append(rest[start:block_end])
+            else:
+                self.calls.append(call)
+            self._scanned += block_end
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0

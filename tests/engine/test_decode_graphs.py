@@ -1,0 +1,116 @@
+"""CUDA-graph decode: the bucketing and the padding rows, checked eagerly on the CPU (the graphs replay exactly
+these static batches on CUDA), and graph == eager greedy tokens on CUDA (skipped without it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.runner import ModelRunner, _DecodeGraphs, graph_batch_sizes, graph_bucket, is_decode_only
+from hybridcache.models import load_model
+
+from .model_folders import write_tiny_model
+
+BLOCK, PAGE = 16, 8
+
+
+def test_buckets():
+    assert graph_batch_sizes(1) == (1,)
+    assert graph_batch_sizes(48) == (1, 2, 4, 8, 16, 32, 64)
+    assert graph_batch_sizes(64) == (1, 2, 4, 8, 16, 32, 64)
+    sizes = graph_batch_sizes(64)
+    assert [graph_bucket(n, sizes) for n in (1, 2, 3, 5, 33, 64)] == [1, 2, 4, 8, 64, 64]
+    assert graph_bucket(65, sizes) is None
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
+    model = load_model(folder)
+    # 12 blocks + 1 scratch block, 4 slots + 1 scratch slot, as the runner allocates them with graphs
+    return ModelRunner(model, num_blocks=13, block_size=BLOCK, kernel_block_size=PAGE, num_slots=5,
+                       dtype=torch.float32, state_dtype=torch.float32, device=torch.device("cpu"))
+
+
+def snapshot(runner: ModelRunner) -> list[torch.Tensor]:
+    return [t.clone() for t in (*runner.pools.kv_groups, *runner.pools.state_groups)]
+
+
+def test_padded_decode_rows_change_nothing_but_scratch(runner):
+    """Three sequences decode one token each: eagerly as is, then as the 4-row static batch the graph of bucket
+    4 replays (with true host lengths, which the reference backend reads). Same logits and greedy tokens; the
+    pools differ only in the scratch slot and scratch block (up to fp32 rounding: a 4-row matmul may round
+    differently from a 3-row one; a padding row leaking into a real one would differ by O(1))."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, slots = (5, 17, 30), (0, 2, 3)
+    blocks = ([0, 1], [2, 3, 4], [5, 6])
+    prefill = [SeqChunk(torch.randint(0, 300, (n,), generator=gen).tolist(), 0, b, s)
+               for n, b, s in zip(lengths, blocks, slots)]
+    runner.execute(build_forward_batch(prefill, block_size=BLOCK, kernel_block_size=PAGE))
+    decode = [SeqChunk([7 + i], n, b, s) for i, (n, b, s) in enumerate(zip(lengths, blocks, slots))]
+    batch = build_forward_batch(decode, block_size=BLOCK, kernel_block_size=PAGE)
+    assert is_decode_only(batch)
+    before = snapshot(runner)
+    want = runner.execute(batch)
+    after_eager = snapshot(runner)
+    for pool, saved in zip((*runner.pools.kv_groups, *runner.pools.state_groups), before):
+        pool.copy_(saved)
+
+    scratch_slot, scratch_page = 4, 12 * (BLOCK // PAGE)
+    graphs = _DecodeGraphs((1, 2, 4), width=8, max_model_len=64, scratch_slot=scratch_slot,
+                           scratch_page=scratch_page, kernel_block_size=PAGE, device=torch.device("cpu"))
+    graphs.load(build_forward_batch(decode, block_size=BLOCK, kernel_block_size=PAGE), 4)
+    static = dataclasses.replace(graphs.static_batch(4), context_lens_cpu=(*batch.context_lens_cpu, 1))
+    assert static.state_slots.tolist() == [*slots, scratch_slot]
+    assert static.slot_mapping[3].item() == scratch_page * PAGE
+    got = runner.execute(static)
+    torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
+    assert got[:3].argmax(-1).tolist() == want.argmax(-1).tolist()
+    for pool, eager in zip((*runner.pools.kv_groups, *runner.pools.state_groups), after_eager):
+        if pool.dim() >= 5 and pool.shape[1] == 2:  # kv [layers, 2, pages, PAGE, Hkv, D]
+            torch.testing.assert_close(pool[:, :, :scratch_page], eager[:, :, :scratch_page], rtol=1e-5, atol=1e-5)
+        else:  # state [layers, slots, ...]
+            torch.testing.assert_close(pool[:, :scratch_slot], eager[:, :scratch_slot], rtol=1e-5, atol=1e-5)
+
+    # a smaller step afterwards: stale rows from the bigger one become padding again
+    graphs.load(build_forward_batch(decode[:1], block_size=BLOCK, kernel_block_size=PAGE), 2)
+    assert graphs.state_slots[:2].tolist() == [slots[0], scratch_slot]
+    assert graphs.context_lens[:2].tolist() == [lengths[0] + 1, 1]
+    assert graphs.block_tables[1, 0].item() == scratch_page
+
+
+def test_cpu_runner_never_captures(runner):
+    assert runner.graph_batch_sizes == ()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                    reason="needs CUDA and the cuda extra")
+def test_graph_decode_equals_eager_on_cuda(tmp_path):
+    """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket. Graph
+    replay must give exactly the tokens of the same captured batches run eagerly (`without_replay`); the plain
+    eager path sizes its split-KV splits per step, so in bf16 it is only compared where the two agree
+    trivially: an `enforce_eager` engine captures nothing."""
+    from hybridcache import LLM, SamplingParams
+
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
+    runner = llm.engine.runner
+    assert runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+    graph = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.clear_cache()
+    with runner.without_replay():
+        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert graph == eager
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    eager_llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
+                    enforce_eager=True)
+    assert eager_llm.engine.runner.graph_batch_sizes == ()

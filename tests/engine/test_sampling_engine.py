@@ -1,0 +1,86 @@
+"""The sampler inside the engine: logprobs against the engine's own logits; structured output per completion."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.guided import GuidedKind, GuidedSpec
+from hybridcache.sampling import SamplingParams
+
+SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_num_batched_tokens=64,
+                     max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(None, SMALL)
+
+
+def run(engine, request_id, prompt, params):
+    engine.add_request(request_id, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == request_id:
+                final = output
+    return final
+
+
+def test_logprobs_equal_log_softmax_of_the_engines_logits(engine):
+    recorded = []
+    execute = engine.runner.execute
+
+    def recording(batch):
+        logits = execute(batch)
+        recorded.append(logits.detach().float().clone())
+        return logits
+
+    engine.runner.execute = recording
+    try:
+        params = SamplingParams(temperature=0.9, seed=4, max_tokens=6, ignore_eos=True, logprobs=4)
+        output = run(engine, "lp", list(range(30, 70)), params).outputs[0]
+    finally:
+        engine.runner.execute = execute
+    assert len(output.logprobs) == len(output.token_ids) == 6
+    # one sampled row per step: the last row of each step's logits is this request's
+    steps = [logits[-1] for logits in recorded][-6:]
+    for token, entry, logits in zip(output.token_ids, output.logprobs, steps):
+        expected = torch.log_softmax(logits, dim=-1)
+        assert entry.token_id == token
+        assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-5)
+        top = expected.topk(4)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+
+
+def test_json_schema_constrains_every_completion_of_n(engine):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=60, n=4, guided=GuidedSpec.json_schema(schema))
+    output = run(engine, "js", "hello", params)
+    texts = [c.text for c in output.outputs]
+    for c in output.outputs:
+        assert c.finish_reason == "stop", texts
+        jsonschema.validate(json.loads(c.text), schema)
+    assert len(set(texts)) > 1  # each completion follows its own grammar state
+
+
+def test_regex_and_choice(engine):
+    pattern = "<think>[a-z]{2,6}</think>[0-9]{3}"
+    params = SamplingParams(temperature=1.0, seed=2, max_tokens=30, guided=GuidedSpec(GuidedKind.REGEX, pattern))
+    text = run(engine, "re", "x", params).outputs[0].text
+    assert re.fullmatch(pattern, text), text
+    choice = GuidedSpec(GuidedKind.CHOICE, json.dumps(["yes", "no"]))
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30, guided=choice)
+    assert run(engine, "ch", "x", params).outputs[0].text in ("yes", "no")
+
+
+def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
+    params = SamplingParams(guided=GuidedSpec(GuidedKind.REGEX, "(unclosed"))
+    with pytest.raises(ValueError, match="regex"):
+        engine.add_request("bad", "x", params)
+    assert not engine.has_unfinished_requests()

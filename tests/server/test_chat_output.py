@@ -1,0 +1,112 @@
+"""Reasoning split and tool-call parsing, whole and streamed (pure functions; no server)."""
+
+import json
+import random
+
+import pytest
+
+from hybridcache.server import reasoning
+from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, final_message, finish_reason
+from hybridcache.server.tool_parsers import parse_tool_calls
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "tags": {"type": "array"}}}}}]
+
+JSON_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=tags>\n[\"a\", \"b\"]\n</parameter>\n"
+            "</function>\n</tool_call>")
+
+
+def test_qwen3_json_block():
+    parsed = parse_tool_calls("Let me check.\n" + JSON_CALL, TOOLS)
+    assert parsed.content == "Let me check."
+    (call,) = parsed.tool_calls
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2}
+    assert call.id.startswith("call_")
+
+
+def test_qwen3_coder_xml_block_converts_types_from_the_schema():
+    (call,) = parse_tool_calls(XML_CALL, TOOLS).tool_calls
+    assert json.loads(call.arguments) == {"city": "New York", "days": 3, "metric": True, "tags": ["a", "b"]}
+
+
+def test_two_calls_and_a_broken_block():
+    parsed = parse_tool_calls(JSON_CALL + "\n" + XML_CALL, TOOLS)
+    assert [c.name for c in parsed.tool_calls] == ["get_weather"] * 2 and parsed.content == ""
+    broken = "text <tool_call>\nnot json\n</tool_call>"
+    parsed = parse_tool_calls(broken, TOOLS)
+    assert parsed.tool_calls == () and parsed.content == broken
+
+
+def test_an_unclosed_final_block_is_parsed():
+    (call,) = parse_tool_calls(JSON_CALL[: -len("</tool_call>")], TOOLS).tool_calls
+    assert call.name == "get_weather"
+
+
+def test_plain_text_is_untouched():
+    assert parse_tool_calls("a < b and <tool", TOOLS).content == "a < b and <tool"
+
+
+@pytest.mark.parametrize("text, in_reasoning, expected", [
+    ("<think>\nplan it\n</think>\n\nHello", False, ("plan it", "Hello")),
+    ("plan it\n</think>\n\nHello", True, ("plan it", "Hello")),
+    ("Hello", False, (None, "Hello")),
+    ("<think>\nunfinished", False, ("unfinished", "")),
+    ("  <think>x</think>y", False, ("x", "y")),
+])
+def test_reasoning_split(text, in_reasoning, expected):
+    parts = reasoning.split(text, in_reasoning=in_reasoning, finished=True)
+    assert (parts.reasoning, parts.content) == expected
+
+
+def test_starts_in_reasoning_reads_the_prompt():
+    assert reasoning.starts_in_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not reasoning.starts_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not reasoning.starts_in_reasoning("<|im_start|>assistant\n")
+
+
+CASES = [
+    ("<think>\nI should call it.\n</think>\n\nSure.\n" + JSON_CALL + "\n" + XML_CALL, False),
+    ("reasoning first\n</think>\n\n" + JSON_CALL, True),
+    ("<think>\n\n</think>\n\nJust text with a < sign and </think> later.", False),
+    ("no think, a <tool_call> that is not one </tool_call> end", False),
+]
+
+
+@pytest.mark.parametrize("text, in_reasoning", CASES)
+def test_streamed_deltas_add_up_to_the_final_message(text, in_reasoning):
+    options = ChatOutputOptions(split_reasoning=True, in_reasoning=in_reasoning, parse_tools=True, tools=TOOLS)
+    expected = final_message(text, options)
+    rng = random.Random(0)
+    for _ in range(20):
+        stream = ChoiceStream(options)
+        reasoning_text, content, calls = "", "", []
+        cut = 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 6))
+            delta = stream.update(text[:cut], finished=False)
+            reasoning_text += delta.reasoning
+            content += delta.content
+            calls += delta.tool_calls
+        delta = stream.update(text, finished=True)
+        reasoning_text += delta.reasoning
+        content += delta.content
+        calls += delta.tool_calls
+        assert (reasoning_text or None) == expected["reasoning_content"]
+        assert content.strip() == (expected["content"] or "")
+        got = [(c.name, json.loads(c.arguments)) for _, c in calls]
+        want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in expected.get("tool_calls", [])]
+        assert got == want
+        assert [i for i, _ in calls] == list(range(len(calls)))
+
+
+def test_final_message_shapes():
+    options = ChatOutputOptions(split_reasoning=True, parse_tools=True, tools=TOOLS)
+    message = final_message("<think>\nhm\n</think>\n\n" + JSON_CALL, options)
+    assert message["content"] is None and message["reasoning_content"] == "hm"
+    assert message["tool_calls"][0]["type"] == "function"
+    assert finish_reason("stop", True) == "tool_calls" and finish_reason("length", True) == "length"
+    plain = final_message("<think>a</think>b", ChatOutputOptions())
+    assert plain == {"role": "assistant", "content": "<think>a</think>b"}

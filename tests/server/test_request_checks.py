@@ -1,0 +1,123 @@
+"""Request bodies that used to answer 500 or were silently half-honoured: each is a 400 naming its field
+(in process, no server: parse_request is what both routes call first)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridcache.server.body_checks import MAX_JSON_DEPTH, UNSUPPORTED_FIELDS
+from hybridcache.server.config import ServerConfig
+from hybridcache.server.errors import APIError
+from hybridcache.server.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, parse_request
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def _refused(body: dict, chat: bool = False) -> APIError:
+    with pytest.raises(APIError) as info:
+        request = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+        request.sampling_params(8)
+    assert info.value.status == 400
+    return info.value
+
+
+def _nested(depth: int) -> dict:
+    value: object = 1
+    for _ in range(depth):
+        value = {"a": value}
+    return value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("body, chat, param", [
+    ({"prompt": "a\ud800b"}, False, "prompt"),
+    ({"prompt": "hi", "model": "m\udfff"}, False, "model"),
+    ({"prompt": "hi", "stop": ["ok", "\ud83d"]}, False, "stop.1"),
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, True, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, True,
+     "messages.0.content.0.text"),
+    ({"prompt": "hi", "extra": {"k\ud800": 1}}, False, "extra.k\\ud800"),
+    ({"prompt": "hi", "\udc00": 1}, False, "\\udc00"),
+    ({"prompt": [1, 2.5]}, False, "prompt.1"),
+    ({"prompt": [1, 2**40]}, False, "prompt.1"),
+    ({"prompt": "hi", "seed": 2**64}, False, "seed"),
+    ({"prompt": "hi", "temperature": float("nan")}, False, "temperature"),
+    ({"prompt": "hi", "top_p": float("inf")}, False, "top_p"),
+    ({"prompt": "hi", "stop_token_ids": [-3]}, False, "stop_token_ids.0"),
+    ({"prompt": "hi", "n": MAX_N + 1}, False, "n"),
+    ({"messages": [{"role": "user", "content": None}]}, True, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, True,
+     "messages.0.content.0.type"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]}, True,
+     "messages.0.tool_calls.0.function"),
+])
+def test_bad_field_is_a_400_naming_it(body, chat, param):
+    error = _refused(body, chat)
+    assert error.param == param, error.message
+
+
+def test_deep_nesting_names_where_it_is_too_deep():
+    error = _refused({"prompt": "hi", "extra": _nested(MAX_JSON_DEPTH + 5)})
+    assert error.param == "extra" and "extra.a.a.a" in error.message and str(MAX_JSON_DEPTH) in error.message
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
+def test_every_unsupported_field_is_refused_by_name_unless_neutral(name):
+    neutral = UNSUPPORTED_FIELDS[name]
+    for value in neutral:  # the values that mean "off" pass
+        parse_request(CompletionRequest, {"prompt": "hi", name: value})
+    error = _refused({"prompt": "hi", name: {"on": True}})
+    assert error.param == name and name in error.message and error.code == "unsupported_parameter"
+
+
+def test_a_boolean_is_not_taken_for_a_neutral_number():
+    assert _refused({"prompt": "hi", "length_penalty": True}).param == "length_penalty"
+    assert _refused({"prompt": "hi", "prompt_logprobs": 2}).param == "prompt_logprobs"
+    parse_request(CompletionRequest, {"prompt": "hi", "length_penalty": 1.0, "prompt_logprobs": 0})
+
+
+def test_valid_requests_still_parse():
+    request = parse_request(CompletionRequest, {"prompt": [1, 2, 3], "seed": -5, "n": MAX_N, "stop": "x"})
+    assert request.sampling_params(4).n == MAX_N
+    chat = parse_request(ChatCompletionRequest, {**CHAT, "max_completion_tokens": 3})
+    assert chat.messages[0].as_template_input() == {"role": "user", "content": "hi"}
+    no_content = parse_request(ChatCompletionRequest, {"messages": [{"role": "user"}]})
+    assert no_content.messages[0].as_template_input()["content"] == ""
+
+
+def test_server_config_validates_the_new_limits():
+    assert ServerConfig(allowed_origins=["http://a"]).allowed_origins == ("http://a",)
+    with pytest.raises(ValueError, match="max_request_tokens"):
+        ServerConfig(max_request_tokens=0)
+    assert ServerConfig(host="127.0.0.1").binds_loopback_only()
+    assert not ServerConfig(host="0.0.0.0").binds_loopback_only()
+
+
+def _app(config: ServerConfig):
+    from types import SimpleNamespace
+
+    from hybridcache.server.app import ServedModel, build_app
+
+    loop = SimpleNamespace(running=True, healthy=True, last_error=None, state=None)
+    return build_app(loop, ServedModel(tokenizer=None, max_model_len=64), config, metrics=None)
+
+
+def test_cors_headers_only_for_allowed_origins():
+    from fastapi.testclient import TestClient
+
+    preflight = {"origin": "http://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}
+    with_cors = TestClient(_app(ServerConfig(allowed_origins=("http://app.example",))))
+    ok = with_cors.options("/v1/chat/completions", headers=preflight)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = with_cors.options("/v1/chat/completions", headers={**preflight, "origin": "http://evil.example"})
+    assert other.headers.get("access-control-allow-origin") is None
+    plain = TestClient(_app(ServerConfig())).options("/v1/chat/completions", headers=preflight)
+    assert plain.headers.get("access-control-allow-origin") is None
+
+
+def test_text_plain_is_refused_before_anything_runs():
+    from fastapi.testclient import TestClient
+
+    client = TestClient(_app(ServerConfig()))
+    response = client.post("/v1/completions", content='{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert response.status_code == 415 and response.json()["error"]["param"] == "content-type"
