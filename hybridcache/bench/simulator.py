@@ -44,8 +44,9 @@ from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
-POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle")
-DEFAULT_POLICIES = POLICY_NAMES[:-1]
+POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
+                "hybridcache+learn")
+DEFAULT_POLICIES = POLICY_NAMES[:-2]
 GIB = 1 << 30
 
 
@@ -58,6 +59,7 @@ class PolicySpec:
     mode: str
     block_size: int
     eviction: str = "lru"
+    admission: str | None = None  # the cache's admission policy; None: the mode's
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -68,9 +70,10 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         base, _, size = name.partition(":")
         if base not in POLICY_NAMES:
             raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
-        mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle") else base
+        mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle", "hybridcache+learn") else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
-        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction))
+        admission = "learned" if base == "hybridcache+learn" else None
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -296,7 +299,7 @@ class CacheReplay:
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
-                        admission=self.admission or self.policy.admission),
+                        admission=spec.admission or self.admission or self.policy.admission),
             cost.cache_cost_model(),
         )
         self.counters = Counters()

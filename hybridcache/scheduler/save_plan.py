@@ -6,7 +6,7 @@ Cache modes (the `cache_mode` engine option and the simulator's policies):
 | mode            | saves at                                                             | per anchor |
 | --------------- | -------------------------------------------------------------------- | ---------- |
 | `hybridcache`   | exact prefill end, chunk ends, branch points (and in-flight forks),  | 4          |
-|                 | sequence finish; learned admission; an identical prompt only samples |            |
+|                 | sequence finish; an identical prompt only samples                    |            |
 | `seed`          | exact prefill end and chunk ends only, nothing after a partial hit   | 1          |
 |                 | (LMDeploy 0.18's seed PR)                                            |            |
 | `block-aligned` | chunk ends cut back to block boundaries only (vLLM's align mode)     | 1          |
@@ -53,7 +53,7 @@ class CheckpointPolicy:
     full_prompt_hits: bool = True
     share_in_flight: bool = True
     saves_after_hit: bool = True
-    admission: str = "learned"
+    admission: str = "all"
 
 
 # One policy per name of `config.CACHE_MODES` (the engine config validates modes from that tuple).
@@ -61,11 +61,11 @@ POLICIES: dict[str, CheckpointPolicy | None] = {
     "none": None,
     "block-aligned": CheckpointPolicy(
         "block-aligned", finish=False, branch_point=False, block_aligned=True, max_checkpoints_per_anchor=1,
-        full_prompt_hits=False, share_in_flight=False, admission="all",
+        full_prompt_hits=False, share_in_flight=False,
     ),
     "seed": CheckpointPolicy(
         "seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1, full_prompt_hits=False,
-        share_in_flight=False, saves_after_hit=False, admission="all",
+        share_in_flight=False, saves_after_hit=False,
     ),
     "hybridcache": CheckpointPolicy("hybridcache"),
 }
