@@ -20,6 +20,7 @@ def _as_tuple(name: str, value: object, expected: str) -> tuple:
 
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below `GREEDY_TEMPERATURE` sample greedily: dividing fp32 logits by them overflows."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:

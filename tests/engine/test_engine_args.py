@@ -110,7 +110,7 @@ def test_state_cache_budget_is_a_deprecated_alias(capsys):
 def test_gpu_memory_options():
     options = parse("--gpu-memory-utilization", "0.5", "--enforce-eager")
     assert (options["gpu_memory_utilization"], options["enforce_eager"]) == (0.5, True)
-    config = EngineConfig(**options)
+    config = EngineConfig(**{**options, "dtype": "float32", "device": "cpu"})  # "auto" is resolved later
     assert (config.gpu_memory_utilization, config.enforce_eager) == (0.5, True)
     assert EngineConfig().num_checkpoint_slots is None  # 32 on the CPU, from the budget on CUDA
     for bad in (0, -0.1, 1.5):

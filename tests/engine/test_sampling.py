@@ -184,3 +184,12 @@ def test_batched_rows_match_rows_sampled_alone():
 def test_bad_new_sampling_params_raise(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_tiny_temperatures_sample_greedily_instead_of_overflowing():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+    for temperature in (5.9e-109, 1e-6):
+        params = SamplingParams(temperature=temperature, seed=0)
+        assert params.greedy
+        assert list(sample(logits, [params, params], [torch.Generator().manual_seed(0)] * 2)) == [1, 0]
+    assert not SamplingParams(temperature=1e-4).greedy
