@@ -15,12 +15,18 @@ Allocation groups layers with equal specs into one stacked tensor (one per `Atte
     kv_groups    [kv  [1 layer, 2, num_pages, kernel_block_size, Hkv, D]]
     state_groups [conv [4 layers, num_slots, 96, 3], ssm [4 layers, num_slots, 4, 16, 16]]
     layers       [{conv: conv[0], ssm: ssm[0]}, ..., kv[0], {conv: conv[3], ssm: ssm[3]}]   (views)
+
+Per-slot tensors that belong to no layer (`slot_specs`, e.g. the model's `last_hidden` [hidden]: the final
+hidden state of the last position a slot's sequence computed) are one more state group each, [1, num_slots,
+*shape], so slot copies (checkpoint saves and restores) carry them like any layer's state; `slot_state`
+names their [num_slots, *shape] views.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -64,12 +70,15 @@ class DevicePools:
                    (index 0 of dim 1 = keys after q/k-norm and RoPE, 1 = values)
     state_groups : one tensor per distinct `StateTensorSpec`, [layers, num_slots, *shape]
     layers       : per decoder layer, its `LayerState` (views into the groups)
+    slot_state   : name -> [num_slots, *shape] of each per-slot tensor of no layer (`slot_specs`); its group
+                   is in `state_groups` too
     """
 
     kv_groups: tuple[torch.Tensor, ...]
     state_groups: tuple[torch.Tensor, ...]
     layers: tuple[LayerState, ...]
     kernel_block_size: int
+    slot_state: Mapping[str, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def allocate(
@@ -80,8 +89,10 @@ class DevicePools:
         kernel_block_size: int,
         num_slots: int,
         device: torch.device | str = "cpu",
+        slot_specs: Sequence[StateTensorSpec] = (),
     ) -> DevicePools:
-        """Zeroed pools for `specs` (one per decoder layer, in layer order)."""
+        """Zeroed pools for `specs` (one per decoder layer, in layer order) and for `slot_specs` (per-slot
+        tensors of no layer, see the module docstring)."""
         members: dict[AttentionSpec | StateTensorSpec, list[int]] = {}
         for layer_id, spec in enumerate(specs):
             keys = (spec,) if isinstance(spec, AttentionSpec) else spec.tensors
@@ -104,9 +115,13 @@ class DevicePools:
                 layers.append(view(spec, layer_id))
             else:
                 layers.append({t.name: view(t, layer_id) for t in spec.tensors})
+        extra = {t.name: torch.zeros((1, num_slots, *t.shape), dtype=t.dtype, device=device) for t in slot_specs}
+        if len(extra) != len(slot_specs):
+            raise ValueError(f"slot spec names repeat: {[t.name for t in slot_specs]}")
         return cls(
             kv_groups=tuple(g for k, g in groups.items() if isinstance(k, AttentionSpec)),
-            state_groups=tuple(g for k, g in groups.items() if isinstance(k, StateTensorSpec)),
+            state_groups=tuple(g for k, g in groups.items() if isinstance(k, StateTensorSpec)) + tuple(extra.values()),
             layers=tuple(layers),
             kernel_block_size=kernel_block_size,
+            slot_state=MappingProxyType({name: group[0] for name, group in extra.items()}),
         )

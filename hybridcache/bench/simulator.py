@@ -24,7 +24,9 @@ block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B
 and chunk ends, one checkpoint per anchor, LRU); `hybridcache` (this project's defaults: chunk ends, branch
 points, finish, 4 per anchor, LRU) and `hybridcache+flop` (the same with FLOP-aware eviction); `oracle`
 (unbounded memory and a state at every step: the longest prefix shared with any earlier request's fed
-tokens, capped at prompt_len - 1, computed directly by `OracleIndex`).
+tokens, up to the whole prompt (a state keeps its last hidden state), computed directly by `OracleIndex`;
+the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
+real cache with the same budget and accounting, saving and evicting with knowledge of the future).
 
 Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that there is one slot per
 `kv_tokens_per_slot` tokens of KV (`cache_sizing`); the running sequences' own state slots come on top.
@@ -42,8 +44,9 @@ from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
-POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle")
-DEFAULT_POLICIES = POLICY_NAMES
+POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
+                "hybridcache+learn")
+DEFAULT_POLICIES = POLICY_NAMES[:-2]
 GIB = 1 << 30
 
 
@@ -56,6 +59,7 @@ class PolicySpec:
     mode: str
     block_size: int
     eviction: str = "lru"
+    admission: str | None = None  # the cache's admission policy; None: the mode's
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -66,9 +70,10 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         base, _, size = name.partition(":")
         if base not in POLICY_NAMES:
             raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
-        mode = "hybridcache" if base == "hybridcache+flop" else base
+        mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle", "hybridcache+learn") else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
-        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction))
+        admission = "learned" if base == "hybridcache+learn" else None
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -257,9 +262,9 @@ class OracleReplay:
 
     def run(self, request: SimRequest) -> None:
         self.counters.num_requests += 1
-        hit = min(self.index.longest_prefix(request.prompt_ids), request.prompt_len - 1)
-        for _ in range(request.n):
-            self.counters.add(request, hit, self.cost)
+        hit = self.index.longest_prefix(request.prompt_ids)
+        for i in range(request.n):  # siblings share the first completion's prompt (in flight)
+            self.counters.add(request, hit if i == 0 else request.prompt_len, self.cost)
         for output in request.outputs():
             self.index.insert(request.prompt_ids + output[:-1])
         self.counters.bytes_peak = self.index.num_tokens * self.cost.kv_bytes_per_token
@@ -280,6 +285,8 @@ class _Seq:
 class CacheReplay:
     """A policy that drives a real `PrefixCache` (see the module docstring for the call sequence)."""
 
+    admission: str | None = None  # the cache's admission policy; None: the cache mode's
+
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
         self.spec, self.cost, self.config = spec, cost, config
         self.policy: CheckpointPolicy = checkpoint_policy(spec.mode)
@@ -291,14 +298,16 @@ class CacheReplay:
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
-                        eviction=spec.eviction),
+                        eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
+                        admission=spec.admission or self.admission or self.policy.admission),
             cost.cache_cost_model(),
         )
         self.counters = Counters()
 
     def _plan(self, seq: _Seq, prompt_len: int):
         return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=self.config.chunk_budget,
-                          prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step)
+                          prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step,
+                          hit_len=seq.cached_len)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
         """Replay `request`; `cache_requests[i]` (from `cache_requests_of`) is completion i's cache request,
@@ -310,7 +319,9 @@ class CacheReplay:
         if cache_requests is None:
             cache_requests = cache_requests_of(request)
         while pending:
-            wave = self._admit(request, pending, cache_requests)
+            # in-flight sharing: the other completions wait for the first one's prefill, then fork from it
+            first_alone = self.policy.share_in_flight and len(pending) == request.n > 1
+            wave = self._admit(request, pending[:1] if first_alone else pending, cache_requests)
             if not wave:  # not even one sequence fits next to nothing: computed without the cache
                 pending.pop(0)
                 self.counters.num_uncacheable += 1
@@ -348,7 +359,7 @@ class CacheReplay:
                 if not cache.ensure_capacity(seq.rid, plan.end):
                     self._drop(request, seq, active)
                     continue
-                if plan.reason is not None:
+                if plan.reason is not None and self._wants_save(prompt, plan.end):
                     cache.reserve_save(seq.rid, plan.end, plan.reason)
                 fed[seq.rid] = prompt[seq.computed:plan.end]
                 seq.computed = plan.end
@@ -365,13 +376,19 @@ class CacheReplay:
             cache.commit_step(decode)
         self._sample_memory()
         for seq in active:
-            if self.policy.finish:
+            fed = prompt + seq.output_ids[:-1]
+            if self.policy.finish and self._wants_save(fed, len(fed)):
                 cache.finish(seq.rid)
             else:
                 cache.abort(seq.rid)
             self.counters.add(request, seq.cached_len, self.cost)
         if self.config.check_integrity:
             cache.check_integrity()
+
+    def _wants_save(self, tokens: tuple[int, ...], step: int) -> bool:
+        """Whether to save the state of `tokens[:step]` when the policy plans a save (all: the cache's own
+        admission decides; the bounded oracle looks ahead)."""
+        return True
 
     def _drop(self, request: SimRequest, seq: _Seq, active: list[_Seq]) -> None:
         """No room for the sequence's next blocks even after eviction: it runs without the cache."""
@@ -395,6 +412,125 @@ class CacheReplay:
             num_blocks=self.num_blocks, num_slots=self.num_slots,
             hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
         )
+
+
+class FutureIndex:
+    """Who needs a prefix next: for every request of the workload (in order), its prompt and the chained
+    hashes of its full blocks (the cache's own), indexed hash -> the requests holding that block.
+
+    `next_use(prefix_hash, depth, tail, after)`: the first request index > `after` whose prompt has the
+    full blocks ending in `prefix_hash` (at `depth`) followed by `tail` (verified exactly), and is at least
+    that long; None when no later request has it. Depth 0 (no full block) looks at every later request,
+    up to `scan` of them.
+    """
+
+    def __init__(self, requests: Sequence[SimRequest], block_size: int, scan: int = 256) -> None:
+        from bisect import bisect_right
+
+        from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+
+        self._bisect = bisect_right
+        self.block_size, self.scan = block_size, scan
+        self.prompts = [r.prompt_ids for r in requests]
+        self.by_hash: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            hashes = prompt_block_hashes(CacheRequest(i, request.prompt_ids), block_size, chain_hash)
+            for h in hashes:
+                self.by_hash.setdefault(h, []).append(i)
+
+    def next_use(self, prefix_hash: int | None, depth: int, tail: tuple[int, ...], after: int) -> int | None:
+        base = depth * self.block_size
+        if depth:
+            holders = self.by_hash.get(prefix_hash, ())
+            candidates = holders[self._bisect(holders, after):]
+        else:
+            candidates = range(after + 1, min(len(self.prompts), after + 1 + self.scan))
+        for j in candidates:
+            prompt = self.prompts[j]
+            if len(prompt) >= base + len(tail) and prompt[base:base + len(tail)] == tail:
+                return j
+        return None
+
+
+class BeladyPolicy:
+    """Eviction with knowledge of the future (the `bounded-oracle`): evict what is needed furthest in the
+    future (never again first), weighing bytes: the largest (distance to the next use) x (bytes held).
+    `now` is the index of the request being replayed (set by `BoundedOracleReplay`)."""
+
+    def __init__(self, future: FutureIndex, cost: ModelCost, block_size: int) -> None:
+        self.future, self.now = future, 0
+        self.block_bytes = cost.block_bytes(block_size)
+        self.state_bytes = cost.state_bytes
+        self._memo: dict[tuple, int | None] = {}
+        self._memo_now = -1
+
+    def _next(self, key: tuple, anchor, tail: tuple[int, ...]) -> float:
+        if self._memo_now != self.now:
+            self._memo, self._memo_now = {}, self.now
+        if key not in self._memo:
+            self._memo[key] = self.future.next_use(anchor.hash, anchor.depth, tail, self.now)
+        j = self._memo[key]
+        return float("inf") if j is None else float(j - self.now)
+
+    def _ckpt_key(self, ckpt) -> tuple[float, float]:
+        held = self.state_bytes + (self.block_bytes if ckpt.frozen_block is not None else 0)
+        return self._next(("c", ckpt.ckpt_id), ckpt.anchor, ckpt.tail_ids), held
+
+    def pick_checkpoint(self, candidates):
+        return max(candidates, key=lambda c: _belady_score(*self._ckpt_key(c)) + (-c.ckpt_id,))
+
+    def pick_leaf(self, candidates):
+        def key(node):
+            held = self.block_bytes + sum(self._ckpt_key(c)[1] for c in node.iter_checkpoints())
+            return _belady_score(self._next(("n", node.block_id, node.hash), node, ()), held) + (-node.block_id,)
+        return max(candidates, key=key)
+
+
+def _belady_score(distance: float, held: float) -> tuple:
+    """Larger is evicted first: never needed again (by bytes), then distance x bytes."""
+    return (1, held, 0.0) if distance == float("inf") else (0, 0, distance * held)
+
+
+class BoundedOracleReplay(CacheReplay):
+    """`bounded-oracle`: the hybridcache policy on the real cache with the same budget and accounting, but
+    a save is made only when a later request will need that prefix (`FutureIndex`), and eviction is
+    Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`)."""
+
+    needs_future = True
+    admission = "all"  # it admits by looking ahead (`_wants_save`)
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
+        super().__init__(spec, cost, config, max_running)
+        self.now = -1
+        self.current: SimRequest | None = None
+        self.future: FutureIndex | None = None
+        self.belady: BeladyPolicy | None = None
+
+    def prepare(self, requests: Sequence[SimRequest]) -> None:
+        self.future = FutureIndex(requests, self.block_size)
+        self.belady = BeladyPolicy(self.future, self.cost, self.block_size)
+        self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
+
+    def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
+        self.now += 1
+        self.belady.now = self.now
+        self.current = request
+        super().run(request, cache_requests)
+
+    def _wants_save(self, tokens: tuple[int, ...], step: int) -> bool:
+        prompt = self.current.prompt_ids
+        if self.current.n > 1 and step <= len(prompt) and tokens[:step] == prompt[:step]:
+            return True  # the request's other completions fork from it
+        size = self.block_size
+        q = step // size
+        anchor = prompt_block_hashes_of(tokens[:q * size], size)[-1] if q else None
+        return self.future.next_use(anchor, q, tokens[q * size:step], self.now) is not None
+
+
+def prompt_block_hashes_of(tokens: tuple[int, ...], block_size: int) -> list[int]:
+    from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+
+    return prompt_block_hashes(CacheRequest(None, tokens), block_size, chain_hash)
 
 
 Replay = NoCacheReplay | OracleReplay | CacheReplay
@@ -434,6 +570,8 @@ def make_replay(spec: PolicySpec, cost: ModelCost, config: SimConfig, max_runnin
         return NoCacheReplay(spec, cost)
     if spec.mode == "oracle":
         return OracleReplay(spec, cost)
+    if spec.name.startswith("bounded-oracle"):
+        return BoundedOracleReplay(spec, cost, config, max_running)
     return CacheReplay(spec, cost, config, max_running)
 
 
@@ -482,8 +620,14 @@ def _simulate_jobs(
     first = next(requests, None)
     max_running = 1 if first is None else first.n
     replays = [make_replay(spec, cost, config, max_running) for spec, config in jobs]
+    stream: Iterable[SimRequest] = () if first is None else _chain(first, requests)
+    if any(getattr(r, "needs_future", False) for r in replays):  # the bounded oracle sees the whole workload
+        stream = list(stream)
+        for replay in replays:
+            if getattr(replay, "needs_future", False):
+                replay.prepare(stream)
     with _cyclic_gc_paused():
-        count = 0 if first is None else _replay_all(_chain(first, requests), replays, max_running, on_request)
+        count = 0 if first is None else _replay_all(stream, replays, max_running, on_request)
     return [r.result() for r in replays], count
 
 

@@ -48,7 +48,7 @@ class Checkpoint:
 
     __slots__ = (
         "ckpt_id", "adapter", "step", "reason", "slot", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
-        "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned",
+        "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
     )
 
     def __init__(
@@ -71,6 +71,7 @@ class Checkpoint:
         self.last_access = last_access
         self.owner = owner
         self.release_when_unpinned = False
+        self.was_hit = False  # restored at least once (admission learning)
 
     @staticmethod
     def slot_owner_of(ckpt_id: int) -> tuple[str, int]:

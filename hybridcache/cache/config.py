@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 EVICTION_POLICIES = ("lru", "flop_aware")
-ADMISSION_POLICIES = ("all", "repeat_branch")
+ADMISSION_POLICIES = ("all", "repeat_branch", "learned")
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,13 @@ class CacheConfig:
     eviction                   'lru' or 'flop_aware' (recency + alpha * FLOPs saved per byte held).
     flop_aware_alpha           the alpha of 'flop_aware'.
     admission                  'all' (admit every save) or 'repeat_branch' (a branch point is saved only
-                               the second time the same prefix is seen as a branch point).
+                               the second time the same prefix is seen as a branch point) or 'learned'
+                               (a save reason is admitted per adapter only while its checkpoints are hit
+                               often enough to pay for their bytes; admission.py).
+    full_prompt_hits           checkpoints hold the last position's final hidden state (the device keeps it
+                               in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
+                               where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
+                               prompt_len - 1 (a checkpoint at N is reused only by longer prompts).
     """
 
     block_size: int = 64
@@ -34,6 +40,7 @@ class CacheConfig:
     eviction: str = "lru"
     flop_aware_alpha: float = 1.0
     admission: str = "all"
+    full_prompt_hits: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint
-from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
+from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder, leaf_recency
 from hybridcache.cache.policy import EvictionPolicy, FlopAwarePolicy, LruPolicy
 from hybridcache.cache.stats import EvictionKind
 from hybridcache.cache.trie import Node, Trie
@@ -175,9 +175,9 @@ class Evictor:
         if dead is not None:
             return Victim(EvictionKind.DEAD_BLOCK, dead)
         tail = self.frozen_tail()
-        if tail is not None:
-            return Victim(EvictionKind.FROZEN_TAIL, tail)
         leaf = self.live_leaf()
+        if tail is not None and (leaf is None or tail.last_access <= leaf_recency(leaf)):
+            return Victim(EvictionKind.FROZEN_TAIL, tail)
         return None if leaf is None else Victim(EvictionKind.LEAF, leaf)
 
     def anchor_victim(self, anchor: Node) -> Victim | None:

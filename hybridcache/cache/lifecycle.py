@@ -14,7 +14,7 @@ checkpoints; it reads the trie (to match) but changes it only through this class
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from hybridcache.cache.block_pool import BlockPool
@@ -41,6 +41,7 @@ class Lifecycle:
         self.stats = stats
         self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks)
         self.checkpoints: dict[int, Checkpoint] = {}
+        self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
         self.clock = 0
         self._next_ckpt_id = 0
 
@@ -199,6 +200,8 @@ class Lifecycle:
             if not bucket:
                 del anchor.checkpoints[key]
             self.evictor.on_unpublish(ckpt, anchor)
+            if not ckpt.was_hit and self.on_waste is not None:
+                self.on_waste(ckpt)
         self.slots.free(ckpt.slot)
         if ckpt.frozen_block is not None:
             self.blocks.decref(ckpt.frozen_block)

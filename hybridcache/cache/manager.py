@@ -28,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.integrity import check_integrity
@@ -57,8 +58,12 @@ class PrefixCache:
         self._stats = StatsCounter()
         self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
         self._admission = make_admission_policy(config)
+        self._learner = LearnedAdmission(capacity=config.num_slots) if config.admission == "learned" else None
+        if self._learner is not None:
+            learner = self._learner
+            self._life.on_waste = lambda ckpt: learner.wasted(ckpt.reason, ckpt.adapter)
         self._seqs: dict[Hashable, RunningSeq] = {}
-        self._matches: dict[int, tuple[CacheRequest, Checkpoint | None]] = {}
+        self._matches: dict[int, tuple[CacheRequest, Checkpoint | None, list[Node]]] = {}
         self._next_match_id = 0
 
     # ---- admission ---------------------------------------------------------------------------------------
@@ -67,19 +72,22 @@ class PrefixCache:
         """Find the deepest usable checkpoint for `request` and pin it. Changes nothing else.
 
         Walks the adapter's trie with the prompt's full blocks (exact tokens and spans), then takes the
-        deepest published checkpoint on that path with step <= prompt_len - 1, at a safe boundary, whose
-        tail equals the prompt there. The result must go to `admit` or `release_match` exactly once.
+        deepest published checkpoint on that path with step <= `max_match_step(request)`, at a safe
+        boundary, whose tail equals the prompt there. The result must go to `admit` or `release_match`
+        exactly once. With `full_prompt_hits`, `cached_len == prompt_len` is a zero-prefill hit: the
+        restored slot holds the last prompt position's hidden state, and the caller samples from it.
         """
         size = self.block_size
+        max_step = self.max_match_step(request)
         path = walk_prompt(self._trie, request, size)
-        ckpt = find_deepest(self._trie, path, request, size, request.prompt_len - 1) if path else None
+        ckpt = find_deepest(self._trie, path, request, size, max_step) if path else None
         cached_len = ckpt.step if ckpt is not None else 0
-        divergence = max(divergence_len(self._trie, path, request, size), cached_len)
+        divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
         match_id = self._next_match_id
         self._next_match_id += 1
-        self._matches[match_id] = (request, ckpt)
+        self._matches[match_id] = (request, ckpt, path)
         return MatchResult(
             match_id=match_id,
             request_id=request.request_id,
@@ -91,6 +99,10 @@ class PrefixCache:
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
 
+    def max_match_step(self, request: CacheRequest) -> int:
+        """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
+        return request.prompt_len - (0 if self.config.full_prompt_hits else 1)
+
     def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
         partial one private block that the frozen tail is restored into (copies queued for the next
@@ -100,7 +112,7 @@ class PrefixCache:
         entry = self._matches.get(match.match_id)
         if entry is None:
             raise ValueError(f"match {match.match_id} was already admitted or released")
-        request, ckpt = entry
+        request, ckpt, path = entry
         if request.request_id in self._seqs:
             raise ValueError(f"request {request.request_id!r} is already running")
         life = self._life
@@ -130,6 +142,13 @@ class PrefixCache:
             self._stats.num_hits += 1
             self._stats.num_hit_tokens += cached_len
             self._stats.hits_by_reason[ckpt.reason.value] += 1
+            if self._learner is not None and not ckpt.was_hit:
+                self._learner.used(ckpt.reason, ckpt.adapter)
+            ckpt.was_hit = True
+        if self._learner is not None and path:
+            keys = [(request.adapter, d, node.hash if d else 0) for d, node in reversed(list(enumerate(path)))]
+            self._learner.ghost_hit(keys, request.prompt_ids, self.block_size, cached_len,
+                                    self.max_match_step(request))
         seq.block_ids.extend(life.take_blocks(num_blocks - len(seq.block_ids)))
         self._seqs[request.request_id] = seq
         return Admitted(request.request_id, seq.slot, tuple(seq.block_ids), seq.num_computed)
@@ -181,7 +200,7 @@ class PrefixCache:
         if any(c.step == step for c in seq.saves):
             cause = DeclineCause.DUPLICATE
         else:
-            cause = self._decline_cause(request, step, reason, routed_experts, key_needed=True)
+            cause = self._decline_cause(seq, step, reason, routed_experts, key_needed=True)
         if cause is None:
             ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
             if ckpt is not None:
@@ -192,13 +211,15 @@ class PrefixCache:
         return False
 
     def _decline_cause(
-        self, request: CacheRequest, step: int, reason: SaveReason, routed_experts: Any, *, key_needed: bool,
+        self, seq: RunningSeq, step: int, reason: SaveReason, routed_experts: Any, *, key_needed: bool,
     ) -> DeclineCause | None:
         """Why a save at `step` must not be made, checked in this order; None when it may be.
 
         The admission point: the policy (policy.py) sees the reason and, when it asks for one (`needs_key`)
-        and `key_needed`, the identity of the prompt prefix [0, step) (finish/preempt pass no key).
+        and `key_needed`, the identity of the prompt prefix [0, step) (finish/preempt pass no key). With
+        `admission='learned'` the learner decides per reason and adapter, and remembers what it declines.
         """
+        request = seq.request
         if not request.is_safe(step):
             return DeclineCause.UNSAFE
         if step % self.block_size and request.routed_experts and routed_experts is None:
@@ -206,7 +227,27 @@ class PrefixCache:
         key = self._prefix_key(request, step) if key_needed and self._admission.needs_key else None
         if not self._admission.admit(reason, key):
             return DeclineCause.POLICY
+        if self._learner is not None and not self._learner.admit(reason, request.adapter):
+            ghost = self._ghost(seq, step)
+            if ghost is not None:
+                self._learner.declined(reason, request.adapter, *ghost)
+            return DeclineCause.POLICY
         return None
+
+    def _ghost(self, seq: RunningSeq, step: int) -> tuple[tuple, int, tuple[int, ...]] | None:
+        """(ghost key, step, tail tokens) of a save at `step` (None past the prompt before its blocks are in
+        the trie: not remembered)."""
+        size, request = self.block_size, seq.request
+        q = step // size
+        if step <= request.prompt_len:
+            anchor = prompt_block_hashes(request, size, self._trie.hash_fn)[q - 1] if q else 0
+            tokens: Sequence[int] = request.prompt_ids
+        elif len(seq.nodes) >= q and len(seq.token_ids) >= step:
+            anchor = seq.nodes[q - 1].hash if q else 0
+            tokens = seq.token_ids
+        else:
+            return None
+        return (request.adapter, q, anchor), step, tuple(tokens[q * size:step])
 
     def _prefix_key(self, request: CacheRequest, step: int) -> Hashable:
         """Identity of the prompt prefix [0, step) for admission bookkeeping (branch points only)."""
@@ -357,7 +398,7 @@ class PrefixCache:
         step = seq.num_computed
         request = seq.request
         if keep and step > 0:
-            cause = self._decline_cause(request, step, reason, routed_experts, key_needed=False)
+            cause = self._decline_cause(seq, step, reason, routed_experts, key_needed=False)
             if cause is not None:
                 self._stats.declined(cause)
                 keep = False
@@ -410,7 +451,7 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
-        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt in self._matches.values()])
+        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()])
 
 
 def _path_to(anchor: Node) -> list[Node]:

@@ -2,8 +2,9 @@
 and how far the prompt agrees with cached content (the branch point).
 
     path = walk_prompt(trie, request, B)        [root, node of block 0, node of block 1, ...] (exact match)
-    ckpt = find_deepest(trie, path, request, B, request.prompt_len - 1)
-    divergence_len(trie, path, request, B)      >= the matched full blocks; see `MatchResult.divergence_len`
+    ckpt = find_deepest(trie, path, request, B, request.prompt_len - 1)   (prompt_len: zero-prefill hits)
+    divergence_len(trie, path, request, B, request.prompt_len - 1)
+                                                >= the matched full blocks; see `MatchResult.divergence_len`
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ def find_deepest(
     return None
 
 
-def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_size: int) -> int:
+def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> int:
     """How far the prompt agrees with cached content: the matched full blocks, then the longest common
     prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
-    prompt_len - 1 and moved down to a safe boundary."""
+    `max_step` (the deepest step a match may return) and moved down to a safe boundary."""
     if not path:
         return 0
     node = path[-1]
@@ -81,7 +82,7 @@ def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_si
     rest = request.prompt_ids[base:base + block_size]
     best = 0
     if not rest:
-        return min(base, request.prompt_len - 1)
+        return min(base, max_step)
     # a child whose first token differs agrees on 0 tokens: only those sharing it can raise `best`
     others = [(c.token_ids, c.spans) for c in trie.children_starting_with(node, rest[0])]
     others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
@@ -95,7 +96,7 @@ def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_si
         if differing:
             agree = max(0, min(s.start for s in differing) - base)
         best = max(best, agree)
-    step = min(base + best, request.prompt_len - 1)
+    step = min(base + best, max_step)
     for span in request.spans_in(step - 1, step + 1):
         if span.start < step < span.end:
             step = span.start

@@ -163,5 +163,6 @@ def make_eviction_policy(config: CacheConfig, cost: CostModel) -> EvictionPolicy
 
 
 def make_admission_policy(config: CacheConfig) -> AdmissionPolicy:
-    """The admission policy `config.admission` names."""
-    return AdmitAll() if config.admission == "all" else RepeatBranchAdmission()
+    """The admission policy `config.admission` names ('learned' is `PrefixCache`'s `LearnedAdmission`,
+    asked after this one, which then admits all)."""
+    return RepeatBranchAdmission() if config.admission == "repeat_branch" else AdmitAll()

@@ -88,12 +88,14 @@ class CacheRequest:
 class MatchResult(NamedTuple):
     """What `PrefixCache.match` found; immutable. Pass it to `admit` or `release_match` exactly once.
 
-    cached_len       s, the step the request starts from (0 = miss); always <= prompt_len - 1.
+    cached_len       s, the step the request starts from (0 = miss); <= prompt_len - 1, or <= prompt_len with
+                     `CacheConfig.full_prompt_hits` (s == prompt_len: a zero-prefill hit, sample only).
     block_ids        the q = s // B shared full blocks (read-only) the request starts with.
     checkpoint_id    the checkpoint restored (pinned until the step after admission is committed), or None.
     checkpoint_reason why that checkpoint was saved, or None.
     divergence_len   how far the prompt agrees with cached content (trie blocks, child blocks, checkpoint
-                     tails), clamped to prompt_len - 1 and down to a safe boundary; >= cached_len. When it
+                     tails), clamped to the deepest step a match may return and down to a safe boundary;
+                     >= cached_len. When it
                      is larger, ending a chunk there and saving a BRANCH_POINT makes the next such prompt hit.
     routed_experts   the checkpoint's tail routed-expert history (opaque), or None.
     """

@@ -18,7 +18,7 @@ import torch
 
 from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
-from hybridcache.engine.input_builder import build_forward_batch
+from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.guided import GrammarCache, fill_bitmask
@@ -73,6 +73,8 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
+        full_prompt_hits=policy.full_prompt_hits if policy else False,
+        admission=policy.admission if policy else "all",
         num_blocks=num_blocks,
         num_slots=num_slots,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
@@ -266,25 +268,39 @@ class LLMEngine:
         """Run one forward; returns the output so far of every request that sampled a token in it
         (`finished` tells which are done; their memory is already released)."""
         scheduled = self.scheduler.schedule()
-        if not scheduled.chunks:
+        if scheduled.is_empty:
             return []
-        batch = build_forward_batch(scheduled.chunks, block_size=self.config.block_size,
-                                    kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                    copies=scheduled.copies)
-        return self._postprocess(scheduled.chunks, self.runner.execute(batch))
-
-    def _postprocess(self, chunks: SequenceOf[ScheduledChunk], logits: torch.Tensor) -> list[RequestOutput]:
-        rows = [i for i, c in enumerate(chunks) if c.samples]
+        chunks = scheduled.chunks
+        if chunks:
+            batch = build_forward_batch(chunks, block_size=self.config.block_size,
+                                        kernel_block_size=self.config.kernel_block_size, device=self.device,
+                                        copies=scheduled.copies)
+            logits = self.runner.execute(batch)
+        else:  # only zero-prefill samples: the step's restores, no forward
+            self.runner.execute_copies(device_copies(scheduled.copies, self.device))
         sampled = [c.seq for c in chunks if c.samples]
+        parts = [logits[[i for i, c in enumerate(chunks) if c.samples]]] if sampled else []
+        if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
+            slots = torch.tensor([s.slot for s in scheduled.samples], dtype=torch.int64, device=self.device)
+            parts.append(self.runner.logits_from_slots(slots))
+            sampled += [s.seq for s in scheduled.samples]
+        return self._postprocess(chunks, sampled, torch.cat(parts) if parts else None)
+
+    def _postprocess(
+        self, chunks: SequenceOf[ScheduledChunk], sampled: list[Seq], logits: torch.Tensor | None,
+    ) -> list[RequestOutput]:
+        """Advance every fed sequence, then sample one token for each of `sampled` (logits row i)."""
         for chunk in chunks:
             chunk.seq.num_computed = chunk.end
             if chunk.start < chunk.seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
             else:
                 self.num_decode_tokens += chunk.num_tokens
+        if not sampled:
+            return []
         matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
         bitmask = fill_bitmask(matchers, logits.shape[-1])
-        out = sample(logits[rows], sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
+        out = sample(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
         touched: dict[str, _Request] = {}
         for i, seq in enumerate(sampled):
             token = out.tokens[i]

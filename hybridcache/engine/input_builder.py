@@ -136,3 +136,13 @@ def _to_device(fields: dict[str, list[int]], device: torch.device | str) -> dict
         out[name] = packed[offset: offset + len(values)]
         offset += len(values)
     return out
+
+
+def device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
+    """The step's copy ops alone, on the device in one transfer (a step with no forward: only zero-prefill
+    samples, whose restores still run)."""
+    fields = {f"copy{i}": [*op.src_ids, *op.dst_ids] for i, op in enumerate(copies.ops)}
+    if not fields:
+        return ()
+    on_device = _to_device(fields, device)
+    return tuple(DeviceCopyOp(op.kind, *on_device[f"copy{i}"].view(2, -1)) for i, op in enumerate(copies.ops))

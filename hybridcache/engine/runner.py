@@ -147,6 +147,7 @@ class ModelRunner:
             kernel_block_size=kernel_block_size,
             num_slots=num_slots + extra,
             device=device,
+            slot_specs=model.slot_specs(dtype),
         )
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
@@ -197,6 +198,19 @@ class ModelRunner:
             if op.kind.phase is Phase.AFTER_FORWARD:
                 self._copy(op)
         return logits
+
+    @torch.inference_mode()
+    def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
+        """A step with no forward (only zero-prefill samples): its copy ops, BEFORE_FORWARD ones first."""
+        for phase in (Phase.BEFORE_FORWARD, Phase.AFTER_FORWARD):
+            for op in copies:
+                if op.kind.phase is phase:
+                    self._copy(op)
+
+    def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
+        (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
+        return self.model.logits_from_slots(self.pools, slots)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs

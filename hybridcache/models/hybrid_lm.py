@@ -30,7 +30,9 @@ from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.rotary import rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.state_spec import DevicePools, LayerSpec, LayerState
+from hybridcache.state_spec import DevicePools, LayerSpec, LayerState, StateTensorSpec
+
+LAST_HIDDEN = "last_hidden"
 
 
 class DecoderLayer(nn.Module):
@@ -141,6 +143,18 @@ class HybridCausalLM(nn.Module):
         """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""
         return tuple(layer.mixer.state_spec(dtype, state_dtype) for layer in self.model.layers)
 
+    def slot_specs(self, dtype: torch.dtype) -> tuple[StateTensorSpec, ...]:
+        """Per-slot tensors of no layer: `last_hidden` [hidden], the final-norm hidden state of the last
+        position the slot's sequence computed. A checkpoint at step s therefore holds what the logits of
+        token s are computed from, so a prompt cached up to its end needs only `logits_from_slots`."""
+        return (StateTensorSpec(LAST_HIDDEN, (self.config.hidden_size,), dtype),)
+
+    def logits_from_slots(self, pools: DevicePools, slots: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [len(slots), vocab] from the `last_hidden` of each slot (no layer runs)."""
+        with torch.inference_mode():
+            logits = self.lm_head(pools.slot_state[LAST_HIDDEN][slots]).float()
+        return logits.clone()
+
     def forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend) -> torch.Tensor:
         """Run the step (`batch` prepared by `backend.prepare`) under `torch.inference_mode`; the pools are
         updated in place. The logits are returned as an ordinary tensor (cloned out of inference mode) so
@@ -159,4 +173,6 @@ class HybridCausalLM(nn.Module):
         for layer, state in zip(self.model.layers, pools.layers, strict=True):
             hidden = layer(hidden, step, state)
         last = self.model.norm(hidden[batch.logits_indices])
+        if LAST_HIDDEN in pools.slot_state:  # one row per sequence: its slot's hidden state at its last token
+            pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
         return self.lm_head(last).float()

@@ -41,9 +41,25 @@ class ScheduledChunk:
 
 
 @dataclass(frozen=True)
+class SampleOnly:
+    """`seq` was admitted with its whole prompt cached (a zero-prefill hit): nothing is fed; its next token
+    is sampled from the logits of the hidden state its checkpoint kept, which this step's restore copies
+    put into `slot` (`ModelRunner.logits_from_slots`)."""
+
+    seq: Seq
+    slot: int
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
-    """One step: the chunks to feed (running sequences first, then newly admitted ones) and the copies the
-    device runs around the forward (restores before, saves after). Empty chunks: nothing to run."""
+    """One step: the chunks to feed (running sequences first, then newly admitted ones), the sequences that
+    only sample (`samples`, zero-prefill hits) and the copies the device runs around the forward (restores
+    before, saves after). No chunks and no samples: nothing to run."""
 
     chunks: tuple[ScheduledChunk, ...] = ()
     copies: CopyPlan = CopyPlan()
+    samples: tuple[SampleOnly, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.samples

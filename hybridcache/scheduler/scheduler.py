@@ -9,6 +9,11 @@ Admission is two-phase through `PrefixCache`: `match` (pins the checkpoint it wo
 `admit(match, first_chunk_end)` (slot + blocks for the cached prefix and the first chunk, restore copies
 queued) or, when there is no room, `release_match`, which leaves the cache exactly as it was.
 
+A match may cover the whole prompt (a zero-prefill hit, when the mode keeps the last hidden state): the
+sequence then feeds nothing in its first step and only samples (`SchedulerOutput.samples`). A waiting
+sequence that shares a prefix with a prompt still being prefilled waits for it and forks from its checkpoint
+instead of computing the prefix again (`in_flight.py`): `n` completions of a prompt prefill it once.
+
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
 the waiting queue; on re-admission its prefix is a hit.
@@ -25,12 +30,21 @@ Block ids are read before `commit_step` because the forward writes the blocks th
 
 from __future__ import annotations
 
+import enum
 from collections import deque
+from itertools import islice
 
 from hybridcache.cache import CacheRequest, CacheStats, PrefixCache
-from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
+from hybridcache.scheduler.in_flight import find_leader, prompt_share, worth_sharing
+from hybridcache.scheduler.output import SampleOnly, ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
 from hybridcache.scheduler.sequence import Seq, SeqStatus
+
+
+class _Admission(enum.Enum):
+    ADMITTED = "admitted"
+    NO_ROOM = "no_room"
+    WAITS_FOR_LEADER = "waits_for_leader"  # shares a prefix with a prompt being prefilled (in_flight.py)
 
 
 class Scheduler:
@@ -70,19 +84,22 @@ class Scheduler:
 
         Returns an empty output when there is nothing to run; raises RuntimeError when there is work but no
         sequence fits (the KV pool or the slot count is too small for even one)."""
-        planned = self._plan_step()
-        if not planned:
+        planned, samples = self._plan_step()
+        if not planned and not samples:
             if self.has_work:
                 raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
             return SchedulerOutput()
         chunks = tuple(self._chunk(seq, end) for seq, end in planned)  # block ids: before commit_step
         copies = self.cache.commit_step({chunk.seq.seq_id: chunk.token_ids for chunk in chunks})
-        return SchedulerOutput(chunks, copies)
+        return SchedulerOutput(chunks, copies, tuple(SampleOnly(seq, self.cache.slot(seq.seq_id)) for seq in samples))
 
-    def _plan_step(self) -> list[tuple[Seq, int]]:
-        """(sequence, chunk end) of each sequence that feeds tokens in the next forward, in batch order."""
+    def _plan_step(self) -> tuple[list[tuple[Seq, int]], list[Seq]]:
+        """(sequence, chunk end) of each sequence that feeds tokens in the next forward, in batch order, and
+        the newly admitted sequences whose whole prompt was a hit (they only sample)."""
         budget = self.max_num_batched_tokens
         planned: list[tuple[Seq, int]] = []
+        samples: list[Seq] = []
+        followers: list[Seq] = []
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -101,32 +118,63 @@ class Scheduler:
                 budget = max(0, budget - (plan.end - seq.num_computed))  # a multimodal span may go over it
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq, budget):
+            admission = self._admit(seq, budget)
+            if admission is _Admission.NO_ROOM:
                 break
             self.waiting.popleft()
+            if admission is _Admission.WAITS_FOR_LEADER:
+                followers.append(seq)
+                continue
             self.running.append(seq)
+            if seq.num_computed == seq.num_tokens:  # the whole prompt was a hit: sample only
+                samples.append(seq)
+                continue
+            self._note_forks(seq)
             plan = self._plan(seq, seq.num_computed, budget)
             planned.append(self._reserve(seq, plan))
             budget = max(0, budget - (plan.end - seq.num_computed))
-        return planned
+        self.waiting.extendleft(reversed(followers))  # back to the front, in arrival order
+        return planned, samples
 
-    def _admit(self, seq: Seq, budget: int) -> bool:
-        """Match and admit a waiting sequence with room for its first chunk; False changes nothing."""
+    def _admit(self, seq: Seq, budget: int) -> _Admission:
+        """Match and admit a waiting sequence with room for its first chunk. NO_ROOM and WAITS_FOR_LEADER
+        change nothing in the cache (the leader is told where to save for it)."""
         spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
         match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans))
+        if self.policy is not None and self.policy.share_in_flight:
+            found = find_leader(seq, self.running, match.cached_len, self.cache.block_size)
+            if found is not None:
+                leader, shared = found
+                self.cache.release_match(match)
+                if shared < leader.cache_prompt_len:
+                    leader.fork_steps.add(shared)
+                return _Admission.WAITS_FOR_LEADER
         seq.cache_prompt_len = seq.num_tokens
         seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
         plan = self._plan(seq, match.cached_len, budget)
         if self.cache.admit(match, plan.end) is None:
             self.cache.release_match(match)
-            return False
+            return _Admission.NO_ROOM
         seq.num_computed = match.cached_len
         if seq.num_cached is None:
             seq.num_cached = match.cached_len
         seq.status = SeqStatus.RUNNING
-        return True
+        return _Admission.ADMITTED
+
+    def _note_forks(self, leader: Seq) -> None:
+        """Before a newly admitted sequence plans its first chunk: the waiting sequences right behind it that
+        will follow it (`in_flight.py`) get their fork step on it now, so that its first chunk ends there."""
+        if self.policy is None or not self.policy.share_in_flight:
+            return
+        for other in islice(self.waiting, 0, self.max_num_seqs):
+            shared = prompt_share(leader, other)
+            if leader.num_computed < shared < leader.cache_prompt_len and worth_sharing(
+                shared, leader.num_computed, other.num_tokens, self.cache.block_size
+            ):
+                leader.fork_steps.add(shared)
 
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
+        stops = [s for s in (seq.branch_step, *seq.fork_steps) if s is not None and s > start]
         return plan_chunk(
             self.policy,
             start=start,
@@ -134,9 +182,10 @@ class Scheduler:
             budget=budget,
             prompt_len=seq.cache_prompt_len,
             block_size=self.cache.block_size,
-            branch_step=seq.branch_step,
+            branch_step=min(stops, default=None),
             decode_interval=self.decode_checkpoint_interval,
             spans=[(m.start, m.end) for m in seq.mm_inputs],
+            hit_len=start if seq.num_cached is None else seq.num_cached,
         )
 
     def _reserve(self, seq: Seq, plan: ChunkPlan) -> tuple[Seq, int]:
@@ -175,6 +224,7 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.preempt(seq.seq_id, keep_checkpoint=self.policy is not None and self.policy.finish)
         seq.num_computed = 0
+        seq.fork_steps.clear()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

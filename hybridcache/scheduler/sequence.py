@@ -7,7 +7,7 @@ does not shadow `collections.abc.Sequence`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,8 @@ class Seq:
     first admission took from the cache. `cache_prompt_len`: the tokens it had when it was last admitted
     (the prompt as the cache sees it; more than `prompt_len` after a preemption). `branch_step`: where its
     prompt diverges from cached content (a chunk ends there, to save a branch-point checkpoint), or None.
+    `fork_steps`: steps of its prompt where waiting sequences that share the prefix [0, step) with it will
+    fork from it (in-flight sharing): a chunk ends at each, saving a branch point.
     `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
     """
 
@@ -48,6 +50,7 @@ class Seq:
     num_cached: int | None = None
     cache_prompt_len: int = 0
     branch_step: int | None = None
+    fork_steps: set[int] = field(default_factory=set)
     finish_reason: str | None = None
     mm_inputs: tuple[MultimodalInput, ...] = ()
 

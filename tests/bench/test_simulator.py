@@ -73,28 +73,73 @@ def test_a_fourth_request_hits_the_branch_point_only_under_hybridcache():
     assert results["oracle"].hit_tokens == 17 + 6
 
 
-def test_identical_resend_hits_from_the_second_resend_on():
+def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend_on():
     prompt = tuple(range(100, 130))
     requests = [SimRequest(f"x{i}", prompt, (7, 8)) for i in range(3)]
-    results = _run(requests, "seed,hybridcache,oracle")
-    assert results["oracle"].hit_tokens == 2 * 29
-    # hybridcache: the first resend saves a branch point at 29 (prompt_len - 1); the second hits it.
-    # The first resend finds r0's finish checkpoint at 31 > 29 unusable, and no chunk end below.
-    assert results["hybridcache"].hit_tokens == 29
+    results = _run(requests, "seed,hybridcache,oracle,bounded-oracle")
+    assert results["oracle"].hit_tokens == 2 * 30
+    # hybridcache: the prefill-end checkpoint at 30 keeps the last hidden state: each resend only samples.
+    assert results["hybridcache"].hit_tokens == 2 * 30
+    assert results["bounded-oracle"].hit_tokens == 2 * 30
+    # seed (LMDeploy 0.18): its checkpoint at 30 is out of reach (at most prompt_len - 1), no chunk end below.
     assert results["seed"].hit_tokens == 0
 
 
-def test_n_completions_of_one_request_run_together_and_do_not_hit_each_other():
+def test_seed_chains_stop_growing_after_a_partial_hit():
+    """LMDeploy 0.18: a sequence that started from a partial hit (21 is not a multiple of B = 4) saves
+    nothing, so turn 2 of a chat hits only what turn 0 saved, while hybridcache hits turn 1's finish."""
+    t0 = SimRequest("t0", tuple(range(1, 22)), (50, 51))
+    t1 = SimRequest("t1", t0.prompt_ids + (50, 60, 61, 62), (70, 71))
+    t2 = SimRequest("t2", t1.prompt_ids + (70, 80, 81), (90,))
+    results = _run([t0, t1, t2], "seed,hybridcache")
+    assert results["seed"].hit_tokens == 21 + 21
+    assert results["hybridcache"].hit_tokens == 22 + 26
+
+
+def test_seed_reproduces_lmdeploy_per_turn_figures_on_the_gpu_chat_workload():
+    """Issue 11's phase A (4 system prompts of 2,000 tokens, 16 sessions, 4 turns, 200-600-token user
+    messages, fixed 100-300-token replies, one new token per call; 209,144 prompt tokens), as its benchmark
+    draws it. LMDeploy 0.18 on the H200 reported 0 / 37,872 / 38,575 / 38,575 cached tokens by turn (115,022),
+    hybridcache 159,072 (before zero-prefill hits and learned admission)."""
+    import random
+
+    rng = random.Random(0)
+
+    def letters(n):
+        return tuple(rng.randrange(97, 123) for _ in range(n))
+
+    systems = [letters(2000) for _ in range(4)]
+    history = [systems[i % 4] for i in range(16)]
+    requests = []
+    for turn in range(4):
+        for i in range(16):
+            prompt = history[i] + letters(rng.randint(200, 600))
+            reply = letters(rng.randint(100, 300))
+            requests.append(SimRequest(f"s{i}t{turn}", prompt, reply[:1], session_id=str(i), turn=turn))
+            history[i] = prompt + reply
+    assert sum(r.prompt_len for r in requests) == 209_144
+    specs = parse_policies("seed,hybridcache", 64)
+    results = simulate(_workload(requests), specs, load_model_cost(None), SimConfig(8 * GIB)).policies
+    by_turn = {t: sum(r.prompt_len for r in requests if r.turn == t) for t in range(4)}
+    seed = results["seed"]
+    assert [round(seed.hit_rate_by_turn[t] * by_turn[t]) for t in range(4)] == [0, 37_872, 38_575, 38_575]
+    assert seed.hit_tokens == 115_022
+    assert results["hybridcache"].hit_tokens >= 159_000
+
+
+def test_n_completions_of_one_request_share_the_first_ones_prefill():
     prompt = tuple(range(200, 220))
     request = SimRequest("g", prompt, (1, 2), n=3, sibling_output_ids=((3, 4), (5, 6)))
     again = SimRequest("h", prompt + (9, 9, 9), (1,))
-    results = _run([request, again], "hybridcache,oracle")
-    assert results["oracle"].hit_tokens == 20  # only the later request hits (all of the shared prompt)
+    results = _run([request, again], "seed,hybridcache,oracle,bounded-oracle")
+    assert results["oracle"].hit_tokens == 2 * 20 + 20  # the siblings and the later request: the whole prompt
     assert results["oracle"].prompt_tokens == 3 * 20 + 23
-    # the finish checkpoints (at 21, after each completion's own output token) do not match the later
-    # prompt; the prefill end at 20 does
-    assert results["hybridcache"].hit_tokens == 20
-    assert results["hybridcache"].hits_by_reason == {"prefill_end": 1}
+    # the siblings wait for the first prefill and only sample (zero-prefill hits on its prefill end at 20);
+    # the finish checkpoints (at 21) do not match the later prompt, the prefill end at 20 does
+    assert results["hybridcache"].hit_tokens == 3 * 20
+    assert results["hybridcache"].hits_by_reason == {"prefill_end": 3}
+    assert results["bounded-oracle"].hit_tokens == 3 * 20
+    assert results["seed"].hit_tokens == 20  # run together, the siblings miss; the later request hits 20
 
 
 def test_a_prompt_larger_than_the_cache_is_uncacheable():

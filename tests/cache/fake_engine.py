@@ -37,18 +37,33 @@ class FakeDevice:
 
     def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CopyPlan:
         """commit_step + execute: restores, forward writes (into the pre-commit block lists), saves."""
-        cache, size = self.cache, self.cache.block_size
-        planned = {
-            rid: (cache._seqs[rid], list(cache.block_ids(rid)), cache.slot(rid), cache.num_computed(rid))
-            for rid in fed
-        }
+        cache = self.cache
+        planned = {rid: (list(cache.block_ids(rid)), cache.slot(rid), cache.num_computed(rid)) for rid in fed}
         copies = cache.commit_step(fed)
+        self.execute(copies, planned, fed)
+        return copies
+
+    def execute_step(self, output) -> None:
+        """Execute a `SchedulerOutput` (already committed by `Scheduler.schedule`) as the engine would, and
+        check that each zero-prefill sample's slot holds its whole prompt's state (its last hidden state)."""
+        planned = {c.seq.seq_id: (c.block_ids, c.slot, c.start) for c in output.chunks}
+        self.execute(output.copies, planned, {c.seq.seq_id: c.token_ids for c in output.chunks})
+        for sample in output.samples:
+            seq = self.cache._seqs[sample.seq.seq_id]
+            assert seq.num_computed == seq.request.prompt_len
+            assert self.state[sample.slot] == prefix_id(seq.request, seq.token_ids, seq.num_computed), "sample"
+
+    def execute(self, copies: CopyPlan, planned: dict, fed: dict[Hashable, Sequence[int]]) -> None:
+        """Restores, forward writes into the pre-commit block lists `planned[rid] = (block_ids, slot, start)`,
+        saves; `commit_step(fed)` has run."""
+        cache, size = self.cache, self.cache.block_size
         for src, dst in copies.pairs(CopyKind.KV_RESTORE):
             self.kv[dst] = list(self.kv[src])
         for src, dst in copies.pairs(CopyKind.STATE_RESTORE):
             self.state[dst] = self.state[src]
         for rid, tokens in fed.items():
-            seq, block_ids, slot, start = planned[rid]
+            block_ids, slot, start = planned[rid]
+            seq = cache._seqs[rid]
             request = seq.request
             all_tokens = seq.token_ids  # already extended by commit
             if start > 0:
@@ -63,7 +78,6 @@ class FakeDevice:
             self.kv[dst] = list(self.kv[src])
         for src, dst in copies.pairs(CopyKind.STATE_SAVE):
             self.state[dst] = self.state[src]
-        return copies
 
     def check(self) -> None:
         """Every running sequence, published checkpoint and trie node holds what its ids say."""

@@ -35,12 +35,16 @@ class CacheMachine(RuleBasedStateMachine):
         cap=st.integers(1, 3),
         eviction=st.sampled_from(["lru", "flop_aware"]),
         decode=st.booleans(),
+        full_hits=st.booleans(),
+        admission=st.sampled_from(["all", "learned"]),
     )
-    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode):
+    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission):
         config = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, num_slots=num_slots, max_checkpoints_per_anchor=cap,
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
+            full_prompt_hits=full_hits, admission=admission,
         )
+        self.max_back = 0 if full_hits else 1  # a match may reach prompt_len - max_back
         self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
         check_picks(self.cache)  # every eviction victim is checked against a full scan
         self.device = FakeDevice(self.cache)
@@ -63,7 +67,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def _expected(self, request: CacheRequest) -> int:
         best = 0
-        for step in range(1, request.prompt_len):
+        for step in range(1, request.prompt_len + 1 - self.max_back):
             routed = self.saved.get(self._key(request, request.prompt_ids, step))
             if routed is None or not request.is_safe(step):
                 continue
@@ -106,8 +110,8 @@ class CacheMachine(RuleBasedStateMachine):
         before = fingerprint(self.cache)
         match = self.cache.match(request)
         s = match.cached_len
-        assert 0 <= s <= request.prompt_len - 1 and request.is_safe(s)
-        assert s <= match.divergence_len <= request.prompt_len - 1
+        assert 0 <= s <= request.prompt_len - self.max_back and request.is_safe(s)
+        assert s <= match.divergence_len <= request.prompt_len - self.max_back
         assert len(match.block_ids) == s // self.size
         if s:
             routed = self.saved.get(self._key(request, request.prompt_ids, s))

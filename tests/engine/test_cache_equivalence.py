@@ -30,12 +30,10 @@ def make_engine(model_dir, *, caching=True, block_size=16, kernel_block_size=8, 
     engine.logits = {}
     original = engine._postprocess
 
-    def recording_postprocess(chunks, logits):
-        for row, chunk in enumerate(chunks):
-            if chunk.samples:
-                seq = chunk.seq
-                engine.logits[(seq.request_id, seq.index, seq.num_tokens)] = logits[row].clone()
-        return original(chunks, logits)
+    def recording_postprocess(chunks, sampled, logits):
+        for row, seq in enumerate(sampled):
+            engine.logits[(seq.request_id, seq.index, seq.num_tokens)] = logits[row].clone()
+        return original(chunks, sampled, logits)
 
     engine._postprocess = recording_postprocess
     return engine
@@ -216,8 +214,11 @@ def test_two_requests_restore_one_checkpoint_in_the_same_forward(model_dir):
             assert (engine.logits[key] - want).abs().max() / want.abs().max() <= REL_TOL
 
 
-def test_identical_resend_hits_from_the_second_resend(model_dir):
+def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend(model_dir):
+    """The prefill-end checkpoint keeps the last position's hidden state: a resend computes only its sample
+    (issue 12; before, the first resend hit 0 and saved a branch point at 49 for the second)."""
     engine = make_engine(model_dir)
     prompt = tokens(random.Random(6), 50)
-    hits = [finish_one(engine, f"r{i}", prompt, 3).cached_tokens for i in range(3)]
-    assert hits == [0, 0, 49]
+    outs = [finish_one(engine, f"r{i}", prompt, 3) for i in range(3)]
+    assert [o.cached_tokens for o in outs] == [0, 50, 50]
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1

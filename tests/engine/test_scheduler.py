@@ -105,8 +105,9 @@ def test_hybridcache_mode_ends_a_chunk_at_the_branch_point_and_the_next_prompt_h
 
 def test_chunks_carry_the_blocks_read_before_the_commit_and_the_steps_copy_plan():
     # Two identical 20-token prompts in one step: at commit the second one's full first block is deduplicated
-    # onto the first one's, but its forward still writes its own block, which the chunk carries.
-    scheduler = make_scheduler(mode="hybridcache", max_num_batched_tokens=1000)
+    # onto the first one's, but its forward still writes its own block, which the chunk carries. (Seed mode:
+    # hybridcache mode makes the second wait for the first one's prefill instead, see in_flight.py.)
+    scheduler = make_scheduler(mode="seed", max_num_batched_tokens=1000)
     a, b = make_seq(0, 20), make_seq(1, 20)
     scheduler.add(a)
     scheduler.add(b)
@@ -116,4 +117,4 @@ def test_chunks_carry_the_blocks_read_before_the_commit_and_the_steps_copy_plan(
     assert chunk_a.block_ids == scheduler.cache.block_ids(a.seq_id)
     assert chunk_b.block_ids[0] != chunk_a.block_ids[0]
     assert scheduler.cache.block_ids(b.seq_id)[0] == chunk_a.block_ids[0]
-    assert not output.copies.is_empty  # hybridcache mode saves at the prefill end of both
+    assert not output.copies.is_empty  # seed mode saves at the prefill end of both

@@ -1,0 +1,123 @@
+"""`LearnedAdmission`: admit a kind of save (save reason x adapter) only while it pays for its bytes.
+
+Every published checkpoint ends in one outcome for its kind: a **use** (hit at least once before it is
+released) or a **waste** (released unhit: evicted, replaced, cleared). A declined save leaves a **ghost**
+(its prefix identity: adapter, anchor depth and hash, step, tail tokens) in a bounded table; a later
+admission that would have hit a ghost deeper than what it got counts a ghost use for the ghost's kind, and a
+ghost pushed out of the table unused counts a ghost waste. So a declined kind keeps being measured, and comes
+back when its saves would pay again.
+
+A kind pays when its use rate (Laplace-smoothed, over real and ghost outcomes) is at least `share` (1/2) of
+the use rate of all published checkpoints: a checkpoint that is hit less than half as often as the average
+one takes bytes from better ones. Counts halve whenever a kind's outcomes reach `window`, so the rates
+follow the workload (online).
+
+Worked example (share 1/2): finish checkpoints 40 uses / 10 wastes, branch points 2 uses / 30 wastes, all
+checkpoints 42 / 40: overall rate (42 + 1) / (82 + 2) = 0.51; finish (41 / 52) = 0.79 is admitted, branch
+points (3 / 34) = 0.09 < 0.26 are declined (and ghosted). If ghosts of declined branch points later keep
+being hit, their rate climbs back above 0.26 and branch points are admitted again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+from hybridcache.cache.request import SaveReason
+
+Kind = tuple[SaveReason, str | None]
+GhostKey = tuple[str | None, int, Hashable]  # (adapter, anchor depth, anchor hash; 0 at depth 0)
+
+
+@dataclass
+class Outcomes:
+    uses: float = 0.0
+    wastes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.uses + self.wastes
+
+    def rate(self) -> float:
+        return (self.uses + 1.0) / (self.total + 2.0)
+
+    def halve(self) -> None:
+        self.uses /= 2
+        self.wastes /= 2
+
+
+@dataclass
+class LearnedAdmission:
+    """See the module docstring. `capacity`: ghosts kept (about the number of checkpoint slots)."""
+
+    capacity: int = 64
+    share: float = 0.5
+    window: float = 256.0
+    kinds: dict[Kind, Outcomes] = field(default_factory=dict)
+    overall: Outcomes = field(default_factory=Outcomes)
+    ghosts: OrderedDict[GhostKey, list[tuple[int, tuple[int, ...], Kind]]] = field(default_factory=OrderedDict)
+    num_ghosts: int = 0
+
+    def admit(self, reason: SaveReason, adapter: str | None) -> bool:
+        kind = self.kinds.get((reason, adapter))
+        return kind is None or kind.rate() >= self.share * self.overall.rate()
+
+    def _record(self, kind: Kind, used: bool, *, real: bool) -> None:
+        out = self.kinds.setdefault(kind, Outcomes())
+        if used:
+            out.uses += 1
+        else:
+            out.wastes += 1
+        if real:
+            if used:
+                self.overall.uses += 1
+            else:
+                self.overall.wastes += 1
+            if self.overall.total >= 4 * self.window:
+                self.overall.halve()
+        if out.total >= self.window:
+            out.halve()
+
+    def used(self, reason: SaveReason, adapter: str | None) -> None:
+        """A published checkpoint of this kind was hit for the first time."""
+        self._record((reason, adapter), True, real=True)
+
+    def wasted(self, reason: SaveReason, adapter: str | None) -> None:
+        """A published checkpoint of this kind was released without a hit."""
+        self._record((reason, adapter), False, real=True)
+
+    def declined(self, reason: SaveReason, adapter: str | None, key: GhostKey, step: int,
+                 tail: tuple[int, ...]) -> None:
+        """Remember a declined save as a ghost (the oldest ghost leaves, a ghost waste, when full)."""
+        self.ghosts.setdefault(key, []).append((step, tail, (reason, adapter)))
+        self.ghosts.move_to_end(key)
+        self.num_ghosts += 1
+        while self.num_ghosts > self.capacity:
+            old_key, entries = next(iter(self.ghosts.items()))
+            _, _, kind = entries.pop(0)
+            self.num_ghosts -= 1
+            if not entries:
+                del self.ghosts[old_key]
+            self._record(kind, False, real=False)
+
+    def ghost_hit(self, keys: Sequence[GhostKey], prompt: Sequence[int], block_size: int, got: int,
+                  max_step: int) -> None:
+        """An admission over the path `keys` (deepest first) got `got` tokens: each ghost on the path that
+        would have given more (its tail matches the prompt) counts a ghost use and is dropped."""
+        for key in keys:
+            entries = self.ghosts.get(key)
+            if not entries:
+                continue
+            base = key[1] * block_size
+            keep = []
+            for step, tail, kind in entries:
+                if got < step <= max_step and tuple(prompt[base:step]) == tail:
+                    self._record(kind, True, real=False)
+                    self.num_ghosts -= 1
+                else:
+                    keep.append((step, tail, kind))
+            if keep:
+                self.ghosts[key] = keep
+            else:
+                del self.ghosts[key]

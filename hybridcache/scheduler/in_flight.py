@@ -1,0 +1,67 @@
+"""Prompts shared in flight: which prefill a waiting sequence should wait for instead of computing the
+shared prefix again (the `n` completions of one request, identical or prefix-sharing prompts of one batch).
+
+A waiting sequence F *follows* a running sequence L that is still prefilling when their prompts share a
+prefix `[0, shared)` that L has not computed yet and that is worth the wait: at least one block more than
+F's cache hit, or all of F's prompt. L ends a chunk at `shared` (a branch point, `Seq.fork_steps`; the
+prompt end needs none: it is a prefill-end save); F stays in the queue until L has computed `shared`, then
+its match restores that checkpoint (sharing L's full blocks, copying the state and the tail), and when
+`shared` is F's whole prompt, it only samples (a zero-prefill hit).
+
+Example (B = 16): L = 100 prompt tokens, F = the same 60 tokens + 40 others, admitted in one step. L's
+first chunk ends at 60 (branch point), F waits one step, then hits 60 and prefills [60, 100) itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from hybridcache.scheduler.sequence import Seq
+
+
+def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists (slice comparisons, O(log n) of them)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def worth_sharing(shared: int, cached_len: int, prompt_len: int, block_size: int) -> bool:
+    """Whether waiting for `[0, shared)` beats computing it: a block more than the hit, or the whole prompt."""
+    return shared > cached_len and (shared - cached_len >= block_size or shared >= prompt_len)
+
+
+def prompt_share(leader: Seq, follower: Seq) -> int:
+    """How much of `follower`'s prompt `leader`'s prompt (as the cache sees it) covers: 0 when either has
+    multimodal spans (their identities are not compared here)."""
+    if leader.mm_inputs or follower.mm_inputs or not leader.token_ids or not follower.token_ids:
+        return 0
+    if leader.token_ids[0] != follower.token_ids[0]:
+        return 0
+    prompt = leader.token_ids[:leader.cache_prompt_len]
+    return shared_prefix_len(prompt, follower.token_ids)
+
+
+def find_leader(
+    follower: Seq, running: Iterable[Seq], cached_len: int, block_size: int,
+) -> tuple[Seq, int] | None:
+    """The running, still-prefilling sequence `follower` should wait for, and the shared length; None when
+    none is worth it (see the module docstring). Ties: the largest share, then the earliest leader."""
+    best: tuple[Seq, int] | None = None
+    for leader in running:
+        if leader.num_computed >= leader.cache_prompt_len:
+            continue  # its prompt is computed: what it saved is already matchable
+        shared = prompt_share(leader, follower)
+        if shared <= leader.num_computed or not worth_sharing(shared, cached_len, follower.num_tokens, block_size):
+            continue
+        if best is None or shared > best[1]:
+            best = (leader, shared)
+    return best

@@ -1,0 +1,184 @@
+"""Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
+completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
+finishes, aborts and memory pressure. After every step: `check_integrity()`, the fake device (every id holds
+what it claims; a zero-prefill sample's slot holds its whole prompt's state), and no sequence waits forever.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from hybridcache.cache import CacheConfig, PrefixCache
+from hybridcache.sampling import SamplingParams
+from hybridcache.scheduler.save_plan import checkpoint_policy
+from hybridcache.scheduler.scheduler import Scheduler
+from hybridcache.scheduler.sequence import Seq, SeqStatus
+from tests.cache.checked_evictor import check_picks
+from tests.cache.fake_engine import FakeDevice
+
+DOCS = [tuple((d * 5 + i * 3) % 13 for i in range(48)) for d in range(2)]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([4, 8]),
+        num_blocks=st.integers(12, 64),
+        num_slots=st.integers(4, 12),
+        budget=st.integers(4, 64),
+        mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
+        eviction=st.sampled_from(["lru", "flop_aware"]),
+    )
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction):
+        policy = checkpoint_policy(mode)
+        config = CacheConfig(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
+                             max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
+                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission)
+        self.cache = PrefixCache(config)
+        check_picks(self.cache)
+        self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)
+        self.device = FakeDevice(self.cache)
+        self.seqs: list[Seq] = []
+        self.idle_steps = 0
+
+    @precondition(lambda self: len(self.scheduler.waiting) < 8)
+    @rule(data=st.data(), n=st.integers(1, 3))
+    def add(self, data, n):
+        doc = data.draw(st.sampled_from(DOCS))
+        prompt = doc[: data.draw(st.integers(1, len(doc)))] + tuple(data.draw(st.lists(st.integers(0, 12),
+                                                                                       max_size=6)))
+        for index in range(n):
+            seq = Seq(seq_id=len(self.seqs), request_id=str(len(self.seqs)), index=index, token_ids=list(prompt),
+                      prompt_len=len(prompt), params=SamplingParams(temperature=0), generator=None,
+                      arrival=len(self.seqs))
+            self.seqs.append(seq)
+            self.scheduler.add(seq)
+
+    @precondition(lambda self: self.scheduler.has_work)
+    @rule(data=st.data())
+    def step(self, data):
+        try:
+            output = self.scheduler.schedule()
+        except RuntimeError:  # nothing fits even alone: too small a pool for this prompt; drop it
+            seq = self.scheduler.waiting[0]
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+            return
+        self.device.execute_step(output)
+        self.idle_steps = self.idle_steps + 1 if output.is_empty else 0
+        sampled = [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]
+        for chunk in output.chunks:
+            chunk.seq.num_computed = chunk.end
+        for seq in sampled:
+            seq.token_ids.append(data.draw(st.integers(0, 12)))
+            if len(seq.output_ids) >= 4 or data.draw(st.integers(0, 3)) == 0:
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+        self.device.check()
+
+    @precondition(lambda self: bool(self.scheduler.running))
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from(self.scheduler.running))
+        seq.finish_reason = "abort"
+        self.scheduler.finish(seq)
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "scheduler"):
+            return
+        self.scheduler.check_integrity()
+        assert self.idle_steps == 0, "a step with work scheduled nothing"
+        for seq in self.scheduler.running:
+            assert seq.status is SeqStatus.RUNNING
+
+    def teardown(self):
+        if not hasattr(self, "scheduler"):
+            return
+        for _ in range(400):  # everything left finishes: nobody waits forever for a leader
+            if not self.scheduler.has_work:
+                break
+            try:
+                output = self.scheduler.schedule()
+            except RuntimeError:  # as in `step`: the pool cannot hold this prompt next to its own hit
+                seq = self.scheduler.waiting[0]
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+                continue
+            self.device.execute_step(output)
+            for chunk in output.chunks:
+                chunk.seq.num_computed = chunk.end
+            for seq in [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]:
+                seq.token_ids.append(1)
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
+            self.scheduler.check_integrity()
+        assert not self.scheduler.has_work, "sequences left waiting"
+        self.cache.clear()
+        stats = self.cache.stats
+        assert (stats.num_blocks_used, stats.num_slots_used) == (0, 0), stats
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
+TestSchedulerMachine.settings = settings(
+    max_examples=100, stateful_step_count=40, deadline=None, suppress_health_check=list(HealthCheck),
+)
+
+
+def make_seq(seq_id: int, prompt: list[int]) -> Seq:
+    return Seq(seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=list(prompt), prompt_len=len(prompt),
+               params=SamplingParams(temperature=0), generator=None, arrival=seq_id)
+
+
+def make_scheduler(mode: str = "hybridcache") -> tuple[Scheduler, FakeDevice]:
+    policy = checkpoint_policy(mode)
+    cache = PrefixCache(CacheConfig(block_size=4, num_blocks=64, num_slots=8,
+                                    full_prompt_hits=policy.full_prompt_hits))
+    return Scheduler(cache, policy, max_num_seqs=4, max_num_batched_tokens=100), FakeDevice(cache)
+
+
+def run(scheduler: Scheduler, device: FakeDevice):
+    output = scheduler.schedule()
+    device.execute_step(output)
+    for chunk in output.chunks:
+        chunk.seq.num_computed = chunk.end
+    for seq in [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]:
+        seq.token_ids.append(99)
+    scheduler.check_integrity()
+    device.check()
+    return output
+
+
+def test_n_completions_wait_for_the_first_prefill_then_only_sample():
+    scheduler, device = make_scheduler()
+    prompt = list(range(30))
+    seqs = [make_seq(i, prompt) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start, c.end) for c in first.chunks] == [(0, 0, 30)] and not first.samples
+    second = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start) for c in second.chunks] == [(0, 30)]  # the leader decodes
+    assert [s.seq.seq_id for s in second.samples] == [1, 2]
+    assert [s.num_cached for s in seqs] == [0, 30, 30]
+
+
+def test_a_prefix_sharing_prompt_makes_the_leader_save_where_they_part():
+    scheduler, device = make_scheduler()
+    leader, follower = make_seq(0, list(range(30))), make_seq(1, list(range(18)) + [77] * 9)
+    scheduler.add(leader)
+    scheduler.add(follower)
+    first = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start, c.end) for c in first.chunks] == [(0, 0, 18)]  # a branch point at 18
+    second = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start, c.end) for c in second.chunks] == [(0, 18, 30), (1, 18, 27)]
+    assert follower.num_cached == 18
+
+
+def test_seed_mode_does_not_share_in_flight():
+    scheduler, device = make_scheduler("seed")
+    for i in range(2):
+        scheduler.add(make_seq(i, list(range(30))))
+    first = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start, c.end) for c in first.chunks] == [(0, 0, 30), (1, 0, 30)]
