@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, field
 from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
-from hybridcache.scheduler.in_flight import shared_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
@@ -216,7 +215,7 @@ class OracleIndex:
         best = 0
         if rest:
             for other in self._by_first.get(node, {}).get(rest[0], ()):
-                agree = shared_prefix_len(other, rest)
+                agree = _common_prefix_len(other, rest)
                 best = max(best, agree)
         return pos + best
 
@@ -238,6 +237,20 @@ class OracleIndex:
                     tails.append(block)
                     self.num_tokens += len(block)
                 break
+
+
+def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class OracleReplay:
