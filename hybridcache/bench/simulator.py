@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass, field
 from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
@@ -215,7 +216,7 @@ class OracleIndex:
         best = 0
         if rest:
             for other in self._by_first.get(node, {}).get(rest[0], ()):
-                agree = _common_prefix_len(other, rest)
+                agree = common_prefix_len(other, rest)
                 best = max(best, agree)
         return pos + best
 
@@ -237,20 +238,6 @@ class OracleIndex:
                     tails.append(block)
                     self.num_tokens += len(block)
                 break
-
-
-def _common_prefix_len(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class OracleReplay:

@@ -14,24 +14,10 @@ first chunk ends at 60 (branch point), F waits one step, then hits 60 and prefil
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
+from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.sequence import Seq
-
-
-def shared_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token lists (slice comparisons, O(log n) of them)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def worth_sharing(shared: int, cached_len: int, prompt_len: int, block_size: int) -> bool:
@@ -47,7 +33,7 @@ def prompt_share(leader: Seq, follower: Seq) -> int:
     if leader.token_ids[0] != follower.token_ids[0]:
         return 0
     prompt = leader.token_ids[:leader.cache_prompt_len]
-    return shared_prefix_len(prompt, follower.token_ids)
+    return common_prefix_len(prompt, follower.token_ids)
 
 
 def find_leader(
