@@ -98,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated, run in this order")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     folder = write_tiny_model(Path(tempfile.mkdtemp()), "qwen3_next", **MODEL)
@@ -107,7 +108,9 @@ def main() -> None:
               "backend": type(get_backend(torch.device("cuda"))).__name__}
     print(result, flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    for dtype, num, max_tokens in (("bfloat16", args.requests, args.max_tokens), ("float32", 16, 64)):
+    runs = {"bfloat16": (args.requests, args.max_tokens), "float32": (16, 64)}
+    for dtype in args.dtypes.split(","):
+        num, max_tokens = runs[dtype]
         result[dtype] = run(folder, dtype, num, max_tokens)
         (Path(args.out) / "gpu_engine.json").write_text(json.dumps(result, indent=1))
         r = result[dtype]

@@ -37,6 +37,7 @@ from hybridcache.kernels.attention import reference as attention_ref
 from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.moe import reference as moe_ref
+from hybridcache.kernels.norm import reference as norm_ref
 
 
 class KernelBackend(Protocol):
@@ -102,6 +103,16 @@ class KernelBackend(Protocol):
                   sequence (fresh sequences start from zeros)
         returns   [T, Hv, Dv] in q's dtype. Per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)
         """
+        ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
+        y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
+        ...
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Gated RMSNorm over the last dim: x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype,
+        y = (weight * round(x / sqrt(mean(x^2) + eps))) * silu(gate) (round: to x's dtype; the rest in fp32)."""
         ...
 
     def moe(
@@ -258,6 +269,12 @@ class ReferenceBackend:
             [e.up_proj.weight for e in experts],
             [e.down_proj.weight for e in experts],
         )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm_ref.rms_norm(x, weight, eps)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm_ref.gated_rms_norm(x, gate, weight, eps)
 
 
 def _metadata(batch: ForwardBatch) -> ReferenceMetadata:

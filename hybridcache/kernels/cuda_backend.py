@@ -7,6 +7,7 @@
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | fla's chunked kernel over all sequences         |
 | moe              | `torch._grouped_mm` over all experts (`moe/grouped.py`)                                       |
+| rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
@@ -32,6 +33,7 @@ from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.varlen import chunk_indices
 
 _ATTENTION_BLOCK_M = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
@@ -145,6 +147,12 @@ class CudaBackend:
         if stacked is None:
             stacked = self._experts[experts] = ExpertWeights.share(experts)
         return grouped_experts(x, top_weights, top_ids, stacked)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused_norm.rms_norm(x, weight, eps)
+
+    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return fused_norm.gated_rms_norm(x, gate, weight, eps)
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:

@@ -51,8 +51,8 @@ class GatedAttention(nn.Module):
         (updated in place)."""
         num_tokens = hidden.shape[0]
         query, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query = self.q_norm(query)
-        key = self.k_norm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim))
+        query = self.q_norm(query, step.backend)
+        key = self.k_norm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim), step.backend)
         value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = step.rope
         query = apply_partial_rotary(query, cos, sin)

@@ -98,7 +98,7 @@ class _GatedDeltaNetBase(nn.Module):
         conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
         q, k, v = self._split_heads(conv_out)
         core = backend.gated_delta_rule(q, k, v, g, beta, state["ssm"], batch)
-        core = self.norm(core, z)
+        core = self.norm(core, z, backend)
         return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
 
 

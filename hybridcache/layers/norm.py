@@ -1,7 +1,8 @@
-"""RMSNorm variants of Qwen3.5 / Qwen3-Next (checked against transformers 5.24).
+"""RMSNorm modules of Qwen3.5 / Qwen3-Next: they hold the weight; the math is the kernel backend's
+(`rms_norm`, `gated_rms_norm`; see `hybridcache.kernels.norm.reference` for the formulas).
 
-- `ZeroCenteredRMSNorm`: y = x / rms(x) * (1 + w), computed in fp32, `weight` initialised to 0. Used for
-  input_layernorm, post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
+- `ZeroCenteredRMSNorm`: y = x / rms(x) * (1 + w), `weight` initialised to 0. Used for input_layernorm,
+  post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
 - `GatedRMSNorm`: y = (w * x / rms(x)) * silu(gate), `weight` initialised to 1 (NOT zero-centred). Used
   as `linear_attn.norm` on each DeltaNet value head, gated by z.
 """
@@ -9,8 +10,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridcache.kernels.backend import KernelBackend
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -21,10 +23,8 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+    def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        return backend.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -35,9 +35,5 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
-        return (out * F.silu(gate.float())).to(dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
+        return backend.gated_rms_norm(x, gate, self.weight, self.eps)

@@ -52,9 +52,9 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), step, state)
+        hidden = hidden + self.mixer(self.input_layernorm(hidden, step.backend), step, state)
         if self.mlp is not None:
-            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden), step)
+            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden, step.backend), step)
         return hidden
 
 
@@ -172,7 +172,7 @@ class HybridCausalLM(nn.Module):
         step = StepContext(batch=batch, backend=backend, rope=rope)
         for layer, state in zip(self.model.layers, pools.layers, strict=True):
             hidden = layer(hidden, step, state)
-        last = self.model.norm(hidden[batch.logits_indices])
+        last = self.model.norm(hidden[batch.logits_indices], backend)
         if LAST_HIDDEN in pools.slot_state:  # one row per sequence: its slot's hidden state at its last token
             pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
         return self.lm_head(last).float()

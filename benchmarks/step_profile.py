@@ -1,0 +1,175 @@
+"""Where the milliseconds of one decode step go (issue 11's "profile" must-show).
+
+    PYTHONPATH=. python benchmarks/step_profile.py [--model next-1b] [--device cuda] [--seqs 64]
+
+Builds the random model folder of `benchmarks/gpu_bench.py`, prefills `--seqs` prompts of `--prompt-len` tokens,
+then decodes `--steps` steps twice:
+1. phase-timed: each part of `LLMEngine.step` (schedule, build inputs, execute, sample, postprocess) is timed
+   with a device synchronisation after it, so each row is that part's own cost (host + device);
+2. free-running: the plain step wall time, as a user sees it (parts overlap where they can).
+Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time.
+`--prefill`: instead, phase C of the GPU benchmark (a cold 16,000-token prompt, then it + 200 tokens) three times
+with fresh prompts, each request timed, then the operators of one more cold and one more warm request.
+Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import MODELS, build_model, letters  # noqa: E402
+
+import hybridcache.engine.engine as engine_module  # noqa: E402
+from hybridcache import LLM  # noqa: E402
+from hybridcache.sampling import SamplingParams  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def instrument(engine, times: dict[str, list[float]]) -> None:
+    """Wrap the parts of one step so each records its own wall time, ending on a device sync."""
+    device = engine.device
+
+    def wrap(owner, name: str, key: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            sync(device)
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            sync(device)
+            times.setdefault(key, []).append(time.perf_counter() - start)
+            return result
+
+        setattr(owner, name, timed)
+
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine_module, "build_forward_batch", "build inputs")
+    wrap(engine.runner, "execute", "execute (forward)")
+    wrap(engine_module, "sample", "sample")
+    wrap(engine, "_postprocess", "postprocess (incl. sample)")
+
+
+def decode_steps(engine, prompts: list[str], steps: int) -> list[float]:
+    """Add the prompts, run until every sequence decodes, then time `steps` decode steps."""
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{time.perf_counter_ns()}-{i}", prompt, params)
+    while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return walls
+
+
+def print_operators(prof) -> None:
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=20))
+
+
+def profile_prefill(llm: LLM, rng: random.Random, device: torch.device) -> None:
+    """Phase C three times with fresh prompts (the first may include kernel compilation), then profiled."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def request(prompt: str) -> float:
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        return 1000 * (time.perf_counter() - start)
+
+    print("| run | cold 16,000 ms | + 200 ms |\n| --- | --- | --- |")
+    for run in range(3):
+        prompt = letters(rng, 16000)
+        print(f"| {run} | {request(prompt):.1f} | {request(prompt + letters(rng, 200)):.1f} |", flush=True)
+    if device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = letters(rng, 16000)
+    for name, text in (("cold", prompt), ("warm", prompt + letters(rng, 200))):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ms = request(text)
+        print(f"\n{name}: {ms:.1f} ms")
+        print_operators(prof)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="next-1b", choices=list(MODELS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--prefill", action="store_true", help="profile phase C (long prefill) instead of decode")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    folder = build_model(args.model, Path(tempfile.mkdtemp()))
+    llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
+              block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
+              max_model_len=17000 if args.prefill else None)
+    engine = llm.engine
+    rng = random.Random(0)
+    if args.prefill:
+        return profile_prefill(llm, rng, device)
+    prompts = lambda: [letters(rng, args.prompt_len) for _ in range(args.seqs)]  # noqa: E731
+    decode_steps(engine, prompts(), 8)  # warm-up: compile every shape once
+    free = decode_steps(engine, prompts(), args.steps)
+    times: dict[str, list[float]] = {}
+    instrument(engine, times)
+    timed_walls = decode_steps(engine, prompts(), args.steps)
+    n = args.steps
+    parts = {key: 1000 * sum(values[-n:]) / n for key, values in times.items()}
+    result = {
+        "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
+        "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
+        "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
+        "parts_ms": parts,
+    }
+    print(f"\n{args.model} on {result['device']}, {args.seqs} sequences decoding, graphs {result['cuda_graphs']}")
+    print(f"free-running decode step p50: {result['free_step_ms_p50']:.2f} ms; phase-synced step p50 "
+          f"{result['synced_step_ms_p50']:.2f} ms")
+    print("| part | ms per step (own cost, synced) |\n| --- | --- |")
+    for key, ms in parts.items():
+        print(f"| {key} | {ms:.2f} |")
+    if device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate(prompts()):
+            engine.add_request(f"prof{i}", prompt, params)
+        while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
+        print_operators(prof)
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""RMSNorm kernels: `reference` (torch, any device) and `triton` (fused, CUDA)."""

@@ -1,0 +1,30 @@
+"""The RMSNorms of Qwen3.5 / Qwen3-Next in torch (checked against transformers 5.24); the CPU ground truth of
+`kernels/norm/triton.py`.
+
+- `rms_norm` (zero-centred): y = x / rms(x) * (1 + w), computed in fp32, rounded once to x's dtype. Used for
+  input_layernorm, post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
+- `gated_rms_norm`: y = (w * x / rms(x)) * silu(gate), w NOT zero-centred; the normalised x is rounded to x's
+  dtype before the weight multiplies it (as the module does). Used as `linear_attn.norm` on each DeltaNet value
+  head, gated by z.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim], weight [dim] -> [..., dim] in x's dtype."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).type_as(x)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype: norm first, then multiply by silu(gate)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(dtype)
+    return (out * F.silu(gate.float())).to(dtype)
