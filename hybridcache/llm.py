@@ -85,7 +85,7 @@ class LLM:
         for prompt, params in zip(validated, params_list):
             request_id = str(self._next_id)
             self._next_id += 1
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, final_only=True)
             ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:

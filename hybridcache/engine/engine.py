@@ -53,11 +53,13 @@ class ValidPrompt:
 class _Request:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
     `texts[i]` its incremental detokenizer, `logprobs[i]` its tokens' logprobs (when asked for),
-    `matchers[i]` its own grammar state (structured output; None when unconstrained)."""
+    `matchers[i]` its own grammar state (structured output; None when unconstrained); `final_only`: `step`
+    returns its output only once it has finished."""
 
     request_id: str
     prompt: str | None
     params: SamplingParams
+    final_only: bool = False
     seqs: list[Seq] = field(default_factory=list)
     texts: list[IncrementalDetokenizer] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
@@ -194,10 +196,14 @@ class LLMEngine:
         prompt: str | list[int] | ValidPrompt,
         params: SamplingParams | None = None,
         mm_inputs: SequenceOf[MultimodalInput] = (),
+        *,
+        final_only: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
-        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`)."""
+        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`). `final_only`: `step` returns
+        this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
+        building the cumulative output of every request at every step costs host time)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -206,7 +212,7 @@ class LLMEngine:
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
-        request = _Request(request_id, prompt.text, params)
+        request = _Request(request_id, prompt.text, params, final_only=final_only)
         for index in range(params.n):
             request.seqs.append(
                 Seq(
@@ -265,8 +271,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one forward; returns the output so far of every request that sampled a token in it
-        (`finished` tells which are done; their memory is already released)."""
+        """Run one forward; returns the output so far of every request that sampled a token in it, except
+        `final_only` requests still running (`finished` tells which are done; their memory is already released)."""
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
@@ -317,8 +323,10 @@ class LLMEngine:
             touched[seq.request_id] = request
         outputs = []
         for request_id, request in touched.items():
-            outputs.append(self._output(request))
-            if request.finished:
+            finished = request.finished
+            if finished or not request.final_only:
+                outputs.append(self._output(request))
+            if finished:
                 del self._requests[request_id]
         return outputs
 

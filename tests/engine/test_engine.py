@@ -174,3 +174,20 @@ def test_abort_mid_prefill_and_mid_decode_releases_everything(model_dir):
     engine.clear_cache()
     assert engine.stats()["num_blocks_used"] == 0 and engine.stats()["num_slots_used"] == 0
     assert not engine.has_unfinished_requests()
+
+
+def test_final_only_requests_come_out_once_finished_with_the_same_tokens(model_dir):
+    """`add_request(..., final_only=True)` (what LLM.generate uses): `step` returns nothing for the request
+    until it finishes, then its full output, equal to what a streamed request ends with."""
+    engine = small_llm(model_dir).engine
+    prompt = prompts_of([30], seed=3)[0]
+    engine.add_request("streamed", prompt, GREEDY)
+    engine.add_request("final", prompt, GREEDY, final_only=True)
+    seen: dict[str, list] = {"streamed": [], "final": []}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            seen[output.request_id].append(output)
+    assert len(seen["streamed"]) == GREEDY.max_tokens and not any(o.finished for o in seen["streamed"][:-1])
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert seen["final"][0].outputs[0].token_ids == seen["streamed"][-1].outputs[0].token_ids
+    engine.check_integrity()
