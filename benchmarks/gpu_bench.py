@@ -146,7 +146,7 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"d{i}", prompt, params)
+        engine.add_request(f"d{i}", prompt, params, final_only=True)  # as LLM.generate does
     finished, prefill_steps, decode_steps, steps = {}, [], [], []
     while engine.has_unfinished_requests():
         step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens

@@ -68,7 +68,7 @@ def decode_steps(engine, prompts: list[str], steps: int) -> list[float]:
     """Add the prompts, run until every sequence decodes, then time `steps` decode steps."""
     params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"p{time.perf_counter_ns()}-{i}", prompt, params)
+        engine.add_request(f"p{time.perf_counter_ns()}-{i}", prompt, params, final_only=True)  # as LLM.generate
     while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     walls = []

@@ -336,7 +336,7 @@ class LLMEngine:
             return "stop"
         if text.add(token):
             return "stop"
-        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 

@@ -3,7 +3,7 @@ all experts (`torch._grouped_mm`). Same contract as `moe/reference.py::routed_ex
 adds the shared expert).
 
 Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing is read back):
-    order = stable sort of the T*k (token, pick) pairs by expert;  counts per expert by scatter_add
+    order = stable sort of the T*k (token, pick) pairs by expert (int16 keys);  counts per expert by scatter_add
     offs = cumsum(counts) (int32 group ends);  xs = x[token of each sorted pair]            [T*k, H]
     h = grouped_mm(xs, W_gate_up^T, offs) -> silu(gate) * up                                [T*k, I]
     y = grouped_mm(h, W_down^T, offs)                                                        [T*k, H]
@@ -65,8 +65,11 @@ def grouped_experts(
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])."""
     num_tokens, top_k = top_ids.shape
     num_experts = experts.gate_up.shape[0]
+    if num_experts > torch.iinfo(torch.int16).max:
+        raise ValueError(f"{num_experts} experts: the grouped MoE sorts expert ids as int16 (at most 32,767)")
     flat_ids = top_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
+    # int16 keys (E <= 32,767): the radix sort makes 4x fewer passes than over int64 (~26 -> ~7 us at T*k = 256)
+    order = torch.argsort(flat_ids.to(torch.int16), stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
