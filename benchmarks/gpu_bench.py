@@ -3,7 +3,8 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
         [--check-graphs] [--out DIR]
 
-Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`; bf16; byte tokenizer):
+Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
+one; bf16; byte tokenizer):
 
 | name       | config                                                                                          |
 | ---------- | ----------------------------------------------------------------------------------------------- |
@@ -75,9 +76,13 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
     config.architectures = [model_class]
     with torch.device("meta"):
         model = getattr(transformers, model_class)(config)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
-    randomize_(model, seed=seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # drawing 9-17B values on the CPU takes minutes
+    model = model.to_empty(device=device).to(torch.bfloat16)
+    randomize_(model, seed=seed, draw_device=device)
     model.save_pretrained(path)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
 

@@ -25,11 +25,13 @@ from torch import nn
 
 
 def _draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    device = generator.device
+
     def normal(std: float) -> torch.Tensor:
-        return torch.randn(shape, generator=generator) * std
+        return torch.randn(shape, generator=generator, device=device) * std
 
     def uniform(low: float, high: float) -> torch.Tensor:
-        return torch.rand(shape, generator=generator) * (high - low) + low
+        return torch.rand(shape, generator=generator, device=device) * (high - low) + low
 
     if name.endswith("A_log"):
         return uniform(0.05, 1.0).log()
@@ -45,13 +47,14 @@ def _draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Ten
 
 
 @torch.no_grad()
-def randomize_(module: nn.Module, seed: int) -> None:
+def randomize_(module: nn.Module, seed: int, draw_device: torch.device | str = "cpu") -> None:
     """Overwrite every parameter of `module` in place, deterministically from `seed` (see the rules above).
 
-    Draws happen on the CPU in `named_parameters()` order (tied parameters once), so the same module
-    class gets the same values on any device.
+    Draws happen on `draw_device` (default the CPU) in `named_parameters()` order (tied parameters once), so the
+    same module class gets the same values wherever it lives; drawing on a GPU (benchmarks' multi-GB models) is
+    much faster but gives other values than the CPU for the same seed.
     """
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(draw_device).manual_seed(seed)
     for name, param in module.named_parameters():
         param.copy_(_draw(name, param.shape, generator).to(param.dtype))
 
