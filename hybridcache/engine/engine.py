@@ -138,6 +138,11 @@ class LLMEngine:
             )
         self.tokenizer = Tokenizer(self.model_path)
         dtype, state_dtype = _DTYPES[config.dtype], _DTYPES[config.state_dtype]
+        if on_cuda and dtype == torch.float32:
+            # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
+            # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
+            # when a kernel compiles; a value the user set wins.
+            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
         model = load_model(self.model_path, dtype=dtype, device=self.device)
         backend = get_backend(self.device)
         specs = model.state_specs(dtype, state_dtype)
