@@ -67,6 +67,17 @@ MODELS = {
 PHASES = ("A", "B", "C", "D")
 
 
+def model_folder(name: str, model_dir: str | None) -> Path:
+    """The folder of model `name`: `model_dir` as is when it already holds a config.json (a folder an earlier
+    run built, so several scripts of one device session build a multi-GB model once), else built there (or in
+    a fresh temporary folder when `model_dir` is None)."""
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        return Path(model_dir)
+    path = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp())
+    path.mkdir(parents=True, exist_ok=True)
+    return build_model(name, path)
+
+
 def build_model(name: str, path: Path, seed: int = 0) -> Path:
     """Write the random bf16 model folder `name` (see MODELS) with the byte tokenizer to `path`."""
     import transformers
@@ -212,6 +223,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
     args = parser.parse_args()
@@ -223,7 +235,7 @@ def main() -> None:
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
-    folder = build_model(args.model, Path(tempfile.mkdtemp()))
+    folder = model_folder(args.model, args.model_dir)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result: dict = {"model": args.model, "device": device_name, "build_s": time.perf_counter() - start,
                     "date": time.strftime("%Y-%m-%d"), "phases": {}}
