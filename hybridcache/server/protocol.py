@@ -67,6 +67,7 @@ class _SamplingRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    prompt_logprobs: Int64 | None = None  # vLLM's extension: logprobs of the prompt's tokens (not with stream)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -99,6 +100,9 @@ class _SamplingRequest(BaseModel):
     def check_n(self) -> None:
         if self.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM)",
+                           param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None) -> SamplingParams:
         """SamplingParams for `max_tokens` new tokens under the constraint `guided`; a bad value is an
@@ -124,6 +128,7 @@ class _SamplingRequest(BaseModel):
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=logit_bias,
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.prompt_logprobs,
                 guided=guided,
             )
         except ValueError as error:
