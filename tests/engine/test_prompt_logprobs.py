@@ -90,9 +90,11 @@ def test_n_completions_and_a_one_token_prompt(model_dir):
     assert len(out[0].outputs) == 3
 
 
-def test_prompt_logprobs_worked_example():
-    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
-    got = prompt_logprobs(logits, torch.tensor([2, 2]), 1, decode=str)
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_prompt_logprobs_worked_example(device):
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]])).to(device)
+    got = prompt_logprobs(logits, torch.tensor([2, 2], device=device), 1, decode=str)
     assert list(got[0]) == [2, 0]
     assert got[0][2] == Logprob(pytest.approx(math.log(0.1)), 3, "2")
     assert got[0][0] == Logprob(pytest.approx(math.log(0.7)), 1, "0")
