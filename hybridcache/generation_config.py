@@ -17,9 +17,10 @@ import enum
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hybridcache.sampling import SamplingParams
+if TYPE_CHECKING:
+    from hybridcache.sampling import SamplingParams
 
 FILE_NAME = "generation_config.json"
 
@@ -62,6 +63,8 @@ class SamplingDefaults:
         if not isinstance(data, dict):
             raise ValueError(f"{path} must hold a JSON object")
         values = {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
+        from hybridcache.sampling import SamplingParams  # here: the command line parses without torch
+
         try:
             SamplingParams(**values)
         except (ValueError, TypeError) as error:
@@ -74,6 +77,8 @@ class SamplingDefaults:
 
     def sampling_params(self) -> SamplingParams:
         """SamplingParams with these defaults and SamplingParams' own for the rest."""
+        from hybridcache.sampling import SamplingParams
+
         return SamplingParams(**self.as_dict())
 
     def pick(self, name: str, requested: Any, fallback: Any) -> Any:
