@@ -11,6 +11,7 @@ from importlib import import_module
 from importlib.util import find_spec
 
 from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument
+from hybridcache.generation_config import add_generation_config_arg
 
 # Subcommands that live with their feature: each module has `register(subparsers)`.
 _SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli")
@@ -26,12 +27,16 @@ DEFAULT_PROMPTS = (
 def cmd_generate(args: argparse.Namespace) -> int:
     from hybridcache import LLM, SamplingParams
 
+    llm = LLM(model_argument(args), generation_config=args.generation_config, **engine_options(args))
+    defaults = llm.sampling_defaults  # what a flag left unset takes, before the command's own defaults
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
-        seed=args.seed, n=args.n, ignore_eos=args.ignore_eos,
+        temperature=defaults.pick("temperature", args.temperature, 0.0),
+        top_p=defaults.pick("top_p", args.top_p, 1.0), top_k=defaults.pick("top_k", args.top_k, 0),
+        min_p=defaults.pick("min_p", None, 0.0), repetition_penalty=defaults.pick("repetition_penalty", None, 1.0),
+        max_tokens=defaults.pick("max_tokens", args.max_tokens, 32), seed=args.seed, n=args.n,
+        ignore_eos=args.ignore_eos,
     )
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    llm = LLM(model_argument(args), **engine_options(args))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -60,10 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
-    gen.add_argument("--max-tokens", type=int, default=32, help="new tokens per completion at most")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0 is off)")
-    gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 is off)")
+    from_file = "default: the model's generation_config.json (see --generation-config), else"
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help=f"new tokens per completion at most ({from_file} 32)")
+    gen.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({from_file} 0)")
+    gen.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling, 1.0 is off ({from_file} 1.0)")
+    gen.add_argument("--top-k", type=int, default=None, help=f"top-k sampling, 0 is off ({from_file} 0)")
+    add_generation_config_arg(gen)
     gen.add_argument("--seed", type=int, default=None, help="seed of random sampling (default: unseeded)")
     gen.add_argument("-n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")

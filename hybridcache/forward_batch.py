@@ -59,6 +59,8 @@ class ForwardBatch:
     slot_mapping   [T] int64      flat row (page * kernel_block_size + offset) where each token's KV goes
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
+    prompt_logits_rows [R] int64  more rows whose logits the forward returns, after the S rows of logits_indices
+                   (prompt logprobs: every row of a prompt chunk but its last); None when there are none.
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
     copies         the step's copy ops, executed by the runner around the forward (the model never reads them).
     embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
@@ -81,6 +83,7 @@ class ForwardBatch:
     copies: tuple[DeviceCopyOp, ...] = ()
     embed_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    prompt_logits_rows: torch.Tensor | None = None
     metadata: Any = None
 
     @property

@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine_args import resolve_engine_config
+from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
 from hybridcache.model_path import resolve_model
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
@@ -25,14 +26,24 @@ class LLM:
     (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
     `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, ...); `dtype` and `device` also take
     "auto", as on the command line (`LLM` itself defaults to EngineConfig's float32 on cpu).
+    `generation_config`: "auto" takes the sampling defaults of calls without sampling params from the model
+    folder's generation_config.json, "vllm" ignores the file (see `hybridcache.generation_config`).
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_options) -> None:
+    def __init__(self, model: str | Path | None = None, *,
+                 generation_config: GenerationConfigSource | str = GenerationConfigSource.AUTO,
+                 **engine_options) -> None:
         resolved = resolve_model(model)
         self.model_name = resolved.name
+        self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no sampling params: the model folder's generation config
+        defaults (unless `generation_config="vllm"`) over SamplingParams' own, as in vLLM."""
+        return self.sampling_defaults.sampling_params()
 
     def chat(
         self,
@@ -67,7 +78,8 @@ class LLM:
         """Generate completions for every prompt, batched together; outputs come in prompt order.
 
         A prompt is a string or a list of token ids; a single prompt may be passed bare. Every prompt is
-        validated before any is queued, so a bad prompt raises without running the others.
+        validated before any is queued, so a bad prompt raises without running the others. Without
+        `sampling_params`, `get_default_sampling_params()`.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -75,7 +87,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

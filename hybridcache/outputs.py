@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridcache.sampling import TokenLogprob
+from hybridcache.sampling import PromptLogprobs, TokenLogprob
 
 
 @dataclass
@@ -25,7 +25,10 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """A request's result. `cached_tokens`: prompt tokens whose computation the prefix cache skipped
-    (for n > 1, the smallest over its completions, each of which runs the prompt as its own sequence)."""
+    (for n > 1, the smallest over its completions, each of which runs the prompt as its own sequence).
+    `prompt_logprobs` (when the request's `SamplingParams.prompt_logprobs` is set, as vLLM's): one entry per
+    prompt token, None for the first, then {token id: Logprob} holding the prompt token and the k likeliest
+    tokens at that position."""
 
     request_id: str
     prompt: str | None
@@ -33,3 +36,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     cached_tokens: int = 0
     finished: bool = False
+    prompt_logprobs: PromptLogprobs | None = None

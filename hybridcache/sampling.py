@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,10 @@ class SamplingParams:
     sampled before the completion has that many tokens.
     `logprobs`: None (off) or k in [0, 20]: each sampled token carries its log-probability and the k most
     likely tokens with theirs (log_softmax of the model's fp32 logits, before any penalty or temperature).
+    `prompt_logprobs`: None (off) or k in [0, 20]: the request's output carries, for every prompt token after the
+    first, its log-probability given the tokens before it, its rank, and the k most likely tokens there
+    (`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt: it takes nothing from the
+    prefix cache (it still saves checkpoints for later requests).
     `guided`: a structured-output constraint (see `hybridcache.guided`), or None.
     """
 
@@ -59,6 +63,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     guided: object | None = None
 
     def __post_init__(self) -> None:
@@ -99,6 +104,9 @@ class SamplingParams:
              "logit_bias maps non-negative token ids to values in [-100, 100]"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None
+             or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -143,6 +151,45 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability at a position and its rank there among the vocabulary (1 = the likeliest;
+    tokens of equal logprob share the better rank), as vLLM's `Logprob`. `decoded_token`: the token's text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
+                    decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+    """For each row i of `logits` [R, vocab] (the model's logits at a prompt position), the entry of the prompt
+    token that follows it, `targets[i]`: {targets[i]: its Logprob, then the k likeliest tokens: theirs}, the
+    prompt token first (a top-k token that is the prompt token is not repeated). One host copy. `decode`: a
+    token id's text, for `Logprob.decoded_token` (left None without it).
+
+    Worked example, k = 1, one row with log_softmax [-0.1, -2.5, -3.0] and target 2:
+    {2: Logprob(-3.0, rank 3), 0: Logprob(-0.1, rank 1)}.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(k, dim=-1)
+    targets_list, chosen_list, ranks_list, values, ids = (
+        t.tolist() for t in (targets, chosen.squeeze(1), ranks, top_values, top_ids))
+    out = []
+    for i, target in enumerate(targets_list):
+        entry = {target: Logprob(chosen_list[i], ranks_list[i], decode(target) if decode else None)}
+        for rank, (token, value) in enumerate(zip(ids[i], values[i]), start=1):
+            if token not in entry:
+                entry[token] = Logprob(value, rank, decode(token) if decode else None)
+        out.append(entry)
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,45 +1,48 @@
-"""The model folder's tokenizer: `tokenizer.json` (+ `tokenizer_config.json` for special tokens and the
-chat template), through transformers' fast-tokenizer class."""
+"""The model folder's tokenizer, loaded by `transformers.AutoTokenizer` (as vLLM does): `tokenizer_config.json`
+picks the class, the special tokens and the chat template (or `chat_template.jinja`); without it, config.json's
+model type picks the class. It must be a fast tokenizer (`tokenizer.json`): the incremental detokenizer steps
+over its `tokenizers` backend."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers.decoders import DecodeStream
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
+# that converts its own vocabulary files (vocab.json + merges.txt, tokenizer.model, ...).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 class Tokenizer:
-    """Encodes text, decodes token ids and renders chat messages with the folder's own chat template."""
+    """Encodes text, decodes token ids and renders chat messages with the folder's own chat template.
+
+    A folder with none of tokenizer.json / tokenizer_config.json is a FileNotFoundError; one AutoTokenizer cannot
+    load, or that gives no fast tokenizer, a ValueError naming the folder and the cause."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"{model_dir} has no tokenizer.json")
-        config_path = model_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        special = {}
-        for key in _SPECIAL_KEYS:
-            value = config.get(key)
-            if isinstance(value, dict):  # older format: {"content": ..., ...}
-                value = value.get("content")
-            if isinstance(value, str):
-                special[key] = value
-        self._tok = PreTrainedTokenizerFast(tokenizer_file=str(path), **special)
-        template = config.get("chat_template")
-        jinja = model_dir / "chat_template.jinja"
-        if template is None and jinja.is_file():
-            template = jinja.read_text()
-        self.chat_template: str | None = template
+        if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+            raise FileNotFoundError(f"{model_dir} has no tokenizer: it needs tokenizer.json (and usually "
+                                    "tokenizer_config.json)")
+        try:
+            tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - transformers raises many types for one cause: a bad folder
+            raise ValueError(f"could not load the tokenizer of {model_dir}: {type(error).__name__}: {error}") from None
+        if not isinstance(getattr(tok, "backend_tokenizer", None), tokenizers.Tokenizer):
+            raise ValueError(f"the tokenizer of {model_dir} ({type(tok).__name__}) is not a fast tokenizer; "
+                             "add its tokenizer.json")
+        self._tok = tok
+        template = tok.chat_template
+        if isinstance(template, dict):  # several named templates: the default one
+            template = template.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) else None
 
     @property
-    def hf(self) -> PreTrainedTokenizerFast:
+    def hf(self) -> PreTrainedTokenizerBase:
         """The transformers tokenizer (what grammar libraries build their token tables from)."""
         return self._tok
 

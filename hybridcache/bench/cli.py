@@ -8,7 +8,10 @@ import os
 import sys
 from pathlib import Path
 
+from hybridcache.model_path import resolve_model
+
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
+_MODEL_FORMS = "a model folder, a Hugging Face snapshot folder, or a hub id held by the local Hugging Face cache"
 
 
 def register(subparsers) -> None:
@@ -22,7 +25,8 @@ def register(subparsers) -> None:
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated; NAME:B runs a policy at block size B (e.g. block-aligned:528)")
     sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
-    sim.add_argument("--model", default=None, help="model folder whose config.json sizes the cache (default: built-in)")
+    sim.add_argument("--model", default=None, help=f"the model whose config.json sizes the cache: {_MODEL_FORMS} "
+                     "(default: built-in)")
     sim.add_argument("--block-size", type=int, default=64)
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
@@ -44,7 +48,7 @@ def register(subparsers) -> None:
     bench.add_argument("--trace", default=None,
                        help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
     bench.add_argument("--modes", default="none,block-aligned,hybridcache")
-    bench.add_argument("--model", default=None, help="model folder (default: the built-in model)")
+    bench.add_argument("--model", default=None, help=f"{_MODEL_FORMS} (default: the built-in model)")
     bench.add_argument("--num-sessions", type=int, default=8, help="chat workloads: sessions (default: %(default)s)")
     bench.add_argument("--max-turns", type=int, default=3,
                        help="chat workloads: model calls per session (default: %(default)s)")
@@ -64,7 +68,7 @@ def register(subparsers) -> None:
     bench.add_argument(
         "--server", default=None,
         help="URL of a running `hybridcache serve` to benchmark over HTTP instead of the offline engine "
-        "(--modes is then ignored: the server runs one mode; --model must name the server's model folder)",
+        "(--modes is then ignored: the server runs one mode; --model must name the server's model)",
     )
     bench.add_argument("--concurrency", type=int, default=64, help="with --server: requests in flight at most")
     bench.add_argument("--out-dir", default="results", help="where the JSON and PNGs go")
@@ -83,9 +87,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridcache.bench.workloads import load_workload
 
     specs = parse_policies(args.policies, args.block_size)
-    cost = load_model_cost(args.model)
+    model_dir = resolve_model(args.model).path if args.model is not None else None
+    cost = load_model_cost(model_dir)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
-                             model_dir=args.model)
+                             model_dir=model_dir)
     json_path, plot_path = fresh_paths(args.json, args.plot)
     budget = int(args.memory_gib * GIB)
     memories = [budget]
@@ -159,10 +164,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench
     from hybridcache.bench.workloads import ChatOptions, load_workload
-    from hybridcache.models.builtin import ensure_builtin_model
-
     modes = ("server",) if args.server else tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    model_path = Path(args.model) if args.model else ensure_builtin_model()
+    resolved = resolve_model(args.model)
+    model_path = resolved.path
     chat = ChatOptions(args.num_sessions, args.max_turns, args.max_message_chars, args.max_prompt_len)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_path, chat=chat)
@@ -177,7 +181,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_server_bench(args.server, workload, config, concurrency=args.concurrency, on_progress=bar.update)
     else:
-        result = run_bench(model_path, workload, config, bar.update, model_name=model_path.name)
+        result = run_bench(model_path, workload, config, bar.update, model_name=resolved.name)
     bar.close()
     print(format_bench_table(result, count_calls(workload)))
     out = Path(args.out_dir)
@@ -187,7 +191,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     _write_json(json_path, result.to_json())
     from hybridcache.bench.plots import plot_hit_rate_by_turn, plot_ttft_cdf
 
-    title = f"{workload.name}, {model_path.name}"
+    title = f"{workload.name}, {resolved.name}"
     ttfts = {m: list(r.ttfts_s) for m, r in result.modes.items()}
     by_turn = {m: r.hit_rate_by_turn for m, r in result.modes.items()}
     print(f"plot: {plot_ttft_cdf(cdf_path, title, ttfts)}")

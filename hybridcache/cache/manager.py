@@ -76,11 +76,12 @@ class PrefixCache:
         boundary, whose tail equals the prompt there. The result must go to `admit` or `release_match`
         exactly once. With `full_prompt_hits`, `cached_len == prompt_len` is a zero-prefill hit: the
         restored slot holds the last prompt position's hidden state, and the caller samples from it.
+        `request.skip_reading`: always a miss (the divergence step is still found, for a branch-point save).
         """
         size = self.block_size
         max_step = self.max_match_step(request)
         path = walk_prompt(self._trie, request, size)
-        ckpt = find_deepest(self._trie, path, request, size, max_step) if path else None
+        ckpt = find_deepest(self._trie, path, request, size, max_step) if path and not request.skip_reading else None
         cached_len = ckpt.step if ckpt is not None else 0
         divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
         if ckpt is not None:

@@ -39,6 +39,8 @@ class CacheRequest:
                    `(start, end, content_hash)` triples; kept sorted by start.
     routed_experts whether the caller wants the routed-expert ids of the prompt: then a partial hit needs the
                    checkpoint's tail routed-expert history, and partial saves need it too.
+    skip_reading   the caller must compute every prompt position (it wants the prompt's logits): `match` finds
+                   no hit (cached_len 0, nothing pinned); its sequence still saves checkpoints for others.
     memo           values the cache derives from the request alone (its chained block hashes), computed on
                    first use and reused by every match of this object (and by every cache it is given to).
     """
@@ -48,6 +50,7 @@ class CacheRequest:
     adapter: str | None = None
     mm_spans: tuple[MultimodalSpan, ...] = ()
     routed_experts: bool = False
+    skip_reading: bool = False
     _span_ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
     memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 

@@ -27,7 +27,7 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import SamplingParams, TokenLogprob, make_generator, sample
+from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, make_generator, prompt_logprobs, sample
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -53,8 +53,9 @@ class ValidPrompt:
 class _Request:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
     `texts[i]` its incremental detokenizer, `logprobs[i]` its tokens' logprobs (when asked for),
-    `matchers[i]` its own grammar state (structured output; None when unconstrained); `final_only`: `step`
-    returns its output only once it has finished."""
+    `matchers[i]` its own grammar state (structured output; None when unconstrained), `prompt_logprobs` the
+    prompt's logprobs when asked for (entry p for prompt token p, None for p = 0 and until computed);
+    `final_only`: `step` returns its output only once it has finished."""
 
     request_id: str
     prompt: str | None
@@ -64,10 +65,19 @@ class _Request:
     texts: list[IncrementalDetokenizer] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     matchers: list = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]:
+    """Per chunk: it feeds prompt positions whose logits give prompt logprobs (the first completion of a request
+    that asked for them; the others compute the same prompt). () when no chunk does."""
+    flags = tuple(c.seq.index == 0 and c.seq.params.prompt_logprobs is not None and c.start < c.seq.prompt_len - 1
+                  for c in chunks)
+    return flags if any(flags) else ()
 
 
 def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) -> Scheduler:
@@ -218,6 +228,8 @@ class LLMEngine:
         prompt_ids = prompt.token_ids
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
         request = _Request(request_id, prompt.text, params, final_only=final_only)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None] * len(prompt_ids)
         for index in range(params.n):
             request.seqs.append(
                 Seq(
@@ -283,10 +295,13 @@ class LLMEngine:
             return []
         chunks = scheduled.chunks
         if chunks:
+            wants_prompt = _prompt_logits_flags(chunks)
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
                                         kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                        copies=scheduled.copies)
+                                        copies=scheduled.copies, prompt_logits=wants_prompt)
             logits = self.runner.execute(batch)
+            if wants_prompt:
+                self._record_prompt_logprobs(chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.device))
         sampled = [c.seq for c in chunks if c.samples]
@@ -335,6 +350,30 @@ class LLMEngine:
                 del self._requests[request_id]
         return outputs
 
+    def _record_prompt_logprobs(self, chunks: SequenceOf[ScheduledChunk], flags: SequenceOf[bool],
+                                logits: torch.Tensor) -> None:
+        """Store the prompt logprobs of the flagged chunks. `logits` is what the runner returned: row i at chunk
+        i's last token, then each flagged chunk's other rows in chunk order. The logits at position p give
+        the logprob of prompt token p + 1.
+
+        Worked example: 2 chunks, chunk 1 flagged, start 10, 4 tokens: rows [2, 3, 4, 1] hold positions
+        10..13, i.e. prompt tokens 11..14 (a position at or past prompt_len - 1 predicts no prompt token)."""
+        next_row = len(chunks)
+        for i, (chunk, flag) in enumerate(zip(chunks, flags)):
+            if not flag:
+                continue
+            rows = [*range(next_row, next_row + chunk.num_tokens - 1), i]
+            next_row += chunk.num_tokens - 1
+            seq = chunk.seq
+            count = min(chunk.end, seq.prompt_len - 1) - chunk.start
+            targets = torch.tensor(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], device=logits.device)
+            entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
+                                      decode=self._decode_token)
+            self._requests[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer) -> str | None:
         """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
         if self._is_stop_token(seq, token):
@@ -360,6 +399,7 @@ class LLMEngine:
             outputs=completions,
             cached_tokens=min(c.cached_tokens for c in completions),
             finished=request.finished,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
 
     def _is_stop_token(self, seq: Seq, token: int) -> bool:

@@ -48,9 +48,13 @@ def build_forward_batch(
     kernel_block_size: int,
     device: torch.device | str = "cpu",
     copies: CopyPlan | None = None,
+    prompt_logits: Sequence[bool] = (),
 ) -> ForwardBatch:
     """Concatenate the chunks into one `ForwardBatch` (see `hybridcache.forward_batch`), with the step's copy
-    plan turned into device id tensors."""
+    plan turned into device id tensors. `prompt_logits[i]` (default: False for every chunk): chunk i also gets
+    logits at each of its rows but its last (`prompt_logits_rows`, in chunk order), for prompt logprobs."""
+    if prompt_logits and len(prompt_logits) != len(chunks):
+        raise ValueError(f"{len(prompt_logits)} prompt_logits flags for {len(chunks)} chunks")
     if block_size % kernel_block_size:
         raise ValueError(f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}")
     pages_per_block = block_size // kernel_block_size
@@ -82,6 +86,8 @@ def build_forward_batch(
         context_lens.append(end)
         page_rows.append(pages[: -(-end // kernel_block_size)])
         logits_indices.append(cu_seqlens[-1] - 1)
+    prompt_rows = [row for i, flag in enumerate(prompt_logits) if flag
+                   for row in range(cu_seqlens[i], cu_seqlens[i + 1] - 1)]
     width = max(len(row) for row in page_rows)
     table = [row + [0] * (width - len(row)) for row in page_rows]
 
@@ -96,6 +102,7 @@ def build_forward_batch(
         "context_lens": context_lens,
         "block_tables": [page for row in table for page in row],
         "embed_rows": embed_rows,
+        "prompt_logits_rows": prompt_rows,
     }
     ops = copies.ops if copies is not None else ()
     for i, op in enumerate(ops):
@@ -120,6 +127,7 @@ def build_forward_batch(
         copies=tuple(device_copies),
         embed_rows=device_fields["embed_rows"] if embed_rows else None,
         embeds=torch.cat(embeds).to(device) if embeds else None,
+        prompt_logits_rows=device_fields["prompt_logits_rows"] if prompt_rows else None,
     )
 
 

@@ -189,7 +189,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
-        [num_seqs, vocab] at each sequence's last token."""
+        [num_seqs + R, vocab]: row i at sequence i's last token, then one row per `batch.prompt_logits_rows`
+        entry (R of them; none when it is None)."""
         for op in batch.copies:
             if op.kind.phase is Phase.BEFORE_FORWARD:
                 self._copy(op)
@@ -214,7 +215,8 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs
-        size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None and is_decode_only(batch) else None
+        replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
+        size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
         if size is None:
             return self.model(self.backend.prepare(batch), self.pools, self.backend)
         graphs.load(batch, size)

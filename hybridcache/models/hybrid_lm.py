@@ -72,7 +72,8 @@ class HybridCausalLM(nn.Module):
     """Base class of the supported models; subclasses set `deltanet_cls` and `supported_model_types`.
 
     `model(batch, pools, backend)` runs one forward over a `ForwardBatch` and returns fp32 logits
-    [len(batch.logits_indices), vocab] (one row per sequence in engine batches).
+    [len(batch.logits_indices), vocab] (one row per sequence in engine batches), followed by the rows of
+    `batch.prompt_logits_rows` when there are any.
     """
 
     deltanet_cls: type[nn.Module] = GatedDeltaNet
@@ -175,4 +176,6 @@ class HybridCausalLM(nn.Module):
         last = self.model.norm(hidden[batch.logits_indices], backend)
         if LAST_HIDDEN in pools.slot_state:  # one row per sequence: its slot's hidden state at its last token
             pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
+        if batch.prompt_logits_rows is not None:  # prompt logprobs: more rows, after the last ones
+            last = torch.cat([last, self.model.norm(hidden[batch.prompt_logits_rows])])
         return self.lm_head(last).float()

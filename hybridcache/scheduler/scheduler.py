@@ -140,8 +140,9 @@ class Scheduler:
         """Match and admit a waiting sequence with room for its first chunk. NO_ROOM and WAITS_FOR_LEADER
         change nothing in the cache (the leader is told where to save for it)."""
         spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
-        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans))
-        if self.policy is not None and self.policy.share_in_flight:
+        whole = seq.params.prompt_logprobs is not None  # its prompt's logits are wanted: compute every position
+        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans, skip_reading=whole))
+        if self.policy is not None and self.policy.share_in_flight and not whole:
             found = find_leader(seq, self.running, match.cached_len, self.cache.block_size)
             if found is not None:
                 leader, shared = found

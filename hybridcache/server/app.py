@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,6 +38,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridcache.generation_config import SamplingDefaults
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
@@ -71,10 +72,12 @@ SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 @dataclass(frozen=True)
 class ServedModel:
     """What the routes need to know about the model: its tokenizer (the server's own instance, used only on
-    the event loop; the engine has another) and the prompt + completion limit."""
+    the event loop; the engine has another), the prompt + completion limit, and the sampling defaults of fields
+    a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`)."""
 
     tokenizer: Any
     max_model_len: int
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
 
 
 def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
@@ -145,9 +148,10 @@ class _Routes:
         tokenizer = self.model.tokenizer
         prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         longest = max(prompt_ids, key=len)
-        max_tokens = self._max_tokens(body.max_tokens, len(longest), COMPLETIONS_DEFAULT_MAX_TOKENS, "prompt",
-                                      body.n * len(prompts))
-        params = body.sampling_params(max_tokens, body.guided())
+        defaults = self.model.sampling_defaults
+        default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        max_tokens = self._max_tokens(body.max_tokens, len(longest), default_max, "prompt", body.n * len(prompts))
+        params = body.sampling_params(max_tokens, body.guided(), defaults)
         echo = tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts) if body.echo else None
         rendering = Rendering(logprobs=params.logprobs is not None, top_logprobs=bool(params.logprobs),
                               tokenizer=tokenizer, echo_texts=echo, return_token_ids=body.return_token_ids)
@@ -170,8 +174,10 @@ class _Routes:
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
         prompt_ids = self.model.tokenizer.encode(text)
-        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), None, "messages", body.n)
-        params = body.sampling_params(max_tokens, body.guided())
+        defaults = self.model.sampling_defaults
+        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
+                                      body.n)
+        params = body.sampling_params(max_tokens, body.guided(), defaults)
         chat = ChatOutputOptions(
             split_reasoning=self.config.reasoning_parser is not None,
             in_reasoning=reasoning.starts_in_reasoning(text),

@@ -26,7 +26,6 @@ MAX_JSON_DEPTH = 32
 # the same as leaving the field out). Implementing a field = removing its entry here and handling it in
 # protocol.py.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "prompt_logprobs": (None, 0),
     "best_of": (None, 1),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),

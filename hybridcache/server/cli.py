@@ -17,6 +17,7 @@ API_KEY_ENV = "HYBRIDCACHE_API_KEY"
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
     from hybridcache.engine_args import HelpFormatter, add_engine_args
+    from hybridcache.generation_config import add_generation_config_arg
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
                                   description="Serve one model over an OpenAI-compatible HTTP API.")
@@ -42,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                        help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
                             "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
+    add_generation_config_arg(serve)
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
     serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
@@ -94,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hybridcache.engine.engine import LLMEngine
     from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
+    from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.engine_loop import EngineLoop
@@ -107,12 +110,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = served_model_names(args, model_arg)
     config = server_config(args, names)
     resolved = resolve_model(model_arg)
+    defaults = SamplingDefaults.from_model_dir(resolved.path, args.generation_config)  # a bad file fails first
+    if defaults.as_dict():
+        logging.getLogger("hybridcache.server").info(
+            "sampling defaults from the model's generation_config.json: %s (--generation-config vllm ignores "
+            "the file)", defaults.as_dict())
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
                              else args.log_stats_interval)
     metrics.watch_engine(lambda: engine_loop.state)
-    model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len)
+    model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
+                        sampling_defaults=defaults)
     app = build_app(engine_loop, model, config, metrics)
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,

@@ -2,6 +2,7 @@
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
+Prompt logprobs (vLLM's shape, both endpoints): `[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]`.
 A token's text is its own decode (special tokens included); a token that is only part of a UTF-8 character
 decodes to U+FFFD, as in vLLM.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hybridcache.sampling import TokenLogprob
+from hybridcache.sampling import PromptLogprobs, TokenLogprob
 
 
 class _Decoder(Protocol):
@@ -48,3 +49,11 @@ def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], te
             tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops if with_top else None,
             "text_offset": offsets}
+
+
+def prompt_logprobs_json(entries: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
+    """`RequestOutput.prompt_logprobs` as JSON: token ids become string keys, logprobs are floored at -9999."""
+    return [None if entry is None else {
+        str(token): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token, lp in entry.items()
+    } for entry in entries]

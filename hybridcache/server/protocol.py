@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
 from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
@@ -67,6 +68,7 @@ class _SamplingRequest(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
+    prompt_logprobs: Int64 | None = None  # vLLM's extension: logprobs of the prompt's tokens (not with stream)
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -99,31 +101,38 @@ class _SamplingRequest(BaseModel):
     def check_n(self) -> None:
         if self.n > MAX_N:
             raise APIError(400, f"n must be at most {MAX_N}, got {self.n}", param="n")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM)",
+                           param="prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None) -> SamplingParams:
-        """SamplingParams for `max_tokens` new tokens under the constraint `guided`; a bad value is an
+    def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None,
+                        defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """SamplingParams for `max_tokens` new tokens under the constraint `guided`; a field the request leaves
+        unset takes `defaults` (the model's generation config) when they set it. A bad value is an
         APIError(400) naming it."""
         self.check_n()
+        d = defaults or SamplingDefaults()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         logit_bias = self._logit_bias()
         try:
             return SamplingParams(
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=0 if self.top_k is None else self.top_k,
+                temperature=d.pick("temperature", self.temperature, 1.0),
+                top_p=d.pick("top_p", self.top_p, 1.0),
+                top_k=d.pick("top_k", self.top_k, 0),
                 max_tokens=max_tokens,
                 stop=tuple(stop),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=self.ignore_eos,
                 seed=self.seed,
                 n=self.n,
-                min_p=self.min_p or 0.0,
+                min_p=d.pick("min_p", self.min_p, 0.0),
                 min_tokens=min(self.min_tokens, max_tokens),
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty, 1.0),
                 logit_bias=logit_bias,
                 logprobs=self.num_logprobs(),
+                prompt_logprobs=self.prompt_logprobs,
                 guided=guided,
             )
         except ValueError as error:

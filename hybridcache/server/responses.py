@@ -15,7 +15,7 @@ from typing import Any
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceDelta, final_message, finish_reason
-from hybridcache.server.logprobs_format import chat_logprobs, completion_logprobs
+from hybridcache.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,15 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                 choice = {"index": index, "text": echo + c.text,
                           "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo)),
                           "finish_reason": c.finish_reason}
+                if output.prompt_logprobs is not None:  # vLLM puts them on each completion choice
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
             if rendering.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
-    return {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
+    body = {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
+    if meta.chat and outputs[0].prompt_logprobs is not None:  # vLLM puts them on the chat response
+        body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+    return body
 
 
 def chunk(

@@ -80,3 +80,18 @@ def test_server_bench_matches_the_offline_engine_and_reports_hits(tmp_path, shar
 def test_server_bench_names_an_unreachable_server(capsys):
     assert main(["bench", "--server", "http://127.0.0.1:9", "--num-sessions", "1", "--no-progress"]) != 0
     assert "127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_bench_model_takes_a_hub_id_from_the_local_cache(tmp_path, monkeypatch, capsys):
+    """`bench --model org/name` resolves like `serve MODEL`: the snapshot the local Hugging Face cache holds."""
+    from tests.engine.test_model_path import fake_hub_cache
+
+    fake_hub_cache(tmp_path / "hub", "acme/tiny-hybrid")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ["bench", "--workload", "shared-prefix", "--num-requests", "4", "--modes", "none", "--block-size", "16",
+            "--max-reply-tokens", "2", "--out-dir", str(tmp_path / "out"), "--no-progress"]
+    assert main([*args, "--model", "acme/tiny-hybrid"]) == 0
+    assert "model acme/tiny-hybrid" in capsys.readouterr().out
+    assert main([*args, "--model", "acme/not-cached"]) == 2
+    assert "holds no snapshot of it" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) ->
     randomize_(model, seed=seed)
     model.save_pretrained(path)
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
+    # The generic fast class keeps tokenizer.json's own pipeline (without a tokenizer_config.json, AutoTokenizer
+    # would pick the model type's class, which rebuilds its own normalizer and pre-tokenizer around the vocabulary).
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     return path
 
 

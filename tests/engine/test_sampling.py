@@ -4,6 +4,16 @@ import torch
 from hybridcache.sampling import SamplingParams, make_generator, process_logits
 from hybridcache.sampling import sample as sample_rows
 
+# Every sampler test runs on the CPU and, where there is one, on a CUDA device (the sampler runs there in a GPU
+# engine); the CUDA variants skip cleanly without CUDA.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA device"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
 
 class Row:
     """A sequence as the sampler sees it (the engine passes its `Seq`s)."""
@@ -36,43 +46,43 @@ def test_bad_sampling_params_raise_naming_the_field(kwargs, needle):
         SamplingParams(**kwargs)
 
 
-def test_greedy_takes_argmax():
-    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
+def test_greedy_takes_argmax(device):
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]]).to(device)
     params = [SamplingParams(temperature=0)] * 2
     assert sample(logits, params, [None, None]) == [1, 0]
 
 
-def test_seeded_sampling_is_reproducible_and_rows_independent():
+def test_seeded_sampling_is_reproducible_and_rows_independent(device):
     torch.manual_seed(0)
-    logits = torch.randn(3, 50)
+    logits = torch.randn(3, 50).to(device)
     params = SamplingParams(temperature=1.0, seed=7)
-    first = sample(logits, [params] * 3, [make_generator(params, i, "cpu") for i in range(3)])
-    again = sample(logits, [params] * 3, [make_generator(params, i, "cpu") for i in range(3)])
+    first = sample(logits, [params] * 3, [make_generator(params, i, device) for i in range(3)])
+    again = sample(logits, [params] * 3, [make_generator(params, i, device) for i in range(3)])
     assert first == again
     # Row 1 draws the same token whether or not other rows are sampled alongside it.
-    alone = sample(logits[1:2], [params], [make_generator(params, 1, "cpu")])
+    alone = sample(logits[1:2], [params], [make_generator(params, 1, device)])
     assert alone == first[1:2]
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy():
+def test_top_k_one_and_tiny_top_p_are_greedy(device):
     torch.manual_seed(1)
-    logits = torch.randn(4, 100)
+    logits = torch.randn(4, 100).to(device)
     best = logits.argmax(-1).tolist()
     nearly_greedy = (SamplingParams(temperature=1, top_k=1, seed=0), SamplingParams(temperature=1, top_p=1e-6, seed=0))
     for params in nearly_greedy:
-        tokens = sample(logits, [params] * 4, [make_generator(params, i, "cpu") for i in range(4)])
+        tokens = sample(logits, [params] * 4, [make_generator(params, i, device) for i in range(4)])
         assert tokens == best
 
 
-def test_top_k_restricts_support():
-    logits = torch.tensor([[4.0, 3.9, 3.8, -1.0, -2.0]])
+def test_top_k_restricts_support(device):
+    logits = torch.tensor([[4.0, 3.9, 3.8, -1.0, -2.0]]).to(device)
     params = SamplingParams(temperature=5.0, top_k=3, seed=3)
-    generator = make_generator(params, 0, "cpu")
+    generator = make_generator(params, 0, device)
     drawn = {sample(logits, [params], [generator])[0] for _ in range(200)}
     assert drawn <= {0, 1, 2} and len(drawn) > 1
 
 
-def test_penalties_follow_vllm_formulas_exactly():
+def test_penalties_follow_vllm_formulas_exactly(device):
     torch.manual_seed(2)
     logits = torch.randn(3, 12)
     prompt, output = (0, 3, 3), (1, 1, 5, 3)
@@ -82,7 +92,7 @@ def test_penalties_follow_vllm_formulas_exactly():
         SamplingParams(temperature=0, repetition_penalty=0.5, frequency_penalty=-1.0, presence_penalty=2.0),
     ]
     rows = [Row(p, prompt=prompt, output=output) for p in cases]
-    got = process_logits(logits, rows)
+    got = process_logits(logits.to(device), rows).cpu()
     counts = torch.zeros(12)
     for t in output:
         counts[t] += 1
@@ -96,16 +106,16 @@ def test_penalties_follow_vllm_formulas_exactly():
         torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-6)
 
 
-def test_penalty_worked_example_from_docstring():
+def test_penalty_worked_example_from_docstring(device):
     logits = torch.tensor([[2.0, -1.0, 0.5]])
     params = SamplingParams(temperature=0, repetition_penalty=2, frequency_penalty=0.5, presence_penalty=0.25)
-    got = process_logits(logits, [Row(params, prompt=(0,), output=(1, 1))])
+    got = process_logits(logits.to(device), [Row(params, prompt=(0,), output=(1, 1))])
     assert got.tolist() == [[1.0, -3.25, 0.5]]
 
 
-def test_unpenalized_rows_in_a_penalized_batch_are_untouched():
+def test_unpenalized_rows_in_a_penalized_batch_are_untouched(device):
     torch.manual_seed(3)
-    logits = torch.randn(2, 10)
+    logits = torch.randn(2, 10).to(device)
     rows = [Row(SamplingParams(temperature=0), output=(1, 2)),
             Row(SamplingParams(temperature=0, presence_penalty=1.0), output=(1, 2))]
     got = process_logits(logits, rows)
@@ -113,8 +123,8 @@ def test_unpenalized_rows_in_a_penalized_batch_are_untouched():
     assert not torch.equal(got[1], logits[1])
 
 
-def test_logit_bias_and_min_tokens():
-    logits = torch.zeros(2, 6)
+def test_logit_bias_and_min_tokens(device):
+    logits = torch.zeros(2, 6).to(device)
     biased = SamplingParams(temperature=0, logit_bias={4: 100.0, 2: -5.0})
     short = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
     got = process_logits(logits, [Row(biased), Row(short, output=(1,))], stop_token_ids=frozenset({5}))
@@ -126,35 +136,35 @@ def test_logit_bias_and_min_tokens():
     assert out.tokens == [4]
 
 
-def test_allowed_bitmask_restricts_tokens():
+def test_allowed_bitmask_restricts_tokens(device):
     torch.manual_seed(4)
-    logits = torch.randn(2, 40)
+    logits = torch.randn(2, 40).to(device)
     mask = torch.zeros(2, 2, dtype=torch.int32)
     mask[0, 1] = 1 << 3  # token 35 only
     mask[1, 0] = (1 << 2) | (1 << 7)  # tokens 2 and 7
     params = SamplingParams(temperature=1.0, seed=0)
     for _ in range(20):
-        rows = [Row(params, make_generator(params, i, "cpu")) for i in range(2)]
-        tokens = sample_rows(logits, rows, allowed_bitmask=mask).tokens
+        rows = [Row(params, make_generator(params, i, device)) for i in range(2)]
+        tokens = sample_rows(logits, rows, allowed_bitmask=mask.to(device)).tokens
         assert tokens[0] == 35 and tokens[1] in (2, 7)
 
 
-def test_min_p_drops_unlikely_tokens():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+def test_min_p_drops_unlikely_tokens(device):
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).to(device)
     params = SamplingParams(temperature=1.0, min_p=0.2, seed=0)
-    generator = make_generator(params, 0, "cpu")
+    generator = make_generator(params, 0, device)
     drawn = {sample_rows(logits, [Row(params, generator)]).tokens[0] for _ in range(300)}
     assert drawn == {0, 1, 2}
 
 
-def test_logprobs_are_log_softmax_of_the_fp32_logits():
+def test_logprobs_are_log_softmax_of_the_fp32_logits(device):
     torch.manual_seed(5)
-    logits = torch.randn(3, 50)
+    logits = torch.randn(3, 50).to(device)
     params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0.8, seed=1, logprobs=0),
               SamplingParams(temperature=0)]
-    rows = [Row(p, make_generator(p, 0, "cpu"), output=(1, 1)) for p in params]
+    rows = [Row(p, make_generator(p, 0, device), output=(1, 1)) for p in params]
     out = sample_rows(logits, rows)
-    expected = torch.log_softmax(logits.float(), dim=-1)
+    expected = torch.log_softmax(logits.float(), dim=-1).cpu()
     first, second, third = out.logprobs
     assert third is None
     assert first.token_id == out.tokens[0] == int(logits[0].argmax())
@@ -165,13 +175,13 @@ def test_logprobs_are_log_softmax_of_the_fp32_logits():
     assert second.logprob == pytest.approx(float(expected[1, out.tokens[1]]), abs=1e-6) and second.top == ()
 
 
-def test_batched_rows_match_rows_sampled_alone():
+def test_batched_rows_match_rows_sampled_alone(device):
     torch.manual_seed(6)
-    logits = torch.randn(4, 64)
+    logits = torch.randn(4, 64).to(device)
     params = [SamplingParams(temperature=0.7, top_k=10, seed=1), SamplingParams(temperature=0),
               SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, seed=2), SamplingParams(temperature=1.0, seed=3)]
-    batch = sample_rows(logits, [Row(p, make_generator(p, 0, "cpu")) for p in params]).tokens
-    alone = [sample_rows(logits[i:i + 1], [Row(p, make_generator(p, 0, "cpu"))]).tokens[0]
+    batch = sample_rows(logits, [Row(p, make_generator(p, 0, device)) for p in params]).tokens
+    alone = [sample_rows(logits[i:i + 1], [Row(p, make_generator(p, 0, device))]).tokens[0]
              for i, p in enumerate(params)]
     assert batch == alone
 
@@ -186,10 +196,10 @@ def test_bad_new_sampling_params_raise(kwargs, needle):
         SamplingParams(**kwargs)
 
 
-def test_tiny_temperatures_sample_greedily_instead_of_overflowing():
-    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+def test_tiny_temperatures_sample_greedily_instead_of_overflowing(device):
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]]).to(device)
     for temperature in (5.9e-109, 1e-6):
         params = SamplingParams(temperature=temperature, seed=0)
         assert params.greedy
-        assert list(sample(logits, [params, params], [torch.Generator().manual_seed(0)] * 2)) == [1, 0]
+        assert list(sample(logits, [params, params], [torch.Generator(device).manual_seed(0)] * 2)) == [1, 0]
     assert not SamplingParams(temperature=1e-4).greedy

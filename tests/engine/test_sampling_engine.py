@@ -1,5 +1,7 @@
-"""The sampler inside the engine: logprobs against the engine's own logits; structured output per completion."""
+"""The sampler inside the engine: logprobs against the engine's own logits; structured output per completion.
+Each test runs on the CPU and, where there is one, on a CUDA device (skipped cleanly without CUDA)."""
 
+import dataclasses
 import json
 import re
 
@@ -16,9 +18,13 @@ SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_
                      max_num_seqs=4)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    return LLMEngine(None, SMALL)
+@pytest.fixture(scope="module", params=[
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def engine(request):
+    if request.param == "cpu":
+        return LLMEngine(None, SMALL)
+    # fp32 on CUDA, with pools of a fixed size (not sized from the whole device)
+    return LLMEngine(None, dataclasses.replace(SMALL, device="cuda", num_blocks=128, num_checkpoint_slots=16))
 
 
 def run(engine, request_id, prompt, params):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridcache.server.body_checks import UNSUPPORTED_FIELDS
 from tests.server.conftest import MODEL
 from tests.server.server_process import running_server
 
@@ -83,8 +84,12 @@ RAW_CASES = [
      "application/json", 400, "response_format.type", "json_schema"),
     ("repetition-penalty", "/v1/completions", '{"prompt": "hi", "repetition_penalty": 0}', "application/json",
      400, "repetition_penalty", "> 0"),
-    ("prompt-logprobs", "/v1/completions", '{"prompt": "hi", "prompt_logprobs": 4}', "application/json", 400,
-     "prompt_logprobs", "not supported"),
+    ("best-of", "/v1/completions", '{"prompt": "hi", "best_of": 4}', "application/json", 400,
+     "best_of", "not supported"),
+    ("prompt-logprobs-range", "/v1/completions", '{"prompt": "hi", "prompt_logprobs": 21}', "application/json", 400,
+     "prompt_logprobs", "[0, 20]"),
+    ("prompt-logprobs-stream", "/v1/completions", '{"prompt": "hi", "prompt_logprobs": 1, "stream": true}',
+     "application/json", 400, "prompt_logprobs", "stream"),
     ("n-over-128", "/v1/completions", '{"prompt": "hi", "n": 129, "max_tokens": 1}', "application/json", 400, "n",
      "128"),
     ("n-times-max-tokens", "/v1/completions", '{"prompt": "hi", "n": 128, "max_tokens": 1000}',
@@ -133,10 +138,23 @@ _ANY = st.recursive(_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=4
                                                        st.dictionaries(_TEXT, inner, max_size=4)), max_leaves=12)
 
 
+def _nest(depth: int) -> object:
+    value: object = "x"
+    for i in range(depth):
+        value = [value] if i % 2 else {"a": value}
+    return value
+
+
+# Deep nesting: around and well past the 32-level limit of body_checks.py.
+_DEEP = st.integers(min_value=20, max_value=400).map(_nest)
+
 # A request is a valid body with up to three fields, known or not, replaced by an edge value (out of range, of
-# the wrong type, a lone surrogate, not finite, ...) or arbitrary JSON: most requests reach the engine, and
-# every field meets every kind of bad value.
+# the wrong type, a lone surrogate, not finite, deeply nested, ...) or arbitrary JSON: most requests reach the
+# engine, and every field of both endpoints (the implemented ones, those refused as not implemented, and
+# unknown ones) meets every kind of bad value.
 _PLAIN = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 _VALID = {
     "model": st.just(MODEL),
     "temperature": st.floats(min_value=0, max_value=2),
@@ -150,11 +168,30 @@ _VALID = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "return_token_ids": st.booleans(),
-    "logprobs": st.sampled_from([None, False]),
-    "presence_penalty": st.just(0),
-    "min_p": st.just(0),
-    "response_format": st.just({"type": "text"}),
-    "tools": st.just([]),
+    "presence_penalty": st.floats(min_value=-2, max_value=2),
+    "frequency_penalty": st.floats(min_value=-2, max_value=2),
+    "repetition_penalty": st.floats(min_value=0.5, max_value=2),
+    "min_p": st.floats(min_value=0, max_value=1),
+    "min_tokens": st.integers(min_value=0, max_value=3),
+    "logit_bias": st.dictionaries(st.integers(min_value=0, max_value=255).map(str),
+                                  st.floats(min_value=-100, max_value=100), max_size=3),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
+    "guided_regex": st.just("[a-z]{1,4}"),
+    "guided_choice": st.just(["yes", "no"]),
+    "prompt_logprobs": st.integers(min_value=0, max_value=3),
+    "user": _PLAIN,
+}
+_COMPLETION_ONLY = {"logprobs": st.integers(min_value=0, max_value=3), "echo": st.booleans()}
+_CHAT_ONLY = {
+    "max_completion_tokens": st.integers(min_value=1, max_value=6),
+    "logprobs": st.booleans(),
+    "top_logprobs": st.integers(min_value=0, max_value=3),
+    "tools": st.just([_WEATHER]),
+    "tool_choice": st.sampled_from(["none", "auto"]),
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+    "add_generation_prompt": st.booleans(),
+    "continue_final_message": st.booleans(),
 }
 _MAX_TOKENS = st.integers(min_value=1, max_value=6)
 _PROMPT = st.one_of(_PLAIN, st.lists(st.integers(min_value=0, max_value=255), min_size=1, max_size=6))
@@ -162,9 +199,10 @@ _MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "as
                                   "content": st.one_of(_PLAIN, st.lists(
                                       st.fixed_dictionaries({"type": st.just("text"), "text": _PLAIN}),
                                       min_size=1, max_size=2))})
-_COMPLETION = st.fixed_dictionaries({"prompt": _PROMPT, "max_tokens": _MAX_TOKENS}, optional=_VALID)
+_COMPLETION = st.fixed_dictionaries({"prompt": _PROMPT, "max_tokens": _MAX_TOKENS},
+                                    optional={**_VALID, **_COMPLETION_ONLY})
 _CHAT = st.fixed_dictionaries({"messages": st.lists(_MESSAGE, min_size=1, max_size=3), "max_tokens": _MAX_TOKENS},
-                              optional={**_VALID, "max_completion_tokens": _MAX_TOKENS})
+                              optional={**_VALID, **_CHAT_ONLY})
 _EDGE = st.sampled_from([
     None, True, False, 0, -1, 129, 2**31, 2**63, 2**64, -(2**63) - 1, 10**30, 0.5, -0.5, 1e308, float("nan"),
     float("inf"), "", "x", "\ud800", "a\udfffb", [], [-1], [2**31], [1.5], ["\ud800"], [None], {},
@@ -172,16 +210,19 @@ _EDGE = st.sampled_from([
     [{"role": "user", "content": None}], [{"role": "user", "content": [{"type": "image_url"}]}],
     [{"role": "wizard", "content": "x"}], [{"role": "assistant", "content": "x", "tool_calls": []}],
 ])
-_FIELD_NAMES = st.sampled_from(sorted({*_VALID, "prompt", "messages", "max_tokens", "max_completion_tokens",
-                                       "repetition_penalty", "min_tokens", "top_logprobs", "echo", "best_of"}))
-_MUTATIONS = st.dictionaries(st.one_of(_FIELD_NAMES, _FIELD_NAMES, _TEXT), st.one_of(_EDGE, _ANY), max_size=3)
+_FIELD_NAMES = st.sampled_from(sorted({*_VALID, *_COMPLETION_ONLY, *_CHAT_ONLY, *UNSUPPORTED_FIELDS, "prompt",
+                                       "messages", "max_tokens", "guided_json", "guided_grammar",
+                                       "structured_outputs"}))
+_MUTATIONS = st.dictionaries(st.one_of(_FIELD_NAMES, _FIELD_NAMES, _TEXT), st.one_of(_EDGE, _ANY, _EDGE, _DEEP),
+                             max_size=3)
 _REQUEST = st.one_of(st.tuples(st.just("/v1/completions"), _COMPLETION, _MUTATIONS),
                      st.tuples(st.just("/v1/chat/completions"), _CHAT, _MUTATIONS))
 
 
-@pytest.mark.parametrize("examples, seconds", [(60, 30), pytest.param(1000, 540, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("examples, seconds", [(60, 30), pytest.param(1000, 3000, marks=pytest.mark.slow)])
 def test_fuzzed_requests_never_get_a_5xx(server, examples, seconds):
-    """Bounded: `examples` requests or `seconds`, whichever ends first; prints what it sent."""
+    """Bounded: `examples` requests or `seconds`, whichever ends first (the slow run must send all 1,000);
+    prints what it sent. Run the slow one with `pytest -m slow -s tests/server/test_hardening.py -k fuzz`."""
     statuses: dict[int, int] = {}
     failures: list[str] = []
     deadline = time.monotonic() + seconds
@@ -209,5 +250,5 @@ def test_fuzzed_requests_never_get_a_5xx(server, examples, seconds):
           f"{sum(n for s, n in statuses.items() if s >= 500)} answers >= 500")
     assert not failures, "\n".join(failures[:10])
     assert statuses.get(200, 0) >= total // 10, "the fuzz reached the engine too rarely to mean much"
-    assert total >= min(examples, 20)
+    assert total >= (examples if examples >= 1000 else min(examples, 20))
     _assert_engine_intact(server)

@@ -71,8 +71,8 @@ def test_every_unsupported_field_is_refused_by_name_unless_neutral(name):
 
 def test_a_boolean_is_not_taken_for_a_neutral_number():
     assert _refused({"prompt": "hi", "length_penalty": True}).param == "length_penalty"
-    assert _refused({"prompt": "hi", "prompt_logprobs": 2}).param == "prompt_logprobs"
-    parse_request(CompletionRequest, {"prompt": "hi", "length_penalty": 1.0, "prompt_logprobs": 0})
+    assert _refused({"prompt": "hi", "best_of": True}).param == "best_of"
+    parse_request(CompletionRequest, {"prompt": "hi", "length_penalty": 1.0, "best_of": 1})
 
 
 def test_valid_requests_still_parse():
