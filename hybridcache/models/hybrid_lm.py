@@ -177,5 +177,5 @@ class HybridCausalLM(nn.Module):
         if LAST_HIDDEN in pools.slot_state:  # one row per sequence: its slot's hidden state at its last token
             pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
         if batch.prompt_logits_rows is not None:  # prompt logprobs: more rows, after the last ones
-            last = torch.cat([last, self.model.norm(hidden[batch.prompt_logits_rows])])
+            last = torch.cat([last, self.model.norm(hidden[batch.prompt_logits_rows], backend)])
         return self.lm_head(last).float()
