@@ -224,9 +224,9 @@ def sample(
     params = [row.params for row in rows]
     raw = logits.float()
     scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
-    greedy = torch.tensor([p.greedy for p in params], device=device)
     tokens = scores.argmax(dim=-1)
-    if not all(p.greedy for p in params):
+    if not all(p.greedy for p in params):  # (an all-greedy batch, the common decode step, copies nothing over)
+        greedy = torch.tensor([p.greedy for p in params], device=device)
         probs = _filtered_probs(scores, params)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
