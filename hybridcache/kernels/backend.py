@@ -105,6 +105,13 @@ class KernelBackend(Protocol):
         """
         ...
 
+    def delta_gates(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gated DeltaNet's per-head gates: a, b [T, Hv]; A_log, dt_bias [Hv] -> g [T, Hv] fp32 =
+        -exp(A_log) * softplus(a + dt_bias) (the log decay of `gated_delta_rule`) and beta = sigmoid(b) in b's dtype."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
@@ -269,6 +276,11 @@ class ReferenceBackend:
             [e.up_proj.weight for e in experts],
             [e.down_proj.weight for e in experts],
         )
+
+    def delta_gates(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return delta_ref.delta_gates(a, b, A_log, dt_bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm_ref.rms_norm(x, weight, eps)

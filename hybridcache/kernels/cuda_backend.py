@@ -8,6 +8,7 @@
 | gated_delta_rule | in-place Triton step kernel                 | fla's chunked kernel over all sequences         |
 | moe              | `torch._grouped_mm` over all experts (`moe/grouped.py`)                                       |
 | rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
+| delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
@@ -30,6 +31,7 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
+from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
@@ -147,6 +149,11 @@ class CudaBackend:
         if stacked is None:
             stacked = self._experts[experts] = ExpertWeights.share(experts)
         return grouped_experts(x, top_weights, top_ids, stacked)
+
+    def delta_gates(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_gates.delta_gates(a, b, A_log, dt_bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused_norm.rms_norm(x, weight, eps)

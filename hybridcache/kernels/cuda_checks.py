@@ -356,3 +356,22 @@ def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
         stats[f"gated_rms_norm d{dim}"] = error_stats(gated_rms_norm(x, gate, gated, 1e-6),
                                                       reference.gated_rms_norm(x, gate, gated, 1e-6))
     return stats
+
+
+def check_delta_gates(dtype: torch.dtype, device: torch.device, rows: int = 300, heads: int = 32,
+                      seed: int = 0) -> dict[str, ErrorStats]:
+    """The fused DeltaNet gates against `gated_delta/reference.delta_gates`, on strided a, b (slices of one
+    [T, 2 * heads] projection, as Qwen3-Next's in_proj_ba gives them), with a spread over softplus's regimes
+    (a + dt_bias from -30 to 30: the log1p tail, the middle, the x > 20 identity)."""
+    from hybridcache.kernels.gated_delta import reference
+    from hybridcache.kernels.gated_delta.triton_gates import delta_gates
+
+    gen = torch.Generator().manual_seed(seed)
+    ba = (torch.linspace(-30, 30, rows * 2 * heads).reshape(rows, 2 * heads)[torch.randperm(rows, generator=gen)]
+          + torch.randn(rows, 2 * heads, generator=gen)).to(device, dtype)
+    b, a = ba[:, :heads], ba[:, heads:]
+    a_log = torch.empty(heads).uniform_(0.05, 1.0, generator=gen).log().to(device, dtype)
+    dt_bias = torch.empty(heads).uniform_(-1, 1, generator=gen).to(device, dtype)
+    g, beta = delta_gates(a, b, a_log, dt_bias)
+    g_ref, beta_ref = reference.delta_gates(a, b, a_log, dt_bias)
+    return {"g": error_stats(g, g_ref), "beta": error_stats(beta, beta_ref)}

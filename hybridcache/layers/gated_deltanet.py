@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.layers.norm import GatedRMSNorm
@@ -91,9 +90,8 @@ class _GatedDeltaNetBase(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and
         state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         backend, batch = step.backend, step.batch
+        g, beta = backend.delta_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
         q, k, v = self._split_heads(conv_out)

@@ -127,6 +127,17 @@ def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+@DTYPES
+def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_delta_gates
+
+    stats = check_delta_gates(dtype, cuda)
+    # g is fp32 from the same formula (exp/log approximations differ by ulps); beta is sigmoid rounded once to
+    # the dtype, so in bf16 an ulp of fp32 can move it by one bf16 step.
+    assert_within(stats, {"g": OURS[torch.float32], "beta": OURS[dtype]})
+
+
+@needs_cuda
 def test_cuda_no_host_sync(cuda: torch.device) -> None:
     """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
     from hybridcache.kernels.cuda_checks import host_syncs
@@ -187,6 +198,14 @@ def test_interpreted_norms() -> None:
     from hybridcache.kernels.cuda_checks import check_norms
 
     stats = check_norms(torch.float32, torch.device("cpu"), rows=7)
+    assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_delta_gates() -> None:
+    from hybridcache.kernels.cuda_checks import check_delta_gates
+
+    stats = check_delta_gates(torch.float32, torch.device("cpu"), rows=20, heads=6)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
 
 

@@ -166,3 +166,12 @@ def gated_delta_rule_step(
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     out = (state * q.unsqueeze(-1)).sum(dim=-2)
     return out.to(out_dtype), state
+
+
+def delta_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803 (checkpoint name)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head gates of gated DeltaNet: a, b [T, Hv]; A_log, dt_bias [Hv] ->
+    g = -exp(A_log) * softplus(a + dt_bias) [T, Hv] fp32 (the log decay, <= 0) and beta = sigmoid(b) in b's dtype."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
