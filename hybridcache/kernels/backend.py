@@ -112,6 +112,11 @@ class KernelBackend(Protocol):
         -exp(A_log) * softplus(a + dt_bias) (the log decay of `gated_delta_rule`) and beta = sigmoid(b) in b's dtype."""
         ...
 
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k MoE routing: logits [T, E] -> softmax in fp32, the top_k largest in descending order, renormalised
+        to sum 1 when `renormalize`; returns (weights [T, k] in logits' dtype, ids [T, k] int64)."""
+        ...
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
@@ -281,6 +286,9 @@ class ReferenceBackend:
         self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return delta_ref.delta_gates(a, b, A_log, dt_bias)
+
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return moe_ref.route(logits, top_k, renormalize)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm_ref.rms_norm(x, weight, eps)

@@ -9,6 +9,7 @@
 | moe              | `torch._grouped_mm` over all experts (`moe/grouped.py`)                                       |
 | rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
+| route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
@@ -34,6 +35,7 @@ from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.varlen import chunk_indices
@@ -154,6 +156,9 @@ class CudaBackend:
         self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return triton_gates.delta_gates(a, b, A_log, dt_bias)
+
+    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_route.route(logits, top_k, renormalize)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return fused_norm.rms_norm(x, weight, eps)

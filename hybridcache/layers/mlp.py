@@ -58,12 +58,7 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        logits = self.gate(x)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        top_weights, top_ids = torch.topk(probs, self.top_k, dim=-1)  # [N, k]
-        if self.norm_topk_prob:
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        top_weights = top_weights.to(logits.dtype)
+        top_weights, top_ids = step.backend.route(self.gate(x), self.top_k, self.norm_topk_prob)  # [N, k] each
         out = step.backend.moe(x, top_weights, top_ids, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, step)
         return out + shared

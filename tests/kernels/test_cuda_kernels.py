@@ -138,6 +138,16 @@ def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+@DTYPES
+def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_route
+
+    stats = check_route(dtype, cuda)
+    # The same picks; fp32 softmax and renormalisation with another summation order, rounded once to the dtype.
+    assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[dtype] for name in stats})
+
+
+@needs_cuda
 def test_cuda_no_host_sync(cuda: torch.device) -> None:
     """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
     from hybridcache.kernels.cuda_checks import host_syncs
@@ -207,6 +217,14 @@ def test_interpreted_delta_gates() -> None:
 
     stats = check_delta_gates(torch.float32, torch.device("cpu"), rows=20, heads=6)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_route() -> None:
+    from hybridcache.kernels.cuda_checks import check_route
+
+    stats = check_route(torch.float32, torch.device("cpu"), rows=20)
+    assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
 
 
 @needs_interpreter

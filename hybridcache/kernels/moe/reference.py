@@ -39,3 +39,14 @@ def routed_experts(
         expert_out = F.linear(hidden, down_weights[expert_id]) * top_weights[token_ids, pick, None]
         out.index_add_(0, token_ids, expert_out.to(out.dtype))
     return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of Qwen3-Next / Qwen3.5-MoE (transformers' order): logits [T, E] -> probs = softmax in fp32,
+    the top_k largest (descending), renormalised to sum 1 when `renormalize`; returns (weights [T, k] in logits'
+    dtype, ids [T, k] int64)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_weights, top_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    return top_weights.to(logits.dtype), top_ids

@@ -1,0 +1,62 @@
+"""Top-k MoE routing in one Triton launch (same math as `moe/reference.route`, which takes torch five or six
+kernels: softmax, topk's select and sort, the renormalising sum and division, the cast).
+
+One program per block of rows. Each row's probabilities p = softmax(logits) in fp32; the k picks are made by k
+rounds of "take the largest, then mask it out" (ties go to the lowest expert id; torch.topk leaves their order
+unspecified), so they come out in descending order as torch.topk's do. Weights: the picked p, divided by their
+sum when renormalising, rounded once to the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_T = 16
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_rows, num_experts, stride_l,
+                  TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, BLOCK_E)
+    row_ok = rows < num_rows
+    ok = row_ok[:, None] & (experts[None, :] < num_experts)
+    x = tl.load(logits_ptr + rows[:, None] * stride_l + experts[None, :], mask=ok, other=float("-inf"))
+    x = x.to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # padding rows: finite, never stored
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    p = p / tl.sum(p, axis=1)[:, None]
+    p = tl.where(ok, p, -1.0)  # padding experts are never picked
+    slots = tl.arange(0, BLOCK_K)
+    picked_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
+    picked_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        first = tl.min(tl.where(p == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        picked_w = tl.where(slots[None, :] == j, best[:, None], picked_w)
+        picked_i = tl.where(slots[None, :] == j, first[:, None].to(tl.int64), picked_i)
+        p = tl.where(experts[None, :] == first[:, None], -1.0, p)
+    if RENORMALIZE:
+        picked_w = picked_w / tl.sum(tl.where(slots[None, :] < TOP_K, picked_w, 0.0), axis=1)[:, None]
+    out = rows[:, None] * TOP_K + slots[None, :]
+    keep = row_ok[:, None] & (slots[None, :] < TOP_K)
+    tl.store(weights_ptr + out, picked_w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + out, picked_i, mask=keep)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (unit stride on E) -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64)."""
+    num_rows, num_experts = logits.shape
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((num_rows, top_k), dtype=logits.dtype, device=logits.device)
+    ids = torch.empty((num_rows, top_k), dtype=torch.int64, device=logits.device)
+    if num_rows:
+        _route_kernel[(triton.cdiv(num_rows, _BLOCK_T),)](
+            logits, weights, ids, num_rows, num_experts, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
+            BLOCK_T=_BLOCK_T, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+        )
+    return weights, ids
