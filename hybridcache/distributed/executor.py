@@ -43,6 +43,7 @@ from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.distributed.worker import worker_main
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import ModelConfig, get_model_class
 
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
@@ -70,6 +71,9 @@ class TensorParallelExecutor:
     def __init__(self, spec: RunnerSpec, device: torch.device, size: int) -> None:
         if size < 2:
             raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
+        config = ModelConfig.from_model_dir(spec.model_path)
+        with torch.device("meta"):  # a model that cannot be split fails here, before any process starts
+            get_model_class(config.architecture)(config, TensorParallel(0, size))
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
                                "other engine's executor down first (engine.runner.shutdown())")
@@ -104,7 +108,13 @@ class TensorParallelExecutor:
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
+        """() : decode steps run eagerly under tensor parallelism."""
         return ()
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """The process ids of ranks 1..N-1."""
+        return tuple(worker.process.pid for worker in self._workers)
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         return self._run(Op.EXECUTE, batch, lambda: self.runner.execute(batch))
