@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from hybridcache.distributed.messages import Op, encode, receive, send
-from hybridcache.distributed.process_group import init_group, leave_group
+from hybridcache.distributed.process_group import init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.distributed.worker import worker_main
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -69,6 +69,7 @@ class TensorParallelExecutor:
     follow (the CUDA budget is the minimum over the ranks)."""
 
     def __init__(self, spec: RunnerSpec, device: torch.device, size: int) -> None:
+        """Start ranks 1..size-1 and build rank 0 on `device` (CUDA: its index, or 0, is rank 0's device)."""
         if size < 2:
             raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
         config = ModelConfig.from_model_dir(spec.model_path)
@@ -78,6 +79,7 @@ class TensorParallelExecutor:
             raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
                                "other engine's executor down first (engine.runner.shutdown())")
         self.size = size
+        device = rank_device(device, 0)
         self._workers: list[_Worker] = []
         self._failure: BaseException | None = None
         store_dir = Path(tempfile.mkdtemp(prefix="hybridcache-tp-"))

@@ -4,8 +4,8 @@ models; and with the prefix cache on, the cache-equivalence workload gives the t
 uncached single-rank run.
 
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
-family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other two are
-marked slow.
+family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other families
+and the replicated-head variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
 """
 
 from __future__ import annotations
