@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.distributed.messages import Op, receive, send, to_device
+from hybridcache.distributed.messages import Op, receive, send
 from hybridcache.distributed.process_group import init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.layers.parallel import TensorParallel
@@ -54,10 +54,9 @@ def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connec
     runner, _ = build_runner(spec, TensorParallel(rank, size), device, agree)
     send(conn, Op.READY)
     while True:
-        op, payload = receive(conn)
+        op, payload = receive(conn, device)
         if op is Op.STOP:
             return
-        payload = to_device(payload, device)
         if op is Op.EXECUTE:
             runner.execute(payload)
         elif op is Op.COPIES:

@@ -6,21 +6,28 @@ uncached single-rank run.
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
 family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other families
 and the replicated-head variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
+The last test kills the worker mid-run: the engine raises an error naming its rank within seconds.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import threading
+import time
 
 import pytest
 import torch
 
 from hybridcache.config import EngineConfig
+from hybridcache.distributed.executor import WorkerError
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 from tests.engine.test_cache_equivalence import assert_same, make_engine, run_workload
 
 from .folders import transformers_logits, write_folder
+from .test_shutdown import alive
 
 REL_TOL = 1e-4
 SLOW = pytest.mark.slow
@@ -88,3 +95,31 @@ def test_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, 
 def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
         LLMEngine(model_dir, EngineConfig(tensor_parallel_size=3))
+
+
+def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):
+    """(The module's last test of each model: it breaks the engine.)"""
+    engine = tp_engine
+    (pid,) = engine.runner.worker_pids
+    try:
+        for i in range(4):
+            engine.add_request(f"kill{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=2000, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        killed_at = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Timer(0.2, kill).start()  # while the engine is stepping
+        deadline = time.monotonic() + 60
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+            while time.monotonic() < deadline:
+                engine.step()
+        assert time.monotonic() - killed_at[0] < 10
+        with pytest.raises(WorkerError, match="failed earlier"):  # broken for good, not hanging
+            engine.step()
+    finally:
+        engine.runner.shutdown()
+    assert not alive(pid)
