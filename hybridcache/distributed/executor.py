@@ -78,6 +78,10 @@ class TensorParallelExecutor:
         if dist.is_initialized():
             raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
                                "other engine's executor down first (engine.runner.shutdown())")
+        last = rank_device(device, size - 1)
+        if last.type == "cuda" and last.index >= torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "
+                             f"has {torch.cuda.device_count()} CUDA devices")
         self.size = size
         device = rank_device(device, 0)
         self._workers: list[_Worker] = []

@@ -41,6 +41,8 @@ def worker_main(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: C
 
 def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connection) -> None:
     device = rank_device(torch.device(spec.config.device), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a device problem shows here, before the driver waits to meet us
     send(conn, Op.STARTED)
     init_group(store_dir, rank, size, device)
 

@@ -97,6 +97,12 @@ def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):
         LLMEngine(model_dir, EngineConfig(tensor_parallel_size=3))
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="needs fewer than 3 GPUs")
+def test_more_ranks_than_gpus_fails_before_any_worker_starts(model_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 from cuda:1 needs devices up to cuda:2"):
+        LLMEngine(model_dir, EngineConfig(tensor_parallel_size=2, device="cuda:1"))
+
+
 def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):
     """(The module's last test of each model: it breaks the engine.)"""
     engine = tp_engine
