@@ -75,13 +75,13 @@ class TensorParallelExecutor:
         config = ModelConfig.from_model_dir(spec.model_path)
         with torch.device("meta"):  # a model that cannot be split fails here, before any process starts
             get_model_class(config.architecture)(config, TensorParallel(0, size))
-        if dist.is_initialized():
-            raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
-                               "other engine's executor down first (engine.runner.shutdown())")
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "
                              f"has {torch.cuda.device_count()} CUDA devices")
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
+                               "other engine's executor down first (engine.runner.shutdown())")
         self.size = size
         device = rank_device(device, 0)
         self._workers: list[_Worker] = []
