@@ -9,8 +9,10 @@ prompt, then of it + 200 tokens; D: 64 prompts of 1,024 tokens x 128 new tokens 
 tokens/s and the decode step time). One engine per TP size, one after the other in this process (rank 0 here,
 ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts. Every run is
 eager (no CUDA graphs: they are off under tensor parallelism, so TP=1 is eager too for a like-for-like
-comparison); `--tp1-graphs` adds a TP=1 run with graphs. Prints one table and writes DIR/tp_bench_<model>.json
-(DIR: --out, else $OUT, else .).
+comparison); `--tp1-graphs` adds a TP=1 run with graphs. After the phases each run decodes 8 prompts x 32 greedy
+tokens; "same tokens" counts the completions equal to the first run's (bf16 reductions differ across TP sizes, so
+a random model's flat logits may diverge late; a sharding bug shows as ~0/8). Prints one table and writes
+DIR/tp_bench_<model>.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_bench import MODELS, SCALE, build_model, phase_c, phase_d, warm_up
+from gpu_bench import MODELS, SCALE, build_model, letters, phase_c, phase_d, timed, warm_up
 
 from hybridcache import LLM
 
@@ -45,6 +47,10 @@ def run(folder: Path, options: dict, phases: list[str]) -> dict:
         warm_up(llm, random.Random(99))
         for phase in phases:
             result["phases"][phase] = PHASES[phase](llm, random.Random(0))
+        rng = random.Random(1)  # a sanity check across runs: greedy tokens of 8 prompts (cache cleared first)
+        llm.engine.clear_cache()
+        _, outputs = timed(llm, [letters(rng, 500) for _ in range(8)], 32)
+        result["check_tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
     finally:
         shutdown = getattr(llm.engine.runner, "shutdown", None)
         if shutdown is not None:
@@ -62,7 +68,8 @@ def row(name: str, r: dict) -> str:
     tok_s = f"{d['output_tok_per_s']:.0f}" if d else "-"
     step = f"{d['decode_step_ms_p50']:.2f}" if d and d.get("decode_step_ms_p50") else "-"
     prefill = f"{d['prefill_s']:.2f}" if d else "-"
-    return f"| {name} | {cold} | {warm} | {tok_s} | {step} | {prefill} | {r['init_s']:.0f} | {r['memory']} |"
+    return (f"| {name} | {cold} | {warm} | {tok_s} | {step} | {prefill} | {r['init_s']:.0f} | {r['check_identical']} "
+            f"| {r['memory']} |")
 
 
 def main() -> None:
@@ -105,9 +112,15 @@ def main() -> None:
             result.setdefault("errors", {})[name] = repr(error)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"tp_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
+    runs_done = list(result["runs"].values())
+    for r in runs_done:  # how many of the 8 check completions equal the first run's
+        pairs = list(zip(runs_done[0]["check_tokens"], r["check_tokens"]))
+        r["check_identical"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    (out_dir / f"tp_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
     print(f"\n{args.model} on {result['device']} x {result['devices']}")
-    print("| run | C cold ms | C +200 ms | D out tok/s | D decode step ms (p50) | D prefill s | init s | memory |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | C cold ms | C +200 ms | D out tok/s | D decode step ms (p50) | D prefill s | init s | same tokens "
+          "| memory |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in result["runs"].items():
         print(row(name, r))
 
