@@ -34,6 +34,9 @@ class EngineConfig:
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
     activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
     graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
+    tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
+    NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
+    engine's process. See `hybridcache.distributed`.
     """
 
     block_size: int = 64
@@ -52,13 +55,14 @@ class EngineConfig:
     device: str = "cpu"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))
         object.__setattr__(self, "eviction", EVICTION_ALIASES.get(self.eviction, self.eviction))
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

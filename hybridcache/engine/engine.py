@@ -18,12 +18,12 @@ import torch
 
 from hybridcache.cache import CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
+from hybridcache.distributed.executor import TensorParallelExecutor
+from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
-from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes
-from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.guided import GrammarCache, fill_bitmask
-from hybridcache.kernels.backend import KernelBackend, get_backend
-from hybridcache.models import ModelConfig, get_model_class, load_model
+from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
@@ -34,9 +34,7 @@ from hybridcache.scheduler.scheduler import Scheduler
 from hybridcache.scheduler.sequence import Seq
 from hybridcache.tokenizer import IncrementalDetokenizer, Tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
-_CPU_CHECKPOINT_SLOTS = 32
 _logger = logging.getLogger("hybridcache.engine")
 
 
@@ -103,26 +101,6 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
     )
 
 
-def _cuda_budget(
-    model: torch.nn.Module,
-    backend: KernelBackend,
-    config: EngineConfig,
-    dtype: torch.dtype,
-    state_dtype: torch.dtype,
-    device: torch.device,
-) -> int:
-    """Bytes left for the pools on a CUDA device: gpu_memory_utilization x total, minus what is in use after
-    the weights are loaded (weights, CUDA context, other processes) and minus the activation peak of one
-    forward of max_num_batched_tokens tokens (measured; see `hybridcache.engine.memory`)."""
-    activation = measure_activation_bytes(
-        model, backend, num_tokens=config.max_num_batched_tokens, block_size=config.block_size,
-        kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
-    )
-    free, total = torch.cuda.mem_get_info(device)
-    utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
-    return int(utilization * total) - (total - free) - activation
-
-
 class LLMEngine:
     """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
 
@@ -147,47 +125,16 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
-        dtype, state_dtype = _DTYPES[config.dtype], _DTYPES[config.state_dtype]
-        if on_cuda and dtype == torch.float32:
-            # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
-            # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
-            # when a kernel compiles; a value the user set wins.
-            os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-        model = load_model(self.model_path, dtype=dtype, device=self.device)
-        backend = get_backend(self.device)
-        specs = model.state_specs(dtype, state_dtype)
-        kv_per_block, state_per_slot = pool_bytes(specs, config.block_size)
-        if on_cuda:
-            budget = _cuda_budget(model, backend, config, dtype, state_dtype, self.device)
-            plan = plan_memory(
-                budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
-                max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
-                num_blocks=config.num_blocks, num_checkpoint_slots=config.num_checkpoint_slots,
-            )
+        spec = RunnerSpec(self.model_path, config, self.max_model_len)
+        if config.tensor_parallel_size > 1:
+            self.runner = TensorParallelExecutor(spec, self.device, config.tensor_parallel_size)
+            plan = self.runner.memory_plan
         else:
-            num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
-            slots = _CPU_CHECKPOINT_SLOTS if config.num_checkpoint_slots is None else config.num_checkpoint_slots
-            plan = MemoryPlan.fixed(
-                num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs, num_checkpoint_slots=slots,
-                kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
-            )
+            self.runner, plan = build_runner(spec, TensorParallel(), self.device)
+        backend = self.runner.backend
         self.memory_plan = plan
-        self.num_blocks = num_blocks = plan.num_blocks
+        self.num_blocks = plan.num_blocks
         num_slots = plan.num_slots
-        self.runner = ModelRunner(
-            model,
-            backend=backend,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            kernel_block_size=config.kernel_block_size,
-            num_slots=num_slots,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len,
-            dtype=dtype,
-            state_dtype=state_dtype,
-            device=self.device,
-            cuda_graphs=on_cuda and not config.enforce_eager,
-        )
         _logger.info(
             "hybridcache: model %s (%s), dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
             "kernels %s, cuda graphs %s",

@@ -6,14 +6,20 @@ Per token (hidden [T, hidden]):
     query, key = partial RoPE (first rotary_dim channels) at the tokens' absolute positions
     key/value are written to the layer's KV pool (backend.write_kv), then backend.attention reads them
     out = o_proj(attn * sigmoid(gate))
+
+Tensor parallel (`tp`): a rank holds its q heads (rows of q_proj, columns of o_proj) and the kv heads they
+read (rows of k_proj / v_proj; replicated when there are fewer kv heads than ranks, see `layers.parallel`);
+o_proj's partial sums are all-reduced, then its bias (if any) is added once.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.rotary import apply_partial_rotary
 from hybridcache.layers.step import StepContext
 from hybridcache.state_spec import AttentionSpec
@@ -29,8 +35,12 @@ class GatedAttention(nn.Module):
         head_dim: int,
         bias: bool,
         eps: float,
+        tp: TensorParallel = UNSHARDED,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        self.split = tp.split_heads(num_heads, num_kv_heads, "attention")
+        num_heads, num_kv_heads = self.split.num_heads, self.split.num_groups
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -40,6 +50,19 @@ class GatedAttention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
+        if self.tp.size == 1:
+            return {}
+        d, split = self.head_dim, self.split
+        q = rows((2 * d * split.start, 2 * d * split.stop))
+        kv = rows((d * split.group_start, d * split.group_stop))
+        out = {"q_proj.weight": q, "k_proj.weight": kv, "v_proj.weight": kv,
+               "o_proj.weight": columns((d * split.start, d * split.stop))}
+        if self.o_proj.bias is not None:
+            out.update({"q_proj.bias": q, "k_proj.bias": kv, "v_proj.bias": kv})
+        return out
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
         """Paged KV in the model dtype (`state_dtype` is for recurrent state)."""
@@ -60,4 +83,7 @@ class GatedAttention(nn.Module):
         step.backend.write_kv(kv_layer, key, value, step.batch)
         attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5)
         attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(attn)
+        if self.tp.size == 1:
+            return self.o_proj(attn)
+        out = self.tp.all_reduce(F.linear(attn, self.o_proj.weight))
+        return out if self.o_proj.bias is None else out + self.o_proj.bias

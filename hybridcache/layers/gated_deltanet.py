@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.norm import GatedRMSNorm
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
 
@@ -37,8 +38,13 @@ class _GatedDeltaNetBase(nn.Module):
         v_head_dim: int,
         conv_kernel_size: int,
         eps: float,
+        tp: TensorParallel = UNSHARDED,
     ) -> None:
         super().__init__()
+        self.tp = tp
+        self.split = tp.split_heads(num_v_heads, num_k_heads, "DeltaNet value")
+        self.total_key_dim = num_k_heads * k_head_dim  # of the full layer (the checkpoint's layout)
+        num_k_heads, num_v_heads = self.split.num_groups, self.split.num_heads
         self.hidden_size = hidden_size
         self.num_k_heads = num_k_heads
         self.num_v_heads = num_v_heads
@@ -59,6 +65,21 @@ class _GatedDeltaNetBase(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, eps=eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
+        if self.tp.size == 1:
+            return {}
+        s, dk, dv, key_dim = self.split, self.k_head_dim, self.v_head_dim, self.total_key_dim
+        qkv = rows((s.group_start * dk, s.group_stop * dk), (key_dim + s.group_start * dk, key_dim + s.group_stop * dk),
+                   (2 * key_dim + s.start * dv, 2 * key_dim + s.stop * dv))
+        heads = rows((s.start, s.stop))
+        return {"conv1d.weight": qkv, "dt_bias": heads, "A_log": heads,
+                "out_proj.weight": columns((s.start * dv, s.stop * dv)), **self._projection_shards(qkv)}
+
+    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
+        """The input projections' shards; `qkv`: the rows of the q | k | v channels."""
+        raise NotImplementedError
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """hidden [T, hidden] -> mixed_qkv [T, C] (q | k | v), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
@@ -97,19 +118,25 @@ class _GatedDeltaNetBase(nn.Module):
         q, k, v = self._split_heads(conv_out)
         core = backend.gated_delta_rule(q, k, v, g, beta, state["ssm"], batch)
         core = self.norm(core, z, backend)
-        return self.out_proj(core.reshape(hidden.shape[0], self.value_dim))
+        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
 
 
 class GatedDeltaNet(_GatedDeltaNetBase):
     """Qwen3.5 / Qwen3.5-MoE: separate `in_proj_qkv` [C, hidden], `in_proj_z` [Hv*Dv, hidden],
     `in_proj_b` and `in_proj_a` [Hv, hidden]."""
 
-    def __init__(self, hidden_size: int, **kwargs: int | float) -> None:
+    def __init__(self, hidden_size: int, **kwargs: int | float | TensorParallel) -> None:
         super().__init__(hidden_size, **kwargs)
         self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+
+    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
+        s, dv = self.split, self.v_head_dim
+        heads = rows((s.start, s.stop))
+        return {"in_proj_qkv.weight": qkv, "in_proj_z.weight": rows((s.start * dv, s.stop * dv)),
+                "in_proj_b.weight": heads, "in_proj_a.weight": heads}
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         z = self.in_proj_z(hidden).view(-1, self.num_v_heads, self.v_head_dim)
@@ -120,10 +147,25 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
     """Qwen3-Next: packed `in_proj_qkvz` [2*Hk*Dk + 2*Hv*Dv, hidden] and `in_proj_ba` [2*Hv, hidden],
     grouped per key head (see `unpack_qkvz_ba`)."""
 
-    def __init__(self, hidden_size: int, **kwargs: int | float) -> None:
+    def __init__(self, hidden_size: int, **kwargs: int | float | TensorParallel) -> None:
         super().__init__(hidden_size, **kwargs)
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
+        """Per key head j the rank reads, its group's q_j, k_j and the rank's value heads' v and z (all r of them
+        when key heads are split; a slice of them when key heads are replicated); in_proj_ba the same way."""
+        s, dk, dv, ratio = self.split, self.k_head_dim, self.v_head_dim, self.split.heads_per_group
+        group = 2 * dk + 2 * ratio * dv
+        qkvz, ba = [], []
+        for j in range(s.group_start, s.group_stop):
+            first, last = max(s.start, j * ratio) - j * ratio, min(s.stop, (j + 1) * ratio) - j * ratio
+            base = j * group
+            qkvz += [(base, base + 2 * dk), (base + 2 * dk + first * dv, base + 2 * dk + last * dv),
+                     (base + 2 * dk + (ratio + first) * dv, base + 2 * dk + (ratio + last) * dv)]
+            ba_base = j * 2 * ratio
+            ba += [(ba_base + first, ba_base + last), (ba_base + ratio + first, ba_base + ratio + last)]
+        return {"in_proj_qkvz.weight": rows(*qkvz), "in_proj_ba.weight": rows(*ba)}
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, z, b, a = unpack_qkvz_ba(

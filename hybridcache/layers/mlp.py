@@ -5,6 +5,13 @@ weight [E, hidden]), `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shar
 (weight [1, hidden]).
 
 Both blocks take `(x, step)` like every block of a decoder layer; the routed experts run on `step.backend.moe`.
+
+Tensor parallel (`tp`): every MLP, each routed expert and the shared expert included, is split on its
+intermediate dim (rows of gate_proj / up_proj, columns of down_proj), so a rank's output is a partial sum; the
+router and the shared expert's gate are replicated, so every rank routes every token the same way and the MoE
+block all-reduces once, routed and shared partial sums together. (Splitting each expert rather than placing
+whole experts on ranks keeps every rank's work equal whatever the routing, needs no token exchange, and runs
+the same expert kernels.)
 """
 
 from __future__ import annotations
@@ -13,14 +20,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 
 
 class MLP(nn.Module):
-    """x [N, hidden] -> down(silu(gate(x)) * up(x)) [N, hidden]."""
+    """x [N, hidden] -> down(silu(gate(x)) * up(x)) [N, hidden]; under tensor parallelism all-reduced when
+    `reduce` (else this rank's partial sum)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, tp: TensorParallel = UNSHARDED, *, reduce: bool = True
+    ) -> None:
         super().__init__()
+        self.tp = tp
+        self.reduce = reduce
+        start, stop = tp.split(intermediate_size, "the MLP intermediate size")
+        intermediate_size = stop - start
+        self.inner = rows((start, stop)), columns((start, stop))
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -28,7 +44,15 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Dense: `step` is not read."""
         del step
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(out) if self.reduce else out
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
+        if self.tp.size == 1:
+            return {}
+        inner_rows, inner_columns = self.inner
+        return {"gate_proj.weight": inner_rows, "up_proj.weight": inner_rows, "down_proj.weight": inner_columns}
 
 
 class SparseMoeBlock(nn.Module):
@@ -48,17 +72,21 @@ class SparseMoeBlock(nn.Module):
         moe_intermediate_size: int,
         shared_expert_intermediate_size: int,
         norm_topk_prob: bool,
+        tp: TensorParallel = UNSHARDED,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(hidden_size, moe_intermediate_size) for _ in range(num_experts))
-        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size)
+        self.experts = nn.ModuleList(
+            MLP(hidden_size, moe_intermediate_size, tp, reduce=False) for _ in range(num_experts)
+        )
+        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         top_weights, top_ids = step.backend.route(self.gate(x), self.top_k, self.norm_topk_prob)  # [N, k] each
         out = step.backend.moe(x, top_weights, top_ids, self.experts)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, step)
-        return out + shared
+        return self.tp.all_reduce(out + shared)

@@ -14,6 +14,12 @@ Module tree (names equal the checkpoint tensor names)::
 A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
 checkpoint name. Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
 them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`.
+
+Tensor parallel (`HybridCausalLM(config, tp)`, see `hybridcache.layers.parallel`): each mixer and feed-forward
+block holds its rank's heads / intermediate channels and all-reduces its output, so the hidden state between
+blocks is whole and equal on every rank; the embedding and the norms are replicated; `lm_head` holds the rank's
+rows of the vocabulary and the logits are all-gathered (every rank returns the full logits). `shards()` says
+which part of each checkpoint tensor a rank loads. The state specs are the rank's own (its heads only).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, rows
 from hybridcache.layers.rotary import rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
@@ -79,7 +86,7 @@ class HybridCausalLM(nn.Module):
     deltanet_cls: type[nn.Module] = GatedDeltaNet
     supported_model_types: tuple[str, ...] = ()
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
         if config.model_type not in self.supported_model_types:
             raise ValueError(
@@ -87,19 +94,23 @@ class HybridCausalLM(nn.Module):
                 f"not {config.model_type!r}"
             )
         self.config = config
+        self.tp = tp
+        vocab_start, vocab_stop = tp.split(config.vocab_size, "the vocabulary size")
+        self.vocab_shard = rows((vocab_start, vocab_stop))
         layers = [
             DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), config.hidden_size, config.rms_norm_eps)
             for layer_id in range(config.num_hidden_layers)
         ]
         self.model = _Backbone(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_stop - vocab_start, bias=False)
         self.tie_weights()
         self.eval()
         self.requires_grad_(False)
 
     def tie_weights(self) -> None:
-        """Make `lm_head` share the embedding matrix when the config ties them (again after `to_empty`)."""
-        if self.config.tie_word_embeddings:
+        """Make `lm_head` share the embedding matrix when the config ties them (again after `to_empty`). Under
+        tensor parallelism the lm_head is the rank's slice of the embedding, loaded as a copy (see `shards`)."""
+        if self.config.tie_word_embeddings and self.tp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
@@ -115,6 +126,7 @@ class HybridCausalLM(nn.Module):
                 v_head_dim=delta.v_head_dim,
                 conv_kernel_size=delta.conv_kernel_size,
                 eps=c.rms_norm_eps,
+                tp=self.tp,
             )
         attention = c.attention
         return "self_attn", GatedAttention(
@@ -124,6 +136,7 @@ class HybridCausalLM(nn.Module):
             head_dim=attention.head_dim,
             bias=attention.bias,
             eps=c.rms_norm_eps,
+            tp=self.tp,
         )
 
     def _mlp(self, layer_id: int) -> nn.Module:
@@ -137,8 +150,24 @@ class HybridCausalLM(nn.Module):
                 moe_intermediate_size=mlp.moe_intermediate_size,
                 shared_expert_intermediate_size=mlp.shared_expert_intermediate_size,
                 norm_topk_prob=mlp.norm_topk_prob,
+                tp=self.tp,
             )
-        return MLP(c.hidden_size, mlp.intermediate_size)
+        return MLP(c.hidden_size, mlp.intermediate_size, self.tp)
+
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> the part of the full checkpoint tensor this rank holds; parameters not named are
+        replicated (whole). {} when unsharded."""
+        if self.tp.size == 1:
+            return {}
+        out = {"lm_head.weight": self.vocab_shard}
+        for prefix, module in self.named_modules():
+            if module is not self and hasattr(module, "shards"):
+                out.update({f"{prefix}.{name}": shard for name, shard in module.shards().items()})
+        return out
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary (the ranks' slices gathered)."""
+        return self.tp.all_gather_last(self.lm_head(hidden).float())
 
     def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
         """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""
@@ -153,7 +182,7 @@ class HybridCausalLM(nn.Module):
     def logits_from_slots(self, pools: DevicePools, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from the `last_hidden` of each slot (no layer runs)."""
         with torch.inference_mode():
-            logits = self.lm_head(pools.slot_state[LAST_HIDDEN][slots]).float()
+            logits = self._logits(pools.slot_state[LAST_HIDDEN][slots])
         return logits.clone()
 
     def forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend) -> torch.Tensor:
@@ -178,4 +207,4 @@ class HybridCausalLM(nn.Module):
             pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
         if batch.prompt_logits_rows is not None:  # prompt logprobs: more rows, after the last ones
             last = torch.cat([last, self.model.norm(hidden[batch.prompt_logits_rows], backend)])
-        return self.lm_head(last).float()
+        return self._logits(last)

@@ -15,6 +15,10 @@ Tensor name rules, applied to every checkpoint tensor in this order:
 
 A missing tensor, an unexpected tensor, or a shape mismatch raises `ValueError` naming the tensor and
 the shapes; all checks read only safetensors headers, before any weight memory is allocated.
+
+Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
+`model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
+others whole. A tied lm_head is the rank's rows of the embedding tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.models.config import ModelConfig
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.registry import get_model_class
@@ -44,12 +49,16 @@ class _Source:
     expert: int | None = None
     rows: tuple[int, int] | None = None  # row range inside the expert's matrix (gate / up halves)
 
-    def extract(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.expert is not None:
-            tensor = tensor[self.expert]
-        if self.rows is not None:
-            tensor = tensor[self.rows[0] : self.rows[1]]
-        return tensor
+    def indices(self, shard: Shard | None) -> list[tuple[int | slice, ...]]:
+        """Index tuples into the checkpoint tensor whose results, concatenated along `shard.dim`, are our
+        parameter (one tuple, the whole parameter, without a shard)."""
+        lead: tuple[int | slice, ...] = () if self.expert is None else (self.expert,)
+        first, last = self.rows if self.rows is not None else (0, None)
+        if shard is None:
+            return [lead + (slice(first, last),)]
+        if shard.dim == 0:
+            return [lead + (slice(first + start, first + stop),) for start, stop in shard.ranges]
+        return [lead + (slice(first, last), slice(start, stop)) for start, stop in shard.ranges]
 
 
 def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
@@ -127,23 +136,34 @@ def _plan_stacked(
 
 @torch.no_grad()
 def _copy_planned(
-    model: HybridCausalLM, plan: Mapping[str, _Source], read: Callable[[str], torch.Tensor]
+    model: HybridCausalLM, plan: Mapping[str, _Source], read: Callable[[str, tuple[int | slice, ...]], torch.Tensor]
 ) -> None:
-    """Copy every planned parameter, reading each checkpoint tensor once (grouped by source name)."""
+    """Copy every planned parameter, reading only its part (`model.shards()`) of its checkpoint tensor."""
     params = dict(model.named_parameters())
-    by_source: dict[str, list[tuple[str, _Source]]] = {}
+    shards = model.shards()
     for target, source in plan.items():
-        by_source.setdefault(source.checkpoint_name, []).append((target, source))
-    for checkpoint_name, targets in by_source.items():
-        tensor = read(checkpoint_name)
-        for target, source in targets:
-            params[target].copy_(source.extract(tensor))
+        shard = shards.get(target)
+        parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
+        params[target].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
+
+
+def _sharded_plan(model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Source]:
+    """`plan_weights` against the full model (a meta copy when `model` is a rank's shard), and a tied lm_head
+    planned from the embedding when the rank holds its own lm_head slice."""
+    if model.tp.size == 1:
+        return plan_weights(model, checkpoint_shapes)
+    with torch.device("meta"):
+        full = type(model)(model.config)
+    plan = plan_weights(full, checkpoint_shapes)
+    if model.config.tie_word_embeddings:
+        plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
+    return plan
 
 
 def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Load in-memory tensors (e.g. a transformers model's `state_dict()`) with the rules above."""
-    plan = plan_weights(model, {name: _shape(t.shape) for name, t in tensors.items()})
-    _copy_planned(model, plan, tensors.__getitem__)
+    plan = _sharded_plan(model, {name: _shape(t.shape) for name, t in tensors.items()})
+    _copy_planned(model, plan, lambda name, index: tensors[name][index])
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -158,13 +178,18 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp: TensorParallel = UNSHARDED,
 ) -> HybridCausalLM:
     """Build the model described by `<model_dir>/config.json` and load its safetensors weights.
 
     Single-file and sharded (`model.safetensors.index.json`) folders are read. Every check (architecture,
     config, tensor names and shapes) runs on a meta-device model and the safetensors headers before any
-    weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`.
+    weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`; with `tp`, this
+    rank's shard of it (see `hybridcache.layers.parallel`), reading only the rank's part of each tensor.
     """
     from safetensors import safe_open
 
@@ -180,11 +205,11 @@ def load_model(
                 location[name] = file
                 shapes[name] = _shape(handle.get_slice(name).get_shape())
     with torch.device("meta"):
-        model = model_cls(config)
-    plan = plan_weights(model, shapes)
+        model = model_cls(config, tp)
+    plan = _sharded_plan(model, shapes)
 
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
-    _copy_planned(model, plan, lambda name: handles[location[name]].get_tensor(name))
+    _copy_planned(model, plan, lambda name, index: handles[location[name]].get_slice(name)[index])
     return model.eval()

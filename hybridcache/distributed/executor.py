@@ -1,0 +1,230 @@
+"""The engine's runner under tensor parallelism: rank 0 in the engine's process, ranks 1..N-1 in workers.
+
+`TensorParallelExecutor` has the `ModelRunner` methods the engine calls (`execute`, `execute_copies`,
+`logits_from_slots`, `graph_batch_sizes`), so the scheduler, the prefix cache and sampling run once, in the
+engine, exactly as without tensor parallelism. Each call sends the step (the `ForwardBatch` with its copy ops,
+as CPU id tensors) to every worker, then runs it on rank 0's own shard; every rank runs the same restores,
+forward and saves on its own shard of the pools, and the logits come back whole to rank 0 (all-gathered)::
+
+    engine.step -> executor.execute(batch) -> pipe: (EXECUTE, batch) -> worker r: runner.execute(batch)
+                                           -> rank 0: runner.execute(batch)   (collectives pair up per layer)
+                                           <- full logits on rank 0
+
+Failures: before each step every worker's liveness is checked; a collective that fails (gloo fails at once
+when a peer dies; any collective fails after `COLLECTIVE_TIMEOUT`) is attributed to the worker that died or
+reported an exception, and the engine raises `WorkerError` naming its rank. The executor is then broken:
+every later call raises, and the other workers are stopped. `shutdown()` (also run when the executor is
+garbage-collected and at interpreter exit) stops the workers: a STOP message, then terminate, then kill. A
+worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits. CUDA graphs are not captured under
+tensor parallelism (decode steps run eagerly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import shutil
+import tempfile
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridcache.distributed.messages import Op, encode, receive, send
+from hybridcache.distributed.process_group import init_group, leave_group, rank_device
+from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.distributed.worker import worker_main
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import ModelConfig, get_model_class
+
+STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
+FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
+_STOP_WAIT_S = 5.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died or raised; the message names its rank."""
+
+
+@dataclass
+class _Worker:
+    rank: int
+    process: BaseProcess
+    conn: Connection
+
+    def describe(self) -> str:
+        return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid})"
+
+
+class TensorParallelExecutor:
+    """N ranks over `torch.distributed` (see the module docstring). `memory_plan`: the plan every rank's pools
+    follow (the CUDA budget is the minimum over the ranks)."""
+
+    def __init__(self, spec: RunnerSpec, device: torch.device, size: int) -> None:
+        """Start ranks 1..size-1 and build rank 0 on `device` (CUDA: its index, or 0, is rank 0's device)."""
+        if size < 2:
+            raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
+        config = ModelConfig.from_model_dir(spec.model_path)
+        with torch.device("meta"):  # a model that cannot be split fails here, before any process starts
+            get_model_class(config.architecture)(config, TensorParallel(0, size))
+        last = rank_device(device, size - 1)
+        if last.type == "cuda" and last.index >= torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "
+                             f"has {torch.cuda.device_count()} CUDA devices")
+        if dist.is_initialized():
+            raise RuntimeError("this process already runs a tensor-parallel group (one per process): shut the "
+                               "other engine's executor down first (engine.runner.shutdown())")
+        self.size = size
+        device = rank_device(device, 0)
+        self._workers: list[_Worker] = []
+        self._failure: BaseException | None = None
+        store_dir = Path(tempfile.mkdtemp(prefix="hybridcache-tp-"))
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, store_dir)
+        context = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(1, size):
+                parent, child = context.Pipe()
+                process = context.Process(target=worker_main, args=(spec, rank, size, store_dir, child),
+                                          name=f"hybridcache-tp-rank{rank}", daemon=True)
+                process.start()
+                child.close()
+                self._workers.append(_Worker(rank, process, parent))
+            for worker in self._workers:
+                self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
+            init_group(store_dir, 0, size, device)
+            self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
+            for worker in self._workers:
+                self._expect(worker, Op.READY)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------------------ the runner's methods
+    @property
+    def backend(self) -> Any:
+        return self.runner.backend
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """() : decode steps run eagerly under tensor parallelism."""
+        return ()
+
+    @property
+    def worker_pids(self) -> tuple[int, ...]:
+        """The process ids of ranks 1..N-1."""
+        return tuple(worker.process.pid for worker in self._workers)
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        return self._run(Op.EXECUTE, batch, lambda: self.runner.execute(batch))
+
+    def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
+        self._run(Op.COPIES, copies, lambda: self.runner.execute_copies(copies))
+
+    def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._run(Op.LOGITS, slots, lambda: self.runner.logits_from_slots(slots))
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the group (idempotent)."""
+        self._finalizer()
+
+    # ------------------------------------------------------------------------------ internals
+    def _run(self, op: Op, payload: Any, local: Callable[[], Any]) -> Any:
+        """Send the step to every worker, run it on rank 0; any failure breaks the executor (see the module
+        docstring)."""
+        if self._failure is not None:
+            raise WorkerError(f"the tensor-parallel group failed earlier: {self._failure}") from self._failure
+        try:
+            failure = self._find_failure(grace_s=0.0)
+            if failure is not None:
+                raise failure
+            message = encode(op, payload)
+            for worker in self._workers:
+                worker.conn.send_bytes(message)
+            return local()
+        except BaseException as error:
+            failure = error if isinstance(error, WorkerError) else self._find_failure(grace_s=FAILURE_GRACE_S)
+            self._failure = failure or error
+            for worker in self._workers:  # they may be waiting in a collective that will never complete
+                if worker.process.is_alive():
+                    worker.process.terminate()
+            self.shutdown()
+            if failure is None or failure is error:
+                raise
+            raise failure from error
+
+    def _find_failure(self, grace_s: float) -> WorkerError | None:
+        """A `WorkerError` for the first worker that reported an exception or died, waiting up to `grace_s`
+        for one to show; None when all are alive and silent."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for worker in self._workers:
+                if worker.conn.poll():
+                    try:
+                        op, payload = receive(worker.conn)
+                    except (EOFError, OSError):
+                        op, payload = None, None
+                    if op is Op.ERROR:
+                        return WorkerError(f"{worker.describe()} raised:\n{payload}")
+                if not worker.process.is_alive():
+                    return WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)})")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _expect(self, worker: _Worker, op: Op, timeout: float | None = None) -> Any:
+        """The payload of the worker's next message, which must be `op`; WorkerError if it dies, reports an
+        exception or (with `timeout`) says nothing for `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not worker.conn.poll():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WorkerError(f"{worker.describe()} did not answer {op.value!r} within {timeout:.0f} s")
+            wait([worker.conn, worker.process.sentinel], timeout=left)
+            if not worker.conn.poll() and not worker.process.is_alive():
+                raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)})")
+        got, payload = receive(worker.conn)
+        if got is Op.ERROR:
+            raise WorkerError(f"{worker.describe()} raised:\n{payload}")
+        if got is not op:
+            raise WorkerError(f"{worker.describe()} sent {got.value!r}, expected {op.value!r}")
+        return payload
+
+    def _agree(self, budget: int) -> int:
+        """The smallest CUDA budget over the ranks, sent to every worker (each waits for it)."""
+        agreed = min([budget, *(self._expect(worker, Op.BUDGET) for worker in self._workers)])
+        for worker in self._workers:
+            send(worker.conn, Op.BUDGET, agreed)
+        return agreed
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _shutdown(workers: list[_Worker], store_dir: Path) -> None:
+    """Stop every worker (STOP, then terminate, then kill), leave the group, remove the store."""
+    for worker in workers:
+        with contextlib.suppress(OSError):
+            send(worker.conn, Op.STOP)
+    deadline = time.monotonic() + _STOP_WAIT_S
+    for worker in workers:
+        worker.process.join(max(0.0, deadline - time.monotonic()))
+        if worker.process.is_alive():
+            worker.process.terminate()
+            worker.process.join(2.0)
+        if worker.process.is_alive():
+            worker.process.kill()
+            worker.process.join()
+        worker.conn.close()
+    leave_group()
+    shutil.rmtree(store_dir, ignore_errors=True)

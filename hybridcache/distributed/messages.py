@@ -1,0 +1,98 @@
+"""What the driver and the workers say to each other over their pipes, and how a step travels.
+
+Driver -> worker, one message per step (every worker gets the same one)::
+
+    (Op.EXECUTE, ForwardBatch)    restores, forward, saves (`ModelRunner.execute`); the logits are all-gathered
+    (Op.COPIES, (DeviceCopyOp,))  a step with no forward (`ModelRunner.execute_copies`)
+    (Op.LOGITS, slots)            `ModelRunner.logits_from_slots` (all-gathered)
+    (Op.BUDGET, bytes)            at start-up on CUDA: the budget every rank plans its pools with
+    (Op.STOP, None)               leave the group and exit
+
+Worker -> driver: (Op.STARTED, None) before joining the group, (Op.BUDGET, bytes) its own CUDA budget,
+(Op.READY, None) once its pools are allocated, (Op.ERROR, traceback text) before it exits on an exception.
+
+Tensors travel as numpy arrays (`HostTensor`), pickled with the message: a decode step of 64 sequences is
+about 20 KiB.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+
+
+class Op(Enum):
+    STARTED = "started"
+    BUDGET = "budget"
+    READY = "ready"
+    ERROR = "error"
+    EXECUTE = "execute"
+    COPIES = "copies"
+    LOGITS = "logits"
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class HostTensor:
+    """A tensor in transit: its values as a numpy array (which pickles as raw bytes, unlike a torch tensor),
+    reinterpreted bit for bit when numpy lacks the dtype (bfloat16 travels as int16)."""
+
+    array: np.ndarray
+    dtype: torch.dtype
+
+    @classmethod
+    def pack(cls, tensor: torch.Tensor) -> HostTensor:
+        host = tensor.detach().cpu()
+        if host.dtype == torch.bfloat16:
+            host = host.view(torch.int16)
+        return cls(host.numpy(), tensor.dtype)
+
+    def unpack(self, device: torch.device | str) -> torch.Tensor:
+        tensor = torch.from_numpy(self.array)
+        if tensor.dtype != self.dtype:
+            tensor = tensor.view(self.dtype)
+        return tensor.to(device)
+
+
+def map_tensors(value: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> Any:
+    """`value` with `fn` applied to every `kind` inside it: a tuple, a `DeviceCopyOp` or a `ForwardBatch` (not
+    yet prepared: backend metadata does not travel); other values unchanged."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_tensors(v, fn, kind) for v in value)
+    if isinstance(value, DeviceCopyOp):
+        return dataclasses.replace(value, src_ids=fn(value.src_ids), dst_ids=fn(value.dst_ids))
+    if isinstance(value, ForwardBatch):
+        if value.metadata is not None:
+            raise ValueError("a prepared ForwardBatch cannot be sent to another rank")
+        return dataclasses.replace(value, **{
+            f.name: map_tensors(getattr(value, f.name), fn, kind) for f in dataclasses.fields(value)
+            if f.name not in ("metadata", "query_lens_cpu", "context_lens_cpu")
+        })
+    return value
+
+
+def send(conn: Connection, op: Op, payload: Any = None) -> None:
+    conn.send_bytes(encode(op, payload))
+
+
+def encode(op: Op, payload: Any = None) -> bytes:
+    """One message's bytes (to send the same step to every worker, pickled once); tensors as `HostTensor`s."""
+    return pickle.dumps((op, map_tensors(payload, HostTensor.pack)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def receive(conn: Connection, device: torch.device | str = "cpu") -> tuple[Op, Any]:
+    """The next message, its tensors on `device`."""
+    op, payload = pickle.loads(conn.recv_bytes())
+    return op, map_tensors(payload, lambda host: host.unpack(device), HostTensor)

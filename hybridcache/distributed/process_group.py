@@ -1,0 +1,47 @@
+"""The tensor-parallel process group: one `torch.distributed` world of N ranks, one per device.
+
+gloo on the CPU, NCCL on CUDA (rank r on `cuda:(base + r)`, NVLink multicast off: `NCCL_NVLS_ENABLE=0`, which
+the lent machines require). Ranks meet through a file store in a folder the driver creates. Collectives that
+wait longer than `COLLECTIVE_TIMEOUT` fail (a rank that hangs cannot hang the others forever; a rank that dies
+fails gloo's collectives at once, its connections closing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """The device of `rank`: the CPU for every rank on the CPU; on CUDA the base index plus the rank."""
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> None:
+    """Join the group (blocks until all `size` ranks have joined)."""
+    if device.type == "cuda":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo",
+        init_method=f"file://{store_dir / 'store'}",
+        rank=rank,
+        world_size=size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+
+
+def leave_group() -> None:
+    """Destroy the group if this process is in one (ignoring a group already broken by a dead rank)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer that died leaves the group unusable; leaving must not raise
+            dist.destroy_process_group()

@@ -1,0 +1,106 @@
+"""One rank's model, memory plan and `ModelRunner` (with tensor_parallel_size 1: the engine's only one).
+
+Every rank runs `build_runner` with the same `RunnerSpec`: it loads the rank's shard of the weights, measures its
+memory budget (CUDA), lets `agree` turn that into the budget every rank uses (the minimum over the ranks, so
+every rank's pools have the same block and slot counts: the scheduler's ids are valid on all of them), plans the
+pools and allocates them. The CPU has no budget: the pool sizes follow from the config alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes
+from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
+from hybridcache.kernels.backend import KernelBackend, get_backend
+from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import load_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_CHECKPOINT_SLOTS = 32
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What every rank builds its runner from (picklable: it is sent to the worker processes)."""
+
+    model_path: Path
+    config: EngineConfig
+    max_model_len: int
+
+
+def build_runner(
+    spec: RunnerSpec,
+    tp: TensorParallel,
+    device: torch.device,
+    agree: Callable[[int], int] = lambda budget: budget,
+) -> tuple[ModelRunner, MemoryPlan]:
+    """This rank's runner and the memory plan its pools follow. `agree(budget)`: the CUDA budget in bytes all
+    ranks use, given this rank's (called on CUDA only; each rank must call its `agree` at the same point).
+    CUDA graphs are captured only without tensor parallelism."""
+    config = spec.config
+    dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.state_dtype]
+    if device.type == "cuda" and dtype == torch.float32:
+        # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
+        # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
+        # when a kernel compiles; a value the user set wins.
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
+    backend = get_backend(device)
+    kv_per_block, state_per_slot = pool_bytes(model.state_specs(dtype, state_dtype), config.block_size)
+    blocks_per_seq = -(-spec.max_model_len // config.block_size)
+    if device.type == "cuda":
+        budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device))
+        plan = plan_memory(
+            budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
+            max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
+            num_blocks=config.num_blocks, num_checkpoint_slots=config.num_checkpoint_slots,
+        )
+    else:
+        num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
+        slots = CPU_CHECKPOINT_SLOTS if config.num_checkpoint_slots is None else config.num_checkpoint_slots
+        plan = MemoryPlan.fixed(
+            num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs, num_checkpoint_slots=slots,
+            kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
+        )
+    runner = ModelRunner(
+        model,
+        backend=backend,
+        num_blocks=plan.num_blocks,
+        block_size=config.block_size,
+        kernel_block_size=config.kernel_block_size,
+        num_slots=plan.num_slots,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=spec.max_model_len,
+        dtype=dtype,
+        state_dtype=state_dtype,
+        device=device,
+        cuda_graphs=device.type == "cuda" and not config.enforce_eager and tp.size == 1,
+    )
+    return runner, plan
+
+
+def _cuda_budget(
+    model: torch.nn.Module,
+    backend: KernelBackend,
+    config: EngineConfig,
+    dtype: torch.dtype,
+    state_dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Bytes left for the pools on a CUDA device: gpu_memory_utilization x total, minus what is in use after
+    the weights are loaded (weights, CUDA context, other processes) and minus the activation peak of one
+    forward of max_num_batched_tokens tokens (measured; see `hybridcache.engine.memory`)."""
+    activation = measure_activation_bytes(
+        model, backend, num_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+        kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
+    )
+    free, total = torch.cuda.mem_get_info(device)
+    utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
+    return int(utilization * total) - (total - free) - activation

@@ -1,0 +1,69 @@
+"""A worker process: rank r >= 1 of the tensor-parallel group (rank 0 is the driver, in the engine's process).
+
+It joins the group, builds its runner exactly as the driver builds rank 0's (`build_runner`, same spec), then
+runs whatever step the driver sends, in order, until told to stop or until the driver is gone (its pipe
+closes). An exception is sent to the driver as text before the worker exits; the driver names the rank.
+SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group: the driver decides).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from hybridcache.distributed.messages import Op, receive, send
+from hybridcache.distributed.process_group import init_group, leave_group, rank_device
+from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.layers.parallel import TensorParallel
+
+
+def worker_main(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connection) -> None:
+    """The process's entry point (spawned by `TensorParallelExecutor`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _serve(spec, rank, size, store_dir, conn)
+    except (EOFError, BrokenPipeError):  # the driver is gone: nothing to report to
+        leave_group()
+        sys.exit(1)
+    except BaseException:  # noqa: BLE001 (every failure is reported, then the worker exits)
+        with contextlib.suppress(OSError):
+            send(conn, Op.ERROR, traceback.format_exc())
+        leave_group()
+        sys.exit(1)
+    leave_group()
+
+
+def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connection) -> None:
+    device = rank_device(torch.device(spec.config.device), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a device problem shows here, before the driver waits to meet us
+    send(conn, Op.STARTED)
+    init_group(store_dir, rank, size, device)
+
+    def agree(budget: int) -> int:
+        send(conn, Op.BUDGET, budget)
+        op, agreed = receive(conn)
+        if op is not Op.BUDGET:
+            raise RuntimeError(f"expected the agreed memory budget, got {op}")
+        return agreed
+
+    runner, _ = build_runner(spec, TensorParallel(rank, size), device, agree)
+    send(conn, Op.READY)
+    while True:
+        op, payload = receive(conn, device)
+        if op is Op.STOP:
+            return
+        if op is Op.EXECUTE:
+            runner.execute(payload)
+        elif op is Op.COPIES:
+            runner.execute_copies(payload)
+        elif op is Op.LOGITS:
+            runner.logits_from_slots(payload)
+        else:
+            raise RuntimeError(f"unexpected message {op}")

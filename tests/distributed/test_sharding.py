@@ -1,0 +1,93 @@
+"""How a model is split, without processes: the head split rules, the ranks' shards partition every split
+weight, the loader reads exactly each rank's part (from safetensors files and from transformers' in-memory
+stacked experts), and a step's message survives the trip to a worker."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridcache.cache.plan import CopyKind
+from hybridcache.distributed.messages import Op, encode, receive
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.forward_batch import DeviceCopyOp
+from hybridcache.layers.parallel import HeadSplit, TensorParallel
+from hybridcache.models import ModelConfig, get_model_class, load_model, load_weights
+from hybridcache.models.random_weights import tiny_hf_config
+from tests.models.helpers import make_pair
+
+from .folders import MODEL_TYPES, write_folder
+
+
+def test_heads_split_and_groups_replicate_when_fewer_than_ranks():
+    assert TensorParallel(1, 2).split_heads(8, 4, "q") == HeadSplit(4, 8, 2, 4, 2)
+    assert TensorParallel(1, 2).split_heads(8, 1, "q") == HeadSplit(4, 8, 0, 1, 8)
+    assert TensorParallel(3, 4).split_heads(8, 2, "q") == HeadSplit(6, 8, 1, 2, 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide q heads"):
+        TensorParallel(0, 3).split_heads(8, 2, "q")
+    with pytest.raises(ValueError, match="one must divide the other"):
+        TensorParallel(0, 4).split_heads(12, 6, "q")
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_ranks_shards_partition_every_split_weight(model_type):
+    config = ModelConfig.from_dict(tiny_hf_config(model_type).to_dict())
+    cls = get_model_class(config.architecture)
+    with torch.device("meta"):
+        full = dict(cls(config).named_parameters())
+        ranks = [cls(config, TensorParallel(rank, 2)) for rank in range(2)]
+    shards = [model.shards() for model in ranks]
+    assert shards[0].keys() == shards[1].keys() and "lm_head.weight" in shards[0]
+    assert any(".experts.3.down_proj" in name for name in shards[0]) == (config.mlp.num_experts > 0)
+    for name in shards[0]:
+        covered = sorted(r for shard in (shards[0][name], shards[1][name]) for r in shard.ranges)
+        dim = shards[0][name].dim
+        assert covered[0][0] == 0 and covered[-1][1] == full[name].shape[dim], name
+        assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), (name, covered)  # no gap, no overlap
+        for model, shard in zip(ranks, (shards[0][name], shards[1][name])):
+            assert dict(model.named_parameters())[name].shape[dim] == shard.length, name
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])  # packed and separate projections
+def test_each_rank_loads_exactly_its_part(model_type, tmp_path):
+    pair = make_pair(model_type)  # transformers' in-memory state dict holds the experts stacked
+    config = pair.ours.config
+    folder = write_folder(tmp_path, model_type)
+    whole = load_model(folder)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        from_files = load_model(folder, tp=tp)
+        from_memory = get_model_class(config.architecture)(config, tp)
+        load_weights(from_memory, pair.hf.state_dict())
+        for loaded, source in ((from_files, whole), (from_memory, pair.ours)):
+            shards, full = loaded.shards(), dict(source.named_parameters())
+            assert shards
+            for name, param in loaded.named_parameters():
+                shard = shards.get(name)
+                assert torch.equal(param, full[name] if shard is None else shard.take(full[name])), name
+
+
+def test_a_step_travels_to_a_worker_unchanged():
+    import multiprocessing
+
+    chunks = [SeqChunk(token_ids=[5, 6, 7], start=0, block_ids=[3], slot=1),
+              SeqChunk(token_ids=[9], start=70, block_ids=[0, 2], slot=0)]
+    copies = (DeviceCopyOp(CopyKind.STATE_SAVE, torch.tensor([1]), torch.tensor([4])),)
+    batch = build_forward_batch(chunks, block_size=64, kernel_block_size=32)
+    batch = dataclasses.replace(batch, copies=copies, embed_rows=torch.tensor([1]),
+                                embeds=torch.randn(1, 8).to(torch.bfloat16))
+    sender, receiver = multiprocessing.Pipe()
+    sender.send_bytes(encode(Op.EXECUTE, batch))
+    op, got = receive(receiver)
+    assert op is Op.EXECUTE
+    for field in dataclasses.fields(batch):
+        want, have = getattr(batch, field.name), getattr(got, field.name)
+        if isinstance(want, torch.Tensor):
+            assert want.dtype == have.dtype and torch.equal(want, have), field.name
+        elif field.name == "copies":
+            assert have[0].kind is CopyKind.STATE_SAVE
+            assert torch.equal(have[0].src_ids, want[0].src_ids) and torch.equal(have[0].dst_ids, want[0].dst_ids)
+        else:
+            assert want == have, field.name

@@ -1,0 +1,71 @@
+"""The workers of a tensor-parallel engine go away when the engine's process exits or gets SIGTERM (a killed
+worker: `test_tensor_parallel.py`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .folders import write_folder
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def wait_gone(pids: tuple[int, ...], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_folder(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+def run_driver(model_dir: Path, then: str) -> tuple[subprocess.Popen, tuple[int, ...]]:
+    """A process that starts a 2-rank engine, prints its workers' pids, then runs `then`."""
+    script = (
+        "from hybridcache.config import EngineConfig\n"
+        "from hybridcache.engine.engine import LLMEngine\n"
+        f"engine = LLMEngine({str(model_dir)!r}, EngineConfig(max_num_seqs=2, tensor_parallel_size=2))\n"
+        "print(*engine.runner.worker_pids, flush=True)\n"
+        f"{then}\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    pids = tuple(int(p) for p in process.stdout.readline().split())
+    assert pids and all(alive(pid) for pid in pids)
+    return process, pids
+
+
+@pytest.mark.slow
+def test_workers_exit_with_the_engine_process(model_dir):
+    process, pids = run_driver(model_dir, "import sys; sys.exit(0)")
+    assert process.wait(30) == 0
+    assert wait_gone(pids, 10)
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_engine_process_gets_sigterm(model_dir):
+    process, pids = run_driver(model_dir, "import time; time.sleep(600)")
+    process.send_signal(signal.SIGTERM)
+    process.wait(30)
+    assert wait_gone(pids, 10)

@@ -1,0 +1,131 @@
+"""Tensor parallelism on the CPU (gloo, 2 ranks) computes what one rank computes and what transformers
+computes: greedy tokens equal, logits within 1e-4 (relative), on tiny Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
+models; and with the prefix cache on, the cache-equivalence workload gives the tokens and logits of an
+uncached single-rank run.
+
+Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
+family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other families
+and the replicated-head variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
+The last test kills the worker mid-run: the engine raises an error naming its rank within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.distributed.executor import WorkerError
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.sampling import SamplingParams
+from tests.engine.test_cache_equivalence import assert_same, make_engine, run_workload
+
+from .folders import transformers_logits, write_folder
+from .test_shutdown import alive
+
+REL_TOL = 1e-4
+SLOW = pytest.mark.slow
+
+
+# one kv head and one DeltaNet key head for 2 ranks: both ranks hold (replicate) them
+REPLICATED = {"num_key_value_heads": 1, "linear_num_key_heads": 1}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("qwen3_5_text", marks=SLOW),
+                                        pytest.param("qwen3_5_moe_text", marks=SLOW),
+                                        pytest.param("qwen3_next-replicated", marks=SLOW),
+                                        pytest.param("qwen3_5_text-replicated", marks=SLOW)])
+def model_dir(request, tmp_path_factory):
+    model_type, _, variant = request.param.partition("-")
+    overrides = REPLICATED if variant else {}
+    return write_folder(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tp_engine(model_dir):
+    """A 2-rank engine with the prefix cache on (recording every sampled row's logits in `engine.logits`)."""
+    engine = make_engine(model_dir, tensor_parallel_size=2)
+    yield engine
+    engine.runner.shutdown()
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def generate(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                return output.outputs[0].token_ids
+    raise AssertionError("the request did not finish")
+
+
+def test_two_ranks_match_one_rank_and_transformers(model_dir, tp_engine):
+    prompt = [random.Random(7).randrange(256) for _ in range(170)]
+    single = make_engine(model_dir)
+    want = generate(single, "long", prompt, 12)
+    got = generate(tp_engine, "long", prompt, 12)
+    assert got == want
+    reference = transformers_logits(model_dir, prompt + want)
+    for i in range(len(want)):
+        key = ("long", 0, len(prompt) + i)  # the logits sampled when the sequence held that many tokens
+        assert rel_err(tp_engine.logits[key], single.logits[key]) <= REL_TOL, i
+        assert rel_err(tp_engine.logits[key], reference[len(prompt) + i - 1]) <= REL_TOL, i
+        assert int(reference[len(prompt) + i - 1].argmax()) == want[i]
+
+
+def test_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, tp_engine):
+    tp_engine.clear_cache()
+    tp_engine.logits.clear()
+    uncached = make_engine(model_dir, caching=False)
+    out_uncached = run_workload(uncached)
+    out_cached = run_workload(tp_engine, check_every_step=True)
+    assert_same(tp_engine, uncached, out_cached, out_uncached)
+    assert sum(o.cached_tokens for o in out_cached.values()) > 0
+
+
+def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLMEngine(model_dir, EngineConfig(tensor_parallel_size=3))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 3, reason="needs fewer than 3 GPUs")
+def test_more_ranks_than_gpus_fails_before_any_worker_starts(model_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 from cuda:1 needs devices up to cuda:2"):
+        LLMEngine(model_dir, EngineConfig(tensor_parallel_size=2, device="cuda:1"))
+
+
+def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):
+    """(The module's last test of each model: it breaks the engine.)"""
+    engine = tp_engine
+    (pid,) = engine.runner.worker_pids
+    try:
+        for i in range(4):
+            engine.add_request(f"kill{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=2000, ignore_eos=True))
+        for _ in range(3):
+            engine.step()
+        killed_at = []
+
+        def kill() -> None:
+            killed_at.append(time.monotonic())
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Timer(0.2, kill).start()  # while the engine is stepping
+        deadline = time.monotonic() + 60
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+            while time.monotonic() < deadline:
+                engine.step()
+        assert time.monotonic() - killed_at[0] < 10
+        with pytest.raises(WorkerError, match="failed earlier"):  # broken for good, not hanging
+            engine.step()
+    finally:
+        engine.runner.shutdown()
+    assert not alive(pid)
