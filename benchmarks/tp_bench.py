@@ -24,12 +24,11 @@ import logging
 import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from gpu_bench import MODELS, SCALE, build_model, letters, phase_c, phase_d, timed, warm_up
+from gpu_bench import MODELS, SCALE, letters, model_folder, phase_c, phase_d, timed, warm_up
 
 from hybridcache import LLM
 
@@ -83,6 +82,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
@@ -92,7 +92,7 @@ def main() -> None:
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
-    folder = build_model(args.model, Path(tempfile.mkdtemp()))
+    folder = model_folder(args.model, args.model_dir)
     on_cuda = args.device.startswith("cuda")
     result: dict = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "build_s": time.perf_counter() - start,
                     "device": torch.cuda.get_device_name() if on_cuda else args.device,
