@@ -63,7 +63,7 @@ def build_forward_batch(
     slot_mapping: list[int] = []
     cu_seqlens = [0]
     context_lens: list[int] = []
-    page_rows: list[list[int]] = []
+    page_rows: list[Sequence[int]] = []
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
@@ -74,14 +74,15 @@ def build_forward_batch(
         end = chunk.start + num_new
         if len(chunk.block_ids) * block_size < end:
             raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold {end} tokens")
-        pages = [b * pages_per_block + j for b in chunk.block_ids for j in range(pages_per_block)]
+        pages = (chunk.block_ids if pages_per_block == 1
+                 else [b * pages_per_block + j for b in chunk.block_ids for j in range(pages_per_block)])
         for offset, vectors in chunk.embeds:
             embed_rows.extend(range(len(input_ids) + offset, len(input_ids) + offset + vectors.shape[0]))
             embeds.append(vectors)
         input_ids.extend(chunk.token_ids)
-        for pos in range(chunk.start, end):
-            positions.append(pos)
-            slot_mapping.append(pages[pos // kernel_block_size] * kernel_block_size + pos % kernel_block_size)
+        positions.extend(range(chunk.start, end))
+        slot_mapping.extend(pages[pos // kernel_block_size] * kernel_block_size + pos % kernel_block_size
+                            for pos in range(chunk.start, end))
         cu_seqlens.append(cu_seqlens[-1] + num_new)
         context_lens.append(end)
         page_rows.append(pages[: -(-end // kernel_block_size)])
@@ -89,7 +90,10 @@ def build_forward_batch(
     prompt_rows = [row for i, flag in enumerate(prompt_logits) if flag
                    for row in range(cu_seqlens[i], cu_seqlens[i + 1] - 1)]
     width = max(len(row) for row in page_rows)
-    table = [row + [0] * (width - len(row)) for row in page_rows]
+    table: list[int] = []
+    for row in page_rows:
+        table.extend(row)
+        table.extend([0] * (width - len(row)))
 
     num_seqs = len(chunks)
     fields = {
@@ -100,7 +104,7 @@ def build_forward_batch(
         "logits_indices": logits_indices,
         "cu_seqlens": cu_seqlens,
         "context_lens": context_lens,
-        "block_tables": [page for row in table for page in row],
+        "block_tables": table,
         "embed_rows": embed_rows,
         "prompt_logits_rows": prompt_rows,
     }
