@@ -282,19 +282,11 @@ class ReferenceBackend:
             [e.down_proj.weight for e in experts],
         )
 
-    def delta_gates(
-        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return delta_ref.delta_gates(a, b, A_log, dt_bias)
-
-    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return moe_ref.route(logits, top_k, renormalize)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return norm_ref.rms_norm(x, weight, eps)
-
-    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return norm_ref.gated_rms_norm(x, gate, weight, eps)
+    # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
+    delta_gates = staticmethod(delta_ref.delta_gates)
+    route = staticmethod(moe_ref.route)
+    rms_norm = staticmethod(norm_ref.rms_norm)
+    gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
 
 
 def _metadata(batch: ForwardBatch) -> ReferenceMetadata:

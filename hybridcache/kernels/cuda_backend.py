@@ -152,19 +152,11 @@ class CudaBackend:
             stacked = self._experts[experts] = ExpertWeights.share(experts)
         return grouped_experts(x, top_weights, top_ids, stacked)
 
-    def delta_gates(
-        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return triton_gates.delta_gates(a, b, A_log, dt_bias)
-
-    def route(self, logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return triton_route.route(logits, top_k, renormalize)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return fused_norm.rms_norm(x, weight, eps)
-
-    def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return fused_norm.gated_rms_norm(x, gate, weight, eps)
+    # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
+    delta_gates = staticmethod(triton_gates.delta_gates)
+    route = staticmethod(triton_route.route)
+    rms_norm = staticmethod(fused_norm.rms_norm)
+    gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:

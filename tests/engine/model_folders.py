@@ -34,3 +34,9 @@ def load_hf_model(path: Path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def prompts_of(lengths, seed=0) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (byte vocabulary), reproducible from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]

@@ -8,7 +8,7 @@ import torch
 from hybridcache import LLM, SamplingParams
 from hybridcache.engine.engine import LLMEngine
 
-from .model_folders import load_hf_model, write_tiny_model
+from .model_folders import load_hf_model, prompts_of, write_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -16,11 +16,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 @pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def prompts_of(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
 
 
 def small_llm(model_dir, **options):

@@ -10,17 +10,12 @@ from hybridcache import LLM, SamplingParams
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.sampling import Logprob, prompt_logprobs
 
-from .model_folders import load_hf_model, write_tiny_model
+from .model_folders import load_hf_model, prompts_of, write_tiny_model
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def prompts_of(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (n,), generator=generator).tolist() for n in lengths]
 
 
 def hf_log_softmax(hf, prompt):
