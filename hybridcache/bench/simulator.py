@@ -320,18 +320,27 @@ class CacheReplay:
     def _admit(
         self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
     ) -> list[_Seq]:
-        cache, prompt = self.cache, request.prompt_ids
+        prompt = request.prompt_ids
         wave: list[_Seq] = []
         for index, output in pending:
             rid = (request.request_id, index)
-            match = cache.match(cache_requests[index])
-            branch = match.divergence_len if match.divergence_len > match.cached_len else None
-            seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
-            if cache.admit(match, self._plan(seq, len(prompt)).end) is None:
-                cache.release_match(match)
+            seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=None)
+            if seq is None and not wave:  # a hit can need a block more than a miss (as the scheduler does)
+                seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=0)
+            if seq is None:
                 break
             wave.append(seq)
         return wave
+
+    def _admit_one(self, request: CacheRequest, rid: Hashable, output: tuple[int, ...], prompt_len: int,
+                   max_step: int | None) -> _Seq | None:
+        match = self.cache.match(request, max_step)
+        branch = match.divergence_len if match.divergence_len > match.cached_len else None
+        seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
+        if self.cache.admit(match, self._plan(seq, prompt_len).end) is None:
+            self.cache.release_match(match)
+            return None
+        return seq
 
     def _run_wave(self, request: SimRequest, wave: list[_Seq]) -> None:
         cache, prompt = self.cache, request.prompt_ids
