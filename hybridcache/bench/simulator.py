@@ -61,6 +61,7 @@ class PolicySpec:
     block_size: int
     eviction: str = "lru"
     admission: str | None = None  # the cache's admission policy; None: the mode's
+    one_budget: bool = False  # KV blocks and checkpoint states share the bytes (`CacheConfig.memory_budget`)
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -74,7 +75,8 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle", "hybridcache+learn") else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "learned" if base == "hybridcache+learn" else None
-        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
+                                one_budget=mode == "hybridcache"))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -280,13 +282,19 @@ class CacheReplay:
         self.block_size = spec.block_size
         self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
                                                        config.kv_tokens_per_slot)
+        budget = None
+        if spec.one_budget:  # ids for the whole budget as either; the bytes bind (running slots on top)
+            self.num_blocks = max(1, config.memory_bytes // cost.block_bytes(spec.block_size))
+            num_ckpt_slots = max(1, config.memory_bytes // cost.state_bytes)
+            budget = config.memory_bytes + max_running * cost.state_bytes
         self.num_slots = num_ckpt_slots + max_running
         self.max_running = max_running
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
-                        admission=spec.admission or self.admission or self.policy.admission),
+                        admission=spec.admission or self.admission or self.policy.admission,
+                        memory_budget=budget),
             cost.cache_cost_model(),
         )
         self.counters = Counters()
@@ -474,6 +482,12 @@ class BeladyPolicy:
 
     def pick_checkpoint(self, candidates):
         return max(candidates, key=lambda c: _belady_score(*self._ckpt_key(c)) + (-c.ckpt_id,))
+
+    def prefer_checkpoint(self, ckpt, leaf) -> bool:
+        """Under one budget in bytes: whether `ckpt` goes before `leaf` (the larger Belady score)."""
+        held = self.block_bytes + sum(self._ckpt_key(c)[1] for c in leaf.iter_checkpoints())
+        leaf_score = _belady_score(self._next(("n", leaf.block_id, leaf.hash), leaf, ()), held)
+        return _belady_score(*self._ckpt_key(ckpt)) > leaf_score
 
     def pick_leaf(self, candidates):
         def key(node):
