@@ -29,12 +29,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 64),
         mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
         eviction=st.sampled_from(["lru", "flop_aware"]),
+        memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks):
         policy = checkpoint_policy(mode)
+        # one budget in bytes (CostModel(): a block costs block_size bytes, a slot 64): 3 running slots + blocks
+        memory = None if memory_blocks is None else 3 * 64 + memory_blocks * block_size
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
-                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission)
+                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission,
+                             memory_budget=memory)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)
