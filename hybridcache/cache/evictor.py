@@ -6,9 +6,10 @@ make a new leaf evictable):
     state pressure (`slot_victim`): an unpinned published checkpoint, by policy         -> CHECKPOINT
     KV pressure (`block_victim`):   1. a dead leaf: no checkpoint, no holder but the trie -> DEAD_BLOCK
                                        (nothing at or below it can use its KV: dead weight for a hybrid model)
-                                    2. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
-                                    3. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
+                                    2. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
                                        (its checkpoints are released with it, each a LEAF_CHECKPOINT)
+                                    3. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
+                                       (only when no leaf can go: a state saves more per byte than a block)
     anchor cap (`anchor_victim`):   an unpinned checkpoint of a full anchor, by policy    -> ANCHOR_CAP
     byte pressure (`byte_victim`: KV and states in one budget, `CacheConfig.memory_budget`):
                                     1. a dead leaf -> DEAD_BLOCK; 2. a leaf by policy -> LEAF;
