@@ -1,6 +1,6 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure. After every step: `check_integrity()`, the fake device (every id holds
+finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's). After every step: `check_integrity()`, the fake device (every id holds
 what it claims; a zero-prefill sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
 
@@ -30,14 +30,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
         eviction=st.sampled_from(["lru", "flop_aware"]),
         memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
+        learned=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks, learned):
         policy = checkpoint_policy(mode)
         # one budget in bytes (CostModel(): a block costs block_size bytes, a slot 64): 3 running slots + blocks
         memory = None if memory_blocks is None else 3 * 64 + memory_blocks * block_size
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
-                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission,
+                             full_prompt_hits=policy.full_prompt_hits,
+                             admission="learned" if learned else policy.admission,
                              memory_budget=memory)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
