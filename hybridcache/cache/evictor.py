@@ -200,7 +200,7 @@ class Evictor:
 
         Why leaves before checkpoints: per byte, a state saves far more than a block. A block saves the FLOPs
         of its B tokens; a state saves those of its whole prefix (the built-in model: a 4,800-token prefix
-        from 116 KiB of state, against 64 tokens per 64 KiB block), and a checkpoint whose path is evicted
+        from 114 KiB of state, against 64 tokens per 64 KiB block), and a checkpoint whose path is evicted
         goes with its leaf anyway. Within each kind the policy's order holds (LRU: the oldest first)."""
         dead = self.dead_leaf()
         if dead is not None:

@@ -1,7 +1,8 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's). After every step: `check_integrity()`, the fake device (every id holds
-what it claims; a zero-prefill sample's slot holds its whole prompt's state), and no sequence waits forever.
+finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's).
+After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
+sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
 
 from __future__ import annotations
