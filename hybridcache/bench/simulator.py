@@ -28,8 +28,10 @@ tokens, up to the whole prompt (a state keeps its last hidden state), computed d
 the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
 real cache with the same budget and accounting, saving and evicting with knowledge of the future).
 
-Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that there is one slot per
-`kv_tokens_per_slot` tokens of KV (`cache_sizing`); the running sequences' own state slots come on top.
+Memory: a budget of M bytes holds KV blocks and checkpoint slots. The `hybridcache`-mode policies hold both in
+one budget in bytes (`PolicySpec.one_budget`, `CacheConfig.memory_budget`: KV and states compete in one
+eviction order); `block-aligned` and `seed` split it so that there is one slot per `kv_tokens_per_slot` tokens
+of KV (`cache_sizing`). The running sequences' own state slots come on top.
 """
 
 from __future__ import annotations
