@@ -28,8 +28,10 @@ tokens, up to the whole prompt (a state keeps its last hidden state), computed d
 the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
 real cache with the same budget and accounting, saving and evicting with knowledge of the future).
 
-Memory: a budget of M bytes holds KV blocks and checkpoint slots, split so that there is one slot per
-`kv_tokens_per_slot` tokens of KV (`cache_sizing`); the running sequences' own state slots come on top.
+Memory: a budget of M bytes holds KV blocks and checkpoint slots. The `hybridcache`-mode policies hold both in
+one budget in bytes (`PolicySpec.one_budget`, `CacheConfig.memory_budget`: KV and states compete in one
+eviction order); `block-aligned` and `seed` split it so that there is one slot per `kv_tokens_per_slot` tokens
+of KV (`cache_sizing`). The running sequences' own state slots come on top.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class PolicySpec:
     block_size: int
     eviction: str = "lru"
     admission: str | None = None  # the cache's admission policy; None: the mode's
+    one_budget: bool = False  # KV blocks and checkpoint states share the bytes (`CacheConfig.memory_budget`)
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -74,7 +77,8 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle", "hybridcache+learn") else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "learned" if base == "hybridcache+learn" else None
-        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
+                                one_budget=mode == "hybridcache"))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -280,13 +284,19 @@ class CacheReplay:
         self.block_size = spec.block_size
         self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
                                                        config.kv_tokens_per_slot)
+        budget = None
+        if spec.one_budget:  # ids for the whole budget as either; the bytes bind (running slots on top)
+            self.num_blocks = max(1, config.memory_bytes // cost.block_bytes(spec.block_size))
+            num_ckpt_slots = max(1, config.memory_bytes // cost.state_bytes)
+            budget = config.memory_bytes + max_running * cost.state_bytes
         self.num_slots = num_ckpt_slots + max_running
         self.max_running = max_running
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
-                        admission=spec.admission or self.admission or self.policy.admission),
+                        admission=spec.admission or self.admission or self.policy.admission,
+                        memory_budget=budget),
             cost.cache_cost_model(),
         )
         self.counters = Counters()
@@ -320,18 +330,27 @@ class CacheReplay:
     def _admit(
         self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
     ) -> list[_Seq]:
-        cache, prompt = self.cache, request.prompt_ids
+        prompt = request.prompt_ids
         wave: list[_Seq] = []
         for index, output in pending:
             rid = (request.request_id, index)
-            match = cache.match(cache_requests[index])
-            branch = match.divergence_len if match.divergence_len > match.cached_len else None
-            seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
-            if cache.admit(match, self._plan(seq, len(prompt)).end) is None:
-                cache.release_match(match)
+            seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=None)
+            if seq is None and not wave:  # a hit can need a block more than a miss (as the scheduler does)
+                seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=0)
+            if seq is None:
                 break
             wave.append(seq)
         return wave
+
+    def _admit_one(self, request: CacheRequest, rid: Hashable, output: tuple[int, ...], prompt_len: int,
+                   max_step: int | None) -> _Seq | None:
+        match = self.cache.match(request, max_step)
+        branch = match.divergence_len if match.divergence_len > match.cached_len else None
+        seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
+        if self.cache.admit(match, self._plan(seq, prompt_len).end) is None:
+            self.cache.release_match(match)
+            return None
+        return seq
 
     def _run_wave(self, request: SimRequest, wave: list[_Seq]) -> None:
         cache, prompt = self.cache, request.prompt_ids
@@ -465,6 +484,12 @@ class BeladyPolicy:
 
     def pick_checkpoint(self, candidates):
         return max(candidates, key=lambda c: _belady_score(*self._ckpt_key(c)) + (-c.ckpt_id,))
+
+    def prefer_checkpoint(self, ckpt, leaf) -> bool:
+        """Under one budget in bytes: whether `ckpt` goes before `leaf` (the larger Belady score)."""
+        held = self.block_bytes + sum(self._ckpt_key(c)[1] for c in leaf.iter_checkpoints())
+        leaf_score = _belady_score(self._next(("n", leaf.block_id, leaf.hash), leaf, ()), held)
+        return _belady_score(*self._ckpt_key(ckpt)) > leaf_score
 
     def pick_leaf(self, candidates):
         def key(node):

@@ -6,10 +6,14 @@ make a new leaf evictable):
     state pressure (`slot_victim`): an unpinned published checkpoint, by policy         -> CHECKPOINT
     KV pressure (`block_victim`):   1. a dead leaf: no checkpoint, no holder but the trie -> DEAD_BLOCK
                                        (nothing at or below it can use its KV: dead weight for a hybrid model)
-                                    2. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
-                                    3. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
+                                    2. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
                                        (its checkpoints are released with it, each a LEAF_CHECKPOINT)
+                                    3. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
+                                       (only when no leaf can go: a state saves more per byte than a block)
     anchor cap (`anchor_victim`):   an unpinned checkpoint of a full anchor, by policy    -> ANCHOR_CAP
+    byte pressure (`byte_victim`: KV and states in one budget, `CacheConfig.memory_budget`):
+                                    1. a dead leaf -> DEAD_BLOCK; 2. a leaf by policy -> LEAF;
+                                    3. a checkpoint by policy (slot + frozen block) -> CHECKPOINT
 
 Victims come from indexes kept in step with every change (eviction_index.py; `Lifecycle` reports each
 change through `on_publish`, `on_unpublish`, `on_touch` and `leaf_changed`): checkpoints in recency order
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint
-from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder, leaf_recency
+from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
 from hybridcache.cache.policy import EvictionPolicy, FlopAwarePolicy, LruPolicy
 from hybridcache.cache.stats import EvictionKind
 from hybridcache.cache.trie import Node, Trie
@@ -105,6 +109,15 @@ class Evictor:
         """Whether evicting could free `num_blocks` blocks."""
         return self.reclaimable_blocks(num_blocks) >= num_blocks
 
+    def can_free_bytes(self, num_bytes: float, block_bytes: float, state_bytes: float) -> bool:
+        """Whether evicting could free `num_bytes` (every unpinned checkpoint frees a slot, every block counted
+        by `reclaimable_blocks` a block; the two counts are disjoint)."""
+        slots = self.reclaimable_slots(int(-(-num_bytes // state_bytes)) if state_bytes > 0 else None)
+        rest = num_bytes - slots * state_bytes
+        if rest <= 0:
+            return True
+        return block_bytes > 0 and self.reclaimable_blocks(int(-(-rest // block_bytes))) * block_bytes >= rest
+
     def reclaimable_slots(self, enough: int | None = None) -> int:
         """Slots that evicting every unpinned checkpoint would free (stops counting early at `enough`)."""
         return self._published.count_unpinned(enough)
@@ -174,11 +187,32 @@ class Evictor:
         dead = self.dead_leaf()
         if dead is not None:
             return Victim(EvictionKind.DEAD_BLOCK, dead)
-        tail = self.frozen_tail()
         leaf = self.live_leaf()
-        if tail is not None and (leaf is None or tail.last_access <= leaf_recency(leaf)):
-            return Victim(EvictionKind.FROZEN_TAIL, tail)
-        return None if leaf is None else Victim(EvictionKind.LEAF, leaf)
+        if leaf is not None:
+            return Victim(EvictionKind.LEAF, leaf)
+        tail = self.frozen_tail()
+        return None if tail is None else Victim(EvictionKind.FROZEN_TAIL, tail)
+
+    def byte_victim(self) -> Victim | None:
+        """What to evict for bytes when KV and states share one budget (`CacheConfig.memory_budget`): a dead
+        leaf, else the policy's leaf (with its checkpoints), else the policy's checkpoint; None when nothing
+        can go. A policy may order the last two itself (`prefer_checkpoint(ckpt, leaf)`, the bounded oracle).
+
+        Why leaves before checkpoints: per byte, a state saves far more than a block. A block saves the FLOPs
+        of its B tokens; a state saves those of its whole prefix (the built-in model: a 4,800-token prefix
+        from 114 KiB of state, against 64 tokens per 64 KiB block), and a checkpoint whose path is evicted
+        goes with its leaf anyway. Within each kind the policy's order holds (LRU: the oldest first)."""
+        dead = self.dead_leaf()
+        if dead is not None:
+            return Victim(EvictionKind.DEAD_BLOCK, dead)
+        leaf = self.live_leaf()
+        prefer = getattr(self.policy, "prefer_checkpoint", None)
+        if leaf is not None and prefer is None:
+            return Victim(EvictionKind.LEAF, leaf)
+        slot = self.slot_victim()
+        if leaf is None or (slot is not None and prefer(slot.target, leaf)):
+            return slot
+        return Victim(EvictionKind.LEAF, leaf)
 
     def anchor_victim(self, anchor: Node) -> Victim | None:
         """Which checkpoint of `anchor` (at its cap) makes way for a new one; None when all are pinned."""

@@ -10,6 +10,8 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   decode checkpoint) is released by the unpin that brings its pins to zero.
 - `make_room` first asks the evictor whether enough could be reclaimed and only then evicts, so a failure
   changes nothing. The evictor picks each victim (evictor.py); `evict` releases it.
+- With one budget in bytes (`CacheConfig.memory_budget`), every block and slot in use is priced
+  (`bytes_held`), and `make_room` also evicts until what is asked for fits the budget (`Evictor.byte_victim`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class Lifecycle:
         self.trie = trie
         self.stats = stats
         self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks)
+        self.block_bytes = config.block_size * cost.kv_bytes_per_token
+        self.state_bytes = cost.state_bytes
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
         self.clock = 0
@@ -236,6 +240,18 @@ class Lifecycle:
     def published(self) -> list[Checkpoint]:
         return [c for c in self.checkpoints.values() if c.state is CheckpointState.PUBLISHED]
 
+    def bytes_held(self) -> float:
+        """What the blocks and slots in use hold, priced by the cost model."""
+        return self.blocks.num_used * self.block_bytes + self.slots.num_used * self.state_bytes
+
+    def bytes_over(self, num_blocks: int, num_slots: int) -> float:
+        """How far `num_blocks` more blocks and `num_slots` more slots would go over the budget (<= 0: they fit;
+        always 0 without a budget)."""
+        budget = self.config.memory_budget
+        if budget is None:
+            return 0.0
+        return self.bytes_held() + num_blocks * self.block_bytes + num_slots * self.state_bytes - budget
+
     def usage(self) -> dict[str, int]:
         """The pool and checkpoint sizes `CacheStats` reports."""
         return {
@@ -261,16 +277,22 @@ class Lifecycle:
         """Evict until `num_blocks` blocks and `num_slots` slots are free; False (no change) if impossible."""
         need_slots = num_slots - self.slots.num_free
         need_blocks = num_blocks - self.blocks.num_free
-        if need_slots <= 0 and need_blocks <= 0:
+        over = self.bytes_over(num_blocks, num_slots)
+        if need_slots <= 0 and need_blocks <= 0 and over <= 0:
             return True
-        if need_slots > 0 and not self.evictor.can_free_slots(need_slots):
+        evictor = self.evictor
+        if need_slots > 0 and not evictor.can_free_slots(need_slots):
             return False
-        if need_blocks > 0 and not self.evictor.can_free_blocks(need_blocks):
+        if need_blocks > 0 and not evictor.can_free_blocks(need_blocks):
+            return False
+        if over > 0 and not evictor.can_free_bytes(over, self.block_bytes, self.state_bytes):
             return False
         while self.slots.num_free < num_slots:
-            self.evict(_promised(self.evictor.slot_victim(), "slot"))
+            self.evict(_promised(evictor.slot_victim(), "slot"))
         while self.blocks.num_free < num_blocks:
-            self.evict(_promised(self.evictor.block_victim(), "block"))
+            self.evict(_promised(evictor.block_victim(), "block"))
+        while self.bytes_over(num_blocks, num_slots) > 0:
+            self.evict(_promised(evictor.byte_victim(), "byte"))
         return True
 
     def evict(self, victim: Victim) -> None:

@@ -68,18 +68,22 @@ class PrefixCache:
 
     # ---- admission ---------------------------------------------------------------------------------------
 
-    def match(self, request: CacheRequest) -> MatchResult:
+    def match(self, request: CacheRequest, max_step: int | None = None) -> MatchResult:
         """Find the deepest usable checkpoint for `request` and pin it. Changes nothing else.
 
         Walks the adapter's trie with the prompt's full blocks (exact tokens and spans), then takes the
-        deepest published checkpoint on that path with step <= `max_match_step(request)`, at a safe
-        boundary, whose tail equals the prompt there. The result must go to `admit` or `release_match`
-        exactly once. With `full_prompt_hits`, `cached_len == prompt_len` is a zero-prefill hit: the
-        restored slot holds the last prompt position's hidden state, and the caller samples from it.
+        deepest published checkpoint on that path with step <= `max_step` (default and upper bound:
+        `max_match_step(request)`), at a safe boundary, whose tail equals the prompt there. The result must
+        go to `admit` or `release_match` exactly once. With `full_prompt_hits`, `cached_len == prompt_len`
+        is a zero-prefill hit: the restored slot holds the last prompt position's hidden state, and the
+        caller samples from it. `max_step=0` asks for a miss (a caller whose hit found no room: a hit holds
+        its pinned path and frozen tail next to a private copy of the tail, so it can need one block more).
         `request.skip_reading`: always a miss (the divergence step is still found, for a branch-point save).
         """
         size = self.block_size
-        max_step = self.max_match_step(request)
+        max_step = self.max_match_step(request) if max_step is None else min(max_step, self.max_match_step(request))
+        if max_step < 0:
+            raise ValueError(f"max_step must be >= 0, got {max_step}")
         path = walk_prompt(self._trie, request, size)
         ckpt = find_deepest(self._trie, path, request, size, max_step) if path and not request.skip_reading else None
         cached_len = ckpt.step if ckpt is not None else 0

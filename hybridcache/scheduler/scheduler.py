@@ -34,7 +34,7 @@ import enum
 from collections import deque
 from itertools import islice
 
-from hybridcache.cache import CacheRequest, CacheStats, PrefixCache
+from hybridcache.cache import CacheRequest, CacheStats, MatchResult, PrefixCache
 from hybridcache.scheduler.in_flight import find_leader, prompt_share, worth_sharing
 from hybridcache.scheduler.output import SampleOnly, ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
@@ -141,7 +141,8 @@ class Scheduler:
         change nothing in the cache (the leader is told where to save for it)."""
         spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
         whole = seq.params.prompt_logprobs is not None  # its prompt's logits are wanted: compute every position
-        match = self.cache.match(CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans, skip_reading=whole))
+        request = CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans, skip_reading=whole)
+        match = self.cache.match(request)
         if self.policy is not None and self.policy.share_in_flight and not whole:
             found = find_leader(seq, self.running, match.cached_len, self.cache.block_size)
             if found is not None:
@@ -151,16 +152,28 @@ class Scheduler:
                     leader.fork_steps.add(shared)
                 return _Admission.WAITS_FOR_LEADER
         seq.cache_prompt_len = seq.num_tokens
-        seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
-        plan = self._plan(seq, match.cached_len, budget)
-        if self.cache.admit(match, plan.end) is None:
-            self.cache.release_match(match)
-            return _Admission.NO_ROOM
+        if not self._admit_match(seq, match, budget):
+            # A hit holds its pinned path and frozen tail next to its private tail block: in a pool just big
+            # enough for the prompt, only a miss fits. Nothing running can free more: run it as a miss.
+            if match.cached_len == 0 or self.running:
+                return _Admission.NO_ROOM
+            match = self.cache.match(request, max_step=0)
+            if not self._admit_match(seq, match, budget):
+                return _Admission.NO_ROOM
         seq.num_computed = match.cached_len
         if seq.num_cached is None:
             seq.num_cached = match.cached_len
         seq.status = SeqStatus.RUNNING
         return _Admission.ADMITTED
+
+    def _admit_match(self, seq: Seq, match: MatchResult, budget: int) -> bool:
+        """Admit `seq` from `match` with room for its first chunk; False (match released) when there is none."""
+        seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
+        plan = self._plan(seq, match.cached_len, budget)
+        if self.cache.admit(match, plan.end) is None:
+            self.cache.release_match(match)
+            return False
+        return True
 
     def _note_forks(self, leader: Seq) -> None:
         """Before a newly admitted sequence plans its first chunk: the waiting sequences right behind it that

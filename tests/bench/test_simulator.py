@@ -203,3 +203,16 @@ def test_grouped_parallel_jobs_give_the_results_of_separate_runs():
     assert sum(r.evictions for r in alone) > 0  # the small budget evicts
     serial = simulate_many(_workload(requests), jobs, COST, num_workers=1)
     assert serial == alone
+
+
+def test_hybridcache_policies_hold_kv_and_states_in_one_budget():
+    memory = 40 * 4 * 16 + 2 * 256  # 40 blocks of B = 4 (64 B each) and 2 slots' worth (256 B each): 3,072 B
+    results = _run(_shared_stem_requests(60), "block-aligned,hybridcache,bounded-oracle", memory=memory)
+    num_blocks, num_slots = cache_sizing(memory, COST, 4, 16)  # two pools: one slot per 16 KV tokens
+    assert (results["block-aligned"].num_blocks, results["block-aligned"].num_slots) == (num_blocks, num_slots + 1)
+    for name in ("hybridcache", "bounded-oracle"):
+        r = results[name]
+        # ids for the whole budget as either kind; the bytes bind (integrity checked them after every request)
+        assert (r.num_blocks, r.num_slots) == (memory // 64, memory // 256 + 1)
+        assert 0 < r.bytes_peak <= memory, (name, r.bytes_peak)
+        assert r.evictions > 0 and r.hit_tokens > 0

@@ -38,6 +38,13 @@ class CheckedEvictor(Evictor):
         _agree(enough, self.reclaimable_blocks() >= num_blocks, "reclaimable blocks suffice")
         return enough
 
+    def can_free_bytes(self, num_bytes: float, block_bytes: float, state_bytes: float) -> bool:
+        enough = super().can_free_bytes(num_bytes, block_bytes, state_bytes)
+        slots = sum(1 for c in self._life.published() if c.num_pins == 0)
+        exact = slots * state_bytes + self.reclaimable_blocks() * block_bytes >= num_bytes
+        _agree(enough, exact, "reclaimable bytes suffice")
+        return enough
+
     def slot_victim(self) -> Victim | None:
         victim = super().slot_victim()
         candidates = [c for c in self._life.published() if c.num_pins == 0]

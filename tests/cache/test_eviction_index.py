@@ -88,11 +88,15 @@ def test_pruned_flop_aware_pick_equals_full_scoring(alpha, seed):
         assert fast is policy.pick_checkpoint(candidates), (trial, alpha)
 
 
-def _pressure_run(eviction: str, seed: int, num_blocks: int, num_slots: int) -> PrefixCache:
-    """Many prompts sharing prefixes, through a cache far too small, with every pick checked."""
+def _pressure_run(
+    eviction: str, seed: int, num_blocks: int, num_slots: int, chunk: int | None = None,
+    budget: float | None = None,
+) -> PrefixCache:
+    """Many prompts sharing prefixes, through a cache far too small, with every pick checked (prefilled in
+    chunks of `chunk` tokens, each saving a checkpoint; `budget`: one memory budget in bytes)."""
     cache = PrefixCache(
         CacheConfig(block_size=8, num_blocks=num_blocks, num_slots=num_slots, eviction=eviction,
-                    max_checkpoints_per_anchor=2),
+                    max_checkpoints_per_anchor=2, memory_budget=budget),
         CostModel(attn_flops_per_token_pair=0.5),
     )
     check_picks(cache)
@@ -101,7 +105,7 @@ def _pressure_run(eviction: str, seed: int, num_blocks: int, num_slots: int) -> 
     stems = [tokens(rng.randint(5, 40), seed=100 + i, vocab=50) for i in range(5)]
     for i in range(60):
         prompt = rng.choice(stems) + tokens(rng.randint(1, 30), seed=1000 * seed + i, vocab=50)
-        driver.run(CacheRequest(f"r{i}", prompt))
+        driver.run(CacheRequest(f"r{i}", prompt), chunk=chunk)
         cache.check_integrity()
     return cache
 
@@ -109,12 +113,18 @@ def _pressure_run(eviction: str, seed: int, num_blocks: int, num_slots: int) -> 
 @pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
-    ("num_blocks", "num_slots", "kinds"),
-    [(24, 40, ("dead_block", "frozen_tail", "leaf", "leaf_checkpoint")), (40, 6, ("dead_block", "checkpoint"))],
-    ids=["kv-pressure", "state-pressure"],
+    ("num_blocks", "num_slots", "chunk", "budget", "kinds"),
+    [
+        # frozen tails go only when no leaf can: chunked prefills leave them on the running sequence's path
+        (12, 40, 5, None, ("dead_block", "frozen_tail", "leaf", "leaf_checkpoint")),
+        (40, 6, None, None, ("dead_block", "checkpoint")),
+        # one budget of 320 bytes: 8 per block, 64 per slot (running sequences' slots included)
+        (64, 40, 5, 320, ("dead_block", "leaf", "leaf_checkpoint", "checkpoint")),
+    ],
+    ids=["kv-pressure", "state-pressure", "byte-pressure"],
 )
-def test_indexed_victims_match_full_scans_under_pressure(eviction, seed, num_blocks, num_slots, kinds):
-    cache = _pressure_run(eviction, seed, num_blocks, num_slots)  # raises if any victim differs
+def test_indexed_victims_match_full_scans_under_pressure(eviction, seed, num_blocks, num_slots, chunk, budget, kinds):
+    cache = _pressure_run(eviction, seed, num_blocks, num_slots, chunk, budget)  # raises if any victim differs
     evictions = cache.stats.evictions_by_kind
     assert all(evictions.get(kind, 0) > 0 for kind in kinds), evictions
 

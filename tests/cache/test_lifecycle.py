@@ -36,11 +36,11 @@ def test_detached_checkpoint_is_dropped_with_its_leaf():
     ckpt = anchor_ckpts[0]
     other = CacheRequest("b", tokens(90, seed=3))
     driver.admit(other)
-    assert cache.ensure_capacity("b", 90)  # needs every block: evicts the frozen tail, then the leaves
+    assert cache.ensure_capacity("b", 90)  # needs every block: evicts the leaf with its checkpoint, then the rest
     assert ckpt.state is CheckpointState.RELEASED and not ckpt.is_usable
     assert cache.match(CacheRequest("c", prompt + (1,))).cached_len == 0
     kinds = cache.stats.evictions_by_kind
-    assert kinds["frozen_tail"] == 1 and kinds["dead_block"] == 2
+    assert kinds == {"leaf": 1, "leaf_checkpoint": 1, "dead_block": 1}
     cache.check_integrity()
 
 
@@ -125,7 +125,7 @@ def test_frozen_tail_is_released_with_its_checkpoint():
     cache.check_integrity()
 
 
-def test_eviction_order_dead_blocks_then_frozen_tails_then_leaves():
+def test_eviction_order_dead_blocks_then_leaves_with_their_checkpoints():
     driver = make_driver(num_blocks=12)
     cache = driver.cache
     driver.run(CacheRequest("live", tokens(40, seed=11)))  # 2 nodes + frozen tail
@@ -138,10 +138,30 @@ def test_eviction_order_dead_blocks_then_frozen_tails_then_leaves():
     driver.admit(CacheRequest("x", tokens(16 * (free + 2), seed=13)))
     assert cache.ensure_capacity("x", 16 * (free + 2))
     assert cache.stats.evictions_by_kind == {"dead_block": 2}
-    assert cache.ensure_capacity("x", 16 * (free + 3))
-    assert cache.stats.evictions_by_kind == {"dead_block": 2, "frozen_tail": 1}
-    assert cache.ensure_capacity("x", 16 * (free + 4))
-    assert cache.stats.evictions_by_kind == {"dead_block": 3, "frozen_tail": 1}
+    assert cache.ensure_capacity("x", 16 * (free + 3))  # the leaf goes with its checkpoint and frozen tail
+    assert cache.stats.evictions_by_kind == {"dead_block": 2, "leaf": 1, "leaf_checkpoint": 1}
+    assert cache.ensure_capacity("x", 16 * (free + 4))  # the frozen block freed one more
+    assert cache.stats.evictions_by_kind == {"dead_block": 2, "leaf": 1, "leaf_checkpoint": 1}
+    assert cache.ensure_capacity("x", 16 * (free + 5))
+    assert cache.stats.evictions_by_kind == {"dead_block": 3, "leaf": 1, "leaf_checkpoint": 1}
+    cache.check_integrity()
+
+
+def test_a_frozen_tail_goes_only_when_no_leaf_can():
+    driver = make_driver(num_blocks=8)
+    cache = driver.cache
+    prompt = tokens(40, seed=16)
+    driver.run(CacheRequest("a", prompt))  # nodes 1-2, a checkpoint at 40 with a frozen tail (3 blocks)
+    (early,) = cache._life.published()
+    longer = CacheRequest("x", prompt + tokens(20, seed=17))
+    assert driver.admit(longer).cached_len == 40
+    driver.step("x", longer.prompt_ids[40:], [("prefill_end",)])  # node 3 under node 2; a save at 60
+    assert cache._life.blocks.num_free == 2 and early.anchor.children
+    assert cache.ensure_capacity("x", 96)  # the two free blocks
+    assert cache.stats.evictions_by_kind == {}
+    assert cache.ensure_capacity("x", 112)  # every leaf is held by x: the oldest frozen tail goes
+    assert cache.stats.evictions_by_kind == {"frozen_tail": 1}
+    assert early.state is CheckpointState.RELEASED
     cache.check_integrity()
 
 

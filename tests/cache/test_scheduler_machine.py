@@ -1,7 +1,8 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure. After every step: `check_integrity()`, the fake device (every id holds
-what it claims; a zero-prefill sample's slot holds its whole prompt's state), and no sequence waits forever.
+finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's).
+After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
+sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridcache.cache import CacheConfig, PrefixCache
+from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -29,12 +30,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 64),
         mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
         eviction=st.sampled_from(["lru", "flop_aware"]),
+        memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
+        learned=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks, learned):
         policy = checkpoint_policy(mode)
+        # one budget in bytes (CostModel(): a block costs block_size bytes, a slot 64): 3 running slots + blocks
+        memory = None if memory_blocks is None else 3 * 64 + memory_blocks * block_size
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks, num_slots=num_slots,
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
-                             full_prompt_hits=policy.full_prompt_hits, admission=policy.admission)
+                             full_prompt_hits=policy.full_prompt_hits,
+                             admission="learned" if learned else policy.admission,
+                             memory_budget=memory)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)
@@ -101,7 +108,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             try:
                 output = self.scheduler.schedule()
-            except RuntimeError:  # as in `step`: the pool cannot hold this prompt next to its own hit
+            except RuntimeError:  # as in `step`: the pool cannot hold this prompt even alone
                 seq = self.scheduler.waiting[0]
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
@@ -182,3 +189,30 @@ def test_seed_mode_does_not_share_in_flight():
         scheduler.add(make_seq(i, list(range(30))))
     first = run(scheduler, device)
     assert [(c.seq.seq_id, c.start, c.end) for c in first.chunks] == [(0, 0, 30), (1, 0, 30)]
+
+
+def test_a_hit_that_needs_one_block_more_than_a_miss_runs_as_a_miss():
+    # B = 4, 3 blocks. A (9 tokens) finishes at step 9: blocks 0-1 in the trie, its partial block frozen.
+    # B extends A's prompt to 12 tokens: the hit at 9 needs the 2 pinned blocks, the frozen one and a private
+    # copy of the tail (4 > 3); a miss evicts everything and needs 3. It must run (as a miss), not raise.
+    policy = checkpoint_policy("hybridcache")
+    cache = PrefixCache(CacheConfig(block_size=4, num_blocks=3, num_slots=4, full_prompt_hits=True))
+    check_picks(cache)
+    scheduler, device = Scheduler(cache, policy, max_num_seqs=2, max_num_batched_tokens=100), FakeDevice(cache)
+    first = make_seq(0, list(range(9)))
+    scheduler.add(first)
+    run(scheduler, device)
+    first.finish_reason = "stop"
+    scheduler.finish(first)
+    assert cache.stats.saves_by_reason.get("finish") == 1
+    hit = cache.match(CacheRequest("probe", tuple(range(9)) + (5, 6, 7)))
+    assert hit.cached_len == 9
+    cache.release_match(hit)
+    second = make_seq(1, list(range(9)) + [5, 6, 7])
+    scheduler.add(second)
+    output = run(scheduler, device)
+    assert [(c.seq.seq_id, c.start, c.end) for c in output.chunks] == [(1, 0, 12)]
+    assert second.num_cached == 0
+    second.finish_reason = "stop"
+    scheduler.finish(second)
+    scheduler.check_integrity()
