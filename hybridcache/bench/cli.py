@@ -30,7 +30,8 @@ def register(subparsers) -> None:
     sim.add_argument("--block-size", type=int, default=64)
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
-                     help="the budget holds one checkpoint slot per this many KV tokens")
+                     help="block-aligned and seed (two pools): the budget holds one checkpoint slot per this many KV "
+                          "tokens; the hybridcache policies and bounded-oracle price blocks and slots in one budget")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")

@@ -40,6 +40,10 @@ from hybridcache.scheduler.output import SampleOnly, ScheduledChunk, SchedulerOu
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 
+# A prompt chunk of a request with prompt logprobs gets logits [rows, vocab] in fp32 for every row, which the memory
+# plan does not hold: 1,024 rows of a 248k vocabulary are 1 GB. Its chunks are cut to at most this many tokens.
+PROMPT_LOGPROBS_CHUNK = 1024
+
 
 class _Admission(enum.Enum):
     ADMITTED = "admitted"
@@ -188,6 +192,8 @@ class Scheduler:
                 leader.fork_steps.add(shared)
 
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
+        if seq.params.prompt_logprobs is not None and start < seq.prompt_len:
+            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
         stops = [s for s in (seq.branch_step, *seq.fork_steps) if s is not None and s > start]
         return plan_chunk(
             self.policy,

@@ -9,6 +9,7 @@ import torch
 from hybridcache import LLM, SamplingParams
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.sampling import Logprob, prompt_logprobs
+from hybridcache.scheduler import scheduler as scheduler_module
 
 from .model_folders import load_hf_model, prompts_of, write_tiny_model
 
@@ -110,3 +111,25 @@ def test_prompt_logits_rows_in_the_forward_batch():
 def test_bad_prompt_logprobs_is_a_value_error(value):
     with pytest.raises(ValueError, match="prompt_logprobs must be an integer in"):
         SamplingParams(prompt_logprobs=value)
+
+
+def test_prompt_logprobs_chunks_are_capped(model_dir, monkeypatch):
+    """A prompt chunk of a request with prompt logprobs holds at most PROMPT_LOGPROBS_CHUNK tokens (its logits
+    are [rows, vocab] fp32), whatever max_num_batched_tokens allows; the logprobs are unchanged by the cut."""
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 40)
+    prompt = prompts_of([157], seed=4)[0]
+    llm = LLM(model_dir, block_size=16, kernel_block_size=8, max_num_batched_tokens=512, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1))
+    engine.add_request("q", prompts_of([150], seed=5)[0], SamplingParams(temperature=0, max_tokens=2))
+    seqs = {rid: request.seqs[0] for rid, request in engine._requests.items()}
+    fed, outputs = [], {}
+    while engine.has_unfinished_requests():
+        before = {rid: seq.num_computed for rid, seq in seqs.items()}
+        outputs.update((output.request_id, output) for output in engine.step())
+        fed.append({rid: seq.num_computed - before[rid] for rid, seq in seqs.items()})
+    prompt_steps = [step["p"] for step in fed if step.get("p", 0) > 1]
+    assert prompt_steps and max(prompt_steps) <= 40 and len(prompt_steps) >= len(prompt) // 40
+    assert max(step.get("q", 0) for step in fed) == 150  # the other request's prompt is not cut
+    check_against(hf_log_softmax(load_hf_model(model_dir), prompt), prompt, outputs["p"].prompt_logprobs, 1)
+    engine.check_integrity()
