@@ -28,7 +28,7 @@ from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, make_generator, prompt_logprobs, sample
-from hybridcache.scheduler.output import ScheduledChunk
+from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
 from hybridcache.scheduler.sequence import Seq
@@ -36,6 +36,13 @@ from hybridcache.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
 _logger = logging.getLogger("hybridcache.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """A step failed after the scheduler had committed it to the prefix cache (a device error or a dead
+    tensor-parallel worker in the forward, an interrupt): the cache may now index KV blocks and states the
+    device never wrote, and the sequences did not advance. The engine then refuses every later step, request
+    and integrity check with this error (aborting requests still works); make a new engine."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +156,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     # ----------------------------------------------------------------------------------- requests
@@ -166,6 +174,7 @@ class LLMEngine:
         `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`). `final_only`: `step` returns
         this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
         building the cumulative output of every request at every step costs host time)."""
+        self._raise_if_dead()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -237,9 +246,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward; returns the output so far of every request that sampled a token in it, except
         `final_only` requests still running (`finished` tells which are done; their memory is already released)."""
-        scheduled = self.scheduler.schedule()
+        self._raise_if_dead()
+        scheduled = self.scheduler.schedule()  # raises before changing anything, or commits the step
         if scheduled.is_empty:
             return []
+        try:
+            return self._run(scheduled)
+        except BaseException as error:
+            self._failure = error
+            raise
+
+    def _raise_if_dead(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(
+                f"the engine failed earlier and cannot continue: {type(self._failure).__name__}: {self._failure}"
+            ) from self._failure
+
+    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """The device work and the bookkeeping of a step the scheduler has committed."""
         chunks = scheduled.chunks
         if chunks:
             wants_prompt = _prompt_logits_flags(chunks)
@@ -355,7 +379,8 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- introspection
     def check_integrity(self) -> None:
         """Recompute the cache's counts from scratch and check that it runs exactly the scheduler's running
-        sequences; raises on any mismatch."""
+        sequences; raises on any mismatch, and `EngineDeadError` once a committed step has failed."""
+        self._raise_if_dead()
         self.scheduler.check_integrity()
 
     def clear_cache(self) -> None:

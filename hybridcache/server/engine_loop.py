@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
@@ -168,6 +169,9 @@ class EngineLoop:
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt, command.params)
+            except EngineDeadError as error:  # a 503 for the caller, as for a request the failure aborted
+                self._resolve(command.done, error=EngineFailure(str(error)))
+                return
             except Exception as error:  # noqa: BLE001 - handed to the caller
                 self._resolve(command.done, error=error)
                 return

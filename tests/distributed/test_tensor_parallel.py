@@ -22,7 +22,7 @@ import torch
 
 from hybridcache.config import EngineConfig
 from hybridcache.distributed.executor import WorkerError
-from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.engine import EngineDeadError, LLMEngine
 from hybridcache.sampling import SamplingParams
 from tests.engine.test_cache_equivalence import assert_same, make_engine, run_workload
 
@@ -124,7 +124,7 @@ def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):
             while time.monotonic() < deadline:
                 engine.step()
         assert time.monotonic() - killed_at[0] < 10
-        with pytest.raises(WorkerError, match="failed earlier"):  # broken for good, not hanging
+        with pytest.raises(EngineDeadError, match="failed earlier"):  # broken for good, not hanging
             engine.step()
     finally:
         engine.runner.shutdown()

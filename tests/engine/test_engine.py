@@ -186,3 +186,25 @@ def test_final_only_requests_come_out_once_finished_with_the_same_tokens(model_d
     assert len(seen["final"]) == 1 and seen["final"][0].finished
     assert seen["final"][0].outputs[0].token_ids == seen["streamed"][-1].outputs[0].token_ids
     engine.check_integrity()
+
+
+def test_a_failed_forward_leaves_the_engine_dead_not_inconsistent(model_dir, monkeypatch):
+    """A forward that raises after the scheduler committed its step (a device error, a dead worker) leaves a
+    cache that may index blocks the device never wrote: that step raises the error, and every later step, request
+    and integrity check raises EngineDeadError naming it; aborting still works."""
+    from hybridcache.engine.engine import EngineDeadError
+
+    engine = small_llm(model_dir).engine
+    engine.add_request("a", prompts_of([40], seed=6)[0], GREEDY)
+    engine.step()
+
+    def broken(batch):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.step()
+    for call in (engine.step, lambda: engine.add_request("b", [1, 2, 3], GREEDY), engine.check_integrity):
+        with pytest.raises(EngineDeadError, match="failed earlier.*illegal memory access"):
+            call()
+    assert engine.abort("a").outputs[0].finish_reason == "abort"
