@@ -314,11 +314,11 @@ class PrefixCache:
         size, trie = self.block_size, self._trie
         request = seq.request
         parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)
-        now = self._life.tick()
         num_full = seq.num_computed // size
-        prompt_hashes = (
-            prompt_block_hashes(request, size, trie.hash_fn) if len(seq.nodes) < num_full else []
-        )
+        if len(seq.nodes) >= num_full:  # no block became full (most decode steps): nothing to insert or re-index;
+            return  # the last node is unchanged since it was inserted and indexed
+        now = self._life.tick()
+        prompt_hashes = prompt_block_hashes(request, size, trie.hash_fn)
         while len(seq.nodes) < num_full:
             i = len(seq.nodes)
             spans = request.spans_in(i * size, (i + 1) * size)
@@ -332,8 +332,7 @@ class PrefixCache:
             seq.block_ids[i] = node.block_id
             seq.nodes.append(node)
             parent = node
-        if seq.nodes:  # every node touched above but the last has a child now: only it can be a leaf
-            self._life.leaf_changed(seq.nodes[-1])
+        self._life.leaf_changed(seq.nodes[-1])  # every node inserted above but the last has a child now
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
