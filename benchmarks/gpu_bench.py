@@ -99,6 +99,7 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
 
 
 SCALE = {"value": 1.0}  # --scale: every length of the workload is multiplied by it (smoke tests)
+TRACE_D_STEP = {"value": 0}  # --trace-d-step: phase D's step of this number (1-based) runs under torch.profiler
 
 
 def letters(rng: random.Random, n: int) -> str:
@@ -166,7 +167,7 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
     finished, prefill_steps, decode_steps, steps = {}, [], [], []
     while engine.has_unfinished_requests():
         step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens
-        outputs = engine.step()
+        outputs = traced_step(engine) if len(steps) + 1 == TRACE_D_STEP["value"] else engine.step()
         elapsed = time.perf_counter() - step_start
         (prefill_steps if engine.num_prefill_tokens != prefilled else decode_steps).append(elapsed)
         steps.append((engine.num_prefill_tokens - prefilled, round(1000 * elapsed, 2)))
@@ -180,6 +181,21 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
                   decode_step_ms_p50=1000 * statistics.median(decode_steps) if decode_steps else None,
                   steps_prefill_tokens_ms=steps)
     return result
+
+
+def traced_step(engine) -> list:
+    """One engine step under torch.profiler; prints the top operators by host and by device time (the profiler's
+    own cost is in this step's time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        outputs = engine.step()
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    if torch.cuda.is_available():
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=15))
+    return outputs
 
 
 def warm_up(llm: LLM, rng: random.Random) -> None:
@@ -226,6 +242,8 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
+    parser.add_argument("--trace-d-step", type=int, default=0,
+                        help="run phase D's step of this number (1-based) under torch.profiler and print its top ops")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
@@ -233,6 +251,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown phases {sorted(unknown)}")
     SCALE["value"] = args.scale
+    TRACE_D_STEP["value"] = args.trace_d_step
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
