@@ -32,7 +32,7 @@ from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
 from hybridcache.scheduler.sequence import Seq
-from hybridcache.tokenizer import IncrementalDetokenizer, Tokenizer
+from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
 _logger = logging.getLogger("hybridcache.engine")
@@ -57,17 +57,17 @@ class ValidPrompt:
 @dataclass
 class _Request:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
-    `texts[i]` its incremental detokenizer, `logprobs[i]` its tokens' logprobs (when asked for),
-    `matchers[i]` its own grammar state (structured output; None when unconstrained), `prompt_logprobs` the
-    prompt's logprobs when asked for (entry p for prompt token p, None for p = 0 and until computed);
-    `final_only`: `step` returns its output only once it has finished."""
+    `texts[i]` its detokenizer (deferred for `final_only` requests without stop strings), `logprobs[i]` its
+    tokens' logprobs (when asked for), `matchers[i]` its own grammar state (structured output; None when
+    unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p for prompt token p, None for
+    p = 0 and until computed); `final_only`: `step` returns its output only once it has finished."""
 
     request_id: str
     prompt: str | None
     params: SamplingParams
     final_only: bool = False
     seqs: list[Seq] = field(default_factory=list)
-    texts: list[IncrementalDetokenizer] = field(default_factory=list)
+    texts: list[IncrementalDetokenizer | DeferredDetokenizer] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] = field(default_factory=list)
     matchers: list = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
@@ -200,7 +200,7 @@ class LLMEngine:
                     mm_inputs=mm,
                 )
             )
-            request.texts.append(self.tokenizer.detokenizer(params.stop))
+            request.texts.append(self.tokenizer.detokenizer(params.stop, deferred=final_only))
             request.logprobs.append([])
             request.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
         self._requests[request_id] = request
@@ -345,7 +345,7 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer) -> str | None:
+    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer) -> str | None:
         """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
         if self._is_stop_token(seq, token):
             return "stop"

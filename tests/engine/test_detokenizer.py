@@ -22,11 +22,12 @@ def reference(tokenizer: Tokenizer, ids: list[int], stop: tuple[str, ...]) -> tu
     return (text[: min(positions)], True) if positions else (text, False)
 
 
+@pytest.mark.parametrize("deferred", [False, True], ids=["incremental", "deferred"])
 @pytest.mark.parametrize("seed", range(4))
-def test_text_equals_a_full_decode_at_every_token(tokenizer, seed):
+def test_text_equals_a_full_decode_at_every_token(tokenizer, seed, deferred):
     rng = random.Random(seed)
     ids = [rng.randrange(tokenizer.vocab_size) for _ in range(200)]  # random bytes: many partial characters
-    text = tokenizer.detokenizer()
+    text = tokenizer.detokenizer(deferred=deferred)
     for i, token in enumerate(ids):
         assert not text.add(token)
         assert text.text == tokenizer.decode(ids[: i + 1]), i

@@ -185,6 +185,7 @@ def test_final_only_requests_come_out_once_finished_with_the_same_tokens(model_d
     assert len(seen["streamed"]) == GREEDY.max_tokens and not any(o.finished for o in seen["streamed"][:-1])
     assert len(seen["final"]) == 1 and seen["final"][0].finished
     assert seen["final"][0].outputs[0].token_ids == seen["streamed"][-1].outputs[0].token_ids
+    assert seen["final"][0].outputs[0].text == seen["streamed"][-1].outputs[0].text  # decoded once, at the end
     engine.check_integrity()
 
 
