@@ -99,7 +99,6 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
 
 
 SCALE = {"value": 1.0}  # --scale: every length of the workload is multiplied by it (smoke tests)
-TRACE_D_STEP = {"value": 0}  # --trace-d-step: phase D's step of this number (1-based) runs under torch.profiler
 
 
 def letters(rng: random.Random, n: int) -> str:
@@ -155,9 +154,10 @@ def phase_c(llm: LLM, rng: random.Random) -> dict:
     return summary([cold[0], warm[0]], cold[1] + warm[1], [len(prompt), len(longer)])
 
 
-def phase_d(llm: LLM, rng: random.Random) -> dict:
+def phase_d(llm: LLM, rng: random.Random, trace_step: int = 0) -> dict:
     """Driven step by step through the engine, so prefill and decode steps are timed apart (each step ends on
-    the host with its sampled tokens, so a step's wall time is its real time)."""
+    the host with its sampled tokens, so a step's wall time is its real time). `trace_step` > 0: that step
+    (1-based) runs under torch.profiler (`traced_step`)."""
     prompts = [letters(rng, 1024) for _ in range(64)]
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -167,7 +167,7 @@ def phase_d(llm: LLM, rng: random.Random) -> dict:
     finished, prefill_steps, decode_steps, steps = {}, [], [], []
     while engine.has_unfinished_requests():
         step_start, prefilled = time.perf_counter(), engine.num_prefill_tokens
-        outputs = traced_step(engine) if len(steps) + 1 == TRACE_D_STEP["value"] else engine.step()
+        outputs = traced_step(engine) if len(steps) + 1 == trace_step else engine.step()
         elapsed = time.perf_counter() - step_start
         (prefill_steps if engine.num_prefill_tokens != prefilled else decode_steps).append(elapsed)
         steps.append((engine.num_prefill_tokens - prefilled, round(1000 * elapsed, 2)))
@@ -251,7 +251,6 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown phases {sorted(unknown)}")
     SCALE["value"] = args.scale
-    TRACE_D_STEP["value"] = args.trace_d_step
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
@@ -280,7 +279,8 @@ def main() -> None:
     result["memory"] = llm.engine.memory_plan.describe()
     rng = random.Random(0)
     warm_up(llm, random.Random(99))
-    runners = {"A": phase_a, "B": phase_b, "C": phase_c, "D": phase_d}
+    runners = {"A": phase_a, "B": phase_b, "C": phase_c,
+               "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step)}
     for phase in phases:
         try:
             result["phases"][phase] = runners[phase](llm, rng)

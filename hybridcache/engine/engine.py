@@ -275,13 +275,17 @@ class LLMEngine:
                 self._record_prompt_logprobs(chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.device))
-        sampled = [c.seq for c in chunks if c.samples]
-        parts = [logits[[i for i, c in enumerate(chunks) if c.samples]]] if sampled else []
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        sampled = [chunks[i].seq for i in rows]
+        parts = []
+        if rows:  # logits row i is chunk i's last token (a view when every chunk samples, as in decode steps)
+            parts.append(logits[: len(chunks)] if len(rows) == len(chunks) else logits[rows])
         if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
             slots = torch.tensor([s.slot for s in scheduled.samples], dtype=torch.int64, device=self.device)
             parts.append(self.runner.logits_from_slots(slots))
             sampled += [s.seq for s in scheduled.samples]
-        return self._postprocess(chunks, sampled, torch.cat(parts) if parts else None)
+        merged = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
+        return self._postprocess(chunks, sampled, merged)
 
     def _postprocess(
         self, chunks: SequenceOf[ScheduledChunk], sampled: list[Seq], logits: torch.Tensor | None,

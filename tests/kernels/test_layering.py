@@ -3,22 +3,7 @@ through `hybridcache.kernels.backend`; the copy kernels import each other one wa
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
-PACKAGE = Path(__file__).resolve().parents[2] / "hybridcache"
-
-
-def imported_modules(path: Path) -> set[str]:
-    """Every module an import in the file names; for `from a import b` both `a` and `a.b`."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+from tests.source_imports import PACKAGE, imported_modules
 
 
 def test_layers_and_models_reach_kernels_only_through_the_backend():
