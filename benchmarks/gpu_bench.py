@@ -206,6 +206,26 @@ def warm_up(llm: LLM, rng: random.Random) -> None:
     llm.engine.clear_cache()
 
 
+class CompileLog:
+    """Names the Triton kernels compiled (or loaded from the disk cache) after warm-up, by phase: a kernel first
+    compiled inside a measured phase puts its compile time into that phase's latencies."""
+
+    def __init__(self) -> None:
+        self.label = ""
+        self.by_label: dict[str, list[str]] = {}
+        try:
+            import triton
+        except ImportError:
+            return
+        knobs = getattr(triton, "knobs", None)
+        if knobs is not None:
+            knobs.runtime.jit_cache_hook = self
+
+    def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
+        self.by_label.setdefault(self.label, []).append(repr[:200] if repr else fn.name)
+        return None
+
+
 def check_graphs(llm: LLM, max_tokens: int) -> dict:
     """Greedy tokens of a long decode (32 prompts in lockstep, so every decode step is a 32-row bucket) with
     CUDA graphs, then the same captured batches run eagerly (`runner.without_replay()`), then on the plain eager
@@ -281,14 +301,20 @@ def main() -> None:
     warm_up(llm, random.Random(99))
     runners = {"A": phase_a, "B": phase_b, "C": phase_c,
                "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step)}
-    for phase in phases:
+    compiles = CompileLog()
+    for index, phase in enumerate(phases):
+        key = phase if phase not in phases[:index] else f"{phase}#{phases[:index + 1].count(phase)}"
+        compiles.label = key
         try:
-            result["phases"][phase] = runners[phase](llm, rng)
+            result["phases"][key] = runners[phase](llm, rng)
         except Exception as error:  # one broken phase must not cost the others' figures
             traceback.print_exc()
-            result.setdefault("errors", {})[phase] = repr(error)
+            result.setdefault("errors", {})[key] = repr(error)
             continue
-        print_row(phase, result["phases"][phase])
+        if key in compiles.by_label:
+            result["phases"][key]["kernels_compiled"] = compiles.by_label[key]
+            print(f"{key}: Triton compiled {len(compiles.by_label[key])} kernels: {compiles.by_label[key]}")
+        print_row(key, result["phases"][key])
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
     print_table(result)

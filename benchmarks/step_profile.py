@@ -1,6 +1,6 @@
 """Where the milliseconds of one decode step go (issue 11's "profile" must-show).
 
-    PYTHONPATH=. python benchmarks/step_profile.py [--model next-1b] [--device cuda] [--seqs 64]
+    PYTHONPATH=. python benchmarks/step_profile.py [--model next-1b] [--model-dir DIR] [--device cuda] [--seqs 64]
 
 Builds the random model folder of `benchmarks/gpu_bench.py`, prefills `--seqs` prompts of `--prompt-len` tokens,
 then decodes `--steps` steps twice:
@@ -21,14 +21,13 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS, build_model, letters  # noqa: E402
+from gpu_bench import MODELS, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
@@ -122,9 +121,10 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill", action="store_true", help="profile phase C (long prefill) instead of decode")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     args = parser.parse_args()
     device = torch.device(args.device)
-    folder = build_model(args.model, Path(tempfile.mkdtemp()))
+    folder = model_folder(args.model, args.model_dir)
     llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
               block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               max_model_len=17000 if args.prefill else None)
