@@ -96,6 +96,7 @@ def accuracy_rows() -> list[dict]:
         "attn decode p16 d256": lambda dt: cuda_checks.check_attention(dt, DEV, ones, decode_hist, page=16,
                                                                         heads=(16, 2), head_dim=256),
         "moe grouped": lambda dt: cuda_checks.check_moe(dt, DEV),
+        "moe triton": lambda dt: cuda_checks.check_moe(dt, DEV, block_m=32),
     }
     rows = []
     for dtype in (BF16, torch.float32):

@@ -264,10 +264,20 @@ def routing(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype, devic
 
 
 def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, hidden: int = 256,
-              experts: int = 8, top_k: int = 2, intermediate: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
-    """`grouped_experts` (grouped GEMM) against `moe/reference.py::routed_experts` on the same routing; the
-    reference runs in fp32 on the same rounded weights."""
-    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+              experts: int = 8, top_k: int = 2, intermediate: int = 128, seed: int = 0,
+              block_m: int | None = None) -> dict[str, ErrorStats]:
+    """The routed experts (`moe/grouped.py`: sort, each sorted row's expert output by the grouped GEMM when
+    `block_m` is None, else by the Triton expert GEMM with that tile, then the combine) against
+    `moe/reference.py::routed_experts` on the same routing; the reference runs in fp32 on the same rounded
+    weights. Experts with no rows and runs longer than one tile both occur at the default sizes."""
+    from hybridcache.kernels.moe.grouped import (
+        ExpertWeights,
+        expert_rows_grouped,
+        expert_rows_triton,
+        pair_rows,
+        sort_pairs,
+    )
+    from hybridcache.kernels.moe.triton_experts import combine
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
@@ -275,7 +285,14 @@ def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, h
                 for _ in range(2))
     down = torch.randn(experts, hidden, intermediate, generator=gen).to(device, dtype) / intermediate**0.5
     weights, ids = routing(num_tokens, experts, top_k, dtype, device, gen)
-    out = grouped_experts(x, weights, ids, ExpertWeights.stack(list(gate), list(up), list(down)))
+    ids = ids.masked_fill(ids == experts - 1, 0)  # the last expert gets no row (a token may pick 0 twice: a valid sum)
+    stacked = ExpertWeights.stack(list(gate), list(up), list(down))
+    order, counts, ends = sort_pairs(ids, experts)
+    if block_m is None:
+        y = expert_rows_grouped(x, order, ends, top_k, stacked)
+    else:
+        y = expert_rows_triton(x, order, counts, ends, top_k, stacked, block_m)
+    out = combine(y, pair_rows(order), weights)
     ref = moe_ref.routed_experts(x.float(), weights.float(), ids, list(gate.float()), list(up.float()),
                                  list(down.float()))
     return {"out": error_stats(out, ref)}

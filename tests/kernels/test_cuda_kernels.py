@@ -109,11 +109,14 @@ def test_cuda_attention(dtype: torch.dtype, page: int, heads: tuple[int, int], h
 
 @needs_cuda
 @DTYPES
-def test_cuda_moe(dtype: torch.dtype, cuda: torch.device) -> None:
+@pytest.mark.parametrize("block_m", [None, 16, 64], ids=["grouped", "triton16", "triton64"])
+def test_cuda_moe(dtype: torch.dtype, block_m: int | None, cuda: torch.device) -> None:
     from hybridcache.kernels.cuda_checks import check_moe
 
     bound = (2e-2, 2e-2) if dtype == torch.bfloat16 else OURS[torch.float32]
-    assert_within(check_moe(dtype, cuda), {"out": bound})
+    assert_within(check_moe(dtype, cuda, block_m=block_m), {"out": bound})
+    if block_m is not None:  # decode-sized: fewer rows than one tile per expert
+        assert_within(check_moe(dtype, cuda, num_tokens=5, top_k=4, block_m=block_m), {"out": bound})
 
 
 @needs_cuda
@@ -225,6 +228,17 @@ def test_interpreted_route() -> None:
 
     stats = check_route(torch.float32, torch.device("cpu"), rows=20)
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_interpreted_moe(block_m: int) -> None:
+    from hybridcache.kernels.cuda_checks import check_moe
+
+    for num_tokens in (5, 70):  # fewer rows than a tile per expert; runs of several tiles
+        stats = check_moe(torch.float32, torch.device("cpu"), num_tokens=num_tokens, hidden=48, experts=6,
+                          top_k=3, intermediate=40, block_m=block_m)
+        assert_within(stats, {"out": OURS[torch.float32]})
 
 
 @needs_interpreter

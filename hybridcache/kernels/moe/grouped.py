@@ -1,17 +1,19 @@
 """Routed experts of a sparse MoE block on CUDA without a host sync: one grouped GEMM per projection over
-all experts (`torch._grouped_mm`). Same contract as `moe/reference.py::routed_experts` (the layer routes and
-adds the shared expert).
+all experts (`torch._grouped_mm`), or the Triton expert GEMM when each expert has few rows. Same contract as
+`moe/reference.py::routed_experts` (the layer routes and adds the shared expert).
 
 Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing is read back):
     order = stable sort of the T*k (token, pick) pairs by expert (int16 keys);  counts per expert by scatter_add
-    offs = cumsum(counts) (int32 group ends);  xs = x[token of each sorted pair]            [T*k, H]
-    h = grouped_mm(xs, W_gate_up^T, offs) -> silu(gate) * up                                [T*k, I]
-    y = grouped_mm(h, W_down^T, offs)                                                        [T*k, H]
-    out[t] = sum over its k picks of weight * y  (a batched [1, k] @ [k, H] product: fp32 accumulation)
+    ends = cumsum(counts) (int32 group ends)
+    few rows per expert (decode): the Triton expert GEMM (`triton_experts.expert_gemm`) reads x's rows through
+        the sort and applies silu(gate) * up in its epilogue, then the down projection     h [T*k, I], y [T*k, H]
+    many rows (prefill): xs = x[token of each sorted pair]; h = swiglu(grouped_mm(xs, W_gate_up^T, ends))
+        (fla's fused SiLU-gate); y = grouped_mm(h, W_down^T, ends)
+    out[t] = sum over its k picks of weight * y[sorted row of the pick]  (`triton_experts.combine`: fp32 sum)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
-fallback, which loops over the groups after copying `offs` to the host (a sync): fp32 is the exactness
-path, not the fast one.
+fallback, which loops over the groups after copying `ends` to the host (a sync): fp32 is the exactness
+path, not the fast one. Where each path is faster was measured (`benchmarks/moe_bench.py`, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
 
 
 @dataclass(frozen=True)
@@ -58,25 +61,69 @@ class ExpertWeights:
         return stacked
 
 
-def grouped_experts(
-    x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights
-) -> torch.Tensor:
-    """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
-    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])."""
-    num_tokens, top_k = top_ids.shape
-    num_experts = experts.gate_up.shape[0]
+def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_ids [T, k] int64 -> (order [T*k]: the (token, pick) pairs stably sorted by expert, counts [E] int32,
+    ends [E] int32: the end of each expert's run of sorted rows), all on the device."""
     if num_experts > torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: the grouped MoE sorts expert ids as int16 (at most 32,767)")
     flat_ids = top_ids.reshape(-1)
     # int16 keys (E <= 32,767): the radix sort makes 4x fewer passes than over int64 (~26 -> ~7 us at T*k = 256)
     order = torch.argsort(flat_ids.to(torch.int16), stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=top_ids.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
+    return order, counts, counts.cumsum(0, dtype=torch.int32)
+
+
+def tile_rows(num_rows: int, num_experts: int) -> int | None:
+    """BLOCK_M of the Triton expert GEMM for R = T*k rows over E experts, or None when the grouped GEMM is the
+    faster choice. Decided from shapes alone, so a captured decode graph and an eager run of the same batch take
+    the same path. The tile is about twice the mean rows per expert (16 to 64), so most experts fit one tile and
+    their weights are read once; above 64 rows per expert mean the grouped GEMM wins (`benchmarks/moe_bench.py`;
+    measured figures in docs/kernels.md)."""
+    per_expert = num_rows / num_experts
+    if per_expert > TRITON_MAX_ROWS_PER_EXPERT:
+        return None
+    return 16 if per_expert <= 8 else 32 if per_expert <= 16 else 64
+
+
+TRITON_MAX_ROWS_PER_EXPERT = 64
+
+
+def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor, top_k: int,
+                       experts: ExpertWeights, block_m: int) -> torch.Tensor:
+    """y [T*k, H]: each sorted row's expert output, by the Triton expert GEMM (gather and SiLU gate fused)."""
+    rows = order.numel()
+    tile_ends = counts.add(block_m - 1).div_(block_m, rounding_mode="floor").cumsum(0, dtype=torch.int32)
+    h = expert_gemm(x, order // top_k, experts.gate_up, ends, tile_ends, rows, swiglu=True, block_m=block_m)
+    return expert_gemm(h, None, experts.down, ends, tile_ends, rows, swiglu=False, block_m=block_m)
+
+
+def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
+                        experts: ExpertWeights) -> torch.Tensor:
+    """y [T*k, H]: each sorted row's expert output, by two grouped GEMMs and fla's fused SiLU gate."""
+    from fla.modules.activations import swiglu  # CUDA-only dependency, imported on first use
+
     xs = x.index_select(0, order // top_k)
-    h = torch._grouped_mm(xs, experts.gate_up.transpose(1, 2), offs=offs)
-    gate, up = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, experts.down.transpose(1, 2), offs=offs)
-    unsorted = torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1)
-    # [T, 1, k] @ [T, k, H]: the weighted sum over each token's k experts, accumulated in fp32, rounded once
-    return torch.bmm(top_weights.to(y.dtype).unsqueeze(1), unsorted).squeeze(1)
+    gate, up = torch._grouped_mm(xs, experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    return torch._grouped_mm(swiglu(gate, up), experts.down.transpose(1, 2), offs=ends)
+
+
+def grouped_experts(
+    x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights
+) -> torch.Tensor:
+    """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])."""
+    top_k = top_ids.shape[1]
+    num_experts = experts.gate_up.shape[0]
+    order, counts, ends = sort_pairs(top_ids, num_experts)
+    block_m = tile_rows(order.numel(), num_experts)
+    if block_m is None:
+        y = expert_rows_grouped(x, order, ends, top_k, experts)
+    else:
+        y = expert_rows_triton(x, order, counts, ends, top_k, experts, block_m)
+    return combine(y, pair_rows(order), top_weights)
+
+
+def pair_rows(order: torch.Tensor) -> torch.Tensor:
+    """The inverse of the sort: pos [T*k], pos[order[r]] = r (the sorted row of each (token, pick) pair)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

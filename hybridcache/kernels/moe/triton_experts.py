@@ -1,0 +1,129 @@
+"""Triton kernels of the routed experts: an expert GEMM that reads its rows in the sorted-by-expert order (with
+the token gather and the SiLU gate fused in), and the weighted combine of each token's k expert outputs.
+
+Layout, for T tokens, top-k picks, E experts, R = T*k (token, pick) pairs (see `moe/grouped.py` for the steps):
+    order [R]       the pairs sorted by expert (stable); sorted row r holds pair order[r] = t*k + j
+    ends [E]        int32, the end of each expert's run of sorted rows (cumsum of the counts)
+    tile_ends [E]   int32, cumsum of cdiv(count_e, BLOCK_M): each run is cut into tiles of BLOCK_M rows
+Program (m, n) of `expert_gemm` takes tile m: its expert e is the number of tile_ends <= m, its rows are
+[start_e + (m - tile_start_e) * BLOCK_M, ...) clipped to the run's end, its columns the n-th BLOCK_N of the
+output. The grid is sized for the worst case, cdiv(R, BLOCK_M) + E tiles, so nothing goes back to the host:
+programs past the last tile return at once.
+
+Worked example: E = 3, counts (5, 0, 2), BLOCK_M = 4 -> ends (5, 5, 7), tile_ends (2, 2, 3). Grid rows
+cdiv(7, 4) + 3 = 5: tile 0 is expert 0 rows 0-3, tile 1 expert 0 row 4, tile 2 expert 2 rows 5-6, tiles 3 and
+4 return. Expert e's weight tile is read once per tile of e, so with BLOCK_M >= the rows per expert (decode) the
+weights are read once: the GEMMs of a decode step are bound by weight bytes, and small tiles over N keep every
+SM streaming them.
+
+`combine`: out[t] = sum_j w[t, j] * y[pos[t*k + j]] in fp32, rounded once (pos: a pair's sorted row), i.e. the
+un-permutation and the weighted sum in one read of y.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, a_rows_ptr, w_ptr, out_ptr, ends_ptr, tile_ends_ptr, num_experts, N, K,
+                        stride_a, stride_we, stride_wn, stride_out,
+                        GATHER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < num_experts, other=2147483647)
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
+    if e >= num_experts:
+        return
+    run_ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=0)
+    tile_start = tl.sum(tl.where(experts == e - 1, tile_ends, 0))
+    run_start = tl.sum(tl.where(experts == e - 1, run_ends, 0))
+    run_end = tl.sum(tl.where(experts == e, run_ends, 0))
+    rows = run_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < run_end
+    if GATHER:  # noqa: SIM108 (a constexpr branch)
+        a_rows = tl.load(a_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWIGLU:
+            w_up = tl.load(w_base + (cols[None, :] + N).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
+                           other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def expert_gemm(a: torch.Tensor, a_rows: torch.Tensor | None, weights: torch.Tensor, ends: torch.Tensor,
+                tile_ends: torch.Tensor, num_rows: int, *, swiglu: bool, block_m: int, block_n: int = 64,
+                block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The expert GEMM over sorted rows (see the module docstring for `ends`, `tile_ends` and the tiles).
+
+    a [*, K]: sorted row r reads row a_rows[r] of `a` (or row r when a_rows is None); weights [E, N_w, K]
+    (unit stride on K). swiglu=False: out [num_rows, N_w], out[r] = W_e a_r. swiglu=True: weights hold gate rows
+    [0, N) and up rows [N, 2N) of each expert (N = N_w / 2); out [num_rows, N] = silu(gate) * up, from fp32
+    accumulators, rounded once to a's dtype. `tile_ends` must have been cut with `block_m`. fp32 inputs are
+    multiplied in IEEE fp32 (not tf32), with a shallower depth tile (their tiles take twice the shared memory).
+    """
+    num_experts, width, depth = weights.shape
+    if a.stride(-1) != 1 or weights.stride(-1) != 1:
+        raise ValueError("expert_gemm needs unit stride on the reduced dim of a and of the weights")
+    n = width // 2 if swiglu else width
+    if a.dtype == torch.float32:
+        block_k = min(block_k, 32)
+    out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
+    if num_rows:
+        grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
+        _expert_gemm_kernel[grid](
+            a, a if a_rows is None else a_rows, weights, out, ends, tile_ends, num_experts, n, depth,
+            a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
+            GATHER=a_rows is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return out
+
+
+@triton.jit
+def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_y, stride_out, TOP_K: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(pos_ptr + token * TOP_K + j).to(tl.int64)
+        weight = tl.load(w_ptr + token * TOP_K + j).to(tl.float32)
+        acc += weight * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def combine(y: torch.Tensor, pos: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
+    """y [R, H] (sorted rows, unit stride on H), pos [T*k] (the sorted row of pair t*k + j), top_weights [T, k]
+    (contiguous) -> [T, H] in y's dtype: out[t] = sum_j top_weights[t, j] * y[pos[t*k + j]], fp32 sum."""
+    num_tokens, top_k = top_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
+    if num_tokens:
+        block_h = min(1024, triton.next_power_of_2(hidden))
+        _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            y, pos, top_weights.contiguous(), out, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
+            BLOCK_H=block_h,
+        )
+    return out
