@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.rotary import apply_partial_rotary
@@ -48,6 +49,7 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
 
@@ -73,10 +75,11 @@ class GatedAttention(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] of this layer
         (updated in place)."""
         num_tokens = hidden.shape[0]
-        query, gate = self.q_proj(hidden).view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        query, key, value = self.qkv(hidden)
+        query, gate = query.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         query = self.q_norm(query, step.backend)
-        key = self.k_norm(self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim), step.backend)
-        value = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim), step.backend)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = step.rope
         query = apply_partial_rotary(query, cos, sin)
         key = apply_partial_rotary(key, cos, sin)

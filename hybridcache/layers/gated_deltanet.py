@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -131,6 +132,7 @@ class GatedDeltaNet(_GatedDeltaNetBase):
         self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
         self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.in_proj = FusedProjection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
     def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
         s, dv = self.split, self.v_head_dim
@@ -139,8 +141,8 @@ class GatedDeltaNet(_GatedDeltaNetBase):
                 "in_proj_b.weight": heads, "in_proj_a.weight": heads}
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        z = self.in_proj_z(hidden).view(-1, self.num_v_heads, self.v_head_dim)
-        return self.in_proj_qkv(hidden), z, self.in_proj_b(hidden), self.in_proj_a(hidden)
+        mixed_qkv, z, b, a = self.in_proj(hidden)
+        return mixed_qkv, z.view(-1, self.num_v_heads, self.v_head_dim), b, a
 
 
 class PackedGatedDeltaNet(_GatedDeltaNetBase):
@@ -151,6 +153,7 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
         super().__init__(hidden_size, **kwargs)
         self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+        self.in_proj = FusedProjection(self.in_proj_qkvz, self.in_proj_ba)
 
     def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
         """Per key head j the rank reads, its group's q_j, k_j and the rank's value heads' v and z (all r of them
@@ -169,8 +172,7 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         q, k, v, z, b, a = unpack_qkvz_ba(
-            self.in_proj_qkvz(hidden),
-            self.in_proj_ba(hidden),
+            *self.in_proj(hidden),
             num_k_heads=self.num_k_heads,
             num_v_heads=self.num_v_heads,
             k_head_dim=self.k_head_dim,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 
@@ -40,11 +41,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Dense: `step` is not read."""
         del step
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        out = self.down_proj(F.silu(gate) * up)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def shards(self) -> dict[str, Shard]:
@@ -84,9 +87,11 @@ class SparseMoeBlock(nn.Module):
         )
         self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.gates = FusedProjection(self.gate, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        top_weights, top_ids = step.backend.route(self.gate(x), self.top_k, self.norm_topk_prob)  # [N, k] each
+        router_logits, shared_gate = self.gates(x)
+        top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
         out = step.backend.moe(x, top_weights, top_ids, self.experts)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, step)
+        shared = torch.sigmoid(shared_gate) * self.shared_expert(x, step)
         return self.tp.all_reduce(out + shared)
