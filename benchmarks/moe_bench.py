@@ -37,7 +37,8 @@ TILES = [(16, 64, 128, 4), (32, 64, 128, 4), (64, 64, 128, 4), (16, 128, 64, 4),
 
 def before(x, weights, ids, experts):
     top_k = ids.shape[1]
-    order, counts, ends = sort_pairs(ids, experts.gate_up.shape[0])
+    order, counts = sort_pairs(ids, experts.gate_up.shape[0])
+    ends = counts.cumsum(0, dtype=torch.int32)
     xs = x.index_select(0, order // top_k)
     gate, up = torch._grouped_mm(xs, experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, experts.down.transpose(1, 2), offs=ends)
@@ -46,8 +47,9 @@ def before(x, weights, ids, experts):
 
 
 def with_grouped(x, weights, ids, experts):
-    order, counts, ends = sort_pairs(ids, experts.gate_up.shape[0])
-    return combine(expert_rows_grouped(x, order, ends, ids.shape[1], experts), pair_rows(order), weights)
+    order, counts = sort_pairs(ids, experts.gate_up.shape[0])
+    y = expert_rows_grouped(x, order, counts.cumsum(0, dtype=torch.int32), ids.shape[1], experts)
+    return combine(y, weights, pair_rows(order))
 
 
 def with_triton(tile):
@@ -55,12 +57,11 @@ def with_triton(tile):
 
     def run(x, weights, ids, experts):
         top_k = ids.shape[1]
-        order, counts, ends = sort_pairs(ids, experts.gate_up.shape[0])
-        tile_ends = counts.add(block_m - 1).div_(block_m, rounding_mode="floor").cumsum(0, dtype=torch.int32)
+        order, counts = sort_pairs(ids, experts.gate_up.shape[0])
         kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps)
-        h = expert_gemm(x, order // top_k, experts.gate_up, ends, tile_ends, order.numel(), swiglu=True, **kw)
-        y = expert_gemm(h, None, experts.down, ends, tile_ends, order.numel(), swiglu=False, **kw)
-        return combine(y, pair_rows(order), weights)
+        h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True, **kw)
+        y = expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False, **kw)
+        return combine(y, weights)
 
     return run
 

@@ -287,12 +287,12 @@ def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, h
     weights, ids = routing(num_tokens, experts, top_k, dtype, device, gen)
     ids = ids.masked_fill(ids == experts - 1, 0)  # the last expert gets no row (a token may pick 0 twice: a valid sum)
     stacked = ExpertWeights.stack(list(gate), list(up), list(down))
-    order, counts, ends = sort_pairs(ids, experts)
+    order, counts = sort_pairs(ids, experts)
     if block_m is None:
-        y = expert_rows_grouped(x, order, ends, top_k, stacked)
+        y = expert_rows_grouped(x, order, counts.cumsum(0, dtype=torch.int32), top_k, stacked)
+        out = combine(y, weights, pair_rows(order))
     else:
-        y = expert_rows_triton(x, order, counts, ends, top_k, stacked, block_m)
-    out = combine(y, pair_rows(order), weights)
+        out = combine(expert_rows_triton(x, order, counts, top_k, stacked, block_m), weights)
     ref = moe_ref.routed_experts(x.float(), weights.float(), ids, list(gate.float()), list(up.float()),
                                  list(down.float()))
     return {"out": error_stats(out, ref)}

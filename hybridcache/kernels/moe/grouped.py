@@ -4,12 +4,13 @@ all experts (`torch._grouped_mm`), or the Triton expert GEMM when each expert ha
 
 Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing is read back):
     order = stable sort of the T*k (token, pick) pairs by expert (int16 keys);  counts per expert by scatter_add
-    ends = cumsum(counts) (int32 group ends)
     few rows per expert (decode): the Triton expert GEMM (`triton_experts.expert_gemm`) reads x's rows through
-        the sort and applies silu(gate) * up in its epilogue, then the down projection     h [T*k, I], y [T*k, H]
-    many rows (prefill): xs = x[token of each sorted pair]; h = swiglu(grouped_mm(xs, W_gate_up^T, ends))
-        (fla's fused SiLU-gate); y = grouped_mm(h, W_down^T, ends)
-    out[t] = sum over its k picks of weight * y[sorted row of the pick]  (`triton_experts.combine`: fp32 sum)
+        the sort and applies silu(gate) * up in its epilogue (h [T*k, I], sorted), then the down projection,
+        written back in pair order (y [T*k, H])
+    many rows (prefill): ends = cumsum(counts) (int32 group ends); xs = x[token of each sorted pair];
+        h = swiglu(grouped_mm(xs, W_gate_up^T, ends)) (fla's fused SiLU gate); y = grouped_mm(h, W_down^T, ends),
+        sorted
+    out[t] = sum over its k picks of weight * y[row of the pick]  (`triton_experts.combine`: fp32 sum)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
 fallback, which loops over the groups after copying `ends` to the host (a sync): fp32 is the exactness
@@ -61,9 +62,9 @@ class ExpertWeights:
         return stacked
 
 
-def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """top_ids [T, k] int64 -> (order [T*k]: the (token, pick) pairs stably sorted by expert, counts [E] int32,
-    ends [E] int32: the end of each expert's run of sorted rows), all on the device."""
+def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_ids [T, k] int64 -> (order [T*k]: the (token, pick) pairs stably sorted by expert, counts [E] int32),
+    both on the device."""
     if num_experts > torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: the grouped MoE sorts expert ids as int16 (at most 32,767)")
     flat_ids = top_ids.reshape(-1)
@@ -71,7 +72,7 @@ def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     order = torch.argsort(flat_ids.to(torch.int16), stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=top_ids.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
-    return order, counts, counts.cumsum(0, dtype=torch.int32)
+    return order, counts
 
 
 def tile_rows(num_rows: int, num_experts: int) -> int | None:
@@ -89,18 +90,20 @@ def tile_rows(num_rows: int, num_experts: int) -> int | None:
 TRITON_MAX_ROWS_PER_EXPERT = 64
 
 
-def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, ends: torch.Tensor, top_k: int,
+def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
                        experts: ExpertWeights, block_m: int) -> torch.Tensor:
-    """y [T*k, H]: each sorted row's expert output, by the Triton expert GEMM (gather and SiLU gate fused)."""
-    rows = order.numel()
-    tile_ends = counts.add(block_m - 1).div_(block_m, rounding_mode="floor").cumsum(0, dtype=torch.int32)
-    h = expert_gemm(x, order // top_k, experts.gate_up, ends, tile_ends, rows, swiglu=True, block_m=block_m)
-    return expert_gemm(h, None, experts.down, ends, tile_ends, rows, swiglu=False, block_m=block_m)
+    """y [T*k, H] in pair order (row t*k + j): each pair's expert output, by the Triton expert GEMM (gather,
+    SiLU gate and un-permutation fused)."""
+    h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True,
+                    block_m=block_m)
+    return expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False,
+                       block_m=block_m)
 
 
 def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
                         experts: ExpertWeights) -> torch.Tensor:
-    """y [T*k, H]: each sorted row's expert output, by two grouped GEMMs and fla's fused SiLU gate."""
+    """y [T*k, H] in sorted order: each sorted row's expert output, by two grouped GEMMs and fla's fused SiLU
+    gate."""
     from fla.modules.activations import swiglu  # CUDA-only dependency, imported on first use
 
     xs = x.index_select(0, order // top_k)
@@ -115,13 +118,12 @@ def grouped_experts(
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])."""
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
-    order, counts, ends = sort_pairs(top_ids, num_experts)
+    order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
     if block_m is None:
-        y = expert_rows_grouped(x, order, ends, top_k, experts)
-    else:
-        y = expert_rows_triton(x, order, counts, ends, top_k, experts, block_m)
-    return combine(y, pair_rows(order), top_weights)
+        ends = counts.cumsum(0, dtype=torch.int32)
+        return combine(expert_rows_grouped(x, order, ends, top_k, experts), top_weights, pair_rows(order))
+    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights)
 
 
 def pair_rows(order: torch.Tensor) -> torch.Tensor:

@@ -3,12 +3,14 @@ the token gather and the SiLU gate fused in), and the weighted combine of each t
 
 Layout, for T tokens, top-k picks, E experts, R = T*k (token, pick) pairs (see `moe/grouped.py` for the steps):
     order [R]       the pairs sorted by expert (stable); sorted row r holds pair order[r] = t*k + j
-    ends [E]        int32, the end of each expert's run of sorted rows (cumsum of the counts)
-    tile_ends [E]   int32, cumsum of cdiv(count_e, BLOCK_M): each run is cut into tiles of BLOCK_M rows
+    counts [E]      int32 rows per expert; each program derives from them (a cumsum over E) the run ends and
+                    tile_ends = cumsum(cdiv(count_e, BLOCK_M)): each expert's run is cut into tiles of BLOCK_M rows
 Program (m, n) of `expert_gemm` takes tile m: its expert e is the number of tile_ends <= m, its rows are
 [start_e + (m - tile_start_e) * BLOCK_M, ...) clipped to the run's end, its columns the n-th BLOCK_N of the
 output. The grid is sized for the worst case, cdiv(R, BLOCK_M) + E tiles, so nothing goes back to the host:
-programs past the last tile return at once.
+programs past the last tile return at once. The gate/up GEMM reads token rows through the sort (row
+order[r] // k of x); the down GEMM writes each row back at its pair's place (row order[r]), so the combine
+reads each token's k rows contiguously and no inverse permutation is built.
 
 Worked example: E = 3, counts (5, 0, 2), BLOCK_M = 4 -> ends (5, 5, 7), tile_ends (2, 2, 3). Grid rows
 cdiv(7, 4) + 3 = 5: tile 0 is expert 0 rows 0-3, tile 1 expert 0 row 4, tile 2 expert 2 rows 5-6, tiles 3 and
@@ -16,8 +18,8 @@ cdiv(7, 4) + 3 = 5: tile 0 is expert 0 rows 0-3, tile 1 expert 0 row 4, tile 2 e
 weights are read once: the GEMMs of a decode step are bound by weight bytes, and small tiles over N keep every
 SM streaming them.
 
-`combine`: out[t] = sum_j w[t, j] * y[pos[t*k + j]] in fp32, rounded once (pos: a pair's sorted row), i.e. the
-un-permutation and the weighted sum in one read of y.
+`combine`: out[t] = sum_j w[t, j] * y[t*k + j] in fp32, rounded once; on the grouped-GEMM path, whose y is in
+sorted order, through pos (a pair's sorted row): the un-permutation and the weighted sum in one read of y.
 """
 
 from __future__ import annotations
@@ -28,24 +30,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _expert_gemm_kernel(a_ptr, a_rows_ptr, w_ptr, out_ptr, ends_ptr, tile_ends_ptr, num_experts, N, K,
+def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_experts, top_k, N, K,
                         stride_a, stride_we, stride_wn, stride_out,
-                        GATHER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+                        GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    tile_ends = tl.load(tile_ends_ptr + experts, mask=experts < num_experts, other=2147483647)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    run_ends = tl.cumsum(counts, axis=0)
+    tile_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
     e = tl.sum((tile_ends <= pid_m).to(tl.int32))
     if e >= num_experts:
         return
-    run_ends = tl.load(ends_ptr + experts, mask=experts < num_experts, other=0)
     tile_start = tl.sum(tl.where(experts == e - 1, tile_ends, 0))
     run_start = tl.sum(tl.where(experts == e - 1, run_ends, 0))
     run_end = tl.sum(tl.where(experts == e, run_ends, 0))
     rows = run_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < run_end
+    if GATHER or SCATTER:
+        pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     if GATHER:  # noqa: SIM108 (a constexpr branch)
-        a_rows = tl.load(a_rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        a_rows = pairs // top_k
     else:
         a_rows = rows.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,24 +72,30 @@ def _expert_gemm_kernel(a_ptr, a_rows_ptr, w_ptr, out_ptr, ends_ptr, tile_ends_p
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+    if SCATTER:  # noqa: SIM108 (a constexpr branch)
+        out_rows = pairs
+    else:
+        out_rows = rows.to(tl.int64)
+    out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def expert_gemm(a: torch.Tensor, a_rows: torch.Tensor | None, weights: torch.Tensor, ends: torch.Tensor,
-                tile_ends: torch.Tensor, num_rows: int, *, swiglu: bool, block_m: int, block_n: int = 64,
-                block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """The expert GEMM over sorted rows (see the module docstring for `ends`, `tile_ends` and the tiles).
+def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor, counts: torch.Tensor, *,
+                gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64, block_k: int = 128,
+                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The expert GEMM over the sorted rows of R = order.numel() (token, pick) pairs (module docstring).
 
-    a [*, K]: sorted row r reads row a_rows[r] of `a` (or row r when a_rows is None); weights [E, N_w, K]
-    (unit stride on K). swiglu=False: out [num_rows, N_w], out[r] = W_e a_r. swiglu=True: weights hold gate rows
-    [0, N) and up rows [N, 2N) of each expert (N = N_w / 2); out [num_rows, N] = silu(gate) * up, from fp32
-    accumulators, rounded once to a's dtype. `tile_ends` must have been cut with `block_m`. fp32 inputs are
-    multiplied in IEEE fp32 (not tf32), with a shallower depth tile (their tiles take twice the shared memory).
+    a: [T, K] token rows when `gather` (sorted row r reads row order[r] // top_k), else [R, K] in sorted order.
+    weights [E, N_w, K] (unit stride on K); counts [E] int32 rows per expert. swiglu=False: each row's W_e a_r
+    [N_w]; swiglu=True: the weights hold gate rows [0, N) and up rows [N, 2N) (N = N_w / 2), the row's
+    silu(gate) * up [N] from fp32 accumulators, rounded once to a's dtype. Output [R, N] in sorted order, or in
+    pair order (row order[r] for sorted row r) when `scatter`. fp32 inputs are multiplied in IEEE fp32 (not
+    tf32), with a shallower depth tile (their tiles take twice the shared memory).
     """
     num_experts, width, depth = weights.shape
     if a.stride(-1) != 1 or weights.stride(-1) != 1:
         raise ValueError("expert_gemm needs unit stride on the reduced dim of a and of the weights")
+    num_rows = order.numel()
     n = width // 2 if swiglu else width
     if a.dtype == torch.float32:
         block_k = min(block_k, 32)
@@ -91,9 +103,9 @@ def expert_gemm(a: torch.Tensor, a_rows: torch.Tensor | None, weights: torch.Ten
     if num_rows:
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
         _expert_gemm_kernel[grid](
-            a, a if a_rows is None else a_rows, weights, out, ends, tile_ends, num_experts, n, depth,
+            a, order, weights, out, counts, num_experts, top_k, n, depth,
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
-            GATHER=a_rows is not None, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -102,28 +114,32 @@ def expert_gemm(a: torch.Tensor, a_rows: torch.Tensor | None, weights: torch.Ten
 
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_y, stride_out, TOP_K: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, SORTED: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        row = tl.load(pos_ptr + token * TOP_K + j).to(tl.int64)
+        if SORTED:  # noqa: SIM108 (a constexpr branch)
+            row = tl.load(pos_ptr + token * TOP_K + j).to(tl.int64)
+        else:
+            row = token * TOP_K + j
         weight = tl.load(w_ptr + token * TOP_K + j).to(tl.float32)
         acc += weight * tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def combine(y: torch.Tensor, pos: torch.Tensor, top_weights: torch.Tensor) -> torch.Tensor:
-    """y [R, H] (sorted rows, unit stride on H), pos [T*k] (the sorted row of pair t*k + j), top_weights [T, k]
-    (contiguous) -> [T, H] in y's dtype: out[t] = sum_j top_weights[t, j] * y[pos[t*k + j]], fp32 sum."""
+def combine(y: torch.Tensor, top_weights: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """y [R, H] (unit stride on H): the pairs' expert outputs in pair order (row t*k + j), or in sorted order
+    with pos [R] the sorted row of each pair; top_weights [T, k] -> [T, H] in y's dtype:
+    out[t] = sum_j top_weights[t, j] * y[row of pair t*k + j], an fp32 sum rounded once."""
     num_tokens, top_k = top_weights.shape
     hidden = y.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=y.dtype, device=y.device)
     if num_tokens:
         block_h = min(1024, triton.next_power_of_2(hidden))
         _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            y, pos, top_weights.contiguous(), out, hidden, y.stride(0), out.stride(0), TOP_K=top_k,
-            BLOCK_H=block_h,
+            y, y if pos is None else pos, top_weights.contiguous(), out, hidden, y.stride(0), out.stride(0),
+            TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None,
         )
     return out
