@@ -302,7 +302,8 @@ class PrefixCache:
             if not tokens or new_len > len(seq.block_ids) * size:
                 raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
             prompt = seq.request.prompt_ids
-            if tuple(tokens[:max(0, len(prompt) - seq.num_computed)]) != prompt[seq.num_computed:new_len]:
+            overlap = len(prompt) - seq.num_computed  # decode tokens (overlap <= 0) have no prompt to equal
+            if overlap > 0 and tuple(tokens[:overlap]) != prompt[seq.num_computed:new_len]:
                 raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
         for rid, seq in self._seqs.items():
             for ckpt in seq.saves:
