@@ -38,6 +38,7 @@ from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
+from hybridcache.kernels.rotary import reference as rotary_ref
 
 
 class KernelBackend(Protocol):
@@ -125,6 +126,12 @@ class KernelBackend(Protocol):
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gated RMSNorm over the last dim: x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = (weight * round(x / sqrt(mean(x^2) + eps))) * silu(gate) (round: to x's dtype; the rest in fp32)."""
+        ...
+
+    def rotary(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial rotary embedding (rotate-half): query [T, Hq, D], key [T, Hk, D], cos/sin [T, R] with R <= D
+        -> new rotated query and key; the first R channels of each head rotated, the rest unchanged."""
         ...
 
     def moe(
@@ -287,6 +294,7 @@ class ReferenceBackend:
     route = staticmethod(moe_ref.route)
     rms_norm = staticmethod(norm_ref.rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
+    rotary = staticmethod(rotary_ref.rotary)
 
 
 def _metadata(batch: ForwardBatch) -> ReferenceMetadata:

@@ -6,10 +6,11 @@
 | attention        | split-KV decode kernel                      | paged flash-attention prefill kernel            |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | fla's chunked kernel over all sequences         |
-| moe              | `torch._grouped_mm` over all experts (`moe/grouped.py`)                                       |
+| moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
 | rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
+| rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
@@ -38,6 +39,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
+from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.varlen import chunk_indices
 
 _ATTENTION_BLOCK_M = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
@@ -157,6 +159,7 @@ class CudaBackend:
     route = staticmethod(triton_route.route)
     rms_norm = staticmethod(fused_norm.rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
+    rotary = staticmethod(triton_rotary.rotary)
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:

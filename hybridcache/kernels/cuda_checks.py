@@ -375,6 +375,27 @@ def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
     return stats
 
 
+def check_rotary(dtype: torch.dtype, device: torch.device, rows: int = 300, heads: tuple[int, int] = (16, 2),
+                 head_dim: int = 256, rotary_dim: int = 64, seed: int = 0) -> dict[str, ErrorStats]:
+    """The Triton partial rotary against `kernels.rotary.reference`, on query/key views of one wider projection
+    (strided over tokens and heads, as the layers pass them) and the cos/sin table of real positions."""
+    from hybridcache.kernels.rotary import reference
+    from hybridcache.kernels.rotary.triton import rotary
+    from hybridcache.layers.rotary import rotary_cos_sin
+
+    gen = torch.Generator().manual_seed(seed)
+    q_heads, k_heads = heads
+    mixed = torch.randn(rows, (2 * q_heads + k_heads) * head_dim, generator=gen).to(device, dtype)
+    query = mixed[:, : 2 * q_heads * head_dim].view(rows, q_heads, 2 * head_dim)[..., :head_dim]
+    key = mixed[:, 2 * q_heads * head_dim:].view(rows, k_heads, head_dim)
+    positions = torch.randint(0, 40000, (rows,), generator=gen).to(device)
+    cos, sin = rotary_cos_sin(positions, rotary_dim, 10000000.0, dtype)
+    out_q, out_k = rotary(query, key, cos, sin)
+    ref_q, ref_k = reference.rotary(query.float(), key.float(), cos.float(), sin.float())
+    return {"query": error_stats(out_q, ref_q), "key": error_stats(out_k, ref_k),
+            "pass_through": error_stats(out_q[..., rotary_dim:], query[..., rotary_dim:])}
+
+
 def check_delta_gates(dtype: torch.dtype, device: torch.device, rows: int = 300, heads: int = 32,
                       seed: int = 0) -> dict[str, ErrorStats]:
     """The fused DeltaNet gates against `gated_delta/reference.delta_gates`, on strided a, b (slices of one

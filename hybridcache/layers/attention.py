@@ -21,7 +21,6 @@ from torch import nn
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
-from hybridcache.layers.rotary import apply_partial_rotary
 from hybridcache.layers.step import StepContext
 from hybridcache.state_spec import AttentionSpec
 
@@ -81,8 +80,7 @@ class GatedAttention(nn.Module):
         key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim), step.backend)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = step.rope
-        query = apply_partial_rotary(query, cos, sin)
-        key = apply_partial_rotary(key, cos, sin)
+        query, key = step.backend.rotary(query, key, cos, sin)
         step.backend.write_kv(kv_layer, key, value, step.batch)
         attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5)
         attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))

@@ -1,4 +1,5 @@
-"""Partial rotary position embedding (rotate-half convention, as in transformers' Qwen3-Next / Qwen3.5).
+"""The cos/sin table of partial rotary position embedding (rotate-half convention, as in transformers'
+Qwen3-Next / Qwen3.5); the rotation itself is the backend's `rotary` op (`kernels/rotary/`).
 
 Only the first `rotary_dim` channels of each head are rotated; the rest pass through unchanged. For
 text-only input, Qwen3.5's interleaved M-RoPE has equal position ids on its three axes and reduces to this.
@@ -19,16 +20,3 @@ def rotary_cos_sin(
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, R] with R <= D -> [T, H, D]: channels [0, R) rotated, [R, D) unchanged."""
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)

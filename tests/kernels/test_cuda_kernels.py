@@ -131,6 +131,15 @@ def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
 
 @needs_cuda
 @DTYPES
+def test_cuda_rotary(dtype: torch.dtype, cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_rotary
+
+    stats = check_rotary(dtype, cuda)
+    assert_within(stats, {"query": OURS[dtype], "key": OURS[dtype], "pass_through": EXACT})
+
+
+@needs_cuda
+@DTYPES
 def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
     from hybridcache.kernels.cuda_checks import check_delta_gates
 
@@ -212,6 +221,16 @@ def test_interpreted_norms() -> None:
 
     stats = check_norms(torch.float32, torch.device("cpu"), rows=7)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # Qwen3-Next's 0.25 of 256; Qwen3.5's 0.25 of 128
+def test_interpreted_rotary(rotary_dim: int) -> None:
+    from hybridcache.kernels.cuda_checks import check_rotary
+
+    stats = check_rotary(torch.float32, torch.device("cpu"), rows=9, heads=(3, 2), head_dim=4 * rotary_dim,
+                         rotary_dim=rotary_dim)
+    assert_within(stats, {"query": OURS[torch.float32], "key": OURS[torch.float32], "pass_through": EXACT})
 
 
 @needs_interpreter
