@@ -126,6 +126,17 @@ def grouped_experts(
     return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights)
 
 
+def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
+    """Run the Triton expert GEMM once with each tile `tile_rows` can pick, on one token of x's dtype and
+    device, so that the kernels compile when the engine starts (its profiling forward stacks the experts) and not
+    inside the first request whose chunk needs that tile (a fresh machine spends about a second per variant)."""
+    ids = torch.arange(top_k, device=x.device).remainder(experts.gate_up.shape[0])[None, :]
+    order, counts = sort_pairs(ids, experts.gate_up.shape[0])
+    token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
+    for block_m in (16, 32, 64):
+        expert_rows_triton(token, order, counts, top_k, experts, block_m)
+
+
 def pair_rows(order: torch.Tensor) -> torch.Tensor:
     """The inverse of the sort: pos [T*k], pos[order[r]] = r (the sorted row of each (token, pick) pair)."""
     return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
