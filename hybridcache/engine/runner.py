@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hybridcache.cache.plan import Phase, Pool
+from hybridcache.cache.plan import CopyKind, Phase, Pool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
@@ -149,6 +149,8 @@ class ModelRunner:
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
+        if device.type == "cuda":
+            self._compile_copies(num_blocks=num_blocks + extra, num_slots=num_slots + extra)
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
         if use_graphs:
@@ -247,6 +249,17 @@ class ModelRunner:
                 graphs.pool = graph.pool()
                 graphs.graphs[size] = graph
         torch.cuda.synchronize(self.device)
+
+    def _compile_copies(self, *, num_blocks: int, num_slots: int) -> None:
+        """One save per pool group (block 0 onto block 1, slot 0 onto slot 1: both hold nothing yet), so that the
+        copy kernel's variant for each pool (its geometry is a compile-time specialisation) compiles at start-up
+        rather than inside the first step that saves or restores a checkpoint (the first prefill step of the
+        GPU benchmark's phase D paid ~300 ms for it on a fresh machine)."""
+        first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
+        if num_blocks >= 2:
+            self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+        if num_slots >= 2:
+            self._copy(DeviceCopyOp(CopyKind.STATE_SAVE, first, second))
 
     def _copy(self, op: DeviceCopyOp) -> None:
         """One batched copy per pool group: every attention layer's pages of each block (KV), or every

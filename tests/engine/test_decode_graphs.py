@@ -114,3 +114,26 @@ def test_graph_decode_equals_eager_on_cuda(tmp_path):
     eager_llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
                     enforce_eager=True)
     assert eager_llm.engine.runner.graph_batch_sizes == ()
+
+
+def test_start_up_copies_touch_only_block_1_and_slot_1(tmp_path):
+    """The copy-kernel warm-up a CUDA runner runs at construction (`_compile_copies`): block 0 onto block 1 and
+    slot 0 onto slot 1 in every pool group, nothing else (run here on the CPU's torch copy path)."""
+    model = load_model(write_tiny_model(tmp_path, "qwen3_next"))
+    runner = ModelRunner(model, num_blocks=4, block_size=BLOCK, kernel_block_size=PAGE, num_slots=3,
+                         dtype=torch.float32, state_dtype=torch.float32, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for pool in (*runner.pools.kv_groups, *runner.pools.state_groups):
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+    before = snapshot(runner)
+    runner._compile_copies(num_blocks=4, num_slots=3)
+    pages = BLOCK // PAGE
+    num_kv = len(runner.pools.kv_groups)
+    for old, new in zip(before[:num_kv], runner.pools.kv_groups, strict=True):
+        expected = old.clone()
+        expected[:, :, pages: 2 * pages] = old[:, :, :pages]
+        assert torch.equal(new, expected)
+    for old, new in zip(before[num_kv:], runner.pools.state_groups, strict=True):
+        expected = old.clone()
+        expected[:, 1] = old[:, 0]
+        assert torch.equal(new, expected)
