@@ -10,13 +10,16 @@ forward and saves on its own shard of the pools, and the logits come back whole 
                                            -> rank 0: runner.execute(batch)   (collectives pair up per layer)
                                            <- full logits on rank 0
 
-Failures: before each step every worker's liveness is checked; a collective that fails (gloo fails at once
-when a peer dies; any collective fails after `COLLECTIVE_TIMEOUT`) is attributed to the worker that died or
-reported an exception, and the engine raises `WorkerError` naming its rank. The executor is then broken:
-every later call raises, and the other workers are stopped. `shutdown()` (also run when the executor is
-garbage-collected and at interpreter exit) stops the workers: a STOP message, then terminate, then kill. A
-worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits. CUDA graphs are not captured under
-tensor parallelism (decode steps run eagerly).
+Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
+otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
+Every worker's liveness is checked before each step and again after it, once rank 0's device work has finished
+(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine).
+A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
+that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
+every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
+the executor is garbage-collected and at interpreter exit) stops the monitor, then the workers: a STOP message,
+then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits. CUDA
+graphs are not captured under tensor parallelism (decode steps run eagerly).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from hybridcache.distributed.messages import Op, encode, receive, send
-from hybridcache.distributed.process_group import init_group, leave_group, rank_device
+from hybridcache.distributed.monitor import LivenessMonitor
+from hybridcache.distributed.process_group import abort_group, init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.distributed.worker import worker_main
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -86,8 +90,9 @@ class TensorParallelExecutor:
         device = rank_device(device, 0)
         self._workers: list[_Worker] = []
         self._failure: BaseException | None = None
+        self._monitors: list[LivenessMonitor] = []  # one, once the group exists
         store_dir = Path(tempfile.mkdtemp(prefix="hybridcache-tp-"))
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, store_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._monitors, store_dir)
         context = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
@@ -100,6 +105,7 @@ class TensorParallelExecutor:
             for worker in self._workers:
                 self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
             init_group(store_dir, 0, size, device)
+            self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
             for worker in self._workers:
                 self._expect(worker, Op.READY)
@@ -148,10 +154,19 @@ class TensorParallelExecutor:
             message = encode(op, payload)
             for worker in self._workers:
                 worker.conn.send_bytes(message)
-            return local()
+            result = local()
+            if self.runner.device.type == "cuda":  # returns early (garbage) when the monitor aborts the group
+                torch.cuda.current_stream(self.runner.device).synchronize()
+            failure = self._find_failure(grace_s=0.0)
+            if failure is None and self._monitors[0].dead_rank is not None:  # cannot be: the monitor saw it exit
+                failure = WorkerError(f"tensor-parallel worker rank {self._monitors[0].dead_rank} died")
+            if failure is not None:
+                raise failure
+            return result
         except BaseException as error:
             failure = error if isinstance(error, WorkerError) else self._find_failure(grace_s=FAILURE_GRACE_S)
             self._failure = failure or error
+            self._monitors[0].abort()  # pending collectives may wait for a rank that will never join them
             for worker in self._workers:  # they may be waiting in a collective that will never complete
                 if worker.process.is_alive():
                     worker.process.terminate()
@@ -211,8 +226,11 @@ def _exit_reason(code: int | None) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def _shutdown(workers: list[_Worker], store_dir: Path) -> None:
-    """Stop every worker (STOP, then terminate, then kill), leave the group, remove the store."""
+def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir: Path) -> None:
+    """Stop the monitor, then every worker (STOP, then terminate, then kill), leave the group (aborting it if it
+    failed), remove the store."""
+    for monitor in monitors:
+        monitor.stop()
     for worker in workers:
         with contextlib.suppress(OSError):
             send(worker.conn, Op.STOP)
@@ -226,5 +244,5 @@ def _shutdown(workers: list[_Worker], store_dir: Path) -> None:
             worker.process.kill()
             worker.process.join()
         worker.conn.close()
-    leave_group()
+    leave_group(aborted=any(monitor.aborted for monitor in monitors))
     shutil.rmtree(store_dir, ignore_errors=True)
