@@ -4,8 +4,9 @@ models; and with the prefix cache on, the cache-equivalence workload gives the t
 uncached single-rank run.
 
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
-family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other families
-and the replicated-head variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
+family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite, also with a vocabulary
+of 321 (odd: the lm_head shards are padded) tied to the embedding; the other families and the replicated-head
+variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
 The last test kills the worker mid-run: the engine raises an error naming its rank within seconds.
 """
 
@@ -33,18 +34,23 @@ REL_TOL = 1e-4
 SLOW = pytest.mark.slow
 
 
-# one kv head and one DeltaNet key head for 2 ranks: both ranks hold (replicate) them
-REPLICATED = {"num_key_value_heads": 1, "linear_num_key_heads": 1}
+VARIANTS = {
+    "": {},
+    # one kv head and one DeltaNet key head for 2 ranks: both ranks hold (replicate) them
+    "replicated": {"num_key_value_heads": 1, "linear_num_key_heads": 1},
+    # a vocabulary 2 does not divide: rank 1's lm_head rows end in a zero padding row; tied to the embedding
+    "oddvocab": {"vocab_size": 321, "tie_word_embeddings": True},
+}
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", pytest.param("qwen3_5_text", marks=SLOW),
                                         pytest.param("qwen3_5_moe_text", marks=SLOW),
+                                        "qwen3_next-oddvocab",
                                         pytest.param("qwen3_next-replicated", marks=SLOW),
                                         pytest.param("qwen3_5_text-replicated", marks=SLOW)])
 def model_dir(request, tmp_path_factory):
     model_type, _, variant = request.param.partition("-")
-    overrides = REPLICATED if variant else {}
-    return write_folder(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    return write_folder(tmp_path_factory.mktemp(request.param), model_type, **VARIANTS[variant])
 
 
 @pytest.fixture(scope="module")
