@@ -18,8 +18,11 @@ A failure (a collective that raises, a dead worker, an exception a worker report
 that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
 every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
 the executor is garbage-collected and at interpreter exit) stops the monitor, then the workers: a STOP message,
-then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits. CUDA
-graphs are not captured under tensor parallelism (decode steps run eagerly).
+then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
+
+CUDA graphs: every rank captures the same decode buckets at start-up (`build_runner`) and, given the same step,
+picks the same bucket, so each decode step replays the same graph on every rank and the NCCL collectives
+captured in them pair up. `without_replay()` and `eager()` switch every rank at once (a `DecodeMode` message).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -40,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridcache.distributed.messages import Op, encode, receive, send
+from hybridcache.distributed.messages import DecodeMode, Op, encode, receive, send
 from hybridcache.distributed.monitor import LivenessMonitor
 from hybridcache.distributed.process_group import abort_group, init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
@@ -120,8 +123,20 @@ class TensorParallelExecutor:
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
-        """() : decode steps run eagerly under tensor parallelism."""
-        return ()
+        """The captured decode batch sizes (every rank's are rank 0's); () when steps run eagerly."""
+        return self.runner.graph_batch_sizes
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """`ModelRunner.eager` on every rank."""
+        with self._decode_mode(DecodeMode.EAGER, self.runner.eager):
+            yield
+
+    @contextlib.contextmanager
+    def without_replay(self) -> Iterator[None]:
+        """`ModelRunner.without_replay` on every rank."""
+        with self._decode_mode(DecodeMode.WITHOUT_REPLAY, self.runner.without_replay):
+            yield
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
@@ -142,6 +157,17 @@ class TensorParallelExecutor:
         self._finalizer()
 
     # ------------------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _decode_mode(self, mode: DecodeMode, local: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+        """Every rank runs decode steps in `mode` within the block (the workers are told before the next step)."""
+        self._run(Op.MODE, mode, lambda: None)
+        try:
+            with local():
+                yield
+        finally:
+            if self._failure is None:
+                self._run(Op.MODE, DecodeMode.REPLAY, lambda: None)
+
     def _run(self, op: Op, payload: Any, local: Callable[[], Any]) -> Any:
         """Send the step to every worker, run it on rank 0; any failure breaks the executor (see the module
         docstring)."""

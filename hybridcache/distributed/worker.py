@@ -1,7 +1,8 @@
 """A worker process: rank r >= 1 of the tensor-parallel group (rank 0 is the driver, in the engine's process).
 
 It joins the group, builds its runner exactly as the driver builds rank 0's (`build_runner`, same spec), then
-runs whatever step the driver sends, in order, until told to stop or until the driver is gone (its pipe
+runs whatever step the driver sends, in order (decode steps replay the CUDA graphs it captured, like every
+rank's, unless a `DecodeMode` message says otherwise), until told to stop or until the driver is gone (its pipe
 closes). An exception is sent to the driver as text before the worker exits; the driver names the rank.
 SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group: the driver decides).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.distributed.messages import Op, receive, send
+from hybridcache.distributed.messages import DecodeMode, Op, receive, send
 from hybridcache.distributed.process_group import init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.layers.parallel import TensorParallel
@@ -55,15 +56,20 @@ def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connec
 
     runner, _ = build_runner(spec, TensorParallel(rank, size), device, agree)
     send(conn, Op.READY)
-    while True:
-        op, payload = receive(conn, device)
-        if op is Op.STOP:
-            return
-        if op is Op.EXECUTE:
-            runner.execute(payload)
-        elif op is Op.COPIES:
-            runner.execute_copies(payload)
-        elif op is Op.LOGITS:
-            runner.logits_from_slots(payload)
-        else:
-            raise RuntimeError(f"unexpected message {op}")
+    with contextlib.ExitStack() as mode:  # holds the runner's context of the current DecodeMode
+        while True:
+            op, payload = receive(conn, device)
+            if op is Op.STOP:
+                return
+            if op is Op.EXECUTE:
+                runner.execute(payload)
+            elif op is Op.COPIES:
+                runner.execute_copies(payload)
+            elif op is Op.LOGITS:
+                runner.logits_from_slots(payload)
+            elif op is Op.MODE:
+                mode.close()
+                if payload is not DecodeMode.REPLAY:
+                    mode.enter_context(runner.eager() if payload is DecodeMode.EAGER else runner.without_replay())
+            else:
+                raise RuntimeError(f"unexpected message {op}")

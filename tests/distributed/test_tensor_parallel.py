@@ -109,6 +109,18 @@ def test_more_ranks_than_gpus_fails_before_any_worker_starts(model_dir):
         LLMEngine(model_dir, EngineConfig(tensor_parallel_size=2, device="cuda:1"))
 
 
+def test_decode_modes_switch_every_rank_and_change_nothing_without_graphs(tp_engine):
+    """The CPU captures no graphs: `eager()` and `without_replay()` reach every rank (a worker that failed to
+    switch would raise) and the tokens stay those of the default mode."""
+    prompt = list(range(40, 80))
+    want = generate(tp_engine, "mode-default", prompt, 6)
+    with tp_engine.runner.eager():
+        assert generate(tp_engine, "mode-eager", prompt, 6) == want
+    with tp_engine.runner.without_replay():
+        assert generate(tp_engine, "mode-without-replay", prompt, 6) == want
+    assert generate(tp_engine, "mode-back", prompt, 6) == want
+
+
 def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):
     """(The module's last test of each model: it breaks the engine.)"""
     engine = tp_engine
