@@ -113,6 +113,8 @@ class TensorParallelExecutor:
             for worker in self._workers:
                 self._expect(worker, Op.READY)
         except BaseException:
+            for monitor in self._monitors:  # the group may have collectives pending that no worker will join
+                monitor.abort()
             self.shutdown()
             raise
 

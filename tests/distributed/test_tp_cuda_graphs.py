@@ -5,6 +5,7 @@ eagerly on every rank (`without_replay`), as `tests/engine/test_decode_graphs.py
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
@@ -23,6 +24,8 @@ def test_two_rank_graph_decode_equals_the_same_batches_run_eagerly(tmp_path, voc
     """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket."""
     from hybridcache import LLM, SamplingParams
 
+    gc.collect()  # an earlier test's engine: its pools must not count against this one's memory budget
+    torch.cuda.empty_cache()
     folder = write_folder(tmp_path, "qwen3_next", vocab_size=vocab_size)
     prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
