@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from hybridcache.config import EngineConfig
 from hybridcache.distributed.executor import WorkerError
@@ -106,6 +107,7 @@ def fail_while_blocked(engine: LLMEngine) -> None:
         timer.cancel()
         engine.runner.shutdown()
     assert not alive(pid)
+    assert not dist.is_initialized()  # the aborted group is gone: a new engine may start in this process
 
 
 @pytest.fixture(scope="module")
