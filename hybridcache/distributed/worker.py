@@ -5,13 +5,21 @@ runs whatever step the driver sends, in order (decode steps replay the CUDA grap
 rank's, unless a `DecodeMode` message says otherwise), until told to stop or until the driver is gone (its pipe
 closes). An exception is sent to the driver as text before the worker exits; the driver names the rank.
 SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group: the driver decides).
+
+A thread watches the driver: when the worker's parent process is gone (its parent pid changes), the worker
+exits at once, even while its main thread waits in an NCCL collective that the dead driver will never join
+(gloo's collectives fail by themselves when the driver's sockets close; NCCL's spin until the watchdog).
 """
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -23,14 +31,17 @@ from hybridcache.distributed.process_group import init_group, leave_group, rank_
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.layers.parallel import TensorParallel
 
+DRIVER_POLL_S = 0.2
+
 
 def worker_main(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connection) -> None:
     """The process's entry point (spawned by `TensorParallelExecutor`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent()
     try:
         _serve(spec, rank, size, store_dir, conn)
-    except (EOFError, BrokenPipeError):  # the driver is gone: nothing to report to
-        leave_group()
+    except (EOFError, BrokenPipeError):  # the driver is gone: nothing to report to, the group is broken
+        leave_group(aborted=True)
         sys.exit(1)
     except BaseException:  # noqa: BLE001 (every failure is reported, then the worker exits)
         with contextlib.suppress(OSError):
@@ -38,6 +49,24 @@ def worker_main(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: C
         leave_group()
         sys.exit(1)
     leave_group()
+
+
+def exit_with_parent() -> threading.Thread:
+    """Start a daemon thread that ends this process (exit status 1, no cleanup: the group may be stuck) within
+    `DRIVER_POLL_S` of the death of the process that spawned it (also when that happened before this call)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        raise RuntimeError("exit_with_parent runs in a process started by multiprocessing")
+    parent = parent.pid
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(DRIVER_POLL_S)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="hybridcache-tp-driver-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connection) -> None:

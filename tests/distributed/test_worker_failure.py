@@ -21,6 +21,7 @@ import torch.distributed as dist
 from hybridcache.config import EngineConfig
 from hybridcache.distributed.executor import WorkerError
 from hybridcache.distributed.monitor import LivenessMonitor
+from hybridcache.distributed.worker import DRIVER_POLL_S, exit_with_parent
 from hybridcache.engine.engine import EngineDeadError, LLMEngine
 from hybridcache.sampling import SamplingParams
 
@@ -77,6 +78,36 @@ def test_a_stopped_monitor_ignores_exits_and_a_failed_abort_is_kept(sleepers):
     monitor.abort()
     assert monitor.aborted and isinstance(monitor.abort_error, RuntimeError)
     monitor.stop()
+
+
+def _child_that_exits_with_its_parent(pids) -> None:  # a multiprocessing queue: the pid goes back to the test
+    exit_with_parent()
+    pids.put(os.getpid())
+    time.sleep(60)
+
+
+def _parent_of_a_watching_child(pids) -> None:
+    multiprocessing.get_context("spawn").Process(target=_child_that_exits_with_its_parent, args=(pids,)).start()
+    time.sleep(60)
+
+
+def test_a_worker_exits_within_a_second_of_its_drivers_death():
+    """The worker's driver watch (`exit_with_parent`): it ends the process whatever its main thread is doing,
+    e.g. waiting in an NCCL collective for the dead driver (here: sleeping)."""
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    parent = context.Process(target=_parent_of_a_watching_child, args=(pids,))  # not daemonic: it has a child
+    parent.start()
+    try:
+        child = pids.get(timeout=60)
+        assert alive(child)
+    finally:
+        parent.kill()
+        parent.join()
+    deadline = time.monotonic() + 1 + DRIVER_POLL_S
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
 
 
 def start_decoding(engine: LLMEngine, steps: int = 3) -> None:
