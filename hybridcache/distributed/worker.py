@@ -57,10 +57,10 @@ def exit_with_parent() -> threading.Thread:
     parent = multiprocessing.parent_process()
     if parent is None:
         raise RuntimeError("exit_with_parent runs in a process started by multiprocessing")
-    parent = parent.pid
+    parent_pid = parent.pid
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while os.getppid() == parent_pid:
             time.sleep(DRIVER_POLL_S)
         os._exit(1)
 
