@@ -113,7 +113,7 @@ def test_a_worker_exits_within_a_second_of_its_drivers_death():
 def start_decoding(engine: LLMEngine, steps: int = 3) -> None:
     """Four long requests, a few steps in (every rank has run prefill and decode collectives)."""
     for i in range(4):
-        engine.add_request(f"long{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=2000, ignore_eos=True))
+        engine.add_request(f"long{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=4000, ignore_eos=True))
     for _ in range(steps):
         engine.step()
 
