@@ -1,18 +1,21 @@
 """Tensor parallelism against one device: the GPU benchmark's phases C and D with TP=1, then TP=2 (issue 15).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tp_bench.py [--model dense-9b] [--tp-sizes 1,2]
-        [--phases C,D] [--tp1-graphs] [--out DIR]
+        [--phases C,D] [--graphs] [--dtype bfloat16] [--check-tokens] [--out DIR]
+    PYTHONPATH=. python benchmarks/tp_bench.py --dtype float32 --check-tokens --phases none   (fp32 correctness)
     PYTHONPATH=. python benchmarks/tp_bench.py --device cpu --model tiny --scale 0.02   (a CPU smoke run)
 
 The models, the warm-up and the phases are `benchmarks/gpu_bench.py`'s (C: latency of a cold 16,000-token
 prompt, then of it + 200 tokens; D: 64 prompts of 1,024 tokens x 128 new tokens submitted together: output
 tokens/s and the decode step time). One engine per TP size, one after the other in this process (rank 0 here,
-ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts. Every run is
-eager (no CUDA graphs: they are off under tensor parallelism, so TP=1 is eager too for a like-for-like
-comparison); `--tp1-graphs` adds a TP=1 run with graphs. After the phases each run decodes 8 prompts x 32 greedy
-tokens; "same tokens" counts the completions equal to the first run's (bf16 reductions differ across TP sizes, so
-a random model's flat logits may diverge late; a sharding bug shows as ~0/8). Prints one table and writes
-DIR/tp_bench_<model>.json (DIR: --out, else $OUT, else .).
+ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts. Runs are
+eager unless `--graphs` (every run then captures CUDA decode graphs, TP=2 included; graphs need bfloat16).
+After the phases each run decodes 8 prompts x 32 greedy tokens; "same tokens" counts the completions equal to
+the first run's. In bfloat16 the reductions differ across TP sizes (a rank sums its share, the all-reduce sums
+the ranks), so a random model's flat logits may diverge late and that drift proves nothing; a sharding bug shows
+as ~0/8. In float32 (`--dtype float32`) the difference is ~1e-6 relative and every completion is expected to be
+identical: `--check-tokens` then makes the script exit with status 1 (printing which) when any is not. Prints
+one table and writes DIR/tp_bench_<model>.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
@@ -75,8 +78,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="dense-9b", choices=list(MODELS))
     parser.add_argument("--tp-sizes", default="1,2", help="comma-separated tensor_parallel_size values, run in order")
-    parser.add_argument("--phases", default="C,D", help="comma-separated, of C and D")
-    parser.add_argument("--tp1-graphs", action="store_true", help="also run TP=1 with CUDA graphs")
+    parser.add_argument("--phases", default="C,D", help="comma-separated, of C and D; 'none': only the check")
+    parser.add_argument("--graphs", action="store_true", help="every run captures CUDA decode graphs (bfloat16)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
+                        help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--check-tokens", action="store_true",
+                        help="exit 1 unless every run's check completions equal the first run's (use with float32)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--device", default="cuda")
@@ -85,7 +92,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
+    phases = [p.strip().upper() for p in args.phases.split(",") if p.strip() and p.strip().lower() != "none"]
     if set(phases) - set(PHASES):
         parser.error(f"unknown phases {sorted(set(phases) - set(PHASES))}; choose from C, D")
     sizes = [int(s) for s in args.tp_sizes.split(",") if s.strip()]
@@ -98,11 +105,12 @@ def main() -> None:
                     "device": torch.cuda.get_device_name() if on_cuda else args.device,
                     "devices": torch.cuda.device_count() if on_cuda else 1, "runs": {}}
     print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
-    base = dict(dtype="bfloat16" if on_cuda else "float32", device=args.device, block_size=64, max_num_seqs=64,
+    dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
+    result["dtype"] = dtype
+    base = dict(dtype=dtype, device=args.device, block_size=64, max_num_seqs=64,
                 max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
-    runs = [(f"TP={n}", {**base, "tensor_parallel_size": n, "enforce_eager": True}) for n in sizes]
-    if args.tp1_graphs:
-        runs.append(("TP=1 graphs", {**base, "tensor_parallel_size": 1, "enforce_eager": False}))
+    label = " graphs" if args.graphs else ""
+    runs = [(f"TP={n}{label}", {**base, "tensor_parallel_size": n, "enforce_eager": not args.graphs}) for n in sizes]
     for name, options in runs:
         print(f"--- {name}", flush=True)
         try:
@@ -113,16 +121,27 @@ def main() -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"tp_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
     runs_done = list(result["runs"].values())
-    for r in runs_done:  # how many of the 8 check completions equal the first run's
+    differing = []
+    for name, r in result["runs"].items():  # how many of the 8 check completions equal the first run's
         pairs = list(zip(runs_done[0]["check_tokens"], r["check_tokens"]))
-        r["check_identical"] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+        same = sum(a == b for a, b in pairs)
+        r["check_identical"] = f"{same}/{len(pairs)}"
+        if same != len(pairs):
+            differing.append(f"{name}: {r['check_identical']}")
     (out_dir / f"tp_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
-    print(f"\n{args.model} on {result['device']} x {result['devices']}")
+    print(f"\n{args.model} ({dtype}) on {result['device']} x {result['devices']}")
     print("| run | C cold ms | C +200 ms | D out tok/s | D decode step ms (p50) | D prefill s | init s | same tokens "
           "| memory |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in result["runs"].items():
         print(row(name, r))
+    if args.check_tokens:
+        failed = differing or list(result.get("errors", {})) or len(runs_done) < 2
+        verdict = "FAILED" if failed else "OK"
+        print(f"check tokens: {verdict}: {len(runs_done)} runs, {differing or 'every completion identical'}"
+              f"{'; errors: ' + ', '.join(result['errors']) if result.get('errors') else ''}")
+        if failed:
+            sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,19 @@ forward and saves on its own shard of the pools, and the logits come back whole 
                                            -> rank 0: runner.execute(batch)   (collectives pair up per layer)
                                            <- full logits on rank 0
 
-Failures: before each step every worker's liveness is checked; a collective that fails (gloo fails at once
-when a peer dies; any collective fails after `COLLECTIVE_TIMEOUT`) is attributed to the worker that died or
-reported an exception, and the engine raises `WorkerError` naming its rank. The executor is then broken:
-every later call raises, and the other workers are stopped. `shutdown()` (also run when the executor is
-garbage-collected and at interpreter exit) stops the workers: a STOP message, then terminate, then kill. A
-worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits. CUDA graphs are not captured under
-tensor parallelism (decode steps run eagerly).
+Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
+otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
+Every worker's liveness is checked before each step and again after it, once rank 0's device work has finished
+(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine).
+A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
+that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
+every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
+the executor is garbage-collected and at interpreter exit) stops the monitor, then the workers: a STOP message,
+then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
+
+CUDA graphs: every rank captures the same decode buckets at start-up (`build_runner`) and, given the same step,
+picks the same bucket, so each decode step replays the same graph on every rank and the NCCL collectives
+captured in them pair up. `without_replay()` and `eager()` switch every rank at once (a `DecodeMode` message).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -37,8 +43,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridcache.distributed.messages import Op, encode, receive, send
-from hybridcache.distributed.process_group import init_group, leave_group, rank_device
+from hybridcache.distributed.messages import DecodeMode, Op, encode, receive, send
+from hybridcache.distributed.monitor import LivenessMonitor
+from hybridcache.distributed.process_group import abort_group, init_group, leave_group, rank_device
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.distributed.worker import worker_main
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -86,8 +93,9 @@ class TensorParallelExecutor:
         device = rank_device(device, 0)
         self._workers: list[_Worker] = []
         self._failure: BaseException | None = None
+        self._monitors: list[LivenessMonitor] = []  # one, once the group exists
         store_dir = Path(tempfile.mkdtemp(prefix="hybridcache-tp-"))
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, store_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._monitors, store_dir)
         context = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
@@ -100,10 +108,13 @@ class TensorParallelExecutor:
             for worker in self._workers:
                 self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
             init_group(store_dir, 0, size, device)
+            self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
             for worker in self._workers:
                 self._expect(worker, Op.READY)
         except BaseException:
+            for monitor in self._monitors:  # the group may have collectives pending that no worker will join
+                monitor.abort()
             self.shutdown()
             raise
 
@@ -114,8 +125,20 @@ class TensorParallelExecutor:
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
-        """() : decode steps run eagerly under tensor parallelism."""
-        return ()
+        """The captured decode batch sizes (every rank's are rank 0's); () when steps run eagerly."""
+        return self.runner.graph_batch_sizes
+
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """`ModelRunner.eager` on every rank."""
+        with self._decode_mode(DecodeMode.EAGER, self.runner.eager):
+            yield
+
+    @contextlib.contextmanager
+    def without_replay(self) -> Iterator[None]:
+        """`ModelRunner.without_replay` on every rank."""
+        with self._decode_mode(DecodeMode.WITHOUT_REPLAY, self.runner.without_replay):
+            yield
 
     @property
     def worker_pids(self) -> tuple[int, ...]:
@@ -136,6 +159,17 @@ class TensorParallelExecutor:
         self._finalizer()
 
     # ------------------------------------------------------------------------------ internals
+    @contextlib.contextmanager
+    def _decode_mode(self, mode: DecodeMode, local: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+        """Every rank runs decode steps in `mode` within the block (the workers are told before the next step)."""
+        self._run(Op.MODE, mode, lambda: None)
+        try:
+            with local():
+                yield
+        finally:
+            if self._failure is None:
+                self._run(Op.MODE, DecodeMode.REPLAY, lambda: None)
+
     def _run(self, op: Op, payload: Any, local: Callable[[], Any]) -> Any:
         """Send the step to every worker, run it on rank 0; any failure breaks the executor (see the module
         docstring)."""
@@ -148,10 +182,19 @@ class TensorParallelExecutor:
             message = encode(op, payload)
             for worker in self._workers:
                 worker.conn.send_bytes(message)
-            return local()
+            result = local()
+            if self.runner.device.type == "cuda":  # returns early (garbage) when the monitor aborts the group
+                torch.cuda.current_stream(self.runner.device).synchronize()
+            failure = self._find_failure(grace_s=0.0)
+            if failure is None and self._monitors[0].dead_rank is not None:  # cannot be: the monitor saw it exit
+                failure = WorkerError(f"tensor-parallel worker rank {self._monitors[0].dead_rank} died")
+            if failure is not None:
+                raise failure
+            return result
         except BaseException as error:
             failure = error if isinstance(error, WorkerError) else self._find_failure(grace_s=FAILURE_GRACE_S)
             self._failure = failure or error
+            self._monitors[0].abort()  # pending collectives may wait for a rank that will never join them
             for worker in self._workers:  # they may be waiting in a collective that will never complete
                 if worker.process.is_alive():
                     worker.process.terminate()
@@ -211,8 +254,11 @@ def _exit_reason(code: int | None) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
-def _shutdown(workers: list[_Worker], store_dir: Path) -> None:
-    """Stop every worker (STOP, then terminate, then kill), leave the group, remove the store."""
+def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir: Path) -> None:
+    """Stop the monitor, then every worker (STOP, then terminate, then kill), leave the group (aborting it if it
+    failed), remove the store."""
+    for monitor in monitors:
+        monitor.stop()
     for worker in workers:
         with contextlib.suppress(OSError):
             send(worker.conn, Op.STOP)
@@ -226,5 +272,5 @@ def _shutdown(workers: list[_Worker], store_dir: Path) -> None:
             worker.process.kill()
             worker.process.join()
         worker.conn.close()
-    leave_group()
+    leave_group(aborted=any(monitor.aborted for monitor in monitors))
     shutil.rmtree(store_dir, ignore_errors=True)

@@ -6,6 +6,7 @@ Driver -> worker, one message per step (every worker gets the same one)::
     (Op.COPIES, (DeviceCopyOp,))  a step with no forward (`ModelRunner.execute_copies`)
     (Op.LOGITS, slots)            `ModelRunner.logits_from_slots` (all-gathered)
     (Op.BUDGET, bytes)            at start-up on CUDA: the budget every rank plans its pools with
+    (Op.MODE, DecodeMode)         how later decode steps run (CUDA graphs: replay, without replay, eager)
     (Op.STOP, None)               leave the group and exit
 
 Worker -> driver: (Op.STARTED, None) before joining the group, (Op.BUDGET, bytes) its own CUDA budget,
@@ -39,7 +40,17 @@ class Op(Enum):
     EXECUTE = "execute"
     COPIES = "copies"
     LOGITS = "logits"
+    MODE = "mode"
     STOP = "stop"
+
+
+class DecodeMode(Enum):
+    """How a rank's decode-only steps run when its runner captured CUDA graphs (`ModelRunner`): every rank must
+    run the same way, since a graph replays the collectives it captured."""
+
+    REPLAY = "replay"  # the default: replay the bucket's graph
+    WITHOUT_REPLAY = "without_replay"  # the graph's padded static batch, run eagerly (`ModelRunner.without_replay`)
+    EAGER = "eager"  # the plain eager path (`ModelRunner.eager`)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 gloo on the CPU, NCCL on CUDA (rank r on `cuda:(base + r)`, NVLink multicast off: `NCCL_NVLS_ENABLE=0`, which
 the lent machines require). Ranks meet through a file store in a folder the driver creates. Collectives that
 wait longer than `COLLECTIVE_TIMEOUT` fail (a rank that hangs cannot hang the others forever; a rank that dies
-fails gloo's collectives at once, its connections closing).
+fails gloo's collectives at once, its connections closing). On NCCL a rank that dies leaves its peers' collectives
+spinning: the driver's `LivenessMonitor` then calls `abort_group` (see `monitor.py`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,23 @@ def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> N
     )
 
 
-def leave_group() -> None:
-    """Destroy the group if this process is in one (ignoring a group already broken by a dead rank)."""
-    if dist.is_initialized():
-        with contextlib.suppress(Exception):  # a peer that died leaves the group unusable; leaving must not raise
+def abort_group() -> None:
+    """Abort this process's communicators (thread-safe; the group stays registered until `leave_group`). NCCL:
+    collectives in flight stop waiting for their peers (their results are garbage) and later ones raise. gloo:
+    nothing happens (a dead peer already fails its collectives)."""
+    group = dist.group.WORLD
+    if group is not None:
+        group.abort()
+
+
+def leave_group(aborted: bool = False) -> None:
+    """Leave the group if this process is in one, never raising. `aborted`: the group failed (a rank died, a
+    step raised): abort it rather than destroy it, since destroying an NCCL group first waits for its pending
+    collectives, which a dead peer never completes."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # a peer that died leaves the group unusable; leaving must not raise
+        if aborted:
+            dist.distributed_c10d._abort_process_group()
+        else:
             dist.destroy_process_group()

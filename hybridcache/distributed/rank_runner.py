@@ -43,7 +43,8 @@ def build_runner(
 ) -> tuple[ModelRunner, MemoryPlan]:
     """This rank's runner and the memory plan its pools follow. `agree(budget)`: the CUDA budget in bytes all
     ranks use, given this rank's (called on CUDA only; each rank must call its `agree` at the same point).
-    CUDA graphs are captured only without tensor parallelism."""
+    CUDA decode graphs (unless `enforce_eager`) are captured by every rank in the same order (the bucket sizes
+    follow from the spec alone), so the collectives inside them pair up at capture and at every replay."""
     config = spec.config
     dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.state_dtype]
     if device.type == "cuda" and dtype == torch.float32:
@@ -81,7 +82,7 @@ def build_runner(
         dtype=dtype,
         state_dtype=state_dtype,
         device=device,
-        cuda_graphs=device.type == "cuda" and not config.enforce_eager and tp.size == 1,
+        cuda_graphs=device.type == "cuda" and not config.enforce_eager,
     )
     return runner, plan
 

@@ -13,7 +13,12 @@ several ranks (replicated)::
     8 q heads, 1 kv head,  N = 2: rank 0 q heads 0-3, kv head 0;     rank 1 q heads 4-7, kv head 0
 
 A `Shard` names the rows (dim 0) or columns (dim 1) of a full weight that a rank holds, as ranges concatenated
-in order; the loader reads exactly those from the checkpoint.
+in order; the loader reads exactly those from the checkpoint. A split that need not divide evenly (the
+vocabulary of the lm_head: `split_padded`) gives every rank ceil(total / N) rows, the last ranks' final rows
+zero padding, so the gathered logits have N x ceil(total / N) columns and the padding ones are cut off::
+
+    vocabulary 321, N = 2: rank 0 rows [0, 161); rank 1 rows [161, 321) + 1 zero row
+                           gathered logits [.., 322] -> [.., :321]
 """
 
 from __future__ import annotations
@@ -27,19 +32,30 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class Shard:
     """The part of a full parameter one rank holds: along `dim`, the index ranges [start, stop) of `ranges`,
-    concatenated in order. Example: a Qwen3.5 `in_proj_qkv` [q | k | v] of rank 1 of 2 is dim 0 with three
-    ranges, one inside each of q, k and v."""
+    concatenated in order, then `padding` zero rows (columns). Example: a Qwen3.5 `in_proj_qkv` [q | k | v] of
+    rank 1 of 2 is dim 0 with three ranges, one inside each of q, k and v."""
 
     dim: int
     ranges: tuple[tuple[int, int], ...]
+    padding: int = 0
 
     @property
     def length(self) -> int:
+        """The parameter's size along `dim` (padding included)."""
+        return self.data_length + self.padding
+
+    @property
+    def data_length(self) -> int:
+        """How much of it comes from the checkpoint."""
         return sum(stop - start for start, stop in self.ranges)
 
     def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This shard of the full `tensor`."""
+        """This shard of the full `tensor` (its padding zeros included)."""
         parts = [tensor.narrow(self.dim, start, stop - start) for start, stop in self.ranges]
+        if self.padding:
+            shape = list(tensor.shape)
+            shape[self.dim] = self.padding
+            parts.append(tensor.new_zeros(shape))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
@@ -99,6 +115,13 @@ class TensorParallel:
             raise ValueError(f"tensor_parallel_size {self.size} does not divide {what} ({total})")
         share = total // self.size
         return self.rank * share, (self.rank + 1) * share
+
+    def split_padded(self, total: int) -> Shard:
+        """This rank's rows of `total` split into ceil(total / size) per rank, the last ranks' final rows zero
+        padding (see the module docstring); a rank past the end holds padding only."""
+        share = -(-total // self.size)
+        start, stop = min(self.rank * share, total), min((self.rank + 1) * share, total)
+        return Shard(0, ((start, stop),), padding=share - (stop - start))
 
     def split_heads(self, num_heads: int, num_groups: int, what: str) -> HeadSplit:
         """This rank's heads and the groups they read; groups are replicated when there are fewer than ranks

@@ -18,7 +18,8 @@ them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `
 Tensor parallel (`HybridCausalLM(config, tp)`, see `hybridcache.layers.parallel`): each mixer and feed-forward
 block holds its rank's heads / intermediate channels and all-reduces its output, so the hidden state between
 blocks is whole and equal on every rank; the embedding and the norms are replicated; `lm_head` holds the rank's
-rows of the vocabulary and the logits are all-gathered (every rank returns the full logits). `shards()` says
+rows of the vocabulary (ceil(vocab / N), zero-padded when N does not divide it) and the logits are all-gathered
+(every rank returns the full logits, the padding columns cut off). `shards()` says
 which part of each checkpoint tensor a rank loads. The state specs are the rank's own (its heads only).
 """
 
@@ -33,7 +34,7 @@ from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
-from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, rows
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.layers.rotary import rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
@@ -95,14 +96,13 @@ class HybridCausalLM(nn.Module):
             )
         self.config = config
         self.tp = tp
-        vocab_start, vocab_stop = tp.split(config.vocab_size, "the vocabulary size")
-        self.vocab_shard = rows((vocab_start, vocab_stop))
+        self.vocab_shard = tp.split_padded(config.vocab_size)
         layers = [
             DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), config.hidden_size, config.rms_norm_eps)
             for layer_id in range(config.num_hidden_layers)
         ]
         self.model = _Backbone(config, layers)
-        self.lm_head = nn.Linear(config.hidden_size, vocab_stop - vocab_start, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, self.vocab_shard.length, bias=False)
         self.tie_weights()
         self.eval()
         self.requires_grad_(False)
@@ -166,8 +166,10 @@ class HybridCausalLM(nn.Module):
         return out
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the whole vocabulary (the ranks' slices gathered)."""
-        return self.tp.all_gather_last(self.lm_head(hidden).float())
+        """fp32 logits over the whole vocabulary (the ranks' slices gathered, padding columns cut off)."""
+        logits = self.tp.all_gather_last(self.lm_head(hidden).float())  # [.., size x ceil(vocab / size)]
+        vocab = self.config.vocab_size
+        return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 
     def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
         """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""

@@ -18,7 +18,7 @@ the shapes; all checks read only safetensors headers, before any weight memory i
 
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
-others whole. A tied lm_head is the rank's rows of the embedding tensor.
+others whole, and a shard's padding rows are zeroed. A tied lm_head is the rank's rows of the embedding tensor.
 """
 
 from __future__ import annotations
@@ -144,7 +144,11 @@ def _copy_planned(
     for target, source in plan.items():
         shard = shards.get(target)
         parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
-        params[target].copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
+        param = params[target]
+        if shard is not None and shard.padding:  # rows past the checkpoint's: zeros
+            param.narrow(shard.dim, shard.data_length, shard.padding).zero_()
+            param = param.narrow(shard.dim, 0, shard.data_length)
+        param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
 
 
 def _sharded_plan(model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Source]:

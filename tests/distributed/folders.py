@@ -14,11 +14,12 @@ MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 VOCAB = 320  # the byte tokenizer's
 
 
-def write_folder(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """A tiny random model of `model_type` (see `tiny_hf_config`), vocabulary 320, eos 258."""
+def write_folder(path: Path, model_type: str, seed: int = 0, vocab_size: int = VOCAB, **overrides) -> Path:
+    """A tiny random model of `model_type` (see `tiny_hf_config`), vocabulary `vocab_size` (320, the byte
+    tokenizer's, unless given: a larger one has ids the tokenizer never produces), eos 258."""
     import transformers
 
-    config = tiny_hf_config(model_type, vocab_size=VOCAB, eos_token_id=258, **overrides)
+    config = tiny_hf_config(model_type, vocab_size=vocab_size, eos_token_id=258, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).eval()
     randomize_(model, seed=seed)

@@ -13,7 +13,7 @@ from hybridcache.cache.plan import CopyKind
 from hybridcache.distributed.messages import Op, encode, receive
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.forward_batch import DeviceCopyOp
-from hybridcache.layers.parallel import HeadSplit, TensorParallel
+from hybridcache.layers.parallel import HeadSplit, Shard, TensorParallel
 from hybridcache.models import ModelConfig, get_model_class, load_model, load_weights
 from hybridcache.models.random_weights import tiny_hf_config
 from tests.models.helpers import make_pair
@@ -31,9 +31,22 @@ def test_heads_split_and_groups_replicate_when_fewer_than_ranks():
         TensorParallel(0, 4).split_heads(12, 6, "q")
 
 
+def test_a_vocabulary_that_does_not_divide_is_padded_on_the_last_ranks():
+    assert TensorParallel(0, 2).split_padded(321) == Shard(0, ((0, 161),), padding=0)
+    assert TensorParallel(1, 2).split_padded(321) == Shard(0, ((161, 321),), padding=1)
+    assert [TensorParallel(r, 4).split_padded(5) for r in range(4)] == [
+        Shard(0, ((0, 2),)), Shard(0, ((2, 4),)), Shard(0, ((4, 5),), padding=1), Shard(0, ((5, 5),), padding=2)]
+    assert TensorParallel(1, 2).split_padded(320) == Shard(0, ((160, 320),))
+    full = torch.arange(12.0).view(6, 2)
+    taken = Shard(0, ((4, 6),), padding=1).take(full)
+    assert torch.equal(taken, torch.tensor([[8.0, 9.0], [10.0, 11.0], [0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("vocab_size", [None, 321], ids=["even-vocab", "odd-vocab"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_the_ranks_shards_partition_every_split_weight(model_type):
-    config = ModelConfig.from_dict(tiny_hf_config(model_type).to_dict())
+def test_the_ranks_shards_partition_every_split_weight(model_type, vocab_size):
+    extra = {} if vocab_size is None else {"vocab_size": vocab_size}
+    config = ModelConfig.from_dict(tiny_hf_config(model_type, **extra).to_dict())
     cls = get_model_class(config.architecture)
     with torch.device("meta"):
         full = dict(cls(config).named_parameters())
@@ -50,11 +63,14 @@ def test_the_ranks_shards_partition_every_split_weight(model_type):
             assert dict(model.named_parameters())[name].shape[dim] == shard.length, name
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])  # packed and separate projections
-def test_each_rank_loads_exactly_its_part(model_type, tmp_path):
-    pair = make_pair(model_type)  # transformers' in-memory state dict holds the experts stacked
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("qwen3_next", {}), ("qwen3_5_moe_text", {}),  # packed and separate projections
+    ("qwen3_5_text", {"vocab_size": 321, "tie_word_embeddings": True}),  # padded lm_head rows, from the embedding
+])
+def test_each_rank_loads_exactly_its_part(model_type, extra, tmp_path):
+    pair = make_pair(model_type, **extra)  # transformers' in-memory state dict holds the experts stacked
     config = pair.ours.config
-    folder = write_folder(tmp_path, model_type)
+    folder = write_folder(tmp_path, model_type, **extra)
     whole = load_model(folder)
     for rank in range(2):
         tp = TensorParallel(rank, 2)
@@ -62,7 +78,7 @@ def test_each_rank_loads_exactly_its_part(model_type, tmp_path):
         from_memory = get_model_class(config.architecture)(config, tp)
         load_weights(from_memory, pair.hf.state_dict())
         for loaded, source in ((from_files, whole), (from_memory, pair.ours)):
-            shards, full = loaded.shards(), dict(source.named_parameters())
+            shards, full = loaded.shards(), dict(source.named_parameters(remove_duplicate=False))  # tied: lm_head too
             assert shards
             for name, param in loaded.named_parameters():
                 shard = shards.get(name)

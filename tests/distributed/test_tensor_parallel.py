@@ -4,8 +4,9 @@ models; and with the prefix cache on, the cache-equivalence workload gives the t
 uncached single-rank run.
 
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
-family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite; the other families
-and the replicated-head variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
+family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite, also with a vocabulary
+of 321 (odd: the lm_head shards are padded) tied to the embedding; the other families and the replicated-head
+variants (one kv head and one DeltaNet key head, held by both ranks) are marked slow.
 The last test kills the worker mid-run: the engine raises an error naming its rank within seconds.
 """
 
@@ -33,18 +34,23 @@ REL_TOL = 1e-4
 SLOW = pytest.mark.slow
 
 
-# one kv head and one DeltaNet key head for 2 ranks: both ranks hold (replicate) them
-REPLICATED = {"num_key_value_heads": 1, "linear_num_key_heads": 1}
+VARIANTS = {
+    "": {},
+    # one kv head and one DeltaNet key head for 2 ranks: both ranks hold (replicate) them
+    "replicated": {"num_key_value_heads": 1, "linear_num_key_heads": 1},
+    # a vocabulary 2 does not divide: rank 1's lm_head rows end in a zero padding row; tied to the embedding
+    "oddvocab": {"vocab_size": 321, "tie_word_embeddings": True},
+}
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", pytest.param("qwen3_5_text", marks=SLOW),
                                         pytest.param("qwen3_5_moe_text", marks=SLOW),
+                                        "qwen3_next-oddvocab",
                                         pytest.param("qwen3_next-replicated", marks=SLOW),
                                         pytest.param("qwen3_5_text-replicated", marks=SLOW)])
 def model_dir(request, tmp_path_factory):
     model_type, _, variant = request.param.partition("-")
-    overrides = REPLICATED if variant else {}
-    return write_folder(tmp_path_factory.mktemp(request.param), model_type, **overrides)
+    return write_folder(tmp_path_factory.mktemp(request.param), model_type, **VARIANTS[variant])
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +107,18 @@ def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):
 def test_more_ranks_than_gpus_fails_before_any_worker_starts(model_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 from cuda:1 needs devices up to cuda:2"):
         LLMEngine(model_dir, EngineConfig(tensor_parallel_size=2, device="cuda:1"))
+
+
+def test_decode_modes_switch_every_rank_and_change_nothing_without_graphs(tp_engine):
+    """The CPU captures no graphs: `eager()` and `without_replay()` reach every rank (a worker that failed to
+    switch would raise) and the tokens stay those of the default mode."""
+    prompt = list(range(40, 80))
+    want = generate(tp_engine, "mode-default", prompt, 6)
+    with tp_engine.runner.eager():
+        assert generate(tp_engine, "mode-eager", prompt, 6) == want
+    with tp_engine.runner.without_replay():
+        assert generate(tp_engine, "mode-without-replay", prompt, 6) == want
+    assert generate(tp_engine, "mode-back", prompt, 6) == want
 
 
 def test_a_killed_worker_makes_the_engine_raise_naming_its_rank(tp_engine):

@@ -1,0 +1,46 @@
+"""CUDA graphs under tensor parallelism (2 CUDA devices and the cuda extra; skipped without them): every rank
+captures the same decode buckets, and a decode step replays the same graph on every rank, the NCCL collectives
+inside it pairing up. Greedy tokens of graph replay must equal those of the very same captured batches run
+eagerly on every rank (`without_replay`), as `tests/engine/test_decode_graphs.py` checks for one rank."""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+
+import pytest
+import torch
+
+from .folders import write_folder
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
+    reason="needs 2 CUDA devices and the cuda extra",
+)
+
+
+@pytest.mark.parametrize("vocab_size", [320, 321], ids=["even-vocab", "odd-vocab"])
+def test_two_rank_graph_decode_equals_the_same_batches_run_eagerly(tmp_path, vocab_size):
+    """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket."""
+    from hybridcache import LLM, SamplingParams
+
+    gc.collect()  # an earlier test's engine: its pools must not count against this one's memory budget
+    torch.cuda.empty_cache()
+    folder = write_folder(tmp_path, "qwen3_next", vocab_size=vocab_size)
+    prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
+              tensor_parallel_size=2)
+    runner = llm.engine.runner
+    try:
+        assert runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+        graph = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.engine.clear_cache()
+        with runner.without_replay():
+            eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert graph == eager
+        llm.engine.clear_cache()
+        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert again == graph  # back to replay on every rank after the block
+    finally:
+        runner.shutdown()

@@ -1,0 +1,197 @@
+"""A worker that dies fails the engine within seconds, naming its rank, also while the driver waits in a
+collective for it: the liveness monitor on its own (a plain process), on the CPU (gloo, 2 ranks), and on 2 CUDA
+devices (NCCL; skipped without them), where only the monitor's abort of the group ends the wait before NCCL's
+300 s watchdog. (A worker killed between or during ordinary steps: `test_tensor_parallel.py`.)"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridcache.config import EngineConfig
+from hybridcache.distributed.executor import WorkerError
+from hybridcache.distributed.monitor import LivenessMonitor
+from hybridcache.distributed.worker import DRIVER_POLL_S, exit_with_parent
+from hybridcache.engine.engine import EngineDeadError, LLMEngine
+from hybridcache.sampling import SamplingParams
+
+from .folders import write_folder
+from .test_shutdown import alive
+
+KILL_AFTER_S = 1.0
+FAIL_WITHIN_S = 10.0
+
+
+@pytest.fixture
+def sleepers() -> Iterator[dict[int, multiprocessing.Process]]:
+    context = multiprocessing.get_context("spawn")
+    processes = {rank: context.Process(target=time.sleep, args=(60,), daemon=True) for rank in (1, 2)}
+    for process in processes.values():
+        process.start()
+    yield processes
+    for process in processes.values():
+        process.kill()
+        process.join()
+
+
+def test_the_monitor_aborts_once_when_a_process_dies(sleepers):
+    calls = []
+    monitor = LivenessMonitor(sleepers, lambda: calls.append(time.monotonic()))
+    time.sleep(0.2)
+    assert calls == [] and monitor.dead_rank is None
+    killed_at = time.monotonic()
+    sleepers[2].kill()
+    deadline = time.monotonic() + 5
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 1 and calls[0] - killed_at < 2
+    assert monitor.dead_rank == 2 and monitor.aborted
+    monitor.abort()  # the owner aborting again after a failure: nothing more happens
+    sleepers[1].kill()
+    monitor.stop()
+    assert len(calls) == 1
+
+
+def test_a_stopped_monitor_ignores_exits_and_a_failed_abort_is_kept(sleepers):
+    calls = []
+    monitor = LivenessMonitor(sleepers, lambda: calls.append(1))
+    monitor.stop()
+    sleepers[1].kill()
+    sleepers[1].join()
+    time.sleep(0.2)
+    assert calls == [] and monitor.dead_rank is None and not monitor.aborted
+
+    def broken() -> None:
+        raise RuntimeError("no group")
+
+    monitor = LivenessMonitor({2: sleepers[2]}, broken)
+    monitor.abort()
+    assert monitor.aborted and isinstance(monitor.abort_error, RuntimeError)
+    monitor.stop()
+
+
+def _child_that_exits_with_its_parent(pids) -> None:  # a multiprocessing queue: the pid goes back to the test
+    exit_with_parent()
+    pids.put(os.getpid())
+    time.sleep(60)
+
+
+def _parent_of_a_watching_child(pids) -> None:
+    multiprocessing.get_context("spawn").Process(target=_child_that_exits_with_its_parent, args=(pids,)).start()
+    time.sleep(60)
+
+
+def test_a_worker_exits_within_a_second_of_its_drivers_death():
+    """The worker's driver watch (`exit_with_parent`): it ends the process whatever its main thread is doing,
+    e.g. waiting in an NCCL collective for the dead driver (here: sleeping)."""
+    context = multiprocessing.get_context("spawn")
+    pids = context.Queue()
+    parent = context.Process(target=_parent_of_a_watching_child, args=(pids,))  # not daemonic: it has a child
+    parent.start()
+    try:
+        child = pids.get(timeout=60)
+        assert alive(child)
+    finally:
+        parent.kill()
+        parent.join()
+    deadline = time.monotonic() + 1 + DRIVER_POLL_S
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def start_decoding(engine: LLMEngine, steps: int = 3) -> None:
+    """Four long requests, a few steps in (every rank has run prefill and decode collectives)."""
+    for i in range(4):
+        engine.add_request(f"long{i}", list(range(1, 30 + i)), SamplingParams(max_tokens=4000, ignore_eos=True))
+    for _ in range(steps):
+        engine.step()
+
+
+def fail_while_blocked(engine: LLMEngine) -> None:
+    """Stop rank 1 (SIGSTOP), so the next step waits in its first collective; kill it KILL_AFTER_S later. The
+    step must raise `WorkerError` naming rank 1 within FAIL_WITHIN_S of the kill, and every later step
+    `EngineDeadError` naming it."""
+    (pid,) = engine.runner.worker_pids
+    os.kill(pid, signal.SIGSTOP)
+    timer = threading.Timer(KILL_AFTER_S, os.kill, (pid, signal.SIGKILL))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+            engine.step()
+        took = time.monotonic() - start
+        assert KILL_AFTER_S * 0.9 <= took < KILL_AFTER_S + FAIL_WITHIN_S, took  # it did wait for rank 1
+        with pytest.raises(EngineDeadError, match="failed earlier.*worker rank 1"):
+            engine.step()
+    finally:
+        timer.cancel()
+        engine.runner.shutdown()
+    assert not alive(pid)
+    assert not dist.is_initialized()  # the aborted group is gone: a new engine may start in this process
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_folder(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+def test_a_worker_that_dies_while_the_driver_waits_in_a_collective_fails_the_step_on_gloo(model_dir):
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=4, tensor_parallel_size=2))
+    start_decoding(engine)
+    fail_while_blocked(engine)
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
+                              reason="needs 2 CUDA devices and the cuda extra")
+
+
+def cuda_engine(model_dir) -> LLMEngine:
+    gc.collect()  # an earlier test's engine: its pools must not count against this one's memory budget
+    torch.cuda.empty_cache()
+    return LLMEngine(model_dir, EngineConfig(max_num_seqs=4, tensor_parallel_size=2, device="cuda",
+                                             dtype="bfloat16", gpu_memory_utilization=0.3, enforce_eager=True))
+
+
+@TWO_GPUS
+def test_a_worker_that_dies_while_the_driver_waits_in_a_collective_fails_the_step_on_nccl(model_dir):
+    engine = cuda_engine(model_dir)
+    start_decoding(engine)
+    fail_while_blocked(engine)
+
+
+@TWO_GPUS
+def test_a_worker_killed_during_a_long_generate_fails_the_engine_within_seconds_on_nccl(model_dir):
+    engine = cuda_engine(model_dir)
+    (pid,) = engine.runner.worker_pids
+    start_decoding(engine)
+    killed_at = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(KILL_AFTER_S, kill)
+    timer.start()
+    deadline = time.monotonic() + 120
+    try:
+        with pytest.raises(WorkerError, match=r"worker rank 1 \(pid \d+\) died \(killed by signal 9\)"):
+            while time.monotonic() < deadline:
+                engine.step()
+        assert time.monotonic() - killed_at[0] < FAIL_WITHIN_S
+        with pytest.raises(EngineDeadError, match="failed earlier.*worker rank 1"):
+            engine.step()
+    finally:
+        timer.cancel()
+        engine.runner.shutdown()
+    assert not alive(pid)
