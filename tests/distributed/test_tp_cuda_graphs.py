@@ -11,14 +11,19 @@ import importlib.util
 import pytest
 import torch
 
+from hybridcache.distributed.rank_runner import TP_CUDA_GRAPHS
+
 from .folders import write_folder
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
     reason="needs 2 CUDA devices and the cuda extra",
 )
+# To verify graphs under TP: set rank_runner.TP_CUDA_GRAPHS = True and run this file on 2 GPUs.
+needs_tp_graphs = pytest.mark.skipif(not TP_CUDA_GRAPHS, reason="CUDA graphs under TP are off (TP_CUDA_GRAPHS)")
 
 
+@needs_tp_graphs
 @pytest.mark.parametrize("vocab_size", [320, 321], ids=["even-vocab", "odd-vocab"])
 def test_two_rank_graph_decode_equals_the_same_batches_run_eagerly(tmp_path, vocab_size):
     """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket."""
