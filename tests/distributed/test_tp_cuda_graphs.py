@@ -13,6 +13,7 @@ import torch
 
 from hybridcache.distributed.rank_runner import TP_CUDA_GRAPHS
 
+from ..engine.graph_checks import replay_and_eager_tokens
 from .folders import write_folder
 
 pytestmark = pytest.mark.skipif(
@@ -26,26 +27,20 @@ needs_tp_graphs = pytest.mark.skipif(not TP_CUDA_GRAPHS, reason="CUDA graphs und
 @needs_tp_graphs
 @pytest.mark.parametrize("vocab_size", [320, 321], ids=["even-vocab", "odd-vocab"])
 def test_two_rank_graph_decode_equals_the_same_batches_run_eagerly(tmp_path, vocab_size):
-    """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket."""
-    from hybridcache import LLM, SamplingParams
+    """`graph_checks.replay_and_eager_tokens` on two ranks, then replay once more (every rank back to replay
+    after the `without_replay` block)."""
+    from hybridcache import LLM
 
     gc.collect()  # an earlier test's engine: its pools must not count against this one's memory budget
     torch.cuda.empty_cache()
     folder = write_folder(tmp_path, "qwen3_next", vocab_size=vocab_size)
-    prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
               tensor_parallel_size=2)
-    runner = llm.engine.runner
     try:
-        assert runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
-        graph = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.engine.clear_cache()
-        with runner.without_replay():
-            eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+        graph, eager = replay_and_eager_tokens(llm)
         assert graph == eager
-        llm.engine.clear_cache()
-        again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        assert again == graph  # back to replay on every rank after the block
+        again, _ = replay_and_eager_tokens(llm)
+        assert again == graph
     finally:
-        runner.shutdown()
+        llm.engine.runner.shutdown()

@@ -14,6 +14,7 @@ from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.runner import ModelRunner, _DecodeGraphs, graph_batch_sizes, graph_bucket, is_decode_only
 from hybridcache.models import load_model
 
+from .graph_checks import replay_and_eager_tokens
 from .model_folders import write_tiny_model
 
 BLOCK, PAGE = 16, 8
@@ -91,24 +92,18 @@ def test_cpu_runner_never_captures(runner):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="needs CUDA and the cuda extra")
 def test_graph_decode_equals_eager_on_cuda(tmp_path):
-    """32 equal prompts decode 400 tokens in lockstep, so every decode-only step has 32 rows, a bucket. Graph
-    replay must give exactly the tokens of the same captured batches run eagerly (`without_replay`); the plain
+    """Graph replay must give exactly the tokens of the same captured batches run eagerly (`without_replay`,
+    `graph_checks.replay_and_eager_tokens`); the plain
     eager path sizes its split-KV splits per step, so in bf16 it is only compared where the two agree
     trivially: an `enforce_eager` engine captures nothing."""
-    from hybridcache import LLM, SamplingParams
+    from hybridcache import LLM
 
     folder = write_tiny_model(tmp_path, "qwen3_next")
-    prompts = torch.randint(0, 256, (32, 40), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
-    runner = llm.engine.runner
-    assert runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
-    graph = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    llm.engine.clear_cache()
-    with runner.without_replay():
-        eager = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine.runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+    graph, eager = replay_and_eager_tokens(llm)
     assert graph == eager
-    del llm, runner
+    del llm
     gc.collect()
     torch.cuda.empty_cache()
     eager_llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2,
