@@ -22,16 +22,20 @@ Simplifications (documented in docs/bench.md):
 Policies (`parse_policies`): `none`; `block-aligned` (state only at block boundaries, one per anchor; a
 block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B); `seed` (exact prefill
 and chunk ends, one checkpoint per anchor, LRU); `hybridcache` (this project's defaults: chunk ends, branch
-points, finish, 4 per anchor, LRU) and `hybridcache+flop` (the same with FLOP-aware eviction); `oracle`
+points, finish, 4 per anchor, LRU), `hybridcache+flop` (the same with FLOP-aware eviction),
+`hybridcache+learn` (learned admission) and `hybridcache-2pool` (what the engine runs: the `hybridcache` mode
+on two pools split as the engine's memory plan splits a budget); `oracle`
 (unbounded memory and a state at every step: the longest prefix shared with any earlier request's fed
 tokens, up to the whole prompt (a state keeps its last hidden state), computed directly by `OracleIndex`;
 the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
 real cache with the same budget and accounting, saving and evicting with knowledge of the future).
 
-Memory: a budget of M bytes holds KV blocks and checkpoint slots. The `hybridcache`-mode policies hold both in
-one budget in bytes (`PolicySpec.one_budget`, `CacheConfig.memory_budget`: KV and states compete in one
-eviction order); `block-aligned` and `seed` split it so that there is one slot per `kv_tokens_per_slot` tokens
-of KV (`cache_sizing`). The running sequences' own state slots come on top.
+Memory: a budget of M bytes holds KV blocks and checkpoint slots. The `hybridcache`-mode policies but
+`hybridcache-2pool` hold both in one budget in bytes (`PolicySpec.one_budget`, `CacheConfig.memory_budget`: KV
+and states compete in one eviction order); `block-aligned`, `seed` and `hybridcache-2pool` split it into two
+pools, as the engine does, with one slot per `kv_tokens_per_slot` tokens of KV (`cache_sizing`, the arithmetic
+of `engine.memory.plan_memory`). The running sequences' own state slots come on top (the engine's budget is
+M + max_num_seqs state slots).
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
-                "hybridcache+learn")
-DEFAULT_POLICIES = POLICY_NAMES[:-2]
+                "hybridcache+learn", "hybridcache-2pool")
+DEFAULT_POLICIES = POLICY_NAMES[:-3]
+# the policies that run the `hybridcache` cache mode; all but the two-pool one hold KV and states in one budget
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn", "hybridcache-2pool")
 GIB = 1 << 30
 
 
@@ -74,11 +80,11 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         base, _, size = name.partition(":")
         if base not in POLICY_NAMES:
             raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
-        mode = "hybridcache" if base in ("hybridcache+flop", "bounded-oracle", "hybridcache+learn") else base
+        mode = "hybridcache" if base in _HYBRID_POLICIES else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "learned" if base == "hybridcache+learn" else None
         specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
-                                one_budget=mode == "hybridcache"))
+                                one_budget=mode == "hybridcache" and base != "hybridcache-2pool"))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -97,11 +103,15 @@ class SimConfig:
 
 def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
     """(num_blocks, num_checkpoint_slots) that fit `memory_bytes`: one state slot per `kv_tokens_per_slot`
-    KV tokens. Example: 1 GiB of the built-in model (1,024 B per KV token, 116,736 B per slot), B = 64,
-    2,048 tokens per slot: share = 116736 / (116736 + 2048 * 1024) = 5.3 %, 485 slots, 15,520 blocks."""
-    share = cost.state_bytes / (cost.state_bytes + kv_tokens_per_slot * cost.kv_bytes_per_token)
-    num_slots = int(memory_bytes * share // cost.state_bytes)
-    num_blocks = int((memory_bytes - num_slots * cost.state_bytes) // cost.block_bytes(block_size))
+    KV tokens, bought in pairs, in the integer arithmetic of the engine's memory plan
+    (`engine.memory.plan_memory` with `tokens_per_checkpoint`, after the runtime slots: the same pools for the
+    same bytes). Example: 1 GiB of the built-in model (1,024 B per KV token, 116,736 B per slot), B = 64,
+    2,048 tokens per slot: a pair is 116,736 + 32 blocks x 65,536 = 2,213,888 B: 485 slots, then
+    (2^30 - 485 x 116,736) // 65,536 = 15,520 blocks."""
+    block_bytes = cost.block_bytes(block_size)
+    pair = cost.state_bytes + block_bytes * kv_tokens_per_slot // block_size
+    num_slots = int(memory_bytes // pair)
+    num_blocks = int((memory_bytes - num_slots * cost.state_bytes) // block_bytes)
     if num_blocks < 1 or num_slots < 1:
         raise ValueError(f"a budget of {memory_bytes / GIB:.3g} GiB holds {num_blocks} blocks and {num_slots} slots")
     return num_blocks, num_slots

@@ -44,11 +44,17 @@ class Checkpoint:
     tail_hash              the hash of the tail chained from the anchor (the index key), set at publish time.
     routed_experts         the tail's routed-expert history (opaque), None when not known.
     owner                  the request that produced it (for the one-live-decode-checkpoint rule).
+    shadowed               a turn end (prefill end, finish, preempt) that a sequence was restored from and
+                           then went past, publishing a deeper checkpoint of the same chain: the next turn it
+                           was kept for has come, and it now serves only prompts that leave the chain between
+                           its step and the deeper one (an edited message, a regenerated reply, a resend), so
+                           it is the first to go under pressure (`Evictor`). A hit clears it.
     """
 
     __slots__ = (
         "ckpt_id", "adapter", "step", "reason", "slot", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
         "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
+        "shadowed",
     )
 
     def __init__(
@@ -72,6 +78,7 @@ class Checkpoint:
         self.owner = owner
         self.release_when_unpinned = False
         self.was_hit = False  # restored at least once (admission learning)
+        self.shadowed = False  # a continuation restored from it went deeper (evicted first)
 
     @staticmethod
     def slot_owner_of(ckpt_id: int) -> tuple[str, int]:

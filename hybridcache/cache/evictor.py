@@ -3,20 +3,25 @@
 Order, one victim at a time (`Lifecycle.make_room` asks again after each release, since a release can
 make a new leaf evictable):
 
-    state pressure (`slot_victim`): an unpinned published checkpoint, by policy         -> CHECKPOINT
+    state pressure (`slot_victim`): 1. a shadowed checkpoint (`Checkpoint.shadowed`), by policy -> SHADOWED
+                                    2. an unpinned published checkpoint, by policy       -> CHECKPOINT
     KV pressure (`block_victim`):   1. a dead leaf: no checkpoint, no holder but the trie -> DEAD_BLOCK
                                        (nothing at or below it can use its KV: dead weight for a hybrid model)
-                                    2. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
+                                    2. a shadowed checkpoint holding a frozen block, by policy -> SHADOWED
+                                    3. a leaf by policy (no pinned checkpoint, no holder but the trie) -> LEAF
                                        (its checkpoints are released with it, each a LEAF_CHECKPOINT)
-                                    3. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
+                                    4. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
                                        (only when no leaf can go: a state saves more per byte than a block)
     anchor cap (`anchor_victim`):   an unpinned checkpoint of a full anchor, by policy    -> ANCHOR_CAP
     byte pressure (`byte_victim`: KV and states in one budget, `CacheConfig.memory_budget`):
-                                    1. a dead leaf -> DEAD_BLOCK; 2. a leaf by policy -> LEAF;
-                                    3. a checkpoint by policy (slot + frozen block) -> CHECKPOINT
+                                    1. a dead leaf -> DEAD_BLOCK; 2. a shadowed checkpoint -> SHADOWED;
+                                    3. a leaf by policy -> LEAF; 4. a checkpoint by policy (slot + frozen
+                                    block) -> CHECKPOINT
+    (A policy that orders kinds itself, `prefer_checkpoint`, the bounded oracle's, skips the shadowed steps.)
 
 Victims come from indexes kept in step with every change (eviction_index.py; `Lifecycle` reports each
-change through `on_publish`, `on_unpublish`, `on_touch` and `leaf_changed`): checkpoints in recency order
+change through `on_publish`, `on_unpublish`, `on_touch`, `on_shadow` and `leaf_changed`): checkpoints (all,
+those with a frozen block, the shadowed ones and the shadowed ones with a frozen block) in recency order
 and leaves in lazily invalidated heaps, so one pick costs O(log n) instead of a scan. `reclaimable_blocks`
 counts cheap certainties first and walks the trie only when they do not suffice. Each pick has a plain
 list-based meaning (`policy.pick_checkpoint` / `policy.pick_leaf` over every candidate); the tests wrap
@@ -58,6 +63,8 @@ class Evictor:
         flop = isinstance(policy, FlopAwarePolicy)
         self._published = RecencyOrder(track_steps=flop)
         self._tails = RecencyOrder(track_steps=flop)  # published checkpoints that hold a frozen block
+        self._shadowed = RecencyOrder(track_steps=flop)  # published shadowed checkpoints (`Checkpoint.shadowed`)
+        self._shadowed_tails = RecencyOrder(track_steps=flop)  # those of them that hold a frozen block
         self._dead_leaves = LeafHeap(dead=True)
         self._live_leaves = LeafHeap(dead=False)
 
@@ -75,6 +82,8 @@ class Evictor:
         self._published.remove(ckpt)
         if ckpt.frozen_block is not None:
             self._tails.remove(ckpt)
+        if ckpt.shadowed:
+            self._shadow_index(ckpt, False)
         self.leaf_changed(anchor)
 
     def on_touch(self, ckpt: Checkpoint) -> None:
@@ -82,7 +91,23 @@ class Evictor:
         self._published.touch(ckpt)
         if ckpt.frozen_block is not None:
             self._tails.touch(ckpt)
+        if ckpt.shadowed:
+            self._shadowed.touch(ckpt)
+            if ckpt.frozen_block is not None:
+                self._shadowed_tails.touch(ckpt)
         self.leaf_changed(ckpt.anchor)
+
+    def on_shadow(self, ckpt: Checkpoint, shadowed: bool) -> None:
+        """A published checkpoint's `shadowed` flag was just set to `shadowed` (it changed)."""
+        self._shadow_index(ckpt, shadowed)
+
+    def _shadow_index(self, ckpt: Checkpoint, add: bool) -> None:
+        orders = (self._shadowed, self._shadowed_tails) if ckpt.frozen_block is not None else (self._shadowed,)
+        for order in orders:
+            if add:
+                order.add(ckpt)
+            else:
+                order.remove(ckpt)
 
     def leaf_changed(self, node: Node) -> None:
         """`node` may have become a leaf, or changed its recency or its checkpoints: index it afresh.
@@ -177,8 +202,24 @@ class Evictor:
         """Only the trie holds its block and no checkpoint on it is pinned."""
         return self.blocks.ref_counts[node.block_id] == 1 and all(c.num_pins == 0 for c in node.iter_checkpoints())
 
+    @property
+    def shadowed_first(self) -> bool:
+        """Whether shadowed checkpoints go first (every policy but one that orders kinds itself, the bounded
+        oracle's `prefer_checkpoint`)."""
+        return getattr(self.policy, "prefer_checkpoint", None) is None
+
+    def shadowed_victim(self, frozen: bool = False) -> Checkpoint | None:
+        """The policy's victim among the unpinned shadowed checkpoints (`frozen`: those with a frozen block)."""
+        if not self.shadowed_first:
+            return None
+        return self._pick_checkpoint(self._shadowed_tails if frozen else self._shadowed)
+
     def slot_victim(self) -> Victim | None:
-        """What to evict for a state slot; None when every published checkpoint is pinned."""
+        """What to evict for a state slot: a shadowed checkpoint, else the policy's; None when every published
+        checkpoint is pinned."""
+        shadowed = self.shadowed_victim()
+        if shadowed is not None:
+            return Victim(EvictionKind.SHADOWED, shadowed)
         victim = self._pick_checkpoint(self._published)
         return None if victim is None else Victim(EvictionKind.CHECKPOINT, victim)
 
@@ -187,6 +228,9 @@ class Evictor:
         dead = self.dead_leaf()
         if dead is not None:
             return Victim(EvictionKind.DEAD_BLOCK, dead)
+        shadowed = self.shadowed_victim(frozen=True)
+        if shadowed is not None:
+            return Victim(EvictionKind.SHADOWED, shadowed)
         leaf = self.live_leaf()
         if leaf is not None:
             return Victim(EvictionKind.LEAF, leaf)
@@ -205,6 +249,9 @@ class Evictor:
         dead = self.dead_leaf()
         if dead is not None:
             return Victim(EvictionKind.DEAD_BLOCK, dead)
+        shadowed = self.shadowed_victim()
+        if shadowed is not None:
+            return Victim(EvictionKind.SHADOWED, shadowed)
         leaf = self.live_leaf()
         prefer = getattr(self.policy, "prefer_checkpoint", None)
         if leaf is not None and prefer is None:

@@ -134,6 +134,10 @@ def _check_checkpoints(
                 _fail(f"{ckpt} geometry: anchor {ckpt.anchor}, tail {len(ckpt.tail_ids)}, step {ckpt.step}")
             if ckpt.anchor.adapter != ckpt.adapter:
                 _fail(f"{ckpt} of adapter {ckpt.adapter!r} on a node of {ckpt.anchor.adapter!r}")
+        if ckpt.shadowed and ckpt.state is not CheckpointState.PUBLISHED:
+            _fail(f"{ckpt} is shadowed before it is published")
+        if ckpt.shadowed and not ckpt.reason.is_turn_end:
+            _fail(f"{ckpt} is shadowed but is no turn end")
         if (ckpt.frozen_block is not None) != (r != 0):
             _fail(f"{ckpt} frozen block {ckpt.frozen_block} with tail length {r}")
         if ckpt.frozen_block is not None:

@@ -225,6 +225,12 @@ class Lifecycle:
         else:
             self.release(old, EvictionKind.DECODE_REPLACED)
 
+    def set_shadowed(self, ckpt: Checkpoint, shadowed: bool) -> None:
+        """Mark a published checkpoint shadowed (a deeper one of its chain exists) or not (it was hit)."""
+        if ckpt.state is CheckpointState.PUBLISHED and ckpt.shadowed != shadowed:
+            ckpt.shadowed = shadowed
+            self.evictor.on_shadow(ckpt, shadowed)
+
     def pin(self, ckpt: Checkpoint) -> None:
         if not ckpt.is_usable:
             raise AssertionError(f"pin of unusable {ckpt}")

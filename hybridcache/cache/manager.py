@@ -150,6 +150,9 @@ class PrefixCache:
             if self._learner is not None and not ckpt.was_hit:
                 self._learner.used(ckpt.reason, ckpt.adapter)
             ckpt.was_hit = True
+            life.set_shadowed(ckpt, False)  # it serves more than its chain: not first to go any more
+            if ckpt.reason.is_turn_end:
+                seq.shadows = ckpt
         if self._learner is not None and path:
             keys = [(request.adapter, d, node.hash if d else 0) for d, node in reversed(list(enumerate(path)))]
             self._learner.ghost_hit(keys, request.prompt_ids, self.block_size, cached_len,
@@ -345,6 +348,7 @@ class PrefixCache:
         anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
         if not self._life.publish(ckpt, anchor, tail, spans):
             return False
+        self._shadow_source(seq)
         builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
         if ckpt.frozen_block is not None:
             builder.add(CopyKind.KV_SAVE, seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
@@ -396,6 +400,13 @@ class PrefixCache:
             seq.restore = None
             seq.restore_copies = []
 
+    def _shadow_source(self, seq: RunningSeq) -> None:
+        """`seq` just published a checkpoint: the one it was restored from (a turn end), on the same chain and
+        shallower, is shadowed by it (`Checkpoint.shadowed`)."""
+        if seq.shadows is not None:
+            self._life.set_shadowed(seq.shadows, True)
+            seq.shadows = None
+
     def _retire(self, seq: RunningSeq, reason: SaveReason, routed_experts: Any, keep: bool) -> bool:
         """Drop a sequence; with `keep`, its slot and partial block become a `reason` checkpoint at its
         computed step (when one is allowed there). Returns whether that checkpoint was published."""
@@ -416,6 +427,8 @@ class PrefixCache:
             )
             anchor, tail, spans = self._anchor_and_tail(seq, step)
             published = life.publish(ckpt, anchor, tail, spans)
+            if published:
+                self._shadow_source(seq)
         else:
             life.free_slot(seq.slot)
         life.drop_blocks(blocks)

@@ -19,6 +19,13 @@ class SaveReason(str, Enum):
     DECODE_INTERVAL = "decode_interval"
     PREEMPT = "preempt"
 
+    @property
+    def is_turn_end(self) -> bool:
+        """The end of a turn's prompt or reply (or a preemption): what the next turn of a conversation is restored
+        from, and what that turn's first deeper checkpoint shadows (`Checkpoint.shadowed`). Branch points, chunk
+        ends and decode intervals serve other prompts."""
+        return self in (SaveReason.PREFILL_END, SaveReason.FINISH, SaveReason.PREEMPT)
+
 
 class MultimodalSpan(NamedTuple):
     """Prompt positions `[start, end)` filled by one multimodal item with content hash `content_hash`."""

@@ -21,11 +21,13 @@ class RunningSeq:
     restore           the checkpoint restored at admission, pinned until the next commit, and its copies.
     saves             checkpoints reserved for the step being planned (RESERVED, pinned).
     decode_ckpt       its live decode-interval checkpoint, if any.
+    shadows           the turn-end checkpoint it was restored from, until its first deeper checkpoint of the
+                      same chain is published and shadows it (`Checkpoint.shadowed`).
     """
 
     __slots__ = (
         "request", "token_ids", "block_ids", "nodes", "slot", "restore", "restore_copies", "saves",
-        "decode_ckpt",
+        "decode_ckpt", "shadows",
     )
 
     def __init__(self, *, request: CacheRequest, slot: int) -> None:
@@ -38,6 +40,7 @@ class RunningSeq:
         self.restore_copies: list[tuple[CopyKind, int, int]] = []
         self.saves: list[Checkpoint] = []
         self.decode_ckpt: Checkpoint | None = None
+        self.shadows: Checkpoint | None = None
 
     @property
     def num_computed(self) -> int:

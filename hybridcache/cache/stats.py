@@ -11,6 +11,7 @@ class EvictionKind(enum.Enum):
     """Why something cached was released to make room (counted in `CacheStats.evictions_by_kind`)."""
 
     CHECKPOINT = "checkpoint"  # state pressure: an unpinned published checkpoint gave back its slot
+    SHADOWED = "shadowed"  # any pressure: a shadowed checkpoint (a deeper one of its chain exists) went first
     DEAD_BLOCK = "dead_block"  # KV pressure: a leaf with no checkpoint and no holder but the trie
     FROZEN_TAIL = "frozen_tail"  # KV pressure: a partial checkpoint gave back its slot and frozen block
     LEAF = "leaf"  # KV pressure: a leaf chosen by the policy (its checkpoints go with it)

@@ -48,8 +48,17 @@ class CheckedEvictor(Evictor):
     def slot_victim(self) -> Victim | None:
         victim = super().slot_victim()
         candidates = [c for c in self._life.published() if c.num_pins == 0]
-        want = self.policy.pick_checkpoint(candidates) if candidates else None
+        shadowed = [c for c in candidates if c.shadowed] if self.shadowed_first else []
+        want = self.policy.pick_checkpoint(shadowed or candidates) if candidates else None
         _agree(None if victim is None else victim.target, want, "slot victim")
+        return victim
+
+    def shadowed_victim(self, frozen: bool = False) -> Checkpoint | None:
+        victim = super().shadowed_victim(frozen)
+        shadowed = [c for c in self._life.published() if c.num_pins == 0 and c.shadowed
+                    and (c.frozen_block is not None or not frozen)]
+        want = self.policy.pick_checkpoint(shadowed) if shadowed and self.shadowed_first else None
+        _agree(victim, want, "shadowed victim")
         return victim
 
     def dead_leaf(self) -> Node | None:

@@ -155,11 +155,12 @@ def test_a_frozen_tail_goes_only_when_no_leaf_can():
     (early,) = cache._life.published()
     longer = CacheRequest("x", prompt + tokens(20, seed=17))
     assert driver.admit(longer).cached_len == 40
-    driver.step("x", longer.prompt_ids[40:], [("prefill_end",)])  # node 3 under node 2; a save at 60
-    assert cache._life.blocks.num_free == 2 and early.anchor.children
-    assert cache.ensure_capacity("x", 96)  # the two free blocks
+    # node 3 under node 2; no save at 60 (a deeper save of x would shadow `early`, which would then go first)
+    driver.step("x", longer.prompt_ids[40:])
+    assert cache._life.blocks.num_free == 3 and early.anchor.children and not early.shadowed
+    assert cache.ensure_capacity("x", 112)  # the three free blocks
     assert cache.stats.evictions_by_kind == {}
-    assert cache.ensure_capacity("x", 112)  # every leaf is held by x: the oldest frozen tail goes
+    assert cache.ensure_capacity("x", 128)  # every leaf is held by x: the oldest frozen tail goes
     assert cache.stats.evictions_by_kind == {"frozen_tail": 1}
     assert early.state is CheckpointState.RELEASED
     cache.check_integrity()
