@@ -14,7 +14,8 @@ Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing 
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
 fallback, which loops over the groups after copying `ends` to the host (a sync): fp32 is the exactness
-path, not the fast one. Where each path is faster was measured (`benchmarks/moe_bench.py`, docs/kernels.md).
+path, not the fast one (the Triton expert GEMM multiplies fp32 in IEEE fp32 without a sync). Where each path
+is faster was measured (`benchmarks/moe_bench.py`, docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -75,6 +76,9 @@ def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     return order, counts
 
 
+TRITON_MAX_ROWS_PER_EXPERT = 64
+
+
 def tile_rows(num_rows: int, num_experts: int) -> int | None:
     """BLOCK_M of the Triton expert GEMM for R = T*k rows over E experts, or None when the grouped GEMM is the
     faster choice. Decided from shapes alone, so a captured decode graph and an eager run of the same batch take
@@ -85,9 +89,6 @@ def tile_rows(num_rows: int, num_experts: int) -> int | None:
     if per_expert > TRITON_MAX_ROWS_PER_EXPERT:
         return None
     return 16 if per_expert <= 8 else 32 if per_expert <= 16 else 64
-
-
-TRITON_MAX_ROWS_PER_EXPERT = 64
 
 
 def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
