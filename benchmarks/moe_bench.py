@@ -4,7 +4,7 @@
 
 For the expert shapes of the benchmark models (next-1b: 16 experts top-4, hidden 2048, width 512; next-16b:
 32 top-8, 4096, 1024; and Qwen3-Next-80B's 512 top-10, 2048, 512) and T tokens from one decode row to a 16k
-prefill chunk, times (CUDA events over CUDA-graph replays, median of 20) the routed-expert computation:
+prefill chunk, times (the median of CUDA-graph replays) the routed-expert computation:
 - `before`: last stop's path (gather, two grouped GEMMs, F.silu * up, index_copy_ un-permutation, bmm combine)
 - `grouped`: the grouped GEMMs with fla's fused SiLU gate and the Triton combine
 - `triton bm/bn/bk/w`: the Triton expert GEMM (tile rows bm, columns bn, depth bk, warps w) and the combine
@@ -18,16 +18,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from hybridcache.kernels.cuda_checks import routing
 from hybridcache.kernels.moe import grouped
-from hybridcache.kernels.moe.grouped import ExpertWeights, expert_rows_grouped, pair_rows, sort_pairs
-from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
+from hybridcache.kernels.moe.grouped import (
+    ExpertWeights,
+    expert_rows_grouped,
+    expert_rows_triton,
+    pair_rows,
+    sort_pairs,
+)
+from hybridcache.kernels.moe.triton_experts import combine
 
 SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024), "next-80b": (512, 10, 2048, 512)}
 TOKENS = (1, 8, 32, 64, 128, 256, 1024, 4096, 16384)
@@ -56,34 +62,19 @@ def with_triton(tile):
     block_m, block_n, block_k, warps = tile
 
     def run(x, weights, ids, experts):
-        top_k = ids.shape[1]
         order, counts = sort_pairs(ids, experts.gate_up.shape[0])
-        kw = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps)
-        h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True, **kw)
-        y = expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False, **kw)
+        y = expert_rows_triton(x, order, counts, ids.shape[1], experts, block_m, block_n=block_n, block_k=block_k,
+                               num_warps=warps)
         return combine(y, weights)
 
     return run
 
 
 def timed(fn, *args) -> float:
-    """Median ms of 20 replays of one call captured in a CUDA graph: the device time, as a captured decode step
-    runs it (timing eager calls at small T measures the host's ~10 kernel launches instead)."""
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(*args)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median ms of CUDA-graph replays of one call (`triton.testing.do_bench_cudagraph`): the device time, as a
+    captured decode step runs it (timing eager calls at small T measures the host's ~10 kernel launches)."""
+    fn(*args)  # compile and stack outside the capture
+    return triton.testing.do_bench_cudagraph(lambda: fn(*args), return_mode="median")
 
 
 def main() -> None:

@@ -185,9 +185,7 @@ class TensorParallelExecutor:
             result = local()
             if self.runner.device.type == "cuda":  # returns early (garbage) when the monitor aborts the group
                 torch.cuda.current_stream(self.runner.device).synchronize()
-            failure = self._find_failure(grace_s=0.0)
-            if failure is None and self._monitors[0].dead_rank is not None:  # cannot be: the monitor saw it exit
-                failure = WorkerError(f"tensor-parallel worker rank {self._monitors[0].dead_rank} died")
+            failure = self._find_failure(grace_s=0.0)  # a rank the monitor saw exit is not alive: found here
             if failure is not None:
                 raise failure
             return result

@@ -13,7 +13,7 @@ import torch
 
 from hybridcache.distributed.rank_runner import TP_CUDA_GRAPHS
 
-from ..engine.graph_checks import replay_and_eager_tokens
+from ..engine.graph_checks import greedy_tokens, replay_and_eager_tokens
 from .folders import write_folder
 
 pytestmark = pytest.mark.skipif(
@@ -40,7 +40,6 @@ def test_two_rank_graph_decode_equals_the_same_batches_run_eagerly(tmp_path, voc
         assert llm.engine.runner.graph_batch_sizes == (1, 2, 4, 8, 16, 32)
         graph, eager = replay_and_eager_tokens(llm)
         assert graph == eager
-        again, _ = replay_and_eager_tokens(llm)
-        assert again == graph
+        assert greedy_tokens(llm) == graph  # every rank back to replay after the block
     finally:
         llm.engine.runner.shutdown()

@@ -92,13 +92,13 @@ def tile_rows(num_rows: int, num_experts: int) -> int | None:
 
 
 def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
-                       experts: ExpertWeights, block_m: int) -> torch.Tensor:
+                       experts: ExpertWeights, block_m: int, **tile: int) -> torch.Tensor:
     """y [T*k, H] in pair order (row t*k + j): each pair's expert output, by the Triton expert GEMM (gather,
-    SiLU gate and un-permutation fused)."""
+    SiLU gate and un-permutation fused). `tile`: expert_gemm's other tile settings (benchmarks sweep them)."""
     h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True,
-                    block_m=block_m)
+                    block_m=block_m, **tile)
     return expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False,
-                       block_m=block_m)
+                       block_m=block_m, **tile)
 
 
 def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
