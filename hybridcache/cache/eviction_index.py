@@ -58,6 +58,19 @@ class RecencyOrder:
         if self._track_steps:
             heapq.heappush(self._steps[ckpt.frozen_block is not None], (-ckpt.step, ckpt.ckpt_id, ckpt))
 
+    def insert(self, ckpt: Checkpoint) -> None:
+        """Add `ckpt` at its place by (last_access, ckpt_id), which `add` assumes is the newest: an existing
+        checkpoint joining an index (e.g. becoming shadowed). The entries used after it move behind it."""
+        key = (ckpt.last_access, ckpt.ckpt_id)
+        newer = []
+        for other in reversed(self._order.values()):
+            if (other.last_access, other.ckpt_id) < key:
+                break
+            newer.append(other.ckpt_id)
+        self.add(ckpt)
+        for ckpt_id in reversed(newer):
+            self._order.move_to_end(ckpt_id)
+
     def touch(self, ckpt: Checkpoint) -> None:
         self._order.move_to_end(ckpt.ckpt_id)
 

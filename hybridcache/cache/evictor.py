@@ -105,7 +105,7 @@ class Evictor:
         orders = (self._shadowed, self._shadowed_tails) if ckpt.frozen_block is not None else (self._shadowed,)
         for order in orders:
             if add:
-                order.add(ckpt)
+                order.insert(ckpt)  # shadowed long after its last use: not the newest of the order
             else:
                 order.remove(ckpt)
 

@@ -85,3 +85,25 @@ def test_one_budget_takes_the_shadowed_checkpoint_before_any_leaf():
     assert driver.cache.stats.evictions_by_kind == {"shadowed": 1}  # not the oldest leaf (the old chain's)
     assert f1.state is CheckpointState.RELEASED and old.state is CheckpointState.PUBLISHED
     driver.cache.check_integrity()
+
+
+def test_shadowed_checkpoints_go_least_recently_used_first_whatever_order_they_were_shadowed_in():
+    """Two chats restored in the order t, u but going deeper in the order u, t: F1 of t was used longer ago, so it
+    is the shadowed victim, although u's F1 was shadowed first (the shadowed index is kept by recency, not by
+    when a checkpoint joined it)."""
+    driver = make_driver()
+    cache = driver.cache
+    other = tokens(40, seed=9)
+    driver.run(CacheRequest("t1", PROMPT), decode=REPLY)
+    driver.run(CacheRequest("u1", other), decode=REPLY)
+    f1_t, f1_u = (next(c for c in cache._life.published() if c.owner == owner and c.step == 42)
+                  for owner in ("t1", "u1"))
+    t2 = CacheRequest("t2", PROMPT + REPLY + tokens(20, seed=2))
+    u2 = CacheRequest("u2", other + REPLY + tokens(20, seed=3))
+    assert driver.admit(t2).cached_len == 42  # F1 of t is used first ...
+    assert driver.admit(u2).cached_len == 42  # ... then F1 of u
+    driver.step("u2", u2.prompt_ids[42:], [("prefill_end",)])  # u goes deeper first: its F1 is shadowed first
+    driver.step("t2", t2.prompt_ids[42:], [("prefill_end",)])
+    assert f1_t.shadowed and f1_u.shadowed and f1_t.last_access < f1_u.last_access
+    assert cache._life.evictor.shadowed_victim() is f1_t  # the checked evictor also compares with a full scan
+    cache.check_integrity()
