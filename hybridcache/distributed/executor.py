@@ -13,7 +13,8 @@ forward and saves on its own shard of the pools, and the logits come back whole 
 Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
 otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
 Every worker's liveness is checked before each step and again after it, once rank 0's device work has finished
-(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine).
+(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine;
+once the monitor has aborted, the step raises even while the dead worker is still being reaped).
 A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
 that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
 every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
@@ -185,9 +186,7 @@ class TensorParallelExecutor:
             result = local()
             if self.runner.device.type == "cuda":  # returns early (garbage) when the monitor aborts the group
                 torch.cuda.current_stream(self.runner.device).synchronize()
-            failure = self._find_failure(grace_s=0.0)  # a rank the monitor saw exit is not alive: found here
-            if failure is not None:
-                raise failure
+            self._check_after_step()
             return result
         except BaseException as error:
             failure = error if isinstance(error, WorkerError) else self._find_failure(grace_s=FAILURE_GRACE_S)
@@ -200,6 +199,19 @@ class TensorParallelExecutor:
             if failure is None or failure is error:
                 raise
             raise failure from error
+
+    def _check_after_step(self) -> None:
+        """Raise if a worker failed during the step. Once the monitor has aborted the group the step's results are
+        garbage whatever the workers look like: a killed CUDA process closes its pipes (which wakes the monitor)
+        some time before it is reaped (its device context is torn down in between), so `is_alive()` may still
+        say True here; the dead worker is then waited for (`FAILURE_GRACE_S`) to name it and its exit."""
+        aborted = any(monitor.aborted for monitor in self._monitors)
+        failure = self._find_failure(grace_s=FAILURE_GRACE_S if aborted else 0.0)
+        if failure is None and aborted:
+            failure = WorkerError(f"the tensor-parallel group was aborted: worker rank {self._monitors[0].dead_rank} "
+                                  f"exited and was not reaped within {FAILURE_GRACE_S:.0f} s")
+        if failure is not None:
+            raise failure
 
     def _find_failure(self, grace_s: float) -> WorkerError | None:
         """A `WorkerError` for the first worker that reported an exception or died, waiting up to `grace_s`

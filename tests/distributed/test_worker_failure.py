@@ -160,6 +160,50 @@ def test_a_worker_that_dies_while_the_driver_waits_in_a_collective_fails_the_ste
     fail_while_blocked(engine)
 
 
+class _Unreaped:
+    """A worker process that still looks alive for `lag_s` after it died, as a killed CUDA process does while the
+    driver tears its device context down (its pipes, which wake the monitor, close before that)."""
+
+    def __init__(self, process: multiprocessing.Process, lag_s: float) -> None:
+        self._process, self._lag_s, self.died_at = process, lag_s, None
+
+    def __getattr__(self, name: str):
+        return getattr(self._process, name)
+
+    def is_alive(self) -> bool:
+        if self._process.is_alive():
+            return True
+        self.died_at = self.died_at or time.monotonic()
+        return time.monotonic() < self.died_at + self._lag_s
+
+
+def test_a_step_the_monitor_aborted_raises_while_the_dead_worker_is_not_reaped_yet(model_dir, monkeypatch):
+    """On NCCL the monitor's abort lets rank 0's step return normally with garbage; the executor must raise
+    then even though `is_alive()` still says True (found on 2 H200s: the step returned). Simulated on gloo:
+    rank 0's forward completes with rank 1's, then rank 1 is killed and the monitor aborts before the
+    executor's check after the step."""
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=4, tensor_parallel_size=2))
+    start_decoding(engine)
+    executor = engine.runner
+    (worker,) = executor._workers
+    (monitor,) = executor._monitors
+    pid = worker.process.pid
+    monkeypatch.setattr(worker, "process", _Unreaped(worker.process, lag_s=1.0))
+    forward = executor.runner.execute
+
+    def forward_then_lose_rank_1(batch):
+        result = forward(batch)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not monitor.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert monitor.aborted and monitor.dead_rank == 1
+        return result
+
+    monkeypatch.setattr(executor.runner, "execute", forward_then_lose_rank_1)
+    rank_1_death(engine, pid, threading.Timer(60, lambda: None), engine.step)
+
+
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
                               reason="needs 2 CUDA devices and the cuda extra")
 

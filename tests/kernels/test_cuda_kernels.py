@@ -174,6 +174,16 @@ SMALL_LENGTHS = (1, 17, 5, 33)
 SMALL_HISTORY = (0, 5, 16, 3)
 
 
+def _interpreter_runs_our_kernels() -> bool:
+    """Triton 3.6's interpreter (the H200 machine's, under its numpy) cannot index `range()` by an integer kernel
+    argument (`TypeError: only 0-dimensional arrays can be converted to Python scalars`); CI's Triton 3.9 can. The
+    compiled kernels are checked on the GPU by the `cuda` tests above."""
+    import triton
+
+    return tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)
+
+
+@pytest.mark.skipif(not _interpreter_runs_our_kernels(), reason="this Triton's interpreter cannot run our kernels")
 def test_triton_interpreter_in_subprocess() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
