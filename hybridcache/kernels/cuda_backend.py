@@ -5,7 +5,7 @@
 | write_kv         | `attention/triton_paged.write_kv` (two index_copy_)                                           |
 | attention        | split-KV decode kernel                      | paged flash-attention prefill kernel            |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
-| gated_delta_rule | in-place Triton step kernel                 | fla's chunked kernel over all sequences         |
+| gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
 | rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |

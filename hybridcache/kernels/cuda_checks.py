@@ -357,10 +357,12 @@ def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dic
 
 
 def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed: int = 0) -> dict[str, ErrorStats]:
-    """The fused norms against `kernels.norm.reference` with random weights: hidden-size rows (2048) and head rows
-    (128, the DeltaNet gated norm and q/k norms), on a non-contiguous input (a head slice) as the layers pass them."""
+    """The fused norms against `kernels.norm.reference` (and the delta rule's l2norm, in fp32) with random weights:
+    hidden-size rows (2048) and head rows (128, the DeltaNet gated norm and q/k norms), on non-contiguous inputs as
+    the layers pass them: a row slice, and [T, H, D] head views of a fused projection."""
+    from hybridcache.kernels.gated_delta import reference as delta_reference
     from hybridcache.kernels.norm import reference
-    from hybridcache.kernels.norm.triton import gated_rms_norm, rms_norm
+    from hybridcache.kernels.norm.triton import gated_rms_norm, l2norm, rms_norm
 
     gen = torch.Generator().manual_seed(seed)
     stats = {}
@@ -372,6 +374,17 @@ def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
         stats[f"rms_norm d{dim}"] = error_stats(rms_norm(x, plain, 1e-6), reference.rms_norm(x, plain, 1e-6))
         stats[f"gated_rms_norm d{dim}"] = error_stats(gated_rms_norm(x, gate, gated, 1e-6),
                                                       reference.gated_rms_norm(x, gate, gated, 1e-6))
+    # Head views read in place: q / k / z sliced out of a fused projection row ([T, H, 128], row stride 3 * H * 128).
+    heads, dim = 4, 128
+    fused = (3 * torch.randn(rows, 3 * heads * dim, generator=gen)).to(device, dtype)
+    q = fused[:, :heads * dim].view(rows, heads, dim)
+    z = fused[:, heads * dim:2 * heads * dim].view(rows, heads, dim)
+    core = torch.randn(rows, heads, dim, generator=gen).to(device, dtype)
+    stats["rms_norm heads"] = error_stats(rms_norm(q, plain, 1e-6), reference.rms_norm(q, plain, 1e-6))
+    stats["gated_rms_norm heads"] = error_stats(gated_rms_norm(core, z, gated, 1e-6),
+                                                reference.gated_rms_norm(core, z, gated, 1e-6))
+    stats["l2norm heads"] = error_stats(l2norm(q), delta_reference.l2norm(q.float()).to(dtype))
+    stats["l2norm d2048"] = error_stats(l2norm(x), delta_reference.l2norm(x.float()).to(dtype))
     return stats
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.norm.triton import l2norm
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 from hybridcache.kernels.varlen import fresh_mask
 
@@ -55,6 +56,8 @@ def chunk_gated_delta_rule_varlen(
     slots = state_slots.long()
     initial = ssm_pool.index_select(0, slots).float()
     initial = initial.masked_fill(fresh_mask(cu, context_lens)[:, None, None, None], 0.0)
+    if use_qk_l2norm:  # ours, not fla's in-kernel one: fla autotunes that per size bucket (norm/triton.py)
+        q, k = l2norm(q), l2norm(k)
     out, final = chunk_gated_delta_rule(
         q.unsqueeze(0),
         k.unsqueeze(0),
@@ -64,7 +67,7 @@ def chunk_gated_delta_rule_varlen(
         scale=q.shape[-1] ** -0.5,
         initial_state=initial,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu,
         chunk_indices=chunk_indices.long(),
     )

@@ -1,9 +1,22 @@
-"""Fused RMSNorms on CUDA (Triton): one launch per norm instead of torch's five or six elementwise kernels.
-Same math and the same roundings as `layers.norm` (one program per row of the last dim):
+"""Fused row norms on CUDA (Triton): one launch per norm instead of torch's five or six elementwise kernels.
+Same math and the same roundings as `layers.norm` / the references (one program per row of the last dim):
 
 - `rms_norm` (ZeroCenteredRMSNorm): y = x / rms(x) * (1 + w), all in fp32, rounded once to x's dtype.
 - `gated_rms_norm` (GatedRMSNorm of DeltaNet outputs): n = (x / rms(x)) rounded to x's dtype; p = w * n rounded
   to x's dtype (the module multiplies in the weight's dtype); y = p * silu(gate) in fp32, rounded once.
+- `l2norm` (the gated delta rule's q / k): y = x / sqrt(sum(x^2) + eps) in fp32, rounded once (fla's
+  convention, `gated_delta.reference.l2norm`). Ours rather than fla's in-kernel one: fla autotunes its l2norm
+  over 25 configs per bucket of T * H / 65,536, so the first prefill of each new size bucket compiled for ~12 s
+  on the H200 (gpu_bench, next-1b phase D).
+
+Inputs may be head views: a [T, H, D] tensor whose rows sit at t * stride_t + h * stride_h (q / k / z sliced out
+of a fused projection, q / k / v out of the conv output) is read in place, never copied first. Row r of the
+output (contiguous [T * H, D]) is (t, h) = divmod(r, H)::
+
+    x = qkv[:, :1024].view(T, 8, 128)      stride_t = 3072 (the fused row), stride_h = 128, heads = 8
+    row r -> x_ptr + (r // 8) * 3072 + (r % 8) * 128 + [0, 128)
+No autotuning, so nothing compiles at run time beyond Triton's integer specialisations, which the engine's warm-up
+reaches.
 """
 
 from __future__ import annotations
@@ -14,54 +27,94 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, dim, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < dim
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+def _row_start(row, stride_t, stride_h, heads):
+    return (row // heads) * stride_t + (row % heads) * stride_h
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_x, stride_g, stride_o, dim, eps,
-                           BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_t, stride_h, gate_stride_t, gate_stride_h, heads,
+                           dim, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
     dtype = out_ptr.dtype.element_ty
     normed = (x * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     scaled = (w * normed).to(dtype).to(tl.float32)
-    gate = tl.load(g_ptr + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
+    gate_at = g_ptr + _row_start(row, gate_stride_t, gate_stride_h, heads) + cols
+    gate = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + cols, (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., dim] -> [rows, dim] with unit stride on dim (a view when the layout allows)."""
+@triton.jit
+def _l2norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < dim
+    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps)
+    tl.store(out_ptr + row * dim + cols, (x * rstd).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """x [..., dim] as (tensor, stride_t, stride_h, heads): row r at (r // heads) * stride_t + (r % heads) *
+    stride_h with unit-stride columns. 2-D inputs and 3-D head views are read in place; other layouts are
+    reshaped (copied when they must be)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:
+        return x, x.stride(0), x.stride(1), x.shape[1]
     flat = x.reshape(-1, x.shape[-1])
-    return flat if flat.stride(-1) == 1 else flat.contiguous()
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat, flat.stride(0), 0, 1
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype."""
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), rows.shape[1], eps,
-                                          BLOCK=triton.next_power_of_2(rows.shape[1]))
-    return out.view(x.shape)
+    """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> contiguous [..., dim] in x's dtype."""
+    rows, stride_t, stride_h, heads = _rows(x)
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _rms_norm_kernel[(out.numel() // dim,)](rows, weight, out, stride_t, stride_h, heads, dim, eps,
+                                                BLOCK=triton.next_power_of_2(dim))
+    return out
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gated RMSNorm over the last dim: x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype."""
-    rows, gates = _rows(x), _rows(gate)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0),
-                                                out.stride(0), rows.shape[1], eps,
-                                                BLOCK=triton.next_power_of_2(rows.shape[1]))
-    return out.view(x.shape)
+    """Gated RMSNorm over the last dim: x, gate [..., dim] (same shape), weight [dim] -> contiguous [..., dim]."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
+    rows, stride_t, stride_h, heads = _rows(x)
+    gates, gate_stride_t, gate_stride_h, _ = _rows(gate)  # same shape, so the same row -> (t, h) split
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _gated_rms_norm_kernel[(out.numel() // dim,)](rows, gates, weight, out, stride_t, stride_h, gate_stride_t,
+                                                      gate_stride_h, heads, dim, eps,
+                                                      BLOCK=triton.next_power_of_2(dim))
+    return out
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: x [..., dim] -> contiguous [..., dim] in x's dtype."""
+    rows, stride_t, stride_h, heads = _rows(x)
+    dim = x.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if out.numel():
+        _l2norm_kernel[(out.numel() // dim,)](rows, out, stride_t, stride_h, heads, dim, eps,
+                                              BLOCK=triton.next_power_of_2(dim))
+    return out
