@@ -10,6 +10,9 @@ then decodes `--steps` steps twice:
 Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time.
 `--prefill`: instead, phase C of the GPU benchmark (a cold 16,000-token prompt, then it + 200 tokens) three times
 with fresh prompts, each request timed, then the operators of one more cold and one more warm request.
+`--batch-prefill`: instead, steps shaped like phase D's prefill (16 fresh prompts of `--prompt-len` tokens, one
+step of 16,384 tokens at 1,024), timed, then one profiled.
+On CUDA every profile also prints its device time by kernel family (GEMM, MoE, fla, attention, ...).
 Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
 """
 
@@ -80,10 +83,68 @@ def decode_steps(engine, prompts: list[str], steps: int) -> list[float]:
     return walls
 
 
+FAMILIES = (  # kernel name fragment -> family, first match wins (device-time summary of a profile)
+    ("_expert_gemm", "MoE: Triton expert GEMM"), ("_combine", "MoE: combine"), ("_route", "MoE: routing"),
+    ("grouped", "MoE: grouped GEMM"), ("sort", "MoE: sort"),
+    ("chunk_", "fla: chunked delta rule"), ("solve_tril", "fla: chunked delta rule"),
+    ("recompute_w_u", "fla: chunked delta rule"), ("cumsum", "fla: chunked delta rule"), ("swiglu", "fla: swiglu"),
+    ("_delta_step", "DeltaNet step"), ("_gates", "DeltaNet gates"), ("conv", "causal conv1d"),
+    ("attention", "attention"), ("_attn", "attention"), ("_paged", "attention"),
+    ("norm", "norms"), ("rotary", "rotary"), ("_copy_blocks", "cache copies"),
+    ("gemm", "dense GEMM"), ("nvjet", "dense GEMM"), ("cutlass", "dense GEMM"), ("sm90", "dense GEMM"),
+    ("index", "gather / scatter / copies"), ("copy", "gather / scatter / copies"), ("cat", "gather / scatter / copies"),
+)
+
+
+def device_families(prof) -> dict[str, float]:
+    """Device ms of the profile's kernels summed by family (`FAMILIES`; the rest: "other")."""
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0) or 0
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        family = next((fam for fragment, fam in FAMILIES if fragment in name), "other")
+        totals[family] = totals.get(family, 0.0) + us / 1000
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
 def print_operators(prof) -> None:
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
     print(averages.table(sort_by="self_cuda_time_total", row_limit=20))
+    families = device_families(prof)
+    print("| kernel family | device ms (whole profile) |\n| --- | --- |")
+    for family, ms in families.items():
+        print(f"| {family} | {ms:.2f} |")
+    print(f"| total | {sum(families.values()):.2f} |")
+
+
+def profile_batch_prefill(llm: LLM, rng: random.Random, device: torch.device, prompt_len: int) -> None:
+    """Steps shaped like phase D's prefill: 16,384 // prompt_len fresh prompts at once, one new token each."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    batch = lambda: [letters(rng, prompt_len) for _ in range(16384 // prompt_len)]  # noqa: E731
+
+    def step_ms() -> float:
+        prompts = batch()
+        sync(device)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        sync(device)
+        return 1000 * (time.perf_counter() - start)
+
+    step_ms()  # warm-up
+    times = [step_ms() for _ in range(3)]
+    cells = " | ".join(f"{t:.1f} ms" for t in times)
+    print(f"| batch prefill ({16384 // prompt_len} x {prompt_len}), three steps | {cells} |")
+    if device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = batch()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    print_operators(prof)
 
 
 def profile_prefill(llm: LLM, rng: random.Random, device: torch.device) -> None:
@@ -120,6 +181,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--prefill", action="store_true", help="profile phase C (long prefill) instead of decode")
+    parser.add_argument("--batch-prefill", action="store_true",
+                        help="profile steps shaped like phase D's prefill (16 x 1,024 fresh tokens) instead of decode")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     args = parser.parse_args()
@@ -132,6 +195,8 @@ def main() -> None:
     rng = random.Random(0)
     if args.prefill:
         return profile_prefill(llm, rng, device)
+    if args.batch_prefill:
+        return profile_batch_prefill(llm, rng, device, args.prompt_len)
     prompts = lambda: [letters(rng, args.prompt_len) for _ in range(args.seqs)]  # noqa: E731
     decode_steps(engine, prompts(), 8)  # warm-up: compile every shape once
     free = decode_steps(engine, prompts(), args.steps)
