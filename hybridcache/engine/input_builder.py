@@ -15,6 +15,7 @@ Worked example (block_size 16, kernel_block_size 8, pages_per_block 2)::
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -139,8 +140,10 @@ def _to_device(fields: dict[str, list[int]], device: torch.device | str) -> dict
     """Every integer field in one int64 host tensor, moved to `device` in one transfer (pinned and non-blocking
     on CUDA: the host does not wait for it; the pinned buffer is kept alive by torch's caching host allocator
     until the copy is done); returns views of the device tensor, one per field."""
-    flat = [value for values in fields.values() for value in values]
-    host = torch.tensor(flat, dtype=torch.int64)
+    flat = array("q")  # a C buffer, wrapped without a copy: ~2x faster than torch.tensor over a list of ints
+    for values in fields.values():
+        flat.extend(values)
+    host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     on_cuda = torch.device(device).type == "cuda"
     packed = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)
     out, offset = {}, 0
