@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EVICTION_POLICIES = ("lru", "flop_aware")
+EVICTION_POLICIES = ("lru", "flop_aware", "slru")
 ADMISSION_POLICIES = ("all", "repeat_branch", "learned")
 
 
