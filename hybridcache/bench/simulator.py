@@ -52,11 +52,10 @@ from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
-                "hybridcache+learn", "hybridcache-2pool", "hybridcache+slru", "hybridcache-2pool+slru")
-DEFAULT_POLICIES = POLICY_NAMES[:-5]
+                "hybridcache+learn", "hybridcache-2pool")
+DEFAULT_POLICIES = POLICY_NAMES[:-3]
 # the policies that run the `hybridcache` cache mode; all but the two-pool one hold KV and states in one budget
-_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn", "hybridcache-2pool",
-                    "hybridcache+slru", "hybridcache-2pool+slru")
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn", "hybridcache-2pool")
 GIB = 1 << 30
 
 
@@ -82,10 +81,10 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         if base not in POLICY_NAMES:
             raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
         mode = "hybridcache" if base in _HYBRID_POLICIES else base
-        eviction = "flop_aware" if base == "hybridcache+flop" else "slru" if base.endswith("+slru") else "lru"
+        eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "learned" if base == "hybridcache+learn" else None
         specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
-                                one_budget=mode == "hybridcache" and not base.startswith("hybridcache-2pool")))
+                                one_budget=mode == "hybridcache" and base != "hybridcache-2pool"))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs

@@ -54,7 +54,7 @@ class Checkpoint:
     __slots__ = (
         "ckpt_id", "adapter", "step", "reason", "slot", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
         "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
-        "shadowed", "protected",
+        "shadowed",
     )
 
     def __init__(
@@ -79,7 +79,6 @@ class Checkpoint:
         self.release_when_unpinned = False
         self.was_hit = False  # restored at least once (admission learning)
         self.shadowed = False  # a continuation restored from it went deeper (evicted first)
-        self.protected = False  # in the segmented LRU's protected segment (eviction="slru")
 
     @staticmethod
     def slot_owner_of(ckpt_id: int) -> tuple[str, int]:

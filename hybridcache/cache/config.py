@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EVICTION_POLICIES = ("lru", "flop_aware", "slru")
+EVICTION_POLICIES = ("lru", "flop_aware")
 ADMISSION_POLICIES = ("all", "repeat_branch", "learned")
 
 

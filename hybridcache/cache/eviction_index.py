@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from itertools import count
 
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
@@ -39,92 +39,6 @@ def leaf_recency(node: Node) -> int:
             if ckpt.last_access > recency:
                 recency = ckpt.last_access
     return recency
-
-
-def leaf_protected(node: Node) -> bool:
-    """Whether a leaf is in the segmented LRU's protected segment: the node or a checkpoint on it is."""
-    if node.protected:
-        return True
-    return any(ckpt.protected for bucket in node.checkpoints.values() for ckpt in bucket)
-
-
-def lru_rank(node: Node) -> tuple:
-    return (leaf_recency(node),)
-
-
-def slru_rank(node: Node) -> tuple:
-    return (leaf_protected(node), leaf_recency(node))
-
-
-class ProtectedSegment:
-    """The segmented LRU's protected segment: trie nodes and checkpoints that were hit, at most `capacity`
-    bytes, least recently hit first. A hit promotes an item (or refreshes it); going over the capacity
-    demotes the least recently hit items back to probation. `ghosts` remembers the keys of the last
-    `num_ghosts` items evicted from probation: such an item inserted again enters protected directly."""
-
-    def __init__(self, capacity: float, num_ghosts: int, adapt_step: float = 0.0, max_capacity: float = 0.0) -> None:
-        self.capacity = capacity
-        self.num_bytes = 0.0
-        self._items: OrderedDict[int, tuple[Node | Checkpoint, float]] = OrderedDict()
-        self._num_ghosts = num_ghosts
-        self._ghosts: OrderedDict[Hashable, bool] = OrderedDict()  # key -> it had been protected
-        self._demoted: set[int] = set()
-        self._adapt_step = adapt_step
-        self._max_capacity = max_capacity
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def promote(self, item: Node | Checkpoint, num_bytes: float) -> list[Node | Checkpoint]:
-        """`item` was hit: it becomes the most recently hit protected item. Returns what was demoted."""
-        key = id(item)
-        if key in self._items:
-            self._items.move_to_end(key)
-            return []
-        item.protected = True
-        self._demoted.discard(key)
-        self._items[key] = (item, num_bytes)
-        self.num_bytes += num_bytes
-        return self._shrink()
-
-    def _shrink(self) -> list[Node | Checkpoint]:
-        demoted = []
-        while self.num_bytes > self.capacity and self._items:
-            key, (old, old_bytes) = self._items.popitem(last=False)
-            old.protected = False
-            self._demoted.add(key)
-            self.num_bytes -= old_bytes
-            demoted.append(old)
-        return demoted
-
-    def drop(self, item: Node | Checkpoint) -> None:
-        """`item` leaves the cache."""
-        self._demoted.discard(id(item))
-        if item.protected:
-            _, num_bytes = self._items.pop(id(item))
-            self.num_bytes -= num_bytes
-            item.protected = False
-
-    def remember(self, key: Hashable, item: Node | Checkpoint) -> None:
-        if self._num_ghosts <= 0:
-            return
-        self._ghosts[key] = id(item) in self._demoted
-        self._ghosts.move_to_end(key)
-        if len(self._ghosts) > self._num_ghosts:
-            self._ghosts.popitem(last=False)
-
-    def recall(self, key: Hashable) -> tuple[bool, list[Node | Checkpoint]]:
-        """Whether `key` is a ghost (it is forgotten then), and what adapting the capacity demoted."""
-        was_protected = self._ghosts.pop(key, None)
-        if was_protected is None:
-            return False, []
-        if self._adapt_step > 0:
-            if was_protected:
-                self.capacity = min(self._max_capacity, self.capacity + self._adapt_step)
-            else:
-                self.capacity = max(0.0, self.capacity - self._adapt_step)
-                return True, self._shrink()
-        return True, []
 
 
 class RecencyOrder:
@@ -169,16 +83,11 @@ class RecencyOrder:
     def newest_first(self) -> Iterator[Checkpoint]:
         return reversed(self._order.values())
 
-    def first_unpinned(self, unprotected_first: bool = False) -> Checkpoint | None:
-        """The oldest unpinned entry (`unprotected_first`: the oldest unprotected one if any)."""
-        first = None
+    def first_unpinned(self) -> Checkpoint | None:
         for ckpt in self._order.values():
             if ckpt.num_pins == 0:
-                if not (unprotected_first and ckpt.protected):
-                    return ckpt
-                if first is None:
-                    first = ckpt
-        return first
+                return ckpt
+        return None
 
     def count_unpinned(self, enough: int | None = None) -> int:
         """Unpinned entries, counting stops at `enough`."""
@@ -213,29 +122,28 @@ class RecencyOrder:
 class LeafHeap:
     """Leaves with (`dead=False`) or without (`dead=True`) checkpoints, oldest first (see module docstring)."""
 
-    def __init__(self, dead: bool, rank: Callable[[Node], tuple] = lru_rank) -> None:
+    def __init__(self, dead: bool) -> None:
         self.dead = dead
-        self._rank = rank
-        self._heap: list[tuple[tuple, int, int, int, Node]] = []
+        self._heap: list[tuple[int, int, int, int, Node]] = []
         self._tiebreak = count()
 
     def __len__(self) -> int:
         return len(self._heap)
 
     def push(self, node: Node) -> None:
-        heapq.heappush(self._heap, (self._rank(node), node.depth, node.block_id, next(self._tiebreak), node))
+        heapq.heappush(self._heap, (leaf_recency(node), node.depth, node.block_id, next(self._tiebreak), node))
 
     def reset(self, nodes: list[Node]) -> None:
         """Drop every entry and index `nodes` afresh (compaction)."""
         tiebreak = self._tiebreak
-        self._heap = [(self._rank(n), n.depth, n.block_id, next(tiebreak), n) for n in nodes]
+        self._heap = [(leaf_recency(n), n.depth, n.block_id, next(tiebreak), n) for n in nodes]
         heapq.heapify(self._heap)
 
-    def _is_current(self, entry: tuple[tuple, int, int, int, Node]) -> bool:
+    def _is_current(self, entry: tuple[int, int, int, int, Node]) -> bool:
         node = entry[4]
         return (
             node.attached and not node.children and (not node.checkpoints) == self.dead
-            and entry[0] == self._rank(node)
+            and entry[0] == leaf_recency(node)
         )
 
     def pick(self, evictable: Callable[[Node], bool]) -> Node | None:

@@ -38,14 +38,10 @@ from dataclasses import dataclass
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint
-from hybridcache.cache.eviction_index import LeafHeap, ProtectedSegment, RecencyOrder, lru_rank, slru_rank
-from hybridcache.cache.policy import EvictionPolicy, FlopAwarePolicy, LruPolicy, SlruPolicy
+from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
+from hybridcache.cache.policy import EvictionPolicy, FlopAwarePolicy, LruPolicy
 from hybridcache.cache.stats import EvictionKind
 from hybridcache.cache.trie import Node, Trie
-
-
-def _ckpt_key(ckpt: Checkpoint) -> tuple:
-    return ("c", ckpt.anchor.hash, ckpt.step, ckpt.tail_hash)
 
 
 @dataclass(frozen=True)
@@ -60,17 +56,8 @@ class Victim:
 class Evictor:
     """Eviction indexes plus the policy's picks over them; reads the trie and the block counts."""
 
-    def __init__(
-        self, policy: EvictionPolicy, trie: Trie, blocks: BlockPool, block_bytes: float = 1.0,
-        state_bytes: float = 1.0,
-    ) -> None:
+    def __init__(self, policy: EvictionPolicy, trie: Trie, blocks: BlockPool) -> None:
         self.policy = policy
-        self.block_bytes = block_bytes
-        self.state_bytes = state_bytes
-        slru = isinstance(policy, SlruPolicy)
-        self._segment = ProtectedSegment(policy.protected_bytes, policy.num_ghosts, policy.adapt_step,
-                                         policy.max_bytes) if slru else None
-        rank = slru_rank if slru else lru_rank
         self.trie = trie
         self.blocks = blocks
         flop = isinstance(policy, FlopAwarePolicy)
@@ -78,8 +65,8 @@ class Evictor:
         self._tails = RecencyOrder(track_steps=flop)  # published checkpoints that hold a frozen block
         self._shadowed = RecencyOrder(track_steps=flop)  # published shadowed checkpoints (`Checkpoint.shadowed`)
         self._shadowed_tails = RecencyOrder(track_steps=flop)  # those of them that hold a frozen block
-        self._dead_leaves = LeafHeap(dead=True, rank=rank)
-        self._live_leaves = LeafHeap(dead=False, rank=rank)
+        self._dead_leaves = LeafHeap(dead=True)
+        self._live_leaves = LeafHeap(dead=False)
 
     # ---- index upkeep: Lifecycle reports every change ----------------------------------------------------
 
@@ -88,66 +75,10 @@ class Evictor:
         self._published.add(ckpt)
         if ckpt.frozen_block is not None:
             self._tails.add(ckpt)
-        segment = self._segment
-        if segment is not None and self.policy.checkpoints:
-            ghost, demoted = segment.recall(_ckpt_key(ckpt))
-            self._promote([ckpt] if ghost else [], demoted)
         self.leaf_changed(ckpt.anchor)
-
-    def on_insert(self, node: Node) -> None:
-        """`node` was just added to the trie."""
-        segment = self._segment
-        if segment is None:
-            return
-        ghost, demoted = segment.recall(("n", node.hash))
-        self._promote([node] if ghost or (self.policy.inherit and node.parent.protected) else [], demoted)
-
-    def on_hit(self, nodes: list[Node], ckpt: Checkpoint) -> None:
-        """A sequence was restored from `ckpt`, sharing the blocks of `nodes` (segmented LRU: promote)."""
-        if self._segment is not None:
-            self._promote([*nodes, ckpt] if self.policy.checkpoints else nodes)
-
-    def on_evict(self, target: Checkpoint | Node) -> None:
-        """`target` is about to be evicted (segmented LRU: remember a probation item as a ghost)."""
-        segment = self._segment
-        if segment is None:
-            return
-        if isinstance(target, Checkpoint):
-            if not target.protected and self.policy.checkpoints:
-                segment.remember(_ckpt_key(target), target)
-            return
-        if not target.protected:
-            segment.remember(("n", target.hash), target)
-        if self.policy.checkpoints:
-            for ckpt in target.iter_checkpoints():
-                if not ckpt.protected:
-                    segment.remember(_ckpt_key(ckpt), ckpt)
-
-    def on_remove(self, node: Node) -> None:
-        """`node` was just taken out of the trie."""
-        if self._segment is not None:
-            self._segment.drop(node)
-
-    def _promote(self, items: list, changed: list | None = None) -> None:
-        segment = self._segment
-        changed = list(changed or ())
-        for item in items:
-            if isinstance(item, Checkpoint):
-                frozen = self.block_bytes if item.frozen_block is not None else 0.0
-                changed += segment.promote(item, self.state_bytes + frozen)
-                changed.append(item)
-            elif item.parent is not None:
-                changed += segment.promote(item, self.block_bytes)
-                changed.append(item)
-        for item in changed:
-            node = item.anchor if isinstance(item, Checkpoint) else item
-            if node is not None and node.attached:
-                self.leaf_changed(node)
 
     def on_unpublish(self, ckpt: Checkpoint, anchor: Node) -> None:
         """`ckpt` was just taken off `anchor` (it is being released)."""
-        if self._segment is not None:
-            self._segment.drop(ckpt)
         self._published.remove(ckpt)
         if ckpt.frozen_block is not None:
             self._tails.remove(ckpt)
@@ -357,7 +288,7 @@ class Evictor:
         """The policy's victim among the unpinned checkpoints of `order` (None: there is none)."""
         policy = self.policy
         if isinstance(policy, LruPolicy):
-            return order.first_unpinned(unprotected_first=self._segment is not None)
+            return order.first_unpinned()
         newest = next((c for c in order.newest_first() if c.num_pins == 0), None)
         if newest is None:
             return None

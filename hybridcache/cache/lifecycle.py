@@ -41,10 +41,9 @@ class Lifecycle:
         self.slots = StatePool(config.num_slots)
         self.trie = trie
         self.stats = stats
+        self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks)
         self.block_bytes = config.block_size * cost.kv_bytes_per_token
         self.state_bytes = cost.state_bytes
-        self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks, self.block_bytes,
-                               self.state_bytes)
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
         self.clock = 0
@@ -79,7 +78,6 @@ class Lifecycle:
             node.last_access = now
         ckpt.anchor.last_access = now
         self.touch_checkpoint(ckpt, now)
-        self.evictor.on_hit(nodes, ckpt)
 
     def insert_block(
         self, parent: Node, node_hash: int, token_ids: tuple[int, ...], spans: tuple, own_block: int, now: int,
@@ -95,7 +93,6 @@ class Lifecycle:
         if node is None:
             node = self.trie.add_child(parent, node_hash, token_ids, spans, own_block, now)
             self.blocks.incref(own_block)
-            self.evictor.on_insert(node)
         else:
             self.blocks.incref(node.block_id)
             self.blocks.decref(own_block)
@@ -307,7 +304,6 @@ class Lifecycle:
     def evict(self, victim: Victim) -> None:
         """Release what the evictor picked: a checkpoint, or a leaf with the checkpoints hanging on it."""
         target = victim.target
-        self.evictor.on_evict(target)
         if isinstance(target, Checkpoint):
             self.release(target, victim.kind)
             return
@@ -318,7 +314,6 @@ class Lifecycle:
     def _remove_leaf(self, node: Node, kind: EvictionKind | None) -> None:
         parent = node.parent
         self.trie.remove_leaf(node)
-        self.evictor.on_remove(node)
         self.blocks.decref(node.block_id)
         self.evictor.leaf_changed(parent)
         if kind is not None:

@@ -19,7 +19,6 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
-from hybridcache.cache.eviction_index import leaf_protected
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.trie import Node
 
@@ -30,29 +29,6 @@ class LruPolicy:
 
     def pick_leaf(self, candidates: Sequence[Node]) -> Node:
         return min(candidates, key=lambda n: (_leaf_recency(n), n.depth, n.block_id))
-
-
-class SlruPolicy(LruPolicy):
-    """Segmented LRU: what was never hit (probation) goes before what was hit (protected), LRU within each.
-
-    `protected_bytes` caps the protected segment (its least recently hit items are demoted), `num_ghosts`
-    how many keys of items evicted from probation are remembered (0: none), `checkpoints` whether
-    checkpoints are segmented too (else only trie nodes)."""
-
-    def __init__(self, protected_bytes: float, num_ghosts: int, checkpoints: bool) -> None:
-        self.protected_bytes = protected_bytes
-        self.num_ghosts = num_ghosts
-        self.checkpoints = checkpoints
-        import os
-        self.inherit = os.environ.get("HC_SLRU_INHERIT", "0") == "1"
-        self.adapt_step = 0.0
-        self.max_bytes = 0.0
-
-    def pick_checkpoint(self, candidates: Sequence[Checkpoint]) -> Checkpoint:
-        return min(candidates, key=lambda c: (c.protected, c.last_access, c.ckpt_id))
-
-    def pick_leaf(self, candidates: Sequence[Node]) -> Node:
-        return min(candidates, key=lambda n: (leaf_protected(n), _leaf_recency(n), n.depth, n.block_id))
 
 
 class FlopAwarePolicy:
@@ -142,7 +118,7 @@ def _leaf_recency(node: Node) -> int:
     return max([node.last_access, *(c.last_access for c in node.iter_checkpoints())])
 
 
-EvictionPolicy = LruPolicy | SlruPolicy | FlopAwarePolicy
+EvictionPolicy = LruPolicy | FlopAwarePolicy
 
 
 class AdmitAll:
@@ -183,20 +159,6 @@ def make_eviction_policy(config: CacheConfig, cost: CostModel) -> EvictionPolicy
     """The eviction policy `config.eviction` names (a new policy: a class here and a branch below)."""
     if config.eviction == "lru":
         return LruPolicy()
-    if config.eviction == "slru":
-        import os
-        block_bytes = config.block_size * cost.kv_bytes_per_token
-        budget = config.memory_budget or config.num_blocks * block_bytes + config.num_slots * cost.state_bytes
-        frac = float(os.environ.get("HC_SLRU_CAP", "0.8"))
-        ghosts = int(budget // block_bytes) if os.environ.get("HC_SLRU_GHOSTS", "0") == "1" else 0
-        adapt = os.environ.get("HC_SLRU_ADAPT", "0") == "1"
-        if adapt:
-            ghosts = int(budget // block_bytes)
-        policy = SlruPolicy(frac * budget, ghosts, os.environ.get("HC_SLRU_CKPT", "1") == "1")
-        if adapt:
-            policy.adapt_step = block_bytes
-            policy.max_bytes = budget
-        return policy
     return FlopAwarePolicy(config.flop_aware_alpha, cost, config.block_size)
 
 

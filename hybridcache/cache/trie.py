@@ -87,7 +87,7 @@ class Node:
 
     __slots__ = (
         "adapter", "parent", "block_id", "token_ids", "spans", "hash", "depth", "children", "checkpoints",
-        "last_access", "attached", "by_first", "protected",
+        "last_access", "attached", "by_first",
     )
 
     def __init__(
@@ -106,7 +106,6 @@ class Node:
         self.last_access = last_access
         self.attached = True
         self.by_first: dict[int, list[Node]] | None = None
-        self.protected = False  # in the segmented LRU's protected segment (eviction="slru")
 
     @property
     def is_root(self) -> bool:

@@ -30,7 +30,7 @@ def check_picks(cache: PrefixCache) -> PrefixCache:
 class CheckedEvictor(Evictor):
     def __init__(self, life: Lifecycle) -> None:
         plain = life.evictor
-        super().__init__(plain.policy, plain.trie, plain.blocks, plain.block_bytes, plain.state_bytes)
+        super().__init__(plain.policy, plain.trie, plain.blocks)
         self._life = life
 
     def can_free_blocks(self, num_blocks: int) -> bool:

@@ -29,7 +29,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_slots=st.integers(4, 12),
         budget=st.integers(4, 64),
         mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
-        eviction=st.sampled_from(["lru", "flop_aware", "slru"]),
+        eviction=st.sampled_from(["lru", "flop_aware"]),
         memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
         learned=st.booleans(),
     )

@@ -33,7 +33,7 @@ class CacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(4, 64),
         num_slots=st.integers(2, 12),
         cap=st.integers(1, 3),
-        eviction=st.sampled_from(["lru", "flop_aware", "slru"]),
+        eviction=st.sampled_from(["lru", "flop_aware"]),
         decode=st.booleans(),
         full_hits=st.booleans(),
         admission=st.sampled_from(["all", "learned"]),
