@@ -21,8 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridcache.cache.plan import CopyPlan
+from hybridcache.cache.plan import CopyOp, CopyPlan
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
+
+_ALIGN_WORDS = 2  # int64 words per 16 bytes: every field of a step's packed id tensor starts aligned (_to_device)
+_PAD = (0,) * _ALIGN_WORDS
 
 
 @dataclass(frozen=True)
@@ -110,14 +113,11 @@ def build_forward_batch(
         "prompt_logits_rows": prompt_rows,
     }
     ops = copies.ops if copies is not None else ()
-    for i, op in enumerate(ops):
-        fields[f"copy{i}"] = [*op.src_ids, *op.dst_ids]
+    fields.update(_copy_fields(ops))
     device_fields = _to_device(fields, device)
     int32 = {name: device_fields[name].to(torch.int32) for name in ("cu_seqlens", "context_lens", "block_tables")}
-    device_copies = []
-    for i, op in enumerate(ops):
-        ids = device_fields[f"copy{i}"].view(2, -1)
-        device_copies.append(DeviceCopyOp(op.kind, ids[0], ids[1]))
+    device_copies = [DeviceCopyOp(op.kind, device_fields[f"copy{i}_src"], device_fields[f"copy{i}_dst"])
+                     for i, op in enumerate(ops)]
     return ForwardBatch(
         input_ids=device_fields["input_ids"],
         positions=device_fields["positions"],
@@ -136,28 +136,43 @@ def build_forward_batch(
     )
 
 
-def _to_device(fields: dict[str, list[int]], device: torch.device | str) -> dict[str, torch.Tensor]:
+def _copy_fields(ops: Sequence[CopyOp]) -> dict[str, Sequence[int]]:
+    """The copy plan's id lists, source and destination apart (each is then a field of its own, aligned)."""
+    fields: dict[str, Sequence[int]] = {}
+    for i, op in enumerate(ops):
+        fields[f"copy{i}_src"] = op.src_ids
+        fields[f"copy{i}_dst"] = op.dst_ids
+    return fields
+
+
+def _to_device(fields: dict[str, Sequence[int]], device: torch.device | str) -> dict[str, torch.Tensor]:
     """Every integer field in one int64 host tensor, moved to `device` in one transfer (pinned and non-blocking
     on CUDA: the host does not wait for it; the pinned buffer is kept alive by torch's caching host allocator
-    until the copy is done); returns views of the device tensor, one per field."""
+    until the copy is done); returns views of the device tensor, one per field.
+
+    Every field starts at an even word, i.e. 16-byte aligned like the packed tensor itself: Triton specialises a
+    kernel on whether each pointer argument is 16-byte aligned, so a field whose alignment followed the lengths
+    before it (state slots after 3 x T token words, a copy's destination ids after its sources) would compile
+    another variant of the kernels that read it in whichever step first met the other alignment."""
     flat = array("q")  # a C buffer, wrapped without a copy: ~2x faster than torch.tensor over a list of ints
-    for values in fields.values():
+    starts = {}
+    for name, values in fields.items():
+        flat.extend(_PAD[: len(flat) % _ALIGN_WORDS])
+        starts[name] = len(flat)
         flat.extend(values)
     host = torch.frombuffer(flat, dtype=torch.int64) if flat else torch.empty(0, dtype=torch.int64)
     on_cuda = torch.device(device).type == "cuda"
     packed = host.pin_memory().to(device, non_blocking=True) if on_cuda else host.to(device)
-    out, offset = {}, 0
-    for name, values in fields.items():
-        out[name] = packed[offset: offset + len(values)]
-        offset += len(values)
-    return out
+    return {name: packed[starts[name]: starts[name] + len(values)] for name, values in fields.items()}
+
 
 
 def device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceCopyOp, ...]:
     """The step's copy ops alone, on the device in one transfer (a step with no forward: only zero-prefill
     samples, whose restores still run)."""
-    fields = {f"copy{i}": [*op.src_ids, *op.dst_ids] for i, op in enumerate(copies.ops)}
+    fields = _copy_fields(copies.ops)
     if not fields:
         return ()
     on_device = _to_device(fields, device)
-    return tuple(DeviceCopyOp(op.kind, *on_device[f"copy{i}"].view(2, -1)) for i, op in enumerate(copies.ops))
+    return tuple(DeviceCopyOp(op.kind, on_device[f"copy{i}_src"], on_device[f"copy{i}_dst"])
+                 for i, op in enumerate(copies.ops))

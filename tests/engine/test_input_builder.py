@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.cache.plan import CopyKind, CopyOp, CopyPlan
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, device_copies
 
 
 def test_worked_example_from_the_docstring():
@@ -37,3 +38,23 @@ def test_rejects_too_few_blocks_and_empty_chunks():
         build_forward_batch([SeqChunk([1] * 20, 0, [0], 0)], block_size=16, kernel_block_size=8)
     with pytest.raises(ValueError, match="at least one token"):
         build_forward_batch([SeqChunk([], 0, [0], 0)], block_size=16, kernel_block_size=8)
+
+
+def _offset_in_packed(tensor: torch.Tensor) -> int:
+    return tensor.data_ptr() - tensor.untyped_storage().data_ptr()
+
+
+def test_every_field_and_copy_id_list_starts_16_byte_aligned():
+    """Triton specialises kernels on 16-byte pointer alignment: fields whose offsets followed odd lengths (3 + 1
+    tokens, 3 copy pairs) would flip it from step to step and compile extra variants mid-serving."""
+    plan = CopyPlan((CopyOp(CopyKind.KV_RESTORE, (1, 2, 3), (4, 5, 6)), CopyOp(CopyKind.STATE_SAVE, (7,), (8,))))
+    batch = build_forward_batch([SeqChunk([1, 2, 3], 0, [0], slot=1), SeqChunk([4], 9, [1], slot=2)],
+                                block_size=16, kernel_block_size=8, copies=plan)
+    ids = [batch.input_ids, batch.positions, batch.slot_mapping, batch.state_slots, batch.logits_indices,
+           *(t for op in batch.copies for t in (op.src_ids, op.dst_ids))]
+    assert [_offset_in_packed(t) % 16 for t in ids] == [0] * len(ids)
+    assert [(op.src_ids.tolist(), op.dst_ids.tolist()) for op in batch.copies] == [([1, 2, 3], [4, 5, 6]), ([7], [8])]
+    assert batch.state_slots.tolist() == [1, 2] and batch.input_ids.tolist() == [1, 2, 3, 4]
+    alone = device_copies(plan, "cpu")
+    assert [_offset_in_packed(t) % 16 for op in alone for t in (op.src_ids, op.dst_ids)] == [0] * 4
+    assert [(op.src_ids.tolist(), op.dst_ids.tolist()) for op in alone] == [([1, 2, 3], [4, 5, 6]), ([7], [8])]
