@@ -254,7 +254,8 @@ class ModelRunner:
         """One save per pool group (block 0 onto block 1, slot 0 onto slot 1: both hold nothing yet), so that the
         copy kernel's variant for each pool (its geometry is a compile-time specialisation) compiles at start-up
         rather than inside the first step that saves or restores a checkpoint (the first prefill step of the
-        GPU benchmark's phase D paid ~300 ms for it on a fresh machine)."""
+        GPU benchmark's phase D paid ~300 ms for it on a fresh machine). The ids here are fresh tensors, 16-byte
+        aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches."""
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
