@@ -120,56 +120,47 @@ def print_operators(prof) -> None:
     print(f"| total | {sum(families.values()):.2f} |")
 
 
-def profile_batch_prefill(llm: LLM, rng: random.Random, device: torch.device, prompt_len: int) -> None:
-    """Steps shaped like phase D's prefill: 16,384 // prompt_len fresh prompts at once, one new token each."""
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    batch = lambda: [letters(rng, prompt_len) for _ in range(16384 // prompt_len)]  # noqa: E731
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
-    def step_ms() -> float:
-        prompts = batch()
-        sync(device)
-        start = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        sync(device)
-        return 1000 * (time.perf_counter() - start)
 
-    step_ms()  # warm-up
-    times = [step_ms() for _ in range(3)]
-    cells = " | ".join(f"{t:.1f} ms" for t in times)
-    print(f"| batch prefill ({16384 // prompt_len} x {prompt_len}), three steps | {cells} |")
-    if device.type != "cuda":
-        return
+def generate_ms(llm: LLM, prompts: list[str]) -> float:
+    """Wall ms of one `generate` of `prompts`, one new token each (it returns after the host has the tokens)."""
+    start = time.perf_counter()
+    llm.generate(prompts, ONE_TOKEN, use_tqdm=False)
+    return 1000 * (time.perf_counter() - start)
+
+
+def profile_generate(llm: LLM, prompts: list[str], name: str) -> None:
+    """`generate_ms` under torch.profiler, then its operator tables (CUDA only)."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompts = batch()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+        ms = generate_ms(llm, prompts)
+    print(f"\n{name}: {ms:.1f} ms")
     print_operators(prof)
+
+
+def profile_batch_prefill(llm: LLM, rng: random.Random, device: torch.device, prompt_len: int) -> None:
+    """Steps shaped like phase D's prefill: 16,384 // prompt_len fresh prompts at once, one new token each."""
+    batch = lambda: [letters(rng, prompt_len) for _ in range(16384 // prompt_len)]  # noqa: E731
+    generate_ms(llm, batch())  # warm-up
+    cells = " | ".join(f"{generate_ms(llm, batch()):.1f} ms" for _ in range(3))
+    print(f"| batch prefill ({16384 // prompt_len} x {prompt_len}), three steps | {cells} |")
+    if device.type == "cuda":
+        profile_generate(llm, batch(), "batch prefill")
 
 
 def profile_prefill(llm: LLM, rng: random.Random, device: torch.device) -> None:
     """Phase C three times with fresh prompts (the first may include kernel compilation), then profiled."""
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-
-    def request(prompt: str) -> float:
-        start = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
-        return 1000 * (time.perf_counter() - start)
-
     print("| run | cold 16,000 ms | + 200 ms |\n| --- | --- | --- |")
     for run in range(3):
         prompt = letters(rng, 16000)
-        print(f"| {run} | {request(prompt):.1f} | {request(prompt + letters(rng, 200)):.1f} |", flush=True)
-    if device.type != "cuda":
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    prompt = letters(rng, 16000)
-    for name, text in (("cold", prompt), ("warm", prompt + letters(rng, 200))):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            ms = request(text)
-        print(f"\n{name}: {ms:.1f} ms")
-        print_operators(prof)
+        print(f"| {run} | {generate_ms(llm, [prompt]):.1f} | {generate_ms(llm, [prompt + letters(rng, 200)]):.1f} |",
+              flush=True)
+    if device.type == "cuda":
+        prompt = letters(rng, 16000)
+        profile_generate(llm, [prompt], "cold")
+        profile_generate(llm, [prompt + letters(rng, 200)], "warm")
 
 
 def main() -> None:

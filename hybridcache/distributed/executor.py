@@ -205,11 +205,11 @@ class TensorParallelExecutor:
         garbage whatever the workers look like: a killed CUDA process closes its pipes (which wakes the monitor)
         some time before it is reaped (its device context is torn down in between), so `is_alive()` may still
         say True here; the dead worker is then waited for (`FAILURE_GRACE_S`) to name it and its exit."""
-        aborted = any(monitor.aborted for monitor in self._monitors)
-        failure = self._find_failure(grace_s=FAILURE_GRACE_S if aborted else 0.0)
-        if failure is None and aborted:
-            failure = WorkerError(f"the tensor-parallel group was aborted: worker rank {self._monitors[0].dead_rank} "
-                                  f"exited and was not reaped within {FAILURE_GRACE_S:.0f} s")
+        monitor = self._monitors[0]
+        failure = self._find_failure(grace_s=FAILURE_GRACE_S if monitor.aborted else 0.0)
+        if failure is None and monitor.aborted:
+            failure = WorkerError(f"the tensor-parallel group was aborted: worker rank {monitor.dead_rank} exited "
+                                  f"and was not reaped within {FAILURE_GRACE_S:.0f} s")
         if failure is not None:
             raise failure
 
