@@ -27,35 +27,36 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_start(row, stride_t, stride_h, heads):
-    return (row // heads) * stride_t + (row % heads) * stride_h
+def _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok):  # row `row` of a [T, H, D] view, in fp32
+    start = (row // heads) * stride_t + (row % heads) * stride_h
+    return tl.load(x_ptr + start + cols, mask=ok, other=0.0).to(tl.float32)
 
 
+# Every kernel: one program per row; (x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps) first, then its own.
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, w_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, out_ptr, stride_t, stride_h, gate_stride_t, gate_stride_h, heads,
-                           dim, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t, gate_stride_h,
+                           w_ptr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
     dtype = out_ptr.dtype.element_ty
     normed = (x * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     scaled = (w * normed).to(dtype).to(tl.float32)
-    gate_at = g_ptr + _row_start(row, gate_stride_t, gate_stride_h, heads) + cols
-    gate = tl.load(gate_at, mask=ok, other=0.0).to(tl.float32)
+    gate = _load_row(g_ptr, row, gate_stride_t, gate_stride_h, heads, cols, ok)
     tl.store(out_ptr + row * dim + cols, (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
 
 
@@ -64,7 +65,7 @@ def _l2norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, BLOCK: t
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
-    x = tl.load(x_ptr + _row_start(row, stride_t, stride_h, heads) + cols, mask=ok, other=0.0).to(tl.float32)
+    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps)
     tl.store(out_ptr + row * dim + cols, (x * rstd).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -83,38 +84,30 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return flat, flat.stride(0), 0, 1
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> contiguous [..., dim] in x's dtype."""
+def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
+    """A contiguous [..., dim] output in x's dtype from one program per row of x (read in place, `_rows`)."""
     rows, stride_t, stride_h, heads = _rows(x)
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel():
-        _rms_norm_kernel[(out.numel() // dim,)](rows, weight, out, stride_t, stride_h, heads, dim, eps,
-                                                BLOCK=triton.next_power_of_2(dim))
+        kernel[(out.numel() // dim,)](rows, out, stride_t, stride_h, heads, dim, eps, *extra,
+                                      BLOCK=triton.next_power_of_2(dim))
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> contiguous [..., dim] in x's dtype."""
+    return _launch(_rms_norm_kernel, x, eps, weight)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm over the last dim: x, gate [..., dim] (same shape), weight [dim] -> contiguous [..., dim]."""
     if gate.shape != x.shape:
         raise ValueError(f"gated_rms_norm: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
-    rows, stride_t, stride_h, heads = _rows(x)
     gates, gate_stride_t, gate_stride_h, _ = _rows(gate)  # same shape, so the same row -> (t, h) split
-    dim = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        _gated_rms_norm_kernel[(out.numel() // dim,)](rows, gates, weight, out, stride_t, stride_h, gate_stride_t,
-                                                      gate_stride_h, heads, dim, eps,
-                                                      BLOCK=triton.next_power_of_2(dim))
-    return out
+    return _launch(_gated_rms_norm_kernel, x, eps, gates, gate_stride_t, gate_stride_h, weight)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: x [..., dim] -> contiguous [..., dim] in x's dtype."""
-    rows, stride_t, stride_h, heads = _rows(x)
-    dim = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        _l2norm_kernel[(out.numel() // dim,)](rows, out, stride_t, stride_h, heads, dim, eps,
-                                              BLOCK=triton.next_power_of_2(dim))
-    return out
+    return _launch(_l2norm_kernel, x, eps)
