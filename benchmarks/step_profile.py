@@ -9,7 +9,8 @@ then decodes `--steps` steps twice:
 2. free-running: the plain step wall time, as a user sees it (parts overlap where they can).
 Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time.
 `--prefill`: instead, phase C of the GPU benchmark (a cold 16,000-token prompt, then it + 200 tokens) three times
-with fresh prompts, each request timed, then the operators of one more cold and one more warm request.
+with fresh prompts, each request timed, then the operators of one more cold and one more warm request, and the
+host's Python functions (cProfile) of one more warm request.
 `--batch-prefill`: instead, steps shaped like phase D's prefill (16 fresh prompts of `--prompt-len` tokens, one
 step of 16,384 tokens at 1,024), timed, then one profiled.
 On CUDA every profile also prints its device time by kernel family (GEMM, MoE, fla, attention, ...).
@@ -150,8 +151,23 @@ def profile_batch_prefill(llm: LLM, rng: random.Random, device: torch.device, pr
         profile_generate(llm, batch(), "batch prefill")
 
 
+def host_profile(llm: LLM, prompts: list[str], name: str, rows: int = 30) -> None:
+    """`generate_ms` under cProfile: the host's Python functions by cumulative time (where a host-bound
+    request's milliseconds go: tokenizing, matching, scheduling, each layer's launches, sampling)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    ms = generate_ms(llm, prompts)
+    profiler.disable()
+    print(f"\n{name} under cProfile: {ms:.1f} ms (cProfile adds its own overhead)")
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(rows)
+
+
 def profile_prefill(llm: LLM, rng: random.Random, device: torch.device) -> None:
-    """Phase C three times with fresh prompts (the first may include kernel compilation), then profiled."""
+    """Phase C three times with fresh prompts (the first may include kernel compilation), then profiled: the
+    device's operators of one more cold and warm pair, and the host's functions of a last warm request."""
     print("| run | cold 16,000 ms | + 200 ms |\n| --- | --- | --- |")
     for run in range(3):
         prompt = letters(rng, 16000)
@@ -161,6 +177,9 @@ def profile_prefill(llm: LLM, rng: random.Random, device: torch.device) -> None:
         prompt = letters(rng, 16000)
         profile_generate(llm, [prompt], "cold")
         profile_generate(llm, [prompt + letters(rng, 200)], "warm")
+    prompt = letters(rng, 16000)
+    generate_ms(llm, [prompt])
+    host_profile(llm, [prompt + letters(rng, 200)], "warm")
 
 
 def main() -> None:

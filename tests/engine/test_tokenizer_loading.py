@@ -61,3 +61,45 @@ def test_a_config_without_vocabulary_files_names_the_folder(folder):
     (folder / "tokenizer.json").unlink()
     with pytest.raises(ValueError, match=f"could not load the tokenizer of {folder}"):
         Tokenizer(folder)
+
+
+def _bpe_folder(path):
+    """A BPE tokenizer with merges, a normaliser, a BOS-adding post-processor and added special tokens, trained
+    here (deterministic) and saved with a tokenizer_config.json."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, normalizers, pre_tokenizers, processors, trainers
+
+    backend = Backend(models.BPE(unk_token="<unk>"))
+    backend.normalizer = normalizers.NFKC()
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = ["the quick brown fox jumps over the lazy dog " * 3, "hybrid models keep a recurrent state " * 3,
+              "ﬁne unicode: ça, naïve, 東京, emoji 🙂"]
+    backend.train_from_iterator(corpus, trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path.mkdir()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "<|im_end|>"}))
+    return path
+
+
+TEXTS = ["", "hello", "the quick brown fox", "  leading and trailing  ", "ﬁne ça naïve 東京 🙂\n\ttabs",
+         "a<|im_end|>b <s> c", "x" * 3000, "the lazy dog jumps " * 200]
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "bpe"])
+def test_encode_gives_what_transformers_encode_gives(folder, tmp_path, kind):
+    """`Tokenizer.encode` goes to the backend directly: its ids must be AutoTokenizer's, also after a call that
+    set truncation and padding on the shared backend."""
+    tokenizer = Tokenizer(folder if kind == "byte-level" else _bpe_folder(tmp_path / "bpe"))
+    hf = tokenizer.hf
+    for text in TEXTS:
+        assert tokenizer.encode(text) == hf.encode(text, add_special_tokens=False), text
+    if hf.pad_token is None:
+        hf.pad_token = hf.eos_token
+    hf(["short", "a longer text"], truncation=True, max_length=3, padding="max_length")  # leaves them set
+    assert tokenizer.backend.truncation is not None
+    assert tokenizer.encode(TEXTS[-1]) == hf.encode(TEXTS[-1], add_special_tokens=False)
+    assert len(tokenizer.encode(TEXTS[-1])) > 3
