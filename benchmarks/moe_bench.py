@@ -7,7 +7,8 @@ For the expert shapes of the benchmark models (next-1b: 16 experts top-4, hidden
 prefill chunk, times (the median of CUDA-graph replays) the routed-expert computation:
 - `before`: last stop's path (gather, two grouped GEMMs, F.silu * up, index_copy_ un-permutation, bmm combine)
 - `grouped`: the grouped GEMMs with fla's fused SiLU gate and the Triton combine
-- `triton bm/bn/bk/w`: the Triton expert GEMM (tile rows bm, columns bn, depth bk, warps w) and the combine
+- `triton bm/bn/bk/w[/s]`: the Triton expert GEMM (tile rows bm, columns bn, depth bk, warps w, pipeline stages s,
+  3 when not named) and the combine
 and `auto` (what `grouped_experts` picks). Prints one table per model (ms, and GB/s of the weights read for
 decode sizes: each touched expert once) and the max relative difference of each variant against `before`;
 writes DIR/moe_bench.json (DIR: --out, else $OUT, else .).
@@ -38,7 +39,10 @@ from hybridcache.kernels.moe.triton_experts import combine
 SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024), "next-80b": (512, 10, 2048, 512)}
 TOKENS = (1, 8, 32, 64, 128, 256, 1024, 4096, 16384)
 TILES = [(16, 64, 128, 4), (32, 64, 128, 4), (64, 64, 128, 4), (16, 128, 64, 4), (32, 128, 64, 4),
-         (64, 128, 64, 8), (128, 128, 64, 8), (16, 32, 128, 4)]
+         (64, 128, 64, 8), (128, 128, 64, 8), (16, 32, 128, 4),
+         # decode-sized tiles for memory-bound expert reads: deeper K, more pipeline stages (5th field: num_stages)
+         (16, 64, 256, 4, 3), (16, 64, 128, 4, 5), (16, 128, 128, 4, 4), (16, 128, 128, 8, 4), (16, 32, 256, 4, 4),
+         (16, 64, 256, 8, 4)]
 
 
 def before(x, weights, ids, experts):
@@ -59,12 +63,12 @@ def with_grouped(x, weights, ids, experts):
 
 
 def with_triton(tile):
-    block_m, block_n, block_k, warps = tile
+    block_m, block_n, block_k, warps, stages = (*tile, 3)[:5]
 
     def run(x, weights, ids, experts):
         order, counts = sort_pairs(ids, experts.gate_up.shape[0])
         y = expert_rows_triton(x, order, counts, ids.shape[1], experts, block_m, block_n=block_n, block_k=block_k,
-                               num_warps=warps)
+                               num_warps=warps, num_stages=stages)
         return combine(y, weights)
 
     return run
