@@ -7,7 +7,7 @@
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
-| rms_norm, gated_rms_norm | fused Triton kernels, one program per row (`norm/triton.py`)                          |
+| rms_norm, gated_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`)             |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |

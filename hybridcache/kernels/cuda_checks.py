@@ -358,15 +358,16 @@ def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dic
 
 def check_norms(dtype: torch.dtype, device: torch.device, rows: int = 300, seed: int = 0) -> dict[str, ErrorStats]:
     """The fused norms against `kernels.norm.reference` (and the delta rule's l2norm, in fp32) with random weights:
-    hidden-size rows (2048) and head rows (128, the DeltaNet gated norm and q/k norms), on non-contiguous inputs as
-    the layers pass them: a row slice, and [T, H, D] head views of a fused projection."""
+    hidden-size rows (2048), head rows (128, the DeltaNet gated norm and q/k norms) and rows narrower than their
+    padded block (80), on non-contiguous inputs as the layers pass them: a row slice, and [T, H, D] head views of
+    a fused projection."""
     from hybridcache.kernels.gated_delta import reference as delta_reference
     from hybridcache.kernels.norm import reference
     from hybridcache.kernels.norm.triton import gated_rms_norm, l2norm, rms_norm
 
     gen = torch.Generator().manual_seed(seed)
     stats = {}
-    for dim in (2048, 128):
+    for dim in (2048, 80, 128):  # 80: a padded block (128) wider than the row; 128 last (its weights serve below)
         plain = (0.1 * torch.randn(dim, generator=gen)).to(device, dtype)
         gated = (1 + 0.1 * torch.randn(dim, generator=gen)).to(device, dtype)
         x = (3 * torch.randn(rows, 2, dim, generator=gen)).to(device, dtype)[:, 0]  # row stride 2 * dim

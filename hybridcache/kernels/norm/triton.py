@@ -1,5 +1,6 @@
 """Fused row norms on CUDA (Triton): one launch per norm instead of torch's five or six elementwise kernels.
-Same math and the same roundings as `layers.norm` / the references (one program per row of the last dim):
+Same math and the same roundings as `layers.norm` / the references (each row of the last dim on its own; a
+program takes 2,048 // width rows, see `_launch`):
 
 - `rms_norm` (ZeroCenteredRMSNorm): y = x / rms(x) * (1 + w), all in fp32, rounded once to x's dtype.
 - `gated_rms_norm` (GatedRMSNorm of DeltaNet outputs): n = (x / rms(x)) rounded to x's dtype; p = w * n rounded
@@ -27,47 +28,52 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok):  # row `row` of a [T, H, D] view, in fp32
-    start = (row // heads) * stride_t + (row % heads) * stride_h
-    return tl.load(x_ptr + start + cols, mask=ok, other=0.0).to(tl.float32)
-
-
-# Every kernel: one program per row; (x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps) first, then its own.
-@triton.jit
-def _rms_norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, w_ptr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < dim
-    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * dim + cols, (x * rstd * (1.0 + w)).to(out_ptr.dtype.element_ty), mask=ok)
+def _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok):  # rows `rows` of a [T, H, D] view, in fp32
+    starts = (rows // heads) * stride_t + (rows % heads) * stride_h
+    return tl.load(x_ptr + starts[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t, gate_stride_h,
-                           w_ptr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _block(num_rows, dim, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # this program's rows, columns and mask
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
-    ok = cols < dim
-    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    return rows, cols, (rows < num_rows)[:, None] & (cols < dim)[None, :]
+
+
+# Every kernel: one program per ROWS rows; (x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps) first,
+# then its own. num_rows is not specialised on (a 1-row call must not compile another variant).
+@triton.jit(do_not_specialize=["num_rows"])
+def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, w_ptr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = x * rstd[:, None] * (1.0 + w[None, :])
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _gated_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
+                           gate_stride_h, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
     dtype = out_ptr.dtype.element_ty
-    normed = (x * rstd).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    scaled = (w * normed).to(dtype).to(tl.float32)
-    gate = _load_row(g_ptr, row, gate_stride_t, gate_stride_h, heads, cols, ok)
-    tl.store(out_ptr + row * dim + cols, (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(dtype).to(tl.float32)
+    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
 
 
-@triton.jit
-def _l2norm_kernel(x_ptr, out_ptr, stride_t, stride_h, heads, dim, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < dim
-    x = _load_row(x_ptr, row, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) + eps)
-    tl.store(out_ptr + row * dim + cols, (x * rstd).to(out_ptr.dtype.element_ty), mask=ok)
+@triton.jit(do_not_specialize=["num_rows"])
+def _l2norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, ROWS: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], (x * rstd[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -84,14 +90,24 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     return flat, flat.stride(0), 0, 1
 
 
+_ELEMENTS_PER_PROGRAM = 2048  # rows per program = this // the padded row width (1 for rows of >= 2,048)
+
+
 def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
-    """A contiguous [..., dim] output in x's dtype from one program per row of x (read in place, `_rows`)."""
+    """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`).
+
+    Rows of a head dim (128) are 256 bytes: one program each left phase D's 16,384-token prefill steps
+    latency-bound (next-1b on the H200: the gated norm 210 us per layer for ~200 MB moved), so short rows are
+    grouped, 16 per program at 128 columns; hidden-size rows (2,048+) keep one program each."""
     rows, stride_t, stride_h, heads = _rows(x)
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if out.numel():
-        kernel[(out.numel() // dim,)](rows, out, stride_t, stride_h, heads, dim, eps, *extra,
-                                      BLOCK=triton.next_power_of_2(dim))
+    num_rows = out.numel() // dim if dim else 0
+    if num_rows:
+        block = triton.next_power_of_2(dim)
+        per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
+        kernel[(triton.cdiv(num_rows, per_program),)](rows, out, num_rows, stride_t, stride_h, heads, dim, eps,
+                                                      *extra, ROWS=per_program, BLOCK=block)
     return out
 
 
