@@ -20,6 +20,7 @@ rounding; measured on the tiny random models here (relative error = max |logit d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import random
@@ -167,18 +168,26 @@ def test_the_same_budget_buys_about_twice_the_checkpoint_slots():
 # ---------------------------------------------------------------------------------- the CPU reference path
 
 
-def test_bf16_state_is_the_fp32_state_rounded_once_per_step(model_dir):
-    """The reference kernels read the bf16 state as fp32 and round once when they store it, and checkpoints copy
-    the bf16 bytes: on the whole cache-equivalence workload (prefix hits, checkpoint saves and restores, a
-    batched decode), a bf16-state engine gives bit-identical logits to an fp32-state engine whose ssm pools are
-    rounded to bf16 after every step."""
-    bf16 = make_engine(model_dir, mamba_ssm_cache_dtype="bfloat16")
-    emulated = make_engine(model_dir)
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None, reason="needs CUDA and the cuda extra"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_bf16_state_is_the_fp32_state_rounded_once_per_step(model_dir, device):
+    """The kernels read the bf16 state as fp32 and round once when they store it, and checkpoints copy the bf16
+    bytes: on the whole cache-equivalence workload (prefix hits, checkpoint saves and restores, a batched
+    decode), a bf16-state engine gives bit-identical logits to an fp32-state engine whose ssm pools are rounded
+    to bf16 after every step. On CUDA (bf16 model, decode graphs) the same holds for the Triton decode step and
+    fla's chunked rule, which gather the state as fp32 and cast it back when they scatter it."""
+    options = {} if device == "cpu" else dict(
+        device="cuda", dtype="bfloat16", num_blocks=256, num_checkpoint_slots=32, gpu_memory_utilization=0.5)
+    bf16 = make_engine(model_dir, mamba_ssm_cache_dtype="bfloat16", **options)
+    emulated = make_engine(model_dir, **options)
     assert {p.dtype for p in ssm_pools(bf16)} == {torch.bfloat16}
     assert {p.dtype for p in ssm_pools(emulated)} == {torch.float32}
     conv_dtypes = {layer["conv"].dtype for engine in (bf16, emulated) for layer in engine.runner.pools.layers
                    if isinstance(layer, Mapping)}
-    assert conv_dtypes == {torch.float32}  # the conv state keeps the model dtype
+    assert conv_dtypes == {torch.float32 if device == "cpu" else torch.bfloat16}  # the model dtype
     execute, pools = emulated.runner.execute, ssm_pools(emulated)
 
     def execute_then_round(batch):
