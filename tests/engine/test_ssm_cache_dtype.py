@@ -91,6 +91,11 @@ def test_the_option_on_the_command_line_and_in_llm(tmp_path):
     assert resolve_engine_config(named, {"mamba_ssm_cache_dtype": "auto"}).mamba_ssm_cache_dtype == "bfloat16"
     # LLM's own default is EngineConfig's float32, whatever the config names
     assert resolve_engine_config(named, {}).mamba_ssm_cache_dtype == "float32"
+    # a multimodal wrapper's config names it in text_config (as Qwen3.5's checkpoints do)
+    text = json.loads((builtin / "config.json").read_text())
+    wrapper = {"architectures": text["architectures"], "text_config": {**text, "mamba_ssm_dtype": "float16"}}
+    assert ModelConfig.from_dict(wrapper).mamba_ssm_dtype == "float16"
+    assert ModelConfig.from_dict(text).mamba_ssm_dtype is None
     for command in ("generate", "serve"):
         args = build_parser().parse_args([command, "--mamba-ssm-cache-dtype", "bfloat16"])
         assert engine_options(args)["mamba_ssm_cache_dtype"] == "bfloat16"
