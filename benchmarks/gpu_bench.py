@@ -1,7 +1,7 @@
 """The GPU benchmark of issue 11: phases A-D through `LLM` on random model folders it builds itself.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
-        [--check-graphs] [--out DIR]
+        [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -24,7 +24,8 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
 
 `--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs and eagerly
 (`enforce_eager`) on two engines and reports whether the tokens are identical. Prints one table and writes
-DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .).
+DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .), or DIR/gpu_bench_<model>_ssm-<dtype>.json with a
+`--mamba-ssm-cache-dtype` other than auto (the recurrent state's dtype; auto is float32 for these models).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from pathlib import Path
 import torch
 
 from hybridcache import LLM
+from hybridcache.config import DTYPES
 from hybridcache.models.builtin import build_byte_tokenizer
 from hybridcache.models.random_weights import randomize_
 from hybridcache.sampling import SamplingParams
@@ -261,6 +263,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *DTYPES],
+                        help="the DeltaNet recurrent state's dtype (auto: float32 here; the models name none)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -275,6 +279,8 @@ def main() -> None:
         parser.error(f"unknown phases {sorted(unknown)}")
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
+    out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
@@ -283,7 +289,7 @@ def main() -> None:
     print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
-                   gpu_memory_utilization=args.gpu_memory_utilization)
+                   gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     start = time.perf_counter()
     llm = None
     try:
@@ -300,6 +306,7 @@ def main() -> None:
     result["cuda_graphs"] = list(llm.engine.runner.graph_batch_sizes)
     result["engine_init_s"] = time.perf_counter() - start
     result["memory"] = llm.engine.memory_plan.describe()
+    result["mamba_ssm_cache_dtype"] = llm.engine.config.mamba_ssm_cache_dtype
     rng = random.Random(0)
     warm_up(llm, random.Random(99))
     runners = {"A": phase_a, "B": phase_b, "C": phase_c,
@@ -319,12 +326,12 @@ def main() -> None:
             print(f"{key}: Triton compiled {len(compiles.by_label[key])} kernels: {compiles.by_label[key]}")
         print_row(key, result["phases"][key])
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
+        out_path.write_text(json.dumps(result, indent=1))
     print_table(result)
     if args.check_graphs:
         result["graph_check"] = check_graphs(llm, args.check_tokens)
         print(f"graph check: {result['graph_check']}", flush=True)
-        (out_dir / f"gpu_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
+        out_path.write_text(json.dumps(result, indent=1))
 
 
 def print_row(phase: str, r: dict) -> None:
@@ -338,7 +345,7 @@ def print_row(phase: str, r: dict) -> None:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['model']} on {result['device']} ({result['memory']})")
+    print(f"\n{result['model']} on {result['device']}, state {result['mamba_ssm_cache_dtype']} ({result['memory']})")
     print("| phase | hit rate | cached tokens | p50 ms | p95 ms | each ms | total s | out tok/s | decode step ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for phase, r in result["phases"].items():

@@ -14,6 +14,8 @@ EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}
 # Older spellings still accepted (and stored as the current one).
 EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# The option that sets the recurrent state's dtype, as vLLM spells it (`EngineConfig.mamba_ssm_cache_dtype`).
+SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,13 @@ class EngineConfig:
     tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
     NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
     engine's process. See `hybridcache.distributed`.
+    dtype: weights and activations (and the KV pool and the DeltaNet conv state). mamba_ssm_cache_dtype: the
+    gated DeltaNet recurrent state `S` in the state slots (runtime and checkpoint ones), vLLM's option name;
+    the kernels compute in fp32 and round to this dtype once per stored state (after each chunk of a prefill,
+    after each decoded token). float32 (the default) keeps cached and uncached runs equal to float rounding;
+    bfloat16 halves the state slot's dominant tensor (about 2x the checkpoint slots per GiB) but makes results
+    depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
+    resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     """
 
     block_size: int = 64
@@ -51,7 +60,7 @@ class EngineConfig:
     decode_checkpoint_interval: int | None = None
     eviction: str = "lru"
     dtype: str = "float32"
-    state_dtype: str = "float32"
+    mamba_ssm_cache_dtype: str = "float32"
     device: str = "cpu"
     gpu_memory_utilization: float | None = None
     enforce_eager: bool = False
@@ -91,8 +100,17 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
                              "('auto' is resolved by LLM and the command line, see engine_args.resolve_engine_config)")
-        if self.state_dtype not in DTYPES:
-            raise ValueError(f"state_dtype must be float32, bfloat16 or float16, got {self.state_dtype!r}")
+        if self.mamba_ssm_cache_dtype not in DTYPES:
+            raise ValueError(
+                f"mamba_ssm_cache_dtype ({SSM_DTYPE_FLAG}) must be float32, bfloat16 or float16, got "
+                f"{self.mamba_ssm_cache_dtype!r} ('auto' is resolved by LLM and the command line, see "
+                "engine_args.resolve_engine_config)"
+            )
+
+    @property
+    def state_dtype(self) -> str:
+        """The recurrent state's dtype name under the runner's name for it (= `mamba_ssm_cache_dtype`)."""
+        return self.mamba_ssm_cache_dtype
 
     @property
     def pages_per_block(self) -> int:

@@ -1,5 +1,5 @@
 """Command-line options of `EngineConfig`, shared by every subcommand that runs a model, and the resolution of
-`dtype="auto"` / `device="auto"` that both the command line and `LLM` use.
+`dtype="auto"` / `device="auto"` / `mamba_ssm_cache_dtype="auto"` that both the command line and `LLM` use.
 
 It lives next to the config (not in `cli.py`) so that `cli.py` and the subcommand modules it loads
 (`server/cli.py`, `bench/cli.py`) both import it from below and never each other.
@@ -8,12 +8,14 @@ It lives next to the config (not in `cli.py`) so that `cli.py` and the subcomman
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
-from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, EngineConfig
+from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, SSM_DTYPE_FLAG, EngineConfig
 
 AUTO = "auto"
+_logger = logging.getLogger("hybridcache.engine_args")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,6 +69,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
                         help="weights and activations; auto: float32 on CPU, on CUDA the model's torch_dtype "
                              "when it is bfloat16 or float16, else bfloat16 (default: auto)")
+    parser.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
+                        help="the DeltaNet recurrent state in the state slots; auto: the model config's "
+                             "mamba_ssm_dtype when it has one, else float32. bfloat16 halves the state (about "
+                             "twice the checkpoint slots per GiB) but cached and uncached runs then differ by "
+                             "bf16 rounding (default: auto)")
     parser.add_argument("--device", default=AUTO,
                         help="cpu, cuda or cuda:N; auto: cuda when a GPU is present, else cpu (default: auto)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
@@ -111,6 +118,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         decode_checkpoint_interval=args.decode_checkpoint_interval,
         eviction=args.eviction,
         dtype=args.dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
@@ -140,15 +148,46 @@ def auto_dtype(device: str, model_torch_dtype: str) -> str:
     return model_torch_dtype if model_torch_dtype in ("bfloat16", "float16") else "bfloat16"
 
 
+def auto_ssm_dtype(model_ssm_dtype: str | None) -> str:
+    """The recurrent state dtype `auto` means: the model config's `mamba_ssm_dtype` when it names one (what vLLM
+    does for Qwen3.5, whose checkpoints say float32), else float32 on every device (vLLM falls back to the
+    model dtype instead; transformers and flash-linear-attention keep the state in fp32, and only fp32 keeps
+    cached and uncached runs equal). A config naming a dtype we cannot store is a ValueError.
+
+    >>> auto_ssm_dtype(None), auto_ssm_dtype("bfloat16")
+    ('float32', 'bfloat16')
+    """
+    if model_ssm_dtype is None:
+        return "float32"
+    if model_ssm_dtype not in DTYPES:
+        raise ValueError(f"the model's config.json sets mamba_ssm_dtype {model_ssm_dtype!r}, which is not supported: "
+                         f"pass {SSM_DTYPE_FLAG} {' or '.join(DTYPES)}")
+    return model_ssm_dtype
+
+
 def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
-    """`EngineConfig(**options)` with `device="auto"` and `dtype="auto"` replaced by what they mean for the
-    model in `model_dir` on this machine (see `auto_device`, `auto_dtype`)."""
+    """`EngineConfig(**options)` with `device="auto"`, `dtype="auto"` and `mamba_ssm_cache_dtype="auto"`
+    replaced by what they mean for the model in `model_dir` on this machine (see `auto_device`, `auto_dtype`,
+    `auto_ssm_dtype`). Raises ValueError for a bad option before anything is loaded; an explicit state dtype
+    other than the one the model's config names is allowed, with a warning (as vLLM does)."""
     options = dict(options)
+    ssm_given = "mamba_ssm_cache_dtype" in options
+    ssm_dtype = options.get("mamba_ssm_cache_dtype")
+    if ssm_given and ssm_dtype not in (AUTO, *DTYPES):
+        raise ValueError(f"mamba_ssm_cache_dtype ({SSM_DTYPE_FLAG}) must be one of {', '.join((AUTO, *DTYPES))}, "
+                         f"got {ssm_dtype!r}")
     if options.get("device") == AUTO:
         options["device"] = auto_device()
-    if options.get("dtype") == AUTO:
+    if options.get("dtype") == AUTO or ssm_given:
         from hybridcache.models import ModelConfig
 
-        torch_dtype = ModelConfig.from_model_dir(model_dir).torch_dtype
-        options["dtype"] = auto_dtype(str(options.get("device", EngineConfig.device)), torch_dtype)
+        model_config = ModelConfig.from_model_dir(model_dir)
+        if options.get("dtype") == AUTO:
+            device = str(options.get("device", EngineConfig.device))
+            options["dtype"] = auto_dtype(device, model_config.torch_dtype)
+        if ssm_dtype == AUTO:
+            options["mamba_ssm_cache_dtype"] = auto_ssm_dtype(model_config.mamba_ssm_dtype)
+        elif model_config.mamba_ssm_dtype is not None and ssm_dtype != model_config.mamba_ssm_dtype:
+            _logger.warning("the model's config.json sets mamba_ssm_dtype %s; %s %s overrides it",
+                            model_config.mamba_ssm_dtype, SSM_DTYPE_FLAG, ssm_dtype)
     return EngineConfig(**options)

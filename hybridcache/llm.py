@@ -24,8 +24,10 @@ class LLM:
 
     `model`: a model folder, a Hugging Face snapshot folder, or a hub id held by the local Hugging Face cache
     (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
-    `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, ...); `dtype` and `device` also take
-    "auto", as on the command line (`LLM` itself defaults to EngineConfig's float32 on cpu).
+    `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, mamba_ssm_cache_dtype, ...); `dtype`,
+    `device` and `mamba_ssm_cache_dtype` also take "auto", as on the command line (`LLM` itself defaults to
+    EngineConfig's float32 on cpu, with a float32 recurrent state). A bad option is a ValueError raised before
+    any weights load.
     `generation_config`: "auto" takes the sampling defaults of calls without sampling params from the model
     folder's generation_config.json, "vllm" ignores the file (see `hybridcache.generation_config`).
     """

@@ -143,9 +143,10 @@ class LLMEngine:
         self.num_blocks = plan.num_blocks
         num_slots = plan.num_slots
         _logger.info(
-            "hybridcache: model %s (%s), dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
+            "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
             "kernels %s, cuda graphs %s",
-            self.model_path.name, self.model_config.architecture, config.dtype, self.device, self.max_model_len,
+            self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
+            self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off",
         )

@@ -121,6 +121,8 @@ class ModelConfig:
 
     `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`) even when
     config.json describes a multimodal wrapper; `architecture` is the config.json entry as written.
+    `mamba_ssm_dtype`: the recurrent state dtype config.json names (Qwen3.5 checkpoints say "float32"), None
+    when it names none; what `--mamba-ssm-cache-dtype auto` resolves to (see `engine_args.auto_ssm_dtype`).
     """
 
     architecture: str
@@ -138,6 +140,7 @@ class ModelConfig:
     attention: AttentionConfig
     gated_delta: GatedDeltaConfig
     mlp: FeedForwardConfig
+    mamba_ssm_dtype: str | None = None
 
     # ---- derived quantities -------------------------------------------------------------------------
     @property
@@ -216,6 +219,7 @@ class ModelConfig:
             attention=_attention_config(text),
             gated_delta=_gated_delta_config(text),
             mlp=_feed_forward_config(text, model_type),
+            mamba_ssm_dtype=None if pick("mamba_ssm_dtype") is None else str(pick("mamba_ssm_dtype")),
         )._validated()
 
     def _validated(self) -> ModelConfig:
