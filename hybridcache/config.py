@@ -108,11 +108,6 @@ class EngineConfig:
             )
 
     @property
-    def state_dtype(self) -> str:
-        """The recurrent state's dtype name under the runner's name for it (= `mamba_ssm_cache_dtype`)."""
-        return self.mamba_ssm_cache_dtype
-
-    @property
     def pages_per_block(self) -> int:
         """Kernel pages per scheduler block: block_size // kernel_block_size."""
         return self.block_size // self.kernel_block_size

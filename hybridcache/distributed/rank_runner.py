@@ -52,7 +52,7 @@ def build_runner(
     in the same order (the bucket sizes follow from the spec alone), so the collectives inside them pair up at
     capture and at every replay."""
     config = spec.config
-    dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.state_dtype]
+    dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.mamba_ssm_cache_dtype]
     if device.type == "cuda" and dtype == torch.float32:
         # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton

@@ -83,7 +83,7 @@ def test_the_option_on_the_command_line_and_in_llm(tmp_path):
     assert parse()["mamba_ssm_cache_dtype"] == "auto"
     for value in ("float32", "bfloat16", "float16"):
         config = resolve_engine_config(builtin, parse("--mamba-ssm-cache-dtype", value, "--device", "cpu"))
-        assert config.mamba_ssm_cache_dtype == config.state_dtype == value
+        assert config.mamba_ssm_cache_dtype == value
     # auto: the config's mamba_ssm_dtype when it names one, else float32 (the built-in model names none)
     assert resolve_engine_config(builtin, parse("--device", "cpu")).mamba_ssm_cache_dtype == "float32"
     named = folder_with_config(tmp_path, mamba_ssm_dtype="bfloat16")
@@ -129,9 +129,9 @@ def test_bad_values_are_refused_naming_the_option_before_any_weights_load(tmp_pa
 def test_overriding_the_configs_dtype_warns(tmp_path, caplog):
     named = folder_with_config(tmp_path, mamba_ssm_dtype="float32")
     with caplog.at_level(logging.WARNING, logger="hybridcache.engine_args"):
-        assert resolve_engine_config(named, {"mamba_ssm_cache_dtype": "float32"}).state_dtype == "float32"
+        assert resolve_engine_config(named, {"mamba_ssm_cache_dtype": "float32"}).mamba_ssm_cache_dtype == "float32"
         assert not caplog.records
-        assert resolve_engine_config(named, {"mamba_ssm_cache_dtype": "bfloat16"}).state_dtype == "bfloat16"
+        assert resolve_engine_config(named, {"mamba_ssm_cache_dtype": "bfloat16"}).mamba_ssm_cache_dtype == "bfloat16"
     assert [r.getMessage() for r in caplog.records] == [
         "the model's config.json sets mamba_ssm_dtype float32; --mamba-ssm-cache-dtype bfloat16 overrides it"
     ]
