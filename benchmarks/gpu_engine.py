@@ -16,8 +16,9 @@ multi-turn workload (test_cache_equivalence.py) once, its text drawn the same wa
 completion by completion: a completion agrees up to its first differing token (after that the two runs continue
 from different text, so nothing later counts as agreeing).
 
-Why they diverge: at every compared step (both runs had the same text so far) the uncached run's top-1 minus
-top-2 logit margin, and the largest difference between the two runs' logits; at each divergence both runs'
+Why they diverge: at every compared step (both runs had the same text so far; a later turn of a conversation
+that diverged earlier has another prompt in each run and is left out here) the uncached run's top-1 minus top-2
+logit margin, and the largest difference between the two runs' logits; at each divergence both runs'
 margins and whether the other run's token is within this run's top 2 / top 5 (vLLM's tests accept a greedy
 mismatch as a near-tie by that criterion).
 
@@ -91,11 +92,17 @@ def compared_logits(cached, uncached, out_cached: dict, out_uncached: dict) -> d
     """The two runs' logits at every compared step of every completion, stacked (see `margins`).
 
     A completion's step k (its k-th token, sampled with prompt + k tokens) is compared while both runs had the
-    same text: k up to its first differing token, that one included. Returns {"cached", "uncached": [S, vocab]
-    fp32, "diverged": [S] bool (the step where the tokens differ)}.
+    same text: k up to its first differing token, that one included, in completions whose prompts are the same
+    (a later turn of a conversation that diverged earlier has another prompt in each run: not compared). Returns
+    {"cached", "uncached": [S, vocab] fp32, "diverged": [S] bool (the step where the tokens differ),
+    "other_prompt": completions left out for their prompts}.
     """
     rows_cached, rows_uncached, diverged = [], [], []
+    other_prompt = 0
     for request_id, want_output in out_uncached.items():
+        if out_cached[request_id].prompt_token_ids != want_output.prompt_token_ids:
+            other_prompt += len(want_output.outputs)
+            continue
         prompt_len = len(want_output.prompt_token_ids)
         for got, want in zip(out_cached[request_id].outputs, want_output.outputs, strict=True):
             for k, (a, b) in enumerate(zip(got.token_ids, want.token_ids, strict=True)):
@@ -106,7 +113,7 @@ def compared_logits(cached, uncached, out_cached: dict, out_uncached: dict) -> d
                 if a != b:
                     break
     return {"cached": torch.stack(rows_cached).float(), "uncached": torch.stack(rows_uncached).float(),
-            "diverged": torch.tensor(diverged, device=rows_cached[0].device)}
+            "diverged": torch.tensor(diverged, device=rows_cached[0].device), "other_prompt": other_prompt}
 
 
 def margins(logits: dict) -> dict:
@@ -139,7 +146,7 @@ def margins(logits: dict) -> dict:
     rank_in_cached = rank_of(token_uncached, cached[at])
     top_cached = cached[at].topk(2, dim=-1).values
     return {
-        "steps": len(margin), "divergences": len(at),
+        "steps": len(margin), "divergences": len(at), "completions_other_prompt": logits["other_prompt"],
         "flip_rate": len(at) / max(1, len(margin)),
         "exact_ties": int((margin == 0).sum()),
         "margin_all": quantiles(margin), "margin_all_rel": quantiles(rel), "diff_all": quantiles(diff),
@@ -204,7 +211,8 @@ def summary(dtype: str, r: dict) -> str:
 
     return (f"{dtype}: {r['agree']}/{r['total']} greedy tokens agree ({r['agreement']:.4%}), {r['diverged']} "
             f"completions diverged (first differing token at {sorted(r['first_divergence'])}); flips at "
-            f"{why['divergences']} of {why['steps']} compared steps ({why['flip_rate']:.3%}), "
+            f"{why['divergences']} of {why['steps']} compared steps ({why['flip_rate']:.3%}; "
+            f"{why['completions_other_prompt']} completions not compared: their prompts differ), "
             f"{why['exact_ties']} exact ties. Top-1 minus top-2 logit: all steps {why['margin_all']}, "
             f"/ logit std {why['margin_all_rel']}; at divergences {spread(why['margin_diverged_uncached'])}, "
             f"/ std {spread(why['margin_diverged_rel'])}. Max logit difference between the runs: all steps "
@@ -228,6 +236,8 @@ def main() -> None:
     dtypes = args.dtypes.split(",")
     if unknown := [d for d in dtypes if d not in runs]:
         parser.error(f"--dtypes: unknown {unknown}; known: {sorted(runs)}")
+    if args.model_dir is not None and not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir}: no config.json there (write one with train_byte_lm.py --out)")
     folder = args.model_dir or write_tiny_model(Path(tempfile.mkdtemp()), "qwen3_next", **MODEL)
     corpus_path = folder / CORPUS_FILE
     draw = corpus_slices(corpus_path.read_bytes()) if corpus_path.is_file() else random_bytes

@@ -71,7 +71,7 @@ def corpus_bytes(root: Path = REPO) -> bytes:
 def split(corpus: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     """(training bytes, held-out bytes) as int64 tensors: every HOLD_OUT-th PIECE-byte piece is held out.
 
-    Example: a 45,000-byte corpus has 11 pieces (the last one short); pieces 9 (bytes 36,864-40,959) is held out,
+    Example: a 45,000-byte corpus has 11 pieces (the last one short); piece 9 (bytes 36,864-40,959) is held out,
     the other 10 are concatenated for training.
     """
     pieces = [corpus[i:i + PIECE] for i in range(0, len(corpus), PIECE)]
