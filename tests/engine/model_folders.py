@@ -13,15 +13,26 @@ from hybridcache.models.random_weights import randomize_, tiny_hf_config
 HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 
 
+def byte_config(model_type: str, **overrides):
+    """The transformers config of `model_type` (tiny_hf_config + `overrides`) over the byte tokenizer's 320 ids."""
+    config = tiny_hf_config(model_type, vocab_size=320, eos_token_id=258, **overrides)
+    config.architectures = [HF_CLASSES[model_type]]
+    return config
+
+
 def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
     """Save a tiny random transformers model of `model_type` with a byte-level tokenizer to `path`."""
     import transformers
 
-    config = tiny_hf_config(model_type, vocab_size=320, eos_token_id=258, **overrides)
-    config.architectures = [HF_CLASSES[model_type]]
+    config = byte_config(model_type, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, HF_CLASSES[model_type])(config).eval()
     randomize_(model, seed=seed)
+    return save_model_folder(model, path)
+
+
+def save_model_folder(model: torch.nn.Module, path: Path) -> Path:
+    """Write a transformers causal LM over the byte vocabulary to `path`: `save_pretrained` + the byte tokenizer."""
     model.save_pretrained(path)
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     # The generic fast class keeps tokenizer.json's own pipeline (without a tokenizer_config.json, AutoTokenizer

@@ -1,0 +1,196 @@
+"""Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
+
+    PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--device cpu|cuda] [--seed 0]
+
+Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
+text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
+logit stands clear of the rest at most steps; `benchmarks/gpu_engine.py --model-dir DIR` measures cached vs
+uncached agreement on it.
+
+Model: transformers' `Qwen3NextForCausalLM` (the oracle implementation: its torch path on the CPU; on CUDA
+it uses flash-linear-attention when installed) with `gpu_engine.MODEL`'s shape over the byte tokenizer's 320
+ids, transformers' own initialisation. Corpus: README.md and docs/*.md of the checkout, concatenated in that
+order (its size and sha256 are printed and recorded). It is cut into 4,096-byte pieces; every 10th piece is
+held out. A step is `--batch` windows of `--seq-len` + 1 bytes at seeded random offsets in the training
+pieces; AdamW (lr 3e-3, 5% warm-up, cosine decay to 10%, weight decay 0.1, gradient norm clipped at 1), bf16
+autocast on CUDA, fp32 on the CPU. The held-out loss is the mean next-byte cross entropy (nats per byte) over
+consecutive windows of the held-out pieces.
+
+Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
+tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
+(the corpus bytes, so prompts can be drawn from them later) and `training.json` (corpus size and hash, the
+options, the loss curve, the held-out loss before and after, seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu_engine import MODEL
+from tests.engine.model_folders import HF_CLASSES, byte_config, save_model_folder
+
+REPO = Path(__file__).resolve().parents[1]
+PIECE = 4096  # bytes; every HOLD_OUT-th piece of the corpus is held out
+HOLD_OUT = 10
+CORPUS_FILE = "training_corpus.txt"
+RECORD_FILE = "training.json"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What one training run does. `steps` optimiser steps of `batch` windows of `seq_len` + 1 bytes."""
+
+    steps: int = 300
+    batch: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    device: str = "cpu"
+    log_every: int = 25
+
+
+def corpus_bytes(root: Path = REPO) -> bytes:
+    """README.md then docs/*.md (sorted) of the checkout at `root`, concatenated."""
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or len(files) < 2:
+        raise FileNotFoundError(f"the training corpus needs README.md and docs/*.md under {root}; missing {missing}")
+    return b"".join(f.read_bytes() for f in files)
+
+
+def split(corpus: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training bytes, held-out bytes) as int64 tensors: every HOLD_OUT-th PIECE-byte piece is held out.
+
+    Example: a 45,000-byte corpus has 11 pieces (the last one short); piece 9 (bytes 36,864-40,959) is held out,
+    the other 10 are concatenated for training.
+    """
+    pieces = [corpus[i:i + PIECE] for i in range(0, len(corpus), PIECE)]
+    held = b"".join(p for i, p in enumerate(pieces) if i % HOLD_OUT == HOLD_OUT - 1)
+    train = b"".join(p for i, p in enumerate(pieces) if i % HOLD_OUT != HOLD_OUT - 1)
+    return torch.tensor(list(train), dtype=torch.long), torch.tensor(list(held), dtype=torch.long)
+
+
+def next_byte_loss(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy of predicting windows[:, 1:] from windows[:, :-1] (nats per byte)."""
+    inputs = windows[:, :-1]
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def held_out_loss(model: torch.nn.Module, held: torch.Tensor, options: TrainOptions) -> float:
+    """next_byte_loss over consecutive, non-overlapping windows of the held-out bytes, in batches."""
+    model.eval()
+    width = options.seq_len + 1
+    count = len(held) // width
+    if count == 0:
+        raise ValueError(f"{len(held)} held-out bytes make no window of {width}: the corpus is too small")
+    windows = held[:count * width].view(count, width).to(options.device)
+    total = 0.0
+    for start in range(0, count, options.batch):
+        part = windows[start:start + options.batch]
+        with autocast(options.device):
+            total += next_byte_loss(model, part).item() * len(part)
+    model.train()
+    return total / count
+
+
+def autocast(device: str):
+    """bf16 autocast on CUDA; the CPU trains in fp32."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda"))
+
+
+def learning_rate(step: int, options: TrainOptions) -> float:
+    """Linear warm-up over the first 5% of the steps, then cosine decay to 10% of `lr`."""
+    warmup = max(1, options.steps // 20)
+    if step < warmup:
+        return options.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, options.steps - warmup)
+    return options.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(out: Path, options: TrainOptions, corpus: bytes | None = None, shape: dict | None = None) -> dict:
+    """Train and write the folder `out` (see the module docstring); returns the record written to training.json.
+
+    `corpus`: the text (default `corpus_bytes()`); `shape`: config fields (default `gpu_engine.MODEL`).
+    """
+    import transformers
+
+    start = time.perf_counter()
+    corpus = corpus_bytes() if corpus is None else corpus
+    train_bytes, held = split(corpus)
+    if len(train_bytes) <= options.seq_len + 1:
+        raise ValueError(f"{len(train_bytes)} training bytes are too few for windows of {options.seq_len + 1}")
+    torch.manual_seed(options.seed)
+    config = byte_config("qwen3_next", **(MODEL if shape is None else shape))
+    model = getattr(transformers, HF_CLASSES["qwen3_next"])(config).to(options.device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.lr, betas=(0.9, 0.95),
+                                  weight_decay=options.weight_decay)
+    generator = torch.Generator().manual_seed(options.seed)
+    train_bytes = train_bytes.to(options.device)
+    offsets_range = torch.arange(options.seq_len + 1, device=options.device)
+    record = {"corpus": {"files": "README.md + docs/*.md", "bytes": len(corpus),
+                         "sha256": hashlib.sha256(corpus).hexdigest(), "train_bytes": len(train_bytes),
+                         "held_out_bytes": len(held)},
+              "options": asdict(options), "parameters": sum(p.numel() for p in model.parameters()),
+              "held_out_loss_before": held_out_loss(model, held, options), "losses": []}
+    print(f"corpus {record['corpus']}; {record['parameters']:,} parameters; held-out loss before training "
+          f"{record['held_out_loss_before']:.3f} nats/byte (uniform over 256 bytes: {math.log(256):.3f})", flush=True)
+    for step in range(options.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, options)
+        starts = torch.randint(0, len(train_bytes) - options.seq_len - 1, (options.batch,), generator=generator)
+        windows = train_bytes[starts.to(options.device)[:, None] + offsets_range]
+        with autocast(options.device):
+            loss = next_byte_loss(model, windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if (step + 1) % options.log_every == 0 or step + 1 == options.steps:
+            value = loss.item()
+            record["losses"].append([step + 1, value])
+            print(f"step {step + 1}/{options.steps}: training loss {value:.3f} nats/byte "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
+    record["held_out_loss"] = held_out_loss(model, held, options)
+    record["seconds"] = time.perf_counter() - start
+    print(f"held-out loss {record['held_out_loss']:.3f} nats/byte ({record['held_out_loss'] / math.log(2):.2f} "
+          f"bits/byte) after {options.steps} steps, {record['seconds']:.1f} s", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model_folder(model.float().cpu().eval(), out)
+    (out / CORPUS_FILE).write_bytes(corpus)
+    (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="the model folder to write")
+    parser.add_argument("--steps", type=int, default=TrainOptions.steps)
+    parser.add_argument("--batch", type=int, default=TrainOptions.batch)
+    parser.add_argument("--seq-len", type=int, default=TrainOptions.seq_len)
+    parser.add_argument("--lr", type=float, default=TrainOptions.lr)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--seed", type=int, default=TrainOptions.seed)
+    parser.add_argument("--log-every", type=int, default=TrainOptions.log_every)
+    args = parser.parse_args()
+    if args.seq_len < 256:
+        parser.error(f"--seq-len {args.seq_len}: train on windows of at least 256 bytes")
+    options = TrainOptions(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
+                           device=args.device, log_every=args.log_every)
+    train(args.out, options)
+
+
+if __name__ == "__main__":
+    main()
