@@ -8,7 +8,9 @@ logit stands clear of the rest at most steps; `benchmarks/gpu_engine.py --model-
 uncached agreement on it.
 
 Model: transformers' `Qwen3NextForCausalLM` (the oracle implementation: its torch path on the CPU; on CUDA
-it uses flash-linear-attention when installed) with `gpu_engine.MODEL`'s shape over the byte tokenizer's 320
+it uses flash-linear-attention when fla is importable, whose 0.6 release refuses its gated chunk backward under
+Triton < 3.7.1 on Hopper: train with fla off the path there, as docs/bench.md does) with `gpu_engine.MODEL`'s
+shape over the byte tokenizer's 320
 ids, transformers' own initialisation. Corpus: README.md and docs/*.md of the checkout, concatenated in that
 order (its size and sha256 are printed and recorded). It is cut into 4,096-byte pieces; every 10th piece is
 held out. A step is `--batch` windows of `--seq-len` + 1 bytes at seeded random offsets in the training
