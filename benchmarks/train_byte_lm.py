@@ -7,15 +7,14 @@ text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached g
 logit stands clear of the rest at most steps; `benchmarks/gpu_engine.py --model-dir DIR` measures cached vs
 uncached agreement on it.
 
-Model: transformers' `Qwen3NextForCausalLM` (the oracle implementation: its torch path on the CPU; on CUDA
-it uses flash-linear-attention when fla is importable, whose 0.6 release refuses its gated chunk backward under
-Triton < 3.7.1 on Hopper: train with fla off the path there, as docs/bench.md does) with `gpu_engine.MODEL`'s
-shape over the byte tokenizer's 320
-ids, transformers' own initialisation. Corpus: README.md and docs/*.md of the checkout, concatenated in that
-order (its size and sha256 are printed and recorded). It is cut into 4,096-byte pieces; every 10th piece is
-held out. A step is `--batch` windows of `--seq-len` + 1 bytes at seeded random offsets in the training
-pieces; AdamW (lr 3e-3, 5% warm-up, cosine decay to 10%, weight decay 0.1, gradient norm clipped at 1), bf16
-autocast on CUDA, fp32 on the CPU. The held-out loss is the mean next-byte cross entropy (nats per byte) over
+Model: transformers' `Qwen3NextForCausalLM` (the oracle implementation: its torch path on the CPU; on CUDA it uses
+flash-linear-attention when fla is importable, whose 0.6 release refuses its gated chunk backward under Triton <
+3.7.1 on Hopper: train with fla off the path there, as docs/bench.md does) with `gpu_engine.MODEL`'s shape over the
+byte tokenizer's 320 ids, transformers' own initialisation. Corpus: README.md and docs/*.md of the checkout,
+concatenated in that order (its size and sha256 are printed and recorded). It is cut into 4,096-byte pieces; every
+10th piece is held out. A step is `--batch` windows of `--seq-len` + 1 bytes at seeded random offsets in the
+training pieces; AdamW (lr 3e-3, 5% warm-up, cosine decay to 10%, weight decay 0.1, gradient norm clipped at 1),
+bf16 autocast on CUDA, fp32 on the CPU. The held-out loss is the mean next-byte cross entropy (nats per byte) over
 consecutive windows of the held-out pieces.
 
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
