@@ -37,12 +37,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 from hybridcache.sampling import SamplingParams
-from tests.engine import test_cache_equivalence
 from tests.engine.model_folders import write_tiny_model
 from tests.engine.test_cache_equivalence import make_engine, run_workload
 
@@ -190,10 +188,8 @@ def run(folder: Path, dtype: str, num: int, max_tokens: int, device: str = "cuda
     cached = make_engine(folder, block_size=64, kernel_block_size=64, **options)
     out_cached = shared_prefix_workload(cached, 0, num, max_tokens, draw)
     out_uncached = shared_prefix_workload(uncached, 0, num, max_tokens, draw)
-    # run_workload draws its text with the tests' module-level `tokens(rng, n)`: the same draw replaces it here.
-    with mock.patch.object(test_cache_equivalence, "tokens", draw):
-        out_cached.update(run_workload(cached, seed=1))
-        out_uncached.update(run_workload(uncached, seed=1))
+    out_cached.update(run_workload(cached, seed=1, draw=draw))
+    out_uncached.update(run_workload(uncached, seed=1, draw=draw))
     totals = compare(out_cached, out_uncached)
     totals["agreement"] = totals["agree"] / max(1, totals["total"])
     totals["why"] = margins(compared_logits(cached, uncached, out_cached, out_uncached))

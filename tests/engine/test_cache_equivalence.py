@@ -4,6 +4,7 @@ checkpoints at block boundaries or at prompt ends alone would miss."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -44,26 +45,27 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def run_workload(
-    engine: LLMEngine, seed: int = 0, *, check_every_step: bool = False, reply_lens: tuple[int, int] = (3, 10)
+    engine: LLMEngine, seed: int = 0, *, check_every_step: bool = False, reply_lens: tuple[int, int] = (3, 10),
+    draw: Callable[[random.Random, int], list[int]] = tokens,
 ) -> dict:
     """A randomized multi-turn workload; returns {request_id: RequestOutput}.
 
     Four conversations over two shared system prompts (37 and 70 tokens) take 3 turns each with user
     messages and replies of random, non-aligned lengths, arriving at random steps; an identical resend of
-    an earlier prompt; and an n=2 request.
+    an earlier prompt; and an n=2 request. `draw(rng, n)`: n prompt token ids (default: uniform random bytes).
     """
     rng = random.Random(seed)  # everything random is drawn up front, so both runs see the same workload
-    systems = [tokens(rng, 37), tokens(rng, 70)]
+    systems = [draw(rng, 37), draw(rng, 70)]
     conversations = []
     for i in range(4):
         conversations.append({
-            "history": systems[i % 2] + tokens(rng, rng.randrange(5, 40)),
+            "history": systems[i % 2] + draw(rng, rng.randrange(5, 40)),
             "turn": 0, "busy": None, "wait": rng.randrange(0, 6),
             "max_tokens": [rng.randrange(*reply_lens) for _ in range(3)],
-            "users": [tokens(rng, rng.randrange(3, 20)) for _ in range(3)],
+            "users": [draw(rng, rng.randrange(3, 20)) for _ in range(3)],
             "gaps": [rng.randrange(0, 4) for _ in range(3)],
         })
-    fanout_prompt = systems[1] + tokens(rng, 11)
+    fanout_prompt = systems[1] + draw(rng, 11)
     extras = {"resend": (8, 1), "fanout": (12, 2)}  # name: (arrival step, n)
     results = {}
     first_prompt = list(conversations[0]["history"])
