@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
+from hybridcache.engine_args import AUTO
 from hybridcache.model_path import resolve_model
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -29,6 +31,9 @@ def register(subparsers) -> None:
     sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
     sim.add_argument("--model", default=None, help=f"the model whose config.json sizes the cache: {_MODEL_FORMS} "
                      "(default: built-in)")
+    sim.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
+                     help="the recurrent state's dtype in the state slots (sizes each checkpoint), as the engine's "
+                          "option of that name; auto: the model config's mamba_ssm_dtype, else float32")
     sim.add_argument("--block-size", type=int, default=64)
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
@@ -92,7 +97,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     specs = parse_policies(args.policies, args.block_size)
     model_dir = resolve_model(args.model).path if args.model is not None else None
-    cost = load_model_cost(model_dir)
+    cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_dir)
     json_path, plot_path = fresh_paths(args.json, args.plot)
@@ -123,6 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      {s.name: by_memory[budget][s.name] for s in specs})
     print(format_sim_table(main))
     record = main.to_json()
+    record["state_bytes"], record["mamba_ssm_cache_dtype"] = cost.state_bytes, cost.ssm_dtype
     if len(memories) > 1:
         record["sweep"] = [{"memory_gib": m / GIB, "token_hit_rate": {s.name: by_memory[m][s.name].token_hit_rate
                                                                          for s in specs}} for m in memories]

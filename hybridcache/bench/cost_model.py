@@ -4,7 +4,8 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
 
     kv_bytes_per_token = attention layers * 2 (K, V) * kv_heads * head_dim * dtype bytes
     state_bytes        = DeltaNet layers * (conv_dim * (kernel - 1) * dtype bytes          (conv state)
-                                            + v_heads * k_head_dim * v_head_dim * 4)       (fp32 recurrent state)
+                                            + v_heads * k_head_dim * v_head_dim * ssm bytes)  (recurrent state:
+                                              4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -35,6 +36,7 @@ class ModelCost:
     state_bytes: int
     flops_per_token: float
     attn_flops_per_token_pair: float
+    ssm_dtype: str = "float32"  # the recurrent state's dtype `state_bytes` was sized with
 
     def prefill_flops(self, num_tokens: int) -> float:
         return self.flops_per_token * num_tokens + self.attn_flops_per_token_pair * num_tokens * (num_tokens + 1) / 2
@@ -52,9 +54,11 @@ class ModelCost:
         )
 
     @classmethod
-    def from_config(cls, config: ModelConfig, name: str = "") -> ModelCost:
+    def from_config(cls, config: ModelConfig, name: str = "", ssm_dtype: str = "float32") -> ModelCost:
+        """`ssm_dtype`: the recurrent state's dtype in the state slots (the engine's `mamba_ssm_cache_dtype`)."""
         c, attention, delta, mlp = config, config.attention, config.gated_delta, config.mlp
         dtype_bytes = _DTYPE_BYTES.get(c.torch_dtype, 2)
+        ssm_bytes = _DTYPE_BYTES[ssm_dtype]
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
@@ -79,10 +83,11 @@ class ModelCost:
             name=name or c.architecture,
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
             state_bytes=c.num_linear_layers * (
-                delta.conv_dim * delta.conv_width * dtype_bytes + vh * delta.k_head_dim * delta.v_head_dim * 4
+                delta.conv_dim * delta.conv_width * dtype_bytes + vh * delta.k_head_dim * delta.v_head_dim * ssm_bytes
             ),
             flops_per_token=float(2 * params + recurrent),
             attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),
+            ssm_dtype=ssm_dtype,
         )
 
 
@@ -99,8 +104,12 @@ def builtin_model_config() -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def load_model_cost(model_dir: str | Path | None = None) -> ModelCost:
-    """The cost model of a model folder (only config.json is read); None = the built-in model."""
-    if model_dir is None:
-        return ModelCost.from_config(builtin_model_config(), "builtin")
-    return ModelCost.from_config(ModelConfig.from_model_dir(model_dir), Path(model_dir).name)
+def load_model_cost(model_dir: str | Path | None = None, ssm_dtype: str = "float32") -> ModelCost:
+    """The cost model of a model folder (only config.json is read); None = the built-in model. `ssm_dtype`:
+    "auto" (the config's `mamba_ssm_dtype`, else float32, as the engine resolves it), float32, bfloat16, float16."""
+    from hybridcache.engine_args import AUTO, auto_ssm_dtype
+
+    config = builtin_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
+    if ssm_dtype == AUTO:
+        ssm_dtype = auto_ssm_dtype(config.mamba_ssm_dtype)
+    return ModelCost.from_config(config, "builtin" if model_dir is None else Path(model_dir).name, ssm_dtype)

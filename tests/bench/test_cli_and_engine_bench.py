@@ -95,3 +95,31 @@ def test_bench_model_takes_a_hub_id_from_the_local_cache(tmp_path, monkeypatch, 
     assert "model acme/tiny-hybrid" in capsys.readouterr().out
     assert main([*args, "--model", "acme/not-cached"]) == 2
     assert "holds no snapshot of it" in capsys.readouterr().err
+
+
+def test_simulate_sizes_checkpoints_by_the_state_dtype(tmp_path):
+    """--mamba-ssm-cache-dtype sizes each checkpoint as the engine would store it: the recurrent state in that
+    dtype (the conv state stays in the model's dtype), so the same budget holds more checkpoints in bf16."""
+    from hybridcache.bench.cost_model import load_model_cost
+    from hybridcache.bench.simulator import GIB, cache_sizing
+    from hybridcache.models.builtin import ensure_builtin_model
+    from hybridcache.models.config import ModelConfig
+
+    config = ModelConfig.from_model_dir(ensure_builtin_model())
+    delta = config.gated_delta
+    recurrent = config.num_linear_layers * delta.num_v_heads * delta.k_head_dim * delta.v_head_dim
+    fp32, bf16 = load_model_cost(), load_model_cost(None, "bfloat16")
+    assert fp32.state_bytes - bf16.state_bytes == recurrent * 2  # 4 -> 2 bytes per recurrent-state element
+    assert load_model_cost(None, "auto").state_bytes == fp32.state_bytes  # the built-in config names no dtype
+    assert cache_sizing(GIB, bf16, 64, 2048)[1] > cache_sizing(GIB, fp32, 64, 2048)[1]
+    records = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"{dtype}.json"
+        assert main(["simulate", "--workload", "shared-prefix", "--num-requests", "120", "--memory-gib", "0.02",
+                     "--policies", "hybridcache", "--mamba-ssm-cache-dtype", dtype, "--json", str(out),
+                     "--no-progress", "--jobs", "1"]) == 0
+        records[dtype] = json.loads(out.read_text())
+    assert records["bfloat16"]["mamba_ssm_cache_dtype"] == "bfloat16"
+    assert records["bfloat16"]["state_bytes"] == bf16.state_bytes
+    slots = {dtype: r["policies"]["hybridcache"]["num_slots"] for dtype, r in records.items()}
+    assert slots["bfloat16"] > slots["float32"], slots
