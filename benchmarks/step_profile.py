@@ -98,11 +98,14 @@ FAMILIES = (  # kernel name fragment -> family, first match wins (device-time su
 
 
 def device_families(prof) -> dict[str, float]:
-    """Device ms of the profile's kernels summed by family (`FAMILIES`; the rest: "other")."""
+    """Device ms of the profile's kernels summed by family (`FAMILIES`; the rest: "other"). Only device events
+    count: a CPU operator's own device time is the kernels it launched, which are listed again as themselves."""
+    from torch.autograd import DeviceType
+
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", 0) or 0
-        if us <= 0:
+        if us <= 0 or event.device_type == DeviceType.CPU:
             continue
         name = event.key.lower()
         family = next((fam for fragment, fam in FAMILIES if fragment in name), "other")

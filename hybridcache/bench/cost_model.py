@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridcache.cache import CostModel
+from hybridcache.engine_args import AUTO, auto_ssm_dtype
 from hybridcache.models.config import ModelConfig
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
@@ -107,8 +108,6 @@ def builtin_model_config() -> ModelConfig:
 def load_model_cost(model_dir: str | Path | None = None, ssm_dtype: str = "float32") -> ModelCost:
     """The cost model of a model folder (only config.json is read); None = the built-in model. `ssm_dtype`:
     "auto" (the config's `mamba_ssm_dtype`, else float32, as the engine resolves it), float32, bfloat16, float16."""
-    from hybridcache.engine_args import AUTO, auto_ssm_dtype
-
     config = builtin_model_config() if model_dir is None else ModelConfig.from_model_dir(model_dir)
     if ssm_dtype == AUTO:
         ssm_dtype = auto_ssm_dtype(config.mamba_ssm_dtype)
