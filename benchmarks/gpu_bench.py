@@ -21,6 +21,8 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
 - B: one 6,000-token prompt sent three times (1 new token).
 - C: a cold 16,000-token prompt, then it + 200 tokens (1 new token each).
 - D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
+- DSYNC: phase D on the same engine with async scheduling off (each step postprocessed before the next is
+  planned), to measure what async scheduling gives within one process.
 
 `--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs and eagerly
 (`enforce_eager`) on two engines and reports whether the tokens are identical. Prints one table and writes
@@ -66,7 +68,7 @@ MODELS = {
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
 }
-PHASES = ("A", "B", "C", "D")
+PHASES = ("A", "B", "C", "D", "DSYNC")
 
 
 def model_folder(name: str, model_dir: str | None) -> Path:
@@ -157,9 +159,11 @@ def phase_c(llm: LLM, rng: random.Random) -> dict:
 
 
 def phase_d(llm: LLM, rng: random.Random, trace_step: int = 0) -> dict:
-    """Driven step by step through the engine, so prefill and decode steps are timed apart (each step ends on
-    the host with its sampled tokens, so a step's wall time is its real time). `trace_step` > 0: that step
-    (1-based) runs under torch.profiler (`traced_step`)."""
+    """Driven step by step through the engine, so prefill and decode steps are timed apart (each `step()` call
+    ends on the host with sampled tokens: with async scheduling it launches one step and postprocesses the one
+    before, so in steady state a call's wall time is a step's real time; a call counts as a prefill step when
+    the step it postprocessed fed prompt tokens). `trace_step` > 0: that step (1-based) runs under
+    torch.profiler (`traced_step`)."""
     prompts = [letters(rng, 1024) for _ in range(64)]
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
@@ -183,6 +187,16 @@ def phase_d(llm: LLM, rng: random.Random, trace_step: int = 0) -> dict:
                   decode_step_ms_p50=1000 * statistics.median(decode_steps) if decode_steps else None,
                   steps_prefill_tokens_ms=steps)
     return result
+
+
+def phase_d_sync(llm: LLM, rng: random.Random) -> dict:
+    """Phase D with async scheduling off on the same engine (then restored)."""
+    engine = llm.engine
+    saved, engine.async_scheduling = engine.async_scheduling, False
+    try:
+        return phase_d(llm, rng)
+    finally:
+        engine.async_scheduling = saved
 
 
 def traced_step(engine) -> list:
@@ -261,6 +275,8 @@ def main() -> None:
     parser.add_argument("--check-graphs", action="store_true")
     parser.add_argument("--check-tokens", type=int, default=512, help="tokens per completion of --check-graphs")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                        help="postprocess each step before planning the next (default: async on CUDA)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *DTYPES],
@@ -289,7 +305,8 @@ def main() -> None:
     print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
-                   gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                   gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                   async_scheduling=args.async_scheduling)
     start = time.perf_counter()
     llm = None
     try:
@@ -306,11 +323,12 @@ def main() -> None:
     result["cuda_graphs"] = list(llm.engine.runner.graph_batch_sizes)
     result["engine_init_s"] = time.perf_counter() - start
     result["memory"] = llm.engine.memory_plan.describe()
+    result["async_scheduling"] = llm.engine.async_scheduling
     result["mamba_ssm_cache_dtype"] = llm.engine.config.mamba_ssm_cache_dtype
     rng = random.Random(0)
     warm_up(llm, random.Random(99))
     runners = {"A": phase_a, "B": phase_b, "C": phase_c,
-               "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step)}
+               "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step), "DSYNC": phase_d_sync}
     compiles = CompileLog()
     for index, phase in enumerate(phases):
         key = phase if phase not in phases[:index] else f"{phase}#{phases[:index + 1].count(phase)}"

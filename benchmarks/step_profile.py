@@ -63,8 +63,8 @@ def instrument(engine, times: dict[str, list[float]]) -> None:
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine_module, "build_forward_batch", "build inputs")
     wrap(engine.runner, "execute", "execute (forward)")
-    wrap(engine_module, "sample", "sample")
-    wrap(engine, "_postprocess", "postprocess (incl. sample)")
+    wrap(engine_module, "sample_async", "sample")
+    wrap(engine, "_complete", "postprocess")
 
 
 def decode_steps(engine, prompts: list[str], steps: int) -> list[float]:

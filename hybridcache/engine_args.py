@@ -80,6 +80,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: fraction of the device memory for weights, activations and the cache "
                              "(default: 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan the next step while the device runs this one (default: on for CUDA without "
+                             "tensor parallelism)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many devices (one worker process each)")
 
@@ -122,6 +125,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         device=args.device,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
     )
     if slots is not None:

@@ -200,6 +200,48 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]
 
 
+def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device: on CUDA through pinned memory,
+    non-blocking (a plain `torch.tensor(values, device=cuda)` synchronises the stream, which would stall async
+    scheduling; torch's caching host allocator keeps the pinned buffer until the copy has run)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class PendingSample:
+    """One step's sampled tokens: `tokens` [rows] int64 on the device at once (the next step may read them
+    there), and on their way to the host: `result()` waits for them (on CUDA a non-blocking copy into pinned
+    memory and an event, so the host can queue more work first) and returns the `SamplerOutput`."""
+
+    def __init__(self, tokens: torch.Tensor, params: Sequence[SamplingParams], want: list[int],
+                 logprobs: tuple[torch.Tensor, ...] = ()) -> None:
+        self.tokens = tokens
+        self._params = params
+        self._want = want
+        parts = (tokens, *logprobs)
+        self._event = None
+        if tokens.device.type == "cuda":
+            parts = tuple(part.to("cpu", non_blocking=True) for part in parts)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = parts
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens, *logprobs = (part.tolist() for part in self._host)
+        if not self._want:
+            return SamplerOutput(tokens, [None] * len(tokens))
+        chosen, values, ids = logprobs
+        out: list[TokenLogprob | None] = [None] * len(tokens)
+        for j, i in enumerate(self._want):
+            count = self._params[i].logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(ids[j][:count], values[j][:count])))
+        return SamplerOutput(tokens, out)
+
+
 def sample(
     logits: torch.Tensor,
     rows: Sequence[SamplingRow],
@@ -207,7 +249,19 @@ def sample(
     stop_token_ids: frozenset[int] | Sequence[int] = (),
     allowed_bitmask: torch.Tensor | None = None,
 ) -> SamplerOutput:
-    """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once.
+    """`sample_async(...).result()`: the tokens (and logprobs) on the host."""
+    return sample_async(logits, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask).result()
+
+
+def sample_async(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    *,
+    stop_token_ids: frozenset[int] | Sequence[int] = (),
+    allowed_bitmask: torch.Tensor | None = None,
+) -> PendingSample:
+    """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once, without waiting for
+    the device (see `PendingSample`).
 
     Order (vLLM's): logit_bias and min_tokens (EOS/stop tokens masked), the structured-output mask
     (`allowed_bitmask` [num_rows, ceil(vocab/32)] int32, bit v of a row set = token v allowed; rows that are
@@ -216,6 +270,7 @@ def sample(
     exponential race (argmax of probs / E with E ~ Exp(1) drawn from the row's own generator), so a row's draw
     does not depend on the other rows. Only the tokens (and the logprobs asked for) are copied to the host,
     once. `stop_token_ids`: the model's EOS ids (`min_tokens` masks them and the row's own stop_token_ids).
+    What the rows' `token_ids` say is read now: penalties read the output tokens, `min_tokens` only their count.
     """
     num_rows = logits.shape[0]
     if num_rows != len(rows):
@@ -226,7 +281,7 @@ def sample(
     scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
     tokens = scores.argmax(dim=-1)
     if not all(p.greedy for p in params):  # (an all-greedy batch, the common decode step, copies nothing over)
-        greedy = torch.tensor([p.greedy for p in params], device=device)
+        greedy = to_device([p.greedy for p in params], device)
         probs = _filtered_probs(scores, params)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
@@ -238,8 +293,8 @@ def sample(
         tokens = torch.where(greedy, tokens, drawn)
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
-        return SamplerOutput(tokens.tolist(), [None] * num_rows)
-    return _with_logprobs(raw, tokens, params, want)
+        return PendingSample(tokens, params, want)
+    return PendingSample(tokens, params, want, _logprob_tensors(raw, tokens, params, want))
 
 
 def process_logits(
@@ -280,10 +335,10 @@ def _apply_bias_and_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow]
                     ban_cols.append(token)
     device = scores.device
     if bias_rows:
-        index = (torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device))
-        scores.index_put_(index, torch.tensor(bias_values, device=device, dtype=scores.dtype), accumulate=True)
+        index = (to_device(bias_rows, device), to_device(bias_cols, device))
+        scores.index_put_(index, to_device(bias_values, device, scores.dtype), accumulate=True)
     if ban_rows:
-        scores[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = float("-inf")
+        scores[to_device(ban_rows, device), to_device(ban_cols, device)] = float("-inf")
 
 
 def _unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -309,14 +364,14 @@ def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
             continue
         output = row.token_ids[row.prompt_len:]
         if output:
-            ids = torch.tensor(output, device=device)
+            ids = to_device(output, device)
             output_counts[i].index_add_(0, ids, torch.ones(len(output), device=device))
         if row.params.repetition_penalty != 1:
-            seen_in_prompt[i, torch.tensor(row.token_ids[:row.prompt_len], device=device)] = True
+            seen_in_prompt[i, to_device(row.token_ids[:row.prompt_len], device)] = True
     params = [row.params for row in rows]
-    repetition = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
-    frequency = torch.tensor([p.frequency_penalty for p in params], device=device).unsqueeze(1)
-    presence = torch.tensor([p.presence_penalty for p in params], device=device).unsqueeze(1)
+    repetition = to_device([p.repetition_penalty for p in params], device).unsqueeze(1)
+    frequency = to_device([p.frequency_penalty for p in params], device).unsqueeze(1)
+    presence = to_device([p.presence_penalty for p in params], device).unsqueeze(1)
     seen = seen_in_prompt | (output_counts > 0)
     penalized = torch.where(scores > 0, scores / repetition, scores * repetition)
     scores.copy_(torch.where(seen, penalized, scores))
@@ -328,13 +383,13 @@ def _filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> t
     probabilities are not used)."""
     device = scores.device
     vocab = scores.shape[1]
-    temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+    temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
     scores = scores / temperature.unsqueeze(1)
     if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         return torch.softmax(scores, dim=-1)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device).unsqueeze(1)
-    top_p = torch.tensor([float(p.top_p) for p in params], device=device).unsqueeze(1)
-    min_p = torch.tensor([float(p.min_p) for p in params], device=device).unsqueeze(1)
+    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], device).unsqueeze(1)
+    top_p = to_device([float(p.top_p) for p in params], device).unsqueeze(1)
+    min_p = to_device([float(p.min_p) for p in params], device).unsqueeze(1)
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     drop = sorted_probs < min_p * sorted_probs[:, :1]
@@ -346,18 +401,13 @@ def _filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
 
 
-def _with_logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-                   want: list[int]) -> SamplerOutput:
-    """The sampled tokens and, for rows in `want`, log_softmax(raw)[token] and the top-k (one host copy)."""
-    device = raw.device
-    index = torch.tensor(want, device=device)
+def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
+                     want: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows in `want`, on the device: log_softmax(raw)[token] [W], and the top-k values and ids [W, k]
+    (k: the largest `logprobs` asked for)."""
+    index = to_device(want, raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)
     chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
     k = max(params[i].logprobs for i in want)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], index.new_zeros(len(want), 0))
-    tokens_list, chosen_list, values, ids = (t.tolist() for t in (tokens, chosen, top_values, top_ids))
-    out: list[TokenLogprob | None] = [None] * len(params)
-    for j, i in enumerate(want):
-        count = params[i].logprobs
-        out[i] = TokenLogprob(tokens_list[i], chosen_list[j], tuple(zip(ids[j][:count], values[j][:count])))
-    return SamplerOutput(tokens_list, out)
+    return chosen, top_values, top_ids

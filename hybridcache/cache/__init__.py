@@ -9,6 +9,7 @@ from hybridcache.cache.integrity import IntegrityError
 from hybridcache.cache.manager import PrefixCache
 from hybridcache.cache.plan import CopyKind, CopyOp, CopyPlan, Phase, Pool
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, MultimodalSpan, SaveReason
+from hybridcache.cache.sequence import PENDING_TOKEN
 from hybridcache.cache.stats import CacheStats
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "IntegrityError",
     "MatchResult",
     "MultimodalSpan",
+    "PENDING_TOKEN",
     "Phase",
     "Pool",
     "PrefixCache",

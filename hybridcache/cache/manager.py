@@ -9,6 +9,7 @@ One step of the engine, as the cache sees it::
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
                                           # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
+    cache.fill_pending(rid, pos, token)   # async scheduling: a token fed as PENDING_TOKEN is now known
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
 Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
@@ -37,7 +38,7 @@ from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
-from hybridcache.cache.sequence import RunningSeq
+from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
 from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
 
@@ -269,10 +270,12 @@ class PrefixCache:
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
         the step's saves are published (their STATE_SAVE / KV_SAVE copies emitted), restore pins and save
-        pins are dropped. Returns this step's copies: restores queued by `admit` since the last commit,
-        and the saves. The caller must enqueue restore copies, the forward, then save copies, on one stream,
-        before its next cache call: that ordering is what makes freeing a deduplicated block and dropping
-        the pins safe here (any later writer of those ids is queued after).
+        pins are dropped. A decoding sequence may feed `PENDING_TOKEN` as its last token (async scheduling:
+        the previous step's sample is still on the device) when it saves nothing in this step; a block that
+        fills with it joins the trie at `fill_pending`. Returns this step's copies: restores queued by `admit`
+        since the last commit, and the saves. The caller must enqueue restore copies, the forward, then save
+        copies, on one stream, before its next cache call: that ordering is what makes freeing a deduplicated
+        block and dropping the pins safe here (any later writer of those ids is queued after).
         """
         self._check_fed(fed)
         builder = PlanBuilder()
@@ -297,7 +300,8 @@ class PrefixCache:
 
     def _check_fed(self, fed: Mapping[Hashable, Sequence[int]]) -> None:
         """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
-        they equal its prompt where they overlap it, and every reserved save is at the end of its chunk."""
+        they equal its prompt where they overlap it, a `PENDING_TOKEN` is only the last token of a decoding
+        sequence that saves nothing, and every reserved save is at the end of its chunk."""
         size = self.block_size
         for rid, tokens in fed.items():
             seq = self._seq(rid)
@@ -308,6 +312,10 @@ class PrefixCache:
             overlap = len(prompt) - seq.num_computed  # decode tokens (overlap <= 0) have no prompt to equal
             if overlap > 0 and tuple(tokens[:overlap]) != prompt[seq.num_computed:new_len]:
                 raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
+            if PENDING_TOKEN in tokens and (tokens.index(PENDING_TOKEN) != len(tokens) - 1 or overlap > 0
+                                            or seq.saves):
+                raise ValueError(f"{rid!r} feeds a pending token other than as the last one of a decode step "
+                                 "that saves nothing")
         for rid, seq in self._seqs.items():
             for ckpt in seq.saves:
                 if rid not in fed or ckpt.step != seq.num_computed + len(fed[rid]):
@@ -321,6 +329,10 @@ class PrefixCache:
         num_full = seq.num_computed // size
         if len(seq.nodes) >= num_full:  # no block became full (most decode steps): nothing to insert or re-index;
             return  # the last node is unchanged since it was inserted and indexed
+        if seq.token_ids[num_full * size - 1] == PENDING_TOKEN:  # filled by a pending token: at fill_pending
+            num_full -= 1
+            if len(seq.nodes) >= num_full:
+                return
         now = self._life.tick()
         prompt_hashes = prompt_block_hashes(request, size, trie.hash_fn)
         while len(seq.nodes) < num_full:
@@ -337,6 +349,20 @@ class PrefixCache:
             seq.nodes.append(node)
             parent = node
         self._life.leaf_changed(seq.nodes[-1])  # every node inserted above but the last has a child now
+
+    def fill_pending(self, request_id: Hashable, position: int, token: int) -> None:
+        """Async scheduling: the token a sequence fed as `PENDING_TOKEN` at `position` is `token`. A block it
+        filled joins the trie now (deduplicated as in `commit_step`: the sequence's own copy is freed, which is
+        safe for the same reason: every later writer of the id is queued after the forward that wrote it).
+        Nothing happens when the sequence has not fed that position (it was not scheduled in the step, or was
+        preempted). Raises ValueError when the position holds a known token or `token` is negative."""
+        seq = self._seqs.get(request_id)
+        if seq is None or position >= seq.num_computed:
+            return
+        if seq.token_ids[position] != PENDING_TOKEN or token < 0:
+            raise ValueError(f"{request_id!r}: position {position} holds no pending token, or token {token} < 0")
+        seq.token_ids[position] = token
+        self._insert_full_blocks(seq)
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
@@ -368,6 +394,8 @@ class PrefixCache:
         seq = self._seq(request_id)
         if seq.has_pending_work:
             raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves")
+        if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
+            raise ValueError(f"finish of {request_id!r} before its pending token is filled in (fill_pending)")
         return self._retire(seq, SaveReason.FINISH, routed_experts, keep=True)
 
     def preempt(self, request_id: Hashable, keep_checkpoint: bool = True) -> bool:

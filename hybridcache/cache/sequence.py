@@ -9,13 +9,19 @@ from hybridcache.cache.plan import CopyKind
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node
 
+# A fed token whose value is not known yet (async scheduling: the previous step's sample, still on the device).
+# `PrefixCache.commit_step` accepts it as the last token a decoding sequence feeds; `fill_pending` sets it.
+PENDING_TOKEN = -1
+
 
 class RunningSeq:
     """A running sequence: its tokens, blocks, trie nodes, runtime slot and this step's pending work.
 
     token_ids         every token fed so far (the cached prefix included): num_computed = len(token_ids).
+                      The last one may be PENDING_TOKEN until `PrefixCache.fill_pending` (async scheduling).
     block_ids         its blocks in order; block i holds positions [i*B, (i+1)*B). The first len(nodes)
-                      are full and in the trie (shared, read-only); the others are private to it.
+                      are full and in the trie (shared, read-only); the others are private to it. Every
+                      full block is in the trie, except one whose last token is still PENDING_TOKEN.
     nodes             nodes[i] is the trie node of block i (its depth is i + 1).
     slot              its runtime state slot.
     restore           the checkpoint restored at admission, pinned until the next commit, and its copies.

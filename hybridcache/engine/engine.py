@@ -3,20 +3,40 @@
 The engine never calls the prefix cache: the scheduler drives it (admission, growth, saves and the step's
 commit) and hands back the step's chunks with their block ids, slots and copy plan; the engine only asks the
 scheduler for its integrity check and counters.
+
+Async scheduling (`EngineConfig.async_scheduling`; on by default on one CUDA device): the host plans and
+queues step t+1 while the device runs step t, and postprocesses t while the device runs t+1. A `step()` call
+then launches one step and returns the outputs of the one before::
+
+    step() call k:   prepare(t)  schedule(t+1)  build + launch(t+1)  wait for t's tokens  postprocess(t)
+    device:          ....... runs t .......  |  ........... runs t+1 ...........
+
+`prepare(t)` advances each sequence of t past its chunk and appends `PENDING_TOKEN` for each token t samples;
+t+1 feeds those rows from t's sampled tokens on the device (`input_ids` is patched there). The cache gets
+`PENDING_TOKEN` in t+1's commit and the real token at `Scheduler.fill_token`, right after the launch. A
+sequence that t finishes (EOS, a stop string, an abort) already has a row in t+1: the row is ignored, and its
+finish checkpoint holds one token more than with synchronous steps (the device has fed its last sampled
+token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
+retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) when
+a sequence that samples in it needs its tokens on the host to sample the next one: structured output (the
+grammar's next mask), penalties (the output so far), `decode_checkpoint_interval` saves (the saved tail);
+and always under tensor parallelism (the workers do not see the sampled tokens).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from hybridcache.cache import CacheConfig, PrefixCache
+from hybridcache.cache import PENDING_TOKEN, CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.distributed.executor import TensorParallelExecutor
 from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
@@ -27,7 +47,16 @@ from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, make_generator, prompt_logprobs, sample
+from hybridcache.sampling import (
+    PendingSample,
+    PromptLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    prompt_logprobs,
+    sample_async,
+    to_device,
+)
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -75,6 +104,19 @@ class _Request:
     @property
     def finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class _Launched:
+    """A step whose forward and sampling are queued on the device: its chunks, the sequences it samples (row i
+    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run, `pending`: sequence id -> the position
+    of its `PENDING_TOKEN` in `token_ids`, and `retired`: sequences retired there by length."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    sampled: list[Seq]
+    sample: PendingSample | None
+    pending: dict[int, int] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)
 
 
 def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]:
@@ -158,6 +200,9 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
+        async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
+        self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
     # ----------------------------------------------------------------------------------- requests
@@ -246,13 +291,44 @@ class LLMEngine:
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one forward; returns the output so far of every request that sampled a token in it, except
-        `final_only` requests still running (`finished` tells which are done; their memory is already released)."""
+        `final_only` requests still running (`finished` tells which are done; their memory is already released).
+        With async scheduling a call launches one step and returns the outputs of the step before (the module
+        docstring); keep calling it while `has_unfinished_requests()`."""
         self._raise_if_dead()
-        scheduled = self.scheduler.schedule()  # raises before changing anything, or commits the step
-        if scheduled.is_empty:
-            return []
+        previous, self._launched = self._launched, None
+        outputs: list[RequestOutput] = []
+        with self._fatal():
+            if previous is not None and not self._can_overlap(previous):
+                outputs, previous = self._complete(previous), None
+            if previous is not None:
+                self._prepare(previous)
         try:
-            return self._run(scheduled)
+            scheduled = self.scheduler.schedule()  # raises before changing anything, or commits the step
+        except Exception:
+            if previous is None and not outputs:
+                raise  # nothing changed: the engine stays usable
+            scheduled = SchedulerOutput()  # finish `previous` first; the error comes back at the next call
+        except BaseException as error:  # an interrupt
+            if previous is not None:
+                self._failure = error
+            raise
+        with self._fatal():
+            launched = self._launch(scheduled, previous) if not scheduled.is_empty else None
+            if previous is not None:
+                outputs = self._complete(previous)
+            if launched is not None:
+                if self.async_scheduling:
+                    self._launched = launched
+                else:
+                    outputs += self._complete(launched)
+        return outputs
+
+    @contextlib.contextmanager
+    def _fatal(self) -> Iterator[None]:
+        """Any error inside kills the engine (`EngineDeadError` from then on): a committed step's bookkeeping
+        was interrupted."""
+        try:
+            yield
         except BaseException as error:
             self._failure = error
             raise
@@ -263,14 +339,40 @@ class LLMEngine:
                 f"the engine failed earlier and cannot continue: {type(self._failure).__name__}: {self._failure}"
             ) from self._failure
 
-    def _run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
-        """The device work and the bookkeeping of a step the scheduler has committed."""
+    def _can_overlap(self, launched: _Launched) -> bool:
+        """The next step may be planned before `launched` is postprocessed: no sequence it samples needs its
+        token on the host to sample the next one (see the module docstring)."""
+        if self.config.decode_checkpoint_interval is not None:
+            return False
+        return not any(seq.params.guided is not None or seq.params.penalized for seq in launched.sampled)
+
+    def _prepare(self, launched: _Launched) -> None:
+        """Before the next step is planned while `launched` runs: its sequences advance past their chunks, each
+        token it samples is `PENDING_TOKEN` for now, and a sequence that its token brings to `max_tokens` or
+        `max_model_len` is retired (it must not be planned again; its finish reason is set at `_complete`)."""
+        for chunk in launched.chunks:
+            if not chunk.seq.is_finished:
+                chunk.seq.num_computed = chunk.end
+        for seq in launched.sampled:
+            if seq.is_finished:
+                continue
+            launched.pending[seq.seq_id] = seq.num_tokens
+            seq.token_ids.append(PENDING_TOKEN)
+            if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+                self.scheduler.finish(seq)
+                launched.retired.add(seq.seq_id)
+
+    def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None) -> _Launched:
+        """Queue the device work of a step the scheduler has committed: copies, the forward (rows that feed a
+        token `previous` sampled take it from `previous.sample.tokens` on the device) and the sampling."""
         chunks = scheduled.chunks
         if chunks:
             wants_prompt = _prompt_logits_flags(chunks)
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
                                         kernel_block_size=self.config.kernel_block_size, device=self.device,
                                         copies=scheduled.copies, prompt_logits=wants_prompt)
+            if previous is not None and previous.pending:
+                self._feed_sampled(chunks, batch.input_ids, previous)
             logits = self.runner.execute(batch)
             if wants_prompt:
                 self._record_prompt_logprobs(chunks, wants_prompt, logits)
@@ -282,36 +384,65 @@ class LLMEngine:
         if rows:  # logits row i is chunk i's last token (a view when every chunk samples, as in decode steps)
             parts.append(logits[: len(chunks)] if len(rows) == len(chunks) else logits[rows])
         if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
-            slots = torch.tensor([s.slot for s in scheduled.samples], dtype=torch.int64, device=self.device)
+            slots = to_device([s.slot for s in scheduled.samples], self.device)
             parts.append(self.runner.logits_from_slots(slots))
             sampled += [s.seq for s in scheduled.samples]
-        merged = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else None
-        return self._postprocess(chunks, sampled, merged)
+        if not parts:
+            return _Launched(chunks, sampled, None)
+        return _Launched(chunks, sampled, self._sample(parts[0] if len(parts) == 1 else torch.cat(parts), sampled))
 
-    def _postprocess(
-        self, chunks: SequenceOf[ScheduledChunk], sampled: list[Seq], logits: torch.Tensor | None,
-    ) -> list[RequestOutput]:
-        """Advance every fed sequence, then sample one token for each of `sampled` (logits row i)."""
+    def _sample(self, logits: torch.Tensor, sampled: list[Seq]) -> PendingSample:
+        """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
+        every token before the one sampled, pending ones included)."""
+        matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
+        bitmask = fill_bitmask(matchers, logits.shape[-1])
+        return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
+
+    def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], input_ids: torch.Tensor, previous: _Launched) -> None:
+        """Write into `input_ids` (on the device) each `PENDING_TOKEN` row's token from `previous`'s samples.
+        A pending token is the last (only) token of its sequence's decode chunk."""
+        source = {seq.seq_id: i for i, seq in enumerate(previous.sampled)}
+        rows, sources, end = [], [], 0
         for chunk in chunks:
-            chunk.seq.num_computed = chunk.end
-            if chunk.start < chunk.seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
+            end += chunk.num_tokens
+            if chunk.token_ids[-1] == PENDING_TOKEN:
+                rows.append(end - 1)
+                sources.append(source[chunk.seq.seq_id])
+        if rows:
+            index = to_device(rows + sources, self.device)
+            input_ids.index_copy_(0, index[: len(rows)], previous.sample.tokens.index_select(0, index[len(rows):]))
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Postprocess a launched step: wait for its tokens, tell the scheduler (and so the cache) the pending
+        ones, advance every fed sequence, then append each sampled token and check whether its sequence stops.
+        Sequences finished or aborted after the step was planned are skipped (their rows are ignored)."""
+        out = launched.sample.result() if launched.sample is not None else None
+        live = [(i, seq) for i, seq in enumerate(launched.sampled)
+                if (not seq.is_finished or seq.seq_id in launched.retired) and seq.request_id in self._requests]
+        for i, seq in live:
+            position = launched.pending.get(seq.seq_id)
+            if position is not None:
+                self.scheduler.fill_token(seq, position, out.tokens[i])
+        for chunk in launched.chunks:
+            seq = chunk.seq
+            if seq.is_finished and seq.seq_id not in launched.retired:
+                continue
+            seq.num_computed = chunk.end
+            if chunk.start < seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
             else:
                 self.num_decode_tokens += chunk.num_tokens
-        if not sampled:
-            return []
-        matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
-        bitmask = fill_bitmask(matchers, logits.shape[-1])
-        out = sample(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
         touched: dict[str, _Request] = {}
-        for i, seq in enumerate(sampled):
+        for i, seq in live:
             token = out.tokens[i]
             request = self._requests[seq.request_id]
-            seq.token_ids.append(token)
+            if seq.seq_id not in launched.pending:
+                seq.token_ids.append(token)
             if out.logprobs[i] is not None:
                 request.logprobs[seq.index].append(out.logprobs[i])
-            if matchers[i] is not None and not matchers[i].is_terminated():
-                matchers[i].accept_token(token)
+            matcher = request.matchers[seq.index]
+            if matcher is not None and not matcher.is_terminated():
+                matcher.accept_token(token)
             reason = self._finish_reason(seq, token, request.texts[seq.index])
             if reason is not None:
                 seq.finish_reason = reason
@@ -342,7 +473,7 @@ class LLMEngine:
             next_row += chunk.num_tokens - 1
             seq = chunk.seq
             count = min(chunk.end, seq.prompt_len - 1) - chunk.start
-            targets = torch.tensor(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], device=logits.device)
+            targets = to_device(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], logits.device)
             entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
                                       decode=self._decode_token)
             self._requests[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries

@@ -240,6 +240,13 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
+    def fill_token(self, seq: Seq, position: int, token: int) -> None:
+        """Async scheduling: `seq.token_ids[position]`, `PENDING_TOKEN` while the step that sampled it ran, is
+        `token`; the cache learns it too where the sequence has fed it (see `PrefixCache.fill_pending`)."""
+        seq.token_ids[position] = token
+        if seq.status is SeqStatus.RUNNING:
+            self.cache.fill_pending(seq.seq_id, position, token)
+
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.cache.preempt(seq.seq_id, keep_checkpoint=self.policy is not None and self.policy.finish)

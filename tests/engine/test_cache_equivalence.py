@@ -29,14 +29,14 @@ def make_engine(model_dir, *, caching=True, block_size=16, kernel_block_size=8, 
     )
     engine = LLMEngine(model_dir, config)
     engine.logits = {}
-    original = engine._postprocess
+    original = engine._sample
 
-    def recording_postprocess(chunks, sampled, logits):
+    def recording_sample(logits, sampled):
         for row, seq in enumerate(sampled):
             engine.logits[(seq.request_id, seq.index, seq.num_tokens)] = logits[row].clone()
-        return original(chunks, sampled, logits)
+        return original(logits, sampled)
 
-    engine._postprocess = recording_postprocess
+    engine._sample = recording_sample
     return engine
 
 
