@@ -241,7 +241,8 @@ class CompileLog:
             knobs.runtime.jit_cache_hook = self
 
     def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
-        self.by_label.setdefault(self.label, []).append(repr[:200] if repr else fn.name)
+        name = repr[:120] if repr else fn.name  # the key names the specialisation (dtypes, alignments, constants)
+        self.by_label.setdefault(self.label, []).append(f"{name} key={str(key)[:800]}")
         return None
 
 
