@@ -381,8 +381,10 @@ class LLMEngine:
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i].seq for i in rows]
         parts = []
-        if rows:  # logits row i is chunk i's last token (a view when every chunk samples, as in decode steps)
-            parts.append(logits[: len(chunks)] if len(rows) == len(chunks) else logits[rows])
+        if rows:  # logits row i is chunk i's last token (a view when every chunk samples, as in decode steps;
+            # else a gather by device ids: indexing by a Python list copies it over synchronously)
+            parts.append(logits[: len(chunks)] if len(rows) == len(chunks)
+                         else logits.index_select(0, to_device(rows, logits.device)))
         if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
             slots = to_device([s.slot for s in scheduled.samples], self.device)
             parts.append(self.runner.logits_from_slots(slots))
