@@ -1,6 +1,9 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's).
+finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's),
+with synchronous or async steps (as `LLMEngine` runs them: the next step is planned with `PENDING_TOKEN` for
+each token the previous one sampled, the tokens are filled in after the commit, and the previous step's
+finishes come after that, so a finished sequence's row has already run one step more).
 After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
 sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
@@ -11,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.cache import PENDING_TOKEN, CacheConfig, CacheRequest, PrefixCache
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -32,8 +35,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         eviction=st.sampled_from(["lru", "flop_aware"]),
         memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
         learned=st.booleans(),
+        async_steps=st.booleans(),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks, learned):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks, learned, async_steps):
         policy = checkpoint_policy(mode)
         # one budget in bytes (CostModel(): a block costs block_size bytes, a slot 64): 3 running slots + blocks
         memory = None if memory_blocks is None else 3 * 64 + memory_blocks * block_size
@@ -48,6 +52,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.device = FakeDevice(self.cache)
         self.seqs: list[Seq] = []
         self.idle_steps = 0
+        self.async_steps = async_steps
+        self.launched: list[Seq] | None = None  # async: the sequences the last step sampled, not postprocessed
 
     @precondition(lambda self: len(self.scheduler.waiting) < 8)
     @rule(data=st.data(), n=st.integers(1, 3))
@@ -62,27 +68,64 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.seqs.append(seq)
             self.scheduler.add(seq)
 
-    @precondition(lambda self: self.scheduler.has_work)
+    @precondition(lambda self: self.scheduler.has_work or self.launched is not None)
     @rule(data=st.data())
     def step(self, data):
+        previous, self.launched = self.launched, None
+        pending = self._prepare(previous) if previous is not None else []
         try:
             output = self.scheduler.schedule()
         except RuntimeError:  # nothing fits even alone: too small a pool for this prompt; drop it
+            if previous is not None:  # (the engine first finishes the step before; the next call raises again)
+                self._complete(previous, pending, data)
+                return
             seq = self.scheduler.waiting[0]
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
             return
+        for seq, position in pending:  # the device reads the previous step's tokens when it runs this one
+            self.scheduler.fill_token(seq, position, data.draw(st.integers(0, 12)))
         self.device.execute_step(output)
-        self.idle_steps = self.idle_steps + 1 if output.is_empty else 0
+        self.idle_steps = self.idle_steps + 1 if output.is_empty and previous is None else 0
+        if previous is not None:
+            self._complete(previous, [], data)
         sampled = [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]
         for chunk in output.chunks:
-            chunk.seq.num_computed = chunk.end
+            if not chunk.seq.is_finished:
+                chunk.seq.num_computed = chunk.end
+        if self.async_steps:
+            self.launched = sampled
+        else:
+            for seq in sampled:
+                seq.token_ids.append(data.draw(st.integers(0, 12)))
+            self._finish_some(sampled, data)
+        self.device.check()
+
+    def _prepare(self, previous: list[Seq]) -> list[tuple[Seq, int]]:
+        """Async: each live sequence of `previous` gets `PENDING_TOKEN`; one that reaches its length limit with
+        it is retired before the next step is planned."""
+        pending = []
+        for seq in previous:
+            if seq.is_finished:
+                continue
+            pending.append((seq, seq.num_tokens))
+            seq.token_ids.append(PENDING_TOKEN)
+            if len(seq.output_ids) >= 4:
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+        return pending
+
+    def _complete(self, previous: list[Seq], pending: list[tuple[Seq, int]], data) -> None:
+        """Async: the tokens of `previous` (those still pending) are filled in, then some of its sequences stop."""
+        for seq, position in pending:
+            self.scheduler.fill_token(seq, position, data.draw(st.integers(0, 12)))
+        self._finish_some([seq for seq in previous if not seq.is_finished], data)
+
+    def _finish_some(self, sampled: list[Seq], data) -> None:
         for seq in sampled:
-            seq.token_ids.append(data.draw(st.integers(0, 12)))
             if len(seq.output_ids) >= 4 or data.draw(st.integers(0, 3)) == 0:
                 seq.finish_reason = "stop"
                 self.scheduler.finish(seq)
-        self.device.check()
 
     @precondition(lambda self: bool(self.scheduler.running))
     @rule(data=st.data())
@@ -103,6 +146,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "scheduler"):
             return
+        for seq in self.launched or ():  # async: the last step's sequences stop
+            if not seq.is_finished:
+                seq.finish_reason = "stop"
+                self.scheduler.finish(seq)
         for _ in range(400):  # everything left finishes: nobody waits forever for a leader
             if not self.scheduler.has_work:
                 break
