@@ -182,15 +182,17 @@ class LLMEngine:
             self.runner, plan = build_runner(spec, TensorParallel(), self.device)
         backend = self.runner.backend
         self.memory_plan = plan
+        async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self.num_blocks = plan.num_blocks
         num_slots = plan.num_slots
         _logger.info(
             "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
-            "kernels %s, cuda graphs %s",
+            "kernels %s, cuda graphs %s, async scheduling %s",
             self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
             self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
-            type(backend).__name__, self.runner.graph_batch_sizes or "off",
+            type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
         self.scheduler = _make_scheduler(config, num_blocks=self.num_blocks, num_slots=num_slots)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -200,8 +202,6 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
-        async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
-        self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
