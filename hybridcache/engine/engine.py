@@ -60,7 +60,7 @@ from hybridcache.sampling import (
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
-from hybridcache.scheduler.sequence import Seq
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
@@ -429,7 +429,8 @@ class LLMEngine:
             seq = chunk.seq
             if seq.is_finished and seq.seq_id not in launched.retired:
                 continue
-            seq.num_computed = chunk.end
+            if seq.status is SeqStatus.RUNNING:  # (not one the next step's plan preempted: it restarts at 0)
+                seq.num_computed = chunk.end
             if chunk.start < seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
             else:

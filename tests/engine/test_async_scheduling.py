@@ -60,6 +60,13 @@ def test_async_under_pressure_preempts_evicts_and_matches(model_dir):
     reference = make_engine(model_dir, caching=False)
     tight = make_engine(model_dir, async_scheduling=True, num_blocks=24, num_checkpoint_slots=2, max_model_len=300,
                         max_num_seqs=6, max_num_batched_tokens=256)
+    integrity = tight.check_integrity
+
+    def check() -> None:  # also: a sequence the next step's plan preempted restarts from 0 (not its old chunk end)
+        integrity()
+        assert all(seq.num_computed == 0 for seq in tight.scheduler.waiting)
+
+    tight.check_integrity = check
     out_reference = run_workload(reference, seed=1, reply_lens=(20, 40))
     out = run_workload(tight, seed=1, check_every_step=True, reply_lens=(20, 40))
     assert_same(tight, reference, out, out_reference)
