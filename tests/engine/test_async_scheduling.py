@@ -9,6 +9,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec
@@ -181,3 +183,50 @@ def test_async_equals_sync_on_cuda_with_graphs(tmp_path):
     outputs = llm.generate(prompts, stopping, use_tqdm=False)
     assert {o.outputs[0].finish_reason for o in outputs} >= {"stop"}
     engine.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def engine_pair(model_dir):
+    """A synchronous and an async engine over the same model (reused across hypothesis examples)."""
+    return [make_engine(model_dir, async_scheduling=flag, max_num_seqs=4, max_num_batched_tokens=64, num_blocks=14,
+                        max_model_len=200)
+            for flag in (False, True)]
+
+
+_REQUESTS = st.lists(
+    st.tuples(st.integers(0, 2), st.integers(1, 60), st.integers(1, 24), st.integers(1, 2), st.booleans()),
+    min_size=1, max_size=7,
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=_REQUESTS, abort_at=st.integers(0, 12), seed=st.integers(0, 1000))
+def test_async_matches_sync_on_random_traffic(engine_pair, requests, abort_at, seed):
+    """Random mixes of shared-prefix prompts, lengths, n, stop tokens and one abort under a small KV pool
+    (preemptions): every request that was not aborted gets the same tokens and finish reasons from the async
+    engine as from the synchronous one, and both caches stay intact after every call."""
+    rng = random.Random(seed)
+    stems = [tokens(rng, 40) for _ in range(3)]
+    stops = tuple(rng.sample(range(256), 24))
+    results = []
+    for engine in engine_pair:
+        engine.clear_cache()
+        for i, (stem, extra, max_tokens, n, stopping) in enumerate(requests):
+            params = SamplingParams(temperature=0, max_tokens=max_tokens, n=n, ignore_eos=not stopping,
+                                    stop_token_ids=stops if stopping else ())
+            engine.add_request(f"{seed}-{i}", stems[stem] + tokens(random.Random(seed + i), extra), params)
+        finished, calls = {}, 0
+        while engine.has_unfinished_requests():
+            if calls == abort_at:
+                engine.abort(f"{seed}-0")
+            finished.update((o.request_id, o) for o in engine.step() if o.finished)
+            engine.check_integrity()
+            calls += 1
+        results.append(finished)
+    sync, async_ = results
+    kept = [rid for rid in sync if rid != f"{seed}-0"]
+    assert sorted(kept) == sorted(rid for rid in async_ if rid != f"{seed}-0")
+    for rid in kept:
+        got = [(c.token_ids, c.finish_reason) for c in async_[rid].outputs]
+        want = [(c.token_ids, c.finish_reason) for c in sync[rid].outputs]
+        assert got == want, rid
