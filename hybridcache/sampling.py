@@ -242,15 +242,9 @@ class PendingSample:
         return SamplerOutput(tokens, out)
 
 
-def sample(
-    logits: torch.Tensor,
-    rows: Sequence[SamplingRow],
-    *,
-    stop_token_ids: frozenset[int] | Sequence[int] = (),
-    allowed_bitmask: torch.Tensor | None = None,
-) -> SamplerOutput:
-    """`sample_async(...).result()`: the tokens (and logprobs) on the host."""
-    return sample_async(logits, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask).result()
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], **options: object) -> SamplerOutput:
+    """`sample_async(logits, rows, **options).result()`: the tokens (and logprobs) on the host."""
+    return sample_async(logits, rows, **options).result()
 
 
 def sample_async(
