@@ -362,7 +362,8 @@ class PrefixCache:
         if seq.token_ids[position] != PENDING_TOKEN or token < 0:
             raise ValueError(f"{request_id!r}: position {position} holds no pending token, or token {token} < 0")
         seq.token_ids[position] = token
-        self._insert_full_blocks(seq)
+        if (position + 1) % self.block_size == 0:  # it completed a block (held back at commit_step)
+            self._insert_full_blocks(seq)
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
