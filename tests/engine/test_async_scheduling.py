@@ -230,3 +230,27 @@ def test_async_matches_sync_on_random_traffic(engine_pair, requests, abort_at, s
         got = [(c.token_ids, c.finish_reason) for c in async_[rid].outputs]
         want = [(c.token_ids, c.finish_reason) for c in sync[rid].outputs]
         assert got == want, rid
+
+
+def test_a_plan_that_raises_still_finishes_the_launched_step(model_dir, monkeypatch):
+    """With a step on the device, a `schedule()` that raises (nothing fits: it changes nothing) does not lose
+    that step: the call postprocesses it, the error comes back at the next call, and the engine stays usable."""
+    engine = make_engine(model_dir, async_scheduling=True)
+    reference = make_engine(model_dir)
+    prompt = tokens(random.Random(12), 40)
+    for e in (engine, reference):
+        e.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert engine.step() == []  # the prefill is on the device
+    schedule = engine.scheduler.schedule
+
+    def no_room():
+        raise RuntimeError("no room")
+
+    monkeypatch.setattr(engine.scheduler, "schedule", no_room)
+    outputs = engine.step()
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1]  # the prefill's token
+    with pytest.raises(RuntimeError, match="no room"):
+        engine.step()  # nothing launched now: the error itself
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule)
+    engine.check_integrity()
+    assert run_all(engine)["r"].outputs[0].token_ids == run_all(reference)["r"].outputs[0].token_ids
