@@ -71,26 +71,32 @@ def build_forward_batch(
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
+    kbs = kernel_block_size
     for chunk in chunks:
-        num_new = len(chunk.token_ids)
+        token_ids, start, block_ids = chunk.token_ids, chunk.start, chunk.block_ids
+        num_new = len(token_ids)
         if num_new == 0:
             raise ValueError("a chunk must feed at least one token")
-        end = chunk.start + num_new
-        if len(chunk.block_ids) * block_size < end:
-            raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold {end} tokens")
-        pages = (chunk.block_ids if pages_per_block == 1
-                 else [b * pages_per_block + j for b in chunk.block_ids for j in range(pages_per_block)])
+        end = start + num_new
+        if len(block_ids) * block_size < end:
+            raise ValueError(f"{len(block_ids)} blocks cannot hold {end} tokens")
+        pages = (block_ids if pages_per_block == 1
+                 else [b * pages_per_block + j for b in block_ids for j in range(pages_per_block)])
+        first_row = len(input_ids)
         for offset, vectors in chunk.embeds:
-            embed_rows.extend(range(len(input_ids) + offset, len(input_ids) + offset + vectors.shape[0]))
+            embed_rows.extend(range(first_row + offset, first_row + offset + vectors.shape[0]))
             embeds.append(vectors)
-        input_ids.extend(chunk.token_ids)
-        positions.extend(range(chunk.start, end))
-        slot_mapping.extend(pages[pos // kernel_block_size] * kernel_block_size + pos % kernel_block_size
-                            for pos in range(chunk.start, end))
-        cu_seqlens.append(cu_seqlens[-1] + num_new)
+        input_ids.extend(token_ids)
+        if num_new == 1:  # a decode row (most rows of most steps)
+            positions.append(start)
+            slot_mapping.append(pages[start // kbs] * kbs + start % kbs)
+        else:
+            positions.extend(range(start, end))
+            slot_mapping.extend(pages[pos // kbs] * kbs + pos % kbs for pos in range(start, end))
+        cu_seqlens.append(first_row + num_new)
         context_lens.append(end)
-        page_rows.append(pages[: -(-end // kernel_block_size)])
-        logits_indices.append(cu_seqlens[-1] - 1)
+        page_rows.append(pages[: -(-end // kbs)])
+        logits_indices.append(first_row + num_new - 1)
     prompt_rows = [row for i, flag in enumerate(prompt_logits) if flag
                    for row in range(cu_seqlens[i], cu_seqlens[i + 1] - 1)]
     width = max(len(row) for row in page_rows)
