@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterable, Mapping
 
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.lifecycle import Lifecycle
-from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
+from hybridcache.cache.sequence import RunningSeq
 
 
 class IntegrityError(AssertionError):
@@ -163,10 +163,7 @@ def _check_sequences(
         if seq.slot in slot_owners:
             _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
         slot_owners[seq.slot] = seq.slot_owner
-        num_full = seq.num_computed // size
-        if num_full and seq.token_ids[num_full * size - 1] == PENDING_TOKEN:  # that block joins at fill_pending
-            num_full -= 1
-        if len(seq.nodes) != num_full:
+        if len(seq.nodes) != seq.num_trie_blocks(size):
             _fail(f"{rid!r} has {len(seq.nodes)} trie nodes for {seq.num_computed} computed tokens")
         if len(seq.block_ids) * size < seq.num_computed:
             _fail(f"{rid!r} has {len(seq.block_ids)} blocks for {seq.num_computed} computed tokens")

@@ -326,13 +326,9 @@ class PrefixCache:
         size, trie = self.block_size, self._trie
         request = seq.request
         parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)
-        num_full = seq.num_computed // size
+        num_full = seq.num_trie_blocks(size)
         if len(seq.nodes) >= num_full:  # no block became full (most decode steps): nothing to insert or re-index;
             return  # the last node is unchanged since it was inserted and indexed
-        if seq.token_ids[num_full * size - 1] == PENDING_TOKEN:  # filled by a pending token: at fill_pending
-            num_full -= 1
-            if len(seq.nodes) >= num_full:
-                return
         now = self._life.tick()
         prompt_hashes = prompt_block_hashes(request, size, trie.hash_fn)
         while len(seq.nodes) < num_full:

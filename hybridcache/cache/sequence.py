@@ -52,6 +52,14 @@ class RunningSeq:
     def num_computed(self) -> int:
         return len(self.token_ids)
 
+    def num_trie_blocks(self, block_size: int) -> int:
+        """How many of its blocks belong in the trie: every full one, except one whose last token is still
+        `PENDING_TOKEN` (it joins at `PrefixCache.fill_pending`)."""
+        num_full = len(self.token_ids) // block_size
+        if num_full and self.token_ids[num_full * block_size - 1] == PENDING_TOKEN:
+            return num_full - 1
+        return num_full
+
     @property
     def slot_owner(self) -> tuple[str, object]:
         return self.slot_owner_of(self.request.request_id)

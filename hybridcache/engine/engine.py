@@ -60,7 +60,7 @@ from hybridcache.sampling import (
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
-from hybridcache.scheduler.sequence import Seq, SeqStatus
+from hybridcache.scheduler.sequence import Seq
 from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
@@ -109,12 +109,13 @@ class _Request:
 @dataclass
 class _Launched:
     """A step whose forward and sampling are queued on the device: its chunks, the sequences it samples (row i
-    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run, `pending`: sequence id -> the position
-    of its `PENDING_TOKEN` in `token_ids`, and `retired`: sequences retired there by length."""
+    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run (`prepared`), `pending`: sequence id ->
+    the position of its `PENDING_TOKEN` in `token_ids`, and `retired`: sequences retired there by length."""
 
     chunks: tuple[ScheduledChunk, ...]
     sampled: list[Seq]
     sample: PendingSample | None
+    prepared: bool = False
     pending: dict[int, int] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)
 
@@ -349,7 +350,9 @@ class LLMEngine:
     def _prepare(self, launched: _Launched) -> None:
         """Before the next step is planned while `launched` runs: its sequences advance past their chunks, each
         token it samples is `PENDING_TOKEN` for now, and a sequence that its token brings to `max_tokens` or
-        `max_model_len` is retired (it must not be planned again; its finish reason is set at `_complete`)."""
+        `max_model_len` is retired (it must not be planned again; its finish reason is set at `_complete`).
+        Synchronous steps go through it too, right before `_complete`: one way in for every sampled token."""
+        launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
                 chunk.seq.num_computed = chunk.end
@@ -415,22 +418,21 @@ class LLMEngine:
             input_ids.index_copy_(0, index[: len(rows)], previous.sample.tokens.index_select(0, index[len(rows):]))
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
-        """Postprocess a launched step: wait for its tokens, tell the scheduler (and so the cache) the pending
-        ones, advance every fed sequence, then append each sampled token and check whether its sequence stops.
-        Sequences finished or aborted after the step was planned are skipped (their rows are ignored)."""
+        """Postprocess a launched step (`_prepare`d first if it was not): wait for its tokens, put each in place of
+        its `PENDING_TOKEN` (the scheduler tells the cache), count the fed tokens, then check whether each sampled
+        sequence stops. Sequences finished or aborted after the step was planned are skipped (their rows are
+        ignored)."""
+        if not launched.prepared:
+            self._prepare(launched)
         out = launched.sample.result() if launched.sample is not None else None
         live = [(i, seq) for i, seq in enumerate(launched.sampled)
                 if (not seq.is_finished or seq.seq_id in launched.retired) and seq.request_id in self._requests]
         for i, seq in live:
-            position = launched.pending.get(seq.seq_id)
-            if position is not None:
-                self.scheduler.fill_token(seq, position, out.tokens[i])
+            self.scheduler.fill_token(seq, launched.pending[seq.seq_id], out.tokens[i])
         for chunk in launched.chunks:
             seq = chunk.seq
             if seq.is_finished and seq.seq_id not in launched.retired:
                 continue
-            if seq.status is SeqStatus.RUNNING:  # (not one the next step's plan preempted: it restarts at 0)
-                seq.num_computed = chunk.end
             if chunk.start < seq.prompt_len or chunk.num_tokens > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
             else:
@@ -439,8 +441,6 @@ class LLMEngine:
         for i, seq in live:
             token = out.tokens[i]
             request = self._requests[seq.request_id]
-            if seq.seq_id not in launched.pending:
-                seq.token_ids.append(token)
             if out.logprobs[i] is not None:
                 request.logprobs[seq.index].append(out.logprobs[i])
             matcher = request.matchers[seq.index]

@@ -132,18 +132,25 @@ def test_steps_that_need_the_tokens_run_synchronously(model_dir, params, monkeyp
     """A request whose next sample depends on its tokens on the host (penalties read the output, a grammar
     its state) makes the steps that sample it synchronous; the greedy requests beside it still match."""
     outs = []
-    prepared = []
+    overlapped = []  # steps the next one was planned over (before they were postprocessed)
+
+    def recording(launched, can_overlap):
+        if can_overlap(launched):
+            overlapped.append(launched)
+            return True
+        return False
+
     for async_scheduling in (False, True):
         engine = make_engine(model_dir, async_scheduling=async_scheduling)
-        original = engine._prepare
-        monkeypatch.setattr(engine, "_prepare", lambda launched, o=original: (prepared.append(launched), o(launched)))
+        original = engine._can_overlap
+        monkeypatch.setattr(engine, "_can_overlap", lambda launched, o=original: recording(launched, o))
         rng = random.Random(9)
         engine.add_request("special", tokens(rng, 30), params)
         engine.add_request("plain", tokens(rng, 30), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         outs.append(run_all(engine))
     for request_id in ("special", "plain"):
         assert outs[0][request_id].outputs[0].token_ids == outs[1][request_id].outputs[0].token_ids
-    assert prepared and all(all(s.request_id == "plain" for s in launched.sampled) for launched in prepared)
+    assert overlapped and all(all(s.request_id == "plain" for s in launched.sampled) for launched in overlapped)
 
 
 def test_async_scheduling_is_refused_with_tensor_parallelism():
