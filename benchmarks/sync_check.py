@@ -84,6 +84,7 @@ def main() -> None:
         for site, count in counter.most_common():
             print(f"  {count:5d}  {site}")
     out = Path(args.out or os.environ.get("OUT") or ".") / f"sync_check_{args.model}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({k: dict(v) for k, v in sites.items()}, indent=1))
 
 

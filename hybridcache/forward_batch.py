@@ -15,7 +15,7 @@ Worked example (block_size B=16, kernel_block_size 8, so 2 kernel pages per sche
     context_lens   [25, 41]
     block_tables   seq 0 owns scheduler blocks [3, 7]   -> kernel pages [6, 7, 14, 15]
                    seq 1 owns scheduler blocks [1, 2, 5] -> kernel pages [2, 3, 4, 5, 10, 11]
-                   padded with 0 to the longest row
+                   padded with 0 to the longest row, rounded up to 16 columns
     slot_mapping   the token at position p goes to flat KV row pages[p // 8] * 8 + p % 8:
                    seq 0: p=20..23 -> page 14, rows 116..119; p=24 -> page 15, row 120
                    seq 1: p=40 -> page 11, row 88
@@ -55,7 +55,7 @@ class ForwardBatch:
     positions      [T] int64      absolute position of each token in its sequence
     cu_seqlens     [S + 1] int32  query token offsets: sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]
     context_lens   [S] int32      tokens in the KV cache of each sequence after this step (history + new)
-    block_tables   [S, P] int32   kernel page ids of each sequence, in order, padded with 0
+    block_tables   [S, P] int32   kernel page ids of each sequence, in order, padded with 0 (P a multiple of 16)
     slot_mapping   [T] int64      flat row (page * kernel_block_size + offset) where each token's KV goes
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hybridcache.cache.plan import CopyKind, Phase, Pool
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
@@ -75,7 +75,8 @@ class _DecodeGraphs:
         self.slot_mapping = full((biggest,), self.scratch_row, torch.int64)
         self.state_slots = full((biggest,), scratch_slot, torch.int64)
         self.context_lens = full((biggest,), 1, torch.int32)
-        self.block_tables = full((biggest, width), scratch_page, torch.int32)
+        # as wide as any step's table: `table_width` of the pages of max_model_len
+        self.block_tables = full((biggest, table_width(width)), scratch_page, torch.int32)
         self.cu_seqlens = torch.arange(biggest + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(biggest, dtype=torch.int64, device=device)
 

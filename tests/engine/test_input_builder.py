@@ -14,7 +14,7 @@ def test_worked_example_from_the_docstring():
     assert batch.positions.tolist() == [20, 21, 22, 23, 24, 40]
     assert batch.cu_seqlens.tolist() == [0, 5, 6]
     assert batch.context_lens.tolist() == [25, 41]
-    assert batch.block_tables.tolist() == [[6, 7, 14, 15, 0, 0], [2, 3, 4, 5, 10, 11]]
+    assert batch.block_tables.tolist() == [[6, 7, 14, 15] + [0] * 12, [2, 3, 4, 5, 10, 11] + [0] * 10]
     assert batch.slot_mapping.tolist() == [116, 117, 118, 119, 120, 88]
     assert batch.state_slots.tolist() == [4, 2]
     assert batch.logits_indices.tolist() == [4, 5]
@@ -31,6 +31,16 @@ def test_slot_mapping_matches_block_table(pages_per_block):
     pages = batch.block_tables[0].tolist()
     for row, pos in zip(batch.slot_mapping.tolist(), batch.positions.tolist()):
         assert row == pages[pos // kbs] * kbs + pos % kbs
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 9, 128, 129, 300])
+def test_block_table_width_is_a_multiple_of_16(num_tokens):
+    """One row stride specialisation for Triton whatever the batch: never 1, always divisible by 16."""
+    blocks = list(range(-(-num_tokens // 8)))
+    batch = build_forward_batch([SeqChunk([1] * num_tokens, 0, blocks, slot=0)], block_size=8, kernel_block_size=8)
+    width = batch.block_tables.shape[1]
+    assert width % 16 == 0 and width >= len(blocks)
+    assert batch.block_tables[0, : len(blocks)].tolist() == blocks
 
 
 def test_rejects_too_few_blocks_and_empty_chunks():
