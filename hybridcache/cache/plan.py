@@ -1,18 +1,29 @@
 """The copy plan of one forward: typed copy ops per pool, and their builder.
 
 A `CopyPlan` is a tuple of `CopyOp`s, at most one per `CopyKind`, in execution order (every op that runs
-before the forward first). Each op copies `src_ids[i] -> dst_ids[i]` within one pool:
+before the forward first). Each op copies `src_ids[i] -> dst_ids[i]`:
 
     kind            pool    phase            pairs
+    STATE_FINISH    STATE   BEFORE_FORWARD   (request_chunk, page)          paged states only
     KV_RESTORE      KV      BEFORE_FORWARD   (frozen_block, request_block)
-    STATE_RESTORE   STATE   BEFORE_FORWARD   (checkpoint_slot, request_slot)
+    STATE_RESTORE   STATE   BEFORE_FORWARD   (checkpoint_slot, request_slot)  or paged: (page, request_chunk)
     KV_SAVE         KV      AFTER_FORWARD    (request_block, frozen_block)
-    STATE_SAVE      STATE   AFTER_FORWARD    (request_slot, checkpoint_slot)
+    STATE_SAVE      STATE   AFTER_FORWARD    (request_slot, checkpoint_slot)  or paged: (request_chunk, page)
 
-KV ids are scheduler block ids, state ids are slot ids (one slot covers every recurrent layer's state).
-Within an op destinations are unique and no destination is also a source; sources may repeat (one
-checkpoint restored into several requests). A new tier (device <-> pinned host) is a new `Pool` member and
-new kinds, not a new field.
+KV ids are scheduler block ids. State ids depend on where checkpoints keep their states
+(`CacheConfig.state_pages`):
+- two pools (`state_pages` None): slot ids; one slot covers every recurrent layer's state.
+- paged (`state_pages` = k): a checkpoint's state lives in k blocks of the KV pool, its **pages**; a running
+  sequence's state stays in its runtime slot, seen as k **chunks** `slot * k + j` (j = 0 .. k-1: the slot's
+  state bytes, zero-padded to k pages, cut into k page-sized pieces). A save or restore lists the k chunks of
+  one slot together, j in order. `STATE_FINISH` saves the runtime slot of a sequence that finished (or was
+  preempted) after the forward that last wrote it was queued: it runs before every other copy of the next
+  step, so a slot or page reused by that step is read first. Example (k = 2): a restore of the checkpoint in
+  pages (40, 41) into runtime slot 3 is `STATE_RESTORE [(40, 6), (41, 7)]`.
+
+Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
+slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
+A new tier (device <-> pinned host) is a new `Pool` member and new kinds, not a new field.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ class Phase(enum.Enum):
 class CopyKind(enum.Enum):
     """What a copy op does; its value is (pool, phase). Declaration order is execution order."""
 
+    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD)
     KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD)
     STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD)
     KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD)
@@ -50,11 +62,13 @@ class CopyKind(enum.Enum):
 
 @dataclass(frozen=True)
 class CopyOp:
-    """`src_ids[i] -> dst_ids[i]` for every i, in `kind.pool`; both tuples have the same length >= 1."""
+    """`src_ids[i] -> dst_ids[i]` for every i, in `kind.pool`; both tuples have the same length >= 1.
+    `paged`: a state op between runtime chunks and pages (two id spaces; see the module docstring)."""
 
     kind: CopyKind
     src_ids: tuple[int, ...]
     dst_ids: tuple[int, ...]
+    paged: bool = False
 
     def __post_init__(self) -> None:
         dsts = set(self.dst_ids)
@@ -62,7 +76,9 @@ class CopyOp:
             raise AssertionError(f"{self.kind.name}: {len(self.src_ids)} sources for {len(self.dst_ids)} destinations")
         if len(dsts) != len(self.dst_ids):
             raise AssertionError(f"{self.kind.name}: repeated destination in {self.dst_ids}")
-        both = sorted(dsts & set(self.src_ids))
+        if (self.paged and self.kind.pool is not Pool.STATE) or (self.kind is CopyKind.STATE_FINISH and not self.paged):
+            raise AssertionError(f"{self.kind.name}: paged={self.paged} (only state ops are paged; finish ops are)")
+        both = [] if self.paged else sorted(dsts & set(self.src_ids))
         if both:
             raise AssertionError(f"{self.kind.name}: {both} are both source and destination")
 
@@ -92,8 +108,9 @@ class CopyPlan:
 class PlanBuilder:
     """Collects the copies of one step; `build` validates and returns them and starts a new plan."""
 
-    def __init__(self) -> None:
+    def __init__(self, paged_states: bool = False) -> None:
         self._pairs: dict[CopyKind, list[tuple[int, int]]] = {kind: [] for kind in CopyKind}
+        self._paged = paged_states
 
     def add(self, kind: CopyKind, src: int, dst: int) -> None:
         self._pairs[kind].append((src, dst))
@@ -103,6 +120,6 @@ class PlanBuilder:
         for kind, pairs in self._pairs.items():
             if pairs:
                 src_ids, dst_ids = zip(*pairs)
-                ops.append(CopyOp(kind, src_ids, dst_ids))
+                ops.append(CopyOp(kind, src_ids, dst_ids, paged=self._paged and kind.pool is Pool.STATE))
                 pairs.clear()
         return CopyPlan(tuple(ops))
