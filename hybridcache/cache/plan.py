@@ -43,13 +43,13 @@ class Phase(enum.Enum):
 
 
 class CopyKind(enum.Enum):
-    """What a copy op does; its value is (pool, phase). Declaration order is execution order."""
+    """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
 
-    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD)
-    KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD)
-    STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD)
-    KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD)
-    STATE_SAVE = (Pool.STATE, Phase.AFTER_FORWARD)
+    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")
+    STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
+    KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
+    STATE_SAVE = (Pool.STATE, Phase.AFTER_FORWARD, "save")
 
     @property
     def pool(self) -> Pool:
