@@ -4,14 +4,14 @@ Geometry (B = block_size): a checkpoint at step s has q = s // B full blocks and
 
     s = 3B + 17:  [ block 0 ][ block 1 ][ block 2 ][ 17 tail tokens | ...... ]
                                          ^ anchor (depth 3, ends at 3B)
-                  state slot = recurrent state after tokens [0, s)
+                  state slot (or k pages) = recurrent state after tokens [0, s)
                   frozen block = private copy of the KV of tokens [3B, s)   (only when r > 0)
 
     s = B - 1:    anchor = the adapter's root, tail = tokens [0, B - 1)
     s = 2B:       anchor = the node of block 1, no tail, no frozen block
 
-Life: RESERVED (slot and frozen block taken, not visible to matches) -> PUBLISHED (hangs on its anchor,
-matchable) -> RELEASED (slot and frozen block returned). `num_pins > 0` forbids release and eviction.
+Life: RESERVED (slot or pages, and frozen block taken, not visible to matches) -> PUBLISHED (hangs on its
+anchor, matchable) -> RELEASED (all returned). `num_pins > 0` forbids release and eviction.
 """
 
 from __future__ import annotations
@@ -33,11 +33,14 @@ class CheckpointState(str, Enum):
 class Checkpoint:
     """A saved recurrent state at an exact step (see the module docstring for the geometry).
 
-    Constructed by keyword once its slot (and frozen block, when partial) is held, so no field is ever a
-    placeholder::
+    Constructed by keyword once its slot or pages (and frozen block, when partial) are held, so no field is
+    ever a placeholder::
 
         Checkpoint(ckpt_id=7, adapter=None, step=3 * B + 17, reason=SaveReason.CHUNK_END, slot=12,
                    frozen_block=40, routed_experts=None, owner="req-1", last_access=now)
+
+    slot / pages           where the state is: a state slot (two pools; `pages` empty) or k KV blocks
+                           (paged, `CacheConfig.state_pages`; `slot` None).
 
     tail_ids / tail_spans  the r tokens past the anchor and the spans overlapping them (absolute offsets);
                            filled at publish time, when the producing sequence has fed them.
@@ -52,20 +55,22 @@ class Checkpoint:
     """
 
     __slots__ = (
-        "ckpt_id", "adapter", "step", "reason", "slot", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
+        "ckpt_id", "adapter", "step", "reason", "slot", "pages", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
         "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
         "shadowed",
     )
 
     def __init__(
-        self, *, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
+        self, *, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int | None,
         frozen_block: int | None, routed_experts: Any, owner: Hashable, last_access: int,
+        pages: tuple[int, ...] = (),
     ) -> None:
         self.ckpt_id = ckpt_id
         self.adapter = adapter
         self.step = step
         self.reason = reason
         self.slot = slot
+        self.pages = pages
         self.frozen_block = frozen_block
         self.tail_ids: tuple[int, ...] = ()
         self.tail_spans: tuple = ()

@@ -14,9 +14,16 @@ class CacheConfig:
 
     block_size                 B, tokens per KV block (the unit of sharing and of trie identity).
     num_blocks                 logical KV block ids `0 .. num_blocks - 1` the cache hands out.
-    num_slots                  state slots `0 .. num_slots - 1`, shared by running sequences (one each) and
-                               checkpoints (one each). Checkpoints borrow idle slots and are evicted when a
-                               running sequence needs one; size it as `max_running + checkpoint slots`.
+    num_slots                  state slots `0 .. num_slots - 1`. Two pools (`state_pages` None): shared by
+                               running sequences (one each) and checkpoints (one each); checkpoints borrow idle
+                               slots and are evicted when a running sequence needs one; size it as
+                               `max_running + checkpoint slots`. Paged: runtime slots only (`max_running`).
+    state_pages                None: checkpoint states live in state slots (two pools: KV blocks, slots).
+                               k >= 1: **paged**: a checkpoint's state lives in k blocks of the KV pool, its
+                               pages (k = ceil(state bytes / block bytes)); blocks are the one budget, KV and
+                               states compete in one eviction order (`Evictor.byte_victim`), and a finished or
+                               preempted sequence's state is copied into pages by the next plan (STATE_FINISH;
+                               plan.py). What the engine runs.
     max_checkpoints_per_anchor how many checkpoints (different steps or tails) may hang on one trie node.
     decode_checkpoint_interval tokens between decode checkpoints (a multiple of B), None = off. The cache only
                                validates it; the scheduler reserves the saves (see docs/cache.md).
@@ -47,6 +54,17 @@ class CacheConfig:
     admission: str = "all"
     full_prompt_hits: bool = False
     memory_budget: float | None = None
+    state_pages: int | None = None
+
+    @property
+    def paged(self) -> bool:
+        """Checkpoint states live in KV blocks (`state_pages`)."""
+        return self.state_pages is not None
+
+    @property
+    def checkpoint_capacity(self) -> int:
+        """About how many checkpoints the pools hold: the slots, or (paged) the blocks over k."""
+        return max(1, self.num_blocks // self.state_pages) if self.state_pages else self.num_slots
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -62,6 +80,8 @@ class CacheConfig:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         if self.memory_budget is not None and not self.memory_budget > 0:
             raise ValueError(f"memory_budget must be > 0 bytes or None, got {self.memory_budget}")
+        if self.state_pages is not None and (self.state_pages < 1 or self.memory_budget is not None):
+            raise ValueError(f"state_pages must be >= 1 and without memory_budget, got {self.state_pages}")
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
 

@@ -3,11 +3,11 @@
 It inspects the parts (the `Lifecycle`, the running sequences, the pending matches' checkpoints), not
 the facade, so the facade imports it and nothing here imports the facade.
 
-Checked: block reference counts equal their holders (trie nodes, running sequences, checkpoints' frozen
-tails) and the free list is exactly the blocks with count 0; every slot has exactly the owner the pool
-records; trie hashes, depths, parent links, children index and leaf set; checkpoint geometry, index keys,
-anchors and pins (pins == live matches + pending restores + pending saves); partial blocks are private;
-sequences' trie nodes hold their blocks; with one budget in bytes, what is held fits it.
+Checked: block reference counts equal their holders (trie nodes, running sequences, checkpoints' frozen tails,
+paged checkpoints' pages) and the free list is exactly the blocks with count 0; every slot has exactly the
+owner the pool records; trie hashes, depths, parent links, children index and leaf set; checkpoint geometry,
+index keys, anchors and pins (pins == live matches + pending restores + pending saves); partial blocks are
+private; sequences' trie nodes hold their blocks; with one budget in bytes, what is held fits it.
 """
 
 from __future__ import annotations
@@ -144,6 +144,12 @@ def _check_checkpoints(
             holders[ckpt.frozen_block] += 1
         if ckpt.num_pins != pins[ckpt_id]:
             _fail(f"{ckpt} has {ckpt.num_pins} pins, holders say {pins[ckpt_id]}")
+        if life.paged != (ckpt.slot is None) or len(ckpt.pages) != life.state_pages:
+            _fail(f"{ckpt} holds slot {ckpt.slot} and pages {ckpt.pages} (paged: {life.paged})")
+        for page in ckpt.pages:  # paged: its state's blocks, held by it alone
+            holders[page] += 1
+        if ckpt.slot is None:
+            continue
         if ckpt.slot in slot_owners:
             _fail(f"slot {ckpt.slot} held by {ckpt} and {slot_owners[ckpt.slot]}")
         slot_owners[ckpt.slot] = ckpt.slot_owner

@@ -12,6 +12,10 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   changes nothing. The evictor picks each victim (evictor.py); `evict` releases it.
 - With one budget in bytes (`CacheConfig.memory_budget`), every block and slot in use is priced
   (`bytes_held`), and `make_room` also evicts until what is asked for fits the budget (`Evictor.byte_victim`).
+- Paged (`CacheConfig.state_pages` = k): a checkpoint's state takes k blocks (its pages) instead of a slot;
+  slots are runtime slots only and are never evicted for. Blocks are the one budget: `make_room` evicts in
+  `Evictor.byte_victim`'s order (a checkpoint frees k pages and its frozen block). A sequence that finishes
+  (`adopt`) gets pages and a copy of its runtime slot into them, which the facade queues for the next plan.
 """
 
 from __future__ import annotations
@@ -43,7 +47,9 @@ class Lifecycle:
         self.stats = stats
         self.evictor = Evictor(make_eviction_policy(config, cost), trie, self.blocks)
         self.block_bytes = config.block_size * cost.kv_bytes_per_token
-        self.state_bytes = cost.state_bytes
+        self.paged = config.paged
+        self.state_pages = config.state_pages or 0
+        self.state_bytes = self.state_pages * self.block_bytes if self.paged else cost.state_bytes
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
         self.clock = 0
@@ -105,17 +111,19 @@ class Lifecycle:
     def reserve(
         self, adapter: str | None, step: int, reason: SaveReason, routed_experts: Any, owner: Hashable,
     ) -> Checkpoint | None:
-        """Take a slot (and a frozen block when `step % B != 0`), evicting under pressure; None if no room.
+        """Take a slot or (paged) k pages, and a frozen block when `step % B != 0`, evicting under pressure;
+        None if no room.
 
         The checkpoint starts RESERVED with one save pin (dropped by the caller once the save is queued).
         """
         partial = step % self.block_size != 0
-        if not self.make_room(1 if partial else 0, 1):
+        if not (self.make_room(partial + self.state_pages, 0) if self.paged else self.make_room(partial, 1)):
             return None
         ckpt_id = self._new_id()
-        slot = self.slots.allocate(Checkpoint.slot_owner_of(ckpt_id))
+        slot = None if self.paged else self.slots.allocate(Checkpoint.slot_owner_of(ckpt_id))
+        pages = tuple(self.take_blocks(self.state_pages)) if self.paged else ()
         frozen_block = self.blocks.allocate() if partial else None
-        ckpt = self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner)
+        ckpt = self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner, pages)
         ckpt.num_pins = 1
         return ckpt
 
@@ -123,8 +131,18 @@ class Lifecycle:
         self, adapter: str | None, step: int, reason: SaveReason, slot: int, frozen_block: int | None,
         routed_experts: Any, owner: Hashable,
     ) -> Checkpoint:
-        """A RESERVED checkpoint that takes over a sequence's slot and partial block (no copy, no pin)."""
+        """A RESERVED checkpoint that takes over a sequence's partial block and its slot (no copy, no pin).
+
+        Paged: the slot stays the sequence's (the caller frees it once the copy of its state into the new
+        checkpoint's pages is queued); the pages are taken here, evicting under pressure, and None is returned
+        (nothing changed) when there is no room. The caller keeps holding the sequence's blocks meanwhile, so
+        the eviction cannot take the anchor the checkpoint will hang on."""
+        if self.paged and not self.make_room(self.state_pages, 0):
+            return None
         ckpt_id = self._new_id()
+        if self.paged:
+            pages = tuple(self.take_blocks(self.state_pages))
+            return self._register(ckpt_id, adapter, step, reason, None, frozen_block, routed_experts, owner, pages)
         self.slots.transfer(slot, Checkpoint.slot_owner_of(ckpt_id))
         return self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner)
 
@@ -134,12 +152,12 @@ class Lifecycle:
         return ckpt_id
 
     def _register(
-        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int,
-        frozen_block: int | None, routed_experts: Any, owner: Hashable,
+        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int | None,
+        frozen_block: int | None, routed_experts: Any, owner: Hashable, pages: tuple[int, ...] = (),
     ) -> Checkpoint:
         ckpt = Checkpoint(
             ckpt_id=ckpt_id, adapter=adapter, step=step, reason=reason, slot=slot, frozen_block=frozen_block,
-            routed_experts=routed_experts, owner=owner, last_access=self.tick(),
+            routed_experts=routed_experts, owner=owner, last_access=self.tick(), pages=pages,
         )
         self.checkpoints[ckpt_id] = ckpt
         return ckpt
@@ -156,13 +174,13 @@ class Lifecycle:
             raise AssertionError(f"{ckpt} does not fit anchor {anchor} with a tail of {len(tail_ids)}")
         tail_hash = self.trie.hash_fn(anchor.hash, tail_ids, tail_spans)
         key = (ckpt.step, tail_hash)
-        for other in anchor.checkpoints.get(key, ()):
-            if other.tail_ids == tail_ids and other.tail_spans == tail_spans:
-                if other.routed_experts is None:
-                    other.routed_experts = ckpt.routed_experts
-                self.touch_checkpoint(other, self.tick())
-                self._discard(ckpt, DeclineCause.DUPLICATE)
-                return False
+        other = self.identical(anchor, ckpt.step, tail_ids, tail_spans)
+        if other is not None:
+            if other.routed_experts is None:
+                other.routed_experts = ckpt.routed_experts
+            self.touch_checkpoint(other, self.tick())
+            self._discard(ckpt, DeclineCause.DUPLICATE)
+            return False
         if anchor.num_checkpoints() >= self.config.max_checkpoints_per_anchor:
             victim = self.evictor.anchor_victim(anchor)
             if victim is None:
@@ -178,6 +196,14 @@ class Lifecycle:
         self.stats.saves_by_reason[ckpt.reason.value] += 1
         return True
 
+    def identical(self, anchor: Node, step: int, tail_ids: tuple[int, ...], tail_spans: tuple) -> Checkpoint | None:
+        """The published checkpoint on `anchor` at `step` with exactly this tail, if any."""
+        key = (step, self.trie.hash_fn(anchor.hash, tail_ids, tail_spans))
+        for other in anchor.checkpoints.get(key, ()):
+            if other.tail_ids == tail_ids and other.tail_spans == tail_spans:
+                return other
+        return None
+
     def _discard(self, ckpt: Checkpoint, cause: DeclineCause) -> None:
         ckpt.num_pins = 0
         self.release(ckpt, None)
@@ -191,7 +217,8 @@ class Lifecycle:
         self.release(ckpt, None)
 
     def release(self, ckpt: Checkpoint, kind: EvictionKind | None) -> None:
-        """Give back the slot and frozen block of an unpinned checkpoint; `kind` counts it as an eviction."""
+        """Give back the slot or pages and the frozen block of an unpinned checkpoint; `kind` counts it as an
+        eviction."""
         if ckpt.num_pins:
             raise AssertionError(f"release of pinned {ckpt}")
         if ckpt.state is CheckpointState.RELEASED:
@@ -206,7 +233,9 @@ class Lifecycle:
             self.evictor.on_unpublish(ckpt, anchor)
             if not ckpt.was_hit and self.on_waste is not None:
                 self.on_waste(ckpt)
-        self.slots.free(ckpt.slot)
+        if ckpt.slot is not None:
+            self.slots.free(ckpt.slot)
+        self.drop_blocks(list(ckpt.pages))
         if ckpt.frozen_block is not None:
             self.blocks.decref(ckpt.frozen_block)
         ckpt.state = CheckpointState.RELEASED
@@ -247,7 +276,10 @@ class Lifecycle:
         return [c for c in self.checkpoints.values() if c.state is CheckpointState.PUBLISHED]
 
     def bytes_held(self) -> float:
-        """What the blocks and slots in use hold, priced by the cost model."""
+        """What the blocks and slots in use hold, priced by the cost model (paged: the blocks, pages included;
+        runtime slots are outside the budget)."""
+        if self.paged:
+            return self.blocks.num_used * self.block_bytes
         return self.blocks.num_used * self.block_bytes + self.slots.num_used * self.state_bytes
 
     def bytes_over(self, num_blocks: int, num_slots: int) -> float:
@@ -281,6 +313,8 @@ class Lifecycle:
 
     def make_room(self, num_blocks: int, num_slots: int) -> bool:
         """Evict until `num_blocks` blocks and `num_slots` slots are free; False (no change) if impossible."""
+        if self.paged:
+            return self._make_room_paged(num_blocks, num_slots)
         need_slots = num_slots - self.slots.num_free
         need_blocks = num_blocks - self.blocks.num_free
         over = self.bytes_over(num_blocks, num_slots)
@@ -299,6 +333,20 @@ class Lifecycle:
             self.evict(_promised(evictor.block_victim(), "block"))
         while self.bytes_over(num_blocks, num_slots) > 0:
             self.evict(_promised(evictor.byte_victim(), "byte"))
+        return True
+
+    def _make_room_paged(self, num_blocks: int, num_slots: int) -> bool:
+        """`make_room` when blocks are the one budget: runtime slots are never evicted for (False when too few
+        are free); blocks are freed in `Evictor.byte_victim`'s order (a checkpoint frees its pages)."""
+        if num_slots > self.slots.num_free:
+            return False
+        need = num_blocks - self.blocks.num_free
+        if need <= 0:
+            return True
+        if not self.evictor.can_free_bytes(need * self.block_bytes, self.block_bytes, self.state_bytes):
+            return False
+        while self.blocks.num_free < num_blocks:
+            self.evict(_promised(self.evictor.byte_victim(), "block"))
         return True
 
     def evict(self, victim: Victim) -> None:

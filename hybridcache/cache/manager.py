@@ -30,7 +30,7 @@ from typing import Any
 import xxhash
 
 from hybridcache.cache.admission import LearnedAdmission
-from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle
@@ -59,13 +59,16 @@ class PrefixCache:
         self._stats = StatsCounter()
         self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
         self._admission = make_admission_policy(config)
-        self._learner = LearnedAdmission(capacity=config.num_slots) if config.admission == "learned" else None
+        self._learner = (
+            LearnedAdmission(capacity=config.checkpoint_capacity) if config.admission == "learned" else None
+        )
         if self._learner is not None:
             learner = self._learner
             self._life.on_waste = lambda ckpt: learner.wasted(ckpt.reason, ckpt.adapter)
         self._seqs: dict[Hashable, RunningSeq] = {}
         self._matches: dict[int, tuple[CacheRequest, Checkpoint | None, list[Node]]] = {}
         self._next_match_id = 0
+        self._finish_saves: list[tuple[Checkpoint, int]] = []  # paged: (checkpoint, freed runtime slot)
 
     # ---- admission ---------------------------------------------------------------------------------------
 
@@ -142,7 +145,12 @@ class PrefixCache:
             if partial:
                 seq.block_ids.extend(life.take_blocks(1))
                 seq.restore_copies.append((CopyKind.KV_RESTORE, ckpt.frozen_block, seq.block_ids[-1]))
-            seq.restore_copies.append((CopyKind.STATE_RESTORE, ckpt.slot, seq.slot))
+            if self.config.paged:
+                seq.restore_copies.extend(
+                    (CopyKind.STATE_RESTORE, page, chunk) for page, chunk in zip(ckpt.pages, self._chunks(seq.slot))
+                )
+            else:
+                seq.restore_copies.append((CopyKind.STATE_RESTORE, ckpt.slot, seq.slot))
             seq.restore = ckpt
             seq.token_ids = list(request.prompt_ids[:cached_len])
             self._stats.num_hits += 1
@@ -270,7 +278,9 @@ class PrefixCache:
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
         the step's saves are published (their STATE_SAVE / KV_SAVE copies emitted), restore pins and save
-        pins are dropped. A decoding sequence may feed `PENDING_TOKEN` as its last token (async scheduling:
+        pins are dropped. Paged: the state copies of sequences retired since the last commit with a checkpoint
+        (`finish`, `preempt`) come first, as STATE_FINISH.
+        A decoding sequence may feed `PENDING_TOKEN` as its last token (async scheduling:
         the previous step's sample is still on the device) when it saves nothing in this step; a block that
         fills with it joins the trie at `fill_pending`. Returns this step's copies: restores queued by `admit`
         since the last commit, and the saves. The caller must enqueue restore copies, the forward, then save
@@ -278,7 +288,12 @@ class PrefixCache:
         block and dropping the pins safe here (any later writer of those ids is queued after).
         """
         self._check_fed(fed)
-        builder = PlanBuilder()
+        builder = PlanBuilder(paged_states=self.config.paged)
+        for ckpt, slot in self._finish_saves:
+            if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
+                for chunk, page in zip(self._chunks(slot), ckpt.pages):
+                    builder.add(CopyKind.STATE_FINISH, chunk, page)
+        self._finish_saves = []
         for seq in self._seqs.values():
             for kind, src, dst in seq.restore_copies:
                 builder.add(kind, src, dst)
@@ -367,12 +382,21 @@ class PrefixCache:
         base = q * self.block_size
         return anchor, tuple(seq.token_ids[base:step]), seq.request.spans_in(base, step)
 
+    def _chunks(self, slot: int) -> range:
+        """Paged: the k chunk ids of runtime slot `slot` (plan.py), in order."""
+        k = self.config.state_pages or 0
+        return range(slot * k, slot * k + k)
+
     def _publish_save(self, seq: RunningSeq, ckpt: Checkpoint, builder: PlanBuilder) -> bool:
         anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
         if not self._life.publish(ckpt, anchor, tail, spans):
             return False
         self._shadow_source(seq)
-        builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
+        if self.config.paged:
+            for chunk, page in zip(self._chunks(seq.slot), ckpt.pages):
+                builder.add(CopyKind.STATE_SAVE, chunk, page)
+        else:
+            builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
         if ckpt.frozen_block is not None:
             builder.add(CopyKind.KV_SAVE, seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
         if ckpt.reason is SaveReason.DECODE_INTERVAL:
@@ -385,8 +409,9 @@ class PrefixCache:
 
     def finish(self, request_id: Hashable, routed_experts: Any = None) -> bool:
         """The sequence is done (after its last forward was queued): save a FINISH checkpoint at the exact
-        step of all fed tokens by taking over its runtime slot and private partial block (zero copies),
-        and drop its other blocks. `routed_experts` is the tail's routed-expert history, if known.
+        step of all fed tokens by taking over its runtime slot and private partial block (zero copies;
+        paged: pages are taken and the slot's copy into them is queued for the next plan, STATE_FINISH), and
+        drop its other blocks. `routed_experts` is the tail's routed-expert history, if known.
         Returns whether a checkpoint was published (False: declined or identical one already cached)."""
         seq = self._seq(request_id)
         if seq.has_pending_work:
@@ -445,16 +470,33 @@ class PrefixCache:
                 keep = False
         published = False
         blocks = list(seq.block_ids)
+        ckpt = None
+        if keep and step > 0 and life.paged:  # a duplicate would take k pages (and evict) only to be discarded
+            anchor, tail, spans = self._anchor_and_tail(seq, step)
+            other = life.identical(anchor, step, tail, spans)
+            if other is not None:
+                if other.routed_experts is None:
+                    other.routed_experts = routed_experts
+                life.touch_checkpoint(other, life.tick())
+                self._stats.declined(DeclineCause.DUPLICATE)
+                keep = False
         if keep and step > 0:
-            frozen = blocks.pop(step // size) if step % size else None
+            frozen = blocks[step // size] if step % size else None
             ckpt = life.adopt(
                 request.adapter, step, reason, seq.slot, frozen, routed_experts, request.request_id
             )
-            anchor, tail, spans = self._anchor_and_tail(seq, step)
-            published = life.publish(ckpt, anchor, tail, spans)
-            if published:
-                self._shadow_source(seq)
-        else:
+            if ckpt is None:
+                self._stats.declined(DeclineCause.NO_ROOM)
+            else:
+                if frozen is not None:
+                    blocks.pop(step // size)
+                anchor, tail, spans = self._anchor_and_tail(seq, step)
+                published = life.publish(ckpt, anchor, tail, spans)
+                if published:
+                    self._shadow_source(seq)
+                    if self.config.paged:
+                        self._finish_saves.append((ckpt, seq.slot))
+        if ckpt is None or self.config.paged:
             life.free_slot(seq.slot)
         life.drop_blocks(blocks)
         del self._seqs[request.request_id]

@@ -34,6 +34,8 @@ class FakeDevice:
         size = cache.block_size
         self.kv: list[list] = [[None] * size for _ in range(cache.config.num_blocks)]
         self.state: list = [None] * cache.config.num_slots
+        self.k = cache.config.state_pages  # paged: a checkpoint's state is k pages, each a KV block filled
+        # with ("state", identity, j): a forward or KV copy writing into it, or a state page read as KV, shows
 
     def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CopyPlan:
         """commit_step + execute: restores, forward writes (into the pre-commit block lists), saves."""
@@ -57,10 +59,14 @@ class FakeDevice:
         """Restores, forward writes into the pre-commit block lists `planned[rid] = (block_ids, slot, start)`,
         saves; `commit_step(fed)` has run."""
         cache, size = self.cache, self.cache.block_size
+        self._save_states(copies.pairs(CopyKind.STATE_FINISH))
         for src, dst in copies.pairs(CopyKind.KV_RESTORE):
             self.kv[dst] = list(self.kv[src])
-        for src, dst in copies.pairs(CopyKind.STATE_RESTORE):
-            self.state[dst] = self.state[src]
+        if self.k is None:
+            for src, dst in copies.pairs(CopyKind.STATE_RESTORE):
+                self.state[dst] = self.state[src]
+        else:
+            self._restore_states(copies.pairs(CopyKind.STATE_RESTORE))
         for rid, tokens in fed.items():
             block_ids, slot, start = planned[rid]
             seq = cache._seqs[rid]
@@ -76,8 +82,41 @@ class FakeDevice:
             self.state[slot] = prefix_id(request, all_tokens, start + len(tokens))
         for src, dst in copies.pairs(CopyKind.KV_SAVE):
             self.kv[dst] = list(self.kv[src])
-        for src, dst in copies.pairs(CopyKind.STATE_SAVE):
-            self.state[dst] = self.state[src]
+        if self.k is None:
+            for src, dst in copies.pairs(CopyKind.STATE_SAVE):
+                self.state[dst] = self.state[src]
+        else:
+            self._save_states(copies.pairs(CopyKind.STATE_SAVE))
+
+    def _save_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Paged: runtime chunk `slot * k + j` -> page (the whole block holds the chunk's identity)."""
+        for chunk, page in pairs:
+            slot, j = divmod(chunk, self.k)
+            self.kv[page] = [("state", self.state[slot], j)] * self.cache.block_size
+
+    def _page_state(self, page: int, j: int):
+        """The state identity page `page` holds as chunk `j`; fails when the page holds anything else."""
+        entries = self.kv[page]
+        head = entries[0]
+        assert isinstance(head, tuple) and head[0] == "state" and head[2] == j, f"page {page}: not chunk {j}"
+        assert all(e == head for e in entries), f"page {page}: a state page was partly overwritten"
+        return head[1]
+
+    def _restore_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Paged: page -> runtime chunk; the k chunks of a slot come together and hold one identity."""
+        parts: dict[int, list] = {}
+        for page, chunk in pairs:
+            slot, j = divmod(chunk, self.k)
+            parts.setdefault(slot, []).append((j, self._page_state(page, j)))
+        for slot, got in parts.items():
+            assert [j for j, _ in got] == list(range(self.k)), f"slot {slot}: chunks {got}"
+            assert len({ident for _, ident in got}) == 1, f"slot {slot}: chunks of different states"
+            self.state[slot] = got[0][1]
+
+    def cache_pending_finish(self) -> dict:
+        """Paged: checkpoint -> runtime slot, of the STATE_FINISH copies the next plan carries (their pages are
+        not written yet; the freed slot still holds the state)."""
+        return {ckpt: slot for ckpt, slot in self.cache._finish_saves}
 
     def check(self) -> None:
         """Every running sequence, published checkpoint and trie node holds what its ids say."""
@@ -94,7 +133,13 @@ class FakeDevice:
         for ckpt in cache._life.published():
             prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
             spans = _spans_of(ckpt)
-            assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
+            if self.k is None:
+                assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
+            elif ckpt in (pending := self.cache_pending_finish()):  # still in the freed runtime slot
+                assert self.state[pending[ckpt]] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
+            else:
+                for j, page in enumerate(ckpt.pages):
+                    assert self._page_state(page, j) == (ckpt.adapter, prefix, spans), f"{ckpt}: state page {j}"
             base = ckpt.anchor.depth * size
             for pos in range(base, ckpt.step):
                 assert self.kv[ckpt.frozen_block][pos - base][1] == prefix[: pos + 1], f"{ckpt}: tail KV"
@@ -125,7 +170,7 @@ def fingerprint(cache: PrefixCache) -> tuple:
     life = cache._life
     nodes = sorted((n.hash, n.depth, n.block_id, n.last_access) for n in life.trie.iter_nodes() if not n.is_root)
     ckpts = sorted(
-        (c.ckpt_id, c.state.value, c.num_pins, c.last_access, c.slot, c.frozen_block)
+        (c.ckpt_id, c.state.value, c.num_pins, c.last_access, c.slot, c.pages, c.frozen_block)
         for c in life.checkpoints.values()
     )
     seqs = sorted((repr(r), tuple(s.block_ids), s.slot, s.num_computed) for r, s in cache._seqs.items())
