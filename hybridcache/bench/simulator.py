@@ -22,20 +22,19 @@ Simplifications (documented in docs/bench.md):
 Policies (`parse_policies`): `none`; `block-aligned` (state only at block boundaries, one per anchor; a
 block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B); `seed` (exact prefill
 and chunk ends, one checkpoint per anchor, LRU); `hybridcache` (this project's defaults: chunk ends, branch
-points, finish, 4 per anchor, LRU), `hybridcache+flop` (the same with FLOP-aware eviction),
-`hybridcache+learn` (learned admission) and `hybridcache-2pool` (what the engine runs: the `hybridcache` mode
-on two pools split as the engine's memory plan splits a budget); `oracle`
+points, finish, 4 per anchor, LRU; what the engine runs), `hybridcache+flop` (the same with FLOP-aware
+eviction), `hybridcache+learn` (learned admission); `oracle`
 (unbounded memory and a state at every step: the longest prefix shared with any earlier request's fed
 tokens, up to the whole prompt (a state keeps its last hidden state), computed directly by `OracleIndex`;
 the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
 real cache with the same budget and accounting, saving and evicting with knowledge of the future).
 
-Memory: a budget of M bytes holds KV blocks and checkpoint slots. The `hybridcache`-mode policies but
-`hybridcache-2pool` hold both in one budget in bytes (`PolicySpec.one_budget`, `CacheConfig.memory_budget`: KV
-and states compete in one eviction order); `block-aligned`, `seed` and `hybridcache-2pool` split it into two
-pools, as the engine does, with one slot per `kv_tokens_per_slot` tokens of KV (`cache_sizing`, the arithmetic
-of `engine.memory.plan_memory`). The running sequences' own state slots come on top (the engine's budget is
-M + max_num_seqs state slots).
+Memory: a budget of M bytes holds KV blocks and checkpoint states. The `hybridcache`-mode policies hold both
+as the engine does (`PolicySpec.one_budget`): M // block bytes blocks, a checkpoint's state in
+k = ceil(state bytes / block bytes) of them (`CacheConfig.state_pages`; KV and states compete in one eviction
+order). `block-aligned` and `seed` model engines with a separate state pool: two pools, one slot per
+`kv_tokens_per_slot` tokens of KV (`cache_sizing`). The running sequences' own state slots come on top (the
+engine's budget is M + max_num_seqs state slots).
 """
 
 from __future__ import annotations
@@ -52,10 +51,10 @@ from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
-                "hybridcache+learn", "hybridcache-2pool")
-DEFAULT_POLICIES = POLICY_NAMES[:-3]
-# the policies that run the `hybridcache` cache mode; all but the two-pool one hold KV and states in one budget
-_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn", "hybridcache-2pool")
+                "hybridcache+learn")
+DEFAULT_POLICIES = POLICY_NAMES[:-2]
+# the policies that run the `hybridcache` cache mode, with KV and states in one pool of blocks
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn")
 GIB = 1 << 30
 
 
@@ -69,7 +68,7 @@ class PolicySpec:
     block_size: int
     eviction: str = "lru"
     admission: str | None = None  # the cache's admission policy; None: the mode's
-    one_budget: bool = False  # KV blocks and checkpoint states share the bytes (`CacheConfig.memory_budget`)
+    one_budget: bool = False  # KV blocks and checkpoint states share one pool (`CacheConfig.state_pages`)
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -84,7 +83,7 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "learned" if base == "hybridcache+learn" else None
         specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
-                                one_budget=mode == "hybridcache" and base != "hybridcache-2pool"))
+                                one_budget=mode == "hybridcache"))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -160,6 +159,7 @@ class PolicyResult:
     num_uncacheable: int
     num_blocks: int | None
     num_slots: int | None
+    state_pages: int | None  # paged: blocks per checkpoint state (None: two pools, or no cache)
     hits_by_reason: dict[str, int]
     evictions_by_kind: dict[str, int]
     hit_rate_by_turn: dict[int, float]
@@ -169,8 +169,8 @@ class PolicyResult:
 
 
 def _result(name: str, c: Counters, **extra) -> PolicyResult:
-    values = dict(checkpoints_saved=0, evictions=0, num_blocks=None, num_slots=None, hits_by_reason={},
-                  evictions_by_kind={})
+    values = dict(checkpoints_saved=0, evictions=0, num_blocks=None, num_slots=None, state_pages=None,
+                  hits_by_reason={}, evictions_by_kind={})
     values.update(extra)
     return PolicyResult(
         name=name,
@@ -294,11 +294,12 @@ class CacheReplay:
         self.block_size = spec.block_size
         self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
                                                        config.kv_tokens_per_slot)
-        budget = None
-        if spec.one_budget:  # ids for the whole budget as either; the bytes bind (running slots on top)
-            self.num_blocks = max(1, config.memory_bytes // cost.block_bytes(spec.block_size))
-            num_ckpt_slots = max(1, config.memory_bytes // cost.state_bytes)
-            budget = config.memory_bytes + max_running * cost.state_bytes
+        self.state_pages = None
+        if spec.one_budget:  # paged, as the engine: the budget in blocks, k of them per checkpoint state
+            block_bytes = cost.block_bytes(spec.block_size)
+            self.num_blocks = max(1, int(config.memory_bytes // block_bytes))
+            self.state_pages = max(1, -(-int(cost.state_bytes) // int(block_bytes)))
+            num_ckpt_slots = 0  # the running sequences' runtime slots only
         self.num_slots = num_ckpt_slots + max_running
         self.max_running = max_running
         self.cache = PrefixCache(
@@ -306,7 +307,7 @@ class CacheReplay:
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
                         admission=spec.admission or self.admission or self.policy.admission,
-                        memory_budget=budget),
+                        state_pages=self.state_pages),
             cost.cache_cost_model(),
         )
         self.counters = Counters()
@@ -415,8 +416,9 @@ class CacheReplay:
 
     def _sample_memory(self) -> None:
         stats = self.cache.stats
-        held = (stats.num_blocks_used * self.cost.block_bytes(self.block_size)
-                + (stats.num_slots_used - stats.num_running) * self.cost.state_bytes)
+        held = stats.num_blocks_used * self.cost.block_bytes(self.block_size)  # paged: states' pages included
+        if self.state_pages is None:
+            held += (stats.num_slots_used - stats.num_running) * self.cost.state_bytes
         self.counters.bytes_peak = max(self.counters.bytes_peak, held)
 
     def result(self) -> PolicyResult:
@@ -425,7 +427,7 @@ class CacheReplay:
             self.spec.name, self.counters,
             checkpoints_saved=sum(stats.saves_by_reason.values()),
             evictions=sum(stats.evictions_by_kind.values()),
-            num_blocks=self.num_blocks, num_slots=self.num_slots,
+            num_blocks=self.num_blocks, num_slots=self.num_slots, state_pages=self.state_pages,
             hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
         )
 
@@ -531,6 +533,7 @@ class BoundedOracleReplay(CacheReplay):
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.future = FutureIndex(requests, self.block_size)
         self.belady = BeladyPolicy(self.future, self.cost, self.block_size)
+        self.belady.state_bytes = self.cache._life.state_bytes  # paged: k pages
         self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:

@@ -37,11 +37,6 @@ class CacheConfig:
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
                                prompt_len - 1 (a checkpoint at N is reused only by longer prompts).
-    memory_budget              bytes that the blocks and slots in use may hold together, priced by the cost
-                               model (`block_size * kv_bytes_per_token` per block, `state_bytes` per slot):
-                               one budget, KV and states compete in one eviction order (`Evictor.byte_victim`).
-                               None: the two pools bound them separately. With a budget, size `num_blocks` and
-                               `num_slots` as id spaces (e.g. the budget in blocks, the budget in slots).
     """
 
     block_size: int = 64
@@ -53,7 +48,6 @@ class CacheConfig:
     flop_aware_alpha: float = 1.0
     admission: str = "all"
     full_prompt_hits: bool = False
-    memory_budget: float | None = None
     state_pages: int | None = None
 
     @property
@@ -78,10 +72,8 @@ class CacheConfig:
             raise ValueError(f"decode_checkpoint_interval {interval} is not a multiple of block_size")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
-        if self.memory_budget is not None and not self.memory_budget > 0:
-            raise ValueError(f"memory_budget must be > 0 bytes or None, got {self.memory_budget}")
-        if self.state_pages is not None and (self.state_pages < 1 or self.memory_budget is not None):
-            raise ValueError(f"state_pages must be >= 1 and without memory_budget, got {self.state_pages}")
+        if self.state_pages is not None and self.state_pages < 1:
+            raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
 

@@ -13,7 +13,7 @@ make a new leaf evictable):
                                     4. a frozen tail: an unpinned partial checkpoint, by policy -> FROZEN_TAIL
                                        (only when no leaf can go: a state saves more per byte than a block)
     anchor cap (`anchor_victim`):   an unpinned checkpoint of a full anchor, by policy    -> ANCHOR_CAP
-    byte pressure (`byte_victim`: KV and states in one budget, `CacheConfig.memory_budget`):
+    one budget (`byte_victim`: KV and states in one pool of blocks, paged, `CacheConfig.state_pages`):
                                     1. a dead leaf -> DEAD_BLOCK; 2. a shadowed checkpoint -> SHADOWED;
                                     3. a leaf by policy -> LEAF; 4. a checkpoint by policy (slot + frozen
                                     block) -> CHECKPOINT
@@ -238,7 +238,7 @@ class Evictor:
         return None if tail is None else Victim(EvictionKind.FROZEN_TAIL, tail)
 
     def byte_victim(self) -> Victim | None:
-        """What to evict for bytes when KV and states share one budget (`CacheConfig.memory_budget`): a dead
+        """What to evict for blocks when KV and states share them (paged, `CacheConfig.state_pages`): a dead
         leaf, else the policy's leaf (with its checkpoints), else the policy's checkpoint; None when nothing
         can go. A policy may order the last two itself (`prefer_checkpoint(ckpt, leaf)`, the bounded oracle).
 

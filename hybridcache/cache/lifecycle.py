@@ -10,8 +10,6 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   decode checkpoint) is released by the unpin that brings its pins to zero.
 - `make_room` first asks the evictor whether enough could be reclaimed and only then evicts, so a failure
   changes nothing. The evictor picks each victim (evictor.py); `evict` releases it.
-- With one budget in bytes (`CacheConfig.memory_budget`), every block and slot in use is priced
-  (`bytes_held`), and `make_room` also evicts until what is asked for fits the budget (`Evictor.byte_victim`).
 - Paged (`CacheConfig.state_pages` = k): a checkpoint's state takes k blocks (its pages) instead of a slot;
   slots are runtime slots only and are never evicted for. Blocks are the one budget: `make_room` evicts in
   `Evictor.byte_victim`'s order (a checkpoint frees k pages and its frozen block). A sequence that finishes
@@ -282,14 +280,6 @@ class Lifecycle:
             return self.blocks.num_used * self.block_bytes
         return self.blocks.num_used * self.block_bytes + self.slots.num_used * self.state_bytes
 
-    def bytes_over(self, num_blocks: int, num_slots: int) -> float:
-        """How far `num_blocks` more blocks and `num_slots` more slots would go over the budget (<= 0: they fit;
-        always 0 without a budget)."""
-        budget = self.config.memory_budget
-        if budget is None:
-            return 0.0
-        return self.bytes_held() + num_blocks * self.block_bytes + num_slots * self.state_bytes - budget
-
     def usage(self) -> dict[str, int]:
         """The pool and checkpoint sizes `CacheStats` reports."""
         return {
@@ -317,22 +307,17 @@ class Lifecycle:
             return self._make_room_paged(num_blocks, num_slots)
         need_slots = num_slots - self.slots.num_free
         need_blocks = num_blocks - self.blocks.num_free
-        over = self.bytes_over(num_blocks, num_slots)
-        if need_slots <= 0 and need_blocks <= 0 and over <= 0:
+        if need_slots <= 0 and need_blocks <= 0:
             return True
         evictor = self.evictor
         if need_slots > 0 and not evictor.can_free_slots(need_slots):
             return False
         if need_blocks > 0 and not evictor.can_free_blocks(need_blocks):
             return False
-        if over > 0 and not evictor.can_free_bytes(over, self.block_bytes, self.state_bytes):
-            return False
         while self.slots.num_free < num_slots:
             self.evict(_promised(evictor.slot_victim(), "slot"))
         while self.blocks.num_free < num_blocks:
             self.evict(_promised(evictor.block_victim(), "block"))
-        while self.bytes_over(num_blocks, num_slots) > 0:
-            self.evict(_promised(evictor.byte_victim(), "byte"))
         return True
 
     def _make_room_paged(self, num_blocks: int, num_slots: int) -> bool:

@@ -99,7 +99,9 @@ def test_bench_model_takes_a_hub_id_from_the_local_cache(tmp_path, monkeypatch, 
 
 def test_simulate_sizes_checkpoints_by_the_state_dtype(tmp_path):
     """--mamba-ssm-cache-dtype sizes each checkpoint as the engine would store it: the recurrent state in that
-    dtype (the conv state stays in the model's dtype), so the same budget holds more checkpoints in bf16."""
+    dtype (the conv state stays in the model's dtype), so the same budget holds more checkpoints in bf16 (two
+    pools: more slots; paged: fewer blocks per state, at a block size where the rounding up to whole blocks
+    shows it: B = 16, 8 blocks in fp32 and 5 in bf16)."""
     from hybridcache.bench.cost_model import load_model_cost
     from hybridcache.bench.simulator import GIB, cache_sizing
     from hybridcache.models.builtin import ensure_builtin_model
@@ -117,9 +119,11 @@ def test_simulate_sizes_checkpoints_by_the_state_dtype(tmp_path):
         out = tmp_path / f"{dtype}.json"
         assert main(["simulate", "--workload", "shared-prefix", "--num-requests", "120", "--memory-gib", "0.02",
                      "--policies", "hybridcache", "--mamba-ssm-cache-dtype", dtype, "--json", str(out),
+                     "--block-size", "16",
                      "--no-progress", "--jobs", "1"]) == 0
         records[dtype] = json.loads(out.read_text())
     assert records["bfloat16"]["mamba_ssm_cache_dtype"] == "bfloat16"
     assert records["bfloat16"]["state_bytes"] == bf16.state_bytes
-    slots = {dtype: r["policies"]["hybridcache"]["num_slots"] for dtype, r in records.items()}
-    assert slots["bfloat16"] > slots["float32"], slots
+    pages = {dtype: r["policies"]["hybridcache"]["state_pages"] for dtype, r in records.items()}
+    assert pages == {"float32": -(-fp32.state_bytes // (16 * 1024)), "bfloat16": -(-bf16.state_bytes // (16 * 1024))}
+    assert pages["bfloat16"] < pages["float32"], pages

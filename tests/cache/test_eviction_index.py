@@ -90,13 +90,13 @@ def test_pruned_flop_aware_pick_equals_full_scoring(alpha, seed):
 
 def _pressure_run(
     eviction: str, seed: int, num_blocks: int, num_slots: int, chunk: int | None = None,
-    budget: float | None = None,
+    state_pages: int | None = None,
 ) -> PrefixCache:
     """Many prompts sharing prefixes, through a cache far too small, with every pick checked (prefilled in
-    chunks of `chunk` tokens, each saving a checkpoint; `budget`: one memory budget in bytes)."""
+    chunks of `chunk` tokens, each saving a checkpoint; `state_pages`: paged, one pool of blocks)."""
     cache = PrefixCache(
         CacheConfig(block_size=8, num_blocks=num_blocks, num_slots=num_slots, eviction=eviction,
-                    max_checkpoints_per_anchor=2, memory_budget=budget),
+                    max_checkpoints_per_anchor=2, state_pages=state_pages),
         CostModel(attn_flops_per_token_pair=0.5),
     )
     check_picks(cache)
@@ -113,18 +113,20 @@ def _pressure_run(
 @pytest.mark.parametrize("eviction", ["lru", "flop_aware"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
-    ("num_blocks", "num_slots", "chunk", "budget", "kinds"),
+    ("num_blocks", "num_slots", "chunk", "state_pages", "kinds"),
     [
         # frozen tails go only when no leaf can: chunked prefills leave them on the running sequence's path
         (12, 40, 5, None, ("dead_block", "frozen_tail", "leaf", "leaf_checkpoint")),
         (40, 6, None, None, ("dead_block", "checkpoint")),
-        # one budget of 320 bytes: 8 per block, 64 per slot (running sequences' slots included)
-        (64, 40, 5, 320, ("dead_block", "leaf", "leaf_checkpoint", "checkpoint")),
+        # paged: 32 blocks for KV and checkpoint states (8 blocks each), one runtime slot
+        (32, 1, 5, 8, ("dead_block", "leaf", "leaf_checkpoint", "checkpoint")),
     ],
-    ids=["kv-pressure", "state-pressure", "byte-pressure"],
+    ids=["kv-pressure", "state-pressure", "paged"],
 )
-def test_indexed_victims_match_full_scans_under_pressure(eviction, seed, num_blocks, num_slots, chunk, budget, kinds):
-    cache = _pressure_run(eviction, seed, num_blocks, num_slots, chunk, budget)  # raises if any victim differs
+def test_indexed_victims_match_full_scans_under_pressure(
+    eviction, seed, num_blocks, num_slots, chunk, state_pages, kinds,
+):
+    cache = _pressure_run(eviction, seed, num_blocks, num_slots, chunk, state_pages)  # raises if a victim differs
     evictions = cache.stats.evictions_by_kind
     assert all(evictions.get(kind, 0) > 0 for kind in kinds), evictions
 

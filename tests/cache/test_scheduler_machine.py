@@ -33,23 +33,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(4, 64),
         mode=st.sampled_from(["hybridcache", "hybridcache", "seed"]),
         eviction=st.sampled_from(["lru", "flop_aware"]),
-        memory_blocks=st.one_of(st.none(), st.integers(12, 64)),
         learned=st.booleans(),
         async_steps=st.booleans(),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, memory_blocks, learned, async_steps,
-              state_pages):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, learned, async_steps, state_pages):
         policy = checkpoint_policy(mode)
-        # one budget in bytes (CostModel(): a block costs block_size bytes, a slot 64): 3 running slots + blocks;
-        # or paged (the engine's way): checkpoint states in `state_pages` blocks, 3 runtime slots
-        memory = None if memory_blocks is None or state_pages else 3 * 64 + memory_blocks * block_size
+        # two pools, or paged (the engine's way): checkpoint states in `state_pages` blocks, 3 runtime slots
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
                              num_slots=3 if state_pages else num_slots,
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
                              full_prompt_hits=policy.full_prompt_hits,
                              admission="learned" if learned else policy.admission,
-                             memory_budget=memory, state_pages=state_pages)
+                             state_pages=state_pages)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)

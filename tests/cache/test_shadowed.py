@@ -67,20 +67,19 @@ def test_kv_pressure_takes_a_shadowed_frozen_tail_before_the_leaf():
 
 
 def test_one_budget_takes_the_shadowed_checkpoint_before_any_leaf():
-    # one budget in bytes (CostModel(): a block of 16 tokens 16 B, a slot 64 B): an older unrelated chain,
-    # then the two turns; a new request then goes over the budget by one slot
-    def cache_of(budget):
-        return check_picks(PrefixCache(CacheConfig(block_size=16, num_blocks=64, num_slots=16,
-                                                   memory_budget=budget)))
-    probe = Driver(cache_of(None))
+    # paged (a checkpoint state in 4 blocks, KV and states in one pool): an older unrelated chain, then the two
+    # turns, filling the pool exactly; a new request's first block then needs an eviction
+    def cache_of(num_blocks):
+        return check_picks(PrefixCache(CacheConfig(block_size=16, num_blocks=num_blocks, num_slots=4,
+                                                   state_pages=4)))
+    probe = Driver(cache_of(256))
     probe.run(CacheRequest("old", tokens(40, seed=5)), decode=REPLY)
     _chat(probe)
-    held = probe.cache._life.bytes_held()
-    driver = Driver(cache_of(held + 64))
+    driver = Driver(cache_of(probe.cache.stats.num_blocks_used))
     driver.run(CacheRequest("old", tokens(40, seed=5)), decode=REPLY)
     (old,) = [c for c in driver.cache._life.published() if c.step == 42]
     p1, f1, p2, f2 = _chat(driver)
-    driver.admit(CacheRequest("other", tokens(8, seed=6)))  # its runtime slot fits; its first block does not
+    driver.admit(CacheRequest("other", tokens(8, seed=6)))  # a runtime slot is free; its first block is not
     assert driver.cache.ensure_capacity("other", 8)
     assert driver.cache.stats.evictions_by_kind == {"shadowed": 1}  # not the oldest leaf (the old chain's)
     assert f1.state is CheckpointState.RELEASED and old.state is CheckpointState.PUBLISHED

@@ -37,18 +37,14 @@ class CacheMachine(RuleBasedStateMachine):
         decode=st.booleans(),
         full_hits=st.booleans(),
         admission=st.sampled_from(["all", "learned"]),
-        budget_blocks=st.one_of(st.none(), st.integers(2, 64)),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
     )
-    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission, budget_blocks,
-              state_pages):
-        # one budget in bytes (block: block_size bytes, slot: 64): two slots plus `budget_blocks` blocks;
-        # or paged: checkpoint states in `state_pages` blocks each (then the block pool is the budget)
-        budget = None if budget_blocks is None or state_pages else 2 * 64 + budget_blocks * block_size
+    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission, state_pages):
+        # two pools, or paged: checkpoint states in `state_pages` blocks each (the block pool is the one budget)
         config = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, num_slots=num_slots, max_checkpoints_per_anchor=cap,
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
-            full_prompt_hits=full_hits, admission=admission, memory_budget=budget, state_pages=state_pages,
+            full_prompt_hits=full_hits, admission=admission, state_pages=state_pages,
         )
         self.max_back = 0 if full_hits else 1  # a match may reach prompt_len - max_back
         self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
