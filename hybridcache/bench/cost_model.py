@@ -6,6 +6,7 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
     state_bytes        = DeltaNet layers * (conv_dim * (kernel - 1) * dtype bytes          (conv state)
                                             + v_heads * k_head_dim * v_head_dim * ssm bytes)  (recurrent state:
                                               4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
+                         + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -13,7 +14,8 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
 
 so computing tokens [s, n) costs prefill_flops(n) - prefill_flops(s), and a hit of s tokens saves
 prefill_flops(s). Worked example (the built-in model, float32): 2 attention layers * 2 * 2 kv heads * 32
-* 4 B = 1,024 B per KV token; 6 DeltaNet layers * (256 * 3 * 4 + 4 * 32 * 32 * 4) = 116,736 B per slot.
+* 4 B = 1,024 B per KV token; 6 DeltaNet layers * (256 * 3 * 4 + 4 * 32 * 32 * 4) + 128 * 4 = 117,248 B per
+slot (the engine's slot, `engine.memory.pool_bytes`; paged, two 64 KiB blocks at B = 64).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ class ModelCost:
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
             state_bytes=c.num_linear_layers * (
                 delta.conv_dim * delta.conv_width * dtype_bytes + vh * delta.k_head_dim * delta.v_head_dim * ssm_bytes
-            ),
+            ) + h * dtype_bytes,
             flops_per_token=float(2 * params + recurrent),
             attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),
             ssm_dtype=ssm_dtype,

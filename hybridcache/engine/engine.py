@@ -128,8 +128,10 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
     return flags if any(flags) else ()
 
 
-def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) -> Scheduler:
-    """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls)."""
+def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int) -> Scheduler:
+    """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
+    hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
+    states."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -137,6 +139,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int) ->
         admission=policy.admission if policy else "all",
         num_blocks=num_blocks,
         num_slots=num_slots,
+        state_pages=state_pages,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
@@ -186,7 +189,6 @@ class LLMEngine:
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self.num_blocks = plan.num_blocks
-        num_slots = plan.num_slots
         _logger.info(
             "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
             "kernels %s, cuda graphs %s, async scheduling %s",
@@ -195,7 +197,9 @@ class LLMEngine:
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
-        self.scheduler = _make_scheduler(config, num_blocks=self.num_blocks, num_slots=num_slots)
+        self.scheduler = _make_scheduler(
+            config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
+        )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
         self._seq_counter = itertools.count()
