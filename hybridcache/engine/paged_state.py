@@ -98,6 +98,7 @@ class PagedStates:
         """Chunk `src_chunks[i]` (`slot * k + j`) -> page (scheduler block) `dst_pages[i]`, for every i; int64 ids on
         the pools' device, the k chunks of a slot together, j in order; destinations unique. Only the
         destination pages change."""
+        self._check(src_chunks, dst_pages)
         for start in range(0, src_chunks.numel(), self._tile_slots * self.k):
             stop = start + self._tile_slots * self.k
             self._save_tile(src_chunks[start:stop], dst_pages[start:stop])
@@ -105,9 +106,16 @@ class PagedStates:
     def restore(self, src_pages: torch.Tensor, dst_chunks: torch.Tensor) -> None:
         """Page `src_pages[i]` -> chunk `dst_chunks[i]`, for every i (sources may repeat; the k chunks of a
         destination slot together, j in order; destination slots unique). Only the destination slots change."""
+        self._check(src_pages, dst_chunks)
         for start in range(0, dst_chunks.numel(), self._tile_slots * self.k):
             stop = start + self._tile_slots * self.k
             self._restore_tile(src_pages[start:stop], dst_chunks[start:stop])
+
+    def _check(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The id counts (host-known shapes: no synchronisation): equal, whole states of k chunks."""
+        if src.shape != dst.shape or src.dim() != 1 or src.numel() % self.k:
+            raise ValueError(f"paged state op of {tuple(src.shape)} sources and {tuple(dst.shape)} destinations: "
+                             f"both must be [N] with N a multiple of k = {self.k}")
 
     def _save_tile(self, src_chunks: torch.Tensor, dst_pages: torch.Tensor) -> None:
         k, word = self.k, self._word
