@@ -179,3 +179,47 @@ def test_bad_arguments_are_named():
     assert PagedStates.state_pages(640, 0) == 1
     with pytest.raises(ValueError, match="last_hidden"):
         state_pages(0, 128)
+
+
+def test_runner_runs_a_paged_plan_finish_first(tmp_path):
+    """`ModelRunner` executes a paged copy plan: STATE_FINISH saves a finished sequence's runtime slot 1 into pages
+    before STATE_RESTORE writes another checkpoint into that same slot (reused by the step); KV ops copy blocks."""
+    from hybridcache.cache.plan import CopyKind, PlanBuilder
+    from hybridcache.engine.input_builder import device_copies
+    from hybridcache.engine.runner import ModelRunner
+    from hybridcache.models import load_model
+
+    from .model_folders import write_tiny_model
+
+    model = load_model(write_tiny_model(tmp_path, "qwen3_next"))
+    kv, state = pool_bytes(model.state_specs(torch.float32, torch.float32), 16, model.slot_specs(torch.float32))
+    k = state_pages(state, kv)
+    runner = ModelRunner(model, num_blocks=6 * k, block_size=16, kernel_block_size=8, num_slots=3, state_pages=k,
+                         dtype=torch.float32, state_dtype=torch.float32, device=torch.device("cpu"))
+    pools = runner.pools
+    gen = torch.Generator().manual_seed(0)
+    for group in (*pools.kv_groups, *pools.state_groups):
+        group.copy_(torch.randn(group.shape, generator=gen))
+    old_slot_1, slot_2 = stream(pools, 1), stream(pools, 2)
+    save = PlanBuilder(paged_states=True)
+    for j in range(k):  # slot 2's state -> pages 0 .. k-1
+        save.add(CopyKind.STATE_SAVE, 2 * k + j, j)
+    runner.execute_copies(device_copies(save.build(), "cpu"))
+
+    step = PlanBuilder(paged_states=True)
+    for j in range(k):
+        step.add(CopyKind.STATE_RESTORE, j, 1 * k + j)  # added first: the plan still runs the finish first
+        step.add(CopyKind.STATE_FINISH, 1 * k + j, 2 * k + j)  # slot 1 -> pages k .. 2k-1
+    step.add(CopyKind.KV_RESTORE, 4 * k, 4 * k + 1)
+    plan = step.build()
+    assert [op.kind for op in plan.ops] == [CopyKind.STATE_FINISH, CopyKind.KV_RESTORE, CopyKind.STATE_RESTORE]
+    kv_before = [g[:, :, 4 * k * 2: 4 * k * 2 + 2].clone() for g in pools.kv_groups]
+    runner.execute_copies(device_copies(plan, "cpu"))
+    assert torch.equal(stream(pools, 1), slot_2)
+    restore = PlanBuilder(paged_states=True)
+    for j in range(k):
+        restore.add(CopyKind.STATE_RESTORE, 2 * k + j, 0 * k + j)
+    runner.execute_copies(device_copies(restore.build(), "cpu"))
+    assert torch.equal(stream(pools, 0), old_slot_1)
+    for old, group in zip(kv_before, pools.kv_groups, strict=True):
+        assert torch.equal(group[:, :, (4 * k + 1) * 2: (4 * k + 2) * 2], old)
