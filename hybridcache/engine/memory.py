@@ -23,12 +23,12 @@ A model without attention layers (P = 0) keeps its checkpoints in a page store o
 "blocks" then cost S bytes each.
 
 Worked example (random Qwen3-Next 1.39B in bf16, block 64: a KV block is 4 attention layers x 2 x 64 tokens x
-2 kv heads x 256 x 2 B = 512 KiB; a state slot is 12 DeltaNet layers x (32 x 128 x 128 + 8,192 x 3) x 4 B
-+ last_hidden 2,048 x 2 B = 25.129 MiB, so k = 51 blocks)::
+2 kv heads x 256 x 2 B = 512 KiB; a state slot is 12 DeltaNet layers x (an fp32 ssm 32 x 128 x 128 x 4 B + a
+bf16 conv 8,192 x 3 x 2 B) + last_hidden 2,048 x 2 B = 24.57 MiB = 49.13 blocks, so k = 50)::
 
-    budget 100 GiB, max_num_seqs 64            runtime slots: 64 x 25.129 MiB = 1.57 GiB
-    the rest: 98.43 GiB // 512 KiB = 201,583 blocks: 12.9 M tokens of KV, or 3,952 checkpoint states, or any
-    mix (a checkpoint costs 51 blocks = 3,264 tokens of KV)
+    budget 100 GiB, max_num_seqs 64            runtime slots: 64 x 24.57 MiB = 1.54 GiB
+    the rest: 98.46 GiB // 512 KiB = 201,655 blocks: 12.9 M tokens of KV, or 4,033 checkpoint states, or any
+    mix (a checkpoint costs 50 blocks = 3,200 tokens of KV)
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ GIB = 1 << 30
 def state_pages(slot_bytes: int, page_bytes: int) -> int:
     """k: the blocks (pages) one checkpoint state takes, ceil(slot_bytes / page_bytes); 1 when page_bytes is 0
     (a model without attention layers keeps its checkpoints in a page store of slot_bytes rows).
-    Example: a 25.129 MiB slot and 512 KiB blocks -> 51."""
+    Example: a 24.57 MiB slot and 512 KiB blocks -> 50."""
     if slot_bytes <= 0 or page_bytes < 0:
         raise ValueError(f"a state slot of {slot_bytes} bytes and blocks of {page_bytes} bytes: a slot must hold "
                          "something (every model keeps last_hidden) and a block cannot be negative")
@@ -87,8 +87,8 @@ class MemoryPlan:
         return cls(kv + state, blocks, num_runtime_slots, k, kv, state)
 
     def describe(self) -> str:
-        """One line, e.g. 'pool 98.4 GiB: 201,583 blocks of 512 KiB, KV and checkpoint states (a state = 51
-        blocks) + 64 runtime state slots 1.6 GiB, of a 100 GiB budget'."""
+        """One line, e.g. 'pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50
+        blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget'."""
         block = self.kv_bytes / self.num_blocks if self.num_blocks else 0
         return (
             f"pool {_size(self.kv_bytes)}: {self.num_blocks:,} blocks of {_size(block)}, KV and checkpoint states "

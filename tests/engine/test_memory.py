@@ -10,10 +10,10 @@ from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
 
 GIB = 1 << 30
-# The docstring's model: random Qwen3-Next 1.39B in bf16, block 64 (hidden 2048: a 4 KiB last_hidden per slot).
+# The docstring's model: random Qwen3-Next 1.39B in bf16, block 64 (fp32 ssm, bf16 conv, a 4 KiB last_hidden).
 KV = 4 * 2 * 64 * 2 * 256 * 2
-STATE = 12 * (32 * 128 * 128 + 8192 * 3) * 4 + 2048 * 2
-K = 51
+STATE = 12 * (32 * 128 * 128 * 4 + 8192 * 3 * 2) + 2048 * 2
+K = 50
 
 
 def plan(budget: int, **kwargs) -> MemoryPlan:
@@ -23,7 +23,7 @@ def plan(budget: int, **kwargs) -> MemoryPlan:
 
 def test_pool_bytes_of_specs():
     attention = AttentionSpec(num_kv_heads=2, head_dim=256, dtype=torch.bfloat16)
-    recurrent = RecurrentSpec((StateTensorSpec("conv", (8192, 3), torch.float32),
+    recurrent = RecurrentSpec((StateTensorSpec("conv", (8192, 3), torch.bfloat16),
                                StateTensorSpec("ssm", (32, 128, 128), torch.float32)))
     specs = [recurrent, recurrent, recurrent, attention] * 4
     last_hidden = StateTensorSpec("last_hidden", (2048,), torch.bfloat16)
@@ -32,7 +32,7 @@ def test_pool_bytes_of_specs():
 
 
 def test_state_pages():
-    assert state_pages(STATE, KV) == K  # 25.129 MiB / 512 KiB = 50.26
+    assert state_pages(STATE, KV) == K  # 24.57 MiB / 512 KiB = 49.13
     assert state_pages(50 * KV, KV) == 50 and state_pages(50 * KV + 1, KV) == 51
     assert (state_pages(1, KV), state_pages(KV, KV), state_pages(KV + 1, KV)) == (1, 1, 2)
     assert state_pages(STATE, 0) == 1  # no attention layer: a page store of slot-sized rows
@@ -42,12 +42,12 @@ def test_state_pages():
 
 def test_docstring_example():
     got = plan(100 * GIB)
-    assert (got.num_blocks, got.num_runtime_slots, got.state_pages) == (201_583, 64, K)
-    assert (got.kv_bytes, got.state_bytes) == (201_583 * KV, 64 * STATE)
+    assert (got.num_blocks, got.num_runtime_slots, got.state_pages) == (201_655, 64, K)
+    assert (got.kv_bytes, got.state_bytes) == (201_655 * KV, 64 * STATE)
     assert 0 <= 100 * GIB - got.kv_bytes - got.state_bytes < KV  # nothing left that could buy another block
-    assert got.num_blocks // K == 3_952  # checkpoint states, when the pool holds nothing else
-    assert got.describe() == ("pool 98.4 GiB: 201,583 blocks of 512 KiB, KV and checkpoint states (a state = 51 "
-                              "blocks) + 64 runtime state slots 1.6 GiB, of a 100 GiB budget")
+    assert got.num_blocks // K == 4_033  # checkpoint states, when the pool holds nothing else
+    assert got.describe() == ("pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50 "
+                              "blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget")
 
 
 def test_explicit_counts():
@@ -97,7 +97,7 @@ def test_fixed_plan_and_description():
                            state_bytes_per_slot=STATE)
     assert (got.num_blocks, got.state_pages, got.num_runtime_slots) == (10 + 3 * K, K, 2)
     assert got.budget_bytes == (10 + 3 * K) * KV + 2 * STATE
-    assert "163 blocks of 512 KiB" in got.describe() and "2 runtime state slots" in got.describe()
+    assert "160 blocks of 512 KiB" in got.describe() and "2 runtime state slots" in got.describe()
     store = MemoryPlan.fixed(num_blocks=10, num_runtime_slots=2, num_checkpoint_slots=3, kv_bytes_per_block=0,
                              state_bytes_per_slot=STATE)
     assert (store.num_blocks, store.state_pages, store.kv_bytes) == (13, 1, 13 * STATE)
