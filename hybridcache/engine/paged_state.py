@@ -17,7 +17,7 @@ read as bytes:
     k = ceil(208 / 128) = 2
     stream of slot 3 = conv[0, 3] (48 B) | ssm[0, 3] (128 B) | last_hidden[0, 3] (32 B) | 48 zero bytes
     STATE_SAVE [(6, 40), (7, 41)]: bytes 0..127 of the stream -> block 40 (its K row: bytes 0..63, V row:
-    64..127), bytes 128..255 -> block 41;  STATE_RESTORE [(40, 2), (41, 5)] writes them back into slot 1
+    64..127), bytes 128..255 -> block 41;  STATE_RESTORE [(40, 2), (41, 3)] writes them back into slot 1
 
 A model without attention layers (P = 0) gets a page store of its own, [num_blocks, S] bytes, with k = 1: the
 cache's block ids then name rows of the store (its KV blocks hold nothing).
@@ -96,8 +96,8 @@ class PagedStates:
 
     def save(self, src_chunks: torch.Tensor, dst_pages: torch.Tensor) -> None:
         """Chunk `src_chunks[i]` (`slot * k + j`) -> page (scheduler block) `dst_pages[i]`, for every i; int64 ids on
-        the pools' device, the k chunks of a slot together, j in order; destinations unique. Only the
-        destination pages change."""
+        the pools' device (as `DeviceCopyOp` carries them; ids elsewhere are copied there), the k chunks of a slot
+        together, j in order; destinations unique. Only the destination pages change."""
         self._check(src_chunks, dst_pages)
         for start in range(0, src_chunks.numel(), self._tile_slots * self.k):
             stop = start + self._tile_slots * self.k
@@ -118,11 +118,11 @@ class PagedStates:
                              f"both must be [N] with N a multiple of k = {self.k}")
 
     def _save_tile(self, src_chunks: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        k, word = self.k, self._word
-        slots = src_chunks[::k] // k
+        k, word, device = self.k, self._word, self._slots[0].device
+        slots = src_chunks[::k].to(device, torch.int64) // k
         n = slots.numel()
         page_words = self.page_bytes // word
-        streams = torch.empty((n, k * page_words), dtype=_WORDS[word], device=src_chunks.device)
+        streams = torch.empty((n, k * page_words), dtype=_WORDS[word], device=device)
         offset = 0
         for group in self._slots:
             width = group.shape[0] * group.shape[2]
@@ -131,7 +131,7 @@ class PagedStates:
             offset += width
         streams[:, offset:].zero_()
         chunks = streams.view(n * k, page_words)
-        dst = dst_pages.to(torch.int64)
+        dst = dst_pages.to(device, torch.int64)
         offset = 0
         for pages in self._pages:
             width = pages.shape[0] * pages.shape[2]
@@ -140,11 +140,11 @@ class PagedStates:
             offset += width
 
     def _restore_tile(self, src_pages: torch.Tensor, dst_chunks: torch.Tensor) -> None:
-        k = self.k
-        src = src_pages.to(torch.int64)
-        slots = dst_chunks[::k] // k
+        k, device = self.k, self._slots[0].device
+        src = src_pages.to(device, torch.int64)
+        slots = dst_chunks[::k].to(device, torch.int64) // k
         n = slots.numel()
-        chunks = torch.empty((n * k, self.page_bytes // self._word), dtype=self._slots[0].dtype, device=src.device)
+        chunks = torch.empty((n * k, self.page_bytes // self._word), dtype=self._slots[0].dtype, device=device)
         offset = 0
         for pages in self._pages:
             width = pages.shape[0] * pages.shape[2]
