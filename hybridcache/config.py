@@ -25,12 +25,14 @@ class EngineConfig:
     block_size: tokens per scheduler block (the unit of KV sharing). kernel_block_size: tokens per kernel page
     (a power of two dividing block_size; None at construction = the largest such power of two up to 64, e.g.
     64 for block_size 128, 16 for 48, resolved in `__post_init__`, so it is always an int afterwards).
-    num_blocks: KV blocks in the pool (None = enough for max_num_seqs sequences of max_model_len tokens, plus as
-    many again for the prefix cache).
-    max_num_seqs: running sequences at once (one runtime state slot each). num_checkpoint_slots: extra state
-    slots for prefix-cache checkpoints (None: 32 on the CPU; on CUDA derived from the memory budget, see
-    `hybridcache.engine.memory`). max_num_batched_tokens: the token budget of one forward step; long
-    prompts are prefilled in chunks of at most this many tokens. max_model_len: prompt + output limit
+    num_blocks: blocks of KV in the pool of blocks, which also holds the prefix cache's checkpoint states (k blocks
+    each; None = on the CPU enough for max_num_seqs sequences of max_model_len tokens, plus as many again for the
+    prefix cache; on CUDA the rest of the memory budget, see `hybridcache.engine.memory`).
+    max_num_seqs: running sequences at once (one runtime state slot each, the only state slots).
+    num_checkpoint_slots: room for at least this many checkpoint states in the pool, on top of num_blocks (None:
+    32 on the CPU, 0 on CUDA: KV and checkpoints share the pool either way; the prefix cache decides what it
+    holds). max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of
+    at most this many tokens. max_model_len: prompt + output limit
     (None = the model's max_position_embeddings; capped at 8192 on the CPU, where the pools are sized per
     sequence, not from a memory budget).
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
@@ -46,7 +48,7 @@ class EngineConfig:
     gated DeltaNet recurrent state `S` in the state slots (runtime and checkpoint ones), vLLM's option name;
     the kernels compute in fp32 and round to this dtype once per stored state (after each chunk of a prefill,
     after each decoded token). float32 (the default) keeps cached and uncached runs equal to float rounding;
-    bfloat16 halves the state slot's dominant tensor (about 2x the checkpoint slots per GiB) but makes results
+    bfloat16 halves the state slot's dominant tensor (about 2x the checkpoint states per GiB) but makes results
     depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     """

@@ -45,7 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per kernel page, a power of two dividing --block-size (default: the "
                              "largest such power of two up to 64)")
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help="KV blocks in the pool (default: twice what --max-num-seqs full sequences need)")
+                        help="blocks of KV the pool holds; checkpoint states take blocks of the same pool (on "
+                             "top: --num-checkpoint-slots states; default: twice what --max-num-seqs full "
+                             "sequences need on the CPU, the rest of the memory budget on CUDA)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -57,8 +59,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-mode", default="hybridcache", choices=list(CACHE_MODES),
                         help="where state checkpoints are saved (see docs/design.md)")
     parser.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="SLOTS",
-                        help="state slots for prefix-cache checkpoints (default: 32 on the CPU, from the memory "
-                             "budget on CUDA)")
+                        help="room for at least this many prefix-cache checkpoint states in the block pool (each "
+                             "takes k blocks; default: 32 on the CPU, 0 on CUDA, where the rest of the budget is "
+                             "shared by KV and checkpoints anyway)")
     parser.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
                         help="deprecated alias of --num-checkpoint-slots (default: unset)")
     parser.add_argument("--decode-checkpoint-interval", type=int, default=None,
@@ -72,7 +75,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
                         help="the DeltaNet recurrent state in the state slots; auto: the model config's "
                              "mamba_ssm_dtype when it has one, else float32. bfloat16 halves the state (about "
-                             "twice the checkpoint slots per GiB) but cached and uncached runs then differ by "
+                             "twice the checkpoint states per GiB) but cached and uncached runs then differ by "
                              "bf16 rounding (default: auto)")
     parser.add_argument("--device", default=AUTO,
                         help="cpu, cuda or cuda:N; auto: cuda when a GPU is present, else cpu (default: auto)")

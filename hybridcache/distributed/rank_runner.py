@@ -4,6 +4,11 @@ Every rank runs `build_runner` with the same `RunnerSpec`: it loads the rank's s
 memory budget (CUDA), lets `agree` turn that into the budget every rank uses (the minimum over the ranks, so
 every rank's pools have the same block and slot counts: the scheduler's ids are valid on all of them), plans the
 pools and allocates them. The CPU has no budget: the pool sizes follow from the config alone.
+
+Each rank plans from its own shard's bytes: P (a KV block of its kv heads) and S (a runtime slot of its
+DeltaNet heads, plus the unsharded `last_hidden`). Heads are split evenly (`TensorParallel.split_heads`), so
+every rank's P, S, and plan are the driver's; each rank still checks that its checkpoint state fits the plan's
+k pages (S_rank <= k x P_rank), since the cache's page ids are the same on all ranks.
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ def build_runner(
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
     backend = get_backend(device)
-    kv_per_block, state_per_slot = pool_bytes(model.state_specs(dtype, state_dtype), config.block_size)
+    kv_per_block, state_per_slot = pool_bytes(
+        model.state_specs(dtype, state_dtype), config.block_size, model.slot_specs(dtype)
+    )
     blocks_per_seq = -(-spec.max_model_len // config.block_size)
     if device.type == "cuda":
         budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device))
@@ -76,13 +83,19 @@ def build_runner(
             num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs, num_checkpoint_slots=slots,
             kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
         )
+    if kv_per_block and state_per_slot > plan.state_pages * kv_per_block:
+        raise AssertionError(
+            f"rank {tp.rank}: a state slot of {state_per_slot} bytes does not fit the plan's {plan.state_pages} "
+            f"pages of {kv_per_block} bytes (ranks must shard KV and states alike)"
+        )
     runner = ModelRunner(
         model,
         backend=backend,
         num_blocks=plan.num_blocks,
         block_size=config.block_size,
         kernel_block_size=config.kernel_block_size,
-        num_slots=plan.num_slots,
+        num_slots=plan.num_runtime_slots,
+        state_pages=plan.state_pages,
         max_num_seqs=config.max_num_seqs,
         max_model_len=spec.max_model_len,
         dtype=dtype,

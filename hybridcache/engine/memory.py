@@ -1,4 +1,4 @@
-"""How the device memory is split between KV blocks, runtime state slots and checkpoint slots.
+"""How the device memory is split: runtime state slots + one pool of blocks that hold KV or checkpoint states.
 
 Pure arithmetic (no torch): the engine measures the numbers on the device and calls `plan_memory`.
 
@@ -8,22 +8,27 @@ The budget (CUDA; `budget_bytes`):
              - memory in use after loading (weights, CUDA context, other processes)
              - the activation peak of a profiling forward of max_num_batched_tokens tokens
 
-It is shared, in this order, by:
+It buys, in this order:
 
-1. the runtime state slots: one per running sequence (`max_num_seqs`), always;
-2. KV blocks and checkpoint slots. Whatever is given explicitly (`num_blocks`, `num_checkpoint_slots`) is taken
-   first and the rest of the budget goes to the other. When neither is given, the split rule is **one
-   checkpoint slot per `tokens_per_checkpoint` tokens of KV** (2,048 by default, the simulator's
-   `kv_tokens_per_slot`): a checkpoint is worth keeping only while the KV of the prefix it ends is cached too,
-   so they are bought in pairs of (one slot, tokens_per_checkpoint / block_size blocks).
+1. the runtime state slots: one per running sequence (`max_num_seqs`), S bytes each (every recurrent layer's
+   state tensors and the per-slot `last_hidden`);
+2. one pool of blocks of P bytes (one scheduler block of every attention layer's KV). A block holds either KV
+   or 1/k of a checkpoint's state (its pages, `hybridcache.engine.paged_state`), k = ceil(S / P): KV and
+   checkpoints compete for the same bytes, and the prefix cache decides what they hold. With `num_blocks` the
+   pool is `num_blocks + num_checkpoint_slots * k` blocks (room for num_blocks blocks of KV and at least
+   num_checkpoint_slots states); without it, the rest of the budget, which must hold one sequence of
+   max_model_len and num_checkpoint_slots states.
+
+A model without attention layers (P = 0) keeps its checkpoints in a page store of S-byte rows, k = 1: its
+"blocks" then cost S bytes each.
 
 Worked example (random Qwen3-Next 1.39B in bf16, block 64: a KV block is 4 attention layers x 2 x 64 tokens x
-2 kv heads x 256 x 2 B = 512 KiB; a state slot is 12 DeltaNet layers x (32 x 128 x 128 + 8,192 x 3) x 4 B
-= 25.125 MiB, as much as 50 KV blocks)::
+2 kv heads x 256 x 2 B = 512 KiB; a state slot is 12 DeltaNet layers x (an fp32 ssm 32 x 128 x 128 x 4 B + a
+bf16 conv 8,192 x 3 x 2 B) + last_hidden 2,048 x 2 B = 24.57 MiB = 49.13 blocks, so k = 50)::
 
-    budget 100 GiB, max_num_seqs 64            runtime slots: 64 x 25.125 MiB = 1.57 GiB
-    the rest: 98.43 GiB; a pair = 25.125 MiB + 32 blocks x 0.5 MiB = 41.125 MiB -> 2,450 checkpoint slots
-    blocks: (98.43 GiB - 2,450 x 25.125 MiB) // 0.5 MiB = 78,471 blocks (5.0 M tokens of KV)
+    budget 100 GiB, max_num_seqs 64            runtime slots: 64 x 24.57 MiB = 1.54 GiB
+    the rest: 98.46 GiB // 512 KiB = 201,655 blocks: 12.9 M tokens of KV, or 4,033 checkpoint states, or any
+    mix (a checkpoint costs 50 blocks = 3,200 tokens of KV)
 """
 
 from __future__ import annotations
@@ -33,17 +38,38 @@ from dataclasses import dataclass
 from math import prod
 from typing import Any
 
-DEFAULT_TOKENS_PER_CHECKPOINT = 2048
+GIB = 1 << 30
+
+
+def state_pages(slot_bytes: int, page_bytes: int) -> int:
+    """k: the blocks (pages) one checkpoint state takes, ceil(slot_bytes / page_bytes); 1 when page_bytes is 0
+    (a model without attention layers keeps its checkpoints in a page store of slot_bytes rows).
+    Example: a 24.57 MiB slot and 512 KiB blocks -> 50."""
+    if slot_bytes <= 0 or page_bytes < 0:
+        raise ValueError(f"a state slot of {slot_bytes} bytes and blocks of {page_bytes} bytes: a slot must hold "
+                         "something (every model keeps last_hidden) and a block cannot be negative")
+    return -(-slot_bytes // page_bytes) if page_bytes else 1
+
+
+def _size(num_bytes: float) -> str:
+    """'512 KiB', '25.1 MiB', '117.1 GiB'."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            value = num_bytes / scale
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """What the budget buys. `budget_bytes` is what was split; the rest fields are counts and their bytes."""
+    """What the budget buys (see the module docstring). `budget_bytes`: what was split; `num_blocks`: the shared
+    pool of KV and checkpoint pages; `state_pages`: k, the blocks of one checkpoint state; `kv_bytes`: the pool's
+    bytes (num_blocks x P, or x S for a page store); `state_bytes`: the runtime slots' bytes."""
 
     budget_bytes: int
     num_blocks: int
     num_runtime_slots: int
-    num_checkpoint_slots: int
+    state_pages: int
     kv_bytes: int
     state_bytes: int
 
@@ -52,36 +78,37 @@ class MemoryPlan:
         cls, *, num_blocks: int, num_runtime_slots: int, num_checkpoint_slots: int, kv_bytes_per_block: int,
         state_bytes_per_slot: int,
     ) -> MemoryPlan:
-        """A plan of given counts (the CPU path): the budget is exactly what they take."""
-        kv = num_blocks * kv_bytes_per_block
-        state = (num_runtime_slots + num_checkpoint_slots) * state_bytes_per_slot
-        return cls(kv + state, num_blocks, num_runtime_slots, num_checkpoint_slots, kv, state)
-
-    @property
-    def num_slots(self) -> int:
-        """All state slots: runtime + checkpoint."""
-        return self.num_runtime_slots + self.num_checkpoint_slots
+        """A plan of given counts (the CPU path): a pool of num_blocks + num_checkpoint_slots x k blocks; the
+        budget is exactly what it and the runtime slots take."""
+        k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
+        blocks = num_blocks + num_checkpoint_slots * k
+        kv = blocks * (kv_bytes_per_block or state_bytes_per_slot)
+        state = num_runtime_slots * state_bytes_per_slot
+        return cls(kv + state, blocks, num_runtime_slots, k, kv, state)
 
     def describe(self) -> str:
-        """One line: 'KV 12.0 GiB (N blocks) + state 3.1 GiB (R runtime + C checkpoint slots) of 16.0 GiB'."""
-        gib = 1 << 30
+        """One line, e.g. 'pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50
+        blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget'."""
+        block = self.kv_bytes / self.num_blocks if self.num_blocks else 0
         return (
-            f"KV {self.kv_bytes / gib:.2f} GiB ({self.num_blocks} blocks) + state {self.state_bytes / gib:.2f} GiB "
-            f"({self.num_runtime_slots} runtime + {self.num_checkpoint_slots} checkpoint slots) "
-            f"of a {self.budget_bytes / gib:.2f} GiB budget"
+            f"pool {_size(self.kv_bytes)}: {self.num_blocks:,} blocks of {_size(block)}, KV and checkpoint states "
+            f"(a state = {self.state_pages} blocks) + {self.num_runtime_slots} runtime state slots "
+            f"{_size(self.state_bytes)}, of a {_size(self.budget_bytes)} budget"
         )
 
 
-def pool_bytes(specs: Sequence[Any], block_size: int) -> tuple[int, int]:
-    """(bytes of one KV block over all attention layers, bytes of one state slot over all recurrent layers) of
-    the layers' `hybridcache.state_spec` specs (read by attribute: an `AttentionSpec` has `num_kv_heads`, a
-    `RecurrentSpec` has `tensors`; a dtype's `itemsize` is its bytes)."""
+def pool_bytes(specs: Sequence[Any], block_size: int, slot_specs: Sequence[Any] = ()) -> tuple[int, int]:
+    """(P: bytes of one KV block over all attention layers, S: bytes of one state slot over all recurrent layers
+    and the per-slot `slot_specs`) of the layers' `hybridcache.state_spec` specs (read by attribute: an
+    `AttentionSpec` has `num_kv_heads`, a `RecurrentSpec` has `tensors`, a `StateTensorSpec` has `shape`; a
+    dtype's `itemsize` is its bytes)."""
     kv = state = 0
     for spec in specs:
         if hasattr(spec, "num_kv_heads"):
             kv += 2 * block_size * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
         else:
             state += sum(prod(t.shape) * t.dtype.itemsize for t in spec.tensors)
+    state += sum(prod(t.shape) * t.dtype.itemsize for t in slot_specs)
     return kv, state
 
 
@@ -95,50 +122,43 @@ def plan_memory(
     min_blocks: int,
     num_blocks: int | None = None,
     num_checkpoint_slots: int | None = None,
-    tokens_per_checkpoint: int = DEFAULT_TOKENS_PER_CHECKPOINT,
 ) -> MemoryPlan:
     """Split `budget_bytes` (see the module docstring). `min_blocks`: the blocks one sequence of max_model_len
-    needs; a plan with fewer is a ValueError, as is one whose explicit counts do not fit the budget.
-
-    A model without attention layers (kv_bytes_per_block 0) or without recurrent ones (state_bytes_per_slot 0)
-    is fine: the free part then goes wholly to the other pool (0 bytes each buys nothing, so counts are capped
-    by what the other needs)."""
+    needs. `num_blocks`: the blocks of KV the pool must hold (None: the budget's rest); `num_checkpoint_slots`:
+    the checkpoint states it must hold besides (None: 0). A ValueError when the budget is empty, when the
+    pool cannot hold one sequence of max_model_len, or when what is asked for does not fit the budget."""
     if budget_bytes <= 0:
         raise ValueError(
-            f"no device memory is left for the cache ({budget_bytes / (1 << 30):.2f} GiB): raise "
+            f"no device memory is left for the cache ({budget_bytes / GIB:.2f} GiB): raise "
             "gpu_memory_utilization or lower max_num_batched_tokens"
         )
+    k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
+    block = kv_bytes_per_block or state_bytes_per_slot
     runtime_bytes = max_num_seqs * state_bytes_per_slot
-    rest = budget_bytes - runtime_bytes
-    kv, state = kv_bytes_per_block, state_bytes_per_slot
-    if num_blocks is not None and num_checkpoint_slots is not None:
-        blocks, slots = num_blocks, num_checkpoint_slots
-    elif num_checkpoint_slots is not None:
-        slots = num_checkpoint_slots
-        blocks = (rest - slots * state) // kv if kv else min_blocks
-    elif num_blocks is not None:
-        blocks = num_blocks
-        slots = (rest - blocks * kv) // state if state else 0
+    states = num_checkpoint_slots or 0
+    if num_blocks is not None:
+        kv_blocks = num_blocks
+        blocks = num_blocks + states * k
     else:
-        pair = state + kv * tokens_per_checkpoint // block_size
-        slots = rest // pair if state else 0
-        blocks = (rest - slots * state) // kv if kv else min_blocks
-    used = runtime_bytes + blocks * kv + slots * state
-    if used > budget_bytes or slots < 0:
+        blocks = max(budget_bytes - runtime_bytes, 0) // block
+        kv_blocks = blocks - states * k
+    if kv_blocks < min_blocks:
         raise ValueError(
-            f"{blocks} KV blocks, {max_num_seqs} runtime and {max(slots, 0)} checkpoint slots need "
-            f"{used / (1 << 30):.2f} GiB; the budget is {budget_bytes / (1 << 30):.2f} GiB"
+            f"the pool holds {blocks:,} blocks of {block_size} tokens; with {states} checkpoint states of {k} blocks "
+            f"it has {kv_blocks:,} for KV, but one sequence of max_model_len needs {min_blocks:,}: lower "
+            "max_model_len or num_checkpoint_slots, or raise gpu_memory_utilization"
         )
-    if blocks < min_blocks:
+    used = runtime_bytes + blocks * block
+    if used > budget_bytes:
         raise ValueError(
-            f"the KV budget holds {blocks} blocks of {block_size} tokens but one sequence of max_model_len needs "
-            f"{min_blocks}: lower max_model_len or raise gpu_memory_utilization"
+            f"{blocks:,} blocks ({num_blocks} of KV + {states} checkpoint states of {k} blocks) and {max_num_seqs} "
+            f"runtime slots need {used / GIB:.2f} GiB; the budget is {budget_bytes / GIB:.2f} GiB"
         )
     return MemoryPlan(
         budget_bytes=budget_bytes,
         num_blocks=blocks,
         num_runtime_slots=max_num_seqs,
-        num_checkpoint_slots=slots,
-        kv_bytes=blocks * kv,
-        state_bytes=(max_num_seqs + slots) * state,
+        state_pages=k,
+        kv_bytes=blocks * block,
+        state_bytes=runtime_bytes,
     )

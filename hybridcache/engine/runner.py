@@ -1,6 +1,8 @@
 """The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
-time, with the step's checkpoint copies around it: restores, then the forward, then saves, all on one
-stream with no host synchronisation (one batched copy per pool group and kind).
+time, with the step's checkpoint copies around it: finishing saves and restores, then the forward, then saves,
+all on one stream with no host synchronisation (one batched copy per pool group and kind). KV ops copy blocks
+(`copy_blocks`); state ops are paged (`hybridcache.engine.paged_state`): a checkpoint's state lives in k blocks
+of the KV pool, a running sequence's in its runtime slot.
 
 Decode-only steps (every sequence feeds one token) replay a CUDA graph when the backend supports graphs
 (its `supports_cuda_graphs(dtype)`; the CUDA backend in bf16), the device is CUDA and graphs are not turned
@@ -13,7 +15,7 @@ its rows n..b-1 padded::
                      block_tables row 3 = [SCRATCH_PAGE, ...]        logits rows 0..2 are returned
 
 A padding row is a fresh one-token sequence that writes only the scratch slot and the scratch page (one
-extra state slot and one extra scheduler block the runner allocates beyond the scheduler's pools), so it can
+extra runtime slot and one extra scheduler block the runner allocates beyond the plan's counts), so it can
 never touch a real sequence's state. The graphs read static device buffers; each step copies its batch into
 them (device-to-device, on the forward's stream) and replays.
 """
@@ -27,9 +29,10 @@ import torch
 
 from hybridcache.cache.plan import CopyKind, Phase, Pool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
+from hybridcache.engine.paged_state import PagedStates
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
-from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
+from hybridcache.kernels.copy.block_copy import copy_blocks
 from hybridcache.state_spec import DevicePools
 
 
@@ -117,7 +120,9 @@ class _DecodeGraphs:
 
 class ModelRunner:
     """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
-    specs) are allocated once, at construction; with `cuda_graphs`, decode graphs are captured there too."""
+    specs) are allocated once, at construction; with `cuda_graphs`, decode graphs are captured there too.
+    `num_blocks`: the pool of blocks (KV and checkpoint pages); `num_slots`: the runtime state slots;
+    `state_pages`: k, the blocks of one checkpoint state (`hybridcache.engine.memory.MemoryPlan`)."""
 
     def __init__(
         self,
@@ -127,6 +132,7 @@ class ModelRunner:
         block_size: int,
         kernel_block_size: int,
         num_slots: int,
+        state_pages: int,
         dtype: torch.dtype,
         state_dtype: torch.dtype,
         device: torch.device,
@@ -150,8 +156,10 @@ class ModelRunner:
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
+        self.paged_states = PagedStates(self.pools, pages_per_block=self.pages_per_block,
+                                        num_blocks=num_blocks + extra, k=state_pages)
         if device.type == "cuda":
-            self._compile_copies(num_blocks=num_blocks + extra, num_slots=num_slots + extra)
+            self._compile_copies(num_blocks=num_blocks + extra)
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
         if use_graphs:
@@ -191,7 +199,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones; returns fp32 logits
+        """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones, each phase in the plan's
+        order (a `CopyPlan` lists its kinds in declaration order: STATE_FINISH first); returns fp32 logits
         [num_seqs + R, vocab]: row i at sequence i's last token, then one row per `batch.prompt_logits_rows`
         entry (R of them; none when it is None)."""
         for op in batch.copies:
@@ -251,27 +260,28 @@ class ModelRunner:
                 graphs.graphs[size] = graph
         torch.cuda.synchronize(self.device)
 
-    def _compile_copies(self, *, num_blocks: int, num_slots: int) -> None:
-        """One save per pool group (block 0 onto block 1, slot 0 onto slot 1: both hold nothing yet), so that the
-        copy kernel's variant for each pool (its geometry is a compile-time specialisation) compiles at start-up
+    def _compile_copies(self, *, num_blocks: int) -> None:
+        """One KV save (block 0 onto block 1: both hold nothing yet), so that the copy kernel's variant for each
+        KV group (its geometry is a compile-time specialisation) compiles at start-up
         rather than inside the first step that saves or restores a checkpoint (the first prefill step of the
         GPU benchmark's phase D paid ~300 ms for it on a fresh machine). The ids here are fresh tensors, 16-byte
-        aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches."""
+        aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches.
+        Paged state copies are plain torch ops: nothing to compile."""
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
-        if num_slots >= 2:
-            self._copy(DeviceCopyOp(CopyKind.STATE_SAVE, first, second))
 
     def _copy(self, op: DeviceCopyOp) -> None:
-        """One batched copy per pool group: every attention layer's pages of each block (KV), or every
-        recurrent state tensor's rows of each slot (STATE)."""
+        """KV ops: one batched copy per KV group (every attention layer's pages of each block). State ops are
+        paged (ids: runtime chunks `slot * k + j` and pages, see `hybridcache.cache.plan`): STATE_SAVE and
+        STATE_FINISH save chunks into pages, STATE_RESTORE restores pages into chunks."""
         if op.kind.pool is Pool.KV:
             for kv in self.pools.kv_groups:
                 copy_blocks(kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
+        elif op.kind is CopyKind.STATE_RESTORE:
+            self.paged_states.restore(op.src_ids, op.dst_ids)
         else:
-            for state in self.pools.state_groups:
-                copy_slots(state, op.src_ids, op.dst_ids)
+            self.paged_states.save(op.src_ids, op.dst_ids)
 
 
 def measure_activation_bytes(

@@ -1,17 +1,19 @@
-"""The memory split (`hybridcache.engine.memory`) and the CPU engine's defaults."""
+"""The memory plan (`hybridcache.engine.memory`): runtime slots + one pool of blocks for KV and checkpoint states,
+and the CPU engine's defaults."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hybridcache.engine.memory import DEFAULT_TOKENS_PER_CHECKPOINT, MemoryPlan, plan_memory, pool_bytes
+from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state_pages
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
 
 GIB = 1 << 30
-# The docstring's model: random Qwen3-Next 1.39B in bf16, block 64.
+# The docstring's model: random Qwen3-Next 1.39B in bf16, block 64 (fp32 ssm, bf16 conv, a 4 KiB last_hidden).
 KV = 4 * 2 * 64 * 2 * 256 * 2
-STATE = 12 * (32 * 128 * 128 + 8192 * 3) * 4
+STATE = 12 * (32 * 128 * 128 * 4 + 8192 * 3 * 2) + 2048 * 2
+K = 50
 
 
 def plan(budget: int, **kwargs) -> MemoryPlan:
@@ -21,37 +23,43 @@ def plan(budget: int, **kwargs) -> MemoryPlan:
 
 def test_pool_bytes_of_specs():
     attention = AttentionSpec(num_kv_heads=2, head_dim=256, dtype=torch.bfloat16)
-    recurrent = RecurrentSpec((StateTensorSpec("conv", (8192, 3), torch.float32),
+    recurrent = RecurrentSpec((StateTensorSpec("conv", (8192, 3), torch.bfloat16),
                                StateTensorSpec("ssm", (32, 128, 128), torch.float32)))
     specs = [recurrent, recurrent, recurrent, attention] * 4
-    assert pool_bytes(specs, 64) == (KV, STATE)
+    last_hidden = StateTensorSpec("last_hidden", (2048,), torch.bfloat16)
+    assert pool_bytes(specs, 64, (last_hidden,)) == (KV, STATE)
+    assert pool_bytes(specs, 64) == (KV, STATE - 4096)
+
+
+def test_state_pages():
+    assert state_pages(STATE, KV) == K  # 24.57 MiB / 512 KiB = 49.13
+    assert state_pages(50 * KV, KV) == 50 and state_pages(50 * KV + 1, KV) == 51
+    assert (state_pages(1, KV), state_pages(KV, KV), state_pages(KV + 1, KV)) == (1, 1, 2)
+    assert state_pages(STATE, 0) == 1  # no attention layer: a page store of slot-sized rows
+    with pytest.raises(ValueError, match="last_hidden"):
+        state_pages(0, KV)
 
 
 def test_docstring_example():
     got = plan(100 * GIB)
-    assert (got.num_blocks, got.num_checkpoint_slots, got.num_runtime_slots) == (78471, 2450, 64)
-    assert got.num_slots == 2514
-    assert got.kv_bytes + got.state_bytes <= 100 * GIB
-    # nothing left that could buy another pair
-    assert 100 * GIB - got.kv_bytes - got.state_bytes < STATE + KV * DEFAULT_TOKENS_PER_CHECKPOINT // 64
+    assert (got.num_blocks, got.num_runtime_slots, got.state_pages) == (201_655, 64, K)
+    assert (got.kv_bytes, got.state_bytes) == (201_655 * KV, 64 * STATE)
+    assert 0 <= 100 * GIB - got.kv_bytes - got.state_bytes < KV  # nothing left that could buy another block
+    assert got.num_blocks // K == 4_033  # checkpoint states, when the pool holds nothing else
+    assert got.describe() == ("pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50 "
+                              "blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget")
 
 
-def test_split_rule_one_slot_per_tokens_per_checkpoint():
-    for budget in (2 * GIB, 10 * GIB, 77 * GIB):
-        got = plan(budget, tokens_per_checkpoint=4096)
-        blocks_per_slot = got.num_blocks / got.num_checkpoint_slots
-        assert 4096 // 64 <= blocks_per_slot < 4096 // 64 + 1 + (STATE + KV * 64) / KV / got.num_checkpoint_slots
-
-
-def test_explicit_counts_take_their_share_first():
-    slots = plan(10 * GIB, num_checkpoint_slots=100)
-    assert slots.num_checkpoint_slots == 100
-    assert slots.num_blocks == (10 * GIB - 164 * STATE) // KV
+def test_explicit_counts():
+    """num_blocks: that many blocks of KV, plus num_checkpoint_slots states of k blocks; without num_blocks the
+    pool is the budget's rest whatever num_checkpoint_slots (which it must hold besides one sequence)."""
     blocks = plan(10 * GIB, num_blocks=1000)
-    assert blocks.num_blocks == 1000
-    assert blocks.num_checkpoint_slots == (10 * GIB - 64 * STATE - 1000 * KV) // STATE
+    assert (blocks.num_blocks, blocks.kv_bytes, blocks.budget_bytes) == (1000, 1000 * KV, 10 * GIB)
     both = plan(10 * GIB, num_blocks=1000, num_checkpoint_slots=5)
-    assert (both.num_blocks, both.num_checkpoint_slots) == (1000, 5)
+    assert both.num_blocks == 1000 + 5 * K
+    rest = plan(10 * GIB)
+    assert rest.num_blocks == (10 * GIB - 64 * STATE) // KV
+    assert plan(10 * GIB, num_checkpoint_slots=100).num_blocks == rest.num_blocks
 
 
 def test_too_small_budgets_fail():
@@ -60,28 +68,64 @@ def test_too_small_budgets_fail():
     with pytest.raises(ValueError, match="need"):
         plan(GIB, num_blocks=10_000)
     with pytest.raises(ValueError, match="need"):
-        plan(GIB, num_checkpoint_slots=1_000)
+        plan(GIB, num_blocks=10, num_checkpoint_slots=100)
     with pytest.raises(ValueError, match="max_model_len"):
         plan(64 * STATE + 5 * KV)
+    with pytest.raises(ValueError, match="max_model_len"):
+        plan(GIB, num_blocks=9)
+    # the rest holds one sequence, but not one sequence and 100 checkpoint states
+    with pytest.raises(ValueError, match="100 checkpoint states"):
+        plan(64 * STATE + (10 + 99 * K) * KV, num_checkpoint_slots=100)
+    assert plan(64 * STATE + (10 + 100 * K) * KV, num_checkpoint_slots=100).num_blocks == 10 + 100 * K
 
 
 def test_models_without_one_kind_of_layer():
-    dense_attention = plan(GIB, state_bytes_per_slot=0)
-    assert dense_attention.num_checkpoint_slots == 0 and dense_attention.num_blocks == GIB // KV
+    """No recurrent layer: a slot is last_hidden alone, one block holds a state. No attention layer: blocks are
+    rows of a page store, S bytes each, one per state; a sequence still needs its (empty) blocks."""
+    hidden = 2048 * 2
+    dense_attention = plan(GIB, state_bytes_per_slot=hidden)
+    assert dense_attention.state_pages == 1
+    assert dense_attention.num_blocks == (GIB - 64 * hidden) // KV
     recurrent_only = plan(4 * GIB, kv_bytes_per_block=0, min_blocks=0)
-    assert recurrent_only.num_checkpoint_slots == (4 * GIB - 64 * STATE) // STATE
+    assert recurrent_only.state_pages == 1
+    assert recurrent_only.num_blocks == (4 * GIB - 64 * STATE) // STATE
+    assert recurrent_only.kv_bytes == recurrent_only.num_blocks * STATE
 
 
 def test_fixed_plan_and_description():
     got = MemoryPlan.fixed(num_blocks=10, num_runtime_slots=2, num_checkpoint_slots=3, kv_bytes_per_block=KV,
                            state_bytes_per_slot=STATE)
-    assert got.budget_bytes == 10 * KV + 5 * STATE
-    assert "10 blocks" in got.describe() and "2 runtime + 3 checkpoint slots" in got.describe()
+    assert (got.num_blocks, got.state_pages, got.num_runtime_slots) == (10 + 3 * K, K, 2)
+    assert got.budget_bytes == (10 + 3 * K) * KV + 2 * STATE
+    assert "160 blocks of 512 KiB" in got.describe() and "2 runtime state slots" in got.describe()
+    store = MemoryPlan.fixed(num_blocks=10, num_runtime_slots=2, num_checkpoint_slots=3, kv_bytes_per_block=0,
+                             state_bytes_per_slot=STATE)
+    assert (store.num_blocks, store.state_pages, store.kv_bytes) == (13, 1, 13 * STATE)
+
+
+def test_cpu_runner_plan(tmp_path):
+    """On the CPU (`build_runner`): 2 x max_num_seqs sequences of KV plus 32 checkpoint states of k blocks in the
+    pool, max_num_seqs runtime slots; the runner's pools have those counts (no scratch rows without graphs)."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+    from hybridcache.layers.parallel import TensorParallel
+
+    from .model_folders import write_tiny_model
+
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")
+    runner, got = build_runner(RunnerSpec(folder, EngineConfig(max_num_seqs=2), 512), TensorParallel(),
+                               torch.device("cpu"))
+    paged = runner.paged_states
+    assert got.state_pages == paged.k == state_pages(paged.slot_bytes, paged.page_bytes) >= 1
+    assert got.num_blocks == 2 * 2 * 512 // 64 + 32 * got.state_pages and got.num_runtime_slots == 2
+    assert got.state_bytes == 2 * paged.slot_bytes and got.kv_bytes == got.num_blocks * paged.page_bytes
+    assert {kv.shape[2] for kv in runner.pools.kv_groups} == {got.num_blocks * 64 // runner.pools.kernel_block_size}
+    assert {state.shape[1] for state in runner.pools.state_groups} == {2}
 
 
 def test_cpu_engine_keeps_its_defaults(tmp_path, caplog):
-    """On the CPU: max_model_len capped at 8192, 2 x max_num_seqs sequences of KV, 32 checkpoint slots; the
-    startup summary is logged once."""
+    """On the CPU: max_model_len capped at 8192, 2 x max_num_seqs sequences of KV plus 32 checkpoint states in the
+    pool; the startup summary is logged once."""
     import logging
 
     from hybridcache.config import EngineConfig
@@ -93,7 +137,8 @@ def test_cpu_engine_keeps_its_defaults(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="hybridcache.engine"):
         engine = LLMEngine(folder, EngineConfig(max_num_seqs=2))
     assert engine.max_model_len == 8192
-    assert engine.num_blocks == 2 * 2 * 8192 // 64
-    assert engine.memory_plan.num_checkpoint_slots == 32 and engine.memory_plan.num_slots == 34
+    plan = engine.memory_plan
+    assert engine.num_blocks == plan.num_blocks == 2 * 2 * 8192 // 64 + 32 * plan.state_pages
+    assert plan.num_runtime_slots == 2
     summaries = [r.getMessage() for r in caplog.records if r.name == "hybridcache.engine"]
     assert len(summaries) == 1 and "max_model_len 8192" in summaries[0] and "cuda graphs off" in summaries[0]

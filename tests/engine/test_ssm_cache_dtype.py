@@ -140,13 +140,13 @@ def test_overriding_the_configs_dtype_warns(tmp_path, caplog):
 # ------------------------------------------------------------------------------------------- the memory plan
 
 
-def test_the_same_budget_buys_about_twice_the_checkpoint_slots():
+def test_the_same_budget_buys_about_twice_the_checkpoint_states():
     """transformers' default Qwen3_5TextConfig (the 9B shape of benchmarks/gpu_bench.py's dense-9b: 24 DeltaNet
     layers, 32 value heads of 128 x 128) in bf16 on a 60 GiB budget, 64 running sequences. A slot is 24 x (a
-    2 MiB fp32 ssm + a 48 KiB bf16 conv state) = 49.1 MiB, 25.1 MiB with a bf16 ssm (1.95x smaller).
-    At a fixed KV pool (20,000 blocks) the checkpoint slots go from 372 to 789 (2.1x: the runtime slots shrink
-    too). Under the default split (one checkpoint slot per 2,048 KV tokens, bought in pairs) the pair costs 113
-    MiB, then 89 MiB: 515 -> 671 slots and 16,498 -> 21,486 KV blocks (both 1.3x)."""
+    2 MiB fp32 ssm + a 48 KiB bf16 conv state) = 49.1 MiB, 25.1 MiB with a bf16 ssm (1.95x smaller), plus an 8 KiB
+    last_hidden. A checkpoint state takes k = 25 blocks of 2 MiB of the shared pool, then 13; the pool grows from
+    29,147 to 29,915 blocks (the runtime slots shrink), so it holds 1,165 -> 2,301 checkpoint states (1.98x), or
+    any mix of states and KV."""
     import transformers
 
     raw = {**transformers.Qwen3_5TextConfig().to_dict(), "architectures": ["Qwen3_5ForCausalLM"]}
@@ -157,17 +157,15 @@ def test_the_same_budget_buys_about_twice_the_checkpoint_slots():
         pool_bytes(model.state_specs(torch.bfloat16, ssm_dtype), 64) for ssm_dtype in (torch.float32, torch.bfloat16)
     )
     ssm, conv = 32 * 128 * 128, 8192 * 3
-    assert kv == kv_again
+    assert kv == kv_again == 2 << 20
     assert (fp32_slot, bf16_slot) == (24 * (4 * ssm + 2 * conv), 24 * (2 * ssm + 2 * conv))
+    last_hidden = pool_bytes((), 64, model.slot_specs(torch.bfloat16))[1]
+    assert last_hidden == 8 << 10
 
-    def plan(slot_bytes: int, **fixed):
-        return plan_memory(60 * GIB, kv_bytes_per_block=kv, state_bytes_per_slot=slot_bytes, max_num_seqs=64,
-                           block_size=64, min_blocks=64, **fixed)
-
-    fixed_kv = [plan(slot, num_blocks=20_000) for slot in (fp32_slot, bf16_slot)]
-    assert [p.num_checkpoint_slots for p in fixed_kv] == [372, 789]
-    split = [plan(slot) for slot in (fp32_slot, bf16_slot)]
-    assert [(p.num_checkpoint_slots, p.num_blocks) for p in split] == [(515, 16498), (671, 21486)]
+    plans = [plan_memory(60 * GIB, kv_bytes_per_block=kv, state_bytes_per_slot=slot + last_hidden, max_num_seqs=64,
+                         block_size=64, min_blocks=64) for slot in (fp32_slot, bf16_slot)]
+    assert [(p.state_pages, p.num_blocks) for p in plans] == [(25, 29147), (13, 29915)]
+    assert [p.num_blocks // p.state_pages for p in plans] == [1165, 2301]
 
 
 # ---------------------------------------------------------------------------------- the CPU reference path
