@@ -25,16 +25,14 @@ class EngineConfig:
     block_size: tokens per scheduler block (the unit of KV sharing). kernel_block_size: tokens per kernel page
     (a power of two dividing block_size; None at construction = the largest such power of two up to 64, e.g.
     64 for block_size 128, 16 for 48, resolved in `__post_init__`, so it is always an int afterwards).
-    num_blocks: blocks of KV in the pool of blocks, which also holds the prefix cache's checkpoint states (k blocks
-    each; None = on the CPU enough for max_num_seqs sequences of max_model_len tokens, plus as many again for the
-    prefix cache; on CUDA the rest of the memory budget, see `hybridcache.engine.memory`).
-    max_num_seqs: running sequences at once (one runtime state slot each, the only state slots).
-    num_checkpoint_slots: room for at least this many checkpoint states in the pool, on top of num_blocks (None:
-    32 on the CPU, 0 on CUDA: KV and checkpoints share the pool either way; the prefix cache decides what it
-    holds). max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of
-    at most this many tokens. max_model_len: prompt + output limit
-    (None = the model's max_position_embeddings; capped at 8192 on the CPU, where the pools are sized per
-    sequence, not from a memory budget).
+    num_blocks: blocks in the one pool of the device, which holds KV and the prefix cache's checkpoint states (a
+    state takes k blocks, `hybridcache.engine.memory.state_pages`; the cache decides what the pool holds). None =
+    on the CPU enough for 2 x max_num_seqs sequences of max_model_len tokens plus 32 checkpoint states; on CUDA
+    the rest of the memory budget, see `hybridcache.engine.memory`.
+    max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
+    max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
+    most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
+    capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory budget).
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
     activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
     graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
@@ -57,7 +55,6 @@ class EngineConfig:
     kernel_block_size: int | None = None
     num_blocks: int | None = None
     max_num_seqs: int = 16
-    num_checkpoint_slots: int | None = None
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -85,8 +82,6 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling is not supported with tensor parallelism (the workers do not see "
                              "the sampled tokens on the device)")
-        if self.num_checkpoint_slots is not None and self.num_checkpoint_slots < 0:
-            raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
         kbs = self.kernel_block_size
         if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(

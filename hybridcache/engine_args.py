@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from pathlib import Path
 
 from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, SSM_DTYPE_FLAG, EngineConfig
@@ -45,9 +44,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="tokens per kernel page, a power of two dividing --block-size (default: the "
                              "largest such power of two up to 64)")
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help="blocks of KV the pool holds; checkpoint states take blocks of the same pool (on "
-                             "top: --num-checkpoint-slots states; default: twice what --max-num-seqs full "
-                             "sequences need on the CPU, the rest of the memory budget on CUDA)")
+                        help="blocks in the one pool of KV and prefix-cache checkpoint states (a state takes k "
+                             "blocks); default: on the CPU twice what --max-num-seqs full sequences need plus 32 "
+                             "states, on CUDA the rest of the memory budget")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -58,12 +57,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="alias of --no-enable-prefix-caching (default: not given)")
     parser.add_argument("--cache-mode", default="hybridcache", choices=list(CACHE_MODES),
                         help="where state checkpoints are saved (see docs/design.md)")
-    parser.add_argument("--num-checkpoint-slots", type=int, default=None, metavar="SLOTS",
-                        help="room for at least this many prefix-cache checkpoint states in the block pool (each "
-                             "takes k blocks; default: 32 on the CPU, 0 on CUDA, where the rest of the budget is "
-                             "shared by KV and checkpoints anyway)")
-    parser.add_argument("--state-cache-budget", type=int, default=None, metavar="SLOTS",
-                        help="deprecated alias of --num-checkpoint-slots (default: unset)")
     parser.add_argument("--decode-checkpoint-interval", type=int, default=None,
                         help="also save a checkpoint every this many decoded tokens, a multiple of --block-size "
                              "(default: off)")
@@ -100,19 +93,8 @@ def model_argument(args: argparse.Namespace) -> str | None:
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The `EngineConfig` keyword arguments of parsed engine options (`dtype`/`device` may be "auto": pass them
-    through `resolve_engine_config`).
-
-    `--state-cache-budget` sets `num_checkpoint_slots` with a warning on stderr; given together with a
-    different `--num-checkpoint-slots` it is a ValueError (the command line says two things)."""
-    slots = args.num_checkpoint_slots
-    if args.state_cache_budget is not None:
-        print("hybridcache: warning: --state-cache-budget is deprecated, use --num-checkpoint-slots", file=sys.stderr)
-        if slots is not None and slots != args.state_cache_budget:
-            raise ValueError(
-                f"--state-cache-budget {args.state_cache_budget} and --num-checkpoint-slots {slots} disagree"
-            )
-        slots = args.state_cache_budget
-    options = dict(
+    through `resolve_engine_config`)."""
+    return dict(
         block_size=args.block_size,
         kernel_block_size=args.kernel_block_size,
         num_blocks=args.num_blocks,
@@ -131,9 +113,6 @@ def engine_options(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
     )
-    if slots is not None:
-        options["num_checkpoint_slots"] = slots
-    return options
 
 
 def auto_device() -> str:

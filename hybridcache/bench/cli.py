@@ -73,7 +73,6 @@ def register(subparsers) -> None:
     bench.add_argument("--max-num-seqs", type=int, default=16)
     bench.add_argument("--max-num-batched-tokens", type=int, default=512)
     bench.add_argument("--num-blocks", type=int, default=None)
-    bench.add_argument("--num-checkpoint-slots", type=int, default=32)
     bench.add_argument(
         "--server", default=None,
         help="URL of a running `hybridcache serve` to benchmark over HTTP instead of the offline engine "
@@ -181,8 +180,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_path, chat=chat)
     options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
-                   num_checkpoint_slots=args.num_checkpoint_slots)
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
     config = BenchConfig(modes, args.max_reply_tokens, options)
     bar = tqdm(total=count_calls(workload) * len(modes), desc=f"bench {workload.name}", unit="req",
                disable=args.no_progress, file=sys.stderr)

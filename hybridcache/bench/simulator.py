@@ -101,12 +101,12 @@ class SimConfig:
 
 
 def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
-    """(num_blocks, num_checkpoint_slots) that fit `memory_bytes`: one state slot per `kv_tokens_per_slot`
-    KV tokens, bought in pairs, in the integer arithmetic of the engine's memory plan
-    (`engine.memory.plan_memory` with `tokens_per_checkpoint`, after the runtime slots: the same pools for the
-    same bytes). Example: 1 GiB of the built-in model (1,024 B per KV token, 116,736 B per slot), B = 64,
-    2,048 tokens per slot: a pair is 116,736 + 32 blocks x 65,536 = 2,213,888 B: 485 slots, then
-    (2^30 - 485 x 116,736) // 65,536 = 15,520 blocks."""
+    """(num_blocks, num_checkpoint_slots) that fit `memory_bytes` in an engine with a separate pool of state slots
+    (the `block-aligned` and `seed` policies model such engines; hybridcache's own keeps one pool, see the module
+    docstring): one state slot per `kv_tokens_per_slot` KV tokens, bought in pairs. Example: 1 GiB of the built-in model
+    (1,024 B per KV token, 117,248 B per slot with its last hidden state), B = 64, 2,048 tokens per slot: a pair
+    is 117,248 + 32 blocks x 65,536 = 2,214,400 B: 484 slots, then (2^30 - 484 x 117,248) // 65,536 = 15,518
+    blocks."""
     block_bytes = cost.block_bytes(block_size)
     pair = cost.state_bytes + block_bytes * kv_tokens_per_slot // block_size
     num_slots = int(memory_bytes // pair)
@@ -292,14 +292,15 @@ class CacheReplay:
         self.spec, self.cost, self.config = spec, cost, config
         self.policy: CheckpointPolicy = checkpoint_policy(spec.mode)
         self.block_size = spec.block_size
-        self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
-                                                       config.kv_tokens_per_slot)
-        self.state_pages = None
+        self.state_pages: int | None = None
         if spec.one_budget:  # paged, as the engine: the budget in blocks, k of them per checkpoint state
             block_bytes = cost.block_bytes(spec.block_size)
             self.num_blocks = max(1, int(config.memory_bytes // block_bytes))
             self.state_pages = max(1, -(-int(cost.state_bytes) // int(block_bytes)))
             num_ckpt_slots = 0  # the running sequences' runtime slots only
+        else:
+            self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
+                                                           config.kv_tokens_per_slot)
         self.num_slots = num_ckpt_slots + max_running
         self.max_running = max_running
         self.cache = PrefixCache(

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 
 from hybridcache.config import EngineConfig
-from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes
+from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state_pages
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_CHECKPOINT_SLOTS = 32
+CPU_CHECKPOINT_STATES = 32
 
 
 @dataclass(frozen=True)
@@ -74,13 +74,14 @@ def build_runner(
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
-            num_blocks=config.num_blocks, num_checkpoint_slots=config.num_checkpoint_slots,
+            num_blocks=config.num_blocks,
         )
     else:
-        num_blocks = config.num_blocks or 2 * config.max_num_seqs * blocks_per_seq
-        slots = CPU_CHECKPOINT_SLOTS if config.num_checkpoint_slots is None else config.num_checkpoint_slots
+        num_blocks = config.num_blocks or (
+            2 * config.max_num_seqs * blocks_per_seq + CPU_CHECKPOINT_STATES * state_pages(state_per_slot, kv_per_block)
+        )
         plan = MemoryPlan.fixed(
-            num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs, num_checkpoint_slots=slots,
+            num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs,
             kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
         )
     if kv_per_block and state_per_slot > plan.state_pages * kv_per_block:

@@ -14,10 +14,9 @@ It buys, in this order:
    state tensors and the per-slot `last_hidden`);
 2. one pool of blocks of P bytes (one scheduler block of every attention layer's KV). A block holds either KV
    or 1/k of a checkpoint's state (its pages, `hybridcache.engine.paged_state`), k = ceil(S / P): KV and
-   checkpoints compete for the same bytes, and the prefix cache decides what they hold. With `num_blocks` the
-   pool is `num_blocks + num_checkpoint_slots * k` blocks (room for num_blocks blocks of KV and at least
-   num_checkpoint_slots states); without it, the rest of the budget, which must hold one sequence of
-   max_model_len and num_checkpoint_slots states.
+   checkpoints compete for the same bytes, and the prefix cache decides what they hold. The pool is
+   `num_blocks` blocks when that is given, else the rest of the budget; it must hold one sequence of
+   max_model_len.
 
 A model without attention layers (P = 0) keeps its checkpoints in a page store of S-byte rows, k = 1: its
 "blocks" then cost S bytes each.
@@ -75,13 +74,12 @@ class MemoryPlan:
 
     @classmethod
     def fixed(
-        cls, *, num_blocks: int, num_runtime_slots: int, num_checkpoint_slots: int, kv_bytes_per_block: int,
-        state_bytes_per_slot: int,
+        cls, *, num_blocks: int, num_runtime_slots: int, kv_bytes_per_block: int, state_bytes_per_slot: int,
     ) -> MemoryPlan:
-        """A plan of given counts (the CPU path): a pool of num_blocks + num_checkpoint_slots x k blocks; the
-        budget is exactly what it and the runtime slots take."""
+        """A plan of given counts (the CPU path): a pool of num_blocks blocks; the budget is exactly what it and
+        the runtime slots take."""
         k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
-        blocks = num_blocks + num_checkpoint_slots * k
+        blocks = num_blocks
         kv = blocks * (kv_bytes_per_block or state_bytes_per_slot)
         state = num_runtime_slots * state_bytes_per_slot
         return cls(kv + state, blocks, num_runtime_slots, k, kv, state)
@@ -121,12 +119,11 @@ def plan_memory(
     block_size: int,
     min_blocks: int,
     num_blocks: int | None = None,
-    num_checkpoint_slots: int | None = None,
 ) -> MemoryPlan:
     """Split `budget_bytes` (see the module docstring). `min_blocks`: the blocks one sequence of max_model_len
-    needs. `num_blocks`: the blocks of KV the pool must hold (None: the budget's rest); `num_checkpoint_slots`:
-    the checkpoint states it must hold besides (None: 0). A ValueError when the budget is empty, when the
-    pool cannot hold one sequence of max_model_len, or when what is asked for does not fit the budget."""
+    needs. `num_blocks`: the pool's blocks (None: the budget's rest). A ValueError when the budget is empty,
+    when the pool cannot hold one sequence of max_model_len, or when what is asked for does not fit the
+    budget."""
     if budget_bytes <= 0:
         raise ValueError(
             f"no device memory is left for the cache ({budget_bytes / GIB:.2f} GiB): raise "
@@ -135,24 +132,17 @@ def plan_memory(
     k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
     block = kv_bytes_per_block or state_bytes_per_slot
     runtime_bytes = max_num_seqs * state_bytes_per_slot
-    states = num_checkpoint_slots or 0
-    if num_blocks is not None:
-        kv_blocks = num_blocks
-        blocks = num_blocks + states * k
-    else:
-        blocks = max(budget_bytes - runtime_bytes, 0) // block
-        kv_blocks = blocks - states * k
-    if kv_blocks < min_blocks:
+    blocks = num_blocks if num_blocks is not None else max(budget_bytes - runtime_bytes, 0) // block
+    if blocks < min_blocks:
         raise ValueError(
-            f"the pool holds {blocks:,} blocks of {block_size} tokens; with {states} checkpoint states of {k} blocks "
-            f"it has {kv_blocks:,} for KV, but one sequence of max_model_len needs {min_blocks:,}: lower "
-            "max_model_len or num_checkpoint_slots, or raise gpu_memory_utilization"
+            f"the pool holds {blocks:,} blocks of {block_size} tokens, but one sequence of max_model_len needs "
+            f"{min_blocks:,}: lower max_model_len or max_num_seqs, or raise gpu_memory_utilization or num_blocks"
         )
     used = runtime_bytes + blocks * block
     if used > budget_bytes:
         raise ValueError(
-            f"{blocks:,} blocks ({num_blocks} of KV + {states} checkpoint states of {k} blocks) and {max_num_seqs} "
-            f"runtime slots need {used / GIB:.2f} GiB; the budget is {budget_bytes / GIB:.2f} GiB"
+            f"{blocks:,} blocks of {_size(block)} and {max_num_seqs} runtime state slots need {used / GIB:.2f} GiB; "
+            f"the budget is {budget_bytes / GIB:.2f} GiB: lower num_blocks or max_num_seqs"
         )
     return MemoryPlan(
         budget_bytes=budget_bytes,

@@ -160,10 +160,10 @@ def test_oracle_index_token_granularity():
 
 def test_cache_sizing_and_policy_parsing():
     cost = load_model_cost()
-    assert (cost.kv_bytes_per_token, cost.state_bytes) == (1024, 116736)
+    assert (cost.kv_bytes_per_token, cost.state_bytes) == (1024, 117248)
     num_blocks, num_slots = cache_sizing(GIB, cost, 64, 2048)
-    assert (num_blocks, num_slots) == (15520, 485)
-    assert num_blocks * 64 * 1024 + num_slots * 116736 <= GIB
+    assert (num_blocks, num_slots) == (15518, 484)
+    assert num_blocks * 64 * 1024 + num_slots * 117248 <= GIB
     specs = parse_policies("none,block-aligned:528,hybridcache+flop", 64)
     assert [(s.name, s.mode, s.block_size, s.eviction) for s in specs] == [
         ("none", "none", 64, "lru"), ("block-aligned:528", "block-aligned", 528, "lru"),

@@ -50,7 +50,7 @@ def test_hybridcache_predicts_the_engines_cached_tokens(model_dir):
     cost = ModelCost.from_config(ModelConfig.from_model_dir(model_dir), "tiny")
     num_blocks = 96
     llm = LLM(model_dir, block_size=BLOCK, kernel_block_size=8, max_num_batched_tokens=CHUNK, max_num_seqs=1,
-              max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks, num_checkpoint_slots=0)
+              max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks)
     engine = llm.engine
     plan = engine.memory_plan
     assert plan.num_blocks == num_blocks and plan.num_runtime_slots == 1

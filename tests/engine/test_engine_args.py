@@ -1,6 +1,6 @@
 """Engine command-line options: defaults match EngineConfig (with auto dtype/device resolved on a CPU machine);
-vLLM spellings and the old ones mean the same; the deprecated --state-cache-budget alias says so and never
-silently overrides --num-checkpoint-slots; every flag's help states its default; auto dtype/device rules."""
+vLLM spellings and the old ones mean the same; the removed checkpoint-slot flags are refused; every flag's help
+states its default; auto dtype/device rules."""
 
 from __future__ import annotations
 
@@ -97,14 +97,13 @@ def test_block_size_without_a_power_of_two_gets_a_fitting_kernel_page():
         EngineConfig(block_size=0)
 
 
-def test_state_cache_budget_is_a_deprecated_alias(capsys):
-    assert parse("--num-checkpoint-slots", "5")["num_checkpoint_slots"] == 5
-    assert capsys.readouterr().err == ""
-    assert parse("--state-cache-budget", "7")["num_checkpoint_slots"] == 7
-    assert "deprecated" in capsys.readouterr().err
-    assert parse("--state-cache-budget", "7", "--num-checkpoint-slots", "7")["num_checkpoint_slots"] == 7
-    with pytest.raises(ValueError, match="disagree"):
-        parse("--state-cache-budget", "7", "--num-checkpoint-slots", "8")
+def test_checkpoint_slot_flags_are_gone(capsys):
+    """Checkpoint states live in blocks of the one pool (--num-blocks): a separate count would mean nothing, so the
+    old flags are refused rather than silently ignored."""
+    for flag in ("--num-checkpoint-slots", "--state-cache-budget"):
+        with pytest.raises(SystemExit):
+            parse(flag, "5")
+        assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
 def test_gpu_memory_options(no_gpu):
@@ -112,7 +111,6 @@ def test_gpu_memory_options(no_gpu):
     assert (options["gpu_memory_utilization"], options["enforce_eager"]) == (0.5, True)
     config = resolve_engine_config(ensure_builtin_model(), options)
     assert (config.gpu_memory_utilization, config.enforce_eager) == (0.5, True)
-    assert EngineConfig().num_checkpoint_slots is None  # 32 on the CPU, from the budget on CUDA
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineConfig(gpu_memory_utilization=bad)

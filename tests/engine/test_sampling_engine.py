@@ -24,7 +24,7 @@ def engine(request):
     if request.param == "cpu":
         return LLMEngine(None, SMALL)
     # fp32 on CUDA, with pools of a fixed size (not sized from the whole device)
-    return LLMEngine(None, dataclasses.replace(SMALL, device="cuda", num_blocks=128, num_checkpoint_slots=16))
+    return LLMEngine(None, dataclasses.replace(SMALL, device="cuda", num_blocks=256))
 
 
 def run(engine, request_id, prompt, params):

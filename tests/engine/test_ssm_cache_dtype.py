@@ -182,8 +182,10 @@ def test_bf16_state_is_the_fp32_state_rounded_once_per_step(model_dir, device):
     decode), a bf16-state engine gives bit-identical logits to an fp32-state engine whose ssm pools are rounded
     to bf16 after every step. On CUDA (bf16 model, decode graphs) the same holds for the Triton decode step and
     fla's chunked rule, which gather the state as fp32 and cast it back when they scatter it."""
-    options = {} if device == "cpu" else dict(
-        device="cuda", dtype="bfloat16", num_blocks=256, num_checkpoint_slots=32, gpu_memory_utilization=0.5)
+    # one pool size for both engines, ample: a bf16 state takes fewer pages, and the two caches must save, hit and
+    # evict alike for the comparison to be exact
+    options = dict(num_blocks=512) if device == "cpu" else dict(
+        device="cuda", dtype="bfloat16", num_blocks=512, gpu_memory_utilization=0.5)
     bf16 = make_engine(model_dir, mamba_ssm_cache_dtype="bfloat16", **options)
     emulated = make_engine(model_dir, **options)
     assert {p.dtype for p in ssm_pools(bf16)} == {torch.bfloat16}
@@ -191,15 +193,15 @@ def test_bf16_state_is_the_fp32_state_rounded_once_per_step(model_dir, device):
     conv_dtypes = {layer["conv"].dtype for engine in (bf16, emulated) for layer in engine.runner.pools.layers
                    if isinstance(layer, Mapping)}
     assert conv_dtypes == {torch.float32 if device == "cpu" else torch.bfloat16}  # the model dtype
-    execute, pools = emulated.runner.execute, ssm_pools(emulated)
+    forward, pools = emulated.runner._forward, ssm_pools(emulated)
 
-    def execute_then_round(batch):
-        logits = execute(batch)
+    def forward_then_round(batch):  # before the step's saves copy the state into checkpoint pages
+        logits = forward(batch)
         for pool in pools:
             pool.copy_(pool.to(torch.bfloat16))
         return logits
 
-    emulated.runner.execute = execute_then_round
+    emulated.runner._forward = forward_then_round
     out_bf16 = run_workload(bf16, check_every_step=True)
     out_emulated = run_workload(emulated)
     assert sum(o.cached_tokens for o in out_bf16.values()) > 0
