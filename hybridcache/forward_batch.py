@@ -39,8 +39,9 @@ from hybridcache.cache.plan import CopyKind
 @dataclass(frozen=True)
 class DeviceCopyOp:
     """One `hybridcache.cache.CopyOp` as device id tensors: src_ids, dst_ids [N] int64. KV ids are scheduler
-    blocks; state ids are slots. The runner executes the ops in order, on the forward's stream: those whose
-    `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
+    blocks; state ids are runtime chunks (`slot * k + j`, j < k) and pages (blocks of the pool that hold a
+    checkpoint's state; `hybridcache.cache.plan`). The runner executes the ops in order, on the forward's
+    stream: those whose `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
 
     kind: CopyKind
     src_ids: torch.Tensor

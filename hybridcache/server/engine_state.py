@@ -13,8 +13,8 @@ from typing import Any
 class EngineState:
     """A snapshot of the engine's memory and cache counters.
 
-    num_blocks_used / num_slots_used count everything held: by running sequences and by the prefix cache
-    (trie blocks, frozen tails, checkpoint slots). `checkpoint_saves` (by reason) and `checkpoint_evictions`
+    num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
+    frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences. `checkpoint_saves` (by reason) and `checkpoint_evictions`
     (by kind) are the cache's running totals since start; num_prefill_tokens counts prompt tokens computed.
     """
 

@@ -1,4 +1,4 @@
-"""copy_blocks / copy_slots against a plain Python reference: torch path, Triton kernel, launcher errors.
+"""copy_blocks against a plain Python reference: torch path, Triton kernel, launcher errors.
 
 The Triton kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is imported;
 so the `test_triton_interpreted_*` tests run in a child pytest process started by
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridcache.kernels.copy.block_copy import copy_blocks, copy_slots
+from hybridcache.kernels.copy.block_copy import copy_blocks
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -72,17 +72,6 @@ def check_copy_blocks(
     assert torch.equal(pool, expected)
 
 
-def check_copy_slots(impl: str, device: str = "cpu") -> None:
-    conv = random_pool((3, 10, 6, 3), torch.bfloat16, 1, device)  # [L, num_slots, conv_dim, conv_width]
-    ssm = random_pool((3, 10, 2, 4, 5), torch.float32, 2, device)  # [L, num_slots, Hv, Dk, Dv]
-    src_ids, dst_ids = [7, 7, 4], [0, 2, 9]
-    for pool in (conv, ssm):
-        expected = reference_copy(pool, src_ids, dst_ids, pages_per_block=1, page_dim=1)
-        copy_slots(pool, torch.tensor(src_ids), torch.tensor(dst_ids), impl=impl)
-        assert torch.equal(pool, expected)
-        assert torch.equal(pool[:, 0], pool[:, 7]) and torch.equal(pool[:, 9], pool[:, 4])
-
-
 # ---- torch path ---------------------------------------------------------------------------------------
 
 
@@ -120,10 +109,6 @@ def test_torch_copy_blocks_one_tile_when_workspace_is_large(monkeypatch: pytest.
     assert len(calls) == 1
 
 
-def test_torch_copy_slots_matches_reference() -> None:
-    check_copy_slots("torch")
-
-
 def test_auto_on_cpu_uses_torch_path() -> None:
     check_copy_blocks("auto", 2, torch.bfloat16, seed=5)
 
@@ -141,7 +126,7 @@ def test_empty_plan_is_a_no_op(impl: str) -> None:
     before = pool.clone()
     empty = torch.empty(0, dtype=torch.int64)
     copy_blocks(pool, empty, empty, pages_per_block=2, impl=impl)
-    copy_slots(pool.view(3, 2 * 8, -1), empty, empty, impl=impl)
+    copy_blocks(pool.view(3, 2 * 8, -1), empty, empty, pages_per_block=1, page_dim=1, impl=impl)
     assert torch.equal(pool, before)
 
 
@@ -184,8 +169,8 @@ def _pool() -> torch.Tensor:
         (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="cuda"), ValueError, "impl must"),
         (lambda: copy_blocks(_pool(), IDS, IDS + 2, pages_per_block=1, impl="torch", max_workspace_bytes=100),
          ValueError, "max_workspace_bytes"),
-        (lambda: copy_slots(torch.zeros(2, 4, 3), IDS, torch.tensor([0, 4])), ValueError,
-         r"dst_ids must lie in \[0, 4\)"),
+        (lambda: copy_blocks(torch.zeros(2, 4, 3), IDS, torch.tensor([0, 4]), pages_per_block=1, page_dim=1),
+         ValueError, r"dst_ids must lie in \[0, 4\)"),
     ],
     ids=[
         "pool-not-tensor", "pool-sparse", "pool-not-contiguous", "page-dim-too-large", "page-dim-negative",
@@ -235,11 +220,6 @@ def test_triton_interpreter_in_subprocess() -> None:
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
 def test_triton_interpreted_copy_blocks(pages_per_block: int, dtype: torch.dtype) -> None:
     check_copy_blocks("triton", pages_per_block, dtype, seed=10 + pages_per_block)
-
-
-@needs_interpreter
-def test_triton_interpreted_copy_slots() -> None:
-    check_copy_slots("triton")
 
 
 @needs_interpreter
@@ -313,12 +293,6 @@ def test_triton_interpreted_empty_plan() -> None:
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
 def test_cuda_copy_blocks_matches_reference(impl: str, pages_per_block: int, dtype: torch.dtype) -> None:
     check_copy_blocks(impl, pages_per_block, dtype, seed=20 + pages_per_block, device="cuda")
-
-
-@needs_cuda
-@pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_cuda_copy_slots_matches_reference(impl: str) -> None:
-    check_copy_slots(impl, device="cuda")
 
 
 @needs_cuda

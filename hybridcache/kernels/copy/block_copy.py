@@ -1,8 +1,8 @@
-"""Batched copies of logical KV blocks and state slots inside the device pools.
+"""Batched copies of logical KV blocks inside the device pool.
 
-The runner executes a step's `CopyPlan` (as `DeviceCopyOp`s) with these functions: `copy_blocks` for the KV pool
-(restore before the forward, save after it) and `copy_slots` for the conv and ssm state pools. Each call
-is one batched operation over all pairs and all layers: one Triton launch on CUDA, or a few bounded
+The runner executes a step's KV copy ops (`DeviceCopyOp`s of a `CopyPlan`) with `copy_blocks` (restore before
+the forward, save after it); checkpoint states are paged into the same blocks by `hybridcache.engine.paged_state`.
+Each call is one batched operation over all pairs and all layers: one Triton launch on CUDA, or a few bounded
 `index_select` / `index_copy_` calls with the torch path. Neither synchronises with the host when the ids
 are already on the pool's device.
 
@@ -72,28 +72,6 @@ def copy_blocks(
     pages 10, 11 onto pages 2, 3 and onto pages 6, 7 in every layer (see the module docstring).
     """
     geometry = check_copy_args(pool, src_ids, dst_ids, pages_per_block=pages_per_block, page_dim=page_dim)
-    _dispatch(pool, src_ids, dst_ids, geometry, impl=impl, max_workspace_bytes=max_workspace_bytes)
-
-
-def copy_slots(
-    pool: torch.Tensor,
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    *,
-    impl: str = "auto",
-    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
-) -> None:
-    """Copy state row `src_ids[i]` onto row `dst_ids[i]` in every layer of `pool`, in place, for every i.
-
-    pool    : [num_layers, num_slots, *state], contiguous, e.g. conv [L, num_slots, conv_dim, conv_width]
-              or ssm [L, num_slots, num_v_heads, k_head_dim, v_head_dim].
-    src_ids : [N] int32 or int64 slot ids; dst_ids: [N], same length.
-
-    Same contract as `copy_blocks` (unique destinations disjoint from the sources, repeated sources
-    allowed, nothing else changes, empty plan = no-op). Example: src_ids [7, 7], dst_ids [0, 2] sets
-    pool[l, 0] = pool[l, 2] = pool[l, 7] for every layer l.
-    """
-    geometry = check_copy_args(pool, src_ids, dst_ids, pages_per_block=1, page_dim=1)
     _dispatch(pool, src_ids, dst_ids, geometry, impl=impl, max_workspace_bytes=max_workspace_bytes)
 
 

@@ -1,4 +1,4 @@
-"""The Triton kernel behind `copy_blocks` / `copy_slots`: one launch copies every pair of a plan.
+"""The Triton kernel behind `copy_blocks`: one launch copies every pair of a plan.
 
 The pool is reinterpreted as a flat array of the widest integer "word" (8, 4, 2 or 1 bytes) that divides
 a page row and the pool's address, so any dtype is copied bit for bit. In words, a pool is
