@@ -34,17 +34,22 @@ GhostKey = tuple[str | None, int, Hashable]  # (adapter, anchor depth, anchor ha
 class Outcomes:
     uses: float = 0.0
     wastes: float = 0.0
+    tokens: float = 0.0  # prefill tokens the hits saved
 
     @property
     def total(self) -> float:
         return self.uses + self.wastes
 
-    def rate(self) -> float:
-        return (self.uses + 1.0) / (self.total + 2.0)
+    def mean(self) -> float:
+        return self.tokens / self.total if self.total else 0.0
+
+    def value(self, prior: float) -> float:
+        return (self.tokens + 2.0 * prior) / (self.total + 2.0)
 
     def halve(self) -> None:
         self.uses /= 2
         self.wastes /= 2
+        self.tokens /= 2
 
 
 @dataclass
@@ -61,15 +66,18 @@ class LearnedAdmission:
 
     def admit(self, reason: SaveReason, adapter: str | None) -> bool:
         kind = self.kinds.get((reason, adapter))
-        return kind is None or kind.rate() >= self.share * self.overall.rate()
+        prior = self.overall.mean()
+        return kind is None or kind.value(prior) >= self.share * prior
 
-    def _record(self, kind: Kind, used: bool, *, real: bool) -> None:
+    def _record(self, kind: Kind, used: bool, *, real: bool, tokens: int = 0) -> None:
         out = self.kinds.setdefault(kind, Outcomes())
+        out.tokens += tokens
         if used:
             out.uses += 1
         else:
             out.wastes += 1
         if real:
+            self.overall.tokens += tokens
             if used:
                 self.overall.uses += 1
             else:
@@ -79,9 +87,9 @@ class LearnedAdmission:
         if out.total >= self.window:
             out.halve()
 
-    def used(self, reason: SaveReason, adapter: str | None) -> None:
-        """A published checkpoint of this kind was hit for the first time."""
-        self._record((reason, adapter), True, real=True)
+    def used(self, reason: SaveReason, adapter: str | None, tokens: int) -> None:
+        """A published checkpoint of this kind was hit for the first time, saving `tokens`."""
+        self._record((reason, adapter), True, real=True, tokens=tokens)
 
     def wasted(self, reason: SaveReason, adapter: str | None) -> None:
         """A published checkpoint of this kind was released without a hit."""
@@ -113,7 +121,7 @@ class LearnedAdmission:
             keep = []
             for step, tail, kind in entries:
                 if got < step <= max_step and tuple(prompt[base:step]) == tail:
-                    self._record(kind, True, real=False)
+                    self._record(kind, True, real=False, tokens=step)
                     self.num_ghosts -= 1
                 else:
                     keep.append((step, tail, kind))

@@ -157,7 +157,7 @@ class PrefixCache:
             self._stats.num_hit_tokens += cached_len
             self._stats.hits_by_reason[ckpt.reason.value] += 1
             if self._learner is not None and not ckpt.was_hit:
-                self._learner.used(ckpt.reason, ckpt.adapter)
+                self._learner.used(ckpt.reason, ckpt.adapter, cached_len)
             ckpt.was_hit = True
             life.set_shadowed(ckpt, False)  # it serves more than its chain: not first to go any more
             if ckpt.reason.is_turn_end:
