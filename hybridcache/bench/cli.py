@@ -26,7 +26,7 @@ def register(subparsers) -> None:
     sim.add_argument("--num-requests", type=int, default=None)
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated, of none, block-aligned, seed, hybridcache, hybridcache+flop, "
-                     "hybridcache+learn, oracle, bounded-oracle; NAME:B runs a policy at block size B (e.g. "
+                     "hybridcache+all, oracle, bounded-oracle; NAME:B runs a policy at block size B (e.g. "
                      "block-aligned:528)")
     sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
     sim.add_argument("--model", default=None, help=f"the model whose config.json sizes the cache: {_MODEL_FORMS} "

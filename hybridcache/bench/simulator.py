@@ -22,8 +22,8 @@ Simplifications (documented in docs/bench.md):
 Policies (`parse_policies`): `none`; `block-aligned` (state only at block boundaries, one per anchor; a
 block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B); `seed` (exact prefill
 and chunk ends, one checkpoint per anchor, LRU); `hybridcache` (this project's defaults: chunk ends, branch
-points, finish, 4 per anchor, LRU; what the engine runs), `hybridcache+flop` (the same with FLOP-aware
-eviction), `hybridcache+learn` (learned admission); `oracle`
+points, finish, 4 per anchor, learned admission, LRU; what the engine runs), `hybridcache+flop` (the same
+with FLOP-aware eviction), `hybridcache+all` (the same admitting every save); `oracle`
 (unbounded memory and a state at every step: the longest prefix shared with any earlier request's fed
 tokens, up to the whole prompt (a state keeps its last hidden state), computed directly by `OracleIndex`;
 the other completions of a request hit all of its prompt); `bounded-oracle` (`BoundedOracleReplay`: the
@@ -51,10 +51,10 @@ from hybridcache.cache.request import common_prefix_len
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
-                "hybridcache+learn")
+                "hybridcache+all")
 DEFAULT_POLICIES = POLICY_NAMES[:-2]
 # the policies that run the `hybridcache` cache mode, with KV and states in one pool of blocks
-_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+learn")
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+all")
 GIB = 1 << 30
 
 
@@ -81,7 +81,7 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
             raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
         mode = "hybridcache" if base in _HYBRID_POLICIES else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
-        admission = "learned" if base == "hybridcache+learn" else None
+        admission = "all" if base == "hybridcache+all" else None
         specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
                                 one_budget=mode == "hybridcache"))
     if len({s.name for s in specs}) != len(specs):

@@ -1,21 +1,30 @@
 """`LearnedAdmission`: admit a kind of save (save reason x adapter) only while it pays for its bytes.
 
 Every published checkpoint ends in one outcome for its kind: a **use** (hit at least once before it is
-released) or a **waste** (released unhit: evicted, replaced, cleared). A declined save leaves a **ghost**
-(its prefix identity: adapter, anchor depth and hash, step, tail tokens) in a bounded table; a later
-admission that would have hit a ghost deeper than what it got counts a ghost use for the ghost's kind, and a
-ghost pushed out of the table unused counts a ghost waste. So a declined kind keeps being measured, and comes
-back when its saves would pay again.
+released; it counts the prefill tokens that first hit saved) or a **waste** (released unhit: evicted,
+replaced, cleared). A declined save leaves a **ghost** (its prefix identity: adapter, anchor depth and hash,
+step, tail tokens) in a bounded table; a later admission that would have hit a ghost deeper than what it
+got counts a ghost use for the ghost's kind (worth the ghost's step), and a ghost pushed out of the table
+unused counts a ghost waste. So a declined kind keeps being measured, and comes back when its saves would
+pay again.
 
-A kind pays when its use rate (Laplace-smoothed, over real and ghost outcomes) is at least `share` (1/2) of
-the use rate of all published checkpoints: a checkpoint that is hit less than half as often as the average
-one takes bytes from better ones. Counts halve whenever a kind's outcomes reach `window`, so the rates
-follow the workload (online).
+Every save of any kind costs the same bytes (a state: k blocks of the pool, plus at most one frozen block),
+so what a save is worth is the prefill tokens it saves. A kind's **value** is the tokens its checkpoints
+saved per outcome, over real and ghost outcomes, smoothed by two outcomes at the mean of all published
+checkpoints (`prior`). A kind is admitted while its value is at least `share` (1/2) of that mean (a save
+worth less than half the average one takes bytes from better ones), or at least `cheap_tokens`: the tokens
+of KV its bytes would hold otherwise (k x block size with paged states), so that a save that returns more
+than its bytes' worth of KV is kept even when other kinds return more. Counts halve whenever a kind's
+outcomes reach `window`, so the values follow the workload (online). Counting hits instead of tokens
+declines the wrong kind when the rare hits are the deep ones (a chat's turn ends under pressure: see the
+worked example); measured in docs/cache.md.
 
-Worked example (share 1/2): finish checkpoints 40 uses / 10 wastes, branch points 2 uses / 30 wastes, all
-checkpoints 42 / 40: overall rate (42 + 1) / (82 + 2) = 0.51; finish (41 / 52) = 0.79 is admitted, branch
-points (3 / 34) = 0.09 < 0.26 are declined (and ghosted). If ghosts of declined branch points later keep
-being hit, their rate climbs back above 0.26 and branch points are admitted again.
+Worked example (share 1/2, cheap_tokens 3,200: a state of 50 blocks of 64 tokens). Finish checkpoints:
+4 used, saving 2,000 tokens each, 96 wasted; branch points: 90 used, saving 16 tokens each, 10 wasted. Mean
+of all: (8,000 + 1,440) / 200 = 47.2 tokens per save. Finish: (8,000 + 2 x 47.2) / 102 = 79.4 >= 23.6,
+admitted; branch points: (1,440 + 94.4) / 102 = 15.0 < 23.6 (and < 3,200), declined, each decline a ghost.
+If the ghosts of declined branch points keep being hit, their value climbs back and they are admitted again.
+Counting hits alone, finish (5 / 102 = 0.05) would be declined and branch points (91 / 102) admitted.
 """
 
 from __future__ import annotations
@@ -41,9 +50,11 @@ class Outcomes:
         return self.uses + self.wastes
 
     def mean(self) -> float:
+        """Tokens saved per outcome (0 before any)."""
         return self.tokens / self.total if self.total else 0.0
 
     def value(self, prior: float) -> float:
+        """Tokens saved per outcome, smoothed by two outcomes worth `prior` each."""
         return (self.tokens + 2.0 * prior) / (self.total + 2.0)
 
     def halve(self) -> None:
@@ -54,11 +65,14 @@ class Outcomes:
 
 @dataclass
 class LearnedAdmission:
-    """See the module docstring. `capacity`: ghosts kept (about the number of checkpoint slots)."""
+    """See the module docstring. `capacity`: ghosts kept (about the number of checkpoints the pool holds);
+    `cheap_tokens`: a kind worth at least this many tokens per save is always admitted (inf: never by that
+    rule alone)."""
 
     capacity: int = 64
     share: float = 0.5
     window: float = 256.0
+    cheap_tokens: float = float("inf")
     kinds: dict[Kind, Outcomes] = field(default_factory=dict)
     overall: Outcomes = field(default_factory=Outcomes)
     ghosts: OrderedDict[GhostKey, list[tuple[int, tuple[int, ...], Kind]]] = field(default_factory=OrderedDict)
@@ -66,8 +80,11 @@ class LearnedAdmission:
 
     def admit(self, reason: SaveReason, adapter: str | None) -> bool:
         kind = self.kinds.get((reason, adapter))
+        if kind is None:
+            return True
         prior = self.overall.mean()
-        return kind is None or kind.value(prior) >= self.share * prior
+        value = kind.value(prior)
+        return value >= self.share * prior or value >= self.cheap_tokens
 
     def _record(self, kind: Kind, used: bool, *, real: bool, tokens: int = 0) -> None:
         out = self.kinds.setdefault(kind, Outcomes())

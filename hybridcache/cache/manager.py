@@ -60,7 +60,11 @@ class PrefixCache:
         self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
         self._admission = make_admission_policy(config)
         self._learner = (
-            LearnedAdmission(capacity=config.checkpoint_capacity) if config.admission == "learned" else None
+            LearnedAdmission(
+                capacity=config.checkpoint_capacity,
+                cheap_tokens=config.state_pages * config.block_size if config.state_pages else float("inf"),
+            )
+            if config.admission == "learned" else None
         )
         if self._learner is not None:
             learner = self._learner

@@ -40,8 +40,8 @@ class CheckpointPolicy:
     `saves_after_hit`: False models LMDeploy 0.18, whose chains stop growing after a partial hit (the blocks
     filled after a checkpoint restored into a partial block are not attached to its trie): a sequence that
     started from a hit at a step that is not a multiple of the block size saves nothing.
-    `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned' admits a save reason only
-    while its checkpoints pay for their bytes).
+    `admission`: the cache's admission policy (`CacheConfig.admission`; 'learned', hybridcache's, admits a
+    save reason only while its checkpoints pay for their bytes, `hybridcache.cache.admission`).
     """
 
     name: str
@@ -67,7 +67,7 @@ POLICIES: dict[str, CheckpointPolicy | None] = {
         "seed", finish=False, branch_point=False, max_checkpoints_per_anchor=1, full_prompt_hits=False,
         share_in_flight=False, saves_after_hit=False,
     ),
-    "hybridcache": CheckpointPolicy("hybridcache"),
+    "hybridcache": CheckpointPolicy("hybridcache", admission="learned"),
 }
 
 
