@@ -14,8 +14,9 @@ class EngineState:
     """A snapshot of the engine's memory and cache counters.
 
     num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
-    frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences. `checkpoint_saves` (by reason) and `checkpoint_evictions`
-    (by kind) are the cache's running totals since start; num_prefill_tokens counts prompt tokens computed.
+    frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences.
+    `checkpoint_saves` (by reason) and `checkpoint_evictions` (by kind) are the cache's running totals since
+    start; num_prefill_tokens counts prompt tokens computed.
     """
 
     num_blocks: int = 0
