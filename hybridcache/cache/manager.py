@@ -238,7 +238,10 @@ class PrefixCache:
 
         The admission point: the policy (policy.py) sees the reason and, when it asks for one (`needs_key`)
         and `key_needed`, the identity of the prompt prefix [0, step) (finish/preempt pass no key). With
-        `admission='learned'` the learner decides per reason and adapter, and remembers what it declines.
+        `admission='learned'` the learner decides per reason and adapter, and remembers what it declines, but
+        only when the save would displace something: a save that fits in free memory is always made (on a
+        server with room to spare, traffic that never reuses its finish checkpoints must not cost an agent
+        its next turn's hit).
         """
         request = seq.request
         if not request.is_safe(step):
@@ -248,12 +251,21 @@ class PrefixCache:
         key = self._prefix_key(request, step) if key_needed and self._admission.needs_key else None
         if not self._admission.admit(reason, key):
             return DeclineCause.POLICY
-        if self._learner is not None and not self._learner.admit(reason, request.adapter):
+        learner = self._learner
+        if learner is not None and not self._fits_free_memory() and not learner.admit(reason, request.adapter):
             ghost = self._ghost(seq, step)
             if ghost is not None:
-                self._learner.declined(reason, request.adapter, *ghost)
+                learner.declined(reason, request.adapter, *ghost)
             return DeclineCause.POLICY
         return None
+
+    def _fits_free_memory(self) -> bool:
+        """Whether one more checkpoint fits without evicting: k free pages and a frozen block (two pools: a
+        free slot and a free block)."""
+        free = self._life.blocks.num_free
+        if self.config.paged:
+            return free > self.config.state_pages
+        return free > 0 and self._life.slots.num_free > 0
 
     def _ghost(self, seq: RunningSeq, step: int) -> tuple[tuple, int, tuple[int, ...]] | None:
         """(ghost key, step, tail tokens) of a save at `step` (None past the prompt before its blocks are in
