@@ -79,3 +79,28 @@ def test_the_cache_learns_from_hits_and_evictions():
     cache.clear()  # the unhit prefill-end checkpoints are released unhit
     assert learner.kinds[(SaveReason.PREFILL_END, None)].wastes >= 1
     cache.check_integrity()
+
+
+def test_a_save_that_fits_in_free_memory_is_always_made():
+    """The learner decides only when a save would displace something: with k + 1 free blocks a kind it declines
+    is still saved; once the pool is nearly full (another sequence holds it) the same kind is declined."""
+    from hybridcache.cache.admission import Outcomes
+    from tests.cache.conftest import make_driver, tokens
+
+    driver = make_driver(block_size=4, num_blocks=16, num_slots=2, state_pages=2, admission="learned")
+    cache = driver.cache
+    learner = cache._learner
+    learner.overall = Outcomes(uses=10, wastes=10, tokens=1000)
+    for reason in (SaveReason.CHUNK_END, SaveReason.PREFILL_END):
+        learner.kinds[(reason, None)] = Outcomes(wastes=100)
+        assert not learner.admit(reason, None)
+    prompt = tokens(10, seed=1)
+    driver.admit(CacheRequest("a", prompt))
+    driver.step("a", prompt[:6], [("chunk_end",)])  # 2 blocks, then 2 pages + a frozen block: 14 were free
+    assert cache.stats.saves_by_reason["chunk_end"] == 1 and cache.stats.num_blocks_used == 5
+    other = tokens(36, seed=2)
+    driver.admit(CacheRequest("b", other))
+    driver.step("b", other)  # 9 blocks: 2 left, and a's next step takes one of them
+    driver.step("a", prompt[6:], [("prefill_end",)])
+    assert "prefill_end" not in cache.stats.saves_by_reason
+    assert cache.stats.declined_saves == {"policy": 1}
