@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
         [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
+        [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -282,6 +284,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", *DTYPES],
                         help="the DeltaNet recurrent state's dtype (auto: float32 here; the models name none)")
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="the pool's blocks (KV and checkpoint states; default: the memory budget's rest)")
+    parser.add_argument("--cache-mode", default="hybridcache", help="hybridcache, seed, block-aligned or none")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -297,6 +302,8 @@ def main() -> None:
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
+    suffix += "" if args.cache_mode == "hybridcache" else f"_{args.cache_mode}"
+    suffix += "" if args.num_blocks is None else f"_blocks-{args.num_blocks}"
     out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
@@ -307,7 +314,7 @@ def main() -> None:
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                   async_scheduling=args.async_scheduling)
+                   async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode)
     start = time.perf_counter()
     llm = None
     try:
@@ -334,12 +341,15 @@ def main() -> None:
     for index, phase in enumerate(phases):
         key = phase if phase not in phases[:index] else f"{phase}#{phases[:index + 1].count(phase)}"
         compiles.label = key
+        before = cache_counts(llm)
         try:
             result["phases"][key] = runners[phase](llm, rng)
         except Exception as error:  # one broken phase must not cost the others' figures
             traceback.print_exc()
             result.setdefault("errors", {})[key] = repr(error)
             continue
+        result["phases"][key]["cache"] = {name: dict(counts - before[name])
+                                          for name, counts in cache_counts(llm).items()}
         if key in compiles.by_label:
             result["phases"][key]["kernels_compiled"] = compiles.by_label[key]
             print(f"{key}: Triton compiled {len(compiles.by_label[key])} kernels: {compiles.by_label[key]}")
@@ -351,6 +361,12 @@ def main() -> None:
         result["graph_check"] = check_graphs(llm, args.check_tokens)
         print(f"graph check: {result['graph_check']}", flush=True)
         out_path.write_text(json.dumps(result, indent=1))
+
+
+def cache_counts(llm: LLM) -> dict[str, Counter]:
+    """The prefix cache's running counters that tell what a phase did under memory pressure."""
+    cache = llm.engine.stats()["cache"]
+    return {name: Counter(getattr(cache, name)) for name in ("saves_by_reason", "declined_saves", "evictions_by_kind")}
 
 
 def print_row(phase: str, r: dict) -> None:
