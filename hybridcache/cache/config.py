@@ -31,8 +31,9 @@ class CacheConfig:
     flop_aware_alpha           the alpha of 'flop_aware'.
     admission                  'all' (admit every save) or 'repeat_branch' (a branch point is saved only
                                the second time the same prefix is seen as a branch point) or 'learned'
-                               (a save reason is admitted per adapter only while its checkpoints are hit
-                               often enough to pay for their bytes; admission.py).
+                               (when a save would evict something, a save reason is admitted per adapter
+                               only while its checkpoints save enough prefill tokens for their bytes;
+                               admission.py; the engine's `hybridcache` mode uses it).
     full_prompt_hits           checkpoints hold the last position's final hidden state (the device keeps it
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
