@@ -48,6 +48,7 @@ from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
 from hybridcache.cache.request import common_prefix_len
+from hybridcache.engine.memory import state_pages
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
@@ -68,7 +69,11 @@ class PolicySpec:
     block_size: int
     eviction: str = "lru"
     admission: str | None = None  # the cache's admission policy; None: the mode's
-    one_budget: bool = False  # KV blocks and checkpoint states share one pool (`CacheConfig.state_pages`)
+
+    @property
+    def one_budget(self) -> bool:
+        """KV blocks and checkpoint states share one pool (`CacheConfig.state_pages`), as in the engine."""
+        return self.mode == "hybridcache"
 
 
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
@@ -82,8 +87,7 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         mode = "hybridcache" if base in _HYBRID_POLICIES else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "all" if base == "hybridcache+all" else None
-        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission,
-                                one_budget=mode == "hybridcache"))
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
     return specs
@@ -296,7 +300,7 @@ class CacheReplay:
         if spec.one_budget:  # paged, as the engine: the budget in blocks, k of them per checkpoint state
             block_bytes = cost.block_bytes(spec.block_size)
             self.num_blocks = max(1, int(config.memory_bytes // block_bytes))
-            self.state_pages = max(1, -(-int(cost.state_bytes) // int(block_bytes)))
+            self.state_pages = state_pages(int(cost.state_bytes), int(block_bytes))
             num_ckpt_slots = 0  # the running sequences' runtime slots only
         else:
             self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
@@ -476,10 +480,9 @@ class BeladyPolicy:
     future (never again first), weighing bytes: the largest (distance to the next use) x (bytes held).
     `now` is the index of the request being replayed (set by `BoundedOracleReplay`)."""
 
-    def __init__(self, future: FutureIndex, cost: ModelCost, block_size: int) -> None:
+    def __init__(self, future: FutureIndex, block_bytes: float, state_bytes: float) -> None:
         self.future, self.now = future, 0
-        self.block_bytes = cost.block_bytes(block_size)
-        self.state_bytes = cost.state_bytes
+        self.block_bytes, self.state_bytes = block_bytes, state_bytes
         self._memo: dict[tuple, int | None] = {}
         self._memo_now = -1
 
@@ -533,8 +536,8 @@ class BoundedOracleReplay(CacheReplay):
 
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.future = FutureIndex(requests, self.block_size)
-        self.belady = BeladyPolicy(self.future, self.cost, self.block_size)
-        self.belady.state_bytes = self.cache._life.state_bytes  # paged: k pages
+        life = self.cache._life
+        self.belady = BeladyPolicy(self.future, life.block_bytes, life.state_bytes)  # paged: a state is k pages
         self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:

@@ -199,4 +199,3 @@ def _check_pools(life: Lifecycle, holders: Counter[int], slot_owners: dict[int, 
     free_slots = slots.free_ids()
     if sorted(free_slots) != [s for s in range(slots.num_slots) if s not in slot_owners]:
         _fail(f"free slot list {sorted(free_slots)} is not the set of slots without holders")
-

@@ -170,13 +170,8 @@ class Lifecycle:
         """
         if anchor.depth != ckpt.step // self.block_size or len(tail_ids) != ckpt.step % self.block_size:
             raise AssertionError(f"{ckpt} does not fit anchor {anchor} with a tail of {len(tail_ids)}")
-        tail_hash = self.trie.hash_fn(anchor.hash, tail_ids, tail_spans)
-        key = (ckpt.step, tail_hash)
-        other = self.identical(anchor, ckpt.step, tail_ids, tail_spans)
-        if other is not None:
-            if other.routed_experts is None:
-                other.routed_experts = ckpt.routed_experts
-            self.touch_checkpoint(other, self.tick())
+        key = self.checkpoint_key(anchor, ckpt.step, tail_ids, tail_spans)
+        if self.absorb_duplicate(anchor, key, tail_ids, tail_spans, ckpt.routed_experts):
             self._discard(ckpt, DeclineCause.DUPLICATE)
             return False
         if anchor.num_checkpoints() >= self.config.max_checkpoints_per_anchor:
@@ -185,7 +180,7 @@ class Lifecycle:
                 self._discard(ckpt, DeclineCause.ANCHOR_FULL)
                 return False
             self.evict(victim)
-        ckpt.tail_ids, ckpt.tail_spans, ckpt.tail_hash = tail_ids, tail_spans, tail_hash
+        ckpt.tail_ids, ckpt.tail_spans, ckpt.tail_hash = tail_ids, tail_spans, key[1]
         ckpt.anchor = anchor
         ckpt.state = CheckpointState.PUBLISHED
         ckpt.last_access = self.tick()
@@ -194,13 +189,22 @@ class Lifecycle:
         self.stats.saves_by_reason[ckpt.reason.value] += 1
         return True
 
-    def identical(self, anchor: Node, step: int, tail_ids: tuple[int, ...], tail_spans: tuple) -> Checkpoint | None:
-        """The published checkpoint on `anchor` at `step` with exactly this tail, if any."""
-        key = (step, self.trie.hash_fn(anchor.hash, tail_ids, tail_spans))
+    def checkpoint_key(self, anchor: Node, step: int, tail_ids: tuple[int, ...], tail_spans: tuple) -> tuple:
+        """The index key of a checkpoint at `step` on `anchor` with this tail: (step, tail hash)."""
+        return step, self.trie.hash_fn(anchor.hash, tail_ids, tail_spans)
+
+    def absorb_duplicate(
+        self, anchor: Node, key: tuple, tail_ids: tuple[int, ...], tail_spans: tuple, routed_experts: Any,
+    ) -> bool:
+        """Whether a published checkpoint on `anchor` has index `key` (`checkpoint_key`) and exactly this tail;
+        if so it is touched and takes `routed_experts` when it had none (a new save there would duplicate it)."""
         for other in anchor.checkpoints.get(key, ()):
             if other.tail_ids == tail_ids and other.tail_spans == tail_spans:
-                return other
-        return None
+                if other.routed_experts is None:
+                    other.routed_experts = routed_experts
+                self.touch_checkpoint(other, self.tick())
+                return True
+        return False
 
     def _discard(self, ckpt: Checkpoint, cause: DeclineCause) -> None:
         ckpt.num_pins = 0

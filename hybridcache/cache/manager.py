@@ -149,12 +149,9 @@ class PrefixCache:
             if partial:
                 seq.block_ids.extend(life.take_blocks(1))
                 seq.restore_copies.append((CopyKind.KV_RESTORE, ckpt.frozen_block, seq.block_ids[-1]))
-            if self.config.paged:
-                seq.restore_copies.extend(
-                    (CopyKind.STATE_RESTORE, page, chunk) for page, chunk in zip(ckpt.pages, self._chunks(seq.slot))
-                )
-            else:
-                seq.restore_copies.append((CopyKind.STATE_RESTORE, ckpt.slot, seq.slot))
+            seq.restore_copies.extend(
+                (CopyKind.STATE_RESTORE, saved, runtime) for runtime, saved in self._state_pairs(seq.slot, ckpt)
+            )
             seq.restore = ckpt
             seq.token_ids = list(request.prompt_ids[:cached_len])
             self._stats.num_hits += 1
@@ -307,7 +304,7 @@ class PrefixCache:
         builder = PlanBuilder(paged_states=self.config.paged)
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
-                for chunk, page in zip(self._chunks(slot), ckpt.pages):
+                for chunk, page in self._state_pairs(slot, ckpt):
                     builder.add(CopyKind.STATE_FINISH, chunk, page)
         self._finish_saves = []
         for seq in self._seqs.values():
@@ -398,21 +395,21 @@ class PrefixCache:
         base = q * self.block_size
         return anchor, tuple(seq.token_ids[base:step]), seq.request.spans_in(base, step)
 
-    def _chunks(self, slot: int) -> range:
-        """Paged: the k chunk ids of runtime slot `slot` (plan.py), in order."""
-        k = self.config.state_pages or 0
-        return range(slot * k, slot * k + k)
+    def _state_pairs(self, slot: int, ckpt: Checkpoint) -> list[tuple[int, int]]:
+        """(runtime id, checkpoint id) pairs of a state copy between runtime slot `slot` and `ckpt`: paged, the
+        slot's k chunks `slot * k + j` and the checkpoint's pages, in order (plan.py); else the two slots."""
+        k = self.config.state_pages
+        if k is None:
+            return [(slot, ckpt.slot)]
+        return list(zip(range(slot * k, slot * k + k), ckpt.pages))
 
     def _publish_save(self, seq: RunningSeq, ckpt: Checkpoint, builder: PlanBuilder) -> bool:
         anchor, tail, spans = self._anchor_and_tail(seq, ckpt.step)
         if not self._life.publish(ckpt, anchor, tail, spans):
             return False
         self._shadow_source(seq)
-        if self.config.paged:
-            for chunk, page in zip(self._chunks(seq.slot), ckpt.pages):
-                builder.add(CopyKind.STATE_SAVE, chunk, page)
-        else:
-            builder.add(CopyKind.STATE_SAVE, seq.slot, ckpt.slot)
+        for runtime, saved in self._state_pairs(seq.slot, ckpt):
+            builder.add(CopyKind.STATE_SAVE, runtime, saved)
         if ckpt.frozen_block is not None:
             builder.add(CopyKind.KV_SAVE, seq.block_ids[ckpt.step // self.block_size], ckpt.frozen_block)
         if ckpt.reason is SaveReason.DECODE_INTERVAL:
@@ -489,11 +486,8 @@ class PrefixCache:
         ckpt = None
         if keep and step > 0 and life.paged:  # a duplicate would take k pages (and evict) only to be discarded
             anchor, tail, spans = self._anchor_and_tail(seq, step)
-            other = life.identical(anchor, step, tail, spans)
-            if other is not None:
-                if other.routed_experts is None:
-                    other.routed_experts = routed_experts
-                life.touch_checkpoint(other, life.tick())
+            key = life.checkpoint_key(anchor, step, tail, spans)
+            if life.absorb_duplicate(anchor, key, tail, spans, routed_experts):
                 self._stats.declined(DeclineCause.DUPLICATE)
                 keep = False
         if keep and step > 0:

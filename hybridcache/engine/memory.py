@@ -79,10 +79,9 @@ class MemoryPlan:
         """A plan of given counts (the CPU path): a pool of num_blocks blocks; the budget is exactly what it and
         the runtime slots take."""
         k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
-        blocks = num_blocks
-        kv = blocks * (kv_bytes_per_block or state_bytes_per_slot)
+        kv = num_blocks * (kv_bytes_per_block or state_bytes_per_slot)
         state = num_runtime_slots * state_bytes_per_slot
-        return cls(kv + state, blocks, num_runtime_slots, k, kv, state)
+        return cls(kv + state, num_blocks, num_runtime_slots, k, kv, state)
 
     def describe(self) -> str:
         """One line, e.g. 'pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50
