@@ -31,6 +31,7 @@ from hybridcache.bench.simulator import (
     SimConfig,
     _cyclic_gc_paused,
     cache_requests_of,
+    make_replay,
     parse_policies,
 )
 from hybridcache.bench.workloads import load_workload
@@ -108,8 +109,7 @@ def diagnose(requests: list[SimRequest], config: SimConfig, policies: str = "hyb
     for spec in specs:
         if spec.mode != "hybridcache":
             raise ValueError(f"diagnose needs policies that run the real cache, got {spec.name!r}")
-        cls = BoundedOracleReplay if spec.name.startswith("bounded-oracle") else CacheReplay
-        replay = cls(spec, cost, config, requests[0].n)
+        replay = make_replay(spec, cost, config, requests[0].n)
         if isinstance(replay, BoundedOracleReplay):
             replay.prepare(requests)
         replays.append(replay)
@@ -210,6 +210,8 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, default=1.0)
     parser.add_argument("--policies", default="hybridcache,bounded-oracle",
                         help="two policies: the one diagnosed, then the yardstick")
+    parser.add_argument("--model", default=None, help="model folder for the cost model and the tokenizer "
+                        "(default: the built-in model)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--reuse", action="store_true", help="only the reuse distances of a Mooncake trace")
     args = parser.parse_args()
@@ -217,8 +219,10 @@ def main() -> None:
         print(json.dumps(mooncake_reuse(args.trace, args.num_requests), indent=1))
         return
 
-    requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests))
-    report = {"workload": args.workload, **diagnose(requests, SimConfig(int(args.memory_gib * GIB)), args.policies)}
+    requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests,
+                                  model_dir=args.model))
+    report = {"workload": args.workload, **diagnose(requests, SimConfig(int(args.memory_gib * GIB)), args.policies,
+                                                    load_model_cost(args.model))}
     text = json.dumps(report, indent=1)
     print(text)
     if args.json:

@@ -26,8 +26,8 @@ def register(subparsers) -> None:
     sim.add_argument("--num-requests", type=int, default=None)
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated, of none, block-aligned, seed, hybridcache, hybridcache+flop, "
-                     "hybridcache+all, oracle, bounded-oracle; NAME:B runs a policy at block size B (e.g. "
-                     "block-aligned:528)")
+                     "hybridcache+all, oracle, bounded-oracle, reuse-oracle; NAME:B runs a policy at block size B "
+                     "(e.g. block-aligned:528)")
     sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
     sim.add_argument("--model", default=None, help=f"the model whose config.json sizes the cache: {_MODEL_FORMS} "
                      "(default: built-in)")
@@ -38,8 +38,8 @@ def register(subparsers) -> None:
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
                      help="block-aligned and seed (engines with a separate state pool): the budget holds one "
-                          "checkpoint slot per this many KV tokens; the hybridcache policies and bounded-oracle keep "
-                          "checkpoint states in KV blocks, as the engine does")
+                          "checkpoint slot per this many KV tokens; the hybridcache policies and the bounded oracles "
+                          "keep checkpoint states in KV blocks, as the engine does")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")

@@ -52,10 +52,11 @@ from hybridcache.engine.memory import state_pages
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 
 POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
-                "hybridcache+all")
-DEFAULT_POLICIES = POLICY_NAMES[:-2]
+                "hybridcache+all", "reuse-oracle")
+DEFAULT_POLICIES = POLICY_NAMES[:-3]
 # the policies that run the `hybridcache` cache mode, with KV and states in one pool of blocks
-_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+all")
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+all", "reuse-oracle")
+_FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
 GIB = 1 << 30
 
 
@@ -478,11 +479,16 @@ class FutureIndex:
 class BeladyPolicy:
     """Eviction with knowledge of the future (the `bounded-oracle`): evict what is needed furthest in the
     future (never again first), weighing bytes: the largest (distance to the next use) x (bytes held).
-    `now` is the index of the request being replayed (set by `BoundedOracleReplay`)."""
+    `now` is the index of the request being replayed (set by `BoundedOracleReplay`).
 
-    def __init__(self, future: FutureIndex, block_bytes: float, state_bytes: float) -> None:
+    `timing=False` (the `reuse-oracle`) knows *whether* an item is used again but not *when*: never-used
+    items first (by bytes), then the least recently used, as `hybridcache`'s LRU. What separates it from
+    the bounded oracle is the foresight of when chains return."""
+
+    def __init__(self, future: FutureIndex, block_bytes: float, state_bytes: float, timing: bool = True) -> None:
         self.future, self.now = future, 0
         self.block_bytes, self.state_bytes = block_bytes, state_bytes
+        self.timing = timing
         self._memo: dict[tuple, int | None] = {}
         self._memo_now = -1
 
@@ -494,29 +500,35 @@ class BeladyPolicy:
         j = self._memo[key]
         return float("inf") if j is None else float(j - self.now)
 
-    def _ckpt_key(self, ckpt) -> tuple[float, float]:
-        held = self.state_bytes + (self.block_bytes if ckpt.frozen_block is not None else 0)
-        return self._next(("c", ckpt.ckpt_id), ckpt.anchor, ckpt.tail_ids), held
+    def _held(self, ckpt) -> float:
+        return self.state_bytes + (self.block_bytes if ckpt.frozen_block is not None else 0)
+
+    def _ckpt_score(self, ckpt) -> tuple:
+        distance = self._next(("c", ckpt.ckpt_id), ckpt.anchor, ckpt.tail_ids)
+        return self._score(distance, self._held(ckpt), ckpt.last_access, False)
+
+    def _leaf_score(self, node) -> tuple:
+        held = self.block_bytes + sum(self._held(c) for c in node.iter_checkpoints())
+        distance = self._next(("n", node.block_id, node.hash), node, ())
+        recency = max([node.last_access, *(c.last_access for c in node.iter_checkpoints())])
+        return self._score(distance, held, recency, True)
+
+    def _score(self, distance: float, held: float, last_access: int, leaf: bool) -> tuple:
+        """Larger is evicted first: never needed again (by bytes), then distance x bytes (`timing`) or, as
+        `hybridcache` orders them, leaves before checkpoints, the least recently used first."""
+        if distance == float("inf"):
+            return (1, held, 0.0)
+        return (0, 0, distance * held) if self.timing else (0, int(leaf), -last_access)
 
     def pick_checkpoint(self, candidates):
-        return max(candidates, key=lambda c: _belady_score(*self._ckpt_key(c)) + (-c.ckpt_id,))
+        return max(candidates, key=lambda c: self._ckpt_score(c) + (-c.ckpt_id,))
 
     def prefer_checkpoint(self, ckpt, leaf) -> bool:
-        """Under one budget in bytes: whether `ckpt` goes before `leaf` (the larger Belady score)."""
-        held = self.block_bytes + sum(self._ckpt_key(c)[1] for c in leaf.iter_checkpoints())
-        leaf_score = _belady_score(self._next(("n", leaf.block_id, leaf.hash), leaf, ()), held)
-        return _belady_score(*self._ckpt_key(ckpt)) > leaf_score
+        """Under one budget in bytes: whether `ckpt` goes before `leaf` (the larger score)."""
+        return self._ckpt_score(ckpt) > self._leaf_score(leaf)
 
     def pick_leaf(self, candidates):
-        def key(node):
-            held = self.block_bytes + sum(self._ckpt_key(c)[1] for c in node.iter_checkpoints())
-            return _belady_score(self._next(("n", node.block_id, node.hash), node, ()), held) + (-node.block_id,)
-        return max(candidates, key=key)
-
-
-def _belady_score(distance: float, held: float) -> tuple:
-    """Larger is evicted first: never needed again (by bytes), then distance x bytes."""
-    return (1, held, 0.0) if distance == float("inf") else (0, 0, distance * held)
+        return max(candidates, key=lambda n: self._leaf_score(n) + (-n.block_id,))
 
 
 class BoundedOracleReplay(CacheReplay):
@@ -537,7 +549,8 @@ class BoundedOracleReplay(CacheReplay):
     def prepare(self, requests: Sequence[SimRequest]) -> None:
         self.future = FutureIndex(requests, self.block_size)
         life = self.cache._life
-        self.belady = BeladyPolicy(self.future, life.block_bytes, life.state_bytes)  # paged: a state is k pages
+        self.belady = BeladyPolicy(self.future, life.block_bytes, life.state_bytes,  # paged: a state is k pages
+                                   timing=not self.spec.name.startswith("reuse-oracle"))
         self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
@@ -599,7 +612,7 @@ def make_replay(spec: PolicySpec, cost: ModelCost, config: SimConfig, max_runnin
         return NoCacheReplay(spec, cost)
     if spec.mode == "oracle":
         return OracleReplay(spec, cost)
-    if spec.name.startswith("bounded-oracle"):
+    if spec.name.partition(":")[0] in _FUTURE_POLICIES:
         return BoundedOracleReplay(spec, cost, config, max_running)
     return CacheReplay(spec, cost, config, max_running)
 

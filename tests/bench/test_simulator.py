@@ -217,3 +217,29 @@ def test_hybridcache_policies_hold_kv_and_states_in_one_budget():
         assert (r.num_blocks, r.num_slots) == (memory // 64, 1)
         assert 0 < r.bytes_peak <= memory, (name, r.bytes_peak)
         assert r.evictions > 0 and r.hit_tokens > 0
+
+
+def _chain(name: str, start: int, length: int) -> tuple[SimRequest, SimRequest]:
+    """A conversation of two calls: a `length`-token prompt, then the same with its reply (start + 50) and
+    two more tokens. The second call restores the first's finish checkpoint, at `length` + 1."""
+    prompt = tuple(range(start, start + length))
+    return (SimRequest(f"{name}1", prompt, (start + 50, start + 51)),
+            SimRequest(f"{name}2", prompt + (start + 50, start + 60, start + 61), (start + 70,)))
+
+
+def test_reuse_oracle_knows_which_chains_return_but_not_when():
+    # Three conversations; 28 blocks of B = 4 hold two finished chains besides the running sequence. When c1
+    # finishes, a (used next, at request 3) or b (request 4) must go. The bounded oracle evicts b, the one
+    # needed furthest ahead: a2 hits 13 tokens and c2 9. The reuse oracle knows both return but not when
+    # and evicts the least recently used, a: b2 hits 9, c2 9. Both save only what is used again.
+    a1, a2 = _chain("a", 100, 12)
+    b1, b2 = _chain("b", 200, 8)
+    c1, c2 = _chain("c", 300, 8)
+    results = _run([a1, b1, c1, a2, b2, c2], "bounded-oracle,reuse-oracle", memory=28 * 4 * 16)
+    assert results["bounded-oracle"].hit_tokens == 13 + 9
+    assert results["reuse-oracle"].hit_tokens == 9 + 9
+    for r in results.values():
+        assert r.hits_by_reason == {"finish": 2}
+    # with room for all three chains the two oracles agree: every second call hits
+    roomy = _run([a1, b1, c1, a2, b2, c2], "bounded-oracle,reuse-oracle", memory=40 * 4 * 16)
+    assert roomy["bounded-oracle"].hit_tokens == roomy["reuse-oracle"].hit_tokens == 13 + 9 + 9
