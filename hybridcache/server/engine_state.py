@@ -15,8 +15,10 @@ class EngineState:
 
     num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
     frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences.
-    `checkpoint_saves` (by reason) and `checkpoint_evictions` (by kind) are the cache's running totals since
-    start; num_prefill_tokens counts prompt tokens computed.
+    `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
+    `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
+    `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
+    prompt tokens computed.
     """
 
     num_blocks: int = 0
@@ -30,6 +32,8 @@ class EngineState:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     checkpoint_saves: dict[str, int] = field(default_factory=dict)
+    checkpoint_hits: dict[str, int] = field(default_factory=dict)
+    declined_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -52,6 +56,8 @@ def read_engine_state(engine: Any) -> EngineState:
         num_preemptions=stats.get("num_preemptions", 0),
         num_prefill_tokens=stats.get("num_prefill_tokens", 0),
         checkpoint_saves=dict(getattr(cache, "saves_by_reason", {}) or {}),
+        checkpoint_hits=dict(getattr(cache, "hits_by_reason", {}) or {}),
+        declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
     )
 

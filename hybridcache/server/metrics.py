@@ -16,6 +16,11 @@ show several servers. Request-level metrics are recorded by the engine thread as
 Engine-level metrics are read from the latest `EngineState` snapshot at scrape time:
 
     hybridcache_checkpoint_saves_total{reason}      published state checkpoints, by save reason
+    hybridcache_checkpoint_hits_total{reason}       prefix-cache hits, by the save reason of the checkpoint
+                                                    restored (finish: a conversation's previous turn, ...)
+    hybridcache_checkpoint_saves_declined_total{cause}  saves not made, by cause: policy (learned admission
+                                                    declined it: the pool was full and its kind pays too
+                                                    little), no_room, duplicate, anchor_full, ...
     hybridcache_checkpoint_evictions_total{kind}    evictions, by kind
     hybridcache_kv_blocks_used / _total, hybridcache_state_slots_used / _total (cache contents included)
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
@@ -95,16 +100,14 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         state = self._engine_state()
         model = self._model_name
-        saves = CounterMetricFamily("hybridcache_checkpoint_saves", "Published state checkpoints, by reason",
-                                    labels=["model_name", "reason"])
-        for reason, count in sorted(state.checkpoint_saves.items()):
-            saves.add_metric([model, str(reason)], count)
-        yield saves
-        evictions = CounterMetricFamily("hybridcache_checkpoint_evictions", "Cache evictions, by kind",
-                                        labels=["model_name", "kind"])
-        for kind, count in sorted(state.checkpoint_evictions.items()):
-            evictions.add_metric([model, str(kind)], count)
-        yield evictions
+        yield _by_label("hybridcache_checkpoint_saves", "Published state checkpoints, by reason", "reason",
+                        state.checkpoint_saves, model)
+        yield _by_label("hybridcache_checkpoint_hits", "Prefix-cache hits, by the reason of the checkpoint restored",
+                        "reason", state.checkpoint_hits, model)
+        yield _by_label("hybridcache_checkpoint_saves_declined", "Checkpoint saves not made, by cause", "cause",
+                        state.declined_saves, model)
+        yield _by_label("hybridcache_checkpoint_evictions", "Cache evictions, by kind", "kind",
+                        state.checkpoint_evictions, model)
         preemptions = CounterMetricFamily("hybridcache_preemptions", "Preempted sequences", labels=["model_name"])
         preemptions.add_metric([model], state.num_preemptions)
         yield preemptions
@@ -127,6 +130,14 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+
+
+def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:
+    """A counter family with one sample per key of `counts` (label `label`), sorted by key."""
+    family = CounterMetricFamily(name, documentation, labels=["model_name", label])
+    for key, count in sorted(counts.items()):
+        family.add_metric([model, str(key)], count)
+    return family
 
 
 def usage_percent(used: int, total: int) -> float:

@@ -11,6 +11,7 @@ import pytest
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
+from hybridcache.server.engine_state import read_engine_state
 
 from .model_folders import write_tiny_model
 
@@ -141,6 +142,14 @@ def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
     stats = tight.stats()
     assert stats["num_preemptions"] > 0
     assert sum(stats["cache"].evictions_by_kind.values()) > 0
+    # the server's snapshot (/metrics, /health) carries the cache's counters as they are
+    state = read_engine_state(tight)
+    cache = stats["cache"]
+    assert (state.checkpoint_saves, state.checkpoint_hits, state.declined_saves, state.checkpoint_evictions) == (
+        cache.saves_by_reason, cache.hits_by_reason, cache.declined_saves, cache.evictions_by_kind)
+    # every request that reports cached tokens restored a checkpoint; the n = 2 request's completions and a
+    # preempted sequence's re-admission restore one each
+    assert sum(state.checkpoint_hits.values()) >= sum(o.cached_tokens > 0 for o in out_tight.values()) > 0
     tight.clear_cache()
     tight.check_integrity()
     assert tight.stats()["num_blocks_used"] == 0 and tight.stats()["num_slots_used"] == 0

@@ -135,13 +135,17 @@ def test_metrics_hit_tokens_move_by_exactly_the_reported_cached_tokens(client, s
 
     before = scrape()
     base = "A shared document that several requests start with, long enough to span blocks. " * 2
-    reported_cached, reported_prompt = 0, 0
+    reported_cached, reported_prompt, requests_hit = 0, 0, 0
     for suffix in ("", " First question?", " Second question, longer than the first?", " First question?"):
         r = client.completions.create(model=MODEL, prompt=base + suffix, max_tokens=4, temperature=0)
         reported_cached += r.usage.prompt_tokens_details.cached_tokens
         reported_prompt += r.usage.prompt_tokens
+        requests_hit += r.usage.prompt_tokens_details.cached_tokens > 0
     after = scrape()
     assert reported_cached > 0
+    # one restored checkpoint per request that reported cached tokens (a hybrid model needs its state)
+    assert (metric_value(after, "hybridcache_checkpoint_hits_total")
+            - metric_value(before, "hybridcache_checkpoint_hits_total")) == requests_hit
     hits = "hybridcache_prefix_cache_hit_tokens_total"
     queries = "hybridcache_prefix_cache_queries_tokens_total"
     assert metric_value(after, hits) - metric_value(before, hits) == reported_cached
@@ -150,7 +154,8 @@ def test_metrics_hit_tokens_move_by_exactly_the_reported_cached_tokens(client, s
     assert metric_value(after, "hybridcache_time_to_first_token_seconds_count") > metric_value(
         before, "hybridcache_time_to_first_token_seconds_count")
     for name in ("hybridcache_kv_blocks_used", "hybridcache_state_slots_used", "hybridcache_inter_token_latency_"
-                 "seconds_bucket", "hybridcache_request_finished_total", "hybridcache_checkpoint_evictions_total"):
+                 "seconds_bucket", "hybridcache_request_finished_total", "hybridcache_checkpoint_evictions_total",
+                 "hybridcache_checkpoint_saves_declined_total"):
         assert name in after
 
 

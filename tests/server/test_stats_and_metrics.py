@@ -48,7 +48,8 @@ def test_stats_interval_must_be_positive():
 def test_every_metric_carries_the_model_name_and_usage_is_in_percent():
     metrics = ServerMetrics(model_name="acme/tiny")
     metrics.watch_engine(lambda: EngineState(num_blocks=8, num_blocks_used=2, num_slots=5, num_slots_used=5,
-                                             checkpoint_saves={"prefill_end": 3}))
+                                             checkpoint_saves={"prefill_end": 3}, checkpoint_hits={"finish": 2},
+                                             declined_saves={"policy": 5, "no_room": 1}))
     metrics.request_finished(10, 4, ["stop", "length"], 0.5)
     metrics.ttft.observe(0.1)
     text = metrics.render().decode()
@@ -61,6 +62,9 @@ def test_every_metric_carries_the_model_name_and_usage_is_in_percent():
     assert metric_value(text, "hybridcache_prefix_cache_hit_tokens_total") == 4
     assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="length"') == 1
     assert metric_value(text, "hybridcache_checkpoint_saves_total", 'reason="prefill_end"') == 3
+    assert metric_value(text, "hybridcache_checkpoint_hits_total", 'reason="finish"') == 2
+    assert metric_value(text, "hybridcache_checkpoint_saves_declined_total", 'cause="policy"') == 5
+    assert metric_value(text, "hybridcache_checkpoint_saves_declined_total") == 6
     empty = ServerMetrics()
     empty.watch_engine(EngineState)
     assert metric_value(empty.render().decode(), "hybridcache_kv_cache_usage_percent") == 0.0
