@@ -22,14 +22,8 @@ import argparse
 from collections import OrderedDict
 
 from hybridcache.bench.cost_model import ModelCost, load_model_cost
-from hybridcache.bench.simulator import (
-    GIB,
-    CacheReplay,
-    SimConfig,
-    _cyclic_gc_paused,
-    cache_requests_of,
-    parse_policies,
-)
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
+from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, parse_policies
 from hybridcache.bench.workloads import load_workload
 from hybridcache.cache.trie import chain_hash, prompt_block_hashes
 

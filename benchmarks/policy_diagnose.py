@@ -24,16 +24,9 @@ import json
 from collections import Counter
 
 from hybridcache.bench.cost_model import ModelCost, load_model_cost
-from hybridcache.bench.simulator import (
-    GIB,
-    BoundedOracleReplay,
-    CacheReplay,
-    SimConfig,
-    _cyclic_gc_paused,
-    cache_requests_of,
-    make_replay,
-    parse_policies,
-)
+from hybridcache.bench.oracles import BoundedOracleReplay
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
+from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, make_replay, parse_policies
 from hybridcache.bench.workloads import load_workload
 from hybridcache.bench.workloads.base import SimRequest
 from hybridcache.bench.workloads.mooncake import MOONCAKE_BLOCK_LEN, read_mooncake

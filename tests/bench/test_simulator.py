@@ -3,14 +3,9 @@
 import pytest
 
 from hybridcache.bench.cost_model import ModelCost, load_model_cost
-from hybridcache.bench.simulator import (
-    GIB,
-    OracleIndex,
-    SimConfig,
-    cache_sizing,
-    parse_policies,
-    simulate,
-)
+from hybridcache.bench.oracles import OracleIndex
+from hybridcache.bench.replay import cache_sizing
+from hybridcache.bench.simulator import GIB, SimConfig, parse_policies, simulate
 from hybridcache.bench.workloads import SimRequest, Workload
 
 COST = ModelCost("toy", kv_bytes_per_token=16, state_bytes=256, flops_per_token=10.0, attn_flops_per_token_pair=1.0)

@@ -1,0 +1,225 @@
+"""The simulator's yardsticks: `oracle` (unbounded memory, a state at every step: `OracleIndex`), and the
+`bounded-oracle` and `reuse-oracle` (`BoundedOracleReplay`: the real cache at the same budget, saving only what
+a later request uses and evicting with knowledge of the future: when items are used next (`BeladyPolicy`), or
+only whether they are (`timing=False`)).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridcache.bench.cost_model import ModelCost
+from hybridcache.bench.replay import CacheReplay, Counters, PolicyResult, PolicySpec, SimConfig, policy_result
+from hybridcache.bench.workloads import SimRequest
+from hybridcache.cache import CacheRequest
+from hybridcache.cache.request import common_prefix_len
+
+FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
+
+class OracleIndex:
+    """Every fed token sequence so far, as a trie of `block_size`-token blocks keyed exactly by
+    (parent node, tokens); each node also lists its children and partial tails by first token, so the
+    longest common prefix with anything fed costs O(prompt / B) dict lookups plus a few comparisons::
+
+        fed so far: [a b c d | e f g h | i j]          (B = 4)
+        query:      [a b c d | e f x y | ...]  -> 4 (block) + 2 (common prefix with child "e f g h") = 6
+    """
+
+    def __init__(self, block_size: int = 64) -> None:
+        self.block_size = block_size
+        self._nodes: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._by_first: dict[int, dict[int, list[tuple[int, ...]]]] = {}
+        self.num_tokens = 0
+
+    def longest_prefix(self, token_ids: tuple[int, ...]) -> int:
+        size, node, pos = self.block_size, 0, 0
+        while pos + size <= len(token_ids):
+            child = self._nodes.get((node, token_ids[pos:pos + size]))
+            if child is None:
+                break
+            node, pos = child, pos + size
+        rest = token_ids[pos:pos + size]
+        best = 0
+        if rest:
+            for other in self._by_first.get(node, {}).get(rest[0], ()):
+                agree = common_prefix_len(other, rest)
+                best = max(best, agree)
+        return pos + best
+
+    def insert(self, token_ids: tuple[int, ...]) -> None:
+        size, node, pos = self.block_size, 0, 0
+        while pos < len(token_ids):
+            block = token_ids[pos:pos + size]
+            if len(block) == size:
+                child = self._nodes.get((node, block))
+                if child is None:
+                    child = len(self._nodes) + 1
+                    self._nodes[(node, block)] = child
+                    self._by_first.setdefault(node, {}).setdefault(block[0], []).append(block)
+                    self.num_tokens += size
+                node, pos = child, pos + size
+            else:
+                tails = self._by_first.setdefault(node, {}).setdefault(block[0], [])
+                if not any(t[: len(block)] == block for t in tails):
+                    tails.append(block)
+                    self.num_tokens += len(block)
+                break
+
+
+class OracleReplay:
+    """`oracle`: unbounded memory and a state at every step (see `OracleIndex`)."""
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost) -> None:
+        self.spec, self.cost, self.counters = spec, cost, Counters()
+        self.index = OracleIndex()
+
+    def run(self, request: SimRequest) -> None:
+        self.counters.num_requests += 1
+        hit = self.index.longest_prefix(request.prompt_ids)
+        for i in range(request.n):  # siblings share the first completion's prompt (in flight)
+            self.counters.add(request, hit if i == 0 else request.prompt_len, self.cost)
+        for output in request.outputs():
+            self.index.insert(request.prompt_ids + output[:-1])
+        self.counters.bytes_peak = self.index.num_tokens * self.cost.kv_bytes_per_token
+
+    def result(self) -> PolicyResult:
+        return policy_result(self.spec.name, self.counters)
+
+
+class FutureIndex:
+    """Who needs a prefix next: for every request of the workload (in order), its prompt and the chained
+    hashes of its full blocks (the cache's own), indexed hash -> the requests holding that block.
+
+    `next_use(prefix_hash, depth, tail, after)`: the first request index > `after` whose prompt has the
+    full blocks ending in `prefix_hash` (at `depth`) followed by `tail` (verified exactly), and is at least
+    that long; None when no later request has it. Depth 0 (no full block) looks at every later request,
+    up to `scan` of them.
+    """
+
+    def __init__(self, requests: Sequence[SimRequest], block_size: int, scan: int = 256) -> None:
+        from bisect import bisect_right
+
+        from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+
+        self._bisect = bisect_right
+        self.block_size, self.scan = block_size, scan
+        self.prompts = [r.prompt_ids for r in requests]
+        self.by_hash: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            hashes = prompt_block_hashes(CacheRequest(i, request.prompt_ids), block_size, chain_hash)
+            for h in hashes:
+                self.by_hash.setdefault(h, []).append(i)
+
+    def next_use(self, prefix_hash: int | None, depth: int, tail: tuple[int, ...], after: int) -> int | None:
+        base = depth * self.block_size
+        if depth:
+            holders = self.by_hash.get(prefix_hash, ())
+            candidates = holders[self._bisect(holders, after):]
+        else:
+            candidates = range(after + 1, min(len(self.prompts), after + 1 + self.scan))
+        for j in candidates:
+            prompt = self.prompts[j]
+            if len(prompt) >= base + len(tail) and prompt[base:base + len(tail)] == tail:
+                return j
+        return None
+
+
+class BeladyPolicy:
+    """Eviction with knowledge of the future (the `bounded-oracle`): evict what is needed furthest in the
+    future (never again first), weighing bytes: the largest (distance to the next use) x (bytes held).
+    `now` is the index of the request being replayed (set by `BoundedOracleReplay`).
+
+    `timing=False` (the `reuse-oracle`) knows *whether* an item is used again but not *when*: never-used
+    items first (by bytes), then the least recently used, as `hybridcache`'s LRU. What separates it from
+    the bounded oracle is the foresight of when chains return."""
+
+    def __init__(self, future: FutureIndex, block_bytes: float, state_bytes: float, timing: bool = True) -> None:
+        self.future, self.now = future, 0
+        self.block_bytes, self.state_bytes = block_bytes, state_bytes
+        self.timing = timing
+        self._memo: dict[tuple, int | None] = {}
+        self._memo_now = -1
+
+    def _next(self, key: tuple, anchor, tail: tuple[int, ...]) -> float:
+        if self._memo_now != self.now:
+            self._memo, self._memo_now = {}, self.now
+        if key not in self._memo:
+            self._memo[key] = self.future.next_use(anchor.hash, anchor.depth, tail, self.now)
+        j = self._memo[key]
+        return float("inf") if j is None else float(j - self.now)
+
+    def _held(self, ckpt) -> float:
+        return self.state_bytes + (self.block_bytes if ckpt.frozen_block is not None else 0)
+
+    def _ckpt_score(self, ckpt) -> tuple:
+        distance = self._next(("c", ckpt.ckpt_id), ckpt.anchor, ckpt.tail_ids)
+        return self._score(distance, self._held(ckpt), ckpt.last_access, False)
+
+    def _leaf_score(self, node) -> tuple:
+        held = self.block_bytes + sum(self._held(c) for c in node.iter_checkpoints())
+        distance = self._next(("n", node.block_id, node.hash), node, ())
+        recency = max([node.last_access, *(c.last_access for c in node.iter_checkpoints())])
+        return self._score(distance, held, recency, True)
+
+    def _score(self, distance: float, held: float, last_access: int, leaf: bool) -> tuple:
+        """Larger is evicted first: never needed again (by bytes), then distance x bytes (`timing`) or, as
+        `hybridcache` orders them, leaves before checkpoints, the least recently used first."""
+        if distance == float("inf"):
+            return (1, held, 0.0)
+        return (0, 0, distance * held) if self.timing else (0, int(leaf), -last_access)
+
+    def pick_checkpoint(self, candidates):
+        return max(candidates, key=lambda c: self._ckpt_score(c) + (-c.ckpt_id,))
+
+    def prefer_checkpoint(self, ckpt, leaf) -> bool:
+        """Under one budget in bytes: whether `ckpt` goes before `leaf` (the larger score)."""
+        return self._ckpt_score(ckpt) > self._leaf_score(leaf)
+
+    def pick_leaf(self, candidates):
+        return max(candidates, key=lambda n: self._leaf_score(n) + (-n.block_id,))
+
+
+class BoundedOracleReplay(CacheReplay):
+    """`bounded-oracle`: the hybridcache policy on the real cache with the same budget and accounting, but
+    a save is made only when a later request will need that prefix (`FutureIndex`), and eviction is
+    Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`)."""
+
+    needs_future = True
+    admission = "all"  # it admits by looking ahead (`_wants_save`)
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
+        super().__init__(spec, cost, config, max_running)
+        self.now = -1
+        self.current: SimRequest | None = None
+        self.future: FutureIndex | None = None
+        self.belady: BeladyPolicy | None = None
+
+    def prepare(self, requests: Sequence[SimRequest]) -> None:
+        self.future = FutureIndex(requests, self.block_size)
+        life = self.cache._life
+        self.belady = BeladyPolicy(self.future, life.block_bytes, life.state_bytes,  # paged: a state is k pages
+                                   timing=not self.spec.name.startswith("reuse-oracle"))
+        self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
+
+    def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
+        self.now += 1
+        self.belady.now = self.now
+        self.current = request
+        super().run(request, cache_requests)
+
+    def _wants_save(self, tokens: tuple[int, ...], step: int) -> bool:
+        prompt = self.current.prompt_ids
+        if self.current.n > 1 and step <= len(prompt) and tokens[:step] == prompt[:step]:
+            return True  # the request's other completions fork from it
+        size = self.block_size
+        q = step // size
+        anchor = prompt_block_hashes_of(tokens[:q * size], size)[-1] if q else None
+        return self.future.next_use(anchor, q, tokens[q * size:step], self.now) is not None
+
+
+def prompt_block_hashes_of(tokens: tuple[int, ...], block_size: int) -> list[int]:
+    from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+
+    return prompt_block_hashes(CacheRequest(None, tokens), block_size, chain_hash)
+
+

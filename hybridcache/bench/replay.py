@@ -1,0 +1,337 @@
+"""The replays that drive a real `PrefixCache` (or none) for one policy, and the policy specs, budgets and
+results they share; `simulator.py` feeds them a workload (its docstring has the call sequence), `oracles.py`
+holds the replays that know more than a cache can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from hybridcache.bench.cost_model import ModelCost
+from hybridcache.bench.workloads import SimRequest
+from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.engine.memory import state_pages
+from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
+
+POLICY_NAMES = ("none", "block-aligned", "seed", "hybridcache", "hybridcache+flop", "oracle", "bounded-oracle",
+                "hybridcache+all", "reuse-oracle")
+DEFAULT_POLICIES = POLICY_NAMES[:-3]
+# the policies that run the `hybridcache` cache mode, with KV and states in one pool of blocks
+_HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+all", "reuse-oracle")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One simulated policy: `name` as reported, the cache `mode` of save_plan.py (or `none` / `oracle`),
+    the eviction policy and the block size it runs with."""
+
+    name: str
+    mode: str
+    block_size: int
+    eviction: str = "lru"
+    admission: str | None = None  # the cache's admission policy; None: the mode's
+
+    @property
+    def one_budget(self) -> bool:
+        """KV blocks and checkpoint states share one pool (`CacheConfig.state_pages`), as in the engine."""
+        return self.mode == "hybridcache"
+
+
+def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
+    """`"none,block-aligned:528,hybridcache"` -> specs; `NAME:B` overrides the block size of one policy."""
+    names = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    specs = []
+    for name in names:
+        base, _, size = name.partition(":")
+        if base not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {base!r}; choose from {', '.join(POLICY_NAMES)} (NAME:BLOCK_SIZE)")
+        mode = "hybridcache" if base in _HYBRID_POLICIES else base
+        eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
+        admission = "all" if base == "hybridcache+all" else None
+        specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
+    if len({s.name for s in specs}) != len(specs):
+        raise ValueError(f"policies repeat: {names}")
+    return specs
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Memory budget (bytes, KV + checkpoint states), default block size, chunk budget, slot sizing."""
+
+    memory_bytes: int
+    block_size: int = 64
+    chunk_budget: int = 8192
+    kv_tokens_per_slot: int = 2048
+    check_integrity: bool = False
+
+
+def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
+    """(num_blocks, num_checkpoint_slots) that fit `memory_bytes` in an engine with a separate pool of state slots
+    (the `block-aligned` and `seed` policies model such engines; hybridcache's own keeps one pool, see the module
+    docstring): one state slot per `kv_tokens_per_slot` KV tokens, bought in pairs. Example: 1 GiB of the built-in model
+    (1,024 B per KV token, 117,248 B per slot with its last hidden state), B = 64, 2,048 tokens per slot: a pair
+    is 117,248 + 32 blocks x 65,536 = 2,214,400 B: 484 slots, then (2^30 - 484 x 117,248) // 65,536 = 15,518
+    blocks."""
+    block_bytes = cost.block_bytes(block_size)
+    pair = cost.state_bytes + block_bytes * kv_tokens_per_slot // block_size
+    num_slots = int(memory_bytes // pair)
+    num_blocks = int((memory_bytes - num_slots * cost.state_bytes) // block_bytes)
+    if num_blocks < 1 or num_slots < 1:
+        raise ValueError(f"a budget of {memory_bytes / GIB:.3g} GiB holds {num_blocks} blocks and {num_slots} slots")
+    return num_blocks, num_slots
+
+
+@dataclass
+class Counters:
+    """What one policy did over a workload (mutable while it runs)."""
+
+    num_requests: int = 0
+    num_sequences: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    flops_saved: float = 0.0
+    num_uncacheable: int = 0
+    bytes_peak: int = 0
+    hit_tokens_by_turn: dict[int, list[int]] = field(default_factory=dict)
+
+    def add(self, request: SimRequest, hit_tokens: int, cost: ModelCost) -> None:
+        """One completed sequence of `request` that skipped `hit_tokens` prompt tokens."""
+        self.num_sequences += 1
+        self.prompt_tokens += request.prompt_len
+        self.hit_tokens += hit_tokens
+        self.flops_saved += cost.prefill_flops(hit_tokens)
+        by_turn = self.hit_tokens_by_turn.setdefault(request.turn, [0, 0])
+        by_turn[0] += hit_tokens
+        by_turn[1] += request.prompt_len
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """The simulator's report for one policy. `token_hit_rate` = hit tokens / prompt tokens (every
+    completion counts its prompt); `bytes_peak` = the largest KV + checkpoint-state bytes held (for
+    `oracle`: the KV of every distinct fed token; its states are not counted)."""
+
+    name: str
+    token_hit_rate: float
+    prefill_tokens_computed: int
+    flops_saved: float
+    checkpoints_saved: int
+    evictions: int
+    bytes_peak: int
+    num_requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    num_uncacheable: int
+    num_blocks: int | None
+    num_slots: int | None
+    state_pages: int | None  # paged: blocks per checkpoint state (None: two pools, or no cache)
+    hits_by_reason: dict[str, int]
+    evictions_by_kind: dict[str, int]
+    hit_rate_by_turn: dict[int, float]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def policy_result(name: str, c: Counters, **extra) -> PolicyResult:
+    values = dict(checkpoints_saved=0, evictions=0, num_blocks=None, num_slots=None, state_pages=None,
+                  hits_by_reason={}, evictions_by_kind={})
+    values.update(extra)
+    return PolicyResult(
+        name=name,
+        token_hit_rate=c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        prefill_tokens_computed=c.prompt_tokens - c.hit_tokens,
+        flops_saved=c.flops_saved,
+        bytes_peak=c.bytes_peak,
+        num_requests=c.num_requests,
+        prompt_tokens=c.prompt_tokens,
+        hit_tokens=c.hit_tokens,
+        num_uncacheable=c.num_uncacheable,
+        hit_rate_by_turn={t: h / p if p else 0.0 for t, (h, p) in sorted(c.hit_tokens_by_turn.items())},
+        **values,
+    )
+
+
+class NoCacheReplay:
+    """`none`: nothing is reused; the running sequence's own KV is the only memory held."""
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost) -> None:
+        self.spec, self.cost, self.counters = spec, cost, Counters()
+
+    def run(self, request: SimRequest) -> None:
+        self.counters.num_requests += 1
+        fed = request.prompt_len + max(len(o) for o in request.outputs()) - 1
+        self.counters.bytes_peak = max(self.counters.bytes_peak, request.n * fed * self.cost.kv_bytes_per_token)
+        for _ in range(request.n):
+            self.counters.add(request, 0, self.cost)
+
+    def result(self) -> PolicyResult:
+        return policy_result(self.spec.name, self.counters)
+
+
+@dataclass
+class _Seq:
+    rid: Hashable
+    output_ids: tuple[int, ...]
+    cached_len: int
+    branch_step: int | None
+    computed: int
+
+
+class CacheReplay:
+    """A policy that drives a real `PrefixCache` (see the module docstring for the call sequence)."""
+
+    admission: str | None = None  # the cache's admission policy; None: the cache mode's
+
+    def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
+        self.spec, self.cost, self.config = spec, cost, config
+        self.policy: CheckpointPolicy = checkpoint_policy(spec.mode)
+        self.block_size = spec.block_size
+        self.state_pages: int | None = None
+        if spec.one_budget:  # paged, as the engine: the budget in blocks, k of them per checkpoint state
+            block_bytes = cost.block_bytes(spec.block_size)
+            self.num_blocks = max(1, int(config.memory_bytes // block_bytes))
+            self.state_pages = state_pages(int(cost.state_bytes), int(block_bytes))
+            num_ckpt_slots = 0  # the running sequences' runtime slots only
+        else:
+            self.num_blocks, num_ckpt_slots = cache_sizing(config.memory_bytes, cost, spec.block_size,
+                                                           config.kv_tokens_per_slot)
+        self.num_slots = num_ckpt_slots + max_running
+        self.max_running = max_running
+        self.cache = PrefixCache(
+            CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
+                        max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
+                        eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
+                        admission=spec.admission or self.admission or self.policy.admission,
+                        state_pages=self.state_pages),
+            cost.cache_cost_model(),
+        )
+        self.counters = Counters()
+
+    def _plan(self, seq: _Seq, prompt_len: int):
+        return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=self.config.chunk_budget,
+                          prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step,
+                          hit_len=seq.cached_len)
+
+    def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
+        """Replay `request`; `cache_requests[i]` (from `cache_requests_of`) is completion i's cache request,
+        shared by every policy so that its block hashes are computed once."""
+        if request.n > self.max_running:
+            raise ValueError(f"request {request.request_id} has n={request.n} > max_running {self.max_running}")
+        self.counters.num_requests += 1
+        pending = list(enumerate(request.outputs()))
+        if cache_requests is None:
+            cache_requests = cache_requests_of(request)
+        while pending:
+            # in-flight sharing: the other completions wait for the first one's prefill, then fork from it
+            first_alone = self.policy.share_in_flight and len(pending) == request.n > 1
+            wave = self._admit(request, pending[:1] if first_alone else pending, cache_requests)
+            if not wave:  # not even one sequence fits next to nothing: computed without the cache
+                pending.pop(0)
+                self.counters.num_uncacheable += 1
+                self.counters.add(request, 0, self.cost)
+                continue
+            pending = pending[len(wave):]
+            self._run_wave(request, wave)
+
+    def _admit(
+        self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
+    ) -> list[_Seq]:
+        prompt = request.prompt_ids
+        wave: list[_Seq] = []
+        for index, output in pending:
+            rid = (request.request_id, index)
+            seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=None)
+            if seq is None and not wave:  # a hit can need a block more than a miss (as the scheduler does)
+                seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=0)
+            if seq is None:
+                break
+            wave.append(seq)
+        return wave
+
+    def _admit_one(self, request: CacheRequest, rid: Hashable, output: tuple[int, ...], prompt_len: int,
+                   max_step: int | None) -> _Seq | None:
+        match = self.cache.match(request, max_step)
+        branch = match.divergence_len if match.divergence_len > match.cached_len else None
+        seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
+        if self.cache.admit(match, self._plan(seq, prompt_len).end) is None:
+            self.cache.release_match(match)
+            return None
+        return seq
+
+    def _run_wave(self, request: SimRequest, wave: list[_Seq]) -> None:
+        cache, prompt = self.cache, request.prompt_ids
+        prompt_len = len(prompt)
+        active = list(wave)
+        while any(s.computed < prompt_len for s in active):
+            fed = {}
+            for seq in list(active):
+                if seq.computed >= prompt_len:
+                    continue
+                plan = self._plan(seq, prompt_len)
+                if not cache.ensure_capacity(seq.rid, plan.end):
+                    self._drop(request, seq, active)
+                    continue
+                if plan.reason is not None and self._wants_save(prompt, plan.end):
+                    cache.reserve_save(seq.rid, plan.end, plan.reason)
+                fed[seq.rid] = prompt[seq.computed:plan.end]
+                seq.computed = plan.end
+            if fed:
+                cache.commit_step(fed)
+        decode = {}
+        for seq in list(active):
+            if len(seq.output_ids) > 1:
+                if not cache.ensure_capacity(seq.rid, prompt_len + len(seq.output_ids) - 1):
+                    self._drop(request, seq, active)
+                    continue
+                decode[seq.rid] = seq.output_ids[:-1]
+        if decode:
+            cache.commit_step(decode)
+        self._sample_memory()
+        for seq in active:
+            fed = prompt + seq.output_ids[:-1]
+            if self.policy.finish and self._wants_save(fed, len(fed)):
+                cache.finish(seq.rid)
+            else:
+                cache.abort(seq.rid)
+            self.counters.add(request, seq.cached_len, self.cost)
+        if self.config.check_integrity:
+            cache.check_integrity()
+
+    def _wants_save(self, tokens: tuple[int, ...], step: int) -> bool:
+        """Whether to save the state of `tokens[:step]` when the policy plans a save (all: the cache's own
+        admission decides; the bounded oracle looks ahead)."""
+        return True
+
+    def _drop(self, request: SimRequest, seq: _Seq, active: list[_Seq]) -> None:
+        """No room for the sequence's next blocks even after eviction: it runs without the cache."""
+        self.cache.abort(seq.rid)
+        active.remove(seq)
+        self.counters.num_uncacheable += 1
+        self.counters.add(request, 0, self.cost)
+
+    def _sample_memory(self) -> None:
+        stats = self.cache.stats
+        held = stats.num_blocks_used * self.cost.block_bytes(self.block_size)  # paged: states' pages included
+        if self.state_pages is None:
+            held += (stats.num_slots_used - stats.num_running) * self.cost.state_bytes
+        self.counters.bytes_peak = max(self.counters.bytes_peak, held)
+
+    def result(self) -> PolicyResult:
+        stats = self.cache.stats
+        return policy_result(
+            self.spec.name, self.counters,
+            checkpoints_saved=sum(stats.saves_by_reason.values()),
+            evictions=sum(stats.evictions_by_kind.values()),
+            num_blocks=self.num_blocks, num_slots=self.num_slots, state_pages=self.state_pages,
+            hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
+        )
+
+
+def cache_requests_of(request: SimRequest) -> list[CacheRequest]:
+    """The cache's view of each completion of `request` (request id `(request_id, i)`)."""
+    return [CacheRequest((request.request_id, i), request.prompt_ids) for i in range(request.n)]
+
+
