@@ -11,7 +11,9 @@ prefill chunk, times (the median of CUDA-graph replays) the routed-expert comput
   3 when not named) and the combine
 and `auto` (what `grouped_experts` picks). Prints one table per model (ms, and GB/s of the weights read for
 decode sizes: each touched expert once) and the max relative difference of each variant against `before`;
-writes DIR/moe_bench.json (DIR: --out, else $OUT, else .).
+writes DIR/moe_bench.json (DIR: --out, else $OUT, else .). `--sort`: instead, the pair sort alone
+(`sort_pairs_torch`, five torch kernels, against `sort_pairs_triton`, one launch) for every T whose pairs one
+program sorts.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from hybridcache.kernels.moe.grouped import (
     expert_rows_triton,
     pair_rows,
     sort_pairs,
+    sort_pairs_torch,
 )
 from hybridcache.kernels.moe.triton_experts import combine
+from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
 
 SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024), "next-80b": (512, 10, 2048, 512)}
 TOKENS = (1, 8, 32, 64, 128, 256, 1024, 4096, 16384)
@@ -81,17 +85,46 @@ def timed(fn, *args) -> float:
     return triton.testing.do_bench_cudagraph(lambda: fn(*args), return_mode="median")
 
 
+def sort_table(models: list[str], device: torch.device, gen: torch.Generator) -> list[dict]:
+    """The pair sort alone, torch against Triton (graph-timed ms), per model shape and T; checks they agree."""
+    rows = []
+    print("| model | T | pairs | torch ms | triton ms | torch / triton |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for model in models:
+        num_experts, top_k = SHAPES[model][:2]
+        for tokens in (1, 8, 32, 64, 128, 256, 512):
+            if tokens * top_k > MAX_PAIRS:
+                continue
+            ids = routing(tokens, num_experts, top_k, torch.bfloat16, device, gen)[1]
+            want, got = sort_pairs_torch(ids, num_experts), sort_pairs_triton(ids, num_experts)
+            if not all(torch.equal(a, b) for a, b in zip(want, got, strict=True)):
+                raise AssertionError(f"{model} T={tokens}: the Triton pair sort differs from torch's")
+            row = {"model": model, "tokens": tokens, "pairs": tokens * top_k,
+                   "torch_ms": timed(sort_pairs_torch, ids, num_experts),
+                   "triton_ms": timed(sort_pairs_triton, ids, num_experts)}
+            print(f"| {model} | {tokens} | {row['pairs']} | {row['torch_ms']:.4f} | {row['triton_ms']:.4f} | "
+                  f"{row['torch_ms'] / row['triton_ms']:.2f} |", flush=True)
+            rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--sort", action="store_true", help="time only the pair sort, torch against Triton")
     args = parser.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "rows": []}
-    variants = {"before": before, "grouped": with_grouped, "auto": grouped.grouped_experts}
-    variants.update({"triton " + "/".join(map(str, tile)): with_triton(tile) for tile in TILES})
-    for model in args.models.split(","):
+    if args.sort:
+        result["sort"] = sort_table(args.models.split(","), device, gen)
+        variants = {}
+        args.models = ""
+    else:
+        variants = {"before": before, "grouped": with_grouped, "auto": grouped.grouped_experts}
+        variants.update({"triton " + "/".join(map(str, tile)): with_triton(tile) for tile in TILES})
+    for model in filter(None, args.models.split(",")):
         num_experts, top_k, hidden, inter = SHAPES[model]
         experts = ExpertWeights(
             (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype),

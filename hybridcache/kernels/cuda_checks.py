@@ -448,3 +448,25 @@ def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
         stats[f"ids E{experts}k{top_k}"] = ErrorStats(max_abs=misses.item(), max_rel=misses.item(),
                                                       norm_rel=misses.item())
     return stats
+
+
+def check_sort_pairs(device: torch.device, seed: int = 0) -> dict[str, int]:
+    """The one-launch pair sort (`triton_sort.sort_pairs_triton`) against torch's stable argsort and bincount, for
+    the models' routings (16 experts top 4, 32 top 8, 512 top 10), a token that picks one expert twice, one pair,
+    and `MAX_PAIRS` pairs: how many order entries and counts differ, per case (0 everywhere when exact)."""
+    from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    cases = {"E16k4 T64": (64, 16, 4), "E32k8 T64": (64, 32, 8), "E512k10 T37": (37, 512, 10), "E4k1 T1": (1, 4, 1),
+             f"E32k8 T{MAX_PAIRS // 8}": (MAX_PAIRS // 8, 32, 8)}
+    misses = {}
+    for name, (tokens, experts, top_k) in cases.items():
+        ids = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k]
+        if name.startswith("E16"):
+            ids[::3, 1] = ids[::3, 0]  # a token picking one expert twice (a valid sum of two weights)
+        order, counts = sort_pairs_triton(ids.to(device), experts)
+        flat = ids.reshape(-1)
+        ref_order = torch.argsort(flat, stable=True)
+        ref_counts = torch.bincount(flat, minlength=experts).to(torch.int32)
+        misses[name] = int((order.cpu() != ref_order).sum()) + int((counts.cpu() != ref_counts).sum())
+    return misses

@@ -160,6 +160,14 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
+def test_cuda_sort_pairs(cuda: torch.device) -> None:
+    from hybridcache.kernels.cuda_checks import check_sort_pairs
+
+    misses = check_sort_pairs(cuda)
+    assert misses and all(count == 0 for count in misses.values()), misses  # the same order and counts, exactly
+
+
+@needs_cuda
 def test_cuda_no_host_sync(cuda: torch.device) -> None:
     """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
     from hybridcache.kernels.cuda_checks import host_syncs
@@ -257,6 +265,14 @@ def test_interpreted_route() -> None:
 
     stats = check_route(torch.float32, torch.device("cpu"), rows=20)
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_sort_pairs() -> None:
+    from hybridcache.kernels.cuda_checks import check_sort_pairs
+
+    misses = check_sort_pairs(torch.device("cpu"))
+    assert misses and all(count == 0 for count in misses.values()), misses
 
 
 @needs_interpreter
