@@ -108,23 +108,12 @@ def sort_table(models: list[str], device: torch.device, gen: torch.Generator) ->
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--models", default=",".join(SHAPES))
-    parser.add_argument("--sort", action="store_true", help="time only the pair sort, torch against Triton")
-    args = parser.parse_args()
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    gen = torch.Generator().manual_seed(0)
-    result = {"device": torch.cuda.get_device_name(), "rows": []}
-    if args.sort:
-        result["sort"] = sort_table(args.models.split(","), device, gen)
-        variants = {}
-        args.models = ""
-    else:
-        variants = {"before": before, "grouped": with_grouped, "auto": grouped.grouped_experts}
-        variants.update({"triton " + "/".join(map(str, tile)): with_triton(tile) for tile in TILES})
-    for model in filter(None, args.models.split(",")):
+def expert_tables(models: list[str], device: torch.device, dtype: torch.dtype, gen: torch.Generator) -> list[dict]:
+    """One table per model: every variant's graph-timed ms per token count, and its error against `before`."""
+    rows = []
+    variants = {"before": before, "grouped": with_grouped, "auto": grouped.grouped_experts}
+    variants.update({"triton " + "/".join(map(str, tile)): with_triton(tile) for tile in TILES})
+    for model in models:
         num_experts, top_k, hidden, inter = SHAPES[model]
         experts = ExpertWeights(
             (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype),
@@ -151,7 +140,23 @@ def main() -> None:
             cells = [f"{row['ms'][n]:.3f}" + ("" if row["max_rel"].get(n, 1) < 3e-2 else "!") for n in variants]
             gbs = weight_bytes / best[0] / 1e6
             print(f"| {tokens} | " + " | ".join(cells) + f" | {best[1]} ({gbs:.0f} GB/s of weights) |", flush=True)
-            result["rows"].append(row)
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--models", default=",".join(SHAPES))
+    parser.add_argument("--sort", action="store_true", help="time only the pair sort, torch against Triton")
+    args = parser.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    result = {"device": torch.cuda.get_device_name()}
+    if args.sort:
+        result["sort"] = sort_table(args.models.split(","), device, gen)
+    else:
+        result["rows"] = expert_tables(args.models.split(","), device, dtype, gen)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe_bench.json").write_text(json.dumps(result, indent=1))
