@@ -16,6 +16,7 @@ from hybridcache.cache.request import common_prefix_len
 
 FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
 
+
 class OracleIndex:
     """Every fed token sequence so far, as a trie of `block_size`-token blocks keyed exactly by
     (parent node, tokens); each node also lists its children and partial tails by first token, so the

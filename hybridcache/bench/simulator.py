@@ -38,6 +38,8 @@ order). `block-aligned` and `seed` model engines with a separate state pool: two
 engine's budget is M + max_num_seqs state slots).
 """
 
+from __future__ import annotations
+
 import gc
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
