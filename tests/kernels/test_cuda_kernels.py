@@ -270,9 +270,14 @@ def test_interpreted_route() -> None:
 @needs_interpreter
 def test_interpreted_sort_pairs() -> None:
     from hybridcache.kernels.cuda_checks import check_sort_pairs
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, sort_pairs_triton
 
     misses = check_sort_pairs(torch.device("cpu"))
     assert misses and all(count == 0 for count in misses.values()), misses
+    with pytest.raises(ValueError, match="pairs"):  # beyond one program: grouped.sort_pairs uses torch there
+        sort_pairs_triton(torch.zeros(MAX_PAIRS + 1, 1, dtype=torch.int64), 8)
+    with pytest.raises(ValueError, match="experts"):
+        sort_pairs_triton(torch.zeros(1, 2, dtype=torch.int64), MAX_EXPERTS + 1)
 
 
 @needs_interpreter

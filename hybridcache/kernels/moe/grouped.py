@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
-from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
+from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, sort_pairs_triton
 
 
 @dataclass(frozen=True)
@@ -67,11 +67,11 @@ class ExpertWeights:
 
 def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """top_ids [T, k] int64 -> (order [T*k]: the (token, pick) pairs stably sorted by expert, counts [E] int32),
-    both on the device. Up to `triton_sort.MAX_PAIRS` pairs on CUDA: one Triton launch; else torch's radix
-    sort (the same result, exactly)."""
+    both on the device. Up to `triton_sort.MAX_PAIRS` pairs over at most `MAX_EXPERTS` experts on CUDA: one
+    Triton launch; else torch's radix sort (the same result, exactly)."""
     if num_experts > torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: the grouped MoE sorts expert ids as int16 (at most 32,767)")
-    if top_ids.is_cuda and 0 < top_ids.numel() <= MAX_PAIRS:
+    if top_ids.is_cuda and 0 < top_ids.numel() <= MAX_PAIRS and num_experts <= MAX_EXPERTS:
         return sort_pairs_triton(top_ids, num_experts)
     return sort_pairs_torch(top_ids, num_experts)
 

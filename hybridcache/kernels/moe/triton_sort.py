@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 MAX_PAIRS = 1024  # one program sorts them; more take torch's radix sort (`grouped.sort_pairs`)
+MAX_EXPERTS = 1024  # the histogram's bins live in one program too (measured up to 512 experts)
 
 
 @triton.jit
@@ -37,12 +38,13 @@ def _sort_pairs_kernel(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts,
 
 
 def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_ids [T, k] int64, 1 <= T*k <= MAX_PAIRS -> (order [T*k] int64: the pairs stably sorted by expert,
-    counts [E] int32), as `grouped.sort_pairs`."""
+    """top_ids [T, k] int64, 1 <= T*k <= MAX_PAIRS, E <= MAX_EXPERTS -> (order [T*k] int64: the pairs stably
+    sorted by expert, counts [E] int32), as `grouped.sort_pairs`."""
     flat = top_ids.reshape(-1)
     num_pairs = flat.numel()
-    if not 0 < num_pairs <= MAX_PAIRS:
-        raise ValueError(f"sort_pairs_triton sorts 1 to {MAX_PAIRS} pairs, got {num_pairs}")
+    if not 0 < num_pairs <= MAX_PAIRS or num_experts > MAX_EXPERTS:
+        raise ValueError(f"sort_pairs_triton sorts 1 to {MAX_PAIRS} pairs over at most {MAX_EXPERTS} experts, got "
+                         f"{num_pairs} pairs over {num_experts}")
     order = torch.empty(num_pairs, dtype=torch.int64, device=flat.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     block_n = triton.next_power_of_2(max(num_pairs, 16))
