@@ -6,6 +6,7 @@ only whether they are (`timing=False`)).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 
 from hybridcache.bench.cost_model import ModelCost
@@ -13,6 +14,7 @@ from hybridcache.bench.replay import CacheReplay, Counters, PolicyResult, Policy
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheRequest
 from hybridcache.cache.request import common_prefix_len
+from hybridcache.cache.trie import chain_hash, prompt_block_hashes, root_hash
 
 FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
 
@@ -98,16 +100,12 @@ class FutureIndex:
     """
 
     def __init__(self, requests: Sequence[SimRequest], block_size: int, scan: int = 256) -> None:
-        from bisect import bisect_right
-
-        from hybridcache.cache.trie import chain_hash, prompt_block_hashes
-
-        self._bisect = bisect_right
         self.block_size, self.scan = block_size, scan
         self.prompts = [r.prompt_ids for r in requests]
+        self.hashes = [prompt_block_hashes(CacheRequest(i, prompt), block_size, chain_hash)
+                       for i, prompt in enumerate(self.prompts)]  # request i's full blocks, its trie identities
         self.by_hash: dict[int, list[int]] = {}
-        for i, request in enumerate(requests):
-            hashes = prompt_block_hashes(CacheRequest(i, request.prompt_ids), block_size, chain_hash)
+        for i, hashes in enumerate(self.hashes):
             for h in hashes:
                 self.by_hash.setdefault(h, []).append(i)
 
@@ -115,7 +113,7 @@ class FutureIndex:
         base = depth * self.block_size
         if depth:
             holders = self.by_hash.get(prefix_hash, ())
-            candidates = holders[self._bisect(holders, after):]
+            candidates = holders[bisect_right(holders, after):]
         else:
             candidates = range(after + 1, min(len(self.prompts), after + 1 + self.scan))
         for j in candidates:
@@ -214,13 +212,21 @@ class BoundedOracleReplay(CacheReplay):
             return True  # the request's other completions fork from it
         size = self.block_size
         q = step // size
-        anchor = prompt_block_hashes_of(tokens[:q * size], size)[-1] if q else None
+        anchor = self._anchor_hash(tokens, q) if q else None
         return self.future.next_use(anchor, q, tokens[q * size:step], self.now) is not None
 
-
-def prompt_block_hashes_of(tokens: tuple[int, ...], block_size: int) -> list[int]:
-    from hybridcache.cache.trie import chain_hash, prompt_block_hashes
-
-    return prompt_block_hashes(CacheRequest(None, tokens), block_size, chain_hash)
+    def _anchor_hash(self, tokens: tuple[int, ...], q: int) -> int:
+        """The chained hash of the first q >= 1 full blocks of `tokens` (the trie's node identity): the current
+        prompt's own hashes (`FutureIndex.hashes`) as far as `tokens` agree with the prompt, then chained on
+        over the rest (a finish save's reply blocks), instead of hashing the whole prefix again per save."""
+        size, prompt = self.block_size, self.current.prompt_ids
+        own = self.future.hashes[self.now]
+        known = min(q, len(own))
+        if tokens[:known * size] != prompt[:known * size]:
+            known = 0
+        parent = own[known - 1] if known else root_hash(None)
+        for i in range(known, q):
+            parent = chain_hash(parent, tokens[i * size:(i + 1) * size], ())
+        return parent
 
 
