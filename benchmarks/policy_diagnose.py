@@ -24,9 +24,8 @@ import json
 from collections import Counter
 
 from hybridcache.bench.cost_model import ModelCost, load_model_cost
-from hybridcache.bench.oracles import BoundedOracleReplay
 from hybridcache.bench.replay import CacheReplay, cache_requests_of
-from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, make_replay, parse_policies
+from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, make_replay, parse_policies, prepare_oracles
 from hybridcache.bench.workloads import load_workload
 from hybridcache.bench.workloads.base import SimRequest
 from hybridcache.bench.workloads.mooncake import MOONCAKE_BLOCK_LEN, read_mooncake
@@ -98,14 +97,11 @@ def diagnose(requests: list[SimRequest], config: SimConfig, policies: str = "hyb
     specs = parse_policies(policies, config.block_size)
     if len(specs) != 2:
         raise ValueError(f"diagnose compares two policies, got {policies!r}")
-    replays = []
     for spec in specs:
         if spec.mode != "hybridcache":
             raise ValueError(f"diagnose needs policies that run the real cache, got {spec.name!r}")
-        replay = make_replay(spec, cost, config, requests[0].n)
-        if isinstance(replay, BoundedOracleReplay):
-            replay.prepare(requests)
-        replays.append(replay)
+    replays = [make_replay(spec, cost, config, requests[0].n) for spec in specs]
+    prepare_oracles(replays, requests)
     probes = [_Probe(r) for r in replays]
     hit_tokens: list[Counter[str]] = [Counter() for _ in replays]
     gap: Counter[str] = Counter()

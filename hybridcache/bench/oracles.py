@@ -181,9 +181,8 @@ class BeladyPolicy:
 class BoundedOracleReplay(CacheReplay):
     """`bounded-oracle`: the hybridcache policy on the real cache with the same budget and accounting, but
     a save is made only when a later request will need that prefix (`FutureIndex`), and eviction is
-    Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`)."""
+    Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`, with its `FutureIndex`)."""
 
-    needs_future = True
     admission = "all"  # it admits by looking ahead (`_wants_save`)
 
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
@@ -193,11 +192,13 @@ class BoundedOracleReplay(CacheReplay):
         self.future: FutureIndex | None = None
         self.belady: BeladyPolicy | None = None
 
-    def prepare(self, requests: Sequence[SimRequest]) -> None:
-        self.future = FutureIndex(requests, self.block_size)
+    def prepare(self, future: FutureIndex) -> None:
+        """Replay against `future`, the workload's `FutureIndex` at this replay's block size (read-only: the
+        bounded and reuse oracles of one run share it)."""
+        self.future = future
         life = self.cache._life
-        self.belady = BeladyPolicy(self.future, life.block_bytes, life.state_bytes,  # paged: a state is k pages
-                                   timing=not self.spec.name.startswith("reuse-oracle"))
+        self.belady = BeladyPolicy(future, life.block_bytes, life.state_bytes,  # paged: a state is k pages
+                                   timing=self.spec.base == "bounded-oracle")
         self.cache._life.evictor.policy = self.belady  # the full-scan pick path (evictor.py)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:

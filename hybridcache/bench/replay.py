@@ -34,6 +34,11 @@ class PolicySpec:
     admission: str | None = None  # the cache's admission policy; None: the mode's
 
     @property
+    def base(self) -> str:
+        """The policy's name without its block size (`block-aligned:528` -> `block-aligned`)."""
+        return self.name.partition(":")[0]
+
+    @property
     def one_budget(self) -> bool:
         """KV blocks and checkpoint states share one pool (`CacheConfig.state_pages`), as in the engine."""
         return self.mode == "hybridcache"

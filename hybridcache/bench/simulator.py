@@ -41,12 +41,12 @@ engine's budget is M + max_num_seqs state slots).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hybridcache.bench.cost_model import ModelCost
-from hybridcache.bench.oracles import FUTURE_POLICIES, BoundedOracleReplay, OracleReplay
+from hybridcache.bench.oracles import FUTURE_POLICIES, BoundedOracleReplay, FutureIndex, OracleReplay
 from hybridcache.bench.replay import (
     DEFAULT_POLICIES,
     GIB,
@@ -62,7 +62,7 @@ from hybridcache.bench.replay import (
 from hybridcache.bench.workloads import SimRequest, Workload
 
 __all__ = ["DEFAULT_POLICIES", "GIB", "POLICY_NAMES", "SimConfig", "SimResult", "make_replay", "parse_policies",
-           "simulate", "simulate_many"]
+           "prepare_oracles", "simulate", "simulate_many"]
 
 Replay = NoCacheReplay | OracleReplay | CacheReplay
 
@@ -96,7 +96,7 @@ def make_replay(spec: PolicySpec, cost: ModelCost, config: SimConfig, max_runnin
         return NoCacheReplay(spec, cost)
     if spec.mode == "oracle":
         return OracleReplay(spec, cost)
-    if spec.name.partition(":")[0] in FUTURE_POLICIES:
+    if spec.base in FUTURE_POLICIES:
         return BoundedOracleReplay(spec, cost, config, max_running)
     return CacheReplay(spec, cost, config, max_running)
 
@@ -147,14 +147,24 @@ def _simulate_jobs(
     max_running = 1 if first is None else first.n
     replays = [make_replay(spec, cost, config, max_running) for spec, config in jobs]
     stream: Iterable[SimRequest] = () if first is None else _chain(first, requests)
-    if any(getattr(r, "needs_future", False) for r in replays):  # the bounded oracle sees the whole workload
+    if any(isinstance(r, BoundedOracleReplay) for r in replays):  # the oracles see the whole workload
         stream = list(stream)
-        for replay in replays:
-            if getattr(replay, "needs_future", False):
-                replay.prepare(stream)
+        prepare_oracles(replays, stream)
     with _cyclic_gc_paused():
         count = 0 if first is None else _replay_all(stream, replays, max_running, on_request)
     return [r.result() for r in replays], count
+
+
+def prepare_oracles(replays: Iterable[Replay], requests: Sequence[SimRequest]) -> None:
+    """Give every bounded or reuse oracle among `replays` the whole workload: one `FutureIndex` per block size,
+    shared (it is read-only; building it hashes every prompt)."""
+    futures: dict[int, FutureIndex] = {}
+    for replay in replays:
+        if isinstance(replay, BoundedOracleReplay):
+            future = futures.get(replay.block_size)
+            if future is None:
+                future = futures[replay.block_size] = FutureIndex(requests, replay.block_size)
+            replay.prepare(future)
 
 
 @contextmanager
