@@ -35,7 +35,8 @@ class SeqChunk:
     token_ids: the new tokens; start: tokens already in the cache before them (the step they begin at);
     block_ids: scheduler blocks holding positions [0, start + len(token_ids)), in order; slot: state row;
     embeds: (offset in the chunk, vectors [n, hidden]) pairs: input embeddings given for chunk rows
-    offset .. offset + n - 1 (multimodal spans) instead of looked up from their token ids.
+    offset .. offset + n - 1 (multimodal spans) instead of looked up from their token ids; rope_positions:
+    [3, len(token_ids)] M-RoPE positions of the chunk's tokens, or None when they are `start ..` on every axis.
     """
 
     token_ids: Sequence[int]
@@ -43,6 +44,7 @@ class SeqChunk:
     block_ids: Sequence[int]
     slot: int
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
+    rope_positions: torch.Tensor | None = None
 
 
 TABLE_WIDTH_ALIGN = 16
@@ -82,6 +84,7 @@ def build_forward_batch(
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
+    rope_rows: list[torch.Tensor | None] = []
     kbs = kernel_block_size
     for chunk in chunks:
         token_ids, start, block_ids = chunk.token_ids, chunk.start, chunk.block_ids
@@ -98,6 +101,7 @@ def build_forward_batch(
             embed_rows.extend(range(first_row + offset, first_row + offset + vectors.shape[0]))
             embeds.append(vectors)
         input_ids.extend(token_ids)
+        rope_rows.append(chunk.rope_positions)
         if num_new == 1:  # a decode row (most rows of most steps)
             positions.append(start)
             slot_mapping.append(pages[start // kbs] * kbs + start % kbs)
@@ -117,6 +121,11 @@ def build_forward_batch(
         table.extend([0] * (width - len(row)))
 
     num_seqs = len(chunks)
+    rope_positions = None
+    if any(rows is not None for rows in rope_rows):
+        text = torch.tensor(positions, dtype=torch.int64)
+        rope_positions = torch.cat([text[None, cu_seqlens[i]: cu_seqlens[i + 1]].expand(3, -1) if rows is None
+                                    else rows for i, rows in enumerate(rope_rows)], dim=1).to(device)
     fields = {
         "input_ids": input_ids,
         "positions": positions,
@@ -149,6 +158,7 @@ def build_forward_batch(
         copies=tuple(device_copies),
         embed_rows=device_fields["embed_rows"] if embed_rows else None,
         embeds=torch.cat(embeds).to(device) if embeds else None,
+        rope_positions=rope_positions,
         prompt_logits_rows=device_fields["prompt_logits_rows"] if prompt_rows else None,
     )
 

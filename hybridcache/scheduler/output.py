@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache.plan import CopyPlan
-from hybridcache.multimodal import chunk_embeds
+from hybridcache.multimodal import chunk_embeds, rope_positions
 from hybridcache.scheduler.sequence import Seq
 
 
@@ -38,6 +38,13 @@ class ScheduledChunk:
     def embeds(self) -> tuple[tuple[int, torch.Tensor], ...]:
         """(offset in the chunk, vectors) of the multimodal spans the chunk overlaps."""
         return chunk_embeds(self.seq.mm_inputs, self.start, self.end)
+
+    @property
+    def rope_positions(self) -> torch.Tensor | None:
+        """[3, num_tokens] M-RoPE positions when the sequence has image spans, else None (see `multimodal`)."""
+        if not self.seq.mm_inputs:
+            return None
+        return rope_positions(self.seq.mm_inputs, self.start, self.end)
 
 
 @dataclass(frozen=True)
