@@ -116,6 +116,8 @@ def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
         raise ImageError(f"{what} is larger than {limits.max_bytes} bytes")
     try:
         image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ImageError(f"{what} has more pixels than the limit of {limits.max_pixels}") from None
     except Exception as error:  # noqa: BLE001 - Pillow raises many types for one cause: not an image
         raise ImageError(f"{what} is not an image Pillow can read ({type(error).__name__})") from None
     _check_size(image, limits, what)

@@ -111,11 +111,11 @@ def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sou
     """A prompt's token ids (one placeholder per image) and its image sources -> the expanded ids and the image
     spans (`ImageProcessor.expand`). ImageError when the model takes no images, there are more than
     `limits.max_images`, or an image cannot be loaded or processed; ValueError when placeholders and images
-    disagree in number."""
-    if not sources:
-        return list(token_ids), ()
+    disagree in number (also for a prompt of a vision model that holds placeholders and no images)."""
     if processor is None:
-        raise ImageError("this model takes no images (its folder has no vision tower)")
+        if sources:
+            raise ImageError("this model takes no images (its folder has no vision tower)")
+        return list(token_ids), ()
     if len(sources) > limits.max_images:
         raise ImageError(f"{len(sources)} images in one prompt; the limit is {limits.max_images} "
                          "(--limit-mm-per-prompt)")
