@@ -44,6 +44,21 @@ class MediaLimits:
     allowed_local_media_path: Path | None = None
 
 
+def media_limits(limit_mm_per_prompt: dict[str, int] | None, allowed_local_media_path: str | Path | None
+                 ) -> MediaLimits:
+    """`MediaLimits` from vLLM-style options: `{"image": n}` (other modalities are refused) and a folder."""
+    limits = dict(limit_mm_per_prompt or {})
+    images = limits.pop("image", MediaLimits.max_images)
+    if limits:
+        raise ValueError(f"limit_mm_per_prompt names {sorted(limits)}; only 'image' is supported")
+    if isinstance(images, bool) or not isinstance(images, int) or images < 0:
+        raise ValueError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {images!r}")
+    root = None if allowed_local_media_path is None else Path(allowed_local_media_path)
+    if root is not None and not root.is_dir():
+        raise ValueError(f"allowed_local_media_path {str(root)!r} is not a folder")
+    return MediaLimits(max_images=images, allowed_local_media_path=root)
+
+
 def load_image(source: Any, limits: MediaLimits) -> Any:
     """The image `source` names, decoded to RGB (see the module docstring); ImageError when it cannot be used."""
     from PIL import Image

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from hybridcache.engine.engine import LLMEngine, ValidPrompt
 from hybridcache.engine_args import resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
-from hybridcache.images import ImageError, MediaLimits
+from hybridcache.images import ImageError, media_limits
 from hybridcache.mm_processor import image_prompt, split_chat_images
 from hybridcache.model_path import resolve_model
 from hybridcache.multimodal import MultimodalInput
@@ -159,17 +159,3 @@ class LLM:
         ids, spans = image_prompt(self.engine.image_processor, valid.token_ids, sources, self.media_limits)
         return ValidPrompt(valid.text, self.engine.validate_prompt(ids).token_ids), spans
 
-
-def media_limits(limit_mm_per_prompt: dict[str, int] | None, allowed_local_media_path: str | Path | None
-                 ) -> MediaLimits:
-    """`MediaLimits` from vLLM-style options: `{"image": n}` (other modalities are refused) and a folder."""
-    limits = dict(limit_mm_per_prompt or {})
-    images = limits.pop("image", MediaLimits.max_images)
-    if limits:
-        raise ValueError(f"limit_mm_per_prompt names {sorted(limits)}; only 'image' is supported")
-    if isinstance(images, bool) or not isinstance(images, int) or images < 0:
-        raise ValueError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {images!r}")
-    root = None if allowed_local_media_path is None else Path(allowed_local_media_path)
-    if root is not None and not root.is_dir():
-        raise ValueError(f"allowed_local_media_path {str(root)!r} is not a folder")
-    return MediaLimits(max_images=images, allowed_local_media_path=root)

@@ -51,6 +51,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     done: asyncio.Future
+    mm_inputs: tuple = ()
 
 
 @dataclass
@@ -114,13 +115,15 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; returns its output queue. Raises the engine's ValueError/TypeError for a bad one."""
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  mm_inputs: tuple = ()) -> asyncio.Queue:
+        """Queue a request (`mm_inputs`: its image spans, encoded on the engine thread); returns its output queue.
+        Raises the engine's ValueError/TypeError for a bad one."""
         if not self.running:
             raise EngineFailure("the engine is not running")
         sink: asyncio.Queue = asyncio.Queue()
         done = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, sink, done))
+        self._commands.put(_Add(request_id, prompt, params, sink, done, mm_inputs))
         await done
         return sink
 
@@ -168,7 +171,7 @@ class EngineLoop:
         engine = self._engine
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request_id, command.prompt, command.params)
+                engine.add_request(command.request_id, command.prompt, command.params, command.mm_inputs)
             except EngineDeadError as error:  # a 503 for the caller, as for a request the failure aborted
                 self._resolve(command.done, error=EngineFailure(str(error)))
                 return

@@ -1,0 +1,105 @@
+"""Image chats through the openai client against `hybridcache serve` on a tiny random Qwen3.5 image-text folder:
+streamed and not, the same answer as the offline API, the encoder cache across turns, and 400s with the reason for
+bad images, video parts, refused local paths and too many images."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+
+from hybridcache.models.vl_folders import write_tiny_vl_model
+
+from .server_process import SMALL_ENGINE, running_server
+
+openai = pytest.importorskip("openai")
+PIL = pytest.importorskip("PIL.Image")
+
+
+def png_bytes(height: int, width: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    PIL.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def image_message(url: str, text: str = "Describe the picture in a few words.") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "cat.png").write_bytes(png_bytes(40, 56, seed=1))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory, media_dir):
+    model = write_tiny_vl_model(tmp_path_factory.mktemp("vl"))
+    args = (str(model), *SMALL_ENGINE, "--allowed-local-media-path", str(media_dir),
+            "--limit-mm-per-prompt", '{"image": 2}')
+    with running_server(*args, tmp_dir=tmp_path_factory.mktemp("vl_server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(vl_server):
+    return openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def model_name(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_image_chat_streamed_and_not_agree_and_the_second_turn_hits(client, media_dir):
+    name = model_name(client)
+    messages = image_message(data_uri((media_dir / "cat.png").read_bytes()))
+    greedy = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    first = client.chat.completions.create(model=name, messages=messages, **greedy)
+    reply = first.choices[0].message.content
+    assert first.usage.completion_tokens == 6 and first.usage.prompt_tokens > 40  # the image's tokens counted
+    stream = client.chat.completions.create(model=name, messages=messages, stream=True, **greedy)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices) == reply
+    # turn 2 about the same image: turn 1's whole prompt, image included, comes from the cache
+    turn2 = [*messages, {"role": "assistant", "content": reply}, {"role": "user", "content": "And the colours?"}]
+    second = client.chat.completions.create(model=name, messages=turn2, **greedy)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    # the same image as a local path: same tokens, so the same answer
+    local = client.chat.completions.create(model=name, messages=image_message(str(media_dir / "cat.png")), **greedy)
+    assert local.choices[0].message.content == reply
+    # a different image of the same size: its own answer path (the prefix cache tells them apart)
+    other = client.chat.completions.create(model=name, messages=image_message(data_uri(png_bytes(40, 56, seed=2))),
+                                           **greedy)
+    assert other.usage.prompt_tokens == first.usage.prompt_tokens
+    # byte-level tokens: <|im_start|>, "user\n", the text's bytes, <|vision_start|>; then the image
+    image_start = 1 + 5 + len(messages[0]["content"][0]["text"].encode()) + 1
+    assert other.usage.prompt_tokens_details.cached_tokens <= image_start
+
+
+@pytest.mark.parametrize("content, reason", [
+    ([{"type": "image_url", "image_url": {"url": data_uri(b"not a png at all")}}], "not an image"),
+    ([{"type": "image_url", "image_url": {"url": data_uri(png_bytes(40, 56, 1)[:80])}}], "corrupt"),
+    ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64"),
+    ([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}], "outside the allowed media path"),
+    ([{"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}}], "not supported"),
+    ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], "video input is not supported"),
+    ([{"type": "image_url", "image_url": {"url": data_uri(png_bytes(16, 16, s))}} for s in range(3)],
+     "the limit is 2"),
+])
+def test_bad_images_get_a_400_with_the_reason(client, content, reason):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model_name(client), messages=[{"role": "user", "content": content}],
+                                       max_tokens=2)
+    assert reason in caught.value.body["message"], caught.value.body
+    # the server still answers
+    ok = client.chat.completions.create(model=model_name(client), messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=2, extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 2
