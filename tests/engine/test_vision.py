@@ -125,7 +125,11 @@ def test_logits_and_greedy_tokens_match_transformers(vl_dir, sizes):
     images = [picture(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
     ids, spans = build_prompt(engine, rng, images, pieces=(60, 50, 40, 35))
     assert len(ids) >= 150 and len({s.num_tokens for s in spans}) == len(spans)
+    ends, schedule = [], engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: _recorded(schedule(), ends)
     result = run(engine, "r", ids, spans, max_tokens=6)
+    assert len(ends) - 5 >= 3  # 5 decode steps; the prompt took chunks of at most 64 tokens, one ending at an image
+    assert not any(s.start < end < s.end for s in spans for end in ends), ends
     generated = result.outputs[0].token_ids
     hf = load_hf(vl_dir)
     image_id = engine.vision.tower.config.image_token_id
@@ -174,3 +178,8 @@ def _collapse(ids, spans):
         out += ids[previous:s.start + 1]
         previous = s.end
     return out + ids[previous:]
+
+
+def _recorded(output, ends):
+    ends.extend(c.end for c in output.chunks)
+    return output

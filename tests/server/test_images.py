@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import time
 
+import httpx
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridcache.models.vl_folders import write_tiny_vl_model
 
@@ -45,7 +50,7 @@ def media_dir(tmp_path_factory):
 def vl_server(tmp_path_factory, media_dir):
     model = write_tiny_vl_model(tmp_path_factory.mktemp("vl"))
     args = (str(model), *SMALL_ENGINE, "--allowed-local-media-path", str(media_dir),
-            "--limit-mm-per-prompt", '{"image": 2}')
+            "--limit-mm-per-prompt", '{"image": 2}', "--enable-debug-endpoints")
     with running_server(*args, tmp_dir=tmp_path_factory.mktemp("vl_server")) as server:
         yield server
 
@@ -103,3 +108,43 @@ def test_bad_images_get_a_400_with_the_reason(client, content, reason):
     ok = client.chat.completions.create(model=model_name(client), messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=2, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 2
+
+
+_URLS = st.one_of(
+    st.builds(lambda h, w, seed: data_uri(png_bytes(h, w, seed)), st.integers(1, 48), st.integers(1, 48),
+              st.integers(0, 3)),
+    st.builds(lambda n: data_uri(png_bytes(24, 24, 0)[:n]), st.integers(0, 120)),
+    st.sampled_from(["", "x", "data:", "data:image/png;base64,", "data:text/plain;base64,aGk=", "/etc/hostname",
+                     "file:///etc/hostname", "http://127.0.0.1:9/a.png", "cat.png", "ftp://x/y.png"]),
+)
+_PART = st.one_of(
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": _URLS})}),
+    st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)}),
+    st.fixed_dictionaries({"type": st.just("video_url"), "video_url": st.fixed_dictionaries({"url": _URLS})}),
+    st.fixed_dictionaries({"type": st.just("image_url")}),
+)
+
+
+def test_fuzzed_image_parts_never_get_a_5xx(vl_server):
+    """Bounded (40 requests or 30 s): random image parts (good, truncated, tiny, refused, missing), text and video
+    parts; every answer is a 200 or a 400, and the engine's integrity check passes afterwards."""
+    statuses: dict[int, int] = {}
+    deadline = time.monotonic() + 30
+
+    @settings(max_examples=40, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(_PART, min_size=1, max_size=3))
+    def one(parts):
+        if time.monotonic() > deadline:
+            return
+        body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+        response = httpx.post(f"{vl_server.base_url}/v1/chat/completions", content=json.dumps(body),
+                              headers={"content-type": "application/json"}, timeout=60)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        assert response.status_code in (200, 400), (body, response.text)
+
+    one()
+    print("image fuzz statuses:", statuses)
+    assert statuses.get(200) and statuses.get(400)
+    response = httpx.get(f"{vl_server.base_url}/debug/engine", timeout=30)
+    assert response.status_code == 200 and response.json()["integrity"] == "ok", response.text
