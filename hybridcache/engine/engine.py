@@ -542,10 +542,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts."""
+        pool size and token counts, and for a model with a vision tower the images it encoded and those the
+        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`)."""
+        vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
+                                                 "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
+            **vision,
         }

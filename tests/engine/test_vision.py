@@ -156,6 +156,7 @@ def test_multi_turn_hits_through_the_image_and_skips_the_vit(vl_dir):
     second = run(cached, "turn2", ids2, spans2, max_tokens=5)
     assert second.cached_tokens >= len(ids)  # all of turn 1's prompt, image included
     assert cached.vision.num_encoded_images == 1 and cached.vision.num_cache_hits == 1  # no ViT for turn 2
+    assert cached.stats()["num_encoded_images"] == 1
     want = run(uncached, "turn2", ids2, image_prompt(uncached.image_processor, _collapse(follow, spans), [image],
                                                       MediaLimits())[1], max_tokens=5)
     assert second.outputs[0].token_ids == want.outputs[0].token_ids
