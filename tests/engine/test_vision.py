@@ -184,3 +184,20 @@ def _collapse(ids, spans):
 def _recorded(output, ends):
     ends.extend(c.end for c in output.chunks)
     return output
+
+
+def test_decode_graph_buffers_take_the_shifted_text_positions():
+    """A decode step of a sequence with an image: the CUDA decode graphs' static positions get M-RoPE row 0 (the
+    token's index + the image's shift), which equals all three rows for a text token."""
+    from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+    from hybridcache.engine.runner import _DecodeGraphs
+
+    span = MultimodalInput(3, 27, "a", grid=(1, 8, 12), merge=2)  # 4 x 6 merged: the shift is 6 - 24 = -18
+    chunks = [SeqChunk([5], 40, [0, 1, 2], 0, rope_positions=rope_positions([span], 40, 41)),
+              SeqChunk([6], 10, [3], 1)]
+    batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16)
+    assert batch.rope_positions.tolist() == [[22, 10]] * 3 and batch.positions.tolist() == [40, 10]
+    graphs = _DecodeGraphs((1, 2, 4), width=4, max_model_len=64, scratch_slot=7, scratch_page=9,
+                           kernel_block_size=16, device=torch.device("cpu"))
+    graphs.load(batch, 4)
+    assert graphs.positions.tolist() == [22, 10, 0, 0]
