@@ -67,27 +67,40 @@ def tiny_vl_hf_config(moe: bool = False, **text_overrides: Any) -> Any:
 
     from hybridcache.models.builtin import build_byte_tokenizer
 
-    tokenizer = build_byte_tokenizer(VL_SPECIAL_TOKENS)
-    ids = {token: tokenizer.token_to_id(token) for token in VL_SPECIAL_TOKENS}
+    eos = build_byte_tokenizer(VL_SPECIAL_TOKENS).token_to_id("<|im_end|>")
     rope = {**_TINY_COMMON["rope_parameters"], "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    text = {**_TINY_COMMON, "vocab_size": 320, "eos_token_id": ids["<|im_end|>"], "rope_parameters": rope,
+    text = {**_TINY_COMMON, "vocab_size": 320, "eos_token_id": eos, "rope_parameters": rope,
             **(_TINY_MOE if moe else {"intermediate_size": 128}), **text_overrides}
     text.pop("dtype")
     config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
-    config = config_cls(
-        text_config=text,
-        vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
+    config = config_cls(text_config=text, vision_config={**TINY_VISION, "out_hidden_size": text["hidden_size"]},
+                        **byte_token_ids())
     config.architectures = ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"]
     return config
 
 
+def byte_token_ids() -> dict[str, int]:
+    """The ids of the image tokens in the byte tokenizer with `VL_SPECIAL_TOKENS`, as config.json names them."""
+    from hybridcache.models.builtin import build_byte_tokenizer
+
+    tokenizer = build_byte_tokenizer(VL_SPECIAL_TOKENS)
+    return {"image_token_id": tokenizer.token_to_id("<|image_pad|>"),
+            "video_token_id": tokenizer.token_to_id("<|video_pad|>"),
+            "vision_start_token_id": tokenizer.token_to_id("<|vision_start|>"),
+            "vision_end_token_id": tokenizer.token_to_id("<|vision_end|>")}
+
+
 def write_tiny_vl_model(path: str | Path, moe: bool = False, seed: int = 0) -> Path:
     """Write a tiny random image-text model folder to `path` (see the module docstring); returns `path`."""
+    return write_vl_model(path, tiny_vl_hf_config(moe), PREPROCESSOR, seed=seed)
+
+
+def write_vl_model(path: str | Path, config: Any, preprocessor: dict[str, Any], *, seed: int = 0,
+                   dtype: Any = None, draw_device: str = "cpu") -> Path:
+    """Write a random image-text folder of transformers config `config` (its image token ids those of
+    `byte_token_ids`), with `preprocessor` as preprocessor_config.json, the byte tokenizer and the image chat
+    template. `dtype`: the weights' (default fp32); `draw_device`: where the random values are drawn (a GPU for
+    multi-GB models)."""
     import torch
     import transformers
 
@@ -95,15 +108,20 @@ def write_tiny_vl_model(path: str | Path, moe: bool = False, seed: int = 0) -> P
     from hybridcache.models.random_weights import randomize_
 
     path = Path(path)
-    config = tiny_vl_hf_config(moe)
+    path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cls = transformers.Qwen3_5MoeForConditionalGeneration if moe else transformers.Qwen3_5ForConditionalGeneration
-    model = cls(config).eval()
-    randomize_(model, seed=seed)
-    model.save_pretrained(path)
+    cls = getattr(transformers, config.architectures[0])
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=draw_device)
+    if dtype is not None:
+        model = model.to(dtype)
+    randomize_(model, seed=seed, draw_device=draw_device)
+    model.eval().save_pretrained(path)
+    del model
     build_byte_tokenizer(VL_SPECIAL_TOKENS).save(str(path / "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
                         "pad_token": "<|endoftext|>", "chat_template": VL_CHAT_TEMPLATE}
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
-    (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return path
