@@ -112,6 +112,22 @@ def chunk_embeds(
     return tuple(pieces)
 
 
+def rope_shift(inputs: Sequence[MultimodalInput], index: int) -> int:
+    """How far M-RoPE moves the position of a text token at `index` (past every image span ending at or before
+    it): the sum of max(h, w) - t*h*w over those spans (module docstring). 0 without spans with a grid."""
+    shift = 0
+    for item in inputs:
+        grid = item.llm_grid
+        if grid is not None and item.end <= index:
+            shift += max(grid[1], grid[2]) - item.num_tokens
+    return shift
+
+
+def overlaps_image(inputs: Sequence[MultimodalInput], start: int, end: int) -> bool:
+    """True when positions [start, end) overlap a span with a grid (whose tokens need 3-D positions)."""
+    return any(item.grid is not None and item.start < end and start < item.end for item in inputs)
+
+
 def rope_positions(inputs: Sequence[MultimodalInput], start: int, end: int) -> torch.Tensor | None:
     """M-RoPE positions [3, end - start] int64 of prompt (or output) indices [start, end) of a sequence whose
     spans are `inputs` (sorted by start); None when no span has a grid (every axis is then the index). See the

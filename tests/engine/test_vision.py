@@ -16,7 +16,7 @@ from hybridcache.models.vision import VisionTower
 from hybridcache.models.vision_config import VisionConfig
 from hybridcache.models.vision_loader import load_vision_weights
 from hybridcache.models.vl_folders import tiny_vl_hf_config, write_tiny_vl_model
-from hybridcache.multimodal import MultimodalInput, rope_positions
+from hybridcache.multimodal import MultimodalInput, rope_positions, rope_shift
 from hybridcache.sampling import SamplingParams
 
 from .test_cache_equivalence import REL_TOL, make_engine
@@ -193,11 +193,30 @@ def test_decode_graph_buffers_take_the_shifted_text_positions():
     from hybridcache.engine.runner import _DecodeGraphs
 
     span = MultimodalInput(3, 27, "a", grid=(1, 8, 12), merge=2)  # 4 x 6 merged: the shift is 6 - 24 = -18
-    chunks = [SeqChunk([5], 40, [0, 1, 2], 0, rope_positions=rope_positions([span], 40, 41)),
-              SeqChunk([6], 10, [3], 1)]
+    assert rope_shift([span], 40) == -18 and rope_positions([span], 40, 41).tolist() == [[22]] * 3
+    chunks = [SeqChunk([6], 10, [3], 1), SeqChunk([5], 40, [0, 1, 2], 0, rope_shift=rope_shift([span], 40))]
     batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16)
-    assert batch.rope_positions.tolist() == [[22, 10]] * 3 and batch.positions.tolist() == [40, 10]
+    assert batch.rope_positions.tolist() == [[10, 22]] * 3 and batch.positions.tolist() == [10, 40]
     graphs = _DecodeGraphs((1, 2, 4), width=4, max_model_len=64, scratch_slot=7, scratch_page=9,
                            kernel_block_size=16, device=torch.device("cpu"))
     graphs.load(batch, 4)
-    assert graphs.positions.tolist() == [22, 10, 0, 0]
+    assert graphs.positions.tolist() == [10, 22, 0, 0]
+
+
+def test_a_step_mixes_image_chunks_shifted_text_and_plain_text():
+    """One batch: a plain text sequence, a prefill chunk over an image, and a decode row after an image; the
+    [3, T] rotary positions equal each sequence's own `rope_positions` over its rows."""
+    from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+
+    spans = [MultimodalInput(2, 8, "a", grid=(1, 4, 6), merge=2), MultimodalInput(12, 20, "b", grid=(1, 8, 4), merge=2)]
+    chunks = [SeqChunk([1, 2, 3], 5, [0], 0),
+              SeqChunk([7] * 12, 4, [1, 2], 1, rope_positions=rope_positions(spans, 4, 16)),
+              SeqChunk([9], 30, [3, 4], 2, rope_shift=rope_shift(spans, 30))]
+    batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16)
+    want = torch.cat([torch.arange(5, 8).repeat(3, 1), rope_positions(spans, 4, 16), rope_positions(spans, 30, 31)],
+                     dim=1)
+    assert torch.equal(batch.rope_positions, want)
+    alone = build_forward_batch(chunks[2:], block_size=16, kernel_block_size=16)  # a shifted chunk first and alone
+    assert torch.equal(alone.rope_positions, rope_positions(spans, 30, 31))
+    first = build_forward_batch(chunks[::-1], block_size=16, kernel_block_size=16)
+    assert torch.equal(first.rope_positions, torch.cat([want[:, 15:], want[:, 3:15], want[:, :3]], dim=1))
