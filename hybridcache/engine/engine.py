@@ -228,7 +228,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
-        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`). `final_only`: `step` returns
+        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`); image spans that carry
+        `pixel_values` (`mm_processor.ImageProcessor.expand`) are encoded here by the vision tower, or served by
+        its encoder cache (a model without a vision tower refuses them). `final_only`: `step` returns
         this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
         building the cumulative output of every request at every step costs host time)."""
         self._raise_if_dead()
