@@ -68,7 +68,8 @@ def placeholder_embeds(content_hash: Hashable, num_tokens: int, hidden_size: int
 def resolve_inputs(
     inputs: Sequence[MultimodalInput], prompt_len: int, hidden_size: int
 ) -> tuple[MultimodalInput, ...]:
-    """Validate spans against a prompt and fill in placeholder embeddings; sorted by start.
+    """Validate spans against a prompt and fill in placeholder embeddings; sorted by start. Embeddings keep their
+    dtype and device (the vision tower's: the model's; the input builder moves them, the model casts them).
 
     Raises ValueError naming the span when it is empty, outside the prompt, overlapping another, or when its
     embeddings do not have shape [end - start, hidden_size].
@@ -94,7 +95,7 @@ def resolve_inputs(
                 f"multimodal span [{item.start}, {item.end}) has embeddings of shape {tuple(embeds.shape)}, "
                 f"expected {(item.num_tokens, hidden_size)}"
             )
-        resolved.append(MultimodalInput(item.start, item.end, item.content_hash, embeds.detach().float(),
+        resolved.append(MultimodalInput(item.start, item.end, item.content_hash, embeds.detach(),
                                         item.grid, item.merge))
         previous_end = item.end
     return tuple(resolved)

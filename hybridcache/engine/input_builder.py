@@ -171,7 +171,7 @@ def build_forward_batch(
         context_lens_cpu=tuple(context_lens),
         copies=tuple(device_copies),
         embed_rows=device_fields["embed_rows"] if embed_rows else None,
-        embeds=torch.cat(embeds).to(device) if embeds else None,
+        embeds=torch.cat([e.to(device) for e in embeds]) if embeds else None,  # spans may live on either side
         rope_positions=rope_positions,
         prompt_logits_rows=device_fields["prompt_logits_rows"] if prompt_rows else None,
     )
