@@ -220,3 +220,32 @@ def test_a_step_mixes_image_chunks_shifted_text_and_plain_text():
     assert torch.equal(alone.rope_positions, rope_positions(spans, 30, 31))
     first = build_forward_batch(chunks[::-1], block_size=16, kernel_block_size=16)
     assert torch.equal(first.rope_positions, torch.cat([want[:, 15:], want[:, 3:15], want[:, :3]], dim=1))
+
+
+def test_in_flight_sharing_through_an_image_and_never_across_different_ones(vl_dir):
+    """n = 3 of one image prompt: one prefill of the prompt (the others wait and restore it); the same text
+    with a different image, admitted in the same step, shares only up to the image's start. Greedy tokens equal
+    the uncached engine's."""
+    cached, uncached = make_engine(vl_dir), make_engine(vl_dir, caching=False)
+    rng = random.Random(5)
+    ids, spans = build_prompt(cached, rng, [picture(32, 40, seed=1)], pieces=(40, 30))
+    other = image_prompt(cached.image_processor, _collapse(ids, spans), [picture(32, 40, seed=2)], MediaLimits())[1]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, n=3)
+    results = {}
+    for engine in (cached, uncached):
+        engine.add_request("same", ids, params, mm_inputs=spans)
+        engine.add_request("other", ids, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                           mm_inputs=other)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+        results[engine is cached] = done
+    hit, miss = results[True], results[False]
+    for name in ("same", "other"):
+        assert [c.token_ids for c in hit[name].outputs] == [c.token_ids for c in miss[name].outputs]
+    assert [c.cached_tokens for c in hit["same"].outputs][1:] == [len(ids)] * 2  # waited for the first one
+    assert hit["other"].cached_tokens <= spans[0].start
+    # prompts computed: the first completion's whole prompt, and "other" from at most the image start
+    assert cached.num_prefill_tokens <= 2 * len(ids) - hit["other"].cached_tokens
+    assert uncached.num_prefill_tokens == 4 * len(ids)
