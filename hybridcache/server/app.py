@@ -182,9 +182,11 @@ class _Routes:
                            param="messages") from None
         prompt_ids = self.model.tokenizer.encode(text)
         mm_inputs: tuple = ()
-        if self.model.image_processor is not None:  # images loaded, processed, placeholders expanded: off the loop
+        if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
             prompt_ids, mm_inputs = await asyncio.to_thread(image_request, self.model.image_processor, prompt_ids,
                                                             images, self.model.media_limits)
+        elif self.model.image_processor is not None:  # no images: no stray placeholder either
+            prompt_ids, _ = image_request(self.model.image_processor, prompt_ids, (), self.model.media_limits)
         defaults = self.model.sampling_defaults
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
                                       body.n)
