@@ -35,6 +35,12 @@ def vl_dir(request, tmp_path_factory):
     return write_tiny_vl_model(tmp_path_factory.mktemp("vl_moe" if request.param else "vl_dense"), moe=request.param)
 
 
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """The dense folder alone, for the cache tests (the MoE model changes nothing there; it is checked above)."""
+    return write_tiny_vl_model(tmp_path_factory.mktemp("vl_dense_cache"))
+
+
 def text(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
@@ -142,8 +148,8 @@ def test_logits_and_greedy_tokens_match_transformers(vl_dir, sizes):
         assert int(want.argmax()) == generated[step]
 
 
-def test_multi_turn_hits_through_the_image_and_skips_the_vit(vl_dir):
-    cached, uncached = make_engine(vl_dir), make_engine(vl_dir, caching=False)
+def test_multi_turn_hits_through_the_image_and_skips_the_vit(dense_dir):
+    cached, uncached = make_engine(dense_dir), make_engine(dense_dir, caching=False)
     rng = random.Random(7)
     image = picture(32, 48, seed=11)
     ids, spans = build_prompt(cached, rng, [image], pieces=(30, 60))
@@ -222,11 +228,11 @@ def test_a_step_mixes_image_chunks_shifted_text_and_plain_text():
     assert torch.equal(first.rope_positions, torch.cat([want[:, 15:], want[:, 3:15], want[:, :3]], dim=1))
 
 
-def test_in_flight_sharing_through_an_image_and_never_across_different_ones(vl_dir):
+def test_in_flight_sharing_through_an_image_and_never_across_different_ones(dense_dir):
     """n = 3 of one image prompt: one prefill of the prompt (the others wait and restore it); the same text
     with a different image, admitted in the same step, shares only up to the image's start. Greedy tokens equal
     the uncached engine's."""
-    cached, uncached = make_engine(vl_dir), make_engine(vl_dir, caching=False)
+    cached, uncached = make_engine(dense_dir), make_engine(dense_dir, caching=False)
     rng = random.Random(5)
     ids, spans = build_prompt(cached, rng, [picture(32, 40, seed=1)], pieces=(40, 30))
     other = image_prompt(cached.image_processor, _collapse(ids, spans), [picture(32, 40, seed=2)], MediaLimits())[1]
