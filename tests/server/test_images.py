@@ -87,6 +87,10 @@ def test_image_chat_streamed_and_not_agree_and_the_second_turn_hits(client, medi
     # byte-level tokens: <|im_start|>, "user\n", the text's bytes, <|vision_start|>; then the image
     image_start = 1 + 5 + len(messages[0]["content"][0]["text"].encode()) + 1
     assert other.usage.prompt_tokens_details.cached_tokens <= image_start
+    # two distinct images, four requests served by the encoder cache (stream, turn 2, local path; none for other)
+    metrics = httpx.get(f"{vl_server_url(client)}/metrics", timeout=10).text
+    assert _metric(metrics, "hybridcache_vision_encoded_images_total") == 2
+    assert _metric(metrics, "hybridcache_vision_encoder_cache_hits_total") == 3
 
 
 @pytest.mark.parametrize("content, reason", [
@@ -148,3 +152,11 @@ def test_fuzzed_image_parts_never_get_a_5xx(vl_server):
     assert statuses.get(200) and statuses.get(400)
     response = httpx.get(f"{vl_server.base_url}/debug/engine", timeout=30)
     assert response.status_code == 200 and response.json()["integrity"] == "ok", response.text
+
+
+def vl_server_url(client) -> str:
+    return str(client.base_url).removesuffix("/").removesuffix("/v1")
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
