@@ -115,6 +115,7 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
         validated = [self._validate(prompt) for prompt in prompts]  # tokenized here, once
+        validated = self._encode_images(validated)
         ids = []
         try:
             for (prompt, mm_inputs), params in zip(validated, params_list):
@@ -139,6 +140,15 @@ class LLM:
                     self.engine.abort(request_id)
                 raise
         return [results[request_id] for request_id in ids]
+
+    def _encode_images(self, validated: list[tuple[ValidPrompt, tuple[MultimodalInput, ...]]]
+                       ) -> list[tuple[ValidPrompt, tuple[MultimodalInput, ...]]]:
+        """Every prompt's images through the vision tower in one `VisionEncoder.encode` (batched tower calls)."""
+        spans = [span for _, prompt_spans in validated for span in prompt_spans]
+        if not spans or self.engine.vision is None:
+            return validated
+        encoded = iter(self.engine.vision.encode(spans))
+        return [(prompt, tuple(next(encoded) for _ in prompt_spans)) for prompt, prompt_spans in validated]
 
     def _validate(self, prompt: Prompt) -> tuple[ValidPrompt, tuple[MultimodalInput, ...]]:
         """The prompt checked and tokenized, with its images loaded and processed into spans (placeholders

@@ -3,8 +3,10 @@
 `VisionEncoder.encode(spans)` fills the embeddings of every image span that carries `pixel_values` and no
 `embeds`: from the encoder cache when an image with the same content hash was encoded recently (a second turn
 about the same image runs no ViT, even when its prefix was evicted from the prefix cache), else by running the
-tower once over all the missing images of the call. The cache is an LRU bounded by `capacity_tokens` language-model
-tokens of embeddings; an image larger than the whole capacity is encoded and not kept.
+tower over the missing images of the call, several images per tower call up to `MAX_PATCHES_PER_CALL` patches
+(`LLM.generate` encodes all its prompts' images in one `encode`). The cache is an LRU bounded by
+`capacity_tokens` language-model tokens of embeddings; an image larger than the whole capacity is encoded and not
+kept.
 
 Counters: `num_encoded_images` (images the tower ran for), `num_cache_hits` (images served from the cache).
 """
@@ -23,6 +25,7 @@ from hybridcache.models.vision_loader import load_vision_tower
 from hybridcache.multimodal import MultimodalInput
 
 DEFAULT_CAPACITY_TOKENS = 65536
+MAX_PATCHES_PER_CALL = 32768  # bounds one tower call's activations (an image larger than this runs alone)
 
 
 class VisionEncoder:
@@ -73,14 +76,12 @@ class VisionEncoder:
                 self.num_cache_hits += 1
             else:
                 missing[key] = span
-        if missing:
-            spans_in = list(missing.values())
-            pixels = torch.cat([s.pixel_values for s in spans_in])
-            outputs = self.tower(pixels, [s.grid for s in spans_in])
-            self.num_encoded_images += len(spans_in)
-            for key, embeds in zip(missing, outputs, strict=True):
-                found[key] = embeds
-                self._keep(key, embeds)
+        for group in _groups(list(missing.values())):
+            outputs = self.tower(torch.cat([s.pixel_values for s in group]), [s.grid for s in group])
+            self.num_encoded_images += len(group)
+            for span, embeds in zip(group, outputs, strict=True):
+                found[span.content_hash] = embeds
+                self._keep(span.content_hash, embeds)
         pending_ids = {id(s) for s in pending}
         return tuple(
             dataclasses.replace(s, embeds=found[s.content_hash], pixel_values=None) if id(s) in pending_ids else s
@@ -96,3 +97,17 @@ class VisionEncoder:
         while self._cached_tokens > self.capacity_tokens:
             _, dropped = self._cache.popitem(last=False)
             self._cached_tokens -= dropped.shape[0]
+
+
+def _groups(spans: list[MultimodalInput]) -> list[list[MultimodalInput]]:
+    """Consecutive runs of `spans` of at most `MAX_PATCHES_PER_CALL` patches each (an image alone may exceed it)."""
+    groups: list[list[MultimodalInput]] = []
+    size = 0
+    for span in spans:
+        patches = span.pixel_values.shape[0]
+        if not groups or size + patches > MAX_PATCHES_PER_CALL:
+            groups.append([])
+            size = 0
+        groups[-1].append(span)
+        size += patches
+    return groups

@@ -255,3 +255,30 @@ def test_in_flight_sharing_through_an_image_and_never_across_different_ones(dens
     # prompts computed: the first completion's whole prompt, and "other" from at most the image start
     assert cached.num_prefill_tokens <= 2 * len(ids) - hit["other"].cached_tokens
     assert uncached.num_prefill_tokens == 4 * len(ids)
+
+
+def test_encoder_batches_images_and_serves_repeats_from_its_cache(monkeypatch):
+    """Images of one `encode` run through the tower together, at most MAX_PATCHES_PER_CALL patches a call; an
+    image seen before (same content hash) is not encoded again; the embeddings equal one image at a time."""
+    from hybridcache.engine import vision_encoder
+    from hybridcache.engine.vision_encoder import VisionEncoder
+    from hybridcache.models.random_weights import randomize_
+
+    tower = VisionTower(VisionConfig.from_dict(tiny_vl_hf_config().to_dict()))
+    randomize_(tower, seed=1)
+    calls = []
+    original = tower.forward
+    monkeypatch.setattr(tower, "forward", lambda pixels, grids: calls.append(list(grids)) or original(pixels, grids))
+    monkeypatch.setattr(vision_encoder, "MAX_PATCHES_PER_CALL", 100)
+    grids = [(1, 6, 8), (1, 4, 4), (1, 8, 8), (1, 4, 6)]  # 48, 16, 64, 24 patches
+    spans = [MultimodalInput(10 * i, 10 * i + t * h * w // 4, f"img{i}", grid=(t, h, w), merge=2,
+                             pixel_values=torch.randn(t * h * w, tower.config.patch_dim))
+             for i, (t, h, w) in enumerate(grids)]
+    encoder = VisionEncoder(tower)
+    out = encoder.encode(spans + [spans[1]])  # the repeat is encoded once
+    assert calls == [[(1, 6, 8), (1, 4, 4)], [(1, 8, 8), (1, 4, 6)]] and encoder.num_encoded_images == 4
+    for span, got in zip(spans, out, strict=False):
+        assert got.pixel_values is None
+        assert torch.allclose(got.embeds, original(span.pixel_values, [span.grid])[0], atol=1e-5)
+    again = encoder.encode([spans[2]])
+    assert len(calls) == 2 and encoder.num_cache_hits == 1 and torch.equal(again[0].embeds, out[2].embeds)
