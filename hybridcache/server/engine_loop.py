@@ -151,6 +151,7 @@ class EngineLoop:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+            self._encode_images(commands)
             for command in commands:
                 if isinstance(command, _Stop):
                     self._abort_all(None)
@@ -166,6 +167,20 @@ class EngineLoop:
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
+
+    def _encode_images(self, commands: list) -> None:
+        """The images of every request added in this drain through the vision tower together (batched tower
+        calls); on an error, each request's `add_request` encodes its own and reports what is wrong with it."""
+        adds = [c for c in commands if isinstance(c, _Add) and c.mm_inputs]
+        vision = self._engine.vision if adds else None
+        if vision is None:
+            return
+        try:
+            encoded = iter(vision.encode([span for c in adds for span in c.mm_inputs]))
+        except Exception:  # noqa: BLE001 - left to each request's own add_request
+            return
+        for command in adds:
+            command.mm_inputs = tuple(next(encoded) for _ in command.mm_inputs)
 
     def _handle(self, command: _Add | _Abort | _Check) -> None:
         engine = self._engine
