@@ -7,7 +7,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
 import time
+import zlib
 
 import httpx
 import numpy as np
@@ -28,6 +30,16 @@ def png_bytes(height: int, width: int, seed: int) -> bytes:
     buffer = io.BytesIO()
     PIL.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims width x height pixels (a decompression bomb's shape)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 10))
+            + chunk(b"IEND", b""))
 
 
 def data_uri(data: bytes) -> str:
@@ -93,10 +105,29 @@ def test_image_chat_streamed_and_not_agree_and_the_second_turn_hits(client, medi
     assert _metric(metrics, "hybridcache_vision_encoder_cache_hits_total") == 3
 
 
+def test_concurrent_image_chats_match_their_answers_alone(client):
+    """Six image chats at once (their images may share tower calls on the engine thread), each answer equal to
+    the same chat sent again alone (then served from the prefix and encoder caches)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    name = model_name(client)
+    greedy = {"max_tokens": 5, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    chats = [image_message(data_uri(png_bytes(24 + 8 * i, 40, seed=50 + i)), f"Picture {i}?") for i in range(6)]
+
+    def ask(messages):
+        return client.chat.completions.create(model=name, messages=messages, **greedy).choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, chats))
+    assert together == [ask(messages) for messages in chats]
+
+
 @pytest.mark.parametrize("content, reason", [
     ([{"type": "image_url", "image_url": {"url": data_uri(b"not a png at all")}}], "not an image"),
     ([{"type": "image_url", "image_url": {"url": data_uri(png_bytes(40, 56, 1)[:80])}}], "corrupt"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64"),
+    ([{"type": "image_url", "image_url": {"url": data_uri(png_claiming(10_000, 10_000))}}], "more than the limit"),
+    ([{"type": "image_url", "image_url": {"url": data_uri(png_claiming(20_000, 20_000))}}], "more pixels than"),
     ([{"type": "image_url", "image_url": {"url": "/etc/hostname"}}], "outside the allowed media path"),
     ([{"type": "image_url", "image_url": {"url": "ftp://example.com/a.png"}}], "not supported"),
     ([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}], "video input is not supported"),
