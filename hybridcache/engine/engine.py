@@ -38,11 +38,10 @@ import torch
 
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
-from hybridcache.distributed.executor import TensorParallelExecutor
-from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.executor import make_executor
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.rank_runner import RunnerSpec
 from hybridcache.guided import GrammarCache, fill_bitmask
-from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
@@ -178,12 +177,8 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
-        spec = RunnerSpec(self.model_path, config, self.max_model_len)
-        if config.tensor_parallel_size > 1:
-            self.runner = TensorParallelExecutor(spec, self.device, config.tensor_parallel_size)
-            plan = self.runner.memory_plan
-        else:
-            self.runner, plan = build_runner(spec, TensorParallel(), self.device)
+        self.runner = make_executor(RunnerSpec(self.model_path, config, self.max_model_len), self.device)
+        plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1

@@ -27,8 +27,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hybridcache.cache.plan import CopyKind, Phase, Pool
+from hybridcache.copy_kinds import CopyKind, Phase, Pool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
@@ -122,7 +123,8 @@ class ModelRunner:
     """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
     specs) are allocated once, at construction; with `cuda_graphs`, decode graphs are captured there too.
     `num_blocks`: the pool of blocks (KV and checkpoint pages); `num_slots`: the runtime state slots;
-    `state_pages`: k, the blocks of one checkpoint state (`hybridcache.engine.memory.MemoryPlan`)."""
+    `state_pages`: k, the blocks of one checkpoint state (`hybridcache.engine.memory.MemoryPlan`); `memory_plan`:
+    the plan those counts come from (`build_runner` passes it). The engine's `Executor` on one device."""
 
     def __init__(
         self,
@@ -140,8 +142,10 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_model_len: int = 1,
         cuda_graphs: bool = False,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         self.model = model
+        self.memory_plan = memory_plan
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
@@ -224,6 +228,9 @@ class ModelRunner:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
         return self.model.logits_from_slots(self.pools, slots)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner started no process or thread (the `Executor` protocol's method)."""
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs

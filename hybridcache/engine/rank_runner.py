@@ -103,6 +103,7 @@ def build_runner(
         state_dtype=state_dtype,
         device=device,
         cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
+        memory_plan=plan,
     )
     return runner, plan
 
