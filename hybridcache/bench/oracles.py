@@ -9,12 +9,12 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.replay import CacheReplay, Counters, PolicyResult, PolicySpec, SimConfig, policy_result
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheRequest
 from hybridcache.cache.request import common_prefix_len
 from hybridcache.cache.trie import chain_hash, prompt_block_hashes, root_hash
+from hybridcache.engine.cost_model import ModelCost
 
 FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
 

@@ -47,7 +47,8 @@ ALLOWED: dict[str, set[str]] = {
     "model_path": {"models"},
     "engine_args": {"config", "models"},
     "engine": {
-        "cache", "config", "copy_kinds", "forward_batch", "guided", "kernels", "layers", "models", "multimodal",
+        "cache", "config", "copy_kinds", "engine_args", "forward_batch", "guided", "kernels", "layers", "models",
+        "multimodal",
         "outputs", "sampling", "scheduler", "state_spec", "tokenizer",
     },
     "distributed": {"engine", "forward_batch", "layers", "models"},
