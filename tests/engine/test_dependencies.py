@@ -199,3 +199,11 @@ def test_the_engine_never_calls_the_prefix_cache():
 
 def test_every_cache_mode_has_a_policy():
     assert tuple(POLICIES) == CACHE_MODES
+
+
+def test_every_engine_eviction_name_is_a_registered_cache_policy():
+    """The engine's option spellings (`hybridcache.config.EVICTION_POLICIES`) map onto the cache's one registry."""
+    from hybridcache.cache.policy import EVICTION_POLICIES as REGISTERED
+    from hybridcache.config import EVICTION_POLICIES as SPELLINGS
+
+    assert set(SPELLINGS.values()) == set(REGISTERED)
