@@ -61,8 +61,8 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """The ids of `text`, no special tokens added: what `AutoTokenizer.encode(text, add_special_tokens=False)`
-        gives, through the backend's `encode_batch_fast` (no offsets: 2-3x faster on long prompts, e.g. ~3 ms
-        instead of ~8 ms for 16,200 characters under a byte-level BPE). As transformers does before each call,
+        gives, through the backend's `encode_batch_fast` (no offsets, which long prompts pay for: docs/bench.md,
+        "Figures behind the code's choices"). As transformers does before each call,
         the backend runs without truncation or padding and with the tokenizer's `split_special_tokens`."""
         backend = self.backend
         if backend.truncation is not None:

@@ -272,8 +272,8 @@ class ModelRunner:
     def _compile_copies(self, *, num_blocks: int) -> None:
         """One KV save (block 0 onto block 1: both hold nothing yet), so that the copy kernel's variant for each
         KV group (its geometry is a compile-time specialisation) compiles at start-up
-        rather than inside the first step that saves or restores a checkpoint (the first prefill step of the
-        GPU benchmark's phase D paid ~300 ms for it on a fresh machine). The ids here are fresh tensors, 16-byte
+        rather than inside the first step that saves or restores a checkpoint (what that costs: docs/bench.md,
+        "Start-up compiles"). The ids here are fresh tensors, 16-byte
         aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches.
         Paged state copies are plain torch ops: nothing to compile."""
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))

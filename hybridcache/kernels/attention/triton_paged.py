@@ -45,9 +45,9 @@ class PrefillConfig:
 
 
 def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Tiles for this head size and dtype. bf16: 128 x 64 with 8 warps was the fastest of four tilings on the
-    H200 at D = 256 (463 TFLOP/s causal over 16,384 tokens, against 247 for 64 x 64 with 4 warps); fp32 tiles
-    are twice as wide in bytes, so smaller ones fit in shared memory."""
+    """Tiles for this head size and dtype. bf16: 128 x 64 with 8 warps, the fastest of four tilings benchmarked
+    at D = 256 (docs/bench.md, "Figures behind the code's choices"); fp32 tiles are twice as wide in bytes, so
+    smaller ones fit in shared memory."""
     if dtype == torch.float32:
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)

@@ -140,7 +140,7 @@ def grouped_experts(
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     """Run the Triton expert GEMM once with each tile `tile_rows` can pick, on one token of x's dtype and
     device, so that the kernels compile when the engine starts (its profiling forward stacks the experts) and not
-    inside the first request whose chunk needs that tile (a fresh machine spends about a second per variant)."""
+    inside the first request whose chunk needs that tile (what that costs: docs/bench.md, "Start-up compiles")."""
     ids = torch.arange(top_k, device=x.device).remainder(experts.gate_up.shape[0])[None, :]
     order, counts = sort_pairs(ids, experts.gate_up.shape[0])
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)

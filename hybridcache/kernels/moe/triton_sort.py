@@ -1,9 +1,8 @@
 """The MoE (token, pick) pairs sorted by expert, and the rows per expert, in one Triton launch (for up to
 `MAX_PAIRS` pairs: decode steps and small chunks). torch takes five kernels for the same (the int16 cast, a
-radix argsort, zeros, ones and a scatter_add), ~0.02 ms a layer whatever the size; this takes 0.002-0.004 ms up
-to 512 pairs and 0.010 at 1,024, but one program's sort grows with the pairs (0.020 ms at 2,048, 0.078 at
-4,096) and with the experts (512 experts: 0.011 ms at 640 pairs, 0.026 at 1,280), hence the limit
-(`benchmarks/moe_bench.py --sort`, H200, docs/kernels.md).
+radix argsort, zeros, ones and a scatter_add) at a cost that does not depend on the size; one program's sort
+grows with the pairs and with the experts, hence the limit (`benchmarks/moe_bench.py --sort`; the figures are in
+docs/bench.md, "Figures behind the code's choices").
 
 One program holds all N pairs. Pair i with expert e gets the key e * BLOCK_N + i, unique and ordered first by
 expert, then by pair; sorting the keys (`tl.sort`) and keeping key % BLOCK_N gives the stable argsort of the
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 MAX_PAIRS = 1024  # one program sorts them; more take torch's radix sort (`grouped.sort_pairs`)
-MAX_EXPERTS = 1024  # the histogram's bins live in one program too (measured up to 512 experts)
+MAX_EXPERTS = 1024  # the histogram's bins live in one program too (benchmarked up to 512 experts)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ program takes 2,048 // width rows, see `_launch`):
   to x's dtype (the module multiplies in the weight's dtype); y = p * silu(gate) in fp32, rounded once.
 - `l2norm` (the gated delta rule's q / k): y = x / sqrt(sum(x^2) + eps) in fp32, rounded once (fla's
   convention, `gated_delta.reference.l2norm`). Ours rather than fla's in-kernel one: fla autotunes its l2norm
-  over 25 configs per bucket of T * H / 65,536, so the first prefill of each new size bucket compiled for ~12 s
-  on the H200 (gpu_bench, next-1b phase D).
+  over 25 configs per bucket of T * H / 65,536, so the first prefill of each new size bucket compiles (docs/bench.md,
+  "Start-up compiles").
 
 Inputs may be head views: a [T, H, D] tensor whose rows sit at t * stride_t + h * stride_h (q / k / z sliced out
 of a fused projection, q / k / v out of the conv output) is read in place, never copied first. Row r of the
@@ -96,9 +96,9 @@ _ELEMENTS_PER_PROGRAM = 2048  # rows per program = this // the padded row width 
 def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
     """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`).
 
-    Rows of a head dim (128) are 256 bytes: one program each left phase D's 16,384-token prefill steps
-    latency-bound (next-1b on the H200: the gated norm 210 us per layer for ~200 MB moved), so short rows are
-    grouped, 16 per program at 128 columns; hidden-size rows (2,048+) keep one program each."""
+    Rows of a head dim (128) are 256 bytes: one program each leaves long prefill steps latency-bound (docs/bench.md,
+    "Figures behind the code's choices"), so short rows are grouped, 16 per program at 128 columns; hidden-size
+    rows (2,048+) keep one program each."""
     rows, stride_t, stride_h, heads = _rows(x)
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
