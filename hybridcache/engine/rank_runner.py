@@ -24,8 +24,9 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state_pages
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
+from hybridcache.kernels.shapes import ModelShapes
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import load_model
+from hybridcache.models import ModelConfig, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_CHECKPOINT_STATES = 32
@@ -43,6 +44,19 @@ class RunnerSpec:
 # CUDA graphs under tensor parallelism (captured NCCL collectives) are built but have not run on a GPU yet: True
 # once tests/distributed/test_tp_cuda_graphs.py has passed on 2 GPUs; until then TP decodes eagerly.
 TP_CUDA_GRAPHS = False
+
+
+def model_shapes(config: ModelConfig) -> ModelShapes:
+    """The dims of `config` that kernel backends specialise on (what `KernelBackend.check_model` judges)."""
+    attention = bool(config.attention_layer_ids)
+    delta = bool(config.linear_layer_ids)
+    return ModelShapes(
+        attention_head_dim=config.attention.head_dim if attention else None,
+        rotary_dim=config.attention.rotary_dim if attention else None,
+        delta_key_head_dim=config.gated_delta.k_head_dim if delta else None,
+        delta_value_head_dim=config.gated_delta.v_head_dim if delta else None,
+        num_experts=config.mlp.num_experts,
+    )
 
 
 def build_runner(
@@ -64,6 +78,7 @@ def build_runner(
         # when a kernel compiles; a value the user set wins.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
+    backend.check_model(model_shapes(ModelConfig.from_model_dir(spec.model_path)))  # so does a shape it cannot run
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
     kv_per_block, state_per_slot = pool_bytes(
         model.state_specs(dtype, state_dtype), config.block_size, model.slot_specs(dtype)

@@ -42,11 +42,17 @@ from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
 from hybridcache.kernels.registry import ATTENTION
 from hybridcache.kernels.rotary import reference as rotary_ref
+from hybridcache.kernels.shapes import ModelShapes, refuse
 
 
 class KernelBackend(Protocol):
     """The ops layers call. All tensors live on the batch's device; ops never synchronise with the host
     except inside `ReferenceBackend`. Ops must be given the batch returned by `prepare`."""
+
+    def check_model(self, shapes: ModelShapes) -> None:
+        """At load, before the weights: raise `kernels.shapes.UnsupportedModelError` naming every reason this
+        backend cannot run a model of these shapes."""
+        ...
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         """Once per step, before the forward: return `batch` with this backend's metadata in
@@ -190,6 +196,10 @@ class ReferenceBackend:
 
     def __init__(self, attention_backend: AttentionBackend | None = None) -> None:
         self.attention_backend = attention_backend if attention_backend is not None else ReferenceAttention()
+
+    def check_model(self, shapes: ModelShapes) -> None:
+        """The reference kernels run any shapes; its attention backend may refuse some."""
+        refuse("reference", self.attention_backend.problems(shapes))
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         starts, total = [], 0

@@ -41,6 +41,7 @@ from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
+from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
 from hybridcache.kernels.varlen import chunk_indices
 
 
@@ -70,6 +71,11 @@ class CudaBackend:
     def __init__(self, attention_backend: AttentionBackend) -> None:
         self.attention_backend = attention_backend
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights] = weakref.WeakKeyDictionary()
+
+    def check_model(self, shapes: ModelShapes) -> None:
+        """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
+        cannot run a model of these shapes (`kernels.shapes.check_cuda_model`)."""
+        check_cuda_model(shapes, self.attention_backend)
 
     def supports_cuda_graphs(self, dtype: torch.dtype) -> bool:
         """Whether an all-decode step in `dtype` can be captured in a CUDA graph (no host sync, no host-sized

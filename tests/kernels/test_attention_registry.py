@@ -25,6 +25,9 @@ class RecordingAttention:
     graph_safe = False
     calls: dict[str, int] = {}
 
+    def problems(self, shapes):
+        return []
+
     def prepare(self, batch):
         RecordingAttention.calls["prepare"] = RecordingAttention.calls.get("prepare", 0) + 1
         return batch.num_seqs

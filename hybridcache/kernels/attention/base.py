@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.shapes import ModelShapes
 
 
 class AttentionBackend(Protocol):
@@ -19,6 +20,10 @@ class AttentionBackend(Protocol):
     beyond what `prepare` fixed)."""
 
     graph_safe: bool
+
+    def problems(self, shapes: ModelShapes) -> list[str]:
+        """Why its kernels cannot run a model of these shapes (empty: they can); called at load."""
+        ...
 
     def prepare(self, batch: ForwardBatch) -> Any:
         """This backend's metadata for the step (None when it needs none); computed once per step."""

@@ -9,6 +9,7 @@ import torch
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.attention import reference
 from hybridcache.kernels.registry import ATTENTION
+from hybridcache.kernels.shapes import ModelShapes
 
 
 @ATTENTION.register("reference")
@@ -16,6 +17,9 @@ class ReferenceAttention:
     """`paged_attention` (decode rows batched inside it); reads host lengths, so it is not graph safe."""
 
     graph_safe = False
+
+    def problems(self, shapes: ModelShapes) -> list[str]:
+        return []
 
     def prepare(self, batch: ForwardBatch) -> Any:
         return None

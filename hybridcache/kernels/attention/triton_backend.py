@@ -9,6 +9,7 @@ import torch
 
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.registry import ATTENTION
+from hybridcache.kernels.shapes import ModelShapes, is_power_of_two
 from hybridcache.kernels.varlen import chunk_indices
 
 
@@ -32,6 +33,14 @@ class TritonAttention:
 
         self._kernels = triton_paged
         self._block_m = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
+
+    @staticmethod
+    def problems(shapes: ModelShapes) -> list[str]:
+        """The paged kernels' tiles span the whole head: its dim must be a power of two."""
+        dim = shapes.attention_head_dim
+        if dim is None or is_power_of_two(dim):
+            return []
+        return [f"the attention head dim is {dim}, and the Triton attention kernels need a power of two"]
 
     def prepare(self, batch: ForwardBatch) -> TritonAttentionMetadata:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)
