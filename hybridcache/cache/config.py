@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 ADMISSION_POLICIES = ("all", "repeat_branch", "learned")
@@ -33,6 +34,12 @@ class CacheConfig:
                                (when a save would evict something, a save reason is admitted per adapter
                                only while its checkpoints save enough prefill tokens for their bytes;
                                admission.py; the engine's `hybridcache` mode uses it).
+    min_branch_point_step      a prompt's divergence from cached content is a branch point worth a checkpoint
+                               only at a step >= this (0: at any step; `PrefixCache.saves_branch_point`, which
+                               the scheduler asks). The engine sets it to `CostModel.state_tokens` of its real
+                               cost model: a prefix whose KV is smaller than the state its checkpoint occupies
+                               is worth less than that state (two prompts sharing their first letters must not
+                               cost a state each).
     full_prompt_hits           checkpoints hold the last position's final hidden state (the device keeps it
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
@@ -49,6 +56,7 @@ class CacheConfig:
     admission: str = "all"
     full_prompt_hits: bool = False
     state_pages: int | None = None
+    min_branch_point_step: int = 0
 
     @property
     def paged(self) -> bool:
@@ -76,6 +84,8 @@ class CacheConfig:
             raise ValueError(f"eviction must be one of {tuple(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.state_pages is not None and self.state_pages < 1:
             raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
+        if self.min_branch_point_step < 0:
+            raise ValueError(f"min_branch_point_step must be >= 0, got {self.min_branch_point_step}")
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
 
@@ -93,6 +103,12 @@ class CostModel:
     attn_flops_per_token_pair: float = 0.0
     kv_bytes_per_token: float = 1.0
     state_bytes: float = 64.0
+
+    @property
+    def state_tokens(self) -> int:
+        """The tokens whose KV takes as many bytes as one checkpoint's state (`state_bytes`), rounded up: a
+        prefix shorter than this is worth less than the state a checkpoint of it occupies."""
+        return math.ceil(self.state_bytes / self.kv_bytes_per_token) if self.kv_bytes_per_token > 0 else 0
 
     def prefill_flops(self, num_tokens: int) -> float:
         return self.flops_per_token * num_tokens + self.attn_flops_per_token_pair * num_tokens * (

@@ -256,6 +256,12 @@ class PrefixCache:
             return DeclineCause.POLICY
         return None
 
+    def saves_branch_point(self, step: int) -> bool:
+        """Whether a branch point at `step` (where a prompt diverges from cached content) is worth a checkpoint:
+        `step >= config.min_branch_point_step`. The scheduler ends no chunk (and saves nothing) at one that is
+        not; in-flight forks, which a waiting sequence will restore, are not judged by it."""
+        return step >= self.config.min_branch_point_step
+
     def _fits_free_memory(self) -> bool:
         """Whether one more checkpoint fits without evicting: k free pages and a frozen block (two pools: a
         free slot and a free block)."""

@@ -135,7 +135,8 @@ def _make_scheduler(
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by."""
+    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by and which
+    sets the shortest branch point worth its state (`CacheConfig.min_branch_point_step`)."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -147,6 +148,7 @@ def _make_scheduler(
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
+        min_branch_point_step=cost.state_tokens,
     )
     return Scheduler(
         PrefixCache(cache_config, cost),

@@ -172,7 +172,8 @@ class Scheduler:
 
     def _admit_match(self, seq: Seq, match: MatchResult, budget: int) -> bool:
         """Admit `seq` from `match` with room for its first chunk; False (match released) when there is none."""
-        seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
+        branch = match.divergence_len
+        seq.branch_step = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
         plan = self._plan(seq, match.cached_len, budget)
         if self.cache.admit(match, plan.end) is None:
             self.cache.release_match(match)

@@ -131,10 +131,10 @@ def test_cached_run_equals_uncached_run(model_dir, block_size, kernel_block_size
 
 
 def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
-    # 30 blocks of 16 tokens (a checkpoint state takes 3) for up to 6 running sequences of up to ~250 tokens.
+    # 26 blocks of 16 tokens (a checkpoint state takes 3) for up to 6 running sequences of up to ~250 tokens.
     uncached = make_engine(model_dir, caching=False)
     tight = make_engine(
-        model_dir, num_blocks=30, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256
+        model_dir, num_blocks=26, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256
     )
     out_uncached = run_workload(uncached, seed=1, reply_lens=(20, 40))
     out_tight = run_workload(tight, seed=1, check_every_step=True, reply_lens=(20, 40))
