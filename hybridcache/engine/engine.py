@@ -1,4 +1,6 @@
 """The engine: requests in, tokens out. One `step()` = schedule -> build inputs -> execute -> postprocess.
+The step loop lives here; what becomes of each sampled token on the host (detokenizing, stop checks, finish
+reasons, logprobs, the grammar's mask and state) and the outputs are `output_processor.OutputProcessor`'s.
 
 The engine never calls the prefix cache: the scheduler drives it (admission, growth, saves and the step's
 commit) and hands back the step's chunks with their block ids, slots and copy plan; the engine only asks the
@@ -41,29 +43,21 @@ from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.executor import make_executor
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.vision_encoder import VisionEncoder
-from hybridcache.guided import GrammarCache, fill_bitmask
+from hybridcache.guided import GrammarCache
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
-from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import (
-    PendingSample,
-    PromptLogprobs,
-    SamplingParams,
-    TokenLogprob,
-    make_generator,
-    prompt_logprobs,
-    sample_async,
-    to_device,
-)
+from hybridcache.outputs import RequestOutput
+from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
 from hybridcache.scheduler.sequence import Seq
-from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
+from hybridcache.tokenizer import Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
 _logger = logging.getLogger("hybridcache.engine")
@@ -83,29 +77,6 @@ class ValidPrompt:
 
     text: str | None
     token_ids: tuple[int, ...]
-
-
-@dataclass
-class _Request:
-    """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
-    `texts[i]` its detokenizer (deferred for `final_only` requests without stop strings), `logprobs[i]` its
-    tokens' logprobs (when asked for), `matchers[i]` its own grammar state (structured output; None when
-    unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p for prompt token p, None for
-    p = 0 and until computed); `final_only`: `step` returns its output only once it has finished."""
-
-    request_id: str
-    prompt: str | None
-    params: SamplingParams
-    final_only: bool = False
-    seqs: list[Seq] = field(default_factory=list)
-    texts: list[IncrementalDetokenizer | DeferredDetokenizer] = field(default_factory=list)
-    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
-    matchers: list = field(default_factory=list)
-    prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
 
 
 @dataclass
@@ -209,7 +180,7 @@ class LLMEngine:
                                    ssm_dtype=config.mamba_ssm_cache_dtype),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
         self._arrivals = itertools.count()
         self.num_prefill_tokens = 0
@@ -217,6 +188,7 @@ class LLMEngine:
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
 
     # ----------------------------------------------------------------------------------- requests
     def add_request(
@@ -248,11 +220,9 @@ class LLMEngine:
                 raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
             mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
-        request = _Request(request_id, prompt.text, params, final_only=final_only)
-        if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None] * len(prompt_ids)
+        seqs: list[Seq] = []
         for index in range(params.n):
-            request.seqs.append(
+            seqs.append(
                 Seq(
                     seq_id=next(self._seq_counter),
                     request_id=request_id,
@@ -265,9 +235,8 @@ class LLMEngine:
                     mm_inputs=mm,
                 )
             )
-            request.texts.append(self.tokenizer.detokenizer(params.stop, deferred=final_only))
-            request.logprobs.append([])
-            request.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
+        request = self.output_processor.new_request(request_id, prompt.text, len(prompt_ids), params, seqs,
+                                           final_only=final_only)
         self._requests[request_id] = request
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -302,7 +271,7 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        return self._output(request)
+        return self.output_processor.output(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -396,7 +365,7 @@ class LLMEngine:
                 self._feed_sampled(chunks, batch.input_ids, previous)
             logits = self.runner.execute(batch)
             if wants_prompt:
-                self._record_prompt_logprobs(chunks, wants_prompt, logits)
+                self.output_processor.record_prompt_logprobs(self._requests, chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.device))
         rows = [i for i, c in enumerate(chunks) if c.samples]
@@ -417,8 +386,8 @@ class LLMEngine:
     def _sample(self, logits: torch.Tensor, sampled: list[Seq]) -> PendingSample:
         """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
         every token before the one sampled, pending ones included)."""
-        matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
-        bitmask = fill_bitmask(matchers, logits.shape[-1])
+        rows = [(self._requests[s.request_id], s) for s in sampled]
+        bitmask = self.output_processor.allowed_bitmask(rows, logits.shape[-1])
         return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
 
     def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], input_ids: torch.Tensor, previous: _Launched) -> None:
@@ -455,16 +424,10 @@ class LLMEngine:
                 self.num_prefill_tokens += chunk.num_tokens
             else:
                 self.num_decode_tokens += chunk.num_tokens
-        touched: dict[str, _Request] = {}
+        touched: dict[str, RequestState] = {}
         for i, seq in live:
-            token = out.tokens[i]
             request = self._requests[seq.request_id]
-            if out.logprobs[i] is not None:
-                request.logprobs[seq.index].append(out.logprobs[i])
-            matcher = request.matchers[seq.index]
-            if matcher is not None and not matcher.is_terminated():
-                matcher.accept_token(token)
-            reason = self._finish_reason(seq, token, request.texts[seq.index])
+            reason = self.output_processor.accept(request, seq, out.tokens[i], out.logprobs[i])
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -473,65 +436,10 @@ class LLMEngine:
         for request_id, request in touched.items():
             finished = request.finished
             if finished or not request.final_only:
-                outputs.append(self._output(request))
+                outputs.append(self.output_processor.output(request))
             if finished:
                 del self._requests[request_id]
         return outputs
-
-    def _record_prompt_logprobs(self, chunks: SequenceOf[ScheduledChunk], flags: SequenceOf[bool],
-                                logits: torch.Tensor) -> None:
-        """Store the prompt logprobs of the flagged chunks. `logits` is what the runner returned: row i at chunk
-        i's last token, then each flagged chunk's other rows in chunk order. The logits at position p give
-        the logprob of prompt token p + 1.
-
-        Worked example: 2 chunks, chunk 1 flagged, start 10, 4 tokens: rows [2, 3, 4, 1] hold positions
-        10..13, i.e. prompt tokens 11..14 (a position at or past prompt_len - 1 predicts no prompt token)."""
-        next_row = len(chunks)
-        for i, (chunk, flag) in enumerate(zip(chunks, flags)):
-            if not flag:
-                continue
-            rows = [*range(next_row, next_row + chunk.num_tokens - 1), i]
-            next_row += chunk.num_tokens - 1
-            seq = chunk.seq
-            count = min(chunk.end, seq.prompt_len - 1) - chunk.start
-            targets = to_device(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], logits.device)
-            entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
-                                      decode=self._decode_token)
-            self._requests[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer) -> str | None:
-        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
-        if self._is_stop_token(seq, token):
-            return "stop"
-        if text.add(token):
-            return "stop"
-        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    # ----------------------------------------------------------------------------------- outputs
-    def _output(self, request: _Request) -> RequestOutput:
-        completions = [
-            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
-                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
-            for seq, text, logprobs in zip(request.seqs, request.texts, request.logprobs)
-        ]
-        first = request.seqs[0]
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=first.token_ids[: first.prompt_len],
-            outputs=completions,
-            cached_tokens=min(c.cached_tokens for c in completions),
-            finished=request.finished,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
-        )
-
-    def _is_stop_token(self, seq: Seq, token: int) -> bool:
-        return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
 
     # ----------------------------------------------------------------------------------- introspection
     def check_integrity(self) -> None:

@@ -1,0 +1,148 @@
+"""Output processing: what the engine does with each sampled token once it is on the host, and the outputs.
+
+`OutputProcessor` keeps, per request, what its completions have produced beyond their token ids
+(`RequestState`: detokenizers, logprobs, grammar matchers, prompt logprobs) and turns it into `RequestOutput`s.
+The engine's step loop (`engine.py`) owns the requests and the sequences; it calls, per step:
+
+- `allowed_bitmask(states, logits)` before sampling: the grammar mask of the rows (None when no row is
+  constrained);
+- `record_prompt_logprobs(...)` after a forward whose chunks asked for prompt logprobs;
+- `accept(state, seq, token, logprob)` for each sampled token, in row order, once the token is in place in
+  `seq.token_ids`: it records the logprob, advances the grammar, detokenizes and checks the stops; it returns
+  the finish reason ("stop": an EOS or stop token, not decoded into the text, or a stop string; "length":
+  `max_tokens` or `max_model_len` reached) or None. It never touches the scheduler: the engine finishes the
+  sequence when a reason comes back;
+- `output(state)` for the cumulative output of a request (also after an abort).
+
+Nothing here reads the device beyond the prompt-logprob rows it is handed, and nothing here changes a sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridcache.guided import GrammarCache, fill_bitmask
+from hybridcache.outputs import CompletionOutput, RequestOutput
+from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, prompt_logprobs, to_device
+from hybridcache.scheduler.output import ScheduledChunk
+from hybridcache.scheduler.sequence import Seq
+from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestState:
+    """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
+    `texts[i]` its detokenizer (deferred for `final_only` requests without stop strings), `logprobs[i]` its
+    tokens' logprobs (when asked for), `matchers[i]` its own grammar state (structured output; None when
+    unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p for prompt token p, None for
+    p = 0 and until computed); `final_only`: `step` returns its output only once it has finished."""
+
+    request_id: str
+    prompt: str | None
+    params: SamplingParams
+    final_only: bool = False
+    seqs: list[Seq] = field(default_factory=list)
+    texts: list[IncrementalDetokenizer | DeferredDetokenizer] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    matchers: list = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class OutputProcessor:
+    """See the module docstring. `eos_token_ids`: the model's; `max_model_len`: the engine's."""
+
+    def __init__(self, tokenizer: Tokenizer, grammars: GrammarCache, eos_token_ids: frozenset[int],
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def new_request(self, request_id: str, prompt: str | None, prompt_len: int, params: SamplingParams,
+                    seqs: Sequence[Seq], *, final_only: bool) -> RequestState:
+        """The state of a new request whose completions are `seqs`: a detokenizer, an empty logprob list and a
+        grammar matcher (when guided) per completion, room for the prompt logprobs when asked for."""
+        state = RequestState(request_id, prompt, params, final_only=final_only, seqs=list(seqs))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * prompt_len
+        for _ in state.seqs:
+            state.texts.append(self.tokenizer.detokenizer(params.stop, deferred=final_only))
+            state.logprobs.append([])
+            state.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
+        return state
+
+    def allowed_bitmask(self, rows: Sequence[tuple[RequestState, Seq]], vocab_size: int) -> torch.Tensor | None:
+        """The grammar bitmask of the rows to sample (row i: `rows[i]`'s completion); None when none is guided."""
+        return fill_bitmask([state.matchers[seq.index] for state, seq in rows], vocab_size)
+
+    def accept(self, state: RequestState, seq: Seq, token: int, logprob: TokenLogprob | None) -> str | None:
+        """Process `seq`'s sampled `token` (already in `seq.token_ids`); its finish reason, or None."""
+        if logprob is not None:
+            state.logprobs[seq.index].append(logprob)
+        matcher = state.matchers[seq.index]
+        if matcher is not None and not matcher.is_terminated():
+            matcher.accept_token(token)
+        return self._finish_reason(seq, token, state.texts[seq.index])
+
+    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer) -> str | None:
+        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
+        if self._is_stop_token(seq, token):
+            return "stop"
+        if text.add(token):
+            return "stop"
+        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _is_stop_token(self, seq: Seq, token: int) -> bool:
+        return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
+
+    def record_prompt_logprobs(self, states: dict[str, RequestState], chunks: Sequence[ScheduledChunk],
+                               flags: Sequence[bool], logits: torch.Tensor) -> None:
+        """Store the prompt logprobs of the flagged chunks (in `states[chunk.seq.request_id]`). `logits` is what
+        the runner returned: row i at chunk i's last token, then each flagged chunk's other rows in chunk order.
+        The logits at position p give the logprob of prompt token p + 1.
+
+        Worked example: 2 chunks, chunk 1 flagged, start 10, 4 tokens: rows [2, 3, 4, 1] hold positions
+        10..13, i.e. prompt tokens 11..14 (a position at or past prompt_len - 1 predicts no prompt token)."""
+        next_row = len(chunks)
+        for i, (chunk, flag) in enumerate(zip(chunks, flags)):
+            if not flag:
+                continue
+            rows = [*range(next_row, next_row + chunk.num_tokens - 1), i]
+            next_row += chunk.num_tokens - 1
+            seq = chunk.seq
+            count = min(chunk.end, seq.prompt_len - 1) - chunk.start
+            targets = to_device(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], logits.device)
+            entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
+                                      decode=self._decode_token)
+            states[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def output(self, state: RequestState) -> RequestOutput:
+        """The request's output so far: each completion's text, token ids, finish reason, cached tokens and
+        logprobs (when asked for), and the prompt logprobs."""
+        completions = [
+            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+            for seq, text, logprobs in zip(state.seqs, state.texts, state.logprobs)
+        ]
+        first = state.seqs[0]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=first.token_ids[: first.prompt_len],
+            outputs=completions,
+            cached_tokens=min(c.cached_tokens for c in completions),
+            finished=state.finished,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+        )
