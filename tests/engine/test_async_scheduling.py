@@ -60,7 +60,7 @@ def test_async_cached_run_equals_sync_uncached_run(model_dir):
 
 def test_async_under_pressure_preempts_evicts_and_matches(model_dir):
     reference = make_engine(model_dir, caching=False)
-    tight = make_engine(model_dir, async_scheduling=True, num_blocks=30, max_model_len=300,
+    tight = make_engine(model_dir, async_scheduling=True, num_blocks=26, max_model_len=300,
                         max_num_seqs=6, max_num_batched_tokens=256)
     integrity = tight.check_integrity
 
