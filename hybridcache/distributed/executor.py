@@ -32,8 +32,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import shutil
+import sys
 import tempfile
 import time
+import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +63,21 @@ _STOP_WAIT_S = 5.0
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died or raised; the message names its rank."""
+
+
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """While a worker starts, `__main__` is a bare module, so the spawn start method does not import the user's
+    `__main__` in the worker: a script read on stdin (`python - < script`) or any `__main__` that cannot be
+    re-imported would fail there (`FileNotFoundError: '<stdin>'`), and an unguarded one would run again. The
+    worker needs only hybridcache (`worker_main` and its arguments); in exchange, what `__main__` registers
+    (a kernel or eviction registry entry, say) is not seen by the workers: register it in an importable module."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 @dataclass
@@ -104,7 +121,8 @@ class TensorParallelExecutor:
                 parent, child = context.Pipe()
                 process = context.Process(target=worker_main, args=(spec, rank, size, store_dir, child),
                                           name=f"hybridcache-tp-rank{rank}", daemon=True)
-                process.start()
+                with _main_not_imported():
+                    process.start()
                 child.close()
                 self._workers.append(_Worker(rank, process, parent))
             for worker in self._workers:
