@@ -16,7 +16,7 @@ Worked example (block_size B=16, kernel_block_size 8, so 2 kernel pages per sche
     block_tables   seq 0 owns scheduler blocks [3, 7]   -> kernel pages [6, 7, 14, 15]
                    seq 1 owns scheduler blocks [1, 2, 5] -> kernel pages [2, 3, 4, 5, 10, 11]
                    padded with 0 to the longest row, rounded up to 16 columns
-    slot_mapping   the token at position p goes to flat KV row pages[p // 8] * 8 + p % 8:
+    kv_rows        the token at position p goes to flat KV row pages[p // 8] * 8 + p % 8:
                    seq 0: p=20..23 -> page 14, rows 116..119; p=24 -> page 15, row 120
                    seq 1: p=40 -> page 11, row 88
     state_slots    [slot of seq 0, slot of seq 1]
@@ -57,7 +57,7 @@ class ForwardBatch:
     cu_seqlens     [S + 1] int32  query token offsets: sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1]
     context_lens   [S] int32      tokens in the KV cache of each sequence after this step (history + new)
     block_tables   [S, P] int32   kernel page ids of each sequence, in order, padded with 0 (P a multiple of 16)
-    slot_mapping   [T] int64      flat row (page * kernel_block_size + offset) where each token's KV goes
+    kv_rows        [T] int64      flat row (page * kernel_block_size + offset) where each token's KV goes
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
     rope_positions [3, T] int64   M-RoPE (temporal, height, width) rotary position of each token, when a chunk of
@@ -80,7 +80,7 @@ class ForwardBatch:
     cu_seqlens: torch.Tensor
     context_lens: torch.Tensor
     block_tables: torch.Tensor
-    slot_mapping: torch.Tensor
+    kv_rows: torch.Tensor
     state_slots: torch.Tensor
     logits_indices: torch.Tensor
     query_lens_cpu: tuple[int, ...]

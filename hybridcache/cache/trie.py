@@ -53,10 +53,10 @@ def prompt_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[
     hashes = []
     if hash_fn is chain_hash:
         data = memoryview(array("q", prompt).tobytes())
-        step = 8 * block_size
+        block_bytes = 8 * block_size  # int64 ids
         for i in range(len(prompt) // block_size):
             h = xxhash.xxh64(parent.to_bytes(8, "little"))
-            h.update(data[i * step:(i + 1) * step])
+            h.update(data[i * block_bytes:(i + 1) * block_bytes])
             spans = request.spans_in(i * block_size, (i + 1) * block_size)
             if spans:
                 h.update(repr(spans).encode())

@@ -10,7 +10,7 @@ Worked example (block_size 16, kernel_block_size 8, pages_per_block 2)::
     kernel pages of the sequence: [6, 7, 14, 15]
     positions 20..24 lie in scheduler block index 1 (block 7): 20..23 in kernel page 14 at offsets
     4..7, 24 in kernel page 15 at offset 0
-    slot_mapping = 14 * 8 + [4, 5, 6, 7] and 15 * 8 + 0 = [116, 117, 118, 119, 120]
+    kv_rows = 14 * 8 + [4, 5, 6, 7] and 15 * 8 + 0 = [116, 117, 118, 119, 120]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def build_forward_batch(
     pages_per_block = block_size // kernel_block_size
     input_ids: list[int] = []
     positions: list[int] = []
-    slot_mapping: list[int] = []
+    kv_rows: list[int] = []
     cu_seqlens = [0]
     context_lens: list[int] = []
     page_rows: list[Sequence[int]] = []
@@ -114,10 +114,10 @@ def build_forward_batch(
             shifted.extend(range(start + shift, end + shift))
         if num_new == 1:  # a decode row (most rows of most steps)
             positions.append(start)
-            slot_mapping.append(pages[start // kbs] * kbs + start % kbs)
+            kv_rows.append(pages[start // kbs] * kbs + start % kbs)
         else:
             positions.extend(range(start, end))
-            slot_mapping.extend(pages[pos // kbs] * kbs + pos % kbs for pos in range(start, end))
+            kv_rows.extend(pages[pos // kbs] * kbs + pos % kbs for pos in range(start, end))
         cu_seqlens.append(first_row + num_new)
         context_lens.append(end)
         page_rows.append(pages[: -(-end // kbs)])
@@ -134,7 +134,7 @@ def build_forward_batch(
     fields = {
         "input_ids": input_ids,
         "positions": positions,
-        "slot_mapping": slot_mapping,
+        "kv_rows": kv_rows,
         "state_slots": [c.slot for c in chunks],
         "logits_indices": logits_indices,
         "cu_seqlens": cu_seqlens,
@@ -164,7 +164,7 @@ def build_forward_batch(
         cu_seqlens=int32["cu_seqlens"],
         context_lens=int32["context_lens"],
         block_tables=int32["block_tables"].view(num_seqs, width),
-        slot_mapping=device_fields["slot_mapping"],
+        kv_rows=device_fields["kv_rows"],
         state_slots=device_fields["state_slots"],
         logits_indices=device_fields["logits_indices"],
         query_lens_cpu=tuple(len(c.token_ids) for c in chunks),

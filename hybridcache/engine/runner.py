@@ -11,7 +11,7 @@ of two >= max_num_seqs, see `graph_batch_sizes`); a step of n sequences runs the
 its rows n..b-1 padded::
 
     n = 3, bucket 4: input_ids [t0 t1 t2 0]   positions [p0 p1 p2 0]   context_lens [c0 c1 c2 1]
-                     state_slots [s0 s1 s2 SCRATCH_SLOT]   slot_mapping [r0 r1 r2 SCRATCH_PAGE * page]
+                     state_slots [s0 s1 s2 SCRATCH_SLOT]   kv_rows [r0 r1 r2 SCRATCH_PAGE * page]
                      block_tables row 3 = [SCRATCH_PAGE, ...]        logits rows 0..2 are returned
 
 A padding row is a fresh one-token sequence that writes only the scratch slot and the scratch page (one
@@ -76,7 +76,7 @@ class _DecodeGraphs:
 
         self.input_ids = full((biggest,), 0, torch.int64)
         self.positions = full((biggest,), 0, torch.int64)
-        self.slot_mapping = full((biggest,), self.scratch_row, torch.int64)
+        self.kv_rows = full((biggest,), self.scratch_row, torch.int64)
         self.state_slots = full((biggest,), scratch_slot, torch.int64)
         self.context_lens = full((biggest,), 1, torch.int32)
         # as wide as any step's table: `table_width` of the pages of max_model_len
@@ -93,7 +93,7 @@ class _DecodeGraphs:
             cu_seqlens=self.cu_seqlens[: size + 1],
             context_lens=self.context_lens[:size],
             block_tables=self.block_tables[:size],
-            slot_mapping=self.slot_mapping[:size],
+            kv_rows=self.kv_rows[:size],
             state_slots=self.state_slots[:size],
             logits_indices=self.logits_indices[:size],
             query_lens_cpu=(1,) * size,
@@ -108,14 +108,14 @@ class _DecodeGraphs:
         # decode rows are text: their M-RoPE rows are equal, and the rotary of one row is the rotary of all three
         rope = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
         self.positions[:n].copy_(rope, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
+        self.kv_rows[:n].copy_(batch.kv_rows, non_blocking=True)
         self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
         self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
         if n < size:
             self.input_ids[n:size] = 0
             self.positions[n:size] = 0
-            self.slot_mapping[n:size] = self.scratch_row
+            self.kv_rows[n:size] = self.scratch_row
             self.state_slots[n:size] = self.scratch_slot
             self.context_lens[n:size] = 1
             self.block_tables[n:size, 0] = self.scratch_page

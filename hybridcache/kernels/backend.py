@@ -9,7 +9,7 @@ that prepared batch to the ops. Every op works on the whole varlen batch at once
 - state rows: sequence `i` reads and writes row `batch.state_slots[i]` of a recurrent state tensor;
 - fresh sequences (`context_len == query_len`, the first chunk of a sequence) start from zero recurrent
   and conv state whatever their slot holds; every other sequence continues from its slot;
-- KV: the new keys/values go to flat rows `batch.slot_mapping`; a sequence's query at position p sees keys
+- KV: the new keys/values go to flat rows `batch.kv_rows`; a sequence's query at position p sees keys
   at positions <= p of its pages `batch.block_tables[i]`.
 
 Backends may not change results beyond float rounding; the reference backend defines them. Only
@@ -63,7 +63,7 @@ class KernelBackend(Protocol):
         """Write the step's keys and values into one layer's paged pool, in place.
 
         kv_layer   [2, num_pages, kernel_block_size, Hkv, D]   (0 = keys, 1 = values)
-        key, value [T, Hkv, D]; token t goes to flat row batch.slot_mapping[t] = page * kernel_block_size + offset
+        key, value [T, Hkv, D]; token t goes to flat row batch.kv_rows[t] = page * kernel_block_size + offset
         """
         ...
 

@@ -76,7 +76,7 @@ def test_padded_decode_rows_change_nothing_but_scratch(runner):
     graphs.load(build_forward_batch(decode, block_size=BLOCK, kernel_block_size=PAGE), 4)
     static = dataclasses.replace(graphs.static_batch(4), context_lens_cpu=(*batch.context_lens_cpu, 1))
     assert static.state_slots.tolist() == [*slots, scratch_slot]
-    assert static.slot_mapping[3].item() == scratch_page * PAGE
+    assert static.kv_rows[3].item() == scratch_page * PAGE
     got = runner.execute(static)
     torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
     assert got[:3].argmax(-1).tolist() == want.argmax(-1).tolist()

@@ -15,7 +15,7 @@ def test_worked_example_from_the_docstring():
     assert batch.cu_seqlens.tolist() == [0, 5, 6]
     assert batch.context_lens.tolist() == [25, 41]
     assert batch.block_tables.tolist() == [[6, 7, 14, 15] + [0] * 12, [2, 3, 4, 5, 10, 11] + [0] * 10]
-    assert batch.slot_mapping.tolist() == [116, 117, 118, 119, 120, 88]
+    assert batch.kv_rows.tolist() == [116, 117, 118, 119, 120, 88]
     assert batch.state_slots.tolist() == [4, 2]
     assert batch.logits_indices.tolist() == [4, 5]
     assert batch.query_lens_cpu == (5, 1) and batch.context_lens_cpu == (25, 41)
@@ -29,7 +29,7 @@ def test_slot_mapping_matches_block_table(pages_per_block):
     chunk = SeqChunk(list(range(37)), 13, [5, 2, 9, 0, 11, 7, 3], slot=0)  # 50 tokens
     batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kbs)
     pages = batch.block_tables[0].tolist()
-    for row, pos in zip(batch.slot_mapping.tolist(), batch.positions.tolist()):
+    for row, pos in zip(batch.kv_rows.tolist(), batch.positions.tolist()):
         assert row == pages[pos // kbs] * kbs + pos % kbs
 
 
@@ -60,7 +60,7 @@ def test_every_field_and_copy_id_list_starts_16_byte_aligned():
     plan = CopyPlan((CopyOp(CopyKind.KV_RESTORE, (1, 2, 3), (4, 5, 6)), CopyOp(CopyKind.STATE_SAVE, (7,), (8,))))
     batch = build_forward_batch([SeqChunk([1, 2, 3], 0, [0], slot=1), SeqChunk([4], 9, [1], slot=2)],
                                 block_size=16, kernel_block_size=8, copies=plan)
-    ids = [batch.input_ids, batch.positions, batch.slot_mapping, batch.state_slots, batch.logits_indices,
+    ids = [batch.input_ids, batch.positions, batch.kv_rows, batch.state_slots, batch.logits_indices,
            *(t for op in batch.copies for t in (op.src_ids, op.dst_ids))]
     assert [_offset_in_packed(t) % 16 for t in ids] == [0] * len(ids)
     assert [(op.src_ids.tolist(), op.dst_ids.tolist()) for op in batch.copies] == [([1, 2, 3], [4, 5, 6]), ([7], [8])]

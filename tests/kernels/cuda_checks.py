@@ -208,7 +208,7 @@ def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Se
 class PagedKV:
     kv_pool: torch.Tensor  # [2, num_pages, page, Hkv, D]
     block_tables: torch.Tensor  # [S, P] int32, shuffled pages, padded with 0
-    slot_mapping: torch.Tensor  # [T] int64 rows of the new tokens
+    kv_rows: torch.Tensor  # [T] int64 rows of the new tokens
 
 
 def paged_kv(batch: VarlenBatch, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -244,8 +244,8 @@ def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[
     keys = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
     values = torch.randn(num_tokens, num_kv, head_dim, generator=gen).to(device, dtype)
     ref_pool = kv.kv_pool.clone()
-    attention_ref.write_kv(ref_pool, keys, values, kv.slot_mapping)
-    write_kv(kv.kv_pool, keys, values, kv.slot_mapping)
+    attention_ref.write_kv(ref_pool, keys, values, kv.kv_rows)
+    write_kv(kv.kv_pool, keys, values, kv.kv_rows)
     scale = head_dim**-0.5
     out = paged_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
                           batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
@@ -330,7 +330,7 @@ def host_syncs(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dic
         keys = torch.randn(tokens, 2, 128, generator=gen).to(device, dtype)
 
         def attend(b=batch, kv=kv, qa=qa, keys=keys) -> None:
-            write_kv(kv.kv_pool, keys, keys, kv.slot_mapping)
+            write_kv(kv.kv_pool, keys, keys, kv.kv_rows)
             paged_attention(qa, kv.kv_pool, kv.block_tables, b.cu_seqlens, b.context_lens, b.query_lens_cpu,
                             b.context_lens_cpu, scale=0.1)
 

@@ -33,7 +33,7 @@ class RecordingAttention:
         return batch.num_seqs
 
     def write_kv(self, kv_layer, key, value, batch):
-        reference.write_kv(kv_layer, key, value, batch.slot_mapping)
+        reference.write_kv(kv_layer, key, value, batch.kv_rows)
 
     def attention(self, query, kv_layer, batch, metadata, *, scale):
         assert metadata == batch.num_seqs  # what prepare returned comes back with the prepared batch

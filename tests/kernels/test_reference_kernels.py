@@ -81,10 +81,10 @@ def test_paged_attention_equals_dense_causal_attention():
     table = torch.tensor([row + [0] * (5 - len(row)) for row in pages], dtype=torch.int32)
     keys = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
     values = torch.randn(sum(context_lens), kv_heads, dim, generator=gen)
-    slot_mapping = []
+    kv_rows = []
     for row, ctx in zip(pages, context_lens, strict=True):
-        slot_mapping += [row[p // block] * block + p % block for p in range(ctx)]
-    attention_ref.write_kv(pool, keys, values, torch.tensor(slot_mapping))
+        kv_rows += [row[p // block] * block + p % block for p in range(ctx)]
+    attention_ref.write_kv(pool, keys, values, torch.tensor(kv_rows))
     q = torch.randn(sum(query_lens), q_heads, dim, generator=gen)
     cu = torch.tensor([0, 5, 6, 15, 16], dtype=torch.int32)
     out = attention_ref.paged_attention(q, pool, table, cu, query_lens, context_lens, scale=dim**-0.5)

@@ -1,4 +1,4 @@
-"""Paged attention kernels: the KV write through a slot mapping and causal GQA attention over block tables.
+"""Paged attention kernels: the KV write to flat KV rows (`kv_rows`) and causal GQA attention over block tables.
 
 `reference.py`: `write_kv`, `gather_kv`, `paged_attention`, `paged_decode_attention` (torch);
 `triton_paged.py`: the CUDA kernels. The attention backends (`base.AttentionBackend`), registered by name in

@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
         ...
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        """Write the step's keys and values into one layer's paged pool at `batch.slot_mapping`."""
+        """Write the step's keys and values into one layer's paged pool at `batch.kv_rows`."""
         ...
 
     def attention(

@@ -1,4 +1,4 @@
-"""Torch reference of paged attention: the KV write through a slot mapping and causal GQA attention over
+"""Torch reference of paged attention: the KV write to flat KV rows (`kv_rows`) and causal GQA attention over
 block tables (softmax in fp32, like transformers' eager attention).
 
 Notation: T new tokens, Hq / Hkv query / key-value heads, D head dim; a layer's pool is
@@ -11,17 +11,17 @@ import torch
 
 
 def write_kv(
-    kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor
+    kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_rows: torch.Tensor
 ) -> None:
     """Write new keys/values into one layer's paged KV pool, in place.
 
     kv_pool      [2, num_pages, kernel_block_size, Hkv, D]   (0 = keys, 1 = values)
     keys, values [T, Hkv, D]
-    slot_mapping [T] int64   flat row page * kernel_block_size + offset of each token
+    kv_rows      [T] int64   flat row page * kernel_block_size + offset of each token
     """
     flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
-    flat[0, slot_mapping] = keys.to(kv_pool.dtype)
-    flat[1, slot_mapping] = values.to(kv_pool.dtype)
+    flat[0, kv_rows] = keys.to(kv_pool.dtype)
+    flat[1, kv_rows] = values.to(kv_pool.dtype)
 
 
 def gather_kv(

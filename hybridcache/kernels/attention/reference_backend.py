@@ -25,7 +25,7 @@ class ReferenceAttention:
         return None
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        reference.write_kv(kv_layer, key, value, batch.slot_mapping)
+        reference.write_kv(kv_layer, key, value, batch.kv_rows)
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: Any, *, scale: float

@@ -48,7 +48,7 @@ class TritonAttention:
         return TritonAttentionMetadata(all_decode, max(batch.context_lens_cpu, default=0), chunks)
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        self._kernels.write_kv(kv_layer, key, value, batch.slot_mapping)
+        self._kernels.write_kv(kv_layer, key, value, batch.kv_rows)
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: TritonAttentionMetadata,

@@ -53,11 +53,11 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
-def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """keys, values [T, Hkv, D] -> kv_pool rows slot_mapping [T] (page * page_size + offset), in place."""
+def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_rows: torch.Tensor) -> None:
+    """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place."""
     flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, keys.to(kv_pool.dtype))
-    flat[1].index_copy_(0, slot_mapping, values.to(kv_pool.dtype))
+    flat[0].index_copy_(0, kv_rows, keys.to(kv_pool.dtype))
+    flat[1].index_copy_(0, kv_rows, values.to(kv_pool.dtype))
 
 
 @triton.jit
