@@ -277,8 +277,8 @@ class ModelRunner:
         """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
         and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
         at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
-        where a full pool's does not (another specialisation: the attention prefill kernel compiled inside the
-        first request of the GPU benchmark, ~1 s), and decode graphs are not captured when steps run eagerly.
+        where a full pool's does not (another specialisation of the attention prefill kernel, which otherwise
+        compiled inside the first request), and decode graphs are not captured when steps run eagerly.
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py)."""
