@@ -3,12 +3,12 @@ kernel (a kernel compiled while serving stalls its request by 0.5-3 s on a fresh
 only; skipped without them.
 
 The engine compiles at start-up what it can launch: the profiling forward (prefill kernels, fla's autotuned ones),
-the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), one save per KV group and one eager decode
-step (`ModelRunner._compile_copies`, `_compile_eager_decode`), the decode graphs; run-time counts (tokens, pairs,
-splits) are left unspecialised (`do_not_specialize`) and block tables are padded to 16 columns. This test serves a
-mix of shapes that start-up did not run (fresh prompts of 1 to 1,500 tokens around every multiple of 16 and of
-the sort's buckets, prefix hits and extensions of them, mixed prefill + decode batches of 1 to 40 sequences) and
-fails on the first Triton compile it sees, naming the kernel and its specialisation key.
+the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), one save per KV group and a prefill and a
+decode on the real pools (`ModelRunner._compile_copies`, `_compile_on_pools`), the decode graphs; run-time counts
+(tokens, pairs, splits) are left unspecialised (`do_not_specialize`) and block tables are padded to 16 columns. This
+test serves a mix of shapes that start-up did not run (fresh prompts of 1 to 1,500 tokens around every multiple of
+16 and of the sort's buckets, prefix hits and extensions of them, mixed prefill + decode batches of 1 to 40
+sequences) and fails on the first Triton compile it sees, naming the kernel and its specialisation key.
 """
 
 from __future__ import annotations
