@@ -190,4 +190,3 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
         mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         return mixed_qkv, z.view(-1, self.num_v_heads, self.v_head_dim), b, a
-

@@ -83,7 +83,6 @@ def chunk_gated_delta_rule_varlen(
     return out[0].to(q.dtype)
 
 
-
 def gated_delta_rule_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
