@@ -23,7 +23,7 @@ def test_worked_example_from_the_docstring():
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4])
-def test_slot_mapping_matches_block_table(pages_per_block):
+def test_kv_rows_match_block_table(pages_per_block):
     kbs = 8
     block_size = kbs * pages_per_block
     chunk = SeqChunk(list(range(37)), 13, [5, 2, 9, 0, 11, 7, 3], slot=0)  # 50 tokens
