@@ -59,6 +59,7 @@ from hybridcache.server.responses import (
     chunk,
     full_response,
     logprobs_of,
+    shown,
     sse,
     usage_chunk,
 )
@@ -150,11 +151,15 @@ class _Routes:
         longest = max(prompt_ids, key=len)
         defaults = self.model.sampling_defaults
         default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        max_tokens = self._max_tokens(body.max_tokens, len(longest), default_max, "prompt", body.n * len(prompts))
+        echo_only = body.echo_only()  # max_tokens 0: the engine samples one token that no choice shows
+        requested = 1 if echo_only else body.max_tokens
+        max_tokens = self._max_tokens(requested, len(longest), default_max, "prompt", body.n * len(prompts))
         params = body.sampling_params(max_tokens, body.guided(), defaults)
         echo = tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts) if body.echo else None
         rendering = Rendering(logprobs=params.logprobs is not None, top_logprobs=bool(params.logprobs),
-                              tokenizer=tokenizer, echo_texts=echo, return_token_ids=body.return_token_ids)
+                              num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
+                              echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
+                              return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
@@ -185,7 +190,7 @@ class _Routes:
             tools=tools,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
-                              return_token_ids=body.return_token_ids)
+                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
         return await self._respond(request, meta, [prompt_ids], params, body, rendering)
 
@@ -213,7 +218,7 @@ class _Routes:
         except asyncio.CancelledError:
             abort_all()
             raise
-        outputs = _merged([_outputs(sink) for sink in sinks])
+        outputs = _merged([_outputs(sink, rendering) for sink in sinks])
         if body.stream:
             events = _events(meta, outputs, params, len(prompts), body.include_usage(), rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
@@ -321,16 +326,17 @@ class _Routes:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
-async def _outputs(sink: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-    """A request's outputs; when several are waiting only the newest is yielded (each holds all text so far).
-    Raises EngineFailure when the engine failed while running the request."""
+async def _outputs(sink: asyncio.Queue, rendering: Rendering) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as its choices show them (`responses.shown`); when several are waiting only the
+    newest is yielded (each holds all text so far). Raises EngineFailure when the engine failed while running
+    the request."""
     while True:
         item = await sink.get()
         while not sink.empty():
             item = sink.get_nowait()
         if isinstance(item, Exception):
             raise item
-        yield item
+        yield shown(item, rendering)
         if item.finished:
             return
 
@@ -376,6 +382,7 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
     done = [False] * count
     logprobs_sent = [0] * count
     echo_pending = [bool(rendering.echo_texts)] * count
+    echo_logprobs_pending = [rendering.echoes_logprobs] * count
     if meta.chat:
         for index in range(count):
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
@@ -402,7 +409,9 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 if not (has_news or finished):
                     continue
                 done[index] = finished
-                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index])
+                echoed = output if echo_logprobs_pending[index] else None
+                echo_logprobs_pending[index] = False
+                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index], echoed=echoed)
                 logprobs_sent[index] = len(c.token_ids)
                 reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
