@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO
+from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -94,6 +95,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridcache.bench.simulator import GIB, SimConfig, SimResult, parse_policies, simulate_many
     from hybridcache.bench.workloads import load_workload
 
+    if args.plot:
+        require_extra("bench", "hybridcache simulate --plot")
     specs = parse_policies(args.policies, args.block_size)
     model_dir = resolve_model(args.model).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
@@ -169,6 +172,7 @@ def format_sim_table(result) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    require_extra("bench", "hybridcache bench (its plots)")
     from tqdm.auto import tqdm
 
     from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench

@@ -44,7 +44,7 @@ from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
-from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.models.builtin import ensure_builtin_model, model_display_name
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
@@ -192,8 +192,8 @@ class LLMEngine:
         _logger.info(
             "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
             "kernels %s, cuda graphs %s, async scheduling %s",
-            self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
-            self.device, self.max_model_len,
+            model_display_name(self.model_path), self.model_config.architecture, config.dtype,
+            config.mamba_ssm_cache_dtype, self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )

@@ -315,7 +315,7 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
 
 def get_backend(device: torch.device | str) -> KernelBackend:
     """The backend for `device`, chosen once by the runner: `CudaBackend` on CUDA devices when Triton and
-    flash-linear-attention are installed (`hybridcache[cuda]`), the reference backend everywhere else. The
+    flash-linear-attention are installed (`hybridcache-llm[cuda]`), the reference backend everywhere else. The
     CUDA module is imported only here, so CPU runs never import Triton or fla."""
     if torch.device(device).type == "cuda":
         if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None:
@@ -323,7 +323,7 @@ def get_backend(device: torch.device | str) -> KernelBackend:
 
             return CudaBackend()
         warnings.warn(
-            "CUDA device without triton and flash-linear-attention (pip install hybridcache[cuda]): "
+            "CUDA device without triton and flash-linear-attention (pip install 'hybridcache-llm[cuda]'): "
             "running the torch reference kernels", stacklevel=2
         )
     return ReferenceBackend()

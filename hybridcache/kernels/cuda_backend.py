@@ -17,7 +17,7 @@
 (sequence, block) tables of the varlen kernels, built on the device. No op synchronises with the host
 (bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module imports Triton; fla is
 imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for CUDA devices when
-both are installed (`pip install hybridcache[cuda]`).
+both are installed (`pip install 'hybridcache-llm[cuda]'`).
 """
 
 from __future__ import annotations

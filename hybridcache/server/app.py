@@ -220,7 +220,8 @@ class _Routes:
             raise
         outputs = _merged([_outputs(sink, rendering) for sink in sinks])
         if body.stream:
-            events = _events(meta, outputs, params, len(prompts), body.include_usage(), rendering)
+            include_usage = body.include_usage() or self.config.force_include_usage
+            events = _events(meta, outputs, params, len(prompts), include_usage, rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
             return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
         try:

@@ -1,0 +1,92 @@
+"""A `vllm serve`-style command line starts `hybridcache serve` and answers: the tool-call flags, `--chat-template
+PATH` (not taken as an abbreviation of `--chat-template-kwargs`), `--root-path`, the log flags,
+`--trust-remote-code` and `--enable-force-include-usage`; and the flags' parsing on its own."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai import OpenAI
+
+from hybridcache.cli import build_parser
+from hybridcache.extras import MissingExtra, require_extra
+from hybridcache.models.builtin import BUILTIN_NAME
+from hybridcache.server.vllm_flags import chat_template, uvicorn_options
+from tests.server.server_process import SMALL_ENGINE, running_server
+
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nFROM THE FILE {{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_vllm_command_line_starts_and_answers(tmp_path, tokenizer):
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(TEMPLATE)
+    args = ("--served-model-name", "my-model", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--chat-template", str(template_file), "--root-path", "/proxy", "--uvicorn-log-level", "warning",
+            "--disable-log-requests", "--trust-remote-code", "--enable-force-include-usage", *SMALL_ENGINE)
+    with running_server(*args, tmp_dir=tmp_path) as server:
+        client = OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "hello"}]
+        response = client.chat.completions.create(model="my-model", messages=messages, max_tokens=4, temperature=0)
+        rendered = TEMPLATE.replace("{% for m in messages %}", "").split("{% endfor %}")[0]
+        rendered = rendered.replace("{{ m.role }}", "user").replace("{{ m.content }}", "hello")
+        rendered += "<|im_start|>assistant\n"
+        assert response.usage.prompt_tokens == len(tokenizer.encode(rendered))  # the file's template rendered
+        assert response.choices[0].finish_reason in ("stop", "length")
+        # usage in every stream, though the client did not ask for it (LangChain, openai-agents do not)
+        chunks = list(client.chat.completions.create(model="my-model", messages=messages, max_tokens=3,
+                                                     temperature=0, stream=True))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+        assert all(c.usage is None for c in chunks[:-1])
+        text_chunks = list(client.completions.create(model="my-model", prompt="hi", max_tokens=3, stream=True))
+        assert text_chunks[-1].usage.prompt_tokens == len(tokenizer.encode("hi"))
+
+
+def test_flags_parse_as_vllm_spells_them(tmp_path):
+    args = parse("--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder", "--ssl-keyfile", "k.pem",
+                 "--ssl-certfile", "c.pem", "--root-path", "/api", "--uvicorn-log-level", "debug")
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_coder"
+    assert uvicorn_options(args) == {"root_path": "/api", "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem",
+                                     "log_level": "debug"}
+    assert uvicorn_options(parse("--log-level", "warning"))["log_level"] == "warning"
+    for name in ("hermes", "qwen3_xml", "qwen25"):
+        assert parse("--tool-call-parser", name).tool_call_parser == name
+    with pytest.raises(SystemExit):
+        parse("--tool-call-parser", "mistral")  # a format this server does not parse
+    # no abbreviations: --chat-template is its own flag, and a prefix of a flag is refused
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text(TEMPLATE)
+    args = parse("--chat-template", str(template_file))
+    assert chat_template(args) == TEMPLATE and args.chat_template_kwargs is None
+    assert chat_template(parse("--chat-template", "{{ messages[0].content }}")) == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="no such file"):
+        chat_template(parse("--chat-template", str(tmp_path / "missing.jinja")))
+    with pytest.raises(SystemExit):
+        parse("--chat-template-kw", json.dumps({"enable_thinking": False}))
+    with pytest.raises(SystemExit):
+        parse("--served-model", "x")
+
+
+def test_ssl_flags_go_together():
+    from hybridcache.server.vllm_flags import check_vllm_args
+
+    with pytest.raises(SystemExit, match="go together"):
+        check_vllm_args(parse("--ssl-keyfile", "k.pem"))
+    check_vllm_args(parse("--trust-remote-code"))
+
+
+def test_missing_extra_names_the_distribution(monkeypatch, capsys):
+    import hybridcache.extras as extras
+    from hybridcache.cli import main
+
+    real = extras.find_spec
+    monkeypatch.setattr(extras, "find_spec", lambda module: None if module == "uvicorn" else real(module))
+    with pytest.raises(MissingExtra, match=r"pip install 'hybridcache-llm\[serve\]'"):
+        require_extra("serve", "hybridcache serve")
+    assert main(["serve", "--served-model-name", BUILTIN_NAME]) == 2
+    assert "pip install 'hybridcache-llm[serve]'" in capsys.readouterr().err
