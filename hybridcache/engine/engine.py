@@ -60,7 +60,7 @@ from hybridcache.sampling import (
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
-from hybridcache.scheduler.sequence import Seq
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
@@ -292,6 +292,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_started(self, request_id: str) -> bool:
+        """Whether the scheduler has given any completion of the request a step (its prompt began computing);
+        False for an unknown or finished request."""
+        request = self._requests.get(request_id)
+        return request is not None and any(seq.status is not SeqStatus.WAITING or seq.num_computed
+                                           for seq in request.seqs)
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:

@@ -30,7 +30,7 @@ from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
-from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
 logger = logging.getLogger("hybridcache.server")
@@ -76,6 +76,8 @@ class _Stream:
     sink: asyncio.Queue
     arrival: float
     num_tokens: int = 0
+    started: float | None = None  # the start of the first step that computed it
+    first_token_time: float | None = None
     last_token_time: float | None = None
     last_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -154,12 +156,14 @@ class EngineLoop:
                     return
                 self._handle(command)
             if engine.has_unfinished_requests():
+                step_start = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as error:  # noqa: BLE001 - a failing request must not end the server
                     logger.exception("engine step failed; aborting the running requests")
                     self._abort_all(error)
                 else:
+                    self._mark_started(step_start)
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
@@ -195,6 +199,15 @@ class EngineLoop:
             self.state = state
             self._resolve(command.done, state)
 
+    def _mark_started(self, step_start: float) -> None:
+        """Note the step that first computed each request (its queue time ends where that step began)."""
+        has_started = getattr(self._engine, "has_started", None)
+        if has_started is None:
+            return
+        for request_id, stream in self._streams.items():
+            if stream.started is None and has_started(request_id):
+                stream.started = step_start
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for output in outputs:
@@ -212,6 +225,8 @@ class EngineLoop:
                 self._generated += num_tokens - stream.num_tokens
                 stream.num_tokens = num_tokens
                 stream.last_token_time = now
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
@@ -253,7 +268,7 @@ class EngineLoop:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
-                                       time.perf_counter() - stream.arrival)
+                                       time.perf_counter() - stream.arrival, _phases(stream))
 
     def _publish_state(self) -> None:
         try:
@@ -291,3 +306,13 @@ class EngineLoop:
                 future.set_result(value)
 
         self._call_soon(settle)
+
+
+def _phases(stream: _Stream) -> RequestPhases:
+    """A finished request's queue, prefill and decode times (None for a phase it did not reach)."""
+    first, last, started = stream.first_token_time, stream.last_token_time, stream.started
+    return RequestPhases(
+        queue_s=None if started is None else max(started - stream.arrival, 0.0),
+        prefill_s=None if started is None or first is None else max(first - started, 0.0),
+        decode_s=None if first is None or last is None else last - first,
+    )

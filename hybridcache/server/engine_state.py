@@ -18,11 +18,13 @@ class EngineState:
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
-    prompt tokens computed.
+    prompt tokens computed. num_blocks_running counts the distinct blocks that running sequences hold (shared
+    prefix blocks once), a part of num_blocks_used.
     """
 
     num_blocks: int = 0
     num_blocks_used: int = 0
+    num_blocks_running: int = 0
     num_slots: int = 0
     num_slots_used: int = 0
     num_running: int = 0
@@ -47,6 +49,7 @@ def read_engine_state(engine: Any) -> EngineState:
     return EngineState(
         num_blocks=stats["num_blocks"],
         num_blocks_used=stats["num_blocks_used"],
+        num_blocks_running=_blocks_held_by_running(engine),
         num_slots=stats["num_slots"],
         num_slots_used=stats["num_slots_used"],
         num_running=stats.get("num_running", 0),
@@ -60,6 +63,17 @@ def read_engine_state(engine: Any) -> EngineState:
         declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
     )
+
+
+def _blocks_held_by_running(engine: Any) -> int:
+    """The distinct pool blocks of the sequences the prefix cache runs (0 for an engine without one)."""
+    cache = getattr(getattr(engine, "scheduler", None), "cache", None)
+    if cache is None or not hasattr(cache, "running_ids"):
+        return 0
+    held: set[int] = set()
+    for request_id in cache.running_ids():
+        held.update(cache.block_ids(request_id))
+    return len(held)
 
 
 def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:

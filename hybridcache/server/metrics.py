@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry: no process-wide state).
 
 Every metric carries a `model_name` label (the first served model name), as vLLM's do, so one dashboard can
-show several servers. Request-level metrics are recorded by the engine thread as outputs come out of `engine.step()`:
+show several servers. vLLM's own metrics (`vllm:*`, vllm_metrics.py) are recorded next to these. Request-level
+metrics are recorded by the engine thread as outputs come out of `engine.step()`:
 
     hybridcache_prefix_cache_queries_tokens_total   prompt tokens of finished requests (as in `usage`)
     hybridcache_prefix_cache_hit_tokens_total       their `cached_tokens` (as in `usage`), so the two move by
@@ -30,6 +31,7 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -37,6 +39,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridcache.server.engine_state import EngineState
+from hybridcache.server.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -56,16 +59,19 @@ class ServerMetrics:
             return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
                              registry=registry).labels(**model)
 
+        self.vllm = vllm = VllmMetrics(registry, model_name)  # vLLM's names, for vLLM's dashboards
         self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests")
         self.hit_tokens = counter(
             "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of finished requests whose computation the "
             "prefix cache skipped (usage.prompt_tokens_details.cached_tokens)")
         self.prompt_tokens = counter("hybridcache_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("hybridcache_generation_tokens", "Generated tokens")
+        self.generation_tokens = _Both(counter("hybridcache_generation_tokens", "Generated tokens"),
+                                       vllm.generation_tokens)
         self._finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
                                  ["model_name", "finish_reason"], registry=registry)
-        self.ttft = histogram("hybridcache_time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps")
+        self.ttft = _Both(histogram("hybridcache_time_to_first_token_seconds", "Time to first token"), vllm.ttft)
+        self.itl = _Both(histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps"),
+                         vllm.itl)
         self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
 
     def finished(self, finish_reason: str) -> Any:
@@ -75,19 +81,56 @@ class ServerMetrics:
     def watch_engine(self, engine_state: Callable[[], EngineState]) -> None:
         """Export the engine-level metrics, read from `engine_state()` at every scrape."""
         self.registry.register(_EngineCollector(engine_state, self.model_name))
+        self.vllm.watch_engine(self.registry, engine_state)
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float) -> None:
-        """A request ended (finished or aborted after its prompt was computed)."""
-        self.query_tokens.inc(num_prompt_tokens)
-        self.hit_tokens.inc(num_cached_tokens)
-        self.prompt_tokens.inc(num_prompt_tokens)
+                         latency_s: float, phases: RequestPhases | None = None) -> None:
+        """A request ended (finished or aborted after its prompt was computed); `phases`: its queue, prefill
+        and decode times where known."""
+        vllm = self.vllm
+        for counters, value in (((self.query_tokens, vllm.prefix_cache_queries), num_prompt_tokens),
+                                ((self.hit_tokens, vllm.prefix_cache_hits), num_cached_tokens),
+                                ((self.prompt_tokens, vllm.prompt_tokens), num_prompt_tokens)):
+            for counter in counters:
+                counter.inc(value)
         for reason in finish_reasons:
             self.finished(reason).inc()
+            vllm.success(reason).inc()
         self.e2e.observe(latency_s)
+        vllm.e2e.observe(latency_s)
+        if phases is not None:
+            for histogram, value in ((vllm.queue_time, phases.queue_s), (vllm.prefill_time, phases.prefill_s),
+                                     (vllm.decode_time, phases.decode_s)):
+                if value is not None:
+                    histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a request's time went (seconds; None for a phase it never reached): queued (arrival -> its first
+    computing step), prefill (that step's start -> the first token), decode (the first token -> the last)."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+class _Both:
+    """One hybridcache metric and its vLLM twin, recorded together."""
+
+    def __init__(self, *metrics: Any) -> None:
+        self._metrics = metrics
+
+    def inc(self, amount: float = 1) -> None:
+        for metric in self._metrics:
+            metric.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)
 
 
 class _EngineCollector(Collector):
