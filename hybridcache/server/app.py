@@ -63,8 +63,10 @@ from hybridcache.server.responses import (
     sse,
     usage_chunk,
 )
+from hybridcache.server.responses_api import add_responses_routes
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.text_stream import TextStream
+from hybridcache.server.tokenize_api import add_tokenize_routes
 
 logger = logging.getLogger("hybridcache.server")
 SHUTDOWN_MESSAGE = "the server shut down before this request finished"
@@ -120,6 +122,8 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+    add_responses_routes(app, routes)
+    add_tokenize_routes(app, routes)
     return app
 
 
@@ -166,6 +170,13 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
+        prompt_ids, params, rendering = self.prepare_chat(body)
+        meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
+        return await self._respond(request, meta, [prompt_ids], params, body, rendering)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, Rendering]:
+        """A chat request's prompt (the messages and tools through the chat template), sampling parameters and
+        rendering options; a bad request is an APIError."""
         self._check_model(body.model)
         body.check_n()
         messages = [m.as_template_input() for m in body.messages]
@@ -191,8 +202,7 @@ class _Routes:
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids)
-        meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, [prompt_ids], params, body, rendering)
+        return prompt_ids, params, rendering
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
                        body: CompletionRequest | ChatCompletionRequest, rendering: Rendering) -> Response:
@@ -218,7 +228,7 @@ class _Routes:
         except asyncio.CancelledError:
             abort_all()
             raise
-        outputs = _merged([_outputs(sink, rendering) for sink in sinks])
+        outputs = _merged([request_outputs(sink, rendering) for sink in sinks])
         if body.stream:
             include_usage = body.include_usage() or self.config.force_include_usage
             events = _events(meta, outputs, params, len(prompts), include_usage, rendering)
@@ -327,7 +337,7 @@ class _Routes:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
-async def _outputs(sink: asyncio.Queue, rendering: Rendering) -> AsyncIterator[RequestOutput]:
+async def request_outputs(sink: asyncio.Queue, rendering: Rendering) -> AsyncIterator[RequestOutput]:
     """A request's outputs as its choices show them (`responses.shown`); when several are waiting only the
     newest is yielded (each holds all text so far). Raises EngineFailure when the engine failed while running
     the request."""
