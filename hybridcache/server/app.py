@@ -394,6 +394,8 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
     logprobs_sent = [0] * count
     echo_pending = [bool(rendering.echo_texts)] * count
     echo_logprobs_pending = [rendering.echoes_logprobs] * count
+    # completions: where the next token's text starts in the choice's text (after an echoed prompt)
+    next_offset = [len(rendering.echo_texts[i // n]) if rendering.echo_texts else 0 for i in range(count)]
     if meta.chat:
         for index in range(count):
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
@@ -422,8 +424,11 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 done[index] = finished
                 echoed = output if echo_logprobs_pending[index] else None
                 echo_logprobs_pending[index] = False
-                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index], echoed=echoed)
+                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index], echoed=echoed,
+                                       text_offset=next_offset[index])
                 logprobs_sent[index] = len(c.token_ids)
+                if logprobs is not None and not meta.chat and logprobs["tokens"]:
+                    next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,

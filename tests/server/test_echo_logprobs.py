@@ -83,16 +83,18 @@ def test_echo_with_max_tokens_0_batched_token_ids(client, tokenizer):
 def test_streamed_echo_logprobs_equal_the_whole_response(client, tokenizer):
     kwargs = dict(model=MODEL, prompt=OTHER, echo=True, logprobs=1, max_tokens=4, temperature=0)
     whole = client.completions.create(**kwargs).choices[0]
-    tokens, token_logprobs, text = [], [], ""
+    tokens, token_logprobs, offsets, text = [], [], [], ""
     for event in client.completions.create(stream=True, **kwargs):
         for choice in event.choices:
             text += choice.text
             if choice.logprobs is not None:
                 tokens += choice.logprobs.tokens
                 token_logprobs += choice.logprobs.token_logprobs
+                offsets += choice.logprobs.text_offset
     assert text == whole.text
     assert tokens == whole.logprobs.tokens
     assert token_logprobs == whole.logprobs.token_logprobs
+    assert offsets == whole.logprobs.text_offset
 
 
 def test_prompt_logprobs_field_keeps_its_own_k_next_to_echo(client, tokenizer):

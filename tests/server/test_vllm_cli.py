@@ -90,3 +90,10 @@ def test_missing_extra_names_the_distribution(monkeypatch, capsys):
         require_extra("serve", "hybridcache serve")
     assert main(["serve", "--served-model-name", BUILTIN_NAME]) == 2
     assert "pip install 'hybridcache-llm[serve]'" in capsys.readouterr().err
+
+
+def test_logs_name_the_builtin_model_as_it_is_served(tmp_path):
+    from hybridcache.models.builtin import builtin_model_dir, model_display_name
+
+    assert model_display_name(builtin_model_dir()) == BUILTIN_NAME
+    assert model_display_name(tmp_path / "my-model") == "my-model"
