@@ -5,7 +5,9 @@
     POST /v1/chat/completions   messages and tools through the model folder's chat template; the same
                                 options, tool_choice, chat_template_kwargs; the output's tool calls and
                                 reasoning parsed out of its text (chat_output.py)
+    POST /v1/responses          OpenAI's Responses API over the chat pipeline (responses_api.py)
     GET  /v1/models             the served model
+    POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
     GET  /metrics               Prometheus text format
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;

@@ -5,7 +5,12 @@ PATH` (not taken as an abbreviation of `--chat-template-kwargs`), `--root-path`,
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -13,7 +18,7 @@ from hybridcache.cli import build_parser
 from hybridcache.extras import MissingExtra, require_extra
 from hybridcache.models.builtin import BUILTIN_NAME
 from hybridcache.server.vllm_flags import chat_template, uvicorn_options
-from tests.server.server_process import SMALL_ENGINE, running_server
+from tests.server.server_process import REPO, SMALL_ENGINE, free_port, running_server
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\nFROM THE FILE {{ m.content }}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -97,3 +102,33 @@ def test_logs_name_the_builtin_model_as_it_is_served(tmp_path):
 
     assert model_display_name(builtin_model_dir()) == BUILTIN_NAME
     assert model_display_name(tmp_path / "my-model") == "my-model"
+
+
+def test_ssl_flags_serve_https(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    command = [sys.executable, "-m", "hybridcache.cli", "serve", "--port", str(port), "--log-level", "warning",
+               "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), *SMALL_ENGINE]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert process.poll() is None, log_path.read_text()
+            try:
+                health = httpx.get(f"https://127.0.0.1:{port}/health", verify=False, timeout=1.0)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+        assert health.status_code == 200
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
