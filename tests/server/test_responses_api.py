@@ -165,3 +165,28 @@ def test_tokenize_detokenize_version(server, tokenizer):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens.1"
     assert httpx.post(f"{base_url}/tokenize", json={}).status_code == 400
     assert isinstance(httpx.get(f"{base_url}/version").json()["version"], str)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": 5}, "input"),
+    ({"input": [5]}, "input.0"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input.0.role"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input.0.call_id"),
+    ({"input": [{"type": "file_search_call"}]}, "input.0.type"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, None),
+    ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, None),
+    ({"input": "hi", "max_output_tokens": 0}, None),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "temperature": "hot"}, "temperature"),
+])
+def test_bad_responses_bodies_are_400s_naming_the_field(server, body, param):
+    base_url, _ = server
+    response = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"]
+    if param is not None:
+        assert error["param"] == param
+    assert httpx.get(f"{base_url}/health").status_code == 200
