@@ -183,6 +183,24 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
+_CHAT_TO_RESPONSES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                      ("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's field name as the Responses request spells it (`messages.3.content` is `input`: the
+    chat messages also hold the instructions and a stored conversation, so indexes differ)."""
+    if param is None:
+        return "input"
+    for chat, responses in _CHAT_TO_RESPONSES:
+        if param == chat or param.startswith(chat + "."):
+            return responses
+    parts = param.split(".")
+    if len(parts) >= 3 and parts[0] == "tools" and parts[2] == "function":  # tools.0.function.name
+        return ".".join([*parts[:2], *parts[3:]])
+    return param
+
+
 @dataclass
 class _Stored:
     messages: list[dict[str, Any]]  # the conversation without instructions, this response's output included
@@ -269,8 +287,12 @@ class _Responses:
                 "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
                 "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
                 "response_format": response_format(body.text)}
-        chat_body = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
-        prompt_ids, params, rendering = routes.prepare_chat(chat_body)
+        try:
+            chat_body = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+            prompt_ids, params, rendering = routes.prepare_chat(chat_body)
+        except APIError as error:  # named as the chat request has it: rename to this request's field
+            raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
+                from None
         response_id = _new_id("resp")
         run = _Run(self, body, response_id, conversation, params, rendering)
         loop = routes.engine_loop
@@ -278,7 +300,7 @@ class _Responses:
             sink = await loop.add(response_id, prompt_ids, params)
         except (ValueError, TypeError, OverflowError) as error:
             loop.abort(response_id)
-            raise APIError(400, str(error)) from None
+            raise APIError(400, str(error), param="input") from None
         except EngineFailure as error:
             raise APIError(503, str(error)) from None
         except asyncio.CancelledError:
