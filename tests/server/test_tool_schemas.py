@@ -1,6 +1,7 @@
 """Forced tool calls whose parameters use `$defs` / `$ref`: the schemas pydantic writes for nested models,
 `Optional` fields, enums, lists of models and recursive models, in the shapes instructor (`Mode.TOOLS`), pydantic-ai
-(`output_type`) and openai-agents (a tool taking a model argument, its strict schema) send them, through the
+(`output_type`) and openai-agents (a tool taking a model argument, its strict schema) send them (instructor's and
+pydantic-ai's recorded from those libraries in framework_tool_schemas.json, openai-agents' made by it), through the
 `openai` client with `tool_choice` "required" and a named tool. The definitions are hoisted to the root of the
 call's grammar (`hybridcache.guided.tool_call_schema`), so each call's arguments validate against the schema and
 parse back into the model."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from pathlib import Path
 from typing import Optional
 
 import jsonschema
@@ -23,6 +25,7 @@ from hybridcache.models.builtin import BUILTIN_NAME
 from .inprocess_server import serving
 
 MODEL = BUILTIN_NAME
+RECORDED = Path(__file__).parent / "framework_tool_schemas.json"
 USER = [{"role": "user", "content": "Save Ann, who lives in Paris."}]
 
 
@@ -51,18 +54,22 @@ class Person(BaseModel):
     tree: Node
 
 
+def recorded_tool(framework: str) -> dict:
+    """The tool definition `framework` sent for `Person`, recorded from the real library (version and call in
+    framework_tool_schemas.json)."""
+    return json.loads(RECORDED.read_text())[framework]["tool"]
+
+
 def instructor_tool() -> dict:
-    """instructor's `openai_schema(Person)`: the model's schema, less title and description, as the parameters."""
-    schema = Person.model_json_schema()
-    parameters = {k: v for k, v in schema.items() if k not in ("title", "description")}
-    return {"type": "function", "function": {"name": "Person", "description": schema["description"],
-                                             "parameters": parameters}}
+    """instructor's `Mode.TOOLS`: `openai_schema(Person)`, the model's schema (less title and description,
+    `required` sorted) as the parameters."""
+    return recorded_tool("instructor")
 
 
 def pydantic_ai_tool() -> dict:
-    """pydantic-ai's `output_type=Person`: a `final_result` tool whose parameters are the model's schema."""
-    return {"type": "function", "function": {"name": "final_result", "description": "The final response",
-                                             "parameters": Person.model_json_schema()}}
+    """pydantic-ai's `output_type=Person`: a `final_result` output tool whose parameters are the model's schema
+    without titles."""
+    return recorded_tool("pydantic-ai")
 
 
 def openai_agents_tool() -> dict:
