@@ -18,8 +18,8 @@ Streamed, the body is server-sent events `event: <type>` / `data: <json>`: `resp
 `response.in_progress`, then per output item `response.output_item.added`, its deltas
 (`response.reasoning_text.delta`, `response.content_part.added` + `response.output_text.delta` + `.done` +
 `response.content_part.done`, `response.function_call_arguments.delta` + `.done`) and
-`response.output_item.done`, and last `response.completed` (or `response.incomplete` when `max_output_tokens` cut
-it) with the whole response; every event carries a `sequence_number`.
+`response.output_item.done`, and last `response.completed` with the whole response (as vLLM sends it, also when
+`max_output_tokens` cut the answer: its `status` is then "incomplete"); every event carries a `sequence_number`.
 
 Usage: `input_tokens` (with `input_tokens_details.cached_tokens`: what the prefix cache skipped),
 `output_tokens` (with `output_tokens_details.reasoning_tokens`: the reasoning text's tokens, re-encoded),
@@ -494,9 +494,9 @@ class _Run:
             return
         if final is None:
             return
-        body = self.finish(final, out)
-        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
-        yield self._event(kind, response=body)
+        # as vLLM: the last event is response.completed whatever the status (the openai client's stream helper
+        # waits for it); an answer cut by max_output_tokens has status "incomplete" in it
+        yield self._event("response.completed", response=self.finish(final, out))
 
 
 def add_responses_routes(app: FastAPI, routes: _Routes) -> None:
