@@ -92,8 +92,13 @@ def test_lm_eval_local_completions_matches_prompt_logprobs(tmp_path, monkeypatch
     assert all(len(c) + len(x) >= 150 for c, x in pairs)
     llm = LLM(block_size=16, max_model_len=2048, num_blocks=2048)
     outputs = llm.generate([c + x for c, x in pairs], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    differences = []
     for (context, continuation), output, value in zip(pairs, outputs, reported):
         tokens = context + continuation
         expected = sum(output.prompt_logprobs[p][tokens[p]].logprob for p in range(len(context), len(tokens)))
         assert math.isfinite(value) and value < 0
         assert value == pytest.approx(expected, abs=1e-4)
+        differences.append(abs(value - expected))
+    print(f"\nlm-eval local-completions: {len(reported)} loglikelihoods, max |server - LLM.generate| "
+          f"{max(differences):.2e}; acc {results['results']['hybridcache_mc']['acc,none']:.2f}, exact_match "
+          f"{results['results']['hybridcache_gen']['exact_match,none']:.2f}")
