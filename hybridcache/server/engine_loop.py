@@ -34,6 +34,7 @@ from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
 logger = logging.getLogger("hybridcache.server")
+RUNNING_BLOCKS_INTERVAL_S = 0.25
 
 
 class EngineFailure(Exception):
@@ -96,6 +97,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state: EngineState = read_engine_state(engine)
+        self._running_blocks_at = time.monotonic()  # engine thread only: when num_blocks_running was counted
         self.healthy = True
         self.last_error: str | None = None
 
@@ -271,8 +273,17 @@ class EngineLoop:
                                        time.perf_counter() - stream.arrival, _phases(stream))
 
     def _publish_state(self) -> None:
+        # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
+        # RUNNING_BLOCKS_INTERVAL_S while requests run (a walk over every running sequence's blocks), and at once
+        # when none runs, so that an idle server reports 0.
+        now = time.monotonic()
+        reuse = None
+        if self._engine.has_unfinished_requests() and now - self._running_blocks_at < RUNNING_BLOCKS_INTERVAL_S:
+            reuse = self.state.num_blocks_running
+        else:
+            self._running_blocks_at = now
         try:
-            self.state = read_engine_state(self._engine)
+            self.state = read_engine_state(self._engine, reuse)
         except Exception:  # noqa: BLE001 - metrics must not end the loop
             logger.exception("reading the engine state failed")
 

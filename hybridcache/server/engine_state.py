@@ -42,14 +42,15 @@ class EngineState:
         return asdict(self)
 
 
-def read_engine_state(engine: Any) -> EngineState:
-    """Snapshot `engine` (an `LLMEngine`); call only from the thread that owns it."""
+def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> EngineState:
+    """Snapshot `engine` (an `LLMEngine`); call only from the thread that owns it. `num_blocks_running`: a
+    recent count to reuse (None: count now; counting walks every running sequence's blocks)."""
     stats = engine.stats()
     cache = stats.get("cache")
     return EngineState(
         num_blocks=stats["num_blocks"],
         num_blocks_used=stats["num_blocks_used"],
-        num_blocks_running=_blocks_held_by_running(engine),
+        num_blocks_running=blocks_held_by_running(engine) if num_blocks_running is None else num_blocks_running,
         num_slots=stats["num_slots"],
         num_slots_used=stats["num_slots_used"],
         num_running=stats.get("num_running", 0),
@@ -65,7 +66,7 @@ def read_engine_state(engine: Any) -> EngineState:
     )
 
 
-def _blocks_held_by_running(engine: Any) -> int:
+def blocks_held_by_running(engine: Any) -> int:
     """The distinct pool blocks of the sequences the prefix cache runs (0 for an engine without one)."""
     cache = getattr(getattr(engine, "scheduler", None), "cache", None)
     if cache is None or not hasattr(cache, "running_ids"):
