@@ -289,7 +289,7 @@ class _Responses:
                 "response_format": response_format(body.text)}
         try:
             chat_body = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
-            prompt_ids, params, rendering = routes.prepare_chat(chat_body)
+            prompt_ids, params, rendering, mm_inputs = await routes.prepare_chat(chat_body)
         except APIError as error:  # named as the chat request has it: rename to this request's field
             raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
                 from None
@@ -297,7 +297,7 @@ class _Responses:
         run = _Run(self, body, response_id, conversation, params, rendering)
         loop = routes.engine_loop
         try:
-            sink = await loop.add(response_id, prompt_ids, params)
+            sink = await loop.add(response_id, prompt_ids, params, mm_inputs)
         except (ValueError, TypeError, OverflowError) as error:
             loop.abort(response_id)
             raise APIError(400, str(error), param="input") from None
