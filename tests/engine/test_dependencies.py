@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "multimodal": set(),
     "state_spec": set(),
     "tokenizer": set(),
+    "extras": set(),  # the optional dependency groups and the error naming a missing one
     "images": set(),
     "mm_processor": {"images", "models", "multimodal"},
     "outputs": {"sampling"},
@@ -56,10 +57,11 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"engine", "forward_batch", "layers", "models"},
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
-    "cli": {FACADE, "engine_args", "generation_config"},
-    "server": {"engine", "engine_args", "generation_config", "guided", "images", "mm_processor", "model_path", "models",
-               "multimodal", "outputs", "sampling", "tokenizer"},
-    "bench": {FACADE, "cache", "config", "engine", "engine_args", "model_path", "models", "scheduler", "tokenizer"},
+    "cli": {FACADE, "engine_args", "extras", "generation_config"},
+    "server": {"engine", "engine_args", "extras", "generation_config", "guided", "images", "mm_processor", "model_path",
+               "models", "multimodal", "outputs", "sampling", "tokenizer"},
+    "bench": {FACADE, "cache", "config", "engine", "engine_args", "extras", "model_path", "models", "scheduler",
+              "tokenizer"},
 }
 
 
