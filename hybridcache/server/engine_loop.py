@@ -292,11 +292,12 @@ class EngineLoop:
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
-        # RUNNING_BLOCKS_INTERVAL_S while requests run (a walk over every running sequence's blocks), and at once
-        # when none runs, so that an idle server reports 0.
+        # RUNNING_BLOCKS_INTERVAL_S while sequences run (a walk over every running sequence's blocks), and at once
+        # when none ran at the last count (so an idle server reports 0, and a busy one at once more).
         now = time.monotonic()
         reuse = None
-        if self._engine.has_unfinished_requests() and now - self._running_blocks_at < RUNNING_BLOCKS_INTERVAL_S:
+        if (self._engine.has_unfinished_requests() and self.state.num_running > 0
+                and now - self._running_blocks_at < RUNNING_BLOCKS_INTERVAL_S):
             reuse = self.state.num_blocks_running
         else:
             self._running_blocks_at = now
