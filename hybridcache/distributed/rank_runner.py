@@ -26,6 +26,7 @@ from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import load_model
+from hybridcache.models.mtp import load_mtp_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_CHECKPOINT_STATES = 32
@@ -65,8 +66,16 @@ def build_runner(
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
     backend = get_backend(device)
+    speculative = config.speculative_config
+    head = None
+    if speculative is not None:
+        if not getattr(backend, "supports_verify_states", False):
+            raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
+                             f"states of verify rows; {type(backend).__name__} does not yet")
+        head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device)
+    head_specs = head.state_specs(dtype) if head is not None else ()
     kv_per_block, state_per_slot = pool_bytes(
-        model.state_specs(dtype, state_dtype), config.block_size, model.slot_specs(dtype)
+        (*model.state_specs(dtype, state_dtype), *head_specs), config.block_size, model.slot_specs(dtype)
     )
     blocks_per_seq = -(-spec.max_model_len // config.block_size)
     if device.type == "cuda":
@@ -103,6 +112,8 @@ def build_runner(
         state_dtype=state_dtype,
         device=device,
         cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative is not None else 0,
+        mtp_head=head,
     )
     return runner, plan
 
