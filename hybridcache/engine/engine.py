@@ -627,10 +627,11 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts."""
+        pool size, token counts and, with speculative decoding, its `SpecDecodeStats` (else None)."""
         return {
             "num_blocks": self.num_blocks,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
+            "spec_decode": self.drafter.stats if self.drafter is not None else None,
         }

@@ -18,7 +18,9 @@ class EngineState:
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
-    prompt tokens computed.
+    prompt tokens computed. `spec_decode`: speculative decoding's totals (vLLM's spec_decode counters: verify
+    rows `num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, and `accepted_per_position`, position 1 first);
+    None when it is off.
     """
 
     num_blocks: int = 0
@@ -35,6 +37,7 @@ class EngineState:
     checkpoint_hits: dict[str, int] = field(default_factory=dict)
     declined_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
+    spec_decode: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,7 +62,17 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_hits=dict(getattr(cache, "hits_by_reason", {}) or {}),
         declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
+        spec_decode=_spec_decode(stats.get("spec_decode")),
     )
+
+
+def _spec_decode(spec: Any) -> dict[str, Any] | None:
+    """The speculative decoding counters as plain data (a copy: the engine keeps counting)."""
+    if spec is None:
+        return None
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position)}
 
 
 def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:

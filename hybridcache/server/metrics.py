@@ -25,6 +25,13 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_kv_blocks_used / _total, hybridcache_state_slots_used / _total (cache contents included)
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total
+
+With speculative decoding (vLLM's spec_decode counters, under our prefix):
+
+    hybridcache_spec_decode_num_drafts_total         verify rows (a sequence's decode step that fed drafts)
+    hybridcache_spec_decode_num_draft_tokens_total   draft tokens fed
+    hybridcache_spec_decode_num_accepted_tokens_total  draft tokens accepted
+    hybridcache_spec_decode_num_accepted_tokens_per_pos_total{position}  accepted drafts by position (1 = first)
 """
 
 from __future__ import annotations
@@ -130,6 +137,19 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+        if state.spec_decode is not None:
+            yield from _spec_decode_metrics(state.spec_decode, model)
+
+
+def _spec_decode_metrics(spec: dict, model: str) -> Iterator[Metric]:
+    for key, documentation in (("num_drafts", "Verify rows of speculative decoding"),
+                               ("num_draft_tokens", "Draft tokens fed"),
+                               ("num_accepted_tokens", "Draft tokens accepted")):
+        family = CounterMetricFamily(f"hybridcache_spec_decode_{key}", documentation, labels=["model_name"])
+        family.add_metric([model], spec[key])
+        yield family
+    yield _by_label("hybridcache_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+                    "position", {str(j + 1): n for j, n in enumerate(spec["accepted_per_position"])}, model)
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:
