@@ -452,6 +452,8 @@ class LLMEngine:
                 kept[seq] = ()
                 continue
             self.drafter.stats.count(verdict)
+            seq.num_draft_tokens += verdict.num_drafts
+            seq.num_accepted_tokens += verdict.num_accepted
             request = self._requests[seq.request_id]
             emitted, reason = [], None
             for j, token in enumerate(verdict.tokens):
@@ -597,7 +599,8 @@ class LLMEngine:
     def _output(self, request: _Request) -> RequestOutput:
         completions = [
             CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
-                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None,
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
             for seq, text, logprobs in zip(request.seqs, request.texts, request.logprobs)
         ]
         first = request.seqs[0]

@@ -253,7 +253,8 @@ class EngineLoop:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
-                                       time.perf_counter() - stream.arrival)
+                                       time.perf_counter() - stream.arrival,
+                                       [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs])
 
     def _publish_state(self) -> None:
         try:

@@ -12,6 +12,8 @@ show several servers. Request-level metrics are recorded by the engine thread as
     hybridcache_time_to_first_token_seconds         arrival -> first sampled token
     hybridcache_inter_token_latency_seconds         time between a request's consecutive token steps
     hybridcache_e2e_request_latency_seconds         arrival -> finish
+    hybridcache_spec_decode_request_acceptance_rate per completion that fed drafts (speculative decoding): its
+                                                    accepted / fed draft tokens
 
 Engine-level metrics are read from the latest `EngineState` snapshot at scrape time:
 
@@ -74,6 +76,10 @@ class ServerMetrics:
         self.ttft = histogram("hybridcache_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps")
         self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
+        self.acceptance = Histogram(
+            "hybridcache_spec_decode_request_acceptance_rate", "Per completion that fed drafts: accepted / fed "
+            "draft tokens", ["model_name"], buckets=tuple(i / 10 for i in range(11)), registry=registry,
+        ).labels(**model)
 
     def finished(self, finish_reason: str) -> Any:
         """The counter of completions that ended for `finish_reason`."""
@@ -84,8 +90,12 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine_state, self.model_name))
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float) -> None:
-        """A request ended (finished or aborted after its prompt was computed)."""
+                         latency_s: float, drafts: list[tuple[int, int]] = ()) -> None:
+        """A request ended (finished or aborted after its prompt was computed). `drafts`: per completion,
+        (draft tokens fed, accepted) with speculative decoding."""
+        for fed, accepted in drafts:
+            if fed:
+                self.acceptance.observe(accepted / fed)
         self.query_tokens.inc(num_prompt_tokens)
         self.hit_tokens.inc(num_cached_tokens)
         self.prompt_tokens.inc(num_prompt_tokens)
