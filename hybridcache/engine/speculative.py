@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.sampling import SamplingParams, _filtered_probs, process_logits, to_device
+from hybridcache.sampling import SamplingParams, filtered_probs, process_logits, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 
@@ -114,7 +114,7 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
     scores = process_logits(torch.cat(parts) if len(parts) > 1 else parts[0], views, stop_token_ids=stop_token_ids)
     params = [v.params for v in views]
     greedy = scores.argmax(dim=-1).tolist()
-    probs = _filtered_probs(scores, params) if not all(p.greedy for p in params) else None
+    probs = filtered_probs(scores, params) if not all(p.greedy for p in params) else None
     return [Verdict(seq, _judge_row(seq, drafts, first, greedy, probs), len(drafts)) for seq, drafts, first in spans]
 
 
@@ -144,8 +144,8 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 class MtpDrafter:
     """Proposes drafts with the runner's MTP head (`runner.mtp_head`), on the runner's pools and backend, from the
-    hidden states its last forward kept (`runner.step_hidden`). Reference path: one sequence at a time is not
-    needed, every call is batched over the step's sequences."""
+    hidden states its last forward kept (`runner.step_hidden`); each head call is batched over the step's
+    sequences (one call over every computed position, then one per further draft position)."""
 
     def __init__(self, runner, *, num_speculative_tokens: int, block_size: int, kernel_block_size: int,
                  max_model_len: int) -> None:
