@@ -173,7 +173,12 @@ class MtpDrafter:
         """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
         accepted): run the head over every position the step computed for sequences still running (its KV
         there), then set `seq.drafts` of each sequence in `drafting` (running, sampled in this step) to the
-        `budget(seq)` tokens the head proposes greedily."""
+        `budget(seq)` tokens the head proposes greedily.
+
+        The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
+        positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
+        lookahead). It is queued before the next step is planned, so a block `accept_drafts` has just put into
+        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it."""
         runner, model, head = self.runner, self.runner.model, self.runner.mtp_head
         hidden = runner.step_hidden
         device = hidden.device
