@@ -269,3 +269,16 @@ def test_a_model_without_an_mtp_head_is_refused(tmp_path):
     (folder / "mtp.safetensors").unlink()
     with pytest.raises(ValueError, match="no mtp"):
         make_engine(folder, 1)
+
+
+def test_llm_takes_a_speculative_config_like_vllm(small_dir):
+    from hybridcache import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42]]
+    off = LLM(small_dir, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    on = LLM(small_dir, dtype="float32", device="cpu",
+             speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+    got = on.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in off]
+    assert all(o.outputs[0].num_draft_tokens > 0 for o in got)
