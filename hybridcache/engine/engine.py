@@ -256,8 +256,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.drafter is not None:
             refused = [what for what, on in (("structured output", params.guided is not None),
-                                             ("penalties", params.penalized), ("logprobs", params.logprobs is not None))
-                       if on]
+                                             ("penalties", params.penalized)) if on]
             if refused:
                 raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
@@ -470,6 +469,8 @@ class LLMEngine:
             emitted, reason = [], None
             for j, token in enumerate(verdict.tokens):
                 emitted.append(token)
+                if verdict.logprobs is not None:
+                    request.logprobs[seq.index].append(verdict.logprobs[j])
                 reason = self._finish_reason(seq, token, request.texts[seq.index], seq.num_tokens + j + 1)
                 if reason is not None:
                     break

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.sampling import SamplingParams, filtered_probs, process_logits, to_device
+from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, process_logits, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 
@@ -37,11 +37,14 @@ from hybridcache.scheduler.sequence import Seq
 @dataclass(frozen=True)
 class Verdict:
     """One sampled sequence of a step: `tokens` = its accepted drafts, then the token sampled after them
-    (`num_accepted` + 1 tokens); `num_drafts`: the drafts it fed (0 for a row that verified nothing)."""
+    (`num_accepted` + 1 tokens); `num_drafts`: the drafts it fed (0 for a row that verified nothing);
+    `logprobs`: one `TokenLogprob` per token when the sequence asks for logprobs (from the target's raw logits
+    at the token's position, as without speculation), else None."""
 
     seq: Seq
     tokens: tuple[int, ...]
     num_drafts: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -111,11 +114,26 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
         parts.append(sample_only_logits)
     if not parts:
         return []
-    scores = process_logits(torch.cat(parts) if len(parts) > 1 else parts[0], views, stop_token_ids=stop_token_ids)
+    raw = torch.cat(parts) if len(parts) > 1 else parts[0]
+    scores = process_logits(raw, views, stop_token_ids=stop_token_ids)
     params = [v.params for v in views]
     greedy = scores.argmax(dim=-1).tolist()
     probs = filtered_probs(scores, params) if not all(p.greedy for p in params) else None
-    return [Verdict(seq, _judge_row(seq, drafts, first, greedy, probs), len(drafts)) for seq, drafts, first in spans]
+    verdicts = []
+    for seq, drafts, first in spans:
+        tokens = _judge_row(seq, drafts, first, greedy, probs)
+        logprobs = None if seq.params.logprobs is None else _logprobs(raw[first: first + len(tokens)], tokens,
+                                                                      seq.params.logprobs)
+        verdicts.append(Verdict(seq, tokens, len(drafts), logprobs))
+    return verdicts
+
+
+def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability under its row of raw logits [n, vocab] and the row's k likeliest tokens."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return tuple(TokenLogprob(token, chosen[j], tuple(zip(ids[j], values[j]))) for j, token in enumerate(tokens))
 
 
 def _judge_row(seq: Seq, drafts: list[int], first: int, greedy: list[int], probs: torch.Tensor | None) -> tuple:

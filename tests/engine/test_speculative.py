@@ -257,7 +257,7 @@ def test_unsupported_combinations_are_refused_clearly(small_dir):
     assert EngineConfig(speculative_config='{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'
                         ).speculative_config == SpeculativeConfig("qwen3_next_mtp", 3)
     engine = make_engine(small_dir, 2)
-    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(logprobs=2)):
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(temperature=0, guided=object())):
         with pytest.raises(ValueError, match="not supported with speculative decoding"):
             engine.add_request("bad", [1, 2, 3], params)
     assert not engine.has_unfinished_requests()
@@ -272,13 +272,25 @@ def test_a_model_without_an_mtp_head_is_refused(tmp_path):
 
 
 def test_llm_takes_a_speculative_config_like_vllm(small_dir):
+    """`LLM(speculative_config=...)` as vLLM's; greedy tokens and their logprobs (top 3) equal MTP off's, with the
+    random head and with oracle drafts (accepted tokens' logprobs come from the verify rows)."""
     from hybridcache import LLM
 
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42]]
     off = LLM(small_dir, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
-    on = LLM(small_dir, dtype="float32", device="cpu",
-             speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
-    got = on.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in off]
-    assert all(o.outputs[0].num_draft_tokens > 0 for o in got)
+    reference = {str(i): [o.outputs[0].token_ids] for i, o in enumerate(off)}
+    for use_oracle in (False, True):
+        on = LLM(small_dir, dtype="float32", device="cpu",
+                 speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+        if use_oracle:
+            oracle(on.engine, reference, seed=3, right=0.8)
+        got = on.generate(prompts, params, use_tqdm=False)
+        for mine, want in zip(got, off, strict=True):
+            assert mine.outputs[0].token_ids == want.outputs[0].token_ids
+            assert mine.outputs[0].num_draft_tokens > 0
+            for a, b in zip(mine.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        if use_oracle:
+            assert on.engine.drafter.stats.num_accepted_tokens > 0

@@ -19,7 +19,10 @@ def test_speculative_server(tmp_path):
         ok = httpx.post(url, json=body, timeout=120)
         assert ok.status_code == 200, ok.text
         assert ok.json()["usage"]["completion_tokens"] == 12
-        for extra, word in (({"repetition_penalty": 1.3}, "penalties"), ({"logprobs": 2}, "logprobs")):
+        with_logprobs = httpx.post(url, json={**body, "logprobs": 2}, timeout=120)
+        assert with_logprobs.status_code == 200, with_logprobs.text
+        assert with_logprobs.json()["choices"][0]["text"] == ok.json()["choices"][0]["text"]
+        for extra, word in (({"repetition_penalty": 1.3}, "penalties"), ({"guided_regex": "[a-z]+"}, "structured")):
             refused = httpx.post(url, json={**body, **extra}, timeout=60)
             assert refused.status_code == 400, refused.text
             assert word in refused.json()["error"]["message"] and "speculative" in refused.json()["error"]["message"]
