@@ -163,7 +163,9 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 class MtpDrafter:
     """Proposes drafts with the runner's MTP head (`runner.mtp_head`), on the runner's pools and backend, from the
     hidden states its last forward kept (`runner.step_hidden`); each head call is batched over the step's
-    sequences (one call over every computed position, then one per further draft position)."""
+    sequences (one call over every computed position, then one per further draft position). `runner` is the
+    local `ModelRunner` (speculative decoding is not offered under tensor parallelism yet, so the executor seam
+    has no drafting call)."""
 
     def __init__(self, runner, *, num_speculative_tokens: int, block_size: int, kernel_block_size: int,
                  max_model_len: int) -> None:

@@ -64,8 +64,8 @@ def build_runner(
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
         # when a kernel compiles; a value the user set wins.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
-    backend = get_backend(device)
     speculative = config.speculative_config
     head = None
     if speculative is not None:
@@ -116,6 +116,7 @@ def build_runner(
         cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
         num_speculative_tokens=num_speculative,
         mtp_head=head,
+        memory_plan=plan,
     )
     return runner, plan
 
