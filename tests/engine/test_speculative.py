@@ -220,7 +220,7 @@ def tiny_vocab_dir(tmp_path_factory):
     return save_model_folder(model, tmp_path_factory.mktemp("vocab8"))
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])
 def test_sampling_distribution_with_mtp_equals_without(tiny_vocab_dir, temperature):
     """Many seeds over a vocabulary of 8: the tokens at each output position, MTP (k = 2) on against off, pass a
     two-sample chi-square test; the head's drafts are accepted often enough that both paths of the rejection
