@@ -190,32 +190,34 @@ def train(out: Path, options: TrainOptions, corpus: bytes | None = None, shape: 
 
 
 class MtpTrainer(torch.nn.Module):
-    """The MTP head as a trainable module over a frozen transformers model (see the module docstring); its
-    parameter names are the checkpoint's without the `mtp.` prefix (the decoder layer keeps transformers' names,
-    stacked experts included, which the MTP loader accepts)."""
+    """The MTP head as a trainable module over a frozen transformers model (see the module docstring), built from
+    that model's own classes (its decoder layer, as full attention with the MoE rule of layer 0, and its RMSNorm):
+    an implementation of the head independent of `hybridcache.models.mtp`. Parameter names are the checkpoint's
+    without the `mtp.` prefix (the decoder layer keeps transformers' names, stacked experts included, which the
+    MTP loader accepts)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         import copy
 
         import transformers
-        from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 
         super().__init__()
         config = copy.deepcopy(model.config)
         config.layer_types = ["full_attention"]  # layer 0 of a one-layer config: full attention, MoE as index 0
         config.num_hidden_layers = 1
         hidden = config.hidden_size
-        norm = qwen3_next.Qwen3NextRMSNorm
+        norm = type(model.model.norm)
         self.pre_fc_norm_embedding = norm(hidden, eps=config.rms_norm_eps)
         self.pre_fc_norm_hidden = norm(hidden, eps=config.rms_norm_eps)
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = torch.nn.ModuleList([qwen3_next.Qwen3NextDecoderLayer(config, layer_idx=0)])
+        self.layers = torch.nn.ModuleList([type(model.model.layers[0])(config, layer_idx=0)])
         self.norm = norm(hidden, eps=config.rms_norm_eps)
         self.mask_config = config
         self._create_causal_mask = transformers.masking_utils.create_causal_mask
 
-    def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
+    def logits(self, model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, L - 2, vocab] of the head over windows [B, L]: row t reads byte t + 1 and the model's
+        final hidden state at t (positions 0 .. L - 3)."""
         inputs = windows[:, :-2]
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
         with torch.no_grad():
@@ -226,7 +228,11 @@ class MtpTrainer(torch.nn.Module):
                                         position_ids=positions)
         x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
                            position_ids=positions)
-        logits = model.lm_head(self.norm(x)).float()
+        return model.lm_head(self.norm(x)).float()
+
+    def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
+        logits = self.logits(model, windows)
         want = windows[:, 2:]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
         return loss, (logits.argmax(dim=-1) == want).float().mean()

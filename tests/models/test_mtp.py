@@ -114,3 +114,39 @@ def test_the_head_over_chunks_equals_one_forward(folder):
     pieces = run([(0, 70), (70, 149), (149, 150)])
     assert (pieces - whole).abs().max() <= 1e-5 * whole.abs().max()
     assert whole.abs().max() > 0.1  # a head that computes something
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_the_head_equals_one_built_from_transformers_layers(tmp_path, model_type):
+    """The head built from transformers' own decoder layer and norms (`benchmarks/train_byte_lm.MtpTrainer`), random
+    weights at std 1/sqrt(fan_in), written as the folder's `mtp.*` tensors: our head's logits over 150 positions
+    (its paged KV written as it goes) equal the transformers-built head's, given the same target hidden states."""
+    from benchmarks.train_byte_lm import MtpTrainer, save_mtp
+    from hybridcache.models.random_weights import randomize_
+    from tests.engine.model_folders import load_hf_model
+
+    folder = write_tiny_model(tmp_path, model_type, seed=2)
+    hf = load_hf_model(folder)
+    reference = MtpTrainer(hf).eval()
+    randomize_(reference, seed=9)
+    save_mtp(reference, folder)
+    num = 152
+    windows = torch.randint(0, 256, (1, num), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = reference.logits(hf, windows)[0]
+        target_hidden = hf.model(input_ids=windows[:, :-2], position_ids=torch.arange(num - 2)[None],
+                                 use_cache=False).last_hidden_state[0]
+
+    model = load_model(folder)
+    head = load_mtp_head(folder, model, dtype=torch.float32, device="cpu")
+    backend = ReferenceBackend()
+    pools = DevicePools.allocate(head.state_specs(torch.float32), num_pages=20, kernel_block_size=8, num_slots=1)
+    tokens = windows[0, 1:-1].tolist()
+    outs = []
+    for start, end in ((0, 70), (70, num - 2)):
+        batch = build_forward_batch([SeqChunk(tokens[start:end], start, list(range(10)), 0)], block_size=16,
+                                    kernel_block_size=8)
+        embeds = model.model.embed_tokens(batch.input_ids)
+        outs.append(head(embeds, target_hidden[start:end], backend.prepare(batch), pools.layers, backend))
+    got = model._logits(torch.cat(outs))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), float((got - want).abs().max())
