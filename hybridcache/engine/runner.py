@@ -175,6 +175,7 @@ class ModelRunner:
                                         num_blocks=num_blocks + extra, k=state_pages)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
+            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
         if use_graphs:
@@ -299,6 +300,23 @@ class ModelRunner:
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+
+    @torch.inference_mode()
+    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
+        """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
+        and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
+        at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
+        where a full pool's does not (another specialisation of the attention prefill kernel, which otherwise
+        compiled inside the first request), and decode graphs are not captured when steps run eagerly.
+        With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
+        (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
+        while serving (tests/engine/test_no_compile_after_start_up.py)."""
+        for chunk in (SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0),
+                      SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)):
+            batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
+                                        device=self.device)
+            self.model(self.backend.prepare(batch), self.pools, self.backend)
+        torch.cuda.synchronize(self.device)
 
     def _copy(self, op: DeviceCopyOp) -> None:
         """Run one copy op by its kind's entry of `COPY_HANDLERS`; ValueError for a kind that has none (a new kind
