@@ -237,6 +237,8 @@ def _record_usage(replica: Replica, usage: dict | None, predicted: int) -> None:
     if not usage:
         return
     details = usage.get("prompt_tokens_details") or {}
+    logger.debug("%s: predicted %d hit tokens, reported %s of %s", replica.url, predicted,
+                 details.get("cached_tokens"), usage.get("prompt_tokens"))
     replica.counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)
     replica.counters.predicted_hit_tokens += predicted
     replica.counters.prompt_tokens += int(usage.get("prompt_tokens") or 0)
