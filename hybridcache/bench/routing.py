@@ -10,9 +10,12 @@ routing policy picks the replica of every request, in arrival order, one request
     checkpoint    the replica with the longest usable hit: KV *and* a state at that step (`probe().cached_len`),
                   what hybridcache's router predicts from cache events
 
-kv-prefix and checkpoint keep the balance as SGLang's router does: the best replica is taken unless it has
-more than `abs_margin` requests more than the least-loaded one *and* more than `rel_margin` times as many;
-then the least-loaded one is. Ties (misses everywhere) go to the least-loaded replica, lowest index first.
+kv-prefix and checkpoint follow SGLang's cache-aware router: the best replica is taken when its score covers
+at least `min_hit_fraction` of the prompt (SGLang's cache threshold) and it has no more than `abs_margin`
+requests more than the least-loaded one or no more than `rel_margin` times as many (its balance thresholds);
+otherwise the least-loaded one is, lowest index first. (Without the threshold, a few tokens of a shared chat
+template pull every new conversation to one replica, and the balance rule then pushes the continuing ones
+away from their checkpoints.)
 Load here is the number of requests routed so far (requests are replayed one at a time, so nothing is in
 flight); `max_over_mean` is the largest replica's count over the mean.
 """
@@ -35,6 +38,7 @@ class Balance:
 
     abs_margin: int = 4
     rel_margin: float = 1.2
+    min_hit_fraction: float = 0.3
 
     def too_loaded(self, load: int, least: int) -> bool:
         return load - least > self.abs_margin and load > self.rel_margin * least
@@ -81,7 +85,8 @@ class Router:
             score: Callable = ((lambda p: p.kv_len) if self.policy == "kv-prefix" else (lambda p: p.cached_len))
             scores = [score(replica.cache.probe(cache_request)) for replica in self.replicas]
             choice = max(range(n), key=lambda r: (scores[r], -self.loads[r], -r))
-            if scores[choice] == 0 or self.balance.too_loaded(self.loads[choice], self.loads[least]):
+            weak = scores[choice] == 0 or scores[choice] < self.balance.min_hit_fraction * cache_request.prompt_len
+            if weak or self.balance.too_loaded(self.loads[choice], self.loads[least]):
                 choice = least
         self.loads[choice] += 1
         return choice

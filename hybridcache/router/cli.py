@@ -44,6 +44,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                              "requests in flight more ... (default: %(default)s)")
     parser.add_argument("--balance-rel-threshold", type=float, default=defaults.rel_margin,
                         help="... and more than this many times as many (default: %(default)s)")
+    parser.add_argument("--cache-threshold", type=float, default=defaults.min_hit_fraction,
+                        help="the best replica's predicted hit must cover this fraction of the prompt, else the "
+                             "least-loaded replica is taken (default: %(default)s)")
     parser.add_argument("--router-poll-interval", type=float, default=0.5, metavar="SECONDS",
                         help="seconds between polls of each replica's cache events (default: %(default)s)")
 
@@ -52,7 +55,7 @@ def router_config(args: argparse.Namespace, urls: Sequence[str]):
     from hybridcache.router.app import RouterConfig
     from hybridcache.router.policy import RoutingConfig
 
-    routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold)
+    routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
     return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval)
 
 
@@ -82,7 +85,7 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
     program) without --data-parallel-size, --host, --port and the routing options, plus a loopback port."""
     drop_with_value = {"--data-parallel-size", "--host", "--port", "--routing", "--balance-abs-threshold",
-                       "--balance-rel-threshold", "--router-poll-interval"}
+                       "--balance-rel-threshold", "--cache-threshold", "--router-poll-interval"}
     out: list[str] = []
     skip = False
     for arg in argv:

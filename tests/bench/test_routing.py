@@ -84,3 +84,15 @@ def test_cli_routes_the_shipped_swe_agent_slice(tmp_path, capsys):
     assert set(routing) == {"round-robin", "session", "kv-prefix", "checkpoint"}
     assert all(sum(r["requests_per_replica"]) == 40 for r in routing.values())
     assert routing["checkpoint"]["token_hit_rate"] >= routing["round-robin"]["token_hit_rate"]
+
+
+def test_cache_threshold_above_every_hit_routes_by_load_alone():
+    """No hit covers the whole prompt (one token is always computed), so with min_hit_fraction = 1 every request
+    goes to the least-loaded replica: loads stay equal, and conversations lose the turns that moved."""
+    requests = _conversations(3, 4)
+    balance = Balance(abs_margin=100, min_hit_fraction=1.0)
+    by_load = simulate_routing(_workload(requests), ["checkpoint"], 2, COST, CONFIG, balance=balance)["checkpoint"]
+    by_hit = simulate_routing(_workload(requests), ["checkpoint"], 2, COST, CONFIG,
+                              balance=Balance(abs_margin=100))["checkpoint"]
+    assert by_load.requests_per_replica == (6, 6)
+    assert by_load.hit_tokens < by_hit.hit_tokens
