@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from hybridcache.bench.engine_bench import BenchConfig
 from hybridcache.bench.server_bench import run_server_bench
@@ -48,6 +49,7 @@ def _stream(url: str, prompt: list[int], max_tokens: int = 400) -> str:
     return errors[0] if errors else "ok"
 
 
+@pytest.mark.slow
 def test_router_beats_round_robin_and_survives_a_killed_replica(tmp_path):
     ensure_builtin_model()
     workload = load_workload("swe-agent", model_dir=builtin_model_dir(), chat=CHAT)
