@@ -40,3 +40,12 @@ def test_round_robin_and_bad_config():
         RoutingConfig(min_hit_fraction=1.5)
     with pytest.raises(ValueError, match="one probe per load"):
         chooser.choose([], [], 1)
+
+
+def test_replica_command_line_drops_the_router_options():
+    from hybridcache.router.cli import replica_argv
+
+    argv = ["serve", "MODEL", "--data-parallel-size", "3", "--port=9000", "--host", "0.0.0.0", "--routing",
+            "kv-prefix", "--cache-threshold=0.5", "--block-size", "16"]
+    assert replica_argv(argv, 9001) == ["serve", "MODEL", "--block-size", "16", "--host", "127.0.0.1",
+                                        "--port", "9001"]
