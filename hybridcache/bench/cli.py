@@ -96,9 +96,9 @@ def register(subparsers) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from hybridcache.bench.cost_model import load_model_cost
     from hybridcache.bench.simulator import GIB, SimConfig, SimResult, parse_policies, simulate_many
     from hybridcache.bench.workloads import load_workload
+    from hybridcache.engine.cost_model import load_model_cost
 
     if args.replicas is not None:
         return cmd_simulate_routing(args)
