@@ -157,10 +157,10 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
     """`simulate --replicas N`: every routing policy over N replicas (bench/routing.py)."""
     from tqdm.auto import tqdm
 
-    from hybridcache.bench.cost_model import load_model_cost
     from hybridcache.bench.routing import format_routing_table, simulate_routing
     from hybridcache.bench.simulator import GIB, SimConfig
     from hybridcache.bench.workloads import load_workload
+    from hybridcache.engine.cost_model import load_model_cost
 
     policies = [p.strip() for p in args.routing.split(",") if p.strip()]
     model_dir = resolve_model(args.model).path if args.model is not None else None

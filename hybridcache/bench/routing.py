@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.replay import CacheReplay, PolicySpec, SimConfig, cache_requests_of, parse_policies
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.engine.cost_model import ModelCost
 
 ROUTING_POLICIES = ("round-robin", "session", "kv-prefix", "checkpoint")
 

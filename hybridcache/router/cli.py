@@ -1,5 +1,9 @@
 """`hybridcache router --replica URL ...` (the checkpoint-aware router) and `hybridcache serve
---data-parallel-size N` (N engine processes on one machine behind that router)."""
+--data-parallel-size N` (N engine processes on one machine behind that router).
+
+The `serve` subcommand belongs to server/cli.py; `register` (run after it, cli.py's `_SUBCOMMAND_MODULES`) adds
+`--data-parallel-size` and the routing options to it and wraps its handler, so the server imports nothing of
+the router (the router imports the server's request parsing)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--port", type=int, default=8000, help="port to bind")
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     router.set_defaults(func=cmd_router)
+    serve = subparsers.choices.get("serve")
+    if serve is not None:
+        serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                           help="run N engine processes (one device each; CPU ok) on ports PORT+1..PORT+N behind the "
+                                "checkpoint-aware router on PORT (default: %(default)s: one engine, no router)")
+        add_router_args(serve)
+        serve.set_defaults(func=_serve_or_data_parallel(serve.get_default("func")))
+
+
+def _serve_or_data_parallel(cmd_serve):
+    """`serve`'s handler: `cmd_serve` for one engine, `serve_data_parallel` for several (the command line is
+    this process's own: `sys.argv`)."""
+
+    def run(args: argparse.Namespace) -> int:
+        if args.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+        if args.data_parallel_size == 1:
+            return cmd_serve(args)
+        return serve_data_parallel(args, sys.argv[1:])
+
+    return run
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:

@@ -50,12 +50,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
     serve.add_argument("--disable-log-stats", action="store_true", help="write no stats lines")
     add_media_flags(serve)
-    serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                       help="run N engine processes (one device each; CPU ok) on ports PORT+1..PORT+N behind the "
-                            "checkpoint-aware router on PORT (default: %(default)s, one engine, no router)")
-    from hybridcache.router.cli import add_router_args
-
-    add_router_args(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
     serve.set_defaults(func=cmd_serve)
@@ -100,14 +94,6 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.data_parallel_size < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
-    if args.data_parallel_size > 1:
-        import sys
-
-        from hybridcache.router.cli import serve_data_parallel
-
-        return serve_data_parallel(args, sys.argv[1:])
     import uvicorn
 
     from hybridcache.engine.engine import LLMEngine

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.routing import Balance, simulate_routing
 from hybridcache.bench.simulator import SimConfig, parse_policies, simulate
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.engine.cost_model import ModelCost
 
 COST = ModelCost("toy", kv_bytes_per_token=16, state_bytes=256, flops_per_token=10.0, attn_flops_per_token_pair=1.0)
 CONFIG = SimConfig(1 << 20, block_size=4, chunk_budget=100, kv_tokens_per_slot=16, check_integrity=True)
