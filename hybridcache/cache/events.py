@@ -14,7 +14,9 @@ being sent (vLLM's BlockStored / BlockRemoved are the model; checkpoints are wha
 
 `CacheEventLog` keeps the newest `capacity` events, each numbered from 0 on. A reader asks for the events
 after the last number it saw (`since`); when older ones were dropped it learns so (`lost`) and must start
-again from a snapshot (`PrefixCache.snapshot_events`), taken on the thread that drives the cache.
+again from a snapshot (`PrefixCache.snapshot_events`), taken on the thread that drives the cache. Each log has
+a random `epoch`: numbers of one log mean nothing in another (a restarted server), so a reader that sees the
+epoch change starts again from a snapshot too.
 
 Threads: `emit` is called by the thread that drives the cache; `since` may be called from any thread.
 """
@@ -22,6 +24,7 @@ Threads: `emit` is called by the thread that drives the cache; `since` may be ca
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
 from enum import Enum
@@ -83,6 +86,7 @@ class CacheEventLog:
         self._events: deque[CacheEvent] = deque(maxlen=capacity)
         self._next_seq = 0
         self._lock = threading.Lock()
+        self.epoch = uuid.uuid4().hex
 
     def emit(self, event: CacheEvent) -> None:
         with self._lock:

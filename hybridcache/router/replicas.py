@@ -3,7 +3,8 @@ what was routed to it.
 
 A replica is *up* while its last events poll succeeded. A failed poll, or a request that cannot reach it,
 marks it down: its index is dropped (it predicts nothing) and it gets no requests; the next successful poll
-(a `reset` snapshot, since its cache may have restarted) brings it back.
+(a `reset` snapshot, since its cache may have restarted) brings it back. A poll that finds another event log
+(its `epoch` changed: the replica restarted between two polls) drops the index; the next poll takes a snapshot.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Replica:
     up: bool = False
     in_flight: int = 0
     next_seq: int | None = None
+    epoch: str | None = None
     full_prompt_hits: bool = False
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -61,6 +63,7 @@ class Replica:
         self.up = False
         self.index = None
         self.next_seq = None
+        self.epoch = None
 
     async def poll(self, client: httpx.AsyncClient, timeout_s: float) -> None:
         """Bring the index up to date with the replica's events (a snapshot when it has none or lost some);
@@ -75,8 +78,12 @@ class Replica:
             except (httpx.HTTPError, ValueError, KeyError) as error:
                 self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
                 return
+            if not body["reset"] and body.get("epoch") != self.epoch:  # another log (a restart): start again
+                self.index, self.next_seq, self.epoch = None, None, None
+                return
             if body["reset"] or self.index is None or self.index.block_size != body["block_size"]:
                 self.index = ReplicaIndex(body["block_size"])
+            self.epoch = body.get("epoch")
             self.index.apply(events)
             self.full_prompt_hits = bool(body.get("full_prompt_hits", False))
             self.next_seq = body["next"]

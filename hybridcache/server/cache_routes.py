@@ -2,7 +2,8 @@
 
     GET  /v1/cache/events?since=N[&limit=M]   the cache events numbered >= N (cache/events.py), or, when N is
                                               left out or older than the log keeps, `reset: true` and a
-                                              snapshot of everything held, to replace what the reader had
+                                              snapshot of everything held, to replace what the reader had;
+                                              with the log's `epoch` (numbers are only valid within one)
     POST /v1/cache/match                      a completions or chat body -> per prompt: prompt_tokens,
                                               kv_tokens (full blocks in the trie), cached_tokens (what a
                                               request sent now would skip); generates nothing, changes nothing
@@ -59,8 +60,10 @@ class CacheRoutes:
         def snapshot(engine: Any) -> tuple[int, list]:
             cache = engine.scheduler.cache
             if self.log is None:
-                self.head = {"block_size": cache.block_size, "full_prompt_hits": cache.config.full_prompt_hits}
-                self.log = cache.events or cache.enable_events(EVENT_LOG_CAPACITY)
+                log = cache.events or cache.enable_events(EVENT_LOG_CAPACITY)
+                self.head = {"block_size": cache.block_size, "full_prompt_hits": cache.config.full_prompt_hits,
+                             "epoch": log.epoch}
+                self.log = log
             return self.log.next_seq, cache.snapshot_events()
 
         next_seq, events = await self._call(snapshot)

@@ -19,11 +19,12 @@ from tests.server.server_process import free_port
 PROMPT = list(range(1, 21))
 
 
-def _fake_replica(mode: str, hit_step: int = 0) -> FastAPI:
+def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
     """A replica whose cache holds one checkpoint of PROMPT at `hit_step` (none for 0) and whose completions
     answer as `mode` says: ok, 503, stream-cut (one chunk, then the connection drops)."""
     app = FastAPI()
     app.state.calls = 0
+    app.state.epoch = epoch
     events = []
     if hit_step:
         root = root_hash(None)
@@ -38,7 +39,7 @@ def _fake_replica(mode: str, hit_step: int = 0) -> FastAPI:
     async def cache_events(since: int | None = None):
         fresh = since is None
         return {"block_size": 16, "full_prompt_hits": False, "reset": fresh, "next": len(events),
-                "events": events if fresh else []}
+                "events": events if fresh else [], "epoch": app.state.epoch}
 
     @app.post("/v1/completions")
     async def completions():
@@ -116,3 +117,24 @@ def test_no_replica_up_is_a_clear_503():
         assert httpx.get(f"{router}/health").status_code == 503
         bad = httpx.post(f"{router}/v1/completions", content=b"{", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and "not valid JSON" in bad.text
+
+
+def test_a_restarted_replica_is_indexed_again_from_a_snapshot():
+    """Event numbers of the old log mean nothing in a new one: an epoch change drops the index, and the next poll
+    takes a snapshot."""
+    from hybridcache.router.replicas import Replica
+
+    app = _fake_replica("ok", hit_step=12, epoch="before")
+
+    async def run() -> list[int]:
+        replica = Replica("http://replica")
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            for step in range(4):
+                if step == 2:
+                    app.state.epoch = "after"  # the replica restarted
+                await replica.poll(client, 5.0)
+                seen.append(replica.predict([PROMPT]).cached_len)
+        return seen
+
+    assert asyncio.run(run()) == [12, 12, 0, 12]
