@@ -153,8 +153,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 continue
             replica.counters.routed += 1
             if stream and upstream.status_code == 200:
-                return StreamingResponse(_relay(state, replica, upstream, predicted), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return _RelayResponse(state, replica, upstream, predicted)
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as error:
@@ -201,9 +200,32 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     return app
 
 
+class _RelayResponse(StreamingResponse):
+    """A replica's stream passed through (`_relay`). However the response ends (finished, cut, the client gone,
+    even before its first chunk), the replica's in-flight count drops once and the upstream stream is closed."""
+
+    def __init__(self, state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int) -> None:
+        self._replica, self._upstream, self._open = replica, upstream, True
+        super().__init__(_relay(state, replica, upstream, predicted, self.release), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._replica.in_flight -= 1
+            await self._upstream.aclose()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+
 async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int,
-                 ) -> AsyncIterator[bytes]:
-    """Pass a stream through; a cut after the first byte ends it with an error event and `[DONE]`."""
+                 release: Any) -> AsyncIterator[bytes]:
+    """Pass a stream through; a cut after the first byte ends it with an error event and `[DONE]`. `release()`
+    once the upstream has ended, before the replica's events are polled."""
     tail = b""
     try:
         async for chunk in upstream.aiter_raw():
@@ -216,8 +238,7 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
         yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
         return
     finally:
-        replica.in_flight -= 1
-        await upstream.aclose()
+        await release()
     _record_usage(replica, _stream_usage(tail), predicted)
     await replica.poll(state.client, state.config.poll_timeout_s)
 

@@ -42,6 +42,7 @@ def test_chat_turns_hit_as_predicted():
                 reported.append(usage["prompt_tokens_details"]["cached_tokens"])
                 assert usage["prompt_tokens"] == len(tokenizer.encode(tokenizer.apply_chat_template(messages)))
             metrics = client.get("/metrics").text
+            assert client.get("/health").json()["replicas"][0]["in_flight"] == 0
     assert reported[0] == 0 and reported[1] > 0 and reported[2] > reported[1]
     assert metric_value(metrics, "hybridcache_router_predicted_hit_tokens_total") == sum(reported)
     assert metric_value(metrics, "hybridcache_router_reported_hit_tokens_total") == sum(reported)

@@ -107,6 +107,7 @@ def test_stream_cut_mid_way_ends_with_an_error_event():
         assert "failed mid-stream" in lines[-2] and "bad_gateway" in lines[-2]
         assert lines[-1] == "data: [DONE]"
         assert _metric(httpx.get(f"{router}/metrics").text, "hybridcache_router_failed_total") == 1
+        assert httpx.get(f"{router}/health").json()["replicas"][0]["in_flight"] == 0
 
 
 def test_no_replica_up_is_a_clear_503():
