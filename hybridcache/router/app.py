@@ -42,13 +42,16 @@ FORWARDED_HEADERS = ("authorization", "content-type")
 @dataclass(frozen=True)
 class RouterConfig:
     """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas. poll_interval_s: background events
-    polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins."""
+    polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins.
+    api_key: the replicas' API key, sent with the router's own calls (events polls); clients' requests are
+    forwarded with their own `Authorization` header, which the replicas check."""
 
     replica_urls: tuple[str, ...]
     routing: RoutingConfig = RoutingConfig()
     poll_interval_s: float = 0.5
     poll_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.replica_urls:
@@ -67,11 +70,13 @@ class RouterState:
         self.replicas = [Replica(url) for url in config.replica_urls]
         self.chooser = Chooser(config.routing)
         self.client: httpx.AsyncClient | None = None
+        self.poll_headers: dict[str, str] = {}
         self.num_retries = 0
         self.num_failed = 0
 
     async def poll_all(self) -> None:
-        await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s) for r in self.replicas))
+        await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
+                               for r in self.replicas))
 
     def ranked(self, prompts: list[list[int]], exclude: set[str]) -> list[tuple[Replica, int]]:
         """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction."""
@@ -98,6 +103,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         state.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
                                          limits=limits)
+        state.poll_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         await state.poll_all()
         poller = asyncio.create_task(poll_forever())
         yield
@@ -167,7 +173,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
             if upstream.status_code == 200:
                 with contextlib.suppress(ValueError, AttributeError):
                     _record_usage(replica, json.loads(content).get("usage"), predicted)
-                await replica.poll(state.client, config.poll_timeout_s)
+                await replica.poll(state.client, config.poll_timeout_s, state.poll_headers)
             return Response(content, status_code=upstream.status_code,
                             media_type=upstream.headers.get("content-type", "application/json"))
 
@@ -240,7 +246,7 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
     finally:
         await release()
     _record_usage(replica, _stream_usage(tail), predicted)
-    await replica.poll(state.client, state.config.poll_timeout_s)
+    await replica.poll(state.client, state.config.poll_timeout_s, state.poll_headers)
 
 
 def _stream_usage(tail: bytes) -> dict | None:

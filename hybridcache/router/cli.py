@@ -29,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the replicas' model folder (its tokenizer and chat template predict hits; default: "
                              "the built-in model)")
     add_router_args(router)
+    router.add_argument("--api-key", default=None,
+                        help="the replicas' API key, for the router's own calls to them (default: "
+                             "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=int, default=8000, help="port to bind")
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -79,9 +82,10 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 def router_config(args: argparse.Namespace, urls: Sequence[str]):
     from hybridcache.router.app import RouterConfig
     from hybridcache.router.policy import RoutingConfig
+    from hybridcache.server.cli import api_key
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
-    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval)
+    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args))
 
 
 def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None, host: str, port: int) -> None:

@@ -65,13 +65,14 @@ class Replica:
         self.next_seq = None
         self.epoch = None
 
-    async def poll(self, client: httpx.AsyncClient, timeout_s: float) -> None:
+    async def poll(self, client: httpx.AsyncClient, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         """Bring the index up to date with the replica's events (a snapshot when it has none or lost some);
-        marks the replica down on any failure."""
+        marks the replica down on any failure. `headers`: sent with the request (the API key)."""
         async with self.lock:
             params = {} if self.next_seq is None else {"since": self.next_seq}
             try:
-                response = await client.get(f"{self.url}/v1/cache/events", params=params, timeout=timeout_s)
+                response = await client.get(f"{self.url}/v1/cache/events", params=params, timeout=timeout_s,
+                                            headers=headers)
                 response.raise_for_status()
                 body = response.json()
                 events = [CacheEvent.from_json(e) for e in body["events"]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from hybridcache.cache.events import CacheEvent, EventKind
@@ -139,3 +139,22 @@ def test_a_restarted_replica_is_indexed_again_from_a_snapshot():
         return seen
 
     assert asyncio.run(run()) == [12, 12, 0, 12]
+
+
+def test_the_router_polls_with_the_replicas_api_key():
+    app = _fake_replica("ok", hit_step=12)
+    open_events = next(r.endpoint for r in app.routes if getattr(r, "path", "") == "/v1/cache/events")
+    app.router.routes = [r for r in app.routes if getattr(r, "path", "") != "/v1/cache/events"]
+
+    @app.get("/v1/cache/events")
+    async def keyed_events(request: Request, since: int | None = None):
+        if request.headers.get("authorization") != "Bearer k":
+            return JSONResponse({"error": {"message": "invalid or missing API key"}}, status_code=401)
+        return await open_events(since)
+
+    with serving_app(app) as replica:
+        for key, up in ((None, False), ("k", True)):
+            config = RouterConfig((replica,), poll_interval_s=30.0, api_key=key)
+            with serving_app(build_router_app(config, tokenizer=None)) as router:
+                health = httpx.get(f"{router}/health").json()
+                assert [r["up"] for r in health["replicas"]] == [up], (key, health)
