@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.fp8_format import Fp8Format
 from hybridcache.kernels.attention import reference as attention_ref
 from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.gated_delta import reference as delta_ref
@@ -284,9 +285,9 @@ class ReferenceBackend:
             x,
             top_weights,
             top_ids,
-            [e.gate_proj.weight for e in experts],
-            [e.up_proj.weight for e in experts],
-            [e.down_proj.weight for e in experts],
+            _DenseWeights([e.gate_proj for e in experts], x.dtype),
+            _DenseWeights([e.up_proj for e in experts], x.dtype),
+            _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
@@ -295,6 +296,23 @@ class ReferenceBackend:
     rms_norm = staticmethod(norm_ref.rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
     rotary = staticmethod(rotary_ref.rotary)
+
+
+class _DenseWeights(Sequence[torch.Tensor]):
+    """The weights of a list of linear layers as dense matrices, made when read: an `nn.Linear`'s own weight, an
+    FP8 layer's (anything with `dequantized(dtype)`) dequantised to `dtype` (only the experts a step picks)."""
+
+    def __init__(self, linears: list[nn.Module], dtype: torch.dtype) -> None:
+        self.linears = linears
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+    def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        linear = self.linears[index]
+        dequantized = getattr(linear, "dequantized", None)
+        return linear.weight if dequantized is None else dequantized(self.dtype)
 
 
 def _metadata(batch: ForwardBatch) -> ReferenceMetadata:
@@ -327,3 +345,27 @@ def get_backend(device: torch.device | str) -> KernelBackend:
             "running the torch reference kernels", stacklevel=2
         )
     return ReferenceBackend()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of an FP8 linear layer (`layers/linear.py`): x [..., K] -> x W^T (+ bias) [..., N] in x's dtype,
+    weight [N, K] float8_e4m3fn, scale in `fmt`'s shape. The kernel is chosen per format and device in
+    `kernels/gemm/dispatch.py` (Triton / `torch._scaled_mm` on CUDA, the dequantising reference elsewhere)."""
+    from hybridcache.kernels.gemm.dispatch import fp8_linear as dispatch
+
+    return dispatch(x, weight, scale, fmt, bias)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 weight [N, K] with its scale as a dense matrix in `dtype` (`kernels/gemm/reference.py::dequantize`)."""
+    from hybridcache.kernels.gemm.reference import dequantize
+
+    return dequantize(weight, scale, fmt, dtype)
+
+
+def fp8_quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] -> (FP8 weight, scale in `fmt`'s shape) (`kernels/gemm/reference.py::quantize`)."""
+    from hybridcache.kernels.gemm.reference import quantize
+
+    return quantize(weight, fmt)

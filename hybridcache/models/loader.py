@@ -16,6 +16,12 @@ Tensor name rules, applied to every checkpoint tensor in this order:
 A missing tensor, an unexpected tensor, or a shape mismatch raises `ValueError` naming the tensor and
 the shapes; all checks read only safetensors headers, before any weight memory is allocated.
 
+FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
+`Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
+copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
+`load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
+quantised from their draws (a benchmark model that no disk could hold).
+
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
 others whole, and a shard's padding rows are zeroed. A tied lm_head is the rank's rows of the embedding tensor.
@@ -32,10 +38,12 @@ from pathlib import Path
 import torch
 
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
+from hybridcache.models import quant
 from hybridcache.models.config import ModelConfig
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.registry import get_model_class
 
+LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
@@ -65,6 +73,14 @@ def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def model_name(checkpoint_name: str) -> str:
+    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` applied)."""
+    for old, new in RENAMED_PREFIXES:
+        if checkpoint_name.startswith(old):
+            return new + checkpoint_name[len(old) :]
+    return checkpoint_name
+
+
 def plan_weights(
     model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]
 ) -> dict[str, _Source]:
@@ -80,10 +96,7 @@ def plan_weights(
         shape = _shape(raw_shape)
         if raw_name.startswith(IGNORED_PREFIXES) or (tied and raw_name == "lm_head.weight"):
             continue
-        name = raw_name
-        for old, new in RENAMED_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
+        name = model_name(raw_name)
         stacked = _STACKED_EXPERTS.match(name)
         if stacked:
             problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan)
@@ -187,6 +200,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tp: TensorParallel = UNSHARDED,
+    quantization: str | None = None,
+    load_format: str = "auto",
 ) -> HybridCausalLM:
     """Build the model described by `<model_dir>/config.json` and load its safetensors weights.
 
@@ -194,12 +209,17 @@ def load_model(
     config, tensor names and shapes) runs on a meta-device model and the safetensors headers before any
     weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`; with `tp`, this
     rank's shard of it (see `hybridcache.layers.parallel`), reading only the rank's part of each tensor.
+    FP8 linears keep their FP8 weights and fp32 scales whatever `dtype` is. `quantization` ("fp8" or None) and
+    `load_format` ("auto" or "dummy"): see the module docstring.
     """
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
+    fmt = _check_quantization(model_dir, quantization, load_format, tp)
+    if load_format == "dummy":
+        return _dummy_model(model_cls, config, fmt, quantization, dtype, device)
     files = _safetensors_files(model_dir)
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -209,11 +229,54 @@ def load_model(
                 location[name] = file
                 shapes[name] = _shape(handle.get_slice(name).get_shape())
     with torch.device("meta"):
-        model = model_cls(config, tp)
+        model = model_cls(config, tp).to(dtype=dtype)
+    if fmt is not None:
+        quant.convert_linears(model, {model_name(name): fmt for name in quant.fp8_modules(shapes, fmt)})
     plan = _sharded_plan(model, shapes)
 
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     model.tie_weights()
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
     _copy_planned(model, plan, lambda name, index: handles[location[name]].get_slice(name)[index])
+    if quantization == "fp8" and fmt is None:
+        quant.quantize_linears_(model, quant.quantizable_linears(model))
+    return model.eval()
+
+
+def _check_quantization(
+    model_dir: Path, quantization: str | None, load_format: str, tp: TensorParallel
+) -> quant.Fp8Format | None:
+    """The checkpoint's FP8 format (None: dense); ValueError for an unknown `quantization` or `load_format`, an
+    unsupported quantization_config, or FP8 weights with tensor parallelism."""
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {quant.QUANTIZATIONS}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
+    if (fmt is not None or quantization is not None or load_format == "dummy") and tp.size > 1:
+        raise ValueError("FP8 weights and dummy weights are not supported with tensor parallelism yet "
+                         "(tensor_parallel_size 1 only)")
+    return fmt
+
+
+def _dummy_model(
+    model_cls: type[HybridCausalLM],
+    config: ModelConfig,
+    fmt: quant.Fp8Format | None,
+    quantization: str | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> HybridCausalLM:
+    """`load_format="dummy"`: the model with random weights drawn on `device` (seed 0); its linears FP8 in the
+    checkpoint's format (or the block format with `quantization`), as `quant.quantizable_linears` selects."""
+    from hybridcache.models.random_weights import randomize_
+
+    with torch.device("meta"):
+        model = model_cls(config).to(dtype=dtype)
+    if fmt is not None or quantization is not None:
+        target = fmt if fmt is not None else quant.BLOCK
+        quant.convert_linears(model, dict.fromkeys(quant.quantizable_linears(model), target))
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    randomize_(model, seed=0, draw_device=device)
     return model.eval()
