@@ -60,11 +60,13 @@ class KernelBackend(Protocol):
         ...
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Causal GQA attention of every sequence over its pages (the step's KV already written).
 
         query    [T, Hq, D]; kv_layer [2, num_pages, kernel_block_size, Hkv, D]
+        kv_scales (k_scale, v_scale) of an FP8 (float8_e4m3fn) pool: keys and values read as stored x scale
         returns  [T, Hq, D] in query's dtype. Query head h reads kv head h // (Hq / Hkv); the query at
                  position p (batch.positions) sees keys at positions 0..p of its sequence; softmax in fp32.
         """
@@ -212,7 +214,8 @@ class ReferenceBackend:
         attention_ref.write_kv(kv_layer, key, value, batch.slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         return attention_ref.paged_attention(
             query,
@@ -222,6 +225,7 @@ class ReferenceBackend:
             batch.query_lens_cpu,
             batch.context_lens_cpu,
             scale=scale,
+            kv_scales=kv_scales,
         )
 
     def causal_conv1d(

@@ -97,8 +97,13 @@ class CudaBackend:
         triton_paged.write_kv(kv_layer, key, value, batch.slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
+        if kv_layer.dtype != query.dtype:
+            raise NotImplementedError(
+                f"the CUDA paged attention kernels do not read a {kv_layer.dtype} KV pool yet (kv_cache_dtype fp8 "
+                "runs on the reference backend only)")
         meta = _metadata(batch)
         if meta.all_decode:
             return triton_paged.paged_decode_attention(

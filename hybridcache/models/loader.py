@@ -202,6 +202,7 @@ def load_model(
     tp: TensorParallel = UNSHARDED,
     quantization: str | None = None,
     load_format: str = "auto",
+    kv_fp8: bool = False,
 ) -> HybridCausalLM:
     """Build the model described by `<model_dir>/config.json` and load its safetensors weights.
 
@@ -210,7 +211,8 @@ def load_model(
     weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`; with `tp`, this
     rank's shard of it (see `hybridcache.layers.parallel`), reading only the rank's part of each tensor.
     FP8 linears keep their FP8 weights and fp32 scales whatever `dtype` is. `quantization` ("fp8" or None) and
-    `load_format` ("auto" or "dummy"): see the module docstring.
+    `load_format` ("auto" or "dummy"): see the module docstring. `kv_fp8`: the attention layers store FP8 KV
+    with the checkpoint's per-layer `self_attn.k_scale` / `v_scale` (else 1.0); those tensors are read only then.
     """
     from safetensors import safe_open
 
@@ -219,7 +221,7 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     fmt = _check_quantization(model_dir, quantization, load_format, tp)
     if load_format == "dummy":
-        return _dummy_model(model_cls, config, fmt, quantization, dtype, device)
+        return quant.set_kv_fp8(_dummy_model(model_cls, config, fmt, quantization, dtype, device), kv_fp8, {})
     files = _safetensors_files(model_dir)
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -228,6 +230,13 @@ def load_model(
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 location[name] = file
                 shapes[name] = _shape(handle.get_slice(name).get_shape())
+    kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
+    kv_scales = {}
+    for name in kv_scale_names:
+        del shapes[name]
+        if kv_fp8:
+            with safe_open(str(location[name]), framework="pt") as handle:
+                kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
     if fmt is not None:
@@ -240,7 +249,7 @@ def load_model(
     _copy_planned(model, plan, lambda name, index: handles[location[name]].get_slice(name)[index])
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(model, quant.quantizable_linears(model))
-    return model.eval()
+    return quant.set_kv_fp8(model, kv_fp8, kv_scales).eval()
 
 
 def _check_quantization(

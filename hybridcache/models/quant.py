@@ -161,10 +161,40 @@ def _repoint_fused(model: nn.Module, replaced: Mapping[int, nn.Module]) -> None:
                 value.fp8 = None
 
 
-def weight_format(model: nn.Module) -> str:
-    """What the startup line and /health say about the weights: "fp8-block128x128 (n linears)", or "dense"."""
-    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    if not fp8:
-        return "dense"
-    kinds = sorted({m.fmt.describe() for m in fp8})
-    return f"{'+'.join(kinds)} ({len(fp8)} linears)"
+def describe_weights(model_dir: str | Path, config: Any) -> str:
+    """What the startup line and /health say about the weights of `model_dir` under an `EngineConfig`: the
+    checkpoint's FP8 format (e.g. "fp8-block128x128"), "<format> (quantized at load)", or "dense"; with
+    "random" before it under load_format dummy."""
+    fmt = checkpoint_format(read_quantization_config(model_dir))
+    if fmt is not None:
+        text = fmt.describe()
+    elif config.quantization == "fp8":
+        text = f"{BLOCK.describe()} (quantized at load)"
+    else:
+        text = "dense"
+    return f"random {text}" if config.load_format == "dummy" else text
+
+
+_KV_SCALE = re.compile(r"\.self_attn\.(k_scale|v_scale)$")
+
+
+def is_kv_scale(checkpoint_name: str) -> bool:
+    """A per-layer FP8 KV scale tensor (`...self_attn.k_scale` / `v_scale`, vLLM's and compressed-tensors' names)."""
+    return bool(_KV_SCALE.search(checkpoint_name))
+
+
+def set_kv_fp8(model: nn.Module, kv_fp8: bool, scales: Mapping[str, float]) -> nn.Module:
+    """With `kv_fp8`, every attention layer (a module with `kv_dtype`) stores float8_e4m3fn KV with its
+    `<layer>.k_scale` / `<layer>.v_scale` from `scales` (our names), else 1.0; a scale that is not positive and
+    finite is a ValueError. Returns `model`."""
+    if not kv_fp8:
+        return model
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_dtype"):
+            module.kv_dtype = torch.float8_e4m3fn
+            for which in ("k_scale", "v_scale"):
+                value = scales.get(f"{name}.{which}", 1.0)
+                if not (value > 0 and value != float("inf")):
+                    raise ValueError(f"checkpoint {name}.{which} is {value}: an FP8 KV scale must be positive")
+                setattr(module, which, value)
+    return model
