@@ -17,11 +17,13 @@ scatters to pair order, and `triton_experts.combine` sums each token's k rows in
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
 from hybridcache.kernels.gemm.reference import quantize_groups
@@ -141,18 +143,49 @@ class Fp8ExpertWeights:
     down_scale: torch.Tensor
     block: tuple[int, int]
 
+    @classmethod
+    @torch.no_grad()
+    def share(cls, experts: Sequence[nn.Module]) -> Fp8ExpertWeights:
+        """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
+        `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
+        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale repeated over the K
+        groups (activations then quantised per token per 128 channels, finer than per token)."""
+        fmt = experts[0].gate_proj.fmt
+        block = fmt.block if fmt.kind == "block" else (1, 128)
+
+        def blocks(linear: nn.Module) -> torch.Tensor:
+            if fmt.kind == "block":
+                return linear.scale.float()
+            groups = -(-linear.weight.shape[1] // block[1])
+            return linear.scale.float().reshape(-1, 1).expand(-1, groups).contiguous()
+
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]).contiguous()
+        gate_up_scale = torch.stack([torch.cat([blocks(e.gate_proj), blocks(e.up_proj)]) for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts]).contiguous()
+        down_scale = torch.stack([blocks(e.down_proj) for e in experts]).contiguous()
+        inter = gate_up.shape[1] // 2
+        for e, expert in enumerate(experts):
+            expert.gate_proj.weight.data = gate_up[e, :inter]
+            expert.up_proj.weight.data = gate_up[e, inter:]
+            expert.down_proj.weight.data = down[e]
+        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale, block)
+
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
-                        experts: Fp8ExpertWeights, block_m: int = 16) -> torch.Tensor:
+                        experts: Fp8ExpertWeights, block_m: int | None = None) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
-    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), every expert GEMM in block-scaled FP8."""
-    from hybridcache.kernels.moe.grouped import sort_pairs
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), every expert GEMM in block-scaled FP8.
+    `block_m`: rows per tile (None: `moe.grouped.tile_rows`'s choice from the mean rows per expert, 64 above its
+    range; chosen from shapes alone, so captured and eager runs agree)."""
+    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
     from hybridcache.kernels.moe.triton_experts import combine
 
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
+    if block_m is None:
+        block_m = tile_rows(order.numel(), num_experts) or 64
     xq, x_scale = quantize_groups(x, bk)
     h = fp8_expert_gemm(xq, x_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, block_m=block_m)
