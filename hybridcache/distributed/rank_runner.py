@@ -63,9 +63,6 @@ def build_runner(
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
         # when a kernel compiles; a value the user set wins.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
-    if config.kv_fp8 and device.type == "cuda":
-        raise ValueError("kv_cache_dtype fp8 is not supported on CUDA yet: the Triton paged attention kernels read "
-                         "the model dtype only (FP8 KV runs on the CPU reference backend)")
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
                        load_format=config.load_format, kv_fp8=config.kv_fp8)
     backend = get_backend(device)

@@ -103,20 +103,17 @@ class CudaBackend:
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
         kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        if kv_layer.dtype != query.dtype:
-            raise NotImplementedError(
-                f"the CUDA paged attention kernels do not read a {kv_layer.dtype} KV pool yet (kv_cache_dtype fp8 "
-                "runs on the reference backend only)")
         meta = _metadata(batch)
         if meta.all_decode:
             return triton_paged.paged_decode_attention(
-                query, kv_layer, batch.block_tables, batch.context_lens, meta.max_context_len, scale=scale
+                query, kv_layer, batch.block_tables, batch.context_lens, meta.max_context_len, scale=scale,
+                kv_scales=kv_scales,
             )
         config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
         table = meta.attention_chunks if config.block_m == _ATTENTION_BLOCK_M else None
         return triton_paged.paged_prefill_attention(
             query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
-            scale=scale, config=config, chunk_indices=table,
+            scale=scale, config=config, chunk_indices=table, kv_scales=kv_scales,
         )
 
     def causal_conv1d(

@@ -1,10 +1,13 @@
-"""The FP8 GEMM kernels against their torch reference (`kernels/gemm/reference.py`).
+"""The FP8 kernels against their torch references: the GEMMs (`kernels/gemm/reference.py`) and the paged attention
+over an FP8 KV pool (`kernels/attention/reference.py` with kv_scales).
 
 - The block-scaled GEMM and the FP8 grouped expert GEMM run on the CPU under TRITON_INTERPRET=1 (a child
   pytest, as in test_cuda_kernels.py; this process never imports triton) on small shapes with partial blocks.
   Their inputs are quantised by torch (the interpreter's float32 -> float8 conversion is wrong, its float8
   products are exact), so the kernel and `emulate_block_linear` multiply the same FP8 numbers and differ only by
   fp32 summation order: 1e-5 relative. The kernels' outputs are fp32 there.
+- The Triton paged attention (prefill and split-KV decode) reading a float8_e4m3fn pool with k/v scales, in fp32
+  (the interpreter's bf16 is wrong), against the reference, which dequantises the same stored bytes: 1e-5.
 - On CUDA (skipped without one): `fp8_linear` for both formats against the dequantised reference in bf16, within
   the error of quantising the activations (a few e4m3 steps of 2^-4 relative): 6e-2 relative to max |ref|.
 """
@@ -150,8 +153,8 @@ def test_interpreted_fp8_experts_of_the_model_against_the_reference_backend(fmt)
         expert = nn.Module()
         expert.gate_proj, expert.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
         expert.down_proj = nn.Linear(inter, hidden, bias=False)
-        for linear in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            linear.weight.data = torch.randn(linear.weight.shape, generator=generator) / linear.in_features**0.5
+        for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            proj.weight.data = torch.randn(proj.weight.shape, generator=generator) / proj.in_features**0.5
         experts.append(expert)
     quantize_linears_(experts, [n for n, m in experts.named_modules() if isinstance(m, nn.Linear)], fmt)
     x = torch.randn(tokens, hidden, generator=generator)
@@ -161,3 +164,30 @@ def test_interpreted_fp8_experts_of_the_model_against_the_reference_backend(fmt)
     got = fp8_grouped_experts(x, top_weights, top_ids, Fp8ExpertWeights.share(experts))
     assert rel(got, want) <= 5e-2
     assert rel(got, want) > 0  # the activations were quantised: not the reference's arithmetic bit for bit
+
+
+@needs_interpreter
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_interpreted_paged_attention_reads_an_fp8_pool(decode):
+    from hybridcache.kernels.attention import reference
+    from hybridcache.kernels.attention.triton_paged import paged_attention
+
+    generator = torch.Generator().manual_seed(int(decode))
+    page, heads, kv_heads, dim, num_pages = 16, 4, 2, 32, 12
+    context_lens = [40, 23, 70]
+    query_lens = [1, 1, 1] if decode else [40, 5, 17]
+    pool = (torch.randn(2, num_pages, page, kv_heads, dim, generator=generator) * 3).to(torch.float8_e4m3fn)
+    order = torch.randperm(num_pages - 1, generator=generator) + 1
+    block_tables = torch.stack([order[i * 5 : (i + 1) * 5] for i in range(2)] + [order[:5].flip(0)]).int()
+    block_tables = block_tables[:, : -(-max(context_lens) // page)]
+    q = torch.randn(sum(query_lens), heads, dim, generator=generator)
+    cu = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scales = (0.5, 2.0)
+    args = (q, pool, block_tables, cu, torch.tensor(context_lens, dtype=torch.int32), query_lens, context_lens)
+    got = paged_attention(*args, scale=dim**-0.5, kv_scales=scales)
+    want = reference.paged_attention(q, pool, block_tables, cu, tuple(query_lens), tuple(context_lens),
+                                     scale=dim**-0.5, kv_scales=scales)
+    assert rel(got, want) <= 1e-5
+    unscaled = reference.paged_attention(q, pool, block_tables, cu, tuple(query_lens), tuple(context_lens),
+                                         scale=dim**-0.5)
+    assert rel(unscaled, want) > 1e-2  # the scales matter: the check would notice them ignored
