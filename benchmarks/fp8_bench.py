@@ -81,14 +81,14 @@ def run_folder(model: str, weights: str, root: Path) -> tuple[Path, dict]:
 
 def one_run(model: str, weights: str, root: Path, phases: list[str], options: dict) -> dict:
     folder, extra = run_folder(model, weights, root)
-    torch.cuda.synchronize()
+    cuda = options["device"] == "cuda"
     start = time.perf_counter()
     llm = LLM(folder, **options, **extra)
     result: dict = {"model": model, "weights": weights, "engine_init_s": time.perf_counter() - start,
                     "weight_format": llm.engine.weight_format, "memory": llm.engine.memory_plan.describe(),
                     "num_blocks": llm.engine.memory_plan.num_blocks, "state_pages": llm.engine.memory_plan.state_pages,
                     "cuda_graphs": list(llm.engine.runner.graph_batch_sizes), "phases": {},
-                    "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30}
+                    "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None}
     result["checkpoint_states_that_fit"] = result["num_blocks"] // max(1, result["state_pages"])
     print(f"{model}:{weights} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
     gpu_bench.warm_up(llm, random.Random(99))
@@ -107,7 +107,8 @@ def one_run(model: str, weights: str, root: Path, phases: list[str], options: di
         gpu_bench.print_row(f"{model}:{weights} {phase}", result["phases"][phase])
     del llm
     gc.collect()
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return result
 
 
@@ -141,6 +142,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default=None, help="folders are built (or reused) under this folder")
     parser.add_argument("--out", default=None)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of this script (--runs tiny:fp8 ...)")
     args = parser.parse_args()
     gpu_bench.SCALE["value"] = args.scale
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp())
@@ -150,10 +152,12 @@ def main() -> None:
     if bad:
         parser.error(f"runs must be MODEL:WEIGHTS with MODEL in {[*gpu_bench.MODELS, '80b']}, WEIGHTS in {WEIGHTS}")
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
-    options = dict(dtype="bfloat16", device="cuda", block_size=64, max_num_seqs=64,
+    options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
+                   max_num_seqs=64,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization)
-    result: dict = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "runs": []}
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    result: dict = {"device": device_name, "date": time.strftime("%Y-%m-%d"), "runs": []}
     for model, weights in runs:
         try:
             result["runs"].append(one_run(model, weights, root, phases, options))
