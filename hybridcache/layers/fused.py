@@ -44,9 +44,13 @@ class FusedProjection:
         self.bias: torch.Tensor | None = None
         self.fp8: Fp8Linear | None = None  # the fused FP8 projection, when the projections are FP8
         self._pointers: tuple[int, ...] = ()
+        self._checked: tuple[nn.Module, ...] | None = None  # the linears `_fused` was decided for
+        self._fused = True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if not self._fusable():
+        if self._checked is not self.linears:  # the linears are replaced when a model is quantised
+            self._fused, self._checked = self._fusable(), self.linears
+        if not self._fused:
             return tuple(linear(x) for linear in self.linears)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
@@ -72,7 +76,8 @@ class FusedProjection:
             biases = [linear.bias for linear in self.linears]
             bias = None
             if any(b is not None for b in biases):
-                bias = torch.cat([b if b is not None else weight.new_zeros(size, dtype=b_dtype(biases))
+                bias_dtype = next(b.dtype for b in biases if b is not None)  # not an FP8 weight's dtype
+                bias = torch.cat([b if b is not None else weight.new_zeros(size, dtype=bias_dtype)
                                   for b, size in zip(biases, self.sizes, strict=True)])
         start, scale_start = 0, 0
         for linear, size in zip(self.linears, self.sizes, strict=True):
@@ -94,7 +99,3 @@ class FusedProjection:
             self.fp8.bias = bias
         self._pointers = tuple(linear.weight.data_ptr() for linear in self.linears)
 
-
-def b_dtype(biases: list[torch.Tensor | None]) -> torch.dtype:
-    """The dtype of the projections' biases (the first one present)."""
-    return next(b.dtype for b in biases if b is not None)

@@ -66,8 +66,3 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.describe()}"
 
-
-def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A linear's weight [out, in] as a dense matrix in `dtype`: `nn.Linear`'s own (not cast), or an `Fp8Linear`'s
-    dequantised."""
-    return linear.dequantized(dtype) if isinstance(linear, Fp8Linear) else linear.weight

@@ -195,3 +195,28 @@ def test_fp8_linear_keeps_its_dtypes_when_the_model_is_cast(dense_dir):
     assert linear.weight.dtype == torch.float8_e4m3fn and linear.scale.dtype == torch.float32
     assert torch.equal(linear.weight.view(torch.uint8), before[0].view(torch.uint8))
     assert torch.equal(linear.scale, before[1])
+
+
+@pytest.mark.parametrize("fmt, sizes, fused", [
+    (BLOCK, (256, 128, 40), True),      # every projection but the last fills whole 128-row blocks
+    (BLOCK, (64, 64), False),           # a block would straddle two projections: one GEMM each
+    (CHANNEL, (64, 40, 8), True),
+], ids=["block-aligned", "block-unaligned", "channel"])
+def test_fused_fp8_projections_equal_separate_ones(fmt, sizes, fused):
+    from hybridcache.layers.fused import FusedProjection
+    from hybridcache.models.quant import quantize_linears_
+
+    generator = torch.Generator().manual_seed(len(sizes))
+    holder = nn.Module()
+    for i, size in enumerate(sizes):
+        setattr(holder, f"p{i}", nn.Linear(96, size, bias=False))
+        getattr(holder, f"p{i}").weight.data = torch.randn(size, 96, generator=generator)
+    holder.fused = FusedProjection(*(getattr(holder, f"p{i}") for i in range(len(sizes))))
+    quantize_linears_(holder, [f"p{i}" for i in range(len(sizes))], fmt)
+    x = torch.randn(5, 96, generator=generator)
+    separate = [getattr(holder, f"p{i}")(x) for i in range(len(sizes))]
+    together = holder.fused(x)
+    assert (holder.fused.fp8 is not None) == fused
+    for a, b in zip(together, separate, strict=True):
+        assert rel_err(a, b) <= 1e-5  # fp32 sums in another order
+    assert all(isinstance(linear, Fp8Linear) for linear in holder.fused.linears)
