@@ -225,11 +225,13 @@ def load_model(
     files = _safetensors_files(model_dir)
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 location[name] = file
                 shapes[name] = _shape(handle.get_slice(name).get_shape())
+                dtypes[name] = handle.get_slice(name).get_dtype()
     kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
     kv_scales = {}
     for name in kv_scale_names:
@@ -239,8 +241,10 @@ def load_model(
                 kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
+    fp8 = quant.fp8_modules(shapes, fmt) if fmt is not None else []
+    quant.check_fp8_dtypes(dtypes, fp8)
     if fmt is not None:
-        quant.convert_linears(model, {model_name(name): fmt for name in quant.fp8_modules(shapes, fmt)})
+        quant.convert_linears(model, {model_name(name): fmt for name in fp8})
     plan = _sharded_plan(model, shapes)
 
     model = model.to_empty(device=device)

@@ -106,6 +106,19 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
     return sorted(name[: -len(suffix)] for name in checkpoint_names if name.endswith(suffix))
 
 
+def check_fp8_dtypes(dtypes: Mapping[str, str], fp8: Iterable[str]) -> None:
+    """ValueError naming the tensors when the checkpoint's float8 tensors (safetensors dtype `F8_E4M3`) are not
+    exactly the weights of the `fp8` modules: an FP8 weight without a scale (or without a quantization_config)
+    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values."""
+    want = {f"{name}.weight" for name in fp8}
+    have = {name for name, dtype in dtypes.items() if dtype.startswith("F8")}
+    if unscaled := sorted(have - want):
+        raise ValueError(f"checkpoint tensors {unscaled[:5]} are float8 without a scale this engine reads (a "
+                         "`weight_scale_inv` / `weight_scale` beside them and a quantization_config naming the format)")
+    if dense := sorted(want - have):
+        raise ValueError(f"checkpoint tensors {dense[:5]} have an FP8 scale beside them but are not float8_e4m3fn")
+
+
 def quantizable_linears(model: nn.Module) -> list[str]:
     """Every `nn.Linear` of `model` that `--quantization fp8` converts (all but `keeps_dtype`)."""
     return [name for name, module in model.named_modules()

@@ -16,6 +16,7 @@ checked against an explicit per-block loop instead (`test_block_format_arithmeti
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -220,3 +221,20 @@ def test_fused_fp8_projections_equal_separate_ones(fmt, sizes, fused):
     for a, b in zip(together, separate, strict=True):
         assert rel_err(a, b) <= 1e-5  # fp32 sums in another order
     assert all(isinstance(linear, Fp8Linear) for linear in holder.fused.linears)
+
+
+def test_float8_weights_without_their_scales_are_refused(dense_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = write_fp8_folder(dense_dir, tmp_path / "block", "block")
+    tensors = load_file(str(folder / "model.safetensors"))
+    scale = next(name for name in tensors if name.endswith(".weight_scale_inv"))
+    del tensors[scale]
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(scale.replace("_scale_inv", "")) + ".* are float8 without a scale"):
+        load_model(folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="are float8 without a scale"):
+        load_model(folder)
