@@ -241,8 +241,9 @@ def load_model(
                 kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
-    fp8 = quant.fp8_modules(shapes, fmt) if fmt is not None else []
-    quant.check_fp8_dtypes(dtypes, fp8)
+    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
+    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
+    quant.check_fp8_dtypes(ours, fp8)
     if fmt is not None:
         quant.convert_linears(model, {model_name(name): fmt for name in fp8})
     plan = _sharded_plan(model, shapes)

@@ -238,3 +238,14 @@ def test_float8_weights_without_their_scales_are_refused(dense_dir, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="are float8 without a scale"):
         load_model(folder)
+
+
+def test_fp8_tensors_of_ignored_modules_are_ignored(dense_dir, tmp_path):
+    """An FP8 `mtp.*` head (and its scale) is skipped like any tensor of an ignored prefix."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_fp8_folder(dense_dir, tmp_path / "block", "block")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["mtp.fc.weight"], tensors["mtp.fc.weight_scale_inv"] = quantize(torch.randn(64, 128), BLOCK)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    assert fp8_linears(load_model(folder))
