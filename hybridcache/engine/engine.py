@@ -199,10 +199,10 @@ class LLMEngine:
         self.weight_format = describe_weights(self.model_path, config)
         self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype
         _logger.info(
-            "hybridcache: model %s (%s), dtype %s, weights %s, kv cache %s, state dtype %s, device %s, "
+            "hybridcache: model %s (%s), dtype %s, state dtype %s, weights %s, kv cache %s, device %s, "
             "max_model_len %d, cache mode %s, %s, kernels %s, cuda graphs %s, async scheduling %s",
-            self.model_path.name, self.model_config.architecture, config.dtype, self.weight_format,
-            self.kv_cache_dtype, config.mamba_ssm_cache_dtype, self.device, self.max_model_len,
+            self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
+            self.weight_format, self.kv_cache_dtype, self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
