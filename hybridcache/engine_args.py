@@ -86,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: fraction of the device memory for weights, activations and the cache "
                              "(default: 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
+    parser.add_argument("--attention-backend", default=None,
+                        help="attention kernels by registered name: reference or triton (CUDA) (default: triton on "
+                             "CUDA with the CUDA kernels installed, else reference)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan the next step while the device runs this one (default: on for CUDA without "
                              "tensor parallelism)")
@@ -135,6 +138,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         load_format=args.load_format,
+        attention_backend=args.attention_backend,
     )
 
 

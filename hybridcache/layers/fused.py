@@ -97,5 +97,6 @@ class FusedProjection:
             self.fp8.weight = nn.Parameter(weight, requires_grad=False)
             setattr(self.fp8, first.fmt.scale_name, nn.Parameter(scale, requires_grad=False))
             self.fp8.bias = bias
+            self.fp8.gemm = first.gemm
         self._pointers = tuple(linear.weight.data_ptr() for linear in self.linears)
 

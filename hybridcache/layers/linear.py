@@ -7,8 +7,9 @@
         weight_scale      [out, 1] fp32                          (fmt.kind == "channel")
         bias              [out] in the model dtype, or None
 
-The weight keeps its format: `forward` calls the backend's FP8 GEMM (`kernels.backend.fp8_linear`: the Triton
-block-scaled GEMM or `torch._scaled_mm` on CUDA, dequantise-then-matmul on the CPU). Casting the module
+The weight keeps its format: `forward` calls the FP8 GEMM backend its `gemm` names (`kernels.backend.fp8_linear`;
+registered in `kernels.registry.GEMM`; the default: the Triton block-scaled GEMM or `torch._scaled_mm` on CUDA,
+dequantise-then-matmul elsewhere). Casting the module
 (`model.to(dtype)`, `.half()`) moves the weight and its scale between devices but never changes their dtypes;
 only the bias follows the model dtype.
 """
@@ -37,6 +38,7 @@ class Fp8Linear(nn.Module):
         scale = torch.ones(fmt.scale_shape(out_features, in_features), dtype=torch.float32)
         self.register_parameter(fmt.scale_name, nn.Parameter(scale, requires_grad=False))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype), requires_grad=False) if bias else None
+        self.gemm: str | None = None  # the GEMM backend's registered name (kernels.registry.GEMM); None: the default
 
     @property
     def scale(self) -> torch.Tensor:
@@ -44,7 +46,7 @@ class Fp8Linear(nn.Module):
         return getattr(self, self.fmt.scale_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, self.bias)
+        return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, self.bias, gemm=self.gemm)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense [out, in] matrix in `dtype` (reference paths)."""

@@ -124,7 +124,7 @@ def test_interpreted_fp8_grouped_experts(inter):
 @pytest.mark.parametrize("fmt", [BLOCK, CHANNEL], ids=["block", "channel"])
 @pytest.mark.parametrize("m", [1, 64, 300])
 def test_cuda_fp8_linear(fmt, m):
-    from hybridcache.kernels.gemm.dispatch import fp8_linear
+    from hybridcache.kernels.backend import fp8_linear
 
     generator = torch.Generator().manual_seed(m)
     weight, scale = quantize(torch.randn(384, 512, generator=generator), fmt)
@@ -191,3 +191,16 @@ def test_interpreted_paged_attention_reads_an_fp8_pool(decode):
     unscaled = reference.paged_attention(q, pool, block_tables, cu, tuple(query_lens), tuple(context_lens),
                                          scale=dim**-0.5)
     assert rel(unscaled, want) > 1e-2  # the scales matter: the check would notice them ignored
+
+
+def test_gemm_backends_are_registered_by_name():
+    from hybridcache.kernels.backend import fp8_linear, gemm_backend
+    from hybridcache.kernels.registry import GEMM
+
+    assert {"reference", "triton"} <= set(GEMM.names)
+    assert type(gemm_backend(None, "cpu")).__name__ == "ReferenceGemm"
+    with pytest.raises(ValueError, match="runs on cuda"):
+        gemm_backend("triton", "cpu")
+    weight, scale = quantize(torch.randn(32, 64), BLOCK)
+    x = torch.randn(3, 64)
+    assert torch.equal(fp8_linear(x, weight, scale, BLOCK, gemm="reference"), linear(x, weight, scale, BLOCK))
