@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hybridcache.distributed.rank_runner import DTYPES
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.rank_runner import DTYPES
 from hybridcache.kernels.backend import get_backend
 from hybridcache.models import load_model
 from hybridcache.models.fp8_folders import write_fp8_folder
