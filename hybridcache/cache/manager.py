@@ -32,12 +32,13 @@ import xxhash
 from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.integrity import check_integrity
-from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, Probe, SaveReason
 from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
 from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
@@ -111,6 +112,36 @@ class PrefixCache:
             divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
+
+    def probe(self, request: CacheRequest) -> Probe:
+        """What `match` would find for `request` now, as a dry run: no pin, no match entry, no recency change
+        (LRU order, stats and `check_integrity` are as before). `kv_len`: tokens of the prompt's full blocks
+        in the trie; `cached_len`: the step of the deepest usable checkpoint (what a hit would skip)."""
+        path = walk_prompt(self._trie, request, self.block_size)
+        ckpt = (find_deepest(self._trie, path, request, self.block_size, self.max_match_step(request))
+                if path and not request.skip_reading else None)
+        return Probe(kv_len=max(len(path) - 1, 0) * self.block_size, cached_len=0 if ckpt is None else ckpt.step)
+
+    def enable_events(self, capacity: int = 65536) -> CacheEventLog:
+        """Start telling what the trie and the checkpoints store and drop into a new bounded log (events.py),
+        and return it. Events start now: a reader first takes `snapshot_events` (same thread as the cache)."""
+        self._life.events = CacheEventLog(capacity)
+        return self._life.events
+
+    @property
+    def events(self) -> CacheEventLog | None:
+        return self._life.events
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """Everything the cache holds now as stored events, parents before children: replaying them into an
+        empty index gives what the events since would have built from the start."""
+        events = []
+        for node in self._trie.iter_nodes():
+            if not node.is_root:
+                events.append(CacheEvent(EventKind.BLOCK_STORED, block_hash=node.hash, parent_hash=node.parent.hash,
+                                         depth=node.depth, adapter=node.adapter))
+            events.extend(checkpoint_event(EventKind.CHECKPOINT_STORED, c) for c in node.iter_checkpoints())
+        return events
 
     def max_match_step(self, request: CacheRequest) -> int:
         """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
