@@ -3,6 +3,7 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
         [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
         [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
+        [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -60,6 +61,7 @@ import torch
 from hybridcache import LLM
 from hybridcache.config import DTYPES
 from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.mtp import write_random_mtp
 from hybridcache.models.random_weights import randomize_
 from hybridcache.sampling import SamplingParams
 
@@ -104,6 +106,7 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
     randomize_(model, seed=seed, draw_device=device)
     model.save_pretrained(path)
     del model
+    write_random_mtp(path, seed=seed, dtype=torch.bfloat16, draw_device=device)  # a head that drafts at random
     if device == "cuda":
         torch.cuda.empty_cache()
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
@@ -323,6 +326,9 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="the pool's blocks (KV and checkpoint states; default: the memory budget's rest)")
     parser.add_argument("--cache-mode", default="hybridcache", help="hybridcache, seed, block-aligned or none")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantise the bf16 folder's linears to 128 x 128 FP8 at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: e4m3 KV pool")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -340,6 +346,8 @@ def main() -> None:
     suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
     suffix += "" if args.cache_mode == "hybridcache" else f"_{args.cache_mode}"
     suffix += "" if args.num_blocks is None else f"_blocks-{args.num_blocks}"
+    suffix += "" if args.quantization is None else f"_{args.quantization}"
+    suffix += "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}"
     out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
@@ -350,7 +358,8 @@ def main() -> None:
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                   async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode)
+                   async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
+                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None

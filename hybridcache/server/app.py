@@ -10,6 +10,7 @@
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
     GET  /metrics               Prometheus text format
+    GET  /v1/cache/events       POST /v1/cache/match: what the prefix cache holds, for a router (cache_routes.py)
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
                                 `?clear_cache=true` first drops what the prefix cache holds
 
@@ -46,6 +47,7 @@ from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
+from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason
 from hybridcache.server.config import ServerConfig
@@ -129,6 +131,10 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+    cache = CacheRoutes(engine_loop, model.tokenizer, config.default_chat_template_kwargs, routes._authorize,
+                        routes._read_json)
+    app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
+    app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
     add_responses_routes(app, routes)
     add_tokenize_routes(app, routes)
     return app

@@ -13,16 +13,24 @@ from typing import Any
 class EngineState:
     """A snapshot of the engine's memory and cache counters.
 
+    weights: the weight format ("dense", "fp8-block128x128", "fp8-channel", "... (quantized at load)");
+    kv_cache_dtype: the KV pool's dtype ("bfloat16", "fp8_e4m3", ...).
+
     num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
     frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences.
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
     prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
-    those its encoder cache served instead (0 for a model without a vision tower). num_blocks_running counts the
-    distinct blocks that running sequences hold (shared prefix blocks once), a part of num_blocks_used.
+    those its encoder cache served instead (0 for a model without a vision tower). `spec_decode`: speculative
+    decoding's totals (vLLM's spec_decode counters: verify rows `num_drafts`, `num_draft_tokens`,
+    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off.
+    num_blocks_running counts the distinct blocks that running sequences hold (shared prefix blocks once), a part
+    of num_blocks_used.
     """
 
+    weights: str = ""
+    kv_cache_dtype: str = ""
     num_blocks: int = 0
     num_blocks_used: int = 0
     num_blocks_running: int = 0
@@ -40,6 +48,7 @@ class EngineState:
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
     num_encoded_images: int = 0
     num_encoder_cache_hits: int = 0
+    spec_decode: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,6 +60,8 @@ def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> Eng
     stats = engine.stats()
     cache = stats.get("cache")
     return EngineState(
+        weights=stats.get("weights", ""),
+        kv_cache_dtype=stats.get("kv_cache_dtype", ""),
         num_blocks=stats["num_blocks"],
         num_blocks_used=stats["num_blocks_used"],
         num_blocks_running=blocks_held_by_running(engine) if num_blocks_running is None else num_blocks_running,
@@ -68,6 +79,7 @@ def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> Eng
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
         num_encoded_images=stats.get("num_encoded_images", 0),
         num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
+        spec_decode=_spec_decode(stats.get("spec_decode")),
     )
 
 
@@ -80,6 +92,15 @@ def blocks_held_by_running(engine: Any) -> int:
     for request_id in cache.running_ids():
         held.update(cache.block_ids(request_id))
     return len(held)
+
+
+def _spec_decode(spec: Any) -> dict[str, Any] | None:
+    """The speculative decoding counters as plain data (a copy: the engine keeps counting)."""
+    if spec is None:
+        return None
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position)}
 
 
 def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:
