@@ -4,6 +4,8 @@ A `CopyPlan` is a tuple of `CopyOp`s, at most one per `CopyKind`, in execution o
 before the forward first). Each op copies `src_ids[i] -> dst_ids[i]`:
 
     kind            pool    phase            pairs
+    HOST_SAVE       HOST    BEFORE_FORWARD   (device_block, host_block)     host tier: demote (device -> host)
+    HOST_LOAD       HOST    BEFORE_FORWARD   (host_block, device_block)     host tier: promote (host -> device)
     STATE_FINISH    STATE   BEFORE_FORWARD   (request_chunk, page)          paged states only
     KV_RESTORE      KV      BEFORE_FORWARD   (frozen_block, request_block)
     STATE_RESTORE   STATE   BEFORE_FORWARD   (checkpoint_slot, request_slot)  or paged: (page, request_chunk)
@@ -21,9 +23,13 @@ KV ids are scheduler block ids. State ids depend on where checkpoints keep their
   step, so a slot or page reused by that step is read first. Example (k = 2): a restore of the checkpoint in
   pages (40, 41) into runtime slot 3 is `STATE_RESTORE [(40, 6), (41, 7)]`.
 
+Host ops (`CacheConfig.host_blocks`) copy whole blocks of the device pool (KV, or pages of a state) to and
+from host blocks of the same size; they come first, saves before loads: a device block freed by a demotion may
+be the destination of a promotion in the same plan, so it is read before it is written. A host block freed in a
+step is reused only from the next step (host_tier.py), so no host block is written after it is read in one plan.
+
 Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
 slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
-A new tier (device <-> pinned host) is a new `Pool` member and new kinds, not a new field.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 class Pool(enum.Enum):
     KV = "kv"
     STATE = "state"
+    HOST = "host"  # device block <-> host block (the host tier)
 
 
 class Phase(enum.Enum):
@@ -45,7 +52,9 @@ class Phase(enum.Enum):
 class CopyKind(enum.Enum):
     """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
 
-    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    HOST_SAVE = (Pool.HOST, Phase.BEFORE_FORWARD, "save")  # the third item keeps values unique
+    HOST_LOAD = (Pool.HOST, Phase.BEFORE_FORWARD, "load")
+    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")
     KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")
     STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
     KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
@@ -78,7 +87,7 @@ class CopyOp:
             raise AssertionError(f"{self.kind.name}: repeated destination in {self.dst_ids}")
         if (self.paged and self.kind.pool is not Pool.STATE) or (self.kind is CopyKind.STATE_FINISH and not self.paged):
             raise AssertionError(f"{self.kind.name}: paged={self.paged} (only state ops are paged; finish ops are)")
-        both = [] if self.paged else sorted(dsts & set(self.src_ids))
+        both = [] if self.paged or self.kind.pool is Pool.HOST else sorted(dsts & set(self.src_ids))
         if both:
             raise AssertionError(f"{self.kind.name}: {both} are both source and destination")
 
