@@ -50,7 +50,8 @@ class Checkpoint:
     on_host                demoted to the host tier (host_tier.py): `pages` and `frozen_block` name host blocks,
                            and `anchor` is a device node or a `HostNode`.
     unwritten              a finish or preempt checkpoint whose state copy (STATE_FINISH) the next plan carries:
-                           its pages hold nothing yet, so it is released, never demoted.
+                           its pages hold nothing yet (demoted meanwhile: that plan copies the runtime slot into
+                           its host pages, HOST_FINISH).
     shadowed               a turn end (prefill end, finish, preempt) that a sequence was restored from and
                            then went past, publishing a deeper checkpoint of the same chain: the next turn it
                            was kept for has come, and it now serves only prompts that leave the chain between
@@ -89,7 +90,7 @@ class Checkpoint:
         self.was_hit = False  # restored at least once (admission learning)
         self.shadowed = False  # a continuation restored from it went deeper (evicted first)
         self.on_host = False  # demoted to the host tier: `pages` / `frozen_block` are host block ids
-        self.unwritten = False  # paged finish: its STATE_FINISH copy is not in a plan yet (never demoted)
+        self.unwritten = False  # paged finish: its STATE_FINISH copy is not in a plan yet
 
     @staticmethod
     def slot_owner_of(ckpt_id: int) -> tuple[str, int]:

@@ -169,7 +169,7 @@ class HostTier:
         reclaimable = self.pool.num_free  # counted oldest first, up to what is needed
         for ckpt in self.order.values():
             if ckpt.num_pins == 0:
-                reclaimable += _num_blocks(ckpt)
+                reclaimable += _num_blocks(ckpt) + _num_pruned(ckpt)
                 if reclaimable >= num_blocks:
                     break
         if reclaimable < num_blocks:
@@ -377,6 +377,20 @@ def _find(hanging: Hanging, node_hash: int, token_ids: tuple[int, ...], spans: t
         if child.token_ids == token_ids and child.spans == spans:
             return child
     return None
+
+
+def _num_pruned(ckpt: Checkpoint) -> int:
+    """Host nodes that dropping `ckpt` alone would leave dead: its anchor when it carries nothing else, and the
+    chain above it while each node carries only that one child (chains of different checkpoints are disjoint)."""
+    owner = ckpt.anchor
+    if not isinstance(owner, HostNode) or owner.num_checkpoints() != 1 or owner.children:
+        return 0
+    count = 1
+    parent = owner.parent
+    while isinstance(parent, HostNode) and not parent.checkpoints and sum(map(len, parent.children.values())) == 1:
+        count += 1
+        parent = parent.parent
+    return count
 
 
 def _num_blocks(ckpt: Checkpoint) -> int:

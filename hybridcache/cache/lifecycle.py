@@ -392,16 +392,19 @@ class Lifecycle:
     def _demotable(self, ckpt: Checkpoint) -> bool:
         """Whether an evicted checkpoint goes to the host tier (else it is released)."""
         return (self.host is not None and ckpt.state is CheckpointState.PUBLISHED and not ckpt.num_pins
-                and not ckpt.unwritten and not ckpt.release_when_unpinned)
+                and not ckpt.release_when_unpinned)
 
     def _demote_checkpoint(self, ckpt: Checkpoint, owner: Node | HostNode) -> None:
         """Move a published, unpinned, written device checkpoint to hang off `owner` in the host tier (the
-        caller made host room for its blocks): HOST_SAVE copies are queued, its device blocks freed."""
+        caller made host room for its blocks): HOST_SAVE copies are queued, its device blocks freed. An unwritten
+        checkpoint's pages get host blocks with no copy: the facade's next plan writes them from the runtime slot
+        (HOST_FINISH instead of STATE_FINISH)."""
         host = self.host
         self._unpublish(ckpt)
         ckpt.shadowed = False  # the host tier has its own order; a promotion comes with a hit, which clears it
         device_ids = [*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))]
-        host_ids = [host.save(block_id) for block_id in device_ids]
+        host_ids = [host.pool.allocate() if ckpt.unwritten and i < len(ckpt.pages) else host.save(block_id)
+                    for i, block_id in enumerate(device_ids)]
         self.drop_blocks(device_ids)
         ckpt.pages = tuple(host_ids[:len(ckpt.pages)])
         ckpt.frozen_block = None if ckpt.frozen_block is None else host_ids[-1]

@@ -359,8 +359,9 @@ class PrefixCache:
         builder = PlanBuilder(paged_states=self.config.paged)
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
+                kind = CopyKind.HOST_FINISH if ckpt.on_host else CopyKind.STATE_FINISH  # demoted since: to the host
                 for chunk, page in self._state_pairs(slot, ckpt):
-                    builder.add(CopyKind.STATE_FINISH, chunk, page)
+                    builder.add(kind, chunk, page)
             ckpt.unwritten = False  # written before anything later in this plan reads its pages
         self._finish_saves = []
         for seq in self._seqs.values():

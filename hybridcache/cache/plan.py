@@ -4,6 +4,8 @@ A `CopyPlan` is a tuple of `CopyOp`s, at most one per `CopyKind`, in execution o
 before the forward first). Each op copies `src_ids[i] -> dst_ids[i]`:
 
     kind            pool    phase            pairs
+    HOST_FINISH     HOST    BEFORE_FORWARD   (request_chunk, host_block)    host tier: a finish checkpoint demoted
+                                                                            before its STATE_FINISH ran
     HOST_SAVE       HOST    BEFORE_FORWARD   (device_block, host_block)     host tier: demote (device -> host)
     HOST_LOAD       HOST    BEFORE_FORWARD   (host_block, device_block)     host tier: promote (host -> device)
     STATE_FINISH    STATE   BEFORE_FORWARD   (request_chunk, page)          paged states only
@@ -24,9 +26,11 @@ KV ids are scheduler block ids. State ids depend on where checkpoints keep their
   pages (40, 41) into runtime slot 3 is `STATE_RESTORE [(40, 6), (41, 7)]`.
 
 Host ops (`CacheConfig.host_blocks`) copy whole blocks of the device pool (KV, or pages of a state) to and
-from host blocks of the same size; they come first, saves before loads: a device block freed by a demotion may
-be the destination of a promotion in the same plan, so it is read before it is written. A host block freed in a
-step is reused only from the next step (host_tier.py), so no host block is written after it is read in one plan.
+from host blocks of the same size (HOST_FINISH: a runtime slot's chunks straight into the host pages of a
+finish or preempt checkpoint demoted before its STATE_FINISH ran). They come first, saves before loads: a
+device block freed by a demotion may be the destination of a promotion in the same plan, so it is read before
+it is written. A host block read by a load is reused only after the plan is built, and one dropped from the
+host takes its pending save with it (host_tier.py), so no host block is written twice or after it is read.
 
 Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
 slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
@@ -52,7 +56,8 @@ class Phase(enum.Enum):
 class CopyKind(enum.Enum):
     """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
 
-    HOST_SAVE = (Pool.HOST, Phase.BEFORE_FORWARD, "save")  # the third item keeps values unique
+    HOST_FINISH = (Pool.HOST, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    HOST_SAVE = (Pool.HOST, Phase.BEFORE_FORWARD, "save")
     HOST_LOAD = (Pool.HOST, Phase.BEFORE_FORWARD, "load")
     STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")
     KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")

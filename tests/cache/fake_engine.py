@@ -62,6 +62,9 @@ class FakeDevice:
         """Restores, forward writes into the pre-commit block lists `planned[rid] = (block_ids, slot, start)`,
         saves; `commit_step(fed)` has run."""
         cache, size = self.cache, self.cache.block_size
+        for chunk, dst in copies.pairs(CopyKind.HOST_FINISH):  # a demoted finish checkpoint's state, from its slot
+            slot, j = divmod(chunk, self.k)
+            self.host[dst] = [("state", self.state[slot], j)] * size
         for src, dst in copies.pairs(CopyKind.HOST_SAVE):  # device -> host, before anything writes the device
             self.host[dst] = list(self.kv[src])
         for src, dst in copies.pairs(CopyKind.HOST_LOAD):
@@ -156,25 +159,29 @@ class FakeDevice:
             spans = _spans_of(ckpt)
             if self.k is None:
                 assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
-            elif ckpt in (pending := self.cache_pending_finish()):  # still in the freed runtime slot
-                assert self.state[pending[ckpt]] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
-            else:
-                self._check_checkpoint(ckpt, prefix, spans, self._device_block)
+            else:  # a finish whose STATE_FINISH the next plan carries: still in the freed runtime slot
+                slot = self.cache_pending_finish().get(ckpt)
+                self._check_checkpoint(ckpt, prefix, spans, self._device_block, slot)
         for node in cache._life.trie.iter_nodes():
             if not node.is_root:
                 self._check_node(node, self._device_block(node.block_id))
         host = cache._life.host
         if host is not None:
+            pending = self.cache_pending_finish()
             for ckpt in host.order.values():
                 prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
-                self._check_checkpoint(ckpt, prefix, _spans_of(ckpt), self._host_block)
+                # demoted before its state was copied (HOST_FINISH in the next plan): still in the runtime slot
+                self._check_checkpoint(ckpt, prefix, _spans_of(ckpt), self._host_block, pending.get(ckpt))
             for hnode in host.iter_nodes():
                 self._check_node(hnode, self._host_block(hnode.host_block))
 
-    def _check_checkpoint(self, ckpt, prefix: tuple, spans: tuple, read) -> None:
-        """A paged checkpoint's pages and frozen tail, read through `read(block) -> content`."""
+    def _check_checkpoint(self, ckpt, prefix: tuple, spans: tuple, read, slot: int | None = None) -> None:
+        """A paged checkpoint's pages (or, while its state copy is pending, runtime slot `slot`) and frozen tail,
+        read through `read(block) -> content`."""
         size = self.cache.block_size
-        for j, page in enumerate(ckpt.pages):
+        if slot is not None:
+            assert self.state[slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
+        for j, page in enumerate(ckpt.pages if slot is None else ()):
             assert self._page_state(page, j, read(page)) == (ckpt.adapter, prefix, spans), f"{ckpt}: state page {j}"
         base = ckpt.anchor.depth * size
         for pos in range(base, ckpt.step):
