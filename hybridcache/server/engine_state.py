@@ -18,7 +18,11 @@ class EngineState:
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
-    prompt tokens computed.
+    prompt tokens computed. Per tier (the host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all
+    hits) and `num_host_hits` (those promoted from the host), the host's blocks (`block_bytes` each, as the
+    device's) and checkpoints, `num_promotions` / `num_demotions` (checkpoints copied to the device on a hit /
+    moved to the host by eviction; trie blocks in `num_promoted_blocks` / `num_demoted_blocks`) and
+    `num_promotions_skipped` (a deeper host hit whose copy would have cost more than recomputing).
     """
 
     num_blocks: int = 0
@@ -35,6 +39,17 @@ class EngineState:
     checkpoint_hits: dict[str, int] = field(default_factory=dict)
     declined_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
+    block_bytes: int = 0
+    num_hits: int = 0
+    num_host_hits: int = 0
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    num_host_checkpoints: int = 0
+    num_promotions: int = 0
+    num_promoted_blocks: int = 0
+    num_demotions: int = 0
+    num_demoted_blocks: int = 0
+    num_promotions_skipped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +74,17 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_hits=dict(getattr(cache, "hits_by_reason", {}) or {}),
         declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
+        block_bytes=stats.get("block_bytes", 0),
+        num_hits=getattr(cache, "num_hits", 0),
+        num_host_hits=getattr(cache, "num_host_hits", 0),
+        num_host_blocks=stats.get("num_host_blocks", 0),
+        num_host_blocks_used=getattr(cache, "num_host_blocks_used", 0),
+        num_host_checkpoints=getattr(cache, "num_host_checkpoints", 0),
+        num_promotions=getattr(cache, "num_promoted_checkpoints", 0),
+        num_promoted_blocks=getattr(cache, "num_promoted_blocks", 0),
+        num_demotions=getattr(cache, "num_demoted_checkpoints", 0),
+        num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
+        num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
     )
 
 
