@@ -133,3 +133,31 @@ def test_admit_without_room_for_the_promotion_changes_nothing():
 def test_host_blocks_need_paged_states():
     with pytest.raises(ValueError, match="host_blocks"):
         CacheConfig(block_size=B, num_blocks=8, num_slots=4, host_blocks=8)
+
+
+def test_worked_example_of_cache_md():
+    size = 16
+    cache = PrefixCache(CacheConfig(block_size=size, num_blocks=6, num_slots=2, state_pages=1, host_blocks=8))
+    driver = Driver(cache)
+    driver.admit(CacheRequest("a", tuple(range(37))))
+    plan = driver.step("a", list(range(37)), [("prefill_end",)])
+    assert plan.pairs(CopyKind.KV_SAVE) == [(2, 4)] and plan.pairs(CopyKind.STATE_SAVE) == [(0, 3)]
+    cache.finish("a")
+    match = cache.match(CacheRequest("b", tuple(range(100, 148))))
+    assert cache.admit(match, 48) is not None
+    plan = driver.device.run_step({"b": list(range(100, 148))})
+    assert [op.kind for op in plan.ops] == [CopyKind.HOST_SAVE]
+    assert plan.pairs(CopyKind.HOST_SAVE) == [(1, 0), (3, 1), (4, 2)]
+    driver.device.check()
+    cache.abort("b")
+    match = cache.match(CacheRequest("c", tuple(range(37)) + (7, 8, 9)))
+    assert (match.cached_len, match.block_ids) == (37, (0,))
+    assert cache.admit(match, 40) is not None
+    plan = driver.device.run_step({"c": [7, 8, 9]})
+    assert plan.pairs(CopyKind.HOST_LOAD) == [(0, 4), (1, 1), (2, 3)]
+    assert plan.pairs(CopyKind.KV_RESTORE) == [(3, 2)] and plan.pairs(CopyKind.STATE_RESTORE) == [(1, 0)]
+    driver.device.check()
+    cache.check_integrity()
+    stats = cache.stats
+    assert (stats.num_host_hits, stats.num_promoted_checkpoints, stats.num_promoted_blocks) == (1, 1, 1)
+    assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0)
