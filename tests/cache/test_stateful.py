@@ -42,9 +42,10 @@ class CacheMachine(RuleBasedStateMachine):
         admission=st.sampled_from(["all", "learned"]),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
         host_blocks=st.sampled_from([0, 3, 8, 24, 96]),
+        slow_copies=st.integers(0, 3),
     )
     def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission, state_pages,
-              host_blocks):
+              host_blocks, slow_copies):
         # two pools, or paged: checkpoint states in `state_pages` blocks each (the block pool is the one budget),
         # with or without a host tier behind it (then a small device pool, so that eviction demotes often)
         host_blocks = host_blocks if state_pages else 0
@@ -57,7 +58,9 @@ class CacheMachine(RuleBasedStateMachine):
             host_blocks=host_blocks,
         )
         self.max_back = 0 if full_hits else 1  # a match may reach prompt_len - max_back
-        self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
+        # now and then host copies so slow that a short promotion does not pay (it is skipped)
+        bandwidth = 5e-13 if slow_copies == 0 else float("inf")
+        self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5, host_bandwidth=bandwidth))
         check_picks(self.cache)  # every eviction victim is checked against a full scan
         self.device = FakeDevice(self.cache)
         self.size = block_size
