@@ -76,3 +76,28 @@ def _runs(host_ids: Sequence[int]) -> Iterator[tuple[int, int, int]]:
         if i == len(host_ids) or host_ids[i] != host_ids[i - 1] + 1:
             yield start, i, host_ids[start]
             start = i
+
+
+def measure_copy_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(host -> device bytes/s, dense matmul FLOP/s) of `device`, what `CostModel.promotion_pays` weighs: on CUDA
+    one timed 64 MiB copy from pinned memory and one timed 4,096-cubed matmul in `dtype` (after a warm-up each; at
+    start-up, so the synchronisation costs nothing later); on the CPU (inf, 1e15): a host block is a memcpy away,
+    so a promotion always pays."""
+    if device.type != "cuda":
+        return float("inf"), 1e15
+    host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(host, device=device)
+    a = torch.randn(4096, 4096, dtype=dtype, device=device)
+
+    def timed(run) -> float:
+        run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+    bandwidth = host.numel() / timed(lambda: target.copy_(host, non_blocking=True))
+    flops = 2 * 4096 ** 3 / timed(lambda: a @ a)
+    return bandwidth, flops
