@@ -36,13 +36,15 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.cache import PENDING_TOKEN, CacheConfig, PrefixCache
+from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
-from hybridcache.distributed.executor import TensorParallelExecutor
-from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.cost_model import engine_cost_model
+from hybridcache.engine.executor import make_executor
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
+from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache, fill_bitmask
-from hybridcache.layers.parallel import TensorParallel
+from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
@@ -128,10 +130,12 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
     return flags if any(flags) else ()
 
 
-def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int) -> Scheduler:
+def _make_scheduler(
+    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel
+) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states."""
+    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -145,7 +149,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int, st
         eviction=EVICTION_POLICIES[config.eviction],
     )
     return Scheduler(
-        PrefixCache(cache_config),
+        PrefixCache(cache_config, cost),
         policy,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -178,12 +182,12 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
-        spec = RunnerSpec(self.model_path, config, self.max_model_len)
-        if config.tensor_parallel_size > 1:
-            self.runner = TensorParallelExecutor(spec, self.device, config.tensor_parallel_size)
-            plan = self.runner.memory_plan
-        else:
-            self.runner, plan = build_runner(spec, TensorParallel(), self.device)
+        # before the runner: on CUDA the pools are sized from the memory left after the vision weights
+        self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device)
+        self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
+                                if self.vision is not None else None)
+        self.runner = make_executor(RunnerSpec(self.model_path, config, self.max_model_len), self.device)
+        plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
@@ -199,6 +203,8 @@ class LLMEngine:
         )
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
+            cost=engine_cost_model(self.model_config, plan, block_size=config.block_size,
+                                   ssm_dtype=config.mamba_ssm_cache_dtype),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -222,7 +228,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
-        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`). `final_only`: `step` returns
+        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`); image spans that carry
+        `pixel_values` (`mm_processor.ImageProcessor.expand`) are encoded here by the vision tower, or served by
+        its encoder cache (a model without a vision tower refuses them). `final_only`: `step` returns
         this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
         building the cumulative output of every request at every step costs host time)."""
         self._raise_if_dead()
@@ -233,6 +241,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
+        if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
+            if self.vision is None:
+                raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
+            mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
         request = _Request(request_id, prompt.text, params, final_only=final_only)
         if params.prompt_logprobs is not None:
@@ -532,10 +544,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts."""
+        pool size and token counts, and for a model with a vision tower the images it encoded and those the
+        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`)."""
+        vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
+                                                 "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
+            **vision,
         }

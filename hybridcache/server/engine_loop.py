@@ -51,6 +51,7 @@ class _Add:
     params: SamplingParams
     sink: asyncio.Queue
     done: asyncio.Future
+    mm_inputs: tuple = ()
 
 
 @dataclass
@@ -114,13 +115,15 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue a request; returns its output queue. Raises the engine's ValueError/TypeError for a bad one."""
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  mm_inputs: tuple = ()) -> asyncio.Queue:
+        """Queue a request (`mm_inputs`: its image spans, encoded on the engine thread); returns its output queue.
+        Raises the engine's ValueError/TypeError for a bad one."""
         if not self.running:
             raise EngineFailure("the engine is not running")
         sink: asyncio.Queue = asyncio.Queue()
         done = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, sink, done))
+        self._commands.put(_Add(request_id, prompt, params, sink, done, mm_inputs))
         await done
         return sink
 
@@ -148,6 +151,7 @@ class EngineLoop:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+            self._encode_images(commands)
             for command in commands:
                 if isinstance(command, _Stop):
                     self._abort_all(None)
@@ -164,11 +168,25 @@ class EngineLoop:
             self._publish_state()
             self._log_stats()
 
+    def _encode_images(self, commands: list) -> None:
+        """The images of every request added in this drain through the vision tower together (batched tower
+        calls); on an error, each request's `add_request` encodes its own and reports what is wrong with it."""
+        adds = [c for c in commands if isinstance(c, _Add) and c.mm_inputs]
+        vision = self._engine.vision if adds else None
+        if vision is None:
+            return
+        try:
+            encoded = iter(vision.encode([span for c in adds for span in c.mm_inputs]))
+        except Exception:  # noqa: BLE001 - left to each request's own add_request
+            return
+        for command in adds:
+            command.mm_inputs = tuple(next(encoded) for _ in command.mm_inputs)
+
     def _handle(self, command: _Add | _Abort | _Check) -> None:
         engine = self._engine
         if isinstance(command, _Add):
             try:
-                engine.add_request(command.request_id, command.prompt, command.params)
+                engine.add_request(command.request_id, command.prompt, command.params, command.mm_inputs)
             except EngineDeadError as error:  # a 503 for the caller, as for a request the failure aborted
                 self._resolve(command.done, error=EngineFailure(str(error)))
                 return

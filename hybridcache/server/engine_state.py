@@ -18,11 +18,13 @@ class EngineState:
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
-    prompt tokens computed. Per tier (the host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all
-    hits) and `num_host_hits` (those promoted from the host), the host's blocks (`block_bytes` each, as the
-    device's) and checkpoints, `num_promotions` / `num_demotions` (checkpoints copied to the device on a hit /
-    moved to the host by eviction; trie blocks in `num_promoted_blocks` / `num_demoted_blocks`) and
-    `num_promotions_skipped` (a deeper host hit whose copy would have cost more than recomputing).
+    prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
+    those its encoder cache served instead (0 for a model without a vision tower). Per tier (the host tier:
+    `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted from the
+    host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
+    `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
+    `num_promoted_blocks` / `num_demoted_blocks`) and `num_promotions_skipped` (a deeper host hit whose copy
+    would have cost more than recomputing).
     """
 
     num_blocks: int = 0
@@ -39,6 +41,8 @@ class EngineState:
     checkpoint_hits: dict[str, int] = field(default_factory=dict)
     declined_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
+    num_encoded_images: int = 0
+    num_encoder_cache_hits: int = 0
     block_bytes: int = 0
     num_hits: int = 0
     num_host_hits: int = 0
@@ -74,6 +78,8 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_hits=dict(getattr(cache, "hits_by_reason", {}) or {}),
         declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
+        num_encoded_images=stats.get("num_encoded_images", 0),
+        num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
         block_bytes=stats.get("block_bytes", 0),
         num_hits=getattr(cache, "num_hits", 0),
         num_host_hits=getattr(cache, "num_host_hits", 0),

@@ -12,9 +12,15 @@ from hypothesis import strategies as st
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import read_engine_state
 
-from .test_cache_equivalence import assert_same, make_engine, model_dir, run_workload, tokens  # noqa: F401
+from .model_folders import write_tiny_model
+from .test_cache_equivalence import assert_same, make_engine, run_workload, tokens
 
 HOST_GIB = 1 / 64  # far more host blocks than the tiny models' workloads fill
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
 def host_engine(model_dir, **options):
