@@ -55,15 +55,29 @@ def host_pair(model_dir):
             make_engine(model_dir, caching=False, **options))
 
 
-_REQUESTS = st.lists(st.tuples(st.integers(0, 2), st.integers(1, 60), st.integers(1, 24), st.integers(1, 2)),
-                     min_size=1, max_size=7)
+def _requests(max_tokens: int, max_size: int):
+    return st.lists(st.tuples(st.integers(0, 2), st.integers(1, 60), st.integers(1, max_tokens), st.integers(1, 2)),
+                    min_size=1, max_size=max_size)
 
 
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
-@given(requests=_REQUESTS, seed=st.integers(0, 1000))
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=_requests(12, 5), seed=st.integers(0, 1000))
 def test_host_tier_matches_uncached_on_random_traffic(host_pair, requests, seed):
     """Random mixes of shared-prefix prompts, lengths and n under a 14-block pool with a host tier: every request
-    gets the tokens an uncached engine gives, and the cache stays intact after every step."""
+    gets the tokens an uncached engine gives, and the cache stays intact after every step. The host engine is
+    reused across examples, so later ones hit what earlier ones demoted."""
+    check_traffic(host_pair, requests, seed)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=_requests(24, 7), seed=st.integers(0, 1000))
+def test_host_tier_matches_uncached_on_more_random_traffic(host_pair, requests, seed):
+    """The same with more and longer examples (minutes on the CPU)."""
+    check_traffic(host_pair, requests, seed)
+
+
+def check_traffic(host_pair, requests, seed) -> None:
     rng = random.Random(seed)
     stems = [tokens(rng, 40) for _ in range(3)]
     results = []
