@@ -40,6 +40,9 @@ class CacheConfig:
     host_blocks                blocks of host memory (each the size of a device block) behind the device pool,
                                0 = no host tier. Device eviction demotes trie leaves and checkpoints there and a
                                hit promotes them back (host_tier.py; docs/cache.md, "The host tier"). Paged only.
+    num_speculative_tokens     k: the most draft tokens a sequence may feed after its last token in one step
+                               (speculative decoding; 0 = off). Names the draft states of `STATE_ROLLBACK`
+                               (`slot * k + j`, plan.py).
     """
 
     block_size: int = 64
@@ -53,6 +56,7 @@ class CacheConfig:
     full_prompt_hits: bool = False
     state_pages: int | None = None
     host_blocks: int = 0
+    num_speculative_tokens: int = 0
 
     @property
     def paged(self) -> bool:
@@ -82,6 +86,8 @@ class CacheConfig:
             raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
         if self.host_blocks < 0 or (self.host_blocks and self.state_pages is None):
             raise ValueError(f"host_blocks must be >= 0 and needs paged states (state_pages), got {self.host_blocks}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
 

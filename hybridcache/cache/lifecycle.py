@@ -30,6 +30,7 @@ from typing import Any
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
 from hybridcache.cache.host_tier import HostNode, HostTier
 from hybridcache.cache.policy import make_eviction_policy
@@ -57,6 +58,7 @@ class Lifecycle:
         self.state_bytes = self.state_pages * self.block_bytes if self.paged else cost.state_bytes
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
+        self.events: CacheEventLog | None = None  # where trie and checkpoint changes are told (events.py)
         self.host = HostTier(config.host_blocks, trie) if config.host_blocks else None
         if self.host is not None:
             self.host.on_waste = lambda ckpt: self.on_waste(ckpt) if self.on_waste is not None else None
@@ -107,6 +109,9 @@ class Lifecycle:
         if node is None:
             node = self.trie.add_child(parent, node_hash, token_ids, spans, own_block, now)
             self.blocks.incref(own_block)
+            if self.events is not None:
+                self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node_hash, parent_hash=parent.hash,
+                                            depth=node.depth, adapter=node.adapter))
             if self.host is not None:
                 self.host.absorb_twin(parent, node)
         else:
@@ -205,6 +210,8 @@ class Lifecycle:
         anchor.checkpoints.setdefault(key, []).append(ckpt)
         self.evictor.on_publish(ckpt)
         self.stats.saves_by_reason[ckpt.reason.value] += 1
+        if self.events is not None:
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_STORED, ckpt))
         return True
 
     def checkpoint_key(self, anchor: Node, step: int, tail_ids: tuple[int, ...], tail_spans: tuple) -> tuple:
@@ -272,6 +279,8 @@ class Lifecycle:
         if not bucket:
             del anchor.checkpoints[key]
         self.evictor.on_unpublish(ckpt, anchor)
+        if self.events is not None:  # events tell the device tier: a demotion is a removal there
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_REMOVED, ckpt))
 
     def replace_decode_checkpoint(self, old: Checkpoint) -> None:
         """A newer decode-interval checkpoint of the same sequence was published: `old` goes now, or by
@@ -455,6 +464,9 @@ class Lifecycle:
         for hnode in chain:
             node = self.trie.add_child(parent, hnode.hash, hnode.token_ids, hnode.spans, self.blocks.allocate(), now)
             host.promote_node(hnode, node)
+            if self.events is not None:
+                self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node.hash, parent_hash=parent.hash,
+                                            depth=node.depth, adapter=node.adapter))
             parent = node
         anchor = parent
         self.evictor.leaf_changed(anchor)
@@ -472,6 +484,8 @@ class Lifecycle:
         anchor.checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
         self.checkpoints[ckpt.ckpt_id] = ckpt
         self.evictor.on_publish(ckpt)
+        if self.events is not None:
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_STORED, ckpt))
         self.stats.num_promoted_checkpoints += 1
 
     def _remove_leaf(self, node: Node, kind: EvictionKind | None) -> None:
@@ -480,6 +494,8 @@ class Lifecycle:
         parent = node.parent
         self.trie.remove_leaf(node)
         self.blocks.decref(node.block_id)
+        if self.events is not None:
+            self.events.emit(CacheEvent(EventKind.BLOCK_REMOVED, block_hash=node.hash))
         self.evictor.leaf_changed(parent)
         if kind is not None:
             self.stats.evicted(kind)
@@ -508,6 +524,12 @@ class Lifecycle:
 def _num_blocks(ckpt: Checkpoint) -> int:
     """Blocks a paged checkpoint holds: its pages and its frozen block."""
     return len(ckpt.pages) + (ckpt.frozen_block is not None)
+
+
+def checkpoint_event(kind: EventKind, ckpt: Checkpoint) -> CacheEvent:
+    """The event of a published checkpoint (its anchor set): stored or removed."""
+    return CacheEvent(kind, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_hash=ckpt.tail_hash,
+                      adapter=ckpt.adapter)
 
 
 def _promised(victim: Victim | None, what: str) -> Victim:

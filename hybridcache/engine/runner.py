@@ -146,20 +146,29 @@ class ModelRunner:
         max_model_len: int = 1,
         cuda_graphs: bool = False,
         memory_plan: MemoryPlan | None = None,
+        num_speculative_tokens: int = 0,
+        mtp_head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.memory_plan = memory_plan
+        self.mtp_head = mtp_head
+        self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
+        self.num_speculative_tokens = k = num_speculative_tokens
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
         supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
         use_graphs = cuda_graphs and supports is not None and supports(dtype)
         extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
+        # speculative decoding: k draft state rows per runtime slot after the runtime slots (and the scratch one),
+        # and the MTP head's KV as more attention layers after the target's
+        self.draft_base = num_slots + extra
+        head_specs = mtp_head.state_specs(dtype) if mtp_head is not None else ()
         self.pools = DevicePools.allocate(
-            model.state_specs(dtype, state_dtype),
+            (*model.state_specs(dtype, state_dtype), *head_specs),
             num_pages=(num_blocks + extra) * self.pages_per_block,
             kernel_block_size=kernel_block_size,
-            num_slots=num_slots + extra,
+            num_slots=num_slots + extra + num_slots * k,
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
@@ -168,6 +177,7 @@ class ModelRunner:
         self.host_pool: HostPool | None = None  # the host tier's blocks (`attach_host_pool`)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
+            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
         if use_graphs:
@@ -177,6 +187,12 @@ class ModelRunner:
                 kernel_block_size=kernel_block_size, device=device,
             )
             self._capture()
+
+    def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
+        """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
+        position j is draft state `slot * k + j`, `hybridcache.cache.plan`)."""
+        first = self.draft_base + slot * self.num_speculative_tokens
+        return tuple(range(first, first + num_drafts))
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
@@ -222,8 +238,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
-        """A step with no forward (only zero-prefill samples): its copy ops, BEFORE_FORWARD ones first."""
-        for phase in (Phase.BEFORE_FORWARD, Phase.AFTER_FORWARD):
+        """Copies without a forward, by phase (a step of only zero-prefill samples: BEFORE_FORWARD ones first;
+        a verify step's rollbacks: AFTER_VERIFY)."""
+        for phase in Phase:
             for op in copies:
                 if op.kind.phase is phase:
                     self._copy(op)
@@ -241,6 +258,10 @@ class ModelRunner:
         replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
         size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
         if size is None:
+            if self.mtp_head is not None:  # the head reads the step's hidden states (engine.speculative)
+                logits, self.step_hidden = self.model.forward_with_hidden(
+                    self.backend.prepare(batch), self.pools, self.backend)
+                return logits
             return self.model(self.backend.prepare(batch), self.pools, self.backend)
         graphs.load(batch, size)
         if not self._replay:
@@ -286,6 +307,23 @@ class ModelRunner:
         """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; pinned on
         CUDA)."""
         self.host_pool = HostPool(self.paged_states, num_blocks, pin=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
+        """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
+        and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
+        at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
+        where a full pool's does not (another specialisation of the attention prefill kernel, which otherwise
+        compiled inside the first request), and decode graphs are not captured when steps run eagerly.
+        With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
+        (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
+        while serving (tests/engine/test_no_compile_after_start_up.py)."""
+        for chunk in (SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0),
+                      SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)):
+            batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
+                                        device=self.device)
+            self.model(self.backend.prepare(batch), self.pools, self.backend)
+        torch.cuda.synchronize(self.device)
 
     def _copy(self, op: DeviceCopyOp) -> None:
         """Run one copy op by its kind's entry of `COPY_HANDLERS`; ValueError for a kind that has none (a new kind
@@ -333,6 +371,14 @@ def _host_load(runner: ModelRunner, op: DeviceCopyOp) -> None:
     _host_pool(runner, op).load(op.host_ids, op.dst_ids)
 
 
+def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Draft states (`slot * k + j`, rows `draft_base + id` of every state group) -> runtime slots, whole rows
+    (speculative decoding: the state after a verify row's last accepted position)."""
+    rows = op.src_ids + runner.draft_base
+    for group in runner.pools.state_groups:
+        group.index_copy_(1, op.dst_ids, group.index_select(1, rows))
+
+
 # How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's
 # device <-> pinned host copies) is a `CopyKind` member in `hybridcache.copy_kinds` and one entry here.
 COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
@@ -344,6 +390,7 @@ COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
     CopyKind.STATE_RESTORE: _restore_state,
     CopyKind.KV_SAVE: _copy_kv,
     CopyKind.STATE_SAVE: _save_state,
+    CopyKind.STATE_ROLLBACK: _rollback_state,
 }
 
 

@@ -19,9 +19,11 @@ class EngineState:
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
     prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
-    those its encoder cache served instead (0 for a model without a vision tower). Per tier (the host tier:
-    `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted from the
-    host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
+    those its encoder cache served instead (0 for a model without a vision tower). `spec_decode`: speculative
+    decoding's totals (vLLM's spec_decode counters: verify rows `num_drafts`, `num_draft_tokens`,
+    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off. Per tier (the
+    host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted
+    from the host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
     `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
     `num_promoted_blocks` / `num_demoted_blocks`) and `num_promotions_skipped` (a deeper host hit whose copy
     would have cost more than recomputing).
@@ -43,6 +45,7 @@ class EngineState:
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
     num_encoded_images: int = 0
     num_encoder_cache_hits: int = 0
+    spec_decode: dict[str, Any] | None = None
     block_bytes: int = 0
     num_hits: int = 0
     num_host_hits: int = 0
@@ -80,6 +83,7 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
         num_encoded_images=stats.get("num_encoded_images", 0),
         num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
+        spec_decode=_spec_decode(stats.get("spec_decode")),
         block_bytes=stats.get("block_bytes", 0),
         num_hits=getattr(cache, "num_hits", 0),
         num_host_hits=getattr(cache, "num_host_hits", 0),
@@ -92,6 +96,15 @@ def read_engine_state(engine: Any) -> EngineState:
         num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
         num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
     )
+
+
+def _spec_decode(spec: Any) -> dict[str, Any] | None:
+    """The speculative decoding counters as plain data (a copy: the engine keeps counting)."""
+    if spec is None:
+        return None
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position)}
 
 
 def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:
