@@ -32,7 +32,9 @@ class HostPool:
         if num_blocks < 1:
             raise ValueError(f"a host pool needs >= 1 block, got {num_blocks}")
         self.paged = paged
-        self.blocks = torch.zeros((num_blocks, paged.page_words), dtype=paged.word_dtype, pin_memory=pin)
+        # empty, not zeros: a host block is read only after a save or finish wrote it (zeroing 100 GiB of pinned
+        # memory would hold start-up for tens of seconds)
+        self.blocks = torch.empty((num_blocks, paged.page_words), dtype=paged.word_dtype, pin_memory=pin)
 
     @property
     def num_blocks(self) -> int:
