@@ -32,8 +32,8 @@ class HostPool:
         if num_blocks < 1:
             raise ValueError(f"a host pool needs >= 1 block, got {num_blocks}")
         self.paged = paged
-        # empty, not zeros: a host block is read only after a save or finish wrote it (zeroing 100 GiB of pinned
-        # memory would hold start-up for tens of seconds)
+        # empty, not zeros: a host block is read only after a save or finish wrote it, and zeroing would cost
+        # start-up time in proportion to the tier's size
         self.blocks = torch.empty((num_blocks, paged.page_words), dtype=paged.word_dtype, pin_memory=pin)
 
     @property
