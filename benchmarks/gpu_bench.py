@@ -4,6 +4,7 @@
         [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
         [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
         [--host-cache-gib G]                                                  # a host tier behind the pool
+        [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -342,6 +343,9 @@ def main() -> None:
     parser.add_argument("--cache-mode", default="hybridcache", help="hybridcache, seed, block-aligned or none")
     parser.add_argument("--host-cache-gib", type=float, default=0.0,
                         help="a host-memory tier behind the pool (pinned), GiB (default: none)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantise the bf16 folder's linears to 128 x 128 FP8 at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: e4m3 KV pool")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -360,6 +364,8 @@ def main() -> None:
     suffix += "" if args.cache_mode == "hybridcache" else f"_{args.cache_mode}"
     suffix += "" if args.num_blocks is None else f"_blocks-{args.num_blocks}"
     suffix += "" if not args.host_cache_gib else f"_host-{args.host_cache_gib:g}"
+    suffix += "" if args.quantization is None else f"_{args.quantization}"
+    suffix += "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}"
     out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
@@ -371,7 +377,8 @@ def main() -> None:
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                    async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
-                   host_cache_gib=args.host_cache_gib)
+                   host_cache_gib=args.host_cache_gib, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype)
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None

@@ -11,7 +11,17 @@ import argparse
 import logging
 from pathlib import Path
 
-from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, SSM_DTYPE_FLAG, EngineConfig
+from hybridcache.config import (
+    CACHE_MODES,
+    DTYPES,
+    EVICTION_ALIASES,
+    EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SSM_DTYPE_FLAG,
+    EngineConfig,
+)
 
 AUTO = "auto"
 _logger = logging.getLogger("hybridcache.engine_args")
@@ -93,6 +103,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding with the model\'s MTP head, as vLLM: '
                              '\'{"method": "mtp", "num_speculative_tokens": 2}\' ("qwen3_next_mtp" also accepted)')
+    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                        help="quantise a dense checkpoint's linears at load (fp8: 128 x 128 block-scaled e4m3); an "
+                             "FP8 checkpoint (Qwen's fine-grained FP8, compressed-tensors) loads as it is without "
+                             "it (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the attention KV pool's dtype; fp8 (e4m3, per-layer k/v scales from the checkpoint, "
+                             "else 1.0) halves its bytes (default: auto, the model dtype)")
+    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                        help="auto: read the safetensors; dummy: random weights drawn on the device (benchmarks; "
+                             "the folder needs only config.json and the tokenizer)")
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -125,6 +145,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
     )

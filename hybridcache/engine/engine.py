@@ -51,6 +51,7 @@ from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.models.quant import describe_weights
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
@@ -213,11 +214,13 @@ class LLMEngine:
         if self.drafter is not None:
             self.async_scheduling = False  # (refused by EngineConfig when asked for explicitly)
         self.num_blocks = plan.num_blocks
+        self.weight_format = describe_weights(self.model_path, config)
+        self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype
         _logger.info(
-            "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
-            "kernels %s, cuda graphs %s, async scheduling %s",
+            "hybridcache: model %s (%s), dtype %s, state dtype %s, weights %s, kv cache %s, device %s, "
+            "max_model_len %d, cache mode %s, %s, kernels %s, cuda graphs %s, async scheduling %s",
             self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
-            self.device, self.max_model_len,
+            self.weight_format, self.kv_cache_dtype, self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
@@ -675,6 +678,8 @@ class LLMEngine:
             "num_blocks": self.num_blocks,
             "block_bytes": self.memory_plan.block_bytes,
             "num_host_blocks": self.num_host_blocks,
+            "weights": self.weight_format,
+            "kv_cache_dtype": self.kv_cache_dtype,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,

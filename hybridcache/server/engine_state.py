@@ -13,6 +13,9 @@ from typing import Any
 class EngineState:
     """A snapshot of the engine's memory and cache counters.
 
+    weights: the weight format ("dense", "fp8-block128x128", "fp8-channel", "... (quantized at load)");
+    kv_cache_dtype: the KV pool's dtype ("bfloat16", "fp8_e4m3", ...).
+
     num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
     frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences.
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
@@ -29,6 +32,8 @@ class EngineState:
     would have cost more than recomputing).
     """
 
+    weights: str = ""
+    kv_cache_dtype: str = ""
     num_blocks: int = 0
     num_blocks_used: int = 0
     num_slots: int = 0
@@ -67,6 +72,8 @@ def read_engine_state(engine: Any) -> EngineState:
     stats = engine.stats()
     cache = stats.get("cache")
     return EngineState(
+        weights=stats.get("weights", ""),
+        kv_cache_dtype=stats.get("kv_cache_dtype", ""),
         num_blocks=stats["num_blocks"],
         num_blocks_used=stats["num_blocks_used"],
         num_slots=stats["num_slots"],

@@ -36,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "guided": set(),
     "multimodal": set(),
     "state_spec": set(),
+    "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
     "tokenizer": set(),
     "images": set(),
     "mm_processor": {"images", "models", "multimodal"},
@@ -44,9 +45,9 @@ ALLOWED: dict[str, set[str]] = {
     "cache": {"copy_kinds"},
     "scheduler": {"cache", "config", "multimodal", "sampling"},
     "forward_batch": {"copy_kinds"},
-    "kernels": {"forward_batch"},
-    "layers": {"forward_batch", "kernels", "state_spec"},
-    "models": {"forward_batch", "kernels", "layers", "state_spec"},
+    "kernels": {"forward_batch", "fp8_format"},
+    "layers": {"forward_batch", "fp8_format", "kernels", "state_spec"},
+    "models": {"forward_batch", "fp8_format", "kernels", "layers", "state_spec"},
     "model_path": {"models"},
     "engine_args": {"config", "models"},
     "engine": {
