@@ -128,3 +128,13 @@ def test_host_tier_flags_take_vllm_and_sglang_spellings():
     assert engine_options(parser.parse_args(["--kv-offloading-size", "2"]))["host_cache_gib"] == 2.0  # vLLM: GiB
     sglang = engine_options(parser.parse_args(["--hicache-size", "1"]))["host_cache_gib"]  # SGLang: GB
     assert abs(sglang - 1e9 / (1 << 30)) < 1e-12
+
+
+def test_host_cache_gib_must_be_a_finite_number_at_least_zero():
+    import pytest
+
+    from hybridcache.config import EngineConfig
+
+    for bad in (-1.0, float("inf"), "2"):
+        with pytest.raises(ValueError, match="host_cache_gib"):
+            EngineConfig(host_cache_gib=bad)
