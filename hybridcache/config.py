@@ -77,6 +77,8 @@ class EngineConfig:
     state takes k blocks, `hybridcache.engine.memory.state_pages`; the cache decides what the pool holds). None =
     on the CPU enough for 2 x max_num_seqs sequences of max_model_len tokens plus 32 checkpoint states; on CUDA
     the rest of the memory budget, see `hybridcache.engine.memory`.
+    host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
+    demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
@@ -113,6 +115,7 @@ class EngineConfig:
     block_size: int = 64
     kernel_block_size: int | None = None
     num_blocks: int | None = None
+    host_cache_gib: float = 0.0
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -165,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cache_mode not in CACHE_MODES:

@@ -57,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="blocks in the one pool of KV and prefix-cache checkpoint states (a state takes k "
                              "blocks); default: on the CPU twice what --max-num-seqs full sequences need plus 32 "
                              "states, on CUDA the rest of the memory budget")
+    parser.add_argument("--host-cache-gib", "--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                        help="a host-memory tier behind the pool, GiB (vLLM's --kv-offloading-size): device "
+                             "eviction moves blocks and checkpoint states there, a hit copies them back "
+                             "(default: 0, none)")
+    parser.add_argument("--hicache-size", type=float, default=None, metavar="GB",
+                        help="the host tier in GB (10^9 bytes; SGLang's spelling); overrides --host-cache-gib")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -124,6 +130,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         kernel_block_size=args.kernel_block_size,
         num_blocks=args.num_blocks,
+        host_cache_gib=args.host_cache_gib if args.hicache_size is None else args.hicache_size * 1e9 / (1 << 30),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

@@ -35,6 +35,14 @@ def register(subparsers) -> None:
     sim.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
                      help="the recurrent state's dtype in the state slots (sizes each checkpoint), as the engine's "
                           "option of that name; auto: the model config's mamba_ssm_dtype, else float32")
+    sim.add_argument("--host-memory-gib", default="0",
+                     help="a host tier behind the cache memory of the engine's policies (hybridcache*; not the "
+                          "oracles): GiB, or NX for N times the cache memory (4x); 0: none")
+    sim.add_argument("--host-bandwidth-gbs", type=float, default=None,
+                     help="host -> device copy bandwidth, GB/s: a promotion is skipped when its copy takes longer "
+                          "than recomputing (default: copies are free)")
+    sim.add_argument("--device-tflops", type=float, default=400.0,
+                     help="the device's prefill rate, TFLOP/s (read with --host-bandwidth-gbs)")
     sim.add_argument("--block-size", type=int, default=64)
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
@@ -118,8 +126,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         points = [args.memory_gib * f for f in factors]
         memories = sorted({int(g * GIB) for g in points} | {budget})
 
+    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+
     def config(memory: int) -> SimConfig:
-        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot)
+        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
+                         host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory),
+                         host_bandwidth=bandwidth, device_flops=args.device_tflops * 1e12)
 
     # none and oracle do not depend on memory: run them once.
     jobs = [(s, config(m)) for m in memories for s in specs if s.mode not in ("none", "oracle") or m == budget]
@@ -154,6 +166,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if json_path:
         _write_json(json_path, record)
     return 0
+
+
+def host_memory_bytes(text: str, memory_bytes: int) -> int:
+    """`--host-memory-gib`: GiB (`"64"`), or a multiple of the cache memory (`"4x"`)."""
+    from hybridcache.bench.simulator import GIB
+
+    text = str(text).strip().lower()
+    value = float(text[:-1]) if text.endswith("x") else float(text)
+    if value < 0:
+        raise ValueError(f"--host-memory-gib must be >= 0, got {text!r}")
+    return int(value * memory_bytes) if text.endswith("x") else int(value * GIB)
 
 
 def cmd_simulate_routing(args: argparse.Namespace) -> int:

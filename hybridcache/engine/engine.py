@@ -26,6 +26,7 @@ and always under tensor parallelism (the workers do not see the sampled tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -40,7 +41,9 @@ from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.executor import make_executor
+from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.vision_encoder import VisionEncoder
@@ -134,11 +137,12 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
 
 
 def _make_scheduler(
-    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel
+    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel, host_blocks: int = 0,
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by."""
+    states, `host_blocks` the host tier's blocks behind them; `cost`: the model's cost model (`engine_cost_model`),
+    which FLOP-aware eviction ranks by and promotions from the host tier are weighed with."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -147,6 +151,7 @@ def _make_scheduler(
         num_blocks=num_blocks,
         num_slots=num_slots,
         state_pages=state_pages,
+        host_blocks=host_blocks if policy else 0,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
@@ -219,10 +224,15 @@ class LLMEngine:
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
+        cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
+                                 ssm_dtype=config.mamba_ssm_cache_dtype)
+        self.num_host_blocks = self._attach_host_tier(plan) if config.enable_prefix_caching else 0
+        if self.num_host_blocks:
+            bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
+            cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
-            cost=engine_cost_model(self.model_config, plan, block_size=config.block_size,
-                                   ssm_dtype=config.mamba_ssm_cache_dtype),
+            cost=cost, host_blocks=self.num_host_blocks,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -651,6 +661,19 @@ class LLMEngine:
         """Drop everything the prefix cache holds that no running sequence uses."""
         self.scheduler.clear_cache()
 
+    def _attach_host_tier(self, plan: MemoryPlan) -> int:
+        """The host tier's blocks (`host_cache_gib` over the pool's block bytes), given to the runner; 0 without one.
+        Not with tensor parallelism yet (each rank would hold its shard's host blocks)."""
+        num_blocks = int(self.config.host_cache_gib * (1 << 30) // plan.block_bytes)
+        if num_blocks <= 0:
+            return 0
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("host_cache_gib (a host tier) is not supported with tensor parallelism yet")
+        self.runner.attach_host_pool(num_blocks)
+        _logger.info("hybridcache: host tier of %d blocks (%.3g GiB)", num_blocks,
+                     num_blocks * plan.block_bytes / (1 << 30))
+        return num_blocks
+
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
         pool size and token counts, for a model with a vision tower the images it encoded and those the
@@ -660,6 +683,8 @@ class LLMEngine:
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
+            "block_bytes": self.memory_plan.block_bytes,
+            "num_host_blocks": self.num_host_blocks,
             "weights": self.weight_format,
             "kv_cache_dtype": self.kv_cache_dtype,
             **self.scheduler.stats(),

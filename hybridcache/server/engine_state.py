@@ -24,7 +24,12 @@ class EngineState:
     prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
     those its encoder cache served instead (0 for a model without a vision tower). `spec_decode`: speculative
     decoding's totals (vLLM's spec_decode counters: verify rows `num_drafts`, `num_draft_tokens`,
-    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off.
+    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off. Per tier (the
+    host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted
+    from the host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
+    `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
+    `num_promoted_blocks` / `num_demoted_blocks`) and `num_promotions_skipped` (a deeper host hit whose copy
+    would have cost more than recomputing).
     num_blocks_running counts the distinct blocks that running sequences hold (shared prefix blocks once), a part
     of num_blocks_used.
     """
@@ -49,6 +54,17 @@ class EngineState:
     num_encoded_images: int = 0
     num_encoder_cache_hits: int = 0
     spec_decode: dict[str, Any] | None = None
+    block_bytes: int = 0
+    num_hits: int = 0
+    num_host_hits: int = 0
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    num_host_checkpoints: int = 0
+    num_promotions: int = 0
+    num_promoted_blocks: int = 0
+    num_demotions: int = 0
+    num_demoted_blocks: int = 0
+    num_promotions_skipped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -80,6 +96,17 @@ def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> Eng
         num_encoded_images=stats.get("num_encoded_images", 0),
         num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
         spec_decode=_spec_decode(stats.get("spec_decode")),
+        block_bytes=stats.get("block_bytes", 0),
+        num_hits=getattr(cache, "num_hits", 0),
+        num_host_hits=getattr(cache, "num_host_hits", 0),
+        num_host_blocks=stats.get("num_host_blocks", 0),
+        num_host_blocks_used=getattr(cache, "num_host_blocks_used", 0),
+        num_host_checkpoints=getattr(cache, "num_host_checkpoints", 0),
+        num_promotions=getattr(cache, "num_promoted_checkpoints", 0),
+        num_promoted_blocks=getattr(cache, "num_promoted_blocks", 0),
+        num_demotions=getattr(cache, "num_demoted_checkpoints", 0),
+        num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
+        num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
     )
 
 

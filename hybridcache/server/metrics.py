@@ -29,6 +29,15 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total,
     hybridcache_vision_encoded_images_total, hybridcache_vision_encoder_cache_hits_total
+    hybridcache_cache_hits_total{tier}              prefix-cache hits by where the checkpoint was: device, host
+    hybridcache_cache_bytes_used{tier} / hybridcache_cache_bytes_total{tier}   the pools' bytes (host: the host
+                                                    tier, `--host-cache-gib`; 0 without one)
+    hybridcache_host_checkpoints                    checkpoints held in the host tier
+    hybridcache_host_promotions_total{what} / hybridcache_host_demotions_total{what}   checkpoints and trie
+                                                    blocks copied host -> device on a hit / device -> host by
+                                                    eviction
+    hybridcache_host_promotions_skipped_total       deeper host hits not taken: the copy cost more than
+                                                    recomputing
 
 With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
@@ -181,6 +190,7 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, text, labels=["model_name"])
             counter.add_metric([model], value)
             yield counter
+        yield from _tier_metrics(state, model)
         gauges = (
             ("hybridcache_kv_blocks_used", "KV blocks in use (running sequences and the prefix cache)",
              state.num_blocks_used),
@@ -213,6 +223,33 @@ def _spec_decode_metrics(spec: dict, model: str) -> Iterator[Metric]:
         yield family
     yield _by_label("hybridcache_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
                     "position", {str(j + 1): n for j, n in enumerate(spec["accepted_per_position"])}, model)
+
+
+def _tier_metrics(state: EngineState, model: str) -> Iterator[Metric]:
+    """The per-tier families (device, host) of the module docstring."""
+    yield _by_label("hybridcache_cache_hits", "Prefix-cache hits, by the tier the checkpoint was in", "tier",
+                    {"device": state.num_hits - state.num_host_hits, "host": state.num_host_hits}, model)
+    for name, documentation, device, host in (
+        ("hybridcache_cache_bytes_used", "Bytes of the pool in use, by tier", state.num_blocks_used,
+         state.num_host_blocks_used),
+        ("hybridcache_cache_bytes_total", "Bytes of the pool, by tier", state.num_blocks, state.num_host_blocks),
+    ):
+        gauge = GaugeMetricFamily(name, documentation, labels=["model_name", "tier"])
+        gauge.add_metric([model, "device"], device * state.block_bytes)
+        gauge.add_metric([model, "host"], host * state.block_bytes)
+        yield gauge
+    gauge = GaugeMetricFamily("hybridcache_host_checkpoints", "Checkpoints held in the host tier",
+                              labels=["model_name"])
+    gauge.add_metric([model], state.num_host_checkpoints)
+    yield gauge
+    yield _by_label("hybridcache_host_promotions", "Copied host -> device on a hit", "what",
+                    {"checkpoints": state.num_promotions, "blocks": state.num_promoted_blocks}, model)
+    yield _by_label("hybridcache_host_demotions", "Moved device -> host by eviction", "what",
+                    {"checkpoints": state.num_demotions, "blocks": state.num_demoted_blocks}, model)
+    skipped = CounterMetricFamily("hybridcache_host_promotions_skipped",
+                                  "Host hits not taken: the copy cost more than recomputing", labels=["model_name"])
+    skipped.add_metric([model], state.num_promotions_skipped)
+    yield skipped
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:
