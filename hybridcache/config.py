@@ -5,6 +5,8 @@ A leaf module: it imports nothing from the project, so every layer may read it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The cache modes (the `cache_mode` option); `scheduler.save_plan.CACHE_MODES` maps each to its policy.
@@ -14,8 +16,54 @@ EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}
 # Older spellings still accepted (and stored as the current one).
 EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# `quantization`: quantise a dense checkpoint's linears at load (vLLM's --quantization); FP8 checkpoints need none.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# `kv_cache_dtype`: auto = the model dtype; fp8 (= fp8_e4m3, vLLM's spellings) stores KV as float8_e4m3fn.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+# `load_format`: auto reads the safetensors; dummy draws random weights on the device (vLLM's --load-format dummy).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # The option that sets the recurrent state's dtype, as vLLM spells it (`EngineConfig.mamba_ssm_cache_dtype`).
 SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
+# Speculative methods (vLLM's `--speculative-config` "method"): all name the model's own MTP head.
+SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with the model's multi-token-prediction head, configured as vLLM's
+    `--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`: each decode step of a sequence feeds
+    its last token and up to k drafts the head proposed, and keeps the prefix the target model accepts."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)} (the model's MTP head)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 8], got {k!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
+        """A config from what users pass: None, a `SpeculativeConfig`, a dict, or its JSON text (the command
+        line's). Unknown keys are a ValueError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative config is not valid JSON: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative config keys {unknown} are not supported (method, num_speculative_tokens)")
+        if "method" not in value:
+            raise ValueError("speculative config needs a 'method' (e.g. \"mtp\")")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -29,6 +77,8 @@ class EngineConfig:
     state takes k blocks, `hybridcache.engine.memory.state_pages`; the cache decides what the pool holds). None =
     on the CPU enough for 2 x max_num_seqs sequences of max_model_len tokens plus 32 checkpoint states; on CUDA
     the rest of the memory budget, see `hybridcache.engine.memory`.
+    host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
+    demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
@@ -52,11 +102,20 @@ class EngineConfig:
     bfloat16 halves the state slot's dominant tensor (about 2x the checkpoint states per GiB) but makes results
     depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
+    speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
+    `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism, decode-interval
+    checkpoints or on CUDA (its kernels keep no per-position states); those are refused here or at start-up.
+    quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
+    checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
+    (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
+    bytes per block). load_format: "auto" (the safetensors) or "dummy" (random weights drawn on the device, for
+    benchmarks; the folder needs only config.json and the tokenizer).
     """
 
     block_size: int = 64
     kernel_block_size: int | None = None
     num_blocks: int | None = None
+    host_cache_gib: float = 0.0
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -71,9 +130,22 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
     attention_backend: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None:
+            refused = [what for what, on in (
+                ("async scheduling", self.async_scheduling), ("tensor parallelism", self.tensor_parallel_size != 1),
+                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None),
+                ("a CUDA device (its kernels keep no per-position recurrent states yet)",
+                 str(self.device).startswith("cuda"))) if on]
+            if refused:
+                raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))
@@ -96,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cache_mode not in CACHE_MODES:
@@ -108,12 +182,25 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
                              "('auto' is resolved by LLM and the command line, see engine_args.resolve_engine_config)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.mamba_ssm_cache_dtype not in DTYPES:
             raise ValueError(
                 f"mamba_ssm_cache_dtype ({SSM_DTYPE_FLAG}) must be float32, bfloat16 or float16, got "
                 f"{self.mamba_ssm_cache_dtype!r} ('auto' is resolved by LLM and the command line, see "
                 "engine_args.resolve_engine_config)"
             )
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The KV pool stores float8_e4m3fn."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def pages_per_block(self) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.copy_kinds import CopyKind
+from hybridcache.copy_kinds import CopyKind, Pool
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,21 @@ class DeviceCopyOp:
     """One `hybridcache.cache.CopyOp` as device id tensors: src_ids, dst_ids [N] int64. KV ids are scheduler
     blocks; state ids are runtime chunks (`slot * k + j`, j < k) and pages (blocks of the pool that hold a
     checkpoint's state; `hybridcache.cache.plan`). The runner executes the ops in order, on the forward's
-    stream: those whose `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
+    stream: those whose `kind.phase` is BEFORE_FORWARD, then the forward, then the others. A host-tier op
+    (`Pool.HOST`) also keeps its host block ids on the host, `host_ids` (its destinations, or a HOST_LOAD's
+    sources), which the host-side copies index with; () for every other op."""
 
     kind: CopyKind
     src_ids: torch.Tensor
     dst_ids: torch.Tensor
+    host_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def host_side(kind: CopyKind, src_ids: tuple[int, ...], dst_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The host block ids of an op of `kind` with these ids (see the class docstring)."""
+        if kind.pool is not Pool.HOST:
+            return ()
+        return src_ids if kind is CopyKind.HOST_LOAD else dst_ids
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,11 @@ class ForwardBatch:
     copies         the step's copy ops, executed by the runner around the forward (the model never reads them).
     embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
                    spans) instead of looked up from input_ids; None when there are none.
+    draft_rows [M] int64 / draft_slots [M] int64: speculative decoding: the rows of each verify row's first n
+                   positions (its last token and all drafts but the last), and the state pool row where the
+                   recurrent state (and `last_hidden`) after each is kept; the forward returns their logits after
+                   the prompt rows. None when the step verifies nothing. `draft_slots_cpu`: per sequence, the same
+                   pool rows on the host (() for a sequence that verifies nothing), for per-sequence loops.
     metadata       what the kernel backend's `prepare` derived from the batch for this step (decode rows,
                    fresh-sequence masks, host copies, kernel plans); None until prepared. Only the backend
                    that attached it reads it.
@@ -90,6 +105,9 @@ class ForwardBatch:
     embeds: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     prompt_logits_rows: torch.Tensor | None = None
+    draft_rows: torch.Tensor | None = None
+    draft_slots: torch.Tensor | None = None
+    draft_slots_cpu: tuple[tuple[int, ...], ...] = ()
     metadata: Any = None
 
     @property

@@ -9,11 +9,15 @@ One step of the engine, as the cache sees it::
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
                                           # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
+    rollback = cache.accept_drafts(acc)   # speculative decoding: the step's drafts are judged; a prefix of each
+                                          # sequence's drafts joins its tokens, STATE_ROLLBACK copies returned
     cache.fill_pending(rid, pos, token)   # async scheduling: a token fed as PENDING_TOKEN is now known
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
 Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
-dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released.
+dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released. A match that
+pins a host-tier checkpoint also holds the block of the deepest device node above it (its *frontier*), so the
+chain it will be promoted onto stays on the device until `admit` or `release_match`.
 
 Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: tokens, blocks, trie nodes,
 slot, pending restores and saves) and the pending matches, reads the trie to match, and asks the
@@ -32,12 +36,13 @@ import xxhash
 from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.integrity import check_integrity
-from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, Probe, SaveReason
 from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
 from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
@@ -73,6 +78,8 @@ class PrefixCache:
         self._matches: dict[int, tuple[CacheRequest, Checkpoint | None, list[Node]]] = {}
         self._next_match_id = 0
         self._finish_saves: list[tuple[Checkpoint, int]] = []  # paged: (checkpoint, freed runtime slot)
+        self._host_holds: dict[int, Node] = {}  # match id -> device node whose block a host hit holds
+        self._skips: set[int] = set()  # match ids whose deeper host hit did not pay for its copy
 
     # ---- admission ---------------------------------------------------------------------------------------
 
@@ -94,12 +101,23 @@ class PrefixCache:
             raise ValueError(f"max_step must be >= 0, got {max_step}")
         path = walk_prompt(self._trie, request, size)
         ckpt = find_deepest(self._trie, path, request, size, max_step) if path and not request.skip_reading else None
+        match_id = self._next_match_id
+        self._next_match_id += 1
+        host = self._life.host
+        if host is not None and path and not request.skip_reading:
+            deeper = host.find(path, request, size, max_step)
+            start = ckpt.step if ckpt is not None else 0
+            if deeper is not None and deeper.step > start:
+                copy_bytes = self._life.promote_need(deeper) * self._life.block_bytes
+                if self.cost_model.promotion_pays(copy_bytes, start, deeper.step):
+                    ckpt = deeper
+                    self._hold(match_id, host.chain(deeper)[0])
+                else:
+                    self._skips.add(match_id)
         cached_len = ckpt.step if ckpt is not None else 0
         divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
-        match_id = self._next_match_id
-        self._next_match_id += 1
         self._matches[match_id] = (request, ckpt, path)
         return MatchResult(
             match_id=match_id,
@@ -111,6 +129,36 @@ class PrefixCache:
             divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
+
+    def probe(self, request: CacheRequest) -> Probe:
+        """What `match` would find for `request` now, as a dry run: no pin, no match entry, no recency change
+        (LRU order, stats and `check_integrity` are as before). `kv_len`: tokens of the prompt's full blocks
+        in the trie; `cached_len`: the step of the deepest usable checkpoint (what a hit would skip)."""
+        path = walk_prompt(self._trie, request, self.block_size)
+        ckpt = (find_deepest(self._trie, path, request, self.block_size, self.max_match_step(request))
+                if path and not request.skip_reading else None)
+        return Probe(kv_len=max(len(path) - 1, 0) * self.block_size, cached_len=0 if ckpt is None else ckpt.step)
+
+    def enable_events(self, capacity: int = 65536) -> CacheEventLog:
+        """Start telling what the trie and the checkpoints store and drop into a new bounded log (events.py),
+        and return it. Events start now: a reader first takes `snapshot_events` (same thread as the cache)."""
+        self._life.events = CacheEventLog(capacity)
+        return self._life.events
+
+    @property
+    def events(self) -> CacheEventLog | None:
+        return self._life.events
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """Everything the cache holds now as stored events, parents before children: replaying them into an
+        empty index gives what the events since would have built from the start."""
+        events = []
+        for node in self._trie.iter_nodes():
+            if not node.is_root:
+                events.append(CacheEvent(EventKind.BLOCK_STORED, block_hash=node.hash, parent_hash=node.parent.hash,
+                                         depth=node.depth, adapter=node.adapter))
+            events.extend(checkpoint_event(EventKind.CHECKPOINT_STORED, c) for c in node.iter_checkpoints())
+        return events
 
     def max_match_step(self, request: CacheRequest) -> int:
         """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
@@ -131,11 +179,24 @@ class PrefixCache:
         life = self._life
         cached_len = match.cached_len
         partial = cached_len % self.block_size != 0
-        num_shared = len(match.block_ids)
+        num_shared = cached_len // self.block_size
         num_blocks = max(-(-num_tokens // self.block_size), num_shared + partial)
-        if not life.make_room(num_blocks - num_shared, 1):
+        from_host = ckpt is not None and ckpt.on_host
+        if from_host and not life.can_promote(ckpt):
+            return None
+        if not life.make_room(num_blocks - num_shared + (life.promote_need(ckpt) if from_host else 0), 1):
             return None
         del self._matches[match.match_id]
+        if match.match_id in self._skips:
+            self._skips.discard(match.match_id)
+            self._stats.num_promotions_skipped += 1
+        if from_host:
+            life.promote(ckpt, life.tick())
+        self._unhold(match.match_id)  # the pinned checkpoint is on the device now and protects its chain
+        if from_host:
+            self._rehome_holds()
+            self._stats.num_host_hits += 1
+            self._stats.num_host_hit_tokens += cached_len
         seq = RunningSeq(request=request, slot=life.take_slot(RunningSeq.slot_owner_of(request.request_id)))
         now = life.tick()
         self._stats.num_queries += 1
@@ -143,7 +204,7 @@ class PrefixCache:
         if ckpt is not None:
             seq.nodes = _path_to(ckpt.anchor)
             seq.block_ids = [n.block_id for n in seq.nodes]
-            if tuple(seq.block_ids) != match.block_ids:
+            if tuple(seq.block_ids[:len(match.block_ids)]) != match.block_ids:
                 raise AssertionError(f"match {match.match_id} blocks changed while pinned")
             life.share_path(seq.nodes, ckpt, now)
             if partial:
@@ -176,8 +237,35 @@ class PrefixCache:
         entry = self._matches.pop(match.match_id, None)
         if entry is None:
             raise ValueError(f"match {match.match_id} was already admitted or released")
+        self._skips.discard(match.match_id)
+        self._unhold(match.match_id)
         if entry[1] is not None:
             self._life.unpin(entry[1])
+
+    # ---- host-tier holds ---------------------------------------------------------------------------------
+
+    def _hold(self, match_id: int, frontier: Node) -> None:
+        """A match pinned a host checkpoint below `frontier`: hold the frontier's block (a root has none)."""
+        if not frontier.is_root:
+            self._life.blocks.incref(frontier.block_id)
+            self._host_holds[match_id] = frontier
+
+    def _unhold(self, match_id: int) -> None:
+        frontier = self._host_holds.pop(match_id, None)
+        if frontier is not None:
+            self._life.blocks.decref(frontier.block_id)
+
+    def _rehome_holds(self) -> None:
+        """A promotion or a device insert turned host nodes into device nodes: every pending host hit holds the
+        deepest device node above its checkpoint again (the old frontier is an ancestor of the new one)."""
+        host = self._life.host
+        for match_id in list(self._host_holds):
+            ckpt = self._matches[match_id][1]
+            frontier = host.chain(ckpt)[0] if ckpt.on_host else None  # None: another match's admission promoted it
+            if frontier is not self._host_holds[match_id]:
+                self._unhold(match_id)
+                if frontier is not None:
+                    self._hold(match_id, frontier)
 
     # ---- per step ----------------------------------------------------------------------------------------
 
@@ -291,8 +379,14 @@ class PrefixCache:
         h.update(repr(request.spans_in(0, step)).encode())
         return (request.adapter, step, h.intdigest())
 
-    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
+    def commit_step(
+        self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int] | None = None,
+    ) -> CopyPlan:
         """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
+        `drafts` (speculative decoding) maps a decoding sequence to how many of its fed tokens, at the end, are
+        drafts (1 .. `num_speculative_tokens`): they are not its tokens yet (no block fills with them, nothing is
+        saved at them; their KV lands in its private blocks) until `accept_drafts` keeps a prefix of them, which
+        must come before the next `commit_step`.
 
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
@@ -306,19 +400,24 @@ class PrefixCache:
         copies, on one stream, before its next cache call: that ordering is what makes freeing a deduplicated
         block and dropping the pins safe here (any later writer of those ids is queued after).
         """
-        self._check_fed(fed)
+        drafts = drafts or {}
+        self._check_fed(fed, drafts)
         builder = PlanBuilder(paged_states=self.config.paged)
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
+                kind = CopyKind.HOST_FINISH if ckpt.on_host else CopyKind.STATE_FINISH  # demoted since: to the host
                 for chunk, page in self._state_pairs(slot, ckpt):
-                    builder.add(CopyKind.STATE_FINISH, chunk, page)
+                    builder.add(kind, chunk, page)
+            ckpt.unwritten = False  # written before anything later in this plan reads its pages
         self._finish_saves = []
         for seq in self._seqs.values():
             for kind, src, dst in seq.restore_copies:
                 builder.add(kind, src, dst)
         for rid, tokens in fed.items():
             seq = self._seqs[rid]
-            seq.token_ids.extend(tokens)
+            num_drafts = drafts.get(rid, 0)
+            seq.token_ids.extend(tokens[:len(tokens) - num_drafts])
+            seq.num_drafts = num_drafts
             self._insert_full_blocks(seq)
         published: list[Checkpoint] = []
         for seq in self._seqs.values():
@@ -330,13 +429,33 @@ class PrefixCache:
             self._drop_restore(seq)
         for ckpt in published:
             self._life.unpin(ckpt)
+        if self._life.host is not None:  # demotions and promotions since the last plan, saves first
+            saves, loads = self._life.host.end_step()
+            for device_block, host_block in saves:
+                builder.add(CopyKind.HOST_SAVE, device_block, host_block)
+            for host_block, device_block in loads:
+                builder.add(CopyKind.HOST_LOAD, host_block, device_block)
         return builder.build()
 
-    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]]) -> None:
+    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int]) -> None:
         """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
         they equal its prompt where they overlap it, a `PENDING_TOKEN` is only the last token of a decoding
-        sequence that saves nothing, and every reserved save is at the end of its chunk."""
+        sequence that saves nothing, every reserved save is at the end of its chunk, no sequence has drafts
+        still to be judged, and drafts are fed only by decoding sequences that save nothing and feed a token
+        before them."""
         size = self.block_size
+        unjudged = [rid for rid, seq in self._seqs.items() if seq.num_drafts]
+        if unjudged:
+            raise ValueError(f"{unjudged!r} have drafts not judged yet (accept_drafts comes before the next step)")
+        for rid, num_drafts in drafts.items():
+            tokens = fed.get(rid)
+            seq = self._seq(rid)
+            if tokens is None or not 0 < num_drafts < len(tokens) or num_drafts > self.config.num_speculative_tokens:
+                raise ValueError(f"{rid!r}: {num_drafts} drafts in {0 if tokens is None else len(tokens)} fed tokens "
+                                 f"(at most num_speculative_tokens = {self.config.num_speculative_tokens}, after "
+                                 "at least one token)")
+            if seq.num_computed < seq.request.prompt_len or seq.saves or PENDING_TOKEN in tokens:
+                raise ValueError(f"{rid!r} feeds drafts but is not a decoding sequence that saves nothing")
         for rid, tokens in fed.items():
             seq = self._seq(rid)
             new_len = seq.num_computed + len(tokens)
@@ -379,6 +498,8 @@ class PrefixCache:
             seq.nodes.append(node)
             parent = node
         self._life.leaf_changed(seq.nodes[-1])  # every node inserted above but the last has a child now
+        if self._host_holds:  # an insert may have absorbed a host node on a pending host hit's chain
+            self._rehome_holds()
 
     def fill_pending(self, request_id: Hashable, position: int, token: int) -> None:
         """Async scheduling: the token a sequence fed as `PENDING_TOKEN` at `position` is `token`. A block it
@@ -394,6 +515,33 @@ class PrefixCache:
         seq.token_ids[position] = token
         if (position + 1) % self.block_size == 0:  # it completed a block (held back at commit_step)
             self._insert_full_blocks(seq)
+
+    def accept_drafts(self, accepted: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
+        """Speculative decoding: the drafts of the step just run are judged. `accepted` maps every sequence that
+        fed drafts (and is still running) to the prefix of them it keeps, 0 .. n of its n drafts, in one call per
+        step: they join its tokens (blocks they fill join the trie, deduplicated as in `commit_step`); the others
+        are dropped (their KV stays in its private blocks, overwritten when those positions are fed again).
+        Returns the `STATE_ROLLBACK` copies that make each slot hold the state after its last kept token (a
+        sequence that keeps a < n drafts: its draft state a; keeping all n: nothing to copy), to run after the
+        verify forward and before anything reads the slots. Raises ValueError, changing nothing, when a
+        sequence has no drafts to judge, is missing, or keeps more than it fed."""
+        pending = {rid for rid, seq in self._seqs.items() if seq.num_drafts}
+        if set(accepted) != pending:
+            raise ValueError(f"accept_drafts got {sorted(map(repr, accepted))}; sequences with drafts to judge: "
+                             f"{sorted(map(repr, pending))}")
+        for rid, tokens in accepted.items():
+            if len(tokens) > self._seqs[rid].num_drafts or any(t < 0 for t in tokens):
+                raise ValueError(f"{rid!r} keeps {list(tokens)} of {self._seqs[rid].num_drafts} drafts")
+        builder = PlanBuilder(paged_states=self.config.paged)
+        k = self.config.num_speculative_tokens
+        for rid, tokens in accepted.items():
+            seq = self._seqs[rid]
+            if len(tokens) < seq.num_drafts:
+                builder.add(CopyKind.STATE_ROLLBACK, seq.slot * k + len(tokens), seq.slot)
+            seq.num_drafts = 0
+            seq.token_ids.extend(tokens)
+            self._insert_full_blocks(seq)
+        return builder.build()
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
@@ -434,7 +582,7 @@ class PrefixCache:
         Returns whether a checkpoint was published (False: declined or identical one already cached)."""
         seq = self._seq(request_id)
         if seq.has_pending_work:
-            raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves")
+            raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves, or drafts not judged")
         if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
             raise ValueError(f"finish of {request_id!r} before its pending token is filled in (fill_pending)")
         return self._retire(seq, SaveReason.FINISH, routed_experts, keep=True)
@@ -457,6 +605,7 @@ class PrefixCache:
         self._retire(seq, SaveReason.PREEMPT, None, keep=False)
 
     def _cancel_pending(self, seq: RunningSeq) -> None:
+        seq.num_drafts = 0  # its draft KV lies in its private blocks, dropped with them
         for ckpt in seq.saves:
             self._life.cancel(ckpt)
         seq.saves = []
@@ -512,6 +661,7 @@ class PrefixCache:
                     self._shadow_source(seq)
                     if self.config.paged:
                         self._finish_saves.append((ckpt, seq.slot))
+                        ckpt.unwritten = True
         if ckpt is None or self.config.paged:
             life.free_slot(seq.slot)
         life.drop_blocks(blocks)
@@ -546,13 +696,16 @@ class PrefixCache:
 
     @property
     def stats(self) -> CacheStats:
+        host = self._life.host
         return self._stats.snapshot(
             **self._life.usage(), num_nodes=self._trie.num_nodes, num_running=len(self._seqs),
+            num_host_dropped=0 if host is None else host.num_dropped,
         )
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
-        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()])
+        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()],
+                        list(self._host_holds.values()))
 
 
 def _path_to(anchor: Node) -> list[Node]:

@@ -28,6 +28,7 @@ and always under tensor parallelism (the workers do not see the sampled tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -42,21 +43,25 @@ from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.executor import make_executor
+from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
+from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
-from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.models.builtin import ensure_builtin_model, model_display_name
+from hybridcache.models.quant import describe_weights
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
-from hybridcache.scheduler.sequence import Seq
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
@@ -91,6 +96,7 @@ class _Launched:
     prepared: bool = False
     pending: dict[int, int] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)
+    verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
 
 
 def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]:
@@ -102,12 +108,13 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
 
 
 def _make_scheduler(
-    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel
+    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel, host_blocks: int = 0,
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by and which
-    sets the shortest branch point worth its state (`CacheConfig.min_branch_point_step`)."""
+    states, `host_blocks` the host tier's blocks behind them; `cost`: the model's cost model (`engine_cost_model`),
+    which FLOP-aware eviction ranks by, promotions from the host tier are weighed with, and which sets the shortest
+    branch point worth its state (`CacheConfig.min_branch_point_step`)."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -116,10 +123,12 @@ def _make_scheduler(
         num_blocks=num_blocks,
         num_slots=num_slots,
         state_pages=state_pages,
+        host_blocks=host_blocks if policy else 0,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
         min_branch_point_step=cost.state_tokens,
+        num_speculative_tokens=_speculative_tokens(config),
     )
     return Scheduler(
         PrefixCache(cache_config, cost),
@@ -127,8 +136,14 @@ def _make_scheduler(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
+        num_speculative_tokens=_speculative_tokens(config),
         debug=os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0"),
     )
+
+
+def _speculative_tokens(config: EngineConfig) -> int:
+    """k of the speculative config, 0 when speculative decoding is off."""
+    return config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
 
 
 class LLMEngine:
@@ -148,7 +163,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
             )
-        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        # a sequence also needs blocks for 2k positions past its end with speculative decoding (scheduler.py)
+        blocks_per_seq = -(-(self.max_model_len + 2 * _speculative_tokens(config)) // config.block_size)
         if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading
             raise ValueError(
                 f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "
@@ -165,19 +181,31 @@ class LLMEngine:
         self.memory_plan = plan
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
+        self.drafter = None if config.speculative_config is None else MtpDrafter(
+            self.runner, num_speculative_tokens=_speculative_tokens(config), block_size=config.block_size,
+            kernel_block_size=config.kernel_block_size, max_model_len=self.max_model_len)
+        if self.drafter is not None:
+            self.async_scheduling = False  # (refused by EngineConfig when asked for explicitly)
         self.num_blocks = plan.num_blocks
+        self.weight_format = describe_weights(self.model_path, config)
+        self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype
         _logger.info(
-            "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
-            "kernels %s, cuda graphs %s, async scheduling %s",
-            self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
-            self.device, self.max_model_len,
+            "hybridcache: model %s (%s), dtype %s, state dtype %s, weights %s, kv cache %s, device %s, "
+            "max_model_len %d, cache mode %s, %s, kernels %s, cuda graphs %s, async scheduling %s",
+            model_display_name(self.model_path), self.model_config.architecture, config.dtype,
+            config.mamba_ssm_cache_dtype, self.weight_format, self.kv_cache_dtype, self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
+        cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
+                                 ssm_dtype=config.mamba_ssm_cache_dtype)
+        self.num_host_blocks = self._attach_host_tier(plan) if config.enable_prefix_caching else 0
+        if self.num_host_blocks:
+            bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
+            cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
-            cost=engine_cost_model(self.model_config, plan, block_size=config.block_size,
-                                   ssm_dtype=config.mamba_ssm_cache_dtype),
+            cost=cost, host_blocks=self.num_host_blocks,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
@@ -213,6 +241,11 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.drafter is not None:
+            refused = [what for what, on in (("structured output", params.guided is not None),
+                                             ("penalties", params.penalized)) if on]
+            if refused:
+                raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
@@ -275,6 +308,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_started(self, request_id: str) -> bool:
+        """Whether the scheduler has given any completion of the request a step (its prompt began computing);
+        False for an unknown or finished request."""
+        request = self._requests.get(request_id)
+        return request is not None and any(seq.status is not SeqStatus.WAITING or seq.num_computed
+                                           for seq in request.seqs)
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -342,7 +382,7 @@ class LLMEngine:
         launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
-                chunk.seq.num_computed = chunk.end
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
         for seq in launched.sampled:
             if seq.is_finished:
                 continue
@@ -358,9 +398,10 @@ class LLMEngine:
         chunks = scheduled.chunks
         if chunks:
             wants_prompt = _prompt_logits_flags(chunks)
+            drafts = self.drafter.draft_slots(chunks) if self.drafter is not None else ()
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
                                         kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                        copies=scheduled.copies, prompt_logits=wants_prompt)
+                                        copies=scheduled.copies, prompt_logits=wants_prompt, draft_slots=drafts)
             if previous is not None and previous.pending:
                 self._feed_sampled(chunks, batch.input_ids, previous)
             logits = self.runner.execute(batch)
@@ -368,6 +409,8 @@ class LLMEngine:
                 self.output_processor.record_prompt_logprobs(self._requests, chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.device))
+        if self.drafter is not None:
+            return self._launched_verdicts(scheduled, logits if chunks else None)
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i].seq for i in rows]
         parts = []
@@ -382,6 +425,75 @@ class LLMEngine:
         if not parts:
             return _Launched(chunks, sampled, None)
         return _Launched(chunks, sampled, self._sample(parts[0] if len(parts) == 1 else torch.cat(parts), sampled))
+
+    def _launched_verdicts(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> _Launched:
+        """Speculative decoding (synchronous steps): judge the step's verify rows and samples now."""
+        only = [s.seq for s in scheduled.samples]
+        only_logits = None
+        if only:
+            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples], self.device))
+        chunks = scheduled.chunks
+        verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
+                         stop_token_ids=sorted(self.eos_token_ids))
+        return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts)
+
+    def _complete_verified(self, launched: _Launched) -> list[RequestOutput]:
+        """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
+        them, cut at the first that stops it. The kept drafts go to the scheduler and the cache in one call
+        (`Scheduler.accept_drafts`), whose rollback copies run at once; then the head drafts for the next step."""
+        launched.prepared = True
+        for chunk in launched.chunks:
+            if not chunk.seq.is_finished:
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
+        kept: dict[Seq, tuple[int, ...]] = {}
+        final: dict[Seq, tuple[int | None, str | None]] = {}
+        touched: dict[str, RequestState] = {}
+        for verdict in launched.verdicts:
+            seq = verdict.seq
+            if seq.is_finished or seq.request_id not in self._requests:
+                kept[seq] = ()
+                continue
+            self.drafter.stats.count(verdict)
+            seq.num_draft_tokens += verdict.num_drafts
+            seq.num_accepted_tokens += verdict.num_accepted
+            request = self._requests[seq.request_id]
+            emitted, reason = [], None
+            for j, token in enumerate(verdict.tokens):
+                emitted.append(token)
+                logprob = verdict.logprobs[j] if verdict.logprobs is not None else None
+                reason = self.output_processor.accept(request, seq, token, logprob, num_tokens=seq.num_tokens + j + 1)
+                if reason is not None:
+                    break
+            kept[seq] = tuple(emitted[: verdict.num_accepted])
+            last = emitted[-1] if len(emitted) > verdict.num_accepted else None
+            final[seq] = (last, reason)
+            touched[seq.request_id] = request
+            self.num_decode_tokens += len(emitted)
+        for chunk in launched.chunks:
+            if chunk.start < chunk.seq.prompt_len or chunk.num_tokens - chunk.num_drafts > 1:  # prompt, or recompute
+                self.num_prefill_tokens += chunk.num_tokens
+        fed = [c.seq for c in launched.chunks if c.num_drafts]
+        rollback = self.scheduler.accept_drafts({seq: kept.get(seq, ()) for seq in fed})
+        if not rollback.is_empty:
+            self.runner.execute_copies(device_copies(rollback, self.device))
+        for seq, (last, _) in final.items():
+            if last is not None:
+                seq.token_ids.append(last)
+        for seq, (_, reason) in final.items():
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+        drafting = [s for s in final if not s.is_finished]
+        if launched.chunks:
+            self.drafter.propose(launched.chunks, drafting)
+        outputs = []
+        for request_id, request in touched.items():
+            finished = request.finished
+            if finished or not request.final_only:
+                outputs.append(self.output_processor.output(request))
+            if finished:
+                del self._requests[request_id]
+        return outputs
 
     def _sample(self, logits: torch.Tensor, sampled: list[Seq]) -> PendingSample:
         """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
@@ -409,6 +521,8 @@ class LLMEngine:
         its `PENDING_TOKEN` (the scheduler tells the cache), count the fed tokens, then check whether each sampled
         sequence stops. Sequences finished or aborted after the step was planned are skipped (their rows are
         ignored)."""
+        if launched.verdicts is not None:
+            return self._complete_verified(launched)
         if not launched.prepared:
             self._prepare(launched)
         out = launched.sample.result() if launched.sample is not None else None
@@ -452,16 +566,35 @@ class LLMEngine:
         """Drop everything the prefix cache holds that no running sequence uses."""
         self.scheduler.clear_cache()
 
+    def _attach_host_tier(self, plan: MemoryPlan) -> int:
+        """The host tier's blocks (`host_cache_gib` over the pool's block bytes), given to the runner; 0 without one.
+        Not with tensor parallelism yet (each rank would hold its shard's host blocks)."""
+        num_blocks = int(self.config.host_cache_gib * (1 << 30) // plan.block_bytes)
+        if num_blocks <= 0:
+            return 0
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("host_cache_gib (a host tier) is not supported with tensor parallelism yet")
+        self.runner.attach_host_pool(num_blocks)
+        _logger.info("hybridcache: host tier of %d blocks (%.3g GiB)", num_blocks,
+                     num_blocks * plan.block_bytes / (1 << 30))
+        return num_blocks
+
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts, and for a model with a vision tower the images it encoded and those the
-        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`)."""
+        pool size and token counts, for a model with a vision tower the images it encoded and those the
+        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative decoding its
+        `SpecDecodeStats` (else None)."""
         vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
+            "block_bytes": self.memory_plan.block_bytes,
+            "num_host_blocks": self.num_host_blocks,
+            "weights": self.weight_format,
+            "kv_cache_dtype": self.kv_cache_dtype,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             **vision,
+            "spec_decode": self.drafter.stats if self.drafter is not None else None,
         }

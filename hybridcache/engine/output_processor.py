@@ -82,22 +82,28 @@ class OutputProcessor:
         """The grammar bitmask of the rows to sample (row i: `rows[i]`'s completion); None when none is guided."""
         return fill_bitmask([state.matchers[seq.index] for state, seq in rows], vocab_size)
 
-    def accept(self, state: RequestState, seq: Seq, token: int, logprob: TokenLogprob | None) -> str | None:
-        """Process `seq`'s sampled `token` (already in `seq.token_ids`); its finish reason, or None."""
+    def accept(self, state: RequestState, seq: Seq, token: int, logprob: TokenLogprob | None,
+               num_tokens: int | None = None) -> str | None:
+        """Process `seq`'s sampled `token`; its finish reason, or None. `num_tokens`: the sequence's length with
+        `token` (default: its length now, `token` already in `seq.token_ids`; speculative steps pass the length
+        each accepted token brings, before they are appended)."""
         if logprob is not None:
             state.logprobs[seq.index].append(logprob)
         matcher = state.matchers[seq.index]
         if matcher is not None and not matcher.is_terminated():
             matcher.accept_token(token)
-        return self._finish_reason(seq, token, state.texts[seq.index])
+        return self._finish_reason(seq, token, state.texts[seq.index],
+                                   seq.num_tokens if num_tokens is None else num_tokens)
 
-    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer) -> str | None:
-        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
+    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer,
+                       num_tokens: int) -> str | None:
+        """Why `seq` stops after sampling `token` (which makes it `num_tokens` long), or None. A stop token is not
+        decoded into the text."""
         if self._is_stop_token(seq, token):
             return "stop"
         if text.add(token):
             return "stop"
-        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.prompt_len >= seq.params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -129,11 +135,12 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def output(self, state: RequestState) -> RequestOutput:
-        """The request's output so far: each completion's text, token ids, finish reason, cached tokens and
-        logprobs (when asked for), and the prompt logprobs."""
+        """The request's output so far: each completion's text, token ids, finish reason, cached tokens,
+        logprobs (when asked for) and speculative draft counts, and the prompt logprobs."""
         completions = [
             CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
-                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None,
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
             for seq, text, logprobs in zip(state.seqs, state.texts, state.logprobs)
         ]
         first = state.seqs[0]

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
+from hybridcache.engine.host_pool import HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
@@ -145,25 +146,35 @@ class ModelRunner:
         max_model_len: int = 1,
         cuda_graphs: bool = False,
         memory_plan: MemoryPlan | None = None,
+        num_speculative_tokens: int = 0,
+        mtp_head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.memory_plan = memory_plan
+        self.mtp_head = mtp_head
+        self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
+        self.num_speculative_tokens = k = num_speculative_tokens
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
         supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
         use_graphs = cuda_graphs and supports is not None and supports(dtype)
         extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
+        # speculative decoding: k draft state rows per runtime slot after the runtime slots (and the scratch one),
+        # and the MTP head's KV as more attention layers after the target's
+        self.draft_base = num_slots + extra
+        head_specs = mtp_head.state_specs(dtype) if mtp_head is not None else ()
         self.pools = DevicePools.allocate(
-            model.state_specs(dtype, state_dtype),
+            (*model.state_specs(dtype, state_dtype), *head_specs),
             num_pages=(num_blocks + extra) * self.pages_per_block,
             kernel_block_size=kernel_block_size,
-            num_slots=num_slots + extra,
+            num_slots=num_slots + extra + num_slots * k,
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
         self.paged_states = PagedStates(self.pools, pages_per_block=self.pages_per_block,
                                         num_blocks=num_blocks + extra, k=state_pages)
+        self.host_pool: HostPool | None = None  # the host tier's blocks (`attach_host_pool`)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
             self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
@@ -176,6 +187,12 @@ class ModelRunner:
                 kernel_block_size=kernel_block_size, device=device,
             )
             self._capture()
+
+    def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
+        """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
+        position j is draft state `slot * k + j`, `hybridcache.cache.plan`)."""
+        first = self.draft_base + slot * self.num_speculative_tokens
+        return tuple(range(first, first + num_drafts))
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
@@ -221,8 +238,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
-        """A step with no forward (only zero-prefill samples): its copy ops, BEFORE_FORWARD ones first."""
-        for phase in (Phase.BEFORE_FORWARD, Phase.AFTER_FORWARD):
+        """Copies without a forward, by phase (a step of only zero-prefill samples: BEFORE_FORWARD ones first;
+        a verify step's rollbacks: AFTER_VERIFY)."""
+        for phase in Phase:
             for op in copies:
                 if op.kind.phase is phase:
                     self._copy(op)
@@ -240,6 +258,10 @@ class ModelRunner:
         replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
         size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
         if size is None:
+            if self.mtp_head is not None:  # the head reads the step's hidden states (engine.speculative)
+                logits, self.step_hidden = self.model.forward_with_hidden(
+                    self.backend.prepare(batch), self.pools, self.backend)
+                return logits
             return self.model(self.backend.prepare(batch), self.pools, self.backend)
         graphs.load(batch, size)
         if not self._replay:
@@ -280,6 +302,11 @@ class ModelRunner:
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+
+    def attach_host_pool(self, num_blocks: int) -> None:
+        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; pinned on
+        CUDA)."""
+        self.host_pool = HostPool(self.paged_states, num_blocks, pin=self.device.type == "cuda")
 
     @torch.inference_mode()
     def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
@@ -323,14 +350,47 @@ def _restore_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
     runner.paged_states.restore(op.src_ids, op.dst_ids)
 
 
+def _host_pool(runner: ModelRunner, op: DeviceCopyOp) -> HostPool:
+    if runner.host_pool is None:
+        raise ValueError(f"{op.kind!r} needs the host tier's pool, and this runner has none (attach_host_pool)")
+    return runner.host_pool
+
+
+def _host_save(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Device blocks -> host blocks (a demotion)."""
+    _host_pool(runner, op).save(op.src_ids, op.host_ids)
+
+
+def _host_finish(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Runtime chunks -> host blocks (a finish checkpoint demoted before its STATE_FINISH ran)."""
+    _host_pool(runner, op).finish(op.src_ids, op.host_ids)
+
+
+def _host_load(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Host blocks -> device blocks (a promotion)."""
+    _host_pool(runner, op).load(op.host_ids, op.dst_ids)
+
+
+def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Draft states (`slot * k + j`, rows `draft_base + id` of every state group) -> runtime slots, whole rows
+    (speculative decoding: the state after a verify row's last accepted position)."""
+    rows = op.src_ids + runner.draft_base
+    for group in runner.pools.state_groups:
+        group.index_copy_(1, op.dst_ids, group.index_select(1, rows))
+
+
 # How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's
 # device <-> pinned host copies) is a `CopyKind` member in `hybridcache.copy_kinds` and one entry here.
 COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
+    CopyKind.HOST_FINISH: _host_finish,
+    CopyKind.HOST_SAVE: _host_save,
+    CopyKind.HOST_LOAD: _host_load,
     CopyKind.STATE_FINISH: _save_state,
     CopyKind.KV_RESTORE: _copy_kv,
     CopyKind.STATE_RESTORE: _restore_state,
     CopyKind.KV_SAVE: _copy_kv,
     CopyKind.STATE_SAVE: _save_state,
+    CopyKind.STATE_ROLLBACK: _rollback_state,
 }
 
 

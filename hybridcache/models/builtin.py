@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_NAME = "hybridcache-builtin-qwen3.5-tiny"
-BUILTIN_VERSION = 2  # 2: the chat template renders tools and thinking
+BUILTIN_VERSION = 3  # 2: the chat template renders tools and thinking; 3: a random MTP head
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # ChatML with tools and thinking in the shapes Qwen3's template renders (<tools>, <tool_call>, <tool_response>,
 # <think>), so tool-calling and reasoning tests exercise the real formats. Unlike Qwen3's, every earlier turn keeps
@@ -104,6 +104,12 @@ def builtin_model_dir() -> Path:
     return home / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
 
 
+def model_display_name(model_dir: Path) -> str:
+    """How logs name a model folder: the built-in model by its served name (its folder adds a version), any
+    other by the folder's name."""
+    return BUILTIN_NAME if Path(model_dir) == builtin_model_dir() else Path(model_dir).name
+
+
 def ensure_builtin_model(seed: int = 0) -> Path:
     """Create the built-in model folder if it does not exist yet (atomically) and return its path."""
     target = builtin_model_dir()
@@ -128,6 +134,7 @@ def write_builtin_model(path: Path, seed: int = 0) -> None:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    from hybridcache.models.mtp import write_random_mtp
     from hybridcache.models.random_weights import randomize_
 
     tokenizer = build_byte_tokenizer()
@@ -143,6 +150,7 @@ def write_builtin_model(path: Path, seed: int = 0) -> None:
     model = Qwen3_5ForCausalLM(config).eval()
     randomize_(model, seed=seed)
     model.save_pretrained(path)
+    write_random_mtp(path, seed=seed)
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

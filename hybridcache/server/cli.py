@@ -19,9 +19,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
+    from hybridcache.server.vllm_flags import add_vllm_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
-                                  description="Serve one model over an OpenAI-compatible HTTP API.")
+                                  description="Serve one model over an OpenAI-compatible HTTP API.",
+                                  allow_abbrev=False)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -52,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_media_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
+    add_vllm_args(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -90,10 +93,14 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
         reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
+        force_include_usage=args.enable_force_include_usage,
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridcache.extras import require_extra
+
+    require_extra("serve", "hybridcache serve")
     import uvicorn
 
     from hybridcache.engine.engine import LLMEngine
@@ -105,9 +112,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
+    from hybridcache.server.vllm_flags import chat_template, check_vllm_args, uvicorn_options
     from hybridcache.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_vllm_args(args)
+    template = chat_template(args)  # a missing file fails before the model loads
     options = engine_options(args)
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
@@ -124,12 +134,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
                              else args.log_stats_interval)
     metrics.watch_engine(lambda: engine_loop.state)
-    model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
-                        sampling_defaults=defaults, image_processor=engine.image_processor, media_limits=limits)
+    tokenizer = Tokenizer(engine.model_path)
+    if template is not None:
+        tokenizer.chat_template = template
+    model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
+                        image_processor=engine.image_processor, media_limits=limits)
     app = build_app(engine_loop, model, config, metrics)
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on",
+        app, host=config.host, port=config.port, access_log=args.enable_access_log,
+        timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on", **uvicorn_options(args),
     ))
     server.run()
     return 0

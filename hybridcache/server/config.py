@@ -24,7 +24,8 @@ class ServerConfig:
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
     `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
-    request's own `chat_template_kwargs` override them.
+    request's own `chat_template_kwargs` override them. force_include_usage: every stream ends with a usage
+    chunk, as if it had asked with `stream_options.include_usage` (vLLM's `--enable-force-include-usage`).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +40,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    force_include_usage: bool = False
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

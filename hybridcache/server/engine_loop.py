@@ -5,6 +5,7 @@
     await add(id, prompt, params)  --- _Add ----->   engine.add_request (errors go back to the caller)
     abort(id)                      --- _Abort --->   engine.abort, metrics
     await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
+    await call(fn)                 --- _Call ---->   fn(engine) between steps (reads of the prefix cache)
                                                      while requests are unfinished: engine.step()
     per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(queue.put_nowait, output)
 
@@ -30,10 +31,11 @@ from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
-from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
 logger = logging.getLogger("hybridcache.server")
+RUNNING_BLOCKS_INTERVAL_S = 0.25
 
 
 class EngineFailure(Exception):
@@ -66,6 +68,12 @@ class _Check:
 
 
 @dataclass
+class _Call:
+    fn: Any
+    done: asyncio.Future
+
+
+@dataclass
 class _Stop:
     pass
 
@@ -77,6 +85,8 @@ class _Stream:
     sink: asyncio.Queue
     arrival: float
     num_tokens: int = 0
+    started: float | None = None  # the start of the first step that computed it
+    first_token_time: float | None = None
     last_token_time: float | None = None
     last_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -95,6 +105,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state: EngineState = read_engine_state(engine)
+        self._running_blocks_at = time.monotonic()  # engine thread only: when num_blocks_running was counted
         self.healthy = True
         self.last_error: str | None = None
 
@@ -138,6 +149,20 @@ class EngineLoop:
         self._commands.put(_Check(clear_cache, done))
         return await done
 
+    async def call(self, fn: Any) -> Any:
+        """`fn(engine)` on the engine thread between two steps (nothing else touches the engine meanwhile); its
+        result, or its exception raised here."""
+        if not self.running:
+            raise EngineFailure("the engine is not running")
+        done = self._loop.create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
+
+    @property
+    def engine(self) -> Any:
+        """The engine; only for setup before `start` (afterwards, reach it through `call`)."""
+        return self._engine
+
     # ---------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self._engine
@@ -158,12 +183,14 @@ class EngineLoop:
                     return
                 self._handle(command)
             if engine.has_unfinished_requests():
+                step_start = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as error:  # noqa: BLE001 - a failing request must not end the server
                     logger.exception("engine step failed; aborting the running requests")
                     self._abort_all(error)
                 else:
+                    self._mark_started(step_start)
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
@@ -182,8 +209,16 @@ class EngineLoop:
         for command in adds:
             command.mm_inputs = tuple(next(encoded) for _ in command.mm_inputs)
 
-    def _handle(self, command: _Add | _Abort | _Check) -> None:
+    def _handle(self, command: _Add | _Abort | _Check | _Call) -> None:
         engine = self._engine
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(engine)
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                self._resolve(command.done, error=error)
+            else:
+                self._resolve(command.done, result)
+            return
         if isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, command.prompt, command.params, command.mm_inputs)
@@ -213,6 +248,15 @@ class EngineLoop:
             self.state = state
             self._resolve(command.done, state)
 
+    def _mark_started(self, step_start: float) -> None:
+        """Note the step that first computed each request (its queue time ends where that step began)."""
+        has_started = getattr(self._engine, "has_started", None)
+        if has_started is None:
+            return
+        for request_id, stream in self._streams.items():
+            if stream.started is None and has_started(request_id):
+                stream.started = step_start
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for output in outputs:
@@ -230,6 +274,8 @@ class EngineLoop:
                 self._generated += num_tokens - stream.num_tokens
                 stream.num_tokens = num_tokens
                 stream.last_token_time = now
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
@@ -271,11 +317,23 @@ class EngineLoop:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
-                                       time.perf_counter() - stream.arrival)
+                                       time.perf_counter() - stream.arrival,
+                                       [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
+                                       _phases(stream))
 
     def _publish_state(self) -> None:
+        # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
+        # RUNNING_BLOCKS_INTERVAL_S while sequences run (a walk over every running sequence's blocks), and at once
+        # when none ran at the last count (so an idle server reports 0, and a busy one at once more).
+        now = time.monotonic()
+        reuse = None
+        if (self._engine.has_unfinished_requests() and self.state.num_running > 0
+                and now - self._running_blocks_at < RUNNING_BLOCKS_INTERVAL_S):
+            reuse = self.state.num_blocks_running
+        else:
+            self._running_blocks_at = now
         try:
-            self.state = read_engine_state(self._engine)
+            self.state = read_engine_state(self._engine, reuse)
         except Exception:  # noqa: BLE001 - metrics must not end the loop
             logger.exception("reading the engine state failed")
 
@@ -309,3 +367,13 @@ class EngineLoop:
                 future.set_result(value)
 
         self._call_soon(settle)
+
+
+def _phases(stream: _Stream) -> RequestPhases:
+    """A finished request's queue, prefill and decode times (None for a phase it did not reach)."""
+    first, last, started = stream.first_token_time, stream.last_token_time, stream.started
+    return RequestPhases(
+        queue_s=None if started is None else max(started - stream.arrival, 0.0),
+        prefill_s=None if started is None or first is None else max(first - started, 0.0),
+        decode_s=None if first is None or last is None else last - first,
+    )

@@ -127,6 +127,7 @@ def test_models_and_health(client, server):
     health = httpx.get(f"{server.base_url}/health").json()
     assert health["status"] == "ok"
     assert health["engine"]["num_blocks"] == 2048
+    assert health["engine"]["weights"] == "dense" and health["engine"]["kv_cache_dtype"] == "float32"
 
 
 def test_metrics_hit_tokens_move_by_exactly_the_reported_cached_tokens(client, server):
