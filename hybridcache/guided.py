@@ -92,8 +92,22 @@ class GrammarCache:
             compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
         except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
             raise ValueError(f"invalid {spec.kind.value} constraint: {error}") from None
+        if not _can_start(xgr, compiled, self.vocab_size):
+            raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
+                             "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
         self._compiled[spec] = compiled
         return compiled
+
+
+def _can_start(xgr: Any, compiled: Any, vocab_size: int) -> bool:
+    """Whether a fresh matcher of `compiled` allows some token (or accepts the empty output): a grammar whose
+    start allows nothing would leave every logit masked, and the sampler would emit token 0 forever."""
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 def _grammar(xgr: Any, spec: GuidedSpec) -> Any:

@@ -231,6 +231,7 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_token_ids(self.model_config.vocab_size)
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)

@@ -18,6 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
+    from hybridcache.server.limits import add_limit_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
                                   description="Serve one model over an OpenAI-compatible HTTP API.")
@@ -44,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
                             "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
     add_generation_config_arg(serve)
+    add_limit_args(serve)
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
     serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
@@ -65,8 +67,15 @@ def _json_object(text: str) -> dict:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None (an empty value counts as unset)."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None. An empty value counts as unset, with a warning when no
+    key is left: an empty key given on purpose would otherwise turn authentication off without a word."""
+    given = (("--api-key", args.api_key), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)))
+    key = next((value for _, value in given if value and value.strip()), None)
+    empty = [name for name, value in given if value is not None and not value.strip()]
+    if key is None and empty:
+        logging.getLogger("hybridcache.server").warning(
+            "%s is empty: the server runs WITHOUT an API key (anyone who can connect may use it)", empty[0])
+    return key
 
 
 def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
@@ -81,6 +90,7 @@ def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str
 def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerConfig:
     """The `ServerConfig` the parsed `serve` options describe (`names`: the served model names, reported first)."""
     from hybridcache.server.config import ServerConfig
+    from hybridcache.server.limits import limits_from_args
 
     return ServerConfig(
         host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
@@ -88,6 +98,7 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
         reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
+        limits=limits_from_args(args),
     )
 
 
@@ -98,7 +109,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
     from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
+    from hybridcache.server import log_limits
     from hybridcache.server.app import ServedModel, build_app
+    from hybridcache.server.connections import uvicorn_options
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
@@ -118,14 +131,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
-                             else args.log_stats_interval)
+                             else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
     model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
                         sampling_defaults=defaults)
     app = build_app(engine_loop, model, config, metrics)
+    limits = config.limits
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
         timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on",
+        **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s, limits.timeout_keep_alive_s),
     ))
+    log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridcache.server.limits import ServerLimits
 from hybridcache.server.reasoning import ReasoningParser
 
 
@@ -24,7 +25,8 @@ class ServerConfig:
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
     `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
-    request's own `chat_template_kwargs` override them.
+    request's own `chat_template_kwargs` override them. limits: what outside traffic may make the server hold
+    (connections, read time, sequences per request, waiting sequences, run time; `limits.ServerLimits`).
     """
 
     host: str = "127.0.0.1"
@@ -39,6 +41,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
