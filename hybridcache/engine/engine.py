@@ -207,6 +207,7 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
+        self._closed = False  # close() was called
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
 
@@ -339,7 +340,27 @@ class LLMEngine:
             self._failure = error
             raise
 
+    def close(self) -> None:
+        """Abort every request, shut the runner down (a tensor-parallel executor stops its workers and leaves its
+        process group, so that another tensor-parallel engine can start in this process) and let go of the
+        model and the pools. Idempotent; afterwards every step, request and check raises `EngineDeadError`."""
+        if self._closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._launched = None
+        self._closed = True
+        runner, self.runner = self.runner, None
+        shutdown = getattr(runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        del runner
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _raise_if_dead(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine is closed (close() was called): make a new one")
         if self._failure is not None:
             raise EngineDeadError(
                 f"the engine failed earlier and cannot continue: {type(self._failure).__name__}: {self._failure}"

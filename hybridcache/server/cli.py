@@ -6,12 +6,15 @@ import argparse
 import json
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from hybridcache.server.config import ServerConfig
 
 API_KEY_ENV = "HYBRIDCACHE_API_KEY"
+# Of the shutdown grace period, what the end takes after in-flight requests are cancelled (uvicorn's pauses, the
+# engine's last step and aborts), so that the process is gone within --shutdown-timeout of the signal.
+SHUTDOWN_RESERVE_S = 0.5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -139,9 +142,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = config.limits
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on",
+        timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
         **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s, limits.timeout_keep_alive_s),
     ))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()
-    return 0
+    engine_loop.stop()  # a no-op once the app's lifespan has stopped it
+    _exit_now(engine)
+
+
+def _exit_now(engine: Any) -> NoReturn:
+    """End the process once the server has shut down: stop the engine (tensor-parallel workers included), flush
+    the logs, and exit with status 0 without the interpreter's teardown, which takes seconds once torch is
+    loaded and would run past the shutdown grace period (`--shutdown-timeout`)."""
+    import sys
+
+    engine.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
