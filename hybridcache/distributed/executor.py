@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import shutil
+import sys
 import tempfile
 import time
 import weakref
@@ -103,7 +105,8 @@ class TensorParallelExecutor:
                 parent, child = context.Pipe()
                 process = context.Process(target=worker_main, args=(spec, rank, size, store_dir, child),
                                           name=f"hybridcache-tp-rank{rank}", daemon=True)
-                process.start()
+                with _unimportable_main_hidden():
+                    process.start()
                 child.close()
                 self._workers.append(_Worker(rank, process, parent))
             for worker in self._workers:
@@ -262,6 +265,24 @@ def _exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _unimportable_main_hidden() -> Iterator[None]:
+    """A spawned process first runs the parent's `__main__` again, from its `__file__`; a script read from stdin
+    has `__file__ == '<stdin>'`, which the worker cannot open (FileNotFoundError). The workers need nothing of
+    `__main__` (their target lives in `hybridcache.distributed.worker`), so such a file is hidden while they
+    start. A `__main__` run as a module (`python -m`) or from a real file is left as it is."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir: Path) -> None:

@@ -89,3 +89,20 @@ def test_closing_an_llm_stops_its_workers_so_the_next_one_can_start(model_dir):
         llm.generate("close me", params, use_tqdm=False)
     with LLM(model_dir, tensor_parallel_size=2, max_num_seqs=2, max_model_len=128) as again:
         assert again.generate("close me", params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_llm_starts_from_a_script_read_on_stdin(model_dir):
+    """Spawned workers re-run the parent's __main__ from its file: '<stdin>' used to kill them with
+    FileNotFoundError."""
+    script = (
+        "from hybridcache import LLM, SamplingParams\n"
+        f"with LLM({str(model_dir)!r}, tensor_parallel_size=2, max_num_seqs=2, max_model_len=128) as llm:\n"
+        "    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)\n"
+        "    out = llm.generate('stdin', params, use_tqdm=False)\n"
+        "print('tokens', len(out[0].outputs[0].token_ids), flush=True)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0 and "tokens 3" in done.stdout, done.stderr[-3000:]
