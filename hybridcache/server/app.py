@@ -192,6 +192,7 @@ class _Routes:
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
         self._check_model(body.model)
         body.check_n()
+        check_sequences(1, body.n, self.config.limits)
         messages = [m.as_template_input() for m in body.messages]
         tools = body.tool_dicts()
         template_kwargs = {**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}

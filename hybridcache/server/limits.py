@@ -14,12 +14,14 @@ guards is done, with an error that names the limit.
 from __future__ import annotations
 
 import argparse
+import logging
 import resource
 from dataclasses import dataclass
 from typing import Any
 
 from hybridcache.server.errors import APIError
 
+logger = logging.getLogger("hybridcache.server")
 RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 FD_RESERVE = 64  # file descriptors kept for the process itself (model files, logs, worker pipes)
 
@@ -59,11 +61,17 @@ class ServerLimits:
             raise ValueError(f"request_timeout_s must be > 0 (or None), got {self.request_timeout_s}")
 
     def connection_cap(self) -> int:
-        """`limit_concurrency`, or the default: the soft file-descriptor limit less `FD_RESERVE`, at most 1024."""
-        if self.limit_concurrency is not None:
-            return self.limit_concurrency
+        """`limit_concurrency`, or the default: the soft file-descriptor limit less `FD_RESERVE`, at most 1024.
+        Warns when a given limit leaves fewer than `FD_RESERVE` descriptors to the process."""
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(1, min(1024, soft - FD_RESERVE)) if soft != resource.RLIM_INFINITY else 1024
+        room = 1 << 30 if soft == resource.RLIM_INFINITY else soft - FD_RESERVE
+        if self.limit_concurrency is None:
+            return max(1, min(1024, room))
+        if self.limit_concurrency > room:
+            logger.warning("--limit-concurrency %d leaves fewer than %d of the %d file descriptors (ulimit -n) to "
+                           "the process: raise ulimit -n, or lower the limit", self.limit_concurrency, FD_RESERVE,
+                           soft)
+        return self.limit_concurrency
 
 
 class QueueFull(Exception):
@@ -80,15 +88,17 @@ def queue_full_error(message: str) -> APIError:
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:
-    """The most UTF-8 bytes of text one token of `tokenizer` stands for (its longest decoded token, special
-    tokens included), or None when the tokenizer does not say. A text of more than `max_model_len` times this
-    many bytes has at least `max_model_len` tokens, so it is refused without tokenizing it."""
+    """An upper bound on the UTF-8 bytes of text one token of `tokenizer` stands for: the longest vocabulary
+    entry (special tokens included) in UTF-8, or None when the tokenizer does not say. A vocabulary entry is
+    never shorter than the text it covers: byte-level BPE writes a byte as one character of one or two bytes,
+    SentencePiece writes a space as the 3-byte "▁", byte-fallback tokens are "<0xE4>". So a text of more than
+    `max_model_len` times this many bytes has at least `max_model_len` tokens and is refused without
+    tokenizing it (unless the tokenizer's normalizer deletes characters: such text is refused by its size).
+    """
     backend = getattr(tokenizer, "backend", None)
-    if backend is None or not hasattr(backend, "get_vocab_size"):
+    if backend is None or not hasattr(backend, "get_vocab"):
         return None
-    size = backend.get_vocab_size(with_added_tokens=True)
-    pieces = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
-    return max(1, *(len(piece.encode("utf-8", "replace")) for piece in pieces))
+    return max(1, *(len(piece.encode("utf-8")) for piece in backend.get_vocab(with_added_tokens=True)))
 
 
 def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, max_model_len: int,
