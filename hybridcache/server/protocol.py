@@ -26,7 +26,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128  # OpenAI's limit on choices per request
 
 
-
 def _not_a_bool(value: Any) -> Any:
     """JSON `true` is not the integer 1 (pydantic's lax mode would take it as one)."""
     if isinstance(value, bool):
