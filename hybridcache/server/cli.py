@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
                        help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+                       help="the process is gone this many seconds after SIGTERM: in-flight requests may run for "
+                            f"all but the last {SHUTDOWN_RESERVE_S} s of it, then they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],

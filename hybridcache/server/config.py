@@ -19,7 +19,8 @@ class ServerConfig:
     max_request_bytes: request bodies above this are refused with 413. enable_debug_endpoints: serve
     `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
     is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
-    (streams then end with an error event and `[DONE]`). max_request_tokens: the most tokens one request may
+    (streams then end with an error event and `[DONE]`; `hybridcache serve` gives them all but the last 0.5 s,
+    so that its process is gone within it). max_request_tokens: the most tokens one request may
     ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
