@@ -96,7 +96,7 @@ def test_oversized_prompts_are_refused_unread_while_health_answers(server):
         futures = [pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=big, timeout=60)
                    for _ in range(20)]
         while not all(f.done() for f in futures):
-            assert httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200
+            assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200  # it used to take 12-14 s
         responses = [f.result() for f in futures]
     for response in responses:
         assert response.status_code == 400, response.text
@@ -124,7 +124,7 @@ def test_a_batch_whose_client_leaves_is_aborted_whole(server):
         with pytest.raises(httpx.ReadTimeout):
             post.result()
     gone = time.monotonic()
-    _wait_idle(server, timeout_s=10)
+    _wait_idle(server, timeout_s=30)
     idle_after_s = time.monotonic() - gone
     after = httpx.get(f"{server.base_url}/metrics").text
     name = "hybridcache_request_finished_total"
