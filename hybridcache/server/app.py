@@ -378,7 +378,7 @@ async def _outputs(sink: asyncio.Queue, deadline: float | None = None) -> AsyncI
         else:
             try:
                 item = await asyncio.wait_for(sink.get(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
                 raise RequestTimeout("the request did not finish within the server's request timeout "
                                      "(--request-timeout); it was aborted") from None
         while not sink.empty():
