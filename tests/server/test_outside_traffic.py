@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import select
 import socket
 import threading
@@ -205,3 +206,18 @@ def test_a_request_past_the_request_timeout_is_aborted():
         assert check.status_code == 200 and check.json()["engine"]["num_running"] == 0
         short = httpx.post(f"{base_url}/v1/completions", json={"prompt": "quick", "max_tokens": 2}, timeout=30)
         assert short.status_code == 200
+
+
+def test_a_client_gone_mid_upload_is_logged_as_a_disconnect(caplog):
+    """It used to be logged as "unhandled error" with a traceback."""
+    with caplog.at_level(logging.INFO, logger="hybridcache.server"), serving() as base_url:
+        port = int(base_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"prompt\": \"" + b"a" * 5000)
+            time.sleep(0.3)  # the handler is reading the body
+        deadline = time.monotonic() + 10
+        while "disconnected while sending" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert "POST /v1/completions: the client disconnected while sending its request" in caplog.text
+    assert "unhandled error" not in caplog.text and not any(r.exc_info for r in caplog.records)
