@@ -426,7 +426,7 @@ class LLMEngine:
         """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
         every token before the one sampled, pending ones included)."""
         matchers = [self._requests[s.request_id].matchers[s.index] for s in sampled]
-        bitmask = fill_bitmask(matchers, logits.shape[-1])
+        bitmask = fill_bitmask(matchers, logits.shape[-1], dead_end_tokens=sorted(self.eos_token_ids))
         return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
 
     def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], input_ids: torch.Tensor, previous: _Launched) -> None:
