@@ -60,6 +60,10 @@ class ForwardBatch:
     slot_mapping   [T] int64      flat row (page * kernel_block_size + offset) where each token's KV goes
     state_slots    [S] int64      state pool row of each sequence
     logits_indices [S] int64      row of each sequence's last token (where logits are computed)
+    rope_positions [3, T] int64   M-RoPE (temporal, height, width) rotary position of each token, when a chunk of
+                   the step overlaps an image span or follows one (`hybridcache.multimodal.rope_positions`); None
+                   when every token's rotary position is `positions` on the three axes. Text rows are equal on the
+                   three axes (their index moved by the images before them); decode rows are text.
     prompt_logits_rows [R] int64  more rows whose logits the forward returns, after the S rows of logits_indices
                    (prompt logprobs: every row of a prompt chunk but its last); None when there are none.
     query_lens_cpu / context_lens_cpu: the same lengths as host tuples, for per-sequence loops.
@@ -84,6 +88,7 @@ class ForwardBatch:
     copies: tuple[DeviceCopyOp, ...] = ()
     embed_rows: torch.Tensor | None = None
     embeds: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
     prompt_logits_rows: torch.Tensor | None = None
     metadata: Any = None
 

@@ -1,5 +1,13 @@
 """The offline API: `LLM(model=None, **engine_options).generate(prompts, sampling_params)` and
-`.chat(messages, sampling_params)`; `close()` (or a `with LLM(...) as llm:` block) frees the engine."""
+`.chat(messages, sampling_params)`; `close()` (or a `with LLM(...) as llm:` block) frees the engine.
+
+Images (models with a vision tower, e.g. Qwen3.5): `chat` takes OpenAI-style content parts
+(`{"type": "image_url", "image_url": {"url": ...}}` with a data: URI, an http(s) URL or a local path under
+`allowed_local_media_path`, or `{"type": "image", "image": <PIL image>}`); `generate` takes vLLM's
+`{"prompt": ..., "multi_modal_data": {"image": <one or a list>}}`, whose prompt holds one `<|image_pad|>` per image.
+At most `limit_mm_per_prompt["image"]` images a prompt. A bad image raises `hybridcache.images.ImageError` (a
+ValueError) naming the reason before anything is queued; video is not supported.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +16,17 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.engine import LLMEngine, ValidPrompt
 from hybridcache.engine_args import resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
+from hybridcache.images import ImageError, media_limits
+from hybridcache.mm_processor import image_prompt, split_chat_images
 from hybridcache.model_path import resolve_model
+from hybridcache.multimodal import MultimodalInput
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | dict
 Message = dict[str, object]
 
 
@@ -30,6 +41,7 @@ class LLM:
     any weights load.
     `generation_config`: "auto" takes the sampling defaults of calls without sampling params from the model
     folder's generation_config.json, "vllm" ignores the file (see `hybridcache.generation_config`).
+    `limit_mm_per_prompt` (e.g. `{"image": 4}`) and `allowed_local_media_path`: see the module docstring.
     `close()`, or leaving a `with LLM(...) as llm:` block, frees the model and the pools and stops
     tensor-parallel workers (a process runs one tensor-parallel group at a time: close one `LLM` before the
     next); the `LLM` refuses work afterwards.
@@ -37,7 +49,10 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *,
                  generation_config: GenerationConfigSource | str = GenerationConfigSource.AUTO,
+                 limit_mm_per_prompt: dict[str, int] | None = None,
+                 allowed_local_media_path: str | Path | None = None,
                  **engine_options) -> None:
+        self.media_limits = media_limits(limit_mm_per_prompt, allowed_local_media_path)
         resolved = resolve_model(model)
         self.model_name = resolved.name
         self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
@@ -72,7 +87,8 @@ class LLM:
         """Generate replies to conversations: `messages` is one conversation (a list of `{"role", "content"}`
         dicts) or a list of them. Each is rendered with the model's chat template (`Tokenizer.apply_chat_template`,
         as the server does) and generated as that text, so `chat(m, p)` equals
-        `generate(tokenizer.apply_chat_template(m), p)`; each output's `prompt` is the rendered text."""
+        `generate(tokenizer.apply_chat_template(m), p)`; each output's `prompt` is the rendered text. Image parts
+        render as one placeholder each and their images go with the prompt (`multi_modal_data`)."""
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         for i, conversation in enumerate(conversations):
@@ -80,8 +96,11 @@ class LLM:
                 if not isinstance(message, dict):
                     raise TypeError(f"messages must be a list of message dicts or a list of such lists "
                                     f"(conversation {i} holds a {type(message).__name__})")
-        prompts = [self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
-                   for conversation in conversations]
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            rendered, images = split_chat_images(conversation)
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(
@@ -93,11 +112,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched together; outputs come in prompt order.
 
-        A prompt is a string or a list of token ids; a single prompt may be passed bare. Every prompt is
-        validated before any is queued, so a bad prompt raises without running the others. Without
-        `sampling_params`, `get_default_sampling_params()`.
+        A prompt is a string, a list of token ids, or `{"prompt": <either>, "multi_modal_data": {"image": ...}}`;
+        a single prompt may be passed bare. Every prompt is validated (its images loaded, processed and encoded)
+        before any is queued, so a bad prompt raises without running the others. Without `sampling_params`,
+        `get_default_sampling_params()`.
         """
-        if isinstance(prompts, str) or (
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
@@ -108,13 +128,19 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        validated = [self.engine.validate_prompt(prompt) for prompt in prompts]  # tokenized here, once
+        validated = [self._validate(prompt) for prompt in prompts]  # tokenized here, once
+        validated = self._encode_images(validated)
         ids = []
-        for prompt, params in zip(validated, params_list):
-            request_id = str(self._next_id)
-            self._next_id += 1
-            self.engine.add_request(request_id, prompt, params, final_only=True)
-            ids.append(request_id)
+        try:
+            for (prompt, mm_inputs), params in zip(validated, params_list):
+                request_id = str(self._next_id)
+                self._next_id += 1
+                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True)
+                ids.append(request_id)
+        except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued
+            for request_id in ids:
+                self.engine.abort(request_id)
+            raise
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
@@ -128,3 +154,32 @@ class LLM:
                     self.engine.abort(request_id)
                 raise
         return [results[request_id] for request_id in ids]
+
+    def _encode_images(self, validated: list[tuple[ValidPrompt, tuple[MultimodalInput, ...]]]
+                       ) -> list[tuple[ValidPrompt, tuple[MultimodalInput, ...]]]:
+        """Every prompt's images through the vision tower in one `VisionEncoder.encode` (batched tower calls)."""
+        spans = [span for _, prompt_spans in validated for span in prompt_spans]
+        if not spans or self.engine.vision is None:
+            return validated
+        encoded = iter(self.engine.vision.encode(spans))
+        return [(prompt, tuple(next(encoded) for _ in prompt_spans)) for prompt, prompt_spans in validated]
+
+    def _validate(self, prompt: Prompt) -> tuple[ValidPrompt, tuple[MultimodalInput, ...]]:
+        """The prompt checked and tokenized, with its images loaded and processed into spans (placeholders
+        expanded); ValueError / ImageError naming what is wrong."""
+        if not isinstance(prompt, dict):
+            return self.engine.validate_prompt(prompt), ()
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise ValueError(f"a prompt dict takes 'prompt' (or 'prompt_token_ids') and 'multi_modal_data', "
+                             f"not {sorted(unknown)}")
+        data = dict(prompt.get("multi_modal_data") or {})
+        images = data.pop("image", None)
+        if data:
+            raise ImageError(f"multi_modal_data {sorted(data)} is not supported (only 'image'; no video)")
+        text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        valid = self.engine.validate_prompt(text)
+        sources = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
+        ids, spans = image_prompt(self.engine.image_processor, valid.token_ids, sources, self.media_limits)
+        return ValidPrompt(valid.text, self.engine.validate_prompt(ids).token_ids), spans
+

@@ -39,10 +39,12 @@ import torch
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.distributed.executor import TensorParallelExecutor
-from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.distributed.rank_runner import DTYPES, RunnerSpec, build_runner
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.layers.parallel import TensorParallel
+from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
@@ -178,6 +180,10 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
+        # before the runner: on CUDA the pools are sized from the memory left after the vision weights
+        self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device)
+        self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
+                                if self.vision is not None else None)
         spec = RunnerSpec(self.model_path, config, self.max_model_len)
         if config.tensor_parallel_size > 1:
             self.runner = TensorParallelExecutor(spec, self.device, config.tensor_parallel_size)
@@ -223,7 +229,9 @@ class LLMEngine:
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
-        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`). `final_only`: `step` returns
+        `mm_inputs`: multimodal spans of the prompt (see `hybridcache.multimodal`); image spans that carry
+        `pixel_values` (`mm_processor.ImageProcessor.expand`) are encoded here by the vision tower, or served by
+        its encoder cache (a model without a vision tower refuses them). `final_only`: `step` returns
         this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
         building the cumulative output of every request at every step costs host time)."""
         self._raise_if_dead()
@@ -235,6 +243,10 @@ class LLMEngine:
         params.check_token_ids(self.model_config.vocab_size)
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
+        if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
+            if self.vision is None:
+                raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
+            mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
         request = _Request(request_id, prompt.text, params, final_only=final_only)
         if params.prompt_logprobs is not None:
@@ -554,10 +566,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts."""
+        pool size and token counts, and for a model with a vision tower the images it encoded and those the
+        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`)."""
+        vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
+                                                 "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
+            **vision,
         }

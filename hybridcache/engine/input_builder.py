@@ -35,7 +35,9 @@ class SeqChunk:
     token_ids: the new tokens; start: tokens already in the cache before them (the step they begin at);
     block_ids: scheduler blocks holding positions [0, start + len(token_ids)), in order; slot: state row;
     embeds: (offset in the chunk, vectors [n, hidden]) pairs: input embeddings given for chunk rows
-    offset .. offset + n - 1 (multimodal spans) instead of looked up from their token ids.
+    offset .. offset + n - 1 (multimodal spans) instead of looked up from their token ids; rope_positions:
+    [3, len(token_ids)] M-RoPE positions of the chunk's tokens (a chunk overlapping an image), else None: they are
+    then `start + rope_shift ..` on every axis (rope_shift: the M-RoPE shift of the images before the chunk).
     """
 
     token_ids: Sequence[int]
@@ -43,6 +45,8 @@ class SeqChunk:
     block_ids: Sequence[int]
     slot: int
     embeds: tuple[tuple[int, torch.Tensor], ...] = ()
+    rope_positions: torch.Tensor | None = None
+    rope_shift: int = 0
 
 
 TABLE_WIDTH_ALIGN = 16
@@ -82,6 +86,8 @@ def build_forward_batch(
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
+    explicit_rope: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of chunks overlapping an image
+    shifted: list[int] | None = None  # rotary positions once a chunk has a rope_shift: position + the shift
     kbs = kernel_block_size
     for chunk in chunks:
         token_ids, start, block_ids = chunk.token_ids, chunk.start, chunk.block_ids
@@ -98,6 +104,14 @@ def build_forward_batch(
             embed_rows.extend(range(first_row + offset, first_row + offset + vectors.shape[0]))
             embeds.append(vectors)
         input_ids.extend(token_ids)
+        rope_rows = chunk.rope_positions
+        if rope_rows is not None:
+            explicit_rope.append((first_row, rope_rows))
+        shift = chunk.rope_shift
+        if shift and shifted is None:  # the first shifted chunk: the rows before it are unshifted
+            shifted = list(positions)
+        if shifted is not None:
+            shifted.extend(range(start + shift, end + shift))
         if num_new == 1:  # a decode row (most rows of most steps)
             positions.append(start)
             slot_mapping.append(pages[start // kbs] * kbs + start % kbs)
@@ -128,6 +142,7 @@ def build_forward_batch(
         "block_tables": table,
         "embed_rows": embed_rows,
         "prompt_logits_rows": prompt_rows,
+        "rotary_positions": shifted or (),
     }
     ops = copies.ops if copies is not None else ()
     fields.update(_copy_fields(ops))
@@ -135,6 +150,14 @@ def build_forward_batch(
     int32 = {name: device_fields[name].to(torch.int32) for name in ("cu_seqlens", "context_lens", "block_tables")}
     device_copies = [DeviceCopyOp(op.kind, device_fields[f"copy{i}_src"], device_fields[f"copy{i}_dst"])
                      for i, op in enumerate(ops)]
+    rope_positions = None
+    if explicit_rope:  # chunks overlapping an image: [3, T] built on the host, their rows written in
+        host = torch.tensor(positions if shifted is None else shifted, dtype=torch.int64).repeat(3, 1)
+        for row, rows in explicit_rope:
+            host[:, row: row + rows.shape[1]] = rows
+        rope_positions = host.to(device)
+    elif shifted is not None:  # text rows after images only (decode steps): one row, the same on the three axes
+        rope_positions = device_fields["rotary_positions"].expand(3, -1)
     return ForwardBatch(
         input_ids=device_fields["input_ids"],
         positions=device_fields["positions"],
@@ -148,7 +171,8 @@ def build_forward_batch(
         context_lens_cpu=tuple(context_lens),
         copies=tuple(device_copies),
         embed_rows=device_fields["embed_rows"] if embed_rows else None,
-        embeds=torch.cat(embeds).to(device) if embeds else None,
+        embeds=torch.cat([e.to(device) for e in embeds]) if embeds else None,  # spans may live on either side
+        rope_positions=rope_positions,
         prompt_logits_rows=device_fields["prompt_logits_rows"] if prompt_rows else None,
     )
 

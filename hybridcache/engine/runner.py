@@ -104,7 +104,9 @@ class _DecodeGraphs:
         n = batch.num_seqs
         width = batch.block_tables.shape[1]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        # decode rows are text: their M-RoPE rows are equal, and the rotary of one row is the rotary of all three
+        rope = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
+        self.positions[:n].copy_(rope, non_blocking=True)
         self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
         self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
         self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)

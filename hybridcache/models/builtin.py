@@ -154,13 +154,13 @@ def write_builtin_model(path: Path, seed: int = 0) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
 
 
-def build_byte_tokenizer():
-    """A byte-level tokenizer: one token per byte (ids 0-255) and the ChatML special tokens after them."""
+def build_byte_tokenizer(special_tokens: tuple[str, ...] = SPECIAL_TOKENS):
+    """A byte-level tokenizer: one token per byte (ids 0-255) and `special_tokens` (default: ChatML's) after them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_special_tokens(list(special_tokens))
     return tokenizer

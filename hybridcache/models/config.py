@@ -11,8 +11,9 @@ Accepted layouts of config.json:
   are read from the top level when present there, otherwise from `text_config`;
 - rotary settings either in transformers-5 style (`rope_parameters: {rope_type, rope_theta,
   partial_rotary_factor, ...}`) or in the older style (`rope_theta`, `partial_rotary_factor`,
-  `rope_scaling` at the top level). Only `rope_type == "default"` is supported (text-only M-RoPE with
-  equal position ids on its three axes is plain RoPE, so `mrope_section` is accepted and ignored).
+  `rope_scaling` at the top level). Only `rope_type == "default"` is supported. `mrope_section` (default
+  (11, 11, 10), as transformers) lays out Qwen3.5's interleaved M-RoPE for image tokens; text-only input has
+  equal position ids on the three axes, where M-RoPE is plain RoPE.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class AttentionConfig:
     bias: bool
     rope_theta: float
     partial_rotary_factor: float
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def rotary_dim(self) -> int:
@@ -260,6 +262,9 @@ def _attention_config(text: dict[str, Any]) -> AttentionConfig:
     partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
 
     num_heads = int(text["num_attention_heads"])
+    section = tuple(int(n) for n in rope.get("mrope_section") or (11, 11, 10))
+    if len(section) != 3:
+        raise ValueError(f"mrope_section {list(section)} must name 3 axes (temporal, height, width)")
     return AttentionConfig(
         num_heads=num_heads,
         num_kv_heads=int(text.get("num_key_value_heads", num_heads)),
@@ -267,6 +272,7 @@ def _attention_config(text: dict[str, Any]) -> AttentionConfig:
         bias=bool(text.get("attention_bias", False)),
         rope_theta=rope_theta,
         partial_rotary_factor=partial,
+        mrope_section=section,
     )
 
 

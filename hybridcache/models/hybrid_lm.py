@@ -35,7 +35,7 @@ from hybridcache.layers.gated_deltanet import GatedDeltaNet
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
-from hybridcache.layers.rotary import rotary_cos_sin
+from hybridcache.layers.rotary import mrope_cos_sin, rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
 from hybridcache.state_spec import DevicePools, LayerSpec, LayerState, StateTensorSpec
@@ -200,7 +200,11 @@ class HybridCausalLM(nn.Module):
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
         attention = self.config.attention
-        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
+        if batch.rope_positions is not None:  # image tokens: 3-D positions
+            rope = mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta,
+                                 attention.mrope_section, hidden.dtype)
+        else:
+            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
         step = StepContext(batch=batch, backend=backend, rope=rope)
         for layer, state in zip(self.model.layers, pools.layers, strict=True):
             hidden = layer(hidden, step, state)

@@ -3,7 +3,7 @@
 Tensor name rules, applied to every checkpoint tensor in this order:
 
 1. ignored: names starting with `mtp.` (multi-token-prediction head, unused by this engine) or
-   `model.visual.` (vision tower of the multimodal wrappers; only the language model is built); and
+   `model.visual.` (vision tower of the multimodal wrappers, loaded apart: `vision_loader.py`); and
    `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead);
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:

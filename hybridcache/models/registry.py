@@ -10,7 +10,7 @@ from hybridcache.models.qwen3_next import Qwen3NextForCausalLM
 def _model_classes() -> dict[str, type[HybridCausalLM]]:
     return {
         "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-        # the multimodal checkpoint: only its language model is built
+        # the multimodal checkpoints: their language model (the vision tower: models/vision_loader.py)
         "Qwen3_5ForConditionalGeneration": Qwen3_5ForCausalLM,
         "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
         "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForCausalLM,

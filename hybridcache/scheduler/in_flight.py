@@ -14,9 +14,10 @@ first chunk ends at 60 (branch point), F waits one step, then hits 60 and prefil
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from hybridcache.cache.request import common_prefix_len
+from hybridcache.multimodal import MultimodalInput
 from hybridcache.scheduler.sequence import Seq
 
 
@@ -26,14 +27,31 @@ def worth_sharing(shared: int, cached_len: int, prompt_len: int, block_size: int
 
 
 def prompt_share(leader: Seq, follower: Seq) -> int:
-    """How much of `follower`'s prompt `leader`'s prompt (as the cache sees it) covers: 0 when either has
-    multimodal spans (their identities are not compared here)."""
-    if leader.mm_inputs or follower.mm_inputs or not leader.token_ids or not follower.token_ids:
-        return 0
-    if leader.token_ids[0] != follower.token_ids[0]:
+    """How much of `follower`'s prompt `leader`'s prompt (as the cache sees it) covers. With multimodal spans,
+    only up to the first span the two do not have alike (same place, same content hash), and never into a span:
+    an image that differs starts where the shared part ends."""
+    if not leader.token_ids or not follower.token_ids or leader.token_ids[0] != follower.token_ids[0]:
         return 0
     prompt = leader.token_ids[:leader.cache_prompt_len]
-    return common_prefix_len(prompt, follower.token_ids)
+    shared = common_prefix_len(prompt, follower.token_ids)
+    if leader.mm_inputs or follower.mm_inputs:
+        shared = _alike_spans_end(leader.mm_inputs, follower.mm_inputs, shared)
+    return shared
+
+
+def _alike_spans_end(spans_a: Sequence[MultimodalInput], spans_b: Sequence[MultimodalInput], shared: int) -> int:
+    """`shared` cut at the start of the first span (of either side, starting before it) the other side does not
+    have alike, and at the start of a span that `shared` falls strictly inside."""
+    before_a = [s for s in spans_a if s.start < shared]
+    before_b = [s for s in spans_b if s.start < shared]
+    for index in range(max(len(before_a), len(before_b))):
+        a = before_a[index] if index < len(before_a) else None
+        b = before_b[index] if index < len(before_b) else None
+        if a is None or b is None or (a.start, a.end, a.content_hash) != (b.start, b.end, b.content_hash):
+            return min(s.start for s in (a, b) if s is not None)
+        if a.end > shared:
+            return a.start
+    return shared
 
 
 def find_leader(

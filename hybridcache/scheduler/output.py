@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridcache.cache.plan import CopyPlan
-from hybridcache.multimodal import chunk_embeds
+from hybridcache.multimodal import chunk_embeds, overlaps_image, rope_positions, rope_shift
 from hybridcache.scheduler.sequence import Seq
 
 
@@ -38,6 +38,18 @@ class ScheduledChunk:
     def embeds(self) -> tuple[tuple[int, torch.Tensor], ...]:
         """(offset in the chunk, vectors) of the multimodal spans the chunk overlaps."""
         return chunk_embeds(self.seq.mm_inputs, self.start, self.end)
+
+    @property
+    def rope_positions(self) -> torch.Tensor | None:
+        """[3, num_tokens] M-RoPE positions when the chunk overlaps an image span, else None (see `multimodal`)."""
+        spans = self.seq.mm_inputs
+        return rope_positions(spans, self.start, self.end) if spans and overlaps_image(spans, self.start, self.end) \
+            else None
+
+    @property
+    def rope_shift(self) -> int:
+        """The M-RoPE shift of every token of a chunk that overlaps no image span (the images before it)."""
+        return rope_shift(self.seq.mm_inputs, self.start) if self.seq.mm_inputs else 0
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hybridcache.generation_config import SamplingDefaults
+from hybridcache.images import MediaLimits
+from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
+from hybridcache.server.chat_images import check_media_parts, image_request
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
@@ -91,6 +94,8 @@ class ServedModel:
     tokenizer: Any
     max_model_len: int
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
+    image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
 
 
 def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
@@ -194,6 +199,8 @@ class _Routes:
         body.check_n()
         check_sequences(1, body.n, self.config.limits)
         messages = [m.as_template_input() for m in body.messages]
+        check_media_parts(messages, takes_images=self.model.image_processor is not None)
+        messages, images = split_chat_images(messages)
         tools = body.tool_dicts()
         template_kwargs = {**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
         try:
@@ -205,6 +212,12 @@ class _Routes:
                            param="messages") from None
         check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
         prompt_ids = (await self._encode([text]))[0]
+        mm_inputs: tuple = ()
+        if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
+            prompt_ids, mm_inputs = await asyncio.to_thread(image_request, self.model.image_processor, prompt_ids,
+                                                            images, self.model.media_limits)
+        elif self.model.image_processor is not None:  # no images: no stray placeholder either
+            prompt_ids, _ = image_request(self.model.image_processor, prompt_ids, (), self.model.media_limits)
         defaults = self.model.sampling_defaults
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
                                       body.n)
@@ -218,11 +231,13 @@ class _Routes:
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, [prompt_ids], params, body, rendering)
+        return await self._respond(request, meta, [prompt_ids], params, body, rendering, mm_inputs)
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
-                       body: CompletionRequest | ChatCompletionRequest, rendering: Rendering) -> Response:
-        """Run one engine request per prompt (ids `<response id>` or `<response id>-<i>` for a batch)."""
+                       body: CompletionRequest | ChatCompletionRequest, rendering: Rendering,
+                       mm_inputs: tuple = ()) -> Response:
+        """Run one engine request per prompt (ids `<response id>` or `<response id>-<i>` for a batch); `mm_inputs`:
+        the image spans of a single prompt."""
         loop = self.engine_loop
         request_ids = [meta.response_id] if len(prompts) == 1 else [f"{meta.response_id}-{i}"
                                                                      for i in range(len(prompts))]
@@ -232,7 +247,8 @@ class _Routes:
                 loop.abort(request_id)  # a no-op once it has finished
 
         try:
-            sinks = await loop.add_many(request_ids, prompts, params)  # all join one step, or none is queued
+            # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
+            sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts))
         except (ValueError, TypeError, OverflowError) as error:
             raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
         except QueueFull as error:

@@ -21,6 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
+    from hybridcache.server.chat_images import add_media_flags
     from hybridcache.server.limits import add_limit_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
     serve.add_argument("--disable-log-stats", action="store_true", help="write no stats lines")
+    add_media_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
     serve.set_defaults(func=cmd_serve)
@@ -115,6 +117,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.model_path import resolve_model
     from hybridcache.server import log_limits
     from hybridcache.server.app import ServedModel, build_app
+    from hybridcache.server.chat_images import media_limits
     from hybridcache.server.connections import uvicorn_options
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
@@ -126,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
     config = server_config(args, names)
+    limits = media_limits(args)  # a bad flag fails before the model loads
     resolved = resolve_model(model_arg)
     defaults = SamplingDefaults.from_model_dir(resolved.path, args.generation_config)  # a bad file fails first
     if defaults.as_dict():
@@ -138,13 +142,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                              else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
     model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
-                        sampling_defaults=defaults)
+                        sampling_defaults=defaults, image_processor=engine.image_processor, media_limits=limits)
     app = build_app(engine_loop, model, config, metrics)
-    limits = config.limits
+    guard = config.limits
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
         timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
-        **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s, limits.timeout_keep_alive_s),
+        **uvicorn_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()

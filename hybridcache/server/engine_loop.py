@@ -56,6 +56,7 @@ class _Add:
     params: SamplingParams
     sinks: list[asyncio.Queue]
     done: asyncio.Future
+    mm_inputs: list[tuple]  # per prompt: its image spans (encoded on the engine thread), () for none
 
 
 @dataclass
@@ -120,20 +121,23 @@ class EngineLoop:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> asyncio.Queue:
-        """Queue one request; returns its output queue (see `add_many`)."""
-        return (await self.add_many([request_id], [prompt], params))[0]
+    async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                  mm_inputs: tuple = ()) -> asyncio.Queue:
+        """Queue one request (`mm_inputs`: its image spans); returns its output queue (see `add_many`)."""
+        return (await self.add_many([request_id], [prompt], params, [mm_inputs]))[0]
 
-    async def add_many(self, request_ids: list[str], prompts: list[str | list[int]],
-                       params: SamplingParams) -> list[asyncio.Queue]:
-        """Queue one request per prompt, all in the same command drain (so they join the same step); returns
-        their output queues. All or nothing: raises the engine's ValueError/TypeError for a bad one, QueueFull
-        when the waiting sequences would pass `max_queued_requests`, EngineFailure when the engine is dead."""
+    async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
+                       mm_inputs: list[tuple] | None = None) -> list[asyncio.Queue]:
+        """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread), all
+        in the same command drain (so they join the same step); returns their output queues. All or nothing:
+        raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
+        `max_queued_requests`, EngineFailure when the engine is dead."""
         if not self.running:
             raise EngineFailure("the engine is not running")
         sinks: list[asyncio.Queue] = [asyncio.Queue() for _ in request_ids]
         done = self._loop.create_future()
-        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done))
+        spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
+        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans))
         await done
         return sinks
 
@@ -161,6 +165,7 @@ class EngineLoop:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
+            self._encode_images(commands)
             for command in commands:
                 if isinstance(command, _Stop):
                     self._abort_all(None)
@@ -176,6 +181,20 @@ class EngineLoop:
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
+
+    def _encode_images(self, commands: list) -> None:
+        """The images of every request added in this drain through the vision tower together (batched tower
+        calls); on an error, each request's `add_request` encodes its own and reports what is wrong with it."""
+        adds = [c for c in commands if isinstance(c, _Add) and any(c.mm_inputs)]
+        vision = self._engine.vision if adds else None
+        if vision is None:
+            return
+        try:
+            encoded = iter(vision.encode([span for c in adds for spans in c.mm_inputs for span in spans]))
+        except Exception:  # noqa: BLE001 - left to each request's own add_request
+            return
+        for command in adds:
+            command.mm_inputs = [tuple(next(encoded) for _ in spans) for spans in command.mm_inputs]
 
     def _handle(self, command: _Add | _Abort | _Check) -> None:
         engine = self._engine
@@ -211,8 +230,8 @@ class EngineLoop:
                 return
         added: list[str] = []
         try:
-            for request_id, prompt in zip(command.request_ids, command.prompts):
-                engine.add_request(request_id, prompt, command.params)
+            for request_id, prompt, spans in zip(command.request_ids, command.prompts, command.mm_inputs):
+                engine.add_request(request_id, prompt, command.params, spans)
                 added.append(request_id)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             for request_id in added:

@@ -18,7 +18,8 @@ class EngineState:
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
-    prompt tokens computed.
+    prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
+    those its encoder cache served instead (0 for a model without a vision tower).
     """
 
     num_blocks: int = 0
@@ -35,6 +36,8 @@ class EngineState:
     checkpoint_hits: dict[str, int] = field(default_factory=dict)
     declined_saves: dict[str, int] = field(default_factory=dict)
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
+    num_encoded_images: int = 0
+    num_encoder_cache_hits: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,6 +62,8 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_hits=dict(getattr(cache, "hits_by_reason", {}) or {}),
         declined_saves=dict(getattr(cache, "declined_saves", {}) or {}),
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
+        num_encoded_images=stats.get("num_encoded_images", 0),
+        num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
     )
 
 

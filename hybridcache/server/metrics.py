@@ -24,7 +24,8 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_checkpoint_evictions_total{kind}    evictions, by kind
     hybridcache_kv_blocks_used / _total, hybridcache_state_slots_used / _total (cache contents included)
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
-    hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total
+    hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total,
+    hybridcache_vision_encoded_images_total, hybridcache_vision_encoder_cache_hits_total
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ class _EngineCollector(Collector):
         preemptions = CounterMetricFamily("hybridcache_preemptions", "Preempted sequences", labels=["model_name"])
         preemptions.add_metric([model], state.num_preemptions)
         yield preemptions
+        for name, text, value in (
+            ("hybridcache_vision_encoded_images", "Images the vision tower encoded", state.num_encoded_images),
+            ("hybridcache_vision_encoder_cache_hits", "Images served by the encoder cache (no vision tower run)",
+             state.num_encoder_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, text, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
         gauges = (
             ("hybridcache_kv_blocks_used", "KV blocks in use (running sequences and the prefix cache)",
              state.num_blocks_used),

@@ -200,6 +200,28 @@ class ContentPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _CONFIG
+    url: str
+    detail: str | None = None
+
+
+class ImageURLPart(BaseModel):
+    """An image (`hybridcache.server.chat_images` loads it): a data: URI, an http(s) URL or an allowed local path."""
+
+    model_config = _CONFIG
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class VideoURLPart(BaseModel):
+    """A video part: parsed so that it can be refused by name (video input is not supported)."""
+
+    model_config = _CONFIG
+    type: Literal["video_url"]
+    video_url: Any = None
+
+
 class FunctionCall(BaseModel):
     model_config = _CONFIG
     name: str
@@ -236,7 +258,7 @@ class ChatMessage(BaseModel):
 
     model_config = _CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = ""
+    content: str | list[ContentPart | ImageURLPart | VideoURLPart] | None = ""
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
@@ -247,8 +269,10 @@ class ChatMessage(BaseModel):
         """The message as chat templates take it; tool-call arguments as objects where they parse as JSON
         objects (templates that iterate over arguments need them so; `tojson` writes them back the same)."""
         content = self.content
-        if isinstance(content, list):
+        if isinstance(content, list) and all(isinstance(part, ContentPart) for part in content):
             content = "".join(part.text for part in content)
+        elif isinstance(content, list):  # image or video parts: kept as parts (server/chat_images.py)
+            content = [part.model_dump(exclude_none=True) for part in content]
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

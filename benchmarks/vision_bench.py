@@ -1,0 +1,162 @@
+"""Images through the engine: vision-tower time per image, TTFT of an image chat cold and as a second turn, and
+the throughput of concurrent image chats.
+
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/vision_bench.py [--shape 9b|tiny] [--model-dir DIR]
+        [--device cuda] [--dtype bfloat16] [--sizes 448,1344] [--concurrent 64] [--max-tokens 64] [--out DIR]
+
+Model (`--shape`): `9b`, a random Qwen3.5-9B-shaped image-text folder (transformers' default `Qwen3_5Config`:
+text hidden 4,096, 32 layers 3:1; vision tower of 27 blocks, width 1,152, patch 16, merge 2, projecting to 4,096;
+Qwen3.5's preprocessor: 65,536 to 16,777,216 pixels per image), built in `--model-dir` when that holds no
+config.json yet (drawn on the GPU when there is one); `tiny`, the tests' folder (a CPU smoke test of this
+script). Image tokens: a 448 x 448 image is 28 x 28 patches, 196 tokens; 1,344 x 1,344 is 84 x 84, 1,764.
+
+Measured (each printed and written to DIR/vision_bench.json; DIR: $OUT, else .):
+1. `vit_ms[size]`: the tower alone on one processed image of size x size random pixels (median of 5 after a
+   warm-up; CUDA synchronised), with its token count.
+2. `ttft_cold_ms` / `ttft_second_turn_ms`: one image chat (448 x 448) with `max_tokens=1`, then its second turn
+   (the first prompt, the reply, a new question, the same image); the second turn's `cached_tokens` and how many
+   images the tower encoded for it (0: the encoder cache served it).
+3. `concurrent`: `--concurrent` image chats at once (each its own 448 x 448 image), `--max-tokens` each (ignore
+   EOS): wall time, output tokens per second, images encoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridcache.llm import LLM
+from hybridcache.models.vl_folders import PREPROCESSOR, byte_token_ids, write_tiny_vl_model, write_vl_model
+from hybridcache.sampling import SamplingParams
+
+QWEN35_PREPROCESSOR = {**PREPROCESSOR, "patch_size": 16, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
+
+
+def build_9b(path: Path) -> Path:
+    import transformers
+
+    from hybridcache.models.builtin import build_byte_tokenizer
+    from hybridcache.models.vl_folders import VL_SPECIAL_TOKENS
+
+    eos = build_byte_tokenizer(VL_SPECIAL_TOKENS).token_to_id("<|im_end|>")
+    text = transformers.Qwen3_5TextConfig(eos_token_id=eos).to_dict()
+    config = transformers.Qwen3_5Config(text_config=text, vision_config={"out_hidden_size": text["hidden_size"]},
+                                        **byte_token_ids())
+    config.architectures = ["Qwen3_5ForConditionalGeneration"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return write_vl_model(path, config, QWEN35_PREPROCESSOR, dtype=torch.bfloat16, draw_device=device)
+
+
+def model_folder(shape: str, model_dir: str | None) -> Path:
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        return Path(model_dir)
+    path = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp())
+    return build_9b(path) if shape == "9b" else write_tiny_vl_model(path)
+
+
+def picture(size: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def vit_times(llm: LLM, sizes: list[int]) -> dict:
+    engine = llm.engine
+    out = {}
+    for size in sizes:
+        image = engine.image_processor.process([picture(size, seed=size)])[0]
+        tower = engine.vision.tower
+        times = []
+        for _ in range(6):
+            synchronize(engine.device)
+            start = time.perf_counter()
+            tower(image.pixel_values, [image.grid])
+            synchronize(engine.device)
+            times.append(time.perf_counter() - start)
+        out[str(size)] = {"ms": 1000 * statistics.median(times[1:]), "tokens": engine.image_processor.num_tokens(
+            image.grid), "grid": list(image.grid)}
+        print(f"vit {size} x {size}: {out[str(size)]['ms']:.2f} ms, {out[str(size)]['tokens']} tokens", flush=True)
+    return out
+
+
+def chat(image, question: str, history: list[dict] | None = None) -> list[dict]:
+    first = {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": question}]}
+    return [first, *(history or [])]
+
+
+def ttft(llm: LLM) -> dict:
+    engine = llm.engine
+    image = picture(448, seed=1)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    start = time.perf_counter()
+    first = llm.chat(chat(image, "What is in this picture?"), one, use_tqdm=False)[0]
+    cold = time.perf_counter() - start
+    encoded = engine.vision.num_encoded_images
+    follow = chat(image, "What is in this picture?", [{"role": "assistant", "content": first.outputs[0].text},
+                                                     {"role": "user", "content": "And what colour is it?"}])
+    start = time.perf_counter()
+    second = llm.chat(follow, one, use_tqdm=False)[0]
+    warm = time.perf_counter() - start
+    out = {"ttft_cold_ms": 1000 * cold, "ttft_second_turn_ms": 1000 * warm,
+           "prompt_tokens_second_turn": len(second.prompt_token_ids), "cached_tokens_second_turn": second.cached_tokens,
+           "images_encoded_second_turn": engine.vision.num_encoded_images - encoded}
+    print(f"ttft cold {out['ttft_cold_ms']:.1f} ms, second turn {out['ttft_second_turn_ms']:.1f} ms "
+          f"(cached {second.cached_tokens} of {len(second.prompt_token_ids)}, "
+          f"{out['images_encoded_second_turn']} images encoded)", flush=True)
+    return out
+
+
+def concurrent(llm: LLM, num: int, max_tokens: int) -> dict:
+    engine = llm.engine
+    encoded = engine.vision.num_encoded_images
+    conversations = [chat(picture(448, seed=100 + i), f"Describe picture {i}.") for i in range(num)]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    out = {"requests": num, "wall_s": wall, "output_tokens": tokens, "out_tok_per_s": tokens / wall,
+           "images_encoded": engine.vision.num_encoded_images - encoded}
+    print(f"{num} concurrent image chats: {wall:.2f} s, {out['out_tok_per_s']:.1f} out tok/s", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["9b", "tiny"], default="9b")
+    parser.add_argument("--model-dir", default=None)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on the CPU")
+    parser.add_argument("--sizes", default="448,1344")
+    parser.add_argument("--concurrent", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    folder = model_folder(args.shape, args.model_dir)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    llm = LLM(folder, device=args.device, dtype=dtype, max_num_seqs=max(16, args.concurrent),
+              max_num_batched_tokens=8192 if args.device.startswith("cuda") else 512)
+    result = {"shape": args.shape, "device": args.device, "dtype": dtype,
+              "vit": vit_times(llm, [int(s) for s in args.sizes.split(",")]), **ttft(llm),
+              "concurrent": concurrent(llm, args.concurrent, args.max_tokens)}
+    out = Path(args.out) / "vision_bench.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

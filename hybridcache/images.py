@@ -1,0 +1,156 @@
+"""Reading images from what users send: OpenAI-style image URLs, local files, bytes or PIL images.
+
+`load_image(source, limits)` returns a decoded RGB `PIL.Image.Image` or raises `ImageError` (a ValueError) with
+the reason: a source of an unknown kind, a local path outside `limits.allowed_local_media_path` (or any local path
+when none is allowed), an http(s) fetch that fails, times out or exceeds `limits.max_bytes`, bytes that are not
+an image Pillow decodes, an image of 0 pixels, or one of more than `limits.max_pixels` pixels (checked from the
+header, before the pixels are decoded).
+
+Accepted sources:
+- `data:image/...;base64,<data>` URIs;
+- `http://` and `https://` URLs (fetched with a timeout of `limits.fetch_timeout_s` and a size cap);
+- `file://` URLs and plain paths, only under `limits.allowed_local_media_path`;
+- raw `bytes` and `PIL.Image.Image` objects (the offline API).
+
+Needs Pillow (the `vision` extra).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ImageError(ValueError):
+    """An image that cannot be used; the message names the reason."""
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """What the API accepts: `max_images` per prompt, `max_bytes` of one encoded image, `max_pixels` of one decoded
+    image, `fetch_timeout_s` for http(s) fetches; local files only under `allowed_local_media_path` (None: none)."""
+
+    max_images: int = 8
+    max_bytes: int = 20 * 1024 * 1024
+    max_pixels: int = 8192 * 8192
+    fetch_timeout_s: float = 10.0
+    allowed_local_media_path: Path | None = None
+
+
+def media_limits(limit_mm_per_prompt: dict[str, int] | None, allowed_local_media_path: str | Path | None
+                 ) -> MediaLimits:
+    """`MediaLimits` from vLLM-style options: `{"image": n}` (other modalities are refused) and a folder."""
+    limits = dict(limit_mm_per_prompt or {})
+    images = limits.pop("image", MediaLimits.max_images)
+    if limits:
+        raise ValueError(f"limit_mm_per_prompt names {sorted(limits)}; only 'image' is supported")
+    if isinstance(images, bool) or not isinstance(images, int) or images < 0:
+        raise ValueError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {images!r}")
+    root = None if allowed_local_media_path is None else Path(allowed_local_media_path)
+    if root is not None and not root.is_dir():
+        raise ValueError(f"allowed_local_media_path {str(root)!r} is not a folder")
+    return MediaLimits(max_images=images, allowed_local_media_path=root)
+
+
+def load_image(source: Any, limits: MediaLimits) -> Any:
+    """The image `source` names, decoded to RGB (see the module docstring); ImageError when it cannot be used."""
+    from PIL import Image
+
+    if isinstance(source, Image.Image):
+        return _checked(source, limits)
+    if isinstance(source, (bytes, bytearray)):
+        return _decode(bytes(source), limits, "the image bytes")
+    if not isinstance(source, str):
+        raise ImageError(f"an image is a URL, a path, bytes or a PIL image, not {type(source).__name__}")
+    if source.startswith("data:"):
+        return _decode(_data_uri(source, limits), limits, "the data: URI")
+    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    if scheme in ("http", "https"):
+        return _decode(_fetch(source, limits), limits, source)
+    if scheme == "file":
+        return _decode(_read_local(Path(urllib.parse.unquote(urllib.parse.urlsplit(source).path)), limits),
+                       limits, source)
+    if scheme and len(scheme) > 1:  # one letter: a Windows drive, i.e. a path
+        raise ImageError(f"image URL scheme {scheme!r} is not supported (use data:, http(s):, or a local file)")
+    return _decode(_read_local(Path(source), limits), limits, source)
+
+
+def _data_uri(uri: str, limits: MediaLimits) -> bytes:
+    header, sep, data = uri[len("data:"):].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ImageError("a data: image URI must be data:<media type>;base64,<data>")
+    if not header.startswith("image/"):
+        raise ImageError(f"a data: URI of type {header[:-len(';base64')]!r} is not an image")
+    if len(data) * 3 // 4 > limits.max_bytes:
+        raise ImageError(f"the data: image is larger than {limits.max_bytes} bytes")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise ImageError("the data: image URI is not valid base64") from None
+
+
+def _fetch(url: str, limits: MediaLimits) -> bytes:
+    request = urllib.request.Request(url, headers={"User-Agent": "hybridcache"})
+    try:
+        with urllib.request.urlopen(request, timeout=limits.fetch_timeout_s) as response:  # noqa: S310 (http(s) only)
+            data = response.read(limits.max_bytes + 1)
+    except TimeoutError:
+        raise ImageError(f"fetching {url} timed out after {limits.fetch_timeout_s} s") from None
+    except (urllib.error.URLError, OSError, ValueError) as error:
+        raise ImageError(f"could not fetch {url}: {error}") from None
+    if len(data) > limits.max_bytes:
+        raise ImageError(f"the image at {url} is larger than {limits.max_bytes} bytes")
+    return data
+
+
+def _read_local(path: Path, limits: MediaLimits) -> bytes:
+    root = limits.allowed_local_media_path
+    if root is None:
+        raise ImageError(f"local image {str(path)!r} refused: local files need --allowed-local-media-path")
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root.resolve()):
+        raise ImageError(f"local image {str(path)!r} is outside the allowed media path {str(root)!r}")
+    if not resolved.is_file():
+        raise ImageError(f"local image {str(path)!r} does not exist")
+    if resolved.stat().st_size > limits.max_bytes:
+        raise ImageError(f"local image {str(path)!r} is larger than {limits.max_bytes} bytes")
+    return resolved.read_bytes()
+
+
+def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
+    from PIL import Image
+
+    if len(data) > limits.max_bytes:
+        raise ImageError(f"{what} is larger than {limits.max_bytes} bytes")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError:
+        raise ImageError(f"{what} has more pixels than the limit of {limits.max_pixels}") from None
+    except Exception as error:  # noqa: BLE001 - Pillow raises many types for one cause: not an image
+        raise ImageError(f"{what} is not an image Pillow can read ({type(error).__name__})") from None
+    _check_size(image, limits, what)
+    try:
+        image.load()
+    except Exception as error:  # noqa: BLE001 - truncated or corrupt pixel data
+        raise ImageError(f"{what} is a corrupt image ({type(error).__name__}: {error})") from None
+    return image.convert("RGB")
+
+
+def _checked(image: Any, limits: MediaLimits) -> Any:
+    _check_size(image, limits, "the image")
+    return image.convert("RGB")
+
+
+def _check_size(image: Any, limits: MediaLimits, what: str) -> None:
+    width, height = image.size
+    if width <= 0 or height <= 0:
+        raise ImageError(f"{what} has size {width} x {height}: an image needs at least one pixel")
+    if width * height > limits.max_pixels:
+        raise ImageError(f"{what} has {width} x {height} pixels, more than the limit of {limits.max_pixels}")

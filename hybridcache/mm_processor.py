@@ -1,0 +1,157 @@
+"""Image prompts: chat messages with image parts -> template messages + images; images -> patches; one
+`<|image_pad|>` placeholder per image -> as many placeholders as the image has language-model tokens, each run a
+`MultimodalInput` span the engine encodes.
+
+`ImageProcessor(model_dir, vision)` wraps transformers' image processor of the folder (`AutoImageProcessor`, from
+preprocessor_config.json: its min/max pixels, resizing to multiples of patch x merge, normalisation). An image of
+(after resizing) H x W pixels becomes a grid (1, H / patch, W / patch) of patches and H * W / (patch * merge)^2
+language-model tokens. Its content hash is the xxh3-128 of its pixel values and grid: two different images never
+share one (the prefix cache and the encoder cache tell images apart by it), the same image sent twice always does.
+
+`split_chat_images(messages)` turns OpenAI-style content parts into what chat templates take: text parts stay,
+`{"type": "image_url", "image_url": {"url": ...}}` and `{"type": "image", "image": ...}` parts become
+`{"type": "image"}` (the template renders `<|vision_start|><|image_pad|><|vision_end|>`) and their sources are
+returned in order; video parts raise `ImageError` (video input is not supported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from hybridcache.images import ImageError, MediaLimits, load_image
+from hybridcache.models.vision_config import VisionConfig
+from hybridcache.multimodal import MultimodalInput
+
+_VIDEO_PARTS = ("video_url", "video")
+_IMAGE_PARTS = ("image_url", "image", "image_pil")
+
+
+@dataclass(frozen=True)
+class ProcessedImage:
+    """One image ready for the tower: `pixel_values` [t*h*w, patch_dim], `grid` (t, h, w) patches, its hash."""
+
+    pixel_values: torch.Tensor
+    grid: tuple[int, int, int]
+    content_hash: str
+
+
+class ImageProcessor:
+    """The folder's image processor and its image tokens (module docstring). ValueError when the folder has no
+    preprocessor_config.json or its patch / merge sizes disagree with the vision tower's."""
+
+    def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
+        from transformers import AutoImageProcessor
+
+        model_dir = Path(model_dir)
+        if not (model_dir / "preprocessor_config.json").is_file():
+            raise ValueError(f"{model_dir} has a vision tower but no preprocessor_config.json")
+        self.vision = vision
+        self._hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        patch, merge = getattr(self._hf, "patch_size", None), getattr(self._hf, "merge_size", None)
+        if (patch, merge) != (vision.patch_size, vision.spatial_merge_size):
+            raise ValueError(f"preprocessor_config.json has patch_size {patch} and merge_size {merge}; the vision "
+                             f"tower has {vision.patch_size} and {vision.spatial_merge_size}")
+
+    @property
+    def image_token_id(self) -> int:
+        return self.vision.image_token_id
+
+    def process(self, images: Sequence[Any]) -> list[ProcessedImage]:
+        """Decoded RGB images -> patches; ImageError when the processor refuses one (too small, too narrow)."""
+        out = []
+        for image in images:
+            try:
+                batch = self._hf(images=[image], return_tensors="pt")
+            except (ValueError, ZeroDivisionError) as error:
+                raise ImageError(f"the image of {image.size[0]} x {image.size[1]} pixels cannot be processed: "
+                                 f"{error}") from None
+            pixels = batch["pixel_values"].float().contiguous()
+            grid = tuple(int(v) for v in batch["image_grid_thw"][0])
+            digest = xxhash.xxh3_128(pixels.numpy())  # the buffer itself, no copy
+            digest.update(repr(grid).encode())
+            out.append(ProcessedImage(pixels, grid, f"image:{digest.hexdigest()}"))
+        return out
+
+    def num_tokens(self, grid: tuple[int, int, int]) -> int:
+        t, h, w = grid
+        return t * h * w // self.vision.merge_unit
+
+    def expand(self, token_ids: Sequence[int], images: Sequence[ProcessedImage]
+               ) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+        """Replace the k-th `<|image_pad|>` of `token_ids` by `num_tokens` of them for image k; returns the new ids
+        and one span per image (pixels and grid attached, for the engine to encode). ValueError when the prompt
+        holds a different number of placeholders than images, or an image placeholder already expanded."""
+        image_id = self.image_token_id
+        places = [i for i, token in enumerate(token_ids) if token == image_id]
+        if len(places) != len(images):
+            raise ValueError(f"the prompt has {len(places)} image placeholders (<|image_pad|>, id {image_id}) "
+                             f"for {len(images)} images")
+        ids: list[int] = []
+        spans = []
+        previous = 0
+        for place, image in zip(places, images, strict=True):
+            ids.extend(token_ids[previous:place])
+            n = self.num_tokens(image.grid)
+            spans.append(MultimodalInput(len(ids), len(ids) + n, image.content_hash, grid=image.grid,
+                                         merge=self.vision.spatial_merge_size, pixel_values=image.pixel_values))
+            ids.extend([image_id] * n)
+            previous = place + 1
+        ids.extend(token_ids[previous:])
+        return ids, tuple(spans)
+
+
+def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sources: Sequence[Any],
+                 limits: MediaLimits) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+    """A prompt's token ids (one placeholder per image) and its image sources -> the expanded ids and the image
+    spans (`ImageProcessor.expand`). ImageError when the model takes no images, there are more than
+    `limits.max_images`, or an image cannot be loaded or processed; ValueError when placeholders and images
+    disagree in number (also for a prompt of a vision model that holds placeholders and no images)."""
+    if processor is None:
+        if sources:
+            raise ImageError("this model takes no images (its folder has no vision tower)")
+        return list(token_ids), ()
+    if len(sources) > limits.max_images:
+        raise ImageError(f"{len(sources)} images in one prompt; the limit is {limits.max_images} "
+                         "(--limit-mm-per-prompt)")
+    images = processor.process([load_image(source, limits) for source in sources])
+    return processor.expand(token_ids, images)
+
+
+def split_chat_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """OpenAI-style messages -> (messages for the chat template, image sources in order); see the module docstring.
+    Raises ImageError for a video part or an image part without a source."""
+    rendered, sources = [], []
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, list):
+            rendered.append(message)
+            continue
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in _VIDEO_PARTS:
+                raise ImageError("video input is not supported (only text and images)")
+            if kind in _IMAGE_PARTS:
+                sources.append(_image_source(part, kind))
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        rendered.append({**message, "content": parts})
+    return rendered, sources
+
+
+def _image_source(part: dict[str, Any], kind: str) -> Any:
+    value = part.get(kind)
+    if kind == "image_pil" or (kind == "image" and value is not None and not isinstance(value, dict)):
+        return value
+    if isinstance(value, dict):
+        value = value.get("url")
+    if value is None:
+        raise ImageError(f"the {kind} content part has no image (expected {{'{kind}': {{'url': ...}}}})")
+    return value

@@ -1,0 +1,183 @@
+"""The vision tower of Qwen3.5 / Qwen3.5-MoE (`model.visual.*`): pixels of image patches in, one
+language-model input embedding per merged group of patches out. A torch reference, checked against
+transformers' `Qwen3_5VisionModel`.
+
+Module tree (names equal the checkpoint's after `model.visual.`)::
+
+    patch_embed.proj        Conv3d [hidden, C, T, P, P], stride = kernel: a linear map of each patch row
+    pos_embed               [grid_side^2, hidden] learned positions, resampled bilinearly to each image's grid
+    blocks.{i}.norm1/norm2  LayerNorm
+    blocks.{i}.attn.qkv     [3 hidden, hidden] (+ bias); attn.proj [hidden, hidden] (+ bias)
+    blocks.{i}.mlp.linear_fc1 / linear_fc2   GELU (tanh approximation) MLP
+    merger.norm             LayerNorm over each patch; merger.linear_fc1 [4h, 4h] / linear_fc2 [out, 4h] over
+                            the concatenation of a 2 x 2 group of patches, exact GELU between
+
+Input layout (what transformers' image processor for these models emits): `pixel_values` [N, C*T*P*P], the
+patches of image after image; an image of grid (t, h, w) patches owns t*h*w rows, ordered frame by frame and,
+within a frame, merge block by merge block (block row, block column, row in block, column in block). So every
+`spatial_merge_size**2` consecutive rows are one merged token, in raster order of the merged grid.
+
+Attention is bidirectional within one frame of one image and never across images. On the CPU and on CUDA it
+runs as torch's SDPA, one call per frame (a varlen kernel over all images at once is future work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from hybridcache.models.vision_config import VisionConfig
+
+Grid = tuple[int, int, int]  # (t, h, w) in patches, as transformers' image_grid_thw
+
+
+class VisionAttention(nn.Module):
+    """Multi-head self-attention over the patches of one frame, with 2-D rotary positions."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:
+        """x [N, hidden]; rope: cos, sin [N, head_dim]; lengths: patches of each frame, summing to N."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, H, D] each
+        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        outputs = []
+        for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
+            out = F.scaled_dot_product_attention(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
+            outputs.append(out.transpose(0, 1))
+        return self.proj(torch.cat(outputs).reshape(n, -1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary over the whole head dim, in fp32, rounded back to x's dtype. x [N, H, D]; cos, sin [N, D]."""
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.approximate = "tanh" if config.hidden_act == "gelu_pytorch_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate=self.approximate))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """pixels [N, C*T*P*P] -> [N, hidden]: the convolution's single output per patch, as a matrix product."""
+        weight = self.proj.weight
+        return F.linear(pixels.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+
+
+class PatchMerger(nn.Module):
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        merged = config.hidden_size * config.merge_unit
+        self.norm = nn.LayerNorm(config.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(merged, merged, bias=True)
+        self.linear_fc2 = nn.Linear(merged, config.out_hidden_size, bias=True)
+        self.merged = merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> [N / merge_unit, out_hidden]."""
+        x = self.norm(x).reshape(-1, self.merged)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class VisionTower(nn.Module):
+    """`tower(pixel_values, grids)` -> one embedding tensor per image, [t*h*w / merge_unit, out_hidden_size] each
+    (see the module docstring for the input layout). Runs under `torch.inference_mode`."""
+
+    def __init__(self, config: VisionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.patch_embed = PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = PatchMerger(config)
+        self.eval()
+        self.requires_grad_(False)
+
+    def check_grid(self, grid: Grid) -> None:
+        """ValueError unless `grid` is (t, h, w) positive with h and w multiples of the spatial merge size."""
+        t, h, w = grid
+        merge = self.config.spatial_merge_size
+        if min(t, h, w) <= 0 or h % merge or w % merge:
+            raise ValueError(f"image grid {grid} (t, h, w patches) must be positive with h and w multiples of {merge}")
+
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> list[torch.Tensor]:
+        config = self.config
+        for grid in grids:
+            self.check_grid(grid)
+        num_patches = sum(t * h * w for t, h, w in grids)
+        if tuple(pixel_values.shape) != (num_patches, config.patch_dim):
+            raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}, expected "
+                             f"{(num_patches, config.patch_dim)} for grids {list(grids)}")
+        with torch.inference_mode():
+            device = self.pos_embed.weight.device
+            x = self.patch_embed(pixel_values.to(device))
+            x = x + torch.cat([self._positions(grid) for grid in grids]).to(x.dtype)
+            rope = self._rotary(grids, device)
+            lengths = [h * w for t, h, w in grids for _ in range(t)]
+            for block in self.blocks:
+                x = block(x, rope, lengths)
+            merged = self.merger(x)
+        return list(merged.split([t * h * w // config.merge_unit for t, h, w in grids]))
+
+    def _block_order(self, table: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """[h, w, ...] in raster order -> [h*w, ...] in merge-block order (see the module docstring)."""
+        m = self.config.spatial_merge_size
+        rest = table.shape[2:]
+        return table.reshape(h // m, m, w // m, m, *rest).transpose(1, 2).reshape(h * w, *rest)
+
+    def _positions(self, grid: Grid) -> torch.Tensor:
+        """The learned position table resampled to grid (h, w) (bilinear, corners aligned): [t*h*w, hidden]."""
+        t, h, w = grid
+        side = self.config.grid_side
+        table = self.pos_embed.weight.float().reshape(side, side, -1).permute(2, 0, 1)[None]
+        resized = F.interpolate(table, size=(h, w), mode="bilinear", align_corners=True)[0].permute(1, 2, 0)
+        return self._block_order(resized, h, w).repeat(t, 1)
+
+    def _rotary(self, grids: Sequence[Grid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, head_dim] fp32: head_dim/4 frequencies of the patch's row, then of its column, twice."""
+        quarter = self.config.head_dim // 2
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter))
+        coords = []
+        for t, h, w in grids:
+            rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+            raster = torch.stack([rows, cols], dim=-1)  # [h, w, 2]
+            coords.append(self._block_order(raster, h, w).repeat(t, 1))
+        coords = torch.cat(coords).float()  # [N, 2]
+        freqs = (coords[:, :, None] * inv_freq).reshape(coords.shape[0], -1)  # [N, head_dim / 2]: rows | columns
+        angles = torch.cat((freqs, freqs), dim=-1).to(device)
+        return angles.cos(), angles.sin()

@@ -1,0 +1,86 @@
+"""Loading the vision tower (`model.visual.*` tensors) of a multimodal model folder into `VisionTower`.
+
+Kept apart from `hybridcache.models.loader` (which builds the language model and skips `model.visual.`): every
+tensor named `model.visual.X` must match our parameter `X` in name and shape, every parameter must be present, and
+tensors under other prefixes are ignored. A mismatch raises ValueError naming the tensors, before any weight
+memory is taken.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from hybridcache.models.vision import VisionTower
+from hybridcache.models.vision_config import VisionConfig
+
+PREFIX = "model.visual."
+
+
+def _plan(tower: VisionTower, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """Our parameter name -> checkpoint name; ValueError on a missing, unexpected or mis-shaped tensor."""
+    expected = {name: tuple(p.shape) for name, p in tower.named_parameters()}
+    plan, problems = {}, []
+    for raw_name, shape in shapes.items():
+        if not raw_name.startswith(PREFIX):
+            continue
+        name = raw_name[len(PREFIX):]
+        if name not in expected:
+            problems.append(f"unexpected tensor {raw_name!r} with shape {list(shape)}")
+        elif tuple(shape) != expected[name]:
+            problems.append(f"shape mismatch for tensor {raw_name!r}: checkpoint {list(shape)}, "
+                            f"model {list(expected[name])}")
+        else:
+            plan[name] = raw_name
+    problems += [f"missing tensor {PREFIX + name!r} (model shape {list(shape)})"
+                 for name, shape in expected.items() if name not in plan]
+    if problems:
+        shown = "\n  ".join(problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        raise ValueError(f"checkpoint does not match the vision tower:\n  {shown}{more}")
+    return plan
+
+
+@torch.no_grad()
+def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy in-memory tensors (full checkpoint names, e.g. a transformers model's `state_dict()`) into `tower`."""
+    plan = _plan(tower, {name: tuple(t.shape) for name, t in tensors.items()})
+    params = dict(tower.named_parameters())
+    for name, source in plan.items():
+        params[name].copy_(tensors[source])
+
+
+def load_vision_tower(
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> VisionTower | None:
+    """The folder's vision tower in eval mode, parameters in `dtype` on `device`; None when config.json has no
+    `vision_config` (a text model)."""
+    from safetensors import safe_open
+
+    from hybridcache.models.loader import _safetensors_files
+
+    model_dir = Path(model_dir)
+    config = VisionConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    if config is None:
+        return None
+    location: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in _safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if name.startswith(PREFIX):
+                    location[name] = file
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+    with torch.device("meta"):
+        tower = VisionTower(config)
+    plan = _plan(tower, shapes)
+    tower = tower.to(dtype=dtype).to_empty(device=device)
+    params = dict(tower.named_parameters())
+    handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}
+    with torch.no_grad():
+        for name, source in plan.items():
+            params[name].copy_(handles[location[source]].get_tensor(source))
+    return tower.eval()
