@@ -9,9 +9,10 @@ every file descriptor. `guarded_protocol(cap, read_timeout_s)` returns the proto
 - a request's headers and body must arrive within `read_timeout_s` of its first byte (of the connection's
   opening, for the first request); then the connection is closed (a handler still reading the body sees a
   client disconnect);
-- at most `cap` connections are open: a connection that would pass the cap closes the oldest connection still
-  sending its request (a client sending a request in one go is not among them for long), else it is closed
-  itself. A connection whose request is running or done is never closed for room.
+- at most `cap` connections are open: a connection that would pass the cap closes the oldest connection that
+  is not running a request (one still sending its request, or idle between requests; a client sending a
+  request in one go is not among them for long), else it is closed itself. A connection whose request is
+  running is never closed for room.
 
 The connection-limit and timeout lines are logged at WARNING through `hybridcache.server.connections`; the
 rate-limit filter of `log_limits.py` keeps a flood of them to a few lines.
@@ -31,10 +32,11 @@ logger = logging.getLogger("hybridcache.server.connections")
 
 def guarded_protocol(cap: int, read_timeout_s: float) -> type[H11Protocol]:
     """A subclass of uvicorn's h11 protocol with the read deadline and the connection cap (module docstring).
-    Every connection of one server shares the registry of connections still sending their request."""
+    Every connection of one server shares the registry of connections not running a request."""
     if cap < 1 or not read_timeout_s > 0:
         raise ValueError(f"need cap >= 1 and read_timeout_s > 0, got {cap} and {read_timeout_s}")
-    reading: dict[GuardedH11Protocol, None] = {}  # oldest first: connections within their read deadline
+    # oldest first: connections not running a request (within their read deadline, or idle between requests)
+    spare: dict[GuardedH11Protocol, None] = {}
 
     class GuardedH11Protocol(H11Protocol):
         _read_timer: asyncio.TimerHandle | None = None
@@ -42,7 +44,7 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[H11Protocol]:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > cap:
-                victim = next(iter(reading), None)
+                victim = next(iter(spare), None)
                 if victim is None:
                     logger.warning("%d connections are open, the limit (--limit-concurrency); every one is "
                                    "running a request: a new connection was closed", len(self.connections) - 1)
@@ -50,7 +52,7 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[H11Protocol]:
                     transport.close()
                     return
                 logger.warning("%d connections are open, the limit (--limit-concurrency): closed the oldest one "
-                               "still sending its request", len(self.connections) - 1)
+                               "not running a request", len(self.connections) - 1)
                 victim._drop()
             self._arm()
 
@@ -69,7 +71,8 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[H11Protocol]:
         # ---------------------------------------------------------------------------------------- deadline
         def _update(self) -> None:
             """Arm the deadline while a request is being received, drop it once the request is read (or while
-            the connection idles between requests: uvicorn's keep-alive timeout covers that)."""
+            the connection idles between requests: uvicorn's keep-alive timeout covers that); keep `spare` up to
+            date."""
             if self.transport.is_closing():
                 self._stop_reading()
                 return
@@ -79,14 +82,18 @@ def guarded_protocol(cap: int, read_timeout_s: float) -> type[H11Protocol]:
                 self._arm()
             else:
                 self._stop_reading()
+                if idle:
+                    spare[self] = None
 
         def _arm(self) -> None:
             if self._read_timer is None:  # a deadline is never pushed back by more bytes
                 self._read_timer = self.loop.call_later(read_timeout_s, self._expired)
-                reading[self] = None
+                spare.pop(self, None)  # (re)joins at the end: the order is that of becoming spare
+                spare[self] = None
 
         def _stop_reading(self) -> None:
-            reading.pop(self, None)
+            """Drop the read deadline and leave `spare` (the request is read, or the connection is gone)."""
+            spare.pop(self, None)
             if self._read_timer is not None:
                 self._read_timer.cancel()
                 self._read_timer = None

@@ -2,8 +2,8 @@
 in the engine's waiting queue, and a request's run time. Each limit refuses early, before the work it
 guards is done, with an error that names the limit.
 
-    connection opens   -> over `limit_concurrency` open connections: the oldest one still waiting for its request
-                          (headers or body) is closed first, else the new one (connections.py)
+    connection opens   -> over `limit_concurrency` open connections: the oldest one not running a request (still
+                          sending one, or idle) is closed first, else the new one (connections.py)
     request arrives    -> its headers and body must arrive within `request_read_timeout_s` (connections.py)
     body parsed        -> a prompt text over `max_model_len x max_token_bytes` bytes is refused before tokenizing
                           (it cannot fit); `prompts x n` over `max_request_sequences` is refused
@@ -133,8 +133,9 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags of `ServerLimits` (defaults from the dataclass)."""
     d = ServerLimits()
     parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
-                        help="the most open connections; over it the oldest connection still sending its request is "
-                             "closed, else the new one (default: the file-descriptor limit less 64, at most 1024)")
+                        help="the most open connections; over it the oldest connection not running a request (still "
+                             "sending one, or idle) is closed, else the new one (default: the file-descriptor limit "
+                             "less 64, at most 1024)")
     parser.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
                         help="close an idle keep-alive connection after this long")
     parser.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout_s, metavar="SECONDS",

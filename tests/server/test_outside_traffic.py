@@ -89,6 +89,29 @@ def test_half_open_connections_are_closed_and_cannot_lock_others_out(server):
     assert "Traceback" not in log
 
 
+def test_idle_keep_alive_connections_make_room_at_the_cap(server):
+    """CAP connections that each got an answer and now sit idle (keep-alive) hold every place: a new client still
+    gets in (the oldest idle one is closed for it), and no connection running a request is closed."""
+    sockets = []
+    try:
+        for _ in range(CAP):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            sockets.append(sock)
+        body = {"prompt": "running while the cap is full", "max_tokens": 200, "ignore_eos": True}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(httpx.post, f"{server.base_url}/v1/completions", json=body, timeout=60)
+            time.sleep(0.3)
+            for _ in range(5):  # each one closes an idle connection, never the running request's
+                assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+            assert running.result().status_code == 200
+        assert sum(_closed_by_server(s, 0.05) for s in sockets) >= 1
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def test_oversized_prompts_are_refused_unread_while_health_answers(server):
     """Twenty concurrent 900 kB prompts (each too long) used to be tokenized on the event loop, holding /health
     for seconds. Now each is refused by its size, and /health answers throughout."""
