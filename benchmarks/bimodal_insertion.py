@@ -21,11 +21,11 @@ from __future__ import annotations
 import argparse
 from collections import OrderedDict
 
-from hybridcache.bench.cost_model import ModelCost, load_model_cost
 from hybridcache.bench.replay import CacheReplay, cache_requests_of
 from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, parse_policies
 from hybridcache.bench.workloads import load_workload
 from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+from hybridcache.engine.cost_model import ModelCost, load_model_cost
 
 GHOSTS_PER_BUDGET_BLOCK = 8
 DECAY = 0.995

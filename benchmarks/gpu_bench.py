@@ -24,6 +24,12 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
 - D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
 - DSYNC: phase D on the same engine with async scheduling off (each step postprocessed before the next is
   planned), to measure what async scheduling gives within one process.
+- SWE: the shipped SWE-agent slice replayed call by call from an empty cache (118 model calls of up to 16,000
+  tokens, each call's prompt every message before it, 1 new token each; `phase_swe`).
+
+Every Triton kernel compiled (or loaded from the disk cache) after the engine's start-up is logged by phase,
+the benchmark's own warm-up included (label `warm-up`): the engine is meant to compile everything it can launch
+while it starts, so every count should be 0.
 
 `--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs and eagerly
 (`enforce_eager`) on two engines and reports whether the tokens are identical. Prints one table and writes
@@ -70,7 +76,7 @@ MODELS = {
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
 }
-PHASES = ("A", "B", "C", "D", "DSYNC")
+PHASES = ("A", "B", "C", "D", "DSYNC", "SWE")
 
 
 def model_folder(name: str, model_dir: str | None) -> Path:
@@ -126,7 +132,8 @@ def summary(latencies: list[float], outputs: list, prompt_lens: list[int]) -> di
     return {
         "requests": len(outputs), "prompt_tokens": sum(prompt_lens), "cached_tokens": sum(cached),
         "hit_rate": sum(cached) / sum(prompt_lens), "cached_per_request": cached,
-        "p50_ms": 1000 * statistics.median(latencies), "p95_ms": pct(0.95), "total_s": sum(latencies),
+        "p50_ms": 1000 * statistics.median(latencies), "p90_ms": pct(0.9), "p95_ms": pct(0.95),
+        "max_ms": 1000 * ordered[-1], "total_s": sum(latencies),
         "latencies_ms": [1000 * t for t in latencies],
     }
 
@@ -158,6 +165,35 @@ def phase_c(llm: LLM, rng: random.Random) -> dict:
     cold = timed(llm, [prompt], 1)
     warm = timed(llm, [longer], 1)
     return summary([cold[0], warm[0]], cold[1] + warm[1], [len(prompt), len(longer)])
+
+
+SWE_MAX_PROMPT = 16000
+
+
+def phase_swe(llm: LLM, rng: random.Random) -> dict:
+    """The shipped SWE-agent slice replayed call by call, one request at a time in arrival order, from an empty
+    cache: each call's prompt is every message before it as recorded (the built-in byte tokenizer and ChatML
+    template, whose ids the byte tokenizer of these models shares), sessions cut at SWE_MAX_PROMPT tokens
+    (smoke runs with --scale < 1: shorter), 1 new token each. Real agent prompt lengths: a prefill shape that
+    start-up did not compile shows here."""
+    from hybridcache.bench.workloads import ChatOptions, load_workload
+
+    cut = ChatOptions(max_prompt_len=SWE_MAX_PROMPT)
+    if SCALE["value"] < 1:  # smoke runs: messages cut to 200 characters, the first calls only
+        cut = ChatOptions(max_prompt_len=max(1024, int(SWE_MAX_PROMPT * SCALE["value"])), max_message_chars=200)
+    requests = list(load_workload("swe-agent", chat=cut))
+    if SCALE["value"] < 1:
+        requests = requests[: max(2, int(len(requests) * SCALE["value"]))]
+    llm.engine.clear_cache()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    latencies, outputs, start = [], [], time.perf_counter()
+    for request in requests:
+        call_start = time.perf_counter()
+        outputs += llm.generate([list(request.prompt_ids)], params, use_tqdm=False)
+        latencies.append(time.perf_counter() - call_start)
+    result = summary(latencies, outputs, [r.prompt_len for r in requests])
+    result.update(wall_s=time.perf_counter() - start, max_prompt_tokens=max(r.prompt_len for r in requests))
+    return result
 
 
 def phase_d(llm: LLM, rng: random.Random, trace_step: int = 0) -> dict:
@@ -315,6 +351,7 @@ def main() -> None:
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                    async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode)
+    result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None
     try:
@@ -334,10 +371,15 @@ def main() -> None:
     result["async_scheduling"] = llm.engine.async_scheduling
     result["mamba_ssm_cache_dtype"] = llm.engine.config.mamba_ssm_cache_dtype
     rng = random.Random(0)
+    compiles = CompileLog()  # from here on, every compile is one the engine's start-up did not do
+    compiles.label = "warm-up"
     warm_up(llm, random.Random(99))
+    result["warm_up_kernels_compiled"] = compiles.by_label.get("warm-up", [])
+    print(f"warm-up: Triton compiled {len(result['warm_up_kernels_compiled'])} kernels: "
+          f"{result['warm_up_kernels_compiled']}", flush=True)
     runners = {"A": phase_a, "B": phase_b, "C": phase_c,
-               "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step), "DSYNC": phase_d_sync}
-    compiles = CompileLog()
+               "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step), "DSYNC": phase_d_sync,
+               "SWE": phase_swe}
     for index, phase in enumerate(phases):
         key = phase if phase not in phases[:index] else f"{phase}#{phases[:index + 1].count(phase)}"
         compiles.label = key
@@ -350,8 +392,8 @@ def main() -> None:
             continue
         result["phases"][key]["cache"] = {name: dict(counts - before[name])
                                           for name, counts in cache_counts(llm).items()}
+        result["phases"][key]["kernels_compiled"] = compiles.by_label.get(key, [])
         if key in compiles.by_label:
-            result["phases"][key]["kernels_compiled"] = compiles.by_label[key]
             print(f"{key}: Triton compiled {len(compiles.by_label[key])} kernels: {compiles.by_label[key]}")
         print_row(key, result["phases"][key])
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -361,6 +403,15 @@ def main() -> None:
         result["graph_check"] = check_graphs(llm, args.check_tokens)
         print(f"graph check: {result['graph_check']}", flush=True)
         out_path.write_text(json.dumps(result, indent=1))
+
+
+def triton_cache_state() -> dict:
+    """Triton's on-disk kernel cache as this process found it: its folder (TRITON_CACHE_DIR, else Triton's default
+    ~/.triton/cache) and how many compiled kernels it held, 0 on a fresh machine. A second process with the same
+    folder loads its kernels instead of compiling them: the restart figure of docs/bench.md."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    kernels = sum(not f.name.startswith("__grp__") for f in folder.glob("*/*.json")) if folder.is_dir() else 0
+    return {"dir": str(folder), "kernels_at_start": kernels}
 
 
 def cache_counts(llm: LLM) -> dict[str, Counter]:
@@ -375,14 +426,18 @@ def print_row(phase: str, r: dict) -> None:
     cached = "/".join(str(c) for c in r["cached_per_request"]) if few else r["cached_tokens"]
     lat = "/".join(f"{t:.0f}" for t in r["latencies_ms"]) if len(r["latencies_ms"]) <= 3 else ""
     decode = f"{r['decode_step_ms_p50']:.1f}" if r.get("decode_step_ms_p50") else "-"
-    print(f"| {phase} | {r['hit_rate']:.3f} | {cached} | {r['p50_ms']:.0f} | {r['p95_ms']:.0f} | {lat} | "
-          f"{r['total_s']:.2f} | {tok_s} | {decode} |", flush=True)
+    compiled = len(r.get("kernels_compiled", ()))
+    print(f"| {phase} | {r['hit_rate']:.3f} | {cached} | {r['p50_ms']:.0f} | {r['p95_ms']:.0f} | "
+          f"{r.get('max_ms', 0):.0f} | {lat} | {r['total_s']:.2f} | {tok_s} | {decode} | {compiled} |", flush=True)
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['model']} on {result['device']}, state {result['mamba_ssm_cache_dtype']} ({result['memory']})")
-    print("| phase | hit rate | cached tokens | p50 ms | p95 ms | each ms | total s | out tok/s | decode step ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"engine start-up {result['engine_init_s']:.1f} s; kernels compiled in the warm-up "
+          f"{len(result.get('warm_up_kernels_compiled', ()))}")
+    print("| phase | hit rate | cached tokens | p50 ms | p95 ms | max ms | each ms | total s | out tok/s "
+          "| decode step ms | kernels compiled |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for phase, r in result["phases"].items():
         print_row(phase, r)
 

@@ -36,7 +36,6 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridcache.kernels import cuda_checks  # noqa: E402
 from hybridcache.kernels.attention import reference as attention_ref  # noqa: E402
 from hybridcache.kernels.attention import triton_paged  # noqa: E402
 from hybridcache.kernels.conv import reference as conv_ref  # noqa: E402
@@ -47,6 +46,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode 
 from hybridcache.kernels.moe import reference as moe_ref  # noqa: E402
 from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts  # noqa: E402
 from hybridcache.kernels.varlen import chunk_indices  # noqa: E402
+from tests.kernels import cuda_checks  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

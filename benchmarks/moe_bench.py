@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from hybridcache.kernels.cuda_checks import routing
 from hybridcache.kernels.moe import grouped
 from hybridcache.kernels.moe.grouped import (
     ExpertWeights,
@@ -39,6 +38,7 @@ from hybridcache.kernels.moe.grouped import (
 )
 from hybridcache.kernels.moe.triton_experts import combine
 from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
+from tests.kernels.cuda_checks import routing
 
 SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024), "next-80b": (512, 10, 2048, 512)}
 TOKENS = (1, 8, 32, 64, 128, 256, 1024, 4096, 16384)

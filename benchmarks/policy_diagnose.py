@@ -23,13 +23,13 @@ import argparse
 import json
 from collections import Counter
 
-from hybridcache.bench.cost_model import ModelCost, load_model_cost
 from hybridcache.bench.replay import CacheReplay, cache_requests_of
 from hybridcache.bench.simulator import GIB, SimConfig, _cyclic_gc_paused, make_replay, parse_policies, prepare_oracles
 from hybridcache.bench.workloads import load_workload
 from hybridcache.bench.workloads.base import SimRequest
 from hybridcache.bench.workloads.mooncake import MOONCAKE_BLOCK_LEN, read_mooncake
 from hybridcache.cache.checkpoint import CheckpointState
+from hybridcache.engine.cost_model import ModelCost, load_model_cost
 
 
 class _Probe:

@@ -10,7 +10,7 @@ prompt, then of it + 200 tokens; D: 64 prompts of 1,024 tokens x 128 new tokens 
 tokens/s and the decode step time). One engine per TP size, one after the other in this process (rank 0 here,
 ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts. Runs are
 eager unless `--graphs` (every run then captures CUDA decode graphs where it can: bfloat16, and TP > 1 only
-with `rank_runner.TP_CUDA_GRAPHS`; the JSON's `cuda_graphs` per run says what was captured).
+with `hybridcache.engine.rank_runner.TP_CUDA_GRAPHS`; the JSON's `cuda_graphs` per run says what was captured).
 After the phases each run decodes 8 prompts x 32 greedy tokens; "same tokens" counts the completions equal to
 the first run's. In bfloat16 the reductions differ across TP sizes (a rank sums its share, the all-reduce sums
 the ranks), so a random model's flat logits may diverge late and that drift proves nothing; a sharding bug shows

@@ -42,6 +42,9 @@ class EngineConfig:
     tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
     NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
     engine's process. See `hybridcache.distributed`.
+    attention_backend: the attention kernels, by registered name (`hybridcache.kernels.registry.ATTENTION`:
+    "reference", "triton"; None = per device: "triton" with the CUDA backend, else "reference"); an unknown name,
+    or one not for the device, is refused when the engine is built, before the weights load.
     dtype: weights and activations (and the KV pool and the DeltaNet conv state). mamba_ssm_cache_dtype: the
     gated DeltaNet recurrent state `S` in the state slots (runtime and checkpoint ones), vLLM's option name;
     the kernels compute in fp32 and round to this dtype once per stored state (after each chunk of a prefill,
@@ -68,6 +71,7 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:

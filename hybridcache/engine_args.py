@@ -76,6 +76,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="CUDA: fraction of the device memory for weights, activations and the cache "
                              "(default: 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
+    parser.add_argument("--attention-backend", default=None,
+                        help="attention kernels by registered name: reference or triton (CUDA) (default: triton on "
+                             "CUDA with the CUDA kernels installed, else reference)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="plan the next step while the device runs this one (default: on for CUDA without "
                              "tensor parallelism)")
@@ -112,6 +115,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        attention_backend=args.attention_backend,
     )
 
 

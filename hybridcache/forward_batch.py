@@ -2,7 +2,7 @@
 
 This module is the contract between the engine (which builds a `ForwardBatch`), the kernel backend (whose
 `prepare` attaches its step metadata) and the models (which only read the batch and update the pools of
-`hybridcache.state_spec` in place). It imports only torch.
+`hybridcache.state_spec` in place). It imports only torch and the pure-Python leaf `hybridcache.copy_kinds`.
 
 Worked example (block_size B=16, kernel_block_size 8, so 2 kernel pages per scheduler block)::
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.cache.plan import CopyKind
+from hybridcache.copy_kinds import CopyKind
 
 
 @dataclass(frozen=True)

@@ -90,9 +90,9 @@ def register(subparsers) -> None:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from hybridcache.bench.cost_model import load_model_cost
     from hybridcache.bench.simulator import GIB, SimConfig, SimResult, parse_policies, simulate_many
     from hybridcache.bench.workloads import load_workload
+    from hybridcache.engine.cost_model import load_model_cost
 
     specs = parse_policies(args.policies, args.block_size)
     model_dir = resolve_model(args.model).path if args.model is not None else None

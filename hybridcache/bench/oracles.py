@@ -9,12 +9,13 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.replay import CacheReplay, Counters, PolicyResult, PolicySpec, SimConfig, policy_result
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheRequest
+from hybridcache.cache.policy import EvictionPolicy
 from hybridcache.cache.request import common_prefix_len
 from hybridcache.cache.trie import chain_hash, prompt_block_hashes, root_hash
+from hybridcache.engine.cost_model import ModelCost
 
 FUTURE_POLICIES = ("bounded-oracle", "reuse-oracle")  # replayed with the whole workload known (`BoundedOracleReplay`)
 
@@ -123,7 +124,7 @@ class FutureIndex:
         return None
 
 
-class BeladyPolicy:
+class BeladyPolicy(EvictionPolicy):
     """Eviction with knowledge of the future (the `bounded-oracle`): evict what is needed furthest in the
     future (never again first), weighing bytes: the largest (distance to the next use) x (bytes held).
     `now` is the index of the request being replayed (set by `BoundedOracleReplay`).
@@ -131,6 +132,8 @@ class BeladyPolicy:
     `timing=False` (the `reuse-oracle`) knows *whether* an item is used again but not *when*: never-used
     items first (by bytes), then the least recently used, as `hybridcache`'s LRU. What separates it from
     the bounded oracle is the foresight of when chains return."""
+
+    orders_kinds = True  # leaves against checkpoints by score (`prefer_checkpoint`); no shadowed precedence
 
     def __init__(self, future: FutureIndex, block_bytes: float, state_bytes: float, timing: bool = True) -> None:
         self.future, self.now = future, 0

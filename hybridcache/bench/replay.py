@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.engine.cost_model import ModelCost
 from hybridcache.engine.memory import state_pages
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
 

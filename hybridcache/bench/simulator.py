@@ -45,7 +45,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from hybridcache.bench.cost_model import ModelCost
 from hybridcache.bench.oracles import FUTURE_POLICIES, BoundedOracleReplay, FutureIndex, OracleReplay
 from hybridcache.bench.replay import (
     DEFAULT_POLICIES,
@@ -60,6 +59,7 @@ from hybridcache.bench.replay import (
     parse_policies,
 )
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.engine.cost_model import ModelCost
 
 __all__ = ["DEFAULT_POLICIES", "GIB", "POLICY_NAMES", "SimConfig", "SimResult", "make_replay", "parse_policies",
            "prepare_oracles", "simulate", "simulate_many"]

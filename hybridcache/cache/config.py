@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-EVICTION_POLICIES = ("lru", "flop_aware")
 ADMISSION_POLICIES = ("all", "repeat_branch", "learned")
 
 
@@ -71,8 +70,10 @@ class CacheConfig:
         interval = self.decode_checkpoint_interval
         if interval is not None and (interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval {interval} is not a multiple of block_size")
+        from hybridcache.cache.policy import EVICTION_POLICIES  # the registry (policy.py imports this module)
+
         if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+            raise ValueError(f"eviction must be one of {tuple(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.state_pages is not None and self.state_pages < 1:
             raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
         if self.admission not in ADMISSION_POLICIES:

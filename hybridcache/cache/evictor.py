@@ -17,7 +17,8 @@ make a new leaf evictable):
                                     1. a dead leaf -> DEAD_BLOCK; 2. a shadowed checkpoint -> SHADOWED;
                                     3. a leaf by policy -> LEAF; 4. a checkpoint by policy (slot + frozen
                                     block) -> CHECKPOINT
-    (A policy that orders kinds itself, `prefer_checkpoint`, the bounded oracle's, skips the shadowed steps.)
+    (A policy that orders kinds itself, `orders_kinds` / `prefer_checkpoint`, the bounded oracle's, skips the
+    shadowed steps.)
 
 Victims come from indexes kept in step with every change (eviction_index.py; `Lifecycle` reports each
 change through `on_publish`, `on_unpublish`, `on_touch`, `on_shadow` and `leaf_changed`): checkpoints (all,
@@ -27,9 +28,10 @@ counts cheap certainties first and walks the trie only when they do not suffice.
 list-based meaning (`policy.pick_checkpoint` / `policy.pick_leaf` over every candidate); the tests wrap
 this class (tests/cache/checked_evictor.py) to check every pick against that full scan.
 
-Where a policy plugs in: an eviction policy is an object with `pick_checkpoint(candidates)` and
-`pick_leaf(candidates)` (policy.py). LRU and FLOP-aware have fast paths here (`_pick_checkpoint`,
-`live_leaf`); any other policy gets the full-scan pick, correct and slower, until it earns a fast path.
+Where a policy plugs in: an eviction policy is an `EvictionPolicy` strategy (policy.py) with
+`pick_checkpoint(candidates)` and `pick_leaf(candidates)`, registered by name. LRU and FLOP-aware override its
+fast paths over these indexes (`pick_from_order`, `pick_live_leaf`); any other policy gets the full-scan pick,
+correct and slower, until it earns a fast path. The evictor never asks which policy it holds.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
-from hybridcache.cache.policy import EvictionPolicy, FlopAwarePolicy, LruPolicy
+from hybridcache.cache.policy import EvictionPolicy
 from hybridcache.cache.stats import EvictionKind
 from hybridcache.cache.trie import Node, Trie
 
@@ -60,7 +62,7 @@ class Evictor:
         self.policy = policy
         self.trie = trie
         self.blocks = blocks
-        flop = isinstance(policy, FlopAwarePolicy)
+        flop = policy.track_steps
         self._published = RecencyOrder(track_steps=flop)
         self._tails = RecencyOrder(track_steps=flop)  # published checkpoints that hold a frozen block
         self._shadowed = RecencyOrder(track_steps=flop)  # published shadowed checkpoints (`Checkpoint.shadowed`)
@@ -206,7 +208,7 @@ class Evictor:
     def shadowed_first(self) -> bool:
         """Whether shadowed checkpoints go first (every policy but one that orders kinds itself, the bounded
         oracle's `prefer_checkpoint`)."""
-        return getattr(self.policy, "prefer_checkpoint", None) is None
+        return not self.policy.orders_kinds
 
     def shadowed_victim(self, frozen: bool = False) -> Checkpoint | None:
         """The policy's victim among the unpinned shadowed checkpoints (`frozen`: those with a frozen block)."""
@@ -253,11 +255,10 @@ class Evictor:
         if shadowed is not None:
             return Victim(EvictionKind.SHADOWED, shadowed)
         leaf = self.live_leaf()
-        prefer = getattr(self.policy, "prefer_checkpoint", None)
-        if leaf is not None and prefer is None:
+        if leaf is not None and not self.policy.orders_kinds:
             return Victim(EvictionKind.LEAF, leaf)
         slot = self.slot_victim()
-        if leaf is None or (slot is not None and prefer(slot.target, leaf)):
+        if leaf is None or (slot is not None and self.policy.prefer_checkpoint(slot.target, leaf)):
             return slot
         return Victim(EvictionKind.LEAF, leaf)
 
@@ -279,23 +280,8 @@ class Evictor:
 
     def live_leaf(self) -> Node | None:
         """The policy's victim among the evictable leaves (LRU: from the heap; otherwise a full scan)."""
-        if isinstance(self.policy, LruPolicy):
-            return self._live_leaves.pick(self.is_evictable_leaf)
-        live = [n for n in self.trie.leaves if self.is_evictable_leaf(n)]
-        return self.policy.pick_leaf(live) if live else None
+        return self.policy.pick_live_leaf(self._live_leaves, self.trie.leaves, self.is_evictable_leaf)
 
     def _pick_checkpoint(self, order: RecencyOrder) -> Checkpoint | None:
         """The policy's victim among the unpinned checkpoints of `order` (None: there is none)."""
-        policy = self.policy
-        if isinstance(policy, LruPolicy):
-            return order.first_unpinned()
-        newest = next((c for c in order.newest_first() if c.num_pins == 0), None)
-        if newest is None:
-            return None
-        if not (isinstance(policy, FlopAwarePolicy) and policy.can_prune):
-            return policy.pick_checkpoint([c for c in order.oldest_first() if c.num_pins == 0])
-        top = max(
-            policy.efficiency(c) for c in (order.max_step(True), order.max_step(False)) if c is not None
-        )
-        unpinned = (c for c in order.oldest_first() if c.num_pins == 0)
-        return policy.pick_checkpoint_by_recency(unpinned, newest, top)
+        return self.policy.pick_from_order(order)

@@ -23,41 +23,18 @@ KV ids are scheduler block ids. State ids depend on where checkpoints keep their
 
 Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
 slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
-A new tier (device <-> pinned host) is a new `Pool` member and new kinds, not a new field.
+`Pool`, `Phase` and `CopyKind` live in `hybridcache.copy_kinds` (a pure-Python leaf that the kernels' side,
+`hybridcache.forward_batch`, reads too) and are re-exported here. A new tier (device <-> pinned host) is a new
+`Pool` member and new kinds, not a new field.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from hybridcache.copy_kinds import CopyKind, Phase, Pool
 
-class Pool(enum.Enum):
-    KV = "kv"
-    STATE = "state"
-
-
-class Phase(enum.Enum):
-    BEFORE_FORWARD = "before_forward"
-    AFTER_FORWARD = "after_forward"
-
-
-class CopyKind(enum.Enum):
-    """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
-
-    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
-    KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")
-    STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
-    KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
-    STATE_SAVE = (Pool.STATE, Phase.AFTER_FORWARD, "save")
-
-    @property
-    def pool(self) -> Pool:
-        return self.value[0]
-
-    @property
-    def phase(self) -> Phase:
-        return self.value[1]
+__all__ = ["CopyKind", "CopyOp", "CopyPlan", "Phase", "PlanBuilder", "Pool"]
 
 
 @dataclass(frozen=True)

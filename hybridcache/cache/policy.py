@@ -1,7 +1,10 @@
 """Which checkpoints to admit and which checkpoints or leaves to evict.
 
-Eviction policies pick one victim from a non-empty candidate list (every candidate is evictable: the
-caller filtered out pinned checkpoints and leaves still held by a sequence):
+Eviction policies are strategies: subclasses of `EvictionPolicy`, registered by name in `EVICTION_POLICIES`
+(`@register_eviction("name")`; `CacheConfig.eviction` names one, `make_eviction_policy` builds it). A policy
+picks one victim from a non-empty candidate list (every candidate is evictable: the caller filtered out pinned
+checkpoints and leaves still held by a sequence); it may also give `Evictor` a fast path over its indexes
+(`pick_from_order`, `pick_live_leaf`; by default a full scan through `pick_checkpoint` / `pick_leaf`):
 - `LruPolicy`: the least recently used (ties: the oldest id / the shallowest node).
 - `FlopAwarePolicy` (Marconi-style): the lowest score, where
       score = recency in [0, 1] (normalised over the candidates) + alpha * efficiency in [0, 1]
@@ -15,27 +18,95 @@ Admission policies answer whether a save is worth reserving (`PrefixCache._decli
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.eviction_index import LeafHeap, RecencyOrder
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.trie import Node
 
 
-class LruPolicy:
+class EvictionPolicy:
+    """The strategy `Evictor` applies. Subclasses implement `pick_checkpoint` and `pick_leaf`; the rest has
+    defaults that are correct for any policy.
+
+    track_steps   the recency orders also index checkpoints by step (`RecencyOrder.max_step`, for FLOP-aware)
+    orders_kinds  the policy orders checkpoints against leaves itself (`prefer_checkpoint`) and shadowed
+                  checkpoints get no precedence (the bounded oracle's); otherwise leaves go before checkpoints
+    """
+
+    track_steps = False
+    orders_kinds = False
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, cost: CostModel) -> EvictionPolicy:
+        """The policy a cache of `config` uses (`make_eviction_policy`)."""
+        return cls()
+
+    def pick_checkpoint(self, candidates: Sequence[Checkpoint]) -> Checkpoint:
+        raise NotImplementedError
+
+    def pick_leaf(self, candidates: Sequence[Node]) -> Node:
+        raise NotImplementedError
+
+    def prefer_checkpoint(self, ckpt: Checkpoint, leaf: Node) -> bool:
+        """With `orders_kinds`: whether `ckpt` goes before `leaf` under one byte budget."""
+        raise NotImplementedError
+
+    def pick_from_order(self, order: RecencyOrder) -> Checkpoint | None:
+        """The victim among the unpinned checkpoints of `order` (None: there is none); default: a full scan."""
+        unpinned = [c for c in order.oldest_first() if c.num_pins == 0]
+        return self.pick_checkpoint(unpinned) if unpinned else None
+
+    def pick_live_leaf(self, heap: LeafHeap, leaves: Iterable[Node], evictable: Callable[[Node], bool]) -> Node | None:
+        """The victim among the evictable live leaves (`heap`: them in LRU order); default: a full scan."""
+        live = [n for n in leaves if evictable(n)]
+        return self.pick_leaf(live) if live else None
+
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {}
+
+
+def register_eviction(name: str) -> Callable[[type[EvictionPolicy]], type[EvictionPolicy]]:
+    """Class decorator: register an eviction policy under `name` (`CacheConfig.eviction`)."""
+
+    def add(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+        if name in EVICTION_POLICIES and EVICTION_POLICIES[name] is not cls:
+            raise ValueError(f"eviction policy {name!r} is already registered")
+        EVICTION_POLICIES[name] = cls
+        return cls
+
+    return add
+
+
+@register_eviction("lru")
+class LruPolicy(EvictionPolicy):
     def pick_checkpoint(self, candidates: Sequence[Checkpoint]) -> Checkpoint:
         return min(candidates, key=lambda c: (c.last_access, c.ckpt_id))
 
     def pick_leaf(self, candidates: Sequence[Node]) -> Node:
         return min(candidates, key=lambda n: (_leaf_recency(n), n.depth, n.block_id))
 
+    def pick_from_order(self, order: RecencyOrder) -> Checkpoint | None:
+        return order.first_unpinned()
 
-class FlopAwarePolicy:
+    def pick_live_leaf(self, heap: LeafHeap, leaves: Iterable[Node], evictable: Callable[[Node], bool]) -> Node | None:
+        return heap.pick(evictable)
+
+
+@register_eviction("flop_aware")
+class FlopAwarePolicy(EvictionPolicy):
+    track_steps = True
+
     def __init__(self, alpha: float, cost: CostModel, block_size: int) -> None:
         self.alpha = alpha
         self.cost = cost
         self.block_size = block_size
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, cost: CostModel) -> FlopAwarePolicy:
+        return cls(config.flop_aware_alpha, cost, config.block_size)
 
     def _checkpoint_bytes(self, ckpt: Checkpoint) -> float:
         frozen = self.block_size * self.cost.kv_bytes_per_token if ckpt.frozen_block is not None else 0.0
@@ -80,6 +151,17 @@ class FlopAwarePolicy:
         flops, held = self._checkpoint_value(ckpt)
         return flops / held if held > 0 else 0.0
 
+    def pick_from_order(self, order: RecencyOrder) -> Checkpoint | None:
+        """`pick_checkpoint` over the unpinned checkpoints of `order`, pruned by recency when `can_prune`."""
+        newest = next((c for c in order.newest_first() if c.num_pins == 0), None)
+        if newest is None:
+            return None
+        if not self.can_prune:
+            return self.pick_checkpoint([c for c in order.oldest_first() if c.num_pins == 0])
+        top = max(self.efficiency(c) for c in (order.max_step(True), order.max_step(False)) if c is not None)
+        unpinned = (c for c in order.oldest_first() if c.num_pins == 0)
+        return self.pick_checkpoint_by_recency(unpinned, newest, top)
+
     def pick_checkpoint_by_recency(
         self, oldest_first: Iterable[Checkpoint], newest: Checkpoint, top_efficiency: float,
     ) -> Checkpoint:
@@ -118,9 +200,6 @@ def _leaf_recency(node: Node) -> int:
     return max([node.last_access, *(c.last_access for c in node.iter_checkpoints())])
 
 
-EvictionPolicy = LruPolicy | FlopAwarePolicy
-
-
 class AdmitAll:
     needs_key = False  # `admit` ignores its key: callers may pass None instead of computing one
 
@@ -156,10 +235,8 @@ AdmissionPolicy = AdmitAll | RepeatBranchAdmission
 
 
 def make_eviction_policy(config: CacheConfig, cost: CostModel) -> EvictionPolicy:
-    """The eviction policy `config.eviction` names (a new policy: a class here and a branch below)."""
-    if config.eviction == "lru":
-        return LruPolicy()
-    return FlopAwarePolicy(config.flop_aware_alpha, cost, config.block_size)
+    """The eviction policy `config.eviction` names (`CacheConfig` checked that it is registered)."""
+    return EVICTION_POLICIES[config.eviction].from_config(config, cost)
 
 
 def make_admission_policy(config: CacheConfig) -> AdmissionPolicy:

@@ -1,10 +1,11 @@
 """The engine's runner under tensor parallelism: rank 0 in the engine's process, ranks 1..N-1 in workers.
 
-`TensorParallelExecutor` has the `ModelRunner` methods the engine calls (`execute`, `execute_copies`,
-`logits_from_slots`, `graph_batch_sizes`), so the scheduler, the prefix cache and sampling run once, in the
-engine, exactly as without tensor parallelism. Each call sends the step (the `ForwardBatch` with its copy ops,
-as CPU id tensors) to every worker, then runs it on rank 0's own shard; every rank runs the same restores,
-forward and saves on its own shard of the pools, and the logits come back whole to rank 0 (all-gathered)::
+`TensorParallelExecutor` implements the engine's `Executor` protocol (`hybridcache.engine.executor`: `execute`,
+`execute_copies`, `logits_from_slots`, `memory_plan`, `shutdown`, ...), so the scheduler, the prefix cache and
+sampling run once, in the engine, exactly as without tensor parallelism. Each call sends the step (the
+`ForwardBatch` with its copy ops, as CPU id tensors) to every worker, then runs it on rank 0's own shard; every
+rank runs the same restores, forward and saves on its own shard of the pools, and the logits come back whole to
+rank 0 (all-gathered)::
 
     engine.step -> executor.execute(batch) -> pipe: (EXECUTE, batch) -> worker r: runner.execute(batch)
                                            -> rank 0: runner.execute(batch)   (collectives pair up per layer)
@@ -49,8 +50,8 @@ import torch.distributed as dist
 from hybridcache.distributed.messages import DecodeMode, Op, encode, receive, send
 from hybridcache.distributed.monitor import LivenessMonitor
 from hybridcache.distributed.process_group import abort_group, init_group, leave_group, rank_device
-from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
 from hybridcache.distributed.worker import worker_main
+from hybridcache.engine.rank_runner import RunnerSpec, build_runner
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
@@ -121,6 +122,11 @@ class TensorParallelExecutor:
                 monitor.abort()
             self.shutdown()
             raise
+
+    @classmethod
+    def from_spec(cls, spec: RunnerSpec, device: torch.device) -> TensorParallelExecutor:
+        """The executor of `spec.config.tensor_parallel_size` ranks (the engine's "tensor_parallel" backend)."""
+        return cls(spec, device, spec.config.tensor_parallel_size)
 
     # ------------------------------------------------------------------------------ the runner's methods
     @property

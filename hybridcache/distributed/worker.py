@@ -28,7 +28,7 @@ import torch
 
 from hybridcache.distributed.messages import DecodeMode, Op, receive, send
 from hybridcache.distributed.process_group import init_group, leave_group, rank_device
-from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.rank_runner import RunnerSpec, build_runner
 from hybridcache.layers.parallel import TensorParallel
 
 DRIVER_POLL_S = 0.2

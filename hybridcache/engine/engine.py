@@ -36,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.cache import PENDING_TOKEN, CacheConfig, PrefixCache
+from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
-from hybridcache.distributed.executor import TensorParallelExecutor
-from hybridcache.distributed.rank_runner import DTYPES, RunnerSpec, build_runner
+from hybridcache.engine.cost_model import engine_cost_model
+from hybridcache.engine.executor import make_executor
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache, fill_bitmask
-from hybridcache.layers.parallel import TensorParallel
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model
@@ -130,10 +130,12 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
     return flags if any(flags) else ()
 
 
-def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int) -> Scheduler:
+def _make_scheduler(
+    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel
+) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states."""
+    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -147,7 +149,7 @@ def _make_scheduler(config: EngineConfig, *, num_blocks: int, num_slots: int, st
         eviction=EVICTION_POLICIES[config.eviction],
     )
     return Scheduler(
-        PrefixCache(cache_config),
+        PrefixCache(cache_config, cost),
         policy,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -184,12 +186,8 @@ class LLMEngine:
         self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device)
         self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
                                 if self.vision is not None else None)
-        spec = RunnerSpec(self.model_path, config, self.max_model_len)
-        if config.tensor_parallel_size > 1:
-            self.runner = TensorParallelExecutor(spec, self.device, config.tensor_parallel_size)
-            plan = self.runner.memory_plan
-        else:
-            self.runner, plan = build_runner(spec, TensorParallel(), self.device)
+        self.runner = make_executor(RunnerSpec(self.model_path, config, self.max_model_len), self.device)
+        plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
@@ -205,6 +203,8 @@ class LLMEngine:
         )
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
+            cost=engine_cost_model(self.model_config, plan, block_size=config.block_size,
+                                   ssm_dtype=config.mamba_ssm_cache_dtype),
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}

@@ -83,6 +83,16 @@ class MemoryPlan:
         state = num_runtime_slots * state_bytes_per_slot
         return cls(kv + state, num_blocks, num_runtime_slots, k, kv, state)
 
+    @property
+    def block_bytes(self) -> int:
+        """P: one block's bytes over every attention layer (S for a page store, whose blocks hold states)."""
+        return self.kv_bytes // self.num_blocks if self.num_blocks else 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """S: one runtime state slot's bytes."""
+        return self.state_bytes // self.num_runtime_slots if self.num_runtime_slots else 0
+
     def describe(self) -> str:
         """One line, e.g. 'pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50
         blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget'."""

@@ -23,12 +23,13 @@ them (device-to-device, on the forward's stream) and replays.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from hybridcache.cache.plan import CopyKind, Phase, Pool
+from hybridcache.copy_kinds import CopyKind, Phase
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
@@ -124,7 +125,8 @@ class ModelRunner:
     """Runs forwards on the device pools. The backend is chosen and the pools (from the model's state
     specs) are allocated once, at construction; with `cuda_graphs`, decode graphs are captured there too.
     `num_blocks`: the pool of blocks (KV and checkpoint pages); `num_slots`: the runtime state slots;
-    `state_pages`: k, the blocks of one checkpoint state (`hybridcache.engine.memory.MemoryPlan`)."""
+    `state_pages`: k, the blocks of one checkpoint state (`hybridcache.engine.memory.MemoryPlan`); `memory_plan`:
+    the plan those counts come from (`build_runner` passes it). The engine's `Executor` on one device."""
 
     def __init__(
         self,
@@ -142,8 +144,10 @@ class ModelRunner:
         max_num_seqs: int = 1,
         max_model_len: int = 1,
         cuda_graphs: bool = False,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         self.model = model
+        self.memory_plan = memory_plan
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
@@ -162,6 +166,7 @@ class ModelRunner:
                                         num_blocks=num_blocks + extra, k=state_pages)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
+            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
         self._replay = True
         if use_graphs:
@@ -227,6 +232,9 @@ class ModelRunner:
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
         return self.model.logits_from_slots(self.pools, slots)
 
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner started no process or thread (the `Executor` protocol's method)."""
+
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs
         replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
@@ -273,17 +281,57 @@ class ModelRunner:
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
 
+    @torch.inference_mode()
+    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
+        """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
+        and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
+        at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
+        where a full pool's does not (another specialisation of the attention prefill kernel, which otherwise
+        compiled inside the first request), and decode graphs are not captured when steps run eagerly.
+        With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
+        (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
+        while serving (tests/engine/test_no_compile_after_start_up.py)."""
+        for chunk in (SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0),
+                      SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)):
+            batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
+                                        device=self.device)
+            self.model(self.backend.prepare(batch), self.pools, self.backend)
+        torch.cuda.synchronize(self.device)
+
     def _copy(self, op: DeviceCopyOp) -> None:
-        """KV ops: one batched copy per KV group (every attention layer's pages of each block). State ops are
-        paged (ids: runtime chunks `slot * k + j` and pages, see `hybridcache.cache.plan`): STATE_SAVE and
-        STATE_FINISH save chunks into pages, STATE_RESTORE restores pages into chunks."""
-        if op.kind.pool is Pool.KV:
-            for kv in self.pools.kv_groups:
-                copy_blocks(kv, op.src_ids, op.dst_ids, pages_per_block=self.pages_per_block, page_dim=2)
-        elif op.kind is CopyKind.STATE_RESTORE:
-            self.paged_states.restore(op.src_ids, op.dst_ids)
-        else:
-            self.paged_states.save(op.src_ids, op.dst_ids)
+        """Run one copy op by its kind's entry of `COPY_HANDLERS`; ValueError for a kind that has none (a new kind
+        is never routed to another kind's copy)."""
+        handler = COPY_HANDLERS.get(op.kind)
+        if handler is None:
+            raise ValueError(f"the runner has no copy handler for {op.kind!r}: add one to COPY_HANDLERS")
+        handler(self, op)
+
+
+def _copy_kv(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """KV blocks src -> dst: one batched copy per KV group (every attention layer's pages of each block)."""
+    for kv in runner.pools.kv_groups:
+        copy_blocks(kv, op.src_ids, op.dst_ids, pages_per_block=runner.pages_per_block, page_dim=2)
+
+
+def _save_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Runtime chunks (`slot * k + j`) -> pages (see `hybridcache.cache.plan`)."""
+    runner.paged_states.save(op.src_ids, op.dst_ids)
+
+
+def _restore_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Pages -> runtime chunks."""
+    runner.paged_states.restore(op.src_ids, op.dst_ids)
+
+
+# How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's
+# device <-> pinned host copies) is a `CopyKind` member in `hybridcache.copy_kinds` and one entry here.
+COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
+    CopyKind.STATE_FINISH: _save_state,
+    CopyKind.KV_RESTORE: _copy_kv,
+    CopyKind.STATE_RESTORE: _restore_state,
+    CopyKind.KV_SAVE: _copy_kv,
+    CopyKind.STATE_SAVE: _save_state,
+}
 
 
 def measure_activation_bytes(

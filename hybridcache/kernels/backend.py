@@ -1,6 +1,7 @@
 """The kernel backend seam: the batch-level ops every layer calls, and the torch reference backend.
 
-The runner picks one backend per device, once (`get_backend`), and per step calls `prepare(batch)`,
+The runner picks one backend per device, once (`get_backend`; its attention by name from the registry of
+`hybridcache.kernels.registry`), and per step calls `prepare(batch)`,
 which returns the batch with the backend's step metadata attached (`batch.metadata`). The model passes
 that prepared batch to the ops. Every op works on the whole varlen batch at once:
 
@@ -27,17 +28,19 @@ import importlib.util
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels.attention import reference as attention_ref
+from hybridcache.kernels.attention.base import AttentionBackend
+from hybridcache.kernels.attention.reference_backend import ReferenceAttention
 from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
+from hybridcache.kernels.registry import ATTENTION
 from hybridcache.kernels.rotary import reference as rotary_ref
 
 
@@ -166,12 +169,14 @@ class ReferenceMetadata:
     state_slots  state row of each sequence, on the host
     fresh        per sequence: context_len == query_len (starts from zero state)
     state_decode sequences with one token continuing a saved state (query_len 1, context_len > 1), or None
+    attention    what the attention backend's `prepare` returned
     """
 
     seq_starts: tuple[int, ...]
     state_slots: tuple[int, ...]
     fresh: tuple[bool, ...]
     state_decode: DecodeRows | None
+    attention: Any = None
 
 
 class ReferenceBackend:
@@ -180,8 +185,11 @@ class ReferenceBackend:
     Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
     (`causal_conv1d_step`, `gated_delta_rule_step`); every other sequence runs alone through the
     sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
-    fresh token). Attention: `paged_attention` (decode rows batched inside it).
+    fresh token). Attention: its `attention_backend` (default `ReferenceAttention`: `paged_attention`).
     """
+
+    def __init__(self, attention_backend: AttentionBackend | None = None) -> None:
+        self.attention_backend = attention_backend if attention_backend is not None else ReferenceAttention()
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         starts, total = [], 0
@@ -204,24 +212,17 @@ class ReferenceBackend:
             state_slots=slots,
             fresh=tuple(query_len == context_len for query_len, context_len in lens),
             state_decode=state_decode,
+            attention=self.attention_backend.prepare(batch),
         )
         return dataclasses.replace(batch, metadata=metadata)
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        attention_ref.write_kv(kv_layer, key, value, batch.slot_mapping)
+        self.attention_backend.write_kv(kv_layer, key, value, batch)
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
     ) -> torch.Tensor:
-        return attention_ref.paged_attention(
-            query,
-            kv_layer,
-            batch.block_tables,
-            batch.cu_seqlens,
-            batch.query_lens_cpu,
-            batch.context_lens_cpu,
-            scale=scale,
-        )
+        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale)
 
     def causal_conv1d(
         self,
@@ -313,17 +314,20 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
     ]
 
 
-def get_backend(device: torch.device | str) -> KernelBackend:
+def get_backend(device: torch.device | str, *, attention: str | None = None) -> KernelBackend:
     """The backend for `device`, chosen once by the runner: `CudaBackend` on CUDA devices when Triton and
-    flash-linear-attention are installed (`hybridcache[cuda]`), the reference backend everywhere else. The
-    CUDA module is imported only here, so CPU runs never import Triton or fla."""
-    if torch.device(device).type == "cuda":
+    flash-linear-attention are installed (`hybridcache[cuda]`), the reference backend everywhere else.
+    `attention`: the attention backend's registered name (`hybridcache.kernels.registry.ATTENTION`; None: "triton"
+    with `CudaBackend`, else "reference"); ValueError for a name not registered or not for this device. The CUDA
+    module is imported only here, so CPU runs never import Triton or fla."""
+    device_type = torch.device(device).type
+    if device_type == "cuda":
         if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("fla") is not None:
             from hybridcache.kernels.cuda_backend import CudaBackend
 
-            return CudaBackend()
+            return CudaBackend(ATTENTION.create(attention or "triton", device_type))
         warnings.warn(
             "CUDA device without triton and flash-linear-attention (pip install hybridcache[cuda]): "
             "running the torch reference kernels", stacklevel=2
         )
-    return ReferenceBackend()
+    return ReferenceBackend(ATTENTION.create(attention or "reference", device_type))

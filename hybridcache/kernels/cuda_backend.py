@@ -2,8 +2,8 @@
 
 | op               | all-decode step (every query_len == 1)      | any other step                                  |
 | ---------------- | ------------------------------------------- | ----------------------------------------------- |
-| write_kv         | `attention/triton_paged.write_kv` (two index_copy_)                                           |
-| attention        | split-KV decode kernel                      | paged flash-attention prefill kernel            |
+| write_kv, attention | its attention backend (default "triton", `attention/triton_backend.py`: split-KV decode   |
+|                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
@@ -13,11 +13,11 @@
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
-`CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, and the
-(sequence, block) tables of the varlen kernels, built on the device. No op synchronises with the host
-(bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module imports Triton; fla is
-imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for CUDA devices when
-both are installed (`pip install hybridcache[cuda]`).
+`CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, the (sequence,
+block) tables of the varlen kernels, built on the device, and its attention backend's metadata. No op
+synchronises with the host (bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module
+imports Triton; fla is imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for
+CUDA devices when both are installed (`pip install hybridcache[cuda]`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ import dataclasses
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.kernels.attention import triton_paged
+from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
@@ -41,8 +42,6 @@ from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, groupe
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.varlen import chunk_indices
-
-_ATTENTION_BLOCK_M = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
 
 
 @dataclass(frozen=True)
@@ -54,62 +53,53 @@ class CudaMetadata:
     cu_seqlens       batch.cu_seqlens as int64 (flash-linear-attention's index type)
     chunks           [NT, 2] int64 (sequence, block of 64 rows) for the conv and gated delta prefill kernels, or
                      None in an all-decode step
-    attention_chunks [NT', 2] the same with the bf16 attention prefill block (128 rows), or None
+    attention        what the attention backend's `prepare` returned
     """
 
     all_decode: bool
     max_context_len: int
     cu_seqlens: torch.Tensor
     chunks: torch.Tensor | None
-    attention_chunks: torch.Tensor | None
+    attention: Any
 
 
 class CudaBackend:
     """`KernelBackend` on CUDA (see the module docstring). Holds, per sparse MoE block, its experts' weights
     stacked for the grouped GEMM (the experts' parameters are re-pointed at the stack: one copy in memory)."""
 
-    def __init__(self) -> None:
+    def __init__(self, attention_backend: AttentionBackend) -> None:
+        self.attention_backend = attention_backend
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights] = weakref.WeakKeyDictionary()
 
     def supports_cuda_graphs(self, dtype: torch.dtype) -> bool:
         """Whether an all-decode step in `dtype` can be captured in a CUDA graph (no host sync, no host-sized
         work beyond `max_context_len`, which the runner fixes at capture): bf16 only, since the fp32/fp16 MoE
-        fallback of `torch._grouped_mm` reads its offsets on the host."""
-        return dtype == torch.bfloat16
+        fallback of `torch._grouped_mm` reads its offsets on the host; and only with a graph-safe attention
+        backend."""
+        return dtype == torch.bfloat16 and self.attention_backend.graph_safe
 
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)
         cu_seqlens = batch.cu_seqlens.long()
-        chunks = attention_chunks = None
+        chunks = None
         if not all_decode:
             chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, CHUNK_SIZE)
-            attention_chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, _ATTENTION_BLOCK_M)
         metadata = CudaMetadata(
             all_decode=all_decode,
             max_context_len=max(batch.context_lens_cpu, default=0),
             cu_seqlens=cu_seqlens,
             chunks=chunks,
-            attention_chunks=attention_chunks,
+            attention=self.attention_backend.prepare(batch),
         )
         return dataclasses.replace(batch, metadata=metadata)
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        triton_paged.write_kv(kv_layer, key, value, batch.slot_mapping)
+        self.attention_backend.write_kv(kv_layer, key, value, batch)
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
     ) -> torch.Tensor:
-        meta = _metadata(batch)
-        if meta.all_decode:
-            return triton_paged.paged_decode_attention(
-                query, kv_layer, batch.block_tables, batch.context_lens, meta.max_context_len, scale=scale
-            )
-        config = triton_paged.default_prefill_config(query.shape[-1], query.dtype)
-        table = meta.attention_chunks if config.block_m == _ATTENTION_BLOCK_M else None
-        return triton_paged.paged_prefill_attention(
-            query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
-            scale=scale, config=config, chunk_indices=table,
-        )
+        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale)
 
     def causal_conv1d(
         self,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 from benchmarks.policy_diagnose import diagnose
-from hybridcache.bench.cost_model import load_model_cost
 from hybridcache.bench.simulator import GIB, SimConfig, parse_policies, simulate
 from hybridcache.bench.workloads import load_workload
+from hybridcache.engine.cost_model import load_model_cost
 
 
 def test_diagnose_matches_the_simulator_and_accounts_for_the_gap():

@@ -2,11 +2,11 @@
 
 import pytest
 
-from hybridcache.bench.cost_model import ModelCost, load_model_cost
 from hybridcache.bench.oracles import OracleIndex
 from hybridcache.bench.replay import cache_sizing
 from hybridcache.bench.simulator import GIB, SimConfig, parse_policies, simulate
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.engine.cost_model import ModelCost, load_model_cost
 
 COST = ModelCost("toy", kv_bytes_per_token=16, state_bytes=256, flops_per_token=10.0, attn_flops_per_token_pair=1.0)
 

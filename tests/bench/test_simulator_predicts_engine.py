@@ -6,9 +6,9 @@ import random
 import pytest
 
 from hybridcache import LLM, SamplingParams
-from hybridcache.bench.cost_model import ModelCost, load_model_cost
 from hybridcache.bench.simulator import SimConfig, make_replay, parse_policies
 from hybridcache.bench.workloads import SimRequest
+from hybridcache.engine.cost_model import ModelCost, load_model_cost
 from hybridcache.engine.memory import plan_memory
 from hybridcache.models.config import ModelConfig
 

@@ -194,3 +194,33 @@ def test_first_token_index_follows_adds_and_removals():
         check()
         if len(root.children) <= Trie.INDEX_FIRST_TOKEN_AT // 2:
             assert root.by_first is None
+
+
+def test_a_registered_eviction_policy_is_one_class_chosen_by_name():
+    """A policy is one `EvictionPolicy` class registered by name: `CacheConfig(eviction=name)` builds it and the
+    evictor applies it (by the full-scan defaults, checked pick by pick under pressure); unknown names are
+    refused."""
+    from hybridcache.cache.policy import EVICTION_POLICIES, EvictionPolicy, LruPolicy, register_eviction
+
+    picks: list[int] = []
+
+    @register_eviction("test-mru")
+    class MostRecentFirst(EvictionPolicy):
+        def pick_checkpoint(self, candidates):
+            victim = max(candidates, key=lambda c: (c.last_access, c.ckpt_id))
+            picks.append(victim.ckpt_id)
+            return victim
+
+        def pick_leaf(self, candidates):  # leaves as LRU (dead leaves always go oldest first)
+            return LruPolicy().pick_leaf(candidates)
+
+    try:
+        cache = _pressure_run("test-mru", 0, 40, 6)  # state pressure: checkpoints evicted by the policy
+        assert isinstance(cache._life.evictor.policy, MostRecentFirst)
+        assert picks and cache.stats.evictions_by_kind.get("checkpoint", 0) > 0
+        with pytest.raises(ValueError, match="already registered"):
+            register_eviction("lru")(MostRecentFirst)
+    finally:
+        del EVICTION_POLICIES["test-mru"]
+    with pytest.raises(ValueError, match="eviction must be one of"):
+        CacheConfig(block_size=8, num_blocks=8, num_slots=2, eviction="test-mru")

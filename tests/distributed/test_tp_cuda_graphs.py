@@ -11,7 +11,7 @@ import importlib.util
 import pytest
 import torch
 
-from hybridcache.distributed.rank_runner import TP_CUDA_GRAPHS
+from hybridcache.engine.rank_runner import TP_CUDA_GRAPHS
 
 from ..engine.graph_checks import greedy_tokens, replay_and_eager_tokens
 from .folders import write_folder
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,
     reason="needs 2 CUDA devices and the cuda extra",
 )
-# To verify graphs under TP: set rank_runner.TP_CUDA_GRAPHS = True and run this file on 2 GPUs.
+# To verify graphs under TP: set hybridcache.engine.rank_runner.TP_CUDA_GRAPHS = True and run this file on 2 GPUs.
 needs_tp_graphs = pytest.mark.skipif(not TP_CUDA_GRAPHS, reason="CUDA graphs under TP are off (TP_CUDA_GRAPHS)")
 
 

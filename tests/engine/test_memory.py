@@ -97,7 +97,7 @@ def test_cpu_runner_plan(tmp_path):
     """On the CPU (`build_runner`): 2 x max_num_seqs sequences of KV plus 32 checkpoint states of k blocks in the
     pool, max_num_seqs runtime slots; the runner's pools have those counts (no scratch rows without graphs)."""
     from hybridcache.config import EngineConfig
-    from hybridcache.distributed.rank_runner import RunnerSpec, build_runner
+    from hybridcache.engine.rank_runner import RunnerSpec, build_runner
     from hybridcache.layers.parallel import TensorParallel
 
     from .model_folders import write_tiny_model

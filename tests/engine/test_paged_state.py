@@ -223,3 +223,46 @@ def test_runner_runs_a_paged_plan_finish_first(tmp_path):
     assert torch.equal(stream(pools, 0), old_slot_1)
     for old, group in zip(kv_before, pools.kv_groups, strict=True):
         assert torch.equal(group[:, :, (4 * k + 1) * 2: (4 * k + 2) * 2], old)
+
+
+def test_the_runner_has_a_copy_handler_for_every_kind_and_refuses_an_unknown_one(tmp_path):
+    """`COPY_HANDLERS` covers every `CopyKind`; an op of a kind it does not know (here a host-tier kind that a
+    new tier would add) raises naming it, and leaves the pools untouched (it is never routed to another kind's
+    copy, as a paged save)."""
+    import enum
+
+    from hybridcache.copy_kinds import CopyKind, Phase, Pool
+    from hybridcache.engine.runner import COPY_HANDLERS, ModelRunner
+    from hybridcache.forward_batch import DeviceCopyOp
+    from hybridcache.models import load_model
+
+    from .model_folders import write_tiny_model
+
+    assert set(COPY_HANDLERS) == set(CopyKind)
+
+    class HostKind(enum.Enum):
+        HOST_SAVE = (Pool.STATE, Phase.AFTER_FORWARD, "host_save")
+
+        @property
+        def pool(self) -> Pool:
+            return self.value[0]
+
+        @property
+        def phase(self) -> Phase:
+            return self.value[1]
+
+    model = load_model(write_tiny_model(tmp_path, "qwen3_next"))
+    kv, state = pool_bytes(model.state_specs(torch.float32, torch.float32), 16, model.slot_specs(torch.float32))
+    k = state_pages(state, kv)
+    runner = ModelRunner(model, num_blocks=4 * k, block_size=16, kernel_block_size=8, num_slots=2, state_pages=k,
+                         dtype=torch.float32, state_dtype=torch.float32, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    groups = (*runner.pools.kv_groups, *runner.pools.state_groups)
+    for group in groups:
+        group.copy_(torch.randn(group.shape, generator=gen))
+    before = [group.clone() for group in groups]
+    ids = torch.arange(k, dtype=torch.int64)
+    op = DeviceCopyOp(HostKind.HOST_SAVE, ids, ids + k)
+    with pytest.raises(ValueError, match="no copy handler for <HostKind.HOST_SAVE"):
+        runner.execute_copies((op,))
+    assert all(torch.equal(old, group) for old, group in zip(before, groups, strict=True))

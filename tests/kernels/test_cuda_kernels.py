@@ -1,5 +1,5 @@
 """The CUDA kernels (gated delta rule via flash-linear-attention + the Triton step kernel, causal conv1d,
-paged attention, grouped-GEMM MoE) against the torch reference, via `hybridcache.kernels.cuda_checks`.
+paged attention, grouped-GEMM MoE) against the torch reference, via `tests/kernels/cuda_checks.py`.
 
 - `test_cuda_*` run on a CUDA device (skipped without one): the full varlen case, lengths 1, 17, 63, 64, 65,
   200 and 1,500 in one batch, cached history 0 (fresh) or not (initial state / prefix, chunks starting
@@ -62,7 +62,7 @@ def cuda() -> torch.device:
 @needs_cuda
 @DTYPES
 def test_cuda_gated_delta_chunk(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_gated_delta
+    from tests.kernels.cuda_checks import check_gated_delta
 
     stats = check_gated_delta(dtype, cuda)
     assert_within(stats, {"out": FLA[dtype], "final_state": FLA[dtype], "other_slots": EXACT})
@@ -71,7 +71,7 @@ def test_cuda_gated_delta_chunk(dtype: torch.dtype, cuda: torch.device) -> None:
 @needs_cuda
 @DTYPES
 def test_cuda_decode_steps(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_decode_step
+    from tests.kernels.cuda_checks import check_decode_step
 
     stats = check_decode_step(dtype, cuda)
     assert_within(stats, {
@@ -84,7 +84,7 @@ def test_cuda_decode_steps(dtype: torch.dtype, cuda: torch.device) -> None:
 @DTYPES
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "nobias"])
 def test_cuda_conv(dtype: torch.dtype, with_bias: bool, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_conv
+    from tests.kernels.cuda_checks import check_conv
 
     stats = check_conv(dtype, cuda, with_bias=with_bias)
     assert_within(stats, {"out": OURS[dtype], "final_state": EXACT, "other_slots": EXACT})
@@ -97,7 +97,7 @@ def test_cuda_conv(dtype: torch.dtype, with_bias: bool, cuda: torch.device) -> N
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_cuda_attention(dtype: torch.dtype, page: int, heads: tuple[int, int], head_dim: int, decode: bool,
                         cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import HISTORY, LENGTHS, check_attention
+    from tests.kernels.cuda_checks import HISTORY, LENGTHS, check_attention
 
     lengths, history = LENGTHS, HISTORY
     if decode:  # one new token after the prefix: contexts 1 (fresh) .. 1,631 keys
@@ -111,7 +111,7 @@ def test_cuda_attention(dtype: torch.dtype, page: int, heads: tuple[int, int], h
 @DTYPES
 @pytest.mark.parametrize("block_m", [None, 16, 64], ids=["grouped", "triton16", "triton64"])
 def test_cuda_moe(dtype: torch.dtype, block_m: int | None, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_moe
+    from tests.kernels.cuda_checks import check_moe
 
     bound = (2e-2, 2e-2) if dtype == torch.bfloat16 else OURS[torch.float32]
     assert_within(check_moe(dtype, cuda, block_m=block_m), {"out": bound})
@@ -122,7 +122,7 @@ def test_cuda_moe(dtype: torch.dtype, block_m: int | None, cuda: torch.device) -
 @needs_cuda
 @DTYPES
 def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_norms
+    from tests.kernels.cuda_checks import check_norms
 
     stats = check_norms(dtype, cuda)
     # Same roundings as the modules; only the fp32 sum order differs, which can move a bf16 result by one step.
@@ -132,7 +132,7 @@ def test_cuda_norms(dtype: torch.dtype, cuda: torch.device) -> None:
 @needs_cuda
 @DTYPES
 def test_cuda_rotary(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_rotary
+    from tests.kernels.cuda_checks import check_rotary
 
     stats = check_rotary(dtype, cuda)
     assert_within(stats, {"query": OURS[dtype], "key": OURS[dtype], "pass_through": EXACT})
@@ -141,7 +141,7 @@ def test_cuda_rotary(dtype: torch.dtype, cuda: torch.device) -> None:
 @needs_cuda
 @DTYPES
 def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_delta_gates
+    from tests.kernels.cuda_checks import check_delta_gates
 
     stats = check_delta_gates(dtype, cuda)
     # g is fp32 from the same formula (exp/log approximations differ by ulps); beta is sigmoid rounded once to
@@ -152,7 +152,7 @@ def test_cuda_delta_gates(dtype: torch.dtype, cuda: torch.device) -> None:
 @needs_cuda
 @DTYPES
 def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_route
+    from tests.kernels.cuda_checks import check_route
 
     stats = check_route(dtype, cuda)
     # The same picks; fp32 softmax and renormalisation with another summation order, rounded once to the dtype.
@@ -161,7 +161,7 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
 
 @needs_cuda
 def test_cuda_sort_pairs(cuda: torch.device) -> None:
-    from hybridcache.kernels.cuda_checks import check_sort_pairs
+    from tests.kernels.cuda_checks import check_sort_pairs
 
     misses = check_sort_pairs(cuda)
     assert misses and all(count == 0 for count in misses.values()), misses  # the same order and counts, exactly
@@ -170,7 +170,7 @@ def test_cuda_sort_pairs(cuda: torch.device) -> None:
 @needs_cuda
 def test_cuda_no_host_sync(cuda: torch.device) -> None:
     """Every bf16 entry point, prefill and decode batches, runs without a host sync once warm."""
-    from hybridcache.kernels.cuda_checks import host_syncs
+    from tests.kernels.cuda_checks import host_syncs
 
     report = host_syncs(cuda)
     assert report and all(result == "ok" for result in report.values()), report
@@ -205,7 +205,7 @@ def test_triton_interpreter_in_subprocess() -> None:
 @needs_interpreter
 @DTYPES
 def test_interpreted_conv(dtype: torch.dtype) -> None:
-    from hybridcache.kernels.cuda_checks import check_conv
+    from tests.kernels.cuda_checks import check_conv
 
     stats = check_conv(dtype, torch.device("cpu"), SMALL_LENGTHS, SMALL_HISTORY, channels=200)
     # The interpreter emulates bf16 by truncation, so its bf16 rounding step is twice the hardware's.
@@ -215,7 +215,7 @@ def test_interpreted_conv(dtype: torch.dtype) -> None:
 
 @needs_interpreter
 def test_interpreted_decode_steps() -> None:
-    from hybridcache.kernels.cuda_checks import check_decode_step
+    from tests.kernels.cuda_checks import check_decode_step
 
     stats = check_decode_step(torch.float32, torch.device("cpu"), (1, 2, 17, 40), heads=(1, 2), dims=(32, 16),
                               channels=100)
@@ -225,7 +225,7 @@ def test_interpreted_decode_steps() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_interpreted_attention(decode: bool) -> None:
-    from hybridcache.kernels.cuda_checks import check_attention
+    from tests.kernels.cuda_checks import check_attention
 
     lengths, history = (SMALL_LENGTHS, SMALL_HISTORY) if not decode else ((1,) * 4, (0, 16, 40, 100))
     stats = check_attention(torch.float32, torch.device("cpu"), lengths, history, page=16, heads=(4, 2),
@@ -235,7 +235,7 @@ def test_interpreted_attention(decode: bool) -> None:
 
 @needs_interpreter
 def test_interpreted_norms() -> None:
-    from hybridcache.kernels.cuda_checks import check_norms
+    from tests.kernels.cuda_checks import check_norms
 
     stats = check_norms(torch.float32, torch.device("cpu"), rows=7)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
@@ -244,7 +244,7 @@ def test_interpreted_norms() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # Qwen3-Next's 0.25 of 256; Qwen3.5's 0.25 of 128
 def test_interpreted_rotary(rotary_dim: int) -> None:
-    from hybridcache.kernels.cuda_checks import check_rotary
+    from tests.kernels.cuda_checks import check_rotary
 
     stats = check_rotary(torch.float32, torch.device("cpu"), rows=9, heads=(3, 2), head_dim=4 * rotary_dim,
                          rotary_dim=rotary_dim)
@@ -253,7 +253,7 @@ def test_interpreted_rotary(rotary_dim: int) -> None:
 
 @needs_interpreter
 def test_interpreted_delta_gates() -> None:
-    from hybridcache.kernels.cuda_checks import check_delta_gates
+    from tests.kernels.cuda_checks import check_delta_gates
 
     stats = check_delta_gates(torch.float32, torch.device("cpu"), rows=20, heads=6)
     assert_within(stats, {name: OURS[torch.float32] for name in stats})
@@ -261,7 +261,7 @@ def test_interpreted_delta_gates() -> None:
 
 @needs_interpreter
 def test_interpreted_route() -> None:
-    from hybridcache.kernels.cuda_checks import check_route
+    from tests.kernels.cuda_checks import check_route
 
     stats = check_route(torch.float32, torch.device("cpu"), rows=20)
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
@@ -269,8 +269,8 @@ def test_interpreted_route() -> None:
 
 @needs_interpreter
 def test_interpreted_sort_pairs() -> None:
-    from hybridcache.kernels.cuda_checks import check_sort_pairs
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, sort_pairs_triton
+    from tests.kernels.cuda_checks import check_sort_pairs
 
     misses = check_sort_pairs(torch.device("cpu"))
     assert misses and all(count == 0 for count in misses.values()), misses
@@ -283,7 +283,7 @@ def test_interpreted_sort_pairs() -> None:
 @needs_interpreter
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_interpreted_moe(block_m: int) -> None:
-    from hybridcache.kernels.cuda_checks import check_moe
+    from tests.kernels.cuda_checks import check_moe
 
     for num_tokens in (5, 70):  # fewer rows than a tile per expert; runs of several tiles
         stats = check_moe(torch.float32, torch.device("cpu"), num_tokens=num_tokens, hidden=48, experts=6,

@@ -1,3 +1,8 @@
 """Paged attention kernels: the KV write through a slot mapping and causal GQA attention over block tables.
 
-`reference.py`: `write_kv`, `gather_kv`, `paged_attention`, `paged_decode_attention` (torch)."""
+`reference.py`: `write_kv`, `gather_kv`, `paged_attention`, `paged_decode_attention` (torch);
+`triton_paged.py`: the CUDA kernels. The attention backends (`base.AttentionBackend`), registered by name in
+`hybridcache.kernels.registry.ATTENTION` when this package is imported: `reference_backend.py` ("reference"),
+`triton_backend.py` ("triton"). A new backend is one more module here, imported below."""
+
+from hybridcache.kernels.attention import reference_backend, triton_backend  # noqa: F401 (they register)

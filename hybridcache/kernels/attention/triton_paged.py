@@ -32,6 +32,9 @@ import triton.language as tl
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _LOG2E = 1.4426950408889634
+# The merge reads the splits' maxima this many at a time, whatever their number (a block sized from the split count
+# would compile one variant per power of two at run time; the result is the same, the max being exact).
+_MERGE_BLOCK_S = 128
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ def _decode_split_kernel(
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=group_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # with a fixed BLOCK_S: one variant for every split count
 def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_heads, num_splits,
                          D: tl.constexpr, BLOCK_S: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits: m = -inf)."""
@@ -286,7 +289,7 @@ def paged_decode_attention(
     )
     _decode_merge_kernel[(num, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits,
-        D=head_dim, BLOCK_S=min(128, triton.next_power_of_2(num_splits)),
+        D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
     )
     return out
 

@@ -4,6 +4,14 @@ chunks, the in-place Triton step kernel (`triton_step`) for decode.
 flash-linear-attention (`fla-core`, pure Python + Triton) is imported inside the functions, so importing this
 module never imports fla; only CUDA callers reach it (fla in a CPU environment breaks transformers' CPU path).
 
+A prefill chunk calls fla's forward (`chunk_gated_delta_rule_fwd`: the cumsum, intra-chunk, state and output
+kernels) directly rather than its public `chunk_gated_delta_rule`, whose argument checks, backend dispatch,
+autograd Function and contiguity guard cost host time on every DeltaNet layer of every prefill step (a short
+chunk is host-bound). The public entry point's forward backends are off or absent for these calls (FlashQLA is a
+separate package), so the same Triton kernels run on the same inputs and the results are bit-identical
+(`benchmarks/gdn_prefill_bench.py` checks and times both). This leans on fla's internal layout, hence the
+`fla-core` pin to 0.6.x.
+
 Contract of `gated_delta_rule_varlen` (same math as `gated_delta/reference.py`, one call for all
 sequences):
     q, k [T, Hk, Dk]; v [T, Hv, Dv]; g [T, Hv] log decay (fp32); beta [T, Hv]; rows of sequence i are
@@ -48,7 +56,7 @@ def chunk_gated_delta_rule_varlen(
     `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table when the caller already has it.
     Returns out [T, Hv, Dv] in q's dtype.
     """
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     cu = cu_seqlens.long()
     if chunk_indices is None:
@@ -58,21 +66,21 @@ def chunk_gated_delta_rule_varlen(
     initial = initial.masked_fill(fresh_mask(cu, context_lens)[:, None, None, None], 0.0)
     if use_qk_l2norm:  # ours, not fla's in-kernel one: fla autotunes that per size bucket (norm/triton.py)
         q, k = l2norm(q), l2norm(k)
-    out, final = chunk_gated_delta_rule(
-        q.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        g.float().unsqueeze(0),
-        beta.unsqueeze(0),
+    # fla's kernels address [1, T, H, D] inputs as contiguous (its public entry point copies strided views)
+    _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
+        q=q.unsqueeze(0).contiguous(),
+        k=k.unsqueeze(0).contiguous(),
+        v=v.unsqueeze(0).contiguous(),
+        g=g.float().unsqueeze(0).contiguous(),
+        beta=beta.unsqueeze(0).contiguous(),
         scale=q.shape[-1] ** -0.5,
         initial_state=initial,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=False,
         cu_seqlens=cu,
         chunk_indices=chunk_indices.long(),
     )
     ssm_pool.index_copy_(0, slots, final.to(ssm_pool.dtype))
-    return out[0]
+    return out[0].to(q.dtype)
 
 
 def gated_delta_rule_varlen(

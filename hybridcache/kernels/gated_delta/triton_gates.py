@@ -15,7 +15,7 @@ import triton.language as tl
 _BLOCK_T = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all
 def _delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, num_rows, num_heads,
                         stride_a, stride_b, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)

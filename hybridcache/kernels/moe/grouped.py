@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
-from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, sort_pairs_triton
+from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
 
 
 @dataclass(frozen=True)
@@ -138,14 +138,21 @@ def grouped_experts(
 
 
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
-    """Run the Triton expert GEMM once with each tile `tile_rows` can pick, on one token of x's dtype and
-    device, so that the kernels compile when the engine starts (its profiling forward stacks the experts) and not
-    inside the first request whose chunk needs that tile (a fresh machine spends about a second per variant)."""
-    ids = torch.arange(top_k, device=x.device).remainder(experts.gate_up.shape[0])[None, :]
-    order, counts = sort_pairs(ids, experts.gate_up.shape[0])
+    """Run every Triton variant the routed experts can launch for this block's shapes once, on x's dtype and
+    device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
+    the first request that needs one (a fresh machine spends about a second per variant): the one-launch sort at
+    each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
+    pick, and the combine of its output."""
+    num_experts = experts.gate_up.shape[0]
+    if x.is_cuda and num_experts <= MAX_EXPERTS:
+        for block_n in block_sizes():
+            sort_pairs_triton(torch.arange(block_n, device=x.device).remainder(num_experts)[:, None], num_experts)
+    ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
+    order, counts = sort_pairs(ids, num_experts)
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
+    weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
     for block_m in (16, 32, 64):
-        expert_rows_triton(token, order, counts, top_k, experts, block_m)
+        combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
 
 
 def pair_rows(order: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import triton.language as tl
 _BLOCK_T = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_rows, num_experts, stride_l,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_K: tl.constexpr):

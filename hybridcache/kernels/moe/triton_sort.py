@@ -23,9 +23,22 @@ import triton.language as tl
 
 MAX_PAIRS = 1024  # one program sorts them; more take torch's radix sort (`grouped.sort_pairs`)
 MAX_EXPERTS = 1024  # the histogram's bins live in one program too (measured up to 512 experts)
+_MIN_BLOCK_N = 16
 
 
-@triton.jit
+def block_size(num_pairs: int) -> int:
+    """The BLOCK_N of a sort of `num_pairs` pairs: the pairs padded to a power of two, at least 16."""
+    return triton.next_power_of_2(max(num_pairs, _MIN_BLOCK_N))
+
+
+def block_sizes() -> tuple[int, ...]:
+    """Every BLOCK_N `sort_pairs_triton` launches with (the pairs padded to a power of two, 16 .. MAX_PAIRS): one
+    compiled variant each for a given expert count, which the engine compiles at start-up
+    (`grouped.compile_tiles`)."""
+    return tuple(1 << i for i in range(_MIN_BLOCK_N.bit_length() - 1, MAX_PAIRS.bit_length()))
+
+
+@triton.jit(do_not_specialize=["num_pairs"])  # BLOCK_N alone tells the variants apart (`block_sizes`)
 def _sort_pairs_kernel(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts,
                        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
     lanes = tl.arange(0, BLOCK_N)
@@ -47,7 +60,7 @@ def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
                          f"{num_pairs} pairs over {num_experts}")
     order = torch.empty(num_pairs, dtype=torch.int64, device=flat.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-    block_n = triton.next_power_of_2(max(num_pairs, 16))
+    block_n = block_size(num_pairs)
     _sort_pairs_kernel[(1,)](flat, order, counts, num_pairs, num_experts, BLOCK_N=block_n,
                              BLOCK_E=triton.next_power_of_2(num_experts + 1), num_warps=4 if block_n <= 1024 else 8)
     return order, counts

@@ -63,8 +63,8 @@ def build_runner(
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
         # when a kernel compiles; a value the user set wins.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
-    backend = get_backend(device)
     kv_per_block, state_per_slot = pool_bytes(
         model.state_specs(dtype, state_dtype), config.block_size, model.slot_specs(dtype)
     )
@@ -103,6 +103,7 @@ def build_runner(
         state_dtype=state_dtype,
         device=device,
         cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
+        memory_plan=plan,
     )
     return runner, plan
 

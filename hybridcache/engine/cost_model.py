@@ -16,6 +16,10 @@ so computing tokens [s, n) costs prefill_flops(n) - prefill_flops(s), and a hit 
 prefill_flops(s). Worked example (the built-in model, float32): 2 attention layers * 2 * 2 kv heads * 32
 * 4 B = 1,024 B per KV token; 6 DeltaNet layers * (256 * 3 * 4 + 4 * 32 * 32 * 4) + 128 * 4 = 117,248 B per
 slot (the engine's slot, `engine.memory.pool_bytes`; paged, two 64 KiB blocks at B = 64).
+
+The engine's prefix cache uses `engine_cost_model`: these FLOPs, and the bytes the engine's memory plan measured
+from the model's state specs (a KV block's bytes, and the k blocks a checkpoint's state occupies). The benchmarks
+(`hybridcache.bench`) and the simulator use `ModelCost` itself.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hybridcache.cache import CostModel
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
 from hybridcache.models.config import ModelConfig
 
@@ -114,3 +119,18 @@ def load_model_cost(model_dir: str | Path | None = None, ssm_dtype: str = "float
     if ssm_dtype == AUTO:
         ssm_dtype = auto_ssm_dtype(config.mamba_ssm_dtype)
     return ModelCost.from_config(config, "builtin" if model_dir is None else Path(model_dir).name, ssm_dtype)
+
+
+def engine_cost_model(config: ModelConfig, plan: MemoryPlan, *, block_size: int, ssm_dtype: str) -> CostModel:
+    """The `CostModel` of an engine's prefix cache (what `--eviction flop-aware` ranks by): FLOPs per token and
+    per attention pair from the model config (`ModelCost.from_config`), bytes from the memory plan, which sized
+    them from the model's state specs: `kv_bytes_per_token` = a block's bytes / block_size, `state_bytes` = the
+    bytes a checkpoint's state occupies (its k blocks of the pool, or one slot when the plan has no pages)."""
+    cost = ModelCost.from_config(config, ssm_dtype=ssm_dtype)
+    held = plan.state_pages * plan.block_bytes if plan.state_pages else plan.slot_bytes
+    return CostModel(
+        flops_per_token=cost.flops_per_token,
+        attn_flops_per_token_pair=cost.attn_flops_per_token_pair,
+        kv_bytes_per_token=plan.block_bytes / block_size,
+        state_bytes=float(held),
+    )

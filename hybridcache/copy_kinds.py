@@ -1,0 +1,38 @@
+"""The kinds of copy op a step carries: which pool, which phase (before or after the forward), what.
+
+A pure-Python leaf (standard library only) shared by the prefix cache, which plans copies
+(`hybridcache.cache.plan`), and the device side, which executes them (`hybridcache.forward_batch`, the runner's
+copy table), so that neither imports the other.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Pool(enum.Enum):
+    KV = "kv"
+    STATE = "state"
+
+
+class Phase(enum.Enum):
+    BEFORE_FORWARD = "before_forward"
+    AFTER_FORWARD = "after_forward"
+
+
+class CopyKind(enum.Enum):
+    """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
+
+    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")
+    STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
+    KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
+    STATE_SAVE = (Pool.STATE, Phase.AFTER_FORWARD, "save")
+
+    @property
+    def pool(self) -> Pool:
+        return self.value[0]
+
+    @property
+    def phase(self) -> Phase:
+        return self.value[1]

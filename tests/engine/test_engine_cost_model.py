@@ -1,0 +1,60 @@
+"""The engine's prefix cache ranks by the model's real cost model (`engine_cost_model`): FLOPs from the model
+config, bytes from the state specs as the memory plan sized them, not `CostModel()`'s placeholders."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from hybridcache.cache import CostModel
+from hybridcache.cache.policy import FlopAwarePolicy
+from hybridcache.config import EngineConfig
+from hybridcache.engine.cost_model import ModelCost
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.memory import pool_bytes, state_pages
+
+from .model_folders import write_tiny_model
+
+BLOCK = 16
+
+
+def checkpoint(ckpt_id: int, step: int, last_access: int, frozen: bool) -> SimpleNamespace:
+    return SimpleNamespace(ckpt_id=ckpt_id, step=step, last_access=last_access, frozen_block=7 if frozen else None)
+
+
+def test_flop_aware_eviction_ranks_with_the_models_real_state_bytes(tmp_path):
+    engine = LLMEngine(write_tiny_model(tmp_path, "qwen3_next"),
+                       EngineConfig(block_size=BLOCK, eviction="flop-aware"))
+    cache = engine.scheduler.cache
+    model = engine.runner.model
+    kv_block, slot = pool_bytes(model.state_specs(torch.float32, torch.float32), BLOCK,
+                                model.slot_specs(torch.float32))
+    k = state_pages(slot, kv_block)
+    cost = cache.cost_model
+    assert cost.state_bytes == k * kv_block  # a checkpoint's state holds k blocks of the pool
+    assert cost.kv_bytes_per_token == kv_block / BLOCK
+    real = ModelCost.from_config(engine.model_config)
+    assert (cost.flops_per_token, cost.attn_flops_per_token_pair) == (real.flops_per_token,
+                                                                      real.attn_flops_per_token_pair)
+    assert cost != CostModel()
+
+    # Three unpinned checkpoints, oldest first: score = recency (0, 0.5, 1) + alpha * efficiency / the best.
+    # `deep` (2,000 tokens) saves the most per byte (score 0 + 1); `middle` (1,100 tokens) scores 0.5 + its
+    # efficiency over deep's, so it goes first exactly when that ratio is under 0.5. With the real cost (the
+    # attention term grows with n^2) it is 0.47: middle goes; with the placeholders (one FLOP per token) it is
+    # 0.55 and deep goes.
+    deep, middle, newest = checkpoint(0, 2000, 0, False), checkpoint(1, 1100, 5, False), checkpoint(2, 16, 10, True)
+    policy = cache._life.evictor.policy
+    assert isinstance(policy, FlopAwarePolicy) and policy.cost is cost
+    ratio = policy.efficiency(middle) / policy.efficiency(deep)
+    assert ratio == cost.prefill_flops(1100) / cost.prefill_flops(2000) < 0.5
+    assert policy.pick_checkpoint([deep, middle, newest]) is middle
+    placeholder = FlopAwarePolicy(policy.alpha, CostModel(), BLOCK)
+    assert placeholder.pick_checkpoint([deep, middle, newest]) is deep
+
+    # Bytes: a checkpoint holding a frozen block holds one block more than its state; per byte it is worth
+    # k / (k + 1) of one at the same step that holds none (real bytes), not 64 / (64 + 16) (placeholders).
+    tail = checkpoint(3, 2000, 0, True)
+    assert policy.efficiency(tail) / policy.efficiency(deep) == k * kv_block / ((k + 1) * kv_block)
+    assert placeholder.efficiency(tail) / placeholder.efficiency(deep) == 64 / 80

@@ -1,0 +1,92 @@
+"""Nothing compiles after start-up: once `LLM(...)` returns on CUDA, serving requests of any shape compiles no Triton
+kernel (a kernel compiled while serving stalls its request by 0.5-3 s on a fresh machine). CUDA with the cuda extra
+only; skipped without them.
+
+The engine compiles at start-up what it can launch: the profiling forward (prefill kernels, fla's autotuned ones),
+the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), one save per KV group and a prefill and a
+decode on the real pools (`ModelRunner._compile_copies`, `_compile_on_pools`), the decode graphs; run-time counts
+(tokens, pairs, splits) are left unspecialised (`do_not_specialize`) and block tables are padded to 16 columns. This
+test serves a mix of shapes that start-up did not run (fresh prompts of 1 to 1,500 tokens around every multiple of
+16 and of the sort's buckets, prefix hits and extensions of them, mixed prefill + decode batches of 1 to 40
+sequences) and fails on the first Triton compile it sees, naming the kernel and its specialisation key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from .model_folders import prompts_of, write_tiny_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
+                                reason="needs CUDA and the cuda extra")
+
+
+class CompileRecorder:
+    """Triton's `jit_cache_hook`: called for every kernel specialisation a process has not run yet (compiled, or
+    loaded from the disk cache), before it is built; records its name and key and lets the compile go ahead."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def __call__(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 (Triton's names)
+        self.seen.append(f"{fn.name} key={str(key)[:400]}")
+        return None
+
+
+@pytest.fixture
+def compile_recorder():
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook")
+    recorder = CompileRecorder()
+    saved, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, recorder
+    try:
+        yield recorder
+    finally:
+        knobs.runtime.jit_cache_hook = saved
+
+
+def serve_mixed_shapes(llm) -> int:
+    """Requests of many shapes, one at a time and in batches; returns the number of requests served."""
+    from hybridcache import SamplingParams
+
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    few = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    lengths = (1, 2, 3, 15, 16, 17, 31, 33, 63, 64, 65, 100, 127, 128, 129, 200, 255, 257, 300, 511, 513, 777, 1500)
+    prompts = prompts_of(lengths, seed=1)
+    served = 0
+    for prompt in prompts:  # fresh prompts, one at a time
+        llm.generate([prompt], one, use_tqdm=False)
+        served += 1
+    for i, prompt in enumerate(prompts):  # a full hit, then extensions of every length class past a cached prefix
+        extension = prompts_of((1 + 7 * i,), seed=100 + i)[0]
+        llm.generate([prompt], one, use_tqdm=False)
+        llm.generate([prompt + extension], few, use_tqdm=False)
+        served += 2
+    for size in (2, 3, 5, 8, 13, 24, 40):  # mixed prefill + decode steps; 40 sequences exceed max_num_seqs
+        batch = prompts_of([17 + 29 * j for j in range(size)], seed=size)
+        llm.generate(batch, few, use_tqdm=False)
+        served += size
+    return served
+
+
+@needs_cuda
+def test_serving_compiles_no_kernel_after_start_up(tmp_path, compile_recorder):
+    from hybridcache import LLM
+    from hybridcache.kernels.norm import triton as fused_norm
+
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=32, gpu_memory_utilization=0.2)
+    compile_recorder.seen.clear()  # what start-up compiled is start-up's
+    served = serve_mixed_shapes(llm)
+    assert served > 100
+    assert compile_recorder.seen == [], f"kernels compiled while serving: {compile_recorder.seen}"
+    # the recorder does see compiles: a norm of a width and dtype the model never runs is one
+    fused_norm.rms_norm(torch.randn(3, 48, device="cuda", dtype=torch.float16),
+                        torch.ones(48, device="cuda", dtype=torch.float16), 1e-6)
+    assert any("rms_norm" in entry for entry in compile_recorder.seen)

@@ -1,0 +1,29 @@
+"""The kernel variants a run-time quantity can select are few and known, so the engine compiles them all at start-up
+(tests/engine/test_no_compile_after_start_up.py checks the whole engine on CUDA): checked here without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridcache.kernels.attention import triton_paged
+from hybridcache.kernels.gated_delta import triton_gates
+from hybridcache.kernels.moe import triton_route, triton_sort
+
+
+def test_every_pair_count_sorts_with_a_block_start_up_compiles():
+    sizes = triton_sort.block_sizes()
+    assert sizes == (16, 32, 64, 128, 256, 512, 1024)
+    assert {triton_sort.block_size(n) for n in range(1, triton_sort.MAX_PAIRS + 1)} == set(sizes)
+
+
+@pytest.mark.parametrize(("kernel", "count"), [
+    (triton_gates._delta_gates_kernel, "num_rows"),
+    (triton_route._route_kernel, "num_rows"),
+    (triton_sort._sort_pairs_kernel, "num_pairs"),
+    (triton_paged._decode_merge_kernel, "num_splits"),
+])
+def test_run_time_counts_are_not_specialised(kernel, count):
+    """Triton specialises an integer argument on == 1 and on divisibility by 16: a step's token, pair or split
+    count would pick among three variants at run time, one of which start-up may never have met."""
+    (param,) = [p for p in kernel.params if p.name == count]
+    assert param.do_not_specialize
