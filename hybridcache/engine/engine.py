@@ -353,19 +353,18 @@ class LLMEngine:
             raise
 
     def close(self) -> None:
-        """Abort every request, shut the runner down (a tensor-parallel executor stops its workers and leaves its
+        """Abort every request, shut the executor down (a tensor-parallel one stops its workers and leaves its
         process group, so that another tensor-parallel engine can start in this process) and let go of the
-        model and the pools. Idempotent; afterwards every step, request and check raises `EngineDeadError`."""
+        model, the vision tower and the pools. Idempotent; afterwards every step, request and check raises
+        `EngineDeadError`."""
         if self._closed:
             return
         for request_id in list(self._requests):
             self.abort(request_id)
         self._launched = None
         self._closed = True
-        runner, self.runner = self.runner, None
-        shutdown = getattr(runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        runner, self.runner, self.vision = self.runner, None, None
+        runner.shutdown()
         del runner
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
