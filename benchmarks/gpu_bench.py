@@ -60,6 +60,7 @@ import torch
 from hybridcache import LLM
 from hybridcache.config import DTYPES
 from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.mtp import write_random_mtp
 from hybridcache.models.random_weights import randomize_
 from hybridcache.sampling import SamplingParams
 
@@ -104,6 +105,7 @@ def build_model(name: str, path: Path, seed: int = 0) -> Path:
     randomize_(model, seed=seed, draw_device=device)
     model.save_pretrained(path)
     del model
+    write_random_mtp(path, seed=seed, dtype=torch.bfloat16, draw_device=device)  # a head that drafts at random
     if device == "cuda":
         torch.cuda.empty_cache()
     build_byte_tokenizer().save(str(path / "tokenizer.json"))

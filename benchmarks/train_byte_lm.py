@@ -1,6 +1,6 @@
 """Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
 
-    PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--device cpu|cuda] [--seed 0]
+    PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--mtp-steps 0] [--device cpu|cuda]
 
 Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
 text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
@@ -17,6 +17,15 @@ training pieces; AdamW (lr 3e-3, 5% warm-up, cosine decay to 10%, weight decay 0
 bf16 autocast on CUDA, fp32 on the CPU. The held-out loss is the mean next-byte cross entropy (nats per byte) over
 consecutive windows of the held-out pieces.
 
+MTP head (`--mtp-steps N`, N > 0): after the model, its multi-token-prediction head (`hybridcache.models.mtp`: the
+pre-fc norms, fc, one full-attention decoder layer of the model's kind built by transformers, the final norm;
+embedding and lm_head the model's, frozen with the rest of it) is trained for N steps on the same windows to
+predict the byte after next: row t reads byte t + 1 and the model's final hidden state at t, and its loss is the
+cross entropy against byte t + 2 (same optimiser settings). Recorded: its held-out loss before and after, and the
+held-out fraction of positions where its argmax is the byte after next (what greedy speculative decoding accepts
+at draft position 1, given the model's own next byte). Without it the folder gets a random head, like every
+random folder.
+
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
 tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
 (the corpus bytes, so prompts can be drawn from them later) and `training.json` (corpus size and hash, the
@@ -26,6 +35,7 @@ options, the loss curve, the held-out loss before and after, seconds).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -58,6 +68,7 @@ class TrainOptions:
     seed: int = 0
     device: str = "cpu"
     log_every: int = 25
+    mtp_steps: int = 0
 
 
 def corpus_bytes(root: Path = REPO) -> bytes:
@@ -165,14 +176,123 @@ def train(out: Path, options: TrainOptions, corpus: bytes | None = None, shape: 
             print(f"step {step + 1}/{options.steps}: training loss {value:.3f} nats/byte "
                   f"({time.perf_counter() - start:.1f} s)", flush=True)
     record["held_out_loss"] = held_out_loss(model, held, options)
-    record["seconds"] = time.perf_counter() - start
     print(f"held-out loss {record['held_out_loss']:.3f} nats/byte ({record['held_out_loss'] / math.log(2):.2f} "
-          f"bits/byte) after {options.steps} steps, {record['seconds']:.1f} s", flush=True)
+          f"bits/byte) after {options.steps} steps, {time.perf_counter() - start:.1f} s", flush=True)
+    head = train_mtp(model, train_bytes, held, options, record) if options.mtp_steps else None
+    record["seconds"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
     save_model_folder(model.float().cpu().eval(), out)
+    if head is not None:
+        save_mtp(head, out)
     (out / CORPUS_FILE).write_bytes(corpus)
     (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
     return record
+
+
+class MtpTrainer(torch.nn.Module):
+    """The MTP head as a trainable module over a frozen transformers model (see the module docstring), built from
+    that model's own classes (its decoder layer, as full attention with the MoE rule of layer 0, and its RMSNorm):
+    an implementation of the head independent of `hybridcache.models.mtp`. Parameter names are the checkpoint's
+    without the `mtp.` prefix (the decoder layer keeps transformers' names, stacked experts included, which the
+    MTP loader accepts)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        import copy
+
+        import transformers
+
+        super().__init__()
+        config = copy.deepcopy(model.config)
+        config.layer_types = ["full_attention"]  # layer 0 of a one-layer config: full attention, MoE as index 0
+        config.num_hidden_layers = 1
+        hidden = config.hidden_size
+        norm = type(model.model.norm)
+        self.pre_fc_norm_embedding = norm(hidden, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = norm(hidden, eps=config.rms_norm_eps)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = torch.nn.ModuleList([type(model.model.layers[0])(config, layer_idx=0)])
+        self.norm = norm(hidden, eps=config.rms_norm_eps)
+        self.mask_config = config
+        self._create_causal_mask = transformers.masking_utils.create_causal_mask
+
+    def logits(self, model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, L - 2, vocab] of the head over windows [B, L]: row t reads byte t + 1 and the model's
+        final hidden state at t (positions 0 .. L - 3)."""
+        inputs = windows[:, :-2]
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        with torch.no_grad():
+            target_hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
+            embeds = model.model.embed_tokens(windows[:, 1:-1])
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(target_hidden)], dim=-1))
+        mask = self._create_causal_mask(config=self.mask_config, inputs_embeds=x, attention_mask=None, cache=None,
+                                        position_ids=positions)
+        x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
+                           position_ids=positions)
+        return model.lm_head(self.norm(x)).float()
+
+    def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
+        logits = self.logits(model, windows)
+        want = windows[:, 2:]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
+        return loss, (logits.argmax(dim=-1) == want).float().mean()
+
+
+def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Tensor, options: TrainOptions,
+              record: dict) -> MtpTrainer:
+    """Train the MTP head over the frozen `model` for `options.mtp_steps` steps; fills record["mtp"]."""
+    model.eval().requires_grad_(False)
+    head = MtpTrainer(model).to(options.device).train()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95),
+                                  weight_decay=options.weight_decay)
+    generator = torch.Generator().manual_seed(options.seed + 1)
+    offsets_range = torch.arange(options.seq_len + 1, device=options.device)
+
+    @torch.no_grad()
+    def held_out() -> tuple[float, float]:
+        width = options.seq_len + 1
+        count = len(held) // width
+        windows = held[:count * width].view(count, width).to(options.device)
+        losses, hits = [], []
+        for start in range(0, count, options.batch):
+            with autocast(options.device):
+                loss, hit = head.loss(model, windows[start:start + options.batch])
+            losses.append(loss.item())
+            hits.append(hit.item())
+        return sum(losses) / len(losses), sum(hits) / len(hits)
+
+    mtp = {"steps": options.mtp_steps, "losses": []}
+    mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"] = held_out()
+    mtp_options = dataclasses.replace(options, steps=options.mtp_steps)
+    for step in range(options.mtp_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, mtp_options)
+        starts = torch.randint(0, len(train_bytes) - options.seq_len - 1, (options.batch,), generator=generator)
+        windows = train_bytes[starts.to(options.device)[:, None] + offsets_range]
+        with autocast(options.device):
+            loss, _ = head.loss(model, windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        if (step + 1) % options.log_every == 0 or step + 1 == options.mtp_steps:
+            mtp["losses"].append([step + 1, loss.item()])
+            print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte", flush=True)
+    mtp["held_out_loss"], mtp["held_out_next_next_accuracy"] = held_out()
+    print(f"mtp held-out loss {mtp['held_out_loss']:.3f} nats/byte, argmax = the byte after next at "
+          f"{mtp['held_out_next_next_accuracy']:.1%} of positions", flush=True)
+    record["mtp"] = mtp
+    return head
+
+
+def save_mtp(head: MtpTrainer, out: Path) -> None:
+    """Write the trained head as the folder's `mtp.*` tensors (replacing the random one `save_model_folder` wrote)."""
+    from safetensors.torch import save_file
+
+    from hybridcache.models.mtp import MTP_FILE
+
+    tensors = {f"mtp.{name}": p.detach().float().cpu().contiguous() for name, p in head.named_parameters()}
+    save_file(tensors, str(out / MTP_FILE))
 
 
 def main() -> None:
@@ -185,11 +305,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=TrainOptions.seed)
     parser.add_argument("--log-every", type=int, default=TrainOptions.log_every)
+    parser.add_argument("--mtp-steps", type=int, default=TrainOptions.mtp_steps,
+                        help="then train the MTP head for this many steps (0: the folder gets a random head)")
     args = parser.parse_args()
     if args.seq_len < 256:
         parser.error(f"--seq-len {args.seq_len}: train on windows of at least 256 bytes")
     options = TrainOptions(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                           device=args.device, log_every=args.log_every)
+                           device=args.device, log_every=args.log_every, mtp_steps=args.mtp_steps)
     train(args.out, options)
 
 

@@ -14,7 +14,7 @@ from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_optio
 from hybridcache.generation_config import add_generation_config_arg
 
 # Subcommands that live with their feature: each module has `register(subparsers)`.
-_SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli")
+_SUBCOMMAND_MODULES = ("hybridcache.server.cli", "hybridcache.bench.cli", "hybridcache.router.cli")
 
 DEFAULT_PROMPTS = (
     "The quick brown fox",

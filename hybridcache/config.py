@@ -5,6 +5,8 @@ A leaf module: it imports nothing from the project, so every layer may read it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # The cache modes (the `cache_mode` option); `scheduler.save_plan.CACHE_MODES` maps each to its policy.
@@ -16,6 +18,46 @@ EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # The option that sets the recurrent state's dtype, as vLLM spells it (`EngineConfig.mamba_ssm_cache_dtype`).
 SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
+# Speculative methods (vLLM's `--speculative-config` "method"): all name the model's own MTP head.
+SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with the model's multi-token-prediction head, configured as vLLM's
+    `--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`: each decode step of a sequence feeds
+    its last token and up to k drafts the head proposed, and keeps the prefix the target model accepts."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of "
+                             f"{', '.join(SPECULATIVE_METHODS)} (the model's MTP head)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 8], got {k!r}")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
+        """A config from what users pass: None, a `SpeculativeConfig`, a dict, or its JSON text (the command
+        line's). Unknown keys are a ValueError naming them."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative config is not valid JSON: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        if unknown:
+            raise ValueError(f"speculative config keys {unknown} are not supported (method, num_speculative_tokens)")
+        if "method" not in value:
+            raise ValueError("speculative config needs a 'method' (e.g. \"mtp\")")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -52,6 +94,9 @@ class EngineConfig:
     bfloat16 halves the state slot's dominant tensor (about 2x the checkpoint states per GiB) but makes results
     depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
+    speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
+    `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism, decode-interval
+    checkpoints or on CUDA (its kernels keep no per-position states); those are refused here or at start-up.
     """
 
     block_size: int = 64
@@ -72,8 +117,18 @@ class EngineConfig:
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None:
+            refused = [what for what, on in (
+                ("async scheduling", self.async_scheduling), ("tensor parallelism", self.tensor_parallel_size != 1),
+                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None),
+                ("a CUDA device (its kernels keep no per-position recurrent states yet)",
+                 str(self.device).startswith("cuda"))) if on]
+            if refused:
+                raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))

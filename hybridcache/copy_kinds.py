@@ -1,4 +1,5 @@
-"""The kinds of copy op a step carries: which pool, which phase (before or after the forward), what.
+"""The kinds of copy op a step carries: which pool, which phase (before or after the forward, or after a verify
+step's drafts are judged), what.
 
 A pure-Python leaf (standard library only) shared by the prefix cache, which plans copies
 (`hybridcache.cache.plan`), and the device side, which executes them (`hybridcache.forward_batch`, the runner's
@@ -18,6 +19,7 @@ class Pool(enum.Enum):
 class Phase(enum.Enum):
     BEFORE_FORWARD = "before_forward"
     AFTER_FORWARD = "after_forward"
+    AFTER_VERIFY = "after_verify"  # once a verify step's drafts are judged (speculative decoding)
 
 
 class CopyKind(enum.Enum):
@@ -28,6 +30,7 @@ class CopyKind(enum.Enum):
     STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
     KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
     STATE_SAVE = (Pool.STATE, Phase.AFTER_FORWARD, "save")
+    STATE_ROLLBACK = (Pool.STATE, Phase.AFTER_VERIFY, "rollback")  # speculative: draft state -> runtime slot
 
     @property
     def pool(self) -> Pool:
@@ -36,3 +39,13 @@ class CopyKind(enum.Enum):
     @property
     def phase(self) -> Phase:
         return self.value[1]
+
+    @property
+    def two_spaces(self) -> bool:
+        """Sources and destinations are ids of two spaces (draft states, slots) whatever the paging."""
+        return self is CopyKind.STATE_ROLLBACK
+
+    @property
+    def pageable(self) -> bool:
+        """A paged cache's ops of this kind are paged (runtime chunks and pages)."""
+        return self.pool is Pool.STATE and self is not CopyKind.STATE_ROLLBACK

@@ -84,6 +84,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "tensor parallelism)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many devices (one worker process each)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding with the model\'s MTP head, as vLLM: '
+                             '\'{"method": "mtp", "num_speculative_tokens": 2}\' ("qwen3_next_mtp" also accepted)')
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -116,6 +119,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
         attention_backend=args.attention_backend,
+        speculative_config=args.speculative_config,
     )
 
 

@@ -70,6 +70,11 @@ class ForwardBatch:
     copies         the step's copy ops, executed by the runner around the forward (the model never reads them).
     embed_rows [M] int64 / embeds [M, hidden]: rows of the step whose input embedding is given (multimodal
                    spans) instead of looked up from input_ids; None when there are none.
+    draft_rows [M] int64 / draft_slots [M] int64: speculative decoding: the rows of each verify row's first n
+                   positions (its last token and all drafts but the last), and the state pool row where the
+                   recurrent state (and `last_hidden`) after each is kept; the forward returns their logits after
+                   the prompt rows. None when the step verifies nothing. `draft_slots_cpu`: per sequence, the same
+                   pool rows on the host (() for a sequence that verifies nothing), for per-sequence loops.
     metadata       what the kernel backend's `prepare` derived from the batch for this step (decode rows,
                    fresh-sequence masks, host copies, kernel plans); None until prepared. Only the backend
                    that attached it reads it.
@@ -90,6 +95,9 @@ class ForwardBatch:
     embeds: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     prompt_logits_rows: torch.Tensor | None = None
+    draft_rows: torch.Tensor | None = None
+    draft_slots: torch.Tensor | None = None
+    draft_slots_cpu: tuple[tuple[int, ...], ...] = ()
     metadata: Any = None
 
     @property

@@ -12,7 +12,8 @@ class CompletionOutput:
     """One sampled completion. finish_reason: 'stop' (EOS, stop token or stop string), 'length'
     (max_tokens or the model length limit), 'abort', or None while it is still running. cached_tokens: prompt
     tokens this completion's sequence took from the prefix cache when it was first admitted. logprobs: one
-    entry per token of `token_ids` when the request asked for logprobs, else None."""
+    entry per token of `token_ids` when the request asked for logprobs, else None. num_draft_tokens /
+    num_accepted_tokens: speculative decoding: the draft tokens its steps fed and the ones accepted (0 when off)."""
 
     index: int
     text: str
@@ -20,6 +21,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -289,7 +289,7 @@ def sample_async(
     tokens = scores.argmax(dim=-1)
     if not all(p.greedy for p in params):  # (an all-greedy batch, the common decode step, copies nothing over)
         greedy = to_device([p.greedy for p in params], device)
-        probs = _filtered_probs(scores, params)
+        probs = filtered_probs(scores, params)
         noise = torch.empty_like(probs)
         for i, row in enumerate(rows):
             if row.generator is None:
@@ -385,7 +385,7 @@ def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     scores -= frequency * output_counts + presence * (output_counts > 0).float()
 
 
-def _filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Per-row probabilities after temperature, min_p, top-k and top-p (greedy rows get temperature 1; their
     probabilities are not used)."""
     device = scores.device

@@ -49,6 +49,12 @@ def register(subparsers) -> None:
         "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (one group of policies per worker)"
     )
     sim.add_argument("--no-progress", action="store_true")
+    sim.add_argument("--replicas", type=int, default=None,
+                     help="simulate this many replicas of the hybridcache policy (each with --memory-gib) behind a "
+                          "router instead of one cache (--policies is then ignored)")
+    sim.add_argument("--routing", default="round-robin,session,kv-prefix,checkpoint",
+                     help="with --replicas: comma-separated routing policies, of round-robin, session, kv-prefix, "
+                          "checkpoint")
     sim.set_defaults(func=cmd_simulate)
 
     bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes")
@@ -94,6 +100,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hybridcache.bench.workloads import load_workload
     from hybridcache.engine.cost_model import load_model_cost
 
+    if args.replicas is not None:
+        return cmd_simulate_routing(args)
     specs = parse_policies(args.policies, args.block_size)
     model_dir = resolve_model(args.model).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
@@ -142,6 +150,34 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         print(f"plot: {path}")
     if json_path:
         _write_json(json_path, record)
+    return 0
+
+
+def cmd_simulate_routing(args: argparse.Namespace) -> int:
+    """`simulate --replicas N`: every routing policy over N replicas (bench/routing.py)."""
+    from tqdm.auto import tqdm
+
+    from hybridcache.bench.routing import format_routing_table, simulate_routing
+    from hybridcache.bench.simulator import GIB, SimConfig
+    from hybridcache.bench.workloads import load_workload
+    from hybridcache.engine.cost_model import load_model_cost
+
+    policies = [p.strip() for p in args.routing.split(",") if p.strip()]
+    model_dir = resolve_model(args.model).path if args.model is not None else None
+    cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
+    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
+                             model_dir=model_dir)
+    (json_path,) = fresh_paths(args.json)
+    config = SimConfig(int(args.memory_gib * GIB), args.block_size, args.chunk_budget, args.kv_tokens_per_slot)
+    bar = tqdm(total=len(workload), desc=f"route {workload.name}", unit="req", disable=args.no_progress,
+               file=sys.stderr, mininterval=1.0)
+    results = simulate_routing(workload, policies, args.replicas, cost, config, on_request=lambda _: bar.update())
+    bar.close()
+    print(format_routing_table(workload.name, results, args.memory_gib))
+    if json_path:
+        _write_json(json_path, {"workload": workload.name, "model": cost.name, "memory_gib_per_replica":
+                                args.memory_gib, "block_size": args.block_size, "num_requests": len(workload),
+                                "routing": {name: r.to_json() for name, r in results.items()}})
     return 0
 
 

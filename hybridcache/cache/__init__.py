@@ -5,22 +5,27 @@ copy plans (`CopyPlan`). The facade is `PrefixCache`; docs/cache.md describes it
 """
 
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventBatch, EventKind
 from hybridcache.cache.integrity import IntegrityError
 from hybridcache.cache.manager import PrefixCache
 from hybridcache.cache.plan import CopyKind, CopyOp, CopyPlan, Phase, Pool
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, MultimodalSpan, SaveReason
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, MultimodalSpan, Probe, SaveReason
 from hybridcache.cache.sequence import PENDING_TOKEN
 from hybridcache.cache.stats import CacheStats
 
 __all__ = [
     "Admitted",
     "CacheConfig",
+    "CacheEvent",
+    "CacheEventLog",
     "CacheRequest",
     "CacheStats",
     "CopyKind",
     "CopyOp",
     "CopyPlan",
     "CostModel",
+    "EventBatch",
+    "EventKind",
     "IntegrityError",
     "MatchResult",
     "MultimodalSpan",
@@ -28,5 +33,6 @@ __all__ = [
     "Phase",
     "Pool",
     "PrefixCache",
+    "Probe",
     "SaveReason",
 ]

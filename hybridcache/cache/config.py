@@ -37,6 +37,9 @@ class CacheConfig:
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
                                prompt_len - 1 (a checkpoint at N is reused only by longer prompts).
+    num_speculative_tokens     k: the most draft tokens a sequence may feed after its last token in one step
+                               (speculative decoding; 0 = off). Names the draft states of `STATE_ROLLBACK`
+                               (`slot * k + j`, plan.py).
     """
 
     block_size: int = 64
@@ -49,6 +52,7 @@ class CacheConfig:
     admission: str = "all"
     full_prompt_hits: bool = False
     state_pages: int | None = None
+    num_speculative_tokens: int = 0
 
     @property
     def paged(self) -> bool:
@@ -76,6 +80,8 @@ class CacheConfig:
             raise ValueError(f"eviction must be one of {tuple(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.state_pages is not None and self.state_pages < 1:
             raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.admission not in ADMISSION_POLICIES:
             raise ValueError(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
 

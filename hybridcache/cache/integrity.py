@@ -7,7 +7,8 @@ Checked: block reference counts equal their holders (trie nodes, running sequenc
 paged checkpoints' pages) and the free list is exactly the blocks with count 0; every slot has exactly the
 owner the pool records; trie hashes, depths, parent links, children index and leaf set; checkpoint geometry,
 index keys, anchors and pins (pins == live matches + pending restores + pending saves); partial blocks are
-private; sequences' trie nodes hold their blocks.
+private; sequences' trie nodes hold their blocks; a
+sequence's unjudged drafts (speculative decoding) lie in its private blocks.
 """
 
 from __future__ import annotations
@@ -182,6 +183,11 @@ def _check_sequences(
         for block_id in seq.block_ids[len(seq.nodes):]:
             if holders[block_id] != 1:
                 _fail(f"private block {block_id} of {rid!r} has {holders[block_id]} holders")
+        if seq.num_drafts:  # speculative KV: only in blocks of its own, past its trie nodes
+            first, end = seq.num_computed // size, -(-(seq.num_computed + seq.num_drafts) // size)
+            if end > len(seq.block_ids) or first < len(seq.nodes):
+                _fail(f"{rid!r} drafts at [{seq.num_computed}, {seq.num_computed + seq.num_drafts}) fall outside "
+                      f"its private blocks (blocks {len(seq.nodes)}..{len(seq.block_ids) - 1})")
 
 
 def _check_pools(life: Lifecycle, holders: Counter[int], slot_owners: dict[int, object]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
 from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
@@ -50,6 +51,7 @@ class Lifecycle:
         self.state_bytes = self.state_pages * self.block_bytes if self.paged else cost.state_bytes
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
+        self.events: CacheEventLog | None = None  # where trie and checkpoint changes are told (events.py)
         self.clock = 0
         self._next_ckpt_id = 0
 
@@ -97,6 +99,9 @@ class Lifecycle:
         if node is None:
             node = self.trie.add_child(parent, node_hash, token_ids, spans, own_block, now)
             self.blocks.incref(own_block)
+            if self.events is not None:
+                self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node_hash, parent_hash=parent.hash,
+                                            depth=node.depth, adapter=node.adapter))
         else:
             self.blocks.incref(node.block_id)
             self.blocks.decref(own_block)
@@ -187,6 +192,8 @@ class Lifecycle:
         anchor.checkpoints.setdefault(key, []).append(ckpt)
         self.evictor.on_publish(ckpt)
         self.stats.saves_by_reason[ckpt.reason.value] += 1
+        if self.events is not None:
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_STORED, ckpt))
         return True
 
     def checkpoint_key(self, anchor: Node, step: int, tail_ids: tuple[int, ...], tail_spans: tuple) -> tuple:
@@ -233,6 +240,8 @@ class Lifecycle:
             if not bucket:
                 del anchor.checkpoints[key]
             self.evictor.on_unpublish(ckpt, anchor)
+            if self.events is not None:
+                self.events.emit(checkpoint_event(EventKind.CHECKPOINT_REMOVED, ckpt))
             if not ckpt.was_hit and self.on_waste is not None:
                 self.on_waste(ckpt)
         if ckpt.slot is not None:
@@ -352,6 +361,8 @@ class Lifecycle:
         parent = node.parent
         self.trie.remove_leaf(node)
         self.blocks.decref(node.block_id)
+        if self.events is not None:
+            self.events.emit(CacheEvent(EventKind.BLOCK_REMOVED, block_hash=node.hash))
         self.evictor.leaf_changed(parent)
         if kind is not None:
             self.stats.evicted(kind)
@@ -371,6 +382,12 @@ class Lifecycle:
                 break
             for node in victims:
                 self._remove_leaf(node, None)
+
+
+def checkpoint_event(kind: EventKind, ckpt: Checkpoint) -> CacheEvent:
+    """The event of a published checkpoint (its anchor set): stored or removed."""
+    return CacheEvent(kind, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_hash=ckpt.tail_hash,
+                      adapter=ckpt.adapter)
 
 
 def _promised(victim: Victim | None, what: str) -> Victim:

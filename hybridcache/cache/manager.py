@@ -9,6 +9,8 @@ One step of the engine, as the cache sees it::
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
                                           # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
+    rollback = cache.accept_drafts(acc)   # speculative decoding: the step's drafts are judged; a prefix of each
+                                          # sequence's drafts joins its tokens, STATE_ROLLBACK copies returned
     cache.fill_pending(rid, pos, token)   # async scheduling: a token fed as PENDING_TOKEN is now known
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
@@ -32,12 +34,13 @@ import xxhash
 from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
+from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.integrity import check_integrity
-from hybridcache.cache.lifecycle import Lifecycle
+from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
-from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, SaveReason
+from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, Probe, SaveReason
 from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
 from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
@@ -111,6 +114,36 @@ class PrefixCache:
             divergence_len=divergence,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
+
+    def probe(self, request: CacheRequest) -> Probe:
+        """What `match` would find for `request` now, as a dry run: no pin, no match entry, no recency change
+        (LRU order, stats and `check_integrity` are as before). `kv_len`: tokens of the prompt's full blocks
+        in the trie; `cached_len`: the step of the deepest usable checkpoint (what a hit would skip)."""
+        path = walk_prompt(self._trie, request, self.block_size)
+        ckpt = (find_deepest(self._trie, path, request, self.block_size, self.max_match_step(request))
+                if path and not request.skip_reading else None)
+        return Probe(kv_len=max(len(path) - 1, 0) * self.block_size, cached_len=0 if ckpt is None else ckpt.step)
+
+    def enable_events(self, capacity: int = 65536) -> CacheEventLog:
+        """Start telling what the trie and the checkpoints store and drop into a new bounded log (events.py),
+        and return it. Events start now: a reader first takes `snapshot_events` (same thread as the cache)."""
+        self._life.events = CacheEventLog(capacity)
+        return self._life.events
+
+    @property
+    def events(self) -> CacheEventLog | None:
+        return self._life.events
+
+    def snapshot_events(self) -> list[CacheEvent]:
+        """Everything the cache holds now as stored events, parents before children: replaying them into an
+        empty index gives what the events since would have built from the start."""
+        events = []
+        for node in self._trie.iter_nodes():
+            if not node.is_root:
+                events.append(CacheEvent(EventKind.BLOCK_STORED, block_hash=node.hash, parent_hash=node.parent.hash,
+                                         depth=node.depth, adapter=node.adapter))
+            events.extend(checkpoint_event(EventKind.CHECKPOINT_STORED, c) for c in node.iter_checkpoints())
+        return events
 
     def max_match_step(self, request: CacheRequest) -> int:
         """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
@@ -285,8 +318,14 @@ class PrefixCache:
         h.update(repr(request.spans_in(0, step)).encode())
         return (request.adapter, step, h.intdigest())
 
-    def commit_step(self, fed: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
+    def commit_step(
+        self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int] | None = None,
+    ) -> CopyPlan:
         """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
+        `drafts` (speculative decoding) maps a decoding sequence to how many of its fed tokens, at the end, are
+        drafts (1 .. `num_speculative_tokens`): they are not its tokens yet (no block fills with them, nothing is
+        saved at them; their KV lands in its private blocks) until `accept_drafts` keeps a prefix of them, which
+        must come before the next `commit_step`.
 
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
@@ -300,7 +339,8 @@ class PrefixCache:
         copies, on one stream, before its next cache call: that ordering is what makes freeing a deduplicated
         block and dropping the pins safe here (any later writer of those ids is queued after).
         """
-        self._check_fed(fed)
+        drafts = drafts or {}
+        self._check_fed(fed, drafts)
         builder = PlanBuilder(paged_states=self.config.paged)
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
@@ -312,7 +352,9 @@ class PrefixCache:
                 builder.add(kind, src, dst)
         for rid, tokens in fed.items():
             seq = self._seqs[rid]
-            seq.token_ids.extend(tokens)
+            num_drafts = drafts.get(rid, 0)
+            seq.token_ids.extend(tokens[:len(tokens) - num_drafts])
+            seq.num_drafts = num_drafts
             self._insert_full_blocks(seq)
         published: list[Checkpoint] = []
         for seq in self._seqs.values():
@@ -326,11 +368,25 @@ class PrefixCache:
             self._life.unpin(ckpt)
         return builder.build()
 
-    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]]) -> None:
+    def _check_fed(self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int]) -> None:
         """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
         they equal its prompt where they overlap it, a `PENDING_TOKEN` is only the last token of a decoding
-        sequence that saves nothing, and every reserved save is at the end of its chunk."""
+        sequence that saves nothing, every reserved save is at the end of its chunk, no sequence has drafts
+        still to be judged, and drafts are fed only by decoding sequences that save nothing and feed a token
+        before them."""
         size = self.block_size
+        unjudged = [rid for rid, seq in self._seqs.items() if seq.num_drafts]
+        if unjudged:
+            raise ValueError(f"{unjudged!r} have drafts not judged yet (accept_drafts comes before the next step)")
+        for rid, num_drafts in drafts.items():
+            tokens = fed.get(rid)
+            seq = self._seq(rid)
+            if tokens is None or not 0 < num_drafts < len(tokens) or num_drafts > self.config.num_speculative_tokens:
+                raise ValueError(f"{rid!r}: {num_drafts} drafts in {0 if tokens is None else len(tokens)} fed tokens "
+                                 f"(at most num_speculative_tokens = {self.config.num_speculative_tokens}, after "
+                                 "at least one token)")
+            if seq.num_computed < seq.request.prompt_len or seq.saves or PENDING_TOKEN in tokens:
+                raise ValueError(f"{rid!r} feeds drafts but is not a decoding sequence that saves nothing")
         for rid, tokens in fed.items():
             seq = self._seq(rid)
             new_len = seq.num_computed + len(tokens)
@@ -389,6 +445,33 @@ class PrefixCache:
         if (position + 1) % self.block_size == 0:  # it completed a block (held back at commit_step)
             self._insert_full_blocks(seq)
 
+    def accept_drafts(self, accepted: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
+        """Speculative decoding: the drafts of the step just run are judged. `accepted` maps every sequence that
+        fed drafts (and is still running) to the prefix of them it keeps, 0 .. n of its n drafts, in one call per
+        step: they join its tokens (blocks they fill join the trie, deduplicated as in `commit_step`); the others
+        are dropped (their KV stays in its private blocks, overwritten when those positions are fed again).
+        Returns the `STATE_ROLLBACK` copies that make each slot hold the state after its last kept token (a
+        sequence that keeps a < n drafts: its draft state a; keeping all n: nothing to copy), to run after the
+        verify forward and before anything reads the slots. Raises ValueError, changing nothing, when a
+        sequence has no drafts to judge, is missing, or keeps more than it fed."""
+        pending = {rid for rid, seq in self._seqs.items() if seq.num_drafts}
+        if set(accepted) != pending:
+            raise ValueError(f"accept_drafts got {sorted(map(repr, accepted))}; sequences with drafts to judge: "
+                             f"{sorted(map(repr, pending))}")
+        for rid, tokens in accepted.items():
+            if len(tokens) > self._seqs[rid].num_drafts or any(t < 0 for t in tokens):
+                raise ValueError(f"{rid!r} keeps {list(tokens)} of {self._seqs[rid].num_drafts} drafts")
+        builder = PlanBuilder(paged_states=self.config.paged)
+        k = self.config.num_speculative_tokens
+        for rid, tokens in accepted.items():
+            seq = self._seqs[rid]
+            if len(tokens) < seq.num_drafts:
+                builder.add(CopyKind.STATE_ROLLBACK, seq.slot * k + len(tokens), seq.slot)
+            seq.num_drafts = 0
+            seq.token_ids.extend(tokens)
+            self._insert_full_blocks(seq)
+        return builder.build()
+
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
         anchor = seq.nodes[q - 1] if q else self._trie.root(seq.request.adapter)
@@ -428,7 +511,7 @@ class PrefixCache:
         Returns whether a checkpoint was published (False: declined or identical one already cached)."""
         seq = self._seq(request_id)
         if seq.has_pending_work:
-            raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves")
+            raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves, or drafts not judged")
         if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
             raise ValueError(f"finish of {request_id!r} before its pending token is filled in (fill_pending)")
         return self._retire(seq, SaveReason.FINISH, routed_experts, keep=True)
@@ -451,6 +534,7 @@ class PrefixCache:
         self._retire(seq, SaveReason.PREEMPT, None, keep=False)
 
     def _cancel_pending(self, seq: RunningSeq) -> None:
+        seq.num_drafts = 0  # its draft KV lies in its private blocks, dropped with them
         for ckpt in seq.saves:
             self._life.cancel(ckpt)
         seq.saves = []

@@ -9,6 +9,7 @@ before the forward first). Each op copies `src_ids[i] -> dst_ids[i]`:
     STATE_RESTORE   STATE   BEFORE_FORWARD   (checkpoint_slot, request_slot)  or paged: (page, request_chunk)
     KV_SAVE         KV      AFTER_FORWARD    (request_block, frozen_block)
     STATE_SAVE      STATE   AFTER_FORWARD    (request_slot, checkpoint_slot)  or paged: (request_chunk, page)
+    STATE_ROLLBACK  STATE   AFTER_VERIFY     (draft_state, request_slot)    speculative decoding only
 
 KV ids are scheduler block ids. State ids depend on where checkpoints keep their states
 (`CacheConfig.state_pages`):
@@ -20,6 +21,13 @@ KV ids are scheduler block ids. State ids depend on where checkpoints keep their
   preempted) after the forward that last wrote it was queued: it runs before every other copy of the next
   step, so a slot or page reused by that step is read first. Example (k = 2): a restore of the checkpoint in
   pages (40, 41) into runtime slot 3 is `STATE_RESTORE [(40, 6), (41, 7)]`.
+
+`STATE_ROLLBACK` is the plan of `PrefixCache.accept_drafts`, run once the drafts of a verify step are judged
+(never part of a step's plan). A verify forward over `1 + n` tokens of a sequence keeps the recurrent state after
+each of its first n positions in **draft states** (whole-slot rows beside the runtime slots, id
+`slot * num_speculative_tokens + j` for the state after verify position j) and the state after all of them in the
+slot. Accepting a < n drafts makes the slot's state the one after position a: `(slot * k + a, slot)`. Draft
+states and slots are two id spaces (like chunks and pages), and the op is never paged: a whole slot is copied.
 
 Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
 slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
@@ -53,9 +61,10 @@ class CopyOp:
             raise AssertionError(f"{self.kind.name}: {len(self.src_ids)} sources for {len(self.dst_ids)} destinations")
         if len(dsts) != len(self.dst_ids):
             raise AssertionError(f"{self.kind.name}: repeated destination in {self.dst_ids}")
-        if (self.paged and self.kind.pool is not Pool.STATE) or (self.kind is CopyKind.STATE_FINISH and not self.paged):
-            raise AssertionError(f"{self.kind.name}: paged={self.paged} (only state ops are paged; finish ops are)")
-        both = [] if self.paged else sorted(dsts & set(self.src_ids))
+        if (self.paged and not self.kind.pageable) or (self.kind is CopyKind.STATE_FINISH and not self.paged):
+            raise AssertionError(f"{self.kind.name}: paged={self.paged} (only state ops other than rollbacks are "
+                                 "paged; finish ops are)")
+        both = [] if self.paged or self.kind.two_spaces else sorted(dsts & set(self.src_ids))
         if both:
             raise AssertionError(f"{self.kind.name}: {both} are both source and destination")
 
@@ -97,6 +106,6 @@ class PlanBuilder:
         for kind, pairs in self._pairs.items():
             if pairs:
                 src_ids, dst_ids = zip(*pairs)
-                ops.append(CopyOp(kind, src_ids, dst_ids, paged=self._paged and kind.pool is Pool.STATE))
+                ops.append(CopyOp(kind, src_ids, dst_ids, paged=self._paged and kind.pageable))
                 pairs.clear()
         return CopyPlan(tuple(ops))

@@ -120,6 +120,16 @@ class MatchResult(NamedTuple):
     routed_experts: Any = None
 
 
+class Probe(NamedTuple):
+    """What `PrefixCache.probe` (a dry-run match) found: `kv_len` tokens of the prompt's full blocks are in the
+    trie, and a hit would skip `cached_len` of them (the deepest usable checkpoint's step; 0 = miss).
+    `cached_len` can exceed `kv_len` by a partial tail (< B tokens), and is often far below it: KV with no
+    state at its end is not a hit for a hybrid model."""
+
+    kv_len: int
+    cached_len: int
+
+
 class Admitted(NamedTuple):
     """A running sequence right after admission: its runtime slot, blocks and computed tokens."""
 

@@ -33,7 +33,7 @@ class RunningSeq:
 
     __slots__ = (
         "request", "token_ids", "block_ids", "nodes", "slot", "restore", "restore_copies", "saves",
-        "decode_ckpt", "shadows",
+        "decode_ckpt", "shadows", "num_drafts",
     )
 
     def __init__(self, *, request: CacheRequest, slot: int) -> None:
@@ -47,6 +47,7 @@ class RunningSeq:
         self.saves: list[Checkpoint] = []
         self.decode_ckpt: Checkpoint | None = None
         self.shadows: Checkpoint | None = None
+        self.num_drafts = 0
 
     @property
     def num_computed(self) -> int:
@@ -71,4 +72,4 @@ class RunningSeq:
 
     @property
     def has_pending_work(self) -> bool:
-        return self.restore is not None or bool(self.saves)
+        return self.restore is not None or bool(self.saves) or self.num_drafts > 0

@@ -42,6 +42,7 @@ from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.executor import make_executor
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
+from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.mm_processor import ImageProcessor
@@ -120,6 +121,7 @@ class _Launched:
     prepared: bool = False
     pending: dict[int, int] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)
+    verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
 
 
 def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]:
@@ -147,6 +149,7 @@ def _make_scheduler(
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
+        num_speculative_tokens=_speculative_tokens(config),
     )
     return Scheduler(
         PrefixCache(cache_config, cost),
@@ -154,8 +157,14 @@ def _make_scheduler(
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
+        num_speculative_tokens=_speculative_tokens(config),
         debug=os.environ.get("HYBRIDCACHE_DEBUG", "") not in ("", "0"),
     )
+
+
+def _speculative_tokens(config: EngineConfig) -> int:
+    """k of the speculative config, 0 when speculative decoding is off."""
+    return config.speculative_config.num_speculative_tokens if config.speculative_config is not None else 0
 
 
 class LLMEngine:
@@ -175,7 +184,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
             )
-        blocks_per_seq = -(-self.max_model_len // config.block_size)
+        # a sequence also needs blocks for 2k positions past its end with speculative decoding (scheduler.py)
+        blocks_per_seq = -(-(self.max_model_len + 2 * _speculative_tokens(config)) // config.block_size)
         if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading
             raise ValueError(
                 f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "
@@ -192,6 +202,11 @@ class LLMEngine:
         self.memory_plan = plan
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
+        self.drafter = None if config.speculative_config is None else MtpDrafter(
+            self.runner, num_speculative_tokens=_speculative_tokens(config), block_size=config.block_size,
+            kernel_block_size=config.kernel_block_size, max_model_len=self.max_model_len)
+        if self.drafter is not None:
+            self.async_scheduling = False  # (refused by EngineConfig when asked for explicitly)
         self.num_blocks = plan.num_blocks
         _logger.info(
             "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
@@ -241,6 +256,11 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params.check_token_ids(self.model_config.vocab_size)
+        if self.drafter is not None:
+            refused = [what for what, on in (("structured output", params.guided is not None),
+                                             ("penalties", params.penalized)) if on]
+            if refused:
+                raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
@@ -392,7 +412,7 @@ class LLMEngine:
         launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
-                chunk.seq.num_computed = chunk.end
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
         for seq in launched.sampled:
             if seq.is_finished:
                 continue
@@ -408,9 +428,10 @@ class LLMEngine:
         chunks = scheduled.chunks
         if chunks:
             wants_prompt = _prompt_logits_flags(chunks)
+            drafts = self.drafter.draft_slots(chunks) if self.drafter is not None else ()
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
                                         kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                        copies=scheduled.copies, prompt_logits=wants_prompt)
+                                        copies=scheduled.copies, prompt_logits=wants_prompt, draft_slots=drafts)
             if previous is not None and previous.pending:
                 self._feed_sampled(chunks, batch.input_ids, previous)
             logits = self.runner.execute(batch)
@@ -418,6 +439,8 @@ class LLMEngine:
                 self._record_prompt_logprobs(chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.device))
+        if self.drafter is not None:
+            return self._launched_verdicts(scheduled, logits if chunks else None)
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i].seq for i in rows]
         parts = []
@@ -432,6 +455,76 @@ class LLMEngine:
         if not parts:
             return _Launched(chunks, sampled, None)
         return _Launched(chunks, sampled, self._sample(parts[0] if len(parts) == 1 else torch.cat(parts), sampled))
+
+    def _launched_verdicts(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> _Launched:
+        """Speculative decoding (synchronous steps): judge the step's verify rows and samples now."""
+        only = [s.seq for s in scheduled.samples]
+        only_logits = None
+        if only:
+            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples], self.device))
+        chunks = scheduled.chunks
+        verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
+                         stop_token_ids=sorted(self.eos_token_ids))
+        return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts)
+
+    def _complete_verified(self, launched: _Launched) -> list[RequestOutput]:
+        """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
+        them, cut at the first that stops it. The kept drafts go to the scheduler and the cache in one call
+        (`Scheduler.accept_drafts`), whose rollback copies run at once; then the head drafts for the next step."""
+        launched.prepared = True
+        for chunk in launched.chunks:
+            if not chunk.seq.is_finished:
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
+        kept: dict[Seq, tuple[int, ...]] = {}
+        final: dict[Seq, tuple[int | None, str | None]] = {}
+        touched: dict[str, _Request] = {}
+        for verdict in launched.verdicts:
+            seq = verdict.seq
+            if seq.is_finished or seq.request_id not in self._requests:
+                kept[seq] = ()
+                continue
+            self.drafter.stats.count(verdict)
+            seq.num_draft_tokens += verdict.num_drafts
+            seq.num_accepted_tokens += verdict.num_accepted
+            request = self._requests[seq.request_id]
+            emitted, reason = [], None
+            for j, token in enumerate(verdict.tokens):
+                emitted.append(token)
+                if verdict.logprobs is not None:
+                    request.logprobs[seq.index].append(verdict.logprobs[j])
+                reason = self._finish_reason(seq, token, request.texts[seq.index], seq.num_tokens + j + 1)
+                if reason is not None:
+                    break
+            kept[seq] = tuple(emitted[: verdict.num_accepted])
+            last = emitted[-1] if len(emitted) > verdict.num_accepted else None
+            final[seq] = (last, reason)
+            touched[seq.request_id] = request
+            self.num_decode_tokens += len(emitted)
+        for chunk in launched.chunks:
+            if chunk.start < chunk.seq.prompt_len or chunk.num_tokens - chunk.num_drafts > 1:  # prompt, or recompute
+                self.num_prefill_tokens += chunk.num_tokens
+        fed = [c.seq for c in launched.chunks if c.num_drafts]
+        rollback = self.scheduler.accept_drafts({seq: kept.get(seq, ()) for seq in fed})
+        if not rollback.is_empty:
+            self.runner.execute_copies(device_copies(rollback, self.device))
+        for seq, (last, _) in final.items():
+            if last is not None:
+                seq.token_ids.append(last)
+        for seq, (_, reason) in final.items():
+            if reason is not None:
+                seq.finish_reason = reason
+                self.scheduler.finish(seq)
+        drafting = [s for s in final if not s.is_finished]
+        if launched.chunks:
+            self.drafter.propose(launched.chunks, drafting)
+        outputs = []
+        for request_id, request in touched.items():
+            finished = request.finished
+            if finished or not request.final_only:
+                outputs.append(self._output(request))
+            if finished:
+                del self._requests[request_id]
+        return outputs
 
     def _sample(self, logits: torch.Tensor, sampled: list[Seq]) -> PendingSample:
         """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
@@ -459,6 +552,8 @@ class LLMEngine:
         its `PENDING_TOKEN` (the scheduler tells the cache), count the fed tokens, then check whether each sampled
         sequence stops. Sequences finished or aborted after the step was planned are skipped (their rows are
         ignored)."""
+        if launched.verdicts is not None:
+            return self._complete_verified(launched)
         if not launched.prepared:
             self._prepare(launched)
         out = launched.sample.result() if launched.sample is not None else None
@@ -521,13 +616,16 @@ class LLMEngine:
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer) -> str | None:
-        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text."""
+    def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer,
+                       num_tokens: int | None = None) -> str | None:
+        """Why `seq` stops after sampling `token`, or None. A stop token is not decoded into the text.
+        `num_tokens`: the sequence's length with `token` (default: its length now, `token` already in place)."""
+        num_tokens = seq.num_tokens if num_tokens is None else num_tokens
         if self._is_stop_token(seq, token):
             return "stop"
         if text.add(token):
             return "stop"
-        if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_tokens - seq.prompt_len >= seq.params.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
@@ -535,7 +633,8 @@ class LLMEngine:
     def _output(self, request: _Request) -> RequestOutput:
         completions = [
             CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
-                             logprobs=list(logprobs) if seq.params.logprobs is not None else None)
+                             logprobs=list(logprobs) if seq.params.logprobs is not None else None,
+                             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
             for seq, text, logprobs in zip(request.seqs, request.texts, request.logprobs)
         ]
         first = request.seqs[0]
@@ -565,8 +664,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts, and for a model with a vision tower the images it encoded and those the
-        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`)."""
+        pool size and token counts, for a model with a vision tower the images it encoded and those the
+        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative decoding its
+        `SpecDecodeStats` (else None)."""
         vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
@@ -575,4 +675,5 @@ class LLMEngine:
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,
             **vision,
+            "spec_decode": self.drafter.stats if self.drafter is not None else None,
         }

@@ -68,12 +68,18 @@ def build_forward_batch(
     device: torch.device | str = "cpu",
     copies: CopyPlan | None = None,
     prompt_logits: Sequence[bool] = (),
+    draft_slots: Sequence[tuple[int, ...]] = (),
 ) -> ForwardBatch:
     """Concatenate the chunks into one `ForwardBatch` (see `hybridcache.forward_batch`), with the step's copy
     plan turned into device id tensors. `prompt_logits[i]` (default: False for every chunk): chunk i also gets
-    logits at each of its rows but its last (`prompt_logits_rows`, in chunk order), for prompt logprobs."""
+    logits at each of its rows but its last (`prompt_logits_rows`, in chunk order), for prompt logprobs.
+    `draft_slots[i]` (speculative decoding; default () for every chunk): chunk i is a verify row (its last token,
+    then n drafts) and names n state pool rows, where the state after each of its first n positions is kept
+    (`ForwardBatch.draft_rows` / `draft_slots`)."""
     if prompt_logits and len(prompt_logits) != len(chunks):
         raise ValueError(f"{len(prompt_logits)} prompt_logits flags for {len(chunks)} chunks")
+    if draft_slots and len(draft_slots) != len(chunks):
+        raise ValueError(f"{len(draft_slots)} draft slot lists for {len(chunks)} chunks")
     if block_size % kernel_block_size:
         raise ValueError(f"block_size {block_size} is not a multiple of kernel_block_size {kernel_block_size}")
     pages_per_block = block_size // kernel_block_size
@@ -86,10 +92,12 @@ def build_forward_batch(
     logits_indices: list[int] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
+    draft_rows: list[int] = []
+    draft_pool_rows: list[int] = []
     explicit_rope: list[tuple[int, torch.Tensor]] = []  # (first row, [3, n]) of chunks overlapping an image
     shifted: list[int] | None = None  # rotary positions once a chunk has a rope_shift: position + the shift
     kbs = kernel_block_size
-    for chunk in chunks:
+    for i, chunk in enumerate(chunks):
         token_ids, start, block_ids = chunk.token_ids, chunk.start, chunk.block_ids
         num_new = len(token_ids)
         if num_new == 0:
@@ -100,6 +108,11 @@ def build_forward_batch(
         pages = (block_ids if pages_per_block == 1
                  else [b * pages_per_block + j for b in block_ids for j in range(pages_per_block)])
         first_row = len(input_ids)
+        drafted = tuple(draft_slots[i]) if draft_slots else ()
+        if len(drafted) >= num_new:
+            raise ValueError(f"{len(drafted)} draft states for a chunk of {num_new} tokens")
+        draft_rows.extend(range(first_row, first_row + len(drafted)))
+        draft_pool_rows.extend(drafted)
         for offset, vectors in chunk.embeds:
             embed_rows.extend(range(first_row + offset, first_row + offset + vectors.shape[0]))
             embeds.append(vectors)
@@ -142,6 +155,8 @@ def build_forward_batch(
         "block_tables": table,
         "embed_rows": embed_rows,
         "prompt_logits_rows": prompt_rows,
+        "draft_rows": draft_rows,
+        "draft_slots": draft_pool_rows,
         "rotary_positions": shifted or (),
     }
     ops = copies.ops if copies is not None else ()
@@ -174,6 +189,9 @@ def build_forward_batch(
         embeds=torch.cat([e.to(device) for e in embeds]) if embeds else None,  # spans may live on either side
         rope_positions=rope_positions,
         prompt_logits_rows=device_fields["prompt_logits_rows"] if prompt_rows else None,
+        draft_rows=device_fields["draft_rows"] if draft_rows else None,
+        draft_slots=device_fields["draft_slots"] if draft_rows else None,
+        draft_slots_cpu=tuple(tuple(d) for d in draft_slots) if draft_rows else (),
     )
 
 

@@ -11,7 +11,8 @@ The budget (CUDA; `budget_bytes`):
 It buys, in this order:
 
 1. the runtime state slots: one per running sequence (`max_num_seqs`), S bytes each (every recurrent layer's
-   state tensors and the per-slot `last_hidden`);
+   state tensors and the per-slot `last_hidden`), and with speculative decoding k draft states of S bytes per
+   slot beside it (the states a verify step keeps after each draft position, `cache/plan.py`);
 2. one pool of blocks of P bytes (one scheduler block of every attention layer's KV). A block holds either KV
    or 1/k of a checkpoint's state (its pages, `hybridcache.engine.paged_state`), k = ceil(S / P): KV and
    checkpoints compete for the same bytes, and the prefix cache decides what they hold. The pool is
@@ -75,12 +76,13 @@ class MemoryPlan:
     @classmethod
     def fixed(
         cls, *, num_blocks: int, num_runtime_slots: int, kv_bytes_per_block: int, state_bytes_per_slot: int,
+        num_speculative_tokens: int = 0,
     ) -> MemoryPlan:
         """A plan of given counts (the CPU path): a pool of num_blocks blocks; the budget is exactly what it and
-        the runtime slots take."""
+        the runtime slots (with their draft states) take."""
         k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
         kv = num_blocks * (kv_bytes_per_block or state_bytes_per_slot)
-        state = num_runtime_slots * state_bytes_per_slot
+        state = num_runtime_slots * (1 + num_speculative_tokens) * state_bytes_per_slot
         return cls(kv + state, num_blocks, num_runtime_slots, k, kv, state)
 
     @property
@@ -128,11 +130,12 @@ def plan_memory(
     block_size: int,
     min_blocks: int,
     num_blocks: int | None = None,
+    num_speculative_tokens: int = 0,
 ) -> MemoryPlan:
     """Split `budget_bytes` (see the module docstring). `min_blocks`: the blocks one sequence of max_model_len
     needs. `num_blocks`: the pool's blocks (None: the budget's rest). A ValueError when the budget is empty,
     when the pool cannot hold one sequence of max_model_len, or when what is asked for does not fit the
-    budget."""
+    budget. `num_speculative_tokens` k: each runtime slot also has k draft states."""
     if budget_bytes <= 0:
         raise ValueError(
             f"no device memory is left for the cache ({budget_bytes / GIB:.2f} GiB): raise "
@@ -140,7 +143,7 @@ def plan_memory(
         )
     k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
     block = kv_bytes_per_block or state_bytes_per_slot
-    runtime_bytes = max_num_seqs * state_bytes_per_slot
+    runtime_bytes = max_num_seqs * (1 + num_speculative_tokens) * state_bytes_per_slot
     blocks = num_blocks if num_blocks is not None else max(budget_bytes - runtime_bytes, 0) // block
     if blocks < min_blocks:
         raise ValueError(

@@ -26,6 +26,7 @@ from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import load_model
+from hybridcache.models.mtp import load_mtp_head
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_CHECKPOINT_STATES = 32
@@ -65,16 +66,25 @@ def build_runner(
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
+    speculative = config.speculative_config
+    head = None
+    if speculative is not None:
+        if not getattr(backend, "supports_verify_states", False):
+            raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
+                             f"states of verify rows; {type(backend).__name__} does not yet")
+        head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device)
+    head_specs = head.state_specs(dtype) if head is not None else ()
+    num_speculative = speculative.num_speculative_tokens if speculative is not None else 0
     kv_per_block, state_per_slot = pool_bytes(
-        model.state_specs(dtype, state_dtype), config.block_size, model.slot_specs(dtype)
+        (*model.state_specs(dtype, state_dtype), *head_specs), config.block_size, model.slot_specs(dtype)
     )
-    blocks_per_seq = -(-spec.max_model_len // config.block_size)
+    blocks_per_seq = -(-(spec.max_model_len + 2 * num_speculative) // config.block_size)  # (lookahead: scheduler)
     if device.type == "cuda":
         budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device))
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
-            num_blocks=config.num_blocks,
+            num_blocks=config.num_blocks, num_speculative_tokens=num_speculative,
         )
     else:
         num_blocks = config.num_blocks or (
@@ -83,6 +93,7 @@ def build_runner(
         plan = MemoryPlan.fixed(
             num_blocks=num_blocks, num_runtime_slots=config.max_num_seqs,
             kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
+            num_speculative_tokens=num_speculative,
         )
     if kv_per_block and state_per_slot > plan.state_pages * kv_per_block:
         raise AssertionError(
@@ -103,6 +114,8 @@ def build_runner(
         state_dtype=state_dtype,
         device=device,
         cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
+        num_speculative_tokens=num_speculative,
+        mtp_head=head,
         memory_plan=plan,
     )
     return runner, plan

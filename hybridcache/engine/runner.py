@@ -145,20 +145,29 @@ class ModelRunner:
         max_model_len: int = 1,
         cuda_graphs: bool = False,
         memory_plan: MemoryPlan | None = None,
+        num_speculative_tokens: int = 0,
+        mtp_head: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.memory_plan = memory_plan
+        self.mtp_head = mtp_head
+        self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
+        self.num_speculative_tokens = k = num_speculative_tokens
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
         supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
         use_graphs = cuda_graphs and supports is not None and supports(dtype)
         extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
+        # speculative decoding: k draft state rows per runtime slot after the runtime slots (and the scratch one),
+        # and the MTP head's KV as more attention layers after the target's
+        self.draft_base = num_slots + extra
+        head_specs = mtp_head.state_specs(dtype) if mtp_head is not None else ()
         self.pools = DevicePools.allocate(
-            model.state_specs(dtype, state_dtype),
+            (*model.state_specs(dtype, state_dtype), *head_specs),
             num_pages=(num_blocks + extra) * self.pages_per_block,
             kernel_block_size=kernel_block_size,
-            num_slots=num_slots + extra,
+            num_slots=num_slots + extra + num_slots * k,
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
@@ -176,6 +185,12 @@ class ModelRunner:
                 kernel_block_size=kernel_block_size, device=device,
             )
             self._capture()
+
+    def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
+        """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
+        position j is draft state `slot * k + j`, `hybridcache.cache.plan`)."""
+        first = self.draft_base + slot * self.num_speculative_tokens
+        return tuple(range(first, first + num_drafts))
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:
@@ -221,8 +236,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
-        """A step with no forward (only zero-prefill samples): its copy ops, BEFORE_FORWARD ones first."""
-        for phase in (Phase.BEFORE_FORWARD, Phase.AFTER_FORWARD):
+        """Copies without a forward, by phase (a step of only zero-prefill samples: BEFORE_FORWARD ones first;
+        a verify step's rollbacks: AFTER_VERIFY)."""
+        for phase in Phase:
             for op in copies:
                 if op.kind.phase is phase:
                     self._copy(op)
@@ -240,6 +256,10 @@ class ModelRunner:
         replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
         size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
         if size is None:
+            if self.mtp_head is not None:  # the head reads the step's hidden states (engine.speculative)
+                logits, self.step_hidden = self.model.forward_with_hidden(
+                    self.backend.prepare(batch), self.pools, self.backend)
+                return logits
             return self.model(self.backend.prepare(batch), self.pools, self.backend)
         graphs.load(batch, size)
         if not self._replay:
@@ -323,6 +343,14 @@ def _restore_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
     runner.paged_states.restore(op.src_ids, op.dst_ids)
 
 
+def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Draft states (`slot * k + j`, rows `draft_base + id` of every state group) -> runtime slots, whole rows
+    (speculative decoding: the state after a verify row's last accepted position)."""
+    rows = op.src_ids + runner.draft_base
+    for group in runner.pools.state_groups:
+        group.index_copy_(1, op.dst_ids, group.index_select(1, rows))
+
+
 # How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's
 # device <-> pinned host copies) is a `CopyKind` member in `hybridcache.copy_kinds` and one entry here.
 COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
@@ -331,6 +359,7 @@ COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
     CopyKind.STATE_RESTORE: _restore_state,
     CopyKind.KV_SAVE: _copy_kv,
     CopyKind.STATE_SAVE: _save_state,
+    CopyKind.STATE_ROLLBACK: _rollback_state,
 }
 
 

@@ -185,8 +185,12 @@ class ReferenceBackend:
     Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
     (`causal_conv1d_step`, `gated_delta_rule_step`); every other sequence runs alone through the
     sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
-    fresh token). Attention: its `attention_backend` (default `ReferenceAttention`: `paged_attention`).
+    fresh token); a verify row of speculative decoding (`batch.draft_slots_cpu`) runs its positions as decode
+    steps (`gated_delta_rule_verify`) and keeps the conv and recurrent state after each of its first n positions
+    in its draft rows. Attention: its `attention_backend` (default `ReferenceAttention`: `paged_attention`).
     """
+
+    supports_verify_states = True  # speculative decoding's verify rows (a backend without it is refused)
 
     def __init__(self, attention_backend: AttentionBackend | None = None) -> None:
         self.attention_backend = attention_backend if attention_backend is not None else ReferenceAttention()
@@ -236,6 +240,10 @@ class ReferenceBackend:
         out = torch.empty_like(x)
         for i, rows in _sequence_rows(batch, meta):
             slot = meta.state_slots[i]
+            drafts = batch.draft_slots_cpu[i] if batch.draft_slots_cpu else ()
+            if drafts:  # a verify row: keep the state after each of its first n positions
+                after = conv_ref.conv_states_after(x[rows], conv_layer[slot])
+                conv_layer[list(drafts)] = after[: len(drafts)]
             out[rows], conv_layer[slot] = conv_ref.causal_conv1d(
                 x[rows], weight, bias, None if meta.fresh[i] else conv_layer[slot]
             )
@@ -261,6 +269,14 @@ class ReferenceBackend:
         out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
         for i, rows in _sequence_rows(batch, meta):
             slot = meta.state_slots[i]
+            drafts = batch.draft_slots_cpu[i] if batch.draft_slots_cpu else ()
+            if drafts:  # a verify row: decode steps one position at a time, keeping each position's state
+                out[rows], states = delta_ref.gated_delta_rule_verify(
+                    q[rows], k[rows], v[rows], g[rows], beta[rows], ssm_layer[slot]
+                )
+                ssm_layer[list(drafts)] = states[: len(drafts)]
+                ssm_layer[slot] = states[-1]
+                continue
             rule = (
                 delta_ref.recurrent_gated_delta_rule
                 if batch.query_lens_cpu[i] == 1

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_NAME = "hybridcache-builtin-qwen3.5-tiny"
-BUILTIN_VERSION = 2  # 2: the chat template renders tools and thinking
+BUILTIN_VERSION = 3  # 2: the chat template renders tools and thinking; 3: a random MTP head
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # ChatML with tools and thinking in the shapes Qwen3's template renders (<tools>, <tool_call>, <tool_response>,
 # <think>), so tool-calling and reasoning tests exercise the real formats. Unlike Qwen3's, every earlier turn keeps
@@ -128,6 +128,7 @@ def write_builtin_model(path: Path, seed: int = 0) -> None:
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+    from hybridcache.models.mtp import write_random_mtp
     from hybridcache.models.random_weights import randomize_
 
     tokenizer = build_byte_tokenizer()
@@ -143,6 +144,7 @@ def write_builtin_model(path: Path, seed: int = 0) -> None:
     model = Qwen3_5ForCausalLM(config).eval()
     randomize_(model, seed=seed)
     model.save_pretrained(path)
+    write_random_mtp(path, seed=seed)
     tokenizer.save(str(path / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -81,7 +81,7 @@ class HybridCausalLM(nn.Module):
 
     `model(batch, pools, backend)` runs one forward over a `ForwardBatch` and returns fp32 logits
     [len(batch.logits_indices), vocab] (one row per sequence in engine batches), followed by the rows of
-    `batch.prompt_logits_rows` when there are any.
+    `batch.prompt_logits_rows`, then those of `batch.draft_rows`, when there are any.
     """
 
     deltanet_cls: type[nn.Module] = GatedDeltaNet
@@ -192,10 +192,19 @@ class HybridCausalLM(nn.Module):
         updated in place. The logits are returned as an ordinary tensor (cloned out of inference mode) so
         callers may modify them in place."""
         with torch.inference_mode():
-            logits = self._forward(batch, pools, backend)
+            logits, _ = self._forward(batch, pools, backend)
         return logits.clone()
 
-    def _forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend) -> torch.Tensor:
+    def forward_with_hidden(self, batch: ForwardBatch, pools: DevicePools,
+                            backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, also returning the final-norm hidden state of every row [T, hidden] (what an MTP head
+        reads)."""
+        with torch.inference_mode():
+            logits, hidden = self._forward(batch, pools, backend, keep_hidden=True)
+        return logits.clone(), hidden
+
+    def _forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
+                 keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
@@ -206,11 +215,21 @@ class HybridCausalLM(nn.Module):
         else:
             rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
         step = StepContext(batch=batch, backend=backend, rope=rope)
-        for layer, state in zip(self.model.layers, pools.layers, strict=True):
-            hidden = layer(hidden, step, state)
-        last = self.model.norm(hidden[batch.logits_indices], backend)
+        for layer, state in zip(self.model.layers, pools.layers[: len(self.model.layers)], strict=True):
+            hidden = layer(hidden, step, state)  # (pools.layers may go on with an MTP head's KV)
+        normed = self.model.norm(hidden, backend) if keep_hidden else None
+
+        def norm_rows(rows: torch.Tensor) -> torch.Tensor:
+            return normed[rows] if normed is not None else self.model.norm(hidden[rows], backend)
+
+        last = norm_rows(batch.logits_indices)
         if LAST_HIDDEN in pools.slot_state:  # one row per sequence: its slot's hidden state at its last token
             pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.state_slots, last)
         if batch.prompt_logits_rows is not None:  # prompt logprobs: more rows, after the last ones
-            last = torch.cat([last, self.model.norm(hidden[batch.prompt_logits_rows], backend)])
-        return self._logits(last)
+            last = torch.cat([last, norm_rows(batch.prompt_logits_rows)])
+        if batch.draft_rows is not None:  # verify rows: every position but the last, kept with its draft state
+            drafted = norm_rows(batch.draft_rows)
+            if LAST_HIDDEN in pools.slot_state:
+                pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.draft_slots, drafted)
+            last = torch.cat([last, drafted])
+        return self._logits(last), normed

@@ -2,7 +2,7 @@
 
 Tensor name rules, applied to every checkpoint tensor in this order:
 
-1. ignored: names starting with `mtp.` (multi-token-prediction head, unused by this engine) or
+1. ignored: names starting with `mtp.` (the multi-token-prediction head: `models/mtp.py` loads it, on demand) or
    `model.visual.` (vision tower of the multimodal wrappers, loaded apart: `vision_loader.py`); and
    `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead);
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
@@ -70,15 +70,33 @@ def plan_weights(
 ) -> dict[str, _Source]:
     """Match checkpoint tensors (name -> shape) to the model's parameters; raise `ValueError` on any
     missing, unexpected or mis-shaped tensor. Returns our parameter name -> its source."""
-    expected = {name: _shape(p.shape) for name, p in model.named_parameters(remove_duplicate=True)}
     tied = model.config.tie_word_embeddings
-    if tied:
-        expected.pop("lm_head.weight", None)
+    return plan_weights_for(
+        model, checkpoint_shapes, owner=type(model).__name__,
+        ignored=lambda name: name.startswith(IGNORED_PREFIXES) or (tied and name == "lm_head.weight"),
+        not_in_checkpoint=("lm_head.weight",) if tied else (),
+    )
+
+
+def plan_weights_for(
+    module: torch.nn.Module,
+    checkpoint_shapes: Mapping[str, tuple[int, ...]],
+    *,
+    owner: str,
+    ignored: Callable[[str], bool] = lambda name: False,
+    not_in_checkpoint: tuple[str, ...] = (),
+) -> dict[str, _Source]:
+    """Rules 2-4 above for any module (the model, or the MTP head with its `mtp.` prefix taken off): checkpoint
+    names for which `ignored` holds are skipped, parameters in `not_in_checkpoint` are not expected. Raises
+    `ValueError` naming `owner` on any missing, unexpected or mis-shaped tensor."""
+    expected = {name: _shape(p.shape) for name, p in module.named_parameters(remove_duplicate=True)}
+    for name in not_in_checkpoint:
+        expected.pop(name, None)
     plan: dict[str, _Source] = {}
     problems: list[str] = []
     for raw_name, raw_shape in checkpoint_shapes.items():
         shape = _shape(raw_shape)
-        if raw_name.startswith(IGNORED_PREFIXES) or (tied and raw_name == "lm_head.weight"):
+        if ignored(raw_name):
             continue
         name = raw_name
         for old, new in RENAMED_PREFIXES:
@@ -104,7 +122,7 @@ def plan_weights(
     if problems:
         shown = "\n  ".join(problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise ValueError(f"checkpoint does not match {type(model).__name__}:\n  {shown}{more}")
+        raise ValueError(f"checkpoint does not match {owner}:\n  {shown}{more}")
     return plan
 
 
@@ -170,7 +188,8 @@ def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> 
     _copy_planned(model, plan, lambda name, index: tensors[name][index])
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model folder (from its index when sharded)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -200,7 +219,7 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
-    files = _safetensors_files(model_dir)
+    files = safetensors_files(model_dir)
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:

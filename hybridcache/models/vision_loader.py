@@ -60,7 +60,7 @@ def load_vision_tower(
     `vision_config` (a text model)."""
     from safetensors import safe_open
 
-    from hybridcache.models.loader import _safetensors_files
+    from hybridcache.models.loader import safetensors_files
 
     model_dir = Path(model_dir)
     config = VisionConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
@@ -68,7 +68,7 @@ def load_vision_tower(
         return None
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in _safetensors_files(model_dir):
+    for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 if name.startswith(PREFIX):

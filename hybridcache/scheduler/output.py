@@ -20,6 +20,8 @@ class ScheduledChunk:
     as they were BEFORE the step's `commit_step` (which may move the sequence onto a shared copy of a block
     that became full in this step; the forward must still write the sequence's own block). `slot`: the
     sequence's state row. These are the attributes `build_forward_batch` reads.
+    `num_drafts`: speculative decoding: the last `num_drafts` of `token_ids` are drafts that follow the
+    sequence's last token (a verify row: 1 + num_drafts tokens, the sequence's tokens end at `end - num_drafts`).
     """
 
     seq: Seq
@@ -29,9 +31,11 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     slot: int
+    num_drafts: int = 0
 
     @property
     def end(self) -> int:
+        """The step after the chunk's last fed position (its drafts included)."""
         return self.start + self.num_tokens
 
     @property

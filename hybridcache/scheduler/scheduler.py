@@ -14,6 +14,12 @@ sequence then feeds nothing in its first step and only samples (`SchedulerOutput
 sequence that shares a prefix with a prompt still being prefilled waits for it and forks from its checkpoint
 instead of computing the prefix again (`in_flight.py`): `n` completions of a prompt prefill it once.
 
+Speculative decoding (`num_speculative_tokens` k > 0): a decoding sequence with `drafts` feeds them after its
+last token (a verify row of 1 + n tokens, n <= k) and the cache takes them as drafts; after the forward,
+`accept_drafts` takes each sequence's accepted prefix of them in one call (its tokens, the cache's, and the
+`STATE_ROLLBACK` copies). A chunk that samples gets blocks for 2k positions past its end: k drafts fed next, and
+the drafter's own KV for the drafts it proposes (written ahead of the verify).
+
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
 the waiting queue; on re-admission its prefix is a hit.
@@ -32,9 +38,10 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Mapping, Sequence
 from itertools import islice
 
-from hybridcache.cache import CacheRequest, CacheStats, MatchResult, PrefixCache
+from hybridcache.cache import CacheRequest, CacheStats, CopyPlan, MatchResult, PrefixCache
 from hybridcache.scheduler.in_flight import find_leader, prompt_share, worth_sharing
 from hybridcache.scheduler.output import SampleOnly, ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
@@ -64,6 +71,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         decode_checkpoint_interval: int | None = None,
+        num_speculative_tokens: int = 0,
         debug: bool = False,
     ) -> None:
         self.cache = cache
@@ -71,6 +79,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.decode_checkpoint_interval = decode_checkpoint_interval
+        self.num_speculative_tokens = num_speculative_tokens
         self.debug = debug
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
@@ -94,7 +103,8 @@ class Scheduler:
                 raise RuntimeError("no sequence could be scheduled: the KV pool or slot count is too small")
             return SchedulerOutput()
         chunks = tuple(self._chunk(seq, end) for seq, end in planned)  # block ids: before commit_step
-        copies = self.cache.commit_step({chunk.seq.seq_id: chunk.token_ids for chunk in chunks})
+        drafts = {chunk.seq.seq_id: chunk.num_drafts for chunk in chunks if chunk.num_drafts}
+        copies = self.cache.commit_step({chunk.seq.seq_id: chunk.token_ids for chunk in chunks}, drafts)
         return SchedulerOutput(chunks, copies, tuple(SampleOnly(seq, self.cache.slot(seq.seq_id)) for seq in samples))
 
     def _plan_step(self) -> tuple[list[tuple[Seq, int]], list[Seq]]:
@@ -111,7 +121,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
             plan = self._plan(seq, seq.num_computed, budget)
-            while not self.cache.ensure_capacity(seq.seq_id, plan.end):
+            while not self.cache.ensure_capacity(seq.seq_id, plan.end + self._lookahead(seq, plan)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -119,7 +129,8 @@ class Scheduler:
                     break
             if seq.status is SeqStatus.RUNNING:
                 planned.append(self._reserve(seq, plan))
-                budget = max(0, budget - (plan.end - seq.num_computed))  # a multimodal span may go over it
+                cost = plan.end - seq.num_computed + len(self._drafts(seq, plan))
+                budget = max(0, budget - cost)  # a multimodal span or drafts may go over it
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             admission = self._admit(seq, budget)
@@ -174,7 +185,7 @@ class Scheduler:
         """Admit `seq` from `match` with room for its first chunk; False (match released) when there is none."""
         seq.branch_step = match.divergence_len if match.divergence_len > match.cached_len else None
         plan = self._plan(seq, match.cached_len, budget)
-        if self.cache.admit(match, plan.end) is None:
+        if self.cache.admit(match, plan.end + self._lookahead(seq, plan)) is None:
             self.cache.release_match(match)
             return False
         return True
@@ -208,21 +219,38 @@ class Scheduler:
             hit_len=start if seq.num_cached is None else seq.num_cached,
         )
 
+    def _lookahead(self, seq: Seq, plan: ChunkPlan) -> int:
+        """Positions past a chunk's end it needs blocks for: 2k when it samples with speculative decoding on
+        (its drafts, and the drafter's KV of the drafts it proposes after it), else 0."""
+        return 2 * self.num_speculative_tokens if plan.end == seq.num_tokens else 0
+
+    def _drafts(self, seq: Seq, plan: ChunkPlan) -> list[int]:
+        """The drafts a chunk feeds: the sequence's, when the chunk is its decode row (its last token, at or past
+        the prompt the cache knows) and saves nothing."""
+        if seq.drafts and plan.reason is None and plan.end == seq.num_tokens and seq.num_computed == plan.end - 1 \
+                and seq.num_computed >= seq.cache_prompt_len:
+            return seq.drafts
+        return []
+
     def _reserve(self, seq: Seq, plan: ChunkPlan) -> tuple[Seq, int]:
         if plan.reason is not None:
             self.cache.reserve_save(seq.seq_id, plan.end, plan.reason)
+        if not self._drafts(seq, plan):
+            seq.drafts = []  # a chunk that cannot verify them: they are stale after it
         return seq, plan.end
 
     def _chunk(self, seq: Seq, end: int) -> ScheduledChunk:
         start = seq.num_computed
+        drafts = seq.drafts if end == seq.num_tokens else []
         return ScheduledChunk(
             seq=seq,
             start=start,
-            num_tokens=end - start,
+            num_tokens=end - start + len(drafts),
             samples=end == seq.num_tokens,
-            token_ids=tuple(seq.token_ids[start:end]),
+            token_ids=(*seq.token_ids[start:end], *drafts),
             block_ids=self.cache.block_ids(seq.seq_id),
             slot=self.cache.slot(seq.seq_id),
+            num_drafts=len(drafts),
         )
 
     def finish(self, seq: Seq) -> None:
@@ -247,10 +275,27 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self.cache.fill_pending(seq.seq_id, position, token)
 
+    def accept_drafts(self, accepted: Mapping[Seq, Sequence[int]]) -> CopyPlan:
+        """Speculative decoding, once a verify step's drafts are judged: `accepted` maps every sequence the step
+        fed drafts for to the prefix of them it keeps (finished or aborted ones are skipped). Each sequence's
+        kept drafts join its tokens and are computed; the cache takes them in the same call
+        (`PrefixCache.accept_drafts`) and returns the `STATE_ROLLBACK` copies, which the caller runs before the
+        next step."""
+        kept: dict[int, Sequence[int]] = {}
+        for seq, tokens in accepted.items():
+            seq.drafts = []
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.token_ids.extend(tokens)
+            seq.num_computed += len(tokens)
+            kept[seq.seq_id] = tokens
+        return self.cache.accept_drafts(kept)
+
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.cache.preempt(seq.seq_id, keep_checkpoint=self.policy is not None and self.policy.finish)
         seq.num_computed = 0
+        seq.drafts = []
         seq.fork_steps.clear()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -35,6 +35,10 @@ class Seq:
     `fork_steps`: steps of its prompt where waiting sequences that share the prefix [0, step) with it will
     fork from it (in-flight sharing): a chunk ends at each, saving a branch point.
     `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
+    `drafts`: speculative decoding: tokens proposed to follow `token_ids` (the engine's drafter sets them); its
+    next decode step feeds them after its last token and keeps the prefix the verification accepts
+    (`Scheduler.accept_drafts`). Empty otherwise. `num_draft_tokens` / `num_accepted_tokens`: how many drafts
+    its steps fed, and accepted.
     """
 
     seq_id: int
@@ -53,6 +57,9 @@ class Seq:
     fork_steps: set[int] = field(default_factory=set)
     finish_reason: str | None = None
     mm_inputs: tuple[MultimodalInput, ...] = ()
+    drafts: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
                                 and the last error only with the API key (when one is set)
     GET  /metrics               Prometheus text format
+    GET  /v1/cache/events       POST /v1/cache/match: what the prefix cache holds, for a router (cache_routes.py)
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
                                 `?clear_cache=true` first drops what the prefix cache holds
 
@@ -49,6 +50,7 @@ from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
+from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, finish_reason
 from hybridcache.server.config import ServerConfig
@@ -144,6 +146,10 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+    cache = CacheRoutes(engine_loop, model.tokenizer, config.default_chat_template_kwargs, routes._authorize,
+                        routes._read_json)
+    app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
+    app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
     return app
 
 

@@ -5,6 +5,7 @@
     await add_many(ids, prompts)   --- _Add ----->   engine.add_request for each (errors go back to the caller)
     abort(id)                      --- _Abort --->   engine.abort, metrics
     await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
+    await call(fn)                 --- _Call ---->   fn(engine) between steps (reads of the prefix cache)
                                                      while requests are unfinished: engine.step()
     per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(queue.put_nowait, output)
 
@@ -67,6 +68,12 @@ class _Abort:
 @dataclass
 class _Check:
     clear_cache: bool
+    done: asyncio.Future
+
+
+@dataclass
+class _Call:
+    fn: Any
     done: asyncio.Future
 
 
@@ -152,6 +159,20 @@ class EngineLoop:
         self._commands.put(_Check(clear_cache, done))
         return await done
 
+    async def call(self, fn: Any) -> Any:
+        """`fn(engine)` on the engine thread between two steps (nothing else touches the engine meanwhile); its
+        result, or its exception raised here."""
+        if not self.running:
+            raise EngineFailure("the engine is not running")
+        done = self._loop.create_future()
+        self._commands.put(_Call(fn, done))
+        return await done
+
+    @property
+    def engine(self) -> Any:
+        """The engine; only for setup before `start` (afterwards, reach it through `call`)."""
+        return self._engine
+
     # ---------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self._engine
@@ -196,8 +217,16 @@ class EngineLoop:
         for command in adds:
             command.mm_inputs = [tuple(next(encoded) for _ in spans) for spans in command.mm_inputs]
 
-    def _handle(self, command: _Add | _Abort | _Check) -> None:
+    def _handle(self, command: _Add | _Abort | _Check | _Call) -> None:
         engine = self._engine
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(engine)
+            except Exception as error:  # noqa: BLE001 - handed to the caller
+                self._resolve(command.done, error=error)
+            else:
+                self._resolve(command.done, result)
+            return
         if isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
@@ -303,7 +332,8 @@ class EngineLoop:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
-                                       time.perf_counter() - stream.arrival)
+                                       time.perf_counter() - stream.arrival,
+                                       [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs])
 
     def _publish_state(self) -> None:
         try:

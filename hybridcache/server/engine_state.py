@@ -19,7 +19,9 @@ class EngineState:
     `declined_saves` (saves not made, by cause: 'policy' is learned admission, 'no_room' a full pool, ...) and
     `checkpoint_evictions` (by kind) are the cache's running totals since start; num_prefill_tokens counts
     prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
-    those its encoder cache served instead (0 for a model without a vision tower).
+    those its encoder cache served instead (0 for a model without a vision tower). `spec_decode`: speculative
+    decoding's totals (vLLM's spec_decode counters: verify rows `num_drafts`, `num_draft_tokens`,
+    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off.
     """
 
     num_blocks: int = 0
@@ -38,6 +40,7 @@ class EngineState:
     checkpoint_evictions: dict[str, int] = field(default_factory=dict)
     num_encoded_images: int = 0
     num_encoder_cache_hits: int = 0
+    spec_decode: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -64,7 +67,17 @@ def read_engine_state(engine: Any) -> EngineState:
         checkpoint_evictions=dict(getattr(cache, "evictions_by_kind", {}) or {}),
         num_encoded_images=stats.get("num_encoded_images", 0),
         num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
+        spec_decode=_spec_decode(stats.get("spec_decode")),
     )
+
+
+def _spec_decode(spec: Any) -> dict[str, Any] | None:
+    """The speculative decoding counters as plain data (a copy: the engine keeps counting)."""
+    if spec is None:
+        return None
+    return {"num_drafts": spec.num_drafts, "num_draft_tokens": spec.num_draft_tokens,
+            "num_accepted_tokens": spec.num_accepted_tokens,
+            "accepted_per_position": list(spec.accepted_per_position)}
 
 
 def check_engine(engine: Any, *, clear_cache: bool = False) -> EngineState:

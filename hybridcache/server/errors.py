@@ -6,12 +6,13 @@ from typing import Any
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_error",
-          503: "service_unavailable"}
+          502: "bad_gateway", 503: "service_unavailable"}
 
 
 class APIError(Exception):
-    """An error to send to the client. `status`: 400, 401, 404, 409, 413, 415, 500 or 503; `param`: the offending field
-    (or None); `code`: a short machine-readable reason (or None); `headers`: extra response headers (`Retry-After`)."""
+    """An error to send to the client. `status`: 400, 401, 404, 409, 413, 415, 500, 502 (the router: a replica
+    failed) or 503; `param`: the offending field (or None); `code`: a short machine-readable reason (or None);
+    `headers`: extra response headers (`Retry-After`)."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None) -> None:

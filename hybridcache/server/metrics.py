@@ -12,6 +12,8 @@ show several servers. Request-level metrics are recorded by the engine thread as
     hybridcache_time_to_first_token_seconds         arrival -> first sampled token
     hybridcache_inter_token_latency_seconds         time between a request's consecutive token steps
     hybridcache_e2e_request_latency_seconds         arrival -> finish
+    hybridcache_spec_decode_request_acceptance_rate per completion that fed drafts (speculative decoding): its
+                                                    accepted / fed draft tokens
 
 Engine-level metrics are read from the latest `EngineState` snapshot at scrape time:
 
@@ -26,6 +28,13 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total,
     hybridcache_vision_encoded_images_total, hybridcache_vision_encoder_cache_hits_total
+
+With speculative decoding (vLLM's spec_decode counters, under our prefix):
+
+    hybridcache_spec_decode_num_drafts_total         verify rows (a sequence's decode step that fed drafts)
+    hybridcache_spec_decode_num_draft_tokens_total   draft tokens fed
+    hybridcache_spec_decode_num_accepted_tokens_total  draft tokens accepted
+    hybridcache_spec_decode_num_accepted_tokens_per_pos_total{position}  accepted drafts by position (1 = first)
 """
 
 from __future__ import annotations
@@ -68,6 +77,10 @@ class ServerMetrics:
         self.ttft = histogram("hybridcache_time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps")
         self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
+        self.acceptance = Histogram(
+            "hybridcache_spec_decode_request_acceptance_rate", "Per completion that fed drafts: accepted / fed "
+            "draft tokens", ["model_name"], buckets=tuple(i / 10 for i in range(11)), registry=registry,
+        ).labels(**model)
 
     def finished(self, finish_reason: str) -> Any:
         """The counter of completions that ended for `finish_reason`."""
@@ -78,8 +91,12 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine_state, self.model_name))
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float) -> None:
-        """A request ended (finished or aborted after its prompt was computed)."""
+                         latency_s: float, drafts: list[tuple[int, int]] = ()) -> None:
+        """A request ended (finished or aborted after its prompt was computed). `drafts`: per completion,
+        (draft tokens fed, accepted) with speculative decoding."""
+        for fed, accepted in drafts:
+            if fed:
+                self.acceptance.observe(accepted / fed)
         self.query_tokens.inc(num_prompt_tokens)
         self.hit_tokens.inc(num_cached_tokens)
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -139,6 +156,19 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
             gauge.add_metric([model], value)
             yield gauge
+        if state.spec_decode is not None:
+            yield from _spec_decode_metrics(state.spec_decode, model)
+
+
+def _spec_decode_metrics(spec: dict, model: str) -> Iterator[Metric]:
+    for key, documentation in (("num_drafts", "Verify rows of speculative decoding"),
+                               ("num_draft_tokens", "Draft tokens fed"),
+                               ("num_accepted_tokens", "Draft tokens accepted")):
+        family = CounterMetricFamily(f"hybridcache_spec_decode_{key}", documentation, labels=["model_name"])
+        family.add_metric([model], spec[key])
+        yield family
+    yield _by_label("hybridcache_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
+                    "position", {str(j + 1): n for j, n in enumerate(spec["accepted_per_position"])}, model)
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:

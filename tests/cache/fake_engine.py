@@ -34,6 +34,7 @@ class FakeDevice:
         size = cache.block_size
         self.kv: list[list] = [[None] * size for _ in range(cache.config.num_blocks)]
         self.state: list = [None] * cache.config.num_slots
+        self.draft_state: dict[int, object] = {}  # speculative: draft state id -> the state it holds
         self.k = cache.config.state_pages  # paged: a checkpoint's state is k pages, each a KV block filled
         # with ("state", identity, j): a forward or KV copy writing into it, or a state page read as KV, shows
 
@@ -49,13 +50,15 @@ class FakeDevice:
         """Execute a `SchedulerOutput` (already committed by `Scheduler.schedule`) as the engine would, and
         check that each zero-prefill sample's slot holds its whole prompt's state (its last hidden state)."""
         planned = {c.seq.seq_id: (c.block_ids, c.slot, c.start) for c in output.chunks}
-        self.execute(output.copies, planned, {c.seq.seq_id: c.token_ids for c in output.chunks})
+        drafts = {c.seq.seq_id: c.num_drafts for c in output.chunks if c.num_drafts}
+        self.execute(output.copies, planned, {c.seq.seq_id: c.token_ids for c in output.chunks}, drafts)
         for sample in output.samples:
             seq = self.cache._seqs[sample.seq.seq_id]
             assert seq.num_computed == seq.request.prompt_len
             assert self.state[sample.slot] == prefix_id(seq.request, seq.token_ids, seq.num_computed), "sample"
 
-    def execute(self, copies: CopyPlan, planned: dict, fed: dict[Hashable, Sequence[int]]) -> None:
+    def execute(self, copies: CopyPlan, planned: dict, fed: dict[Hashable, Sequence[int]],
+                drafts: dict[Hashable, int] | None = None) -> None:
         """Restores, forward writes into the pre-commit block lists `planned[rid] = (block_ids, slot, start)`,
         saves; `commit_step(fed)` has run."""
         cache, size = self.cache, self.cache.block_size
@@ -71,7 +74,13 @@ class FakeDevice:
             block_ids, slot, start = planned[rid]
             seq = cache._seqs[rid]
             request = seq.request
-            all_tokens = seq.token_ids  # already extended by commit
+            # the cache's tokens, extended by commit (pending ones filled in since), then the fed drafts
+            num_drafts = (drafts or {}).get(rid, 0)
+            known = start + len(tokens) - num_drafts
+            all_tokens = list(seq.token_ids[:known]) + list(tokens[len(tokens) - num_drafts:])
+            for j in range(num_drafts):  # a verify row keeps the state after each of its first n positions
+                self.draft_state[slot * cache.config.num_speculative_tokens + j] = prefix_id(
+                    request, all_tokens, start + j + 1)
             if start > 0:
                 assert self.state[slot] == prefix_id(request, all_tokens, start), f"{rid}: bad state at {start}"
                 for pos in range(start):
@@ -87,6 +96,12 @@ class FakeDevice:
                 self.state[dst] = self.state[src]
         else:
             self._save_states(copies.pairs(CopyKind.STATE_SAVE))
+
+    def execute_rollback(self, copies: CopyPlan) -> None:
+        """Speculative: `accept_drafts`'s STATE_ROLLBACK copies (draft state -> runtime slot)."""
+        assert all(op.kind is CopyKind.STATE_ROLLBACK for op in copies.ops), copies
+        for src, dst in copies.pairs(CopyKind.STATE_ROLLBACK):
+            self.state[dst] = self.draft_state[src]
 
     def _save_states(self, pairs: list[tuple[int, int]]) -> None:
         """Paged: runtime chunk `slot * k + j` -> page (the whole block holds the chunk's identity)."""

@@ -4,6 +4,9 @@ finishes, aborts and memory pressure (two pools or one budget in bytes; learned 
 with synchronous or async steps (as `LLMEngine` runs them: the next step is planned with `PENDING_TOKEN` for
 each token the previous one sampled, the tokens are filled in after the commit, and the previous step's
 finishes come after that, so a finished sequence's row has already run one step more).
+Speculative steps (k drafts, sync steps only): decoding sequences feed random drafts, keep a random prefix of
+them (`accept_drafts`, whose rollback the fake device runs) and the fake device checks that no rejected draft's KV
+or state is ever read as a sequence's, a checkpoint's or a trie node's.
 After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
 sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
@@ -36,8 +39,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         learned=st.booleans(),
         async_steps=st.booleans(),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
+        spec_k=st.sampled_from([0, 0, 1, 3]),
     )
-    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, learned, async_steps, state_pages):
+    def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, learned, async_steps, state_pages,
+              spec_k):
         policy = checkpoint_policy(mode)
         # two pools, or paged (the engine's way): checkpoint states in `state_pages` blocks, 3 runtime slots
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -45,14 +50,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
                              full_prompt_hits=policy.full_prompt_hits,
                              admission="learned" if learned else policy.admission,
-                             state_pages=state_pages)
+                             state_pages=state_pages, num_speculative_tokens=spec_k)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
-        self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget,
+                                   num_speculative_tokens=spec_k)
         self.device = FakeDevice(self.cache)
         self.seqs: list[Seq] = []
         self.idle_steps = 0
-        self.async_steps = async_steps
+        self.spec_k = spec_k
+        self.async_steps = async_steps and not spec_k  # (the engine runs speculative steps synchronously)
         self.launched: list[Seq] | None = None  # async: the sequences the last step sampled, not postprocessed
 
     @precondition(lambda self: len(self.scheduler.waiting) < 8)
@@ -73,6 +80,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self, data):
         previous, self.launched = self.launched, None
         pending = self._prepare(previous) if previous is not None else []
+        for seq in self.scheduler.running:  # the drafter proposed some tokens (the scheduler decides where they go)
+            seq.drafts = data.draw(st.lists(st.integers(0, 12), max_size=self.spec_k)) if self.spec_k else []
         try:
             output = self.scheduler.schedule()
         except RuntimeError:  # nothing fits even alone: too small a pool for this prompt; drop it
@@ -92,7 +101,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]
         for chunk in output.chunks:
             if not chunk.seq.is_finished:
-                chunk.seq.num_computed = chunk.end
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
+        verified = {c.seq: list(c.token_ids[c.num_tokens - c.num_drafts:]) for c in output.chunks if c.num_drafts}
+        if verified:  # keep a random prefix of each row's drafts
+            kept = {seq: drafts[:data.draw(st.integers(0, len(drafts)))] for seq, drafts in verified.items()}
+            self.device.execute_rollback(self.scheduler.accept_drafts(kept))
         if self.async_steps:
             self.launched = sampled
         else:
@@ -162,7 +175,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             self.device.execute_step(output)
             for chunk in output.chunks:
-                chunk.seq.num_computed = chunk.end
+                chunk.seq.num_computed = chunk.end - chunk.num_drafts
+            verified = {c.seq: () for c in output.chunks if c.num_drafts}
+            if verified:
+                self.device.execute_rollback(self.scheduler.accept_drafts(verified))
             for seq in [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]:
                 seq.token_ids.append(1)
                 seq.finish_reason = "stop"

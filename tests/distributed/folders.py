@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.mtp import write_random_mtp
 from hybridcache.models.random_weights import randomize_, tiny_hf_config
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -24,6 +25,7 @@ def write_folder(path: Path, model_type: str, seed: int = 0, vocab_size: int = V
     model = getattr(transformers, config.architectures[0])(config).eval()
     randomize_(model, seed=seed)
     model.save_pretrained(path)
+    write_random_mtp(path, seed=seed)
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
 

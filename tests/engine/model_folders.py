@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.models.builtin import build_byte_tokenizer
+from hybridcache.models.mtp import write_random_mtp
 from hybridcache.models.random_weights import randomize_, tiny_hf_config
 
 HF_CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
@@ -32,8 +33,10 @@ def write_tiny_model(path: Path, model_type: str, seed: int = 0, **overrides) ->
 
 
 def save_model_folder(model: torch.nn.Module, path: Path) -> Path:
-    """Write a transformers causal LM over the byte vocabulary to `path`: `save_pretrained` + the byte tokenizer."""
+    """Write a transformers causal LM over the byte vocabulary to `path`: `save_pretrained`, a random MTP head
+    (`mtp.safetensors`: every test model has one) and the byte tokenizer."""
     model.save_pretrained(path)
+    write_random_mtp(path)
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     # The generic fast class keeps tokenizer.json's own pipeline (without a tokenizer_config.json, AutoTokenizer
     # would pick the model type's class, which rebuilds its own normalizer and pre-tokenizer around the vocabulary).

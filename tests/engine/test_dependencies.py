@@ -4,6 +4,7 @@ Every package and top-level module of hybridcache (a *unit*) is declared in `ALL
 import; the declared graph has no cycle, so dependencies run one way:
 
     server, bench, cli -> llm -> engine -> scheduler -> cache -> copy_kinds
+    router -> server (request parsing), cache (events, hashes); router/cli.py adds `serve --data-parallel-size`
     distributed -> engine -> models -> layers -> kernels -> forward_batch -> copy_kinds
     config: a leaf; cli.py and the subcommand modules share engine_args.py, not each other
     kernels import nothing of cache or layers; cache imports nothing of hybridcache but the leaf copy_kinds
@@ -57,8 +58,9 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
     "cli": {FACADE, "engine_args", "generation_config"},
-    "server": {"engine", "engine_args", "generation_config", "guided", "images", "mm_processor", "model_path", "models",
-               "multimodal", "outputs", "sampling", "tokenizer"},
+    "server": {"cache", "engine", "engine_args", "generation_config", "guided", "images", "mm_processor", "model_path",
+               "models", "multimodal", "outputs", "sampling", "tokenizer"},
+    "router": {"cache", "engine_args", "model_path", "server", "tokenizer"},
     "bench": {FACADE, "cache", "config", "engine", "engine_args", "model_path", "models", "scheduler", "tokenizer"},
 }
 

@@ -67,3 +67,11 @@ def _depthwise_windows(
     if activation is not None:
         raise ValueError(f"unsupported activation {activation!r}")
     return out
+
+
+def conv_states_after(x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
+    """The conv state after each of T new inputs of one sequence: x [T, C], conv_state [C, K-1] (the last K-1
+    inputs before x) -> [T, C, K-1] in conv_state's dtype; entry t holds the K-1 inputs ending at input t."""
+    width = conv_state.shape[-1]
+    full = torch.cat([conv_state, x.transpose(0, 1).to(conv_state.dtype)], dim=-1)  # [C, K-1+T]
+    return torch.stack([full[:, t + 1: t + 1 + width] for t in range(x.shape[0])])

@@ -175,3 +175,32 @@ def delta_gates(
     g = -exp(A_log) * softplus(a + dt_bias) [T, Hv] fp32 (the log decay, <= 0) and beta = sigmoid(b) in b's dtype."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return g, b.sigmoid()
+
+
+def gated_delta_rule_verify(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A verify row of speculative decoding: one sequence's T tokens fed one decode step at a time, keeping the
+    state after every position (what a rejected draft rolls back to).
+
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; initial_state [Hv, Dk, Dv] in the pool's dtype
+    returns out [T, Hv, Dv] in q's dtype, states [T, Hv, Dk, Dv] in initial_state's dtype: states[t] is the state
+    after position t, rounded to that dtype after every position exactly as T decode steps would round it.
+    """
+    outs, states = [], []
+    state = initial_state
+    for t in range(q.shape[0]):
+        out, new = recurrent_gated_delta_rule(
+            q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state, use_qk_l2norm=use_qk_l2norm
+        )
+        state = new.to(initial_state.dtype)
+        outs.append(out)
+        states.append(state)
+    return torch.cat(outs), torch.stack(states)

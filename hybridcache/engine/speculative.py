@@ -1,0 +1,247 @@
+"""MTP speculative decoding in the engine: judging verify rows, and proposing drafts with the MTP head.
+
+A decode step of a sequence with drafts feeds its last token t and its n drafts d1..dn (a *verify row*, positions
+s..s+n; the scheduler and the cache take them as drafts). The target's logits at position s + j judge draft
+d_{j+1}; the first rejected draft ends the row, and the token sampled there (or after dn when all pass) is the
+row's last output token::
+
+    fed        t    d1   d2   d3          (n = 3, positions s .. s+3)
+    target     a0   a1   a2   a3          greedy: a_j = argmax of the target at position s + j
+    d1 == a0, d2 == a1, d3 != a2   ->   accepted [d1, d2], final token a2: the step emits d1 d2 a2
+
+Greedy rows accept while the draft equals the target's argmax. Random rows use rejection sampling (Leviathan et
+al. 2023; Chen et al. 2023) with the draft distribution a point mass (the head drafts greedily): draft d is
+accepted with probability p(d) under the target's processed distribution p at that position (temperature,
+top-k/p, min-p, logit bias, min_tokens), and a rejection samples from p with d removed, renormalised; after n
+accepted drafts the last token is drawn from p at the last position. Every output token is thereby distributed
+exactly as without speculation.
+
+After the step (`MtpDrafter.propose`), the head runs once over every position the step computed (its KV there:
+row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
+per step, feeding its own output hidden state back. The drafts go to `Seq.drafts` for the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, process_logits, to_device
+from hybridcache.scheduler.output import ScheduledChunk
+from hybridcache.scheduler.sequence import Seq
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One sampled sequence of a step: `tokens` = its accepted drafts, then the token sampled after them
+    (`num_accepted` + 1 tokens); `num_drafts`: the drafts it fed (0 for a row that verified nothing);
+    `logprobs`: one `TokenLogprob` per token when the sequence asks for logprobs (from the target's raw logits
+    at the token's position, as without speculation), else None."""
+
+    seq: Seq
+    tokens: tuple[int, ...]
+    num_drafts: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.tokens) - 1
+
+
+@dataclass
+class _PositionRow:
+    """A `SamplingRow` for position j of a verify row: the sequence's tokens with its first j drafts after them
+    (min_tokens counts them)."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int]
+    prompt_len: int
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals, vLLM's spec_decode counters: verify rows (`num_drafts`), draft tokens fed, draft tokens
+    accepted, and accepted tokens by draft position (index j: drafts accepted at position j + 1)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def count(self, verdict: Verdict) -> None:
+        if not verdict.num_drafts:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += verdict.num_drafts
+        self.num_accepted_tokens += verdict.num_accepted
+        for j in range(verdict.num_accepted):
+            self.accepted_per_position[j] += 1
+
+
+def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: Sequence[Seq],
+          sample_only_logits: torch.Tensor | None, *, stop_token_ids: Sequence[int]) -> list[Verdict]:
+    """The tokens of every sequence a step samples: the chunks that sample, in order, then `sample_only` (zero-
+    prefill hits, one row each of `sample_only_logits`). `logits`: the runner's rows (row i at chunk i's last
+    token, then prompt-logprob rows, then the draft rows of every verify row in chunk order: its positions
+    before the last)."""
+    total_drafts = sum(c.num_drafts for c in chunks)
+    draft_row = logits.shape[0] - total_drafts
+    rows: list[int] = []
+    views: list[_PositionRow] = []
+    spans: list[tuple[Seq, list[int], int]] = []  # (sequence, its drafts, first of its rows in `rows`)
+    for i, chunk in enumerate(chunks):
+        if chunk.num_drafts:
+            first, draft_row = draft_row, draft_row + chunk.num_drafts
+        if not chunk.samples:
+            continue
+        seq = chunk.seq
+        drafts = list(chunk.token_ids[chunk.num_tokens - chunk.num_drafts:]) if chunk.num_drafts else []
+        spans.append((seq, drafts, len(rows)))
+        rows += [*range(first, first + len(drafts))] if drafts else []
+        rows.append(i)
+        base = seq.token_ids[: chunk.end - chunk.num_drafts]
+        views += [_PositionRow(seq.params, seq.generator, base + drafts[:j], seq.prompt_len)
+                  for j in range(len(drafts) + 1)]
+    parts = [logits.index_select(0, to_device(rows, logits.device))] if rows else []
+    for j, seq in enumerate(sample_only):
+        spans.append((seq, [], len(rows) + j))
+        views.append(_PositionRow(seq.params, seq.generator, list(seq.token_ids), seq.prompt_len))
+    if sample_only:
+        parts.append(sample_only_logits)
+    if not parts:
+        return []
+    raw = torch.cat(parts) if len(parts) > 1 else parts[0]
+    scores = process_logits(raw, views, stop_token_ids=stop_token_ids)
+    params = [v.params for v in views]
+    greedy = scores.argmax(dim=-1).tolist()
+    probs = filtered_probs(scores, params) if not all(p.greedy for p in params) else None
+    verdicts = []
+    for seq, drafts, first in spans:
+        tokens = _judge_row(seq, drafts, first, greedy, probs)
+        logprobs = None if seq.params.logprobs is None else _logprobs(raw[first: first + len(tokens)], tokens,
+                                                                      seq.params.logprobs)
+        verdicts.append(Verdict(seq, tokens, len(drafts), logprobs))
+    return verdicts
+
+
+def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...]:
+    """Each token's log-probability under its row of raw logits [n, vocab] and the row's k likeliest tokens."""
+    logprobs = torch.log_softmax(raw.float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    return tuple(TokenLogprob(token, chosen[j], tuple(zip(ids[j], values[j]))) for j, token in enumerate(tokens))
+
+
+def _judge_row(seq: Seq, drafts: list[int], first: int, greedy: list[int], probs: torch.Tensor | None) -> tuple:
+    """Accepted drafts then the final token of one sequence whose positions are rows first .. first + n."""
+    out: list[int] = []
+    for j, draft in enumerate(drafts):
+        row = first + j
+        if seq.params.greedy:
+            if draft != greedy[row]:
+                return (*out, greedy[row])
+        else:
+            p = probs[row]
+            if torch.rand((), generator=seq.generator, device=p.device).item() >= p[draft].item():
+                residual = p.clone()
+                residual[draft] = 0.0
+                return (*out, _draw(residual, seq.generator))
+        out.append(draft)
+    row = first + len(drafts)
+    return (*out, greedy[row] if seq.params.greedy else _draw(probs[row], seq.generator))
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn in proportion to `weights` [vocab] (not necessarily normalised)."""
+    return int(torch.multinomial(weights, 1, generator=generator).item())
+
+
+class MtpDrafter:
+    """Proposes drafts with the runner's MTP head (`runner.mtp_head`), on the runner's pools and backend, from the
+    hidden states its last forward kept (`runner.step_hidden`); each head call is batched over the step's
+    sequences (one call over every computed position, then one per further draft position). `runner` is the
+    local `ModelRunner` (speculative decoding is not offered under tensor parallelism yet, so the executor seam
+    has no drafting call)."""
+
+    def __init__(self, runner, *, num_speculative_tokens: int, block_size: int, kernel_block_size: int,
+                 max_model_len: int) -> None:
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self.block_size = block_size
+        self.kernel_block_size = kernel_block_size
+        self.max_model_len = max_model_len
+        model = runner.model
+        self._num_layers = len(model.model.layers)
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * num_speculative_tokens)
+
+    def draft_slots(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
+        """Per chunk, the state pool rows of its draft states (`build_forward_batch(draft_slots=...)`)."""
+        return [self.runner.draft_slots(c.slot, c.num_drafts) for c in chunks]
+
+    def budget(self, seq: Seq) -> int:
+        """How many drafts `seq` may feed next: k, fewer near max_tokens or max_model_len (a verify row of n
+        drafts emits up to n + 1 tokens)."""
+        left = min(seq.params.max_tokens - (seq.num_tokens - seq.prompt_len), self.max_model_len - seq.num_tokens)
+        return max(0, min(self.k, left - 1))
+
+    @torch.inference_mode()
+    def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq]) -> None:
+        """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
+        accepted): run the head over every position the step computed for sequences still running (its KV
+        there), then set `seq.drafts` of each sequence in `drafting` (running, sampled in this step) to the
+        `budget(seq)` tokens the head proposes greedily.
+
+        The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
+        positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
+        lookahead). It is queued before the next step is planned, so a block `accept_drafts` has just put into
+        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it."""
+        runner, model, head = self.runner, self.runner.model, self.runner.mtp_head
+        hidden = runner.step_hidden
+        device = hidden.device
+        caught: list[SeqChunk] = []
+        hidden_rows: list[int] = []
+        owners: list[ScheduledChunk] = []
+        row = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            valid = seq.num_computed - chunk.start  # positions of the chunk that hold the sequence's tokens
+            if not seq.is_finished and valid > 0 and len(seq.token_ids) > seq.num_computed:
+                caught.append(SeqChunk(token_ids=seq.token_ids[chunk.start + 1: seq.num_computed + 1],
+                                       start=chunk.start, block_ids=chunk.block_ids, slot=chunk.slot))
+                hidden_rows += range(row, row + valid)
+                owners.append(chunk)
+            row += chunk.num_tokens
+        for seq in drafting:
+            seq.drafts = []
+        if not caught:
+            return
+        batch = build_forward_batch(caught, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
+                                    device=device)
+        kv = runner.pools.layers[self._num_layers:]
+        embeds = model.model.embed_tokens(batch.input_ids)
+        out = head(embeds, hidden.index_select(0, to_device(hidden_rows, device)), runner.backend.prepare(batch), kv,
+                   runner.backend)
+        wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
+        active = [(i, c) for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0]
+        if not active:
+            return
+        last = out.index_select(0, batch.logits_indices[[i for i, _ in active]])
+        for step in range(1, max(wanted[c.seq.seq_id] for _, c in active) + 1):
+            proposed = model._logits(last).argmax(dim=-1).tolist()
+            for (_, chunk), token in zip(active, proposed, strict=True):
+                chunk.seq.drafts.append(token)
+            active_next = [(j, c) for j, (_, c) in enumerate(active) if wanted[c.seq.seq_id] > step]
+            if not active_next:
+                return
+            steps = [SeqChunk(token_ids=[c.seq.drafts[-1]], start=c.seq.num_computed + step - 1,
+                              block_ids=c.block_ids, slot=c.slot) for _, c in active_next]
+            batch = build_forward_batch(steps, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
+                                        device=device)
+            previous = last.index_select(0, to_device([j for j, _ in active_next], device))
+            last = head(model.model.embed_tokens(batch.input_ids), previous, runner.backend.prepare(batch), kv,
+                        runner.backend, step=step)
+            active = active_next

@@ -1,0 +1,184 @@
+"""The multi-token-prediction (MTP) head of Qwen3-Next and Qwen3.5 (dense and MoE), and its loading.
+
+Checkpoint tensors (vLLM's `qwen3_next_mtp.py` / `qwen3_5_mtp.py` read the same names; transformers has no MTP)::
+
+    mtp.pre_fc_norm_embedding.weight   [H]        zero-centred RMSNorm of the next token's embedding
+    mtp.pre_fc_norm_hidden.weight      [H]        zero-centred RMSNorm of the target model's final hidden state
+    mtp.fc.weight                      [H, 2H]    over cat(normed embedding, normed hidden)
+    mtp.layers.{i}.*                              a full-attention decoder layer with its own KV (MoE where the
+                                                  model's layer i would be: `ModelConfig.is_moe_layer(i)`)
+    mtp.norm.weight                    [H]        the final norm; logits through the target's lm_head
+
+The embedding and the lm_head are the target model's. Config: `mtp_num_hidden_layers` (Qwen3.5) or
+`num_nextn_predict_layers` (Qwen3-Next); the loader takes the layer count from the tensors and checks it.
+
+A row of the head at position p reads the token at p + 1 and the target's hidden state at p and proposes the
+token at p + 2; its layer's KV at p lives in the KV pool like any attention layer's (one more layer of the
+pool, after the target's). A further draft step feeds the head's own output hidden state back with the draft it
+proposed, one position on (`draft_step`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.backend import KernelBackend
+from hybridcache.layers.attention import GatedAttention
+from hybridcache.layers.mlp import MLP, SparseMoeBlock
+from hybridcache.layers.norm import ZeroCenteredRMSNorm
+from hybridcache.layers.rotary import rotary_cos_sin
+from hybridcache.layers.step import StepContext
+from hybridcache.models.config import ModelConfig
+from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
+from hybridcache.state_spec import AttentionSpec, LayerState
+
+MTP_PREFIX = "mtp."
+MTP_FILE = "mtp.safetensors"
+_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+# config.json keys that count the MTP layers (Qwen3.5, Qwen3-Next)
+MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+
+
+class MtpHead(nn.Module):
+    """`num_layers` MTP layers (the head uses layer `step % num_layers` at draft step `step`, as vLLM does).
+    Parameter names are the checkpoint's without the `mtp.` prefix."""
+
+    def __init__(self, config: ModelConfig, num_layers: int = 1) -> None:
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"an MTP head has at least one layer, got {num_layers}")
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.config = config
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=eps)
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.layers = nn.ModuleList(_mtp_layer(config, i) for i in range(num_layers))
+        self.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
+        self.eval()
+        self.requires_grad_(False)
+
+    def state_specs(self, dtype: torch.dtype) -> tuple[AttentionSpec, ...]:
+        """One attention KV spec per MTP layer (appended to the target's layer specs in the pools)."""
+        return tuple(layer.mixer.state_spec(dtype, dtype) for layer in self.layers)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, target_hidden: torch.Tensor, batch: ForwardBatch,
+                kv: tuple[LayerState, ...], backend: KernelBackend, step: int = 0) -> torch.Tensor:
+        """embeds [T, H] (the embedding of the token after each row's position), target_hidden [T, H] (the
+        final-norm hidden state at each row's position), `batch` the rows (prepared by `backend.prepare`; its
+        KV writes go to the MTP layers' pools `kv`) -> the head's final-norm hidden state [T, H]."""
+        x = torch.cat([self.pre_fc_norm_embedding(embeds, backend), self.pre_fc_norm_hidden(target_hidden, backend)],
+                      dim=-1)
+        hidden = self.fc(x)
+        attention = self.config.attention
+        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
+        index = step % len(self.layers)
+        hidden = self.layers[index](hidden, StepContext(batch=batch, backend=backend, rope=rope), kv[index])
+        return self.norm(hidden, backend)
+
+
+def _mtp_layer(config: ModelConfig, layer_id: int) -> DecoderLayer:
+    attention, mlp = config.attention, config.mlp
+    mixer = GatedAttention(config.hidden_size, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
+                           head_dim=attention.head_dim, bias=attention.bias, eps=config.rms_norm_eps)
+    if config.is_moe_layer(layer_id):
+        ffn: nn.Module = SparseMoeBlock(
+            config.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
+            moe_intermediate_size=mlp.moe_intermediate_size,
+            shared_expert_intermediate_size=mlp.shared_expert_intermediate_size, norm_topk_prob=mlp.norm_topk_prob,
+        )
+    else:
+        ffn = MLP(config.hidden_size, mlp.intermediate_size)
+    return DecoderLayer("self_attn", mixer, ffn, config.hidden_size, config.rms_norm_eps)
+
+
+def mtp_tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every `mtp.*` tensor of a model folder (safetensors headers only)."""
+    from safetensors import safe_open
+
+    from hybridcache.models.loader import safetensors_files
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                if name.startswith(MTP_PREFIX):
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
+                  device: torch.device | str) -> MtpHead:
+    """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes).
+
+    Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
+    them, or (through the loader's rules: names, shapes, per-expert or stacked experts) on any missing,
+    unexpected or mis-shaped tensor. Only `mtp.*` tensors are read; the target's loading ignores them."""
+    from safetensors import safe_open
+
+    from hybridcache.models.loader import plan_weights_for, safetensors_files
+
+    model_dir = Path(model_dir)
+    shapes = mtp_tensor_shapes(model_dir)
+    if not shapes:
+        raise ValueError(f"{model_dir} has no mtp.* tensors: speculative method 'mtp' needs the model's MTP head")
+    num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, shapes) if m), default=-1)
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = raw.get("text_config") or raw
+    declared = next((text[key] for key in MTP_LAYER_KEYS if text.get(key) is not None), None)
+    if declared is not None and int(declared) != num_layers:
+        raise ValueError(f"config.json declares {declared} MTP layers, the checkpoint holds {num_layers}")
+    with torch.device("meta"):
+        head = MtpHead(target.config, num_layers)
+    plan = plan_weights_for(head, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
+                            owner="the MTP head")
+    head = head.to(dtype=dtype).to_empty(device=device)
+    location = {}
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as handle:
+            location.update({name: file for name in handle.keys() if name.startswith(MTP_PREFIX)})  # noqa: SIM118
+    handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}
+    params = dict(head.named_parameters())
+    with torch.no_grad():
+        for target_name, source in plan.items():
+            name = MTP_PREFIX + source.checkpoint_name
+            (index,) = source.indices(None)
+            params[target_name].copy_(handles[location[name]].get_slice(name)[index])
+    return head.eval()
+
+
+def write_random_mtp(model_dir: str | Path, seed: int = 0, num_layers: int = 1, *,
+                     dtype: torch.dtype = torch.float32, draw_device: torch.device | str = "cpu") -> Path:
+    """Give a model folder a random MTP head (weights at std 1/sqrt(fan_in), like the random test models; drawn
+    on `draw_device`, stored in `dtype`):
+    `mtp.safetensors` beside its weights (added to the index of a sharded folder) and the layer count in
+    config.json under the family's key. Returns the folder."""
+    from safetensors.torch import save_file
+
+    from hybridcache.models.random_weights import randomize_
+
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    with torch.device("meta"):
+        head = MtpHead(config, num_layers)
+    head = head.to_empty(device=draw_device)
+    randomize_(head, seed=seed + 7919, draw_device=draw_device)
+    tensors = {MTP_PREFIX + name: p.detach().to(dtype).cpu().contiguous() for name, p in head.named_parameters()}
+    save_file(tensors, str(model_dir / MTP_FILE))
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: MTP_FILE for name in tensors})
+        index.write_text(json.dumps(data, indent=2))
+    raw_path = model_dir / "config.json"
+    raw = json.loads(raw_path.read_text())
+    text = raw.get("text_config") or raw
+    text[MTP_LAYER_KEYS[1] if config.model_type == "qwen3_next" else MTP_LAYER_KEYS[0]] = num_layers
+    raw_path.write_text(json.dumps(raw, indent=2))
+    return model_dir

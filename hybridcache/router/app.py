@@ -1,0 +1,303 @@
+"""The router's HTTP front: OpenAI routes forwarded to the replica with the longest usable hit.
+
+    POST /v1/completions, /v1/chat/completions   tokenized here (server/prompt_ids.py) to predict each
+                                                 replica's hit, forwarded unchanged to the chosen one;
+                                                 streams pass through chunk by chunk
+    GET  /v1/models                              from the first replica that answers
+    GET  /health                                 200 while a replica is up, with each one's state
+    GET  /metrics                                Prometheus text (docs/server.md, "Several replicas")
+
+Faults: a replica that cannot be reached, or answers 502/503/504, before the first byte of its response is
+marked down (router/replicas.py) and the request goes to the next-best replica, each replica at most once. A
+stream cut after its first byte ends with an error event and `data: [DONE]`. After each response the router
+polls that replica's events before returning the last bytes, so the next turn of a conversation is routed
+with the checkpoint this one saved; a background task polls every replica every `poll_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from hybridcache.router.policy import Chooser, RoutingConfig
+from hybridcache.router.replicas import Replica
+from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.prompt_ids import body_prompt_ids
+
+logger = logging.getLogger("hybridcache.router")
+RETRY_STATUSES = (502, 503, 504)
+FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas. poll_interval_s: background events
+    polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins.
+    api_key: the replicas' API key, sent with the router's own calls (events polls); clients' requests are
+    forwarded with their own `Authorization` header, which the replicas check."""
+
+    replica_urls: tuple[str, ...]
+    routing: RoutingConfig = RoutingConfig()
+    poll_interval_s: float = 0.5
+    poll_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.replica_urls:
+            raise ValueError("the router needs at least one --replica URL")
+        object.__setattr__(self, "replica_urls", tuple(u.rstrip("/") for u in self.replica_urls))
+        if len(set(self.replica_urls)) != len(self.replica_urls):
+            raise ValueError(f"replica URLs repeat: {self.replica_urls}")
+
+
+class RouterState:
+    """Replicas, the chooser and the HTTP client (made in the lifespan)."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.replicas = [Replica(url) for url in config.replica_urls]
+        self.chooser = Chooser(config.routing)
+        self.client: httpx.AsyncClient | None = None
+        self.poll_headers: dict[str, str] = {}
+        self.num_retries = 0
+        self.num_failed = 0
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
+                               for r in self.replicas))
+
+    def ranked(self, prompts: list[list[int]], exclude: set[str]) -> list[tuple[Replica, int]]:
+        """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction."""
+        candidates = [r for r in self.replicas if r.up and r.url not in exclude]
+        if not candidates:
+            return []
+        probes = [r.predict(prompts) for r in candidates]
+        first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts))
+        order = [first] + sorted((i for i in range(len(candidates)) if i != first),
+                                 key=lambda i: (-probes[i].cached_len, candidates[i].in_flight))
+        return [(candidates[i], probes[i].cached_len) for i in order]
+
+
+def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
+    state = RouterState(config, tokenizer)
+
+    async def poll_forever() -> None:
+        while True:
+            await asyncio.sleep(config.poll_interval_s)
+            await state.poll_all()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        state.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
+                                         limits=limits)
+        state.poll_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        await state.poll_all()
+        poller = asyncio.create_task(poll_forever())
+        yield
+        poller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poller
+        await state.client.aclose()
+
+    app = FastAPI(title="hybridcache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.router = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    async def forward(request: Request) -> Response:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        prompts = body_prompt_ids(body, state.tokenizer)
+        stream = isinstance(body, dict) and bool(body.get("stream"))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        tried: set[str] = set()
+        last_error = "no replica is up"
+        while True:
+            ranked = state.ranked(prompts, tried)
+            if not ranked:
+                state.num_failed += 1
+                raise APIError(503, f"no replica could take the request: {last_error}")
+            replica, predicted = ranked[0]
+            tried.add(replica.url)
+            if len(tried) > 1:
+                state.num_retries += 1
+            replica.in_flight += 1
+            try:
+                upstream = await state.client.send(
+                    state.client.build_request("POST", f"{replica.url}{request.url.path}", content=raw,
+                                               headers=headers), stream=True)
+            except httpx.HTTPError as error:
+                replica.in_flight -= 1
+                replica.counters.retried_away += 1
+                last_error = f"{replica.url}: {type(error).__name__}: {error}"
+                replica.mark_down(last_error)
+                continue
+            if upstream.status_code in RETRY_STATUSES:
+                await upstream.aclose()
+                replica.in_flight -= 1
+                replica.counters.retried_away += 1
+                last_error = f"{replica.url} answered {upstream.status_code}"
+                replica.mark_down(last_error)
+                continue
+            replica.counters.routed += 1
+            if stream and upstream.status_code == 200:
+                return _RelayResponse(state, replica, upstream, predicted)
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as error:
+                replica.in_flight -= 1
+                replica.mark_down(f"{type(error).__name__}: {error}")
+                state.num_failed += 1
+                raise APIError(502, f"replica {replica.url} failed while answering: {error}") from None
+            finally:
+                await upstream.aclose()
+            replica.in_flight -= 1
+            if upstream.status_code == 200:
+                with contextlib.suppress(ValueError, AttributeError):
+                    _record_usage(replica, json.loads(content).get("usage"), predicted)
+                await replica.poll(state.client, config.poll_timeout_s, state.poll_headers)
+            return Response(content, status_code=upstream.status_code,
+                            media_type=upstream.headers.get("content-type", "application/json"))
+
+    async def models(request: Request) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        for replica in state.replicas:
+            if not replica.up:
+                continue
+            with contextlib.suppress(httpx.HTTPError):
+                response = await state.client.get(f"{replica.url}/v1/models", headers=headers)
+                return Response(response.content, status_code=response.status_code, media_type="application/json")
+        raise APIError(503, "no replica is up")
+
+    async def health() -> JSONResponse:
+        replicas = [{"url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.counters.routed,
+                     "indexed_blocks": len(r.index.blocks) if r.index else 0,
+                     "indexed_checkpoints": r.index.num_checkpoints if r.index else 0} for r in state.replicas]
+        ok = any(r.up for r in state.replicas)
+        return JSONResponse({"status": "ok" if ok else "unhealthy", "replicas": replicas},
+                            status_code=200 if ok else 503)
+
+    async def metrics() -> Response:
+        return Response(render_metrics(state), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/v1/completions", forward, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", metrics, methods=["GET"])
+    return app
+
+
+class _RelayResponse(StreamingResponse):
+    """A replica's stream passed through (`_relay`). However the response ends (finished, cut, the client gone,
+    even before its first chunk), the replica's in-flight count drops once and the upstream stream is closed."""
+
+    def __init__(self, state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int) -> None:
+        self._replica, self._upstream, self._open = replica, upstream, True
+        super().__init__(_relay(state, replica, upstream, predicted, self.release), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def release(self) -> None:
+        if self._open:
+            self._open = False
+            self._replica.in_flight -= 1
+            await self._upstream.aclose()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
+
+
+async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int,
+                 release: Any) -> AsyncIterator[bytes]:
+    """Pass a stream through; a cut after the first byte ends it with an error event and `[DONE]`. `release()`
+    once the upstream has ended, before the replica's events are polled."""
+    tail = b""
+    try:
+        async for chunk in upstream.aiter_raw():
+            tail = (tail + chunk)[-4096:]
+            yield chunk
+    except httpx.HTTPError as error:
+        replica.mark_down(f"stream cut: {type(error).__name__}: {error}")
+        state.num_failed += 1
+        message = f"replica {replica.url} failed mid-stream: {type(error).__name__}: {error}"
+        yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+        return
+    finally:
+        await release()
+    _record_usage(replica, _stream_usage(tail), predicted)
+    await replica.poll(state.client, state.config.poll_timeout_s, state.poll_headers)
+
+
+def _stream_usage(tail: bytes) -> dict | None:
+    """The `usage` of the last event that has one (sent with stream_options.include_usage), if any."""
+    for line in reversed(tail.decode(errors="replace").splitlines()):
+        if line.startswith("data: {") and '"usage"' in line:
+            with contextlib.suppress(ValueError):
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    return usage
+    return None
+
+
+def _record_usage(replica: Replica, usage: dict | None, predicted: int) -> None:
+    if not usage:
+        return
+    details = usage.get("prompt_tokens_details") or {}
+    logger.debug("%s: predicted %d hit tokens, reported %s of %s", replica.url, predicted,
+                 details.get("cached_tokens"), usage.get("prompt_tokens"))
+    replica.counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)
+    replica.counters.predicted_hit_tokens += predicted
+    replica.counters.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+
+
+def render_metrics(state: RouterState) -> str:
+    """Prometheus text of the router: per replica (label `replica`) and totals."""
+    series = [
+        ("hybridcache_router_requests_routed_total", "counter", "requests sent to the replica (that answered)",
+         lambda r: r.counters.routed),
+        ("hybridcache_router_requests_retried_away_total", "counter",
+         "requests the replica could not take before its first byte (sent to another one)",
+         lambda r: r.counters.retried_away),
+        ("hybridcache_router_predicted_hit_tokens_total", "counter",
+         "prompt tokens the router predicted would hit, over requests whose response reported usage",
+         lambda r: r.counters.predicted_hit_tokens),
+        ("hybridcache_router_reported_hit_tokens_total", "counter",
+         "cached_tokens the replica reported in usage", lambda r: r.counters.reported_hit_tokens),
+        ("hybridcache_router_prompt_tokens_total", "counter", "prompt_tokens the replica reported in usage",
+         lambda r: r.counters.prompt_tokens),
+        ("hybridcache_router_in_flight", "gauge", "requests in flight through the router", lambda r: r.in_flight),
+        ("hybridcache_router_replica_up", "gauge", "1 while the replica's events poll succeeds", lambda r: int(r.up)),
+        ("hybridcache_router_indexed_checkpoints", "gauge", "checkpoints in the router's index of the replica",
+         lambda r: r.index.num_checkpoints if r.index else 0),
+    ]
+    lines = []
+    for name, kind, help_text, value in series:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        lines += [f'{name}{{replica="{r.url}"}} {value(r)}' for r in state.replicas]
+    for name, help_text, value in (
+            ("hybridcache_router_retries_total", "requests sent again to another replica", state.num_retries),
+            ("hybridcache_router_failed_total", "requests that no replica completed (503, 502 or a cut stream)",
+             state.num_failed)):
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
+    return "\n".join(lines) + "\n"

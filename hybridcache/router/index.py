@@ -1,0 +1,101 @@
+"""`ReplicaIndex`: one replica's prefix cache as its events describe it, and the hit a prompt would get there.
+
+Built only from hashes (cache/events.py): the blocks of the trie (`block_hash` -> depth) and the published
+checkpoints on each anchor (`anchor_hash` -> {(step, tail_hash): count}). A prompt is matched as the cache
+matches it, with hashes in place of tokens::
+
+    hashes = prompt_block_hashes(prompt)           h_i = chain_hash(h_{i-1}, prompt[i*B:(i+1)*B])
+    kv_len = B * (number of leading h_i in blocks)
+    for depth q from deepest to 0, anchor = h_{q-1} (root_hash(adapter) for q = 0):
+        for each (step, tail_hash) stored on anchor with step <= max_step, deepest first:
+            hit when chain_hash(anchor, prompt[q*B:step]) == tail_hash      -> cached_len = step
+
+The cache compares tokens exactly after a hash match; the index cannot, so a hash collision (2^-64 per
+probe) would make it predict a hit the replica does not give. Multimodal spans are not modelled: a prompt
+with images is predicted as text (a miss where its blocks hold images).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from hybridcache.cache.events import CacheEvent, EventKind
+from hybridcache.cache.request import Probe
+from hybridcache.cache.trie import chain_hash, root_hash
+
+
+class ReplicaIndex:
+    """What one replica's cache holds (hashes only); `apply` its events in order, `predict` a prompt's hit."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.blocks: dict[int, int] = {}  # block hash -> depth
+        self.checkpoints: dict[int, Counter] = {}  # anchor hash -> {(step, tail hash): count}
+        self.num_checkpoints = 0
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.checkpoints.clear()
+        self.num_checkpoints = 0
+
+    def apply(self, events: Iterable[CacheEvent]) -> None:
+        """Apply events in the order the replica emitted them. A removal of something unknown (an index
+        started mid-stream) is ignored."""
+        for event in events:
+            kind = event.kind
+            if kind is EventKind.BLOCK_STORED:
+                self.blocks[event.block_hash] = event.depth
+            elif kind is EventKind.BLOCK_REMOVED:
+                self.blocks.pop(event.block_hash, None)
+            elif kind is EventKind.CHECKPOINT_STORED:
+                self.checkpoints.setdefault(event.anchor_hash, Counter())[(event.step, event.tail_hash)] += 1
+                self.num_checkpoints += 1
+            elif kind is EventKind.CHECKPOINT_REMOVED:
+                on_anchor = self.checkpoints.get(event.anchor_hash)
+                key = (event.step, event.tail_hash)
+                if on_anchor is None or not on_anchor[key]:
+                    continue
+                on_anchor[key] -= 1
+                self.num_checkpoints -= 1
+                if not on_anchor[key]:
+                    del on_anchor[key]
+                    if not on_anchor:
+                        del self.checkpoints[event.anchor_hash]
+
+    def predict(self, prompt_ids: Sequence[int], max_step: int | None = None, adapter: str | None = None,
+                block_hashes: Sequence[int] | None = None) -> Probe:
+        """The (kv_len, cached_len) the replica's `PrefixCache.probe` would return for this text prompt now
+        (`max_step`: default prompt_len - 1, as an engine without full-prompt hits). `block_hashes`: the
+        prompt's chained block hashes when the caller has them (`prompt_hashes`), else computed here."""
+        size = self.block_size
+        prompt = tuple(prompt_ids)
+        max_step = len(prompt) - 1 if max_step is None else max_step
+        hashes = prompt_hashes(prompt, size, adapter) if block_hashes is None else block_hashes
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in self.blocks:
+            depth += 1
+        root = root_hash(adapter)
+        for q in range(depth, -1, -1):
+            anchor = hashes[q - 1] if q else root
+            on_anchor = self.checkpoints.get(anchor)
+            if not on_anchor:
+                continue
+            base = q * size
+            for step in sorted({s for s, _ in on_anchor if s <= max_step}, reverse=True):
+                if (step, chain_hash(anchor, prompt[base:step], ())) in on_anchor:
+                    return Probe(kv_len=depth * size, cached_len=step)
+        return Probe(kv_len=depth * size, cached_len=0)
+
+
+def prompt_hashes(prompt_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """The chained hashes of the prompt's full blocks, as the trie computes them for a text prompt."""
+    parent = root_hash(adapter)
+    hashes = []
+    prompt = tuple(prompt_ids)
+    for i in range(len(prompt) // block_size):
+        parent = chain_hash(parent, prompt[i * block_size:(i + 1) * block_size], ())
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,296 @@
+"""MTP speculative decoding end to end (CPU, fp32, reference kernels): greedy outputs equal those without it, token
+for token, with the model's own (random) head and with an oracle drafter whose drafts are partly right (so verify
+rows accept 0..k drafts and the recurrent state is rolled back at every position); cached runs equal uncached ones;
+random traffic keeps the cache's integrity after every step; sampling keeps its distribution (chi-square)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridcache.config import EngineConfig, SpeculativeConfig
+from hybridcache.engine import speculative
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.sampling import SamplingParams
+from hybridcache.scheduler.output import ScheduledChunk
+
+from .model_folders import save_model_folder, write_tiny_model
+from .test_cache_equivalence import run_workload
+
+
+def spec(k: int) -> dict:
+    return {"method": "mtp", "num_speculative_tokens": k}
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def make_engine(model_dir, k: int | None, **options) -> LLMEngine:
+    config = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6, **options}
+    return LLMEngine(model_dir, EngineConfig(**config, speculative_config=spec(k) if k else None))
+
+
+def tokens_of(outputs: dict) -> dict:
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in outputs.items()}
+
+
+def oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) -> None:
+    """Replace the engine's drafts by the reference run's next tokens, each kept with probability `right` (else
+    a wrong token), so that verify rows accept every number of drafts from 0 to k."""
+    rng = random.Random(seed)
+    drafter = engine.drafter
+    propose = drafter.propose
+
+    def propose_from_reference(chunks, drafting):
+        propose(chunks, drafting)  # the real head still runs (its KV, its drafts' count)
+        for seq in drafting:
+            want = reference.get(seq.request_id, [[]] * (seq.index + 1))[seq.index]
+            done = seq.num_tokens - seq.prompt_len
+            seq.drafts = [want[done + j] if done + j < len(want) and rng.random() < right else (want[0] + 1) % 256
+                          for j in range(len(seq.drafts))]
+
+    drafter.propose = propose_from_reference
+
+
+@pytest.mark.parametrize("k", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+def test_greedy_mtp_equals_no_mtp_on_the_cache_equivalence_workload(model_dir, k):
+    """MTP on, prefix caching on (the workload's resends, turns and shared prompts hit) against MTP and caching off
+    (test_cache_equivalence shows cached == uncached without MTP)."""
+    off = tokens_of(run_workload(make_engine(model_dir, None, enable_prefix_caching=False)))
+    engine = make_engine(model_dir, k)
+    assert tokens_of(run_workload(engine, check_every_step=True)) == off  # the random head: drafts rejected
+    assert engine.stats()["cache"].num_hits > 0
+    engine = make_engine(model_dir, k)
+    oracle(engine, off, seed=k)
+    assert tokens_of(run_workload(engine, check_every_step=True)) == off
+    stats = engine.drafter.stats
+    assert stats.num_accepted_tokens > 0 and all(n > 0 for n in stats.accepted_per_position), stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # and some rejected: rollbacks ran
+    assert engine.stats()["num_blocks_used"] == engine.stats()["cache"].num_blocks_used
+
+
+@pytest.mark.slow
+def test_mtp_cached_run_equals_uncached_run_under_pressure(model_dir):
+    """The cache-equivalence pressure workload (30 blocks of 16 tokens for 6 sequences: evictions and preemptions)
+    with MTP and oracle drafts: cached == uncached == MTP off."""
+    workload = {"seed": 1, "reply_lens": (20, 40)}
+    off = tokens_of(run_workload(make_engine(model_dir, None, enable_prefix_caching=False), **workload))
+    runs = []
+    for caching, blocks in ((False, None), (True, 30)):
+        engine = make_engine(model_dir, 2, enable_prefix_caching=caching, num_blocks=blocks, max_model_len=300,
+                             max_num_batched_tokens=256)
+        oracle(engine, off, seed=7)
+        runs.append(tokens_of(run_workload(engine, check_every_step=True, **workload)))
+        assert engine.drafter.stats.num_accepted_tokens > 0
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["cache"].num_hits > 0
+    assert sum(stats["cache"].evictions_by_kind.values()) > 0
+    assert runs == [off, off]
+    engine.clear_cache()
+    engine.check_integrity()
+    assert engine.stats()["num_blocks_used"] == 0
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("traffic"), "qwen3_5_text", seed=1)
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_traffic_keeps_integrity_and_greedy_tokens(small_dir, data):
+    """Shared prefixes, identical resends, n > 1, stop strings, aborts and a pool small enough to preempt, with
+    MTP (oracle drafts) on; check_integrity after every step; the greedy tokens of every request not aborted equal
+    those of the same request alone without MTP."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    k = data.draw(st.integers(1, 3))
+    system = [rng.randrange(256) for _ in range(rng.randrange(5, 40))]
+    requests = []
+    for i in range(data.draw(st.integers(3, 7))):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
+        if requests and rng.random() < 0.2:
+            prompt = list(requests[-1][1])  # an identical resend
+        stop = [bytes([rng.randrange(97, 123)]).decode()] if rng.random() < 0.3 else []
+        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 14), ignore_eos=True, stop=stop,
+                                n=2 if rng.random() < 0.25 else 1)
+        requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
+    reference = {}
+    for rid, prompt, params, _, _ in requests:  # each alone, without MTP
+        alone = make_engine(small_dir, None, max_model_len=160)
+        alone.add_request(rid, prompt, params)
+        while alone.has_unfinished_requests():
+            for out in alone.step():
+                reference[rid] = [c.token_ids for c in out.outputs]
+    engine = make_engine(small_dir, k, max_model_len=160, num_blocks=data.draw(st.sampled_from([14, 20, 64])),
+                         max_num_seqs=4)
+    oracle(engine, reference, seed=rng.randrange(100))
+    got, aborted, step = {}, set(), 0
+    while step < 400:
+        for rid, prompt, params, arrival, abort in requests:
+            if arrival == step:
+                engine.add_request(rid, prompt, params)
+            if abort and step == arrival + 2 and engine.abort(rid) is not None:
+                aborted.add(rid)
+        if step > 6 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check_integrity()
+        step += 1
+    for rid, *_ in requests:
+        if rid not in aborted:
+            assert got[rid] == reference[rid], rid
+    engine.clear_cache()
+    assert engine.stats()["cache"].num_blocks_used == 0
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+CHI2_CRITICAL_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}  # chi-square, p = 0.001
+
+
+def chi_square(observed: Counter, expected: dict) -> tuple[float, int]:
+    """(statistic, degrees of freedom) of observed counts against expected counts (cells with expected > 0)."""
+    cells = [c for c in expected if expected[c] > 0]
+    return sum((observed[c] - expected[c]) ** 2 / expected[c] for c in cells), len(cells) - 1
+
+
+def two_sample(a: Counter, b: Counter) -> tuple[float, int]:
+    """Chi-square statistic of the 2 x V contingency table of two samples, and its degrees of freedom."""
+    na, nb = sum(a.values()), sum(b.values())
+    cells = sorted(set(a) | set(b))
+    stat = 0.0
+    for c in cells:
+        total = a[c] + b[c]
+        for count, n in ((a[c], na), (b[c], nb)):
+            want = total * n / (na + nb)
+            stat += (count - want) ** 2 / want
+    return stat, len(cells) - 1
+
+
+def verify_chunk(seq, drafts: list[int]) -> ScheduledChunk:
+    return ScheduledChunk(seq=seq, start=seq.num_tokens - 1, num_tokens=1 + len(drafts), samples=True,
+                          token_ids=(seq.token_ids[-1], *drafts), block_ids=(0,), slot=0, num_drafts=len(drafts))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature):
+    """`judge` on fixed logits over 6 tokens, drafts [d1, d2]: the first emitted token is distributed as p0, the
+    second (after an accepted d1) as p1, against the exact target distributions (softmax at the temperature)."""
+    from hybridcache.scheduler.sequence import Seq
+
+    vocab = 6
+    torch.manual_seed(0)
+    logits = torch.randn(3, vocab) * 2  # rows: d1's position, d2's position, after d2
+    target = torch.softmax(logits / temperature, dim=-1)
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=8)
+    num = 5000
+    generator = torch.Generator().manual_seed(11)
+    seqs = [Seq(seq_id=i, request_id="r", index=i, token_ids=[1, 2], prompt_len=2, params=params,
+                generator=generator, arrival=i) for i in range(num)]
+    drafts = [2, 4]  # whether or not d1 is p0's likeliest token, any draft must do
+    # the runner's rows: each chunk's last row first, then every chunk's draft rows (d1's and d2's judgement)
+    rows = torch.cat([logits[2].expand(num, vocab), logits[:2].repeat(num, 1)])
+    verdicts = speculative.judge([verify_chunk(seq, drafts) for seq in seqs], rows, [], None, stop_token_ids=())
+    firsts = Counter(v.tokens[0] for v in verdicts)
+    seconds = Counter(v.tokens[1] for v in verdicts if v.tokens[0] == drafts[0])
+    for counts, p in ((firsts, target[0]), (seconds, target[1])):
+        n = sum(counts.values())
+        stat, df = chi_square(counts, {v: float(p[v]) * n for v in range(vocab)})
+        assert stat < CHI2_CRITICAL_999[df], (stat, counts)
+    assert 0 < firsts[drafts[0]] < num  # both branches ran
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_dir(tmp_path_factory):
+    import transformers
+
+    from hybridcache.models.random_weights import randomize_, tiny_hf_config
+
+    config = tiny_hf_config("qwen3_5_text", vocab_size=8, eos_token_id=None)
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    randomize_(model, seed=3)
+    return save_model_folder(model, tmp_path_factory.mktemp("vocab8"))
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])
+def test_sampling_distribution_with_mtp_equals_without(tiny_vocab_dir, temperature):
+    """Many seeds over a vocabulary of 8: the tokens at each output position, MTP (k = 2) on against off, pass a
+    two-sample chi-square test; the head's drafts are accepted often enough that both paths of the rejection
+    sampler run. (Prefix caching off: every completion prefills, and so drafts, on its own.)"""
+    samples = {}
+    for k in (None, 2):
+        engine = LLMEngine(tiny_vocab_dir, EngineConfig(block_size=16, max_num_seqs=48, max_model_len=64,
+                                                        enable_prefix_caching=False,
+                                                        speculative_config=spec(k) if k else None))
+        for s in range(3):
+            params = SamplingParams(temperature=temperature, max_tokens=4, n=48, seed=1000 * s + (500 if k else 0))
+            engine.add_request(str(s), [1, 2, 3, 4, 5, 6, 7, 0, 1, 2], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [tuple(c.token_ids) for o in engine.step() if o.finished for c in o.outputs]
+        samples[k] = outs
+        if k:
+            assert 0 < engine.drafter.stats.num_accepted_tokens < engine.drafter.stats.num_draft_tokens
+    for position in range(1, 4):
+        stat, df = two_sample(Counter(t[position] for t in samples[None]), Counter(t[position] for t in samples[2]))
+        assert stat < CHI2_CRITICAL_999[df], (position, stat)
+
+
+# ------------------------------------------------------------------------------------------------- refusals
+def test_unsupported_combinations_are_refused_clearly(small_dir):
+    with pytest.raises(ValueError, match="async scheduling"):
+        EngineConfig(speculative_config=spec(2), async_scheduling=True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        EngineConfig(speculative_config=spec(2), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="CUDA"):
+        EngineConfig(speculative_config=spec(2), device="cuda")
+    with pytest.raises(ValueError, match="not supported"):
+        EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+    assert EngineConfig(speculative_config='{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'
+                        ).speculative_config == SpeculativeConfig("qwen3_next_mtp", 3)
+    engine = make_engine(small_dir, 2)
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(temperature=0, guided=object())):
+        with pytest.raises(ValueError, match="not supported with speculative decoding"):
+            engine.add_request("bad", [1, 2, 3], params)
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+
+
+def test_a_model_without_an_mtp_head_is_refused(tmp_path):
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")
+    (folder / "mtp.safetensors").unlink()
+    with pytest.raises(ValueError, match="no mtp"):
+        make_engine(folder, 1)
+
+
+def test_llm_takes_a_speculative_config_like_vllm(small_dir):
+    """`LLM(speculative_config=...)` as vLLM's; greedy tokens and their logprobs (top 3) equal MTP off's, with the
+    random head and with oracle drafts (accepted tokens' logprobs come from the verify rows)."""
+    from hybridcache import LLM
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [40, 41, 42]]
+    off = LLM(small_dir, dtype="float32", device="cpu").generate(prompts, params, use_tqdm=False)
+    reference = {str(i): [o.outputs[0].token_ids] for i, o in enumerate(off)}
+    for use_oracle in (False, True):
+        on = LLM(small_dir, dtype="float32", device="cpu",
+                 speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+        if use_oracle:
+            oracle(on.engine, reference, seed=3, right=0.8)
+        got = on.generate(prompts, params, use_tqdm=False)
+        for mine, want in zip(got, off, strict=True):
+            assert mine.outputs[0].token_ids == want.outputs[0].token_ids
+            assert mine.outputs[0].num_draft_tokens > 0
+            for a, b in zip(mine.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
+                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        if use_oracle:
+            assert on.engine.drafter.stats.num_accepted_tokens > 0

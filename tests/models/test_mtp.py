@@ -1,0 +1,152 @@
+"""The MTP head: loading `mtp.*` tensors (Qwen3.5 dense and MoE, Qwen3-Next; per-expert or stacked experts), the
+loader's errors, and its KV: a chunked run over a sequence equals one forward over all of it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.kernels.backend import ReferenceBackend
+from hybridcache.models import load_model
+from hybridcache.models.mtp import MTP_FILE, load_mtp_head
+from hybridcache.state_spec import DevicePools
+from tests.engine.model_folders import write_tiny_model
+
+MODEL_TYPES = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=MODEL_TYPES)
+def folder(request, tmp_path_factory):
+    if request.param == "qwen3_5_moe_text":
+        import transformers
+
+        from hybridcache.models.random_weights import randomize_, tiny_hf_config
+        from tests.engine.model_folders import save_model_folder
+
+        config = tiny_hf_config("qwen3_5_moe_text", vocab_size=320, eos_token_id=258)
+        model = transformers.Qwen3_5MoeForCausalLM(config).eval()
+        randomize_(model, seed=0)
+        return save_model_folder(model, tmp_path_factory.mktemp(request.param))
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def test_every_random_folder_has_a_head_and_it_loads_exactly(folder):
+    tensors = load_file(str(folder / MTP_FILE))
+    config = json.loads((folder / "config.json").read_text())
+    assert (config.get("mtp_num_hidden_layers") or config.get("num_nextn_predict_layers")) == 1
+    head = load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu")
+    params = dict(head.named_parameters())
+    assert {f"mtp.{name}" for name in params} == set(tensors)
+    for name, param in params.items():
+        assert torch.equal(param, tensors[f"mtp.{name}"]), name
+    moe = any(".experts." in name for name in tensors)
+    assert moe == ("moe" in folder.name or "next" in folder.name)
+
+
+def test_stacked_experts_load_like_per_expert_ones(tmp_path):
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    tensors = load_file(str(folder / MTP_FILE))
+    want = load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu").state_dict()
+    prefix = "mtp.layers.0.mlp.experts"
+    num = 1 + max(int(n[len(prefix) + 1:].split(".")[0]) for n in tensors if n.startswith(prefix + "."))
+    stacked = {n: t for n, t in tensors.items() if not n.startswith(prefix + ".")}
+    stacked[f"{prefix}.gate_up_proj"] = torch.stack([
+        torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
+        for e in range(num)])
+    stacked[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(num)])
+    save_file(stacked, str(folder / MTP_FILE))
+    got = load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu").state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop", "missing tensor 'layers.0.self_attn.q_proj.weight'"),
+    ("shape", "shape mismatch for tensor 'fc.weight'"),
+    ("extra", "unexpected tensor 'layers.0.bogus.weight'"),
+    ("count", "declares 2 MTP layers, the checkpoint holds 1"),
+])
+def test_a_damaged_head_is_refused_with_the_tensor_named(tmp_path, damage, message):
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")
+    tensors = load_file(str(folder / MTP_FILE))
+    if damage == "drop":
+        del tensors["mtp.layers.0.self_attn.q_proj.weight"]
+    elif damage == "shape":
+        tensors["mtp.fc.weight"] = tensors["mtp.fc.weight"][:, :-1].contiguous()
+    elif damage == "extra":
+        tensors["mtp.layers.0.bogus.weight"] = torch.zeros(2)
+    else:
+        config = json.loads((folder / "config.json").read_text())
+        config["mtp_num_hidden_layers"] = 2
+        (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / MTP_FILE))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu")
+
+
+def test_the_head_over_chunks_equals_one_forward(folder):
+    """Rows [0, 150) at once, against [0, 70), [70, 149) and a one-row step at 149 (the drafter's pattern): the
+    head's KV written by earlier calls is what later ones read."""
+    model = load_model(folder)
+    head = load_mtp_head(folder, model, dtype=torch.float32, device="cpu")
+    backend = ReferenceBackend()
+    generator = torch.Generator().manual_seed(5)
+    num, hidden_size = 150, model.config.hidden_size
+    tokens = torch.randint(0, 256, (num,), generator=generator).tolist()
+    target = torch.randn(num, hidden_size, generator=generator)
+    blocks = list(range(10))
+
+    def run(pieces):
+        pools = DevicePools.allocate(head.state_specs(torch.float32), num_pages=20, kernel_block_size=8,
+                                     num_slots=1)
+        outs = []
+        for start, end in pieces:
+            batch = build_forward_batch([SeqChunk(tokens[start:end], start, blocks, 0)], block_size=16,
+                                        kernel_block_size=8)
+            embeds = model.model.embed_tokens(batch.input_ids)
+            outs.append(head(embeds, target[start:end], backend.prepare(batch), pools.layers, backend))
+        return torch.cat(outs)
+
+    whole = run([(0, num)])
+    pieces = run([(0, 70), (70, 149), (149, 150)])
+    assert (pieces - whole).abs().max() <= 1e-5 * whole.abs().max()
+    assert whole.abs().max() > 0.1  # a head that computes something
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+def test_the_head_equals_one_built_from_transformers_layers(tmp_path, model_type):
+    """The head built from transformers' own decoder layer and norms (`benchmarks/train_byte_lm.MtpTrainer`), random
+    weights at std 1/sqrt(fan_in), written as the folder's `mtp.*` tensors: our head's logits over 150 positions
+    (its paged KV written as it goes) equal the transformers-built head's, given the same target hidden states."""
+    from benchmarks.train_byte_lm import MtpTrainer, save_mtp
+    from hybridcache.models.random_weights import randomize_
+    from tests.engine.model_folders import load_hf_model
+
+    folder = write_tiny_model(tmp_path, model_type, seed=2)
+    hf = load_hf_model(folder)
+    reference = MtpTrainer(hf).eval()
+    randomize_(reference, seed=9)
+    save_mtp(reference, folder)
+    num = 152
+    windows = torch.randint(0, 256, (1, num), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = reference.logits(hf, windows)[0]
+        target_hidden = hf.model(input_ids=windows[:, :-2], position_ids=torch.arange(num - 2)[None],
+                                 use_cache=False).last_hidden_state[0]
+
+    model = load_model(folder)
+    head = load_mtp_head(folder, model, dtype=torch.float32, device="cpu")
+    backend = ReferenceBackend()
+    pools = DevicePools.allocate(head.state_specs(torch.float32), num_pages=20, kernel_block_size=8, num_slots=1)
+    tokens = windows[0, 1:-1].tolist()
+    outs = []
+    for start, end in ((0, 70), (70, num - 2)):
+        batch = build_forward_batch([SeqChunk(tokens[start:end], start, list(range(10)), 0)], block_size=16,
+                                    kernel_block_size=8)
+        embeds = model.model.embed_tokens(batch.input_ids)
+        outs.append(head(embeds, target_hidden[start:end], backend.prepare(batch), pools.layers, backend))
+    got = model._logits(torch.cat(outs))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max(), float((got - want).abs().max())

@@ -1,0 +1,160 @@
+"""The router against fake replicas: a 503 or an unreachable replica before the first byte sends the request to
+another one; a stream cut mid-way ends with an error event and [DONE]; with no replica up, a clear 503."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from hybridcache.cache.events import CacheEvent, EventKind
+from hybridcache.cache.trie import chain_hash, root_hash
+from hybridcache.router.app import RouterConfig, build_router_app
+from hybridcache.router.policy import RoutingConfig
+from tests.router.serving import serving_app
+from tests.server.server_process import free_port
+
+PROMPT = list(range(1, 21))
+
+
+def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
+    """A replica whose cache holds one checkpoint of PROMPT at `hit_step` (none for 0) and whose completions
+    answer as `mode` says: ok, 503, stream-cut (one chunk, then the connection drops)."""
+    app = FastAPI()
+    app.state.calls = 0
+    app.state.epoch = epoch
+    events = []
+    if hit_step:
+        root = root_hash(None)
+        events.append(CacheEvent(EventKind.CHECKPOINT_STORED, anchor_hash=root, step=hit_step,
+                                 tail_hash=chain_hash(root, tuple(PROMPT[:hit_step]), ())).to_json())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int | None = None):
+        fresh = since is None
+        return {"block_size": 16, "full_prompt_hits": False, "reset": fresh, "next": len(events),
+                "events": events if fresh else [], "epoch": app.state.epoch}
+
+    @app.post("/v1/completions")
+    async def completions():
+        app.state.calls += 1
+        if mode == "503":
+            return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
+        if mode == "stream-cut":
+            async def events_then_cut():
+                yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+                await asyncio.sleep(0.05)
+                raise RuntimeError("replica died")
+            return StreamingResponse(events_then_cut(), media_type="text/event-stream")
+        return {"choices": [{"index": 0, "text": "ok"}],
+                "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": 1,
+                          "prompt_tokens_details": {"cached_tokens": hit_step}}}
+
+    return app
+
+
+def _router(urls, policy: str = "checkpoint"):
+    return build_router_app(RouterConfig(tuple(urls), RoutingConfig(policy), poll_interval_s=30.0), tokenizer=None)
+
+
+def _metric(text: str, name: str, url: str | None = None) -> float:
+    key = f'{name}{{replica="{url}"}}' if url else name
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(key + " ")))
+
+
+def test_best_replica_failing_before_its_first_byte_is_retried_on_another():
+    failing, healthy = _fake_replica("503", hit_step=12), _fake_replica("ok")
+    with serving_app(failing) as bad, serving_app(healthy) as good, serving_app(_router([bad, good])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == "ok"
+        assert failing.state.calls == 1 and healthy.state.calls == 1  # the predicted hit was tried first
+        metrics = httpx.get(f"{router}/metrics").text
+        assert _metric(metrics, "hybridcache_router_requests_retried_away_total", bad) == 1
+        assert _metric(metrics, "hybridcache_router_replica_up", bad) == 0
+        assert _metric(metrics, "hybridcache_router_requests_routed_total", good) == 1
+        assert _metric(metrics, "hybridcache_router_retries_total") == 1
+        health = httpx.get(f"{router}/health").json()
+        assert [r["up"] for r in health["replicas"]] == [False, True]
+
+
+def test_predicted_and_reported_hits_and_an_unreachable_replica():
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    hit = _fake_replica("ok", hit_step=12)
+    with serving_app(hit) as good, serving_app(_router([dead, good])) as router:
+        for _ in range(2):
+            response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT}, timeout=30)
+            assert response.status_code == 200
+        metrics = httpx.get(f"{router}/metrics").text
+        assert _metric(metrics, "hybridcache_router_replica_up", dead) == 0
+        assert _metric(metrics, "hybridcache_router_predicted_hit_tokens_total", good) == 24
+        assert _metric(metrics, "hybridcache_router_reported_hit_tokens_total", good) == 24
+        assert _metric(metrics, "hybridcache_router_indexed_checkpoints", good) == 1
+
+
+def test_stream_cut_mid_way_ends_with_an_error_event():
+    with serving_app(_fake_replica("stream-cut")) as cut, serving_app(_router([cut])) as router:
+        with httpx.stream("POST", f"{router}/v1/completions", json={"prompt": PROMPT, "stream": True},
+                          timeout=30) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line]
+        assert lines[0].startswith('data: {"choices"')
+        assert "failed mid-stream" in lines[-2] and "bad_gateway" in lines[-2]
+        assert lines[-1] == "data: [DONE]"
+        assert _metric(httpx.get(f"{router}/metrics").text, "hybridcache_router_failed_total") == 1
+        assert httpx.get(f"{router}/health").json()["replicas"][0]["in_flight"] == 0
+
+
+def test_no_replica_up_is_a_clear_503():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with serving_app(_router([dead])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT}, timeout=30)
+        assert response.status_code == 503 and "no replica could take the request" in response.text
+        assert httpx.get(f"{router}/health").status_code == 503
+        bad = httpx.post(f"{router}/v1/completions", content=b"{", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "not valid JSON" in bad.text
+
+
+def test_a_restarted_replica_is_indexed_again_from_a_snapshot():
+    """Event numbers of the old log mean nothing in a new one: an epoch change drops the index, and the next poll
+    takes a snapshot."""
+    from hybridcache.router.replicas import Replica
+
+    app = _fake_replica("ok", hit_step=12, epoch="before")
+
+    async def run() -> list[int]:
+        replica = Replica("http://replica")
+        seen = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            for step in range(4):
+                if step == 2:
+                    app.state.epoch = "after"  # the replica restarted
+                await replica.poll(client, 5.0)
+                seen.append(replica.predict([PROMPT]).cached_len)
+        return seen
+
+    assert asyncio.run(run()) == [12, 12, 0, 12]
+
+
+def test_the_router_polls_with_the_replicas_api_key():
+    app = _fake_replica("ok", hit_step=12)
+    open_events = next(r.endpoint for r in app.routes if getattr(r, "path", "") == "/v1/cache/events")
+    app.router.routes = [r for r in app.routes if getattr(r, "path", "") != "/v1/cache/events"]
+
+    @app.get("/v1/cache/events")
+    async def keyed_events(request: Request, since: int | None = None):
+        if request.headers.get("authorization") != "Bearer k":
+            return JSONResponse({"error": {"message": "invalid or missing API key"}}, status_code=401)
+        return await open_events(since)
+
+    with serving_app(app) as replica:
+        for key, up in ((None, False), ("k", True)):
+            config = RouterConfig((replica,), poll_interval_s=30.0, api_key=key)
+            with serving_app(build_router_app(config, tokenizer=None)) as router:
+                health = httpx.get(f"{router}/health").json()
+                assert [r["up"] for r in health["replicas"]] == [up], (key, health)
