@@ -3,6 +3,8 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
         [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
         [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
+        [--host-cache-gib G]                                                  # a host tier behind the pool
+        [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -21,6 +23,9 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
   tokens joins the history. Sent turn 0 of every session, then turn 1, ..., one request at a time, 1 new token.
 - B: one 6,000-token prompt sent three times (1 new token).
 - C: a cold 16,000-token prompt, then it + 200 tokens (1 new token each).
+- CH: phase C with an unrelated 16,000-token prompt between the two: with a pool too small for both (e.g.
+  `--num-blocks 400`), the prefix is evicted before the + 200 request, which then hits from the host tier
+  (`--host-cache-gib`) or recomputes it (without one). Reports the + 200 request's latency and cached tokens.
 - D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
 - DSYNC: phase D on the same engine with async scheduling off (each step postprocessed before the next is
   planned), to measure what async scheduling gives within one process.
@@ -77,7 +82,7 @@ MODELS = {
         num_key_value_heads=1, head_dim=32, linear_num_key_heads=1, linear_num_value_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16)),
 }
-PHASES = ("A", "B", "C", "D", "DSYNC", "SWE")
+PHASES = ("A", "B", "C", "CH", "D", "DSYNC", "SWE")
 
 
 def model_folder(name: str, model_dir: str | None) -> Path:
@@ -167,6 +172,17 @@ def phase_c(llm: LLM, rng: random.Random) -> dict:
     cold = timed(llm, [prompt], 1)
     warm = timed(llm, [longer], 1)
     return summary([cold[0], warm[0]], cold[1] + warm[1], [len(prompt), len(longer)])
+
+
+def phase_c_host(llm: LLM, rng: random.Random) -> dict:
+    """Phase CH (module docstring): the + 200 request after a filler that pushes the prefix off the device."""
+    prompt = letters(rng, 16000)
+    cold = timed(llm, [prompt], 1)
+    filler = timed(llm, [letters(rng, 16000)], 1)
+    warm = timed(llm, [prompt + letters(rng, 200)], 1)
+    result = summary([warm[0]], warm[1], [len(warm[1][0].prompt_token_ids)])
+    result["cold_ms"], result["filler_ms"] = 1000 * cold[0], 1000 * filler[0]
+    return result
 
 
 SWE_MAX_PROMPT = 16000
@@ -325,6 +341,11 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="the pool's blocks (KV and checkpoint states; default: the memory budget's rest)")
     parser.add_argument("--cache-mode", default="hybridcache", help="hybridcache, seed, block-aligned or none")
+    parser.add_argument("--host-cache-gib", type=float, default=0.0,
+                        help="a host-memory tier behind the pool (pinned), GiB (default: none)")
+    parser.add_argument("--quantization", default=None, choices=["fp8"],
+                        help="quantise the bf16 folder's linears to 128 x 128 FP8 at load")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: e4m3 KV pool")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -342,6 +363,9 @@ def main() -> None:
     suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
     suffix += "" if args.cache_mode == "hybridcache" else f"_{args.cache_mode}"
     suffix += "" if args.num_blocks is None else f"_blocks-{args.num_blocks}"
+    suffix += "" if not args.host_cache_gib else f"_host-{args.host_cache_gib:g}"
+    suffix += "" if args.quantization is None else f"_{args.quantization}"
+    suffix += "" if args.kv_cache_dtype == "auto" else f"_kv-{args.kv_cache_dtype}"
     out_path = out_dir / f"gpu_bench_{args.model}{suffix}.json"
     start = time.perf_counter()
     folder = model_folder(args.model, args.model_dir)
@@ -352,7 +376,9 @@ def main() -> None:
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                   async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode)
+                   async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
+                   host_cache_gib=args.host_cache_gib, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype)
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None
@@ -379,7 +405,7 @@ def main() -> None:
     result["warm_up_kernels_compiled"] = compiles.by_label.get("warm-up", [])
     print(f"warm-up: Triton compiled {len(result['warm_up_kernels_compiled'])} kernels: "
           f"{result['warm_up_kernels_compiled']}", flush=True)
-    runners = {"A": phase_a, "B": phase_b, "C": phase_c,
+    runners = {"A": phase_a, "B": phase_b, "C": phase_c, "CH": phase_c_host,
                "D": lambda llm, rng: phase_d(llm, rng, trace_step=args.trace_d_step), "DSYNC": phase_d_sync,
                "SWE": phase_swe}
     for index, phase in enumerate(phases):
@@ -417,9 +443,15 @@ def triton_cache_state() -> dict:
 
 
 def cache_counts(llm: LLM) -> dict[str, Counter]:
-    """The prefix cache's running counters that tell what a phase did under memory pressure."""
+    """The prefix cache's running counters that tell what a phase did under memory pressure (and with a host
+    tier, what moved between the tiers)."""
     cache = llm.engine.stats()["cache"]
-    return {name: Counter(getattr(cache, name)) for name in ("saves_by_reason", "declined_saves", "evictions_by_kind")}
+    names = ("saves_by_reason", "declined_saves", "evictions_by_kind")
+    counts = {name: Counter(getattr(cache, name)) for name in names}
+    counts["host"] = Counter({name: getattr(cache, name) for name in (
+        "num_host_hits", "num_host_hit_tokens", "num_promoted_checkpoints", "num_promoted_blocks",
+        "num_demoted_checkpoints", "num_demoted_blocks", "num_promotions_skipped")})
+    return counts
 
 
 def print_row(phase: str, r: dict) -> None:

@@ -11,6 +11,7 @@ from importlib import import_module
 from importlib.util import find_spec
 
 from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument
+from hybridcache.extras import MissingExtra
 from hybridcache.generation_config import add_generation_config_arg
 
 # Subcommands that live with their feature: each module has `register(subparsers)`.
@@ -58,7 +59,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridcache", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hybridcache", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts (offline)", description=(
         "Generate completions for prompts with one engine, and print one JSON line per completion."),
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as error:  # bad input, missing files, an unreachable server
+    except (ValueError, OSError, MissingExtra) as error:  # bad input, missing files, an unreachable server
         print(f"hybridcache: error: {error}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,12 @@ EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}
 # Older spellings still accepted (and stored as the current one).
 EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# `quantization`: quantise a dense checkpoint's linears at load (vLLM's --quantization); FP8 checkpoints need none.
+QUANTIZATIONS: tuple[str, ...] = ("fp8",)
+# `kv_cache_dtype`: auto = the model dtype; fp8 (= fp8_e4m3, vLLM's spellings) stores KV as float8_e4m3fn.
+KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
+# `load_format`: auto reads the safetensors; dummy draws random weights on the device (vLLM's --load-format dummy).
+LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # The option that sets the recurrent state's dtype, as vLLM spells it (`EngineConfig.mamba_ssm_cache_dtype`).
 SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
 # Speculative methods (vLLM's `--speculative-config` "method"): all name the model's own MTP head.
@@ -71,6 +77,8 @@ class EngineConfig:
     state takes k blocks, `hybridcache.engine.memory.state_pages`; the cache decides what the pool holds). None =
     on the CPU enough for 2 x max_num_seqs sequences of max_model_len tokens plus 32 checkpoint states; on CUDA
     the rest of the memory budget, see `hybridcache.engine.memory`.
+    host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
+    demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
@@ -97,11 +105,17 @@ class EngineConfig:
     speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
     `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism, decode-interval
     checkpoints or on CUDA (its kernels keep no per-position states); those are refused here or at start-up.
+    quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
+    checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
+    (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
+    bytes per block). load_format: "auto" (the safetensors) or "dummy" (random weights drawn on the device, for
+    benchmarks; the folder needs only config.json and the tokenizer).
     """
 
     block_size: int = 64
     kernel_block_size: int | None = None
     num_blocks: int | None = None
+    host_cache_gib: float = 0.0
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -116,6 +130,9 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
     attention_backend: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
@@ -151,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cache_mode not in CACHE_MODES:
@@ -163,12 +182,25 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
                              "('auto' is resolved by LLM and the command line, see engine_args.resolve_engine_config)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {self.load_format!r}")
         if self.mamba_ssm_cache_dtype not in DTYPES:
             raise ValueError(
                 f"mamba_ssm_cache_dtype ({SSM_DTYPE_FLAG}) must be float32, bfloat16 or float16, got "
                 f"{self.mamba_ssm_cache_dtype!r} ('auto' is resolved by LLM and the command line, see "
                 "engine_args.resolve_engine_config)"
             )
+
+    @property
+    def kv_fp8(self) -> bool:
+        """The KV pool stores float8_e4m3fn."""
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def pages_per_block(self) -> int:

@@ -14,6 +14,7 @@ import enum
 class Pool(enum.Enum):
     KV = "kv"
     STATE = "state"
+    HOST = "host"  # device block <-> host block (the host tier)
 
 
 class Phase(enum.Enum):
@@ -25,7 +26,10 @@ class Phase(enum.Enum):
 class CopyKind(enum.Enum):
     """What a copy op does; its value is (pool, phase, what). Declaration order is execution order."""
 
-    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    HOST_FINISH = (Pool.HOST, Phase.BEFORE_FORWARD, "finish")  # the third item keeps values unique
+    HOST_SAVE = (Pool.HOST, Phase.BEFORE_FORWARD, "save")
+    HOST_LOAD = (Pool.HOST, Phase.BEFORE_FORWARD, "load")
+    STATE_FINISH = (Pool.STATE, Phase.BEFORE_FORWARD, "finish")
     KV_RESTORE = (Pool.KV, Phase.BEFORE_FORWARD, "restore")
     STATE_RESTORE = (Pool.STATE, Phase.BEFORE_FORWARD, "restore")
     KV_SAVE = (Pool.KV, Phase.AFTER_FORWARD, "save")
@@ -42,8 +46,9 @@ class CopyKind(enum.Enum):
 
     @property
     def two_spaces(self) -> bool:
-        """Sources and destinations are ids of two spaces (draft states, slots) whatever the paging."""
-        return self is CopyKind.STATE_ROLLBACK
+        """Sources and destinations are ids of two spaces (draft states and slots; device and host blocks) whatever
+        the paging."""
+        return self is CopyKind.STATE_ROLLBACK or self.pool is Pool.HOST
 
     @property
     def pageable(self) -> bool:

@@ -11,7 +11,17 @@ import argparse
 import logging
 from pathlib import Path
 
-from hybridcache.config import CACHE_MODES, DTYPES, EVICTION_ALIASES, EVICTION_POLICIES, SSM_DTYPE_FLAG, EngineConfig
+from hybridcache.config import (
+    CACHE_MODES,
+    DTYPES,
+    EVICTION_ALIASES,
+    EVICTION_POLICIES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SSM_DTYPE_FLAG,
+    EngineConfig,
+)
 
 AUTO = "auto"
 _logger = logging.getLogger("hybridcache.engine_args")
@@ -47,6 +57,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="blocks in the one pool of KV and prefix-cache checkpoint states (a state takes k "
                              "blocks); default: on the CPU twice what --max-num-seqs full sequences need plus 32 "
                              "states, on CUDA the rest of the memory budget")
+    parser.add_argument("--host-cache-gib", "--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+                        help="a host-memory tier behind the pool, GiB (vLLM's --kv-offloading-size): device "
+                             "eviction moves blocks and checkpoint states there, a hit copies them back "
+                             "(default: 0, none)")
+    parser.add_argument("--hicache-size", type=float, default=None, metavar="GB",
+                        help="the host tier in GB (10^9 bytes; SGLang's spelling); overrides --host-cache-gib")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -87,6 +103,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding with the model\'s MTP head, as vLLM: '
                              '\'{"method": "mtp", "num_speculative_tokens": 2}\' ("qwen3_next_mtp" also accepted)')
+    parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                        help="quantise a dense checkpoint's linears at load (fp8: 128 x 128 block-scaled e4m3); an "
+                             "FP8 checkpoint (Qwen's fine-grained FP8, compressed-tensors) loads as it is without "
+                             "it (default: none)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="the attention KV pool's dtype; fp8 (e4m3, per-layer k/v scales from the checkpoint, "
+                             "else 1.0) halves its bytes (default: auto, the model dtype)")
+    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                        help="auto: read the safetensors; dummy: random weights drawn on the device (benchmarks; "
+                             "the folder needs only config.json and the tokenizer)")
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -104,6 +130,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         kernel_block_size=args.kernel_block_size,
         num_blocks=args.num_blocks,
+        host_cache_gib=args.host_cache_gib if args.hicache_size is None else args.hicache_size * 1e9 / (1 << 30),
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -118,6 +145,9 @@ def engine_options(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        load_format=args.load_format,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
     )

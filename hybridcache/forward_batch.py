@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from hybridcache.copy_kinds import CopyKind
+from hybridcache.copy_kinds import CopyKind, Pool
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,21 @@ class DeviceCopyOp:
     """One `hybridcache.cache.CopyOp` as device id tensors: src_ids, dst_ids [N] int64. KV ids are scheduler
     blocks; state ids are runtime chunks (`slot * k + j`, j < k) and pages (blocks of the pool that hold a
     checkpoint's state; `hybridcache.cache.plan`). The runner executes the ops in order, on the forward's
-    stream: those whose `kind.phase` is BEFORE_FORWARD, then the forward, then the others."""
+    stream: those whose `kind.phase` is BEFORE_FORWARD, then the forward, then the others. A host-tier op
+    (`Pool.HOST`) also keeps its host block ids on the host, `host_ids` (its destinations, or a HOST_LOAD's
+    sources), which the host-side copies index with; () for every other op."""
 
     kind: CopyKind
     src_ids: torch.Tensor
     dst_ids: torch.Tensor
+    host_ids: tuple[int, ...] = ()
+
+    @staticmethod
+    def host_side(kind: CopyKind, src_ids: tuple[int, ...], dst_ids: tuple[int, ...]) -> tuple[int, ...]:
+        """The host block ids of an op of `kind` with these ids (see the class docstring)."""
+        if kind.pool is not Pool.HOST:
+            return ()
+        return src_ids if kind is CopyKind.HOST_LOAD else dst_ids
 
 
 @dataclass(frozen=True)

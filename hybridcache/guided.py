@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,7 +92,7 @@ class GrammarCache:
         try:
             compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
         except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
-            raise ValueError(f"invalid {spec.kind.value} constraint: {error}") from None
+            raise ValueError(f"invalid {spec.kind.value} constraint: {_clean_message(error)}") from None
         if not _can_start(xgr, compiled, self.vocab_size):
             raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
                              "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
@@ -108,6 +109,15 @@ def _can_start(xgr: Any, compiled: Any, vocab_size: int) -> bool:
     bitmask = xgr.allocate_token_bitmask(1, vocab_size)
     matcher.fill_next_token_bitmask(bitmask, 0)
     return bool(bitmask.any())
+
+
+_SOURCE_PREFIX = re.compile(r"^\s*(?:\[[\d:.]+\]\s*)?\S+\.(?:cc|cpp|h|hpp|py):\d+:\s*")
+
+
+def _clean_message(error: Exception) -> str:
+    """An xgrammar error without its log prefix (a time and a C++ source path): what is wrong with the spec."""
+    lines = [_SOURCE_PREFIX.sub("", line).strip() for line in str(error).splitlines()]
+    return " ".join(line for line in lines if line) or type(error).__name__
 
 
 def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
@@ -130,14 +140,42 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
 def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:
     """`<tool_call>\\n{"name": "<name>", "arguments": <args>}\\n</tool_call>` for one tool."""
     function = tool.get("function", tool)
-    schema = {
-        "type": "object",
-        "properties": {"name": {"const": function["name"]},
-                       "arguments": function.get("parameters") or {"type": "object"}},
-        "required": ["name", "arguments"],
-    }
-    body = _json_schema(xgr, schema)
+    body = _json_schema(xgr, tool_call_schema(function["name"], function.get("parameters")))
     return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
+
+
+_DEFINITIONS = ("$defs", "definitions")
+_ARGUMENTS_POINTER = "#/properties/arguments"
+
+
+def tool_call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON schema of one call, `{"name": <name>, "arguments": <parameters>}`. The parameters' definitions
+    (`$defs`, `definitions`: what pydantic writes for nested, recursive and enum models) move to the root, where
+    their `#/$defs/...` references point; any other local reference is rewritten to point into `arguments`."""
+    parameters = dict(parameters or {"type": "object"})
+    root: dict[str, Any] = {}
+    for key in _DEFINITIONS:
+        if key in parameters:
+            root[key] = _rebase_refs(parameters.pop(key))
+    root.update({
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": _rebase_refs(parameters)},
+        "required": ["name", "arguments"],
+    })
+    return root
+
+
+def _rebase_refs(node: Any) -> Any:
+    """`node` with each local `$ref` that is not into the hoisted definitions rebased under `arguments`."""
+    if isinstance(node, list):
+        return [_rebase_refs(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: _rebase_refs(value) for key, value in node.items()}
+    ref = out.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and not any(ref.startswith(f"#/{d}/") for d in _DEFINITIONS):
+        out["$ref"] = _ARGUMENTS_POINTER + ref[1:]
+    return out
 
 
 # xgrammar writes the characters of a length-bounded string as this class, which lets raw control characters

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO
+from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
@@ -34,6 +35,14 @@ def register(subparsers) -> None:
     sim.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
                      help="the recurrent state's dtype in the state slots (sizes each checkpoint), as the engine's "
                           "option of that name; auto: the model config's mamba_ssm_dtype, else float32")
+    sim.add_argument("--host-memory-gib", default="0",
+                     help="a host tier behind the cache memory of the engine's policies (hybridcache*; not the "
+                          "oracles): GiB, or NX for N times the cache memory (4x); 0: none")
+    sim.add_argument("--host-bandwidth-gbs", type=float, default=None,
+                     help="host -> device copy bandwidth, GB/s: a promotion is skipped when its copy takes longer "
+                          "than recomputing (default: copies are free)")
+    sim.add_argument("--device-tflops", type=float, default=400.0,
+                     help="the device's prefill rate, TFLOP/s (read with --host-bandwidth-gbs)")
     sim.add_argument("--block-size", type=int, default=64)
     sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
@@ -102,6 +111,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.replicas is not None:
         return cmd_simulate_routing(args)
+    if args.plot:
+        require_extra("bench", "hybridcache simulate --plot")
     specs = parse_policies(args.policies, args.block_size)
     model_dir = resolve_model(args.model).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
@@ -115,8 +126,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         points = [args.memory_gib * f for f in factors]
         memories = sorted({int(g * GIB) for g in points} | {budget})
 
+    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+
     def config(memory: int) -> SimConfig:
-        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot)
+        return SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
+                         host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory),
+                         host_bandwidth=bandwidth, device_flops=args.device_tflops * 1e12)
 
     # none and oracle do not depend on memory: run them once.
     jobs = [(s, config(m)) for m in memories for s in specs if s.mode not in ("none", "oracle") or m == budget]
@@ -151,6 +166,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if json_path:
         _write_json(json_path, record)
     return 0
+
+
+def host_memory_bytes(text: str, memory_bytes: int) -> int:
+    """`--host-memory-gib`: GiB (`"64"`), or a multiple of the cache memory (`"4x"`)."""
+    from hybridcache.bench.simulator import GIB
+
+    text = str(text).strip().lower()
+    value = float(text[:-1]) if text.endswith("x") else float(text)
+    if value < 0:
+        raise ValueError(f"--host-memory-gib must be >= 0, got {text!r}")
+    return int(value * memory_bytes) if text.endswith("x") else int(value * GIB)
 
 
 def cmd_simulate_routing(args: argparse.Namespace) -> int:
@@ -205,6 +231,7 @@ def format_sim_table(result) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    require_extra("bench", "hybridcache bench (its plots)")
     from tqdm.auto import tqdm
 
     from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench

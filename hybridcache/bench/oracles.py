@@ -187,6 +187,7 @@ class BoundedOracleReplay(CacheReplay):
     Belady's (`BeladyPolicy`). Needs the whole workload up front (`prepare`, with its `FutureIndex`)."""
 
     admission = "all"  # it admits by looking ahead (`_wants_save`)
+    uses_host_tier = False  # a yardstick of one budget: run it at GPU + host bytes to compare with a host tier
 
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
         super().__init__(spec, cost, config, max_running)

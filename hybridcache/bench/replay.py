@@ -6,10 +6,10 @@ holds the replays that know more than a cache can.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from hybridcache.bench.workloads import SimRequest
-from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, PrefixCache
 from hybridcache.engine.cost_model import ModelCost
 from hybridcache.engine.memory import state_pages
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
@@ -63,13 +63,19 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
 
 @dataclass(frozen=True)
 class SimConfig:
-    """Memory budget (bytes, KV + checkpoint states), default block size, chunk budget, slot sizing."""
+    """Memory budget (bytes, KV + checkpoint states), default block size, chunk budget, slot sizing, and the host
+    tier behind the budget: `host_memory_bytes` of host blocks (0: none) for the policies that run the engine's
+    cache (`CacheReplay.uses_host_tier`; not the oracles), whose promotions pay when a copy at `host_bandwidth`
+    bytes/s (inf: free) takes no longer than recomputing at `device_flops` FLOP/s (`CostModel.promotion_pays`)."""
 
     memory_bytes: int
     block_size: int = 64
     chunk_budget: int = 8192
     kv_tokens_per_slot: int = 2048
     check_integrity: bool = False
+    host_memory_bytes: int = 0
+    host_bandwidth: float = float("inf")
+    device_flops: float = 4e14
 
 
 def cache_sizing(memory_bytes: int, cost: ModelCost, block_size: int, kv_tokens_per_slot: int) -> tuple[int, int]:
@@ -99,6 +105,8 @@ class Counters:
     flops_saved: float = 0.0
     num_uncacheable: int = 0
     bytes_peak: int = 0
+    host_save_blocks: int = 0
+    host_load_blocks: int = 0
     hit_tokens_by_turn: dict[int, list[int]] = field(default_factory=dict)
 
     def add(self, request: SimRequest, hit_tokens: int, cost: ModelCost) -> None:
@@ -116,7 +124,9 @@ class Counters:
 class PolicyResult:
     """The simulator's report for one policy. `token_hit_rate` = hit tokens / prompt tokens (every
     completion counts its prompt); `bytes_peak` = the largest KV + checkpoint-state bytes held (for
-    `oracle`: the KV of every distinct fed token; its states are not counted)."""
+    `oracle`: the KV of every distinct fed token; its states are not counted). Host tier: `host_blocks` (None:
+    none), the hit tokens served from it, the bytes copied each way (demotions: device -> host, promotions:
+    host -> device) and the promotions skipped as not worth their copy."""
 
     name: str
     token_hit_rate: float
@@ -135,6 +145,11 @@ class PolicyResult:
     hits_by_reason: dict[str, int]
     evictions_by_kind: dict[str, int]
     hit_rate_by_turn: dict[int, float]
+    host_blocks: int | None = None
+    host_hit_tokens: int = 0
+    host_save_bytes: int = 0
+    host_load_bytes: int = 0
+    promotions_skipped: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -189,6 +204,7 @@ class CacheReplay:
     """A policy that drives a real `PrefixCache` (see the module docstring for the call sequence)."""
 
     admission: str | None = None  # the cache's admission policy; None: the cache mode's
+    uses_host_tier = True  # `SimConfig.host_memory_bytes` applies (paged policies only)
 
     def __init__(self, spec: PolicySpec, cost: ModelCost, config: SimConfig, max_running: int = 1) -> None:
         self.spec, self.cost, self.config = spec, cost, config
@@ -205,13 +221,16 @@ class CacheReplay:
                                                            config.kv_tokens_per_slot)
         self.num_slots = num_ckpt_slots + max_running
         self.max_running = max_running
+        self.host_blocks = 0
+        if spec.one_budget and self.uses_host_tier and config.host_memory_bytes:
+            self.host_blocks = int(config.host_memory_bytes // cost.block_bytes(spec.block_size))
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
                         admission=spec.admission or self.admission or self.policy.admission,
-                        state_pages=self.state_pages),
-            cost.cache_cost_model(),
+                        state_pages=self.state_pages, host_blocks=self.host_blocks),
+            replace(cost.cache_cost_model(), host_bandwidth=config.host_bandwidth, device_flops=config.device_flops),
         )
         self.counters = Counters()
 
@@ -284,7 +303,7 @@ class CacheReplay:
                 fed[seq.rid] = prompt[seq.computed:plan.end]
                 seq.computed = plan.end
             if fed:
-                cache.commit_step(fed)
+                self._commit(fed)
         decode = {}
         for seq in list(active):
             if len(seq.output_ids) > 1:
@@ -293,7 +312,7 @@ class CacheReplay:
                     continue
                 decode[seq.rid] = seq.output_ids[:-1]
         if decode:
-            cache.commit_step(decode)
+            self._commit(decode)
         self._sample_memory()
         for seq in active:
             fed = prompt + seq.output_ids[:-1]
@@ -304,6 +323,13 @@ class CacheReplay:
             self.counters.add(request, seq.cached_len, self.cost)
         if self.config.check_integrity:
             cache.check_integrity()
+
+    def _commit(self, fed: dict) -> None:
+        """`commit_step`, counting the host tier's copies (blocks each way)."""
+        plan = self.cache.commit_step(fed)
+        if self.host_blocks:
+            self.counters.host_save_blocks += len(plan.pairs(CopyKind.HOST_SAVE))
+            self.counters.host_load_blocks += len(plan.pairs(CopyKind.HOST_LOAD))
 
     def _wants_save(self, tokens: tuple[int, ...], step: int) -> bool:
         """Whether to save the state of `tokens[:step]` when the policy plans a save (all: the cache's own
@@ -332,6 +358,10 @@ class CacheReplay:
             evictions=sum(stats.evictions_by_kind.values()),
             num_blocks=self.num_blocks, num_slots=self.num_slots, state_pages=self.state_pages,
             hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
+            host_blocks=self.host_blocks or None, host_hit_tokens=stats.num_host_hit_tokens,
+            host_save_bytes=self.counters.host_save_blocks * self.cost.block_bytes(self.block_size),
+            host_load_bytes=self.counters.host_load_blocks * self.cost.block_bytes(self.block_size),
+            promotions_skipped=stats.num_promotions_skipped,
         )
 
 

@@ -47,6 +47,11 @@ class Checkpoint:
     tail_hash              the hash of the tail chained from the anchor (the index key), set at publish time.
     routed_experts         the tail's routed-expert history (opaque), None when not known.
     owner                  the request that produced it (for the one-live-decode-checkpoint rule).
+    on_host                demoted to the host tier (host_tier.py): `pages` and `frozen_block` name host blocks,
+                           and `anchor` is a device node or a `HostNode`.
+    unwritten              a finish or preempt checkpoint whose state copy (STATE_FINISH) the next plan carries:
+                           its pages hold nothing yet (demoted meanwhile: that plan copies the runtime slot into
+                           its host pages, HOST_FINISH).
     shadowed               a turn end (prefill end, finish, preempt) that a sequence was restored from and
                            then went past, publishing a deeper checkpoint of the same chain: the next turn it
                            was kept for has come, and it now serves only prompts that leave the chain between
@@ -57,7 +62,7 @@ class Checkpoint:
     __slots__ = (
         "ckpt_id", "adapter", "step", "reason", "slot", "pages", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
         "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
-        "shadowed",
+        "shadowed", "on_host", "unwritten",
     )
 
     def __init__(
@@ -84,6 +89,8 @@ class Checkpoint:
         self.release_when_unpinned = False
         self.was_hit = False  # restored at least once (admission learning)
         self.shadowed = False  # a continuation restored from it went deeper (evicted first)
+        self.on_host = False  # demoted to the host tier: `pages` / `frozen_block` are host block ids
+        self.unwritten = False  # paged finish: its STATE_FINISH copy is not in a plan yet
 
     @staticmethod
     def slot_owner_of(ckpt_id: int) -> tuple[str, int]:

@@ -37,6 +37,9 @@ class CacheConfig:
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=
                                prompt_len - 1 (a checkpoint at N is reused only by longer prompts).
+    host_blocks                blocks of host memory (each the size of a device block) behind the device pool,
+                               0 = no host tier. Device eviction demotes trie leaves and checkpoints there and a
+                               hit promotes them back (host_tier.py; docs/cache.md, "The host tier"). Paged only.
     num_speculative_tokens     k: the most draft tokens a sequence may feed after its last token in one step
                                (speculative decoding; 0 = off). Names the draft states of `STATE_ROLLBACK`
                                (`slot * k + j`, plan.py).
@@ -52,6 +55,7 @@ class CacheConfig:
     admission: str = "all"
     full_prompt_hits: bool = False
     state_pages: int | None = None
+    host_blocks: int = 0
     num_speculative_tokens: int = 0
 
     @property
@@ -80,6 +84,8 @@ class CacheConfig:
             raise ValueError(f"eviction must be one of {tuple(EVICTION_POLICIES)}, got {self.eviction!r}")
         if self.state_pages is not None and self.state_pages < 1:
             raise ValueError(f"state_pages must be >= 1 or None, got {self.state_pages}")
+        if self.host_blocks < 0 or (self.host_blocks and self.state_pages is None):
+            raise ValueError(f"host_blocks must be >= 0 and needs paged states (state_pages), got {self.host_blocks}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.admission not in ADMISSION_POLICIES:
@@ -88,17 +94,28 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class CostModel:
-    """What a token costs to compute and to hold, for the FLOP-aware policy.
+    """What a token costs to compute and to hold (the FLOP-aware policy), and to copy from the host tier.
 
     prefill_flops(n) = flops_per_token * n + attn_flops_per_token_pair * n * (n + 1) / 2
     A checkpoint holds `state_bytes` (one slot) plus, when partial, one frozen block of
     `block_size * kv_bytes_per_token`; a trie node holds one block.
+    host_bandwidth   bytes per second of a host -> device copy (inf: copies are free).
+    device_flops     FLOPs per second the device computes a prefill at.
+    A promotion from the host tier pays when its copy takes no longer than recomputing what it saves
+    (`promotion_pays`).
     """
 
     flops_per_token: float = 1.0
     attn_flops_per_token_pair: float = 0.0
     kv_bytes_per_token: float = 1.0
     state_bytes: float = 64.0
+    host_bandwidth: float = float("inf")
+    device_flops: float = 1e15
+
+    def promotion_pays(self, copy_bytes: float, start: int, end: int) -> bool:
+        """Whether copying `copy_bytes` from the host is no slower than computing tokens [start, end)."""
+        recompute = (self.prefill_flops(end) - self.prefill_flops(start)) / self.device_flops
+        return copy_bytes / self.host_bandwidth <= recompute
 
     def prefill_flops(self, num_tokens: int) -> float:
         return self.flops_per_token * num_tokens + self.attn_flops_per_token_pair * num_tokens * (

@@ -12,6 +12,9 @@ Four kinds, each identified by the hashes the trie already uses (trie.py: `chain
 recompute every hash and ask "is there KV up to block q *and* a state at step s here?" without the tokens
 being sent (vLLM's BlockStored / BlockRemoved are the model; checkpoints are what hybrid models add).
 
+With a host tier (host_tier.py) the events describe the device tier: a demotion to the host is a removal, a
+promotion back a store, and what the host holds is not told (a router then under-predicts host hits).
+
 `CacheEventLog` keeps the newest `capacity` events, each numbered from 0 on. A reader asks for the events
 after the last number it saw (`since`); when older ones were dropped it learns so (`lost`) and must start
 again from a snapshot (`PrefixCache.snapshot_events`), taken on the thread that drives the cache. Each log has

@@ -7,8 +7,11 @@ Checked: block reference counts equal their holders (trie nodes, running sequenc
 paged checkpoints' pages) and the free list is exactly the blocks with count 0; every slot has exactly the
 owner the pool records; trie hashes, depths, parent links, children index and leaf set; checkpoint geometry,
 index keys, anchors and pins (pins == live matches + pending restores + pending saves); partial blocks are
-private; sequences' trie nodes hold their blocks; a
-sequence's unjudged drafts (speculative decoding) lie in its private blocks.
+private; sequences' trie nodes hold their blocks; a sequence's unjudged drafts (speculative decoding) lie in its
+private blocks. With a host tier (host_tier.py): every host block is held
+by exactly one host node or host checkpoint (or is read by a load of this step), every checkpoint is in one tier,
+host nodes chain their hashes to their parents, carry a checkpoint at or below them, and have no device twin,
+and each pending host hit holds the block of the deepest device node above its checkpoint.
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping
 
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.host_tier import Hanging, HostNode
 from hybridcache.cache.lifecycle import Lifecycle
 from hybridcache.cache.sequence import RunningSeq
+from hybridcache.cache.trie import Node
 
 
 class IntegrityError(AssertionError):
@@ -31,17 +36,28 @@ def _fail(message: str) -> None:
 
 def check_integrity(
     life: Lifecycle, seqs: Mapping[Hashable, RunningSeq], matched: Iterable[Checkpoint | None],
+    host_holds: Iterable[Node] = (),
 ) -> None:
     """Raise `IntegrityError` on the first disagreement. `seqs`: the running sequences by request id;
-    `matched`: the checkpoint each pending match pinned (None for a miss).
+    `matched`: the checkpoint each pending match pinned (None for a miss); `host_holds`: the device node whose
+    block each pending host hit holds.
 
     Each section below adds the holders it sees (of blocks: `holders`, of slots: `slot_owners`); the
     pools are checked last against those totals."""
+    matched = list(matched)
     holders: Counter[int] = Counter()
     _check_trie(life, holders)
     slot_owners: dict[int, object] = {}
-    _check_checkpoints(life, _expected_pins(seqs, matched), holders, slot_owners)
+    pins = _expected_pins(seqs, matched)
+    _check_checkpoints(life, pins, holders, slot_owners)
     _check_sequences(life, seqs, holders, slot_owners)
+    if life.host is not None:
+        _check_host(life, pins)
+        frontiers = [life.host.chain(c)[0] for c in matched if c is not None and c.on_host]
+        if sorted(id(n) for n in frontiers if not n.is_root) != sorted(id(n) for n in host_holds):
+            _fail(f"host hits hold {list(host_holds)}, their checkpoints' frontiers are {frontiers}")
+    for node in host_holds:
+        holders[node.block_id] += 1
     _check_pools(life, holders, slot_owners)
 
 
@@ -156,9 +172,12 @@ def _check_checkpoints(
         slot_owners[ckpt.slot] = ckpt.slot_owner
     if indexed != 0:
         _fail(f"{indexed} more checkpoints indexed on nodes than registered as published")
+    host_ids = life.host.order if life.host is not None else {}
     for ckpt_id in pins:
-        if ckpt_id not in life.checkpoints:
+        if ckpt_id not in life.checkpoints and ckpt_id not in host_ids:
             _fail(f"a pin is held on released checkpoint {ckpt_id}")
+        if ckpt_id in life.checkpoints and ckpt_id in host_ids:
+            _fail(f"checkpoint {ckpt_id} is in both tiers")
 
 
 def _check_sequences(
@@ -205,3 +224,70 @@ def _check_pools(life: Lifecycle, holders: Counter[int], slot_owners: dict[int, 
     free_slots = slots.free_ids()
     if sorted(free_slots) != [s for s in range(slots.num_slots) if s not in slot_owners]:
         _fail(f"free slot list {sorted(free_slots)} is not the set of slots without holders")
+
+
+def _check_host(life: Lifecycle, pins: Counter[int]) -> None:
+    """The host tier (host_tier.py's rules): host nodes, host checkpoints, the host pool and the order."""
+    host, trie, size = life.host, life.trie, life.block_size
+    holders: Counter[int] = Counter(host.loading())
+    seen: set[int] = set()
+    num_nodes = 0
+
+    def check_hanging(owner: Node | HostNode, hanging: Hanging) -> None:
+        for key, bucket in hanging.children.items():
+            for child in bucket:
+                if child.parent is not owner or child.hash != key or not child.attached:
+                    _fail(f"{child} hangs off {owner} under {key} but names parent {child.parent}")
+        for key, bucket in hanging.checkpoints.items():
+            if not bucket:
+                _fail(f"{owner} has an empty host checkpoint bucket {key}")
+            for ckpt in bucket:
+                seen.add(ckpt.ckpt_id)
+                q, r = divmod(ckpt.step, size)
+                if ckpt.anchor is not owner or not ckpt.on_host or ckpt.state is not CheckpointState.PUBLISHED:
+                    _fail(f"host {ckpt} hangs off {owner} but is anchored on {ckpt.anchor} (on_host {ckpt.on_host})")
+                if key != (ckpt.step, ckpt.tail_hash) or owner.depth != q or len(ckpt.tail_ids) != r:
+                    _fail(f"host {ckpt} geometry: key {key}, anchor depth {owner.depth}, tail {len(ckpt.tail_ids)}")
+                if ckpt.tail_hash != trie.hash_fn(owner.hash, ckpt.tail_ids, ckpt.tail_spans):
+                    _fail(f"host {ckpt} tail hash does not match its tail")
+                if len(ckpt.pages) != life.state_pages or (ckpt.frozen_block is not None) != (r != 0):
+                    _fail(f"host {ckpt} holds pages {ckpt.pages} and frozen block {ckpt.frozen_block}")
+                if ckpt.num_pins != pins[ckpt.ckpt_id]:
+                    _fail(f"host {ckpt} has {ckpt.num_pins} pins, holders say {pins[ckpt.ckpt_id]}")
+                if host.order.get(ckpt.ckpt_id) is not ckpt:
+                    _fail(f"host {ckpt} is not in the host eviction order")
+                twins = owner.checkpoints.get(key, ()) if isinstance(owner, Node) else ()
+                if any(c.tail_ids == ckpt.tail_ids and c.tail_spans == ckpt.tail_spans for c in twins):
+                    _fail(f"host {ckpt} has a device twin on {owner}")
+                for block in (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))):
+                    holders[block] += 1
+
+    for owner, hanging in host.under.items():
+        if not isinstance(owner, Node) or not owner.attached or hanging.is_empty:
+            _fail(f"host tier hangs {'nothing' if hanging.is_empty else 'something'} off {owner}")
+        check_hanging(owner, hanging)
+        for child in hanging.iter_children():
+            if trie.find_child(owner, child.hash, child.token_ids, child.spans) is not None:
+                _fail(f"{child} has a device twin under {owner}")
+    for hnode in host.iter_nodes():
+        num_nodes += 1
+        holders[hnode.host_block] += 1
+        parent = hnode.parent
+        if hnode.depth != parent.depth + 1 or hnode.hash != trie.hash_fn(parent.hash, hnode.token_ids, hnode.spans):
+            _fail(f"{hnode} depth or hash does not chain from {parent}")
+        if hnode.is_empty:
+            _fail(f"{hnode} is a host leaf without a checkpoint (dead weight)")
+        check_hanging(hnode, hnode)
+    if num_nodes != host.num_nodes:
+        _fail(f"host tier counts {host.num_nodes} nodes, found {num_nodes}")
+    if seen != set(host.order):
+        _fail(f"host order lists {sorted(set(host.order) - seen)} not hanging anywhere")
+    overlap = seen & set(life.checkpoints)
+    if overlap:
+        _fail(f"checkpoints {sorted(overlap)} are in both tiers")
+    pool = host.pool
+    for block in range(pool.num_blocks):
+        if pool.ref_counts[block] != holders[block]:
+            _fail(f"host block {block} ref count {pool.ref_counts[block]} != {holders[block]} holders")
+    if sorted(pool.free_ids()) != [b for b in range(pool.num_blocks) if holders[b] == 0]:
+        _fail("host free list is not the set of host blocks without holders")

@@ -14,6 +14,12 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   slots are runtime slots only and are never evicted for. Blocks are the one budget: `make_room` evicts in
   `Evictor.byte_victim`'s order (a checkpoint frees k pages and its frozen block). A sequence that finishes
   (`adopt`) gets pages and a copy of its runtime slot into them, which the facade queues for the next plan.
+- Host tier (`CacheConfig.host_blocks`, host_tier.py): `evict` demotes instead of releasing: a checkpoint
+  (its pages and frozen block) to hang off the same anchor in the host tier, a leaf to a `HostNode` with its
+  checkpoints (a leaf with nothing at or below it that a checkpoint could use is dropped, as before). When the
+  host cannot make room, or for a checkpoint whose state is not written yet (`Checkpoint.unwritten`), or one a
+  newer decode checkpoint replaced, it is released as before. `promote` brings a host checkpoint and its chain
+  back. A device insert or publish absorbs its host twin (identity is unique across the tiers).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
+from hybridcache.cache.host_tier import HostNode, HostTier
 from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.state_pool import StatePool
@@ -52,6 +59,9 @@ class Lifecycle:
         self.checkpoints: dict[int, Checkpoint] = {}
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a published checkpoint released unhit
         self.events: CacheEventLog | None = None  # where trie and checkpoint changes are told (events.py)
+        self.host = HostTier(config.host_blocks, trie) if config.host_blocks else None
+        if self.host is not None:
+            self.host.on_waste = lambda ckpt: self.on_waste(ckpt) if self.on_waste is not None else None
         self.clock = 0
         self._next_ckpt_id = 0
 
@@ -102,6 +112,8 @@ class Lifecycle:
             if self.events is not None:
                 self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node_hash, parent_hash=parent.hash,
                                             depth=node.depth, adapter=node.adapter))
+            if self.host is not None:
+                self.host.absorb_twin(parent, node)
         else:
             self.blocks.incref(node.block_id)
             self.blocks.decref(own_block)
@@ -179,6 +191,12 @@ class Lifecycle:
         if self.absorb_duplicate(anchor, key, tail_ids, tail_spans, ckpt.routed_experts):
             self._discard(ckpt, DeclineCause.DUPLICATE)
             return False
+        twin = None if self.host is None else self.host.checkpoint_twin(anchor, key, tail_ids, tail_spans)
+        if twin is not None:  # the host copy is being promoted: keep it; else the fresh device copy wins
+            if twin.num_pins:
+                self._discard(ckpt, DeclineCause.DUPLICATE)
+                return False
+            self.host.drop_checkpoint(twin, wasted=False)
         if anchor.num_checkpoints() >= self.config.max_checkpoints_per_anchor:
             victim = self.evictor.anchor_victim(anchor)
             if victim is None:
@@ -232,16 +250,13 @@ class Lifecycle:
             raise AssertionError(f"release of pinned {ckpt}")
         if ckpt.state is CheckpointState.RELEASED:
             raise AssertionError(f"double release of {ckpt}")
+        if ckpt.on_host:  # demoted since (e.g. an older decode checkpoint): it goes from the host tier
+            self.host.drop_checkpoint(ckpt)
+            if kind is not None:
+                self.stats.evicted(kind)
+            return
         if ckpt.state is CheckpointState.PUBLISHED:
-            anchor = ckpt.anchor
-            key = (ckpt.step, ckpt.tail_hash)
-            bucket = anchor.checkpoints[key]
-            bucket.remove(ckpt)
-            if not bucket:
-                del anchor.checkpoints[key]
-            self.evictor.on_unpublish(ckpt, anchor)
-            if self.events is not None:
-                self.events.emit(checkpoint_event(EventKind.CHECKPOINT_REMOVED, ckpt))
+            self._unpublish(ckpt)
             if not ckpt.was_hit and self.on_waste is not None:
                 self.on_waste(ckpt)
         if ckpt.slot is not None:
@@ -255,6 +270,18 @@ class Lifecycle:
         if kind is not None:
             self.stats.evicted(kind)
 
+    def _unpublish(self, ckpt: Checkpoint) -> None:
+        """Take a published device checkpoint off its anchor and out of the evictor's indexes."""
+        anchor = ckpt.anchor
+        key = (ckpt.step, ckpt.tail_hash)
+        bucket = anchor.checkpoints[key]
+        bucket.remove(ckpt)
+        if not bucket:
+            del anchor.checkpoints[key]
+        self.evictor.on_unpublish(ckpt, anchor)
+        if self.events is not None:  # events tell the device tier: a demotion is a removal there
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_REMOVED, ckpt))
+
     def replace_decode_checkpoint(self, old: Checkpoint) -> None:
         """A newer decode-interval checkpoint of the same sequence was published: `old` goes now, or by
         the unpin that frees it when it is pinned."""
@@ -266,8 +293,9 @@ class Lifecycle:
             self.release(old, EvictionKind.DECODE_REPLACED)
 
     def set_shadowed(self, ckpt: Checkpoint, shadowed: bool) -> None:
-        """Mark a published checkpoint shadowed (a deeper one of its chain exists) or not (it was hit)."""
-        if ckpt.state is CheckpointState.PUBLISHED and ckpt.shadowed != shadowed:
+        """Mark a published device checkpoint shadowed (a deeper one of its chain exists) or not (it was hit);
+        a host checkpoint is never shadowed (the host tier has its own order)."""
+        if ckpt.state is CheckpointState.PUBLISHED and not ckpt.on_host and ckpt.shadowed != shadowed:
             ckpt.shadowed = shadowed
             self.evictor.on_shadow(ckpt, shadowed)
 
@@ -295,10 +323,14 @@ class Lifecycle:
 
     def usage(self) -> dict[str, int]:
         """The pool and checkpoint sizes `CacheStats` reports."""
+        host = self.host
         return {
             "num_blocks_used": self.blocks.num_used,
             "num_slots_used": self.slots.num_used,
             "num_checkpoints": self.evictor.num_published,
+            "num_host_blocks_used": 0 if host is None else host.num_used,
+            "num_host_checkpoints": 0 if host is None else len(host.order),
+            "num_host_nodes": 0 if host is None else host.num_nodes,
         }
 
     # ---- recency bookkeeping (keeps the evictor's indexes current) ---------------------------------------
@@ -348,16 +380,117 @@ class Lifecycle:
         return True
 
     def evict(self, victim: Victim) -> None:
-        """Release what the evictor picked: a checkpoint, or a leaf with the checkpoints hanging on it."""
+        """Release what the evictor picked: a checkpoint, or a leaf with the checkpoints hanging on it; with a
+        host tier, demote it there instead when it can."""
         target = victim.target
         if isinstance(target, Checkpoint):
-            self.release(target, victim.kind)
+            if self._demotable(target) and self.host.make_room(_num_blocks(target)):
+                self._demote_checkpoint(target, target.anchor)
+                self.stats.evicted(victim.kind)
+            else:
+                self.release(target, victim.kind)
+            return
+        if self.host is not None and self._demote_leaf(target, victim.kind):
             return
         for ckpt in list(target.iter_checkpoints()):
             self.release(ckpt, EvictionKind.LEAF_CHECKPOINT)
         self._remove_leaf(target, victim.kind)
 
+    # ---- the host tier -----------------------------------------------------------------------------------
+
+    def _demotable(self, ckpt: Checkpoint) -> bool:
+        """Whether an evicted checkpoint goes to the host tier (else it is released)."""
+        return (self.host is not None and ckpt.state is CheckpointState.PUBLISHED and not ckpt.num_pins
+                and not ckpt.release_when_unpinned)
+
+    def _demote_checkpoint(self, ckpt: Checkpoint, owner: Node | HostNode) -> None:
+        """Move a published, unpinned, written device checkpoint to hang off `owner` in the host tier (the
+        caller made host room for its blocks): HOST_SAVE copies are queued, its device blocks freed. An unwritten
+        checkpoint's pages get host blocks with no copy: the facade's next plan writes them from the runtime slot
+        (HOST_FINISH instead of STATE_FINISH)."""
+        host = self.host
+        self._unpublish(ckpt)
+        ckpt.shadowed = False  # the host tier has its own order; a promotion comes with a hit, which clears it
+        device_ids = [*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))]
+        host_ids = [host.pool.allocate() if ckpt.unwritten and i < len(ckpt.pages) else host.save(block_id)
+                    for i, block_id in enumerate(device_ids)]
+        self.drop_blocks(device_ids)
+        ckpt.pages = tuple(host_ids[:len(ckpt.pages)])
+        ckpt.frozen_block = None if ckpt.frozen_block is None else host_ids[-1]
+        del self.checkpoints[ckpt.ckpt_id]
+        host.hang_checkpoint(ckpt, owner)
+        self.stats.num_demoted_checkpoints += 1
+
+    def _demote_leaf(self, node: Node, kind: EvictionKind) -> bool:
+        """Demote evictable leaf `node` and its demotable checkpoints to the host tier; False (nothing changed)
+        when nothing at or below it could be used (no checkpoint on it, nothing hanging off it in the host) or
+        the host cannot make room."""
+        host = self.host
+        ckpts = [c for c in node.iter_checkpoints() if self._demotable(c)]
+        if not ckpts and node not in host.under:
+            return False
+        if not host.make_room(1 + sum(_num_blocks(c) for c in ckpts)):
+            return False
+        if not ckpts and node not in host.under:  # making room dropped what hung off it
+            return False
+        for ckpt in list(node.iter_checkpoints()):
+            if ckpt not in ckpts:
+                self.release(ckpt, EvictionKind.LEAF_CHECKPOINT)
+        hnode = host.demote_node(node, host.save(node.block_id))
+        for ckpt in ckpts:
+            self._demote_checkpoint(ckpt, hnode)
+            self.stats.evicted(EvictionKind.LEAF_CHECKPOINT)
+        self.stats.num_demoted_blocks += 1
+        self._remove_leaf(node, kind)
+        return True
+
+    def promote_need(self, ckpt: Checkpoint) -> int:
+        """Device blocks a promotion of host checkpoint `ckpt` takes: its host chain's nodes and its blocks."""
+        return len(self.host.chain(ckpt)[1]) + _num_blocks(ckpt)
+
+    def can_promote(self, ckpt: Checkpoint) -> bool:
+        """Whether host checkpoint `ckpt` could join its device anchor (an anchor at its cap with every
+        checkpoint pinned cannot take one more)."""
+        frontier, chain = self.host.chain(ckpt)
+        return bool(chain) or frontier.num_checkpoints() < self.config.max_checkpoints_per_anchor or (
+            self.evictor.anchor_victim(frontier) is not None)
+
+    def promote(self, ckpt: Checkpoint, now: int) -> None:
+        """Bring pinned host checkpoint `ckpt` and the host chain it hangs on back to the device (the caller made
+        room for `promote_need` blocks and checked `can_promote`): each host node becomes a device node (parent
+        first) and `ckpt` is published on its device anchor again; HOST_LOAD copies are queued."""
+        host = self.host
+        parent, chain = host.chain(ckpt)
+        for hnode in chain:
+            node = self.trie.add_child(parent, hnode.hash, hnode.token_ids, hnode.spans, self.blocks.allocate(), now)
+            host.promote_node(hnode, node)
+            if self.events is not None:
+                self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node.hash, parent_hash=parent.hash,
+                                            depth=node.depth, adapter=node.adapter))
+            parent = node
+        anchor = parent
+        self.evictor.leaf_changed(anchor)
+        self.stats.num_promoted_blocks += len(chain)
+        if anchor.num_checkpoints() >= self.config.max_checkpoints_per_anchor:
+            self.evict(_promised(self.evictor.anchor_victim(anchor), "checkpoint on the anchor"))
+        host.unhang_checkpoint(ckpt)
+        device_ids = self.take_blocks(_num_blocks(ckpt))
+        for host_id, device_id in zip((*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))),
+                                      device_ids):
+            host.load(host_id, device_id)
+        ckpt.pages = tuple(device_ids[:len(ckpt.pages)])
+        ckpt.frozen_block = None if ckpt.frozen_block is None else device_ids[-1]
+        ckpt.anchor = anchor
+        anchor.checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
+        self.checkpoints[ckpt.ckpt_id] = ckpt
+        self.evictor.on_publish(ckpt)
+        if self.events is not None:
+            self.events.emit(checkpoint_event(EventKind.CHECKPOINT_STORED, ckpt))
+        self.stats.num_promoted_checkpoints += 1
+
     def _remove_leaf(self, node: Node, kind: EvictionKind | None) -> None:
+        if self.host is not None:
+            self.host.drop_under(node)  # a leaf removed without a host copy takes what hung off it
         parent = node.parent
         self.trie.remove_leaf(node)
         self.blocks.decref(node.block_id)
@@ -368,13 +501,17 @@ class Lifecycle:
             self.stats.evicted(kind)
 
     def clear(self) -> None:
-        """Release every unpinned checkpoint and every trie node no sequence or pinned checkpoint needs."""
+        """Release every unpinned checkpoint and every trie node no sequence or pinned checkpoint needs (the host
+        tier's too)."""
+        if self.host is not None:
+            self.host.clear()
         for ckpt in self.published():
             if ckpt.num_pins == 0:
                 self.release(ckpt, None)
 
         def removable(node: Node) -> bool:
-            return self.blocks.ref_counts[node.block_id] == 1 and not node.checkpoints
+            return (self.blocks.ref_counts[node.block_id] == 1 and not node.checkpoints
+                    and (self.host is None or node not in self.host.under))
 
         while True:
             victims = [n for n in self.trie.leaves if removable(n)]
@@ -382,6 +519,11 @@ class Lifecycle:
                 break
             for node in victims:
                 self._remove_leaf(node, None)
+
+
+def _num_blocks(ckpt: Checkpoint) -> int:
+    """Blocks a paged checkpoint holds: its pages and its frozen block."""
+    return len(ckpt.pages) + (ckpt.frozen_block is not None)
 
 
 def checkpoint_event(kind: EventKind, ckpt: Checkpoint) -> CacheEvent:

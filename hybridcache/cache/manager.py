@@ -15,7 +15,9 @@ One step of the engine, as the cache sees it::
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
 Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
-dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released.
+dropped by `release_match` or by the next `commit_step`; nothing pinned is evicted or released. A match that
+pins a host-tier checkpoint also holds the block of the deepest device node above it (its *frontier*), so the
+chain it will be promoted onto stays on the device until `admit` or `release_match`.
 
 Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: tokens, blocks, trie nodes,
 slot, pending restores and saves) and the pending matches, reads the trie to match, and asks the
@@ -76,6 +78,8 @@ class PrefixCache:
         self._matches: dict[int, tuple[CacheRequest, Checkpoint | None, list[Node]]] = {}
         self._next_match_id = 0
         self._finish_saves: list[tuple[Checkpoint, int]] = []  # paged: (checkpoint, freed runtime slot)
+        self._host_holds: dict[int, Node] = {}  # match id -> device node whose block a host hit holds
+        self._skips: set[int] = set()  # match ids whose deeper host hit did not pay for its copy
 
     # ---- admission ---------------------------------------------------------------------------------------
 
@@ -97,12 +101,23 @@ class PrefixCache:
             raise ValueError(f"max_step must be >= 0, got {max_step}")
         path = walk_prompt(self._trie, request, size)
         ckpt = find_deepest(self._trie, path, request, size, max_step) if path and not request.skip_reading else None
+        match_id = self._next_match_id
+        self._next_match_id += 1
+        host = self._life.host
+        if host is not None and path and not request.skip_reading:
+            deeper = host.find(path, request, size, max_step)
+            start = ckpt.step if ckpt is not None else 0
+            if deeper is not None and deeper.step > start:
+                copy_bytes = self._life.promote_need(deeper) * self._life.block_bytes
+                if self.cost_model.promotion_pays(copy_bytes, start, deeper.step):
+                    ckpt = deeper
+                    self._hold(match_id, host.chain(deeper)[0])
+                else:
+                    self._skips.add(match_id)
         cached_len = ckpt.step if ckpt is not None else 0
         divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
         if ckpt is not None:
             self._life.pin(ckpt)
-        match_id = self._next_match_id
-        self._next_match_id += 1
         self._matches[match_id] = (request, ckpt, path)
         return MatchResult(
             match_id=match_id,
@@ -164,11 +179,24 @@ class PrefixCache:
         life = self._life
         cached_len = match.cached_len
         partial = cached_len % self.block_size != 0
-        num_shared = len(match.block_ids)
+        num_shared = cached_len // self.block_size
         num_blocks = max(-(-num_tokens // self.block_size), num_shared + partial)
-        if not life.make_room(num_blocks - num_shared, 1):
+        from_host = ckpt is not None and ckpt.on_host
+        if from_host and not life.can_promote(ckpt):
+            return None
+        if not life.make_room(num_blocks - num_shared + (life.promote_need(ckpt) if from_host else 0), 1):
             return None
         del self._matches[match.match_id]
+        if match.match_id in self._skips:
+            self._skips.discard(match.match_id)
+            self._stats.num_promotions_skipped += 1
+        if from_host:
+            life.promote(ckpt, life.tick())
+        self._unhold(match.match_id)  # the pinned checkpoint is on the device now and protects its chain
+        if from_host:
+            self._rehome_holds()
+            self._stats.num_host_hits += 1
+            self._stats.num_host_hit_tokens += cached_len
         seq = RunningSeq(request=request, slot=life.take_slot(RunningSeq.slot_owner_of(request.request_id)))
         now = life.tick()
         self._stats.num_queries += 1
@@ -176,7 +204,7 @@ class PrefixCache:
         if ckpt is not None:
             seq.nodes = _path_to(ckpt.anchor)
             seq.block_ids = [n.block_id for n in seq.nodes]
-            if tuple(seq.block_ids) != match.block_ids:
+            if tuple(seq.block_ids[:len(match.block_ids)]) != match.block_ids:
                 raise AssertionError(f"match {match.match_id} blocks changed while pinned")
             life.share_path(seq.nodes, ckpt, now)
             if partial:
@@ -209,8 +237,35 @@ class PrefixCache:
         entry = self._matches.pop(match.match_id, None)
         if entry is None:
             raise ValueError(f"match {match.match_id} was already admitted or released")
+        self._skips.discard(match.match_id)
+        self._unhold(match.match_id)
         if entry[1] is not None:
             self._life.unpin(entry[1])
+
+    # ---- host-tier holds ---------------------------------------------------------------------------------
+
+    def _hold(self, match_id: int, frontier: Node) -> None:
+        """A match pinned a host checkpoint below `frontier`: hold the frontier's block (a root has none)."""
+        if not frontier.is_root:
+            self._life.blocks.incref(frontier.block_id)
+            self._host_holds[match_id] = frontier
+
+    def _unhold(self, match_id: int) -> None:
+        frontier = self._host_holds.pop(match_id, None)
+        if frontier is not None:
+            self._life.blocks.decref(frontier.block_id)
+
+    def _rehome_holds(self) -> None:
+        """A promotion or a device insert turned host nodes into device nodes: every pending host hit holds the
+        deepest device node above its checkpoint again (the old frontier is an ancestor of the new one)."""
+        host = self._life.host
+        for match_id in list(self._host_holds):
+            ckpt = self._matches[match_id][1]
+            frontier = host.chain(ckpt)[0] if ckpt.on_host else None  # None: another match's admission promoted it
+            if frontier is not self._host_holds[match_id]:
+                self._unhold(match_id)
+                if frontier is not None:
+                    self._hold(match_id, frontier)
 
     # ---- per step ----------------------------------------------------------------------------------------
 
@@ -344,8 +399,10 @@ class PrefixCache:
         builder = PlanBuilder(paged_states=self.config.paged)
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
+                kind = CopyKind.HOST_FINISH if ckpt.on_host else CopyKind.STATE_FINISH  # demoted since: to the host
                 for chunk, page in self._state_pairs(slot, ckpt):
-                    builder.add(CopyKind.STATE_FINISH, chunk, page)
+                    builder.add(kind, chunk, page)
+            ckpt.unwritten = False  # written before anything later in this plan reads its pages
         self._finish_saves = []
         for seq in self._seqs.values():
             for kind, src, dst in seq.restore_copies:
@@ -366,6 +423,12 @@ class PrefixCache:
             self._drop_restore(seq)
         for ckpt in published:
             self._life.unpin(ckpt)
+        if self._life.host is not None:  # demotions and promotions since the last plan, saves first
+            saves, loads = self._life.host.end_step()
+            for device_block, host_block in saves:
+                builder.add(CopyKind.HOST_SAVE, device_block, host_block)
+            for host_block, device_block in loads:
+                builder.add(CopyKind.HOST_LOAD, host_block, device_block)
         return builder.build()
 
     def _check_fed(self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int]) -> None:
@@ -429,6 +492,8 @@ class PrefixCache:
             seq.nodes.append(node)
             parent = node
         self._life.leaf_changed(seq.nodes[-1])  # every node inserted above but the last has a child now
+        if self._host_holds:  # an insert may have absorbed a host node on a pending host hit's chain
+            self._rehome_holds()
 
     def fill_pending(self, request_id: Hashable, position: int, token: int) -> None:
         """Async scheduling: the token a sequence fed as `PENDING_TOKEN` at `position` is `token`. A block it
@@ -590,6 +655,7 @@ class PrefixCache:
                     self._shadow_source(seq)
                     if self.config.paged:
                         self._finish_saves.append((ckpt, seq.slot))
+                        ckpt.unwritten = True
         if ckpt is None or self.config.paged:
             life.free_slot(seq.slot)
         life.drop_blocks(blocks)
@@ -624,13 +690,16 @@ class PrefixCache:
 
     @property
     def stats(self) -> CacheStats:
+        host = self._life.host
         return self._stats.snapshot(
             **self._life.usage(), num_nodes=self._trie.num_nodes, num_running=len(self._seqs),
+            num_host_dropped=0 if host is None else host.num_dropped,
         )
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
-        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()])
+        check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()],
+                        list(self._host_holds.values()))
 
 
 def _path_to(anchor: Node) -> list[Node]:

@@ -4,6 +4,10 @@ A `CopyPlan` is a tuple of `CopyOp`s, at most one per `CopyKind`, in execution o
 before the forward first). Each op copies `src_ids[i] -> dst_ids[i]`:
 
     kind            pool    phase            pairs
+    HOST_FINISH     HOST    BEFORE_FORWARD   (request_chunk, host_block)    host tier: a finish checkpoint demoted
+                                                                            before its STATE_FINISH ran
+    HOST_SAVE       HOST    BEFORE_FORWARD   (device_block, host_block)     host tier: demote (device -> host)
+    HOST_LOAD       HOST    BEFORE_FORWARD   (host_block, device_block)     host tier: promote (host -> device)
     STATE_FINISH    STATE   BEFORE_FORWARD   (request_chunk, page)          paged states only
     KV_RESTORE      KV      BEFORE_FORWARD   (frozen_block, request_block)
     STATE_RESTORE   STATE   BEFORE_FORWARD   (checkpoint_slot, request_slot)  or paged: (page, request_chunk)
@@ -22,6 +26,12 @@ KV ids are scheduler block ids. State ids depend on where checkpoints keep their
   step, so a slot or page reused by that step is read first. Example (k = 2): a restore of the checkpoint in
   pages (40, 41) into runtime slot 3 is `STATE_RESTORE [(40, 6), (41, 7)]`.
 
+Host ops (`CacheConfig.host_blocks`) copy whole blocks of the device pool (KV, or pages of a state) to and
+from host blocks of the same size (HOST_FINISH: a runtime slot's chunks straight into the host pages of a
+finish or preempt checkpoint demoted before its STATE_FINISH ran). They come first, saves before loads: a
+device block freed by a demotion may be the destination of a promotion in the same plan, so it is read before
+it is written. A host block read by a load is reused only after the plan is built, and one dropped from the
+host takes its pending save with it (host_tier.py), so no host block is written twice or after it is read.
 `STATE_ROLLBACK` is the plan of `PrefixCache.accept_drafts`, run once the drafts of a verify step are judged
 (never part of a step's plan). A verify forward over `1 + n` tokens of a sequence keeps the recurrent state after
 each of its first n positions in **draft states** (whole-slot rows beside the runtime slots, id
@@ -32,8 +42,7 @@ states and slots are two id spaces (like chunks and pages), and the op is never 
 Within an op destinations are unique; where sources and destinations are ids of one space (KV blocks, state
 slots), no destination is also a source. Sources may repeat (one checkpoint restored into several requests).
 `Pool`, `Phase` and `CopyKind` live in `hybridcache.copy_kinds` (a pure-Python leaf that the kernels' side,
-`hybridcache.forward_batch`, reads too) and are re-exported here. A new tier (device <-> pinned host) is a new
-`Pool` member and new kinds, not a new field.
+`hybridcache.forward_batch`, reads too) and are re-exported here.
 """
 
 from __future__ import annotations

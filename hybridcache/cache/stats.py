@@ -43,6 +43,15 @@ class CacheStats:
     declined_saves                  saves not made, by `DeclineCause.value` ('policy', 'no_room', ...).
     evictions_by_kind               releases to make room, by `EvictionKind.value` ('checkpoint', ...).
     num_deduplicated_blocks         computed full blocks that were found in the trie and shared instead.
+    Host tier (`CacheConfig.host_blocks`; all 0 without one):
+    num_host_hits / num_host_hit_tokens   hits whose checkpoint came from the host tier (among `num_hits`).
+    num_promoted_checkpoints / _blocks    checkpoints / trie nodes copied back to the device by a hit.
+    num_demoted_checkpoints / _blocks     checkpoints / trie nodes that device eviction moved to the host.
+    num_promotions_skipped                admitted requests whose deeper host hit was not worth its copy
+                                          (`CostModel.promotion_pays`): they started from the device's hit.
+    num_host_dropped                      host checkpoints dropped (host eviction, or a device copy replaced
+                                          them): gone.
+    num_host_blocks_used, num_host_checkpoints, num_host_nodes   what the host tier holds now.
     """
 
     num_queries: int = 0
@@ -59,6 +68,17 @@ class CacheStats:
     num_checkpoints: int = 0
     num_nodes: int = 0
     num_running: int = 0
+    num_host_hits: int = 0
+    num_host_hit_tokens: int = 0
+    num_promoted_checkpoints: int = 0
+    num_promoted_blocks: int = 0
+    num_demoted_checkpoints: int = 0
+    num_demoted_blocks: int = 0
+    num_promotions_skipped: int = 0
+    num_host_dropped: int = 0
+    num_host_blocks_used: int = 0
+    num_host_checkpoints: int = 0
+    num_host_nodes: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -79,6 +99,13 @@ class StatsCounter:
         self.declined_saves: Counter[str] = Counter()
         self.evictions_by_kind: Counter[str] = Counter()
         self.num_deduplicated_blocks = 0
+        self.num_host_hits = 0
+        self.num_host_hit_tokens = 0
+        self.num_promoted_checkpoints = 0
+        self.num_promoted_blocks = 0
+        self.num_demoted_checkpoints = 0
+        self.num_demoted_blocks = 0
+        self.num_promotions_skipped = 0
 
     def evicted(self, kind: EvictionKind) -> None:
         self.evictions_by_kind[kind.value] += 1
@@ -97,5 +124,12 @@ class StatsCounter:
             declined_saves=dict(self.declined_saves),
             evictions_by_kind=dict(self.evictions_by_kind),
             num_deduplicated_blocks=self.num_deduplicated_blocks,
+            num_host_hits=self.num_host_hits,
+            num_host_hit_tokens=self.num_host_hit_tokens,
+            num_promoted_checkpoints=self.num_promoted_checkpoints,
+            num_promoted_blocks=self.num_promoted_blocks,
+            num_demoted_checkpoints=self.num_demoted_checkpoints,
+            num_demoted_blocks=self.num_demoted_blocks,
+            num_promotions_skipped=self.num_promotions_skipped,
             **sizes,
         )

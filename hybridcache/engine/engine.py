@@ -26,6 +26,7 @@ and always under tensor parallelism (the workers do not see the sampled tokens).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -40,14 +41,17 @@ from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.executor import make_executor
+from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
+from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
-from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.models.builtin import ensure_builtin_model, model_display_name
+from hybridcache.models.quant import describe_weights
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
@@ -63,7 +67,7 @@ from hybridcache.sampling import (
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
-from hybridcache.scheduler.sequence import Seq
+from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
@@ -133,11 +137,12 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
 
 
 def _make_scheduler(
-    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel
+    config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel, host_blocks: int = 0,
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
-    states; `cost`: the model's cost model (`engine_cost_model`), which FLOP-aware eviction ranks by."""
+    states, `host_blocks` the host tier's blocks behind them; `cost`: the model's cost model (`engine_cost_model`),
+    which FLOP-aware eviction ranks by and promotions from the host tier are weighed with."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -146,6 +151,7 @@ def _make_scheduler(
         num_blocks=num_blocks,
         num_slots=num_slots,
         state_pages=state_pages,
+        host_blocks=host_blocks if policy else 0,
         max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor if policy else 1,
         decode_checkpoint_interval=config.decode_checkpoint_interval,
         eviction=EVICTION_POLICIES[config.eviction],
@@ -208,18 +214,25 @@ class LLMEngine:
         if self.drafter is not None:
             self.async_scheduling = False  # (refused by EngineConfig when asked for explicitly)
         self.num_blocks = plan.num_blocks
+        self.weight_format = describe_weights(self.model_path, config)
+        self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype
         _logger.info(
-            "hybridcache: model %s (%s), dtype %s, state dtype %s, device %s, max_model_len %d, cache mode %s, %s, "
-            "kernels %s, cuda graphs %s, async scheduling %s",
-            self.model_path.name, self.model_config.architecture, config.dtype, config.mamba_ssm_cache_dtype,
-            self.device, self.max_model_len,
+            "hybridcache: model %s (%s), dtype %s, state dtype %s, weights %s, kv cache %s, device %s, "
+            "max_model_len %d, cache mode %s, %s, kernels %s, cuda graphs %s, async scheduling %s",
+            model_display_name(self.model_path), self.model_config.architecture, config.dtype,
+            config.mamba_ssm_cache_dtype, self.weight_format, self.kv_cache_dtype, self.device, self.max_model_len,
             config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
+        cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
+                                 ssm_dtype=config.mamba_ssm_cache_dtype)
+        self.num_host_blocks = self._attach_host_tier(plan) if config.enable_prefix_caching else 0
+        if self.num_host_blocks:
+            bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
+            cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
-            cost=engine_cost_model(self.model_config, plan, block_size=config.block_size,
-                                   ssm_dtype=config.mamba_ssm_cache_dtype),
+            cost=cost, host_blocks=self.num_host_blocks,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, _Request] = {}
@@ -326,6 +339,13 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def has_started(self, request_id: str) -> bool:
+        """Whether the scheduler has given any completion of the request a step (its prompt began computing);
+        False for an unknown or finished request."""
+        request = self._requests.get(request_id)
+        return request is not None and any(seq.status is not SeqStatus.WAITING or seq.num_computed
+                                           for seq in request.seqs)
 
     # ----------------------------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -662,6 +682,19 @@ class LLMEngine:
         """Drop everything the prefix cache holds that no running sequence uses."""
         self.scheduler.clear_cache()
 
+    def _attach_host_tier(self, plan: MemoryPlan) -> int:
+        """The host tier's blocks (`host_cache_gib` over the pool's block bytes), given to the runner; 0 without one.
+        Not with tensor parallelism yet (each rank would hold its shard's host blocks)."""
+        num_blocks = int(self.config.host_cache_gib * (1 << 30) // plan.block_bytes)
+        if num_blocks <= 0:
+            return 0
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("host_cache_gib (a host tier) is not supported with tensor parallelism yet")
+        self.runner.attach_host_pool(num_blocks)
+        _logger.info("hybridcache: host tier of %d blocks (%.3g GiB)", num_blocks,
+                     num_blocks * plan.block_bytes / (1 << 30))
+        return num_blocks
+
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
         pool size and token counts, for a model with a vision tower the images it encoded and those the
@@ -671,6 +704,10 @@ class LLMEngine:
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
+            "block_bytes": self.memory_plan.block_bytes,
+            "num_host_blocks": self.num_host_blocks,
+            "weights": self.weight_format,
+            "kv_cache_dtype": self.kv_cache_dtype,
             **self.scheduler.stats(),
             "num_prefill_tokens": self.num_prefill_tokens,
             "num_decode_tokens": self.num_decode_tokens,

@@ -163,7 +163,8 @@ def build_forward_batch(
     fields.update(_copy_fields(ops))
     device_fields = _to_device(fields, device)
     int32 = {name: device_fields[name].to(torch.int32) for name in ("cu_seqlens", "context_lens", "block_tables")}
-    device_copies = [DeviceCopyOp(op.kind, device_fields[f"copy{i}_src"], device_fields[f"copy{i}_dst"])
+    device_copies = [DeviceCopyOp(op.kind, device_fields[f"copy{i}_src"], device_fields[f"copy{i}_dst"],
+                                  DeviceCopyOp.host_side(op.kind, op.src_ids, op.dst_ids))
                      for i, op in enumerate(ops)]
     rope_positions = None
     if explicit_rope:  # chunks overlapping an image: [3, T] built on the host, their rows written in
@@ -232,5 +233,6 @@ def device_copies(copies: CopyPlan, device: torch.device | str) -> tuple[DeviceC
     if not fields:
         return ()
     on_device = _to_device(fields, device)
-    return tuple(DeviceCopyOp(op.kind, on_device[f"copy{i}_src"], on_device[f"copy{i}_dst"])
+    return tuple(DeviceCopyOp(op.kind, on_device[f"copy{i}_src"], on_device[f"copy{i}_dst"],
+                              DeviceCopyOp.host_side(op.kind, op.src_ids, op.dst_ids))
                  for i, op in enumerate(copies.ops))

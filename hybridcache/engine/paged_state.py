@@ -117,12 +117,48 @@ class PagedStates:
             raise ValueError(f"paged state op of {tuple(src.shape)} sources and {tuple(dst.shape)} destinations: "
                              f"both must be [N] with N a multiple of k = {self.k}")
 
-    def _save_tile(self, src_chunks: torch.Tensor, dst_pages: torch.Tensor) -> None:
+    @property
+    def page_words(self) -> int:
+        """Words (of `word_dtype`) in one page: a block's bytes over every KV group, as `gather_pages` lays them."""
+        return self.page_bytes // self._word
+
+    @property
+    def word_dtype(self) -> torch.dtype:
+        return _WORDS[self._word]
+
+    def gather_pages(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[n, page_words]: row i = the bytes of scheduler block `blocks[i]` (KV or a state page; the concatenation
+        over the page groups, in order, of its row in each), on the pools' device."""
+        device = self._slots[0].device
+        src = blocks.to(device, torch.int64)
+        n = src.numel()
+        out = torch.empty((n, self.page_words), dtype=self.word_dtype, device=device)
+        offset = 0
+        for pages in self._pages:
+            width = pages.shape[0] * pages.shape[2]
+            out[:, offset: offset + width].view(n, pages.shape[0], pages.shape[2]).copy_(
+                pages.index_select(1, src).transpose(0, 1))
+            offset += width
+        return out
+
+    def scatter_pages(self, blocks: torch.Tensor, data: torch.Tensor) -> None:
+        """The inverse of `gather_pages`: block `blocks[i]` takes row i of `data` [n, page_words] (blocks unique)."""
+        device = self._slots[0].device
+        dst = blocks.to(device, torch.int64)
+        n = dst.numel()
+        offset = 0
+        for pages in self._pages:
+            width = pages.shape[0] * pages.shape[2]
+            part = data[:, offset: offset + width].view(n, pages.shape[0], pages.shape[2])
+            pages.index_copy_(1, dst, part.transpose(0, 1))
+            offset += width
+
+    def slot_chunks(self, src_chunks: torch.Tensor) -> torch.Tensor:
+        """[n * k, page_words]: the page each chunk `src_chunks` (whole slots, j in order) would be saved as."""
         k, word, device = self.k, self._word, self._slots[0].device
         slots = src_chunks[::k].to(device, torch.int64) // k
         n = slots.numel()
-        page_words = self.page_bytes // word
-        streams = torch.empty((n, k * page_words), dtype=_WORDS[word], device=device)
+        streams = torch.empty((n, k * self.page_words), dtype=_WORDS[word], device=device)
         offset = 0
         for group in self._slots:
             width = group.shape[0] * group.shape[2]
@@ -130,27 +166,16 @@ class PagedStates:
                 group.index_select(1, slots).transpose(0, 1))
             offset += width
         streams[:, offset:].zero_()
-        chunks = streams.view(n * k, page_words)
-        dst = dst_pages.to(device, torch.int64)
-        offset = 0
-        for pages in self._pages:
-            width = pages.shape[0] * pages.shape[2]
-            part = chunks[:, offset: offset + width].view(n * k, pages.shape[0], pages.shape[2])
-            pages.index_copy_(1, dst, part.transpose(0, 1))
-            offset += width
+        return streams.view(n * k, self.page_words)
+
+    def _save_tile(self, src_chunks: torch.Tensor, dst_pages: torch.Tensor) -> None:
+        self.scatter_pages(dst_pages, self.slot_chunks(src_chunks))
 
     def _restore_tile(self, src_pages: torch.Tensor, dst_chunks: torch.Tensor) -> None:
         k, device = self.k, self._slots[0].device
-        src = src_pages.to(device, torch.int64)
         slots = dst_chunks[::k].to(device, torch.int64) // k
         n = slots.numel()
-        chunks = torch.empty((n * k, self.page_bytes // self._word), dtype=self._slots[0].dtype, device=device)
-        offset = 0
-        for pages in self._pages:
-            width = pages.shape[0] * pages.shape[2]
-            chunks[:, offset: offset + width].view(n * k, pages.shape[0], pages.shape[2]).copy_(
-                pages.index_select(1, src).transpose(0, 1))
-            offset += width
+        chunks = self.gather_pages(src_pages)
         streams = chunks.view(n, -1)
         offset = 0
         for group in self._slots:

@@ -65,7 +65,8 @@ def build_runner(
         # when a kernel compiles; a value the user set wins.
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
-    model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp)
+    model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
+                       load_format=config.load_format, kv_fp8=config.kv_fp8)
     speculative = config.speculative_config
     head = None
     if speculative is not None:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
+from hybridcache.engine.host_pool import HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
@@ -173,6 +174,7 @@ class ModelRunner:
         )
         self.paged_states = PagedStates(self.pools, pages_per_block=self.pages_per_block,
                                         num_blocks=num_blocks + extra, k=state_pages)
+        self.host_pool: HostPool | None = None  # the host tier's blocks (`attach_host_pool`)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
             self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
@@ -301,6 +303,11 @@ class ModelRunner:
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
 
+    def attach_host_pool(self, num_blocks: int) -> None:
+        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; pinned on
+        CUDA)."""
+        self.host_pool = HostPool(self.paged_states, num_blocks, pin=self.device.type == "cuda")
+
     @torch.inference_mode()
     def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
         """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
@@ -343,6 +350,27 @@ def _restore_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
     runner.paged_states.restore(op.src_ids, op.dst_ids)
 
 
+def _host_pool(runner: ModelRunner, op: DeviceCopyOp) -> HostPool:
+    if runner.host_pool is None:
+        raise ValueError(f"{op.kind!r} needs the host tier's pool, and this runner has none (attach_host_pool)")
+    return runner.host_pool
+
+
+def _host_save(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Device blocks -> host blocks (a demotion)."""
+    _host_pool(runner, op).save(op.src_ids, op.host_ids)
+
+
+def _host_finish(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Runtime chunks -> host blocks (a finish checkpoint demoted before its STATE_FINISH ran)."""
+    _host_pool(runner, op).finish(op.src_ids, op.host_ids)
+
+
+def _host_load(runner: ModelRunner, op: DeviceCopyOp) -> None:
+    """Host blocks -> device blocks (a promotion)."""
+    _host_pool(runner, op).load(op.host_ids, op.dst_ids)
+
+
 def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
     """Draft states (`slot * k + j`, rows `draft_base + id` of every state group) -> runtime slots, whole rows
     (speculative decoding: the state after a verify row's last accepted position)."""
@@ -354,6 +382,9 @@ def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
 # How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's
 # device <-> pinned host copies) is a `CopyKind` member in `hybridcache.copy_kinds` and one entry here.
 COPY_HANDLERS: dict[CopyKind, Callable[[ModelRunner, DeviceCopyOp], None]] = {
+    CopyKind.HOST_FINISH: _host_finish,
+    CopyKind.HOST_SAVE: _host_save,
+    CopyKind.HOST_LOAD: _host_load,
     CopyKind.STATE_FINISH: _save_state,
     CopyKind.KV_RESTORE: _copy_kv,
     CopyKind.STATE_RESTORE: _restore_state,

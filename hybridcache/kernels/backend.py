@@ -24,6 +24,7 @@ H hidden size, k experts per token, E experts, I expert width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import warnings
 from collections.abc import Sequence
@@ -34,13 +35,15 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.fp8_format import Fp8Format
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.attention.reference_backend import ReferenceAttention
 from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.gemm.base import GemmBackend
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
-from hybridcache.kernels.registry import ATTENTION
+from hybridcache.kernels.registry import ATTENTION, GEMM
 from hybridcache.kernels.rotary import reference as rotary_ref
 
 
@@ -62,11 +65,13 @@ class KernelBackend(Protocol):
         ...
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         """Causal GQA attention of every sequence over its pages (the step's KV already written).
 
         query    [T, Hq, D]; kv_layer [2, num_pages, kernel_block_size, Hkv, D]
+        kv_scales (k_scale, v_scale) of an FP8 (float8_e4m3fn) pool: keys and values read as stored x scale
         returns  [T, Hq, D] in query's dtype. Query head h reads kv head h // (Hq / Hkv); the query at
                  position p (batch.positions) sees keys at positions 0..p of its sequence; softmax in fp32.
         """
@@ -224,9 +229,11 @@ class ReferenceBackend:
         self.attention_backend.write_kv(kv_layer, key, value, batch)
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale)
+        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale,
+                                                kv_scales=kv_scales)
 
     def causal_conv1d(
         self,
@@ -301,9 +308,9 @@ class ReferenceBackend:
             x,
             top_weights,
             top_ids,
-            [e.gate_proj.weight for e in experts],
-            [e.up_proj.weight for e in experts],
-            [e.down_proj.weight for e in experts],
+            _DenseWeights([e.gate_proj for e in experts], x.dtype),
+            _DenseWeights([e.up_proj for e in experts], x.dtype),
+            _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
@@ -312,6 +319,23 @@ class ReferenceBackend:
     rms_norm = staticmethod(norm_ref.rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
     rotary = staticmethod(rotary_ref.rotary)
+
+
+class _DenseWeights(Sequence[torch.Tensor]):
+    """The weights of a list of linear layers as dense matrices, made when read: an `nn.Linear`'s own weight, an
+    FP8 layer's (anything with `dequantized(dtype)`) dequantised to `dtype` (only the experts a step picks)."""
+
+    def __init__(self, linears: list[nn.Module], dtype: torch.dtype) -> None:
+        self.linears = linears
+        self.dtype = dtype
+
+    def __len__(self) -> int:
+        return len(self.linears)
+
+    def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+        linear = self.linears[index]
+        dequantized = getattr(linear, "dequantized", None)
+        return linear.weight if dequantized is None else dequantized(self.dtype)
 
 
 def _metadata(batch: ForwardBatch) -> ReferenceMetadata:
@@ -332,7 +356,7 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
 
 def get_backend(device: torch.device | str, *, attention: str | None = None) -> KernelBackend:
     """The backend for `device`, chosen once by the runner: `CudaBackend` on CUDA devices when Triton and
-    flash-linear-attention are installed (`hybridcache[cuda]`), the reference backend everywhere else.
+    flash-linear-attention are installed (`hybridcache-llm[cuda]`), the reference backend everywhere else.
     `attention`: the attention backend's registered name (`hybridcache.kernels.registry.ATTENTION`; None: "triton"
     with `CudaBackend`, else "reference"); ValueError for a name not registered or not for this device. The CUDA
     module is imported only here, so CPU runs never import Triton or fla."""
@@ -343,7 +367,36 @@ def get_backend(device: torch.device | str, *, attention: str | None = None) -> 
 
             return CudaBackend(ATTENTION.create(attention or "triton", device_type))
         warnings.warn(
-            "CUDA device without triton and flash-linear-attention (pip install hybridcache[cuda]): "
+            "CUDA device without triton and flash-linear-attention (pip install 'hybridcache-llm[cuda]'): "
             "running the torch reference kernels", stacklevel=2
         )
     return ReferenceBackend(ATTENTION.create(attention or "reference", device_type))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+               bias: torch.Tensor | None = None, gemm: str | None = None) -> torch.Tensor:
+    """The GEMM of an FP8 linear layer (`layers/linear.py`): x [..., K] -> x W^T (+ bias) [..., N] in x's dtype,
+    weight [N, K] float8_e4m3fn, scale in `fmt`'s shape, by the GEMM backend registered as `gemm`
+    (`kernels.registry.GEMM`; None: "triton" on CUDA, "reference" elsewhere)."""
+    return gemm_backend(gemm, x.device.type).linear(x, weight, scale, fmt, bias)
+
+
+@functools.cache
+def gemm_backend(name: str | None, device_type: str) -> GemmBackend:
+    """The GEMM backend `name` for a device type (one instance each; None: the device's default). Importing
+    `kernels.gemm` (this module does) registers them."""
+    return GEMM.create(name or ("triton" if device_type == "cuda" else "reference"), device_type)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 weight [N, K] with its scale as a dense matrix in `dtype` (`kernels/gemm/reference.py::dequantize`)."""
+    from hybridcache.kernels.gemm.reference import dequantize
+
+    return dequantize(weight, scale, fmt, dtype)
+
+
+def fp8_quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense weight [N, K] -> (FP8 weight, scale in `fmt`'s shape) (`kernels/gemm/reference.py::quantize`)."""
+    from hybridcache.kernels.gemm.reference import quantize
+
+    return quantize(weight, fmt)

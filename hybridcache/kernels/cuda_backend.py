@@ -17,7 +17,7 @@
 block) tables of the varlen kernels, built on the device, and its attention backend's metadata. No op
 synchronises with the host (bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module
 imports Triton; fla is imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for
-CUDA devices when both are installed (`pip install hybridcache[cuda]`).
+CUDA devices when both are installed (`pip install 'hybridcache-llm[cuda]'`).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
@@ -69,7 +70,9 @@ class CudaBackend:
 
     def __init__(self, attention_backend: AttentionBackend) -> None:
         self.attention_backend = attention_backend
-        self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights] = weakref.WeakKeyDictionary()
+        self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights | Fp8ExpertWeights] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def supports_cuda_graphs(self, dtype: torch.dtype) -> bool:
         """Whether an all-decode step in `dtype` can be captured in a CUDA graph (no host sync, no host-sized
@@ -97,9 +100,11 @@ class CudaBackend:
         self.attention_backend.write_kv(kv_layer, key, value, batch)
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale)
+        return self.attention_backend.attention(query, kv_layer, batch, _metadata(batch).attention, scale=scale,
+                                                kv_scales=kv_scales)
 
     def causal_conv1d(
         self,
@@ -141,9 +146,14 @@ class CudaBackend:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module."""
         stacked = self._experts.get(experts)
         if stacked is None:
-            stacked = self._experts[experts] = ExpertWeights.share(experts)
-            if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
-                compile_tiles(x, stacked, top_ids.shape[1])
+            if hasattr(experts[0].gate_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
+                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts)
+            else:
+                stacked = self._experts[experts] = ExpertWeights.share(experts)
+                if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
+                    compile_tiles(x, stacked, top_ids.shape[1])
+        if isinstance(stacked, Fp8ExpertWeights):
+            return fp8_grouped_experts(x, top_weights, top_ids, stacked)
         return grouped_experts(x, top_weights, top_ids, stacked)
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.

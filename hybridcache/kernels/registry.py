@@ -3,6 +3,10 @@ runner picks one by name (`get_backend(device, attention=...)`, the engine's `at
 
     ATTENTION    write_kv + attention (`hybridcache.kernels.attention.base.AttentionBackend`): "reference",
                  "triton", registered in `hybridcache/kernels/attention/` (one module per backend)
+    GEMM         the FP8 linear (`hybridcache.kernels.gemm.base.GemmBackend`): "reference" (dequantise, any
+                 device), "triton" (CUDA: the block-scaled Triton GEMM, `torch._scaled_mm` per channel),
+                 registered in `hybridcache/kernels/gemm/`; an `Fp8Linear` names one in its `gemm` (None: the
+                 device's default, `kernels.backend.gemm_backend`)
 
 A new implementation is one class in its family's folder with `@ATTENTION.register("name")`, in a module that
 the family's `__init__.py` imports (so importing the family registers it). A module that needs CUDA-only
@@ -58,3 +62,4 @@ class OpRegistry:
 
 
 ATTENTION = OpRegistry("attention")
+GEMM = OpRegistry("gemm")

@@ -10,6 +10,10 @@ Per token (hidden [T, hidden]):
 Tensor parallel (`tp`): a rank holds its q heads (rows of q_proj, columns of o_proj) and the kv heads they
 read (rows of k_proj / v_proj; replicated when there are fewer kv heads than ranks, see `layers.parallel`);
 o_proj's partial sums are all-reduced, then its bias (if any) is added once.
+
+FP8 KV (`kv_dtype` float8_e4m3fn, set by the loader for `kv_cache_dtype="fp8"`): keys and values are divided by
+the layer's `k_scale` / `v_scale` (the checkpoint's, else 1.0), clamped to +-448 and stored as e4m3; the
+attention op reads them back times the scales.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ class GatedAttention(nn.Module):
         self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
         self.q_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
         self.k_norm = ZeroCenteredRMSNorm(head_dim, eps=eps)
+        self.kv_dtype: torch.dtype | None = None  # None: the model dtype; float8_e4m3fn: FP8 KV (module docstring)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
@@ -66,9 +73,9 @@ class GatedAttention(nn.Module):
         return out
 
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
-        """Paged KV in the model dtype (`state_dtype` is for recurrent state)."""
+        """Paged KV in the model dtype, or `kv_dtype` when set (`state_dtype` is for recurrent state)."""
         del state_dtype
-        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.kv_dtype or dtype)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] of this layer
@@ -81,8 +88,13 @@ class GatedAttention(nn.Module):
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = step.rope
         query, key = step.backend.rotary(query, key, cos, sin)
+        if self.kv_dtype is not None:
+            fp8_max = torch.finfo(self.kv_dtype).max
+            key = (key.float() / self.k_scale).clamp(-fp8_max, fp8_max)
+            value = (value.float() / self.v_scale).clamp(-fp8_max, fp8_max)
         step.backend.write_kv(kv_layer, key, value, step.batch)
-        attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5)
+        attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5,
+                                      kv_scales=(self.k_scale, self.v_scale))
         attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         if self.tp.size == 1:
             return self.o_proj(attn)

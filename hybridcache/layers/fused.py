@@ -14,6 +14,10 @@ again.
 
 In a decode step of 64 sequences each projection is a weight-bound GEMM of a few microseconds: one launch
 instead of two to four per layer, and one larger GEMM that streams the weights at a higher rate.
+
+FP8 projections (`layers/linear.py::Fp8Linear`) of one format are fused the same way, their scales concatenated
+with their weights, when every projection but the last fills whole scale blocks (block format: out_features a
+multiple of bn; channel format: always). A mix of formats, or unaligned blocks, runs one GEMM per projection.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hybridcache.layers.linear import Fp8Linear
 
 
 class FusedProjection:
@@ -36,27 +42,61 @@ class FusedProjection:
         self.sizes = [linear.out_features for linear in linears]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.fp8: Fp8Linear | None = None  # the fused FP8 projection, when the projections are FP8
         self._pointers: tuple[int, ...] = ()
+        self._checked: tuple[nn.Module, ...] | None = None  # the linears `_fused` was decided for
+        self._fused = True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._checked is not self.linears:  # the linears are replaced when a model is quantised
+            self._fused, self._checked = self._fusable(), self.linears
+        if not self._fused:
+            return tuple(linear(x) for linear in self.linears)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        out = F.linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
+        return out.split(self.sizes, dim=-1)
+
+    def _fusable(self) -> bool:
+        """Plain linears, or FP8 linears of one format whose scale blocks do not straddle two projections."""
+        kinds = {type(linear) for linear in self.linears}
+        if kinds == {nn.Linear}:
+            return True
+        if kinds != {Fp8Linear} or len({linear.fmt for linear in self.linears}) != 1:
+            return False
+        fmt = self.linears[0].fmt
+        return fmt.kind == "channel" or all(size % fmt.block[0] == 0 for size in self.sizes[:-1])
 
     @torch.no_grad()
     def _fuse(self) -> None:
+        fp8 = isinstance(self.linears[0], Fp8Linear)
         with torch.inference_mode(False):  # ordinary tensors even when the first call runs in inference mode
             weight = torch.cat([linear.weight for linear in self.linears])
+            scale = torch.cat([linear.scale for linear in self.linears]) if fp8 else None
             biases = [linear.bias for linear in self.linears]
             bias = None
             if any(b is not None for b in biases):
-                bias = torch.cat([b if b is not None else weight.new_zeros(size)
+                bias_dtype = next(b.dtype for b in biases if b is not None)  # not an FP8 weight's dtype
+                bias = torch.cat([b if b is not None else weight.new_zeros(size, dtype=bias_dtype)
                                   for b, size in zip(biases, self.sizes, strict=True)])
-        start = 0
+        start, scale_start = 0, 0
         for linear, size in zip(self.linears, self.sizes, strict=True):
             linear.weight.data = weight[start:start + size]
             if linear.bias is not None:
                 linear.bias.data = bias[start:start + size]
+            if scale is not None:
+                rows = linear.scale.shape[0]
+                linear.scale.data = scale[scale_start:scale_start + rows]
+                scale_start += rows
             start += size
         self.weight, self.bias = weight, bias
+        if fp8:
+            first = self.linears[0]
+            with torch.device("meta"):
+                self.fp8 = Fp8Linear(first.in_features, weight.shape[0], first.fmt)
+            self.fp8.weight = nn.Parameter(weight, requires_grad=False)
+            setattr(self.fp8, first.fmt.scale_name, nn.Parameter(scale, requires_grad=False))
+            self.fp8.bias = bias
+            self.fp8.gemm = first.gemm
         self._pointers = tuple(linear.weight.data_ptr() for linear in self.linears)
+

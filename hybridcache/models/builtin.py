@@ -104,6 +104,12 @@ def builtin_model_dir() -> Path:
     return home / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
 
 
+def model_display_name(model_dir: Path) -> str:
+    """How logs name a model folder: the built-in model by its served name (its folder adds a version), any
+    other by the folder's name."""
+    return BUILTIN_NAME if Path(model_dir) == builtin_model_dir() else Path(model_dir).name
+
+
 def ensure_builtin_model(seed: int = 0) -> Path:
     """Create the built-in model folder if it does not exist yet (atomically) and return its path."""
     target = builtin_model_dir()

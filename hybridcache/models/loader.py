@@ -16,6 +16,12 @@ Tensor name rules, applied to every checkpoint tensor in this order:
 A missing tensor, an unexpected tensor, or a shape mismatch raises `ValueError` naming the tensor and
 the shapes; all checks read only safetensors headers, before any weight memory is allocated.
 
+FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
+`Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
+copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
+`load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
+quantised from their draws (a benchmark model that no disk could hold).
+
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
 others whole, and a shard's padding rows are zeroed. A tied lm_head is the rank's rows of the embedding tensor.
@@ -32,10 +38,12 @@ from pathlib import Path
 import torch
 
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
+from hybridcache.models import quant
 from hybridcache.models.config import ModelConfig
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.registry import get_model_class
 
+LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
@@ -63,6 +71,14 @@ class _Source:
 
 def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
+
+
+def model_name(checkpoint_name: str) -> str:
+    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` applied)."""
+    for old, new in RENAMED_PREFIXES:
+        if checkpoint_name.startswith(old):
+            return new + checkpoint_name[len(old) :]
+    return checkpoint_name
 
 
 def plan_weights(
@@ -98,10 +114,7 @@ def plan_weights_for(
         shape = _shape(raw_shape)
         if ignored(raw_name):
             continue
-        name = raw_name
-        for old, new in RENAMED_PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
+        name = model_name(raw_name)
         stacked = _STACKED_EXPERTS.match(name)
         if stacked:
             problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan)
@@ -206,6 +219,9 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     tp: TensorParallel = UNSHARDED,
+    quantization: str | None = None,
+    load_format: str = "auto",
+    kv_fp8: bool = False,
 ) -> HybridCausalLM:
     """Build the model described by `<model_dir>/config.json` and load its safetensors weights.
 
@@ -213,26 +229,87 @@ def load_model(
     config, tensor names and shapes) runs on a meta-device model and the safetensors headers before any
     weight memory is taken. Returns the model in eval mode, parameters in `dtype` on `device`; with `tp`, this
     rank's shard of it (see `hybridcache.layers.parallel`), reading only the rank's part of each tensor.
+    FP8 linears keep their FP8 weights and fp32 scales whatever `dtype` is. `quantization` ("fp8" or None) and
+    `load_format` ("auto" or "dummy"): see the module docstring. `kv_fp8`: the attention layers store FP8 KV
+    with the checkpoint's per-layer `self_attn.k_scale` / `v_scale` (else 1.0); those tensors are read only then.
     """
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
+    fmt = _check_quantization(model_dir, quantization, load_format, tp)
+    if load_format == "dummy":
+        return quant.set_kv_fp8(_dummy_model(model_cls, config, fmt, quantization, dtype, device), kv_fp8, {})
     files = safetensors_files(model_dir)
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 location[name] = file
                 shapes[name] = _shape(handle.get_slice(name).get_shape())
+                dtypes[name] = handle.get_slice(name).get_dtype()
+    kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
+    kv_scales = {}
+    for name in kv_scale_names:
+        del shapes[name]
+        if kv_fp8:
+            with safe_open(str(location[name]), framework="pt") as handle:
+                kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
-        model = model_cls(config, tp)
+        model = model_cls(config, tp).to(dtype=dtype)
+    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
+    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
+    quant.check_fp8_dtypes(ours, fp8)
+    if fmt is not None:
+        quant.convert_linears(model, {model_name(name): fmt for name in fp8})
     plan = _sharded_plan(model, shapes)
 
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = model.to_empty(device=device)
     model.tie_weights()
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
     _copy_planned(model, plan, lambda name, index: handles[location[name]].get_slice(name)[index])
+    if quantization == "fp8" and fmt is None:
+        quant.quantize_linears_(model, quant.quantizable_linears(model))
+    return quant.set_kv_fp8(model, kv_fp8, kv_scales).eval()
+
+
+def _check_quantization(
+    model_dir: Path, quantization: str | None, load_format: str, tp: TensorParallel
+) -> quant.Fp8Format | None:
+    """The checkpoint's FP8 format (None: dense); ValueError for an unknown `quantization` or `load_format`, an
+    unsupported quantization_config, or FP8 weights with tensor parallelism."""
+    if quantization not in (None, *quant.QUANTIZATIONS):
+        raise ValueError(f"quantization {quantization!r} is not supported; choose one of {quant.QUANTIZATIONS}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
+    if (fmt is not None or quantization is not None or load_format == "dummy") and tp.size > 1:
+        raise ValueError("FP8 weights and dummy weights are not supported with tensor parallelism yet "
+                         "(tensor_parallel_size 1 only)")
+    return fmt
+
+
+def _dummy_model(
+    model_cls: type[HybridCausalLM],
+    config: ModelConfig,
+    fmt: quant.Fp8Format | None,
+    quantization: str | None,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> HybridCausalLM:
+    """`load_format="dummy"`: the model with random weights drawn on `device` (seed 0); its linears FP8 in the
+    checkpoint's format (or the block format with `quantization`), as `quant.quantizable_linears` selects."""
+    from hybridcache.models.random_weights import randomize_
+
+    with torch.device("meta"):
+        model = model_cls(config).to(dtype=dtype)
+    if fmt is not None or quantization is not None:
+        target = fmt if fmt is not None else quant.BLOCK
+        quant.convert_linears(model, dict.fromkeys(quant.quantizable_linears(model), target))
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    randomize_(model, seed=0, draw_device=device)
     return model.eval()

@@ -14,6 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
+from hybridcache.layers.linear import Fp8Linear
+
 # Rules by parameter name (both our and transformers' names), applied in this order:
 #   *.A_log                    log(uniform(0.05, 1.0))   decay rates: slow and fast heads
 #   *.dt_bias                  uniform(-1, 1)
@@ -53,10 +56,23 @@ def randomize_(module: nn.Module, seed: int, draw_device: torch.device | str = "
     Draws happen on `draw_device` (default the CPU) in `named_parameters()` order (tied parameters once), so the
     same module class gets the same values wherever it lives; drawing on a GPU (benchmarks' multi-GB models) is
     much faster but gives other values than the CPU for the same seed.
+
+    FP8 linears (`layers/linear.py`) get the quantised values of the dense weight drawn in its place, so a model
+    with FP8 linears draws the same values as its dense twin (their scales take no draw).
     """
     generator = torch.Generator(draw_device).manual_seed(seed)
+    fp8 = {f"{name}.weight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
+    scales = {f"{name}.{m.fmt.scale_name}" for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
     for name, param in module.named_parameters():
-        param.copy_(_draw(name, param.shape, generator).to(param.dtype))
+        if name in scales:
+            continue
+        value = _draw(name, param.shape, generator)
+        if name in fp8:
+            weight, scale = kernel_backend.fp8_quantize(value, fp8[name].fmt)
+            param.copy_(weight)
+            fp8[name].scale.copy_(scale)
+        else:
+            param.copy_(value.to(param.dtype))
 
 
 _TINY_COMMON: dict[str, Any] = {

@@ -5,7 +5,9 @@
     POST /v1/chat/completions   messages and tools through the model folder's chat template; the same
                                 options, tool_choice, chat_template_kwargs; the output's tool calls and
                                 reasoning parsed out of its text (chat_output.py)
+    POST /v1/responses          OpenAI's Responses API over the chat pipeline (responses_api.py)
     GET  /v1/models             the served model
+    POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
                                 and the last error only with the API key (when one is set)
     GET  /metrics               Prometheus text format
@@ -77,11 +79,14 @@ from hybridcache.server.responses import (
     chunk,
     full_response,
     logprobs_of,
+    shown,
     sse,
     usage_chunk,
 )
+from hybridcache.server.responses_api import add_responses_routes
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.text_stream import TextStream
+from hybridcache.server.tokenize_api import add_tokenize_routes
 
 logger = logging.getLogger("hybridcache.server")
 SHUTDOWN_MESSAGE = "the server shut down before this request finished"
@@ -150,6 +155,8 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
                         routes._read_json)
     app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
     app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
+    add_responses_routes(app, routes)
+    add_tokenize_routes(app, routes)
     return app
 
 
@@ -190,17 +197,28 @@ class _Routes:
         longest = max(prompt_ids, key=len)
         defaults = self.model.sampling_defaults
         default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        max_tokens = self._max_tokens(body.max_tokens, len(longest), default_max, "prompt", body.n * len(prompts))
+        echo_only = body.echo_only()  # max_tokens 0: the engine samples one token that no choice shows
+        requested = 1 if echo_only else body.max_tokens
+        max_tokens = self._max_tokens(requested, len(longest), default_max, "prompt", body.n * len(prompts))
         params = body.sampling_params(max_tokens, body.guided(), defaults)
         echo = tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts) if body.echo else None
         rendering = Rendering(logprobs=params.logprobs is not None, top_logprobs=bool(params.logprobs),
-                              tokenizer=tokenizer, echo_texts=echo, return_token_ids=body.return_token_ids)
+                              num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
+                              echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
+                              return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
+        prompt_ids, params, rendering, mm_inputs = await self.prepare_chat(body)
+        meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
+        return await self._respond(request, meta, [prompt_ids], params, body, rendering, mm_inputs)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, Rendering, tuple]:
+        """A chat request's prompt (the messages and tools through the chat template), sampling parameters,
+        rendering options and image spans (`mm_inputs`); a bad request is an APIError."""
         self._check_model(body.model)
         body.check_n()
         check_sequences(1, body.n, self.config.limits)
@@ -235,9 +253,8 @@ class _Routes:
             tools=tools,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
-                              return_token_ids=body.return_token_ids)
-        meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, [prompt_ids], params, body, rendering, mm_inputs)
+                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids)
+        return prompt_ids, params, rendering, mm_inputs
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
                        body: CompletionRequest | ChatCompletionRequest, rendering: Rendering,
@@ -266,9 +283,10 @@ class _Routes:
             raise
         timeout = self.config.limits.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        outputs = _merged([_outputs(sink, deadline) for sink in sinks])
+        outputs = _merged([request_outputs(sink, rendering, deadline) for sink in sinks])
         if body.stream:
-            events = _events(meta, outputs, params, len(prompts), body.include_usage(), rendering)
+            include_usage = body.include_usage() or self.config.force_include_usage
+            events = _events(meta, outputs, params, len(prompts), include_usage, rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
             return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
         try:
@@ -390,10 +408,11 @@ class _Routes:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
-async def _outputs(sink: asyncio.Queue, deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-    """A request's outputs; when several are waiting only the newest is yielded (each holds all text so far).
-    Raises EngineFailure when the engine failed while running the request, RequestTimeout when it has not
-    finished by `deadline` (the event loop's clock; None: never)."""
+async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
+                          deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+    """A request's outputs as its choices show them (`responses.shown`); when several are waiting only the
+    newest is yielded (each holds all text so far). Raises EngineFailure when the engine failed while running
+    the request, RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never)."""
     while True:
         if deadline is None:
             item = await sink.get()
@@ -407,7 +426,7 @@ async def _outputs(sink: asyncio.Queue, deadline: float | None = None) -> AsyncI
             item = sink.get_nowait()
         if isinstance(item, Exception):
             raise item
-        yield item
+        yield shown(item, rendering)
         if item.finished:
             return
 
@@ -453,6 +472,9 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
     done = [False] * count
     logprobs_sent = [0] * count
     echo_pending = [bool(rendering.echo_texts)] * count
+    echo_logprobs_pending = [rendering.echoes_logprobs] * count
+    # completions: where the next token's text starts in the choice's text (after an echoed prompt)
+    next_offset = [len(rendering.echo_texts[i // n]) if rendering.echo_texts else 0 for i in range(count)]
     if meta.chat:
         for index in range(count):
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
@@ -479,8 +501,13 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 if not (has_news or finished):
                     continue
                 done[index] = finished
-                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index])
+                echoed = output if echo_logprobs_pending[index] else None
+                echo_logprobs_pending[index] = False
+                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index], echoed=echoed,
+                                       text_offset=next_offset[index])
                 logprobs_sent[index] = len(c.token_ids)
+                if logprobs is not None and not meta.chat and logprobs["tokens"]:
+                    next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,

@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridcache.images import ImageError, MediaLimits
 from hybridcache.images import media_limits as build_limits
-from hybridcache.mm_processor import ImageProcessor, image_prompt
-from hybridcache.multimodal import MultimodalInput
 from hybridcache.server.errors import APIError
+
+if TYPE_CHECKING:  # both import torch; the `hybridcache` command line reads this module's flags without it
+    from hybridcache.mm_processor import ImageProcessor
+    from hybridcache.multimodal import MultimodalInput
 
 _IMAGE, _VIDEO = "image_url", "video_url"
 
@@ -46,6 +48,8 @@ def check_media_parts(messages: Sequence[dict[str, Any]], takes_images: bool) ->
 def image_request(processor: ImageProcessor | None, prompt_ids: Sequence[int], sources: Sequence[Any],
                   limits: MediaLimits) -> tuple[list[int], tuple[MultimodalInput, ...]]:
     """`mm_processor.image_prompt` with its errors as APIError(400) on `messages`."""
+    from hybridcache.mm_processor import image_prompt
+
     try:
         return image_prompt(processor, prompt_ids, sources, limits)
     except (ImageError, ValueError) as error:

@@ -23,9 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
     from hybridcache.server.limits import add_limit_args
+    from hybridcache.server.vllm_flags import add_vllm_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
-                                  description="Serve one model over an OpenAI-compatible HTTP API.")
+                                  description="Serve one model over an OpenAI-compatible HTTP API.",
+                                  allow_abbrev=False)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -58,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_media_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
+    add_vllm_args(serve)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -104,11 +107,14 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
         reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
-        limits=limits_from_args(args),
+        force_include_usage=args.enable_force_include_usage, limits=limits_from_args(args),
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridcache.extras import require_extra
+
+    require_extra("serve", "hybridcache serve")
     import uvicorn
 
     from hybridcache.engine.engine import LLMEngine
@@ -118,13 +124,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.server import log_limits
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.chat_images import media_limits
-    from hybridcache.server.connections import uvicorn_options
+    from hybridcache.server.connections import uvicorn_options as connection_options
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
+    from hybridcache.server.vllm_flags import chat_template, check_vllm_args, uvicorn_options
     from hybridcache.tokenizer import Tokenizer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_vllm_args(args)
+    template = chat_template(args)  # a missing file fails before the model loads
     options = engine_options(args)
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
@@ -141,14 +150,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
                              else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
-    model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
-                        sampling_defaults=defaults, image_processor=engine.image_processor, media_limits=limits)
+    tokenizer = Tokenizer(engine.model_path)
+    if template is not None:
+        tokenizer.chat_template = template
+    model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
+                        image_processor=engine.image_processor, media_limits=limits)
     app = build_app(engine_loop, model, config, metrics)
     guard = config.limits
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=args.log_level, access_log=args.enable_access_log,
+        app, host=config.host, port=config.port, access_log=args.enable_access_log,
         timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
-        **uvicorn_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
+        **uvicorn_options(args),
+        **connection_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()

@@ -26,8 +26,10 @@ class ServerConfig:
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
     `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
-    request's own `chat_template_kwargs` override them. limits: what outside traffic may make the server hold
-    (connections, read time, sequences per request, waiting sequences, run time; `limits.ServerLimits`).
+    request's own `chat_template_kwargs` override them. force_include_usage: every stream ends with a usage
+    chunk, as if it had asked with `stream_options.include_usage` (vLLM's `--enable-force-include-usage`).
+    limits: what outside traffic may make the server hold (connections, read time, sequences per request,
+    waiting sequences, run time; `limits.ServerLimits`).
     """
 
     host: str = "127.0.0.1"
@@ -42,6 +44,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    force_include_usage: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property

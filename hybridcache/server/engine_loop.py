@@ -34,10 +34,11 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
 from hybridcache.server.limits import QueueFull
-from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
 logger = logging.getLogger("hybridcache.server")
+RUNNING_BLOCKS_INTERVAL_S = 0.25
 
 
 class EngineFailure(Exception):
@@ -89,6 +90,8 @@ class _Stream:
     sink: asyncio.Queue
     arrival: float
     num_tokens: int = 0
+    started: float | None = None  # the start of the first step that computed it
+    first_token_time: float | None = None
     last_token_time: float | None = None
     last_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -108,6 +111,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.state: EngineState = read_engine_state(engine)
+        self._running_blocks_at = time.monotonic()  # engine thread only: when num_blocks_running was counted
         self.healthy = True
         self.last_error: str | None = None
 
@@ -193,12 +197,14 @@ class EngineLoop:
                     return
                 self._handle(command)
             if engine.has_unfinished_requests():
+                step_start = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as error:  # noqa: BLE001 - a failing request must not end the server
                     logger.exception("engine step failed; aborting the running requests")
                     self._abort_all(error)
                 else:
+                    self._mark_started(step_start)
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
@@ -274,6 +280,15 @@ class EngineLoop:
             self._streams[request_id] = _Stream(sink, now)
         self._resolve(command.done, None)
 
+    def _mark_started(self, step_start: float) -> None:
+        """Note the step that first computed each request (its queue time ends where that step began)."""
+        has_started = getattr(self._engine, "has_started", None)
+        if has_started is None:
+            return
+        for request_id, stream in self._streams.items():
+            if stream.started is None and has_started(request_id):
+                stream.started = step_start
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for output in outputs:
@@ -291,6 +306,8 @@ class EngineLoop:
                 self._generated += num_tokens - stream.num_tokens
                 stream.num_tokens = num_tokens
                 stream.last_token_time = now
+                if stream.first_token_time is None:
+                    stream.first_token_time = now
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
@@ -333,11 +350,22 @@ class EngineLoop:
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
                                        time.perf_counter() - stream.arrival,
-                                       [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs])
+                                       [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
+                                       _phases(stream))
 
     def _publish_state(self) -> None:
+        # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
+        # RUNNING_BLOCKS_INTERVAL_S while sequences run (a walk over every running sequence's blocks), and at once
+        # when none ran at the last count (so an idle server reports 0, and a busy one at once more).
+        now = time.monotonic()
+        reuse = None
+        if (self._engine.has_unfinished_requests() and self.state.num_running > 0
+                and now - self._running_blocks_at < RUNNING_BLOCKS_INTERVAL_S):
+            reuse = self.state.num_blocks_running
+        else:
+            self._running_blocks_at = now
         try:
-            self.state = read_engine_state(self._engine)
+            self.state = read_engine_state(self._engine, reuse)
         except Exception:  # noqa: BLE001 - metrics must not end the loop
             logger.exception("reading the engine state failed")
 
@@ -371,3 +399,13 @@ class EngineLoop:
                 future.set_result(value)
 
         self._call_soon(settle)
+
+
+def _phases(stream: _Stream) -> RequestPhases:
+    """A finished request's queue, prefill and decode times (None for a phase it did not reach)."""
+    first, last, started = stream.first_token_time, stream.last_token_time, stream.started
+    return RequestPhases(
+        queue_s=None if started is None else max(started - stream.arrival, 0.0),
+        prefill_s=None if started is None or first is None else max(first - started, 0.0),
+        decode_s=None if first is None or last is None else last - first,
+    )

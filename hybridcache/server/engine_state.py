@@ -13,6 +13,9 @@ from typing import Any
 class EngineState:
     """A snapshot of the engine's memory and cache counters.
 
+    weights: the weight format ("dense", "fp8-block128x128", "fp8-channel", "... (quantized at load)");
+    kv_cache_dtype: the KV pool's dtype ("bfloat16", "fp8_e4m3", ...).
+
     num_blocks_used counts the pool's blocks held by running sequences and by the prefix cache (trie blocks,
     frozen tails, checkpoint states' pages); num_slots_used the runtime state slots of running sequences.
     `checkpoint_saves` (by reason), `checkpoint_hits` (by the reason of the checkpoint a hit restored),
@@ -21,11 +24,21 @@ class EngineState:
     prompt tokens computed; num_encoded_images the images the vision tower encoded and num_encoder_cache_hits
     those its encoder cache served instead (0 for a model without a vision tower). `spec_decode`: speculative
     decoding's totals (vLLM's spec_decode counters: verify rows `num_drafts`, `num_draft_tokens`,
-    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off.
+    `num_accepted_tokens`, and `accepted_per_position`, position 1 first); None when it is off. Per tier (the
+    host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted
+    from the host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
+    `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
+    `num_promoted_blocks` / `num_demoted_blocks`) and `num_promotions_skipped` (a deeper host hit whose copy
+    would have cost more than recomputing).
+    num_blocks_running counts the distinct blocks that running sequences hold (shared prefix blocks once), a part
+    of num_blocks_used.
     """
 
+    weights: str = ""
+    kv_cache_dtype: str = ""
     num_blocks: int = 0
     num_blocks_used: int = 0
+    num_blocks_running: int = 0
     num_slots: int = 0
     num_slots_used: int = 0
     num_running: int = 0
@@ -41,18 +54,33 @@ class EngineState:
     num_encoded_images: int = 0
     num_encoder_cache_hits: int = 0
     spec_decode: dict[str, Any] | None = None
+    block_bytes: int = 0
+    num_hits: int = 0
+    num_host_hits: int = 0
+    num_host_blocks: int = 0
+    num_host_blocks_used: int = 0
+    num_host_checkpoints: int = 0
+    num_promotions: int = 0
+    num_promoted_blocks: int = 0
+    num_demotions: int = 0
+    num_demoted_blocks: int = 0
+    num_promotions_skipped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def read_engine_state(engine: Any) -> EngineState:
-    """Snapshot `engine` (an `LLMEngine`); call only from the thread that owns it."""
+def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> EngineState:
+    """Snapshot `engine` (an `LLMEngine`); call only from the thread that owns it. `num_blocks_running`: a
+    recent count to reuse (None: count now; counting walks every running sequence's blocks)."""
     stats = engine.stats()
     cache = stats.get("cache")
     return EngineState(
+        weights=stats.get("weights", ""),
+        kv_cache_dtype=stats.get("kv_cache_dtype", ""),
         num_blocks=stats["num_blocks"],
         num_blocks_used=stats["num_blocks_used"],
+        num_blocks_running=blocks_held_by_running(engine) if num_blocks_running is None else num_blocks_running,
         num_slots=stats["num_slots"],
         num_slots_used=stats["num_slots_used"],
         num_running=stats.get("num_running", 0),
@@ -68,7 +96,29 @@ def read_engine_state(engine: Any) -> EngineState:
         num_encoded_images=stats.get("num_encoded_images", 0),
         num_encoder_cache_hits=stats.get("num_encoder_cache_hits", 0),
         spec_decode=_spec_decode(stats.get("spec_decode")),
+        block_bytes=stats.get("block_bytes", 0),
+        num_hits=getattr(cache, "num_hits", 0),
+        num_host_hits=getattr(cache, "num_host_hits", 0),
+        num_host_blocks=stats.get("num_host_blocks", 0),
+        num_host_blocks_used=getattr(cache, "num_host_blocks_used", 0),
+        num_host_checkpoints=getattr(cache, "num_host_checkpoints", 0),
+        num_promotions=getattr(cache, "num_promoted_checkpoints", 0),
+        num_promoted_blocks=getattr(cache, "num_promoted_blocks", 0),
+        num_demotions=getattr(cache, "num_demoted_checkpoints", 0),
+        num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
+        num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
     )
+
+
+def blocks_held_by_running(engine: Any) -> int:
+    """The distinct pool blocks of the sequences the prefix cache runs (0 for an engine without one)."""
+    cache = getattr(getattr(engine, "scheduler", None), "cache", None)
+    if cache is None or not hasattr(cache, "running_ids"):
+        return 0
+    held: set[int] = set()
+    for request_id in cache.running_ids():
+        held.update(cache.block_ids(request_id))
+    return len(held)
 
 
 def _spec_decode(spec: Any) -> dict[str, Any] | None:

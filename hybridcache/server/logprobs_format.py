@@ -3,6 +3,8 @@
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
 Prompt logprobs (vLLM's shape, both endpoints): `[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]`.
+Echoed prompt logprobs (completions with `echo` and `logprobs`, as OpenAI's legacy API and vLLM): the prompt's tokens
+lead the completions shape, the first with `null` logprob and top logprobs (nothing precedes it).
 A token's text is its own decode (special tokens included); a token that is only part of a UTF-8 character
 decodes to U+FFFD, as in vLLM.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hybridcache.sampling import PromptLogprobs, TokenLogprob
+from hybridcache.sampling import Logprob, PromptLogprobs, TokenLogprob
 
 
 class _Decoder(Protocol):
@@ -51,9 +53,48 @@ def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], te
             "text_offset": offsets}
 
 
-def prompt_logprobs_json(entries: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
-    """`RequestOutput.prompt_logprobs` as JSON: token ids become string keys, logprobs are floored at -9999."""
+def trim_prompt_entry(entry: dict[int, Logprob], k: int) -> dict[int, Logprob]:
+    """A prompt-logprobs entry (the prompt token first, then the likeliest tokens, best first) cut to the prompt
+    token and the k likeliest: what a request for k gets when the engine computed more."""
+    first = next(iter(entry))
+    return {token: lp for token, lp in entry.items() if token == first or lp.rank <= k}
+
+
+def prompt_logprobs_json(entries: PromptLogprobs, k: int | None = None) -> list[dict[str, dict[str, Any]] | None]:
+    """`RequestOutput.prompt_logprobs` as JSON: token ids become string keys, logprobs are floored at -9999.
+    `k`: keep only the k likeliest tokens besides the prompt token (None: all that were computed)."""
     return [None if entry is None else {
         str(token): {"logprob": max(lp.logprob, -9999.0), "rank": lp.rank, "decoded_token": lp.decoded_token}
-        for token, lp in entry.items()
+        for token, lp in (entry if k is None else trim_prompt_entry(entry, k)).items()
     } for entry in entries]
+
+
+def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: PromptLogprobs,
+                  k: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's logprobs: `tokens` (each token's own decode),
+    `token_logprobs` (`None` for the first token, then each prompt token's logprob given the tokens before it),
+    `top_logprobs` (`None`, then `{token text: logprob}` of the prompt token and the k likeliest tokens, as vLLM
+    gives them) and `text_offset` (from 0: the echoed prompt starts the choice's text)."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            tops.append(None)
+            continue
+        token_logprobs.append(max(entry[token_id].logprob, -9999.0))
+        tops.append({tokenizer.decode([t], skip_special_tokens=False): max(lp.logprob, -9999.0)
+                     for t, lp in trim_prompt_entry(entry, k).items()})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two completions-shape logprobs, one after the other (an echoed prompt's, then the generated tokens');
+    `then`'s `text_offset`s are already absolute."""
+    if then is None:
+        return first
+    return {key: list(first[key]) + list(then[key] or [None] * len(then["tokens"])) for key in first}

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server (its own registry: no process-wide state).
 
 Every metric carries a `model_name` label (the first served model name), as vLLM's do, so one dashboard can
-show several servers. Request-level metrics are recorded by the engine thread as outputs come out of `engine.step()`:
+show several servers. vLLM's own metrics (`vllm:*`, vllm_metrics.py) are recorded next to these. Request-level
+metrics are recorded by the engine thread as outputs come out of `engine.step()`:
 
     hybridcache_prefix_cache_queries_tokens_total   prompt tokens of finished requests (as in `usage`)
     hybridcache_prefix_cache_hit_tokens_total       their `cached_tokens` (as in `usage`), so the two move by
@@ -28,6 +29,15 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total,
     hybridcache_vision_encoded_images_total, hybridcache_vision_encoder_cache_hits_total
+    hybridcache_cache_hits_total{tier}              prefix-cache hits by where the checkpoint was: device, host
+    hybridcache_cache_bytes_used{tier} / hybridcache_cache_bytes_total{tier}   the pools' bytes (host: the host
+                                                    tier, `--host-cache-gib`; 0 without one)
+    hybridcache_host_checkpoints                    checkpoints held in the host tier
+    hybridcache_host_promotions_total{what} / hybridcache_host_demotions_total{what}   checkpoints and trie
+                                                    blocks copied host -> device on a hit / device -> host by
+                                                    eviction
+    hybridcache_host_promotions_skipped_total       deeper host hits not taken: the copy cost more than
+                                                    recomputing
 
 With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
@@ -40,6 +50,7 @@ With speculative decoding (vLLM's spec_decode counters, under our prefix):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -47,6 +58,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hybridcache.server.engine_state import EngineState
+from hybridcache.server.vllm_metrics import VllmMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -66,16 +78,19 @@ class ServerMetrics:
             return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
                              registry=registry).labels(**model)
 
+        self.vllm = vllm = VllmMetrics(registry, model_name)  # vLLM's names, for vLLM's dashboards
         self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests")
         self.hit_tokens = counter(
             "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of finished requests whose computation the "
             "prefix cache skipped (usage.prompt_tokens_details.cached_tokens)")
         self.prompt_tokens = counter("hybridcache_prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("hybridcache_generation_tokens", "Generated tokens")
+        self.generation_tokens = _Both(counter("hybridcache_generation_tokens", "Generated tokens"),
+                                       vllm.generation_tokens)
         self._finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
                                  ["model_name", "finish_reason"], registry=registry)
-        self.ttft = histogram("hybridcache_time_to_first_token_seconds", "Time to first token")
-        self.itl = histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps")
+        self.ttft = _Both(histogram("hybridcache_time_to_first_token_seconds", "Time to first token"), vllm.ttft)
+        self.itl = _Both(histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps"),
+                         vllm.itl)
         self.e2e = histogram("hybridcache_e2e_request_latency_seconds", "Arrival to finish")
         self.acceptance = Histogram(
             "hybridcache_spec_decode_request_acceptance_rate", "Per completion that fed drafts: accepted / fed "
@@ -89,23 +104,61 @@ class ServerMetrics:
     def watch_engine(self, engine_state: Callable[[], EngineState]) -> None:
         """Export the engine-level metrics, read from `engine_state()` at every scrape."""
         self.registry.register(_EngineCollector(engine_state, self.model_name))
+        self.vllm.watch_engine(self.registry, engine_state)
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float, drafts: list[tuple[int, int]] = ()) -> None:
+                         latency_s: float, drafts: list[tuple[int, int]] = (),
+                         phases: RequestPhases | None = None) -> None:
         """A request ended (finished or aborted after its prompt was computed). `drafts`: per completion,
-        (draft tokens fed, accepted) with speculative decoding."""
+        (draft tokens fed, accepted) with speculative decoding; `phases`: its queue, prefill and decode times
+        where known."""
         for fed, accepted in drafts:
             if fed:
                 self.acceptance.observe(accepted / fed)
-        self.query_tokens.inc(num_prompt_tokens)
-        self.hit_tokens.inc(num_cached_tokens)
-        self.prompt_tokens.inc(num_prompt_tokens)
+        vllm = self.vllm
+        for counters, value in (((self.query_tokens, vllm.prefix_cache_queries), num_prompt_tokens),
+                                ((self.hit_tokens, vllm.prefix_cache_hits), num_cached_tokens),
+                                ((self.prompt_tokens, vllm.prompt_tokens), num_prompt_tokens)):
+            for counter in counters:
+                counter.inc(value)
         for reason in finish_reasons:
             self.finished(reason).inc()
+            vllm.success(reason).inc()
         self.e2e.observe(latency_s)
+        vllm.e2e.observe(latency_s)
+        if phases is not None:
+            for histogram, value in ((vllm.queue_time, phases.queue_s), (vllm.prefill_time, phases.prefill_s),
+                                     (vllm.decode_time, phases.decode_s)):
+                if value is not None:
+                    histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a request's time went (seconds; None for a phase it never reached): queued (arrival -> its first
+    computing step), prefill (that step's start -> the first token), decode (the first token -> the last)."""
+
+    queue_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+
+
+class _Both:
+    """One hybridcache metric and its vLLM twin, recorded together."""
+
+    def __init__(self, *metrics: Any) -> None:
+        self._metrics = metrics
+
+    def inc(self, amount: float = 1) -> None:
+        for metric in self._metrics:
+            metric.inc(amount)
+
+    def observe(self, value: float) -> None:
+        for metric in self._metrics:
+            metric.observe(value)
 
 
 class _EngineCollector(Collector):
@@ -137,6 +190,7 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, text, labels=["model_name"])
             counter.add_metric([model], value)
             yield counter
+        yield from _tier_metrics(state, model)
         gauges = (
             ("hybridcache_kv_blocks_used", "KV blocks in use (running sequences and the prefix cache)",
              state.num_blocks_used),
@@ -169,6 +223,33 @@ def _spec_decode_metrics(spec: dict, model: str) -> Iterator[Metric]:
         yield family
     yield _by_label("hybridcache_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position",
                     "position", {str(j + 1): n for j, n in enumerate(spec["accepted_per_position"])}, model)
+
+
+def _tier_metrics(state: EngineState, model: str) -> Iterator[Metric]:
+    """The per-tier families (device, host) of the module docstring."""
+    yield _by_label("hybridcache_cache_hits", "Prefix-cache hits, by the tier the checkpoint was in", "tier",
+                    {"device": state.num_hits - state.num_host_hits, "host": state.num_host_hits}, model)
+    for name, documentation, device, host in (
+        ("hybridcache_cache_bytes_used", "Bytes of the pool in use, by tier", state.num_blocks_used,
+         state.num_host_blocks_used),
+        ("hybridcache_cache_bytes_total", "Bytes of the pool, by tier", state.num_blocks, state.num_host_blocks),
+    ):
+        gauge = GaugeMetricFamily(name, documentation, labels=["model_name", "tier"])
+        gauge.add_metric([model, "device"], device * state.block_bytes)
+        gauge.add_metric([model, "host"], host * state.block_bytes)
+        yield gauge
+    gauge = GaugeMetricFamily("hybridcache_host_checkpoints", "Checkpoints held in the host tier",
+                              labels=["model_name"])
+    gauge.add_metric([model], state.num_host_checkpoints)
+    yield gauge
+    yield _by_label("hybridcache_host_promotions", "Copied host -> device on a hit", "what",
+                    {"checkpoints": state.num_promotions, "blocks": state.num_promoted_blocks}, model)
+    yield _by_label("hybridcache_host_demotions", "Moved device -> host by eviction", "what",
+                    {"checkpoints": state.num_demotions, "blocks": state.num_demoted_blocks}, model)
+    skipped = CounterMetricFamily("hybridcache_host_promotions_skipped",
+                                  "Host hits not taken: the copy cost more than recomputing", labels=["model_name"])
+    skipped.add_metric([model], state.num_promotions_skipped)
+    yield skipped
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:

@@ -87,6 +87,10 @@ class _SamplingRequest(BaseModel):
         fields its own way)."""
         return None
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """How many top logprobs the engine computes at each prompt position (None: none)."""
+        return self.prompt_logprobs
+
     def guided(self) -> GuidedSpec | None:
         """The one structured-output constraint of the request (a 400 when it sets several)."""
         specs = [(name, spec) for name, spec in (
@@ -164,7 +168,7 @@ class _SamplingRequest(BaseModel):
                 repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty, 1.0),
                 logit_bias=logit_bias,
                 logprobs=self.num_logprobs(),
-                prompt_logprobs=self.prompt_logprobs,
+                prompt_logprobs=self.engine_prompt_logprobs(),
                 guided=guided,
             )
         except ValueError as error:
@@ -185,6 +189,21 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             return list(prompt)
         return [prompt]
+
+    def echo_only(self) -> bool:
+        """`max_tokens: 0` with `echo` (OpenAI's legacy API; older lm-eval versions send it): the choices are the
+        prompts alone, with their logprobs when asked for. Without echo, 0 is a 400."""
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens must be at least 1 (0 is accepted only with echo: true, which "
+                           "returns the prompt and its logprobs)", param="max_tokens")
+        return self.max_tokens == 0
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """With `echo` and `logprobs` k the prompt's logprobs are echoed, so the engine computes them with at
+        least k alternatives (as vLLM, this makes the request skip the prefix cache)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def num_logprobs(self) -> int | None:
         if self.logprobs is None:

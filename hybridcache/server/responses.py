@@ -10,26 +10,45 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.server.chat_output import ChatOutputOptions, ChoiceDelta, final_message, finish_reason
-from hybridcache.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_logprobs_json
+from hybridcache.server.logprobs_format import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    join_logprobs,
+    prompt_logprobs_json,
+)
 
 
 @dataclass(frozen=True)
 class Rendering:
     """How choices are rendered. chat: the chat message options (reasoning, tools). logprobs: choices carry
     their tokens' logprobs (`tokenizer` decodes their tokens). echo: completions start with their prompt's text
-    (`echo_texts[prompt_index]`). return_token_ids: each finished choice carries its token ids."""
+    (`echo_texts[prompt_index]`), and, with logprobs, their logprobs with the prompt tokens' (the prompt token
+    and the `logprobs` likeliest at each position; the engine computed the prompt's logprobs for it).
+    echo_only: `max_tokens: 0` with echo: the engine generated one token that no choice shows (not in the
+    text, the logprobs, the token ids or the usage). prompt_logprobs: the `prompt_logprobs` the client asked
+    for (None: the field is left out even where the engine computed them for echo).
+    return_token_ids: each finished choice carries its token ids."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
     top_logprobs: bool = True
     tokenizer: Any = None
+    num_logprobs: int = 0
     echo_texts: tuple[str, ...] | None = None
+    echo_only: bool = False
+    prompt_logprobs: int | None = None
     return_token_ids: bool = False
+
+    @property
+    def echoes_logprobs(self) -> bool:
+        """Whether choices' logprobs start with their prompt's (echo with logprobs)."""
+        return self.echo_texts is not None and self.logprobs
 
 
 @dataclass(frozen=True)
@@ -64,19 +83,34 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
     }
 
 
+def shown(output: RequestOutput, rendering: Rendering) -> RequestOutput:
+    """`output` as its choices show it: with `echo_only`, each completion without its one generated token."""
+    if not rendering.echo_only:
+        return output
+    hidden = [replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [])
+              for c in output.outputs]
+    return replace(output, outputs=hidden)
+
+
 def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: int = 0,
-                text_offset: int = 0) -> dict[str, Any] | None:
-    """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for)."""
+                text_offset: int = 0, echoed: RequestOutput | None = None) -> dict[str, Any] | None:
+    """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for).
+    `echoed`: `c`'s request, whose prompt's logprobs lead (echo; `text_offset` then counts the echoed text)."""
     if not rendering.logprobs or c.logprobs is None:
         return None
     entries = c.logprobs[start:]
     if chat:
         return chat_logprobs(rendering.tokenizer, entries)
-    return completion_logprobs(rendering.tokenizer, entries, text_offset, rendering.top_logprobs)
+    generated = completion_logprobs(rendering.tokenizer, entries, text_offset, rendering.top_logprobs)
+    if echoed is None or echoed.prompt_logprobs is None:
+        return generated
+    prompt = echo_logprobs(rendering.tokenizer, echoed.prompt_token_ids, echoed.prompt_logprobs,
+                           rendering.num_logprobs)
+    return join_logprobs(prompt, generated)
 
 
 def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], rendering: Rendering) -> dict[str, Any]:
-    """The non-streaming body of finished requests."""
+    """The non-streaming body of finished requests (`outputs` as `shown`)."""
     choices = []
     for prompt_index, output in enumerate(outputs):
         n = len(output.outputs)
@@ -89,18 +123,24 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                           "finish_reason": reason}
             else:
                 echo = rendering.echo_texts[prompt_index] if rendering.echo_texts else ""
+                echoed = output if rendering.echoes_logprobs else None
                 choice = {"index": index, "text": echo + c.text,
-                          "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo)),
+                          "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo), echoed=echoed),
                           "finish_reason": c.finish_reason}
-                if output.prompt_logprobs is not None:  # vLLM puts them on each completion choice
-                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                if _wants_prompt_logprobs(output, rendering):  # vLLM puts them on each completion choice
+                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs,
+                                                                     rendering.prompt_logprobs)
             if rendering.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
     body = {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
-    if meta.chat and outputs[0].prompt_logprobs is not None:  # vLLM puts them on the chat response
-        body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs)
+    if meta.chat and _wants_prompt_logprobs(outputs[0], rendering):  # vLLM puts them on the chat response
+        body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, rendering.prompt_logprobs)
     return body
+
+
+def _wants_prompt_logprobs(output: RequestOutput, rendering: Rendering) -> bool:
+    return output.prompt_logprobs is not None and rendering.prompt_logprobs is not None
 
 
 def chunk(
@@ -139,7 +179,8 @@ def chunk(
 
 
 def usage_chunk(meta: ResponseMeta, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-    """The last chunk when `stream_options.include_usage` is set: no choices, the response's usage."""
+    """The last chunk when `stream_options.include_usage` is set: no choices, the response's usage (`outputs`
+    as `shown`)."""
     return {**meta.header(streaming=True), "choices": [], "usage": usage(outputs)}
 
 

@@ -238,3 +238,33 @@ def test_reuse_oracle_knows_which_chains_return_but_not_when():
     # with room for all three chains the two oracles agree: every second call hits
     roomy = _run([a1, b1, c1, a2, b2, c2], "bounded-oracle,reuse-oracle", memory=40 * 4 * 16)
     assert roomy["bounded-oracle"].hit_tokens == roomy["reuse-oracle"].hit_tokens == 13 + 9 + 9
+
+
+def test_a_host_tier_keeps_what_a_tiny_device_pool_evicts():
+    # B = 4, a block of 64 bytes: 10 device blocks (a state takes 4 of them) cannot keep r1's finish checkpoint
+    # (2 nodes, 4 pages, a frozen tail) while `other` runs and saves; a host tier of 4x the budget takes it and
+    # r2 promotes it back (the oracles ignore the host tier)
+    other = SimRequest("other", tuple(range(100, 110)), (101,))
+    workload = [R1, other, R2]
+    specs = parse_policies("hybridcache,bounded-oracle", 4)
+
+    def run(host: int):
+        config = SimConfig(10 * 64, 4, 100, kv_tokens_per_slot=16, check_integrity=True, host_memory_bytes=host)
+        return simulate(_workload(workload), specs, COST, config).policies
+
+    alone, with_host = run(0), run(4 * 10 * 64)
+    assert alone["hybridcache"].hit_tokens == 0 and alone["hybridcache"].host_blocks is None
+    hybrid = with_host["hybridcache"]
+    assert hybrid.host_blocks == 40 and hybrid.hit_tokens == hybrid.host_hit_tokens == 11
+    assert hybrid.host_save_bytes > 0 and hybrid.host_load_bytes > 0
+    assert with_host["bounded-oracle"] == alone["bounded-oracle"]
+
+
+def test_host_memory_option_takes_gib_or_a_multiple_of_the_budget():
+    from hybridcache.bench.cli import host_memory_bytes
+
+    assert host_memory_bytes("4x", 1000) == 4000
+    assert host_memory_bytes("0.5", 1000) == GIB // 2
+    assert host_memory_bytes("0", 1000) == 0
+    with pytest.raises(ValueError):
+        host_memory_bytes("-1x", 1000)

@@ -5,7 +5,9 @@ would hold there: KV at position p depends on the whole prefix [0, p] (adapter, 
 state at step s is the prefix [0, s). Executing the plan exactly as the engine would (restore copies,
 forward writes into the blocks the scheduler planned with, save copies) and then checking every running
 sequence, checkpoint and trie node against those identities catches wrong ids, wrong order, a block
-freed too early or a restore from the wrong place.
+freed too early or a restore from the wrong place. With a host tier (`CacheConfig.host_blocks`) it also keeps
+host memory: HOST_SAVE and HOST_LOAD copy whole blocks between the two, and every host node and host checkpoint
+is checked like the device's (items whose copy the next plan carries are read where their bytes still are).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class FakeDevice:
         self.draft_state: dict[int, object] = {}  # speculative: draft state id -> the state it holds
         self.k = cache.config.state_pages  # paged: a checkpoint's state is k pages, each a KV block filled
         # with ("state", identity, j): a forward or KV copy writing into it, or a state page read as KV, shows
+        self.host: list[list] = [[None] * size for _ in range(cache.config.host_blocks)]
 
     def run_step(self, fed: dict[Hashable, Sequence[int]]) -> CopyPlan:
         """commit_step + execute: restores, forward writes (into the pre-commit block lists), saves."""
@@ -62,6 +65,13 @@ class FakeDevice:
         """Restores, forward writes into the pre-commit block lists `planned[rid] = (block_ids, slot, start)`,
         saves; `commit_step(fed)` has run."""
         cache, size = self.cache, self.cache.block_size
+        for chunk, dst in copies.pairs(CopyKind.HOST_FINISH):  # a demoted finish checkpoint's state, from its slot
+            slot, j = divmod(chunk, self.k)
+            self.host[dst] = [("state", self.state[slot], j)] * size
+        for src, dst in copies.pairs(CopyKind.HOST_SAVE):  # device -> host, before anything writes the device
+            self.host[dst] = list(self.kv[src])
+        for src, dst in copies.pairs(CopyKind.HOST_LOAD):
+            self.kv[dst] = list(self.host[src])
         self._save_states(copies.pairs(CopyKind.STATE_FINISH))
         for src, dst in copies.pairs(CopyKind.KV_RESTORE):
             self.kv[dst] = list(self.kv[src])
@@ -109,9 +119,10 @@ class FakeDevice:
             slot, j = divmod(chunk, self.k)
             self.kv[page] = [("state", self.state[slot], j)] * self.cache.block_size
 
-    def _page_state(self, page: int, j: int):
-        """The state identity page `page` holds as chunk `j`; fails when the page holds anything else."""
-        entries = self.kv[page]
+    def _page_state(self, page: int, j: int, entries: list | None = None):
+        """The state identity page `page` holds as chunk `j` (or `entries`, a block's content); fails when the
+        page holds anything else."""
+        entries = self.kv[page] if entries is None else entries
         head = entries[0]
         assert isinstance(head, tuple) and head[0] == "state" and head[2] == j, f"page {page}: not chunk {j}"
         assert all(e == head for e in entries), f"page {page}: a state page was partly overwritten"
@@ -133,8 +144,21 @@ class FakeDevice:
         not written yet; the freed slot still holds the state)."""
         return {ckpt: slot for ckpt, slot in self.cache._finish_saves}
 
+    def _device_block(self, block: int) -> list:
+        """What device block `block` holds once the next plan's host loads ran (a promotion not run yet: its
+        host block)."""
+        host = self.cache._life.host
+        source = None if host is None else host._loads.get(block)
+        return self.kv[block] if source is None else self._host_block(source)
+
+    def _host_block(self, block: int) -> list:
+        """What host block `block` holds once the next plan's host saves ran (a demotion not run yet: its
+        device block, which nothing writes before that save)."""
+        source = self.cache._life.host._saves.get(block)
+        return self.host[block] if source is None else self.kv[source]
+
     def check(self) -> None:
-        """Every running sequence, published checkpoint and trie node holds what its ids say."""
+        """Every running sequence, published checkpoint and trie node (device and host) holds what its ids say."""
         cache, size = self.cache, self.cache.block_size
         for rid, seq in cache._seqs.items():
             if seq.restore is not None:
@@ -150,24 +174,42 @@ class FakeDevice:
             spans = _spans_of(ckpt)
             if self.k is None:
                 assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
-            elif ckpt in (pending := self.cache_pending_finish()):  # still in the freed runtime slot
-                assert self.state[pending[ckpt]] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
-            else:
-                for j, page in enumerate(ckpt.pages):
-                    assert self._page_state(page, j) == (ckpt.adapter, prefix, spans), f"{ckpt}: state page {j}"
-            base = ckpt.anchor.depth * size
-            for pos in range(base, ckpt.step):
-                assert self.kv[ckpt.frozen_block][pos - base][1] == prefix[: pos + 1], f"{ckpt}: tail KV"
+            else:  # a finish whose STATE_FINISH the next plan carries: still in the freed runtime slot
+                slot = self.cache_pending_finish().get(ckpt)
+                self._check_checkpoint(ckpt, prefix, spans, self._device_block, slot)
         for node in cache._life.trie.iter_nodes():
-            if node.is_root:
-                continue
-            prefix = node_prefix(node)
-            base = (node.depth - 1) * size
-            for pos in range(base, base + size):
-                got = self.kv[node.block_id][pos - base]
-                assert got is not None and got[0] == node.adapter and got[1] == prefix[: pos + 1], (
-                    f"{node}: KV at {pos}"
-                )
+            if not node.is_root:
+                self._check_node(node, self._device_block(node.block_id))
+        host = cache._life.host
+        if host is not None:
+            pending = self.cache_pending_finish()
+            for ckpt in host.order.values():
+                prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
+                # demoted before its state was copied (HOST_FINISH in the next plan): still in the runtime slot
+                self._check_checkpoint(ckpt, prefix, _spans_of(ckpt), self._host_block, pending.get(ckpt))
+            for hnode in host.iter_nodes():
+                self._check_node(hnode, self._host_block(hnode.host_block))
+
+    def _check_checkpoint(self, ckpt, prefix: tuple, spans: tuple, read, slot: int | None = None) -> None:
+        """A paged checkpoint's pages (or, while its state copy is pending, runtime slot `slot`) and frozen tail,
+        read through `read(block) -> content`."""
+        size = self.cache.block_size
+        if slot is not None:
+            assert self.state[slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
+        for j, page in enumerate(ckpt.pages if slot is None else ()):
+            assert self._page_state(page, j, read(page)) == (ckpt.adapter, prefix, spans), f"{ckpt}: state page {j}"
+        base = ckpt.anchor.depth * size
+        for pos in range(base, ckpt.step):
+            assert read(ckpt.frozen_block)[pos - base][1] == prefix[: pos + 1], f"{ckpt}: tail KV"
+
+    def _check_node(self, node, entries: list) -> None:
+        """A trie node (device or host) whose block holds `entries`: the KV of its prefix."""
+        size = self.cache.block_size
+        prefix = node_prefix(node)
+        base = (node.depth - 1) * size
+        for pos in range(base, base + size):
+            got = entries[pos - base]
+            assert got is not None and got[0] == node.adapter and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
 
 
 def _spans_of(ckpt) -> tuple:
@@ -189,9 +231,16 @@ def fingerprint(cache: PrefixCache) -> tuple:
         for c in life.checkpoints.values()
     )
     seqs = sorted((repr(r), tuple(s.block_ids), s.slot, s.num_computed) for r, s in cache._seqs.items())
+    host = life.host
+    host_state = () if host is None else (
+        tuple(host.pool.ref_counts), tuple(sorted(host.pool.free_ids())), tuple(host.order),
+        tuple(sorted((c.ckpt_id, c.num_pins, c.pages, c.frozen_block) for c in host.order.values())),
+        tuple(sorted((n.hash, n.depth, n.host_block) for n in host.iter_nodes())),
+        tuple(sorted(host._saves.items())), tuple(sorted(host._loads.items())),
+    )
     return (
         tuple(life.blocks.ref_counts), tuple(sorted(life.blocks.free_ids())), tuple(life.slots.owners),
-        tuple(nodes), tuple(ckpts), tuple(seqs), cache.stats, len(cache._matches),
+        tuple(nodes), tuple(ckpts), tuple(seqs), cache.stats, len(cache._matches), host_state,
     )
 
 

@@ -1,6 +1,7 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure (two pools or one budget in bytes; learned admission or the mode's),
+finishes, aborts and memory pressure (two pools or one budget in bytes, with or without a host tier behind it;
+learned admission or the mode's),
 with synchronous or async steps (as `LLMEngine` runs them: the next step is planned with `PENDING_TOKEN` for
 each token the previous one sampled, the tokens are filled in after the commit, and the previous step's
 finishes come after that, so a finished sequence's row has already run one step more).
@@ -39,10 +40,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         learned=st.booleans(),
         async_steps=st.booleans(),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
+        host_blocks=st.sampled_from([0, 4, 16, 64]),
         spec_k=st.sampled_from([0, 0, 1, 3]),
     )
     def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, learned, async_steps, state_pages,
-              spec_k):
+              host_blocks, spec_k):
         policy = checkpoint_policy(mode)
         # two pools, or paged (the engine's way): checkpoint states in `state_pages` blocks, 3 runtime slots
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -50,7 +52,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                              max_checkpoints_per_anchor=policy.max_checkpoints_per_anchor, eviction=eviction,
                              full_prompt_hits=policy.full_prompt_hits,
                              admission="learned" if learned else policy.admission,
-                             state_pages=state_pages, num_speculative_tokens=spec_k)
+                             state_pages=state_pages, host_blocks=host_blocks if state_pages else 0,
+                             num_speculative_tokens=spec_k)
         self.cache = PrefixCache(config)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget,

@@ -4,6 +4,9 @@ After every operation: `check_integrity()` and the fake device (every running se
 trie node holds exactly the KV and state its ids claim). Every reported hit is checked against a reference
 model of what was saved (the prefix at the hit step was saved, with routed experts when asked), and, as
 long as nothing was ever evicted or cleared, the hit must be the deepest saved prefix the request allows.
+Paged runs draw a host tier too (`host_blocks`, 0 = none): device eviction demotes there, hits promote back,
+and the fake device checks every host node and host checkpoint as well (every id names live bytes in exactly
+one tier: integrity counts each block's holders in each tier).
 """
 
 from __future__ import annotations
@@ -38,16 +41,26 @@ class CacheMachine(RuleBasedStateMachine):
         full_hits=st.booleans(),
         admission=st.sampled_from(["all", "learned"]),
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
+        host_blocks=st.sampled_from([0, 3, 8, 24, 96]),
+        slow_copies=st.integers(0, 3),
     )
-    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission, state_pages):
-        # two pools, or paged: checkpoint states in `state_pages` blocks each (the block pool is the one budget)
+    def setup(self, block_size, num_blocks, num_slots, cap, eviction, decode, full_hits, admission, state_pages,
+              host_blocks, slow_copies):
+        # two pools, or paged: checkpoint states in `state_pages` blocks each (the block pool is the one budget),
+        # with or without a host tier behind it (then a small device pool, so that eviction demotes often)
+        host_blocks = host_blocks if state_pages else 0
+        if host_blocks:
+            num_blocks = 4 + num_blocks // 4
         config = CacheConfig(
             block_size=block_size, num_blocks=num_blocks, num_slots=num_slots, max_checkpoints_per_anchor=cap,
             eviction=eviction, decode_checkpoint_interval=2 * block_size if decode else None,
             full_prompt_hits=full_hits, admission=admission, state_pages=state_pages,
+            host_blocks=host_blocks,
         )
         self.max_back = 0 if full_hits else 1  # a match may reach prompt_len - max_back
-        self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5))
+        # now and then host copies so slow that a short promotion does not pay (it is skipped)
+        bandwidth = 5e-13 if slow_copies == 0 else float("inf")
+        self.cache = PrefixCache(config, CostModel(attn_flops_per_token_pair=0.5, host_bandwidth=bandwidth))
         check_picks(self.cache)  # every eviction victim is checked against a full scan
         self.device = FakeDevice(self.cache)
         self.size = block_size
@@ -114,7 +127,8 @@ class CacheMachine(RuleBasedStateMachine):
         s = match.cached_len
         assert 0 <= s <= request.prompt_len - self.max_back and request.is_safe(s)
         assert s <= match.divergence_len <= request.prompt_len - self.max_back
-        assert len(match.block_ids) == s // self.size
+        host_hit = match.checkpoint_id is not None and match.checkpoint_id not in self.cache._life.checkpoints
+        assert len(match.block_ids) == s // self.size or host_hit and len(match.block_ids) < s // self.size
         if s:
             routed = self.saved.get(self._key(request, request.prompt_ids, s))
             assert routed is not None, f"hit at {s} on a prefix that was never saved"
@@ -259,6 +273,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.clear()
         stats = self.cache.stats
         assert (stats.num_blocks_used, stats.num_slots_used, stats.num_checkpoints) == (0, 0, 0), stats
+        assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0), stats
 
 
 TestCacheMachine = CacheMachine.TestCase

@@ -36,7 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "guided": set(),
     "multimodal": set(),
     "state_spec": set(),
+    "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
     "tokenizer": set(),
+    "extras": set(),  # the optional dependency groups and the error naming a missing one
     "images": set(),
     "mm_processor": {"images", "models", "multimodal"},
     "outputs": {"sampling"},
@@ -44,9 +46,9 @@ ALLOWED: dict[str, set[str]] = {
     "cache": {"copy_kinds"},
     "scheduler": {"cache", "config", "multimodal", "sampling"},
     "forward_batch": {"copy_kinds"},
-    "kernels": {"forward_batch"},
-    "layers": {"forward_batch", "kernels", "state_spec"},
-    "models": {"forward_batch", "kernels", "layers", "state_spec"},
+    "kernels": {"forward_batch", "fp8_format"},
+    "layers": {"forward_batch", "fp8_format", "kernels", "state_spec"},
+    "models": {"forward_batch", "fp8_format", "kernels", "layers", "state_spec"},
     "model_path": {"models"},
     "engine_args": {"config", "models"},
     "engine": {
@@ -57,11 +59,12 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"engine", "forward_batch", "layers", "models"},
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
-    "cli": {FACADE, "engine_args", "generation_config"},
-    "server": {"cache", "engine", "engine_args", "generation_config", "guided", "images", "mm_processor", "model_path",
-               "models", "multimodal", "outputs", "sampling", "tokenizer"},
+    "cli": {FACADE, "engine_args", "extras", "generation_config"},
+    "server": {"cache", "engine", "engine_args", "extras", "generation_config", "guided", "images", "mm_processor",
+               "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
     "router": {"cache", "engine_args", "model_path", "server", "tokenizer"},
-    "bench": {FACADE, "cache", "config", "engine", "engine_args", "model_path", "models", "scheduler", "tokenizer"},
+    "bench": {FACADE, "cache", "config", "engine", "engine_args", "extras", "model_path", "models", "scheduler",
+              "tokenizer"},
 }
 
 

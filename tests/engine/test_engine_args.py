@@ -114,3 +114,27 @@ def test_gpu_memory_options(no_gpu):
     for bad in (0, -0.1, 1.5):
         with pytest.raises(ValueError, match="gpu_memory_utilization"):
             EngineConfig(gpu_memory_utilization=bad)
+
+
+def test_host_tier_flags_take_vllm_and_sglang_spellings():
+    import argparse
+
+    from hybridcache.engine_args import add_engine_args, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_options(parser.parse_args([]))["host_cache_gib"] == 0.0
+    assert engine_options(parser.parse_args(["--host-cache-gib", "3"]))["host_cache_gib"] == 3.0
+    assert engine_options(parser.parse_args(["--kv-offloading-size", "2"]))["host_cache_gib"] == 2.0  # vLLM: GiB
+    sglang = engine_options(parser.parse_args(["--hicache-size", "1"]))["host_cache_gib"]  # SGLang: GB
+    assert abs(sglang - 1e9 / (1 << 30)) < 1e-12
+
+
+def test_host_cache_gib_must_be_a_finite_number_at_least_zero():
+    import pytest
+
+    from hybridcache.config import EngineConfig
+
+    for bad in (-1.0, float("inf"), "2"):
+        with pytest.raises(ValueError, match="host_cache_gib"):
+            EngineConfig(host_cache_gib=bad)

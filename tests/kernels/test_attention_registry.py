@@ -32,11 +32,11 @@ class RecordingAttention:
     def write_kv(self, kv_layer, key, value, batch):
         reference.write_kv(kv_layer, key, value, batch.slot_mapping)
 
-    def attention(self, query, kv_layer, batch, metadata, *, scale):
+    def attention(self, query, kv_layer, batch, metadata, *, scale, kv_scales=(1.0, 1.0)):
         assert metadata == batch.num_seqs  # what prepare returned comes back with the prepared batch
         RecordingAttention.calls["attention"] = RecordingAttention.calls.get("attention", 0) + 1
         return reference.paged_attention(query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.query_lens_cpu,
-                                         batch.context_lens_cpu, scale=scale)
+                                         batch.context_lens_cpu, scale=scale, kv_scales=kv_scales)
 
 
 @pytest.fixture

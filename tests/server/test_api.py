@@ -130,6 +130,7 @@ def test_models_and_health(client, server):
     assert wrong == {"status": "ok"}
     keyed = httpx.get(f"{server.base_url}/health", headers={"authorization": f"Bearer {API_KEY}"}).json()
     assert keyed["status"] == "ok" and keyed["engine"]["num_blocks"] == 2048 and keyed["last_error"] is None
+    assert keyed["engine"]["weights"] == "dense" and keyed["engine"]["kv_cache_dtype"] == "float32"
 
 
 def test_metrics_hit_tokens_move_by_exactly_the_reported_cached_tokens(client, server):

@@ -186,9 +186,15 @@ def test_completion_logprobs_echo_and_batched_prompts(client):
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert [c.text[:2] for c in response.choices] == ["ab", "ab", "cd", "cd"]
     for c in response.choices:
-        assert len(c.logprobs.tokens) == 3 and c.logprobs.text_offset[0] == 2
-        # top_logprobs maps token text to logprob: byte tokens that decode to the same U+FFFD share an entry
-        assert all(1 <= len(top) <= 2 for top in c.logprobs.top_logprobs)
+        # echo: the prompt's two tokens lead (the first with no logprob), then the three generated ones
+        assert c.logprobs.tokens[:2] == list(c.text[:2]) and len(c.logprobs.tokens) == 5
+        assert c.logprobs.text_offset[:3] == [0, 1, 2]
+        assert c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs[1:])
+        # top_logprobs maps token text to logprob: byte tokens that decode to the same U+FFFD share an entry;
+        # a prompt token's holds the token itself and the two likeliest
+        assert 1 <= len(c.logprobs.top_logprobs[1]) <= 3
+        assert all(1 <= len(top) <= 2 for top in c.logprobs.top_logprobs[2:])
     assert response.usage.completion_tokens == 12
     stream = client.completions.create(model=MODEL, prompt=["ab", "cd"], n=2, max_tokens=3, temperature=0,
                                        stream=True, extra_body={"ignore_eos": True})

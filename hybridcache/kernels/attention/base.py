@@ -29,7 +29,10 @@ class AttentionBackend(Protocol):
         ...
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: Any, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: Any, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
-        """Causal GQA attention of every sequence over its pages; `metadata`: what `prepare` returned."""
+        """Causal GQA attention of every sequence over its pages; `metadata`: what `prepare` returned. A
+        float8_e4m3fn pool is read as stored x `kv_scales` (k_scale, v_scale); a backend that cannot read one
+        raises."""
         ...

@@ -24,6 +24,15 @@ def write_kv(
     flat[1, slot_mapping] = values.to(kv_pool.dtype)
 
 
+def dequantize_kv(kv: torch.Tensor, dtype: torch.dtype, kv_scales: tuple[float, float]) -> torch.Tensor:
+    """[2, ...] keys and values read from the pool -> `dtype`: an FP8 pool's values times their layer's (k_scale,
+    v_scale); a pool already in `dtype` as it is."""
+    if kv.dtype == dtype:
+        return kv
+    k_scale, v_scale = kv_scales
+    return torch.stack([kv[0].to(dtype) * k_scale, kv[1].to(dtype) * v_scale])
+
+
 def gather_kv(
     kv_pool: torch.Tensor, pages: torch.Tensor, context_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +56,7 @@ def paged_attention(
     context_lens: tuple[int, ...],
     *,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Causal GQA attention of a varlen batch over a paged KV pool (its new K/V already written).
 
@@ -56,6 +66,7 @@ def paged_attention(
     cu_seqlens   [S + 1]       query rows of sequence i: cu_seqlens[i]:cu_seqlens[i+1]
     query_lens, context_lens   per-sequence host ints; the new tokens sit at positions
                                [context_len - query_len, context_len)
+    kv_scales    (k_scale, v_scale) of an FP8 pool (`dequantize_kv`)
     returns      [T, Hq, D] in q's dtype
 
     Query head h reads kv head h // (Hq / Hkv). Query at position p sees keys at positions <= p
@@ -70,12 +81,13 @@ def paged_attention(
     if decode_ids:
         rows = torch.tensor([starts[i] for i in decode_ids], device=q.device)
         lens = torch.tensor([context_lens[i] for i in decode_ids], device=q.device)
-        out[rows] = paged_decode_attention(q[rows], kv_pool, block_tables[decode_ids], lens, scale=scale)
+        out[rows] = paged_decode_attention(q[rows], kv_pool, block_tables[decode_ids], lens, scale=scale,
+                                           kv_scales=kv_scales)
     for i, (query_len, context_len) in enumerate(zip(query_lens, context_lens, strict=True)):
         if query_len == 1:
             continue
         rows = slice(starts[i], starts[i] + query_len)
-        keys, values = gather_kv(kv_pool, block_tables[i], context_len)
+        keys, values = dequantize_kv(torch.stack(gather_kv(kv_pool, block_tables[i], context_len)), q.dtype, kv_scales)
         keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, ctx, D]
         values = values.repeat_interleave(group, dim=1).transpose(0, 1)
         query = q[rows].transpose(0, 1)  # [Hq, qlen, D]
@@ -89,7 +101,8 @@ def paged_attention(
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float
+    q: torch.Tensor, kv_pool: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, *, scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One query token per sequence, N sequences at once, over the paged pool.
 
@@ -101,7 +114,7 @@ def paged_decode_attention(
     num_kv_heads = kv_pool.shape[3]
     max_len = int(context_lens.max())
     pages = block_tables[:, : -(-max_len // kv_pool.shape[2])].long()
-    kv = kv_pool[:, pages].reshape(2, num, -1, num_kv_heads, head_dim)  # [2, N, L, Hkv, D]
+    kv = dequantize_kv(kv_pool[:, pages].reshape(2, num, -1, num_kv_heads, head_dim), q.dtype, kv_scales)
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [N, Hkv, L, D]
     query = q.reshape(num, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # head h = kv * group + g
     scores = (query @ keys.transpose(-1, -2)) * scale  # [N, Hkv, group, L]

@@ -24,9 +24,10 @@ class ReferenceAttention:
         reference.write_kv(kv_layer, key, value, batch.slot_mapping)
 
     def attention(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: Any, *, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: Any, *, scale: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         return reference.paged_attention(
             query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.query_lens_cpu, batch.context_lens_cpu,
-            scale=scale,
+            scale=scale, kv_scales=kv_scales,
         )

@@ -43,15 +43,16 @@ class TritonAttention:
 
     def attention(
         self, query: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch, metadata: TritonAttentionMetadata,
-        *, scale: float,
+        *, scale: float, kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:
         if metadata.all_decode:
             return self._kernels.paged_decode_attention(
-                query, kv_layer, batch.block_tables, batch.context_lens, metadata.max_context_len, scale=scale
+                query, kv_layer, batch.block_tables, batch.context_lens, metadata.max_context_len, scale=scale,
+                kv_scales=kv_scales,
             )
         config = self._kernels.default_prefill_config(query.shape[-1], query.dtype)
         table = metadata.chunks if config.block_m == self._block_m else None
         return self._kernels.paged_prefill_attention(
             query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
-            scale=scale, config=config, chunk_indices=table,
+            scale=scale, config=config, chunk_indices=table, kv_scales=kv_scales,
         )

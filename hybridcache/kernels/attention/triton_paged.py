@@ -59,8 +59,11 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """keys, values [T, Hkv, D] -> kv_pool rows slot_mapping [T] (page * page_size + offset), in place."""
     flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
-    flat[0].index_copy_(0, slot_mapping, keys.to(kv_pool.dtype))
-    flat[1].index_copy_(0, slot_mapping, values.to(kv_pool.dtype))
+    keys, values = keys.to(kv_pool.dtype), values.to(kv_pool.dtype)
+    if kv_pool.element_size() == 1:  # float8: copied as bytes (index_copy_ has no float8 kernel)
+        flat, keys, values = flat.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, keys)
+    flat[1].index_copy_(0, slot_mapping, values)
 
 
 @triton.jit
@@ -69,13 +72,15 @@ def _attend_block(
     stride_kind, stride_page, stride_row,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """One key block of the online softmax; scores in log2 units (qk_scale = softmax scale * log2 e)."""
+    """One key block of the online softmax; scores in log2 units (qk_scale = softmax scale * log2 e, times k_scale
+    for an FP8 pool, whose keys and values are read as stored and converted to q's dtype; v_scale is applied to
+    the output by the caller)."""
     keys_pos = start + tl.arange(0, BLOCK_N)
     key_ok = keys_pos < ctx
     page = tl.load(bt_row_ptr + keys_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
     rows = page * stride_page + (keys_pos % PAGE).to(tl.int64) * stride_row + kv_head_off
-    k = tl.load(kv_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
-    v = tl.load(kv_ptr + stride_kind + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0)
+    k = tl.load(kv_ptr + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
+    v = tl.load(kv_ptr + stride_kind + rows[:, None] + dims[None, :], mask=key_ok[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     if MASK:
         ok = (keys_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
@@ -90,7 +95,7 @@ def _attend_block(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale,
+    q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -125,14 +130,14 @@ def _prefill_kernel(
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
                                       kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
                                       PRECISION)
-    out = acc / l_i[:, None]
+    out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + (bos + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, split_len,
+    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale, split_len,
     stride_qn, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -161,7 +166,7 @@ def _decode_split_kernel(
                                       PAGE, BLOCK_N, True, PRECISION)
     # partials: acc [N, Hq, splits, D], (m, l) [N, Hq, splits, 2]
     part = (seq * num_kv_heads * GROUP + heads) * num_splits + split
-    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc, mask=group_ok[:, None])
+    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=group_ok[:, None])
     tl.store(ml_ptr + part * 2, m_i, mask=group_ok)
     tl.store(ml_ptr + part * 2 + 1, l_i, mask=group_ok)
 
@@ -195,6 +200,8 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _check(q: torch.Tensor, kv_pool: torch.Tensor) -> None:
+    if kv_pool.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"kv_pool must be in q's dtype {q.dtype} or float8_e4m3fn, got {kv_pool.dtype}")
     head_dim = q.shape[-1]
     if head_dim & (head_dim - 1) or kv_pool.shape[-1] != head_dim:
         raise ValueError(f"head dim must be a power of two and match the pool, got {head_dim}")
@@ -213,8 +220,11 @@ def paged_prefill_attention(
     scale: float,
     config: PrefillConfig | None = None,
     chunk_indices: torch.Tensor | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Varlen causal attention: q [T, Hq, D] -> [T, Hq, D] in q's dtype (new K/V already in the pool).
+
+    kv_pool in q's dtype, or float8_e4m3fn read as stored x kv_scales (k_scale, v_scale).
 
     cu_seqlens [S+1], context_lens [S], block_tables [S, P] on the device; query_lens_cpu gives the grid;
     chunk_indices: `varlen.chunk_indices(cu_seqlens, query_lens_cpu, config.block_m)` if already built.
@@ -227,7 +237,7 @@ def paged_prefill_attention(
     cfg = config or default_prefill_config(head_dim, q.dtype)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
     _prefill_kernel[(table.shape[0], num_heads)](
-        q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E,
+        q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim,
@@ -263,10 +273,12 @@ def paged_decode_attention(
     *,
     scale: float,
     block_n: int = 64,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """One query per sequence: q [N, Hq, D] at position context_len - 1 -> [N, Hq, D] in q's dtype.
 
-    max_context_len: the largest context_len, from the host (sets the number of splits).
+    max_context_len: the largest context_len, from the host (sets the number of splits). kv_pool in q's dtype, or
+    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale).
     """
     _check(q, kv_pool)
     num, num_heads, head_dim = q.shape
@@ -282,7 +294,7 @@ def paged_decode_attention(
     partial = torch.empty(num, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num, num_kv_heads, num_splits)](
-        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E, split_len,
+        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1], split_len,
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
@@ -304,9 +316,12 @@ def paged_attention(
     context_lens_cpu: Sequence[int],
     *,
     scale: float,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Any batch (the reference `paged_attention` contract): all-decode batches take the split-KV decode
     kernel, others the prefill kernel for every sequence."""
     if all(length == 1 for length in query_lens_cpu):
-        return paged_decode_attention(q, kv_pool, block_tables, context_lens, max(context_lens_cpu), scale=scale)
-    return paged_prefill_attention(q, kv_pool, block_tables, cu_seqlens, context_lens, query_lens_cpu, scale=scale)
+        return paged_decode_attention(q, kv_pool, block_tables, context_lens, max(context_lens_cpu), scale=scale,
+                                      kv_scales=kv_scales)
+    return paged_prefill_attention(q, kv_pool, block_tables, cu_seqlens, context_lens, query_lens_cpu, scale=scale,
+                                   kv_scales=kv_scales)

@@ -22,7 +22,10 @@ def copy_blocks_torch(
 ) -> None:
     """index_select + index_copy_ over the page dim, in tiles of `[outer_rows, pages, page_numel]` whose
     temporary holds at most `max_workspace_bytes`. Tiles never overlap and destinations are disjoint from
-    sources, so the order of the tiles does not matter."""
+    sources, so the order of the tiles does not matter. A float8 pool is copied as bytes (torch has no
+    index_copy_ for float8 on the CPU)."""
+    if pool.element_size() == 1:
+        pool = pool.view(torch.uint8)
     flat = pool.view(geometry.num_outer, geometry.num_pages, geometry.page_numel)
     src_pages = _block_pages(src_ids, geometry.pages_per_block)
     dst_pages = _block_pages(dst_ids, geometry.pages_per_block)

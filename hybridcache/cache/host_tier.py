@@ -1,0 +1,397 @@
+"""The host tier: what device eviction demotes to host memory, and where a hit promotes it back from.
+
+Host memory is `CacheConfig.host_blocks` blocks, each the size of a device block (the KV of B tokens, or one
+page of a checkpoint's state). `Lifecycle` decides what moves; this class keeps the host side: the host blocks,
+the host part of the trie, the host checkpoints, the host's eviction order and the copies a step must run.
+
+The host part of the trie hangs off device nodes (`Hanging`: host children by hash, host checkpoints by key)::
+
+    device:  root ── a ── b                     b: a device leaf (its device children were demoted)
+             │            └╌╌ c' ╌╌ d'          c', d': HostNodes (their KV in host blocks); d' carries a
+             │                                  host checkpoint, c' may carry some too
+             └╌╌ ckpt@37'                       a host checkpoint on a device anchor (the root): demoted
+                                                alone, under state pressure, while its anchor stayed
+
+Rules (each checked by `integrity.check_host`):
+- A host node's parent is a device node or a host node, and its children are host nodes: a demotion takes a
+  device leaf, a promotion brings a chain back parent first.
+- Identity is unique across the tiers: a device node and a host node never share parent, tokens and spans (a
+  device insert absorbs its host twin: the twin's children and checkpoints move under the device node, its bytes
+  are dropped), and a checkpoint key is on an anchor in one tier only.
+- Every host leaf carries a checkpoint: KV with no checkpoint at or below it cannot be used by a hybrid model,
+  so dropping a checkpoint also drops the host nodes it leaves dead.
+- Every host block is held by exactly one host node (its KV) or one host checkpoint (a page of its state or its
+  frozen tail), or is the source of a promotion of this step (reused from the next step on).
+- Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
+  the oldest unpinned first; what falls out is gone.
+
+Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
+device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
+A device block promoted into and demoted again before the plan is built goes back to the host block it came
+from, with no copy either way.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from hybridcache.cache.block_pool import BlockPool
+from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.matching import find_deepest
+from hybridcache.cache.request import CacheRequest
+from hybridcache.cache.trie import Node, Trie, prompt_block_hashes
+
+
+class Hanging:
+    """What hangs in the host tier off one owner: host child nodes (hash -> list) and host checkpoints
+    ((step, tail hash) -> list), as on a trie node."""
+
+    __slots__ = ("children", "checkpoints")
+
+    def __init__(self) -> None:
+        self.children: dict[int, list[HostNode]] = {}
+        self.checkpoints: dict[tuple[int, int], list[Checkpoint]] = {}
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.children and not self.checkpoints
+
+    def iter_checkpoints(self) -> Iterator[Checkpoint]:
+        for bucket in self.checkpoints.values():
+            yield from bucket
+
+    def iter_children(self) -> Iterator[HostNode]:
+        for bucket in self.children.values():
+            yield from bucket
+
+    def num_checkpoints(self) -> int:
+        return sum(len(b) for b in self.checkpoints.values())
+
+
+class HostNode(Hanging):
+    """A trie node whose block's KV lives in host block `host_block`; `parent` is a device `Node` or a HostNode."""
+
+    __slots__ = ("adapter", "parent", "hash", "token_ids", "spans", "host_block", "depth", "attached")
+
+    def __init__(self, parent: Node | HostNode, node: Node, host_block: int) -> None:
+        super().__init__()
+        self.adapter = node.adapter
+        self.parent = parent
+        self.hash = node.hash
+        self.token_ids = node.token_ids
+        self.spans = node.spans
+        self.host_block = host_block
+        self.depth = node.depth
+        self.attached = True
+
+    is_root = False
+
+    def __repr__(self) -> str:
+        return f"HostNode(adapter={self.adapter!r}, depth={self.depth}, host_block={self.host_block})"
+
+
+Owner = Node | HostNode
+
+
+class _View:
+    """A device node seen through its host checkpoints (what `find_deepest` reads: `hash`, `checkpoints`)."""
+
+    __slots__ = ("hash", "checkpoints")
+
+    def __init__(self, node_hash: int, checkpoints: dict) -> None:
+        self.hash = node_hash
+        self.checkpoints = checkpoints
+
+
+class HostTier:
+    """Host blocks, the host part of the trie, host checkpoints, their eviction order and pending copies."""
+
+    def __init__(self, num_blocks: int, trie: Trie) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.trie = trie
+        self.under: dict[Node, Hanging] = {}  # device node -> what hangs off it in the host tier
+        self.order: OrderedDict[int, Checkpoint] = OrderedDict()  # host checkpoints, oldest demotion first
+        self.num_nodes = 0
+        self.num_dropped = 0  # host checkpoints dropped (what falls out of the host tier is gone)
+        self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
+        self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
+        self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
+
+    # ---- blocks and copies -------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    def save(self, device_block: int) -> int:
+        """The host block that will hold `device_block`'s bytes: a new one with a HOST_SAVE queued, or, when the
+        device block is being loaded in this step, the host block it is loaded from (the load is cancelled)."""
+        host_block = self._loads.pop(device_block, None)
+        if host_block is not None:
+            return host_block
+        host_block = self.pool.allocate()
+        self._saves[host_block] = device_block
+        return host_block
+
+    def load(self, host_block: int, device_block: int) -> None:
+        """Queue HOST_LOAD host_block -> device_block; the host block is freed once the step's plan is built."""
+        self._loads[device_block] = host_block
+
+    def release(self, host_block: int) -> None:
+        """Free a host block whose item was dropped (a save into it queued in this step is dropped too)."""
+        self._saves.pop(host_block, None)
+        self.pool.decref(host_block)
+
+    def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's (device, host) saves and (host, device) loads; the loads' host blocks are free after."""
+        saves = [(device, host) for host, device in self._saves.items()]
+        loads = [(host, device) for device, host in self._loads.items()]
+        for host, _device in loads:
+            self.pool.decref(host)
+        self._saves, self._loads = {}, {}
+        return saves, loads
+
+    def loading(self) -> list[int]:
+        """Host blocks read by this step's loads (held by no host item, freed at `end_step`)."""
+        return list(self._loads.values())
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Drop the oldest unpinned host checkpoints until `num_blocks` host blocks are free; False (nothing
+        dropped) when even dropping every unpinned one would not free enough."""
+        if self.pool.num_free >= num_blocks:
+            return True
+        reclaimable = self.pool.num_free  # counted oldest first, up to what is needed
+        for ckpt in self.order.values():
+            if ckpt.num_pins == 0:
+                reclaimable += _num_blocks(ckpt) + _num_pruned(ckpt)
+                if reclaimable >= num_blocks:
+                    break
+        if reclaimable < num_blocks:
+            return False
+        while self.pool.num_free < num_blocks:
+            victim = next(c for c in self.order.values() if c.num_pins == 0)
+            self.drop_checkpoint(victim)
+        return True
+
+    # ---- the host trie -----------------------------------------------------------------------------------
+
+    def hanging(self, owner: Owner, create: bool = False) -> Hanging | None:
+        """What hangs off `owner` (a HostNode is its own); None for a device node with nothing (unless `create`)."""
+        if isinstance(owner, HostNode):
+            return owner
+        hanging = self.under.get(owner)
+        if hanging is None and create:
+            hanging = self.under[owner] = Hanging()
+        return hanging
+
+    def demote_node(self, node: Node, host_block: int) -> HostNode:
+        """A host copy of device leaf `node` (the caller removes the device node): it hangs off the node's
+        parent and takes over what hung off the node."""
+        hnode = HostNode(node.parent, node, host_block)
+        moved = self.under.pop(node, None)
+        if moved is not None:
+            self._adopt(hnode, moved)
+        self.hanging(node.parent, create=True).children.setdefault(hnode.hash, []).append(hnode)
+        self.num_nodes += 1
+        return hnode
+
+    def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner) -> None:
+        """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier."""
+        self.hanging(owner, create=True).checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
+        ckpt.anchor = owner
+        ckpt.on_host = True
+        self.order[ckpt.ckpt_id] = ckpt
+
+    def unhang_checkpoint(self, ckpt: Checkpoint) -> Owner:
+        """Take `ckpt` out of the host tier (its blocks are the caller's now); returns the owner it hung off.
+        Host nodes it leaves dead are dropped."""
+        owner = ckpt.anchor
+        hanging = self.hanging(owner)
+        key = (ckpt.step, ckpt.tail_hash)
+        bucket = hanging.checkpoints[key]
+        bucket.remove(ckpt)
+        if not bucket:
+            del hanging.checkpoints[key]
+        del self.order[ckpt.ckpt_id]
+        ckpt.on_host = False
+        self._prune(owner)
+        return owner
+
+    def drop_checkpoint(self, ckpt: Checkpoint, wasted: bool = True) -> None:
+        """Drop an unpinned host checkpoint and its host blocks (and the host nodes it leaves dead); `wasted`:
+        tell `on_waste` when it was never hit (not when a device copy superseded it)."""
+        if ckpt.num_pins:
+            raise AssertionError(f"drop of pinned host {ckpt}")
+        self.unhang_checkpoint(ckpt)
+        for host_block in (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))):
+            self.release(host_block)
+        ckpt.state = CheckpointState.RELEASED
+        ckpt.anchor = None
+        self.num_dropped += 1
+        if wasted and not ckpt.was_hit and self.on_waste is not None:
+            self.on_waste(ckpt)
+
+    def drop_under(self, node: Node) -> None:
+        """`node` leaves the device trie without a host copy: drop everything that hangs off it."""
+        hanging = self.under.get(node)
+        if hanging is None:
+            return
+        stack: list[Hanging] = [hanging]
+        while stack:
+            item = stack.pop()
+            for ckpt in list(item.iter_checkpoints()):
+                self.drop_checkpoint(ckpt)  # prunes dead host nodes on the way up
+            stack.extend(item.iter_children())
+        self.under.pop(node, None)
+
+    def promote_node(self, hnode: HostNode, node: Node) -> None:
+        """Host node `hnode` is now device node `node` (same identity, under the device parent `hnode` hung
+        off): what hung off `hnode` hangs off `node`, and its host block is loaded into `node.block_id`."""
+        self._remove_child(self.hanging(hnode.parent), hnode)
+        self._forget_if_empty(hnode.parent)
+        self.load(hnode.host_block, node.block_id)
+        self._adopt(node, hnode)
+        self._detach(hnode)
+
+    def absorb_twin(self, parent: Node, node: Node) -> bool:
+        """Device node `node` was just inserted under `parent`: when a host node with its identity hangs off
+        `parent`, what hangs off that twin moves under `node` and the twin's bytes are dropped. Returns whether
+        there was one."""
+        hanging = self.under.get(parent)
+        twin = None if hanging is None else _find(hanging, node.hash, node.token_ids, node.spans)
+        if twin is None:
+            return False
+        self._remove_child(hanging, twin)
+        self._forget_if_empty(parent)
+        self._adopt(node, twin)
+        self.release(twin.host_block)
+        self._detach(twin)
+        return True
+
+    def checkpoint_twin(
+        self, anchor: Node, key: tuple[int, int], tail_ids: tuple, tail_spans: tuple,
+    ) -> Checkpoint | None:
+        """The host checkpoint on device node `anchor` with index `key` and exactly this tail, if any."""
+        hanging = self.under.get(anchor)
+        if hanging is None:
+            return None
+        return next((c for c in hanging.checkpoints.get(key, ()) if c.tail_ids == tail_ids
+                     and c.tail_spans == tail_spans), None)
+
+    def chain(self, ckpt: Checkpoint) -> tuple[Node, list[HostNode]]:
+        """(the deepest device node above host checkpoint `ckpt`, the host nodes from below it down to the
+        checkpoint's anchor); the list is empty when the anchor is a device node."""
+        owner = ckpt.anchor
+        nodes = []
+        while isinstance(owner, HostNode):
+            nodes.append(owner)
+            owner = owner.parent
+        nodes.reverse()
+        return owner, nodes
+
+    def find(self, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> Checkpoint | None:
+        """The deepest usable host checkpoint for `request`: on the device path's nodes, or on the host nodes that
+        continue it (walked from the path's last node with the prompt's next full blocks, exactly)."""
+        if not self.order or not path:
+            return None
+        views: list[Any] = []
+        empty: dict = {}
+        for node in path:
+            hanging = self.under.get(node)
+            views.append(_View(node.hash, hanging.checkpoints if hanging is not None else empty))
+        owner: Hanging | None = self.under.get(path[-1])
+        prompt = request.prompt_ids
+        hashes = prompt_block_hashes(request, block_size, self.trie.hash_fn)
+        depth = len(path) - 1
+        while owner is not None and owner.children and depth < len(hashes):
+            tokens = prompt[depth * block_size:(depth + 1) * block_size]
+            owner = _find(owner, hashes[depth], tokens, request.spans_in(depth * block_size, (depth + 1) * block_size))
+            if owner is not None:
+                views.append(owner)
+                depth += 1
+        return find_deepest(self.trie, views, request, block_size, max_step)
+
+    def clear(self) -> None:
+        """Drop every unpinned host checkpoint (and the host nodes left dead)."""
+        for ckpt in list(self.order.values()):
+            if ckpt.num_pins == 0:
+                self.drop_checkpoint(ckpt)
+
+    def iter_nodes(self) -> Iterator[HostNode]:
+        """Every host node, parents before children."""
+        stack = [child for hanging in self.under.values() for child in hanging.iter_children()]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.iter_children())
+
+    # ---- internals ---------------------------------------------------------------------------------------
+
+    def _adopt(self, owner: Owner, source: Hanging) -> None:
+        """Move `source`'s children and checkpoints to hang off `owner`."""
+        target = self.hanging(owner, create=True)
+        for child in source.iter_children():
+            child.parent = owner
+            target.children.setdefault(child.hash, []).append(child)
+        for ckpt in source.iter_checkpoints():
+            ckpt.anchor = owner
+            target.checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
+        source.children, source.checkpoints = {}, {}
+        self._forget_if_empty(owner)
+
+    def _forget_if_empty(self, owner: Owner) -> None:
+        """A device node with nothing hanging off it has no entry in `under`."""
+        if not isinstance(owner, HostNode) and owner in self.under and self.under[owner].is_empty:
+            del self.under[owner]
+
+    def _remove_child(self, hanging: Hanging, child: HostNode) -> None:
+        bucket = hanging.children[child.hash]
+        bucket.remove(child)
+        if not bucket:
+            del hanging.children[child.hash]
+
+    def _detach(self, hnode: HostNode) -> None:
+        hnode.attached = False
+        hnode.children, hnode.checkpoints = {}, {}
+        self.num_nodes -= 1
+
+    def _prune(self, owner: Owner) -> None:
+        """Drop host nodes from `owner` up that carry nothing (dead weight); forget an empty device hanging."""
+        while isinstance(owner, HostNode) and owner.is_empty:
+            parent = owner.parent
+            self._remove_child(self.hanging(parent), owner)
+            self.release(owner.host_block)
+            self._detach(owner)
+            owner = parent
+        self._forget_if_empty(owner)
+
+
+def _find(hanging: Hanging, node_hash: int, token_ids: tuple[int, ...], spans: tuple) -> HostNode | None:
+    for child in hanging.children.get(node_hash, ()):
+        if child.token_ids == token_ids and child.spans == spans:
+            return child
+    return None
+
+
+def _num_pruned(ckpt: Checkpoint) -> int:
+    """Host nodes that dropping `ckpt` alone would leave dead: its anchor when it carries nothing else, and the
+    chain above it while each node carries only that one child (chains of different checkpoints are disjoint)."""
+    owner = ckpt.anchor
+    if not isinstance(owner, HostNode) or owner.num_checkpoints() != 1 or owner.children:
+        return 0
+    count = 1
+    parent = owner.parent
+    while isinstance(parent, HostNode) and not parent.checkpoints and sum(map(len, parent.children.values())) == 1:
+        count += 1
+        parent = parent.parent
+    return count
+
+
+def _num_blocks(ckpt: Checkpoint) -> int:
+    return len(ckpt.pages) + (ckpt.frozen_block is not None)

@@ -1,0 +1,195 @@
+"""The FP8 grouped expert GEMM: `moe/triton_experts.py`'s expert GEMM over rows sorted by expert, with FP8
+operands and the block scales of `triton_block_fp8.py` (activations per row per 128 channels, each expert's
+weights per 128 x 128 block).
+
+Layout (T tokens, top-k, E experts, R = T*k pairs; `order`, `counts` and the tiling exactly as in
+`moe/triton_experts.py`, whose module docstring has a worked example):
+    a [T or R, K] fp8, a_scale [T or R, ceil(K/bk)] fp32     (rows read through the sort when GATHER)
+    w [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32      per expert a [N_w, K] weight and its block scales
+With SWIGLU the weights hold gate rows [0, N) and up rows [N, 2N), and the scales gate groups [0, ceil(N/bn)) then
+up groups [ceil(N/bn), 2 ceil(N/bn)) (the two projections' scale grids stacked, so N need not be a multiple of
+bn); the program keeps two fp32 accumulators and writes silu(gate) * up.
+
+`fp8_grouped_experts` is the whole routed-experts op (same contract as `moe/grouped.py::grouped_experts`): x is
+quantised per token group, the gate/up GEMM gathers, h = silu(gate) * up is quantised again, the down GEMM
+scatters to pair order, and `triton_experts.combine` sums each token's k rows in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from hybridcache.fp8_format import FP8_DTYPE
+from hybridcache.kernels.gemm.reference import quantize_groups
+
+
+@triton.jit
+def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, num_experts,
+                            top_k, N, K, UP_GROUP, stride_a, stride_as, stride_we, stride_wn, stride_wse,
+                            stride_wsn, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                            SWIGLU: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid_m = tl.program_id(0)
+    experts = tl.arange(0, BLOCK_E)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    run_ends = tl.cumsum(counts, axis=0)
+    tile_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
+    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
+    if e >= num_experts:
+        return
+    tile_start = tl.sum(tl.where(experts == e - 1, tile_ends, 0))
+    run_start = tl.sum(tl.where(experts == e - 1, run_ends, 0))
+    run_end = tl.sum(tl.where(experts == e, run_ends, 0))
+    rows = run_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < run_end
+    if GATHER or SCATTER:
+        pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    if GATHER:  # noqa: SIM108 (a constexpr branch)
+        a_rows = pairs // top_k
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    w_base = w_ptr + e.to(tl.int64) * stride_we
+    ws_base = w_scale_ptr + e.to(tl.int64) * stride_wse
+    gate_groups = (cols // GROUP_N).to(tl.int64) * stride_wsn
+    up_groups = (cols // GROUP_N + UP_GROUP).to(tl.int64) * stride_wsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for group in range(0, tl.cdiv(K, GROUP_K)):
+        ks = group * GROUP_K + tl.arange(0, GROUP_K)
+        k_ok = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0)
+        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+        if SWIGLU:
+            w_up = tl.load(w_base + (cols[None, :] + N).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
+                           other=0.0)
+            up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0)
+            acc_up += tl.dot(a, w_up, out_dtype=tl.float32) * a_scale[:, None] * up_scale[None, :]
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if SCATTER:  # noqa: SIM108 (a constexpr branch)
+        out_rows = pairs
+    else:
+        out_rows = rows.to(tl.int64)
+    out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_expert_gemm(aq: torch.Tensor, a_scale: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor,
+                    w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype, *,
+                    gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64,
+                    num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The launcher (module docstring for the layout): aq [T or R, K] fp8, a_scale [T or R, ceil(K/bk)] fp32,
+    order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or 2 ceil(N/bn)
+    with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted order or pair
+    order when `scatter`. Shapes, dtypes and strides are checked first."""
+    bn, bk = block
+    num_experts, width, depth = weights.shape
+    n = width // 2 if swiglu else width
+    groups = -(-depth // bk)
+    want_scale = (num_experts, 2 * -(-n // bn) if swiglu else -(-n // bn), groups)
+    if aq.dtype != FP8_DTYPE or weights.dtype != FP8_DTYPE:
+        raise ValueError(f"fp8_expert_gemm: aq and weights must be {FP8_DTYPE}, got {aq.dtype}, {weights.dtype}")
+    if aq.dim() != 2 or aq.shape[1] != depth or tuple(a_scale.shape) != (aq.shape[0], groups):
+        raise ValueError(f"fp8_expert_gemm: aq [rows, {depth}] and a_scale [rows, {groups}] needed, got "
+                         f"{list(aq.shape)} and {list(a_scale.shape)}")
+    if tuple(w_scale.shape) != want_scale or w_scale.dtype != torch.float32 or a_scale.dtype != torch.float32:
+        raise ValueError(f"fp8_expert_gemm: w_scale {list(want_scale)} float32 needed, got {list(w_scale.shape)} "
+                         f"{w_scale.dtype} (a_scale {a_scale.dtype})")
+    if counts.shape != (num_experts,) or counts.dtype != torch.int32:
+        raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
+                         f"{counts.dtype}")
+    if aq.stride(1) != 1 or weights.stride(2) != 1 or a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
+        raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales)")
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
+    num_rows = order.numel()
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=aq.device)
+    if num_rows:
+        grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
+        _fp8_expert_gemm_kernel[grid](
+            aq, a_scale, order, weights, w_scale, out, counts, num_experts, top_k, n, depth, -(-n // bn),
+            aq.stride(0), a_scale.stride(0), weights.stride(0), weights.stride(1), w_scale.stride(0),
+            w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, GROUP_N=bn,
+            GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts),
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Fp8ExpertWeights:
+    """Block-scaled FP8 expert weights stacked for the grouped GEMM.
+
+    gate_up [E, 2I, H] fp8 (gate rows, then up rows), gate_up_scale [E, 2 ceil(I/bn), ceil(H/bk)] fp32 (gate
+    groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
+    """
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+    block: tuple[int, int]
+
+    @classmethod
+    @torch.no_grad()
+    def share(cls, experts: Sequence[nn.Module]) -> Fp8ExpertWeights:
+        """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
+        `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
+        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale repeated over the K
+        groups (activations then quantised per token per 128 channels, finer than per token)."""
+        fmt = experts[0].gate_proj.fmt
+        block = fmt.block if fmt.kind == "block" else (1, 128)
+
+        def blocks(linear: nn.Module) -> torch.Tensor:
+            if fmt.kind == "block":
+                return linear.scale.float()
+            groups = -(-linear.weight.shape[1] // block[1])
+            return linear.scale.float().reshape(-1, 1).expand(-1, groups).contiguous()
+
+        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]).contiguous()
+        gate_up_scale = torch.stack([torch.cat([blocks(e.gate_proj), blocks(e.up_proj)]) for e in experts])
+        down = torch.stack([e.down_proj.weight for e in experts]).contiguous()
+        down_scale = torch.stack([blocks(e.down_proj) for e in experts]).contiguous()
+        inter = gate_up.shape[1] // 2
+        for e, expert in enumerate(experts):
+            expert.gate_proj.weight.data = gate_up[e, :inter]
+            expert.up_proj.weight.data = gate_up[e, inter:]
+            expert.down_proj.weight.data = down[e]
+        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale, block)
+
+
+def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
+                        experts: Fp8ExpertWeights, block_m: int | None = None) -> torch.Tensor:
+    """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), every expert GEMM in block-scaled FP8.
+    `block_m`: rows per tile (None: `moe.grouped.tile_rows`'s choice from the mean rows per expert, 64 above its
+    range; chosen from shapes alone, so captured and eager runs agree)."""
+    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
+    from hybridcache.kernels.moe.triton_experts import combine
+
+    top_k = top_ids.shape[1]
+    num_experts = experts.gate_up.shape[0]
+    bk = experts.block[1]
+    order, counts = sort_pairs(top_ids, num_experts)
+    if block_m is None:
+        block_m = tile_rows(order.numel(), num_experts) or 64
+    xq, x_scale = quantize_groups(x, bk)
+    h = fp8_expert_gemm(xq, x_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
+                        x.dtype, gather=True, scatter=False, swiglu=True, block_m=block_m)
+    hq, h_scale = quantize_groups(h, bk)
+    y = fp8_expert_gemm(hq, h_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
+                        x.dtype, gather=False, scatter=True, swiglu=False, block_m=block_m)
+    return combine(y, top_weights)

@@ -1,0 +1,213 @@
+"""FP8 weights at load time: which checkpoint format a model folder uses, which linears hold FP8 weights, and
+quantising a bf16 model's linears (`--quantization fp8`).
+
+Formats read from `config.json`'s `quantization_config` (`checkpoint_format`):
+
+- `quant_method: "fp8"` (Qwen's fine-grained FP8): `fmt: "e4m3"`, `activation_scheme: "dynamic"`,
+  `weight_block_size: [128, 128]`; each quantized linear `X` stores `X.weight` (float8_e4m3fn) and
+  `X.weight_scale_inv` [ceil(out/128), ceil(in/128)]; experts per expert (`mlp.experts.{e}.*_proj`).
+- `quant_method: "compressed-tensors"`, `format: "float-quantized"`: every config group's weights 8-bit float,
+  `strategy: "channel"`, symmetric, static; input activations absent or dynamic per token (FP8_DYNAMIC);
+  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1].
+
+Which linears are FP8 is read from the checkpoint itself: exactly those with a scale tensor beside their weight
+(`fp8_modules`), so `modules_to_not_convert` / `ignore` lists need not be interpreted. `--quantization fp8` on a
+bf16 checkpoint quantises every linear but those Qwen's FP8 checkpoints keep in bf16 (`keeps_dtype`: lm_head, the
+router and shared-expert gates, DeltaNet's `in_proj_a`, `in_proj_b`, `in_proj_ba`) to the block format after the
+weights are read (`quantize_linears_`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import hybridcache.kernels.backend as kernel_backend
+from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
+from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import Fp8Linear
+
+QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load
+# Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert).
+_KEEPS_DTYPE = re.compile(r"(^lm_head$|\.mlp\.gate$|\.shared_expert_gate$|\.in_proj_(a|b|ba)$)")
+
+
+def keeps_dtype(module_name: str) -> bool:
+    """True for the linears `--quantization fp8` leaves unquantised (module docstring)."""
+    return bool(_KEEPS_DTYPE.search(module_name))
+
+
+def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
+    """`quantization_config` of `<model_dir>/config.json` (or of its `text_config`), None when absent."""
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    found = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    return found or None
+
+
+def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Format | None:
+    """The FP8 weight format a `quantization_config` describes (None: not quantized); ValueError naming the field
+    for any variant this engine does not load (other methods, static activation scales, other block shapes...)."""
+    if not quantization_config:
+        return None
+    method = quantization_config.get("quant_method")
+    if method == "fp8":
+        return _fine_grained(quantization_config)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quantization_config)
+    raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine loads 'fp8' "
+                     "(Qwen's fine-grained FP8) and 'compressed-tensors' (FP8, per-channel weights)")
+
+
+def _fine_grained(qc: Mapping[str, Any]) -> Fp8Format:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config.fmt {fmt!r} is not supported (only e4m3)")
+    scheme = qc.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported (only dynamic)")
+    block = qc.get("weight_block_size")
+    if block is None or len(block) != 2:
+        raise ValueError(f"quantization_config.weight_block_size must be [rows, cols], got {block!r} (per-tensor "
+                         "FP8 is not supported)")
+    return Fp8Format("block", (int(block[0]), int(block[1])))
+
+
+def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:
+    form = qc.get("format")
+    if form not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"compressed-tensors format {form!r} is not supported (only float-quantized FP8)")
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups")
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        wanted = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
+        wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key, value) != value}
+        if wrong:
+            raise ValueError(f"compressed-tensors group {name!r}: weights {wrong} not supported (FP8 e4m3, "
+                             "per-channel, symmetric, static scales only)")
+        acts = group.get("input_activations")
+        if acts and not (acts.get("dynamic") and acts.get("strategy") == "token" and acts.get("num_bits") == 8
+                         and acts.get("type") == "float"):
+            raise ValueError(f"compressed-tensors group {name!r}: input_activations {acts} not supported (only "
+                             "absent or dynamic FP8 per token)")
+    return CHANNEL
+
+
+def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
+    """The module names (checkpoint spelling) whose weight is FP8: those with `<name>.<fmt.scale_name>`."""
+    suffix = "." + fmt.scale_name
+    return sorted(name[: -len(suffix)] for name in checkpoint_names if name.endswith(suffix))
+
+
+def check_fp8_dtypes(dtypes: Mapping[str, str], fp8: Iterable[str]) -> None:
+    """ValueError naming the tensors when the checkpoint's float8 tensors (safetensors dtype `F8_E4M3`) are not
+    exactly the weights of the `fp8` modules: an FP8 weight without a scale (or without a quantization_config)
+    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values."""
+    want = {f"{name}.weight" for name in fp8}
+    have = {name for name, dtype in dtypes.items() if dtype.startswith("F8")}
+    if unscaled := sorted(have - want):
+        raise ValueError(f"checkpoint tensors {unscaled[:5]} are float8 without a scale this engine reads (a "
+                         "`weight_scale_inv` / `weight_scale` beside them and a quantization_config naming the format)")
+    if dense := sorted(want - have):
+        raise ValueError(f"checkpoint tensors {dense[:5]} have an FP8 scale beside them but are not float8_e4m3fn")
+
+
+def quantizable_linears(model: nn.Module) -> list[str]:
+    """Every `nn.Linear` of `model` that `--quantization fp8` converts (all but `keeps_dtype`)."""
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and not keeps_dtype(name)]
+
+
+def convert_linears(model: nn.Module, targets: Mapping[str, Fp8Format]) -> None:
+    """Replace each `nn.Linear` named in `targets` (module name -> format) by an `Fp8Linear` of the same shape on
+    the same device (a meta model before loading stays meta); the layers' fused projections follow. ValueError
+    naming the module when a target is not an `nn.Linear` of the model."""
+    replaced: dict[int, Fp8Linear] = {}
+    modules = dict(model.named_modules())
+    for name, fmt in targets.items():
+        linear = modules.get(name)
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"checkpoint has FP8 weights for {name!r}, which is not a linear layer of the model")
+        with torch.device(linear.weight.device):
+            new = Fp8Linear(linear.in_features, linear.out_features, fmt, bias=linear.bias is not None,
+                            bias_dtype=None if linear.bias is None else linear.bias.dtype)
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, new)
+        replaced[id(linear)] = new
+    _repoint_fused(model, replaced)
+
+
+@torch.no_grad()
+def quantize_linears_(model: nn.Module, names: Iterable[str], fmt: Fp8Format = BLOCK) -> None:
+    """Quantise the loaded `nn.Linear`s `names` of `model` in place to `fmt` (`--quantization fp8`), one at a time
+    (peak memory: one layer's FP8 copy)."""
+    replaced: dict[int, Fp8Linear] = {}
+    modules = dict(model.named_modules())
+    for name in names:
+        linear = modules[name]
+        weight, scale = kernel_backend.fp8_quantize(linear.weight, fmt)
+        with torch.device("meta"):
+            new = Fp8Linear(linear.in_features, linear.out_features, fmt)
+        new.weight = nn.Parameter(weight, requires_grad=False)
+        setattr(new, fmt.scale_name, nn.Parameter(scale, requires_grad=False))
+        new.bias = linear.bias
+        parent, _, child = name.rpartition(".")
+        setattr(modules[parent] if parent else model, child, new)
+        replaced[id(linear)] = new
+    _repoint_fused(model, replaced)
+
+
+def _repoint_fused(model: nn.Module, replaced: Mapping[int, nn.Module]) -> None:
+    """Every `FusedProjection` a module holds reads the replacement of a replaced linear."""
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, FusedProjection):
+                value.linears = tuple(replaced.get(id(linear), linear) for linear in value.linears)
+                value._pointers = ()
+                value.fp8 = None
+
+
+def describe_weights(model_dir: str | Path, config: Any) -> str:
+    """What the startup line and /health say about the weights of `model_dir` under an `EngineConfig`: the
+    checkpoint's FP8 format (e.g. "fp8-block128x128"), "<format> (quantized at load)", or "dense"; with
+    "random" before it under load_format dummy."""
+    fmt = checkpoint_format(read_quantization_config(model_dir))
+    if fmt is not None:
+        text = fmt.describe()
+    elif config.quantization == "fp8":
+        text = f"{BLOCK.describe()} (quantized at load)"
+    else:
+        text = "dense"
+    return f"random {text}" if config.load_format == "dummy" else text
+
+
+_KV_SCALE = re.compile(r"\.self_attn\.(k_scale|v_scale)$")
+
+
+def is_kv_scale(checkpoint_name: str) -> bool:
+    """A per-layer FP8 KV scale tensor (`...self_attn.k_scale` / `v_scale`, vLLM's and compressed-tensors' names)."""
+    return bool(_KV_SCALE.search(checkpoint_name))
+
+
+def set_kv_fp8(model: nn.Module, kv_fp8: bool, scales: Mapping[str, float]) -> nn.Module:
+    """With `kv_fp8`, every attention layer (a module with `kv_dtype`) stores float8_e4m3fn KV with its
+    `<layer>.k_scale` / `<layer>.v_scale` from `scales` (our names), else 1.0; a scale that is not positive and
+    finite is a ValueError. Returns `model`."""
+    if not kv_fp8:
+        return model
+    for name, module in model.named_modules():
+        if hasattr(module, "kv_dtype"):
+            module.kv_dtype = torch.float8_e4m3fn
+            for which in ("k_scale", "v_scale"):
+                value = scales.get(f"{name}.{which}", 1.0)
+                if not (value > 0 and value != float("inf")):
+                    raise ValueError(f"checkpoint {name}.{which} is {value}: an FP8 KV scale must be positive")
+                setattr(module, which, value)
+    return model

@@ -1,0 +1,506 @@
+"""OpenAI's Responses API, as vLLM serves it, over the chat pipeline.
+
+    POST /v1/responses        `input` (a string, or message / function_call / function_call_output / reasoning
+                              items), `instructions`, function `tools`, `tool_choice`, `text.format`,
+                              `max_output_tokens`, sampling fields, `stream`, `store`, `previous_response_id`
+    GET  /v1/responses/{id}   a stored response
+
+A request becomes a chat request: its items become chat messages (function calls an assistant message's
+`tool_calls`, their outputs `tool` messages), rendered by the model folder's chat template, so a conversation sent
+back turn by turn renders the same prefix each time and the prefix cache covers it. The output's reasoning
+(with a reasoning parser), text and tool calls become `reasoning`, `message` and `function_call` items.
+
+Stored responses (`store`, the default, as in OpenAI's API) are kept in memory, the newest `MAX_STORED`, with the
+conversation that produced them: `previous_response_id` continues it (the earlier `instructions` are not carried
+over, as in OpenAI's API); an unknown id is a 404. `store: false` keeps nothing.
+
+Streamed, the body is server-sent events `event: <type>` / `data: <json>`: `response.created`,
+`response.in_progress`, then per output item `response.output_item.added`, its deltas
+(`response.reasoning_text.delta`, `response.content_part.added` + `response.output_text.delta` + `.done` +
+`response.content_part.done`, `response.function_call_arguments.delta` + `.done`) and
+`response.output_item.done`, and last `response.completed` with the whole response (as vLLM sends it, also when
+`max_output_tokens` cut the answer: its `status` is then "incomplete"); every event carries a `sequence_number`.
+
+Usage: `input_tokens` (with `input_tokens_details.cached_tokens`: what the prefix cache skipped),
+`output_tokens` (with `output_tokens_details.reasoning_tokens`: the reasoning text's tokens, re-encoded),
+`total_tokens`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict
+
+from hybridcache.outputs import RequestOutput
+from hybridcache.server.chat_output import ChoiceStream, final_message
+from hybridcache.server.engine_loop import EngineFailure
+from hybridcache.server.errors import APIError
+from hybridcache.server.protocol import ChatCompletionRequest, Int64, parse_request
+from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
+
+if TYPE_CHECKING:
+    from hybridcache.sampling import SamplingParams
+    from hybridcache.server.app import _Routes
+    from hybridcache.server.responses import Rendering
+
+MAX_STORED = 1024
+_TEXT_PARTS = ("input_text", "output_text", "text")
+# Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
+_OFF_VALUES = {"background": (None, False), "conversation": (None,), "prompt": (None,)}
+
+
+class ResponsesRequest(BaseModel):
+    """`POST /v1/responses` (the fields this server reads; others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: Int64 | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    text: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+
+    def check_unsupported(self) -> None:
+        for name, off in _OFF_VALUES.items():
+            if getattr(self, name) not in off:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name,
+                               code="unsupported_parameter")
+
+
+def _text(content: Any, param: str) -> str:
+    """An item's content as text: a string, or text parts (`input_text`, `output_text`)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"'{param}' must be a string or a list of text parts", param=param)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"content parts must be text ('input_text' or 'output_text'), got {kind!r}",
+                           param=f"{param}.{i}")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's `input` as chat messages (the chat completions request's `messages`). Consecutive function
+    calls join one assistant message (parallel calls); a reasoning item's text goes with the next assistant
+    message."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    messages: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        param = f"input.{i}"
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"a message's role must be user, system, developer or assistant, got {role!r}",
+                               param=f"{param}.role")
+            message = {"role": role, "content": _text(item.get("content"), f"{param}.content")}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = "".join(reasoning), []
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+            if not isinstance(call["function"]["name"], str) or not isinstance(call["id"], str):
+                raise APIError(400, "a function_call item needs 'call_id' and 'name'", param=param)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning:
+                    message["reasoning_content"], reasoning = "".join(reasoning), []
+                messages.append(message)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(400, "a function_call_output item needs 'call_id'", param=f"{param}.call_id")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output"), f"{param}.output")})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+        else:
+            raise APIError(400, f"input items of type {kind!r} are not supported (message, function_call, "
+                           "function_call_output and reasoning are)", param=f"{param}.type")
+    return messages
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (`{"type": "function", "name", "parameters", ...}`) in the chat shape."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"only function tools are supported, got {tool.get('type')!r}",
+                           param=f"tools.{i}.type")
+        function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def chat_tool_choice(tool_choice: Any) -> Any:
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and "name" in tool_choice:
+        return {"type": "function", "function": {"name": tool_choice["name"]}}
+    return tool_choice
+
+
+def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` as chat's `response_format`."""
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": fmt.get("name", "output"), "schema": fmt.get("schema")}}
+    return fmt
+
+
+_CHAT_TO_RESPONSES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
+                      ("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat request's field name as the Responses request spells it (`messages.3.content` is `input`: the
+    chat messages also hold the instructions and a stored conversation, so indexes differ)."""
+    if param is None:
+        return "input"
+    for chat, responses in _CHAT_TO_RESPONSES:
+        if param == chat or param.startswith(chat + "."):
+            return responses
+    parts = param.split(".")
+    if len(parts) >= 3 and parts[0] == "tools" and parts[2] == "function":  # tools.0.function.name
+        return ".".join([*parts[:2], *parts[3:]])
+    return param
+
+
+@dataclass
+class _Stored:
+    messages: list[dict[str, Any]]  # the conversation without instructions, this response's output included
+    body: dict[str, Any]
+
+
+class ResponseStore:
+    """The newest `capacity` stored responses, by id (event-loop side only)."""
+
+    def __init__(self, capacity: int = MAX_STORED) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict[str, _Stored] = OrderedDict()
+
+    def put(self, response_id: str, stored: _Stored) -> None:
+        self._items[response_id] = stored
+        self._items.move_to_end(response_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str) -> _Stored:
+        stored = self._items.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no stored response has the id {response_id!r}", param=param)
+        return stored
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class _Output:
+    """A response's output items as they are built, and the assistant message they add to the conversation."""
+
+    items: list[dict[str, Any]] = field(default_factory=list)
+    reasoning: str = ""
+    content: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def assistant_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": self.content or (None if self.calls else "")}
+        if self.reasoning:
+            message["reasoning_content"] = self.reasoning
+        if self.calls:
+            message["tool_calls"] = [{"id": c["call_id"], "type": "function",
+                                      "function": {"name": c["name"], "arguments": c["arguments"]}}
+                                     for c in self.calls]
+        return message
+
+
+def reasoning_item(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _new_id("rs"), "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": status,
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict[str, Any]) -> dict[str, Any]:
+    function = call["function"]
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"], "name": function["name"],
+            "arguments": function["arguments"], "status": "completed"}
+
+
+class _Responses:
+    """The route handlers (over the chat routes' `_Routes`)."""
+
+    def __init__(self, routes: _Routes) -> None:
+        self.routes = routes
+        self.store = ResponseStore()
+
+    async def create(self, request: Request) -> Response:
+        routes = self.routes
+        routes._authorize(request)
+        body: ResponsesRequest = parse_request(ResponsesRequest, await routes._read_json(request))
+        body.check_unsupported()
+        history = self.store.get(body.previous_response_id, "previous_response_id").messages \
+            if body.previous_response_id else []
+        conversation = history + input_messages(body.input)
+        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+        chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
+                "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
+                "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
+                "response_format": response_format(body.text)}
+        try:
+            chat_body = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+            prompt_ids, params, rendering, mm_inputs = await routes.prepare_chat(chat_body)
+        except APIError as error:  # named as the chat request has it: rename to this request's field
+            raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
+                from None
+        response_id = _new_id("resp")
+        run = _Run(self, body, response_id, conversation, params, rendering)
+        loop = routes.engine_loop
+        try:
+            sink = await loop.add(response_id, prompt_ids, params, mm_inputs)
+        except (ValueError, TypeError, OverflowError) as error:
+            loop.abort(response_id)
+            raise APIError(400, str(error), param="input") from None
+        except EngineFailure as error:
+            raise APIError(503, str(error)) from None
+        except asyncio.CancelledError:
+            loop.abort(response_id)
+            raise
+        from hybridcache.server.app import request_outputs  # app imports this module
+
+        outputs = request_outputs(sink, rendering)
+        if body.stream:
+            shutdown = _sse("error", {"type": "error", "code": "server_shutdown", "param": None,
+                                      "message": "the server shut down before this request finished",
+                                      "sequence_number": 0})
+            return EventStreamResponse(run.events(outputs), on_close=lambda: loop.abort(response_id),
+                                       final_events=(shutdown,))
+        try:
+            final = await run_until_disconnect(request.receive, _last(outputs))
+        except ClientGone:
+            return Response(status_code=499)
+        except EngineFailure as error:
+            raise APIError(500, str(error)) from None
+        finally:
+            loop.abort(response_id)
+        return JSONResponse(run.finish(final, run.output_from(final)))
+
+    async def retrieve(self, request: Request, response_id: str) -> JSONResponse:
+        self.routes._authorize(request)
+        return JSONResponse(self.store.get(response_id, "response_id").body)
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for output in outputs:
+        last = output
+    return last
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
+
+
+class _Run:
+    """One response: its body around the output, the stored conversation, and the streamed events."""
+
+    def __init__(self, owner: _Responses, body: ResponsesRequest, response_id: str,
+                 conversation: list[dict[str, Any]], params: SamplingParams, rendering: Rendering) -> None:
+        self.owner = owner
+        self.body = body
+        self.response_id = response_id
+        self.conversation = conversation
+        self.params = params
+        self.rendering = rendering
+        self.created_at = int(time.time())
+        self.sequence_number = 0
+
+    def response_body(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None,
+                      reasoning: str = "") -> dict[str, Any]:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        usage = None
+        if final is not None:
+            input_tokens = len(final.prompt_token_ids)
+            output_tokens = sum(len(c.token_ids) for c in final.outputs)
+            reasoning_tokens = len(self.owner.routes.model.tokenizer.encode(reasoning)) if reasoning else 0
+            usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": final.cached_tokens},
+                     "output_tokens": output_tokens,
+                     "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
+                     "total_tokens": input_tokens + output_tokens}
+        return {
+            "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.owner.routes.config.served_model_name, "output": output, "usage": usage,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
+            "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
+            "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": body.store,
+            "metadata": body.metadata or {}, "background": False, "reasoning": None, "error": None,
+            "incomplete_details": incomplete,
+        }
+
+    def output_from(self, final: RequestOutput) -> _Output:
+        """The output items of a finished (non-streamed) response."""
+        message = final_message(final.outputs[0].text, self.rendering.chat)
+        out = _Output(reasoning=message.get("reasoning_content") or "", content=message.get("content") or "")
+        if out.reasoning:
+            out.items.append(reasoning_item(out.reasoning))
+        if out.content:
+            out.items.append(message_item(out.content))
+        for call in message.get("tool_calls") or []:
+            item = call_item(call)
+            out.calls.append(item)
+            out.items.append(item)
+        return out
+
+    def finish(self, final: RequestOutput, out: _Output) -> dict[str, Any]:
+        """The finished response's body; stored (with its conversation) unless `store` is false."""
+        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        body = self.response_body(status, out.items, final, out.reasoning)
+        if self.body.store:
+            self.owner.store.put(self.response_id, _Stored(self.conversation + [out.assistant_message()], body))
+        return body
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        payload = {"type": kind, **data, "sequence_number": self.sequence_number}
+        self.sequence_number += 1
+        return _sse(kind, payload)
+
+    async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed response (module docstring)."""
+        yield self._event("response.created", response=self.response_body("in_progress", [], None))
+        yield self._event("response.in_progress", response=self.response_body("in_progress", [], None))
+        stream = ChoiceStream(self.rendering.chat, self.params.stop)
+        out = _Output()
+        open_item: dict[str, Any] | None = None  # the reasoning or message item receiving deltas
+        final = None
+
+        def close() -> list[bytes]:
+            nonlocal open_item
+            if open_item is None:
+                return []
+            item, open_item = open_item, None
+            index = len(out.items) - 1
+            if item["type"] == "reasoning":
+                text = item["content"][0]["text"]
+                return [self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                    content_index=0, text=text),
+                        self._event("response.output_item.done", output_index=index, item=item)]
+            part = item["content"][0]
+            item["status"] = "completed"
+            return [self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"], logprobs=[]),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part),
+                    self._event("response.output_item.done", output_index=index, item=item)]
+
+        def open_new(item: dict[str, Any]) -> list[bytes]:
+            nonlocal open_item
+            events = close()
+            open_item = item
+            out.items.append(item)
+            index = len(out.items) - 1
+            if item["type"] == "reasoning":
+                added = {**item, "content": []}
+                return [*events, self._event("response.output_item.added", output_index=index, item=added)]
+            empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            return [*events,
+                    self._event("response.output_item.added", output_index=index,
+                                item={**item, "status": "in_progress", "content": []}),
+                    self._event("response.content_part.added", item_id=item["id"], output_index=index,
+                                content_index=0, part=empty)]
+
+        try:
+            async for output in outputs:
+                final = output
+                c = output.outputs[0]
+                delta = stream.update(c.text, c.finish_reason is not None)
+                if delta.reasoning:
+                    if open_item is None or open_item["type"] != "reasoning":
+                        for event in open_new(reasoning_item("")):
+                            yield event
+                    open_item["content"][0]["text"] += delta.reasoning
+                    out.reasoning += delta.reasoning
+                    yield self._event("response.reasoning_text.delta", item_id=open_item["id"],
+                                      output_index=len(out.items) - 1, content_index=0, delta=delta.reasoning)
+                if delta.content:
+                    if open_item is None or open_item["type"] != "message":
+                        for event in open_new(message_item("", status="in_progress")):
+                            yield event
+                    open_item["content"][0]["text"] += delta.content
+                    out.content += delta.content
+                    yield self._event("response.output_text.delta", item_id=open_item["id"],
+                                      output_index=len(out.items) - 1, content_index=0, delta=delta.content,
+                                      logprobs=[])
+                for _, call in delta.tool_calls:
+                    for event in close():
+                        yield event
+                    item = call_item({"id": call.id, "function": {"name": call.name, "arguments": call.arguments}})
+                    out.items.append(item)
+                    out.calls.append(item)
+                    index = len(out.items) - 1
+                    yield self._event("response.output_item.added", output_index=index,
+                                      item={**item, "arguments": "", "status": "in_progress"})
+                    yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=item["arguments"])
+                    yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"])
+                    yield self._event("response.output_item.done", output_index=index, item=item)
+            for event in close():
+                yield event
+        except EngineFailure as error:
+            yield self._event("error", code="engine_failure", message=str(error), param=None)
+            return
+        if final is None:
+            return
+        # as vLLM: the last event is response.completed whatever the status (the openai client's stream helper
+        # waits for it); an answer cut by max_output_tokens has status "incomplete" in it
+        yield self._event("response.completed", response=self.finish(final, out))
+
+
+def add_responses_routes(app: FastAPI, routes: _Routes) -> None:
+    """Register POST /v1/responses and GET /v1/responses/{response_id} on `app`."""
+    handlers = _Responses(routes)
+    app.add_api_route("/v1/responses", handlers.create, methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", handlers.retrieve, methods=["GET"])

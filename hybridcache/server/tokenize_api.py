@@ -1,0 +1,96 @@
+"""vLLM's tokenizer routes and version route.
+
+    POST /tokenize     {"prompt": text} or {"messages": [...], "tools", "add_generation_prompt", ...} (rendered by
+                       the chat template) -> {"count", "max_model_len", "tokens", "token_strs"}; `return_token_strs`
+                       adds each token's own decode. `add_special_tokens` is accepted (the tokenizer adds none).
+    POST /detokenize   {"tokens": [...]} -> {"prompt": text}
+    GET  /version      {"version": the package version}
+
+The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from hybridcache.server.errors import APIError
+from hybridcache.server.protocol import ChatCompletionRequest, TokenId, parse_request
+
+if TYPE_CHECKING:
+    from hybridcache.server.app import _Routes
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model: str | None = None
+
+
+class TokenizeRequest(_Request):
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    tokens: list[TokenId] = Field(default_factory=list)
+
+
+def package_version() -> str:
+    try:
+        return version("hybridcache-llm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
+    """Register /tokenize, /detokenize and /version on `app`."""
+
+    async def tokenize(request: Request) -> JSONResponse:
+        routes._authorize(request)
+        data = await routes._read_json(request)
+        body: TokenizeRequest = parse_request(TokenizeRequest, data)
+        routes._check_model(body.model)
+        tokenizer = routes.model.tokenizer
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt)
+        else:
+            chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, {**data, "stream": False})
+            template_kwargs = {**routes.config.default_chat_template_kwargs, **(chat.chat_template_kwargs or {})}
+            try:
+                text = tokenizer.apply_chat_template(
+                    [m.as_template_input() for m in chat.messages], add_generation_prompt=chat.add_generation_prompt,
+                    tools=chat.tool_dicts(), continue_final_message=chat.continue_final_message,
+                    template_kwargs=template_kwargs)
+            except Exception as error:  # noqa: BLE001 - template errors are the client's
+                raise APIError(400, f"the chat template could not render these messages: {error}",
+                               param="messages") from None
+            tokens = tokenizer.encode(text)
+        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
+        return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
+                             "token_strs": strs})
+
+    async def detokenize(request: Request) -> JSONResponse:
+        routes._authorize(request)
+        body: DetokenizeRequest = parse_request(DetokenizeRequest, await routes._read_json(request))
+        routes._check_model(body.model)
+        vocab = routes.model.tokenizer.vocab_size
+        bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {body.tokens[bad]} is outside the vocabulary [0, {vocab})",
+                           param=f"tokens.{bad}")
+        return JSONResponse({"prompt": routes.model.tokenizer.decode(body.tokens)})
+
+    async def version_route() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
+
+    app.add_api_route("/tokenize", tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", detokenize, methods=["POST"])
+    app.add_api_route("/version", version_route, methods=["GET"])

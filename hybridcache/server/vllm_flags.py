@@ -1,0 +1,81 @@
+"""The `vllm serve` flags that `hybridcache serve` takes as well, so that a vLLM command line starts it.
+
+    --enable-auto-tool-choice      accepted: with tools, tool calls are always parsed ("auto" is the default)
+    --tool-call-parser NAME        hermes, qwen3_coder, qwen3_xml (or qwen25): the Qwen `<tool_call>` formats,
+                                   which are all recognised in any output (tool_parsers.py), so the flag only
+                                   checks that the name is one of them
+    --chat-template PATH           a Jinja template file (or the template text itself, as vLLM takes it) that
+                                   replaces the model folder's chat template
+    --root-path PATH               the path prefix a reverse proxy serves the API under (uvicorn's root_path)
+    --ssl-keyfile / --ssl-certfile serve HTTPS (both or neither)
+    --uvicorn-log-level LEVEL      uvicorn's own log level (default: --log-level)
+    --disable-log-requests         accepted: the server never logs request contents (--enable-access-log
+                                   writes one line per HTTP request)
+    --trust-remote-code            accepted, a no-op: the engine runs its own model code, never a checkpoint's
+    --enable-force-include-usage   every stream ends with a usage chunk, asked for or not
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3_coder", "qwen3_xml")
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+logger = logging.getLogger("hybridcache.server")
+
+
+def add_vllm_args(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of the module docstring to the `serve` parser."""
+    group = parser.add_argument_group("vLLM-compatible options")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM command lines: tool calls are always parsed when a request has tools")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="accepted for vLLM command lines: every Qwen <tool_call> format (JSON or XML "
+                            "function blocks) is recognised whichever is named")
+    group.add_argument("--chat-template", default=None, metavar="PATH",
+                       help="a Jinja chat template file (or the template text) that replaces the model folder's")
+    group.add_argument("--root-path", default="", metavar="PATH",
+                       help="the path prefix under which a reverse proxy serves the API")
+    group.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this key")
+    group.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+    group.add_argument("--uvicorn-log-level", default=None, choices=_LOG_LEVELS,
+                       help="uvicorn's log level (default: --log-level)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="accepted for vLLM command lines: request contents are never logged")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines, a no-op: no model code is loaded from the checkpoint")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, even without stream_options.include_usage")
+
+
+def check_vllm_args(args: argparse.Namespace) -> None:
+    """Refuse inconsistent flags (SystemExit with the reason) and log the notes of the no-ops."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
+    if args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: hybridcache runs its own implementation of the model and "
+                    "loads only weights and configuration from the checkpoint")
+
+
+def chat_template(args: argparse.Namespace) -> str | None:
+    """`--chat-template`: a file's text, or the argument itself when it names no file but looks like a
+    template (vLLM takes both); None when unset. A missing file is a ValueError naming it."""
+    value = args.chat_template
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(marker in value for marker in ("{{", "{%")):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file (give a Jinja template file or the template text)")
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `uvicorn.Config` keywords these flags set."""
+    return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+            "log_level": args.uvicorn_log_level or args.log_level}

@@ -1,0 +1,103 @@
+"""vLLM's Prometheus metrics, under vLLM's names, next to the `hybridcache_*` ones (metrics.py), so that a vLLM
+dashboard or autoscaler reads this server unchanged. Every sample carries vLLM's labels `model_name` (the first
+served model name) and `engine` ("0": one engine).
+
+    vllm:num_requests_running / vllm:num_requests_waiting   gauges: sequences running / waiting
+    vllm:kv_cache_usage_perc        gauge in [0, 1]: the pool's blocks held by running requests (0 when idle);
+                                    what the prefix cache alone holds is hybridcache_prefix_cache_usage_perc
+    vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   prompt tokens of ended requests and their
+                                    cached tokens (as in `usage`)
+    vllm:prompt_tokens_total / vllm:generation_tokens_total
+    vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error)
+    vllm:num_preemptions_total
+    vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
+    vllm:request_queue_time_seconds     arrival -> the first step that computes the request
+    vllm:request_prefill_time_seconds   that step's start -> the first token
+    vllm:request_decode_time_seconds    the first token -> the last
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hybridcache.server.engine_state import EngineState
+
+_LABELS = ("model_name", "engine")
+ENGINE_LABEL = "0"
+# vLLM's buckets for request latencies (seconds)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0)
+
+
+class VllmMetrics:
+    """vLLM's request-level metrics in `registry`; `watch_engine` adds the engine-level ones."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = {"model_name": model_name, "engine": ENGINE_LABEL}
+
+        def counter(name: str, documentation: str) -> Any:
+            return Counter(name, documentation, _LABELS, registry=registry).labels(**labels)
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, documentation, _LABELS, buckets=buckets, registry=registry).labels(**labels)
+
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache skipped")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of ended requests")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self._success = Counter("vllm:request_success", "Completions that ended, by finish reason",
+                                [*_LABELS, "finished_reason"], registry=registry)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TOKEN_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a request's token steps",
+                             _TOKEN_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to the first step that computes "
+                                    "the request", _REQUEST_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "The first computing step's start to "
+                                      "the first token", _REQUEST_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "The first token to the last",
+                                     _REQUEST_BUCKETS)
+
+    def success(self, finished_reason: str) -> Any:
+        return self._success.labels(model_name=self.model_name, engine=ENGINE_LABEL, finished_reason=finished_reason)
+
+    def watch_engine(self, registry: CollectorRegistry, engine_state: Callable[[], EngineState]) -> None:
+        registry.register(_VllmEngineCollector(engine_state, self.model_name))
+
+
+class _VllmEngineCollector(Collector):
+    """vLLM's engine-level metrics from the latest engine snapshot, at scrape time."""
+
+    def __init__(self, engine_state: Callable[[], EngineState], model_name: str) -> None:
+        self._engine_state = engine_state
+        self._labels = [model_name, ENGINE_LABEL]
+
+    def collect(self) -> Iterator[Metric]:
+        state = self._engine_state()
+        total = state.num_blocks
+        running_blocks = min(state.num_blocks_running, state.num_blocks_used)
+        gauges = (
+            ("vllm:num_requests_running", "Sequences running", state.num_running),
+            ("vllm:num_requests_waiting", "Sequences waiting", state.num_waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of the pool's blocks held by running requests (0-1)",
+             running_blocks / total if total else 0.0),
+            ("hybridcache_prefix_cache_usage_perc", "Fraction of the pool's blocks that only the prefix cache "
+             "holds (0-1): cached KV and checkpoint states no running request uses",
+             (state.num_blocks_used - running_blocks) / total if total else 0.0),
+        )
+        for name, documentation, value in gauges:
+            labels = ["model_name", "engine"] if name.startswith("vllm:") else ["model_name"]
+            gauge = GaugeMetricFamily(name, documentation, labels=labels)
+            gauge.add_metric(self._labels[:len(labels)], value)
+            yield gauge
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Preempted sequences", labels=list(_LABELS))
+        preemptions.add_metric(self._labels, state.num_preemptions)
+        yield preemptions

@@ -1,0 +1,163 @@
+"""The host tier (host_tier.py): demotion on device eviction, promotion on a hit, the host's own eviction,
+promotions that do not pay, twins across the tiers. Every step runs on the fake device, which keeps host memory
+and checks every host node and host checkpoint against what its ids claim."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
+from tests.cache.checked_evictor import check_picks
+from tests.cache.fake_engine import Driver, fingerprint
+
+B = 4
+
+
+def make(num_blocks: int = 8, host_blocks: int = 16, cost: CostModel | None = None) -> tuple[PrefixCache, Driver]:
+    cache = PrefixCache(CacheConfig(block_size=B, num_blocks=num_blocks, num_slots=2, state_pages=1,
+                                    host_blocks=host_blocks), cost)
+    check_picks(cache)
+    return cache, Driver(cache)
+
+
+def fill_device(driver: Driver, first: int = 100) -> None:
+    """A request of unrelated tokens that needs most of the device pool: evicts (demotes) the older chains."""
+    driver.run(CacheRequest(("filler", first), tuple(range(first, first + 5 * B))), decode=[7])
+
+
+def test_eviction_demotes_and_a_hit_promotes_before_the_forward():
+    cache, driver = make()
+    prompt = tuple(range(10))  # 2 full blocks + 2 tail tokens: a prefill-end checkpoint at 10 (frozen tail)
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    stats = cache.stats
+    assert stats.num_demoted_blocks >= 2 and stats.num_demoted_checkpoints >= 1
+    probe = cache.match(CacheRequest("probe", prompt + (1,)))
+    assert probe.cached_len == 10  # found in the host tier
+    cache.release_match(probe)
+    demoted = cache.stats
+    match = driver.admit(CacheRequest("b", prompt + (50, 51, 52)))
+    assert match.cached_len == 10 and match.block_ids == ()  # the chain is all in the host tier
+    copies = driver.step("b", [50, 51, 52])
+    kinds = [op.kind for op in copies.ops]
+    assert kinds.index(CopyKind.HOST_LOAD) < kinds.index(CopyKind.KV_RESTORE) < kinds.index(CopyKind.STATE_RESTORE)
+    # 2 nodes + the state's page + the frozen tail come back
+    assert len(copies.pairs(CopyKind.HOST_LOAD)) == 4
+    after = cache.stats
+    assert (after.num_host_hits, after.num_host_hit_tokens) == (1, 10)
+    assert after.num_promoted_checkpoints == 1 and after.num_promoted_blocks == 2
+    # in exactly one tier: the device's now (making room for it demoted some of the filler's chain)
+    assert match.checkpoint_id in cache._life.checkpoints and match.checkpoint_id not in cache._life.host.order
+    assert after.num_demoted_blocks > demoted.num_demoted_blocks
+    cache.finish("b")
+    cache.check_integrity()
+
+
+def test_a_demotion_is_a_host_save_before_anything_writes_the_freed_block():
+    cache, driver = make(num_blocks=6)
+    driver.run(CacheRequest("a", tuple(range(9))))
+    match = cache.match(CacheRequest("c", tuple(range(200, 200 + 4 * B))))
+    assert cache.admit(match, 4 * B) is not None
+    copies = driver.device.run_step({"c": list(range(200, 200 + 4 * B))})
+    saves = copies.pairs(CopyKind.HOST_SAVE)
+    assert saves and copies.ops[0].kind is CopyKind.HOST_SAVE
+    written = {dst for dst in cache.block_ids("c")}
+    assert {src for src, _ in saves} & written  # the freed blocks are reused by c, after the save read them
+    driver.device.check()
+    cache.check_integrity()
+
+
+def test_what_falls_out_of_the_host_tier_is_gone():
+    cache, driver = make(num_blocks=8, host_blocks=4)  # room for one chain of 2 nodes + page + tail
+    driver.run(CacheRequest("a", tuple(range(10))))
+    fill_device(driver)
+    assert cache.stats.num_host_checkpoints >= 1
+    driver.run(CacheRequest("a2", tuple(range(300, 310))))
+    fill_device(driver, first=400)  # demotes a2's chain: the host drops a's, the oldest demotion
+    assert cache.stats.num_host_dropped >= 1
+    match = cache.match(CacheRequest("probe", tuple(range(10)) + (1,)))
+    assert match.cached_len == 0
+    cache.release_match(match)
+    cache.check_integrity()
+
+
+def test_a_promotion_that_does_not_pay_is_skipped():
+    slow = CostModel(host_bandwidth=1.0, device_flops=1e12)  # copies crawl: recomputing 10 tokens is cheaper
+    cache, driver = make(cost=slow)
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    assert cache.stats.num_host_checkpoints >= 1
+    match = driver.admit(CacheRequest("b", prompt + (1, 2)))
+    assert match.cached_len == 0
+    stats = cache.stats
+    assert (stats.num_promotions_skipped, stats.num_host_hits) == (1, 0)
+    cache.abort("b")
+    cache.check_integrity()
+
+
+def test_recomputing_a_demoted_block_absorbs_its_host_twin():
+    cache, driver = make()
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    host = cache._life.host
+    assert {n.token_ids for n in host.iter_nodes()} >= {prompt[:4], prompt[4:8]}
+    # computed again from scratch (skip_reading: no hit), its blocks are inserted on the device: the host twins
+    # of those blocks go, what hung off them (the checkpoint at 10) now hangs off the device nodes
+    driver.run(CacheRequest("again", prompt[:8] + (77, 78), skip_reading=True))
+    assert not {n.token_ids for n in host.iter_nodes()} & {prompt[:4], prompt[4:8]}
+    cache.check_integrity()
+    match = cache.match(CacheRequest("probe", prompt + (1,)))
+    assert match.cached_len == 10  # still found: the host checkpoint on a device anchor
+    cache.release_match(match)
+
+
+def test_admit_without_room_for_the_promotion_changes_nothing():
+    cache, driver = make(num_blocks=8)
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    assert cache.admit(cache.match(CacheRequest("hog", tuple(range(500, 500 + 7 * B)))), 7 * B) is not None
+    before = fingerprint(cache)
+    match = cache.match(CacheRequest("b", prompt + (1,)))
+    assert match.cached_len == 10
+    after_match = fingerprint(cache)
+    assert cache.admit(match) is None
+    assert fingerprint(cache) == after_match
+    cache.release_match(match)
+    assert fingerprint(cache) == before
+    cache.check_integrity()
+
+
+def test_host_blocks_need_paged_states():
+    with pytest.raises(ValueError, match="host_blocks"):
+        CacheConfig(block_size=B, num_blocks=8, num_slots=4, host_blocks=8)
+
+
+def test_worked_example_of_cache_md():
+    size = 16
+    cache = PrefixCache(CacheConfig(block_size=size, num_blocks=6, num_slots=2, state_pages=1, host_blocks=8))
+    driver = Driver(cache)
+    driver.admit(CacheRequest("a", tuple(range(37))))
+    plan = driver.step("a", list(range(37)), [("prefill_end",)])
+    assert plan.pairs(CopyKind.KV_SAVE) == [(2, 4)] and plan.pairs(CopyKind.STATE_SAVE) == [(0, 3)]
+    cache.finish("a")
+    match = cache.match(CacheRequest("b", tuple(range(100, 148))))
+    assert cache.admit(match, 48) is not None
+    plan = driver.device.run_step({"b": list(range(100, 148))})
+    assert [op.kind for op in plan.ops] == [CopyKind.HOST_SAVE]
+    assert plan.pairs(CopyKind.HOST_SAVE) == [(1, 0), (3, 1), (4, 2)]
+    driver.device.check()
+    cache.abort("b")
+    match = cache.match(CacheRequest("c", tuple(range(37)) + (7, 8, 9)))
+    assert (match.cached_len, match.block_ids) == (37, (0,))
+    assert cache.admit(match, 40) is not None
+    plan = driver.device.run_step({"c": [7, 8, 9]})
+    assert plan.pairs(CopyKind.HOST_LOAD) == [(0, 4), (1, 1), (2, 3)]
+    assert plan.pairs(CopyKind.KV_RESTORE) == [(3, 2)] and plan.pairs(CopyKind.STATE_RESTORE) == [(1, 0)]
+    driver.device.check()
+    cache.check_integrity()
+    stats = cache.stats
+    assert (stats.num_host_hits, stats.num_promoted_checkpoints, stats.num_promoted_blocks) == (1, 1, 1)
+    assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0)
