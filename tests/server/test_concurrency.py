@@ -33,7 +33,8 @@ async def _one_stream(client: openai.AsyncOpenAI, index: int, cancel: bool) -> t
     """Returns (text, finish_reason, chunks seen); a cancelled stream closes its connection midway."""
     stream = await client.completions.create(
         model=MODEL, prompt=f"Request {index}: a shared opening line, then something of its own {index * 7}",
-        max_tokens=MAX_TOKENS_CANCELLED if cancel else MAX_TOKENS, temperature=0.8, seed=index, stream=True, extra_body={"ignore_eos": True})
+        max_tokens=MAX_TOKENS_CANCELLED if cancel else MAX_TOKENS, temperature=0.8, seed=index, stream=True,
+        extra_body={"ignore_eos": True})
     text, reason, num_chunks = "", None, 0
     async for chunk in stream:
         num_chunks += 1
