@@ -93,8 +93,22 @@ class GrammarCache:
             compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
         except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
             raise ValueError(f"invalid {spec.kind.value} constraint: {_clean_message(error)}") from None
+        if not _can_start(xgr, compiled, self.vocab_size):
+            raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
+                             "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
         self._compiled[spec] = compiled
         return compiled
+
+
+def _can_start(xgr: Any, compiled: Any, vocab_size: int) -> bool:
+    """Whether a fresh matcher of `compiled` allows some token (or accepts the empty output): a grammar whose
+    start allows nothing would leave every logit masked, and the sampler would emit token 0 forever."""
+    matcher = xgr.GrammarMatcher(compiled)
+    if matcher.is_terminated():
+        return True
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
 
 
 _SOURCE_PREFIX = re.compile(r"^\s*(?:\[[\d:.]+\]\s*)?\S+\.(?:cc|cpp|h|hpp|py):\d+:\s*")
@@ -183,9 +197,12 @@ def _literal(xgr: Any, text: str) -> Any:
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 
-def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> torch.Tensor | None:
+def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int,
+                 dead_end_tokens: Sequence[int] = ()) -> torch.Tensor | None:
     """The allowed-token bitmask [len(matchers), ceil(vocab/32)] int32 of these rows (every bit set where a
-    row has no matcher), or None when no row is constrained."""
+    row has no matcher), or None when no row is constrained. A row whose grammar allows no next token (a dead
+    end, as after "a" in `root ::= "a" x`, `x ::= x`: no output can complete it) allows `dead_end_tokens`
+    instead (the engine passes its EOS ids, so the choice ends rather than emit token 0 again and again)."""
     if all(m is None for m in matchers):
         return None
     xgr = _xgrammar()
@@ -193,4 +210,8 @@ def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int) -> torch.Tenso
     for i, matcher in enumerate(matchers):
         if matcher is not None and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, i)
+            if dead_end_tokens and not bitmask[i].any():
+                for token in dead_end_tokens:
+                    bit = 1 << (token % 32)
+                    bitmask[i, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
     return bitmask

@@ -1,5 +1,5 @@
 """The offline API: `LLM(model=None, **engine_options).generate(prompts, sampling_params)` and
-`.chat(messages, sampling_params)`.
+`.chat(messages, sampling_params)`; `close()` (or a `with LLM(...) as llm:` block) frees the engine.
 
 Images (models with a vision tower, e.g. Qwen3.5): `chat` takes OpenAI-style content parts
 (`{"type": "image_url", "image_url": {"url": ...}}` with a data: URI, an http(s) URL or a local path under
@@ -42,6 +42,9 @@ class LLM:
     `generation_config`: "auto" takes the sampling defaults of calls without sampling params from the model
     folder's generation_config.json, "vllm" ignores the file (see `hybridcache.generation_config`).
     `limit_mm_per_prompt` (e.g. `{"image": 4}`) and `allowed_local_media_path`: see the module docstring.
+    `close()`, or leaving a `with LLM(...) as llm:` block, frees the model and the pools and stops
+    tensor-parallel workers (a process runs one tensor-parallel group at a time: close one `LLM` before the
+    next); the `LLM` refuses work afterwards.
     """
 
     def __init__(self, model: str | Path | None = None, *,
@@ -56,6 +59,17 @@ class LLM:
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
+
+    def close(self) -> None:
+        """Free the engine: abort what runs, stop tensor-parallel workers, drop the model and pools (idempotent;
+        `generate` and `chat` then raise `EngineDeadError`)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: the model folder's generation config

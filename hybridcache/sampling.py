@@ -87,6 +87,10 @@ class SamplingParams:
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (isinstance(self.min_tokens, int) and self.min_tokens >= 0,
              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
+            (not isinstance(self.min_tokens, int) or not isinstance(self.max_tokens, int)
+             or self.min_tokens <= self.max_tokens,
+             f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens!r} and max_tokens "
+             f"{self.max_tokens!r}"),
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.seed is None or (isinstance(self.seed, int) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
              f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}"),
@@ -111,6 +115,15 @@ class SamplingParams:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError, naming the field, when `stop_token_ids` or a `logit_bias` key is not a token id of a
+        vocabulary of `vocab_size` tokens (the engine checks every request it queues)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise ValueError(f"{name} holds {outside[0]}, which is not a token id: the vocabulary has "
+                                 f"{vocab_size} tokens (ids 0 to {vocab_size - 1})")
 
     @property
     def greedy(self) -> bool:

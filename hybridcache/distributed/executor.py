@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import shutil
 import sys
 import tempfile
 import time
-import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -63,21 +63,6 @@ _STOP_WAIT_S = 5.0
 
 class WorkerError(RuntimeError):
     """A tensor-parallel worker died or raised; the message names its rank."""
-
-
-@contextlib.contextmanager
-def _main_not_imported() -> Iterator[None]:
-    """While a worker starts, `__main__` is a bare module, so the spawn start method does not import the user's
-    `__main__` in the worker: a script read on stdin (`python - < script`) or any `__main__` that cannot be
-    re-imported would fail there (`FileNotFoundError: '<stdin>'`), and an unguarded one would run again. The
-    worker needs only hybridcache (`worker_main` and its arguments); in exchange, what `__main__` registers
-    (a kernel or eviction registry entry, say) is not seen by the workers: register it in an importable module."""
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = main
 
 
 @dataclass
@@ -121,7 +106,7 @@ class TensorParallelExecutor:
                 parent, child = context.Pipe()
                 process = context.Process(target=worker_main, args=(spec, rank, size, store_dir, child),
                                           name=f"hybridcache-tp-rank{rank}", daemon=True)
-                with _main_not_imported():
+                with _unimportable_main_hidden():
                     process.start()
                 child.close()
                 self._workers.append(_Worker(rank, process, parent))
@@ -286,6 +271,24 @@ def _exit_reason(code: int | None) -> str:
     if code is None:
         return "still running"
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _unimportable_main_hidden() -> Iterator[None]:
+    """A spawned process first runs the parent's `__main__` again, from its `__file__`; a script read from stdin
+    has `__file__ == '<stdin>'`, which the worker cannot open (FileNotFoundError). The workers need nothing of
+    `__main__` (their target lives in `hybridcache.distributed.worker`), so such a file is hidden while they
+    start. A `__main__` run as a module (`python -m`) or from a real file is left as it is."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir: Path) -> None:

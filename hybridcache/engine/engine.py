@@ -214,6 +214,7 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
+        self._closed = False  # close() was called
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
@@ -241,6 +242,7 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_token_ids(self.model_config.vocab_size)
         if self.drafter is not None:
             refused = [what for what, on in (("structured output", params.guided is not None),
                                              ("penalties", params.penalized)) if on]
@@ -361,7 +363,26 @@ class LLMEngine:
             self._failure = error
             raise
 
+    def close(self) -> None:
+        """Abort every request, shut the executor down (a tensor-parallel one stops its workers and leaves its
+        process group, so that another tensor-parallel engine can start in this process) and let go of the
+        model, the vision tower and the pools. Idempotent; afterwards every step, request and check raises
+        `EngineDeadError`."""
+        if self._closed:
+            return
+        for request_id in list(self._requests):
+            self.abort(request_id)
+        self._launched = None
+        self._closed = True
+        runner, self.runner, self.vision = self.runner, None, None
+        runner.shutdown()
+        del runner
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _raise_if_dead(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine is closed (close() was called): make a new one")
         if self._failure is not None:
             raise EngineDeadError(
                 f"the engine failed earlier and cannot continue: {type(self._failure).__name__}: {self._failure}"

@@ -10,5 +10,8 @@
     text_stream.py   which part of a growing completion text is safe to send
     metrics.py       Prometheus metrics; vllm_metrics.py: vLLM's names for vLLM's dashboards
     errors.py        OpenAI-style error objects
+    limits.py        what one request may hold: sequences, prompt size, queue places, run time (and their flags)
+    connections.py   uvicorn's HTTP protocol with a request read deadline and a connection cap
+    log_limits.py    warnings rate-limited per kind, so a flood of events is a few log lines
     cli.py           the `serve` subcommand; vllm_flags.py: the `vllm serve` flags it takes too
 """

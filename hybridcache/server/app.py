@@ -9,6 +9,7 @@
     GET  /v1/models             the served model
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
+                                and the last error only with the API key (when one is set)
     GET  /metrics               Prometheus text format
     GET  /v1/cache/events       POST /v1/cache/match: what the prefix cache holds, for a router (cache_routes.py)
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
@@ -19,12 +20,15 @@ Every error is an OpenAI error object (errors.py), never a 500 for a bad request
 asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
 (body_checks.py); a request may ask for at most `max_request_tokens` tokens (n x max_tokens). /v1 routes
 and the debug route need the API key when one is configured. With `allowed_origins` set, CORS headers
-let those origins call the API from a browser.
+let those origins call the API from a browser. What one request or connection may hold is limited
+(limits.py, connections.py); a trailing slash is a 404, never a redirect (whose Location would echo the
+client's Host header).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -40,6 +44,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.images import MediaLimits
@@ -53,6 +58,14 @@ from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, fini
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.limits import (
+    QueueFull,
+    RequestTimeout,
+    check_prompt_bytes,
+    check_sequences,
+    max_token_bytes,
+    queue_full_error,
+)
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -103,8 +116,10 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         engine_loop.start()
         yield
         await asyncio.to_thread(engine_loop.stop)
+        routes.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
     routes = _Routes(engine_loop, model, config, metrics)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
@@ -112,7 +127,12 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return ErrorResponse(error.body(), status_code=error.status)
+        return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+        logger.info("%s %s: the client disconnected while sending its request", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -155,6 +175,13 @@ class _Routes:
         self.config = config
         self.metrics = metrics
         self.created = int(time.time())
+        limit = max_token_bytes(model.tokenizer)
+        self.prompt_byte_limit = None if limit is None else model.max_model_len * limit
+        # tokenizing a long prompt takes a while: it runs here, off the event loop (the tokenizer releases the
+        # GIL); one warm-up call first sets the backend's options, which must not change under concurrent calls
+        if model.tokenizer is not None:
+            model.tokenizer.encode("warm-up")
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hybridcache-tokenize")
 
     # ------------------------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
@@ -163,8 +190,10 @@ class _Routes:
         self._check_model(body.model)
         body.check_n()
         prompts = body.prompts()
+        check_sequences(len(prompts), body.n, self.config.limits)
+        check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
         tokenizer = self.model.tokenizer
-        prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        prompt_ids = await self._encode(prompts)
         longest = max(prompt_ids, key=len)
         defaults = self.model.sampling_defaults
         default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -192,6 +221,7 @@ class _Routes:
         rendering options and image spans (`mm_inputs`); a bad request is an APIError."""
         self._check_model(body.model)
         body.check_n()
+        check_sequences(1, body.n, self.config.limits)
         messages = [m.as_template_input() for m in body.messages]
         check_media_parts(messages, takes_images=self.model.image_processor is not None)
         messages, images = split_chat_images(messages)
@@ -204,7 +234,8 @@ class _Routes:
         except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
-        prompt_ids = self.model.tokenizer.encode(text)
+        check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
+        prompt_ids = (await self._encode([text]))[0]
         mm_inputs: tuple = ()
         if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
             prompt_ids, mm_inputs = await asyncio.to_thread(image_request, self.model.image_processor, prompt_ids,
@@ -238,20 +269,21 @@ class _Routes:
             for request_id in request_ids:
                 loop.abort(request_id)  # a no-op once it has finished
 
-        sinks = []
         try:
-            for request_id, prompt_ids in zip(request_ids, prompts):
-                sinks.append(await loop.add(request_id, prompt_ids, params, mm_inputs))
+            # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
+            sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts))
         except (ValueError, TypeError, OverflowError) as error:
-            abort_all()
-            raise APIError(400, str(error), param="prompt" if "prompt" in str(error) else None) from None
+            raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
+        except QueueFull as error:
+            raise queue_full_error(str(error)) from None
         except EngineFailure as error:
-            abort_all()
             raise APIError(503, str(error)) from None
         except asyncio.CancelledError:
             abort_all()
             raise
-        outputs = _merged([request_outputs(sink, rendering) for sink in sinks])
+        timeout = self.config.limits.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        outputs = _merged([request_outputs(sink, rendering, deadline) for sink in sinks])
         if body.stream:
             include_usage = body.include_usage() or self.config.force_include_usage
             events = _events(meta, outputs, params, len(prompts), include_usage, rendering)
@@ -261,6 +293,8 @@ class _Routes:
             finals = await run_until_disconnect(request.receive, _last(outputs, len(prompts)))
         except ClientGone:
             return Response(status_code=499)
+        except RequestTimeout as error:
+            raise APIError(503, str(error), code="request_timeout") from None
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
         except asyncio.CancelledError:
@@ -301,10 +335,13 @@ class _Routes:
                   "max_model_len": self.model.max_model_len} for name in self.config.served_model_names]
         return JSONResponse({"object": "list", "data": cards})
 
-    async def health(self) -> JSONResponse:
+    async def health(self, request: Request) -> JSONResponse:
+        """Healthy or not for anyone; the engine's counters and last error only for holders of the API key."""
         loop = self.engine_loop
         ok = loop.running and loop.healthy
-        body = {"status": "ok" if ok else "unhealthy", "engine": loop.state.as_dict(), "last_error": loop.last_error}
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
+        if self._has_key(request):
+            body.update(engine=loop.state.as_dict(), last_error=loop.last_error)
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics_text(self) -> Response:
@@ -322,14 +359,25 @@ class _Routes:
 
     # ------------------------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:
-        key = self.config.api_key
-        if key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not self._has_key(request):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
+
+    def _has_key(self, request: Request) -> bool:
+        """Whether the request carries the API key (always true when none is configured)."""
+        key = self.config.api_key
+        if key is None:
+            return True
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of every prompt (text is tokenized on the tokenizer threads, off the event loop)."""
+        if not any(isinstance(p, str) for p in prompts):
+            return [list(p) for p in prompts]
+        encode = self.model.tokenizer.encode
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_pool, lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
 
     def _check_model(self, name: str | None) -> None:
         served = self.config.served_model_names
@@ -360,12 +408,20 @@ class _Routes:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
-async def request_outputs(sink: asyncio.Queue, rendering: Rendering) -> AsyncIterator[RequestOutput]:
+async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
+                          deadline: float | None = None) -> AsyncIterator[RequestOutput]:
     """A request's outputs as its choices show them (`responses.shown`); when several are waiting only the
     newest is yielded (each holds all text so far). Raises EngineFailure when the engine failed while running
-    the request."""
+    the request, RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never)."""
     while True:
-        item = await sink.get()
+        if deadline is None:
+            item = await sink.get()
+        else:
+            try:
+                item = await asyncio.wait_for(sink.get(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
+                raise RequestTimeout("the request did not finish within the server's request timeout "
+                                     "(--request-timeout); it was aborted") from None
         while not sink.empty():
             item = sink.get_nowait()
         if isinstance(item, Exception):
@@ -456,6 +512,10 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
                                 with_usage_field=include_usage, token_ids=token_ids))
+    except RequestTimeout as error:
+        yield sse(error_body(503, str(error), code="request_timeout"))
+        yield sse("[DONE]")
+        return
     except EngineFailure as error:
         yield sse(error_body(500, str(error)))
         yield sse("[DONE]")

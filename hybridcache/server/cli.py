@@ -6,12 +6,15 @@ import argparse
 import json
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from hybridcache.server.config import ServerConfig
 
 API_KEY_ENV = "HYBRIDCACHE_API_KEY"
+# Of the shutdown grace period, what the end takes after in-flight requests are cancelled (uvicorn's pauses, the
+# engine's last step and aborts), so that the process is gone within --shutdown-timeout of the signal.
+SHUTDOWN_RESERVE_S = 0.5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -19,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
+    from hybridcache.server.limits import add_limit_args
     from hybridcache.server.vllm_flags import add_vllm_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
@@ -38,7 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
                        help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
-                       help="seconds in-flight requests may run after SIGTERM before they are aborted")
+                       help="the process is gone this many seconds after SIGTERM: in-flight requests may run for "
+                            f"all but the last {SHUTDOWN_RESERVE_S} s of it, then they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
@@ -47,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
                             "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
     add_generation_config_arg(serve)
+    add_limit_args(serve)
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
     serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
@@ -70,8 +76,15 @@ def _json_object(text: str) -> dict:
 
 
 def api_key(args: argparse.Namespace) -> str | None:
-    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None (an empty value counts as unset)."""
-    return args.api_key or os.environ.get(API_KEY_ENV) or None
+    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None. An empty value counts as unset, with a warning when no
+    key is left: an empty key given on purpose would otherwise turn authentication off without a word."""
+    given = (("--api-key", args.api_key), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)))
+    key = next((value for _, value in given if value and value.strip()), None)
+    empty = [name for name, value in given if value is not None and not value.strip()]
+    if key is None and empty:
+        logging.getLogger("hybridcache.server").warning(
+            "%s is empty: the server runs WITHOUT an API key (anyone who can connect may use it)", empty[0])
+    return key
 
 
 def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
@@ -86,6 +99,7 @@ def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str
 def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerConfig:
     """The `ServerConfig` the parsed `serve` options describe (`names`: the served model names, reported first)."""
     from hybridcache.server.config import ServerConfig
+    from hybridcache.server.limits import limits_from_args
 
     return ServerConfig(
         host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
@@ -93,7 +107,7 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
         reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
-        force_include_usage=args.enable_force_include_usage,
+        force_include_usage=args.enable_force_include_usage, limits=limits_from_args(args),
     )
 
 
@@ -107,8 +121,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
     from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
+    from hybridcache.server import log_limits
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.chat_images import media_limits
+    from hybridcache.server.connections import uvicorn_options as connection_options
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.uvicorn_server import Server
@@ -132,7 +148,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0])
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
-                             else args.log_stats_interval)
+                             else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
     tokenizer = Tokenizer(engine.model_path)
     if template is not None:
@@ -140,9 +156,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
                         image_processor=engine.image_processor, media_limits=limits)
     app = build_app(engine_loop, model, config, metrics)
+    guard = config.limits
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, access_log=args.enable_access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout_s, lifespan="on", **uvicorn_options(args),
+        timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
+        **uvicorn_options(args),
+        **connection_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
+    log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()
-    return 0
+    engine_loop.stop()  # a no-op once the app's lifespan has stopped it
+    _exit_now(engine)
+
+
+def _exit_now(engine: Any) -> NoReturn:
+    """End the process once the server has shut down: stop the engine (tensor-parallel workers included), flush
+    the logs, and exit with status 0 without the interpreter's teardown, which takes seconds once torch is
+    loaded and would run past the shutdown grace period (`--shutdown-timeout`)."""
+    import sys
+
+    engine.close()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridcache.server.limits import ServerLimits
 from hybridcache.server.reasoning import ReasoningParser
 
 
@@ -18,7 +19,8 @@ class ServerConfig:
     max_request_bytes: request bodies above this are refused with 413. enable_debug_endpoints: serve
     `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
     is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
-    (streams then end with an error event and `[DONE]`). max_request_tokens: the most tokens one request may
+    (streams then end with an error event and `[DONE]`; `hybridcache serve` gives them all but the last 0.5 s,
+    so that its process is gone within it). max_request_tokens: the most tokens one request may
     ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
@@ -26,6 +28,8 @@ class ServerConfig:
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
     request's own `chat_template_kwargs` override them. force_include_usage: every stream ends with a usage
     chunk, as if it had asked with `stream_options.include_usage` (vLLM's `--enable-force-include-usage`).
+    limits: what outside traffic may make the server hold (connections, read time, sequences per request,
+    waiting sequences, run time; `limits.ServerLimits`).
     """
 
     host: str = "127.0.0.1"
@@ -41,6 +45,7 @@ class ServerConfig:
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     force_include_usage: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

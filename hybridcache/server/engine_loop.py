@@ -2,14 +2,16 @@
 
     event loop (HTTP handlers)                       engine thread
     ------------------------------                   ----------------------------------------------
-    await add(id, prompt, params)  --- _Add ----->   engine.add_request (errors go back to the caller)
+    await add_many(ids, prompts)   --- _Add ----->   engine.add_request for each (errors go back to the caller)
     abort(id)                      --- _Abort --->   engine.abort, metrics
     await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
     await call(fn)                 --- _Call ---->   fn(engine) between steps (reads of the prefix cache)
                                                      while requests are unfinished: engine.step()
     per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(queue.put_nowait, output)
 
-Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch.
+Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch,
+and a batch of prompts (one `_Add`) is queued whole: all its prompts join the same step, or none is queued (a
+bad prompt, or `max_queued_requests` waiting sequences: `QueueFull`).
 Each item on a request's queue is a `RequestOutput` (the last one has `finished` set) or an `EngineFailure`
 (the engine raised; the request was aborted). After every step the thread publishes an `EngineState` snapshot
 that any thread may read (`state`), and, every `stats_interval_s` seconds while something changes, logs the
@@ -31,6 +33,7 @@ from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
+from hybridcache.server.limits import QueueFull
 from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
@@ -48,12 +51,14 @@ class EngineBusy(Exception):
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt: str | list[int]
+    """Requests with the same params, queued together: `prompts[i]` is request `request_ids[i]`."""
+
+    request_ids: list[str]
+    prompts: list[str | list[int]]
     params: SamplingParams
-    sink: asyncio.Queue
+    sinks: list[asyncio.Queue]
     done: asyncio.Future
-    mm_inputs: tuple = ()
+    mm_inputs: list[tuple]  # per prompt: its image spans (encoded on the engine thread), () for none
 
 
 @dataclass
@@ -95,8 +100,9 @@ class EngineLoop:
     """Runs `engine` (an `LLMEngine`) in a dedicated thread; see the module docstring."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None,
-                 stats_interval_s: float | None = None) -> None:
+                 stats_interval_s: float | None = None, max_queued_requests: int | None = None) -> None:
         self._engine = engine
+        self._max_queued = max_queued_requests  # waiting sequences (None: no limit); see `add_many`
         self._metrics = metrics
         self._stats = StatsLogger(stats_interval_s, time.monotonic()) if stats_interval_s else None
         self._generated = self._queried = self._hit = 0  # engine thread only: totals for the stats line
@@ -128,15 +134,23 @@ class EngineLoop:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   mm_inputs: tuple = ()) -> asyncio.Queue:
-        """Queue a request (`mm_inputs`: its image spans, encoded on the engine thread); returns its output queue.
-        Raises the engine's ValueError/TypeError for a bad one."""
+        """Queue one request (`mm_inputs`: its image spans); returns its output queue (see `add_many`)."""
+        return (await self.add_many([request_id], [prompt], params, [mm_inputs]))[0]
+
+    async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
+                       mm_inputs: list[tuple] | None = None) -> list[asyncio.Queue]:
+        """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread), all
+        in the same command drain (so they join the same step); returns their output queues. All or nothing:
+        raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
+        `max_queued_requests`, EngineFailure when the engine is dead."""
         if not self.running:
             raise EngineFailure("the engine is not running")
-        sink: asyncio.Queue = asyncio.Queue()
+        sinks: list[asyncio.Queue] = [asyncio.Queue() for _ in request_ids]
         done = self._loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, sink, done, mm_inputs))
+        spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
+        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans))
         await done
-        return sink
+        return sinks
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds (a no-op for an unknown or finished one)."""
@@ -198,16 +212,16 @@ class EngineLoop:
     def _encode_images(self, commands: list) -> None:
         """The images of every request added in this drain through the vision tower together (batched tower
         calls); on an error, each request's `add_request` encodes its own and reports what is wrong with it."""
-        adds = [c for c in commands if isinstance(c, _Add) and c.mm_inputs]
+        adds = [c for c in commands if isinstance(c, _Add) and any(c.mm_inputs)]
         vision = self._engine.vision if adds else None
         if vision is None:
             return
         try:
-            encoded = iter(vision.encode([span for c in adds for span in c.mm_inputs]))
+            encoded = iter(vision.encode([span for c in adds for spans in c.mm_inputs for span in spans]))
         except Exception:  # noqa: BLE001 - left to each request's own add_request
             return
         for command in adds:
-            command.mm_inputs = tuple(next(encoded) for _ in command.mm_inputs)
+            command.mm_inputs = [tuple(next(encoded) for _ in spans) for spans in command.mm_inputs]
 
     def _handle(self, command: _Add | _Abort | _Check | _Call) -> None:
         engine = self._engine
@@ -220,16 +234,7 @@ class EngineLoop:
                 self._resolve(command.done, result)
             return
         if isinstance(command, _Add):
-            try:
-                engine.add_request(command.request_id, command.prompt, command.params, command.mm_inputs)
-            except EngineDeadError as error:  # a 503 for the caller, as for a request the failure aborted
-                self._resolve(command.done, error=EngineFailure(str(error)))
-                return
-            except Exception as error:  # noqa: BLE001 - handed to the caller
-                self._resolve(command.done, error=error)
-                return
-            self._streams[command.request_id] = _Stream(command.sink, time.perf_counter())
-            self._resolve(command.done, None)
+            self._add(command)
         elif isinstance(command, _Abort):
             stream = self._streams.pop(command.request_id, None)
             output = engine.abort(command.request_id)
@@ -247,6 +252,33 @@ class EngineLoop:
                 return
             self.state = state
             self._resolve(command.done, state)
+
+    def _add(self, command: _Add) -> None:
+        engine = self._engine
+        if self._max_queued is not None:
+            waiting = engine.stats()["num_waiting"]
+            incoming = len(command.request_ids) * command.params.n
+            if waiting + incoming > self._max_queued:
+                self._resolve(command.done, error=QueueFull(
+                    f"the server is busy: {waiting} sequences wait for the engine, and this request would add "
+                    f"{incoming} to the {self._max_queued} allowed (--max-queued-requests)"))
+                return
+        added: list[str] = []
+        try:
+            for request_id, prompt, spans in zip(command.request_ids, command.prompts, command.mm_inputs):
+                engine.add_request(request_id, prompt, command.params, spans)
+                added.append(request_id)
+        except Exception as error:  # noqa: BLE001 - handed to the caller
+            for request_id in added:
+                engine.abort(request_id)
+            # a dead engine is a 503 for the caller, as for a request the failure aborted
+            self._resolve(command.done, error=EngineFailure(str(error)) if isinstance(error, EngineDeadError)
+                          else error)
+            return
+        now = time.perf_counter()
+        for request_id, sink in zip(command.request_ids, command.sinks):
+            self._streams[request_id] = _Stream(sink, now)
+        self._resolve(command.done, None)
 
     def _mark_started(self, step_start: float) -> None:
         """Note the step that first computed each request (its queue time ends where that step began)."""

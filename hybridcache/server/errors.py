@@ -11,14 +11,17 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class APIError(Exception):
     """An error to send to the client. `status`: 400, 401, 404, 409, 413, 415, 500, 502 (the router: a replica
-    failed) or 503; `param`: the offending field (or None); `code`: a short machine-readable reason (or None)."""
+    failed) or 503; `param`: the offending field (or None); `code`: a short machine-readable reason (or None);
+    `headers`: extra response headers (`Retry-After`)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
@@ -25,10 +25,19 @@ from hybridcache.server.structured import guided_spec, response_format_spec, too
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128  # OpenAI's limit on choices per request
 
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+
+def _not_a_bool(value: Any) -> Any:
+    """JSON `true` is not the integer 1 (pydantic's lax mode would take it as one)."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be an integer, got the boolean {json.dumps(value)}")
+    return value
+
+
+Int64 = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=-(2**63), le=2**63 - 1)]
+TokenId = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=0, lt=2**31)]
 # seed + i seeds choice i (i < MAX_N), and a torch generator takes seeds below 2**64
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=-(2**63), le=2**63 - 1)]
+MAX_TOKEN_ID_DIGITS = 10  # a token id is below 2**31
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -94,11 +103,34 @@ class _SamplingRequest(BaseModel):
                            param="response_format")
         return specs[0][1] if specs else None
 
+    def engine_error_param(self, message: str) -> str | None:
+        """The field that the engine's error `message` (a request it refused) is about: the field it starts
+        with, the constraint field for a grammar it cannot use, else the prompt."""
+        first = message.split(" ", 1)[0]
+        if first in type(self).model_fields:
+            return first
+        if "constraint" in message:
+            return self.guided_field()
+        return "prompt" if "prompt" in message else None
+
+    def guided_field(self) -> str | None:
+        """The name of the field that sets the request's structured-output constraint (None: none does)."""
+        nested = self.structured_outputs if isinstance(self.structured_outputs, dict) else {}
+        names = ["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+        for name in names:
+            if getattr(self, name) is not None:
+                return name
+        return next((f"structured_outputs.{key}" for key, value in nested.items() if value), None)
+
     def _logit_bias(self) -> dict[int, float]:
+        """The bias by token id. Keys are token ids written in ASCII digits (`"٥"` is a digit to `str.isdigit`
+        and to `int`, and `int` refuses over 4,300 digits with an error of its own); the engine checks them
+        against the vocabulary."""
         bias = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= 2**31:
-                raise APIError(400, f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS) or int(key) >= 2**31:
+                raise APIError(400, f"logit_bias keys are token ids (decimal ASCII digits), got {key[:40]!r}",
+                               param="logit_bias")
             bias[int(key)] = value
         return bias
 
@@ -130,7 +162,7 @@ class _SamplingRequest(BaseModel):
                 seed=self.seed,
                 n=self.n,
                 min_p=d.pick("min_p", self.min_p, 0.0),
-                min_tokens=min(self.min_tokens, max_tokens),
+                min_tokens=self.min_tokens,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=d.pick("repetition_penalty", self.repetition_penalty, 1.0),
@@ -322,6 +354,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.tool_choice is not None:
             return self.tool_choice
         return "auto" if self.tools else "none"
+
+    def guided_field(self) -> str | None:
+        if self.effective_tool_choice() not in ("auto", "none"):
+            return "tool_choice"
+        return super().guided_field()
 
     def guided(self) -> GuidedSpec | None:
         forced = tool_choice_spec(self.tool_dicts(), self.effective_tool_choice())

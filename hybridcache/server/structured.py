@@ -9,6 +9,9 @@ from typing import Any
 from hybridcache.guided import GuidedKind, GuidedSpec
 from hybridcache.server.errors import APIError
 
+# The keys of vLLM's `structured_outputs` this server implements; another key is refused unless it is null or false.
+STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+
 
 def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec | None:
     """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
@@ -33,11 +36,16 @@ def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec |
 def guided_spec(fields: dict[str, Any]) -> GuidedSpec | None:
     """vLLM's constraint fields: `guided_json` (a schema, object or text), `guided_regex`, `guided_choice` (a
     list of strings), `guided_grammar` (EBNF), or the same as `structured_outputs.{json,regex,choice,grammar,
-    json_object}`. At most one may be set."""
+    json_object}` (any other key of `structured_outputs` that is set is refused). At most one may be set."""
     found: list[tuple[str, GuidedSpec]] = []
     nested = fields.get("structured_outputs") or {}
     if not isinstance(nested, dict):
         raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
+    for key, value in nested.items():
+        if key not in STRUCTURED_OUTPUT_KEYS and value not in (None, False):
+            raise APIError(400, f"structured_outputs.{key} is not supported by this server (it understands "
+                           f"{', '.join(STRUCTURED_OUTPUT_KEYS)})", param=f"structured_outputs.{key}",
+                           code="unsupported_parameter")
     sources = [(f"guided_{k}", fields.get(f"guided_{k}")) for k in ("json", "regex", "choice", "grammar")]
     sources += [(f"structured_outputs.{k}", nested.get(k)) for k in ("json", "regex", "choice", "grammar")]
     if nested.get("json_object"):

@@ -1,5 +1,5 @@
-"""The workers of a tensor-parallel engine go away when the engine's process exits or gets SIGTERM (a killed
-worker: `test_tensor_parallel.py`)."""
+"""The workers of a tensor-parallel engine go away when the engine's process exits or gets SIGTERM, or when its
+`LLM` is closed (a killed worker: `test_tensor_parallel.py`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from hybridcache import LLM, SamplingParams
+from hybridcache.engine.engine import EngineDeadError
 
 from .folders import write_folder
 
@@ -69,3 +72,37 @@ def test_workers_exit_when_the_engine_process_gets_sigterm(model_dir):
     process.send_signal(signal.SIGTERM)
     process.wait(30)
     assert wait_gone(pids, 10)
+
+
+@pytest.mark.slow
+def test_closing_an_llm_stops_its_workers_so_the_next_one_can_start(model_dir):
+    """`LLM` had no close(): a second tensor-parallel engine in one process raised until the user reached
+    `llm.engine.runner.shutdown()`. Closing (here: leaving the `with` block) stops the workers and leaves the
+    process group."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(model_dir, tensor_parallel_size=2, max_num_seqs=2, max_model_len=128) as llm:
+        first = llm.generate("close me", params, use_tqdm=False)[0].outputs[0].token_ids
+        pids = llm.engine.runner.worker_pids
+        assert all(alive(pid) for pid in pids)
+    assert wait_gone(pids, 10)
+    with pytest.raises(EngineDeadError, match="closed"):
+        llm.generate("close me", params, use_tqdm=False)
+    with LLM(model_dir, tensor_parallel_size=2, max_num_seqs=2, max_model_len=128) as again:
+        assert again.generate("close me", params, use_tqdm=False)[0].outputs[0].token_ids == first
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_llm_starts_from_a_script_read_on_stdin(model_dir):
+    """Spawned workers re-run the parent's __main__ from its file: '<stdin>' used to kill them with
+    FileNotFoundError."""
+    script = (
+        "from hybridcache import LLM, SamplingParams\n"
+        f"with LLM({str(model_dir)!r}, tensor_parallel_size=2, max_num_seqs=2, max_model_len=128) as llm:\n"
+        "    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)\n"
+        "    out = llm.generate('stdin', params, use_tqdm=False)\n"
+        "print('tokens', len(out[0].outputs[0].token_ids), flush=True)\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0 and "tokens 3" in done.stdout, done.stderr[-3000:]

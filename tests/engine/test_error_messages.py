@@ -28,3 +28,19 @@ def test_seed_out_of_range_names_seed():
     top = SamplingParams(seed=2**63 - 1, n=4, temperature=1.0)
     assert make_generator(top, 3, "cpu") is not None  # seed + index still fits torch's generator
     assert make_generator(SamplingParams(seed=-(2**63), temperature=1.0), 0, "cpu") is not None
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(stop_token_ids=[3, 10**6]), "stop_token_ids"),
+    (SamplingParams(logit_bias={2**31 - 1: 1.0}), "logit_bias"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_and_change_nothing(params, field):
+    """Out-of-vocabulary ids used to be accepted (and a logit_bias entry looped over at every step)."""
+    llm = LLM(block_size=16, max_model_len=64, max_num_seqs=2)
+    vocab = llm.engine.model_config.vocab_size
+    with pytest.raises(ValueError, match=f"^{field} holds .* the vocabulary has {vocab} tokens"):
+        llm.engine.add_request("bad", "abc", params)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    last = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=[vocab - 1], logit_bias={vocab - 1: -1.0})
+    assert llm.generate("abc", last, use_tqdm=False)[0].outputs[0].token_ids  # the last id is a token id

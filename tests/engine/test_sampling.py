@@ -190,6 +190,7 @@ def test_batched_rows_match_rows_sampled_alone(device):
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"), ({"min_tokens": -1}, "min_tokens"),
     ({"logit_bias": {3: 101}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
+    ({"min_tokens": 5, "max_tokens": 4}, "^min_tokens must be at most max_tokens"),
 ])
 def test_bad_new_sampling_params_raise(kwargs, needle):
     with pytest.raises(ValueError, match=needle):

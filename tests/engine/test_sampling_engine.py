@@ -11,7 +11,7 @@ import torch
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
-from hybridcache.guided import GuidedKind, GuidedSpec
+from hybridcache.guided import GuidedKind, GuidedSpec, fill_bitmask
 from hybridcache.sampling import SamplingParams
 
 SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_num_batched_tokens=64,
@@ -90,3 +90,33 @@ def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
     with pytest.raises(ValueError, match="regex"):
         engine.add_request("bad", "x", params)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_with_no_output_is_refused_and_a_dead_end_ends_the_choice(engine, temperature):
+    """Issue 26: `root ::= x`, `x ::= x` allows nothing, and used to answer token 0 again and again; it is refused
+    when the request is added. A grammar that dead-ends later (nothing may follow "a") ends the choice with EOS."""
+    never = SamplingParams(guided=GuidedSpec(GuidedKind.GRAMMAR, "root ::= x\nx ::= x"))
+    with pytest.raises(ValueError, match="allows no first token"):
+        engine.add_request("never", "x", never)
+    assert not engine.has_unfinished_requests()
+    engine.check_integrity()
+    dead_end = GuidedSpec(GuidedKind.GRAMMAR, 'root ::= "a" x\nx ::= x')
+    params = SamplingParams(temperature=temperature, seed=1, max_tokens=6, guided=dead_end)
+    choice = run(engine, f"dead-end-{temperature}", "x", params).outputs[0]
+    assert (choice.text, choice.finish_reason) == ("a", "stop")
+    assert choice.token_ids[-1] in engine.eos_token_ids and len(choice.token_ids) == 2
+
+
+def test_a_dead_end_row_allows_exactly_the_given_tokens_top_bits_included():
+    class DeadEnd:
+        def is_terminated(self) -> bool:
+            return False
+
+        def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+            bitmask[row] = 0
+
+    bitmask = fill_bitmask([DeadEnd(), None], 96, dead_end_tokens=[31, 63, 64])
+    allowed = [t for t in range(96) if (int(bitmask[0, t // 32]) >> (t % 32)) & 1]
+    assert allowed == [31, 63, 64]
+    assert all((int(bitmask[1, t // 32]) >> (t % 32)) & 1 for t in range(96))  # an unconstrained row: all

@@ -33,7 +33,7 @@ def serving(engine_config: EngineConfig = ENGINE, **server_options) -> Iterator[
     config = ServerConfig(port=free_port(), served_model_name=BUILTIN_NAME, **server_options)
     engine = LLMEngine(None, engine_config)
     metrics = ServerMetrics(model_name=config.served_model_name)
-    loop = EngineLoop(engine, metrics)
+    loop = EngineLoop(engine, metrics, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: loop.state)
     model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len)
     server = Server(uvicorn.Config(build_app(loop, model, config, metrics), host=config.host, port=config.port,

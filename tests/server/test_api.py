@@ -125,9 +125,12 @@ def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     health = httpx.get(f"{server.base_url}/health").json()
-    assert health["status"] == "ok"
-    assert health["engine"]["num_blocks"] == 2048
-    assert health["engine"]["weights"] == "dense" and health["engine"]["kv_cache_dtype"] == "float32"
+    assert health == {"status": "ok"}  # without the key: healthy or not, no engine internals
+    wrong = httpx.get(f"{server.base_url}/health", headers={"authorization": "Bearer nope"}).json()
+    assert wrong == {"status": "ok"}
+    keyed = httpx.get(f"{server.base_url}/health", headers={"authorization": f"Bearer {API_KEY}"}).json()
+    assert keyed["status"] == "ok" and keyed["engine"]["num_blocks"] == 2048 and keyed["last_error"] is None
+    assert keyed["engine"]["weights"] == "dense" and keyed["engine"]["kv_cache_dtype"] == "float32"
 
 
 def test_metrics_hit_tokens_move_by_exactly_the_reported_cached_tokens(client, server):

@@ -15,6 +15,10 @@ from tests.server.server_process import metric_value, running_server
 
 MAX_TOKENS = 24
 CANCEL_AFTER_CHUNKS = 3
+# A cancelled stream asks for many more tokens than it reads, so that its abort (sent when the client closes
+# after 3 chunks) reaches the engine long before the request could finish on its own, however slowly the client
+# reads on a loaded machine: with 24 tokens the engine sometimes finished it first and counted no abort.
+MAX_TOKENS_CANCELLED = 200
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +33,8 @@ async def _one_stream(client: openai.AsyncOpenAI, index: int, cancel: bool) -> t
     """Returns (text, finish_reason, chunks seen); a cancelled stream closes its connection midway."""
     stream = await client.completions.create(
         model=MODEL, prompt=f"Request {index}: a shared opening line, then something of its own {index * 7}",
-        max_tokens=MAX_TOKENS, temperature=0.8, seed=index, stream=True, extra_body={"ignore_eos": True})
+        max_tokens=MAX_TOKENS_CANCELLED if cancel else MAX_TOKENS, temperature=0.8, seed=index, stream=True,
+        extra_body={"ignore_eos": True})
     text, reason, num_chunks = "", None, 0
     async for chunk in stream:
         num_chunks += 1
