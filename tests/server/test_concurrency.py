@@ -18,7 +18,7 @@ CANCEL_AFTER_CHUNKS = 3
 # A cancelled stream asks for many more tokens than it reads, so that its abort (sent when the client closes
 # after 3 chunks) reaches the engine long before the request could finish on its own, however slowly the client
 # reads on a loaded machine: with 24 tokens the engine sometimes finished it first and counted no abort.
-MAX_TOKENS_CANCELLED = 200
+MAX_TOKENS_CANCELLED = 160  # the longest prompt is 61 tokens, max_model_len 256
 
 
 @pytest.fixture(scope="module")
