@@ -507,6 +507,11 @@ class LLMEngine:
         drafting = [s for s in final if not s.is_finished]
         if launched.chunks:
             self.drafter.propose(launched.chunks, drafting)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """The outputs of the requests a step touched (a streaming request's every step, a `final_only` one's
+        last); finished requests are forgotten."""
         outputs = []
         for request_id, request in touched.items():
             finished = request.finished
@@ -567,14 +572,7 @@ class LLMEngine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
             touched[seq.request_id] = request
-        outputs = []
-        for request_id, request in touched.items():
-            finished = request.finished
-            if finished or not request.final_only:
-                outputs.append(self.output_processor.output(request))
-            if finished:
-                del self._requests[request_id]
-        return outputs
+        return self._outputs(touched)
 
     # ----------------------------------------------------------------------------------- introspection
     def check_integrity(self) -> None:
