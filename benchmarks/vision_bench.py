@@ -3,6 +3,7 @@ the throughput of concurrent image chats.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/vision_bench.py [--shape 9b|tiny] [--model-dir DIR]
         [--device cuda] [--dtype bfloat16] [--sizes 448,1344] [--concurrent 64] [--max-tokens 64] [--out DIR]
+        [--tower-only]
 
 Model (`--shape`): `9b`, a random Qwen3.5-9B-shaped image-text folder (transformers' default `Qwen3_5Config`:
 text hidden 4,096, 32 layers 3:1; vision tower of 27 blocks, width 1,152, patch 16, merge 2, projecting to 4,096;
@@ -18,11 +19,19 @@ Measured (each printed and written to DIR/vision_bench.json; DIR: $OUT, else .):
    images the tower encoded for it (0: the encoder cache served it).
 3. `concurrent`: `--concurrent` image chats at once (each its own 448 x 448 image), `--max-tokens` each (ignore
    EOS): wall time, output tokens per second, images encoded.
+
+`--tower-only` (no language model, no folder: a random tower of the `--shape` drawn on the device; written to
+DIR/vision_tower.json): for each encoder attention backend the device runs ("reference": SDPA per frame;
+"flash_varlen": one varlen FlashAttention call per block), the tower's time per image at each size alone and for
+16 images of the first size in one call; the largest error of each backend's output against the fp32 reference tower;
+and the activation peak of one call (CUDA: bytes above what was allocated before) at each size and at the largest
+image Qwen3.5's processor allows (16,777,216 pixels: 256 x 256 patches).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -135,6 +144,104 @@ def concurrent(llm: LLM, num: int, max_tokens: int) -> dict:
     return out
 
 
+def tower_config(shape: str):
+    from hybridcache.models.vision_config import VisionConfig
+    from hybridcache.models.vl_folders import TINY_VISION
+
+    vision = {"out_hidden_size": 4096} if shape == "9b" else {**TINY_VISION, "out_hidden_size": 32}
+    return VisionConfig.from_dict({"vision_config": vision})
+
+
+def timed(device: torch.device, fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` runs after one warm-up (synchronised)."""
+    times = []
+    for _ in range(repeats + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def peak_bytes(device: torch.device, fn) -> int | None:
+    """Bytes allocated at fn()'s peak above what was allocated before (CUDA; None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def tower_only(args: argparse.Namespace, save) -> dict:
+    """The `--tower-only` measurements (module docstring); `save(result)` after each row (a kill keeps them)."""
+    from hybridcache.kernels.encoder_attention import default_encoder_attention
+    from hybridcache.models.random_weights import randomize_
+    from hybridcache.models.vision import VisionTower
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    config = tower_config(args.shape)
+    with torch.device(device):
+        reference_fp32 = VisionTower(config)
+    randomize_(reference_fp32, seed=0, draw_device=device)
+    tower = copy.deepcopy(reference_fp32).to(dtype)
+    backends = ["reference"]
+    if default_encoder_attention(device.type, dtype, config.head_dim) != "reference":
+        backends.append(default_encoder_attention(device.type, dtype, config.head_dim))
+    patch, merge = config.patch_size, config.spatial_merge_size
+    generator = torch.Generator(device).manual_seed(0)
+
+    def pixels(grids):
+        return torch.randn(sum(t * h * w for t, h, w in grids), config.patch_dim, device=device, generator=generator)
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    cases = {f"{size}": [(1, size // patch, size // patch)] for size in sizes}
+    batched = f"16x{sizes[0]}"
+    cases[batched] = [(1, sizes[0] // patch, sizes[0] // patch)] * 16
+    out: dict = {"shape": args.shape, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+                 "backends": backends, "cases": {}}
+    inputs = {name: pixels(grids) for name, grids in cases.items()}
+    want = {name: torch.cat(reference_fp32(inputs[name], grids)) for name, grids in cases.items() if name != batched}
+    del reference_fp32
+    print(f"{'case':>8} {'backend':>13} {'ms/call':>9} {'ms/image':>9} {'tokens/img':>10} {'max_rel':>8} "
+          f"{'peak MiB':>9}")
+    for name, grids in cases.items():
+        row = out["cases"][name] = {"grids": [list(g) for g in grids]}
+        for backend in backends:
+            tower.use_attention(backend)
+            seconds = timed(device, lambda g=grids, n=name: tower(inputs[n], g), repeats=5)
+            peak = peak_bytes(device, lambda g=grids, n=name: tower(inputs[n], g))
+            err = None
+            if name in want:
+                got = torch.cat(tower(inputs[name], grids)).float()
+                err = ((got - want[name]).abs().max() / want[name].abs().max()).item()
+            tokens = sum(t * h * w for t, h, w in grids) // config.merge_unit // len(grids)
+            row[backend] = {"ms_per_call": 1000 * seconds, "ms_per_image": 1000 * seconds / len(grids),
+                            "tokens_per_image": tokens, "max_rel_vs_fp32": err, "peak_bytes": peak}
+            err_text = "-" if err is None else f"{err:.1e}"
+            peak_text = "-" if peak is None else f"{peak / 2**20:.0f}"
+            print(f"{name:>8} {backend:>13} {1000 * seconds:9.2f} {1000 * seconds / len(grids):9.2f} {tokens:10d} "
+                  f"{err_text:>8} {peak_text:>9}", flush=True)
+            save(out)
+    if device.type == "cuda" and args.shape == "9b":
+        side = 4096 // patch // merge * merge  # Qwen3.5's longest_edge: 16,777,216 pixels = 4,096 x 4,096
+        grid = [(1, side, side)]
+        big = pixels(grid)
+        tower.use_attention(backends[-1])
+        start = time.perf_counter()
+        peak = peak_bytes(device, lambda: tower(big, grid))
+        seconds = time.perf_counter() - start
+        out["largest_image"] = {"grid": list(grid[0]), "backend": backends[-1], "peak_bytes": peak, "s": seconds}
+        save(out)
+        print(f"largest image {side} x {side} patches ({backends[-1]}): peak {peak / 2**30:.2f} GiB above the "
+              f"weights, {seconds:.2f} s (first call)", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=["9b", "tiny"], default="9b")
@@ -145,7 +252,13 @@ def main() -> None:
     parser.add_argument("--concurrent", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--tower-only", action="store_true", help="the vision tower alone (see the docstring)")
     args = parser.parse_args()
+    if args.tower_only:
+        out = Path(args.out) / "vision_tower.json"
+        tower_only(args, lambda result: out.write_text(json.dumps(result, indent=2)))
+        print(f"wrote {out}")
+        return
     folder = model_folder(args.shape, args.model_dir)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     llm = LLM(folder, device=args.device, dtype=dtype, max_num_seqs=max(16, args.concurrent),

@@ -7,6 +7,10 @@ runner picks one by name (`get_backend(device, attention=...)`, the engine's `at
                  device), "triton" (CUDA: the block-scaled Triton GEMM, `torch._scaled_mm` per channel),
                  registered in `hybridcache/kernels/gemm/`; an `Fp8Linear` names one in its `gemm` (None: the
                  device's default, `kernels.backend.gemm_backend`)
+    ENCODER_ATTENTION  bidirectional attention within each segment of a packed batch (the vision tower's,
+                 `hybridcache.kernels.encoder_attention.base.EncoderAttention`): "reference" (SDPA per segment,
+                 any device), "flash_varlen" (CUDA), registered in `hybridcache/kernels/encoder_attention/`; the
+                 tower takes `encoder_attention.default_encoder_attention(device, dtype, head_dim)`
 
 A new implementation is one class in its family's folder with `@ATTENTION.register("name")`, in a module that
 the family's `__init__.py` imports (so importing the family registers it). A module that needs CUDA-only
@@ -63,3 +67,4 @@ class OpRegistry:
 
 ATTENTION = OpRegistry("attention")
 GEMM = OpRegistry("gemm")
+ENCODER_ATTENTION = OpRegistry("encoder attention")

@@ -17,21 +17,26 @@ patches of image after image; an image of grid (t, h, w) patches owns t*h*w rows
 within a frame, merge block by merge block (block row, block column, row in block, column in block). So every
 `spatial_merge_size**2` consecutive rows are one merged token, in raster order of the merged grid.
 
-Attention is bidirectional within one frame of one image and never across images. On the CPU and on CUDA it
-runs as torch's SDPA, one call per frame (a varlen kernel over all images at once is future work).
+Attention is bidirectional within one frame of one image and never across images: an encoder attention backend
+(`hybridcache.kernels.encoder_attention`) over the packed frames of every image of the call. "reference" (torch
+SDPA per frame) unless `use_attention` picks another; the loader picks "flash_varlen" on CUDA in fp16 / bf16 (one
+varlen FlashAttention call per block for all frames).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from hybridcache.kernels.encoder_attention.base import EncoderAttention
+from hybridcache.kernels.registry import ENCODER_ATTENTION
 from hybridcache.models.vision_config import VisionConfig
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as transformers' image_grid_thw
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # q, k, v [N, H, D] -> [N, H, D]
 
 
 class VisionAttention(nn.Module):
@@ -43,16 +48,12 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:
-        """x [N, hidden]; rope: cos, sin [N, head_dim]; lengths: patches of each frame, summing to N."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        """x [N, hidden]; rope: cos, sin [N, head_dim]; attend(q, k, v): the call's encoder attention over frames."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, H, D] each
         q, k = _rotate(q, *rope), _rotate(k, *rope)
-        outputs = []
-        for q_i, k_i, v_i in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True):
-            out = F.scaled_dot_product_attention(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
-            outputs.append(out.transpose(0, 1))
-        return self.proj(torch.cat(outputs).reshape(n, -1))
+        return self.proj(attend(q, k, v).reshape(n, -1))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -82,8 +83,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(config)
         self.mlp = VisionMLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, lengths)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, attend)
         return x + self.mlp(self.norm2(x))
 
 
@@ -116,7 +117,8 @@ class PatchMerger(nn.Module):
 
 class VisionTower(nn.Module):
     """`tower(pixel_values, grids)` -> one embedding tensor per image, [t*h*w / merge_unit, out_hidden_size] each
-    (see the module docstring for the input layout). Runs under `torch.inference_mode`."""
+    (see the module docstring for the input layout). Runs under `torch.inference_mode`. `attention`: its encoder
+    attention backend ("reference" until `use_attention` names another)."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
@@ -125,8 +127,20 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
+        self.attention: EncoderAttention = ENCODER_ATTENTION.create("reference", "cpu")
+        self.attention_name = "reference"
         self.eval()
         self.requires_grad_(False)
+
+    def use_attention(self, name: str) -> None:
+        """Attend with the encoder attention backend registered as `name`; ValueError (nothing changed) when it
+        does not run on the weights' device or cannot run their dtype and the head dim."""
+        weight = self.pos_embed.weight
+        backend = ENCODER_ATTENTION.create(name, weight.device.type)
+        problems = backend.problems(self.config.head_dim, weight.dtype)
+        if problems:
+            raise ValueError(f"encoder attention {name!r} cannot run the vision tower: {'; '.join(problems)}")
+        self.attention, self.attention_name = backend, name
 
     def check_grid(self, grid: Grid) -> None:
         """ValueError unless `grid` is (t, h, w) positive with h and w multiples of the spatial merge size."""
@@ -148,9 +162,13 @@ class VisionTower(nn.Module):
             x = self.patch_embed(pixel_values.to(device))
             x = x + torch.cat([self._positions(grid) for grid in grids]).to(x.dtype)
             rope = self._rotary(grids, device)
-            lengths = [h * w for t, h, w in grids for _ in range(t)]
+            metadata = self.attention.prepare([h * w for t, h, w in grids for _ in range(t)], device)
+
+            def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return self.attention.attention(q, k, v, metadata)
+
             for block in self.blocks:
-                x = block(x, rope, lengths)
+                x = block(x, rope, attend)
             merged = self.merger(x)
         return list(merged.split([t * h * w // config.merge_unit for t, h, w in grids]))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from hybridcache.kernels.encoder_attention import default_encoder_attention
 from hybridcache.models.vision import VisionTower
 from hybridcache.models.vision_config import VisionConfig
 
@@ -56,8 +57,9 @@ def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor])
 def load_vision_tower(
     model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
 ) -> VisionTower | None:
-    """The folder's vision tower in eval mode, parameters in `dtype` on `device`; None when config.json has no
-    `vision_config` (a text model)."""
+    """The folder's vision tower in eval mode, parameters in `dtype` on `device`, attending with the device's
+    encoder attention (`default_encoder_attention`: "flash_varlen" on CUDA in fp16 / bf16, else "reference"); None
+    when config.json has no `vision_config` (a text model)."""
     from safetensors import safe_open
 
     from hybridcache.models.loader import safetensors_files
@@ -83,4 +85,5 @@ def load_vision_tower(
     with torch.no_grad():
         for name, source in plan.items():
             params[name].copy_(handles[location[source]].get_tensor(source))
+    tower.use_attention(default_encoder_attention(torch.device(device).type, dtype, config.head_dim))
     return tower.eval()
