@@ -7,11 +7,14 @@ the throughput of concurrent image chats.
 
 Model (`--shape`): `9b`, a random Qwen3.5-9B-shaped image-text folder (transformers' default `Qwen3_5Config`:
 text hidden 4,096, 32 layers 3:1; vision tower of 27 blocks, width 1,152, patch 16, merge 2, projecting to 4,096;
-Qwen3.5's preprocessor: 65,536 to 16,777,216 pixels per image), built in `--model-dir` when that holds no
-config.json yet (drawn on the GPU when there is one); `tiny`, the tests' folder (a CPU smoke test of this
-script). Image tokens: a 448 x 448 image is 28 x 28 patches, 196 tokens; 1,344 x 1,344 is 84 x 84, 1,764.
+Qwen3.5's preprocessor: 65,536 to 16,777,216 pixels per image): config, tokenizer and preprocessor only, written
+in `--model-dir` when that holds no config.json yet, and served with `load_format="dummy"` (random weights drawn
+on the device, tower included: nothing of 9B parameters is written or read); `tiny`, the tests' folder (a CPU
+smoke test of this script, weights read from it). Image tokens: a 448 x 448 image is 28 x 28 patches, 196
+tokens; 1,344 x 1,344 is 84 x 84, 1,764.
 
-Measured (each printed and written to DIR/vision_bench.json; DIR: $OUT, else .):
+Measured (each printed and written to DIR/vision_bench.json after each phase; DIR: $OUT, else .), after the
+engine's start-up (its time, memory plan and the vision encoder's reserve are recorded first):
 1. `vit_ms[size]`: the tower alone on one processed image of size x size random pixels (median of 5 after a
    warm-up; CUDA synchronised), with its token count.
 2. `ttft_cold_ms` / `ttft_second_turn_ms`: one image chat (448 x 448) with `max_tokens=1`, then its second turn
@@ -43,13 +46,14 @@ import numpy as np
 import torch
 
 from hybridcache.llm import LLM
-from hybridcache.models.vl_folders import PREPROCESSOR, byte_token_ids, write_tiny_vl_model, write_vl_model
+from hybridcache.models.vl_folders import PREPROCESSOR, byte_token_ids, write_tiny_vl_model, write_vl_files
 from hybridcache.sampling import SamplingParams
 
 QWEN35_PREPROCESSOR = {**PREPROCESSOR, "patch_size": 16, "size": {"shortest_edge": 65536, "longest_edge": 16777216}}
 
 
 def build_9b(path: Path) -> Path:
+    """The 9B-shaped folder without weights (served with load_format="dummy")."""
     import transformers
 
     from hybridcache.models.builtin import build_byte_tokenizer
@@ -60,8 +64,7 @@ def build_9b(path: Path) -> Path:
     config = transformers.Qwen3_5Config(text_config=text, vision_config={"out_hidden_size": text["hidden_size"]},
                                         **byte_token_ids())
     config.architectures = ["Qwen3_5ForConditionalGeneration"]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return write_vl_model(path, config, QWEN35_PREPROCESSOR, dtype=torch.bfloat16, draw_device=device)
+    return write_vl_files(path, config, QWEN35_PREPROCESSOR)
 
 
 def model_folder(shape: str, model_dir: str | None) -> Path:
@@ -261,13 +264,29 @@ def main() -> None:
         return
     folder = model_folder(args.shape, args.model_dir)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    llm = LLM(folder, device=args.device, dtype=dtype, max_num_seqs=max(16, args.concurrent),
-              max_num_batched_tokens=8192 if args.device.startswith("cuda") else 512)
-    result = {"shape": args.shape, "device": args.device, "dtype": dtype,
-              "vit": vit_times(llm, [int(s) for s in args.sizes.split(",")]), **ttft(llm),
-              "concurrent": concurrent(llm, args.concurrent, args.max_tokens)}
     out = Path(args.out) / "vision_bench.json"
-    out.write_text(json.dumps(result, indent=2))
+    result: dict = {"shape": args.shape, "device": args.device, "dtype": dtype}
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=2))
+
+    start = time.perf_counter()
+    llm = LLM(folder, device=args.device, dtype=dtype, max_num_seqs=max(16, args.concurrent),
+              max_num_batched_tokens=8192 if args.device.startswith("cuda") else 512,
+              max_model_len=16384 if args.shape == "9b" else None,
+              load_format="dummy" if args.shape == "9b" else "auto")
+    plan = llm.engine.memory_plan
+    result["start_up_s"] = time.perf_counter() - start
+    result["memory_plan"] = plan.describe()
+    result["encoder_reserve_bytes"] = plan.encoder_bytes
+    print(f"start-up {result['start_up_s']:.1f} s; {plan.describe()}", flush=True)
+    save()
+    result["vit"] = vit_times(llm, [int(s) for s in args.sizes.split(",")])
+    save()
+    result.update(ttft(llm))
+    save()
+    result["concurrent"] = concurrent(llm, args.concurrent, args.max_tokens)
+    save()
     print(f"wrote {out}")
 
 

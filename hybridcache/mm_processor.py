@@ -78,6 +78,14 @@ class ImageProcessor:
             out.append(ProcessedImage(pixels, grid, f"image:{digest.hexdigest()}"))
         return out
 
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image this processor emits: it resizes every image to at most `longest_edge`
+        pixels (transformers' name for max_pixels), so at most longest_edge / patch^2 patches (t = 1)."""
+        size = self._hf.size
+        max_pixels = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+        return int(max_pixels) // self.vision.patch_size**2
+
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // self.vision.merge_unit

@@ -172,10 +172,12 @@ class LLMEngine:
             )
         self.tokenizer = Tokenizer(self.model_path)
         # before the runner: on CUDA the pools are sized from the memory left after the vision weights
-        self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device)
+        self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device,
+                                                   load_format=config.load_format)
         self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
                                 if self.vision is not None else None)
-        self.runner = make_executor(RunnerSpec(self.model_path, config, self.max_model_len), self.device)
+        spec = RunnerSpec(self.model_path, config, self.max_model_len, encoder_bytes=self._encoder_reserve())
+        self.runner = make_executor(spec, self.device)
         plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
@@ -220,6 +222,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
 
     # ----------------------------------------------------------------------------------- requests
+    def _encoder_reserve(self) -> int:
+        """Device memory kept out of the pools for the vision encoder (`VisionEncoder.reserve_bytes` at the
+        processor's largest image; measured on CUDA, 0 elsewhere and without a vision tower)."""
+        if self.vision is None:
+            return 0
+        return self.vision.reserve_bytes(self.image_processor.max_patches)
+
     def add_request(
         self,
         request_id: str,

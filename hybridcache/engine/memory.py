@@ -10,6 +10,9 @@ The budget (CUDA; `budget_bytes`):
 
 It buys, in this order:
 
+0. with a vision tower, the encoder's reserve (`encoder_bytes`, measured by the engine before the pools are sized:
+   the activation peak of the largest tower call the processor's largest image can make, plus the encoder cache
+   at capacity; `hybridcache.engine.vision_encoder.VisionEncoder.reserve_bytes`): kept free, never pooled;
 1. the runtime state slots: one per running sequence (`max_num_seqs`), S bytes each (every recurrent layer's
    state tensors and the per-slot `last_hidden`), and with speculative decoding k draft states of S bytes per
    slot beside it (the states a verify step keeps after each draft position, `cache/plan.py`);
@@ -64,7 +67,8 @@ def _size(num_bytes: float) -> str:
 class MemoryPlan:
     """What the budget buys (see the module docstring). `budget_bytes`: what was split; `num_blocks`: the shared
     pool of KV and checkpoint pages; `state_pages`: k, the blocks of one checkpoint state; `kv_bytes`: the pool's
-    bytes (num_blocks x P, or x S for a page store); `state_bytes`: the runtime slots' bytes."""
+    bytes (num_blocks x P, or x S for a page store); `state_bytes`: the runtime slots' bytes; `encoder_bytes`: the
+    vision encoder's reserve, kept out of the pool (0 without a vision tower, and on the CPU)."""
 
     budget_bytes: int
     num_blocks: int
@@ -72,6 +76,7 @@ class MemoryPlan:
     state_pages: int
     kv_bytes: int
     state_bytes: int
+    encoder_bytes: int = 0
 
     @classmethod
     def fixed(
@@ -99,10 +104,11 @@ class MemoryPlan:
         """One line, e.g. 'pool 98.5 GiB: 201,655 blocks of 512 KiB, KV and checkpoint states (a state = 50
         blocks) + 64 runtime state slots 1.5 GiB, of a 100 GiB budget'."""
         block = self.kv_bytes / self.num_blocks if self.num_blocks else 0
+        encoder = f" + vision encoder {_size(self.encoder_bytes)} reserved" if self.encoder_bytes else ""
         return (
             f"pool {_size(self.kv_bytes)}: {self.num_blocks:,} blocks of {_size(block)}, KV and checkpoint states "
             f"(a state = {self.state_pages} blocks) + {self.num_runtime_slots} runtime state slots "
-            f"{_size(self.state_bytes)}, of a {_size(self.budget_bytes)} budget"
+            f"{_size(self.state_bytes)}{encoder}, of a {_size(self.budget_bytes)} budget"
         )
 
 
@@ -131,30 +137,40 @@ def plan_memory(
     min_blocks: int,
     num_blocks: int | None = None,
     num_speculative_tokens: int = 0,
+    encoder_bytes: int = 0,
 ) -> MemoryPlan:
     """Split `budget_bytes` (see the module docstring). `min_blocks`: the blocks one sequence of max_model_len
     needs. `num_blocks`: the pool's blocks (None: the budget's rest). A ValueError when the budget is empty,
-    when the pool cannot hold one sequence of max_model_len, or when what is asked for does not fit the
-    budget. `num_speculative_tokens` k: each runtime slot also has k draft states."""
+    when the vision encoder's reserve takes all of it, when the pool cannot hold one sequence of max_model_len,
+    or when what is asked for does not fit the budget. `num_speculative_tokens` k: each runtime slot also has k
+    draft states. `encoder_bytes`: the vision encoder's reserve, taken first."""
     if budget_bytes <= 0:
         raise ValueError(
             f"no device memory is left for the cache ({budget_bytes / GIB:.2f} GiB): raise "
             "gpu_memory_utilization or lower max_num_batched_tokens"
         )
+    if encoder_bytes >= budget_bytes:
+        raise ValueError(
+            f"the vision encoder's reserve ({encoder_bytes / GIB:.2f} GiB: its activations on the largest image "
+            f"and its encoder cache) leaves nothing of the {budget_bytes / GIB:.2f} GiB budget for the cache: raise "
+            "gpu_memory_utilization, or lower the image processor's max_pixels (preprocessor_config.json)"
+        )
     k = state_pages(state_bytes_per_slot, kv_bytes_per_block)
     block = kv_bytes_per_block or state_bytes_per_slot
     runtime_bytes = max_num_seqs * (1 + num_speculative_tokens) * state_bytes_per_slot
-    blocks = num_blocks if num_blocks is not None else max(budget_bytes - runtime_bytes, 0) // block
+    available = budget_bytes - encoder_bytes
+    blocks = num_blocks if num_blocks is not None else max(available - runtime_bytes, 0) // block
     if blocks < min_blocks:
         raise ValueError(
             f"the pool holds {blocks:,} blocks of {block_size} tokens, but one sequence of max_model_len needs "
             f"{min_blocks:,}: lower max_model_len or max_num_seqs, or raise gpu_memory_utilization or num_blocks"
         )
     used = runtime_bytes + blocks * block
-    if used > budget_bytes:
+    if used > available:
+        encoder = f" after the vision encoder's {encoder_bytes / GIB:.2f} GiB" if encoder_bytes else ""
         raise ValueError(
             f"{blocks:,} blocks of {_size(block)} and {max_num_seqs} runtime state slots need {used / GIB:.2f} GiB; "
-            f"the budget is {budget_bytes / GIB:.2f} GiB: lower num_blocks or max_num_seqs"
+            f"the budget is {available / GIB:.2f} GiB{encoder}: lower num_blocks or max_num_seqs"
         )
     return MemoryPlan(
         budget_bytes=budget_bytes,
@@ -163,4 +179,5 @@ def plan_memory(
         state_pages=k,
         kv_bytes=blocks * block,
         state_bytes=runtime_bytes,
+        encoder_bytes=encoder_bytes,
     )

@@ -35,11 +35,13 @@ CPU_CHECKPOINT_STATES = 32
 
 @dataclass(frozen=True)
 class RunnerSpec:
-    """What every rank builds its runner from (picklable: it is sent to the worker processes)."""
+    """What every rank builds its runner from (picklable: it is sent to the worker processes). `encoder_bytes`: the
+    vision encoder's reserve on CUDA, kept out of every rank's pools (`hybridcache.engine.memory`)."""
 
     model_path: Path
     config: EngineConfig
     max_model_len: int
+    encoder_bytes: int = 0
 
 
 # CUDA graphs under tensor parallelism (captured NCCL collectives) are built but have not run on a GPU yet: True
@@ -100,7 +102,7 @@ def build_runner(
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
-            num_blocks=config.num_blocks, num_speculative_tokens=num_speculative,
+            num_blocks=config.num_blocks, num_speculative_tokens=num_speculative, encoder_bytes=spec.encoder_bytes,
         )
     else:
         num_blocks = config.num_blocks or (

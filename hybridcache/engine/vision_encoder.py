@@ -9,11 +9,18 @@ tower over the missing images of the call, several images per tower call up to `
 kept.
 
 Counters: `num_encoded_images` (images the tower ran for), `num_cache_hits` (images served from the cache).
+
+Memory (CUDA): `reserve_bytes(max_image_patches)` is what the engine keeps out of the pools for the encoder (see
+`hybridcache.engine.memory`): the activation peak of the largest call `encode` can make, measured by running the
+tower once at start-up on random pixels of that many patches (`largest_call_patches`), plus the encoder cache at
+capacity. The embeddings a running sequence holds until it finishes (its images' tokens x out_hidden_size) are
+not in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from pathlib import Path
@@ -40,9 +47,11 @@ class VisionEncoder:
         self.num_cache_hits = 0
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device) -> VisionEncoder | None:
-        """The encoder of a multimodal folder; None for a text model (no `vision_config`)."""
-        tower = load_vision_tower(model_dir, dtype=dtype, device=device)
+    def from_model_dir(cls, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device,
+                       load_format: str = "auto") -> VisionEncoder | None:
+        """The encoder of a multimodal folder; None for a text model (no `vision_config`). `load_format`: as the
+        language model's ("dummy": random weights drawn on the device, no safetensors read)."""
+        tower = load_vision_tower(model_dir, dtype=dtype, device=device, load_format=load_format)
         return None if tower is None else cls(tower)
 
     @property
@@ -52,6 +61,30 @@ class VisionEncoder:
     @property
     def out_hidden_size(self) -> int:
         return self.tower.config.out_hidden_size
+
+    def cache_bytes(self) -> int:
+        """The encoder cache's bytes at capacity: capacity_tokens embeddings of out_hidden_size in the tower's dtype."""
+        return self.capacity_tokens * self.out_hidden_size * self.tower.pos_embed.weight.element_size()
+
+    def reserve_bytes(self, max_image_patches: int) -> int:
+        """CUDA: the activation peak of one tower call of `largest_call_patches(max_image_patches)` patches (one
+        square image of random pixels handed over on the host, as the processor's are; measured above what was
+        allocated before, the allocator's cached blocks freed after) plus `cache_bytes()`. 0 on other devices."""
+        device = self.tower.pos_embed.weight.device
+        if device.type != "cuda":
+            return 0
+        merge = self.merge
+        side = math.ceil(math.sqrt(largest_call_patches(max_image_patches)) / merge) * merge
+        grid = (1, side, side)
+        pixels = torch.randn(side * side, self.tower.config.patch_dim, generator=torch.Generator().manual_seed(0))
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        self.tower(pixels, [grid])
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        return peak + self.cache_bytes()
 
     def encode(self, spans: Sequence[MultimodalInput]) -> tuple[MultimodalInput, ...]:
         """`spans` with the embeddings of image spans filled in and their pixels dropped (other spans as given).
@@ -97,6 +130,12 @@ class VisionEncoder:
         while self._cached_tokens > self.capacity_tokens:
             _, dropped = self._cache.popitem(last=False)
             self._cached_tokens -= dropped.shape[0]
+
+
+def largest_call_patches(max_image_patches: int) -> int:
+    """Patches of the largest tower call `encode` makes when no image has more than `max_image_patches`: images
+    are grouped up to `MAX_PATCHES_PER_CALL` patches, and a larger image runs alone."""
+    return max(max_image_patches, MAX_PATCHES_PER_CALL)
 
 
 def _groups(spans: list[MultimodalInput]) -> list[list[MultimodalInput]]:

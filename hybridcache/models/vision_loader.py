@@ -3,7 +3,8 @@
 Kept apart from `hybridcache.models.loader` (which builds the language model and skips `model.visual.`): every
 tensor named `model.visual.X` must match our parameter `X` in name and shape, every parameter must be present, and
 tensors under other prefixes are ignored. A mismatch raises ValueError naming the tensors, before any weight
-memory is taken.
+memory is taken. `load_format="dummy"` (as the language model's loader) reads no tensors: random weights are
+drawn on the device (`randomize_`, seed 0).
 """
 
 from __future__ import annotations
@@ -55,19 +56,35 @@ def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor])
 
 
 def load_vision_tower(
-    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    load_format: str = "auto",
 ) -> VisionTower | None:
     """The folder's vision tower in eval mode, parameters in `dtype` on `device`, attending with the device's
     encoder attention (`default_encoder_attention`: "flash_varlen" on CUDA in fp16 / bf16, else "reference"); None
     when config.json has no `vision_config` (a text model)."""
-    from safetensors import safe_open
-
-    from hybridcache.models.loader import safetensors_files
-
     model_dir = Path(model_dir)
     config = VisionConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
     if config is None:
         return None
+    with torch.device("meta"):
+        tower = VisionTower(config)
+    if load_format == "dummy":
+        from hybridcache.models.random_weights import randomize_
+
+        tower = tower.to(dtype=dtype).to_empty(device=device)
+        randomize_(tower, seed=0, draw_device=device)
+    else:
+        tower = _read_weights(tower, model_dir, dtype, device)
+    tower.use_attention(default_encoder_attention(torch.device(device).type, dtype, config.head_dim))
+    return tower.eval()
+
+
+def _read_weights(tower: VisionTower, model_dir: Path, dtype: torch.dtype, device: torch.device | str) -> VisionTower:
+    """The meta-device `tower` materialised on `device` in `dtype` with the folder's `model.visual.*` tensors."""
+    from safetensors import safe_open
+
+    from hybridcache.models.loader import safetensors_files
+
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for file in safetensors_files(model_dir):
@@ -76,8 +93,6 @@ def load_vision_tower(
                 if name.startswith(PREFIX):
                     location[name] = file
                     shapes[name] = tuple(handle.get_slice(name).get_shape())
-    with torch.device("meta"):
-        tower = VisionTower(config)
     plan = _plan(tower, shapes)
     tower = tower.to(dtype=dtype).to_empty(device=device)
     params = dict(tower.named_parameters())
@@ -85,5 +100,4 @@ def load_vision_tower(
     with torch.no_grad():
         for name, source in plan.items():
             params[name].copy_(handles[location[source]].get_tensor(source))
-    tower.use_attention(default_encoder_attention(torch.device(device).type, dtype, config.head_dim))
-    return tower.eval()
+    return tower

@@ -104,7 +104,6 @@ def write_vl_model(path: str | Path, config: Any, preprocessor: dict[str, Any], 
     import torch
     import transformers
 
-    from hybridcache.models.builtin import build_byte_tokenizer
     from hybridcache.models.random_weights import randomize_
 
     path = Path(path)
@@ -119,6 +118,18 @@ def write_vl_model(path: str | Path, config: Any, preprocessor: dict[str, Any], 
     randomize_(model, seed=seed, draw_device=draw_device)
     model.eval().save_pretrained(path)
     del model
+    return write_vl_files(path, config, preprocessor)
+
+
+def write_vl_files(path: str | Path, config: Any, preprocessor: dict[str, Any]) -> Path:
+    """The folder of `write_vl_model` without weights (config.json, tokenizer, template, preprocessor_config.json):
+    what an engine with `load_format="dummy"` reads."""
+    from hybridcache.models.builtin import build_byte_tokenizer
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if not (path / "config.json").is_file():
+        config.save_pretrained(path)
     build_byte_tokenizer(VL_SPECIAL_TOKENS).save(str(path / "tokenizer.json"))
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
                         "pad_token": "<|endoftext|>", "chat_template": VL_CHAT_TEMPLATE}

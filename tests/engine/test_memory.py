@@ -132,3 +132,20 @@ def test_cpu_engine_keeps_its_defaults(tmp_path, caplog):
     assert plan.num_runtime_slots == 2
     summaries = [r.getMessage() for r in caplog.records if r.name == "hybridcache.engine"]
     assert len(summaries) == 1 and "max_model_len 8192" in summaries[0] and "cuda graphs off" in summaries[0]
+
+
+def test_vision_encoder_reserve_is_taken_first():
+    """The vision encoder's reserve leaves the budget before the runtime slots and the pool; the line says so."""
+    reserve = 3 * GIB
+    got = plan(100 * GIB, encoder_bytes=reserve)
+    assert got.encoder_bytes == reserve and got.budget_bytes == 100 * GIB
+    assert got.num_blocks == (100 * GIB - reserve - 64 * STATE) // KV
+    assert got.num_blocks == plan(100 * GIB).num_blocks - 6_144  # 3 GiB of 512 KiB blocks
+    assert 0 <= 100 * GIB - reserve - got.kv_bytes - got.state_bytes < KV
+    assert got.describe().endswith("+ 64 runtime state slots 1.5 GiB + vision encoder 3 GiB reserved, of a 100 GiB "
+                                   "budget")
+    assert "vision encoder" not in plan(100 * GIB).describe()
+    with pytest.raises(ValueError, match="after the vision encoder's 3.00 GiB"):
+        plan(10 * GIB, encoder_bytes=reserve, num_blocks=(10 * GIB - 64 * STATE) // KV)  # fits only without it
+    with pytest.raises(ValueError, match="vision encoder's reserve .4.00 GiB"):
+        plan(4 * GIB, encoder_bytes=4 * GIB)
