@@ -8,7 +8,7 @@ header, before the pixels are decoded).
 
 Accepted sources:
 - `data:image/...;base64,<data>` URIs;
-- `http://` and `https://` URLs (fetched with a timeout of `limits.fetch_timeout_s` and a size cap);
+- `http://` and `https://` URLs (fetched within `limits.fetch_timeout_s` in all, and at most `max_bytes`);
 - `file://` URLs and plain paths, only under `limits.allowed_local_media_path`;
 - raw `bytes` and `PIL.Image.Image` objects (the offline API).
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -97,17 +98,30 @@ def _data_uri(uri: str, limits: MediaLimits) -> bytes:
 
 
 def _fetch(url: str, limits: MediaLimits) -> bytes:
+    """The body at `url`, read within `fetch_timeout_s` in all (not per read: a server that trickles bytes times
+    out too) and at most `max_bytes` long."""
     request = urllib.request.Request(url, headers={"User-Agent": "hybridcache"})
+    deadline = time.monotonic() + limits.fetch_timeout_s
+    timed_out = ImageError(f"fetching {url} timed out after {limits.fetch_timeout_s} s")
+    chunks: list[bytes] = []
+    size = 0
     try:
         with urllib.request.urlopen(request, timeout=limits.fetch_timeout_s) as response:  # noqa: S310 (http(s) only)
-            data = response.read(limits.max_bytes + 1)
+            while size <= limits.max_bytes:
+                if time.monotonic() > deadline:
+                    raise timed_out
+                chunk = response.read1(min(1 << 16, limits.max_bytes + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
     except TimeoutError:
-        raise ImageError(f"fetching {url} timed out after {limits.fetch_timeout_s} s") from None
+        raise timed_out from None
     except (urllib.error.URLError, OSError, ValueError) as error:
         raise ImageError(f"could not fetch {url}: {error}") from None
-    if len(data) > limits.max_bytes:
+    if size > limits.max_bytes:
         raise ImageError(f"the image at {url} is larger than {limits.max_bytes} bytes")
-    return data
+    return b"".join(chunks)
 
 
 def _read_local(path: Path, limits: MediaLimits) -> bytes:

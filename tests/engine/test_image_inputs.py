@@ -34,7 +34,8 @@ def data_uri(data: bytes) -> str:
 
 @pytest.fixture(scope="module")
 def http_images():
-    """A loopback HTTP server: /ok.png, /slow.png (answers after 2 s), /big.png (over a 1,000-byte cap)."""
+    """A loopback HTTP server: /ok.png, /slow.png (answers after 2 s), /trickle.png (its body in 10 pieces 0.2 s
+    apart: every read is quick, the whole takes 2 s), /big.png (4 x the body: over the tests' cap)."""
     body = png(20, 30)
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -45,6 +46,16 @@ def http_images():
             self.send_response(200 if self.path != "/missing.png" else 404)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            if self.path == "/trickle.png":
+                step = -(-len(data) // 10)
+                try:
+                    for i in range(0, len(data), step):
+                        self.wfile.write(data[i:i + step])
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up, as it should
+                    pass
+                return
             self.wfile.write(data)
 
         def log_message(self, *args):
@@ -75,6 +86,7 @@ def test_sources_load_and_bad_ones_name_the_reason(tmp_path, http_images):
         (str(tmp_path / "missing.png"), "does not exist"),
         ("/etc/hostname", "outside the allowed media path"),
         (f"{base}/slow.png", "timed out"),
+        (f"{base}/trickle.png", "timed out"),
         (f"{base}/big.png", "larger than"),
         (f"{base}/missing.png", "could not fetch"),
         ("gopher://x/y.png", "not supported"),
