@@ -39,11 +39,13 @@ from hybridcache.fp8_format import Fp8Format
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.attention.reference_backend import ReferenceAttention
 from hybridcache.kernels.conv import reference as conv_ref
+from hybridcache.kernels.encoder_attention import default_encoder_attention
+from hybridcache.kernels.encoder_attention.base import EncoderAttention
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.gemm.base import GemmBackend
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
-from hybridcache.kernels.registry import ATTENTION, GEMM
+from hybridcache.kernels.registry import ATTENTION, ENCODER_ATTENTION, GEMM
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.kernels.shapes import ModelShapes, refuse
 
@@ -410,3 +412,15 @@ def fp8_quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, to
     from hybridcache.kernels.gemm.reference import quantize
 
     return quantize(weight, fmt)
+
+
+def encoder_attention(name: str | None, device_type: str, dtype: torch.dtype, head_dim: int) -> EncoderAttention:
+    """The vision tower's encoder attention backend `name` (`kernels.registry.ENCODER_ATTENTION`; None: the
+    device's default, `encoder_attention.default_encoder_attention`) for heads of `head_dim` in `dtype`; ValueError
+    when it is unknown, does not run on `device_type`, or names problems with the dtype or head dim."""
+    name = name or default_encoder_attention(device_type, dtype, head_dim)
+    backend = ENCODER_ATTENTION.create(name, device_type)
+    problems = backend.problems(head_dim, dtype)
+    if problems:
+        raise ValueError(f"encoder attention {name!r} cannot run heads of {head_dim} in {dtype}: {'; '.join(problems)}")
+    return backend

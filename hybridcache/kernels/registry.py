@@ -10,7 +10,7 @@ runner picks one by name (`get_backend(device, attention=...)`, the engine's `at
     ENCODER_ATTENTION  bidirectional attention within each segment of a packed batch (the vision tower's,
                  `hybridcache.kernels.encoder_attention.base.EncoderAttention`): "reference" (SDPA per segment,
                  any device), "flash_varlen" (CUDA), registered in `hybridcache/kernels/encoder_attention/`; the
-                 tower takes `encoder_attention.default_encoder_attention(device, dtype, head_dim)`
+                 tower gets one from `kernels.backend.encoder_attention` (None: the device's default)
 
 A new implementation is one class in its family's folder with `@ATTENTION.register("name")`, in a module that
 the family's `__init__.py` imports (so importing the family registers it). A module that needs CUDA-only

@@ -19,8 +19,8 @@ within a frame, merge block by merge block (block row, block column, row in bloc
 
 Attention is bidirectional within one frame of one image and never across images: an encoder attention backend
 (`hybridcache.kernels.encoder_attention`) over the packed frames of every image of the call. "reference" (torch
-SDPA per frame) unless `use_attention` picks another; the loader picks "flash_varlen" on CUDA in fp16 / bf16 (one
-varlen FlashAttention call per block for all frames).
+SDPA per frame) until `use_attention` picks another; the loader calls `use_attention(None)`: the device's default,
+"flash_varlen" on CUDA in fp16 / bf16 (one varlen FlashAttention call per block for all frames).
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from hybridcache.kernels.encoder_attention.base import EncoderAttention
-from hybridcache.kernels.registry import ENCODER_ATTENTION
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.models.vision_config import VisionConfig
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as transformers' image_grid_thw
@@ -127,20 +126,21 @@ class VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
         self.merger = PatchMerger(config)
-        self.attention: EncoderAttention = ENCODER_ATTENTION.create("reference", "cpu")
+        self.attention: kernel_backend.EncoderAttention = kernel_backend.encoder_attention(
+            "reference", "cpu", torch.float32, config.head_dim)
         self.attention_name = "reference"
         self.eval()
         self.requires_grad_(False)
 
-    def use_attention(self, name: str) -> None:
-        """Attend with the encoder attention backend registered as `name`; ValueError (nothing changed) when it
-        does not run on the weights' device or cannot run their dtype and the head dim."""
-        weight = self.pos_embed.weight
-        backend = ENCODER_ATTENTION.create(name, weight.device.type)
-        problems = backend.problems(self.config.head_dim, weight.dtype)
-        if problems:
-            raise ValueError(f"encoder attention {name!r} cannot run the vision tower: {'; '.join(problems)}")
-        self.attention, self.attention_name = backend, name
+    def use_attention(self, name: str | None) -> None:
+        """Attend with the encoder attention backend registered as `name` (None: the default for the weights'
+        device and dtype); ValueError (nothing changed) when it does not run on the weights' device or cannot run
+        their dtype and the head dim (`kernels.backend.encoder_attention`)."""
+        weight, head_dim = self.pos_embed.weight, self.config.head_dim
+        device_type, dtype = weight.device.type, weight.dtype
+        name = name or kernel_backend.default_encoder_attention(device_type, dtype, head_dim)
+        self.attention = kernel_backend.encoder_attention(name, device_type, dtype, head_dim)
+        self.attention_name = name
 
     def check_grid(self, grid: Grid) -> None:
         """ValueError unless `grid` is (t, h, w) positive with h and w multiples of the spatial merge size."""

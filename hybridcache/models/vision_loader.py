@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.kernels.encoder_attention import default_encoder_attention
 from hybridcache.models.vision import VisionTower
 from hybridcache.models.vision_config import VisionConfig
 
@@ -60,7 +59,7 @@ def load_vision_tower(
     load_format: str = "auto",
 ) -> VisionTower | None:
     """The folder's vision tower in eval mode, parameters in `dtype` on `device`, attending with the device's
-    encoder attention (`default_encoder_attention`: "flash_varlen" on CUDA in fp16 / bf16, else "reference"); None
+    default encoder attention ("flash_varlen" on CUDA in fp16 / bf16, else "reference"); None
     when config.json has no `vision_config` (a text model)."""
     model_dir = Path(model_dir)
     config = VisionConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
@@ -75,7 +74,7 @@ def load_vision_tower(
         randomize_(tower, seed=0, draw_device=device)
     else:
         tower = _read_weights(tower, model_dir, dtype, device)
-    tower.use_attention(default_encoder_attention(torch.device(device).type, dtype, config.head_dim))
+    tower.use_attention(None)
     return tower.eval()
 
 

@@ -153,7 +153,7 @@ def test_cuda_tower_with_flash_varlen():
                            num_position_embeddings=2304, out_hidden_size=4096)
     fp32 = random_tower(config, torch.float32, "cuda")
     bf16 = random_tower(config, torch.bfloat16, "cuda")
-    bf16.use_attention(default_encoder_attention("cuda", torch.bfloat16, config.head_dim))
+    bf16.use_attention(None)  # the device's default
     assert bf16.attention_name == "flash_varlen"
     grids = [(1, 28, 28), (1, 84, 84), (1, 14, 40), (2, 28, 28)]
     pixels = torch.randn(sum(t * h * w for t, h, w in grids), config.patch_dim, device="cuda")
