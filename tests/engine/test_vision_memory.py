@@ -63,3 +63,17 @@ def test_dummy_load_format_draws_the_tower_too(tmp_path):
         chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
         out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
         assert len(out.outputs[0].token_ids) == 3 and llm.engine.vision.num_encoded_images == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_reserves_the_encoder_before_the_pool(tmp_path):
+    """On CUDA the plan takes the measured reserve (activations of the largest call + the encoder cache) first and
+    the start-up line names it."""
+    from hybridcache.llm import LLM
+    from hybridcache.models.vl_folders import write_tiny_vl_model
+
+    with LLM(write_tiny_vl_model(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=4) as llm:
+        plan, vision = llm.engine.memory_plan, llm.engine.vision
+        assert vision.tower.attention_name == "flash_varlen"
+        assert plan.encoder_bytes > vision.cache_bytes()  # the activation peak is not nothing
+        assert "vision encoder" in plan.describe()
