@@ -1,5 +1,6 @@
 """The "reference" encoder attention: torch's scaled_dot_product_attention, one call per segment (any device and
-dtype; on CUDA in bf16 each call is itself a FlashAttention kernel, but one launch per segment and layer)."""
+dtype; SDPA picks its kernel: on CUDA a fused one, FlashAttention or memory-efficient, whose memory grows with the
+segment's length, not its square; one launch per segment and layer)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ class ReferenceEncoderAttention:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: list[int]) -> torch.Tensor:
         outputs = []
         for q_i, k_i, v_i in zip(q.split(metadata), k.split(metadata), v.split(metadata), strict=True):
-            out = F.scaled_dot_product_attention(q_i.transpose(0, 1), k_i.transpose(0, 1), v_i.transpose(0, 1))
-            outputs.append(out.transpose(0, 1))
+            # [1, H, n, D]: SDPA picks its fused kernels only for 4-D inputs (3-D ones take the math kernel, which
+            # holds the [H, n, n] scores: docs/bench.md, "Images")
+            out = F.scaled_dot_product_attention(q_i.transpose(0, 1)[None], k_i.transpose(0, 1)[None],
+                                                 v_i.transpose(0, 1)[None])
+            outputs.append(out[0].transpose(0, 1))
         return torch.cat(outputs)
