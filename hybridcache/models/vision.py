@@ -50,17 +50,20 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
         """x [N, hidden]; rope: cos, sin [N, head_dim]; attend(q, k, v): the call's encoder attention over frames."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # [N, H, D] each
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
-        return self.proj(attend(q, k, v).reshape(n, -1))
+        qkv = self.qkv(x).view(n, 3, self.num_heads, -1)
+        q, k = _rotate_qk(qkv[:, :2], *rope)
+        return self.proj(attend(q, k, qkv[:, 2]).reshape(n, -1))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary over the whole head dim, in fp32, rounded back to x's dtype. x [N, H, D]; cos, sin [N, D]."""
-    xf = x.float()
+def _rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary over the whole head dim of q and k together, in fp32, rounded back to qk's dtype once.
+    qk [N, 2, H, D] (q, k); cos, sin [N, D] -> [2, N, H, D], contiguous (q and k each contiguous)."""
+    xf = qk.float()
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
-    return (xf * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    out = torch.empty((2, *qk.shape[:1], *qk.shape[2:]), dtype=qk.dtype, device=qk.device)
+    out.copy_((xf * cos[:, None, None] + rotated * sin[:, None, None]).transpose(0, 1))
+    return out
 
 
 class VisionMLP(nn.Module):
