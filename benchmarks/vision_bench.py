@@ -15,8 +15,9 @@ tokens; 1,344 x 1,344 is 84 x 84, 1,764.
 
 Measured (each printed and written to DIR/vision_bench.json after each phase; DIR: $OUT, else .), after the
 engine's start-up (its time, memory plan and the vision encoder's reserve are recorded first):
-1. `vit_ms[size]`: the tower alone on one processed image of size x size random pixels (median of 5 after a
-   warm-up; CUDA synchronised), with its token count.
+1. `vit[size]`: the engine's tower alone on one processed image of size x size random pixels, and on 16 images of
+   the first size in one call (median of 5 after a warm-up; CUDA synchronised), with the token count; last of all
+   (`vit_reference`), the same with the "reference" encoder attention, when the engine's is another.
 2. `ttft_cold_ms` / `ttft_second_turn_ms`: one image chat (448 x 448) with `max_tokens=1`, then its second turn
    (the first prompt, the reply, a new question, the same image); the second turn's `cached_tokens` and how many
    images the tower encoded for it (0: the encoder cache served it).
@@ -87,21 +88,23 @@ def synchronize(device: torch.device) -> None:
 
 
 def vit_times(llm: LLM, sizes: list[int]) -> dict:
+    """The engine's tower (its own attention backend) on one processed image of each size, and on 16 images of the
+    first size in one call (as `encode` groups concurrent requests): median ms of 5 after a warm-up, per call and
+    per image. Pixels start on the host, as the processor's do."""
     engine = llm.engine
-    out = {}
-    for size in sizes:
-        image = engine.image_processor.process([picture(size, seed=size)])[0]
-        tower = engine.vision.tower
-        times = []
-        for _ in range(6):
-            synchronize(engine.device)
-            start = time.perf_counter()
-            tower(image.pixel_values, [image.grid])
-            synchronize(engine.device)
-            times.append(time.perf_counter() - start)
-        out[str(size)] = {"ms": 1000 * statistics.median(times[1:]), "tokens": engine.image_processor.num_tokens(
-            image.grid), "grid": list(image.grid)}
-        print(f"vit {size} x {size}: {out[str(size)]['ms']:.2f} ms, {out[str(size)]['tokens']} tokens", flush=True)
+    tower = engine.vision.tower
+    out = {"attention": tower.attention_name}
+    cases = {str(size): [picture(size, seed=size)] for size in sizes}
+    cases[f"16x{sizes[0]}"] = [picture(sizes[0], seed=1000 + i) for i in range(16)]
+    for name, pictures in cases.items():
+        images = engine.image_processor.process(pictures)
+        pixels, grids = torch.cat([i.pixel_values for i in images]), [i.grid for i in images]
+        seconds = timed(engine.device, lambda p=pixels, g=grids: tower(p, g), repeats=5)
+        tokens = engine.image_processor.num_tokens(images[0].grid)
+        out[name] = {"ms_per_call": 1000 * seconds, "ms_per_image": 1000 * seconds / len(images), "tokens": tokens,
+                     "grid": list(images[0].grid)}
+        print(f"vit ({tower.attention_name}) {name}: {1000 * seconds / len(images):.2f} ms per image, {tokens} tokens "
+              f"per image", flush=True)
     return out
 
 
@@ -287,6 +290,10 @@ def main() -> None:
     save()
     result["concurrent"] = concurrent(llm, args.concurrent, args.max_tokens)
     save()
+    if llm.engine.vision.tower.attention_name != "reference":  # last: the old attention, for comparison
+        llm.engine.vision.tower.use_attention("reference")
+        result["vit_reference"] = vit_times(llm, [int(s) for s in args.sizes.split(",")])
+        save()
     print(f"wrote {out}")
 
 
