@@ -83,7 +83,14 @@ class ImageProcessor:
         """Patches of the largest image this processor emits: it resizes every image to at most `longest_edge`
         pixels (transformers' name for max_pixels), so at most longest_edge / patch^2 patches (t = 1)."""
         size = self._hf.size
-        max_pixels = size["longest_edge"] if isinstance(size, dict) else size.longest_edge
+        try:
+            max_pixels = size["longest_edge"]
+        except (KeyError, TypeError):
+            max_pixels = getattr(size, "longest_edge", None)
+        max_pixels = max_pixels or getattr(self._hf, "max_pixels", None)
+        if not max_pixels:
+            raise ValueError(f"the image processor {type(self._hf).__name__} names no largest image (its size has no "
+                             f"longest_edge, it has no max_pixels): {size}")
         return int(max_pixels) // self.vision.patch_size**2
 
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
