@@ -1,89 +1,150 @@
-"""The block-scaled FP8 GEMM (DeepSeek-V3's recipe): activations quantised per token per 128 channels, weights
-per 128 x 128 block, fp32 accumulation, one scale product per K tile.
+"""The FP8-weight GEMM: out = x W^T with W an FP8 weight [N, K] scaled per (GROUP_N x GROUP_K) block, in one of
+two modes chosen per call by the number of rows M (`fp8_linear`):
 
-    out[m, n] = sum over K tiles b of (aq[m, b] . w[n, b]) * a_scale[m, b] * w_scale[n // GROUP_N, b]
+- **W8A16** (decode, M <= `W8A16_MAX_ROWS`): x in its own dtype (bf16/fp16/fp32), each weight tile converted to
+  x's dtype in registers (exact: every e4m3 value is a bf16 value) and each K step's product scaled per column:
+      out[m, n] = sum over K steps b of (x[m, b] . w[n, b]) * w_scale[n // GROUP_N, b // GROUP_K]
+  No activation quantisation, so one launch per linear; the kernel is bound by the FP8 weight bytes (half of
+  bf16's), and its small BLOCK_N keeps every SM streaming them.
+- **W8A8** (prefill): x quantised per token per GROUP_K channels (`triton_quant.quantize_groups`, one launch),
+  then the DeepSeek-V3 recipe on FP8 tensor cores, one activation scale per row and K step:
+      out[m, n] = sum over K steps b of (xq[m, b] . w[n, b]) * x_scale[m, b // GROUP_K] * w_scale[n // GROUP_N, ...]
 
-Program (m, n) computes a BLOCK_M x BLOCK_N tile of the output; its K loop steps one scale group (GROUP_K = 128
-channels) at a time, so each step reads one activation scale per row and one weight scale per column. Rows and
-columns past M, N and channels past K are masked to zero (any M, N, K; the last groups may be partial).
+One kernel does both (constexpr A_FP8). Per-channel weights (`weight_scale` [N, 1]) are the case GROUP_N = 1 with
+a K stride of 0 on the scale. BLOCK_K divides GROUP_K, so a K step never straddles two scale groups. The grid is
+one dimension over output tiles, GROUP_M tile rows at a time (L2 reuse of weight tiles across rows of tiles).
+Rows and columns past M, N and channels past K are masked to zero (any M, N, K; partial blocks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm.reference import quantize_groups
+from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
+from hybridcache.kernels.gemm import triton_quant
+
+W8A16_MAX_ROWS = 64  # at most this many rows: W8A16 (no activation quantisation); more: W8A8
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of `_fp8_gemm_kernel` (Triton compiles one kernel per configuration)."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+
+
+def default_config(m: int, a_fp8: bool) -> TileConfig:
+    """The tile of a GEMM of M rows (chosen on the H200 by `benchmarks/fp8_gemm_bench.py --sweep`; docs/kernels.md
+    "Quantization"). Decided from M alone, so a captured decode graph and an eager run agree."""
+    if not a_fp8:
+        return TileConfig(16, 32, 128, 4, 4) if m <= 16 else TileConfig(32 if m <= 32 else 64, 64, 128, 4, 4)
+    return TileConfig(64, 128, 128, 4, 4) if m <= 512 else TileConfig(128, 128, 128, 8, 4)
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
-                           stride_am, stride_wn, stride_om, stride_asm, stride_wsn,
-                           GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
+                     stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
+    w_scales = w_scale_ptr + (cols64 // GROUP_N) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for group in range(0, tl.cdiv(K, GROUP_K)):
-        ks = group * GROUP_K + tl.arange(0, GROUP_K)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        group = k0 // GROUP_K
         a = tl.load(a_ptr + rows64[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scale_ptr + (cols64 // GROUP_N) * stride_wsn + group, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+        w_scale = tl.load(w_scales + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+        if A_FP8:
+            a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
+            acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+        else:
+            part = tl.dot(a, tl.trans(w.to(a.dtype)), out_dtype=tl.float32, input_precision=PRECISION)
+            acc += part * w_scale[None, :]
     out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def block_fp8_gemm(aq: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                   block: tuple[int, int], out_dtype: torch.dtype, *, block_m: int = 64,
-                   block_n: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """The launcher: aq [M, K] float8_e4m3fn with a_scale [M, ceil(K/bk)] fp32, weight [N, K] float8_e4m3fn with
-    scale_inv [ceil(N/bn), ceil(K/bk)] fp32, block = (bn, bk) -> out [M, N] in `out_dtype`. Unit stride on K
-    (and on the scales' group dim) is required; shapes, dtypes and strides are checked before the launch."""
-    bn, bk = block
-    if aq.dim() != 2 or weight.dim() != 2 or aq.shape[1] != weight.shape[1]:
-        raise ValueError(f"block_fp8_gemm: aq [M, K] and weight [N, K] needed, got {list(aq.shape)} and "
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
+             fmt: Fp8Format, out_dtype: torch.dtype, config: TileConfig | None = None) -> torch.Tensor:
+    """The launcher. a [M, K]: float8_e4m3fn with a_scale [M, ceil(K/bk)] fp32 (W8A8; bk = fmt.block[1], 128 for
+    the channel format), or bf16/fp16/fp32 with a_scale None (W8A16); weight [N, K] float8_e4m3fn with `scale` in
+    `fmt`'s shape (fp32 or bf16) -> out [M, N] in `out_dtype`. Unit stride on K is required; shapes, dtypes and
+    strides are checked before the launch. `config`: None takes `default_config`."""
+    a_fp8 = a_scale is not None
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8_gemm: a [M, K] and weight [N, K] needed, got {list(a.shape)} and "
                          f"{list(weight.shape)}")
-    if aq.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        raise ValueError(f"block_fp8_gemm: aq and weight must be {FP8_DTYPE}, got {aq.dtype} and {weight.dtype}")
-    (m, k), n = aq.shape, weight.shape[0]
-    groups = -(-k // bk)
-    if tuple(a_scale.shape) != (m, groups) or tuple(scale_inv.shape) != (-(-n // bn), groups):
-        raise ValueError(f"block_fp8_gemm: scales [{m}, {groups}] and [{-(-n // bn)}, {groups}] needed for block "
-                         f"{block}, got {list(a_scale.shape)} and {list(scale_inv.shape)}")
-    if a_scale.dtype != torch.float32 or scale_inv.dtype != torch.float32:
-        raise ValueError("block_fp8_gemm: the scales must be float32")
-    if aq.stride(1) != 1 or weight.stride(1) != 1 or a_scale.stride(1) != 1 or scale_inv.stride(1) != 1:
-        raise ValueError("block_fp8_gemm needs unit stride on K (activations, weight and both scales)")
-    if bk < 16 or bk & (bk - 1):
-        raise ValueError(f"block_fp8_gemm: the K group {bk} must be a power of two >= 16")
-    out = torch.empty((m, n), dtype=out_dtype, device=aq.device)
+    if weight.dtype != FP8_DTYPE or (a.dtype == FP8_DTYPE) != a_fp8:
+        raise ValueError(f"fp8_gemm: weight must be {FP8_DTYPE} and a too exactly when a_scale is given, got "
+                         f"{a.dtype} (a_scale {'given' if a_fp8 else 'None'}) and {weight.dtype}")
+    (m, k), n = a.shape, weight.shape[0]
+    if tuple(scale.shape) != fmt.scale_shape(n, k) or scale.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp8_gemm: scale {list(fmt.scale_shape(n, k))} fp32/bf16 needed for {fmt.describe()}, "
+                         f"got {list(scale.shape)} {scale.dtype}")
+    group_n, group_k = fmt.block if fmt.kind == "block" else (1, 128)
+    if group_k < 16 or group_k & (group_k - 1):
+        raise ValueError(f"fp8_gemm: the K group {group_k} must be a power of two >= 16")
+    if a_fp8 and (tuple(a_scale.shape) != (m, -(-k // group_k)) or a_scale.dtype != torch.float32):
+        raise ValueError(f"fp8_gemm: a_scale [{m}, {-(-k // group_k)}] fp32 needed, got {list(a_scale.shape)} "
+                         f"{a_scale.dtype}")
+    if a.stride(1) != 1 or weight.stride(1) != 1 or (a_fp8 and a_scale.stride(1) != 1):
+        raise ValueError("fp8_gemm needs unit stride on K (activations, weight and activation scales)")
+    config = config or default_config(m, a_fp8)
+    block_k = min(config.block_k, group_k)
+    if a.dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        block_k = min(block_k, 32)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m and n:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _block_fp8_gemm_kernel[grid](
-            aq, a_scale, weight, scale_inv, out, m, n, k,
-            aq.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0), scale_inv.stride(0),
-            GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        _fp8_gemm_kernel[grid](
+            a, a_scale if a_fp8 else a, weight, scale, out, m, n, k,
+            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0) if a_fp8 else 0, scale.stride(0),
+            scale.stride(1) if fmt.kind == "block" else 0,
+            GROUP_N=group_n, GROUP_K=group_k, A_FP8=a_fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=block_k, GROUP_M=config.group_m, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
 
 
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype, W the block-scaled FP8 weight [N, K]
-    with scale_inv [ceil(N/bn), ceil(K/bk)]; x is quantised per token per bk channels first (`quantize_groups`)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: W8A16 up to `W8A16_MAX_ROWS` rows,
+    else x quantised per token per 128 channels and W8A8 (module docstring)."""
     lead = x.shape[:-1]
-    xq, x_scale = quantize_groups(x.reshape(-1, x.shape[-1]), block[1])
-    out = block_fp8_gemm(xq, x_scale, weight, scale_inv.float(), block, x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if rows.shape[0] <= W8A16_MAX_ROWS:
+        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype)
+    else:
+        xq, x_scale = triton_quant.quantize_groups(rows, fmt.block[1] if fmt.kind == "block" else 128)
+        out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias
