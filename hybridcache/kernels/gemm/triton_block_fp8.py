@@ -50,7 +50,7 @@ def default_config(m: int, a_fp8: bool) -> TileConfig:
     return TileConfig(64, 128, 128, 4, 4) if m <= 512 else TileConfig(128, 128, 128, 8, 4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
                      stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
