@@ -34,7 +34,9 @@ from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_groupe
 
 DEVICE = "cuda"  # --smoke: "cpu" (TRITON_INTERPRET=1), tiny shapes, one eager timing
 L2_BYTES = 3 * 2**27  # cycle over weight copies adding up to more than the H200's 50 MiB L2
-W8A16_TILES = [TileConfig(16, 32), TileConfig(16, 64), TileConfig(64, 64)]
+# decode (M <= 64): (mode, swap-AB, BLOCK_N); BLOCK_M from M (16, 32, 64)
+DECODE_TILES = [("w8a16", True, 64), ("w8a8", True, 64), ("w8a16", False, 32), ("w8a16", False, 64)]
+DECODE_CUBLAS = True
 W8A8_TILES = [TileConfig(64, 128), TileConfig(128, 128, num_warps=8), TileConfig(128, 256, num_warps=8, num_stages=3)]
 
 
@@ -122,17 +124,39 @@ def dense_items(gen: torch.Generator):
     return items
 
 
+def decode_row(x, ws, w32, mode, tile) -> dict:
+    """One decode-sized GEMM as the engine runs it: W8A16, W8A8 with its quantisation launch, or cuBLAS's block
+    scales with its quantisation launch; error against the product of the activations it multiplies."""
+    from hybridcache.kernels.gemm.scaled_mm import block_fp8_linear
+
+    def call(a, b):
+        if mode == "w8a16":
+            return fp8_gemm(x, None, a, b, BLOCK, torch.bfloat16, tile)
+        if mode == "cublas-block":
+            return block_fp8_linear(x, a, b)
+        return fp8_gemm(*triton_quant.quantize_groups(x), a, b, BLOCK, torch.bfloat16, tile)
+
+    try:
+        got = call(*ws[0])
+        xq, xs = triton_quant.quantize_groups(x)
+        ref = (x.float() if mode == "w8a16" else xq.float() * xs.repeat_interleave(128, 1)) @ w32.T
+        return {"kernel": mode, "tile": None if tile is None else tile.__dict__, "err": rel(got, ref),
+                "ms": timed([lambda a=a, b=b: call(a, b) for a, b in ws])}
+    except Exception as error:
+        traceback.print_exc()
+        return {"kernel": mode, "error": repr(error)[:300]}
+
+
 def dense_row(gen, name, n, k, m, ws, wbf, w32) -> list[dict]:
     x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
     rows = [{"shape": name, "N": n, "K": k, "M": m, "kernel": "bf16",
              "ms": timed([lambda b=b: F.linear(x, b) for b in wbf])}]
-    ref16 = x.float() @ w32.T
-    if m <= 256:
-        for tile in W8A16_TILES if m <= 64 else W8A16_TILES[-1:]:
-            got = fp8_gemm(x, None, ws[0][0], ws[0][1], BLOCK, torch.bfloat16, tile)
-            rows.append({"shape": name, "N": n, "K": k, "M": m, "kernel": "w8a16", "tile": tile.__dict__,
-                         "ms": timed([lambda a=a, b=b, t=tile: fp8_gemm(x, None, a, b, BLOCK, torch.bfloat16, t)
-                                      for a, b in ws]), "err": rel(got, ref16)})
+    if m <= 64:
+        for mode, swap, block_n in DECODE_TILES:
+            tile = TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, block_n, swap_ab=swap)
+            rows.append(decode_row(x, ws, w32, mode, tile) | {"shape": name, "N": n, "K": k, "M": m})
+        for mode in ("cublas-block",) if DECODE_CUBLAS else ():
+            rows.append(decode_row(x, ws, w32, mode, None) | {"shape": name, "N": n, "K": k, "M": m})
     if m >= 256:
         xq, xs = triton_quant.quantize_groups(x)
         ref8 = (xq.float() * xs.repeat_interleave(128, 1)) @ w32.T
@@ -168,12 +192,16 @@ def expert_items(gen: torch.Generator):
     deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
            "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
     del q_gu, q_d
-    plans = [(64, True, 32, 64), (64, True, 32, 128), (1, True, 16, 64), (128, True, 64, 64),
-             (1024, False, 64, 128), (1024, False, 128, 128), (1024, True, 64, 64), (64, True, 32, 32)]
-    return [(0 if i < 3 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for i, p in enumerate(plans)]
+    return [(0 if i < 3 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for i, p in enumerate(PLANS)]
 
 
-def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n) -> list[dict]:
+# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB), in priority order
+PLANS = [(64, True, 32, 64, True), (64, False, 32, 64, True), (1, True, 16, 64, True), (128, True, 64, 64, True),
+         (64, True, 32, 128, True), (1024, False, 64, 128, False), (1024, False, 128, 128, False),
+         (1024, True, 64, 64, True)]
+
+
+def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap) -> list[dict]:
     experts, hidden = fp8.gate_up.shape[0], fp8.gate_up.shape[2]
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=gen, device=DEVICE)[:top_k] for _ in range(tokens)])
@@ -185,11 +213,12 @@ def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n) -> list[di
         gu = x[t].float() @ deq["gu"][e].T
         y = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ deq["d"][e].T
         want.index_add_(0, t, weights[t, j, None].float() * y)
-    got = fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n)
+    def call() -> torch.Tensor:
+        return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
+                                   swap_ab=swap)
+
     return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
-             "block_n": block_n, "err": rel(got, want),
-             "ms": timed([lambda: fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16,
-                                                      block_n=block_n)])}]
+             "block_n": block_n, "swap_ab": swap, "err": rel(call(), want), "ms": timed([call])}]
 
 
 def quant_check(gen: torch.Generator) -> dict:
@@ -207,7 +236,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true", help="on the CPU under TRITON_INTERPRET=1, tiny shapes")
+    parser.add_argument("--quick", action="store_true", help="decode only: next-16b's experts at 64 tokens, "
+                        "qkvz and 28,672 x 8,192 at M = 1 and 64, swap-AB tiles and cuBLAS")
     args = parser.parse_args()
+    global DECODE_CUBLAS
+    if args.quick:
+        for name in ("80b o_proj", "80b shared gate_up"):
+            del DENSE[name]
+        ROWS[:] = [64, 1]
+        DECODE_TILES[:] = DECODE_TILES[:2]
+        PLANS[:] = PLANS[:2]
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
@@ -215,7 +253,8 @@ def main() -> None:
             del DENSE[name]
         DENSE[next(iter(DENSE))] = (96, 256)
         ROWS[:] = ROWS[:3]
-        W8A16_TILES[:] = W8A16_TILES[1:2]
+        DECODE_TILES[:] = DECODE_TILES[:2]
+        DECODE_CUBLAS = False
         W8A8_TILES[:] = W8A8_TILES[:1]
     start = time.perf_counter()
     gen = torch.Generator(DEVICE).manual_seed(0)
@@ -245,9 +284,11 @@ def main() -> None:
         if "error" in r:
             print(f"| {r.get('shape', '-')} | {r.get('M', '-')} | {r.get('kernel', '-')} | error {r['error'][:80]}")
             continue
-        tile = r.get("tile") or ({"bm": r["block_m"], "bn": r["block_n"]} if "block_m" in r else "-")
+        tile = r.get("tile") or (f"{r['block_m']}x{r['block_n']}{' swap-ab' if r.get('swap_ab') else ''}"
+                                 if "block_m" in r else "-")
         if isinstance(tile, dict) and "block_m" in tile:
-            tile = f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
+            tile = (f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
+                    f"{' swap-ab' if tile.get('swap_ab') else ''}")
         print(f"| {r.get('shape', r.get('experts'))} | {r.get('M', r.get('tokens'))} | {r['kernel']} | {tile} | "
               f"{r['ms']:.4f} | {r.get('err', float('nan')):.1e} |")
 

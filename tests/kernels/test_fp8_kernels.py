@@ -62,14 +62,15 @@ def dequantized_groups(xq: torch.Tensor, x_scale: torch.Tensor, group: int) -> t
 @needs_interpreter
 @pytest.mark.parametrize("m, n, k, fmt", [(5, 200, 300, BLOCK), (33, 64, 96, Fp8Format("block", (32, 32))),
                                          (1, 130, 128, BLOCK), (20, 48, 272, CHANNEL)])
-def test_interpreted_fp8_gemm_w8a8(m, n, k, fmt):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["tiles", "swap-ab"])
+def test_interpreted_fp8_gemm_w8a8(m, n, k, fmt, swap_ab):
     from hybridcache.kernels.gemm.triton_block_fp8 import TileConfig, fp8_gemm
 
     generator = torch.Generator().manual_seed(m + n + k)
     group = fmt.block[1] if fmt.kind == "block" else 128
     weight, scale = quantize(torch.randn(n, k, generator=generator), fmt)
     xq, x_scale = quantize_groups(torch.randn(m, k, generator=generator) * 3, group)
-    got = fp8_gemm(xq, x_scale, weight, scale, fmt, torch.float32, TileConfig(16, 32, group_m=2))
+    got = fp8_gemm(xq, x_scale, weight, scale, fmt, torch.float32, TileConfig(16, 32, group_m=2, swap_ab=swap_ab))
     if fmt.kind == "block":
         assert rel(got, emulate_block_linear(xq, x_scale, weight, scale, fmt.block)) <= 1e-5
     # the dequantised product of the quantised operands
@@ -81,7 +82,8 @@ def test_interpreted_fp8_gemm_w8a8(m, n, k, fmt):
 @pytest.mark.parametrize("m, n, k, fmt", [(5, 200, 300, BLOCK), (16, 64, 96, Fp8Format("block", (32, 32))),
                                          (1, 130, 128, BLOCK), (3, 48, 272, CHANNEL)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_interpreted_fp8_gemm_w8a16(m, n, k, fmt, dtype):
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["tiles", "swap-ab"])
+def test_interpreted_fp8_gemm_w8a16(m, n, k, fmt, dtype, swap_ab):
     """W8A16 (decode): the activations are not quantised, the weight tiles are converted to their dtype (exact:
     e4m3 values are fp16 values) in the kernel and scaled in fp32, so the result is the dequantised weight's
     product with the same activations up to fp32 summation order. (bf16 is the GPU's case; this interpreter
@@ -91,7 +93,7 @@ def test_interpreted_fp8_gemm_w8a16(m, n, k, fmt, dtype):
     generator = torch.Generator().manual_seed(m * n + k)
     weight, scale = quantize(torch.randn(n, k, generator=generator), fmt)
     x = torch.randn(m, k, generator=generator).to(dtype)
-    got = fp8_gemm(x, None, weight, scale, fmt, torch.float32, TileConfig(16, 32, group_m=4))
+    got = fp8_gemm(x, None, weight, scale, fmt, torch.float32, TileConfig(16, 32, group_m=4, swap_ab=swap_ab))
     assert rel(got, linear(x.float(), weight, scale, fmt)) <= 1e-5
 
 
@@ -115,21 +117,26 @@ def test_interpreted_quantize_groups_equals_the_reference(group):
     flushed = (want.abs() < 2.0**-6) & ((got - want).abs() <= 2.0**-9)
     assert bool(((got == want) | lost_carry | flushed).all())
     assert float((got == want).float().mean()) > 0.9
+    # cuBLAS's layout: rows padded to a multiple of 4 (zeros), the scales stored column-major
+    pad_q, pad_s = triton_quant.quantize_groups(x, group, pad_rows=4, column_major=True)
+    assert pad_q.shape == (12, 300) and pad_s.shape == (12, got_s.shape[1]) and pad_s.stride() == (1, 12)
+    assert torch.equal(pad_s[:9], want_s) and torch.equal(pad_q[:9].float(), got)
+    assert not pad_q[9:].float().any() and bool((pad_s[9:] == 1e-12 / 448).all())
     assert float(want_q.float().abs().amax()) == 448.0
 
 
 @needs_interpreter
 def test_interpreted_fp8_linear_takes_w8a16_for_few_rows_and_w8a8_for_many():
     from hybridcache.kernels.gemm import triton_quant
-    from hybridcache.kernels.gemm.triton_block_fp8 import W8A16_MAX_ROWS, fp8_linear
+    from hybridcache.kernels.gemm.triton_block_fp8 import DECODE_ROWS, fp8_linear
 
     generator = torch.Generator().manual_seed(3)
     weight, scale = quantize(torch.randn(64, 256, generator=generator), BLOCK)
-    few = torch.randn(2, W8A16_MAX_ROWS // 2, 256, generator=generator)
+    few = torch.randn(2, DECODE_ROWS // 2, 256, generator=generator)
     assert rel(fp8_linear(few, weight, scale, BLOCK), linear(few, weight, scale, BLOCK)) <= 1e-5
     # many rows: quantised by the Triton kernel (interpreted inexactly, see above; its GPU check is the
     # benchmark's), so the GEMM is checked against the product of the very numbers that kernel wrote
-    many = torch.randn(W8A16_MAX_ROWS + 3, 256, generator=generator)
+    many = torch.randn(DECODE_ROWS + 3, 256, generator=generator)
     xq, x_scale = triton_quant.quantize_groups(many)
     want = dequantized_groups(xq, x_scale, 128) @ dequantize(weight, scale, BLOCK, torch.float32).T
     got = fp8_linear(many, weight, scale, BLOCK)
@@ -172,9 +179,10 @@ def stacked_experts(gate, up, down, block):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["tiles", "swap-ab"])
 @pytest.mark.parametrize("w8a16", [False, True], ids=["w8a8", "w8a16"])
 @pytest.mark.parametrize("inter", [64, 96], ids=["I64", "I96-partial-groups"])
-def test_interpreted_fp8_grouped_experts(inter, w8a16, monkeypatch):
+def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, monkeypatch):
     """The FP8 routed experts (gather, SwiGLU, scatter, combine) against the same arithmetic in torch: each pick's
     expert on its token's activations (W8A8: quantised per 32 channels, h re-quantised), weighted sum. The
     activations are quantised by torch here (`torch_quantisation`)."""
@@ -191,7 +199,8 @@ def test_interpreted_fp8_grouped_experts(inter, w8a16, monkeypatch):
     down = [quantize(torch.randn(hidden, inter, generator=generator) / 8, fmt) for _ in range(experts)]
     top_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
     top_weights = torch.rand(tokens, top_k, generator=generator)
-    got = fp8_grouped_experts(x, top_weights, top_ids, stacked_experts(gate, up, down, block), w8a16=w8a16)
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked_experts(gate, up, down, block), w8a16=w8a16,
+                              swap_ab=swap_ab)
     want = torch.zeros_like(x)
     for t in range(tokens):
         for j in range(top_k):

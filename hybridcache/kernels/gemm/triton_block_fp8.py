@@ -1,19 +1,21 @@
 """The FP8-weight GEMM: out = x W^T with W an FP8 weight [N, K] scaled per (GROUP_N x GROUP_K) block, in one of
-two modes chosen per call by the number of rows M (`fp8_linear`):
+two modes (`fp8_linear` picks by the number of rows M):
 
-- **W8A16** (decode, M <= `W8A16_MAX_ROWS`): x in its own dtype (bf16/fp16/fp32), each weight tile converted to
-  x's dtype in registers (exact: every e4m3 value is a bf16 value) and each K step's product scaled per column:
+- **W8A16**: x in its own dtype (bf16/fp16/fp32), each weight tile converted to x's dtype in registers (exact:
+  every e4m3 value is a bf16 value) and each K step's product scaled per column:
       out[m, n] = sum over K steps b of (x[m, b] . w[n, b]) * w_scale[n // GROUP_N, b // GROUP_K]
-  No activation quantisation, so one launch per linear; the kernel is bound by the FP8 weight bytes (half of
-  bf16's), and its small BLOCK_N keeps every SM streaming them.
-- **W8A8** (prefill): x quantised per token per GROUP_K channels (`triton_quant.quantize_groups`, one launch),
-  then the DeepSeek-V3 recipe on FP8 tensor cores, one activation scale per row and K step:
+  No activation quantisation, so one launch per linear; at decode sizes the kernel is bound by the FP8 weight
+  bytes (half of bf16's).
+- **W8A8**: x quantised per token per GROUP_K channels (`triton_quant.quantize_groups`, one launch), then the
+  DeepSeek-V3 recipe on FP8 tensor cores, one activation scale per row and K step:
       out[m, n] = sum over K steps b of (xq[m, b] . w[n, b]) * x_scale[m, b // GROUP_K] * w_scale[n // GROUP_N, ...]
 
-One kernel does both (constexpr A_FP8). Per-channel weights (`weight_scale` [N, 1]) are the case GROUP_N = 1 with
-a K stride of 0 on the scale. BLOCK_K divides GROUP_K, so a K step never straddles two scale groups. The grid is
-one dimension over output tiles, GROUP_M tile rows at a time (L2 reuse of weight tiles across rows of tiles).
-Rows and columns past M, N and channels past K are masked to zero (any M, N, K; partial blocks).
+One kernel does both (constexpr A_FP8). SWAP_AB computes out^T = W x^T: the weight tile is the MMA's M side
+(Hopper's wgmma takes 64 rows there) and the few rows of a decode step its N side (16 to 64). Per-channel weights
+(`weight_scale` [N, 1]) are the case GROUP_N = 1 with a K stride of 0 on the scale. BLOCK_K divides GROUP_K, so a
+K step never straddles two scale groups. The grid is one dimension over output tiles, GROUP_M tile rows at a
+time (L2 reuse of weight tiles across rows of tiles). Rows and columns past M, N and channels past K are masked
+to zero (any M, N, K; partial blocks).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import triton.language as tl
 from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
 from hybridcache.kernels.gemm import triton_quant
 
-W8A16_MAX_ROWS = 64  # at most this many rows: W8A16 (no activation quantisation); more: W8A8
+DECODE_ROWS = 64  # at most this many rows: the decode kernel (swap-AB tiles); more: prefill
+DECODE_W8A16 = True  # decode: W8A16 (no activation quantisation), else W8A8 (one quantisation launch)
 
 
 @dataclass(frozen=True)
@@ -40,14 +43,27 @@ class TileConfig:
     num_warps: int = 4
     num_stages: int = 4
     group_m: int = 8
+    swap_ab: bool = False  # the MMA computes out^T = W x^T (the weight tile on the MMA's M side)
 
 
-def default_config(m: int, a_fp8: bool) -> TileConfig:
-    """The tile of a GEMM of M rows (chosen on the H200 by `benchmarks/fp8_gemm_bench.py --sweep`; docs/kernels.md
-    "Quantization"). Decided from M alone, so a captured decode graph and an eager run agree."""
-    if not a_fp8:
-        return TileConfig(16, 32, 128, 4, 4) if m <= 16 else TileConfig(32 if m <= 32 else 64, 64, 128, 4, 4)
-    return TileConfig(64, 128, 128, 4, 4) if m <= 512 else TileConfig(128, 128, 128, 8, 4)
+def decode_config(m: int) -> TileConfig:
+    """The tile of a decode GEMM of M <= `DECODE_ROWS` rows: swap-AB (64 weight rows on the MMA's M side, the
+    rows as its N side, 16 to 64). Decided from M alone, so a captured decode graph and an eager run agree."""
+    return TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, swap_ab=True)
+
+
+PREFILL_TILE = TileConfig(64, 128)  # W8A8 where `scaled_mm.block_fp8_linear` does not apply
+
+
+@triton.jit
+def scaled_dot(a, w, a_scale, w_scale, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """One K step: (a [BM, BK] . w [BN, BK]^T) * a_scale[m] * w_scale[n] as [BM, BN] in fp32, or its transpose
+    [BN, BM] with SWAP_AB (computed as w . a^T: the weight tile on the MMA's M side)."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), out_dtype=tl.float32, input_precision=PRECISION) * (
+            w_scale[:, None] * a_scale[None, :])
+    return tl.dot(a, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * (
+        a_scale[:, None] * w_scale[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
@@ -55,7 +71,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
                      stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -70,7 +86,11 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
     w_scales = w_scale_ptr + (cols64 // GROUP_N) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP_AB: out^T = W a^T, the weight tile on the MMA's M side (wgmma needs 64 there; decode has few rows)
+    if SWAP_AB:  # noqa: SIM108 (a constexpr branch)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -82,12 +102,16 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
         w_scale = tl.load(w_scales + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
         if A_FP8:
             a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
-            acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
         else:
-            part = tl.dot(a, tl.trans(w.to(a.dtype)), out_dtype=tl.float32, input_precision=PRECISION)
-            acc += part * w_scale[None, :]
-    out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            w = w.to(a.dtype)
+        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
+    if SWAP_AB:
+        out = out_ptr + rows64[None, :] * stride_om + cols64[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
@@ -95,7 +119,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
     """The launcher. a [M, K]: float8_e4m3fn with a_scale [M, ceil(K/bk)] fp32 (W8A8; bk = fmt.block[1], 128 for
     the channel format), or bf16/fp16/fp32 with a_scale None (W8A16); weight [N, K] float8_e4m3fn with `scale` in
     `fmt`'s shape (fp32 or bf16) -> out [M, N] in `out_dtype`. Unit stride on K is required; shapes, dtypes and
-    strides are checked before the launch. `config`: None takes `default_config`."""
+    strides are checked before the launch. `config`: None takes `decode_config` up to `DECODE_ROWS` rows, else
+    `PREFILL_TILE`."""
     a_fp8 = a_scale is not None
     if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
         raise ValueError(f"fp8_gemm: a [M, K] and weight [N, K] needed, got {list(a.shape)} and "
@@ -115,7 +140,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
                          f"{a_scale.dtype}")
     if a.stride(1) != 1 or weight.stride(1) != 1 or (a_fp8 and a_scale.stride(1) != 1):
         raise ValueError("fp8_gemm needs unit stride on K (activations, weight and activation scales)")
-    config = config or default_config(m, a_fp8)
+    config = config or (decode_config(m) if m <= DECODE_ROWS else PREFILL_TILE)
     block_k = min(config.block_k, group_k)
     if a.dtype == torch.float32:  # fp32 tiles take twice the shared memory
         block_k = min(block_k, 32)
@@ -127,7 +152,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
             a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0) if a_fp8 else 0, scale.stride(0),
             scale.stride(1) if fmt.kind == "block" else 0,
             GROUP_N=group_n, GROUP_K=group_k, A_FP8=a_fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-            BLOCK_K=block_k, GROUP_M=config.group_m, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_K=block_k, GROUP_M=config.group_m, SWAP_AB=config.swap_ab,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
@@ -135,16 +161,25 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: W8A16 up to `W8A16_MAX_ROWS` rows,
-    else x quantised per token per 128 channels and W8A8 (module docstring)."""
+    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype. Up to `DECODE_ROWS` rows: this
+    kernel with `decode_config` (W8A16, or W8A8 when not `DECODE_W8A16`); more: cuBLAS's block-scaled GEMM
+    (`scaled_mm.block_fp8_linear`) where it applies, else this kernel's W8A8 with `PREFILL_TILE` (module
+    docstring; the choice measured: docs/kernels.md "Quantization")."""
+    from hybridcache.kernels.gemm import scaled_mm
+
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    if rows.shape[0] <= W8A16_MAX_ROWS:
-        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype)
+    m = rows.shape[0]
+    group = fmt.block[1] if fmt.kind == "block" else 128
+    if m <= DECODE_ROWS and DECODE_W8A16:
+        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))
+    elif m > DECODE_ROWS and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
+        out = scaled_mm.block_fp8_linear(rows, weight, scale)
     else:
-        xq, x_scale = triton_quant.quantize_groups(rows, fmt.block[1] if fmt.kind == "block" else 128)
-        out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype)
+        xq, x_scale = triton_quant.quantize_groups(rows, group)
+        out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype, decode_config(m) if m <= DECODE_ROWS
+                       else PREFILL_TILE)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias

@@ -32,12 +32,14 @@ from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
 from hybridcache.kernels.gemm import triton_quant
+from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile
 
-# Tiles of `fp8_grouped_experts` (chosen on the H200 by `benchmarks/fp8_gemm_bench.py --sweep`, docs/kernels.md)
-W8A16_BLOCK_N = 64  # decode: BLOCK_M comes from `moe.grouped.tile_rows` (16 to 64)
-W8A8_BLOCK_M = 64  # prefill
-W8A8_BLOCK_N = 128
+# `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
+DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8; swap-AB tiles
+DECODE_BLOCK_N = 64  # decode: weight rows per tile (the MMA's M side); BLOCK_M from `moe.grouped.tile_rows`
+PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
+PREFILL_BLOCK_N = 128
 
 
 @triton.jit
@@ -46,7 +48,8 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             stride_wsn, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
+                            PRECISION: tl.constexpr):
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
@@ -64,8 +67,13 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
     up_rows = (cols + N).to(tl.int64) * stride_wn
     gate_groups = (cols // GROUP_N).to(tl.int64) * stride_wsn
     up_groups = (cols // GROUP_N + UP_GROUP).to(tl.int64) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP_AB: out^T = W a^T, the weight tile on the MMA's M side (wgmma needs 64 there; decode has few rows)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
@@ -73,36 +81,40 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         if A_FP8:  # noqa: SIM108 (a constexpr branch)
-            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)[:, None]
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
         else:
-            a_scale = 1.0
+            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
         w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0).to(tl.float32)
         if not A_FP8:
             w = w.to(a.dtype)
-        acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * a_scale * w_scale[None, :]
+        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
         if SWIGLU:
             w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
             up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0).to(tl.float32)
             if not A_FP8:
                 w_up = w_up.to(a.dtype)
-            acc_up += (tl.dot(a, tl.trans(w_up), out_dtype=tl.float32, input_precision=PRECISION) * a_scale
-                       * up_scale[None, :])
+            acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
         out_rows = rows.to(tl.int64)
-    out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SWAP_AB:
+        out = out_ptr + out_rows[None, :] * stride_out + cols[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.Tensor, top_k: int,
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
-                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                    swap_ab: bool = False) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
@@ -141,7 +153,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
             -(-n // bn), a.stride(0), a_scale.stride(0) if a_fp8 else 0, weights.stride(0), weights.stride(1),
             w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu,
             A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -191,15 +204,15 @@ class Fp8ExpertWeights:
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
-                        block_n: int | None = None, **tile: int) -> torch.Tensor:
+                        block_n: int | None = None, **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
-    W8A16 (x and h in x's dtype, the weights dequantised in the kernel: no quantisation launch) when each expert
-    has few rows (`moe.grouped.tile_rows` gives a tile: decode), else W8A8 (x and h quantised per token per 128
-    channels by `triton_quant`). `w8a16`, `block_m`, `block_n` and `tile` (`fp8_expert_gemm`'s other settings)
-    override that choice (benchmarks sweep them); the choice is made from shapes alone, so captured and eager
-    runs agree."""
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): swap-AB tiles, W8A16 (x and h in x's
+    dtype, the weights dequantised in the kernel: no quantisation launch) or W8A8 when not `DECODE_W8A16`; more:
+    W8A8 (x and h quantised per token per 128 channels by `triton_quant`). `w8a16`, `block_m`, `block_n` and
+    `tile` (`fp8_expert_gemm`'s other settings) override the choice (benchmarks sweep them); the choice is made
+    from shapes alone, so captured and eager runs agree."""
     from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
 
     top_k = top_ids.shape[1]
@@ -207,11 +220,13 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
-    if w8a16 is None:
-        w8a16 = decode_tile is not None
-    block_m = block_m or decode_tile or W8A8_BLOCK_M
-    block_n = block_n or (W8A16_BLOCK_N if w8a16 else W8A8_BLOCK_N)
-    options = dict(block_m=block_m, block_n=block_n, **tile)
+    if decode_tile is not None:
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=True)
+        w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
+    else:
+        options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N)
+        w8a16 = False if w8a16 is None else w8a16
+    options.update({key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value}, **tile)
     a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)
