@@ -234,3 +234,21 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
                         x.dtype, gather=False, scatter=True, swiglu=False, **options)
     return combine(y, top_weights)
+
+
+def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
+    """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
+    x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
+    and not inside the first request that needs one: the decode tiles `moe.grouped.tile_rows` can pick, and the
+    W8A8 prefill path with its quantisation."""
+    from hybridcache.kernels.moe.grouped import sort_pairs
+
+    num_experts = experts.gate_up.shape[0]
+    ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
+    token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
+    weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
+    sort_pairs(ids, num_experts)
+    for block_m in (16, 32, 64):
+        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
+    fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,
+                        w8a16=False, swap_ab=False)
