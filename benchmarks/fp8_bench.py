@@ -151,12 +151,16 @@ def choose_decode_kernels(sweep_json: str) -> dict:
 
     rows = [r for r in json.loads(Path(sweep_json).read_text())["rows"] if "ms" in r]
     chosen: dict = {}
-    experts = [r for r in rows if r.get("experts") and r["tokens"] == 64 and r.get("swap_ab")]
+    experts = [r for r in rows if r.get("experts") and r["tokens"] == 64]
     if experts:
         best = min(experts, key=lambda r: r["ms"])
         triton_fp8_moe.DECODE_W8A16 = best["kernel"] == "w8a16"
         triton_fp8_moe.DECODE_BLOCK_N = best["block_n"]
-        chosen["experts"] = {k: best[k] for k in ("kernel", "block_n", "ms")}
+        triton_fp8_moe.DECODE_SWAP_AB = bool(best.get("swap_ab"))
+        chosen["experts"] = {k: best.get(k) for k in ("kernel", "block_n", "swap_ab", "ms")}
+    else:  # the sweep failed: round A's tiles (W8A16, weights on the MMA's N side)
+        triton_fp8_moe.DECODE_SWAP_AB = False
+        chosen["experts"] = "no sweep rows: W8A16 without swap-AB"
     best_ms: dict[tuple[str, str], float] = {}  # (kernel, shape) -> its fastest swap-AB tile at M = 64
     for r in rows:
         if r.get("M") == 64 and r["kernel"] != "bf16" and (r.get("tile") or {}).get("swap_ab", True):
@@ -171,6 +175,9 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         if kernel == "cublas-block":
             triton_block_fp8.DECODE_ROWS = 0
         chosen["dense"] = {"kernel": kernel, "ms_sum_m64": complete}
+    else:
+        triton_block_fp8.DECODE_SWAP_AB = False
+        chosen["dense"] = "no sweep rows: W8A16 without swap-AB"
     print(f"FP8 decode kernels from {sweep_json}: {chosen}", flush=True)
     return chosen
 

@@ -31,6 +31,7 @@ from hybridcache.kernels.gemm import triton_quant
 
 DECODE_ROWS = 64  # at most this many rows: the decode kernel (swap-AB tiles); more: prefill
 DECODE_W8A16 = True  # decode: W8A16 (no activation quantisation), else W8A8 (one quantisation launch)
+DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class TileConfig:
 def decode_config(m: int) -> TileConfig:
     """The tile of a decode GEMM of M <= `DECODE_ROWS` rows: swap-AB (64 weight rows on the MMA's M side, the
     rows as its N side, 16 to 64). Decided from M alone, so a captured decode graph and an eager run agree."""
-    return TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, swap_ab=True)
+    return TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, swap_ab=DECODE_SWAP_AB)
 
 
 PREFILL_TILE = TileConfig(64, 128)  # W8A8 where `scaled_mm.block_fp8_linear` does not apply

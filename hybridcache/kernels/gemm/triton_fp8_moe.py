@@ -38,6 +38,7 @@ from hybridcache.kernels.moe.triton_experts import combine, expert_tile
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8; swap-AB tiles
 DECODE_BLOCK_N = 64  # decode: weight rows per tile (the MMA's M side); BLOCK_M from `moe.grouped.tile_rows`
+DECODE_SWAP_AB = True
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
 
@@ -221,7 +222,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
     if decode_tile is not None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=True)
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
         options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N)
