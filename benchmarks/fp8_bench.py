@@ -143,10 +143,10 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
 
 
 def choose_decode_kernels(sweep_json: str) -> dict:
-    """Set the FP8 decode kernels (`triton_fp8_moe.DECODE_W8A16` / `DECODE_BLOCK_N`, `triton_block_fp8.
+    """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*` and `PREFILL_*`, `triton_block_fp8.
     DECODE_W8A16`, or cuBLAS for every size via `DECODE_ROWS = 0`) to the fastest of a `fp8_sweep.py` result: the
-    routed experts at 64 tokens (swap-AB rows), the dense linears at M = 64 summed over the swept shapes. Returns
-    the choices (they go into the JSON). The library's own defaults are what this picked on the H200."""
+    routed experts at 64 tokens (decode) and at 1,024 (W8A8 prefill tiles), the dense linears at M = 64 summed
+    over the swept shapes. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
 
     rows = [r for r in json.loads(Path(sweep_json).read_text())["rows"] if "ms" in r]
@@ -161,6 +161,12 @@ def choose_decode_kernels(sweep_json: str) -> dict:
     else:  # the sweep failed: round A's tiles (W8A16, weights on the MMA's N side)
         triton_fp8_moe.DECODE_SWAP_AB = False
         chosen["experts"] = "no sweep rows: W8A16 without swap-AB"
+    prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
+    if prefill:
+        best = min(prefill, key=lambda r: r["ms"])
+        triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = best["block_m"], best["block_n"]
+        triton_fp8_moe.PREFILL_NUM_WARPS = best.get("num_warps", 4)
+        chosen["experts_prefill"] = {k: best.get(k) for k in ("block_m", "block_n", "num_warps", "ms")}
     best_ms: dict[tuple[str, str], float] = {}  # (kernel, shape) -> its fastest swap-AB tile at M = 64
     for r in rows:
         if r.get("M") == 64 and r["kernel"] != "bf16" and (r.get("tile") or {}).get("swap_ab", True):

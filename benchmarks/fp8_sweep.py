@@ -192,16 +192,16 @@ def expert_items(gen: torch.Generator):
     deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
            "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
     del q_gu, q_d
-    return [(0 if i < 3 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for i, p in enumerate(PLANS)]
+    return [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
 
 
-# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB), in priority order
-PLANS = [(64, True, 32, 64, True), (64, False, 32, 64, True), (1, True, 16, 64, True), (128, True, 64, 64, True),
-         (64, True, 32, 128, True), (1024, False, 64, 128, False), (1024, False, 128, 128, False),
-         (1024, True, 64, 64, True)]
+# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order
+PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (1024, False, 64, 128, False, 4),
+         (1024, False, 64, 128, False, 8), (1, True, 16, 64, True, 4), (128, True, 64, 64, True, 4),
+         (64, True, 32, 128, True, 4), (1024, False, 128, 128, False, 8), (1024, True, 64, 64, True, 4)]
 
 
-def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap) -> list[dict]:
+def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps) -> list[dict]:
     experts, hidden = fp8.gate_up.shape[0], fp8.gate_up.shape[2]
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=gen, device=DEVICE)[:top_k] for _ in range(tokens)])
@@ -215,10 +215,10 @@ def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap) -> l
         want.index_add_(0, t, weights[t, j, None].float() * y)
     def call() -> torch.Tensor:
         return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
-                                   swap_ab=swap)
+                                   swap_ab=swap, num_warps=warps)
 
     return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
-             "block_n": block_n, "swap_ab": swap, "err": rel(call(), want), "ms": timed([call])}]
+             "block_n": block_n, "swap_ab": swap, "num_warps": warps, "err": rel(call(), want), "ms": timed([call])}]
 
 
 def quant_check(gen: torch.Generator) -> dict:
@@ -245,7 +245,7 @@ def main() -> None:
             del DENSE[name]
         ROWS[:] = [64, 1]
         DECODE_TILES[:] = DECODE_TILES[:2]
-        PLANS[:] = PLANS[:2]
+        PLANS[:] = PLANS[:4]
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"

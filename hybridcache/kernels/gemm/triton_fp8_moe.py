@@ -41,6 +41,7 @@ DECODE_BLOCK_N = 64  # decode: weight rows per tile (the MMA's M side); BLOCK_M 
 DECODE_SWAP_AB = True
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
+PREFILL_NUM_WARPS = 4
 
 
 @triton.jit
@@ -225,7 +226,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
-        options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N)
+        options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)
         w8a16 = False if w8a16 is None else w8a16
     options.update({key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value}, **tile)
     a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
@@ -252,4 +253,4 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     for block_m in (16, 32, 64):
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
     fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,
-                        w8a16=False, swap_ab=False)
+                        w8a16=False, swap_ab=False, num_warps=PREFILL_NUM_WARPS)
