@@ -60,11 +60,13 @@ PREFILL_TILE = TileConfig(64, 128)  # W8A8 where `scaled_mm.block_fp8_linear` do
 def scaled_dot(a, w, a_scale, w_scale, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
     """One K step: (a [BM, BK] . w [BN, BK]^T) * a_scale[m] * w_scale[n] as [BM, BN] in fp32, or its transpose
     [BN, BM] with SWAP_AB (computed as w . a^T: the weight tile on the MMA's M side)."""
-    if SWAP_AB:
-        return tl.dot(w, tl.trans(a), out_dtype=tl.float32, input_precision=PRECISION) * (
+    if SWAP_AB:  # one return statement: Triton wants one return type over both (constexpr) branches
+        part = tl.dot(w, tl.trans(a), out_dtype=tl.float32, input_precision=PRECISION) * (
             w_scale[:, None] * a_scale[None, :])
-    return tl.dot(a, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * (
-        a_scale[:, None] * w_scale[None, :])
+    else:
+        part = tl.dot(a, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * (
+            a_scale[:, None] * w_scale[None, :])
+    return part
 
 
 @triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
