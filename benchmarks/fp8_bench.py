@@ -144,7 +144,7 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
 
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*` and `PREFILL_*`, `triton_block_fp8.
-    DECODE_W8A16`, or cuBLAS for every size via `DECODE_ROWS = 0`) to the fastest of a `fp8_sweep.py` result: the
+    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to the fastest of a `fp8_sweep.py` result: the
     routed experts at 64 tokens (decode) and at 1,024 (W8A8 prefill tiles), the dense linears at M = 64 summed
     over the swept shapes. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
@@ -158,9 +158,8 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_fp8_moe.DECODE_BLOCK_N = best["block_n"]
         triton_fp8_moe.DECODE_SWAP_AB = bool(best.get("swap_ab"))
         chosen["experts"] = {k: best.get(k) for k in ("kernel", "block_n", "swap_ab", "ms")}
-    else:  # the sweep failed: round A's tiles (W8A16, weights on the MMA's N side)
-        triton_fp8_moe.DECODE_SWAP_AB = False
-        chosen["experts"] = "no sweep rows: W8A16 without swap-AB"
+    else:
+        chosen["experts"] = "no sweep rows: the library's choice"
     prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
     if prefill:
         best = min(prefill, key=lambda r: r["ms"])
@@ -178,12 +177,10 @@ def choose_decode_kernels(sweep_json: str) -> dict:
     if complete:
         kernel = min(complete, key=complete.get)
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
-        if kernel == "cublas-block":
-            triton_block_fp8.DECODE_ROWS = 0
+        triton_block_fp8.CUBLAS_ROWS_FROM = 1 if kernel == "cublas-block" else triton_block_fp8.DECODE_ROWS + 1
         chosen["dense"] = {"kernel": kernel, "ms_sum_m64": complete}
     else:
-        triton_block_fp8.DECODE_SWAP_AB = False
-        chosen["dense"] = "no sweep rows: W8A16 without swap-AB"
+        chosen["dense"] = "no sweep rows: the library's choice"
     print(f"FP8 decode kernels from {sweep_json}: {chosen}", flush=True)
     return chosen
 

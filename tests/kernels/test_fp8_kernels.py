@@ -126,22 +126,28 @@ def test_interpreted_quantize_groups_equals_the_reference(group):
 
 
 @needs_interpreter
-def test_interpreted_fp8_linear_takes_w8a16_for_few_rows_and_w8a8_for_many():
-    from hybridcache.kernels.gemm import triton_quant
-    from hybridcache.kernels.gemm.triton_block_fp8 import DECODE_ROWS, fp8_linear
+@pytest.mark.parametrize("rows", [5, 64, 67], ids=["decode-5", "decode-64", "prefill-67"])
+def test_interpreted_fp8_linear_quantises_its_activations(rows, monkeypatch):
+    """`fp8_linear` off cuBLAS's path (fp32 here; on the GPU: shapes it does not take): W8A8 with the decode tiles
+    up to 64 rows and the prefill tile above, activations quantised by the Triton kernel (interpreted inexactly,
+    see the quantize_groups test; bit for bit on the GPU), so the GEMM is checked against the product of the very
+    numbers that kernel wrote; with `DECODE_W8A16`, up to 64 rows, the unquantised product."""
+    from hybridcache.kernels.gemm import triton_block_fp8, triton_quant
 
-    generator = torch.Generator().manual_seed(3)
+    generator = torch.Generator().manual_seed(rows)
     weight, scale = quantize(torch.randn(64, 256, generator=generator), BLOCK)
-    few = torch.randn(2, DECODE_ROWS // 2, 256, generator=generator)
-    assert rel(fp8_linear(few, weight, scale, BLOCK), linear(few, weight, scale, BLOCK)) <= 1e-5
-    # many rows: quantised by the Triton kernel (interpreted inexactly, see above; its GPU check is the
-    # benchmark's), so the GEMM is checked against the product of the very numbers that kernel wrote
-    many = torch.randn(DECODE_ROWS + 3, 256, generator=generator)
-    xq, x_scale = triton_quant.quantize_groups(many)
+    x = torch.randn(rows, 256, generator=generator)
+    xq, x_scale = triton_quant.quantize_groups(x)
     want = dequantized_groups(xq, x_scale, 128) @ dequantize(weight, scale, BLOCK, torch.float32).T
-    got = fp8_linear(many, weight, scale, BLOCK)
+    got = triton_block_fp8.fp8_linear(x[None], weight, scale, BLOCK)[0]
     assert rel(got, want) <= 1e-5
-    assert rel(got, linear(many, weight, scale, BLOCK)) > 1e-4  # the activations were quantised
+    assert rel(got, linear(x, weight, scale, BLOCK)) > 1e-4  # the activations were quantised
+    monkeypatch.setattr(triton_block_fp8, "DECODE_W8A16", True)
+    w8a16 = triton_block_fp8.fp8_linear(x, weight, scale, BLOCK)
+    if rows <= triton_block_fp8.DECODE_ROWS:
+        assert rel(w8a16, linear(x, weight, scale, BLOCK)) <= 1e-5
+    else:
+        assert torch.equal(w8a16, got)
 
 
 @needs_interpreter

@@ -1,10 +1,10 @@
 """The "triton" GEMM backend (CUDA), by the weight's format and the number of rows M:
 
-| activations, rows M  | block (128 x 128)                          | channel                                        |
-| -------------------- | ------------------------------------------ | ---------------------------------------------- |
-| bf16 / fp16, M <= 64 | `triton_block_fp8.fp8_linear`: the decode kernel (W8A16, swap-AB tiles)                     |
-| bf16 / fp16, M > 64  | `fp8_linear`: cuBLAS block scales or W8A8 | `scaled_mm.channel_fp8_linear` (K, N % 16 == 0) |
-| fp32 (exact)         | `reference.linear` (dequantise, then F.linear)                                              |
+- bf16 / fp16, block (128 x 128): `triton_block_fp8.fp8_linear`: cuBLAS's block-scaled GEMM where it applies,
+  else the Triton kernel (W8A8; swap-AB tiles up to 64 rows).
+- bf16 / fp16, channel: up to 64 rows `fp8_linear` (the Triton kernel, W8A8); more: `scaled_mm.
+  channel_fp8_linear` (`torch._scaled_mm`, row-wise scales; K, N % 16 == 0).
+- fp32 (the exact path): `reference.linear` (dequantise, then F.linear).
 
 Why (measured on the H200, `benchmarks/fp8_sweep.py`): docs/kernels.md "Quantization". The CUDA modules are
 imported on first use, so registering this backend never imports Triton.

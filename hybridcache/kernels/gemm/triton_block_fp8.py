@@ -1,14 +1,15 @@
-"""The FP8-weight GEMM: out = x W^T with W an FP8 weight [N, K] scaled per (GROUP_N x GROUP_K) block, in one of
-two modes (`fp8_linear` picks by the number of rows M):
+"""The FP8-weight GEMM in Triton: out = x W^T with W an FP8 weight [N, K] scaled per (GROUP_N x GROUP_K) block,
+in one of two modes, and `fp8_linear`, the dense FP8 linear of the CUDA backend (cuBLAS's block-scaled GEMM where
+it applies, else this kernel):
 
-- **W8A16**: x in its own dtype (bf16/fp16/fp32), each weight tile converted to x's dtype in registers (exact:
-  every e4m3 value is a bf16 value) and each K step's product scaled per column:
-      out[m, n] = sum over K steps b of (x[m, b] . w[n, b]) * w_scale[n // GROUP_N, b // GROUP_K]
-  No activation quantisation, so one launch per linear; at decode sizes the kernel is bound by the FP8 weight
-  bytes (half of bf16's).
 - **W8A8**: x quantised per token per GROUP_K channels (`triton_quant.quantize_groups`, one launch), then the
   DeepSeek-V3 recipe on FP8 tensor cores, one activation scale per row and K step:
       out[m, n] = sum over K steps b of (xq[m, b] . w[n, b]) * x_scale[m, b // GROUP_K] * w_scale[n // GROUP_N, ...]
+- **W8A16**: x in its own dtype (bf16/fp16/fp32), each weight tile converted to x's dtype in registers (exact:
+  every e4m3 value is a bf16 value) and each K step's product scaled per column:
+      out[m, n] = sum over K steps b of (x[m, b] . w[n, b]) * w_scale[n // GROUP_N, b // GROUP_K]
+  No quantisation launch, but the conversion costs more than it saves on the H200 (docs/kernels.md), so
+  `fp8_linear` takes it only with `DECODE_W8A16`.
 
 One kernel does both (constexpr A_FP8). SWAP_AB computes out^T = W x^T: the weight tile is the MMA's M side
 (Hopper's wgmma takes 64 rows there) and the few rows of a decode step its N side (16 to 64). Per-channel weights
@@ -29,8 +30,10 @@ import triton.language as tl
 from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
 from hybridcache.kernels.gemm import triton_quant
 
-DECODE_ROWS = 64  # at most this many rows: the decode kernel (swap-AB tiles); more: prefill
-DECODE_W8A16 = True  # decode: W8A16 (no activation quantisation), else W8A8 (one quantisation launch)
+# `fp8_linear`'s choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md "Quantization")
+CUBLAS_ROWS_FROM = 1  # from this many rows, cuBLAS's block-scaled GEMM where it applies (`block_scaled_mm_fits`)
+DECODE_ROWS = 64  # otherwise, up to this many rows: this kernel with the decode tiles (`decode_config`)
+DECODE_W8A16 = False  # the decode tiles in W8A16 (no quantisation launch), else W8A8
 DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
 
 
@@ -164,10 +167,10 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype. Up to `DECODE_ROWS` rows: this
-    kernel with `decode_config` (W8A16, or W8A8 when not `DECODE_W8A16`); more: cuBLAS's block-scaled GEMM
-    (`scaled_mm.block_fp8_linear`) where it applies, else this kernel's W8A8 with `PREFILL_TILE` (module
-    docstring; the choice measured: docs/kernels.md "Quantization")."""
+    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: cuBLAS's block-scaled GEMM
+    (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
+    N % 128 == K % 512 == 0); else this kernel, W8A8 (or W8A16 with `DECODE_W8A16`) with `decode_config` up to
+    `DECODE_ROWS` rows and `PREFILL_TILE` above (the choices measured: docs/kernels.md "Quantization")."""
     from hybridcache.kernels.gemm import scaled_mm
 
     lead = x.shape[:-1]
@@ -176,10 +179,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         rows = rows.contiguous()
     m = rows.shape[0]
     group = fmt.block[1] if fmt.kind == "block" else 128
-    if m <= DECODE_ROWS and DECODE_W8A16:
-        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))
-    elif m > DECODE_ROWS and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
+    if m >= CUBLAS_ROWS_FROM and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
         out = scaled_mm.block_fp8_linear(rows, weight, scale)
+    elif m <= DECODE_ROWS and DECODE_W8A16:
+        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))
     else:
         xq, x_scale = triton_quant.quantize_groups(rows, group)
         out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype, decode_config(m) if m <= DECODE_ROWS

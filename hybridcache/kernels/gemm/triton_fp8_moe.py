@@ -36,12 +36,12 @@ from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
-DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8; swap-AB tiles
-DECODE_BLOCK_N = 64  # decode: weight rows per tile (the MMA's M side); BLOCK_M from `moe.grouped.tile_rows`
-DECODE_SWAP_AB = True
+DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8
+DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
+DECODE_SWAP_AB = False  # decode: the weight tile on the MMA's M side (compiled, not yet timed on the H200)
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
-PREFILL_NUM_WARPS = 4
+PREFILL_NUM_WARPS = 8
 
 
 @triton.jit
@@ -210,8 +210,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
-    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): swap-AB tiles, W8A16 (x and h in x's
-    dtype, the weights dequantised in the kernel: no quantisation launch) or W8A8 when not `DECODE_W8A16`; more:
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): W8A16 (x and h in x's dtype, the
+    weights dequantised in the kernel: no quantisation launch) or W8A8 when not `DECODE_W8A16`; more:
     W8A8 (x and h quantised per token per 128 channels by `triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice (benchmarks sweep them); the choice is made
     from shapes alone, so captured and eager runs agree."""
