@@ -196,9 +196,10 @@ def expert_items(gen: torch.Generator):
 
 
 # routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order
-PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (1024, False, 64, 128, False, 4),
-         (1024, False, 64, 128, False, 8), (1, True, 16, 64, True, 4), (128, True, 64, 64, True, 4),
-         (64, True, 32, 128, True, 4), (1024, False, 128, 128, False, 8), (1024, True, 64, 64, True, 4)]
+PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (64, True, 32, 64, False, 4),
+         (1024, False, 64, 128, False, 4), (1024, False, 64, 128, False, 8), (1, True, 16, 64, True, 4),
+         (128, True, 64, 64, True, 4), (64, True, 32, 128, True, 4), (1024, False, 128, 128, False, 8),
+         (1024, True, 64, 64, True, 4)]
 
 
 def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps) -> list[dict]:
@@ -245,7 +246,7 @@ def main() -> None:
             del DENSE[name]
         ROWS[:] = [64, 1]
         DECODE_TILES[:] = DECODE_TILES[:2]
-        PLANS[:] = PLANS[:4]
+        PLANS[:] = PLANS[:5]
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
