@@ -149,7 +149,10 @@ def choose_decode_kernels(sweep_json: str) -> dict:
     over the swept shapes. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
 
-    rows = [r for r in json.loads(Path(sweep_json).read_text())["rows"] if "ms" in r]
+    sweep = json.loads(Path(sweep_json).read_text())
+    if "rows" not in sweep:
+        raise ValueError(f"{sweep_json} is not a fp8_sweep.py result (no 'rows')")
+    rows = [r for r in sweep["rows"] if "ms" in r]
     chosen: dict = {}
     experts = [r for r in rows if r.get("experts") and r["tokens"] == 64]
     if experts:
