@@ -65,6 +65,7 @@ from hybridcache.server.limits import (
     check_sequences,
     max_token_bytes,
     queue_full_error,
+    read_body,
 )
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.protocol import (
@@ -391,15 +392,7 @@ class _Routes:
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
                            f"{media_type or 'no content type'!r}", param="content-type")
-        limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body has {declared} bytes; the limit is {limit} bytes")
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > limit:
-                raise APIError(413, f"the request body is over the limit of {limit} bytes")
+        body = await read_body(request, self.config.max_request_bytes)
         try:
             return json.loads(body)
         except RecursionError:

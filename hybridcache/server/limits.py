@@ -119,6 +119,20 @@ def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, 
                            f"{limit_bytes // max_model_len} bytes)", param=where, code="context_length_exceeded")
 
 
+async def read_body(request: Any, limit_bytes: int) -> bytes:
+    """The body of a Starlette `request`, refused (413) as soon as it passes `limit_bytes`: by its declared
+    Content-Length before a byte is read, else while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit_bytes} bytes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit_bytes:
+            raise APIError(413, f"the request body is over the limit of {limit_bytes} bytes")
+    return bytes(body)
+
+
 def check_sequences(num_prompts: int, n: int, limits: ServerLimits) -> None:
     """Refuse (400) a request of more sequences (prompts x n) than `max_request_sequences`, or than
     `max_queued_requests` (it could never be queued)."""
