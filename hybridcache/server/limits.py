@@ -146,15 +146,7 @@ def check_sequences(num_prompts: int, n: int, limits: ServerLimits) -> None:
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags of `ServerLimits` (defaults from the dataclass)."""
     d = ServerLimits()
-    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
-                        help="the most open connections; over it the oldest connection not running a request (still "
-                             "sending one, or idle) is closed, else the new one (default: the file-descriptor limit "
-                             "less 64, at most 1024)")
-    parser.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
-                        help="close an idle keep-alive connection after this long")
-    parser.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout_s, metavar="SECONDS",
-                        help="close a connection whose request headers and body have not all arrived this long after "
-                             "its first byte")
+    add_connection_args(parser)
     parser.add_argument("--max-request-sequences", type=int, default=d.max_request_sequences, metavar="N",
                         help="the most sequences (prompts x n) one request may hold")
     parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
@@ -165,10 +157,28 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                              "(default: no limit)")
 
 
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `ServerLimits`' connection limits (`serve` and `router` both take them)."""
+    d = ServerLimits()
+    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                        help="the most open connections; over it the oldest connection not running a request (still "
+                             "sending one, or idle) is closed, else the new one (default: the file-descriptor limit "
+                             "less 64, at most 1024)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this long")
+    parser.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout_s, metavar="SECONDS",
+                        help="close a connection whose request headers and body have not all arrived this long after "
+                             "its first byte")
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
-    """The `ServerLimits` the parsed `add_limit_args` flags describe."""
+    """The `ServerLimits` the parsed `add_limit_args` flags describe (only the connection limits when the parser
+    had just `add_connection_args`: the others keep their defaults)."""
+    d = ServerLimits()
     return ServerLimits(
         limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
-        request_read_timeout_s=args.request_read_timeout, max_request_sequences=args.max_request_sequences,
-        max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+        request_read_timeout_s=args.request_read_timeout,
+        max_request_sequences=getattr(args, "max_request_sequences", d.max_request_sequences),
+        max_queued_requests=getattr(args, "max_queued_requests", d.max_queued_requests),
+        request_timeout_s=getattr(args, "request_timeout", d.request_timeout_s),
     )

@@ -6,7 +6,9 @@
     POST /detokenize   {"tokens": [...]} -> {"prompt": text}
     GET  /version      {"version": the package version}
 
-The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not.
+The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not. A prompt is
+tokenized off the event loop, and a text too long to fit `max_model_len` tokens is refused by its size first, as
+for a completion (limits.py).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
         if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
+            routes.check_prompt_bytes([body.prompt], "prompt")
+            tokens = (await routes._encode([body.prompt]))[0]
         else:
             chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, {**data, "stream": False})
             template_kwargs = {**routes.config.default_chat_template_kwargs, **(chat.chat_template_kwargs or {})}
@@ -72,7 +75,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             except Exception as error:  # noqa: BLE001 - template errors are the client's
                 raise APIError(400, f"the chat template could not render these messages: {error}",
                                param="messages") from None
-            tokens = tokenizer.encode(text)
+            routes.check_prompt_bytes([text], "messages")
+            tokens = (await routes._encode([text]))[0]
         strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
         return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
                              "token_strs": strs})
