@@ -199,7 +199,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def health(request: Request) -> JSONResponse:
         ok = any(r.up for r in state.replicas)
         body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
-        if _has_key(request, config.api_key):  # the replicas' addresses and loads: only with the key
+        if has_key(request, config.api_key):  # the replicas' addresses and loads: only with the key
             body["replicas"] = [{"url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.counters.routed,
                                  "indexed_blocks": len(r.index.blocks) if r.index else 0,
                                  "indexed_checkpoints": r.index.num_checkpoints if r.index else 0}
@@ -217,7 +217,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     return app
 
 
-def _has_key(request: Request, key: str | None) -> bool:
+def has_key(request: Request, key: str | None) -> bool:
     """Whether the request carries `key` as its bearer token (always true when there is no key)."""
     if key is None:
         return True

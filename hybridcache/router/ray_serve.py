@@ -40,6 +40,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
+from hybridcache.router.app import has_key
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
@@ -193,12 +194,14 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 
 @serve.ingress(ingress_app)
 class OpenAIIngress:
-    """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router; /v1/models
-    from a replica; /health with the index's view of every replica."""
+    """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router (the replica
+    checks the API key, forwarded as sent); /v1/models from a replica; /health, with the index's view of every
+    replica for holders of the API key (when one is set)."""
 
     def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
         from hybridcache.engine_args import model_argument
         from hybridcache.model_path import resolve_model
+        from hybridcache.server.cli import api_key
         from hybridcache.server.vllm_flags import chat_template
         from hybridcache.tokenizer import Tokenizer
 
@@ -210,6 +213,7 @@ class OpenAIIngress:
             self.tokenizer.chat_template = template
         self.template_kwargs = args.chat_template_kwargs or {}
         self.max_request_bytes = args.max_request_bytes
+        self.api_key = api_key(args)
 
     @ingress_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -224,8 +228,11 @@ class OpenAIIngress:
         return await self._send(EngineRequest("GET", "/v1/models", headers=_headers(request)))
 
     @ingress_app.get("/health")
-    async def health(self) -> JSONResponse:
-        return JSONResponse({"status": "ok", "replicas": await self.index.stats.remote()})
+    async def health(self, request: Request) -> JSONResponse:
+        body: dict[str, Any] = {"status": "ok"}
+        if has_key(request, self.api_key):  # what the index holds of each replica: only with the key
+            body["replicas"] = await self.index.stats.remote()
+        return JSONResponse(body)
 
     async def _forward(self, request: Request) -> Response:
         raw = await read_body(request, self.max_request_bytes)
