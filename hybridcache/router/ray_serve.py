@@ -68,10 +68,18 @@ class EngineRequest:
 
 
 def parse_serve_args(serve_args: Sequence[str]) -> Any:
-    """The parsed `hybridcache serve` options (argparse exits with a usage message on a bad one)."""
-    from hybridcache.cli import build_parser
+    """The parsed `hybridcache serve` options, as the command line parses them (its `serve` subcommand, with
+    router/cli.py's additions); argparse exits with a usage message on a bad one."""
+    import argparse
 
-    return build_parser().parse_args(["serve", *serve_args])
+    from hybridcache.router import cli as router_cli
+    from hybridcache.server import cli as server_cli
+
+    parser = argparse.ArgumentParser(prog="hybridcache", allow_abbrev=False)
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    server_cli.register(subcommands)
+    router_cli.register(subcommands)
+    return parser.parse_args(["serve", *serve_args])
 
 
 class HybridcacheEngine:
