@@ -281,7 +281,8 @@ def build_app(serve_args: Sequence[str] = (), num_replicas: int = 2, num_cpus: f
     (its policy and balance margins; default `RoutingConfig()`), behind the OpenAI ingress."""
     routing = routing or RoutingConfig()
     index = serve.deployment(CacheIndex, name=INDEX_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
-                             ray_actor_options={"num_cpus": 0}).bind()
+                             ray_actor_options={"num_cpus": 0},
+                             logging_config={"enable_access_log": False}).bind()  # a line per push otherwise
     router = RequestRouterConfig(request_router_class=CheckpointRequestRouter,
                                  request_router_kwargs={**asdict(routing), "index_deployment": INDEX_DEPLOYMENT})
     engine = serve.deployment(HybridcacheEngine, name=ENGINE_DEPLOYMENT, num_replicas=num_replicas,
