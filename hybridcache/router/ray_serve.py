@@ -134,11 +134,14 @@ class HybridcacheEngine:
             raise RuntimeError(f"the engine is not healthy: {loop.last_error}")
 
     async def __del__(self) -> None:
-        self._poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._poller
-        await self._lifespan.aclose()
-        self.parts.engine.close()
+        """Ray Serve's shutdown of the replica: stop pushing, stop the engine thread, close the engine."""
+        if getattr(self, "_poller", None) is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if getattr(self, "parts", None) is not None:
+            await self._lifespan.aclose()
+            self.parts.engine.close()
 
     async def _publish_forever(self, interval_s: float) -> None:
         while True:
