@@ -1,7 +1,7 @@
 """Ray Serve (router/ray_serve.py) on a local Ray cluster, 2 CPU replicas of the built-in model: the SWE-agent
 slice replayed through its OpenAI ingress gets exactly the hits it gets behind the standalone router (`serve
 --data-parallel-size 2`), and a replica killed mid-run leaves every stream complete or ended with a clear error,
-leaves the cache index, and is replaced by Ray. Skipped without the `ray` extra."""
+leaves the cache index, and is replaced by Ray (the replacement joins the index). Skipped without the `ray` extra."""
 
 from __future__ import annotations
 
@@ -82,6 +82,10 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
             assert time.monotonic() < deadline, "the killed replica never left the cache index"
             time.sleep(0.5)
         assert _stream(url, prompts[0], 8) == "ok"  # served by the survivor or Ray's replacement
+        while len(_engine_replicas(url)) < 2:  # Ray starts a replacement, which pushes a snapshot to the index
+            assert time.monotonic() < deadline + 180, "Ray never replaced the killed replica"
+            time.sleep(1.0)
+        assert victim not in _engine_replicas(url)
     finally:
         serve.shutdown()
         ray.shutdown()
