@@ -13,6 +13,7 @@ for a completion (limits.py).
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,10 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
                                param="messages") from None
             routes.check_prompt_bytes([text], "messages")
             tokens = (await routes._encode([text]))[0]
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
+        strs = None
+        if body.return_token_strs:  # one decode per token: on the tokenizer threads too
+            strs = await asyncio.get_running_loop().run_in_executor(
+                routes.tokenizer_pool, lambda: [tokenizer.decode([t], skip_special_tokens=False) for t in tokens])
         return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
                              "token_strs": strs})
 
