@@ -76,6 +76,7 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
         for thread in threads:
             thread.join(timeout=300)
         assert len(outcomes) == len(prompts)
+        print({"outcomes": outcomes})
         assert all(o == "ok" or "failed mid-stream" in o for o in outcomes), outcomes
         deadline = time.monotonic() + 120
         while victim in _engine_replicas(url):  # the router saw it leave, and dropped it from the index
