@@ -206,8 +206,8 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 @serve.ingress(ingress_app)
 class OpenAIIngress:
     """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router (the replica
-    checks the API key, forwarded as sent); /v1/models from a replica; /health, with the index's view of every
-    replica for holders of the API key (when one is set)."""
+    checks the API key, forwarded as sent); /v1/models, /tokenize, /detokenize and /version from any replica;
+    /health, with the index's view of every replica for holders of the API key (when one is set)."""
 
     def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
         from hybridcache.engine_args import model_argument
@@ -237,6 +237,23 @@ class OpenAIIngress:
     @ingress_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return await self._send(EngineRequest("GET", "/v1/models", headers=_headers(request)))
+
+    @ingress_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._pass_through(request)
+
+    @ingress_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._pass_through(request)
+
+    @ingress_app.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await self._send(EngineRequest("GET", "/version"))
+
+    async def _pass_through(self, request: Request) -> Response:
+        """A request any replica answers alike: sent as it came, routed by load only (no prompt ids)."""
+        raw = await read_body(request, self.max_request_bytes)
+        return await self._send(EngineRequest("POST", request.url.path, raw, _headers(request)))
 
     @ingress_app.get("/health")
     async def health(self, request: Request) -> JSONResponse:

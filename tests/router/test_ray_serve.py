@@ -60,6 +60,9 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
         assert through_ray.prefill_tokens_computed == standalone.prefill_tokens_computed
         assert through_ray.hit_rate_by_turn == standalone.hit_rate_by_turn
         assert through_ray.token_hit_rate > 0.3, through_ray.token_hit_rate  # not a run of misses everywhere
+        tokens = httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}, timeout=60).json()["tokens"]
+        assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=60).json() == {"prompt": "hello there"}
+        assert "version" in httpx.get(f"{url}/version", timeout=60).json()
 
         # kill one engine replica while streams are in flight
         before = _engine_replicas(url)
