@@ -48,6 +48,7 @@ def test_the_router_runs_with_the_connection_guard(monkeypatch):
         seen["config"] = server.config
 
     monkeypatch.setattr("hybridcache.server.uvicorn_server.Server.run", capture)
+    monkeypatch.setattr("hybridcache.server.log_limits.install", lambda: None)  # global: not in the test process
     args = build_parser().parse_args(["router", "--replica", "http://127.0.0.1:1", "--limit-concurrency", "7",
                                       "--request-read-timeout", "3", "--max-request-bytes", "4096"])
     router_cli.run_router(args, args.replica, None, "127.0.0.1", 0)
