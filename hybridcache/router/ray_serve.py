@@ -90,6 +90,7 @@ class HybridcacheEngine:
         from hybridcache.server.cli import build_server
 
         self.parts = build_server(parse_serve_args(serve_args))
+        self._closed = False
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self.parts.app.router.lifespan_context(self.parts.app))
         self.index = index
@@ -133,15 +134,17 @@ class HybridcacheEngine:
         if not (loop.running and loop.healthy):
             raise RuntimeError(f"the engine is not healthy: {loop.last_error}")
 
-    async def __del__(self) -> None:
-        """Ray Serve's shutdown of the replica: stop pushing, stop the engine thread, close the engine."""
+    def __del__(self) -> None:
+        """Ray Serve's shutdown of the replica (then the garbage collector's: it does nothing twice): stop
+        pushing, stop the engine thread (aborting what still runs), close the engine. Synchronous, since the
+        garbage collector calls it too."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
         if getattr(self, "_poller", None) is not None:
             self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        if getattr(self, "parts", None) is not None:
-            await self._lifespan.aclose()
-            self.parts.engine.close()
+        self.parts.engine_loop.stop()
+        self.parts.engine.close()
 
     async def _publish_forever(self, interval_s: float) -> None:
         while True:
