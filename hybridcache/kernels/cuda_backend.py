@@ -11,6 +11,8 @@
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
+| silu_mul         | one Triton launch each: the MLP's silu(gate) * up and the MoE block's routed + sigmoid(gate) * |
+| sigmoid_gate_add | shared (`activation/triton.py`)                                                                |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, the (sequence,
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.gated_delta import triton_gates
@@ -167,6 +170,8 @@ class CudaBackend:
     route = staticmethod(triton_route.route)
     rms_norm = staticmethod(fused_norm.rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
+    silu_mul = staticmethod(triton_activation.silu_mul)
+    sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
     rotary = staticmethod(triton_rotary.rotary)
 
 

@@ -3,6 +3,8 @@ checkpoint's scale tensor follow the weight's rows, per channel always, per 128-
 rows are whole blocks (else a clear error at load, before any weight memory is used for serving).
 
 The tiny config's DeltaNet head dims (16) are not whole blocks; test_fp8.py covers the aligned block format.
+On a CUDA device the whole model runs through the CUDA backend, whose Triton kernels read the conv input, z, b and
+a as column views of the packed projection's output, and is compared with transformers in fp32.
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridcache import LLM, SamplingParams
 from hybridcache.models import load_model
 from hybridcache.models.fp8_folders import write_fp8_folder
 from hybridcache.models.random_weights import randomize_, tiny_hf_config
 
+from ..engine.model_folders import load_hf_model, write_tiny_model
 from .helpers import PagedRunner, random_tokens, rel_err
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +56,20 @@ def test_block_scales_across_heads_are_refused(next_dir, tmp_path):
     folder = write_fp8_folder(next_dir, tmp_path / "block", "block")
     with pytest.raises(ValueError, match=r"in_proj_qkvz in FP8 blocks of 128 rows.*multiples of 128"):
         load_model(folder)
+
+
+@needs_cuda
+def test_cuda_engine_prompt_logprobs_equal_transformers(tmp_path):
+    """fp32 (IEEE on CUDA): every prompt position's logprob of its token within 1e-3 of transformers' (the CPU
+    reference engine is within 4e-6; a row read in the wrong order is off by O(1))."""
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    prompt = random_tokens(160, seed=4)
+    llm = LLM(folder, device="cuda", dtype="float32", max_num_seqs=4, gpu_memory_utilization=0.2)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.inference_mode():
+        logits = load_hf_model(folder)(torch.tensor([prompt]), position_ids=torch.arange(160)[None]).logits[0]
+    want = torch.log_softmax(logits.float(), dim=-1)[torch.arange(159), torch.tensor(prompt[1:])]
+    got = torch.tensor([out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, 160)])
+    error = (got - want).abs().max().item()
+    print(f"qwen3_next on CUDA, fp32: max |prompt logprob - transformers'| = {error:.2e}")
+    assert error <= 1e-3
