@@ -103,8 +103,8 @@ class EngineConfig:
     depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
-    `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism, decode-interval
-    checkpoints or on CUDA (its kernels keep no per-position states); those are refused here or at start-up.
+    `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism or decode-interval
+    checkpoints; those are refused here. A kernel backend without verify kernels is refused at start-up.
     quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
     checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
     (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
@@ -141,9 +141,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             refused = [what for what, on in (
                 ("async scheduling", self.async_scheduling), ("tensor parallelism", self.tensor_parallel_size != 1),
-                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None),
-                ("a CUDA device (its kernels keep no per-position recurrent states yet)",
-                 str(self.device).startswith("cuda"))) if on]
+                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None)) if on]
             if refused:
                 raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:

@@ -70,6 +70,7 @@ class _DecodeGraphs:
         self.scratch_row = scratch_page * kernel_block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor | None] = {}  # with an MTP head: each graph's hidden rows
         self.pool = None
 
         def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
@@ -258,17 +259,23 @@ class ModelRunner:
         replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
         size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
         if size is None:
-            if self.mtp_head is not None:  # the head reads the step's hidden states (engine.speculative)
-                logits, self.step_hidden = self.model.forward_with_hidden(
-                    self.backend.prepare(batch), self.pools, self.backend)
-                return logits
-            return self.model(self.backend.prepare(batch), self.pools, self.backend)
+            return self._run_model(self.backend.prepare(batch))
         graphs.load(batch, size)
         if not self._replay:
             static = self.backend.prepare(graphs.static_batch(size))
-            return self.model(static, self.pools, self.backend)[: batch.num_seqs]
+            return self._run_model(static)[: batch.num_seqs]
         graphs.graphs[size].replay()
+        if self.mtp_head is not None:
+            self.step_hidden = graphs.hidden[size]
         return graphs.outputs[size][: batch.num_seqs].clone()
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of
+        every row in `step_hidden` (what the head reads, `engine.speculative`)."""
+        if self.mtp_head is None:
+            return self.model(batch, self.pools, self.backend)
+        logits, self.step_hidden = self.model.forward_with_hidden(batch, self.pools, self.backend)
+        return logits
 
     def _capture(self) -> None:
         """Capture one decode graph per bucket, largest first (smaller ones reuse its memory pool); each is run
@@ -278,8 +285,7 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for size in reversed(graphs.sizes):
-                batch = self.backend.prepare(graphs.static_batch(size))
-                self.model(batch, self.pools, self.backend)
+                self._run_model(self.backend.prepare(graphs.static_batch(size)))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
@@ -287,7 +293,8 @@ class ModelRunner:
                 batch = self.backend.prepare(graphs.static_batch(size))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=graphs.pool):
-                    graphs.outputs[size] = self.model(batch, self.pools, self.backend)
+                    graphs.outputs[size] = self._run_model(batch)
+                    graphs.hidden[size] = self.step_hidden
                 graphs.pool = graph.pool()
                 graphs.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -318,10 +325,20 @@ class ModelRunner:
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py)."""
-        for chunk in (SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0),
-                      SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)):
-            batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
-                                        device=self.device)
+        steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
+            ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
+            ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
+        ]
+        k = self.num_speculative_tokens
+        if k and k + 4 <= block_size:  # verify rows: alone (the full verify kernel), beside a prefill (states only)
+            verify = SeqChunk(token_ids=[0] * (k + 1), start=3, block_ids=[0], slot=0)
+            steps.append(([verify], [self.draft_slots(0, k)]))
+            if self.draft_base > 1:
+                steps.append(([verify, SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=1)],
+                              [self.draft_slots(0, k), ()]))
+        for chunks, drafts in steps:
+            batch = build_forward_batch(chunks, block_size=block_size, kernel_block_size=kernel_block_size,
+                                        device=self.device, draft_slots=drafts)
             self.model(self.backend.prepare(batch), self.pools, self.backend)
         torch.cuda.synchronize(self.device)
 
