@@ -99,3 +99,74 @@ def test_interpreted_verify_refuses_bad_shapes() -> None:
     with pytest.raises(ValueError, match="powers of two"):
         gated_delta_rule_verify(q, q, v, g, g, pool, one, torch.tensor([0, 3]), one, torch.zeros(1, 1).long(),
                                 torch.zeros(1, dtype=torch.int32), states_only=False)
+
+
+def _reference_chunked(q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, context_lens, query_lens_cpu, **_):
+    """Stands in for fla's chunked kernel (not runnable in the interpreter): the reference rule per sequence, from
+    each slot's state (zeros when fresh), final states written back."""
+    from hybridcache.kernels.gated_delta import reference as delta_ref
+
+    out = torch.empty(v.shape, dtype=q.dtype)
+    starts = cu_seqlens.tolist()
+    for i, length in enumerate(query_lens_cpu):
+        rows, slot = slice(starts[i], starts[i] + length), int(state_slots[i])
+        fresh = int(context_lens[i]) == length
+        out[rows], state = delta_ref.chunk_gated_delta_rule(q[rows], k[rows], v[rows], g[rows], beta[rows],
+                                                            None if fresh else ssm_pool[slot])
+        ssm_pool[slot] = state.to(ssm_pool.dtype)
+    return out
+
+
+@needs_interpreter
+@pytest.mark.parametrize("with_prefill", [False, True], ids=["verify_only", "with_prefill"])
+def test_interpreted_cuda_backend_verify_step(with_prefill: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CudaBackend`'s conv and gated delta ops on a step with verify rows (its `VerifyRows`, the mode it picks, the
+    draft states written before the slots are rewritten) against `ReferenceBackend` on the same batch: outputs,
+    slots and draft rows."""
+    from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+    from hybridcache.kernels import cuda_backend
+    from hybridcache.kernels.attention.triton_backend import TritonAttention
+    from hybridcache.kernels.backend import ReferenceBackend
+    from hybridcache.kernels.gated_delta import reference as delta_ref
+
+    monkeypatch.setattr(cuda_backend, "chunk_gated_delta_rule_varlen", _reference_chunked)
+    gen = torch.Generator().manual_seed(1)
+    k_draft, num_slots, channels, width, heads, dims = 3, 6, 96, 3, (2, 4), (16, 32)
+    chunks = [SeqChunk(token_ids=[1] * 4, start=160, block_ids=list(range(12)), slot=4),  # 3 drafts
+              SeqChunk(token_ids=[1], start=170, block_ids=list(range(12)), slot=1),  # a decode row
+              SeqChunk(token_ids=[1] * 2, start=151, block_ids=list(range(12)), slot=0)]  # 1 draft
+    drafts = [tuple(num_slots + 4 * k_draft + j for j in range(3)), (), (num_slots + 0 * k_draft,)]
+    if with_prefill:
+        chunks.append(SeqChunk(token_ids=[1] * 40, start=20, block_ids=list(range(12)), slot=2))
+        drafts.append(())
+    batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16, draft_slots=drafts)
+    total = batch.input_ids.shape[0]
+    rows = num_slots + num_slots * k_draft
+    x = torch.randn(total, channels, generator=gen)
+    weight, bias = torch.randn(channels, width + 1, generator=gen), torch.randn(channels, generator=gen)
+    q, k = torch.randn(total, heads[0], dims[0], generator=gen), torch.randn(total, heads[0], dims[0], generator=gen)
+    v = torch.randn(total, heads[1], dims[1], generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(total, heads[1], generator=gen))
+    beta = torch.randn(total, heads[1], generator=gen).sigmoid()
+    conv_pool = torch.randn(rows, channels, width, generator=gen)
+    ssm_pool = torch.zeros(rows, heads[1], *dims)
+    for slot in range(num_slots):  # real states: 150 tokens of history each
+        hq, hk = torch.randn(150, heads[0], dims[0], generator=gen), torch.randn(150, heads[0], dims[0], generator=gen)
+        hv = torch.randn(150, heads[1], dims[1], generator=gen)
+        hg = -torch.nn.functional.softplus(torch.randn(150, heads[1], generator=gen))
+        _, ssm_pool[slot] = delta_ref.chunk_gated_delta_rule(hq, hk, hv, hg, torch.full((150, heads[1]), 0.5))
+    results = []
+    for backend in (ReferenceBackend(), cuda_backend.CudaBackend(TritonAttention())):
+        conv, ssm = conv_pool.clone(), ssm_pool.clone()
+        prepared = backend.prepare(batch)
+        conv_out = backend.causal_conv1d(x, weight, bias, conv, prepared)
+        out = backend.gated_delta_rule(q, k, v, g, beta, ssm, prepared)
+        results.append((prepared.metadata, conv_out, out, conv, ssm))
+    (_, ref_conv_out, ref_out, ref_conv, ref_ssm), (meta, conv_out, out, conv, ssm) = results
+    assert meta.verify is not None and meta.verify.short is not with_prefill
+    assert meta.verify.num_drafts.tolist() == [len(d) for d in drafts]
+    torch.testing.assert_close(conv_out, ref_conv_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(ssm[list(drafts[0])], ssm_pool[list(drafts[0])])  # the draft rows were written
