@@ -69,13 +69,18 @@ class VerifyRows:
 
     @staticmethod
     def of(batch: ForwardBatch) -> VerifyRows | None:
-        """None when the batch verifies nothing. Built from host lists, copied without a host sync."""
+        """None when the batch verifies nothing. When every sequence has the same number of drafts (what the verify
+        graphs capture), the table is a view of `batch.draft_slots` on the device; else it is built from the host
+        lists and copied without a host sync."""
         drafts = batch.draft_slots_cpu
         if not any(drafts):
             return None
-        width = max(len(d) for d in drafts)
-        table = [list(d) + [0] * (width - len(d)) for d in drafts]
         short = all(length == 1 + len(d) for length, d in zip(batch.query_lens_cpu, drafts, strict=True))
+        width = max(len(d) for d in drafts)
+        if all(len(d) == width for d in drafts):
+            num_drafts = torch.full((len(drafts),), width, dtype=torch.int32, device=batch.draft_slots.device)
+            return VerifyRows(short, batch.draft_slots.view(len(drafts), width), num_drafts)
+        table = [list(d) + [0] * (width - len(d)) for d in drafts]
         device = batch.input_ids.device
         host = torch.tensor([row + [len(d)] for row, d in zip(table, drafts, strict=True)], dtype=torch.int64)
         if device.type == "cuda":

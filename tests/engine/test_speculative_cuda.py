@@ -56,3 +56,32 @@ def test_cuda_llm_bf16_with_graphs(tmp_path_factory):
           f"difference; spec stats {on_llm.engine.drafter.stats}")
     assert all(len(x) == 40 for x in on)
     on_llm.engine.check_integrity()
+
+
+@needs_cuda
+def test_cuda_verify_graphs_replay_equals_eager(tmp_path_factory):
+    """bf16 verify steps (every row k drafts) replay their captured graphs; the same static batches run eagerly
+    (`without_replay`) give the same greedy tokens, rollbacks included (the random head's drafts are rejected)."""
+    import contextlib
+
+    from hybridcache import LLM
+    from hybridcache.sampling import SamplingParams
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=8, gpu_memory_utilization=0.2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    runner = llm.engine.runner
+    assert runner._verify_graphs is not None and runner._verify_graphs.sizes == (1, 2, 4, 8)
+    loads = []
+    load = runner._verify_graphs.load
+    runner._verify_graphs.load = lambda batch, size: (loads.append(size), load(batch, size))
+    prompts = torch.randint(0, 256, (8, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs = []
+    for mode in (contextlib.nullcontext, runner.without_replay):
+        with mode():
+            llm.engine.clear_cache()
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    print(f"verify graphs: {len(loads)} verify steps through the graphs (buckets {sorted(set(loads))})")
+    assert loads and runs[0] == runs[1]
+    llm.engine.check_integrity()

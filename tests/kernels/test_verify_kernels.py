@@ -119,10 +119,13 @@ def _reference_chunked(q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, cont
 
 @needs_interpreter
 @pytest.mark.parametrize("with_prefill", [False, True], ids=["verify_only", "with_prefill"])
-def test_interpreted_cuda_backend_verify_step(with_prefill: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`CudaBackend`'s conv and gated delta ops on a step with verify rows (its `VerifyRows`, the mode it picks, the
-    draft states written before the slots are rewritten) against `ReferenceBackend` on the same batch: outputs,
-    slots and draft rows."""
+@pytest.mark.parametrize("uniform", [False, True], ids=["drafts_3_0_1", "drafts_2_2_2"])
+def test_interpreted_cuda_backend_verify_step(with_prefill: bool, uniform: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CudaBackend`'s conv and gated delta ops on a step with verify rows (its `VerifyRows`: from the host lists,
+    or a view of the device draft slots when every row has the same drafts; the mode it picks; the draft states
+    written before the slots are rewritten) against `ReferenceBackend` on the same batch: outputs, slots and draft
+    rows."""
     from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
     from hybridcache.kernels import cuda_backend
     from hybridcache.kernels.attention.triton_backend import TritonAttention
@@ -136,7 +139,11 @@ def test_interpreted_cuda_backend_verify_step(with_prefill: bool, monkeypatch: p
               SeqChunk(token_ids=[1], start=170, block_ids=list(range(12)), slot=1),  # a decode row
               SeqChunk(token_ids=[1] * 2, start=151, block_ids=list(range(12)), slot=0)]  # 1 draft
     drafts = [tuple(num_slots + 4 * k_draft + j for j in range(3)), (), (num_slots + 0 * k_draft,)]
-    if with_prefill:
+    if uniform:
+        chunks = [SeqChunk(token_ids=[1] * 3, start=start, block_ids=list(range(12)), slot=slot)
+                  for start, slot in ((160, 4), (170, 1), (151, 0))]
+        drafts = [tuple(num_slots + slot * k_draft + j for j in range(2)) for slot in (4, 1, 0)]
+    if with_prefill:  # (not uniform any more: the host table)
         chunks.append(SeqChunk(token_ids=[1] * 40, start=20, block_ids=list(range(12)), slot=2))
         drafts.append(())
     batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16, draft_slots=drafts)
@@ -165,6 +172,7 @@ def test_interpreted_cuda_backend_verify_step(with_prefill: bool, monkeypatch: p
     (_, ref_conv_out, ref_out, ref_conv, ref_ssm), (meta, conv_out, out, conv, ssm) = results
     assert meta.verify is not None and meta.verify.short is not with_prefill
     assert meta.verify.num_drafts.tolist() == [len(d) for d in drafts]
+    assert meta.verify.draft_table[:, 0].tolist() == [d[0] if d else 0 for d in drafts]
     torch.testing.assert_close(conv_out, ref_conv_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(conv, ref_conv, rtol=0, atol=0)
     torch.testing.assert_close(out, ref_out, rtol=1e-4, atol=1e-4)
