@@ -1,19 +1,23 @@
 """MTP speculative decoding: acceptance per draft position and decode tokens/s against MTP off.
 
     PYTHONPATH=. python benchmarks/spec_bench.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8 64] [--max-tokens 128]
-                                                 [--prompt-len 256] [--temperature 0] [--device cpu] [--json OUT]
+                                                 [--prompt-len 256] [--temperature 0] [--device cpu]
+                                                 [--dtype bfloat16] [--json OUT]
 
-For each batch size b, b greedy requests (prompts cut from the model folder's `training_corpus.txt` when
+One engine per k (MTP off, then each k; its start-up is the costly part), warmed up by a short generation, then for
+each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
 `benchmarks/train_byte_lm.py --mtp-steps N` wrote it, else random bytes) are prefilled, then decoded to
-`--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Rows: MTP off,
-then MTP with each k. Acceptance: accepted / fed draft tokens, and per draft position (accepted at position j /
-verify rows). Prints a table and writes the rows as JSON. The engine runs MTP only with the reference kernels for
-now (on the CPU): H200 numbers need the CUDA verify path (docs/design.md, "Speculative decoding").
+`--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Acceptance:
+accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows). Prints a table
+(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON. On CUDA in bf16 both runs use
+CUDA graphs (MTP's verify steps too); MTP runs synchronously (no async scheduling), MTP off asynchronously.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import random
 import time
@@ -37,15 +41,25 @@ def prompts(model_dir: Path, count: int, length: int, seed: int = 0) -> list[lis
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
-def measure(model_dir: Path, k: int | None, batch: int, args: argparse.Namespace) -> dict:
-    """One row: decode tokens/s of `batch` requests with MTP k (None: off), and the acceptance counters."""
-    config = EngineConfig(block_size=64, max_num_seqs=max(batch, 1),
+def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace) -> LLMEngine:
+    """An engine with MTP k (None: off) for every batch size of the run (max_num_seqs = the largest), warmed up by
+    one short generation (the first steps of a fresh engine build lazy state that no later step pays for)."""
+    config = EngineConfig(block_size=64, max_num_seqs=max(args.batch), dtype=args.dtype,
                           max_model_len=args.prompt_len + args.max_tokens + 8,
                           max_num_batched_tokens=max(2048, args.prompt_len), device=args.device,
                           speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
     engine = LLMEngine(model_dir, config)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    for i, prompt in enumerate(prompts(model_dir, batch, args.prompt_len)):
+    decode(engine, prompts(model_dir, 2, args.prompt_len, seed=1), min(16, args.max_tokens), args)
+    return engine
+
+
+def decode(engine: LLMEngine, batch_prompts: list[list[int]], max_tokens: int,
+           args: argparse.Namespace) -> tuple[int, float]:
+    """Run the prompts to `max_tokens` each from an empty cache; (decode tokens, seconds) from the first step that
+    only decodes to the last."""
+    engine.clear_cache()
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    for i, prompt in enumerate(batch_prompts):
         engine.add_request(str(i), prompt, params)
     start = None
     generated = 0
@@ -55,15 +69,24 @@ def measure(model_dir: Path, k: int | None, batch: int, args: argparse.Namespace
             start, generated = time.perf_counter(), engine.num_decode_tokens
         engine.step()
     seconds = time.perf_counter() - start if start is not None else float("nan")
-    tokens = engine.num_decode_tokens - generated
-    row = {"k": k or 0, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
-           "decode_tokens_per_s": tokens / seconds if seconds else float("nan")}
+    return engine.num_decode_tokens - generated, seconds
+
+
+def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
+    """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
+    before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
+    tokens, seconds = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
+    k = engine.drafter.k if engine.drafter is not None else 0
+    row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
+           "decode_tokens_per_s": tokens / seconds if seconds else float("nan")}
     if stats is not None:
-        row.update(verify_rows=stats.num_drafts, draft_tokens=stats.num_draft_tokens,
-                   accepted_tokens=stats.num_accepted_tokens,
-                   acceptance=stats.num_accepted_tokens / max(1, stats.num_draft_tokens),
-                   accepted_per_position=[n / max(1, stats.num_drafts) for n in stats.accepted_per_position])
+        rows = stats.num_drafts - before.num_drafts
+        fed = stats.num_draft_tokens - before.num_draft_tokens
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        row.update(verify_rows=rows, draft_tokens=fed, accepted_tokens=accepted, acceptance=accepted / max(1, fed),
+                   accepted_per_position=[(n - m) / max(1, rows) for n, m in
+                                          zip(stats.accepted_per_position, before.accepted_per_position, strict=True)])
     return row
 
 
@@ -76,17 +99,21 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: CUDA graphs on CUDA)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model_dir = args.model_dir or ensure_builtin_model()
     rows = []
-    for batch in args.batch:
-        base = measure(model_dir, None, batch, args)
-        rows.append(base)
-        for k in args.k:
-            row = measure(model_dir, k, batch, args)
-            row["speedup"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            rows.append(row)
+    for k in [None, *args.k]:  # one engine per k (its start-up is the expensive part), every batch size on it
+        engine = make_engine(model_dir, k, args)
+        rows += [measure(engine, model_dir, batch, args) for batch in args.batch]
+        engine.close()
+        del engine
+        gc.collect()
+    base = {row["batch"]: row["decode_tokens_per_s"] for row in rows if row["k"] == 0}
+    for row in rows:
+        row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]
+    rows.sort(key=lambda row: (row["batch"], row["k"]))
     print(f"{'batch':>5} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per position")
     for row in rows:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))

@@ -1,6 +1,7 @@
 """Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
 
     PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--mtp-steps 0] [--device cpu|cuda]
+                                                    [--num-layers N]
 
 Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
 text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
@@ -305,6 +306,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=TrainOptions.seed)
     parser.add_argument("--log-every", type=int, default=TrainOptions.log_every)
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="layers of the model (default: gpu_engine.MODEL's 5); full attention every 4th, "
+                             "DeltaNet elsewhere, as Qwen3-Next's 3:1")
     parser.add_argument("--mtp-steps", type=int, default=TrainOptions.mtp_steps,
                         help="then train the MTP head for this many steps (0: the folder gets a random head)")
     args = parser.parse_args()
@@ -312,7 +316,16 @@ def main() -> None:
         parser.error(f"--seq-len {args.seq_len}: train on windows of at least 256 bytes")
     options = TrainOptions(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                            device=args.device, log_every=args.log_every, mtp_steps=args.mtp_steps)
-    train(args.out, options)
+    train(args.out, options, shape=None if args.num_layers is None else layered_shape(args.num_layers))
+
+
+def layered_shape(num_layers: int) -> dict:
+    """`gpu_engine.MODEL` with `num_layers` layers, every 4th full attention (Qwen3-Next's pattern: 48 layers of
+    which 12 attention), the rest gated DeltaNet; layer 1 keeps the tiny Qwen3-Next config's dense MLP."""
+    if num_layers < 4:
+        raise ValueError(f"--num-layers {num_layers}: at least 4 (one full-attention layer)")
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    return {**MODEL, "num_hidden_layers": num_layers, "layer_types": types}
 
 
 if __name__ == "__main__":
