@@ -73,6 +73,23 @@ def small_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("traffic"), "qwen3_5_text", seed=1)
 
 
+def test_speculation_turns_off_above_a_batch_size_with_async_steps_between(small_dir):
+    """`disable_by_batch_size` 2 on the cache-equivalence workload (up to 6 sequences at once), async scheduling on:
+    steps over the limit are plain decode steps (overlapped), steps at or under it draft and verify (synchronous,
+    oracle drafts so that some are accepted); greedy tokens equal MTP off's, the cache intact after every step."""
+    off = tokens_of(run_workload(make_engine(small_dir, None, enable_prefix_caching=False)))
+    engine = LLMEngine(small_dir, EngineConfig(
+        block_size=16, kernel_block_size=8, max_num_batched_tokens=96, max_num_seqs=6, async_scheduling=True,
+        speculative_config={**spec(2), "disable_by_batch_size": 2}))
+    oracle(engine, off, seed=5)
+    decided = []
+    speculating = engine._speculating
+    engine._speculating = lambda: decided.append(speculating()) or decided[-1]
+    assert tokens_of(run_workload(engine, check_every_step=True)) == off
+    assert True in decided and False in decided
+    assert engine.drafter.stats.num_accepted_tokens > 0
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_random_traffic_keeps_integrity_and_greedy_tokens(small_dir, data):
@@ -216,8 +233,8 @@ def test_sampling_distribution_with_mtp_equals_without(tiny_vocab_dir, temperatu
 
 # ------------------------------------------------------------------------------------------------- refusals
 def test_unsupported_combinations_are_refused_clearly(small_dir):
-    with pytest.raises(ValueError, match="async scheduling"):
-        EngineConfig(speculative_config=spec(2), async_scheduling=True)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        EngineConfig(speculative_config={**spec(2), "disable_by_batch_size": 0})
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(speculative_config=spec(2), tensor_parallel_size=2)
     assert EngineConfig(speculative_config=spec(2), device="cuda").speculative_config.num_speculative_tokens == 2
