@@ -2,14 +2,16 @@
 
     PYTHONPATH=. python benchmarks/spec_bench.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8 64] [--max-tokens 128]
                                                  [--prompt-len 256] [--temperature 0] [--device cpu]
-                                                 [--dtype bfloat16] [--json OUT]
+                                                 [--dtype bfloat16] [--disable-by-batch-size N] [--json OUT]
 
 One engine per k (MTP off, then each k; its start-up is the costly part), warmed up by a short generation, then for
 each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
 `benchmarks/train_byte_lm.py --mtp-steps N` wrote it, else random bytes) are prefilled, then decoded to
 `--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Acceptance:
 accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows). Prints a table
-(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON. On CUDA in bf16 both runs use
+(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON. `--disable-by-batch-size N` adds
+rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
+plain decode steps, overlapped by async scheduling). On CUDA in bf16 both runs use
 CUDA graphs (MTP's verify steps too); MTP runs synchronously (no async scheduling), MTP off asynchronously.
 """
 
@@ -41,13 +43,15 @@ def prompts(model_dir: Path, count: int, length: int, seed: int = 0) -> list[lis
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
-def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace) -> LLMEngine:
-    """An engine with MTP k (None: off) for every batch size of the run (max_num_seqs = the largest), warmed up by
-    one short generation (the first steps of a fresh engine build lazy state that no later step pays for)."""
+def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace, limit: int | None = None) -> LLMEngine:
+    """An engine with MTP k (None: off; `limit`: its disable_by_batch_size) for every batch size of the run
+    (max_num_seqs = the largest), warmed up by one short generation (the first steps of a fresh engine build lazy
+    state that no later step pays for)."""
+    speculative = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit} if k else None
     config = EngineConfig(block_size=64, max_num_seqs=max(args.batch), dtype=args.dtype,
                           max_model_len=args.prompt_len + args.max_tokens + 8,
                           max_num_batched_tokens=max(2048, args.prompt_len), device=args.device,
-                          speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+                          speculative_config=speculative)
     engine = LLMEngine(model_dir, config)
     decode(engine, prompts(model_dir, 2, args.prompt_len, seed=1), min(16, args.max_tokens), args)
     return engine
@@ -100,25 +104,42 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: CUDA graphs on CUDA)")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="also run k = 2 with speculation off above this many sequences, at batch sizes over it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model_dir = args.model_dir or ensure_builtin_model()
     rows = []
-    for k in [None, *args.k]:  # one engine per k (its start-up is the expensive part), every batch size on it
-        engine = make_engine(model_dir, k, args)
-        rows += [measure(engine, model_dir, batch, args) for batch in args.batch]
+    runs = [(k, None, args.batch) for k in [None, *args.k]]
+    limit = args.disable_by_batch_size
+    if limit is not None:  # MTP turned off above `limit`: the batch sizes over it
+        runs.append((2 if 2 in args.k else args.k[0], limit, [b for b in args.batch if b > limit]))
+    for k, limit, batches in runs:  # one engine per k (its start-up is the expensive part), every batch size on it
+        started = time.perf_counter()
+        engine = make_engine(model_dir, k, args, limit)
+        print(f"k={k or 0}: engine up in {time.perf_counter() - started:.1f} s", flush=True)
+        for batch in batches:
+            rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
+            print(json.dumps(rows[-1]), flush=True)  # each row as soon as it is measured
         engine.close()
         del engine
         gc.collect()
+        write_json(args, model_dir, rows)
     base = {row["batch"]: row["decode_tokens_per_s"] for row in rows if row["k"] == 0}
     for row in rows:
         row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]
     rows.sort(key=lambda row: (row["batch"], row["k"]))
-    print(f"{'batch':>5} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per position")
+    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per position")
     for row in rows:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
-        print(f"{row['batch']:>5} {row['k']:>2} {row['decode_tokens_per_s']:>9.1f} {row.get('speedup', 1.0):>8.2f} "
-              f"{row.get('acceptance', float('nan')):>7.2f}  {per}")
+        limit = row["disable_by_batch_size"] if row["disable_by_batch_size"] is not None else "-"
+        print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {row['decode_tokens_per_s']:>9.1f} "
+              f"{row.get('speedup', 1.0):>8.2f} {row.get('acceptance', float('nan')):>7.2f}  {per}")
+    write_json(args, model_dir, rows)
+
+
+def write_json(args: argparse.Namespace, model_dir: Path, rows: list[dict]) -> None:
+    """The rows so far (and the options) to `--json`, when given."""
     if args.json is not None:
         args.json.write_text(json.dumps({"model_dir": str(model_dir), "options": vars(args) | {
             "model_dir": str(model_dir), "json": str(args.json)}, "rows": rows}, indent=1, default=str))
