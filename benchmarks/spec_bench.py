@@ -8,11 +8,12 @@ One engine per k (MTP off, then each k; its start-up is the costly part), warmed
 each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
 `benchmarks/train_byte_lm.py --mtp-steps N` wrote it, else random bytes) are prefilled, then decoded to
 `--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Acceptance:
-accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows). Prints a table
+accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows); agree: the share
+of MTP off's greedy tokens each completion repeats up to its first difference (`agreement`). Prints a table
 (speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON. `--disable-by-batch-size N` adds
 rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
-plain decode steps, overlapped by async scheduling). On CUDA in bf16 both runs use
-CUDA graphs (MTP's verify steps too); MTP runs synchronously (no async scheduling), MTP off asynchronously.
+plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
+too); MTP's speculative steps run synchronously, MTP off's steps asynchronously.
 """
 
 from __future__ import annotations
@@ -58,32 +59,33 @@ def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace, limit:
 
 
 def decode(engine: LLMEngine, batch_prompts: list[list[int]], max_tokens: int,
-           args: argparse.Namespace) -> tuple[int, float]:
-    """Run the prompts to `max_tokens` each from an empty cache; (decode tokens, seconds) from the first step that
-    only decodes to the last."""
+           args: argparse.Namespace) -> tuple[int, float, list[list[int]]]:
+    """Run the prompts to `max_tokens` each from an empty cache; (decode tokens, seconds from the first step that
+    only decodes to the last, each request's token ids)."""
     engine.clear_cache()
     params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     for i, prompt in enumerate(batch_prompts):
         engine.add_request(str(i), prompt, params)
     start = None
     generated = 0
+    outputs = {}
     while engine.has_unfinished_requests():
         decoding = all(s.num_computed >= s.prompt_len for s in engine.scheduler.running) and engine.scheduler.running
         if decoding and start is None and not engine.scheduler.waiting:
             start, generated = time.perf_counter(), engine.num_decode_tokens
-        engine.step()
+        outputs.update((out.request_id, list(out.outputs[0].token_ids)) for out in engine.step() if out.finished)
     seconds = time.perf_counter() - start if start is not None else float("nan")
-    return engine.num_decode_tokens - generated, seconds
+    return engine.num_decode_tokens - generated, seconds, [outputs[str(i)] for i in range(len(batch_prompts))]
 
 
 def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
     """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
     before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
-    tokens, seconds = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
+    tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
     k = engine.drafter.k if engine.drafter is not None else 0
     row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
-           "decode_tokens_per_s": tokens / seconds if seconds else float("nan")}
+           "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids}
     if stats is not None:
         rows = stats.num_drafts - before.num_drafts
         fed = stats.num_draft_tokens - before.num_draft_tokens
@@ -112,35 +114,49 @@ def main() -> None:
     rows = []
     runs = [(k, None, args.batch) for k in [None, *args.k]]
     limit = args.disable_by_batch_size
-    if limit is not None:  # MTP turned off above `limit`: the batch sizes over it
-        runs.append((2 if 2 in args.k else args.k[0], limit, [b for b in args.batch if b > limit]))
+    if limit is not None:  # MTP turned off above `limit`, at the batch sizes over it (right after the first k)
+        runs.insert(2, (2 if 2 in args.k else args.k[0], limit, [b for b in args.batch if b > limit]))
     for k, limit, batches in runs:  # one engine per k (its start-up is the expensive part), every batch size on it
         started = time.perf_counter()
         engine = make_engine(model_dir, k, args, limit)
         print(f"k={k or 0}: engine up in {time.perf_counter() - started:.1f} s", flush=True)
         for batch in batches:
             rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
-            print(json.dumps(rows[-1]), flush=True)  # each row as soon as it is measured
+            print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)  # at once
         engine.close()
         del engine
         gc.collect()
         write_json(args, model_dir, rows)
-    base = {row["batch"]: row["decode_tokens_per_s"] for row in rows if row["k"] == 0}
+    base = {row["batch"]: row for row in rows if row["k"] == 0}
     for row in rows:
-        row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]
+        row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]["decode_tokens_per_s"]
+        row["tokens_agree"] = agreement(row["token_ids"], base[row["batch"]]["token_ids"])
+    for row in rows:
+        del row["token_ids"]  # (kept out of the JSON)
     rows.sort(key=lambda row: (row["batch"], row["k"]))
-    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per position")
+    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'tok/s':>9} {'speedup':>8} {'agree':>6} {'accept':>7}  "
+          f"per position")
     for row in rows:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
         limit = row["disable_by_batch_size"] if row["disable_by_batch_size"] is not None else "-"
         print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {row['decode_tokens_per_s']:>9.1f} "
-              f"{row.get('speedup', 1.0):>8.2f} {row.get('acceptance', float('nan')):>7.2f}  {per}")
+              f"{row.get('speedup', 1.0):>8.2f} {row['tokens_agree']:>6.1%} {row.get('acceptance', float('nan')):>7.2f}"
+              f"  {per}")
     write_json(args, model_dir, rows)
 
 
+def agreement(token_ids: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the reference's tokens that each completion repeats up to its first difference (greedy MTP on
+    against off: a bf16 near-tie flips a token, and everything after it counts as disagreeing)."""
+    same = sum(next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+               for mine, theirs in zip(token_ids, reference, strict=True))
+    return same / max(1, sum(map(len, reference)))
+
+
 def write_json(args: argparse.Namespace, model_dir: Path, rows: list[dict]) -> None:
-    """The rows so far (and the options) to `--json`, when given."""
+    """The rows so far (and the options) to `--json`, when given, without their token ids."""
     if args.json is not None:
+        rows = [{key: value for key, value in row.items() if key != "token_ids"} for row in rows]
         args.json.write_text(json.dumps({"model_dir": str(model_dir), "options": vars(args) | {
             "model_dir": str(model_dir), "json": str(args.json)}, "rows": rows}, indent=1, default=str))
 

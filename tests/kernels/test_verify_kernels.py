@@ -37,10 +37,13 @@ BF16_STATE = (8e-3, 8e-3)
 
 
 def _bounds(dtype: torch.dtype, state_dtype: torch.dtype, states_only: bool) -> dict:
+    """A bf16 state is rounded after every position: where the kernel's fp32 sum and the reference's lie either
+    side of a rounding boundary they keep states one bf16 step apart, and the outputs read through them differ by
+    as much (so fp32 outputs get the bf16 state's bound too)."""
     state = OURS[torch.float32] if state_dtype == torch.float32 else BF16_STATE
     bounds = {"draft_states": state, "conv_draft_states": EXACT, "other_rows": EXACT, "conv_other_rows": EXACT}
     if not states_only:
-        bounds["out"] = OURS[dtype]
+        bounds["out"] = OURS[dtype] if state_dtype == torch.float32 else max(OURS[dtype], BF16_STATE)
     return bounds
 
 
