@@ -10,7 +10,8 @@ each batch size b, from an empty cache: b requests (prompts cut from the model f
 `--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Acceptance:
 accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows); agree: the share
 of MTP off's greedy tokens each completion repeats up to its first difference (`agreement`). Prints a table
-(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON. `--disable-by-batch-size N` adds
+(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON, with the host's seconds per
+phase of the steps (`phase_timers`). `--disable-by-batch-size N` adds
 rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
 plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
 too); MTP's speculative steps run synchronously, MTP off's steps asynchronously.
@@ -19,11 +20,13 @@ too); MTP's speculative steps run synchronously, MTP off's steps asynchronously.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hybridcache.config import EngineConfig
@@ -78,14 +81,47 @@ def decode(engine: LLMEngine, batch_prompts: list[list[int]], max_tokens: int,
     return engine.num_decode_tokens - generated, seconds, [outputs[str(i)] for i in range(len(batch_prompts))]
 
 
+@contextlib.contextmanager
+def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
+    """Wall seconds the engine's host spends in each phase of its steps (prefill included), by wrapping the engine's
+    methods for the block: `schedule`, `launch` (inputs, forward launch; a speculative step's judging waits there for
+    the logits), `complete` (postprocess; a speculative step's rollback and drafting), and within it `propose` (the
+    head's passes, which wait for their drafts). Host time, not device time: a wait for the device counts where
+    it happens."""
+    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0}
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
+               (engine, "_complete", "complete")]
+    if engine.drafter is not None:
+        targets.append((engine.drafter, "propose", "propose"))
+
+    def timed(fn, name):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    for owner, attribute, name in targets:
+        setattr(owner, attribute, timed(getattr(owner, attribute), name))
+    try:
+        yield totals
+    finally:
+        for owner, attribute, _ in targets:
+            delattr(owner, attribute)  # the class's method again
+
+
 def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
     """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
     before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
-    tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
+    with phase_timers(engine) as phases:
+        tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
     k = engine.drafter.k if engine.drafter is not None else 0
     row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
-           "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids}
+           "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids,
+           "host_seconds": phases}
     if stats is not None:
         rows = stats.num_drafts - before.num_drafts
         fed = stats.num_draft_tokens - before.num_draft_tokens
