@@ -51,6 +51,26 @@ class Verdict:
         return len(self.tokens) - 1
 
 
+class _Prefix(Sequence[int]):
+    """The first `end` tokens of `tokens` followed by `drafts`, without copying `tokens` (a verify row has one
+    position row per draft, and a long sequence's tokens would be copied for each)."""
+
+    def __init__(self, tokens: list[int], end: int, drafts: Sequence[int]) -> None:
+        self.tokens, self.end, self.drafts = tokens, end, drafts
+
+    def __len__(self) -> int:
+        return self.end + len(self.drafts)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.tokens[index] if index < self.end else self.drafts[index - self.end]
+
+
 @dataclass
 class _PositionRow:
     """A `SamplingRow` for position j of a verify row: the sequence's tokens with its first j drafts after them
@@ -58,7 +78,7 @@ class _PositionRow:
 
     params: SamplingParams
     generator: torch.Generator | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     prompt_len: int
 
 
@@ -103,8 +123,8 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
         spans.append((seq, drafts, len(rows)))
         rows += [*range(first, first + len(drafts))] if drafts else []
         rows.append(i)
-        base = seq.token_ids[: chunk.end - chunk.num_drafts]
-        views += [_PositionRow(seq.params, seq.generator, base + drafts[:j], seq.prompt_len)
+        end = chunk.end - chunk.num_drafts
+        views += [_PositionRow(seq.params, seq.generator, _Prefix(seq.token_ids, end, drafts[:j]), seq.prompt_len)
                   for j in range(len(drafts) + 1)]
     parts = [logits.index_select(0, to_device(rows, logits.device))] if rows else []
     for j, seq in enumerate(sample_only):
