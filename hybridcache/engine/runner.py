@@ -18,6 +18,16 @@ A padding row is a fresh one-token sequence that writes only the scratch slot an
 extra runtime slot and one extra scheduler block the runner allocates beyond the plan's counts), so it can
 never touch a real sequence's state. The graphs read static device buffers; each step copies its batch into
 them (device-to-device, on the forward's stream) and replays.
+
+With speculative decoding (k drafts), verify steps whose rows all carry exactly k drafts replay graphs of their own,
+per bucket (rows of 1 + k tokens; `is_uniform_verify`)::
+
+    n = 1, k = 2, bucket 2: input_ids [t d1 d2 | 0 0 0]   positions [p p+1 p+2 | 0 1 2]   context_lens [c 3]
+                            state_slots [s SCRATCH_SLOT]   draft_slots [s*k.. (2 rows) | the scratch slot's 2 rows]
+                            returned logits: d2's row (the row's last), then t's and d1's (its draft rows)
+
+the padding row a fresh 3-token sequence on the scratch slot, its draft rows and the scratch page. Graphs of either
+kind keep the final-norm hidden rows for the MTP head (`step_hidden`).
 """
 
 from __future__ import annotations
