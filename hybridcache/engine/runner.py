@@ -100,6 +100,7 @@ class _DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.hidden: dict[int, torch.Tensor | None] = {}  # with an MTP head: each graph's hidden rows
+        self.prepared: dict[int, ForwardBatch] = {}  # each graph's prepared batch (its metadata's tensors)
         self.pool = None
 
         def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
@@ -367,7 +368,9 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
             for size in reversed(graphs.sizes):
-                batch = self.backend.prepare(graphs.static_batch(size))
+                # kept: the graph reads what `prepare` allocated outside it (a verify step's chunk tables, cu_seqlens,
+                # draft counts), which must outlive every replay
+                batch = graphs.prepared[size] = self.backend.prepare(graphs.static_batch(size))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=graphs.pool):
                     graphs.outputs[size] = self._run_model(batch)
