@@ -225,11 +225,28 @@ class MtpTrainer(torch.nn.Module):
             target_hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
             embeds = model.model.embed_tokens(windows[:, 1:-1])
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(target_hidden)], dim=-1))
-        mask = self._create_causal_mask(config=self.mask_config, inputs_embeds=x, attention_mask=None, cache=None,
-                                        position_ids=positions)
+        mask = self._create_causal_mask(**self._mask_arguments(x, positions))
         x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
                            position_ids=positions)
         return model.lm_head(self.norm(x)).float()
+
+    def _mask_arguments(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """`create_causal_mask`'s arguments for a causal mask without a cache, named as this transformers names them
+        (5.24: inputs_embeds, cache; 5.17 and earlier: input_embeds or inputs_embeds, past_key_values,
+        cache_position)."""
+        import inspect
+
+        names = inspect.signature(self._create_causal_mask).parameters
+        arguments = {"config": self.mask_config, "attention_mask": None}
+        arguments["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = x
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                arguments[name] = None
+        if "cache_position" in names:
+            arguments["cache_position"] = torch.arange(x.shape[1], device=x.device)
+        if "position_ids" in names:
+            arguments["position_ids"] = positions
+        return arguments
 
     def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
