@@ -179,14 +179,18 @@ def train(out: Path, options: TrainOptions, corpus: bytes | None = None, shape: 
     record["held_out_loss"] = held_out_loss(model, held, options)
     print(f"held-out loss {record['held_out_loss']:.3f} nats/byte ({record['held_out_loss'] / math.log(2):.2f} "
           f"bits/byte) after {options.steps} steps, {time.perf_counter() - start:.1f} s", flush=True)
-    head = train_mtp(model, train_bytes, held, options, record) if options.mtp_steps else None
-    record["seconds"] = time.perf_counter() - start
+    # the model folder first (with a random head), so that a run cut short while the head trains leaves a model
+    record["seconds"] = record["model_seconds"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
     save_model_folder(model.float().cpu().eval(), out)
-    if head is not None:
-        save_mtp(head, out)
+    model.to(options.device)
     (out / CORPUS_FILE).write_bytes(corpus)
     (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
+    print(f"wrote {out} ({time.perf_counter() - start:.1f} s)", flush=True)
+    if options.mtp_steps:
+        save_mtp(train_mtp(model, train_bytes, held, options, record), out)
+        record["seconds"] = time.perf_counter() - start
+        (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -279,6 +283,7 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
             hits.append(hit.item())
         return sum(losses) / len(losses), sum(hits) / len(hits)
 
+    began = time.perf_counter()
     mtp = {"steps": options.mtp_steps, "losses": []}
     mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"] = held_out()
     mtp_options = dataclasses.replace(options, steps=options.mtp_steps)
@@ -295,7 +300,8 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
         optimizer.step()
         if (step + 1) % options.log_every == 0 or step + 1 == options.mtp_steps:
             mtp["losses"].append([step + 1, loss.item()])
-            print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte", flush=True)
+            print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte "
+                  f"({time.perf_counter() - began:.1f} s)", flush=True)
     mtp["held_out_loss"], mtp["held_out_next_next_accuracy"] = held_out()
     print(f"mtp held-out loss {mtp['held_out_loss']:.3f} nats/byte, argmax = the byte after next at "
           f"{mtp['held_out_next_next_accuracy']:.1%} of positions", flush=True)
