@@ -25,7 +25,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("k", [2, 3])
 def test_cuda_greedy_mtp_equals_no_mtp_fp32(tmp_path_factory, k):
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
-    options = {"device": "cuda", "dtype": "float32", "enforce_eager": True}
+    options = {"device": "cuda", "dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.2}
     off = tokens_of(run_workload(make_engine(folder, None, enable_prefix_caching=False, **options)))
     engine = make_engine(folder, k, **options)
     oracle(engine, off, seed=k)
@@ -45,9 +45,9 @@ def test_cuda_llm_bf16_with_graphs(tmp_path_factory):
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [[(7 * i + j) % 256 for j in range(150 + 13 * i)] for i in range(4)]
-    off = [o.outputs[0].token_ids for o in LLM(folder, device="cuda", dtype="bfloat16").generate(
-        prompts, params, use_tqdm=False)]
-    on_llm = LLM(folder, device="cuda", dtype="bfloat16",
+    off = [o.outputs[0].token_ids for o in LLM(folder, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2
+                                               ).generate(prompts, params, use_tqdm=False)]
+    on_llm = LLM(folder, device="cuda", dtype="bfloat16", gpu_memory_utilization=0.2,
                  speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert on_llm.engine.runner.graph_batch_sizes  # decode-only steps replay graphs that keep the hidden rows
     on = [o.outputs[0].token_ids for o in on_llm.generate(prompts, params, use_tqdm=False)]
