@@ -45,6 +45,7 @@ from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_ru
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
@@ -213,6 +214,8 @@ class CudaBackend:
         if stacked is None:
             if hasattr(experts[0].gate_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
                 stacked = self._experts[experts] = Fp8ExpertWeights.share(experts)
+                if not torch.cuda.is_current_stream_capturing():
+                    compile_fp8_tiles(x, stacked, top_ids.shape[1])
             else:
                 stacked = self._experts[experts] = ExpertWeights.share(experts)
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
