@@ -8,6 +8,9 @@ torch.profiler.
 
 1. Phase A's sessions (4 system prompts of 2,000 tokens, 16 sessions, 4 turns; `gpu_bench.phase_a`'s workload),
    each request timed: the p50 of turns 1-3 (most of their prefix comes back from the host) against turn 0's.
+   Then phase CH's + 200 request with its 16,000-token prefix pushed to the host by three unrelated 16,000-token
+   prompts (the pool of `--num-blocks 1000` holds three such prompts with their states, not four), against the
+   cold prompt (recomputing it).
 2. Turn 4 of session 0 under torch.profiler (CUDA only): the top operators by host and by device time.
 3. Turn 4 of the other 15 sessions with each part of `LLMEngine.step` (schedule, build inputs, execute, sample,
    postprocess) and each copy kind inside execute (HOST_SAVE, HOST_LOAD, KV_RESTORE, ...; and the forward) timed
@@ -58,6 +61,34 @@ def time_copies(runner, times: dict[str, list[float]]) -> None:
     wrap("_forward", lambda batch: "forward")
 
 
+HOST_COUNTERS = ("num_host_hits", "num_host_hit_tokens", "num_promoted_checkpoints", "num_promoted_blocks",
+                 "num_demoted_checkpoints", "num_demoted_blocks", "num_promotions_skipped", "num_host_dropped")
+
+
+def host_counters(llm: LLM) -> dict[str, int]:
+    stats = llm.engine.stats()["cache"]
+    return {name: getattr(stats, name) for name in HOST_COUNTERS}
+
+
+def phase_ch(llm: LLM, rng: random.Random, fillers: int = 3) -> dict:
+    """A cold 16,000-token prompt, `fillers` unrelated ones, then the prompt + 200 tokens (module docstring)."""
+    prompt = letters(rng, 16000)
+    cold, _ = timed(llm, [prompt], 1)
+    for _ in range(fillers):
+        timed(llm, [letters(rng, 16000)], 1)
+    before = host_counters(llm)
+    warm, out = timed(llm, [prompt + letters(rng, 200)], 1)
+    after = host_counters(llm)
+    moved = {name: after[name] - before[name] for name in HOST_COUNTERS}
+    result = {"cold_ms": 1000 * cold, "warm_ms": 1000 * warm, "warm_cached_tokens": out[0].cached_tokens,
+              "warm_host": moved}
+    print(f"CH: cold 16,000 {result['cold_ms']:.1f} ms; + 200 after {fillers} fillers {result['warm_ms']:.1f} ms, "
+          f"cached {out[0].cached_tokens} (from the host: {moved['num_host_hit_tokens']} tokens, "
+          f"{moved['num_promoted_blocks']} blocks and {moved['num_promoted_checkpoints']} checkpoints promoted)",
+          flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="next-1b", choices=list(MODELS))
@@ -88,6 +119,8 @@ def main() -> None:
     by_turn: list[list[float]] = []
     cached: list[list[int]] = []
     for turn in range(5):
+        if turn == 4:
+            result["ch"] = phase_ch(llm, rng)
         latencies, hits = [], []
         for session in range(16):
             prompt = history[session] + letters(rng, rng.randint(200, 600))
@@ -114,10 +147,7 @@ def main() -> None:
     result["turn_p50_ms"] = [statistics.median(t) for t in by_turn]
     result["turn_latencies_ms"] = by_turn
     result["turn_cached_tokens"] = cached
-    stats = llm.engine.stats()["cache"]
-    result["host"] = {name: getattr(stats, name) for name in (
-        "num_host_hits", "num_host_hit_tokens", "num_promoted_checkpoints", "num_promoted_blocks",
-        "num_demoted_checkpoints", "num_demoted_blocks", "num_promotions_skipped", "num_host_dropped")}
+    result["host"] = host_counters(llm)
     print(f"host tier: {result['host']}")
     requests = 15 if device.type == "cuda" else 16
     parts = {key: (len(v), 1000 * sum(v) / requests, 1000 * statistics.median(v)) for key, v in times.items()}
