@@ -11,11 +11,11 @@ torch.profiler.
    Then phase CH's + 200 request with its 16,000-token prefix pushed to the host by three unrelated 16,000-token
    prompts (the pool of `--num-blocks 1000` holds three such prompts with their states, not four), against the
    cold prompt (recomputing it).
-2. Turn 4 of session 0 under torch.profiler (CUDA only): the top operators by host and by device time.
-3. Turn 4 of the other 15 sessions with each part of `LLMEngine.step` (schedule, build inputs, execute, sample,
-   postprocess) and each copy kind inside execute (HOST_SAVE, HOST_LOAD, KV_RESTORE, ...; and the forward) timed
-   with a device synchronisation around it (`step_profile.instrument`), so each row is that part's own cost
-   (host + device).
+2. Turn 4 with each part of `LLMEngine.step` (schedule, build inputs, execute, sample, postprocess) and each copy
+   kind inside execute (HOST_SAVE, HOST_LOAD, KV_RESTORE, ...; and the forward) timed with a device
+   synchronisation around it (`step_profile.instrument`), so each row is that part's own cost (host + device).
+3. Turn 5 of session 0 under torch.profiler (CUDA only; the synchronisations of step 2 still in place): the top
+   operators by host and by device time.
 
 Prints the tables; writes DIR/host_tier_profile_<model>.json (DIR: --out, else $OUT, else .).
 """
@@ -121,22 +121,12 @@ def main() -> None:
     for turn in range(5):
         if turn == 4:
             result["ch"] = phase_ch(llm, rng)
+            instrument(llm.engine, times)  # step 2: every part timed from here on
+            time_copies(llm.engine.runner, times)
         latencies, hits = [], []
         for session in range(16):
             prompt = history[session] + letters(rng, rng.randint(200, 600))
-            if turn == 4 and session == 0 and device.type == "cuda":  # step 2
-                from torch.profiler import ProfilerActivity, profile
-
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    seconds, out = timed(llm, [prompt], 1)
-                print(f"\nturn 4, session 0 under torch.profiler: {1000 * seconds:.1f} ms, cached "
-                      f"{out[0].cached_tokens}")
-                print_operators(prof)
-            else:
-                if turn == 4 and not times:  # step 3: every part timed from here on
-                    instrument(llm.engine, times)
-                    time_copies(llm.engine.runner, times)
-                seconds, out = timed(llm, [prompt], 1)
+            seconds, out = timed(llm, [prompt], 1)
             latencies.append(1000 * seconds)
             hits.append(out[0].cached_tokens)
             history[session] = prompt + letters(rng, rng.randint(100, 300))
@@ -149,13 +139,21 @@ def main() -> None:
     result["turn_cached_tokens"] = cached
     result["host"] = host_counters(llm)
     print(f"host tier: {result['host']}")
-    requests = 15 if device.type == "cuda" else 16
-    parts = {key: (len(v), 1000 * sum(v) / requests, 1000 * statistics.median(v)) for key, v in times.items()}
+    parts = {key: (len(v), 1000 * sum(v) / 16, 1000 * statistics.median(v)) for key, v in times.items()}
     result["turn4_parts_ms"] = {key: {"calls": n, "per_request": per, "p50": p50} for key, (n, per, p50) in
                                 parts.items()}
     print("\n| turn 4 part (synchronised) | calls | ms per request | p50 ms per call |\n| --- | --- | --- | --- |")
     for key, (n, per, p50) in sorted(parts.items(), key=lambda item: -item[1][1]):
         print(f"| {key} | {n} | {per:.2f} | {p50:.2f} |")
+    sys.stdout.flush()
+    if device.type == "cuda":  # step 3
+        from torch.profiler import ProfilerActivity, profile
+
+        prompt = history[0] + letters(rng, 400)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds, out = timed(llm, [prompt], 1)
+        print(f"\nturn 5, session 0 under torch.profiler: {1000 * seconds:.1f} ms, cached {out[0].cached_tokens}")
+        print_operators(prof)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"host_tier_profile_{args.model}.json"
