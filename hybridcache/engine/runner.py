@@ -1,6 +1,7 @@
 """The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
 time, with the step's checkpoint copies around it: finishing saves and restores, then the forward, then saves,
-all on one stream with no host synchronisation (one batched copy per pool group and kind). KV ops copy blocks
+all on one stream with no host synchronisation (one batched copy per pool group and kind; the host tier's copies
+across PCIe on two side streams ordered by events, `engine/host_pool.py`). KV ops copy blocks
 (`copy_blocks`); state ops are paged (`hybridcache.engine.paged_state`): a checkpoint's state lives in k blocks
 of the KV pool, a running sequence's in its runtime slot.
 
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
-from hybridcache.engine.host_pool import HostPool
+from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
@@ -391,9 +392,11 @@ class ModelRunner:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
 
     def attach_host_pool(self, num_blocks: int) -> None:
-        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; pinned on
-        CUDA)."""
-        self.host_pool = HostPool(self.paged_states, num_blocks, pin=self.device.type == "cuda")
+        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; on CUDA
+        pinned, and copied on two side streams that overlap the forward)."""
+        cuda = self.device.type == "cuda"
+        self.host_pool = HostPool(self.paged_states, num_blocks, pin=cuda,
+                                  streams=CopyStreams(self.device) if cuda else None)
 
     @torch.inference_mode()
     def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
