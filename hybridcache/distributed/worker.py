@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.distributed.messages import DecodeMode, Op, receive, send
+from hybridcache.distributed.messages import DecodeMode, Op, fed_tokens, receive, send
 from hybridcache.distributed.process_group import init_group, leave_group, rank_device
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.runner import ModelRunner
 from hybridcache.layers.parallel import TensorParallel
 
 DRIVER_POLL_S = 0.2
@@ -84,14 +85,23 @@ def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connec
         return agreed
 
     runner, _ = build_runner(spec, TensorParallel(rank, size), device, agree)
-    send(conn, Op.READY)
+    try:
+        send(conn, Op.READY)
+        _loop(runner, conn, device)
+    finally:  # before `worker_main` leaves the group: NCCL's teardown waits for every graph holding its collectives
+        runner.release_graphs()
+
+
+def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+    """Run the driver's steps until it says STOP."""
     with contextlib.ExitStack() as mode:  # holds the runner's context of the current DecodeMode
         while True:
             op, payload = receive(conn, device)
             if op is Op.STOP:
                 return
             if op is Op.EXECUTE:
-                runner.execute(payload)
+                batch, fed = payload
+                runner.execute(batch, fed_tokens(fed, device))
             elif op is Op.COPIES:
                 runner.execute_copies(payload)
             elif op is Op.LOGITS:

@@ -27,7 +27,7 @@ from hybridcache.engine.engine import EngineDeadError, LLMEngine
 from hybridcache.sampling import SamplingParams
 from tests.engine.test_cache_equivalence import assert_same, make_engine, run_workload
 
-from .folders import transformers_logits, write_folder
+from .folders import VOCAB, transformers_logits, write_folder
 from .test_shutdown import alive
 
 REL_TOL = 1e-4
@@ -96,6 +96,63 @@ def test_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, 
     out_cached = run_workload(tp_engine, check_every_step=True)
     assert_same(tp_engine, uncached, out_cached, out_uncached)
     assert sum(o.cached_tokens for o in out_cached.values()) > 0
+
+
+def logprob_run(engine: LLMEngine, request_id: str, prompt: list[int]) -> list:
+    """The greedy completion's per-token logprobs (the chosen token's and the top 5)."""
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                return output.outputs[0].logprobs
+    raise AssertionError("the request did not finish")
+
+
+def test_two_ranks_give_one_ranks_logprobs(model_dir, tp_engine):
+    """Logprobs come from the whole vocabulary's logits: with an odd vocabulary the padding columns of the last
+    rank's lm_head shard must be gone before the log-softmax (a padding column would add to its sum)."""
+    prompt = [random.Random(11).randrange(256) for _ in range(160)]
+    want = logprob_run(make_engine(model_dir), "lp", prompt)
+    got = logprob_run(tp_engine, "lp", prompt)
+    assert len(got) == len(want) == 8
+    vocab = tp_engine.model_config.vocab_size
+    for ours, ref in zip(got, want, strict=True):
+        assert ours.token_id == ref.token_id
+        assert abs(ours.logprob - ref.logprob) <= 1e-5
+        assert [t for t, _ in ours.top] == [t for t, _ in ref.top] and all(t < vocab for t, _ in ours.top)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(ours.top, ref.top, strict=True)) <= 1e-5
+
+
+def test_async_scheduling_on_two_ranks_equals_synchronous_steps(model_dir, tp_engine):
+    """Async scheduling under tensor parallelism: each decode row's input token is the one the step before sampled,
+    which only rank 0 holds; it reaches the worker as a broadcast inside the step (a worker that read the
+    placeholder `PENDING_TOKEN` would fail its embedding lookup). The cache workload, async on two ranks, gives the
+    tokens and logits of synchronous steps on one rank without the cache (as synchronous steps on two ranks do:
+    `test_cache_workload_on_two_ranks_matches_an_uncached_single_rank`), the cache consistent after every step.
+    (Once per model family: the vocabulary variants feed alike.)"""
+    if tp_engine.model_config.vocab_size != VOCAB:
+        pytest.skip("the odd vocabulary changes nothing in how tokens are fed")
+    assert EngineConfig(async_scheduling=True, tensor_parallel_size=2).async_scheduling
+    engine = tp_engine
+    feeds = []
+    execute = engine.runner.execute
+
+    def recording(batch, feed=None):
+        feeds.append(feed)
+        return execute(batch, feed)
+
+    engine.runner.execute = recording
+    engine.clear_cache()
+    engine.logits.clear()
+    engine.async_scheduling = True
+    try:
+        out = run_workload(engine, check_every_step=True)
+    finally:
+        engine.async_scheduling = False
+        del engine.runner.execute
+    uncached = make_engine(model_dir, caching=False)
+    assert_same(engine, uncached, out, run_workload(uncached))
+    assert sum(f is not None for f in feeds) > 10  # the async run fed its decode rows on the device
 
 
 def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):
