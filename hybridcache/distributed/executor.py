@@ -1,30 +1,42 @@
 """The engine's runner under tensor parallelism: rank 0 in the engine's process, ranks 1..N-1 in workers.
 
 `TensorParallelExecutor` implements the engine's `Executor` protocol (`hybridcache.engine.executor`: `execute`,
-`execute_copies`, `logits_from_slots`, `memory_plan`, `shutdown`, ...), so the scheduler, the prefix cache and
-sampling run once, in the engine, exactly as without tensor parallelism. Each call sends the step (the
-`ForwardBatch` with its copy ops, as CPU id tensors) to every worker, then runs it on rank 0's own shard; every
-rank runs the same restores, forward and saves on its own shard of the pools, and the logits come back whole to
-rank 0 (all-gathered)::
+`execute_copies`, `logits_from_slots`, `check_results`, `memory_plan`, `shutdown`, ...), so the scheduler, the
+prefix cache and sampling run once, in the engine, exactly as without tensor parallelism. The engine builds each
+step's inputs on the CPU (`input_device`); each call sends the step (the `ForwardBatch` with its copy ops, as CPU
+id tensors) to every worker, then moves it to rank 0's device and runs it on rank 0's own shard; every rank runs
+the same restores, forward and saves on its own shard of the pools, and the logits come back whole to rank 0
+(all-gathered)::
 
-    engine.step -> executor.execute(batch) -> pipe: (EXECUTE, batch) -> worker r: runner.execute(batch)
-                                           -> rank 0: runner.execute(batch)   (collectives pair up per layer)
-                                           <- full logits on rank 0
+    engine.step -> executor.execute(batch, feed) -> pipe: (EXECUTE, (batch, feed's rows)) -> worker r
+                   rank 0: broadcast(feed.tokens)  ~~ device ~~>  worker r: tokens; runner.execute(batch, feed)
+                   rank 0: runner.execute(batch, feed)              (collectives pair up per layer)
+                   <- full logits on rank 0
+
+With async scheduling a step's decode rows take the tokens the step before sampled, which exist only on rank 0's
+device: the `TokenFeed`'s tokens go to the workers as a broadcast queued on the device, the first collective of
+the step, so no host waits for them (the pipe carries only which rows take which token).
 
 Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
 otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
-Every worker's liveness is checked before each step and again after it, once rank 0's device work has finished
-(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine;
-once the monitor has aborted, the step raises even while the dead worker is still being reaped).
+Every worker's liveness is checked before each step and after rank 0 has queued it, and again by
+`check_results`, which the engine calls once it has waited for a step's sampled tokens: on CUDA a step cut short
+by an abort returns garbage, so once the monitor has aborted, `check_results` raises (even while the dead worker
+is still being reaped) and the garbage never reaches a request. The executor itself never waits for the device,
+so step t+1 can be queued while step t runs.
 A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
 that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
 every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
-the executor is garbage-collected and at interpreter exit) stops the monitor, then the workers: a STOP message,
-then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
+the executor is garbage-collected and at interpreter exit) destroys rank 0's CUDA graphs, stops the monitor,
+then the workers (a STOP message, then terminate, then kill), while rank 0 leaves the group in a thread whose
+wait is bounded (`LEAVE_TIMEOUT_S`). The graphs go first because NCCL's communicator teardown, destroy and abort
+alike, waits until every CUDA graph that captured one of its collectives is destroyed: leaving with the graphs
+alive never returns. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
 
-CUDA graphs: every rank captures the same decode buckets at start-up (`build_runner`) and, given the same step,
-picks the same bucket, so each decode step replays the same graph on every rank and the NCCL collectives
-captured in them pair up. `without_replay()` and `eager()` switch every rank at once (a `DecodeMode` message).
+CUDA graphs (with `RunnerSpec.tp_cuda_graphs`): every rank captures the same decode buckets at start-up
+(`build_runner`) and, given the same step, picks the same bucket, so each decode step replays the same graph on
+every rank and the NCCL collectives captured in them pair up. `without_replay()` and `eager()` switch every rank
+at once (a `DecodeMode` message).
 """
 
 from __future__ import annotations

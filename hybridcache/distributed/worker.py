@@ -2,8 +2,10 @@
 
 It joins the group, builds its runner exactly as the driver builds rank 0's (`build_runner`, same spec), then
 runs whatever step the driver sends, in order (decode steps replay the CUDA graphs it captured, like every
-rank's, unless a `DecodeMode` message says otherwise), until told to stop or until the driver is gone (its pipe
-closes). An exception is sent to the driver as text before the worker exits; the driver names the rank.
+rank's, unless a `DecodeMode` message says otherwise; a step's fed tokens arrive by broadcast from rank 0, see
+`messages.fed_tokens`), until told to stop or until the driver is gone (its pipe closes). Its graphs are destroyed
+before it leaves the group (NCCL's teardown waits for them). An exception is sent to the driver as text before the
+worker exits; the driver names the rank.
 SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group: the driver decides).
 
 A thread watches the driver: when the worker's parent process is gone (its parent pid changes), the worker

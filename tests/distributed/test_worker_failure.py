@@ -191,8 +191,8 @@ def test_a_step_the_monitor_aborted_raises_while_the_dead_worker_is_not_reaped_y
     monkeypatch.setattr(worker, "process", _Unreaped(worker.process, lag_s=1.0))
     forward = executor.runner.execute
 
-    def forward_then_lose_rank_1(batch):
-        result = forward(batch)
+    def forward_then_lose_rank_1(batch, feed=None):
+        result = forward(batch, feed)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while not monitor.aborted and time.monotonic() < deadline:
