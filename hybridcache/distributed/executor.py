@@ -27,11 +27,12 @@ so step t+1 can be queued while step t runs.
 A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
 that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
 every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
-the executor is garbage-collected and at interpreter exit) destroys rank 0's CUDA graphs, stops the monitor,
-then the workers (a STOP message, then terminate, then kill), while rank 0 leaves the group in a thread whose
-wait is bounded (`LEAVE_TIMEOUT_S`). The graphs go first because NCCL's communicator teardown, destroy and abort
-alike, waits until every CUDA graph that captured one of its collectives is destroyed: leaving with the graphs
-alive never returns. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
+the executor is garbage-collected and at interpreter exit) destroys rank 0's CUDA graphs, waits for the steps
+rank 0 still has queued (unless the group failed), stops the monitor, then the workers (a STOP message, then
+terminate, then kill), while rank 0 leaves the group in a thread whose wait is bounded (`LEAVE_TIMEOUT_S`).
+The graphs go first because NCCL's communicator teardown, destroy and abort alike, waits until every CUDA graph
+that captured one of its collectives is destroyed: leaving with the graphs alive never returns. A worker whose
+driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
 
 CUDA graphs (with `RunnerSpec.tp_cuda_graphs`): every rank captures the same decode buckets at start-up
 (`build_runner`) and, given the same step, picks the same bucket, so each decode step replays the same graph on
@@ -348,8 +349,9 @@ def _unimportable_main_hidden() -> Iterator[None]:
 
 def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], runners: list[ModelRunner],
               store_dir: Path) -> None:
-    """Destroy rank 0's CUDA graphs, stop the monitor, then every worker (STOP: each destroys its graphs and leaves
-    the group; then terminate, then kill), leave the group (aborting it if it failed), remove the store.
+    """Destroy rank 0's CUDA graphs and wait for its queued steps, stop the monitor, then every worker (STOP: each
+    destroys its graphs and leaves the group; then terminate, then kill) while rank 0 leaves the group (aborting it
+    if it failed), remove the store.
 
     The graphs go first: NCCL's communicator teardown (`destroy_process_group`, and an abort too) waits until
     every CUDA graph that captured one of its collectives has been destroyed, so leaving the group while the
@@ -357,6 +359,10 @@ def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], runners: 
     aborting the group is blocked on the same graphs and returns once they are gone."""
     for runner in runners:
         runner.release_graphs()
+        if runner.device.type == "cuda" and not any(monitor.aborted for monitor in monitors):
+            # the steps still queued (async scheduling) finish their collectives while every rank is in the
+            # group; a worker that dies meanwhile is caught by the monitor, still running, which aborts them
+            torch.cuda.synchronize(runner.device)
     runners.clear()
     for monitor in monitors:
         monitor.stop()
