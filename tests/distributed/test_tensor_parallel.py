@@ -2,7 +2,7 @@
 computes: greedy tokens equal, logits within 1e-4 (relative), on tiny Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
 models; logprobs within 1e-5 of one rank's (an odd vocabulary's padding columns take no part); with the prefix
 cache on, the cache-equivalence workload gives the tokens and logits of an uncached single-rank run; and async
-scheduling (the fed tokens broadcast from rank 0) gives the synchronous tokens (the workload version: slow).
+scheduling (the fed tokens broadcast from rank 0) gives the synchronous tokens, also on the cache workload.
 
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
 family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite, also with a vocabulary
@@ -169,7 +169,6 @@ def test_async_scheduling_on_two_ranks_gives_the_synchronous_tokens(tp_engine):
     assert sum(f is not None for f in feeds) >= 10  # the decode rows were fed on the device
 
 
-@SLOW
 def test_async_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, tp_engine):
     """The cache workload, async on two ranks, gives the tokens and logits of synchronous steps on one rank without
     the cache (as synchronous steps on two ranks do: `test_cache_workload_on_two_ranks_matches_an_uncached_single_
