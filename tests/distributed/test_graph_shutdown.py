@@ -10,6 +10,7 @@ the same on 2 GPUs with graphs: `test_tp_cuda_graphs.py`.
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from hybridcache import LLM, SamplingParams
 from hybridcache.distributed import executor as executor_module
 from hybridcache.distributed.monitor import LivenessMonitor
+from hybridcache.engine.rank_runner import RunnerSpec
 
 from .folders import write_folder
 from .test_shutdown import wait_gone
@@ -81,3 +83,16 @@ def test_ten_start_stop_cycles_at_two_ranks_never_hang(model_dir):
         assert time.monotonic() - began < executor_module.LEAVE_TIMEOUT_S
         assert not dist.is_initialized() and wait_gone(pids, 10)
         assert tokens == (first := first or tokens)
+
+
+def test_the_graphs_switch_travels_to_the_workers_in_the_spec(monkeypatch, tmp_path):
+    """Every rank must decide alike whether to capture (a graph replays the collectives it captured): the switch
+    is read when the driver makes the spec, so a value set only in the driver's process (a test's monkeypatch,
+    `tp_bench.py --graphs`) reaches the spawned workers."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine import rank_runner
+
+    assert not RunnerSpec(tmp_path, EngineConfig(), 64).tp_cuda_graphs
+    monkeypatch.setattr(rank_runner, "TP_CUDA_GRAPHS", True)
+    spec = RunnerSpec(tmp_path, EngineConfig(tensor_parallel_size=2), 64)
+    assert pickle.loads(pickle.dumps(spec)).tp_cuda_graphs
