@@ -74,9 +74,13 @@ class HostTensor:
         return cls(host.numpy(), tensor.dtype)
 
     def unpack(self, device: torch.device | str) -> torch.Tensor:
+        """The tensor on `device`; on CUDA through pinned memory, non-blocking, so a worker's host does not wait
+        for the steps its device still runs (a copy from pageable memory may) and queues the next one meanwhile."""
         tensor = torch.from_numpy(self.array)
         if tensor.dtype != self.dtype:
             tensor = tensor.view(self.dtype)
+        if torch.device(device).type == "cuda":
+            return tensor.pin_memory().to(device, non_blocking=True)
         return tensor.to(device)
 
 
