@@ -135,6 +135,8 @@ def main() -> None:
     if set(phases) - set(PHASES):
         parser.error(f"unknown phases {sorted(set(phases) - set(PHASES))}; choose from {', '.join(PHASES)}")
     sizes = [int(s) for s in args.tp_sizes.split(",") if s.strip()]
+    if args.graphs and not args.device.startswith("cuda"):
+        parser.error("--graphs needs a CUDA device: the CPU never captures graphs (TP's collectives are gloo's there)")
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
