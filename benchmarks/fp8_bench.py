@@ -1,23 +1,24 @@
-"""FP8 on the H200 (issue 29): gpu_bench's phases with FP8 weights beside bf16 in one call, the Qwen3-Next-80B-A3B
-shape in FP8 on one GPU, and the KV pool with FP8 KV.
+"""FP8 on the H200 (issue 29): gpu_bench's phases with FP8 weights beside bf16 in one call, FP8 KV, the
+Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
-    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/fp8_bench.py [--runs next-16b:bf16,next-16b:fp8,80b:fp8]
-        [--phases C,D,A] [--kv-pools] [--gpu-memory-utilization F] [--out DIR] [--model-dir DIR] [--scale S]
+    PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/fp8_bench.py
+        [--runs next-16b:fp8,next-16b:bf16,next-16b:fp8:fp8,80b:fp8] [--phases D,C,A] [--kv-fp8-phases A]
+        [--load-format dummy|auto] [--kv-pools] [--gpu-memory-utilization F] [--out DIR] [--scale S]
 
-A run is MODEL:WEIGHTS. MODEL is a `gpu_bench.MODELS` name (its random bf16 folder is built once, in --model-dir
-or a temporary folder, and shared by its bf16 and FP8 runs) or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
-block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (the folder written in compressed-tensors'
-per-channel format by `write_fp8_folder`, on the disk next to the bf16 one). `80b` is the Qwen3-Next-80B-A3B shape
-(48 layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about
-80 GB in FP8, more than the machine's disk, so its folder holds only config.json and the tokenizer and the engine
-draws its weights on the GPU (`load_format="dummy"`, FP8 linears quantised from their draws); in bf16 (~160 GB) it
-does not fit one H200 and is not run.
+A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
+block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk); KV is `auto` (the model dtype)
+or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format dummy` (the default) a
+folder holds only config.json and the tokenizer and the engine draws the weights on the GPU (FP8 linears
+quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48 layers 3:1,
+hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB in FP8,
+always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
 and runs the phases (gpu_bench's A, C, D: D records the decode step in ms), then frees the GPU before the next run.
-`--kv-pools` adds, per model, the pool's blocks under one fixed budget for bf16 and FP8 KV (computed from the state
-specs, no engine: FP8 KV runs on the reference backend only until the Triton attention reads it).
+Every figure is written to the JSON as it comes (a run cut short keeps its phases). `--kv-pools` adds first, per
+model, the pool's blocks under one fixed budget for bf16 and FP8 KV (computed from the state specs, no engine).
 
 Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT, else .).
 """
@@ -48,24 +49,30 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
 WEIGHTS = ("bf16", "fp8", "fp8-channel")
 
 
-def config_only_folder(path: Path) -> Path:
-    """The 80B shape's folder: config.json (bf16, byte tokenizer's eos) and the byte tokenizer, no weights."""
+def config_only_folder(model: str, path: Path) -> Path:
+    """A folder with config.json (bf16, byte tokenizer's eos) and the byte tokenizer, no weights (`load_format
+    dummy` draws them on the GPU): the 80B shape, or a `gpu_bench.MODELS` entry."""
     import transformers
 
-    config = transformers.Qwen3NextConfig(**QWEN3_NEXT_80B, eos_token_id=258, dtype="bfloat16")
-    config.architectures = ["Qwen3NextForCausalLM"]
+    if model == "80b":
+        config_class, model_class, fields = "Qwen3NextConfig", "Qwen3NextForCausalLM", QWEN3_NEXT_80B
+    else:
+        config_class, model_class, fields = gpu_bench.MODELS[model]
+    config = getattr(transformers, config_class)(**fields, eos_token_id=258, dtype="bfloat16")
+    config.architectures = [model_class]
     path.mkdir(parents=True, exist_ok=True)
     config.to_json_file(str(path / "config.json"))
     build_byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
 
 
-def run_folder(model: str, weights: str, root: Path) -> tuple[Path, dict]:
-    """(the folder, the extra LLM options) of one run."""
-    if model == "80b":
-        if weights != "fp8":
-            raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
-        return config_only_folder(root / "80b"), {"load_format": "dummy", "quantization": "fp8"}
+def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
+    """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
+    if model == "80b" and weights != "fp8":
+        raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
+    if model == "80b" or (dummy and weights != "fp8-channel"):
+        folder = config_only_folder(model, root / f"{model}-config")
+        return folder, {"load_format": "dummy", **({"quantization": "fp8"} if weights == "fp8" else {})}
     dense = gpu_bench.model_folder(model, str(root / model))
     if weights == "bf16":
         return dense, {}
@@ -79,18 +86,22 @@ def run_folder(model: str, weights: str, root: Path) -> tuple[Path, dict]:
     return channel, {}
 
 
-def one_run(model: str, weights: str, root: Path, phases: list[str], options: dict) -> dict:
-    folder, extra = run_folder(model, weights, root)
+def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], options: dict, dummy: bool,
+            result: dict, save) -> dict:
+    """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them."""
+    folder, extra = run_folder(model, weights, root, dummy)
     cuda = options["device"] == "cuda"
     start = time.perf_counter()
-    llm = LLM(folder, **options, **extra)
-    result: dict = {"model": model, "weights": weights, "engine_init_s": time.perf_counter() - start,
-                    "weight_format": llm.engine.weight_format, "memory": llm.engine.memory_plan.describe(),
-                    "num_blocks": llm.engine.memory_plan.num_blocks, "state_pages": llm.engine.memory_plan.state_pages,
-                    "cuda_graphs": list(llm.engine.runner.graph_batch_sizes), "phases": {},
-                    "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None}
+    llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
+    result.update({"engine_init_s": time.perf_counter() - start,
+                   "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
+                   "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
+                   "state_pages": llm.engine.memory_plan.state_pages,
+                   "cuda_graphs": list(llm.engine.runner.graph_batch_sizes), "phases": {},
+                   "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None})
     result["checkpoint_states_that_fit"] = result["num_blocks"] // max(1, result["state_pages"])
-    print(f"{model}:{weights} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
+    save()
+    print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
     gpu_bench.warm_up(llm, random.Random(99))
     runners = {"A": gpu_bench.phase_a, "B": gpu_bench.phase_b, "C": gpu_bench.phase_c, "D": gpu_bench.phase_d}
     rng = random.Random(0)
@@ -104,7 +115,8 @@ def one_run(model: str, weights: str, root: Path, phases: list[str], options: di
             continue
         result["phases"][phase]["cache"] = {name: dict(counts - before[name])
                                             for name, counts in gpu_bench.cache_counts(llm).items()}
-        gpu_bench.print_row(f"{model}:{weights} {phase}", result["phases"][phase])
+        gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
+        save()
     del llm
     gc.collect()
     if cuda:
@@ -117,8 +129,7 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
     from hybridcache.engine.memory import pool_bytes, state_pages
     from hybridcache.models import ModelConfig, get_model_class, quant
 
-    folder = config_only_folder(root / "80b") if model == "80b" else gpu_bench.model_folder(model, str(root / model))
-    config = ModelConfig.from_model_dir(folder)
+    config = ModelConfig.from_model_dir(config_only_folder(model, root / f"{model}-config"))
     with torch.device("meta"):
         net = get_model_class(config.architecture)(config)
     out = {"budget_gib": budget_gib}
@@ -131,11 +142,63 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
     return out
 
 
+def choose_decode_kernels(sweep_json: str) -> dict:
+    """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*` and `PREFILL_*`, `triton_block_fp8.
+    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to the fastest of a `fp8_sweep.py` result: the
+    routed experts at 64 tokens (decode) and at 1,024 (W8A8 prefill tiles), the dense linears at M = 64 summed
+    over the swept shapes. Returns the choices (they go into the JSON)."""
+    from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
+
+    sweep = json.loads(Path(sweep_json).read_text())
+    if "rows" not in sweep:
+        raise ValueError(f"{sweep_json} is not a fp8_sweep.py result (no 'rows')")
+    rows = [r for r in sweep["rows"] if "ms" in r]
+    chosen: dict = {}
+    experts = [r for r in rows if r.get("experts") and r["tokens"] == 64]
+    if experts:
+        best = min(experts, key=lambda r: r["ms"])
+        triton_fp8_moe.DECODE_W8A16 = best["kernel"] == "w8a16"
+        triton_fp8_moe.DECODE_BLOCK_N = best["block_n"]
+        triton_fp8_moe.DECODE_SWAP_AB = bool(best.get("swap_ab"))
+        chosen["experts"] = {k: best.get(k) for k in ("kernel", "block_n", "swap_ab", "ms")}
+    else:
+        chosen["experts"] = "no sweep rows: the library's choice"
+    prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
+    if prefill:
+        best = min(prefill, key=lambda r: r["ms"])
+        triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = best["block_m"], best["block_n"]
+        triton_fp8_moe.PREFILL_NUM_WARPS = best.get("num_warps", 4)
+        chosen["experts_prefill"] = {k: best.get(k) for k in ("block_m", "block_n", "num_warps", "ms")}
+    best_ms: dict[tuple[str, str], float] = {}  # (kernel, shape) -> its fastest swap-AB tile at M = 64
+    for r in rows:
+        if r.get("M") == 64 and r["kernel"] != "bf16" and (r.get("tile") or {}).get("swap_ab", True):
+            key = (r["kernel"], r["shape"])
+            best_ms[key] = min(best_ms.get(key, float("inf")), r["ms"])
+    shapes = {shape for _, shape in best_ms}
+    complete = {kernel: sum(best_ms[(kernel, shape)] for shape in shapes) for kernel, _ in best_ms
+                if all((kernel, shape) in best_ms for shape in shapes)}
+    if complete:
+        kernel = min(complete, key=complete.get)
+        triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
+        triton_block_fp8.CUBLAS_ROWS_FROM = 1 if kernel == "cublas-block" else triton_block_fp8.DECODE_ROWS + 1
+        chosen["dense"] = {"kernel": kernel, "ms_sum_m64": complete}
+    else:
+        chosen["dense"] = "no sweep rows: the library's choice"
+    print(f"FP8 decode kernels from {sweep_json}: {chosen}", flush=True)
+    return chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", default="next-16b:bf16,next-16b:fp8,80b:fp8")
-    parser.add_argument("--phases", default="C,D,A")
+    parser.add_argument("--runs", default="next-16b:fp8,next-16b:bf16,next-16b:fp8:fp8,80b:fp8")
+    parser.add_argument("--phases", default="D,C,A")
+    parser.add_argument("--kv-fp8-phases", default="A", help="the phases of runs with FP8 KV")
+    parser.add_argument("--load-format", default="dummy", choices=("dummy", "auto"),
+                        help="dummy: random weights drawn on the GPU (no folder on disk); auto: a random bf16 "
+                             "folder written once and read (fp8-channel runs always write theirs)")
     parser.add_argument("--kv-pools", action="store_true")
+    parser.add_argument("--decode-kernels-from", default=None,
+                        help="a fp8_sweep.py JSON: use its fastest decode kernels (choose_decode_kernels)")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -147,38 +210,56 @@ def main() -> None:
     gpu_bench.SCALE["value"] = args.scale
     root = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp())
     out_path = Path(args.out or os.environ.get("OUT") or ".") / "fp8_bench.json"
-    runs = [tuple(r.split(":")) for r in args.runs.split(",") if r]
-    bad = [r for r in runs if len(r) != 2 or r[1] not in WEIGHTS or (r[0] not in gpu_bench.MODELS and r[0] != "80b")]
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    runs = [(r.split(":") + ["auto"])[:3] for r in args.runs.split(",") if r]
+    bad = [r for r in args.runs.split(",") if r and (len(r.split(":")) not in (2, 3) or r.split(":")[1] not in WEIGHTS
+                                                   or (r.split(":") + ["auto"])[2] not in ("auto", "fp8")
+                                                   or r.split(":")[0] not in (*gpu_bench.MODELS, "80b"))]
     if bad:
-        parser.error(f"runs must be MODEL:WEIGHTS with MODEL in {[*gpu_bench.MODELS, '80b']}, WEIGHTS in {WEIGHTS}")
-    phases = [p.strip().upper() for p in args.phases.split(",") if p.strip()]
+        parser.error(f"runs must be MODEL:WEIGHTS[:KV] with MODEL in {[*gpu_bench.MODELS, '80b']}, WEIGHTS in "
+                     f"{WEIGHTS}, KV auto or fp8; got {bad}")
+
+    def phase_list(text: str) -> list[str]:
+        return [p.strip().upper() for p in text.split(",") if p.strip()]
+
     options = dict(dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device, block_size=64,
                    max_num_seqs=64,
                    max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    result: dict = {"device": device_name, "date": time.strftime("%Y-%m-%d"), "runs": []}
-    for model, weights in runs:
+    result: dict = {"device": device_name, "date": time.strftime("%Y-%m-%d"), "options": options, "runs": []}
+    if args.decode_kernels_from and Path(args.decode_kernels_from).is_file():
+        result["decode_kernels"] = choose_decode_kernels(args.decode_kernels_from)
+    elif args.decode_kernels_from:
+        print(f"no {args.decode_kernels_from}: the library's decode kernels", flush=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(result, indent=1))
+
+    if args.kv_pools:  # no engine: computed first, so a run cut short keeps them
+        result["kv_pools"] = {model: kv_pools(model, root, args.kv_budget_gib) for model in dict.fromkeys(
+            model for model, _, _ in runs)}
+        print(json.dumps(result["kv_pools"]), flush=True)
+        save()
+    for model, weights, kv in runs:
+        run: dict = {"model": model, "weights": weights, "kv": kv}
+        result["runs"].append(run)
         try:
-            result["runs"].append(one_run(model, weights, root, phases, options))
+            one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
+                    options, args.load_format == "dummy", run, save)
         except Exception as error:
             traceback.print_exc()
-            result["runs"].append({"model": model, "weights": weights, "error": repr(error)})
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=1))
-    if args.kv_pools:
-        result["kv_pools"] = {model: kv_pools(model, root, args.kv_budget_gib) for model in dict(runs)}
-        print(json.dumps(result["kv_pools"], indent=1))
-        out_path.write_text(json.dumps(result, indent=1))
+            run["error"] = repr(error)
+        save()
     print("| run | init s | blocks | states | phase | hit rate | p50 ms | total s | out tok/s | decode step ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for run in result["runs"]:
         for phase, r in run.get("phases", {}).items():
             tok_s = f"{r['output_tok_per_s']:.0f}" if "output_tok_per_s" in r else "-"
             step = f"{r['decode_step_ms_p50']:.1f}" if r.get("decode_step_ms_p50") else "-"
-            print(f"| {run['model']}:{run['weights']} | {run['engine_init_s']:.0f} | {run['num_blocks']:,} | "
-                  f"{run['checkpoint_states_that_fit']:,} | {phase} | {r['hit_rate']:.3f} | {r['p50_ms']:.0f} | "
-                  f"{r['total_s']:.2f} | {tok_s} | {step} |")
+            print(f"| {run['model']}:{run['weights']}:{run['kv']} | {run['engine_init_s']:.0f} | "
+                  f"{run['num_blocks']:,} | {run['checkpoint_states_that_fit']:,} | {phase} | {r['hit_rate']:.3f} | "
+                  f"{r['p50_ms']:.0f} | {r['total_s']:.2f} | {tok_s} | {step} |")
     sys.stdout.flush()
 
 

@@ -5,6 +5,7 @@
         [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
         [--host-cache-gib G]                                                  # a host tier behind the pool
         [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}']  # MTP, random head: all rejected
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -346,6 +347,9 @@ def main() -> None:
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="quantise the bf16 folder's linears to 128 x 128 FP8 at load")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: e4m3 KV pool")
+    parser.add_argument("--speculative-config", default=None,
+                        help="JSON: MTP with the folder's random head (every draft rejected: the phases give the "
+                             "overhead of drafts that never pay)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -378,7 +382,8 @@ def main() -> None:
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                    async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
                    host_cache_gib=args.host_cache_gib, quantization=args.quantization,
-                   kv_cache_dtype=args.kv_cache_dtype)
+                   kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
+    result["speculative_config"] = args.speculative_config
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None

@@ -7,6 +7,7 @@ import pytest
 
 from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.gated_delta import triton_gates
+from hybridcache.kernels.gemm import triton_block_fp8
 from hybridcache.kernels.moe import triton_route, triton_sort
 
 
@@ -21,6 +22,7 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_route._route_kernel, "num_rows"),
     (triton_sort._sort_pairs_kernel, "num_pairs"),
     (triton_paged._decode_merge_kernel, "num_splits"),
+    (triton_block_fp8._fp8_gemm_kernel, "M"),
 ])
 def test_run_time_counts_are_not_specialised(kernel, count):
     """Triton specialises an integer argument on == 1 and on divisibility by 16: a step's token, pair or split

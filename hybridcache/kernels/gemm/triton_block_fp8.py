@@ -1,89 +1,191 @@
-"""The block-scaled FP8 GEMM (DeepSeek-V3's recipe): activations quantised per token per 128 channels, weights
-per 128 x 128 block, fp32 accumulation, one scale product per K tile.
+"""The FP8-weight GEMM in Triton: out = x W^T with W an FP8 weight [N, K] scaled per (GROUP_N x GROUP_K) block,
+in one of two modes, and `fp8_linear`, the dense FP8 linear of the CUDA backend (cuBLAS's block-scaled GEMM where
+it applies, else this kernel):
 
-    out[m, n] = sum over K tiles b of (aq[m, b] . w[n, b]) * a_scale[m, b] * w_scale[n // GROUP_N, b]
+- **W8A8**: x quantised per token per GROUP_K channels (`triton_quant.quantize_groups`, one launch), then the
+  DeepSeek-V3 recipe on FP8 tensor cores, one activation scale per row and K step:
+      out[m, n] = sum over K steps b of (xq[m, b] . w[n, b]) * x_scale[m, b // GROUP_K] * w_scale[n // GROUP_N, ...]
+- **W8A16**: x in its own dtype (bf16/fp16/fp32), each weight tile converted to x's dtype in registers (exact:
+  every e4m3 value is a bf16 value) and each K step's product scaled per column:
+      out[m, n] = sum over K steps b of (x[m, b] . w[n, b]) * w_scale[n // GROUP_N, b // GROUP_K]
+  No quantisation launch, but the conversion costs more than it saves on the H200 (docs/kernels.md), so
+  `fp8_linear` takes it only with `DECODE_W8A16`.
 
-Program (m, n) computes a BLOCK_M x BLOCK_N tile of the output; its K loop steps one scale group (GROUP_K = 128
-channels) at a time, so each step reads one activation scale per row and one weight scale per column. Rows and
-columns past M, N and channels past K are masked to zero (any M, N, K; the last groups may be partial).
+One kernel does both (constexpr A_FP8). SWAP_AB computes out^T = W x^T: the weight tile is the MMA's M side
+(Hopper's wgmma takes 64 rows there) and the few rows of a decode step its N side (16 to 64). Per-channel weights
+(`weight_scale` [N, 1]) are the case GROUP_N = 1 with a K stride of 0 on the scale. BLOCK_K divides GROUP_K, so a
+K step never straddles two scale groups. The grid is one dimension over output tiles, GROUP_M tile rows at a
+time (L2 reuse of weight tiles across rows of tiles). Rows and columns past M, N and channels past K are masked
+to zero (any M, N, K; partial blocks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm.reference import quantize_groups
+from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
+from hybridcache.kernels.gemm import triton_quant
+
+# `fp8_linear`'s choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md "Quantization")
+CUBLAS_ROWS_FROM = 1  # from this many rows, cuBLAS's block-scaled GEMM where it applies (`block_scaled_mm_fits`)
+DECODE_ROWS = 64  # otherwise, up to this many rows: this kernel with the decode tiles (`decode_config`)
+DECODE_W8A16 = False  # the decode tiles in W8A16 (no quantisation launch), else W8A8
+DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration of `_fp8_gemm_kernel` (Triton compiles one kernel per configuration)."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    group_m: int = 8
+    swap_ab: bool = False  # the MMA computes out^T = W x^T (the weight tile on the MMA's M side)
+
+
+def decode_config(m: int) -> TileConfig:
+    """The tile of a decode GEMM of M <= `DECODE_ROWS` rows: swap-AB (64 weight rows on the MMA's M side, the
+    rows as its N side, 16 to 64). Decided from M alone, so a captured decode graph and an eager run agree."""
+    return TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, 64, swap_ab=DECODE_SWAP_AB)
+
+
+PREFILL_TILE = TileConfig(64, 128)  # W8A8 where `scaled_mm.block_fp8_linear` does not apply
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
-                           stride_am, stride_wn, stride_om, stride_asm, stride_wsn,
-                           GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def scaled_dot(a, w, a_scale, w_scale, SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    """One K step: (a [BM, BK] . w [BN, BK]^T) * a_scale[m] * w_scale[n] as [BM, BN] in fp32, or its transpose
+    [BN, BM] with SWAP_AB (computed as w . a^T: the weight tile on the MMA's M side)."""
+    if SWAP_AB:  # one return statement: Triton wants one return type over both (constexpr) branches
+        part = tl.dot(w, tl.trans(a), out_dtype=tl.float32, input_precision=PRECISION) * (
+            w_scale[:, None] * a_scale[None, :])
+    else:
+        part = tl.dot(a, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION) * (
+            a_scale[:, None] * w_scale[None, :])
+    return part
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
+def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
+                     stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_rows
+    pid_n = (pid % (GROUP_M * tiles_n)) // group_rows
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for group in range(0, tl.cdiv(K, GROUP_K)):
-        ks = group * GROUP_K + tl.arange(0, GROUP_K)
+    w_scales = w_scale_ptr + (cols64 // GROUP_N) * stride_wsn
+    # SWAP_AB: out^T = W a^T, the weight tile on the MMA's M side (wgmma needs 64 there; decode has few rows)
+    if SWAP_AB:  # noqa: SIM108 (a constexpr branch)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        group = k0 // GROUP_K
         a = tl.load(a_ptr + rows64[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        w = tl.load(w_ptr + cols64[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+        w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
-        w_scale = tl.load(w_scale_ptr + (cols64 // GROUP_N) * stride_wsn + group, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
-    out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        w_scale = tl.load(w_scales + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+        if A_FP8:
+            a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
+        else:
+            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            w = w.to(a.dtype)
+        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
+    if SWAP_AB:
+        out = out_ptr + rows64[None, :] * stride_om + cols64[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def block_fp8_gemm(aq: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                   block: tuple[int, int], out_dtype: torch.dtype, *, block_m: int = 64,
-                   block_n: int = 128, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """The launcher: aq [M, K] float8_e4m3fn with a_scale [M, ceil(K/bk)] fp32, weight [N, K] float8_e4m3fn with
-    scale_inv [ceil(N/bn), ceil(K/bk)] fp32, block = (bn, bk) -> out [M, N] in `out_dtype`. Unit stride on K
-    (and on the scales' group dim) is required; shapes, dtypes and strides are checked before the launch."""
-    bn, bk = block
-    if aq.dim() != 2 or weight.dim() != 2 or aq.shape[1] != weight.shape[1]:
-        raise ValueError(f"block_fp8_gemm: aq [M, K] and weight [N, K] needed, got {list(aq.shape)} and "
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,
+             fmt: Fp8Format, out_dtype: torch.dtype, config: TileConfig | None = None) -> torch.Tensor:
+    """The launcher. a [M, K]: float8_e4m3fn with a_scale [M, ceil(K/bk)] fp32 (W8A8; bk = fmt.block[1], 128 for
+    the channel format), or bf16/fp16/fp32 with a_scale None (W8A16); weight [N, K] float8_e4m3fn with `scale` in
+    `fmt`'s shape (fp32 or bf16) -> out [M, N] in `out_dtype`. Unit stride on K is required; shapes, dtypes and
+    strides are checked before the launch. `config`: None takes `decode_config` up to `DECODE_ROWS` rows, else
+    `PREFILL_TILE`."""
+    a_fp8 = a_scale is not None
+    if a.dim() != 2 or weight.dim() != 2 or a.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8_gemm: a [M, K] and weight [N, K] needed, got {list(a.shape)} and "
                          f"{list(weight.shape)}")
-    if aq.dtype != FP8_DTYPE or weight.dtype != FP8_DTYPE:
-        raise ValueError(f"block_fp8_gemm: aq and weight must be {FP8_DTYPE}, got {aq.dtype} and {weight.dtype}")
-    (m, k), n = aq.shape, weight.shape[0]
-    groups = -(-k // bk)
-    if tuple(a_scale.shape) != (m, groups) or tuple(scale_inv.shape) != (-(-n // bn), groups):
-        raise ValueError(f"block_fp8_gemm: scales [{m}, {groups}] and [{-(-n // bn)}, {groups}] needed for block "
-                         f"{block}, got {list(a_scale.shape)} and {list(scale_inv.shape)}")
-    if a_scale.dtype != torch.float32 or scale_inv.dtype != torch.float32:
-        raise ValueError("block_fp8_gemm: the scales must be float32")
-    if aq.stride(1) != 1 or weight.stride(1) != 1 or a_scale.stride(1) != 1 or scale_inv.stride(1) != 1:
-        raise ValueError("block_fp8_gemm needs unit stride on K (activations, weight and both scales)")
-    if bk < 16 or bk & (bk - 1):
-        raise ValueError(f"block_fp8_gemm: the K group {bk} must be a power of two >= 16")
-    out = torch.empty((m, n), dtype=out_dtype, device=aq.device)
+    if weight.dtype != FP8_DTYPE or (a.dtype == FP8_DTYPE) != a_fp8:
+        raise ValueError(f"fp8_gemm: weight must be {FP8_DTYPE} and a too exactly when a_scale is given, got "
+                         f"{a.dtype} (a_scale {'given' if a_fp8 else 'None'}) and {weight.dtype}")
+    (m, k), n = a.shape, weight.shape[0]
+    if tuple(scale.shape) != fmt.scale_shape(n, k) or scale.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"fp8_gemm: scale {list(fmt.scale_shape(n, k))} fp32/bf16 needed for {fmt.describe()}, "
+                         f"got {list(scale.shape)} {scale.dtype}")
+    group_n, group_k = fmt.block if fmt.kind == "block" else (1, 128)
+    if group_k < 16 or group_k & (group_k - 1):
+        raise ValueError(f"fp8_gemm: the K group {group_k} must be a power of two >= 16")
+    if a_fp8 and (tuple(a_scale.shape) != (m, -(-k // group_k)) or a_scale.dtype != torch.float32):
+        raise ValueError(f"fp8_gemm: a_scale [{m}, {-(-k // group_k)}] fp32 needed, got {list(a_scale.shape)} "
+                         f"{a_scale.dtype}")
+    if a.stride(1) != 1 or weight.stride(1) != 1 or (a_fp8 and a_scale.stride(1) != 1):
+        raise ValueError("fp8_gemm needs unit stride on K (activations, weight and activation scales)")
+    config = config or (decode_config(m) if m <= DECODE_ROWS else PREFILL_TILE)
+    block_k = min(config.block_k, group_k)
+    if a.dtype == torch.float32:  # fp32 tiles take twice the shared memory
+        block_k = min(block_k, 32)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m and n:
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-        _block_fp8_gemm_kernel[grid](
-            aq, a_scale, weight, scale_inv, out, m, n, k,
-            aq.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0), scale_inv.stride(0),
-            GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+        _fp8_gemm_kernel[grid](
+            a, a_scale if a_fp8 else a, weight, scale, out, m, n, k,
+            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0) if a_fp8 else 0, scale.stride(0),
+            scale.stride(1) if fmt.kind == "block" else 0,
+            GROUP_N=group_n, GROUP_K=group_k, A_FP8=a_fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=block_k, GROUP_M=config.group_m, SWAP_AB=config.swap_ab,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
 
 
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype, W the block-scaled FP8 weight [N, K]
-    with scale_inv [ceil(N/bn), ceil(K/bk)]; x is quantised per token per bk channels first (`quantize_groups`)."""
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: cuBLAS's block-scaled GEMM
+    (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
+    N % 128 == K % 512 == 0); else this kernel, W8A8 (or W8A16 with `DECODE_W8A16`) with `decode_config` up to
+    `DECODE_ROWS` rows and `PREFILL_TILE` above (the choices measured: docs/kernels.md "Quantization")."""
+    from hybridcache.kernels.gemm import scaled_mm
+
     lead = x.shape[:-1]
-    xq, x_scale = quantize_groups(x.reshape(-1, x.shape[-1]), block[1])
-    out = block_fp8_gemm(xq, x_scale, weight, scale_inv.float(), block, x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    m = rows.shape[0]
+    group = fmt.block[1] if fmt.kind == "block" else 128
+    if m >= CUBLAS_ROWS_FROM and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
+        out = scaled_mm.block_fp8_linear(rows, weight, scale)
+    elif m <= DECODE_ROWS and DECODE_W8A16:
+        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))
+    else:
+        xq, x_scale = triton_quant.quantize_groups(rows, group)
+        out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype, decode_config(m) if m <= DECODE_ROWS
+                       else PREFILL_TILE)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias

@@ -1,18 +1,23 @@
-"""The FP8 grouped expert GEMM: `moe/triton_experts.py`'s expert GEMM over rows sorted by expert, with FP8
-operands and the block scales of `triton_block_fp8.py` (activations per row per 128 channels, each expert's
-weights per 128 x 128 block).
+"""The FP8 grouped expert GEMM: `moe/triton_experts.py`'s expert GEMM over rows sorted by expert (the same tile
+lookup, `triton_experts.expert_tile`), with FP8 expert weights scaled per 128 x 128 block, in one of two modes:
+
+- W8A16 (decode: few rows per expert): activations in their own dtype, each weight tile converted to it in
+  registers (exact) and each K step's product scaled per column; no activation quantisation launch.
+- W8A8 (prefill): activations quantised per row per 128 channels (`triton_quant`), the FP8 tensor-core product
+  scaled per row and column per K step (DeepSeek-V3's recipe, as `triton_block_fp8.py`).
 
 Layout (T tokens, top-k, E experts, R = T*k pairs; `order`, `counts` and the tiling exactly as in
 `moe/triton_experts.py`, whose module docstring has a worked example):
-    a [T or R, K] fp8, a_scale [T or R, ceil(K/bk)] fp32     (rows read through the sort when GATHER)
+    a [T or R, K] (fp8 with a_scale [T or R, ceil(K/bk)] fp32, or bf16/fp16/fp32)   rows read through the sort
+                                                                                      when GATHER
     w [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32      per expert a [N_w, K] weight and its block scales
 With SWIGLU the weights hold gate rows [0, N) and up rows [N, 2N), and the scales gate groups [0, ceil(N/bn)) then
 up groups [ceil(N/bn), 2 ceil(N/bn)) (the two projections' scale grids stacked, so N need not be a multiple of
 bn); the program keeps two fp32 accumulators and writes silu(gate) * up.
 
-`fp8_grouped_experts` is the whole routed-experts op (same contract as `moe/grouped.py::grouped_experts`): x is
-quantised per token group, the gate/up GEMM gathers, h = silu(gate) * up is quantised again, the down GEMM
-scatters to pair order, and `triton_experts.combine` sums each token's k rows in fp32.
+`fp8_grouped_experts` is the whole routed-experts op (same contract as `moe/grouped.py::grouped_experts`): the
+gate/up GEMM gathers, h = silu(gate) * up (quantised again in W8A8), the down GEMM scatters to pair order, and
+`triton_experts.combine` sums each token's k rows in fp32.
 """
 
 from __future__ import annotations
@@ -26,28 +31,30 @@ import triton.language as tl
 from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm.reference import quantize_groups
+from hybridcache.kernels.gemm import triton_quant
+from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot
+from hybridcache.kernels.moe.triton_experts import combine, expert_tile
+
+# `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
+DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8
+DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
+DECODE_SWAP_AB = False  # decode: the weight tile on the MMA's M side (compiled, not yet timed on the H200)
+PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
+PREFILL_BLOCK_N = 128
+PREFILL_NUM_WARPS = 8
 
 
 @triton.jit
 def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, num_experts,
                             top_k, N, K, UP_GROUP, stride_a, stride_as, stride_we, stride_wn, stride_wse,
                             stride_wsn, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-                            SWIGLU: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):
-    pid_m = tl.program_id(0)
-    experts = tl.arange(0, BLOCK_E)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-    run_ends = tl.cumsum(counts, axis=0)
-    tile_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
-    e = tl.sum((tile_ends <= pid_m).to(tl.int32))
+                            SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
+                            GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
-    tile_start = tl.sum(tl.where(experts == e - 1, tile_ends, 0))
-    run_start = tl.sum(tl.where(experts == e - 1, run_ends, 0))
-    run_end = tl.sum(tl.where(experts == e, run_ends, 0))
-    rows = run_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < run_end
     if GATHER or SCATTER:
         pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     if GATHER:  # noqa: SIM108 (a constexpr branch)
@@ -58,72 +65,98 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
     col_ok = cols < N
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = w_scale_ptr + e.to(tl.int64) * stride_wse
+    gate_rows = cols.to(tl.int64) * stride_wn
+    up_rows = (cols + N).to(tl.int64) * stride_wn
     gate_groups = (cols // GROUP_N).to(tl.int64) * stride_wsn
     up_groups = (cols // GROUP_N + UP_GROUP).to(tl.int64) * stride_wsn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for group in range(0, tl.cdiv(K, GROUP_K)):
-        ks = group * GROUP_K + tl.arange(0, GROUP_K)
+    # SWAP_AB: out^T = W a^T, the weight tile on the MMA's M side (wgmma needs 64 there; decode has few rows)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
+        group = k0 // GROUP_K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0)
-        acc += tl.dot(a, w, out_dtype=tl.float32) * a_scale[:, None] * w_scale[None, :]
+        if A_FP8:  # noqa: SIM108 (a constexpr branch)
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
+        else:
+            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+        w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+        if not A_FP8:
+            w = w.to(a.dtype)
+        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
         if SWIGLU:
-            w_up = tl.load(w_base + (cols[None, :] + N).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
-                           other=0.0)
-            up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0)
-            acc_up += tl.dot(a, w_up, out_dtype=tl.float32) * a_scale[:, None] * up_scale[None, :]
+            w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+            up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+            if not A_FP8:
+                w_up = w_up.to(a.dtype)
+            acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
         out_rows = rows.to(tl.int64)
-    out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if SWAP_AB:
+        out = out_ptr + out_rows[None, :] * stride_out + cols[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_expert_gemm(aq: torch.Tensor, a_scale: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor,
-                    w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype, *,
-                    gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64,
-                    num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
-    """The launcher (module docstring for the layout): aq [T or R, K] fp8, a_scale [T or R, ceil(K/bk)] fp32,
-    order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or 2 ceil(N/bn)
-    with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted order or pair
-    order when `scatter`. Shapes, dtypes and strides are checked first."""
+def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.Tensor, top_k: int,
+                    weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
+                    out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
+                    block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
+                    swap_ab: bool = False) -> torch.Tensor:
+    """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
+    ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
+    order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
+    2 ceil(N/bn) with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted
+    order or pair order when `scatter`. Shapes, dtypes and strides are checked first."""
     bn, bk = block
+    a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
     n = width // 2 if swiglu else width
     groups = -(-depth // bk)
     want_scale = (num_experts, 2 * -(-n // bn) if swiglu else -(-n // bn), groups)
-    if aq.dtype != FP8_DTYPE or weights.dtype != FP8_DTYPE:
-        raise ValueError(f"fp8_expert_gemm: aq and weights must be {FP8_DTYPE}, got {aq.dtype}, {weights.dtype}")
-    if aq.dim() != 2 or aq.shape[1] != depth or tuple(a_scale.shape) != (aq.shape[0], groups):
-        raise ValueError(f"fp8_expert_gemm: aq [rows, {depth}] and a_scale [rows, {groups}] needed, got "
-                         f"{list(aq.shape)} and {list(a_scale.shape)}")
-    if tuple(w_scale.shape) != want_scale or w_scale.dtype != torch.float32 or a_scale.dtype != torch.float32:
+    if weights.dtype != FP8_DTYPE or (a.dtype == FP8_DTYPE) != a_fp8:
+        raise ValueError(f"fp8_expert_gemm: weights must be {FP8_DTYPE} and a too exactly when a_scale is given, "
+                         f"got {a.dtype} (a_scale {'given' if a_fp8 else 'None'}), {weights.dtype}")
+    if a.dim() != 2 or a.shape[1] != depth or (a_fp8 and tuple(a_scale.shape) != (a.shape[0], groups)):
+        raise ValueError(f"fp8_expert_gemm: a [rows, {depth}] (and a_scale [rows, {groups}]) needed, got "
+                         f"{list(a.shape)} and {None if a_scale is None else list(a_scale.shape)}")
+    if tuple(w_scale.shape) != want_scale or w_scale.dtype != torch.float32 or (
+            a_fp8 and a_scale.dtype != torch.float32):
         raise ValueError(f"fp8_expert_gemm: w_scale {list(want_scale)} float32 needed, got {list(w_scale.shape)} "
-                         f"{w_scale.dtype} (a_scale {a_scale.dtype})")
+                         f"{w_scale.dtype}")
     if counts.shape != (num_experts,) or counts.dtype != torch.int32:
         raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
                          f"{counts.dtype}")
-    if aq.stride(1) != 1 or weights.stride(2) != 1 or a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
+    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) != 1:
         raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales)")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
+    block_k = min(block_k, bk, 32 if a.dtype == torch.float32 else bk)
     num_rows = order.numel()
-    out = torch.empty((num_rows, n), dtype=out_dtype, device=aq.device)
+    out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
     if num_rows:
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
         _fp8_expert_gemm_kernel[grid](
-            aq, a_scale, order, weights, w_scale, out, counts, num_experts, top_k, n, depth, -(-n // bn),
-            aq.stride(0), a_scale.stride(0), weights.stride(0), weights.stride(1), w_scale.stride(0),
-            w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, GROUP_N=bn,
-            GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts),
+            a, a_scale if a_fp8 else a, order, weights, w_scale, out, counts, num_experts, top_k, n, depth,
+            -(-n // bn), a.stride(0), a_scale.stride(0) if a_fp8 else 0, weights.stride(0), weights.stride(1),
+            w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu,
+            A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -172,24 +205,52 @@ class Fp8ExpertWeights:
 
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
-                        experts: Fp8ExpertWeights, block_m: int | None = None) -> torch.Tensor:
+                        experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
+                        block_n: int | None = None, **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
-    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), every expert GEMM in block-scaled FP8.
-    `block_m`: rows per tile (None: `moe.grouped.tile_rows`'s choice from the mean rows per expert, 64 above its
-    range; chosen from shapes alone, so captured and eager runs agree)."""
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
+
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): W8A16 (x and h in x's dtype, the
+    weights dequantised in the kernel: no quantisation launch) or W8A8 when not `DECODE_W8A16`; more:
+    W8A8 (x and h quantised per token per 128 channels by `triton_quant`). `w8a16`, `block_m`, `block_n` and
+    `tile` (`fp8_expert_gemm`'s other settings) override the choice (benchmarks sweep them); the choice is made
+    from shapes alone, so captured and eager runs agree."""
     from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
-    from hybridcache.kernels.moe.triton_experts import combine
 
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
-    if block_m is None:
-        block_m = tile_rows(order.numel(), num_experts) or 64
-    xq, x_scale = quantize_groups(x, bk)
-    h = fp8_expert_gemm(xq, x_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
-                        x.dtype, gather=True, scatter=False, swiglu=True, block_m=block_m)
-    hq, h_scale = quantize_groups(h, bk)
-    y = fp8_expert_gemm(hq, h_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
-                        x.dtype, gather=False, scatter=True, swiglu=False, block_m=block_m)
+    decode_tile = tile_rows(order.numel(), num_experts)
+    if decode_tile is not None:
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB)
+        w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
+    else:
+        options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)
+        w8a16 = False if w8a16 is None else w8a16
+    options.update({key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value}, **tile)
+    a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
+    h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
+                        x.dtype, gather=True, scatter=False, swiglu=True, **options)
+    a, a_scale = (h, None) if w8a16 else triton_quant.quantize_groups(h, bk)
+    y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
+                        x.dtype, gather=False, scatter=True, swiglu=False, **options)
     return combine(y, top_weights)
+
+
+def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
+    """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
+    x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
+    and not inside the first request that needs one: the decode tiles `moe.grouped.tile_rows` can pick, and the
+    W8A8 prefill path with its quantisation."""
+    from hybridcache.kernels.moe.grouped import sort_pairs
+
+    num_experts = experts.gate_up.shape[0]
+    ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
+    token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
+    weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
+    sort_pairs(ids, num_experts)
+    for block_m in (16, 32, 64):
+        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
+    fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,
+                        w8a16=False, swap_ab=False, num_warps=PREFILL_NUM_WARPS)

@@ -30,24 +30,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_experts, top_k, N, K,
-                        stride_a, stride_we, stride_wn, stride_out,
-                        GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr):
-    pid_m = tl.program_id(0)
+def expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Tile `pid_m` of the sorted rows (module docstring): (its expert e, its sorted rows [BLOCK_M], which of them
+    are in e's run). e == num_experts for a program past the last tile (the caller returns)."""
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     run_ends = tl.cumsum(counts, axis=0)
     tile_ends = tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, axis=0)
     e = tl.sum((tile_ends <= pid_m).to(tl.int32))
-    if e >= num_experts:
-        return
     tile_start = tl.sum(tl.where(experts == e - 1, tile_ends, 0))
     run_start = tl.sum(tl.where(experts == e - 1, run_ends, 0))
     run_end = tl.sum(tl.where(experts == e, run_ends, 0))
     rows = run_start + (pid_m - tile_start) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < run_end
+    return e, rows, rows < run_end
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_experts, top_k, N, K,
+                        stride_a, stride_we, stride_wn, stride_out,
+                        GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                        PRECISION: tl.constexpr):
+    e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+    if e >= num_experts:
+        return
     if GATHER or SCATTER:
         pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     if GATHER:  # noqa: SIM108 (a constexpr branch)

@@ -1,0 +1,298 @@
+"""Tile sweep of the FP8 GEMMs on the GPU (issue 29): which configuration of `triton_block_fp8` (W8A16 for decode,
+W8A8 for prefill) and of `triton_fp8_moe` to pick per shape, each with its error against the reference.
+
+    PYTHONPATH=. python benchmarks/fp8_sweep.py [--out DIR] [--budget-s S]
+
+Dense shapes (N x K): the 80B's o_proj 2,048 x 4,096 and shared gate_up 1,024 x 2,048, next-16b's qkvz
+12,288 x 4,096 and 28,672 x 8,192; M = 1 and 64 (W8A16 tiles), 256 to 8,192 (W8A8 tiles, `torch._scaled_mm` with
+1x128 / 128x128 block scales (cuBLASLt, sm90), dequantise + bf16, W8A16 at 256). Routed experts: next-16b (32
+experts top-8, 4,096 / 1,024) at 1, 64, 128 and 1,024 tokens over W8A16 / W8A8 tiles. Each row: the median ms of
+a CUDA graph of back-to-back calls cycling over enough weight copies that they do not sit in L2 (as in a model,
+whose every layer has its own weights), and max |err| / max |ref| against the product of the dequantised weights
+(W8A16: the bf16 activations; W8A8: the quantised ones). Also whether `triton_quant.quantize_groups` equals torch's
+`quantize_groups` bit for bit. Items run in priority order and the sweep stops starting new ones after --budget-s
+(Triton compiles each new tile on first use). Prints a table and writes DIR/fp8_sweep.json (DIR: --out, $OUT, .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hybridcache.fp8_format import BLOCK, FP8_DTYPE
+from hybridcache.kernels.gemm import reference, triton_quant
+from hybridcache.kernels.gemm.triton_block_fp8 import TileConfig, fp8_gemm
+from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+DEVICE = "cuda"  # --smoke: "cpu" (TRITON_INTERPRET=1), tiny shapes, one eager timing
+L2_BYTES = 3 * 2**27  # cycle over weight copies adding up to more than the H200's 50 MiB L2
+# decode (M <= 64): (mode, swap-AB, BLOCK_N); BLOCK_M from M (16, 32, 64)
+DECODE_TILES = [("w8a16", True, 64), ("w8a8", True, 64), ("w8a16", False, 32), ("w8a16", False, 64)]
+DECODE_CUBLAS = True
+W8A8_TILES = [TileConfig(64, 128), TileConfig(128, 128, num_warps=8), TileConfig(128, 256, num_warps=8, num_stages=3)]
+
+
+def timed(calls: list) -> float:
+    if DEVICE == "cpu":
+        begin = time.perf_counter()
+        calls[0]()
+        return (time.perf_counter() - begin) * 1e3
+    return timed_cuda(calls)
+
+
+def timed_cuda(calls: list) -> float:
+    """Median ms of one call in a CUDA graph of back-to-back calls cycling over `calls` (about 5 ms of work per
+    replay); eager if the calls cannot be captured."""
+    for call in calls[:2]:
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    calls[-1]()
+    end.record()
+    end.synchronize()
+    reps = max(2, min(24, round(5.0 / max(start.elapsed_time(end), 1e-3))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for r in range(reps):
+                calls[r % len(calls)]()
+        replay = graph.replay
+    except RuntimeError:
+        torch.cuda.synchronize()
+
+        def replay() -> None:
+            for r in range(reps):
+                calls[r % len(calls)]()
+    times = []
+    for _ in range(5):
+        start.record()
+        replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def copies(nbytes: int) -> int:
+    return max(1, min(64, -(-L2_BYTES // nbytes)))
+
+
+def cublas_block(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`torch._scaled_mm` with 1x128 activation and 128 x 128 weight scales (sm90, K and N multiples of 128)."""
+    return F.scaled_mm(xq, weight.t(), x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128, scale.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+
+
+ROWS = [1, 64, 256, 2048, 8192]
+DENSE = {"80b o_proj": (2048, 4096), "80b shared gate_up": (1024, 2048), "next-16b qkvz": (12288, 4096),
+         "28672x8192": (28672, 8192)}
+
+
+def dense_items(gen: torch.Generator):
+    """(priority-ordered) closures, each returning one result row."""
+    items = []
+    for name, (n, k) in DENSE.items():
+        dense = torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5
+        w, s = reference.quantize(dense, BLOCK)
+        del dense
+        ws = [(w.clone(), s.clone()) for _ in range(copies(w.numel()))]
+        wbf = [reference.dequantize(a, b, BLOCK, torch.bfloat16) for a, b in ws[: copies(2 * w.numel())]]
+        w32 = reference.dequantize(w, s, BLOCK, torch.float32)
+        for m in ROWS:
+            if name == "80b shared gate_up" and m == 8192 or name == "next-16b qkvz" and m > 64:
+                continue
+            items.append((1 if m <= 64 else 2, lambda n=n, k=k, m=m, name=name, ws=ws, wbf=wbf, w32=w32:
+                          dense_row(gen, name, n, k, m, ws, wbf, w32)))
+    return items
+
+
+def decode_row(x, ws, w32, mode, tile) -> dict:
+    """One decode-sized GEMM as the engine runs it: W8A16, W8A8 with its quantisation launch, or cuBLAS's block
+    scales with its quantisation launch; error against the product of the activations it multiplies."""
+    from hybridcache.kernels.gemm.scaled_mm import block_fp8_linear
+
+    def call(a, b):
+        if mode == "w8a16":
+            return fp8_gemm(x, None, a, b, BLOCK, torch.bfloat16, tile)
+        if mode == "cublas-block":
+            return block_fp8_linear(x, a, b)
+        return fp8_gemm(*triton_quant.quantize_groups(x), a, b, BLOCK, torch.bfloat16, tile)
+
+    try:
+        got = call(*ws[0])
+        xq, xs = triton_quant.quantize_groups(x)
+        ref = (x.float() if mode == "w8a16" else xq.float() * xs.repeat_interleave(128, 1)) @ w32.T
+        return {"kernel": mode, "tile": None if tile is None else tile.__dict__, "err": rel(got, ref),
+                "ms": timed([lambda a=a, b=b: call(a, b) for a, b in ws])}
+    except Exception as error:
+        traceback.print_exc()
+        return {"kernel": mode, "error": repr(error)[:300]}
+
+
+def dense_row(gen, name, n, k, m, ws, wbf, w32) -> list[dict]:
+    x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+    rows = [{"shape": name, "N": n, "K": k, "M": m, "kernel": "bf16",
+             "ms": timed([lambda b=b: F.linear(x, b) for b in wbf])}]
+    if m <= 64:
+        for mode, swap, block_n in DECODE_TILES:
+            tile = TileConfig(16 if m <= 16 else 32 if m <= 32 else 64, block_n, swap_ab=swap)
+            rows.append(decode_row(x, ws, w32, mode, tile) | {"shape": name, "N": n, "K": k, "M": m})
+        for mode in ("cublas-block",) if DECODE_CUBLAS else ():
+            rows.append(decode_row(x, ws, w32, mode, None) | {"shape": name, "N": n, "K": k, "M": m})
+    if m >= 256:
+        xq, xs = triton_quant.quantize_groups(x)
+        ref8 = (xq.float() * xs.repeat_interleave(128, 1)) @ w32.T
+        rows.append({"shape": name, "N": n, "K": k, "M": m, "kernel": "quant",
+                     "ms": timed([lambda: triton_quant.quantize_groups(x)])})
+        for tile in W8A8_TILES:
+            got = fp8_gemm(xq, xs, ws[0][0], ws[0][1], BLOCK, torch.bfloat16, tile)
+            rows.append({"shape": name, "N": n, "K": k, "M": m, "kernel": "w8a8", "tile": tile.__dict__,
+                         "ms": timed([lambda a=a, b=b, t=tile: fp8_gemm(xq, xs, a, b, BLOCK, torch.bfloat16, t)
+                                      for a, b in ws]), "err": rel(got, ref8)})
+        try:
+            got = cublas_block(xq, xs, *ws[0])
+            rows.append({"shape": name, "N": n, "K": k, "M": m, "kernel": "cublas-block",
+                         "ms": timed([lambda a=a, b=b: cublas_block(xq, xs, a, b) for a, b in ws]),
+                         "err": rel(got, ref8)})
+        except Exception as error:  # not in this torch build / GPU
+            rows.append({"shape": name, "M": m, "kernel": "cublas-block", "error": repr(error)[:300]})
+        rows.append({"shape": name, "N": n, "K": k, "M": m, "kernel": "dequant+bf16",
+                     "ms": timed([lambda a=a, b=b: F.linear(x, reference.dequantize(a, b, BLOCK, torch.bfloat16))
+                                  for a, b in ws[:4]])})
+    return rows
+
+
+def expert_items(gen: torch.Generator):
+    experts, top_k, hidden, inter = (32, 8, 4096, 1024) if DEVICE == "cuda" else (4, 2, 256, 128)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5
+    q_gu = [reference.quantize(w, BLOCK) for w in gate_up]
+    q_d = [reference.quantize(w, BLOCK) for w in down]
+    del gate_up, down
+    fp8 = Fp8ExpertWeights(torch.stack([w for w, _ in q_gu]), torch.stack([s for _, s in q_gu]),
+                           torch.stack([w for w, _ in q_d]), torch.stack([s for _, s in q_d]), BLOCK.block)
+    deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
+           "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
+    del q_gu, q_d
+    return [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
+
+
+# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order
+PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (64, True, 32, 64, False, 4),
+         (1024, False, 64, 128, False, 4), (1024, False, 64, 128, False, 8), (1, True, 16, 64, True, 4),
+         (128, True, 64, 64, True, 4), (64, True, 32, 128, True, 4), (1024, False, 128, 128, False, 8),
+         (1024, True, 64, 64, True, 4)]
+
+
+def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps) -> list[dict]:
+    experts, hidden = fp8.gate_up.shape[0], fp8.gate_up.shape[2]
+    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=gen, device=DEVICE)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE).to(torch.bfloat16)
+    want = torch.zeros(tokens, hidden, device=DEVICE)
+    inter = deq["d"].shape[2]
+    for e in range(experts):  # the dequantised experts in fp32 on the bf16 activations
+        t, j = (ids == e).nonzero(as_tuple=True)
+        gu = x[t].float() @ deq["gu"][e].T
+        y = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ deq["d"][e].T
+        want.index_add_(0, t, weights[t, j, None].float() * y)
+    def call() -> torch.Tensor:
+        return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
+                                   swap_ab=swap, num_warps=warps)
+
+    return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
+             "block_n": block_n, "swap_ab": swap, "num_warps": warps, "err": rel(call(), want), "ms": timed([call])}]
+
+
+def quant_check(gen: torch.Generator) -> dict:
+    x = (torch.randn(300, 4096, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 4096, device=DEVICE))
+    x = x.to(torch.bfloat16)
+    got_q, got_s = triton_quant.quantize_groups(x)
+    want_q, want_s = reference.quantize_groups(x)
+    return {"quant_scales_equal": bool(torch.equal(got_s, want_s)),
+            "quant_values_equal": bool(torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))),
+            "quant_dtype_ok": got_q.dtype == FP8_DTYPE}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--budget-s", type=float, default=40.0)
+    parser.add_argument("--smoke", action="store_true", help="on the CPU under TRITON_INTERPRET=1, tiny shapes")
+    parser.add_argument("--quick", action="store_true", help="decode only: next-16b's experts at 64 tokens, "
+                        "qkvz and 28,672 x 8,192 at M = 1 and 64, swap-AB tiles and cuBLAS")
+    args = parser.parse_args()
+    global DECODE_CUBLAS
+    if args.quick:
+        for name in ("80b o_proj", "80b shared gate_up"):
+            del DENSE[name]
+        ROWS[:] = [64, 1]
+        DECODE_TILES[:] = DECODE_TILES[:2]
+        PLANS[:] = PLANS[:5]
+    if args.smoke:
+        global DEVICE
+        DEVICE = "cpu"
+        for name in list(DENSE)[1:]:
+            del DENSE[name]
+        DENSE[next(iter(DENSE))] = (96, 256)
+        ROWS[:] = ROWS[:3]
+        DECODE_TILES[:] = DECODE_TILES[:2]
+        DECODE_CUBLAS = False
+        W8A8_TILES[:] = W8A8_TILES[:1]
+    start = time.perf_counter()
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_sweep.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "quant": quant_check(gen),
+              "rows": [], "skipped": 0}
+    print(result["quant"], flush=True)
+    items = sorted(dense_items(gen) + expert_items(gen), key=lambda item: item[0])
+    for _, item in items:
+        if time.perf_counter() - start > args.budget_s:
+            result["skipped"] += 1
+            continue
+        try:
+            rows = item()
+        except Exception as error:
+            traceback.print_exc()
+            rows = [{"error": repr(error)[:300]}]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        result["rows"] += rows
+        out.write_text(json.dumps(result, indent=1))
+    result["wall_s"] = time.perf_counter() - start
+    out.write_text(json.dumps(result, indent=1))
+    print(f"| what | M/T | kernel | tile | ms | err |  (skipped {result['skipped']}, {result['wall_s']:.0f} s)")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"| {r.get('shape', '-')} | {r.get('M', '-')} | {r.get('kernel', '-')} | error {r['error'][:80]}")
+            continue
+        tile = r.get("tile") or (f"{r['block_m']}x{r['block_n']}{' swap-ab' if r.get('swap_ab') else ''}"
+                                 if "block_m" in r else "-")
+        if isinstance(tile, dict) and "block_m" in tile:
+            tile = (f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
+                    f"{' swap-ab' if tile.get('swap_ab') else ''}")
+        print(f"| {r.get('shape', r.get('experts'))} | {r.get('M', r.get('tokens'))} | {r['kernel']} | {tile} | "
+              f"{r['ms']:.4f} | {r.get('err', float('nan')):.1e} |")
+
+
+if __name__ == "__main__":
+    main()

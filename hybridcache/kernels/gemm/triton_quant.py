@@ -1,0 +1,57 @@
+"""Dynamic FP8 quantisation of activations per token per group of channels in one Triton launch: what
+`reference.quantize_groups` computes in torch (a pad, an amax, two divisions and a cast: about ten launches).
+
+Program (m, c) takes row m's groups [c * CHUNK, (c + 1) * CHUNK) as a [CHUNK, GROUP] tile: per group
+amax = max(max |x|, 1e-12), scale = amax / 448, q = clamp(x / scale, -448, 448) rounded to e4m3 (IEEE division,
+as torch's), so the result equals `quantize_groups`' bit for bit. Rows past M (`pad_rows`) are written as zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
+
+
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_sm, stride_sg,
+                            GROUP: tl.constexpr, CHUNK: tl.constexpr, QMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = (groups[:, None] < num_groups) & (ks < K)
+    x = tl.load(x_ptr + tl.minimum(row, M - 1) * stride_x + ks, mask=ok, other=0.0).to(tl.float32)
+    x = tl.where(row < M, x, 0.0)  # a padding row
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) / QMAX
+    q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -QMAX, QMAX)
+    tl.store(q_ptr + row * stride_q + ks, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * stride_sm + groups * stride_sg, scale, mask=groups < num_groups)
+
+
+def quantize_groups(x: torch.Tensor, group: int = 128, *, pad_rows: int = 1,
+                    column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride on K) -> (xq [M', K] float8_e4m3fn, scale [M', ceil(K/group)] fp32), rows
+    [0, M) equal to `reference.quantize_groups(x, group)`; M' is M rounded up to a multiple of `pad_rows`, the
+    rows past M zeros (scale 1e-12 / 448). `column_major`: the scale's storage is [groups, M'] (stride (1, M'),
+    cuBLAS's layout for 1 x 128 block scales). `group` a power of two >= 16."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_groups: x [M, K] with unit stride on K needed, got {list(x.shape)}")
+    if group < 16 or group & (group - 1):
+        raise ValueError(f"quantize_groups: the group {group} must be a power of two >= 16")
+    rows, cols = x.shape
+    padded = -(-rows // pad_rows) * pad_rows
+    num_groups = -(-cols // group)
+    xq = torch.empty((padded, cols), dtype=FP8_DTYPE, device=x.device)
+    if column_major:
+        scale = torch.empty((num_groups, padded), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((padded, num_groups), dtype=torch.float32, device=x.device)
+    if padded and cols:
+        chunk = min(triton.next_power_of_2(num_groups), max(1, 2048 // group))
+        _quantize_groups_kernel[(padded, triton.cdiv(num_groups, chunk))](
+            x, xq, scale, rows, cols, num_groups, x.stride(0), xq.stride(0), scale.stride(0), scale.stride(1),
+            GROUP=group, CHUNK=chunk, QMAX=FP8_MAX,
+        )
+    return xq, scale

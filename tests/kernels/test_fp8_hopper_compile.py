@@ -1,0 +1,60 @@
+"""The FP8 kernels compile for the H200 (sm90) without a GPU: Triton's front end, its Hopper passes and ptxas run
+on the CPU, so a kernel that the interpreter runs but the compiler rejects (one return type over two constexpr
+branches was such a case) fails here, not on the device. Every variant the engine can launch is compiled: the
+dense kernel's decode tiles (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode
+and prefill tiles (gate/up and down), the quantisation kernel. The swap-AB tiles must reach Hopper's wgmma (the
+reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to mma.sync)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from hybridcache.kernels.gemm.triton_block_fp8 import _fp8_gemm_kernel  # noqa: E402
+from hybridcache.kernels.gemm.triton_fp8_moe import _fp8_expert_gemm_kernel  # noqa: E402
+from hybridcache.kernels.gemm.triton_quant import _quantize_groups_kernel  # noqa: E402
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def compile_for_hopper(kernel, pointers: dict[str, str], ints: list[str], constants: dict, num_warps: int = 4):
+    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": 4})
+
+
+@pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab"), [
+    (False, 16, 64, True), (True, 32, 64, True), (False, 64, 64, True), (True, 64, 128, False)])
+def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
+    pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
+                "w_scale_ptr": "*fp32", "out_ptr": "*bf16"}
+    ints = ["M", "N", "K", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_wsn", "stride_wsk"]
+    constants = dict(GROUP_N=128, GROUP_K=128, A_FP8=a_fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                     GROUP_M=8, SWAP_AB=swap_ab, PRECISION="tf32")
+    compiled = compile_for_hopper(_fp8_gemm_kernel, pointers, ints, constants)
+    assert "wgmma" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab", "swiglu", "num_warps"), [
+    (False, 16, 64, True, True, 4), (False, 32, 64, True, False, 4), (True, 32, 64, True, True, 4),
+    (True, 64, 128, False, True, 8), (True, 64, 128, False, False, 4)])
+def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps):
+    pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
+                "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
+    ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
+            "stride_wse", "stride_wsn", "stride_out"]
+    constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=128, GROUP_K=128,
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32")
+    compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
+    assert "wgmma" in compiled.asm["ptx"]
+
+
+def test_quantize_groups_compiles_for_hopper():
+    pointers = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    ints = ["M", "K", "num_groups", "stride_x", "stride_q", "stride_sm", "stride_sg"]
+    compiled = compile_for_hopper(_quantize_groups_kernel, pointers, ints, dict(GROUP=128, CHUNK=16, QMAX=448.0))
+    assert "e4m3" in compiled.asm["ptx"]  # the conversion to FP8
