@@ -94,8 +94,9 @@ class EngineConfig:
     activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
     graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
     async_scheduling: plan and queue step t+1 while the device runs step t (None = on for CUDA without tensor
-    parallelism, off on the CPU, where it gains nothing; `step()` then returns the outputs of the step before
-    the one it launches; see `hybridcache.engine.engine`). Not with tensor parallelism.
+    parallelism, off on the CPU, where it gains nothing, and under tensor parallelism, where it is asked for
+    explicitly; `step()` then returns the outputs of the step before the one it launches; see
+    `hybridcache.engine.engine`).
     tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
     NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
     engine's process. See `hybridcache.distributed`.
@@ -161,9 +162,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling is not supported with tensor parallelism (the workers do not see "
-                             "the sampled tokens on the device)")
         kbs = self.kernel_block_size
         if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(

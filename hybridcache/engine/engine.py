@@ -20,9 +20,9 @@ sequence that t finishes (EOS, a stop string, an abort) already has a row in t+1
 finish checkpoint holds one token more than with synchronous steps (the device has fed its last sampled
 token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
 retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) with
-`decode_checkpoint_interval` saves (the saved tail), speculative decoding's steps (judging and drafting read the
-logits on the host; `_speculating`), and always under tensor parallelism (the workers do not see the sampled
-tokens).
+`decode_checkpoint_interval` saves (the saved tail) and speculative decoding's steps (judging and drafting read
+the logits on the host; `_speculating`). Under tensor parallelism the fed rows reach the workers as a
+`TokenFeed`: rank 0 broadcasts the sampled tokens on the device (`hybridcache.distributed`).
 
 A sequence whose next sample needs its tokens on the host (structured output: the grammar's next mask;
 penalties: the output so far) keeps the steps async, as in vLLM: t+1's forward is launched, then t is
@@ -57,6 +57,7 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache
 from hybridcache.mm_processor import ImageProcessor
@@ -193,6 +194,7 @@ class LLMEngine:
         plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
+        # (under tensor parallelism async scheduling is asked for explicitly until it has run on two GPUs)
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self.drafter = None if config.speculative_config is None else MtpDrafter(
@@ -446,15 +448,15 @@ class LLMEngine:
             wants_prompt = _prompt_logits_flags(chunks)
             drafts = self.drafter.draft_slots(chunks) if self.drafter is not None else ()
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
-                                        kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                        copies=scheduled.copies, prompt_logits=wants_prompt, draft_slots=drafts)
-            if previous is not None and previous.pending:
-                self._feed_sampled(chunks, batch.input_ids, previous)
-            logits = self.runner.execute(batch)
+                                        kernel_block_size=self.config.kernel_block_size,
+                                        device=self.runner.input_device, copies=scheduled.copies,
+                                        prompt_logits=wants_prompt, draft_slots=drafts)
+            feed = self._feed_sampled(chunks, previous) if previous is not None and previous.pending else None
+            logits = self.runner.execute(batch, feed)
             if wants_prompt:
                 self.output_processor.record_prompt_logprobs(self._requests, chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
-            self.runner.execute_copies(device_copies(scheduled.copies, self.device))
+            self.runner.execute_copies(device_copies(scheduled.copies, self.runner.input_device))
         if self.drafter is not None and (speculate or any(c.num_drafts for c in chunks)):
             return self._launched_verdicts(scheduled, logits if chunks else None)
         rows = [i for i, c in enumerate(chunks) if c.samples]
@@ -465,7 +467,7 @@ class LLMEngine:
             parts.append(logits[: len(chunks)] if len(rows) == len(chunks)
                          else logits.index_select(0, to_device(rows, logits.device)))
         if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
-            slots = to_device([s.slot for s in scheduled.samples], self.device)
+            slots = to_device([s.slot for s in scheduled.samples], self.runner.input_device)
             parts.append(self.runner.logits_from_slots(slots))
             sampled += [s.seq for s in scheduled.samples]
         if not parts:
@@ -562,9 +564,9 @@ class LLMEngine:
         bitmask = self.output_processor.allowed_bitmask(rows, logits.shape[-1])
         return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
 
-    def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], input_ids: torch.Tensor, previous: _Launched) -> None:
-        """Write into `input_ids` (on the device) each `PENDING_TOKEN` row's token from `previous`'s samples.
-        A pending token is the last (only) token of its sequence's decode chunk."""
+    def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], previous: _Launched) -> TokenFeed | None:
+        """The input rows that take a token `previous` sampled (each `PENDING_TOKEN` row; a pending token is the
+        last, only, token of its sequence's decode chunk), or None when there are none."""
         source = {seq.seq_id: i for i, seq in enumerate(previous.sampled)}
         rows, sources, end = [], [], 0
         for chunk in chunks:
@@ -572,9 +574,7 @@ class LLMEngine:
             if chunk.token_ids[-1] == PENDING_TOKEN:
                 rows.append(end - 1)
                 sources.append(source[chunk.seq.seq_id])
-        if rows:
-            index = to_device(rows + sources, self.device)
-            input_ids.index_copy_(0, index[: len(rows)], previous.sample.tokens.index_select(0, index[len(rows):]))
+        return TokenFeed(tuple(rows), tuple(sources), previous.sample.tokens) if rows else None
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Postprocess a launched step (`_prepare`d first if it was not): wait for its tokens, put each in place of
@@ -586,6 +586,7 @@ class LLMEngine:
         if not launched.prepared:
             self._prepare(launched)
         out = launched.sample.result() if launched.sample is not None else None
+        self.runner.check_results()  # a tensor-parallel step cut short by a failed peer computed garbage
         live = [(i, seq) for i, seq in enumerate(launched.sampled)
                 if (not seq.is_finished or seq.seq_id in launched.retired) and seq.request_id in self._requests]
         for i, seq in live:

@@ -43,6 +43,7 @@ from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
@@ -269,6 +270,22 @@ class ModelRunner:
         """The captured decode batch sizes; () when steps run eagerly."""
         return self._graphs.sizes if self._graphs is not None else ()
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where the engine builds a step's inputs (the `Executor` protocol): this runner's device."""
+        return self.device
+
+    def release_graphs(self) -> None:
+        """Destroy the captured decode and verify graphs now (later steps run eagerly). A tensor-parallel rank must
+        do this before it leaves its process group: NCCL's communicator teardown (destroy or abort) waits until
+        every graph that captured one of its collectives has been destroyed."""
+        for graphs in (self._graphs, self._verify_graphs):
+            if graphs is not None:
+                for graph in graphs.graphs.values():
+                    graph.reset()
+                graphs.graphs.clear()
+        self._graphs = self._verify_graphs = None
+
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
@@ -292,11 +309,14 @@ class ModelRunner:
             self._replay = True
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+    def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones, each phase in the plan's
         order (a `CopyPlan` lists its kinds in declaration order: STATE_FINISH first); returns fp32 logits
         [num_seqs + R, vocab]: row i at sequence i's last token, then one row per `batch.prompt_logits_rows`
-        entry (R of them; none when it is None)."""
+        entry (R of them; none when it is None). `feed`: rows of `batch.input_ids` written first from the step
+        before's sampled tokens, on the device (async scheduling)."""
+        if feed is not None:
+            feed.write(batch.input_ids)
         for op in batch.copies:
             if op.kind.phase is Phase.BEFORE_FORWARD:
                 self._copy(op)
@@ -319,6 +339,10 @@ class ModelRunner:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
         return self.model.logits_from_slots(self.pools, slots)
+
+    def check_results(self) -> None:
+        """Nothing to check: one device's results are whatever its stream computed (the `Executor` protocol's
+        method)."""
 
     def shutdown(self) -> None:
         """Nothing to stop: the runner started no process or thread (the `Executor` protocol's method)."""

@@ -179,14 +179,6 @@ def test_steps_that_need_the_tokens_stay_async(model_dir, params, monkeypatch):
             jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
-def test_async_scheduling_is_refused_with_tensor_parallelism():
-    from hybridcache.config import EngineConfig
-
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
-    assert EngineConfig(tensor_parallel_size=2).async_scheduling is None
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="needs CUDA and the cuda extra")
 def test_async_equals_sync_on_cuda_with_graphs(tmp_path):
