@@ -3,8 +3,9 @@
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/gpu_bench.py [--model next-1b] [--phases C,D,A,B]
         [--check-graphs] [--mamba-ssm-cache-dtype auto|float32|bfloat16|float16] [--out DIR]
         [--num-blocks N] [--cache-mode hybridcache|seed|block-aligned|none]   # a fixed pool: memory pressure
-        [--host-cache-gib G]                                                  # a host tier behind the pool
+        [--host-cache-gib G] [--max-model-len N]                              # a host tier behind the pool
         [--quantization fp8] [--kv-cache-dtype fp8]   # FP8 weights (quantised at load) / FP8 KV
+        [--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}']  # MTP, random head: all rejected
 
 Models (random weights, seed 0, `hybridcache.models.random_weights.randomize_`, drawn on the GPU when there is
 one; bf16; byte tokenizer):
@@ -24,8 +25,9 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
 - B: one 6,000-token prompt sent three times (1 new token).
 - C: a cold 16,000-token prompt, then it + 200 tokens (1 new token each).
 - CH: phase C with an unrelated 16,000-token prompt between the two: with a pool too small for both (e.g.
-  `--num-blocks 400`), the prefix is evicted before the + 200 request, which then hits from the host tier
-  (`--host-cache-gib`) or recomputes it (without one). Reports the + 200 request's latency and cached tokens.
+  `--num-blocks 400 --max-model-len 16384`: a pool must hold one sequence of max_model_len), the prefix is
+  evicted before the + 200 request, which then hits from the host tier (`--host-cache-gib`) or recomputes it
+  (without one). Reports the + 200 request's latency and cached tokens.
 - D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
 - DSYNC: phase D on the same engine with async scheduling off (each step postprocessed before the next is
   planned), to measure what async scheduling gives within one process.
@@ -341,11 +343,16 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="the pool's blocks (KV and checkpoint states; default: the memory budget's rest)")
     parser.add_argument("--cache-mode", default="hybridcache", help="hybridcache, seed, block-aligned or none")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="cap the sequence length (default: the model's): a pool of --num-blocks must hold one")
     parser.add_argument("--host-cache-gib", type=float, default=0.0,
                         help="a host-memory tier behind the pool (pinned), GiB (default: none)")
     parser.add_argument("--quantization", default=None, choices=["fp8"],
                         help="quantise the bf16 folder's linears to 128 x 128 FP8 at load")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"], help="fp8: e4m3 KV pool")
+    parser.add_argument("--speculative-config", default=None,
+                        help="JSON: MTP with the folder's random head (every draft rejected: the phases give the "
+                             "overhead of drafts that never pay)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--device", default="cuda")
@@ -377,8 +384,9 @@ def main() -> None:
                    max_num_seqs=64, max_num_batched_tokens=args.max_num_batched_tokens,
                    gpu_memory_utilization=args.gpu_memory_utilization, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                    async_scheduling=args.async_scheduling, num_blocks=args.num_blocks, cache_mode=args.cache_mode,
-                   host_cache_gib=args.host_cache_gib, quantization=args.quantization,
-                   kv_cache_dtype=args.kv_cache_dtype)
+                   host_cache_gib=args.host_cache_gib, max_model_len=args.max_model_len, quantization=args.quantization,
+                   kv_cache_dtype=args.kv_cache_dtype, speculative_config=args.speculative_config)
+    result["speculative_config"] = args.speculative_config
     result["triton_cache"] = triton_cache_state()
     start = time.perf_counter()
     llm = None

@@ -11,6 +11,16 @@ so a block is 1.5 MiB and a state 50 blocks, as docs/cache.md's 80B cost model h
 
 Prints GB/s per op (median of `--repeats`) and writes the JSON with `--json`. Speed is measured here, never
 asserted in tests.
+
+Then (`--overlap-ms T`, default 10; 0: skip) whether the copies overlap compute, with a stand-in forward of bf16
+4,096-square matmuls taking about T ms, the host pool's copies on the forward's stream (no streams, as before the
+side streams) against on its side streams (`CopyStreams`; CUDA only, the CPU runs the first twice as a smoke test):
+
+    demotion   save `--copies` blocks, then the forward             (the next step waits for the forward stream)
+    promotion  a forward, then load `--copies` blocks, then the forward that reads them   (the load may overlap
+               the first forward: with async scheduling the host plans a step while the one before runs)
+
+each timed on the forward stream (events) and until every copy is done (a device synchronisation).
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import time
 
 import torch
 
-from hybridcache.engine.host_pool import HostPool, measure_copy_rates
+from hybridcache.engine.host_pool import CopyStreams, HostPool, measure_copy_rates
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.state_spec import AttentionSpec, DevicePools, RecurrentSpec, StateTensorSpec
@@ -49,6 +59,59 @@ def timed(device: torch.device, run) -> float:
     return time.perf_counter() - start
 
 
+def timed_streams(device: torch.device, run) -> tuple[float, float]:
+    """(ms on the current stream, ms until the device is idle) of `run`, after a warm-up run."""
+    run()
+    if device.type != "cuda":
+        start = time.perf_counter()
+        run()
+        seconds = 1000 * (time.perf_counter() - start)
+        return seconds, seconds
+    torch.cuda.synchronize(device)
+    first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start = time.perf_counter()
+    first.record()
+    run()
+    last.record()
+    torch.cuda.synchronize(device)
+    return first.elapsed_time(last), 1000 * (time.perf_counter() - start)
+
+
+def overlap(host: HostPool, device: torch.device, device_ids: torch.Tensor, host_ids: list[int], target_ms: float,
+            repeats: int) -> dict:
+    """The demotion and promotion scenarios of the module docstring, without and with side streams."""
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32, device=device)
+    one_ms = timed_streams(device, lambda: a @ a)[0]
+    count = max(1, round(target_ms / max(one_ms, 1e-3)))
+
+    def forward() -> None:
+        for _ in range(count):
+            a @ a
+
+    scenarios = {
+        "forward alone": forward,
+        "demotion": lambda: (host.save(device_ids, host_ids), forward()),
+        "promotion": lambda: (forward(), host.load(host_ids, device_ids), forward()),
+    }
+    side = CopyStreams(device) if device.type == "cuda" else None
+    result: dict = {"matmuls": count}
+    print(f"\noverlap: a forward of {count} matmuls; {len(host_ids)} blocks per copy; ms on the forward stream / "
+          f"until every copy is done (median of {repeats})")
+    print("| scenario | one stream | side streams |\n| --- | --- | --- |")
+    for name, run in scenarios.items():
+        cells = []
+        for streams in (None, side):
+            host.streams = streams
+            runs = [timed_streams(device, run) for _ in range(repeats)]
+            main_ms, all_ms = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+            result[f"{name} / {'side streams' if streams is not None else 'one stream'}"] = {
+                "forward_stream_ms": main_ms, "all_done_ms": all_ms}
+            cells.append(f"{main_ms:.2f} / {all_ms:.2f}")
+        print(f"| {name} | {cells[0]} | {cells[1]} |", flush=True)
+    host.streams = None
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -57,6 +120,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=256, help="blocks per save / load")
     parser.add_argument("--slots", type=int, default=4, help="runtime slots finished to the host at once")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--overlap-ms", type=float, default=10.0, help="the stand-in forward's ms (0: no overlap run)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -91,6 +155,8 @@ def main() -> None:
         result["ops"][name] = {"bytes": nbytes, "seconds": seconds, "gb_s": rate, "of_peak": rate / (peak / 1e9)}
         print(f"  {name:<24} {nbytes / 2**20:9.1f} MiB  {1000 * seconds:8.2f} ms  {rate:7.2f} GB/s  "
               f"{rate / (peak / 1e9):.2f} of peak")
+    if args.overlap_ms > 0:
+        result["overlap"] = overlap(host, device, device_ids, host_ids, args.overlap_ms, args.repeats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

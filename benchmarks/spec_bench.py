@@ -1,22 +1,32 @@
 """MTP speculative decoding: acceptance per draft position and decode tokens/s against MTP off.
 
     PYTHONPATH=. python benchmarks/spec_bench.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8 64] [--max-tokens 128]
-                                                 [--prompt-len 256] [--temperature 0] [--device cpu] [--json OUT]
+                                                 [--prompt-len 256] [--temperature 0] [--device cpu]
+                                                 [--dtype bfloat16] [--disable-by-batch-size N] [--json OUT]
 
-For each batch size b, b greedy requests (prompts cut from the model folder's `training_corpus.txt` when
+One engine per k (MTP off, then each k; its start-up is the costly part), warmed up by a short generation, then for
+each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
 `benchmarks/train_byte_lm.py --mtp-steps N` wrote it, else random bytes) are prefilled, then decoded to
-`--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Rows: MTP off,
-then MTP with each k. Acceptance: accepted / fed draft tokens, and per draft position (accepted at position j /
-verify rows). Prints a table and writes the rows as JSON. The engine runs MTP only with the reference kernels for
-now (on the CPU): H200 numbers need the CUDA verify path (docs/design.md, "Speculative decoding").
+`--max-tokens`; the decode time is the wall time from the first step that only decodes to the last. Acceptance:
+accepted / fed draft tokens, and per draft position (drafts accepted at position j / verify rows); agree: the share
+of MTP off's greedy tokens each completion repeats up to its first difference (`agreement`). Prints a table
+(speedup: tokens/s over MTP off's at the same batch) and writes the rows as JSON, with the host's seconds per
+phase of the steps (`phase_timers`). `--disable-by-batch-size N` adds
+rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
+plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
+too); MTP's speculative steps run synchronously, MTP off's steps asynchronously.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import gc
 import json
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from hybridcache.config import EngineConfig
@@ -37,33 +47,88 @@ def prompts(model_dir: Path, count: int, length: int, seed: int = 0) -> list[lis
     return [[rng.randrange(256) for _ in range(length)] for _ in range(count)]
 
 
-def measure(model_dir: Path, k: int | None, batch: int, args: argparse.Namespace) -> dict:
-    """One row: decode tokens/s of `batch` requests with MTP k (None: off), and the acceptance counters."""
-    config = EngineConfig(block_size=64, max_num_seqs=max(batch, 1),
+def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace, limit: int | None = None) -> LLMEngine:
+    """An engine with MTP k (None: off; `limit`: its disable_by_batch_size) for every batch size of the run
+    (max_num_seqs = the largest), warmed up by one short generation (the first steps of a fresh engine build lazy
+    state that no later step pays for)."""
+    speculative = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit} if k else None
+    config = EngineConfig(block_size=64, max_num_seqs=max(args.batch), dtype=args.dtype,
                           max_model_len=args.prompt_len + args.max_tokens + 8,
                           max_num_batched_tokens=max(2048, args.prompt_len), device=args.device,
-                          speculative_config={"method": "mtp", "num_speculative_tokens": k} if k else None)
+                          speculative_config=speculative)
     engine = LLMEngine(model_dir, config)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-    for i, prompt in enumerate(prompts(model_dir, batch, args.prompt_len)):
+    decode(engine, prompts(model_dir, 2, args.prompt_len, seed=1), min(16, args.max_tokens), args)
+    return engine
+
+
+def decode(engine: LLMEngine, batch_prompts: list[list[int]], max_tokens: int,
+           args: argparse.Namespace) -> tuple[int, float, list[list[int]]]:
+    """Run the prompts to `max_tokens` each from an empty cache; (decode tokens, seconds from the first step that
+    only decodes to the last, each request's token ids)."""
+    engine.clear_cache()
+    params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
+    for i, prompt in enumerate(batch_prompts):
         engine.add_request(str(i), prompt, params)
     start = None
     generated = 0
+    outputs = {}
     while engine.has_unfinished_requests():
         decoding = all(s.num_computed >= s.prompt_len for s in engine.scheduler.running) and engine.scheduler.running
         if decoding and start is None and not engine.scheduler.waiting:
             start, generated = time.perf_counter(), engine.num_decode_tokens
-        engine.step()
+        outputs.update((out.request_id, list(out.outputs[0].token_ids)) for out in engine.step() if out.finished)
     seconds = time.perf_counter() - start if start is not None else float("nan")
-    tokens = engine.num_decode_tokens - generated
-    row = {"k": k or 0, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
-           "decode_tokens_per_s": tokens / seconds if seconds else float("nan")}
+    return engine.num_decode_tokens - generated, seconds, [outputs[str(i)] for i in range(len(batch_prompts))]
+
+
+@contextlib.contextmanager
+def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
+    """Wall seconds the engine's host spends in each phase of its steps (prefill included), by wrapping the engine's
+    methods for the block: `schedule`, `launch` (inputs, forward launch; a speculative step's judging waits there for
+    the logits), `complete` (postprocess; a speculative step's rollback and drafting), and within it `propose` (the
+    head's passes, which wait for their drafts). Host time, not device time: a wait for the device counts where
+    it happens."""
+    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0}
+    targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
+               (engine, "_complete", "complete")]
+    if engine.drafter is not None:
+        targets.append((engine.drafter, "propose", "propose"))
+
+    def timed(fn, name):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapper
+
+    for owner, attribute, name in targets:
+        setattr(owner, attribute, timed(getattr(owner, attribute), name))
+    try:
+        yield totals
+    finally:
+        for owner, attribute, _ in targets:
+            delattr(owner, attribute)  # the class's method again
+
+
+def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
+    """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
+    before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
+    with phase_timers(engine) as phases:
+        tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
+    k = engine.drafter.k if engine.drafter is not None else 0
+    row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
+           "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids,
+           "host_seconds": phases}
     if stats is not None:
-        row.update(verify_rows=stats.num_drafts, draft_tokens=stats.num_draft_tokens,
-                   accepted_tokens=stats.num_accepted_tokens,
-                   acceptance=stats.num_accepted_tokens / max(1, stats.num_draft_tokens),
-                   accepted_per_position=[n / max(1, stats.num_drafts) for n in stats.accepted_per_position])
+        rows = stats.num_drafts - before.num_drafts
+        fed = stats.num_draft_tokens - before.num_draft_tokens
+        accepted = stats.num_accepted_tokens - before.num_accepted_tokens
+        row.update(verify_rows=rows, draft_tokens=fed, accepted_tokens=accepted, acceptance=accepted / max(1, fed),
+                   accepted_per_position=[(n - m) / max(1, rows) for n, m in
+                                          zip(stats.accepted_per_position, before.accepted_per_position, strict=True)])
     return row
 
 
@@ -76,23 +141,58 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: CUDA graphs on CUDA)")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="also run k = 2 with speculation off above this many sequences, at batch sizes over it")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model_dir = args.model_dir or ensure_builtin_model()
     rows = []
-    for batch in args.batch:
-        base = measure(model_dir, None, batch, args)
-        rows.append(base)
-        for k in args.k:
-            row = measure(model_dir, k, batch, args)
-            row["speedup"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            rows.append(row)
-    print(f"{'batch':>5} {'k':>2} {'tok/s':>9} {'speedup':>8} {'accept':>7}  per position")
+    runs = [(k, None, args.batch) for k in [None, *args.k]]
+    limit = args.disable_by_batch_size
+    if limit is not None:  # MTP turned off above `limit`, at the batch sizes over it (right after the first k)
+        runs.insert(2, (2 if 2 in args.k else args.k[0], limit, [b for b in args.batch if b > limit]))
+    for k, limit, batches in runs:  # one engine per k (its start-up is the expensive part), every batch size on it
+        started = time.perf_counter()
+        engine = make_engine(model_dir, k, args, limit)
+        print(f"k={k or 0}: engine up in {time.perf_counter() - started:.1f} s", flush=True)
+        for batch in batches:
+            rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
+            print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)  # at once
+        engine.close()
+        del engine
+        gc.collect()
+        write_json(args, model_dir, rows)
+    base = {row["batch"]: row for row in rows if row["k"] == 0}
+    for row in rows:
+        row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]["decode_tokens_per_s"]
+        row["tokens_agree"] = agreement(row["token_ids"], base[row["batch"]]["token_ids"])
+    for row in rows:
+        del row["token_ids"]  # (kept out of the JSON)
+    rows.sort(key=lambda row: (row["batch"], row["k"]))
+    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'tok/s':>9} {'speedup':>8} {'agree':>6} {'accept':>7}  "
+          f"per position")
     for row in rows:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
-        print(f"{row['batch']:>5} {row['k']:>2} {row['decode_tokens_per_s']:>9.1f} {row.get('speedup', 1.0):>8.2f} "
-              f"{row.get('acceptance', float('nan')):>7.2f}  {per}")
+        limit = row["disable_by_batch_size"] if row["disable_by_batch_size"] is not None else "-"
+        print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {row['decode_tokens_per_s']:>9.1f} "
+              f"{row.get('speedup', 1.0):>8.2f} {row['tokens_agree']:>6.1%} {row.get('acceptance', float('nan')):>7.2f}"
+              f"  {per}")
+    write_json(args, model_dir, rows)
+
+
+def agreement(token_ids: list[list[int]], reference: list[list[int]]) -> float:
+    """The share of the reference's tokens that each completion repeats up to its first difference (greedy MTP on
+    against off: a bf16 near-tie flips a token, and everything after it counts as disagreeing)."""
+    same = sum(next((j for j, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+               for mine, theirs in zip(token_ids, reference, strict=True))
+    return same / max(1, sum(map(len, reference)))
+
+
+def write_json(args: argparse.Namespace, model_dir: Path, rows: list[dict]) -> None:
+    """The rows so far (and the options) to `--json`, when given, without their token ids."""
     if args.json is not None:
+        rows = [{key: value for key, value in row.items() if key != "token_ids"} for row in rows]
         args.json.write_text(json.dumps({"model_dir": str(model_dir), "options": vars(args) | {
             "model_dir": str(model_dir), "json": str(args.json)}, "rows": rows}, indent=1, default=str))
 

@@ -1,16 +1,21 @@
-"""Tensor parallelism against one device: the GPU benchmark's phases C and D with TP=1, then TP=2 (issue 15).
+"""Tensor parallelism against one device: the GPU benchmark's phases with TP=1, then TP=2 (issues 15 and 34).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tp_bench.py [--model dense-9b] [--tp-sizes 1,2]
-        [--phases C,D] [--graphs] [--dtype bfloat16] [--check-tokens] [--out DIR]
+        [--phases C,D] [--graphs] [--no-async-scheduling] [--dtype bfloat16] [--check-tokens] [--out DIR]
     PYTHONPATH=. python benchmarks/tp_bench.py --dtype float32 --check-tokens --phases none   (fp32 correctness)
     PYTHONPATH=. python benchmarks/tp_bench.py --device cpu --model tiny --scale 0.02   (a CPU smoke run)
 
-The models, the warm-up and the phases are `benchmarks/gpu_bench.py`'s (C: latency of a cold 16,000-token
-prompt, then of it + 200 tokens; D: 64 prompts of 1,024 tokens x 128 new tokens submitted together: output
-tokens/s and the decode step time). One engine per TP size, one after the other in this process (rank 0 here,
-ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts. Runs are
-eager unless `--graphs` (every run then captures CUDA decode graphs where it can: bfloat16, and TP > 1 only
-with `hybridcache.engine.rank_runner.TP_CUDA_GRAPHS`; the JSON's `cuda_graphs` per run says what was captured).
+The models, the warm-up and the phases are `benchmarks/gpu_bench.py`'s (A: 16 sessions x 4 turns over 4 shared
+2,000-token system prompts, 1 new token each; C: latency of a cold 16,000-token prompt, then of it + 200
+tokens; D: 64 prompts of 1,024 tokens x 128 new tokens submitted together: output tokens/s and the decode step
+time; DSYNC: D with async scheduling off). One engine per TP size, one after the other in this process (rank 0
+here, ranks 1.. spawned on cuda:1..), each after the same warm-up, each phase with the same random prompts.
+Runs are eager unless `--graphs`: every run then captures CUDA decode graphs where it can (bfloat16), TP > 1
+too (this switches `hybridcache.engine.rank_runner.TP_CUDA_GRAPHS` on for the script's engines: graphs under
+TP before their GPU check has passed; the JSON's `cuda_graphs` per run says what was captured). On CUDA every
+run uses async scheduling unless `--no-async-scheduling` (TP > 1 too; the engine's default leaves it off there).
+With a TP=1 and a TP=2 run, the issue's targets are printed after the table: TP=2's decode step <= 0.65 x
+TP=1's, D output tok/s >= 1.5 x, C cold <= 0.6 x (in the JSON as `targets`).
 After the phases each run decodes 8 prompts x 32 greedy tokens; "same tokens" counts the completions equal to
 the first run's. In bfloat16 the reductions differ across TP sizes (a rank sums its share, the all-reduce sums
 the ranks), so a random model's flat logits may diverge late and that drift proves nothing; a sharding bug shows
@@ -32,11 +37,18 @@ import time
 from pathlib import Path
 
 import torch
-from gpu_bench import MODELS, SCALE, letters, model_folder, phase_c, phase_d, timed, warm_up
+from gpu_bench import MODELS, SCALE, letters, model_folder, phase_a, phase_c, phase_d, phase_d_sync, timed, warm_up
 
 from hybridcache import LLM
+from hybridcache.engine import rank_runner
 
-PHASES = {"C": phase_c, "D": phase_d}
+PHASES = {"A": phase_a, "C": phase_c, "D": phase_d, "DSYNC": phase_d_sync}
+# (what, phase, field, TP=2 / TP=1 must be <= or >= this): issue 34's figures on the dense 9B shape
+TARGETS = (
+    ("decode step", "D", "decode_step_ms_p50", "<=", 0.65),
+    ("D out tok/s", "D", "output_tok_per_s", ">=", 1.5),
+    ("C cold", "C", "cold_ms", "<=", 0.6),
+)
 
 
 def run(folder: Path, options: dict, phases: list[str]) -> dict:
@@ -45,11 +57,13 @@ def run(folder: Path, options: dict, phases: list[str]) -> dict:
     llm = LLM(folder, **options)
     result = {"options": {k: v for k, v in options.items() if k != "device"}, "init_s": time.perf_counter() - start,
               "memory": llm.engine.memory_plan.describe(), "cuda_graphs": list(llm.engine.runner.graph_batch_sizes),
-              "phases": {}}
+              "async_scheduling": llm.engine.async_scheduling, "phases": {}}
     try:
         warm_up(llm, random.Random(99))
         for phase in phases:
             result["phases"][phase] = PHASES[phase](llm, random.Random(0))
+            if phase == "C":
+                result["phases"]["C"]["cold_ms"] = result["phases"]["C"]["latencies_ms"][0]
         rng = random.Random(1)  # a sanity check across runs: greedy tokens of 8 prompts (cache cleared first)
         llm.engine.clear_cache()
         _, outputs = timed(llm, [letters(rng, 500) for _ in range(8)], 32)
@@ -66,21 +80,45 @@ def run(folder: Path, options: dict, phases: list[str]) -> dict:
 
 
 def row(name: str, r: dict) -> str:
-    c, d = r["phases"].get("C"), r["phases"].get("D")
+    a, c, d, dsync = (r["phases"].get(p) for p in ("A", "C", "D", "DSYNC"))
+    hit = f"{a['total_s']:.2f} / {a['p50_ms']:.0f} / {a['hit_rate']:.3f}" if a else "-"
     cold, warm = (f"{c['latencies_ms'][0]:.0f}", f"{c['latencies_ms'][1]:.0f}") if c else ("-", "-")
     tok_s = f"{d['output_tok_per_s']:.0f}" if d else "-"
+    sync = f"{dsync['output_tok_per_s']:.0f}" if dsync else "-"
     step = f"{d['decode_step_ms_p50']:.2f}" if d and d.get("decode_step_ms_p50") else "-"
     prefill = f"{d['prefill_s']:.2f}" if d else "-"
-    return (f"| {name} | {cold} | {warm} | {tok_s} | {step} | {prefill} | {r['init_s']:.0f} | {r['check_identical']} "
-            f"| {r['memory']} |")
+    graphs = "yes" if r["cuda_graphs"] else "no"
+    return (f"| {name} | {graphs} | {'on' if r['async_scheduling'] else 'off'} | {hit} | {cold} | {warm} | {tok_s} "
+            f"| {sync} | {step} | {prefill} | {r['init_s']:.0f} | {r['check_identical']} | {r['memory']} |")
+
+
+def targets(runs: dict) -> list[dict]:
+    """Issue 34's figures from the first TP=1 and the first TP=2 run, where both measured them."""
+    one = next((r for r in runs.values() if r["options"]["tensor_parallel_size"] == 1), None)
+    two = next((r for r in runs.values() if r["options"]["tensor_parallel_size"] == 2), None)
+    if one is None or two is None:
+        return []
+    found = []
+    for what, phase, key, sense, bound in TARGETS:
+        base, ours = one["phases"].get(phase, {}).get(key), two["phases"].get(phase, {}).get(key)
+        if base and ours:
+            ratio = ours / base
+            met = ratio <= bound if sense == "<=" else ratio >= bound
+            found.append({"what": what, "tp1": base, "tp2": ours, "ratio": ratio, "target": f"{sense} {bound}",
+                          "met": met})
+    return found
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="dense-9b", choices=list(MODELS))
     parser.add_argument("--tp-sizes", default="1,2", help="comma-separated tensor_parallel_size values, run in order")
-    parser.add_argument("--phases", default="C,D", help="comma-separated, of C and D; 'none': only the check")
-    parser.add_argument("--graphs", action="store_true", help="every run captures CUDA decode graphs (bfloat16)")
+    parser.add_argument("--phases", default="C,D", help=f"comma-separated, of {', '.join(PHASES)}; 'none': only "
+                        "the check")
+    parser.add_argument("--graphs", action="store_true",
+                        help="every run captures CUDA decode graphs (bfloat16), TP > 1 too (TP_CUDA_GRAPHS on)")
+    parser.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                        help="every run steps synchronously (default on CUDA: async scheduling, TP > 1 too)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                         help="default: bfloat16 on CUDA, float32 on the CPU")
     parser.add_argument("--check-tokens", action="store_true",
@@ -95,8 +133,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip() and p.strip().lower() != "none"]
     if set(phases) - set(PHASES):
-        parser.error(f"unknown phases {sorted(set(phases) - set(PHASES))}; choose from C, D")
+        parser.error(f"unknown phases {sorted(set(phases) - set(PHASES))}; choose from {', '.join(PHASES)}")
     sizes = [int(s) for s in args.tp_sizes.split(",") if s.strip()]
+    if args.graphs and not args.device.startswith("cuda"):
+        parser.error("--graphs needs a CUDA device: the CPU never captures graphs (TP's collectives are gloo's there)")
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
@@ -109,7 +149,9 @@ def main() -> None:
     dtype = args.dtype or ("bfloat16" if on_cuda else "float32")
     result["dtype"] = dtype
     base = dict(dtype=dtype, device=args.device, block_size=64, max_num_seqs=64,
-                max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+                max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                async_scheduling=args.async_scheduling and on_cuda)
+    rank_runner.TP_CUDA_GRAPHS = args.graphs  # read into each engine's RunnerSpec, so its workers capture alike
     label = " graphs" if args.graphs else ""
     runs = [(f"TP={n}{label}", {**base, "tensor_parallel_size": n, "enforce_eager": not args.graphs}) for n in sizes]
     for name, options in runs:
@@ -129,13 +171,17 @@ def main() -> None:
         r["check_identical"] = f"{same}/{len(pairs)}"
         if same != len(pairs):
             differing.append(f"{name}: {r['check_identical']}")
+    result["targets"] = targets(result["runs"])
     (out_dir / f"tp_bench_{args.model}.json").write_text(json.dumps(result, indent=1))
     print(f"\n{args.model} ({dtype}) on {result['device']} x {result['devices']}")
-    print("| run | C cold ms | C +200 ms | D out tok/s | D decode step ms (p50) | D prefill s | init s | same tokens "
-          "| memory |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | graphs | async | A total s / p50 ms / hit rate | C cold ms | C +200 ms | D out tok/s "
+          "| DSYNC out tok/s | D decode step ms (p50) | D prefill s | init s | same tokens | memory |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in result["runs"].items():
         print(row(name, r))
+    for t in result["targets"]:
+        print(f"target {t['what']}: TP=2 {t['tp2']:.2f} / TP=1 {t['tp1']:.2f} = {t['ratio']:.2f} (target "
+              f"{t['target']}): {'met' if t['met'] else 'NOT met'}")
     if args.check_tokens:
         failed = differing or list(result.get("errors", {})) or len(runs_done) < 2
         verdict = "FAILED" if failed else "OK"

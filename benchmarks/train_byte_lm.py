@@ -1,6 +1,7 @@
 """Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
 
     PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--mtp-steps 0] [--device cpu|cuda]
+                                                    [--num-layers N]
 
 Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
 text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
@@ -178,14 +179,18 @@ def train(out: Path, options: TrainOptions, corpus: bytes | None = None, shape: 
     record["held_out_loss"] = held_out_loss(model, held, options)
     print(f"held-out loss {record['held_out_loss']:.3f} nats/byte ({record['held_out_loss'] / math.log(2):.2f} "
           f"bits/byte) after {options.steps} steps, {time.perf_counter() - start:.1f} s", flush=True)
-    head = train_mtp(model, train_bytes, held, options, record) if options.mtp_steps else None
-    record["seconds"] = time.perf_counter() - start
+    # the model folder first (with a random head), so that a run cut short while the head trains leaves a model
+    record["seconds"] = record["model_seconds"] = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
     save_model_folder(model.float().cpu().eval(), out)
-    if head is not None:
-        save_mtp(head, out)
+    model.to(options.device)
     (out / CORPUS_FILE).write_bytes(corpus)
     (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
+    print(f"wrote {out} ({time.perf_counter() - start:.1f} s)", flush=True)
+    if options.mtp_steps:
+        save_mtp(train_mtp(model, train_bytes, held, options, record), out)
+        record["seconds"] = time.perf_counter() - start
+        (out / RECORD_FILE).write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -224,11 +229,28 @@ class MtpTrainer(torch.nn.Module):
             target_hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
             embeds = model.model.embed_tokens(windows[:, 1:-1])
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(target_hidden)], dim=-1))
-        mask = self._create_causal_mask(config=self.mask_config, inputs_embeds=x, attention_mask=None, cache=None,
-                                        position_ids=positions)
+        mask = self._create_causal_mask(**self._mask_arguments(x, positions))
         x = self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions), attention_mask=mask,
                            position_ids=positions)
         return model.lm_head(self.norm(x)).float()
+
+    def _mask_arguments(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """`create_causal_mask`'s arguments for a causal mask without a cache, named as this transformers names them
+        (5.24: inputs_embeds, cache; 5.17 and earlier: input_embeds or inputs_embeds, past_key_values,
+        cache_position)."""
+        import inspect
+
+        names = inspect.signature(self._create_causal_mask).parameters
+        arguments = {"config": self.mask_config, "attention_mask": None}
+        arguments["inputs_embeds" if "inputs_embeds" in names else "input_embeds"] = x
+        for name in ("cache", "past_key_values"):
+            if name in names:
+                arguments[name] = None
+        if "cache_position" in names:
+            arguments["cache_position"] = torch.arange(x.shape[1], device=x.device)
+        if "position_ids" in names:
+            arguments["position_ids"] = positions
+        return arguments
 
     def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
@@ -261,6 +283,7 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
             hits.append(hit.item())
         return sum(losses) / len(losses), sum(hits) / len(hits)
 
+    began = time.perf_counter()
     mtp = {"steps": options.mtp_steps, "losses": []}
     mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"] = held_out()
     mtp_options = dataclasses.replace(options, steps=options.mtp_steps)
@@ -277,7 +300,8 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
         optimizer.step()
         if (step + 1) % options.log_every == 0 or step + 1 == options.mtp_steps:
             mtp["losses"].append([step + 1, loss.item()])
-            print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte", flush=True)
+            print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte "
+                  f"({time.perf_counter() - began:.1f} s)", flush=True)
     mtp["held_out_loss"], mtp["held_out_next_next_accuracy"] = held_out()
     print(f"mtp held-out loss {mtp['held_out_loss']:.3f} nats/byte, argmax = the byte after next at "
           f"{mtp['held_out_next_next_accuracy']:.1%} of positions", flush=True)
@@ -305,6 +329,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--seed", type=int, default=TrainOptions.seed)
     parser.add_argument("--log-every", type=int, default=TrainOptions.log_every)
+    parser.add_argument("--num-layers", type=int, default=None,
+                        help="layers of the model (default: gpu_engine.MODEL's 5); full attention every 4th, "
+                             "DeltaNet elsewhere, as Qwen3-Next's 3:1")
     parser.add_argument("--mtp-steps", type=int, default=TrainOptions.mtp_steps,
                         help="then train the MTP head for this many steps (0: the folder gets a random head)")
     args = parser.parse_args()
@@ -312,7 +339,16 @@ def main() -> None:
         parser.error(f"--seq-len {args.seq_len}: train on windows of at least 256 bytes")
     options = TrainOptions(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
                            device=args.device, log_every=args.log_every, mtp_steps=args.mtp_steps)
-    train(args.out, options)
+    train(args.out, options, shape=None if args.num_layers is None else layered_shape(args.num_layers))
+
+
+def layered_shape(num_layers: int) -> dict:
+    """`gpu_engine.MODEL` with `num_layers` layers, every 4th full attention (Qwen3-Next's pattern: 48 layers of
+    which 12 attention), the rest gated DeltaNet; layer 1 keeps the tiny Qwen3-Next config's dense MLP."""
+    if num_layers < 4:
+        raise ValueError(f"--num-layers {num_layers}: at least 4 (one full-attention layer)")
+    types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_layers)]
+    return {**MODEL, "num_hidden_layers": num_layers, "layer_types": types}
 
 
 if __name__ == "__main__":

@@ -32,10 +32,13 @@ SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 class SpeculativeConfig:
     """Speculative decoding with the model's multi-token-prediction head, configured as vLLM's
     `--speculative-config '{"method": "mtp", "num_speculative_tokens": k}'`: each decode step of a sequence feeds
-    its last token and up to k drafts the head proposed, and keeps the prefix the target model accepts."""
+    its last token and up to k drafts the head proposed, and keeps the prefix the target model accepts.
+    `disable_by_batch_size` (vLLM's key): with more unfinished sequences than this, steps neither draft nor verify
+    (plain decode steps, which async scheduling may overlap); None: always speculate."""
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -44,6 +47,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 8:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, 8], got {k!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"disable_by_batch_size must be a positive integer or null, got {limit!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | Mapping | str | None) -> SpeculativeConfig | None:
@@ -58,9 +64,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative config is not valid JSON: {error}") from None
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative config must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens"})
+        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "disable_by_batch_size"})
         if unknown:
-            raise ValueError(f"speculative config keys {unknown} are not supported (method, num_speculative_tokens)")
+            raise ValueError(f"speculative config keys {unknown} are not supported (method, num_speculative_tokens, "
+                             f"disable_by_batch_size)")
         if "method" not in value:
             raise ValueError("speculative config needs a 'method' (e.g. \"mtp\")")
         return cls(**value)
@@ -87,8 +94,9 @@ class EngineConfig:
     activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
     graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
     async_scheduling: plan and queue step t+1 while the device runs step t (None = on for CUDA without tensor
-    parallelism, off on the CPU, where it gains nothing; `step()` then returns the outputs of the step before
-    the one it launches; see `hybridcache.engine.engine`). Not with tensor parallelism.
+    parallelism, off on the CPU, where it gains nothing, and under tensor parallelism, where it is asked for
+    explicitly; `step()` then returns the outputs of the step before the one it launches; see
+    `hybridcache.engine.engine`).
     tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
     NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
     engine's process. See `hybridcache.distributed`.
@@ -103,8 +111,9 @@ class EngineConfig:
     depend on where the state was rounded, i.e. on the chunking (docs/design.md, "Memory"). Both dtypes here are
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
-    `speculative_config`); None = off. Not (yet) with async scheduling, tensor parallelism, decode-interval
-    checkpoints or on CUDA (its kernels keep no per-position states); those are refused here or at start-up.
+    `speculative_config`); None = off. Steps that speculate run synchronously whatever `async_scheduling` says
+    (only steps over `disable_by_batch_size` overlap). Not (yet) with tensor parallelism or decode-interval
+    checkpoints; those are refused here. A kernel backend without verify kernels is refused at start-up.
     quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
     checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
     (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
@@ -140,10 +149,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None:
             refused = [what for what, on in (
-                ("async scheduling", self.async_scheduling), ("tensor parallelism", self.tensor_parallel_size != 1),
-                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None),
-                ("a CUDA device (its kernels keep no per-position recurrent states yet)",
-                 str(self.device).startswith("cuda"))) if on]
+                ("tensor parallelism", self.tensor_parallel_size != 1),
+                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None)) if on]
             if refused:
                 raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -155,9 +162,6 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling is not supported with tensor parallelism (the workers do not see "
-                             "the sampled tokens on the device)")
         kbs = self.kernel_block_size
         if not isinstance(kbs, int) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(

@@ -10,6 +10,7 @@ EXTRAS = {
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
     "bench": ("matplotlib",),
     "guided": ("xgrammar",),
+    "ray": ("ray", "fastapi", "uvicorn", "prometheus_client"),
 }
 
 

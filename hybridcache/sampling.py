@@ -223,6 +223,13 @@ def to_device(values: Sequence, device: torch.device | str, dtype: torch.dtype |
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _host_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device (through pinned memory on CUDA, as `to_device`)."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class PendingSample:
     """One step's sampled tokens: `tokens` [rows] int64 on the device at once (the next step may read them
     there), and on their way to the host: `result()` waits for them (on CUDA a non-blocking copy into pinned
@@ -316,7 +323,7 @@ def process_logits(
     scores = logits.float().clone()
     _apply_bias_and_min_tokens(scores, rows, stop_token_ids)
     if allowed_bitmask is not None:
-        scores.masked_fill_(~_unpack_bitmask(allowed_bitmask.to(scores.device), scores.shape[1]), float("-inf"))
+        scores.masked_fill_(~_unpack_bitmask(_host_to(allowed_bitmask, scores.device), scores.shape[1]), float("-inf"))
     if any(row.params.penalized for row in rows):
         _apply_penalties(scores, rows)
     return scores

@@ -9,7 +9,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from hybridcache.bench.workloads import SimRequest
-from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, PrefixCache
+from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
 from hybridcache.engine.cost_model import ModelCost
 from hybridcache.engine.memory import state_pages
 from hybridcache.scheduler.save_plan import CheckpointPolicy, checkpoint_policy, plan_chunk
@@ -224,13 +224,16 @@ class CacheReplay:
         self.host_blocks = 0
         if spec.one_budget and self.uses_host_tier and config.host_memory_bytes:
             self.host_blocks = int(config.host_memory_bytes // cost.block_bytes(spec.block_size))
+        cost_model = replace(cost.cache_cost_model(), host_bandwidth=config.host_bandwidth,
+                             device_flops=config.device_flops)
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,
                         eviction=spec.eviction, full_prompt_hits=self.policy.full_prompt_hits,
                         admission=spec.admission or self.admission or self.policy.admission,
-                        state_pages=self.state_pages, host_blocks=self.host_blocks),
-            replace(cost.cache_cost_model(), host_bandwidth=config.host_bandwidth, device_flops=config.device_flops),
+                        state_pages=self.state_pages, host_blocks=self.host_blocks,
+                        min_branch_point_step=min_branch_point_step(cost_model, spec.block_size, self.state_pages)),
+            cost_model,
         )
         self.counters = Counters()
 
@@ -278,7 +281,8 @@ class CacheReplay:
     def _admit_one(self, request: CacheRequest, rid: Hashable, output: tuple[int, ...], prompt_len: int,
                    max_step: int | None) -> _Seq | None:
         match = self.cache.match(request, max_step)
-        branch = match.divergence_len if match.divergence_len > match.cached_len else None
+        branch = match.divergence_len
+        branch = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
         seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
         if self.cache.admit(match, self._plan(seq, prompt_len).end) is None:
             self.cache.release_match(match)
@@ -363,6 +367,13 @@ class CacheReplay:
             host_load_bytes=self.counters.host_load_blocks * self.cost.block_bytes(self.block_size),
             promotions_skipped=stats.num_promotions_skipped,
         )
+
+
+def min_branch_point_step(cost: CostModel, block_size: int, state_pages: int | None) -> int:
+    """The shortest branch point worth a checkpoint, as the engine sets it (`engine._make_scheduler`:
+    `CostModel.state_tokens` of the engine's cost model, whose state bytes are the k pages a paged state occupies):
+    k x B tokens when paged, else the tokens whose KV takes as many bytes as one state."""
+    return state_pages * block_size if state_pages else cost.state_tokens
 
 
 def cache_requests_of(request: SimRequest) -> list[CacheRequest]:

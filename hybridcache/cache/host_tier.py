@@ -39,7 +39,7 @@ from typing import Any
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
-from hybridcache.cache.matching import find_deepest
+from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, Trie, prompt_block_hashes
 
@@ -295,9 +295,30 @@ class HostTier:
         nodes.reverse()
         return owner, nodes
 
-    def find(self, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> Checkpoint | None:
-        """The deepest usable host checkpoint for `request`: on the device path's nodes, or on the host nodes that
-        continue it (walked from the path's last node with the prompt's next full blocks, exactly)."""
+    def continuation(self, path: list[Node], request: CacheRequest, block_size: int) -> list[HostNode]:
+        """The host nodes that continue the device path `path` with the prompt's next full blocks (exact tokens
+        and spans, as `walk_prompt` on the device), parent first; [] when none does."""
+        owner: Hanging | None = self.under.get(path[-1]) if path else None
+        if owner is None:
+            return []
+        prompt = request.prompt_ids
+        hashes = prompt_block_hashes(request, block_size, self.trie.hash_fn)
+        depth = len(path) - 1
+        nodes: list[HostNode] = []
+        while owner.children and depth < len(hashes):
+            tokens = prompt[depth * block_size:(depth + 1) * block_size]
+            owner = _find(owner, hashes[depth], tokens, request.spans_in(depth * block_size, (depth + 1) * block_size))
+            if owner is None:
+                break
+            nodes.append(owner)
+            depth += 1
+        return nodes
+
+    def find(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> Checkpoint | None:
+        """The deepest usable host checkpoint for `request`: on the device path's nodes, or on `hosts`, the host
+        nodes that continue it (`continuation`)."""
         if not self.order or not path:
             return None
         views: list[Any] = []
@@ -305,17 +326,25 @@ class HostTier:
         for node in path:
             hanging = self.under.get(node)
             views.append(_View(node.hash, hanging.checkpoints if hanging is not None else empty))
-        owner: Hanging | None = self.under.get(path[-1])
-        prompt = request.prompt_ids
-        hashes = prompt_block_hashes(request, block_size, self.trie.hash_fn)
-        depth = len(path) - 1
-        while owner is not None and owner.children and depth < len(hashes):
-            tokens = prompt[depth * block_size:(depth + 1) * block_size]
-            owner = _find(owner, hashes[depth], tokens, request.spans_in(depth * block_size, (depth + 1) * block_size))
-            if owner is not None:
-                views.append(owner)
-                depth += 1
-        return find_deepest(self.trie, views, request, block_size, max_step)
+        return find_deepest(self.trie, [*views, *hosts], request, block_size, max_step)
+
+    def divergence(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> int:
+        """How far the prompt agrees with what the host tier holds below the device path (0 when nothing hangs
+        there): the host nodes that continue it, then the longest common prefix with a host child block or a
+        host checkpoint tail of the deepest of them (or of the path's last node), as `divergence_len` on the
+        device. A prompt that shares a demoted prefix thus still finds its branch point there."""
+        owner: Hanging | None = hosts[-1] if hosts else (self.under.get(path[-1]) if path else None)
+        if owner is None:
+            return 0
+        base = (len(path) - 1 + len(hosts)) * block_size
+        rest = request.prompt_ids[base:base + block_size]
+        if not rest:
+            return min(base, max_step)
+        others = [(c.token_ids, c.spans) for c in owner.iter_children() if c.token_ids[0] == rest[0]]
+        others += [(c.tail_ids, c.tail_spans) for c in owner.iter_checkpoints()]
+        return agreement_step(request, base, block_size, others, max_step)
 
     def clear(self) -> None:
         """Drop every unpinned host checkpoint (and the host nodes left dead)."""

@@ -104,8 +104,9 @@ class PrefixCache:
         match_id = self._next_match_id
         self._next_match_id += 1
         host = self._life.host
+        hosts = host.continuation(path, request, size) if host is not None else []
         if host is not None and path and not request.skip_reading:
-            deeper = host.find(path, request, size, max_step)
+            deeper = host.find(path, hosts, request, size, max_step)
             start = ckpt.step if ckpt is not None else 0
             if deeper is not None and deeper.step > start:
                 copy_bytes = self._life.promote_need(deeper) * self._life.block_bytes
@@ -116,6 +117,8 @@ class PrefixCache:
                     self._skips.add(match_id)
         cached_len = ckpt.step if ckpt is not None else 0
         divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
+        if host is not None:
+            divergence = max(divergence, host.divergence(path, hosts, request, size, max_step))
         if ckpt is not None:
             self._life.pin(ckpt)
         self._matches[match_id] = (request, ckpt, path)

@@ -80,12 +80,22 @@ def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_si
     node = path[-1]
     base = node.depth * block_size
     rest = request.prompt_ids[base:base + block_size]
-    best = 0
     if not rest:
         return min(base, max_step)
-    # a child whose first token differs agrees on 0 tokens: only those sharing it can raise `best`
+    # a child whose first token differs agrees on 0 tokens: only those sharing it can raise the agreement
     others = [(c.token_ids, c.spans) for c in trie.children_starting_with(node, rest[0])]
     others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
+    return agreement_step(request, base, block_size, others, max_step)
+
+
+def agreement_step(
+    request: CacheRequest, base: int, block_size: int, others: list[tuple[tuple[int, ...], tuple]], max_step: int,
+) -> int:
+    """`base` plus the longest common prefix of the prompt's next block from `base` with any of `others`
+    ((tokens, spans) of child blocks or checkpoint tails that start at `base`; a span that one side has and the
+    other lacks ends the agreement at its start), clamped to `max_step` and moved down to a safe boundary."""
+    rest = request.prompt_ids[base:base + block_size]
+    best = 0
     for tokens, spans in others:
         agree = common_prefix_len(tokens, rest)
         if agree <= best:

@@ -1,40 +1,55 @@
 """The engine's runner under tensor parallelism: rank 0 in the engine's process, ranks 1..N-1 in workers.
 
 `TensorParallelExecutor` implements the engine's `Executor` protocol (`hybridcache.engine.executor`: `execute`,
-`execute_copies`, `logits_from_slots`, `memory_plan`, `shutdown`, ...), so the scheduler, the prefix cache and
-sampling run once, in the engine, exactly as without tensor parallelism. Each call sends the step (the
-`ForwardBatch` with its copy ops, as CPU id tensors) to every worker, then runs it on rank 0's own shard; every
-rank runs the same restores, forward and saves on its own shard of the pools, and the logits come back whole to
-rank 0 (all-gathered)::
+`execute_copies`, `logits_from_slots`, `check_results`, `memory_plan`, `shutdown`, ...), so the scheduler, the
+prefix cache and sampling run once, in the engine, exactly as without tensor parallelism. The engine builds each
+step's inputs on the CPU (`input_device`); each call sends the step (the `ForwardBatch` with its copy ops, as CPU
+id tensors) to every worker, then moves it to rank 0's device and runs it on rank 0's own shard; every rank runs
+the same restores, forward and saves on its own shard of the pools, and the logits come back whole to rank 0
+(all-gathered)::
 
-    engine.step -> executor.execute(batch) -> pipe: (EXECUTE, batch) -> worker r: runner.execute(batch)
-                                           -> rank 0: runner.execute(batch)   (collectives pair up per layer)
-                                           <- full logits on rank 0
+    engine.step -> executor.execute(batch, feed) -> pipe: (EXECUTE, (batch, feed's rows)) -> worker r
+                   rank 0: broadcast(feed.tokens)  ~~ device ~~>  worker r: tokens; runner.execute(batch, feed)
+                   rank 0: runner.execute(batch, feed)              (collectives pair up per layer)
+                   <- full logits on rank 0
+
+With async scheduling a step's decode rows take the tokens the step before sampled, which exist only on rank 0's
+device: the `TokenFeed`'s tokens go to the workers as a broadcast queued on the device, the first collective of
+the step, so no host waits for them (the pipe carries only which rows take which token).
 
 Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
 otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
-Every worker's liveness is checked before each step and again after it, once rank 0's device work has finished
-(on CUDA the executor waits for its stream: a step cut short by an abort returns garbage, never to the engine;
-once the monitor has aborted, the step raises even while the dead worker is still being reaped).
+Every worker's liveness is checked before each step and after rank 0 has queued it, and again by
+`check_results`, which the engine calls once it has waited for a step's sampled tokens: on CUDA a step cut short
+by an abort returns garbage, so once the monitor has aborted, `check_results` raises (even while the dead worker
+is still being reaped) and the garbage never reaches a request. The executor itself never waits for the device,
+so step t+1 can be queued while step t runs.
 A failure (a collective that raises, a dead worker, an exception a worker reports) is attributed to the worker
 that died or reported it, and the engine raises `WorkerError` naming its rank. The executor is then broken:
 every later call raises, the group is aborted and the other workers are stopped. `shutdown()` (also run when
-the executor is garbage-collected and at interpreter exit) stops the monitor, then the workers: a STOP message,
-then terminate, then kill. A worker whose driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
+the executor is garbage-collected and at interpreter exit) destroys rank 0's CUDA graphs, waits for the steps
+rank 0 still has queued (unless the group failed), stops the monitor, then the workers (a STOP message, then
+terminate, then kill), while rank 0 leaves the group in a thread whose wait is bounded (`LEAVE_TIMEOUT_S`).
+The graphs go first because NCCL's communicator teardown, destroy and abort alike, waits until every CUDA graph
+that captured one of its collectives is destroyed: leaving with the graphs alive never returns. A worker whose
+driver dies (SIGTERM, SIGKILL) sees its pipe close and exits.
 
-CUDA graphs: every rank captures the same decode buckets at start-up (`build_runner`) and, given the same step,
-picks the same bucket, so each decode step replays the same graph on every rank and the NCCL collectives
-captured in them pair up. `without_replay()` and `eager()` switch every rank at once (a `DecodeMode` message).
+CUDA graphs (with `RunnerSpec.tp_cuda_graphs`): every rank captures the same decode buckets at start-up
+(`build_runner`) and, given the same step, picks the same bucket, so each decode step replays the same graph on
+every rank and the NCCL collectives captured in them pair up. `without_replay()` and `eager()` switch every rank
+at once (a `DecodeMode` message).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -47,11 +62,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridcache.distributed.messages import DecodeMode, Op, encode, receive, send
+from hybridcache.distributed.messages import DecodeMode, Op, encode, fed_rows, map_tensors, receive, send
 from hybridcache.distributed.monitor import LivenessMonitor
-from hybridcache.distributed.process_group import abort_group, init_group, leave_group, rank_device
+from hybridcache.distributed.process_group import (
+    abort_group,
+    broadcast_from_driver,
+    init_group,
+    leave_group,
+    rank_device,
+)
 from hybridcache.distributed.worker import worker_main
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.runner import ModelRunner
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
@@ -59,6 +82,8 @@ from hybridcache.models import ModelConfig, get_model_class
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
 _STOP_WAIT_S = 5.0
+LEAVE_TIMEOUT_S = 30.0  # rank 0's leaving of the group at shutdown is waited for this long
+_logger = logging.getLogger("hybridcache.distributed")
 
 
 class WorkerError(RuntimeError):
@@ -98,8 +123,9 @@ class TensorParallelExecutor:
         self._workers: list[_Worker] = []
         self._failure: BaseException | None = None
         self._monitors: list[LivenessMonitor] = []  # one, once the group exists
+        self._runners: list[ModelRunner] = []  # rank 0's, once built (its graphs go before the group does)
         store_dir = Path(tempfile.mkdtemp(prefix="hybridcache-tp-"))
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._monitors, store_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, self._workers, self._monitors, self._runners, store_dir)
         context = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, size):
@@ -115,6 +141,7 @@ class TensorParallelExecutor:
             init_group(store_dir, 0, size, device)
             self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
+            self._runners.append(self.runner)
             for worker in self._workers:
                 self._expect(worker, Op.READY)
         except BaseException:
@@ -155,14 +182,34 @@ class TensorParallelExecutor:
         """The process ids of ranks 1..N-1."""
         return tuple(worker.process.pid for worker in self._workers)
 
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        return self._run(Op.EXECUTE, batch, lambda: self.runner.execute(batch))
+    @property
+    def input_device(self) -> torch.device:
+        """The CPU: a step's inputs are sent to the workers from the host as they are (no device-to-host copy,
+        which would wait for the steps still queued), and moved to each rank's device there."""
+        return torch.device("cpu")
+
+    def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
+        """`ModelRunner.execute` on every rank. `feed` (async scheduling): rank 0 broadcasts its tokens to the
+        other ranks on the device, then every rank writes them into its own copy of the batch."""
+        def local() -> torch.Tensor:
+            if feed is not None:
+                broadcast_from_driver(feed.tokens.to(torch.int64).contiguous())
+            return self.runner.execute(self._on_device(batch), feed)
+
+        return self._run(Op.EXECUTE, (batch, fed_rows(feed)), local)
 
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
-        self._run(Op.COPIES, copies, lambda: self.runner.execute_copies(copies))
+        self._run(Op.COPIES, copies, lambda: self.runner.execute_copies(self._on_device(copies)))
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        return self._run(Op.LOGITS, slots, lambda: self.runner.logits_from_slots(slots))
+        return self._run(Op.LOGITS, slots, lambda: self.runner.logits_from_slots(self._on_device(slots)))
+
+    def check_results(self) -> None:
+        """Raise `WorkerError` if a worker failed or the monitor aborted the group: the steps in flight then may
+        have computed garbage (on NCCL an abort makes rank 0's collectives return early). The caller has waited
+        for the results it is about to use (the engine: a step's sampled tokens), so no device wait here: a
+        step t+1 already queued keeps running (async scheduling)."""
+        self._run(None, None, lambda: None)
 
     def shutdown(self) -> None:
         """Stop the workers and leave the group (idempotent)."""
@@ -180,21 +227,30 @@ class TensorParallelExecutor:
             if self._failure is None:
                 self._run(Op.MODE, DecodeMode.REPLAY, lambda: None)
 
-    def _run(self, op: Op, payload: Any, local: Callable[[], Any]) -> Any:
-        """Send the step to every worker, run it on rank 0; any failure breaks the executor (see the module
-        docstring)."""
+    def _on_device(self, value: Any) -> Any:
+        """A step's inputs (built on `input_device`) on rank 0's device: pinned and non-blocking on CUDA."""
+        device = self.runner.device
+        if device.type != "cuda":
+            return value
+        return map_tensors(value, lambda t: t.pin_memory().to(device, non_blocking=True) if t.device.type == "cpu"
+                           else t.to(device))
+
+    def _run(self, op: Op | None, payload: Any, local: Callable[[], Any]) -> Any:
+        """Send the step to every worker (`op` None: nothing to send), run it on rank 0 without waiting for the
+        device, then check the workers; any failure breaks the executor (see the module docstring). On CUDA a
+        step cut short by the monitor's abort returns garbage: `check_results`, after the caller's wait for the
+        results, raises then."""
         if self._failure is not None:
             raise WorkerError(f"the tensor-parallel group failed earlier: {self._failure}") from self._failure
         try:
             failure = self._find_failure(grace_s=0.0)
             if failure is not None:
                 raise failure
-            message = encode(op, payload)
-            for worker in self._workers:
-                worker.conn.send_bytes(message)
+            if op is not None:
+                message = encode(op, payload)
+                for worker in self._workers:
+                    worker.conn.send_bytes(message)
             result = local()
-            if self.runner.device.type == "cuda":  # returns early (garbage) when the monitor aborts the group
-                torch.cuda.current_stream(self.runner.device).synchronize()
             self._check_after_step()
             return result
         except BaseException as error:
@@ -291,14 +347,36 @@ def _unimportable_main_hidden() -> Iterator[None]:
         main.__file__ = path
 
 
-def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir: Path) -> None:
-    """Stop the monitor, then every worker (STOP, then terminate, then kill), leave the group (aborting it if it
-    failed), remove the store."""
+def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], runners: list[ModelRunner],
+              store_dir: Path) -> None:
+    """Destroy rank 0's CUDA graphs and wait for its queued steps, stop the monitor, then every worker (STOP: each
+    destroys its graphs and leaves the group; then terminate, then kill) while rank 0 leaves the group (aborting it
+    if it failed), remove the store.
+
+    The graphs go first: NCCL's communicator teardown (`destroy_process_group`, and an abort too) waits until
+    every CUDA graph that captured one of its collectives has been destroyed, so leaving the group while the
+    runner still held its decode graphs never returned (pytorch/pytorch#115388); a monitor thread already
+    aborting the group is blocked on the same graphs and returns once they are gone."""
+    for runner in runners:
+        runner.release_graphs()
+        if runner.device.type == "cuda" and not any(monitor.aborted for monitor in monitors):
+            # the steps still queued (async scheduling) finish their collectives while every rank is in the
+            # group; a worker that dies meanwhile is caught by the monitor, still running, which aborts them
+            torch.cuda.synchronize(runner.device)
+    runners.clear()
     for monitor in monitors:
         monitor.stop()
     for worker in workers:
         with contextlib.suppress(OSError):
             send(worker.conn, Op.STOP)
+    # rank 0 leaves while the workers do (a communicator's teardown may wait for its peers'), in a thread whose
+    # wait is bounded: whatever NCCL does there, shutdown returns
+    aborted = any(monitor.aborted for monitor in monitors)
+    leaving = threading.Thread(target=leave_group, args=(aborted,), name="hybridcache-tp-leave", daemon=True)
+    try:
+        leaving.start()
+    except RuntimeError:  # at interpreter exit (Python >= 3.12 starts no thread then): leave from here, after them
+        leaving = None
     deadline = time.monotonic() + _STOP_WAIT_S
     for worker in workers:
         worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -309,5 +387,11 @@ def _shutdown(workers: list[_Worker], monitors: list[LivenessMonitor], store_dir
             worker.process.kill()
             worker.process.join()
         worker.conn.close()
-    leave_group(aborted=any(monitor.aborted for monitor in monitors))
+    if leaving is None:
+        leave_group(aborted)
+    else:
+        leaving.join(LEAVE_TIMEOUT_S)
+    if leaving is not None and leaving.is_alive():
+        _logger.warning("rank 0 did not leave the tensor-parallel process group within %.0f s; left behind (a new "
+                        "tensor-parallel engine cannot start in this process)", LEAVE_TIMEOUT_S)
     shutil.rmtree(store_dir, ignore_errors=True)

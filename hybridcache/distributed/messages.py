@@ -2,7 +2,10 @@
 
 Driver -> worker, one message per step (every worker gets the same one)::
 
-    (Op.EXECUTE, ForwardBatch)    restores, forward, saves (`ModelRunner.execute`); the logits are all-gathered
+    (Op.EXECUTE, (ForwardBatch, fed))  restores, forward, saves (`ModelRunner.execute`); the logits are
+                                  all-gathered. `fed`: None, or (rows, sources, n) of a `TokenFeed` (async
+                                  scheduling): the n sampled tokens follow as a broadcast from rank 0 on the
+                                  device (`fed_tokens`), never through the pipe
     (Op.COPIES, (DeviceCopyOp,))  a step with no forward (`ModelRunner.execute_copies`)
     (Op.LOGITS, slots)            `ModelRunner.logits_from_slots` (all-gathered)
     (Op.BUDGET, bytes)            at start-up on CUDA: the budget every rank plans its pools with
@@ -29,6 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridcache.distributed.process_group import broadcast_from_driver
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 
 
@@ -69,9 +74,13 @@ class HostTensor:
         return cls(host.numpy(), tensor.dtype)
 
     def unpack(self, device: torch.device | str) -> torch.Tensor:
+        """The tensor on `device`; on CUDA through pinned memory, non-blocking, so a worker's host does not wait
+        for the steps its device still runs (a copy from pageable memory may) and queues the next one meanwhile."""
         tensor = torch.from_numpy(self.array)
         if tensor.dtype != self.dtype:
             tensor = tensor.view(self.dtype)
+        if torch.device(device).type == "cuda":
+            return tensor.pin_memory().to(device, non_blocking=True)
         return tensor.to(device)
 
 
@@ -92,6 +101,23 @@ def map_tensors(value: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor)
             if f.name not in ("metadata", "query_lens_cpu", "context_lens_cpu")
         })
     return value
+
+
+FedRows = tuple[tuple[int, ...], tuple[int, ...], int]  # a TokenFeed's rows, sources and token count
+
+
+def fed_rows(feed: TokenFeed | None) -> FedRows | None:
+    """What an EXECUTE message says of the step's `TokenFeed` (its tokens travel by broadcast)."""
+    return None if feed is None else (feed.rows, feed.sources, feed.tokens.shape[0])
+
+
+def fed_tokens(fed: FedRows | None, device: torch.device) -> TokenFeed | None:
+    """A worker's `TokenFeed` for an EXECUTE message's `fed`: its tokens received from rank 0's broadcast."""
+    if fed is None:
+        return None
+    rows, sources, count = fed
+    tokens = broadcast_from_driver(torch.empty(count, dtype=torch.int64, device=device))
+    return TokenFeed(rows, sources, tokens)
 
 
 def send(conn: Connection, op: Op, payload: Any = None) -> None:

@@ -43,15 +43,18 @@ class LivenessMonitor:
         self._thread.start()
 
     def abort(self) -> None:
-        """Abort the group (once; later calls do nothing)."""
+        """Abort the group (once: the first caller runs the abort function, later calls return at once, also while
+        it is still running). The abort may block until the rank's CUDA graphs are destroyed (NCCL's teardown
+        waits for every graph that captured its collectives), which the owner does at shutdown: a second caller
+        waiting for it here would deadlock."""
         with self._lock:
             if self.aborted:
                 return
             self.aborted = True
-            try:
-                self._abort_group()
-            except Exception as error:  # noqa: BLE001 (a failed abort must not kill the thread or the caller)
-                self.abort_error = error
+        try:
+            self._abort_group()
+        except Exception as error:  # noqa: BLE001 (a failed abort must not kill the thread or the caller)
+            self.abort_error = error
 
     def stop(self) -> None:
         """End the thread (idempotent); called before the workers are stopped, so their exit is not a death."""

@@ -41,6 +41,14 @@ def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> N
     )
 
 
+def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as rank 0 holds it, on every rank, in place (a collective: every rank calls it at the same
+    point; the others pass a buffer of the same shape and dtype). On NCCL it is queued on the device like the
+    forward's collectives: no rank's host waits for it."""
+    dist.broadcast(tensor, src=0)
+    return tensor
+
+
 def abort_group() -> None:
     """Abort this process's communicators (thread-safe; the group stays registered until `leave_group`). NCCL:
     collectives in flight stop waiting for their peers (their results are garbage) and later ones raise. gloo:

@@ -2,8 +2,10 @@
 
 It joins the group, builds its runner exactly as the driver builds rank 0's (`build_runner`, same spec), then
 runs whatever step the driver sends, in order (decode steps replay the CUDA graphs it captured, like every
-rank's, unless a `DecodeMode` message says otherwise), until told to stop or until the driver is gone (its pipe
-closes). An exception is sent to the driver as text before the worker exits; the driver names the rank.
+rank's, unless a `DecodeMode` message says otherwise; a step's fed tokens arrive by broadcast from rank 0, see
+`messages.fed_tokens`), until told to stop or until the driver is gone (its pipe closes). Its graphs are destroyed
+before it leaves the group (NCCL's teardown waits for them). An exception is sent to the driver as text before the
+worker exits; the driver names the rank.
 SIGINT is ignored (a Ctrl-C in the terminal reaches the whole process group: the driver decides).
 
 A thread watches the driver: when the worker's parent process is gone (its parent pid changes), the worker
@@ -26,9 +28,10 @@ from pathlib import Path
 
 import torch
 
-from hybridcache.distributed.messages import DecodeMode, Op, receive, send
+from hybridcache.distributed.messages import DecodeMode, Op, fed_tokens, receive, send
 from hybridcache.distributed.process_group import init_group, leave_group, rank_device
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.runner import ModelRunner
 from hybridcache.layers.parallel import TensorParallel
 
 DRIVER_POLL_S = 0.2
@@ -84,14 +87,23 @@ def _serve(spec: RunnerSpec, rank: int, size: int, store_dir: Path, conn: Connec
         return agreed
 
     runner, _ = build_runner(spec, TensorParallel(rank, size), device, agree)
-    send(conn, Op.READY)
+    try:
+        send(conn, Op.READY)
+        _loop(runner, conn, device)
+    finally:  # before `worker_main` leaves the group: NCCL's teardown waits for every graph holding its collectives
+        runner.release_graphs()
+
+
+def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
+    """Run the driver's steps until it says STOP."""
     with contextlib.ExitStack() as mode:  # holds the runner's context of the current DecodeMode
         while True:
             op, payload = receive(conn, device)
             if op is Op.STOP:
                 return
             if op is Op.EXECUTE:
-                runner.execute(payload)
+                batch, fed = payload
+                runner.execute(batch, fed_tokens(fed, device))
             elif op is Op.COPIES:
                 runner.execute_copies(payload)
             elif op is Op.LOGITS:

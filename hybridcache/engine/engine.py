@@ -19,10 +19,18 @@ t+1 feeds those rows from t's sampled tokens on the device (`input_ids` is patch
 sequence that t finishes (EOS, a stop string, an abort) already has a row in t+1: the row is ignored, and its
 finish checkpoint holds one token more than with synchronous steps (the device has fed its last sampled
 token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
-retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) when
-a sequence that samples in it needs its tokens on the host to sample the next one: structured output (the
-grammar's next mask), penalties (the output so far), `decode_checkpoint_interval` saves (the saved tail);
-and always under tensor parallelism (the workers do not see the sampled tokens).
+retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) with
+`decode_checkpoint_interval` saves (the saved tail) and speculative decoding's steps (judging and drafting read
+the logits on the host; `_speculating`). Under tensor parallelism the fed rows reach the workers as a
+`TokenFeed`: rank 0 broadcasts the sampled tokens on the device (`hybridcache.distributed`).
+
+A sequence whose next sample needs its tokens on the host (structured output: the grammar's next mask;
+penalties: the output so far) keeps the steps async, as in vLLM: t+1's forward is launched, then t is
+postprocessed while the device runs it (each grammar accepts its token), and only then are t+1's mask filled
+and its sampling queued (`_Launched.logits`, `_sample_deferred`)::
+
+    step() call k:   prepare(t)  schedule(t+1)  build + launch forward(t+1)  postprocess(t)  mask + sample(t+1)
+    device:          ....... runs t .......  |  ........ runs forward(t+1) ........  |  sample(t+1)
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.guided import GrammarCache
 from hybridcache.mm_processor import ImageProcessor
@@ -97,6 +106,12 @@ class _Launched:
     pending: dict[int, int] = field(default_factory=dict)
     retired: set[int] = field(default_factory=set)
     verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
+    logits: torch.Tensor | None = None  # rows to sample once the step before is postprocessed (`sample` None)
+
+
+def _needs_host_tokens(seq: Seq) -> bool:
+    """Its next sample reads its tokens on the host: a grammar's state, or the output for penalties."""
+    return seq.params.guided is not None or seq.params.penalized
 
 
 def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]:
@@ -181,13 +196,12 @@ class LLMEngine:
         plan = self.runner.memory_plan
         backend = self.runner.backend
         self.memory_plan = plan
+        # (under tensor parallelism async scheduling is asked for explicitly until it has run on two GPUs)
         async_default = self.device.type == "cuda" and config.tensor_parallel_size == 1
         self.async_scheduling = async_default if config.async_scheduling is None else config.async_scheduling
         self.drafter = None if config.speculative_config is None else MtpDrafter(
             self.runner, num_speculative_tokens=_speculative_tokens(config), block_size=config.block_size,
             kernel_block_size=config.kernel_block_size, max_model_len=self.max_model_len)
-        if self.drafter is not None:
-            self.async_scheduling = False  # (refused by EngineConfig when asked for explicitly)
         self.num_blocks = plan.num_blocks
         self.weight_format = describe_weights(self.model_path, config)
         self.kv_cache_dtype = "fp8_e4m3" if config.kv_fp8 else config.dtype
@@ -336,8 +350,9 @@ class LLMEngine:
         self._raise_if_dead()
         previous, self._launched = self._launched, None
         outputs: list[RequestOutput] = []
+        speculate = self._speculating()  # (decided once: it picks how this step is launched and completed)
         with self._fatal():
-            if previous is not None and not self._can_overlap(previous):
+            if previous is not None and (speculate or not self._can_overlap(previous)):
                 outputs, previous = self._complete(previous), None
             if previous is not None:
                 self._prepare(previous)
@@ -352,11 +367,13 @@ class LLMEngine:
                 self._failure = error
             raise
         with self._fatal():
-            launched = self._launch(scheduled, previous) if not scheduled.is_empty else None
+            launched = self._launch(scheduled, previous, speculate) if not scheduled.is_empty else None
             if previous is not None:
                 outputs = self._complete(previous)
+            if launched is not None and launched.logits is not None:
+                self._sample_deferred(launched)
             if launched is not None:
-                if self.async_scheduling:
+                if self.async_scheduling and launched.verdicts is None:
                     self._launched = launched
                 else:
                     outputs += self._complete(launched)
@@ -398,11 +415,10 @@ class LLMEngine:
             ) from self._failure
 
     def _can_overlap(self, launched: _Launched) -> bool:
-        """The next step may be planned before `launched` is postprocessed: no sequence it samples needs its
-        token on the host to sample the next one (see the module docstring)."""
-        if self.config.decode_checkpoint_interval is not None:
-            return False
-        return not any(seq.params.guided is not None or seq.params.penalized for seq in launched.sampled)
+        """The next step may be planned before `launched` is postprocessed: always, except with
+        `decode_checkpoint_interval` saves (see the module docstring), whatever `launched` samples."""
+        del launched
+        return self.config.decode_checkpoint_interval is None
 
     def _prepare(self, launched: _Launched) -> None:
         """Before the next step is planned while `launched` runs: its sequences advance past their chunks, each
@@ -422,24 +438,35 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 launched.retired.add(seq.seq_id)
 
-    def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None) -> _Launched:
+    def _speculating(self) -> bool:
+        """Whether the next step drafts and verifies (speculative decoding, synchronous): an MTP drafter, and at
+        most `disable_by_batch_size` unfinished sequences. Over it, steps are plain decode steps (no head pass, no
+        verify rows; async scheduling may overlap them), and the head's KV misses their positions, which only
+        lowers the acceptance of later drafts."""
+        if self.drafter is None:
+            return False
+        limit = self.config.speculative_config.disable_by_batch_size
+        return limit is None or len(self.scheduler.running) + len(self.scheduler.waiting) <= limit
+
+    def _launch(self, scheduled: SchedulerOutput, previous: _Launched | None, speculate: bool = False) -> _Launched:
         """Queue the device work of a step the scheduler has committed: copies, the forward (rows that feed a
-        token `previous` sampled take it from `previous.sample.tokens` on the device) and the sampling."""
+        token `previous` sampled take it from `previous.sample.tokens` on the device) and the sampling; a step that
+        `speculate`s or verifies drafts is judged at once (`_launched_verdicts`)."""
         chunks = scheduled.chunks
         if chunks:
             wants_prompt = _prompt_logits_flags(chunks)
             drafts = self.drafter.draft_slots(chunks) if self.drafter is not None else ()
             batch = build_forward_batch(chunks, block_size=self.config.block_size,
-                                        kernel_block_size=self.config.kernel_block_size, device=self.device,
-                                        copies=scheduled.copies, prompt_logits=wants_prompt, draft_slots=drafts)
-            if previous is not None and previous.pending:
-                self._feed_sampled(chunks, batch.input_ids, previous)
-            logits = self.runner.execute(batch)
+                                        kernel_block_size=self.config.kernel_block_size,
+                                        device=self.runner.input_device, copies=scheduled.copies,
+                                        prompt_logits=wants_prompt, draft_slots=drafts)
+            feed = self._feed_sampled(chunks, previous) if previous is not None and previous.pending else None
+            logits = self.runner.execute(batch, feed)
             if wants_prompt:
                 self.output_processor.record_prompt_logprobs(self._requests, chunks, wants_prompt, logits)
         else:  # only zero-prefill samples: the step's restores, no forward
-            self.runner.execute_copies(device_copies(scheduled.copies, self.device))
-        if self.drafter is not None:
+            self.runner.execute_copies(device_copies(scheduled.copies, self.runner.input_device))
+        if self.drafter is not None and (speculate or any(c.num_drafts for c in chunks)):
             return self._launched_verdicts(scheduled, logits if chunks else None)
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i].seq for i in rows]
@@ -449,12 +476,15 @@ class LLMEngine:
             parts.append(logits[: len(chunks)] if len(rows) == len(chunks)
                          else logits.index_select(0, to_device(rows, logits.device)))
         if scheduled.samples:  # zero-prefill hits: logits from the restored last hidden state
-            slots = to_device([s.slot for s in scheduled.samples], self.device)
+            slots = to_device([s.slot for s in scheduled.samples], self.runner.input_device)
             parts.append(self.runner.logits_from_slots(slots))
             sampled += [s.seq for s in scheduled.samples]
         if not parts:
             return _Launched(chunks, sampled, None)
-        return _Launched(chunks, sampled, self._sample(parts[0] if len(parts) == 1 else torch.cat(parts), sampled))
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if previous is not None and any(_needs_host_tokens(seq) for seq in sampled):
+            return _Launched(chunks, sampled, None, logits=logits)  # sampled after `previous` is postprocessed
+        return _Launched(chunks, sampled, self._sample(logits, sampled))
 
     def _launched_verdicts(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> _Launched:
         """Speculative decoding (synchronous steps): judge the step's verify rows and samples now."""
@@ -514,7 +544,7 @@ class LLMEngine:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
         drafting = [s for s in final if not s.is_finished]
-        if launched.chunks:
+        if launched.chunks and self._speculating():
             self.drafter.propose(launched.chunks, drafting)
         return self._outputs(touched)
 
@@ -530,16 +560,22 @@ class LLMEngine:
                 del self._requests[request_id]
         return outputs
 
+    def _sample_deferred(self, launched: _Launched) -> None:
+        """Queue the sampling that `_launch` left for after the step before was postprocessed: every grammar has
+        accepted that step's token, and the sampled sequences' `token_ids` hold it."""
+        launched.sample, launched.logits = self._sample(launched.logits, launched.sampled), None
+
     def _sample(self, logits: torch.Tensor, sampled: list[Seq]) -> PendingSample:
         """Queue the sampling of one token per row of `logits` (row i: `sampled[i]`, whose `token_ids` hold
-        every token before the one sampled, pending ones included)."""
-        rows = [(self._requests[s.request_id], s) for s in sampled]
+        every token before the one sampled, pending ones included). A row whose request is gone (finished by
+        the step before, when sampled deferred: its row is ignored) is unconstrained."""
+        rows = [(self._requests.get(s.request_id), s) for s in sampled]
         bitmask = self.output_processor.allowed_bitmask(rows, logits.shape[-1])
         return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
 
-    def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], input_ids: torch.Tensor, previous: _Launched) -> None:
-        """Write into `input_ids` (on the device) each `PENDING_TOKEN` row's token from `previous`'s samples.
-        A pending token is the last (only) token of its sequence's decode chunk."""
+    def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], previous: _Launched) -> TokenFeed | None:
+        """The input rows that take a token `previous` sampled (each `PENDING_TOKEN` row; a pending token is the
+        last, only, token of its sequence's decode chunk), or None when there are none."""
         source = {seq.seq_id: i for i, seq in enumerate(previous.sampled)}
         rows, sources, end = [], [], 0
         for chunk in chunks:
@@ -547,9 +583,7 @@ class LLMEngine:
             if chunk.token_ids[-1] == PENDING_TOKEN:
                 rows.append(end - 1)
                 sources.append(source[chunk.seq.seq_id])
-        if rows:
-            index = to_device(rows + sources, self.device)
-            input_ids.index_copy_(0, index[: len(rows)], previous.sample.tokens.index_select(0, index[len(rows):]))
+        return TokenFeed(tuple(rows), tuple(sources), previous.sample.tokens) if rows else None
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Postprocess a launched step (`_prepare`d first if it was not): wait for its tokens, put each in place of
@@ -561,6 +595,7 @@ class LLMEngine:
         if not launched.prepared:
             self._prepare(launched)
         out = launched.sample.result() if launched.sample is not None else None
+        self.runner.check_results()  # a tensor-parallel step cut short by a failed peer computed garbage
         live = [(i, seq) for i, seq in enumerate(launched.sampled)
                 if (not seq.is_finished or seq.seq_id in launched.retired) and seq.request_id in self._requests]
         for i, seq in live:

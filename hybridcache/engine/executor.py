@@ -23,13 +23,15 @@ import torch
 
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
 
 
 class Executor(Protocol):
     """What the engine calls. `memory_plan`: the plan every rank's pools follow; `backend`: the kernel backend
-    (its name is logged); `graph_batch_sizes`: the captured decode batch sizes, () when steps run eagerly."""
+    (its name is logged); `graph_batch_sizes`: the captured decode batch sizes, () when steps run eagerly;
+    `input_device`: where the engine builds a step's inputs (`ForwardBatch`, copy ops, slot ids)."""
 
     memory_plan: MemoryPlan
     backend: Any
@@ -37,8 +39,16 @@ class Executor(Protocol):
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]: ...
 
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step's BEFORE_FORWARD copies, the forward, its AFTER_FORWARD copies; fp32 logits (`ModelRunner`)."""
+    @property
+    def input_device(self) -> torch.device: ...
+
+    def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
+        """The step's BEFORE_FORWARD copies, the forward, its AFTER_FORWARD copies; fp32 logits (`ModelRunner`).
+        `feed`: input rows that take the step before's sampled tokens on the device (async scheduling)."""
+
+    def check_results(self) -> None:
+        """Raise if what the steps launched so far computed cannot be trusted (a tensor-parallel peer failed
+        while they ran); the engine calls it after waiting for a step's sampled tokens, before using them."""
 
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
         """A step with no forward: its copy ops, BEFORE_FORWARD ones first."""

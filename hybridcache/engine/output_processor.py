@@ -78,11 +78,13 @@ class OutputProcessor:
             state.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
         return state
 
-    def allowed_bitmask(self, rows: Sequence[tuple[RequestState, Seq]], vocab_size: int) -> torch.Tensor | None:
-        """The grammar bitmask of the rows to sample (row i: `rows[i]`'s completion); None when none is guided. A
-        row whose grammar dead-ends allows the EOS ids instead (the choice ends rather than emit token 0 on)."""
-        return fill_bitmask([state.matchers[seq.index] for state, seq in rows], vocab_size,
-                            dead_end_tokens=sorted(self.eos_token_ids))
+    def allowed_bitmask(self, rows: Sequence[tuple[RequestState | None, Seq]],
+                        vocab_size: int) -> torch.Tensor | None:
+        """The grammar bitmask of the rows to sample (row i: `rows[i]`'s completion; a row without a state is
+        unconstrained); None when none is guided. A row whose grammar dead-ends allows the EOS ids instead (the
+        choice ends rather than emit token 0 on)."""
+        return fill_bitmask([None if state is None else state.matchers[seq.index] for state, seq in rows],
+                            vocab_size, dead_end_tokens=sorted(self.eos_token_ids))
 
     def accept(self, state: RequestState, seq: Seq, token: int, logprob: TokenLogprob | None,
                num_tokens: int | None = None) -> str | None:

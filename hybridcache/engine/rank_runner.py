@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,20 +33,29 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_CHECKPOINT_STATES = 32
 
 
+# CUDA graphs under tensor parallelism (captured NCCL collectives) are built but have not run on a GPU yet: True
+# once tests/distributed/test_tp_cuda_graphs.py has passed on 2 GPUs; until then TP decodes eagerly. Read when a
+# `RunnerSpec` is made, in the engine's process, so every rank gets the driver's value (the GPU check sets it there).
+TP_CUDA_GRAPHS = False
+
+
+def _tp_cuda_graphs() -> bool:
+    return TP_CUDA_GRAPHS
+
+
 @dataclass(frozen=True)
 class RunnerSpec:
-    """What every rank builds its runner from (picklable: it is sent to the worker processes). `encoder_bytes`: the
-    vision encoder's reserve on CUDA, kept out of every rank's pools (`hybridcache.engine.memory`)."""
+    """What every rank builds its runner from (picklable: it is sent to the worker processes). `tp_cuda_graphs`:
+    ranks of a tensor-parallel group capture decode graphs (on CUDA, unless `enforce_eager`); one value for every
+    rank, since a graph replays the collectives it captured and every rank must replay the same one.
+    `encoder_bytes`: the vision encoder's reserve on CUDA, kept out of every rank's pools
+    (`hybridcache.engine.memory`)."""
 
     model_path: Path
     config: EngineConfig
     max_model_len: int
+    tp_cuda_graphs: bool = field(default_factory=_tp_cuda_graphs)
     encoder_bytes: int = 0
-
-
-# CUDA graphs under tensor parallelism (captured NCCL collectives) are built but have not run on a GPU yet: True
-# once tests/distributed/test_tp_cuda_graphs.py has passed on 2 GPUs; until then TP decodes eagerly.
-TP_CUDA_GRAPHS = False
 
 
 def model_shapes(config: ModelConfig) -> ModelShapes:
@@ -70,9 +79,9 @@ def build_runner(
 ) -> tuple[ModelRunner, MemoryPlan]:
     """This rank's runner and the memory plan its pools follow. `agree(budget)`: the CUDA budget in bytes all
     ranks use, given this rank's (called on CUDA only; each rank must call its `agree` at the same point).
-    CUDA decode graphs (unless `enforce_eager`; for now only without tensor parallelism) are captured by every rank
-    in the same order (the bucket sizes follow from the spec alone), so the collectives inside them pair up at
-    capture and at every replay."""
+    CUDA decode graphs (unless `enforce_eager`; under tensor parallelism only with `spec.tp_cuda_graphs`) are
+    captured by every rank in the same order (the bucket sizes follow from the spec alone), so the collectives
+    inside them pair up at capture and at every replay."""
     config = spec.config
     dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.mamba_ssm_cache_dtype]
     if device.type == "cuda" and dtype == torch.float32:
@@ -89,7 +98,7 @@ def build_runner(
     if speculative is not None:
         if not getattr(backend, "supports_verify_states", False):
             raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
-                             f"states of verify rows; {type(backend).__name__} does not yet")
+                             f"states of verify rows; {type(backend).__name__} does not")
         head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device)
     head_specs = head.state_specs(dtype) if head is not None else ()
     num_speculative = speculative.num_speculative_tokens if speculative is not None else 0
@@ -131,7 +140,7 @@ def build_runner(
         dtype=dtype,
         state_dtype=state_dtype,
         device=device,
-        cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or TP_CUDA_GRAPHS),
+        cuda_graphs=device.type == "cuda" and not config.enforce_eager and (tp.size == 1 or spec.tp_cuda_graphs),
         num_speculative_tokens=num_speculative,
         mtp_head=head,
         memory_plan=plan,

@@ -1,6 +1,7 @@
 """The model runner: owns the model, its kernel backend and its device pools, and runs one `ForwardBatch` at a
 time, with the step's checkpoint copies around it: finishing saves and restores, then the forward, then saves,
-all on one stream with no host synchronisation (one batched copy per pool group and kind). KV ops copy blocks
+all on one stream with no host synchronisation (one batched copy per pool group and kind; the host tier's copies
+across PCIe on two side streams ordered by events, `engine/host_pool.py`). KV ops copy blocks
 (`copy_blocks`); state ops are paged (`hybridcache.engine.paged_state`): a checkpoint's state lives in k blocks
 of the KV pool, a running sequence's in its runtime slot.
 
@@ -18,6 +19,16 @@ A padding row is a fresh one-token sequence that writes only the scratch slot an
 extra runtime slot and one extra scheduler block the runner allocates beyond the plan's counts), so it can
 never touch a real sequence's state. The graphs read static device buffers; each step copies its batch into
 them (device-to-device, on the forward's stream) and replays.
+
+With speculative decoding (k drafts), verify steps whose rows all carry exactly k drafts replay graphs of their own,
+per bucket (rows of 1 + k tokens; `is_uniform_verify`)::
+
+    n = 1, k = 2, bucket 2: input_ids [t d1 d2 | 0 0 0]   positions [p p+1 p+2 | 0 1 2]   context_lens [c 3]
+                            state_slots [s SCRATCH_SLOT]   draft_slots [s*k.. (2 rows) | the scratch slot's 2 rows]
+                            returned logits: d2's row (the row's last), then t's and d1's (its draft rows)
+
+the padding row a fresh 3-token sequence on the scratch slot, its draft rows and the scratch page. Graphs of either
+kind keep the final-norm hidden rows for the MTP head (`step_hidden`).
 """
 
 from __future__ import annotations
@@ -28,10 +39,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
-from hybridcache.engine.host_pool import HostPool
+from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.paged_state import PagedStates
+from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
@@ -57,69 +69,120 @@ def is_decode_only(batch: ForwardBatch) -> bool:
     return batch.embeds is None and all(length == 1 for length in batch.query_lens_cpu)
 
 
+def is_uniform_verify(batch: ForwardBatch, num_drafts: int) -> bool:
+    """Every sequence is a verify row of exactly `num_drafts` drafts (speculative decoding), the input embeddings
+    are all looked up and no prompt logits are wanted: the steps the verify graphs replay."""
+    return (num_drafts > 0 and batch.embeds is None and batch.prompt_logits_rows is None
+            and len(batch.draft_slots_cpu) == batch.num_seqs
+            and all(len(drafts) == num_drafts for drafts in batch.draft_slots_cpu)
+            and all(length == 1 + num_drafts for length in batch.query_lens_cpu))
+
+
 class _DecodeGraphs:
-    """Static input buffers and one captured decode graph per batch-size bucket (see the module docstring)."""
+    """Static input buffers and one captured graph per batch-size bucket (see the module docstring), for decode
+    steps (`num_drafts` 0: one token per row) or for speculative decoding's verify steps (every row its last token
+    and exactly `num_drafts` drafts: q = 1 + num_drafts tokens, whose draft states go to `draft_slots`). A padding
+    row is a fresh q-token sequence at positions 0 .. q-1 of the scratch page, on the scratch slot and its draft
+    rows (`scratch_drafts`)."""
 
     def __init__(self, sizes: tuple[int, ...], *, width: int, max_model_len: int, scratch_slot: int,
-                 scratch_page: int, kernel_block_size: int, device: torch.device) -> None:
+                 scratch_page: int, kernel_block_size: int, device: torch.device, num_drafts: int = 0,
+                 scratch_drafts: tuple[int, ...] = ()) -> None:
         biggest = sizes[-1]
+        q = self.tokens_per_row = 1 + num_drafts
+        if q > kernel_block_size or len(scratch_drafts) != num_drafts:
+            raise ValueError(f"verify graphs of {q} tokens per row need a page of >= {q} tokens (got "
+                             f"{kernel_block_size}) and {num_drafts} scratch draft rows (got {len(scratch_drafts)})")
+        self.num_drafts = d = num_drafts
         self.sizes = sizes
         self.max_model_len = max_model_len
         self.scratch_slot = scratch_slot
         self.scratch_page = scratch_page
-        self.scratch_row = scratch_page * kernel_block_size
+        self.scratch_drafts = scratch_drafts
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor | None] = {}  # with an MTP head: each graph's hidden rows
+        self.prepared: dict[int, ForwardBatch] = {}  # each graph's prepared batch (its metadata's tensors)
         self.pool = None
 
         def full(shape: tuple[int, ...], value: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.full(shape, value, dtype=dtype, device=device)
 
-        self.input_ids = full((biggest,), 0, torch.int64)
-        self.positions = full((biggest,), 0, torch.int64)
-        self.kv_rows = full((biggest,), self.scratch_row, torch.int64)
+        rows = biggest * q
+        within = torch.arange(rows, device=device) % q  # each row's token index within its sequence
+        # what padding rows hold (written over real rows' values by `load`)
+        self.pad_positions = within
+        self.pad_kv_rows = scratch_page * kernel_block_size + within
+        self.pad_drafts = torch.tensor(scratch_drafts * biggest, dtype=torch.int64, device=device)
+        self.input_ids = full((rows,), 0, torch.int64)
+        self.positions = self.pad_positions.clone()
+        self.kv_rows = self.pad_kv_rows.clone()
         self.state_slots = full((biggest,), scratch_slot, torch.int64)
-        self.context_lens = full((biggest,), 1, torch.int32)
+        self.context_lens = full((biggest,), q, torch.int32)
         # as wide as any step's table: `table_width` of the pages of max_model_len
         self.block_tables = full((biggest, table_width(width)), scratch_page, torch.int32)
-        self.cu_seqlens = torch.arange(biggest + 1, dtype=torch.int32, device=device)
-        self.logits_indices = torch.arange(biggest, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.arange(biggest + 1, dtype=torch.int32, device=device) * q
+        self.logits_indices = torch.arange(1, biggest + 1, dtype=torch.int64, device=device) * q - 1
+        self.draft_rows = (torch.arange(biggest, device=device)[:, None] * q
+                           + torch.arange(d, device=device)[None, :]).reshape(-1)
+        self.draft_slots = self.pad_drafts.clone()
 
-    def static_batch(self, size: int) -> ForwardBatch:
+    def static_batch(self, size: int, draft_slots_cpu: Sequence[tuple[int, ...]] = ()) -> ForwardBatch:
         """The batch a graph of `size` rows is captured on. Its host context lengths claim max_model_len for the
-        first row, so backends that size work from the longest context (split-KV decode) cover every replay."""
+        first row, so backends that size work from the longest context (split-KV decode) cover every replay.
+        `draft_slots_cpu`: the real rows' draft slots on the host (read only by the reference backend, which loops
+        on the host: an eager run of the static batch on the CPU); the padding rows' and, when not given, all rows'
+        are the scratch ones."""
+        q, d = self.tokens_per_row, self.num_drafts
+        drafts = tuple(draft_slots_cpu) + (self.scratch_drafts,) * (size - len(draft_slots_cpu)) if d else ()
         return ForwardBatch(
-            input_ids=self.input_ids[:size],
-            positions=self.positions[:size],
+            input_ids=self.input_ids[: size * q],
+            positions=self.positions[: size * q],
             cu_seqlens=self.cu_seqlens[: size + 1],
             context_lens=self.context_lens[:size],
             block_tables=self.block_tables[:size],
-            kv_rows=self.kv_rows[:size],
+            kv_rows=self.kv_rows[: size * q],
             state_slots=self.state_slots[:size],
             logits_indices=self.logits_indices[:size],
-            query_lens_cpu=(1,) * size,
-            context_lens_cpu=(self.max_model_len,) + (1,) * (size - 1),
+            query_lens_cpu=(q,) * size,
+            context_lens_cpu=(self.max_model_len,) + (q,) * (size - 1),
+            draft_rows=self.draft_rows[: size * d] if d else None,
+            draft_slots=self.draft_slots[: size * d] if d else None,
+            draft_slots_cpu=drafts,
         )
 
     def load(self, batch: ForwardBatch, size: int) -> None:
-        """Copy `batch` (n <= size decode rows) into the static buffers; rows n..size-1 become padding."""
-        n = batch.num_seqs
+        """Copy `batch` (n <= size rows of this graph's kind) into the static buffers; rows n..size-1 become
+        padding."""
+        n, q, d = batch.num_seqs, self.tokens_per_row, self.num_drafts
+        used, total = n * q, size * q
         width = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.input_ids[:used].copy_(batch.input_ids, non_blocking=True)
         # decode rows are text: their M-RoPE rows are equal, and the rotary of one row is the rotary of all three
         rope = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
-        self.positions[:n].copy_(rope, non_blocking=True)
-        self.kv_rows[:n].copy_(batch.kv_rows, non_blocking=True)
+        self.positions[:used].copy_(rope, non_blocking=True)
+        self.kv_rows[:used].copy_(batch.kv_rows, non_blocking=True)
         self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
         self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
         self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        if d:
+            self.draft_slots[: n * d].copy_(batch.draft_slots, non_blocking=True)
         if n < size:
-            self.input_ids[n:size] = 0
-            self.positions[n:size] = 0
-            self.kv_rows[n:size] = self.scratch_row
+            self.input_ids[used:total] = 0
+            self.positions[used:total] = self.pad_positions[used:total]
+            self.kv_rows[used:total] = self.pad_kv_rows[used:total]
             self.state_slots[n:size] = self.scratch_slot
-            self.context_lens[n:size] = 1
+            self.context_lens[n:size] = q
             self.block_tables[n:size, 0] = self.scratch_page
+            if d:
+                self.draft_slots[n * d: size * d] = self.pad_drafts[n * d: size * d]
+
+    def rows(self, output: torch.Tensor, n: int, size: int) -> torch.Tensor:
+        """The rows of a replay's output (logits [size + size * d, ...]) that belong to its n real sequences: each
+        sequence's last row, then their draft rows (the order of an eager forward of the real batch)."""
+        if not self.num_drafts:
+            return output[:n]
+        return torch.cat([output[:n], output[size: size + n * self.num_drafts]])
 
 
 class ModelRunner:
@@ -162,13 +225,13 @@ class ModelRunner:
         extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
         # speculative decoding: k draft state rows per runtime slot after the runtime slots (and the scratch one),
         # and the MTP head's KV as more attention layers after the target's
-        self.draft_base = num_slots + extra
+        self.draft_base = num_slots + extra  # (the scratch slot, when there is one, has draft rows too)
         head_specs = mtp_head.state_specs(dtype) if mtp_head is not None else ()
         self.pools = DevicePools.allocate(
             (*model.state_specs(dtype, state_dtype), *head_specs),
             num_pages=(num_blocks + extra) * self.pages_per_block,
             kernel_block_size=kernel_block_size,
-            num_slots=num_slots + extra + num_slots * k,
+            num_slots=(num_slots + extra) * (1 + k),
             device=device,
             slot_specs=model.slot_specs(dtype),
         )
@@ -179,14 +242,22 @@ class ModelRunner:
             self._compile_copies(num_blocks=num_blocks + extra)
             self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
+        self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
         self._replay = True
         if use_graphs:
-            self._graphs = _DecodeGraphs(
-                graph_batch_sizes(max_num_seqs), width=-(-max_model_len // kernel_block_size),
-                max_model_len=max_model_len, scratch_slot=num_slots, scratch_page=num_blocks * self.pages_per_block,
-                kernel_block_size=kernel_block_size, device=device,
-            )
-            self._capture()
+            def graphs(num_drafts: int) -> _DecodeGraphs:
+                return _DecodeGraphs(
+                    graph_batch_sizes(max_num_seqs), width=-(-(max_model_len + 2 * k) // kernel_block_size),
+                    max_model_len=max_model_len, scratch_slot=num_slots,
+                    scratch_page=num_blocks * self.pages_per_block, kernel_block_size=kernel_block_size,
+                    device=device, num_drafts=num_drafts, scratch_drafts=self.draft_slots(num_slots, num_drafts),
+                )
+
+            self._graphs = graphs(0)
+            self._capture(self._graphs)
+            if k and 1 + k <= kernel_block_size:
+                self._verify_graphs = graphs(k)
+                self._capture(self._verify_graphs)
 
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
@@ -199,14 +270,30 @@ class ModelRunner:
         """The captured decode batch sizes; () when steps run eagerly."""
         return self._graphs.sizes if self._graphs is not None else ()
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where the engine builds a step's inputs (the `Executor` protocol): this runner's device."""
+        return self.device
+
+    def release_graphs(self) -> None:
+        """Destroy the captured decode and verify graphs now (later steps run eagerly). A tensor-parallel rank must
+        do this before it leaves its process group: NCCL's communicator teardown (destroy or abort) waits until
+        every graph that captured one of its collectives has been destroyed."""
+        for graphs in (self._graphs, self._verify_graphs):
+            if graphs is not None:
+                for graph in graphs.graphs.values():
+                    graph.reset()
+                graphs.graphs.clear()
+        self._graphs = self._verify_graphs = None
+
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
-        graphs, self._graphs = self._graphs, None
+        graphs, self._graphs, verify, self._verify_graphs = self._graphs, None, self._verify_graphs, None
         try:
             yield
         finally:
-            self._graphs = graphs
+            self._graphs, self._verify_graphs = graphs, verify
 
     @contextlib.contextmanager
     def without_replay(self) -> Iterator[None]:
@@ -222,11 +309,14 @@ class ModelRunner:
             self._replay = True
 
     @torch.inference_mode()
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+    def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run the BEFORE_FORWARD copy ops, the forward, then the AFTER_FORWARD ones, each phase in the plan's
         order (a `CopyPlan` lists its kinds in declaration order: STATE_FINISH first); returns fp32 logits
         [num_seqs + R, vocab]: row i at sequence i's last token, then one row per `batch.prompt_logits_rows`
-        entry (R of them; none when it is None)."""
+        entry (R of them; none when it is None). `feed`: rows of `batch.input_ids` written first from the step
+        before's sampled tokens, on the device (async scheduling)."""
+        if feed is not None:
+            feed.write(batch.input_ids)
         for op in batch.copies:
             if op.kind.phase is Phase.BEFORE_FORWARD:
                 self._copy(op)
@@ -250,44 +340,66 @@ class ModelRunner:
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
         return self.model.logits_from_slots(self.pools, slots)
 
+    def check_results(self) -> None:
+        """Nothing to check: one device's results are whatever its stream computed (the `Executor` protocol's
+        method)."""
+
     def shutdown(self) -> None:
         """Nothing to stop: the runner started no process or thread (the `Executor` protocol's method)."""
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
-        graphs = self._graphs
-        replayable = graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None
-        size = graph_bucket(batch.num_seqs, graphs.sizes) if replayable else None
-        if size is None:
-            if self.mtp_head is not None:  # the head reads the step's hidden states (engine.speculative)
-                logits, self.step_hidden = self.model.forward_with_hidden(
-                    self.backend.prepare(batch), self.pools, self.backend)
-                return logits
-            return self.model(self.backend.prepare(batch), self.pools, self.backend)
-        graphs.load(batch, size)
-        if not self._replay:
-            static = self.backend.prepare(graphs.static_batch(size))
-            return self.model(static, self.pools, self.backend)[: batch.num_seqs]
-        graphs.graphs[size].replay()
-        return graphs.outputs[size][: batch.num_seqs].clone()
+    def _graphs_for(self, batch: ForwardBatch) -> _DecodeGraphs | None:
+        """The graphs that can replay `batch` (decode-only, or uniform verify rows), or None."""
+        if self._graphs is not None and is_decode_only(batch) and batch.prompt_logits_rows is None:
+            return self._graphs
+        if self._verify_graphs is not None and is_uniform_verify(batch, self.num_speculative_tokens):
+            return self._verify_graphs
+        return None
 
-    def _capture(self) -> None:
-        """Capture one decode graph per bucket, largest first (smaller ones reuse its memory pool); each is run
-        once eagerly first (kernel compilation, lazily built weights) on the all-padding static batch."""
-        graphs = self._graphs
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        graphs = self._graphs_for(batch)
+        size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None else None
+        if size is None:
+            return self._run_model(self.backend.prepare(batch))
+        graphs.load(batch, size)
+        n = batch.num_seqs
+        if not self._replay:
+            static = self.backend.prepare(graphs.static_batch(size, batch.draft_slots_cpu))
+            return graphs.rows(self._run_model(static), n, size)
+        graphs.graphs[size].replay()
+        if self.mtp_head is not None:
+            self.step_hidden = graphs.hidden[size]
+        return graphs.rows(graphs.outputs[size], n, size).clone()
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of
+        every row in `step_hidden` (what the head reads, `engine.speculative`)."""
+        if self.mtp_head is None:
+            return self.model(batch, self.pools, self.backend)
+        logits, self.step_hidden = self.model.forward_with_hidden(batch, self.pools, self.backend)
+        return logits
+
+    def _capture(self, graphs: _DecodeGraphs) -> None:
+        """Capture one graph per bucket, largest first (smaller ones reuse its memory pool, and the verify graphs
+        the decode graphs'); each is run once eagerly first (kernel compilation, lazily built weights) on the
+        all-padding static batch."""
+        if self._graphs is not None and graphs is not self._graphs:
+            graphs.pool = self._graphs.pool
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.inference_mode(), torch.cuda.stream(stream):
             for size in reversed(graphs.sizes):
-                batch = self.backend.prepare(graphs.static_batch(size))
-                self.model(batch, self.pools, self.backend)
+                self._run_model(self.backend.prepare(graphs.static_batch(size)))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
             for size in reversed(graphs.sizes):
-                batch = self.backend.prepare(graphs.static_batch(size))
+                # kept: the graph reads what `prepare` allocated outside it (a verify step's chunk tables, cu_seqlens,
+                # draft counts), which must outlive every replay
+                batch = graphs.prepared[size] = self.backend.prepare(graphs.static_batch(size))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=graphs.pool):
-                    graphs.outputs[size] = self.model(batch, self.pools, self.backend)
+                    graphs.outputs[size] = self._run_model(batch)
+                    graphs.hidden[size] = self.step_hidden
                 graphs.pool = graph.pool()
                 graphs.graphs[size] = graph
         torch.cuda.synchronize(self.device)
@@ -304,9 +416,11 @@ class ModelRunner:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
 
     def attach_host_pool(self, num_blocks: int) -> None:
-        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; pinned on
-        CUDA)."""
-        self.host_pool = HostPool(self.paged_states, num_blocks, pin=self.device.type == "cuda")
+        """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; on CUDA
+        pinned, and copied on two side streams that overlap the forward)."""
+        cuda = self.device.type == "cuda"
+        self.host_pool = HostPool(self.paged_states, num_blocks, pin=cuda,
+                                  streams=CopyStreams(self.device) if cuda else None)
 
     @torch.inference_mode()
     def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
@@ -318,10 +432,20 @@ class ModelRunner:
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py)."""
-        for chunk in (SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0),
-                      SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)):
-            batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
-                                        device=self.device)
+        steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
+            ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
+            ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
+        ]
+        k = self.num_speculative_tokens
+        if k and k + 4 <= block_size:  # verify rows: alone (the full verify kernel), beside a prefill (states only)
+            verify = SeqChunk(token_ids=[0] * (k + 1), start=3, block_ids=[0], slot=0)
+            steps.append(([verify], [self.draft_slots(0, k)]))
+            if self.draft_base > 1:
+                steps.append(([verify, SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=1)],
+                              [self.draft_slots(0, k), ()]))
+        for chunks, drafts in steps:
+            batch = build_forward_batch(chunks, block_size=block_size, kernel_block_size=kernel_block_size,
+                                        device=self.device, draft_slots=drafts)
             self.model(self.backend.prepare(batch), self.pools, self.backend)
         torch.cuda.synchronize(self.device)
 

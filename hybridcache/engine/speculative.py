@@ -51,6 +51,26 @@ class Verdict:
         return len(self.tokens) - 1
 
 
+class _Prefix(Sequence[int]):
+    """The first `end` tokens of `tokens` followed by `drafts`, without copying `tokens` (a verify row has one
+    position row per draft, and a long sequence's tokens would be copied for each)."""
+
+    def __init__(self, tokens: list[int], end: int, drafts: Sequence[int]) -> None:
+        self.tokens, self.end, self.drafts = tokens, end, drafts
+
+    def __len__(self) -> int:
+        return self.end + len(self.drafts)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.tokens[index] if index < self.end else self.drafts[index - self.end]
+
+
 @dataclass
 class _PositionRow:
     """A `SamplingRow` for position j of a verify row: the sequence's tokens with its first j drafts after them
@@ -58,7 +78,7 @@ class _PositionRow:
 
     params: SamplingParams
     generator: torch.Generator | None
-    token_ids: list[int]
+    token_ids: Sequence[int]
     prompt_len: int
 
 
@@ -103,8 +123,8 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
         spans.append((seq, drafts, len(rows)))
         rows += [*range(first, first + len(drafts))] if drafts else []
         rows.append(i)
-        base = seq.token_ids[: chunk.end - chunk.num_drafts]
-        views += [_PositionRow(seq.params, seq.generator, base + drafts[:j], seq.prompt_len)
+        end = chunk.end - chunk.num_drafts
+        views += [_PositionRow(seq.params, seq.generator, _Prefix(seq.token_ids, end, drafts[:j]), seq.prompt_len)
                   for j in range(len(drafts) + 1)]
     parts = [logits.index_select(0, to_device(rows, logits.device))] if rows else []
     for j, seq in enumerate(sample_only):
@@ -226,22 +246,30 @@ class MtpDrafter:
         out = head(embeds, hidden.index_select(0, to_device(hidden_rows, device)), runner.backend.prepare(batch), kv,
                    runner.backend)
         wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
-        active = [(i, c) for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0]
+        active = [c for c in owners if wanted.get(c.seq.seq_id, 0) > 0]
         if not active:
             return
-        last = out.index_select(0, batch.logits_indices[[i for i, _ in active]])
-        for step in range(1, max(wanted[c.seq.seq_id] for _, c in active) + 1):
-            proposed = model._logits(last).argmax(dim=-1).tolist()
-            for (_, chunk), token in zip(active, proposed, strict=True):
-                chunk.seq.drafts.append(token)
-            active_next = [(j, c) for j, (_, c) in enumerate(active) if wanted[c.seq.seq_id] > step]
-            if not active_next:
-                return
-            steps = [SeqChunk(token_ids=[c.seq.drafts[-1]], start=c.seq.num_computed + step - 1,
-                              block_ids=c.block_ids, slot=c.slot) for _, c in active_next]
+        last = out.index_select(0, batch.logits_indices.index_select(
+            0, to_device([i for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0], device)))
+        # The drafts stay on the device until the last one (one host transfer for all): step s proposes a token for
+        # each chunk of `proposals[s - 1][0]`, the rows `proposals[s - 1][1]`.
+        proposals: list[tuple[list[ScheduledChunk], torch.Tensor]] = []
+        for step in range(1, max(wanted[c.seq.seq_id] for c in active) + 1):
+            tokens = model._logits(last).argmax(dim=-1)
+            proposals.append((active, tokens))
+            keep = [j for j, c in enumerate(active) if wanted[c.seq.seq_id] > step]
+            if not keep:
+                break
+            active = [active[j] for j in keep]
+            steps = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids,
+                              slot=c.slot) for c in active]  # (the token is embedded from the device below)
             batch = build_forward_batch(steps, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
                                         device=device)
-            previous = last.index_select(0, to_device([j for j, _ in active_next], device))
-            last = head(model.model.embed_tokens(batch.input_ids), previous, runner.backend.prepare(batch), kv,
-                        runner.backend, step=step)
-            active = active_next
+            rows = to_device(keep, device)
+            last = head(model.model.embed_tokens(tokens.index_select(0, rows)), last.index_select(0, rows),
+                        runner.backend.prepare(batch), kv, runner.backend, step=step)
+        drafted = torch.cat([tokens for _, tokens in proposals]).tolist()
+        for chunks, _ in proposals:
+            for chunk, token in zip(chunks, drafted, strict=False):
+                chunk.seq.drafts.append(token)
+            drafted = drafted[len(chunks):]

@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.fp8_format import Fp8Format
+from hybridcache.kernels.activation import reference as activation_ref
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.attention.reference_backend import ReferenceAttention
 from hybridcache.kernels.conv import reference as conv_ref
@@ -142,6 +143,16 @@ class KernelBackend(Protocol):
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gated RMSNorm over the last dim: x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = (weight * round(x / sqrt(mean(x^2) + eps))) * silu(gate) (round: to x's dtype; the rest in fp32)."""
+        ...
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The SiLU-gated MLP's hidden activation: gate, up [N, I] (column views of one fused projection's output
+        allowed) -> silu(gate) * up [N, I], each op's result rounded to the dtype as torch rounds it."""
+        ...
+
+    def sigmoid_gate_add(self, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """A sparse MoE block's output: routed, shared [N, H], gate [N, 1] (a column view allowed) ->
+        routed + sigmoid(gate) * shared [N, H], each op's result rounded to the dtype as torch rounds it."""
         ...
 
     def rotary(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
@@ -330,6 +341,8 @@ class ReferenceBackend:
     route = staticmethod(moe_ref.route)
     rms_norm = staticmethod(norm_ref.rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
+    silu_mul = staticmethod(activation_ref.silu_mul)
+    sigmoid_gate_add = staticmethod(activation_ref.sigmoid_gate_add)
     rotary = staticmethod(rotary_ref.rotary)
 
 

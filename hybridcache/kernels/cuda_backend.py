@@ -6,11 +6,18 @@
 |                  | kernel for an all-decode step, the paged flash-attention prefill kernel otherwise)            |
 | causal_conv1d    | in-place step kernel                        | varlen kernel + state write                     |
 | gated_delta_rule | in-place Triton step kernel                 | our l2norm of q / k, then fla's chunked kernel  |
+| verify rows (speculative decoding: a last token and n drafts) | steps of decode and verify rows only: the fused |
+|                  | recurrent verify kernel for all of them (`gated_delta/triton_verify.py`: outputs, the state after |
+|                  | each draft position into its draft row, the final state into the slot); with prefill chunks: the |
+|                  | same kernel writes only the draft states, then fla runs every sequence. Conv: the draft conv      |
+|                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
 | rms_norm, gated_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`)             |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
+| silu_mul         | one Triton launch each: the MLP's silu(gate) * up and the MoE block's routed + sigmoid(gate) * |
+| sigmoid_gate_add | shared (`activation/triton.py`)                                                                |
 
 `prepare` reads only host values the batch carries (`query_lens_cpu`, `context_lens_cpu`) and attaches
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, the (sequence,
@@ -32,11 +39,14 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
+from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
 from hybridcache.kernels.moe import triton_route
@@ -45,6 +55,42 @@ from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
 from hybridcache.kernels.varlen import chunk_indices
+
+
+@dataclass(frozen=True)
+class VerifyRows:
+    """The verify rows of a speculative decoding step (`ForwardBatch.draft_slots_cpu`), for the verify kernels.
+
+    short        every sequence is a decode or verify row (query_len == 1 + its drafts): the fused recurrent
+                 kernel runs them all; else prefill chunks are present and fla runs every sequence after it
+    draft_table  [S, k] int64 the pool row of the state after each draft position (unused entries 0)
+    num_drafts   [S] int32 the drafts of each sequence (0: no verify row)
+    """
+
+    short: bool
+    draft_table: torch.Tensor
+    num_drafts: torch.Tensor
+
+    @staticmethod
+    def of(batch: ForwardBatch) -> VerifyRows | None:
+        """None when the batch verifies nothing. When every sequence has the same number of drafts (what the verify
+        graphs capture), the table is a view of `batch.draft_slots` on the device; else it is built from the host
+        lists and copied without a host sync."""
+        drafts = batch.draft_slots_cpu
+        if not any(drafts):
+            return None
+        short = all(length == 1 + len(d) for length, d in zip(batch.query_lens_cpu, drafts, strict=True))
+        width = max(len(d) for d in drafts)
+        if all(len(d) == width for d in drafts):
+            num_drafts = torch.full((len(drafts),), width, dtype=torch.int32, device=batch.draft_slots.device)
+            return VerifyRows(short, batch.draft_slots.view(len(drafts), width), num_drafts)
+        table = [list(d) + [0] * (width - len(d)) for d in drafts]
+        device = batch.input_ids.device
+        host = torch.tensor([row + [len(d)] for row, d in zip(table, drafts, strict=True)], dtype=torch.int64)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        return VerifyRows(short, packed[:, :width], packed[:, width].to(torch.int32))
 
 
 @dataclass(frozen=True)
@@ -57,6 +103,7 @@ class CudaMetadata:
     chunks           [NT, 2] int64 (sequence, block of 64 rows) for the conv and gated delta prefill kernels, or
                      None in an all-decode step
     attention        what the attention backend's `prepare` returned
+    verify           the step's verify rows (speculative decoding), or None
     """
 
     all_decode: bool
@@ -64,11 +111,14 @@ class CudaMetadata:
     cu_seqlens: torch.Tensor
     chunks: torch.Tensor | None
     attention: Any
+    verify: VerifyRows | None = None
 
 
 class CudaBackend:
     """`KernelBackend` on CUDA (see the module docstring). Holds, per sparse MoE block, its experts' weights
     stacked for the grouped GEMM (the experts' parameters are re-pointed at the stack: one copy in memory)."""
+
+    supports_verify_states = True  # speculative decoding's verify rows (`VerifyRows`, the verify kernels)
 
     def __init__(self, attention_backend: AttentionBackend) -> None:
         self.attention_backend = attention_backend
@@ -100,6 +150,7 @@ class CudaBackend:
             cu_seqlens=cu_seqlens,
             chunks=chunks,
             attention=self.attention_backend.prepare(batch),
+            verify=None if all_decode else VerifyRows.of(batch),
         )
         return dataclasses.replace(batch, metadata=metadata)
 
@@ -124,6 +175,9 @@ class CudaBackend:
         meta = _metadata(batch)
         if meta.all_decode:
             return causal_conv1d_decode(x, weight, bias, conv_layer, batch.state_slots, batch.context_lens)
+        if meta.verify is not None:  # before the varlen kernel rewrites the slots it reads
+            conv_draft_states(x, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
+                              meta.verify.draft_table, meta.verify.num_drafts)
         return causal_conv1d_varlen(
             x, weight, bias, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks,
@@ -142,6 +196,14 @@ class CudaBackend:
         meta = _metadata(batch)
         if meta.all_decode:
             return gated_delta_rule_decode(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens)
+        verify = meta.verify
+        if verify is not None:  # full: the whole step; else the draft states, before fla rewrites the slots
+            out = gated_delta_rule_verify(
+                q, k, v, g, beta, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
+                verify.draft_table, verify.num_drafts, states_only=not verify.short,
+            )
+            if out is not None:
+                return out
         return chunk_gated_delta_rule_varlen(
             q, k, v, g, beta, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks,
@@ -170,6 +232,8 @@ class CudaBackend:
     route = staticmethod(triton_route.route)
     rms_norm = staticmethod(fused_norm.rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
+    silu_mul = staticmethod(triton_activation.silu_mul)
+    sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
     rotary = staticmethod(triton_rotary.rotary)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from hybridcache.fp8_format import Fp8Format
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
@@ -68,9 +69,10 @@ class _GatedDeltaNetBase(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
 
     def shards(self) -> dict[str, Shard]:
-        """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
+        """Parameter name -> this rank's part of the full checkpoint tensor, in the order held; unsharded, only the
+        input projections a subclass keeps in another row order than the checkpoint's (`_projection_shards`)."""
         if self.tp.size == 1:
-            return {}
+            return self._projection_shards(None)
         s, dk, dv, key_dim = self.split, self.k_head_dim, self.v_head_dim, self.total_key_dim
         qkv = rows((s.group_start * dk, s.group_stop * dk), (key_dim + s.group_start * dk, key_dim + s.group_stop * dk),
                    (2 * key_dim + s.start * dv, 2 * key_dim + s.stop * dv))
@@ -78,8 +80,8 @@ class _GatedDeltaNetBase(nn.Module):
         return {"conv1d.weight": qkv, "dt_bias": heads, "A_log": heads,
                 "out_proj.weight": columns((s.start * dv, s.stop * dv)), **self._projection_shards(qkv)}
 
-    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
-        """The input projections' shards; `qkv`: the rows of the q | k | v channels."""
+    def _projection_shards(self, qkv: Shard | None) -> dict[str, Shard]:
+        """The input projections' shards; `qkv`: the rows of the q | k | v channels (None unsharded)."""
         raise NotImplementedError
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -134,7 +136,9 @@ class GatedDeltaNet(_GatedDeltaNetBase):
         self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
         self.in_proj = FusedProjection(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
+    def _projection_shards(self, qkv: Shard | None) -> dict[str, Shard]:
+        if qkv is None:  # unsharded: read in the checkpoint's order
+            return {}
         s, dv = self.split, self.v_head_dim
         heads = rows((s.start, s.stop))
         return {"in_proj_qkv.weight": qkv, "in_proj_z.weight": rows((s.start * dv, s.stop * dv)),
@@ -146,8 +150,16 @@ class GatedDeltaNet(_GatedDeltaNetBase):
 
 
 class PackedGatedDeltaNet(_GatedDeltaNetBase):
-    """Qwen3-Next: packed `in_proj_qkvz` [2*Hk*Dk + 2*Hv*Dv, hidden] and `in_proj_ba` [2*Hv, hidden],
-    grouped per key head (see `unpack_qkvz_ba`)."""
+    """Qwen3-Next: packed `in_proj_qkvz` [2*Hk*Dk + 2*Hv*Dv, hidden] and `in_proj_ba` [2*Hv, hidden], which the
+    checkpoint groups per key head j (r = Hv / Hk value heads each; r = 2 shown)::
+
+        in_proj_qkvz rows: | q_j (Dk) | k_j (Dk) | v_{2j} v_{2j+1} (2*Dv) | z_{2j} z_{2j+1} (2*Dv) |  j = 0 .. Hk-1
+        in_proj_ba rows:   | b_{2j} b_{2j+1} | a_{2j} a_{2j+1} |                                       j = 0 .. Hk-1
+
+    The loader reads those rows in another order (`shards`, also unsharded): in_proj_qkvz holds q (every key
+    head) | k | v (every value head) | z, in_proj_ba holds b | a, so one projection's output columns are
+    q | k | v | z | b | a and the conv input q | k | v, z, b and a are views of it (ungrouping the checkpoint's
+    order per step took seven copies per layer). `state_dict()` therefore holds these two in that order."""
 
     def __init__(self, hidden_size: int, **kwargs: int | float | TensorParallel) -> None:
         super().__init__(hidden_size, **kwargs)
@@ -155,60 +167,45 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
         self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
         self.in_proj = FusedProjection(self.in_proj_qkvz, self.in_proj_ba)
 
-    def _projection_shards(self, qkv: Shard) -> dict[str, Shard]:
-        """Per key head j the rank reads, its group's q_j, k_j and the rank's value heads' v and z (all r of them
-        when key heads are split; a slice of them when key heads are replicated); in_proj_ba the same way."""
+    def _projection_shards(self, qkv: Shard | None) -> dict[str, Shard]:
+        """The checkpoint rows of the rank's key heads j (q_j, then k_j) and value heads (v, then z; all r of a
+        group when key heads are split, a slice of them when key heads are replicated), ungrouped: every q row
+        first, then every k, v and z row; in_proj_ba likewise, b rows then a rows. Unsharded, every head."""
+        del qkv  # the rows are found per head here
         s, dk, dv, ratio = self.split, self.k_head_dim, self.v_head_dim, self.split.heads_per_group
         group = 2 * dk + 2 * ratio * dv
-        qkvz, ba = [], []
+        q, k, v, z, b, a = [], [], [], [], [], []
         for j in range(s.group_start, s.group_stop):
             first, last = max(s.start, j * ratio) - j * ratio, min(s.stop, (j + 1) * ratio) - j * ratio
-            base = j * group
-            qkvz += [(base, base + 2 * dk), (base + 2 * dk + first * dv, base + 2 * dk + last * dv),
-                     (base + 2 * dk + (ratio + first) * dv, base + 2 * dk + (ratio + last) * dv)]
-            ba_base = j * 2 * ratio
-            ba += [(ba_base + first, ba_base + last), (ba_base + ratio + first, ba_base + ratio + last)]
-        return {"in_proj_qkvz.weight": rows(*qkvz), "in_proj_ba.weight": rows(*ba)}
+            base, ba_base = j * group, j * 2 * ratio
+            q.append((base, base + dk))
+            k.append((base + dk, base + 2 * dk))
+            v.append((base + 2 * dk + first * dv, base + 2 * dk + last * dv))
+            z.append((base + 2 * dk + (ratio + first) * dv, base + 2 * dk + (ratio + last) * dv))
+            b.append((ba_base + first, ba_base + last))
+            a.append((ba_base + ratio + first, ba_base + ratio + last))
+        out = {}
+        for name, shard in (("in_proj_qkvz", rows(*q, *k, *v, *z)), ("in_proj_ba", rows(*b, *a))):
+            out[f"{name}.weight"] = shard
+            fmt = getattr(getattr(self, name), "fmt", None)  # an FP8 checkpoint's linear: its scale rows follow
+            if fmt is not None:
+                out[f"{name}.{fmt.scale_name}"] = _scale_rows(shard, fmt, name)
+        return out
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        q, k, v, z, b, a = unpack_qkvz_ba(
-            *self.in_proj(hidden),
-            num_k_heads=self.num_k_heads,
-            num_v_heads=self.num_v_heads,
-            k_head_dim=self.k_head_dim,
-            v_head_dim=self.v_head_dim,
-        )
-        num_tokens = hidden.shape[0]
-        mixed_qkv = torch.cat([x.reshape(num_tokens, -1) for x in (q, k, v)], dim=-1)
-        return mixed_qkv, z, b, a
+        qkvz, ba = self.in_proj(hidden)
+        mixed_qkv, z = qkvz.split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
+        return mixed_qkv, z.view(-1, self.num_v_heads, self.v_head_dim), b, a
 
 
-def unpack_qkvz_ba(
-    mixed_qkvz: torch.Tensor,
-    mixed_ba: torch.Tensor,
-    *,
-    num_k_heads: int,
-    num_v_heads: int,
-    k_head_dim: int,
-    v_head_dim: int,
-) -> tuple[torch.Tensor, ...]:
-    """Undo Qwen3-Next's per-key-head grouping (transformers' `fix_query_key_value_ordering`).
-
-    mixed_qkvz [T, Hk * (2*Dk + 2*r*Dv)], mixed_ba [T, Hk * 2r], with r = Hv / Hk value heads per key head.
-    Layout, for each key head j in turn (r = 2 shown)::
-
-        qkvz: | q_j (Dk) | k_j (Dk) | v_{2j} v_{2j+1} (2*Dv) | z_{2j} z_{2j+1} (2*Dv) |  j = 0 .. Hk-1
-        ba:   | b_{2j} b_{2j+1} | a_{2j} a_{2j+1} |                                       j = 0 .. Hk-1
-
-    returns q, k [T, Hk, Dk], v, z [T, Hv, Dv], b, a [T, Hv]
-    """
-    num_tokens = mixed_qkvz.shape[0]
-    ratio = num_v_heads // num_k_heads
-    grouped = mixed_qkvz.view(num_tokens, num_k_heads, 2 * k_head_dim + 2 * ratio * v_head_dim)
-    q, k, v, z = torch.split(
-        grouped, [k_head_dim, k_head_dim, ratio * v_head_dim, ratio * v_head_dim], dim=-1
-    )
-    b, a = torch.split(mixed_ba.view(num_tokens, num_k_heads, 2 * ratio), [ratio, ratio], dim=-1)
-    v = v.reshape(num_tokens, num_v_heads, v_head_dim)
-    z = z.reshape(num_tokens, num_v_heads, v_head_dim)
-    return q, k, v, z, b.reshape(num_tokens, num_v_heads), a.reshape(num_tokens, num_v_heads)
+def _scale_rows(weight: Shard, fmt: Fp8Format, name: str) -> Shard:
+    """The rows of an FP8 weight's scale tensor that go with the weight rows `weight`: the same rows per channel;
+    per block, the blocks' rows, so every range must start and stop on a block boundary (ValueError else)."""
+    if fmt.kind == "channel":
+        return weight
+    bn = fmt.block[0]
+    if any(start % bn or stop % bn for start, stop in weight.ranges):
+        raise ValueError(f"Qwen3-Next {name} in FP8 blocks of {bn} rows: the per-head row ranges {weight.ranges} "
+                         f"do not start and stop on block boundaries (head dims must be multiples of {bn})")
+    return rows(*((start // bn, stop // bn) for start, stop in weight.ranges))

@@ -17,7 +17,6 @@ the same expert kernels.)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
@@ -44,10 +43,9 @@ class MLP(nn.Module):
         self.gate_up = FusedProjection(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """Dense: `step` is not read."""
-        del step
+        """Dense: only `step.backend` is read (its fused `silu_mul`)."""
         gate, up = self.gate_up(x)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(step.backend.silu_mul(gate, up))
         return self.tp.all_reduce(out) if self.reduce else out
 
     def shards(self) -> dict[str, Shard]:
@@ -93,5 +91,4 @@ class SparseMoeBlock(nn.Module):
         router_logits, shared_gate = self.gates(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
         out = step.backend.moe(x, top_weights, top_ids, self.experts)
-        shared = torch.sigmoid(shared_gate) * self.shared_expert(x, step)
-        return self.tp.all_reduce(out + shared)
+        return self.tp.all_reduce(step.backend.sigmoid_gate_add(out, shared_gate, self.shared_expert(x, step)))

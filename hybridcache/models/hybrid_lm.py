@@ -20,7 +20,8 @@ block holds its rank's heads / intermediate channels and all-reduces its output,
 blocks is whole and equal on every rank; the embedding and the norms are replicated; `lm_head` holds the rank's
 rows of the vocabulary (ceil(vocab / N), zero-padded when N does not divide it) and the logits are all-gathered
 (every rank returns the full logits, the padding columns cut off). `shards()` says
-which part of each checkpoint tensor a rank loads. The state specs are the rank's own (its heads only).
+which part of each checkpoint tensor a rank loads, in the order it keeps it (also unsharded, for the parameters a
+layer keeps in another row order than the checkpoint's). The state specs are the rank's own (its heads only).
 """
 
 from __future__ import annotations
@@ -155,11 +156,10 @@ class HybridCausalLM(nn.Module):
         return MLP(c.hidden_size, mlp.intermediate_size, self.tp)
 
     def shards(self) -> dict[str, Shard]:
-        """Parameter name -> the part of the full checkpoint tensor this rank holds; parameters not named are
-        replicated (whole). {} when unsharded."""
-        if self.tp.size == 1:
-            return {}
-        out = {"lm_head.weight": self.vocab_shard}
+        """Parameter name -> the part of the full checkpoint tensor this rank holds, in the order held;
+        parameters not named are read whole, as the checkpoint holds them. Unsharded, only the parameters a
+        layer keeps in another row order than the checkpoint's (Qwen3-Next's packed DeltaNet projections)."""
+        out = {} if self.tp.size == 1 else {"lm_head.weight": self.vocab_shard}
         for prefix, module in self.named_modules():
             if module is not self and hasattr(module, "shards"):
                 out.update({f"{prefix}.{name}": shard for name, shard in module.shards().items()})

@@ -24,7 +24,9 @@ quantised from their draws (a benchmark model that no disk could hold).
 
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
-others whole, and a shard's padding rows are zeroed. A tied lm_head is the rank's rows of the embedding tensor.
+others whole, and a shard's padding rows are zeroed. Unsharded, `model.shards()` names only the parameters a layer
+keeps in another row order than the checkpoint's (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, ungrouped), read
+through the same ranges. A tied lm_head is the rank's rows of the embedding tensor.
 """
 
 from __future__ import annotations

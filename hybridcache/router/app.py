@@ -4,8 +4,13 @@
                                                  replica's hit, forwarded unchanged to the chosen one;
                                                  streams pass through chunk by chunk
     GET  /v1/models                              from the first replica that answers
-    GET  /health                                 200 while a replica is up, with each one's state
-    GET  /metrics                                Prometheus text (docs/server.md, "Several replicas")
+    GET  /health                                 200 while a replica is up; each one's state with the API key
+    GET  /metrics                                Prometheus text (docs/server.md, "Several replicas"); open,
+                                                 as a replica's (and vLLM's) /metrics is
+
+What a client may make the router hold is bounded as for a replica (server/limits.py, connections.py): bodies
+of at most `max_request_bytes`, read with a deadline, a capped number of connections (`run_router` runs uvicorn
+with the server's guarded protocol), and prompts tokenized on a thread, off the event loop.
 
 Faults: a replica that cannot be reached, or answers 502/503/504, before the first byte of its response is
 marked down (router/replicas.py) and the request goes to the next-best replica, each replica at most once. A
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -32,6 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from hybridcache.router.policy import Chooser, RoutingConfig
 from hybridcache.router.replicas import Replica
 from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.limits import read_body
 from hybridcache.server.prompt_ids import body_prompt_ids
 
 logger = logging.getLogger("hybridcache.router")
@@ -43,8 +50,9 @@ FORWARDED_HEADERS = ("authorization", "content-type")
 class RouterConfig:
     """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas. poll_interval_s: background events
     polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins.
-    api_key: the replicas' API key, sent with the router's own calls (events polls); clients' requests are
-    forwarded with their own `Authorization` header, which the replicas check."""
+    api_key: the replicas' API key, sent with the router's own calls (events polls) and needed for /health's
+    details; clients' requests are forwarded with their own `Authorization` header, which the replicas check.
+    max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole."""
 
     replica_urls: tuple[str, ...]
     routing: RoutingConfig = RoutingConfig()
@@ -52,6 +60,7 @@ class RouterConfig:
     poll_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     api_key: str | None = None
+    max_request_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not self.replica_urls:
@@ -120,12 +129,12 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         return JSONResponse(error.body(), status_code=error.status)
 
     async def forward(request: Request) -> Response:
-        raw = await request.body()
+        raw = await read_body(request, config.max_request_bytes)
         try:
             body = json.loads(raw)
-        except ValueError as error:
+        except (RecursionError, ValueError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        prompts = body_prompt_ids(body, state.tokenizer)
+        prompts = await asyncio.to_thread(body_prompt_ids, body, state.tokenizer)  # a long prompt: off the loop
         stream = isinstance(body, dict) and bool(body.get("stream"))
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         tried: set[str] = set()
@@ -187,13 +196,15 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 return Response(response.content, status_code=response.status_code, media_type="application/json")
         raise APIError(503, "no replica is up")
 
-    async def health() -> JSONResponse:
-        replicas = [{"url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.counters.routed,
-                     "indexed_blocks": len(r.index.blocks) if r.index else 0,
-                     "indexed_checkpoints": r.index.num_checkpoints if r.index else 0} for r in state.replicas]
+    async def health(request: Request) -> JSONResponse:
         ok = any(r.up for r in state.replicas)
-        return JSONResponse({"status": "ok" if ok else "unhealthy", "replicas": replicas},
-                            status_code=200 if ok else 503)
+        body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
+        if has_key(request, config.api_key):  # the replicas' addresses and loads: only with the key
+            body["replicas"] = [{"url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.counters.routed,
+                                 "indexed_blocks": len(r.index.blocks) if r.index else 0,
+                                 "indexed_checkpoints": r.index.num_checkpoints if r.index else 0}
+                                for r in state.replicas]
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics() -> Response:
         return Response(render_metrics(state), media_type="text/plain; version=0.0.4")
@@ -204,6 +215,14 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app
+
+
+def has_key(request: Request, key: str | None) -> bool:
+    """Whether the request carries `key` as its bearer token (always true when there is no key)."""
+    if key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 class _RelayResponse(StreamingResponse):

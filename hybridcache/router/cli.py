@@ -20,6 +20,8 @@ REPLICA_START_TIMEOUT_S = 600.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hybridcache.server.limits import add_connection_args
+
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
                                    description="Serve the OpenAI API in front of `hybridcache serve` replicas, "
                                                "sending each request to the replica with the longest usable hit.")
@@ -34,6 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=int, default=8000, help="port to bind")
+    router.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
+    add_connection_args(router)
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     router.set_defaults(func=cmd_router)
     serve = subparsers.choices.get("serve")
@@ -85,20 +89,33 @@ def router_config(args: argparse.Namespace, urls: Sequence[str]):
     from hybridcache.server.cli import api_key
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
-    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args))
+    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args),
+                        max_request_bytes=args.max_request_bytes)
 
 
 def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None, host: str, port: int) -> None:
+    """Serve the router on host:port with the server's connection guard (server/connections.py: a read deadline
+    per request and a cap on open connections, from the parsed connection flags)."""
     import uvicorn
 
     from hybridcache.model_path import resolve_model
     from hybridcache.router.app import build_router_app
+    from hybridcache.server import log_limits
+    from hybridcache.server.connections import uvicorn_options
+    from hybridcache.server.limits import limits_from_args
+    from hybridcache.server.uvicorn_server import Server
     from hybridcache.tokenizer import Tokenizer
 
     config = router_config(args, urls)  # bad options fail before anything loads
+    limits = limits_from_args(args)
     tokenizer = Tokenizer(resolve_model(model).path)
     app = build_router_app(config, tokenizer)
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False)
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
+                                   lifespan="on", **uvicorn_options(limits.connection_cap(),
+                                                                    limits.request_read_timeout_s,
+                                                                    limits.timeout_keep_alive_s)))
+    log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
+    server.run()
 
 
 def cmd_router(args: argparse.Namespace) -> int:

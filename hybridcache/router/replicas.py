@@ -74,21 +74,27 @@ class Replica:
                 response = await client.get(f"{self.url}/v1/cache/events", params=params, timeout=timeout_s,
                                             headers=headers)
                 response.raise_for_status()
-                body = response.json()
-                events = [CacheEvent.from_json(e) for e in body["events"]]
-            except (httpx.HTTPError, ValueError, KeyError) as error:
+                self.apply(response.json())
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
                 self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
-                return
-            if not body["reset"] and body.get("epoch") != self.epoch:  # another log (a restart): start again
-                self.index, self.next_seq, self.epoch = None, None, None
-                return
-            if body["reset"] or self.index is None or self.index.block_size != body["block_size"]:
-                self.index = ReplicaIndex(body["block_size"])
-            self.epoch = body.get("epoch")
-            self.index.apply(events)
-            self.full_prompt_hits = bool(body.get("full_prompt_hits", False))
-            self.next_seq = body["next"]
-            if not self.up:
-                logger.info("replica %s is up (%d blocks, %d checkpoints indexed)", self.url,
-                            len(self.index.blocks), self.index.num_checkpoints)
-            self.up = True
+
+    def apply(self, body: dict) -> None:
+        """Apply one `GET /v1/cache/events` answer (asked with `since=self.next_seq`, or none when that is None)
+        and mark the replica up. An answer of another event log (its epoch changed: the replica restarted) drops
+        the index instead: `next_seq` is then None, so the next answer asked for is a snapshot. Raises
+        ValueError, KeyError or TypeError for a malformed answer, changing nothing."""
+        events = [CacheEvent.from_json(e) for e in body["events"]]
+        block_size, next_seq = int(body["block_size"]), int(body["next"])
+        if not body["reset"] and body.get("epoch") != self.epoch:  # another log (a restart): start again
+            self.index, self.next_seq, self.epoch = None, None, None
+            return
+        if body["reset"] or self.index is None or self.index.block_size != block_size:
+            self.index = ReplicaIndex(block_size)
+        self.epoch = body.get("epoch")
+        self.index.apply(events)
+        self.full_prompt_hits = bool(body.get("full_prompt_hits", False))
+        self.next_seq = next_seq
+        if not self.up:
+            logger.info("replica %s is up (%d blocks, %d checkpoints indexed)", self.url,
+                        len(self.index.blocks), self.index.num_checkpoints)
+        self.up = True

@@ -65,8 +65,10 @@ from hybridcache.server.limits import (
     check_sequences,
     max_token_bytes,
     queue_full_error,
+    read_body,
 )
 from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.prompt_ids import body_prompt_ids
 from hybridcache.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -151,8 +153,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
-    cache = CacheRoutes(engine_loop, model.tokenizer, config.default_chat_template_kwargs, routes._authorize,
-                        routes._read_json)
+    cache = CacheRoutes(engine_loop, routes._authorize, routes._read_json, routes.body_prompt_ids)
     app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
     app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
     add_responses_routes(app, routes)
@@ -379,6 +380,17 @@ class _Routes:
         return await asyncio.get_running_loop().run_in_executor(
             self.tokenizer_pool, lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
 
+    def check_prompt_bytes(self, prompts: list[str | list[int]], param: str) -> None:
+        """Refuse a prompt text too long to fit `max_model_len` tokens, by its size (limits.py)."""
+        check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, param)
+
+    async def body_prompt_ids(self, body: Any) -> list[list[int]]:
+        """A completions or chat body's prompts as token ids (`prompt_ids.body_prompt_ids`), rendered and
+        tokenized on the tokenizer threads; a text too long to fit is refused before it is tokenized."""
+        kwargs = self.config.default_chat_template_kwargs
+        return await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer_pool, lambda: body_prompt_ids(body, self.model.tokenizer, kwargs, self.check_prompt_bytes))
+
     def _check_model(self, name: str | None) -> None:
         served = self.config.served_model_names
         if name is not None and name not in served:
@@ -391,15 +403,7 @@ class _Routes:
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
                            f"{media_type or 'no content type'!r}", param="content-type")
-        limit = self.config.max_request_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"the request body has {declared} bytes; the limit is {limit} bytes")
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > limit:
-                raise APIError(413, f"the request body is over the limit of {limit} bytes")
+        body = await read_body(request, self.config.max_request_bytes)
         try:
             return json.loads(body)
         except RecursionError:

@@ -8,13 +8,15 @@
                                               kv_tokens (full blocks in the trie), cached_tokens (what a
                                               request sent now would skip); generates nothing, changes nothing
 
-Both read the cache on the engine thread (`EngineLoop.call`), between steps. The event log is enabled by the
-first events request (which gets a snapshot), so a server nobody routes to keeps no log.
+Both read the cache on the engine thread (`EngineLoop.call`), between steps; a match's prompts are rendered and
+tokenized off the event loop, and a text too long to fit is refused before tokenizing, as for a completion. The
+event log is enabled by the first events request (which gets a snapshot), so a server nobody routes to keeps no
+log.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -23,20 +25,21 @@ from fastapi.responses import JSONResponse
 from hybridcache.cache import CacheRequest
 from hybridcache.server.engine_loop import EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError
-from hybridcache.server.prompt_ids import body_prompt_ids
 
 EVENT_LOG_CAPACITY = 1 << 16
 MAX_EVENTS_PER_POLL = 1 << 14
 
 
 class CacheRoutes:
-    """The two routes above over `engine_loop`'s engine; `authorize(request)` raises for a bad API key."""
+    """The two routes above over `engine_loop`'s engine; `authorize(request)` raises for a bad API key,
+    `read_json(request)` reads a body within the server's limits, `prompt_ids(body)` renders and tokenizes a
+    completions or chat body as the server does (`body_prompt_ids`, off the event loop)."""
 
-    def __init__(self, engine_loop: EngineLoop, tokenizer: Any, default_template_kwargs: dict[str, Any],
-                 authorize: Callable[[Request], None], read_json: Callable[[Request], Any]) -> None:
+    def __init__(self, engine_loop: EngineLoop, authorize: Callable[[Request], None],
+                 read_json: Callable[[Request], Awaitable[Any]],
+                 prompt_ids: Callable[[Any], Awaitable[list[list[int]]]]) -> None:
         self.engine_loop = engine_loop
-        self.tokenizer = tokenizer
-        self.default_template_kwargs = default_template_kwargs
+        self.prompt_ids = prompt_ids
         self.authorize = authorize
         self.read_json = read_json
         self.log: Any = None  # the cache's CacheEventLog, once enabled
@@ -72,7 +75,7 @@ class CacheRoutes:
 
     async def match(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        prompts = body_prompt_ids(await self.read_json(request), self.tokenizer, self.default_template_kwargs)
+        prompts = await self.prompt_ids(await self.read_json(request))
         if not all(prompts):
             raise APIError(400, "a prompt is empty", param="prompt")
 

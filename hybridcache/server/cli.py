@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
@@ -111,27 +112,32 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
     )
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from hybridcache.extras import require_extra
+@dataclass(frozen=True)
+class ServerParts:
+    """What `build_server` makes: the application (its lifespan starts and stops the engine thread), the engine
+    and its loop, and the server config."""
 
-    require_extra("serve", "hybridcache serve")
-    import uvicorn
+    app: Any
+    engine: Any
+    engine_loop: Any
+    config: ServerConfig
 
+
+def build_server(args: argparse.Namespace) -> ServerParts:
+    """The `serve` application the parsed options describe, with its engine loaded (not started); bad options
+    and files fail before the model loads. `cmd_serve` runs it under uvicorn; the Ray Serve replica
+    (router/ray_serve.py) calls it in process."""
     from hybridcache.engine.engine import LLMEngine
     from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
     from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
-    from hybridcache.server import log_limits
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.chat_images import media_limits
-    from hybridcache.server.connections import uvicorn_options as connection_options
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.metrics import ServerMetrics
-    from hybridcache.server.uvicorn_server import Server
-    from hybridcache.server.vllm_flags import chat_template, check_vllm_args, uvicorn_options
+    from hybridcache.server.vllm_flags import chat_template, check_vllm_args
     from hybridcache.tokenizer import Tokenizer
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_vllm_args(args)
     template = chat_template(args)  # a missing file fails before the model loads
     options = engine_options(args)
@@ -155,18 +161,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tokenizer.chat_template = template
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
                         image_processor=engine.image_processor, media_limits=limits)
-    app = build_app(engine_loop, model, config, metrics)
+    return ServerParts(build_app(engine_loop, model, config, metrics), engine, engine_loop, config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hybridcache.extras import require_extra
+
+    require_extra("serve", "hybridcache serve")
+    import uvicorn
+
+    from hybridcache.server import log_limits
+    from hybridcache.server.connections import uvicorn_options as connection_options
+    from hybridcache.server.uvicorn_server import Server
+    from hybridcache.server.vllm_flags import uvicorn_options
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parts = build_server(args)
+    config = parts.config
     guard = config.limits
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, access_log=args.enable_access_log,
+        parts.app, host=config.host, port=config.port, access_log=args.enable_access_log,
         timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
         **uvicorn_options(args),
         **connection_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()
-    engine_loop.stop()  # a no-op once the app's lifespan has stopped it
-    _exit_now(engine)
+    parts.engine_loop.stop()  # a no-op once the app's lifespan has stopped it
+    _exit_now(parts.engine)
 
 
 def _exit_now(engine: Any) -> NoReturn:

@@ -28,8 +28,9 @@ class EngineState:
     host tier: `--host-cache-gib`; all 0 without one): `num_hits` (all hits) and `num_host_hits` (those promoted
     from the host), the host's blocks (`block_bytes` each, as the device's) and checkpoints, `num_promotions` /
     `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
-    `num_promoted_blocks` / `num_demoted_blocks`) and `num_promotions_skipped` (a deeper host hit whose copy
-    would have cost more than recomputing).
+    `num_promoted_blocks` / `num_demoted_blocks`), `num_promotions_skipped` (a deeper host hit whose copy
+    would have cost more than recomputing) and `num_host_dropped` (host checkpoints the host tier's own eviction
+    dropped: gone).
     num_blocks_running counts the distinct blocks that running sequences hold (shared prefix blocks once), a part
     of num_blocks_used.
     """
@@ -65,6 +66,7 @@ class EngineState:
     num_demotions: int = 0
     num_demoted_blocks: int = 0
     num_promotions_skipped: int = 0
+    num_host_dropped: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +109,7 @@ def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> Eng
         num_demotions=getattr(cache, "num_demoted_checkpoints", 0),
         num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
         num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
+        num_host_dropped=getattr(cache, "num_host_dropped", 0),
     )
 
 

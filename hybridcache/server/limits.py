@@ -119,6 +119,20 @@ def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, 
                            f"{limit_bytes // max_model_len} bytes)", param=where, code="context_length_exceeded")
 
 
+async def read_body(request: Any, limit_bytes: int) -> bytes:
+    """The body of a Starlette `request`, refused (413) as soon as it passes `limit_bytes`: by its declared
+    Content-Length before a byte is read, else while it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise APIError(413, f"the request body has {declared} bytes; the limit is {limit_bytes} bytes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit_bytes:
+            raise APIError(413, f"the request body is over the limit of {limit_bytes} bytes")
+    return bytes(body)
+
+
 def check_sequences(num_prompts: int, n: int, limits: ServerLimits) -> None:
     """Refuse (400) a request of more sequences (prompts x n) than `max_request_sequences`, or than
     `max_queued_requests` (it could never be queued)."""
@@ -132,15 +146,7 @@ def check_sequences(num_prompts: int, n: int, limits: ServerLimits) -> None:
 def add_limit_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags of `ServerLimits` (defaults from the dataclass)."""
     d = ServerLimits()
-    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
-                        help="the most open connections; over it the oldest connection not running a request (still "
-                             "sending one, or idle) is closed, else the new one (default: the file-descriptor limit "
-                             "less 64, at most 1024)")
-    parser.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
-                        help="close an idle keep-alive connection after this long")
-    parser.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout_s, metavar="SECONDS",
-                        help="close a connection whose request headers and body have not all arrived this long after "
-                             "its first byte")
+    add_connection_args(parser)
     parser.add_argument("--max-request-sequences", type=int, default=d.max_request_sequences, metavar="N",
                         help="the most sequences (prompts x n) one request may hold")
     parser.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests, metavar="N",
@@ -151,10 +157,28 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
                              "(default: no limit)")
 
 
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of `ServerLimits`' connection limits (`serve` and `router` both take them)."""
+    d = ServerLimits()
+    parser.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                        help="the most open connections; over it the oldest connection not running a request (still "
+                             "sending one, or idle) is closed, else the new one (default: the file-descriptor limit "
+                             "less 64, at most 1024)")
+    parser.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s, metavar="SECONDS",
+                        help="close an idle keep-alive connection after this long")
+    parser.add_argument("--request-read-timeout", type=float, default=d.request_read_timeout_s, metavar="SECONDS",
+                        help="close a connection whose request headers and body have not all arrived this long after "
+                             "its first byte")
+
+
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
-    """The `ServerLimits` the parsed `add_limit_args` flags describe."""
+    """The `ServerLimits` the parsed `add_limit_args` flags describe (only the connection limits when the parser
+    had just `add_connection_args`: the others keep their defaults)."""
+    d = ServerLimits()
     return ServerLimits(
         limit_concurrency=args.limit_concurrency, timeout_keep_alive_s=args.timeout_keep_alive,
-        request_read_timeout_s=args.request_read_timeout, max_request_sequences=args.max_request_sequences,
-        max_queued_requests=args.max_queued_requests, request_timeout_s=args.request_timeout,
+        request_read_timeout_s=args.request_read_timeout,
+        max_request_sequences=getattr(args, "max_request_sequences", d.max_request_sequences),
+        max_queued_requests=getattr(args, "max_queued_requests", d.max_queued_requests),
+        request_timeout_s=getattr(args, "request_timeout", d.request_timeout_s),
     )

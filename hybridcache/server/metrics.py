@@ -38,6 +38,7 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
                                                     eviction
     hybridcache_host_promotions_skipped_total       deeper host hits not taken: the copy cost more than
                                                     recomputing
+    hybridcache_host_dropped_total                  host checkpoints the host tier's own eviction dropped (gone)
 
 With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
@@ -250,6 +251,11 @@ def _tier_metrics(state: EngineState, model: str) -> Iterator[Metric]:
                                   "Host hits not taken: the copy cost more than recomputing", labels=["model_name"])
     skipped.add_metric([model], state.num_promotions_skipped)
     yield skipped
+    dropped = CounterMetricFamily("hybridcache_host_dropped",
+                                  "Host checkpoints dropped by the host tier's own eviction (gone)",
+                                  labels=["model_name"])
+    dropped.add_metric([model], state.num_host_dropped)
+    yield dropped
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:

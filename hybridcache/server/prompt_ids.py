@@ -7,6 +7,7 @@ such prompts as text; their spans make them a miss wherever the blocks hold imag
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from hybridcache.server.errors import APIError
@@ -14,10 +15,11 @@ from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 def body_prompt_ids(body: dict[str, Any], tokenizer: Any, default_template_kwargs: dict[str, Any] | None = None,
-                    ) -> list[list[int]]:
+                    check_text: Callable[[list, str], None] | None = None) -> list[list[int]]:
     """Every prompt of a decoded JSON body: a chat body (it has `messages`) renders through the chat template
     with its tools, `chat_template_kwargs` (over `default_template_kwargs`), `add_generation_prompt` and
-    `continue_final_message`; a completions body's prompts are encoded (token-id prompts kept). Raises
+    `continue_final_message`; a completions body's prompts are encoded (token-id prompts kept). `check_text(prompts,
+    param)` sees the prompts before they are encoded (the server refuses a text too long to fit). Raises
     `APIError(400)` naming the problem."""
     if isinstance(body, dict) and "messages" in body:
         chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
@@ -30,9 +32,14 @@ def body_prompt_ids(body: dict[str, Any], tokenizer: Any, default_template_kwarg
         except Exception as error:  # noqa: BLE001 - template errors are the client's
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
+        if check_text is not None:
+            check_text([text], "messages")
         return [tokenizer.encode(text)]
     completion: CompletionRequest = parse_request(CompletionRequest, body)
-    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in completion.prompts()]
+    prompts = completion.prompts()
+    if check_text is not None:
+        check_text(prompts, "prompt")
+    return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
 def _text_only(message: dict[str, Any]) -> dict[str, Any]:

@@ -6,11 +6,14 @@
     POST /detokenize   {"tokens": [...]} -> {"prompt": text}
     GET  /version      {"version": the package version}
 
-The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not.
+The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not. A prompt is
+tokenized off the event loop, and a text too long to fit `max_model_len` tokens is refused by its size first, as
+for a completion (limits.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +63,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send either 'prompt' or 'messages'", param="prompt")
         if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
+            routes.check_prompt_bytes([body.prompt], "prompt")
+            tokens = (await routes._encode([body.prompt]))[0]
         else:
             chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, {**data, "stream": False})
             template_kwargs = {**routes.config.default_chat_template_kwargs, **(chat.chat_template_kwargs or {})}
@@ -72,8 +76,12 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             except Exception as error:  # noqa: BLE001 - template errors are the client's
                 raise APIError(400, f"the chat template could not render these messages: {error}",
                                param="messages") from None
-            tokens = tokenizer.encode(text)
-        strs = [tokenizer.decode([t], skip_special_tokens=False) for t in tokens] if body.return_token_strs else None
+            routes.check_prompt_bytes([text], "messages")
+            tokens = (await routes._encode([text]))[0]
+        strs = None
+        if body.return_token_strs:  # one decode per token: on the tokenizer threads too
+            strs = await asyncio.get_running_loop().run_in_executor(
+                routes.tokenizer_pool, lambda: [tokenizer.decode([t], skip_special_tokens=False) for t in tokens])
         return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
                              "token_strs": strs})
 

@@ -9,6 +9,9 @@ from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.engine.cost_model import ModelCost, load_model_cost
 
 COST = ModelCost("toy", kv_bytes_per_token=16, state_bytes=256, flops_per_token=10.0, attn_flops_per_token_pair=1.0)
+# a state of one page (B = 4): branch points from 4 tokens on are worth a checkpoint (COST's from 16 on)
+SMALL_STATE = ModelCost("toy1", kv_bytes_per_token=16, state_bytes=64, flops_per_token=10.0,
+                        attn_flops_per_token_pair=1.0)
 
 
 def _workload(requests):
@@ -16,10 +19,10 @@ def _workload(requests):
     return Workload("toy", len(requests), lambda: iter(requests))
 
 
-def _run(requests, policies, block_size=4, memory=1 << 20, chunk_budget=100):
+def _run(requests, policies, block_size=4, memory=1 << 20, chunk_budget=100, cost=COST):
     specs = parse_policies(policies, block_size)
     config = SimConfig(memory, block_size, chunk_budget, kv_tokens_per_slot=16, check_integrity=True)
-    return simulate(_workload(requests), specs, COST, config).policies
+    return simulate(_workload(requests), specs, cost, config).policies
 
 
 # B = 4. r1 feeds [1..10] + output 50 (51 is sampled, never fed): 11 tokens.
@@ -30,7 +33,7 @@ R3 = SimRequest("r3", (1, 2, 3, 4, 5, 6, 80, 81, 82), (90,))
 
 
 def test_hand_computed_trace_gives_exact_hits_for_every_policy():
-    results = _run([R1, R2, R3], "none,block-aligned,seed,hybridcache,hybridcache+flop,oracle")
+    results = _run([R1, R2, R3], "none,block-aligned,seed,hybridcache,hybridcache+flop,oracle", cost=SMALL_STATE)
     hits = {name: r.hit_tokens for name, r in results.items()}
     assert hits == {
         "none": 0,
@@ -62,10 +65,20 @@ def test_hand_computed_trace_gives_exact_hits_for_every_policy():
 
 def test_a_fourth_request_hits_the_branch_point_only_under_hybridcache():
     r4 = SimRequest("r4", (1, 2, 3, 4, 5, 6, 99, 98), (1,))
-    results = _run([R1, R2, R3, r4], "seed,hybridcache,oracle")
+    results = _run([R1, R2, R3, r4], "seed,hybridcache,oracle", cost=SMALL_STATE)
     assert results["hybridcache"].hit_tokens == 11 + 6
     assert results["seed"].hit_tokens == 10
     assert results["oracle"].hit_tokens == 17 + 6
+
+
+def test_a_branch_point_shorter_than_a_state_is_not_saved_as_the_engine_decides():
+    """The engine's tiny-branch-point rule (`CacheConfig.min_branch_point_step` = k x B tokens): with COST's state
+    of 4 pages (16 tokens of KV), r3's divergence at 6 is not saved, so r4 misses where it hit above."""
+    r4 = SimRequest("r4", (1, 2, 3, 4, 5, 6, 99, 98), (1,))
+    results = _run([R1, R2, R3, r4], "hybridcache,bounded-oracle")
+    for name in ("hybridcache", "bounded-oracle"):
+        assert results[name].hit_tokens == 11, name
+        assert "branch_point" not in results[name].hits_by_reason, name
 
 
 def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend_on():

@@ -81,6 +81,25 @@ def test_what_falls_out_of_the_host_tier_is_gone():
     cache.check_integrity()
 
 
+def test_a_prompt_that_shares_a_demoted_prefix_finds_its_branch_point_in_the_host_tier():
+    """The divergence walks the host nodes that continue the device path: c shares 6 tokens with a's chain, which
+    is on the host, so c saves a branch point at 6 and d, diverging there too, hits it."""
+    cache, driver = make()
+    driver.run(CacheRequest("a", tuple(range(10))))
+    fill_device(driver)
+    assert cache.stats.num_host_nodes >= 1
+    c = tuple(range(6)) + (90, 91, 92, 93, 94)
+    match = cache.match(CacheRequest("probe", c))
+    assert (match.cached_len, match.divergence_len) == (0, 6)
+    cache.release_match(match)
+    driver.run(CacheRequest("c", c), branch=True)
+    d = driver.admit(CacheRequest("d", tuple(range(6)) + (70, 71, 72)))
+    assert d.cached_len == 6 and d.checkpoint_reason == "branch_point"
+    driver.step("d", [70, 71, 72])
+    cache.finish("d")
+    cache.check_integrity()
+
+
 def test_a_promotion_that_does_not_pay_is_skipped():
     slow = CostModel(host_bandwidth=1.0, device_flops=1e12)  # copies crawl: recomputing 10 tokens is cheaper
     cache, driver = make(cost=slow)

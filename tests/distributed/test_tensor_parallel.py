@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo, 2 ranks) computes what one rank computes and what transformers
 computes: greedy tokens equal, logits within 1e-4 (relative), on tiny Qwen3-Next, Qwen3.5 and Qwen3.5-MoE
-models; and with the prefix cache on, the cache-equivalence workload gives the tokens and logits of an
-uncached single-rank run.
+models; logprobs within 1e-5 of one rank's (an odd vocabulary's padding columns take no part); with the prefix
+cache on, the cache-equivalence workload gives the tokens and logits of an uncached single-rank run; and async
+scheduling (the fed tokens broadcast from rank 0) gives the synchronous tokens, also on the cache workload.
 
 Each model family starts one 2-rank engine (a spawned worker: seconds), shared by the module's tests of that
 family. Qwen3-Next (packed projections, MoE and a dense layer) runs in the default suite, also with a vocabulary
@@ -96,6 +97,95 @@ def test_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, 
     out_cached = run_workload(tp_engine, check_every_step=True)
     assert_same(tp_engine, uncached, out_cached, out_uncached)
     assert sum(o.cached_tokens for o in out_cached.values()) > 0
+
+
+def logprob_run(engine: LLMEngine, request_id: str, prompt: list[int]) -> list:
+    """The greedy completion's per-token logprobs (the chosen token's and the top 5)."""
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5))
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                return output.outputs[0].logprobs
+    raise AssertionError("the request did not finish")
+
+
+def test_two_ranks_give_one_ranks_logprobs(model_dir, tp_engine):
+    """Logprobs come from the whole vocabulary's logits: with an odd vocabulary the padding columns of the last
+    rank's lm_head shard must be gone before the log-softmax (a padding column would add to its sum)."""
+    prompt = [random.Random(11).randrange(256) for _ in range(160)]
+    want = logprob_run(make_engine(model_dir), "lp", prompt)
+    got = logprob_run(tp_engine, "lp", prompt)
+    assert len(got) == len(want) == 8
+    vocab = tp_engine.model_config.vocab_size
+    for ours, ref in zip(got, want, strict=True):
+        assert ours.token_id == ref.token_id
+        assert abs(ours.logprob - ref.logprob) <= 1e-5
+        assert [t for t, _ in ours.top] == [t for t, _ in ref.top] and all(t < vocab for t, _ in ours.top)
+        assert max(abs(a - b) for (_, a), (_, b) in zip(ours.top, ref.top, strict=True)) <= 1e-5
+
+
+def recording_feeds(engine: LLMEngine) -> list:
+    """Record every `TokenFeed` the engine hands its executor (undone by `del engine.runner.execute`)."""
+    feeds = []
+    execute = engine.runner.execute
+
+    def recording(batch, feed=None):
+        feeds.append(feed)
+        return execute(batch, feed)
+
+    engine.runner.execute = recording
+    return feeds
+
+
+def run_batch(engine: LLMEngine, overlap: bool) -> dict[str, list[int]]:
+    """Three greedy requests of different lengths, decoding together, with async scheduling `overlap`."""
+    engine.clear_cache()
+    engine.async_scheduling = overlap
+    rng = random.Random(5)
+    for i, (length, new) in enumerate(((150, 10), (40, 14), (90, 6))):
+        engine.add_request(f"batch{i}", [rng.randrange(256) for _ in range(length)],
+                           SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    done = {}
+    try:
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    finally:
+        engine.async_scheduling = False
+    return done
+
+
+def test_async_scheduling_on_two_ranks_gives_the_synchronous_tokens(tp_engine):
+    """Async scheduling under tensor parallelism: each decode row's input token is the one the step before sampled,
+    which only rank 0 holds; it reaches the worker as a broadcast inside the step (a worker that read the
+    placeholder `PENDING_TOKEN` would fail its embedding lookup, and one that read another token would diverge)."""
+    assert EngineConfig(async_scheduling=True, tensor_parallel_size=2).async_scheduling
+    want = run_batch(tp_engine, overlap=False)
+    feeds = recording_feeds(tp_engine)
+    try:
+        got = run_batch(tp_engine, overlap=True)
+    finally:
+        del tp_engine.runner.execute
+    assert got == want and [len(want[f"batch{i}"]) for i in range(3)] == [10, 14, 6]
+    assert sum(f is not None for f in feeds) >= 10  # the decode rows were fed on the device
+
+
+def test_async_cache_workload_on_two_ranks_matches_an_uncached_single_rank(model_dir, tp_engine):
+    """The cache workload, async on two ranks, gives the tokens and logits of synchronous steps on one rank without
+    the cache (as synchronous steps on two ranks do: `test_cache_workload_on_two_ranks_matches_an_uncached_single_
+    rank`), the cache consistent after every step."""
+    engine = tp_engine
+    feeds = recording_feeds(engine)
+    engine.clear_cache()
+    engine.logits.clear()
+    engine.async_scheduling = True
+    try:
+        out = run_workload(engine, check_every_step=True)
+    finally:
+        engine.async_scheduling = False
+        del engine.runner.execute
+    uncached = make_engine(model_dir, caching=False)
+    assert_same(engine, uncached, out, run_workload(uncached))
+    assert sum(f is not None for f in feeds) > 10
 
 
 def test_a_model_that_does_not_split_fails_before_any_worker_starts(model_dir):

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hybridcache.cache import PENDING_TOKEN
 from hybridcache.config import EngineConfig
 from hybridcache.distributed.executor import WorkerError
 from hybridcache.distributed.monitor import LivenessMonitor
@@ -191,8 +192,8 @@ def test_a_step_the_monitor_aborted_raises_while_the_dead_worker_is_not_reaped_y
     monkeypatch.setattr(worker, "process", _Unreaped(worker.process, lag_s=1.0))
     forward = executor.runner.execute
 
-    def forward_then_lose_rank_1(batch):
-        result = forward(batch)
+    def forward_then_lose_rank_1(batch, feed=None):
+        result = forward(batch, feed)
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while not monitor.aborted and time.monotonic() < deadline:
@@ -202,6 +203,37 @@ def test_a_step_the_monitor_aborted_raises_while_the_dead_worker_is_not_reaped_y
 
     monkeypatch.setattr(executor.runner, "execute", forward_then_lose_rank_1)
     rank_1_death(engine, pid, threading.Timer(60, lambda: None), engine.step)
+
+
+def test_results_of_a_step_aborted_after_it_was_queued_never_reach_a_request(model_dir, monkeypatch):
+    """The executor does not wait for the device (async scheduling queues step t+1 while t runs), so on NCCL an
+    abort may cut a step short after `execute` returned: the engine's `check_results`, after its wait for the
+    sampled tokens, must raise before any token is used. Simulated on gloo: rank 1 is killed and the monitor
+    aborts between the step's launch and its completion, rank 1 still looking alive for a second."""
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=4, tensor_parallel_size=2))
+    start_decoding(engine)
+    executor = engine.runner
+    (worker,) = executor._workers
+    (monitor,) = executor._monitors
+    pid = worker.process.pid
+    monkeypatch.setattr(worker, "process", _Unreaped(worker.process, lag_s=1.0))
+    sample = engine._sample
+    decoded = engine.num_decode_tokens
+
+    def sample_then_lose_rank_1(logits, sampled):
+        pending = sample(logits, sampled)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while not monitor.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert monitor.aborted
+        return pending
+
+    monkeypatch.setattr(engine, "_sample", sample_then_lose_rank_1)
+    running = list(engine.scheduler.running)
+    rank_1_death(engine, pid, threading.Timer(60, lambda: None), engine.step)
+    assert engine.num_decode_tokens == decoded  # the step's tokens were not taken
+    assert running and all(seq.token_ids[-1] == PENDING_TOKEN for seq in running)  # nor filled in
 
 
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2 or importlib.util.find_spec("fla") is None,

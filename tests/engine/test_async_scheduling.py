@@ -5,8 +5,11 @@ these tests check it against the synchronous engine: the same tokens, the cache 
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
+import re
 
+import jsonschema
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -124,41 +127,56 @@ def test_early_stops_abort_and_follow_up_hits_match_sync(model_dir):
     assert hits[1] >= hits[0] >= len(follow_up) - 4
 
 
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
-    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, guided=GuidedSpec(GuidedKind.REGEX, "[a-z]+")),
-], ids=["penalties", "guided"])
-def test_steps_that_need_the_tokens_run_synchronously(model_dir, params, monkeypatch):
-    """A request whose next sample depends on its tokens on the host (penalties read the output, a grammar
-    its state) makes the steps that sample it synchronous; the greedy requests beside it still match."""
-    outs = []
-    overlapped = []  # steps the next one was planned over (before they were postprocessed)
-
-    def recording(launched, can_overlap):
-        if can_overlap(launched):
-            overlapped.append(launched)
-            return True
-        return False
-
+    SamplingParams(temperature=0, max_tokens=12, guided=GuidedSpec(GuidedKind.REGEX, "[a-z]+")),
+    SamplingParams(temperature=1.0, seed=1, max_tokens=60, n=2, guided=GuidedSpec.json_schema(SCHEMA)),
+], ids=["penalties", "regex", "json-schema"])
+def test_steps_that_need_the_tokens_stay_async(model_dir, params, monkeypatch):
+    """A request whose next sample depends on its tokens on the host (penalties read the output, a grammar its
+    state) beside a plain one keeps the engine async: every step is planned and launched before the one before
+    is postprocessed, and a step that samples it queues its sampling only after that (`_sample_deferred`, when
+    the grammar has accepted the token before). Token for token the synchronous engine's outputs; the guided
+    texts follow their grammar."""
+    outs, overlapped, deferred = [], [], []
     for async_scheduling in (False, True):
         engine = make_engine(model_dir, async_scheduling=async_scheduling)
-        original = engine._can_overlap
-        monkeypatch.setattr(engine, "_can_overlap", lambda launched, o=original: recording(launched, o))
+        can_overlap, sample_deferred = engine._can_overlap, engine._sample_deferred
+
+        def recording_overlap(launched, original=can_overlap):
+            overlapped.append(original(launched))
+            return overlapped[-1]
+
+        def recording_deferred(launched, original=sample_deferred):
+            deferred.append({seq.request_id for seq in launched.sampled})
+            original(launched)
+
+        monkeypatch.setattr(engine, "_can_overlap", recording_overlap)
+        monkeypatch.setattr(engine, "_sample_deferred", recording_deferred)
         rng = random.Random(9)
         engine.add_request("special", tokens(rng, 30), params)
         engine.add_request("plain", tokens(rng, 30), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
         outs.append(run_all(engine))
+        if not async_scheduling:
+            assert not overlapped and not deferred  # the synchronous engine never has a step in flight
     for request_id in ("special", "plain"):
-        assert outs[0][request_id].outputs[0].token_ids == outs[1][request_id].outputs[0].token_ids
-    assert overlapped and all(all(s.request_id == "plain" for s in launched.sampled) for launched in overlapped)
-
-
-def test_async_scheduling_is_refused_with_tensor_parallelism():
-    from hybridcache.config import EngineConfig
-
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)
-    assert EngineConfig(tensor_parallel_size=2).async_scheduling is None
+        sync_out, async_out = (o[request_id].outputs for o in outs)
+        assert [(c.token_ids, c.finish_reason) for c in sync_out] == [(c.token_ids, c.finish_reason)
+                                                                     for c in async_out], request_id
+    assert len(overlapped) >= 19 and all(overlapped)  # every step of the plain request's 20 but the last
+    # every sample of the special request's after its prefill's
+    assert len(deferred) >= max(len(c.token_ids) for c in outs[1]["special"].outputs) - 1 >= 2
+    assert all("special" in ids for ids in deferred)
+    if params.guided is not None and params.guided.kind is GuidedKind.REGEX:
+        assert re.fullmatch("[a-z]+", outs[1]["special"].outputs[0].text)
+    elif params.guided is not None:
+        for completion in outs[1]["special"].outputs:
+            assert completion.finish_reason == "stop"
+            jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,

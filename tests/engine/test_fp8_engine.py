@@ -19,6 +19,10 @@ from hybridcache.server.engine_state import read_engine_state
 from .model_folders import prompts_of, write_tiny_model
 from .test_cache_equivalence import assert_same, make_engine, run_workload
 
+# Qwen3-Next's DeltaNet heads are whole 128-row FP8 blocks, as in its FP8 checkpoints (its packed projections are
+# read ungrouped, their block scales with them: docs/design.md).
+WHOLE_BLOCKS = {"qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128}}
+
 
 # The channel case is slow-marked (suite budget): its loading, logits and greedy tokens are checked against
 # transformers in tests/models/test_fp8.py, and the cache sees the same engine either way.
@@ -27,7 +31,8 @@ from .test_cache_equivalence import assert_same, make_engine, run_workload
                 ids=lambda p: "-".join(p))
 def fp8_dir(request, tmp_path_factory):
     model_type, kind = request.param
-    dense = write_tiny_model(tmp_path_factory.mktemp(f"dense-{model_type}"), model_type)
+    dense = write_tiny_model(tmp_path_factory.mktemp(f"dense-{model_type}"), model_type,
+                             **WHOLE_BLOCKS.get(model_type, {}))
     return write_fp8_folder(dense, tmp_path_factory.mktemp(f"{kind}-{model_type}"), kind)
 
 

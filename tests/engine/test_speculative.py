@@ -20,43 +20,13 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
 from .model_folders import save_model_folder, write_tiny_model
+from .spec_helpers import make_engine, oracle, spec, tokens_of
 from .test_cache_equivalence import run_workload
-
-
-def spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "qwen3_next"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def make_engine(model_dir, k: int | None, **options) -> LLMEngine:
-    config = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6, **options}
-    return LLMEngine(model_dir, EngineConfig(**config, speculative_config=spec(k) if k else None))
-
-
-def tokens_of(outputs: dict) -> dict:
-    return {rid: [c.token_ids for c in out.outputs] for rid, out in outputs.items()}
-
-
-def oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) -> None:
-    """Replace the engine's drafts by the reference run's next tokens, each kept with probability `right` (else
-    a wrong token), so that verify rows accept every number of drafts from 0 to k."""
-    rng = random.Random(seed)
-    drafter = engine.drafter
-    propose = drafter.propose
-
-    def propose_from_reference(chunks, drafting):
-        propose(chunks, drafting)  # the real head still runs (its KV, its drafts' count)
-        for seq in drafting:
-            want = reference.get(seq.request_id, [[]] * (seq.index + 1))[seq.index]
-            done = seq.num_tokens - seq.prompt_len
-            seq.drafts = [want[done + j] if done + j < len(want) and rng.random() < right else (want[0] + 1) % 256
-                          for j in range(len(seq.drafts))]
-
-    drafter.propose = propose_from_reference
 
 
 @pytest.mark.parametrize("k", [2, pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
@@ -101,6 +71,23 @@ def test_mtp_cached_run_equals_uncached_run_under_pressure(model_dir):
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("traffic"), "qwen3_5_text", seed=1)
+
+
+def test_speculation_turns_off_above_a_batch_size_with_async_steps_between(small_dir):
+    """`disable_by_batch_size` 2 on the cache-equivalence workload (up to 6 sequences at once), async scheduling on:
+    steps over the limit are plain decode steps (overlapped), steps at or under it draft and verify (synchronous,
+    oracle drafts so that some are accepted); greedy tokens equal MTP off's, the cache intact after every step."""
+    off = tokens_of(run_workload(make_engine(small_dir, None, enable_prefix_caching=False)))
+    engine = LLMEngine(small_dir, EngineConfig(
+        block_size=16, kernel_block_size=8, max_num_batched_tokens=96, max_num_seqs=6, async_scheduling=True,
+        speculative_config={**spec(2), "disable_by_batch_size": 2}))
+    oracle(engine, off, seed=5)
+    decided = []
+    speculating = engine._speculating
+    engine._speculating = lambda: decided.append(speculating()) or decided[-1]
+    assert tokens_of(run_workload(engine, check_every_step=True)) == off
+    assert True in decided and False in decided
+    assert engine.drafter.stats.num_accepted_tokens > 0
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -246,12 +233,11 @@ def test_sampling_distribution_with_mtp_equals_without(tiny_vocab_dir, temperatu
 
 # ------------------------------------------------------------------------------------------------- refusals
 def test_unsupported_combinations_are_refused_clearly(small_dir):
-    with pytest.raises(ValueError, match="async scheduling"):
-        EngineConfig(speculative_config=spec(2), async_scheduling=True)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        EngineConfig(speculative_config={**spec(2), "disable_by_batch_size": 0})
     with pytest.raises(ValueError, match="tensor parallelism"):
         EngineConfig(speculative_config=spec(2), tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="CUDA"):
-        EngineConfig(speculative_config=spec(2), device="cuda")
+    assert EngineConfig(speculative_config=spec(2), device="cuda").speculative_config.num_speculative_tokens == 2
     with pytest.raises(ValueError, match="not supported"):
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     assert EngineConfig(speculative_config='{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'

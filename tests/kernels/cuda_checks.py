@@ -470,3 +470,85 @@ def check_sort_pairs(device: torch.device, seed: int = 0) -> dict[str, int]:
         ref_counts = torch.bincount(flat, minlength=experts).to(torch.int32)
         misses[name] = int((order.cpu() != ref_order).sum()) + int((counts.cpu() != ref_counts).sum())
     return misses
+
+
+VERIFY_DRAFTS = (0, 1, 2, 3, 3, 0)  # drafts of each verify row (0: a plain decode row)
+VERIFY_HISTORY = (150, 151, 200, 0, 163, 1)  # 0: a fresh row (its slot's old contents must be ignored)
+
+
+def check_verify(dtype: torch.dtype, device: torch.device, *, states_only: bool,
+                 state_dtype: torch.dtype = torch.float32,
+                 drafts: Sequence[int] = VERIFY_DRAFTS, history: Sequence[int] = VERIFY_HISTORY,
+                 heads: tuple[int, int] = (2, 4), dims: tuple[int, int] = (32, 64), channels: int = 200,
+                 kernel: int = 4, seed: int = 0) -> dict[str, ErrorStats]:
+    """The verify kernels (`gated_delta/triton_verify.py`, `conv/triton_verify.py`) against the references.
+
+    Each sequence feeds 1 + drafts[i] tokens after `history[i]` tokens whose recurrent state is computed by the
+    reference chunked rule from random inputs (so the state is a real one, not noise) and stored in the slot in
+    `state_dtype`. With `states_only`, a prefill chunk of 70 tokens joins the batch (no drafts; fla's part in the
+    backend, so only its untouched state rows are checked here). Reference: `gated_delta_rule_verify` and
+    `conv_states_after` per sequence; draft row j of sequence i must hold the state after position j."""
+    from hybridcache.kernels.conv.triton_verify import conv_draft_states
+    from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [1 + n for n in drafts]
+    history = list(history)
+    drafts = list(drafts)
+    if states_only:
+        lengths, history, drafts = lengths + [70], history + [30], drafts + [0]
+    num, width = len(lengths), max(max(drafts), 1)
+    batch = varlen_batch(lengths, history, device, seed)
+    num_rows = batch.num_slots + num * width  # slots first, then `width` draft rows per sequence
+    table = torch.arange(batch.num_slots, num_rows).view(num, width)
+    q, k, v, g, beta = _gdn_inputs(sum(lengths), heads, dims, dtype, device, gen)
+    ssm_pool = (0.1 * torch.randn(num_rows, heads[1], *dims, generator=gen)).to(device, state_dtype)
+    x, _, _ = _conv_inputs(sum(lengths), channels, kernel, dtype, device, gen)
+    conv_pool = torch.randn(num_rows, channels, kernel - 1, generator=gen).to(device, dtype)
+    for i, hist in enumerate(history):  # a state after `hist` real tokens
+        if hist:
+            hq, hk, hv, hg, hb = _gdn_inputs(hist, heads, dims, torch.float32, torch.device("cpu"), gen)
+            _, state = delta_ref.chunk_gated_delta_rule(hq, hk, hv, hg, hb)
+            ssm_pool[batch.state_slots[i]] = state.to(device, state_dtype)
+    ssm_before, conv_before = ssm_pool.clone(), conv_pool.clone()
+    table_dev = table.to(device)
+    num_drafts = torch.tensor(drafts, dtype=torch.int32, device=device)
+    conv_draft_states(x, conv_pool, batch.state_slots, batch.cu_seqlens, batch.context_lens, table_dev, num_drafts)
+    out = gated_delta_rule_verify(q, k, v, g, beta, ssm_pool, batch.state_slots, batch.cu_seqlens,
+                                  batch.context_lens, table_dev, num_drafts, states_only=states_only)
+    starts = batch.cu_seqlens.tolist()
+    written, ref_ssm, got_ssm, ref_conv, got_conv, ref_out, got_out = [], [], [], [], [], [], []
+    for i, (length, hist, n) in enumerate(zip(lengths, history, drafts, strict=True)):
+        rows = slice(starts[i], starts[i] + length)
+        slot = int(batch.state_slots[i])
+        initial = ssm_before[slot] if hist else torch.zeros_like(ssm_before[slot])
+        conv_initial = conv_before[slot] if hist else torch.zeros_like(conv_before[slot])
+        if n:
+            conv_after = conv_ref.conv_states_after(x[rows].float(), conv_initial.float())
+            ref_conv.append(conv_after[:n])
+            got_conv.append(conv_pool[table[i, :n]].float())
+        if states_only and not n:
+            continue  # fla's sequence: nothing of this kernel's
+        ref, states = delta_ref.gated_delta_rule_verify(q[rows].float(), k[rows].float(), v[rows].float(), g[rows],
+                                                        beta[rows].float(), initial)
+        written += table[i, :n].tolist()
+        ref_ssm.append(states[:n].float())
+        got_ssm.append(ssm_pool[table[i, :n]].float())
+        if not states_only:
+            written.append(slot)
+            ref_ssm.append(states[-1:].float())
+            got_ssm.append(ssm_pool[slot:slot + 1].float())
+            ref_out.append(ref)
+            got_out.append(out[rows])
+    stats = {
+        "draft_states": error_stats(torch.cat(got_ssm), torch.cat(ref_ssm)),
+        "conv_draft_states": error_stats(torch.cat(got_conv), torch.cat(ref_conv)),
+        "other_rows": _untouched(ssm_pool, ssm_before, torch.tensor(written, dtype=torch.int64, device=device)),
+        "conv_other_rows": _untouched(conv_pool, conv_before, table[table_dev.new_tensor(drafts)[:, None].cpu()
+                                                                   > torch.arange(width)].to(device)),
+    }
+    if not states_only:
+        stats["out"] = error_stats(torch.cat(got_out), torch.cat(ref_out))
+    elif out is not None:
+        raise AssertionError("states-only mode returned outputs")
+    return stats

@@ -99,3 +99,11 @@ def test_cuda_backend_matches_reference_backend(case, dtype: torch.dtype) -> Non
         # the experts now share the stacked weights; a second call reuses them and still matches
         torch.testing.assert_close(backend.moe(x_moe, weights, ids, experts), want, **bf16_tol)
         assert experts[3].up_proj.weight.data_ptr() == backend._experts[experts].gate_up[3, 128:].data_ptr()
+
+    # the feed-forward tails on column views of one fused output (width 128 + 128, then the router's 8 + 1)
+    gate_up, router = rand(tokens, 256, scale=3.0), rand(tokens, 9, scale=3.0)
+    gate, up = gate_up.split([128, 128], dim=-1)
+    torch.testing.assert_close(backend.silu_mul(gate, up), reference.silu_mul(gate, up), **bf16_tol)
+    routed, shared = rand(tokens, 256), rand(tokens, 256)
+    torch.testing.assert_close(backend.sigmoid_gate_add(routed, router[:, 8:], shared),
+                               reference.sigmoid_gate_add(routed, router[:, 8:], shared), **bf16_tol)

@@ -32,7 +32,9 @@ from hybridcache.models.random_weights import randomize_, tiny_hf_config
 
 from .helpers import MODEL_TYPES, TOLERANCE, PagedRunner, random_tokens, rel_err
 
-ALIGNED = {"qwen3_next": {"linear_key_head_dim": 32}}  # in_proj_qkvz 192 -> 256 rows (see the module docstring)
+# Qwen3-Next's DeltaNet head dims are whole 128-row blocks, as in its FP8 checkpoints: the loader reads in_proj_qkvz's
+# rows per head in another order (`PackedGatedDeltaNet`), and its block scales with them (see the module docstring).
+ALIGNED = {"qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128}}
 
 
 @pytest.fixture(scope="module", params=MODEL_TYPES)

@@ -156,5 +156,6 @@ def test_the_router_polls_with_the_replicas_api_key():
         for key, up in ((None, False), ("k", True)):
             config = RouterConfig((replica,), poll_interval_s=30.0, api_key=key)
             with serving_app(build_router_app(config, tokenizer=None)) as router:
-                health = httpx.get(f"{router}/health").json()
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                health = httpx.get(f"{router}/health", headers=headers).json()
                 assert [r["up"] for r in health["replicas"]] == [up], (key, health)

@@ -1,14 +1,21 @@
 """GET /v1/cache/events and POST /v1/cache/match on a real server: an index built from the events predicts
-what the dry-run match reports, which is what the request then gets; a match changes nothing."""
+what the dry-run match reports, which is what the request then gets; a match changes nothing. /tokenize and the
+match refuse a text too long to fit by its size, and tokenize off the event loop."""
 
 from __future__ import annotations
+
+import asyncio
+import threading
 
 import httpx
 
 from hybridcache.cache import CacheEvent
 from hybridcache.router.index import ReplicaIndex
+from hybridcache.server.app import ServedModel, _Routes
+from hybridcache.server.config import ServerConfig
+from hybridcache.server.limits import max_token_bytes
 from tests.server.conftest import MODEL
-from tests.server.inprocess_server import serving
+from tests.server.inprocess_server import ENGINE, serving
 
 
 def _poll(client: httpx.Client, index: ReplicaIndex, since: int | None) -> int:
@@ -52,3 +59,38 @@ def test_events_and_dry_run_match_agree_with_the_hit(tokenizer):
         bad = client.post("/v1/cache/match", json={"model": MODEL, "prompt": 5})
         assert bad.status_code == 400 and "prompt" in bad.text
         assert client.get("/v1/cache/events", params={"since": 10**9}).status_code == 400
+
+
+def test_tokenize_and_match_refuse_a_text_too_long_before_tokenizing_it(tokenizer):
+    limit = ENGINE.max_model_len * max_token_bytes(tokenizer)
+    text = "a" * (limit + 1)  # over the bound by its size alone; under the 1 MiB body limit
+    assert limit + 1 < (1 << 20)
+    with serving() as url, httpx.Client(base_url=url, timeout=60) as client:
+        for path, body, param in (("/tokenize", {"prompt": text}, "prompt"),
+                                  ("/v1/cache/match", {"model": MODEL, "prompt": text}, "prompt"),
+                                  ("/v1/cache/match", {"model": MODEL, "messages": [{"role": "user", "content": text}]},
+                                   "messages")):
+            response = client.post(path, json=body)
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["code"] == "context_length_exceeded", (path, error)
+            assert error["param"] == param
+        fits = client.post("/tokenize", json={"prompt": "hello there"}).raise_for_status().json()
+        assert fits["tokens"] == tokenizer.encode("hello there")
+
+
+def test_a_match_renders_and_tokenizes_on_the_tokenizer_threads(tokenizer):
+    threads = []
+
+    class Recording:
+        backend = None
+
+        def encode(self, text: str) -> list[int]:
+            threads.append(threading.current_thread().name)
+            return tokenizer.encode(text)
+
+    routes = _Routes(None, ServedModel(tokenizer=Recording(), max_model_len=64), ServerConfig(), None)
+    ids = asyncio.run(routes.body_prompt_ids({"prompt": ["hello", "there"]}))
+    assert ids == [tokenizer.encode("hello"), tokenizer.encode("there")]
+    assert threads[0] == "MainThread" and len(threads) == 3  # the warm-up call, then the two prompts
+    assert all(name.startswith("hybridcache-tokenize") for name in threads[1:]), threads
+    routes.tokenizer_pool.shutdown()

@@ -75,7 +75,8 @@ def test_per_tier_metrics_split_hits_and_bytes_between_device_and_host():
     metrics.watch_engine(lambda: EngineState(num_blocks=8, num_blocks_used=2, block_bytes=1024, num_hits=5,
                                              num_host_hits=2, num_host_blocks=32, num_host_blocks_used=6,
                                              num_host_checkpoints=1, num_promotions=2, num_promoted_blocks=7,
-                                             num_demotions=3, num_demoted_blocks=9, num_promotions_skipped=4))
+                                             num_demotions=3, num_demoted_blocks=9, num_promotions_skipped=4,
+                                             num_host_dropped=5))
     text = metrics.render().decode()
     assert metric_value(text, "hybridcache_cache_hits_total", 'tier="device"') == 3
     assert metric_value(text, "hybridcache_cache_hits_total", 'tier="host"') == 2
@@ -86,3 +87,4 @@ def test_per_tier_metrics_split_hits_and_bytes_between_device_and_host():
     assert metric_value(text, "hybridcache_host_promotions_total", 'what="blocks"') == 7
     assert metric_value(text, "hybridcache_host_demotions_total", 'what="checkpoints"') == 3
     assert metric_value(text, "hybridcache_host_promotions_skipped_total") == 4
+    assert metric_value(text, "hybridcache_host_dropped_total") == 5

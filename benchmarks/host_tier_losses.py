@@ -1,0 +1,82 @@
+"""Where a host tier loses to the bounded oracle (issue 30), request by request.
+
+Replays a workload through `hybridcache` with a host tier of R x the GPU budget, `hybridcache` with (1 + R) x the
+budget in one pool (the same bytes: does the tier deliver its capacity?) and the bounded oracle at the GPU
+budget, side by side, and compares the hit tokens of each request: how many requests the oracle hits more on
+and by how much, how many it hits less on; then the requests it gains most on, each with the earlier request
+whose prompt shares the longest prefix with it and how many requests ago that was (a chain that returns after
+more traffic than the host tier holds is lost to any recency order).
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/host_tier_losses.py --workload mooncake \\
+        --trace /path/to/mooncake/conversation_trace.jsonl --num-requests 1000 --gib 1 [--ratio 4] [--top 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+from hybridcache.bench.replay import SimConfig, cache_requests_of, parse_policies
+from hybridcache.bench.simulator import GIB, make_replay, prepare_oracles
+from hybridcache.bench.workloads import load_workload
+from hybridcache.cache.request import common_prefix_len
+from hybridcache.engine.cost_model import load_model_cost
+from hybridcache.model_path import resolve_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--trace", default=None)
+    parser.add_argument("--num-requests", type=int, default=None)
+    parser.add_argument("--model", default=None, help="a model folder whose config.json sizes the cache")
+    parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
+    parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--top", type=int, default=12, help="requests listed, the oracle's largest gains first")
+    args = parser.parse_args(argv)
+
+    model_dir = resolve_model(args.model).path if args.model is not None else None
+    cost = load_model_cost(model_dir, "auto")
+    requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests,
+                                  model_dir=model_dir))
+    gpu, size = int(args.gib * GIB), args.block_size
+    hybrid, oracle = parse_policies("hybridcache,bounded-oracle", size)
+    replays = {
+        "host": make_replay(hybrid, cost, SimConfig(gpu, size, host_memory_bytes=int(args.ratio * gpu))),
+        "one pool": make_replay(hybrid, cost, SimConfig(int((1 + args.ratio) * gpu), size)),
+        "oracle": make_replay(oracle, cost, SimConfig(gpu, size)),
+    }
+    prepare_oracles(replays.values(), requests)
+    hits: dict[str, list[int]] = {name: [] for name in replays}
+    for request in requests:
+        shared = cache_requests_of(request)
+        for name, replay in replays.items():
+            before = replay.counters.hit_tokens
+            replay.run(request, shared)
+            hits[name].append(replay.counters.hit_tokens - before)
+    prompt_tokens = sum(r.prompt_len * r.n for r in requests)
+    print(f"{len(requests)} requests of {args.workload}, GPU {args.gib:g} GiB, host {args.ratio:g}x, B={size}")
+    for name, label in (("host", f"hybridcache + host {args.ratio:g}x"),
+                        ("one pool", f"hybridcache at {1 + args.ratio:g}x in one pool"),
+                        ("oracle", "bounded-oracle at the GPU budget")):
+        print(f"  {label:<40} hit rate {sum(hits[name]) / prompt_tokens:.4f}")
+    gains = [(o - h, i) for i, (h, o) in enumerate(zip(hits["host"], hits["oracle"], strict=True)) if o > h]
+    losses = [h - o for h, o in zip(hits["host"], hits["oracle"], strict=True) if h > o]
+    print(f"the oracle hits more on {len(gains)} requests (+{sum(g for g, _ in gains):,} tokens), fewer on "
+          f"{len(losses)} (-{sum(losses):,} tokens)")
+    if len(gains) >= 2:
+        print("its gains per request, deciles:", [round(q) for q in statistics.quantiles([g for g, _ in gains], n=10)])
+    print("\n| request | prompt tokens | host-tier hit | oracle hit | longest shared prefix | with request | "
+          "requests ago |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for _gain, i in sorted(gains, reverse=True)[: args.top]:
+        prompt = requests[i].prompt_ids
+        shared, j = max(((common_prefix_len(prompt, requests[j].prompt_ids), j) for j in range(i)), default=(0, i))
+        print(f"| {requests[i].request_id} | {len(prompt):,} | {hits['host'][i]:,} | {hits['oracle'][i]:,} | "
+              f"{shared:,} | {requests[j].request_id} | {i - j} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Torch reference of the feed-forward blocks' element-wise tails (the layers' own eager expressions).
+
+- `silu_mul(gate, up)`: silu(gate) * up, the SiLU-gated MLP's hidden activation (two kernels in torch).
+- `sigmoid_gate_add(routed, gate, shared)`: routed + sigmoid(gate) * shared, a sparse MoE block's output from
+  its routed experts and its gated shared expert (three kernels in torch).
+
+Each torch op rounds its result to the inputs' dtype, so in bf16 silu(gate) and sigmoid(gate) * shared are
+rounded before the next op; the fused kernels round at the same points.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate, up [N, I] (same dtype) -> silu(gate) * up [N, I]."""
+    return F.silu(gate) * up
+
+
+def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """routed, shared [N, H], gate [N, 1] (same dtype) -> routed + sigmoid(gate) * shared [N, H]."""
+    return routed + torch.sigmoid(gate) * shared

@@ -1,0 +1,90 @@
+"""The conv state after each draft position of speculative decoding's verify rows, on CUDA (Triton).
+
+The conv state of gated DeltaNet is the last W = K-1 pre-convolution inputs of a sequence, oldest first. After
+position j of a verify row (its last token and n drafts, rows bos .. bos+n of x), the state is the last W of
+(old state ++ x[bos .. bos+j]); for j < n it goes to pool row `draft_table[i, j]` (what the cache's
+`STATE_ROLLBACK` copies into the slot when only j drafts are accepted). Same result as
+`conv/reference.py::conv_states_after`. Run it before the convolution kernels, which rewrite the slot.
+
+Grid (S, C / BLOCK_C): each program copies its channels of every draft state of one sequence (entries are copies
+of inputs: exact in every dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_C = 128
+
+
+@triton.jit
+def _conv_draft_states_kernel(
+    x_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, table_ptr, drafts_ptr,
+    stride_xt, stride_ps, stride_pc, stride_pw, stride_table, num_channels,
+    W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)  # 0 when fresh
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    num_drafts = tl.load(drafts_ptr + seq).to(tl.int64)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = tl.arange(0, BLOCK_W)
+    ok = (chans < num_channels)[:, None] & (cols < W)[None, :]
+    for j in range(0, num_drafts):
+        src = j + 1 - W + cols  # row position that becomes entry `col`; < 0: old entry W + src
+        xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :],
+                     other=0.0)
+        from_state = (src < 0) & (src >= state_lo)
+        sv = tl.load(pool_ptr + slot * stride_ps + chans[:, None] * stride_pc + (src + W)[None, :] * stride_pw,
+                     mask=ok & from_state[None, :], other=0.0)
+        entry = xv.to(tl.float32) + sv.to(tl.float32)  # exactly one of the two is non-zero: a copy
+        draft_row = tl.load(table_ptr + seq * stride_table + j).to(tl.int64)
+        tl.store(pool_ptr + draft_row * stride_ps + chans[:, None] * stride_pc + cols[None, :] * stride_pw,
+                 entry.to(pool_ptr.dtype.element_ty), mask=ok)
+
+
+def conv_draft_states(
+    x: torch.Tensor,
+    conv_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    context_lens: torch.Tensor,
+    draft_table: torch.Tensor,
+    num_drafts: torch.Tensor,
+) -> None:
+    """Write the conv state after each of the first num_drafts[i] positions of every sequence i into its draft rows.
+
+    x           [T, C] pre-convolution inputs (unit stride on C)
+    conv_pool   [num_slots, C, W] the last W inputs of each slot, oldest first (read at state_slots, written at
+                the draft rows only)
+    state_slots [S] int64;  cu_seqlens [S + 1];  context_lens [S] (== query_len: fresh, the old state is zeros)
+    draft_table [S, D] int64 pool rows (D >= max num_drafts, at least 1);  num_drafts [S] int32 (< query_len)
+    Draft rows must not be any sequence's slot.
+    """
+    num_seqs = state_slots.shape[0]
+    num_channels = x.shape[1]
+    width = conv_pool.shape[2]
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, C] with unit stride on C")
+    if conv_pool.dim() != 3 or conv_pool.shape[1] != num_channels:
+        raise ValueError(f"conv_pool {tuple(conv_pool.shape)} must be [num_slots, {num_channels}, W]")
+    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
+                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
+    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
+        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, D >= 1]")
+    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
+        raise ValueError("draft_table must be int64 with unit stride on its last dim")
+    if num_seqs == 0 or width == 0:
+        return
+    block_c = min(_BLOCK_C, triton.next_power_of_2(num_channels))
+    _conv_draft_states_kernel[(num_seqs, triton.cdiv(num_channels, block_c))](
+        x, conv_pool, state_slots, cu_seqlens, context_lens, draft_table, num_drafts,
+        x.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2), draft_table.stride(0),
+        num_channels, W=width, BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
+    )

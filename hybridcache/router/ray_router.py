@@ -1,0 +1,103 @@
+"""`CheckpointRequestRouter`: the checkpoint-aware policy as a Ray Serve custom request router.
+
+Ray Serve calls `choose_replicas(candidates, pending_request)` for every request sent through a handle of the
+engine deployment (ray_serve.py), in the process holding the handle (the OpenAI ingress). The request's first
+argument carries the prompt's token ids (`EngineRequest.prompt_ids`, tokenized by the ingress as the replicas
+will), so the router asks the index deployment (`FleetIndex` behind `CacheIndex`) what each candidate would hit,
+and applies the HTTP router's rule (policy.py: the longest usable hit unless that replica is too loaded, or the
+least-loaded one). It answers ranks, best first::
+
+    [[chosen], [next-best by predicted hit], ...]
+
+and Ray sends the request to the first rank's replica unless it is full (`max_ongoing_requests`), then tries the
+next rank. Loads are Ray's own queue lengths of the replicas (`replica_queue_len_cache`: requests this process
+sent, corrected by the replicas' reports). A request without prompt ids (another method) or an index that does not
+answer within `index_timeout_s` gets every candidate in one rank (Ray takes the shortest queue). Replicas that
+leave (died, scaled down, replaced after a failed health check) are dropped from the index.
+
+Ray's request-router API is alpha (ray.serve.request_router); this follows Ray 2.60's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray import serve
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from hybridcache.cache.request import Probe
+from hybridcache.router.policy import Chooser, RoutingConfig
+
+logger = logging.getLogger("hybridcache.router")
+INDEX_DEPLOYMENT = "CacheIndex"
+
+
+class CheckpointRequestRouter(RequestRouter):
+    """The checkpoint-aware request router (module docstring)."""
+
+    index_deployment: str = INDEX_DEPLOYMENT
+    index_timeout_s: float = 2.0
+    _index: Any = None
+
+    def initialize_state(self, policy: str = "checkpoint", abs_margin: int = 2, rel_margin: float = 1.5,
+                         min_hit_fraction: float = 0.3, index_deployment: str = INDEX_DEPLOYMENT,
+                         index_timeout_s: float = 2.0) -> None:
+        """Called by Ray Serve with `RequestRouterConfig.request_router_kwargs`: the routing rule's options
+        (`RoutingConfig`), the index deployment's name (in this application) and how long to wait for it."""
+        self.chooser = Chooser(RoutingConfig(policy, abs_margin, rel_margin, min_hit_fraction))
+        self.index_deployment = index_deployment
+        self.index_timeout_s = index_timeout_s
+
+    def _index_handle(self) -> Any:
+        if self._index is None:
+            self._index = serve.get_deployment_handle(self.index_deployment, self.app_name)
+        return self._index
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        prompts = _prompt_ids(pending_request)
+        if not prompts or len(candidate_replicas) < 2:
+            return [list(candidate_replicas)]
+        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+        try:
+            predicted = await asyncio.to_thread(self._call_index, "predict", prompts, ids)
+            probes = [Probe(kv, cached) for kv, cached in predicted]
+        except Exception as error:  # noqa: BLE001 - an index down or restarting must not stop routing
+            logger.warning("the cache index did not answer (%s: %s): routing by load", type(error).__name__, error)
+            return [list(candidate_replicas)]
+        loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        first = self.chooser.choose(probes, loads, sum(len(p) for p in prompts))
+        rest = sorted((i for i in range(len(ids)) if i != first), key=lambda i: (-probes[i].cached_len, loads[i]))
+        return [[candidate_replicas[i]] for i in (first, *rest)]
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        before = set(self.curr_replicas)
+        super().update_replicas(replicas)
+        self._forget(before - set(self.curr_replicas))
+
+    def on_replica_actor_died(self, replica_id: Any) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget({replica_id})
+
+    def _forget(self, replica_ids: set) -> None:
+        if not replica_ids:
+            return
+        ids = [r.to_full_id_str() for r in replica_ids]
+        task = asyncio.ensure_future(asyncio.to_thread(self._call_index, "drop", ids))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or logger.warning(
+            "could not drop replicas %s from the cache index: %s", ids, t.exception()))
+
+    def _call_index(self, method: str, *args: Any) -> Any:
+        """Call the index deployment and wait for its answer, on a thread: a handle's response must not be
+        awaited on the routing event loop, which the handle itself needs to route the call."""
+        return getattr(self._index_handle(), method).remote(*args).result(timeout_s=self.index_timeout_s)
+
+
+def _prompt_ids(pending_request: PendingRequest | None) -> list[list[int]] | None:
+    """The token ids of the request's prompts (its first argument's `prompt_ids`), if it has them."""
+    if pending_request is None or not pending_request.args:
+        return None
+    prompts = getattr(pending_request.args[0], "prompt_ids", None)
+    return prompts or None

@@ -1,0 +1,334 @@
+"""Ray Serve: hybridcache engines as a Serve deployment, routed by where their checkpoints are.
+
+    HTTP  ->  OpenAIIngress (FastAPI)        reads and tokenizes each request as the replicas will render it
+                 | engine.options(stream=True).remote(EngineRequest(method, path, body, headers, prompt_ids))
+                 |   CheckpointRequestRouter (ray_router.py, in the ingress's process): each candidate's
+                 |   predicted hit from CacheIndex, then the router's rule (policy.py)
+                 v
+              HybridcacheEngine x N          one `hybridcache serve` application each, run in process (no
+                 |                           socket: asgi_call.py); Ray places them (one GPU each, or CPU),
+                 |                           health-checks them (`check_health`) and restarts them
+                 | after each response it served (before its last bytes) and every `poll_interval_s`:
+                 | its own GET /v1/cache/events answer
+                 v
+              CacheIndex (1 replica)         FleetIndex (fleet_index.py): every replica's cache, as hashes
+
+`build_app(serve_args, ...)` makes the application; `app_builder` is the same for `serve run` and Serve config
+files (deploy/ray/). `serve_args` are `hybridcache serve` options (the model, engine sizes, --api-key, ...): every
+replica runs with them, and the ingress reads the model's tokenizer, chat template and body limit from them.
+The model folder must exist on every node that runs a replica or the ingress.
+
+Every engine replica answers with the server's own responses (status, body, errors). A replica that fails
+before the first byte of its answer (its actor died) is tried again (Ray's router no longer offers a dead
+replica); a stream cut after its first byte ends with an error event and `data: [DONE]`, as behind the HTTP
+router (app.py).
+"""
+
+# No `from __future__ import annotations`: FastAPI must see the routes' `Request` annotations as classes (Serve's
+# ingress wraps the methods, and strings would no longer resolve).
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+
+from hybridcache.router.app import has_key
+from hybridcache.router.asgi_call import asgi_request
+from hybridcache.router.fleet_index import FleetIndex
+from hybridcache.router.policy import RoutingConfig
+from hybridcache.router.ray_router import INDEX_DEPLOYMENT, CheckpointRequestRouter
+from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.limits import read_body
+from hybridcache.server.prompt_ids import body_prompt_ids
+
+logger = logging.getLogger("hybridcache.router")
+ENGINE_DEPLOYMENT = "HybridcacheEngine"
+FORWARDED_HEADERS = ("authorization", "content-type")
+MAX_ATTEMPTS = 3  # replicas a request is sent to at most, when each fails before its first byte
+PUBLISH_AFTER = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One HTTP request for an engine replica: what it is, and the prompts' token ids the router reads."""
+
+    method: str
+    path: str
+    body: bytes = b""
+    headers: tuple[tuple[str, str], ...] = ()
+    prompt_ids: tuple[tuple[int, ...], ...] = ()
+
+
+def parse_serve_args(serve_args: Sequence[str]) -> Any:
+    """The parsed `hybridcache serve` options, as the command line parses them (its `serve` subcommand, with
+    router/cli.py's additions); argparse exits with a usage message on a bad one."""
+    import argparse
+
+    from hybridcache.router import cli as router_cli
+    from hybridcache.server import cli as server_cli
+
+    parser = argparse.ArgumentParser(prog="hybridcache", allow_abbrev=False)
+    subcommands = parser.add_subparsers(dest="command", required=True)
+    server_cli.register(subcommands)
+    router_cli.register(subcommands)
+    return parser.parse_args(["serve", *serve_args])
+
+
+class HybridcacheEngine:
+    """One engine replica: the `hybridcache serve` application of `serve_args`, driven in process. Calls
+    yield `{"status", "headers"}` first, then the body's pieces (bytes)."""
+
+    async def __init__(self, serve_args: Sequence[str], index: Any, poll_interval_s: float = 0.5) -> None:
+        from hybridcache.server.cli import build_server
+
+        self.parts = build_server(parse_serve_args(serve_args))
+        self._closed = False
+        self._lifespan = contextlib.AsyncExitStack()
+        await self._lifespan.enter_async_context(self.parts.app.router.lifespan_context(self.parts.app))
+        self.index = index
+        self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
+        key = self.parts.config.api_key
+        self._own_headers = (("authorization", f"Bearer {key}"),) if key else ()
+        self._since: int | None = None
+        self._publish_lock = asyncio.Lock()
+        await self.publish()
+        self._poller = asyncio.ensure_future(self._publish_forever(poll_interval_s))
+
+    async def __call__(self, request: EngineRequest) -> AsyncIterator[dict | bytes]:
+        async for message in asgi_request(self.parts.app, request.method, request.path, request.headers,
+                                          request.body):
+            if message["type"] == "http.response.start":
+                yield {"status": message["status"],
+                       "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", ())]}
+            elif message.get("body"):
+                yield message["body"]
+        if request.path in PUBLISH_AFTER:  # the next turn is routed with the checkpoint this one saved
+            await self.publish()
+
+    async def publish(self) -> None:
+        """Push this replica's cache events since the last push to the index (a snapshot when the index asks
+        for one). Never raises: a failed push is logged and the next one sends a snapshot."""
+        async with self._publish_lock:
+            try:
+                for _ in range(2):  # an answer the index cannot apply is followed at once by a snapshot
+                    query = "" if self._since is None else f"since={self._since}"
+                    body = await self._json("GET", "/v1/cache/events", query)
+                    asked, self._since = self._since, await self.index.publish.remote(self.replica_id, body)
+                    if asked is None or self._since is not None:
+                        return
+            except Exception as error:  # noqa: BLE001 - the index restarting must not fail requests
+                logger.warning("could not publish cache events to the index: %s: %s", type(error).__name__, error)
+                self._since = None
+
+    async def check_health(self) -> None:
+        """Ray Serve's health check: a dead or inconsistent engine fails it, and Ray replaces the replica."""
+        loop = self.parts.engine_loop
+        if not (loop.running and loop.healthy):
+            raise RuntimeError(f"the engine is not healthy: {loop.last_error}")
+
+    def __del__(self) -> None:
+        """Ray Serve's shutdown of the replica (then the garbage collector's: it does nothing twice): stop
+        pushing, stop the engine thread (aborting what still runs), close the engine. Synchronous, since the
+        garbage collector calls it too."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if getattr(self, "_poller", None) is not None:
+            self._poller.cancel()
+        self.parts.engine_loop.stop()
+        self.parts.engine.close()
+
+    async def _publish_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.publish()
+
+    async def _json(self, method: str, path: str, query: str = "") -> Any:
+        head, body = None, b""
+        async for message in asgi_request(self.parts.app, method, path, self._own_headers, query=query):
+            if message["type"] == "http.response.start":
+                head = message["status"]
+            else:
+                body += message.get("body", b"")
+        if head != 200:
+            raise RuntimeError(f"{method} {path} answered {head}: {body[:200]!r}")
+        return json.loads(body)
+
+
+class CacheIndex:
+    """The index deployment: one `FleetIndex` (its methods run one at a time on the replica's event loop)."""
+
+    def __init__(self) -> None:
+        self.fleet = FleetIndex()
+
+    async def publish(self, replica_id: str, body: dict) -> int | None:
+        return self.fleet.publish(replica_id, body)
+
+    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int]]:
+        return [(p.kv_len, p.cached_len) for p in self.fleet.predict(prompts, replica_ids)]
+
+    async def drop(self, replica_ids: list[str]) -> None:
+        self.fleet.drop(replica_ids)
+
+    async def stats(self) -> dict[str, dict]:
+        return self.fleet.stats()
+
+
+async def _relay(stream: Any) -> AsyncIterator[bytes]:
+    """A replica's event stream passed through; a cut ends it with an error event and `[DONE]`."""
+    try:
+        async for piece in stream:
+            yield piece
+    except (RayActorError, ActorUnavailableError) as error:
+        message = f"the engine replica failed mid-stream: {type(error).__name__}: {error}"
+        yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+
+
+def _headers(request: Request) -> tuple[tuple[str, str], ...]:
+    return tuple((k, v) for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS)
+
+
+# Serve pickles the ingress class when it is decorated: what its methods use must be defined above it.
+ingress_app = FastAPI(title="hybridcache (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None,
+                      redirect_slashes=False)
+
+
+@ingress_app.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+@serve.ingress(ingress_app)
+class OpenAIIngress:
+    """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router (the replica
+    checks the API key, forwarded as sent); /v1/models, /tokenize, /detokenize and /version from any replica;
+    /health, with the index's view of every replica for holders of the API key (when one is set)."""
+
+    def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
+        from hybridcache.engine_args import model_argument
+        from hybridcache.model_path import resolve_model
+        from hybridcache.server.cli import api_key
+        from hybridcache.server.vllm_flags import chat_template
+        from hybridcache.tokenizer import Tokenizer
+
+        args = parse_serve_args(serve_args)
+        self.engine, self.index = engine, index
+        self.tokenizer = Tokenizer(resolve_model(model_argument(args)).path)
+        template = chat_template(args)
+        if template is not None:
+            self.tokenizer.chat_template = template
+        self.template_kwargs = args.chat_template_kwargs or {}
+        self.max_request_bytes = args.max_request_bytes
+        self.api_key = api_key(args)
+
+    @ingress_app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @ingress_app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @ingress_app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        return await self._send(EngineRequest("GET", "/v1/models", headers=_headers(request)))
+
+    @ingress_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        return await self._pass_through(request)
+
+    @ingress_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self._pass_through(request)
+
+    @ingress_app.get("/version")
+    async def version(self, request: Request) -> Response:
+        return await self._send(EngineRequest("GET", "/version"))
+
+    async def _pass_through(self, request: Request) -> Response:
+        """A request any replica answers alike: sent as it came, routed by load only (no prompt ids)."""
+        raw = await read_body(request, self.max_request_bytes)
+        return await self._send(EngineRequest("POST", request.url.path, raw, _headers(request)))
+
+    @ingress_app.get("/health")
+    async def health(self, request: Request) -> JSONResponse:
+        body: dict[str, Any] = {"status": "ok"}
+        if has_key(request, self.api_key):  # what the index holds of each replica: only with the key
+            body["replicas"] = await self.index.stats.remote()
+        return JSONResponse(body)
+
+    async def _forward(self, request: Request) -> Response:
+        raw = await read_body(request, self.max_request_bytes)
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        prompts = await asyncio.to_thread(body_prompt_ids, body, self.tokenizer, self.template_kwargs)
+        return await self._send(EngineRequest("POST", request.url.path, raw, _headers(request),
+                                              tuple(tuple(p) for p in prompts)))
+
+    async def _send(self, request: EngineRequest) -> Response:
+        last_error = "no attempt"
+        for _ in range(MAX_ATTEMPTS):
+            stream = self.engine.options(stream=True).remote(request)
+            try:
+                head = await stream.__anext__()
+            except (RayActorError, ActorUnavailableError) as error:
+                last_error = f"{type(error).__name__}: {error}"
+                logger.warning("an engine replica failed before answering; trying another: %s", last_error)
+                continue
+            headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+            if headers.get("content-type", "").startswith("text/event-stream"):
+                return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
+            try:
+                content = b"".join([piece async for piece in stream])
+            except (RayActorError, ActorUnavailableError) as error:
+                raise APIError(502, f"the engine replica failed while answering: {error}") from None
+            return Response(content, status_code=head["status"], headers=headers)
+        raise APIError(503, f"no engine replica could take the request: {last_error}")
+
+
+def build_app(serve_args: Sequence[str] = (), num_replicas: int = 2, num_cpus: float = 1.0, num_gpus: float = 0.0,
+              routing: RoutingConfig | None = None, poll_interval_s: float = 0.5,
+              max_ongoing_requests: int = 64) -> Any:
+    """The Serve application: `num_replicas` engine replicas of `serve_args`, each with `num_cpus` CPUs and
+    `num_gpus` GPUs (1 for one device each), at most `max_ongoing_requests` requests each, routed by `routing`
+    (its policy and balance margins; default `RoutingConfig()`), behind the OpenAI ingress."""
+    routing = routing or RoutingConfig()
+    index = serve.deployment(CacheIndex, name=INDEX_DEPLOYMENT, num_replicas=1, max_ongoing_requests=100_000,
+                             ray_actor_options={"num_cpus": 0},
+                             logging_config={"enable_access_log": False}).bind()  # a line per push otherwise
+    router = RequestRouterConfig(request_router_class=CheckpointRequestRouter,
+                                 request_router_kwargs={**asdict(routing), "index_deployment": INDEX_DEPLOYMENT})
+    engine = serve.deployment(HybridcacheEngine, name=ENGINE_DEPLOYMENT, num_replicas=num_replicas,
+                              max_ongoing_requests=max_ongoing_requests, request_router_config=router,
+                              ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+                              ).bind(list(serve_args), index, poll_interval_s)
+    return serve.deployment(OpenAIIngress, name="OpenAIIngress", ray_actor_options={"num_cpus": 0}).bind(
+        engine, index, list(serve_args))
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """`serve run hybridcache.router.ray_serve:app_builder serve_args="..." num_replicas=2 ...` and Serve config
+    files: `serve_args` a string of `hybridcache serve` options (split as a shell would), the other keys
+    `build_app`'s and `RoutingConfig`'s."""
+    import shlex
+
+    known = {"serve_args", "num_replicas", "num_cpus", "num_gpus", "poll_interval_s", "max_ongoing_requests",
+             "policy", "abs_margin", "rel_margin", "min_hit_fraction"}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown application arguments {unknown}; known: {sorted(known)}")
+    routing = RoutingConfig(**{k: type(getattr(RoutingConfig(), k))(args[k])
+                               for k in ("policy", "abs_margin", "rel_margin", "min_hit_fraction") if k in args})
+    return build_app(shlex.split(str(args.get("serve_args", ""))), int(args.get("num_replicas", 2)),
+                     float(args.get("num_cpus", 1.0)), float(args.get("num_gpus", 0.0)), routing,
+                     float(args.get("poll_interval_s", 0.5)), int(args.get("max_ongoing_requests", 64)))

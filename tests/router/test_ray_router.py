@@ -1,0 +1,85 @@
+"""CheckpointRequestRouter (Ray Serve's custom request router) with fake replicas and a stubbed index: the
+predicted usable hit ranks first unless that replica is too loaded (Ray's queue lengths), then the rest by
+predicted hit; a request without prompt ids, or an index that fails, leaves the choice to Ray (one rank); a
+replica that dies is dropped from the index. Skipped without the `ray` extra."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
+from ray.serve.request_router import PendingRequest  # noqa: E402
+
+from hybridcache.router.ray_router import CheckpointRequestRouter  # noqa: E402
+from hybridcache.router.ray_serve import EngineRequest  # noqa: E402
+
+DEPLOYMENT = DeploymentID("HybridcacheEngine", "app")
+PROMPT = tuple(range(200))
+
+
+def _router(predictions: dict[str, tuple[int, int]], calls: list) -> tuple[CheckpointRequestRouter, list]:
+    router = CheckpointRequestRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()  # the defaults: checkpoint, margins 2 and 1.5, cache threshold 0.3
+
+    def call_index(method: str, *args):
+        calls.append((method, *args))
+        if method == "predict":
+            if predictions is None:
+                raise TimeoutError("index down")
+            return [predictions[r.rsplit("#", 1)[1]] for r in args[1]]
+        return None
+
+    router._call_index = call_index
+    replicas = [SimpleNamespace(replica_id=ReplicaID(name, DEPLOYMENT)) for name in ("a", "b", "c")]
+    return router, replicas
+
+
+def _choose(router, replicas, prompt_ids=(PROMPT,)) -> list[list[str]]:
+    async def run():
+        request = PendingRequest(args=[EngineRequest("POST", "/v1/completions", prompt_ids=prompt_ids)], kwargs={},
+                                 metadata=None)
+        ranks = await router.choose_replicas(replicas, request)
+        return [[r.replica_id.unique_id for r in rank] for rank in ranks]
+
+    return asyncio.run(run())
+
+
+def test_the_usable_hit_ranks_first_then_by_predicted_hit():
+    calls: list = []
+    # a holds the prompt's KV without a state; b a state at step 150; c nothing
+    router, replicas = _router({"a": (192, 0), "b": (144, 150), "c": (0, 0)}, calls)
+    router.replica_queue_len_cache.update(replicas[0].replica_id, 1)
+    assert _choose(router, replicas) == [["b"], ["c"], ["a"]]  # the rest: hit, then load (c is idle)
+    assert calls[0] == ("predict", (PROMPT,), [r.replica_id.to_full_id_str() for r in replicas])
+    router.replica_queue_len_cache.update(replicas[1].replica_id, 6)  # b: 6 in flight against c's 0
+    assert _choose(router, replicas)[0] == ["c"]
+    router.replica_queue_len_cache.update(replicas[1].replica_id, 2)  # within the margin again
+    assert _choose(router, replicas)[0] == ["b"]
+
+
+def test_a_miss_a_short_hit_no_prompt_or_no_index_leave_the_choice_to_load():
+    calls: list = []
+    router, replicas = _router({"a": (0, 0), "b": (0, 40), "c": (0, 0)}, calls)  # 40 < 0.3 x 200
+    router.replica_queue_len_cache.update(replicas[0].replica_id, 3)
+    router.replica_queue_len_cache.update(replicas[1].replica_id, 1)
+    assert _choose(router, replicas)[0] == ["c"]  # the least loaded
+    assert _choose(router, replicas, prompt_ids=()) == [["a", "b", "c"]]
+    down, _ = _router(None, calls)
+    assert _choose(down, replicas) == [["a", "b", "c"]]
+
+
+def test_a_dead_replica_leaves_the_index():
+    calls: list = []
+    router, replicas = _router({}, calls)
+
+    async def run():
+        router.on_replica_actor_died(replicas[1].replica_id)
+        await asyncio.sleep(0.2)  # the drop runs on a thread
+
+    asyncio.run(run())
+    assert ("drop", [replicas[1].replica_id.to_full_id_str()]) in calls

@@ -1,0 +1,57 @@
+"""What a client may make the router hold is bounded as for a replica: a body over --max-request-bytes is a 413
+(and reaches no replica), the router runs uvicorn with the server's guarded protocol (a read deadline and a
+connection cap), and /health shows the replicas' addresses and loads only with the API key (when one is set);
+/metrics is open, as a replica's is."""
+
+from __future__ import annotations
+
+import httpx
+
+from hybridcache.cli import build_parser
+from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.router import cli as router_cli
+from hybridcache.router.app import RouterConfig, build_router_app
+from tests.router.serving import serving_app
+from tests.router.test_faults import PROMPT, _fake_replica
+
+
+def test_a_body_over_the_limit_is_refused_before_any_replica_sees_it():
+    replica = _fake_replica("ok")
+    with serving_app(replica) as url:
+        config = RouterConfig((url,), poll_interval_s=30.0, max_request_bytes=2000)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            big = {"prompt": PROMPT, "max_tokens": 1, "user": "x" * 3000}
+            response = httpx.post(f"{router}/v1/completions", json=big, timeout=30)
+            assert response.status_code == 413 and "the limit is 2000 bytes" in response.json()["error"]["message"]
+            assert replica.state.calls == 0
+            ok = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+            assert ok.status_code == 200 and replica.state.calls == 1
+
+
+def test_health_details_need_the_key_and_metrics_are_open():
+    with serving_app(_fake_replica("ok")) as url:
+        config = RouterConfig((url,), poll_interval_s=30.0, api_key="k")
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            anonymous = httpx.get(f"{router}/health").json()
+            assert anonymous == {"status": "ok"}
+            keyed = httpx.get(f"{router}/health", headers={"Authorization": "Bearer k"}).json()
+            assert [r["url"] for r in keyed["replicas"]] == [url]
+            assert httpx.get(f"{router}/health", headers={"Authorization": "Bearer wrong"}).json() == anonymous
+            assert "hybridcache_router_requests_routed_total" in httpx.get(f"{router}/metrics").text
+
+
+def test_the_router_runs_with_the_connection_guard(monkeypatch):
+    ensure_builtin_model()
+    seen = {}
+
+    def capture(server) -> None:
+        seen["config"] = server.config
+
+    monkeypatch.setattr("hybridcache.server.uvicorn_server.Server.run", capture)
+    monkeypatch.setattr("hybridcache.server.log_limits.install", lambda: None)  # global: not in the test process
+    args = build_parser().parse_args(["router", "--replica", "http://127.0.0.1:1", "--limit-concurrency", "7",
+                                      "--request-read-timeout", "3", "--max-request-bytes", "4096"])
+    router_cli.run_router(args, args.replica, None, "127.0.0.1", 0)
+    config = seen["config"]
+    assert config.http.__name__ == "GuardedH11Protocol" and config.timeout_keep_alive == 5.0
+    assert router_cli.router_config(args, args.replica).max_request_bytes == 4096
