@@ -202,7 +202,7 @@ def test_a_failed_forward_leaves_the_engine_dead_not_inconsistent(model_dir, mon
     engine.add_request("a", prompts_of([40], seed=6)[0], GREEDY)
     engine.step()
 
-    def broken(batch):
+    def broken(batch, feed=None):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(engine.runner, "execute", broken)

@@ -41,8 +41,8 @@ def test_logprobs_equal_log_softmax_of_the_engines_logits(engine):
     recorded = []
     execute = engine.runner.execute
 
-    def recording(batch):
-        logits = execute(batch)
+    def recording(batch, feed=None):
+        logits = execute(batch, feed)
         recorded.append(logits.detach().float().clone())
         return logits
 
