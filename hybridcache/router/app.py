@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridcache.router.policy import Chooser, RoutingConfig
-from hybridcache.router.replicas import Replica
+from hybridcache.router.replicas import Replica, ReplicaCounters
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import read_body
 from hybridcache.server.prompt_ids import body_prompt_ids
@@ -264,11 +264,11 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
         return
     finally:
         await release()
-    _record_usage(replica, _stream_usage(tail), predicted)
+    _record_usage(replica, stream_usage(tail), predicted)
     await replica.poll(state.client, state.config.poll_timeout_s, state.poll_headers)
 
 
-def _stream_usage(tail: bytes) -> dict | None:
+def stream_usage(tail: bytes) -> dict | None:
     """The `usage` of the last event that has one (sent with stream_options.include_usage), if any."""
     for line in reversed(tail.decode(errors="replace").splitlines()):
         if line.startswith("data: {") and '"usage"' in line:
@@ -280,43 +280,78 @@ def _stream_usage(tail: bytes) -> dict | None:
 
 
 def _record_usage(replica: Replica, usage: dict | None, predicted: int) -> None:
+    record_usage(replica.url, replica.counters, usage, predicted)
+
+
+def record_usage(name: str, counters: ReplicaCounters, usage: dict | None, predicted: int) -> None:
+    """Add a response's `usage` (if it has one) and the router's prediction for it to a replica's counters."""
     if not usage:
         return
     details = usage.get("prompt_tokens_details") or {}
-    logger.debug("%s: predicted %d hit tokens, reported %s of %s", replica.url, predicted,
+    logger.debug("%s: predicted %d hit tokens, reported %s of %s", name, predicted,
                  details.get("cached_tokens"), usage.get("prompt_tokens"))
-    replica.counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)
-    replica.counters.predicted_hit_tokens += predicted
-    replica.counters.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+    counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)
+    counters.predicted_hit_tokens += predicted
+    counters.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """One replica's row of the router's /metrics: its name (label `replica`), counters and state. Under Ray
+    Serve (ray_metrics.py) `retried_away` is None: Ray does not say which replica failed before answering."""
+
+    name: str
+    counters: ReplicaCounters
+    in_flight: int
+    up: bool
+    indexed_checkpoints: int
+    retried_away: int | None = 0
 
 
 def render_metrics(state: RouterState) -> str:
     """Prometheus text of the router: per replica (label `replica`) and totals."""
+    views = [ReplicaView(r.url, r.counters, r.in_flight, r.up, r.index.num_checkpoints if r.index else 0,
+                         r.counters.retried_away) for r in state.replicas]
+    return render_router_metrics(views, state.num_retries, state.num_failed)
+
+
+def render_router_metrics(views: list[ReplicaView], num_retries: int, num_failed: int) -> str:
+    """Prometheus text of a router's counters (the standalone router's and the Ray Serve ingress's): per
+    replica (label `replica`) and totals. A series whose every value is None is left out."""
     series = [
         ("hybridcache_router_requests_routed_total", "counter", "requests sent to the replica (that answered)",
-         lambda r: r.counters.routed),
+         lambda v: v.counters.routed),
         ("hybridcache_router_requests_retried_away_total", "counter",
          "requests the replica could not take before its first byte (sent to another one)",
-         lambda r: r.counters.retried_away),
+         lambda v: v.retried_away),
         ("hybridcache_router_predicted_hit_tokens_total", "counter",
          "prompt tokens the router predicted would hit, over requests whose response reported usage",
-         lambda r: r.counters.predicted_hit_tokens),
+         lambda v: v.counters.predicted_hit_tokens),
         ("hybridcache_router_reported_hit_tokens_total", "counter",
-         "cached_tokens the replica reported in usage", lambda r: r.counters.reported_hit_tokens),
+         "cached_tokens the replica reported in usage", lambda v: v.counters.reported_hit_tokens),
         ("hybridcache_router_prompt_tokens_total", "counter", "prompt_tokens the replica reported in usage",
-         lambda r: r.counters.prompt_tokens),
-        ("hybridcache_router_in_flight", "gauge", "requests in flight through the router", lambda r: r.in_flight),
-        ("hybridcache_router_replica_up", "gauge", "1 while the replica's events poll succeeds", lambda r: int(r.up)),
+         lambda v: v.counters.prompt_tokens),
+        ("hybridcache_router_in_flight", "gauge", "requests in flight through the router", lambda v: v.in_flight),
+        ("hybridcache_router_replica_up", "gauge", "1 while the replica's cache events reach the index",
+         lambda v: int(v.up)),
         ("hybridcache_router_indexed_checkpoints", "gauge", "checkpoints in the router's index of the replica",
-         lambda r: r.index.num_checkpoints if r.index else 0),
+         lambda v: v.indexed_checkpoints),
     ]
     lines = []
     for name, kind, help_text, value in series:
+        values = [(v.name, value(v)) for v in views]
+        if views and all(x is None for _, x in values):
+            continue
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-        lines += [f'{name}{{replica="{r.url}"}} {value(r)}' for r in state.replicas]
+        lines += [f'{name}{{replica="{_label(n)}"}} {x}' for n, x in values]
     for name, help_text, value in (
-            ("hybridcache_router_retries_total", "requests sent again to another replica", state.num_retries),
+            ("hybridcache_router_retries_total", "requests sent again to another replica", num_retries),
             ("hybridcache_router_failed_total", "requests that no replica completed (503, 502 or a cut stream)",
-             state.num_failed)):
+             num_failed)):
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
     return "\n".join(lines) + "\n"
+
+
+def _label(value: str) -> str:
+    """A Prometheus label value, escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

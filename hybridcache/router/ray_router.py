@@ -15,6 +15,11 @@ sent, corrected by the replicas' reports). A request without prompt ids (another
 answer within `index_timeout_s` gets every candidate in one rank (Ray takes the shortest queue). Replicas that
 leave (died, scaled down, replaced after a failed health check) are dropped from the index.
 
+Two requests are routed otherwise (ray_metrics.py): one pinned to a replica (`EngineRequest.replica_id`, the
+ingress's /metrics scrape) goes to that replica only (no rank while it is not a candidate: Ray waits, and the
+caller's timeout ends the call); and the predictions of a request with a `route_key` are stored in
+`PREDICTED_HITS`, so the ingress counts the prediction of the replica that took it.
+
 Ray's request-router API is alpha (ray.serve.request_router); this follows Ray 2.60's.
 """
 
@@ -29,6 +34,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from hybridcache.cache.request import Probe
 from hybridcache.router.policy import Chooser, RoutingConfig
+from hybridcache.router.ray_metrics import PREDICTED_HITS
 
 logger = logging.getLogger("hybridcache.router")
 INDEX_DEPLOYMENT = "CacheIndex"
@@ -57,7 +63,10 @@ class CheckpointRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        prompts = _prompt_ids(pending_request)
+        pinned = _arg(pending_request, "replica_id")
+        if pinned:
+            return [[r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]]
+        prompts = _arg(pending_request, "prompt_ids")
         if not prompts or len(candidate_replicas) < 2:
             return [list(candidate_replicas)]
         ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
@@ -67,6 +76,9 @@ class CheckpointRequestRouter(RequestRouter):
         except Exception as error:  # noqa: BLE001 - an index down or restarting must not stop routing
             logger.warning("the cache index did not answer (%s: %s): routing by load", type(error).__name__, error)
             return [list(candidate_replicas)]
+        route_key = _arg(pending_request, "route_key")
+        if route_key:
+            PREDICTED_HITS.put(route_key, {r: p.cached_len for r, p in zip(ids, probes, strict=True)})
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
         first = self.chooser.choose(probes, loads, sum(len(p) for p in prompts))
         rest = sorted((i for i in range(len(ids)) if i != first), key=lambda i: (-probes[i].cached_len, loads[i]))
@@ -95,9 +107,9 @@ class CheckpointRequestRouter(RequestRouter):
         return getattr(self._index_handle(), method).remote(*args).result(timeout_s=self.index_timeout_s)
 
 
-def _prompt_ids(pending_request: PendingRequest | None) -> list[list[int]] | None:
-    """The token ids of the request's prompts (its first argument's `prompt_ids`), if it has them."""
+def _arg(pending_request: PendingRequest | None, field: str) -> Any:
+    """A field of the request's first argument (an `EngineRequest`: its `prompt_ids`, `route_key`,
+    `replica_id`), None when it has none or it is empty."""
     if pending_request is None or not pending_request.args:
         return None
-    prompts = getattr(pending_request.args[0], "prompt_ids", None)
-    return prompts or None
+    return getattr(pending_request.args[0], field, None) or None

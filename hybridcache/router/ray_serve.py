@@ -28,9 +28,11 @@ router (app.py).
 # ingress wraps the methods, and strings would no longer resolve).
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -40,7 +42,8 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
-from hybridcache.router.app import has_key
+from hybridcache.router import ray_metrics
+from hybridcache.router.app import has_key, record_usage, stream_usage
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
@@ -53,6 +56,7 @@ logger = logging.getLogger("hybridcache.router")
 ENGINE_DEPLOYMENT = "HybridcacheEngine"
 FORWARDED_HEADERS = ("authorization", "content-type")
 MAX_ATTEMPTS = 3  # replicas a request is sent to at most, when each fails before its first byte
+METRICS_TIMEOUT_S = 5.0  # how long /metrics waits for one replica's own metrics
 PUBLISH_AFTER = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -65,6 +69,8 @@ class EngineRequest:
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
     prompt_ids: tuple[tuple[int, ...], ...] = ()
+    route_key: str = ""  # set: the request router stores its predictions under it (ray_metrics.py)
+    replica_id: str = ""  # set: only this replica may take the request (the /metrics scrape)
 
 
 def parse_serve_args(serve_args: Sequence[str]) -> Any:
@@ -84,7 +90,8 @@ def parse_serve_args(serve_args: Sequence[str]) -> Any:
 
 class HybridcacheEngine:
     """One engine replica: the `hybridcache serve` application of `serve_args`, driven in process. Calls
-    yield `{"status", "headers"}` first, then the body's pieces (bytes)."""
+    yield `{"status", "headers", "replica"}` first (`replica`: this replica's full id), then the body's
+    pieces (bytes)."""
 
     async def __init__(self, serve_args: Sequence[str], index: Any, poll_interval_s: float = 0.5) -> None:
         from hybridcache.server.cli import build_server
@@ -106,7 +113,7 @@ class HybridcacheEngine:
         async for message in asgi_request(self.parts.app, request.method, request.path, request.headers,
                                           request.body):
             if message["type"] == "http.response.start":
-                yield {"status": message["status"],
+                yield {"status": message["status"], "replica": self.replica_id,
                        "headers": [(k.decode("latin-1"), v.decode("latin-1")) for k, v in message.get("headers", ())]}
             elif message.get("body"):
                 yield message["body"]
@@ -182,21 +189,32 @@ class CacheIndex:
         return self.fleet.stats()
 
 
-async def _relay(stream: Any) -> AsyncIterator[bytes]:
-    """A replica's event stream passed through; a cut ends it with an error event and `[DONE]`."""
+async def _relay(stream: Any, done: Callable[[bytes | None], None]) -> AsyncIterator[bytes]:
+    """A replica's event stream passed through; a cut ends it with an error event and `[DONE]`. `done(tail)`
+    once, however it ends: the stream's last bytes, None when the replica cut it, b"" when the client left."""
+    tail: bytes | None = b""
     try:
         async for piece in stream:
+            tail = (tail + piece)[-4096:]
             yield piece
     except (RayActorError, ActorUnavailableError) as error:
+        tail = None
         message = f"the engine replica failed mid-stream: {type(error).__name__}: {error}"
         yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+    except BaseException:  # the client went away (the generator closed, the task cancelled)
+        tail = b""
+        raise
+    finally:
+        done(tail)
 
 
 def _headers(request: Request) -> tuple[tuple[str, str], ...]:
     return tuple((k, v) for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS)
 
 
-# Serve pickles the ingress class when it is decorated: what its methods use must be defined above it.
+# Serve pickles the ingress class when it is decorated: what its methods use must be defined above it, and the
+# state they share with the request router (ray_metrics.PREDICTED_HITS) is reached through its module (pickled by
+# reference), not a name bound here (pickled by value: a copy).
 ingress_app = FastAPI(title="hybridcache (Ray Serve)", docs_url=None, redoc_url=None, openapi_url=None,
                       redirect_slashes=False)
 
@@ -210,7 +228,9 @@ async def _api_error(request: Request, error: APIError) -> JSONResponse:
 class OpenAIIngress:
     """The OpenAI routes: completions and chat sent to an engine replica by the checkpoint router (the replica
     checks the API key, forwarded as sent); /v1/models, /tokenize, /detokenize and /version from any replica;
-    /health, with the index's view of every replica for holders of the API key (when one is set)."""
+    /health, with the index's view of every replica for holders of the API key (when one is set); /metrics,
+    open as the standalone router's is: the router's counters and every replica's engine metrics
+    (ray_metrics.py)."""
 
     def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
         from hybridcache.engine_args import model_argument
@@ -228,6 +248,7 @@ class OpenAIIngress:
         self.template_kwargs = args.chat_template_kwargs or {}
         self.max_request_bytes = args.max_request_bytes
         self.api_key = api_key(args)
+        self.counters = ray_metrics.IngressCounters()
 
     @ingress_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -265,6 +286,30 @@ class OpenAIIngress:
             body["replicas"] = await self.index.stats.remote()
         return JSONResponse(body)
 
+    @ingress_app.get("/metrics")
+    async def metrics(self) -> Response:
+        stats = await self.index.stats.remote()
+        texts = await asyncio.gather(*(self._replica_metrics(r) for r in sorted(stats)))
+        engines = ray_metrics.merge_replica_metrics({r: t for r, t in zip(sorted(stats), texts, strict=True) if t})
+        return Response(self.counters.render(stats) + engines, media_type="text/plain; version=0.0.4")
+
+    async def _replica_metrics(self, replica_id: str) -> str | None:
+        """One replica's own GET /metrics (a call pinned to it), None when it does not answer in time."""
+        async def scrape() -> str:
+            stream = self.engine.options(stream=True).remote(EngineRequest("GET", "/metrics",
+                                                                           replica_id=replica_id))
+            head = await stream.__anext__()
+            body = b"".join([piece async for piece in stream])
+            if head["status"] != 200:
+                raise RuntimeError(f"it answered {head['status']}: {body[:200]!r}")
+            return body.decode()
+
+        try:
+            return await asyncio.wait_for(scrape(), METRICS_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - a replica gone or busy must not fail the scrape
+            logger.warning("no metrics from replica %s: %s: %s", replica_id, type(error).__name__, error)
+            return None
+
     async def _forward(self, request: Request) -> Response:
         raw = await read_body(request, self.max_request_bytes)
         try:
@@ -273,11 +318,13 @@ class OpenAIIngress:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         prompts = await asyncio.to_thread(body_prompt_ids, body, self.tokenizer, self.template_kwargs)
         return await self._send(EngineRequest("POST", request.url.path, raw, _headers(request),
-                                              tuple(tuple(p) for p in prompts)))
+                                              tuple(tuple(p) for p in prompts), uuid.uuid4().hex))
 
     async def _send(self, request: EngineRequest) -> Response:
         last_error = "no attempt"
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
+            if attempt and request.route_key:
+                self.counters.num_retries += 1
             stream = self.engine.options(stream=True).remote(request)
             try:
                 head = await stream.__anext__()
@@ -285,15 +332,42 @@ class OpenAIIngress:
                 last_error = f"{type(error).__name__}: {error}"
                 logger.warning("an engine replica failed before answering; trying another: %s", last_error)
                 continue
+            replica, predicted = (head["replica"], None) if request.route_key else (None, None)
+            if replica is not None:  # a completion (the others are not counted)
+                predicted = ray_metrics.PREDICTED_HITS.take(request.route_key, replica)
+                self.counters.of(replica).routed += 1
+                self.counters.in_flight[replica] = self.counters.in_flight.get(replica, 0) + 1
             headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
             if headers.get("content-type", "").startswith("text/event-stream"):
-                return StreamingResponse(_relay(stream), status_code=head["status"], headers=headers)
+                done = functools.partial(self._ended, replica, predicted, stream=True)
+                return StreamingResponse(_relay(stream, done), status_code=head["status"], headers=headers)
             try:
                 content = b"".join([piece async for piece in stream])
             except (RayActorError, ActorUnavailableError) as error:
+                self._ended(replica, predicted, None)
                 raise APIError(502, f"the engine replica failed while answering: {error}") from None
+            self._ended(replica, predicted, content if head["status"] == 200 else b"")
             return Response(content, status_code=head["status"], headers=headers)
+        self.counters.num_failed += bool(request.route_key)
         raise APIError(503, f"no engine replica could take the request: {last_error}")
+
+    def _ended(self, replica: str | None, predicted: int | None, content: bytes | None,
+               stream: bool = False) -> None:
+        """Count a completion that ended: `content` its body (a stream's tail; None: cut, a failure). Nothing
+        for `replica` None (a request that is not counted)."""
+        if replica is None:
+            return
+        self.counters.in_flight[replica] -= 1
+        if content is None:
+            self.counters.num_failed += 1
+            return
+        if predicted is None or not content:
+            return
+        usage = stream_usage(content) if stream else None
+        if not stream:
+            with contextlib.suppress(ValueError, AttributeError):
+                usage = json.loads(content).get("usage")
+        record_usage(replica, self.counters.of(replica), usage, predicted)
 
 
 def build_app(serve_args: Sequence[str] = (), num_replicas: int = 2, num_cpus: float = 1.0, num_gpus: float = 0.0,

@@ -83,3 +83,25 @@ def test_a_dead_replica_leaves_the_index():
 
     asyncio.run(run())
     assert ("drop", [replicas[1].replica_id.to_full_id_str()]) in calls
+
+
+def test_a_pinned_request_goes_to_its_replica_only_and_predictions_are_kept_for_the_ingress():
+    from hybridcache.router.ray_metrics import PREDICTED_HITS
+
+    calls: list = []
+    router, replicas = _router({"a": (192, 0), "b": (144, 150), "c": (0, 0)}, calls)
+    ids = [r.replica_id.to_full_id_str() for r in replicas]
+
+    async def ranks(request: EngineRequest) -> list[list[str]]:
+        chosen = await router.choose_replicas(replicas, PendingRequest(args=[request], kwargs={}, metadata=None))
+        return [[r.replica_id.unique_id for r in rank] for rank in chosen]
+
+    assert asyncio.run(ranks(EngineRequest("GET", "/metrics", replica_id=ids[2]))) == [["c"]]
+    assert asyncio.run(ranks(EngineRequest("GET", "/metrics", replica_id="gone"))) == [[]]  # Ray waits for it
+    assert calls == []  # a pinned request asks the index nothing
+    routed = EngineRequest("POST", "/v1/completions", prompt_ids=(PROMPT,), route_key="key-1")
+    assert asyncio.run(ranks(routed))[0] == ["b"]
+    assert PREDICTED_HITS.take("key-1", ids[1]) == 150  # the usable hit (cached_len) of the replica taken
+    assert PREDICTED_HITS.take("key-1", ids[1]) is None  # taken once
+    asyncio.run(ranks(routed))
+    assert PREDICTED_HITS.take("key-1", ids[0]) == 0  # a's KV without a state predicts no hit
