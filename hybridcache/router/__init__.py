@@ -7,5 +7,6 @@ app.py          the router's OpenAI-compatible HTTP front (FastAPI + httpx)
 fleet_index.py  every replica's index from events the replicas push (the Ray Serve deployment's)
 asgi_call.py    one HTTP request through an ASGI app in process, streamed back
 ray_router.py   the checkpoint policy as a Ray Serve custom request router (the `ray` extra)
+ray_metrics.py  the Ray Serve ingress's /metrics: router counters, every replica's engine metrics merged
 ray_serve.py    the Ray Serve application: engine replicas, the index, the OpenAI ingress (the `ray` extra)
 """

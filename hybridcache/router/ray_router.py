@@ -18,7 +18,7 @@ leave (died, scaled down, replaced after a failed health check) are dropped from
 Two requests are routed otherwise (ray_metrics.py): one pinned to a replica (`EngineRequest.replica_id`, the
 ingress's /metrics scrape) goes to that replica only (no rank while it is not a candidate: Ray waits, and the
 caller's timeout ends the call); and the predictions of a request with a `route_key` are stored in
-`PREDICTED_HITS`, so the ingress counts the prediction of the replica that took it.
+`ray_metrics.PREDICTED_HITS`, so the ingress counts the prediction of the replica that took it.
 
 Ray's request-router API is alpha (ray.serve.request_router); this follows Ray 2.60's.
 """
@@ -33,8 +33,8 @@ from ray import serve
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from hybridcache.cache.request import Probe
+from hybridcache.router import ray_metrics
 from hybridcache.router.policy import Chooser, RoutingConfig
-from hybridcache.router.ray_metrics import PREDICTED_HITS
 
 logger = logging.getLogger("hybridcache.router")
 INDEX_DEPLOYMENT = "CacheIndex"
@@ -78,7 +78,8 @@ class CheckpointRequestRouter(RequestRouter):
             return [list(candidate_replicas)]
         route_key = _arg(pending_request, "route_key")
         if route_key:
-            PREDICTED_HITS.put(route_key, {r: p.cached_len for r, p in zip(ids, probes, strict=True)})
+            # through the module: Ray may pickle this class by value, with copies of the names it binds
+            ray_metrics.PREDICTED_HITS.put(route_key, {r: p.cached_len for r, p in zip(ids, probes, strict=True)})
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
         first = self.chooser.choose(probes, loads, sum(len(p) for p in prompts))
         rest = sorted((i for i in range(len(ids)) if i != first), key=lambda i: (-probes[i].cached_len, loads[i]))

@@ -289,25 +289,38 @@ class OpenAIIngress:
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
         stats = await self.index.stats.remote()
-        texts = await asyncio.gather(*(self._replica_metrics(r) for r in sorted(stats)))
-        engines = ray_metrics.merge_replica_metrics({r: t for r, t in zip(sorted(stats), texts, strict=True) if t})
+        texts: dict[str, str] = {}
+        for replica_id in sorted(stats):  # one at a time: Ray may give a choice to another pending request
+            if replica_id not in texts:
+                answer = await self._replica_metrics(replica_id)
+                if answer is not None:
+                    texts.setdefault(*answer)
+        engines = ray_metrics.merge_replica_metrics(texts)
         return Response(self.counters.render(stats) + engines, media_type="text/plain; version=0.0.4")
 
-    async def _replica_metrics(self, replica_id: str) -> str | None:
-        """One replica's own GET /metrics (a call pinned to it), None when it does not answer in time."""
-        async def scrape() -> str:
-            stream = self.engine.options(stream=True).remote(EngineRequest("GET", "/metrics",
-                                                                           replica_id=replica_id))
+    async def _replica_metrics(self, replica_id: str) -> tuple[str, str] | None:
+        """A replica's own GET /metrics, asked of `replica_id` (a call pinned to it), as (the replica that
+        answered, its text): labelled by the answer, since Ray's router may hand the choice made for one
+        pending request to another. None when no answer comes in time (the call is then cancelled)."""
+        calls: list[Any] = []
+
+        async def scrape() -> tuple[str, str]:
+            calls.append(self.engine.options(stream=True).remote(EngineRequest("GET", "/metrics",
+                                                                               replica_id=replica_id)))
+            stream = calls[0]
             head = await stream.__anext__()
             body = b"".join([piece async for piece in stream])
             if head["status"] != 200:
                 raise RuntimeError(f"it answered {head['status']}: {body[:200]!r}")
-            return body.decode()
+            return head["replica"], body.decode()
 
         try:
             return await asyncio.wait_for(scrape(), METRICS_TIMEOUT_S)
         except Exception as error:  # noqa: BLE001 - a replica gone or busy must not fail the scrape
             logger.warning("no metrics from replica %s: %s: %s", replica_id, type(error).__name__, error)
+            for call in calls:
+                with contextlib.suppress(Exception):
+                    call.cancel()
             return None
 
     async def _forward(self, request: Request) -> Response:

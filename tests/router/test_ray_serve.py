@@ -1,7 +1,8 @@
 """Ray Serve (router/ray_serve.py) on a local Ray cluster, 2 CPU replicas of the built-in model: the SWE-agent
 slice replayed through its OpenAI ingress gets exactly the hits it gets behind the standalone router (`serve
---data-parallel-size 2`), and a replica killed mid-run leaves every stream complete or ended with a clear error,
-leaves the cache index, and is replaced by Ray (the replacement joins the index). Skipped without the `ray` extra."""
+--data-parallel-size 2`), its /metrics counts them (predicted = reported) with each engine's own metrics, and a
+replica killed mid-run leaves every stream complete or ended with a clear error, leaves the cache index, and is
+replaced by Ray (the replacement joins the index). Skipped without the `ray` extra."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hybridcache.bench.server_bench import run_server_bench
 from hybridcache.bench.workloads import ChatOptions, load_workload
 from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
 from tests.router.test_data_parallel import _stream
-from tests.server.server_process import SMALL_ENGINE, free_port, running_servers
+from tests.server.server_process import SMALL_ENGINE, free_port, metric_value, running_servers
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -60,6 +61,14 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
         assert through_ray.prefill_tokens_computed == standalone.prefill_tokens_computed
         assert through_ray.hit_rate_by_turn == standalone.hit_rate_by_turn
         assert through_ray.token_hit_rate > 0.3, through_ray.token_hit_rate  # not a run of misses everywhere
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text  # the router's counters, each engine's own
+        assert metric_value(metrics, "hybridcache_router_requests_routed_total") == len(workload)
+        predicted = metric_value(metrics, "hybridcache_router_predicted_hit_tokens_total")
+        assert predicted == metric_value(metrics, "hybridcache_router_reported_hit_tokens_total") > 0
+        engines = [line for line in metrics.splitlines() if line.startswith("hybridcache_prompt_tokens_total{")]
+        assert len(engines) == 2 and all('replica="' in line for line in engines), engines
+        assert metric_value(metrics, "hybridcache_prompt_tokens_total") == metric_value(
+            metrics, "hybridcache_router_prompt_tokens_total") > 0
         tokens = httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}, timeout=60).json()["tokens"]
         assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=60).json() == {"prompt": "hello there"}
         assert "version" in httpx.get(f"{url}/version", timeout=60).json()
