@@ -2,8 +2,8 @@
 process behind a fake handle (Ray's routing replaced by what `CheckpointRequestRouter` does: it stores each
 candidate's prediction under the request's route key), so the router's counters (routed, predicted against
 reported hit tokens, in flight) are exactly the engine's answers, and every replica's own metrics come back
-labelled by replica; a replica that does not answer its pinned scrape is left out. Skipped without the `ray`
-extra."""
+labelled by the replica that answered; a replica that does not answer its pinned scrape is left out. Skipped
+without the `ray` extra."""
 
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ from hybridcache.router.ray_metrics import (  # noqa: E402
 from hybridcache.router.ray_serve import EngineRequest, HybridcacheEngine, OpenAIIngress  # noqa: E402
 from tests.router.test_ray_engine_replica import FIRST, SECOND, SERVE_ARGS, _Index  # noqa: E402
 
-LIVE, GONE = "replica-1", "replica-gone"
+LIVE, GONE, SWAPPED = "replica-1", "replica-gone", "replica-swapped"
 
 
 class _Handle:
-    """The engine deployment's handle: requests go to the one live engine; a call pinned to another replica
-    never gets one (Ray would wait for it)."""
+    """The engine deployment's handle: requests go to the one live engine; a call pinned to GONE never gets
+    one (Ray would wait for it), one pinned to SWAPPED is answered by the live engine (Ray gave it another
+    request's choice)."""
 
     def __init__(self, engine: HybridcacheEngine, index: _Index) -> None:
         self.engine, self.index, self.pinned = engine, index, []
@@ -45,7 +46,7 @@ class _Handle:
     def remote(self, request: EngineRequest):
         if request.replica_id:
             self.pinned.append(request.replica_id)
-            if request.replica_id != LIVE:
+            if request.replica_id == GONE:
                 return _never()
         if request.route_key:  # as CheckpointRequestRouter does for every candidate
             predicted = self.index.fleet.predict([list(p) for p in request.prompt_ids], [LIVE, GONE])
@@ -83,7 +84,8 @@ def test_the_ingress_counts_what_it_routed_and_gathers_each_replicas_engine_metr
     monkeypatch.setattr(ray_serve.serve, "get_replica_context", lambda: context)
     monkeypatch.setattr(ray_serve, "METRICS_TIMEOUT_S", 1.0)
     index = _Index()
-    index.stats = SimpleNamespace(remote=lambda: _async({**index.fleet.stats(), GONE: {"up": True}}))
+    others = {GONE: {"up": True}, SWAPPED: {"up": True}}
+    index.stats = SimpleNamespace(remote=lambda: _async({**index.fleet.stats(), **others}))
 
     async def run() -> None:
         engine = HybridcacheEngine.__new__(HybridcacheEngine)
@@ -107,7 +109,7 @@ def test_the_ingress_counts_what_it_routed_and_gathers_each_replicas_engine_metr
             assert models.status_code == 200 and json.loads(models.body)["data"]
 
             text = (await OpenAIIngress.metrics(ingress)).body.decode()
-            assert sorted(handle.pinned) == sorted([LIVE, GONE])  # one scrape pinned to each indexed replica
+            assert sorted(handle.pinned) == sorted([LIVE, GONE, SWAPPED])  # one scrape per indexed replica
             samples = _samples(text)
             live, gone = (("replica", LIVE),), (("replica", GONE),)
             assert samples[("hybridcache_router_requests_routed_total", live)] == 2
@@ -121,10 +123,11 @@ def test_the_ingress_counts_what_it_routed_and_gathers_each_replicas_engine_metr
             assert not any(name == "hybridcache_router_requests_retried_away_total" for name, _ in samples)
             engine_prompt = {labels: v for (name, labels), v in samples.items()
                              if name == "hybridcache_prompt_tokens_total"}
+            # labelled by the replica that answered: SWAPPED's scrape (LIVE's text) is not counted twice
             assert len(engine_prompt) == 1 and all(dict(k)["replica"] == LIVE for k in engine_prompt)
             assert list(engine_prompt.values()) == [len(FIRST) + len(SECOND)]  # the engine's own count
-            assert not any(dict(labels).get("replica") == GONE and not name.startswith("hybridcache_router_")
-                           for name, labels in samples)  # the replica that did not answer is left out
+            assert not any(dict(labels).get("replica") in (GONE, SWAPPED) and not name.startswith("hybridcache_router_")
+                           for name, labels in samples)  # the replicas that did not answer are left out
         finally:
             engine.__del__()
 
