@@ -20,7 +20,9 @@ FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weigh
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
 copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
 `load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
-quantised from their draws (a benchmark model that no disk could hold).
+quantised from their draws (a benchmark model that no disk could hold). With tensor parallelism (dense only) each
+rank draws every full tensor of the one-rank model in `randomize_`'s order and reads its shard of it as of a
+checkpoint tensor, so the ranks hold exactly the one-rank dummy model's shards.
 
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
