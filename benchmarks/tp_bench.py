@@ -2,6 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tp_bench.py [--model dense-9b] [--tp-sizes 1,2]
         [--phases C,D] [--graphs] [--no-async-scheduling] [--dtype bfloat16] [--check-tokens] [--out DIR]
+        [--load-format auto|dummy]
     PYTHONPATH=. python benchmarks/tp_bench.py --dtype float32 --check-tokens --phases none   (fp32 correctness)
     PYTHONPATH=. python benchmarks/tp_bench.py --device cpu --model tiny --scale 0.02   (a CPU smoke run)
 
@@ -22,6 +23,9 @@ the ranks), so a random model's flat logits may diverge late and that drift prov
 as ~0/8. In float32 (`--dtype float32`) the difference is ~1e-6 relative and every completion is expected to be
 identical: `--check-tokens` then makes the script exit with status 1 (printing which) when any is not. Prints
 one table and writes DIR/tp_bench_<model>.json (DIR: --out, else $OUT, else .).
+`--load-format dummy` writes no weights: the folder holds only config.json and the byte tokenizer (seconds, not
+the minutes a 9-16B random folder takes) and every run draws random weights on its devices (seed 0; each rank
+its shard of the one-rank model, so TP=1 and TP=2 serve the same model and `--check-tokens` still holds).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from gpu_bench import MODELS, SCALE, letters, model_folder, phase_a, phase_c, ph
 
 from hybridcache import LLM
 from hybridcache.engine import rank_runner
+from hybridcache.models.builtin import build_byte_tokenizer
 
 PHASES = {"A": phase_a, "C": phase_c, "D": phase_d, "DSYNC": phase_d_sync}
 # (what, phase, field, TP=2 / TP=1 must be <= or >= this): issue 34's figures on the dense 9B shape
@@ -77,6 +82,26 @@ def run(folder: Path, options: dict, phases: list[str]) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return result
+
+
+def config_folder(name: str, model_dir: str | None) -> Path:
+    """Model `name`'s folder without weights (config.json, bf16, eos 258, and the byte tokenizer), served with
+    `load_format="dummy"`: `model_dir` as is when it already holds a config.json, else written there (or in a fresh
+    temporary folder)."""
+    import tempfile
+
+    import transformers
+
+    if model_dir is not None and (Path(model_dir) / "config.json").is_file():
+        return Path(model_dir)
+    path = Path(model_dir) if model_dir is not None else Path(tempfile.mkdtemp())
+    path.mkdir(parents=True, exist_ok=True)
+    config_class, model_class, fields = MODELS[name]
+    config = getattr(transformers, config_class)(**fields, eos_token_id=258, dtype="bfloat16")
+    config.architectures = [model_class]
+    config.to_json_file(str(path / "config.json"))
+    build_byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
 
 
 def row(name: str, r: dict) -> str:
@@ -129,6 +154,9 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload length (smoke tests)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="auto: build (or reuse) a random bf16 folder and read it; dummy: a folder of config.json "
+                        "and tokenizer only, random weights drawn on the devices by every run")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip() and p.strip().lower() != "none"]
@@ -140,9 +168,11 @@ def main() -> None:
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     start = time.perf_counter()
-    folder = model_folder(args.model, args.model_dir)
+    dummy = args.load_format == "dummy"
+    folder = config_folder(args.model, args.model_dir) if dummy else model_folder(args.model, args.model_dir)
     on_cuda = args.device.startswith("cuda")
     result: dict = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "build_s": time.perf_counter() - start,
+                    "load_format": args.load_format,
                     "device": torch.cuda.get_device_name() if on_cuda else args.device,
                     "devices": torch.cuda.device_count() if on_cuda else 1, "runs": {}}
     print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
@@ -150,7 +180,7 @@ def main() -> None:
     result["dtype"] = dtype
     base = dict(dtype=dtype, device=args.device, block_size=64, max_num_seqs=64,
                 max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                async_scheduling=args.async_scheduling and on_cuda)
+                async_scheduling=args.async_scheduling and on_cuda, load_format=args.load_format)
     rank_runner.TP_CUDA_GRAPHS = args.graphs  # read into each engine's RunnerSpec, so its workers capture alike
     label = " graphs" if args.graphs else ""
     runs = [(f"TP={n}{label}", {**base, "tensor_parallel_size": n, "enforce_eager": not args.graphs}) for n in sizes]

@@ -56,7 +56,7 @@ def table_width(num_pages: int) -> int:
     """Columns of a block table whose longest row has `num_pages` pages: rounded up to a multiple of 16, so the
     table's row stride always takes Triton's same integer specialisation (divisible by 16). Unpadded, a batch
     whose rows all fit one page has stride 1, a constant Triton compiles a kernel variant for, inside a
-    request (2.2 s once in the GPU benchmark's phase A)."""
+    request (what that cost: docs/bench.md, "Start-up compiles")."""
     return -(-num_pages // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
 
 

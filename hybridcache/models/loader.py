@@ -20,7 +20,9 @@ FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weigh
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
 copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
 `load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
-quantised from their draws (a benchmark model that no disk could hold).
+quantised from their draws (a benchmark model that no disk could hold). With tensor parallelism (dense only) each
+rank draws every full tensor of the one-rank model in `randomize_`'s order and reads its shard of it as of a
+checkpoint tensor, so the ranks hold exactly the one-rank dummy model's shards.
 
 Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
 `model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
@@ -175,13 +177,21 @@ def _copy_planned(
     params = dict(model.named_parameters())
     shards = model.shards()
     for target, source in plan.items():
-        shard = shards.get(target)
-        parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
-        param = params[target]
-        if shard is not None and shard.padding:  # rows past the checkpoint's: zeros
-            param.narrow(shard.dim, shard.data_length, shard.padding).zero_()
-            param = param.narrow(shard.dim, 0, shard.data_length)
-        param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
+        _copy_one(params[target], shards.get(target), source, read)
+
+
+def _copy_one(
+    param: torch.Tensor,
+    shard: Shard | None,
+    source: _Source,
+    read: Callable[[str, tuple[int | slice, ...]], torch.Tensor],
+) -> None:
+    """Copy one planned parameter: its `shard`'s ranges of `source` (the whole tensor without a shard)."""
+    parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
+    if shard is not None and shard.padding:  # rows past the checkpoint's: zeros
+        param.narrow(shard.dim, shard.data_length, shard.padding).zero_()
+        param = param.narrow(shard.dim, 0, shard.data_length)
+    param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
 
 
 def _sharded_plan(model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Source]:
@@ -242,6 +252,8 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     fmt = _check_quantization(model_dir, quantization, load_format, tp)
     if load_format == "dummy":
+        if tp.size > 1:
+            return quant.set_kv_fp8(_dummy_shard(model_cls, config, tp, dtype, device), kv_fp8, {})
         return quant.set_kv_fp8(_dummy_model(model_cls, config, fmt, quantization, dtype, device), kv_fp8, {})
     files = safetensors_files(model_dir)
     location: dict[str, Path] = {}
@@ -288,9 +300,8 @@ def _check_quantization(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
     fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
-    if (fmt is not None or quantization is not None or load_format == "dummy") and tp.size > 1:
-        raise ValueError("FP8 weights and dummy weights are not supported with tensor parallelism yet "
-                         "(tensor_parallel_size 1 only)")
+    if (fmt is not None or quantization is not None) and tp.size > 1:
+        raise ValueError("FP8 weights are not supported with tensor parallelism yet (tensor_parallel_size 1 only)")
     return fmt
 
 
@@ -314,4 +325,47 @@ def _dummy_model(
     model = model.to_empty(device=device)
     model.tie_weights()
     randomize_(model, seed=0, draw_device=device)
+    return model.eval()
+
+
+@torch.no_grad()
+def _dummy_shard(
+    model_cls: type[HybridCausalLM],
+    config: ModelConfig,
+    tp: TensorParallel,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> HybridCausalLM:
+    """`load_format="dummy"` under tensor parallelism: rank `tp.rank`'s shard of exactly the model `_dummy_model`
+    draws with one rank (seed 0, same device type). Every rank draws every full tensor of the one-rank model in
+    `randomize_`'s order (so the generator advances alike), one at a time, and keeps its shard: peak memory is the
+    rank's shard plus one full tensor. A full tensor is put back in the checkpoint's row order (the inverse of the
+    one-rank model's `shards()`: Qwen3-Next's regrouped projections) and then read as a checkpoint tensor."""
+    from hybridcache.models.random_weights import draw_parameter
+
+    with torch.device("meta"):
+        full = model_cls(config).to(dtype=dtype)
+        model = model_cls(config, tp).to(dtype=dtype)
+    full.tie_weights()
+    full_shards = full.shards()
+    plan = _sharded_plan(model, {name: _shape(p.shape) for name, p in full.named_parameters()})
+    targets: dict[str, list[str]] = {}
+    for target, source in plan.items():
+        targets.setdefault(source.checkpoint_name, []).append(target)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    params, shards = dict(model.named_parameters()), model.shards()
+    generator = torch.Generator(device).manual_seed(0)
+    for name, param in full.named_parameters():
+        value = draw_parameter(name, param.shape, generator)
+        shard = full_shards.get(name)
+        if shard is not None:  # ours -> the checkpoint's row order
+            checkpoint = torch.empty_like(value)
+            offset = 0
+            for start, stop in shard.ranges:
+                checkpoint.narrow(shard.dim, start, stop - start).copy_(value.narrow(shard.dim, offset, stop - start))
+                offset += stop - start
+            value = checkpoint
+        for target in targets.get(name, ()):
+            _copy_one(params[target], shards.get(target), plan[target], lambda _, index, v=value: v[index])
     return model.eval()

@@ -27,7 +27,8 @@ from hybridcache.layers.linear import Fp8Linear
 #   any tensor with ndim >= 2  N(0, 1/fan_in), fan_in = shape[-1]
 
 
-def _draw(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+def draw_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """The fp32 value `randomize_` gives parameter `name` of `shape`, drawn from `generator` on its device."""
     device = generator.device
 
     def normal(std: float) -> torch.Tensor:
@@ -66,7 +67,7 @@ def randomize_(module: nn.Module, seed: int, draw_device: torch.device | str = "
     for name, param in module.named_parameters():
         if name in scales:
             continue
-        value = _draw(name, param.shape, generator)
+        value = draw_parameter(name, param.shape, generator)
         if name in fp8:
             weight, scale = kernel_backend.fp8_quantize(value, fp8[name].fmt)
             param.copy_(weight)

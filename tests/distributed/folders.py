@@ -30,6 +30,15 @@ def write_folder(path: Path, model_type: str, seed: int = 0, vocab_size: int = V
     return path
 
 
+def write_config_folder(path: Path, model_type: str, vocab_size: int = VOCAB, **overrides) -> Path:
+    """`write_folder`'s config.json and tokenizer without any weights (served with `load_format="dummy"`)."""
+    config = tiny_hf_config(model_type, vocab_size=vocab_size, eos_token_id=258, **overrides)
+    path.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(str(path / "config.json"))
+    build_byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
 @torch.no_grad()
 def transformers_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
     """transformers' logits [len(token_ids), vocab] of one full forward (explicit position ids)."""

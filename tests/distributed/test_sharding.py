@@ -18,7 +18,7 @@ from hybridcache.models import ModelConfig, get_model_class, load_model, load_we
 from hybridcache.models.random_weights import tiny_hf_config
 from tests.models.helpers import make_pair
 
-from .folders import MODEL_TYPES, write_folder
+from .folders import MODEL_TYPES, write_config_folder, write_folder
 
 
 def test_heads_split_and_groups_replicate_when_fewer_than_ranks():
@@ -83,6 +83,24 @@ def test_each_rank_loads_exactly_its_part(model_type, extra, tmp_path):
             for name, param in loaded.named_parameters():
                 shard = shards.get(name)
                 assert torch.equal(param, full[name] if shard is None else shard.take(full[name])), name
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("qwen3_next", {}), ("qwen3_5_moe_text", {}),
+    ("qwen3_5_text", {"vocab_size": 321, "tie_word_embeddings": True}),
+])
+def test_each_rank_draws_exactly_its_part_of_the_one_rank_dummy_model(model_type, extra, tmp_path):
+    """`load_format="dummy"` with tensor parallelism: each rank holds exactly its shard of the one-rank dummy model
+    (the same seed), read through its checkpoint row order, padding rows zero; no weights on disk."""
+    folder = write_config_folder(tmp_path, model_type, **extra)
+    full = checkpoint_order(load_model(folder, load_format="dummy"))
+    for rank in range(2):
+        loaded = load_model(folder, tp=TensorParallel(rank, 2), load_format="dummy")
+        shards = loaded.shards()
+        assert shards
+        for name, param in loaded.named_parameters():
+            shard = shards.get(name)
+            assert torch.equal(param, full[name] if shard is None else shard.take(full[name])), name
 
 
 def checkpoint_order(model) -> dict[str, torch.Tensor]:

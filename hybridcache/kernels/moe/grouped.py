@@ -79,7 +79,7 @@ def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 def sort_pairs_torch(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`sort_pairs` in torch: an int16 radix argsort and a scatter_add (any device, any number of pairs)."""
     flat_ids = top_ids.reshape(-1)
-    # int16 keys (E <= 32,767): the radix sort makes 4x fewer passes than over int64 (~26 -> ~7 us at T*k = 256)
+    # int16 keys (E <= 32,767): the radix sort makes 4x fewer passes than over int64 (docs/bench.md, "Kernels")
     order = torch.argsort(flat_ids.to(torch.int16), stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=top_ids.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
@@ -94,7 +94,7 @@ def tile_rows(num_rows: int, num_experts: int) -> int | None:
     faster choice. Decided from shapes alone, so a captured decode graph and an eager run of the same batch take
     the same path. The tile is about twice the mean rows per expert (16 to 64), so most experts fit one tile and
     their weights are read once; above 64 rows per expert mean the grouped GEMM wins (`benchmarks/moe_bench.py`;
-    measured figures in docs/kernels.md)."""
+    measured figures in docs/bench.md, "Figures behind the code's choices")."""
     per_expert = num_rows / num_experts
     if per_expert > TRITON_MAX_ROWS_PER_EXPERT:
         return None
