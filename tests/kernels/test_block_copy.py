@@ -9,14 +9,13 @@ so the `test_triton_interpreted_*` tests run in a child pytest process started b
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from hybridcache.kernels.copy.block_copy import copy_blocks
+from tests.kernels.interpreter import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -24,7 +23,6 @@ needs_interpreter = pytest.mark.skipif(
     reason="runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter_in_subprocess",
 )
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference_copy(
@@ -206,13 +204,7 @@ def test_triton_on_cpu_without_interpreter_is_refused() -> None:
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")
 def test_triton_interpreter_in_subprocess() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-               "-k", "triton_interpreted"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+    run_interpreted(__file__, "triton_interpreted", timeout=300)
 
 
 @needs_interpreter

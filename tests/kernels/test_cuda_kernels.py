@@ -24,19 +24,17 @@ that a norm over thousands of rows would dilute.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.kernels.interpreter import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_in_subprocess"
 )
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 EXACT = (0.0, 0.0)
@@ -193,13 +191,7 @@ def _interpreter_runs_our_kernels() -> bool:
 
 @pytest.mark.skipif(not _interpreter_runs_our_kernels(), reason="this Triton's interpreter cannot run our kernels")
 def test_triton_interpreter_in_subprocess() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-               "-k", "interpreted"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+    run_interpreted(__file__, "interpreted")
 
 
 @needs_interpreter

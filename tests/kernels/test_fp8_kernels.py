@@ -15,9 +15,6 @@ over an FP8 KV pool (`kernels/attention/reference.py` with kv_scales).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +27,9 @@ from hybridcache.kernels.gemm.reference import (
     quantize,
     quantize_groups,
 )
+from tests.kernels.interpreter import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -44,14 +41,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
 def test_fp8_triton_kernels_in_a_triton_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    # only the test_interpreted_* tests, never this one: a child that ran it would spawn children without end
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-               "-k", "test_interpreted_ and not subprocess"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-3000:]
+    run_interpreted(__file__, "test_interpreted_ and not subprocess")
 
 
 def dequantized_groups(xq: torch.Tensor, x_scale: torch.Tensor, group: int) -> torch.Tensor:
