@@ -5,7 +5,6 @@ match refuse a text too long to fit by its size, and tokenize off the event loop
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 
@@ -14,7 +13,7 @@ from hybridcache.router.index import ReplicaIndex
 from hybridcache.server.app import ServedModel, _Routes
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.limits import max_token_bytes
-from tests.server.conftest import MODEL
+from tests.server.conftest import MODEL, ThreadRecordingTokenizer
 from tests.server.inprocess_server import ENGINE, serving
 
 
@@ -79,16 +78,9 @@ def test_tokenize_and_match_refuse_a_text_too_long_before_tokenizing_it(tokenize
 
 
 def test_a_match_renders_and_tokenizes_on_the_tokenizer_threads(tokenizer):
-    threads = []
-
-    class Recording:
-        backend = None
-
-        def encode(self, text: str) -> list[int]:
-            threads.append(threading.current_thread().name)
-            return tokenizer.encode(text)
-
-    routes = _Routes(None, ServedModel(tokenizer=Recording(), max_model_len=64), ServerConfig(), None)
+    recording = ThreadRecordingTokenizer(tokenizer)
+    threads = recording.threads
+    routes = _Routes(None, ServedModel(tokenizer=recording, max_model_len=64), ServerConfig(), None)
     ids = asyncio.run(routes.body_prompt_ids({"prompt": ["hello", "there"]}))
     assert ids == [tokenizer.encode("hello"), tokenizer.encode("there")]
     assert threads[0] == "MainThread" and len(threads) == 3  # the warm-up call, then the two prompts

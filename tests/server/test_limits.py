@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import logging
 import random
-import threading
 
 import pytest
 
@@ -27,6 +26,7 @@ from hybridcache.server.limits import (
     max_token_bytes,
 )
 from hybridcache.server.log_limits import RateLimitFilter
+from tests.server.conftest import ThreadRecordingTokenizer
 
 
 def _record(msg: str, *args: object, level: int = logging.WARNING, name: str = "x") -> logging.LogRecord:
@@ -101,16 +101,9 @@ def test_a_request_holds_at_most_max_request_sequences():
 
 
 def test_prompts_are_tokenized_off_the_event_loop(tokenizer):
-    threads = []
-
-    class Recording:
-        backend = None
-
-        def encode(self, text: str) -> list[int]:
-            threads.append(threading.current_thread().name)
-            return tokenizer.encode(text)
-
-    routes = _Routes(None, ServedModel(tokenizer=Recording(), max_model_len=64), ServerConfig(), None)
+    recording = ThreadRecordingTokenizer(tokenizer)
+    threads = recording.threads
+    routes = _Routes(None, ServedModel(tokenizer=recording, max_model_len=64), ServerConfig(), None)
     ids = asyncio.run(routes._encode(["hello", [5, 6]]))
     assert ids == [tokenizer.encode("hello"), [5, 6]]
     assert threads[0] == "MainThread"  # the warm-up call, once, when the routes are made
