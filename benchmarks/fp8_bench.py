@@ -106,15 +106,8 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     runners = {"A": gpu_bench.phase_a, "B": gpu_bench.phase_b, "C": gpu_bench.phase_c, "D": gpu_bench.phase_d}
     rng = random.Random(0)
     for phase in phases:
-        before = gpu_bench.cache_counts(llm)
-        try:
-            result["phases"][phase] = runners[phase](llm, rng)
-        except Exception as error:  # one broken phase must not cost the others' figures
-            traceback.print_exc()
-            result.setdefault("errors", {})[phase] = repr(error)
+        if not gpu_bench.run_phase(llm, runners[phase], rng, result, phase):
             continue
-        result["phases"][phase]["cache"] = {name: dict(counts - before[name])
-                                            for name, counts in gpu_bench.cache_counts(llm).items()}
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
     del llm

@@ -147,6 +147,20 @@ def summary(latencies: list[float], outputs: list, prompt_lens: list[int]) -> di
     }
 
 
+def run_phase(llm: LLM, runner, rng: random.Random, result: dict, key: str) -> bool:
+    """Run one phase into `result["phases"][key]`, with the cache counters it moved; an error goes to
+    `result["errors"][key]` instead (one broken phase must not cost the others' figures). True if it ran."""
+    before = cache_counts(llm)
+    try:
+        result["phases"][key] = runner(llm, rng)
+    except Exception as error:
+        traceback.print_exc()
+        result.setdefault("errors", {})[key] = repr(error)
+        return False
+    result["phases"][key]["cache"] = {name: dict(counts - before[name]) for name, counts in cache_counts(llm).items()}
+    return True
+
+
 def phase_a(llm: LLM, rng: random.Random) -> dict:
     systems = [letters(rng, 2000) for _ in range(4)]
     history = [systems[i % 4] for i in range(16)]
@@ -419,15 +433,8 @@ def main() -> None:
     for index, phase in enumerate(phases):
         key = phase if phase not in phases[:index] else f"{phase}#{phases[:index + 1].count(phase)}"
         compiles.label = key
-        before = cache_counts(llm)
-        try:
-            result["phases"][key] = runners[phase](llm, rng)
-        except Exception as error:  # one broken phase must not cost the others' figures
-            traceback.print_exc()
-            result.setdefault("errors", {})[key] = repr(error)
+        if not run_phase(llm, runners[phase], rng, result, key):
             continue
-        result["phases"][key]["cache"] = {name: dict(counts - before[name])
-                                          for name, counts in cache_counts(llm).items()}
         result["phases"][key]["kernels_compiled"] = compiles.by_label.get(key, [])
         if key in compiles.by_label:
             print(f"{key}: Triton compiled {len(compiles.by_label[key])} kernels: {compiles.by_label[key]}")
