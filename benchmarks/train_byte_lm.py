@@ -217,6 +217,8 @@ class MtpTrainer(torch.nn.Module):
         self.fc = torch.nn.Linear(2 * hidden, hidden, bias=False)
         self.layers = torch.nn.ModuleList([type(model.model.layers[0])(config, layer_idx=0)])
         self.norm = norm(hidden, eps=config.rms_norm_eps)
+        for module in self.modules():  # modules built outside from_pretrained keep torch.empty's bytes (experts)
+            model._init_weights(module)
         self.mask_config = config
         self._create_causal_mask = transformers.masking_utils.create_causal_mask
 
@@ -264,6 +266,7 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
               record: dict) -> MtpTrainer:
     """Train the MTP head over the frozen `model` for `options.mtp_steps` steps; fills record["mtp"]."""
     model.eval().requires_grad_(False)
+    torch.manual_seed(options.seed + 1)
     head = MtpTrainer(model).to(options.device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95),
                                   weight_decay=options.weight_decay)
