@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels.conv.triton import state_entries, state_sequence
+
 _BLOCK_C = 128
 
 
@@ -25,24 +27,15 @@ def _conv_draft_states_kernel(
     stride_xt, stride_ps, stride_pc, stride_pw, stride_table, num_channels,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
-    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)  # 0 when fresh
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    seq, pid_c, bos, _, state_lo, slot = state_sequence(slots_ptr, cu_ptr, ctx_ptr, W)
     num_drafts = tl.load(drafts_ptr + seq).to(tl.int64)
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cols = tl.arange(0, BLOCK_W)
     ok = (chans < num_channels)[:, None] & (cols < W)[None, :]
     for j in range(0, num_drafts):
-        src = j + 1 - W + cols  # row position that becomes entry `col`; < 0: old entry W + src
-        xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :],
-                     other=0.0)
-        from_state = (src < 0) & (src >= state_lo)
-        sv = tl.load(pool_ptr + slot * stride_ps + chans[:, None] * stride_pc + (src + W)[None, :] * stride_pw,
-                     mask=ok & from_state[None, :], other=0.0)
-        entry = xv.to(tl.float32) + sv.to(tl.float32)  # exactly one of the two is non-zero: a copy
+        src = j + 1 - W + cols  # row position that becomes entry `col`
+        entry = state_entries(x_ptr, pool_ptr, bos, slot, src, state_lo, chans, ok, stride_xt, stride_ps, stride_pc,
+                              stride_pw, W)
         draft_row = tl.load(table_ptr + seq * stride_table + j).to(tl.int64)
         tl.store(pool_ptr + draft_row * stride_ps + chans[:, None] * stride_pc + cols[None, :] * stride_pw,
                  entry.to(pool_ptr.dtype.element_ty), mask=ok)

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels.gated_delta.triton_step import delta_rule_update, token_inputs
+
 _BLOCK_V = 32
 
 
@@ -59,18 +61,10 @@ def _gdn_verify_kernel(
         steps = query_len
     for t in range(0, steps):
         row = bos + t
-        bq = tl.load(q_ptr + row * stride_qt + key_head * stride_qh + ks).to(tl.float32)
-        bk = tl.load(k_ptr + row * stride_kt + key_head * stride_kh + ks).to(tl.float32)
-        if L2NORM:
-            bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
-            bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
-        bq = bq * scale
-        bv = tl.load(v_ptr + row * stride_vt + head * stride_vh + vs).to(tl.float32)
-        bg = tl.load(g_ptr + row * stride_gt + head).to(tl.float32)
-        bb = tl.load(beta_ptr + row * stride_bt + head).to(tl.float32)
-        state = state * tl.exp(bg)
-        delta = (bv - tl.sum(state * bk[:, None], axis=0)) * bb
-        state = state + bk[:, None] * delta[None, :]
+        bq, bk, bv, bg, bb = token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, vs, scale,
+                                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                                          stride_bt, L2NORM)
+        state = delta_rule_update(state, bk, bv, bg, bb)
         if ROUND:  # a state pool narrower than fp32 holds the state rounded after every position
             state = state.to(pool_ptr.dtype.element_ty).to(tl.float32)
         if not STATES_ONLY:
