@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from hybridcache.kernels.conv.triton import state_entries, state_sequence
+from hybridcache.kernels.varlen import check_verify_rows
 
 _BLOCK_C = 128
 
@@ -66,13 +67,7 @@ def conv_draft_states(
         raise ValueError(f"x {tuple(x.shape)} must be [T, C] with unit stride on C")
     if conv_pool.dim() != 3 or conv_pool.shape[1] != num_channels:
         raise ValueError(f"conv_pool {tuple(conv_pool.shape)} must be [num_slots, {num_channels}, W]")
-    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
-        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
-                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
-    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
-        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, D >= 1]")
-    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
-        raise ValueError("draft_table must be int64 with unit stride on its last dim")
+    check_verify_rows(num_seqs, cu_seqlens, context_lens, draft_table, num_drafts)
     if num_seqs == 0 or width == 0:
         return
     block_c = min(_BLOCK_C, triton.next_power_of_2(num_channels))

@@ -22,6 +22,19 @@ _BLOCK_V = 32
 
 
 @triton.jit
+def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on: returns (seq, its value head, that head's key
+    head (RATIO value heads share one), the key entries ks [DK], the program's value entries vs [BLOCK_V])."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(2)
+    key_head = head // RATIO
+    ks = tl.arange(0, DK)
+    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    return seq, head, key_head, ks, vs
+
+
+@triton.jit
 def token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, vs, scale, stride_qt, stride_qh,
                  stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, L2NORM: tl.constexpr):
     """Token `row`'s inputs to the gated delta rule in fp32, for value head `head` (key head `key_head`): q and k
@@ -57,12 +70,7 @@ def _gdn_step_kernel(
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    key_head = head // RATIO
-    ks = tl.arange(0, DK)
-    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
 

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridcache.kernels.gated_delta.triton_step import delta_rule_update, token_inputs
+from hybridcache.kernels.gated_delta.triton_step import delta_rule_update, program_heads, token_inputs
+from hybridcache.kernels.varlen import check_verify_rows
 
 _BLOCK_V = 32
 
@@ -41,12 +42,7 @@ def _gdn_verify_kernel(
     RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, STATES_ONLY: tl.constexpr,
     ROUND: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    key_head = head // RATIO
-    ks = tl.arange(0, DK)
-    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
     query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
     num_drafts = tl.load(drafts_ptr + seq).to(tl.int64)
@@ -124,13 +120,7 @@ def gated_delta_rule_verify(
                          f"{v_dim}]")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v need unit stride on their last dim")
-    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
-        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
-                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
-    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
-        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, W >= 1]")
-    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
-        raise ValueError("draft_table must be int64 with unit stride on its last dim")
+    check_verify_rows(num_seqs, cu_seqlens, context_lens, draft_table, num_drafts)
     if g.dtype != torch.float32:
         raise ValueError(f"g must be fp32 (the log decay), got {g.dtype}")
     g, beta = g.contiguous(), beta.contiguous()
