@@ -32,7 +32,7 @@ from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
 from hybridcache.kernels.gemm import triton_quant
-from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot
+from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
@@ -97,12 +97,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
         out_rows = pairs
     else:
         out_rows = rows.to(tl.int64)
-    if SWAP_AB:
-        out = out_ptr + out_rows[None, :] * stride_out + cols[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
-    else:
-        out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_tile(out_ptr, out_rows, cols, acc, row_ok, col_ok, stride_out, SWAP_AB)
 
 
 def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.Tensor, top_k: int,
