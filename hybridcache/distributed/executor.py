@@ -17,6 +17,10 @@ With async scheduling a step's decode rows take the tokens the step before sampl
 device: the `TokenFeed`'s tokens go to the workers as a broadcast queued on the device, the first collective of
 the step, so no host waits for them (the pipe carries only which rows take which token).
 
+Speculative decoding: a verify step is an ordinary step; its rollback copies travel as a step of copies, and the MTP
+head's pass after it as one `DraftPlan` (`draft`), run by every rank on its shard of the head in lock step; each
+draft a further head step embeds is decided by rank 0 and broadcast on the device, like the fed tokens.
+
 Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
 otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
 Every worker's liveness is checked before each step and after rank 0 has queued it, and again by
