@@ -2,11 +2,13 @@
 
 Without processes: each rank loads exactly its part of the MTP head (the MoE head of Qwen3-Next, the dense one of
 Qwen3.5), and a draft plan survives the trip to a worker. On two ranks (a tiny Qwen3-Next, MoE head): greedy
-tokens with MTP on equal those of one rank with MTP off on a cached workload of multi-turn conversations, shared
-system prompts, an identical resend, `n = 2`, 150+-token prompts sharing a long prefix and a stop string, with
-`check_integrity` after every step; the head's own drafts equal one rank's head's draft for draft, and with
-partly right oracle drafts (so verify rows accept 0..k drafts and roll back on every rank) the acceptance counts
-equal one rank's. A folder without an MTP head is refused before any worker starts.
+tokens and finish reasons with MTP on equal those of one rank with MTP off on 150+-token prompts over one long
+prefix (the later ones hit the cache), `n = 2`, a stop string and an identical resend, with `check_integrity` after
+every step; the head's own drafts equal one rank's head's, draft for draft, and with partly right oracle drafts (so
+verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's. Slow: the same
+after the cache-equivalence workload (multi-turn conversations, shared system prompts), and speculation turned off
+above a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is refused
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -167,6 +169,28 @@ def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload)
     assert stats_two == stats_one
     assert 0 < stats_one.num_accepted_tokens < stats_one.num_draft_tokens  # accepted and rolled back
     assert all(n > 0 for n in stats_one.accepted_per_position), stats_one
+
+
+@pytest.mark.slow
+def test_speculation_off_above_a_batch_size_with_async_steps_between_on_two_ranks(model_dir):
+    """`disable_by_batch_size` 2 with async scheduling on two ranks (the cache-equivalence workload, up to 6 sequences
+    at once): steps over the limit are plain decode steps, overlapped, their fed tokens broadcast from rank 0; steps
+    at or under it draft on every rank and verify; greedy tokens equal one rank's without MTP, the cache intact after
+    every step."""
+    off = run(make_engine(model_dir, caching=False), workload=True)
+    engine = LLMEngine(model_dir, EngineConfig(
+        block_size=16, kernel_block_size=8, max_num_batched_tokens=96, max_num_seqs=6, tensor_parallel_size=2,
+        async_scheduling=True, speculative_config={**spec(2), "disable_by_batch_size": 2}))
+    try:
+        oracle(engine, {rid: tokens for rid, (tokens, _) in off.items()}, seed=5)
+        decided = []
+        speculating = engine._speculating
+        engine._speculating = lambda: decided.append(speculating()) or decided[-1]
+        assert run(engine, workload=True, check_every_step=True) == off
+        assert True in decided and False in decided
+        assert engine.drafter.stats.num_accepted_tokens > 0
+    finally:
+        engine.close()
 
 
 def test_a_folder_without_an_mtp_head_is_refused_before_any_worker_starts(tmp_path, monkeypatch):
