@@ -2,7 +2,7 @@
 
 Without processes: each rank loads exactly its part of the MTP head (the MoE head of Qwen3-Next, the dense one of
 Qwen3.5), and a draft plan survives the trip to a worker. On two ranks (a tiny Qwen3-Next, MoE head): greedy
-tokens and finish reasons with MTP on equal those of one rank with MTP off on 150+-token prompts over one long
+tokens, finish reasons and logprobs with MTP on equal those of one rank with MTP off on 150+-token prompts over one long
 prefix (the later ones hit the cache), `n = 2`, a stop string and an identical resend, with `check_integrity` after
 every step; the head's own drafts equal one rank's head's, draft for draft, and with partly right oracle drafts (so
 verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's. Slow: the same
@@ -92,12 +92,13 @@ def test_a_draft_plan_travels_to_a_worker_unchanged():
 # ----------------------------------------------------------------------------------------- two ranks
 def long_requests(engine: LLMEngine, stop: list[str], check_every_step: bool = False) -> dict:
     """Three 150+-token prompts over one 120-token prefix, one after another (the later ones hit the cache): `a`
-    (with the `stop` strings), `b` (n = 2), then `a` again (an identical resend). {id: RequestOutput}."""
+    (with the `stop` strings), `b` (n = 2, logprobs), then `a` again (an identical resend). {id: RequestOutput}."""
     rng = random.Random(11)
     prefix = [rng.randrange(256) for _ in range(120)]
     prompts = {name: prefix + [rng.randrange(256) for _ in range(n)] for name, n in (("a", 40), ("b", 35))}
     requests = [("long-a", prompts["a"], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop=stop)),
-                ("long-b", prompts["b"], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, n=2)),
+                ("long-b", prompts["b"], SamplingParams(temperature=0, max_tokens=11, ignore_eos=True, n=2,
+                                                         logprobs=3)),
                 ("long-a-again", prompts["a"], SamplingParams(temperature=0, max_tokens=14, ignore_eos=True,
                                                                stop=stop))]
     results = {}
@@ -114,12 +115,23 @@ def long_requests(engine: LLMEngine, stop: list[str], check_every_step: bool = F
 
 def run(engine: LLMEngine, workload: bool, check_every_step: bool = False) -> dict:
     """`long_requests` (stop string `STOP`), after the cache-equivalence workload when `workload`: {id: ([token
-    ids], [finish reasons]) per completion}."""
+    ids], [finish reasons]) per completion}; `engine.logprobs`: `long-b`'s logprobs per completion."""
     outputs = run_workload(engine, check_every_step=check_every_step) if workload else {}
     outputs.update(long_requests(engine, [STOP], check_every_step))
     engine.check_integrity()
+    engine.logprobs = [c.logprobs for c in outputs["long-b"].outputs]
     return {rid: ([c.token_ids for c in out.outputs], [c.finish_reason for c in out.outputs])
             for rid, out in outputs.items()}
+
+
+def assert_same_logprobs(ours: list, want: list) -> None:
+    """Per completion and token: the same token and top ids, logprobs within 1e-4."""
+    assert len(ours) == len(want)
+    for mine, theirs in zip(ours, want, strict=True):
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
 def record_head_drafts(engine: LLMEngine) -> dict:
@@ -147,7 +159,8 @@ STOP = "3"
 def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload):
     """Greedy tokens and finish reasons of two ranks with MTP (k = 2) equal one rank's without it; the head's drafts
     equal one rank's head's, and with oracle drafts the acceptance counts too (module docstring)."""
-    off = run(make_engine(model_dir, caching=False), workload)
+    reference_engine = make_engine(model_dir, caching=False)
+    off = run(reference_engine, workload)
     assert off["long-a"][1] == ["stop"] and 5 <= len(off["long-a"][0][0]) < 14
     reference = {rid: tokens for rid, (tokens, _) in off.items()}
     runs = []
@@ -158,6 +171,7 @@ def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload)
             oracle(engine, reference, seed=4)
             got = run(engine, workload, check_every_step=tp == 2)
             assert got == off
+            assert_same_logprobs(engine.logprobs, reference_engine.logprobs)
             stats = engine.stats()
             assert stats["cache"].num_hits > 0 and stats["num_blocks_used"] == stats["cache"].num_blocks_used
             runs.append((head_drafts, engine.drafter.stats))
