@@ -215,7 +215,7 @@ class LLMEngine:
         )
         cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
                                  ssm_dtype=config.mamba_ssm_cache_dtype)
-        self.num_host_blocks = self._attach_host_tier(plan) if config.enable_prefix_caching else 0
+        self.num_host_blocks = self._host_tier(plan)
         if self.num_host_blocks:
             bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
             cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
@@ -629,29 +629,27 @@ class LLMEngine:
         """Drop everything the prefix cache holds that no running sequence uses."""
         self.scheduler.clear_cache()
 
-    def _attach_host_tier(self, plan: MemoryPlan) -> int:
-        """The host tier's blocks (`host_cache_gib` over the pool's block bytes), given to the runner; 0 without one.
-        Not with tensor parallelism yet (each rank would hold its shard's host blocks)."""
-        num_blocks = int(self.config.host_cache_gib * (1 << 30) // plan.block_bytes)
-        if num_blocks <= 0:
-            return 0
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("host_cache_gib (a host tier) is not supported with tensor parallelism yet")
-        self.runner.attach_host_pool(num_blocks)
-        _logger.info("hybridcache: host tier of %d blocks (%.3g GiB)", num_blocks,
-                     num_blocks * plan.block_bytes / (1 << 30))
+    def _host_tier(self, plan: MemoryPlan) -> int:
+        """The host tier's blocks behind the pool (`rank_runner.host_tier_blocks`; every rank's runner holds its
+        shard of each), logged; 0 without one."""
+        num_blocks = self.runner.num_host_blocks
+        if num_blocks:
+            _logger.info("hybridcache: host tier of %d blocks (%.3g GiB over %d rank(s))", num_blocks,
+                         num_blocks * plan.block_bytes * self.config.tensor_parallel_size / (1 << 30),
+                         self.config.tensor_parallel_size)
         return num_blocks
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts, for a model with a vision tower the images it encoded and those the
-        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative decoding its
-        `SpecDecodeStats` (else None)."""
+        pool size (device and host blocks, counted once: every rank holds its shard of each; `block_bytes` is a
+        block's bytes over all ranks) and token counts, for a model with a vision tower the images it encoded and
+        those the encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative
+        decoding its `SpecDecodeStats` (else None)."""
         vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
-            "block_bytes": self.memory_plan.block_bytes,
+            "block_bytes": self.memory_plan.block_bytes * self.config.tensor_parallel_size,
             "num_host_blocks": self.num_host_blocks,
             "weights": self.weight_format,
             "kv_cache_dtype": self.kv_cache_dtype,
