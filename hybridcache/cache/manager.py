@@ -28,7 +28,7 @@ the checkpoints' states and every change to the trie; its `Evictor` (evictor.py)
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -37,6 +37,7 @@ from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
+from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
@@ -704,6 +705,19 @@ class PrefixCache:
             **self._life.usage(), num_nodes=self._trie.num_nodes, num_running=len(self._seqs),
             num_host_dropped=0 if host is None else host.num_dropped,
         )
+
+    # ---- a tier behind the host tier (the disk tier) ------------------------------------------------------
+
+    def on_host_fall_out(self, callback: Callable[[FallOut | None], None]) -> None:
+        """Tell `callback` of every host checkpoint the host tier's own eviction drops, before its blocks are freed
+        (`HostTier.fall_out`; None for one that cannot be kept behind the host). Needs a host tier."""
+        self._life.host.on_fall_out = callback
+
+    def adopt_stored(
+        self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],
+    ) -> tuple[dict[int, int], tuple[int, ...]] | None:
+        """Put a checkpoint kept behind the host back into the host tier (`Lifecycle.adopt_stored`)."""
+        return self._life.adopt_stored(stored, read)
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""

@@ -50,6 +50,8 @@ import torch
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
+from hybridcache.engine.disk_keeper import DiskKeeper
+from hybridcache.engine.disk_tier import DiskTier, model_key
 from hybridcache.engine.executor import make_executor
 from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
@@ -223,6 +225,7 @@ class LLMEngine:
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
             cost=cost, host_blocks=self.num_host_blocks,
         )
+        self.disk = self._disk_tier() if config.disk_cache_dir is not None else None
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
@@ -278,6 +281,8 @@ class LLMEngine:
                 raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
             mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
+        if self.disk is not None and not mm and params.prompt_logprobs is None:
+            self.disk.fault_in(prompt_ids)
         seqs: list[Seq] = []
         for index in range(params.n):
             seqs.append(
@@ -400,6 +405,8 @@ class LLMEngine:
             self.abort(request_id)
         self._launched = None
         self._closed = True
+        if self.disk is not None:
+            self.disk.close()
         runner, self.runner, self.vision = self.runner, None, None
         runner.shutdown()
         del runner
@@ -639,12 +646,35 @@ class LLMEngine:
                          self.config.tensor_parallel_size)
         return num_blocks
 
+    def _disk_tier(self) -> DiskKeeper:
+        """The disk tier behind the host tier, under `disk_cache_dir`, keyed by the model and its block layout
+        (`disk_tier.model_key`), wired to the prefix cache (`DiskKeeper`)."""
+        config, paged = self.config, self.runner.paged_states
+        if not self.num_host_blocks:
+            raise ValueError(f"disk_cache_dir needs a host tier of at least one block: host_cache_gib "
+                             f"{config.host_cache_gib} holds no block of {self.memory_plan.block_bytes} bytes")
+        geometry = {
+            "block_size": config.block_size, "kernel_block_size": config.kernel_block_size, "dtype": config.dtype,
+            "state_dtype": config.mamba_ssm_cache_dtype, "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": config.quantization, "load_format": config.load_format,
+            "speculative_tokens": _speculative_tokens(config), "state_pages": self.memory_plan.state_pages,
+            "page_words": paged.page_words, "word_dtype": str(paged.word_dtype),
+        }
+        disk = DiskTier(Path(config.disk_cache_dir), model_key(self.model_path, geometry),
+                        page_words=paged.page_words, word_dtype=paged.word_dtype,
+                        max_bytes=int(config.disk_cache_gib * (1 << 30)),
+                        describe={"model": str(self.model_path), **geometry})
+        _logger.info("hybridcache: disk tier at %s (%d files, %.3g GiB, cap %.3g GiB)", disk.dir,
+                     disk.stats.num_block_files + disk.stats.num_state_files, disk.stats.num_bytes / (1 << 30),
+                     config.disk_cache_gib)
+        return DiskKeeper(disk, self.scheduler.cache, self.runner, config.block_size)
+
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
         pool size (device and host blocks, counted once: every rank holds its shard of each; `block_bytes` is a
         block's bytes over all ranks) and token counts, for a model with a vision tower the images it encoded and
         those the encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative
-        decoding its `SpecDecodeStats` (else None)."""
+        decoding its `SpecDecodeStats` (else None), and with a disk tier its counters (`DiskStats`, else None)."""
         vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
@@ -658,4 +688,5 @@ class LLMEngine:
             "num_decode_tokens": self.num_decode_tokens,
             **vision,
             "spec_decode": self.drafter.stats if self.drafter is not None else None,
+            "disk": None if self.disk is None else self.disk.stats(),
         }
