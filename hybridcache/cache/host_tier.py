@@ -167,6 +167,7 @@ class HostTier:
         self.on_fall_out: Callable[[FallOut | None], None] | None = None
         self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
         self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
+        self._fresh: set[Node] = set()  # device nodes inserted since the last plan: their KV is not computed yet
 
     # ---- blocks and copies -------------------------------------------------------------------------------
 
@@ -204,7 +205,13 @@ class HostTier:
         for host, _device in loads:
             self.pool.decref(host)
         self._saves, self._loads = {}, {}
+        self._fresh.clear()
         return saves, loads
+
+    def inserted(self, node: Node) -> None:
+        """Device node `node` was just inserted: its KV is computed by the forward of the plan being built (a
+        fall-out until then cannot read it)."""
+        self._fresh.add(node)
 
     def loading(self) -> list[int]:
         """Host blocks read by this step's loads (held by no host item, freed at `end_step`)."""
@@ -234,7 +241,8 @@ class HostTier:
         """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
         frees its blocks): the chain of blocks from the root to its anchor, in either tier, and its state's host
         blocks. None when it cannot be kept: an adapter's or multimodal content (not kept behind the host), a
-        state not written yet (`unwritten`), or a host block whose save is still in this step's plan."""
+        state not written yet (`unwritten`), a host block whose save is still in the plan being built, or a device
+        node inserted since the last plan (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = []
         node = frontier
@@ -246,10 +254,12 @@ class HostTier:
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
         host_ids = (*state_ids, *(n.host_block for n in host_nodes))
         if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
-                or any(h in self._saves for h in host_ids)):
+                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)):
             return None
-        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, isinstance(n, HostNode),
-                                    n.host_block if isinstance(n, HostNode) else n.block_id) for n in nodes)
+        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
+        # a device node promoted since the last plan: its bytes are still in the host block it is loaded from
+        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, n.block_id in self._loads,
+                                    self._loads.get(n.block_id, n.block_id)) for n in device_nodes) + blocks
         return FallOut(blocks=blocks, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_ids=ckpt.tail_ids,
                        tail_hash=ckpt.tail_hash, reason=ckpt.reason.value, num_pages=len(ckpt.pages),
                        state_host_ids=state_ids)

@@ -113,6 +113,7 @@ class Lifecycle:
                 self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node_hash, parent_hash=parent.hash,
                                             depth=node.depth, adapter=node.adapter))
             if self.host is not None:
+                self.host.inserted(node)
                 self.host.absorb_twin(parent, node)
         else:
             self.blocks.incref(node.block_id)
