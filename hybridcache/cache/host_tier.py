@@ -25,6 +25,10 @@ Rules (each checked by `integrity.check_host`):
 - Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
   the oldest unpinned first; what falls out is gone.
 
+Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
+its blocks are freed (`fall_out`: its chain and state as a tier behind needs them), and `Lifecycle.adopt_stored`
+hangs a `StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
+
 Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
 device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
 A device block promoted into and demoted again before the plan is built goes back to the host block it came
