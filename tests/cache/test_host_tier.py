@@ -180,3 +180,52 @@ def test_worked_example_of_cache_md():
     stats = cache.stats
     assert (stats.num_host_hits, stats.num_promoted_checkpoints, stats.num_promoted_blocks) == (1, 1, 1)
     assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0)
+
+
+def test_what_the_host_drops_comes_back_into_another_cache_with_its_bytes():
+    """The disk tier's contract on the cache side: every checkpoint the host tier's own eviction drops is told
+    (`on_host_fall_out`) with its chain and state as they are then (bytes read through the fake device); hung in a
+    fresh cache's host tier (`adopt_stored`, a restart), each holds what its ids claim (`FakeDevice.check`), and a
+    prompt that continues it hits there and runs on it."""
+    from hybridcache.cache.host_tier import StoredCheckpoint
+
+    cache, driver = make(num_blocks=8, host_blocks=12)
+    kept = []
+
+    def keep(fall_out):
+        if fall_out is None:
+            return
+        device = driver.device
+        blocks = [device._host_block(b.block_id) if b.on_host else device._device_block(b.block_id)
+                  for b in fall_out.blocks]
+        kept.append((fall_out, blocks, [device._host_block(h) for h in fall_out.state_host_ids]))
+
+    cache.on_host_fall_out(keep)
+    prompts = [tuple(range(i * 50, i * 50 + 10)) for i in range(6)]  # 2 blocks + a 2-token tail each
+    for i, prompt in enumerate(prompts):
+        driver.run(CacheRequest(("p", i), prompt))
+        fill_device(driver, first=1000 + 100 * i)
+    assert kept, "the host tier dropped nothing"
+
+    restarted, again = make(num_blocks=8, host_blocks=64)
+    for fall_out, blocks, state in kept:
+        stored = StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in fall_out.blocks), step=fall_out.step,
+                                  tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
+                                  has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
+        asked = []
+        placed = restarted.adopt_stored(stored, lambda missing, asked=asked: asked.append(missing) or True)
+        if placed is None:  # held already (a chain kept twice: the second time only its new state)
+            continue
+        block_ids, state_ids = placed
+        assert sorted(block_ids) == list(asked[0])
+        for i, host_block in block_ids.items():
+            again.device.host[host_block] = list(blocks[i])
+        for host_block, data in zip(state_ids, state, strict=True):
+            again.device.host[host_block] = list(data)
+        assert restarted.adopt_stored(stored, lambda missing: True) is None  # now held: nothing added
+    again.device.check()
+    restarted.check_integrity()
+    fall_out = kept[0][0]
+    prompt = tuple(t for b in fall_out.blocks for t in b.token_ids) + fall_out.tail_ids
+    match = again.run(CacheRequest("back", prompt + (7, 8)), decode=[3])
+    assert match.cached_len == fall_out.step and restarted.stats.num_host_hits == 1
