@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
@@ -91,6 +91,25 @@ class StoredCheckpoint:
     reason: str
     num_pages: int
     has_frozen: bool
+
+
+class TierBehind(Protocol):
+    """A tier behind the host one (the engine's disk tier, `engine/disk_keeper.py`), given to `PrefixCache`. The
+    host tier tells it what its own eviction drops (`keep`), and asks it on a match (`find`) for a checkpoint
+    deeper than both tiers hold; one it has is hung in the host tier (`Lifecycle.adopt_stored`) once `read` has the
+    bytes, which `placed` then puts in the host blocks it was given (before the plan that promotes it runs)."""
+
+    def keep(self, fall_out: FallOut | None) -> None:
+        """A host checkpoint is being dropped (its blocks are readable during the call); None: not keepable."""
+
+    def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
+        """The deepest checkpoint it holds that `request` can use (step <= `max_step`), or None."""
+
+    def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
+        """Fetch and check the bytes of `stored`'s state and of its chain's blocks at indices `missing`."""
+
+    def placed(self, stored: StoredCheckpoint, block_ids: dict[int, int], state_ids: tuple[int, ...]) -> None:
+        """Write what `read` fetched: chain block i into host block `block_ids[i]`, the state into `state_ids`."""
 
 
 class Hanging:
@@ -169,6 +188,8 @@ class HostTier:
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
         # what the host's own eviction drops, told before its blocks are freed (None: it cannot be kept behind)
         self.on_fall_out: Callable[[FallOut | None], None] | None = None
+        self.behind: TierBehind | None = None  # asked on a match (`find`); set with `adopt` by the lifecycle
+        self.adopt: Callable[[StoredCheckpoint, Callable[[tuple[int, ...]], bool]], Any] | None = None
         self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
         self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
         self._fresh: set[Node] = set()  # device nodes inserted since the last plan: their KV is not computed yet
@@ -421,7 +442,15 @@ class HostTier:
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
     ) -> Checkpoint | None:
         """The deepest usable host checkpoint for `request`: on the device path's nodes, or on `hosts`, the host
-        nodes that continue it (`continuation`)."""
+        nodes that continue it (`continuation`). With a tier behind (`behind`), one it holds deeper than either
+        tier's is first brought into this tier (`_fault_in`)."""
+        if self.behind is not None and path and self._fault_in(path, hosts, request, block_size, max_step):
+            hosts = self.continuation(path, request, block_size)
+        return self._find(path, hosts, request, block_size, max_step)
+
+    def _find(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> Checkpoint | None:
         if not self.order or not path:
             return None
         views: list[Any] = []
@@ -430,6 +459,24 @@ class HostTier:
             hanging = self.under.get(node)
             views.append(_View(node.hash, hanging.checkpoints if hanging is not None else empty))
         return find_deepest(self.trie, [*views, *hosts], request, block_size, max_step)
+
+    def _fault_in(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> bool:
+        """Hang the tier behind's deepest checkpoint for `request` in this tier when it is deeper than what the
+        device path and this tier hold; whether it did."""
+        stored = self.behind.find(request, block_size, max_step)
+        if stored is None:
+            return False
+        held = [c.step for c in (find_deepest(self.trie, path, request, block_size, max_step),
+                                 self._find(path, hosts, request, block_size, max_step)) if c is not None]
+        if stored.step <= max(held, default=0):
+            return False
+        placed = self.adopt(stored, lambda missing: self.behind.read(stored, missing))
+        if placed is None:
+            return False
+        self.behind.placed(stored, *placed)
+        return True
 
     def divergence(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,

@@ -20,6 +20,8 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   host cannot make room, or for a checkpoint whose state is not written yet (`Checkpoint.unwritten`), or one a
   newer decode checkpoint replaced, it is released as before. `promote` brings a host checkpoint and its chain
   back. A device insert or publish absorbs its host twin (identity is unique across the tiers).
+- A tier behind the host (`attach_behind`, host_tier.py's `TierBehind`: the disk tier) keeps what the host's own
+  eviction drops; `adopt_stored` hangs a checkpoint it gives back in the host tier.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
-from hybridcache.cache.host_tier import HostNode, HostTier, StoredCheckpoint
+from hybridcache.cache.host_tier import HostNode, HostTier, StoredCheckpoint, TierBehind
 from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.state_pool import StatePool
@@ -490,6 +492,16 @@ class Lifecycle:
         self.stats.num_promoted_checkpoints += 1
 
     # ---- a tier behind the host (the disk tier) ----------------------------------------------------------
+
+    def attach_behind(self, tier: TierBehind) -> None:
+        """`tier` keeps what the host tier's own eviction drops and is asked on a match (host_tier.py,
+        `TierBehind`). Needs a host tier."""
+        if self.host is None:
+            raise ValueError("a tier behind the host tier needs a host tier (CacheConfig.host_blocks)")
+        self.host.on_fall_out = tier.keep
+        self.host.behind = tier
+        self.host.adopt = self.adopt_stored
+        self.trie.root(None)  # a match walks from the base model's root: the first one asks the tier behind too
 
     def adopt_stored(
         self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],

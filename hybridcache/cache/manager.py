@@ -28,7 +28,7 @@ the checkpoints' states and every change to the trie; its `Evictor` (evictor.py)
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -37,7 +37,7 @@ from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
-from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
+from hybridcache.cache.host_tier import TierBehind
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
@@ -52,11 +52,13 @@ from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_
 class PrefixCache:
     """Block trie + exact-step state checkpoints for hybrid models; deals only in ids, emits copy plans.
 
-    `hash_fn` replaces the chained block hash (tests use it to force collisions).
+    `hash_fn` replaces the chained block hash (tests use it to force collisions). `tier_behind`: a tier behind
+    the host tier (host_tier.py, `TierBehind`: the engine's disk tier).
     """
 
     def __init__(
         self, config: CacheConfig, cost_model: CostModel | None = None, *, hash_fn: HashFn = chain_hash,
+        tier_behind: TierBehind | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -64,6 +66,8 @@ class PrefixCache:
         self._trie = Trie(hash_fn)
         self._stats = StatsCounter()
         self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
+        if tier_behind is not None:
+            self._life.attach_behind(tier_behind)
         self._admission = make_admission_policy(config)
         self._learner = (
             LearnedAdmission(
@@ -705,19 +709,6 @@ class PrefixCache:
             **self._life.usage(), num_nodes=self._trie.num_nodes, num_running=len(self._seqs),
             num_host_dropped=0 if host is None else host.num_dropped,
         )
-
-    # ---- a tier behind the host tier (the disk tier) ------------------------------------------------------
-
-    def on_host_fall_out(self, callback: Callable[[FallOut | None], None]) -> None:
-        """Tell `callback` of every host checkpoint the host tier's own eviction drops, before its blocks are freed
-        (`HostTier.fall_out`; None for one that cannot be kept behind the host). Needs a host tier."""
-        self._life.host.on_fall_out = callback
-
-    def adopt_stored(
-        self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],
-    ) -> tuple[dict[int, int], tuple[int, ...]] | None:
-        """Put a checkpoint kept behind the host back into the host tier (`Lifecycle.adopt_stored`)."""
-        return self._life.adopt_stored(stored, read)
 
     def check_integrity(self) -> None:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""

@@ -3,9 +3,9 @@
 Behind the host tier (`EngineConfig.disk_cache_dir`; docs/cache.md, "The disk tier"). When the host tier's own
 eviction drops a checkpoint (`HostTier.fall_out`), its state and every block of its chain that the disk does not
 hold yet are read (host blocks from the host pool, device blocks from the pool) and handed to a writer thread;
-a prompt whose deepest usable checkpoint is on disk, deeper than what the device tier holds, gets it read back
-into the host tier when the request is added (`PrefixCache.adopt_stored`), and the host tier promotes it as any
-host hit::
+a match whose deepest usable checkpoint is on disk, deeper than what the device and host tiers hold, gets it read
+back into the host tier (`Lifecycle.adopt_stored`, through `engine/disk_keeper.DiskKeeper`), and promotes it as
+any host hit::
 
     DIR/<model key>/model.json                       what the key was made of (for people; never read back)
     DIR/<model key>/blocks/<hash>.safetensors        one full block: "data" [1, page_words]
@@ -184,14 +184,16 @@ class DiskTier:
 
     # ---- what a prompt finds -----------------------------------------------------------------------------
 
-    def find(self, prompt_ids: Sequence[int], block_size: int, max_step: int) -> DiskHit | None:
+    def find(self, prompt_ids: Sequence[int], block_size: int, max_step: int,
+             hashes: Sequence[int] | None = None) -> DiskHit | None:
         """The deepest state on disk usable by a prompt of the base model without multimodal spans: its chain is
-        the prompt's full blocks (exact tokens), its tail the prompt's next tokens, its step <= `max_step`."""
-        hashes, parent = [], root_hash(None)
-        for i in range(len(prompt_ids) // block_size):
-            tokens = tuple(prompt_ids[i * block_size:(i + 1) * block_size])
-            parent = chain_hash(parent, tokens, ())
-            hashes.append(parent)
+        the prompt's full blocks (exact tokens), its tail the prompt's next tokens, its step <= `max_step`.
+        `hashes`: the chained hashes of the prompt's full blocks when the caller has them (else computed)."""
+        if hashes is None:
+            hashes, parent = [], root_hash(None)
+            for i in range(len(prompt_ids) // block_size):
+                parent = chain_hash(parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size]), ())
+                hashes.append(parent)
         with self._lock:
             chain: list[DiskBlock] = []
             anchor = root_hash(None)

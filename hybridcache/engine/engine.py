@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
+from hybridcache.cache.host_tier import TierBehind
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.disk_keeper import DiskKeeper
@@ -126,12 +127,14 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
 
 def _make_scheduler(
     config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel, host_blocks: int = 0,
+    tier_behind: TierBehind | None = None,
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
     states, `host_blocks` the host tier's blocks behind them; `cost`: the model's cost model (`engine_cost_model`),
     which FLOP-aware eviction ranks by, promotions from the host tier are weighed with, and which sets the shortest
-    branch point worth its state (`CacheConfig.min_branch_point_step`)."""
+    branch point worth its state (`CacheConfig.min_branch_point_step`); `tier_behind`: the disk tier behind the
+    host tier (`DiskKeeper`), or None."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -148,7 +151,7 @@ def _make_scheduler(
         num_speculative_tokens=_speculative_tokens(config),
     )
     return Scheduler(
-        PrefixCache(cache_config, cost),
+        PrefixCache(cache_config, cost, tier_behind=tier_behind),
         policy,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -221,11 +224,11 @@ class LLMEngine:
         if self.num_host_blocks:
             bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
             cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
+        self.disk = self._disk_tier() if config.disk_cache_dir is not None else None
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
-            cost=cost, host_blocks=self.num_host_blocks,
+            cost=cost, host_blocks=self.num_host_blocks, tier_behind=self.disk,
         )
-        self.disk = self._disk_tier() if config.disk_cache_dir is not None else None
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
@@ -281,8 +284,6 @@ class LLMEngine:
                 raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
             mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
-        if self.disk is not None and not mm and params.prompt_logprobs is None:
-            self.disk.fault_in(prompt_ids)
         seqs: list[Seq] = []
         for index in range(params.n):
             seqs.append(
@@ -648,7 +649,7 @@ class LLMEngine:
 
     def _disk_tier(self) -> DiskKeeper:
         """The disk tier behind the host tier, under `disk_cache_dir`, keyed by the model and its block layout
-        (`disk_tier.model_key`), wired to the prefix cache (`DiskKeeper`)."""
+        (`disk_tier.model_key`), as the prefix cache's tier behind the host tier (`DiskKeeper`)."""
         config, paged = self.config, self.runner.paged_states
         if not self.num_host_blocks:
             raise ValueError(f"disk_cache_dir needs a host tier of at least one block: host_cache_gib "
@@ -667,7 +668,7 @@ class LLMEngine:
         _logger.info("hybridcache: disk tier at %s (%d files, %.3g GiB, cap %.3g GiB)", disk.dir,
                      disk.stats.num_block_files + disk.stats.num_state_files, disk.stats.num_bytes / (1 << 30),
                      config.disk_cache_gib)
-        return DiskKeeper(disk, self.scheduler.cache, self.runner, config.block_size)
+        return DiskKeeper(disk, paged, self.runner.host_pool)
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
