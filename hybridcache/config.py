@@ -86,6 +86,10 @@ class EngineConfig:
     the rest of the memory budget, see `hybridcache.engine.memory`.
     host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
     demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
+    disk_cache_dir: a disk tier behind the host tier (None: none): what the host tier's own eviction drops is
+    written there, per model, and found again by a later engine on the same model and directory; at most
+    disk_cache_gib GiB of files (its least recently used states go first). Needs a host tier; one rank only
+    (docs/cache.md, "The disk tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
@@ -126,6 +130,8 @@ class EngineConfig:
     kernel_block_size: int | None = None
     num_blocks: int | None = None
     host_cache_gib: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gib: float = 64.0
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -145,6 +151,19 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str | None = None
     speculative_config: SpeculativeConfig | None = None
+
+    def _check_disk_tier(self) -> None:
+        if self.disk_cache_dir is None:
+            return
+        if not isinstance(self.disk_cache_gib, (int, float)) or not 0 < self.disk_cache_gib < float("inf"):
+            raise ValueError(f"disk_cache_gib must be a finite number > 0, got {self.disk_cache_gib!r}")
+        refused = [what for what, on in (
+            ("without a host tier (host_cache_gib 0): the disk tier keeps what falls out of it",
+             not self.host_cache_gib),
+            ("without the prefix cache", not self.enable_prefix_caching),
+            ("with tensor parallelism", self.tensor_parallel_size != 1)) if on]
+        if refused:
+            raise ValueError(f"disk_cache_dir (a disk tier) is not supported {'; nor '.join(refused)}")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -171,6 +190,7 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
             raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
+        self._check_disk_tier()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cache_mode not in CACHE_MODES:

@@ -186,6 +186,11 @@ class TensorParallelExecutor:
             yield
 
     @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks: every rank holds its shard of each (`build_runner`), the same count as rank 0."""
+        return self.runner.num_host_blocks
+
+    @property
     def worker_pids(self) -> tuple[int, ...]:
         """The process ids of ranks 1..N-1."""
         return tuple(worker.process.pid for worker in self._workers)

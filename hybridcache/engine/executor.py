@@ -43,6 +43,10 @@ class Executor(Protocol):
     @property
     def input_device(self) -> torch.device: ...
 
+    @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks (each rank holds its shard of every one); 0 without a host tier."""
+
     def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """The step's BEFORE_FORWARD copies, the forward, its AFTER_FORWARD copies; fp32 logits (`ModelRunner`).
         `feed`: input rows that take the step before's sampled tokens on the device (async scheduling)."""

@@ -425,6 +425,11 @@ class ModelRunner:
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
 
+    @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks this runner holds its shard of (0 without a host tier)."""
+        return 0 if self.host_pool is None else self.host_pool.num_blocks
+
     def attach_host_pool(self, num_blocks: int) -> None:
         """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; on CUDA
         pinned, and copied on two side streams that overlap the forward)."""
