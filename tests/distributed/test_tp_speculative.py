@@ -5,10 +5,10 @@ Qwen3.5), and a draft plan survives the trip to a worker. On two ranks (a tiny Q
 tokens, finish reasons and logprobs with MTP on equal those of one rank with MTP off on 150+-token prompts over one long
 prefix (the later ones hit the cache), `n = 2`, a stop string and an identical resend, with `check_integrity` after
 every step; the head's own drafts equal one rank's head's, draft for draft, and with partly right oracle drafts (so
-verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's. Slow: the same
-after the cache-equivalence workload (multi-turn conversations, shared system prompts), and speculation turned off
-above a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is refused
-before any worker starts.
+verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's; the same after
+the cache-equivalence workload (multi-turn conversations, shared system prompts). Slow: speculation turned off above
+a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is refused before
+any worker starts.
 """
 
 from __future__ import annotations
@@ -154,8 +154,7 @@ def record_head_drafts(engine: LLMEngine) -> dict:
 STOP = "3"
 
 
-@pytest.mark.parametrize("workload", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["long-prompts", "with-cache-workload"])
+@pytest.mark.parametrize("workload", [False, True], ids=["long-prompts", "with-cache-workload"])
 def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload):
     """Greedy tokens and finish reasons of two ranks with MTP (k = 2) equal one rank's without it; the head's drafts
     equal one rank's head's, and with oracle drafts the acceptance counts too (module docstring)."""
