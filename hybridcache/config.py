@@ -116,8 +116,9 @@ class EngineConfig:
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
     `speculative_config`); None = off. Steps that speculate run synchronously whatever `async_scheduling` says
-    (only steps over `disable_by_batch_size` overlap). Not (yet) with tensor parallelism or decode-interval
-    checkpoints; those are refused here. A kernel backend without verify kernels is refused at start-up.
+    (only steps over `disable_by_batch_size` overlap); under tensor parallelism every rank holds its shard of the
+    head and drafts in lock step. Not (yet) with decode-interval checkpoints; refused here. A kernel backend
+    without verify kernels is refused at start-up.
     quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
     checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
     (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
@@ -166,12 +167,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None:
-            refused = [what for what, on in (
-                ("tensor parallelism", self.tensor_parallel_size != 1),
-                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None)) if on]
-            if refused:
-                raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
+        if self.speculative_config is not None and self.decode_checkpoint_interval is not None:
+            raise ValueError("speculative decoding is not supported with decode_checkpoint_interval")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))

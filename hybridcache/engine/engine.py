@@ -499,7 +499,8 @@ class LLMEngine:
         only = [s.seq for s in scheduled.samples]
         only_logits = None
         if only:
-            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples], self.device))
+            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples],
+                                                                  self.runner.input_device))
         chunks = scheduled.chunks
         verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
                          stop_token_ids=sorted(self.eos_token_ids))
@@ -509,6 +510,7 @@ class LLMEngine:
         """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
         them, cut at the first that stops it. The kept drafts go to the scheduler and the cache in one call
         (`Scheduler.accept_drafts`), whose rollback copies run at once; then the head drafts for the next step."""
+        self.runner.check_results()  # the verdicts read the logits: a tensor-parallel peer's failure shows now
         launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
@@ -543,7 +545,7 @@ class LLMEngine:
         fed = [c.seq for c in launched.chunks if c.num_drafts]
         rollback = self.scheduler.accept_drafts({seq: kept.get(seq, ()) for seq in fed})
         if not rollback.is_empty:
-            self.runner.execute_copies(device_copies(rollback, self.device))
+            self.runner.execute_copies(device_copies(rollback, self.runner.input_device))
         for seq, (last, _) in final.items():
             if last is not None:
                 seq.token_ids.append(last)

@@ -42,6 +42,7 @@ from hybridcache.copy_kinds import CopyKind, Phase
 from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
+from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -334,6 +335,15 @@ class ModelRunner:
             for op in copies:
                 if op.kind.phase is phase:
                     self._copy(op)
+
+    def draft(self, plan: DraftPlan, agree: Callable[[torch.Tensor], torch.Tensor] = identity) -> torch.Tensor:
+        """Run the MTP head's `plan` (`engine/mtp_draft.py`) on these pools from the hidden rows the last forward
+        kept; the proposed tokens, int64 on the device. `agree`: how a rank agrees on each draft a further step
+        embeds (tensor parallelism: rank 0's broadcast)."""
+        if self.mtp_head is None or self.step_hidden is None:
+            raise RuntimeError("draft needs a runner with an MTP head after a forward (speculative decoding)")
+        return run_draft_plan(plan, head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
+                              hidden=self.step_hidden, agree=agree)
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
