@@ -43,3 +43,18 @@ def chunk_indices(cu_seqlens: torch.Tensor, query_lens_cpu: Sequence[int], chunk
 def fresh_mask(cu_seqlens: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """[S] bool: sequences that start at step 0 (context_len == query_len) and so ignore their state slot."""
     return context_lens.long() == (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def check_verify_rows(num_seqs: int, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,
+                      draft_table: torch.Tensor, num_drafts: torch.Tensor) -> None:
+    """ValueError naming the tensor unless a verify step's metadata fit `num_seqs` sequences: cu_seqlens [S + 1],
+    context_lens [S], num_drafts [S], and draft_table [S, >= 1] int64 with unit stride on its last dim (the pool rows
+    of each sequence's draft states). The verify kernels' launchers (`gated_delta/triton_verify.py`,
+    `conv/triton_verify.py`) check with it before they launch."""
+    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
+        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
+                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
+    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
+        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, at least 1]")
+    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
+        raise ValueError("draft_table must be int64 with unit stride on its last dim")

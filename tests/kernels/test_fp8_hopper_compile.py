@@ -1,30 +1,20 @@
-"""The FP8 kernels compile for the H200 (sm90) without a GPU: Triton's front end, its Hopper passes and ptxas run
-on the CPU, so a kernel that the interpreter runs but the compiler rejects (one return type over two constexpr
-branches was such a case) fails here, not on the device. Every variant the engine can launch is compiled: the
-dense kernel's decode tiles (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode
-and prefill tiles (gate/up and down), the quantisation kernel. The swap-AB tiles must reach Hopper's wgmma (the
-reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to mma.sync)."""
+"""The FP8 kernels compile for the H200 (sm90) without a GPU (`tests/kernels/hopper.py`), so a kernel that the
+interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
+here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
+(swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
+down), the quantisation kernel. The swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32
+rows on the MMA's M side Triton falls back to mma.sync)."""
 
 from __future__ import annotations
 
 import pytest
 
-triton = pytest.importorskip("triton")
-
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+pytest.importorskip("triton")
 
 from hybridcache.kernels.gemm.triton_block_fp8 import _fp8_gemm_kernel  # noqa: E402
 from hybridcache.kernels.gemm.triton_fp8_moe import _fp8_expert_gemm_kernel  # noqa: E402
 from hybridcache.kernels.gemm.triton_quant import _quantize_groups_kernel  # noqa: E402
-
-HOPPER = GPUTarget("cuda", 90, 32)
-
-
-def compile_for_hopper(kernel, pointers: dict[str, str], ints: list[str], constants: dict, num_warps: int = 4):
-    signature = {**pointers, **dict.fromkeys(ints, "i32"), **dict.fromkeys(constants, "constexpr")}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=HOPPER, options={"num_warps": num_warps, "num_stages": 4})
+from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
 
 @pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab"), [

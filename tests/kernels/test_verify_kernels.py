@@ -93,6 +93,35 @@ def test_interpreted_verify_refuses_bad_shapes() -> None:
     with pytest.raises(ValueError, match="powers of two"):
         gated_delta_rule_verify(q, q, v, g, g, pool, one, torch.tensor([0, 3]), one, torch.zeros(1, 1).long(),
                                 torch.zeros(1, dtype=torch.int32), states_only=False)
+    from hybridcache.kernels.conv.triton_verify import conv_draft_states
+
+    v, pool = torch.zeros(3, 2, 16), torch.zeros(4, 2, 16, 16)
+    int32_table = torch.zeros(1, 1, dtype=torch.int32)  # must be int64 (`varlen.check_verify_rows`)
+    with pytest.raises(ValueError, match="int64"):
+        gated_delta_rule_verify(q, q, v, g, g, pool, one, torch.tensor([0, 3]), one, int32_table,
+                                torch.zeros(1, dtype=torch.int32), states_only=False)
+    with pytest.raises(ValueError, match="int64"):
+        conv_draft_states(torch.zeros(3, 8), torch.zeros(4, 8, 3), one, torch.tensor([0, 3]), one, int32_table,
+                          torch.zeros(1, dtype=torch.int32))
+
+
+def test_verify_rows_are_checked() -> None:
+    """`varlen.check_verify_rows`, which both verify launchers call first: each misfit is named."""
+    from hybridcache.kernels.varlen import check_verify_rows
+
+    cu, ctx, drafts = torch.tensor([0, 3, 5]), torch.tensor([3, 9]), torch.tensor([2, 1], dtype=torch.int32)
+    table = torch.zeros(2, 2, dtype=torch.int64)
+    check_verify_rows(2, cu, ctx, table, drafts)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        check_verify_rows(2, cu[:2], ctx, table, drafts)
+    with pytest.raises(ValueError, match="num_drafts"):
+        check_verify_rows(2, cu, ctx, table, drafts[:1])
+    with pytest.raises(ValueError, match="draft_table"):
+        check_verify_rows(2, cu, ctx, table[:, :0], drafts)
+    with pytest.raises(ValueError, match="int64"):
+        check_verify_rows(2, cu, ctx, table.int(), drafts)
+    with pytest.raises(ValueError, match="unit stride"):
+        check_verify_rows(2, cu, ctx, table.t(), drafts)
 
 
 def _reference_chunked(q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, context_lens, query_lens_cpu, **_):

@@ -80,27 +80,48 @@ def _conv_varlen_kernel(
 
 
 @triton.jit
+def state_sequence(slots_ptr, cu_ptr, ctx_ptr, W: tl.constexpr):
+    """The sequence of a program of grid (S, C / BLOCK_C) that writes conv states: returns (seq, the program's
+    channel block, the sequence's first row bos in x, its query_len, state_lo, its slot); state_lo is -W, or 0 for
+    a fresh sequence (context_len == query_len: no old entries). Shared by `_conv_state_kernel` and
+    `triton_verify`'s draft-state kernel."""
+    seq = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    return seq, pid_c, bos, query_len, state_lo, slot
+
+
+@triton.jit
+def state_entries(x_ptr, pool_ptr, bos, slot, src, state_lo, chans, ok, stride_xt, stride_ps, stride_pc, stride_pw,
+                  W: tl.constexpr):
+    """Conv state entries [BLOCK_C, BLOCK_W] in fp32: column col is the sequence's input at position src[col]
+    (x row bos + src), or for src < 0 the old state's entry W + src of the slot's pool row (0 below state_lo).
+    Each entry is a copy of one input (the other term is 0), so exact in every dtype."""
+    xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :], other=0.0)
+    state_row = pool_ptr + slot * stride_ps + chans[:, None] * stride_pc
+    from_state = (src < 0) & (src >= state_lo)
+    sv = tl.load(state_row + (src + W)[None, :] * stride_pw, mask=ok & from_state[None, :], other=0.0)
+    return xv.to(tl.float32) + sv.to(tl.float32)
+
+
+@triton.jit
 def _conv_state_kernel(
     x_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr,
     stride_xt, stride_ps, stride_pc, stride_pw, num_channels,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
-    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)  # 0 when fresh
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    _, pid_c, bos, query_len, state_lo, slot = state_sequence(slots_ptr, cu_ptr, ctx_ptr, W)
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cols = tl.arange(0, BLOCK_W)
     ok = (chans < num_channels)[:, None] & (cols < W)[None, :]
-    src = query_len - W + cols  # sequence position that becomes state entry `col`; < 0: old entry W + src
-    xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :], other=0.0)
-    state_row = pool_ptr + slot * stride_ps + chans[:, None] * stride_pc
-    from_state = (src < 0) & (src >= state_lo)
-    sv = tl.load(state_row + (src + W)[None, :] * stride_pw, mask=ok & from_state[None, :], other=0.0)
-    new_state = xv.to(tl.float32) + sv.to(tl.float32)  # exactly one of the two is non-zero: a copy
-    tl.store(state_row + cols[None, :] * stride_pw, new_state.to(pool_ptr.dtype.element_ty), mask=ok)
+    src = query_len - W + cols  # sequence position that becomes state entry `col`
+    new_state = state_entries(x_ptr, pool_ptr, bos, slot, src, state_lo, chans, ok, stride_xt, stride_ps, stride_pc,
+                              stride_pw, W)
+    tl.store(pool_ptr + slot * stride_ps + chans[:, None] * stride_pc + cols[None, :] * stride_pw,
+             new_state.to(pool_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels.conv.triton import state_entries, state_sequence
+from hybridcache.kernels.varlen import check_verify_rows
+
 _BLOCK_C = 128
 
 
@@ -25,24 +28,15 @@ def _conv_draft_states_kernel(
     stride_xt, stride_ps, stride_pc, stride_pw, stride_table, num_channels,
     W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    pid_c = tl.program_id(1)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
-    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)  # 0 when fresh
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    seq, pid_c, bos, _, state_lo, slot = state_sequence(slots_ptr, cu_ptr, ctx_ptr, W)
     num_drafts = tl.load(drafts_ptr + seq).to(tl.int64)
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cols = tl.arange(0, BLOCK_W)
     ok = (chans < num_channels)[:, None] & (cols < W)[None, :]
     for j in range(0, num_drafts):
-        src = j + 1 - W + cols  # row position that becomes entry `col`; < 0: old entry W + src
-        xv = tl.load(x_ptr + (bos + src)[None, :] * stride_xt + chans[:, None], mask=ok & (src >= 0)[None, :],
-                     other=0.0)
-        from_state = (src < 0) & (src >= state_lo)
-        sv = tl.load(pool_ptr + slot * stride_ps + chans[:, None] * stride_pc + (src + W)[None, :] * stride_pw,
-                     mask=ok & from_state[None, :], other=0.0)
-        entry = xv.to(tl.float32) + sv.to(tl.float32)  # exactly one of the two is non-zero: a copy
+        src = j + 1 - W + cols  # row position that becomes entry `col`
+        entry = state_entries(x_ptr, pool_ptr, bos, slot, src, state_lo, chans, ok, stride_xt, stride_ps, stride_pc,
+                              stride_pw, W)
         draft_row = tl.load(table_ptr + seq * stride_table + j).to(tl.int64)
         tl.store(pool_ptr + draft_row * stride_ps + chans[:, None] * stride_pc + cols[None, :] * stride_pw,
                  entry.to(pool_ptr.dtype.element_ty), mask=ok)
@@ -73,13 +67,7 @@ def conv_draft_states(
         raise ValueError(f"x {tuple(x.shape)} must be [T, C] with unit stride on C")
     if conv_pool.dim() != 3 or conv_pool.shape[1] != num_channels:
         raise ValueError(f"conv_pool {tuple(conv_pool.shape)} must be [num_slots, {num_channels}, W]")
-    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
-        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
-                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
-    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
-        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, D >= 1]")
-    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
-        raise ValueError("draft_table must be int64 with unit stride on its last dim")
+    check_verify_rows(num_seqs, cu_seqlens, context_lens, draft_table, num_drafts)
     if num_seqs == 0 or width == 0:
         return
     block_c = min(_BLOCK_C, triton.next_power_of_2(num_channels))

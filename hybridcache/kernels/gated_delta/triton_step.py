@@ -22,36 +22,64 @@ _BLOCK_V = 32
 
 
 @triton.jit
-def _gdn_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, scale,
-    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
-    stride_ps, stride_ph, stride_pk,
-    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-):
+def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
+    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on: returns (seq, its value head, that head's key
+    head (RATIO value heads share one), the key entries ks [DK], the program's value entries vs [BLOCK_V])."""
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     pid_v = tl.program_id(2)
     key_head = head // RATIO
     ks = tl.arange(0, DK)
     vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
+    return seq, head, key_head, ks, vs
 
-    bq = tl.load(q_ptr + seq * stride_qn + key_head * stride_qh + ks).to(tl.float32)
-    bk = tl.load(k_ptr + seq * stride_kn + key_head * stride_kh + ks).to(tl.float32)
+
+@triton.jit
+def token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, vs, scale, stride_qt, stride_qh,
+                 stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, L2NORM: tl.constexpr):
+    """Token `row`'s inputs to the gated delta rule in fp32, for value head `head` (key head `key_head`): q and k
+    [DK] at entries ks of the key head, v [BLOCK_V] at entries vs of the value head, and the head's log decay g and
+    write strength beta. Returns (q, k, v, g, beta), q and k l2-normalised when L2NORM and q scaled by `scale`.
+    With `delta_rule_update`, the per-token work of the step kernel and of the verify kernel (`triton_verify.py`).
+    The addresses are formed here, beside their loads: passed in precomputed, they reorder the step kernel's code."""
+    bq = tl.load(q_ptr + row * stride_qt + key_head * stride_qh + ks).to(tl.float32)
+    bk = tl.load(k_ptr + row * stride_kt + key_head * stride_kh + ks).to(tl.float32)
     if L2NORM:
         bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
         bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
     bq = bq * scale
-    bv = tl.load(v_ptr + seq * stride_vn + head * stride_vh + vs).to(tl.float32)
-    bg = tl.load(g_ptr + seq * stride_gn + head).to(tl.float32)
-    bb = tl.load(beta_ptr + seq * stride_bn + head).to(tl.float32)
+    bv = tl.load(v_ptr + row * stride_vt + head * stride_vh + vs).to(tl.float32)
+    bg = tl.load(g_ptr + row * stride_gt + head).to(tl.float32)
+    bb = tl.load(beta_ptr + row * stride_bt + head).to(tl.float32)
+    return bq, bk, bv, bg, bb
 
-    state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
-    state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
+
+@triton.jit
+def delta_rule_update(state, bk, bv, bg, bb):
+    """The fp32 state block [DK, BLOCK_V] after one token's k, v, g, beta (`token_inputs`):
+    S = exp(g) S;  S = S + k (beta (v - S^T k))^T."""
     state = state * tl.exp(bg)
     delta = (bv - tl.sum(state * bk[:, None], axis=0)) * bb
-    state = state + bk[:, None] * delta[None, :]
+    return state + bk[:, None] * delta[None, :]
+
+
+@triton.jit
+def _gdn_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, scale,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
+    stride_ps, stride_ph, stride_pk,
+    RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+):
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
+
+    bq, bk, bv, bg, bb = token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seq, head, key_head, ks, vs, scale,
+                                      stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
+                                      stride_bn, L2NORM)
+    state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
+    state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
+    state = delta_rule_update(state, bk, bv, bg, bb)
     out = tl.sum(state * bq[:, None], axis=0)
     tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
     tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))

@@ -28,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels.gated_delta.triton_step import delta_rule_update, program_heads, token_inputs
+from hybridcache.kernels.varlen import check_verify_rows
+
 _BLOCK_V = 32
 
 
@@ -39,12 +42,7 @@ def _gdn_verify_kernel(
     RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr, STATES_ONLY: tl.constexpr,
     ROUND: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
-    key_head = head // RATIO
-    ks = tl.arange(0, DK)
-    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
     query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
     num_drafts = tl.load(drafts_ptr + seq).to(tl.int64)
@@ -59,18 +57,10 @@ def _gdn_verify_kernel(
         steps = query_len
     for t in range(0, steps):
         row = bos + t
-        bq = tl.load(q_ptr + row * stride_qt + key_head * stride_qh + ks).to(tl.float32)
-        bk = tl.load(k_ptr + row * stride_kt + key_head * stride_kh + ks).to(tl.float32)
-        if L2NORM:
-            bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
-            bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
-        bq = bq * scale
-        bv = tl.load(v_ptr + row * stride_vt + head * stride_vh + vs).to(tl.float32)
-        bg = tl.load(g_ptr + row * stride_gt + head).to(tl.float32)
-        bb = tl.load(beta_ptr + row * stride_bt + head).to(tl.float32)
-        state = state * tl.exp(bg)
-        delta = (bv - tl.sum(state * bk[:, None], axis=0)) * bb
-        state = state + bk[:, None] * delta[None, :]
+        bq, bk, bv, bg, bb = token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, key_head, ks, vs, scale,
+                                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt,
+                                          stride_bt, L2NORM)
+        state = delta_rule_update(state, bk, bv, bg, bb)
         if ROUND:  # a state pool narrower than fp32 holds the state rounded after every position
             state = state.to(pool_ptr.dtype.element_ty).to(tl.float32)
         if not STATES_ONLY:
@@ -130,13 +120,7 @@ def gated_delta_rule_verify(
                          f"{v_dim}]")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k and v need unit stride on their last dim")
-    if cu_seqlens.shape != (num_seqs + 1,) or context_lens.shape != (num_seqs,) or num_drafts.shape != (num_seqs,):
-        raise ValueError(f"cu_seqlens {tuple(cu_seqlens.shape)}, context_lens {tuple(context_lens.shape)} and "
-                         f"num_drafts {tuple(num_drafts.shape)} must match {num_seqs} sequences")
-    if draft_table.dim() != 2 or draft_table.shape[0] != num_seqs or draft_table.shape[1] < 1:
-        raise ValueError(f"draft_table {tuple(draft_table.shape)} must be [{num_seqs}, W >= 1]")
-    if draft_table.stride(1) != 1 or draft_table.dtype != torch.int64:
-        raise ValueError("draft_table must be int64 with unit stride on its last dim")
+    check_verify_rows(num_seqs, cu_seqlens, context_lens, draft_table, num_drafts)
     if g.dtype != torch.float32:
         raise ValueError(f"g must be fp32 (the log decay), got {g.dtype}")
     g, beta = g.contiguous(), beta.contiguous()

@@ -72,6 +72,18 @@ def scaled_dot(a, w, a_scale, w_scale, SWAP_AB: tl.constexpr, PRECISION: tl.cons
     return part
 
 
+@triton.jit
+def store_tile(out_ptr, rows, cols, acc, row_ok, col_ok, stride_out, SWAP_AB: tl.constexpr):
+    """Store the fp32 tile `acc` rounded to out's dtype at out[rows, cols] (rows and cols int64 or int32), where
+    row_ok and col_ok: acc is [BM, BN], or its transpose [BN, BM] with SWAP_AB (`scaled_dot`'s layouts)."""
+    if SWAP_AB:
+        out = out_ptr + rows[None, :] * stride_out + cols[:, None]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    else:
+        out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
                      stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
@@ -112,12 +124,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
             a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
             w = w.to(a.dtype)
         acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
-    if SWAP_AB:
-        out = out_ptr + rows64[None, :] * stride_om + cols64[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
-    else:
-        out = out_ptr + rows64[:, None] * stride_om + cols64[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_tile(out_ptr, rows64, cols64, acc, row_ok, col_ok, stride_om, SWAP_AB)
 
 
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor, scale: torch.Tensor,

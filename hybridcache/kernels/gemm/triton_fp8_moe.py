@@ -32,8 +32,8 @@ from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
 from hybridcache.kernels.gemm import triton_quant
-from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot
-from hybridcache.kernels.moe.triton_experts import combine, expert_tile
+from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
+from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8
@@ -55,14 +55,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
-    if GATHER or SCATTER:
-        pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    if GATHER:  # noqa: SIM108 (a constexpr branch)
-        a_rows = pairs // top_k
-    else:
-        a_rows = rows.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, GATHER, SCATTER, BLOCK_N)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = w_scale_ptr + e.to(tl.int64) * stride_wse
     gate_rows = cols.to(tl.int64) * stride_wn
@@ -104,12 +97,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
         out_rows = pairs
     else:
         out_rows = rows.to(tl.int64)
-    if SWAP_AB:
-        out = out_ptr + out_rows[None, :] * stride_out + cols[:, None]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
-    else:
-        out = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_tile(out_ptr, out_rows, cols, acc, row_ok, col_ok, stride_out, SWAP_AB)
 
 
 def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.Tensor, top_k: int,

@@ -1,0 +1,89 @@
+"""The recurrent layers' kernels and the bf16 expert GEMM compile for the H200 (sm90) without a GPU
+(`tests/kernels/hopper.py`; the FP8 kernels: test_fp8_hopper_compile.py): the gated delta rule's decode step and
+speculative verify kernel, the causal conv's prefill, state, decode-step and draft-state kernels, and the expert
+GEMM's gate/up and down tiles, in the variants the engine launches for a bf16 model (the SSM state pool fp32 or
+bf16, the conv pool bf16, Qwen3-Next's head sizes). Their numbers are checked under the interpreter
+(test_cuda_kernels.py, test_verify_kernels.py); here, that the compiler takes them and that their compile-time
+branches keep or drop the code they should."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+from hybridcache.kernels.conv.triton import (  # noqa: E402
+    _conv_state_kernel,
+    _conv_step_kernel,
+    _conv_varlen_kernel,
+)
+from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
+from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
+from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
+from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
+from tests.kernels.hopper import compile_for_hopper  # noqa: E402
+
+HEADS = dict(RATIO=2, DK=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
+GDN_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
+                "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32"}
+CONV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16",
+                 "slots_ptr": "*i64", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32",
+                 "table_ptr": "*i64", "drafts_ptr": "*i32"}
+CONV = dict(BLOCK_C=128)  # kernel size 4: W = 3 state entries, BLOCK_W = 4
+
+
+def integers(kernel) -> list[str]:
+    """The kernel's i32 arguments: its strides and sizes (every parameter not a pointer, constexpr or `scale`)."""
+    return [p.name for p in kernel.params if not p.name.endswith("_ptr") and not p.is_constexpr and p.name != "scale"]
+
+
+def pointers(kernel, table: dict[str, str]) -> dict[str, str]:
+    return {p.name: table[p.name] for p in kernel.params if p.name.endswith("_ptr")}
+
+
+@pytest.mark.parametrize("l2norm", [True, False])
+def test_gated_delta_step_compiles_for_hopper(l2norm):
+    compiled = compile_for_hopper(_gdn_step_kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}, integers(_gdn_step_kernel),
+                                  dict(HEADS, DV=128, L2NORM=l2norm), floats=("scale",))
+    assert ("sqrt" in compiled.asm["ptx"]) == l2norm  # q and k are l2-normalised only when asked
+
+
+@pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])
+@pytest.mark.parametrize("pool", ["fp32", "bf16"])
+def test_gated_delta_verify_compiles_for_hopper(states_only, pool):
+    table = {**GDN_POINTERS, "pool_ptr": f"*{pool}", "cu_ptr": "*i64", "table_ptr": "*i64", "drafts_ptr": "*i32"}
+    compiled = compile_for_hopper(_gdn_verify_kernel, pointers(_gdn_verify_kernel, table),
+                                  integers(_gdn_verify_kernel), dict(HEADS, L2NORM=True, STATES_ONLY=states_only,
+                                                                     ROUND=pool != "fp32"), floats=("scale",))
+    if pool == "fp32":  # the only 16-bit stores are then the bf16 outputs, which states-only mode never writes
+        assert ("st.global.b16" in compiled.asm["ptx"]) != states_only
+
+
+@pytest.mark.parametrize(("has_bias", "silu"), [(False, True), (True, False)])
+def test_conv_prefill_and_step_compile_for_hopper(has_bias, silu):
+    varlen = compile_for_hopper(_conv_varlen_kernel, pointers(_conv_varlen_kernel, CONV_POINTERS),
+                                integers(_conv_varlen_kernel), dict(CONV, K=4, HAS_BIAS=has_bias, SILU=silu,
+                                                                    BLOCK_T=64))
+    step = compile_for_hopper(_conv_step_kernel, pointers(_conv_step_kernel, CONV_POINTERS),
+                              integers(_conv_step_kernel), dict(CONV, K=4, BLOCK_W=4, HAS_BIAS=has_bias, SILU=silu))
+    for compiled in (varlen, step):  # the SiLU's sigmoid is the kernels' only exponential
+        assert ("ex2" in compiled.asm["ptx"]) == silu
+
+
+@pytest.mark.parametrize("kernel", [_conv_state_kernel, _conv_draft_states_kernel], ids=["state", "draft_states"])
+def test_conv_state_kernels_compile_for_hopper(kernel):
+    compiled = compile_for_hopper(kernel, pointers(kernel, CONV_POINTERS), integers(kernel),
+                                  dict(CONV, W=3, BLOCK_W=4))
+    ptx = compiled.asm["ptx"]
+    assert "st.global.b16" in ptx  # the bf16 state entries are written
+    assert "mul.f32" not in ptx and "fma" not in ptx  # and are copies of inputs: no arithmetic on them
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])  # the tiles `moe.grouped.tile_rows` picks
+@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
+def test_expert_gemm_compiles_for_hopper(block_m, gate_up):
+    table = {"a_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "counts_ptr": "*i32"}
+    constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
+                     BLOCK_E=64, PRECISION="tf32")
+    compiled = compile_for_hopper(_expert_gemm_kernel, table, integers(_expert_gemm_kernel), constants)
+    assert "mma" in compiled.asm["ptx"]  # bf16 tiles on the tensor cores (wgmma, or mma.sync for few rows)
