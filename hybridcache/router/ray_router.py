@@ -15,10 +15,24 @@ sent, corrected by the replicas' reports). A request without prompt ids (another
 answer within `index_timeout_s` gets every candidate in one rank (Ray takes the shortest queue). Replicas that
 leave (died, scaled down, replaced after a failed health check) are dropped from the index.
 
-Two requests are routed otherwise (ray_metrics.py): one pinned to a replica (`EngineRequest.replica_id`, the
-ingress's /metrics scrape) goes to that replica only (no rank while it is not a candidate: Ray waits, and the
-caller's timeout ends the call); and the predictions of a request with a `route_key` are stored in
-`ray_metrics.PREDICTED_HITS`, so the ingress counts the prediction of the replica that took it.
+Two requests are routed otherwise: one pinned to a replica (`EngineRequest.replica_id`: the ingress's /metrics
+scrape, ray_metrics.py; a stored response and its continuation, router/responses.py) goes to that replica only
+while it is a candidate, and to any once it is not (it died or left: what it held is gone, and the replica that
+takes the request answers for itself, e.g. 404 for an unknown response); and the predictions of a request with a
+`route_key` are stored in `ray_metrics.PREDICTED_HITS`, so the ingress counts the prediction of the replica that
+took it.
+
+Which request takes the replica found (Ray 2.60, `ray/serve/_private/request_router/request_router.py`): a routing
+task calls `choose_replicas` for one pending request and hands the replica it finds to
+`_fulfill_next_pending_request`, which in the base `RequestRouter` (this class's) gives it to the pending request
+with the same `internal_request_id`: under queueing, each request still gets the replica chosen for it. Two cases
+differ, neither met here. A router that mixes in `FIFOMixin` (Ray's default PowerOfTwoChoices router does) gives it
+to the oldest pending request instead. And handle calls made while serving one HTTP request share that request's
+internal id (`default_impl.get_request_metadata` copies the serve request context's): of two such calls pending at
+once, the first takes the replica chosen for either, and the second is no longer matched by id. The ingress
+never has two calls of one HTTP request pending at once (its /metrics scrape and stored-response lookups ask
+replicas one at a time, a retry follows a failure), and it counts each answer against the replica that sent it
+(the answer's first message), not the one predicted.
 
 Ray's request-router API is alpha (ray.serve.request_router); this follows Ray 2.60's.
 """
@@ -65,7 +79,8 @@ class CheckpointRequestRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         pinned = _arg(pending_request, "replica_id")
         if pinned:
-            return [[r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]]
+            chosen = [r for r in candidate_replicas if r.replica_id.to_full_id_str() == pinned]
+            return [chosen or list(candidate_replicas)]
         prompts = _arg(pending_request, "prompt_ids")
         if not prompts or len(candidate_replicas) < 2:
             return [list(candidate_replicas)]
