@@ -96,16 +96,19 @@ def simulate_routing(
     workload: Workload, policies: list[str], num_replicas: int, cost: ModelCost, config: SimConfig,
     balance: Balance = Balance(), spec: PolicySpec | None = None,
     on_request: Callable[[int], None] | None = None,
+    make_router: Callable[[str, list[CacheReplay], Balance], Router] = Router,
 ) -> dict[str, RoutingResult]:
     """Replay `workload` once through N replicas per routing policy (each replica: `spec`, default the
-    `hybridcache` policy at `config.block_size`, with `config.memory_bytes`); results by policy name."""
+    `hybridcache` policy at `config.block_size`, with `config.memory_bytes`); results by policy name.
+    `make_router(policy, replicas, balance)`: the router of each policy (benchmarks/routing_rules.py passes
+    variants of these rules)."""
     if num_replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {num_replicas}")
     spec = spec or parse_policies("hybridcache", config.block_size)[0]
     requests = list(workload)
     max_running = max((r.n for r in requests), default=1)
     fleets = {p: [CacheReplay(spec, cost, config, max_running) for _ in range(num_replicas)] for p in policies}
-    routers = {p: Router(p, fleet, balance) for p, fleet in fleets.items()}
+    routers = {p: make_router(p, fleet, balance) for p, fleet in fleets.items()}
     for i, request in enumerate(requests):
         shared = cache_requests_of(request)
         for policy, router in routers.items():
