@@ -4,13 +4,15 @@ against kv-prefix on Mooncake).
 Every rule runs N replicas of the `hybridcache` policy (bench/routing.py: same budgets, balance margins 4 and
 1.2x, cache threshold 0.3 of the prompt) and prints the token hit rate and max / mean requests per replica:
 
-    kv-prefix       the most of the prompt's KV (bench/routing.py)
-    checkpoint      the longest usable hit: KV and a state at that step (bench/routing.py, the router's rule)
-    follow-kv       checkpoint; when no replica's usable hit passes the threshold, the replica with the most of
+    kv-prefix       the most of the prompt's KV (bench/routing.py, the router's rule)
+    usable-only     the longest usable hit: KV and a state at that step; when none passes the threshold, the
+                    least loaded (the checkpoint router's rule before issue 33's study)
+    follow-kv       usable-only; when no replica's usable hit passes the threshold, the replica with the most of
                     the prompt's KV (threshold and balance as above), else the least loaded
-    follow-kv-chain follow-kv, only where the prompt covers at least half of the stored chain it matches (the
-                    deepest branch under its last matched block): a later turn of the conversation held there,
-                    not a sibling of a longer one that shares its prefix
+    checkpoint      follow-kv, only where that KV is at least half of the stored chain it matches (the deepest
+                    branch under its last matched block, `bench.routing.chain_len`): a later turn of the
+                    conversation held there, not a sibling of a longer one that shares its prefix (the router's
+                    rule, router/policy.py)
     follow-kv-most  follow-kv, only where that KV covers at least 0.75 of the prompt (a KV-only match counted at
                     0.4 of its length against the same threshold)
     NAME~S          NAME with every tie (equal scores, equal loads) broken at random (seed S) instead of toward
@@ -35,18 +37,16 @@ from itertools import islice
 from pathlib import Path
 
 from hybridcache.bench.replay import CacheReplay, SimConfig
-from hybridcache.bench.routing import Balance, Router, simulate_routing
+from hybridcache.bench.routing import Balance, Router, chain_len, simulate_routing
 from hybridcache.bench.simulator import GIB
 from hybridcache.bench.workloads import default_trace_path, load_workload
 from hybridcache.bench.workloads.base import SimRequest
-from hybridcache.cache.matching import walk_prompt
 from hybridcache.cache.request import CacheRequest
 from hybridcache.engine.cost_model import load_model_cost
+from hybridcache.router.policy import CHAIN_SHARE
 
-RULES = ("kv-prefix", "checkpoint", "follow-kv", "follow-kv-chain", "follow-kv-most")
-CHAIN_SHARE = 0.5  # follow-kv-chain: the prompt's KV covers at least this share of the chain it matches
+RULES = ("kv-prefix", "usable-only", "follow-kv", "checkpoint", "follow-kv-most")
 MOST_OF_PROMPT = 0.75  # follow-kv-most: the KV covers at least this share of the prompt
-MAX_CHAIN_BLOCKS = 4096  # how deep below the match a chain is measured
 
 
 class RuleRouter(Router):
@@ -82,30 +82,15 @@ class RuleRouter(Router):
             choice = best([p.cached_len for p in probes], threshold)
             if choice is None and self.rule == "follow-kv-most":
                 choice = best(kv, max(threshold, MOST_OF_PROMPT * cache_request.prompt_len))
-            elif choice is None and self.rule != "checkpoint":
+            elif choice is None and self.rule != "usable-only":
                 choice = best(kv, threshold)
-                if choice is not None and self.rule == "follow-kv-chain":
-                    chain = kv[choice] + chain_below(self.replicas[choice], cache_request)
+                if choice is not None and self.rule == "checkpoint":
+                    limit = int(kv[choice] / CHAIN_SHARE) + 1
+                    chain = chain_len(self.replicas[choice].cache, cache_request, limit)
                     choice = choice if kv[choice] >= CHAIN_SHARE * chain else None
         choice = least if choice is None else choice
         loads[choice] += 1
         return choice
-
-
-def chain_below(replica: CacheReplay, request: CacheRequest) -> int:
-    """Tokens of the deepest branch of the replica's trie below the prompt's last matched full block (capped at
-    `MAX_CHAIN_BLOCKS` blocks)."""
-    cache = replica.cache
-    path = walk_prompt(cache._trie, request, cache.block_size)
-    if not path:
-        return 0
-    deepest, stack = 0, [(path[-1], 0)]
-    while stack:
-        node, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth < MAX_CHAIN_BLOCKS:
-            stack.extend((child, depth + 1) for children in node.children.values() for child in children)
-    return deepest * cache.block_size
 
 
 def skipped_trace(path: Path, skip: int, folder: str) -> Path:

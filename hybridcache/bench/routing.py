@@ -8,14 +8,16 @@ routing policy picks the replica of every request, in arrival order, one request
     kv-prefix     the replica holding the most of the prompt's full KV blocks (`PrefixCache.probe().kv_len`),
                   what a KV-only prefix router can know at best
     checkpoint    the replica with the longest usable hit: KV *and* a state at that step (`probe().cached_len`),
-                  what hybridcache's router predicts from cache events
+                  what hybridcache's router predicts from cache events; when no replica has one, the replica
+                  holding the most of the prompt's KV if that KV is most of the stored chain it matches
+                  (`chain_len`: a later turn of the conversation stored there)
 
-kv-prefix and checkpoint follow SGLang's cache-aware router: the best replica is taken when its score covers
-at least `min_hit_fraction` of the prompt (SGLang's cache threshold) and it has no more than `abs_margin`
-requests more than the least-loaded one or no more than `rel_margin` times as many (its balance thresholds);
-otherwise the least-loaded one is, lowest index first. (Without the threshold, a few tokens of a shared chat
-template pull every new conversation to one replica, and the balance rule then pushes the continuing ones
-away from their checkpoints.)
+kv-prefix and checkpoint are the HTTP router's own rule (router/policy.py `Chooser`), after SGLang's
+cache-aware router: the best replica is taken when its score covers at least `min_hit_fraction` of the prompt
+(SGLang's cache threshold) and it has no more than `abs_margin` requests more than the least-loaded one or no
+more than `rel_margin` times as many (its balance thresholds); otherwise the least-loaded one is, lowest index
+first. (Without the threshold, a few tokens of a shared chat template pull every new conversation to one
+replica, and the balance rule then pushes the continuing ones away from their checkpoints.)
 Load here is the number of requests routed so far (requests are replayed one at a time, so nothing is in
 flight); `max_over_mean` is the largest replica's count over the mean.
 """
@@ -27,7 +29,12 @@ from dataclasses import asdict, dataclass
 
 from hybridcache.bench.replay import CacheReplay, PolicySpec, SimConfig, cache_requests_of, parse_policies
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.cache import PrefixCache
+from hybridcache.cache.matching import walk_prompt
+from hybridcache.cache.request import CacheRequest
 from hybridcache.engine.cost_model import ModelCost
+from hybridcache.router.index import MAX_CHAIN_NODES
+from hybridcache.router.policy import Chooser, RoutingConfig
 
 ROUTING_POLICIES = ("round-robin", "session", "kv-prefix", "checkpoint")
 
@@ -70,6 +77,8 @@ class Router:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(ROUTING_POLICIES)}")
         self.policy, self.replicas, self.balance = policy, replicas, balance
         self.loads = [0] * len(replicas)
+        self.chooser = Chooser(RoutingConfig(policy if policy in ("kv-prefix", "checkpoint") else "checkpoint",
+                                             balance.abs_margin, balance.rel_margin, balance.min_hit_fraction))
         self.sessions: dict[str, int] = {}
         self.next = 0
 
@@ -82,14 +91,31 @@ class Router:
         elif self.policy == "session":
             choice = self.sessions.setdefault(request.session_id or request.request_id, least)
         else:
-            score: Callable = ((lambda p: p.kv_len) if self.policy == "kv-prefix" else (lambda p: p.cached_len))
-            scores = [score(replica.cache.probe(cache_request)) for replica in self.replicas]
-            choice = max(range(n), key=lambda r: (scores[r], -self.loads[r], -r))
-            weak = scores[choice] == 0 or scores[choice] < self.balance.min_hit_fraction * cache_request.prompt_len
-            if weak or self.balance.too_loaded(self.loads[choice], self.loads[least]):
-                choice = least
+            probes = [replica.cache.probe(cache_request) for replica in self.replicas]
+            choice = self.chooser.choose(probes, self.loads, cache_request.prompt_len,
+                                         lambda i, limit: chain_len(self.replicas[i].cache, cache_request, limit))
         self.loads[choice] += 1
         return choice
+
+
+def chain_len(cache: PrefixCache, request: CacheRequest, limit: int) -> int:
+    """What `ReplicaIndex.chain_len` answers from this cache's events: tokens from the start to the deepest block
+    of the trie under the prompt's last matched full block (0 when none matches), up to `limit` (the walk stops
+    past it, or after `MAX_CHAIN_NODES` blocks, and then answers `limit`)."""
+    path = walk_prompt(cache._trie, request, cache.block_size)
+    if len(path) < 2:
+        return 0
+    size = cache.block_size
+    deepest, stack, visited = path[-1].depth, [path[-1]], 0
+    while stack:
+        visited += 1
+        if deepest * size > limit or visited > MAX_CHAIN_NODES:
+            return limit
+        for children in stack.pop().children.values():
+            for child in children:
+                deepest = max(deepest, child.depth)
+                stack.append(child)
+    return min(deepest * size, limit)
 
 
 def simulate_routing(

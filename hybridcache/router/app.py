@@ -108,7 +108,8 @@ class RouterState:
         if not candidates:
             return []
         probes = [r.predict(prompts) for r in candidates]
-        first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts))
+        first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts),
+                                    lambda i, limit: candidates[i].chain(prompts, limit))
         order = [first] + sorted((i for i in range(len(candidates)) if i != first),
                                  key=lambda i: (-probes[i].cached_len, candidates[i].in_flight))
         return [(candidates[i], probes[i].cached_len) for i in order]

@@ -87,7 +87,8 @@ class CheckpointRequestRouter(RequestRouter):
         ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
         try:
             predicted = await asyncio.to_thread(self._call_index, "predict", prompts, ids)
-            probes = [Probe(kv, cached) for kv, cached in predicted]
+            probes = [Probe(kv, cached) for kv, cached, *_ in predicted]
+            chains = [chain[0] if chain else 0 for _, _, *chain in predicted]
         except Exception as error:  # noqa: BLE001 - an index down or restarting must not stop routing
             logger.warning("the cache index did not answer (%s: %s): routing by load", type(error).__name__, error)
             return [list(candidate_replicas)]
@@ -96,7 +97,7 @@ class CheckpointRequestRouter(RequestRouter):
             # through the module: Ray may pickle this class by value, with copies of the names it binds
             ray_metrics.PREDICTED_HITS.put(route_key, {r: p.cached_len for r, p in zip(ids, probes, strict=True)})
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
-        first = self.chooser.choose(probes, loads, sum(len(p) for p in prompts))
+        first = self.chooser.choose(probes, loads, sum(len(p) for p in prompts), lambda i, limit: min(chains[i], limit))
         rest = sorted((i for i in range(len(ids)) if i != first), key=lambda i: (-probes[i].cached_len, loads[i]))
         return [[candidate_replicas[i]] for i in (first, *rest)]
 

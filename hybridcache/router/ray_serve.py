@@ -194,8 +194,11 @@ class CacheIndex:
     async def publish(self, replica_id: str, body: dict) -> int | None:
         return self.fleet.publish(replica_id, body)
 
-    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int]]:
-        return [(p.kv_len, p.cached_len) for p in self.fleet.predict(prompts, replica_ids)]
+    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int, int]]:
+        """(kv_len, cached_len, chain) per replica: its probe, and its chain (`FleetIndex.chains`)."""
+        probes = self.fleet.predict(prompts, replica_ids)
+        chains = self.fleet.chains(prompts, probes, replica_ids)
+        return [(p.kv_len, p.cached_len, c) for p, c in zip(probes, chains, strict=True)]
 
     async def drop(self, replica_ids: list[str]) -> None:
         self.fleet.drop(replica_ids)
