@@ -3,9 +3,10 @@
 Ray Serve calls `choose_replicas(candidates, pending_request)` for every request sent through a handle of the
 engine deployment (ray_serve.py), in the process holding the handle (the OpenAI ingress). The request's first
 argument carries the prompt's token ids (`EngineRequest.prompt_ids`, tokenized by the ingress as the replicas
-will), so the router asks the index deployment (`FleetIndex` behind `CacheIndex`) what each candidate would hit,
-and applies the HTTP router's rule (policy.py: the longest usable hit unless that replica is too loaded, or the
-least-loaded one). It answers ranks, best first::
+will), so the router asks the index deployment (`FleetIndex` behind `CacheIndex`) what each candidate would hit
+and the chain its KV match sits on, and applies the HTTP router's rule (policy.py: the longest usable hit, or with
+none the conversation's own chain, unless that replica is too loaded; else the least-loaded one). It answers ranks,
+best first::
 
     [[chosen], [next-best by predicted hit], ...]
 

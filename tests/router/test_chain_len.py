@@ -11,8 +11,9 @@ import pytest
 from hybridcache.bench.routing import chain_len
 from hybridcache.cache import CacheRequest
 from hybridcache.cache.request import Probe
+from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.index import ReplicaIndex
-from hybridcache.router.policy import Chooser, RoutingConfig
+from hybridcache.router.policy import CHAIN_SHARE, Chooser, RoutingConfig
 from tests.cache.conftest import make_driver
 from tests.cache.test_events import B, _probe_prompts, _workload
 
@@ -42,6 +43,14 @@ def test_the_index_measures_the_chain_the_cache_holds(num_blocks):
                 num_capped += expected == limit
     assert num_chains > 20 and num_capped > 20  # both whole chains and capped walks were compared
     assert index.chain_len((), 100) == 0
+    fleet = FleetIndex()  # what the Ray router asks: each replica's chain, up to twice its KV match
+    fleet.publish("r1", {"block_size": B, "reset": True, "next": 0, "epoch": "e",
+                         "events": [e.to_json() for e in cache.snapshot_events()]})
+    prompt = max(seen, key=len)
+    probes = fleet.predict([list(prompt)], ["r1", "gone"])
+    limit = int(probes[0].kv_len / CHAIN_SHARE) + 1
+    assert fleet.chains([list(prompt)], probes, ["r1", "gone"]) == [
+        chain_len(cache, CacheRequest("p", prompt), limit) if probes[0].kv_len else 0, 0]
 
 
 def test_checkpoint_follows_kv_without_a_state_only_along_its_own_chain():

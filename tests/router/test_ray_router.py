@@ -137,3 +137,14 @@ def test_under_queueing_the_replica_found_for_a_request_goes_to_that_request():
     assert taken(CheckpointRequestRouter, ("first", "second")) == [None, "b"]
     assert taken(FifoCheckpointRequestRouter, ("first", "second")) == ["b", None]  # Ray's FIFO routers hand it on
     assert taken(CheckpointRequestRouter, ("shared", "shared")) == ["b", None]  # one id: the first takes it
+
+
+def test_without_a_usable_hit_the_conversations_own_chain_ranks_first():
+    """The index answers (kv_len, cached_len, chain): no usable hit anywhere, so the most KV is followed when it
+    is at least half its chain (a later turn of the conversation there), else the least loaded goes first."""
+    calls: list = []
+    for chain, first in ((400, "c"), (200, "b")):  # b's 180 tokens: a short prefix of 400, most of 200
+        router, replicas = _router({"a": (0, 0, 0), "b": (180, 0, chain), "c": (0, 0, 0)}, calls)
+        for replica in replicas[:2]:
+            router.replica_queue_len_cache.update(replica.replica_id, 1)  # c is the least loaded
+        assert _choose(router, replicas)[0] == [first]
