@@ -8,14 +8,16 @@ routing policy picks the replica of every request, in arrival order, one request
     kv-prefix     the replica holding the most of the prompt's full KV blocks (`PrefixCache.probe().kv_len`),
                   what a KV-only prefix router can know at best
     checkpoint    the replica with the longest usable hit: KV *and* a state at that step (`probe().cached_len`),
-                  what hybridcache's router predicts from cache events
+                  what hybridcache's router predicts from cache events; when no replica has one, the replica
+                  holding the most of the prompt's KV if that KV is most of the stored chain it matches
+                  (`chain_len`: a later turn of the conversation stored there)
 
-kv-prefix and checkpoint follow SGLang's cache-aware router: the best replica is taken when its score covers
-at least `min_hit_fraction` of the prompt (SGLang's cache threshold) and it has no more than `abs_margin`
-requests more than the least-loaded one or no more than `rel_margin` times as many (its balance thresholds);
-otherwise the least-loaded one is, lowest index first. (Without the threshold, a few tokens of a shared chat
-template pull every new conversation to one replica, and the balance rule then pushes the continuing ones
-away from their checkpoints.)
+kv-prefix and checkpoint are the HTTP router's own rule (router/policy.py `Chooser`), after SGLang's
+cache-aware router: the best replica is taken when its score covers at least `min_hit_fraction` of the prompt
+(SGLang's cache threshold) and it has no more than `abs_margin` requests more than the least-loaded one or no
+more than `rel_margin` times as many (its balance thresholds); otherwise the least-loaded one is, lowest index
+first. (Without the threshold, a few tokens of a shared chat template pull every new conversation to one
+replica, and the balance rule then pushes the continuing ones away from their checkpoints.)
 Load here is the number of requests routed so far (requests are replayed one at a time, so nothing is in
 flight); `max_over_mean` is the largest replica's count over the mean.
 """
@@ -27,7 +29,12 @@ from dataclasses import asdict, dataclass
 
 from hybridcache.bench.replay import CacheReplay, PolicySpec, SimConfig, cache_requests_of, parse_policies
 from hybridcache.bench.workloads import SimRequest, Workload
+from hybridcache.cache import PrefixCache
+from hybridcache.cache.matching import walk_prompt
+from hybridcache.cache.request import CacheRequest
 from hybridcache.engine.cost_model import ModelCost
+from hybridcache.router.index import MAX_CHAIN_NODES
+from hybridcache.router.policy import Chooser, RoutingConfig
 
 ROUTING_POLICIES = ("round-robin", "session", "kv-prefix", "checkpoint")
 
@@ -70,6 +77,8 @@ class Router:
             raise ValueError(f"unknown routing policy {policy!r}; choose from {', '.join(ROUTING_POLICIES)}")
         self.policy, self.replicas, self.balance = policy, replicas, balance
         self.loads = [0] * len(replicas)
+        self.chooser = Chooser(RoutingConfig(policy if policy in ("kv-prefix", "checkpoint") else "checkpoint",
+                                             balance.abs_margin, balance.rel_margin, balance.min_hit_fraction))
         self.sessions: dict[str, int] = {}
         self.next = 0
 
@@ -82,30 +91,50 @@ class Router:
         elif self.policy == "session":
             choice = self.sessions.setdefault(request.session_id or request.request_id, least)
         else:
-            score: Callable = ((lambda p: p.kv_len) if self.policy == "kv-prefix" else (lambda p: p.cached_len))
-            scores = [score(replica.cache.probe(cache_request)) for replica in self.replicas]
-            choice = max(range(n), key=lambda r: (scores[r], -self.loads[r], -r))
-            weak = scores[choice] == 0 or scores[choice] < self.balance.min_hit_fraction * cache_request.prompt_len
-            if weak or self.balance.too_loaded(self.loads[choice], self.loads[least]):
-                choice = least
+            probes = [replica.cache.probe(cache_request) for replica in self.replicas]
+            choice = self.chooser.choose(probes, self.loads, cache_request.prompt_len,
+                                         lambda i, limit: chain_len(self.replicas[i].cache, cache_request, limit))
         self.loads[choice] += 1
         return choice
+
+
+def chain_len(cache: PrefixCache, request: CacheRequest, limit: int) -> int:
+    """What `ReplicaIndex.chain_len` answers from this cache's events: tokens from the start to the deepest block
+    of the trie under the prompt's last matched full block (0 when none matches), up to `limit` (the walk stops
+    past it, or after `MAX_CHAIN_NODES` blocks, and then answers `limit`)."""
+    path = walk_prompt(cache._trie, request, cache.block_size)
+    if len(path) < 2:
+        return 0
+    size = cache.block_size
+    deepest, stack, visited = path[-1].depth, [path[-1]], 0
+    while stack:
+        visited += 1
+        if deepest * size > limit or visited > MAX_CHAIN_NODES:
+            return limit
+        for children in stack.pop().children.values():
+            for child in children:
+                deepest = max(deepest, child.depth)
+                stack.append(child)
+    return min(deepest * size, limit)
 
 
 def simulate_routing(
     workload: Workload, policies: list[str], num_replicas: int, cost: ModelCost, config: SimConfig,
     balance: Balance = Balance(), spec: PolicySpec | None = None,
     on_request: Callable[[int], None] | None = None,
+    make_router: Callable[[str, list[CacheReplay], Balance], Router] = Router,
 ) -> dict[str, RoutingResult]:
     """Replay `workload` once through N replicas per routing policy (each replica: `spec`, default the
-    `hybridcache` policy at `config.block_size`, with `config.memory_bytes`); results by policy name."""
+    `hybridcache` policy at `config.block_size`, with `config.memory_bytes`); results by policy name.
+    `make_router(policy, replicas, balance)`: the router of each policy (benchmarks/routing_rules.py passes
+    variants of these rules)."""
     if num_replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {num_replicas}")
     spec = spec or parse_policies("hybridcache", config.block_size)[0]
     requests = list(workload)
     max_running = max((r.n for r in requests), default=1)
     fleets = {p: [CacheReplay(spec, cost, config, max_running) for _ in range(num_replicas)] for p in policies}
-    routers = {p: Router(p, fleet, balance) for p, fleet in fleets.items()}
+    routers = {p: make_router(p, fleet, balance) for p, fleet in fleets.items()}
     for i, request in enumerate(requests):
         shared = cache_requests_of(request)
         for policy, router in routers.items():

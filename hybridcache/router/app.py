@@ -3,6 +3,10 @@
     POST /v1/completions, /v1/chat/completions   tokenized here (server/prompt_ids.py) to predict each
                                                  replica's hit, forwarded unchanged to the chosen one;
                                                  streams pass through chunk by chunk
+    POST /v1/responses                           the same, rendered as the chat request it runs as; one with
+                                                 `previous_response_id` goes to the replica that stored that
+                                                 response, alone (router/responses.py)
+    GET  /v1/responses/{id}                      from the replica that stored it
     GET  /v1/models                              from the first replica that answers
     GET  /health                                 200 while a replica is up; each one's state with the API key
     GET  /metrics                                Prometheus text (docs/server.md, "Several replicas"); open,
@@ -30,6 +34,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
@@ -37,13 +42,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from hybridcache.router.policy import Chooser, RoutingConfig
 from hybridcache.router.replicas import Replica, ReplicaCounters
+from hybridcache.router.responses import (
+    RESPONSES_PATH,
+    ResponseOwners,
+    StreamHead,
+    continued_id,
+    response_id,
+    routed_prompt_ids,
+    stores,
+)
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import read_body
-from hybridcache.server.prompt_ids import body_prompt_ids
 
 logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("authorization", "content-type")
+TAIL_BYTES = 1 << 16  # a stream's last bytes kept for its usage (a Responses stream's last event holds it all)
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,7 @@ class RouterState:
         self.poll_headers: dict[str, str] = {}
         self.num_retries = 0
         self.num_failed = 0
+        self.owners = ResponseOwners()
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
@@ -93,10 +108,30 @@ class RouterState:
         if not candidates:
             return []
         probes = [r.predict(prompts) for r in candidates]
-        first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts))
+        first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts),
+                                    lambda i, limit: candidates[i].chain(prompts, limit))
         order = [first] + sorted((i for i in range(len(candidates)) if i != first),
                                  key=lambda i: (-probes[i].cached_len, candidates[i].in_flight))
         return [(candidates[i], probes[i].cached_len) for i in order]
+
+    async def owner_of(self, stored_id: str, headers: dict[str, str]) -> Replica | None:
+        """The replica that stored response `stored_id`, up or not: the one that answered it through this router,
+        else the first up replica whose `GET /v1/responses/{id}` finds it (asked with the client's `headers`);
+        None when no replica has it."""
+        known = self.owners.get(stored_id)
+        for replica in self.replicas:
+            if replica.url == known:
+                return replica
+        for replica in self.replicas:
+            if not replica.up:
+                continue
+            with contextlib.suppress(httpx.HTTPError):
+                answer = await self.client.get(f"{replica.url}{RESPONSES_PATH}/{quote(stored_id, safe='')}",
+                                               headers=headers, timeout=self.config.poll_timeout_s)
+                if answer.status_code == 200:
+                    self.owners.put(stored_id, replica.url)
+                    return replica
+        return None
 
 
 def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
@@ -134,13 +169,25 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
             body = json.loads(raw)
         except (RecursionError, ValueError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        prompts = await asyncio.to_thread(body_prompt_ids, body, state.tokenizer)  # a long prompt: off the loop
+        path = request.url.path
+        # a long prompt: off the loop
+        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, state.tokenizer)
         stream = isinstance(body, dict) and bool(body.get("stream"))
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        stored_id = continued_id(path, body)
+        owner = await state.owner_of(stored_id, headers) if stored_id else None
+        learn = path == RESPONSES_PATH and stores(body)
         tried: set[str] = set()
         last_error = "no replica is up"
         while True:
-            ranked = state.ranked(prompts, tried)
+            if owner is not None:  # only the replica holding the conversation can continue it
+                ranked = [(owner, None)] if owner.up and owner.url not in tried else []
+                if not ranked:
+                    state.num_failed += 1
+                    raise APIError(503, f"the replica that stored response {stored_id!r} ({owner.url}) cannot take "
+                                        f"the request: {last_error if tried else 'it is down'}")
+            else:
+                ranked = state.ranked(prompts, tried)
             if not ranked:
                 state.num_failed += 1
                 raise APIError(503, f"no replica could take the request: {last_error}")
@@ -168,7 +215,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 continue
             replica.counters.routed += 1
             if stream and upstream.status_code == 200:
-                return _RelayResponse(state, replica, upstream, predicted)
+                return _RelayResponse(state, replica, upstream, predicted, learn)
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as error:
@@ -180,11 +227,29 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 await upstream.aclose()
             replica.in_flight -= 1
             if upstream.status_code == 200:
+                if learn and (stored := response_id(content)) is not None:
+                    state.owners.put(stored, replica.url)
                 with contextlib.suppress(ValueError, AttributeError):
                     _record_usage(replica, json.loads(content).get("usage"), predicted)
                 await replica.poll(state.client, config.poll_timeout_s, state.poll_headers)
             return Response(content, status_code=upstream.status_code,
                             media_type=upstream.headers.get("content-type", "application/json"))
+
+    async def stored_response(request: Request, stored_id: str) -> Response:
+        """A stored response, from the replica that holds it (any up replica answers an unknown id: 404)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        owner = await state.owner_of(stored_id, headers)
+        replicas = [owner] if owner is not None else [r for r in state.replicas if r.up][:1]
+        if not replicas or not replicas[0].up:
+            where = f" ({owner.url}) is down" if owner is not None else ": no replica is up"
+            raise APIError(503, f"the replica that stored response {stored_id!r}{where}")
+        try:
+            answer = await state.client.get(f"{replicas[0].url}{RESPONSES_PATH}/{quote(stored_id, safe='')}",
+                                            headers=headers)
+        except httpx.HTTPError as error:
+            raise APIError(502, f"replica {replicas[0].url} failed while answering: {error}") from None
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type", "application/json"))
 
     async def models(request: Request) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
@@ -211,6 +276,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     app.add_api_route("/v1/completions", forward, methods=["POST"])
     app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
+    app.add_api_route(RESPONSES_PATH, forward, methods=["POST"])
+    app.add_api_route(RESPONSES_PATH + "/{stored_id}", stored_response, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
@@ -229,9 +296,11 @@ class _RelayResponse(StreamingResponse):
     """A replica's stream passed through (`_relay`). However the response ends (finished, cut, the client gone,
     even before its first chunk), the replica's in-flight count drops once and the upstream stream is closed."""
 
-    def __init__(self, state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int) -> None:
+    def __init__(self, state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
+                 learn: bool = False) -> None:
         self._replica, self._upstream, self._open = replica, upstream, True
-        super().__init__(_relay(state, replica, upstream, predicted, self.release), media_type="text/event-stream",
+        super().__init__(_relay(state, replica, upstream, predicted, self.release, learn),
+                         media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def release(self) -> None:
@@ -247,14 +316,18 @@ class _RelayResponse(StreamingResponse):
             await self.release()
 
 
-async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int,
-                 release: Any) -> AsyncIterator[bytes]:
+async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
+                 release: Any, learn: bool = False) -> AsyncIterator[bytes]:
     """Pass a stream through; a cut after the first byte ends it with an error event and `[DONE]`. `release()`
-    once the upstream has ended, before the replica's events are polled."""
+    once the upstream has ended, before the replica's events are polled. `learn`: a Responses stream whose id
+    (its first event's) is remembered as stored on `replica`."""
     tail = b""
+    head = StreamHead() if learn else None
     try:
         async for chunk in upstream.aiter_raw():
-            tail = (tail + chunk)[-4096:]
+            tail = (tail + chunk)[-TAIL_BYTES:]
+            if head is not None and (stored := head.feed(chunk)) is not None:
+                state.owners.put(stored, replica.url)
             yield chunk
     except httpx.HTTPError as error:
         replica.mark_down(f"stream cut: {type(error).__name__}: {error}")
@@ -269,30 +342,36 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
 
 
 def stream_usage(tail: bytes) -> dict | None:
-    """The `usage` of the last event that has one (sent with stream_options.include_usage), if any."""
+    """The `usage` of the last event that has one (sent with stream_options.include_usage; a Responses stream's
+    `response.completed` holds it in its `response`), if any."""
     for line in reversed(tail.decode(errors="replace").splitlines()):
         if line.startswith("data: {") and '"usage"' in line:
-            with contextlib.suppress(ValueError):
-                usage = json.loads(line[6:]).get("usage")
+            with contextlib.suppress(ValueError, AttributeError):
+                data = json.loads(line[6:])
+                usage = data.get("usage") or (data.get("response") or {}).get("usage")
                 if usage:
                     return usage
     return None
 
 
-def _record_usage(replica: Replica, usage: dict | None, predicted: int) -> None:
+def _record_usage(replica: Replica, usage: dict | None, predicted: int | None) -> None:
     record_usage(replica.url, replica.counters, usage, predicted)
 
 
-def record_usage(name: str, counters: ReplicaCounters, usage: dict | None, predicted: int) -> None:
-    """Add a response's `usage` (if it has one) and the router's prediction for it to a replica's counters."""
-    if not usage:
+def record_usage(name: str, counters: ReplicaCounters, usage: dict | None, predicted: int | None) -> None:
+    """Add a response's `usage` (if it has one: completions' and chat's `prompt_tokens`, the Responses API's
+    `input_tokens`) and the router's prediction for it to a replica's counters; nothing without a prediction
+    (a request continuing a stored response)."""
+    if not usage or predicted is None:
         return
-    details = usage.get("prompt_tokens_details") or {}
-    logger.debug("%s: predicted %d hit tokens, reported %s of %s", name, predicted,
-                 details.get("cached_tokens"), usage.get("prompt_tokens"))
+    responses = "input_tokens" in usage
+    details = usage.get("input_tokens_details" if responses else "prompt_tokens_details") or {}
+    prompt_tokens = usage.get("input_tokens" if responses else "prompt_tokens")
+    logger.debug("%s: predicted %d hit tokens, reported %s of %s", name, predicted, details.get("cached_tokens"),
+                 prompt_tokens)
     counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)
     counters.predicted_hit_tokens += predicted
-    counters.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+    counters.prompt_tokens += int(prompt_tokens or 0)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from hybridcache.cache.request import Probe
+from hybridcache.router.policy import CHAIN_SHARE
 from hybridcache.router.replicas import Replica
 
 logger = logging.getLogger("hybridcache.router")
@@ -49,6 +50,12 @@ class FleetIndex:
     def predict(self, prompts: list[list[int]], replica_ids: Sequence[str]) -> list[Probe]:
         """The summed (kv_len, cached_len) of `prompts` on each of `replica_ids`, in that order."""
         return [self.replicas[r].predict(prompts) if r in self.replicas else Probe(0, 0) for r in replica_ids]
+
+    def chains(self, prompts: list[list[int]], probes: Sequence[Probe], replica_ids: Sequence[str]) -> list[int]:
+        """Each replica's `Replica.chain` of `prompts`, up to what the checkpoint policy needs to know
+        (`CHAIN_SHARE`: the limit is `kv_len / CHAIN_SHARE` of its probe, plus one)."""
+        return [self.replicas[r].chain(prompts, int(p.kv_len / CHAIN_SHARE) + 1) if r in self.replicas else 0
+                for r, p in zip(replica_ids, probes, strict=True)]
 
     def drop(self, replica_ids: Iterable[str]) -> None:
         """Forget replicas that are gone (their ids are never reused)."""

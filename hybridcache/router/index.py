@@ -10,6 +10,10 @@ matches it, with hashes in place of tokens::
         for each (step, tail_hash) stored on anchor with step <= max_step, deepest first:
             hit when chain_hash(anchor, prompt[q*B:step]) == tail_hash      -> cached_len = step
 
+`chain_len` is how deep the stored content goes below the prompt's last matched block (the deepest block under
+it, walked through the blocks' parent hashes), which tells a later turn of the conversation stored there (its KV is
+most of the chain) from a sibling that shares a prefix with a longer one (router/policy.py).
+
 The cache compares tokens exactly after a hash match; the index cannot, so a hash collision (2^-64 per
 probe) would make it predict a hit the replica does not give. Multimodal spans are not modelled: a prompt
 with images is predicted as text (a miss where its blocks hold images).
@@ -24,6 +28,8 @@ from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.request import Probe
 from hybridcache.cache.trie import chain_hash, root_hash
 
+MAX_CHAIN_NODES = 4096  # blocks a chain_len walk visits at most (then it answers its depth limit)
+
 
 class ReplicaIndex:
     """What one replica's cache holds (hashes only); `apply` its events in order, `predict` a prompt's hit."""
@@ -33,11 +39,15 @@ class ReplicaIndex:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.blocks: dict[int, int] = {}  # block hash -> depth
+        self.parents: dict[int, int] = {}  # block hash -> parent hash
+        self.children: dict[int, set[int]] = {}  # parent hash -> its blocks' hashes
         self.checkpoints: dict[int, Counter] = {}  # anchor hash -> {(step, tail hash): count}
         self.num_checkpoints = 0
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.parents.clear()
+        self.children.clear()
         self.checkpoints.clear()
         self.num_checkpoints = 0
 
@@ -48,8 +58,16 @@ class ReplicaIndex:
             kind = event.kind
             if kind is EventKind.BLOCK_STORED:
                 self.blocks[event.block_hash] = event.depth
+                self.parents[event.block_hash] = event.parent_hash
+                self.children.setdefault(event.parent_hash, set()).add(event.block_hash)
             elif kind is EventKind.BLOCK_REMOVED:
                 self.blocks.pop(event.block_hash, None)
+                parent = self.parents.pop(event.block_hash, None)
+                siblings = self.children.get(parent)
+                if siblings is not None:
+                    siblings.discard(event.block_hash)
+                    if not siblings:
+                        del self.children[parent]
             elif kind is EventKind.CHECKPOINT_STORED:
                 self.checkpoints.setdefault(event.anchor_hash, Counter())[(event.step, event.tail_hash)] += 1
                 self.num_checkpoints += 1
@@ -88,6 +106,29 @@ class ReplicaIndex:
                 if (step, chain_hash(anchor, prompt[base:step], ())) in on_anchor:
                     return Probe(kv_len=depth * size, cached_len=step)
         return Probe(kv_len=depth * size, cached_len=0)
+
+
+    def chain_len(self, prompt_ids: Sequence[int], limit: int, adapter: str | None = None,
+                  block_hashes: Sequence[int] | None = None) -> int:
+        """Tokens from the start to the deepest stored block under the prompt's last matched full block (0 when
+        no block matches), up to `limit` tokens: the walk stops at the first block deeper than that, or after
+        `MAX_CHAIN_NODES` blocks (then it answers `limit`)."""
+        size = self.block_size
+        hashes = prompt_hashes(tuple(prompt_ids), size, adapter) if block_hashes is None else block_hashes
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in self.blocks:
+            depth += 1
+        if not depth:
+            return 0
+        deepest, stack, visited = depth, [hashes[depth - 1]], 0
+        while stack:
+            visited += 1
+            if deepest * size > limit or visited > MAX_CHAIN_NODES:
+                return limit
+            for child in self.children.get(stack.pop(), ()):
+                deepest = max(deepest, self.blocks.get(child, 0))
+                stack.append(child)
+        return min(deepest * size, limit)
 
 
 def prompt_hashes(prompt_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:

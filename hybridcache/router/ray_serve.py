@@ -18,6 +18,12 @@ files (deploy/ray/). `serve_args` are `hybridcache serve` options (the model, en
 replica runs with them, and the ingress reads the model's tokenizer, chat template and body limit from them.
 The model folder must exist on every node that runs a replica or the ingress.
 
+Stored responses (`POST /v1/responses`, router/responses.py) live on the replica that answered them: the ingress
+remembers which one (from the answer's first message and the response id it carries) and pins a request with
+`previous_response_id`, and `GET /v1/responses/{id}`, to it (`EngineRequest.replica_id`); an id it does not know
+(another ingress replica relayed it, or this one restarted) is asked of every replica the index knows, one pinned
+`GET /v1/responses/{id}` at a time. Once that replica is gone, the request goes to any replica, which answers 404.
+
 Every engine replica answers with the server's own responses (status, body, errors). A replica that fails
 before the first byte of its answer (its actor died) is tried again (Ray's router no longer offers a dead
 replica); a stream cut after its first byte ends with an error event and `data: [DONE]`, as behind the HTTP
@@ -35,6 +41,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,20 +50,28 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from hybridcache.router import ray_metrics
-from hybridcache.router.app import has_key, record_usage, stream_usage
+from hybridcache.router.app import TAIL_BYTES, has_key, record_usage, stream_usage
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
 from hybridcache.router.ray_router import INDEX_DEPLOYMENT, CheckpointRequestRouter
+from hybridcache.router.responses import (
+    RESPONSES_PATH,
+    ResponseOwners,
+    StreamHead,
+    continued_id,
+    response_id,
+    routed_prompt_ids,
+    stores,
+)
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import read_body
-from hybridcache.server.prompt_ids import body_prompt_ids
 
 logger = logging.getLogger("hybridcache.router")
 ENGINE_DEPLOYMENT = "HybridcacheEngine"
 FORWARDED_HEADERS = ("authorization", "content-type")
 MAX_ATTEMPTS = 3  # replicas a request is sent to at most, when each fails before its first byte
-METRICS_TIMEOUT_S = 5.0  # how long /metrics waits for one replica's own metrics
+METRICS_TIMEOUT_S = 5.0  # how long /metrics waits for one replica's own metrics (and a stored-response lookup)
 PUBLISH_AFTER = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -70,7 +85,7 @@ class EngineRequest:
     headers: tuple[tuple[str, str], ...] = ()
     prompt_ids: tuple[tuple[int, ...], ...] = ()
     route_key: str = ""  # set: the request router stores its predictions under it (ray_metrics.py)
-    replica_id: str = ""  # set: only this replica may take the request (the /metrics scrape)
+    replica_id: str = ""  # set: only this replica may take the request while it runs (a scrape, a stored response)
 
 
 def parse_serve_args(serve_args: Sequence[str]) -> Any:
@@ -179,8 +194,11 @@ class CacheIndex:
     async def publish(self, replica_id: str, body: dict) -> int | None:
         return self.fleet.publish(replica_id, body)
 
-    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int]]:
-        return [(p.kv_len, p.cached_len) for p in self.fleet.predict(prompts, replica_ids)]
+    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int, int]]:
+        """(kv_len, cached_len, chain) per replica: its probe, and its chain (`FleetIndex.chains`)."""
+        probes = self.fleet.predict(prompts, replica_ids)
+        chains = self.fleet.chains(prompts, probes, replica_ids)
+        return [(p.kv_len, p.cached_len, c) for p, c in zip(probes, chains, strict=True)]
 
     async def drop(self, replica_ids: list[str]) -> None:
         self.fleet.drop(replica_ids)
@@ -189,13 +207,17 @@ class CacheIndex:
         return self.fleet.stats()
 
 
-async def _relay(stream: Any, done: Callable[[bytes | None], None]) -> AsyncIterator[bytes]:
+async def _relay(stream: Any, done: Callable[[bytes | None], None],
+                 head: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
     """A replica's event stream passed through; a cut ends it with an error event and `[DONE]`. `done(tail)`
-    once, however it ends: the stream's last bytes, None when the replica cut it, b"" when the client left."""
+    once, however it ends: the stream's last bytes, None when the replica cut it, b"" when the client left.
+    `head(piece)`: called with every piece before it is passed on."""
     tail: bytes | None = b""
     try:
         async for piece in stream:
-            tail = (tail + piece)[-4096:]
+            tail = (tail + piece)[-TAIL_BYTES:]
+            if head is not None:
+                head(piece)
             yield piece
     except (RayActorError, ActorUnavailableError) as error:
         tail = None
@@ -249,6 +271,7 @@ class OpenAIIngress:
         self.max_request_bytes = args.max_request_bytes
         self.api_key = api_key(args)
         self.counters = ray_metrics.IngressCounters()
+        self.owners = ResponseOwners()
 
     @ingress_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -257,6 +280,16 @@ class OpenAIIngress:
     @ingress_app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self._forward(request)
+
+    @ingress_app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self._forward(request)
+
+    @ingress_app.get("/v1/responses/{stored_id}")
+    async def stored_response(self, request: Request, stored_id: str) -> Response:
+        owner = await self._owner_of(stored_id, _headers(request))
+        return await self._send(EngineRequest("GET", f"{RESPONSES_PATH}/{quote(stored_id, safe='')}",
+                                              headers=_headers(request), replica_id=owner or ""))
 
     @ingress_app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -290,7 +323,7 @@ class OpenAIIngress:
     async def metrics(self) -> Response:
         stats = await self.index.stats.remote()
         texts: dict[str, str] = {}
-        for replica_id in sorted(stats):  # one at a time: Ray may give a choice to another pending request
+        for replica_id in sorted(stats):  # one at a time: concurrent calls of one request share its Ray id
             if replica_id not in texts:
                 answer = await self._replica_metrics(replica_id)
                 if answer is not None:
@@ -300,28 +333,53 @@ class OpenAIIngress:
 
     async def _replica_metrics(self, replica_id: str) -> tuple[str, str] | None:
         """A replica's own GET /metrics, asked of `replica_id` (a call pinned to it), as (the replica that
-        answered, its text): labelled by the answer, since Ray's router may hand the choice made for one
-        pending request to another. None when no answer comes in time (the call is then cancelled)."""
+        answered, its text): labelled by the answer, since a replica gone meanwhile leaves the call to any
+        other. None when no answer comes in time."""
+        answer = await self._pinned_get(replica_id, "/metrics")
+        if answer is None or answer[1] != 200:
+            if answer is not None:
+                logger.warning("no metrics from replica %s: it answered %d", replica_id, answer[1])
+            return None
+        return answer[0], answer[2].decode()
+
+    async def _pinned_get(self, replica_id: str, path: str,
+                          headers: tuple[tuple[str, str], ...] = ()) -> tuple[str, int, bytes] | None:
+        """`GET path` asked of `replica_id` (a call pinned to it) as (the replica that answered, status, body);
+        None when no answer comes within `METRICS_TIMEOUT_S` (the call is then cancelled) or the call fails."""
         calls: list[Any] = []
 
-        async def scrape() -> tuple[str, str]:
-            calls.append(self.engine.options(stream=True).remote(EngineRequest("GET", "/metrics",
+        async def get() -> tuple[str, int, bytes]:
+            calls.append(self.engine.options(stream=True).remote(EngineRequest("GET", path, headers=headers,
                                                                                replica_id=replica_id)))
             stream = calls[0]
             head = await stream.__anext__()
             body = b"".join([piece async for piece in stream])
-            if head["status"] != 200:
-                raise RuntimeError(f"it answered {head['status']}: {body[:200]!r}")
-            return head["replica"], body.decode()
+            return head["replica"], head["status"], body
 
         try:
-            return await asyncio.wait_for(scrape(), METRICS_TIMEOUT_S)
-        except Exception as error:  # noqa: BLE001 - a replica gone or busy must not fail the scrape
-            logger.warning("no metrics from replica %s: %s: %s", replica_id, type(error).__name__, error)
+            return await asyncio.wait_for(get(), METRICS_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - a replica gone or busy must not fail the caller
+            logger.warning("no answer from replica %s to GET %s: %s: %s", replica_id, path, type(error).__name__,
+                           error)
             for call in calls:
                 with contextlib.suppress(Exception):
                     call.cancel()
             return None
+
+    async def _owner_of(self, stored_id: str, headers: tuple[tuple[str, str], ...]) -> str | None:
+        """The replica that stored response `stored_id`: the one that answered it through this ingress, else the
+        first replica the index knows whose `GET /v1/responses/{id}` finds it (asked with the client's `headers`,
+        one at a time: calls made while serving one HTTP request share its Ray request id, and Ray 2.60 fulfils
+        pending calls by that id, ray_router.py); None when none has it."""
+        known = self.owners.get(stored_id)
+        if known is not None:
+            return known
+        for replica_id in sorted(await self.index.stats.remote()):
+            answer = await self._pinned_get(replica_id, f"{RESPONSES_PATH}/{quote(stored_id, safe='')}", headers)
+            if answer is not None and answer[1] == 200:
+                self.owners.put(stored_id, answer[0])
+                return answer[0]
+        return None
 
     async def _forward(self, request: Request) -> Response:
         raw = await read_body(request, self.max_request_bytes)
@@ -329,11 +387,18 @@ class OpenAIIngress:
             body = json.loads(raw)
         except (RecursionError, ValueError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        prompts = await asyncio.to_thread(body_prompt_ids, body, self.tokenizer, self.template_kwargs)
-        return await self._send(EngineRequest("POST", request.url.path, raw, _headers(request),
-                                              tuple(tuple(p) for p in prompts), uuid.uuid4().hex))
+        path = request.url.path
+        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, self.tokenizer, self.template_kwargs)
+        stored_id = continued_id(path, body)
+        owner = await self._owner_of(stored_id, _headers(request)) if stored_id else None
+        return await self._send(EngineRequest("POST", path, raw, _headers(request), tuple(tuple(p) for p in prompts),
+                                              uuid.uuid4().hex, replica_id=owner or ""),
+                                learn=path == RESPONSES_PATH and stores(body))
 
-    async def _send(self, request: EngineRequest) -> Response:
+    async def _send(self, request: EngineRequest, learn: bool = False) -> Response:
+        """Send `request` to a replica and relay its answer, trying again (at most `MAX_ATTEMPTS` calls) when
+        the replica fails before answering. `learn`: the answer is a stored response, whose id is remembered
+        with the replica that answered."""
         last_error = "no attempt"
         for attempt in range(MAX_ATTEMPTS):
             if attempt and request.route_key:
@@ -351,18 +416,32 @@ class OpenAIIngress:
                 self.counters.of(replica).routed += 1
                 self.counters.in_flight[replica] = self.counters.in_flight.get(replica, 0) + 1
             headers = {k: v for k, v in head["headers"] if k.lower() not in ("content-length", "transfer-encoding")}
+            learn = learn and head["status"] == 200
             if headers.get("content-type", "").startswith("text/event-stream"):
                 done = functools.partial(self._ended, replica, predicted, stream=True)
-                return StreamingResponse(_relay(stream, done), status_code=head["status"], headers=headers)
+                return StreamingResponse(_relay(stream, done, self._reader(head["replica"]) if learn else None),
+                                         status_code=head["status"], headers=headers)
             try:
                 content = b"".join([piece async for piece in stream])
             except (RayActorError, ActorUnavailableError) as error:
                 self._ended(replica, predicted, None)
                 raise APIError(502, f"the engine replica failed while answering: {error}") from None
+            if learn and (stored := response_id(content)) is not None:
+                self.owners.put(stored, head["replica"])
             self._ended(replica, predicted, content if head["status"] == 200 else b"")
             return Response(content, status_code=head["status"], headers=headers)
         self.counters.num_failed += bool(request.route_key)
         raise APIError(503, f"no engine replica could take the request: {last_error}")
+
+    def _reader(self, replica: str) -> Callable[[bytes], None]:
+        """A stream's `head` callback (`_relay`) that remembers its response id as stored on `replica`."""
+        head = StreamHead()
+
+        def read(piece: bytes) -> None:
+            if (stored := head.feed(piece)) is not None:
+                self.owners.put(stored, replica)
+
+        return read
 
     def _ended(self, replica: str | None, predicted: int | None, content: bytes | None,
                stream: bool = False) -> None:

@@ -57,6 +57,14 @@ class Replica:
             kv, cached = kv + probe.kv_len, cached + probe.cached_len
         return Probe(kv, cached)
 
+    def chain(self, prompts: list[list[int]], limit: int) -> int:
+        """The summed `ReplicaIndex.chain_len` of `prompts` here, up to `limit`; 0 while down or not indexed."""
+        if not self.up or self.index is None:
+            return 0
+        size = self.index.block_size
+        return min(limit, sum(self.index.chain_len(ids, limit, block_hashes=prompt_hashes(ids, size))
+                              for ids in prompts))
+
     def mark_down(self, reason: str) -> None:
         if self.up:
             logger.warning("replica %s is down: %s", self.url, reason)

@@ -183,6 +183,18 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
+def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completions body a Responses request runs as: `conversation` (a stored conversation's messages,
+    then `input_messages(body.input)`) after the instructions as a system message, with the request's sampling
+    fields, tools and output format (fields left unset are absent)."""
+    messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
+    chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
+            "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
+            "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
+            "response_format": response_format(body.text)}
+    return {k: v for k, v in chat.items() if v is not None}
+
+
 _CHAT_TO_RESPONSES = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"),
                       ("max_tokens", "max_output_tokens"), ("response_format", "text.format"))
 
@@ -282,13 +294,8 @@ class _Responses:
         history = self.store.get(body.previous_response_id, "previous_response_id").messages \
             if body.previous_response_id else []
         conversation = history + input_messages(body.input)
-        messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
-        chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
-                "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
-                "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
-                "response_format": response_format(body.text)}
         try:
-            chat_body = parse_request(ChatCompletionRequest, {k: v for k, v in chat.items() if v is not None})
+            chat_body = parse_request(ChatCompletionRequest, chat_request(body, conversation))
             prompt_ids, params, rendering, mm_inputs = await routes.prepare_chat(chat_body)
         except APIError as error:  # named as the chat request has it: rename to this request's field
             raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \

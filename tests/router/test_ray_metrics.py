@@ -33,9 +33,9 @@ LIVE, GONE, SWAPPED = "replica-1", "replica-gone", "replica-swapped"
 
 
 class _Handle:
-    """The engine deployment's handle: requests go to the one live engine; a call pinned to GONE never gets
-    one (Ray would wait for it), one pinned to SWAPPED is answered by the live engine (Ray gave it another
-    request's choice)."""
+    """The engine deployment's handle: requests go to the one live engine; a call pinned to GONE never gets an
+    answer (a replica still running but hung or full: Ray waits for it), one pinned to SWAPPED is answered by the
+    live engine (the replica left meanwhile: Ray gives the call to any other)."""
 
     def __init__(self, engine: HybridcacheEngine, index: _Index) -> None:
         self.engine, self.index, self.pinned = engine, index, []
@@ -94,7 +94,7 @@ def test_the_ingress_counts_what_it_routed_and_gathers_each_replicas_engine_metr
             handle = _Handle(engine, index)
             ingress = SimpleNamespace(engine=handle, index=index, counters=IngressCounters(), max_request_bytes=1 << 20,
                                       tokenizer=None, template_kwargs={})
-            for name in ("_send", "_ended", "_replica_metrics", "_forward"):
+            for name in ("_send", "_ended", "_replica_metrics", "_pinned_get", "_forward"):
                 setattr(ingress, name, functools.partial(getattr(OpenAIIngress, name), ingress))
             first = await ingress._forward(_Request({"prompt": FIRST, "max_tokens": 2}))
             assert first.status_code == 200

@@ -1,8 +1,9 @@
 """Ray Serve (router/ray_serve.py) on a local Ray cluster, 2 CPU replicas of the built-in model: the SWE-agent
 slice replayed through its OpenAI ingress gets exactly the hits it gets behind the standalone router (`serve
---data-parallel-size 2`), its /metrics counts them (predicted = reported) with each engine's own metrics, and a
-replica killed mid-run leaves every stream complete or ended with a clear error, leaves the cache index, and is
-replaced by Ray (the replacement joins the index). Skipped without the `ray` extra."""
+--data-parallel-size 2`), its /metrics counts them (predicted = reported) with each engine's own metrics, a
+Responses conversation continues on the replica that stored each turn, and a replica killed mid-run leaves every
+stream complete or ended with a clear error, leaves the cache index, and is replaced by Ray (the replacement joins
+the index). Skipped without the `ray` extra."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from hybridcache.bench.engine_bench import BenchConfig
 from hybridcache.bench.server_bench import run_server_bench
 from hybridcache.bench.workloads import ChatOptions, load_workload
-from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
+from hybridcache.models.builtin import BUILTIN_NAME, builtin_model_dir, ensure_builtin_model
 from tests.router.test_data_parallel import _stream
 from tests.server.server_process import SMALL_ENGINE, free_port, metric_value, running_servers
 
@@ -72,6 +73,17 @@ def test_ray_serve_hits_as_the_standalone_router_and_survives_a_killed_replica(t
         tokens = httpx.post(f"{url}/tokenize", json={"prompt": "hello there"}, timeout=60).json()["tokens"]
         assert httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=60).json() == {"prompt": "hello there"}
         assert "version" in httpx.get(f"{url}/version", timeout=60).json()
+        # a Responses conversation: each turn goes to the replica that stored the one it continues (unpinned,
+        # a continuation has no prompt to predict and Ray would pick either replica)
+        previous = None
+        for k in range(4):
+            body = {"model": BUILTIN_NAME, "input": f"Turn {k}: say something.", "max_output_tokens": 2,
+                    **({"previous_response_id": previous} if previous else {})}
+            answer = httpx.post(f"{url}/v1/responses", json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            previous = answer.json()["id"]
+            assert k == 0 or answer.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+        assert httpx.get(f"{url}/v1/responses/{previous}", timeout=60).json()["id"] == previous
 
         # kill one engine replica while streams are in flight
         before = _engine_replicas(url)
