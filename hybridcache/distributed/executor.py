@@ -77,7 +77,7 @@ from hybridcache.engine.runner import ModelRunner
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models.loader import check_split
 
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
@@ -108,9 +108,9 @@ class TensorParallelExecutor:
         """Start ranks 1..size-1 and build rank 0 on `device` (CUDA: its index, or 0, is rank 0's device)."""
         if size < 2:
             raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
-        config = ModelConfig.from_model_dir(spec.model_path)
-        with torch.device("meta"):  # a model that cannot be split fails here, before any process starts
-            get_model_class(config.architecture)(config, TensorParallel(0, size))
+        for rank in (0, size - 1):  # a model (or FP8 block grid) that cannot be split fails here, before any process
+            check_split(spec.model_path, TensorParallel(rank, size), quantization=spec.config.quantization,
+                        load_format=spec.config.load_format)
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "

@@ -281,20 +281,12 @@ def load_model(
     model_cls = get_model_class(config.architecture)
     fmt = _check_quantization(model_dir, quantization, load_format)
     if load_format == "dummy":
-        target = fmt if fmt is not None else (quant.BLOCK if quantization is not None else None)
+        target = _dummy_format(fmt, quantization)
         model = (_dummy_model(model_cls, config, target, dtype, device) if tp.size == 1
                  else _dummy_shard(model_cls, config, tp, target, dtype, device))
         return quant.set_kv_fp8(model, kv_fp8, {})
     files = safetensors_files(model_dir)
-    location: dict[str, Path] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                location[name] = file
-                shapes[name] = _shape(handle.get_slice(name).get_shape())
-                dtypes[name] = handle.get_slice(name).get_dtype()
+    location, shapes, dtypes = _read_headers(files)
     kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
     kv_scales = {}
     for name in kv_scale_names:
@@ -304,11 +296,7 @@ def load_model(
                 kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
-    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
-    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
-    quant.check_fp8_dtypes(ours, fp8)
-    if fmt is not None:
-        quant.convert_linears(model, {model_name(name): fmt for name in fp8})
+    quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))
     plan, shards = _sharded_plan(model, shapes)
 
     model = model.to_empty(device=device)
@@ -318,6 +306,56 @@ def load_model(
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(model, quant.quantizable_linears(model))
     return quant.set_kv_fp8(model, kv_fp8, kv_scales).eval()
+
+
+def check_split(
+    model_dir: str | Path, tp: TensorParallel, *, quantization: str | None = None, load_format: str = "auto"
+) -> None:
+    """Raise the ValueError `load_model` raises for rank `tp.rank`'s split of the folder's model (dims the ranks do
+    not divide, a block-scaled FP8 weight whose blocks the split cuts: `checkpoint_shards`) from config.json and
+    the safetensors headers alone, on a meta model: what a tensor-parallel engine checks before any worker
+    starts."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    fmt = _check_quantization(model_dir, quantization, load_format)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, tp)
+    if load_format == "dummy":
+        target = _dummy_format(fmt, quantization)
+        quant.convert_linears(model, {} if target is None else dict.fromkeys(quant.quantizable_linears(model), target))
+    else:
+        quant.convert_linears(model, _checkpoint_fp8(fmt, _read_headers(safetensors_files(model_dir))[2]))
+    checkpoint_shards(model, one_rank_twin(model))
+
+
+def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
+    """Every tensor of the safetensors `files`: name -> (its file, its shape, its safetensors dtype), from headers."""
+    from safetensors import safe_open
+
+    location: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                location[name] = file
+                shapes[name] = _shape(handle.get_slice(name).get_shape())
+                dtypes[name] = handle.get_slice(name).get_dtype()
+    return location, shapes, dtypes
+
+
+def _checkpoint_fp8(fmt: quant.Fp8Format | None, dtypes: Mapping[str, str]) -> dict[str, quant.Fp8Format]:
+    """Our module name -> `fmt` for every linear the checkpoint (tensor name -> safetensors dtype) holds in FP8
+    (`quant.fp8_modules`; ValueError when its float8 tensors are not exactly those weights)."""
+    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
+    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
+    quant.check_fp8_dtypes(ours, fp8)
+    return {model_name(name): fmt for name in fp8}
+
+
+def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quant.Fp8Format | None:
+    """The FP8 format of a dummy model's linears: the config's, else the block format under `quantization`."""
+    return fmt if fmt is not None else (quant.BLOCK if quantization is not None else None)
 
 
 def _check_quantization(model_dir: Path, quantization: str | None, load_format: str) -> quant.Fp8Format | None:
