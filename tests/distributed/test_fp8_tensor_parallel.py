@@ -5,7 +5,8 @@ are whole blocks (`test_fp8_sharding.ALIGNED`). A folder whose split would cut a
 loader's error naming the tensor before any worker process starts.
 
 Each case starts a 2-rank engine (a spawned worker: seconds); Qwen3-Next in the block format (packed DeltaNet
-projections, MoE with per-expert FP8 weights, a dense layer) runs in the default suite, the other cases are slow.
+projections, MoE with per-expert FP8 weights, a dense layer) runs in the default suite, the other cases are slow,
+as is the same comparison for `load_format="dummy"` with `quantization="fp8"`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.models.fp8_folders import write_fp8_folder
 from tests.engine.test_cache_equivalence import make_engine
 
-from .folders import write_folder
+from .folders import write_config_folder, write_folder
 from .test_fp8_sharding import ALIGNED
 from .test_tensor_parallel import REL_TOL, generate, rel_err
 
@@ -50,6 +51,25 @@ def test_two_ranks_match_one_rank_on_an_fp8_folder(fp8_dir):
     assert got == want and len(want) == 8
     for i in range(len(want)):
         key = ("fp8", 0, len(prompt) + i)
+        assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
+
+
+@SLOW  # two engines, one of them 2-rank
+def test_two_ranks_of_fp8_dummy_weights_match_one_rank(tmp_path):
+    """`load_format="dummy"` with `quantization="fp8"` (what `tp_bench.py --load-format dummy --quantization fp8`
+    serves): no weights on disk, every rank keeps its part of the one-rank model's quantised draws."""
+    folder = write_config_folder(tmp_path, "qwen3_next", **ALIGNED)
+    prompt = [random.Random(3).randrange(256) for _ in range(160)]
+    single = make_engine(folder, load_format="dummy", quantization="fp8")
+    want = generate(single, "dummy", prompt, 8)
+    engine = make_engine(folder, load_format="dummy", quantization="fp8", tensor_parallel_size=2)
+    try:
+        got = generate(engine, "dummy", prompt, 8)
+    finally:
+        engine.runner.shutdown()
+    assert got == want and len(want) == 8
+    for i in range(len(want)):
+        key = ("dummy", 0, len(prompt) + i)
         assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
 
 
