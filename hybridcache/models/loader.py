@@ -18,17 +18,21 @@ the shapes; all checks read only safetensors headers, before any weight memory i
 
 FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
-copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
-`load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
-quantised from their draws (a benchmark model that no disk could hold). With tensor parallelism (dense only) each
-rank draws every full tensor of the one-rank model in `randomize_`'s order and reads its shard of it as of a
-checkpoint tensor, so the ranks hold exactly the one-rank dummy model's shards.
+copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read (under
+tensor parallelism each rank its own shard). `load_format="dummy"` reads no weights: random ones are drawn on the
+device (`randomize_`), FP8 linears quantised from their draws (a benchmark model that no disk could hold). With
+tensor parallelism each rank draws every full tensor of the one-rank model in `randomize_`'s order (an FP8 weight
+quantised whole, as `randomize_` does) and reads its shard of it as of a checkpoint tensor, so the ranks hold
+exactly the one-rank dummy model's shards.
 
-Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
-`model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
-others whole, and a shard's padding rows are zeroed. Unsharded, `model.shards()` names only the parameters a layer
-keeps in another row order than the checkpoint's (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, ungrouped), read
-through the same ranges. A tied lm_head is the rank's rows of the embedding tensor.
+Tensor parallel (`tp`): the checks run against the full model's shapes (`one_rank_twin`); then each of our
+parameters named in `checkpoint_shards` is read as the rank's ranges of its checkpoint tensor only (safetensors
+`get_slice`), the others whole, and a shard's padding rows are zeroed. `checkpoint_shards` is `model.shards()` plus
+each FP8 scale's part, which follows its weight's (`quant.scale_shard`: a block-scaled weight must be split on
+whole blocks, else ValueError naming the linear). Unsharded, it names only the parameters a layer keeps in another
+row order than the checkpoint's (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, ungrouped, and their scales), read
+through the same ranges. A tied lm_head is the rank's rows of the embedding tensor. `check_split` runs the same
+checks from config.json and the headers alone (a tensor-parallel engine, before any worker starts).
 """
 
 from __future__ import annotations

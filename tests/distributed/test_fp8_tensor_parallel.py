@@ -5,7 +5,7 @@ are whole blocks (`test_fp8_sharding.ALIGNED`). A folder whose split would cut a
 loader's error naming the tensor before any worker process starts.
 
 Each case starts a 2-rank engine (a spawned worker: seconds); Qwen3-Next in the block format (packed DeltaNet
-projections, MoE with per-expert FP8 weights, a dense layer) runs in the default suite, the other cases are slow,
+projections, MoE with per-expert FP8 weights, a dense layer, attention biases) runs in the default suite, the other cases are slow,
 as is the same comparison for `load_format="dummy"` with `quantization="fp8"`.
 """
 
@@ -34,7 +34,8 @@ CASES = ["qwen3_next-block", pytest.param("qwen3_next-channel", marks=SLOW),
 @pytest.fixture(scope="module", params=CASES)
 def fp8_dir(request, tmp_path_factory):
     model_type, _, kind = request.param.partition("-")
-    dense = write_folder(tmp_path_factory.mktemp(f"dense-{model_type}"), model_type, **ALIGNED)
+    bias = {"attention_bias": model_type == "qwen3_next"}  # an FP8 o_proj with a bias: added once, after the reduce
+    dense = write_folder(tmp_path_factory.mktemp(f"dense-{model_type}"), model_type, **ALIGNED, **bias)
     return write_fp8_folder(dense, tmp_path_factory.mktemp(request.param), kind)
 
 
