@@ -15,6 +15,9 @@ Which linears are FP8 is read from the checkpoint itself: exactly those with a s
 bf16 checkpoint quantises every linear but those Qwen's FP8 checkpoints keep in bf16 (`keeps_dtype`: lm_head, the
 router and shared-expert gates, DeltaNet's `in_proj_a`, `in_proj_b`, `in_proj_ba`) to the block format after the
 weights are read (`quantize_linears_`).
+
+Under tensor parallelism a scale's part follows its weight's part (`scale_shard`): per channel its rows, per block
+the blocks the rank's rows or columns cover, which must be whole (a split that cuts a block is a ValueError).
 """
 
 from __future__ import annotations
