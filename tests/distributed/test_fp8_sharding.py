@@ -137,3 +137,26 @@ def test_a_split_block_is_refused_and_per_channel_scales_split_anywhere(tmp_path
         full = checkpoint_order(load_model(channel))
         for rank in range(2):
             assert assert_rank_holds_its_slice(load_model(channel, tp=TensorParallel(rank, 2)), full) > 0
+
+
+def test_a_scale_shard_covers_the_blocks_of_its_weight_shard():
+    """`quant.scale_shard` on hand-made shards of 128 x 128 blocks (and per channel)."""
+    from hybridcache.fp8_format import BLOCK
+    from hybridcache.layers.parallel import Shard, columns, rows
+    from hybridcache.models.quant import scale_shard
+
+    assert scale_shard(rows((128, 256)), BLOCK, (384, 64), "x") == rows((1, 2))
+    assert scale_shard(columns((256, 512)), BLOCK, (64, 512), "x") == columns((2, 4))
+    assert scale_shard(rows((0, 64)), BLOCK, (64, 64), "x") == rows((0, 1))  # held whole by every rank: one block
+    assert scale_shard(rows((256, 300)), BLOCK, (300, 64), "x") == rows((2, 3))  # the weight's partial last block
+    assert scale_shard(rows((512, 640), (0, 128)), BLOCK, (640, 64), "x") == rows((4, 5), (0, 1))  # regrouped rows
+    # padding rows past the checkpoint's (a vocabulary split): whole padding blocks get zero scale rows
+    assert scale_shard(Shard(0, ((256, 384),), padding=128), BLOCK, (384, 64), "x") == Shard(0, ((2, 3),), padding=1)
+    assert scale_shard(Shard(0, ((256, 300),), padding=20), BLOCK, (300, 64), "x") == Shard(0, ((2, 3),), padding=0)
+    assert scale_shard(rows((16, 48)), CHANNEL, (64, 64), "x") == rows((16, 48))  # per channel: the weight's rows
+    assert scale_shard(columns((16, 48)), CHANNEL, (64, 64), "x") is None  # ... and whole for a column split
+    for shard, full, what in ((rows((64, 128)), (128, 64), r"rows: the rows this rank reads, \[\(64, 128\)\] of 128"),
+                              (columns((0, 192)), (64, 384), r"columns: the columns this rank reads, \[\(0, 192\)\]"),
+                              (rows((0, 64), (128, 192)), (192, 64), r"rows: .*\[\(0, 64\), \(128, 192\)\] of 192")):
+        with pytest.raises(ValueError, match=r"^lin in FP8 blocks of 128 " + what):
+            scale_shard(shard, BLOCK, full, "lin")
