@@ -116,6 +116,18 @@ def test_each_rank_draws_its_part_of_the_one_rank_fp8_dummy_model(tmp_path, kind
         assert assert_rank_holds_its_slice(loaded, full) > 0
 
 
+def test_a_replicated_kv_head_of_less_than_a_block_is_read_whole(tmp_path):
+    """One kv head of 64 rows for 2 ranks: both hold k_proj / v_proj whole (one partial block each), while the 4 q
+    heads of 64 split on whole blocks (256 q_proj rows, 128 o_proj columns per rank)."""
+    dense = write_folder(tmp_path / "dense", "qwen3_5_text", **{**ALIGNED, "head_dim": 64, "num_key_value_heads": 1})
+    folder = write_fp8_folder(dense, tmp_path / "block", "block")
+    full = checkpoint_order(load_model(folder))
+    for rank in range(2):
+        loaded = load_model(folder, tp=TensorParallel(rank, 2))
+        assert loaded.model.layers[3].self_attn.k_proj.weight_scale_inv.shape == (1, 1)
+        assert assert_rank_holds_its_slice(loaded, full) > 0
+
+
 def test_a_split_block_is_refused_and_per_channel_scales_split_anywhere(tmp_path):
     """Expert width 128 at TP=2: each rank's 64 rows of an expert's gate_proj would hold half of a 128-row block (its
     scale row shared by both ranks): refused, naming the tensor and the sizes, before any weight memory is taken.
