@@ -128,6 +128,32 @@ def test_a_replicated_kv_head_of_less_than_a_block_is_read_whole(tmp_path):
         assert assert_rank_holds_its_slice(loaded, full) > 0
 
 
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_an_fp8_lm_head_splits_with_its_padding_rows(tmp_path, kind):
+    """Qwen's checkpoints keep the lm_head dense; one stored in FP8 splits like any column-parallel weight: a
+    vocabulary of 255 gives each rank 128 rows (one block), rank 1's last one zero padding."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridcache.fp8_format import BLOCK
+    from hybridcache.kernels.gemm.reference import quantize
+
+    dense = write_folder(tmp_path / "dense", "qwen3_5_text", vocab_size=255, **ALIGNED)
+    folder = write_fp8_folder(dense, tmp_path / kind, kind)
+    fmt = BLOCK if kind == "block" else CHANNEL
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"], tensors[f"lm_head.{fmt.scale_name}"] = quantize(tensors["lm_head.weight"], fmt)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    whole = load_model(folder)
+    assert isinstance(whole.lm_head, Fp8Linear)
+    full = checkpoint_order(whole)
+    for rank in range(2):
+        loaded = load_model(folder, tp=TensorParallel(rank, 2))
+        assert isinstance(loaded.lm_head, Fp8Linear) and loaded.lm_head.weight.shape == (128, 64)
+        assert assert_rank_holds_its_slice(loaded, full) > 0
+    rows = loaded.lm_head.dequantized(torch.float32)  # rank 1's: vocabulary rows 128-254, then the padding row
+    assert rows[126].any() and not rows[127].any()
+
+
 def test_a_split_block_is_refused_and_per_channel_scales_split_anywhere(tmp_path):
     """Expert width 128 at TP=2: each rank's 64 rows of an expert's gate_proj would hold half of a 128-row block (its
     scale row shared by both ranks): refused, naming the tensor and the sizes, before any weight memory is taken.

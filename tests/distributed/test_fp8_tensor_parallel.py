@@ -5,8 +5,8 @@ are whole blocks (`test_fp8_sharding.ALIGNED`). A folder whose split would cut a
 loader's error naming the tensor before any worker process starts.
 
 Each case starts a 2-rank engine (a spawned worker: seconds); Qwen3-Next in the block format (packed DeltaNet
-projections, MoE with per-expert FP8 weights, a dense layer, attention biases) runs in the default suite, the other cases are slow,
-as is the same comparison for `load_format="dummy"` with `quantization="fp8"`.
+projections, MoE with per-expert FP8 weights, a dense layer, attention biases) runs in the default suite, the
+other cases are slow, as is the same comparison for `load_format="dummy"` with `quantization="fp8"`.
 """
 
 from __future__ import annotations
