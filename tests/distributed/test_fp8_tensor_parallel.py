@@ -74,12 +74,16 @@ def test_two_ranks_of_fp8_dummy_weights_match_one_rank(tmp_path):
         assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
 
 
-def test_a_split_block_fails_before_any_worker_starts(tmp_path):
+def test_a_split_block_fails_before_any_worker_starts(tmp_path, monkeypatch):
     """Expert width 128: each rank's 64 rows would cut the experts' 128-row blocks (`loader.check_split`, read from
     the headers on a meta model)."""
     dense = write_folder(tmp_path / "dense", "qwen3_next", **{**ALIGNED, "moe_intermediate_size": 128})
     block = write_fp8_folder(dense, tmp_path / "block", "block")
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("a worker was started")
+
+    monkeypatch.setattr(multiprocessing, "get_context", no_process)
     with pytest.raises(ValueError, match=r"mlp\.experts\.0\.gate_proj in FP8 blocks of 128 rows: the rows this rank "
                                          r"reads, \[\(0, 64\)\] of 128"):
         LLMEngine(block, EngineConfig(tensor_parallel_size=2))
-    assert not multiprocessing.active_children()
