@@ -2,7 +2,7 @@
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/tp_bench.py [--model dense-9b] [--tp-sizes 1,2]
         [--phases C,D] [--graphs] [--no-async-scheduling] [--dtype bfloat16] [--check-tokens] [--out DIR]
-        [--load-format auto|dummy]
+        [--load-format auto|dummy] [--quantization fp8]
     PYTHONPATH=. python benchmarks/tp_bench.py --dtype float32 --check-tokens --phases none   (fp32 correctness)
     PYTHONPATH=. python benchmarks/tp_bench.py --device cpu --model tiny --scale 0.02   (a CPU smoke run)
 
@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="auto: build (or reuse) a random bf16 folder and read it; dummy: a folder of config.json "
                         "and tokenizer only, random weights drawn on the devices by every run")
+    parser.add_argument("--quantization", default=None, choices=("fp8",),
+                        help="fp8: every run's linears 128 x 128 block-scaled FP8 (each rank quantises its shard; with "
+                        "--load-format dummy each rank keeps its part of the one-rank model's quantised draws)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     phases = [p.strip().upper() for p in args.phases.split(",") if p.strip() and p.strip().lower() != "none"]
@@ -172,7 +175,7 @@ def main() -> None:
     folder = config_folder(args.model, args.model_dir) if dummy else model_folder(args.model, args.model_dir)
     on_cuda = args.device.startswith("cuda")
     result: dict = {"model": args.model, "date": time.strftime("%Y-%m-%d"), "build_s": time.perf_counter() - start,
-                    "load_format": args.load_format,
+                    "load_format": args.load_format, "quantization": args.quantization,
                     "device": torch.cuda.get_device_name() if on_cuda else args.device,
                     "devices": torch.cuda.device_count() if on_cuda else 1, "runs": {}}
     print(f"built {args.model} in {result['build_s']:.1f} s", flush=True)
@@ -180,7 +183,8 @@ def main() -> None:
     result["dtype"] = dtype
     base = dict(dtype=dtype, device=args.device, block_size=64, max_num_seqs=64,
                 max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                async_scheduling=args.async_scheduling and on_cuda, load_format=args.load_format)
+                async_scheduling=args.async_scheduling and on_cuda, load_format=args.load_format,
+                quantization=args.quantization)
     rank_runner.TP_CUDA_GRAPHS = args.graphs  # read into each engine's RunnerSpec, so its workers capture alike
     label = " graphs" if args.graphs else ""
     runs = [(f"TP={n}{label}", {**base, "tensor_parallel_size": n, "enforce_eager": not args.graphs}) for n in sizes]

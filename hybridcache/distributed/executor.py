@@ -82,7 +82,8 @@ from hybridcache.engine.runner import ModelRunner
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models import ModelConfig
+from hybridcache.models.loader import check_split
 from hybridcache.models.mtp import MtpHead, mtp_num_layers
 
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
@@ -114,11 +115,13 @@ class TensorParallelExecutor:
         """Start ranks 1..size-1 and build rank 0 on `device` (CUDA: its index, or 0, is rank 0's device)."""
         if size < 2:
             raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
-        config = ModelConfig.from_model_dir(spec.model_path)
-        with torch.device("meta"):  # a model or MTP head that cannot be split fails here, before any process starts
-            get_model_class(config.architecture)(config, TensorParallel(0, size))
-            if spec.config.speculative_config is not None:  # so does a folder without an MTP head
-                MtpHead(config, mtp_num_layers(spec.model_path), TensorParallel(0, size))
+        for rank in (0, size - 1):  # a model (or FP8 block grid) that cannot be split fails here, before any process
+            check_split(spec.model_path, TensorParallel(rank, size), quantization=spec.config.quantization,
+                        load_format=spec.config.load_format)
+        if spec.config.speculative_config is not None:  # so does an MTP head, or a folder without one
+            with torch.device("meta"):
+                MtpHead(ModelConfig.from_model_dir(spec.model_path), mtp_num_layers(spec.model_path),
+                        TensorParallel(0, size))
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "

@@ -96,7 +96,8 @@ class GatedAttention(nn.Module):
         attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5,
                                       kv_scales=(self.k_scale, self.v_scale))
         attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        if self.tp.size == 1:
-            return self.o_proj(attn)
-        out = self.tp.all_reduce(F.linear(attn, self.o_proj.weight))
-        return out if self.o_proj.bias is None else out + self.o_proj.bias
+        if self.tp.size == 1 or self.o_proj.bias is None:
+            return self.tp.all_reduce(self.o_proj(attn))
+        bias = self.o_proj.bias  # added once, after the partial sums
+        out = F.linear(attn, self.o_proj.weight) if type(self.o_proj) is nn.Linear else self.o_proj.matmul(attn)
+        return self.tp.all_reduce(out) + bias

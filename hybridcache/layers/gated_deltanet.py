@@ -19,7 +19,6 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from hybridcache.fp8_format import Fp8Format
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
@@ -159,7 +158,8 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
     The loader reads those rows in another order (`shards`, also unsharded): in_proj_qkvz holds q (every key
     head) | k | v (every value head) | z, in_proj_ba holds b | a, so one projection's output columns are
     q | k | v | z | b | a and the conv input q | k | v, z, b and a are views of it (ungrouping the checkpoint's
-    order per step took seven copies per layer). `state_dict()` therefore holds these two in that order."""
+    order per step took seven copies per layer). `state_dict()` therefore holds these two in that order. An FP8
+    weight's scale rows follow its rows (`loader.checkpoint_shards`)."""
 
     def __init__(self, hidden_size: int, **kwargs: int | float | TensorParallel) -> None:
         super().__init__(hidden_size, **kwargs)
@@ -184,13 +184,7 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
             z.append((base + 2 * dk + (ratio + first) * dv, base + 2 * dk + (ratio + last) * dv))
             b.append((ba_base + first, ba_base + last))
             a.append((ba_base + ratio + first, ba_base + ratio + last))
-        out = {}
-        for name, shard in (("in_proj_qkvz", rows(*q, *k, *v, *z)), ("in_proj_ba", rows(*b, *a))):
-            out[f"{name}.weight"] = shard
-            fmt = getattr(getattr(self, name), "fmt", None)  # an FP8 checkpoint's linear: its scale rows follow
-            if fmt is not None:
-                out[f"{name}.{fmt.scale_name}"] = _scale_rows(shard, fmt, name)
-        return out
+        return {"in_proj_qkvz.weight": rows(*q, *k, *v, *z), "in_proj_ba.weight": rows(*b, *a)}
 
     def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         qkvz, ba = self.in_proj(hidden)
@@ -198,14 +192,3 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         return mixed_qkv, z.view(-1, self.num_v_heads, self.v_head_dim), b, a
 
-
-def _scale_rows(weight: Shard, fmt: Fp8Format, name: str) -> Shard:
-    """The rows of an FP8 weight's scale tensor that go with the weight rows `weight`: the same rows per channel;
-    per block, the blocks' rows, so every range must start and stop on a block boundary (ValueError else)."""
-    if fmt.kind == "channel":
-        return weight
-    bn = fmt.block[0]
-    if any(start % bn or stop % bn for start, stop in weight.ranges):
-        raise ValueError(f"Qwen3-Next {name} in FP8 blocks of {bn} rows: the per-head row ranges {weight.ranges} "
-                         f"do not start and stop on block boundaries (head dims must be multiples of {bn})")
-    return rows(*((start // bn, stop // bn) for start, stop in weight.ranges))

@@ -48,6 +48,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, self.bias, gemm=self.gemm)
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T without the bias (a row-parallel layer adds its bias once, after the ranks' partial sums)."""
+        return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, None, gemm=self.gemm)
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as a dense [out, in] matrix in `dtype` (reference paths)."""
         return kernel_backend.fp8_dequantize(self.weight, self.scale, self.fmt, dtype)

@@ -18,17 +18,21 @@ the shapes; all checks read only safetensors headers, before any weight memory i
 
 FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
-copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read.
-`load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears
-quantised from their draws (a benchmark model that no disk could hold). With tensor parallelism (dense only) each
-rank draws every full tensor of the one-rank model in `randomize_`'s order and reads its shard of it as of a
-checkpoint tensor, so the ranks hold exactly the one-rank dummy model's shards.
+copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read (under
+tensor parallelism each rank its own shard). `load_format="dummy"` reads no weights: random ones are drawn on the
+device (`randomize_`), FP8 linears quantised from their draws (a benchmark model that no disk could hold). With
+tensor parallelism each rank draws every full tensor of the one-rank model in `randomize_`'s order (an FP8 weight
+quantised whole, as `randomize_` does) and reads its shard of it as of a checkpoint tensor, so the ranks hold
+exactly the one-rank dummy model's shards.
 
-Tensor parallel (`tp`): the checks run against the full model's shapes; then each of our parameters named in
-`model.shards()` is read as the rank's ranges of its checkpoint tensor only (safetensors `get_slice`), the
-others whole, and a shard's padding rows are zeroed. Unsharded, `model.shards()` names only the parameters a layer
-keeps in another row order than the checkpoint's (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, ungrouped), read
-through the same ranges. A tied lm_head is the rank's rows of the embedding tensor.
+Tensor parallel (`tp`): the checks run against the full model's shapes (`one_rank_twin`); then each of our
+parameters named in `checkpoint_shards` is read as the rank's ranges of its checkpoint tensor only (safetensors
+`get_slice`), the others whole, and a shard's padding rows are zeroed. `checkpoint_shards` is `model.shards()` plus
+each FP8 scale's part, which follows its weight's (`quant.scale_shard`: a block-scaled weight must be split on
+whole blocks, else ValueError naming the linear). Unsharded, it names only the parameters a layer keeps in another
+row order than the checkpoint's (Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, ungrouped, and their scales), read
+through the same ranges. A tied lm_head is the rank's rows of the embedding tensor. `check_split` runs the same
+checks from config.json and the headers alone (a tensor-parallel engine, before any worker starts).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.models import quant
 from hybridcache.models.config import ModelConfig
@@ -171,11 +176,13 @@ def _plan_stacked(
 
 @torch.no_grad()
 def _copy_planned(
-    model: HybridCausalLM, plan: Mapping[str, _Source], read: Callable[[str, tuple[int | slice, ...]], torch.Tensor]
+    model: HybridCausalLM,
+    plan: Mapping[str, _Source],
+    shards: Mapping[str, Shard],
+    read: Callable[[str, tuple[int | slice, ...]], torch.Tensor],
 ) -> None:
-    """Copy every planned parameter, reading only its part (`model.shards()`) of its checkpoint tensor."""
+    """Copy every planned parameter, reading only its part (`shards`) of its checkpoint tensor."""
     params = dict(model.named_parameters())
-    shards = model.shards()
     for target, source in plan.items():
         _copy_one(params[target], shards.get(target), source, read)
 
@@ -194,23 +201,49 @@ def _copy_one(
     param.copy_(parts[0] if len(parts) == 1 else torch.cat(parts, dim=shard.dim))
 
 
-def _sharded_plan(model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, _Source]:
-    """`plan_weights` against the full model (a meta copy when `model` is a rank's shard), and a tied lm_head
-    planned from the embedding when the rank holds its own lm_head slice."""
+def checkpoint_shards(model: HybridCausalLM, full: HybridCausalLM) -> dict[str, Shard]:
+    """`model.shards()` with the scales of its FP8 linears: each scale's part follows its weight's
+    (`quant.scale_shard`, which refuses a split of a scale block). `full` is the one-rank model of the same config
+    and FP8 linears (`model` itself when unsharded, else a meta twin): the weights' full shapes."""
+    shards = model.shards()
+    full_params = dict(full.named_parameters())
+    for name, fmt in quant.fp8_linears(model).items():
+        weight = shards.get(f"{name}.weight")
+        if weight is not None:
+            scale = quant.scale_shard(weight, fmt, _shape(full_params[f"{name}.weight"].shape), name)
+            if scale is not None:
+                shards[f"{name}.{fmt.scale_name}"] = scale
+    return shards
+
+
+def one_rank_twin(model: HybridCausalLM) -> HybridCausalLM:
+    """`model` itself when unsharded, else the one-rank model of its config on the meta device, with FP8 linears
+    where `model` has them (the full shapes the checkpoint holds)."""
     if model.tp.size == 1:
-        return plan_weights(model, checkpoint_shapes)
+        return model
     with torch.device("meta"):
         full = type(model)(model.config)
+    quant.convert_linears(full, quant.fp8_linears(model))
+    return full
+
+
+def _sharded_plan(
+    model: HybridCausalLM, checkpoint_shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[str, _Source], dict[str, Shard]]:
+    """`plan_weights` against the full model (`one_rank_twin`), a tied lm_head planned from the embedding when the
+    rank holds its own lm_head slice; and the part of its checkpoint tensor each parameter reads
+    (`checkpoint_shards`)."""
+    full = one_rank_twin(model)
     plan = plan_weights(full, checkpoint_shapes)
-    if model.config.tie_word_embeddings:
+    if model.tp.size > 1 and model.config.tie_word_embeddings:
         plan["lm_head.weight"] = plan["model.embed_tokens.weight"]
-    return plan
+    return plan, checkpoint_shards(model, full)
 
 
 def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Load in-memory tensors (e.g. a transformers model's `state_dict()`) with the rules above."""
-    plan = _sharded_plan(model, {name: _shape(t.shape) for name, t in tensors.items()})
-    _copy_planned(model, plan, lambda name, index: tensors[name][index])
+    plan, shards = _sharded_plan(model, {name: _shape(t.shape) for name, t in tensors.items()})
+    _copy_planned(model, plan, shards, lambda name, index: tensors[name][index])
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -250,21 +283,14 @@ def load_model(
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
-    fmt = _check_quantization(model_dir, quantization, load_format, tp)
+    fmt = _check_quantization(model_dir, quantization, load_format)
     if load_format == "dummy":
-        if tp.size > 1:
-            return quant.set_kv_fp8(_dummy_shard(model_cls, config, tp, dtype, device), kv_fp8, {})
-        return quant.set_kv_fp8(_dummy_model(model_cls, config, fmt, quantization, dtype, device), kv_fp8, {})
+        target = _dummy_format(fmt, quantization)
+        model = (_dummy_model(model_cls, config, target, dtype, device) if tp.size == 1
+                 else _dummy_shard(model_cls, config, tp, target, dtype, device))
+        return quant.set_kv_fp8(model, kv_fp8, {})
     files = safetensors_files(model_dir)
-    location: dict[str, Path] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    dtypes: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                location[name] = file
-                shapes[name] = _shape(handle.get_slice(name).get_shape())
-                dtypes[name] = handle.get_slice(name).get_dtype()
+    location, shapes, dtypes = _read_headers(files)
     kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
     kv_scales = {}
     for name in kv_scale_names:
@@ -274,53 +300,93 @@ def load_model(
                 kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
-    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
-    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
-    quant.check_fp8_dtypes(ours, fp8)
-    if fmt is not None:
-        quant.convert_linears(model, {model_name(name): fmt for name in fp8})
-    plan = _sharded_plan(model, shapes)
+    quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))
+    plan, shards = _sharded_plan(model, shapes)
 
     model = model.to_empty(device=device)
     model.tie_weights()
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in files}
-    _copy_planned(model, plan, lambda name, index: handles[location[name]].get_slice(name)[index])
+    _copy_planned(model, plan, shards, lambda name, index: handles[location[name]].get_slice(name)[index])
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(model, quant.quantizable_linears(model))
     return quant.set_kv_fp8(model, kv_fp8, kv_scales).eval()
 
 
-def _check_quantization(
-    model_dir: Path, quantization: str | None, load_format: str, tp: TensorParallel
-) -> quant.Fp8Format | None:
-    """The checkpoint's FP8 format (None: dense); ValueError for an unknown `quantization` or `load_format`, an
-    unsupported quantization_config, or FP8 weights with tensor parallelism."""
+def check_split(
+    model_dir: str | Path, tp: TensorParallel, *, quantization: str | None = None, load_format: str = "auto"
+) -> None:
+    """Raise the ValueError `load_model` raises for rank `tp.rank`'s split of the folder's model (dims the ranks do
+    not divide, a block-scaled FP8 weight whose blocks the split cuts: `checkpoint_shards`) from config.json and
+    the safetensors headers alone, on a meta model: what a tensor-parallel engine checks before any worker
+    starts."""
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    fmt = _check_quantization(model_dir, quantization, load_format)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config, tp)
+    if load_format == "dummy":
+        target = _dummy_format(fmt, quantization)
+        quant.convert_linears(model, {} if target is None else dict.fromkeys(quant.quantizable_linears(model), target))
+    else:
+        quant.convert_linears(model, _checkpoint_fp8(fmt, _read_headers(safetensors_files(model_dir))[2]))
+    checkpoint_shards(model, one_rank_twin(model))
+
+
+def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
+    """Every tensor of the safetensors `files`: name -> (its file, its shape, its safetensors dtype), from headers."""
+    from safetensors import safe_open
+
+    location: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, str] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                location[name] = file
+                shapes[name] = _shape(handle.get_slice(name).get_shape())
+                dtypes[name] = handle.get_slice(name).get_dtype()
+    return location, shapes, dtypes
+
+
+def _checkpoint_fp8(fmt: quant.Fp8Format | None, dtypes: Mapping[str, str]) -> dict[str, quant.Fp8Format]:
+    """Our module name -> `fmt` for every linear the checkpoint (tensor name -> safetensors dtype) holds in FP8
+    (`quant.fp8_modules`; ValueError when its float8 tensors are not exactly those weights)."""
+    ours = {name: dtype for name, dtype in dtypes.items() if not name.startswith(IGNORED_PREFIXES)}
+    fp8 = quant.fp8_modules(ours, fmt) if fmt is not None else []
+    quant.check_fp8_dtypes(ours, fp8)
+    return {model_name(name): fmt for name in fp8}
+
+
+def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quant.Fp8Format | None:
+    """The FP8 format of a dummy model's linears: the config's, else the block format under `quantization`."""
+    return fmt if fmt is not None else (quant.BLOCK if quantization is not None else None)
+
+
+def _check_quantization(model_dir: Path, quantization: str | None, load_format: str) -> quant.Fp8Format | None:
+    """The checkpoint's FP8 format (None: dense); ValueError for an unknown `quantization` or `load_format` or an
+    unsupported quantization_config."""
     if quantization not in (None, *quant.QUANTIZATIONS):
         raise ValueError(f"quantization {quantization!r} is not supported; choose one of {quant.QUANTIZATIONS}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
-    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
-    if (fmt is not None or quantization is not None) and tp.size > 1:
-        raise ValueError("FP8 weights are not supported with tensor parallelism yet (tensor_parallel_size 1 only)")
-    return fmt
+    return quant.checkpoint_format(quant.read_quantization_config(model_dir))
 
 
 def _dummy_model(
     model_cls: type[HybridCausalLM],
     config: ModelConfig,
-    fmt: quant.Fp8Format | None,
-    quantization: str | None,
+    target: quant.Fp8Format | None,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> HybridCausalLM:
-    """`load_format="dummy"`: the model with random weights drawn on `device` (seed 0); its linears FP8 in the
-    checkpoint's format (or the block format with `quantization`), as `quant.quantizable_linears` selects."""
+    """`load_format="dummy"`: the model with random weights drawn on `device` (seed 0); with `target` (the
+    checkpoint's FP8 format, or the block format under `quantization`) its linears FP8, as
+    `quant.quantizable_linears` selects."""
     from hybridcache.models.random_weights import randomize_
 
     with torch.device("meta"):
         model = model_cls(config).to(dtype=dtype)
-    if fmt is not None or quantization is not None:
-        target = fmt if fmt is not None else quant.BLOCK
+    if target is not None:
         quant.convert_linears(model, dict.fromkeys(quant.quantizable_linears(model), target))
     model = model.to_empty(device=device)
     model.tie_weights()
@@ -333,39 +399,59 @@ def _dummy_shard(
     model_cls: type[HybridCausalLM],
     config: ModelConfig,
     tp: TensorParallel,
+    target: quant.Fp8Format | None,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> HybridCausalLM:
     """`load_format="dummy"` under tensor parallelism: rank `tp.rank`'s shard of exactly the model `_dummy_model`
     draws with one rank (seed 0, same device type). Every rank draws every full tensor of the one-rank model in
     `randomize_`'s order (so the generator advances alike), one at a time, and keeps its shard: peak memory is the
-    rank's shard plus one full tensor. A full tensor is put back in the checkpoint's row order (the inverse of the
-    one-rank model's `shards()`: Qwen3-Next's regrouped projections) and then read as a checkpoint tensor."""
+    rank's shard plus one full tensor. An FP8 linear's full weight is quantised as `randomize_` does it, in the
+    one-rank model's row order. A full tensor (an FP8 scale too) is put back in the checkpoint's row order (the
+    inverse of the one-rank model's `checkpoint_shards`: Qwen3-Next's regrouped projections) and then read as a
+    checkpoint tensor, so a block-scaled split refuses what an FP8 checkpoint's would."""
     from hybridcache.models.random_weights import draw_parameter
 
     with torch.device("meta"):
         full = model_cls(config).to(dtype=dtype)
         model = model_cls(config, tp).to(dtype=dtype)
+    if target is not None:
+        for module in (full, model):
+            quant.convert_linears(module, dict.fromkeys(quant.quantizable_linears(module), target))
     full.tie_weights()
-    full_shards = full.shards()
-    plan = _sharded_plan(model, {name: _shape(p.shape) for name, p in full.named_parameters()})
+    full_shards = checkpoint_shards(full, full)
+    fp8 = {f"{name}.weight": (name, fmt) for name, fmt in quant.fp8_linears(full).items()}
+    plan, shards = _sharded_plan(model, {name: _shape(p.shape) for name, p in full.named_parameters()})
     targets: dict[str, list[str]] = {}
-    for target, source in plan.items():
-        targets.setdefault(source.checkpoint_name, []).append(target)
+    for name, source in plan.items():
+        targets.setdefault(source.checkpoint_name, []).append(name)
     model = model.to_empty(device=device)
     model.tie_weights()
-    params, shards = dict(model.named_parameters()), model.shards()
+    params = dict(model.named_parameters())
+    scales = {f"{module}.{fmt.scale_name}" for module, fmt in fp8.values()}
     generator = torch.Generator(device).manual_seed(0)
     for name, param in full.named_parameters():
-        value = draw_parameter(name, param.shape, generator)
-        shard = full_shards.get(name)
-        if shard is not None:  # ours -> the checkpoint's row order
-            checkpoint = torch.empty_like(value)
-            offset = 0
-            for start, stop in shard.ranges:
-                checkpoint.narrow(shard.dim, start, stop - start).copy_(value.narrow(shard.dim, offset, stop - start))
-                offset += stop - start
-            value = checkpoint
-        for target in targets.get(name, ()):
-            _copy_one(params[target], shards.get(target), plan[target], lambda _, index, v=value: v[index])
+        if name in scales:  # drawn with their weight
+            continue
+        drawn = {name: draw_parameter(name, param.shape, generator)}
+        if name in fp8:
+            module, fmt = fp8[name]
+            drawn[name], drawn[f"{module}.{fmt.scale_name}"] = kernel_backend.fp8_quantize(drawn[name], fmt)
+        for drawn_name, value in drawn.items():
+            value = _checkpoint_order(value, full_shards.get(drawn_name))
+            for name_held in targets.get(drawn_name, ()):
+                _copy_one(params[name_held], shards.get(name_held), plan[name_held], lambda _, i, v=value: v[i])
     return model.eval()
+
+
+def _checkpoint_order(value: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """A one-rank parameter held in another row order than its checkpoint tensor's (`shard`: the checkpoint rows
+    it holds, in order) put back in the checkpoint's order; `value` itself without a shard."""
+    if shard is None:
+        return value
+    checkpoint = torch.empty_like(value)
+    offset = 0
+    for start, stop in shard.ranges:
+        checkpoint.narrow(shard.dim, start, stop - start).copy_(value.narrow(shard.dim, offset, stop - start))
+        offset += stop - start
+    return checkpoint

@@ -15,6 +15,9 @@ Which linears are FP8 is read from the checkpoint itself: exactly those with a s
 bf16 checkpoint quantises every linear but those Qwen's FP8 checkpoints keep in bf16 (`keeps_dtype`: lm_head, the
 router and shared-expert gates, DeltaNet's `in_proj_a`, `in_proj_b`, `in_proj_ba`) to the block format after the
 weights are read (`quantize_linears_`).
+
+Under tensor parallelism a scale's part follows its weight's part (`scale_shard`): per channel its rows, per block
+the blocks the rank's rows or columns cover, which must be whole (a split that cuts a block is a ValueError).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import hybridcache.kernels.backend as kernel_backend
 from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import Fp8Linear
+from hybridcache.layers.parallel import Shard
 
 QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load
 # Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert).
@@ -162,6 +166,38 @@ def quantize_linears_(model: nn.Module, names: Iterable[str], fmt: Fp8Format = B
         setattr(modules[parent] if parent else model, child, new)
         replaced[id(linear)] = new
     _repoint_fused(model, replaced)
+
+
+def fp8_linears(model: nn.Module) -> dict[str, Fp8Format]:
+    """Module name -> format of every `Fp8Linear` of `model` (what `convert_linears` makes of a twin of it)."""
+    return {name: module.fmt for name, module in model.named_modules() if isinstance(module, Fp8Linear)}
+
+
+def scale_shard(weight: Shard, fmt: Fp8Format, full_shape: tuple[int, ...], module: str) -> Shard | None:
+    """The part of an FP8 weight's scale tensor that goes with the part `weight` of the weight (shape `full_shape`,
+    [out, in]) of linear `module`; None when the scale is read whole (per-channel scales of a column shard).
+
+    Per channel, the scale [out, 1] follows the weight's rows. Per block, a range of rows (columns) maps to the
+    blocks it covers, so every range must start on a block boundary and stop on one or at the end of the weight
+    (its last, partial block), the last range only; padding rows get zero scales (their weights are zero).
+    ValueError naming the module and the sizes else: a rank whose rows or columns split a block would need part of
+    a scale (vLLM refuses the same split at layer creation: "Weight output_partition_size = ... is not divisible by
+    weight quantization block_n", or `input_size_per_partition` / `block_k` for a row-parallel layer)."""
+    if fmt.kind == "channel":
+        return weight if weight.dim == 0 else None
+    block, total = fmt.block[weight.dim], full_shape[weight.dim]
+    what = ("rows", "columns")[weight.dim]
+    last = len(weight.ranges) - 1
+    for i, (start, stop) in enumerate(weight.ranges):
+        if start % block or (stop % block and not (stop == total and i == last)):
+            raise ValueError(
+                f"{module} in FP8 blocks of {block} {what}: the {what} this rank reads, {list(weight.ranges)} of "
+                f"{total} ({weight.data_length} in all), split a block; a rank's {what}, and each head's or fused "
+                f"part's, must be whole blocks (multiples of {block}): choose a tensor_parallel_size that keeps "
+                "them whole, or a per-channel (compressed-tensors) checkpoint")
+    ranges = tuple((start // block, -(-stop // block)) for start, stop in weight.ranges)
+    held = sum(stop - start for start, stop in ranges)
+    return Shard(weight.dim, ranges, padding=-(-weight.length // block) - held)
 
 
 def _repoint_fused(model: nn.Module, replaced: Mapping[int, nn.Module]) -> None:

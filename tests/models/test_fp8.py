@@ -184,10 +184,6 @@ def test_unsupported_compressed_tensors_and_options_are_refused(dense_dir, tmp_p
         load_model(folder)
     with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
         load_model(dense_dir, quantization="int4")
-    from hybridcache.layers.parallel import TensorParallel
-
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        load_model(dense_dir, quantization="fp8", tp=TensorParallel(0, 2))
 
 
 def test_fp8_linear_keeps_its_dtypes_when_the_model_is_cast(dense_dir):
