@@ -96,14 +96,15 @@ class ValidPrompt:
 @dataclass
 class _Launched:
     """A step whose forward and sampling are queued on the device: its chunks, the sequences it samples (row i
-    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run (`prepared`), `pending`: sequence id ->
-    the position of its `PENDING_TOKEN` in `token_ids`, and `retired`: sequences retired there by length."""
+    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run (`prepared`), `pending`: the ids of the
+    sequences whose `token_ids` end with the `PENDING_TOKEN` of its sample, and `retired`: sequences retired there
+    by length."""
 
     chunks: tuple[ScheduledChunk, ...]
     sampled: list[Seq]
     sample: PendingSample | None
     prepared: bool = False
-    pending: dict[int, int] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
     retired: set[int] = field(default_factory=set)
     verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
     logits: torch.Tensor | None = None  # rows to sample once the step before is postprocessed (`sample` None)
@@ -432,7 +433,7 @@ class LLMEngine:
         for seq in launched.sampled:
             if seq.is_finished:
                 continue
-            launched.pending[seq.seq_id] = seq.num_tokens
+            launched.pending.add(seq.seq_id)
             seq.token_ids.append(PENDING_TOKEN)
             if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.scheduler.finish(seq)
