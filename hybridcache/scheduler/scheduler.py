@@ -293,7 +293,8 @@ class Scheduler:
         after its end. A verify row's drafts are then judged (`drafts` cleared). The cache reads the same list
         and takes, in the same call, what it fed unknown (`PrefixCache.accept`: a verify row's kept drafts, the
         value of a `PENDING_TOKEN`); sequences no longer running are written only. Returns the cache's
-        `STATE_ROLLBACK` copies, which the caller runs before the next step."""
+        `STATE_ROLLBACK` copies, which the caller runs before the next step. A ValueError from the cache (tokens
+        it cannot take) comes after the lists were written: the engine treats it as fatal."""
         stuck = [seq.seq_id for seq, step in accepted.items() if step.kept is not None and seq.token_ids[-1:] == [
             PENDING_TOKEN]]
         if stuck:
