@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/spec_bench.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8 64] [--max-tokens 128]
                                                  [--prompt-len 256] [--temperature 0] [--device cpu]
                                                  [--dtype bfloat16] [--disable-by-batch-size N] [--json OUT]
+                                                 [--tensor-parallel-size N]
 
 One engine per k (MTP off, then each k; its start-up is the costly part), warmed up by a short generation, then for
 each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
@@ -14,7 +15,9 @@ of MTP off's greedy tokens each completion repeats up to its first difference (`
 phase of the steps (`phase_timers`). `--disable-by-batch-size N` adds
 rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
 plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
-too); MTP's speculative steps run synchronously, MTP off's steps asynchronously.
+too); MTP's speculative steps run synchronously, MTP off's steps asynchronously. `--tensor-parallel-size N`: every
+engine (MTP off too) split over N ranks (the head sharded and drafting on every rank; async scheduling on for MTP
+off's steps, as at N = 1 on CUDA).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace, limit:
     config = EngineConfig(block_size=64, max_num_seqs=max(args.batch), dtype=args.dtype,
                           max_model_len=args.prompt_len + args.max_tokens + 8,
                           max_num_batched_tokens=max(2048, args.prompt_len), device=args.device,
-                          speculative_config=speculative)
+                          speculative_config=speculative, tensor_parallel_size=args.tensor_parallel_size,
+                          async_scheduling=True if args.device.startswith("cuda") else None)
     engine = LLMEngine(model_dir, config)
     decode(engine, prompts(model_dir, 2, args.prompt_len, seed=1), min(16, args.max_tokens), args)
     return engine
@@ -144,6 +148,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="the model dtype (bfloat16: CUDA graphs on CUDA)")
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="also run k = 2 with speculation off above this many sequences, at batch sizes over it")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model_dir = args.model_dir or ensure_builtin_model()

@@ -86,6 +86,10 @@ class EngineConfig:
     the rest of the memory budget, see `hybridcache.engine.memory`.
     host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
     demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
+    disk_cache_dir: a disk tier behind the host tier (None: none): what the host tier's own eviction drops is
+    written there, per model, and found again by a later engine on the same model and directory; at most
+    disk_cache_gib GiB of files (its least recently used states go first). Needs a host tier; one rank only
+    (docs/cache.md, "The disk tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
@@ -112,8 +116,9 @@ class EngineConfig:
     resolved names; "auto" is resolved by `LLM` and the command line (`engine_args.resolve_engine_config`).
     speculative_config: MTP speculative decoding (`SpeculativeConfig`, or a dict / JSON text of one, as vLLM's
     `speculative_config`); None = off. Steps that speculate run synchronously whatever `async_scheduling` says
-    (only steps over `disable_by_batch_size` overlap). Not (yet) with tensor parallelism or decode-interval
-    checkpoints; those are refused here. A kernel backend without verify kernels is refused at start-up.
+    (only steps over `disable_by_batch_size` overlap); under tensor parallelism every rank holds its shard of the
+    head and drafts in lock step. Not (yet) with decode-interval checkpoints; refused here. A kernel backend
+    without verify kernels is refused at start-up.
     quantization: "fp8" quantises a dense checkpoint's linears to 128 x 128 block-scaled FP8 as they load (an FP8
     checkpoint is read in its own format without it). kv_cache_dtype: "auto" (the model dtype) or "fp8" / "fp8_e4m3"
     (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
@@ -125,6 +130,8 @@ class EngineConfig:
     kernel_block_size: int | None = None
     num_blocks: int | None = None
     host_cache_gib: float = 0.0
+    disk_cache_dir: str | None = None
+    disk_cache_gib: float = 64.0
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
@@ -145,14 +152,23 @@ class EngineConfig:
     attention_backend: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
+    def _check_disk_tier(self) -> None:
+        if self.disk_cache_dir is None:
+            return
+        if not isinstance(self.disk_cache_gib, (int, float)) or not 0 < self.disk_cache_gib < float("inf"):
+            raise ValueError(f"disk_cache_gib must be a finite number > 0, got {self.disk_cache_gib!r}")
+        refused = [what for what, on in (
+            ("without a host tier (host_cache_gib 0): the disk tier keeps what falls out of it",
+             not self.host_cache_gib),
+            ("without the prefix cache", not self.enable_prefix_caching),
+            ("with tensor parallelism", self.tensor_parallel_size != 1)) if on]
+        if refused:
+            raise ValueError(f"disk_cache_dir (a disk tier) is not supported {'; nor '.join(refused)}")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
-        if self.speculative_config is not None:
-            refused = [what for what, on in (
-                ("tensor parallelism", self.tensor_parallel_size != 1),
-                ("decode_checkpoint_interval", self.decode_checkpoint_interval is not None)) if on]
-            if refused:
-                raise ValueError(f"speculative decoding is not supported with {', '.join(refused)}")
+        if self.speculative_config is not None and self.decode_checkpoint_interval is not None:
+            raise ValueError("speculative decoding is not supported with decode_checkpoint_interval")
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))
@@ -174,6 +190,7 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
             raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
+        self._check_disk_tier()
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.cache_mode not in CACHE_MODES:

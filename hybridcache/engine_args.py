@@ -63,6 +63,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default: 0, none)")
     parser.add_argument("--hicache-size", type=float, default=None, metavar="GB",
                         help="the host tier in GB (10^9 bytes; SGLang's spelling); overrides --host-cache-gib")
+    parser.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                        help="a disk tier behind the host tier: what falls out of the host tier is written under "
+                             "DIR (per model) and a restarted engine on the same model finds it (needs "
+                             "--host-cache-gib; default: none)")
+    parser.add_argument("--disk-cache-gib", type=float, default=64.0, metavar="GIB",
+                        help="the disk tier's cap on its files, GiB (default: 64)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -131,6 +137,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         kernel_block_size=args.kernel_block_size,
         num_blocks=args.num_blocks,
         host_cache_gib=args.host_cache_gib if args.hicache_size is None else args.hicache_size * 1e9 / (1 << 30),
+        disk_cache_dir=args.disk_cache_dir,
+        disk_cache_gib=args.disk_cache_gib,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

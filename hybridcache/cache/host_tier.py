@@ -25,6 +25,10 @@ Rules (each checked by `integrity.check_host`):
 - Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
   the oldest unpinned first; what falls out is gone.
 
+Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
+its blocks are freed (`fall_out`: its chain and state as a tier behind needs them), and `Lifecycle.adopt_stored`
+hangs a `StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
+
 Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
 device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
 A device block promoted into and demoted again before the plan is built goes back to the host block it came
@@ -35,13 +39,77 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, Trie, prompt_block_hashes
+
+
+@dataclass(frozen=True)
+class FallOutBlock:
+    """One full block of a fall-out's chain: its chained hash, its parent's, its tokens, and where its bytes are
+    now (`on_host`: host block `block_id`, else device block `block_id`)."""
+
+    hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+    on_host: bool
+    block_id: int
+
+
+@dataclass(frozen=True)
+class FallOut:
+    """A host checkpoint the host tier's own eviction is dropping, as a tier behind it needs it (`HostTier.
+    fall_out`): the blocks from the root to its anchor (root's child first; the base model's trie, no spans), its
+    step, tail and tail hash (chained from `anchor_hash`), why it was saved (`SaveReason` value), and the host
+    blocks of its k pages then its frozen tail (when the step is not block-aligned)."""
+
+    blocks: tuple[FallOutBlock, ...]
+    anchor_hash: int
+    step: int
+    tail_ids: tuple[int, ...]
+    tail_hash: int
+    reason: str
+    num_pages: int
+    state_host_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A checkpoint a tier behind the host keeps (the disk tier), as the cache takes it back (`Lifecycle.
+    adopt_stored`): its chain of (hash, tokens) blocks from the root's child to its anchor (the base model's trie,
+    no spans), its step, tail, why it was saved (`SaveReason` value), its k pages and whether it has a frozen
+    tail."""
+
+    chain: tuple[tuple[int, tuple[int, ...]], ...]
+    step: int
+    tail_ids: tuple[int, ...]
+    reason: str
+    num_pages: int
+    has_frozen: bool
+
+
+class TierBehind(Protocol):
+    """A tier behind the host one (the engine's disk tier, `engine/disk_keeper.py`), given to `PrefixCache`. The
+    host tier tells it what its own eviction drops (`keep`), and asks it on a match (`find`) for a checkpoint
+    deeper than both tiers hold; one it has is hung in the host tier (`Lifecycle.adopt_stored`) once `read` has the
+    bytes, which `placed` then puts in the host blocks it was given (before the plan that promotes it runs)."""
+
+    def keep(self, fall_out: FallOut | None) -> None:
+        """A host checkpoint is being dropped (its blocks are readable during the call); None: not keepable."""
+
+    def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
+        """The deepest checkpoint it holds that `request` can use (step <= `max_step`), or None."""
+
+    def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
+        """Fetch and check the bytes of `stored`'s state and of its chain's blocks at indices `missing`."""
+
+    def placed(self, stored: StoredCheckpoint, block_ids: dict[int, int], state_ids: tuple[int, ...]) -> None:
+        """Write what `read` fetched: chain block i into host block `block_ids[i]`, the state into `state_ids`."""
 
 
 class Hanging:
@@ -75,15 +143,17 @@ class HostNode(Hanging):
 
     __slots__ = ("adapter", "parent", "hash", "token_ids", "spans", "host_block", "depth", "attached")
 
-    def __init__(self, parent: Node | HostNode, node: Node, host_block: int) -> None:
+    def __init__(
+        self, parent: Node | HostNode, *, node_hash: int, token_ids: tuple[int, ...], spans: tuple, host_block: int,
+    ) -> None:
         super().__init__()
-        self.adapter = node.adapter
+        self.adapter = parent.adapter
         self.parent = parent
-        self.hash = node.hash
-        self.token_ids = node.token_ids
-        self.spans = node.spans
+        self.hash = node_hash
+        self.token_ids = token_ids
+        self.spans = spans
         self.host_block = host_block
-        self.depth = node.depth
+        self.depth = parent.depth + 1
         self.attached = True
 
     is_root = False
@@ -116,8 +186,13 @@ class HostTier:
         self.num_nodes = 0
         self.num_dropped = 0  # host checkpoints dropped (what falls out of the host tier is gone)
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
+        # what the host's own eviction drops, told before its blocks are freed (None: it cannot be kept behind)
+        self.on_fall_out: Callable[[FallOut | None], None] | None = None
+        self.behind: TierBehind | None = None  # asked on a match (`find`); set with `adopt` by the lifecycle
+        self.adopt: Callable[[StoredCheckpoint, Callable[[tuple[int, ...]], bool]], Any] | None = None
         self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
         self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
+        self._fresh: set[Node] = set()  # device nodes inserted since the last plan: their KV is not computed yet
 
     # ---- blocks and copies -------------------------------------------------------------------------------
 
@@ -155,7 +230,13 @@ class HostTier:
         for host, _device in loads:
             self.pool.decref(host)
         self._saves, self._loads = {}, {}
+        self._fresh.clear()
         return saves, loads
+
+    def inserted(self, node: Node) -> None:
+        """Device node `node` was just inserted: its KV is computed by the forward of the plan being built (a
+        fall-out until then cannot read it)."""
+        self._fresh.add(node)
 
     def loading(self) -> list[int]:
         """Host blocks read by this step's loads (held by no host item, freed at `end_step`)."""
@@ -176,8 +257,37 @@ class HostTier:
             return False
         while self.pool.num_free < num_blocks:
             victim = next(c for c in self.order.values() if c.num_pins == 0)
+            if self.on_fall_out is not None:
+                self.on_fall_out(self.fall_out(victim))
             self.drop_checkpoint(victim)
         return True
+
+    def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
+        """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
+        frees its blocks): the chain of blocks from the root to its anchor, in either tier, and its state's host
+        blocks. None when it cannot be kept: an adapter's or multimodal content (not kept behind the host), a
+        state not written yet (`unwritten`), a host block whose save is still in the plan being built, or a device
+        node inserted since the last plan (its KV is computed by that plan's forward)."""
+        frontier, host_nodes = self.chain(ckpt)
+        device_nodes = []
+        node = frontier
+        while not node.is_root:
+            device_nodes.append(node)
+            node = node.parent
+        device_nodes.reverse()
+        nodes = [*device_nodes, *host_nodes]
+        state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
+        host_ids = (*state_ids, *(n.host_block for n in host_nodes))
+        if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
+                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)):
+            return None
+        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
+        # a device node promoted since the last plan: its bytes are still in the host block it is loaded from
+        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, n.block_id in self._loads,
+                                    self._loads.get(n.block_id, n.block_id)) for n in device_nodes) + blocks
+        return FallOut(blocks=blocks, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_ids=ckpt.tail_ids,
+                       tail_hash=ckpt.tail_hash, reason=ckpt.reason.value, num_pages=len(ckpt.pages),
+                       state_host_ids=state_ids)
 
     # ---- the host trie -----------------------------------------------------------------------------------
 
@@ -193,13 +303,27 @@ class HostTier:
     def demote_node(self, node: Node, host_block: int) -> HostNode:
         """A host copy of device leaf `node` (the caller removes the device node): it hangs off the node's
         parent and takes over what hung off the node."""
-        hnode = HostNode(node.parent, node, host_block)
+        hnode = HostNode(node.parent, node_hash=node.hash, token_ids=node.token_ids, spans=node.spans,
+                         host_block=host_block)
         moved = self.under.pop(node, None)
         if moved is not None:
             self._adopt(hnode, moved)
         self.hanging(node.parent, create=True).children.setdefault(hnode.hash, []).append(hnode)
         self.num_nodes += 1
         return hnode
+
+    def add_node(self, parent: Owner, node_hash: int, token_ids: tuple[int, ...], host_block: int) -> HostNode:
+        """A new host node under `parent` (no twin in either tier: the caller checked) whose KV is `host_block`;
+        the caller hangs a checkpoint at or below it (every host leaf carries one)."""
+        hnode = HostNode(parent, node_hash=node_hash, token_ids=token_ids, spans=(), host_block=host_block)
+        self.hanging(parent, create=True).children.setdefault(node_hash, []).append(hnode)
+        self.num_nodes += 1
+        return hnode
+
+    def find_child(self, owner: Owner, node_hash: int, token_ids: tuple[int, ...], spans: tuple) -> HostNode | None:
+        """The host child of `owner` with exactly these tokens and spans, if any."""
+        hanging = self.hanging(owner)
+        return None if hanging is None else _find(hanging, node_hash, token_ids, spans)
 
     def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner) -> None:
         """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier."""
@@ -318,7 +442,15 @@ class HostTier:
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
     ) -> Checkpoint | None:
         """The deepest usable host checkpoint for `request`: on the device path's nodes, or on `hosts`, the host
-        nodes that continue it (`continuation`)."""
+        nodes that continue it (`continuation`). With a tier behind (`behind`), one it holds deeper than either
+        tier's is first brought into this tier (`_fault_in`)."""
+        if self.behind is not None and path and self._fault_in(path, hosts, request, block_size, max_step):
+            hosts = self.continuation(path, request, block_size)
+        return self._find(path, hosts, request, block_size, max_step)
+
+    def _find(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> Checkpoint | None:
         if not self.order or not path:
             return None
         views: list[Any] = []
@@ -327,6 +459,24 @@ class HostTier:
             hanging = self.under.get(node)
             views.append(_View(node.hash, hanging.checkpoints if hanging is not None else empty))
         return find_deepest(self.trie, [*views, *hosts], request, block_size, max_step)
+
+    def _fault_in(
+        self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
+    ) -> bool:
+        """Hang the tier behind's deepest checkpoint for `request` in this tier when it is deeper than what the
+        device path and this tier hold; whether it did."""
+        stored = self.behind.find(request, block_size, max_step)
+        if stored is None:
+            return False
+        held = [c.step for c in (find_deepest(self.trie, path, request, block_size, max_step),
+                                 self._find(path, hosts, request, block_size, max_step)) if c is not None]
+        if stored.step <= max(held, default=0):
+            return False
+        placed = self.adopt(stored, lambda missing: self.behind.read(stored, missing))
+        if placed is None:
+            return False
+        self.behind.placed(stored, *placed)
+        return True
 
     def divergence(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,

@@ -20,6 +20,8 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   host cannot make room, or for a checkpoint whose state is not written yet (`Checkpoint.unwritten`), or one a
   newer decode checkpoint replaced, it is released as before. `promote` brings a host checkpoint and its chain
   back. A device insert or publish absorbs its host twin (identity is unique across the tiers).
+- A tier behind the host (`attach_behind`, host_tier.py's `TierBehind`: the disk tier) keeps what the host's own
+  eviction drops; `adopt_stored` hangs a checkpoint it gives back in the host tier.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
-from hybridcache.cache.host_tier import HostNode, HostTier
+from hybridcache.cache.host_tier import HostNode, HostTier, StoredCheckpoint, TierBehind
 from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.state_pool import StatePool
@@ -113,6 +115,7 @@ class Lifecycle:
                 self.events.emit(CacheEvent(EventKind.BLOCK_STORED, block_hash=node_hash, parent_hash=parent.hash,
                                             depth=node.depth, adapter=node.adapter))
             if self.host is not None:
+                self.host.inserted(node)
                 self.host.absorb_twin(parent, node)
         else:
             self.blocks.incref(node.block_id)
@@ -487,6 +490,78 @@ class Lifecycle:
         if self.events is not None:
             self.events.emit(checkpoint_event(EventKind.CHECKPOINT_STORED, ckpt))
         self.stats.num_promoted_checkpoints += 1
+
+    # ---- a tier behind the host (the disk tier) ----------------------------------------------------------
+
+    def attach_behind(self, tier: TierBehind) -> None:
+        """`tier` keeps what the host tier's own eviction drops and is asked on a match (host_tier.py,
+        `TierBehind`). Needs a host tier."""
+        if self.host is None:
+            raise ValueError("a tier behind the host tier needs a host tier (CacheConfig.host_blocks)")
+        self.host.on_fall_out = tier.keep
+        self.host.behind = tier
+        self.host.adopt = self.adopt_stored
+        self.trie.root(None)  # a match walks from the base model's root: the first one asks the tier behind too
+
+    def adopt_stored(
+        self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],
+    ) -> tuple[dict[int, int], tuple[int, ...]] | None:
+        """Hang `stored` in the host tier, with the host nodes of its chain that neither tier holds, so that a match
+        finds it there and promotes it as any host hit. Host room is made first (the host's own eviction), then
+        `read(missing)` is asked for the bytes of the chain's blocks at indices `missing` (and of the state): False
+        stops here. Returns ({chain index: host block} of the new host nodes, the state's host blocks: k pages then
+        the frozen tail), which the caller fills before the next plan runs; None, with no item added, when it is
+        held already, the host cannot make room, or `read` failed."""
+        host = self.host
+        state_blocks = stored.num_pages + stored.has_frozen
+        while True:
+            walk = self._walk_stored(stored)
+            if walk is None:
+                return None
+            owner, missing = walk
+            need = len(missing) + state_blocks
+            if host.num_free >= need:
+                break
+            if not host.make_room(need):
+                return None
+        if not read(missing):
+            return None
+        placed = {}
+        for i in missing:
+            node_hash, token_ids = stored.chain[i]
+            placed[i] = host.pool.allocate()
+            owner = host.add_node(owner, node_hash, token_ids, placed[i])
+        state_ids = tuple(host.pool.allocate() for _ in range(state_blocks))
+        ckpt = Checkpoint(ckpt_id=self._next_ckpt_id, adapter=None, step=stored.step,
+                          reason=SaveReason(stored.reason), slot=None,
+                          frozen_block=state_ids[-1] if stored.has_frozen else None, routed_experts=None,
+                          owner=("stored", self._next_ckpt_id), last_access=self.tick(),
+                          pages=state_ids[:stored.num_pages])
+        self._next_ckpt_id += 1
+        ckpt.tail_ids, ckpt.tail_hash = stored.tail_ids, self.checkpoint_key(owner, stored.step, stored.tail_ids, ())[1]
+        ckpt.state = CheckpointState.PUBLISHED
+        host.hang_checkpoint(ckpt, owner)
+        return placed, state_ids
+
+    def _walk_stored(self, stored: StoredCheckpoint) -> tuple[Node | HostNode, tuple[int, ...]] | None:
+        """(the deepest node of `stored`'s chain either tier holds, the chain indices below it); None when the
+        checkpoint itself is held (in either tier)."""
+        owner: Node | HostNode = self.trie.root(None)
+        held = 0
+        for node_hash, token_ids in stored.chain:
+            child = (self.trie.find_child(owner, node_hash, token_ids, ()) if isinstance(owner, Node) else None) \
+                or self.host.find_child(owner, node_hash, token_ids, ())
+            if child is None:
+                break
+            owner, held = child, held + 1
+        if held == len(stored.chain):
+            key = self.checkpoint_key(owner, stored.step, stored.tail_ids, ())
+            hanging = self.host.hanging(owner)
+            held_here = [*(owner.checkpoints.get(key, ()) if isinstance(owner, Node) else ()),
+                         *(() if hanging is None else hanging.checkpoints.get(key, ()))]
+            if any(c.tail_ids == stored.tail_ids and not c.tail_spans for c in held_here):
+                return None
+        return owner, tuple(range(held, len(stored.chain)))
 
     def _remove_leaf(self, node: Node, kind: EvictionKind | None) -> None:
         if self.host is not None:

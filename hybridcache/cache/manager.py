@@ -39,6 +39,7 @@ from hybridcache.cache.admission import LearnedAdmission
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
+from hybridcache.cache.host_tier import TierBehind
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
 from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
@@ -53,11 +54,13 @@ from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_
 class PrefixCache:
     """Block trie + exact-step state checkpoints for hybrid models; deals only in ids, emits copy plans.
 
-    `hash_fn` replaces the chained block hash (tests use it to force collisions).
+    `hash_fn` replaces the chained block hash (tests use it to force collisions). `tier_behind`: a tier behind
+    the host tier (host_tier.py, `TierBehind`: the engine's disk tier).
     """
 
     def __init__(
         self, config: CacheConfig, cost_model: CostModel | None = None, *, hash_fn: HashFn = chain_hash,
+        tier_behind: TierBehind | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -65,6 +68,8 @@ class PrefixCache:
         self._trie = Trie(hash_fn)
         self._stats = StatsCounter()
         self._life = Lifecycle(config, self.cost_model, self._trie, self._stats)
+        if tier_behind is not None:
+            self._life.attach_behind(tier_behind)
         self._admission = make_admission_policy(config)
         self._learner = (
             LearnedAdmission(

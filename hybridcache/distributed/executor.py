@@ -17,6 +17,10 @@ With async scheduling a step's decode rows take the tokens the step before sampl
 device: the `TokenFeed`'s tokens go to the workers as a broadcast queued on the device, the first collective of
 the step, so no host waits for them (the pipe carries only which rows take which token).
 
+Speculative decoding: a verify step is an ordinary step; its rollback copies travel as a step of copies, and the MTP
+head's pass after it as one `DraftPlan` (`draft`), run by every rank on its shard of the head in lock step; each
+draft a further head step embeds is decided by rank 0 and broadcast on the device, like the fed tokens.
+
 Failures: a `LivenessMonitor` thread watches the workers and aborts the group the moment one dies (NCCL would
 otherwise leave rank 0 waiting in the step's collectives until its 300 s watchdog; gloo fails them by itself).
 Every worker's liveness is checked before each step and after rank 0 has queued it, and again by
@@ -72,12 +76,14 @@ from hybridcache.distributed.process_group import (
     rank_device,
 )
 from hybridcache.distributed.worker import worker_main
+from hybridcache.engine.mtp_draft import DraftPlan
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
 from hybridcache.engine.runner import ModelRunner
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.models.mtp import MtpHead, mtp_num_layers
 
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
@@ -109,8 +115,10 @@ class TensorParallelExecutor:
         if size < 2:
             raise ValueError(f"a tensor-parallel executor needs 2 or more ranks, got {size}")
         config = ModelConfig.from_model_dir(spec.model_path)
-        with torch.device("meta"):  # a model that cannot be split fails here, before any process starts
+        with torch.device("meta"):  # a model or MTP head that cannot be split fails here, before any process starts
             get_model_class(config.architecture)(config, TensorParallel(0, size))
+            if spec.config.speculative_config is not None:  # so does a folder without an MTP head
+                MtpHead(config, mtp_num_layers(spec.model_path), TensorParallel(0, size))
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "
@@ -178,6 +186,11 @@ class TensorParallelExecutor:
             yield
 
     @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks: every rank holds its shard of each (`build_runner`), the same count as rank 0."""
+        return self.runner.num_host_blocks
+
+    @property
     def worker_pids(self) -> tuple[int, ...]:
         """The process ids of ranks 1..N-1."""
         return tuple(worker.process.pid for worker in self._workers)
@@ -203,6 +216,15 @@ class TensorParallelExecutor:
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         return self._run(Op.LOGITS, slots, lambda: self.runner.logits_from_slots(self._on_device(slots)))
+
+    def draft(self, plan: DraftPlan) -> torch.Tensor:
+        """`ModelRunner.draft` on every rank, in lock step (the head's collectives pair up as a forward's): rank 0
+        decides each draft that a further head step embeds and broadcasts it on the device; its tokens return."""
+        return self._run(Op.DRAFT, plan, lambda: self.runner.draft(self._on_device(plan), broadcast_from_driver))
+
+    def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
+        """`ModelRunner.draft_slots` (every rank's pools have rank 0's layout)."""
+        return self.runner.draft_slots(slot, num_drafts)
 
     def check_results(self) -> None:
         """Raise `WorkerError` if a worker failed or the monitor aborted the group: the steps in flight then may

@@ -8,6 +8,8 @@ Driver -> worker, one message per step (every worker gets the same one)::
                                   device (`fed_tokens`), never through the pipe
     (Op.COPIES, (DeviceCopyOp,))  a step with no forward (`ModelRunner.execute_copies`)
     (Op.LOGITS, slots)            `ModelRunner.logits_from_slots` (all-gathered)
+    (Op.DRAFT, DraftPlan)         the MTP head's work after a step (`ModelRunner.draft`); the drafts a further
+                                  head step embeds follow as broadcasts from rank 0 on the device
     (Op.BUDGET, bytes)            at start-up on CUDA: the budget every rank plans its pools with
     (Op.MODE, DecodeMode)         how later decode steps run (CUDA graphs: replay, without replay, eager)
     (Op.STOP, None)               leave the group and exit
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from hybridcache.distributed.process_group import broadcast_from_driver
+from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 
@@ -45,6 +48,7 @@ class Op(Enum):
     EXECUTE = "execute"
     COPIES = "copies"
     LOGITS = "logits"
+    DRAFT = "draft"
     MODE = "mode"
     STOP = "stop"
 
@@ -85,14 +89,18 @@ class HostTensor:
 
 
 def map_tensors(value: Any, fn: Callable[[Any], Any], kind: type = torch.Tensor) -> Any:
-    """`value` with `fn` applied to every `kind` inside it: a tuple, a `DeviceCopyOp` or a `ForwardBatch` (not
-    yet prepared: backend metadata does not travel); other values unchanged."""
+    """`value` with `fn` applied to every `kind` inside it: a tuple, a `DeviceCopyOp`, a `ForwardBatch` (not
+    yet prepared: backend metadata does not travel) or a `DraftPlan` / `DraftStep`; other values unchanged."""
     if isinstance(value, kind):
         return fn(value)
     if isinstance(value, tuple):
         return tuple(map_tensors(v, fn, kind) for v in value)
     if isinstance(value, DeviceCopyOp):
         return dataclasses.replace(value, src_ids=fn(value.src_ids), dst_ids=fn(value.dst_ids))
+    if isinstance(value, (DraftPlan, DraftStep)):
+        return dataclasses.replace(value, **{
+            f.name: map_tensors(getattr(value, f.name), fn, kind) for f in dataclasses.fields(value)
+        })
     if isinstance(value, ForwardBatch):
         if value.metadata is not None:
             raise ValueError("a prepared ForwardBatch cannot be sent to another rank")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.distributed.messages import DecodeMode, Op, fed_tokens, receive, send
-from hybridcache.distributed.process_group import init_group, leave_group, rank_device
+from hybridcache.distributed.process_group import broadcast_from_driver, init_group, leave_group, rank_device
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
 from hybridcache.engine.runner import ModelRunner
 from hybridcache.layers.parallel import TensorParallel
@@ -108,6 +108,8 @@ def _loop(runner: ModelRunner, conn: Connection, device: torch.device) -> None:
                 runner.execute_copies(payload)
             elif op is Op.LOGITS:
                 runner.logits_from_slots(payload)
+            elif op is Op.DRAFT:
+                runner.draft(payload, broadcast_from_driver)
             elif op is Op.MODE:
                 mode.close()
                 if payload is not DecodeMode.REPLAY:

@@ -48,8 +48,11 @@ from pathlib import Path
 import torch
 
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
+from hybridcache.cache.host_tier import TierBehind
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
 from hybridcache.engine.cost_model import engine_cost_model
+from hybridcache.engine.disk_keeper import DiskKeeper
+from hybridcache.engine.disk_tier import DiskTier, model_key
 from hybridcache.engine.executor import make_executor
 from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
@@ -125,12 +128,14 @@ def _prompt_logits_flags(chunks: SequenceOf[ScheduledChunk]) -> tuple[bool, ...]
 
 def _make_scheduler(
     config: EngineConfig, *, num_blocks: int, num_slots: int, state_pages: int, cost: CostModel, host_blocks: int = 0,
+    tier_behind: TierBehind | None = None,
 ) -> Scheduler:
     """The scheduler over a fresh prefix cache (which only the scheduler keeps and calls): `num_blocks` blocks
     hold KV and checkpoint states (`state_pages` blocks each), `num_slots` runtime slots the running sequences'
     states, `host_blocks` the host tier's blocks behind them; `cost`: the model's cost model (`engine_cost_model`),
     which FLOP-aware eviction ranks by, promotions from the host tier are weighed with, and which sets the shortest
-    branch point worth its state (`CacheConfig.min_branch_point_step`)."""
+    branch point worth its state (`CacheConfig.min_branch_point_step`); `tier_behind`: the disk tier behind the
+    host tier (`DiskKeeper`), or None."""
     policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
@@ -147,7 +152,7 @@ def _make_scheduler(
         num_speculative_tokens=_speculative_tokens(config),
     )
     return Scheduler(
-        PrefixCache(cache_config, cost),
+        PrefixCache(cache_config, cost, tier_behind=tier_behind),
         policy,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
@@ -216,13 +221,14 @@ class LLMEngine:
         )
         cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
                                  ssm_dtype=config.mamba_ssm_cache_dtype)
-        self.num_host_blocks = self._attach_host_tier(plan) if config.enable_prefix_caching else 0
+        self.num_host_blocks = self._host_tier(plan)
         if self.num_host_blocks:
             bandwidth, flops = measure_copy_rates(self.device, DTYPES[config.dtype])
             cost = dataclasses.replace(cost, host_bandwidth=bandwidth, device_flops=flops)
+        self.disk = self._disk_tier() if config.disk_cache_dir is not None else None
         self.scheduler = _make_scheduler(
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
-            cost=cost, host_blocks=self.num_host_blocks,
+            cost=cost, host_blocks=self.num_host_blocks, tier_behind=self.disk,
         )
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self._requests: dict[str, RequestState] = {}
@@ -401,6 +407,8 @@ class LLMEngine:
             self.abort(request_id)
         self._launched = None
         self._closed = True
+        if self.disk is not None:
+            self.disk.close()
         runner, self.runner, self.vision = self.runner, None, None
         runner.shutdown()
         del runner
@@ -492,7 +500,8 @@ class LLMEngine:
         only = [s.seq for s in scheduled.samples]
         only_logits = None
         if only:
-            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples], self.device))
+            only_logits = self.runner.logits_from_slots(to_device([s.slot for s in scheduled.samples],
+                                                                  self.runner.input_device))
         chunks = scheduled.chunks
         verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
                          stop_token_ids=sorted(self.eos_token_ids))
@@ -503,6 +512,7 @@ class LLMEngine:
         them, cut at the first that stops it. The kept drafts and the last token go to the scheduler and the cache
         in one call (`Scheduler.accept`), whose rollback copies run at once; then the head drafts for the next
         step."""
+        self.runner.check_results()  # the verdicts read the logits: a tensor-parallel peer's failure shows now
         launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
@@ -536,7 +546,7 @@ class LLMEngine:
                 self.num_prefill_tokens += chunk.num_tokens
         rollback = self.scheduler.accept(accepted)
         if not rollback.is_empty:
-            self.runner.execute_copies(device_copies(rollback, self.device))
+            self.runner.execute_copies(device_copies(rollback, self.runner.input_device))
         for seq, reason in final.items():
             if reason is not None:
                 seq.finish_reason = reason
@@ -626,29 +636,50 @@ class LLMEngine:
         """Drop everything the prefix cache holds that no running sequence uses."""
         self.scheduler.clear_cache()
 
-    def _attach_host_tier(self, plan: MemoryPlan) -> int:
-        """The host tier's blocks (`host_cache_gib` over the pool's block bytes), given to the runner; 0 without one.
-        Not with tensor parallelism yet (each rank would hold its shard's host blocks)."""
-        num_blocks = int(self.config.host_cache_gib * (1 << 30) // plan.block_bytes)
-        if num_blocks <= 0:
-            return 0
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("host_cache_gib (a host tier) is not supported with tensor parallelism yet")
-        self.runner.attach_host_pool(num_blocks)
-        _logger.info("hybridcache: host tier of %d blocks (%.3g GiB)", num_blocks,
-                     num_blocks * plan.block_bytes / (1 << 30))
+    def _host_tier(self, plan: MemoryPlan) -> int:
+        """The host tier's blocks behind the pool (`rank_runner.host_tier_blocks`; every rank's runner holds its
+        shard of each), logged; 0 without one."""
+        num_blocks = self.runner.num_host_blocks
+        if num_blocks:
+            _logger.info("hybridcache: host tier of %d blocks (%.3g GiB over %d rank(s))", num_blocks,
+                         num_blocks * plan.block_bytes * self.config.tensor_parallel_size / (1 << 30),
+                         self.config.tensor_parallel_size)
         return num_blocks
+
+    def _disk_tier(self) -> DiskKeeper:
+        """The disk tier behind the host tier, under `disk_cache_dir`, keyed by the model and its block layout
+        (`disk_tier.model_key`), as the prefix cache's tier behind the host tier (`DiskKeeper`)."""
+        config, paged = self.config, self.runner.paged_states
+        if not self.num_host_blocks:
+            raise ValueError(f"disk_cache_dir needs a host tier of at least one block: host_cache_gib "
+                             f"{config.host_cache_gib} holds no block of {self.memory_plan.block_bytes} bytes")
+        geometry = {
+            "block_size": config.block_size, "kernel_block_size": config.kernel_block_size, "dtype": config.dtype,
+            "state_dtype": config.mamba_ssm_cache_dtype, "kv_cache_dtype": self.kv_cache_dtype,
+            "quantization": config.quantization, "load_format": config.load_format,
+            "speculative_tokens": _speculative_tokens(config), "state_pages": self.memory_plan.state_pages,
+            "page_words": paged.page_words, "word_dtype": str(paged.word_dtype),
+        }
+        disk = DiskTier(Path(config.disk_cache_dir), model_key(self.model_path, geometry),
+                        page_words=paged.page_words, word_dtype=paged.word_dtype,
+                        max_bytes=int(config.disk_cache_gib * (1 << 30)),
+                        describe={"model": str(self.model_path), **geometry})
+        _logger.info("hybridcache: disk tier at %s (%d files, %.3g GiB, cap %.3g GiB)", disk.dir,
+                     disk.stats.num_block_files + disk.stats.num_state_files, disk.stats.num_bytes / (1 << 30),
+                     config.disk_cache_gib)
+        return DiskKeeper(disk, paged, self.runner.host_pool)
 
     def stats(self) -> dict:
         """Counters for metrics: the scheduler's (the cache's stats, block, slot and queue counts) plus the
-        pool size and token counts, for a model with a vision tower the images it encoded and those the
-        encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative decoding its
-        `SpecDecodeStats` (else None)."""
+        pool size (device and host blocks, counted once: every rank holds its shard of each; `block_bytes` is a
+        block's bytes over all ranks) and token counts, for a model with a vision tower the images it encoded and
+        those the encoder cache served (`num_encoded_images`, `num_encoder_cache_hits`), and with speculative
+        decoding its `SpecDecodeStats` (else None), and with a disk tier its counters (`DiskStats`, else None)."""
         vision = {} if self.vision is None else {"num_encoded_images": self.vision.num_encoded_images,
                                                  "num_encoder_cache_hits": self.vision.num_cache_hits}
         return {
             "num_blocks": self.num_blocks,
-            "block_bytes": self.memory_plan.block_bytes,
+            "block_bytes": self.memory_plan.block_bytes * self.config.tensor_parallel_size,
             "num_host_blocks": self.num_host_blocks,
             "weights": self.weight_format,
             "kv_cache_dtype": self.kv_cache_dtype,
@@ -657,4 +688,5 @@ class LLMEngine:
             "num_decode_tokens": self.num_decode_tokens,
             **vision,
             "spec_decode": self.drafter.stats if self.drafter is not None else None,
+            "disk": None if self.disk is None else self.disk.stats(),
         }

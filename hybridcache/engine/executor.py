@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridcache.engine.memory import MemoryPlan
+from hybridcache.engine.mtp_draft import DraftPlan
 from hybridcache.engine.rank_runner import RunnerSpec, build_runner
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -42,6 +43,10 @@ class Executor(Protocol):
     @property
     def input_device(self) -> torch.device: ...
 
+    @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks (each rank holds its shard of every one); 0 without a host tier."""
+
     def execute(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """The step's BEFORE_FORWARD copies, the forward, its AFTER_FORWARD copies; fp32 logits (`ModelRunner`).
         `feed`: input rows that take the step before's sampled tokens on the device (async scheduling)."""
@@ -55,6 +60,13 @@ class Executor(Protocol):
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state."""
+
+    def draft(self, plan: DraftPlan) -> torch.Tensor:
+        """Speculative decoding: the MTP head's work after a step (`engine/mtp_draft.py`) on every rank; the
+        proposed tokens (int64, on the device)."""
+
+    def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
+        """Speculative decoding: the state pool rows of runtime slot `slot`'s first `num_drafts` draft states."""
 
     def eager(self) -> contextlib.AbstractContextManager[None]:
         """Within the block every step runs eagerly (no graph)."""

@@ -143,6 +143,24 @@ class HostPool:
         streams.keep(data, main)
         self.paged.scatter_pages(device_blocks, data)
 
+    def read(self, host_ids: Sequence[int]) -> torch.Tensor:
+        """[n, page_words] CPU copies of host blocks `host_ids` (for the disk tier), once the saves that wrote them
+        are done: on CUDA a wait on the host only for a save of those blocks still in flight."""
+        self._wait_on_host(self._written, host_ids)
+        return self.blocks[list(host_ids)].clone()
+
+    def write(self, host_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Host blocks `host_ids` take the rows of CPU tensor `data` (a disk tier's bytes, before the plan that
+        loads them runs), once the copies that last wrote or read those blocks are done (on CUDA a wait on the
+        host only for one still in flight)."""
+        self._wait_on_host(self._written, host_ids)
+        self._wait_on_host(self._read, host_ids)
+        self.blocks[list(host_ids)] = data.to(self.blocks.dtype)
+
+    def _wait_on_host(self, table: dict[int, Any], host_ids: Sequence[int]) -> None:
+        for event in _pop_events(table, host_ids):
+            event.synchronize()
+
     def _to_host(self, data: torch.Tensor, host_ids: Sequence[int]) -> None:
         if len(host_ids) != data.shape[0]:
             raise ValueError(f"{data.shape[0]} blocks for {len(host_ids)} host ids")

@@ -3,7 +3,8 @@
 Every rank runs `build_runner` with the same `RunnerSpec`: it loads the rank's shard of the weights, measures its
 memory budget (CUDA), lets `agree` turn that into the budget every rank uses (the minimum over the ranks, so
 every rank's pools have the same block and slot counts: the scheduler's ids are valid on all of them), plans the
-pools and allocates them. The CPU has no budget: the pool sizes follow from the config alone.
+pools and allocates them, and the host tier's pool of its shard when there is one (`host_tier_blocks`: the same
+block count on every rank). The CPU has no budget: the pool sizes follow from the config alone.
 
 Each rank plans from its own shard's bytes: P (a KV block of its kv heads) and S (a runtime slot of its
 DeltaNet heads, plus the unsharded `last_hidden`). Heads are split evenly (`TensorParallel.split_heads`), so
@@ -145,7 +146,20 @@ def build_runner(
         mtp_head=head,
         memory_plan=plan,
     )
+    num_host_blocks = host_tier_blocks(config, plan)
+    if num_host_blocks:
+        runner.attach_host_pool(num_host_blocks)
     return runner, plan
+
+
+def host_tier_blocks(config: EngineConfig, plan: MemoryPlan) -> int:
+    """The host tier's blocks of every rank: `host_cache_gib` is the host memory of all ranks together (vLLM's
+    `kv_offloading_size` under tensor parallelism), and each rank keeps its shard of every host block, so the count
+    is host_cache_gib over (this rank's block bytes x ranks), the same on every rank (the cache's host ids are
+    valid on all of them) and, with heads split evenly, the same as with one rank. 0 without a prefix cache."""
+    if not config.enable_prefix_caching or not plan.block_bytes:
+        return 0
+    return int(config.host_cache_gib * (1 << 30) // (plan.block_bytes * config.tensor_parallel_size))
 
 
 def _cuda_budget(

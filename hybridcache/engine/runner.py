@@ -42,6 +42,7 @@ from hybridcache.copy_kinds import CopyKind, Phase
 from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
+from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -335,6 +336,15 @@ class ModelRunner:
                 if op.kind.phase is phase:
                     self._copy(op)
 
+    def draft(self, plan: DraftPlan, agree: Callable[[torch.Tensor], torch.Tensor] = identity) -> torch.Tensor:
+        """Run the MTP head's `plan` (`engine/mtp_draft.py`) on these pools from the hidden rows the last forward
+        kept; the proposed tokens, int64 on the device. `agree`: how a rank agrees on each draft a further step
+        embeds (tensor parallelism: rank 0's broadcast)."""
+        if self.mtp_head is None or self.step_hidden is None:
+            raise RuntimeError("draft needs a runner with an MTP head after a forward (speculative decoding)")
+        return run_draft_plan(plan, head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
+                              hidden=self.step_hidden, agree=agree)
+
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""
@@ -414,6 +424,11 @@ class ModelRunner:
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+
+    @property
+    def num_host_blocks(self) -> int:
+        """The host tier's blocks this runner holds its shard of (0 without a host tier)."""
+        return 0 if self.host_pool is None else self.host_pool.num_blocks
 
     def attach_host_pool(self, num_blocks: int) -> None:
         """Give the runner `num_blocks` host blocks for the host tier's copies (`engine/host_pool.py`; on CUDA

@@ -18,7 +18,8 @@ exactly as without speculation.
 
 After the step (`MtpDrafter.propose`), the head runs once over every position the step computed (its KV there:
 row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
-per step, feeding its own output hidden state back. The drafts go to `Seq.drafts` for the next step.
+per step, feeding its own output hidden state back (the plan is built here, on the host, and run by the executor:
+`engine/mtp_draft.py`, on every rank under tensor parallelism). The drafts go to `Seq.drafts` for the next step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
+from hybridcache.forward_batch import ForwardBatch
 from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, process_logits, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
@@ -181,11 +184,11 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 class MtpDrafter:
-    """Proposes drafts with the runner's MTP head (`runner.mtp_head`), on the runner's pools and backend, from the
-    hidden states its last forward kept (`runner.step_hidden`); each head call is batched over the step's
-    sequences (one call over every computed position, then one per further draft position). `runner` is the
-    local `ModelRunner` (speculative decoding is not offered under tensor parallelism yet, so the executor seam
-    has no drafting call)."""
+    """Proposes drafts with the MTP head through the executor seam: `propose` builds the head's work after a step
+    on the host (a `DraftPlan`, `engine/mtp_draft.py`) and `runner.draft(plan)` runs it on the device, on one
+    runner or, under tensor parallelism, on every rank in lock step, with each rank's shard of the head, its
+    pools and the hidden states its last forward kept. `runner`: the engine's `Executor` (`draft`, `draft_slots`,
+    `input_device`)."""
 
     def __init__(self, runner, *, num_speculative_tokens: int, block_size: int, kernel_block_size: int,
                  max_model_len: int) -> None:
@@ -194,8 +197,6 @@ class MtpDrafter:
         self.block_size = block_size
         self.kernel_block_size = kernel_block_size
         self.max_model_len = max_model_len
-        model = runner.model
-        self._num_layers = len(model.model.layers)
         self.stats = SpecDecodeStats(accepted_per_position=[0] * num_speculative_tokens)
 
     def draft_slots(self, chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ...]]:
@@ -208,7 +209,6 @@ class MtpDrafter:
         left = min(seq.params.max_tokens - (seq.num_tokens - seq.prompt_len), self.max_model_len - seq.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    @torch.inference_mode()
     def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq]) -> None:
         """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
         accepted): run the head over every position the step computed for sequences still running (its KV
@@ -219,9 +219,24 @@ class MtpDrafter:
         positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
         lookahead). It is queued before the next step is planned, so a block `accept` has just put into
         the trie (or freed as a duplicate) is written before any other sequence can share or reuse it."""
-        runner, model, head = self.runner, self.runner.model, self.runner.mtp_head
-        hidden = runner.step_hidden
-        device = hidden.device
+        for seq in drafting:
+            seq.drafts = []
+        planned = self.plan(chunks, drafting)
+        if planned is None:
+            return
+        plan, proposers = planned
+        drafted = self.runner.draft(plan).tolist()  # one host transfer for every draft of the step
+        for owners in proposers:
+            for chunk, token in zip(owners, drafted, strict=False):
+                chunk.seq.drafts.append(token)
+            drafted = drafted[len(owners):]
+
+    def plan(self, chunks: Sequence[ScheduledChunk],
+             drafting: Sequence[Seq]) -> tuple[DraftPlan, list[list[ScheduledChunk]]] | None:
+        """The head's work after the step (`propose`), built on the runner's `input_device`, and the chunks whose
+        sequences propose at each position, in the order of `runner.draft`'s tokens; None when no sequence still
+        running computed a position."""
+        device = self.runner.input_device
         caught: list[SeqChunk] = []
         hidden_rows: list[int] = []
         owners: list[ScheduledChunk] = []
@@ -235,41 +250,26 @@ class MtpDrafter:
                 hidden_rows += range(row, row + valid)
                 owners.append(chunk)
             row += chunk.num_tokens
-        for seq in drafting:
-            seq.drafts = []
         if not caught:
-            return
-        batch = build_forward_batch(caught, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
-                                    device=device)
-        kv = runner.pools.layers[self._num_layers:]
-        embeds = model.model.embed_tokens(batch.input_ids)
-        out = head(embeds, hidden.index_select(0, to_device(hidden_rows, device)), runner.backend.prepare(batch), kv,
-                   runner.backend)
+            return None
         wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
-        active = [c for c in owners if wanted.get(c.seq.seq_id, 0) > 0]
-        if not active:
-            return
-        last = out.index_select(0, batch.logits_indices.index_select(
-            0, to_device([i for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0], device)))
-        # The drafts stay on the device until the last one (one host transfer for all): step s proposes a token for
-        # each chunk of `proposals[s - 1][0]`, the rows `proposals[s - 1][1]`.
-        proposals: list[tuple[list[ScheduledChunk], torch.Tensor]] = []
-        for step in range(1, max(wanted[c.seq.seq_id] for c in active) + 1):
-            tokens = model._logits(last).argmax(dim=-1)
-            proposals.append((active, tokens))
+        first = [i for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0]
+        active = [owners[i] for i in first]
+        proposers = [active] if active else []
+        steps: list[DraftStep] = []
+        for step in range(1, max((wanted[c.seq.seq_id] for c in active), default=0)):
             keep = [j for j, c in enumerate(active) if wanted[c.seq.seq_id] > step]
             if not keep:
                 break
             active = [active[j] for j in keep]
-            steps = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids,
-                              slot=c.slot) for c in active]  # (the token is embedded from the device below)
-            batch = build_forward_batch(steps, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
-                                        device=device)
-            rows = to_device(keep, device)
-            last = head(model.model.embed_tokens(tokens.index_select(0, rows)), last.index_select(0, rows),
-                        runner.backend.prepare(batch), kv, runner.backend, step=step)
-        drafted = torch.cat([tokens for _, tokens in proposals]).tolist()
-        for chunks, _ in proposals:
-            for chunk, token in zip(chunks, drafted, strict=False):
-                chunk.seq.drafts.append(token)
-            drafted = drafted[len(chunks):]
+            rows = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids, slot=c.slot)
+                    for c in active]  # (the token is the draft proposed before, embedded on the device)
+            steps.append(DraftStep(self._batch(rows, device), to_device(keep, device, torch.int64)))
+            proposers.append(active)
+        plan = DraftPlan(self._batch(caught, device), to_device(hidden_rows, device, torch.int64),
+                         to_device(first, device, torch.int64), tuple(steps))
+        return plan, proposers
+
+    def _batch(self, rows: Sequence[SeqChunk], device: torch.device) -> ForwardBatch:
+        return build_forward_batch(rows, block_size=self.block_size, kernel_block_size=self.kernel_block_size,
+                                   device=device)

@@ -9,13 +9,21 @@ Checkpoint tensors (vLLM's `qwen3_next_mtp.py` / `qwen3_5_mtp.py` read the same 
                                                   model's layer i would be: `ModelConfig.is_moe_layer(i)`)
     mtp.norm.weight                    [H]        the final norm; logits through the target's lm_head
 
-The embedding and the lm_head are the target model's. Config: `mtp_num_hidden_layers` (Qwen3.5) or
-`num_nextn_predict_layers` (Qwen3-Next); the loader takes the layer count from the tensors and checks it.
+The embedding and the lm_head are the target model's (under tensor parallelism the rank's own: its replicated
+embedding and its vocabulary rows of the lm_head, whose logits `HybridCausalLM._logits` all-gathers). Config:
+`mtp_num_hidden_layers` (Qwen3.5) or `num_nextn_predict_layers` (Qwen3-Next); the loader takes the layer count from
+the tensors and checks it.
 
 A row of the head at position p reads the token at p + 1 and the target's hidden state at p and proposes the
 token at p + 2; its layer's KV at p lives in the KV pool like any attention layer's (one more layer of the
 pool, after the target's). A further draft step feeds the head's own output hidden state back with the draft it
 proposed, one position on (`draft_step`).
+
+Tensor parallel (`MtpHead(config, num_layers, tp)`): the decoder layer is split as the target's layers are (its
+attention's q heads and the kv heads they read, its MLP's or experts' intermediate dim; outputs all-reduced, so the
+hidden state is whole and equal on every rank), `fc` and the norms are replicated; `shards()` names the split
+parameters and `load_mtp_head`, given a target loaded with `tp`, reads only the rank's part of each, as the
+target's loader does.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
+from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.layers.rotary import rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import ModelConfig
@@ -47,24 +56,35 @@ MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
 
 class MtpHead(nn.Module):
     """`num_layers` MTP layers (the head uses layer `step % num_layers` at draft step `step`, as vLLM does).
-    Parameter names are the checkpoint's without the `mtp.` prefix."""
+    Parameter names are the checkpoint's without the `mtp.` prefix. `tp`: this rank's shard (module docstring)."""
 
-    def __init__(self, config: ModelConfig, num_layers: int = 1) -> None:
+    def __init__(self, config: ModelConfig, num_layers: int = 1, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head has at least one layer, got {num_layers}")
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
+        self.tp = tp
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps=eps)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layers = nn.ModuleList(_mtp_layer(config, i) for i in range(num_layers))
+        self.layers = nn.ModuleList(_mtp_layer(config, i, tp) for i in range(num_layers))
         self.norm = ZeroCenteredRMSNorm(hidden, eps=eps)
         self.eval()
         self.requires_grad_(False)
 
+    def shards(self) -> dict[str, Shard]:
+        """Parameter name -> the part of the full checkpoint tensor (`mtp.` + name) this rank holds, in the order
+        held ({} unsharded); parameters not named are read whole (fc, the norms)."""
+        out = {}
+        for prefix, module in self.named_modules():
+            if module is not self and hasattr(module, "shards"):
+                out.update({f"{prefix}.{name}": shard for name, shard in module.shards().items()})
+        return out
+
     def state_specs(self, dtype: torch.dtype) -> tuple[AttentionSpec, ...]:
-        """One attention KV spec per MTP layer (appended to the target's layer specs in the pools)."""
+        """One attention KV spec per MTP layer (appended to the target's layer specs in the pools; under tensor
+        parallelism the rank's kv heads)."""
         return tuple(layer.mixer.state_spec(dtype, dtype) for layer in self.layers)
 
     @torch.inference_mode()
@@ -83,18 +103,19 @@ class MtpHead(nn.Module):
         return self.norm(hidden, backend)
 
 
-def _mtp_layer(config: ModelConfig, layer_id: int) -> DecoderLayer:
+def _mtp_layer(config: ModelConfig, layer_id: int, tp: TensorParallel) -> DecoderLayer:
     attention, mlp = config.attention, config.mlp
     mixer = GatedAttention(config.hidden_size, num_heads=attention.num_heads, num_kv_heads=attention.num_kv_heads,
-                           head_dim=attention.head_dim, bias=attention.bias, eps=config.rms_norm_eps)
+                           head_dim=attention.head_dim, bias=attention.bias, eps=config.rms_norm_eps, tp=tp)
     if config.is_moe_layer(layer_id):
         ffn: nn.Module = SparseMoeBlock(
             config.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
             moe_intermediate_size=mlp.moe_intermediate_size,
             shared_expert_intermediate_size=mlp.shared_expert_intermediate_size, norm_topk_prob=mlp.norm_topk_prob,
+            tp=tp,
         )
     else:
-        ffn = MLP(config.hidden_size, mlp.intermediate_size)
+        ffn = MLP(config.hidden_size, mlp.intermediate_size, tp)
     return DecoderLayer("self_attn", mixer, ffn, config.hidden_size, config.rms_norm_eps)
 
 
@@ -113,19 +134,11 @@ def mtp_tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
-                  device: torch.device | str) -> MtpHead:
-    """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes).
-
-    Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
-    them, or (through the loader's rules: names, shapes, per-expert or stacked experts) on any missing,
-    unexpected or mis-shaped tensor. Only `mtp.*` tensors are read; the target's loading ignores them."""
-    from safetensors import safe_open
-
-    from hybridcache.models.loader import plan_weights_for, safetensors_files
-
+def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | None = None) -> int:
+    """The MTP layer count of a model folder (from its `mtp.*` tensors, `shapes` when already read); ValueError
+    when it has none or when config.json declares another count (headers and config.json only)."""
     model_dir = Path(model_dir)
-    shapes = mtp_tensor_shapes(model_dir)
+    shapes = mtp_tensor_shapes(model_dir) if shapes is None else shapes
     if not shapes:
         raise ValueError(f"{model_dir} has no mtp.* tensors: speculative method 'mtp' needs the model's MTP head")
     num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, shapes) if m), default=-1)
@@ -134,9 +147,30 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     declared = next((text[key] for key in MTP_LAYER_KEYS if text.get(key) is not None), None)
     if declared is not None and int(declared) != num_layers:
         raise ValueError(f"config.json declares {declared} MTP layers, the checkpoint holds {num_layers}")
+    return num_layers
+
+
+def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
+                  device: torch.device | str) -> MtpHead:
+    """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes, and
+    its `tp`: under tensor parallelism the rank's shard of the head, reading only the rank's part of each split
+    tensor, checked against the full head's shapes).
+
+    Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
+    them, or (through the loader's rules: names, shapes, per-expert or stacked experts) on any missing,
+    unexpected or mis-shaped tensor. Only `mtp.*` tensors are read; the target's loading ignores them."""
+    from safetensors import safe_open
+
+    from hybridcache.models.loader import _copy_one as copy_parameter
+    from hybridcache.models.loader import plan_weights_for, safetensors_files
+
+    model_dir = Path(model_dir)
+    shapes = mtp_tensor_shapes(model_dir)
+    num_layers = mtp_num_layers(model_dir, shapes)
     with torch.device("meta"):
-        head = MtpHead(target.config, num_layers)
-    plan = plan_weights_for(head, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
+        full = MtpHead(target.config, num_layers)
+        head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp)
+    plan = plan_weights_for(full, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
                             owner="the MTP head")
     head = head.to(dtype=dtype).to_empty(device=device)
     location = {}
@@ -144,12 +178,15 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
         with safe_open(str(file), framework="pt") as handle:
             location.update({name: file for name in handle.keys() if name.startswith(MTP_PREFIX)})  # noqa: SIM118
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}
-    params = dict(head.named_parameters())
+    params, shards = dict(head.named_parameters()), head.shards()
+
+    def read(checkpoint_name: str, index: tuple) -> torch.Tensor:
+        name = MTP_PREFIX + checkpoint_name
+        return handles[location[name]].get_slice(name)[index]
+
     with torch.no_grad():
         for target_name, source in plan.items():
-            name = MTP_PREFIX + source.checkpoint_name
-            (index,) = source.indices(None)
-            params[target_name].copy_(handles[location[name]].get_slice(name)[index])
+            copy_parameter(params[target_name], shards.get(target_name), source, read)
     return head.eval()
 
 

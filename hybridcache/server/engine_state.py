@@ -30,7 +30,8 @@ class EngineState:
     `num_demotions` (checkpoints copied to the device on a hit / moved to the host by eviction; trie blocks in
     `num_promoted_blocks` / `num_demoted_blocks`), `num_promotions_skipped` (a deeper host hit whose copy
     would have cost more than recomputing) and `num_host_dropped` (host checkpoints the host tier's own eviction
-    dropped: gone).
+    dropped: gone, or to the disk tier). `disk`: the disk tier's counters (`DiskStats` and `num_not_kept`; None
+    without one).
     num_blocks_running counts the distinct blocks that running sequences hold (shared prefix blocks once), a part
     of num_blocks_used.
     """
@@ -67,6 +68,7 @@ class EngineState:
     num_demoted_blocks: int = 0
     num_promotions_skipped: int = 0
     num_host_dropped: int = 0
+    disk: dict[str, int] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +112,7 @@ def read_engine_state(engine: Any, num_blocks_running: int | None = None) -> Eng
         num_demoted_blocks=getattr(cache, "num_demoted_blocks", 0),
         num_promotions_skipped=getattr(cache, "num_promotions_skipped", 0),
         num_host_dropped=getattr(cache, "num_host_dropped", 0),
+        disk=stats.get("disk"),
     )
 
 

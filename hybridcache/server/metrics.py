@@ -38,7 +38,14 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
                                                     eviction
     hybridcache_host_promotions_skipped_total       deeper host hits not taken: the copy cost more than
                                                     recomputing
-    hybridcache_host_dropped_total                  host checkpoints the host tier's own eviction dropped (gone)
+    hybridcache_host_dropped_total                  host checkpoints the host tier's own eviction dropped (gone,
+                                                    or to the disk tier)
+    hybridcache_disk_bytes, hybridcache_disk_promotions_total{what} / _demotions_total{what}   the disk tier
+                                                    (`--disk-cache-dir`): its files' bytes, checkpoints and
+                                                    blocks read back into the host tier (disk hits) / written
+                                                    as they fell out of it
+    hybridcache_disk_lost_total{why}                states the cap evicted, files skipped as corrupt, failed
+                                                    writes, host fall-outs that could not be kept
 
 With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
@@ -256,6 +263,22 @@ def _tier_metrics(state: EngineState, model: str) -> Iterator[Metric]:
                                   labels=["model_name"])
     dropped.add_metric([model], state.num_host_dropped)
     yield dropped
+    if state.disk is not None:
+        yield from _disk_metrics(state.disk, model)
+
+
+def _disk_metrics(disk: dict[str, int], model: str) -> Iterator[Metric]:
+    """The disk tier's families (`--disk-cache-dir`; see the module docstring)."""
+    gauge = GaugeMetricFamily("hybridcache_disk_bytes", "Bytes of the disk tier's files", labels=["model_name"])
+    gauge.add_metric([model], disk["num_bytes"])
+    yield gauge
+    yield _by_label("hybridcache_disk_promotions", "Read back from disk into the host tier (disk hits)", "what",
+                    {"checkpoints": disk["num_promoted_checkpoints"], "blocks": disk["num_promoted_blocks"]}, model)
+    yield _by_label("hybridcache_disk_demotions", "Written to disk as they fell out of the host tier", "what",
+                    {"checkpoints": disk["num_demoted_checkpoints"], "blocks": disk["num_demoted_blocks"]}, model)
+    yield _by_label("hybridcache_disk_lost", "What the disk tier did not keep or serve", "why",
+                    {"evicted": disk["num_evicted_states"], "corrupt": disk["num_corrupt"],
+                     "write_error": disk["num_write_errors"], "not_kept": disk["num_not_kept"]}, model)
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:

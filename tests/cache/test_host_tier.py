@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
+from hybridcache.cache.host_tier import StoredCheckpoint
 from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import Driver, fingerprint
 
@@ -180,3 +181,75 @@ def test_worked_example_of_cache_md():
     stats = cache.stats
     assert (stats.num_host_hits, stats.num_promoted_checkpoints, stats.num_promoted_blocks) == (1, 1, 1)
     assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0)
+
+
+class FakeDisk:
+    """A `TierBehind` on the fake device: `keep` records each fall-out with its bytes as the fake device holds them;
+    `find` offers the deepest recorded checkpoint a prompt can use, `placed` writes its bytes into host memory."""
+
+    def __init__(self, kept: list | None = None) -> None:
+        self.kept = kept if kept is not None else []
+        self.device = None  # the fake device of the cache this is given to
+        self.asked: list[tuple] = []
+
+    def keep(self, fall_out) -> None:
+        if fall_out is None:
+            return
+        read = self.device
+        blocks = [read._host_block(b.block_id) if b.on_host else read._device_block(b.block_id)
+                  for b in fall_out.blocks]
+        stored = StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in fall_out.blocks), step=fall_out.step,
+                                  tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
+                                  has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
+        self.kept.append((stored, blocks, [read._host_block(h) for h in fall_out.state_host_ids]))
+
+    def find(self, request, block_size, max_step):
+        usable = [stored for stored, _, _ in self.kept if stored.step <= max_step
+                  and request.prompt_ids[:stored.step] == tuple(t for _, tokens in stored.chain for t in tokens)
+                  + stored.tail_ids]
+        return max(usable, key=lambda stored: stored.step, default=None)
+
+    def read(self, stored, missing) -> bool:
+        self.asked.append(missing)
+        return True
+
+    def placed(self, stored, block_ids, state_ids) -> None:
+        _, blocks, state = next(item for item in self.kept if item[0] == stored)
+        assert sorted(block_ids) == list(self.asked[-1])
+        for i, host_block in block_ids.items():
+            self.device.host[host_block] = list(blocks[i])
+        for host_block, data in zip(state_ids, state, strict=True):
+            self.device.host[host_block] = list(data)
+
+
+def with_disk(disk: FakeDisk, num_blocks: int, host_blocks: int) -> tuple[PrefixCache, Driver]:
+    cache = PrefixCache(CacheConfig(block_size=B, num_blocks=num_blocks, num_slots=2, state_pages=1,
+                                    host_blocks=host_blocks), tier_behind=disk)
+    driver = Driver(cache)
+    disk.device = driver.device
+    return cache, driver
+
+
+def test_what_the_host_drops_comes_back_into_another_cache_with_its_bytes():
+    """The disk tier's contract on the cache side (`TierBehind`): every checkpoint the host tier's own eviction
+    drops is told (`keep`) with its chain and state as they are then (bytes read through the fake device); a fresh
+    cache (a restart) asked on a match for a deeper checkpoint hangs it in its host tier (`adopt_stored`), where it
+    holds what its ids claim (`FakeDevice.check`), and the match hits it and runs on it."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=12)
+    prompts = [tuple(range(i * 50, i * 50 + 10)) for i in range(6)]  # 2 blocks + a 2-token tail each
+    for i, prompt in enumerate(prompts):
+        driver.run(CacheRequest(("p", i), prompt))
+        fill_device(driver, first=1000 + 100 * i)
+    assert len(disk.kept) >= 3, "the host tier dropped little"
+
+    again_disk = FakeDisk(list(disk.kept))  # (it keeps what its own host tier drops too)
+    restarted, again = with_disk(again_disk, num_blocks=16, host_blocks=64)
+    for i, (stored, _, _) in enumerate(disk.kept):
+        prompt = tuple(t for _, tokens in stored.chain for t in tokens) + stored.tail_ids
+        request = CacheRequest(("back", i), prompt + (7, 8))
+        deepest = again_disk.find(request, B, len(request.prompt_ids) - 1).step  # this one, or one deeper
+        match = again.run(request, decode=[3])  # checks every block's and state's bytes at every step
+        assert match.cached_len >= deepest >= stored.step, i
+    assert restarted.stats.num_host_hits > 0 and restarted.stats.num_promoted_checkpoints > 0
+    restarted.check_integrity()

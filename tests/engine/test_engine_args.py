@@ -130,6 +130,19 @@ def test_host_tier_flags_take_vllm_and_sglang_spellings():
     assert abs(sglang - 1e9 / (1 << 30)) < 1e-12
 
 
+def test_disk_tier_flags_reach_the_engine_config():
+    import argparse
+
+    from hybridcache.engine_args import add_engine_args, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert (engine_options(parser.parse_args([]))["disk_cache_dir"], engine_options(parser.parse_args([]))[
+        "disk_cache_gib"]) == (None, 64.0)
+    options = engine_options(parser.parse_args(["--disk-cache-dir", "/d", "--disk-cache-gib", "5"]))
+    assert (options["disk_cache_dir"], options["disk_cache_gib"]) == ("/d", 5.0)
+
+
 def test_host_cache_gib_must_be_a_finite_number_at_least_zero():
     import pytest
 

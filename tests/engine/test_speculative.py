@@ -235,8 +235,9 @@ def test_sampling_distribution_with_mtp_equals_without(tiny_vocab_dir, temperatu
 def test_unsupported_combinations_are_refused_clearly(small_dir):
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         EngineConfig(speculative_config={**spec(2), "disable_by_batch_size": 0})
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        EngineConfig(speculative_config=spec(2), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="decode_checkpoint_interval"):
+        EngineConfig(speculative_config=spec(2), decode_checkpoint_interval=64)
+    assert EngineConfig(speculative_config=spec(2), tensor_parallel_size=2).tensor_parallel_size == 2
     assert EngineConfig(speculative_config=spec(2), device="cuda").speculative_config.num_speculative_tokens == 2
     with pytest.raises(ValueError, match="not supported"):
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})

@@ -88,3 +88,19 @@ def test_per_tier_metrics_split_hits_and_bytes_between_device_and_host():
     assert metric_value(text, "hybridcache_host_demotions_total", 'what="checkpoints"') == 3
     assert metric_value(text, "hybridcache_host_promotions_skipped_total") == 4
     assert metric_value(text, "hybridcache_host_dropped_total") == 5
+    assert "hybridcache_disk_bytes" not in text  # no disk tier
+
+
+def test_disk_tier_metrics():
+    metrics = ServerMetrics(model_name="m")
+    disk = dict(num_bytes=4096, num_promoted_checkpoints=2, num_promoted_blocks=3, num_demoted_checkpoints=5,
+                num_demoted_blocks=7, num_evicted_states=1, num_corrupt=4, num_write_errors=6, num_not_kept=8)
+    metrics.watch_engine(lambda: EngineState(disk=disk))
+    text = metrics.render().decode()
+    assert metric_value(text, "hybridcache_disk_bytes") == 4096
+    assert metric_value(text, "hybridcache_disk_promotions_total", 'what="checkpoints"') == 2
+    assert metric_value(text, "hybridcache_disk_promotions_total", 'what="blocks"') == 3
+    assert metric_value(text, "hybridcache_disk_demotions_total", 'what="checkpoints"') == 5
+    assert metric_value(text, "hybridcache_disk_demotions_total", 'what="blocks"') == 7
+    for why, count in (("evicted", 1), ("corrupt", 4), ("write_error", 6), ("not_kept", 8)):
+        assert metric_value(text, "hybridcache_disk_lost_total", f'why="{why}"') == count

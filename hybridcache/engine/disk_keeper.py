@@ -1,0 +1,87 @@
+"""The engine's side of the prefix cache's tier behind the host tier (`cache/host_tier.TierBehind`): the disk tier.
+
+`DiskKeeper` is handed to the `PrefixCache` when the scheduler is built (`tier_behind`), so the cache stays the
+scheduler's alone; it holds the runner (whose pools hold the bytes) and the files (`engine/disk_tier.py`), all in
+the engine's process (tensor_parallel_size 1):
+
+- `keep`: a host checkpoint the host tier's own eviction drops is read before its blocks are freed: its state and
+  the chain blocks the disk lacks, from the host pool (host blocks) or the device pool (device blocks: a
+  device-to-host copy, which on CUDA waits for the queued steps), and handed to the disk tier's writer thread.
+- `find`, `read`, `placed`: on a match, the prompt's deepest usable state on disk, when it is deeper than what
+  the device and host tiers hold, is read (and checked), hung in the host tier with the chain blocks neither tier
+  holds, and its bytes written into the host pool at once, so the match promotes it as any host hit, in its
+  step's plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
+from hybridcache.cache.request import CacheRequest
+from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+from hybridcache.engine.disk_tier import DiskHit, DiskTier
+from hybridcache.engine.host_pool import HostPool
+from hybridcache.engine.paged_state import PagedStates
+
+
+class DiskKeeper:
+    """The disk tier as the prefix cache's `TierBehind` (see the module docstring)."""
+
+    def __init__(self, disk: DiskTier, paged: PagedStates, host_pool: HostPool) -> None:
+        self.disk, self.paged, self.host_pool = disk, paged, host_pool
+        self.num_not_kept = 0  # host fall-outs that could not be kept (`HostTier.fall_out` is None)
+        self._hits: dict[StoredCheckpoint, DiskHit] = {}  # found, until placed (or not)
+        self._read: dict[StoredCheckpoint, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(self, fall_out: FallOut | None) -> None:
+        if fall_out is None:
+            self.num_not_kept += 1
+            return
+        new_state, missing = self.disk.wants(fall_out)
+        if not new_state and not missing:
+            return
+        blocks: dict[int, torch.Tensor] = {}
+        on_host = [i for i in missing if fall_out.blocks[i].on_host]
+        on_device = [i for i in missing if not fall_out.blocks[i].on_host]
+        if on_host:
+            rows = self.host_pool.read([fall_out.blocks[i].block_id for i in on_host])
+            blocks.update(zip(on_host, rows, strict=True))
+        if on_device:
+            ids = torch.tensor([fall_out.blocks[i].block_id for i in on_device], dtype=torch.int64)
+            rows = self.paged.gather_pages(ids).cpu()
+            blocks.update(zip(on_device, rows, strict=True))
+        state = self.host_pool.read(fall_out.state_host_ids) if new_state else None
+        self.disk.put(fall_out, blocks, state)
+
+    def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
+        """The base model's text prompts only (the disk keeps no adapter or multimodal content)."""
+        if request.adapter is not None or request.mm_spans:
+            return None
+        hashes = prompt_block_hashes(request, block_size, chain_hash)  # memoized on the request
+        hit = self.disk.find(request.prompt_ids, block_size, max_step, hashes)
+        if hit is None:
+            return None
+        stored = hit.stored()
+        self._hits = {stored: hit}
+        return stored
+
+    def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
+        data = self.disk.read(self._hits.pop(stored), missing)
+        if data is not None:
+            self._read = {stored: data}
+        return data is not None
+
+    def placed(self, stored: StoredCheckpoint, block_ids: dict[int, int], state_ids: tuple[int, ...]) -> None:
+        blocks, state = self._read.pop(stored)
+        if block_ids:
+            self.host_pool.write([block_ids[i] for i in sorted(block_ids)], blocks)
+        self.host_pool.write(state_ids, state)
+
+    def stats(self) -> dict:
+        """The disk tier's counters (`DiskStats`) with the host tier's fall-outs it could not keep."""
+        return {**vars(self.disk.stats), "num_not_kept": self.num_not_kept}
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer."""
+        self.disk.close()

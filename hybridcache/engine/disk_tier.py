@@ -1,0 +1,424 @@
+"""The disk tier: what falls out of the host tier, kept in files that a restarted engine finds again.
+
+Behind the host tier (`EngineConfig.disk_cache_dir`; docs/cache.md, "The disk tier"). When the host tier's own
+eviction drops a checkpoint (`HostTier.fall_out`), its state and every block of its chain that the disk does not
+hold yet are read (host blocks from the host pool, device blocks from the pool) and handed to a writer thread;
+a match whose deepest usable checkpoint is on disk, deeper than what the device and host tiers hold, gets it read
+back into the host tier (`Lifecycle.adopt_stored`, through `engine/disk_keeper.DiskKeeper`), and promotes it as
+any host hit::
+
+    DIR/<model key>/model.json                       what the key was made of (for people; never read back)
+    DIR/<model key>/blocks/<hash>.safetensors        one full block: "data" [1, page_words]
+    DIR/<model key>/states/<anchor>-<step>-<tail>.safetensors   one checkpoint: "data" [k (+1), page_words],
+                                                     its k pages, then its frozen tail when the step is not
+                                                     block-aligned
+
+A block file is named by the chained hash the trie already computes (`trie.chain_hash`), a state file by its
+anchor's hash, its step and its tail's hash; each file's metadata holds what rebuilding the trie needs (parent
+hash and tokens; tail tokens, reason, pages) and an xxh64 checksum of its bytes. The model key (`model_key`)
+hashes config.json, the weights' identity, the block and page geometry and the dtypes, so another model (or the
+same one cut differently) never reads these files. A file that cannot be parsed, or whose bytes or metadata do not
+match, is skipped with a warning (and deleted), never served. Files are written to a temporary name and renamed,
+so a crash leaves no partial file under a real name.
+
+The writer thread takes one fall-out at a time (its blocks, then its state) and indexes it once written; a write
+that fails is logged and counted (`num_write_errors`), never dropped silently; the queue is unbounded (the engine
+never waits for the disk). `max_bytes` caps the files: past it the least recently used states go first, then the
+blocks no remaining state's chain needs. Tensor parallelism is not supported (each rank would keep its shard).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
+from hybridcache.cache.trie import chain_hash, root_hash
+
+FORMAT = "hybridcache-disk-1"
+_logger = logging.getLogger("hybridcache.disk")
+
+
+@dataclass(frozen=True)
+class DiskBlock:
+    """A block file's record: its chained hash, its parent's, its tokens."""
+
+    hash: int
+    parent_hash: int
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DiskState:
+    """A state file's record: anchor hash, step, tail tokens and hash, reason, pages, frozen tail or not."""
+
+    anchor_hash: int
+    step: int
+    tail_ids: tuple[int, ...]
+    tail_hash: int
+    reason: str
+    num_pages: int
+    has_frozen: bool
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.anchor_hash, self.step, self.tail_hash
+
+
+@dataclass(frozen=True)
+class DiskHit:
+    """The deepest usable state on disk for a prompt, with the blocks of its chain (root's child first)."""
+
+    blocks: tuple[DiskBlock, ...]
+    state: DiskState
+
+    def stored(self) -> StoredCheckpoint:
+        s = self.state
+        return StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in self.blocks), step=s.step,
+                                tail_ids=s.tail_ids, reason=s.reason, num_pages=s.num_pages, has_frozen=s.has_frozen)
+
+
+@dataclass
+class DiskStats:
+    """The disk tier's counters: what it holds (`num_bytes`, files), what it took from the host tier
+    (`num_demoted_*`: written), what went back (`num_promoted_*`: read into the host tier, each checkpoint a disk
+    hit), and what went wrong (`num_corrupt`: files skipped, `num_write_errors`)."""
+
+    num_bytes: int = 0
+    num_block_files: int = 0
+    num_state_files: int = 0
+    num_demoted_checkpoints: int = 0
+    num_demoted_blocks: int = 0
+    num_promoted_checkpoints: int = 0
+    num_promoted_blocks: int = 0
+    num_evicted_states: int = 0
+    num_corrupt: int = 0
+    num_write_errors: int = 0
+
+
+def model_key(model_path: Path, geometry: dict[str, Any]) -> str:
+    """A hex key of the model and how its bytes are laid out: config.json's text, each weight file's name, size,
+    header and four 64 KiB samples of its data (reading whole files would cost minutes on large models), and
+    `geometry` (block size, page layout, dtypes, load format...)."""
+    digest = hashlib.sha256()
+    digest.update((model_path / "config.json").read_bytes())
+    for path in sorted(model_path.glob("*.safetensors")):
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            for offset in (0, size // 4, size // 2, max(size - (1 << 16), 0)):
+                f.seek(offset)
+                digest.update(f.read(1 << 16))
+    digest.update(json.dumps(geometry, sort_keys=True).encode())
+    return digest.hexdigest()[:24]
+
+
+class DiskTier:
+    """The files under `root / key` (see the module docstring), their index, and the writer thread. `page_words`
+    and `word_dtype`: one block's layout in the host pool (`PagedStates`); `max_bytes`: the cap on the files."""
+
+    def __init__(self, root: Path, key: str, *, page_words: int, word_dtype: torch.dtype, max_bytes: int,
+                 describe: dict[str, Any] | None = None) -> None:
+        self.dir = Path(root) / key
+        (self.dir / "blocks").mkdir(parents=True, exist_ok=True)
+        (self.dir / "states").mkdir(parents=True, exist_ok=True)
+        (self.dir / "model.json").write_text(json.dumps({"key": key, **(describe or {})}, indent=1, default=str))
+        self.page_words, self.word_dtype, self.max_bytes = page_words, word_dtype, max_bytes
+        self.stats = DiskStats()
+        self._lock = threading.Lock()  # the index and stats: the writer thread adds, the engine's thread reads
+        self._blocks: dict[int, DiskBlock] = {}
+        self._states: OrderedDict[tuple[int, int, int], DiskState] = OrderedDict()  # least recently used first
+        self._by_anchor: dict[int, list[DiskState]] = {}
+        self._sizes: dict[Path, int] = {}
+        self._queued: set[Any] = set()  # block hashes and state keys handed to the writer, not written yet
+        self._scan()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="hybridcache-disk-writer", daemon=True)
+        self._writer.start()
+
+    # ---- what the host tier drops ------------------------------------------------------------------------
+
+    def wants(self, fall_out: FallOut) -> tuple[bool, tuple[int, ...]]:
+        """(whether its state is new to the disk, the indices of its blocks the disk neither holds nor queued)."""
+        s = fall_out
+        with self._lock:
+            key = (s.anchor_hash, s.step, s.tail_hash)
+            new_state = key not in self._states and key not in self._queued
+            blocks = tuple(i for i, b in enumerate(s.blocks)
+                           if b.hash not in self._blocks and b.hash not in self._queued)
+        return new_state, blocks
+
+    def put(self, fall_out: FallOut, blocks: dict[int, torch.Tensor], state: torch.Tensor | None) -> None:
+        """Queue the files of `fall_out`: `blocks` (index in its chain -> [page_words] CPU tensor) and its state
+        ([k (+1), page_words], None when the disk holds it). Returns at once (the writer thread writes)."""
+        s = fall_out
+        with self._lock:
+            self._queued.update(s.blocks[i].hash for i in blocks)
+            if state is not None:
+                self._queued.add((s.anchor_hash, s.step, s.tail_hash))
+        self._queue.put((fall_out, blocks, state))
+
+    def flush(self) -> None:
+        """Wait until every queued fall-out is written (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer thread (idempotent)."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    # ---- what a prompt finds -----------------------------------------------------------------------------
+
+    def find(self, prompt_ids: Sequence[int], block_size: int, max_step: int,
+             hashes: Sequence[int] | None = None) -> DiskHit | None:
+        """The deepest state on disk usable by a prompt of the base model without multimodal spans: its chain is
+        the prompt's full blocks (exact tokens), its tail the prompt's next tokens, its step <= `max_step`.
+        `hashes`: the chained hashes of the prompt's full blocks when the caller has them (else computed)."""
+        if hashes is None:
+            hashes, parent = [], root_hash(None)
+            for i in range(len(prompt_ids) // block_size):
+                parent = chain_hash(parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size]), ())
+                hashes.append(parent)
+        with self._lock:
+            chain: list[DiskBlock] = []
+            anchor = root_hash(None)
+            for h in hashes:
+                block = self._blocks.get(h)
+                start = len(chain) * block_size
+                if (block is None or block.parent_hash != anchor
+                        or block.token_ids != tuple(prompt_ids[start:start + block_size])):
+                    break
+                chain.append(block)
+                anchor = h
+            for depth in range(len(chain), -1, -1):
+                anchor = chain[depth - 1].hash if depth else root_hash(None)
+                best = None
+                for state in self._by_anchor.get(anchor, ()):
+                    if (state.step // block_size == depth and state.step <= max_step
+                            and (best is None or state.step > best.step)
+                            and tuple(prompt_ids[depth * block_size:state.step]) == state.tail_ids):
+                        best = state
+                if best is not None:
+                    return DiskHit(tuple(chain[:depth]), best)
+        return None
+
+    def read(self, hit: DiskHit, block_indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """([len(block_indices), page_words] the bytes of those blocks of `hit`'s chain, [k (+1), page_words] its
+        state's), checked against their checksums and records; None when a file is missing or corrupt (it is
+        dropped from the index, with a warning). The state becomes the most recently used."""
+        blocks = []
+        for i in block_indices:
+            data = self._load(self._block_path(hit.blocks[i].hash), 1)
+            if data is None:
+                return None
+            blocks.append(data)
+        state = hit.state
+        data = self._load(self._state_path(state.key), state.num_pages + state.has_frozen)
+        if data is None:
+            return None
+        with self._lock:
+            if state.key in self._states:
+                self._states.move_to_end(state.key)
+            self.stats.num_promoted_checkpoints += 1
+            self.stats.num_promoted_blocks += len(blocks)
+        empty = torch.empty((0, self.page_words), dtype=self.word_dtype)
+        return (torch.cat(blocks) if blocks else empty), data
+
+    # ---- files -------------------------------------------------------------------------------------------
+
+    def _block_path(self, node_hash: int) -> Path:
+        return self.dir / "blocks" / f"{node_hash:016x}.safetensors"
+
+    def _state_path(self, key: tuple[int, int, int]) -> Path:
+        anchor, step, tail = key
+        return self.dir / "states" / f"{anchor:016x}-{step}-{tail:016x}.safetensors"
+
+    def _load(self, path: Path, num_rows: int) -> torch.Tensor | None:
+        try:
+            with safe_open(str(path), "pt") as f:
+                metadata = f.metadata() or {}
+                data = f.get_tensor("data")
+            if data.shape != (num_rows, self.page_words) or data.dtype != self.word_dtype:
+                raise ValueError(f"data {tuple(data.shape)} {data.dtype}, expected ({num_rows}, {self.page_words}) "
+                                 f"{self.word_dtype}")
+            if metadata.get("checksum") != _checksum(data):
+                raise ValueError("checksum mismatch")
+            return data
+        except Exception as error:  # noqa: BLE001 (whatever is wrong with the file, it is not served)
+            self._drop_corrupt(path, error)
+            return None
+
+    def _drop_corrupt(self, path: Path, error: BaseException) -> None:
+        _logger.warning("hybridcache: disk tier skips %s (%s)", path, error)
+        with self._lock:
+            self.stats.num_corrupt += 1
+            name = path.name.removesuffix(".safetensors")
+            if path.parent.name == "blocks":
+                self._blocks.pop(int(name, 16), None)
+            else:
+                anchor, step, tail = name.split("-")
+                self._forget_state((int(anchor, 16), int(step), int(tail, 16)))
+            self._remove_file(path)
+
+    def _scan(self) -> None:
+        """Index the files a previous engine left (headers only); skip (and delete) what cannot be parsed."""
+        for path in sorted((self.dir / "blocks").glob("*.tmp*")) + sorted((self.dir / "states").glob("*.tmp*")):
+            path.unlink(missing_ok=True)  # a write cut short
+        for path in sorted((self.dir / "blocks").glob("*.safetensors")):
+            try:
+                meta = _metadata(path, "block")
+                block = DiskBlock(int(meta["hash"]), int(meta["parent"]), tuple(json.loads(meta["tokens"])))
+                if path != self._block_path(block.hash):
+                    raise ValueError("its name is not its hash")
+            except Exception as error:  # noqa: BLE001
+                self._drop_corrupt(path, error)
+                continue
+            self._blocks[block.hash] = block
+            self._count(path)
+        states = []
+        for path in (self.dir / "states").glob("*.safetensors"):
+            try:
+                meta = _metadata(path, "state")
+                state = DiskState(int(meta["anchor"]), int(meta["step"]), tuple(json.loads(meta["tail"])),
+                                  int(meta["tail_hash"]), meta["reason"], int(meta["num_pages"]),
+                                  meta["frozen"] == "1")
+                if path != self._state_path(state.key):
+                    raise ValueError("its name is not its key")
+            except Exception as error:  # noqa: BLE001
+                self._drop_corrupt(path, error)
+                continue
+            states.append((path.stat().st_mtime_ns, path, state))
+        for _mtime, path, state in sorted(states, key=lambda item: item[0]):  # oldest first: the LRU order
+            self._add_state(state)
+            self._count(path)
+
+    def _count(self, path: Path) -> None:
+        size = path.stat().st_size
+        self._sizes[path] = size
+        self.stats.num_bytes += size
+        self.stats.num_block_files += path.parent.name == "blocks"
+        self.stats.num_state_files += path.parent.name == "states"
+
+    def _remove_file(self, path: Path) -> None:
+        size = self._sizes.pop(path, None)
+        if size is not None:
+            self.stats.num_bytes -= size
+            self.stats.num_block_files -= path.parent.name == "blocks"
+            self.stats.num_state_files -= path.parent.name == "states"
+        path.unlink(missing_ok=True)
+
+    def _add_state(self, state: DiskState) -> None:
+        self._states[state.key] = state
+        self._by_anchor.setdefault(state.anchor_hash, []).append(state)
+
+    def _forget_state(self, key: tuple[int, int, int]) -> None:
+        state = self._states.pop(key, None)
+        if state is not None:
+            bucket = self._by_anchor[state.anchor_hash]
+            bucket.remove(state)
+            if not bucket:
+                del self._by_anchor[state.anchor_hash]
+
+    # ---- the writer thread -------------------------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, fall_out: FallOut, blocks: dict[int, torch.Tensor], state: torch.Tensor | None) -> None:
+        s = fall_out
+        written: list[tuple[Path, DiskBlock | DiskState]] = []
+        try:
+            for i, data in blocks.items():
+                b = s.blocks[i]
+                record = DiskBlock(b.hash, b.parent_hash, b.token_ids)
+                path = self._block_path(b.hash)
+                _save(path, data.reshape(1, -1), {"kind": "block", "hash": str(b.hash), "parent": str(b.parent_hash),
+                                                  "tokens": json.dumps(list(b.token_ids))})
+                written.append((path, record))
+            if state is not None:
+                record = DiskState(s.anchor_hash, s.step, s.tail_ids, s.tail_hash, s.reason, s.num_pages,
+                                   len(s.state_host_ids) > s.num_pages)
+                path = self._state_path(record.key)
+                _save(path, state, {"kind": "state", "anchor": str(s.anchor_hash), "step": str(s.step),
+                                    "tail": json.dumps(list(s.tail_ids)), "tail_hash": str(s.tail_hash),
+                                    "reason": s.reason, "num_pages": str(s.num_pages),
+                                    "frozen": "1" if record.has_frozen else "0"})
+                written.append((path, record))
+        except Exception as error:  # noqa: BLE001 (counted and logged, never silent; the engine goes on)
+            _logger.warning("hybridcache: disk tier failed to write a checkpoint at step %d: %s", s.step, error)
+            with self._lock:
+                self.stats.num_write_errors += 1
+        with self._lock:
+            for path, record in written:
+                if isinstance(record, DiskBlock):
+                    self._blocks[record.hash] = record
+                    self.stats.num_demoted_blocks += 1
+                else:
+                    self._add_state(record)
+                    self.stats.num_demoted_checkpoints += 1
+                self._count(path)
+            self._queued.difference_update(b.hash for b in s.blocks)
+            self._queued.discard((s.anchor_hash, s.step, s.tail_hash))
+            self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """Past `max_bytes`: drop the least recently used states, then the blocks no remaining state's chain
+        (nor a queued write) needs. Under the lock."""
+        if self.stats.num_bytes <= self.max_bytes:
+            return
+        while self.stats.num_bytes > self.max_bytes and self._states:
+            key = next(iter(self._states))
+            self._forget_state(key)
+            self._remove_file(self._state_path(key))
+            self.stats.num_evicted_states += 1
+            needed = set(self._queued)
+            for state in self._states.values():
+                h = state.anchor_hash
+                while h in self._blocks and h not in needed:
+                    needed.add(h)
+                    h = self._blocks[h].parent_hash
+            for h in [h for h in self._blocks if h not in needed]:
+                del self._blocks[h]
+                self._remove_file(self._block_path(h))
+
+
+def _checksum(data: torch.Tensor) -> str:
+    return xxhash.xxh64(data.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _metadata(path: Path, kind: str) -> dict[str, str]:
+    with safe_open(str(path), "pt") as f:
+        metadata = f.metadata() or {}
+    if metadata.get("format") != FORMAT or metadata.get("kind") != kind:
+        raise ValueError(f"not a {FORMAT} {kind} file")
+    return metadata
+
+
+def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
+    """Write `path` atomically (a temporary name, then a rename), with the format and checksum in its metadata."""
+    data = data.contiguous()
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    save_file({"data": data}, str(tmp), metadata={"format": FORMAT, "checksum": _checksum(data), **metadata})
+    os.replace(tmp, path)

@@ -1,0 +1,103 @@
+"""The disk tier in the engine (`disk_cache_dir`): behind a host tier of 12 blocks and a device pool of 30, most of
+what the cache-equivalence workload saves falls out to disk. A restarted engine on the same model and directory
+hits what the first one wrote (more hit tokens than the first run of the same workload, which started empty),
+with the tokens and logits of an uncached run; another model finds none of it; corrupt state files are skipped
+and never served (the outputs stay those of the uncached run; slow: `test_disk_tier_files.py` checks the files
+themselves in the default suite)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+
+from .model_folders import write_tiny_model
+from .test_cache_equivalence import assert_same, make_engine, run_workload
+
+HOST_BLOCKS = 12
+REPLY_LENS = (3, 10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+@pytest.fixture(scope="module")
+def uncached(model_dir):
+    engine = make_engine(model_dir, caching=False)
+    return engine, run_workload(engine, seed=1, reply_lens=REPLY_LENS)
+
+
+def disk_engine(model_dir, disk_dir, block_bytes: int) -> LLMEngine:
+    return make_engine(model_dir, num_blocks=30, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256,
+                       host_cache_gib=HOST_BLOCKS * block_bytes / (1 << 30), disk_cache_dir=str(disk_dir))
+
+
+@pytest.fixture(scope="module")
+def written(model_dir, uncached, tmp_path_factory):
+    """A disk directory a first engine filled running the workload (closed: its writes are done), and the hit
+    tokens of that run."""
+    disk_dir = tmp_path_factory.mktemp("disk")
+    engine = disk_engine(model_dir, disk_dir, uncached[0].memory_plan.block_bytes)
+    assert engine.num_host_blocks == HOST_BLOCKS
+    out = run_workload(engine, seed=1, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    engine.check_integrity()
+    stats = engine.stats()
+    engine.close()
+    disk = stats["disk"]
+    assert disk["num_demoted_checkpoints"] > 0 and disk["num_write_errors"] == 0, disk
+    return disk_dir, stats["cache"].num_hit_tokens
+
+
+def test_a_restarted_engine_hits_what_the_first_one_wrote(model_dir, uncached, written, tmp_path):
+    disk_dir = tmp_path / "disk"
+    shutil.copytree(written[0], disk_dir)
+    engine = disk_engine(model_dir, disk_dir, uncached[0].memory_plan.block_bytes)
+    assert engine.stats()["disk"]["num_state_files"] > 0
+    out = run_workload(engine, seed=1, check_every_step=True, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    stats = engine.stats()
+    assert stats["disk"]["num_promoted_checkpoints"] > 0 and stats["cache"].num_host_hits > 0, stats["disk"]
+    assert stats["cache"].num_hit_tokens > written[1]  # the first run started with nothing on disk
+    engine.close()
+
+
+def test_another_model_reads_nothing(written, uncached, tmp_path):
+    (first,) = (p for p in written[0].iterdir() if p.is_dir())  # the first model's key
+    other = write_tiny_model(tmp_path / "other", "qwen3_next", seed=1)  # same shapes, other weights
+    engine = disk_engine(other, written[0], uncached[0].memory_plan.block_bytes)
+    assert engine.disk.disk.dir.parent == written[0] and engine.disk.disk.dir != first
+    assert engine.stats()["disk"]["num_state_files"] == 0
+    engine.close()
+
+
+@pytest.mark.slow
+def test_corrupt_state_files_are_skipped_never_served(model_dir, uncached, written, tmp_path, caplog):
+    disk_dir = tmp_path / "disk"
+    shutil.copytree(written[0], disk_dir)
+    for path in disk_dir.glob("*/states/*.safetensors"):
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    engine = disk_engine(model_dir, disk_dir, uncached[0].memory_plan.block_bytes)
+    out = run_workload(engine, seed=1, check_every_step=True, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    disk = engine.stats()["disk"]
+    assert disk["num_corrupt"] > 0 and "disk tier skips" in caplog.text, disk
+    engine.check_integrity()
+    engine.close()
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(host_cache_gib=0), "without a host tier"),
+    (dict(host_cache_gib=1, tensor_parallel_size=2), "with tensor parallelism"),
+    (dict(host_cache_gib=1, disk_cache_gib=0), "disk_cache_gib must be"),
+])
+def test_a_disk_tier_is_refused_where_it_cannot_work(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(disk_cache_dir=str(tmp_path), **options)

@@ -1,0 +1,142 @@
+"""The disk tier's files on their own (`engine/disk_tier.py`, no engine): what is written is found again by a new
+`DiskTier` on the same directory and key (a restart), with its exact bytes; another key finds nothing; a corrupt
+or partial file is skipped with a warning, never served; a failed write is counted and logged; the size cap
+drops the least recently used states and the blocks only they needed."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridcache.cache.host_tier import FallOut, FallOutBlock
+from hybridcache.cache.trie import chain_hash, root_hash
+from hybridcache.engine import disk_tier
+from hybridcache.engine.disk_tier import DiskTier, model_key
+
+B = 4
+WORDS = 8
+
+
+def fall_out(prompt: list[int], step: int) -> FallOut:
+    """The fall-out of a checkpoint at `step` of `prompt` (its chain on the device, ids = depth)."""
+    blocks, parent = [], root_hash(None)
+    for i in range(step // B):
+        tokens = tuple(prompt[i * B:(i + 1) * B])
+        node_hash = chain_hash(parent, tokens, ())
+        blocks.append(FallOutBlock(node_hash, parent, tokens, on_host=False, block_id=i))
+        parent = node_hash
+    tail = tuple(prompt[step // B * B:step])
+    return FallOut(blocks=tuple(blocks), anchor_hash=parent, step=step, tail_ids=tail,
+                   tail_hash=chain_hash(parent, tail, ()), reason="finish", num_pages=2,
+                   state_host_ids=(0, 1, 2) if tail else (0, 1))
+
+
+def rows(n: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31 - 1, (n, WORDS), dtype=torch.int32, generator=generator)
+
+
+def make(tmp_path, key="model-a", max_bytes=1 << 30) -> DiskTier:
+    return DiskTier(tmp_path, key, page_words=WORDS, word_dtype=torch.int32, max_bytes=max_bytes)
+
+
+def keep(disk: DiskTier, item: FallOut, seed: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    new_state, missing = disk.wants(item)
+    blocks = {i: rows(1, seed + i)[0] for i in missing}
+    state = rows(len(item.state_host_ids), seed + 100) if new_state else None
+    disk.put(item, blocks, state)
+    disk.flush()
+    return blocks, state
+
+
+PROMPT = list(range(10, 40))
+
+
+def test_a_restarted_tier_finds_what_was_written_with_its_bytes(tmp_path):
+    disk = make(tmp_path)
+    blocks, state = keep(disk, fall_out(PROMPT, 11), seed=1)  # 2 blocks + a 3-token tail
+    assert disk.wants(fall_out(PROMPT, 11)) == (False, ())
+    _, deeper_state = keep(disk, fall_out(PROMPT, 16), seed=7)  # one more block, no tail
+    assert disk.wants(fall_out(PROMPT, 16)) == (False, ())
+    disk.close()
+
+    again = make(tmp_path)
+    assert again.stats.num_state_files == 2 and again.stats.num_block_files == 4
+    hit = again.find(PROMPT, B, max_step=len(PROMPT) - 1)
+    assert hit.state.step == 16 and [b.token_ids for b in hit.blocks] == [tuple(PROMPT[i:i + 4]) for i in (0, 4, 8, 12)]
+    shallow = again.find(PROMPT[:15], B, max_step=14)  # 3 full blocks; the state at 16 is past max_step
+    assert shallow.state.step == 11 and len(shallow.blocks) == 2
+    got_blocks, got_state = again.read(shallow, (0, 1))
+    assert torch.equal(got_blocks, torch.stack([blocks[0], blocks[1]])) and torch.equal(got_state, state)
+    assert torch.equal(again.read(hit, ())[1], deeper_state)
+    assert again.find(PROMPT[:10] + [99] * 10, B, 19) is None  # the tail at 11 differs: no usable state
+    assert again.find(PROMPT, B, max_step=10) is None  # both states are deeper than allowed
+    assert again.stats.num_promoted_checkpoints == 2
+    assert make(tmp_path, key="model-b").find(PROMPT, B, len(PROMPT) - 1) is None
+
+
+def test_corrupt_and_partial_files_are_skipped_with_a_warning(tmp_path, caplog):
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)
+    keep(disk, fall_out([5] * 30, 9), seed=2)
+    disk.close()
+    flipped = next((disk.dir / "states").glob(f"{fall_out(PROMPT, 11).anchor_hash:016x}-*"))
+    data = bytearray(flipped.read_bytes())
+    data[-3] ^= 0xFF  # a bit flip in the state's bytes: the header still parses
+    flipped.write_bytes(bytes(data))
+    truncated = next((disk.dir / "states").glob(f"{fall_out([5] * 30, 9).anchor_hash:016x}-*"))
+    truncated.write_bytes(truncated.read_bytes()[:-10])  # a partial file
+    (disk.dir / "blocks" / "0123456789abcdef.safetensors").write_bytes(b"not a safetensors file")
+
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        again = make(tmp_path)
+        assert again.find([5] * 30, B, 29) is None  # the partial file was skipped at start-up
+        hit = again.find(PROMPT, B, 29)
+        assert hit is not None and again.read(hit, (0, 1)) is None  # its checksum fails: not served
+        assert again.find(PROMPT, B, 29) is None  # and it is gone from the index
+    assert again.stats.num_corrupt == 3
+    assert sum("disk tier skips" in r.message for r in caplog.records) == 3
+    assert not flipped.exists() and not truncated.exists()
+
+
+def test_a_failed_write_is_counted_and_logged(tmp_path, caplog, monkeypatch):
+    disk = make(tmp_path)
+
+    def failing(*_args, **_kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(disk_tier, "_save", failing)
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        keep(disk, fall_out(PROMPT, 11), seed=1)
+    assert disk.stats.num_write_errors == 1 and "disk full" in caplog.text
+    assert disk.find(PROMPT, B, 29) is None and disk.wants(fall_out(PROMPT, 11)) == (True, (0, 1))
+    disk.close()
+
+
+def test_the_size_cap_drops_the_least_recently_used_states_and_their_blocks(tmp_path):
+    disk = make(tmp_path)
+    prompts = [[i] * 30 for i in range(3)]
+    keep(disk, fall_out(prompts[0], 9), seed=1)
+    one = disk.stats.num_bytes  # one state of 3 rows and its 2 blocks
+    disk.close()
+    capped = make(tmp_path, max_bytes=int(2.5 * one))
+    keep(capped, fall_out(prompts[1], 9), seed=2)
+    assert capped.read(capped.find(prompts[0], B, 29), ()) is not None  # now the most recently used
+    keep(capped, fall_out(prompts[2], 9), seed=3)  # past the cap: prompts[1]'s state goes, then its blocks
+    assert capped.stats.num_evicted_states == 1 and capped.stats.num_bytes <= 2.5 * one
+    assert capped.find(prompts[1], B, 29) is None
+    assert capped.find(prompts[0], B, 29) is not None and capped.find(prompts[2], B, 29) is not None
+    assert capped.stats.num_block_files == 4 and capped.stats.num_state_files == 2
+    capped.close()
+
+
+def test_the_model_key_changes_with_the_weights_and_the_geometry(tmp_path):
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 1000)
+    key = model_key(tmp_path, {"block_size": 64})
+    assert model_key(tmp_path, {"block_size": 64}) == key
+    assert model_key(tmp_path, {"block_size": 32}) != key
+    weights.write_bytes(b"\0" * 999 + b"\1")
+    assert model_key(tmp_path, {"block_size": 64}) != key
