@@ -22,7 +22,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.host_tier import Hanging, HostNode
 from hybridcache.cache.lifecycle import Lifecycle
-from hybridcache.cache.sequence import RunningSeq
+from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.trie import Node
 
 
@@ -196,6 +196,11 @@ def _check_sequences(
         for i, node in enumerate(seq.nodes):
             if node.block_id != seq.block_ids[i] or node.depth != i + 1 or not node.attached:
                 _fail(f"{rid!r} block {i} ({seq.block_ids[i]}) is not its trie node {node}")
+            if node.token_ids != tuple(seq.token_ids[i * size:(i + 1) * size]):
+                _fail(f"{rid!r} token list differs from its trie node {node} (a token changed after it was taken)")
+        known = seq.num_computed - seq.pending
+        if len(seq.token_ids) < seq.num_computed or PENDING_TOKEN in seq.token_ids[:known]:
+            _fail(f"{rid!r} token list ({len(seq.token_ids)} tokens) does not hold its {known} known computed tokens")
         for block_id in seq.block_ids:
             holders[block_id] += 1
     for rid, seq in seqs.items():

@@ -3,15 +3,16 @@
 One step of the engine, as the cache sees it::
 
     m = cache.match(req)                  # pins the checkpoint it would restore
-    a = cache.admit(m)                    # runtime slot + blocks; restore copies queued (or None: no room)
+    a = cache.admit(m, n, token_ids)      # runtime slot + blocks; restore copies queued (or None: no room);
+                                          # token_ids: the caller's token list, which the cache reads, never copies
     cache.ensure_capacity(rid, n)         # grow the block list to hold n tokens (False: no room, no trace)
     cache.reserve_save(rid, step, reason) # slot (+ frozen block) for a save at the end of this step's chunk
     copies = cache.commit_step(fed)       # the forward is being queued: insert full blocks, publish saves,
                                           # release restore pins, return this step's CopyPlan
     # engine, on one stream: restore copies -> forward -> save copies, before any later cache call
-    rollback = cache.accept_drafts(acc)   # speculative decoding: the step's drafts are judged; a prefix of each
-                                          # sequence's drafts joins its tokens, STATE_ROLLBACK copies returned
-    cache.fill_pending(rid, pos, token)   # async scheduling: a token fed as PENDING_TOKEN is now known
+    rollback = cache.accept(acc)          # once the step's tokens are known: the value of each fed PENDING_TOKEN
+                                          # (async scheduling), the kept prefix of each row's drafts (speculative
+                                          # decoding); full blocks join the trie, STATE_ROLLBACK copies returned
     cache.finish(rid)                     # the slot and partial block become a FINISH checkpoint
 
 Locking rules: single-threaded (one caller at a time). Pins are taken by `match` and by `reserve_save` and
@@ -19,10 +20,11 @@ dropped by `release_match` or by the next `commit_step`; nothing pinned is evict
 pins a host-tier checkpoint also holds the block of the deepest device node above it (its *frontier*), so the
 chain it will be promoted onto stays on the device until `admit` or `release_match`.
 
-Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: tokens, blocks, trie nodes,
-slot, pending restores and saves) and the pending matches, reads the trie to match, and asks the
-admission policy (`_decline_cause`) whether a save is worth making. `Lifecycle` (lifecycle.py) owns the pools,
-the checkpoints' states and every change to the trie; its `Evictor` (evictor.py) picks eviction victims.
+Who does what: this facade keeps the per-sequence bookkeeping (`RunningSeq`: how many of its tokens are fed,
+blocks, trie nodes, slot, pending restores and saves; the token list itself is the caller's) and the pending
+matches, reads the trie to match, and asks the admission policy (`_decline_cause`) whether a save is worth
+making. `Lifecycle` (lifecycle.py) owns the pools, the checkpoints' states and every change to the trie; its
+`Evictor` (evictor.py) picks eviction victims.
 """
 
 from __future__ import annotations
@@ -172,10 +174,13 @@ class PrefixCache:
         """The deepest step a match may return: prompt_len with `full_prompt_hits`, else prompt_len - 1."""
         return request.prompt_len - (0 if self.config.full_prompt_hits else 1)
 
-    def admit(self, match: MatchResult, num_tokens: int = 0) -> Admitted | None:
+    def admit(self, match: MatchResult, num_tokens: int = 0, token_ids: list[int] | None = None) -> Admitted | None:
         """Start a running sequence from `match`: a runtime slot, the shared full blocks, and when the hit is
         partial one private block that the frozen tail is restored into (copies queued for the next
         `commit_step`), plus private blocks so that it holds `num_tokens` tokens in all (its first chunk).
+        `token_ids`: the sequence's token list, owned by the caller (it must start with the prompt): the cache
+        keeps this very list, reads its first `num_computed` entries and writes none the caller holds (see
+        `RunningSeq`); None: the cache makes one from the prompt, and `commit_step` appends the fed tokens past it.
         Evicts under pressure. Returns None when there is no room; then nothing changed and the match is
         still pinned (retry later or `release_match`)."""
         entry = self._matches.get(match.match_id)
@@ -184,6 +189,10 @@ class PrefixCache:
         request, ckpt, path = entry
         if request.request_id in self._seqs:
             raise ValueError(f"request {request.request_id!r} is already running")
+        if token_ids is None:
+            token_ids = list(request.prompt_ids)
+        elif tuple(token_ids[:request.prompt_len]) != request.prompt_ids:
+            raise ValueError(f"the token list given for {request.request_id!r} does not start with its prompt")
         life = self._life
         cached_len = match.cached_len
         partial = cached_len % self.block_size != 0
@@ -205,7 +214,8 @@ class PrefixCache:
             self._rehome_holds()
             self._stats.num_host_hits += 1
             self._stats.num_host_hit_tokens += cached_len
-        seq = RunningSeq(request=request, slot=life.take_slot(RunningSeq.slot_owner_of(request.request_id)))
+        seq = RunningSeq(request=request, token_ids=token_ids,
+                         slot=life.take_slot(RunningSeq.slot_owner_of(request.request_id)))
         now = life.tick()
         self._stats.num_queries += 1
         self._stats.num_query_tokens += request.prompt_len
@@ -222,7 +232,7 @@ class PrefixCache:
                 (CopyKind.STATE_RESTORE, saved, runtime) for runtime, saved in self._state_pairs(seq.slot, ckpt)
             )
             seq.restore = ckpt
-            seq.token_ids = list(request.prompt_ids[:cached_len])
+            seq.num_computed = cached_len
             self._stats.num_hits += 1
             self._stats.num_hit_tokens += cached_len
             self._stats.hits_by_reason[ckpt.reason.value] += 1
@@ -374,7 +384,7 @@ class PrefixCache:
         if step <= request.prompt_len:
             anchor = prompt_block_hashes(request, size, self._trie.hash_fn)[q - 1] if q else 0
             tokens: Sequence[int] = request.prompt_ids
-        elif len(seq.nodes) >= q and len(seq.token_ids) >= step:
+        elif len(seq.nodes) >= q and seq.num_computed >= step:
             anchor = seq.nodes[q - 1].hash if q else 0
             tokens = seq.token_ids
         else:
@@ -390,11 +400,13 @@ class PrefixCache:
     def commit_step(
         self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int] | None = None,
     ) -> CopyPlan:
-        """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens.
+        """The forward of this step is being queued; `fed` maps each scheduled sequence to its new tokens, which
+        must equal its token list where the list holds them (the prompt; with a caller's list, every token: the
+        scheduler feeds from that list) and are appended to it past its end.
         `drafts` (speculative decoding) maps a decoding sequence to how many of its fed tokens, at the end, are
         drafts (1 .. `num_speculative_tokens`): they are not its tokens yet (no block fills with them, nothing is
-        saved at them; their KV lands in its private blocks) until `accept_drafts` keeps a prefix of them, which
-        must come before the next `commit_step`.
+        saved at them, they are not compared with nor put in its list; their KV lands in its private blocks)
+        until `accept` keeps a prefix of them, which must come before the next `commit_step`.
 
         In order: every block that became full is inserted into the trie (deduplicated onto an identical
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
@@ -403,10 +415,10 @@ class PrefixCache:
         (`finish`, `preempt`) come first, as STATE_FINISH.
         A decoding sequence may feed `PENDING_TOKEN` as its last token (async scheduling:
         the previous step's sample is still on the device) when it saves nothing in this step; a block that
-        fills with it joins the trie at `fill_pending`. Returns this step's copies: restores queued by `admit`
-        since the last commit, and the saves. The caller must enqueue restore copies, the forward, then save
-        copies, on one stream, before its next cache call: that ordering is what makes freeing a deduplicated
-        block and dropping the pins safe here (any later writer of those ids is queued after).
+        fills with it joins the trie at `accept`, which gives its value. Returns this step's copies: restores
+        queued by `admit` since the last commit, and the saves. The caller must enqueue restore copies, the
+        forward, then save copies, on one stream, before its next cache call: that ordering is what makes freeing
+        a deduplicated block and dropping the pins safe here (any later writer of those ids is queued after).
         """
         drafts = drafts or {}
         self._check_fed(fed, drafts)
@@ -424,7 +436,10 @@ class PrefixCache:
         for rid, tokens in fed.items():
             seq = self._seqs[rid]
             num_drafts = drafts.get(rid, 0)
-            seq.token_ids.extend(tokens[:len(tokens) - num_drafts])
+            end = seq.num_computed + len(tokens) - num_drafts
+            seq.token_ids.extend(tokens[len(seq.token_ids) - seq.num_computed:len(tokens) - num_drafts])
+            seq.num_computed = end
+            seq.pending = tokens[len(tokens) - num_drafts - 1] == PENDING_TOKEN
             seq.num_drafts = num_drafts
             self._insert_full_blocks(seq)
         published: list[Checkpoint] = []
@@ -447,14 +462,14 @@ class PrefixCache:
 
     def _check_fed(self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int]) -> None:
         """Raise `ValueError` (before anything changes) unless every fed sequence has room for its tokens,
-        they equal its prompt where they overlap it, a `PENDING_TOKEN` is only the last token of a decoding
-        sequence that saves nothing, every reserved save is at the end of its chunk, no sequence has drafts
-        still to be judged, and drafts are fed only by decoding sequences that save nothing and feed a token
-        before them."""
+        they equal its token list where it holds them (drafts excepted), a `PENDING_TOKEN` is only the last token
+        of a decoding sequence that saves nothing, no sequence feeds before its previous pending token's value
+        is given, every reserved save is at the end of its chunk, no sequence has drafts still to be judged, and
+        drafts are fed only by decoding sequences that save nothing and feed a token before them."""
         size = self.block_size
         unjudged = [rid for rid, seq in self._seqs.items() if seq.num_drafts]
         if unjudged:
-            raise ValueError(f"{unjudged!r} have drafts not judged yet (accept_drafts comes before the next step)")
+            raise ValueError(f"{unjudged!r} have drafts not judged yet (accept comes before the next step)")
         for rid, num_drafts in drafts.items():
             tokens = fed.get(rid)
             seq = self._seq(rid)
@@ -466,13 +481,15 @@ class PrefixCache:
                 raise ValueError(f"{rid!r} feeds drafts but is not a decoding sequence that saves nothing")
         for rid, tokens in fed.items():
             seq = self._seq(rid)
+            if seq.pending:
+                raise ValueError(f"{rid!r} feeds again before its pending token's value is given (accept)")
             new_len = seq.num_computed + len(tokens)
             if not tokens or new_len > len(seq.block_ids) * size:
                 raise ValueError(f"{rid!r} feeds {len(tokens)} tokens, room for {len(seq.block_ids) * size}")
-            prompt = seq.request.prompt_ids
-            overlap = len(prompt) - seq.num_computed  # decode tokens (overlap <= 0) have no prompt to equal
-            if overlap > 0 and tuple(tokens[:overlap]) != prompt[seq.num_computed:new_len]:
-                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt")
+            held = seq.token_ids[seq.num_computed:new_len - drafts.get(rid, 0)]
+            if tuple(tokens[:len(held)]) != tuple(held):
+                raise ValueError(f"{rid!r} feeds tokens that differ from its prompt or token list")
+            overlap = seq.request.prompt_len - seq.num_computed  # > 0: the chunk is in the prompt
             if PENDING_TOKEN in tokens and (tokens.index(PENDING_TOKEN) != len(tokens) - 1 or overlap > 0
                                             or seq.saves):
                 raise ValueError(f"{rid!r} feeds a pending token other than as the last one of a decode step "
@@ -509,45 +526,48 @@ class PrefixCache:
         if self._host_holds:  # an insert may have absorbed a host node on a pending host hit's chain
             self._rehome_holds()
 
-    def fill_pending(self, request_id: Hashable, position: int, token: int) -> None:
-        """Async scheduling: the token a sequence fed as `PENDING_TOKEN` at `position` is `token`. A block it
-        filled joins the trie now (deduplicated as in `commit_step`: the sequence's own copy is freed, which is
-        safe for the same reason: every later writer of the id is queued after the forward that wrote it).
-        Nothing happens when the sequence has not fed that position (it was not scheduled in the step, or was
-        preempted). Raises ValueError when the position holds a known token or `token` is negative."""
-        seq = self._seqs.get(request_id)
-        if seq is None or position >= seq.num_computed:
-            return
-        if seq.token_ids[position] != PENDING_TOKEN or token < 0:
-            raise ValueError(f"{request_id!r}: position {position} holds no pending token, or token {token} < 0")
-        seq.token_ids[position] = token
-        if (position + 1) % self.block_size == 0:  # it completed a block (held back at commit_step)
-            self._insert_full_blocks(seq)
+    def accept(self, accepted: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
+        """Once per step, when its sampled tokens are known: the tokens of the positions a sequence fed before
+        their values were known. `accepted[rid]`, per running sequence:
 
-    def accept_drafts(self, accepted: Mapping[Hashable, Sequence[int]]) -> CopyPlan:
-        """Speculative decoding: the drafts of the step just run are judged. `accepted` maps every sequence that
-        fed drafts (and is still running) to the prefix of them it keeps, 0 .. n of its n drafts, in one call per
-        step: they join its tokens (blocks they fill join the trie, deduplicated as in `commit_step`); the others
-        are dropped (their KV stays in its private blocks, overwritten when those positions are fed again).
-        Returns the `STATE_ROLLBACK` copies that make each slot hold the state after its last kept token (a
-        sequence that keeps a < n drafts: its draft state a; keeping all n: nothing to copy), to run after the
-        verify forward and before anything reads the slots. Raises ValueError, changing nothing, when a
-        sequence has no drafts to judge, is missing, or keeps more than it fed."""
-        pending = {rid for rid, seq in self._seqs.items() if seq.num_drafts}
-        if set(accepted) != pending:
-            raise ValueError(f"accept_drafts got {sorted(map(repr, accepted))}; sequences with drafts to judge: "
-                             f"{sorted(map(repr, pending))}")
+        * drafts to judge (speculative decoding): the prefix of them it keeps, 0 .. n of its n drafts. They join
+          its tokens; the others are dropped (their KV stays in its private blocks, overwritten when those
+          positions are fed again). Drafts of a sequence not given stay unjudged: the next `commit_step` refuses
+          to run until they are.
+        * a pending last fed token (async scheduling, `PENDING_TOKEN`): its value, one token.
+        * neither (a synchronous step's sample: the next step feeds it), or not running: nothing to take.
+
+        The sequence's token list must hold each token, or `PENDING_TOKEN`, or end before it: the owner of the
+        list writes it first and the cache checks; in a list the cache made, the cache writes them. Blocks that
+        are now full of known tokens join the trie (deduplicated as in `commit_step`: the sequence's own copy is
+        freed, which is safe for the same reason: every later writer of the id is queued after the forward that
+        wrote it). Returns the `STATE_ROLLBACK` copies that make each slot hold the state after its last kept
+        token (a sequence that keeps a < n drafts: its draft state a; keeping all n: nothing to copy), to run
+        after the verify forward and before anything reads the slots. Raises ValueError, changing nothing, when
+        a sequence keeps more drafts than it fed, a pending token is not given exactly one value, a token is
+        negative, or a token differs from the one its list holds."""
+        taken: list[tuple[RunningSeq, int, Sequence[int]]] = []
         for rid, tokens in accepted.items():
-            if len(tokens) > self._seqs[rid].num_drafts or any(t < 0 for t in tokens):
-                raise ValueError(f"{rid!r} keeps {list(tokens)} of {self._seqs[rid].num_drafts} drafts")
+            seq = self._seqs.get(rid)
+            if seq is None or not (seq.num_drafts or seq.pending):
+                continue
+            start = seq.num_computed if seq.num_drafts else seq.num_computed - 1
+            if (len(tokens) > seq.num_drafts if seq.num_drafts else len(tokens) != 1) or any(t < 0 for t in tokens):
+                what = f"{seq.num_drafts} drafts" if seq.num_drafts else "its pending token"
+                raise ValueError(f"{rid!r}: {list(tokens)} cannot be the tokens of {what}")
+            if not seq.check_tokens(start, tokens):
+                raise ValueError(f"{rid!r} takes {list(tokens)} at {start}, where its token list holds others")
+            taken.append((seq, start, tokens))
         builder = PlanBuilder(paged_states=self.config.paged)
         k = self.config.num_speculative_tokens
-        for rid, tokens in accepted.items():
-            seq = self._seqs[rid]
-            if len(tokens) < seq.num_drafts:
-                builder.add(CopyKind.STATE_ROLLBACK, seq.slot * k + len(tokens), seq.slot)
-            seq.num_drafts = 0
-            seq.token_ids.extend(tokens)
+        for seq, start, tokens in taken:
+            seq.put_tokens(start, tokens)
+            if seq.num_drafts:
+                if len(tokens) < seq.num_drafts:
+                    builder.add(CopyKind.STATE_ROLLBACK, seq.slot * k + len(tokens), seq.slot)
+                seq.num_computed += len(tokens)
+                seq.num_drafts = 0
+            seq.pending = False
             self._insert_full_blocks(seq)
         return builder.build()
 
@@ -591,8 +611,8 @@ class PrefixCache:
         seq = self._seq(request_id)
         if seq.has_pending_work:
             raise ValueError(f"finish of {request_id!r} with uncommitted restores or saves, or drafts not judged")
-        if seq.token_ids and seq.token_ids[-1] == PENDING_TOKEN:
-            raise ValueError(f"finish of {request_id!r} before its pending token is filled in (fill_pending)")
+        if seq.pending:
+            raise ValueError(f"finish of {request_id!r} before its pending token's value is given (accept)")
         return self._retire(seq, SaveReason.FINISH, routed_experts, keep=True)
 
     def preempt(self, request_id: Hashable, keep_checkpoint: bool = True) -> bool:

@@ -32,7 +32,7 @@ finish or preempt checkpoint demoted before its STATE_FINISH ran). They come fir
 device block freed by a demotion may be the destination of a promotion in the same plan, so it is read before
 it is written. A host block read by a load is reused only after the plan is built, and one dropped from the
 host takes its pending save with it (host_tier.py), so no host block is written twice or after it is read.
-`STATE_ROLLBACK` is the plan of `PrefixCache.accept_drafts`, run once the drafts of a verify step are judged
+`STATE_ROLLBACK` is the plan of `PrefixCache.accept`, run once the drafts of a verify step are judged
 (never part of a step's plan). A verify forward over `1 + n` tokens of a sequence keeps the recurrent state after
 each of its first n positions in **draft states** (whole-slot rows beside the runtime slots, id
 `slot * num_speculative_tokens + j` for the state after verify position j) and the state after all of them in the

@@ -15,7 +15,7 @@ then launches one step and returns the outputs of the one before::
 
 `prepare(t)` advances each sequence of t past its chunk and appends `PENDING_TOKEN` for each token t samples;
 t+1 feeds those rows from t's sampled tokens on the device (`input_ids` is patched there). The cache gets
-`PENDING_TOKEN` in t+1's commit and the real token at `Scheduler.fill_token`, right after the launch. A
+`PENDING_TOKEN` in t+1's commit and the real token through `Scheduler.accept`, right after the launch. A
 sequence that t finishes (EOS, a stop string, an abort) already has a row in t+1: the row is ignored, and its
 finish checkpoint holds one token more than with synchronous steps (the device has fed its last sampled
 token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
@@ -72,7 +72,7 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
-from hybridcache.scheduler.scheduler import Scheduler
+from hybridcache.scheduler.scheduler import Accepted, Scheduler
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import Tokenizer
 
@@ -99,14 +99,15 @@ class ValidPrompt:
 @dataclass
 class _Launched:
     """A step whose forward and sampling are queued on the device: its chunks, the sequences it samples (row i
-    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run (`prepared`), `pending`: sequence id ->
-    the position of its `PENDING_TOKEN` in `token_ids`, and `retired`: sequences retired there by length."""
+    of `sample` is `sampled[i]`) and, once `LLMEngine._prepare` has run (`prepared`), `pending`: the ids of the
+    sequences whose `token_ids` end with the `PENDING_TOKEN` of its sample, and `retired`: sequences retired there
+    by length."""
 
     chunks: tuple[ScheduledChunk, ...]
     sampled: list[Seq]
     sample: PendingSample | None
     prepared: bool = False
-    pending: dict[int, int] = field(default_factory=dict)
+    pending: set[int] = field(default_factory=set)
     retired: set[int] = field(default_factory=set)
     verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
     logits: torch.Tensor | None = None  # rows to sample once the step before is postprocessed (`sample` None)
@@ -440,7 +441,7 @@ class LLMEngine:
         for seq in launched.sampled:
             if seq.is_finished:
                 continue
-            launched.pending[seq.seq_id] = seq.num_tokens
+            launched.pending.add(seq.seq_id)
             seq.token_ids.append(PENDING_TOKEN)
             if seq.num_tokens - seq.prompt_len >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 self.scheduler.finish(seq)
@@ -508,20 +509,21 @@ class LLMEngine:
 
     def _complete_verified(self, launched: _Launched) -> list[RequestOutput]:
         """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
-        them, cut at the first that stops it. The kept drafts go to the scheduler and the cache in one call
-        (`Scheduler.accept_drafts`), whose rollback copies run at once; then the head drafts for the next step."""
+        them, cut at the first that stops it. The kept drafts and the last token go to the scheduler and the cache
+        in one call (`Scheduler.accept`), whose rollback copies run at once; then the head drafts for the next
+        step."""
         self.runner.check_results()  # the verdicts read the logits: a tensor-parallel peer's failure shows now
         launched.prepared = True
         for chunk in launched.chunks:
             if not chunk.seq.is_finished:
                 chunk.seq.num_computed = chunk.end - chunk.num_drafts
-        kept: dict[Seq, tuple[int, ...]] = {}
-        final: dict[Seq, tuple[int | None, str | None]] = {}
+        verifying = {c.seq for c in launched.chunks if c.num_drafts}
+        accepted: dict[Seq, Accepted] = {seq: Accepted(kept=()) for seq in verifying}
+        final: dict[Seq, str | None] = {}
         touched: dict[str, RequestState] = {}
         for verdict in launched.verdicts:
             seq = verdict.seq
             if seq.is_finished or seq.request_id not in self._requests:
-                kept[seq] = ()
                 continue
             self.drafter.stats.count(verdict)
             seq.num_draft_tokens += verdict.num_drafts
@@ -534,22 +536,18 @@ class LLMEngine:
                 reason = self.output_processor.accept(request, seq, token, logprob, num_tokens=seq.num_tokens + j + 1)
                 if reason is not None:
                     break
-            kept[seq] = tuple(emitted[: verdict.num_accepted])
             last = emitted[-1] if len(emitted) > verdict.num_accepted else None
-            final[seq] = (last, reason)
+            accepted[seq] = Accepted(last, tuple(emitted[: verdict.num_accepted]) if seq in verifying else None)
+            final[seq] = reason
             touched[seq.request_id] = request
             self.num_decode_tokens += len(emitted)
         for chunk in launched.chunks:
             if chunk.start < chunk.seq.prompt_len or chunk.num_tokens - chunk.num_drafts > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
-        fed = [c.seq for c in launched.chunks if c.num_drafts]
-        rollback = self.scheduler.accept_drafts({seq: kept.get(seq, ()) for seq in fed})
+        rollback = self.scheduler.accept(accepted)
         if not rollback.is_empty:
             self.runner.execute_copies(device_copies(rollback, self.runner.input_device))
-        for seq, (last, _) in final.items():
-            if last is not None:
-                seq.token_ids.append(last)
-        for seq, (_, reason) in final.items():
+        for seq, reason in final.items():
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
@@ -597,9 +595,9 @@ class LLMEngine:
 
     def _complete(self, launched: _Launched) -> list[RequestOutput]:
         """Postprocess a launched step (`_prepare`d first if it was not): wait for its tokens, put each in place of
-        its `PENDING_TOKEN` (the scheduler tells the cache), count the fed tokens, then check whether each sampled
-        sequence stops. Sequences finished or aborted after the step was planned are skipped (their rows are
-        ignored)."""
+        its `PENDING_TOKEN` (`Scheduler.accept`, which tells the cache in the same call), count the fed tokens,
+        then check whether each sampled sequence stops. Sequences finished or aborted after the step was planned
+        are skipped (their rows are ignored)."""
         if launched.verdicts is not None:
             return self._complete_verified(launched)
         if not launched.prepared:
@@ -608,8 +606,7 @@ class LLMEngine:
         self.runner.check_results()  # a tensor-parallel step cut short by a failed peer computed garbage
         live = [(i, seq) for i, seq in enumerate(launched.sampled)
                 if (not seq.is_finished or seq.seq_id in launched.retired) and seq.request_id in self._requests]
-        for i, seq in live:
-            self.scheduler.fill_token(seq, launched.pending[seq.seq_id], out.tokens[i])
+        self.scheduler.accept({seq: Accepted(out.tokens[i]) for i, seq in live})
         for chunk in launched.chunks:
             seq = chunk.seq
             if seq.is_finished and seq.seq_id not in launched.retired:

@@ -14,11 +14,16 @@ sequence then feeds nothing in its first step and only samples (`SchedulerOutput
 sequence that shares a prefix with a prompt still being prefilled waits for it and forks from its checkpoint
 instead of computing the prefix again (`in_flight.py`): `n` completions of a prompt prefill it once.
 
+One owner of a sequence's tokens: `Seq.token_ids`. The cache is given that very list at admission and reads it
+(never copies it); once a step's tokens are known, `accept` takes them in one call: it writes them into the list
+(the sampled token in place of the sequence's `PENDING_TOKEN`, or after its end; a verify row's kept drafts
+before it) and tells the cache (`PrefixCache.accept`: the value of a token it was fed as `PENDING_TOKEN`, the
+kept drafts; full blocks join the trie, `STATE_ROLLBACK` copies come back).
+
 Speculative decoding (`num_speculative_tokens` k > 0): a decoding sequence with `drafts` feeds them after its
 last token (a verify row of 1 + n tokens, n <= k) and the cache takes them as drafts; after the forward,
-`accept_drafts` takes each sequence's accepted prefix of them in one call (its tokens, the cache's, and the
-`STATE_ROLLBACK` copies). A chunk that samples gets blocks for 2k positions past its end: k drafts fed next, and
-the drafter's own KV for the drafts it proposes (written ahead of the verify).
+`accept` keeps each row's accepted prefix of them. A chunk that samples gets blocks for 2k positions past its
+end: k drafts fed next, and the drafter's own KV for the drafts it proposes (written ahead of the verify).
 
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
@@ -38,10 +43,11 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import islice
 
-from hybridcache.cache import CacheRequest, CacheStats, CopyPlan, MatchResult, PrefixCache
+from hybridcache.cache import PENDING_TOKEN, CacheRequest, CacheStats, CopyPlan, MatchResult, PrefixCache
 from hybridcache.scheduler.in_flight import find_leader, prompt_share, worth_sharing
 from hybridcache.scheduler.output import SampleOnly, ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_chunk
@@ -50,6 +56,16 @@ from hybridcache.scheduler.sequence import Seq, SeqStatus
 # A prompt chunk of a request with prompt logprobs gets logits [rows, vocab] in fp32 for every row, which the memory
 # plan does not hold: 1,024 rows of a 248k vocabulary are 1 GB. Its chunks are cut to at most this many tokens.
 PROMPT_LOGPROBS_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """What a step made known for one sequence (`Scheduler.accept`): `kept`, for a verify row (one that fed
+    drafts), the prefix of its drafts it keeps (None: the row fed no drafts); `sampled`, the token sampled after
+    them (None: a stop cut the step's tokens before it)."""
+
+    sampled: int | None = None
+    kept: tuple[int, ...] | None = None
 
 
 class _Admission(enum.Enum):
@@ -186,7 +202,7 @@ class Scheduler:
         branch = match.divergence_len
         seq.branch_step = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
         plan = self._plan(seq, match.cached_len, budget)
-        if self.cache.admit(match, plan.end + self._lookahead(seq, plan)) is None:
+        if self.cache.admit(match, plan.end + self._lookahead(seq, plan), seq.token_ids) is None:
             self.cache.release_match(match)
             return False
         return True
@@ -269,28 +285,38 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    def fill_token(self, seq: Seq, position: int, token: int) -> None:
-        """Async scheduling: `seq.token_ids[position]`, `PENDING_TOKEN` while the step that sampled it ran, is
-        `token`; the cache learns it too where the sequence has fed it (see `PrefixCache.fill_pending`)."""
-        seq.token_ids[position] = token
-        if seq.status is SeqStatus.RUNNING:
-            self.cache.fill_pending(seq.seq_id, position, token)
-
-    def accept_drafts(self, accepted: Mapping[Seq, Sequence[int]]) -> CopyPlan:
-        """Speculative decoding, once a verify step's drafts are judged: `accepted` maps every sequence the step
-        fed drafts for to the prefix of them it keeps (finished or aborted ones are skipped). Each sequence's
-        kept drafts join its tokens and are computed; the cache takes them in the same call
-        (`PrefixCache.accept_drafts`) and returns the `STATE_ROLLBACK` copies, which the caller runs before the
-        next step."""
-        kept: dict[int, Sequence[int]] = {}
-        for seq, tokens in accepted.items():
-            seq.drafts = []
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            seq.token_ids.extend(tokens)
-            seq.num_computed += len(tokens)
-            kept[seq.seq_id] = tokens
-        return self.cache.accept_drafts(kept)
+    def accept(self, accepted: Mapping[Seq, Accepted]) -> CopyPlan:
+        """Once per step, when its tokens are known (after the forward; with async scheduling after the next step
+        was committed): each sequence's `Accepted` goes into its `token_ids`, the one list of its tokens: the kept
+        drafts after its last token (they are computed: `num_computed` advances), then the sampled token, in
+        place of its `PENDING_TOKEN` (at most one, always last: async scheduling fed it before it was known) or
+        after its end. A verify row's drafts are then judged (`drafts` cleared). The cache reads the same list
+        and takes, in the same call, what it fed unknown (`PrefixCache.accept`: a verify row's kept drafts, the
+        value of a `PENDING_TOKEN`); sequences no longer running are written only. Returns the cache's
+        `STATE_ROLLBACK` copies, which the caller runs before the next step. A ValueError from the cache (tokens
+        it cannot take) comes after the lists were written: the engine treats it as fatal."""
+        stuck = [seq.seq_id for seq, step in accepted.items() if step.kept is not None and seq.token_ids[-1:] == [
+            PENDING_TOKEN]]
+        if stuck:
+            raise ValueError(f"sequences {stuck} keep drafts after a pending token")
+        taken: dict[int, tuple[int, ...]] = {}
+        for seq, step in accepted.items():
+            tokens = seq.token_ids
+            if step.kept is not None:
+                seq.drafts = []
+                tokens.extend(step.kept)
+            if step.sampled is not None:
+                if tokens and tokens[-1] == PENDING_TOKEN:
+                    tokens[-1] = step.sampled
+                else:
+                    tokens.append(step.sampled)
+            if seq.status is SeqStatus.RUNNING:
+                if step.kept is not None:
+                    seq.num_computed += len(step.kept)
+                    taken[seq.seq_id] = step.kept
+                elif step.sampled is not None:
+                    taken[seq.seq_id] = (step.sampled,)
+        return self.cache.accept(taken)
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)

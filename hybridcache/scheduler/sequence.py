@@ -25,7 +25,9 @@ class SeqStatus(enum.Enum):
 class Seq:
     """Token state of one completion.
 
-    `token_ids` = prompt + generated tokens (the only copy the engine side holds). `num_computed` = tokens
+    `token_ids` = prompt + generated tokens: the one list of them. While the sequence runs the prefix cache reads
+    this very list (it never copies it); `Scheduler.accept` writes a step's tokens into it, the engine appends the
+    `PENDING_TOKEN` of a sample still on the device (at most one, always last). `num_computed` = tokens
     whose KV and recurrent state are in the cache (the step the next chunk starts at). The next chunk feeds
     `token_ids[num_computed:...]`; a token is sampled when a chunk reaches the end of `token_ids`. While it
     runs, its blocks and state slot are held by the prefix cache under `seq_id`. `num_cached`: tokens its
@@ -37,7 +39,7 @@ class Seq:
     `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
     `drafts`: speculative decoding: tokens proposed to follow `token_ids` (the engine's drafter sets them); its
     next decode step feeds them after its last token and keeps the prefix the verification accepts
-    (`Scheduler.accept_drafts`). Empty otherwise. `num_draft_tokens` / `num_accepted_tokens`: how many drafts
+    (`Scheduler.accept`). Empty otherwise. `num_draft_tokens` / `num_accepted_tokens`: how many drafts
     its steps fed, and accepted.
     """
 

@@ -108,7 +108,7 @@ class FakeDevice:
             self._save_states(copies.pairs(CopyKind.STATE_SAVE))
 
     def execute_rollback(self, copies: CopyPlan) -> None:
-        """Speculative: `accept_drafts`'s STATE_ROLLBACK copies (draft state -> runtime slot)."""
+        """Speculative: `accept`'s STATE_ROLLBACK copies (draft state -> runtime slot)."""
         assert all(op.kind is CopyKind.STATE_ROLLBACK for op in copies.ops), copies
         for src, dst in copies.pairs(CopyKind.STATE_ROLLBACK):
             self.state[dst] = self.draft_state[src]

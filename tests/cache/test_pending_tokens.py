@@ -1,5 +1,5 @@
 """`PENDING_TOKEN` (async scheduling): a decoding sequence feeds the previous step's sample before its value is
-known; a block it fills joins the trie at `fill_pending`, deduplicated like any other."""
+known; a block it fills joins the trie at `accept`, which gives its value, deduplicated like any other."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_a_block_filled_by_a_pending_token_joins_the_trie_when_it_is_filled_in()
     feed_pending(cache, "a")  # position 15 fills block 1 with a token not known yet
     assert cache.stats.num_nodes == 1 and cache.num_computed("a") == 16
     cache.check_integrity()
-    cache.fill_pending("a", 15, 7)
+    cache.accept({"a": (7,)})
     assert cache.stats.num_nodes == 2
     cache.check_integrity()
     # The block's content is the real token: a sequence that feeds the same 16 tokens shares it.
@@ -45,7 +45,7 @@ def test_a_block_filled_by_a_pending_token_joins_the_trie_when_it_is_filled_in()
     assert other.stats.num_nodes == 2
 
 
-def test_fill_pending_deduplicates_onto_an_identical_block():
+def test_a_filled_in_pending_token_deduplicates_onto_an_identical_block():
     prompt = tokens(13, seed=2)
     cache = running(prompt, (5, 6), "a", "b")
     cache.commit_step({})  # (no step for either)
@@ -54,7 +54,7 @@ def test_fill_pending_deduplicates_onto_an_identical_block():
     feed_pending(cache, "b")
     own = cache.block_ids("b")[1]
     assert own != cache.block_ids("a")[1]
-    cache.fill_pending("b", 15, 7)
+    cache.accept({"b": (7,)})
     assert cache.block_ids("b")[1] == cache.block_ids("a")[1]  # b shares a's block; its own copy is freed
     assert cache.stats.num_nodes == 2
     cache.check_integrity()
@@ -65,22 +65,23 @@ def test_a_pending_token_mid_block_needs_no_insert_and_finish_waits_for_it():
     feed_pending(cache, "a")
     with pytest.raises(ValueError, match="pending token"):
         cache.finish("a")
-    cache.fill_pending("a", 10, 42)
+    cache.accept({"a": (42,)})
     assert cache.finish("a")  # a FINISH checkpoint at step 11, its tail holding the real token
     cache.check_integrity()
     hit = cache.match(CacheRequest("b", tokens(10, seed=3) + (42, 1)))
     assert hit.cached_len == 11
 
 
-def test_fill_pending_where_nothing_is_pending():
+def test_accept_where_nothing_is_pending():
     cache = running(tokens(10, seed=4), (3,), "a")
-    cache.fill_pending("a", 11, 9)  # position 11 was never fed: nothing to do
-    cache.fill_pending("gone", 3, 9)  # not running (preempted or retired): nothing to do
-    with pytest.raises(ValueError, match="no pending token"):
-        cache.fill_pending("a", 10, 9)
+    cache.accept({"a": (9,)})  # its sample was never fed: nothing to take
+    cache.accept({"gone": (9,)})  # not running (preempted or retired): nothing to do
+    assert cache._seqs["a"].token_ids == [*tokens(10, seed=4), 3]
     feed_pending(cache, "a")
-    with pytest.raises(ValueError, match="no pending token"):
-        cache.fill_pending("a", 11, -5)
+    with pytest.raises(ValueError, match="pending token"):
+        cache.accept({"a": (-5,)})
+    with pytest.raises(ValueError, match="pending token"):
+        cache.accept({"a": (9, 9)})
     cache.check_integrity()
 
 

@@ -6,7 +6,7 @@ with synchronous or async steps (as `LLMEngine` runs them: the next step is plan
 each token the previous one sampled, the tokens are filled in after the commit, and the previous step's
 finishes come after that, so a finished sequence's row has already run one step more).
 Speculative steps (k drafts, sync steps only): decoding sequences feed random drafts, keep a random prefix of
-them (`accept_drafts`, whose rollback the fake device runs) and the fake device checks that no rejected draft's KV
+them (`Scheduler.accept`, whose rollback the fake device runs) and the fake device checks that no rejected draft's KV
 or state is ever read as a sequence's, a checkpoint's or a trie node's.
 After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
 sample's slot holds its whole prompt's state), and no sequence waits forever.
@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CacheRequest, PrefixCache
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
-from hybridcache.scheduler.scheduler import Scheduler
+from hybridcache.scheduler.scheduler import Accepted, Scheduler
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import FakeDevice
@@ -95,8 +95,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
             return
-        for seq, position in pending:  # the device reads the previous step's tokens when it runs this one
-            self.scheduler.fill_token(seq, position, data.draw(st.integers(0, 12)))
+        # the device reads the previous step's tokens when it runs this one
+        self.scheduler.accept({seq: Accepted(data.draw(st.integers(0, 12))) for seq, _position in pending})
         self.device.execute_step(output)
         self.idle_steps = self.idle_steps + 1 if output.is_empty and previous is None else 0
         if previous is not None:
@@ -107,8 +107,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 chunk.seq.num_computed = chunk.end - chunk.num_drafts
         verified = {c.seq: list(c.token_ids[c.num_tokens - c.num_drafts:]) for c in output.chunks if c.num_drafts}
         if verified:  # keep a random prefix of each row's drafts
-            kept = {seq: drafts[:data.draw(st.integers(0, len(drafts)))] for seq, drafts in verified.items()}
-            self.device.execute_rollback(self.scheduler.accept_drafts(kept))
+            kept = {seq: Accepted(kept=tuple(drafts[:data.draw(st.integers(0, len(drafts)))]))
+                    for seq, drafts in verified.items()}
+            self.device.execute_rollback(self.scheduler.accept(kept))
         if self.async_steps:
             self.launched = sampled
         else:
@@ -133,8 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def _complete(self, previous: list[Seq], pending: list[tuple[Seq, int]], data) -> None:
         """Async: the tokens of `previous` (those still pending) are filled in, then some of its sequences stop."""
-        for seq, position in pending:
-            self.scheduler.fill_token(seq, position, data.draw(st.integers(0, 12)))
+        self.scheduler.accept({seq: Accepted(data.draw(st.integers(0, 12))) for seq, _position in pending})
         self._finish_some([seq for seq in previous if not seq.is_finished], data)
 
     def _finish_some(self, sampled: list[Seq], data) -> None:
@@ -158,6 +158,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.idle_steps == 0, "a step with work scheduled nothing"
         for seq in self.scheduler.running:
             assert seq.status is SeqStatus.RUNNING
+            assert self.cache._seqs[seq.seq_id].token_ids is seq.token_ids  # one owner of the tokens: no copy
 
     def teardown(self):
         if not hasattr(self, "scheduler"):
@@ -179,9 +180,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.device.execute_step(output)
             for chunk in output.chunks:
                 chunk.seq.num_computed = chunk.end - chunk.num_drafts
-            verified = {c.seq: () for c in output.chunks if c.num_drafts}
+            verified = {c.seq: Accepted(kept=()) for c in output.chunks if c.num_drafts}
             if verified:
-                self.device.execute_rollback(self.scheduler.accept_drafts(verified))
+                self.device.execute_rollback(self.scheduler.accept(verified))
             for seq in [c.seq for c in output.chunks if c.samples] + [s.seq for s in output.samples]:
                 seq.token_ids.append(1)
                 seq.finish_reason = "stop"

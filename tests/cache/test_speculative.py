@@ -1,4 +1,4 @@
-"""Speculative steps in the cache: a decoding sequence feeds its last token and n drafts; `accept_drafts` keeps a
+"""Speculative steps in the cache: a decoding sequence feeds its last token and n drafts; `accept` keeps a
 prefix of them. Drafts never reach the trie or a checkpoint before they are accepted, their KV lies only in the
 sequence's private blocks, and a partial acceptance returns the `STATE_ROLLBACK` copy of the right draft state."""
 
@@ -37,14 +37,14 @@ def test_drafts_join_the_tokens_only_when_accepted_and_a_partial_acceptance_roll
     assert cache.num_computed("a") == 14 and cache.stats.num_nodes == 1  # block 1 is not full of accepted tokens
     cache.check_integrity()
     slot = cache.slot("a")
-    plan = cache.accept_drafts({"a": (51,)})  # one of three kept: the state after verify position 1
+    plan = cache.accept({"a": (51,)})  # one of three kept: the state after verify position 1
     assert plan.pairs(CopyKind.STATE_ROLLBACK) == [(slot * K + 1, slot)]
     assert not plan.ops[0].paged  # a whole slot, also when checkpoints are paged
     assert cache.num_computed("a") == 15 and cache.stats.num_nodes == 1
     cache.check_integrity()
     verify(cache, "a", 60, (61, 62))  # positions 15 | 16 17
     assert cache.stats.num_nodes == 2  # token 60 completes block 1 (positions 8..15)
-    plan = cache.accept_drafts({"a": (61, 62)})  # all kept: the slot already holds the state after them
+    plan = cache.accept({"a": (61, 62)})  # all kept: the slot already holds the state after them
     assert plan.is_empty and cache.num_computed("a") == 18
     cache.check_integrity()
 
@@ -53,13 +53,13 @@ def test_rejected_drafts_never_reach_the_trie_and_accepted_ones_that_fill_a_bloc
     prompt = tokens(14, seed=2)
     cache = running(prompt, "a", "b")
     verify(cache, "a", 70, (71, 72))  # positions 14 | 15 16: draft 71 would complete block 1
-    assert cache.accept_drafts({"a": ()}).pairs(CopyKind.STATE_ROLLBACK) == [(cache.slot("a") * K, cache.slot("a"))]
+    assert cache.accept({"a": ()}).pairs(CopyKind.STATE_ROLLBACK) == [(cache.slot("a") * K, cache.slot("a"))]
     assert cache.stats.num_nodes == 1
     cache.commit_step({"a": (99,)})  # the token the verify sampled instead completes block 1
     assert cache._seqs["a"].nodes[1].token_ids == (*prompt[8:], 70, 99)
     assert cache.ensure_capacity("b", 15 + 2 * K)
     cache.commit_step({"b": (70, 71, 72)}, {"b": 2})
-    cache.accept_drafts({"b": (71, 72)})  # accepted: block 1 of "b" = [..., 70, 71] joins the trie
+    cache.accept({"b": (71, 72)})  # accepted: block 1 of "b" = [..., 70, 71] joins the trie
     assert cache._seqs["b"].nodes[1].token_ids == (*prompt[8:], 70, 71)
     assert cache.stats.num_nodes == 3
     cache.check_integrity()
@@ -71,7 +71,7 @@ def test_finish_after_acceptance_saves_exactly_the_accepted_tokens():
     verify(cache, "a", 5, (6, 7, 9))
     with pytest.raises(ValueError, match="drafts not judged"):
         cache.finish("a")
-    cache.accept_drafts({"a": (6, 7)})
+    cache.accept({"a": (6, 7)})
     assert cache.finish("a")  # a finish checkpoint at step 13 = prompt + [5, 6, 7]
     hit = cache.match(CacheRequest("b", (*prompt, 5, 6, 7, 1)))
     assert hit.cached_len == 13
@@ -101,10 +101,11 @@ def test_bad_speculative_calls_are_refused_and_change_nothing(bad):
         call = lambda: cache.commit_step({"a": (3,)})  # noqa: E731
     elif bad == "keeps_more":
         cache.commit_step({"a": (1, 2)}, {"a": 1})
-        call = lambda: cache.accept_drafts({"a": (2, 3)})  # noqa: E731
-    else:
+        call = lambda: cache.accept({"a": (2, 3)})  # noqa: E731
+    else:  # drafts not judged by the step's accept stay unjudged: the next commit is refused
         cache.commit_step({"a": (1, 2)}, {"a": 1})
-        call = lambda: cache.accept_drafts({})  # noqa: E731
+        cache.accept({})
+        call = lambda: cache.commit_step({"a": (3,)})  # noqa: E731
     before = (cache.num_computed("a"), cache.block_ids("a"), cache.stats.num_nodes)
     with pytest.raises(ValueError):
         call()
