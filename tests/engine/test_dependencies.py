@@ -5,6 +5,7 @@ import; the declared graph has no cycle, so dependencies run one way:
 
     server, bench, cli -> llm -> engine -> scheduler -> cache -> copy_kinds
     router -> server (request parsing), cache (events, hashes); router/cli.py adds `serve --data-parallel-size`
+    bench -> router: the replica simulator routes with the router's own policy and index (pure Python)
     distributed -> engine -> models -> layers -> kernels -> forward_batch -> copy_kinds
     config: a leaf; cli.py and the subcommand modules share engine_args.py, not each other
     kernels import nothing of cache or layers; cache imports nothing of hybridcache but the leaf copy_kinds
@@ -63,8 +64,8 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"cache", "engine", "engine_args", "extras", "generation_config", "guided", "images", "mm_processor",
                "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
     "router": {"cache", "engine_args", "model_path", "server", "tokenizer"},
-    "bench": {FACADE, "cache", "config", "engine", "engine_args", "extras", "model_path", "models", "scheduler",
-              "tokenizer"},
+    "bench": {FACADE, "cache", "config", "engine", "engine_args", "extras", "model_path", "models", "router",
+              "scheduler", "tokenizer"},
 }
 
 
