@@ -152,7 +152,7 @@ def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | N
 
 
 def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
-                  device: torch.device | str) -> MtpHead:
+                  device: torch.device | str, quantization: str | None = None) -> MtpHead:
     """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes, and
     its `tp`: under tensor parallelism the rank's shard of the head, reading only the rank's part of each split
     tensor, checked against the full head's shapes).
@@ -161,7 +161,9 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     `quantization_config` (block `weight_scale_inv` or per-channel `weight_scale`), and the head's FP8 linears are
     exactly those `mtp.*` weights with a scale beside them (`quant.fp8_modules`: checkpoints keep some of the head
     dense, e.g. its router gates), which become `Fp8Linear`s (FP8 weight, fp32 scale, whatever `dtype` is); under
-    tensor parallelism each scale's part follows its weight's (`loader.checkpoint_shards`).
+    tensor parallelism each scale's part follows its weight's (`loader.checkpoint_shards`). `quantization="fp8"`
+    on a checkpoint without a quantization_config quantises the head's linears after they are read, as
+    `load_model` does the target's (all but `quant.keeps_dtype`: the router gates; each rank its own shard).
 
     Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
     them, on float8 `mtp.*` tensors without their scale (or without a quantization_config), on a scale beside a
@@ -179,7 +181,8 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
     shapes = {name: shape for name, shape in shapes.items() if name in location}
     num_layers = mtp_num_layers(model_dir, shapes)
-    fp8 = _fp8_head_linears(model_dir, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
+    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
+    fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
     with torch.device("meta"):
         full = MtpHead(target.config, num_layers).to(dtype=dtype)
         head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp).to(dtype=dtype)
@@ -199,16 +202,17 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     with torch.no_grad():
         for target_name, source in plan.items():
             copy_parameter(params[target_name], shards.get(target_name), source, read)
+    if quantization == "fp8" and fmt is None:
+        quant.quantize_linears_(head, quant.quantizable_linears(head))
     return head.eval()
 
 
-def _fp8_head_linears(model_dir: Path, dtypes: dict[str, str]) -> dict[str, Fp8Format]:
-    """The head's module name -> FP8 format of every linear whose weight is FP8 in the folder (`dtypes`: the head's
-    tensors, `mtp.` taken off -> safetensors dtype); ValueError when its float8 tensors are not exactly those
-    weights (`quant.check_fp8_dtypes`, as for the target's tensors)."""
+def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str, Fp8Format]:
+    """The head's module name -> `fmt` (the folder's FP8 format) for every linear whose weight is FP8 in the folder
+    (`dtypes`: the head's tensors, `mtp.` taken off -> safetensors dtype); ValueError when its float8 tensors are
+    not exactly those weights (`quant.check_fp8_dtypes`, as for the target's tensors)."""
     from hybridcache.models import quant
 
-    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
     names = quant.fp8_modules(dtypes, fmt) if fmt is not None else []
     try:
         quant.check_fp8_dtypes(dtypes, names)

@@ -68,3 +68,26 @@ def test_a_split_that_cuts_a_block_of_the_head_is_refused(tmp_path):
     _, rank0, _ = targets(folder)
     with pytest.raises(ValueError, match=r"self_attn\.\w_proj in FP8 blocks of 128 .*split a block"):
         load_mtp_head(folder, rank0, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.slow
+def test_greedy_mtp_on_two_ranks_of_an_fp8_folder_equals_one_rank_without_it(tmp_path):
+    """A 2-rank engine (gloo) with MTP k = 2 on an FP8 folder (block format; FP8 target and head, each rank its
+    shard) against one rank without MTP: greedy tokens and finish reasons of 150+-token prompts, `n = 2`, a stop
+    string and a resend (test_tp_speculative's `long_requests`), oracle drafts so that verify rows accept and roll
+    back, `check_integrity` after every step."""
+    from tests.engine.spec_helpers import oracle
+
+    from .test_tp_speculative import make_engine, run
+
+    dense = write_folder(tmp_path / "dense", "qwen3_5_text", **ALIGNED)
+    folder = write_fp8_folder(dense, tmp_path / "block", "block")
+    off = run(make_engine(folder, caching=False), workload=False)
+    engine = make_engine(folder, k=2, tp=2)
+    try:
+        oracle(engine, {rid: tokens for rid, (tokens, _) in off.items()}, seed=4)
+        assert run(engine, workload=False, check_every_step=True) == off
+        stats = engine.drafter.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    finally:
+        engine.close()

@@ -2,8 +2,9 @@
 linears too, as Qwen's FP8 checkpoints do) in both formats the loader reads ("block": 128 x 128
 `weight_scale_inv`; "channel": compressed-tensors `weight_scale` [N, 1]); the head loads with `Fp8Linear`s whose
 dequantised weights are the dense head's within FP8 rounding and whose drafts (150 positions, fp32 on the CPU)
-are the dequantised dense head's; float8 head tensors without their scale are refused; greedy tokens with MTP on
-equal those with it off on an FP8 folder."""
+are the dequantised dense head's; `quantization="fp8"` quantises a dense head as the block folder holds it;
+float8 head tensors without their scale are refused; greedy tokens with MTP on equal those with it off on an FP8
+folder."""
 
 from __future__ import annotations
 
@@ -82,6 +83,23 @@ def test_an_fp8_head_is_the_dense_head_within_fp8_rounding(dense_dir, tmp_path, 
     got = draft_logits(model, head)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max(), float((got - want).abs().max())
     assert want.abs().max() > 0.1
+
+
+def test_quantize_at_load_equals_the_block_checkpoints_head(dense_dir, tmp_path):
+    """`quantization="fp8"` on the dense folder: the head's linears quantised after loading are the block-format
+    folder's, byte for byte and scale for scale (the router gates stay dense in both)."""
+    written = load_mtp_head(write_fp8_folder(dense_dir, tmp_path / "block", "block"), load_model(dense_dir),
+                            dtype=torch.float32, device="cpu")
+    quantized = load_mtp_head(dense_dir, load_model(dense_dir), dtype=torch.float32, device="cpu",
+                              quantization="fp8")
+    assert sorted(head_fp8_linears(quantized)) == sorted(head_fp8_linears(written))
+    assert "fc" in head_fp8_linears(quantized)
+    want = dict(written.named_parameters())
+    for name, param in quantized.named_parameters():
+        assert param.dtype == want[name].dtype, name
+        assert torch.equal(param.view(torch.uint8) if param.dtype == torch.float8_e4m3fn else param,
+                           want[name].view(torch.uint8) if param.dtype == torch.float8_e4m3fn else want[name]), name
+    assert want.keys() == dict(quantized.named_parameters()).keys()
 
 
 def test_float8_head_tensors_without_their_scale_are_refused(tmp_path):
