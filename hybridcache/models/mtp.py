@@ -24,6 +24,9 @@ attention's q heads and the kv heads they read, its MLP's or experts' intermedia
 hidden state is whole and equal on every rank), `fc` and the norms are replicated; `shards()` names the split
 parameters and `load_mtp_head`, given a target loaded with `tp`, reads only the rank's part of each, as the
 target's loader does.
+
+FP8 checkpoints: the head's linears with a scale beside their weight load as `Fp8Linear`s in the folder's format,
+split under tensor parallelism as the target's are (`load_mtp_head`).
 """
 
 from __future__ import annotations
