@@ -24,6 +24,9 @@ attention's q heads and the kv heads they read, its MLP's or experts' intermedia
 hidden state is whole and equal on every rank), `fc` and the norms are replicated; `shards()` names the split
 parameters and `load_mtp_head`, given a target loaded with `tp`, reads only the rank's part of each, as the
 target's loader does.
+
+FP8 checkpoints: the head's linears with a scale beside their weight load as `Fp8Linear`s in the folder's format,
+split under tensor parallelism as the target's are (`load_mtp_head`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.fp8_format import Fp8Format
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
@@ -151,34 +155,48 @@ def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | N
 
 
 def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
-                  device: torch.device | str) -> MtpHead:
+                  device: torch.device | str, quantization: str | None = None) -> MtpHead:
     """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes, and
     its `tp`: under tensor parallelism the rank's shard of the head, reading only the rank's part of each split
     tensor, checked against the full head's shapes).
 
+    FP8 heads load as the target's FP8 linears do (`models/loader.py`): the format is config.json's
+    `quantization_config` (block `weight_scale_inv` or per-channel `weight_scale`), and the head's FP8 linears are
+    exactly those `mtp.*` weights with a scale beside them (`quant.fp8_modules`: checkpoints keep some of the head
+    dense, e.g. its router gates), which become `Fp8Linear`s (FP8 weight, fp32 scale, whatever `dtype` is); under
+    tensor parallelism each scale's part follows its weight's (`loader.checkpoint_shards`). `quantization="fp8"`
+    on a checkpoint without a quantization_config quantises the head's linears after they are read, as
+    `load_model` does the target's (all but `quant.keeps_dtype`: the router gates; each rank its own shard).
+
     Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
-    them, or (through the loader's rules: names, shapes, per-expert or stacked experts) on any missing,
-    unexpected or mis-shaped tensor. Only `mtp.*` tensors are read; the target's loading ignores them."""
+    them, on float8 `mtp.*` tensors without their scale (or without a quantization_config), on a scale beside a
+    dense weight, on a block split that cuts a scale block, or (through the loader's rules: names, shapes,
+    per-expert or stacked experts) on any missing, unexpected or mis-shaped tensor. Only `mtp.*` tensors are
+    read; the target's loading ignores them."""
     from safetensors import safe_open
 
+    from hybridcache.models import quant
     from hybridcache.models.loader import _copy_one as copy_parameter
-    from hybridcache.models.loader import plan_weights_for, safetensors_files
+    from hybridcache.models.loader import _read_headers, checkpoint_shards, plan_weights_for, safetensors_files
 
     model_dir = Path(model_dir)
-    shapes = mtp_tensor_shapes(model_dir)
+    location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
+    location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
+    shapes = {name: shape for name, shape in shapes.items() if name in location}
     num_layers = mtp_num_layers(model_dir, shapes)
+    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
+    fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
     with torch.device("meta"):
-        full = MtpHead(target.config, num_layers)
-        head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp)
+        full = MtpHead(target.config, num_layers).to(dtype=dtype)
+        head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp).to(dtype=dtype)
+    for module in {id(full): full, id(head): head}.values():
+        quant.convert_linears(module, fp8)
     plan = plan_weights_for(full, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
                             owner="the MTP head")
-    head = head.to(dtype=dtype).to_empty(device=device)
-    location = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            location.update({name: file for name in handle.keys() if name.startswith(MTP_PREFIX)})  # noqa: SIM118
+    shards = checkpoint_shards(head, full)
+    head = head.to_empty(device=device)
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}
-    params, shards = dict(head.named_parameters()), head.shards()
+    params = dict(head.named_parameters())
 
     def read(checkpoint_name: str, index: tuple) -> torch.Tensor:
         name = MTP_PREFIX + checkpoint_name
@@ -187,7 +205,23 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     with torch.no_grad():
         for target_name, source in plan.items():
             copy_parameter(params[target_name], shards.get(target_name), source, read)
+    if quantization == "fp8" and fmt is None:
+        quant.quantize_linears_(head, quant.quantizable_linears(head))
     return head.eval()
+
+
+def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str, Fp8Format]:
+    """The head's module name -> `fmt` (the folder's FP8 format) for every linear whose weight is FP8 in the folder
+    (`dtypes`: the head's tensors, `mtp.` taken off -> safetensors dtype); ValueError when its float8 tensors are
+    not exactly those weights (`quant.check_fp8_dtypes`, as for the target's tensors)."""
+    from hybridcache.models import quant
+
+    names = quant.fp8_modules(dtypes, fmt) if fmt is not None else []
+    try:
+        quant.check_fp8_dtypes(dtypes, names)
+    except ValueError as error:
+        raise ValueError(f"the MTP head (mtp.*): {error}") from None
+    return dict.fromkeys(names, fmt)
 
 
 def write_random_mtp(model_dir: str | Path, seed: int = 0, num_layers: int = 1, *,
