@@ -9,10 +9,8 @@ import random
 
 import pytest
 
-from tests.engine.test_cache_equivalence import make_engine
-
 from .folders import write_config_folder
-from .test_tensor_parallel import REL_TOL, generate, rel_err
+from .test_tensor_parallel import assert_two_ranks_match_one
 
 
 @pytest.mark.slow  # a spawned worker: ~20-25 s on 2 busy cores
@@ -21,14 +19,4 @@ def test_two_ranks_of_dummy_weights_match_one_rank(tmp_path):
     folder = write_config_folder(tmp_path, "qwen3_next", vocab_size=321, tie_word_embeddings=True)
     assert not list(folder.glob("*.safetensors"))
     prompt = [random.Random(3).randrange(256) for _ in range(160)]
-    single = make_engine(folder, load_format="dummy")
-    want = generate(single, "dummy", prompt, 8)
-    engine = make_engine(folder, load_format="dummy", tensor_parallel_size=2)
-    try:
-        got = generate(engine, "dummy", prompt, 8)
-    finally:
-        engine.runner.shutdown()
-    assert got == want and len(want) == 8
-    for i in range(len(want)):
-        key = ("dummy", 0, len(prompt) + i)
-        assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
+    assert_two_ranks_match_one(folder, "dummy", prompt, load_format="dummy")

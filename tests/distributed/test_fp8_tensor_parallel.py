@@ -19,11 +19,10 @@ import pytest
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.models.fp8_folders import write_fp8_folder
-from tests.engine.test_cache_equivalence import make_engine
 
 from .folders import write_config_folder, write_folder
 from .test_fp8_sharding import ALIGNED
-from .test_tensor_parallel import REL_TOL, generate, rel_err
+from .test_tensor_parallel import assert_two_ranks_match_one
 
 SLOW = pytest.mark.slow
 CASES = ["qwen3_next-block", pytest.param("qwen3_next-channel", marks=SLOW),
@@ -40,19 +39,8 @@ def fp8_dir(request, tmp_path_factory):
 
 
 def test_two_ranks_match_one_rank_on_an_fp8_folder(fp8_dir):
-    prompt = [random.Random(13).randrange(256) for _ in range(170)]
-    single = make_engine(fp8_dir)
+    single = assert_two_ranks_match_one(fp8_dir, "fp8", [random.Random(13).randrange(256) for _ in range(170)])
     assert single.weight_format.startswith("fp8-")
-    want = generate(single, "fp8", prompt, 8)
-    engine = make_engine(fp8_dir, tensor_parallel_size=2)
-    try:
-        got = generate(engine, "fp8", prompt, 8)
-    finally:
-        engine.runner.shutdown()
-    assert got == want and len(want) == 8
-    for i in range(len(want)):
-        key = ("fp8", 0, len(prompt) + i)
-        assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
 
 
 @SLOW  # two engines, one of them 2-rank
@@ -61,17 +49,7 @@ def test_two_ranks_of_fp8_dummy_weights_match_one_rank(tmp_path):
     serves): no weights on disk, every rank keeps its part of the one-rank model's quantised draws."""
     folder = write_config_folder(tmp_path, "qwen3_next", **ALIGNED)
     prompt = [random.Random(3).randrange(256) for _ in range(160)]
-    single = make_engine(folder, load_format="dummy", quantization="fp8")
-    want = generate(single, "dummy", prompt, 8)
-    engine = make_engine(folder, load_format="dummy", quantization="fp8", tensor_parallel_size=2)
-    try:
-        got = generate(engine, "dummy", prompt, 8)
-    finally:
-        engine.runner.shutdown()
-    assert got == want and len(want) == 8
-    for i in range(len(want)):
-        key = ("dummy", 0, len(prompt) + i)
-        assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
+    assert_two_ranks_match_one(folder, "dummy", prompt, load_format="dummy", quantization="fp8")
 
 
 def test_a_split_block_fails_before_any_worker_starts(tmp_path, monkeypatch):

@@ -75,6 +75,24 @@ def generate(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: 
     raise AssertionError("the request did not finish")
 
 
+def assert_two_ranks_match_one(folder, label: str, prompt: list[int], max_tokens: int = 8,
+                               **engine_args) -> LLMEngine:
+    """One rank, then two ranks, on `folder` with `engine_args`: the same `max_tokens` greedy tokens, and every
+    sampled position's logits within REL_TOL of one rank's. Returns the one-rank engine."""
+    single = make_engine(folder, **engine_args)
+    want = generate(single, label, prompt, max_tokens)
+    engine = make_engine(folder, tensor_parallel_size=2, **engine_args)
+    try:
+        got = generate(engine, label, prompt, max_tokens)
+    finally:
+        engine.runner.shutdown()
+    assert got == want and len(want) == max_tokens
+    for i in range(len(want)):
+        key = (label, 0, len(prompt) + i)
+        assert rel_err(engine.logits[key], single.logits[key]) <= REL_TOL, i
+    return single
+
+
 def test_two_ranks_match_one_rank_and_transformers(model_dir, tp_engine):
     prompt = [random.Random(7).randrange(256) for _ in range(170)]
     single = make_engine(model_dir)
