@@ -46,7 +46,7 @@ from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
-from hybridcache.cache.trie import Node, Trie, prompt_block_hashes
+from hybridcache.cache.trie import Node, Trie, path_to, prompt_block_hashes
 
 
 @dataclass(frozen=True)
@@ -269,12 +269,7 @@ class HostTier:
         state not written yet (`unwritten`), a host block whose save is still in the plan being built, or a device
         node inserted since the last plan (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
-        device_nodes = []
-        node = frontier
-        while not node.is_root:
-            device_nodes.append(node)
-            node = node.parent
-        device_nodes.reverse()
+        device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
         host_ids = (*state_ids, *(n.host_block for n in host_nodes))

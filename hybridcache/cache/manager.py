@@ -48,7 +48,7 @@ from hybridcache.cache.policy import make_admission_policy
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, Probe, SaveReason
 from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
 from hybridcache.cache.stats import CacheStats, DeclineCause, StatsCounter
-from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, prompt_block_hashes
+from hybridcache.cache.trie import HashFn, Node, Trie, chain_hash, path_to, prompt_block_hashes
 
 
 class PrefixCache:
@@ -220,7 +220,7 @@ class PrefixCache:
         self._stats.num_queries += 1
         self._stats.num_query_tokens += request.prompt_len
         if ckpt is not None:
-            seq.nodes = _path_to(ckpt.anchor)
+            seq.nodes = path_to(ckpt.anchor)
             seq.block_ids = [n.block_id for n in seq.nodes]
             if tuple(seq.block_ids[:len(match.block_ids)]) != match.block_ids:
                 raise AssertionError(f"match {match.match_id} blocks changed while pinned")
@@ -734,14 +734,3 @@ class PrefixCache:
         """Recompute every count from scratch; raise `IntegrityError` with a precise message on a mismatch."""
         check_integrity(self._life, self._seqs, [ckpt for _request, ckpt, _path in self._matches.values()],
                         list(self._host_holds.values()))
-
-
-def _path_to(anchor: Node) -> list[Node]:
-    """The nodes from depth 1 down to `anchor` (empty for a root)."""
-    nodes = []
-    node = anchor
-    while not node.is_root:
-        nodes.append(node)
-        node = node.parent
-    nodes.reverse()
-    return nodes

@@ -75,6 +75,16 @@ def root_hash(adapter: str | None) -> int:
     return xxhash.xxh64(repr(adapter).encode()).intdigest()
 
 
+def path_to(node: Node) -> list[Node]:
+    """The nodes from depth 1 down to `node` (empty for a root)."""
+    nodes = []
+    while not node.is_root:
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    return nodes
+
+
 class Node:
     """One full block in the trie (or a root: `block_id` None, depth 0, no tokens).
 
