@@ -412,7 +412,8 @@ class PrefixCache:
         node: the sequence's own block is freed and it shares the canonical one from the next step on),
         the step's saves are published (their STATE_SAVE / KV_SAVE copies emitted), restore pins and save
         pins are dropped. Paged: the state copies of sequences retired since the last commit with a checkpoint
-        (`finish`, `preempt`) come first, as STATE_FINISH.
+        (`finish`, `preempt`) come first, as STATE_FINISH; those checkpoints stay pinned until the plan is built,
+        since a demotion in this plan would queue a HOST_SAVE of their pages, and host ops run before STATE_FINISH.
         A decoding sequence may feed `PENDING_TOKEN` as its last token (async scheduling:
         the previous step's sample is still on the device) when it saves nothing in this step; a block that
         fills with it joins the trie at `accept`, which gives its value. Returns this step's copies: restores
@@ -423,11 +424,15 @@ class PrefixCache:
         drafts = drafts or {}
         self._check_fed(fed, drafts)
         builder = PlanBuilder(paged_states=self.config.paged)
+        finishing: list[Checkpoint] = []
         for ckpt, slot in self._finish_saves:
             if ckpt.state is not CheckpointState.RELEASED:  # released since (evicted, a duplicate): nothing to save
                 kind = CopyKind.HOST_FINISH if ckpt.on_host else CopyKind.STATE_FINISH  # demoted since: to the host
                 for chunk, page in self._state_pairs(slot, ckpt):
                     builder.add(kind, chunk, page)
+                if not ckpt.on_host:  # this plan's host ops run before its STATE_FINISH: no demotion until built
+                    self._life.pin(ckpt)
+                    finishing.append(ckpt)
             ckpt.unwritten = False  # written before anything later in this plan reads its pages
         self._finish_saves = []
         for seq in self._seqs.values():
@@ -450,7 +455,7 @@ class PrefixCache:
             seq.saves = []
         for seq in self._seqs.values():
             self._drop_restore(seq)
-        for ckpt in published:
+        for ckpt in (*published, *finishing):
             self._life.unpin(ckpt)
         if self._life.host is not None:  # demotions and promotions since the last plan, saves first
             saves, loads = self._life.host.end_step()

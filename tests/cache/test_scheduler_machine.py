@@ -283,3 +283,35 @@ def test_a_hit_that_needs_one_block_more_than_a_miss_runs_as_a_miss():
     second.finish_reason = "stop"
     scheduler.finish(second)
     scheduler.check_integrity()
+
+
+class _Scripted:
+    """`data` for the machine's rules with the draws given in order (a found failure, replayed by hand)."""
+
+    def __init__(self, *values) -> None:
+        self.values = list(values)
+
+    def draw(self, _strategy):
+        return self.values.pop(0)
+
+
+def test_a_finish_state_written_in_a_plan_is_not_demoted_by_that_plan():
+    """Async, paged, a host tier: two sequences finish (their STATE_FINISH copies go into the next plan), and
+    that plan's commit needs room. Demoting one of them there would queue a HOST_SAVE of its pages, which runs
+    before the plan's STATE_FINISH writes them (host ops come first): the host would keep a page of garbage."""
+    machine = SchedulerMachine()
+    machine.setup(block_size=8, num_blocks=12, num_slots=4, budget=4, mode="hybridcache", eviction="lru",
+                  learned=False, async_steps=True, state_pages=1, host_blocks=4, spec_k=0)
+    first, second = DOCS
+    machine.add(_Scripted(first, 1, []), 1)
+    machine.add(_Scripted(first, 1, [1]), 1)
+    machine.step(_Scripted())
+    machine.add(_Scripted(first, 1, []), 1)
+    machine.step(_Scripted(0, 0, 0, 0))  # both earlier sequences finish
+    machine.abort(_Scripted(machine.seqs[2]))
+    machine.add(_Scripted(first, 2, []), 1)
+    machine.add(_Scripted(second, 1, []), 1)
+    machine.step(_Scripted(*[0] * 8))  # the fake device checks every host page
+    machine.consistent()
+    assert machine.cache.stats.num_demoted_checkpoints >= 1
+    machine.teardown()
