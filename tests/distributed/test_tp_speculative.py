@@ -30,6 +30,7 @@ from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.mtp import MTP_FILE, load_mtp_head
 from hybridcache.sampling import SamplingParams
 from tests.engine.spec_helpers import oracle, spec
+from tests.engine.test_async_scheduling import run_all
 from tests.engine.test_cache_equivalence import run_workload
 
 from .folders import write_folder
@@ -104,12 +105,7 @@ def long_requests(engine: LLMEngine, stop: list[str], check_every_step: bool = F
     results = {}
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
-        while engine.has_unfinished_requests():
-            for output in engine.step():
-                if output.finished:
-                    results[output.request_id] = output
-            if check_every_step:
-                engine.check_integrity()
+        results.update(run_all(engine, check=check_every_step))
     return results
 
 
