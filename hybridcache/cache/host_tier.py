@@ -22,12 +22,8 @@ Rules (each checked by `integrity.check_host`):
   so dropping a checkpoint also drops the host nodes it leaves dead.
 - Every host block is held by exactly one host node (its KV) or one host checkpoint (a page of its state or its
   frozen tail), or is the source of a promotion of this step (reused from the next step on).
-- Eviction (`make_room`): GreedyDual over kinds of checkpoint (save reason x adapter): each host checkpoint's
-  priority is the floor when it was demoted plus the prefill tokens a demotion of its kind has given back on
-  average (`ReturnRates`); the lowest unpinned goes, ties the oldest demotion, and the floor rises to it. A kind
-  whose demotions come back (branch points of shared prompts) outlives one whose never do (turn ends nobody
-  continues), and anything unhit ages out; with one kind it is the order of demotion. A host item is never
-  touched (a hit promotes it); what falls out is gone.
+- Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
+  the oldest unpinned first; what falls out is gone.
 
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
 its blocks are freed (`fall_out`: its chain and state as a tier behind needs them), and `Lifecycle.adopt_stored`
@@ -49,7 +45,7 @@ from typing import Any, Protocol
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.matching import agreement_step, find_deepest
-from hybridcache.cache.request import CacheRequest, SaveReason
+from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, Trie, path_to, prompt_block_hashes
 
 
@@ -187,11 +183,6 @@ class HostTier:
         self.trie = trie
         self.under: dict[Node, Hanging] = {}  # device node -> what hangs off it in the host tier
         self.order: OrderedDict[int, Checkpoint] = OrderedDict()  # host checkpoints, oldest demotion first
-        self.returns = ReturnRates()  # what the demotions of each kind of checkpoint gave back (the host's order)
-        self._queues: dict[Kind, OrderedDict[int, Checkpoint]] = {}  # host checkpoints by kind, oldest first
-        self._credit: dict[int, tuple[float, int]] = {}  # host checkpoint id -> (floor when demoted, demotion no.)
-        self._floor = 0.0  # the priority of the last checkpoint the host's own eviction dropped
-        self._num_demotions = 0
         self.num_nodes = 0
         self.num_dropped = 0  # host checkpoints dropped (what falls out of the host tier is gone)
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
@@ -252,7 +243,7 @@ class HostTier:
         return list(self._loads.values())
 
     def make_room(self, num_blocks: int) -> bool:
-        """Drop unpinned host checkpoints (`_victim` picks each) until `num_blocks` host blocks are free; False (nothing
+        """Drop the oldest unpinned host checkpoints until `num_blocks` host blocks are free; False (nothing
         dropped) when even dropping every unpinned one would not free enough."""
         if self.pool.num_free >= num_blocks:
             return True
@@ -265,29 +256,11 @@ class HostTier:
         if reclaimable < num_blocks:
             return False
         while self.pool.num_free < num_blocks:
-            victim = self._victim()
+            victim = next(c for c in self.order.values() if c.num_pins == 0)
             if self.on_fall_out is not None:
                 self.on_fall_out(self.fall_out(victim))
             self.drop_checkpoint(victim)
         return True
-
-    def _victim(self) -> Checkpoint:
-        """The unpinned host checkpoint the host's own eviction drops next (GreedyDual over kinds): the lowest
-        priority, a checkpoint's priority being the floor when it was demoted plus what a demotion of its kind
-        gives back (`ReturnRates.worth`, tokens); ties: the oldest demotion. The floor rises to the victim's
-        priority, so what stays unhit ages out whatever its kind. Within a kind the oldest unpinned demotion has
-        the lowest priority, so only each kind's oldest is compared."""
-        best: tuple[tuple[float, int], Checkpoint] | None = None
-        for kind, queue in self._queues.items():
-            ckpt = next((c for c in queue.values() if c.num_pins == 0), None)
-            if ckpt is None:
-                continue
-            floor, number = self._credit[ckpt.ckpt_id]
-            priority = (floor + self.returns.worth(kind), number)
-            if best is None or priority < best[0]:
-                best = (priority, ckpt)
-        self._floor = max(self._floor, best[0][0])
-        return best[1]
 
     def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
         """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
@@ -353,21 +326,10 @@ class HostTier:
         ckpt.anchor = owner
         ckpt.on_host = True
         self.order[ckpt.ckpt_id] = ckpt
-        self._queues.setdefault(_kind(ckpt), OrderedDict())[ckpt.ckpt_id] = ckpt
-        self._credit[ckpt.ckpt_id] = (self._floor, self._num_demotions)
-        self._num_demotions += 1
-        self.returns.demoted(_kind(ckpt))
 
-    def unhang_checkpoint(self, ckpt: Checkpoint, promoted: bool = True) -> Owner:
+    def unhang_checkpoint(self, ckpt: Checkpoint) -> Owner:
         """Take `ckpt` out of the host tier (its blocks are the caller's now); returns the owner it hung off.
-        Host nodes it leaves dead are dropped. `promoted`: a hit takes it back (counted in `returns`)."""
-        kind = _kind(ckpt)
-        if promoted:
-            self.returns.returned(kind, ckpt.step)
-        del self._credit[ckpt.ckpt_id]
-        del self._queues[kind][ckpt.ckpt_id]
-        if not self._queues[kind]:
-            del self._queues[kind]
+        Host nodes it leaves dead are dropped."""
         owner = ckpt.anchor
         hanging = self.hanging(owner)
         key = (ckpt.step, ckpt.tail_hash)
@@ -385,7 +347,7 @@ class HostTier:
         tell `on_waste` when it was never hit (not when a device copy superseded it)."""
         if ckpt.num_pins:
             raise AssertionError(f"drop of pinned host {ckpt}")
-        self.unhang_checkpoint(ckpt, promoted=False)
+        self.unhang_checkpoint(ckpt)
         for host_block in (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))):
             self.release(host_block)
         ckpt.state = CheckpointState.RELEASED
@@ -603,48 +565,6 @@ def _num_pruned(ckpt: Checkpoint) -> int:
         count += 1
         parent = parent.parent
     return count
-
-
-Kind = tuple[SaveReason, str | None]  # a checkpoint's kind: why it was saved, its adapter
-
-
-def _kind(ckpt: Checkpoint) -> Kind:
-    return ckpt.reason, ckpt.adapter
-
-
-class ReturnRates:
-    """Per kind of checkpoint (save reason x adapter): how many went to the host tier and the prefill tokens of
-    those a hit took back. `worth(kind)`: tokens given back per demotion, smoothed by two demotions at the mean
-    of all kinds (since the start); a kind's counts halve at `window` demotions, so they follow the workload.
-
-    Worked example: 100 turn-end checkpoints demoted, 1 taken back by a 6,000-token hit; 100 branch points, 70
-    taken back by 1,500-token hits. The mean is (6,000 + 105,000) / 200 = 555 tokens per demotion; turn ends
-    are worth (6,000 + 1,110) / 102 = 70, branch points (105,000 + 1,110) / 102 = 1,040: with both demoted at
-    the same floor, the host drops turn ends first, and a branch point once the floor has risen past its own by
-    1,040 (the host dropped that much worth meanwhile)."""
-
-    def __init__(self, window: float = 1024.0) -> None:
-        self.window = window
-        self.kinds: dict[Kind, list[float]] = {}  # kind -> [demotions, tokens given back]
-        self.total = [0.0, 0.0]
-
-    def demoted(self, kind: Kind) -> None:
-        counts = self.kinds.setdefault(kind, [0.0, 0.0])
-        counts[0] += 1
-        self.total[0] += 1
-        if counts[0] >= self.window:
-            counts[0] /= 2
-            counts[1] /= 2
-
-    def returned(self, kind: Kind, tokens: int) -> None:
-        """A host checkpoint of `kind` was promoted by a hit of `tokens` prefill tokens."""
-        self.kinds.setdefault(kind, [0.0, 0.0])[1] += tokens
-        self.total[1] += tokens
-
-    def worth(self, kind: Kind) -> float:
-        prior = self.total[1] / self.total[0] if self.total[0] else 0.0
-        demotions, tokens = self.kinds.get(kind, (0.0, 0.0))
-        return (tokens + 2 * prior) / (demotions + 2)
 
 
 def _num_blocks(ckpt: Checkpoint) -> int:

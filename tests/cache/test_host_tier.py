@@ -7,10 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
-from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
-from hybridcache.cache.host_tier import HostTier, ReturnRates, StoredCheckpoint
-from hybridcache.cache.request import SaveReason
-from hybridcache.cache.trie import Trie
+from hybridcache.cache.host_tier import StoredCheckpoint
 from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import Driver, fingerprint
 
@@ -256,50 +253,3 @@ def test_what_the_host_drops_comes_back_into_another_cache_with_its_bytes():
         assert match.cached_len >= deepest >= stored.step, i
     assert restarted.stats.num_host_hits > 0 and restarted.stats.num_promoted_checkpoints > 0
     restarted.check_integrity()
-
-
-def hang(host: HostTier, root, ckpt_id: int, reason: SaveReason) -> Checkpoint:
-    """A published one-page checkpoint of `reason` hung off the device root in the host tier."""
-    ckpt = Checkpoint(ckpt_id=ckpt_id, adapter=None, step=8, reason=reason, slot=None, frozen_block=None,
-                      routed_experts=None, owner=None, last_access=0, pages=(host.pool.allocate(),))
-    ckpt.state = CheckpointState.PUBLISHED
-    host.hang_checkpoint(ckpt, root)
-    return ckpt
-
-
-def test_the_host_drops_the_kind_whose_demotions_never_come_back_first():
-    """GreedyDual over kinds (host_tier.py): a branch point, whose kind was taken back once, outlives three turn
-    ends demoted before and after it (the order of demotion would drop it second); among branch points the
-    oldest demotion goes first."""
-    trie = Trie()
-    root = trie.root(None)
-    host = HostTier(4, trie)
-    taken = hang(host, root, 0, SaveReason.BRANCH_POINT)
-    host.unhang_checkpoint(taken)  # a hit promotes it: branch points give back 8 tokens per demotion so far
-    host.release(taken.pages[0])
-    t1 = hang(host, root, 1, SaveReason.PREFILL_END)
-    b2 = hang(host, root, 2, SaveReason.BRANCH_POINT)
-    turn_ends = [t1, hang(host, root, 3, SaveReason.PREFILL_END), hang(host, root, 4, SaveReason.PREFILL_END)]
-    for i in range(3):
-        assert host.make_room(host.num_free + 1)  # one more drop
-        assert [c.ckpt_id in host.order for c in turn_ends] == [False] * (i + 1) + [True] * (2 - i)
-        assert b2.ckpt_id in host.order
-    later = [hang(host, root, ckpt_id, SaveReason.BRANCH_POINT) for ckpt_id in (5, 6, 7)]
-    assert host.num_free == 0 and host.make_room(1)
-    assert b2.ckpt_id not in host.order and all(c.ckpt_id in host.order for c in later)
-    assert host.num_used == 3
-
-
-def test_return_rates_worked_example():
-    """ReturnRates' docstring: 100 turn ends demoted and one taken back by a 6,000-token hit; 100 branch points,
-    70 taken back by 1,500-token hits."""
-    rates = ReturnRates()
-    turn_end, branch = (SaveReason.PREFILL_END, None), (SaveReason.BRANCH_POINT, None)
-    for _ in range(100):
-        rates.demoted(turn_end)
-        rates.demoted(branch)
-    rates.returned(turn_end, 6000)
-    for _ in range(70):
-        rates.returned(branch, 1500)
-    assert round(rates.worth(turn_end)) == 70 and round(rates.worth(branch)) == 1040
-    assert rates.worth((SaveReason.FINISH, None)) == pytest.approx(555)  # an unseen kind: the mean
