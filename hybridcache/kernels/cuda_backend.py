@@ -12,10 +12,12 @@
 |                  | same kernel writes only the draft states, then fla runs every sequence. Conv: the draft conv      |
 |                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
-| rms_norm, gated_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`)             |
+| rms_norm, gated_rms_norm, add_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`) |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
+| norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
+| sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
 | silu_mul         | one Triton launch each: the MLP's silu(gate) * up and the MoE block's routed + sigmoid(gate) * |
 | sigmoid_gate_add | shared (`activation/triton.py`)                                                                |
 
@@ -231,10 +233,13 @@ class CudaBackend:
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)
     rms_norm = staticmethod(fused_norm.rms_norm)
+    add_rms_norm = staticmethod(fused_norm.add_rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
     silu_mul = staticmethod(triton_activation.silu_mul)
     sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
+    sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)
     rotary = staticmethod(triton_rotary.rotary)
+    norm_rotary = staticmethod(triton_rotary.norm_rotary)
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:
