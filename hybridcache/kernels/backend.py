@@ -123,6 +123,22 @@ class KernelBackend(Protocol):
         """
         ...
 
+    def gated_delta(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,  # noqa: N803 (the checkpoint's name)
+        dt_bias: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`delta_gates(a, b, A_log, dt_bias)` and then `gated_delta_rule` with those gates, as one op (a backend may
+        fuse the gates into the rule's kernel; the results are those of the two ops)."""
+        ...
+
     def delta_gates(
         self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,6 +369,13 @@ class ReferenceBackend:
             _DenseWeights([e.up_proj for e in experts], x.dtype),
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
+
+    def gated_delta(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch,  # noqa: N803
+    ) -> torch.Tensor:
+        g, beta = self.delta_gates(a, b, A_log, dt_bias)
+        return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(delta_ref.delta_gates)

@@ -193,3 +193,49 @@ def test_interpreted_norm_rotary(rows: int, heads: tuple[int, int], head_dim: in
 @GATE_SHAPES
 def test_interpreted_sigmoid_mul(rows: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
     check_sigmoid_mul(rows, heads, head_dim, dtype, "cpu", 2 * ULP[dtype])
+
+
+def check_step_gates(dtype: torch.dtype, device: str, exact: bool) -> None:
+    """The decode step kernel making the gates from a, b (`gates=`) against `delta_gates` then the same kernel, on
+    equal pools: the same outputs and states (bit-for-bit on CUDA: one code for the gates), other slots untouched.
+    a, b are strided column slices of one [N, 2 Hv] projection (Qwen3-Next's in_proj_ba); a + dt_bias spans
+    softplus's three regimes; some sequences are fresh (context_len 1)."""
+    from hybridcache.kernels.gated_delta.triton_gates import delta_gates
+    from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
+
+    num, hk, hv, dk, dv = 7, 2, 6, 32, 64
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(num, hk, dk, generator=gen).to(device, dtype) for _ in range(2))
+    v = torch.randn(num, hv, dv, generator=gen).to(device, dtype)
+    ba = (torch.linspace(-30, 30, num * 2 * hv)[torch.randperm(num * 2 * hv, generator=gen)]).view(num, 2 * hv)
+    b, a = ba.to(device, dtype).split([hv, hv], dim=-1)
+    a_log = torch.randn(hv, generator=gen).to(device, dtype)
+    dt_bias = torch.randn(hv, generator=gen).to(device, dtype)
+    slots = torch.randperm(2 * num + 1, generator=gen)[:num].to(device)
+    context_lens = torch.tensor([1, 5, 1, 9, 30, 2, 7], dtype=torch.int32, device=device)
+    pool = (0.1 * torch.randn(2 * num + 1, hv, dk, dv, generator=gen)).to(device)
+    fused_pool, plain_pool = pool.clone(), pool.clone()
+    fused = gated_delta_rule_decode(q, k, v, a, b, fused_pool, slots, context_lens, gates=(a_log, dt_bias))
+    g, beta = delta_gates(a, b, a_log, dt_bias)
+    plain = gated_delta_rule_decode(q, k, v, g, beta, plain_pool, slots, context_lens)
+    if exact:
+        assert torch.equal(fused, plain) and torch.equal(fused_pool, plain_pool)
+    else:  # the interpreter's numpy math may round the two programs' expressions differently
+        torch.testing.assert_close(fused, plain, rtol=2 * ULP[dtype], atol=1e-5)
+        torch.testing.assert_close(fused_pool, plain_pool, rtol=1e-5, atol=1e-6)
+    keep = torch.ones(pool.shape[0], dtype=torch.bool, device=device)
+    keep[slots] = False
+    assert torch.equal(fused_pool[keep], pool[keep])
+    assert not torch.equal(fused_pool[slots], pool[slots])
+
+
+@needs_cuda
+@DTYPES
+def test_cuda_step_kernel_makes_the_gates(dtype: torch.dtype) -> None:
+    check_step_gates(dtype, "cuda", exact=True)
+
+
+@needs_interpreter
+@DTYPES
+def test_interpreted_step_kernel_makes_the_gates(dtype: torch.dtype) -> None:
+    check_step_gates(dtype, "cpu", exact=False)
