@@ -239,3 +239,20 @@ def test_cuda_step_kernel_makes_the_gates(dtype: torch.dtype) -> None:
 @DTYPES
 def test_interpreted_step_kernel_makes_the_gates(dtype: torch.dtype) -> None:
     check_step_gates(dtype, "cpu", exact=False)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="torch only: runs in the parent")
+@DTYPES
+def test_rotary_cos_sin_keeps_its_formula(dtype: torch.dtype) -> None:
+    """`rotary_cos_sin` keeps its doubled inverse-frequency table between steps: every element is still
+    cos / sin(position * 1 / base^(2i / R)) as computed step by step, bit for bit, inside and outside inference mode."""
+    positions = torch.randint(0, 200000, (123,), generator=torch.Generator().manual_seed(9))
+    for rotary_dim, base in ((64, 10000000.0), (26, 10000.0)):
+        exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32)
+        inv_freq = 1.0 / (base ** (exponents / rotary_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        with torch.inference_mode():
+            first = rotary_cos_sin(positions, rotary_dim, base, dtype)
+        for got in (first, rotary_cos_sin(positions, rotary_dim, base, dtype)):
+            assert torch.equal(got[0], emb.cos().to(dtype)) and torch.equal(got[1], emb.sin().to(dtype))
