@@ -32,9 +32,8 @@ def _inv_freq_twice(rotary_dim: int, base: float, device: torch.device) -> torch
 def rotary_cos_sin(
     positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int -> cos, sin [T, rotary_dim] (the rotary_dim/2 frequencies, repeated twice). Each element
-    is the product position * inv_freq as before the table was kept (`_inv_freq_twice`): the same bits, in four to
-    six kernels per step instead of twelve."""
+    """positions [T] int -> cos, sin [T, rotary_dim] of position * inv_freq, the rotary_dim/2 inverse frequencies
+    repeated twice (`_inv_freq_twice`, kept between steps, so a step runs the product, cos, sin and the casts)."""
     emb = positions.float()[:, None] * _inv_freq_twice(rotary_dim, base, positions.device)[None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
