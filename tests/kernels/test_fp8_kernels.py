@@ -232,8 +232,10 @@ def test_cuda_fp8_linear(fmt, m):
 @needs_cuda
 @pytest.mark.parametrize("tokens", [3, 64, 700], ids=["decode-3", "decode-64", "prefill-700"])
 def test_cuda_fp8_grouped_experts(tokens):
-    """The FP8 routed experts as the engine runs them (decode: swap-AB W8A16 tiles; prefill: W8A8) against the
-    dequantised experts in fp32: within bf16 rounding (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), and at decode
+    sizes both swap-AB tiles (W8A16 and W8A8), against the dequantised experts in fp32: within bf16 rounding
+    (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import fp8_grouped_experts
 
     generator = torch.Generator().manual_seed(tokens)
@@ -252,9 +254,13 @@ def test_cuda_fp8_grouped_experts(tokens):
             want[t] += top_weights[t, j] * linear(torch.nn.functional.silu(g) * u, *down[e], BLOCK)[0]
     stacked = stacked_experts([(w.cuda(), s.cuda()) for w, s in gate], [(w.cuda(), s.cuda()) for w, s in up],
                               [(w.cuda(), s.cuda()) for w, s in down], BLOCK.block)
-    got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked)
-    # W8A8: x and h each rounded to e4m3 (steps of 2^-4 relative); an indexing or scale bug is O(1)
-    assert got.dtype == torch.bfloat16 and rel(got.cpu(), want) <= (2e-2 if tokens <= 64 else 1e-1)
+    modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True)] if tokens <= 64 else [])
+    for mode in modes:
+        got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked,
+                                  **mode)
+        w8a16 = tokens <= 64 and mode.get("w8a16", triton_fp8_moe.DECODE_W8A16)
+        # W8A8: x and h each rounded to e4m3 (steps of 2^-4 relative); an indexing or scale bug is O(1)
+        assert got.dtype == torch.bfloat16 and rel(got.cpu(), want) <= (2e-2 if w8a16 else 1e-1), mode
 
 
 @needs_interpreter

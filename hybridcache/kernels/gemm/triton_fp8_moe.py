@@ -38,7 +38,8 @@ from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_in
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8
 DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
-DECODE_SWAP_AB = False  # decode: the weight tile on the MMA's M side (compiled, not yet timed on the H200)
+DECODE_SWAP_AB = False  # decode: the weight tile on the MMA's M side
+DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
@@ -211,7 +212,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
     if decode_tile is not None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB)
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
         options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)
@@ -229,15 +230,18 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
 def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
-    and not inside the first request that needs one: the decode tiles `moe.grouped.tile_rows` can pick, and the
-    W8A8 prefill path with its quantisation."""
-    from hybridcache.kernels.moe.grouped import sort_pairs
+    and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
+    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, and the W8A8 prefill path
+    with its quantisation."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
+    if x.is_cuda and num_experts <= MAX_EXPERTS:
+        for pairs in block_sizes():
+            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
     ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    sort_pairs(ids, num_experts)
     for block_m in (16, 32, 64):
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
     fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,
