@@ -26,9 +26,12 @@ Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -129,9 +132,10 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
 
 def profile_prefix_hit(llm, rng: random.Random, path: Path) -> dict:
     """Phase C's + 200 request (a 16,000-token prefix cached, 200 new tokens, one output token) after one cold
-    prefill of the prefix: three timed, then one under torch.profiler, whose operator tables (by host and by
-    device time) go to `path`. Returns the ms of the three, and the traced request's count of device kernels and
-    its host and device time summed over operators (ms)."""
+    prefill of the prefix: three timed, one under torch.profiler, one under cProfile; the profiler's operator
+    tables (by host and by device time) and cProfile's functions (by own and by cumulative time) go to `path`.
+    Returns the ms of each, and the traced request's count of device kernels and its host and device time summed
+    over operators (ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     prompt = gpu_bench.letters(rng, 16000)
@@ -145,6 +149,14 @@ def profile_prefix_hit(llm, rng: random.Random, path: Path) -> dict:
     tables = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
     if cuda:
         tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+    host = cProfile.Profile()  # the host's Python, which torch.profiler does not break down (Triton's launcher)
+    host.enable()
+    out["cprofiled_ms"] = 1000 * gpu_bench.timed(llm, [prompt + gpu_bench.letters(rng, 200)], 1)[0]
+    host.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats(order).print_stats(30)
+        tables.append(text.getvalue())
     path.write_text("\n\n".join(tables))
     device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
     out["device_kernels"] = sum(e.count for e in device)
