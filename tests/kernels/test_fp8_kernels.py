@@ -263,6 +263,29 @@ def test_cuda_fp8_grouped_experts(tokens):
         assert got.dtype == torch.bfloat16 and rel(got.cpu(), want) <= (2e-2 if w8a16 else 1e-1), mode
 
 
+@needs_cuda
+def test_cuda_fp8_compile_tiles_covers_every_sort_bucket(monkeypatch):
+    """The FP8 experts' start-up compile runs the one-launch sort at every pair-count bucket it launches with (as
+    the bf16 experts' does), so no request compiles one."""
+    from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles
+    from hybridcache.kernels.moe import triton_sort
+
+    pair_counts: list[int] = []
+    original = triton_sort.sort_pairs_triton
+
+    def recording(top_ids: torch.Tensor, num_experts: int):
+        pair_counts.append(top_ids.numel())
+        return original(top_ids, num_experts)
+
+    monkeypatch.setattr(triton_sort, "sort_pairs_triton", recording)
+    generator = torch.Generator().manual_seed(0)
+    gate, up, down = ([tuple(t.cuda() for t in quantize(torch.randn(128, 128, generator=generator), BLOCK))
+                       for _ in range(4)] for _ in range(3))
+    compile_tiles(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16), stacked_experts(gate, up, down,
+                                                                                           BLOCK.block), 2)
+    assert set(triton_sort.block_sizes()) <= set(pair_counts)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("w8a16", [False, True], ids=["w8a8", "w8a16"])
 @pytest.mark.parametrize("fmt", [BLOCK, CHANNEL], ids=["block", "channel"])
