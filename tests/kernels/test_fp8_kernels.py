@@ -116,6 +116,28 @@ def test_interpreted_quantize_groups_equals_the_reference(group):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("k", [300, 64, 16])
+def test_interpreted_quantize_rows_equals_the_reference(k):
+    """Per token in one launch (the per-channel format's activations) against torch's `quantize_rows`: the same
+    scales bit for bit, the same FP8 values but for this interpreter's faults (the quantize_groups test)."""
+    from hybridcache.kernels.gemm import triton_quant
+    from hybridcache.kernels.gemm.reference import quantize_rows
+
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(7, k, generator=generator) * torch.logspace(-1, 1, k)  # few e4m3 subnormals per row
+    x[3] = 0  # an all-zero row: scale 1e-12 / 448, zeros
+    got_q, got_s = triton_quant.quantize_rows(x)
+    want_q, want_s = quantize_rows(x)
+    assert got_s.shape == (7, 1) and torch.equal(got_s, want_s)
+    got, want = got_q.float(), want_q.float()
+    lost_carry = (want != 0) & (torch.frexp(want.abs())[0] == 0.5) & (got == want / 2)
+    flushed = (want.abs() < 2.0**-6) & ((got - want).abs() <= 2.0**-9)
+    assert bool(((got == want) | lost_carry | flushed).all()) and float((got == want).float().mean()) > 0.9
+    with pytest.raises(ValueError, match="x \\[M, K\\] needed"):
+        triton_quant.quantize_rows(x[0])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("rows", [5, 64, 67], ids=["decode-5", "decode-64", "prefill-67"])
 def test_interpreted_fp8_linear_quantises_its_activations(rows, monkeypatch):
     """`fp8_linear` off cuBLAS's path (fp32 here; on the GPU: shapes it does not take): W8A8 with the decode tiles
