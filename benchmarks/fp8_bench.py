@@ -186,18 +186,27 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
 MAX_SWEEP_ERR = 0.25  # a sweep row with a larger error (relative to max |ref|) is a broken kernel
 
 
-def fastest(rows: list[dict], config_of, size_of) -> tuple[tuple, dict[tuple, float]] | None:
-    """(the configuration with the least summed ms over every size the rows hold, {configuration: summed ms}) among
-    the configurations measured at all those sizes with an error below MAX_SWEEP_ERR; None without one.
-    `config_of(row)` names a row's configuration, `size_of(row)` its size (e.g. tokens)."""
-    sizes = {size_of(r) for r in rows}
+def fastest(rows: list[dict], config_of, size_of, primary=None) -> tuple[tuple, dict[tuple, float], list] | None:
+    """(the configuration with the least summed ms over every size the rows hold, {configuration: summed ms}, the
+    sizes summed over) among the configurations measured at all those sizes with an error below MAX_SWEEP_ERR;
+    None without one.
+    `config_of(row)` names a row's configuration, `size_of(row)` its size (e.g. tokens). With `primary` (a test of
+    a size), fewer than two configurations measured at every size (a sweep cut short by its budget) compare at
+    the primary sizes alone."""
     best: dict[tuple, dict] = {}  # configuration -> size -> its fastest ms
     for r in rows:
         if "ms" in r and r.get("err", 0.0) < MAX_SWEEP_ERR:  # a NaN error fails; a row without one passes
             per_size = best.setdefault(config_of(r), {})
             per_size[size_of(r)] = min(per_size.get(size_of(r), float("inf")), r["ms"])
-    sums = {config: sum(per_size.values()) for config, per_size in best.items() if set(per_size) == sizes}
-    return (min(sums, key=sums.get), sums) if sums else None
+    sizes = {size for per_size in best.values() for size in per_size}
+    complete = [config for config, per_size in best.items() if set(per_size) == sizes]
+    if primary is not None and len(complete) < 2 and len(best) >= 2:
+        sizes = {size for size in sizes if primary(size)}
+        best = {config: {size: ms for size, ms in per_size.items() if size in sizes} for config, per_size in
+                best.items()}
+        complete = [config for config, per_size in best.items() if sizes and set(per_size) == sizes]
+    sums = {config: sum(best[config].values()) for config in complete}
+    return (min(sums, key=sums.get), sums, sorted(sizes)) if sums else None
 
 
 def decode_choices(rows: list[dict]) -> dict:
@@ -210,22 +219,22 @@ def decode_choices(rows: list[dict]) -> dict:
     chosen: dict = {}
     decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64]
     found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4)),
-                    lambda r: r["tokens"])
+                    lambda r: r["tokens"], primary=lambda tokens: tokens == 64)
     if found:
-        (kernel, block_n, swap_ab, warps), sums = found
+        (kernel, block_n, swap_ab, warps), sums, sizes = found
         chosen["experts"] = {"kernel": kernel, "block_n": block_n, "swap_ab": swap_ab, "num_warps": warps,
-                             "tokens": sorted({r["tokens"] for r in decode}),
+                             "tokens": sizes,
                              "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
     prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
     found = fastest(prefill, lambda r: (r["block_m"], r["block_n"], r.get("num_warps", 4)), lambda r: r["tokens"])
     if found:
-        (block_m, block_n, warps), _ = found
+        (block_m, block_n, warps), _, _ = found
         chosen["experts_prefill"] = {"block_m": block_m, "block_n": block_n, "num_warps": warps}
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
              and (r.get("tile") or {}).get("swap_ab", True)]
     found = fastest(dense, lambda r: (r["kernel"],), lambda r: (r["shape"], r["M"]))
     if found:
-        (kernel,), sums = found
+        (kernel,), sums, _ = found
         chosen["dense"] = {"kernel": kernel, "ms_sum": {k: ms for (k,), ms in sums.items()}}
     return chosen
 

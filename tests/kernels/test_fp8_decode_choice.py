@@ -29,6 +29,16 @@ def test_the_experts_decode_tile_is_the_fastest_summed_over_every_decode_size() 
     assert abs(chosen["ms_sum"]["w8a8/64/True/4"] - 0.22) < 1e-9
 
 
+def test_a_sweep_cut_short_compares_the_experts_at_64_tokens() -> None:
+    """The sweep's budget stopped it after one T = 1 row: every configuration is compared at T = 64 alone, not the
+    one that happens to have both sizes."""
+    rows = [expert(64, "w8a16", True, 0.20), expert(64, "w8a8", True, 0.12), expert(64, "w8a16", False, 0.21),
+            expert(1, "w8a16", True, 0.09)]
+    chosen = decode_choices(rows)["experts"]
+    assert (chosen["kernel"], chosen["swap_ab"], chosen["tokens"]) == ("w8a8", True, [64])
+    assert len(chosen["ms_sum"]) == 3
+
+
 def test_a_row_with_a_large_error_or_an_error_message_is_never_chosen() -> None:
     rows = [expert(64, "w8a16", True, 0.20), expert(1, "w8a16", True, 0.09),
             expert(64, "w8a8", True, 0.01, err=MAX_SWEEP_ERR), expert(1, "w8a8", True, 0.01),
