@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from hybridcache.kernels.attention import triton_paged
+from hybridcache.kernels.conv import triton_verify as conv_verify
 from hybridcache.kernels.gated_delta import triton_gates
+from hybridcache.kernels.gated_delta import triton_verify as gdn_verify
 from hybridcache.kernels.gemm import triton_block_fp8
 from hybridcache.kernels.moe import triton_route, triton_sort
 
@@ -23,9 +25,13 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_sort._sort_pairs_kernel, "num_pairs"),
     (triton_paged._decode_merge_kernel, "num_splits"),
     (triton_block_fp8._fp8_gemm_kernel, "M"),
+    (gdn_verify._gdn_verify_kernel, "stride_table"),
+    (conv_verify._conv_draft_states_kernel, "stride_table"),
 ])
 def test_run_time_counts_are_not_specialised(kernel, count):
     """Triton specialises an integer argument on == 1 and on divisibility by 16: a step's token, pair or split
-    count would pick among three variants at run time, one of which start-up may never have met."""
+    count would pick among three variants at run time, one of which start-up may never have met. The verify
+    kernels' draft-table row stride is the step's most drafts per row (1 when every row drafts one, e.g. near
+    max_tokens), which the verify graphs, captured with k drafts per row, never meet."""
     (param,) = [p for p in kernel.params if p.name == count]
     assert param.do_not_specialize

@@ -22,7 +22,7 @@ from hybridcache.kernels.varlen import check_verify_rows
 _BLOCK_C = 128
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the table's width is the step's most drafts: 1 is a run-time value
 def _conv_draft_states_kernel(
     x_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, table_ptr, drafts_ptr,
     stride_xt, stride_ps, stride_pc, stride_pw, stride_table, num_channels,

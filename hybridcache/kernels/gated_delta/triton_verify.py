@@ -34,7 +34,7 @@ from hybridcache.kernels.varlen import check_verify_rows
 _BLOCK_V = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the table's width is the step's most drafts: 1 is a run-time value
 def _gdn_verify_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, table_ptr, drafts_ptr, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
