@@ -188,9 +188,9 @@ def sampled_requests(engine: LLMEngine, check_every_step: bool, greedy: bool = F
     rng = random.Random(11)
     prefix = [rng.randrange(256) for _ in range(120)]
     a, b = (prefix + [rng.randrange(256) for _ in range(n)] for n in (40, 35))
-    requests = [("hot-a", a, dict(temperature=0.05, seed=7, max_tokens=14, logprobs=2)),
+    requests = [("hot-a", a, dict(temperature=0.05, seed=7, max_tokens=10, logprobs=2)),
                 ("hot-b", b, dict(temperature=1.0, seed=8, n=2, max_tokens=11)),
-                ("hot-a-again", a, dict(temperature=0.1, seed=9, max_tokens=14))]
+                ("hot-a-again", a, dict(temperature=0.1, seed=9, max_tokens=8))]
     results = {}
     for request_id, prompt, params in requests:
         params = {**params, "temperature": 0} if greedy else params
