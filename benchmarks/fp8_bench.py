@@ -26,9 +26,12 @@ Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import os
+import pstats
 import random
 import sys
 import tempfile
@@ -87,8 +90,9 @@ def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path,
 
 
 def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], options: dict, dummy: bool,
-            result: dict, save) -> dict:
-    """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them."""
+            result: dict, save, profile_dir: Path | None = None) -> dict:
+    """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them;
+    with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder)."""
     folder, extra = run_folder(model, weights, root, dummy)
     cuda = options["device"] == "cuda"
     start = time.perf_counter()
@@ -110,11 +114,55 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
             continue
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
+    if profile_dir is not None:
+        try:
+            result["prefix_hit_profile"] = profile_prefix_hit(
+                llm, random.Random(7), profile_dir / f"profile_{model}_{weights}_{kv}.txt")
+            print(f"{model}:{weights}:{kv} + 200 profile: {result['prefix_hit_profile']}", flush=True)
+        except Exception as error:  # a profile is a diagnostic: the run's figures stand without it
+            traceback.print_exc()
+            result["prefix_hit_profile"] = {"error": repr(error)}
+        save()
     del llm
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def profile_prefix_hit(llm, rng: random.Random, path: Path) -> dict:
+    """Phase C's + 200 request (a 16,000-token prefix cached, 200 new tokens, one output token) after one cold
+    prefill of the prefix: three timed, one under torch.profiler, one under cProfile; the profiler's operator
+    tables (by host and by device time) and cProfile's functions (by own and by cumulative time) go to `path`.
+    Returns the ms of each, and the traced request's count of device kernels and its host and device time summed
+    over operators (ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = gpu_bench.letters(rng, 16000)
+    gpu_bench.timed(llm, [prompt], 1)
+    out = {"plus200_ms": [1000 * gpu_bench.timed(llm, [prompt + gpu_bench.letters(rng, 200)], 1)[0]
+                          for _ in range(3)]}
+    cuda = llm.engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        out["traced_ms"] = 1000 * gpu_bench.timed(llm, [prompt + gpu_bench.letters(rng, 200)], 1)[0]
+    averages = prof.key_averages()
+    tables = [averages.table(sort_by="self_cpu_time_total", row_limit=25)]
+    if cuda:
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=25))
+    host = cProfile.Profile()  # the host's Python, which torch.profiler does not break down (Triton's launcher)
+    host.enable()
+    out["cprofiled_ms"] = 1000 * gpu_bench.timed(llm, [prompt + gpu_bench.letters(rng, 200)], 1)[0]
+    host.disable()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(host, stream=text).sort_stats(order).print_stats(30)
+        tables.append(text.getvalue())
+    path.write_text("\n\n".join(tables))
+    device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    out["device_kernels"] = sum(e.count for e in device)
+    out["device_ms"] = sum(getattr(e, "self_device_time_total", 0.0) for e in device) / 1000
+    out["host_ops_self_ms"] = sum(e.self_cpu_time_total for e in averages) / 1000
+    return out
 
 
 def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
@@ -135,48 +183,88 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
     return out
 
 
+MAX_SWEEP_ERR = 0.25  # a sweep row with a larger error (relative to max |ref|) is a broken kernel
+
+
+def fastest(rows: list[dict], config_of, size_of, primary=None) -> tuple[tuple, dict[tuple, float], list] | None:
+    """(the configuration with the least summed ms over every size the rows hold, {configuration: summed ms}, the
+    sizes summed over) among the configurations measured at all those sizes with an error below MAX_SWEEP_ERR;
+    None without one.
+    `config_of(row)` names a row's configuration, `size_of(row)` its size (e.g. tokens). With `primary` (a test of
+    a size), fewer than two configurations measured at every size (a sweep cut short by its budget) compare at
+    the primary sizes alone."""
+    best: dict[tuple, dict] = {}  # configuration -> size -> its fastest ms
+    for r in rows:
+        if "ms" in r and r.get("err", 0.0) < MAX_SWEEP_ERR:  # a NaN error fails; a row without one passes
+            per_size = best.setdefault(config_of(r), {})
+            per_size[size_of(r)] = min(per_size.get(size_of(r), float("inf")), r["ms"])
+    sizes = {size for per_size in best.values() for size in per_size}
+    complete = [config for config, per_size in best.items() if set(per_size) == sizes]
+    if primary is not None and len(complete) < 2 and len(best) >= 2:
+        sizes = {size for size in sizes if primary(size)}
+        best = {config: {size: ms for size, ms in per_size.items() if size in sizes} for config, per_size in
+                best.items()}
+        complete = [config for config, per_size in best.items() if sizes and set(per_size) == sizes]
+    sums = {config: sum(best[config].values()) for config in complete}
+    return (min(sums, key=sums.get), sums, sorted(sizes)) if sums else None
+
+
+def decode_choices(rows: list[dict]) -> dict:
+    """The fastest FP8 kernels of `fp8_sweep.py` result rows, each over the sizes it was swept at (a part without
+    rows is absent): "experts", the routed experts' decode tile (kernel, block_n, swap_ab, num_warps) by its ms
+    summed over the decode token counts (T <= 64: 1 and 64; `moe.grouped.tile_rows` gives BLOCK_M, as in the
+    sweep); "experts_prefill", the W8A8 tile at 1,024 tokens; "dense", the dense kernel at M <= 64 summed over the
+    shapes and row counts (swap-AB tiles and cuBLAS). Rows with an error of MAX_SWEEP_ERR or more are left out."""
+    rows = [r for r in rows if "ms" in r]
+    chosen: dict = {}
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64]
+    found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4)),
+                    lambda r: r["tokens"], primary=lambda tokens: tokens == 64)
+    if found:
+        (kernel, block_n, swap_ab, warps), sums, sizes = found
+        chosen["experts"] = {"kernel": kernel, "block_n": block_n, "swap_ab": swap_ab, "num_warps": warps,
+                             "tokens": sizes,
+                             "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
+    prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
+    found = fastest(prefill, lambda r: (r["block_m"], r["block_n"], r.get("num_warps", 4)), lambda r: r["tokens"])
+    if found:
+        (block_m, block_n, warps), _, _ = found
+        chosen["experts_prefill"] = {"block_m": block_m, "block_n": block_n, "num_warps": warps}
+    dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
+             and (r.get("tile") or {}).get("swap_ab", True)]
+    found = fastest(dense, lambda r: (r["kernel"],), lambda r: (r["shape"], r["M"]))
+    if found:
+        (kernel,), sums, _ = found
+        chosen["dense"] = {"kernel": kernel, "ms_sum": {k: ms for (k,), ms in sums.items()}}
+    return chosen
+
+
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*` and `PREFILL_*`, `triton_block_fp8.
-    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to the fastest of a `fp8_sweep.py` result: the
-    routed experts at 64 tokens (decode) and at 1,024 (W8A8 prefill tiles), the dense linears at M = 64 summed
-    over the swept shapes. Returns the choices (they go into the JSON)."""
+    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to `decode_choices` of a `fp8_sweep.py` result; a part the sweep has no
+    rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
 
     sweep = json.loads(Path(sweep_json).read_text())
     if "rows" not in sweep:
         raise ValueError(f"{sweep_json} is not a fp8_sweep.py result (no 'rows')")
-    rows = [r for r in sweep["rows"] if "ms" in r]
-    chosen: dict = {}
-    experts = [r for r in rows if r.get("experts") and r["tokens"] == 64]
-    if experts:
-        best = min(experts, key=lambda r: r["ms"])
-        triton_fp8_moe.DECODE_W8A16 = best["kernel"] == "w8a16"
-        triton_fp8_moe.DECODE_BLOCK_N = best["block_n"]
-        triton_fp8_moe.DECODE_SWAP_AB = bool(best.get("swap_ab"))
-        chosen["experts"] = {k: best.get(k) for k in ("kernel", "block_n", "swap_ab", "ms")}
-    else:
-        chosen["experts"] = "no sweep rows: the library's choice"
-    prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
-    if prefill:
-        best = min(prefill, key=lambda r: r["ms"])
-        triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = best["block_m"], best["block_n"]
-        triton_fp8_moe.PREFILL_NUM_WARPS = best.get("num_warps", 4)
-        chosen["experts_prefill"] = {k: best.get(k) for k in ("block_m", "block_n", "num_warps", "ms")}
-    best_ms: dict[tuple[str, str], float] = {}  # (kernel, shape) -> its fastest swap-AB tile at M = 64
-    for r in rows:
-        if r.get("M") == 64 and r["kernel"] != "bf16" and (r.get("tile") or {}).get("swap_ab", True):
-            key = (r["kernel"], r["shape"])
-            best_ms[key] = min(best_ms.get(key, float("inf")), r["ms"])
-    shapes = {shape for _, shape in best_ms}
-    complete = {kernel: sum(best_ms[(kernel, shape)] for shape in shapes) for kernel, _ in best_ms
-                if all((kernel, shape) in best_ms for shape in shapes)}
-    if complete:
-        kernel = min(complete, key=complete.get)
+    chosen = decode_choices(sweep["rows"])
+    if "experts" in chosen:
+        experts = chosen["experts"]
+        triton_fp8_moe.DECODE_W8A16 = experts["kernel"] == "w8a16"
+        triton_fp8_moe.DECODE_BLOCK_N = experts["block_n"]
+        triton_fp8_moe.DECODE_SWAP_AB = experts["swap_ab"]
+        triton_fp8_moe.DECODE_NUM_WARPS = experts["num_warps"]
+    if "experts_prefill" in chosen:
+        prefill = chosen["experts_prefill"]
+        triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = prefill["block_m"], prefill["block_n"]
+        triton_fp8_moe.PREFILL_NUM_WARPS = prefill["num_warps"]
+    if "dense" in chosen:
+        kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
         triton_block_fp8.CUBLAS_ROWS_FROM = 1 if kernel == "cublas-block" else triton_block_fp8.DECODE_ROWS + 1
-        chosen["dense"] = {"kernel": kernel, "ms_sum_m64": complete}
-    else:
-        chosen["dense"] = "no sweep rows: the library's choice"
+    for part in ("experts", "experts_prefill", "dense"):
+        chosen.setdefault(part, "no sweep rows: the library's choice")
     print(f"FP8 decode kernels from {sweep_json}: {chosen}", flush=True)
     return chosen
 
@@ -190,6 +278,9 @@ def main() -> None:
                         help="dummy: random weights drawn on the GPU (no folder on disk); auto: a random bf16 "
                              "folder written once and read (fp8-channel runs always write theirs)")
     parser.add_argument("--kv-pools", action="store_true")
+    parser.add_argument("--profile-prefix-hit", action="store_true",
+                        help="after each run's phases, phase C's + 200 request timed three times and once under "
+                             "torch.profiler (tables: DIR/profile_MODEL_WEIGHTS_KV.txt)")
     parser.add_argument("--decode-kernels-from", default=None,
                         help="a fp8_sweep.py JSON: use its fastest decode kernels (choose_decode_kernels)")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
@@ -239,7 +330,8 @@ def main() -> None:
         result["runs"].append(run)
         try:
             one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
-                    options, args.load_format == "dummy", run, save)
+                    options, args.load_format == "dummy", run, save,
+                    out_path.parent if args.profile_prefix_hit else None)
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

@@ -21,7 +21,7 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 Each window is one prefill with logits at every position (its KV written to the pool and read back, so FP8 KV is
 exercised), on the device's kernel backend. Per variant: greedy agreement = the fraction of positions where its
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
-(nats), plus the held-out loss of each. Prints a table and writes DIR/fp8_quality.json.
+(nats), plus the held-out loss of each. Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
 
 from __future__ import annotations
@@ -94,6 +94,8 @@ def main() -> None:
     logits: dict[str, list[torch.Tensor]] = {}
     result: dict = {"model_dir": str(model_dir), "device": str(device), "dtype": str(dtype), "windows": len(windows),
                     "window_len": args.window_len, "date": time.strftime("%Y-%m-%d"), "variants": {}}
+    out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_quality.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.variants.split(","):
         weights, kv_fp8 = VARIANTS[name]
         folder = model_dir
@@ -114,9 +116,7 @@ def main() -> None:
                                       reduction="batchmean").item()
         result["variants"][name] = row
         print(name, row, flush=True)
-    out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_quality.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+        out.write_text(json.dumps(result, indent=1))  # after each variant: a run cut short keeps the ones done
     print("| variant | held-out loss | greedy agreement | mean KL (nats) |")
     print("| --- | --- | --- | --- |")
     for name, row in result["variants"].items():

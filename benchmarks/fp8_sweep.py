@@ -195,11 +195,14 @@ def expert_items(gen: torch.Generator):
     return [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
 
 
-# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order
+# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order. BLOCK_M at decode
+# sizes is `moe.grouped.tile_rows`' (next-16b: 16 at T = 1, 32 at T = 64), the engine's; the first six are the
+# decode candidates (W8A16 and W8A8 swap-AB, and the first tiles) at T = 64 and 1 (`--quick`: those alone)
+QUICK_PLANS = 6
 PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (64, True, 32, 64, False, 4),
-         (1024, False, 64, 128, False, 4), (1024, False, 64, 128, False, 8), (1, True, 16, 64, True, 4),
-         (128, True, 64, 64, True, 4), (64, True, 32, 128, True, 4), (1024, False, 128, 128, False, 8),
-         (1024, True, 64, 64, True, 4)]
+         (1, True, 16, 64, True, 4), (1, False, 16, 64, True, 4), (1, True, 16, 64, False, 4),
+         (1024, False, 64, 128, False, 8), (1024, False, 64, 128, False, 4), (128, True, 64, 64, True, 4),
+         (128, False, 64, 64, True, 4), (64, False, 32, 128, True, 4), (1024, False, 128, 128, False, 8)]
 
 
 def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps) -> list[dict]:
@@ -237,8 +240,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true", help="on the CPU under TRITON_INTERPRET=1, tiny shapes")
-    parser.add_argument("--quick", action="store_true", help="decode only: next-16b's experts at 64 tokens, "
-                        "qkvz and 28,672 x 8,192 at M = 1 and 64, swap-AB tiles and cuBLAS")
+    parser.add_argument("--quick", action="store_true", help="decode only: next-16b's experts at T = 64 and 1 "
+                        "(W8A16 and W8A8 swap-AB, W8A16 first tiles), qkvz and 28,672 x 8,192 at M = 64 and 1 "
+                        "(swap-AB tiles and cuBLAS)")
     args = parser.parse_args()
     global DECODE_CUBLAS
     if args.quick:
@@ -246,7 +250,7 @@ def main() -> None:
             del DENSE[name]
         ROWS[:] = [64, 1]
         DECODE_TILES[:] = DECODE_TILES[:2]
-        PLANS[:] = PLANS[:5]
+        PLANS[:] = PLANS[:QUICK_PLANS]
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"

@@ -7,6 +7,12 @@ and by how much, how many it hits less on; then the requests it gains most on, e
 whose prompt shares the longest prefix with it and how many requests ago that was (a chain that returns after
 more traffic than the host tier holds is lost to any recency order).
 
+Two diagnostic replays split what the host tier lacks against the oracle: the host tier demoting only the
+checkpoints a later request uses (foresight of *which* items return, for the host alone: `keep_only_what_returns`),
+once with the cache's own admission and once saving every checkpoint (`hybridcache+all`). Where the second
+reaches the oracle and the host never fills, the tier's capacity is not what is missing: what is, is knowing which
+demotions return (and, between the two, the saves the learned admission declines that a host would have served).
+
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/host_tier_losses.py --workload mooncake \\
         --trace /path/to/mooncake/conversation_trace.jsonl --num-requests 1000 --gib 1 [--ratio 4] [--top 12]
 """
@@ -17,12 +23,33 @@ import argparse
 import statistics
 import sys
 
-from hybridcache.bench.replay import SimConfig, cache_requests_of, parse_policies
+from hybridcache.bench.oracles import FutureIndex
+from hybridcache.bench.replay import CacheReplay, SimConfig, cache_requests_of, parse_policies
 from hybridcache.bench.simulator import GIB, make_replay, prepare_oracles
 from hybridcache.bench.workloads import load_workload
 from hybridcache.cache.request import common_prefix_len
 from hybridcache.engine.cost_model import load_model_cost
 from hybridcache.model_path import resolve_model
+
+
+class Clock:
+    """The index of the request being replayed (read by `keep_only_what_returns`)."""
+
+    now = -1
+
+
+def keep_only_what_returns(replay: CacheReplay, future: FutureIndex, clock: Clock) -> None:
+    """A diagnostic, not a policy: `replay`'s device eviction demotes to the host tier only a checkpoint that a later
+    request uses (`FutureIndex.next_use` after `clock.now`); every other one is released as without a host tier.
+    The host keeps its own order (oldest demotion first)."""
+    life = replay.cache._life
+    demotable = life._demotable
+
+    def returns(ckpt) -> bool:
+        anchor = ckpt.anchor
+        return demotable(ckpt) and future.next_use(anchor.hash, anchor.depth, ckpt.tail_ids, clock.now) is not None
+
+    life._demotable = returns
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,15 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests,
                                   model_dir=model_dir))
     gpu, size = int(args.gib * GIB), args.block_size
-    hybrid, oracle = parse_policies("hybridcache,bounded-oracle", size)
+    hybrid, oracle, every = parse_policies("hybridcache,bounded-oracle,hybridcache+all", size)
+    host = SimConfig(gpu, size, host_memory_bytes=int(args.ratio * gpu))
     replays = {
-        "host": make_replay(hybrid, cost, SimConfig(gpu, size, host_memory_bytes=int(args.ratio * gpu))),
+        "host": make_replay(hybrid, cost, host),
         "one pool": make_replay(hybrid, cost, SimConfig(int((1 + args.ratio) * gpu), size)),
         "oracle": make_replay(oracle, cost, SimConfig(gpu, size)),
+        "which": make_replay(hybrid, cost, host),
+        "which, every save": make_replay(every, cost, host),
     }
     prepare_oracles(replays.values(), requests)
+    clock = Clock()
+    for name in ("which", "which, every save"):
+        keep_only_what_returns(replays[name], replays["oracle"].future, clock)
     hits: dict[str, list[int]] = {name: [] for name in replays}
     for request in requests:
+        clock.now += 1
         shared = cache_requests_of(request)
         for name, replay in replays.items():
             before = replay.counters.hit_tokens
@@ -60,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(requests)} requests of {args.workload}, GPU {args.gib:g} GiB, host {args.ratio:g}x, B={size}")
     for name, label in (("host", f"hybridcache + host {args.ratio:g}x"),
                         ("one pool", f"hybridcache at {1 + args.ratio:g}x in one pool"),
-                        ("oracle", "bounded-oracle at the GPU budget")):
-        print(f"  {label:<40} hit rate {sum(hits[name]) / prompt_tokens:.4f}")
+                        ("oracle", "bounded-oracle at the GPU budget"),
+                        ("which", "diagnostic: host keeps only what returns"),
+                        ("which, every save", "the same, every checkpoint saved")):
+        dropped = replays[name].cache.stats.num_host_dropped if replays[name].host_blocks else "-"
+        print(f"  {label:<44} hit rate {sum(hits[name]) / prompt_tokens:.4f}   host dropped {dropped}")
     gains = [(o - h, i) for i, (h, o) in enumerate(zip(hits["host"], hits["oracle"], strict=True)) if o > h]
     losses = [h - o for h, o in zip(hits["host"], hits["oracle"], strict=True) if h > o]
     print(f"the oracle hits more on {len(gains)} requests (+{sum(g for g, _ in gains):,} tokens), fewer on "

@@ -13,7 +13,9 @@ with fresh prompts, each request timed, then the operators of one more cold and 
 host's Python functions (cProfile) of one more warm request.
 `--batch-prefill`: instead, steps shaped like phase D's prefill (16 fresh prompts of `--prompt-len` tokens, one
 step of 16,384 tokens at 1,024), timed, then one profiled.
-On CUDA every profile also prints its device time by kernel family (GEMM, MoE, fla, attention, ...).
+On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
+...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
+DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
 Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
 """
 
@@ -89,41 +91,68 @@ FAMILIES = (  # kernel name fragment -> family, first match wins (device-time su
     ("grouped", "MoE: grouped GEMM"), ("sort", "MoE: sort"),
     ("chunk_", "fla: chunked delta rule"), ("solve_tril", "fla: chunked delta rule"),
     ("recompute_w_u", "fla: chunked delta rule"), ("cumsum", "fla: chunked delta rule"), ("swiglu", "fla: swiglu"),
-    ("_delta_step", "DeltaNet step"), ("_gates", "DeltaNet gates"), ("conv", "causal conv1d"),
-    ("attention", "attention"), ("_attn", "attention"), ("_paged", "attention"),
-    ("norm", "norms"), ("rotary", "rotary"), ("_copy_blocks", "cache copies"),
+    ("_gdn_step", "DeltaNet step"), ("_gates", "DeltaNet gates"), ("conv", "causal conv1d"),
+    ("attention", "attention"), ("_attn", "attention"), ("_paged", "attention"), ("_decode_split", "attention"),
+    ("_decode_merge", "attention"), ("splitkreduce", "dense GEMM"),
+    ("norm", "norms"), ("rotary", "rotary"), ("sigmoid_mul", "attention output gate"), ("_copy_blocks", "cache copies"),
     ("gemm", "dense GEMM"), ("nvjet", "dense GEMM"), ("cutlass", "dense GEMM"), ("sm90", "dense GEMM"),
     ("index", "gather / scatter / copies"), ("copy", "gather / scatter / copies"), ("cat", "gather / scatter / copies"),
 )
 
 
-def device_families(prof) -> dict[str, float]:
-    """Device ms of the profile's kernels summed by family (`FAMILIES`; the rest: "other"). Only device events
-    count: a CPU operator's own device time is the kernels it launched, which are listed again as themselves."""
+GROUPS = {  # family -> group of docs/bench.md's "decode step by kernel against its floor" table
+    "MoE: Triton expert GEMM": "routed-expert GEMMs", "MoE: grouped GEMM": "routed-expert GEMMs",
+    "dense GEMM": "other GEMMs", "DeltaNet step": "DeltaNet step kernel", "attention": "attention decode",
+}
+
+
+def device_families(prof) -> dict[str, tuple[float, int]]:
+    """Device (ms, kernel launches) of the profile's kernels summed by family (`FAMILIES`; the rest: "other"). Only
+    device events count: a CPU operator's own device time is the kernels it launched, which are listed again as
+    themselves."""
     from torch.autograd import DeviceType
 
-    totals: dict[str, float] = {}
+    totals: dict[str, tuple[float, int]] = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", 0) or 0
         if us <= 0 or event.device_type == DeviceType.CPU:
             continue
         name = event.key.lower()
         family = next((fam for fragment, fam in FAMILIES if fragment in name), "other")
-        totals[family] = totals.get(family, 0.0) + us / 1000
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+        ms, count = totals.get(family, (0.0, 0))
+        totals[family] = (ms + us / 1000, count + event.count)
+    return dict(sorted(totals.items(), key=lambda item: -item[1][0]))
 
 
-def print_operators(prof) -> None:
+def print_operators(prof, steps: int = 1) -> dict[str, dict[str, float]]:
+    """The operator tables and the device time by kernel family; returns {family or group: {"ms", "launches"}}
+    per step (the profile's totals / `steps`), the groups of `GROUPS` ("everything else": every other family)
+    prefixed "group: "."""
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
-    print(averages.table(sort_by="self_cuda_time_total", row_limit=20))
+    print(averages.table(sort_by="self_cuda_time_total", row_limit=30))
     families = device_families(prof)
-    print("| kernel family | device ms (whole profile) |\n| --- | --- |")
-    for family, ms in families.items():
-        print(f"| {family} | {ms:.2f} |")
-    print(f"| total | {sum(families.values()):.2f} |")
+    per_step: dict[str, dict[str, float]] = {}
+    print(f"| kernel family | device ms per step | launches per step |  ({steps} steps)\n| --- | --- | --- |")
+    for family, (ms, count) in families.items():
+        print(f"| {family} | {ms / steps:.3f} | {count / steps:.1f} |")
+        per_step[family] = {"ms": ms / steps, "launches": count / steps}
+        group = "group: " + GROUPS.get(family, "everything else")
+        totals = per_step.setdefault(group, {"ms": 0.0, "launches": 0.0})
+        totals["ms"] += ms / steps
+        totals["launches"] += count / steps
+    total_ms = sum(ms for ms, _ in families.values()) / steps
+    total_launches = sum(count for _, count in families.values()) / steps
+    print(f"| total | {total_ms:.3f} | {total_launches:.1f} |")
+    print("| group | device ms per step | launches per step |\n| --- | --- | --- |")
+    for key, value in per_step.items():
+        if key.startswith("group: "):
+            print(f"| {key[7:]} | {value['ms']:.3f} | {value['launches']:.1f} |")
+    per_step["total"] = {"ms": total_ms, "launches": total_launches}
+    return per_step
 
 
+PROFILED_STEPS = 5  # decode steps under torch.profiler
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
@@ -239,11 +268,11 @@ def main() -> None:
         while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
             engine.step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+            for _ in range(PROFILED_STEPS):
                 engine.step()
         while engine.has_unfinished_requests():
             engine.step()
-        print_operators(prof)
+        result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))

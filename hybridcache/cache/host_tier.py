@@ -262,6 +262,16 @@ class HostTier:
             self.drop_checkpoint(victim)
         return True
 
+    def hand_behind(self) -> int:
+        """Tell `on_fall_out` of every host checkpoint, as if each fell out, while all stay here: at shutdown, so
+        that a tier behind keeps across a restart what this one holds. Returns how many were handed (0 with no
+        tier behind)."""
+        if self.on_fall_out is None:
+            return 0
+        for ckpt in self.order.values():
+            self.on_fall_out(self.fall_out(ckpt))
+        return len(self.order)
+
     def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
         """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
         frees its blocks): the chain of blocks from the root to its anchor, in either tier, and its state's host

@@ -727,6 +727,14 @@ class PrefixCache:
         """Drop every cached thing that is not pinned and not held by a running sequence."""
         self._life.clear()
 
+    def keep_behind(self) -> int:
+        """Hand every host checkpoint to the tier behind the host (`tier_behind`), which keeps what it can; the
+        cache is unchanged. For shutdown: without it, only what the host's own eviction dropped would be behind.
+        Returns how many were handed (0 without a host tier or a tier behind). Device-resident checkpoints are
+        not handed (their states are in device pages, not host blocks)."""
+        host = self._life.host
+        return 0 if host is None else host.hand_behind()
+
     @property
     def stats(self) -> CacheStats:
         host = self._life.host

@@ -408,12 +408,21 @@ class LLMEngine:
         self._launched = None
         self._closed = True
         if self.disk is not None:
-            self.disk.close()
+            self._close_disk_tier()
         runner, self.runner, self.vision = self.runner, None, None
         runner.shutdown()
         del runner
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _close_disk_tier(self) -> None:
+        """Hand the host tier's checkpoints to the disk tier (what the host holds survives a restart too; what
+        only the device pool holds does not), write what is queued and stop the writer; logged."""
+        handed = self.scheduler.keep_cache_behind() if self._failure is None else 0  # a failed step: trust nothing
+        self.disk.close()
+        stats = self.disk.stats()
+        _logger.info("hybridcache: disk tier closed: %d host checkpoints handed at shutdown, %d state files; not "
+                     "kept: %d host checkpoints", handed, stats["num_state_files"], stats["num_not_kept"])
 
     def _raise_if_dead(self) -> None:
         if self._closed:

@@ -123,6 +123,22 @@ class KernelBackend(Protocol):
         """
         ...
 
+    def gated_delta(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,  # noqa: N803 (the checkpoint's name)
+        dt_bias: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """`delta_gates(a, b, A_log, dt_bias)` and then `gated_delta_rule` with those gates, as one op (a backend may
+        fuse the gates into the rule's kernel; the results are those of the two ops)."""
+        ...
+
     def delta_gates(
         self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +156,13 @@ class KernelBackend(Protocol):
         y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
         ...
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and the RMSNorm after it: x, residual [..., dim] (one dtype), weight [dim] ->
+        (s, rms_norm(s)) with s = x + residual rounded to x's dtype (as torch's add rounds it), both in x's dtype."""
+        ...
+
     def gated_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Gated RMSNorm over the last dim: x, gate [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = (weight * round(x / sqrt(mean(x^2) + eps))) * silu(gate) (round: to x's dtype; the rest in fp32)."""
@@ -153,6 +176,17 @@ class KernelBackend(Protocol):
     def sigmoid_gate_add(self, routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """A sparse MoE block's output: routed, shared [N, H], gate [N, 1] (a column view allowed) ->
         routed + sigmoid(gate) * shared [N, H], each op's result rounded to the dtype as torch rounds it."""
+        ...
+
+    def sigmoid_mul(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The gated attention's output gate: x, gate [T, H, D] (head views allowed) -> x * sigmoid(gate),
+        contiguous [T, H, D], each op's result rounded to the dtype as torch rounds it."""
+        ...
+
+    def norm_rotary(self, query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                    eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention layer's q_norm / k_norm and rotary in one op: `rotary(rms_norm(query, q_weight, eps),
+        rms_norm(key, k_weight, eps), cos, sin)` (the norms' outputs rounded to the dtype before the rotation)."""
         ...
 
     def rotary(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
@@ -336,14 +370,24 @@ class ReferenceBackend:
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
 
+    def gated_delta(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch,  # noqa: N803
+    ) -> torch.Tensor:
+        g, beta = self.delta_gates(a, b, A_log, dt_bias)
+        return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
+
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(delta_ref.delta_gates)
     route = staticmethod(moe_ref.route)
     rms_norm = staticmethod(norm_ref.rms_norm)
+    add_rms_norm = staticmethod(norm_ref.add_rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
     silu_mul = staticmethod(activation_ref.silu_mul)
     sigmoid_gate_add = staticmethod(activation_ref.sigmoid_gate_add)
+    sigmoid_mul = staticmethod(activation_ref.sigmoid_mul)
     rotary = staticmethod(rotary_ref.rotary)
+    norm_rotary = staticmethod(rotary_ref.norm_rotary)
 
 
 class _DenseWeights(Sequence[torch.Tensor]):

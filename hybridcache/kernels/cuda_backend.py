@@ -12,10 +12,14 @@
 |                  | same kernel writes only the draft states, then fla runs every sequence. Conv: the draft conv      |
 |                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
-| rms_norm, gated_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`)             |
+| rms_norm, gated_rms_norm, add_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`) |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
+| gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
+|                  | of delta_gates); else delta_gates, then gated_delta_rule                                       |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
+| norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
+| sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
 | silu_mul         | one Triton launch each: the MLP's silu(gate) * up and the MoE block's routed + sigmoid(gate) * |
 | sigmoid_gate_add | shared (`activation/triton.py`)                                                                |
 
@@ -209,6 +213,18 @@ class CudaBackend:
             batch.query_lens_cpu, chunk_indices=meta.chunks,
         )
 
+    def gated_delta(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch,  # noqa: N803
+    ) -> torch.Tensor:
+        """All-decode: the step kernel makes the gates itself from a and b (one launch fewer per layer); else
+        `delta_gates`, then `gated_delta_rule`."""
+        if _metadata(batch).all_decode:
+            return gated_delta_rule_decode(q, k, v, a, b, ssm_layer, batch.state_slots, batch.context_lens,
+                                           gates=(A_log, dt_bias))
+        g, beta = triton_gates.delta_gates(a, b, A_log, dt_bias)
+        return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
+
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
     ) -> torch.Tensor:
@@ -231,10 +247,13 @@ class CudaBackend:
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)
     rms_norm = staticmethod(fused_norm.rms_norm)
+    add_rms_norm = staticmethod(fused_norm.add_rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
     silu_mul = staticmethod(triton_activation.silu_mul)
     sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
+    sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)
     rotary = staticmethod(triton_rotary.rotary)
+    norm_rotary = staticmethod(triton_rotary.norm_rotary)
 
 
 def _metadata(batch: ForwardBatch) -> CudaMetadata:

@@ -4,8 +4,9 @@ Per token (hidden [T, hidden]):
     q_proj(x) -> [T, Hq, 2D], split per head into query [T, Hq, D] | gate [T, Hq, D]
     query = q_norm(query), key = k_norm(k_proj(x)), both zero-centred RMSNorm over D
     query, key = partial RoPE (first rotary_dim channels) at the tokens' absolute positions
+        (norms and RoPE: one backend op, `norm_rotary`)
     key/value are written to the layer's KV pool (backend.write_kv), then backend.attention reads them
-    out = o_proj(attn * sigmoid(gate))
+    out = o_proj(attn * sigmoid(gate))                        (the gate: backend op `sigmoid_mul`)
 
 Tensor parallel (`tp`): a rank holds its q heads (rows of q_proj, columns of o_proj) and the kv heads they
 read (rows of k_proj / v_proj; replicated when there are fewer kv heads than ranks, see `layers.parallel`);
@@ -83,11 +84,11 @@ class GatedAttention(nn.Module):
         num_tokens = hidden.shape[0]
         query, key, value = self.qkv(hidden)
         query, gate = query.view(num_tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        query = self.q_norm(query, step.backend)
-        key = self.k_norm(key.view(num_tokens, self.num_kv_heads, self.head_dim), step.backend)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
         cos, sin = step.rope
-        query, key = step.backend.rotary(query, key, cos, sin)
+        query, key = step.backend.norm_rotary(query, key, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                              cos, sin)
         if self.kv_dtype is not None:
             fp8_max = torch.finfo(self.kv_dtype).max
             key = (key.float() / self.k_scale).clamp(-fp8_max, fp8_max)
@@ -95,7 +96,7 @@ class GatedAttention(nn.Module):
         step.backend.write_kv(kv_layer, key, value, step.batch)
         attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5,
                                       kv_scales=(self.k_scale, self.v_scale))
-        attn = attn.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        attn = step.backend.sigmoid_mul(attn, gate).view(num_tokens, -1)
         if self.tp.size == 1 or self.o_proj.bias is None:
             return self.tp.all_reduce(self.o_proj(attn))
         bias = self.o_proj.bias  # added once, after the partial sums

@@ -114,11 +114,10 @@ class _GatedDeltaNetBase(nn.Module):
         state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
         backend, batch = step.backend, step.batch
-        g, beta = backend.delta_gates(a, b, self.A_log, self.dt_bias)
         weight = self.conv1d.weight.squeeze(1)
         conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
         q, k, v = self._split_heads(conv_out)
-        core = backend.gated_delta_rule(q, k, v, g, beta, state["ssm"], batch)
+        core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state["ssm"], batch)  # gates + rule
         core = self.norm(core, z, backend)
         return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
 

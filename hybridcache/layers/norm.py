@@ -26,6 +26,11 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
         return backend.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it), both [..., dim] in x's dtype: the residual add before the norm and the
+        norm in one op (`backend.add_rms_norm`)."""
+        return backend.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class GatedRMSNorm(nn.Module):
     """x, gate [..., dim] -> [..., dim] in x's dtype: norm first, then multiply by silu(gate)."""

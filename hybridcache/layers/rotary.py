@@ -10,16 +10,31 @@ from __future__ import annotations
 
 import torch
 
+_INV_FREQ_TWICE: dict[tuple[str, int, float], torch.Tensor] = {}  # (device, rotary_dim, base) -> [rotary_dim]
+
+
+def _inv_freq_twice(rotary_dim: int, base: float, device: torch.device) -> torch.Tensor:
+    """The rotary_dim/2 inverse frequencies 1 / base^(2i / rotary_dim), repeated twice: [rotary_dim] fp32, built
+    on `device` by torch (no host-to-device copy: CUDA graphs capture `rotary_cos_sin`) and kept for later steps,
+    except when built inside a CUDA graph capture (its kernels have not run yet then)."""
+    key = (str(device), rotary_dim, base)
+    cached = _INV_FREQ_TWICE.get(key)
+    if cached is not None:
+        return cached
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=device).to(torch.float32)
+    inv_freq = 1.0 / (base ** (exponents / rotary_dim))
+    twice = torch.cat((inv_freq, inv_freq))
+    if not (twice.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _INV_FREQ_TWICE[key] = twice
+    return twice
+
 
 def rotary_cos_sin(
     positions: torch.Tensor, rotary_dim: int, base: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [T] int -> cos, sin [T, rotary_dim] (the rotary_dim/2 frequencies, repeated twice)."""
-    # built on positions' device: no host-to-device copy in a step (CUDA graphs capture this function)
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device=positions.device).to(torch.float32)
-    inv_freq = 1.0 / (base ** (exponents / rotary_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    """positions [T] int -> cos, sin [T, rotary_dim] of position * inv_freq, the rotary_dim/2 inverse frequencies
+    repeated twice (`_inv_freq_twice`, kept between steps, so a step runs the product, cos, sin and the casts)."""
+    emb = positions.float()[:, None] * _inv_freq_twice(rotary_dim, base, positions.device)[None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -46,7 +46,8 @@ LAST_HIDDEN = "last_hidden"
 
 class DecoderLayer(nn.Module):
     """hidden + mixer(input_layernorm(hidden)); then, when the layer has a feed-forward block,
-    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name."""
+    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name. The model runs its
+    layers through `forward_split`, so each residual add is fused with the norm that follows it."""
 
     def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float):
         super().__init__()
@@ -61,10 +62,24 @@ class DecoderLayer(nn.Module):
         return getattr(self, self.mixer_name)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
-        hidden = hidden + self.mixer(self.input_layernorm(hidden, step.backend), step, state)
+        residual, out = self.forward_split(hidden, None, step, state)
+        return residual + out
+
+    def forward_split(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepContext,
+                      state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the input hidden + pending (`pending` None: hidden alone), returned as (residual, out) whose
+        sum is the layer's output. Each residual add is left to the norm after it, which adds and normalises in one
+        op (`ZeroCenteredRMSNorm.add`): the sums are the ones `forward` makes, rounded where torch's add rounds."""
+        backend = step.backend
+        if pending is None:
+            normed = self.input_layernorm(hidden, backend)
+        else:
+            hidden, normed = self.input_layernorm.add(hidden, pending, backend)
+        out = self.mixer(normed, step, state)
         if self.mlp is not None:
-            hidden = hidden + self.mlp(self.post_attention_layernorm(hidden, step.backend), step)
-        return hidden
+            hidden, normed = self.post_attention_layernorm.add(hidden, out, backend)
+            out = self.mlp(normed, step)
+        return hidden, out
 
 
 class _Backbone(nn.Module):
@@ -215,9 +230,17 @@ class HybridCausalLM(nn.Module):
         else:
             rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
         step = StepContext(batch=batch, backend=backend, rope=rope)
+        pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)
+        # (pools.layers may go on with an MTP head's KV)
         for layer, state in zip(self.model.layers, pools.layers[: len(self.model.layers)], strict=True):
-            hidden = layer(hidden, step, state)  # (pools.layers may go on with an MTP head's KV)
-        normed = self.model.norm(hidden, backend) if keep_hidden else None
+            hidden, pending = layer.forward_split(hidden, pending, step, state)
+        normed = None
+        if pending is not None and keep_hidden:
+            hidden, normed = self.model.norm.add(hidden, pending, backend)
+        elif pending is not None:
+            hidden = hidden + pending
+        elif keep_hidden:
+            normed = self.model.norm(hidden, backend)
 
         def norm_rows(rows: torch.Tensor) -> torch.Tensor:
             return normed[rows] if normed is not None else self.model.norm(hidden[rows], backend)

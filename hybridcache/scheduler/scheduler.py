@@ -341,6 +341,10 @@ class Scheduler:
         """Drop everything the prefix cache holds for no running sequence (see `PrefixCache.clear`)."""
         self.cache.clear()
 
+    def keep_cache_behind(self) -> int:
+        """Hand the host tier's checkpoints to the tier behind it (see `PrefixCache.keep_behind`)."""
+        return self.cache.keep_behind()
+
     def stats(self) -> dict:
         """The cache's stats plus block, slot and queue counts."""
         cache: CacheStats = self.cache.stats

@@ -76,6 +76,27 @@ def test_another_model_reads_nothing(written, uncached, tmp_path):
     engine.close()
 
 
+def test_what_the_host_tier_holds_at_shutdown_is_kept(model_dir, uncached, tmp_path):
+    """A host tier large enough that nothing falls out of it: the run writes nothing to disk, the shutdown hands
+    the host's checkpoints over, and a restarted engine hits them, with the tokens and logits of the uncached run
+    (without the handing over at shutdown the directory stays empty)."""
+    block_bytes = uncached[0].memory_plan.block_bytes
+    first = make_engine(model_dir, num_blocks=30, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256,
+                        host_cache_gib=2000 * block_bytes / (1 << 30), disk_cache_dir=str(tmp_path / "disk"))
+    out = run_workload(first, seed=1, reply_lens=REPLY_LENS)
+    assert_same(first, uncached[0], out, uncached[1])
+    stats = first.stats()
+    assert stats["cache"].num_demoted_checkpoints > 0 and stats["cache"].num_host_checkpoints > 0
+    assert stats["disk"]["num_state_files"] == 0  # nothing fell out of the host tier during the run
+    first.close()
+    engine = disk_engine(model_dir, tmp_path / "disk", block_bytes)
+    assert engine.stats()["disk"]["num_state_files"] > 0
+    out = run_workload(engine, seed=1, check_every_step=True, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    assert engine.stats()["disk"]["num_promoted_checkpoints"] > 0
+    engine.close()
+
+
 @pytest.mark.slow
 def test_corrupt_state_files_are_skipped_never_served(model_dir, uncached, written, tmp_path, caplog):
     disk_dir = tmp_path / "disk"

@@ -116,6 +116,28 @@ def test_interpreted_quantize_groups_equals_the_reference(group):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("k", [300, 64, 16])
+def test_interpreted_quantize_rows_equals_the_reference(k):
+    """Per token in one launch (the per-channel format's activations) against torch's `quantize_rows`: the same
+    scales bit for bit, the same FP8 values but for this interpreter's faults (the quantize_groups test)."""
+    from hybridcache.kernels.gemm import triton_quant
+    from hybridcache.kernels.gemm.reference import quantize_rows
+
+    generator = torch.Generator().manual_seed(k)
+    x = torch.randn(7, k, generator=generator) * torch.logspace(-1, 1, k)  # few e4m3 subnormals per row
+    x[3] = 0  # an all-zero row: scale 1e-12 / 448, zeros
+    got_q, got_s = triton_quant.quantize_rows(x)
+    want_q, want_s = quantize_rows(x)
+    assert got_s.shape == (7, 1) and torch.equal(got_s, want_s)
+    got, want = got_q.float(), want_q.float()
+    lost_carry = (want != 0) & (torch.frexp(want.abs())[0] == 0.5) & (got == want / 2)
+    flushed = (want.abs() < 2.0**-6) & ((got - want).abs() <= 2.0**-9)
+    assert bool(((got == want) | lost_carry | flushed).all()) and float((got == want).float().mean()) > 0.9
+    with pytest.raises(ValueError, match="x \\[M, K\\] needed"):
+        triton_quant.quantize_rows(x[0])
+
+
+@needs_interpreter
 @pytest.mark.parametrize("rows", [5, 64, 67], ids=["decode-5", "decode-64", "prefill-67"])
 def test_interpreted_fp8_linear_quantises_its_activations(rows, monkeypatch):
     """`fp8_linear` off cuBLAS's path (fp32 here; on the GPU: shapes it does not take): W8A8 with the decode tiles
@@ -232,8 +254,10 @@ def test_cuda_fp8_linear(fmt, m):
 @needs_cuda
 @pytest.mark.parametrize("tokens", [3, 64, 700], ids=["decode-3", "decode-64", "prefill-700"])
 def test_cuda_fp8_grouped_experts(tokens):
-    """The FP8 routed experts as the engine runs them (decode: swap-AB W8A16 tiles; prefill: W8A8) against the
-    dequantised experts in fp32: within bf16 rounding (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), and at decode
+    sizes both swap-AB tiles (W8A16 and W8A8), against the dequantised experts in fp32: within bf16 rounding
+    (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import fp8_grouped_experts
 
     generator = torch.Generator().manual_seed(tokens)
@@ -252,9 +276,36 @@ def test_cuda_fp8_grouped_experts(tokens):
             want[t] += top_weights[t, j] * linear(torch.nn.functional.silu(g) * u, *down[e], BLOCK)[0]
     stacked = stacked_experts([(w.cuda(), s.cuda()) for w, s in gate], [(w.cuda(), s.cuda()) for w, s in up],
                               [(w.cuda(), s.cuda()) for w, s in down], BLOCK.block)
-    got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked)
-    # W8A8: x and h each rounded to e4m3 (steps of 2^-4 relative); an indexing or scale bug is O(1)
-    assert got.dtype == torch.bfloat16 and rel(got.cpu(), want) <= (2e-2 if tokens <= 64 else 1e-1)
+    modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True)] if tokens <= 64 else [])
+    for mode in modes:
+        got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked,
+                                  **mode)
+        w8a16 = tokens <= 64 and mode.get("w8a16", triton_fp8_moe.DECODE_W8A16)
+        # W8A8: x and h each rounded to e4m3 (steps of 2^-4 relative); an indexing or scale bug is O(1)
+        assert got.dtype == torch.bfloat16 and rel(got.cpu(), want) <= (2e-2 if w8a16 else 1e-1), mode
+
+
+@needs_cuda
+def test_cuda_fp8_compile_tiles_covers_every_sort_bucket(monkeypatch):
+    """The FP8 experts' start-up compile runs the one-launch sort at every pair-count bucket it launches with (as
+    the bf16 experts' does), so no request compiles one."""
+    from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles
+    from hybridcache.kernels.moe import triton_sort
+
+    pair_counts: list[int] = []
+    original = triton_sort.sort_pairs_triton
+
+    def recording(top_ids: torch.Tensor, num_experts: int):
+        pair_counts.append(top_ids.numel())
+        return original(top_ids, num_experts)
+
+    monkeypatch.setattr(triton_sort, "sort_pairs_triton", recording)
+    generator = torch.Generator().manual_seed(0)
+    gate, up, down = ([tuple(t.cuda() for t in quantize(torch.randn(128, 128, generator=generator), BLOCK))
+                       for _ in range(4)] for _ in range(3))
+    compile_tiles(torch.zeros(1, 128, device="cuda", dtype=torch.bfloat16), stacked_experts(gate, up, down,
+                                                                                           BLOCK.block), 2)
+    assert set(triton_sort.block_sizes()) <= set(pair_counts)
 
 
 @needs_interpreter

@@ -25,7 +25,7 @@ from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
 HEADS = dict(RATIO=2, DK=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
 GDN_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
-                "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32"}
+                "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32", "alog_ptr": "*bf16", "dt_ptr": "*bf16"}
 CONV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16",
                  "slots_ptr": "*i64", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32",
                  "table_ptr": "*i64", "drafts_ptr": "*i32"}
@@ -43,9 +43,14 @@ def pointers(kernel, table: dict[str, str]) -> dict[str, str]:
 
 @pytest.mark.parametrize("l2norm", [True, False])
 def test_gated_delta_step_compiles_for_hopper(l2norm):
-    compiled = compile_for_hopper(_gdn_step_kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}, integers(_gdn_step_kernel),
-                                  dict(HEADS, DV=128, L2NORM=l2norm), floats=("scale",))
-    assert ("sqrt" in compiled.asm["ptx"]) == l2norm  # q and k are l2-normalised only when asked
+    """Also the variant that makes the gates itself from a, b (GATES: g_ptr / beta_ptr hold a / b)."""
+    ptx = {}
+    for gates in (False, True):
+        table = {**GDN_POINTERS, "pool_ptr": "*fp32"} | ({"g_ptr": "*bf16"} if gates else {})
+        ptx[gates] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
+                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates), floats=("scale",)).asm["ptx"]
+        assert ("sqrt" in ptx[gates]) == l2norm  # q and k are l2-normalised only when asked
+    assert ptx[True].count("ex2") > ptx[False].count("ex2")  # the gates' exponentials, only when fused
 
 
 @pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])

@@ -3,6 +3,8 @@
 - `silu_mul(gate, up)`: silu(gate) * up, the SiLU-gated MLP's hidden activation (two kernels in torch).
 - `sigmoid_gate_add(routed, gate, shared)`: routed + sigmoid(gate) * shared, a sparse MoE block's output from
   its routed experts and its gated shared expert (three kernels in torch).
+- `sigmoid_mul(x, gate)`: x * sigmoid(gate), the gated attention's output gate (with the copy of the strided gate,
+  three kernels in torch).
 
 Each torch op rounds its result to the inputs' dtype, so in bf16 silu(gate) and sigmoid(gate) * shared are
 rounded before the next op; the fused kernels round at the same points.
@@ -22,3 +24,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
     """routed, shared [N, H], gate [N, 1] (same dtype) -> routed + sigmoid(gate) * shared [N, H]."""
     return routed + torch.sigmoid(gate) * shared
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [T, H, D] (same dtype) -> x * sigmoid(gate), contiguous [T, H, D]."""
+    return (x * torch.sigmoid(gate)).contiguous()

@@ -4,12 +4,14 @@ dtype where torch rounds it (no-ops in fp32), the arithmetic in between is fp32.
 
 - `silu_mul(gate, up)`:                      s = round(g * sigmoid(g));  out = round(s * up)
 - `sigmoid_gate_add(routed, gate, shared)`:  w = round(sigmoid(gate));   p = round(w * shared);  out = round(routed + p)
+- `sigmoid_mul(x, gate)` (the gated attention's output gate, per head):  w = round(sigmoid(gate));  out = round(x * w)
 
 Inputs are read in place when their columns are contiguous: gate and up are column views of one fused
 projection's output (`layers/fused.py`), so their rows sit `row_stride` elements apart; the [N, 1] gate of
 `sigmoid_gate_add` is a column of the router's fused output. Outputs are new contiguous tensors. One program
-per (row, BLOCK columns); the row count is the grid, never a kernel argument, and the widths and strides are
-fixed by the model, so nothing compiles after the engine's warm-up.
+per (row, BLOCK columns) (`sigmoid_mul`: per token, all its heads: the gate is a head view [T, H, D] of the
+query projection, strided over tokens and heads); the row count is the grid, never a kernel argument, and the
+widths and strides are fixed by the model, so nothing compiles after the engine's warm-up.
 """
 
 from __future__ import annotations
@@ -47,6 +49,21 @@ def _sigmoid_gate_add_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, width, r
     tl.store(out_ptr + row * width + cols, (r + p).to(dtype), mask=ok)
 
 
+@triton.jit
+def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, num_heads, dim, stride_xt, stride_xh, stride_gt, stride_gh,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    chans = tl.arange(0, BLOCK_D)
+    ok = (heads < num_heads)[:, None] & (chans < dim)[None, :]
+    x = tl.load(x_ptr + token * stride_xt + heads[:, None] * stride_xh + chans[None, :], mask=ok, other=0.0)
+    g = tl.load(gate_ptr + token * stride_gt + heads[:, None] * stride_gh + chans[None, :], mask=ok, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    w = tl.sigmoid(g.to(tl.float32)).to(dtype).to(tl.float32)
+    dest = out_ptr + token * num_heads * dim + heads[:, None] * dim + chans[None, :]
+    tl.store(dest, (x.to(tl.float32) * w).to(dtype), mask=ok)
+
+
 def _rows(x: torch.Tensor, name: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """x as a 2-D [N, W] tensor with unit-stride columns (copied only when its columns are strided)."""
     if x.dim() != 2 or tuple(x.shape) != shape or x.dtype != dtype:
@@ -82,4 +99,23 @@ def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Ten
         grid, block = _grid(num_rows, width)
         _sigmoid_gate_add_kernel[grid](routed, gate, shared, out, width, routed.stride(0), gate.stride(0),
                                        shared.stride(0), BLOCK=block)
+    return out
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x, gate [T, H, D] of one dtype (views strided over tokens and heads allowed) -> x * sigmoid(gate),
+    contiguous [T, H, D] (module docstring)."""
+    if x.dim() != 3 or gate.shape != x.shape or gate.dtype != x.dtype:
+        raise ValueError(f"sigmoid_mul: x {list(x.shape)} {x.dtype} and gate {list(gate.shape)} {gate.dtype} must be "
+                         "[T, H, D] of one shape and dtype")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if gate.stride(-1) != 1:
+        gate = gate.contiguous()
+    num_tokens, num_heads, dim = x.shape
+    out = torch.empty((num_tokens, num_heads, dim), dtype=x.dtype, device=x.device)
+    if out.numel():
+        _sigmoid_mul_kernel[(num_tokens,)](x, gate, out, num_heads, dim, x.stride(0), x.stride(1), gate.stride(0),
+                                           gate.stride(1), BLOCK_H=triton.next_power_of_2(num_heads),
+                                           BLOCK_D=triton.next_power_of_2(dim))
     return out

@@ -15,6 +15,20 @@ import triton.language as tl
 _BLOCK_T = 32
 
 
+@triton.jit
+def gate_values(a, b, a_log, dt_bias):
+    """The gates from fp32 a, b, A_log, dt_bias (blocks or scalars that broadcast): (g, beta) in fp32, beta not yet
+    rounded. Shared by `_delta_gates_kernel` and the decode step kernel (`triton_step.py`, which fuses the gates),
+    so both give the same bits."""
+    x = a + dt_bias
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    log1p = tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
+    softplus = tl.where(x > 20.0, x, log1p)
+    decay = -tl.exp(a_log)
+    return decay * softplus, 1.0 / (1.0 + tl.exp(-b))
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all
 def _delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, num_rows, num_heads,
                         stride_a, stride_b, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -23,15 +37,12 @@ def _delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, num_row
     ok = (rows[:, None] < num_rows) & (heads[None, :] < num_heads)
     a = tl.load(a_ptr + rows[:, None] * stride_a + heads[None, :], mask=ok, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + rows[:, None] * stride_b + heads[None, :], mask=ok, other=0.0).to(tl.float32)
-    decay = -tl.exp(tl.load(alog_ptr + heads, mask=heads < num_heads, other=0.0).to(tl.float32))
-    x = a + tl.load(dt_ptr + heads, mask=heads < num_heads, other=0.0).to(tl.float32)[None, :]
-    y = tl.exp(tl.minimum(x, 20.0))
-    u = 1.0 + y
-    log1p = tl.where(u == 1.0, y, tl.log(u) * y / (u - 1.0))
-    softplus = tl.where(x > 20.0, x, log1p)
+    a_log = tl.load(alog_ptr + heads, mask=heads < num_heads, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_ptr + heads, mask=heads < num_heads, other=0.0).to(tl.float32)
+    g, beta = gate_values(a, b, a_log[None, :], dt_bias[None, :])
     out = rows[:, None] * num_heads + heads[None, :]
-    tl.store(g_ptr + out, decay[None, :] * softplus, mask=ok)
-    tl.store(beta_ptr + out, (1.0 / (1.0 + tl.exp(-b))).to(beta_ptr.dtype.element_ty), mask=ok)
+    tl.store(g_ptr + out, g, mask=ok)
+    tl.store(beta_ptr + out, beta.to(beta_ptr.dtype.element_ty), mask=ok)
 
 
 def delta_gates(

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels.gated_delta.triton_gates import gate_values
+
 _BLOCK_V = 32
 
 
@@ -65,10 +67,11 @@ def delta_rule_update(state, bk, bv, bg, bb):
 
 @triton.jit
 def _gdn_step_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, scale,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, alog_ptr, dt_ptr, scale,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
+    GATES: tl.constexpr,
 ):
     seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -77,6 +80,9 @@ def _gdn_step_kernel(
     bq, bk, bv, bg, bb = token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, seq, head, key_head, ks, vs, scale,
                                       stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn,
                                       stride_bn, L2NORM)
+    if GATES:  # g_ptr / beta_ptr hold the raw a / b: the gates here, as `triton_gates` makes them
+        bg, bb = gate_values(bg, bb, tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
+        bb = bb.to(beta_ptr.dtype.element_ty).to(tl.float32)
     state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
     state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
     state = delta_rule_update(state, bk, bv, bg, bb)
@@ -96,8 +102,13 @@ def gated_delta_rule_decode(
     context_lens: torch.Tensor,
     *,
     use_qk_l2norm: bool = True,
+    gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; ssm_pool[state_slots] is updated in place.
+
+    `gates` (A_log, dt_bias [Hv]): g and beta are then the raw a and b [N, Hv] (strided rows allowed, e.g. slices
+    of Qwen3-Next's in_proj_ba output) and the kernel makes the gates itself, as `triton_gates.delta_gates` does
+    (the same code: the same bits), which saves that launch per layer and step.
 
     q, k [N, Hk, Dk]; v [N, Hv, Dv] (unit stride on the last dim; other strides free, e.g. views of the conv
     output); g, beta [N, Hv] (log decay, write strength); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
@@ -111,14 +122,17 @@ def gated_delta_rule_decode(
     block_v = min(_BLOCK_V, v_dim)
     if ssm_pool.stride(-1) != 1 or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("q, k, v and ssm_pool need unit stride on their last dim")
-    g, beta = g.contiguous(), beta.contiguous()
+    if gates is None or g.stride(-1) != 1 or beta.stride(-1) != 1:
+        g, beta = g.contiguous(), beta.contiguous()
+    a_log, dt_bias = gates if gates is not None else (g, g)  # (unread without gates)
     out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
     if num == 0:
         return out
     _gdn_step_kernel[(num, num_v_heads, v_dim // block_v)](
-        q, k, v, g, beta, out, ssm_pool, state_slots, context_lens, k_dim**-0.5,
+        q, k, v, g, beta, out, ssm_pool, state_slots, context_lens, a_log, dt_bias, k_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
+        GATES=gates is not None,
     )
     return out

@@ -1,7 +1,7 @@
 """FP8 linears on CUDA through `torch._scaled_mm` (cuBLASLt), for prefill-sized inputs:
 
-- per-channel (compressed-tensors FP8_DYNAMIC): activations quantised per token (`quantize_rows`), row-wise
-  scales;
+- per-channel (compressed-tensors FP8_DYNAMIC): activations quantised per token in one launch
+  (`triton_quant.quantize_rows`), row-wise scales;
 - block (Qwen's fine-grained FP8): activations quantised per token per 128 channels by `triton_quant` (one
   launch, scales column-major, rows padded to a multiple of 4 as cuBLAS wants), 1 x 128 activation scales times
   128 x 128 weight scales (`F.scaled_mm`'s BlockWise1x128 / BlockWise128x128, sm90).
@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
 from hybridcache.kernels.gemm import triton_quant
-from hybridcache.kernels.gemm.reference import quantize_rows
 
 
 def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -27,7 +26,8 @@ def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
     if weight.shape[0] % 16 or weight.shape[1] % 16:
         raise ValueError(f"channel_fp8_linear: N and K must be multiples of 16, got {list(weight.shape)}")
     lead = x.shape[:-1]
-    xq, x_scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    rows = x.reshape(-1, x.shape[-1])
+    xq, x_scale = triton_quant.quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.float().reshape(1, -1),
                            bias=bias, out_dtype=x.dtype)
     return out.reshape(*lead, weight.shape[0])

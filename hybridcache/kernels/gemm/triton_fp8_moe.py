@@ -1,10 +1,11 @@
 """The FP8 grouped expert GEMM: `moe/triton_experts.py`'s expert GEMM over rows sorted by expert (the same tile
 lookup, `triton_experts.expert_tile`), with FP8 expert weights scaled per 128 x 128 block, in one of two modes:
 
-- W8A16 (decode: few rows per expert): activations in their own dtype, each weight tile converted to it in
+- W8A8 (the engine's choice at every size): activations quantised per row per 128 channels (`triton_quant`), the
+  FP8 tensor-core product scaled per row and column per K step (DeepSeek-V3's recipe, as `triton_block_fp8.py`);
+  at decode sizes with swap-AB tiles (the weight tile on the MMA's M side, the few rows its N side).
+- W8A16 (`DECODE_W8A16`, benchmarks): activations in their own dtype, each weight tile converted to it in
   registers (exact) and each K step's product scaled per column; no activation quantisation launch.
-- W8A8 (prefill): activations quantised per row per 128 channels (`triton_quant`), the FP8 tensor-core product
-  scaled per row and column per K step (DeepSeek-V3's recipe, as `triton_block_fp8.py`).
 
 Layout (T tokens, top-k, E experts, R = T*k pairs; `order`, `counts` and the tiling exactly as in
 `moe/triton_experts.py`, whose module docstring has a worked example):
@@ -36,9 +37,10 @@ from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
-DECODE_W8A16 = True  # few rows per expert: W8A16 (no quantisation launches), else W8A8
+DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token per 128 channels), else W8A16
 DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
-DECODE_SWAP_AB = False  # decode: the weight tile on the MMA's M side (compiled, not yet timed on the H200)
+DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
+DECODE_NUM_WARPS = 4
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
@@ -198,9 +200,10 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
-    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): W8A16 (x and h in x's dtype, the
-    weights dequantised in the kernel: no quantisation launch) or W8A8 when not `DECODE_W8A16`; more:
-    W8A8 (x and h quantised per token per 128 channels by `triton_quant`). `w8a16`, `block_m`, `block_n` and
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
+    W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
+    launch); more: W8A8 with the `PREFILL_*` tile. W8A8 quantises x and h per token per 128 channels
+    (`triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice (benchmarks sweep them); the choice is made
     from shapes alone, so captured and eager runs agree."""
     from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
@@ -211,7 +214,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
     if decode_tile is not None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB)
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
         options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)
@@ -229,15 +232,18 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
 def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
-    and not inside the first request that needs one: the decode tiles `moe.grouped.tile_rows` can pick, and the
-    W8A8 prefill path with its quantisation."""
-    from hybridcache.kernels.moe.grouped import sort_pairs
+    and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
+    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, and the W8A8 prefill path
+    with its quantisation."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
+    if x.is_cuda and num_experts <= MAX_EXPERTS:
+        for pairs in block_sizes():
+            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
     ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    sort_pairs(ids, num_experts)
     for block_m in (16, 32, 64):
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
     fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,

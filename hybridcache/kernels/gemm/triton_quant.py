@@ -1,5 +1,6 @@
 """Dynamic FP8 quantisation of activations per token per group of channels in one Triton launch: what
-`reference.quantize_groups` computes in torch (a pad, an amax, two divisions and a cast: about ten launches).
+`reference.quantize_groups` computes in torch (a pad, an amax, two divisions and a cast: about ten launches), and
+per token (`quantize_rows`: one group of the whole row, what `reference.quantize_rows` computes).
 
 Program (m, c) takes row m's groups [c * CHUNK, (c + 1) * CHUNK) as a [CHUNK, GROUP] tile: per group
 amax = max(max |x|, 1e-12), scale = amax / 448, q = clamp(x / scale, -448, 448) rounded to e4m3 (IEEE division,
@@ -55,3 +56,12 @@ def quantize_groups(x: torch.Tensor, group: int = 128, *, pad_rows: int = 1,
             GROUP=group, CHUNK=chunk, QMAX=FP8_MAX,
         )
     return xq, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit stride on K) -> (xq [M, K] float8_e4m3fn, scale [M, 1] fp32) equal to
+    `reference.quantize_rows(x)` (dynamic per token) in one launch: `quantize_groups` with one group of the whole
+    row (K rounded up to a power of two, the channels past K masked)."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: x [M, K] needed, got {list(x.shape)}")
+    return quantize_groups(x, max(16, triton.next_power_of_2(x.shape[1])))

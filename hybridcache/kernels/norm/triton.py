@@ -3,6 +3,8 @@ Same math and the same roundings as `layers.norm` / the references (each row of 
 program takes 2,048 // width rows, see `_launch`):
 
 - `rms_norm` (ZeroCenteredRMSNorm): y = x / rms(x) * (1 + w), all in fp32, rounded once to x's dtype.
+- `add_rms_norm` (a decoder layer's residual add and the next norm): s = x + residual rounded to x's dtype (as
+  torch's add rounds it), written out, and rms_norm(s) from the rounded s: one launch for what took two.
 - `gated_rms_norm` (GatedRMSNorm of DeltaNet outputs): n = (x / rms(x)) rounded to x's dtype; p = w * n rounded
   to x's dtype (the module multiplies in the weight's dtype); y = p * silu(gate) in fp32, rounded once.
 - `l2norm` (the gated delta rule's q / k): y = x / sqrt(sum(x^2) + eps) in fp32, rounded once (fla's
@@ -51,6 +53,22 @@ def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, e
     w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     y = x * rstd[:, None] * (1.0 + w[None, :])
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
+                         r_stride_h, sum_ptr, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
+    dest = rows[:, None] * dim + cols[None, :]
+    total = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + dest, total, mask=ok)
+    s = total.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = s * rstd[:, None] * (1.0 + w[None, :])
+    tl.store(out_ptr + dest, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -114,6 +132,19 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> contiguous [..., dim] in x's dtype."""
     return _launch(_rms_norm_kernel, x, eps, weight)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., dim] (same shape and dtype), weight [dim] -> (x + residual, rms_norm(x + residual)), both
+    contiguous [..., dim] in x's dtype (module docstring)."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} and x {tuple(x.shape)} "
+                         f"{x.dtype} differ")
+    residuals, r_stride_t, r_stride_h, _ = _rows(residual)  # same shape, so the same row -> (t, h) split
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return total, _launch(_add_rms_norm_kernel, x, eps, residuals, r_stride_t, r_stride_h, total, weight)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -25,3 +25,13 @@ def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """query [T, Hq, D], key [T, Hk, D], cos/sin [T, R] -> the rotated query and key (new tensors)."""
     return apply_partial_rotary(query, cos, sin), apply_partial_rotary(key, cos, sin)
+
+
+def norm_rotary(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float,
+                cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention layer's q_norm / k_norm (zero-centred RMSNorm over each head, `norm.reference.rms_norm`) and
+    then `rotary`: query [T, Hq, D], key [T, Hk, D], weights [D], cos/sin [T, R] -> the normed, rotated query and
+    key (the norms' outputs rounded to the inputs' dtype before the rotation, as the two ops in a row give)."""
+    from hybridcache.kernels.norm.reference import rms_norm
+
+    return rotary(rms_norm(query, q_weight, eps), rms_norm(key, k_weight, eps), cos, sin)

@@ -1,0 +1,69 @@
+"""`benchmarks/fp8_bench.py::decode_choices`: the engine's FP8 decode kernels chosen from a `fp8_sweep.py` result
+(`--decode-kernels-from`). Made-up rows in the sweep's row format; no kernel runs (this process never imports
+triton)."""
+
+from __future__ import annotations
+
+from benchmarks.fp8_bench import MAX_SWEEP_ERR, decode_choices
+
+
+def expert(tokens: int, kernel: str, swap_ab: bool, ms: float, block_n: int = 64, err: float = 0.01) -> dict:
+    return {"experts": "next-16b", "tokens": tokens, "kernel": kernel, "block_m": 16 if tokens == 1 else 32,
+            "block_n": block_n, "swap_ab": swap_ab, "num_warps": 4, "err": err, "ms": ms}
+
+
+def dense(shape: str, m: int, kernel: str, ms: float, swap_ab: bool | None = True) -> dict:
+    tile = None if swap_ab is None else {"block_m": 64, "block_n": 64, "swap_ab": swap_ab}
+    return {"shape": shape, "M": m, "kernel": kernel, "tile": tile, "err": 0.003, "ms": ms}
+
+
+def test_the_experts_decode_tile_is_the_fastest_summed_over_every_decode_size() -> None:
+    rows = [expert(64, "w8a16", True, 0.20), expert(1, "w8a16", True, 0.09),
+            expert(64, "w8a8", True, 0.12), expert(1, "w8a8", True, 0.10),
+            expert(64, "w8a16", False, 0.21), expert(1, "w8a16", False, 0.08),
+            expert(64, "w8a8", True, 0.05, block_n=128)]  # fastest at 64, but never measured at T = 1
+    chosen = decode_choices(rows)["experts"]
+    assert (chosen["kernel"], chosen["swap_ab"], chosen["block_n"], chosen["num_warps"]) == ("w8a8", True, 64, 4)
+    assert chosen["tokens"] == [1, 64]
+    assert set(chosen["ms_sum"]) == {"w8a16/64/True/4", "w8a8/64/True/4", "w8a16/64/False/4"}
+    assert abs(chosen["ms_sum"]["w8a8/64/True/4"] - 0.22) < 1e-9
+
+
+def test_a_sweep_cut_short_compares_the_experts_at_64_tokens() -> None:
+    """The sweep's budget stopped it after one T = 1 row: every configuration is compared at T = 64 alone, not the
+    one that happens to have both sizes."""
+    rows = [expert(64, "w8a16", True, 0.20), expert(64, "w8a8", True, 0.12), expert(64, "w8a16", False, 0.21),
+            expert(1, "w8a16", True, 0.09)]
+    chosen = decode_choices(rows)["experts"]
+    assert (chosen["kernel"], chosen["swap_ab"], chosen["tokens"]) == ("w8a8", True, [64])
+    assert len(chosen["ms_sum"]) == 3
+
+
+def test_a_row_with_a_large_error_or_an_error_message_is_never_chosen() -> None:
+    rows = [expert(64, "w8a16", True, 0.20), expert(1, "w8a16", True, 0.09),
+            expert(64, "w8a8", True, 0.01, err=MAX_SWEEP_ERR), expert(1, "w8a8", True, 0.01),
+            expert(64, "w8a8", False, 0.01, err=float("nan")), expert(1, "w8a8", False, 0.01),
+            {"experts": "next-16b", "tokens": 64, "kernel": "w8a16", "error": "CompilationError(...)"}]
+    chosen = decode_choices(rows)["experts"]
+    assert (chosen["kernel"], chosen["swap_ab"]) == ("w8a16", True)
+
+
+def test_the_dense_kernel_sums_shapes_and_rows_and_skips_tiles_the_engine_does_not_run() -> None:
+    rows = [dense("qkvz", 64, "bf16", 0.001), dense("qkvz", 1, "bf16", 0.001)]  # bf16 is the baseline, not a choice
+    for shape, scale in (("qkvz", 1.0), ("big", 4.0)):
+        for m in (1, 64):
+            rows += [dense(shape, m, "w8a8", 0.030 * scale), dense(shape, m, "cublas-block", 0.025 * scale, None),
+                     dense(shape, m, "w8a16", 0.001, swap_ab=False)]  # decode_config's tiles are swap-AB
+    rows.append(dense("qkvz", 256, "w8a8", 0.0001))  # a prefill size
+    chosen = decode_choices(rows)["dense"]
+    assert chosen["kernel"] == "cublas-block" and set(chosen["ms_sum"]) == {"w8a8", "cublas-block"}
+    assert abs(chosen["ms_sum"]["cublas-block"] - 2 * (0.025 + 0.1)) < 1e-9
+
+
+def test_the_prefill_tile_and_parts_without_rows() -> None:
+    rows = [{"experts": "next-16b", "tokens": 1024, "kernel": "w8a8", "block_m": bm, "block_n": 128,
+             "swap_ab": False, "num_warps": warps, "err": 0.04, "ms": ms}
+            for bm, warps, ms in ((64, 4, 1.2), (64, 8, 0.57), (128, 8, 3.3))]
+    chosen = decode_choices(rows)
+    assert chosen == {"experts_prefill": {"block_m": 64, "block_n": 128, "num_warps": 8}}
+    assert decode_choices([]) == {}
