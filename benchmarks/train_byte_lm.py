@@ -22,10 +22,13 @@ MTP head (`--mtp-steps N`, N > 0): after the model, its multi-token-prediction h
 pre-fc norms, fc, one full-attention decoder layer of the model's kind built by transformers, the final norm;
 embedding and lm_head the model's, frozen with the rest of it) is trained for N steps on the same windows to
 predict the byte after next: row t reads byte t + 1 and the model's final hidden state at t, and its loss is the
-cross entropy against byte t + 2 (same optimiser settings). Recorded: its held-out loss before and after, and the
-held-out fraction of positions where its argmax is the byte after next (what greedy speculative decoding accepts
-at draft position 1, given the model's own next byte). Without it the folder gets a random head, like every
-random folder.
+cross entropy against byte t + 2 (same optimiser settings). The frozen model needs no backward: its hidden states
+are computed without autograd ahead of the steps that read them, FROZEN_WINDOWS windows per forward (an eager
+forward's kernel launches and host syncs, which set its time on a GPU at this size, do not grow with the windows
+it batches), so a step runs only the head; the windows and their order are those the steps draw. Recorded: its
+held-out loss before and after, and the held-out fraction of positions where its argmax is the byte after next
+(what greedy speculative decoding accepts at draft position 1, given the model's own next byte). Without it the
+folder gets a random head, like every random folder.
 
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
 tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
@@ -41,6 +44,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +55,7 @@ from benchmarks.gpu_engine import MODEL
 from tests.engine.model_folders import HF_CLASSES, byte_config, save_model_folder
 
 REPO = Path(__file__).resolve().parents[1]
+FROZEN_WINDOWS = 256  # windows per forward of the frozen model when the MTP head trains (its hidden states cached)
 PIECE = 4096  # bytes; every HOLD_OUT-th piece of the corpus is held out
 HOLD_OUT = 10
 CORPUS_FILE = "training_corpus.txt"
@@ -222,13 +227,15 @@ class MtpTrainer(torch.nn.Module):
         self.mask_config = config
         self._create_causal_mask = transformers.masking_utils.create_causal_mask
 
-    def logits(self, model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor:
+    def logits(self, model: torch.nn.Module, windows: torch.Tensor,
+               target_hidden: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits [B, L - 2, vocab] of the head over windows [B, L]: row t reads byte t + 1 and the model's
-        final hidden state at t (positions 0 .. L - 3)."""
-        inputs = windows[:, :-2]
-        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+        final hidden state at t (positions 0 .. L - 3). `target_hidden`: those hidden states [B, L - 2, hidden]
+        when already computed (`frozen_hidden`), else the model runs here."""
+        positions = torch.arange(windows.shape[1] - 2, device=windows.device).expand(len(windows), -1)
         with torch.no_grad():
-            target_hidden = model.model(input_ids=inputs, position_ids=positions, use_cache=False).last_hidden_state
+            if target_hidden is None:
+                target_hidden = frozen_hidden(model, windows, len(windows))
             embeds = model.model.embed_tokens(windows[:, 1:-1])
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(target_hidden)], dim=-1))
         mask = self._create_causal_mask(**self._mask_arguments(x, positions))
@@ -254,49 +261,70 @@ class MtpTrainer(torch.nn.Module):
             arguments["position_ids"] = positions
         return arguments
 
-    def loss(self, model: torch.nn.Module, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L]."""
-        logits = self.logits(model, windows)
+    def loss(self, model: torch.nn.Module, windows: torch.Tensor,
+             target_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cross entropy of byte t + 2 from row t, the fraction of rows whose argmax is it) over windows [B, L];
+        `target_hidden` as in `logits`."""
+        logits = self.logits(model, windows, target_hidden)
         want = windows[:, 2:]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), want.reshape(-1))
         return loss, (logits.argmax(dim=-1) == want).float().mean()
 
 
+@torch.no_grad()
+def frozen_hidden(model: torch.nn.Module, windows: torch.Tensor, batch: int = FROZEN_WINDOWS) -> torch.Tensor:
+    """The model's final hidden states [N, L - 2, hidden] over windows [N, L]: its inputs are windows[:, :-2] at
+    positions 0 .. L - 3 (what the MTP head reads at row t), run without autograd, `batch` windows per forward.
+    The model is causal, so a window's states do not depend on the windows batched with it (up to the rounding of
+    a different batch shape)."""
+    positions = torch.arange(windows.shape[1] - 2, device=windows.device)
+    parts = []
+    for start in range(0, len(windows), batch):
+        inputs = windows[start:start + batch, :-2]
+        parts.append(model.model(input_ids=inputs, position_ids=positions.expand_as(inputs),
+                                 use_cache=False).last_hidden_state)
+    return torch.cat(parts)
+
+
 def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Tensor, options: TrainOptions,
               record: dict) -> MtpTrainer:
-    """Train the MTP head over the frozen `model` for `options.mtp_steps` steps; fills record["mtp"]."""
+    """Train the MTP head over the frozen `model` for `options.mtp_steps` steps; fills record["mtp"].
+
+    The frozen model needs no backward, so its hidden states are computed ahead of the steps that read them,
+    FROZEN_WINDOWS windows per forward (`training_windows`), and the held-out windows' once for both held-out
+    measurements: a step runs only the head. The windows, their order and the steps are those of running the
+    model inside every step."""
     model.eval().requires_grad_(False)
     torch.manual_seed(options.seed + 1)
     head = MtpTrainer(model).to(options.device).train()
     optimizer = torch.optim.AdamW(head.parameters(), lr=options.lr, betas=(0.9, 0.95),
                                   weight_decay=options.weight_decay)
-    generator = torch.Generator().manual_seed(options.seed + 1)
-    offsets_range = torch.arange(options.seq_len + 1, device=options.device)
+    width = options.seq_len + 1
+    count = len(held) // width
+    held_windows = held[:count * width].view(count, width).to(options.device)
+    began = time.perf_counter()
+    with autocast(options.device):
+        held_hidden = frozen_hidden(model, held_windows)
 
     @torch.no_grad()
     def held_out() -> tuple[float, float]:
-        width = options.seq_len + 1
-        count = len(held) // width
-        windows = held[:count * width].view(count, width).to(options.device)
         losses, hits = [], []
         for start in range(0, count, options.batch):
+            part = slice(start, start + options.batch)
             with autocast(options.device):
-                loss, hit = head.loss(model, windows[start:start + options.batch])
+                loss, hit = head.loss(model, held_windows[part], held_hidden[part])
             losses.append(loss.item())
             hits.append(hit.item())
         return sum(losses) / len(losses), sum(hits) / len(hits)
 
-    began = time.perf_counter()
     mtp = {"steps": options.mtp_steps, "losses": []}
     mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"] = held_out()
     mtp_options = dataclasses.replace(options, steps=options.mtp_steps)
-    for step in range(options.mtp_steps):
+    for step, (windows, target_hidden) in enumerate(training_windows(model, train_bytes, options)):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, mtp_options)
-        starts = torch.randint(0, len(train_bytes) - options.seq_len - 1, (options.batch,), generator=generator)
-        windows = train_bytes[starts.to(options.device)[:, None] + offsets_range]
         with autocast(options.device):
-            loss, _ = head.loss(model, windows)
+            loss, _ = head.loss(model, windows, target_hidden)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -306,10 +334,32 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
             print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte "
                   f"({time.perf_counter() - began:.1f} s)", flush=True)
     mtp["held_out_loss"], mtp["held_out_next_next_accuracy"] = held_out()
+    mtp["seconds"] = time.perf_counter() - began
     print(f"mtp held-out loss {mtp['held_out_loss']:.3f} nats/byte, argmax = the byte after next at "
-          f"{mtp['held_out_next_next_accuracy']:.1%} of positions", flush=True)
+          f"{mtp['held_out_next_next_accuracy']:.1%} of positions ({mtp['seconds']:.1f} s)", flush=True)
     record["mtp"] = mtp
     return head
+
+
+def training_windows(model: torch.nn.Module, train_bytes: torch.Tensor,
+                     options: TrainOptions) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(windows [batch, seq_len + 1], the frozen model's hidden states over them) for each of the `mtp_steps` steps:
+    windows at random offsets of a generator seeded with seed + 1, drawn in step order; the hidden states of
+    FROZEN_WINDOWS // batch steps' windows come from one forward (`frozen_hidden`), so at most that many steps'
+    states are held at once."""
+    generator = torch.Generator().manual_seed(options.seed + 1)
+    offsets_range = torch.arange(options.seq_len + 1, device=options.device)
+    per_forward = max(1, FROZEN_WINDOWS // options.batch)
+    for first in range(0, options.mtp_steps, per_forward):
+        steps = min(per_forward, options.mtp_steps - first)
+        starts = torch.cat([torch.randint(0, len(train_bytes) - options.seq_len - 1, (options.batch,),
+                                          generator=generator) for _ in range(steps)])
+        windows = train_bytes[starts.to(options.device)[:, None] + offsets_range]
+        with autocast(options.device):
+            hidden = frozen_hidden(model, windows)
+        for i in range(steps):
+            part = slice(i * options.batch, (i + 1) * options.batch)
+            yield windows[part], hidden[part]
 
 
 def save_mtp(head: MtpTrainer, out: Path) -> None:

@@ -6,9 +6,10 @@ tokens, finish reasons and logprobs with MTP on equal those of one rank with MTP
 prefix (the later ones hit the cache), `n = 2`, a stop string and an identical resend, with `check_integrity` after
 every step; the head's own drafts equal one rank's head's, draft for draft, and with partly right oracle drafts (so
 verify rows accept 0..k drafts and roll back on every rank) the acceptance counts equal one rank's; the same after
-the cache-equivalence workload (multi-turn conversations, shared system prompts). Slow: speculation turned off above
-a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is refused before
-any worker starts.
+the cache-equivalence workload (multi-turn conversations, shared system prompts). Seeded sampling (temperature >
+0, n = 2) with MTP on two ranks equals one rank with MTP: tokens, logprobs and acceptance counts. Slow: speculation
+turned off above a batch size with async steps between (their fed tokens broadcast). A folder without an MTP head is
+refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -178,6 +179,51 @@ def test_greedy_mtp_on_two_ranks_equals_one_rank_without_it(model_dir, workload)
     assert stats_two == stats_one
     assert 0 < stats_one.num_accepted_tokens < stats_one.num_draft_tokens  # accepted and rolled back
     assert all(n > 0 for n in stats_one.accepted_per_position), stats_one
+
+
+def sampled_requests(engine: LLMEngine, check_every_step: bool, greedy: bool = False) -> dict:
+    """`long_requests`' prompts with seeded temperature > 0, one request after another: `hot-a` at 0.05 (near the
+    greedy tokens, so oracle drafts are often accepted; logprobs), `hot-b` at 1.0 with n = 2 (drafts rejected, the
+    residual drawn), `hot-a` again at 0.1 (a cache hit); `greedy`: every temperature 0. {id: RequestOutput}."""
+    rng = random.Random(11)
+    prefix = [rng.randrange(256) for _ in range(120)]
+    a, b = (prefix + [rng.randrange(256) for _ in range(n)] for n in (40, 35))
+    requests = [("hot-a", a, dict(temperature=0.05, seed=7, max_tokens=10, logprobs=2)),
+                ("hot-b", b, dict(temperature=1.0, seed=8, n=2, max_tokens=11)),
+                ("hot-a-again", a, dict(temperature=0.1, seed=9, max_tokens=8))]
+    results = {}
+    for request_id, prompt, params in requests:
+        params = {**params, "temperature": 0} if greedy else params
+        engine.add_request(request_id, prompt, SamplingParams(ignore_eos=True, **params))
+        results.update(run_all(engine, check=check_every_step))
+    return results
+
+
+def test_seeded_sampling_with_mtp_on_two_ranks_equals_one_rank(model_dir):
+    """Temperature > 0 with seeds: two ranks with MTP (k = 2) give one rank's tokens and logprobs with MTP, same
+    seeds, and the same acceptance counts (rank 0 judges, with each request's generator). The drafts are the
+    greedy tokens of a run without MTP, each kept with probability 0.7 (`oracle`), so that rows accept drafts,
+    reject them and draw from the residual; the cache is checked after every step on two ranks."""
+    greedy = {rid: [c.token_ids for c in out.outputs]
+              for rid, out in sampled_requests(make_engine(model_dir, caching=False), False, greedy=True).items()}
+    runs = []
+    for tp in (1, 2):
+        engine = make_engine(model_dir, k=2, tp=tp)
+        try:
+            oracle(engine, greedy, seed=6)
+            outputs = sampled_requests(engine, check_every_step=tp == 2)
+            engine.check_integrity()
+            runs.append(({rid: [c.token_ids for c in out.outputs] for rid, out in outputs.items()},
+                         outputs["hot-a"].outputs[0].logprobs, engine.drafter.stats))
+        finally:
+            engine.close()
+    (tokens_one, logprobs_one, stats_one), (tokens_two, logprobs_two, stats_two) = runs
+    assert tokens_two == tokens_one
+    assert len(tokens_one["hot-b"]) == 2 and tokens_one["hot-b"][0] != tokens_one["hot-b"][1]
+    assert tokens_one["hot-b"] != greedy["hot-b"]  # sampled, not the greedy tokens
+    assert_same_logprobs([logprobs_two], [logprobs_one])
+    assert stats_two == stats_one
+    assert 0 < stats_one.num_accepted_tokens < stats_one.num_draft_tokens, stats_one  # accepted and rejected
 
 
 @pytest.mark.slow

@@ -59,3 +59,39 @@ def test_training_lowers_the_loss_and_the_folder_matches_transformers(tmp_path):
             ref.append(want[position - 1, token])
     assert len(ours) >= 20 * (PROMPT_LEN - 1)
     assert rel_err(torch.tensor(ours), torch.stack(ref)) <= 1e-4
+
+
+def test_the_head_trains_on_cached_hidden_states_equal_to_a_fresh_forward(monkeypatch):
+    """`train_mtp` runs the frozen model ahead of the head's steps, several steps' windows per forward: each step
+    gets the windows it drew before (a generator seeded with seed + 1, `batch` random offsets per step, in step
+    order), and hidden states equal to a forward over that step's windows alone; the head's logits from them
+    equal its logits when it runs the model itself."""
+    import transformers
+
+    from benchmarks import train_byte_lm
+    from benchmarks.train_byte_lm import MtpTrainer, frozen_hidden, split, training_windows
+    from hybridcache.models.random_weights import randomize_
+    from tests.engine.model_folders import HF_CLASSES, byte_config
+
+    monkeypatch.setattr(train_byte_lm, "FROZEN_WINDOWS", 8)  # 2 steps of 4 windows per forward; 5 steps: 2 + 2 + 1
+    options = TrainOptions(batch=4, seq_len=256, seed=3, mtp_steps=5)
+    model = getattr(transformers, HF_CLASSES["qwen3_next"])(byte_config("qwen3_next")).eval().requires_grad_(False)
+    randomize_(model, seed=5)
+    train_bytes, _ = split(corpus_bytes()[:40_000])
+    got = list(training_windows(model, train_bytes, options))
+    assert len(got) == options.mtp_steps
+    generator = torch.Generator().manual_seed(options.seed + 1)
+    offsets = torch.arange(options.seq_len + 1)
+    head = MtpTrainer(model).eval()
+    randomize_(head, seed=6)
+    for windows, hidden in got:
+        starts = torch.randint(0, len(train_bytes) - options.seq_len - 1, (options.batch,), generator=generator)
+        assert torch.equal(windows, train_bytes[starts[:, None] + offsets])
+        positions = torch.arange(options.seq_len - 1).expand(options.batch, -1)
+        fresh = model.model(input_ids=windows[:, :-2], position_ids=positions, use_cache=False).last_hidden_state
+        assert hidden.shape == fresh.shape == (options.batch, options.seq_len - 1, model.config.hidden_size)
+        assert rel_err(hidden, fresh) <= 1e-5
+        assert rel_err(frozen_hidden(model, windows, batch=3), fresh) <= 1e-5  # 3 + 1 windows per forward
+        with torch.no_grad():
+            assert rel_err(head.logits(model, windows, hidden), head.logits(model, windows)) <= 1e-5
+    assert not torch.equal(got[0][0], got[1][0]) and not torch.equal(got[1][0], got[2][0])  # across forwards
