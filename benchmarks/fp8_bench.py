@@ -106,12 +106,17 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     result["checkpoint_states_that_fit"] = result["num_blocks"] // max(1, result["state_pages"])
     save()
     print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
+    compiles = gpu_bench.CompileLog()  # from here on, every compile is one the engine's start-up did not do
+    compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
+    result["warm_up_kernels_compiled"] = compiles.by_label.get("warm-up", [])
     runners = {"A": gpu_bench.phase_a, "B": gpu_bench.phase_b, "C": gpu_bench.phase_c, "D": gpu_bench.phase_d}
     rng = random.Random(0)
     for phase in phases:
+        compiles.label = phase
         if not gpu_bench.run_phase(llm, runners[phase], rng, result, phase):
             continue
+        result["phases"][phase]["kernels_compiled"] = compiles.by_label.get(phase, [])
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
     if profile_dir is not None:
