@@ -5,6 +5,7 @@ measurement runs on it) and the trained MTP head in the MTP loader."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -22,7 +23,9 @@ PROMPT_LEN = 200
 
 
 def test_training_lowers_the_loss_and_the_folder_matches_transformers(tmp_path):
-    corpus = corpus_bytes()[:60_000]
+    # A frozen corpus (the first 60,000 bytes of this repository's README.md and docs/*.md as they once were), not
+    # the checkout's: a documentation edit changes what 8 steps can learn, and with it the loss this test bounds.
+    corpus = (Path(__file__).parent / "data" / "byte_lm_corpus.txt").read_bytes()
     options = TrainOptions(steps=8, batch=4, seq_len=256, log_every=4, seed=1, mtp_steps=4)
     record = train(tmp_path, options, corpus=corpus, shape={})  # tiny_hf_config's shape: hidden 64
     assert record["held_out_loss"] < record["held_out_loss_before"] - 1.0, record
