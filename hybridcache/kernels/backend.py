@@ -43,6 +43,7 @@ from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.encoder_attention import default_encoder_attention
 from hybridcache.kernels.encoder_attention.base import EncoderAttention
 from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.gemm import dense as dense_gemm
 from hybridcache.kernels.gemm.base import GemmBackend
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
@@ -448,6 +449,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     weight [N, K] float8_e4m3fn, scale in `fmt`'s shape, by the GEMM backend registered as `gemm`
     (`kernels.registry.GEMM`; None: "triton" on CUDA, "reference" elsewhere)."""
     return gemm_backend(gemm, x.device.type).linear(x, weight, scale, fmt, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of a dense (unquantised) linear layer: x [..., K] -> x W^T (+ bias) [..., N], as `F.linear`; on
+    CUDA in bf16 / fp16 at up to 64 rows, cuBLAS or the skinny Triton GEMM, whichever was measured faster for the
+    shape (`kernels/gemm/dense.py`)."""
+    return dense_gemm.linear(x, weight, bias)
 
 
 @functools.cache

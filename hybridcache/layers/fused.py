@@ -23,9 +23,9 @@ multiple of bn; channel format: always). A mix of formats, or unaligned blocks, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.linear import Fp8Linear
 
 
@@ -54,7 +54,7 @@ class FusedProjection:
             return tuple(linear(x) for linear in self.linears)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
-        out = F.linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
+        out = kernel_backend.dense_linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
         return out.split(self.sizes, dim=-1)
 
     def _fusable(self) -> bool:

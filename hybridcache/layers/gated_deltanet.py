@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -119,7 +120,7 @@ class _GatedDeltaNetBase(nn.Module):
         q, k, v = self._split_heads(conv_out)
         core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state["ssm"], batch)  # gates + rule
         core = self.norm(core, z, backend)
-        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
+        return self.tp.all_reduce(module_linear(self.out_proj, core.reshape(hidden.shape[0], self.value_dim)))
 
 
 class GatedDeltaNet(_GatedDeltaNetBase):

@@ -72,3 +72,10 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.describe()}"
 
+
+def module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `nn.Linear` through the backend's dense GEMM (`kernels.backend.dense_linear`: cuBLAS or
+    a skinny Triton GEMM for a decode step's few rows, as measured per shape)."""
+    if type(module) is nn.Linear:
+        return kernel_backend.dense_linear(x, module.weight, module.bias)
+    return module(x)

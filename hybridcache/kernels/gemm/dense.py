@@ -1,0 +1,135 @@
+"""The dense (bf16 / fp16) linear of a model's projections, chosen per shape by measurement on the device.
+
+    linear(x, weight, bias)          x [..., K], weight [N, K], bias [N] or None -> x W^T (+ bias) [..., N]
+
+`linear` is `F.linear` except on CUDA in bf16 / fp16 for at most `triton_skinny.MAX_ROWS` rows (a decode step):
+there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
+whichever of cuBLAS (`F.linear`) and the skinny Triton GEMM's candidate tiles (`candidates`) replayed fastest in
+a CUDA graph the first time that weight shape was seen outside a capture (`decide`: every bucket at once, the
+weights rotated through copies larger than L2 so each replay reads them from memory, as a decode step does).
+The engine runs each captured batch size eagerly before capturing it, so every shape is decided, and every tile
+compiled, at start-up; a shape first seen during a capture runs cuBLAS and is not recorded. The choice table is
+per process (`choices()`): a captured graph and an eager step of one process run the same kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+REPS = 20  # GEMMs per timed graph replay
+COLD_BYTES = 128 << 20  # the weight copies cycled in a timed replay: more than the H200's 50 MB L2
+_FAST = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The measured choice for one (shape, row bucket): `config` None runs cuBLAS. `times_us`: each candidate's
+    device time per GEMM (the description -> microseconds), for the benchmark's table."""
+
+    config: object | None
+    times_us: tuple[tuple[str, float], ...]
+
+
+_CHOICES: dict[tuple, Choice] = {}
+
+
+def choices() -> dict[tuple, Choice]:
+    """This process's decisions: (device, dtype, N, K, has_bias, BLOCK_M) -> Choice."""
+    return _CHOICES
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ bias), as `F.linear` (module docstring: when it runs the skinny GEMM instead)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or x.dtype not in _FAST or weight.dtype != x.dtype or rows == 0:
+        return F.linear(x, weight, bias)
+    from hybridcache.kernels.gemm import triton_skinny
+
+    if rows > triton_skinny.MAX_ROWS:
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    key = (x.device, x.dtype, n, k, bias is not None, triton_skinny.block_rows(rows))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing() or weight.stride(1) != 1:
+            return F.linear(x, weight, bias)
+        decide(x.device, x.dtype, n, k, bias is not None)
+        choice = _CHOICES[key]
+    if choice.config is None or weight.stride(1) != 1:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, k)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    return triton_skinny.skinny_linear(flat, weight, bias, choice.config).view(*x.shape[:-1], n)
+
+
+def candidates(n: int, k: int, m: int, sms: int) -> list:
+    """The skinny GEMM's tiles tried for [m, k] x [n, k]^T: 64 and 128 weight rows per tile, each unsplit and with
+    the one or two smallest powers of two of K slices that fill the device's `sms` (1-2 waves)."""
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits
+
+    found = []
+    for block_n, stages in ((64, 4), (128, 3)):
+        tiles = -(-n // block_n)
+        split = 1
+        while tiles * split < sms and split < 64:
+            split *= 2
+        for s in sorted({1, split, 2 * split}):
+            config = SkinnyConfig(block_n=block_n, split_k=s, num_stages=stages)
+            if fits(n, k, m, config):
+                found.append(config)
+    return found
+
+
+@torch.no_grad()
+def decide(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool) -> None:
+    """Measure cuBLAS and every candidate tile for each row bucket of this shape and record the fastest
+    (module docstring). Synchronises the device; runs the candidates once first (compiles)."""
+    from hybridcache.kernels.gemm import triton_skinny
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    copies = max(2, min(64, COLD_BYTES // max(1, n * k * dtype.itemsize)))
+    gen = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * k**-0.5
+               for _ in range(copies)]
+    bias = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype) if has_bias else None
+    for block_m in (16, 32, triton_skinny.MAX_ROWS):
+        x = torch.randn(block_m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        runs = {"cublas": (None, lambda w, x=x: F.linear(x, w, bias))}
+        for config in candidates(n, k, block_m, sms):
+            runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))
+        times = {name: _replay_us(run, weights, device) for name, (_, run) in runs.items()}
+        best = min(times, key=times.get)
+        _CHOICES[(device, dtype, n, k, has_bias, block_m)] = Choice(runs[best][0], tuple(times.items()))
+    del weights
+    torch.cuda.synchronize(device)
+
+
+def _replay_us(run, weights: list[torch.Tensor], device: torch.device) -> float:
+    """Device microseconds per GEMM of `run` over the weight copies, captured in one CUDA graph of `REPS` calls
+    (what a decode graph replays: no launch overhead), the median of 5 replays. `run` is called eagerly first."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for w in weights[:2]:
+            run(w)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(REPS):
+            run(weights[i % len(weights)])
+    graph.replay()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(1000 * start.elapsed_time(end) / REPS)
+    del graph
+    return sorted(samples)[len(samples) // 2]

@@ -1,0 +1,152 @@
+"""The skinny dense GEMM (`kernels/gemm/triton_skinny.py`) and the measured choice (`kernels/gemm/dense.py`).
+
+- `test_interpreted_*`: the kernel on the CPU under TRITON_INTERPRET=1 (child process,
+  `test_skinny_gemm_in_a_triton_interpreter_subprocess`), fp32 and fp16 (the interpreter's bf16 matrix products are
+  wrong: bf16 is checked on CUDA), odd M, N, K, unsplit and split-K (2 and 3 slices, the last one short), with and
+  without bias: against the fp32 product of the same rounded inputs; the same bits on a second launch; every split-K
+  counter back at 0 after a launch.
+- `test_cuda_*` (skipped without a device): bf16 at next-1b's projection shapes and odd ones, every candidate tile;
+  a CUDA graph replay equals the eager launch bit for bit; `dense.linear` after its measurement equals the chosen
+  kernel and is within bf16 rounding of `F.linear`.
+- The CPU path of `dense.linear` is `F.linear` exactly; bad shapes and dtypes are refused before a launch.
+
+Tolerances: fp32 products summed in another order (and the split-K slices' partial sums): 1e-5 of max |ref|;
+fp16 / bf16 outputs are rounded once from an fp32 sum: one rounding step, 2^-10 / 2^-8 relative, of max |ref|
+(doubled for the interpreter, which truncates).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridcache.kernels.gemm import dense
+from tests.kernels.interpreter import run_interpreted
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+STEP = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
+SHAPES = [(1, 70, 300), (5, 130, 384), (17, 64, 520), (33, 200, 640), (64, 96, 384)]  # (M, N, K): K % 128 != 0 too
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+    b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
+    return x, w, b
+
+
+def check_skinny(m: int, n: int, k: int, split: int, dtype: torch.dtype, device: str, bias: bool,
+                 block_n: int = 64, slack: float = 1.0) -> None:
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits, scratch, skinny_linear
+
+    config = SkinnyConfig(block_n=block_n, split_k=split)
+    assert fits(n, k, m, config)
+    x, w, b = operands(m, n, k, dtype, device, bias)
+    out = skinny_linear(x, w, b, config)
+    ref = x.double() @ w.double().T + (b.double() if bias else 0)
+    assert out.shape == (m, n) and out.dtype == dtype
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= slack * STEP[dtype], (m, n, k, split, dtype, err)
+    assert torch.equal(skinny_linear(x, w, b, config), out)  # the slices are summed in one fixed order
+    assert not scratch(x.device).counters.any()  # every counter left at 0 for the next launch
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_interpreted_skinny_gemm(m: int, n: int, k: int, dtype: torch.dtype, split: int) -> None:
+    check_skinny(m, n, k, split, dtype, "cpu", bias=split == 2, slack=2.0)
+
+
+def test_skinny_gemm_in_a_triton_interpreter_subprocess() -> None:
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "interpreted")
+
+
+def test_dense_linear_is_f_linear_on_the_cpu() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, b = operands(5, 70, 96, dtype, "cpu", bias=True)
+        assert torch.equal(dense.linear(x, w, b), F.linear(x, w, b))
+        assert torch.equal(dense.linear(x.view(5, 1, 96), w), F.linear(x.view(5, 1, 96), w))
+    assert not dense.choices()  # nothing measured off the device
+
+
+def test_skinny_gemm_refuses_bad_input() -> None:
+    pytest.importorskip("triton")
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, skinny_linear
+
+    x, w, b = operands(4, 64, 256, torch.float32, "cpu", bias=True)
+    with pytest.raises(ValueError, match="x \\[M, K\\] and weight \\[N, K\\]"):
+        skinny_linear(x, w[:, :128], None, SkinnyConfig())
+    with pytest.raises(ValueError, match="dtype"):
+        skinny_linear(x, w.half(), None, SkinnyConfig())
+    with pytest.raises(ValueError, match="bias"):
+        skinny_linear(x, w, b[:10], SkinnyConfig())
+    with pytest.raises(ValueError, match="unit stride"):
+        skinny_linear(x, w.t().contiguous().t(), None, SkinnyConfig())
+    with pytest.raises(ValueError, match="cannot run"):  # more rows than a launch takes
+        skinny_linear(torch.zeros(65, 256), w, None, SkinnyConfig())
+    with pytest.raises(ValueError, match="cannot run"):  # 4 slices of 128 over K = 256: two would be empty
+        skinny_linear(x, w, None, SkinnyConfig(split_k=4))
+
+
+def test_candidates_fit_their_shapes() -> None:
+    pytest.importorskip("triton")
+    from hybridcache.kernels.gemm.triton_skinny import fits
+
+    for n, k in ((12352, 2048), (2048, 4096), (17, 2048), (1024, 2048), (2048, 512), (4096, 2048)):
+        for m in (16, 32, 64):
+            found = dense.candidates(n, k, m, sms=132)
+            assert found and all(fits(n, k, m, c) for c in found)
+            assert any(c.split_k == 1 for c in found)
+            assert len({c.describe() for c in found}) == len(found)
+    assert {c.split_k for c in dense.candidates(2048, 4096, 64, sms=132)} >= {1, 8}  # 32 tiles of 64 fill 132 SMs
+
+
+@needs_cuda
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("m", "n", "k"), [*SHAPES, (64, 12352, 2048), (64, 2048, 4096), (3, 17, 2048)])
+def test_cuda_skinny_gemm_bf16(m: int, n: int, k: int, bias: bool) -> None:
+    for block_n in (64, 128):
+        for split in (1, 2, 3):
+            check_skinny(m, n, k, split, torch.bfloat16, "cuda", bias, block_n=block_n)
+    check_skinny(m, n, k, 2, torch.float32, "cuda", bias)
+
+
+@needs_cuda
+def test_cuda_skinny_gemm_graph_replay_equals_eager() -> None:
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, skinny_linear
+
+    x, w, _ = operands(64, 2048, 4096, torch.bfloat16, "cuda", bias=False)
+    configs = [SkinnyConfig(split_k=8), SkinnyConfig(block_n=128, split_k=1, num_stages=3)]
+    eager = [skinny_linear(x, w, None, c) for c in configs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = [skinny_linear(x, w, None, c) for c in configs]
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, eager, strict=True))
+
+
+@needs_cuda
+def test_cuda_dense_linear_runs_its_measured_choice() -> None:
+    from hybridcache.kernels.gemm.triton_skinny import block_rows, skinny_linear
+
+    x, w, b = operands(64, 1024, 2048, torch.bfloat16, "cuda", bias=True)
+    for m in (1, 20, 64):
+        out = dense.linear(x[:m], w, b)
+        choice = dense.choices()[(x.device, torch.bfloat16, 1024, 2048, True, block_rows(m))]
+        assert len(choice.times_us) >= 3 and all(t > 0 for _, t in choice.times_us)
+        want = F.linear(x[:m], w, b) if choice.config is None else skinny_linear(x[:m], w, b, choice.config)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(out.float(), F.linear(x[:m].float(), w.float(), b.float()), rtol=0,
+                                   atol=2 * STEP[torch.bfloat16] * F.linear(x[:m], w, b).abs().max().item())
+    assert dense.linear(x.repeat(2, 1), w, b).shape == (128, 1024)  # past 64 rows: cuBLAS, nothing measured
