@@ -6,7 +6,7 @@
 there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
 whichever of cuBLAS (`F.linear`) and the skinny Triton GEMM's candidate tiles (`candidates`) replayed fastest in
 a CUDA graph the first time that weight shape was seen outside a capture (`decide`: every bucket at once, the
-weights rotated through copies larger than L2 so each replay reads them from memory, as a decode step does).
+weight rotated with random copies beyond L2's size so each replay reads it from memory, as a decode step does).
 The engine runs each captured batch size eagerly before capturing it, so every shape is decided, and every tile
 compiled, at start-up; a shape first seen during a capture runs cuBLAS and is not recorded. The choice table is
 per process (`choices()`): a captured graph and an eager step of one process run the same kernels.
@@ -56,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if choice is None:
         if torch.cuda.is_current_stream_capturing() or weight.stride(1) != 1:
             return F.linear(x, weight, bias)
-        decide(x.device, x.dtype, n, k, bias is not None)
+        decide(weight, bias is not None)
         choice = _CHOICES[key]
     if choice.config is None or weight.stride(1) != 1:
         return F.linear(x, weight, bias)
@@ -85,19 +85,22 @@ def candidates(n: int, k: int, m: int, sms: int) -> list:
 
 
 @torch.no_grad()
-def decide(device: torch.device, dtype: torch.dtype, n: int, k: int, has_bias: bool) -> None:
-    """Measure cuBLAS and every candidate tile for each row bucket of this shape and record the fastest
-    (module docstring). Synchronises the device; runs the candidates once first (compiles)."""
+def decide(weight: torch.Tensor, has_bias: bool) -> None:
+    """Measure cuBLAS and every candidate tile for each row bucket of this weight's shape and record the fastest
+    (module docstring). The weight itself is read, with random copies of it added until they exceed `COLD_BYTES`
+    (none for a weight that large: a model's largest, e.g. a 150k-token lm_head, is not copied). Synchronises the
+    device; runs each candidate eagerly first (compiles)."""
     from hybridcache.kernels.gemm import triton_skinny
 
+    device, dtype, (n, k) = weight.device, weight.dtype, weight.shape
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    copies = max(2, min(64, COLD_BYTES // max(1, n * k * dtype.itemsize)))
+    extra = min(63, -(-COLD_BYTES // max(1, weight.numel() * weight.element_size())) - 1)
     gen = torch.Generator(device=device).manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen, device=device, dtype=torch.float32).to(dtype) * k**-0.5
-               for _ in range(copies)]
-    bias = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype) if has_bias else None
+    weights = [weight] + [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(dtype)
+                          for _ in range(extra)]
+    bias = torch.randn(n, generator=gen, device=device).to(dtype) if has_bias else None
     for block_m in (16, 32, triton_skinny.MAX_ROWS):
-        x = torch.randn(block_m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        x = torch.randn(block_m, k, generator=gen, device=device).to(dtype)
         runs = {"cublas": (None, lambda w, x=x: F.linear(x, w, bias))}
         for config in candidates(n, k, block_m, sms):
             runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))

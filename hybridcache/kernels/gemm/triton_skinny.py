@@ -18,8 +18,9 @@ Contract of the workspace and counters (`Scratch`): one per device, shared by ev
 run one after another, so they never overlap. A launch leaves every counter at 0. Do not launch this kernel on
 two streams of one device at once.
 
-The weight is read through unmasked K steps when K is a multiple of BLOCK_K (EVEN_K, the models' case); M, N, K
-and the slice length are run-time integers (`do_not_specialize`: one compile per tile shape, whatever the batch).
+The weight is read through unmasked K steps when K is a multiple of BLOCK_K (EVEN_K, the models' case: pipelined
+16-byte copies); M, N, K and the slice length (in K steps, so every slice starts aligned) are run-time integers
+(`do_not_specialize`: one compile per tile shape, whatever the batch).
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ def _store_out(out_ptr, bias_ptr, acc, rows, cols, row_ok, col_ok, stride_om, HA
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M", "N", "K", "slice_k"])
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, slice_k,
+@triton.jit(do_not_specialize=["M", "N", "K", "slice_steps"])
+def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, slice_steps,
                         stride_xm, stride_wn, stride_om,
                         HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -106,21 +107,22 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N
     col_ok = cols < N
     rows64 = rows.to(tl.int64)
     cols64 = cols.to(tl.int64)
-    k_start = pid_k * slice_k
-    k_stop = tl.minimum(k_start + slice_k, K)
+    k_start = pid_k * slice_steps * BLOCK_K  # a multiple of BLOCK_K: aligned, vectorised loads
+    steps = tl.minimum(slice_steps, tl.cdiv(K - k_start, BLOCK_K))
+    x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    w_ptrs = w_ptr + cols64[:, None] * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_stop, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+    for i in range(0, steps):
         if EVEN_K:
-            x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
-            k_ok = ks < k_stop
-            x = tl.load(x_ptr + rows64[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            k_ok = k_start + i * BLOCK_K + tl.arange(0, BLOCK_K) < K
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32, input_precision=PRECISION)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     if SPLIT:
         tiles_n = tl.num_programs(0)
         splits = tl.num_programs(1)
@@ -163,13 +165,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return out
     block_k = min(config.block_k, 32) if x.dtype == torch.float32 else config.block_k  # fp32 tiles: 2x the bytes
     slice_k = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
-    even_k = k % config.block_k == 0 and k > 0
     room = scratch(x.device)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else x, out, room.workspace, room.counters, m, n, k, slice_k,
+        x, weight, bias if bias is not None else x, out, room.workspace, room.counters, m, n, k, slice_k // block_k,
         x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, EVEN_K=even_k, BLOCK_M=block_rows(m),
+        HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_rows(m),
         BLOCK_N=config.block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
