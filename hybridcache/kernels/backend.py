@@ -197,13 +197,16 @@ class KernelBackend(Protocol):
         ...
 
     def moe(
-        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
         x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
+        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
+                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds)
         """
         ...
 
@@ -360,9 +363,10 @@ class ReferenceBackend:
         return out
 
     def moe(
-        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return moe_ref.routed_experts(
+        routed = moe_ref.routed_experts(
             x,
             top_weights,
             top_ids,
@@ -370,6 +374,7 @@ class ReferenceBackend:
             _DenseWeights([e.up_proj for e in experts], x.dtype),
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
+        return routed if shared is None else activation_ref.sigmoid_gate_add(routed, *shared)
 
     def gated_delta(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

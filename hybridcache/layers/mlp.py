@@ -91,5 +91,5 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         router_logits, shared_gate = self.gates(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
-        out = step.backend.moe(x, top_weights, top_ids, self.experts)
-        return self.tp.all_reduce(step.backend.sigmoid_gate_add(out, shared_gate, self.shared_expert(x, step)))
+        shared = self.shared_expert(x, step)  # added with its gate in the routed experts' combine
+        return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))
