@@ -68,16 +68,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def candidates(n: int, k: int, m: int, sms: int) -> list:
     """The skinny GEMM's tiles tried for [m, k] x [n, k]^T: 64 and 128 weight rows per tile, each unsplit and with
-    the one or two smallest powers of two of K slices that fill the device's `sms` (1-2 waves)."""
+    the smallest power of two of K slices that fills the device's `sms` and twice that (1-2 waves), at most one
+    slice per K step."""
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits
 
     found = []
+    most = max(1, k // SkinnyConfig().block_k)  # slices of at least one K step
     for block_n, stages in ((64, 4), (128, 3)):
         tiles = -(-n // block_n)
         split = 1
-        while tiles * split < sms and split < 64:
+        while tiles * split < sms and 2 * split <= most:
             split *= 2
-        for s in sorted({1, split, 2 * split}):
+        for s in sorted({1, split, min(2 * split, most)}):
             config = SkinnyConfig(block_n=block_n, split_k=s, num_stages=stages)
             if fits(n, k, m, config):
                 found.append(config)
