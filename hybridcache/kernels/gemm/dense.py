@@ -118,15 +118,16 @@ def _replay_us(run, weights: list[torch.Tensor], device: torch.device) -> float:
     (what a decode graph replays: no launch overhead), the median of 5 replays. `run` is called eagerly first."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         for w in weights[:2]:
             run(w)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+        stream.synchronize()
+        graph.capture_begin()  # not `torch.cuda.graph`: its gc.collect per capture would slow the engine's start
         for i in range(REPS):
             run(weights[i % len(weights)])
+        graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(stream)
     graph.replay()
     samples = []
     for _ in range(5):
