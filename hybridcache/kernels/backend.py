@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import importlib.util
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -461,6 +461,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     CUDA in bf16 / fp16 at up to 64 rows, cuBLAS or the skinny Triton GEMM, whichever was measured faster for the
     shape (`kernels/gemm/dense.py`)."""
     return dense_gemm.linear(x, weight, bias)
+
+
+def dense_swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`dense_linear(silu_mul(gate, up), weight, bias)` (an MLP's down projection; `silu_mul`: the backend's op),
+    one launch where the skinny GEMM runs (`kernels/gemm/dense.py::swiglu_linear`)."""
+    return dense_gemm.swiglu_linear(gate, up, weight, bias, silu_mul)
 
 
 @functools.cache

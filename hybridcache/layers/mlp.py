@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
-from hybridcache.layers.linear import module_linear
+from hybridcache.layers.linear import module_swiglu_linear
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 
@@ -46,7 +46,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Dense: only `step.backend` is read (its fused `silu_mul`)."""
         gate, up = self.gate_up(x)
-        out = module_linear(self.down_proj, step.backend.silu_mul(gate, up))
+        out = module_swiglu_linear(self.down_proj, gate, up, step.backend)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def shards(self) -> dict[str, Shard]:

@@ -10,7 +10,11 @@
   bias in bf16 and fp32;
   a CUDA graph replay equals the eager launch bit for bit; `dense.linear` after its measurement equals the chosen
   kernel and is within bf16 rounding of `F.linear`.
-- The CPU path of `dense.linear` is `F.linear` exactly; bad shapes and dtypes are refused before a launch.
+- With `up` (an MLP's down projection, `dense.swiglu_linear`): silu(gate) * up made as the tiles load equals the
+  activation kernel's output fed to the plain kernel, bit for bit (interpreted in fp32 / fp16, bf16 on CUDA), and
+  `dense.swiglu_linear` equals its two launches at 1 to 100 rows on CUDA.
+- The CPU path of `dense.linear` is `F.linear` exactly (`swiglu_linear`: the backend's silu_mul, then `F.linear`);
+  bad shapes and dtypes are refused before a launch.
 
 Tolerances: fp32 products summed in another order (and the split-K slices' partial sums): 1e-5 of max |ref|;
 fp16 / bf16 outputs are rounded once from an fp32 sum: one rounding step, 2^-10 / 2^-8 relative, of max |ref|
@@ -59,6 +63,36 @@ def check_skinny(m: int, n: int, k: int, split: int, dtype: torch.dtype, device:
     assert not scratch(x.device).counters.any()  # every counter left at 0 for the next launch
 
 
+def check_skinny_swiglu(m: int, n: int, k: int, split: int, dtype: torch.dtype, device: str, slack: float = 1.0
+                        ) -> None:
+    """silu(gate) * up made in the GEMM's loads: the same bits as the activation kernel's output fed to the plain
+    kernel, and within rounding of torch (silu_mul's roundings in torch, then the product in fp64)."""
+    from hybridcache.kernels.activation import reference as activation_ref
+    from hybridcache.kernels.activation import triton as activation
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, scratch, skinny_linear
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    gate_up = (2 * torch.randn(m, 2 * k, generator=gen)).to(device, dtype)
+    gate, up = gate_up.split([k, k], dim=-1)  # column views of one fused output, as the MLP passes them
+    w = (torch.randn(n, k, generator=gen) * k**-0.5).to(device, dtype)
+    config = SkinnyConfig(split_k=split)
+    out = skinny_linear(gate, w, None, config, up=up)
+    assert torch.equal(out, skinny_linear(activation.silu_mul(gate, up), w, None, config))
+    act = activation_ref.silu_mul(gate, up).double()
+    ref = act @ w.double().T
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= slack * 2 * STEP[dtype], (m, n, k, split, dtype, err)  # silu_mul's own roundings may differ
+    assert not scratch(out.device).counters.any()
+
+
+@needs_interpreter
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_interpreted_skinny_gemm_swiglu(dtype: torch.dtype, split: int) -> None:
+    check_skinny_swiglu(17, 70, 384, split, dtype, "cpu", slack=2.0)
+    check_skinny_swiglu(3, 64, 520, split, dtype, "cpu", slack=2.0)
+
+
 @needs_interpreter
 @pytest.mark.parametrize("split", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -73,10 +107,16 @@ def test_skinny_gemm_in_a_triton_interpreter_subprocess() -> None:
 
 
 def test_dense_linear_is_f_linear_on_the_cpu() -> None:
+    from hybridcache.kernels.activation import reference as activation_ref
+
     for dtype in (torch.float32, torch.bfloat16):
         x, w, b = operands(5, 70, 96, dtype, "cpu", bias=True)
         assert torch.equal(dense.linear(x, w, b), F.linear(x, w, b))
         assert torch.equal(dense.linear(x.view(5, 1, 96), w), F.linear(x.view(5, 1, 96), w))
+        gate, up = torch.randn(5, 140).to(dtype).split([70, 70], dim=-1)
+        down = torch.randn(96, 70).to(dtype)
+        assert torch.equal(dense.swiglu_linear(gate, up, down, None, activation_ref.silu_mul),
+                           F.linear(activation_ref.silu_mul(gate, up), down))
     assert not dense.choices()  # nothing measured off the device
 
 
@@ -126,6 +166,26 @@ def test_cuda_skinny_gemm_bf16(m: int, n: int, k: int) -> None:
 def test_cuda_skinny_gemm_odd_k_bias_and_fp32() -> None:
     check_skinny(17, 64, 520, 2, torch.bfloat16, "cuda", True)
     check_skinny(5, 70, 300, 2, torch.float32, "cuda", True)
+
+
+@needs_cuda
+@pytest.mark.parametrize(("m", "n", "k"), [(64, 2048, 512), (5, 2048, 512), (33, 130, 384)])
+def test_cuda_skinny_gemm_swiglu(m: int, n: int, k: int) -> None:
+    for split in (1, 3):
+        check_skinny_swiglu(m, n, k, split, torch.bfloat16, "cuda")
+
+
+@needs_cuda
+def test_cuda_dense_swiglu_linear_equals_its_two_launches() -> None:
+    from hybridcache.kernels.activation import triton as activation
+
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+    gate, up = gate_up.split([512, 512], dim=-1)
+    w = (torch.randn(2048, 512, generator=gen) * 512**-0.5).to("cuda", torch.bfloat16)
+    for m in (1, 20, 64, 100):  # 100: past the skinny GEMM's rows, cuBLAS after the activation kernel
+        got = dense.swiglu_linear(gate[:m], up[:m], w, None, activation.silu_mul)
+        assert torch.equal(got, dense.linear(activation.silu_mul(gate[:m], up[:m]), w))
 
 
 @needs_cuda

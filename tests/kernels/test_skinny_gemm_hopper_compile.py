@@ -16,8 +16,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from hybridcache.kernels.gemm.triton_skinny import _skinny_gemm_kernel  # noqa: E402
 from tests.kernels.hopper import HOPPER  # noqa: E402
 
-POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-            "count_ptr": "*i32"}
+POINTERS = {"x_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "count_ptr": "*i32"}
 
 
 def compile_aligned(constants: dict, num_stages: int):
@@ -35,14 +35,22 @@ def compile_aligned(constants: dict, num_stages: int):
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize(("block_m", "block_n", "stages"), [(16, 64, 4), (64, 64, 4), (32, 128, 3)])
 def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int, split: bool) -> None:
-    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                     PRECISION="tf32")
+    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=128, PRECISION="tf32")
     compiled = compile_aligned(constants, stages)
     ptx = compiled.asm["ptx"]
     assert ("atom.global" in ptx) == split  # the split-K counter, only when split
     assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx  # swap-AB: the weight tile on the M side
     assert "cp.async.cg.shared.global" in ptx and "ld.global.b16" not in ptx  # 16-byte copies, no scalar loads
     assert compiled.metadata.shared >= stages * 2 * 128 * (block_m + block_n)  # every stage of both tiles
+
+
+def test_skinny_gemm_swiglu_compiles_for_hopper() -> None:
+    """The down projection's variant: silu(gate) * up in the loads (the sigmoid's exponential), still on wgmma."""
+    constants = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, SWIGLU=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                     PRECISION="tf32")
+    ptx = compile_aligned(constants, 4).asm["ptx"]
+    assert "ex2" in ptx and "wgmma.mma_async" in ptx and "ld.global.b16" not in ptx
 
 
 def test_skinny_gemm_does_not_specialise_run_time_sizes() -> None:

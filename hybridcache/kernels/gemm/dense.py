@@ -1,6 +1,8 @@
 """The dense (bf16 / fp16) linear of a model's projections, chosen per shape by measurement on the device.
 
     linear(x, weight, bias)          x [..., K], weight [N, K], bias [N] or None -> x W^T (+ bias) [..., N]
+    swiglu_linear(gate, up, weight, bias, silu_mul)     linear(silu_mul(gate, up), weight, bias), fused where the
+                                     skinny GEMM runs (it makes silu(gate) * up as it loads its tiles)
 
 `linear` is `F.linear` except on CUDA in bf16 / fp16 for at most `triton_skinny.MAX_ROWS` rows (a decode step):
 there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
@@ -14,6 +16,7 @@ per process (`choices()`): a captured graph and an eager step of one process run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,27 +46,50 @@ def choices() -> dict[tuple, Choice]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ bias), as `F.linear` (module docstring: when it runs the skinny GEMM instead)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not x.is_cuda or x.dtype not in _FAST or weight.dtype != x.dtype or rows == 0:
+    config = _skinny_choice(x, weight, bias)
+    if config is None:
         return F.linear(x, weight, bias)
+    from hybridcache.kernels.gemm.triton_skinny import skinny_linear
+
+    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    flat = x.reshape(rows, k)
+    return skinny_linear(flat if flat.stride(1) == 1 else flat.contiguous(), weight, bias, config).view(
+        *x.shape[:-1], n)
+
+
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`linear(silu_mul(gate, up), weight, bias)` (an MLP's down projection; gate, up [T, K] column views of its
+    fused gate|up output, `silu_mul` the backend's op): where `linear` would run the skinny GEMM, one launch that
+    makes silu(gate) * up as it loads its tiles, with `activation.silu_mul`'s roundings (the same result)."""
+    config = _skinny_choice(gate, weight, bias) if gate.dim() == 2 and up.stride(-1) == gate.stride(-1) == 1 else None
+    if config is None:
+        return linear(silu_mul(gate, up), weight, bias)
+    from hybridcache.kernels.gemm.triton_skinny import skinny_linear
+
+    return skinny_linear(gate, weight, bias, config, up=up)
+
+
+def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The skinny GEMM's `SkinnyConfig` measured fastest for this call's shape and row bucket, or None where
+    cuBLAS (`F.linear`) runs: off CUDA, outside bf16 / fp16, above `MAX_ROWS` rows, for a weight without unit
+    stride on K, and for a shape first met inside a graph capture (then nothing is recorded)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not x.is_cuda or x.dtype not in _FAST or weight.dtype != x.dtype or rows == 0 or weight.stride(1) != 1:
+        return None
     from hybridcache.kernels.gemm import triton_skinny
 
     if rows > triton_skinny.MAX_ROWS:
-        return F.linear(x, weight, bias)
+        return None
     n, k = weight.shape
     key = (x.device, x.dtype, n, k, bias is not None, triton_skinny.block_rows(rows))
     choice = _CHOICES.get(key)
     if choice is None:
-        if torch.cuda.is_current_stream_capturing() or weight.stride(1) != 1:
-            return F.linear(x, weight, bias)
+        if torch.cuda.is_current_stream_capturing():
+            return None
         decide(weight, bias is not None)
         choice = _CHOICES[key]
-    if choice.config is None or weight.stride(1) != 1:
-        return F.linear(x, weight, bias)
-    flat = x.reshape(rows, k)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
-    return triton_skinny.skinny_linear(flat, weight, bias, choice.config).view(*x.shape[:-1], n)
+    return choice.config
 
 
 def candidates(n: int, k: int, m: int, sms: int) -> list:

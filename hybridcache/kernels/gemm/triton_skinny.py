@@ -7,6 +7,7 @@ The grid is (N tiles of BLOCK_N, SPLIT_K slices of K). Each program multiplies i
 by the rows (swap-AB: the MMA computes out^T = W x^T, so the weight tile is the MMA's M side, where Hopper's wgmma
 wants 64 rows, and the few rows of x its N side, BLOCK_M = 16 to 64), accumulating in fp32.
 
+- SWIGLU: x's tiles are silu(gate) * up of two inputs (an MLP's down projection; `skinny_linear(..., up=)`).
 - One slice (`SkinnyConfig.split_k == 1`): the program adds the bias and stores its tile rounded to x's dtype.
 - Several: every program stores its fp32 partial tile in a workspace, then increments its N tile's counter
   (an atomic with acquire-release order, after a barrier of the program's threads). The program that finds every
@@ -94,11 +95,26 @@ def _store_out(out_ptr, bias_ptr, acc, rows, cols, row_ok, col_ok, stride_om, HA
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
+@triton.jit
+def _load_rows(x_ptrs, up_ptrs, mask, SWIGLU: tl.constexpr):
+    """An x tile; with SWIGLU, silu(gate) * up from the gate tile at x_ptrs and the up tile at up_ptrs, rounded
+    where `activation.silu_mul` rounds (the same values it would have written)."""
+    if SWIGLU:
+        dtype = x_ptrs.dtype.element_ty
+        g = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x = ((g * tl.sigmoid(g)).to(dtype).to(tl.float32) * u).to(dtype)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0)
+    return x
+
+
 @triton.jit(do_not_specialize=["M", "N", "K", "slice_steps"])
-def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, slice_steps,
-                        stride_xm, stride_wn, stride_om,
-                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, slice_steps,
+                        stride_xm, stride_um, stride_wn, stride_om,
+                        HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = tl.arange(0, BLOCK_M)
@@ -110,18 +126,20 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N
     k_start = pid_k * slice_steps * BLOCK_K  # a multiple of BLOCK_K: aligned, vectorised loads
     steps = tl.minimum(slice_steps, tl.cdiv(K - k_start, BLOCK_K))
     x_ptrs = x_ptr + rows64[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    up_ptrs = up_ptr + rows64[:, None] * stride_um + (k_start + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs = w_ptr + cols64[:, None] * stride_wn + (k_start + tl.arange(0, BLOCK_K))[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for i in range(0, steps):
         if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            x = _load_rows(x_ptrs, up_ptrs, row_ok[:, None], SWIGLU)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
             k_ok = k_start + i * BLOCK_K + tl.arange(0, BLOCK_K) < K
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _load_rows(x_ptrs, up_ptrs, row_ok[:, None] & k_ok[None, :], SWIGLU)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(w, tl.trans(x), acc, out_dtype=tl.float32, input_precision=PRECISION)
         x_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SPLIT:
         tiles_n = tl.num_programs(0)
@@ -142,13 +160,18 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] with M <= `MAX_ROWS` and unit stride on K, weight [N, K] (unit stride on K) and bias [N] in x's
-    dtype -> x W^T (+ bias) [M, N] in x's dtype (into `out` when given, [M, N] with unit column stride). Shapes,
-    dtypes and strides are checked before the launch (ValueError); `fits(N, K, M, config)` must hold."""
+    dtype -> x W^T (+ bias) [M, N] in x's dtype (into `out` when given, [M, N] with unit column stride). With `up`
+    ([M, K] in x's dtype, unit stride on K): x is the gate and the product's input silu(x) * up, made as the
+    tiles are loaded (`activation.silu_mul`'s values: the same result as that launch followed by this one).
+    Shapes, dtypes and strides are checked before the launch (ValueError); `fits(N, K, M, config)` must hold."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"skinny_linear: x [M, K] and weight [N, K] needed, got {list(x.shape)} and "
                          f"{list(weight.shape)}")
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype or up.stride(1) != 1):
+        raise ValueError(f"skinny_linear: up {list(x.shape)} {x.dtype} with unit stride on K needed, got "
+                         f"{list(up.shape)} {up.dtype}")
     (m, k), n = x.shape, weight.shape[0]
     if weight.dtype != x.dtype or (bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (n,))):
         raise ValueError(f"skinny_linear: weight and bias [N] in x's dtype {x.dtype} needed, got weight "
@@ -168,9 +191,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     room = scratch(x.device)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
     _skinny_gemm_kernel[grid](
-        x, weight, bias if bias is not None else x, out, room.workspace, room.counters, m, n, k, slice_k // block_k,
-        x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, EVEN_K=k % block_k == 0, BLOCK_M=block_rows(m),
+        x, x if up is None else up, weight, bias if bias is not None else x, out, room.workspace, room.counters,
+        m, n, k, slice_k // block_k, x.stride(0), x.stride(0) if up is None else up.stride(0), weight.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, EVEN_K=k % block_k == 0,
+        SWIGLU=up is not None, BLOCK_M=block_rows(m),
         BLOCK_N=config.block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
