@@ -171,7 +171,7 @@ def test_cuda_skinny_gemm_odd_k_bias_and_fp32() -> None:
 @needs_cuda
 @pytest.mark.parametrize(("m", "n", "k"), [(64, 2048, 512), (5, 2048, 512), (33, 130, 384)])
 def test_cuda_skinny_gemm_swiglu(m: int, n: int, k: int) -> None:
-    for split in (1, 3):
+    for split in (1, 2):
         check_skinny_swiglu(m, n, k, split, torch.bfloat16, "cuda")
 
 
