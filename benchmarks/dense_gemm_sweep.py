@@ -56,56 +56,56 @@ def step_linears(name: str) -> list[tuple[str, int, int, int]]:
     return out + [("lm_head", c.vocab_size, h, 1)]
 
 
-def sweep(name: str, device: torch.device) -> dict:
-    rows = []
+def sweep(name: str, device: torch.device, result: dict, save) -> None:
+    """Measure every dense linear of model `name` into `result` ({"model", "linears": []}), printing each row as it
+    is measured and calling `save()` after each (a run cut short keeps what it measured)."""
+    print(f"\n{name}: dense linears of one decode step (device us per GEMM, CUDA-graph replays)")
+    print(f"{'linear':<30} {'N x K':>13} {'x/step':>6} {'rows':>4} {'cuBLAS':>8} {'skinny':>8} "
+          f"{'best tile':<26} {'TB/s':>5} {'chosen':<9} {'err':>8}", flush=True)
     for what, n, k, count in step_linears(name):
         row = {"what": what, "n": n, "k": k, "count": count, "buckets": {}}
-        rows.append(row)
-        if device.type != "cuda":
-            continue
-        weight = (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16)
-        dense.decide(weight, False)
-        for block_m in (16, 32, 64):
-            choice = dense.choices()[(device, torch.bfloat16, n, k, False, block_m)]
-            times = dict(choice.times_us)
-            skinny = {key: t for key, t in times.items() if key != "cublas"}
-            best = min(skinny, key=skinny.get) if skinny else None
-            x = torch.randn(block_m, k, device=device).to(torch.bfloat16)
-            ref = F.linear(x.float(), weight.float())
-            err = ((dense.linear(x, weight).float() - ref).abs().max() / ref.abs().max()).item()
-            row["buckets"][block_m] = {
-                "cublas_us": times["cublas"], "best_skinny": best, "best_skinny_us": skinny.get(best),
-                "chosen": "cublas" if choice.config is None else choice.config.describe(),
-                "chosen_us": min(times.values()), "all_us": times, "max_rel_err": err,
-            }
-        del weight
-        torch.cuda.empty_cache()
-    return {"model": name, "linears": rows}
-
-
-def report(result: dict) -> None:
-    print(f"\n{result['model']}: dense linears of one decode step (device us per GEMM, CUDA-graph replays)")
-    print(f"{'linear':<30} {'N x K':>13} {'x/step':>6} {'rows':>4} {'cuBLAS':>8} {'skinny':>8} "
-          f"{'best tile':<26} {'TB/s':>5} {'chosen':<9} {'err':>8}")
+        result["linears"].append(row)
+        if device.type == "cuda":
+            weight = (torch.randn(n, k, device=device) * k**-0.5).to(torch.bfloat16)
+            dense.decide(weight, False)
+            for block_m in (16, 32, 64):
+                choice = dense.choices()[(device, torch.bfloat16, n, k, False, block_m)]
+                times = dict(choice.times_us)
+                skinny = {key: t for key, t in times.items() if key != "cublas"}
+                best = min(skinny, key=skinny.get) if skinny else None
+                x = torch.randn(block_m, k, device=device).to(torch.bfloat16)
+                ref = F.linear(x.float(), weight.float())
+                err = ((dense.linear(x, weight).float() - ref).abs().max() / ref.abs().max()).item()
+                row["buckets"][block_m] = {
+                    "cublas_us": times["cublas"], "best_skinny": best, "best_skinny_us": skinny.get(best),
+                    "chosen": "cublas" if choice.config is None else choice.config.describe(),
+                    "chosen_us": min(times.values()), "all_us": times, "max_rel_err": err,
+                }
+            del weight
+            torch.cuda.empty_cache()
+        print_row(row)
+        save()
     totals = {"cublas": 0.0, "chosen": 0.0, "floor": 0.0}
     for row in result["linears"]:
-        n, k, count = row["n"], row["k"], row["count"]
-        totals["floor"] += count * 2 * n * k / COPY_RATE * 1e6
-        if not row["buckets"]:
-            print(f"{row['what']:<30} {f'{n} x {k}':>13} {count:>6}")
-            continue
-        for block_m, b in row["buckets"].items():
-            rate = 2 * n * k / (b["chosen_us"] * 1e-6) / 1e12
-            skinny_us = b["best_skinny_us"] if b["best_skinny_us"] is not None else float("nan")
-            print(f"{row['what']:<30} {f'{n} x {k}':>13} {count:>6} {block_m:>4} {b['cublas_us']:>8.2f} "
-                  f"{skinny_us:>8.2f} {str(b['best_skinny']):<26} {rate:>5.2f} "
-                  f"{'cublas' if b['chosen'] == 'cublas' else 'skinny':<9} {b['max_rel_err']:>8.1e}")
+        totals["floor"] += row["count"] * 2 * row["n"] * row["k"] / COPY_RATE * 1e6
         if 64 in row["buckets"]:
-            totals["cublas"] += count * row["buckets"][64]["cublas_us"]
-            totals["chosen"] += count * row["buckets"][64]["chosen_us"]
+            totals["cublas"] += row["count"] * row["buckets"][64]["cublas_us"]
+            totals["chosen"] += row["count"] * row["buckets"][64]["chosen_us"]
     result["step_us_at_64_rows"] = totals
     print(f"one decode step's dense GEMMs at 64 rows: cuBLAS {totals['cublas']:.0f} us, chosen "
           f"{totals['chosen']:.0f} us, floor {totals['floor']:.0f} us (weights at {COPY_RATE / 1e12} TB/s)")
+
+
+def print_row(row: dict) -> None:
+    n, k, count = row["n"], row["k"], row["count"]
+    if not row["buckets"]:
+        print(f"{row['what']:<30} {f'{n} x {k}':>13} {count:>6}")
+    for block_m, b in row["buckets"].items():
+        rate = 2 * n * k / (b["chosen_us"] * 1e-6) / 1e12
+        skinny_us = b["best_skinny_us"] if b["best_skinny_us"] is not None else float("nan")
+        print(f"{row['what']:<30} {f'{n} x {k}':>13} {count:>6} {block_m:>4} {b['cublas_us']:>8.2f} "
+              f"{skinny_us:>8.2f} {str(b['best_skinny']):<26} {rate:>5.2f} "
+              f"{'cublas' if b['chosen'] == 'cublas' else 'skinny':<9} {b['max_rel_err']:>8.1e}", flush=True)
 
 
 def main() -> None:
@@ -119,12 +119,14 @@ def main() -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: list[dict] = []
+    path = out_dir / "dense_gemm_sweep.json"
+    save = lambda: path.write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
     for name in args.model or ["next-1b"]:
-        results.append(sweep(name, device))
-        report(results[-1])
-        (out_dir / "dense_gemm_sweep.json").write_text(json.dumps(results, indent=1, default=str))
-    print(f"wrote {out_dir / 'dense_gemm_sweep.json'}")
+        results.append({"model": name, "linears": []})
+        sweep(name, device, results[-1], save)
+        save()
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
