@@ -10,8 +10,9 @@ whichever of cuBLAS (`F.linear`) and the skinny Triton GEMM's candidate tiles (`
 a CUDA graph the first time that weight shape was seen outside a capture (`decide`: every bucket at once, the
 weight rotated with random copies beyond L2's size so each replay reads it from memory, as a decode step does).
 The engine runs each captured batch size eagerly before capturing it, so every shape is decided, and every tile
-compiled, at start-up; a shape first seen during a capture runs cuBLAS and is not recorded. The choice table is
-per process (`choices()`): a captured graph and an eager step of one process run the same kernels.
+compiled, at start-up (`swiglu_linear`'s fused variant too, every bucket at its first call); a shape first seen
+during a capture runs cuBLAS and is not recorded. The choice table is per process (`choices()`): a captured graph
+and an eager step of one process run the same kernels.
 """
 
 from __future__ import annotations
@@ -67,7 +68,29 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bi
         return linear(silu_mul(gate, up), weight, bias)
     from hybridcache.kernels.gemm.triton_skinny import skinny_linear
 
+    if (gate.device, gate.dtype, *weight.shape, bias is not None) not in _SWIGLU_COMPILED:
+        _compile_swiglu(weight, bias)
     return skinny_linear(gate, weight, bias, config, up=up)
+
+
+_SWIGLU_COMPILED: set[tuple] = set()
+
+
+def _compile_swiglu(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Run the skinny GEMM's SWIGLU variant of every row bucket's choice once (on gate and up views of one
+    [rows, 2K] tensor, the MLP's layout), so that the first call compiles them all, at start-up, not the first
+    request of another bucket. Not while a graph is being captured (then it waits for an eager call)."""
+    from hybridcache.kernels.gemm.triton_skinny import MAX_ROWS, block_rows, skinny_linear
+
+    if torch.cuda.is_current_stream_capturing():
+        return
+    n, k = weight.shape
+    for rows in (16, 32, MAX_ROWS):
+        choice = _CHOICES.get((weight.device, weight.dtype, n, k, bias is not None, block_rows(rows)))
+        if choice is not None and choice.config is not None:
+            gate, up = torch.zeros(rows, 2 * k, dtype=weight.dtype, device=weight.device).split([k, k], dim=-1)
+            skinny_linear(gate, weight, bias, choice.config, up=up)
+    _SWIGLU_COMPILED.add((weight.device, weight.dtype, n, k, bias is not None))
 
 
 def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
