@@ -8,9 +8,9 @@ column block) and 1,500 (two programs per token), the gate a column of a router'
 E + 1 apart, as the layer passes it), bf16 and fp32.
 - `test_cuda_*`: on a CUDA device (skipped without one); `test_interpreted_*`: on the CPU under TRITON_INTERPRET=1,
   in a child process (`test_moe_combine_in_a_triton_interpreter_subprocess`).
-- Against torch: fp32 1e-5 relative to |routed| + |sigmoid(gate) * shared| (the sum's order, the sigmoid's
-  formula); bf16 three roundings (the routed sum, the product, the total) whose terms may cancel: 2^-6 of that
-  scale (doubled in the interpreter, which truncates).
+- Against torch: fp32 1e-5 relative to sum_j |w_j y_j| + |sigmoid(gate) * shared| (the sum's order, the sigmoid's
+  formula; relative to the sum's terms, not to the sum, which may cancel); bf16 three roundings (the routed sum,
+  the product, the total): 2^-6 of that scale (doubled in the interpreter, which truncates).
 - The backends: `ReferenceBackend.moe(..., shared)` is its routed experts then `sigmoid_gate_add`, exactly.
 """
 
@@ -50,9 +50,10 @@ def check_combine_shared(tokens: int, top_k: int, hidden: int, sorted_rows: bool
     assert torch.equal(got, activation.sigmoid_gate_add(combine(y, weights, pos), gate, shared))  # same roundings
 
     rows = (pos if pos is not None else torch.arange(tokens * top_k, device=device)).view(tokens, top_k)
-    routed = (weights.double()[:, :, None] * y.double()[rows]).sum(1)
+    terms = weights.double()[:, :, None] * y.double()[rows]
+    routed = terms.sum(1)
     want = activation_ref.sigmoid_gate_add(routed.to(dtype), gate, shared)
-    scale = routed.abs() + (torch.sigmoid(gate.double()) * shared.double()).abs()
+    scale = terms.abs().sum(1) + (torch.sigmoid(gate.double()) * shared.double()).abs()  # the sums may cancel
     assert ((got.double() - want.double()).abs() <= slack * TOL[dtype] * scale + 1e-30).all()
 
 
