@@ -4,7 +4,8 @@
 
 For each dense linear of one decode step of a `gpu_bench.py` model (its shapes from the model's transformers
 config, nothing built or loaded: DeltaNet in_proj (q|k|v|z|b|a, one GEMM) and out_proj, attention q|k|v and o_proj,
-the MoE router + shared-expert gate, the shared expert's gate|up and down, a dense MLP's, the lm_head), with a
+a MoE block's one GEMM of the shared expert's gate|up, the router and the shared-expert gate, then the shared
+expert's down, a dense MLP's gate|up and down, the lm_head), with a
 random bf16 weight: `kernels/gemm/dense.decide` (what the engine runs at start-up) times cuBLAS and every candidate
 tile at 16, 32 and 64 rows (CUDA-graph replays, the weight rotated with copies beyond L2), and the chosen kernel is
 checked against `F.linear` (max |diff| / max |ref|). Prints one table (device us per GEMM, the weight read rate of
@@ -49,8 +50,8 @@ def step_linears(name: str) -> list[tuple[str, int, int, int]]:
     layers = len(types)
     if getattr(c, "num_experts", 0):
         shared = c.shared_expert_intermediate_size
-        out += [("moe router + shared gate", c.num_experts + 1, h, layers),
-                ("shared expert gate|up", 2 * shared, h, layers), ("shared expert down", h, shared, layers)]
+        out += [("moe: shared gate|up, router, gate", 2 * shared + c.num_experts + 1, h, layers),
+                ("shared expert down", h, shared, layers)]
     else:
         out += [("mlp gate|up", 2 * c.intermediate_size, h, layers), ("mlp down", h, c.intermediate_size, layers)]
     return out + [("lm_head", c.vocab_size, h, 1)]
