@@ -3,15 +3,19 @@ tier (issue 30): one process, two engines of the same model and pool, the same p
 profiled.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/host_tier_profile.py [--model next-1b] [--num-blocks 1000]
-        [--host-cache-gib 16] [--turns 2] [--device cuda] [--model-dir DIR] [--out DIR]
-    PYTHONPATH=. python benchmarks/host_tier_profile.py --model tiny --device cpu --scale 0.05 --num-blocks 60 \\
-        --host-cache-gib 0.01       # the CPU smoke test
+        [--host-cache-gib 16] [--turns 4] [--ch 1] [--enforce-eager] [--device cuda] [--model-dir DIR] [--out DIR]
+    PYTHONPATH=. python benchmarks/host_tier_profile.py --model tiny --device cpu --scale 0.05 --num-blocks 200 \
+        --host-cache-gib 0.05       # the CPU smoke test
+    python benchmarks/host_tier_profile.py --from-json DIR/host_tier_profile_next-1b.json   # the tables again
 
 For each engine, first with a host tier of `--host-cache-gib` behind a pool of `--num-blocks`, then with none:
 
-1. A warm-up (`gpu_bench.warm_up`), then `--turns` turns of phase A's sessions (`gpu_bench.phase_a`'s workload: 4
-   system prompts of 2,000 tokens, 16 sessions, one request at a time, 1 new token each), timed: with the tier
-   the pool fills in turn 0 and demotes from then on, and later turns hit the host.
+1. A warm-up (`gpu_bench.warm_up`), then `--turns` turns of phase A's sessions (`gpu_bench.phase_a`'s workload and
+   prompts, the same seed: 4 system prompts of 2,000 tokens, 16 sessions, one request at a time, 1 new token
+   each; 4 turns are gpu_bench's phase A, summarised as it does), timed: with the tier the pool fills in turn 0
+   and demotes from then on, and later turns hit the host. From the first turn on every request is also timed by
+   part, with no synchronisation added (`Parts`: schedule, launch, the wait for the sampled token, completing,
+   garbage collection).
 2. The next turn's requests, timed without a profiler: `hit` (sessions 1-7: their prefix is on the host with the
    tier, recomputed without) and `fresh` (4 unrelated prompts of the same lengths: no hit; they still demote with
    the tier).
@@ -30,8 +34,11 @@ then the prompt + 200 tokens: a host hit of its 16,000-token prefix with the tie
 Then one table of every operator for hit-with-tier against hit-without (the recompute) and fresh-with against
 fresh-without, largest difference first: what a host hit pays that recomputing does not.
 
-Prints the tables; writes DIR/host_tier_profile_<model>.json and DIR/host_tier_profile_<model>.txt (the tables;
-DIR: --out, else $OUT, else .).
+Prints the tables; writes DIR/host_tier_profile_<model>.json and DIR/host_tier_profile_<model>.txt (what it
+printed; DIR: --out, else $OUT, else .), both after each step, so a run cut by a time limit keeps what it
+measured (`--from-json` prints the comparison from a JSON with both engines' profiles). `--enforce-eager`: the
+measured requests are prefills of one new token, which replay no decode graph, so the engines may skip capturing
+them (start-up time).
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from gpu_bench import MODELS, SCALE, letters, model_folder, timed, warm_up  # no
 
 from hybridcache import LLM  # noqa: E402
 from hybridcache.engine.host_pool import measure_copy_rates  # noqa: E402
+from hybridcache.sampling import PendingSample  # noqa: E402
 
 HOST_COUNTERS = ("num_host_hits", "num_host_hit_tokens", "num_promoted_checkpoints", "num_promoted_blocks",
                  "num_demoted_checkpoints", "num_demoted_blocks", "num_promotions_skipped", "num_host_dropped")
@@ -89,18 +97,97 @@ class Traffic:
         return prompt
 
 
+class Parts:
+    """Wall seconds of the parts of the engine's steps, with no synchronisation added (so nothing moves): the
+    scheduler (admission, eviction, demotion and promotion, the plan), the launch (inputs, the copies and the
+    forward queued, sampling queued), the wait for the sampled token (`PendingSample.result`: the device work the
+    host did not hide), completing steps (the wait included) and the garbage collector's pauses (`gc.callbacks`).
+    One engine's at a time: the newest `Parts` counts the waits (a class-wide hook)."""
+
+    current: Parts | None = None
+
+    def __init__(self, engine) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys(("schedule", "launch", "wait", "complete", "gc"), 0.0)
+        for owner, name, key in ((engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
+                                 (engine, "_complete", "complete")):
+            setattr(owner, name, self._timed(getattr(owner, name), key))
+        if Parts.current is None:  # hook the class once; each wait counts for the newest Parts
+            inner = PendingSample.result
+
+            def result(sample):
+                start = time.perf_counter()
+                try:
+                    return inner(sample)
+                finally:
+                    Parts.current.seconds["wait"] += time.perf_counter() - start
+
+            PendingSample.result = result
+        Parts.current = self
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc)
+
+    def _timed(self, inner, key: str):
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[key] += time.perf_counter() - start
+        return timed_call
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.seconds["gc"] += time.perf_counter() - self._gc_start
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+
+PARTS: dict[int, Parts] = {}  # id(engine) -> its parts
+
+
 def request(llm: LLM, prompt: str) -> dict:
-    """One request of 1 new token: wall ms, cached tokens, host counters it moved."""
-    before = host_counters(llm)
+    """One request of 1 new token: wall ms, cached tokens, host counters it moved, ms by part (`Parts`: complete
+    includes the wait)."""
+    parts = PARTS.get(id(llm.engine))
+    before, parts_before = host_counters(llm), parts.snapshot() if parts else {}
     seconds, out = timed(llm, [prompt], 1)
     after = host_counters(llm)
-    return {"ms": 1000 * seconds, "cached": out[0].cached_tokens, "prompt": len(out[0].prompt_token_ids),
-            "host": {name: after[name] - before[name] for name in HOST_COUNTERS if after[name] != before[name]}}
+    row = {"ms": 1000 * seconds, "cached": out[0].cached_tokens, "prompt": len(out[0].prompt_token_ids),
+           "host": {name: after[name] - before[name] for name in HOST_COUNTERS if after[name] != before[name]}}
+    if parts:
+        row["parts_ms"] = {key: round(1000 * (value - parts_before[key]), 2) for key, value in parts.seconds.items()}
+    return row
+
+
+def parts_p50(rows: list[dict]) -> str:
+    """The median ms of each part over `rows`."""
+    keys = rows[0].get("parts_ms", {})
+    return ", ".join(f"{key} {statistics.median(r['parts_ms'][key] for r in rows):.2f}" for key in keys)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def phase_a_summary(rows: list[dict]) -> dict:
+    """gpu_bench's summary of phase A (`gpu_bench.summary`) from `request` rows: hit rate, p50, p95, max (ms), and
+    the host counters the requests moved."""
+    ordered = sorted(r["ms"] for r in rows)
+    moved: dict[str, int] = {}
+    for r in rows:
+        for name, value in r["host"].items():
+            moved[name] = moved.get(name, 0) + value
+    hit_rate = sum(r["cached"] for r in rows) / sum(r["prompt"] for r in rows)
+    p95 = ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+    return {"requests": len(rows), "hit_rate": round(hit_rate, 3), "p50_ms": round(statistics.median(ordered), 1),
+            "p95_ms": round(p95, 1), "max_ms": round(ordered[-1], 1), "host": moved}
 
 
 def pool_copies(llm: LLM, num_blocks: int) -> dict:
@@ -186,27 +273,31 @@ def phase_ch(llm: LLM, rng: random.Random, fillers: int) -> dict:
     return {"cold": cold, "fillers": filled, "warm": warm}
 
 
-def run_engine(args: argparse.Namespace, folder: Path, host_gib: float) -> dict:
-    """Steps 1-4 of the module docstring on one engine (a host tier of `host_gib`, or none for 0)."""
+def run_engine(args: argparse.Namespace, folder: Path, host_gib: float, result: dict, save) -> None:
+    """Steps 1-4 of the module docstring on one engine (a host tier of `host_gib`, or none for 0), into `result`;
+    `save()` after each step (a run stopped by a time limit keeps what it measured)."""
     device = torch.device(args.device)
     start = time.perf_counter()
     llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device, block_size=64,
               max_num_seqs=64, max_num_batched_tokens=16384, num_blocks=args.num_blocks, host_cache_gib=host_gib,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
     name = f"host {host_gib:g} GiB" if host_gib else "no host tier"
-    result: dict = {"host_cache_gib": host_gib, "engine_init_s": time.perf_counter() - start,
-                    "memory": llm.engine.memory_plan.describe()}
+    result.update(host_cache_gib=host_gib, engine_init_s=time.perf_counter() - start,
+                  memory=llm.engine.memory_plan.describe())
     say(f"\n## {name}: engine start-up {result['engine_init_s']:.1f} s; {result['memory']}")
     warm_up(llm, random.Random(99))
+    PARTS[id(llm.engine)] = parts = Parts(llm.engine)
     traffic = Traffic()
     turns = []
     for turn in range(args.turns):
         rows = [request(llm, traffic.prompt(session)) for session in range(16)]
         turns.append(rows)
-        say(f"turn {turn}: p50 {statistics.median(r['ms'] for r in rows):.1f} ms, cached p50 "
-            f"{statistics.median(r['cached'] for r in rows):.0f}, ms "
-            f"{[round(r['ms']) for r in rows]}")
+        say(f"turn {turn}: p50 {statistics.median(r['ms'] for r in rows):.1f} ms (parts p50: {parts_p50(rows)}), "
+            f"cached p50 {statistics.median(r['cached'] for r in rows):.0f}, ms {[round(r['ms']) for r in rows]}")
     result["turns"] = turns
+    result["phase_a"] = phase_a_summary([r for rows in turns for r in rows])
+    say(f"A ({name}, {args.turns} turns): {json.dumps(result['phase_a'])}")
+    save()
     prompts = {session: traffic.prompt(session) for session in range(8)}
     fresh_rng = random.Random(7)  # unrelated prompts of the hit prompts' lengths (already scaled)
     fresh = ["".join(fresh_rng.choices(string.ascii_lowercase, k=len(prompts[s]))) for s in range(5)]
@@ -214,8 +305,9 @@ def run_engine(args: argparse.Namespace, folder: Path, host_gib: float) -> dict:
                   "fresh": [request(llm, p) for p in fresh[1:]]}
     result["unprofiled"] = unprofiled
     for kind, rows in unprofiled.items():
-        say(f"{kind}: p50 {statistics.median(r['ms'] for r in rows):.1f} ms, ms {[round(r['ms'], 1) for r in rows]}, "
-            f"cached {[r['cached'] for r in rows]}, host {[r['host'] for r in rows]}")
+        say(f"{kind}: p50 {statistics.median(r['ms'] for r in rows):.1f} ms (parts p50: {parts_p50(rows)}), ms "
+            f"{[round(r['ms'], 1) for r in rows]}, cached {[r['cached'] for r in rows]}, host "
+            f"{[r['host'] for r in rows]}")
     result["profiled"] = {}
     for kind, prompt in (("hit", prompts[0]), ("fresh", fresh[0])):
         row, table = profiled(llm, prompt, device)
@@ -224,8 +316,10 @@ def run_engine(args: argparse.Namespace, folder: Path, host_gib: float) -> dict:
     row, text = python_profile(llm, traffic.prompt(0))
     result["python_profile"] = {"request": row, "top": text}
     say(f"one more session-0 request under cProfile: {row}\n{text}")
+    save()
     if args.ch:
         result["ch"] = phase_ch(llm, random.Random(11), args.ch_fillers)
+        save()
     result["host_counters"] = host_counters(llm)
     if host_gib and llm.engine.runner.host_pool is not None:
         llm.engine.clear_cache()  # every block of both tiers free: the timed copies touch nothing cached
@@ -235,12 +329,13 @@ def run_engine(args: argparse.Namespace, folder: Path, host_gib: float) -> dict:
         say(f"host pool: pinned {copies['pinned']}, {copies['host_blocks']} blocks of {copies['block_bytes']} B, "
             f"{copies['blocks_per_copy']} per copy; a fresh pinned buffer {copies['fresh_pinned_h2d_gb_s']:.1f} GB/s; "
             f"{timings}{copies.get('error', '')}")
+    save()
+    parts.close()
     llm.close()
     del llm
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
 
 
 def compare(tier: dict, none: dict, kind: str, rows: int) -> list[dict]:
@@ -276,7 +371,8 @@ def main() -> None:
     parser.add_argument("--num-blocks", type=int, default=1000)
     parser.add_argument("--host-cache-gib", type=float, default=16.0)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--turns", type=int, default=2, help="phase A turns before the measured requests")
+    parser.add_argument("--turns", type=int, default=4,
+                        help="phase A turns before the measured requests (4: all of gpu_bench's phase A)")
     parser.add_argument("--copy-blocks", type=int, default=128, help="blocks per timed HostPool save or load")
     parser.add_argument("--rows", type=int, default=30, help="operators printed per comparison")
     parser.add_argument("--ch", type=int, default=1, help="1: phase CH after the profiles (0: not)")
@@ -286,7 +382,14 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (smoke tests)")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--from-json", default=None,
+                        help="print the comparison tables of an earlier run's JSON (one cut after both profiles)")
     args = parser.parse_args()
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        for kind in ("hit", "fresh"):
+            compare(result["tier"], result["none"], kind, args.rows)
+        return
     if args.host_cache_gib <= 0:
         parser.error("--host-cache-gib must be > 0 (the run without a tier is the second engine)")
     SCALE["value"] = args.scale
@@ -295,13 +398,16 @@ def main() -> None:
     json_path, text_path = (out_dir / f"host_tier_profile_{args.model}.{ext}" for ext in ("json", "txt"))
     folder = model_folder(args.model, args.model_dir)
     result: dict = {"model": args.model, "num_blocks": args.num_blocks, "turns": args.turns}
-    for key, gib in (("tier", args.host_cache_gib), ("none", 0.0)):
-        result[key] = run_engine(args, folder, gib)
+
+    def save() -> None:
         json_path.write_text(json.dumps(result, indent=1, default=str))
         text_path.write_text("\n".join(OUT_LINES) + "\n")
+
+    for key, gib in (("tier", args.host_cache_gib), ("none", 0.0)):
+        result[key] = {}
+        run_engine(args, folder, gib, result[key], save)
     result["compare"] = {kind: compare(result["tier"], result["none"], kind, args.rows) for kind in ("hit", "fresh")}
-    json_path.write_text(json.dumps(result, indent=1, default=str))
-    text_path.write_text("\n".join(OUT_LINES) + "\n")
+    save()
     print(f"wrote {json_path} and {text_path}")
 
 
