@@ -20,7 +20,8 @@ For each engine, first with a host tier of `--host-cache-gib` behind a pool of `
    tier, recomputed without) and `fresh` (4 unrelated prompts of the same lengths: no hit; they still demote with
    the tier).
 3. One `hit` request (session 0) and one `fresh` request under torch.profiler: each operator's host (self CPU) ms,
-   device ms and calls; then one more `hit` request under cProfile (the host's Python by function).
+   device ms and calls (and, with `--traces 1`, the hit's timeline as a gzipped Chrome trace, DIR/trace_<tier|none>
+   _hit.json.gz); then one more `hit` request under cProfile (the host's Python by function).
 4. With the tier only, after `clear_cache` (every block of both tiers free, so nothing cached is touched): the
    engine's own host pool checked (pinned or not) and timed directly, one HOST_SAVE and one HOST_LOAD of
    `--copy-blocks` blocks, once as one run of consecutive host ids and once as one run per block: the host's ms
@@ -46,6 +47,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import gzip
 import io
 import json
 import os
@@ -54,6 +56,7 @@ import random
 import statistics
 import string
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -238,8 +241,9 @@ def op_table(prof) -> dict[str, dict[str, float]]:
     return table
 
 
-def profiled(llm: LLM, prompt: str, device: torch.device) -> tuple[dict, dict]:
-    """One request under torch.profiler: (its `request` row, its `op_table`)."""
+def profiled(llm: LLM, prompt: str, device: torch.device, trace: Path | None) -> tuple[dict, dict]:
+    """One request under torch.profiler: (its `request` row, its `op_table`); its timeline to `trace` (a Chrome
+    trace: where the host waited and the device idled) unless None."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -247,6 +251,12 @@ def profiled(llm: LLM, prompt: str, device: torch.device) -> tuple[dict, dict]:
     with profile(activities=activities) as prof:
         row = request(llm, prompt)
         sync(device)
+    if trace is not None:
+        with tempfile.TemporaryDirectory() as folder:
+            raw = Path(folder) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with gzip.open(trace, "wb") as out:
+                out.write(raw.read_bytes())
     return row, op_table(prof)
 
 
@@ -310,7 +320,10 @@ def run_engine(args: argparse.Namespace, folder: Path, host_gib: float, result: 
             f"{[r['host'] for r in rows]}")
     result["profiled"] = {}
     for kind, prompt in (("hit", prompts[0]), ("fresh", fresh[0])):
-        row, table = profiled(llm, prompt, device)
+        trace = None
+        if args.traces and kind == "hit":
+            trace = Path(args.out_dir) / f"trace_{'tier' if host_gib else 'none'}_hit.json.gz"
+        row, table = profiled(llm, prompt, device, trace)
         result["profiled"][kind] = {"request": row, "ops": table}
         say(f"{kind} under torch.profiler: {row}")
     row, text = python_profile(llm, traffic.prompt(0))
@@ -382,6 +395,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (smoke tests)")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--traces", type=int, default=1, help="1: Chrome traces of the profiled hit requests in DIR")
     parser.add_argument("--from-json", default=None,
                         help="print the comparison tables of an earlier run's JSON (one cut after both profiles)")
     args = parser.parse_args()
@@ -395,6 +409,7 @@ def main() -> None:
     SCALE["value"] = args.scale
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
+    args.out_dir = str(out_dir)
     json_path, text_path = (out_dir / f"host_tier_profile_{args.model}.{ext}" for ext in ("json", "txt"))
     folder = model_folder(args.model, args.model_dir)
     result: dict = {"model": args.model, "num_blocks": args.num_blocks, "turns": args.turns}
