@@ -14,8 +14,8 @@ For each engine, first with a host tier of `--host-cache-gib` behind a pool of `
    prompts, the same seed: 4 system prompts of 2,000 tokens, 16 sessions, one request at a time, 1 new token
    each; 4 turns are gpu_bench's phase A, summarised as it does), timed: with the tier the pool fills in turn 0
    and demotes from then on, and later turns hit the host. From the first turn on every request is also timed by
-   part, with no synchronisation added (`Parts`: schedule, launch, the wait for the sampled token, completing,
-   garbage collection).
+   part, with no synchronisation added (`Parts`: schedule, launch and the host-tier copies' calls within it, the
+   wait for the sampled token, completing, garbage collection).
 2. The next turn's requests, timed without a profiler: `hit` (sessions 1-7: their prefix is on the host with the
    tier, recomputed without) and `fresh` (4 unrelated prompts of the same lengths: no hit; they still demote with
    the tier).
@@ -66,6 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import MODELS, SCALE, letters, model_folder, timed, warm_up  # noqa: E402
 
 from hybridcache import LLM  # noqa: E402
+from hybridcache.copy_kinds import Pool  # noqa: E402
 from hybridcache.engine.host_pool import measure_copy_rates  # noqa: E402
 from hybridcache.sampling import PendingSample  # noqa: E402
 
@@ -103,17 +104,23 @@ class Traffic:
 class Parts:
     """Wall seconds of the parts of the engine's steps, with no synchronisation added (so nothing moves): the
     scheduler (admission, eviction, demotion and promotion, the plan), the launch (inputs, the copies and the
-    forward queued, sampling queued), the wait for the sampled token (`PendingSample.result`: the device work the
-    host did not hide), completing steps (the wait included) and the garbage collector's pauses (`gc.callbacks`).
-    One engine's at a time: the newest `Parts` counts the waits (a class-wide hook)."""
+    forward queued, sampling queued), within it the host-tier copies' calls (`host copies`: queueing HOST_SAVE,
+    HOST_LOAD and HOST_FINISH; a copy that blocks the host shows here), the wait for the sampled token
+    (`PendingSample.result`: the device work the host did not hide), completing steps (the wait included) and the
+    garbage collector's pauses (`gc.callbacks`). One engine's at a time: the newest `Parts` counts the waits (a
+    class-wide hook)."""
 
     current: Parts | None = None
 
     def __init__(self, engine) -> None:
-        self.seconds: dict[str, float] = dict.fromkeys(("schedule", "launch", "wait", "complete", "gc"), 0.0)
+        self.seconds: dict[str, float] = dict.fromkeys(
+            ("schedule", "launch", "host copies", "wait", "complete", "gc"), 0.0)
         for owner, name, key in ((engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
                                  (engine, "_complete", "complete")):
             setattr(owner, name, self._timed(getattr(owner, name), key))
+        runner = engine.runner
+        copy, host_copy = runner._copy, self._timed(runner._copy, "host copies")
+        runner._copy = lambda op: host_copy(op) if op.kind.pool is Pool.HOST else copy(op)
         if Parts.current is None:  # hook the class once; each wait counts for the newest Parts
             inner = PendingSample.result
 
