@@ -7,6 +7,9 @@ profiled.
     PYTHONPATH=. python benchmarks/host_tier_profile.py --model tiny --device cpu --scale 0.05 --num-blocks 200 \
         --host-cache-gib 0.05       # the CPU smoke test
     python benchmarks/host_tier_profile.py --from-json DIR/host_tier_profile_next-1b.json   # the tables again
+    # the engine's own work per request on the CPU, next-1b's proportions (a state = 51 blocks), no forward
+    PYTHONPATH=. python benchmarks/host_tier_profile.py --model tiny-state50 --device cpu --stub-forward \
+        --num-blocks 1000 --host-cache-gib 2 --ch 0
 
 For each engine, first with a host tier of `--host-cache-gib` behind a pool of `--num-blocks`, then with none:
 
@@ -71,6 +74,13 @@ from hybridcache.copy_kinds import Pool  # noqa: E402
 from hybridcache.engine.host_pool import measure_copy_rates  # noqa: E402
 from hybridcache.sampling import PendingSample  # noqa: E402
 
+# next-1b's proportions on the CPU: a state of 51 blocks (KV 8 KiB a block, DeltaNet state 388 KiB), tiny compute;
+# with --stub-forward the engine does everything but the model's forward (`stub_forward`)
+MODELS.setdefault("tiny-state50", ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+    vocab_size=320, hidden_size=64, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32, intermediate_size=64, num_attention_heads=2,
+    num_key_value_heads=1, head_dim=16, linear_num_key_heads=1, linear_num_value_heads=8, linear_key_head_dim=64,
+    linear_value_head_dim=64)))
 HOST_COUNTERS = ("num_host_hits", "num_host_hit_tokens", "num_promoted_checkpoints", "num_promoted_blocks",
                  "num_demoted_checkpoints", "num_demoted_blocks", "num_promotions_skipped", "num_host_dropped")
 OUT_LINES: list[str] = []  # what `say` printed, written to the .txt at the end
@@ -185,6 +195,17 @@ def parts_p50(rows: list[dict]) -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def stub_forward(llm: LLM) -> None:
+    """Replace the model's forward with zero logits: what is left of a request is the engine's own work (the
+    scheduler and cache, the inputs, the copies, sampling, completion), host tier or not."""
+    runner, vocab = llm.engine.runner, llm.engine.model_config.vocab_size
+
+    def zeros(batch):
+        return torch.zeros((batch.num_seqs, vocab), device=runner.device)
+
+    runner._run_model = zeros
 
 
 def phase_a_summary(rows: list[dict]) -> dict:
@@ -303,6 +324,8 @@ def run_engine(args: argparse.Namespace, folder: Path, host_gib: float, result: 
     result.update(host_cache_gib=host_gib, engine_init_s=time.perf_counter() - start,
                   memory=llm.engine.memory_plan.describe())
     say(f"\n## {name}: engine start-up {result['engine_init_s']:.1f} s; {result['memory']}")
+    if args.stub_forward:
+        stub_forward(llm)
     warm_up(llm, random.Random(99))
     PARTS[id(llm.engine)] = parts = Parts(llm.engine)
     traffic = Traffic()
@@ -402,6 +425,8 @@ def main() -> None:
     parser.add_argument("--ch-fillers", type=int, default=3, help="16,000-token prompts between CH's two")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="no decode graphs (the measured requests are prefills of 1 new token: none replay)")
+    parser.add_argument("--stub-forward", action="store_true",
+                        help="zero logits instead of the model's forward (the engine's own work alone; eager steps)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every prompt length (smoke tests)")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--out", default=None)
