@@ -7,12 +7,14 @@
 `linear` is `F.linear` except on CUDA in bf16 / fp16 for at most `triton_skinny.MAX_ROWS` rows (a decode step):
 there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
 whichever of cuBLAS (`F.linear`) and the skinny Triton GEMM's candidate tiles (`candidates`) replayed fastest in
-a CUDA graph the first time that weight shape was seen outside a capture (`decide`: every bucket at once, the
-weight rotated with random copies beyond L2's size so each replay reads it from memory, as a decode step does).
-The engine runs each captured batch size eagerly before capturing it, so every shape is decided, and every tile
-compiled, at start-up (`swiglu_linear`'s fused variant too, every bucket at its first call); a shape first seen
-during a capture runs cuBLAS and is not recorded. The choice table is per process (`choices()`): a captured graph
-and an eager step of one process run the same kernels.
+a CUDA graph (the skinny GEMM only when faster by `MARGIN`) the first time that weight shape was seen outside a
+capture (`decide`: every bucket at once, the weight rotated with random copies beyond L2's size so each replay
+reads it from memory, as a decode step does). The engine runs each captured batch size eagerly before capturing
+it, so every shape is decided, and every tile compiled, at start-up (`swiglu_linear`'s fused variant too, every
+bucket at its first call); a shape first seen during a capture runs cuBLAS and is not recorded. The choice table
+is per process (`choices()`): a captured graph and an eager step of one process run the same kernels; two
+processes may choose differently where two kernels time within a few per cent of each other (bf16 results then
+differ in rounding between the processes), which `MARGIN` makes rarer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 REPS = 20  # GEMMs per timed graph replay
+MARGIN = 0.95  # the skinny GEMM replaces cuBLAS only when at least 5 % faster (a near tie would flip between runs)
 COLD_BYTES = 128 << 20  # the weight copies cycled in a timed replay: more than the H200's 50 MB L2
 _FAST = (torch.bfloat16, torch.float16)
 
@@ -157,6 +160,8 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
             runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))
         times = {name: _replay_us(run, weights, device) for name, (_, run) in runs.items()}
         best = min(times, key=times.get)
+        if times[best] > MARGIN * times["cublas"]:
+            best = "cublas"
         _CHOICES[(device, dtype, n, k, has_bias, block_m)] = Choice(runs[best][0], tuple(times.items()))
     del weights
     torch.cuda.synchronize(device)
