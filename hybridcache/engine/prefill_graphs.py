@@ -46,6 +46,7 @@ verify graphs did not take run here; anything else, and everything under `enforc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 
@@ -165,8 +166,12 @@ class PrefillGraphs:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             splitter.begin()
-            hidden, pending = self.model.forward_layers(self.static_batch(prepared, size), self.pools,
-                                                        self.backend, splitter=splitter)
+            try:
+                hidden, pending = self.model.forward_layers(self.static_batch(prepared, size), self.pools,
+                                                            self.backend, splitter=splitter)
+            except BaseException:
+                splitter.abort()
+                raise
             splitter.end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -181,6 +186,11 @@ class PrefillGraphs:
             shape, dtype = key
             out = self.buffers[key] = torch.zeros((self.sizes[-1], *shape), dtype=dtype, device=self.device)
         return out
+
+    def keep_captured(self) -> None:
+        """Serve only the buckets captured (after a bucket's capture failed: its steps and bigger ones run
+        eagerly)."""
+        self.sizes = tuple(sorted(self.captures))
 
     def reset(self) -> None:
         """Destroy the captured graphs (later piecewise steps raise: the runner stops routing steps here)."""
@@ -230,6 +240,12 @@ class _CaptureCores:
         graph = self.pieces[-1]
         graph.capture_end()
         self.graphs.pool = graph.pool()
+
+    def abort(self) -> None:
+        """End a capture that failed (its error is the one raised), so that the device can go on eagerly."""
+        with contextlib.suppress(RuntimeError):
+            self.pieces[-1].capture_end()
+        self.pieces.clear()
 
     def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
         self.end()

@@ -254,6 +254,8 @@ class ModelRunner:
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
         self._prefill: PrefillGraphs | None = None  # piecewise graphs of prefill and mixed steps
+        self.prefill_graph_bytes = 0  # device memory the piecewise graphs took at start-up (reserved bytes)
+        self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
         if use_graphs:
             def graphs(num_drafts: int) -> _DecodeGraphs:
@@ -423,7 +425,9 @@ class ModelRunner:
         """Capture the piecewise prefill graphs of every bucket up to `max_tokens` (the step budget, and what the
         pools hold of one sequence), largest first, in the decode graphs' memory pool; each bucket is warmed on
         a fresh sequence of its size on slot 0 and blocks 0.. (nothing holds them at start-up). Logs the device
-        memory the graphs took. None for a model without a split forward or when no bucket fits."""
+        memory the graphs took (`prefill_graph_bytes`). A bucket whose capture raises is logged (a warning with
+        the error, kept in `prefill_graph_failures`) and left out: its steps run eagerly. None for a model
+        without a split forward or when no bucket was captured."""
         sizes = prefill_graph_sizes(max_tokens)
         if not sizes or not hasattr(self.model, "forward_layers"):
             return None
@@ -435,9 +439,19 @@ class ModelRunner:
                 chunk = SeqChunk(token_ids=[0] * size, start=0, block_ids=list(range(-(-size // block_size))), slot=0)
                 batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
                                             device=self.device)
-                prefill.capture(size, self.backend.prepare(batch))
-        taken = torch.cuda.memory_reserved(self.device) - before
-        logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", sizes, taken / 2**20)
+                try:
+                    prefill.capture(size, self.backend.prepare(batch))
+                except RuntimeError as error:
+                    logger.warning("piecewise prefill graph of %d tokens not captured (such steps run eagerly): %r",
+                                   size, error)
+                    self.prefill_graph_failures[size] = repr(error)
+                    torch.cuda.synchronize(self.device)
+        prefill.keep_captured()
+        if not prefill.sizes:
+            return None
+        self.prefill_graph_bytes = torch.cuda.memory_reserved(self.device) - before
+        logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", prefill.sizes,
+                    self.prefill_graph_bytes / 2**20)
         return prefill
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
