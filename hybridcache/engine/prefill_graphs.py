@@ -16,9 +16,10 @@ Worked example: next-1b (16 layers, every 4th attention, the others DeltaNet; ev
 sequence extending a cached prefix by 200 tokens (T = 200, bucket 256)::
 
     load       input_ids[:200], positions[:200] <- the step's          (rows 200..255 keep an earlier step's values)
-    piece 0    embed, rotary table, layer 0's input norm and projections          (replay, 256 rows)
-    core 0     layer 0's conv + gates + delta rule on rows 0..199, the step's cu_seqlens and state slot (eager)
-               its output copied into rows 0..199 of a static buffer piece 1 reads
+    piece 0    embed, rotary table, layer 0's input norm and projections, the core's inputs (mixed_qkv, a, b)
+               copied into static buffers                                          (replay, 256 rows)
+    core 0     layer 0's conv + gates + delta rule on rows 0..199 of those buffers, the step's cu_seqlens and
+               state slot (eager); its output copied into rows 0..199 of a static buffer piece 1 reads
     piece 1    layer 0's gated norm, out_proj, residual + norm, MoE, layer 1's norm and projections      (replay)
     ...        (one core per layer: 16 cores, 17 pieces)
     core 3     layer 3's KV write + paged attention on rows 0..199 (eager; writes only the step's KV rows)
@@ -28,10 +29,11 @@ sequence extending a cached prefix by 200 tokens (T = 200, bucket 256)::
                (eager: `HybridCausalLM.forward_tail`, the same code as the unsplit forward)
 
 Padding rows flow through the pieces only (token-wise ops, so they never reach a real row) and never reach a core,
-so they touch no KV page, state slot or sequence: they are computed and discarded. A core's output buffer is
-shared by every core of its shape (its contract: a core's output is read before the next core runs) and a real
-row of it always holds this step's value. Per bucket the graphs hold what crosses a cut (each core's inputs, the
-last piece's output) in one memory pool shared with the decode graphs; `ModelRunner` logs its size at start-up.
+so they touch no KV page, state slot or sequence: they are computed and discarded. A core's input and output
+buffers are shared by every core of their shape, sized for the biggest bucket (a core's output is read before the
+next core runs: `StepContext.core`'s contract), so what a bucket's graphs keep of their memory pool is only the
+last piece's output: the pool (shared with the decode graphs) holds one bucket's live activations at a time, and
+`ModelRunner` logs what the graphs took at start-up.
 
 The cores see exactly the step an eager forward sees (the backend's `prepare` of the real batch), so the KV and
 recurrent states they write are an eager step's. The pieces run at B rows instead of T: a GEMM may pick another
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -81,7 +84,7 @@ def is_piecewise(batch: ForwardBatch) -> bool:
 
 @dataclasses.dataclass
 class _Capture:
-    """One bucket's graphs: pieces[i] runs before cores[i] (fn, its token inputs, its output buffer) and the last
+    """One bucket's graphs: pieces[i] runs before cores[i] (fn, its input buffers, its output buffer) and the last
     piece after the last core; outputs: the last piece's (hidden, pending)."""
 
     pieces: list[torch.cuda.CUDAGraph]
@@ -91,8 +94,8 @@ class _Capture:
 
 
 class PrefillGraphs:
-    """Static inputs, the cores' output buffers and, on CUDA once `capture` has run, each bucket's piece graphs
-    (see the module docstring). `model`: a `HybridCausalLM` (its `forward_layers` / `forward_tail`)."""
+    """Static inputs, the cores' input and output buffers and, on CUDA once `capture` has run, each bucket's piece
+    graphs (see the module docstring). `model`: a `HybridCausalLM` (its `forward_layers` / `forward_tail`)."""
 
     def __init__(self, model: torch.nn.Module, backend: KernelBackend, pools: DevicePools, sizes: tuple[int, ...],
                  device: torch.device) -> None:
@@ -106,8 +109,8 @@ class PrefillGraphs:
         biggest = sizes[-1]
         self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(biggest, dtype=torch.int64, device=device)
-        self.buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}  # core outputs, by shape
-        self.core_keys: dict[int, list[tuple[tuple[int, ...], torch.dtype]]] = {}  # per bucket, each core's
+        self.buffers: dict[tuple, torch.Tensor] = {}  # the cores' inputs and outputs, by role, shape and dtype
+        self.core_keys: dict[int, list[tuple]] = {}  # per bucket, each core's output key
         self.captures: dict[int, _Capture] = {}
         self.pool = None  # the graphs' memory pool (shared with the decode graphs when given one)
 
@@ -151,12 +154,12 @@ class PrefillGraphs:
 
     def capture(self, size: int, prepared: ForwardBatch) -> None:
         """Capture bucket `size` (CUDA): `prepared` (a prepared batch of exactly `size` tokens, on rows nothing
-        holds) is loaded and run once eagerly first (kernel compiles, the cores' output shapes and buffers), then
-        the pieces are captured one graph each, the cores not run, into `self.pool`."""
+        holds) is loaded and run once eagerly first (kernel compiles, the cores' buffers), then the pieces are
+        captured one graph each, the cores not run, into `self.pool`."""
         if len(prepared.input_ids) != size:
             raise ValueError(f"bucket {size} is captured on a batch of {size} tokens, got {len(prepared.input_ids)}")
         self.load(prepared)
-        keys: list[tuple[tuple[int, ...], torch.dtype]] = []
+        keys: list[tuple] = []
         self.model.forward_layers(self.static_batch(prepared, size), self.pools, self.backend,
                                   splitter=_EagerCores(self, prepared, size, keys))
         self.core_keys[size] = keys
@@ -179,13 +182,38 @@ class PrefillGraphs:
             raise RuntimeError(f"the captured forward ran {len(splitter.cores)} cores, the eager one {len(keys)}")
         self.captures[size] = _Capture(splitter.pieces, splitter.cores, (hidden, pending), splitter.rope)
 
-    def buffer(self, key: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
-        """The output buffer [max(sizes), *shape] of the cores of this (shape, dtype), zeroed when made."""
+    def buffer(self, key: tuple, *, create: bool = True) -> torch.Tensor:
+        """The buffer [max(sizes), *shape] (zeroed when made) of `key` = (role, ..., shape, dtype): a core
+        output's ("out", shape, dtype), or core input j's ("in", j, its layout, (row stride,), dtype), which
+        `stage` views with the input's strides. Made by eager runs only (`create`): a capture finds the ones its
+        bucket's eager run made."""
         out = self.buffers.get(key)
         if out is None:
-            shape, dtype = key
+            if not create:
+                raise RuntimeError(f"no buffer {key} was made before the capture")
+            *_, shape, dtype = key
             out = self.buffers[key] = torch.zeros((self.sizes[-1], *shape), dtype=dtype, device=self.device)
         return out
+
+    def stage(self, tokens: tuple[torch.Tensor, ...], *, create: bool = True) -> tuple[torch.Tensor, ...]:
+        """Copy a core's inputs (each [B, ...], B the bucket's rows) into their buffers; returns the buffers'
+        first B rows, laid out with the inputs' strides where their rows do not overlap (a column view of a
+        projection's output stays a column view: the core computes exactly what it computes on the unsplit
+        forward's tensors), else contiguous."""
+        staged = []
+        for index, token in enumerate(tokens):
+            rows, inner_shape = token.shape[0], tuple(token.shape[1:])
+            row_stride, *inner = token.stride()
+            span = 1 + sum((size - 1) * stride for size, stride in zip(inner_shape, inner, strict=True))
+            if row_stride < span or min(inner, default=1) < 1:
+                inner = list(torch.empty(inner_shape, device="meta").stride())
+                row_stride = math.prod(inner_shape)
+            layout = (inner_shape, tuple(inner))
+            flat = self.buffer(("in", index, layout, (row_stride,), token.dtype), create=create)
+            buffer = flat.as_strided((rows, *inner_shape), (row_stride, *inner))
+            buffer.copy_(token)
+            staged.append(buffer)
+        return tuple(staged)
 
     def keep_captured(self) -> None:
         """Serve only the buckets captured (after a bucket's capture failed: its steps and bigger ones run
@@ -201,19 +229,19 @@ class PrefillGraphs:
 
 
 class _EagerCores:
-    """Splitter of an eager split forward: each core runs on the real step's first `num_tokens` rows and its
-    output goes into those rows of the shared buffer the next piece reads (what a replay does); `keys`, when
-    given, records each core's output (shape, dtype)."""
+    """Splitter of an eager split forward, what a replay does: each core's inputs are copied into their buffers,
+    the core runs on the buffers' first `num_tokens` rows with the real step, and its output goes into those rows
+    of the shared buffer the next piece reads; `keys`, when given, records each core's output key."""
 
     def __init__(self, graphs: PrefillGraphs, prepared: ForwardBatch, num_tokens: int,
-                 keys: list[tuple[tuple[int, ...], torch.dtype]] | None) -> None:
+                 keys: list[tuple] | None) -> None:
         self.graphs, self.prepared, self.num_tokens, self.keys = graphs, prepared, num_tokens, keys
 
     def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
         n = self.num_tokens
         real = dataclasses.replace(step, batch=self.prepared, splitter=None)
-        out = fn(real, *(t[:n] for t in tokens))
-        key = (tuple(out.shape[1:]), out.dtype)
+        out = fn(real, *(t[:n] for t in self.graphs.stage(tokens)))
+        key = ("out", tuple(out.shape[1:]), out.dtype)
         if self.keys is not None:
             self.keys.append(key)
         buffer = self.graphs.buffer(key)
@@ -222,8 +250,9 @@ class _EagerCores:
 
 
 class _CaptureCores:
-    """Splitter of a capture: at each core, ends the piece being captured, records the core (its inputs: tensors
-    of the graphs' pool, kept alive here) and begins the next piece, which reads the core's output buffer."""
+    """Splitter of a capture: at each core, copies its inputs into their buffers and ends the piece being
+    captured, records the core (with its input buffers) and begins the next piece, which reads the core's output
+    buffer."""
 
     def __init__(self, graphs: PrefillGraphs, size: int) -> None:
         self.graphs, self.size = graphs, size
@@ -248,12 +277,13 @@ class _CaptureCores:
         self.pieces.clear()
 
     def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        staged = self.graphs.stage(tokens, create=False)
         self.end()
         self.rope = step.rope
         keys = self.graphs.core_keys[self.size]
         if len(self.cores) >= len(keys):
             raise RuntimeError("the captured forward ran more cores than the eager one")
-        out = self.graphs.buffer(keys[len(self.cores)])
-        self.cores.append((fn, tokens, out))
+        out = self.graphs.buffer(keys[len(self.cores)], create=False)
+        self.cores.append((fn, staged, out))
         self.begin()
         return out[: self.size]
