@@ -5,6 +5,8 @@ against the unsplit forward (fp32, the reference kernels: the same greedy tokens
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,6 +107,24 @@ def test_split_forward_equals_unsplit_on_cpu(tmp_path, model_type):
             assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
             for a, b in zip(unsplit_pools, split_pools):
                 torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_which_steps_run_piecewise(tmp_path):
+    """Text steps of 1 to max(sizes) tokens; not a step with given input embeddings or M-RoPE positions, nor a
+    longer one."""
+    device = torch.device("cpu")
+    runner = make_runner(write_tiny_model(tmp_path, "qwen3_5_text"), device)
+    prefill = PrefillGraphs(runner.model, runner.backend, runner.pools, (16, 64, 256), device)
+    mixed = steps(device)[1]  # 41 tokens
+    assert prefill.bucket(mixed) == 64
+    assert prefill.bucket(steps(device)[0]) == 256  # 190 tokens
+    long = build_forward_batch([SeqChunk([1] * 300, 0, list(range(19)), 0)], block_size=BLOCK,
+                               kernel_block_size=PAGE, device=device)
+    assert prefill.bucket(long) is None
+    embedded = dataclasses.replace(mixed, embed_rows=torch.tensor([0]), embeds=torch.zeros(1, 64))
+    assert not is_piecewise(embedded) and prefill.bucket(embedded) is None
+    mrope = dataclasses.replace(mixed, rope_positions=mixed.positions.expand(3, -1))
+    assert prefill.bucket(mrope) is None
 
 
 def test_cpu_runner_has_no_prefill_graphs(tmp_path):
