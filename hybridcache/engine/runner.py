@@ -254,7 +254,7 @@ class ModelRunner:
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
         self._prefill: PrefillGraphs | None = None  # piecewise graphs of prefill and mixed steps
-        self.prefill_graph_bytes = 0  # device memory the piecewise graphs took at start-up (reserved bytes)
+        self.prefill_graph_bytes = 0  # device memory the piecewise graphs keep (their pool and buffers)
         self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
         if use_graphs:
@@ -431,6 +431,7 @@ class ModelRunner:
         sizes = prefill_graph_sizes(max_tokens)
         if not sizes or not hasattr(self.model, "forward_layers"):
             return None
+        torch.cuda.empty_cache()  # so that the reserved bytes after, emptied again, count what the graphs keep
         before = torch.cuda.memory_reserved(self.device)
         prefill = PrefillGraphs(self.model, self.backend, self.pools, sizes, self.device)
         prefill.pool = self._graphs.pool if self._graphs is not None else None
@@ -449,6 +450,7 @@ class ModelRunner:
         prefill.keep_captured()
         if not prefill.sizes:
             return None
+        torch.cuda.empty_cache()
         self.prefill_graph_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", prefill.sizes,
                     self.prefill_graph_bytes / 2**20)
