@@ -118,7 +118,6 @@ class _GatedDeltaNetBase(nn.Module):
         core = self.norm(core, z, step.backend)
         return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
 
-
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed_qkv: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor) -> torch.Tensor:
         """The layer's core (`StepContext.core`): mixed_qkv [T, C], a, b [T, Hv] -> o [T, Hv, Dv] (the conv, the

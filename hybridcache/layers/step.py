@@ -32,8 +32,9 @@ class StepContext:
         """fn(self, *tokens): a layer's sequence-structured core (the paged attention; the DeltaNet conv and
         recurrence), the only part of a forward that reads the step's per-sequence metadata (cu_seqlens, context
         lengths, block tables, state slots). `tokens` are its inputs, each [T, ...] with one row per token of the
-        step, and its output is [T, ...]; everything outside a core is token-wise (row t of its output depends
-        on row t of its inputs only). With a splitter, the splitter runs it (piecewise CUDA graphs)."""
+        step, and its output is [T, ...], read before the next core of the step runs; everything outside a core
+        is token-wise (row t of its output depends on row t of its inputs only). With a splitter, the splitter
+        runs it (piecewise CUDA graphs)."""
         if self.splitter is None:
             return fn(self, *tokens)
         return self.splitter(fn, self, tokens)
