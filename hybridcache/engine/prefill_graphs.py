@@ -113,6 +113,7 @@ class PrefillGraphs:
         self.core_keys: dict[int, list[tuple]] = {}  # per bucket, each core's output key
         self.captures: dict[int, _Capture] = {}
         self.pool = None  # the graphs' memory pool (shared with the decode graphs when given one)
+        self.stream: torch.cuda.Stream | None = None  # the stream the buckets are captured on
 
     def bucket(self, batch: ForwardBatch) -> int | None:
         """The bucket that runs `batch`, or None when it runs eagerly (`is_piecewise`, `prefill_bucket`)."""
@@ -165,7 +166,9 @@ class PrefillGraphs:
         self.core_keys[size] = keys
         torch.cuda.synchronize(self.device)
         splitter = _CaptureCores(self, size)
-        stream = torch.cuda.Stream(self.device)
+        if self.stream is None:  # one capture stream for every bucket: cuBLAS keeps a workspace per stream
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             splitter.begin()
