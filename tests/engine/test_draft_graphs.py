@@ -1,0 +1,120 @@
+"""The MTP head's drafting graphs (`engine/draft_graphs.py`) and the uniform plans they replay.
+
+CPU (fp32, reference kernels, which capture nothing): in a real engine run, every uniform plan's work run on the
+draft graphs' static buffers (padding rows included) gives the tokens of the plan run eagerly, and those equal the
+drafts of the ragged plan (only the positions that hold tokens, rows dropped as budgets run out) cut at each
+sequence's budget. CUDA (skipped without a device): bf16 drafting graphs replayed give the tokens of the same
+static batches run eagerly (`without_replay`), and the engine's outputs are unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import pytest
+import torch
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.draft_graphs import DraftGraphs
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.mtp_draft import identity, run_draft_plan
+from hybridcache.engine.speculative import assign_drafts
+from hybridcache.sampling import SamplingParams
+
+from .model_folders import write_tiny_model
+from .spec_helpers import spec
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _requests(engine, count: int) -> None:
+    for i in range(count):
+        prompt = [(11 * i + 5 * j) % 256 for j in range(150 + 9 * i)]
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=12 + 7 * i, ignore_eos=True))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next"])
+def test_uniform_drafting_on_static_buffers_equals_the_eager_plans(tmp_path, model_type):
+    folder = write_tiny_model(tmp_path, model_type)
+    k = 2
+    # speculation off above 3 sequences: the first speculative step after the switch has decode rows (q = 1)
+    engine = LLMEngine(folder, EngineConfig(
+        block_size=16, kernel_block_size=8, max_num_batched_tokens=96, max_num_seqs=6,
+        speculative_config={**spec(k), "disable_by_batch_size": 3}))
+    runner, drafter = engine.runner, engine.drafter
+    plan_of, seen = drafter.plan, Counter()
+
+    def checked_plan(chunks, wanted):
+        planned = plan_of(chunks, wanted)
+        if planned is None or not planned[0].tokens_per_seq:
+            return planned
+        plan, proposers = planned
+        n = plan.batch.num_seqs
+        assert plan.tokens_per_seq in (1, 1 + k) and len(plan.steps) == k - 1 and proposers == [proposers[0]] * k
+        eager = run_draft_plan(plan, head=runner.mtp_head, model=runner.model, pools=runner.pools,
+                               backend=runner.backend, hidden=runner.step_hidden)
+        free = engine.scheduler.cache._life.blocks.free_ids()[-1]  # a block no one holds: the padding's page
+        graphs = DraftGraphs(head=runner.mtp_head, model=runner.model, pools=runner.pools, backend=runner.backend,
+                             num_drafts=k, sizes=(1, 2, 4, 8), max_model_len=engine.max_model_len, scratch_slot=0,
+                             scratch_page=free * runner.pages_per_block, kernel_block_size=8,
+                             hidden_size=runner.model.config.hidden_size, dtype=torch.float32, device=runner.device)
+        size = graphs.bucket(plan)
+        static = graphs.run(plan, runner.step_hidden, size, replay=False)
+        assert torch.equal(static, eager), (static, eager)
+        ragged, ragged_proposers = drafter._ragged_plan(chunks, proposers[0], wanted)
+        assert ragged.tokens_per_seq == 0
+        ragged_tokens = run_draft_plan(ragged, head=runner.mtp_head, model=runner.model, pools=runner.pools,
+                                       backend=runner.backend, hidden=runner.step_hidden, agree=identity)
+        want = assign_drafts(ragged_tokens.tolist(), ragged_proposers, wanted)
+        got = assign_drafts(eager.tolist(), proposers, wanted)
+        assert got == want
+        seen[(plan.tokens_per_seq, size > n)] += 1
+        return planned
+
+    drafter.plan = checked_plan
+    _requests(engine, 5)
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_integrity()
+    print(f"uniform plans checked (q, padded): {dict(seen)}")
+    assert {q for q, _ in seen} == {1, 1 + k} and {padded for _, padded in seen} == {True, False}
+
+
+@needs_cuda
+def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
+    """bf16, CUDA graphs: uniform plans replay the drafting graphs; the same static batches run eagerly
+    (`without_replay`) give the same greedy tokens and the same drafts."""
+    from hybridcache import LLM
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_num_seqs=8, gpu_memory_utilization=0.2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    runner = llm.engine.runner
+    graphs = runner._draft_graphs
+    assert graphs is not None and set(graphs.graphs) == {(q, s) for q in (1, 3) for s in (1, 2, 4, 8)}
+    replays, drafts = [], []
+    run, propose = graphs.run, llm.engine.drafter.propose
+
+    def counted(plan, hidden, size, *, replay=True):
+        replays.append((plan.tokens_per_seq, size, replay))
+        return run(plan, hidden, size, replay=replay)
+
+    def recorded(chunks, drafting):
+        propose(chunks, drafting)
+        drafts.append({seq.seq_id: list(seq.drafts) for seq in drafting})
+
+    graphs.run, llm.engine.drafter.propose = counted, recorded
+    prompts = torch.randint(0, 256, (8, 40), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    runs, proposed = [], []
+    for mode in (contextlib.nullcontext, runner.without_replay):
+        with mode():
+            llm.engine.clear_cache()
+            drafts.clear()
+            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            proposed.append(list(drafts))
+    print(f"drafting graphs: {Counter((q, s) for q, s, replay in replays if replay)} replays (q, bucket)")
+    assert any(replay for *_, replay in replays) and any(not replay for *_, replay in replays)
+    assert runs[0] == runs[1] and proposed[0] == proposed[1]
+    llm.engine.check_integrity()
