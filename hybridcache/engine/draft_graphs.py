@@ -140,8 +140,9 @@ class DraftGraphs:
     def run(self, plan: DraftPlan, hidden: torch.Tensor, size: int, *, replay: bool = True) -> torch.Tensor:
         """The proposed tokens of uniform `plan` (`run_draft_plan`'s order: by position, then sequence) from the
         target's hidden rows `hidden`, in bucket `size` (`bucket(plan)`): its inputs loaded into the static buffers,
-        then the graph replayed (`replay` and captured), else the same work run eagerly on the buffers, with the
-        plan's true host lengths."""
+        then the graph replayed (`replay` and captured), else the same work run eagerly on the buffers: with the
+        capture's host lengths (the same kernel choices, so the same roundings as a replay), or the plan's true
+        ones on a backend that cannot capture (the reference backend loops over them on the host)."""
         q, n = plan.tokens_per_seq, plan.batch.num_seqs
         self.catch[q].load(plan.batch, size)
         self.hidden[q][: n * q].copy_(hidden.index_select(0, plan.hidden_rows))
@@ -154,9 +155,9 @@ class DraftGraphs:
             self.graphs[key].replay()
             tokens = self.tokens[key]
         else:
-            pad = size - n
-            catch = self.catch[q].static_batch(size, (*plan.batch.context_lens_cpu, *(q,) * pad))
-            steps = [rows.static_batch(size, (*step.batch.context_lens_cpu, *(1,) * pad))
+            pad, true = size - n, not hasattr(self.backend, "supports_cuda_graphs")
+            catch = self.catch[q].static_batch(size, (*plan.batch.context_lens_cpu, *(q,) * pad) if true else None)
+            steps = [rows.static_batch(size, (*step.batch.context_lens_cpu, *(1,) * pad) if true else None)
                      for rows, step in zip(self.further, plan.steps, strict=True)]
             tokens = self._chain(q, size, self.backend.prepare(catch), [self.backend.prepare(s) for s in steps])
         return tokens.view(self.k, size)[:, :n].reshape(-1)
