@@ -77,15 +77,21 @@ class _StaticRows:
 
     def load(self, batch: ForwardBatch, size: int) -> None:
         """Copy `batch` (n <= size sequences of q rows each) into the buffers; sequences n..size-1 become padding."""
-        n, q = batch.num_seqs, self.q
+        self.write(batch.input_ids, batch.positions, batch.kv_rows, batch.state_slots, batch.context_lens,
+                   batch.block_tables, size)
+
+    def write(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
+              state_slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
+        """`load` from device tensors of n <= size sequences (a `ForwardBatch`'s fields)."""
+        n, q = state_slots.shape[0], self.q
         used, total = n * q, size * q
-        width = batch.block_tables.shape[1]
-        self.input_ids[:used].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:used].copy_(batch.positions, non_blocking=True)
-        self.kv_rows[:used].copy_(batch.kv_rows, non_blocking=True)
-        self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
-        self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        width = block_tables.shape[1]
+        self.input_ids[:used].copy_(input_ids, non_blocking=True)
+        self.positions[:used].copy_(positions, non_blocking=True)
+        self.kv_rows[:used].copy_(kv_rows, non_blocking=True)
+        self.state_slots[:n].copy_(state_slots, non_blocking=True)
+        self.context_lens[:n].copy_(context_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
         if n < size:
             self.input_ids[used:total] = 0
             self.positions[used:total] = self.pad_positions[used:total]
@@ -107,6 +113,7 @@ class DraftGraphs:
         self.head, self.model, self.backend = head, model, backend
         self.kv = head_kv(model, pools)
         self.k = k = num_drafts
+        self.kernel_block_size = kernel_block_size
         self.sizes = sizes
         biggest = sizes[-1]
         max_context_len = max_model_len + 2 * k
@@ -140,9 +147,8 @@ class DraftGraphs:
     def run(self, plan: DraftPlan, hidden: torch.Tensor, size: int, *, replay: bool = True) -> torch.Tensor:
         """The proposed tokens of uniform `plan` (`run_draft_plan`'s order: by position, then sequence) from the
         target's hidden rows `hidden`, in bucket `size` (`bucket(plan)`): its inputs loaded into the static buffers,
-        then the graph replayed (`replay` and captured), else the same work run eagerly on the buffers: with the
-        capture's host lengths (the same kernel choices, so the same roundings as a replay), or the plan's true
-        ones on a backend that cannot capture (the reference backend loops over them on the host)."""
+        then the graph replayed (`replay` and captured), else the same work run eagerly on the buffers
+        (`_replay_or_run`)."""
         q, n = plan.tokens_per_seq, plan.batch.num_seqs
         self.catch[q].load(plan.batch, size)
         self.hidden[q][: n * q].copy_(hidden.index_select(0, plan.hidden_rows))
@@ -150,17 +156,68 @@ class DraftGraphs:
         self.first[q][n:size] = self.pad_first[q][n:size]
         for rows, step in zip(self.further, plan.steps, strict=True):
             rows.load(step.batch, size)
+        tokens = self._replay_or_run(q, size, replay, lambda: (
+            plan.batch.context_lens_cpu, [step.batch.context_lens_cpu for step in plan.steps]))
+        return tokens.view(self.k, size)[:, :n].reshape(-1)
+
+    @torch.inference_mode()
+    def run_after_verify(self, batch: ForwardBatch, logits: torch.Tensor, hidden: torch.Tensor,
+                         near_pages: torch.Tensor, size: int, *, replay: bool = True) -> torch.Tensor:
+        """The drafts after a uniform verify step whose rows are all greedy, planned on the device without the
+        host's verdicts: `batch` the step's n verify rows of k drafts, `logits` its rows (n last rows, then n * k
+        draft rows: `ModelRunner.execute`), `hidden` its final-norm hidden rows (token order), `near_pages`
+        [n, W] int64 the kernel pages of each row from the page of its first position on (the further drafts reach
+        past the step's block table), `size` the bucket of n. Each row accepts its drafts while they equal the
+        target's argmax (`speculative.judge`'s greedy rule), so the catch-up rows are fed the argmaxes (row j's
+        token at position start + j + 1: an accepted draft, then the final token, then placeholders), the
+        proposing row is the last accepted, and the further steps sit right after it. Returns int64 [n + k * n]:
+        each row's accepted count, then the drafts as `run` orders them (the caller checks the counts against its
+        verdicts)."""
+        k, q, n = self.k, 1 + self.k, batch.num_seqs
+        greedy = logits.argmax(dim=-1)
+        target = torch.cat([greedy[n:].view(n, k), greedy[:n, None]], dim=1)  # the argmax at each position
+        accepted = (batch.input_ids.view(n, q)[:, 1:] == target[:, :k]).cumprod(dim=1).sum(dim=1)
+        self.catch[q].write(target.reshape(-1), batch.positions, batch.kv_rows, batch.state_slots,
+                            batch.context_lens, batch.block_tables, size)
+        self.hidden[q][: n * q].copy_(hidden[: n * q])
+        self.first[q][:n] = self.pad_first[q][:n] - (q - 1) + accepted
+        self.first[q][n:size] = self.pad_first[q][n:size]
+        page_size = self.kernel_block_size
+        first_page = batch.positions.view(n, q)[:, 0] // page_size
+        last = batch.positions.view(n, q)[:, 0] + accepted  # each row's last accepted position
+        for step, rows in enumerate(self.further, start=1):
+            position = last + step
+            column = (position // page_size)[:, None]
+            page = near_pages.gather(1, column - first_page[:, None])
+            rows.write(torch.zeros_like(position), position, page.squeeze(1) * page_size + position % page_size,
+                       batch.state_slots, (position + 1).int(), batch.block_tables, size)
+            rows.block_tables[:n].scatter_(1, column, page.int())  # (the page past the step's table, if it is)
+
+        def host_lens() -> tuple[tuple[int, ...], list[tuple[int, ...]]]:  # (host-looping backends: a sync)
+            ends = (last + 1).tolist()
+            return batch.context_lens_cpu, [tuple(end + step for end in ends) for step in range(1, k)]
+
+        tokens = self._replay_or_run(q, size, replay, host_lens)
+        return torch.cat([accepted, tokens.view(k, size)[:, :n].reshape(-1)])
+
+    def _replay_or_run(self, q: int, size: int, replay: bool, host_lens) -> torch.Tensor:
+        """Replay graph (q, size) on the loaded buffers, or run its work eagerly there: with the capture's host
+        lengths (the same kernel choices, so the same roundings as a replay), or on a backend that cannot capture
+        (the reference backend loops over them on the host) with the true ones, `host_lens()`: the catch-up
+        batch's and each further step's, n sequences each."""
         key = (q, size)
         if replay and key in self.graphs:
             self.graphs[key].replay()
-            tokens = self.tokens[key]
-        else:
-            pad, true = size - n, not hasattr(self.backend, "supports_cuda_graphs")
-            catch = self.catch[q].static_batch(size, (*plan.batch.context_lens_cpu, *(q,) * pad) if true else None)
-            steps = [rows.static_batch(size, (*step.batch.context_lens_cpu, *(1,) * pad) if true else None)
-                     for rows, step in zip(self.further, plan.steps, strict=True)]
-            tokens = self._chain(q, size, self.backend.prepare(catch), [self.backend.prepare(s) for s in steps])
-        return tokens.view(self.k, size)[:, :n].reshape(-1)
+            return self.tokens[key]
+        catch_lens, step_lens = (None, [None] * len(self.further))
+        if not hasattr(self.backend, "supports_cuda_graphs"):
+            catch_lens, step_lens = host_lens()
+            pad = size - len(catch_lens)
+            catch_lens = (*catch_lens, *(q,) * pad)
+            step_lens = [(*lens, *(1,) * pad) for lens in step_lens]
+        catch = self.catch[q].static_batch(size, catch_lens)
+        steps = [rows.static_batch(size, lens) for rows, lens in zip(self.further, step_lens, strict=True)]
+        return self._chain(q, size, self.backend.prepare(catch), [self.backend.prepare(s) for s in steps])
 
     def capture(self, pool=None) -> None:
         """Capture one graph per width and bucket, largest bucket first (smaller ones reuse its memory pool;

@@ -372,6 +372,20 @@ class ModelRunner:
         return run_draft_plan(plan, head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
                               hidden=self.step_hidden, agree=agree)
 
+    def draft_after_verify(self, batch: ForwardBatch, logits: torch.Tensor,
+                           near_pages: torch.Tensor) -> torch.Tensor | None:
+        """Speculative decoding: queue the drafting after the uniform, all-greedy verify step `batch` that just
+        ran (`logits`: what `execute` returned) without waiting for the host's verdicts
+        (`DraftGraphs.run_after_verify`: each row's accepted count, then the drafts); None when there are no
+        drafting graphs (an eager runner) or the step is beyond them."""
+        graphs = self._draft_graphs
+        if graphs is None or 1 + self.num_speculative_tokens not in graphs.catch:
+            return None
+        size = graph_bucket(batch.num_seqs, graphs.sizes)
+        if size is None:
+            return None
+        return graphs.run_after_verify(batch, logits, self.step_hidden, near_pages, size, replay=self._replay)
+
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
         (a zero-prefill hit: the restored checkpoint's hidden state; no layer runs)."""

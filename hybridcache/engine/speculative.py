@@ -20,6 +20,9 @@ After the step (`MtpDrafter.propose`), the head runs once over every position th
 row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
 per step, feeding its own output hidden state back (the plan is built here, on the host, and run by the executor:
 `engine/mtp_draft.py`, on every rank under tensor parallelism). The drafts go to `Seq.drafts` for the next step.
+A uniform plan replays a drafting graph (`engine/draft_graphs.py`); after a verify step whose rows are all plain
+greedy, the engine queues that drafting on the device before judging (`greedy_verify`, `near_pages`, the runner's
+`draft_after_verify`), and `propose` only takes its drafts.
 """
 
 from __future__ import annotations
@@ -197,6 +200,12 @@ def assign_drafts(drafted: Sequence[int], proposers: Sequence[Sequence[Scheduled
     return out
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy, and the greedy token is the raw logits' argmax, with no logprobs asked (`judge`)."""
+    return (params.greedy and not params.logit_bias and not params.min_tokens and not params.penalized
+            and params.logprobs is None)
+
+
 class MtpDrafter:
     """Proposes drafts with the MTP head through the executor seam: `propose` builds the head's work after a step
     on the host (a `DraftPlan`, `engine/mtp_draft.py`) and `runner.draft(plan)` runs it on the device, on one
@@ -223,7 +232,29 @@ class MtpDrafter:
         left = min(seq.params.max_tokens - (seq.num_tokens - seq.prompt_len), self.max_model_len - seq.num_tokens)
         return max(0, min(self.k, left - 1))
 
-    def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq]) -> None:
+    def greedy_verify(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether a step's drafting can be planned on the device before its verdicts
+        (`runner.draft_after_verify`): every chunk a verify row of k drafts that samples, greedily with nothing
+        that changes the argmax or asks for more than it (logit bias, min_tokens, penalties, logprobs)."""
+        return bool(chunks) and all(
+            c.num_drafts == self.k and c.num_tokens == 1 + self.k and c.samples and _plain_greedy(c.seq.params)
+            for c in chunks)
+
+    def near_pages(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """[n, W] int64 on the runner's device: each chunk's kernel pages from the page of its first position on,
+        as far as its drafts after the step reach (start + 2k; 0 past its blocks), for `draft_after_verify`."""
+        per_block = self.block_size // self.kernel_block_size
+        width = (2 * self.k - 1) // self.kernel_block_size + 2
+        rows = []
+        for chunk in chunks:
+            first = chunk.start // self.kernel_block_size
+            pages = [chunk.block_ids[p // per_block] * per_block + p % per_block
+                     for p in range(first, first + width) if p // per_block < len(chunk.block_ids)]
+            rows.append(pages + [0] * (width - len(pages)))
+        return to_device(rows, self.runner.input_device, torch.int64)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq],
+                predrafted: torch.Tensor | None = None) -> None:
         """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
         accepted): run the head over every position the step computed for sequences still running (its KV
         there), then set `seq.drafts` of each sequence in `drafting` (running, sampled in this step) to the
@@ -233,10 +264,16 @@ class MtpDrafter:
         The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
         positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
         lookahead). It is queued before the next step is planned, so a block `accept` has just put into
-        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it."""
+        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it.
+
+        `predrafted`: the step's drafting, already queued on the device before its verdicts
+        (`runner.draft_after_verify`, the chunks' accepted counts then their drafts): its drafts are taken when
+        its counts equal the verdicts' (they do: the same argmax of the same logits), else the head runs again."""
         for seq in drafting:
             seq.drafts = []
         wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
+        if predrafted is not None and self._take_predrafted(chunks, drafting, wanted, predrafted.tolist()):
+            return
         planned = self.plan(chunks, wanted)
         if planned is None:
             return
@@ -245,6 +282,19 @@ class MtpDrafter:
         assigned = assign_drafts(drafted, proposers, wanted)
         for seq in drafting:
             seq.drafts = assigned.get(seq.seq_id, [])
+
+    def _take_predrafted(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq], wanted: dict[int, int],
+                         values: list[int]) -> bool:
+        """Set the drafts of `drafting` from `draft_after_verify`'s `values`; False (nothing set) when a count
+        disagrees with the sequence's settled tokens (`num_computed` = start + 1 + accepted)."""
+        n, drafted = len(chunks), set(drafting)
+        counts, tokens = values[:n], values[n:]
+        if any(c.seq.num_computed != c.start + 1 + counts[i] for i, c in enumerate(chunks) if c.seq in drafted):
+            return False
+        for i, chunk in enumerate(chunks):
+            if chunk.seq in drafted:
+                chunk.seq.drafts = [tokens[j * n + i] for j in range(wanted[chunk.seq.seq_id])]
+        return True
 
     def plan(self, chunks: Sequence[ScheduledChunk],
              wanted: dict[int, int]) -> tuple[DraftPlan, list[list[ScheduledChunk]]] | None:

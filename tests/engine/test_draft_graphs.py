@@ -23,7 +23,7 @@ from hybridcache.engine.speculative import assign_drafts
 from hybridcache.sampling import SamplingParams
 
 from .model_folders import write_tiny_model
-from .spec_helpers import spec
+from .spec_helpers import oracle, spec
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -118,3 +118,68 @@ def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
     assert any(replay for *_, replay in replays) and any(not replay for *_, replay in replays)
     assert runs[0] == runs[1] and proposed[0] == proposed[1]
     llm.engine.check_integrity()
+
+
+def _cpu_graphs(engine, k: int) -> DraftGraphs:
+    """Drafting graphs on the CPU runner (nothing captured: `run` works on the static buffers), the padding on a
+    block no one holds now."""
+    runner = engine.runner
+    free = engine.scheduler.cache._life.blocks.free_ids()[-1]
+    return DraftGraphs(head=runner.mtp_head, model=runner.model, pools=runner.pools, backend=runner.backend,
+                       num_drafts=k, sizes=(1, 2, 4, 8), max_model_len=engine.max_model_len, scratch_slot=0,
+                       scratch_page=free * runner.pages_per_block, kernel_block_size=8,
+                       hidden_size=runner.model.config.hidden_size, dtype=torch.float32, device=runner.device)
+
+
+def _run(engine, reference: dict | None = None) -> tuple[dict, list]:
+    """Every request to its end (integrity checked after each step); (outputs, the head's drafts at each step).
+    With `reference` (outputs), the drafts fed are the oracle's (`spec_helpers.oracle`): partly right, so verify
+    rows accept every count."""
+    drafts, propose, outputs = [], engine.drafter.propose, {}
+
+    def recorded(chunks, drafting, *args):
+        propose(chunks, drafting, *args)
+        drafts.append({seq.seq_id: list(seq.drafts) for seq in drafting})
+
+    engine.drafter.propose = recorded
+    if reference is not None:
+        oracle(engine, {rid: [tokens] for rid, tokens in reference.items()}, seed=3)
+    _requests(engine, 4)
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        engine.check_integrity()
+    return outputs, drafts
+
+
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_drafting_before_the_verdicts_equals_drafting_after_them(tmp_path, k):
+    """A uniform greedy verify step's drafting queued before its verdicts (`draft_after_verify`, from the target's
+    argmaxes and the device's accepted counts; here the drafting graphs' work on the CPU) proposes, at every
+    step, the drafts the head proposes after the verdicts (`draft`); the outputs are unchanged. Oracle drafts
+    are fed, so rows accept 0..k of them."""
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    config = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6}
+    reference, _ = _run(LLMEngine(folder, EngineConfig(**config, speculative_config=spec(k))))  # (== MTP off)
+    after = _run(LLMEngine(folder, EngineConfig(**config, speculative_config=spec(k))), reference)
+    engine = LLMEngine(folder, EngineConfig(**config, speculative_config=spec(k)))
+    runner, used = engine.runner, []
+
+    def draft_after_verify(batch, logits, near_pages):
+        graphs = _cpu_graphs(engine, k)
+        used.append(batch.num_seqs)
+        return graphs.run_after_verify(batch, logits, runner.step_hidden, near_pages,
+                                       next(s for s in graphs.sizes if s >= batch.num_seqs), replay=False)
+
+    runner.draft_after_verify = draft_after_verify
+    plan, propose, rerun = engine.drafter.plan, engine.drafter.propose, []
+
+    def propose_checked(chunks, drafting, predrafted=None):
+        engine.drafter.plan = (lambda *a: rerun.append(len(chunks)) or plan(*a)) if predrafted is not None else plan
+        propose(chunks, drafting, predrafted)
+
+    engine.drafter.propose = propose_checked
+    before = _run(engine, reference)
+    print(f"k={k}: {len(used)} steps drafted before their verdicts, of {len(before[1])} that drafted")
+    assert used and not rerun  # (the device's accepted counts always equal the verdicts')
+    assert before == after and before[0] == reference
+    assert engine.drafter.stats.accepted_per_position[-1] > 0, engine.drafter.stats  # every count accepted
