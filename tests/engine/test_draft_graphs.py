@@ -83,8 +83,9 @@ def test_uniform_drafting_on_static_buffers_equals_the_eager_plans(tmp_path, mod
 
 @needs_cuda
 def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
-    """bf16, CUDA graphs: uniform plans replay the drafting graphs; the same static batches run eagerly
-    (`without_replay`) give the same greedy tokens and the same drafts."""
+    """bf16, CUDA graphs: uniform plans and the drafting queued before a greedy verify step's verdicts replay the
+    drafting graphs; the same static batches run eagerly (`without_replay`) give the same greedy tokens and the
+    same drafts."""
     from hybridcache import LLM
 
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
@@ -94,17 +95,21 @@ def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
     graphs = runner._draft_graphs
     assert graphs is not None and set(graphs.graphs) == {(q, s) for q in (1, 3) for s in (1, 2, 4, 8)}
     replays, drafts = [], []
-    run, propose = graphs.run, llm.engine.drafter.propose
+    run, after, propose = graphs.run, graphs.run_after_verify, llm.engine.drafter.propose
 
     def counted(plan, hidden, size, *, replay=True):
         replays.append((plan.tokens_per_seq, size, replay))
         return run(plan, hidden, size, replay=replay)
 
-    def recorded(chunks, drafting):
-        propose(chunks, drafting)
-        drafts.append({seq.seq_id: list(seq.drafts) for seq in drafting})
+    def counted_after(batch, logits, hidden, near_pages, size, *, replay=True):
+        replays.append(("before verdicts", size, replay))
+        return after(batch, logits, hidden, near_pages, size, replay=replay)
 
-    graphs.run, llm.engine.drafter.propose = counted, recorded
+    def recorded(chunks, drafting, *args):  # (keyed by the tokens: the second run's sequences have new ids)
+        propose(chunks, drafting, *args)
+        drafts.append(sorted((tuple(seq.token_ids), tuple(seq.drafts)) for seq in drafting))
+
+    graphs.run, graphs.run_after_verify, llm.engine.drafter.propose = counted, counted_after, recorded
     prompts = torch.randint(0, 256, (8, 40), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs, proposed = [], []
@@ -116,6 +121,7 @@ def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
             proposed.append(list(drafts))
     print(f"drafting graphs: {Counter((q, s) for q, s, replay in replays if replay)} replays (q, bucket)")
     assert any(replay for *_, replay in replays) and any(not replay for *_, replay in replays)
+    assert any(q == "before verdicts" for q, *_ in replays)
     assert runs[0] == runs[1] and proposed[0] == proposed[1]
     llm.engine.check_integrity()
 
