@@ -189,3 +189,31 @@ def test_drafting_before_the_verdicts_equals_drafting_after_them(tmp_path, k):
     assert used and not rerun  # (the device's accepted counts always equal the verdicts')
     assert before == after and before[0] == reference
     assert engine.drafter.stats.accepted_per_position[-1] > 0, engine.drafter.stats  # every count accepted
+
+
+def test_the_runner_routes_uniform_drafting_through_its_drafting_graphs(tmp_path):
+    """A CPU runner given drafting graphs (nothing captured: their work runs on the static buffers) routes uniform
+    plans (`draft`) and greedy verify steps (`draft_after_verify`) through them, the rest eagerly; the drafts at
+    every step and the outputs equal those of the runner without them."""
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    config = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6,
+              "num_blocks": 400}
+    reference = _run(LLMEngine(folder, EngineConfig(**config, speculative_config=spec(2))))
+    engine = LLMEngine(folder, EngineConfig(**config, speculative_config=spec(2)))
+    blocks = engine.scheduler.cache._life.blocks
+    graphs = engine.runner._draft_graphs = _cpu_graphs(engine, 2)  # the padding's block: the last free one
+    scratch = graphs.catch[1].scratch_page // engine.runner.pages_per_block
+    calls = Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            assert blocks.ref_counts[scratch] == 0  # (the padding's block stays free: the test holds)
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in ("run", "run_after_verify"):
+        setattr(graphs, name, counting(name, getattr(graphs, name)))
+    assert _run(engine) == reference
+    print(f"drafting graph calls: {dict(calls)}")
+    assert calls["run"] and calls["run_after_verify"]
