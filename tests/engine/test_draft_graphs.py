@@ -113,17 +113,21 @@ def test_cuda_drafting_graphs_replay_equals_eager(tmp_path_factory):
     prompts = torch.randint(0, 256, (8, 40), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     runs, proposed = [], []
-    for mode in (contextlib.nullcontext, runner.without_replay):
-        with mode():
-            llm.engine.clear_cache()
-            drafts.clear()
-            runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-            proposed.append(list(drafts))
+    try:
+        for mode in (contextlib.nullcontext, runner.without_replay):
+            with mode():
+                llm.engine.clear_cache()
+                drafts.clear()
+                runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+                proposed.append(list(drafts))
+        llm.engine.check_integrity()
+    finally:  # the wrappers hold the engine in reference cycles: its device memory would outlive the test
+        del graphs.run, graphs.run_after_verify, llm.engine.drafter.propose
+        llm.engine.close()
     print(f"drafting graphs: {Counter((q, s) for q, s, replay in replays if replay)} replays (q, bucket)")
     assert any(replay for *_, replay in replays) and any(not replay for *_, replay in replays)
     assert any(q == "before verdicts" for q, *_ in replays)
     assert runs[0] == runs[1] and proposed[0] == proposed[1]
-    llm.engine.check_integrity()
 
 
 def _cpu_graphs(engine, k: int) -> DraftGraphs:
