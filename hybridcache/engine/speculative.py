@@ -227,10 +227,11 @@ class MtpDrafter:
         return [self.runner.draft_slots(c.slot, c.num_drafts) for c in chunks]
 
     def budget(self, seq: Seq) -> int:
-        """How many drafts `seq` may feed next: k, fewer near max_tokens or max_model_len (a verify row of n
-        drafts emits up to n + 1 tokens)."""
-        left = min(seq.params.max_tokens - (seq.num_tokens - seq.prompt_len), self.max_model_len - seq.num_tokens)
-        return max(0, min(self.k, left - 1))
+        """How many drafts `seq` may feed next: k, fewer only near max_model_len (a verify row of n drafts writes
+        n + 1 positions, which must stay within the sequence's blocks). Not cut near max_tokens: the engine stops
+        emitting at max_tokens (`OutputProcessor`), so a row's extra drafts only cost their positions, and every
+        row of a step keeps k drafts: the step stays uniform, graphed (verify and drafting)."""
+        return max(0, min(self.k, self.max_model_len - seq.num_tokens - 1))
 
     def greedy_verify(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether a step's drafting can be planned on the device before its verdicts

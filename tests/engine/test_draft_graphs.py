@@ -28,10 +28,13 @@ from .spec_helpers import oracle, spec
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _requests(engine, count: int) -> None:
+def _requests(engine, count: int, sampled: int = 0) -> None:
+    """`count` requests, greedy but for the first `sampled` (temperature 0.8, seeded); the first ends first."""
     for i in range(count):
         prompt = [(11 * i + 5 * j) % 256 for j in range(150 + 9 * i)]
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=12 + 7 * i, ignore_eos=True))
+        temperature = 0.8 if i < sampled else 0.0
+        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=12 + 7 * i,
+                                                           ignore_eos=True))
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next"])
@@ -141,10 +144,10 @@ def _cpu_graphs(engine, k: int) -> DraftGraphs:
                        hidden_size=runner.model.config.hidden_size, dtype=torch.float32, device=runner.device)
 
 
-def _run(engine, reference: dict | None = None) -> tuple[dict, list]:
+def _run(engine, reference: dict | None = None, sampled: int = 0) -> tuple[dict, list]:
     """Every request to its end (integrity checked after each step); (outputs, the head's drafts at each step).
     With `reference` (outputs), the drafts fed are the oracle's (`spec_helpers.oracle`): partly right, so verify
-    rows accept every count."""
+    rows accept every count. `sampled`: see `_requests`."""
     drafts, propose, outputs = [], engine.drafter.propose, {}
 
     def recorded(chunks, drafting, *args):
@@ -154,7 +157,7 @@ def _run(engine, reference: dict | None = None) -> tuple[dict, list]:
     engine.drafter.propose = recorded
     if reference is not None:
         oracle(engine, {rid: [tokens] for rid, tokens in reference.items()}, seed=3)
-    _requests(engine, 4)
+    _requests(engine, 4, sampled)
     while engine.has_unfinished_requests():
         outputs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
         engine.check_integrity()
@@ -197,12 +200,13 @@ def test_drafting_before_the_verdicts_equals_drafting_after_them(tmp_path, k):
 
 def test_the_runner_routes_uniform_drafting_through_its_drafting_graphs(tmp_path):
     """A CPU runner given drafting graphs (nothing captured: their work runs on the static buffers) routes uniform
-    plans (`draft`) and greedy verify steps (`draft_after_verify`) through them, the rest eagerly; the drafts at
-    every step and the outputs equal those of the runner without them."""
+    plans (`draft`: while a sampled request runs, the steps are not all greedy) and greedy verify steps
+    (`draft_after_verify`: after it ends) through them, the rest eagerly; the drafts at every step and the outputs
+    equal those of the runner without them."""
     folder = write_tiny_model(tmp_path, "qwen3_next")
     config = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6,
               "num_blocks": 400}
-    reference = _run(LLMEngine(folder, EngineConfig(**config, speculative_config=spec(2))))
+    reference = _run(LLMEngine(folder, EngineConfig(**config, speculative_config=spec(2))), sampled=1)
     engine = LLMEngine(folder, EngineConfig(**config, speculative_config=spec(2)))
     blocks = engine.scheduler.cache._life.blocks
     graphs = engine.runner._draft_graphs = _cpu_graphs(engine, 2)  # the padding's block: the last free one
@@ -218,6 +222,6 @@ def test_the_runner_routes_uniform_drafting_through_its_drafting_graphs(tmp_path
 
     for name in ("run", "run_after_verify"):
         setattr(graphs, name, counting(name, getattr(graphs, name)))
-    assert _run(engine) == reference
+    assert _run(engine, sampled=1) == reference
     print(f"drafting graph calls: {dict(calls)}")
     assert calls["run"] and calls["run_after_verify"]
