@@ -152,6 +152,20 @@ def print_operators(prof, steps: int = 1) -> dict[str, dict[str, float]]:
     return per_step
 
 
+def dense_choices() -> list[dict]:
+    """The engine's measured dense GEMM choices (`kernels/gemm/dense.py`), printed and returned for the JSON."""
+    from hybridcache.kernels.gemm import dense
+
+    found = []
+    print("| dense linear N x K | rows | chosen | device us per GEMM (CUDA-graph replays) |\n| --- | --- | --- | --- |")
+    for (_, _, n, k, _, rows), choice in sorted(dense.choices().items(), key=lambda item: item[0][2:]):
+        times = dict(choice.times_us)
+        chosen = "cublas" if choice.config is None else choice.config.describe()
+        print(f"| {n} x {k} | {rows} | {chosen} | " + ", ".join(f"{key} {t:.1f}" for key, t in times.items()) + " |")
+        found.append({"n": n, "k": k, "rows": rows, "chosen": chosen, "times_us": times})
+    return found
+
+
 PROFILED_STEPS = 5  # decode steps under torch.profiler
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -273,6 +287,7 @@ def main() -> None:
         while engine.has_unfinished_requests():
             engine.step()
         result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
+        result["dense_choices"] = dense_choices()
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))

@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import importlib.util
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from hybridcache.kernels.conv import reference as conv_ref
 from hybridcache.kernels.encoder_attention import default_encoder_attention
 from hybridcache.kernels.encoder_attention.base import EncoderAttention
 from hybridcache.kernels.gated_delta import reference as delta_ref
+from hybridcache.kernels.gemm import dense as dense_gemm
 from hybridcache.kernels.gemm.base import GemmBackend
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
@@ -196,13 +197,16 @@ class KernelBackend(Protocol):
         ...
 
     def moe(
-        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
         x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
+        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
+                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds)
         """
         ...
 
@@ -359,9 +363,10 @@ class ReferenceBackend:
         return out
 
     def moe(
-        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return moe_ref.routed_experts(
+        routed = moe_ref.routed_experts(
             x,
             top_weights,
             top_ids,
@@ -369,6 +374,7 @@ class ReferenceBackend:
             _DenseWeights([e.up_proj for e in experts], x.dtype),
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
+        return routed if shared is None else activation_ref.sigmoid_gate_add(routed, *shared)
 
     def gated_delta(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -448,6 +454,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     weight [N, K] float8_e4m3fn, scale in `fmt`'s shape, by the GEMM backend registered as `gemm`
     (`kernels.registry.GEMM`; None: "triton" on CUDA, "reference" elsewhere)."""
     return gemm_backend(gemm, x.device.type).linear(x, weight, scale, fmt, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The GEMM of a dense (unquantised) linear layer: x [..., K] -> x W^T (+ bias) [..., N], as `F.linear`; on
+    CUDA in bf16 / fp16 at up to 64 rows, cuBLAS or the skinny Triton GEMM, whichever was measured faster for the
+    shape (`kernels/gemm/dense.py`)."""
+    return dense_gemm.linear(x, weight, bias)
+
+
+def dense_swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`dense_linear(silu_mul(gate, up), weight, bias)` (an MLP's down projection; `silu_mul`: the backend's op),
+    one launch where the skinny GEMM runs (`kernels/gemm/dense.py::swiglu_linear`)."""
+    return dense_gemm.swiglu_linear(gate, up, weight, bias, silu_mul)
 
 
 @functools.cache

@@ -11,7 +11,8 @@
 |                  | each draft position into its draft row, the final state into the slot); with prefill chunks: the |
 |                  | same kernel writes only the draft states, then fla runs every sequence. Conv: the draft conv      |
 |                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
-| moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`)              |
+| moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`); the combine |
+|                  | of the routed rows adds the shared expert's sigmoid(gate) * shared in the same launch           |
 | rms_norm, gated_rms_norm, add_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`) |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
@@ -231,9 +232,11 @@ class CudaBackend:
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
 
     def moe(
-        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module]
+        self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module."""
+        """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module. bf16 /
+        fp32 experts add `shared` in the combine's launch; FP8 experts with one launch more."""
         stacked = self._experts.get(experts)
         if stacked is None:
             if hasattr(experts[0].gate_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
@@ -245,8 +248,9 @@ class CudaBackend:
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
                     compile_tiles(x, stacked, top_ids.shape[1])
         if isinstance(stacked, Fp8ExpertWeights):
-            return fp8_grouped_experts(x, top_weights, top_ids, stacked)
-        return grouped_experts(x, top_weights, top_ids, stacked)
+            routed = fp8_grouped_experts(x, top_weights, top_ids, stacked)
+            return routed if shared is None else triton_activation.sigmoid_gate_add(routed, *shared)
+        return grouped_experts(x, top_weights, top_ids, stacked, shared)
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(triton_gates.delta_gates)

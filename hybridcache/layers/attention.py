@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -98,7 +99,7 @@ class GatedAttention(nn.Module):
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         attn = step.backend.sigmoid_mul(attn, gate).view(num_tokens, -1)
         if self.tp.size == 1 or self.o_proj.bias is None:
-            return self.tp.all_reduce(self.o_proj(attn))
+            return self.tp.all_reduce(module_linear(self.o_proj, attn))
         bias = self.o_proj.bias  # added once, after the partial sums
         out = F.linear(attn, self.o_proj.weight) if type(self.o_proj) is nn.Linear else self.o_proj.matmul(attn)
         return self.tp.all_reduce(out) + bias

@@ -23,9 +23,9 @@ multiple of bn; channel format: always). A mix of formats, or unaligned blocks, 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.linear import Fp8Linear
 
 
@@ -48,14 +48,19 @@ class FusedProjection:
         self._fused = True
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._checked is not self.linears:  # the linears are replaced when a model is quantised
-            self._fused, self._checked = self._fusable(), self.linears
-        if not self._fused:
+        if not self.fused():
             return tuple(linear(x) for linear in self.linears)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
-        out = F.linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
+        out = kernel_backend.dense_linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
         return out.split(self.sizes, dim=-1)
+
+    def fused(self) -> bool:
+        """Whether a call runs one GEMM (plain linears, or FP8 ones that `_fusable` accepts), else one per
+        projection; decided again when the linears were replaced (a model quantised after construction)."""
+        if self._checked is not self.linears:
+            self._fused, self._checked = self._fusable(), self.linears
+        return self._fused
 
     def _fusable(self) -> bool:
         """Plain linears, or FP8 linears of one format whose scale blocks do not straddle two projections."""

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import module_linear
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -116,7 +117,7 @@ class _GatedDeltaNetBase(nn.Module):
         mixed_qkv, z, b, a = self._project(hidden)
         core = step.core(functools.partial(self._recur, state), mixed_qkv, a, b)
         core = self.norm(core, z, step.backend)
-        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
+        return self.tp.all_reduce(module_linear(self.out_proj, core.reshape(hidden.shape[0], self.value_dim)))
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed_qkv: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import nn
 
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
+from hybridcache.kernels.backend import KernelBackend
 
 
 class Fp8Linear(nn.Module):
@@ -72,3 +73,19 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.describe()}"
 
+
+def module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)`; a plain `nn.Linear` through the backend's dense GEMM (`kernels.backend.dense_linear`: cuBLAS or
+    a skinny Triton GEMM for a decode step's few rows, as measured per shape)."""
+    if type(module) is nn.Linear:
+        return kernel_backend.dense_linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def module_swiglu_linear(module: nn.Module, gate: torch.Tensor, up: torch.Tensor, backend: KernelBackend
+                         ) -> torch.Tensor:
+    """`module(backend.silu_mul(gate, up))`; a plain `nn.Linear` through `kernels.backend.dense_swiglu_linear`
+    (one launch for both where the skinny GEMM runs)."""
+    if type(module) is nn.Linear:
+        return kernel_backend.dense_swiglu_linear(gate, up, module.weight, module.bias, backend.silu_mul)
+    return module(backend.silu_mul(gate, up))

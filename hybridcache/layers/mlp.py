@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import module_swiglu_linear
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
 
@@ -44,8 +45,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Dense: only `step.backend` is read (its fused `silu_mul`)."""
-        gate, up = self.gate_up(x)
-        out = self.down_proj(step.backend.silu_mul(gate, up))
+        return self.down(*self.gate_up(x), step)
+
+    def down(self, gate: torch.Tensor, up: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The block from its gate and up projections' outputs [N, I] on: down(silu(gate) * up), all-reduced when
+        `reduce`."""
+        out = module_swiglu_linear(self.down_proj, gate, up, step.backend)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def shards(self) -> dict[str, Shard]:
@@ -61,7 +66,8 @@ class SparseMoeBlock(nn.Module):
 
     Routing (transformers' Qwen3-Next / Qwen3.5-MoE): probs = softmax(gate(x)) in fp32, keep the top-k,
     renormalise them to sum 1 when `norm_topk_prob`; out = sum_k w_k expert_k(x)
-    + sigmoid(shared_expert_gate(x)) * shared_expert(x).
+    + sigmoid(shared_expert_gate(x)) * shared_expert(x). The four projections of x (the shared expert's gate and
+    up, the router, the shared expert's gate) run as one GEMM where they fuse (`inputs`).
     """
 
     def __init__(
@@ -86,9 +92,18 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, tp, reduce=False)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.gates = FusedProjection(self.gate, self.shared_expert_gate)
+        # every projection of x in one GEMM (the small ones cost a launch each whatever their size): the shared
+        # expert's gate | up, the router, the shared expert's gate; when these cannot fuse (an FP8 shared expert
+        # beside a bf16 router, scale blocks that straddle), `gates` and the shared expert's own gate | up
+        self.inputs = FusedProjection(self.shared_expert.gate_proj, self.shared_expert.up_proj, self.gate,
+                                      self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        router_logits, shared_gate = self.gates(x)
+        if self.inputs.fused():
+            gate, up, router_logits, shared_gate = self.inputs(x)
+        else:
+            router_logits, shared_gate = self.gates(x)
+            gate, up = self.shared_expert.gate_up(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
-        out = step.backend.moe(x, top_weights, top_ids, self.experts)
-        return self.tp.all_reduce(step.backend.sigmoid_gate_add(out, shared_gate, self.shared_expert(x, step)))
+        shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine
+        return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))

@@ -33,6 +33,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
+from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
@@ -182,7 +183,7 @@ class HybridCausalLM(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the whole vocabulary (the ranks' slices gathered, padding columns cut off)."""
-        logits = self.tp.all_gather_last(self.lm_head(hidden).float())  # [.., size x ceil(vocab / size)]
+        logits = self.tp.all_gather_last(module_linear(self.lm_head, hidden).float())  # [.., size x ceil(vocab / size)]
         vocab = self.config.vocab_size
         return logits if logits.shape[-1] == vocab else logits[..., :vocab]
 

@@ -123,18 +123,20 @@ def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor
 
 
 def grouped_experts(
-    x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights
+    x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
-    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t])."""
+    out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), plus sigmoid(gate[t]) * shared[t] in the
+    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`)."""
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
     if block_m is None:
         ends = counts.cumsum(0, dtype=torch.int32)
-        return combine(expert_rows_grouped(x, order, ends, top_k, experts), top_weights, pair_rows(order))
-    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights)
+        return combine(expert_rows_grouped(x, order, ends, top_k, experts), top_weights, pair_rows(order), shared)
+    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights, shared=shared)
 
 
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
@@ -142,7 +144,7 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
     the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
     each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
-    pick, and the combine of its output."""
+    pick, and the combine of its output (alone and with the shared expert's gated add)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for block_n in block_sizes():
@@ -153,6 +155,7 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
     for block_m in (16, 32, 64):
         combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
+    combine(token.repeat(top_k, 1), weights, shared=(token[:, :1], token))  # with the shared expert's gated add
 
 
 def pair_rows(order: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,58 @@
+"""The skinny dense GEMM (test_skinny_gemm.py checks its numbers) compiles for the H200 (sm90) without a GPU, in
+the variants the dense choice tries for a bf16 model: 16 to 64 rows, 64 or 128 weight rows per tile, unsplit or
+split-K. Compiled as the JIT specialises a launch on a model's tensors (pointers and strides multiples of 16), the
+K loop streams both tiles through shared memory with 16-byte asynchronous copies (`cp.async`, pipelined: the
+shared memory holds every stage) into wgmma; the split variant keeps its counter atomics and the unsplit one has
+none; the run-time sizes are not specialised (one compile per tile for every batch and shape)."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.compiler import ASTSource  # noqa: E402
+
+from hybridcache.kernels.gemm.triton_skinny import _skinny_gemm_kernel  # noqa: E402
+from tests.kernels.hopper import HOPPER  # noqa: E402
+
+POINTERS = {"x_ptr": "*bf16", "up_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+            "ws_ptr": "*fp32", "count_ptr": "*i32"}
+
+
+def compile_aligned(constants: dict, num_stages: int):
+    """The kernel for sm90 with every pointer and stride known to be a multiple of 16 (the JIT's specialisation
+    for contiguous bf16 tensors with K % 8 == 0), other integers i32."""
+    kernel = _skinny_gemm_kernel
+    signature = {p.name: POINTERS.get(p.name) or ("constexpr" if p.name in constants else "i32")
+                 for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if p.name.endswith("_ptr") or p.name.startswith("stride")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": num_stages})
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+@pytest.mark.parametrize(("block_m", "block_n", "stages"), [(16, 64, 4), (64, 64, 4), (32, 128, 3)])
+def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int, split: bool) -> None:
+    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=128, PRECISION="tf32")
+    compiled = compile_aligned(constants, stages)
+    ptx = compiled.asm["ptx"]
+    assert ("atom.global" in ptx) == split  # the split-K counter, only when split
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx  # swap-AB: the weight tile on the M side
+    assert "cp.async.cg.shared.global" in ptx and "ld.global.b16" not in ptx  # 16-byte copies, no scalar loads
+    assert compiled.metadata.shared >= stages * 2 * 128 * (block_m + block_n)  # every stage of both tiles
+
+
+def test_skinny_gemm_swiglu_compiles_for_hopper() -> None:
+    """The down projection's variant: silu(gate) * up in the loads (the sigmoid's exponential), still on wgmma."""
+    constants = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, SWIGLU=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+                     PRECISION="tf32")
+    ptx = compile_aligned(constants, 4).asm["ptx"]
+    assert "ex2" in ptx and "wgmma.mma_async" in ptx and "ld.global.b16" not in ptx
+
+
+def test_skinny_gemm_does_not_specialise_run_time_sizes() -> None:
+    sizes = {p.name for p in _skinny_gemm_kernel.params if p.do_not_specialize}
+    assert sizes == {"M", "N", "K", "slice_steps"}
