@@ -316,6 +316,9 @@ def main() -> None:
                         help="fp8_profile.py's parts (decode,batch,small) on each run's engine, before its phases")
     parser.add_argument("--decode-kernels-from", default=None,
                         help="a fp8_sweep.py JSON: use its fastest decode kernels (choose_decode_kernels)")
+    parser.add_argument("--dense-fp8", default="library", choices=("library", "triton"),
+                        help="triton: the dense FP8 linears on the Triton W8A8 kernel at every size instead of "
+                             "cuBLAS's block-scaled GEMM (an A/B of cuBLAS's cost)")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -351,6 +354,11 @@ def main() -> None:
                    gpu_memory_utilization=args.gpu_memory_utilization)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result: dict = {"device": device_name, "date": time.strftime("%Y-%m-%d"), "options": options, "runs": []}
+    if args.dense_fp8 == "triton":
+        from hybridcache.kernels.gemm import triton_block_fp8
+
+        triton_block_fp8.CUBLAS_ROWS_FROM = sys.maxsize
+        result["dense_fp8"] = "triton"
     if args.decode_kernels_from and Path(args.decode_kernels_from).is_file():
         result["decode_kernels"] = choose_decode_kernels(args.decode_kernels_from)
     elif args.decode_kernels_from:

@@ -13,9 +13,11 @@ on its engines before their phases):
   (p50), then 5 steps under torch.profiler;
 - batch: one step of 16 fresh 1,024-token prompts (16,384 tokens: phase D's 64 prompts take four such steps),
   timed twice after a warm-up, then once profiled;
-- small: a 2,000-token prefix cached, then the prefix + 300, 600 and 1,000 new tokens (phase A's requests, one
-  output token), each timed three times (p50) and once profiled; the 600 one also under cProfile (the host's
-  Python by function: the FP8 linears, the experts, Triton's launcher; the table in DIR/host_RUN.txt).
+- small: a 2,000-token prefix cached, then the prefix + about 300, 600 and 1,000 new tokens (phase A's requests,
+  one output token), each size timed three times (p50) and once profiled, every request a new token count as in
+  phase A (n + 1, n + 2, ...), then one more at the last count (`repeat_ms`: a cost paid once per GEMM shape
+  shows as the difference); the 600 one also under cProfile (the host's Python by function: the FP8 linears,
+  cuBLAS's `_scaled_mm_v2`, the experts, Triton's launcher; the table in DIR/host_RUN.txt).
 
 Device time is grouped as docs/bench.md's decode table (`step_profile.GROUPS`: routed-expert GEMMs, other
 GEMMs, the DeltaNet step kernel, attention, everything else) plus "FP8 activation quantisation" (the
@@ -54,7 +56,8 @@ SMALL_PREFIX, SMALL_SIZES, HOST_PROFILED = 2000, (300, 600, 1000), 600
 # the host functions whose cumulative time `host_functions` reports: (function name, file fragment)
 HOST_FUNCTIONS = (("fp8_linear", "backend.py"), ("linear", "torch._C._nn"), ("fp8_grouped_experts", ""),
                   ("grouped_experts", "grouped.py"), ("quantize_groups", ""), ("block_fp8_linear", ""),
-                  ("scaled_mm", "functional.py"), ("fp8_expert_gemm", ""), ("run", "triton/runtime/jit.py"),
+                  ("scaled_mm", "functional.py"), ("_scaled_mm_v2", "torch"), ("_grouped_mm", "torch"),
+                  ("fp8_expert_gemm", ""), ("run", "triton/runtime/jit.py"),
                   ("execute", "runner.py"), ("step", "engine.py"))
 
 
@@ -189,25 +192,31 @@ def profile_small_prefills(llm: LLM, rng: random.Random, host_path: Path | None 
     cuda = llm.engine.device.type == "cuda"
     out: dict = {"prefix": SMALL_PREFIX}
     for size in SMALL_SIZES:
-        timed = [generate_ms(llm, [prefix + gpu_bench.letters(rng, size)]) for _ in range(3)]
-        prompt = prefix + gpu_bench.letters(rng, size)
+        # every request a new token count, as phase A's (a cost paid once per new GEMM shape shows in each), then
+        # one more at the last count: `repeat_ms`
+        timed = [generate_ms(llm, [prefix + gpu_bench.letters(rng, size + i)]) for i in (1, 2, 3)]
+        prompt = prefix + gpu_bench.letters(rng, size + 4)
         wall, prof = _profiled(lambda prompt=prompt: generate_ms(llm, [prompt]), cuda)
         entry = out[str(size)] = {"timed_ms": timed, "p50_ms": statistics.median(timed), "profiled_ms": wall,
                                   **kernel_groups(prof)}
-        print_groups(f"prefix {SMALL_PREFIX} + {size} (p50 {entry['p50_ms']:.1f} ms)", wall, entry)
         if size == HOST_PROFILED:
             host = cProfile.Profile()
-            prompt = prefix + gpu_bench.letters(rng, size)
+            prompt = prefix + gpu_bench.letters(rng, size + 5)
             host.enable()
             entry["cprofiled_ms"] = generate_ms(llm, [prompt])
             host.disable()
             entry["host"] = host_functions(host)
-            print(f"  host (cProfile, {entry['cprofiled_ms']:.1f} ms): {json.dumps(entry['host'])}", flush=True)
             if host_path is not None:
                 text = io.StringIO()
                 for order in ("tottime", "cumulative"):
                     pstats.Stats(host, stream=text).sort_stats(order).print_stats(40)
                 host_path.write_text(text.getvalue())
+        entry["repeat_ms"] = generate_ms(llm, [prefix + gpu_bench.letters(rng, size + (5 if size == HOST_PROFILED
+                                                                                         else 4))])
+        print_groups(f"prefix {SMALL_PREFIX} + {size} (p50 {entry['p50_ms']:.1f} ms, same count again "
+                     f"{entry['repeat_ms']:.1f} ms)", wall, entry)
+        if "host" in entry:
+            print(f"  host (cProfile, {entry['cprofiled_ms']:.1f} ms): {json.dumps(entry['host'])}", flush=True)
     return out
 
 
