@@ -4,7 +4,7 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/fp8_bench.py
         [--runs next-16b:fp8,next-16b:bf16,next-16b:fp8:fp8,80b:fp8] [--phases D,C,A] [--kv-fp8-phases A]
         [--load-format dummy|auto] [--kv-pools] [--gpu-memory-utilization F] [--out DIR] [--scale S]
-        [--profile decode,batch,small]
+        [--profile decode,batch,small] [--dense-fp8 library|triton] [--decode-kernels-from SWEEP.json]
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
