@@ -41,7 +41,7 @@ DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token p
 DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
 DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 3
+DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "FP8 on the H200")
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
