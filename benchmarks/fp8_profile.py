@@ -17,7 +17,8 @@ on its engines before their phases):
   one output token), each size timed three times (p50) and once profiled, every request a new token count as in
   phase A (n + 1, n + 2, ...), then one more at the last count (`repeat_ms`: a cost paid once per GEMM shape
   shows as the difference); the 600 one also under cProfile (the host's Python by function: the FP8 linears,
-  cuBLAS's `_scaled_mm_v2`, the experts, Triton's launcher; the table in DIR/host_RUN.txt).
+  cuBLAS's `_scaled_mm_v2`, the experts, Triton's launcher; the table in DIR/host_RUN.txt). Every profile's
+  operator table (by device time) goes to DIR/kernels_RUN.txt.
 
 Device time is grouped as docs/bench.md's decode table (`step_profile.GROUPS`: routed-expert GEMMs, other
 GEMMs, the DeltaNet step kernel, attention, everything else) plus "FP8 activation quantisation" (the
@@ -105,16 +106,20 @@ def print_groups(name: str, wall_ms: float, found: dict) -> None:
         print(f"  | {group} | {entry['ms']:.3f} ms | {entry['launches']:.1f} |")
 
 
-def _profiled(fn, cuda: bool):
-    """(fn's result, the torch.profiler profile of the call)."""
+def _profiled(fn, cuda: bool, tables: list[str] | None = None, title: str = ""):
+    """(fn's result, the torch.profiler profile of the call); with `tables`, the profile's operators by device
+    time (CUDA) or host time are appended to it under `title`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         out = fn()
+    if tables is not None:
+        order = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        tables.append(f"{title}\n{prof.key_averages().table(sort_by=order, row_limit=40)}")
     return out, prof
 
 
-def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int) -> dict:
+def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int, tables: list[str] | None = None) -> dict:
     """`seqs` sequences of `prompt_len` tokens decoding together: the free-running step's p50 over DECODE_STEPS
     steps (after 4 untimed), then PROFILED_STEPS steps profiled (per-step groups)."""
     engine = llm.engine
@@ -139,7 +144,7 @@ def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int) -> 
             engine.step()
         return 1000 * (time.perf_counter() - start) / PROFILED_STEPS
 
-    profiled_ms, prof = _profiled(steps, engine.device.type == "cuda")
+    profiled_ms, prof = _profiled(steps, engine.device.type == "cuda", tables, f"decode, {PROFILED_STEPS} steps")
     while engine.has_unfinished_requests():
         engine.step()
     out = {"seqs": batch, "step_ms_p50": statistics.median(walls), "profiled_step_ms": profiled_ms,
@@ -156,14 +161,16 @@ def generate_ms(llm: LLM, prompts: list[str]) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
-def profile_batch_prefill(llm: LLM, rng: random.Random, count: int = 16, prompt_len: int = 1024) -> dict:
+def profile_batch_prefill(llm: LLM, rng: random.Random, count: int = 16, prompt_len: int = 1024,
+                          tables: list[str] | None = None) -> dict:
     """One step of `count` fresh prompts of `prompt_len` tokens (phase D's prefill steps): a warm-up, two timed,
     one profiled."""
     batch = lambda: [gpu_bench.letters(rng, prompt_len) for _ in range(count)]  # noqa: E731
     generate_ms(llm, batch())
     timed = [generate_ms(llm, batch()) for _ in range(2)]
     prompts = batch()
-    wall, prof = _profiled(lambda: generate_ms(llm, prompts), llm.engine.device.type == "cuda")
+    wall, prof = _profiled(lambda: generate_ms(llm, prompts), llm.engine.device.type == "cuda", tables,
+                           f"prefill step {count} x {prompt_len}")
     out = {"prompts": count, "prompt_len": prompt_len, "timed_ms": timed, "profiled_ms": wall, **kernel_groups(prof)}
     print_groups(f"prefill step ({count} x {prompt_len}; timed {timed[0]:.1f}, {timed[1]:.1f} ms)", wall, out)
     return out
@@ -184,7 +191,8 @@ def host_functions(profiler: cProfile.Profile) -> dict[str, dict[str, float]]:
     return found
 
 
-def profile_small_prefills(llm: LLM, rng: random.Random, host_path: Path | None = None) -> dict:
+def profile_small_prefills(llm: LLM, rng: random.Random, host_path: Path | None = None,
+                           tables: list[str] | None = None) -> dict:
     """A SMALL_PREFIX-token prefix cached, then prefix + n new tokens for n in SMALL_SIZES: three timed (p50),
     one profiled; at HOST_PROFILED one more under cProfile (its table to `host_path`)."""
     prefix = gpu_bench.letters(rng, SMALL_PREFIX)
@@ -196,7 +204,8 @@ def profile_small_prefills(llm: LLM, rng: random.Random, host_path: Path | None 
         # one more at the last count: `repeat_ms`
         timed = [generate_ms(llm, [prefix + gpu_bench.letters(rng, size + i)]) for i in (1, 2, 3)]
         prompt = prefix + gpu_bench.letters(rng, size + 4)
-        wall, prof = _profiled(lambda prompt=prompt: generate_ms(llm, [prompt]), cuda)
+        wall, prof = _profiled(lambda prompt=prompt: generate_ms(llm, [prompt]), cuda, tables,
+                               f"prefix {SMALL_PREFIX} + {size + 4}")
         entry = out[str(size)] = {"timed_ms": timed, "p50_ms": statistics.median(timed), "profiled_ms": wall,
                                   **kernel_groups(prof)}
         if size == HOST_PROFILED:
@@ -223,21 +232,25 @@ def profile_small_prefills(llm: LLM, rng: random.Random, host_path: Path | None 
 def profile_engine(llm: LLM, parts: list[str], result: dict, save, host_path: Path | None = None,
                    seqs: int = 64) -> dict:
     """Run `parts` (of PARTS) on an engine into `result["profile"]`, `save()`d after each; a part that fails
-    records its error and the others still run. Forgets the cached prefixes afterwards."""
+    records its error and the others still run. Forgets the cached prefixes afterwards. With `host_path`
+    (DIR/host_RUN.txt), each profile's operator table goes beside it (DIR/kernels_RUN.txt)."""
     profile = result.setdefault("profile", {})
     rng = random.Random(5)
+    tables: list[str] = []
     for part in parts:
         try:
             if part == "decode":
-                profile[part] = profile_decode(llm, rng, seqs, 1024)
+                profile[part] = profile_decode(llm, rng, seqs, 1024, tables)
             elif part == "batch":
-                profile[part] = profile_batch_prefill(llm, rng)
+                profile[part] = profile_batch_prefill(llm, rng, tables=tables)
             else:
-                profile[part] = profile_small_prefills(llm, rng, host_path)
+                profile[part] = profile_small_prefills(llm, rng, host_path, tables)
         except Exception as error:  # a profile is a diagnostic: the run's other figures stand without it
             traceback.print_exc()
             profile[part] = {"error": repr(error)}
         save()
+        if host_path is not None and tables:
+            host_path.with_name(host_path.name.replace("host_", "kernels_", 1)).write_text("\n\n".join(tables))
     llm.engine.clear_cache()
     return profile
 
