@@ -224,9 +224,11 @@ class HostTier:
         self.pool.decref(host_block)
 
     def end_step(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """This step's (device, host) saves and (host, device) loads; the loads' host blocks are free after."""
-        saves = [(device, host) for host, device in self._saves.items()]
-        loads = [(host, device) for device, host in self._loads.items()]
+        """This step's (device, host) saves and (host, device) loads, each in host block order (the device copies
+        one run of consecutive host blocks at once: a chain promoted with its checkpoint was demoted at several
+        times, so in promotion order its host blocks are many short runs); the loads' host blocks are free after."""
+        saves = sorted(((device, host) for host, device in self._saves.items()), key=lambda pair: pair[1])
+        loads = sorted((host, device) for device, host in self._loads.items())
         for host, _device in loads:
             self.pool.decref(host)
         self._saves, self._loads = {}, {}
