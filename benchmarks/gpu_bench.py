@@ -38,10 +38,12 @@ Every Triton kernel compiled (or loaded from the disk cache) after the engine's 
 the benchmark's own warm-up included (label `warm-up`): the engine is meant to compile everything it can launch
 while it starts, so every count should be 0.
 
-`--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs and eagerly
-(`enforce_eager`) on two engines and reports whether the tokens are identical. Prints one table and writes
-DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .), or DIR/gpu_bench_<model>_ssm-<dtype>.json with a
-`--mamba-ssm-cache-dtype` other than auto (the recurrent state's dtype; auto is float32 for these models).
+`--check-graphs` then runs a long greedy decode (32 prompts x 512 tokens) with CUDA graphs, the captured batches
+eagerly and the plain eager path, and prefix hits whose prefill steps replay the piecewise prefill graphs
+(`check_prefill_graphs`) in the same three modes, and reports how many completions are identical. Prints one
+table and writes DIR/gpu_bench_<model>.json (DIR: --out, else $OUT, else .), or
+DIR/gpu_bench_<model>_ssm-<dtype>.json with a `--mamba-ssm-cache-dtype` other than auto (the recurrent state's
+dtype; auto is float32 for these models).
 """
 
 from __future__ import annotations
@@ -338,6 +340,31 @@ def check_graphs(llm: LLM, max_tokens: int) -> dict:
         result[f"identical_{name}"] = sum(a == b for a, b in pairs)
         result[f"first_divergence_{name}"] = [i for i in first if i is not None]
     result["tokens"] = sum(map(len, tokens["graph"]))
+    result["prefill"] = check_prefill_graphs(llm)
+    return result
+
+
+def check_prefill_graphs(llm: LLM) -> dict:
+    """Greedy tokens of prefix hits whose new tokens fit the piecewise prefill graphs' buckets, in the same three
+    modes as `check_graphs`: 4 system prompts of 2,000 letters, then 24 requests one at a time, each a system
+    prompt + 20-900 new letters, 8 tokens each (every request's prefill step piecewise, its decode steps the
+    1-row decode graph), the cache cleared before each mode. Graph replay must equal `without_replay` (the same
+    pieces and cores eagerly) token for token."""
+    rng = random.Random(2)
+    systems = [letters(rng, 2000) for _ in range(4)]
+    prompts = [systems[i % 4] + letters(rng, rng.randint(20, 900)) for i in range(24)]
+    runner = llm.engine.runner
+    modes = {"graph": contextlib.nullcontext, "without_replay": runner.without_replay, "eager": runner.eager}
+    tokens, result = {}, {"requests": len(prompts), "buckets": list(getattr(runner, "prefill_graph_sizes", ()))}
+    for name, mode in modes.items():
+        llm.engine.clear_cache()
+        with mode():
+            timed(llm, systems, 1)
+            runs = [timed(llm, [prompt], 8) for prompt in prompts]
+        result[f"{name}_s"] = sum(seconds for seconds, _ in runs)
+        tokens[name] = [list(out[0].outputs[0].token_ids) for _, out in runs]
+    for name in ("without_replay", "eager"):
+        result[f"identical_{name}"] = sum(a == b for a, b in zip(tokens["graph"], tokens[name]))
     return result
 
 
@@ -416,6 +443,10 @@ def main() -> None:
         torch.cuda.empty_cache()
         llm = LLM(folder, **options, enforce_eager=True)
     result["cuda_graphs"] = list(llm.engine.runner.graph_batch_sizes)
+    runner = llm.engine.runner
+    result["prefill_graphs"] = {"buckets": list(getattr(runner, "prefill_graph_sizes", ())),
+                                "mib": getattr(runner, "prefill_graph_bytes", 0) / 2**20,
+                                "failures": getattr(runner, "prefill_graph_failures", {})}
     result["engine_init_s"] = time.perf_counter() - start
     result["memory"] = llm.engine.memory_plan.describe()
     result["async_scheduling"] = llm.engine.async_scheduling

@@ -137,6 +137,7 @@ def build_runner(
         num_slots=plan.num_runtime_slots,
         state_pages=plan.state_pages,
         max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=spec.max_model_len,
         dtype=dtype,
         state_dtype=state_dtype,

@@ -29,11 +29,16 @@ per bucket (rows of 1 + k tokens; `is_uniform_verify`)::
 
 the padding row a fresh 3-token sequence on the scratch slot, its draft rows and the scratch page. Graphs of either
 kind keep the final-norm hidden rows for the MTP head (`step_hidden`).
+
+Every other text step of up to 1,024 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
+the forward cut at its layers' cores (paged attention, the DeltaNet recurrence), the pieces between them replayed
+per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -44,11 +49,14 @@ from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, tabl
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
+from hybridcache.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
 from hybridcache.state_spec import DevicePools
+
+logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -208,6 +216,7 @@ class ModelRunner:
         backend: KernelBackend | None = None,
         max_num_seqs: int = 1,
         max_model_len: int = 1,
+        max_num_batched_tokens: int = 1024,
         cuda_graphs: bool = False,
         memory_plan: MemoryPlan | None = None,
         num_speculative_tokens: int = 0,
@@ -244,6 +253,9 @@ class ModelRunner:
             self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
+        self._prefill: PrefillGraphs | None = None  # piecewise graphs of prefill and mixed steps
+        self.prefill_graph_bytes = 0  # device memory the piecewise graphs keep (their pool and buffers)
+        self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
         if use_graphs:
             def graphs(num_drafts: int) -> _DecodeGraphs:
@@ -259,6 +271,9 @@ class ModelRunner:
             if k and 1 + k <= kernel_block_size:
                 self._verify_graphs = graphs(k)
                 self._capture(self._verify_graphs)
+            self._prefill = self._capture_prefill(
+                min(max_model_len, num_blocks * block_size, max_num_batched_tokens), block_size=block_size,
+                kernel_block_size=kernel_block_size)
 
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
@@ -270,6 +285,11 @@ class ModelRunner:
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """The captured decode batch sizes; () when steps run eagerly."""
         return self._graphs.sizes if self._graphs is not None else ()
+
+    @property
+    def prefill_graph_sizes(self) -> tuple[int, ...]:
+        """The token buckets of the piecewise prefill graphs; () when such steps run eagerly."""
+        return self._prefill.sizes if self._prefill is not None else ()
 
     @property
     def input_device(self) -> torch.device:
@@ -285,22 +305,26 @@ class ModelRunner:
                 for graph in graphs.graphs.values():
                     graph.reset()
                 graphs.graphs.clear()
-        self._graphs = self._verify_graphs = None
+        if self._prefill is not None:
+            self._prefill.reset()
+        self._graphs = self._verify_graphs = self._prefill = None
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
         graphs, self._graphs, verify, self._verify_graphs = self._graphs, None, self._verify_graphs, None
+        prefill, self._prefill = self._prefill, None
         try:
             yield
         finally:
-            self._graphs, self._verify_graphs = graphs, verify
+            self._graphs, self._verify_graphs, self._prefill = graphs, verify, prefill
 
     @contextlib.contextmanager
     def without_replay(self) -> Iterator[None]:
         """Within the block, decode steps run the very batch a graph replays (the padded static buffers, the
         kernel choices made at capture, e.g. split-KV splits sized for max_model_len) eagerly, without the
-        graph: graph replay must give bit-identical logits. (An `enforce_eager` engine sizes its split-KV
+        graph, and piecewise steps their pieces and cores eagerly on the bucket's rows: graph replay must give
+        bit-identical logits. (An `enforce_eager` engine sizes its split-KV
         splits from the step's own longest context, so its bf16 rounding, and on a random model with nearly
         flat logits its greedy tokens, differ.)"""
         self._replay = False
@@ -369,6 +393,9 @@ class ModelRunner:
         graphs = self._graphs_for(batch)
         size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None else None
         if size is None:
+            tokens = self._prefill.bucket(batch) if self._prefill is not None else None
+            if tokens is not None:
+                return self._run_pieces(batch, tokens)
             return self._run_model(self.backend.prepare(batch))
         graphs.load(batch, size)
         n = batch.num_seqs
@@ -379,6 +406,55 @@ class ModelRunner:
         if self.mtp_head is not None:
             self.step_hidden = graphs.hidden[size]
         return graphs.rows(graphs.outputs[size], n, size).clone()
+
+    def _run_pieces(self, batch: ForwardBatch, size: int) -> torch.Tensor:
+        """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within
+        `without_replay`, run split and eagerly), then the model's tail eagerly on the step's rows."""
+        prefill = self._prefill
+        prepared = self.backend.prepare(batch)
+        prefill.load(batch)
+        hidden, pending = prefill.run(prepared, size, replay=self._replay)
+        keep = self.mtp_head is not None
+        logits, normed = self.model.forward_tail(hidden, pending, prepared, self.pools, self.backend,
+                                                 keep_hidden=keep)
+        if keep:
+            self.step_hidden = normed
+        return logits
+
+    def _capture_prefill(self, max_tokens: int, *, block_size: int, kernel_block_size: int) -> PrefillGraphs | None:
+        """Capture the piecewise prefill graphs of every bucket up to `max_tokens` (the step budget, and what the
+        pools hold of one sequence), largest first, in the decode graphs' memory pool; each bucket is warmed on
+        a fresh sequence of its size on slot 0 and blocks 0.. (nothing holds them at start-up). Logs the device
+        memory the graphs took (`prefill_graph_bytes`). A bucket whose capture raises is logged (a warning with
+        the error, kept in `prefill_graph_failures`) and left out: its steps run eagerly. None for a model
+        without a split forward or when no bucket was captured."""
+        sizes = prefill_graph_sizes(max_tokens)
+        if not sizes or not hasattr(self.model, "forward_layers"):
+            return None
+        torch.cuda.empty_cache()  # so that the reserved bytes after, emptied again, count what the graphs keep
+        before = torch.cuda.memory_reserved(self.device)
+        prefill = PrefillGraphs(self.model, self.backend, self.pools, sizes, self.device)
+        prefill.pool = self._graphs.pool if self._graphs is not None else None
+        with torch.inference_mode():
+            for size in reversed(sizes):
+                chunk = SeqChunk(token_ids=[0] * size, start=0, block_ids=list(range(-(-size // block_size))), slot=0)
+                batch = build_forward_batch([chunk], block_size=block_size, kernel_block_size=kernel_block_size,
+                                            device=self.device)
+                try:
+                    prefill.capture(size, self.backend.prepare(batch))
+                except RuntimeError as error:
+                    logger.warning("piecewise prefill graph of %d tokens not captured (such steps run eagerly): %r",
+                                   size, error)
+                    self.prefill_graph_failures[size] = repr(error)
+                    torch.cuda.synchronize(self.device)
+        prefill.keep_captured()
+        if not prefill.sizes:
+            return None
+        torch.cuda.empty_cache()
+        self.prefill_graph_bytes = torch.cuda.memory_reserved(self.device) - before
+        logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", prefill.sizes,
+                    self.prefill_graph_bytes / 2**20)
+        return prefill
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of

@@ -58,7 +58,7 @@ from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, groupe
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
-from hybridcache.kernels.varlen import chunk_indices
+from hybridcache.kernels.varlen import chunk_indices, fresh_mask
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,8 @@ class CudaMetadata:
                      None in an all-decode step
     attention        what the attention backend's `prepare` returned
     verify           the step's verify rows (speculative decoding), or None
+    fresh            [S] bool: the sequences that start at step 0 (`varlen.fresh_mask`; every DeltaNet layer's
+                     prefill reads it), or None in an all-decode step
     """
 
     all_decode: bool
@@ -116,6 +118,7 @@ class CudaMetadata:
     chunks: torch.Tensor | None
     attention: Any
     verify: VerifyRows | None = None
+    fresh: torch.Tensor | None = None
 
 
 class CudaBackend:
@@ -145,9 +148,10 @@ class CudaBackend:
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)
         cu_seqlens = batch.cu_seqlens.long()
-        chunks = None
+        chunks = fresh = None
         if not all_decode:
             chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, CHUNK_SIZE)
+            fresh = fresh_mask(cu_seqlens, batch.context_lens)
         metadata = CudaMetadata(
             all_decode=all_decode,
             max_context_len=max(batch.context_lens_cpu, default=0),
@@ -155,6 +159,7 @@ class CudaBackend:
             chunks=chunks,
             attention=self.attention_backend.prepare(batch),
             verify=None if all_decode else VerifyRows.of(batch),
+            fresh=fresh,
         )
         return dataclasses.replace(batch, metadata=metadata)
 
@@ -210,7 +215,7 @@ class CudaBackend:
                 return out
         return chunk_gated_delta_rule_varlen(
             q, k, v, g, beta, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
-            batch.query_lens_cpu, chunk_indices=meta.chunks,
+            batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh,
         )
 
     def gated_delta(

@@ -19,6 +19,8 @@ attention op reads them back times the scales.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -93,12 +95,18 @@ class GatedAttention(nn.Module):
             fp8_max = torch.finfo(self.kv_dtype).max
             key = (key.float() / self.k_scale).clamp(-fp8_max, fp8_max)
             value = (value.float() / self.v_scale).clamp(-fp8_max, fp8_max)
-        step.backend.write_kv(kv_layer, key, value, step.batch)
-        attn = step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5,
-                                      kv_scales=(self.k_scale, self.v_scale))
+        attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         attn = step.backend.sigmoid_mul(attn, gate).view(num_tokens, -1)
         if self.tp.size == 1 or self.o_proj.bias is None:
             return self.tp.all_reduce(self.o_proj(attn))
         bias = self.o_proj.bias  # added once, after the partial sums
         out = F.linear(attn, self.o_proj.weight) if type(self.o_proj) is nn.Linear else self.o_proj.matmul(attn)
         return self.tp.all_reduce(out) + bias
+
+    def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """The layer's core (`StepContext.core`): key and value [T, Hkv, D] written to the pool, then query
+        [T, Hq, D] attends over each sequence's context -> [T, Hq, D]."""
+        step.backend.write_kv(kv_layer, key, value, step.batch)
+        return step.backend.attention(query, kv_layer, step.batch, scale=self.head_dim**-0.5,
+                                      kv_scales=(self.k_scale, self.v_scale))

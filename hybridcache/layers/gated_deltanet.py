@@ -14,6 +14,7 @@ from zero state whatever the row holds; every sequence's final states are writte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -113,13 +114,19 @@ class _GatedDeltaNetBase(nn.Module):
         """hidden [T, hidden] -> [T, hidden]; state["conv"] [num_slots, C, K-1] and
         state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
+        core = step.core(functools.partial(self._recur, state), mixed_qkv, a, b)
+        core = self.norm(core, z, step.backend)
+        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
+
+    def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed_qkv: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor) -> torch.Tensor:
+        """The layer's core (`StepContext.core`): mixed_qkv [T, C], a, b [T, Hv] -> o [T, Hv, Dv] (the conv, the
+        gates and the gated delta rule, each sequence from its state row, the rows updated in place)."""
         backend, batch = step.backend, step.batch
         weight = self.conv1d.weight.squeeze(1)
         conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
         q, k, v = self._split_heads(conv_out)
-        core = backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state["ssm"], batch)  # gates + rule
-        core = self.norm(core, z, backend)
-        return self.tp.all_reduce(self.out_proj(core.reshape(hidden.shape[0], self.value_dim)))
+        return backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state["ssm"], batch)  # gates + rule
 
 
 class GatedDeltaNet(_GatedDeltaNetBase):

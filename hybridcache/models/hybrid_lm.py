@@ -37,7 +37,7 @@ from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.layers.rotary import mrope_cos_sin, rotary_cos_sin
-from hybridcache.layers.step import StepContext
+from hybridcache.layers.step import Splitter, StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
 from hybridcache.state_spec import DevicePools, LayerSpec, LayerState, StateTensorSpec
 
@@ -220,6 +220,16 @@ class HybridCausalLM(nn.Module):
 
     def _forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
                  keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, pending = self.forward_layers(batch, pools, backend)
+        return self.forward_tail(hidden, pending, batch, pools, backend, keep_hidden)
+
+    def forward_layers(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
+                       splitter: Splitter | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The embedding and every decoder layer: (hidden, pending) [T, hidden], whose sum is the last layer's
+        output (`DecoderLayer.forward_split`; pending None when the last layer left nothing to add). Row t
+        depends on the sequences only through the layers' cores (`StepContext.core`), which `splitter`, when
+        given, runs (piecewise CUDA graphs, `engine/prefill_graphs.py`); the rest reads only
+        batch.input_ids, batch.positions (or rope_positions) and the embedded rows."""
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
@@ -229,11 +239,19 @@ class HybridCausalLM(nn.Module):
                                  attention.mrope_section, hidden.dtype)
         else:
             rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
-        step = StepContext(batch=batch, backend=backend, rope=rope)
+        step = StepContext(batch=batch, backend=backend, rope=rope, splitter=splitter)
         pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)
         # (pools.layers may go on with an MTP head's KV)
         for layer, state in zip(self.model.layers, pools.layers[: len(self.model.layers)], strict=True):
             hidden, pending = layer.forward_split(hidden, pending, step, state)
+        return hidden, pending
+
+    def forward_tail(self, hidden: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch,
+                     pools: DevicePools, backend: KernelBackend,
+                     keep_hidden: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """After `forward_layers`: the final norm of the rows that give logits (and every row's when
+        `keep_hidden`), each sequence's `last_hidden` slot state, and the logits (see `forward`); returns
+        (logits, the final-norm hidden rows or None)."""
         normed = None
         if pending is not None and keep_hidden:
             hidden, normed = self.model.norm.add(hidden, pending, backend)

@@ -49,11 +49,13 @@ def chunk_gated_delta_rule_varlen(
     *,
     use_qk_l2norm: bool = True,
     chunk_indices: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """fla's chunked gated delta rule over every sequence of the batch (see the module docstring).
 
     ssm_pool [num_slots, Hv, Dk, Dv]; state_slots [S] distinct; context_lens [S]; chunk_indices: the
-    `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table when the caller already has it.
+    `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table, and fresh the `varlen.fresh_mask(cu_seqlens,
+    context_lens)` one, when the caller already has them (computed once per step, not per layer).
     Returns out [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
@@ -63,7 +65,9 @@ def chunk_gated_delta_rule_varlen(
         chunk_indices = make_chunk_indices(cu, query_lens_cpu, CHUNK_SIZE)
     slots = state_slots.long()
     initial = ssm_pool.index_select(0, slots).float()
-    initial = initial.masked_fill(fresh_mask(cu, context_lens)[:, None, None, None], 0.0)
+    if fresh is None:
+        fresh = fresh_mask(cu, context_lens)
+    initial = initial.masked_fill(fresh[:, None, None, None], 0.0)
     if use_qk_l2norm:  # ours, not fla's in-kernel one: fla autotunes that per size bucket (norm/triton.py)
         q, k = l2norm(q), l2norm(k)
     # fla's kernels address [1, T, H, D] inputs as contiguous (its public entry point copies strided views)

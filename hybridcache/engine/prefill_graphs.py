@@ -1,0 +1,292 @@
+"""Piecewise CUDA graphs for prefill and mixed steps: everything token-wise is replayed, the cores run eagerly.
+
+A step that is not decode-only (a prefill chunk, a mixed prefill + decode batch) has a geometry the decode graphs
+cannot fix in advance: how many sequences, where each starts, how long its context is. But only a few ops of the
+forward read that geometry: each layer's *core* (`layers.step.StepContext.core`), the paged attention (KV write +
+attention) and the gated DeltaNet's conv + gates + chunked delta rule, which read cu_seqlens, context lengths,
+block tables and state slots. Everything else (the embedding, the rotary table, the norms and residual adds, the
+projections, the attention's output gate, the DeltaNet's gated norm, the MoE router, sort, experts and combine, the
+shared expert) is token-wise: row t of its output depends on row t of its input only, whatever the step's
+sequences. So a forward of T tokens is cut at its cores into pieces, and each piece is captured once per token
+bucket (`prefill_graph_sizes`) on static buffers; a step of T <= the biggest bucket runs the smallest bucket
+B >= T: its pieces replay on B rows, rows T..B-1 padding, and its cores run eagerly on the step's real T rows
+(vLLM and SGLang split the same way, their attention and mamba/GDN ops being the splitting ops).
+
+Worked example: next-1b (16 layers, every 4th attention, the others DeltaNet; every layer MoE), a step of one
+sequence extending a cached prefix by 200 tokens (T = 200, bucket 256)::
+
+    load       input_ids[:200], positions[:200] <- the step's          (rows 200..255 keep an earlier step's values)
+    piece 0    embed, rotary table, layer 0's input norm and projections, the core's inputs (mixed_qkv, a, b)
+               copied into static buffers                                          (replay, 256 rows)
+    core 0     layer 0's conv + gates + delta rule on rows 0..199 of those buffers, the step's cu_seqlens and
+               state slot (eager); its output copied into rows 0..199 of a static buffer piece 1 reads
+    piece 1    layer 0's gated norm, out_proj, residual + norm, MoE, layer 1's norm and projections      (replay)
+    ...        (one core per layer: 16 cores, 17 pieces)
+    core 3     layer 3's KV write + paged attention on rows 0..199 (eager; writes only the step's KV rows)
+    ...
+    piece 16   layer 15's tail: (hidden, pending) [256, hidden]                                         (replay)
+    tail       hidden[:200] + pending[:200], the final norm of each sequence's last row, `last_hidden`, logits
+               (eager: `HybridCausalLM.forward_tail`, the same code as the unsplit forward)
+
+Padding rows flow through the pieces only (token-wise ops, so they never reach a real row) and never reach a core,
+so they touch no KV page, state slot or sequence: they are computed and discarded. A core's input and output
+buffers are shared by every core of their shape, sized for the biggest bucket (a core's output is read before the
+next core runs: `StepContext.core`'s contract), so what a bucket's graphs keep of their memory pool is only the
+last piece's output: the pool (shared with the decode graphs) holds one bucket's live activations at a time, and
+`ModelRunner` logs what the graphs took at start-up.
+
+The cores see exactly the step an eager forward sees (the backend's `prepare` of the real batch), so the KV and
+recurrent states they write are an eager step's. The pieces run at B rows instead of T: a GEMM may pick another
+kernel for another row count, so in bf16 (and even fp32) a row can round differently from the eager forward of
+the same step; the same captured pieces run without replay (`run(..., replay=False)`, `ModelRunner.without_replay`)
+give bit-identical results, and on the CPU, which has no graphs, that split forward is what the tests compare
+with the unsplit one.
+
+Only text steps (no input embeddings given, no M-RoPE positions) of 1 to `max(sizes)` tokens that the decode or
+verify graphs did not take run here; anything else, and everything under `enforce_eager`, runs eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.backend import KernelBackend
+from hybridcache.layers.step import Core, StepContext
+from hybridcache.state_spec import DevicePools
+
+# The token buckets captured: a step of T tokens runs the smallest one >= T. Up to 1,024 so that phase A-like
+# requests (a cached prefix plus a few hundred new tokens) replay; more tokens are device-bound anyway.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024)
+
+
+def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The buckets of at most `max_tokens` tokens (a step's token budget, or what the pools can hold for the
+    start-up capture). Example: 600 -> (16, 32, 64, 128, 256, 512)."""
+    return tuple(size for size in PREFILL_BUCKETS if size <= max_tokens)
+
+
+def prefill_bucket(num_tokens: int, sizes: Sequence[int]) -> int | None:
+    """The smallest bucket >= num_tokens, or None when num_tokens is 0 or exceeds them all."""
+    return next((size for size in sizes if size >= num_tokens), None) if num_tokens > 0 else None
+
+
+def is_piecewise(batch: ForwardBatch) -> bool:
+    """A text step: no given input embeddings (multimodal rows) and no M-RoPE positions, whose pieces read only
+    input_ids and positions."""
+    return batch.embeds is None and batch.rope_positions is None
+
+
+@dataclasses.dataclass
+class _Capture:
+    """One bucket's graphs: pieces[i] runs before cores[i] (fn, its input buffers, its output buffer) and the last
+    piece after the last core; outputs: the last piece's (hidden, pending)."""
+
+    pieces: list[torch.cuda.CUDAGraph]
+    cores: list[tuple[Core, tuple[torch.Tensor, ...], torch.Tensor]]
+    outputs: tuple[torch.Tensor, torch.Tensor | None]
+    rope: tuple[torch.Tensor, torch.Tensor]
+
+
+class PrefillGraphs:
+    """Static inputs, the cores' input and output buffers and, on CUDA once `capture` has run, each bucket's piece
+    graphs (see the module docstring). `model`: a `HybridCausalLM` (its `forward_layers` / `forward_tail`)."""
+
+    def __init__(self, model: torch.nn.Module, backend: KernelBackend, pools: DevicePools, sizes: tuple[int, ...],
+                 device: torch.device) -> None:
+        if not sizes:
+            raise ValueError("piecewise graphs need at least one token bucket")
+        self.model = model
+        self.backend = backend
+        self.pools = pools
+        self.sizes = sizes
+        self.device = device
+        biggest = sizes[-1]
+        self.input_ids = torch.zeros(biggest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(biggest, dtype=torch.int64, device=device)
+        self.buffers: dict[tuple, torch.Tensor] = {}  # the cores' inputs and outputs, by role, shape and dtype
+        self.core_keys: dict[int, list[tuple]] = {}  # per bucket, each core's output key
+        self.captures: dict[int, _Capture] = {}
+        self.pool = None  # the graphs' memory pool (shared with the decode graphs when given one)
+        self.stream: torch.cuda.Stream | None = None  # the stream the buckets are captured on
+
+    def bucket(self, batch: ForwardBatch) -> int | None:
+        """The bucket that runs `batch`, or None when it runs eagerly (`is_piecewise`, `prefill_bucket`)."""
+        return prefill_bucket(len(batch.input_ids), self.sizes) if is_piecewise(batch) else None
+
+    def load(self, batch: ForwardBatch) -> None:
+        """Copy the step's token ids and positions into the static inputs (rows T.. keep earlier values: valid
+        ids and positions whose rows are computed and discarded)."""
+        num_tokens = len(batch.input_ids)
+        self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
+
+    def static_batch(self, prepared: ForwardBatch, size: int) -> ForwardBatch:
+        """What the pieces read: `prepared` with the static inputs' first `size` rows as input_ids and positions
+        (the pieces read nothing else of a batch; the cores read `prepared` itself)."""
+        return dataclasses.replace(prepared, input_ids=self.input_ids[:size], positions=self.positions[:size])
+
+    def run(self, prepared: ForwardBatch, size: int, *, replay: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_layers` of the loaded step (`load`; `prepared`: its batch after `backend.prepare`) in bucket
+        `size`: (hidden, pending), the step's T rows. `replay`: the captured graphs; else the very same pieces
+        and cores run eagerly (bit-identical; what the CPU runs)."""
+        num_tokens = len(prepared.input_ids)
+        if not replay or size not in self.captures:
+            if replay:
+                raise ValueError(f"no piecewise graph of {size} tokens was captured (buckets {self.sizes})")
+            hidden, pending = self.model.forward_layers(self.static_batch(prepared, size), self.pools, self.backend,
+                                                        splitter=_EagerCores(self, prepared, num_tokens, None))
+            return hidden[:num_tokens], None if pending is None else pending[:num_tokens]
+        capture = self.captures[size]
+        step = StepContext(batch=prepared, backend=self.backend, rope=capture.rope)
+        for index, piece in enumerate(capture.pieces):
+            piece.replay()
+            if index < len(capture.cores):
+                fn, tokens, out = capture.cores[index]
+                out[:num_tokens].copy_(fn(step, *(t[:num_tokens] for t in tokens)))
+        hidden, pending = capture.outputs
+        return hidden[:num_tokens], None if pending is None else pending[:num_tokens]
+
+    def capture(self, size: int, prepared: ForwardBatch) -> None:
+        """Capture bucket `size` (CUDA): `prepared` (a prepared batch of exactly `size` tokens, on rows nothing
+        holds) is loaded and run once eagerly first (kernel compiles, the cores' buffers), then the pieces are
+        captured one graph each, the cores not run, into `self.pool`."""
+        if len(prepared.input_ids) != size:
+            raise ValueError(f"bucket {size} is captured on a batch of {size} tokens, got {len(prepared.input_ids)}")
+        self.load(prepared)
+        keys: list[tuple] = []
+        self.model.forward_layers(self.static_batch(prepared, size), self.pools, self.backend,
+                                  splitter=_EagerCores(self, prepared, size, keys))
+        self.core_keys[size] = keys
+        torch.cuda.synchronize(self.device)
+        splitter = _CaptureCores(self, size)
+        if self.stream is None:  # one capture stream for every bucket: cuBLAS keeps a workspace per stream
+            self.stream = torch.cuda.Stream(self.device)
+        stream = self.stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            splitter.begin()
+            try:
+                hidden, pending = self.model.forward_layers(self.static_batch(prepared, size), self.pools,
+                                                            self.backend, splitter=splitter)
+            except BaseException:
+                splitter.abort()
+                raise
+            splitter.end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        if len(splitter.cores) != len(keys):
+            raise RuntimeError(f"the captured forward ran {len(splitter.cores)} cores, the eager one {len(keys)}")
+        self.captures[size] = _Capture(splitter.pieces, splitter.cores, (hidden, pending), splitter.rope)
+
+    def buffer(self, key: tuple, *, create: bool = True) -> torch.Tensor:
+        """The buffer [max(sizes), *shape] (zeroed when made) of `key` = (role, ..., shape, dtype): a core
+        output's ("out", shape, dtype), or core input j's ("in", j, its layout, (row stride,), dtype), which
+        `stage` views with the input's strides. Made by eager runs only (`create`): a capture finds the ones its
+        bucket's eager run made."""
+        out = self.buffers.get(key)
+        if out is None:
+            if not create:
+                raise RuntimeError(f"no buffer {key} was made before the capture")
+            *_, shape, dtype = key
+            out = self.buffers[key] = torch.zeros((self.sizes[-1], *shape), dtype=dtype, device=self.device)
+        return out
+
+    def stage(self, tokens: tuple[torch.Tensor, ...], *, create: bool = True) -> tuple[torch.Tensor, ...]:
+        """Copy a core's inputs (each [B, ...], B the bucket's rows) into their buffers; returns the buffers'
+        first B rows, laid out with the inputs' strides where their rows do not overlap (a column view of a
+        projection's output stays a column view: the core computes exactly what it computes on the unsplit
+        forward's tensors), else contiguous."""
+        staged = []
+        for index, token in enumerate(tokens):
+            rows, inner_shape = token.shape[0], tuple(token.shape[1:])
+            row_stride, *inner = token.stride()
+            span = 1 + sum((size - 1) * stride for size, stride in zip(inner_shape, inner, strict=True))
+            if row_stride < span or min(inner, default=1) < 1:
+                inner = list(torch.empty(inner_shape, device="meta").stride())
+                row_stride = math.prod(inner_shape)
+            layout = (inner_shape, tuple(inner))
+            flat = self.buffer(("in", index, layout, (row_stride,), token.dtype), create=create)
+            buffer = flat.as_strided((rows, *inner_shape), (row_stride, *inner))
+            buffer.copy_(token)
+            staged.append(buffer)
+        return tuple(staged)
+
+    def keep_captured(self) -> None:
+        """Serve only the buckets captured (after a bucket's capture failed: its steps and bigger ones run
+        eagerly)."""
+        self.sizes = tuple(sorted(self.captures))
+
+    def reset(self) -> None:
+        """Destroy the captured graphs (later piecewise steps raise: the runner stops routing steps here)."""
+        for capture in self.captures.values():
+            for piece in capture.pieces:
+                piece.reset()
+        self.captures.clear()
+
+
+class _EagerCores:
+    """Splitter of an eager split forward, what a replay does: each core's inputs are copied into their buffers,
+    the core runs on the buffers' first `num_tokens` rows with the real step, and its output goes into those rows
+    of the shared buffer the next piece reads; `keys`, when given, records each core's output key."""
+
+    def __init__(self, graphs: PrefillGraphs, prepared: ForwardBatch, num_tokens: int,
+                 keys: list[tuple] | None) -> None:
+        self.graphs, self.prepared, self.num_tokens, self.keys = graphs, prepared, num_tokens, keys
+
+    def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        n = self.num_tokens
+        real = dataclasses.replace(step, batch=self.prepared, splitter=None)
+        out = fn(real, *(t[:n] for t in self.graphs.stage(tokens)))
+        key = ("out", tuple(out.shape[1:]), out.dtype)
+        if self.keys is not None:
+            self.keys.append(key)
+        buffer = self.graphs.buffer(key)
+        buffer[:n].copy_(out)
+        return buffer[: len(step.batch.input_ids)]
+
+
+class _CaptureCores:
+    """Splitter of a capture: at each core, copies its inputs into their buffers and ends the piece being
+    captured, records the core (with its input buffers) and begins the next piece, which reads the core's output
+    buffer."""
+
+    def __init__(self, graphs: PrefillGraphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.cores: list[tuple[Core, tuple[torch.Tensor, ...], torch.Tensor]] = []
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def begin(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.graphs.pool)
+        self.pieces.append(graph)
+
+    def end(self) -> None:
+        graph = self.pieces[-1]
+        graph.capture_end()
+        self.graphs.pool = graph.pool()
+
+    def abort(self) -> None:
+        """End a capture that failed (its error is the one raised), so that the device can go on eagerly."""
+        with contextlib.suppress(RuntimeError):
+            self.pieces[-1].capture_end()
+        self.pieces.clear()
+
+    def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        staged = self.graphs.stage(tokens, create=False)
+        self.end()
+        self.rope = step.rope
+        keys = self.graphs.core_keys[self.size]
+        if len(self.cores) >= len(keys):
+            raise RuntimeError("the captured forward ran more cores than the eager one")
+        out = self.graphs.buffer(keys[len(self.cores)], create=False)
+        self.cores.append((fn, staged, out))
+        self.begin()
+        return out[: self.size]
