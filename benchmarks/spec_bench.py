@@ -89,9 +89,10 @@ def decode(engine: LLMEngine, batch_prompts: list[list[int]], max_tokens: int,
 def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
     """Wall seconds the engine's host spends in each phase of its steps (prefill included), by wrapping the engine's
     methods for the block: `schedule`, `launch` (inputs, forward launch; a speculative step's judging waits there for
-    the logits), `complete` (postprocess; a speculative step's rollback and drafting), and within it `propose` (the
-    head's passes, which wait for their drafts). Host time, not device time: a wait for the device counts where
-    it happens."""
+    the logits, and for the drafting queued before the verdicts: `runner.draft_after_verify`), `complete`
+    (postprocess; a speculative step's rollback and drafting), and within it `propose` (the head's passes, which
+    wait for their drafts; only a transfer after a step drafted before its verdicts). Host time, not device time:
+    a wait for the device counts where it happens."""
     totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0}
     targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
                (engine, "_complete", "complete")]

@@ -225,6 +225,11 @@ class TensorParallelExecutor:
         decides each draft that a further head step embeds and broadcasts it on the device; its tokens return."""
         return self._run(Op.DRAFT, plan, lambda: self.runner.draft(self._on_device(plan), broadcast_from_driver))
 
+    def draft_after_verify(self, batch: ForwardBatch, logits: torch.Tensor,
+                           near_pages: torch.Tensor) -> torch.Tensor | None:
+        """None: under tensor parallelism the drafts follow the verdicts (`draft`: rank 0 agrees each one)."""
+        del batch, logits, near_pages
+
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """`ModelRunner.draft_slots` (every rank's pools have rank 0's layout)."""
         return self.runner.draft_slots(slot, num_drafts)

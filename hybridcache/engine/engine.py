@@ -62,6 +62,7 @@ from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
+from hybridcache.forward_batch import ForwardBatch
 from hybridcache.guided import GrammarCache
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
@@ -111,6 +112,7 @@ class _Launched:
     retired: set[int] = field(default_factory=set)
     verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
     logits: torch.Tensor | None = None  # rows to sample once the step before is postprocessed (`sample` None)
+    predrafted: torch.Tensor | None = None  # speculative decoding: drafts queued before the verdicts (`propose`)
 
 
 def _needs_host_tokens(seq: Seq) -> bool:
@@ -485,7 +487,7 @@ class LLMEngine:
         else:  # only zero-prefill samples: the step's restores, no forward
             self.runner.execute_copies(device_copies(scheduled.copies, self.runner.input_device))
         if self.drafter is not None and (speculate or any(c.num_drafts for c in chunks)):
-            return self._launched_verdicts(scheduled, logits if chunks else None)
+            return self._launched_verdicts(scheduled, logits if chunks else None, batch if chunks else None)
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i].seq for i in rows]
         parts = []
@@ -504,8 +506,14 @@ class LLMEngine:
             return _Launched(chunks, sampled, None, logits=logits)  # sampled after `previous` is postprocessed
         return _Launched(chunks, sampled, self._sample(logits, sampled))
 
-    def _launched_verdicts(self, scheduled: SchedulerOutput, logits: torch.Tensor | None) -> _Launched:
-        """Speculative decoding (synchronous steps): judge the step's verify rows and samples now."""
+    def _launched_verdicts(self, scheduled: SchedulerOutput, logits: torch.Tensor | None,
+                           batch: ForwardBatch | None) -> _Launched:
+        """Speculative decoding (synchronous steps): judge the step's verify rows and samples now. A uniform
+        all-greedy verify step (`MtpDrafter.greedy_verify`) first queues the next step's drafting on the device
+        (`draft_after_verify`), so the judging's one wait covers both."""
+        predrafted = None
+        if batch is not None and self._speculating() and self.drafter.greedy_verify(scheduled.chunks):
+            predrafted = self.runner.draft_after_verify(batch, logits, self.drafter.near_pages(scheduled.chunks))
         only = [s.seq for s in scheduled.samples]
         only_logits = None
         if only:
@@ -514,7 +522,7 @@ class LLMEngine:
         chunks = scheduled.chunks
         verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
                          stop_token_ids=sorted(self.eos_token_ids))
-        return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts)
+        return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts, predrafted=predrafted)
 
     def _complete_verified(self, launched: _Launched) -> list[RequestOutput]:
         """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
@@ -562,7 +570,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
         drafting = [s for s in final if not s.is_finished]
         if launched.chunks and self._speculating():
-            self.drafter.propose(launched.chunks, drafting)
+            self.drafter.propose(launched.chunks, drafting, launched.predrafted)
         return self._outputs(touched)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:

@@ -65,6 +65,11 @@ class Executor(Protocol):
         """Speculative decoding: the MTP head's work after a step (`engine/mtp_draft.py`) on every rank; the
         proposed tokens (int64, on the device)."""
 
+    def draft_after_verify(self, batch: ForwardBatch, logits: torch.Tensor,
+                           near_pages: torch.Tensor) -> torch.Tensor | None:
+        """Speculative decoding: the drafting after a uniform all-greedy verify step, queued before its verdicts
+        (`ModelRunner.draft_after_verify`), or None where it is not done (then `draft` runs after them)."""
+
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """Speculative decoding: the state pool rows of runtime slot `slot`'s first `num_drafts` draft states."""
 

@@ -28,7 +28,8 @@ per bucket (rows of 1 + k tokens; `is_uniform_verify`)::
                             returned logits: d2's row (the row's last), then t's and d1's (its draft rows)
 
 the padding row a fresh 3-token sequence on the scratch slot, its draft rows and the scratch page. Graphs of either
-kind keep the final-norm hidden rows for the MTP head (`step_hidden`).
+kind keep the final-norm hidden rows for the MTP head (`step_hidden`), whose drafting after a uniform step replays
+graphs of its own (`engine/draft_graphs.py`; one device only).
 
 Every other text step of up to 1,024 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
 the forward cut at its layers' cores (paged attention, the DeltaNet recurrence), the pieces between them replayed
@@ -44,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
+from hybridcache.engine.draft_graphs import DraftGraphs
 from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
@@ -253,6 +255,7 @@ class ModelRunner:
             self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
+        self._draft_graphs: DraftGraphs | None = None  # speculative decoding: the head's drafting (uniform plans)
         self._prefill: PrefillGraphs | None = None  # piecewise graphs of prefill and mixed steps
         self.prefill_graph_bytes = 0  # device memory the piecewise graphs keep (their pool and buffers)
         self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
@@ -271,9 +274,25 @@ class ModelRunner:
             if k and 1 + k <= kernel_block_size:
                 self._verify_graphs = graphs(k)
                 self._capture(self._verify_graphs)
+            if mtp_head is not None and model.tp.size == 1:  # (tensor parallelism agrees drafts eagerly)
+                self._capture_drafting(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_slots=num_slots,
+                                       num_blocks=num_blocks, kernel_block_size=kernel_block_size, dtype=dtype)
             self._prefill = self._capture_prefill(
                 min(max_model_len, num_blocks * block_size, max_num_batched_tokens), block_size=block_size,
                 kernel_block_size=kernel_block_size)
+
+    def _capture_drafting(self, *, max_num_seqs: int, max_model_len: int, num_slots: int, num_blocks: int,
+                          kernel_block_size: int, dtype: torch.dtype) -> None:
+        """Capture the MTP head's drafting graphs (`engine/draft_graphs.py`) per decode bucket, padding rows on the
+        scratch slot and page, in the decode graphs' memory pool."""
+        self._draft_graphs = DraftGraphs(
+            head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
+            num_drafts=self.num_speculative_tokens, sizes=graph_batch_sizes(max_num_seqs),
+            max_model_len=max_model_len, scratch_slot=num_slots, scratch_page=num_blocks * self.pages_per_block,
+            kernel_block_size=kernel_block_size, hidden_size=self.model.config.hidden_size, dtype=dtype,
+            device=self.device,
+        )
+        self._draft_graphs.capture(pool=(self._verify_graphs or self._graphs).pool)
 
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
@@ -305,19 +324,22 @@ class ModelRunner:
                 for graph in graphs.graphs.values():
                     graph.reset()
                 graphs.graphs.clear()
+        if self._draft_graphs is not None:
+            self._draft_graphs.reset()
         if self._prefill is not None:
             self._prefill.reset()
-        self._graphs = self._verify_graphs = self._prefill = None
+        self._graphs = self._verify_graphs = self._draft_graphs = self._prefill = None
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
         """Within the block every step runs on the plain eager path, as with `enforce_eager`."""
         graphs, self._graphs, verify, self._verify_graphs = self._graphs, None, self._verify_graphs, None
+        drafting, self._draft_graphs = self._draft_graphs, None
         prefill, self._prefill = self._prefill, None
         try:
             yield
         finally:
-            self._graphs, self._verify_graphs, self._prefill = graphs, verify, prefill
+            self._graphs, self._verify_graphs, self._draft_graphs, self._prefill = graphs, verify, drafting, prefill
 
     @contextlib.contextmanager
     def without_replay(self) -> Iterator[None]:
@@ -363,11 +385,30 @@ class ModelRunner:
     def draft(self, plan: DraftPlan, agree: Callable[[torch.Tensor], torch.Tensor] = identity) -> torch.Tensor:
         """Run the MTP head's `plan` (`engine/mtp_draft.py`) on these pools from the hidden rows the last forward
         kept; the proposed tokens, int64 on the device. `agree`: how a rank agrees on each draft a further step
-        embeds (tensor parallelism: rank 0's broadcast)."""
+        embeds (tensor parallelism: rank 0's broadcast). A uniform plan within the captured buckets replays a
+        drafting graph (one device: `agree` the identity); any other runs eagerly."""
         if self.mtp_head is None or self.step_hidden is None:
             raise RuntimeError("draft needs a runner with an MTP head after a forward (speculative decoding)")
+        graphs = self._draft_graphs
+        size = graphs.bucket(plan) if graphs is not None and agree is identity else None
+        if size is not None:
+            return graphs.run(plan, self.step_hidden, size, replay=self._replay)
         return run_draft_plan(plan, head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
                               hidden=self.step_hidden, agree=agree)
+
+    def draft_after_verify(self, batch: ForwardBatch, logits: torch.Tensor,
+                           near_pages: torch.Tensor) -> torch.Tensor | None:
+        """Speculative decoding: queue the drafting after the uniform, all-greedy verify step `batch` that just
+        ran (`logits`: what `execute` returned) without waiting for the host's verdicts
+        (`DraftGraphs.run_after_verify`: each row's accepted count, then the drafts); None when there are no
+        drafting graphs (an eager runner) or the step is beyond them."""
+        graphs = self._draft_graphs
+        if graphs is None or 1 + self.num_speculative_tokens not in graphs.catch:
+            return None
+        size = graph_bucket(batch.num_seqs, graphs.sizes)
+        if size is None:
+            return None
+        return graphs.run_after_verify(batch, logits, self.step_hidden, near_pages, size, replay=self._replay)
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies

@@ -20,6 +20,9 @@ After the step (`MtpDrafter.propose`), the head runs once over every position th
 row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
 per step, feeding its own output hidden state back (the plan is built here, on the host, and run by the executor:
 `engine/mtp_draft.py`, on every rank under tensor parallelism). The drafts go to `Seq.drafts` for the next step.
+A uniform plan replays a drafting graph (`engine/draft_graphs.py`); after a verify step whose rows are all plain
+greedy, the engine queues that drafting on the device before judging (`greedy_verify`, `near_pages`, the runner's
+`draft_after_verify`), and `propose` only takes its drafts.
 """
 
 from __future__ import annotations
@@ -183,6 +186,26 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(weights, 1, generator=generator).item())
 
 
+def assign_drafts(drafted: Sequence[int], proposers: Sequence[Sequence[ScheduledChunk]],
+                  wanted: dict[int, int]) -> dict[int, list[int]]:
+    """seq_id -> its drafts, from `runner.draft`'s tokens `drafted` (position by position: `proposers[j]` the chunks
+    whose sequences proposed at position j, in order), each cut at the sequence's `wanted` count."""
+    out: dict[int, list[int]] = {}
+    for owners in proposers:
+        for chunk, token in zip(owners, drafted, strict=False):
+            drafts = out.setdefault(chunk.seq.seq_id, [])
+            if len(drafts) < wanted.get(chunk.seq.seq_id, 0):
+                drafts.append(token)
+        drafted = drafted[len(owners):]
+    return out
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy, and the greedy token is the raw logits' argmax, with no logprobs asked (`judge`)."""
+    return (params.greedy and not params.logit_bias and not params.min_tokens and not params.penalized
+            and params.logprobs is None)
+
+
 class MtpDrafter:
     """Proposes drafts with the MTP head through the executor seam: `propose` builds the head's work after a step
     on the host (a `DraftPlan`, `engine/mtp_draft.py`) and `runner.draft(plan)` runs it on the device, on one
@@ -204,55 +227,137 @@ class MtpDrafter:
         return [self.runner.draft_slots(c.slot, c.num_drafts) for c in chunks]
 
     def budget(self, seq: Seq) -> int:
-        """How many drafts `seq` may feed next: k, fewer near max_tokens or max_model_len (a verify row of n
-        drafts emits up to n + 1 tokens)."""
-        left = min(seq.params.max_tokens - (seq.num_tokens - seq.prompt_len), self.max_model_len - seq.num_tokens)
-        return max(0, min(self.k, left - 1))
+        """How many drafts `seq` may feed next: k, fewer only near max_model_len (a verify row of n drafts writes
+        n + 1 positions, which must stay within the sequence's blocks). Not cut near max_tokens: the engine stops
+        emitting at max_tokens (`OutputProcessor`), so a row's extra drafts only cost their positions, and every
+        row of a step keeps k drafts: the step stays uniform, graphed (verify and drafting)."""
+        return max(0, min(self.k, self.max_model_len - seq.num_tokens - 1))
 
-    def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq]) -> None:
+    def greedy_verify(self, chunks: Sequence[ScheduledChunk]) -> bool:
+        """Whether a step's drafting can be planned on the device before its verdicts
+        (`runner.draft_after_verify`): every chunk a verify row of k drafts that samples, greedily with nothing
+        that changes the argmax or asks for more than it (logit bias, min_tokens, penalties, logprobs)."""
+        return bool(chunks) and all(
+            c.num_drafts == self.k and c.num_tokens == 1 + self.k and c.samples and _plain_greedy(c.seq.params)
+            for c in chunks)
+
+    def near_pages(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """[n, W] int64 on the runner's device: each chunk's kernel pages from the page of its first position on,
+        as far as its drafts after the step reach (start + 2k; 0 past its blocks), for `draft_after_verify`."""
+        per_block = self.block_size // self.kernel_block_size
+        width = (2 * self.k - 1) // self.kernel_block_size + 2
+        rows = []
+        for chunk in chunks:
+            first = chunk.start // self.kernel_block_size
+            pages = [chunk.block_ids[p // per_block] * per_block + p % per_block
+                     for p in range(first, first + width) if p // per_block < len(chunk.block_ids)]
+            rows.append(pages + [0] * (width - len(pages)))
+        return to_device(rows, self.runner.input_device, torch.int64)
+
+    def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq],
+                predrafted: torch.Tensor | None = None) -> None:
         """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
         accepted): run the head over every position the step computed for sequences still running (its KV
         there), then set `seq.drafts` of each sequence in `drafting` (running, sampled in this step) to the
-        `budget(seq)` tokens the head proposes greedily.
+        `budget(seq)` tokens the head proposes greedily (a uniform plan drafts k for every sequence: the
+        drafts past a budget are dropped here).
 
         The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
         positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
         lookahead). It is queued before the next step is planned, so a block `accept` has just put into
-        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it."""
+        the trie (or freed as a duplicate) is written before any other sequence can share or reuse it.
+
+        `predrafted`: the step's drafting, already queued on the device before its verdicts
+        (`runner.draft_after_verify`, the chunks' accepted counts then their drafts): its drafts are taken when
+        its counts equal the verdicts' (they do: the same argmax of the same logits), else the head runs again."""
         for seq in drafting:
             seq.drafts = []
-        planned = self.plan(chunks, drafting)
+        wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
+        if predrafted is not None and self._take_predrafted(chunks, drafting, wanted, predrafted.tolist()):
+            return
+        planned = self.plan(chunks, wanted)
         if planned is None:
             return
         plan, proposers = planned
         drafted = self.runner.draft(plan).tolist()  # one host transfer for every draft of the step
-        for owners in proposers:
-            for chunk, token in zip(owners, drafted, strict=False):
-                chunk.seq.drafts.append(token)
-            drafted = drafted[len(owners):]
+        assigned = assign_drafts(drafted, proposers, wanted)
+        for seq in drafting:
+            seq.drafts = assigned.get(seq.seq_id, [])
+
+    def _take_predrafted(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq], wanted: dict[int, int],
+                         values: list[int]) -> bool:
+        """Set the drafts of `drafting` from `draft_after_verify`'s `values`; False (nothing set) when a count
+        disagrees with the sequence's settled tokens (`num_computed` = start + 1 + accepted)."""
+        n, drafted = len(chunks), set(drafting)
+        counts, tokens = values[:n], values[n:]
+        if any(c.seq.num_computed != c.start + 1 + counts[i] for i, c in enumerate(chunks) if c.seq in drafted):
+            return False
+        for i, chunk in enumerate(chunks):
+            if chunk.seq in drafted:
+                chunk.seq.drafts = [tokens[j * n + i] for j in range(wanted[chunk.seq.seq_id])]
+        return True
 
     def plan(self, chunks: Sequence[ScheduledChunk],
-             drafting: Sequence[Seq]) -> tuple[DraftPlan, list[list[ScheduledChunk]]] | None:
-        """The head's work after the step (`propose`), built on the runner's `input_device`, and the chunks whose
-        sequences propose at each position, in the order of `runner.draft`'s tokens; None when no sequence still
-        running computed a position."""
+             wanted: dict[int, int]) -> tuple[DraftPlan, list[list[ScheduledChunk]]] | None:
+        """The head's work after the step (`propose`; `wanted`: seq_id -> drafts wanted, for the sequences that
+        draft), built on the runner's `input_device`, and the chunks whose sequences propose at each position,
+        in the order of `runner.draft`'s tokens; None when no sequence still running computed a position.
+        Uniform (`mtp_draft` module docstring) when every such chunk fed the same q tokens, q = 1 (a plain
+        decode row) or 1 + k (a verify row of k drafts)."""
+        owners = [c for c in chunks if not c.seq.is_finished and c.seq.num_computed > c.start
+                  and len(c.seq.token_ids) > c.seq.num_computed]
+        if not owners:
+            return None
+        widths = {c.num_tokens for c in owners}
+        q = next(iter(widths))
+        if len(widths) == 1 and all(c.num_drafts == q - 1 for c in owners) and q - 1 in (0, self.k):
+            return self._uniform_plan(chunks, owners, q), [owners] * self.k
+        return self._ragged_plan(chunks, owners, wanted)
+
+    def _uniform_plan(self, chunks: Sequence[ScheduledChunk], owners: list[ScheduledChunk], q: int) -> DraftPlan:
+        """q catch-up rows per sequence in `owners` (its chunk's positions; a row past the sequence's last
+        computed position is fed token 0), k drafts each."""
         device = self.runner.input_device
+        rows: list[SeqChunk] = []
+        hidden_rows: list[int] = []
+        first: list[int] = []
+        offsets, row = {}, 0
+        for chunk in chunks:
+            offsets[id(chunk)], row = row, row + chunk.num_tokens
+        for i, chunk in enumerate(owners):
+            seq = chunk.seq
+            tokens = seq.token_ids[chunk.start + 1: seq.num_computed + 1]
+            rows.append(SeqChunk(token_ids=[*tokens, *[0] * (q - len(tokens))], start=chunk.start,
+                                 block_ids=chunk.block_ids, slot=chunk.slot))
+            hidden_rows += range(offsets[id(chunk)], offsets[id(chunk)] + q)
+            first.append(i * q + len(tokens) - 1)
+        steps = []
+        for step in range(1, self.k):
+            further = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids,
+                                slot=c.slot) for c in owners]
+            steps.append(DraftStep(self._batch(further, device)))
+        return DraftPlan(self._batch(rows, device), to_device(hidden_rows, device, torch.int64),
+                         to_device(first, device, torch.int64), tuple(steps), tokens_per_seq=q)
+
+    def _ragged_plan(self, chunks: Sequence[ScheduledChunk], owners: list[ScheduledChunk],
+                     wanted: dict[int, int]) -> tuple[DraftPlan, list[list[ScheduledChunk]]]:
+        """The catch-up rows of the positions that hold tokens, and further steps only for the sequences whose
+        budgets reach them."""
+        device = self.runner.input_device
+        owned = {id(c) for c in owners}
         caught: list[SeqChunk] = []
         hidden_rows: list[int] = []
-        owners: list[ScheduledChunk] = []
+        last_rows: list[int] = []
         row = 0
         for chunk in chunks:
             seq = chunk.seq
-            valid = seq.num_computed - chunk.start  # positions of the chunk that hold the sequence's tokens
-            if not seq.is_finished and valid > 0 and len(seq.token_ids) > seq.num_computed:
+            if id(chunk) in owned:
+                valid = seq.num_computed - chunk.start  # positions of the chunk that hold the sequence's tokens
                 caught.append(SeqChunk(token_ids=seq.token_ids[chunk.start + 1: seq.num_computed + 1],
                                        start=chunk.start, block_ids=chunk.block_ids, slot=chunk.slot))
+                last_rows.append(len(hidden_rows) + valid - 1)
                 hidden_rows += range(row, row + valid)
-                owners.append(chunk)
             row += chunk.num_tokens
-        if not caught:
-            return None
-        wanted = {seq.seq_id: self.budget(seq) for seq in drafting}
         first = [i for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0]
         active = [owners[i] for i in first]
         proposers = [active] if active else []
@@ -267,7 +372,7 @@ class MtpDrafter:
             steps.append(DraftStep(self._batch(rows, device), to_device(keep, device, torch.int64)))
             proposers.append(active)
         plan = DraftPlan(self._batch(caught, device), to_device(hidden_rows, device, torch.int64),
-                         to_device(first, device, torch.int64), tuple(steps))
+                         to_device([last_rows[i] for i in first], device, torch.int64), tuple(steps))
         return plan, proposers
 
     def _batch(self, rows: Sequence[SeqChunk], device: torch.device) -> ForwardBatch:

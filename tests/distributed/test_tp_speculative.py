@@ -137,8 +137,8 @@ def record_head_drafts(engine: LLMEngine) -> dict:
     drafts = {}
     propose = engine.drafter.propose
 
-    def recording(chunks, drafting):
-        propose(chunks, drafting)
+    def recording(chunks, drafting, *args):
+        propose(chunks, drafting, *args)
         for seq in drafting:
             drafts[(seq.request_id, seq.index, seq.num_tokens)] = list(seq.drafts)
 

@@ -29,8 +29,8 @@ def oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) ->
     drafter = engine.drafter
     propose = drafter.propose
 
-    def propose_from_reference(chunks, drafting):
-        propose(chunks, drafting)  # the real head still runs (its KV, its drafts' count)
+    def propose_from_reference(chunks, drafting, *args):
+        propose(chunks, drafting, *args)  # the real head still runs (its KV, its drafts' count)
         for seq in drafting:
             want = reference.get(seq.request_id, [[]] * (seq.index + 1))[seq.index]
             done = seq.num_tokens - seq.prompt_len
