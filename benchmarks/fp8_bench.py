@@ -4,6 +4,7 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/fp8_bench.py
         [--runs next-16b:fp8,next-16b:bf16,next-16b:fp8:fp8,80b:fp8] [--phases D,C,A] [--kv-fp8-phases A]
         [--load-format dummy|auto] [--kv-pools] [--gpu-memory-utilization F] [--out DIR] [--scale S]
+        [--profile decode,batch,small] [--dense-fp8 library|triton] [--decode-kernels-from SWEEP.json]
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
@@ -17,7 +18,9 @@ always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
 and runs the phases (gpu_bench's A, C, D: D records the decode step in ms), then frees the GPU before the next run.
-Every figure is written to the JSON as it comes (a run cut short keeps its phases). `--kv-pools` adds first, per
+Every figure is written to the JSON as it comes (a run cut short keeps its phases). `--profile PARTS`: after the
+warm-up, `fp8_profile.py`'s profiles of the decode step, a phase-D prefill step and phase A's small prefills by
+kernel group, on the same engine (no second start-up), into the run's "profile". `--kv-pools` adds first, per
 model, the pool's blocks under one fixed budget for bf16 and FP8 KV (computed from the state specs, no engine).
 
 Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT, else .).
@@ -90,9 +93,11 @@ def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path,
 
 
 def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], options: dict, dummy: bool,
-            result: dict, save, profile_dir: Path | None = None) -> dict:
+            result: dict, save, profile_dir: Path | None = None, profile_parts: list[str] | None = None,
+            out_dir: Path | None = None) -> dict:
     """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them;
-    with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder)."""
+    with `profile_parts`, after the warm-up and before the phases, `fp8_profile.profile_engine` (its cProfile
+    table in `out_dir`); with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder)."""
     folder, extra = run_folder(model, weights, root, dummy)
     cuda = options["device"] == "cuda"
     start = time.perf_counter()
@@ -102,7 +107,10 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
                    "state_pages": llm.engine.memory_plan.state_pages,
                    "cuda_graphs": list(llm.engine.runner.graph_batch_sizes), "phases": {},
-                   "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None})
+                   "gpu_memory_allocated_gib": torch.cuda.memory_allocated() / 2**30 if cuda else None,
+                   "budget_bytes": llm.engine.memory_plan.budget_bytes,
+                   "runtime_state_bytes": llm.engine.memory_plan.state_bytes,
+                   "device_total_bytes": torch.cuda.mem_get_info()[1] if cuda else None})
     result["checkpoint_states_that_fit"] = result["num_blocks"] // max(1, result["state_pages"])
     save()
     print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
@@ -110,6 +118,13 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
     result["warm_up_kernels_compiled"] = compiles.by_label.get("warm-up", [])
+    if profile_parts:
+        from benchmarks import fp8_profile
+
+        compiles.label = "profile"
+        fp8_profile.profile_engine(llm, profile_parts, result, save,
+                                   (out_dir or Path(".")) / f"host_{model}_{weights}_{kv}.txt")
+        result["profile_kernels_compiled"] = compiles.by_label.get("profile", [])
     runners = {"A": gpu_bench.phase_a, "B": gpu_bench.phase_b, "C": gpu_bench.phase_c, "D": gpu_bench.phase_d}
     rng = random.Random(0)
     for phase in phases:
@@ -216,25 +231,35 @@ def fastest(rows: list[dict], config_of, size_of, primary=None) -> tuple[tuple, 
 
 def decode_choices(rows: list[dict]) -> dict:
     """The fastest FP8 kernels of `fp8_sweep.py` result rows, each over the sizes it was swept at (a part without
-    rows is absent): "experts", the routed experts' decode tile (kernel, block_n, swap_ab, num_warps) by its ms
-    summed over the decode token counts (T <= 64: 1 and 64; `moe.grouped.tile_rows` gives BLOCK_M, as in the
-    sweep); "experts_prefill", the W8A8 tile at 1,024 tokens; "dense", the dense kernel at M <= 64 summed over the
-    shapes and row counts (swap-AB tiles and cuBLAS). Rows with an error of MAX_SWEEP_ERR or more are left out."""
+    rows is absent): "experts", the routed experts' decode tile (kernel, block_n, swap_ab, num_warps, num_stages)
+    by its ms summed over the decode token counts (T <= 64: 1 and 64; `moe.grouped.tile_rows` gives BLOCK_M, as in
+    the sweep); "experts_prefill", the W8A8 prefill tile (block_m, block_n, num_warps) summed over the token
+    counts above 64 it was swept at (256 and 1,024 in `--quick`; 1,024 alone if a cut-short sweep has fewer than
+    two tiles at every size); "dense", the dense kernel at M <= 64 summed over the shapes and row counts
+    (swap-AB tiles and cuBLAS); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
+    Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
-    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64]
-    found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4)),
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"]
+    found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4),
+                                       r.get("num_stages", 3)),
                     lambda r: r["tokens"], primary=lambda tokens: tokens == 64)
     if found:
-        (kernel, block_n, swap_ab, warps), sums, sizes = found
+        (kernel, block_n, swap_ab, warps, stages), sums, sizes = found
         chosen["experts"] = {"kernel": kernel, "block_n": block_n, "swap_ab": swap_ab, "num_warps": warps,
-                             "tokens": sizes,
+                             "num_stages": stages, "tokens": sizes,
                              "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
-    prefill = [r for r in rows if r.get("experts") and r["tokens"] == 1024 and r["kernel"] == "w8a8"]
-    found = fastest(prefill, lambda r: (r["block_m"], r["block_n"], r.get("num_warps", 4)), lambda r: r["tokens"])
+    prefill = [r for r in rows if r.get("experts") and r["tokens"] > 64 and r["kernel"] == "w8a8"
+               and not r.get("swap_ab")]
+    found = fastest(prefill, lambda r: (r["block_m"], r["block_n"], r.get("num_warps", 4)), lambda r: r["tokens"],
+                    primary=lambda tokens: tokens == 1024)
     if found:
-        (block_m, block_n, warps), _, _ = found
-        chosen["experts_prefill"] = {"block_m": block_m, "block_n": block_n, "num_warps": warps}
+        (block_m, block_n, warps), sums, sizes = found
+        chosen["experts_prefill"] = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "tokens": sizes,
+                                     "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
+    bf16 = {r["tokens"]: r["ms"] for r in rows if r.get("experts") and r["kernel"] == "bf16"}
+    if bf16:
+        chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
              and (r.get("tile") or {}).get("swap_ab", True)]
     found = fastest(dense, lambda r: (r["kernel"],), lambda r: (r["shape"], r["M"]))
@@ -260,6 +285,7 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_fp8_moe.DECODE_BLOCK_N = experts["block_n"]
         triton_fp8_moe.DECODE_SWAP_AB = experts["swap_ab"]
         triton_fp8_moe.DECODE_NUM_WARPS = experts["num_warps"]
+        triton_fp8_moe.DECODE_NUM_STAGES = experts["num_stages"]
     if "experts_prefill" in chosen:
         prefill = chosen["experts_prefill"]
         triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = prefill["block_m"], prefill["block_n"]
@@ -286,8 +312,13 @@ def main() -> None:
     parser.add_argument("--profile-prefix-hit", action="store_true",
                         help="after each run's phases, phase C's + 200 request timed three times and once under "
                              "torch.profiler (tables: DIR/profile_MODEL_WEIGHTS_KV.txt)")
+    parser.add_argument("--profile", default="",
+                        help="fp8_profile.py's parts (decode,batch,small) on each run's engine, before its phases")
     parser.add_argument("--decode-kernels-from", default=None,
                         help="a fp8_sweep.py JSON: use its fastest decode kernels (choose_decode_kernels)")
+    parser.add_argument("--dense-fp8", default="library", choices=("library", "triton"),
+                        help="triton: the dense FP8 linears on the Triton W8A8 kernel at every size instead of "
+                             "cuBLAS's block-scaled GEMM (an A/B of cuBLAS's cost)")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -301,6 +332,12 @@ def main() -> None:
     out_path = Path(args.out or os.environ.get("OUT") or ".") / "fp8_bench.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     runs = [(r.split(":") + ["auto"])[:3] for r in args.runs.split(",") if r]
+    from benchmarks.fp8_profile import parse_parts
+
+    try:
+        profile_parts = parse_parts(args.profile)
+    except ValueError as error:
+        parser.error(str(error))
     bad = [r for r in args.runs.split(",") if r and (len(r.split(":")) not in (2, 3) or r.split(":")[1] not in WEIGHTS
                                                    or (r.split(":") + ["auto"])[2] not in ("auto", "fp8")
                                                    or r.split(":")[0] not in (*gpu_bench.MODELS, "80b"))]
@@ -317,6 +354,11 @@ def main() -> None:
                    gpu_memory_utilization=args.gpu_memory_utilization)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     result: dict = {"device": device_name, "date": time.strftime("%Y-%m-%d"), "options": options, "runs": []}
+    if args.dense_fp8 == "triton":
+        from hybridcache.kernels.gemm import triton_block_fp8
+
+        triton_block_fp8.CUBLAS_ROWS_FROM = sys.maxsize
+        result["dense_fp8"] = "triton"
     if args.decode_kernels_from and Path(args.decode_kernels_from).is_file():
         result["decode_kernels"] = choose_decode_kernels(args.decode_kernels_from)
     elif args.decode_kernels_from:
@@ -336,7 +378,7 @@ def main() -> None:
         try:
             one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
                     options, args.load_format == "dummy", run, save,
-                    out_path.parent if args.profile_prefix_hit else None)
+                    out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent)
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

@@ -192,20 +192,41 @@ def expert_items(gen: torch.Generator):
     deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
            "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
     del q_gu, q_d
-    return [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
+    items = [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
+    return items + [(0 if tokens <= 64 else 3, lambda tokens=tokens: bf16_expert_row(gen, fp8, deq, top_k, tokens))
+                    for tokens in BF16_EXPERTS]
 
 
-# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps), in priority order. BLOCK_M at decode
-# sizes is `moe.grouped.tile_rows`' (next-16b: 16 at T = 1, 32 at T = 64), the engine's; the first six are the
-# decode candidates (W8A16 and W8A8 swap-AB, and the first tiles) at T = 64 and 1 (`--quick`: those alone)
-QUICK_PLANS = 6
-PLANS = [(64, True, 32, 64, True, 4), (64, False, 32, 64, True, 4), (64, True, 32, 64, False, 4),
-         (1, True, 16, 64, True, 4), (1, False, 16, 64, True, 4), (1, True, 16, 64, False, 4),
-         (1024, False, 64, 128, False, 8), (1024, False, 64, 128, False, 4), (128, True, 64, 64, True, 4),
-         (128, False, 64, 64, True, 4), (64, False, 32, 128, True, 4), (1024, False, 128, 128, False, 8)]
+# routed experts: (tokens, W8A16, BLOCK_M, BLOCK_N, swap-AB, num_warps, num_stages), in priority order. BLOCK_M at
+# decode sizes is `moe.grouped.tile_rows`' (next-16b: 16 at T = 1, 32 at T = 64), the engine's. `--quick` sweeps
+# QUICK_PLANS instead: the W8A8 swap-AB decode tile (the engine's) against deeper pipelines and wider weight tiles
+# at T = 64 and 1, then the W8A8 prefill tiles at phase A's sizes (256 and 1,024 tokens); "bf16" rows
+# (`BF16_EXPERTS`) time bf16's experts (Triton tile or grouped GEMM, as `moe.grouped` picks) at the same sizes
+PLANS = [(64, True, 32, 64, True, 4, 3), (64, False, 32, 64, True, 4, 3), (64, True, 32, 64, False, 4, 3),
+         (1, True, 16, 64, True, 4, 3), (1, False, 16, 64, True, 4, 3), (1, True, 16, 64, False, 4, 3),
+         (1024, False, 64, 128, False, 8, 3), (1024, False, 64, 128, False, 4, 3), (128, True, 64, 64, True, 4, 3),
+         (128, False, 64, 64, True, 4, 3), (64, False, 32, 128, True, 4, 3), (1024, False, 128, 128, False, 8, 3)]
+QUICK_PLANS = [(tokens, False, 16 if tokens == 1 else 32, block_n, True, warps, stages) for tokens in (64, 1)
+               for block_n, warps, stages in ((64, 4, 3), (64, 4, 4), (64, 4, 5), (128, 4, 3), (128, 8, 4))]
+QUICK_PLANS += [(tokens, False, block_m, 128, False, warps, 3) for tokens in (256, 1024)
+                for block_m, warps in ((64, 8), (64, 4), (128, 8))]
+BF16_EXPERTS = [64, 1, 256, 1024]
 
 
-def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps) -> list[dict]:
+def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps, stages) -> list[dict]:
+    x, weights, ids, want = expert_case(gen, fp8, deq, top_k, tokens)
+
+    def call() -> torch.Tensor:
+        return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
+                                   swap_ab=swap, num_warps=warps, num_stages=stages)
+
+    return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
+             "block_n": block_n, "swap_ab": swap, "num_warps": warps, "num_stages": stages, "err": rel(call(), want),
+             "ms": timed([call])}]
+
+
+def expert_case(gen, fp8, deq, top_k, tokens):
+    """(x, top weights, top ids, the dequantised experts' fp32 output on x) of `tokens` random tokens."""
     experts, hidden = fp8.gate_up.shape[0], fp8.gate_up.shape[2]
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
     ids = torch.stack([torch.randperm(experts, generator=gen, device=DEVICE)[:top_k] for _ in range(tokens)])
@@ -217,12 +238,20 @@ def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warp
         gu = x[t].float() @ deq["gu"][e].T
         y = (F.silu(gu[:, :inter]) * gu[:, inter:]) @ deq["d"][e].T
         want.index_add_(0, t, weights[t, j, None].float() * y)
-    def call() -> torch.Tensor:
-        return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
-                                   swap_ab=swap, num_warps=warps)
+    return x, weights, ids, want
 
-    return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
-             "block_n": block_n, "swap_ab": swap, "num_warps": warps, "err": rel(call(), want), "ms": timed([call])}]
+
+def bf16_expert_row(gen, fp8, deq, top_k, tokens) -> list[dict]:
+    """bf16's routed experts (the dequantised weights in bf16, `moe.grouped.grouped_experts`) at `tokens`."""
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+
+    x, weights, ids, want = expert_case(gen, fp8, deq, top_k, tokens)
+    bf16 = ExpertWeights(deq["gu"].to(torch.bfloat16), deq["d"].to(torch.bfloat16))
+
+    def call() -> torch.Tensor:
+        return grouped_experts(x, weights, ids, bf16)
+
+    return [{"experts": "next-16b", "tokens": tokens, "kernel": "bf16", "err": rel(call(), want), "ms": timed([call])}]
 
 
 def quant_check(gen: torch.Generator) -> dict:
@@ -240,9 +269,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--budget-s", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true", help="on the CPU under TRITON_INTERPRET=1, tiny shapes")
-    parser.add_argument("--quick", action="store_true", help="decode only: next-16b's experts at T = 64 and 1 "
-                        "(W8A16 and W8A8 swap-AB, W8A16 first tiles), qkvz and 28,672 x 8,192 at M = 64 and 1 "
-                        "(swap-AB tiles and cuBLAS)")
+    parser.add_argument("--quick", action="store_true", help="next-16b's experts: W8A8 swap-AB decode tiles at "
+                        "T = 64 and 1, W8A8 prefill tiles at 256 and 1,024, bf16 at each; then qkvz and 28,672 x "
+                        "8,192 at M = 64 and 1 (swap-AB tiles and cuBLAS)")
     args = parser.parse_args()
     global DECODE_CUBLAS
     if args.quick:
@@ -250,7 +279,7 @@ def main() -> None:
             del DENSE[name]
         ROWS[:] = [64, 1]
         DECODE_TILES[:] = DECODE_TILES[:2]
-        PLANS[:] = PLANS[:QUICK_PLANS]
+        PLANS[:] = QUICK_PLANS
     if args.smoke:
         global DEVICE
         DEVICE = "cpu"
@@ -261,6 +290,7 @@ def main() -> None:
         DECODE_TILES[:] = DECODE_TILES[:2]
         DECODE_CUBLAS = False
         W8A8_TILES[:] = W8A8_TILES[:1]
+        BF16_EXPERTS[:] = [1, 64]  # more rows per expert take the grouped GEMM: CUDA only
     start = time.perf_counter()
     gen = torch.Generator(DEVICE).manual_seed(0)
     out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_sweep.json"
@@ -289,8 +319,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r.get('shape', '-')} | {r.get('M', '-')} | {r.get('kernel', '-')} | error {r['error'][:80]}")
             continue
-        tile = r.get("tile") or (f"{r['block_m']}x{r['block_n']}{' swap-ab' if r.get('swap_ab') else ''}"
-                                 if "block_m" in r else "-")
+        tile = r.get("tile") or (f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
+                                 f"{' swap-ab' if r.get('swap_ab') else ''}" if "block_m" in r else "-")
         if isinstance(tile, dict) and "block_m" in tile:
             tile = (f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
                     f"{' swap-ab' if tile.get('swap_ab') else ''}")

@@ -9,7 +9,7 @@ from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.conv import triton_verify as conv_verify
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta import triton_verify as gdn_verify
-from hybridcache.kernels.gemm import triton_block_fp8
+from hybridcache.kernels.gemm import triton_block_fp8, triton_quant
 from hybridcache.kernels.moe import triton_route, triton_sort
 
 
@@ -25,6 +25,8 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_sort._sort_pairs_kernel, "num_pairs"),
     (triton_paged._decode_merge_kernel, "num_splits"),
     (triton_block_fp8._fp8_gemm_kernel, "M"),
+    (triton_quant._quantize_groups_kernel, "M"),
+    (triton_quant._quantize_groups_kernel, "stride_sg"),
     (gdn_verify._gdn_verify_kernel, "stride_table"),
     (conv_verify._conv_draft_states_kernel, "stride_table"),
 ])

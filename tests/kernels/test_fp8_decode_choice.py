@@ -25,8 +25,8 @@ def test_the_experts_decode_tile_is_the_fastest_summed_over_every_decode_size() 
     chosen = decode_choices(rows)["experts"]
     assert (chosen["kernel"], chosen["swap_ab"], chosen["block_n"], chosen["num_warps"]) == ("w8a8", True, 64, 4)
     assert chosen["tokens"] == [1, 64]
-    assert set(chosen["ms_sum"]) == {"w8a16/64/True/4", "w8a8/64/True/4", "w8a16/64/False/4"}
-    assert abs(chosen["ms_sum"]["w8a8/64/True/4"] - 0.22) < 1e-9
+    assert set(chosen["ms_sum"]) == {"w8a16/64/True/4/3", "w8a8/64/True/4/3", "w8a16/64/False/4/3"}
+    assert abs(chosen["ms_sum"]["w8a8/64/True/4/3"] - 0.22) < 1e-9
 
 
 def test_a_sweep_cut_short_compares_the_experts_at_64_tokens() -> None:
@@ -65,5 +65,48 @@ def test_the_prefill_tile_and_parts_without_rows() -> None:
              "swap_ab": False, "num_warps": warps, "err": 0.04, "ms": ms}
             for bm, warps, ms in ((64, 4, 1.2), (64, 8, 0.57), (128, 8, 3.3))]
     chosen = decode_choices(rows)
-    assert chosen == {"experts_prefill": {"block_m": 64, "block_n": 128, "num_warps": 8}}
+    assert set(chosen) == {"experts_prefill"}
+    prefill = chosen["experts_prefill"]
+    assert (prefill["block_m"], prefill["block_n"], prefill["num_warps"], prefill["tokens"]) == (64, 128, 8, [1024])
+    assert prefill["ms_sum"] == {"64/128/4": 1.2, "64/128/8": 0.57, "128/128/8": 3.3}
     assert decode_choices([]) == {}
+
+
+def test_the_experts_decode_tile_carries_its_pipeline_depth_and_bf16_rows_are_no_choice() -> None:
+    """`fp8_sweep.py --quick` times the W8A8 swap-AB tile at several num_stages (and bf16's experts as a
+    reference): the stages of the fastest summed tile are chosen; a bf16 row, however fast, is not."""
+    rows = []
+    for stages, at64, at1 in ((3, 0.132, 0.046), (4, 0.120, 0.045), (5, 0.118, 0.060)):
+        rows += [expert(64, "w8a8", True, at64) | {"num_stages": stages},
+                 expert(1, "w8a8", True, at1) | {"num_stages": stages}]
+    rows += [{"experts": "next-16b", "tokens": tokens, "kernel": "bf16", "err": 0.004, "ms": 0.001}
+             for tokens in (1, 64, 1024)]
+    chosen = decode_choices(rows)
+    experts = chosen["experts"]
+    assert (experts["kernel"], experts["swap_ab"], experts["num_stages"]) == ("w8a8", True, 4)
+    assert set(experts["ms_sum"]) == {"w8a8/64/True/4/3", "w8a8/64/True/4/4", "w8a8/64/True/4/5"}
+    assert chosen["experts_bf16_ms"] == {1: 0.001, 64: 0.001, 1024: 0.001}
+    assert "experts_prefill" not in chosen  # bf16 rows are never a prefill tile either
+
+
+def prefill(tokens: int, block_m: int, warps: int, ms: float, err: float = 0.03) -> dict:
+    return {"experts": "next-16b", "tokens": tokens, "kernel": "w8a8", "block_m": block_m, "block_n": 128,
+            "swap_ab": False, "num_warps": warps, "num_stages": 3, "err": err, "ms": ms}
+
+
+def test_the_prefill_tile_is_the_fastest_summed_over_phase_a_sizes() -> None:
+    """At 256 and 1,024 tokens (phase A's requests prefill 300-1,000): the tile with the least summed ms, not the
+    fastest at 1,024 alone; a tile with a broken error is left out."""
+    rows = [prefill(256, 64, 8, 0.30), prefill(1024, 64, 8, 0.57),
+            prefill(256, 128, 8, 0.20), prefill(1024, 128, 8, 0.60),  # summed .80 against .87
+            prefill(256, 64, 4, 0.01, err=1.0), prefill(1024, 64, 4, 0.01, err=1.0),
+            expert(64, "w8a8", True, 0.05)]  # a decode row is no prefill tile
+    chosen = decode_choices(rows)["experts_prefill"]
+    assert (chosen["block_m"], chosen["block_n"], chosen["num_warps"]) == (128, 128, 8)
+    assert chosen["tokens"] == [256, 1024] and set(chosen["ms_sum"]) == {"64/128/8", "128/128/8"}
+
+
+def test_a_prefill_sweep_cut_short_compares_at_1024_tokens() -> None:
+    rows = [prefill(1024, 64, 8, 0.57), prefill(1024, 128, 8, 0.60), prefill(256, 128, 8, 0.20)]
+    chosen = decode_choices(rows)["experts_prefill"]
+    assert (chosen["block_m"], chosen["tokens"]) == (64, [1024])

@@ -237,6 +237,42 @@ def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, monkeypatch):
     assert rel(got, want) <= (1e-5 if w8a16 else 1e-4)
 
 
+@needs_interpreter
+def test_interpreted_fp8_experts_launch_the_module_tiles(monkeypatch):
+    """`fp8_grouped_experts` launches both GEMMs with the `DECODE_*` tile (pipeline depth included) while
+    `moe.grouped.tile_rows` gives a tile, and with the `PREFILL_*` tile above: the module choices
+    `fp8_bench.choose_decode_kernels` sets from a sweep are what the engine runs."""
+    from hybridcache.kernels.gemm import triton_fp8_moe
+
+    torch_quantisation(monkeypatch)
+    launches: list[dict] = []
+    original = triton_fp8_moe.fp8_expert_gemm
+
+    def recording(*args, **kwargs):
+        launches.append({key: kwargs.get(key) for key in ("block_m", "block_n", "swap_ab", "num_warps",
+                                                          "num_stages")})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(triton_fp8_moe, "fp8_expert_gemm", recording)
+    for name, value in (("DECODE_BLOCK_N", 32), ("DECODE_NUM_WARPS", 2), ("DECODE_NUM_STAGES", 5),
+                        ("PREFILL_BLOCK_M", 32), ("PREFILL_BLOCK_N", 32), ("PREFILL_NUM_WARPS", 2)):
+        monkeypatch.setattr(triton_fp8_moe, name, value)
+    generator = torch.Generator().manual_seed(3)
+    hidden, inter, experts, top_k, block = 64, 32, 2, 2, (32, 32)
+    fmt = Fp8Format("block", block)
+    gate, up = ([quantize(torch.randn(inter, hidden, generator=generator) / 8, fmt) for _ in range(experts)]
+                for _ in range(2))
+    down = [quantize(torch.randn(hidden, inter, generator=generator) / 8, fmt) for _ in range(experts)]
+    stacked = stacked_experts(gate, up, down, block)
+    for tokens in (3, 70):  # 3 and 70 rows per expert: a decode tile (16 rows), then none (more than 64)
+        ids = torch.arange(top_k).repeat(tokens, 1)
+        triton_fp8_moe.fp8_grouped_experts(torch.randn(tokens, hidden, generator=generator),
+                                           torch.rand(tokens, top_k, generator=generator), ids, stacked)
+    decode = dict(block_m=16, block_n=32, swap_ab=True, num_warps=2, num_stages=5)
+    prefill = dict(block_m=32, block_n=32, swap_ab=None, num_warps=2, num_stages=None)  # the launcher's defaults
+    assert launches == [decode, decode, prefill, prefill]
+
+
 @needs_cuda
 @pytest.mark.parametrize("fmt", [BLOCK, CHANNEL], ids=["block", "channel"])
 @pytest.mark.parametrize("m", [1, 64, 300])
@@ -276,7 +312,8 @@ def test_cuda_fp8_grouped_experts(tokens):
             want[t] += top_weights[t, j] * linear(torch.nn.functional.silu(g) * u, *down[e], BLOCK)[0]
     stacked = stacked_experts([(w.cuda(), s.cuda()) for w, s in gate], [(w.cuda(), s.cuda()) for w, s in up],
                               [(w.cuda(), s.cuda()) for w, s in down], BLOCK.block)
-    modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True)] if tokens <= 64 else [])
+    modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True),
+                     dict(w8a16=False, swap_ab=True, num_stages=5)] if tokens <= 64 else [])
     for mode in modes:
         got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked,
                                   **mode)

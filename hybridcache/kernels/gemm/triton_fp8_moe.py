@@ -41,6 +41,7 @@ DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token p
 DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.tile_rows`
 DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
 DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "FP8 on the H200")
 PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
 PREFILL_BLOCK_N = 128
 PREFILL_NUM_WARPS = 8
@@ -214,7 +215,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
     if decode_tile is not None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS)
+        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
+                       num_stages=DECODE_NUM_STAGES)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
         options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)

@@ -16,7 +16,9 @@ import triton.language as tl
 from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
 
 
-@triton.jit
+# The row count M and the scale's group stride (the padded row count in cuBLAS's column-major layout) vary with
+# every step's token count: not specialised (== 1, % 16), so the variants start-up compiles are all there are.
+@triton.jit(do_not_specialize=["M", "stride_sg"])
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_sm, stride_sg,
                             GROUP: tl.constexpr, CHUNK: tl.constexpr, QMAX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
