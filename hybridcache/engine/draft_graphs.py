@@ -83,22 +83,31 @@ class _StaticRows:
     def write(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
               state_slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
         """`load` from device tensors of n <= size sequences (a `ForwardBatch`'s fields)."""
-        n, q = state_slots.shape[0], self.q
-        used, total = n * q, size * q
-        width = block_tables.shape[1]
-        self.input_ids[:used].copy_(input_ids, non_blocking=True)
-        self.positions[:used].copy_(positions, non_blocking=True)
-        self.kv_rows[:used].copy_(kv_rows, non_blocking=True)
-        self.state_slots[:n].copy_(state_slots, non_blocking=True)
-        self.context_lens[:n].copy_(context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
-        if n < size:
-            self.input_ids[used:total] = 0
-            self.positions[used:total] = self.pad_positions[used:total]
-            self.kv_rows[used:total] = self.pad_kv_rows[used:total]
-            self.state_slots[n:size] = self.scratch_slot
-            self.context_lens[n:size] = q
-            self.block_tables[n:size, 0] = self.scratch_page
+        write_rows(self, self.q, input_ids, positions, kv_rows, state_slots, context_lens, block_tables, size)
+
+
+def write_rows(buffers, q: int, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
+               state_slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor, size: int) -> None:
+    """Copy n <= size sequences of q rows each into a graph's static `buffers` (the attributes `input_ids`,
+    `positions`, `kv_rows`, `state_slots`, `context_lens`, `block_tables`, with `pad_positions`, `pad_kv_rows`,
+    `scratch_slot` and `scratch_page` for padding: `_StaticRows`, and the runner's decode and verify graphs);
+    sequences n..size-1 become padding: fresh q-token sequences on the scratch slot and page."""
+    n = state_slots.shape[0]
+    used, total = n * q, size * q
+    width = block_tables.shape[1]
+    buffers.input_ids[:used].copy_(input_ids, non_blocking=True)
+    buffers.positions[:used].copy_(positions, non_blocking=True)
+    buffers.kv_rows[:used].copy_(kv_rows, non_blocking=True)
+    buffers.state_slots[:n].copy_(state_slots, non_blocking=True)
+    buffers.context_lens[:n].copy_(context_lens, non_blocking=True)
+    buffers.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+    if n < size:
+        buffers.input_ids[used:total] = 0
+        buffers.positions[used:total] = buffers.pad_positions[used:total]
+        buffers.kv_rows[used:total] = buffers.pad_kv_rows[used:total]
+        buffers.state_slots[n:size] = buffers.scratch_slot
+        buffers.context_lens[n:size] = q
+        buffers.block_tables[n:size, 0] = buffers.scratch_page
 
 
 class DraftGraphs:

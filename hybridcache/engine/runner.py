@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from hybridcache.copy_kinds import CopyKind, Phase
-from hybridcache.engine.draft_graphs import DraftGraphs
+from hybridcache.engine.draft_graphs import DraftGraphs, write_rows
 from hybridcache.engine.host_pool import CopyStreams, HostPool
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, table_width
 from hybridcache.engine.memory import MemoryPlan
@@ -166,26 +166,13 @@ class _DecodeGraphs:
         """Copy `batch` (n <= size rows of this graph's kind) into the static buffers; rows n..size-1 become
         padding."""
         n, q, d = batch.num_seqs, self.tokens_per_row, self.num_drafts
-        used, total = n * q, size * q
-        width = batch.block_tables.shape[1]
-        self.input_ids[:used].copy_(batch.input_ids, non_blocking=True)
         # decode rows are text: their M-RoPE rows are equal, and the rotary of one row is the rotary of all three
         rope = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
-        self.positions[:used].copy_(rope, non_blocking=True)
-        self.kv_rows[:used].copy_(batch.kv_rows, non_blocking=True)
-        self.state_slots[:n].copy_(batch.state_slots, non_blocking=True)
-        self.context_lens[:n].copy_(batch.context_lens, non_blocking=True)
-        self.block_tables[:n, :width].copy_(batch.block_tables, non_blocking=True)
+        write_rows(self, q, batch.input_ids, rope, batch.kv_rows, batch.state_slots, batch.context_lens,
+                   batch.block_tables, size)
         if d:
             self.draft_slots[: n * d].copy_(batch.draft_slots, non_blocking=True)
-        if n < size:
-            self.input_ids[used:total] = 0
-            self.positions[used:total] = self.pad_positions[used:total]
-            self.kv_rows[used:total] = self.pad_kv_rows[used:total]
-            self.state_slots[n:size] = self.scratch_slot
-            self.context_lens[n:size] = q
-            self.block_tables[n:size, 0] = self.scratch_page
-            if d:
+            if n < size:
                 self.draft_slots[n * d: size * d] = self.pad_drafts[n * d: size * d]
 
     def rows(self, output: torch.Tensor, n: int, size: int) -> torch.Tensor:
