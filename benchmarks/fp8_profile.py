@@ -75,19 +75,9 @@ def kernel_groups(prof, steps: int = 1) -> dict:
     kernels, per step (totals / `steps`): families by `FP8_FAMILIES` then `step_profile.FAMILIES`, groups by
     `step_profile.GROUPS` (other families: "everything else"; the FP8 quantisation is its own group). Device
     events only (a CPU operator's device time is its kernels, counted as themselves)."""
-    from torch.autograd import DeviceType
-
     sp = _step_profile()
-    families: dict[str, dict[str, float]] = {}
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", 0) or 0
-        if us <= 0 or event.device_type == DeviceType.CPU:
-            continue
-        name = event.key.lower()
-        family = next((fam for fragment, fam in FP8_FAMILIES + sp.FAMILIES if fragment in name), "other")
-        entry = families.setdefault(family, {"ms": 0.0, "launches": 0.0})
-        entry["ms"] += us / 1000 / steps
-        entry["launches"] += event.count / steps
+    families = {family: {"ms": ms / steps, "launches": count / steps}
+                for family, (ms, count) in sp.device_families(prof, tuple(FP8_FAMILIES) + tuple(sp.FAMILIES)).items()}
     groups: dict[str, dict[str, float]] = {}
     for family, entry in families.items():
         group = family if family.startswith("FP8") else sp.GROUPS.get(family, "everything else")

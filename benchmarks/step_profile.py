@@ -106,8 +106,9 @@ GROUPS = {  # family -> group of docs/bench.md's "decode step by kernel against 
 }
 
 
-def device_families(prof) -> dict[str, tuple[float, int]]:
-    """Device (ms, kernel launches) of the profile's kernels summed by family (`FAMILIES`; the rest: "other"). Only
+def device_families(prof, families: tuple = FAMILIES) -> dict[str, tuple[float, int]]:
+    """Device (ms, kernel launches) of the profile's kernels summed by family (`families`, (name fragment, family)
+    pairs, the first match wins; the rest: "other"). Only
     device events count: a CPU operator's own device time is the kernels it launched, which are listed again as
     themselves."""
     from torch.autograd import DeviceType
@@ -118,7 +119,7 @@ def device_families(prof) -> dict[str, tuple[float, int]]:
         if us <= 0 or event.device_type == DeviceType.CPU:
             continue
         name = event.key.lower()
-        family = next((fam for fragment, fam in FAMILIES if fragment in name), "other")
+        family = next((fam for fragment, fam in families if fragment in name), "other")
         ms, count = totals.get(family, (0.0, 0))
         totals[family] = (ms + us / 1000, count + event.count)
     return dict(sorted(totals.items(), key=lambda item: -item[1][0]))
