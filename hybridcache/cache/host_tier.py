@@ -26,8 +26,9 @@ Rules (each checked by `integrity.check_host`):
   the oldest unpinned first; what falls out is gone.
 
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
-its blocks are freed (`fall_out`: its chain and state as a tier behind needs them), and `Lifecycle.adopt_stored`
-hangs a `StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
+its blocks are freed (`fall_out`: its chain and state as a tier behind needs them; at shutdown `hand_behind` tells
+it of every checkpoint the cache holds, the device pool's too), and `Lifecycle.adopt_stored` hangs a
+`StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
 
 Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
 device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
@@ -63,10 +64,11 @@ class FallOutBlock:
 
 @dataclass(frozen=True)
 class FallOut:
-    """A host checkpoint the host tier's own eviction is dropping, as a tier behind it needs it (`HostTier.
-    fall_out`): the blocks from the root to its anchor (root's child first; the base model's trie, no spans), its
-    step, tail and tail hash (chained from `anchor_hash`), why it was saved (`SaveReason` value), and the host
-    blocks of its k pages then its frozen tail (when the step is not block-aligned)."""
+    """A checkpoint as a tier behind the host one needs it (`HostTier.fall_out`): one the host tier's own eviction
+    is dropping, or at shutdown any the cache holds: the blocks from the root to its anchor (root's child first;
+    the base model's trie, no spans), its step, tail and tail hash (chained from `anchor_hash`), why it was saved
+    (`SaveReason` value), and the blocks of its k pages then its frozen tail (when the step is not block-aligned):
+    host blocks, or device blocks when `state_on_host` is False (a checkpoint still in the device pool)."""
 
     blocks: tuple[FallOutBlock, ...]
     anchor_hash: int
@@ -76,6 +78,7 @@ class FallOut:
     reason: str
     num_pages: int
     state_host_ids: tuple[int, ...]
+    state_on_host: bool = True
 
 
 @dataclass(frozen=True)
@@ -264,29 +267,37 @@ class HostTier:
             self.drop_checkpoint(victim)
         return True
 
-    def hand_behind(self) -> int:
-        """Tell `on_fall_out` of every host checkpoint, as if each fell out, while all stay here: at shutdown, so
-        that a tier behind keeps across a restart what this one holds. Returns how many were handed (0 with no
-        tier behind)."""
+    def hand_behind(
+        self, device_checkpoints: list[Checkpoint], progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Tell `on_fall_out` of every host checkpoint, then of each of `device_checkpoints` (the published ones
+        still in the device pool), as if each fell out, while all stay where they are: at shutdown, so that a tier
+        behind keeps across a restart what the cache holds. `progress(done, total)` after each. Returns how many
+        were handed (0 with no tier behind)."""
         if self.on_fall_out is None:
             return 0
-        for ckpt in self.order.values():
+        handed = [*self.order.values(), *device_checkpoints]
+        for done, ckpt in enumerate(handed, 1):
             self.on_fall_out(self.fall_out(ckpt))
-        return len(self.order)
+            if progress is not None:
+                progress(done, len(handed))
+        return len(handed)
 
     def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
-        """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
-        frees its blocks): the chain of blocks from the root to its anchor, in either tier, and its state's host
-        blocks. None when it cannot be kept: an adapter's or multimodal content (not kept behind the host), a
-        state not written yet (`unwritten`), a host block whose save is still in the plan being built, or a device
-        node inserted since the last plan (its KV is computed by that plan's forward)."""
+        """What a tier behind this one needs to keep checkpoint `ckpt`, a host one (its bytes are read before the
+        drop frees its blocks) or, at shutdown, a published device one: the chain of blocks from the root to its
+        anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's or multimodal
+        content (not kept behind the host), a state not written yet (`unwritten`), a host block whose save is still
+        in the plan being built, a device state being loaded by it, or a device node inserted since the last plan
+        (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
-        host_ids = (*state_ids, *(n.host_block for n in host_nodes))
+        host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
         if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
-                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)):
+                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)
+                or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
             return None
         blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
         # a device node promoted since the last plan: its bytes are still in the host block it is loaded from
@@ -294,7 +305,7 @@ class HostTier:
                                     self._loads.get(n.block_id, n.block_id)) for n in device_nodes) + blocks
         return FallOut(blocks=blocks, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_ids=ckpt.tail_ids,
                        tail_hash=ckpt.tail_hash, reason=ckpt.reason.value, num_pages=len(ckpt.pages),
-                       state_host_ids=state_ids)
+                       state_host_ids=state_ids, state_on_host=ckpt.on_host)
 
     # ---- the host trie -----------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import islice
 
@@ -341,9 +341,9 @@ class Scheduler:
         """Drop everything the prefix cache holds for no running sequence (see `PrefixCache.clear`)."""
         self.cache.clear()
 
-    def keep_cache_behind(self) -> int:
-        """Hand the host tier's checkpoints to the tier behind it (see `PrefixCache.keep_behind`)."""
-        return self.cache.keep_behind()
+    def keep_cache_behind(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Hand the cache's checkpoints to the tier behind the host one (see `PrefixCache.keep_behind`)."""
+        return self.cache.keep_behind(progress)
 
     def stats(self) -> dict:
         """The cache's stats plus block, slot and queue counts."""

@@ -97,6 +97,40 @@ def test_what_the_host_tier_holds_at_shutdown_is_kept(model_dir, uncached, tmp_p
     engine.close()
 
 
+def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp_path):
+    """A device pool large enough that nothing is ever demoted: the host tier and the disk stay empty during the
+    run, and the shutdown writes the device pool's checkpoints and their chains. A restarted engine on the same
+    directory hits them (from disk, through the host tier), with the tokens and logits of the uncached run."""
+    block_bytes = uncached[0].memory_plan.block_bytes
+
+    def engine_on_disk() -> LLMEngine:
+        return make_engine(model_dir, num_blocks=400, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256,
+                           host_cache_gib=400 * block_bytes / (1 << 30), disk_cache_dir=str(tmp_path / "disk"))
+
+    first = engine_on_disk()
+    out = run_workload(first, seed=1, reply_lens=REPLY_LENS)
+    assert_same(first, uncached[0], out, uncached[1])
+    first.check_integrity()
+    stats = first.stats()
+    assert stats["cache"].num_demoted_checkpoints == 0 and stats["cache"].num_host_checkpoints == 0
+    assert stats["disk"]["num_state_files"] == 0 and stats["disk"]["num_block_files"] == 0
+    held, first_hits = stats["cache"].num_checkpoints, stats["cache"].num_hit_tokens
+    first.close()
+    disk = first.disk.stats()
+    assert disk["num_write_errors"] == 0 and 0 < disk["num_state_files"] <= held, (disk, held)
+    assert disk["num_block_files"] > 0
+
+    engine = engine_on_disk()
+    assert engine.stats()["disk"]["num_state_files"] == disk["num_state_files"]
+    out = run_workload(engine, seed=1, check_every_step=True, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    stats = engine.stats()
+    assert stats["disk"]["num_promoted_checkpoints"] > 0 and stats["cache"].num_host_hits > 0, stats["disk"]
+    assert stats["cache"].num_hit_tokens > first_hits  # the first run started with nothing cached
+    engine.check_integrity()
+    engine.close()
+
+
 @pytest.mark.slow
 def test_corrupt_state_files_are_skipped_never_served(model_dir, uncached, written, tmp_path, caplog):
     disk_dir = tmp_path / "disk"
