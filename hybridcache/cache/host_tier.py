@@ -22,8 +22,9 @@ Rules (each checked by `integrity.check_host`):
   so dropping a checkpoint also drops the host nodes it leaves dead.
 - Every host block is held by exactly one host node (its KV) or one host checkpoint (a page of its state or its
   frozen tail), or is the source of a promotion of this step (reused from the next step on).
-- Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
-  the oldest unpinned first; what falls out is gone.
+- Eviction (`make_room`, host_order.py): the unpinned host checkpoint due first, a checkpoint being due when it
+  was demoted, or one host capacity of demotions later when a hit has proven it (hit before, not shadowed); what
+  falls out is gone.
 
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
 its blocks are freed (`fall_out`: its chain and state as a tier behind needs them; at shutdown `hand_behind` tells
@@ -45,6 +46,7 @@ from typing import Any, Protocol
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, Trie, path_to, prompt_block_hashes
@@ -186,6 +188,7 @@ class HostTier:
         self.trie = trie
         self.under: dict[Node, Hanging] = {}  # device node -> what hangs off it in the host tier
         self.order: OrderedDict[int, Checkpoint] = OrderedDict()  # host checkpoints, oldest demotion first
+        self.queues = HostOrder(num_blocks)  # the host's own eviction order (host_order.py)
         self.num_nodes = 0
         self.num_dropped = 0  # host checkpoints dropped (what falls out of the host tier is gone)
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
@@ -213,9 +216,14 @@ class HostTier:
         host_block = self._loads.pop(device_block, None)
         if host_block is not None:
             return host_block
-        host_block = self.pool.allocate()
+        host_block = self.allocate()
         self._saves[host_block] = device_block
         return host_block
+
+    def allocate(self) -> int:
+        """A free host block (the caller made room), counted by the eviction order's clock."""
+        self.queues.tick()
+        return self.pool.allocate()
 
     def load(self, host_block: int, device_block: int) -> None:
         """Queue HOST_LOAD host_block -> device_block; the host block is freed once the step's plan is built."""
@@ -248,11 +256,11 @@ class HostTier:
         return list(self._loads.values())
 
     def make_room(self, num_blocks: int) -> bool:
-        """Drop the oldest unpinned host checkpoints until `num_blocks` host blocks are free; False (nothing
-        dropped) when even dropping every unpinned one would not free enough."""
+        """Drop unpinned host checkpoints, each the one due first (`HostOrder.victim`), until `num_blocks` host
+        blocks are free; False (nothing dropped) when even dropping every unpinned one would not free enough."""
         if self.pool.num_free >= num_blocks:
             return True
-        reclaimable = self.pool.num_free  # counted oldest first, up to what is needed
+        reclaimable = self.pool.num_free  # counted in any order, up to what is needed
         for ckpt in self.order.values():
             if ckpt.num_pins == 0:
                 reclaimable += _num_blocks(ckpt) + _num_pruned(ckpt)
@@ -261,7 +269,7 @@ class HostTier:
         if reclaimable < num_blocks:
             return False
         while self.pool.num_free < num_blocks:
-            victim = next(c for c in self.order.values() if c.num_pins == 0)
+            victim = self.queues.victim()
             if self.on_fall_out is not None:
                 self.on_fall_out(self.fall_out(victim))
             self.drop_checkpoint(victim)
@@ -343,12 +351,14 @@ class HostTier:
         hanging = self.hanging(owner)
         return None if hanging is None else _find(hanging, node_hash, token_ids, spans)
 
-    def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner) -> None:
-        """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier."""
+    def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner, proven: bool = False) -> None:
+        """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier;
+        `proven`: a hit has proven it (host_order.py), so the host keeps it longer."""
         self.hanging(owner, create=True).checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
         ckpt.anchor = owner
         ckpt.on_host = True
         self.order[ckpt.ckpt_id] = ckpt
+        self.queues.add(ckpt, proven)
 
     def unhang_checkpoint(self, ckpt: Checkpoint) -> Owner:
         """Take `ckpt` out of the host tier (its blocks are the caller's now); returns the owner it hung off.
@@ -361,6 +371,7 @@ class HostTier:
         if not bucket:
             del hanging.checkpoints[key]
         del self.order[ckpt.ckpt_id]
+        self.queues.remove(ckpt)
         ckpt.on_host = False
         self._prune(owner)
         return owner

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
+from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.host_tier import StoredCheckpoint
+from hybridcache.cache.request import SaveReason
 from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import Driver, fingerprint
 
@@ -293,3 +296,64 @@ def test_at_shutdown_the_device_pools_checkpoints_are_handed_behind_too():
         assert match.cached_len >= stored.step, i
     assert restarted.stats.num_promoted_checkpoints > 0
     restarted.check_integrity()
+
+
+def test_host_order_worked_example():
+    """host_order.py's worked example: a proven checkpoint demoted first is due one host capacity later, so the
+    two unproven ones demoted after it go first; ties go to the unproven one; a pinned one is passed over."""
+    order = HostOrder(protection=100)
+    a, b, c = (Checkpoint(ckpt_id=i, adapter=None, step=8, reason=SaveReason.CHUNK_END, slot=None,
+                          frozen_block=None, routed_experts=None, owner=None, last_access=0) for i in range(3))
+    order.add(a, proven=True)
+    order.tick(10)
+    order.add(b, proven=False)
+    order.tick(10)
+    order.add(c, proven=False)
+    assert [order.due(x) for x in (a, b, c)] == [100, 10, 20] and order.is_proven(a) and not order.is_proven(b)
+    b.num_pins = 1
+    assert order.victim() is c
+    b.num_pins = 0
+    dropped = []
+    while (victim := order.victim()) is not None:
+        dropped.append(victim.ckpt_id)
+        order.remove(victim)
+    assert dropped == [1, 2, 0] and list(order.ids()) == []
+    order.add(a, proven=True)  # at clock 20: due at 120
+    order.tick(100)
+    order.add(b, proven=False)  # at clock 120: due then too
+    assert order.due(a) == order.due(b) == 120 and order.victim() is b
+
+
+@pytest.mark.parametrize("first_turn", ["hit", "not hit", "hit and gone past"])
+def test_the_host_keeps_what_a_hit_proved_longer(first_turn):
+    """Three chains of 10 tokens (2 nodes, a page and a frozen tail: 4 blocks each) are demoted in turn to a host
+    of 9 blocks, so the third's demotion drops one of the first two. With the order of demotion that is the first
+    (`a`); when a hit proved `a` before it was demoted, `b` goes instead, unless the hit was a continuation that
+    went past `a` (a deeper turn end of its chain: `a` is shadowed, its next turn has come)."""
+    cache, driver = make(num_blocks=8, host_blocks=9)
+    host = cache._life.host
+    a = tuple(range(10))
+    driver.run(CacheRequest("a", a))
+    (ckpt_a,) = cache._life.published()
+    if first_turn != "not hit":
+        nxt = CacheRequest("a2", a + (99, 98))
+        assert driver.admit(nxt).cached_len == 10
+        if first_turn == "hit":
+            driver.step("a2", [99])  # no save: nothing goes past `a`
+            cache.abort("a2")
+        else:
+            driver.step("a2", [99, 98], [("prefill_end",)])
+            cache.finish("a2")
+        assert ckpt_a.was_hit and ckpt_a.shadowed == (first_turn == "hit and gone past")
+    for first in (100, 200, 300):
+        driver.run(CacheRequest(("filler", first), tuple(range(first, first + 10))))
+    probe = cache.match(CacheRequest("probe-a", a + (1,)))
+    kept_a = probe.cached_len == 10
+    cache.release_match(probe)
+    probe = cache.match(CacheRequest("probe-b", tuple(range(100, 111))))
+    kept_b = probe.cached_len == 10
+    cache.release_match(probe)
+    assert cache.stats.num_host_dropped >= 1
+    assert (kept_a, kept_b) == ((True, False) if first_turn == "hit" else (False, True))
+    assert host.queues.is_proven(ckpt_a) if kept_a else True
+    cache.check_integrity()
