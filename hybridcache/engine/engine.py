@@ -420,8 +420,15 @@ class LLMEngine:
     def _close_disk_tier(self) -> None:
         """Hand every checkpoint the cache holds, in the host tier and in the device pool, to the disk tier (so
         that a restarted engine hits all of it; `DiskKeeper.keep_at_shutdown`), write what is queued and stop the
-        writer; logged. Nothing is handed after a failed step (its bytes are not trusted)."""
-        handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind) if self._failure is None else 0
+        writer; logged. The state copies of the sequences retired in the last step run first (their finish
+        checkpoints are written by the next step's plan, and there is none). Nothing is handed after a failed step
+        (its bytes are not trusted)."""
+        handed = 0
+        if self._failure is None:
+            retired = self.scheduler.flush_retired_copies()
+            if not retired.is_empty:
+                self.runner.execute_copies(device_copies(retired, self.runner.input_device))
+            handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind)
         self.disk.close()
         stats = self.disk.stats()
         _logger.info("hybridcache: disk tier closed: %d checkpoints handed at shutdown, %d state files; not kept: "
