@@ -99,8 +99,9 @@ class DiskKeeper:
     def keep_at_shutdown(self, keep_behind: Callable[[Callable[[int, int], None]], int]) -> int:
         """Run `keep_behind(progress)` (the scheduler's `keep_cache_behind`: every checkpoint the cache holds comes
         to `keep`) with a progress bar (on a terminal), waiting for the writer whenever `SHUTDOWN_WRITE_BYTES` are
-        queued, so that the copies read out of the pools never take more host memory than that; then wait for
-        the writes. Returns how many checkpoints were handed."""
+        queued, so that the copies read out of the pools take at most that much host memory plus one checkpoint's
+        (its state and the chain blocks the disk lacks); then wait for the writes. Returns how many checkpoints
+        were handed."""
         flushed = self.num_put_bytes
         with tqdm(desc="hybridcache: prefix cache to disk", unit="ckpt", disable=None) as bar:
             def progress(done: int, total: int) -> None:
