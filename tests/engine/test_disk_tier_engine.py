@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from hybridcache.config import EngineConfig
+from hybridcache.engine import disk_keeper
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 
@@ -98,7 +99,7 @@ def test_what_the_host_tier_holds_at_shutdown_is_kept(model_dir, uncached, tmp_p
     engine.close()
 
 
-def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp_path):
+def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp_path, monkeypatch):
     """A device pool large enough that nothing is ever demoted: the host tier and the disk stay empty during the
     run, and the shutdown writes the device pool's checkpoints and their chains (the finish checkpoints of the
     requests that finished in the last step too). A restarted engine on the same
@@ -117,12 +118,17 @@ def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp
     assert stats["cache"].num_demoted_checkpoints == 0 and stats["cache"].num_host_checkpoints == 0
     assert stats["disk"]["num_state_files"] == 0 and stats["disk"]["num_block_files"] == 0
     held, first_hits = stats["cache"].num_checkpoints, stats["cache"].num_hit_tokens
+    monkeypatch.setattr(disk_keeper, "SHUTDOWN_WRITE_BYTES", 1)  # wait for the writer after every checkpoint
+    flushes = []
+    writer = first.disk.disk
+    monkeypatch.setattr(writer, "flush", lambda: (flushes.append(1), type(writer).flush(writer)))
     first.close()
     disk = first.disk.stats()
     # every checkpoint is kept, the finish checkpoints of the last step's requests too (their state copies run
     # at close); a state file per distinct checkpoint
     assert disk["num_not_kept"] == 0 and disk["num_write_errors"] == 0, disk
     assert 0 < disk["num_state_files"] <= held, (disk, held)
+    assert len(flushes) > disk["num_state_files"]  # paced: a wait per checkpoint written, and the last one
     assert disk["num_block_files"] > 0
 
     engine = engine_on_disk()
