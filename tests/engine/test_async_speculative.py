@@ -1,0 +1,115 @@
+"""Async (overlapped) speculative steps (`engine/spec_chain.py`): a uniform greedy verify step queued on the device
+from the step before's device verdicts, before the host judges that step. On the CPU nothing overlaps, but every
+piece of bookkeeping is the one CUDA runs (the drafting graphs' work on their static buffers, `cpu_drafting_graphs`),
+so these tests check it against synchronous speculative steps and against MTP off: the same tokens, the cache's
+integrity after every step, cached == uncached, and the finish checkpoints of sequences that stop inside a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.sampling import SamplingParams
+
+from .model_folders import write_tiny_model
+from .spec_helpers import cpu_drafting_graphs, device_oracle, spec, tokens_of
+from .test_cache_equivalence import run_workload
+
+CONFIG = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6}
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _engine(model_dir, k: int | None, *, chained: bool = False, **options) -> LLMEngine:
+    config = {**CONFIG, **options}
+    engine = LLMEngine(model_dir, EngineConfig(**config, speculative_config=spec(k) if k else None,
+                                               async_scheduling=chained or None))
+    if chained:
+        cpu_drafting_graphs(engine)
+    return engine
+
+
+def _requests(count: int, *, stop_at: dict[int, int] | None = None) -> list[tuple[str, list[int], SamplingParams]]:
+    """Greedy requests of prompts >= 150 tokens and different lengths (rows reach block ends and their ends at
+    different steps). `stop_at[i]`: request i also stops at that token id."""
+    out = []
+    for i in range(count):
+        prompt = [(13 * i + 7 * j + j * j) % 256 for j in range(150 + 11 * i)]
+        stops = [stop_at[i]] if stop_at and i in stop_at else []
+        out.append((f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=20 + 9 * i, ignore_eos=True,
+                                                           stop_token_ids=stops)))
+    return out
+
+
+def _run(engine: LLMEngine, requests, *, check: bool = True) -> dict:
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = [c.token_ids for c in out.outputs]
+        if check:
+            engine.check_integrity()
+    return results
+
+
+def test_async_speculative_steps_equal_sync_ones_and_mtp_off(model_dir):
+    """Greedy tokens with async speculative steps equal synchronous speculative steps' and MTP off's; oracle
+    drafts on the device accept 0..k per row, so every rollback position is taken by the device's selection; most
+    steps chain; the cache intact after every step."""
+    requests = _requests(4)
+    off = _run(_engine(model_dir, None), requests)
+    reference = {rid: tokens[0] for rid, tokens in off.items()}
+    sync = _engine(model_dir, 2)
+    cpu_drafting_graphs(sync)
+    device_oracle(sync, reference, seed=1)
+    assert _run(sync, requests) == off
+    assert sync.num_chained_steps == 0
+    engine = _engine(model_dir, 2, chained=True)
+    device_oracle(engine, reference, seed=1)
+    assert _run(engine, requests) == off
+    stats = engine.drafter.stats
+    print(f"chained {engine.num_chained_steps} of {stats.num_drafts} verify rows; accepted {stats}")
+    assert engine.num_chained_steps > 10
+    assert stats.accepted_per_position[-1] > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats == sync.drafter.stats  # the same verdicts, row by row
+    engine.clear_cache()
+    assert engine.stats()["cache"].num_blocks_used == 0
+
+
+def test_sequences_that_stop_inside_a_chained_step_leave_exact_finish_checkpoints(model_dir):
+    """Requests that stop at a stop token inside a verify step (a padding row in the chained step after it): their
+    tokens equal MTP off's; then each prompt + output is resent with the cache on and continues as without any
+    cache (its finish checkpoint is the exact state after its last token)."""
+    plain = _run(_engine(model_dir, None), _requests(4))
+    stop_at = {i: tokens[0][5 + 4 * i] for i, tokens in enumerate(plain[f"r{i}"] for i in range(4))}
+    requests = _requests(4, stop_at=stop_at)
+    off = _run(_engine(model_dir, None), requests)
+    assert all(len(off[f"r{i}"][0]) < len(plain[f"r{i}"][0]) for i in range(4))
+    engine = _engine(model_dir, 2, chained=True)
+    device_oracle(engine, {rid: tokens[0] for rid, tokens in plain.items()}, seed=2, right=0.9)
+    assert _run(engine, requests) == off
+    assert engine.num_chained_steps > 0
+    resent = [(f"again{rid}", [*prompt, *off[rid][0]], SamplingParams(temperature=0, max_tokens=12,
+                                                                      ignore_eos=True))
+              for rid, prompt, _ in requests]
+    hits = engine.stats()["cache"].num_hits
+    cached = _run(engine, resent)
+    assert engine.stats()["cache"].num_hits > hits
+    assert cached == _run(_engine(model_dir, None, enable_prefix_caching=False), resent)
+
+
+def test_async_speculation_on_the_cache_equivalence_workload(model_dir):
+    """The cache-equivalence workload (shared prompts, resends, turns; sampling and stop strings there step
+    synchronously) with async speculative steps: greedy tokens equal MTP off without caching, integrity after
+    every step."""
+    off = tokens_of(run_workload(_engine(model_dir, None, enable_prefix_caching=False)))
+    engine = _engine(model_dir, 2, chained=True)
+    assert tokens_of(run_workload(engine, check_every_step=True)) == off
+    assert engine.stats()["cache"].num_hits > 0
+    print(f"chained steps: {engine.num_chained_steps}")
