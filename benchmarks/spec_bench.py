@@ -15,9 +15,10 @@ of MTP off's greedy tokens each completion repeats up to its first difference (`
 phase of the steps (`phase_timers`). `--disable-by-batch-size N` adds
 rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
 plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
-too); MTP's speculative steps run synchronously, MTP off's steps asynchronously. `--tensor-parallel-size N`: every
-engine (MTP off too) split over N ranks (the head sharded and drafting on every rank; async scheduling on for MTP
-off's steps, as at N = 1 on CUDA).
+too) and async scheduling: MTP's uniform greedy verify steps are queued before the step before is judged
+(`engine/spec_chain.py`; `chained_steps` in the JSON counts them), other speculative steps run synchronously.
+`--tensor-parallel-size N`: every engine (MTP off too) split over N ranks (the head sharded and drafting on every
+rank; async scheduling on for MTP off's steps, as at N = 1 on CUDA; speculative steps synchronous).
 """
 
 from __future__ import annotations
@@ -121,12 +122,13 @@ def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Names
     """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
     before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
+    chained = engine.num_chained_steps
     with phase_timers(engine) as phases:
         tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
     k = engine.drafter.k if engine.drafter is not None else 0
     row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
            "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids,
-           "host_seconds": phases}
+           "host_seconds": phases, "chained_steps": engine.num_chained_steps - chained}
     if stats is not None:
         rows = stats.num_drafts - before.num_drafts
         fed = stats.num_draft_tokens - before.num_draft_tokens

@@ -252,6 +252,7 @@ class ModelRunner:
         self.prefill_graph_bytes = 0  # device memory the piecewise graphs keep (their pool and buffers)
         self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
+        self._scratch_drafts: torch.Tensor | None = None  # `chain_verify`'s padding draft rows, on the device
         if use_graphs:
             def graphs(num_drafts: int) -> _DecodeGraphs:
                 return _DecodeGraphs(
@@ -427,10 +428,12 @@ class ModelRunner:
         source = select_rows(prev.state_slots, values[:n], k=k, draft_base=self.draft_base)
         for group in self.pools.state_groups:
             group.index_copy_(1, prev.state_slots, group.index_select(1, source))
+        if self._scratch_drafts is None:  # (once: a tensor made on CUDA from a host list waits for the device)
+            self._scratch_drafts = torch.tensor(self.draft_slots(self.scratch_slot, k), dtype=prev.draft_slots.dtype,
+                                                device=prev.draft_slots.device)
         return next_verify_batch(prev, values, tables, stops, k=k, kernel_block_size=self.kernel_block_size,
                                  scratch_slot=self.scratch_slot, scratch_page=self.scratch_page,
-                                 scratch_drafts=self.draft_slots(self.scratch_slot, k),
-                                 host_lengths=self.device.type != "cuda")
+                                 scratch_drafts=self._scratch_drafts, host_lengths=self.device.type != "cuda")
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies

@@ -96,15 +96,15 @@ def select_rows(state_slots: torch.Tensor, accepted: torch.Tensor, *, k: int, dr
 
 def next_verify_batch(prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor, stops: torch.Tensor, *,
                       k: int, kernel_block_size: int, scratch_slot: int, scratch_page: int,
-                      scratch_drafts: Sequence[int], host_lengths: bool) -> tuple[ForwardBatch, torch.Tensor]:
+                      scratch_drafts: torch.Tensor, host_lengths: bool) -> tuple[ForwardBatch, torch.Tensor]:
     """Step t + 1's verify batch (module docstring) from step t's batch `prev` (n uniform rows of 1 + k) and its
     device `values` (`DeviceVerdicts.values`), and the kernel pages each row may reach (`near_pages` of
     `runner.draft_after_verify`). `tables` [n, P] int64: each row's kernel pages from its first on, as far as
     t + 1 and its drafting reach (t's start + 3k; the scheduler's lookahead holds them); `stops` [n, S] int64:
     each row's stop tokens (-1: none). A row whose emitted tokens in t hold a stop token becomes a padding row
-    (positions 0 .. k on the scratch page, the scratch slot and `scratch_drafts`). `host_lengths`: fill the host
-    lengths and draft slots from the device values (a backend that loops on the host; a sync on CUDA), else keep
-    `prev`'s (graph replays read only the device tensors)."""
+    (positions 0 .. k on the scratch page, the scratch slot and its k draft rows `scratch_drafts`, on the
+    device). `host_lengths`: fill the host lengths and draft slots from the device values (a backend that loops
+    on the host; a sync on CUDA), else keep `prev`'s (graph replays read only the device tensors)."""
     n, q, kbs = prev.num_seqs, 1 + k, kernel_block_size
     device = values.device
     accepted = values[:n]
@@ -121,8 +121,7 @@ def next_verify_batch(prev: ForwardBatch, values: torch.Tensor, tables: torch.Te
     input_ids = torch.where(done, 0, torch.cat([target.gather(1, accepted[:, None]), drafts], dim=1))
     context_lens = positions[:, -1] + 1
     state_slots = torch.where(done[:, 0], scratch_slot, prev.state_slots)
-    pad = torch.tensor(list(scratch_drafts), dtype=prev.draft_slots.dtype, device=device)
-    draft_slots = torch.where(done, pad[None, :], prev.draft_slots.view(n, k)).reshape(-1)
+    draft_slots = torch.where(done, scratch_drafts[None, :], prev.draft_slots.view(n, k)).reshape(-1)
     width = (2 * k - 1) // kbs + 2
     columns = (positions[:, :1] // kbs + torch.arange(width, device=device)[None, :]).clamp(max=tables.shape[1] - 1)
     near = tables.gather(1, columns)
