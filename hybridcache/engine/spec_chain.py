@@ -50,8 +50,9 @@ class DeviceVerdicts:
         """Queue the copy of `values` to pinned host memory (CUDA; no wait) and record its completion."""
         if values.device.type != "cuda":
             return cls(tuple(rows), batch, values, values, None, k)
-        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        host.copy_(values, non_blocking=True)
+        with torch.inference_mode():
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return cls(tuple(rows), batch, values, host, event, k)
