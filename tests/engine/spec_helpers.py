@@ -61,8 +61,8 @@ def cpu_drafting_graphs(engine: LLMEngine) -> None:
 def device_oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) -> None:
     """`oracle` for drafts queued on the device (`draft_after_verify`, CPU): each row's drafts become the
     reference's next tokens after the row's last accepted one (read from the device values: free on the CPU),
-    each kept with probability `right` (else a wrong token). `reference`: request id -> its token ids (first
-    completion)."""
+    each kept with probability `right` (else a wrong token). `reference`: request id -> its token ids, or its
+    completions' token ids (a list of lists, by completion index)."""
     rng = random.Random(seed)
     runner = engine.runner
     queue = runner.draft_after_verify
@@ -81,6 +81,8 @@ def device_oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 
             if seq is None:
                 continue  # a padding row: a sequence that ended in the step before
             want = reference.get(seq.request_id, [])
+            if want and isinstance(want[0], (list, tuple)):
+                want = want[seq.index] if seq.index < len(want) else []
             done = firsts[i] + accepted[i] + 1 - seq.prompt_len  # the output index of the row's final token
             for j in range(k):
                 at = done + 1 + j

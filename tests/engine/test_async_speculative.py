@@ -6,8 +6,12 @@ integrity after every step, cached == uncached, and the finish checkpoints of se
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
@@ -20,9 +24,14 @@ from .test_cache_equivalence import run_workload
 CONFIG = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6}
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_text"])
+@pytest.fixture(scope="module", params=["qwen3_next", pytest.param("qwen3_5_text", marks=pytest.mark.slow)])
 def model_dir(request, tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("small"), "qwen3_next")
 
 
 def _engine(model_dir, k: int | None, *, chained: bool = False, **options) -> LLMEngine:
@@ -141,3 +150,53 @@ def test_cuda_async_speculative_steps_equal_sync_ones(tmp_path_factory):
     assert stats[1].accepted_per_position[-1] > 0
     for engine in engines:
         engine.close()
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_traffic_with_async_speculation_keeps_integrity_and_greedy_tokens(small_dir, data):
+    """`test_speculative`'s random traffic (shared prefixes, resends, n > 1, stop strings and stop tokens, aborts,
+    a pool small enough to preempt) with async speculative steps (device oracle drafts): check_integrity after
+    every step; the greedy tokens of every request not aborted equal those of the request alone without MTP."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    system = [rng.randrange(256) for _ in range(rng.randrange(5, 40))]
+    requests = []
+    for i in range(data.draw(st.integers(3, 7))):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
+        if requests and rng.random() < 0.2:
+            prompt = list(requests[-1][1])  # an identical resend
+        stop = [bytes([rng.randrange(97, 123)]).decode()] if rng.random() < 0.1 else []
+        stop_tokens = [rng.randrange(256)] if rng.random() < 0.3 else []
+        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True, stop=stop,
+                                stop_token_ids=stop_tokens, n=2 if rng.random() < 0.25 else 1)
+        requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
+    reference = {}
+    for rid, prompt, params, _, _ in requests:  # each alone, without MTP
+        alone = _engine(small_dir, None, max_model_len=160)
+        alone.add_request(rid, prompt, params)
+        while alone.has_unfinished_requests():
+            for out in alone.step():
+                reference[rid] = [c.token_ids for c in out.outputs]
+    engine = _engine(small_dir, 2, chained=True, max_model_len=160, max_num_seqs=4,
+                     num_blocks=data.draw(st.sampled_from([16, 24, 64])))
+    device_oracle(engine, reference, seed=rng.randrange(100), right=0.8)
+    got, aborted, step = {}, set(), 0
+    while step < 400:
+        for rid, prompt, params, arrival, abort in requests:
+            if arrival == step:
+                engine.add_request(rid, prompt, params)
+            if abort and step == arrival + 2 and engine.abort(rid) is not None:
+                aborted.add(rid)
+        if step > 6 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check_integrity()
+        step += 1
+    for rid, *_ in requests:
+        if rid not in aborted:
+            assert got[rid] == reference[rid], rid
+    print(f"chained steps: {engine.num_chained_steps}")
+    engine.clear_cache()
+    assert engine.stats()["cache"].num_blocks_used == 0
