@@ -21,7 +21,9 @@ finish checkpoint holds one token more than with synchronous steps (the device h
 token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
 retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) with
 `decode_checkpoint_interval` saves (the saved tail) and speculative decoding's steps (judging and drafting read
-the logits on the host; `_speculating`). Under tensor parallelism the fed rows reach the workers as a
+the logits on the host; `_speculating`), but for uniform greedy verify steps: those are judged on the device, and
+the next one is queued from the device's verdicts before the host settles the step (`_step_chained`,
+`engine/spec_chain.py`). Under tensor parallelism the fed rows reach the workers as a
 `TokenFeed`: rank 0 broadcasts the sampled tokens on the device (`hybridcache.distributed`).
 
 A sequence whose next sample needs its tokens on the host (structured output: the grammar's next mask;

@@ -22,8 +22,9 @@ kept drafts; full blocks join the trie, `STATE_ROLLBACK` copies come back).
 
 Speculative decoding (`num_speculative_tokens` k > 0): a decoding sequence with `drafts` feeds them after its
 last token (a verify row of 1 + n tokens, n <= k) and the cache takes them as drafts; after the forward,
-`accept` keeps each row's accepted prefix of them. A chunk that samples gets blocks for 2k positions past its
-end: k drafts fed next, and the drafter's own KV for the drafts it proposes (written ahead of the verify).
+`accept` keeps each row's accepted prefix of them. A chunk that samples gets blocks for 3k positions past its
+end: k drafts fed next, the drafter's own KV for the drafts it proposes (written ahead of the verify), and k more
+for an async verify step queued before this one is judged (`engine/spec_chain.py`).
 
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
