@@ -665,12 +665,12 @@ class LLMEngine:
             tables.append(pages[:reach] + [scratch] * (reach - len(pages[:reach])))
         stops = [sorted(set(c.seq.params.stop_token_ids) | (set() if c.seq.params.ignore_eos else self.eos_token_ids))
                  for c in chunks]
-        width = max(1, *(len(row) for row in stops))
+        width = max(len(row) for row in stops)
         device = self.runner.input_device
         deferred = previous.deferred
         batch, near = self.runner.chain_verify(
             deferred.batch, deferred.values, to_device(tables, device, torch.int64),
-            to_device([row + [-1] * (width - len(row)) for row in stops], device, torch.int64))
+            to_device([row + [-1] * (width - len(row)) for row in stops], device, torch.int64) if width else None)
         logits = self.runner.execute(batch)
         values = self.runner.draft_after_verify(batch, logits, near)
         return DeviceVerdicts.queue(deferred.rows, batch, values, k)

@@ -418,7 +418,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def chain_verify(self, prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor,
-                     stops: torch.Tensor) -> tuple[ForwardBatch, torch.Tensor]:
+                     stops: torch.Tensor | None) -> tuple[ForwardBatch, torch.Tensor]:
         """Queue the rollback of the verify step `prev` from its device verdicts `values` (each row's slot gets
         the state after its last accepted position: `spec_chain.select_rows`) and return the next verify step's
         batch and near pages, built on the device (`spec_chain.next_verify_batch`; `tables`, `stops` there), for

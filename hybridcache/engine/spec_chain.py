@@ -95,34 +95,38 @@ def select_rows(state_slots: torch.Tensor, accepted: torch.Tensor, *, k: int, dr
     return torch.where(accepted < k, drafted, state_slots)
 
 
-def next_verify_batch(prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor, stops: torch.Tensor, *,
+def next_verify_batch(prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor, stops: torch.Tensor | None, *,
                       k: int, kernel_block_size: int, scratch_slot: int, scratch_page: int,
                       scratch_drafts: torch.Tensor, host_lengths: bool) -> tuple[ForwardBatch, torch.Tensor]:
     """Step t + 1's verify batch (module docstring) from step t's batch `prev` (n uniform rows of 1 + k) and its
     device `values` (`DeviceVerdicts.values`), and the kernel pages each row may reach (`near_pages` of
     `runner.draft_after_verify`). `tables` [n, P] int64: each row's kernel pages from its first on, as far as
     t + 1 and its drafting reach (t's start + 3k; the scheduler's lookahead holds them); `stops` [n, S] int64:
-    each row's stop tokens (-1: none). A row whose emitted tokens in t hold a stop token becomes a padding row
-    (positions 0 .. k on the scratch page, the scratch slot and its k draft rows `scratch_drafts`, on the
-    device). `host_lengths`: fill the host lengths and draft slots from the device values (a backend that loops
-    on the host; a sync on CUDA), else keep `prev`'s (graph replays read only the device tensors)."""
+    each row's stop tokens (-1: none), or None when no row has any. A row whose emitted tokens in t hold a stop
+    token becomes a padding row (positions 0 .. k on the scratch page, the scratch slot and its k draft rows
+    `scratch_drafts`, on the device). `host_lengths`: fill the host lengths and draft slots from the device values
+    (a backend that loops on the host; a sync on CUDA), else keep `prev`'s (graph replays read only the device
+    tensors)."""
     n, q, kbs = prev.num_seqs, 1 + k, kernel_block_size
     device = values.device
     accepted = values[:n]
     drafts = values[n: n + k * n].view(k, n).t()
     target = values[n + k * n: n + k * n + n * q].view(n, q)
     within = torch.arange(q, device=device)
-    emitted = within[None, :] <= accepted[:, None]
-    done = (((target[:, :, None] == stops[:, None, :]).any(dim=-1) & emitted).any(dim=1))[:, None]
     positions = prev.positions.view(n, q)[:, :1] + accepted[:, None] + 1 + within[None, :]
-    positions = torch.where(done, within[None, :], positions)
-    tables = torch.where(done, torch.full_like(tables, scratch_page), tables)
-    pages = tables.gather(1, positions // kbs)
-    kv_rows = pages * kbs + positions % kbs
-    input_ids = torch.where(done, 0, torch.cat([target.gather(1, accepted[:, None]), drafts], dim=1))
+    input_ids = torch.cat([target.gather(1, accepted[:, None]), drafts], dim=1)
+    state_slots, draft_slots = prev.state_slots, prev.draft_slots.view(n, k)
+    if stops is not None:  # rows that stop in t: padding rows
+        emitted = within[None, :] <= accepted[:, None]
+        done = (((target[:, :, None] == stops[:, None, :]).any(dim=-1) & emitted).any(dim=1))[:, None]
+        positions = torch.where(done, within[None, :], positions)
+        tables = torch.where(done, torch.full_like(tables, scratch_page), tables)
+        input_ids = torch.where(done, 0, input_ids)
+        state_slots = torch.where(done[:, 0], scratch_slot, state_slots)
+        draft_slots = torch.where(done, scratch_drafts[None, :], draft_slots)
+    draft_slots = draft_slots.reshape(-1)
+    kv_rows = tables.gather(1, positions // kbs) * kbs + positions % kbs
     context_lens = positions[:, -1] + 1
-    state_slots = torch.where(done[:, 0], scratch_slot, prev.state_slots)
-    draft_slots = torch.where(done, scratch_drafts[None, :], prev.draft_slots.view(n, k)).reshape(-1)
     width = (2 * k - 1) // kbs + 2
     columns = (positions[:, :1] // kbs + torch.arange(width, device=device)[None, :]).clamp(max=tables.shape[1] - 1)
     near = tables.gather(1, columns)
@@ -138,4 +142,4 @@ def next_verify_batch(prev: ForwardBatch, values: torch.Tensor, tables: torch.Te
         query_lens_cpu=prev.query_lens_cpu, context_lens_cpu=context_cpu, draft_rows=prev.draft_rows,
         draft_slots=draft_slots, draft_slots_cpu=drafts_cpu,
     )
-    return batch, near.to(torch.int64)
+    return batch, near
