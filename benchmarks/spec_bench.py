@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.spec_chain import DeviceVerdicts
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.sampling import SamplingParams
 
@@ -92,13 +93,17 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
     methods for the block: `schedule`, `launch` (inputs, forward launch; a speculative step's judging waits there for
     the logits, and for the drafting queued before the verdicts: `runner.draft_after_verify`), `complete`
     (postprocess; a speculative step's rollback and drafting), and within it `propose` (the head's passes, which
-    wait for their drafts; only a transfer after a step drafted before its verdicts). Host time, not device time:
-    a wait for the device counts where it happens."""
-    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0}
+    wait for their drafts; only a transfer after a step drafted before its verdicts); async speculative steps
+    (`engine/spec_chain.py`): `chained` (the whole `step()` of one), within it `chain_launch` (queueing the next
+    verify step and its drafting) and `chain_wait` (waiting for a deferred step's device values: ~0 when the host
+    is the bottleneck). Host time, not device time: a wait for the device counts where it happens."""
+    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0, "chained": 0.0, "chain_launch": 0.0,
+              "chain_wait": 0.0}
     targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
                (engine, "_complete", "complete")]
     if engine.drafter is not None:
-        targets.append((engine.drafter, "propose", "propose"))
+        targets += [(engine.drafter, "propose", "propose"), (engine, "_step_chained", "chained"),
+                    (engine, "_launch_chained", "chain_launch")]
 
     def timed(fn, name):
         def wrapper(*a, **kw):
@@ -111,9 +116,12 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
 
     for owner, attribute, name in targets:
         setattr(owner, attribute, timed(getattr(owner, attribute), name))
+    result = DeviceVerdicts.result
+    DeviceVerdicts.result = timed(result, "chain_wait")
     try:
         yield totals
     finally:
+        DeviceVerdicts.result = result
         for owner, attribute, _ in targets:
             delattr(owner, attribute)  # the class's method again
 
