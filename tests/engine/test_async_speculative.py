@@ -128,24 +128,27 @@ def test_async_speculation_on_the_cache_equivalence_workload(model_dir):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_async_speculative_steps_equal_sync_ones(tmp_path_factory):
     """bf16 with CUDA graphs (verify and drafting graphs): async speculative steps (chained, on by default on one
-    GPU) give the greedy tokens of synchronous ones, token for token (the same graphs on the same inputs), with
-    oracle drafts on the device so rows accept 0..k; one request stops at a stop token inside a step."""
+    GPU) give the greedy tokens and verdicts of synchronous ones, token for token (the same graphs on the same
+    inputs), with oracle drafts on the device so rows accept 0..k; one request stops at a stop token inside a step
+    (a padding row in the chained step after it). The synchronous engine's first run (its own drafts) gives the
+    oracle's reference."""
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
     options = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.2}
-    off = _engine(folder, None, **options)
-    plain = _run(off, _requests(4))
-    off.close()
-    requests = _requests(4, stop_at={1: plain["r1"][0][9]})
-    runs, engines = [], []
+    reference, runs, engines = {}, [], []
     for chained in (False, True):
         engine = LLMEngine(folder, EngineConfig(**CONFIG, **options, speculative_config=spec(2),
                                                 async_scheduling=chained))
-        device_oracle(engine, {rid: tokens[0] for rid, tokens in plain.items()}, seed=4)
-        runs.append(_run(engine, requests))
+        if not chained:
+            reference.update((rid, tokens[0]) for rid, tokens in _run(engine, _requests(4)).items())
+            engine.clear_cache()
+            engine.drafter.stats = type(engine.drafter.stats)(accepted_per_position=[0, 0])
+        device_oracle(engine, reference, seed=4)
+        runs.append(_run(engine, _requests(4, stop_at={1: reference["r1"][9]})))
         engines.append(engine)
     stats = [e.drafter.stats for e in engines]
     print(f"bf16 CUDA: chained {engines[1].num_chained_steps} steps; sync {stats[0]}; async {stats[1]}")
     assert runs[0] == runs[1] and stats[0] == stats[1]
+    assert len(runs[1]["r1"][0]) < len(reference["r1"])  # (it stopped)
     assert engines[0].num_chained_steps == 0 and engines[1].num_chained_steps > 10
     assert stats[1].accepted_per_position[-1] > 0
     for engine in engines:
