@@ -1,7 +1,8 @@
 """Where the milliseconds of gpu_bench's + 200 request go (phase C's second request, issue 32).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/prefill_profile.py [--model next-1b] [--model-dir DIR]
-        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--out DIR]
+        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--label NAME] [--out DIR]
+        [--load-format auto|dummy]
 
 The request: a cold `--prefix`-token prompt, then the same prompt + `--new` tokens through `LLM.generate` (one
 new token): it hits the checkpoint at the prefix's end and prefills `--new` tokens over the whole context. After a
@@ -19,6 +20,10 @@ fresh pairs are measured, each + 200 request three ways:
    CUDA runtime calls (launches, graph launches, synchronisations, copies) and their host time, one pair;
 4. **cProfile**: the host's Python functions by own time, one pair.
 
+The cycle collector's runs (count and ms by generation, `gc.callbacks`) are counted over the free-running requests.
+`--phase-a`: then gpu_bench's phase A on the same engine (its p50 and the collector's runs; the cache cleared
+first), so that one engine start-up gives both of issue 32's small-prefill figures.
+
 Runs against any tree with the same `LLM` API (main's, for a same-call before). Prints tables; writes
 DIR/prefill_profile_<model>.json (DIR: --out, else $OUT, else .).
 """
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import gc
 import io
 import json
 import os
@@ -50,6 +56,31 @@ from hybridcache.sampling import SamplingParams  # noqa: E402
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 TOP = ("tokenise", "add_request", "schedule", "build inputs", "forward", "sample", "postprocess")
+
+
+class GcPauses:
+    """The cycle collector's runs while installed (`gc.callbacks`): count and ms by generation."""
+
+    def __init__(self) -> None:
+        self.runs: dict[int, list[float]] = {}
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.runs.setdefault(info["generation"], []).append(1000 * (time.perf_counter() - self._start))
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        return {f"gen{gen}": {"runs": len(ms), "ms": sum(ms), "max_ms": max(ms)}
+                for gen, ms in sorted(self.runs.items())}
 
 
 class PartTimer:
@@ -129,18 +160,19 @@ def pair(llm: LLM, rng: random.Random, prefix: int, new: int) -> tuple[str, str]
 
 def timed_parts(llm: LLM, timer: PartTimer, rng: random.Random, args, runs: int, sync: bool) -> dict:
     """`runs` fresh pairs; the + 200 request's wall ms and its parts' ms (medians over the runs)."""
-    walls, parts = [], []
+    walls, parts, pauses = [], [], GcPauses()
     for _ in range(runs):
         _, longer = pair(llm, rng, args.prefix, args.new)
         timer.reset()
         timer.sync = sync
-        walls.append(generate_ms(llm, longer))
+        with pauses:
+            walls.append(generate_ms(llm, longer))
         timer.sync = False
         parts.append({key: 1000 * t for key, t in timer.times.items()} | {
             f"calls: {key}": n for key, n in timer.calls.items()})
         parts[-1]["unaccounted"] = walls[-1] - sum(parts[-1].get(k, 0.0) for k in TOP)
     keys = list(dict.fromkeys(k for p in parts for k in p))
-    return {"wall_ms": walls, "wall_ms_p50": statistics.median(walls),
+    return {"wall_ms": walls, "wall_ms_p50": statistics.median(walls), "gc": pauses.summary(),
             "parts_ms_p50": {k: statistics.median(p.get(k, 0.0) for p in parts) for k in keys}}
 
 
@@ -152,6 +184,7 @@ def print_parts(name: str, result: dict) -> None:
     for key, ms in parts.items():
         if not key.startswith("calls: "):
             print(f"| {key} | {ms:.2f} | {parts.get('calls: ' + key, 0):.0f} |")
+    print(f"cycle collector during these requests: {result['gc'] or 'none'}")
 
 
 RUNTIME = {  # CUDA runtime / driver call name fragment -> kind (host-side counts of the profile)
@@ -229,13 +262,24 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=200)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--label", default="", help="a name for this tree in the output (e.g. main)")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: a folder of config.json + tokenizer, random weights drawn on the device (next-16b "
+                             "without writing 33 GB)")
+    parser.add_argument("--phase-a", action="store_true", help="then gpu_bench's phase A on the same engine")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     start = time.perf_counter()
-    folder = model_folder(args.model, args.model_dir)
+    dummy = {"load_format": "dummy"} if args.load_format == "dummy" else {}
+    if dummy:
+        from tp_bench import config_folder
+
+        folder = config_folder(args.model, args.model_dir)
+    else:
+        folder = model_folder(args.model, args.model_dir)
     llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device, block_size=64,
-              max_num_seqs=64, max_num_batched_tokens=16384, max_model_len=max(17000, args.prefix + args.new + 64))
+              max_num_seqs=64, max_num_batched_tokens=16384, max_model_len=max(17000, args.prefix + args.new + 64),
+              **dummy)
     result: dict = {"model": args.model, "label": args.label, "prefix": args.prefix, "new": args.new,
                     "engine_s": time.perf_counter() - start,
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
@@ -262,6 +306,22 @@ def main() -> None:
         out_path.write_text(json.dumps(result, indent=1))
     result["cprofile"] = host_profile(llm, rng, args)
     out_path.write_text(json.dumps(result, indent=1))
+    if args.phase_a:
+        result["phase_a"] = phase_a_timed(llm)
+        out_path.write_text(json.dumps(result, indent=1))
+
+
+def phase_a_timed(llm: LLM) -> dict:
+    """gpu_bench's phase A (its prompts, seed 0) on this engine, with the cycle collector's pauses."""
+    from gpu_bench import phase_a
+
+    llm.engine.clear_cache()
+    with GcPauses() as pauses:
+        result = phase_a(llm, random.Random(0))
+    result["gc"] = pauses.summary()
+    print(f"\nphase A: hit rate {result['hit_rate']:.3f}, p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f}, "
+          f"max {result['max_ms']:.1f}, total {result['total_s']:.2f} s; cycle collector {result['gc'] or 'none'}")
+    return result
 
 
 if __name__ == "__main__":
