@@ -58,9 +58,9 @@ def chunk_gated_delta_rule_varlen(
     ssm_pool [num_slots, Hv, Dk, Dv]; state_slots [S] distinct; context_lens [S]; chunk_indices: the
     `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table, and fresh the `varlen.fresh_mask(cu_seqlens,
     context_lens)` one, when the caller already has them (computed once per step, not per layer).
-    context_lens_cpu: context_lens on the host, when the caller has them: a batch with no fresh sequence
-    (`varlen.any_fresh`: prefix hits, decode rows) then reads its state rows as they are, without the mask's
-    launches. Returns out [T, Hv, Dv] in q's dtype.
+    context_lens_cpu: context_lens on the host (the true ones, not a captured batch's claim), when the caller has
+    them: a batch with no fresh sequence (`varlen.any_fresh`: prefix hits, decode rows) then reads its state rows
+    as they are, without the mask's launches. Returns out [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
