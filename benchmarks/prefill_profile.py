@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS, letters, model_folder  # noqa: E402
+from gpu_bench import MODELS, SCALE, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
@@ -145,10 +145,14 @@ class PartTimer:
         self.times, self.calls = {}, {}
 
 
-def generate_ms(llm: LLM, prompt: str) -> float:
+def generate_ms(llm: LLM, prompt: str, cached: list[int] | None = None) -> float:
+    """Wall ms of `LLM.generate` of one prompt, one new token; its cached tokens appended to `cached` if given."""
     start = time.perf_counter()
-    llm.generate([prompt], ONE_TOKEN, use_tqdm=False)
-    return 1000 * (time.perf_counter() - start)
+    outputs = llm.generate([prompt], ONE_TOKEN, use_tqdm=False)
+    ms = 1000 * (time.perf_counter() - start)
+    if cached is not None:
+        cached.append(outputs[0].cached_tokens)
+    return ms
 
 
 def pair(llm: LLM, rng: random.Random, prefix: int, new: int) -> tuple[str, str]:
@@ -160,25 +164,25 @@ def pair(llm: LLM, rng: random.Random, prefix: int, new: int) -> tuple[str, str]
 
 def timed_parts(llm: LLM, timer: PartTimer, rng: random.Random, args, runs: int, sync: bool) -> dict:
     """`runs` fresh pairs; the + 200 request's wall ms and its parts' ms (medians over the runs)."""
-    walls, parts, pauses = [], [], GcPauses()
+    walls, parts, pauses, cached = [], [], GcPauses(), []
     for _ in range(runs):
         _, longer = pair(llm, rng, args.prefix, args.new)
         timer.reset()
         timer.sync = sync
         with pauses:
-            walls.append(generate_ms(llm, longer))
+            walls.append(generate_ms(llm, longer, cached))
         timer.sync = False
         parts.append({key: 1000 * t for key, t in timer.times.items()} | {
             f"calls: {key}": n for key, n in timer.calls.items()})
         parts[-1]["unaccounted"] = walls[-1] - sum(parts[-1].get(k, 0.0) for k in TOP)
     keys = list(dict.fromkeys(k for p in parts for k in p))
-    return {"wall_ms": walls, "wall_ms_p50": statistics.median(walls), "gc": pauses.summary(),
+    return {"wall_ms": walls, "wall_ms_p50": statistics.median(walls), "gc": pauses.summary(), "cached": cached,
             "parts_ms_p50": {k: statistics.median(p.get(k, 0.0) for p in parts) for k in keys}}
 
 
 def print_parts(name: str, result: dict) -> None:
     print(f"\n{name}: + {result['new']} wall ms {', '.join(f'{w:.1f}' for w in result['wall_ms'])} "
-          f"(p50 {result['wall_ms_p50']:.1f})")
+          f"(p50 {result['wall_ms_p50']:.1f}), cached tokens {result['cached']}")
     print("| part | ms (p50 over the runs) | calls |\n| --- | --- | --- |")
     parts = result["parts_ms_p50"]
     for key, ms in parts.items():
@@ -266,8 +270,11 @@ def main() -> None:
                         help="dummy: a folder of config.json + tokenizer, random weights drawn on the device (next-16b "
                              "without writing 33 GB)")
     parser.add_argument("--phase-a", action="store_true", help="then gpu_bench's phase A on the same engine")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every length (the pair's and phase A's, as gpu_bench's --scale): smoke tests")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    SCALE["value"] = args.scale
     device = torch.device(args.device)
     start = time.perf_counter()
     dummy = {"load_format": "dummy"} if args.load_format == "dummy" else {}
