@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridcache.kernels.gated_delta.qkv_prep import qkv_prep
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
-from hybridcache.kernels.norm.triton import l2norm
 from hybridcache.kernels.varlen import any_fresh, fresh_mask
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
@@ -73,8 +73,8 @@ def chunk_gated_delta_rule_varlen(
         if fresh is None:
             fresh = fresh_mask(cu, context_lens)
         initial = initial.masked_fill(fresh[:, None, None, None], 0.0)
-    if use_qk_l2norm:  # ours, not fla's in-kernel one: fla autotunes that per size bucket (norm/triton.py)
-        q, k = l2norm(q), l2norm(k)
+    if use_qk_l2norm:  # ours, not fla's in-kernel one (fla autotunes that per size bucket, norm/triton.py), with
+        q, k, v = qkv_prep(q, k, v)  # v made contiguous in the same launch
     # fla's kernels address [1, T, H, D] inputs as contiguous (its public entry point copies strided views)
     _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=q.unsqueeze(0).contiguous(),
