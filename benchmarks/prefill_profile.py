@@ -20,7 +20,8 @@ fresh pairs are measured, each + 200 request three ways:
    CUDA runtime calls (launches, graph launches, synchronisations, copies) and their host time, one pair;
 4. **cProfile**: the host's Python functions by own time, one pair.
 
-The cycle collector's runs (count and ms by generation, `gc.callbacks`) are counted over the free-running requests.
+The cycle collector's runs (count and ms by generation, `gc.callbacks`) are counted over the free-running requests,
+and every Triton compile after the engine's start-up is logged (gpu_bench's `CompileLog`: by part, in the JSON).
 `--phase-a`: then gpu_bench's phase A on the same engine (its p50 and the collector's runs; the cache cleared
 first), so that one engine start-up gives both of issue 32's small-prefill figures.
 
@@ -48,7 +49,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS, SCALE, letters, model_folder  # noqa: E402
+from gpu_bench import MODELS, SCALE, CompileLog, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
@@ -297,9 +298,12 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"prefill_profile_{args.model}{'_' + args.label if args.label else ''}.json"
     rng = random.Random(0)
+    compiles = CompileLog()  # every Triton compile after the engine's start-up, by part of this script
+    compiles.label = "warm-up"
     for _ in range(2):  # warm-up: every shape of the request at its full length
         _, longer = pair(llm, rng, args.prefix, args.new)
         generate_ms(llm, longer)
+    compiles.label = "profile"
     timer = PartTimer(device)
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
@@ -314,8 +318,11 @@ def main() -> None:
     result["cprofile"] = host_profile(llm, rng, args)
     out_path.write_text(json.dumps(result, indent=1))
     if args.phase_a:
+        compiles.label = "phase A"
         result["phase_a"] = phase_a_timed(llm)
-        out_path.write_text(json.dumps(result, indent=1))
+    result["kernels_compiled"] = compiles.by_label
+    print(f"Triton compiles after start-up: {({k: len(v) for k, v in compiles.by_label.items()}) or 'none'}")
+    out_path.write_text(json.dumps(result, indent=1))
 
 
 def phase_a_timed(llm: LLM) -> dict:

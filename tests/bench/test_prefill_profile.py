@@ -32,3 +32,4 @@ def test_prefill_profile_times_a_prefix_hit_by_part(tmp_path):
             assert parts[part] > 0, part
         assert parts["forward"] < timed["wall_ms_p50"]
     assert result["cprofile"]["functions"] > 0 and "under cProfile" in done.stdout
+    assert "kernels_compiled" in result and "Triton compiles after start-up" in done.stdout
