@@ -10,11 +10,13 @@ warm-up (two such pairs at the full length: every kernel shape and graph bucket 
 fresh pairs are measured, each + 200 request three ways:
 
 1. **free**: its wall time, as gpu_bench's phase C sees it, and the wall time of each host part with no
-   synchronisation added (`PARTS`: tokenising, `add_request`, the scheduler's step (prefix match, planning, the
+   synchronisation added (`PartTimer`: tokenising, `add_request`, the scheduler's step (prefix match, planning, the
    cache's commit), building the step's inputs, the runner's forward (copies, graph replays and eager cores:
    what the host spends queueing them), sampling, postprocessing (waiting for the token, detokenising, the
-   output)). Parts nest (`forward` holds `restore copies`, `graph replays`, `eager cores`); "unaccounted" is the
-   wall time outside every top-level part (`generate`'s own loop);
+   output)). Parts nest ("schedule: ...", "forward: ..." and "postprocess: ..." are inside their top-level part;
+   "forward: layers" is the piecewise graphs' replays and the eager cores between them); "unaccounted" is the
+   wall time outside every top-level part (`generate`'s own loop). "postprocess: wait for the token" is how far
+   the device was behind the host when the host asked for the token: near 0 when the request is host-bound;
 2. **synced**: the same parts each ending on a device synchronisation (its own host + device cost), one pair;
 3. **torch.profiler** (CUDA): device time by kernel family (`step_profile.device_families`), kernels launched,
    CUDA runtime calls (launches, graph launches, synchronisations, copies) and their host time, one pair;
@@ -53,7 +55,7 @@ from gpu_bench import MODELS, SCALE, CompileLog, letters, model_folder  # noqa: 
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
-from hybridcache.sampling import SamplingParams  # noqa: E402
+from hybridcache.sampling import PendingSample, SamplingParams  # noqa: E402
 
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 TOP = ("tokenise", "add_request", "schedule", "build inputs", "forward", "sample", "postprocess")
@@ -135,6 +137,7 @@ class PartTimer:
         self.wrap(runner.model, "forward_tail", "forward: tail (norm, logits)")
         self.wrap(engine, "_sample", "sample")
         self.wrap(engine, "_complete", "postprocess")
+        self.wrap(PendingSample, "result", "postprocess: wait for the token")  # the device's lag behind the host
         self.wrap(engine.output_processor, "accept", "postprocess: detokenise + stop checks")
         self.wrap(engine.output_processor, "output", "postprocess: output")
 
