@@ -195,6 +195,10 @@ def print_parts(name: str, result: dict) -> None:
     print(f"cycle collector during these requests: {result['gc'] or 'none'}")
 
 
+# kernel families of a prefill step that step_profile's FAMILIES (decode) files under "other"; first match wins
+PREFILL_FAMILIES = (("_prefill_kernel", "attention prefill"), ("_qkv_prep", "DeltaNet q/k/v prep"),
+                    ("l2norm", "DeltaNet q/k/v prep"))
+
 RUNTIME = {  # CUDA runtime / driver call name fragment -> kind (host-side counts of the profile)
     "cudaLaunchKernel": "kernel launches (CUDA runtime)", "cuLaunchKernel": "kernel launches (driver: Triton)",
     "cudaGraphLaunch": "graph launches", "Synchronize": "synchronisations", "cudaMemcpy": "copies (memcpy)",
@@ -204,7 +208,7 @@ RUNTIME = {  # CUDA runtime / driver call name fragment -> kind (host-side count
 
 def device_profile(llm: LLM, rng: random.Random, args) -> dict:
     """One + 200 request under torch.profiler: device ms and kernels by family, runtime calls by kind."""
-    from step_profile import device_families
+    from step_profile import FAMILIES, device_families
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -212,7 +216,7 @@ def device_profile(llm: LLM, rng: random.Random, args) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall = generate_ms(llm, longer)
     averages = prof.key_averages()
-    families = device_families(prof)
+    families = device_families(prof, PREFILL_FAMILIES + FAMILIES)
     runtime: dict[str, list[float]] = {}
     for event in averages:
         if event.device_type != DeviceType.CPU:
