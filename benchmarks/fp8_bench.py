@@ -342,7 +342,8 @@ def decode_choices(rows: list[dict]) -> dict:
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
-    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"]
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"
+              and "group_m" not in r]  # (a prefill tile's row, e.g. a CPU smoke test's, is no decode tile)
     found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4),
                                        r.get("num_stages", 3)),
                     lambda r: r["tokens"], primary=lambda tokens: tokens == 64)
