@@ -298,9 +298,10 @@ def test_cuda_fp8_linear(fmt, m):
 @needs_cuda
 @pytest.mark.parametrize("tokens", [3, 64, 700], ids=["decode-3", "decode-64", "prefill-700"])
 def test_cuda_fp8_grouped_experts(tokens):
-    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), and at decode
-    sizes both swap-AB tiles (W8A16 and W8A8), against the dequantised experts in fp32: within bf16 rounding
-    (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), at decode
+    sizes both swap-AB tiles (W8A16 and W8A8), at prefill sizes other `PrefillTile`s (grouped launch order, 128
+    rows, a wider down GEMM, 2 stages), against the dequantised experts in fp32: within bf16 rounding (W8A16) or
+    the activations' e4m3 rounding (W8A8)."""
     from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import fp8_grouped_experts
 
@@ -320,8 +321,13 @@ def test_cuda_fp8_grouped_experts(tokens):
             want[t] += top_weights[t, j] * linear(torch.nn.functional.silu(g) * u, *down[e], BLOCK)[0]
     stacked = stacked_experts([(w.cuda(), s.cuda()) for w, s in gate], [(w.cuda(), s.cuda()) for w, s in up],
                               [(w.cuda(), s.cuda()) for w, s in down], BLOCK.block)
+    from hybridcache.kernels.gemm.fp8_tiles import PrefillTile
+
+    prefill_tiles = [PrefillTile(128, 64, 128, 8, 2, 8), PrefillTile(64, 128, 256, 8, 3, 8),
+                     PrefillTile(64, 128, 128, 4, 4, 8)]  # the sweep's kinds: 128 rows, 256-wide down, 4 warps
     modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True),
-                     dict(w8a16=False, swap_ab=True, num_stages=5)] if tokens <= 64 else [])
+                     dict(w8a16=False, swap_ab=True, num_stages=5)] if tokens <= 64 else
+                    [dict(prefill=tile) for tile in prefill_tiles])
     for mode in modes:
         got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked,
                                   **mode)
