@@ -223,12 +223,13 @@ PREFILL_PLANS: list[PrefillTile] = []
 PREFILL_TOKENS: list[int] = []
 GEMM_TOKENS: list[int] = []
 # main's tile first; then the grouped launch order, 128-row tiles (64 gate/up columns per accumulator, so both
-# accumulators hold as much as a 128 x 128 tile), a 256-wide down GEMM, and 2 stages (less shared memory per
-# program: two programs per SM can hide each other's wait on the scaled MMA)
+# accumulators hold as much as a 128 x 128 tile), a 256-wide down GEMM, and small programs (2 stages, or a 64 x 64
+# tile at 4 warps: less shared memory and fewer registers per program, so programs sharing an SM can hide each
+# other's wait on the scaled MMA)
 SWEEP_PREFILL_PLANS = [PrefillTile(), PrefillTile(group_m=8), PrefillTile(num_stages=2, group_m=8),
                        PrefillTile(128, 64, 128, 8, 3, 8), PrefillTile(128, 64, 128, 8, 2, 8),
                        PrefillTile(64, 128, 256, 8, 3, 8), PrefillTile(64, 128, 128, 4, 2, 8),
-                       PrefillTile(128, 64, 128, 8, 4, 8), PrefillTile(num_stages=4, group_m=8)]
+                       PrefillTile(64, 64, 128, 4, 3, 8), PrefillTile(num_stages=4, group_m=8)]
 
 
 def prefill_row(gen, fp8, deq, top_k, tokens, tile: PrefillTile) -> list[dict]:
