@@ -222,6 +222,7 @@ BF16_EXPERTS = [64, 1, 256, 1024]
 PREFILL_PLANS: list[PrefillTile] = []
 PREFILL_TOKENS: list[int] = []
 GEMM_TOKENS: list[int] = []
+PREFILL_CASES: dict[int, tuple] = {}
 # main's tile first; then the grouped launch order, 128-row tiles (64 gate/up columns per accumulator, so both
 # accumulators hold as much as a 128 x 128 tile), a 256-wide down GEMM, and small programs (2 stages, or a 64 x 64
 # tile at 4 warps: less shared memory and fewer registers per program, so programs sharing an SM can hide each
@@ -233,8 +234,12 @@ SWEEP_PREFILL_PLANS = [PrefillTile(), PrefillTile(group_m=8), PrefillTile(num_st
 
 
 def prefill_row(gen, fp8, deq, top_k, tokens, tile: PrefillTile) -> list[dict]:
-    """The routed experts at `tokens` with the W8A8 prefill tile `tile` (both GEMMs, quantisation and combine)."""
-    x, weights, ids, want = expert_case(gen, fp8, deq, top_k, tokens)
+    """The routed experts at `tokens` with the W8A8 prefill tile `tile` (both GEMMs, quantisation and combine); one
+    case (inputs and reference) per token count, shared by the tiles."""
+    if tokens not in PREFILL_CASES:
+        PREFILL_CASES.clear()  # (the sizes come in order: one case held at a time)
+        PREFILL_CASES[tokens] = expert_case(gen, fp8, deq, top_k, tokens)
+    x, weights, ids, want = PREFILL_CASES[tokens]
 
     def call() -> torch.Tensor:
         return fp8_grouped_experts(x, weights, ids, fp8, prefill=tile)
