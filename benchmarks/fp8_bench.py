@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import faulthandler
 import gc
 import io
 import json
@@ -39,6 +38,7 @@ import pstats
 import random
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -115,8 +115,9 @@ class StartupParts:
     synchronised after each, so a part's queued device work counts in it; nested parts count in both) into
     `seconds` and `calls` ("module:attribute" keys); restored on exit. The engine's start-up by part."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, on_call=None) -> None:
         self.cuda = cuda
+        self.on_call = on_call  # called after each timed call (a start-up cut short keeps its parts so far)
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self._restore: list = []
@@ -149,6 +150,8 @@ class StartupParts:
                     torch.cuda.synchronize()
                 self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - begin
                 self.calls[key] = self.calls.get(key, 0) + 1
+                if self.on_call is not None:
+                    self.on_call(self)
 
         return timed_call
 
@@ -160,28 +163,57 @@ class StartupParts:
         return {key: {"s": round(seconds, 3), "calls": self.calls[key]} for key, seconds in self.seconds.items()}
 
 
+class StackSampler:
+    """While entered (with `every_s` > 0), a daemon thread appends the main thread's Python stack to `path` every
+    `every_s` seconds, with the seconds since entering. It reads the stack with `sys._current_frames()` holding
+    the GIL (faulthandler's watchdog reads it without and crashed an engine start-up)."""
+
+    def __init__(self, path: Path, every_s: float) -> None:
+        self.path, self.every_s = path, every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StackSampler:
+        if self.every_s > 0:
+            self._thread = threading.Thread(target=self._run, args=(threading.get_ident(), time.perf_counter()),
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self, main: int, start: float) -> None:
+        with open(self.path, "a") as out:
+            while not self._stop.wait(self.every_s):
+                frame = sys._current_frames().get(main)
+                if frame is None:
+                    return
+                out.write(f"--- {time.perf_counter() - start:.1f} s\n{''.join(traceback.format_stack(frame))}")
+                out.flush()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], options: dict, dummy: bool,
             result: dict, save, profile_dir: Path | None = None, profile_parts: list[str] | None = None,
             out_dir: Path | None = None, stacks_every_s: float = 0.0) -> dict:
     """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them;
     with `profile_parts`, after the warm-up and before the phases, `fp8_profile.profile_engine` (its cProfile
     table in `out_dir`); with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder).
-    With `stacks_every_s`, every thread's Python stack is appended to `out_dir`/startup_stacks_MODEL_WEIGHTS.txt
-    that often while the engine starts (where a start-up cut short by a time limit was)."""
+    With `stacks_every_s`, the main thread's Python stack is appended to `out_dir`/startup_stacks_MODEL_WEIGHTS.txt
+    that often while the engine starts (`StackSampler`: where a start-up cut short by a time limit was)."""
     folder, extra = run_folder(model, weights, root, dummy)
     cuda = options["device"] == "cuda"
     start = time.perf_counter()
-    stacks = None
-    if stacks_every_s:
-        stacks = open((out_dir or Path(".")) / f"startup_stacks_{model}_{weights}.txt", "w")  # noqa: SIM115
-        faulthandler.dump_traceback_later(stacks_every_s, repeat=True, file=stacks)
-    try:
-        with StartupParts(cuda) as parts:
-            llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
-    finally:
-        if stacks is not None:
-            faulthandler.cancel_dump_traceback_later()
-            stacks.close()
+    sampler = StackSampler((out_dir or Path(".")) / f"startup_stacks_{model}_{weights}.txt", stacks_every_s)
+
+    def parts_so_far(parts: StartupParts) -> None:
+        result["startup_parts"] = parts.summary()
+        save()
+
+    with sampler, StartupParts(cuda, parts_so_far) as parts:
+        llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
     result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
@@ -423,7 +455,7 @@ def main() -> None:
                         help="triton: the dense FP8 linears on the Triton W8A8 kernel at every size instead of "
                              "cuBLAS's block-scaled GEMM (an A/B of cuBLAS's cost)")
     parser.add_argument("--startup-stacks-s", type=float, default=0.0,
-                        help="dump every thread's stack to DIR/startup_stacks_*.txt this often during start-up")
+                        help="append the main thread's stack to DIR/startup_stacks_*.txt this often during start-up")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)

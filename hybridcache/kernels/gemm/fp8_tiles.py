@@ -16,7 +16,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefillTile:
     """The W8A8 launch of both expert GEMMs above the decode sizes: BLOCK_M rows, `block_n` output columns of the
-    gate/up GEMM (per accumulator: it keeps a gate and an up tile) and `down_block_n` of the down GEMM."""
+    gate/up GEMM (per accumulator: it keeps a gate and an up tile) and `down_block_n` of the down GEMM. The
+    defaults are the tile used before the sweep (its first row)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -27,7 +28,9 @@ class PrefillTile:
 
 
 PREFILL_SMALL_ROWS = 512
-PREFILL_TILES = {"small": PrefillTile(), "large": PrefillTile()}
+# `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest
+# in both buckets (docs/bench.md, "FP8 on the H200")
+PREFILL_TILES = {"small": PrefillTile(64, 64, 128, 4, 3, 8), "large": PrefillTile(64, 64, 128, 4, 3, 8)}
 
 
 def prefill_bucket(num_rows: int, num_experts: int) -> str:
