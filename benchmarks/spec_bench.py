@@ -15,9 +15,10 @@ of MTP off's greedy tokens each completion repeats up to its first difference (`
 phase of the steps (`phase_timers`). `--disable-by-batch-size N` adds
 rows of k = 2 with the speculative config's `disable_by_batch_size` N at the batch sizes over N (steps there are
 plain decode steps, overlapped by async scheduling). On CUDA in bf16 both use CUDA graphs (MTP's verify steps
-too); MTP's speculative steps run synchronously, MTP off's steps asynchronously. `--tensor-parallel-size N`: every
-engine (MTP off too) split over N ranks (the head sharded and drafting on every rank; async scheduling on for MTP
-off's steps, as at N = 1 on CUDA).
+too) and async scheduling: MTP's uniform greedy verify steps are queued before the step before is judged
+(`engine/spec_chain.py`; `chained_steps` in the JSON counts them), other speculative steps run synchronously.
+`--tensor-parallel-size N`: every engine (MTP off too) split over N ranks (the head sharded and drafting on every
+rank; async scheduling on for MTP off's steps, as at N = 1 on CUDA; speculative steps synchronous).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.spec_chain import DeviceVerdicts
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.sampling import SamplingParams
 
@@ -91,13 +93,17 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
     methods for the block: `schedule`, `launch` (inputs, forward launch; a speculative step's judging waits there for
     the logits, and for the drafting queued before the verdicts: `runner.draft_after_verify`), `complete`
     (postprocess; a speculative step's rollback and drafting), and within it `propose` (the head's passes, which
-    wait for their drafts; only a transfer after a step drafted before its verdicts). Host time, not device time:
-    a wait for the device counts where it happens."""
-    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0}
+    wait for their drafts; only a transfer after a step drafted before its verdicts); async speculative steps
+    (`engine/spec_chain.py`): `chained` (the whole `step()` of one), within it `chain_launch` (queueing the next
+    verify step and its drafting) and `chain_wait` (waiting for a deferred step's device values: ~0 when the host
+    is the bottleneck). Host time, not device time: a wait for the device counts where it happens."""
+    totals = {"schedule": 0.0, "launch": 0.0, "complete": 0.0, "propose": 0.0, "chained": 0.0, "chain_launch": 0.0,
+              "chain_wait": 0.0}
     targets = [(engine.scheduler, "schedule", "schedule"), (engine, "_launch", "launch"),
                (engine, "_complete", "complete")]
     if engine.drafter is not None:
-        targets.append((engine.drafter, "propose", "propose"))
+        targets += [(engine.drafter, "propose", "propose"), (engine, "_step_chained", "chained"),
+                    (engine, "_launch_chained", "chain_launch")]
 
     def timed(fn, name):
         def wrapper(*a, **kw):
@@ -110,9 +116,12 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
 
     for owner, attribute, name in targets:
         setattr(owner, attribute, timed(getattr(owner, attribute), name))
+    result = DeviceVerdicts.result
+    DeviceVerdicts.result = timed(result, "chain_wait")
     try:
         yield totals
     finally:
+        DeviceVerdicts.result = result
         for owner, attribute, _ in targets:
             delattr(owner, attribute)  # the class's method again
 
@@ -121,12 +130,13 @@ def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Names
     """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
     before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
+    chained = engine.num_chained_steps
     with phase_timers(engine) as phases:
         tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
     k = engine.drafter.k if engine.drafter is not None else 0
     row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
            "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids,
-           "host_seconds": phases}
+           "host_seconds": phases, "chained_steps": engine.num_chained_steps - chained}
     if stats is not None:
         rows = stats.num_drafts - before.num_drafts
         fed = stats.num_draft_tokens - before.num_draft_tokens

@@ -156,6 +156,11 @@ class PrefixCache:
         return self._life.events
 
     @property
+    def num_free_blocks(self) -> int:
+        """Blocks no one holds now (growth up to them evicts nothing)."""
+        return self._life.blocks.num_free
+
+    @property
     def events(self) -> CacheEventLog | None:
         return self._life.events
 

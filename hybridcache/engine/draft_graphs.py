@@ -179,9 +179,10 @@ class DraftGraphs:
         past the step's block table), `size` the bucket of n. Each row accepts its drafts while they equal the
         target's argmax (`speculative.judge`'s greedy rule), so the catch-up rows are fed the argmaxes (row j's
         token at position start + j + 1: an accepted draft, then the final token, then placeholders), the
-        proposing row is the last accepted, and the further steps sit right after it. Returns int64 [n + k * n]:
-        each row's accepted count, then the drafts as `run` orders them (the caller checks the counts against its
-        verdicts)."""
+        proposing row is the last accepted, and the further steps sit right after it. Returns int64
+        [n + k * n + n * (1 + k)]: each row's accepted count, then the drafts as `run` orders them (the caller
+        checks the counts against its verdicts), then the target's argmax at each row's positions, row by row (the
+        row's accepted drafts and its final token: `spec_chain`)."""
         k, q, n = self.k, 1 + self.k, batch.num_seqs
         greedy = logits.argmax(dim=-1)
         target = torch.cat([greedy[n:].view(n, k), greedy[:n, None]], dim=1)  # the argmax at each position
@@ -207,7 +208,7 @@ class DraftGraphs:
             return batch.context_lens_cpu, [tuple(end + step for end in ends) for step in range(1, k)]
 
         tokens = self._replay_or_run(q, size, replay, host_lens)
-        return torch.cat([accepted, tokens.view(k, size)[:, :n].reshape(-1)])
+        return torch.cat([accepted, tokens.view(k, size)[:, :n].reshape(-1), target.reshape(-1)])
 
     def _replay_or_run(self, q: int, size: int, replay: bool, host_lens) -> torch.Tensor:
         """Replay graph (q, size) on the loaded buffers, or run its work eagerly there: with the capture's host

@@ -21,7 +21,9 @@ finish checkpoint holds one token more than with synchronous steps (the device h
 token: still a true prefix of prompt + output). Sequences that t brings to `max_tokens` or `max_model_len` are
 retired in `prepare`, before t+1 is planned. A step runs synchronously (postprocess before the next plan) with
 `decode_checkpoint_interval` saves (the saved tail) and speculative decoding's steps (judging and drafting read
-the logits on the host; `_speculating`). Under tensor parallelism the fed rows reach the workers as a
+the logits on the host; `_speculating`), but for uniform greedy verify steps: those are judged on the device, and
+the next one is queued from the device's verdicts before the host settles the step (`_step_chained`,
+`engine/spec_chain.py`). Under tensor parallelism the fed rows reach the workers as a
 `TokenFeed`: rank 0 broadcasts the sampled tokens on the device (`hybridcache.distributed`).
 
 A sequence whose next sample needs its tokens on the host (structured output: the grammar's next mask;
@@ -49,7 +51,9 @@ import torch
 
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.cache.host_tier import TierBehind
+from hybridcache.cache.plan import CopyPlan
 from hybridcache.config import EVICTION_POLICIES, EngineConfig
+from hybridcache.copy_kinds import CopyKind
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.disk_keeper import DiskKeeper
 from hybridcache.engine.disk_tier import DiskTier, model_key
@@ -59,6 +63,7 @@ from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
+from hybridcache.engine.spec_chain import DeviceVerdicts
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
@@ -113,6 +118,22 @@ class _Launched:
     verdicts: list[Verdict] | None = None  # speculative decoding: the sampled sequences' tokens, judged
     logits: torch.Tensor | None = None  # rows to sample once the step before is postprocessed (`sample` None)
     predrafted: torch.Tensor | None = None  # speculative decoding: drafts queued before the verdicts (`propose`)
+    deferred: DeviceVerdicts | None = None  # an async speculative step: its verdicts still on the device
+
+
+# the copies a step planned after an async speculative step may hold: they read only finished sequences and
+# checkpoints, which the step queued before its plan did not write (`LLMEngine._adopt_chained`)
+_CHAIN_COPIES = frozenset({CopyKind.STATE_FINISH, CopyKind.HOST_FINISH, CopyKind.HOST_SAVE, CopyKind.KV_SAVE})
+
+
+def _without_slots(plan: CopyPlan, slots: set[int]) -> CopyPlan:
+    """`plan` without its copies into the runtime slots `slots`."""
+    ops = []
+    for op in plan.ops:
+        pairs = [(src, dst) for src, dst in zip(op.src_ids, op.dst_ids, strict=True) if dst not in slots]
+        if pairs:
+            ops.append(dataclasses.replace(op, src_ids=tuple(p[0] for p in pairs), dst_ids=tuple(p[1] for p in pairs)))
+    return CopyPlan(tuple(ops))
 
 
 def _needs_host_tokens(seq: Seq) -> bool:
@@ -186,8 +207,8 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
             )
-        # a sequence also needs blocks for 2k positions past its end with speculative decoding (scheduler.py)
-        blocks_per_seq = -(-(self.max_model_len + 2 * _speculative_tokens(config)) // config.block_size)
+        # a sequence also needs blocks for 3k positions past its end with speculative decoding (scheduler.py)
+        blocks_per_seq = -(-(self.max_model_len + 3 * _speculative_tokens(config)) // config.block_size)
         if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading
             raise ValueError(
                 f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "
@@ -241,6 +262,7 @@ class LLMEngine:
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
         self._closed = False  # close() was called
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
+        self.num_chained_steps = 0  # speculative steps queued before the step before was judged (`_step_chained`)
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
 
@@ -360,8 +382,11 @@ class LLMEngine:
         previous, self._launched = self._launched, None
         outputs: list[RequestOutput] = []
         speculate = self._speculating()  # (decided once: it picks how this step is launched and completed)
+        if previous is not None and previous.deferred is not None and speculate and self._chainable(previous):
+            return self._step_chained(previous)
         with self._fatal():
-            if previous is not None and (speculate or not self._can_overlap(previous)):
+            if previous is not None and (speculate or previous.deferred is not None
+                                         or not self._can_overlap(previous)):
                 outputs, previous = self._complete(previous), None
             if previous is not None:
                 self._prepare(previous)
@@ -514,6 +539,8 @@ class LLMEngine:
         predrafted = None
         if batch is not None and self._speculating() and self.drafter.greedy_verify(scheduled.chunks):
             predrafted = self.runner.draft_after_verify(batch, logits, self.drafter.near_pages(scheduled.chunks))
+        if predrafted is not None and self._can_defer(scheduled):
+            return self._deferred(scheduled.chunks, batch, predrafted)
         only = [s.seq for s in scheduled.samples]
         only_logits = None
         if only:
@@ -524,11 +551,12 @@ class LLMEngine:
                          stop_token_ids=sorted(self.eos_token_ids))
         return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts, predrafted=predrafted)
 
-    def _complete_verified(self, launched: _Launched) -> list[RequestOutput]:
+    def _complete_verified(self, launched: _Launched, chained: bool = False) -> list[RequestOutput]:
         """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after
         them, cut at the first that stops it. The kept drafts and the last token go to the scheduler and the cache
         in one call (`Scheduler.accept`), whose rollback copies run at once; then the head drafts for the next
-        step."""
+        step. `chained`: the next verify step is already queued (`_step_chained`), with the rollback of every row
+        whose sequence goes on: only the rollbacks of the sequences that stop here run."""
         self.runner.check_results()  # the verdicts read the logits: a tensor-parallel peer's failure shows now
         launched.prepared = True
         for chunk in launched.chunks:
@@ -562,6 +590,8 @@ class LLMEngine:
             if chunk.start < chunk.seq.prompt_len or chunk.num_tokens - chunk.num_drafts > 1:  # prompt, or recompute
                 self.num_prefill_tokens += chunk.num_tokens
         rollback = self.scheduler.accept(accepted)
+        if chained:
+            rollback = _without_slots(rollback, {c.slot for c in launched.chunks if final.get(c.seq) is None})
         if not rollback.is_empty:
             self.runner.execute_copies(device_copies(rollback, self.runner.input_device))
         for seq, reason in final.items():
@@ -572,6 +602,116 @@ class LLMEngine:
         if launched.chunks and self._speculating():
             self.drafter.propose(launched.chunks, drafting, launched.predrafted)
         return self._outputs(touched)
+
+    # ------------------------------------------------------------- async speculative steps (engine/spec_chain.py)
+    def _can_defer(self, scheduled: SchedulerOutput) -> bool:
+        """A uniform greedy verify step whose drafting is queued (`predrafted`) is left on the device, its
+        verdicts judged there, when steps are async on one device and nothing in it samples otherwise."""
+        return (self.async_scheduling and self.config.tensor_parallel_size == 1 and not scheduled.samples
+                and self.runner.can_chain(len(scheduled.chunks)))
+
+    def _deferred(self, chunks: SequenceOf[ScheduledChunk], batch: ForwardBatch,
+                  values: torch.Tensor) -> _Launched:
+        """The `_Launched` of a verify step whose verdicts stay on the device (`spec_chain.DeviceVerdicts`)."""
+        deferred = DeviceVerdicts.queue([c.seq for c in chunks], batch, values, self.drafter.k)
+        return _Launched(tuple(chunks), [c.seq for c in chunks], None, deferred=deferred)
+
+    def _chainable(self, launched: _Launched) -> bool:
+        """Whether the verify step after `launched` (deferred) can be queued before `launched` is judged
+        (`_step_chained`): it runs every running sequence and nothing waits (the step after plans exactly its
+        rows, none added or preempted), each row is live, plain greedy with no stop strings, cannot reach
+        `max_tokens` or `max_model_len` in `launched` and can feed k drafts after it, its blocks reach every
+        position the next step and its drafting write (start + 3k: the scheduler's lookahead), and the
+        scheduler's growth after it fits the free blocks."""
+        chunks, k = launched.chunks, self.drafter.k
+        if (len(launched.deferred.rows) != len(chunks) or self.scheduler.waiting
+                or len(self.scheduler.running) != len(chunks)
+                or len(chunks) * (1 + k) > self.scheduler.max_num_batched_tokens
+                or launched.deferred.batch.rope_positions is not None or not self.drafter.greedy_verify(chunks)):
+            return False
+        block_size = self.config.block_size
+        for chunk in chunks:
+            seq = chunk.seq
+            if (seq.is_finished or seq.request_id not in self._requests or seq.params.stop
+                    or seq.num_tokens + k + 1 - seq.prompt_len >= seq.params.max_tokens
+                    or seq.num_tokens + 2 * k + 2 > self.max_model_len
+                    or len(chunk.block_ids) * block_size < chunk.start + 3 * k + 1):
+                return False
+        return self.scheduler.growth_fits(chunks, 1 + k)
+
+    def _step_chained(self, previous: _Launched) -> list[RequestOutput]:
+        """`step()` after a deferred verify step t that `_chainable` admits: queue t + 1 from t's device verdicts
+        (rollback, verify forward, drafting: `_launch_chained`), then judge and settle t from its host copy while
+        the device runs t + 1, then let the scheduler plan t + 1 exactly as it ran (`_adopt_chained`)."""
+        self.num_chained_steps += 1
+        with self._fatal():
+            queued = self._launch_chained(previous)
+            before = {c.seq.seq_id: c for c in previous.chunks}
+            fed = previous.deferred
+            outputs, values = self._complete_deferred(previous, chained=True)
+            scheduled = self.scheduler.schedule()
+            self._launched = self._adopt_chained(queued, scheduled, before, fed.next_inputs(values))
+        return outputs
+
+    def _launch_chained(self, previous: _Launched) -> DeviceVerdicts:
+        """Queue the verify step after `previous` and its drafting on the device (`spec_chain`); no wait."""
+        chunks, k = previous.chunks, self.drafter.k
+        kbs, per_block = self.config.kernel_block_size, self.config.block_size // self.config.kernel_block_size
+        reach = max(-(-(c.start + 3 * k + 1) // kbs) for c in chunks)
+        scratch = self.runner.scratch_page
+        tables = []
+        for chunk in chunks:
+            pages = [b * per_block + j for b in chunk.block_ids[: -(-reach // per_block)] for j in range(per_block)]
+            tables.append(pages[:reach] + [scratch] * (reach - len(pages[:reach])))
+        stops = [sorted(set(c.seq.params.stop_token_ids) | (set() if c.seq.params.ignore_eos else self.eos_token_ids))
+                 for c in chunks]
+        width = max(len(row) for row in stops)
+        device = self.runner.input_device
+        deferred = previous.deferred
+        batch, near = self.runner.chain_verify(
+            deferred.batch, deferred.values, to_device(tables, device, torch.int64),
+            to_device([row + [-1] * (width - len(row)) for row in stops], device, torch.int64) if width else None)
+        logits = self.runner.execute(batch)
+        values = self.runner.draft_after_verify(batch, logits, near)
+        return DeviceVerdicts.queue(deferred.rows, batch, values, k)
+
+    def _complete_deferred(self, launched: _Launched, *, chained: bool) -> tuple[list[RequestOutput], list[int]]:
+        """`_complete` of a deferred verify step: its verdicts and drafting from the host copy of its device
+        values (a wait for it alone), then as a synchronous verify step (`_complete_verified`); the outputs and
+        the values."""
+        deferred = launched.deferred
+        values = deferred.result()
+        verdicts, predrafted = deferred.verdicts(launched.chunks, values)
+        launched.deferred, launched.verdicts, launched.predrafted = None, verdicts, predrafted
+        return self._complete_verified(launched, chained=chained), values
+
+    def _adopt_chained(self, queued: DeviceVerdicts, scheduled: SchedulerOutput, before: dict[int, ScheduledChunk],
+                       fed: dict[int, tuple[int, ...]]) -> _Launched | None:
+        """The `_Launched` of the step queued by `_launch_chained`, once the scheduler has planned it
+        (`scheduled`; `before`: the chunks of the step before, by sequence id; `fed`: the tokens the device fed,
+        by sequence id): its rows must be the queued ones of the sequences still running, in order, with the
+        tokens the device fed, on their slots and with the blocks the device wrote (from the
+        block of its first position on; a full block before it may have been swapped for its trie twin); its
+        copies (finish checkpoints of the sequences that stopped) run now. None when every sequence stopped."""
+        if scheduled.is_empty:
+            return None
+        row_of = {seq.seq_id: i for i, seq in enumerate(queued.rows)}
+        rows = [row_of.get(c.seq.seq_id) for c in scheduled.chunks]
+        k, size = self.drafter.k, self.config.block_size
+        if (scheduled.samples or None in rows or rows != sorted(rows)
+                or any(c.num_drafts != k or c.token_ids != fed[c.seq.seq_id] or c.slot != before[c.seq.seq_id].slot
+                       or c.block_ids[c.start // size: -(-(c.start + 2 * k) // size)]
+                       != before[c.seq.seq_id].block_ids[c.start // size: -(-(c.start + 2 * k) // size)]
+                       for c in scheduled.chunks)):
+            planned = [(c.seq.seq_id, c.start, c.num_drafts) for c in scheduled.chunks]
+            raise RuntimeError(f"the scheduler planned an async speculative step other than the one queued: "
+                               f"rows {rows}, chunks {planned}")
+        unexpected = [op.kind.name for op in scheduled.copies.ops if op.kind not in _CHAIN_COPIES]
+        if unexpected:
+            raise RuntimeError(f"an async speculative step was planned with copies {unexpected}")
+        if not scheduled.copies.is_empty:
+            self.runner.execute_copies(device_copies(scheduled.copies, self.runner.input_device))
+        return _Launched(scheduled.chunks, [c.seq for c in scheduled.chunks], None, deferred=queued)
 
     def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
         """The outputs of the requests a step touched (a streaming request's every step, a `final_only` one's
@@ -615,6 +755,8 @@ class LLMEngine:
         its `PENDING_TOKEN` (`Scheduler.accept`, which tells the cache in the same call), count the fed tokens,
         then check whether each sampled sequence stops. Sequences finished or aborted after the step was planned
         are skipped (their rows are ignored)."""
+        if launched.deferred is not None:
+            return self._complete_deferred(launched, chained=False)[0]
         if launched.verdicts is not None:
             return self._complete_verified(launched)
         if not launched.prepared:

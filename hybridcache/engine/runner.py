@@ -52,6 +52,7 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+from hybridcache.engine.spec_chain import next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
@@ -219,9 +220,13 @@ class ModelRunner:
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
         self.pages_per_block = block_size // kernel_block_size
+        self.kernel_block_size = kernel_block_size
         supports = getattr(self.backend, "supports_cuda_graphs", None)  # a backend without it never captures
         use_graphs = cuda_graphs and supports is not None and supports(dtype)
-        extra = 1 if use_graphs else 0  # the scratch block and slot that graph padding rows write
+        # the scratch block and slot that graph padding rows write (and, with speculative decoding, the rows of
+        # an async verify step whose sequence ended in the step before: `chain_verify`)
+        extra = 1 if use_graphs or k else 0
+        self.scratch_slot, self.scratch_page = num_slots, num_blocks * self.pages_per_block  # (when `extra`)
         # speculative decoding: k draft state rows per runtime slot after the runtime slots (and the scratch one),
         # and the MTP head's KV as more attention layers after the target's
         self.draft_base = num_slots + extra  # (the scratch slot, when there is one, has draft rows too)
@@ -247,6 +252,7 @@ class ModelRunner:
         self.prefill_graph_bytes = 0  # device memory the piecewise graphs keep (their pool and buffers)
         self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
+        self._scratch_drafts: torch.Tensor | None = None  # `chain_verify`'s padding draft rows, on the device
         if use_graphs:
             def graphs(num_drafts: int) -> _DecodeGraphs:
                 return _DecodeGraphs(
@@ -396,6 +402,38 @@ class ModelRunner:
         if size is None:
             return None
         return graphs.run_after_verify(batch, logits, self.step_hidden, near_pages, size, replay=self._replay)
+
+    def can_chain(self, num_seqs: int) -> bool:
+        """Whether a uniform greedy verify step of `num_seqs` rows can be followed by one built on the device
+        (`chain_verify`, then `draft_after_verify`): drafting graphs hold its bucket and, on CUDA, verify graphs
+        replay it (an eager CUDA forward would need the host lengths: a wait)."""
+        drafting = self._draft_graphs
+        if (drafting is None or 1 + self.num_speculative_tokens not in drafting.catch
+                or graph_bucket(num_seqs, drafting.sizes) is None):
+            return False
+        if self.device.type != "cuda":
+            return True
+        verify = self._verify_graphs
+        return self._replay and verify is not None and graph_bucket(num_seqs, verify.sizes) is not None
+
+    @torch.inference_mode()
+    def chain_verify(self, prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor,
+                     stops: torch.Tensor | None) -> tuple[ForwardBatch, torch.Tensor]:
+        """Queue the rollback of the verify step `prev` from its device verdicts `values` (each row's slot gets
+        the state after its last accepted position: `spec_chain.select_rows`) and return the next verify step's
+        batch and near pages, built on the device (`spec_chain.next_verify_batch`; `tables`, `stops` there), for
+        `execute` and `draft_after_verify`. No wait for the device."""
+        k = self.num_speculative_tokens
+        n = prev.num_seqs
+        source = select_rows(prev.state_slots, values[:n], k=k, draft_base=self.draft_base)
+        for group in self.pools.state_groups:
+            group.index_copy_(1, prev.state_slots, group.index_select(1, source))
+        if self._scratch_drafts is None:  # (once: a tensor made on CUDA from a host list waits for the device)
+            self._scratch_drafts = torch.tensor(self.draft_slots(self.scratch_slot, k), dtype=prev.draft_slots.dtype,
+                                                device=prev.draft_slots.device)
+        return next_verify_batch(prev, values, tables, stops, k=k, kernel_block_size=self.kernel_block_size,
+                                 scratch_slot=self.scratch_slot, scratch_page=self.scratch_page,
+                                 scratch_drafts=self._scratch_drafts, host_lengths=self.device.type != "cuda")
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies

@@ -263,7 +263,7 @@ class MtpDrafter:
         drafts past a budget are dropped here).
 
         The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
-        positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 2k of
+        positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 3k of
         lookahead). It is queued before the next step is planned, so a block `accept` has just put into
         the trie (or freed as a duplicate) is written before any other sequence can share or reuse it.
 

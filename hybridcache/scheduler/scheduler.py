@@ -22,8 +22,9 @@ kept drafts; full blocks join the trie, `STATE_ROLLBACK` copies come back).
 
 Speculative decoding (`num_speculative_tokens` k > 0): a decoding sequence with `drafts` feeds them after its
 last token (a verify row of 1 + n tokens, n <= k) and the cache takes them as drafts; after the forward,
-`accept` keeps each row's accepted prefix of them. A chunk that samples gets blocks for 2k positions past its
-end: k drafts fed next, and the drafter's own KV for the drafts it proposes (written ahead of the verify).
+`accept` keeps each row's accepted prefix of them. A chunk that samples gets blocks for 3k positions past its
+end: k drafts fed next, the drafter's own KV for the drafts it proposes (written ahead of the verify), and k more
+for an async verify step queued before this one is judged (`engine/spec_chain.py`).
 
 When a running sequence cannot grow, the newest running sequence is preempted: the cache keeps its computed
 prefix as a checkpoint (when the mode saves any), frees the rest, and the sequence goes back to the front of
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -237,9 +238,18 @@ class Scheduler:
         )
 
     def _lookahead(self, seq: Seq, plan: ChunkPlan) -> int:
-        """Positions past a chunk's end it needs blocks for: 2k when it samples with speculative decoding on
-        (its drafts, and the drafter's KV of the drafts it proposes after it), else 0."""
-        return 2 * self.num_speculative_tokens if plan.end == seq.num_tokens else 0
+        """Positions past a chunk's end it needs blocks for: 3k when it samples with speculative decoding on
+        (its drafts, the drafter's KV of the drafts it proposes after it, and k more: an async verify step is
+        queued before the step before it is judged, at up to k positions further, `engine/spec_chain.py`),
+        else 0."""
+        return 3 * self.num_speculative_tokens if plan.end == seq.num_tokens else 0
+
+    def growth_fits(self, chunks: Sequence[ScheduledChunk], most: int) -> bool:
+        """Whether the free blocks hold the growth of the next plan of the decode chunks' sequences when each
+        advances by at most `most` tokens, so that planning it preempts none (async speculative steps)."""
+        size, k = self.cache.block_size, self.num_speculative_tokens
+        need = sum(max(0, -(-(c.start + most + 1 + 3 * k) // size) - len(c.block_ids)) for c in chunks)
+        return need <= self.cache.num_free_blocks
 
     def _drafts(self, seq: Seq, plan: ChunkPlan) -> list[int]:
         """The drafts a chunk feeds: the sequence's, when the chunk is its decode row (its last token, at or past

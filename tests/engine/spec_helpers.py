@@ -38,3 +38,56 @@ def oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) ->
                           for j in range(len(seq.drafts))]
 
     drafter.propose = propose_from_reference
+
+
+def cpu_drafting_graphs(engine: LLMEngine) -> None:
+    """Give the engine's CPU runner drafting graphs (nothing captured: their work runs on the static buffers, as
+    `test_draft_graphs` does), padded on the runner's scratch slot and page: uniform greedy verify steps then
+    draft before their verdicts (`draft_after_verify`), and with async scheduling they chain
+    (`engine/spec_chain.py`)."""
+    import torch
+
+    from hybridcache.engine.draft_graphs import DraftGraphs
+
+    runner = engine.runner
+    runner._draft_graphs = DraftGraphs(
+        head=runner.mtp_head, model=runner.model, pools=runner.pools, backend=runner.backend,
+        num_drafts=engine.drafter.k, sizes=(1, 2, 4, 8), max_model_len=engine.max_model_len,
+        scratch_slot=runner.scratch_slot, scratch_page=runner.scratch_page,
+        kernel_block_size=runner.kernel_block_size, hidden_size=runner.model.config.hidden_size,
+        dtype=torch.float32, device=runner.device)
+
+
+def device_oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) -> None:
+    """`oracle` for drafts queued on the device (`draft_after_verify`, CPU): each row's drafts become the
+    reference's next tokens after the row's last accepted one (read from the device values: free on the CPU),
+    each kept with probability `right` (else a wrong token). `reference`: request id -> its token ids, or its
+    completions' token ids (a list of lists, by completion index)."""
+    rng = random.Random(seed)
+    runner = engine.runner
+    queue = runner.draft_after_verify
+
+    def oracle_after_verify(batch, logits, near_pages):
+        values = queue(batch, logits, near_pages)
+        if values is None:
+            return values
+        k, n = engine.drafter.k, batch.num_seqs
+        by_slot = {engine.scheduler.cache.slot(s.seq_id): s for s in engine.scheduler.running}
+        accepted = values[:n].tolist()
+        firsts = batch.positions.view(n, 1 + k)[:, 0].tolist()
+        values = values.clone()  # (an inference tensor: not written in place outside inference mode)
+        for i, slot in enumerate(batch.state_slots.tolist()):
+            seq = by_slot.get(slot)
+            if seq is None:
+                continue  # a padding row: a sequence that ended in the step before
+            want = reference.get(seq.request_id, [])
+            if want and isinstance(want[0], (list, tuple)):
+                want = want[seq.index] if seq.index < len(want) else []
+            done = firsts[i] + accepted[i] + 1 - seq.prompt_len  # the output index of the row's final token
+            for j in range(k):
+                at = done + 1 + j
+                token = want[at] if at < len(want) and rng.random() < right else (want[0] + 1) % 256 if want else 0
+                values[n + j * n + i] = token
+        return values
+
+    runner.draft_after_verify = oracle_after_verify
