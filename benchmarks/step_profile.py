@@ -272,7 +272,8 @@ def main() -> None:
     n = args.steps
     parts = {key: 1000 * sum(values[-n:]) / n for key, values in times.items()}
     result = {
-        "model": args.model, "load_format": args.load_format, "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
+        "model": args.model, "load_format": args.load_format,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
         "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
         "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
         "parts_ms": parts,
