@@ -38,6 +38,7 @@ import pstats
 import random
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -92,17 +93,128 @@ def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path,
     return channel, {}
 
 
+# the start-up's parts that `StartupParts` times: (module, attribute path) of each function wrapped, as the engine
+# calls it (a name imported into a module is wrapped there)
+STARTUP_PARTS = (
+    ("hybridcache.engine.rank_runner", "load_model"),
+    ("hybridcache.models.random_weights", "randomize_"),
+    ("hybridcache.models.quant", "convert_linears"),
+    ("hybridcache.engine.rank_runner", "measure_activation_bytes"),
+    ("hybridcache.kernels.gemm.triton_fp8_moe", "Fp8ExpertWeights.share"),
+    ("hybridcache.kernels.cuda_backend", "compile_fp8_tiles"),
+    ("hybridcache.kernels.cuda_backend", "compile_tiles"),
+    ("hybridcache.engine.runner", "ModelRunner._compile_copies"),
+    ("hybridcache.engine.runner", "ModelRunner._compile_on_pools"),
+    ("hybridcache.engine.runner", "ModelRunner._capture"),
+    ("hybridcache.engine.runner", "ModelRunner._capture_prefill"),
+)
+
+
+class StartupParts:
+    """While entered, each `STARTUP_PARTS` function (one that exists) sums its calls' wall seconds (CUDA
+    synchronised after each, so a part's queued device work counts in it; nested parts count in both) into
+    `seconds` and `calls` ("module:attribute" keys); restored on exit. The engine's start-up by part."""
+
+    def __init__(self, cuda: bool, on_call=None) -> None:
+        self.cuda = cuda
+        self.on_call = on_call  # called after each timed call (a start-up cut short keeps its parts so far)
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._restore: list = []
+
+    def __enter__(self) -> StartupParts:
+        import importlib
+
+        for module_name, path in STARTUP_PARTS:
+            owner = importlib.import_module(module_name)
+            *parents, name = path.split(".")
+            for parent in parents:
+                owner = getattr(owner, parent)
+            original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+            if original is None:
+                continue
+            key = f"{module_name.rsplit('.', 1)[-1]}:{path}"
+            wrapped = self._timed(key, original.__get__(None, owner) if isinstance(original, classmethod)
+                                  else original)
+            setattr(owner, name, staticmethod(wrapped) if isinstance(original, classmethod) else wrapped)
+            self._restore.append((owner, name, original))
+        return self
+
+    def _timed(self, key: str, function):
+        def timed_call(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.cuda and not torch.cuda.is_current_stream_capturing():
+                    torch.cuda.synchronize()
+                self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - begin
+                self.calls[key] = self.calls.get(key, 0) + 1
+                if self.on_call is not None:
+                    self.on_call(self)
+
+        return timed_call
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._restore):
+            setattr(owner, name, original)
+
+    def summary(self) -> dict:
+        return {key: {"s": round(seconds, 3), "calls": self.calls[key]} for key, seconds in self.seconds.items()}
+
+
+class StackSampler:
+    """While entered (with `every_s` > 0), a daemon thread appends the main thread's Python stack to `path` every
+    `every_s` seconds, with the seconds since entering. It reads the stack with `sys._current_frames()` holding
+    the GIL (faulthandler's watchdog reads it without and crashed an engine start-up)."""
+
+    def __init__(self, path: Path, every_s: float) -> None:
+        self.path, self.every_s = path, every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> StackSampler:
+        if self.every_s > 0:
+            self._thread = threading.Thread(target=self._run, args=(threading.get_ident(), time.perf_counter()),
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self, main: int, start: float) -> None:
+        with open(self.path, "a") as out:
+            while not self._stop.wait(self.every_s):
+                frame = sys._current_frames().get(main)
+                if frame is None:
+                    return
+                out.write(f"--- {time.perf_counter() - start:.1f} s\n{''.join(traceback.format_stack(frame))}")
+                out.flush()
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+
 def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], options: dict, dummy: bool,
             result: dict, save, profile_dir: Path | None = None, profile_parts: list[str] | None = None,
-            out_dir: Path | None = None) -> dict:
+            out_dir: Path | None = None, stacks_every_s: float = 0.0) -> dict:
     """One engine's figures, written into `result` (and `save()`d) as they come, so a run cut short keeps them;
     with `profile_parts`, after the warm-up and before the phases, `fp8_profile.profile_engine` (its cProfile
-    table in `out_dir`); with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder)."""
+    table in `out_dir`); with `profile_dir`, after the phases, `profile_prefix_hit` (its tables in that folder).
+    With `stacks_every_s`, the main thread's Python stack is appended to `out_dir`/startup_stacks_MODEL_WEIGHTS.txt
+    that often while the engine starts (`StackSampler`: where a start-up cut short by a time limit was)."""
     folder, extra = run_folder(model, weights, root, dummy)
     cuda = options["device"] == "cuda"
     start = time.perf_counter()
-    llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
-    result.update({"engine_init_s": time.perf_counter() - start,
+    sampler = StackSampler((out_dir or Path(".")) / f"startup_stacks_{model}_{weights}.txt", stacks_every_s)
+
+    def parts_so_far(parts: StartupParts) -> None:
+        result["startup_parts"] = parts.summary()
+        save()
+
+    with sampler, StartupParts(cuda, parts_so_far) as parts:
+        llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
+    result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
                    "state_pages": llm.engine.memory_plan.state_pages,
@@ -114,6 +226,7 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     result["checkpoint_states_that_fit"] = result["num_blocks"] // max(1, result["state_pages"])
     save()
     print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
+    print(f"{model}:{weights}:{kv} start-up by part: {json.dumps(result['startup_parts'])}", flush=True)
     compiles = gpu_bench.CompileLog()  # from here on, every compile is one the engine's start-up did not do
     compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
@@ -203,6 +316,25 @@ def kv_pools(model: str, root: Path, budget_gib: float) -> dict:
     return out
 
 
+PREFILL_FIELDS = ("block_m", "block_n", "down_block_n", "num_warps", "num_stages", "group_m")
+
+
+def prefill_config(row: dict) -> tuple:
+    """A W8A8 prefill sweep row's `fp8_tiles.PrefillTile` fields (rows from before the tile had them: its
+    defaults for the missing ones, the down GEMM as wide as the gate/up one)."""
+    return (row["block_m"], row["block_n"], row.get("down_block_n", row["block_n"]), row.get("num_warps", 4),
+            row.get("num_stages", 3), row.get("group_m", 0))
+
+
+def prefill_bucket_of(row: dict) -> str:
+    """The `fp8_tiles.PREFILL_TILES` bucket of a sweep row (next-16b's experts, 32 top-8, where the row does
+    not say its rows per expert)."""
+    from hybridcache.kernels.gemm import fp8_tiles
+
+    rows = row.get("rows_per_expert", row["tokens"] * 8 // 32)
+    return "small" if rows <= fp8_tiles.PREFILL_SMALL_ROWS else "large"
+
+
 MAX_SWEEP_ERR = 0.25  # a sweep row with a larger error (relative to max |ref|) is a broken kernel
 
 
@@ -233,14 +365,17 @@ def decode_choices(rows: list[dict]) -> dict:
     """The fastest FP8 kernels of `fp8_sweep.py` result rows, each over the sizes it was swept at (a part without
     rows is absent): "experts", the routed experts' decode tile (kernel, block_n, swap_ab, num_warps, num_stages)
     by its ms summed over the decode token counts (T <= 64: 1 and 64; `moe.grouped.tile_rows` gives BLOCK_M, as in
-    the sweep); "experts_prefill", the W8A8 prefill tile (block_m, block_n, num_warps) summed over the token
-    counts above 64 it was swept at (256 and 1,024 in `--quick`; 1,024 alone if a cut-short sweep has fewer than
-    two tiles at every size); "dense", the dense kernel at M <= 64 summed over the shapes and row counts
+    the sweep); "experts_prefill", per `fp8_tiles.PREFILL_TILES` bucket ("small": up to PREFILL_SMALL_ROWS
+    rows per expert, "large": more) the W8A8 prefill tile (`PREFILL_FIELDS`) summed over the token counts above 64
+    the bucket was swept at (`--quick`: 256 and 1,024 tokens; `--prefill`: 1,024, 4,096 and 16,384; 1,024 or
+    16,384 alone if a cut-short sweep has fewer than two tiles at every size); "dense", the dense kernel at
+    M <= 64 summed over the shapes and row counts
     (swap-AB tiles and cuBLAS); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
-    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"]
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"
+              and "group_m" not in r]  # (a prefill tile's row, e.g. a CPU smoke test's, is no decode tile)
     found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4),
                                        r.get("num_stages", 3)),
                     lambda r: r["tokens"], primary=lambda tokens: tokens == 64)
@@ -251,12 +386,14 @@ def decode_choices(rows: list[dict]) -> dict:
                              "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
     prefill = [r for r in rows if r.get("experts") and r["tokens"] > 64 and r["kernel"] == "w8a8"
                and not r.get("swap_ab")]
-    found = fastest(prefill, lambda r: (r["block_m"], r["block_n"], r.get("num_warps", 4)), lambda r: r["tokens"],
-                    primary=lambda tokens: tokens == 1024)
-    if found:
-        (block_m, block_n, warps), sums, sizes = found
-        chosen["experts_prefill"] = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "tokens": sizes,
-                                     "ms_sum": {"/".join(map(str, config)): ms for config, ms in sums.items()}}
+    for bucket in ("small", "large"):
+        found = fastest([r for r in prefill if prefill_bucket_of(r) == bucket], prefill_config,
+                        lambda r: r["tokens"], primary=lambda tokens: tokens in (1024, 16384))
+        if found:
+            config, sums, sizes = found
+            chosen.setdefault("experts_prefill", {})[bucket] = {
+                **dict(zip(PREFILL_FIELDS, config, strict=True)), "tokens": sizes,
+                "ms_sum": {"/".join(map(str, c)): ms for c, ms in sums.items()}}
     bf16 = {r["tokens"]: r["ms"] for r in rows if r.get("experts") and r["kernel"] == "bf16"}
     if bf16:
         chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
@@ -270,10 +407,10 @@ def decode_choices(rows: list[dict]) -> dict:
 
 
 def choose_decode_kernels(sweep_json: str) -> dict:
-    """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*` and `PREFILL_*`, `triton_block_fp8.
+    """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*`, `fp8_tiles.PREFILL_TILES`, `triton_block_fp8.
     DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to `decode_choices` of a `fp8_sweep.py` result; a part the sweep has no
     rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
-    from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe
+    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8, triton_fp8_moe
 
     sweep = json.loads(Path(sweep_json).read_text())
     if "rows" not in sweep:
@@ -286,10 +423,8 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_fp8_moe.DECODE_SWAP_AB = experts["swap_ab"]
         triton_fp8_moe.DECODE_NUM_WARPS = experts["num_warps"]
         triton_fp8_moe.DECODE_NUM_STAGES = experts["num_stages"]
-    if "experts_prefill" in chosen:
-        prefill = chosen["experts_prefill"]
-        triton_fp8_moe.PREFILL_BLOCK_M, triton_fp8_moe.PREFILL_BLOCK_N = prefill["block_m"], prefill["block_n"]
-        triton_fp8_moe.PREFILL_NUM_WARPS = prefill["num_warps"]
+    for bucket, prefill in chosen.get("experts_prefill", {}).items():
+        fp8_tiles.PREFILL_TILES[bucket] = fp8_tiles.PrefillTile(*(prefill[f] for f in PREFILL_FIELDS))
     if "dense" in chosen:
         kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
@@ -319,6 +454,8 @@ def main() -> None:
     parser.add_argument("--dense-fp8", default="library", choices=("library", "triton"),
                         help="triton: the dense FP8 linears on the Triton W8A8 kernel at every size instead of "
                              "cuBLAS's block-scaled GEMM (an A/B of cuBLAS's cost)")
+    parser.add_argument("--startup-stacks-s", type=float, default=0.0,
+                        help="append the main thread's stack to DIR/startup_stacks_*.txt this often during start-up")
     parser.add_argument("--kv-budget-gib", type=float, default=40.0)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
@@ -378,7 +515,8 @@ def main() -> None:
         try:
             one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
                     options, args.load_format == "dummy", run, save,
-                    out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent)
+                    out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent,
+                    args.startup_stacks_s)
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 
 from hybridcache.fp8_format import BLOCK, FP8_DTYPE
 from hybridcache.kernels.gemm import reference, triton_quant
+from hybridcache.kernels.gemm.fp8_tiles import PrefillTile
 from hybridcache.kernels.gemm.triton_block_fp8 import TileConfig, fp8_gemm
-from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_expert_gemm, fp8_grouped_experts
 
 DEVICE = "cuda"  # --smoke: "cpu" (TRITON_INTERPRET=1), tiny shapes, one eager timing
 L2_BYTES = 3 * 2**27  # cycle over weight copies adding up to more than the H200's 50 MiB L2
@@ -193,6 +194,10 @@ def expert_items(gen: torch.Generator):
            "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
     del q_gu, q_d
     items = [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
+    items += [(4 + i, lambda tokens=tokens, tile=tile: prefill_row(gen, fp8, deq, top_k, tokens, tile))
+              for i, tokens in enumerate(PREFILL_TOKENS) for tile in PREFILL_PLANS]
+    items += [(4 + i, lambda tokens=tokens: gate_up_rows(gen, fp8, deq, tokens))
+              for i, tokens in enumerate(GEMM_TOKENS)]
     return items + [(0 if tokens <= 64 else 3, lambda tokens=tokens: bf16_expert_row(gen, fp8, deq, top_k, tokens))
                     for tokens in BF16_EXPERTS]
 
@@ -211,6 +216,101 @@ QUICK_PLANS = [(tokens, False, 16 if tokens == 1 else 32, block_n, True, warps, 
 QUICK_PLANS += [(tokens, False, block_m, 128, False, warps, 3) for tokens in (256, 1024)
                 for block_m, warps in ((64, 8), (64, 4), (128, 8))]
 BF16_EXPERTS = [64, 1, 256, 1024]
+# `--prefill`: the routed experts' W8A8 prefill tiles (`fp8_tiles.PrefillTile`) at PREFILL_TOKENS (next-16b: 4,096,
+# 1,024 and 256 rows per expert; phase D's 16 x 1,024-token step first), bf16's experts at the same sizes, and the
+# gate/up GEMM alone (`gate_up_rows`) at GEMM_TOKENS
+PREFILL_PLANS: list[PrefillTile] = []
+PREFILL_TOKENS: list[int] = []
+GEMM_TOKENS: list[int] = []
+PREFILL_CASES: dict[int, tuple] = {}
+# main's tile first; then the grouped launch order, 128-row tiles (64 gate/up columns per accumulator, so both
+# accumulators hold as much as a 128 x 128 tile), a 256-wide down GEMM, and small programs (2 stages, or a 64 x 64
+# tile at 4 warps: less shared memory and fewer registers per program, so programs sharing an SM can hide each
+# other's wait on the scaled MMA)
+SWEEP_PREFILL_PLANS = [PrefillTile(), PrefillTile(group_m=8), PrefillTile(num_stages=2, group_m=8),
+                       PrefillTile(128, 64, 128, 8, 3, 8), PrefillTile(128, 64, 128, 8, 2, 8),
+                       PrefillTile(64, 128, 256, 8, 3, 8), PrefillTile(64, 128, 128, 4, 2, 8),
+                       PrefillTile(64, 64, 128, 4, 3, 8), PrefillTile(num_stages=4, group_m=8)]
+
+
+def prefill_row(gen, fp8, deq, top_k, tokens, tile: PrefillTile) -> list[dict]:
+    """The routed experts at `tokens` with the W8A8 prefill tile `tile` (both GEMMs, quantisation and combine); one
+    case (inputs and reference) per token count, shared by the tiles."""
+    if tokens not in PREFILL_CASES:
+        PREFILL_CASES.clear()  # (the sizes come in order: one case held at a time)
+        PREFILL_CASES[tokens] = expert_case(gen, fp8, deq, top_k, tokens)
+    x, weights, ids, want = PREFILL_CASES[tokens]
+
+    def call() -> torch.Tensor:
+        return fp8_grouped_experts(x, weights, ids, fp8, prefill=tile)
+
+    return [{"experts": "next-16b", "tokens": tokens, "rows_per_expert": tokens * top_k // fp8.gate_up.shape[0],
+             "kernel": "w8a8", "swap_ab": False, **tile.__dict__, "err": rel(call(), want), "ms": timed([call])}]
+
+
+def gate_up_rows(gen, fp8, deq, tokens) -> list[dict]:
+    """The gate/up GEMM alone over `tokens` rows split evenly over the experts (rows already sorted, no gather,
+    no SwiGLU): bf16's `torch._grouped_mm` (CUTLASS), the Triton W8A8 kernel at each prefill tile's gate/up width
+    (as one GEMM of 2I columns), and `F.scaled_grouped_mm` with row-wise scales (the per-channel format: weights
+    re-quantised per row) and with 1x128 / 128x128 block scales, where this torch and GPU run them. Error against
+    the dequantised block weights on the quantised rows."""
+    experts, width, hidden = fp8.gate_up.shape
+    per = tokens // experts
+    ends = torch.arange(1, experts + 1, device=DEVICE, dtype=torch.int32) * per
+    x = torch.randn(per * experts, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
+    xq, xs = triton_quant.quantize_groups(x)
+    xdq = (xq.float() * xs.repeat_interleave(128, 1)).view(experts, per, hidden)
+    want = torch.bmm(xdq, deq["gu"].transpose(1, 2)).reshape(-1, width)
+    base = {"gemm": "next-16b gate_up", "tokens": per * experts, "rows_per_expert": per}
+    rows = []
+    wbf = deq["gu"].to(torch.bfloat16)
+
+    def bf16_call() -> torch.Tensor:
+        return torch._grouped_mm(x, wbf.transpose(1, 2), offs=ends)
+
+    rows.append(base | {"kernel": "bf16 grouped_mm", "err": rel(bf16_call(), want), "ms": timed([bf16_call])})
+    order = torch.arange(per * experts, device=DEVICE)
+    counts = torch.full((experts,), per, device=DEVICE, dtype=torch.int32)
+    for tile in dict.fromkeys(PrefillTile(t.block_m, 2 * t.block_n, 0, t.num_warps, t.num_stages, t.group_m)
+                              for t in PREFILL_PLANS[:4]):
+
+        def triton_call(t=tile) -> torch.Tensor:
+            return fp8_expert_gemm(xq, xs, order, 1, fp8.gate_up, fp8.gate_up_scale, counts, fp8.block,
+                                   torch.bfloat16, gather=False, scatter=False, swiglu=False, block_m=t.block_m,
+                                   block_n=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages,
+                                   group_m=t.group_m)
+
+        rows.append(base | {"kernel": "w8a8", "tile": tile.__dict__, "err": rel(triton_call(), want),
+                            "ms": timed([triton_call])})
+    for name, call in scaled_grouped_calls(x, xq, xs, deq["gu"], fp8, ends).items():
+        try:
+            rows.append(base | {"kernel": name, "err": rel(call(), want), "ms": timed([call])})
+        except Exception as error:  # not in this torch build / GPU
+            rows.append(base | {"kernel": name, "error": repr(error)[:300]})
+    return rows
+
+
+def scaled_grouped_calls(x, xq, xs, w32, fp8, ends) -> dict:
+    """`F.scaled_grouped_mm` closures over the gate/up weights: row-wise (x per token, weights per row, as the
+    per-channel format) and block-wise (1x128 activations, 128x128 weights, as the block format)."""
+    experts = w32.shape[0]
+    amax = w32.abs().amax(dim=2, keepdim=True).clamp(min=1e-12)
+    wq_row = (w32 * (448.0 / amax)).to(FP8_DTYPE)  # [E, N, K]
+    w_row_scale = (amax / 448.0).reshape(experts, -1)  # [E, N]
+    x_amax = x.float().abs().amax(dim=1).clamp(min=1e-12)
+    xq_row = (x.float() * (448.0 / x_amax)[:, None]).to(FP8_DTYPE)
+    x_row_scale = x_amax / 448.0
+
+    def rowwise() -> torch.Tensor:
+        return F.scaled_grouped_mm(xq_row, wq_row.transpose(1, 2), x_row_scale, F.ScalingType.RowWise,
+                                   w_row_scale, F.ScalingType.RowWise, offs=ends, output_dtype=torch.bfloat16)
+
+    def blockwise() -> torch.Tensor:
+        return F.scaled_grouped_mm(xq, fp8.gate_up.transpose(1, 2), xs.t().contiguous().t(),
+                                   F.ScalingType.BlockWise1x128, fp8.gate_up_scale.transpose(1, 2),
+                                   F.ScalingType.BlockWise128x128, offs=ends, output_dtype=torch.bfloat16)
+
+    return {"scaled_grouped_mm rowwise": rowwise, "scaled_grouped_mm block": blockwise}
 
 
 def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warps, stages) -> list[dict]:
@@ -220,7 +320,8 @@ def expert_row(gen, fp8, deq, top_k, tokens, w8a16, block_m, block_n, swap, warp
         return fp8_grouped_experts(x, weights, ids, fp8, block_m=block_m, w8a16=w8a16, block_n=block_n,
                                    swap_ab=swap, num_warps=warps, num_stages=stages)
 
-    return [{"experts": "next-16b", "tokens": tokens, "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
+    return [{"experts": "next-16b", "tokens": tokens, "rows_per_expert": tokens * top_k // fp8.gate_up.shape[0],
+             "kernel": "w8a16" if w8a16 else "w8a8", "block_m": block_m,
              "block_n": block_n, "swap_ab": swap, "num_warps": warps, "num_stages": stages, "err": rel(call(), want),
              "ms": timed([call])}]
 
@@ -229,7 +330,7 @@ def expert_case(gen, fp8, deq, top_k, tokens):
     """(x, top weights, top ids, the dequantised experts' fp32 output on x) of `tokens` random tokens."""
     experts, hidden = fp8.gate_up.shape[0], fp8.gate_up.shape[2]
     x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(torch.bfloat16)
-    ids = torch.stack([torch.randperm(experts, generator=gen, device=DEVICE)[:top_k] for _ in range(tokens)])
+    ids = torch.rand(tokens, experts, generator=gen, device=DEVICE).argsort(dim=1)[:, :top_k]  # k distinct each
     weights = torch.rand(tokens, top_k, generator=gen, device=DEVICE).to(torch.bfloat16)
     want = torch.zeros(tokens, hidden, device=DEVICE)
     inter = deq["d"].shape[2]
@@ -251,7 +352,8 @@ def bf16_expert_row(gen, fp8, deq, top_k, tokens) -> list[dict]:
     def call() -> torch.Tensor:
         return grouped_experts(x, weights, ids, bf16)
 
-    return [{"experts": "next-16b", "tokens": tokens, "kernel": "bf16", "err": rel(call(), want), "ms": timed([call])}]
+    return [{"experts": "next-16b", "tokens": tokens, "rows_per_expert": tokens * top_k // fp8.gate_up.shape[0],
+             "kernel": "bf16", "err": rel(call(), want), "ms": timed([call])}]
 
 
 def quant_check(gen: torch.Generator) -> dict:
@@ -264,6 +366,18 @@ def quant_check(gen: torch.Generator) -> dict:
             "quant_dtype_ok": got_q.dtype == FP8_DTYPE}
 
 
+def tile_text(tile: dict) -> str:
+    """A row's tile in the table: BLOCK_M x BLOCK_N, warps, stages, swap-AB; a prefill tile's group_m and down
+    GEMM width; "-" for a row without one."""
+    if "block_m" not in tile:
+        return "-"
+    text = f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
+    text += " swap-ab" if tile.get("swap_ab") else ""
+    if "group_m" in tile:
+        text += f" g{tile['group_m']}" + (f" down {tile['down_block_n']}" if tile.get("down_block_n") else "")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
@@ -272,8 +386,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="next-16b's experts: W8A8 swap-AB decode tiles at "
                         "T = 64 and 1, W8A8 prefill tiles at 256 and 1,024, bf16 at each; then qkvz and 28,672 x "
                         "8,192 at M = 64 and 1 (swap-AB tiles and cuBLAS)")
+    parser.add_argument("--prefill", action="store_true", help="only the routed experts' W8A8 prefill tiles at "
+                        "16,384 / 4,096 / 1,024 tokens (next-16b: 4,096 / 1,024 / 256 rows per expert), bf16's "
+                        "experts there, and the gate/up GEMM alone against torch's grouped GEMMs")
     args = parser.parse_args()
     global DECODE_CUBLAS
+    if args.prefill:
+        DENSE.clear()
+        PLANS[:] = []
+        PREFILL_PLANS[:] = SWEEP_PREFILL_PLANS
+        PREFILL_TOKENS[:] = [16384, 4096, 1024]
+        GEMM_TOKENS[:] = [16384 * 8, 4096 * 8]
+        BF16_EXPERTS[:] = [16384, 4096, 1024]
     if args.quick:
         for name in ("80b o_proj", "80b shared gate_up"):
             del DENSE[name]
@@ -285,12 +409,16 @@ def main() -> None:
         DEVICE = "cpu"
         for name in list(DENSE)[1:]:
             del DENSE[name]
-        DENSE[next(iter(DENSE))] = (96, 256)
+        for name in DENSE:  # none with --prefill
+            DENSE[name] = (96, 256)
         ROWS[:] = ROWS[:3]
         DECODE_TILES[:] = DECODE_TILES[:2]
         DECODE_CUBLAS = False
         W8A8_TILES[:] = W8A8_TILES[:1]
         BF16_EXPERTS[:] = [1, 64]  # more rows per expert take the grouped GEMM: CUDA only
+        PREFILL_TOKENS[:] = [64] if PREFILL_TOKENS else []
+        GEMM_TOKENS[:] = [64] if GEMM_TOKENS else []
+        PREFILL_PLANS[:] = PREFILL_PLANS[:2] + [PrefillTile(32, 32, 64, 4, 3, 2)] if PREFILL_PLANS else []
     start = time.perf_counter()
     gen = torch.Generator(DEVICE).manual_seed(0)
     out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_sweep.json"
@@ -319,12 +447,8 @@ def main() -> None:
         if "error" in r:
             print(f"| {r.get('shape', '-')} | {r.get('M', '-')} | {r.get('kernel', '-')} | error {r['error'][:80]}")
             continue
-        tile = r.get("tile") or (f"{r['block_m']}x{r['block_n']} w{r['num_warps']} s{r['num_stages']}"
-                                 f"{' swap-ab' if r.get('swap_ab') else ''}" if "block_m" in r else "-")
-        if isinstance(tile, dict) and "block_m" in tile:
-            tile = (f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
-                    f"{' swap-ab' if tile.get('swap_ab') else ''}")
-        print(f"| {r.get('shape', r.get('experts'))} | {r.get('M', r.get('tokens'))} | {r['kernel']} | {tile} | "
+        what = r.get("shape", r.get("experts", r.get("gemm")))
+        print(f"| {what} | {r.get('M', r.get('tokens'))} | {r['kernel']} | {tile_text(r.get('tile') or r)} | "
               f"{r['ms']:.4f} | {r.get('err', float('nan')):.1e} |")
 
 

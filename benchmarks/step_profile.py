@@ -16,6 +16,8 @@ step of 16,384 tokens at 1,024), timed, then one profiled.
 On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
 ...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
+`--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`: seconds, not
+the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
 Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
 """
 
@@ -242,12 +244,19 @@ def main() -> None:
                         help="profile steps shaped like phase D's prefill (16 x 1,024 fresh tokens) instead of decode")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
+    parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                        help="dummy: a folder of config.json and the tokenizer, random weights drawn on the device")
     args = parser.parse_args()
     device = torch.device(args.device)
-    folder = model_folder(args.model, args.model_dir)
+    if args.load_format == "dummy":
+        from tp_bench import config_folder
+
+        folder = config_folder(args.model, args.model_dir)
+    else:
+        folder = model_folder(args.model, args.model_dir)
     llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
               block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
-              max_model_len=17000 if args.prefill else None)
+              max_model_len=17000 if args.prefill else None, load_format=args.load_format)
     engine = llm.engine
     rng = random.Random(0)
     if args.prefill:
@@ -263,7 +272,8 @@ def main() -> None:
     n = args.steps
     parts = {key: 1000 * sum(values[-n:]) / n for key, values in times.items()}
     result = {
-        "model": args.model, "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
+        "model": args.model, "load_format": args.load_format,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
         "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
         "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
         "parts_ms": parts,

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import logging
 import os
@@ -84,6 +85,20 @@ from hybridcache.tokenizer import Tokenizer
 
 _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_num_seqs x max_model_len of KV)
 _logger = logging.getLogger("hybridcache.engine")
+
+
+def _freeze_gc_heap() -> None:
+    """Collect what is garbage now, then move every object still alive (the model, the kernels and their caches,
+    the libraries: hundreds of thousands of objects) out of the cycle collector's reach (`gc.freeze`), as vLLM
+    does after its start-up. A full collection walks every tracked object (tenths of a second in an engine's
+    process, docs/bench.md), and Python runs one whenever enough objects have survived since the last: without
+    this, a request in which that happens stalls for it. Frozen objects are still freed by reference counting;
+    cycles among them are collected at the next engine's start-up, which unfreezes first. CUDA engines only (a
+    host-bound step is a GPU engine's concern; the CPU tests start many engines and would each pay the
+    collection)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 class EngineDeadError(RuntimeError):
@@ -265,6 +280,8 @@ class LLMEngine:
         self.num_chained_steps = 0  # speculative steps queued before the step before was judged (`_step_chained`)
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
+        if on_cuda:
+            _freeze_gc_heap()
 
     # ----------------------------------------------------------------------------------- requests
     def _encoder_reserve(self) -> int:

@@ -59,7 +59,7 @@ from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, groupe
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
-from hybridcache.kernels.varlen import chunk_indices, fresh_mask
+from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,8 @@ class CudaMetadata:
     attention        what the attention backend's `prepare` returned
     verify           the step's verify rows (speculative decoding), or None
     fresh            [S] bool: the sequences that start at step 0 (`varlen.fresh_mask`; every DeltaNet layer's
-                     prefill reads it), or None in an all-decode step
+                     prefill reads it), or None in an all-decode step or one with no fresh sequence
+                     (`varlen.any_fresh`: the layers then need no mask)
     """
 
     all_decode: bool
@@ -152,7 +153,8 @@ class CudaBackend:
         chunks = fresh = None
         if not all_decode:
             chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, CHUNK_SIZE)
-            fresh = fresh_mask(cu_seqlens, batch.context_lens)
+            if any_fresh(batch.context_lens_cpu, batch.query_lens_cpu):
+                fresh = fresh_mask(cu_seqlens, batch.context_lens)
         metadata = CudaMetadata(
             all_decode=all_decode,
             max_context_len=max(batch.context_lens_cpu, default=0),
@@ -216,7 +218,7 @@ class CudaBackend:
                 return out
         return chunk_gated_delta_rule_varlen(
             q, k, v, g, beta, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
-            batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh,
+            batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh, context_lens_cpu=batch.context_lens_cpu,
         )
 
     def gated_delta(

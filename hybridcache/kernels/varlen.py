@@ -1,4 +1,4 @@
-"""Device-side index tensors for varlen batches, built without reading the device (no host sync).
+"""Index tensors for varlen batches on the device, built without reading the device (no host sync).
 
 A varlen batch packs S sequences' new tokens back to back: sequence i owns rows cu_seqlens[i]:cu_seqlens[i+1].
 Kernels that tile each sequence into blocks of `chunk` rows launch one program per (sequence, block) pair;
@@ -15,6 +15,7 @@ This is also the layout flash-linear-attention takes as `chunk_indices` (int32 o
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import torch
@@ -28,8 +29,28 @@ def num_chunks(query_lens_cpu: Sequence[int], chunk: int) -> int:
 def chunk_indices(cu_seqlens: torch.Tensor, query_lens_cpu: Sequence[int], chunk: int) -> torch.Tensor:
     """[NT, 2] (sequence id, block id within the sequence), on cu_seqlens' device and dtype.
 
-    Computed with device ops only (searchsorted over the cumulative block counts); NT comes from the host.
+    Built on the host from `query_lens_cpu` (which must be cu_seqlens' lengths) and moved in one transfer, pinned
+    and non-blocking on CUDA (the host does not wait for the device; torch's caching host allocator keeps the
+    pinned buffer until the copy has run): one copy instead of a dozen small device ops, each a launch of host
+    time. Inside a CUDA graph capture it is built with device ops instead (`_device_chunk_indices`): a captured
+    copy would read its host buffer at every replay, after the allocator has handed it out again.
     """
+    if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _device_chunk_indices(cu_seqlens, query_lens_cpu, chunk)
+    pairs = array("q")
+    for seq, length in enumerate(query_lens_cpu):
+        for block in range(-(-length // chunk)):
+            pairs.append(seq)
+            pairs.append(block)
+    host = torch.frombuffer(pairs, dtype=torch.int64) if pairs else torch.empty(0, dtype=torch.int64)
+    host = host.view(-1, 2).to(cu_seqlens.dtype)
+    if not cu_seqlens.is_cuda:
+        return host.to(cu_seqlens.device)
+    return host.pin_memory().to(cu_seqlens.device, non_blocking=True)
+
+
+def _device_chunk_indices(cu_seqlens: torch.Tensor, query_lens_cpu: Sequence[int], chunk: int) -> torch.Tensor:
+    """`chunk_indices` with device ops only (searchsorted over the cumulative block counts); NT from the host."""
     total = num_chunks(query_lens_cpu, chunk)
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     blocks = (lens + (chunk - 1)) // chunk
@@ -43,6 +64,14 @@ def chunk_indices(cu_seqlens: torch.Tensor, query_lens_cpu: Sequence[int], chunk
 def fresh_mask(cu_seqlens: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """[S] bool: sequences that start at step 0 (context_len == query_len) and so ignore their state slot."""
     return context_lens.long() == (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def any_fresh(context_lens_cpu: Sequence[int], query_lens_cpu: Sequence[int]) -> bool:
+    """Whether any sequence starts at step 0 (`fresh_mask` from the host lengths): a step of prefix hits and
+    decode rows has none, and its DeltaNet layers then read their state rows as they are, with no mask."""
+    if len(context_lens_cpu) != len(query_lens_cpu):
+        raise ValueError(f"{len(context_lens_cpu)} context lengths for {len(query_lens_cpu)} query lengths")
+    return any(context == query for context, query in zip(context_lens_cpu, query_lens_cpu))
 
 
 def check_verify_rows(num_seqs: int, cu_seqlens: torch.Tensor, context_lens: torch.Tensor,

@@ -65,10 +65,10 @@ def test_the_prefill_tile_and_parts_without_rows() -> None:
              "swap_ab": False, "num_warps": warps, "err": 0.04, "ms": ms}
             for bm, warps, ms in ((64, 4, 1.2), (64, 8, 0.57), (128, 8, 3.3))]
     chosen = decode_choices(rows)
-    assert set(chosen) == {"experts_prefill"}
-    prefill = chosen["experts_prefill"]
+    assert set(chosen) == {"experts_prefill"} and set(chosen["experts_prefill"]) == {"small"}  # 256 rows per expert
+    prefill = chosen["experts_prefill"]["small"]
     assert (prefill["block_m"], prefill["block_n"], prefill["num_warps"], prefill["tokens"]) == (64, 128, 8, [1024])
-    assert prefill["ms_sum"] == {"64/128/4": 1.2, "64/128/8": 0.57, "128/128/8": 3.3}
+    assert prefill["ms_sum"] == {"64/128/128/4/3/0": 1.2, "64/128/128/8/3/0": 0.57, "128/128/128/8/3/0": 3.3}
     assert decode_choices([]) == {}
 
 
@@ -89,9 +89,9 @@ def test_the_experts_decode_tile_carries_its_pipeline_depth_and_bf16_rows_are_no
     assert "experts_prefill" not in chosen  # bf16 rows are never a prefill tile either
 
 
-def prefill(tokens: int, block_m: int, warps: int, ms: float, err: float = 0.03) -> dict:
+def prefill(tokens: int, block_m: int, warps: int, ms: float, err: float = 0.03, **tile: int) -> dict:
     return {"experts": "next-16b", "tokens": tokens, "kernel": "w8a8", "block_m": block_m, "block_n": 128,
-            "swap_ab": False, "num_warps": warps, "num_stages": 3, "err": err, "ms": ms}
+            "swap_ab": False, "num_warps": warps, "num_stages": 3, "err": err, "ms": ms} | tile
 
 
 def test_the_prefill_tile_is_the_fastest_summed_over_phase_a_sizes() -> None:
@@ -101,12 +101,42 @@ def test_the_prefill_tile_is_the_fastest_summed_over_phase_a_sizes() -> None:
             prefill(256, 128, 8, 0.20), prefill(1024, 128, 8, 0.60),  # summed .80 against .87
             prefill(256, 64, 4, 0.01, err=1.0), prefill(1024, 64, 4, 0.01, err=1.0),
             expert(64, "w8a8", True, 0.05)]  # a decode row is no prefill tile
-    chosen = decode_choices(rows)["experts_prefill"]
+    chosen = decode_choices(rows)["experts_prefill"]["small"]
     assert (chosen["block_m"], chosen["block_n"], chosen["num_warps"]) == (128, 128, 8)
-    assert chosen["tokens"] == [256, 1024] and set(chosen["ms_sum"]) == {"64/128/8", "128/128/8"}
+    assert chosen["tokens"] == [256, 1024] and set(chosen["ms_sum"]) == {"64/128/128/8/3/0", "128/128/128/8/3/0"}
 
 
 def test_a_prefill_sweep_cut_short_compares_at_1024_tokens() -> None:
     rows = [prefill(1024, 64, 8, 0.57), prefill(1024, 128, 8, 0.60), prefill(256, 128, 8, 0.20)]
-    chosen = decode_choices(rows)["experts_prefill"]
+    chosen = decode_choices(rows)["experts_prefill"]["small"]
     assert (chosen["block_m"], chosen["tokens"]) == (64, [1024])
+
+
+def test_the_prefill_tiles_are_chosen_per_bucket_of_rows_per_expert_and_set_in_the_kernel_module(
+        tmp_path, monkeypatch) -> None:
+    """`fp8_sweep.py --prefill` rows (with rows_per_expert, group_m, stages and the down GEMM's width): the
+    small bucket (up to `PREFILL_SMALL_ROWS` rows per expert) and the large one each get their own fastest tile
+    summed over their sizes, and `choose_decode_kernels` sets both in `fp8_tiles.PREFILL_TILES` (what
+    `triton_fp8_moe` launches)."""
+    import json
+
+    from benchmarks.fp8_bench import choose_decode_kernels
+    from hybridcache.kernels.gemm import fp8_tiles
+
+    grouped = dict(group_m=8, num_stages=4, down_block_n=256)
+    rows = []
+    for tokens, plain_ms, grouped_ms in ((1024, 0.50, 0.60), (4096, 2.0, 1.5), (16384, 8.0, 6.0)):
+        rows += [prefill(tokens, 64, 8, plain_ms, rows_per_expert=tokens // 4),
+                 prefill(tokens, 128, 8, grouped_ms, rows_per_expert=tokens // 4, **grouped)]
+    chosen = decode_choices(rows)["experts_prefill"]
+    assert (chosen["small"]["block_m"], chosen["small"]["group_m"], chosen["small"]["tokens"]) == (64, 0, [1024])
+    large = chosen["large"]
+    assert (large["block_m"], large["group_m"], large["num_stages"], large["down_block_n"]) == (128, 8, 4, 256)
+    assert large["tokens"] == [4096, 16384] and large["ms_sum"] == {"64/128/128/8/3/0": 10.0, "128/128/256/8/4/8": 7.5}
+    sweep = tmp_path / "fp8_sweep.json"
+    sweep.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(fp8_tiles, "PREFILL_TILES", {"small": fp8_tiles.PrefillTile(block_m=16),
+                                                      "large": fp8_tiles.PrefillTile(block_m=16)})
+    choose_decode_kernels(str(sweep))
+    assert fp8_tiles.PREFILL_TILES["small"] == fp8_tiles.PrefillTile(64, 128, 128, 8, 3, 0)
+    assert fp8_tiles.PREFILL_TILES["large"] == fp8_tiles.PrefillTile(128, 128, 256, 8, 4, 8)

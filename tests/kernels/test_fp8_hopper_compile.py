@@ -29,16 +29,18 @@ def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
     assert "wgmma" in compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab", "swiglu", "num_warps"), [
-    (False, 16, 64, True, True, 4), (False, 32, 64, True, False, 4), (True, 32, 64, True, True, 4),
-    (True, 64, 128, False, True, 8), (True, 64, 128, False, False, 4)])
-def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps):
+@pytest.mark.parametrize(("a_fp8", "block_m", "block_n", "swap_ab", "swiglu", "num_warps", "group_m"), [
+    (False, 16, 64, True, True, 4, 0), (False, 32, 64, True, False, 4, 0), (True, 32, 64, True, True, 4, 0),
+    (True, 64, 128, False, True, 8, 0), (True, 64, 128, False, False, 4, 0), (True, 64, 128, False, True, 8, 8),
+    (True, 128, 64, False, True, 8, 8), (True, 128, 128, False, False, 8, 8), (True, 64, 256, False, False, 8, 8)])
+def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps, group_m):
     pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
                 "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
     ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
             "stride_wse", "stride_wsn", "stride_out"]
     constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=128, GROUP_K=128,
-                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32")
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
+                     GROUP_M=group_m)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]
 

@@ -197,13 +197,16 @@ def stacked_experts(gate, up, down, block):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode-tile", "prefill-tile-grouped-order"])
 @pytest.mark.parametrize("swap_ab", [False, True], ids=["tiles", "swap-ab"])
 @pytest.mark.parametrize("w8a16", [False, True], ids=["w8a8", "w8a16"])
 @pytest.mark.parametrize("inter", [64, 96], ids=["I64", "I96-partial-groups"])
-def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, monkeypatch):
+def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, prefill, monkeypatch):
     """The FP8 routed experts (gather, SwiGLU, scatter, combine) against the same arithmetic in torch: each pick's
     expert on its token's activations (W8A8: quantised per 32 channels, h re-quantised), weighted sum. The
-    activations are quantised by torch here (`torch_quantisation`)."""
+    activations are quantised by torch here (`torch_quantisation`). `prefill`: a `PrefillTile` launch (1-D grid
+    in groups of 2 row tiles, the down GEMM twice as wide as the gate/up one)."""
+    from hybridcache.kernels.gemm.fp8_tiles import PrefillTile
     from hybridcache.kernels.gemm.triton_fp8_moe import fp8_grouped_experts
 
     torch_quantisation(monkeypatch)
@@ -217,8 +220,9 @@ def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, monkeypatch):
     down = [quantize(torch.randn(hidden, inter, generator=generator) / 8, fmt) for _ in range(experts)]
     top_ids = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
     top_weights = torch.rand(tokens, top_k, generator=generator)
+    tile = PrefillTile(block_m=16, block_n=32, down_block_n=64, num_warps=4, group_m=2) if prefill else None
     got = fp8_grouped_experts(x, top_weights, top_ids, stacked_experts(gate, up, down, block), w8a16=w8a16,
-                              swap_ab=swap_ab)
+                              swap_ab=swap_ab, prefill=tile)
     want = torch.zeros_like(x)
     for t in range(tokens):
         for j in range(top_k):
@@ -240,9 +244,10 @@ def test_interpreted_fp8_grouped_experts(inter, w8a16, swap_ab, monkeypatch):
 @needs_interpreter
 def test_interpreted_fp8_experts_launch_the_module_tiles(monkeypatch):
     """`fp8_grouped_experts` launches both GEMMs with the `DECODE_*` tile (pipeline depth included) while
-    `moe.grouped.tile_rows` gives a tile, and with the `PREFILL_*` tile above: the module choices
+    `moe.grouped.tile_rows` gives a tile, and above with the `PREFILL_TILES` tile of the rows' bucket (its own
+    width for the down GEMM, its pipeline depth and launch order): the module choices
     `fp8_bench.choose_decode_kernels` sets from a sweep are what the engine runs."""
-    from hybridcache.kernels.gemm import triton_fp8_moe
+    from hybridcache.kernels.gemm import fp8_tiles, triton_fp8_moe
 
     torch_quantisation(monkeypatch)
     launches: list[dict] = []
@@ -250,13 +255,15 @@ def test_interpreted_fp8_experts_launch_the_module_tiles(monkeypatch):
 
     def recording(*args, **kwargs):
         launches.append({key: kwargs.get(key) for key in ("block_m", "block_n", "swap_ab", "num_warps",
-                                                          "num_stages")})
+                                                          "num_stages", "group_m")})
         return original(*args, **kwargs)
 
     monkeypatch.setattr(triton_fp8_moe, "fp8_expert_gemm", recording)
-    for name, value in (("DECODE_BLOCK_N", 32), ("DECODE_NUM_WARPS", 2), ("DECODE_NUM_STAGES", 5),
-                        ("PREFILL_BLOCK_M", 32), ("PREFILL_BLOCK_N", 32), ("PREFILL_NUM_WARPS", 2)):
+    for name, value in (("DECODE_BLOCK_N", 32), ("DECODE_NUM_WARPS", 2), ("DECODE_NUM_STAGES", 5)):
         monkeypatch.setattr(triton_fp8_moe, name, value)
+    monkeypatch.setattr(fp8_tiles, "PREFILL_SMALL_ROWS", 100)
+    monkeypatch.setattr(fp8_tiles, "PREFILL_TILES", {"small": fp8_tiles.PrefillTile(32, 32, 64, 2, 3, 0),
+                                                      "large": fp8_tiles.PrefillTile(16, 64, 32, 4, 4, 2)})
     generator = torch.Generator().manual_seed(3)
     hidden, inter, experts, top_k, block = 64, 32, 2, 2, (32, 32)
     fmt = Fp8Format("block", block)
@@ -264,13 +271,14 @@ def test_interpreted_fp8_experts_launch_the_module_tiles(monkeypatch):
                 for _ in range(2))
     down = [quantize(torch.randn(hidden, inter, generator=generator) / 8, fmt) for _ in range(experts)]
     stacked = stacked_experts(gate, up, down, block)
-    for tokens in (3, 70):  # 3 and 70 rows per expert: a decode tile (16 rows), then none (more than 64)
+    for tokens in (3, 70, 130):  # rows per expert: a decode tile (16 rows), the small prefill bucket, the large
         ids = torch.arange(top_k).repeat(tokens, 1)
         triton_fp8_moe.fp8_grouped_experts(torch.randn(tokens, hidden, generator=generator),
                                            torch.rand(tokens, top_k, generator=generator), ids, stacked)
-    decode = dict(block_m=16, block_n=32, swap_ab=True, num_warps=2, num_stages=5)
-    prefill = dict(block_m=32, block_n=32, swap_ab=None, num_warps=2, num_stages=None)  # the launcher's defaults
-    assert launches == [decode, decode, prefill, prefill]
+    decode = dict(block_m=16, block_n=32, swap_ab=True, num_warps=2, num_stages=5, group_m=None)
+    small = dict(block_m=32, block_n=32, swap_ab=None, num_warps=2, num_stages=3, group_m=0)  # swap-AB: the default
+    large = dict(block_m=16, block_n=64, swap_ab=None, num_warps=4, num_stages=4, group_m=2)
+    assert launches == [decode, decode, small, small | dict(block_n=64), large, large | dict(block_n=32)]
 
 
 @needs_cuda
@@ -290,9 +298,10 @@ def test_cuda_fp8_linear(fmt, m):
 @needs_cuda
 @pytest.mark.parametrize("tokens", [3, 64, 700], ids=["decode-3", "decode-64", "prefill-700"])
 def test_cuda_fp8_grouped_experts(tokens):
-    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), and at decode
-    sizes both swap-AB tiles (W8A16 and W8A8), against the dequantised experts in fp32: within bf16 rounding
-    (W8A16) or the activations' e4m3 rounding (W8A8)."""
+    """The FP8 routed experts as the engine runs them (decode: the `DECODE_*` tile; prefill: W8A8), at decode
+    sizes both swap-AB tiles (W8A16 and W8A8), at prefill sizes other `PrefillTile`s (grouped launch order, 128
+    rows, a wider down GEMM, 2 stages), against the dequantised experts in fp32: within bf16 rounding (W8A16) or
+    the activations' e4m3 rounding (W8A8)."""
     from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import fp8_grouped_experts
 
@@ -312,8 +321,13 @@ def test_cuda_fp8_grouped_experts(tokens):
             want[t] += top_weights[t, j] * linear(torch.nn.functional.silu(g) * u, *down[e], BLOCK)[0]
     stacked = stacked_experts([(w.cuda(), s.cuda()) for w, s in gate], [(w.cuda(), s.cuda()) for w, s in up],
                               [(w.cuda(), s.cuda()) for w, s in down], BLOCK.block)
+    from hybridcache.kernels.gemm.fp8_tiles import PrefillTile
+
+    prefill_tiles = [PrefillTile(128, 64, 128, 8, 2, 8), PrefillTile(64, 128, 256, 8, 3, 8),
+                     PrefillTile(64, 128, 128, 4, 4, 8)]  # the sweep's kinds: 128 rows, 256-wide down, 4 warps
     modes = [{}] + ([dict(w8a16=True, swap_ab=True), dict(w8a16=False, swap_ab=True),
-                     dict(w8a16=False, swap_ab=True, num_stages=5)] if tokens <= 64 else [])
+                     dict(w8a16=False, swap_ab=True, num_stages=5)] if tokens <= 64 else
+                    [dict(prefill=tile) for tile in prefill_tiles])
     for mode in modes:
         got = fp8_grouped_experts(x.cuda().bfloat16(), top_weights.cuda().bfloat16(), top_ids.cuda(), stacked,
                                   **mode)

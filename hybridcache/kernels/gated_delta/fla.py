@@ -18,7 +18,8 @@ sequences):
     cu_seqlens[i]:cu_seqlens[i+1]. Each sequence starts from ssm_pool[state_slots[i]] (zeros when fresh:
     context_len == query_len) and its final state is written back to that row (in the pool's dtype).
 No host sync: the initial states are gathered and the final states scattered with device index ops, fresh rows
-are zeroed with a device mask, and fla's chunk table is built on the device from the host query lengths.
+are zeroed with a device mask (none when the host lengths show no fresh row), and fla's chunk table is built on
+the host from the host query lengths and copied without waiting (`varlen.chunk_indices`).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from collections.abc import Sequence
 
 import torch
 
+from hybridcache.kernels.gated_delta.qkv_prep import qkv_prep
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
-from hybridcache.kernels.norm.triton import l2norm
+from hybridcache.kernels.varlen import any_fresh, fresh_mask
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
-from hybridcache.kernels.varlen import fresh_mask
 
 CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule
 
@@ -50,13 +51,16 @@ def chunk_gated_delta_rule_varlen(
     use_qk_l2norm: bool = True,
     chunk_indices: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
+    context_lens_cpu: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """fla's chunked gated delta rule over every sequence of the batch (see the module docstring).
 
     ssm_pool [num_slots, Hv, Dk, Dv]; state_slots [S] distinct; context_lens [S]; chunk_indices: the
     `varlen.chunk_indices(cu_seqlens, query_lens_cpu, 64)` table, and fresh the `varlen.fresh_mask(cu_seqlens,
     context_lens)` one, when the caller already has them (computed once per step, not per layer).
-    Returns out [T, Hv, Dv] in q's dtype.
+    context_lens_cpu: context_lens on the host (the true ones, not a captured batch's claim), when the caller has
+    them: a batch with no fresh sequence (`varlen.any_fresh`: prefix hits, decode rows) then reads its state rows
+    as they are, without the mask's launches. Returns out [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
@@ -65,11 +69,12 @@ def chunk_gated_delta_rule_varlen(
         chunk_indices = make_chunk_indices(cu, query_lens_cpu, CHUNK_SIZE)
     slots = state_slots.long()
     initial = ssm_pool.index_select(0, slots).float()
-    if fresh is None:
-        fresh = fresh_mask(cu, context_lens)
-    initial = initial.masked_fill(fresh[:, None, None, None], 0.0)
-    if use_qk_l2norm:  # ours, not fla's in-kernel one: fla autotunes that per size bucket (norm/triton.py)
-        q, k = l2norm(q), l2norm(k)
+    if context_lens_cpu is None or any_fresh(context_lens_cpu, query_lens_cpu):
+        if fresh is None:
+            fresh = fresh_mask(cu, context_lens)
+        initial = initial.masked_fill(fresh[:, None, None, None], 0.0)
+    if use_qk_l2norm:  # ours, not fla's in-kernel one (fla autotunes that per size bucket, norm/triton.py), with
+        q, k, v = qkv_prep(q, k, v)  # v made contiguous in the same launch
     # fla's kernels address [1, T, H, D] inputs as contiguous (its public entry point copies strided views)
     _, out, _, final, _, _ = chunk_gated_delta_rule_fwd(
         q=q.unsqueeze(0).contiguous(),

@@ -32,9 +32,10 @@ import triton.language as tl
 from torch import nn
 
 from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm import triton_quant
+from hybridcache.kernels.gemm import fp8_tiles, triton_quant
+from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
-from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
+from hybridcache.kernels.moe.triton_experts import combine, expert_tile
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token per 128 channels), else W8A16
@@ -42,9 +43,6 @@ DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.t
 DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "FP8 on the H200")
-PREFILL_BLOCK_M = 64  # many rows per expert: W8A8
-PREFILL_BLOCK_N = 128
-PREFILL_NUM_WARPS = 8
 
 
 @triton.jit
@@ -54,11 +52,34 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
-                            PRECISION: tl.constexpr):
-    e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
+                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+    # GROUP_M 0: a 2-D grid (row tiles, column tiles); else a 1-D grid walking GROUP_M row tiles across every
+    # column tile before the next GROUP_M (their activation rows stay in L2 while the weight columns go by)
+    if GROUP_M == 0:
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid = tl.program_id(0)
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        tiles_m = tl.cdiv(tl.num_programs(0), tiles_n)
+        in_group = GROUP_M * tiles_n
+        first_m = (pid // in_group) * GROUP_M
+        group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % in_group) % group_rows
+        pid_n = (pid % in_group) // group_rows
+    e, rows, row_ok = expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
-    pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, GATHER, SCATTER, BLOCK_N)
+    if GATHER or SCATTER:  # noqa: SIM108 (a constexpr branch); as `triton_experts.tile_indices`, at column tile pid_n
+        pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        pairs = rows.to(tl.int64)
+    if GATHER:  # noqa: SIM108 (a constexpr branch)
+        a_rows = pairs // top_k
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = w_scale_ptr + e.to(tl.int64) * stride_wse
     gate_rows = cols.to(tl.int64) * stride_wn
@@ -107,12 +128,14 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    swap_ab: bool = False) -> torch.Tensor:
+                    swap_ab: bool = False, group_m: int = 0) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
     2 ceil(N/bn) with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted
-    order or pair order when `scatter`. Shapes, dtypes and strides are checked first."""
+    order or pair order when `scatter`. `group_m` 0: a 2-D grid (row tiles x column tiles); > 0: a 1-D grid in
+    groups of `group_m` row tiles, each group across all column tiles (the dense kernel's L2 order). Shapes,
+    dtypes and strides are checked first."""
     bn, bk = block
     a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
@@ -141,13 +164,15 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
     if num_rows:
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
+        if group_m:
+            grid = (grid[0] * grid[1],)
         _fp8_expert_gemm_kernel[grid](
             a, a_scale if a_fp8 else a, order, weights, w_scale, out, counts, num_experts, top_k, n, depth,
             -(-n // bn), a.stride(0), a_scale.stride(0) if a_fp8 else 0, weights.stride(0), weights.stride(1),
             w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu,
             A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -177,16 +202,18 @@ class Fp8ExpertWeights:
         fmt = experts[0].gate_proj.fmt
         block = fmt.block if fmt.kind == "block" else (1, 128)
 
-        def blocks(linear: nn.Module) -> torch.Tensor:
+        def blocks(linears: list[nn.Module]) -> torch.Tensor:  # [E, rows, K groups]: one stack per projection
+            scales = torch.stack([linear.scale for linear in linears]).float()
             if fmt.kind == "block":
-                return linear.scale.float()
-            groups = -(-linear.weight.shape[1] // block[1])
-            return linear.scale.float().reshape(-1, 1).expand(-1, groups).contiguous()
+                return scales
+            groups = -(-linears[0].weight.shape[1] // block[1])
+            return scales.reshape(len(linears), -1, 1).expand(-1, -1, groups)
 
-        gate_up = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in experts]).contiguous()
-        gate_up_scale = torch.stack([torch.cat([blocks(e.gate_proj), blocks(e.up_proj)]) for e in experts])
-        down = torch.stack([e.down_proj.weight for e in experts]).contiguous()
-        down_scale = torch.stack([blocks(e.down_proj) for e in experts]).contiguous()
+        gates, ups, downs = ([getattr(e, name) for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
+        gate_up = torch.cat([torch.stack([g.weight for g in gates]), torch.stack([u.weight for u in ups])], dim=1)
+        gate_up_scale = torch.cat([blocks(gates), blocks(ups)], dim=1)
+        down = torch.stack([d.weight for d in downs])
+        down_scale = blocks(downs).contiguous()
         inter = gate_up.shape[1] // 2
         for e, expert in enumerate(experts):
             expert.gate_proj.weight.data = gate_up[e, :inter]
@@ -197,16 +224,17 @@ class Fp8ExpertWeights:
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
-                        block_n: int | None = None, **tile: int | bool) -> torch.Tensor:
+                        block_n: int | None = None, prefill: PrefillTile | None = None,
+                        **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
     Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
     W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
-    launch); more: W8A8 with the `PREFILL_*` tile. W8A8 quantises x and h per token per 128 channels
-    (`triton_quant`). `w8a16`, `block_m`, `block_n` and
-    `tile` (`fp8_expert_gemm`'s other settings) override the choice (benchmarks sweep them); the choice is made
-    from shapes alone, so captured and eager runs agree."""
+    launch); more: W8A8 with `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
+    W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
+    `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
+    choice is made from shapes alone, so captured and eager runs agree."""
     from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
 
     top_k = top_ids.shape[1]
@@ -214,20 +242,25 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
-    if decode_tile is not None:
+    if decode_tile is not None and prefill is None:
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
                        num_stages=DECODE_NUM_STAGES)
+        down_options = options
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
-        options = dict(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=PREFILL_NUM_WARPS)
+        chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(order.numel(), num_experts)]
+        options = dict(block_m=chosen.block_m, block_n=chosen.block_n, num_warps=chosen.num_warps,
+                       num_stages=chosen.num_stages, group_m=chosen.group_m)
+        down_options = options | dict(block_n=chosen.down_block_n)
         w8a16 = False if w8a16 is None else w8a16
-    options.update({key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value}, **tile)
+    overrides = {key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value} | tile
+    options, down_options = options | overrides, down_options | overrides
     a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)
     a, a_scale = (h, None) if w8a16 else triton_quant.quantize_groups(h, bk)
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
-                        x.dtype, gather=False, scatter=True, swiglu=False, **options)
+                        x.dtype, gather=False, scatter=True, swiglu=False, **down_options)
     return combine(y, top_weights)
 
 
@@ -236,7 +269,7 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
     `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, and the W8A8 prefill path
-    with its quantisation."""
+    with its quantisation at each `fp8_tiles.PREFILL_TILES` tile."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
@@ -248,5 +281,5 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
     for block_m in (16, 32, 64):
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
-    fp8_grouped_experts(token, weights, ids, experts, block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N,
-                        w8a16=False, swap_ab=False, num_warps=PREFILL_NUM_WARPS)
+    for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
+        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill)

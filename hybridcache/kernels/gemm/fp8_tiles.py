@@ -1,0 +1,38 @@
+"""The FP8 routed experts' prefill launch choices (`triton_fp8_moe.fp8_grouped_experts` above the decode sizes),
+kept apart from the kernel so benchmarks and tests read and set them without importing Triton.
+
+Above `moe.grouped.tile_rows`' decode sizes both expert GEMMs run W8A8 with the `PrefillTile` of the rows'
+bucket, decided from shapes alone (captured and eager runs agree): "small" up to `PREFILL_SMALL_ROWS` mean rows
+per expert (phase A's short prefills), "large" above (chunks of 1,024 tokens of many sequences). Each bucket's
+tile is the fastest `benchmarks/fp8_sweep.py --prefill` measured on the H200 (docs/bench.md, "FP8 on the H200");
+the engine compiles every tile here at start-up (`triton_fp8_moe.compile_tiles`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillTile:
+    """The W8A8 launch of both expert GEMMs above the decode sizes: BLOCK_M rows, `block_n` output columns of the
+    gate/up GEMM (per accumulator: it keeps a gate and an up tile) and `down_block_n` of the down GEMM. The
+    defaults are the tile used before the sweep (its first row)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    down_block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 0  # 0: a 2-D grid; else row tiles in groups of group_m (`triton_fp8_moe.fp8_expert_gemm`)
+
+
+PREFILL_SMALL_ROWS = 512
+# `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest
+# in both buckets (docs/bench.md, "FP8 on the H200")
+PREFILL_TILES = {"small": PrefillTile(64, 64, 128, 4, 3, 8), "large": PrefillTile(64, 64, 128, 4, 3, 8)}
+
+
+def prefill_bucket(num_rows: int, num_experts: int) -> str:
+    """The `PREFILL_TILES` key of R = T*k rows over E experts."""
+    return "small" if num_rows <= PREFILL_SMALL_ROWS * num_experts else "large"
