@@ -41,7 +41,7 @@ class Clock:
 def keep_only_what_returns(replay: CacheReplay, future: FutureIndex, clock: Clock) -> None:
     """A diagnostic, not a policy: `replay`'s device eviction demotes to the host tier only a checkpoint that a later
     request uses (`FutureIndex.next_use` after `clock.now`); every other one is released as without a host tier.
-    The host keeps its own order (oldest demotion first)."""
+    The host keeps its own order (`HostOrder`)."""
     life = replay.cache._life
     demotable = life._demotable
 

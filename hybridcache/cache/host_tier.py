@@ -22,12 +22,14 @@ Rules (each checked by `integrity.check_host`):
   so dropping a checkpoint also drops the host nodes it leaves dead.
 - Every host block is held by exactly one host node (its KV) or one host checkpoint (a page of its state or its
   frozen tail), or is the source of a promotion of this step (reused from the next step on).
-- Eviction: host checkpoints in the order they were demoted (a host item is never touched: a hit promotes it),
-  the oldest unpinned first; what falls out is gone.
+- Eviction (`make_room`, host_order.py): the unpinned host checkpoint due first, a checkpoint being due when it
+  was demoted, or one host capacity of demotions later when a hit has proven it (hit before, not shadowed); what
+  falls out is gone.
 
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
-its blocks are freed (`fall_out`: its chain and state as a tier behind needs them), and `Lifecycle.adopt_stored`
-hangs a `StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
+its blocks are freed (`fall_out`: its chain and state as a tier behind needs them; at shutdown `hand_behind` tells
+it of every checkpoint the cache holds, the device pool's too), and `Lifecycle.adopt_stored` hangs a
+`StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
 
 Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
 device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
@@ -44,6 +46,7 @@ from typing import Any, Protocol
 
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
+from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, Trie, path_to, prompt_block_hashes
@@ -63,10 +66,11 @@ class FallOutBlock:
 
 @dataclass(frozen=True)
 class FallOut:
-    """A host checkpoint the host tier's own eviction is dropping, as a tier behind it needs it (`HostTier.
-    fall_out`): the blocks from the root to its anchor (root's child first; the base model's trie, no spans), its
-    step, tail and tail hash (chained from `anchor_hash`), why it was saved (`SaveReason` value), and the host
-    blocks of its k pages then its frozen tail (when the step is not block-aligned)."""
+    """A checkpoint as a tier behind the host one needs it (`HostTier.fall_out`): one the host tier's own eviction
+    is dropping, or at shutdown any the cache holds: the blocks from the root to its anchor (root's child first;
+    the base model's trie, no spans), its step, tail and tail hash (chained from `anchor_hash`), why it was saved
+    (`SaveReason` value), and the blocks of its k pages then its frozen tail (when the step is not block-aligned):
+    host blocks, or device blocks when `state_on_host` is False (a checkpoint still in the device pool)."""
 
     blocks: tuple[FallOutBlock, ...]
     anchor_hash: int
@@ -76,6 +80,7 @@ class FallOut:
     reason: str
     num_pages: int
     state_host_ids: tuple[int, ...]
+    state_on_host: bool = True
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,7 @@ class HostTier:
         self.trie = trie
         self.under: dict[Node, Hanging] = {}  # device node -> what hangs off it in the host tier
         self.order: OrderedDict[int, Checkpoint] = OrderedDict()  # host checkpoints, oldest demotion first
+        self.queues = HostOrder(num_blocks)  # the host's own eviction order (host_order.py)
         self.num_nodes = 0
         self.num_dropped = 0  # host checkpoints dropped (what falls out of the host tier is gone)
         self.on_waste: Callable[[Checkpoint], None] | None = None  # a checkpoint dropped that was never hit
@@ -210,9 +216,14 @@ class HostTier:
         host_block = self._loads.pop(device_block, None)
         if host_block is not None:
             return host_block
-        host_block = self.pool.allocate()
+        host_block = self.allocate()
         self._saves[host_block] = device_block
         return host_block
+
+    def allocate(self) -> int:
+        """A free host block (the caller made room), counted by the eviction order's clock."""
+        self.queues.tick()
+        return self.pool.allocate()
 
     def load(self, host_block: int, device_block: int) -> None:
         """Queue HOST_LOAD host_block -> device_block; the host block is freed once the step's plan is built."""
@@ -245,11 +256,11 @@ class HostTier:
         return list(self._loads.values())
 
     def make_room(self, num_blocks: int) -> bool:
-        """Drop the oldest unpinned host checkpoints until `num_blocks` host blocks are free; False (nothing
-        dropped) when even dropping every unpinned one would not free enough."""
+        """Drop unpinned host checkpoints, each the one due first (`HostOrder.victim`), until `num_blocks` host
+        blocks are free; False (nothing dropped) when even dropping every unpinned one would not free enough."""
         if self.pool.num_free >= num_blocks:
             return True
-        reclaimable = self.pool.num_free  # counted oldest first, up to what is needed
+        reclaimable = self.pool.num_free  # counted in any order, up to what is needed
         for ckpt in self.order.values():
             if ckpt.num_pins == 0:
                 reclaimable += _num_blocks(ckpt) + _num_pruned(ckpt)
@@ -258,35 +269,43 @@ class HostTier:
         if reclaimable < num_blocks:
             return False
         while self.pool.num_free < num_blocks:
-            victim = next(c for c in self.order.values() if c.num_pins == 0)
+            victim = self.queues.victim()
             if self.on_fall_out is not None:
                 self.on_fall_out(self.fall_out(victim))
             self.drop_checkpoint(victim)
         return True
 
-    def hand_behind(self) -> int:
-        """Tell `on_fall_out` of every host checkpoint, as if each fell out, while all stay here: at shutdown, so
-        that a tier behind keeps across a restart what this one holds. Returns how many were handed (0 with no
-        tier behind)."""
+    def hand_behind(
+        self, device_checkpoints: list[Checkpoint], progress: Callable[[int, int], None] | None = None,
+    ) -> int:
+        """Tell `on_fall_out` of every host checkpoint, then of each of `device_checkpoints` (the published ones
+        still in the device pool), as if each fell out, while all stay where they are: at shutdown, so that a tier
+        behind keeps across a restart what the cache holds. `progress(done, total)` after each. Returns how many
+        were handed (0 with no tier behind)."""
         if self.on_fall_out is None:
             return 0
-        for ckpt in self.order.values():
+        handed = [*self.order.values(), *device_checkpoints]
+        for done, ckpt in enumerate(handed, 1):
             self.on_fall_out(self.fall_out(ckpt))
-        return len(self.order)
+            if progress is not None:
+                progress(done, len(handed))
+        return len(handed)
 
     def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
-        """What a tier behind this one needs to keep host checkpoint `ckpt` (its bytes are read before the drop
-        frees its blocks): the chain of blocks from the root to its anchor, in either tier, and its state's host
-        blocks. None when it cannot be kept: an adapter's or multimodal content (not kept behind the host), a
-        state not written yet (`unwritten`), a host block whose save is still in the plan being built, or a device
-        node inserted since the last plan (its KV is computed by that plan's forward)."""
+        """What a tier behind this one needs to keep checkpoint `ckpt`, a host one (its bytes are read before the
+        drop frees its blocks) or, at shutdown, a published device one: the chain of blocks from the root to its
+        anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's or multimodal
+        content (not kept behind the host), a state not written yet (`unwritten`), a host block whose save is still
+        in the plan being built, a device state being loaded by it, or a device node inserted since the last plan
+        (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
-        host_ids = (*state_ids, *(n.host_block for n in host_nodes))
+        host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
         if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
-                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)):
+                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)
+                or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
             return None
         blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
         # a device node promoted since the last plan: its bytes are still in the host block it is loaded from
@@ -294,7 +313,7 @@ class HostTier:
                                     self._loads.get(n.block_id, n.block_id)) for n in device_nodes) + blocks
         return FallOut(blocks=blocks, anchor_hash=ckpt.anchor.hash, step=ckpt.step, tail_ids=ckpt.tail_ids,
                        tail_hash=ckpt.tail_hash, reason=ckpt.reason.value, num_pages=len(ckpt.pages),
-                       state_host_ids=state_ids)
+                       state_host_ids=state_ids, state_on_host=ckpt.on_host)
 
     # ---- the host trie -----------------------------------------------------------------------------------
 
@@ -332,12 +351,14 @@ class HostTier:
         hanging = self.hanging(owner)
         return None if hanging is None else _find(hanging, node_hash, token_ids, spans)
 
-    def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner) -> None:
-        """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier."""
+    def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner, proven: bool = False) -> None:
+        """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier;
+        `proven`: a hit has proven it (host_order.py), so the host keeps it longer."""
         self.hanging(owner, create=True).checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
         ckpt.anchor = owner
         ckpt.on_host = True
         self.order[ckpt.ckpt_id] = ckpt
+        self.queues.add(ckpt, proven)
 
     def unhang_checkpoint(self, ckpt: Checkpoint) -> Owner:
         """Take `ckpt` out of the host tier (its blocks are the caller's now); returns the owner it hung off.
@@ -350,6 +371,7 @@ class HostTier:
         if not bucket:
             del hanging.checkpoints[key]
         del self.order[ckpt.ckpt_id]
+        self.queues.remove(ckpt)
         ckpt.on_host = False
         self._prune(owner)
         return owner

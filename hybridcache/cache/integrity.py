@@ -287,6 +287,9 @@ def _check_host(life: Lifecycle, pins: Counter[int]) -> None:
         _fail(f"host tier counts {host.num_nodes} nodes, found {num_nodes}")
     if seen != set(host.order):
         _fail(f"host order lists {sorted(set(host.order) - seen)} not hanging anywhere")
+    queued = list(host.queues.ids())
+    if len(queued) != len(seen) or set(queued) != seen:
+        _fail(f"the host eviction queues hold {sorted(queued)}, the host tier {sorted(seen)}")
     overlap = seen & set(life.checkpoints)
     if overlap:
         _fail(f"checkpoints {sorted(overlap)} are in both tiers")

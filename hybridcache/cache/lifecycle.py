@@ -413,15 +413,16 @@ class Lifecycle:
         (HOST_FINISH instead of STATE_FINISH)."""
         host = self.host
         self._unpublish(ckpt)
+        proven = ckpt.was_hit and not ckpt.shadowed  # the host keeps it longer (host_order.py)
         ckpt.shadowed = False  # the host tier has its own order; a promotion comes with a hit, which clears it
         device_ids = [*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))]
-        host_ids = [host.pool.allocate() if ckpt.unwritten and i < len(ckpt.pages) else host.save(block_id)
+        host_ids = [host.allocate() if ckpt.unwritten and i < len(ckpt.pages) else host.save(block_id)
                     for i, block_id in enumerate(device_ids)]
         self.drop_blocks(device_ids)
         ckpt.pages = tuple(host_ids[:len(ckpt.pages)])
         ckpt.frozen_block = None if ckpt.frozen_block is None else host_ids[-1]
         del self.checkpoints[ckpt.ckpt_id]
-        host.hang_checkpoint(ckpt, owner)
+        host.hang_checkpoint(ckpt, owner, proven)
         self.stats.num_demoted_checkpoints += 1
 
     def _demote_leaf(self, node: Node, kind: EvictionKind) -> bool:
@@ -529,9 +530,9 @@ class Lifecycle:
         placed = {}
         for i in missing:
             node_hash, token_ids = stored.chain[i]
-            placed[i] = host.pool.allocate()
+            placed[i] = host.allocate()
             owner = host.add_node(owner, node_hash, token_ids, placed[i])
-        state_ids = tuple(host.pool.allocate() for _ in range(state_blocks))
+        state_ids = tuple(host.allocate() for _ in range(state_blocks))
         ckpt = Checkpoint(ckpt_id=self._next_ckpt_id, adapter=None, step=stored.step,
                           reason=SaveReason(stored.reason), slot=None,
                           frozen_block=state_ids[-1] if stored.has_frozen else None, routed_experts=None,

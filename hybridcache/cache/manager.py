@@ -30,7 +30,7 @@ making. `Lifecycle` (lifecycle.py) owns the pools, the checkpoints' states and e
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -732,13 +732,16 @@ class PrefixCache:
         """Drop every cached thing that is not pinned and not held by a running sequence."""
         self._life.clear()
 
-    def keep_behind(self) -> int:
-        """Hand every host checkpoint to the tier behind the host (`tier_behind`), which keeps what it can; the
-        cache is unchanged. For shutdown: without it, only what the host's own eviction dropped would be behind.
-        Returns how many were handed (0 without a host tier or a tier behind). Device-resident checkpoints are
-        not handed (their states are in device pages, not host blocks)."""
+    def keep_behind(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Hand every checkpoint the cache holds, the host tier's then the device pool's published ones (deepest
+        first), to the tier behind the host (`tier_behind`), which keeps what it can; the cache is unchanged. For
+        shutdown: without it, only what the host's own eviction dropped would be behind. `progress(done, total)`
+        after each. Returns how many were handed (0 without a host tier or a tier behind)."""
         host = self._life.host
-        return 0 if host is None else host.hand_behind()
+        if host is None:
+            return 0
+        device = sorted((c for c in self._life.published() if not c.on_host), key=lambda c: -c.step)
+        return host.hand_behind(device, progress)
 
     @property
     def stats(self) -> CacheStats:

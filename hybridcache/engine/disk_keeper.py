@@ -7,6 +7,8 @@ the engine's process (tensor_parallel_size 1):
 - `keep`: a host checkpoint the host tier's own eviction drops is read before its blocks are freed: its state and
   the chain blocks the disk lacks, from the host pool (host blocks) or the device pool (device blocks: a
   device-to-host copy, which on CUDA waits for the queued steps), and handed to the disk tier's writer thread.
+  At shutdown the same for every checkpoint the cache holds, device-resident ones included (their state is read
+  from the device pool).
 - `find`, `read`, `placed`: on a match, the prompt's deepest usable state on disk, when it is deeper than what
   the device and host tiers hold, is read (and checked), hung in the host tier with the chain blocks neither tier
   holds, and its bytes written into the host pool at once, so the match promotes it as any host hit, in its
@@ -15,7 +17,10 @@ the engine's process (tensor_parallel_size 1):
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from tqdm.auto import tqdm
 
 from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
 from hybridcache.cache.request import CacheRequest
@@ -24,6 +29,8 @@ from hybridcache.engine.disk_tier import DiskHit, DiskTier
 from hybridcache.engine.host_pool import HostPool
 from hybridcache.engine.paged_state import PagedStates
 
+SHUTDOWN_WRITE_BYTES = 1 << 30  # at shutdown, the writer is waited for whenever this much is queued
+
 
 class DiskKeeper:
     """The disk tier as the prefix cache's `TierBehind` (see the module docstring)."""
@@ -31,6 +38,7 @@ class DiskKeeper:
     def __init__(self, disk: DiskTier, paged: PagedStates, host_pool: HostPool) -> None:
         self.disk, self.paged, self.host_pool = disk, paged, host_pool
         self.num_not_kept = 0  # host fall-outs that could not be kept (`HostTier.fall_out` is None)
+        self.num_put_bytes = 0  # bytes handed to the writer thread
         self._hits: dict[StoredCheckpoint, DiskHit] = {}  # found, until placed (or not)
         self._read: dict[StoredCheckpoint, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -51,8 +59,14 @@ class DiskKeeper:
             ids = torch.tensor([fall_out.blocks[i].block_id for i in on_device], dtype=torch.int64)
             rows = self.paged.gather_pages(ids).cpu()
             blocks.update(zip(on_device, rows, strict=True))
-        state = self.host_pool.read(fall_out.state_host_ids) if new_state else None
+        state = None
+        if new_state:
+            ids = fall_out.state_host_ids
+            state = (self.host_pool.read(ids) if fall_out.state_on_host
+                     else self.paged.gather_pages(torch.tensor(ids, dtype=torch.int64)).cpu())
         self.disk.put(fall_out, blocks, state)
+        self.num_put_bytes += sum(b.numel() * b.element_size() for b in blocks.values()) + (
+            0 if state is None else state.numel() * state.element_size())
 
     def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
         """The base model's text prompts only (the disk keeps no adapter or multimodal content)."""
@@ -81,6 +95,26 @@ class DiskKeeper:
     def stats(self) -> dict:
         """The disk tier's counters (`DiskStats`) with the host tier's fall-outs it could not keep."""
         return {**vars(self.disk.stats), "num_not_kept": self.num_not_kept}
+
+    def keep_at_shutdown(self, keep_behind: Callable[[Callable[[int, int], None]], int]) -> int:
+        """Run `keep_behind(progress)` (the scheduler's `keep_cache_behind`: every checkpoint the cache holds comes
+        to `keep`) with a progress bar (on a terminal), waiting for the writer whenever `SHUTDOWN_WRITE_BYTES` are
+        queued, so that the copies read out of the pools take at most that much host memory plus one checkpoint's
+        (its state and the chain blocks the disk lacks); then wait for the writes. Returns how many checkpoints
+        were handed."""
+        flushed = self.num_put_bytes
+        with tqdm(desc="hybridcache: prefix cache to disk", unit="ckpt", disable=None) as bar:
+            def progress(done: int, total: int) -> None:
+                nonlocal flushed
+                bar.total = total
+                bar.update(done - bar.n)
+                if self.num_put_bytes - flushed >= SHUTDOWN_WRITE_BYTES:
+                    self.disk.flush()
+                    flushed = self.num_put_bytes
+
+            handed = keep_behind(progress)
+            self.disk.flush()
+        return handed
 
     def close(self) -> None:
         """Write what is queued and stop the writer."""

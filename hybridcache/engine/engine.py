@@ -460,13 +460,22 @@ class LLMEngine:
             torch.cuda.empty_cache()
 
     def _close_disk_tier(self) -> None:
-        """Hand the host tier's checkpoints to the disk tier (what the host holds survives a restart too; what
-        only the device pool holds does not), write what is queued and stop the writer; logged."""
-        handed = self.scheduler.keep_cache_behind() if self._failure is None else 0  # a failed step: trust nothing
+        """Hand every checkpoint the cache holds, in the host tier and in the device pool, to the disk tier (so
+        that a restarted engine hits all of it; `DiskKeeper.keep_at_shutdown`), write what is queued and stop the
+        writer; logged. The state copies of the sequences retired in the last step run first (their finish
+        checkpoints are written by the next step's plan, and there is none). Nothing is handed after a failed step
+        (its bytes are not trusted)."""
+        handed = 0
+        if self._failure is None:
+            if not self.scheduler.has_work:  # (close aborted every request)
+                retired = self.scheduler.flush_retired_copies()
+                if not retired.is_empty:
+                    self.runner.execute_copies(device_copies(retired, self.runner.input_device))
+            handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind)
         self.disk.close()
         stats = self.disk.stats()
-        _logger.info("hybridcache: disk tier closed: %d host checkpoints handed at shutdown, %d state files; not "
-                     "kept: %d host checkpoints", handed, stats["num_state_files"], stats["num_not_kept"])
+        _logger.info("hybridcache: disk tier closed: %d checkpoints handed at shutdown, %d state files; not kept: "
+                     "%d checkpoints", handed, stats["num_state_files"], stats["num_not_kept"])
 
     def _raise_if_dead(self) -> None:
         if self._closed:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -351,9 +351,17 @@ class Scheduler:
         """Drop everything the prefix cache holds for no running sequence (see `PrefixCache.clear`)."""
         self.cache.clear()
 
-    def keep_cache_behind(self) -> int:
-        """Hand the host tier's checkpoints to the tier behind it (see `PrefixCache.keep_behind`)."""
-        return self.cache.keep_behind()
+    def flush_retired_copies(self) -> CopyPlan:
+        """With no sequence left: commit an empty step, whose plan carries the state copies of the sequences
+        retired since the last step (the STATE_FINISH of their finish checkpoints rides on the next step's plan),
+        for the caller to run. For shutdown: those checkpoints are written, so they can be kept behind."""
+        if self.has_work:
+            raise RuntimeError("flush_retired_copies needs every sequence finished or aborted")
+        return self.cache.commit_step({})
+
+    def keep_cache_behind(self, progress: Callable[[int, int], None] | None = None) -> int:
+        """Hand the cache's checkpoints to the tier behind the host one (see `PrefixCache.keep_behind`)."""
+        return self.cache.keep_behind(progress)
 
     def stats(self) -> dict:
         """The cache's stats plus block, slot and queue counts."""

@@ -7,7 +7,10 @@ from __future__ import annotations
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
+from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.host_tier import StoredCheckpoint
+from hybridcache.cache.request import SaveReason
 from tests.cache.checked_evictor import check_picks
 from tests.cache.fake_engine import Driver, fingerprint
 
@@ -184,16 +187,19 @@ def test_worked_example_of_cache_md():
 
 
 class FakeDisk:
-    """A `TierBehind` on the fake device: `keep` records each fall-out with its bytes as the fake device holds them;
+    """A `TierBehind` on the fake device: `keep` records each fall-out with its bytes as the fake device holds them
+    (its state from host or device blocks, `FallOut.state_on_host`);
     `find` offers the deepest recorded checkpoint a prompt can use, `placed` writes its bytes into host memory."""
 
     def __init__(self, kept: list | None = None) -> None:
         self.kept = kept if kept is not None else []
         self.device = None  # the fake device of the cache this is given to
         self.asked: list[tuple] = []
+        self.num_not_kept = 0
 
     def keep(self, fall_out) -> None:
         if fall_out is None:
+            self.num_not_kept += 1
             return
         read = self.device
         blocks = [read._host_block(b.block_id) if b.on_host else read._device_block(b.block_id)
@@ -201,7 +207,8 @@ class FakeDisk:
         stored = StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in fall_out.blocks), step=fall_out.step,
                                   tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
                                   has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
-        self.kept.append((stored, blocks, [read._host_block(h) for h in fall_out.state_host_ids]))
+        state_block = read._host_block if fall_out.state_on_host else read._device_block
+        self.kept.append((stored, blocks, [state_block(h) for h in fall_out.state_host_ids]))
 
     def find(self, request, block_size, max_step):
         usable = [stored for stored, _, _ in self.kept if stored.step <= max_step
@@ -253,3 +260,100 @@ def test_what_the_host_drops_comes_back_into_another_cache_with_its_bytes():
         assert match.cached_len >= deepest >= stored.step, i
     assert restarted.stats.num_host_hits > 0 and restarted.stats.num_promoted_checkpoints > 0
     restarted.check_integrity()
+
+
+def test_at_shutdown_the_device_pools_checkpoints_are_handed_behind_too():
+    """`PrefixCache.keep_behind` (the engine's shutdown with a disk tier) hands every checkpoint the cache holds,
+    the host tier's and the device pool's published ones, with their chains and states as they are (bytes read
+    through the fake device, device pages included), and leaves the cache as it was; a fresh cache (a restart) hits
+    each of them with the right bytes."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=10, host_blocks=40)
+    prompts = [tuple(range(i * 50, i * 50 + 10)) for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        driver.run(CacheRequest(("p", i), prompt))
+    fill_device(driver, first=1000)  # demotes some to the host tier, the rest stays on the device
+    stats = cache.stats
+    total = stats.num_checkpoints + stats.num_host_checkpoints  # (`num_checkpoints`: the device pool's)
+    assert stats.num_host_checkpoints > 0 and stats.num_checkpoints > 0 and stats.num_host_dropped == 0
+    before = (stats.num_checkpoints, stats.num_host_checkpoints, stats.num_blocks_used, stats.num_host_blocks_used)
+    progress: list[tuple[int, int]] = []
+    assert cache.keep_behind(lambda done, total: progress.append((done, total))) == total
+    assert progress == [(done, total) for done in range(1, total + 1)]
+    # not kept: only a finish checkpoint whose state copy rides on the next step's plan (the filler's)
+    unwritten = sum(c.unwritten for c in cache._life.published())
+    assert unwritten == 1 and disk.num_not_kept == unwritten and len(disk.kept) == total - unwritten
+    assert sum(not stored.chain for stored, _, _ in disk.kept) < total  # chains of device blocks were read too
+    after = cache.stats
+    assert (after.num_checkpoints, after.num_host_checkpoints, after.num_blocks_used,
+            after.num_host_blocks_used) == before
+    cache.check_integrity()
+
+    restarted, again = with_disk(FakeDisk(list(disk.kept)), num_blocks=16, host_blocks=64)
+    for i, (stored, _, _) in enumerate(disk.kept):
+        prompt = tuple(t for _, tokens in stored.chain for t in tokens) + stored.tail_ids
+        match = again.run(CacheRequest(("back", i), prompt + (7, 8)), decode=[3])  # checks every block's bytes
+        assert match.cached_len >= stored.step, i
+    assert restarted.stats.num_promoted_checkpoints > 0
+    restarted.check_integrity()
+
+
+def test_host_order_worked_example():
+    """host_order.py's worked example: a proven checkpoint demoted first is due one host capacity later, so the
+    two unproven ones demoted after it go first; ties go to the unproven one; a pinned one is passed over."""
+    order = HostOrder(protection=100)
+    a, b, c = (Checkpoint(ckpt_id=i, adapter=None, step=8, reason=SaveReason.CHUNK_END, slot=None,
+                          frozen_block=None, routed_experts=None, owner=None, last_access=0) for i in range(3))
+    order.add(a, proven=True)
+    order.tick(10)
+    order.add(b, proven=False)
+    order.tick(10)
+    order.add(c, proven=False)
+    assert [order.due(x) for x in (a, b, c)] == [100, 10, 20] and order.is_proven(a) and not order.is_proven(b)
+    b.num_pins = 1
+    assert order.victim() is c
+    b.num_pins = 0
+    dropped = []
+    while (victim := order.victim()) is not None:
+        dropped.append(victim.ckpt_id)
+        order.remove(victim)
+    assert dropped == [1, 2, 0] and list(order.ids()) == []
+    order.add(a, proven=True)  # at clock 20: due at 120
+    order.tick(100)
+    order.add(b, proven=False)  # at clock 120: due then too
+    assert order.due(a) == order.due(b) == 120 and order.victim() is b
+
+
+@pytest.mark.parametrize("first_turn", ["hit", "not hit", "hit and gone past"])
+def test_the_host_keeps_what_a_hit_proved_longer(first_turn):
+    """Three chains of 10 tokens (2 nodes, a page and a frozen tail: 4 blocks each) are demoted in turn to a host
+    of 9 blocks, so the third's demotion drops one of the first two. With the order of demotion that is the first
+    (`a`); when a hit proved `a` before it was demoted, `b` goes instead, unless the hit was a continuation that
+    went past `a` (a deeper turn end of its chain: `a` is shadowed, its next turn has come)."""
+    cache, driver = make(num_blocks=8, host_blocks=9)
+    host = cache._life.host
+    a = tuple(range(10))
+    driver.run(CacheRequest("a", a))
+    (ckpt_a,) = cache._life.published()
+    if first_turn != "not hit":
+        nxt = CacheRequest("a2", a + (99, 98))
+        assert driver.admit(nxt).cached_len == 10
+        if first_turn == "hit":
+            driver.step("a2", [99])  # no save: nothing goes past `a`
+            cache.abort("a2")
+        else:
+            driver.step("a2", [99, 98], [("prefill_end",)])
+            cache.finish("a2")
+        assert ckpt_a.was_hit and ckpt_a.shadowed == (first_turn == "hit and gone past")
+    for first in (100, 200, 300):
+        driver.run(CacheRequest(("filler", first), tuple(range(first, first + 10))))
+    probe = cache.match(CacheRequest("probe-a", a + (1,)))
+    kept_a = probe.cached_len == 10
+    cache.release_match(probe)
+    probe = cache.match(CacheRequest("probe-b", tuple(range(100, 111))))
+    kept_b = probe.cached_len == 10
+    cache.release_match(probe)
+    assert cache.stats.num_host_dropped >= 1
+    assert (kept_a, kept_b) == ((True, False) if first_turn == "hit" else (False, True))
+    assert host.queues.is_proven(ckpt_a) if kept_a else True
+    cache.check_integrity()

@@ -12,10 +12,12 @@ import shutil
 import pytest
 
 from hybridcache.config import EngineConfig
+from hybridcache.engine import disk_keeper
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.sampling import SamplingParams
 
 from .model_folders import write_tiny_model
-from .test_cache_equivalence import assert_same, make_engine, run_workload
+from .test_cache_equivalence import REL_TOL, assert_same, make_engine, run_workload
 
 HOST_BLOCKS = 12
 REPLY_LENS = (3, 10)
@@ -95,6 +97,74 @@ def test_what_the_host_tier_holds_at_shutdown_is_kept(model_dir, uncached, tmp_p
     assert_same(engine, uncached[0], out, uncached[1])
     assert engine.stats()["disk"]["num_promoted_checkpoints"] > 0
     engine.close()
+
+
+def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp_path, monkeypatch):
+    """A device pool large enough that nothing is ever demoted: the host tier and the disk stay empty during the
+    run, and the shutdown writes the device pool's checkpoints and their chains (the finish checkpoints of the
+    requests that finished in the last step too). A restarted engine on the same
+    directory hits them (from disk, through the host tier), with the tokens and logits of the uncached run."""
+    block_bytes = uncached[0].memory_plan.block_bytes
+
+    def engine_on_disk() -> LLMEngine:
+        return make_engine(model_dir, num_blocks=400, max_model_len=300, max_num_seqs=6, max_num_batched_tokens=256,
+                           host_cache_gib=400 * block_bytes / (1 << 30), disk_cache_dir=str(tmp_path / "disk"))
+
+    first = engine_on_disk()
+    out = run_workload(first, seed=1, reply_lens=REPLY_LENS)
+    assert_same(first, uncached[0], out, uncached[1])
+    first.check_integrity()
+    stats = first.stats()
+    assert stats["cache"].num_demoted_checkpoints == 0 and stats["cache"].num_host_checkpoints == 0
+    assert stats["disk"]["num_state_files"] == 0 and stats["disk"]["num_block_files"] == 0
+    held, first_hits = stats["cache"].num_checkpoints, stats["cache"].num_hit_tokens
+    monkeypatch.setattr(disk_keeper, "SHUTDOWN_WRITE_BYTES", 1)  # wait for the writer after every checkpoint
+    flushes = []
+    writer = first.disk.disk
+    monkeypatch.setattr(writer, "flush", lambda: (flushes.append(1), type(writer).flush(writer)))
+    first.close()
+    disk = first.disk.stats()
+    # every checkpoint is kept, the finish checkpoints of the last step's requests too (their state copies run
+    # at close); a state file per distinct checkpoint
+    assert disk["num_not_kept"] == 0 and disk["num_write_errors"] == 0, disk
+    assert 0 < disk["num_state_files"] <= held, (disk, held)
+    assert len(flushes) > disk["num_state_files"]  # paced: a wait per checkpoint written, and the last one
+    assert disk["num_block_files"] > 0
+
+    engine = engine_on_disk()
+    assert engine.stats()["disk"]["num_state_files"] == disk["num_state_files"]
+    # each conversation's last turn, continued: it hits that turn's finish checkpoint (all but its last token),
+    # the last-finishing ones' included, with the tokens and logits of an uncached engine
+    last_turns = {rid: o.prompt_token_ids + o.outputs[0].token_ids for rid, o in out.items() if rid.endswith("turn2")}
+    nexts = {f"{rid}-next": tokens + [1, 2, 3] for rid, tokens in last_turns.items()}
+    continued = run_requests(engine, nexts)
+    fresh = make_engine(model_dir, caching=False)
+    want = run_requests(fresh, nexts)
+    for rid, tokens in last_turns.items():
+        got = continued[f"{rid}-next"]
+        assert got.outputs[0].token_ids == want[f"{rid}-next"].outputs[0].token_ids, rid
+        assert got.cached_tokens == len(tokens) - 1, (rid, got.cached_tokens, len(tokens))
+    assert fresh.logits.keys() == engine.logits.keys()
+    for key, logits in fresh.logits.items():
+        assert (engine.logits[key] - logits).abs().max() / logits.abs().max() <= REL_TOL, key
+    engine.logits = {}
+    out = run_workload(engine, seed=1, check_every_step=True, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    stats = engine.stats()
+    assert stats["disk"]["num_promoted_checkpoints"] > 0 and stats["cache"].num_host_hits > 0, stats["disk"]
+    assert stats["cache"].num_hit_tokens > first_hits  # the first run started with nothing cached
+    engine.check_integrity()
+    engine.close()
+
+
+def run_requests(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict:
+    """Greedy 3-token completions of `prompts` (request id -> prompt), all queued at once; the finished outputs."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return done
 
 
 @pytest.mark.slow
