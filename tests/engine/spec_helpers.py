@@ -91,3 +91,37 @@ def device_oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 
         return values
 
     runner.draft_after_verify = oracle_after_verify
+
+
+def alone_references(make, requests) -> dict:
+    """The completions' token ids of each of `requests` ((rid, prompt, params, arrival, abort) tuples) run alone on
+    an engine of its own, `make()`."""
+    reference = {}
+    for rid, prompt, params, _, _ in requests:
+        alone = make()
+        alone.add_request(rid, prompt, params)
+        while alone.has_unfinished_requests():
+            for out in alone.step():
+                reference[rid] = [c.token_ids for c in out.outputs]
+    return reference
+
+
+def drive_traffic(engine: LLMEngine, requests, max_steps: int = 400) -> tuple[dict, set]:
+    """Step `engine` through `requests` ((rid, prompt, params, arrival step, abort) tuples; an abort comes two steps
+    after its arrival), `check_integrity` after every step; the finished requests' token ids, and the aborted
+    request ids."""
+    got, aborted, step = {}, set(), 0
+    while step < max_steps:
+        for rid, prompt, params, arrival, abort in requests:
+            if arrival == step:
+                engine.add_request(rid, prompt, params)
+            if abort and step == arrival + 2 and engine.abort(rid) is not None:
+                aborted.add(rid)
+        if step > 6 and not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                got[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check_integrity()
+        step += 1
+    return got, aborted

@@ -18,7 +18,7 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 
 from .model_folders import write_tiny_model
-from .spec_helpers import cpu_drafting_graphs, device_oracle, spec, tokens_of
+from .spec_helpers import alone_references, cpu_drafting_graphs, device_oracle, drive_traffic, spec, tokens_of
 from .test_cache_equivalence import run_workload
 
 CONFIG = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6}
@@ -173,30 +173,11 @@ def test_random_traffic_with_async_speculation_keeps_integrity_and_greedy_tokens
         params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True, stop=stop,
                                 stop_token_ids=stop_tokens, n=2 if rng.random() < 0.25 else 1)
         requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
-    reference = {}
-    for rid, prompt, params, _, _ in requests:  # each alone, without MTP
-        alone = _engine(small_dir, None, max_model_len=160)
-        alone.add_request(rid, prompt, params)
-        while alone.has_unfinished_requests():
-            for out in alone.step():
-                reference[rid] = [c.token_ids for c in out.outputs]
+    reference = alone_references(lambda: _engine(small_dir, None, max_model_len=160), requests)  # without MTP
     engine = _engine(small_dir, 2, chained=True, max_model_len=160, max_num_seqs=4,
                      num_blocks=data.draw(st.sampled_from([16, 24, 64])))
     device_oracle(engine, reference, seed=rng.randrange(100), right=0.8)
-    got, aborted, step = {}, set(), 0
-    while step < 400:
-        for rid, prompt, params, arrival, abort in requests:
-            if arrival == step:
-                engine.add_request(rid, prompt, params)
-            if abort and step == arrival + 2 and engine.abort(rid) is not None:
-                aborted.add(rid)
-        if step > 6 and not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = [c.token_ids for c in out.outputs]
-        engine.check_integrity()
-        step += 1
+    got, aborted = drive_traffic(engine, requests)
     for rid, *_ in requests:
         if rid not in aborted:
             assert got[rid] == reference[rid], rid

@@ -20,7 +20,7 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
 from .model_folders import save_model_folder, write_tiny_model
-from .spec_helpers import make_engine, oracle, spec, tokens_of
+from .spec_helpers import alone_references, drive_traffic, make_engine, oracle, spec, tokens_of
 from .test_cache_equivalence import run_workload
 
 
@@ -108,30 +108,11 @@ def test_random_traffic_keeps_integrity_and_greedy_tokens(small_dir, data):
         params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 14), ignore_eos=True, stop=stop,
                                 n=2 if rng.random() < 0.25 else 1)
         requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
-    reference = {}
-    for rid, prompt, params, _, _ in requests:  # each alone, without MTP
-        alone = make_engine(small_dir, None, max_model_len=160)
-        alone.add_request(rid, prompt, params)
-        while alone.has_unfinished_requests():
-            for out in alone.step():
-                reference[rid] = [c.token_ids for c in out.outputs]
+    reference = alone_references(lambda: make_engine(small_dir, None, max_model_len=160), requests)  # without MTP
     engine = make_engine(small_dir, k, max_model_len=160, num_blocks=data.draw(st.sampled_from([14, 20, 64])),
                          max_num_seqs=4)
     oracle(engine, reference, seed=rng.randrange(100))
-    got, aborted, step = {}, set(), 0
-    while step < 400:
-        for rid, prompt, params, arrival, abort in requests:
-            if arrival == step:
-                engine.add_request(rid, prompt, params)
-            if abort and step == arrival + 2 and engine.abort(rid) is not None:
-                aborted.add(rid)
-        if step > 6 and not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                got[out.request_id] = [c.token_ids for c in out.outputs]
-        engine.check_integrity()
-        step += 1
+    got, aborted = drive_traffic(engine, requests)
     for rid, *_ in requests:
         if rid not in aborted:
             assert got[rid] == reference[rid], rid
