@@ -23,13 +23,12 @@ import argparse
 import statistics
 import sys
 
+from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
+
 from hybridcache.bench.oracles import FutureIndex
 from hybridcache.bench.replay import CacheReplay, SimConfig, cache_requests_of, parse_policies
 from hybridcache.bench.simulator import GIB, make_replay, prepare_oracles
-from hybridcache.bench.workloads import load_workload
 from hybridcache.cache.request import common_prefix_len
-from hybridcache.engine.cost_model import load_model_cost
-from hybridcache.model_path import resolve_model
 
 
 class Clock:
@@ -54,20 +53,15 @@ def keep_only_what_returns(replay: CacheReplay, future: FutureIndex, clock: Cloc
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--trace", default=None)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--model", default=None, help="a model folder whose config.json sizes the cache")
+    workload_arguments(parser)
     parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
     parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--top", type=int, default=12, help="requests listed, the oracle's largest gains first")
     args = parser.parse_args(argv)
 
-    model_dir = resolve_model(args.model).path if args.model is not None else None
-    cost = load_model_cost(model_dir, "auto")
-    requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests,
-                                  model_dir=model_dir))
+    cost, workload = load_cost_and_workload(args)
+    requests = list(workload)
     gpu, size = int(args.gib * GIB), args.block_size
     hybrid, oracle, every = parse_policies("hybridcache,bounded-oracle,hybridcache+all", size)
     host = SimConfig(gpu, size, host_memory_bytes=int(args.ratio * gpu))

@@ -21,12 +21,11 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
+
 from hybridcache.bench.oracles import FutureIndex
 from hybridcache.bench.replay import cache_requests_of, parse_policies
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay
-from hybridcache.bench.workloads import load_workload
-from hybridcache.engine.cost_model import load_model_cost
-from hybridcache.model_path import resolve_model
 
 
 @dataclass(frozen=True)
@@ -80,19 +79,14 @@ def table(title: str, rows: list[Demotion], key: Callable[[Demotion], object]) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", required=True)
-    parser.add_argument("--trace", default=None)
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--model", default=None, help="a model folder whose config.json sizes the cache")
+    workload_arguments(parser)
     parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
     parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
     parser.add_argument("--block-size", type=int, default=64)
     args = parser.parse_args(argv)
 
-    model_dir = resolve_model(args.model).path if args.model is not None else None
-    cost = load_model_cost(model_dir, "auto")
-    requests = list(load_workload(args.workload, trace=args.trace, num_requests=args.num_requests,
-                                  model_dir=model_dir))
+    cost, workload = load_cost_and_workload(args)
+    requests = list(workload)
     (hybrid,) = parse_policies("hybridcache", args.block_size)
     gpu = int(args.gib * GIB)
     replay = make_replay(hybrid, cost, SimConfig(gpu, args.block_size, host_memory_bytes=int(args.ratio * gpu)))

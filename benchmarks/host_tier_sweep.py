@@ -31,12 +31,24 @@ from hybridcache.engine.cost_model import load_model_cost
 from hybridcache.model_path import resolve_model
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options the host-tier scripts share: which workload, and the model whose config.json sizes the cache."""
     parser.add_argument("--workload", required=True)
     parser.add_argument("--trace", default=None)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--model", default=None, help="a model folder whose config.json sizes the cache")
+
+
+def load_cost_and_workload(args: argparse.Namespace):
+    """The cost model and the workload that `workload_arguments`' options name."""
+    model_dir = resolve_model(args.model).path if args.model is not None else None
+    cost = load_model_cost(model_dir, "auto")
+    return cost, load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, model_dir=model_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    workload_arguments(parser)
     parser.add_argument("--gib", required=True, help="GPU budgets, comma-separated GiB")
     parser.add_argument("--ratios", default="4,16", help="host tiers as multiples of the GPU budget")
     parser.add_argument("--host-bandwidth-gbs", type=float, default=None)
@@ -45,9 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    model_dir = resolve_model(args.model).path if args.model is not None else None
-    cost = load_model_cost(model_dir, "auto")
-    workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, model_dir=model_dir)
+    cost, workload = load_cost_and_workload(args)
     hybrid, oracle = parse_policies("hybridcache,bounded-oracle", args.block_size)
     bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
     ratios = [float(r) for r in args.ratios.split(",")]
