@@ -35,7 +35,7 @@ from hybridcache.fp8_format import FP8_DTYPE
 from hybridcache.kernels.gemm import fp8_tiles, triton_quant
 from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
-from hybridcache.kernels.moe.triton_experts import combine, expert_tile
+from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token per 128 channels), else W8A16
@@ -70,16 +70,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
-    if GATHER or SCATTER:  # noqa: SIM108 (a constexpr branch); as `triton_experts.tile_indices`, at column tile pid_n
-        pairs = tl.load(order_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    else:
-        pairs = rows.to(tl.int64)
-    if GATHER:  # noqa: SIM108 (a constexpr branch)
-        a_rows = pairs // top_k
-    else:
-        a_rows = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, pid_n, GATHER, SCATTER, BLOCK_N)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     ws_base = w_scale_ptr + e.to(tl.int64) * stride_wse
     gate_rows = cols.to(tl.int64) * stride_wn

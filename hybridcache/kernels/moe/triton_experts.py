@@ -46,9 +46,9 @@ def expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: 
 
 
 @triton.jit
-def tile_indices(order_ptr, rows, row_ok, top_k, N, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+def tile_indices(order_ptr, rows, row_ok, top_k, N, pid_n, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                  BLOCK_N: tl.constexpr):
-    """The rows and columns of a tile (`expert_tile`'s sorted rows, program_id(1)'s block of BLOCK_N columns):
+    """The rows and columns of a tile (`expert_tile`'s sorted rows, column tile pid_n's block of BLOCK_N columns):
     returns (pairs, a_rows, cols, col_ok). pairs [BLOCK_M] int64 are the rows' (token, pick) pairs order[rows],
     read when GATHER or SCATTER (else the sorted rows, for a caller that reads neither); a_rows the activation
     rows the tile reads, pairs // top_k (token rows) when GATHER, else the sorted rows; cols [BLOCK_N] its output
@@ -62,7 +62,7 @@ def tile_indices(order_ptr, rows, row_ok, top_k, N, GATHER: tl.constexpr, SCATTE
         a_rows = pairs // top_k
     else:
         a_rows = rows.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     return pairs, a_rows, cols, cols < N
 
 
@@ -75,7 +75,8 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
-    pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, GATHER, SCATTER, BLOCK_N)
+    pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, tl.program_id(1), GATHER, SCATTER,
+                                               BLOCK_N)
     w_base = w_ptr + e.to(tl.int64) * stride_we
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
