@@ -93,6 +93,27 @@ def device_oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 
     runner.draft_after_verify = oracle_after_verify
 
 
+def random_requests(rng: random.Random, count: int, *, stop_p: float, stop_token_p: float,
+                    max_tokens: int) -> list:
+    """`count` random greedy requests as (rid, prompt, params, arrival step, abort) tuples: most share a system
+    prompt, some are identical resends, some have a stop string (probability stop_p) or a stop token
+    (stop_token_p), some n = 2; up to max_tokens - 1 tokens each."""
+    from hybridcache.sampling import SamplingParams
+
+    system = [rng.randrange(256) for _ in range(rng.randrange(5, 40))]
+    requests = []
+    for i in range(count):
+        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
+        if requests and rng.random() < 0.2:
+            prompt = list(requests[-1][1])  # an identical resend
+        stop = [bytes([rng.randrange(97, 123)]).decode()] if rng.random() < stop_p else []
+        stop_tokens = [rng.randrange(256)] if stop_token_p and rng.random() < stop_token_p else []
+        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, max_tokens), ignore_eos=True, stop=stop,
+                                stop_token_ids=stop_tokens, n=2 if rng.random() < 0.25 else 1)
+        requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
+    return requests
+
+
 def alone_references(make, requests) -> dict:
     """The completions' token ids of each of `requests` ((rid, prompt, params, arrival, abort) tuples) run alone on
     an engine of its own, `make()`."""

@@ -18,7 +18,15 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 
 from .model_folders import write_tiny_model
-from .spec_helpers import alone_references, cpu_drafting_graphs, device_oracle, drive_traffic, spec, tokens_of
+from .spec_helpers import (
+    alone_references,
+    cpu_drafting_graphs,
+    device_oracle,
+    drive_traffic,
+    random_requests,
+    spec,
+    tokens_of,
+)
 from .test_cache_equivalence import run_workload
 
 CONFIG = {"block_size": 16, "kernel_block_size": 8, "max_num_batched_tokens": 96, "max_num_seqs": 6}
@@ -162,17 +170,7 @@ def test_random_traffic_with_async_speculation_keeps_integrity_and_greedy_tokens
     a pool small enough to preempt) with async speculative steps (device oracle drafts): check_integrity after
     every step; the greedy tokens of every request not aborted equal those of the request alone without MTP."""
     rng = random.Random(data.draw(st.integers(0, 10**6)))
-    system = [rng.randrange(256) for _ in range(rng.randrange(5, 40))]
-    requests = []
-    for i in range(data.draw(st.integers(3, 7))):
-        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
-        if requests and rng.random() < 0.2:
-            prompt = list(requests[-1][1])  # an identical resend
-        stop = [bytes([rng.randrange(97, 123)]).decode()] if rng.random() < 0.1 else []
-        stop_tokens = [rng.randrange(256)] if rng.random() < 0.3 else []
-        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 40), ignore_eos=True, stop=stop,
-                                stop_token_ids=stop_tokens, n=2 if rng.random() < 0.25 else 1)
-        requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
+    requests = random_requests(rng, data.draw(st.integers(3, 7)), stop_p=0.1, stop_token_p=0.3, max_tokens=40)
     reference = alone_references(lambda: _engine(small_dir, None, max_model_len=160), requests)  # without MTP
     engine = _engine(small_dir, 2, chained=True, max_model_len=160, max_num_seqs=4,
                      num_blocks=data.draw(st.sampled_from([16, 24, 64])))

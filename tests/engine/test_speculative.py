@@ -20,7 +20,7 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
 from .model_folders import save_model_folder, write_tiny_model
-from .spec_helpers import alone_references, drive_traffic, make_engine, oracle, spec, tokens_of
+from .spec_helpers import alone_references, drive_traffic, make_engine, oracle, random_requests, spec, tokens_of
 from .test_cache_equivalence import run_workload
 
 
@@ -98,16 +98,7 @@ def test_random_traffic_keeps_integrity_and_greedy_tokens(small_dir, data):
     those of the same request alone without MTP."""
     rng = random.Random(data.draw(st.integers(0, 10**6)))
     k = data.draw(st.integers(1, 3))
-    system = [rng.randrange(256) for _ in range(rng.randrange(5, 40))]
-    requests = []
-    for i in range(data.draw(st.integers(3, 7))):
-        prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
-        if requests and rng.random() < 0.2:
-            prompt = list(requests[-1][1])  # an identical resend
-        stop = [bytes([rng.randrange(97, 123)]).decode()] if rng.random() < 0.3 else []
-        params = SamplingParams(temperature=0, max_tokens=rng.randrange(1, 14), ignore_eos=True, stop=stop,
-                                n=2 if rng.random() < 0.25 else 1)
-        requests.append((f"r{i}", prompt, params, rng.randrange(0, 6), rng.random() < 0.15))
+    requests = random_requests(rng, data.draw(st.integers(3, 7)), stop_p=0.3, stop_token_p=0.0, max_tokens=14)
     reference = alone_references(lambda: make_engine(small_dir, None, max_model_len=160), requests)  # without MTP
     engine = make_engine(small_dir, k, max_model_len=160, num_blocks=data.draw(st.sampled_from([14, 20, 64])),
                          max_num_seqs=4)
