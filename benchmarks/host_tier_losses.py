@@ -56,7 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     workload_arguments(parser)
     parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
     parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
-    parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--top", type=int, default=12, help="requests listed, the oracle's largest gains first")
     args = parser.parse_args(argv)
 

@@ -82,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
     workload_arguments(parser)
     parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
     parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
-    parser.add_argument("--block-size", type=int, default=64)
     args = parser.parse_args(argv)
 
     cost, workload = load_cost_and_workload(args)

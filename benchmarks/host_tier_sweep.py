@@ -32,11 +32,13 @@ from hybridcache.model_path import resolve_model
 
 
 def workload_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options the host-tier scripts share: which workload, and the model whose config.json sizes the cache."""
+    """The options the host-tier scripts share: which workload, the model whose config.json sizes the cache, and
+    the block size."""
     parser.add_argument("--workload", required=True)
     parser.add_argument("--trace", default=None)
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--model", default=None, help="a model folder whose config.json sizes the cache")
+    parser.add_argument("--block-size", type=int, default=64)
 
 
 def load_cost_and_workload(args: argparse.Namespace):
@@ -53,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratios", default="4,16", help="host tiers as multiples of the GPU budget")
     parser.add_argument("--host-bandwidth-gbs", type=float, default=None)
     parser.add_argument("--device-tflops", type=float, default=400.0)
-    parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
