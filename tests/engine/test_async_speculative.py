@@ -142,8 +142,8 @@ def test_cuda_async_speculative_steps_equal_sync_ones(tmp_path_factory):
     oracle's reference."""
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
     options = {"device": "cuda", "dtype": "bfloat16", "gpu_memory_utilization": 0.2}
-    reference, runs, engines = {}, [], []
-    for chained in (False, True):
+    reference, runs, stats, chained_steps = {}, [], [], []
+    for chained in (False, True):  # one engine at a time: each sizes its pool from the memory left on the device
         engine = LLMEngine(folder, EngineConfig(**CONFIG, **options, speculative_config=spec(2),
                                                 async_scheduling=chained))
         if not chained:
@@ -152,15 +152,14 @@ def test_cuda_async_speculative_steps_equal_sync_ones(tmp_path_factory):
             engine.drafter.stats = type(engine.drafter.stats)(accepted_per_position=[0, 0])
         device_oracle(engine, reference, seed=4)
         runs.append(_run(engine, _requests(4, stop_at={1: reference["r1"][9]})))
-        engines.append(engine)
-    stats = [e.drafter.stats for e in engines]
-    print(f"bf16 CUDA: chained {engines[1].num_chained_steps} steps; sync {stats[0]}; async {stats[1]}")
+        stats.append(engine.drafter.stats)
+        chained_steps.append(engine.num_chained_steps)
+        engine.close()
+    print(f"bf16 CUDA: chained {chained_steps[1]} steps; sync {stats[0]}; async {stats[1]}")
     assert runs[0] == runs[1] and stats[0] == stats[1]
     assert len(runs[1]["r1"][0]) < len(reference["r1"])  # (it stopped)
-    assert engines[0].num_chained_steps == 0 and engines[1].num_chained_steps > 10
+    assert chained_steps[0] == 0 and chained_steps[1] > 10
     assert stats[1].accepted_per_position[-1] > 0
-    for engine in engines:
-        engine.close()
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
