@@ -7,14 +7,15 @@ checkpoint's features. This script gives such a rule **hindsight of its features
 class (its features) and whether a later request uses it (`FutureIndex.next_use`, the bounded oracle's); each
 class's share that returns is then known. Replays with the class rule follow: demote a checkpoint only when its
 class's share is at least `release_below`, and keep it as long as a proven one when the share is at least
-`protect_from` (what a hit proved is kept longer as before). The shares come from the run being measured, so no
-online learner of the same features could do better than the best of these rules, short of lucky errors; where
-even the best stays below the bounded oracle, these features cannot reach it.
+`protect_from` (what `proven_at_demotion` proves is kept longer as before). The shares come from the run being
+measured, where an online learner of the same features would have to estimate them: where even the best of these
+rules stays below the bounded oracle, that is evidence (not a proof: the features could be used otherwise) that
+a rule of these features cannot reach it.
 
-Features (what the cache could see at demotion): why it was saved; proven (hit, not shadowed); the anchor's depth
+Features (what the cache could see at demotion): why it was saved; hit (before, not shadowed); the anchor's depth
 (log2 of its blocks); how many requests so far had the anchor's block in their prompt (the prefix's popularity,
 up to 3: the trie sees every lookup); the share of the saving request's prompt that hit (0, < 1/2, >= 1/2); how
-many requests ago that request came (< 100, < 300, later). Classes: `coarse` = (why, proven, depth), `fine` =
+many requests ago that request came (< 100, < 300, later). Classes: `coarse` = (why, hit, depth), `fine` =
 every feature.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/host_tier_bound.py --workload mooncake \\
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{kind} classes: {len(counts)}, {sum(n for n, _ in counts.values()):,} demotions; "
               f"the default order: hit rate {base.counters.hit_tokens / prompt_tokens:.4f}")
         if not fine:
-            print("| why, proven, log2 depth | demotions | share that returns |\n| --- | --- | --- |")
+            print("| why, hit, log2 depth | demotions | share that returns |\n| --- | --- | --- |")
             for k in sorted(counts):
                 print(f"| {k} | {counts[k][0]:,} | {shares[k]:.2f} |")
         replays = [(make_replay(hybrid, cost, config), Seen()) for _ in RULES]
