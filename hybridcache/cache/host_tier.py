@@ -353,7 +353,7 @@ class HostTier:
 
     def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner, proven: bool = False) -> None:
         """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier;
-        `proven`: a hit has proven it (host_order.py), so the host keeps it longer."""
+        `proven`: hit before or a branch point (`proven_at_demotion`), so the host keeps it longer."""
         self.hanging(owner, create=True).checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
         ckpt.anchor = owner
         ckpt.on_host = True
