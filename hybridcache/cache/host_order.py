@@ -2,11 +2,13 @@
 
 What a hit has proven is kept longer: S3-FIFO's split between a probation queue and a main queue (Yang et al.,
 SOSP 2023), expressed as lifetimes. The clock counts host blocks allocated (demotion traffic). A host checkpoint
-is due to go at the clock when it was demoted, plus, when it is **proven**, one host capacity (`protection`,
-the host's size in blocks): proven = hit at least once (`Checkpoint.was_hit`: a host hit promotes, so such a
-checkpoint was hit on the device or promoted and demoted again) and not shadowed (a turn end that a later turn
-of its chain went past has served what it was kept for). The victim is the unpinned checkpoint due first (ties:
-the unproven one); within each queue that is the oldest demotion, so only the two queues' heads are compared.
+is due to go at the clock when it was demoted, plus, when it is **proven** (`proven_at_demotion`), one host
+capacity (`protection`, the host's size in blocks): proven = hit at least once (`Checkpoint.was_hit`: a host hit
+promotes, so such a checkpoint was hit on the device or promoted and demoted again) or a branch point (saved where
+a prompt left a prefix an earlier one had read: two requests read its prefix, the popularity a hit shows), and not
+shadowed (a turn end that a later turn of its chain went past has served what it was kept for). The victim is the
+unpinned checkpoint due first (ties: the unproven one); within each queue that is the oldest demotion, so only the
+two queues' heads are compared. (Why branch points: docs/cache.md, "Online rules measured".)
 
 Worked example (host of 100 blocks, so `protection` = 100): `a` (proven) is demoted at clock 0, due at 100; then
 `b` and `c` (unproven) at clock 10 and 20, due at 10 and 20. The host's eviction drops `b`, then `c`, then `a`
@@ -21,6 +23,13 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from hybridcache.cache.checkpoint import Checkpoint
+from hybridcache.cache.request import SaveReason
+
+
+def proven_at_demotion(ckpt: Checkpoint) -> bool:
+    """Whether the host keeps device checkpoint `ckpt`, being demoted now, as a proven one (the module docstring):
+    hit before or a branch point, and not shadowed. Read before the demotion clears `shadowed`."""
+    return (ckpt.was_hit or ckpt.reason is SaveReason.BRANCH_POINT) and not ckpt.shadowed
 
 
 class HostOrder:

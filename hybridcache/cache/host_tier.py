@@ -23,8 +23,8 @@ Rules (each checked by `integrity.check_host`):
 - Every host block is held by exactly one host node (its KV) or one host checkpoint (a page of its state or its
   frozen tail), or is the source of a promotion of this step (reused from the next step on).
 - Eviction (`make_room`, host_order.py): the unpinned host checkpoint due first, a checkpoint being due when it
-  was demoted, or one host capacity of demotions later when a hit has proven it (hit before, not shadowed); what
-  falls out is gone.
+  was demoted, or one host capacity of demotions later when it is proven (hit before or a branch point, not
+  shadowed); what falls out is gone.
 
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
 its blocks are freed (`fall_out`: its chain and state as a tier behind needs them; at shutdown `hand_behind` tells
@@ -353,7 +353,7 @@ class HostTier:
 
     def hang_checkpoint(self, ckpt: Checkpoint, owner: Owner, proven: bool = False) -> None:
         """`ckpt` (its pages and frozen block already host blocks) now hangs off `owner` in the host tier;
-        `proven`: a hit has proven it (host_order.py), so the host keeps it longer."""
+        `proven`: hit before or a branch point (`proven_at_demotion`), so the host keeps it longer."""
         self.hanging(owner, create=True).checkpoints.setdefault((ckpt.step, ckpt.tail_hash), []).append(ckpt)
         ckpt.anchor = owner
         ckpt.on_host = True

@@ -34,6 +34,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.config import CacheConfig, CostModel
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.evictor import Evictor, Victim
+from hybridcache.cache.host_order import proven_at_demotion
 from hybridcache.cache.host_tier import HostNode, HostTier, StoredCheckpoint, TierBehind
 from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
@@ -413,7 +414,7 @@ class Lifecycle:
         (HOST_FINISH instead of STATE_FINISH)."""
         host = self.host
         self._unpublish(ckpt)
-        proven = ckpt.was_hit and not ckpt.shadowed  # the host keeps it longer (host_order.py)
+        proven = proven_at_demotion(ckpt)  # the host keeps it longer (host_order.py)
         ckpt.shadowed = False  # the host tier has its own order; a promotion comes with a hit, which clears it
         device_ids = [*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,))]
         host_ids = [host.allocate() if ckpt.unwritten and i < len(ckpt.pages) else host.save(block_id)

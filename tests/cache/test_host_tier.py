@@ -8,7 +8,7 @@ import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
 from hybridcache.cache.checkpoint import Checkpoint
-from hybridcache.cache.host_order import HostOrder
+from hybridcache.cache.host_order import HostOrder, proven_at_demotion
 from hybridcache.cache.host_tier import StoredCheckpoint
 from hybridcache.cache.request import SaveReason
 from tests.cache.checked_evictor import check_picks
@@ -322,6 +322,40 @@ def test_host_order_worked_example():
     order.tick(100)
     order.add(b, proven=False)  # at clock 120: due then too
     assert order.due(a) == order.due(b) == 120 and order.victim() is b
+
+
+def test_proven_at_demotion():
+    """host_order.py's rule: hit before or a branch point, and not shadowed."""
+    def ckpt(reason, hit=False, shadowed=False):
+        c = Checkpoint(ckpt_id=0, adapter=None, step=8, reason=reason, slot=None, frozen_block=None,
+                       routed_experts=None, owner=None, last_access=0)
+        c.was_hit, c.shadowed = hit, shadowed
+        return c
+
+    assert not proven_at_demotion(ckpt(SaveReason.CHUNK_END))
+    assert proven_at_demotion(ckpt(SaveReason.CHUNK_END, hit=True))
+    assert proven_at_demotion(ckpt(SaveReason.BRANCH_POINT))
+    assert not proven_at_demotion(ckpt(SaveReason.PREFILL_END))
+    assert not proven_at_demotion(ckpt(SaveReason.FINISH, hit=True, shadowed=True))
+
+
+def test_a_demoted_branch_point_is_kept_as_proven():
+    """A branch point is saved where a prompt leaves a prefix an earlier one read: two requests read its prefix,
+    so the host keeps it one host capacity longer, as one a hit proved, though it was never hit; the unhit
+    turn ends demoted with it are not."""
+    cache, driver = make()
+    host = cache._life.host
+    driver.run(CacheRequest("a", tuple(range(10))))
+    driver.run(CacheRequest("c", tuple(range(6)) + (90, 91, 92, 93, 94)), branch=True)
+    (branch,) = [c for c in cache._life.published() if c.reason is SaveReason.BRANCH_POINT]
+    assert branch.step == 6 and not branch.was_hit
+    fill_device(driver)
+    fill_device(driver, first=200)
+    assert branch.on_host and host.queues.is_proven(branch)
+    turn_ends = [c for c in host.order.values() if c.reason.is_turn_end]
+    assert turn_ends and not any(host.queues.is_proven(c) for c in turn_ends)
+    assert all(host.queues.due(branch) > host.queues.due(c) for c in turn_ends)
+    cache.check_integrity()
 
 
 @pytest.mark.parametrize("first_turn", ["hit", "not hit", "hit and gone past"])
