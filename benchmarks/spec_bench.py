@@ -126,17 +126,145 @@ def phase_timers(engine: LLMEngine) -> Iterator[dict[str, float]]:
             delattr(owner, attribute)  # the class's method again
 
 
+@contextlib.contextmanager
+def chain_split(engine: LLMEngine) -> Iterator[dict[str, list[float]]]:
+    """Per async speculative step (`LLMEngine._step_chained`), host and device milliseconds, as lists (one entry a
+    chained step): host `step` (the whole call), `launch` (`_launch_chained`: queueing t + 1's rollback, verify and
+    drafting), `wait` (for t's device values), `settle` (`_complete_deferred` less its wait: judging, output
+    processing, the scheduler's and the cache's accept, propose), `schedule` and `adopt` (`_adopt_chained`); device
+    (CUDA events on the stream) `span` (from the first to the last work `_launch_chained` queued: the step's device
+    time, plus any gap where the device waited for the host's next launch inside it) and `period` (from one chained
+    launch's first work to the next's: the step as the device sees it). Empty lists off CUDA or without MTP."""
+    times: dict[str, list[float]] = {name: [] for name in ("step", "launch", "wait", "settle", "schedule", "adopt",
+                                                           "span", "period")}
+    if engine.drafter is None or engine.device.type != "cuda":
+        yield times
+        return
+    import torch
+
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    inside = [False]
+    originals = {name: getattr(engine, name) for name in ("_step_chained", "_launch_chained", "_complete_deferred",
+                                                          "_adopt_chained")}
+    wrapped = {name for name in originals if name in vars(engine)}  # (instance attributes: phase_timers')
+    schedule = engine.scheduler.schedule
+    outer_schedule = {"schedule"} if "schedule" in vars(engine.scheduler) else set()
+    result = DeviceVerdicts.result
+
+    def clocked(name, fn):
+        def wrapper(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times[name].append((time.perf_counter() - start) * 1e3)
+        return wrapper
+
+    def step(*a, **kw):
+        inside[0] = True
+        try:
+            return clocked("step", originals["_step_chained"])(*a, **kw)
+        finally:
+            inside[0] = False
+
+    def launch(*a, **kw):
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
+        try:
+            return clocked("launch", originals["_launch_chained"])(*a, **kw)
+        finally:
+            last.record()
+            events.append((first, last))
+
+    def complete(*a, **kw):
+        waited = len(times["wait"])
+        start = time.perf_counter()
+        try:
+            return originals["_complete_deferred"](*a, **kw)
+        finally:
+            spent = (time.perf_counter() - start) * 1e3
+            if kw.get("chained"):
+                times["settle"].append(spent - sum(times["wait"][waited:]))
+
+    def timed_result(self):
+        if not inside[0]:
+            return result(self)
+        return clocked("wait", result)(self)
+
+    def timed_schedule(*a, **kw):
+        return clocked("schedule", schedule)(*a, **kw) if inside[0] else schedule(*a, **kw)
+
+    engine._step_chained, engine._launch_chained = step, launch
+    engine._complete_deferred, engine._adopt_chained = complete, clocked("adopt", originals["_adopt_chained"])
+    engine.scheduler.schedule = timed_schedule
+    DeviceVerdicts.result = timed_result
+    try:
+        yield times
+    finally:
+        DeviceVerdicts.result = result
+        for name, fn in originals.items():  # (phase_timers' wrappers, when they are there, come back)
+            if name in wrapped:
+                setattr(engine, name, fn)
+            else:
+                delattr(engine, name)
+        if outer_schedule:
+            engine.scheduler.schedule = schedule
+        else:
+            del engine.scheduler.schedule
+        torch.cuda.synchronize()
+        times["span"] = [first.elapsed_time(last) for first, last in events]
+        times["period"] = [a.elapsed_time(b) for (a, _), (b, _) in zip(events, events[1:], strict=False)]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, mean and count of a list of milliseconds."""
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {"n": len(values), "median": ordered[len(values) // 2], "mean": sum(values) / len(values)}
+
+
+def device_profile(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
+    """One more decode run of `batch` under torch.profiler (CUDA): the device's busy time (kernels, copies and
+    memsets summed) and the host's launches, per decode step; the top device ops by time. Profiling slows the
+    host, so the run's wall time is not reported."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    chained = engine.num_chained_steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode(engine, prompts(model_dir, batch, args.prompt_len, seed=3), args.max_tokens, args)
+        torch.cuda.synchronize()
+    steps = engine.num_chained_steps - chained
+    averages = prof.key_averages()
+
+    def device_us(event) -> float:
+        return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+
+    busy = sum(device_us(e) for e in averages)
+    launches = {e.key: e.count for e in averages if e.key in (
+        "cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cudaLaunchKernelExC", "cuLaunchKernel",
+        "cudaMemsetAsync", "cudaEventRecord", "cudaStreamSynchronize", "cudaEventSynchronize")}
+    top = sorted(((e.key, device_us(e) / 1e3, e.count) for e in averages if device_us(e) > 0),
+                 key=lambda item: -item[1])[:25]
+    return {"batch": batch, "chained_steps": steps, "device_busy_ms": busy / 1e3, "host_calls": launches,
+            "top_device_ops_ms_count": top}
+
+
 def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
     """One row: decode tokens/s of `batch` requests on `engine`, and its acceptance counters over this run."""
     stats = engine.drafter.stats if engine.drafter is not None else None
     before = dataclasses.replace(stats, accepted_per_position=list(stats.accepted_per_position)) if stats else None
     chained = engine.num_chained_steps
-    with phase_timers(engine) as phases:
+    with phase_timers(engine) as phases, chain_split(engine) if args.chain_split else contextlib.nullcontext(
+            {}) as split:
         tokens, seconds, token_ids = decode(engine, prompts(model_dir, batch, args.prompt_len), args.max_tokens, args)
     k = engine.drafter.k if engine.drafter is not None else 0
     row = {"k": k, "batch": batch, "decode_tokens": tokens, "decode_seconds": seconds,
            "decode_tokens_per_s": tokens / seconds if seconds else float("nan"), "token_ids": token_ids,
            "host_seconds": phases, "chained_steps": engine.num_chained_steps - chained}
+    if split:
+        row["chain_split_ms"] = {name: summary(values) for name, values in split.items()}
     if stats is not None:
         rows = stats.num_drafts - before.num_drafts
         fed = stats.num_draft_tokens - before.num_draft_tokens
@@ -160,21 +288,41 @@ def main() -> None:
     parser.add_argument("--disable-by-batch-size", type=int, default=None,
                         help="also run k = 2 with speculation off above this many sequences, at batch sizes over it")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--chain-split", action="store_true",
+                        help="time each async speculative step's host phases and device span (`chain_split`)")
+    parser.add_argument("--mtp-first", action="store_true", help="start the MTP engines before MTP off's")
+    parser.add_argument("--ab-chain-graphs", action="store_true",
+                        help="with MTP, run each batch size twice in the same engine: the async speculative steps' "
+                             "glue eager (`runner.without_chain_graphs`), then in its graphs")
+    parser.add_argument("--profile-batch", type=int, nargs="*", default=[],
+                        help="with MTP, one more run of these batch sizes under torch.profiler (`device_profile`)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     model_dir = args.model_dir or ensure_builtin_model()
     rows = []
-    runs = [(k, None, args.batch) for k in [None, *args.k]]
+    runs = [(k, None, args.batch) for k in ([*args.k, None] if args.mtp_first else [None, *args.k])]
     limit = args.disable_by_batch_size
     if limit is not None:  # MTP turned off above `limit`, at the batch sizes over it (right after the first k)
-        runs.insert(2, (2 if 2 in args.k else args.k[0], limit, [b for b in args.batch if b > limit]))
+        runs.insert(1 if args.mtp_first else 2, (2 if 2 in args.k else args.k[0], limit,
+                                                 [b for b in args.batch if b > limit]))
     for k, limit, batches in runs:  # one engine per k (its start-up is the expensive part), every batch size on it
         started = time.perf_counter()
         engine = make_engine(model_dir, k, args, limit)
         print(f"k={k or 0}: engine up in {time.perf_counter() - started:.1f} s", flush=True)
         for batch in batches:
+            if k and args.ab_chain_graphs:  # the same batch first with the chain's glue built eagerly (before)
+                with engine.runner.without_chain_graphs():
+                    rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit,
+                                                                           "chain_graphs": False})
+                print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)
             rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
+            if k and args.ab_chain_graphs:
+                rows[-1]["chain_graphs"] = True
+                rows[-1]["same_tokens_as_eager_chain"] = rows[-1]["token_ids"] == rows[-2]["token_ids"]
             print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)  # at once
+            if k and batch in args.profile_batch and args.device.startswith("cuda"):
+                rows[-1]["device_profile"] = device_profile(engine, model_dir, batch, args)
+                print(json.dumps(rows[-1]["device_profile"]), flush=True)
         engine.close()
         del engine
         gc.collect()
@@ -185,15 +333,18 @@ def main() -> None:
         row["tokens_agree"] = agreement(row["token_ids"], base[row["batch"]]["token_ids"])
     for row in rows:
         del row["token_ids"]  # (kept out of the JSON)
-    rows.sort(key=lambda row: (row["batch"], row["k"]))
-    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'tok/s':>9} {'speedup':>8} {'agree':>6} {'accept':>7}  "
-          f"per position")
+    rows.sort(key=lambda row: (row["batch"], row["k"], row.get("chain_graphs", True)))
+    print(f"{'batch':>5} {'k':>2} {'off above':>9} {'graphs':>6} {'tok/s':>9} {'speedup':>8} {'agree':>6} "
+          f"{'accept':>7} {'ms/step':>7}  per position")
     for row in rows:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
         limit = row["disable_by_batch_size"] if row["disable_by_batch_size"] is not None else "-"
-        print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {row['decode_tokens_per_s']:>9.1f} "
+        graphs = {True: "on", False: "off"}.get(row.get("chain_graphs"), "-")
+        steps = row.get("verify_rows", 0) / row["batch"] if row.get("verify_rows") else row["decode_tokens"] / row[
+            "batch"]
+        print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {graphs:>6} {row['decode_tokens_per_s']:>9.1f} "
               f"{row.get('speedup', 1.0):>8.2f} {row['tokens_agree']:>6.1%} {row.get('acceptance', float('nan')):>7.2f}"
-              f"  {per}")
+              f" {1e3 * row['decode_seconds'] / max(1.0, steps):>7.2f}  {per}")
     write_json(args, model_dir, rows)
 
 
