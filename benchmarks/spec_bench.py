@@ -224,6 +224,17 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"n": len(values), "median": ordered[len(values) // 2], "mean": sum(values) / len(values)}
 
 
+def stats_snapshot(engine: LLMEngine) -> tuple[int, int]:
+    """(verify rows, decode tokens) so far: `steps_of` counts the steps after it."""
+    return (engine.drafter.stats.num_drafts if engine.drafter is not None else 0), engine.num_decode_tokens
+
+
+def steps_of(engine: LLMEngine, before: tuple[int, int], batch: int) -> int:
+    """Decode steps of `batch` sequences since `before`: verify rows (with MTP) or decode tokens per sequence."""
+    rows, tokens = stats_snapshot(engine)
+    return (rows - before[0] if engine.drafter is not None else tokens - before[1]) // batch
+
+
 def device_profile(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Namespace) -> dict:
     """One more decode run of `batch` under torch.profiler (CUDA): the device's busy time (kernels, copies and
     memsets summed) and the host's launches, per decode step; the top device ops by time. Profiling slows the
@@ -232,13 +243,16 @@ def device_profile(engine: LLMEngine, model_dir: Path, batch: int, args: argpars
     from torch.profiler import ProfilerActivity, profile
 
     chained = engine.num_chained_steps
+    before = stats_snapshot(engine)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         decode(engine, prompts(model_dir, batch, args.prompt_len, seed=3), args.max_tokens, args)
         torch.cuda.synchronize()
     steps = engine.num_chained_steps - chained
     averages = prof.key_averages()
 
-    def device_us(event) -> float:
+    def device_us(event) -> float:  # (device events only: a host op's self device time repeats its kernels')
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            return 0.0
         return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
 
     busy = sum(device_us(e) for e in averages)
@@ -247,7 +261,10 @@ def device_profile(engine: LLMEngine, model_dir: Path, batch: int, args: argpars
         "cudaMemsetAsync", "cudaEventRecord", "cudaStreamSynchronize", "cudaEventSynchronize")}
     top = sorted(((e.key, device_us(e) / 1e3, e.count) for e in averages if device_us(e) > 0),
                  key=lambda item: -item[1])[:25]
-    return {"batch": batch, "chained_steps": steps, "device_busy_ms": busy / 1e3, "host_calls": launches,
+    decode_steps = steps_of(engine, before, batch)
+    return {"batch": batch, "chained_steps": steps, "decode_steps": decode_steps, "device_busy_ms": busy / 1e3,
+            "device_busy_ms_per_step": busy / 1e3 / max(1, decode_steps),
+            "host_calls_per_step": {key: count / max(1, decode_steps) for key, count in launches.items()},
             "top_device_ops_ms_count": top}
 
 
