@@ -3,7 +3,8 @@
     PYTHONPATH=. python benchmarks/spec_bench.py [--model-dir DIR] [--k 1 2 3] [--batch 1 8 64] [--max-tokens 128]
                                                  [--prompt-len 256] [--temperature 0] [--device cpu]
                                                  [--dtype bfloat16] [--disable-by-batch-size N] [--json OUT]
-                                                 [--tensor-parallel-size N]
+                                                 [--tensor-parallel-size N] [--mtp-first] [--chain-split]
+                                                 [--ab-chain-graphs] [--profile-batch B ...]
 
 One engine per k (MTP off, then each k; its start-up is the costly part), warmed up by a short generation, then for
 each batch size b, from an empty cache: b requests (prompts cut from the model folder's `training_corpus.txt` when
@@ -19,6 +20,12 @@ too) and async scheduling: MTP's uniform greedy verify steps are queued before t
 (`engine/spec_chain.py`; `chained_steps` in the JSON counts them), other speculative steps run synchronously.
 `--tensor-parallel-size N`: every engine (MTP off too) split over N ranks (the head sharded and drafting on every
 rank; async scheduling on for MTP off's steps, as at N = 1 on CUDA; speculative steps synchronous).
+Where a chained step's time goes: `--chain-split` records, per chained step, the host's milliseconds in each of its
+phases and the device's span of the work it queued (CUDA events; `chain_split`), `--profile-batch B` runs batch B
+once more under torch.profiler (the device's busy time and the host's launches per step; `device_profile`), and
+`--ab-chain-graphs` runs each batch size twice in the MTP engine, first with the chained steps' glue eager
+(`ModelRunner.without_chain_graphs`), then in its graphs (`spec_chain.ChainGraphs`), and checks they give the same
+tokens. `--mtp-first` starts the MTP engines before MTP off's.
 """
 
 from __future__ import annotations

@@ -531,7 +531,8 @@ class ModelRunner:
         graphs.graphs[size].replay()
         if self.mtp_head is not None:
             self.step_hidden = graphs.hidden[size]
-        return graphs.rows(graphs.outputs[size], n, size).clone()
+        rows = graphs.rows(graphs.outputs[size], n, size)
+        return rows if graphs.num_drafts else rows.clone()  # (a verify step's rows are a new tensor already)
 
     def _run_pieces(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within
