@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -66,7 +67,7 @@ def make_engine(model_dir: Path, k: int | None, args: argparse.Namespace, limit:
     speculative = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": limit} if k else None
     config = EngineConfig(block_size=64, max_num_seqs=max(args.batch), dtype=args.dtype,
                           max_model_len=args.prompt_len + args.max_tokens + 8,
-                          max_num_batched_tokens=max(2048, args.prompt_len), device=args.device,
+                          max_num_batched_tokens=max(args.max_num_batched_tokens, args.prompt_len), device=args.device,
                           speculative_config=speculative, tensor_parallel_size=args.tensor_parallel_size,
                           async_scheduling=True if args.device.startswith("cuda") else None)
     engine = LLMEngine(model_dir, config)
@@ -314,6 +315,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--chain-split", action="store_true",
                         help="time each async speculative step's host phases and device span (`chain_split`)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="the engines' step budget (prompts prefill in steps of it; fewer prefill graphs)")
+    parser.add_argument("--log", action="store_true", help="log the engines' start-up (INFO, with times)")
     parser.add_argument("--mtp-first", action="store_true", help="start the MTP engines before MTP off's")
     parser.add_argument("--ab-chain-graphs", action="store_true",
                         help="with MTP, run each batch size twice in the same engine: the async speculative steps' "
@@ -322,6 +326,8 @@ def main() -> None:
                         help="with MTP, one more run of these batch sizes under torch.profiler (`device_profile`)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.log:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = args.model_dir or ensure_builtin_model()
     rows = []
     runs = [(k, None, args.batch) for k in ([*args.k, None] if args.mtp_first else [None, *args.k])]

@@ -314,6 +314,7 @@ class ModelRunner:
             logger.warning("async speculative steps' graphs not captured (their inputs are built eagerly): %r", error)
             torch.cuda.synchronize(self.device)
             return
+        logger.info("async speculative steps' graphs captured: buckets %s", chain.sizes)
         self._chain_graphs = chain
 
     def _scratch_draft_rows(self, dtype: torch.dtype) -> torch.Tensor:
