@@ -38,6 +38,7 @@ import json
 import logging
 import random
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -300,6 +301,30 @@ def measure(engine: LLMEngine, model_dir: Path, batch: int, args: argparse.Names
     return row
 
 
+def measure_batches(engine: LLMEngine, model_dir: Path, k: int | None, limit: int | None, batches: list[int],
+                    args: argparse.Namespace, rows: list[dict]) -> None:
+    """The rows of one engine, appended to `rows` (and printed) as they are measured: each batch size (with
+    `--ab-chain-graphs`, first with the chain's glue eager), then its profile when asked."""
+    for batch in batches:
+        if k and args.ab_chain_graphs:  # the same batch first with the chain's glue built eagerly (before)
+            with engine.runner.without_chain_graphs():
+                rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit,
+                                                                       "chain_graphs": False})
+            print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)
+        rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
+        if k and args.ab_chain_graphs:
+            rows[-1]["chain_graphs"] = True
+            rows[-1]["same_tokens_as_eager_chain"] = rows[-1]["token_ids"] == rows[-2]["token_ids"]
+        print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)  # at once
+        if k and batch in args.profile_batch and args.device.startswith("cuda"):
+            try:
+                rows[-1]["device_profile"] = device_profile(engine, model_dir, batch, args)
+            except Exception:  # (a profiler failure costs only the profile)
+                traceback.print_exc()
+                continue
+            print(json.dumps(rows[-1]["device_profile"]), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None, help="default: the built-in model")
@@ -339,28 +364,21 @@ def main() -> None:
         started = time.perf_counter()
         engine = make_engine(model_dir, k, args, limit)
         print(f"k={k or 0}: engine up in {time.perf_counter() - started:.1f} s", flush=True)
-        for batch in batches:
-            if k and args.ab_chain_graphs:  # the same batch first with the chain's glue built eagerly (before)
-                with engine.runner.without_chain_graphs():
-                    rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit,
-                                                                           "chain_graphs": False})
-                print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)
-            rows.append(measure(engine, model_dir, batch, args) | {"disable_by_batch_size": limit})
-            if k and args.ab_chain_graphs:
-                rows[-1]["chain_graphs"] = True
-                rows[-1]["same_tokens_as_eager_chain"] = rows[-1]["token_ids"] == rows[-2]["token_ids"]
-            print(json.dumps({key: v for key, v in rows[-1].items() if key != "token_ids"}), flush=True)  # at once
-            if k and batch in args.profile_batch and args.device.startswith("cuda"):
-                rows[-1]["device_profile"] = device_profile(engine, model_dir, batch, args)
-                print(json.dumps(rows[-1]["device_profile"]), flush=True)
-        engine.close()
+        try:
+            measure_batches(engine, model_dir, k, limit, batches, args, rows)
+        except Exception:  # (the rows so far are kept; the next engine still runs)
+            traceback.print_exc()
+            print(f"k={k or 0}: failed; its remaining batch sizes are not measured", flush=True)
+        with contextlib.suppress(Exception):
+            engine.close()
         del engine
         gc.collect()
         write_json(args, model_dir, rows)
     base = {row["batch"]: row for row in rows if row["k"] == 0}
     for row in rows:
-        row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]["decode_tokens_per_s"]
-        row["tokens_agree"] = agreement(row["token_ids"], base[row["batch"]]["token_ids"])
+        if row["batch"] in base:
+            row["speedup"] = row["decode_tokens_per_s"] / base[row["batch"]]["decode_tokens_per_s"]
+            row["tokens_agree"] = agreement(row["token_ids"], base[row["batch"]]["token_ids"])
     for row in rows:
         del row["token_ids"]  # (kept out of the JSON)
     rows.sort(key=lambda row: (row["batch"], row["k"], row.get("chain_graphs", True)))
@@ -370,10 +388,10 @@ def main() -> None:
         per = " ".join(f"{p:.2f}" for p in row.get("accepted_per_position", []))
         limit = row["disable_by_batch_size"] if row["disable_by_batch_size"] is not None else "-"
         graphs = {True: "on", False: "off"}.get(row.get("chain_graphs"), "-")
-        steps = row.get("verify_rows", 0) / row["batch"] if row.get("verify_rows") else row["decode_tokens"] / row[
-            "batch"]
+        steps = (row.get("verify_rows") or row["decode_tokens"]) / row["batch"]
+        nan = float("nan")
         print(f"{row['batch']:>5} {row['k']:>2} {limit:>9} {graphs:>6} {row['decode_tokens_per_s']:>9.1f} "
-              f"{row.get('speedup', 1.0):>8.2f} {row['tokens_agree']:>6.1%} {row.get('acceptance', float('nan')):>7.2f}"
+              f"{row.get('speedup', nan):>8.2f} {row.get('tokens_agree', nan):>6.1%} {row.get('acceptance', nan):>7.2f}"
               f" {1e3 * row['decode_seconds'] / max(1.0, steps):>7.2f}  {per}")
     write_json(args, model_dir, rows)
 
