@@ -1,7 +1,7 @@
 """Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
 
     PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--mtp-steps 0] [--device cpu|cuda]
-                                                    [--num-layers N]
+                                                    [--num-layers N] [--mtp-unroll 1|2]
 
 Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
 text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
@@ -27,8 +27,11 @@ are computed without autograd ahead of the steps that read them, FROZEN_WINDOWS 
 forward's kernel launches and host syncs, which set its time on a GPU at this size, do not grow with the windows
 it batches), so a step runs only the head; the windows and their order are those the steps draw. Recorded: its
 held-out loss before and after, and the held-out fraction of positions where its argmax is the byte after next
-(what greedy speculative decoding accepts at draft position 1, given the model's own next byte). Without it the
-folder gets a random head, like every random folder.
+(what greedy speculative decoding accepts at draft position 1, given the model's own next byte) and, of those
+positions, the fraction where its second draft is right too (`MtpTrainer.unrolled`: the head run again on its own
+output, as the engine drafts position 2). `--mtp-unroll 2` trains on both positions' losses (their sum), not on
+position 1's alone: a further draft reads the head's own output, which position 1's loss never trains for. Without
+it the folder gets a random head, like every random folder.
 
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
 tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
