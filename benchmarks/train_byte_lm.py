@@ -31,7 +31,7 @@ held-out loss before and after, and the held-out fraction of positions where its
 positions, the fraction where its second draft is right too (`MtpTrainer.unrolled`: the head run again on its own
 output, as the engine drafts position 2). `--mtp-unroll 2` trains on both positions' losses (their sum), not on
 position 1's alone: a further draft reads the head's own output, which position 1's loss never trains for. Without
-it the folder gets a random head, like every random folder.
+`--mtp-steps` the folder gets a random head, like every random folder.
 
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
 tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
