@@ -1,7 +1,7 @@
 """Train gpu_engine.py's Qwen3-Next shape briefly as a byte LM on this repository's prose: a model with peaked logits.
 
     PYTHONPATH=. python benchmarks/train_byte_lm.py --out DIR [--steps 300] [--mtp-steps 0] [--device cpu|cuda]
-                                                    [--num-layers N]
+                                                    [--num-layers N] [--mtp-unroll 1|2]
 
 Why: a random model's logits are nearly flat, so bf16 rounding differences between two chunkings of the same
 text flip its greedy choice often (docs/design.md, "Engine, cached vs uncached greedy"). A trained model's top
@@ -27,8 +27,11 @@ are computed without autograd ahead of the steps that read them, FROZEN_WINDOWS 
 forward's kernel launches and host syncs, which set its time on a GPU at this size, do not grow with the windows
 it batches), so a step runs only the head; the windows and their order are those the steps draw. Recorded: its
 held-out loss before and after, and the held-out fraction of positions where its argmax is the byte after next
-(what greedy speculative decoding accepts at draft position 1, given the model's own next byte). Without it the
-folder gets a random head, like every random folder.
+(what greedy speculative decoding accepts at draft position 1, given the model's own next byte) and, of those
+positions, the fraction where its second draft is right too (`MtpTrainer.unrolled`: the head run again on its own
+output, as the engine drafts position 2). `--mtp-unroll 2` trains on both positions' losses (their sum), not on
+position 1's alone: a further draft reads the head's own output, which position 1's loss never trains for. Without
+`--mtp-steps` the folder gets a random head, like every random folder.
 
 Writes DIR: the transformers folder (config.json, model.safetensors with transformers' tensor names, fp32;
 tokenizer.json, tokenizer_config.json) that `hybridcache.LLM` loads unchanged, plus `training_corpus.txt`
@@ -75,6 +78,7 @@ class TrainOptions:
     device: str = "cpu"
     log_every: int = 25
     mtp_steps: int = 0
+    mtp_unroll: int = 1
 
 
 def corpus_bytes(root: Path = REPO) -> bytes:
@@ -243,6 +247,52 @@ class MtpTrainer(torch.nn.Module):
                            position_ids=positions)
         return model.lm_head(self.norm(x)).float()
 
+    def unrolled_logits(self, model: torch.nn.Module, windows: torch.Tensor,
+                        target_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 logits of the head at draft positions 1 [B, L - 2, vocab] and 2 [B, L - 3, vocab] over windows
+        [B, L], as the engine drafts (`mtp_draft.draft_chain`): pass 1 is `logits` (row t at position t reads byte
+        t + 1 and the model's hidden state at t, for byte t + 2); pass 2 feeds row t byte t + 2 (the first draft,
+        when it is right) and pass 1's final-norm output at t, at position t + 1, for byte t + 3, attending to pass
+        1's rows at positions <= t and to itself (the head's KV the engine holds then). `target_hidden` as in
+        `logits`."""
+        batch, length = windows.shape
+        rows = length - 2
+        positions = torch.arange(rows, device=windows.device).expand(batch, -1)
+        with torch.no_grad():
+            if target_hidden is None:
+                target_hidden = frozen_hidden(model, windows, len(windows))
+            embeds = model.model.embed_tokens(windows[:, 1:-1])
+            following = model.model.embed_tokens(windows[:, 2:])
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(target_hidden)], dim=-1))
+        mask = self._create_causal_mask(**self._mask_arguments(x, positions))
+        first = self.norm(self.layers[0](x, position_embeddings=model.model.rotary_emb(x, positions),
+                                         attention_mask=mask, position_ids=positions))
+        second = self.fc(torch.cat([self.pre_fc_norm_embedding(following), self.pre_fc_norm_hidden(first)], dim=-1))
+        joint, at = torch.cat([x, second], dim=1), torch.cat([positions, positions + 1], dim=1)
+        index = torch.arange(rows, device=windows.device)
+        allowed = torch.zeros(2 * rows, 2 * rows, dtype=torch.bool, device=windows.device)
+        allowed[:rows, :rows] = index[None, :] <= index[:, None]  # pass 1: causal
+        allowed[rows:, :rows] = index[None, :] <= index[:, None]  # pass 2 row t: pass 1 at positions <= t
+        allowed[rows + index, rows + index] = True  # and itself
+        joint_mask = torch.zeros(allowed.shape, dtype=joint.dtype, device=windows.device).masked_fill(
+            ~allowed, torch.finfo(joint.dtype).min)[None, None].expand(batch, 1, -1, -1)
+        out = self.layers[0](joint, position_embeddings=model.model.rotary_emb(joint, at), attention_mask=joint_mask,
+                             position_ids=at)
+        return model.lm_head(first).float(), model.lm_head(self.norm(out[:, rows: 2 * rows - 1])).float()
+
+    def unrolled(self, model: torch.nn.Module, windows: torch.Tensor, target_hidden: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cross entropy at draft position 1, at position 2, the fraction of rows right at position 1, the fraction
+        of those also right at position 2: what greedy verification accepts there) of `unrolled_logits`."""
+        logits1, logits2 = self.unrolled_logits(model, windows, target_hidden)
+        want1, want2 = windows[:, 2:], windows[:, 3:]
+        vocab = logits1.shape[-1]
+        loss1 = F.cross_entropy(logits1.reshape(-1, vocab), want1.reshape(-1))
+        loss2 = F.cross_entropy(logits2.reshape(-1, vocab), want2.reshape(-1))
+        right1 = logits1.argmax(dim=-1) == want1
+        right2 = (logits2.argmax(dim=-1) == want2) & right1[:, :-1]
+        return loss1, loss2, right1.float().mean(), right2.float().sum() / right1[:, :-1].sum().clamp(min=1)
+
     def _mask_arguments(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
         """`create_causal_mask`'s arguments for a causal mask without a cache, named as this transformers names them
         (5.24: inputs_embeds, cache; 5.17 and earlier: input_embeds or inputs_embeds, past_key_values,
@@ -307,24 +357,30 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
         held_hidden = frozen_hidden(model, held_windows)
 
     @torch.no_grad()
-    def held_out() -> tuple[float, float]:
-        losses, hits = [], []
+    def held_out() -> tuple[float, float, float]:
+        losses, hits, seconds = [], [], []
         for start in range(0, count, options.batch):
             part = slice(start, start + options.batch)
             with autocast(options.device):
-                loss, hit = head.loss(model, held_windows[part], held_hidden[part])
+                loss, _, hit, second = head.unrolled(model, held_windows[part], held_hidden[part])
             losses.append(loss.item())
             hits.append(hit.item())
-        return sum(losses) / len(losses), sum(hits) / len(hits)
+            seconds.append(second.item())
+        return sum(losses) / len(losses), sum(hits) / len(hits), sum(seconds) / len(seconds)
 
-    mtp = {"steps": options.mtp_steps, "losses": []}
-    mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"] = held_out()
+    mtp = {"steps": options.mtp_steps, "unroll": options.mtp_unroll, "losses": []}
+    (mtp["held_out_loss_before"], mtp["held_out_next_next_accuracy_before"],
+     mtp["held_out_second_draft_accuracy_before"]) = held_out()
     mtp_options = dataclasses.replace(options, steps=options.mtp_steps)
     for step, (windows, target_hidden) in enumerate(training_windows(model, train_bytes, options)):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, mtp_options)
         with autocast(options.device):
-            loss, _ = head.loss(model, windows, target_hidden)
+            if options.mtp_unroll == 2:
+                first, second, _, _ = head.unrolled(model, windows, target_hidden)
+                loss = first + second
+            else:
+                loss, _ = head.loss(model, windows, target_hidden)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -333,10 +389,11 @@ def train_mtp(model: torch.nn.Module, train_bytes: torch.Tensor, held: torch.Ten
             mtp["losses"].append([step + 1, loss.item()])
             print(f"mtp step {step + 1}/{options.mtp_steps}: loss {loss.item():.3f} nats/byte "
                   f"({time.perf_counter() - began:.1f} s)", flush=True)
-    mtp["held_out_loss"], mtp["held_out_next_next_accuracy"] = held_out()
+    mtp["held_out_loss"], mtp["held_out_next_next_accuracy"], mtp["held_out_second_draft_accuracy"] = held_out()
     mtp["seconds"] = time.perf_counter() - began
     print(f"mtp held-out loss {mtp['held_out_loss']:.3f} nats/byte, argmax = the byte after next at "
-          f"{mtp['held_out_next_next_accuracy']:.1%} of positions ({mtp['seconds']:.1f} s)", flush=True)
+          f"{mtp['held_out_next_next_accuracy']:.1%} of positions, its second draft right at "
+          f"{mtp['held_out_second_draft_accuracy']:.1%} of those ({mtp['seconds']:.1f} s)", flush=True)
     record["mtp"] = mtp
     return head
 
@@ -387,11 +444,14 @@ def main() -> None:
                              "DeltaNet elsewhere, as Qwen3-Next's 3:1")
     parser.add_argument("--mtp-steps", type=int, default=TrainOptions.mtp_steps,
                         help="then train the MTP head for this many steps (0: the folder gets a random head)")
+    parser.add_argument("--mtp-unroll", type=int, choices=(1, 2), default=TrainOptions.mtp_unroll,
+                        help="2: the head's loss at draft positions 1 and 2 (`MtpTrainer.unrolled`), else 1 only")
     args = parser.parse_args()
     if args.seq_len < 256:
         parser.error(f"--seq-len {args.seq_len}: train on windows of at least 256 bytes")
     options = TrainOptions(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr, seed=args.seed,
-                           device=args.device, log_every=args.log_every, mtp_steps=args.mtp_steps)
+                           device=args.device, log_every=args.log_every, mtp_steps=args.mtp_steps,
+                           mtp_unroll=args.mtp_unroll)
     train(args.out, options, shape=None if args.num_layers is None else layered_shape(args.num_layers))
 
 

@@ -157,7 +157,7 @@ class DraftGraphs:
         """The proposed tokens of uniform `plan` (`run_draft_plan`'s order: by position, then sequence) from the
         target's hidden rows `hidden`, in bucket `size` (`bucket(plan)`): its inputs loaded into the static buffers,
         then the graph replayed (`replay` and captured), else the same work run eagerly on the buffers
-        (`_replay_or_run`)."""
+        (`replay_or_run`)."""
         q, n = plan.tokens_per_seq, plan.batch.num_seqs
         self.catch[q].load(plan.batch, size)
         self.hidden[q][: n * q].copy_(hidden.index_select(0, plan.hidden_rows))
@@ -165,7 +165,7 @@ class DraftGraphs:
         self.first[q][n:size] = self.pad_first[q][n:size]
         for rows, step in zip(self.further, plan.steps, strict=True):
             rows.load(step.batch, size)
-        tokens = self._replay_or_run(q, size, replay, lambda: (
+        tokens = self.replay_or_run(q, size, replay, lambda: (
             plan.batch.context_lens_cpu, [step.batch.context_lens_cpu for step in plan.steps]))
         return tokens.view(self.k, size)[:, :n].reshape(-1)
 
@@ -184,33 +184,46 @@ class DraftGraphs:
         checks the counts against its verdicts), then the target's argmax at each row's positions, row by row (the
         row's accepted drafts and its final token: `spec_chain`)."""
         k, q, n = self.k, 1 + self.k, batch.num_seqs
-        greedy = logits.argmax(dim=-1)
-        target = torch.cat([greedy[n:].view(n, k), greedy[:n, None]], dim=1)  # the argmax at each position
-        accepted = (batch.input_ids.view(n, q)[:, 1:] == target[:, :k]).cumprod(dim=1).sum(dim=1)
-        self.catch[q].write(target.reshape(-1), batch.positions, batch.kv_rows, batch.state_slots,
-                            batch.context_lens, batch.block_tables, size)
-        self.hidden[q][: n * q].copy_(hidden[: n * q])
-        self.first[q][:n] = self.pad_first[q][:n] - (q - 1) + accepted
-        self.first[q][n:size] = self.pad_first[q][n:size]
-        page_size = self.kernel_block_size
-        first_page = batch.positions.view(n, q)[:, 0] // page_size
-        last = batch.positions.view(n, q)[:, 0] + accepted  # each row's last accepted position
-        for step, rows in enumerate(self.further, start=1):
-            position = last + step
-            column = (position // page_size)[:, None]
-            page = near_pages.gather(1, column - first_page[:, None])
-            rows.write(torch.zeros_like(position), position, page.squeeze(1) * page_size + position % page_size,
-                       batch.state_slots, (position + 1).int(), batch.block_tables, size)
-            rows.block_tables[:n].scatter_(1, column, page.int())  # (the page past the step's table, if it is)
+        accepted, target, last = self.load_after_verify(
+            batch.input_ids, batch.positions, batch.kv_rows, batch.state_slots, batch.context_lens,
+            batch.block_tables, logits, hidden, near_pages, size)
 
         def host_lens() -> tuple[tuple[int, ...], list[tuple[int, ...]]]:  # (host-looping backends: a sync)
             ends = (last + 1).tolist()
             return batch.context_lens_cpu, [tuple(end + step for end in ends) for step in range(1, k)]
 
-        tokens = self._replay_or_run(q, size, replay, host_lens)
+        tokens = self.replay_or_run(q, size, replay, host_lens)
         return torch.cat([accepted, tokens.view(k, size)[:, :n].reshape(-1), target.reshape(-1)])
 
-    def _replay_or_run(self, q: int, size: int, replay: bool, host_lens) -> torch.Tensor:
+    def load_after_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
+                          state_slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                          logits: torch.Tensor, hidden: torch.Tensor, near_pages: torch.Tensor,
+                          size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`run_after_verify`'s inputs of the drafting graph (q = 1 + k, bucket `size`) from a verify step's n <=
+        size rows (the `ForwardBatch` fields, `logits` its n last rows then n * k draft rows, `hidden`, `near_pages`),
+        all on the device (what `spec_chain.ChainGraphs` captures with n = size); returns each row's accepted count,
+        the target's argmax at each of its positions [n, 1 + k] and its last accepted position."""
+        k, q, n = self.k, 1 + self.k, state_slots.shape[0]
+        greedy = logits.argmax(dim=-1)
+        target = torch.cat([greedy[n: n + n * k].view(n, k), greedy[:n, None]], dim=1)  # the argmax at each position
+        accepted = (input_ids.view(n, q)[:, 1:] == target[:, :k]).cumprod(dim=1).sum(dim=1)
+        self.catch[q].write(target.reshape(-1), positions, kv_rows, state_slots, context_lens, block_tables, size)
+        self.hidden[q][: n * q].copy_(hidden[: n * q])
+        self.first[q][:n] = self.pad_first[q][:n] - (q - 1) + accepted
+        self.first[q][n:size] = self.pad_first[q][n:size]
+        page_size = self.kernel_block_size
+        first_page = positions.view(n, q)[:, 0] // page_size
+        last = positions.view(n, q)[:, 0] + accepted  # each row's last accepted position
+        for step, rows in enumerate(self.further, start=1):
+            position = last + step
+            column = (position // page_size)[:, None]
+            page = near_pages.gather(1, column - first_page[:, None])
+            rows.write(torch.zeros_like(position), position, page.squeeze(1) * page_size + position % page_size,
+                       state_slots, (position + 1).int(), block_tables, size)
+            rows.block_tables[:n].scatter_(1, column, page.int())  # (the page past the step's table, if it is)
+        return accepted, target, last
+
+    def replay_or_run(self, q: int, size: int, replay: bool, host_lens) -> torch.Tensor:
         """Replay graph (q, size) on the loaded buffers, or run its work eagerly there: with the capture's host
         lengths (the same kernel choices, so the same roundings as a replay), or on a backend that cannot capture
         (the reference backend loops over them on the host) with the true ones, `host_lens()`: the catch-up

@@ -64,7 +64,7 @@ from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
 from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
-from hybridcache.engine.spec_chain import DeviceVerdicts
+from hybridcache.engine.spec_chain import STOP_WIDTH, DeviceVerdicts
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
@@ -661,6 +661,7 @@ class LLMEngine:
             if (seq.is_finished or seq.request_id not in self._requests or seq.params.stop
                     or seq.num_tokens + k + 1 - seq.prompt_len >= seq.params.max_tokens
                     or seq.num_tokens + 2 * k + 2 > self.max_model_len
+                    or len(seq.params.stop_token_ids) + len(self.eos_token_ids) > STOP_WIDTH
                     or len(chunk.block_ids) * block_size < chunk.start + 3 * k + 1):
                 return False
         return self.scheduler.growth_fits(chunks, 1 + k)
@@ -681,25 +682,15 @@ class LLMEngine:
 
     def _launch_chained(self, previous: _Launched) -> DeviceVerdicts:
         """Queue the verify step after `previous` and its drafting on the device (`spec_chain`); no wait."""
-        chunks, k = previous.chunks, self.drafter.k
-        kbs, per_block = self.config.kernel_block_size, self.config.block_size // self.config.kernel_block_size
-        reach = max(-(-(c.start + 3 * k + 1) // kbs) for c in chunks)
-        scratch = self.runner.scratch_page
-        tables = []
-        for chunk in chunks:
-            pages = [b * per_block + j for b in chunk.block_ids[: -(-reach // per_block)] for j in range(per_block)]
-            tables.append(pages[:reach] + [scratch] * (reach - len(pages[:reach])))
-        stops = [sorted(set(c.seq.params.stop_token_ids) | (set() if c.seq.params.ignore_eos else self.eos_token_ids))
-                 for c in chunks]
-        width = max(len(row) for row in stops)
-        device = self.runner.input_device
         deferred = previous.deferred
-        batch, near = self.runner.chain_verify(
-            deferred.batch, deferred.values, to_device(tables, device, torch.int64),
-            to_device([row + [-1] * (width - len(row)) for row in stops], device, torch.int64) if width else None)
+        batch, near = self.runner.chain_verify(deferred.batch, deferred.values, previous.chunks, self._stop_tokens)
         logits = self.runner.execute(batch)
         values = self.runner.draft_after_verify(batch, logits, near)
-        return DeviceVerdicts.queue(deferred.rows, batch, values, k)
+        return DeviceVerdicts.queue(deferred.rows, batch, values, self.drafter.k)
+
+    def _stop_tokens(self, seq: Seq) -> set[int]:
+        """The tokens that end `seq` when emitted (`stop_token_ids`, and EOS unless `ignore_eos`)."""
+        return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
 
     def _complete_deferred(self, launched: _Launched, *, chained: bool) -> tuple[list[RequestOutput], list[int]]:
         """`_complete` of a deferred verify step: its verdicts and drafting from the host copy of its device

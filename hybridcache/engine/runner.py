@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -52,14 +53,19 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
-from hybridcache.engine.spec_chain import next_verify_batch, select_rows
+from hybridcache.engine.spec_chain import ChainGraphs, ChainTables, next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
+from hybridcache.scheduler.output import ScheduledChunk
+from hybridcache.scheduler.sequence import Seq
 from hybridcache.state_spec import DevicePools
 
 logger = logging.getLogger(__name__)
+
+# set to 1 to capture the async speculative steps' glue in graphs (`ModelRunner._capture_chain`)
+CHAIN_GRAPHS_ENV = "HYBRIDCACHE_CHAIN_GRAPHS"
 
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -166,6 +172,8 @@ class _DecodeGraphs:
     def load(self, batch: ForwardBatch, size: int) -> None:
         """Copy `batch` (n <= size rows of this graph's kind) into the static buffers; rows n..size-1 become
         padding."""
+        if batch.input_ids.data_ptr() == self.input_ids.data_ptr():
+            return  # a view of these buffers, already written (`spec_chain.ChainGraphs.prepare`)
         n, q, d = batch.num_seqs, self.tokens_per_row, self.num_drafts
         # decode rows are text: their M-RoPE rows are equal, and the rotary of one row is the rotary of all three
         rope = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
@@ -253,6 +261,11 @@ class ModelRunner:
         self.prefill_graph_failures: dict[int, str] = {}  # buckets whose capture raised: the error
         self._replay = True
         self._scratch_drafts: torch.Tensor | None = None  # `chain_verify`'s padding draft rows, on the device
+        self._chain_graphs: ChainGraphs | None = None  # async speculative steps' glue in graphs (`chain_verify`)
+        # async speculative steps: each row's pages and stop tokens on the device, as wide as a verify graph's tables
+        self.chain_tables = ChainTables(
+            max(graph_batch_sizes(max_num_seqs)), table_width(-(-(max_model_len + 2 * k) // kernel_block_size)),
+            pages_per_block=self.pages_per_block, scratch_page=self.scratch_page, device=device) if k else None
         if use_graphs:
             def graphs(num_drafts: int) -> _DecodeGraphs:
                 return _DecodeGraphs(
@@ -270,6 +283,7 @@ class ModelRunner:
             if mtp_head is not None and model.tp.size == 1:  # (tensor parallelism agrees drafts eagerly)
                 self._capture_drafting(max_num_seqs=max_num_seqs, max_model_len=max_model_len, num_slots=num_slots,
                                        num_blocks=num_blocks, kernel_block_size=kernel_block_size, dtype=dtype)
+                self._capture_chain()
             self._prefill = self._capture_prefill(
                 min(max_model_len, num_blocks * block_size, max_num_batched_tokens), block_size=block_size,
                 kernel_block_size=kernel_block_size)
@@ -286,6 +300,36 @@ class ModelRunner:
             device=self.device,
         )
         self._draft_graphs.capture(pool=(self._verify_graphs or self._graphs).pool)
+
+    def _capture_chain(self) -> None:
+        """Capture the async speculative steps' glue graphs (`spec_chain.ChainGraphs`) per verify bucket, when
+        verify and drafting graphs of k drafts exist and `HYBRIDCACHE_CHAIN_GRAPHS=1` (`CHAIN_GRAPHS_ENV`: off by
+        default until a GPU run has checked them; chained steps then build their inputs eagerly). A capture that
+        raises is logged and left out, with the same fallback."""
+        drafting, verify, k = self._draft_graphs, self._verify_graphs, self.num_speculative_tokens
+        if (drafting is None or verify is None or 1 + k not in drafting.catch
+                or os.environ.get(CHAIN_GRAPHS_ENV, "") in ("", "0")):
+            return
+        chain = ChainGraphs(verify, drafting, self.chain_tables, self.pools.state_groups, k=k,
+                            kernel_block_size=self.kernel_block_size, draft_base=self.draft_base,
+                            scratch_slot=self.scratch_slot, scratch_page=self.scratch_page,
+                            scratch_drafts=self._scratch_draft_rows(verify.draft_slots.dtype))
+        try:
+            chain.capture(pool=verify.pool)
+        except Exception as error:  # (any: the eager glue serves every chained step the graphs would)
+            logger.warning("async speculative steps' graphs not captured (their inputs are built eagerly): %r", error)
+            torch.cuda.synchronize(self.device)
+            return
+        logger.info("async speculative steps' graphs captured: buckets %s", chain.sizes)
+        self._chain_graphs = chain
+
+    def _scratch_draft_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The scratch slot's k draft rows on the device (made once: a tensor made on CUDA from a host list waits
+        for the device)."""
+        if self._scratch_drafts is None:
+            self._scratch_drafts = torch.tensor(self.draft_slots(self.scratch_slot, self.num_speculative_tokens),
+                                                dtype=dtype, device=self.device)
+        return self._scratch_drafts
 
     def draft_slots(self, slot: int, num_drafts: int) -> tuple[int, ...]:
         """The state pool rows of runtime slot `slot`'s first `num_drafts` draft states (the state after verify
@@ -319,9 +363,11 @@ class ModelRunner:
                 graphs.graphs.clear()
         if self._draft_graphs is not None:
             self._draft_graphs.reset()
+        if self._chain_graphs is not None:
+            self._chain_graphs.reset()
         if self._prefill is not None:
             self._prefill.reset()
-        self._graphs = self._verify_graphs = self._draft_graphs = self._prefill = None
+        self._graphs = self._verify_graphs = self._draft_graphs = self._chain_graphs = self._prefill = None
 
     @contextlib.contextmanager
     def eager(self) -> Iterator[None]:
@@ -329,10 +375,22 @@ class ModelRunner:
         graphs, self._graphs, verify, self._verify_graphs = self._graphs, None, self._verify_graphs, None
         drafting, self._draft_graphs = self._draft_graphs, None
         prefill, self._prefill = self._prefill, None
+        chain, self._chain_graphs = self._chain_graphs, None
         try:
             yield
         finally:
             self._graphs, self._verify_graphs, self._draft_graphs, self._prefill = graphs, verify, drafting, prefill
+            self._chain_graphs = chain
+
+    @contextlib.contextmanager
+    def without_chain_graphs(self) -> Iterator[None]:
+        """Within the block, async speculative steps build their inputs with eager ops (`chain_verify`), as before
+        `spec_chain.ChainGraphs` (an A/B switch for `benchmarks/spec_bench.py`)."""
+        chain, self._chain_graphs = self._chain_graphs, None
+        try:
+            yield
+        finally:
+            self._chain_graphs = chain
 
     @contextlib.contextmanager
     def without_replay(self) -> Iterator[None]:
@@ -401,6 +459,9 @@ class ModelRunner:
         size = graph_bucket(batch.num_seqs, graphs.sizes)
         if size is None:
             return None
+        chain = self._chain_graphs
+        if chain is not None and chain.owns(batch):  # a chained step (`chain_verify`): its inputs are in the buffers
+            return chain.draft(batch.num_seqs, graph_bucket(batch.num_seqs, chain.sizes), replay=self._replay)
         return graphs.run_after_verify(batch, logits, self.step_hidden, near_pages, size, replay=self._replay)
 
     def can_chain(self, num_seqs: int) -> bool:
@@ -417,23 +478,29 @@ class ModelRunner:
         return self._replay and verify is not None and graph_bucket(num_seqs, verify.sizes) is not None
 
     @torch.inference_mode()
-    def chain_verify(self, prev: ForwardBatch, values: torch.Tensor, tables: torch.Tensor,
-                     stops: torch.Tensor | None) -> tuple[ForwardBatch, torch.Tensor]:
-        """Queue the rollback of the verify step `prev` from its device verdicts `values` (each row's slot gets
-        the state after its last accepted position: `spec_chain.select_rows`) and return the next verify step's
-        batch and near pages, built on the device (`spec_chain.next_verify_batch`; `tables`, `stops` there), for
-        `execute` and `draft_after_verify`. No wait for the device."""
+    def chain_verify(self, prev: ForwardBatch, values: torch.Tensor, chunks: Sequence[ScheduledChunk],
+                     stop_tokens: Callable[[Seq], Iterable[int]]) -> tuple[ForwardBatch, torch.Tensor]:
+        """Queue the rollback of the verify step `prev` (its rows: `chunks`) from its device verdicts `values`
+        (each row's slot gets the state after its last accepted position: `spec_chain.select_rows`) and return the
+        next verify step's batch and near pages, built on the device (`spec_chain.next_verify_batch`; each row's
+        pages from its chunk's blocks and its `stop_tokens(seq)`, kept in `chain_tables`), for `execute` and
+        `draft_after_verify`. In a captured bucket (`spec_chain.ChainGraphs`) all of it is one graph replay that
+        writes the verify graph's buffers. No wait for the device."""
         k = self.num_speculative_tokens
         n = prev.num_seqs
+        self.chain_tables.update(chunks, stop_tokens)
+        chain = self._chain_graphs
+        size = graph_bucket(n, chain.sizes) if chain is not None else None
+        if size is not None:
+            return chain.prepare(prev, values, size, replay=self._replay)
         source = select_rows(prev.state_slots, values[:n], k=k, draft_base=self.draft_base)
         for group in self.pools.state_groups:
             group.index_copy_(1, prev.state_slots, group.index_select(1, source))
-        if self._scratch_drafts is None:  # (once: a tensor made on CUDA from a host list waits for the device)
-            self._scratch_drafts = torch.tensor(self.draft_slots(self.scratch_slot, k), dtype=prev.draft_slots.dtype,
-                                                device=prev.draft_slots.device)
-        return next_verify_batch(prev, values, tables, stops, k=k, kernel_block_size=self.kernel_block_size,
-                                 scratch_slot=self.scratch_slot, scratch_page=self.scratch_page,
-                                 scratch_drafts=self._scratch_drafts, host_lengths=self.device.type != "cuda")
+        return next_verify_batch(prev, values, self.chain_tables.tables[:n], self.chain_tables.stops[:n], k=k,
+                                 kernel_block_size=self.kernel_block_size, scratch_slot=self.scratch_slot,
+                                 scratch_page=self.scratch_page,
+                                 scratch_drafts=self._scratch_draft_rows(prev.draft_slots.dtype),
+                                 host_lengths=self.device.type != "cuda")
 
     def logits_from_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """fp32 logits [len(slots), vocab] from each slot's kept last hidden state, after the step's copies
@@ -471,7 +538,8 @@ class ModelRunner:
         graphs.graphs[size].replay()
         if self.mtp_head is not None:
             self.step_hidden = graphs.hidden[size]
-        return graphs.rows(graphs.outputs[size], n, size).clone()
+        rows = graphs.rows(graphs.outputs[size], n, size)
+        return rows if graphs.num_drafts else rows.clone()  # (a verify step's rows are a new tensor already)
 
     def _run_pieces(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within

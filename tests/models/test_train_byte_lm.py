@@ -98,3 +98,55 @@ def test_the_head_trains_on_cached_hidden_states_equal_to_a_fresh_forward(monkey
         with torch.no_grad():
             assert rel_err(head.logits(model, windows, hidden), head.logits(model, windows)) <= 1e-5
     assert not torch.equal(got[0][0], got[1][0]) and not torch.equal(got[1][0], got[2][0])  # across forwards
+
+
+def test_the_unrolled_head_drafts_position_two_as_the_engine_does():
+    """`MtpTrainer.unrolled_logits`: position 1 is `logits`; position 2 at row t equals the head run by hand as the
+    engine drafts, over pass 1's rows 0 .. t and then one row at position t + 1 (byte t + 2, pass 1's output at t)
+    under a plain causal mask; `unrolled`'s losses and accuracies follow from them."""
+    import torch.nn.functional as F
+    import transformers
+
+    from benchmarks.train_byte_lm import MtpTrainer
+    from hybridcache.models.random_weights import randomize_
+    from tests.engine.model_folders import HF_CLASSES, byte_config
+
+    model = getattr(transformers, HF_CLASSES["qwen3_next"])(byte_config("qwen3_next")).eval().requires_grad_(False)
+    randomize_(model, seed=5)
+    head = MtpTrainer(model).eval()
+    randomize_(head, seed=6)
+    windows = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        first, second = head.unrolled_logits(model, windows)
+        assert first.shape == (2, 38, model.config.vocab_size) and second.shape == (2, 37, model.config.vocab_size)
+        assert rel_err(first, head.logits(model, windows)) <= 1e-5
+        hidden = frozen_hidden_of(model, windows)
+        x = head.fc(torch.cat([head.pre_fc_norm_embedding(model.model.embed_tokens(windows[:, 1:-1])),
+                               head.pre_fc_norm_hidden(hidden)], dim=-1))
+        out1 = head.norm(head.layers[0](x, position_embeddings=model.model.rotary_emb(x, _positions(38)),
+                                        attention_mask=None, position_ids=_positions(38)))
+        for t in (0, 7, 36):
+            y = head.fc(torch.cat([head.pre_fc_norm_embedding(model.model.embed_tokens(windows[:, t + 2: t + 3])),
+                                   head.pre_fc_norm_hidden(out1[:, t: t + 1])], dim=-1))
+            seq, at = torch.cat([x[:, : t + 1], y], dim=1), torch.cat([_positions(t + 1), _positions(1) + t + 1], 1)
+            mask = head._create_causal_mask(**head._mask_arguments(seq, at))
+            out = head.layers[0](seq, position_embeddings=model.model.rotary_emb(seq, at), attention_mask=mask,
+                                 position_ids=at)
+            by_hand = model.lm_head(head.norm(out[:, -1])).float()
+            assert rel_err(second[:, t], by_hand) <= 1e-5, t
+        loss1, loss2, right1, right2 = head.unrolled(model, windows)
+    assert abs(loss1.item() - F.cross_entropy(first.reshape(-1, first.shape[-1]), windows[:, 2:].reshape(-1))) < 1e-5
+    assert abs(loss2.item() - F.cross_entropy(second.reshape(-1, second.shape[-1]), windows[:, 3:].reshape(-1))) < 1e-5
+    hits = first.argmax(-1) == windows[:, 2:]
+    assert right1.item() == hits.float().mean().item()
+    both = (second.argmax(-1) == windows[:, 3:]) & hits[:, :-1]
+    assert right2.item() == both.sum().item() / max(1, hits[:, :-1].sum().item())
+
+
+def _positions(count: int) -> torch.Tensor:
+    return torch.arange(count).expand(2, -1)
+
+
+def frozen_hidden_of(model, windows: torch.Tensor) -> torch.Tensor:
+    return model.model(input_ids=windows[:, :-2], position_ids=_positions(windows.shape[1] - 2),
+                       use_cache=False).last_hidden_state
