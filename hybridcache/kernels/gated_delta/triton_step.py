@@ -71,7 +71,7 @@ def _gdn_step_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-    GATES: tl.constexpr,
+    GATES: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -84,11 +84,17 @@ def _gdn_step_kernel(
         bg, bb = gate_values(bg, bb, tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
         bb = bb.to(beta_ptr.dtype.element_ty).to(tl.float32)
     state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
-    state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
-    state = delta_rule_update(state, bk, bv, bg, bb)
+    if STREAM:  # the state is read once and written once per step: hint that no cache should keep it
+        state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0)
+    state = delta_rule_update(state.to(tl.float32), bk, bv, bg, bb)  # [DK, BLOCK_V]
     out = tl.sum(state * bq[:, None], axis=0)
     tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
-    tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
+    if STREAM:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), cache_modifier=".cs")
+    else:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
 
 
 def gated_delta_rule_decode(

@@ -1,0 +1,1 @@
+"""Sampling kernels on the device: `triton_argmax` (greedy tokens, CUDA)."""
