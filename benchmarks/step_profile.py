@@ -12,7 +12,8 @@ Then `torch.profiler` over a few decode steps prints the top operators by host t
 with fresh prompts, each request timed, then the operators of one more cold and one more warm request, and the
 host's Python functions (cProfile) of one more warm request.
 `--batch-prefill`: instead, steps shaped like phase D's prefill (16 fresh prompts of `--prompt-len` tokens, one
-step of 16,384 tokens at 1,024), timed, then one profiled.
+step of 16,384 tokens at 1,024), timed, then one profiled; `--and-batch-prefill`: those after the decode profile,
+in the same process (one start-up).
 On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
 ...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
@@ -242,6 +243,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="profile phase C (long prefill) instead of decode")
     parser.add_argument("--batch-prefill", action="store_true",
                         help="profile steps shaped like phase D's prefill (16 x 1,024 fresh tokens) instead of decode")
+    parser.add_argument("--and-batch-prefill", action="store_true",
+                        help="after the decode profile, also --batch-prefill's steps in the same process")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
@@ -302,6 +305,8 @@ def main() -> None:
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))
+    if args.and_batch_prefill:
+        profile_batch_prefill(llm, rng, device, args.prompt_len)
 
 
 if __name__ == "__main__":
