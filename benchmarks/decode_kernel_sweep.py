@@ -124,6 +124,10 @@ def sweep_gdn(seqs: int) -> list[dict]:
     for row in results:
         got = outputs[row["launch"]]
         row["same"] = bool(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+    # the copy rate: the same bytes read and written by torch's copy (one layer's states into another's place)
+    source, dest = pool[: seqs * copies].view(copies, seqs, -1), torch.empty(copies, seqs, HV * DK * DV, device=device)
+    results.append({"launch": "torch copy_ of the same bytes (reference)", "same": True, "bytes": nbytes,
+                    "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)})
     return report(f"gated delta step, {seqs} seqs x {HV} heads, fp32 state read + write", results, current)
 
 

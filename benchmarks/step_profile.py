@@ -7,7 +7,8 @@ then decodes `--steps` steps twice:
 1. phase-timed: each part of `LLMEngine.step` (schedule, build inputs, execute, sample, postprocess) is timed
    with a device synchronisation after it, so each row is that part's own cost (host + device);
 2. free-running: the plain step wall time, as a user sees it (parts overlap where they can).
-Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time.
+Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time, and over
+two more run without graph replay, the copying, gathering and reducing operators by input shape.
 `--prefill`: instead, phase C of the GPU benchmark (a cold 16,000-token prompt, then it + 200 tokens) three times
 with fresh prompts, each request timed, then the operators of one more cold and one more warm request, and the
 host's Python functions (cProfile) of one more warm request.
@@ -156,6 +157,26 @@ def print_operators(prof, steps: int = 1) -> dict[str, dict[str, float]]:
     return per_step
 
 
+COPY_OPS = ("aten::copy_", "aten::index_copy_", "aten::clone", "aten::cat", "aten::index_select", "aten::index",
+            "aten::contiguous", "aten::to", "aten::_to_copy", "aten::argmax", "aten::max")
+
+
+def print_copies(prof, steps: int) -> list[dict]:
+    """The torch operators that copy, gather or reduce (`COPY_OPS`) by input shapes: which tensors a step's copy
+    kernels move (the profile's kernel table names only the kernel). Device us per step, calls per step."""
+    found = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        us = getattr(event, "device_time_total", 0) or 0
+        if event.key in COPY_OPS and us > 0:
+            found.append({"op": event.key, "shapes": str(event.input_shapes)[:160], "us": us / steps,
+                          "calls": event.count / steps})
+    found.sort(key=lambda row: -row["us"])
+    print("| torch op | input shapes | device us per step | calls per step |\n| --- | --- | --- | --- |")
+    for row in found[:20]:
+        print(f"| {row['op']} | {row['shapes']} | {row['us']:.1f} | {row['calls']:.1f} |")
+    return found[:20]
+
+
 def dense_choices() -> list[dict]:
     """The engine's measured dense GEMM choices (`kernels/gemm/dense.py`), printed and returned for the JSON."""
     from hybridcache.kernels.gemm import dense
@@ -298,9 +319,16 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_STEPS):
                 engine.step()
+        result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
+        # the same batches without the graph (`without_replay`): a graph's kernels have no operator or shapes
+        with engine.runner.without_replay(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                                     record_shapes=True) as eager:
+            for _ in range(2):
+                engine.step()
         while engine.has_unfinished_requests():
             engine.step()
-        result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
+        print("\nTwo of the same decode steps without graph replay (their operators by input shape):")
+        result["copies_by_shape"] = print_copies(eager, 2)
         result["dense_choices"] = dense_choices()
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
