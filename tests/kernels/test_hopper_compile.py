@@ -48,7 +48,8 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
     for gates in (False, True):
         table = {**GDN_POINTERS, "pool_ptr": "*fp32"} | ({"g_ptr": "*bf16"} if gates else {})
         ptx[gates] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates), floats=("scale",)).asm["ptx"]
+                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False),
+                                        floats=("scale",)).asm["ptx"]
         assert ("sqrt" in ptx[gates]) == l2norm  # q and k are l2-normalised only when asked
     assert ptx[True].count("ex2") > ptx[False].count("ex2")  # the gates' exponentials, only when fused
 
