@@ -35,7 +35,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CALLS = 16  # launches per captured graph
 # Candidate launches (each compiles once: the sweep must fit a round's two minutes with the profiles after it)
 GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), (32, 2, False), (32, 4, False),
-                (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False),
+                (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
+                (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 NORM_WARPS = (4, 8, 16)
