@@ -15,6 +15,8 @@ number (the first NaN wins). Values are compared in fp32, which holds every bf16
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -88,7 +90,8 @@ def argmax_rows(x: torch.Tensor, *, splits: int = _SPLITS, block: int = _BLOCK) 
     values = torch.empty(num_rows, splits, dtype=torch.float32, device=x.device)
     columns = torch.empty(num_rows, splits, dtype=torch.int32, device=x.device)
     span = triton.cdiv(triton.cdiv(num_cols, splits), block) * block  # whole blocks, so lanes stay aligned
-    _argmax_partial_kernel[(num_rows, splits)](x, values, columns, num_rows, num_cols, x.stride(0), span,
-                                               SPLITS=splits, BLOCK=block)
-    _argmax_final_kernel[(num_rows,)](values, columns, out, num_rows, SPLITS=splits)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _argmax_partial_kernel[(num_rows, splits)](x, values, columns, num_rows, num_cols, x.stride(0), span,
+                                                   SPLITS=splits, BLOCK=block)
+        _argmax_final_kernel[(num_rows,)](values, columns, out, num_rows, SPLITS=splits)
     return out
