@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS, letters, model_folder  # noqa: E402
+from gpu_bench import MODELS, CompileLog, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
@@ -282,6 +282,8 @@ def main() -> None:
               block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               max_model_len=17000 if args.prefill else None, load_format=args.load_format)
     engine = llm.engine
+    compiles = CompileLog()  # every Triton compile from here on is one the engine's start-up did not do
+    compiles.label = "after start-up"
     rng = random.Random(0)
     if args.prefill:
         return profile_prefill(llm, rng, device)
@@ -330,6 +332,9 @@ def main() -> None:
         print("\nTwo of the same decode steps without graph replay (their operators by input shape):")
         result["copies_by_shape"] = print_copies(eager, 2)
         result["dense_choices"] = dense_choices()
+    result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
+    print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "
+          f"{[name.split(' key=')[0] for name in result['compiled_after_start_up']]}")
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))

@@ -22,11 +22,11 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-# (rows, columns, splits, block): the engine's launch (16 x 1,024) on a vocabulary of odd size; small launches
+# (rows, columns, splits, block): the engine's launch (8 x 4,096) on a vocabulary of odd size; small launches
 # that put ties in other lanes, blocks and splits; more splits than whole blocks (empty splits)
 # (the interpreter runs the small ones: it takes seconds per launch)
 SMALL = [(5, 1000, 4, 64), (6, 333, 8, 16), (6, 40, 16, 16)]
-SHAPES = pytest.mark.parametrize(("rows", "cols", "splits", "block"), [(7, 5003, 16, 1024), *SMALL],
+SHAPES = pytest.mark.parametrize(("rows", "cols", "splits", "block"), [(7, 50003, 8, 4096), *SMALL],
                                  ids=["engine", "4x64", "8x16", "empty"])
 SMALL_SHAPES = pytest.mark.parametrize(("rows", "cols", "splits", "block"), SMALL, ids=["4x64", "8x16", "empty"])
 

@@ -30,6 +30,8 @@ from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _BLOCK_T = 64
 _BLOCK_C = 128
+_STEP_BLOCK_C = 256  # the decode step's channels per program: 64 x 8,192 channels in 4.52 us against 4.94 at 128
+# (the fastest of 8 launches on the H200; docs/bench.md, issue 32's sixth pass)
 
 
 @triton.jit
@@ -229,10 +231,10 @@ def causal_conv1d_decode(
     out = torch.empty(num, channels, dtype=x.dtype, device=x.device)
     if num == 0:
         return out
-    _conv_step_kernel[(num, triton.cdiv(channels, _BLOCK_C))](
+    _conv_step_kernel[(num, triton.cdiv(channels, _STEP_BLOCK_C))](
         x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens,
         x.stride(0), out.stride(0), *conv_pool.stride(), channels,
         K=kernel_size, BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=_BLOCK_C,
+        SILU=activation == "silu", BLOCK_C=_STEP_BLOCK_C,
     )
     return out
