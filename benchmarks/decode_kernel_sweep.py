@@ -1,22 +1,24 @@
 """Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
 
-    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax]
+    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill]
 
 Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
 channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
-248,320 (dense-9b). For each kernel and candidate launch (block sizes, warps) it prints device us per call (the
-median of 5 CUDA-graph replays of 16 calls), the bytes it must move and the rate that gives, and marks the
-engine's current launch. Inputs rotate over copies beyond the L2 cache where the step reads them from memory (the
-recurrent and conv states: each layer's own); the norms' inputs come from the GEMM just before in the step, so
-they stay hot here too. Checks every variant's output against the current launch's (the DeltaNet states and
-outputs bit for bit: their per-element math does not depend on the launch; the norms within one bf16 rounding,
-as a different warp count sums the squares in another order). Writes DIR/decode_kernel_sweep.json (DIR: --out,
-else $OUT, else .).
+248,320 (dense-9b); `conv_prefill`: the prefill conv of phase D's 16 x 1,024-token steps. For each kernel and
+candidate launch (block sizes, warps, the step kernel's streaming hints) it prints device us per call (the median
+of 5 CUDA-graph replays of 16 calls), the bytes it must move and the rate that gives, and marks the engine's
+current launch. Inputs rotate over copies beyond the L2 cache where the step reads them from memory (the recurrent
+and conv states: each layer's own); the norms' inputs come from the GEMM just before in the step, so they stay hot
+here too. "same as current": the variant's outputs (and states) equal the current launch's bit for bit (the step
+kernel's sums over Dk, and the norms' over the row, run in another order in another tile or warp count: a False
+there is fp32 rounding; the norms are compared within 1e-2 relative, their residual sums exactly), the argmax's
+tokens equal torch's. Writes DIR/decode_kernel_sweep.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -30,6 +32,7 @@ from hybridcache.kernels.conv import triton as conv_triton
 from hybridcache.kernels.gated_delta import triton_step
 from hybridcache.kernels.norm import triton as norm_triton
 from hybridcache.kernels.sampling import triton_argmax
+from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CALLS = 16  # launches per captured graph
@@ -39,6 +42,7 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
+CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
 GATED_LAUNCHES = ((4, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))  # (rows per program, num_warps)
 ARGMAX_LAUNCHES = ((8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048))  # (splits, block)
@@ -168,6 +172,43 @@ def sweep_conv(seqs: int) -> list[dict]:
     return report(f"conv step, {seqs} seqs x {CONV_CHANNELS} channels", results, current)
 
 
+def sweep_conv_prefill(seqs: int) -> list[dict]:
+    """Phase D's prefill conv (`conv.triton._conv_varlen_kernel`, BLOCK_T 64 as the engine's chunk table): 16
+    fresh sequences of 1,024 tokens, x the conv's 8,192 columns of dense-9b's 12,352-wide in_proj output; BLOCK_C x
+    num_warps. (`seqs` unused: the step is phase D's.)"""
+    del seqs
+    device = DEVICE
+    lens = [1024] * 16
+    tokens = sum(lens)
+    projected = torch.randn(tokens, 12352, device=device, dtype=torch.bfloat16)
+    x = projected[:, :CONV_CHANNELS]
+    weight = torch.randn(CONV_CHANNELS, CONV_TAPS, device=device, dtype=torch.bfloat16)
+    pool = torch.zeros(len(lens), CONV_CHANNELS, CONV_TAPS - 1, device=device, dtype=torch.bfloat16)
+    slots = torch.arange(len(lens), device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=device, dtype=torch.int32)
+    ctx = torch.tensor(lens, device=device, dtype=torch.int32)
+    chunks = make_chunk_indices(cu, lens, conv_triton._BLOCK_T)
+    nbytes = 2 * tokens * CONV_CHANNELS * 2
+    results, outputs = [], {}
+    for block_c, warps in CONV_PREFILL_LAUNCHES:
+        out = torch.empty(tokens, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
+
+        def run(_i: int, bc=block_c, w=warps, o=out) -> None:
+            conv_triton._conv_varlen_kernel[(chunks.shape[0], triton.cdiv(CONV_CHANNELS, bc))](
+                x, weight, weight, o, pool, slots, cu, ctx, chunks, x.stride(0), o.stride(0), *pool.stride(),
+                CONV_CHANNELS, K=CONV_TAPS, HAS_BIAS=False, SILU=True, BLOCK_T=conv_triton._BLOCK_T, BLOCK_C=bc,
+                num_warps=w)
+
+        run(0)
+        outputs[(block_c, warps)] = out.clone()
+        results.append({"launch": f"BLOCK_C {block_c}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
+                        "key": (block_c, warps)})
+    for row in results:
+        row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[(conv_triton._BLOCK_C, 4)]))
+    return report(f"prefill conv, 16 x 1,024 tokens x {CONV_CHANNELS} channels", results,
+                  f"BLOCK_C {conv_triton._BLOCK_C}, 4 warps")
+
+
 def sweep_norms(seqs: int) -> list[dict]:
     """add_rms_norm at hidden 2,048 / 4,096 and gated_rms_norm over DeltaNet's [seqs x 32, 128] rows: warps."""
     device = DEVICE
@@ -249,10 +290,11 @@ def argmax_vocab(seqs: int, vocab: int, device: str) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=64)
-    parser.add_argument("--only", default="gdn,conv,norm,argmax")
+    parser.add_argument("--only", default="gdn,conv,norm,argmax,conv_prefill")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms, "argmax": sweep_argmax}
+    sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms, "argmax": sweep_argmax,
+              "conv_prefill": sweep_conv_prefill}
     found = {}
     for name in args.only.split(","):
         found[name] = sweeps[name](args.seqs)
