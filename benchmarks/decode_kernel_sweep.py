@@ -190,6 +190,7 @@ def sweep_conv_prefill(seqs: int) -> list[dict]:
     chunks = make_chunk_indices(cu, lens, conv_triton._BLOCK_T)
     nbytes = 2 * tokens * CONV_CHANNELS * 2
     results, outputs = [], {}
+    current = (conv_triton._PREFILL_BLOCK_C, conv_triton._PREFILL_WARPS)
     for block_c, warps in CONV_PREFILL_LAUNCHES:
         out = torch.empty(tokens, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
 
@@ -204,9 +205,9 @@ def sweep_conv_prefill(seqs: int) -> list[dict]:
         results.append({"launch": f"BLOCK_C {block_c}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
                         "key": (block_c, warps)})
     for row in results:
-        row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[(conv_triton._BLOCK_C, 4)]))
+        row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[current]))
     return report(f"prefill conv, 16 x 1,024 tokens x {CONV_CHANNELS} channels", results,
-                  f"BLOCK_C {conv_triton._BLOCK_C}, 4 warps")
+                  "BLOCK_C {}, {} warps".format(*current))
 
 
 def sweep_norms(seqs: int) -> list[dict]:
