@@ -20,7 +20,9 @@ On CUDA every profile also prints its device time and kernel launches by kernel 
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
 `--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`: seconds, not
 the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
-Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
+Every Triton kernel compiled after the engine's start-up is named at the end (`compiled_after_start_up` in the
+JSON: the engine means to compile none). Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else
+$OUT, else .).
 """
 
 from __future__ import annotations
