@@ -273,6 +273,7 @@ def sample_async(
     *,
     stop_token_ids: frozenset[int] | Sequence[int] = (),
     allowed_bitmask: torch.Tensor | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> PendingSample:
     """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once, without waiting for
     the device (see `PendingSample`).
@@ -285,6 +286,9 @@ def sample_async(
     does not depend on the other rows. Only the tokens (and the logprobs asked for) are copied to the host,
     once. `stop_token_ids`: the model's EOS ids (`min_tokens` masks them and the row's own stop_token_ids).
     What the rows' `token_ids` say is read now: penalties read the output tokens, `min_tokens` only their count.
+    A batch of greedy rows with nothing to process (`_plain_greedy`) takes `argmax` (logits [rows, vocab] fp32 ->
+    [rows] int64, torch.argmax's result; default torch's) of the logits as they are, with no fp32 copy: the engine
+    passes the device's (`kernels.sampling.greedy_tokens`).
     """
     num_rows = logits.shape[0]
     if num_rows != len(rows):
@@ -293,7 +297,8 @@ def sample_async(
     params = [row.params for row in rows]
     raw = logits.float()
     if allowed_bitmask is None and all(_plain_greedy(row, stop_token_ids) for row in rows):
-        return _pending(raw, greedy_tokens(raw), params)  # the common decode step: no fp32 copy processed
+        tokens = argmax(raw) if argmax is not None else raw.argmax(dim=-1)
+        return _pending(raw, tokens, params)  # the common decode step: no fp32 copy processed
     scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
     tokens = scores.argmax(dim=-1)
     if not all(p.greedy for p in params):  # (an all-greedy batch copies nothing over)
@@ -333,17 +338,6 @@ def _min_tokens_bans(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence
     if not p.min_tokens or len(row.token_ids) - row.prompt_len >= p.min_tokens:
         return set()
     return set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_token_ids))
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [rows, vocab] -> [rows] int64, `logits.argmax(dim=-1)` (the first of equal values; NaN largest).
-    On CUDA one read of the logits in two Triton launches (`kernels/sampling/triton_argmax.py`), several times
-    faster than torch's at a decode batch's 64 x 248,320."""
-    if logits.device.type != "cuda" or logits.dim() != 2 or logits.stride(-1) != 1:
-        return logits.argmax(dim=-1)
-    from hybridcache.kernels.sampling.triton_argmax import argmax_rows
-
-    return argmax_rows(logits)
 
 
 def process_logits(

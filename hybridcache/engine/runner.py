@@ -57,7 +57,7 @@ from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
-from hybridcache.sampling import greedy_tokens
+from hybridcache.kernels.sampling import greedy_tokens
 from hybridcache.state_spec import DevicePools
 
 logger = logging.getLogger(__name__)
