@@ -7,18 +7,22 @@ then decodes `--steps` steps twice:
 1. phase-timed: each part of `LLMEngine.step` (schedule, build inputs, execute, sample, postprocess) is timed
    with a device synchronisation after it, so each row is that part's own cost (host + device);
 2. free-running: the plain step wall time, as a user sees it (parts overlap where they can).
-Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time.
+Then `torch.profiler` over a few decode steps prints the top operators by host time and by device time, and over
+two more run without graph replay, the copying, gathering and reducing operators by input shape.
 `--prefill`: instead, phase C of the GPU benchmark (a cold 16,000-token prompt, then it + 200 tokens) three times
 with fresh prompts, each request timed, then the operators of one more cold and one more warm request, and the
 host's Python functions (cProfile) of one more warm request.
 `--batch-prefill`: instead, steps shaped like phase D's prefill (16 fresh prompts of `--prompt-len` tokens, one
-step of 16,384 tokens at 1,024), timed, then one profiled.
+step of 16,384 tokens at 1,024), timed, then one profiled; `--and-batch-prefill`: those after the decode profile,
+in the same process (one start-up).
 On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
 ...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
 `--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`: seconds, not
 the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
-Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else $OUT, else .).
+Every Triton kernel compiled after the engine's start-up is named at the end (`compiled_after_start_up` in the
+JSON: the engine means to compile none). Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else
+$OUT, else .).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_bench import MODELS, letters, model_folder  # noqa: E402
+from gpu_bench import MODELS, CompileLog, letters, model_folder  # noqa: E402
 
 import hybridcache.engine.engine as engine_module  # noqa: E402
 from hybridcache import LLM  # noqa: E402
@@ -155,6 +159,26 @@ def print_operators(prof, steps: int = 1) -> dict[str, dict[str, float]]:
     return per_step
 
 
+COPY_OPS = ("aten::copy_", "aten::index_copy_", "aten::clone", "aten::cat", "aten::index_select", "aten::index",
+            "aten::contiguous", "aten::to", "aten::_to_copy", "aten::argmax", "aten::max")
+
+
+def print_copies(prof, steps: int) -> list[dict]:
+    """The torch operators that copy, gather or reduce (`COPY_OPS`) by input shapes: which tensors a step's copy
+    kernels move (the profile's kernel table names only the kernel). Device us per step, calls per step."""
+    found = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        us = getattr(event, "device_time_total", 0) or 0
+        if event.key in COPY_OPS and us > 0:
+            found.append({"op": event.key, "shapes": str(event.input_shapes)[:160], "us": us / steps,
+                          "calls": event.count / steps})
+    found.sort(key=lambda row: -row["us"])
+    print("| torch op | input shapes | device us per step | calls per step |\n| --- | --- | --- | --- |")
+    for row in found[:20]:
+        print(f"| {row['op']} | {row['shapes']} | {row['us']:.1f} | {row['calls']:.1f} |")
+    return found[:20]
+
+
 def dense_choices() -> list[dict]:
     """The engine's measured dense GEMM choices (`kernels/gemm/dense.py`), printed and returned for the JSON."""
     from hybridcache.kernels.gemm import dense
@@ -242,6 +266,8 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="profile phase C (long prefill) instead of decode")
     parser.add_argument("--batch-prefill", action="store_true",
                         help="profile steps shaped like phase D's prefill (16 x 1,024 fresh tokens) instead of decode")
+    parser.add_argument("--and-batch-prefill", action="store_true",
+                        help="after the decode profile, also --batch-prefill's steps in the same process")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
@@ -258,6 +284,8 @@ def main() -> None:
               block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
               max_model_len=17000 if args.prefill else None, load_format=args.load_format)
     engine = llm.engine
+    compiles = CompileLog()  # every Triton compile from here on is one the engine's start-up did not do
+    compiles.label = "after start-up"
     rng = random.Random(0)
     if args.prefill:
         return profile_prefill(llm, rng, device)
@@ -295,13 +323,25 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(PROFILED_STEPS):
                 engine.step()
+        result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
+        # the same batches without the graph (`without_replay`): a graph's kernels have no operator or shapes
+        with engine.runner.without_replay(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                                     record_shapes=True) as eager:
+            for _ in range(2):
+                engine.step()
         while engine.has_unfinished_requests():
             engine.step()
-        result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
+        print("\nTwo of the same decode steps without graph replay (their operators by input shape):")
+        result["copies_by_shape"] = print_copies(eager, 2)
         result["dense_choices"] = dense_choices()
+    result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
+    print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "
+          f"{[name.split(' key=')[0] for name in result['compiled_after_start_up']]}")
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))
+    if args.and_batch_prefill:
+        profile_batch_prefill(llm, rng, device, args.prompt_len)
 
 
 if __name__ == "__main__":

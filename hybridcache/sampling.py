@@ -273,6 +273,7 @@ def sample_async(
     *,
     stop_token_ids: frozenset[int] | Sequence[int] = (),
     allowed_bitmask: torch.Tensor | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> PendingSample:
     """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once, without waiting for
     the device (see `PendingSample`).
@@ -285,6 +286,9 @@ def sample_async(
     does not depend on the other rows. Only the tokens (and the logprobs asked for) are copied to the host,
     once. `stop_token_ids`: the model's EOS ids (`min_tokens` masks them and the row's own stop_token_ids).
     What the rows' `token_ids` say is read now: penalties read the output tokens, `min_tokens` only their count.
+    A batch of greedy rows with nothing to process (`_plain_greedy`) takes `argmax` (logits [rows, vocab] fp32 ->
+    [rows] int64, torch.argmax's result; default torch's) of the logits as they are, with no fp32 copy: the engine
+    passes the device's (`kernels.sampling.greedy_tokens`).
     """
     num_rows = logits.shape[0]
     if num_rows != len(rows):
@@ -292,9 +296,12 @@ def sample_async(
     device = logits.device
     params = [row.params for row in rows]
     raw = logits.float()
+    if allowed_bitmask is None and all(_plain_greedy(row, stop_token_ids) for row in rows):
+        tokens = argmax(raw) if argmax is not None else raw.argmax(dim=-1)
+        return _pending(raw, tokens, params)  # the common decode step: no fp32 copy processed
     scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
     tokens = scores.argmax(dim=-1)
-    if not all(p.greedy for p in params):  # (an all-greedy batch, the common decode step, copies nothing over)
+    if not all(p.greedy for p in params):  # (an all-greedy batch copies nothing over)
         greedy = to_device([p.greedy for p in params], device)
         probs = filtered_probs(scores, params)
         noise = torch.empty_like(probs)
@@ -305,10 +312,32 @@ def sample_async(
                 noise[i].exponential_(generator=row.generator)
         drawn = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, drawn)
+    return _pending(raw, tokens, params)
+
+
+def _pending(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> PendingSample:
+    """The step's `PendingSample`: `tokens`, and the logprobs of `raw` (the unprocessed fp32 logits) the rows ask
+    for."""
     want = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not want:
         return PendingSample(tokens, params, want)
     return PendingSample(tokens, params, want, _logprob_tensors(raw, tokens, params, want))
+
+
+def _plain_greedy(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence[int]) -> bool:
+    """Row `row` takes the argmax of the raw logits: greedy, and nothing of `process_logits` changes its scores (no
+    logit_bias, no penalties, no stop token masked by min_tokens)."""
+    p = row.params
+    return p.greedy and not p.logit_bias and not p.penalized and not _min_tokens_bans(row, stop_token_ids)
+
+
+def _min_tokens_bans(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence[int]) -> set[int]:
+    """The tokens that `min_tokens` masks in `row` now: its stop tokens (and EOS unless ignore_eos) while the row
+    is short of min_tokens output tokens, else none."""
+    p = row.params
+    if not p.min_tokens or len(row.token_ids) - row.prompt_len >= p.min_tokens:
+        return set()
+    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_token_ids))
 
 
 def process_logits(
@@ -341,12 +370,10 @@ def _apply_bias_and_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow]
                 bias_rows.append(i)
                 bias_cols.append(token)
                 bias_values.append(value)
-        if p.min_tokens and len(row.token_ids) - row.prompt_len < p.min_tokens:
-            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_token_ids))
-            for token in stops:
-                if token < vocab:
-                    ban_rows.append(i)
-                    ban_cols.append(token)
+        for token in _min_tokens_bans(row, stop_token_ids):
+            if token < vocab:
+                ban_rows.append(i)
+                ban_cols.append(token)
     device = scores.device
     if bias_rows:
         index = (to_device(bias_rows, device), to_device(bias_cols, device))

@@ -70,6 +70,7 @@ from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.engine.vision_encoder import VisionEncoder
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.guided import GrammarCache
+from hybridcache.kernels.sampling import greedy_tokens
 from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model, model_display_name
@@ -753,7 +754,8 @@ class LLMEngine:
         the step before, when sampled deferred: its row is ignored) is unconstrained."""
         rows = [(self._requests.get(s.request_id), s) for s in sampled]
         bitmask = self.output_processor.allowed_bitmask(rows, logits.shape[-1])
-        return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask)
+        return sample_async(logits, sampled, stop_token_ids=self.eos_token_ids, allowed_bitmask=bitmask,
+                            argmax=greedy_tokens)  # (all-greedy steps: the device's argmax, one read of the logits)
 
     def _feed_sampled(self, chunks: SequenceOf[ScheduledChunk], previous: _Launched) -> TokenFeed | None:
         """The input rows that take a token `previous` sampled (each `PENDING_TOKEN` row; a pending token is the

@@ -58,6 +58,7 @@ from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
+from hybridcache.kernels.sampling import greedy_tokens
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 from hybridcache.state_spec import DevicePools
@@ -656,7 +657,8 @@ class ModelRunner:
         compiled inside the first request), and decode graphs are not captured when steps run eagerly.
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
-        while serving (tests/engine/test_no_compile_after_start_up.py)."""
+        while serving (tests/engine/test_no_compile_after_start_up.py). The last forward's logits go through the
+        sampler's greedy argmax (its one variant per vocabulary)."""
         steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
             ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
             ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
@@ -671,7 +673,8 @@ class ModelRunner:
         for chunks, drafts in steps:
             batch = build_forward_batch(chunks, block_size=block_size, kernel_block_size=kernel_block_size,
                                         device=self.device, draft_slots=drafts)
-            self.model(self.backend.prepare(batch), self.pools, self.backend)
+            logits = self.model(self.backend.prepare(batch), self.pools, self.backend)
+        greedy_tokens(logits)  # the sampler's argmax kernel (`sampling.sample_async`, all-greedy steps)
         torch.cuda.synchronize(self.device)
 
     def _copy(self, op: DeviceCopyOp) -> None:

@@ -204,3 +204,33 @@ def test_tiny_temperatures_sample_greedily_instead_of_overflowing(device):
         assert params.greedy
         assert list(sample(logits, [params, params], [torch.Generator(device).manual_seed(0)] * 2)) == [1, 0]
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+def test_all_greedy_batches_take_the_raw_argmax_unless_a_row_changes_its_scores(device):
+    """An all-greedy batch with nothing to process takes `argmax` of the logits as they are (the engine passes
+    `kernels.sampling.greedy_tokens`: on CUDA the Triton argmax): torch's first-of-equal-values rule on a vocabulary
+    with many ties. A row whose stop token is masked by min_tokens, or that is penalised, still goes through
+    `process_logits`."""
+    from hybridcache.kernels.sampling import greedy_tokens
+
+    gen = torch.Generator().manual_seed(8)
+    logits = ((torch.randn(9, 3001, generator=gen) * 2).round() / 2).to(device)
+    logits[0, 17] = logits[0, 2999] = logits[0].max() + 1
+    plain = SamplingParams(temperature=0)
+
+    def tokens(rows, **options):
+        return sample_rows(logits, rows, argmax=greedy_tokens, **options).tokens
+
+    out = sample_rows(logits, [Row(plain, output=(1,)) for _ in range(9)], argmax=greedy_tokens)
+    assert out.tokens == logits.cpu().argmax(dim=-1).tolist() and out.tokens[0] == 17
+    assert sample_rows(logits, [Row(plain)] * 9).tokens == out.tokens  # the sampler's own argmax: the same
+    with_logprobs = sample_rows(logits, [Row(SamplingParams(temperature=0, logprobs=1))] + [Row(plain)] * 8,
+                                argmax=greedy_tokens)
+    assert with_logprobs.tokens == out.tokens and with_logprobs.logprobs[0].token_id == 17
+    short = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[17])
+    assert tokens([Row(short, output=(1,))] + [Row(plain)] * 8)[0] != 17
+    assert tokens([Row(short, output=(1, 2, 3))] + [Row(plain)] * 8)[0] == 17  # min_tokens reached
+    eos_short = SamplingParams(temperature=0, min_tokens=3)
+    assert tokens([Row(eos_short)] + [Row(plain)] * 8, stop_token_ids=frozenset({17}))[0] != 17
+    penalised = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert tokens([Row(penalised, output=(17,))] + [Row(plain)] * 8)[0] != 17

@@ -11,6 +11,7 @@ from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta import triton_verify as gdn_verify
 from hybridcache.kernels.gemm import triton_block_fp8, triton_quant
 from hybridcache.kernels.moe import triton_route, triton_sort
+from hybridcache.kernels.sampling import triton_argmax
 
 
 def test_every_pair_count_sorts_with_a_block_start_up_compiles():
@@ -29,6 +30,8 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_quant._quantize_groups_kernel, "stride_sg"),
     (gdn_verify._gdn_verify_kernel, "stride_table"),
     (conv_verify._conv_draft_states_kernel, "stride_table"),
+    (triton_argmax._argmax_partial_kernel, "num_rows"),
+    (triton_argmax._argmax_final_kernel, "num_rows"),
 ])
 def test_run_time_counts_are_not_specialised(kernel, count):
     """Triton specialises an integer argument on == 1 and on divisibility by 16: a step's token, pair or split

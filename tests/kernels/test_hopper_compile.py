@@ -48,9 +48,20 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
     for gates in (False, True):
         table = {**GDN_POINTERS, "pool_ptr": "*fp32"} | ({"g_ptr": "*bf16"} if gates else {})
         ptx[gates] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates), floats=("scale",)).asm["ptx"]
+                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False),
+                                        floats=("scale",)).asm["ptx"]
         assert ("sqrt" in ptx[gates]) == l2norm  # q and k are l2-normalised only when asked
     assert ptx[True].count("ex2") > ptx[False].count("ex2")  # the gates' exponentials, only when fused
+    assert "evict_first" not in ptx[True] and ".cs." not in ptx[True]
+
+
+def test_gated_delta_step_streams_its_state_for_hopper():
+    """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs)."""
+    table = {**GDN_POINTERS, "pool_ptr": "*fp32", "g_ptr": "*bf16"}
+    ptx = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
+                             dict(HEADS, BLOCK_V=64, DV=128, L2NORM=True, GATES=True, STREAM=True),
+                             floats=("scale",)).asm["ptx"]
+    assert "L1::evict_first" in ptx and "st.global.cs" in ptx
 
 
 @pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])

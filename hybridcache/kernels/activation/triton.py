@@ -115,7 +115,9 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     num_tokens, num_heads, dim = x.shape
     out = torch.empty((num_tokens, num_heads, dim), dtype=x.dtype, device=x.device)
     if out.numel():
+        block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(dim)
+        # a token's heads in one program: a warp per 256 elements, up to 16 (as the one-row norms, `norm/triton.py`)
         _sigmoid_mul_kernel[(num_tokens,)](x, gate, out, num_heads, dim, x.stride(0), x.stride(1), gate.stride(0),
-                                           gate.stride(1), BLOCK_H=triton.next_power_of_2(num_heads),
-                                           BLOCK_D=triton.next_power_of_2(dim))
+                                           gate.stride(1), BLOCK_H=block_h, BLOCK_D=block_d,
+                                           num_warps=max(4, min(16, block_h * block_d // 256)))
     return out

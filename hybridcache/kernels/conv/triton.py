@@ -30,6 +30,9 @@ from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _BLOCK_T = 64
 _BLOCK_C = 128
+_PREFILL_BLOCK_C, _PREFILL_WARPS = _BLOCK_C, 4  # the prefill conv's channels per program and warps
+_STEP_BLOCK_C = 256  # the decode step's channels per program: 64 x 8,192 channels in 4.52 us against 4.94 at 128
+# (the fastest of 8 launches on the H200; docs/bench.md, issue 32's sixth pass)
 
 
 @triton.jit
@@ -197,10 +200,11 @@ def causal_conv1d_varlen(
         chunk_indices = make_chunk_indices(cu_seqlens, query_lens_cpu, _BLOCK_T)
     grid_c = triton.cdiv(channels, _BLOCK_C)
     pool_strides = conv_pool.stride()
-    _conv_varlen_kernel[(chunk_indices.shape[0], grid_c)](
+    _conv_varlen_kernel[(chunk_indices.shape[0], triton.cdiv(channels, _PREFILL_BLOCK_C))](
         x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, cu_seqlens, context_lens,
         chunk_indices, x.stride(0), out.stride(0), *pool_strides, channels,
-        K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=_BLOCK_T, BLOCK_C=_BLOCK_C,
+        K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=_BLOCK_T,
+        BLOCK_C=_PREFILL_BLOCK_C, num_warps=_PREFILL_WARPS,
     )
     _conv_state_kernel[(len(query_lens_cpu), grid_c)](
         x, conv_pool, state_slots, cu_seqlens, context_lens, x.stride(0), *pool_strides, channels,
@@ -229,10 +233,10 @@ def causal_conv1d_decode(
     out = torch.empty(num, channels, dtype=x.dtype, device=x.device)
     if num == 0:
         return out
-    _conv_step_kernel[(num, triton.cdiv(channels, _BLOCK_C))](
+    _conv_step_kernel[(num, triton.cdiv(channels, _STEP_BLOCK_C))](
         x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens,
         x.stride(0), out.stride(0), *conv_pool.stride(), channels,
         K=kernel_size, BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=_BLOCK_C,
+        SILU=activation == "silu", BLOCK_C=_STEP_BLOCK_C,
     )
     return out

@@ -7,9 +7,10 @@ with S = ssm_pool[state_slots[n], h] (zeros when context_len == 1: a fresh seque
 back to the same row. Key head h // (Hv / Hk) serves value head h.
 
 Grid (N, Hv, Dv / BLOCK_V): each program owns a [Dk, BLOCK_V] column block of one state, so the state is read
-once and written once (the bytes floor of decode), with no gather/scatter copies. flash-linear-attention's
-fused recurrent kernel takes dense [N, Hv, Dk, Dv] states, which would need a gather and a scatter around it
-(three times the state traffic).
+once and written once (the bytes floor of decode), with no gather/scatter copies; with STREAM the state's load
+asks to be evicted first and its store streams (`.cs`): no cache keeps a state the step will not read again.
+flash-linear-attention's fused recurrent kernel takes dense [N, Hv, Dk, Dv] states, which would need a gather and
+a scatter around it (three times the state traffic).
 """
 
 from __future__ import annotations
@@ -20,7 +21,11 @@ import triton.language as tl
 
 from hybridcache.kernels.gated_delta.triton_gates import gate_values
 
-_BLOCK_V = 32
+# [Dk, 64] state tiles with the streaming hints: 75 us a launch at dense-9b's 64 x 32 heads against 84 us with
+# [Dk, 32] tiles and no hints (3.57 against 3.21 TB/s; torch's copy of the same bytes 4.09), the fastest of 18
+# launches (docs/bench.md, issue 32's sixth pass: `benchmarks/decode_kernel_sweep.py`)
+_BLOCK_V = 64
+_STREAM = True
 
 
 @triton.jit
@@ -71,7 +76,7 @@ def _gdn_step_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-    GATES: tl.constexpr,
+    GATES: tl.constexpr, STREAM: tl.constexpr = False,
 ):
     seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
@@ -84,11 +89,17 @@ def _gdn_step_kernel(
         bg, bb = gate_values(bg, bb, tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
         bb = bb.to(beta_ptr.dtype.element_ty).to(tl.float32)
     state_ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
-    state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0).to(tl.float32)  # [DK, BLOCK_V]
-    state = delta_rule_update(state, bk, bv, bg, bb)
+    if STREAM:  # the state is read once and written once per step: hint that no cache should keep it
+        state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        state = tl.load(state_ptrs, mask=(ks < rows_to_read)[:, None], other=0.0)
+    state = delta_rule_update(state.to(tl.float32), bk, bv, bg, bb)  # [DK, BLOCK_V]
     out = tl.sum(state * bq[:, None], axis=0)
     tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
-    tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
+    if STREAM:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), cache_modifier=".cs")
+    else:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
 
 
 def gated_delta_rule_decode(
@@ -133,6 +144,6 @@ def gated_delta_rule_decode(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        GATES=gates is not None,
+        GATES=gates is not None, STREAM=_STREAM,
     )
     return out

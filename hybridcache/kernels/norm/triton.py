@@ -111,12 +111,19 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
 _ELEMENTS_PER_PROGRAM = 2048  # rows per program = this // the padded row width (1 for rows of >= 2,048)
 
 
+def _num_warps(rows_per_program: int, block: int) -> int:
+    """Warps of a program: 4 for grouped short rows; a hidden-size row alone gets one warp per 256 columns, up to
+    16 (64 x 4,096 add_rms_norm: 2.25 us against 2.67 with 4 warps; 64 x 2,048: 1.96 against 2.11; docs/bench.md,
+    issue 32's sixth pass)."""
+    return 4 if rows_per_program > 1 else max(4, min(16, block // 256))
+
+
 def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
     """A contiguous [..., dim] output in x's dtype, ROWS rows of x per program (read in place, `_rows`).
 
     Rows of a head dim (128) are 256 bytes: one program each leaves long prefill steps latency-bound (docs/bench.md,
     "Figures behind the code's choices"), so short rows are grouped, 16 per program at 128 columns; hidden-size
-    rows (2,048+) keep one program each."""
+    rows (2,048+) keep one program each, with more warps (`_num_warps`)."""
     rows, stride_t, stride_h, heads = _rows(x)
     dim = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -125,7 +132,8 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
         block = triton.next_power_of_2(dim)
         per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
         kernel[(triton.cdiv(num_rows, per_program),)](rows, out, num_rows, stride_t, stride_h, heads, dim, eps,
-                                                      *extra, ROWS=per_program, BLOCK=block)
+                                                      *extra, ROWS=per_program, BLOCK=block,
+                                                      num_warps=_num_warps(per_program, block))
     return out
 
 

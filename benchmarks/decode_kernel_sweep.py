@@ -1,0 +1,310 @@
+"""Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
+
+    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill]
+
+Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
+channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
+248,320 (dense-9b); `conv_prefill`: the prefill conv of phase D's 16 x 1,024-token steps. For each kernel and
+candidate launch (block sizes, warps, the step kernel's streaming hints) it prints device us per call (the median
+of 5 CUDA-graph replays of 16 calls), the bytes it must move and the rate that gives, and marks the engine's
+current launch. Inputs rotate over copies beyond the L2 cache where the step reads them from memory (the recurrent
+and conv states: each layer's own); the norms' inputs come from the GEMM just before in the step, so they stay hot
+here too. "same as current": the variant's outputs (and states) equal the current launch's bit for bit (the step
+kernel's sums over Dk, and the norms' over the row, run in another order in another tile or warp count: a False
+there is fp32 rounding; the norms are compared within 1e-2 relative, their residual sums exactly), the argmax's
+tokens equal torch's. Writes DIR/decode_kernel_sweep.json (DIR: --out, else $OUT, else .).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from hybridcache.kernels.conv import triton as conv_triton
+from hybridcache.kernels.gated_delta import triton_step
+from hybridcache.kernels.norm import triton as norm_triton
+from hybridcache.kernels.sampling import triton_argmax
+from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CALLS = 16  # launches per captured graph
+# Candidate launches (each compiles once: the sweep must fit a round's two minutes with the profiles after it)
+GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), (32, 2, False), (32, 4, False),
+                (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
+                (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
+                (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
+CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
+CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
+NORM_WARPS = (4, 8, 16)
+GATED_LAUNCHES = ((4, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))  # (rows per program, num_warps)
+ARGMAX_LAUNCHES = ((8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048))  # (splits, block)
+HK, HV, DK, DV, CONV_CHANNELS, CONV_TAPS = 16, 32, 128, 128, 8192, 4
+
+
+def graph_us(launch, copies: int) -> float:
+    """Device us per call of `launch(i)` (i: which input copy), from 5 replays of a graph of CALLS calls (without
+    CUDA: one call each, timed on the host: a dry run of the launches under TRITON_INTERPRET=1)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        launch(0)
+        return 1e6 * (time.perf_counter() - start)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            launch(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(CALLS):
+            launch(i % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1000 * start.elapsed_time(end) / CALLS)
+    return statistics.median(times)
+
+
+def report(name: str, rows: list[dict], current: str) -> list[dict]:
+    print(f"\n| {name} | us per call | GB/s | same as current |\n| --- | --- | --- | --- |")
+    for row in sorted(rows, key=lambda r: r["us"]):
+        mark = " (current)" if row["launch"] == current else ""
+        print(f"| {row['launch']}{mark} | {row['us']:.2f} | {row['bytes'] / row['us'] / 1e3:.0f} | {row['same']} |")
+    return rows
+
+
+def sweep_gdn(seqs: int) -> list[dict]:
+    """The gated delta step kernel (`triton_step._gdn_step_kernel`, gates inside): BLOCK_V x num_warps."""
+    device = DEVICE
+    copies = 4  # 4 x 64 states of 2 MB: 537 MB, past the 50 MB L2
+    pool = torch.randn(copies * seqs + 8, HV, DK, DV, device=device) * 0.1
+    slots = [torch.arange(c * seqs, (c + 1) * seqs, device=device)[torch.randperm(seqs, device=device)]
+             for c in range(copies)]
+    ctx = torch.full((seqs,), 100, dtype=torch.int32, device=device)
+    qkv = torch.randn(seqs, (2 * HK * DK + HV * DV), device=device, dtype=torch.bfloat16)
+    q = qkv[:, : HK * DK].view(seqs, HK, DK)
+    k = qkv[:, HK * DK: 2 * HK * DK].view(seqs, HK, DK)
+    v = qkv[:, 2 * HK * DK:].view(seqs, HV, DV)
+    ba = torch.randn(seqs, 2 * HV, device=device, dtype=torch.bfloat16)
+    b, a = ba[:, :HV], ba[:, HV:]
+    a_log = torch.randn(HV, device=device) * 0.1
+    dt_bias = torch.randn(HV, device=device) * 0.1
+    nbytes = 2 * seqs * HV * DK * DV * 4
+    results, outputs = [], {}
+
+    def run(block_v: int, warps: int, stream: bool, i: int, out: torch.Tensor) -> None:
+        triton_step._gdn_step_kernel[(seqs, HV, DV // block_v)](
+            q, k, v, a, b, out, pool, slots[i], ctx, a_log, dt_bias, DK**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            out.stride(0), out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
+            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, L2NORM=True, GATES=True, STREAM=stream, num_warps=warps)
+
+    snapshot = pool.clone()
+    current = f"BLOCK_V {triton_step._BLOCK_V}, 4 warps"
+    for block_v, warps, stream in GDN_LAUNCHES:
+        name = f"BLOCK_V {block_v}, {warps} warps" + (", streaming hints" if stream else "")
+        out = torch.empty(seqs, HV, DV, device=device, dtype=torch.bfloat16)
+        pool.copy_(snapshot)
+        run(block_v, warps, stream, 0, out)  # one call from the same start: its output and state for the check
+        outputs[name] = (out.clone(), pool[slots[0]].clone())
+        pool.copy_(snapshot)
+        us = graph_us(lambda i, bv=block_v, w=warps, st=stream, o=out: run(bv, w, st, i, o), copies)
+        results.append({"launch": name, "us": us, "bytes": nbytes})
+    ref = outputs[current]
+    for row in results:
+        got = outputs[row["launch"]]
+        row["same"] = bool(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+    # the copy rate: the same bytes read and written by torch's copy (one layer's states into another's place)
+    source, dest = pool[: seqs * copies].view(copies, seqs, -1), torch.empty(copies, seqs, HV * DK * DV, device=device)
+    results.append({"launch": "torch copy_ of the same bytes (reference)", "same": True, "bytes": nbytes,
+                    "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)})
+    return report(f"gated delta step, {seqs} seqs x {HV} heads, fp32 state read + write", results, current)
+
+
+def sweep_conv(seqs: int) -> list[dict]:
+    """The conv decode step (`conv.triton._conv_step_kernel`): BLOCK_C x num_warps."""
+    device = DEVICE
+    copies = 8  # 8 x 64 x 48 KB states
+    pool = torch.randn(copies * seqs, CONV_CHANNELS, CONV_TAPS - 1, device=device, dtype=torch.bfloat16)
+    slots = [torch.arange(c * seqs, (c + 1) * seqs, device=device)[torch.randperm(seqs, device=device)]
+             for c in range(copies)]
+    ctx = torch.full((seqs,), 100, dtype=torch.int32, device=device)
+    x = torch.randn(seqs, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(CONV_CHANNELS, CONV_TAPS, device=device, dtype=torch.bfloat16)
+    nbytes = seqs * CONV_CHANNELS * 2 * (2 * (CONV_TAPS - 1) + 2)
+    snapshot = pool.clone()
+    results, outputs = [], {}
+
+    def run(block_c: int, warps: int, i: int, out: torch.Tensor) -> None:
+        conv_triton._conv_step_kernel[(seqs, triton.cdiv(CONV_CHANNELS, block_c))](
+            x, weight, weight, out, pool, slots[i], ctx, x.stride(0), out.stride(0), *pool.stride(), CONV_CHANNELS,
+            K=CONV_TAPS, BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, SILU=True,
+            BLOCK_C=block_c, num_warps=warps)
+
+    current = f"BLOCK_C {conv_triton._BLOCK_C}, 4 warps"
+    for block_c, warps in CONV_LAUNCHES:
+        name = f"BLOCK_C {block_c}, {warps} warps"
+        out = torch.empty(seqs, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
+        pool.copy_(snapshot)
+        run(block_c, warps, 0, out)
+        outputs[name] = (out.clone(), pool[slots[0]].clone())
+        pool.copy_(snapshot)
+        us = graph_us(lambda i, bc=block_c, w=warps, o=out: run(bc, w, i, o), copies)
+        results.append({"launch": name, "us": us, "bytes": nbytes})
+    ref = outputs[current]
+    for row in results:
+        got = outputs[row["launch"]]
+        row["same"] = bool(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+    return report(f"conv step, {seqs} seqs x {CONV_CHANNELS} channels", results, current)
+
+
+def sweep_conv_prefill(seqs: int) -> list[dict]:
+    """Phase D's prefill conv (`conv.triton._conv_varlen_kernel`, BLOCK_T 64 as the engine's chunk table): 16
+    fresh sequences of 1,024 tokens, x the conv's 8,192 columns of dense-9b's 12,352-wide in_proj output; BLOCK_C x
+    num_warps. (`seqs` unused: the step is phase D's.)"""
+    del seqs
+    device = DEVICE
+    lens = [1024] * 16
+    tokens = sum(lens)
+    projected = torch.randn(tokens, 12352, device=device, dtype=torch.bfloat16)
+    x = projected[:, :CONV_CHANNELS]
+    weight = torch.randn(CONV_CHANNELS, CONV_TAPS, device=device, dtype=torch.bfloat16)
+    pool = torch.zeros(len(lens), CONV_CHANNELS, CONV_TAPS - 1, device=device, dtype=torch.bfloat16)
+    slots = torch.arange(len(lens), device=device)
+    cu = torch.tensor([0, *itertools.accumulate(lens)], device=device, dtype=torch.int32)
+    ctx = torch.tensor(lens, device=device, dtype=torch.int32)
+    chunks = make_chunk_indices(cu, lens, conv_triton._BLOCK_T)
+    nbytes = 2 * tokens * CONV_CHANNELS * 2
+    results, outputs = [], {}
+    current = (conv_triton._PREFILL_BLOCK_C, conv_triton._PREFILL_WARPS)
+    for block_c, warps in CONV_PREFILL_LAUNCHES:
+        out = torch.empty(tokens, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
+
+        def run(_i: int, bc=block_c, w=warps, o=out) -> None:
+            conv_triton._conv_varlen_kernel[(chunks.shape[0], triton.cdiv(CONV_CHANNELS, bc))](
+                x, weight, weight, o, pool, slots, cu, ctx, chunks, x.stride(0), o.stride(0), *pool.stride(),
+                CONV_CHANNELS, K=CONV_TAPS, HAS_BIAS=False, SILU=True, BLOCK_T=conv_triton._BLOCK_T, BLOCK_C=bc,
+                num_warps=w)
+
+        run(0)
+        outputs[(block_c, warps)] = out.clone()
+        results.append({"launch": f"BLOCK_C {block_c}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
+                        "key": (block_c, warps)})
+    for row in results:
+        row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[current]))
+    return report(f"prefill conv, 16 x 1,024 tokens x {CONV_CHANNELS} channels", results,
+                  "BLOCK_C {}, {} warps".format(*current))
+
+
+def sweep_norms(seqs: int) -> list[dict]:
+    """add_rms_norm at hidden 2,048 / 4,096 and gated_rms_norm over DeltaNet's [seqs x 32, 128] rows: warps."""
+    device = DEVICE
+    results = []
+    for hidden in (2048, 4096):
+        x = torch.randn(seqs, hidden, device=device, dtype=torch.bfloat16)
+        r = torch.randn(seqs, hidden, device=device, dtype=torch.bfloat16)
+        w = torch.randn(hidden, device=device, dtype=torch.bfloat16) * 0.1
+        total, out = torch.empty_like(x), torch.empty_like(x)
+        block = triton.next_power_of_2(hidden)
+        rows = max(1, norm_triton._ELEMENTS_PER_PROGRAM // block)
+        outputs, part = {}, []
+
+        def run(warps: int, _i: int, o=out, t=total, x=x, r=r, w=w, block=block, rows=rows, hidden=hidden) -> None:
+            norm_triton._add_rms_norm_kernel[(triton.cdiv(seqs, rows),)](
+                x, o, seqs, x.stride(0), 0, 1, hidden, 1e-6, r, r.stride(0), 0, t, w, ROWS=rows, BLOCK=block,
+                num_warps=warps)
+
+        for warps in NORM_WARPS:
+            run(warps, 0)
+            outputs[warps] = (out.clone(), total.clone())
+            us = graph_us(lambda i, w=warps: run(w, i), 1)
+            part.append({"launch": f"add_rms_norm {hidden}: {warps} warps", "us": us, "bytes": 4 * x.numel() * 2,
+                         "warps": warps})
+        for row in part:
+            got, ref = outputs[row["warps"]], outputs[4]
+            row["same"] = bool(torch.equal(got[1], ref[1])) and float((got[0].float() - ref[0].float()).abs().max()
+                                                                      / ref[0].float().abs().max()) < 1e-2
+        results += report(f"add_rms_norm, {seqs} x {hidden}", part, f"add_rms_norm {hidden}: 4 warps")
+    x = torch.randn(seqs, HV, DV, device=device, dtype=torch.bfloat16)
+    gate = torch.randn(seqs, HV * DV, device=device, dtype=torch.bfloat16).view(seqs, HV, DV)
+    w = torch.randn(DV, device=device, dtype=torch.bfloat16)
+    out = torch.empty(seqs * HV, DV, device=device, dtype=torch.bfloat16)
+    part, outputs = [], {}
+    for rows, warps in GATED_LAUNCHES:
+        def run(_i: int, rows=rows, warps=warps) -> None:
+            norm_triton._gated_rms_norm_kernel[(triton.cdiv(seqs * HV, rows),)](
+                x, out, seqs * HV, x.stride(0), x.stride(1), HV, DV, 1e-6, gate, gate.stride(0), gate.stride(1),
+                w, ROWS=rows, BLOCK=DV, num_warps=warps)
+
+        run(0)
+        outputs[(rows, warps)] = out.clone()
+        part.append({"launch": f"gated_rms_norm: {rows} rows, {warps} warps", "us": graph_us(run, 1),
+                     "bytes": 3 * x.numel() * 2, "key": (rows, warps)})
+    for row in part:
+        row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[(16, 4)]))
+    results += report(f"gated_rms_norm, {seqs} x {HV} x {DV}", part, "gated_rms_norm: 16 rows, 4 warps")
+    return results
+
+
+def sweep_argmax(seqs: int) -> list[dict]:
+    """Greedy tokens over the logits: the sampler's fp32 copy + torch.argmax (what `sample_async` ran), torch.argmax
+    alone, and `triton_argmax.argmax_rows` by splits x block."""
+    device = DEVICE
+    results = []
+    for vocab in (151936, 248320):
+        results += argmax_vocab(seqs, vocab, device)
+    return results
+
+
+def argmax_vocab(seqs: int, vocab: int, device: str) -> list[dict]:
+    copies = 2
+    logits = [torch.randn(seqs, vocab, device=device) for _ in range(copies)]
+    ref = logits[0].argmax(dim=-1)
+    nbytes = seqs * vocab * 4
+    part = [{"launch": "clone + torch.argmax", "us": graph_us(lambda i: logits[i].clone().argmax(-1), copies),
+             "bytes": nbytes, "same": True},
+            {"launch": "torch.argmax", "us": graph_us(lambda i: logits[i].argmax(-1), copies), "bytes": nbytes,
+             "same": True}]
+    for splits, block in ARGMAX_LAUNCHES:
+        got = triton_argmax.argmax_rows(logits[0], splits=splits, block=block)
+        us = graph_us(lambda i, s=splits, b=block: triton_argmax.argmax_rows(logits[i], splits=s, block=b), copies)
+        part.append({"launch": f"argmax_rows: {splits} splits, block {block}", "us": us, "bytes": nbytes,
+                     "same": bool(torch.equal(got, ref))})
+    current = f"argmax_rows: {triton_argmax._SPLITS} splits, block {triton_argmax._BLOCK}"
+    return report(f"greedy argmax, {seqs} x {vocab} fp32", part, current)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--only", default="gdn,conv,norm,argmax,conv_prefill")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms, "argmax": sweep_argmax,
+              "conv_prefill": sweep_conv_prefill}
+    found = {}
+    for name in args.only.split(","):
+        found[name] = sweeps[name](args.seqs)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (a dry run: host times)"
+    print(f"\n{name}, {args.seqs} sequences")
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "decode_kernel_sweep.json").write_text(json.dumps(found, indent=1))
+
+
+if __name__ == "__main__":
+    main()
