@@ -8,7 +8,9 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk); KV is `auto` (the model dtype)
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk) or `fp8-rowexp` (`fp8` with the
+routed experts re-quantised per output channel at start-up, `fp8_tiles.EXPERTS_PER_CHANNEL`, so their prefill runs
+torch's row-wise scaled grouped GEMM); KV is `auto` (the model dtype)
 or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format dummy` (the default) a
 folder holds only config.json and the tokenizer and the engine draws the weights on the GPU (FP8 linears
 quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48 layers 3:1,
@@ -53,7 +55,7 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp")
 
 
 def config_only_folder(model: str, path: Path) -> Path:
@@ -75,6 +77,7 @@ def config_only_folder(model: str, path: Path) -> Path:
 
 def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
     """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
+    weights = "fp8" if weights == "fp8-rowexp" else weights
     if model == "80b" and weights != "fp8":
         raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
     if model == "80b" or (dummy and weights != "fp8-channel"):
@@ -212,8 +215,15 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
         result["startup_parts"] = parts.summary()
         save()
 
-    with sampler, StartupParts(cuda, parts_so_far) as parts:
-        llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
+    from hybridcache.kernels.gemm import fp8_tiles
+
+    library = fp8_tiles.EXPERTS_PER_CHANNEL  # read when the experts are stacked (start-up)
+    fp8_tiles.EXPERTS_PER_CHANNEL = library or weights == "fp8-rowexp"
+    try:
+        with sampler, StartupParts(cuda, parts_so_far) as parts:
+            llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
+    finally:
+        fp8_tiles.EXPERTS_PER_CHANNEL = library
     result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,

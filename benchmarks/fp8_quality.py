@@ -15,13 +15,16 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 | `bf16` (the baseline) | the folder's, in bf16 | bf16 |
 | `fp8-block` | `quantization="fp8"` (128 x 128) | bf16 |
 | `fp8-channel` | the folder written per-channel by `write_fp8_folder` | bf16 |
+| `fp8-block-rowexp` | 128 x 128, routed experts re-quantised per channel (their CUDA prefill: row-wise) | bf16 |
 | `kv-fp8` | bf16 | float8_e4m3fn, scales 1.0 |
 | `fp8-block+kv-fp8` | 128 x 128 | float8_e4m3fn |
 
 Each window is one prefill with logits at every position (its KV written to the pool and read back, so FP8 KV is
 exercised), on the device's kernel backend. Per variant: greedy agreement = the fraction of positions where its
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
-(nats), plus the held-out loss of each. Prints a table and writes DIR/fp8_quality.json (after each variant).
+(nats), plus the held-out loss of each. `fp8-block-rowexp` is `models.quant.requantize_experts_per_channel_`
+after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA. Prints a table and writes DIR/fp8_quality.json
+(after each variant).
 """
 
 from __future__ import annotations
@@ -42,12 +45,14 @@ from hybridcache.engine.rank_runner import DTYPES
 from hybridcache.kernels.backend import get_backend
 from hybridcache.models import load_model
 from hybridcache.models.fp8_folders import write_fp8_folder
+from hybridcache.models.quant import requantize_experts_per_channel_
 from hybridcache.state_spec import DevicePools
 
 VARIANTS = {  # name: (weights, kv_fp8)
     "bf16": ("dense", False),
     "fp8-block": ("block", False),
     "fp8-channel": ("channel", False),
+    "fp8-block-rowexp": ("block-rowexp", False),
     "kv-fp8": ("dense", True),
     "fp8-block+kv-fp8": ("block", True),
 }
@@ -102,13 +107,14 @@ def main() -> None:
         if weights == "channel":
             folder = channel_dir if (channel_dir / "config.json").is_file() else write_fp8_folder(
                 model_dir, channel_dir, "channel")
-        model = load_model(folder, dtype=dtype, device=device, quantization="fp8" if weights == "block" else None,
-                           kv_fp8=kv_fp8)
+        model = load_model(folder, dtype=dtype, device=device,
+                           quantization="fp8" if weights.startswith("block") else None, kv_fp8=kv_fp8)
+        requantized = requantize_experts_per_channel_(model) if weights == "block-rowexp" else 0
         logits[name] = [window_logits(model, backend, w[:-1], dtype, device).cpu() for w in windows]
         del model
         targets = torch.cat([torch.tensor(w[1:]) for w in windows])
         loss = F.cross_entropy(torch.cat(logits[name]), targets).item()
-        row = {"held_out_loss": loss}
+        row = {"held_out_loss": loss} | ({"experts_requantized": requantized} if requantized else {})
         if name != "bf16" and "bf16" in logits:
             base, mine = torch.cat(logits["bf16"]), torch.cat(logits[name])
             row["greedy_agreement"] = (base.argmax(-1) == mine.argmax(-1)).float().mean().item()

@@ -27,6 +27,13 @@ class PrefillTile:
     group_m: int = 0  # 0: a 2-D grid; else row tiles in groups of group_m (`triton_fp8_moe.fp8_expert_gemm`)
 
 
+# Per-channel experts (a compressed-tensors checkpoint, or block-scaled ones re-quantised per output channel at
+# start-up with EXPERTS_PER_CHANNEL) run above the decode sizes through torch's row-wise scaled grouped GEMM
+# (`triton_fp8_moe.rowwise_expert_rows`) when ROWWISE_PREFILL; their decode stays on the Triton tiles.
+ROWWISE_PREFILL = True
+ROWWISE_FAST_ACCUM = False  # Hopper's FP8 fast accumulation in those GEMMs (benchmarks: `fp8_sweep.py --rowwise`)
+EXPERTS_PER_CHANNEL = False
+
 PREFILL_SMALL_ROWS = 512
 # `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest
 # in both buckets (docs/bench.md, "FP8 on the H200")

@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
-from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm import fp8_tiles, triton_quant
+from hybridcache.fp8_format import CHANNEL, FP8_DTYPE
+from hybridcache.kernels.gemm import fp8_tiles, reference, triton_quant
 from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
@@ -171,10 +172,12 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
 
 @dataclass(frozen=True)
 class Fp8ExpertWeights:
-    """Block-scaled FP8 expert weights stacked for the grouped GEMM.
+    """FP8 expert weights stacked for the grouped GEMM.
 
     gate_up [E, 2I, H] fp8 (gate rows, then up rows), gate_up_scale [E, 2 ceil(I/bn), ceil(H/bk)] fp32 (gate
     groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
+    Per-channel weights (one scale per row) also keep that scale as gate_up_rows [E, 2I] and down_rows [E, H]
+    fp32 (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their blocks being (1, bk) copies.
     """
 
     gate_up: torch.Tensor
@@ -182,57 +185,118 @@ class Fp8ExpertWeights:
     down: torch.Tensor
     down_scale: torch.Tensor
     block: tuple[int, int]
+    gate_up_rows: torch.Tensor | None = None
+    down_rows: torch.Tensor | None = None
 
     @classmethod
     @torch.no_grad()
-    def share(cls, experts: Sequence[nn.Module]) -> Fp8ExpertWeights:
+    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
         `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
         memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale repeated over the K
-        groups (activations then quantised per token per 128 channels, finer than per token)."""
+        groups (activations then quantised per token per 128 channels, finer than per token), and stay rows.
+        Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
+        output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
+        their modules become per-channel `Fp8Linear`s holding the new weights."""
         fmt = experts[0].gate_proj.fmt
-        block = fmt.block if fmt.kind == "block" else (1, 128)
+        per_channel = fp8_tiles.EXPERTS_PER_CHANNEL if per_channel is None else per_channel
+        requantize = fmt.kind == "block" and per_channel
+        bk = fmt.block[1]
+        block = fmt.block if fmt.kind == "block" and not requantize else (1, bk)
 
-        def blocks(linears: list[nn.Module]) -> torch.Tensor:  # [E, rows, K groups]: one stack per projection
+        def stacked(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+            """(weights [E, N, K] fp8, block scales [E, rows, K groups] fp32, row scales [E, N] or None)."""
+            weights = torch.stack([linear.weight for linear in linears])
             scales = torch.stack([linear.scale for linear in linears]).float()
-            if fmt.kind == "block":
-                return scales
-            groups = -(-linears[0].weight.shape[1] // block[1])
-            return scales.reshape(len(linears), -1, 1).expand(-1, -1, groups)
+            if requantize:
+                weights, scales = reference.requantize_rows(weights, scales, fmt.block)
+                for e, linear in enumerate(linears):
+                    _to_channel(linear, scales[e, :, None])
+            elif fmt.kind == "block":
+                return weights, scales, None
+            rows = scales.reshape(len(linears), -1)
+            groups = -(-weights.shape[2] // bk)
+            return weights, rows[:, :, None].expand(-1, -1, groups), rows
 
-        gates, ups, downs = ([getattr(e, name) for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
-        gate_up = torch.cat([torch.stack([g.weight for g in gates]), torch.stack([u.weight for u in ups])], dim=1)
-        gate_up_scale = torch.cat([blocks(gates), blocks(ups)], dim=1)
-        down = torch.stack([d.weight for d in downs])
-        down_scale = blocks(downs).contiguous()
+        gate, gate_scale, gate_rows = stacked([e.gate_proj for e in experts])
+        up, up_scale, up_rows = stacked([e.up_proj for e in experts])
+        down, down_scale, down_rows = stacked([e.down_proj for e in experts])
+        gate_up = torch.cat([gate, up], dim=1)
+        del gate, up
+        gate_up_scale = torch.cat([gate_scale, up_scale], dim=1)
         inter = gate_up.shape[1] // 2
         for e, expert in enumerate(experts):
             expert.gate_proj.weight.data = gate_up[e, :inter]
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
-        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale, block)
+        gate_up_rows = None if gate_rows is None else torch.cat([gate_rows, up_rows], dim=1).contiguous()
+        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale.contiguous(), block, gate_up_rows,
+                   None if down_rows is None else down_rows.contiguous())
+
+
+def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
+    """Make a block-scaled `Fp8Linear` per-channel with `scale` [N, 1] (its weight is set by the caller)."""
+    delattr(linear, linear.fmt.scale_name)
+    linear.fmt = CHANNEL
+    linear.register_parameter(CHANNEL.scale_name, nn.Parameter(scale, requires_grad=False))
+
+
+def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
+                        experts: Fp8ExpertWeights) -> torch.Tensor:
+    """y [T*k, H] in sorted order (`combine` through `pair_rows`): per-channel experts by two of torch's row-wise
+    scaled grouped GEMMs (`F.scaled_grouped_mm`, CUTLASS on sm90), as bf16's `moe.grouped.expert_rows_grouped`:
+    x quantised per token (`triton_quant.quantize_rows`) and its rows gathered in sorted order, then
+    silu(gate) * up quantised per row in one launch (`triton_quant.swiglu_quantize_rows`)."""
+    ends = counts.cumsum(0, dtype=torch.int32)
+    xq, x_scale = triton_quant.quantize_rows(x)
+    tokens = order // top_k
+    xq = xq.index_select(0, tokens)
+    x_scale = x_scale.reshape(-1).index_select(0, tokens)
+    rowwise = F.ScalingType.RowWise
+    fast = {"use_fast_accum": True} if fp8_tiles.ROWWISE_FAST_ACCUM else {}
+    gate_up = F.scaled_grouped_mm(xq, experts.gate_up.transpose(1, 2), x_scale, rowwise, experts.gate_up_rows,
+                                  rowwise, offs=ends, output_dtype=x.dtype, **fast)
+    h, h_scale = triton_quant.swiglu_quantize_rows(gate_up)
+    return F.scaled_grouped_mm(h, experts.down.transpose(1, 2), h_scale, rowwise, experts.down_rows, rowwise,
+                               offs=ends, output_dtype=x.dtype, **fast)
+
+
+def rowwise_fits(x: torch.Tensor, experts: Fp8ExpertWeights) -> bool:
+    """Whether `fp8_grouped_experts` may take `rowwise_expert_rows` above the decode sizes: per-channel experts,
+    bf16 on CUDA, `fp8_tiles.ROWWISE_PREFILL`, a torch with `F.scaled_grouped_mm`, and widths that are multiples
+    of 16 (its TMA rule)."""
+    return (fp8_tiles.ROWWISE_PREFILL and experts.gate_up_rows is not None and x.is_cuda
+            and x.dtype == torch.bfloat16 and hasattr(F, "scaled_grouped_mm")
+            and experts.gate_up.shape[1] % 32 == 0 and experts.gate_up.shape[2] % 16 == 0)
 
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
                         block_n: int | None = None, prefill: PrefillTile | None = None,
-                        **tile: int | bool) -> torch.Tensor:
+                        rowwise: bool | None = None, **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
     Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
     W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
-    launch); more: W8A8 with `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
+    launch); more: per-channel experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM
+    (`rowwise_expert_rows`; `rowwise` True / False forces it or the Triton kernels), else W8A8 with
+    `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
     W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
     choice is made from shapes alone, so captured and eager runs agree."""
-    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
+    from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs, tile_rows
 
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
+    if rowwise is None:
+        rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
+                   and rowwise_fits(x, experts))
+    if rowwise:
+        return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
     if decode_tile is not None and prefill is None:
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
                        num_stages=DECODE_NUM_STAGES)
@@ -259,8 +323,9 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
-    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, and the W8A8 prefill path
-    with its quantisation at each `fp8_tiles.PREFILL_TILES` tile."""
+    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
+    with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
+    where it runs."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
@@ -274,3 +339,5 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
         fp8_grouped_experts(token, weights, ids, experts, prefill=prefill)
+    if rowwise_fits(token, experts):
+        fp8_grouped_experts(token, weights, ids, experts, rowwise=True)
