@@ -380,11 +380,12 @@ def decode_choices(rows: list[dict]) -> dict:
     the bucket was swept at (`--quick`: 256 and 1,024 tokens; `--prefill`: 1,024, 4,096 and 16,384; 1,024 or
     16,384 alone if a cut-short sweep has fewer than two tiles at every size); "dense", the dense kernel at
     M <= 64 summed over the shapes and row counts
-    (swap-AB tiles and cuBLAS); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
+    (swap-AB tiles and cuBLAS), or, where the rows name their weight shape, "dense_shapes" instead
+    (`dense_shape_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
-    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] in ("w8a8", "w8a16")
               and "group_m" not in r]  # (a prefill tile's row, e.g. a CPU smoke test's, is no decode tile)
     found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4),
                                        r.get("num_stages", 3)),
@@ -409,6 +410,10 @@ def decode_choices(rows: list[dict]) -> dict:
         chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
              and (r.get("tile") or {}).get("swap_ab", True)]
+    shapes = dense_shape_choices(dense)
+    if shapes:
+        chosen["dense_shapes"] = shapes
+        return chosen
     found = fastest(dense, lambda r: (r["kernel"],), lambda r: (r["shape"], r["M"]))
     if found:
         (kernel,), sums, _ = found
@@ -416,10 +421,31 @@ def decode_choices(rows: list[dict]) -> dict:
     return chosen
 
 
+def dense_shape_choices(rows: list[dict]) -> dict[str, int]:
+    """Per weight shape ("NxK") of dense decode rows that name it (`N`, `K`): the most rows M up to which the
+    Triton W8A8 swap-AB tile beat cuBLAS's block-scaled GEMM at every M measured (`triton_block_fp8.
+    DECODE_TRITON_SHAPES`); shapes where cuBLAS won at the smallest M are left out."""
+    times: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if "N" in r and "K" in r and r["kernel"] in ("w8a8", "cublas-block") and r.get("err", 0.0) < MAX_SWEEP_ERR:
+            per_kernel = times.setdefault((r["N"], r["K"]), {}).setdefault(r["M"], {})
+            per_kernel[r["kernel"]] = min(per_kernel.get(r["kernel"], float("inf")), r["ms"])
+    chosen = {}
+    for (n, k), per_m in sorted(times.items()):
+        limit = 0
+        for m, ms in sorted(per_m.items()):
+            if not ms.get("w8a8", float("inf")) < ms.get("cublas-block", float("inf")):
+                break
+            limit = m
+        if limit:
+            chosen[f"{n}x{k}"] = limit
+    return chosen
+
+
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*`, `fp8_tiles.PREFILL_TILES`, `triton_block_fp8.
-    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to `decode_choices` of a `fp8_sweep.py` result; a part the sweep has no
-    rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
+    DECODE_W8A16`, `CUBLAS_ROWS_FROM` and `DECODE_TRITON_SHAPES`) to `decode_choices` of a `fp8_sweep.py` result;
+    a part the sweep has no rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8, triton_fp8_moe
 
     sweep = json.loads(Path(sweep_json).read_text())
@@ -435,7 +461,13 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_fp8_moe.DECODE_NUM_STAGES = experts["num_stages"]
     for bucket, prefill in chosen.get("experts_prefill", {}).items():
         fp8_tiles.PREFILL_TILES[bucket] = fp8_tiles.PrefillTile(*(prefill[f] for f in PREFILL_FIELDS))
-    if "dense" in chosen:
+    if "dense_shapes" in chosen:  # per shape: cuBLAS but on these
+        triton_block_fp8.DECODE_W8A16 = False
+        triton_block_fp8.CUBLAS_ROWS_FROM = 1
+        triton_block_fp8.DECODE_TRITON_SHAPES = {tuple(map(int, shape.split("x"))): rows
+                                                 for shape, rows in chosen["dense_shapes"].items()}
+        chosen["dense"] = f"cuBLAS but the Triton W8A8 tile on {chosen['dense_shapes']} (shape: up to M rows)"
+    if "dense" in chosen and isinstance(chosen["dense"], dict):
         kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
         triton_block_fp8.CUBLAS_ROWS_FROM = 1 if kernel == "cublas-block" else triton_block_fp8.DECODE_ROWS + 1
