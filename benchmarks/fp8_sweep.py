@@ -378,7 +378,7 @@ def per_channel_experts(fp8: Fp8ExpertWeights) -> Fp8ExpertWeights:
     bk = fp8.block[1]
 
     def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:
-        return rows[:, :, None].expand(-1, -1, -(-depth // bk)).contiguous()
+        return rows[:, :, None].expand(-1, -1, -(-depth // bk))  # as `Fp8ExpertWeights.share`: a K stride of 0
 
     return Fp8ExpertWeights(gate_up, blocks(gate_up_rows, gate_up.shape[2]), down, blocks(down_rows, down.shape[2]),
                             (1, bk), gate_up_rows, down_rows)

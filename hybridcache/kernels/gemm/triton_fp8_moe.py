@@ -49,7 +49,7 @@ DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "
 @triton.jit
 def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, num_experts,
                             top_k, N, K, UP_GROUP, stride_a, stride_as, stride_we, stride_wn, stride_wse,
-                            stride_wsn, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                            stride_wsn, stride_wsk, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -97,13 +97,13 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
             a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-        w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+        w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
         if not A_FP8:
             w = w.to(a.dtype)
         acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
         if SWIGLU:
             w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-            up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+            up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
             if not A_FP8:
                 w_up = w_up.to(a.dtype)
             acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
@@ -147,8 +147,9 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     if counts.shape != (num_experts,) or counts.dtype != torch.int32:
         raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
                          f"{counts.dtype}")
-    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) != 1:
-        raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales)")
+    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) > 1:
+        raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales; the weight "
+                         "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
     block_k = min(block_k, bk, 32 if a.dtype == torch.float32 else bk)
@@ -161,9 +162,9 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
         _fp8_expert_gemm_kernel[grid](
             a, a_scale if a_fp8 else a, order, weights, w_scale, out, counts, num_experts, top_k, n, depth,
             -(-n // bn), a.stride(0), a_scale.stride(0) if a_fp8 else 0, weights.stride(0), weights.stride(1),
-            w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu,
-            A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
+            w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), GATHER=gather, SCATTER=scatter,
+            SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m,
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -176,8 +177,9 @@ class Fp8ExpertWeights:
 
     gate_up [E, 2I, H] fp8 (gate rows, then up rows), gate_up_scale [E, 2 ceil(I/bn), ceil(H/bk)] fp32 (gate
     groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
-    Per-channel weights (one scale per row) also keep that scale as gate_up_rows [E, 2I] and down_rows [E, H]
-    fp32 (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their blocks being (1, bk) copies.
+    Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] and down_rows [E, H] fp32
+    (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk) views
+    of them (a K stride of 0).
     """
 
     gate_up: torch.Tensor
@@ -193,8 +195,9 @@ class Fp8ExpertWeights:
     def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
         `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
-        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale repeated over the K
-        groups (activations then quantised per token per 128 channels, finer than per token), and stay rows.
+        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale read at every K group
+        (a view with a K stride of 0; activations then quantised per token per 128 channels in the Triton
+        kernels, finer than per token), and stay rows (`gate_up_rows`, `down_rows`).
         Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
         output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
         their modules become per-channel `Fp8Linear`s holding the new weights."""
@@ -204,34 +207,36 @@ class Fp8ExpertWeights:
         bk = fmt.block[1]
         block = fmt.block if fmt.kind == "block" and not requantize else (1, bk)
 
-        def stacked(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-            """(weights [E, N, K] fp8, block scales [E, rows, K groups] fp32, row scales [E, N] or None)."""
+        def stacked(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+            """(weights [E, N, K] fp8, scales: [E, N/bn, K/bk] blocks, or [E, N] per row)."""
             weights = torch.stack([linear.weight for linear in linears])
             scales = torch.stack([linear.scale for linear in linears]).float()
             if requantize:
                 weights, scales = reference.requantize_rows(weights, scales, fmt.block)
                 for e, linear in enumerate(linears):
                     _to_channel(linear, scales[e, :, None])
-            elif fmt.kind == "block":
-                return weights, scales, None
-            rows = scales.reshape(len(linears), -1)
-            groups = -(-weights.shape[2] // bk)
-            return weights, rows[:, :, None].expand(-1, -1, groups), rows
+            return weights, scales.reshape(len(linears), -1) if block[0] == 1 else scales
 
-        gate, gate_scale, gate_rows = stacked([e.gate_proj for e in experts])
-        up, up_scale, up_rows = stacked([e.up_proj for e in experts])
-        down, down_scale, down_rows = stacked([e.down_proj for e in experts])
+        gate, gate_scale = stacked([e.gate_proj for e in experts])
+        up, up_scale = stacked([e.up_proj for e in experts])
+        down, down_scale = stacked([e.down_proj for e in experts])
         gate_up = torch.cat([gate, up], dim=1)
         del gate, up
-        gate_up_scale = torch.cat([gate_scale, up_scale], dim=1)
+        gate_up_scale = torch.cat([gate_scale, up_scale], dim=1).contiguous()
+        down_scale = down_scale.contiguous()
         inter = gate_up.shape[1] // 2
         for e, expert in enumerate(experts):
             expert.gate_proj.weight.data = gate_up[e, :inter]
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
-        gate_up_rows = None if gate_rows is None else torch.cat([gate_rows, up_rows], dim=1).contiguous()
-        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale.contiguous(), block, gate_up_rows,
-                   None if down_rows is None else down_rows.contiguous())
+        if block[0] != 1:
+            return cls(gate_up, gate_up_scale, down, down_scale, block)
+
+        def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [E, N, K groups], a K stride of 0
+            return rows[:, :, None].expand(-1, -1, -(-depth // bk))
+
+        return cls(gate_up, blocks(gate_up_scale, gate_up.shape[2]), down, blocks(down_scale, down.shape[2]), block,
+                   gate_up_scale, down_scale)
 
 
 def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
