@@ -22,9 +22,10 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 Each window is one prefill with logits at every position (its KV written to the pool and read back, so FP8 KV is
 exercised), on the device's kernel backend. Per variant: greedy agreement = the fraction of positions where its
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
-(nats), plus the held-out loss of each. `fp8-block-rowexp` is `models.quant.requantize_experts_per_channel_`
-after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA. Prints a table and writes DIR/fp8_quality.json
-(after each variant).
+(nats), plus the held-out loss of each; variants other than `fp8-block` the same against `fp8-block` too (what a
+change of format costs beside the block format's own error). `fp8-block-rowexp` is
+`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA.
+Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
 
 from __future__ import annotations
@@ -115,11 +116,17 @@ def main() -> None:
         targets = torch.cat([torch.tensor(w[1:]) for w in windows])
         loss = F.cross_entropy(torch.cat(logits[name]), targets).item()
         row = {"held_out_loss": loss} | ({"experts_requantized": requantized} if requantized else {})
+        mine = torch.cat(logits[name])
         if name != "bf16" and "bf16" in logits:
-            base, mine = torch.cat(logits["bf16"]), torch.cat(logits[name])
+            base = torch.cat(logits["bf16"])
             row["greedy_agreement"] = (base.argmax(-1) == mine.argmax(-1)).float().mean().item()
             row["mean_kl"] = F.kl_div(mine.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                       reduction="batchmean").item()
+        if name not in ("bf16", "fp8-block") and "fp8-block" in logits:  # the change against the block format
+            block = torch.cat(logits["fp8-block"])
+            row["greedy_agreement_vs_fp8_block"] = (block.argmax(-1) == mine.argmax(-1)).float().mean().item()
+            row["mean_kl_vs_fp8_block"] = F.kl_div(mine.log_softmax(-1), block.log_softmax(-1), log_target=True,
+                                                   reduction="batchmean").item()
         result["variants"][name] = row
         print(name, row, flush=True)
         out.write_text(json.dumps(result, indent=1))  # after each variant: a run cut short keeps the ones done
