@@ -64,13 +64,15 @@ def quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.
 
 
 def requantize_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                    chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked block-scaled weights [E, N, K] fp8 with scales [E, ceil(N/bn), ceil(K/bk)] -> the same weights per
     channel: ([E, N, K] fp8, scale [E, N] fp32), each row dequantised in fp32 and quantised again as
     `quantize(row, channel)` (its largest |value| maps to 448). A change of numerics: the rows' small blocks lose
-    the precision their own scales gave them. `chunk` experts at a time (the fp32 copy's memory)."""
+    the precision their own scales gave them. `chunk` experts at a time (the fp32 copy's memory; default: about
+    256 MiB of it)."""
     experts, rows, cols = weight.shape
     bn, bk = block
+    chunk = chunk or max(1, 2**28 // max(1, 4 * rows * cols))
     out = torch.empty_like(weight)
     row_scale = torch.empty((experts, rows), dtype=torch.float32, device=weight.device)
     for first in range(0, experts, chunk):
