@@ -8,14 +8,14 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk) or `fp8-rowexp` (`fp8` with the
-routed experts re-quantised per output channel at start-up, `fp8_tiles.EXPERTS_PER_CHANNEL`, so their prefill runs
-torch's row-wise scaled grouped GEMM); KV is `auto` (the model dtype)
-or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format dummy` (the default) a
-folder holds only config.json and the tokenizer and the engine draws the weights on the GPU (FP8 linears
-quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48 layers 3:1,
-hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB in FP8,
-always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with the routed experts
+re-quantised per output channel (`fp8-rowexp`) or kept block-scaled with every dense decode GEMM on cuBLAS
+(`fp8-blockexp`: the FP8 kernels before session 41; `kernel_variant`) whatever the library's defaults; KV is
+`auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
+dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
+(FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
+layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB
+in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
@@ -31,6 +31,7 @@ Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -55,7 +56,26 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp")
+
+
+@contextlib.contextmanager
+def kernel_variant(weights: str):
+    """While one run of `weights` lasts: `fp8-rowexp` re-quantises the routed experts per channel
+    (`fp8_tiles.EXPERTS_PER_CHANNEL`, read when they are stacked at start-up), `fp8-blockexp` keeps them
+    block-scaled and runs every dense FP8 decode GEMM on cuBLAS (`triton_block_fp8.DECODE_TRITON_SHAPES` empty,
+    read at every call): the FP8 kernels before session 41 in one process. The library's choices are restored."""
+    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+
+    saved = fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES
+    if weights in ("fp8-rowexp", "fp8-blockexp"):
+        fp8_tiles.EXPERTS_PER_CHANNEL = weights == "fp8-rowexp"
+    if weights == "fp8-blockexp":
+        triton_block_fp8.DECODE_TRITON_SHAPES = {}
+    try:
+        yield
+    finally:
+        fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES = saved
 
 
 def config_only_folder(model: str, path: Path) -> Path:
@@ -77,7 +97,7 @@ def config_only_folder(model: str, path: Path) -> Path:
 
 def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
     """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
-    weights = "fp8" if weights == "fp8-rowexp" else weights
+    weights = "fp8" if weights in ("fp8-rowexp", "fp8-blockexp") else weights
     if model == "80b" and weights != "fp8":
         raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
     if model == "80b" or (dummy and weights != "fp8-channel"):
@@ -215,15 +235,8 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
         result["startup_parts"] = parts.summary()
         save()
 
-    from hybridcache.kernels.gemm import fp8_tiles
-
-    library = fp8_tiles.EXPERTS_PER_CHANNEL  # read when the experts are stacked (start-up)
-    fp8_tiles.EXPERTS_PER_CHANNEL = library or weights == "fp8-rowexp"
-    try:
-        with sampler, StartupParts(cuda, parts_so_far) as parts:
-            llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
-    finally:
-        fp8_tiles.EXPERTS_PER_CHANNEL = library
+    with sampler, StartupParts(cuda, parts_so_far) as parts:
+        llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
     result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
@@ -555,10 +568,11 @@ def main() -> None:
         run: dict = {"model": model, "weights": weights, "kv": kv}
         result["runs"].append(run)
         try:
-            one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
-                    options, args.load_format == "dummy", run, save,
-                    out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent,
-                    args.startup_stacks_s)
+            with kernel_variant(weights):
+                one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
+                        options, args.load_format == "dummy", run, save,
+                        out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent,
+                        args.startup_stacks_s)
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

@@ -358,11 +358,12 @@ def bf16_expert_row(gen, fp8, deq, top_k, tokens) -> list[dict]:
 
 # `--rowwise`: the routed experts re-quantised per output channel (`reference.requantize_rows`, what
 # `Fp8ExpertWeights.share` does with `fp8_tiles.EXPERTS_PER_CHANNEL`) against the block-scaled ones, each as the
-# engine runs it at ROWWISE_TOKENS (prefill: `F.scaled_grouped_mm` row-wise, with and without fast accumulation,
-# against the Triton W8A8 prefill tile; decode: the Triton decode tile with (1, 128) scale blocks), bf16's experts
-# at each; errors of both against the block-scaled experts dequantised (the checkpoint's weights); then the dense
-# projections of a next-16b decode step at DECODE_SHAPE_ROWS rows, cuBLAS's block-scaled GEMM against the Triton
-# W8A8 swap-AB tile (`triton_block_fp8.decode_config`), each with its quantisation launch
+# engine runs it at ROWWISE_TOKENS (prefill: `F.scaled_grouped_mm` row-wise with the library's accumulation, and
+# with the other one (`fp8_tiles.ROWWISE_FAST_ACCUM`), against the Triton W8A8 prefill tile; decode: the Triton
+# decode tile with (1, 128) scale blocks), bf16's experts at each; errors of both against the block-scaled
+# experts dequantised (the checkpoint's weights); then the dense projections of a next-16b decode step at
+# DECODE_SHAPE_ROWS rows, cuBLAS's block-scaled GEMM against the Triton W8A8 swap-AB tile
+# (`triton_block_fp8.decode_config`), each with its quantisation launch
 ROWWISE_TOKENS = [16384, 4096, 1024, 256, 64, 1]
 ROWWISE_PRIORITY = {16384: 0, 64: 1, 4096: 3, 1: 4, 1024: 5, 256: 6}  # the dense shapes: 2
 NEXT16B_DENSE = {"qkvz": (12288, 4096), "attn q+gate": (8192, 4096), "out_proj / o_proj": (4096, 4096),
@@ -416,15 +417,16 @@ def rowwise_row(gen, fp8, channel, deq, top_k, tokens) -> list[dict]:
              "per-channel (engine's)": lambda: fp8_grouped_experts(x, weights, ids, channel),
              "bf16": lambda: grouped_experts(x, weights, ids, bf16)}
     if tokens * top_k > 64 * fp8.gate_up.shape[0] and DEVICE == "cuda":
+        library = fp8_tiles.ROWWISE_FAST_ACCUM
 
-        def fast() -> torch.Tensor:
-            fp8_tiles.ROWWISE_FAST_ACCUM = True
+        def other() -> torch.Tensor:  # the row-wise GEMMs with the accumulation the library does not choose
+            fp8_tiles.ROWWISE_FAST_ACCUM = not library
             try:
                 return fp8_grouped_experts(x, weights, ids, channel, rowwise=True)
             finally:
-                fp8_tiles.ROWWISE_FAST_ACCUM = False
+                fp8_tiles.ROWWISE_FAST_ACCUM = library
 
-        calls["per-channel row-wise, fast accumulation"] = fast
+        calls["per-channel row-wise, " + ("full" if library else "fast") + " accumulation"] = other
     rows = []
     for name, call in calls.items():
         try:

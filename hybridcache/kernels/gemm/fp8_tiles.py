@@ -29,10 +29,15 @@ class PrefillTile:
 
 # Per-channel experts (a compressed-tensors checkpoint, or block-scaled ones re-quantised per output channel at
 # start-up with EXPERTS_PER_CHANNEL) run above the decode sizes through torch's row-wise scaled grouped GEMM
-# (`triton_fp8_moe.rowwise_expert_rows`) when ROWWISE_PREFILL; their decode stays on the Triton tiles.
+# (`triton_fp8_moe.rowwise_expert_rows`) when ROWWISE_PREFILL, with Hopper's FP8 fast accumulation when
+# ROWWISE_FAST_ACCUM; their decode stays on the Triton tiles. `fp8_sweep.py --rowwise` on the H200 (next-16b's
+# experts at 16,384 / 4,096 / 1,024 tokens, ms): block-scaled Triton 6.26 / 1.67 / .508, row-wise 4.27 / 1.74 /
+# .664, row-wise with fast accumulation 3.74 / 1.18 / .456 (its error no larger), bf16 5.64 / 1.53 / .548; the
+# re-quantisation moves the byte LM's next-byte distributions by a third of the block format's own KL from bf16
+# (`fp8_quality.py`); docs/bench.md, "FP8 on the H200"
 ROWWISE_PREFILL = True
-ROWWISE_FAST_ACCUM = False  # Hopper's FP8 fast accumulation in those GEMMs (benchmarks: `fp8_sweep.py --rowwise`)
-EXPERTS_PER_CHANNEL = False
+ROWWISE_FAST_ACCUM = True
+EXPERTS_PER_CHANNEL = True
 
 PREFILL_SMALL_ROWS = 512
 # `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest

@@ -38,7 +38,11 @@ DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
 # (N, K) of a weight -> up to how many rows `fp8_linear` runs this kernel's W8A8 decode tile on it instead of
 # cuBLAS: the shapes where `benchmarks/fp8_sweep.py --rowwise` measured the swap-AB tile faster at decode sizes
 # (cuBLASLt runs one 128 x 128 kernel for every block-scaled shape; docs/bench.md, "FP8 on the H200")
-DECODE_TRITON_SHAPES: dict[tuple[int, int], int] = {}
+# (`fp8_sweep.py --rowwise`, next-16b's projections: the Triton tile wins at 16 rows on every shape, at 64 on the
+# shared expert's down projection alone)
+DECODE_TRITON_SHAPES: dict[tuple[int, int], int] = {
+    (12288, 4096): 16, (8192, 4096): 16, (4096, 4096): 16, (2048, 4096): 16, (1024, 4096): 16, (512, 4096): 16,
+    (4096, 1024): 64}
 
 
 @dataclass(frozen=True)
