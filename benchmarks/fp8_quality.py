@@ -24,7 +24,8 @@ exercised), on the device's kernel backend. Per variant: greedy agreement = the 
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
 (nats), plus the held-out loss of each; variants other than `fp8-block` the same against `fp8-block` too (what a
 change of format costs beside the block format's own error). `fp8-block-rowexp` is
-`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA.
+`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
+(which this script turns off, so that `fp8-block` is the checkpoint format's arithmetic).
 Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
 
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.rank_runner import DTYPES
 from hybridcache.kernels.backend import get_backend
+from hybridcache.kernels.gemm import fp8_tiles
 from hybridcache.models import load_model
 from hybridcache.models.fp8_folders import write_fp8_folder
 from hybridcache.models.quant import requantize_experts_per_channel_
@@ -95,6 +97,9 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     windows = held_out_windows(model_dir, args.window_len, args.windows)
+    # the block variants measure the checkpoint format's own arithmetic: no re-quantisation when the CUDA backend
+    # stacks the experts (fp8-block-rowexp re-quantises them itself, on any device)
+    fp8_tiles.EXPERTS_PER_CHANNEL = False
     channel_dir = Path(tempfile.mkdtemp()) / "fp8-channel"
     backend = get_backend(device)
     logits: dict[str, list[torch.Tensor]] = {}
