@@ -162,3 +162,20 @@ def test_rows_that_name_their_weight_shape_choose_the_dense_kernel_per_shape() -
     chosen = decode_choices(rows)
     assert chosen["dense_shapes"] == {"512x4096": 64, "4096x4096": 16}
     assert "dense" not in chosen and "experts" not in chosen
+
+
+def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them() -> None:
+    """`fp8_bench.kernel_variant`: fp8-rowexp re-quantises the experts, fp8-blockexp keeps them block-scaled with
+    every dense decode GEMM on cuBLAS (the kernels before session 41); other runs keep the library's choices."""
+    from benchmarks.fp8_bench import kernel_variant
+    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+
+    library = fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES)
+    with kernel_variant("fp8-blockexp"):
+        assert fp8_tiles.EXPERTS_PER_CHANNEL is False and triton_block_fp8.DECODE_TRITON_SHAPES == {}
+    with kernel_variant("fp8-rowexp"):
+        assert fp8_tiles.EXPERTS_PER_CHANNEL is True
+        assert library[1] == triton_block_fp8.DECODE_TRITON_SHAPES
+    with kernel_variant("fp8"):
+        assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
+    assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)

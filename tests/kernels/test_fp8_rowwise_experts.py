@@ -178,3 +178,32 @@ def test_cuda_rowwise_experts_against_torch(tokens, monkeypatch):
     assert got.dtype == torch.bfloat16 and rel(got, want) <= 2e-2
     triton_path = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=False)
     assert rel(got, triton_path) <= 1e-1  # per token against per token per 128 channels: e4m3 steps apart
+
+
+def test_requantize_experts_per_channel_changes_the_routed_experts_only():
+    """`models.quant.requantize_experts_per_channel_` (fp8_quality's `fp8-block-rowexp`): every routed expert's
+    block-scaled linear becomes per-channel with `requantize_rows`' numbers; the shared expert and the other
+    FP8 linears keep their block format."""
+    from hybridcache.layers.linear import Fp8Linear
+    from hybridcache.models.quant import requantize_experts_per_channel_
+
+    generator = torch.Generator().manual_seed(5)
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    mlp = model.layers[0].mlp = nn.Module()
+    mlp.experts = block_experts(256, 128, 3, generator)
+    mlp.shared_expert = block_experts(256, 128, 1, generator)[0]
+    before = {name: (module.weight.clone(), module.scale.clone()) for name, module in model.named_modules()
+              if isinstance(module, Fp8Linear)}
+    assert requantize_experts_per_channel_(model) == 9
+    for name, module in model.named_modules():
+        if not isinstance(module, Fp8Linear):
+            continue
+        weight, scale = before[name]
+        if ".experts." not in name:
+            assert module.fmt == BLOCK and torch.equal(module.weight.view(torch.uint8), weight.view(torch.uint8))
+            continue
+        want, want_scale = requantize_rows(weight[None], scale[None], BLOCK.block)
+        assert module.fmt == CHANNEL and not hasattr(module, "weight_scale_inv")
+        assert torch.equal(module.weight.view(torch.uint8), want[0].view(torch.uint8))
+        assert torch.equal(module.weight_scale, want_scale[0, :, None])
