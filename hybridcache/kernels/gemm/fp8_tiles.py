@@ -37,6 +37,7 @@ class PrefillTile:
 # (`fp8_quality.py`); docs/bench.md, "FP8 on the H200"
 ROWWISE_PREFILL = True
 ROWWISE_FAST_ACCUM = True
+ROWWISE_FULL_ACCUM_ROWS = 2048  # without fast accumulation, row-wise from this many mean rows per expert only
 EXPERTS_PER_CHANNEL = True
 
 PREFILL_SMALL_ROWS = 512

@@ -285,7 +285,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
     W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
     launch); more: per-channel experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM
-    (`rowwise_expert_rows`; `rowwise` True / False forces it or the Triton kernels), else W8A8 with
+    (`rowwise_expert_rows`; without fast accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert;
+    `rowwise` True / False forces it or the Triton kernels), else W8A8 with
     `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
     W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
@@ -299,7 +300,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     decode_tile = tile_rows(order.numel(), num_experts)
     if rowwise is None:
         rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
-                   and rowwise_fits(x, experts))
+                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or order.numel()
+                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * num_experts))
     if rowwise:
         return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
     if decode_tile is not None and prefill is None:
