@@ -10,8 +10,8 @@
   both stay within the re-quantisation's error of the block-scaled experts.
 - On CUDA (skipped without one): the row-wise path against the same arithmetic in torch (x quantised per token,
   the GEMMs on the FP8 numbers, gate/up rounded to bf16, h quantised per row), with uneven expert counts and an
-  expert with no rows, with full accumulation (2e-2 of the largest output) and with the library's fast
-  accumulation (1e-1, and 2e-2 in the Frobenius norm); `fp8_grouped_experts` takes it for per-channel experts
+  expert with no rows, with full accumulation (2e-2 of the largest output) and with fast accumulation (1e-1,
+  and 5e-2 in the Frobenius norm); `fp8_grouped_experts` takes it for per-channel experts
   above the decode sizes.
 """
 
@@ -178,15 +178,16 @@ def test_cuda_rowwise_experts_against_torch(tokens, monkeypatch):
     original = triton_fp8_moe.rowwise_expert_rows
     monkeypatch.setattr(triton_fp8_moe, "rowwise_expert_rows", lambda *a: calls.append(1) or original(*a))
     want = emulated_rowwise(x, top_weights, top_ids, stacked)
-    # fast accumulation (the library's): Hopper's FP8 accumulator keeps fewer bits, so gate/up rounds to other
-    # bf16 values and a row's h to other e4m3 ones; per element the outputs stay within those steps (an indexing
-    # or scale bug is O(1) everywhere)
+    # fast accumulation: Hopper's FP8 accumulator keeps fewer bits, so gate/up rounds to other bf16 values and a
+    # row's h to other e4m3 ones (on the CPU, this emulation with gate/up and y off by 1e-4 relative is 2.3e-2
+    # from it at the largest output, 5.5e-3 in the Frobenius norm; 1e-3: 2.6e-2, 1.4e-2); an indexing or scale
+    # bug is O(1) everywhere
     monkeypatch.setattr(fp8_tiles, "ROWWISE_FAST_ACCUM", True)
     got = fp8_grouped_experts(x, top_weights, top_ids, stacked)
     assert calls, "per-channel experts above the decode sizes take the row-wise scaled grouped GEMM"
-    assert got.dtype == torch.bfloat16 and rel(got, want) <= 1e-1 and fro(got, want) <= 2e-2
+    assert got.dtype == torch.bfloat16 and rel(got, want) <= 1e-1 and fro(got, want) <= 5e-2
     # full accumulation (forced: by itself it starts at ROWWISE_FULL_ACCUM_ROWS rows per expert): the same FP8
-    # numbers, the GEMMs' fp32 sums in another order, which can flip an e4m3 rounding of h (a few % of one term)
+    # numbers, the GEMMs' fp32 sums in another order (on the CPU, 1e-6 relative noise there: 3e-3)
     monkeypatch.setattr(fp8_tiles, "ROWWISE_FAST_ACCUM", False)
     assert rel(fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True), want) <= 2e-2
     triton_path = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=False)
