@@ -8,12 +8,14 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk); KV is `auto` (the model dtype)
-or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format dummy` (the default) a
-folder holds only config.json and the tokenizer and the engine draws the weights on the GPU (FP8 linears
-quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48 layers 3:1,
-hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB in FP8,
-always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with the routed experts
+re-quantised per output channel (`fp8-rowexp`) or kept block-scaled with every dense decode GEMM on cuBLAS
+(`fp8-blockexp`: the FP8 kernels before session 41; `kernel_variant`) whatever the library's defaults; KV is
+`auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
+dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
+(FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
+layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB
+in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
@@ -29,6 +31,7 @@ Prints a side-by-side table and writes DIR/fp8_bench.json (DIR: --out, else $OUT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import io
@@ -53,7 +56,26 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp")
+
+
+@contextlib.contextmanager
+def kernel_variant(weights: str):
+    """While one run of `weights` lasts: `fp8-rowexp` re-quantises the routed experts per channel
+    (`fp8_tiles.EXPERTS_PER_CHANNEL`, read when they are stacked at start-up), `fp8-blockexp` keeps them
+    block-scaled and runs every dense FP8 decode GEMM on cuBLAS (`triton_block_fp8.DECODE_TRITON_SHAPES` empty,
+    read at every call): the FP8 kernels before session 41 in one process. The library's choices are restored."""
+    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+
+    saved = fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES
+    if weights in ("fp8-rowexp", "fp8-blockexp"):
+        fp8_tiles.EXPERTS_PER_CHANNEL = weights == "fp8-rowexp"
+    if weights == "fp8-blockexp":
+        triton_block_fp8.DECODE_TRITON_SHAPES = {}
+    try:
+        yield
+    finally:
+        fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES = saved
 
 
 def config_only_folder(model: str, path: Path) -> Path:
@@ -75,6 +97,7 @@ def config_only_folder(model: str, path: Path) -> Path:
 
 def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
     """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
+    weights = "fp8" if weights in ("fp8-rowexp", "fp8-blockexp") else weights
     if model == "80b" and weights != "fp8":
         raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
     if model == "80b" or (dummy and weights != "fp8-channel"):
@@ -370,11 +393,12 @@ def decode_choices(rows: list[dict]) -> dict:
     the bucket was swept at (`--quick`: 256 and 1,024 tokens; `--prefill`: 1,024, 4,096 and 16,384; 1,024 or
     16,384 alone if a cut-short sweep has fewer than two tiles at every size); "dense", the dense kernel at
     M <= 64 summed over the shapes and row counts
-    (swap-AB tiles and cuBLAS); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
+    (swap-AB tiles and cuBLAS), or, where the rows name their weight shape, "dense_shapes" instead
+    (`dense_shape_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
-    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] != "bf16"
+    decode = [r for r in rows if r.get("experts") and r["tokens"] <= 64 and r["kernel"] in ("w8a8", "w8a16")
               and "group_m" not in r]  # (a prefill tile's row, e.g. a CPU smoke test's, is no decode tile)
     found = fastest(decode, lambda r: (r["kernel"], r["block_n"], bool(r.get("swap_ab")), r.get("num_warps", 4),
                                        r.get("num_stages", 3)),
@@ -399,6 +423,10 @@ def decode_choices(rows: list[dict]) -> dict:
         chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
              and (r.get("tile") or {}).get("swap_ab", True)]
+    shapes = dense_shape_choices(dense)
+    if shapes:
+        chosen["dense_shapes"] = shapes
+        return chosen
     found = fastest(dense, lambda r: (r["kernel"],), lambda r: (r["shape"], r["M"]))
     if found:
         (kernel,), sums, _ = found
@@ -406,10 +434,31 @@ def decode_choices(rows: list[dict]) -> dict:
     return chosen
 
 
+def dense_shape_choices(rows: list[dict]) -> dict[str, int]:
+    """Per weight shape ("NxK") of dense decode rows that name it (`N`, `K`): the most rows M up to which the
+    Triton W8A8 swap-AB tile beat cuBLAS's block-scaled GEMM at every M measured (`triton_block_fp8.
+    DECODE_TRITON_SHAPES`); shapes where cuBLAS won at the smallest M are left out."""
+    times: dict[tuple[int, int], dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if "N" in r and "K" in r and r["kernel"] in ("w8a8", "cublas-block") and r.get("err", 0.0) < MAX_SWEEP_ERR:
+            per_kernel = times.setdefault((r["N"], r["K"]), {}).setdefault(r["M"], {})
+            per_kernel[r["kernel"]] = min(per_kernel.get(r["kernel"], float("inf")), r["ms"])
+    chosen = {}
+    for (n, k), per_m in sorted(times.items()):
+        limit = 0
+        for m, ms in sorted(per_m.items()):
+            if not ms.get("w8a8", float("inf")) < ms.get("cublas-block", float("inf")):
+                break
+            limit = m
+        if limit:
+            chosen[f"{n}x{k}"] = limit
+    return chosen
+
+
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*`, `fp8_tiles.PREFILL_TILES`, `triton_block_fp8.
-    DECODE_W8A16` and `CUBLAS_ROWS_FROM`) to `decode_choices` of a `fp8_sweep.py` result; a part the sweep has no
-    rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
+    DECODE_W8A16`, `CUBLAS_ROWS_FROM` and `DECODE_TRITON_SHAPES`) to `decode_choices` of a `fp8_sweep.py` result;
+    a part the sweep has no rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8, triton_fp8_moe
 
     sweep = json.loads(Path(sweep_json).read_text())
@@ -425,7 +474,13 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_fp8_moe.DECODE_NUM_STAGES = experts["num_stages"]
     for bucket, prefill in chosen.get("experts_prefill", {}).items():
         fp8_tiles.PREFILL_TILES[bucket] = fp8_tiles.PrefillTile(*(prefill[f] for f in PREFILL_FIELDS))
-    if "dense" in chosen:
+    if "dense_shapes" in chosen:  # per shape: cuBLAS but on these
+        triton_block_fp8.DECODE_W8A16 = False
+        triton_block_fp8.CUBLAS_ROWS_FROM = 1
+        triton_block_fp8.DECODE_TRITON_SHAPES = {tuple(map(int, shape.split("x"))): rows
+                                                 for shape, rows in chosen["dense_shapes"].items()}
+        chosen["dense"] = f"cuBLAS but the Triton W8A8 tile on {chosen['dense_shapes']} (shape: up to M rows)"
+    if "dense" in chosen and isinstance(chosen["dense"], dict):
         kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
         triton_block_fp8.CUBLAS_ROWS_FROM = 1 if kernel == "cublas-block" else triton_block_fp8.DECODE_ROWS + 1
@@ -513,10 +568,11 @@ def main() -> None:
         run: dict = {"model": model, "weights": weights, "kv": kv}
         result["runs"].append(run)
         try:
-            one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
-                    options, args.load_format == "dummy", run, save,
-                    out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent,
-                    args.startup_stacks_s)
+            with kernel_variant(weights):
+                one_run(model, weights, kv, root, phase_list(args.kv_fp8_phases if kv == "fp8" else args.phases),
+                        options, args.load_format == "dummy", run, save,
+                        out_path.parent if args.profile_prefix_hit else None, profile_parts, out_path.parent,
+                        args.startup_stacks_s)
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

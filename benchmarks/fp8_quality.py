@@ -15,13 +15,18 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 | `bf16` (the baseline) | the folder's, in bf16 | bf16 |
 | `fp8-block` | `quantization="fp8"` (128 x 128) | bf16 |
 | `fp8-channel` | the folder written per-channel by `write_fp8_folder` | bf16 |
+| `fp8-block-rowexp` | 128 x 128, routed experts re-quantised per channel (their CUDA prefill: row-wise) | bf16 |
 | `kv-fp8` | bf16 | float8_e4m3fn, scales 1.0 |
 | `fp8-block+kv-fp8` | 128 x 128 | float8_e4m3fn |
 
 Each window is one prefill with logits at every position (its KV written to the pool and read back, so FP8 KV is
 exercised), on the device's kernel backend. Per variant: greedy agreement = the fraction of positions where its
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
-(nats), plus the held-out loss of each. Prints a table and writes DIR/fp8_quality.json (after each variant).
+(nats), plus the held-out loss of each; variants other than `fp8-block` the same against `fp8-block` too (what a
+change of format costs beside the block format's own error). `fp8-block-rowexp` is
+`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
+(which this script turns off, so that `fp8-block` is the checkpoint format's arithmetic).
+Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
 
 from __future__ import annotations
@@ -40,14 +45,17 @@ import torch.nn.functional as F
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.rank_runner import DTYPES
 from hybridcache.kernels.backend import get_backend
+from hybridcache.kernels.gemm import fp8_tiles
 from hybridcache.models import load_model
 from hybridcache.models.fp8_folders import write_fp8_folder
+from hybridcache.models.quant import requantize_experts_per_channel_
 from hybridcache.state_spec import DevicePools
 
 VARIANTS = {  # name: (weights, kv_fp8)
     "bf16": ("dense", False),
     "fp8-block": ("block", False),
     "fp8-channel": ("channel", False),
+    "fp8-block-rowexp": ("block-rowexp", False),
     "kv-fp8": ("dense", True),
     "fp8-block+kv-fp8": ("block", True),
 }
@@ -89,6 +97,9 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     windows = held_out_windows(model_dir, args.window_len, args.windows)
+    # the block variants measure the checkpoint format's own arithmetic: no re-quantisation when the CUDA backend
+    # stacks the experts (fp8-block-rowexp re-quantises them itself, on any device)
+    fp8_tiles.EXPERTS_PER_CHANNEL = False
     channel_dir = Path(tempfile.mkdtemp()) / "fp8-channel"
     backend = get_backend(device)
     logits: dict[str, list[torch.Tensor]] = {}
@@ -102,18 +113,25 @@ def main() -> None:
         if weights == "channel":
             folder = channel_dir if (channel_dir / "config.json").is_file() else write_fp8_folder(
                 model_dir, channel_dir, "channel")
-        model = load_model(folder, dtype=dtype, device=device, quantization="fp8" if weights == "block" else None,
-                           kv_fp8=kv_fp8)
+        model = load_model(folder, dtype=dtype, device=device,
+                           quantization="fp8" if weights.startswith("block") else None, kv_fp8=kv_fp8)
+        requantized = requantize_experts_per_channel_(model) if weights == "block-rowexp" else 0
         logits[name] = [window_logits(model, backend, w[:-1], dtype, device).cpu() for w in windows]
         del model
         targets = torch.cat([torch.tensor(w[1:]) for w in windows])
         loss = F.cross_entropy(torch.cat(logits[name]), targets).item()
-        row = {"held_out_loss": loss}
+        row = {"held_out_loss": loss} | ({"experts_requantized": requantized} if requantized else {})
+        mine = torch.cat(logits[name])
         if name != "bf16" and "bf16" in logits:
-            base, mine = torch.cat(logits["bf16"]), torch.cat(logits[name])
+            base = torch.cat(logits["bf16"])
             row["greedy_agreement"] = (base.argmax(-1) == mine.argmax(-1)).float().mean().item()
             row["mean_kl"] = F.kl_div(mine.log_softmax(-1), base.log_softmax(-1), log_target=True,
                                       reduction="batchmean").item()
+        if name not in ("bf16", "fp8-block") and "fp8-block" in logits:  # the change against the block format
+            block = torch.cat(logits["fp8-block"])
+            row["greedy_agreement_vs_fp8_block"] = (block.argmax(-1) == mine.argmax(-1)).float().mean().item()
+            row["mean_kl_vs_fp8_block"] = F.kl_div(mine.log_softmax(-1), block.log_softmax(-1), log_target=True,
+                                                   reduction="batchmean").item()
         result["variants"][name] = row
         print(name, row, flush=True)
         out.write_text(json.dumps(result, indent=1))  # after each variant: a run cut short keeps the ones done

@@ -356,6 +356,109 @@ def bf16_expert_row(gen, fp8, deq, top_k, tokens) -> list[dict]:
              "kernel": "bf16", "err": rel(call(), want), "ms": timed([call])}]
 
 
+# `--rowwise`: the routed experts re-quantised per output channel (`reference.requantize_rows`, what
+# `Fp8ExpertWeights.share` does with `fp8_tiles.EXPERTS_PER_CHANNEL`) against the block-scaled ones, each as the
+# engine runs it at ROWWISE_TOKENS (prefill: `F.scaled_grouped_mm` row-wise with the library's accumulation, and
+# with the other one (`fp8_tiles.ROWWISE_FAST_ACCUM`), against the Triton W8A8 prefill tile; decode: the Triton
+# decode tile with (1, 128) scale blocks), bf16's experts at each; errors of both against the block-scaled
+# experts dequantised (the checkpoint's weights); then the dense projections of a next-16b decode step at
+# DECODE_SHAPE_ROWS rows, cuBLAS's block-scaled GEMM against the Triton W8A8 swap-AB tile
+# (`triton_block_fp8.decode_config`), each with its quantisation launch
+ROWWISE_TOKENS = [16384, 4096, 1024, 256, 64, 1]
+ROWWISE_PRIORITY = {16384: 0, 64: 1, 4096: 3, 1: 4, 1024: 5, 256: 6}  # the dense shapes: 2
+NEXT16B_DENSE = {"qkvz": (12288, 4096), "attn q+gate": (8192, 4096), "out_proj / o_proj": (4096, 4096),
+                 "shared gate_up": (2048, 4096), "shared gate / up": (1024, 4096), "attn k / v": (512, 4096),
+                 "shared down": (4096, 1024)}
+DECODE_SHAPE_ROWS = [64, 16]
+
+
+def per_channel_experts(fp8: Fp8ExpertWeights) -> Fp8ExpertWeights:
+    """`fp8` re-quantised per output channel as `Fp8ExpertWeights.share` does (`fp8_tiles.EXPERTS_PER_CHANNEL`)."""
+    gate_up, gate_up_rows = reference.requantize_rows(fp8.gate_up, fp8.gate_up_scale, fp8.block)
+    down, down_rows = reference.requantize_rows(fp8.down, fp8.down_scale, fp8.block)
+    bk = fp8.block[1]
+
+    def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:
+        return rows[:, :, None].expand(-1, -1, -(-depth // bk))  # as `Fp8ExpertWeights.share`: a K stride of 0
+
+    return Fp8ExpertWeights(gate_up, blocks(gate_up_rows, gate_up.shape[2]), down, blocks(down_rows, down.shape[2]),
+                            (1, bk), gate_up_rows, down_rows)
+
+
+def rowwise_items(gen: torch.Generator):
+    """(priority, closure) items of `--rowwise` (above)."""
+    experts, top_k, hidden, inter = (32, 8, 4096, 1024) if DEVICE == "cuda" else (4, 2, 256, 128)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5
+    q_gu = [reference.quantize(w, BLOCK) for w in gate_up]
+    q_d = [reference.quantize(w, BLOCK) for w in down]
+    del gate_up, down
+    fp8 = Fp8ExpertWeights(torch.stack([w for w, _ in q_gu]), torch.stack([s for _, s in q_gu]),
+                           torch.stack([w for w, _ in q_d]), torch.stack([s for _, s in q_d]), BLOCK.block)
+    deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
+           "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
+    del q_gu, q_d
+    channel = per_channel_experts(fp8)
+    items = [(ROWWISE_PRIORITY.get(tokens, 9), lambda tokens=tokens: rowwise_row(gen, fp8, channel, deq, top_k,
+                                                                                tokens)) for tokens in ROWWISE_TOKENS]
+    items += [(2, lambda name=name, shape=shape: decode_shape_rows(gen, name, *shape))
+              for name, shape in NEXT16B_DENSE.items()]
+    return sorted(items, key=lambda item: item[0])
+
+
+def rowwise_row(gen, fp8, channel, deq, top_k, tokens) -> list[dict]:
+    from hybridcache.kernels.gemm import fp8_tiles
+    from hybridcache.kernels.moe.grouped import ExpertWeights, grouped_experts
+
+    x, weights, ids, want = expert_case(gen, fp8, deq, top_k, tokens)
+    base = {"experts": "next-16b", "tokens": tokens, "rows_per_expert": tokens * top_k // fp8.gate_up.shape[0]}
+    bf16 = ExpertWeights(deq["gu"].to(torch.bfloat16), deq["d"].to(torch.bfloat16))
+    calls = {"block (engine's)": lambda: fp8_grouped_experts(x, weights, ids, fp8),
+             "per-channel (engine's)": lambda: fp8_grouped_experts(x, weights, ids, channel),
+             "bf16": lambda: grouped_experts(x, weights, ids, bf16)}
+    if tokens * top_k > 64 * fp8.gate_up.shape[0] and DEVICE == "cuda":
+        library = fp8_tiles.ROWWISE_FAST_ACCUM
+
+        def other() -> torch.Tensor:  # the row-wise GEMMs with the accumulation the library does not choose
+            fp8_tiles.ROWWISE_FAST_ACCUM = not library
+            try:
+                return fp8_grouped_experts(x, weights, ids, channel, rowwise=True)
+            finally:
+                fp8_tiles.ROWWISE_FAST_ACCUM = library
+
+        calls["per-channel row-wise, " + ("full" if library else "fast") + " accumulation"] = other
+    rows = []
+    for name, call in calls.items():
+        try:
+            rows.append(base | {"kernel": name, "err": rel(call(), want), "ms": timed([call])})
+        except Exception as error:
+            traceback.print_exc()
+            rows.append(base | {"kernel": name, "error": repr(error)[:300]})
+    return rows
+
+
+def decode_shape_rows(gen, name, n, k) -> list[dict]:
+    """One next-16b dense FP8 projection at `DECODE_SHAPE_ROWS` rows: cuBLAS block scales vs the Triton W8A8
+    swap-AB decode tile (both with their quantisation launch), bf16's `F.linear` beside them."""
+    from hybridcache.kernels.gemm.triton_block_fp8 import decode_config
+
+    dense = torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5
+    w, s = reference.quantize(dense, BLOCK)
+    del dense
+    ws = [(w.clone(), s.clone()) for _ in range(copies(w.numel()))]
+    wbf = [reference.dequantize(a, b, BLOCK, torch.bfloat16) for a, b in ws[: copies(2 * w.numel())]]
+    w32 = reference.dequantize(w, s, BLOCK, torch.float32)
+    rows = []
+    for m in DECODE_SHAPE_ROWS:
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)
+        base = {"shape": f"next-16b {name}", "N": n, "K": k, "M": m}
+        rows.append(base | {"kernel": "bf16", "ms": timed([lambda b=b, x=x: F.linear(x, b) for b in wbf])})
+        rows.append(decode_row(x, ws, w32, "w8a8", decode_config(m)) | base)
+        if DECODE_CUBLAS:
+            rows.append(decode_row(x, ws, w32, "cublas-block", None) | base)
+    return rows
+
+
 def quant_check(gen: torch.Generator) -> dict:
     x = (torch.randn(300, 4096, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 4096, device=DEVICE))
     x = x.to(torch.bfloat16)
@@ -386,6 +489,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="next-16b's experts: W8A8 swap-AB decode tiles at "
                         "T = 64 and 1, W8A8 prefill tiles at 256 and 1,024, bf16 at each; then qkvz and 28,672 x "
                         "8,192 at M = 64 and 1 (swap-AB tiles and cuBLAS)")
+    parser.add_argument("--rowwise", action="store_true", help="the routed experts re-quantised per channel (row-wise "
+                        "scaled grouped GEMM for prefill) against the block-scaled ones and bf16 at 16,384 to 1 "
+                        "tokens; then next-16b's dense FP8 projections at 64 and 16 rows, cuBLAS against Triton")
     parser.add_argument("--prefill", action="store_true", help="only the routed experts' W8A8 prefill tiles at "
                         "16,384 / 4,096 / 1,024 tokens (next-16b: 4,096 / 1,024 / 256 rows per expert), bf16's "
                         "experts there, and the gate/up GEMM alone against torch's grouped GEMMs")
@@ -419,6 +525,10 @@ def main() -> None:
         PREFILL_TOKENS[:] = [64] if PREFILL_TOKENS else []
         GEMM_TOKENS[:] = [64] if GEMM_TOKENS else []
         PREFILL_PLANS[:] = PREFILL_PLANS[:2] + [PrefillTile(32, 32, 64, 4, 3, 2)] if PREFILL_PLANS else []
+        ROWWISE_TOKENS[:] = [64, 1]
+        for name in list(NEXT16B_DENSE)[1:]:
+            del NEXT16B_DENSE[name]
+        NEXT16B_DENSE[next(iter(NEXT16B_DENSE))] = (96, 256)
     start = time.perf_counter()
     gen = torch.Generator(DEVICE).manual_seed(0)
     out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_sweep.json"
@@ -426,7 +536,10 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "quant": quant_check(gen),
               "rows": [], "skipped": 0}
     print(result["quant"], flush=True)
-    items = sorted(dense_items(gen) + expert_items(gen), key=lambda item: item[0])
+    if args.rowwise:
+        items = rowwise_items(gen)
+    else:
+        items = sorted(dense_items(gen) + expert_items(gen), key=lambda item: item[0])
     for _, item in items:
         if time.perf_counter() - start > args.budget_s:
             result["skipped"] += 1

@@ -140,3 +140,42 @@ def test_the_prefill_tiles_are_chosen_per_bucket_of_rows_per_expert_and_set_in_t
     choose_decode_kernels(str(sweep))
     assert fp8_tiles.PREFILL_TILES["small"] == fp8_tiles.PrefillTile(64, 128, 128, 8, 3, 0)
     assert fp8_tiles.PREFILL_TILES["large"] == fp8_tiles.PrefillTile(128, 128, 256, 8, 4, 8)
+
+
+def shaped(n: int, k: int, m: int, kernel: str, ms: float) -> dict:
+    return {"shape": f"next-16b {n}x{k}", "N": n, "K": k, "M": m, "kernel": kernel, "err": 0.003, "ms": ms,
+            "tile": None if kernel == "cublas-block" else {"block_m": 64, "block_n": 64, "swap_ab": True}}
+
+
+def test_rows_that_name_their_weight_shape_choose_the_dense_kernel_per_shape() -> None:
+    """Per shape, Triton up to the most rows at which it won at every M measured; a shape where cuBLAS wins at
+    the smallest M is left out (cuBLAS), even where Triton wins at a larger one; the bf16 rows and the routed
+    experts' row-wise rows of `fp8_sweep.py --rowwise` are no candidates."""
+    rows = []
+    for n, k, triton_16, triton_64 in ((512, 4096, 0.005, 0.006), (4096, 4096, 0.010, 0.030),
+                                       (12288, 4096, 0.030, 0.020)):
+        rows += [shaped(n, k, 16, "w8a8", triton_16), shaped(n, k, 16, "cublas-block", 0.012),
+                 shaped(n, k, 64, "w8a8", triton_64), shaped(n, k, 64, "cublas-block", 0.025),
+                 shaped(n, k, 64, "bf16", 0.001)]
+    rows += [{"experts": "next-16b", "tokens": 64, "kernel": "per-channel (engine's)", "err": 0.04, "ms": 0.01},
+             {"experts": "next-16b", "tokens": 1, "kernel": "block (engine's)", "err": 0.04, "ms": 0.01}]
+    chosen = decode_choices(rows)
+    assert chosen["dense_shapes"] == {"512x4096": 64, "4096x4096": 16}
+    assert "dense" not in chosen and "experts" not in chosen
+
+
+def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them() -> None:
+    """`fp8_bench.kernel_variant`: fp8-rowexp re-quantises the experts, fp8-blockexp keeps them block-scaled with
+    every dense decode GEMM on cuBLAS (the kernels before session 41); other runs keep the library's choices."""
+    from benchmarks.fp8_bench import kernel_variant
+    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+
+    library = fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES)
+    with kernel_variant("fp8-blockexp"):
+        assert fp8_tiles.EXPERTS_PER_CHANNEL is False and triton_block_fp8.DECODE_TRITON_SHAPES == {}
+    with kernel_variant("fp8-rowexp"):
+        assert fp8_tiles.EXPERTS_PER_CHANNEL is True
+        assert library[1] == triton_block_fp8.DECODE_TRITON_SHAPES
+    with kernel_variant("fp8"):
+        assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
+    assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)

@@ -2,8 +2,9 @@
 interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
 here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
 (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
-down), the quantisation kernel. The swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32
-rows on the MMA's M side Triton falls back to mma.sync)."""
+down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row). The swap-AB tiles
+must reach Hopper's wgmma (the reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to
+mma.sync)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ pytest.importorskip("triton")
 
 from hybridcache.kernels.gemm.triton_block_fp8 import _fp8_gemm_kernel  # noqa: E402
 from hybridcache.kernels.gemm.triton_fp8_moe import _fp8_expert_gemm_kernel  # noqa: E402
-from hybridcache.kernels.gemm.triton_quant import _quantize_groups_kernel  # noqa: E402
+from hybridcache.kernels.gemm.triton_quant import (  # noqa: E402
+    _quantize_groups_kernel,
+    _swiglu_quantize_rows_kernel,
+)
 from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
 
@@ -33,12 +37,13 @@ def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
     (False, 16, 64, True, True, 4, 0), (False, 32, 64, True, False, 4, 0), (True, 32, 64, True, True, 4, 0),
     (True, 64, 128, False, True, 8, 0), (True, 64, 128, False, False, 4, 0), (True, 64, 128, False, True, 8, 8),
     (True, 128, 64, False, True, 8, 8), (True, 128, 128, False, False, 8, 8), (True, 64, 256, False, False, 8, 8)])
-def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps, group_m):
+@pytest.mark.parametrize("group_n", [128, 1], ids=["block", "per-channel"])
+def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps, group_m, group_n):
     pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
                 "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
     ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
-            "stride_wse", "stride_wsn", "stride_out"]
-    constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=128, GROUP_K=128,
+            "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
+    constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=group_n, GROUP_K=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
                      GROUP_M=group_m)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
@@ -50,3 +55,11 @@ def test_quantize_groups_compiles_for_hopper():
     ints = ["M", "K", "num_groups", "stride_x", "stride_q", "stride_sm", "stride_sg"]
     compiled = compile_for_hopper(_quantize_groups_kernel, pointers, ints, dict(GROUP=128, CHUNK=16, QMAX=448.0))
     assert "e4m3" in compiled.asm["ptx"]  # the conversion to FP8
+
+
+@pytest.mark.parametrize("block", [1024, 512])
+def test_swiglu_quantize_rows_compiles_for_hopper(block):
+    pointers = {"h_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    compiled = compile_for_hopper(_swiglu_quantize_rows_kernel, pointers, ["M", "N", "stride_h", "stride_q"],
+                                  dict(BLOCK=block, QMAX=448.0))
+    assert "e4m3" in compiled.asm["ptx"]

@@ -27,6 +27,20 @@ class PrefillTile:
     group_m: int = 0  # 0: a 2-D grid; else row tiles in groups of group_m (`triton_fp8_moe.fp8_expert_gemm`)
 
 
+# Per-channel experts (a compressed-tensors checkpoint, or block-scaled ones re-quantised per output channel at
+# start-up with EXPERTS_PER_CHANNEL) run above the decode sizes through torch's row-wise scaled grouped GEMM
+# (`triton_fp8_moe.rowwise_expert_rows`) when ROWWISE_PREFILL, with Hopper's FP8 fast accumulation when
+# ROWWISE_FAST_ACCUM; their decode stays on the Triton tiles. `fp8_sweep.py --rowwise` on the H200 (next-16b's
+# experts at 16,384 / 4,096 / 1,024 tokens, ms): block-scaled Triton 6.26 / 1.67 / .508, row-wise 4.27 / 1.74 /
+# .664, row-wise with fast accumulation 3.74 / 1.18 / .456 (its error no larger), bf16 5.64 / 1.53 / .548; the
+# re-quantisation moves the byte LM's next-byte distributions by a third of the block format's own KL from bf16
+# (`fp8_quality.py`, full accumulation; fast accumulation's is not measured on it, so it stays off);
+# docs/bench.md, "FP8 on the H200"
+ROWWISE_PREFILL = True
+ROWWISE_FAST_ACCUM = False
+ROWWISE_FULL_ACCUM_ROWS = 2048  # without fast accumulation, row-wise from this many mean rows per expert only
+EXPERTS_PER_CHANNEL = True
+
 PREFILL_SMALL_ROWS = 512
 # `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest
 # in both buckets (docs/bench.md, "FP8 on the H200")

@@ -63,6 +63,29 @@ def quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, torch.
     return q, scale
 
 
+def requantize_rows(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked block-scaled weights [E, N, K] fp8 with scales [E, ceil(N/bn), ceil(K/bk)] -> the same weights per
+    channel: ([E, N, K] fp8, scale [E, N] fp32), each row dequantised in fp32 and quantised again as
+    `quantize(row, channel)` (its largest |value| maps to 448). A change of numerics: the rows' small blocks lose
+    the precision their own scales gave them. `chunk` experts at a time (the fp32 copy's memory; default: about
+    256 MiB of it)."""
+    experts, rows, cols = weight.shape
+    bn, bk = block
+    chunk = chunk or max(1, 2**28 // max(1, 4 * rows * cols))
+    out = torch.empty_like(weight)
+    row_scale = torch.empty((experts, rows), dtype=torch.float32, device=weight.device)
+    for first in range(0, experts, chunk):
+        part = slice(first, first + chunk)
+        s = scale[part].float().repeat_interleave(bn, dim=1)[:, :rows].repeat_interleave(bk, dim=2)[:, :, :cols]
+        w = weight[part].float() * s
+        amax = w.abs().amax(dim=2, keepdim=True)
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        out[part] = (w / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        row_scale[part] = s[:, :, 0]
+    return out, row_scale
+
+
 def quantize_groups(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations x [M, K] -> (xq [M, K] fp8, scale [M, ceil(K/group)] fp32): dynamic per token per `group`
     channels (DeepSeek-V3). x = xq * scale up to fp8 rounding."""

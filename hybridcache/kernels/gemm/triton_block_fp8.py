@@ -35,6 +35,14 @@ CUBLAS_ROWS_FROM = 1  # from this many rows, cuBLAS's block-scaled GEMM where it
 DECODE_ROWS = 64  # otherwise, up to this many rows: this kernel with the decode tiles (`decode_config`)
 DECODE_W8A16 = False  # the decode tiles in W8A16 (no quantisation launch), else W8A8
 DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
+# (N, K) of a weight -> up to how many rows `fp8_linear` runs this kernel's W8A8 decode tile on it instead of
+# cuBLAS: the shapes where `benchmarks/fp8_sweep.py --rowwise` measured the swap-AB tile faster at decode sizes
+# (cuBLASLt runs one 128 x 128 kernel for every block-scaled shape; docs/bench.md, "FP8 on the H200")
+# (`fp8_sweep.py --rowwise`, next-16b's projections: the Triton tile wins at 16 rows on every shape, at 64 on the
+# shared expert's down projection alone)
+DECODE_TRITON_SHAPES: dict[tuple[int, int], int] = {
+    (12288, 4096): 16, (8192, 4096): 16, (4096, 4096): 16, (2048, 4096): 16, (1024, 4096): 16, (512, 4096): 16,
+    (4096, 1024): 64}
 
 
 @dataclass(frozen=True)
@@ -176,8 +184,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: cuBLAS's block-scaled GEMM
     (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
-    N % 128 == K % 512 == 0); else this kernel, W8A8 (or W8A16 with `DECODE_W8A16`) with `decode_config` up to
-    `DECODE_ROWS` rows and `PREFILL_TILE` above (the choices measured: docs/kernels.md "Quantization")."""
+    N % 128 == K % 512 == 0), but not up to `DECODE_TRITON_SHAPES`' rows on its shapes; else this kernel, W8A8
+    (or W8A16 with `DECODE_W8A16`) with `decode_config` up to `DECODE_ROWS` rows and `PREFILL_TILE` above (the
+    choices measured: docs/kernels.md "Quantization")."""
     from hybridcache.kernels.gemm import scaled_mm
 
     lead = x.shape[:-1]
@@ -186,7 +195,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
         rows = rows.contiguous()
     m = rows.shape[0]
     group = fmt.block[1] if fmt.kind == "block" else 128
-    if m >= CUBLAS_ROWS_FROM and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
+    cublas = m >= CUBLAS_ROWS_FROM and m > DECODE_TRITON_SHAPES.get((weight.shape[0], weight.shape[1]), 0)
+    if cublas and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
         out = scaled_mm.block_fp8_linear(rows, weight, scale)
     elif m <= DECODE_ROWS and DECODE_W8A16:
         out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))

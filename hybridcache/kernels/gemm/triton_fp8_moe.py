@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import nn
 
-from hybridcache.fp8_format import FP8_DTYPE
-from hybridcache.kernels.gemm import fp8_tiles, triton_quant
+from hybridcache.fp8_format import CHANNEL, FP8_DTYPE
+from hybridcache.kernels.gemm import fp8_tiles, reference, triton_quant
 from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
@@ -48,7 +49,7 @@ DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "
 @triton.jit
 def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, out_ptr, counts_ptr, num_experts,
                             top_k, N, K, UP_GROUP, stride_a, stride_as, stride_we, stride_wn, stride_wse,
-                            stride_wsn, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                            stride_wsn, stride_wsk, stride_out, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
@@ -96,13 +97,13 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
             a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-        w_scale = tl.load(ws_base + gate_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+        w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
         if not A_FP8:
             w = w.to(a.dtype)
         acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
         if SWIGLU:
             w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-            up_scale = tl.load(ws_base + up_groups + group, mask=col_ok, other=0.0).to(tl.float32)
+            up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
             if not A_FP8:
                 w_up = w_up.to(a.dtype)
             acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
@@ -146,8 +147,9 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     if counts.shape != (num_experts,) or counts.dtype != torch.int32:
         raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
                          f"{counts.dtype}")
-    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) != 1:
-        raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales)")
+    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) > 1:
+        raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales; the weight "
+                         "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
     block_k = min(block_k, bk, 32 if a.dtype == torch.float32 else bk)
@@ -160,9 +162,9 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
         _fp8_expert_gemm_kernel[grid](
             a, a_scale if a_fp8 else a, order, weights, w_scale, out, counts, num_experts, top_k, n, depth,
             -(-n // bn), a.stride(0), a_scale.stride(0) if a_fp8 else 0, weights.stride(0), weights.stride(1),
-            w_scale.stride(0), w_scale.stride(1), out.stride(0), GATHER=gather, SCATTER=scatter, SWIGLU=swiglu,
-            A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
+            w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), GATHER=gather, SCATTER=scatter,
+            SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m,
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -171,10 +173,13 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
 
 @dataclass(frozen=True)
 class Fp8ExpertWeights:
-    """Block-scaled FP8 expert weights stacked for the grouped GEMM.
+    """FP8 expert weights stacked for the grouped GEMM.
 
     gate_up [E, 2I, H] fp8 (gate rows, then up rows), gate_up_scale [E, 2 ceil(I/bn), ceil(H/bk)] fp32 (gate
     groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
+    Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] and down_rows [E, H] fp32
+    (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk) views
+    of them (a K stride of 0).
     """
 
     gate_up: torch.Tensor
@@ -182,57 +187,123 @@ class Fp8ExpertWeights:
     down: torch.Tensor
     down_scale: torch.Tensor
     block: tuple[int, int]
+    gate_up_rows: torch.Tensor | None = None
+    down_rows: torch.Tensor | None = None
 
     @classmethod
     @torch.no_grad()
-    def share(cls, experts: Sequence[nn.Module]) -> Fp8ExpertWeights:
+    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
         `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
-        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale repeated over the K
-        groups (activations then quantised per token per 128 channels, finer than per token)."""
+        memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale read at every K group
+        (a view with a K stride of 0; activations then quantised per token per 128 channels in the Triton
+        kernels, finer than per token), and stay rows (`gate_up_rows`, `down_rows`).
+        Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
+        output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
+        their modules become per-channel `Fp8Linear`s holding the new weights."""
         fmt = experts[0].gate_proj.fmt
-        block = fmt.block if fmt.kind == "block" else (1, 128)
+        per_channel = fp8_tiles.EXPERTS_PER_CHANNEL if per_channel is None else per_channel
+        requantize = fmt.kind == "block" and per_channel
+        bk = fmt.block[1]
+        block = fmt.block if fmt.kind == "block" and not requantize else (1, bk)
 
-        def blocks(linears: list[nn.Module]) -> torch.Tensor:  # [E, rows, K groups]: one stack per projection
+        def stacked(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor]:
+            """(weights [E, N, K] fp8, scales: [E, N/bn, K/bk] blocks, or [E, N] per row)."""
+            weights = torch.stack([linear.weight for linear in linears])
             scales = torch.stack([linear.scale for linear in linears]).float()
-            if fmt.kind == "block":
-                return scales
-            groups = -(-linears[0].weight.shape[1] // block[1])
-            return scales.reshape(len(linears), -1, 1).expand(-1, -1, groups)
+            if requantize:
+                weights, scales = reference.requantize_rows(weights, scales, fmt.block)
+                for e, linear in enumerate(linears):
+                    _to_channel(linear, scales[e, :, None])
+            return weights, scales.reshape(len(linears), -1) if block[0] == 1 else scales
 
-        gates, ups, downs = ([getattr(e, name) for e in experts] for name in ("gate_proj", "up_proj", "down_proj"))
-        gate_up = torch.cat([torch.stack([g.weight for g in gates]), torch.stack([u.weight for u in ups])], dim=1)
-        gate_up_scale = torch.cat([blocks(gates), blocks(ups)], dim=1)
-        down = torch.stack([d.weight for d in downs])
-        down_scale = blocks(downs).contiguous()
+        gate, gate_scale = stacked([e.gate_proj for e in experts])
+        up, up_scale = stacked([e.up_proj for e in experts])
+        down, down_scale = stacked([e.down_proj for e in experts])
+        gate_up = torch.cat([gate, up], dim=1)
+        del gate, up
+        gate_up_scale = torch.cat([gate_scale, up_scale], dim=1).contiguous()
+        down_scale = down_scale.contiguous()
         inter = gate_up.shape[1] // 2
         for e, expert in enumerate(experts):
             expert.gate_proj.weight.data = gate_up[e, :inter]
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
-        return cls(gate_up, gate_up_scale.contiguous(), down, down_scale, block)
+        if block[0] != 1:
+            return cls(gate_up, gate_up_scale, down, down_scale, block)
+
+        def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [E, N, K groups], a K stride of 0
+            return rows[:, :, None].expand(-1, -1, -(-depth // bk))
+
+        return cls(gate_up, blocks(gate_up_scale, gate_up.shape[2]), down, blocks(down_scale, down.shape[2]), block,
+                   gate_up_scale, down_scale)
+
+
+def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
+    """Make a block-scaled `Fp8Linear` per-channel with `scale` [N, 1] (its weight is set by the caller)."""
+    delattr(linear, linear.fmt.scale_name)
+    linear.fmt = CHANNEL
+    linear.register_parameter(CHANNEL.scale_name, nn.Parameter(scale, requires_grad=False))
+
+
+def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
+                        experts: Fp8ExpertWeights) -> torch.Tensor:
+    """y [T*k, H] in sorted order (`combine` through `pair_rows`): per-channel experts by two of torch's row-wise
+    scaled grouped GEMMs (`F.scaled_grouped_mm`, CUTLASS on sm90), as bf16's `moe.grouped.expert_rows_grouped`:
+    x quantised per token (`triton_quant.quantize_rows`) and its rows gathered in sorted order, then
+    silu(gate) * up quantised per row in one launch (`triton_quant.swiglu_quantize_rows`)."""
+    ends = counts.cumsum(0, dtype=torch.int32)
+    xq, x_scale = triton_quant.quantize_rows(x)
+    tokens = order // top_k
+    xq = xq.index_select(0, tokens)
+    x_scale = x_scale.reshape(-1).index_select(0, tokens)
+    rowwise = F.ScalingType.RowWise
+    fast = {"use_fast_accum": True} if fp8_tiles.ROWWISE_FAST_ACCUM else {}
+    gate_up = F.scaled_grouped_mm(xq, experts.gate_up.transpose(1, 2), x_scale, rowwise, experts.gate_up_rows,
+                                  rowwise, offs=ends, output_dtype=x.dtype, **fast)
+    h, h_scale = triton_quant.swiglu_quantize_rows(gate_up)
+    return F.scaled_grouped_mm(h, experts.down.transpose(1, 2), h_scale, rowwise, experts.down_rows, rowwise,
+                               offs=ends, output_dtype=x.dtype, **fast)
+
+
+def rowwise_fits(x: torch.Tensor, experts: Fp8ExpertWeights) -> bool:
+    """Whether `fp8_grouped_experts` may take `rowwise_expert_rows` above the decode sizes: per-channel experts,
+    bf16 on CUDA, `fp8_tiles.ROWWISE_PREFILL`, a torch with `F.scaled_grouped_mm`, and widths that are multiples
+    of 16 (its TMA rule)."""
+    return (fp8_tiles.ROWWISE_PREFILL and experts.gate_up_rows is not None and x.is_cuda
+            and x.dtype == torch.bfloat16 and hasattr(F, "scaled_grouped_mm")
+            and experts.gate_up.shape[1] % 32 == 0 and experts.gate_up.shape[2] % 16 == 0)
 
 
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
                         block_n: int | None = None, prefill: PrefillTile | None = None,
-                        **tile: int | bool) -> torch.Tensor:
+                        rowwise: bool | None = None, **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
     Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
     W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
-    launch); more: W8A8 with `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
+    launch); more: per-channel experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM
+    (`rowwise_expert_rows`; without fast accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert;
+    `rowwise` True / False forces it or the Triton kernels), else W8A8 with
+    `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
     W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
     choice is made from shapes alone, so captured and eager runs agree."""
-    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
+    from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs, tile_rows
 
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(order.numel(), num_experts)
+    if rowwise is None:
+        rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
+                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or order.numel()
+                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * num_experts))
+    if rowwise:
+        return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
     if decode_tile is not None and prefill is None:
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
                        num_stages=DECODE_NUM_STAGES)
@@ -259,8 +330,9 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
-    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, and the W8A8 prefill path
-    with its quantisation at each `fp8_tiles.PREFILL_TILES` tile."""
+    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
+    with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
+    where it runs."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
@@ -274,3 +346,5 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
         fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
         fp8_grouped_experts(token, weights, ids, experts, prefill=prefill)
+    if rowwise_fits(token, experts):
+        fp8_grouped_experts(token, weights, ids, experts, rowwise=True)

@@ -67,3 +67,35 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
         raise ValueError(f"quantize_rows: x [M, K] needed, got {list(x.shape)}")
     return quantize_groups(x, max(16, triton.next_power_of_2(x.shape[1])))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _swiglu_quantize_rows_kernel(h_ptr, q_ptr, s_ptr, M, N, stride_h, stride_q, BLOCK: tl.constexpr,
+                                 QMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < N
+    gate = tl.load(h_ptr + row * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * stride_h + N + cols, mask=ok, other=0.0).to(tl.float32)
+    a = gate * tl.sigmoid(gate) * up
+    scale = tl.maximum(tl.max(tl.abs(a), axis=0), 1e-12) / QMAX
+    q = tl.clamp(tl.math.div_rn(a, scale), -QMAX, QMAX)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def swiglu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [M, 2N] (gate columns [0, N), up columns [N, 2N); unit stride on them) -> (aq [M, N] float8_e4m3fn,
+    scale [M] fp32): a = silu(gate) * up in fp32, quantised per row as `reference.quantize_rows(a)` (the per-row
+    FP8 experts' SwiGLU and their down GEMM's activation quantisation in one launch, `triton_fp8_moe`)."""
+    if h.dim() != 2 or h.stride(1) != 1 or h.shape[1] % 2:
+        raise ValueError(f"swiglu_quantize_rows: h [M, 2N] with unit stride needed, got {list(h.shape)}")
+    rows, width = h.shape
+    n = width // 2
+    q = torch.empty((rows, n), dtype=FP8_DTYPE, device=h.device)
+    scale = torch.empty((rows,), dtype=torch.float32, device=h.device)
+    if rows and n:
+        block = triton.next_power_of_2(n)
+        _swiglu_quantize_rows_kernel[(rows,)](h, q, scale, rows, n, h.stride(0), q.stride(0), BLOCK=block,
+                                              QMAX=FP8_MAX, num_warps=4 if block <= 2048 else 8)
+    return q, scale
