@@ -1,7 +1,7 @@
 """Where the milliseconds of gpu_bench's + 200 request go (phase C's second request, issue 32).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/prefill_profile.py [--model next-1b] [--model-dir DIR]
-        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--label NAME] [--out DIR]
+        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--ab] [--label NAME] [--out DIR]
         [--load-format auto|dummy]
 
 The request: a cold `--prefix`-token prompt, then the same prompt + `--new` tokens through `LLM.generate` (one
@@ -25,7 +25,9 @@ fresh pairs are measured, each + 200 request three ways:
 The cycle collector's runs (count and ms by generation, `gc.callbacks`) are counted over the free-running requests,
 and every Triton compile after the engine's start-up is logged (gpu_bench's `CompileLog`: by part, in the JSON).
 `--phase-a`: then gpu_bench's phase A on the same engine (its p50 and the collector's runs; the cache cleared
-first), so that one engine start-up gives both of issue 32's small-prefill figures.
+first), so that one engine start-up gives both of issue 32's small-prefill figures. `--ab`: the free-running runs
+(and phase A) also with the whole-step graphs of one-sequence steps off (`engine/prefill_graphs.SequenceGraphs`:
+the piecewise path), in the same process: whole, pieces, whole.
 
 Runs against any tree with the same `LLM` API (main's, for a same-call before). Prints tables; writes
 DIR/prefill_profile_<model>.json (DIR: --out, else $OUT, else .).
@@ -134,6 +136,10 @@ class PartTimer:
         prefill = getattr(runner, "_prefill", None)
         if prefill is not None:
             self.wrap(prefill, "run", "forward: layers (replays + eager cores)")
+            whole = getattr(prefill, "sequence", None)
+            if whole is not None:
+                self.wrap(whole, "load", "forward: load (whole-step graph)")
+                self.wrap(whole, "run", "forward: layers (whole-step graph)")
         self.wrap(runner.model, "forward_tail", "forward: tail (norm, logits)")
         self.wrap(engine, "_sample", "sample")
         self.wrap(engine, "_complete", "postprocess")
@@ -278,6 +284,9 @@ def main() -> None:
                         help="dummy: a folder of config.json + tokenizer, random weights drawn on the device (next-16b "
                              "without writing 33 GB)")
     parser.add_argument("--phase-a", action="store_true", help="then gpu_bench's phase A on the same engine")
+    parser.add_argument("--ab", action="store_true",
+                        help="with whole-step graphs (one-sequence steps), also the free-running runs and phase A with "
+                             "them off (the piecewise path), in the same process: whole, pieces, whole")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every length (the pair's and phase A's, as gpu_bench's --scale): smoke tests")
     parser.add_argument("--out", default=None)
@@ -316,6 +325,13 @@ def main() -> None:
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
         print_parts("free-running", result["free"])
         out_path.write_text(json.dumps(result, indent=1))
+        if args.ab and whole_graphs(llm) is not None:
+            with pieces_only(llm):
+                result["free_pieces"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+            print_parts("free-running, whole-step graphs off (pieces)", result["free_pieces"])
+            result["free_again"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+            print_parts("free-running, whole-step graphs on again", result["free_again"])
+            out_path.write_text(json.dumps(result, indent=1))
         result["synced"] = timed_parts(llm, timer, rng, args, 1, sync=True) | {"new": args.new}
         print_parts("each part synced", result["synced"])
         out_path.write_text(json.dumps(result, indent=1))
@@ -327,9 +343,25 @@ def main() -> None:
     if args.phase_a:
         compiles.label = "phase A"
         result["phase_a"] = phase_a_timed(llm)
+        if args.ab and whole_graphs(llm) is not None:
+            with pieces_only(llm):
+                result["phase_a_pieces"] = phase_a_timed(llm)
     result["kernels_compiled"] = compiles.by_label
     print(f"Triton compiles after start-up: {({k: len(v) for k, v in compiles.by_label.items()}) or 'none'}")
     out_path.write_text(json.dumps(result, indent=1))
+
+
+def whole_graphs(llm: LLM):
+    """The runner's whole-step graphs of one-sequence steps (`prefill_graphs.SequenceGraphs`), or None (eager, or
+    a tree without them)."""
+    return getattr(getattr(llm.engine.runner, "_prefill", None), "sequence", None)
+
+
+def pieces_only(llm: LLM):
+    """Within the block one-sequence steps run piecewise, as before the whole-step graphs."""
+    from gpu_bench import sequence_graphs_off
+
+    return sequence_graphs_off(llm.engine.runner)
 
 
 def phase_a_timed(llm: LLM) -> dict:

@@ -51,7 +51,7 @@ from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, tabl
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
-from hybridcache.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, prefill_graph_sizes
 from hybridcache.engine.spec_chain import next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -272,7 +272,7 @@ class ModelRunner:
                                        num_blocks=num_blocks, kernel_block_size=kernel_block_size, dtype=dtype)
             self._prefill = self._capture_prefill(
                 min(max_model_len, num_blocks * block_size, max_num_batched_tokens), block_size=block_size,
-                kernel_block_size=kernel_block_size)
+                kernel_block_size=kernel_block_size, max_model_len=max_model_len)
 
     def _capture_drafting(self, *, max_num_seqs: int, max_model_len: int, num_slots: int, num_blocks: int,
                           kernel_block_size: int, dtype: torch.dtype) -> None:
@@ -477,9 +477,15 @@ class ModelRunner:
         """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within
         `without_replay`, run split and eagerly), then the model's tail eagerly on the step's rows."""
         prefill = self._prefill
-        prepared = self.backend.prepare(batch)
-        prefill.load(batch)
-        hidden, pending = prefill.run(prepared, size, replay=self._replay)
+        whole = prefill.sequence
+        if whole is not None and whole.bucket(batch) == size:  # one sequence, one graph (`SequenceGraphs`)
+            whole.load(batch)
+            hidden, pending = whole.run(batch.query_lens_cpu[0], size, replay=self._replay)
+            prepared = batch  # (the tail reads the step's rows and slot, no backend metadata)
+        else:
+            prepared = self.backend.prepare(batch)
+            prefill.load(batch)
+            hidden, pending = prefill.run(prepared, size, replay=self._replay)
         keep = self.mtp_head is not None
         logits, normed = self.model.forward_tail(hidden, pending, prepared, self.pools, self.backend,
                                                  keep_hidden=keep)
@@ -487,7 +493,8 @@ class ModelRunner:
             self.step_hidden = normed
         return logits
 
-    def _capture_prefill(self, max_tokens: int, *, block_size: int, kernel_block_size: int) -> PrefillGraphs | None:
+    def _capture_prefill(self, max_tokens: int, *, block_size: int, kernel_block_size: int,
+                         max_model_len: int | None = None) -> PrefillGraphs | None:
         """Capture the piecewise prefill graphs of every bucket up to `max_tokens` (the step budget, and what the
         pools hold of one sequence), largest first, in the decode graphs' memory pool; each bucket is warmed on
         a fresh sequence of its size on slot 0 and blocks 0.. (nothing holds them at start-up). Logs the device
@@ -516,11 +523,33 @@ class ModelRunner:
         prefill.keep_captured()
         if not prefill.sizes:
             return None
+        if max_model_len is not None and getattr(self.backend, "masks_padding_rows", False):
+            self._capture_sequence(prefill, max_model_len=max_model_len, kernel_block_size=kernel_block_size)
         torch.cuda.empty_cache()
         self.prefill_graph_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", prefill.sizes,
                     self.prefill_graph_bytes / 2**20)
         return prefill
+
+    def _capture_sequence(self, prefill: PrefillGraphs, *, max_model_len: int, kernel_block_size: int) -> None:
+        """The whole-step graphs of one-sequence steps (`prefill_graphs.SequenceGraphs`) for the piecewise
+        buckets, largest first, on the scratch slot and page; a bucket whose capture raises is logged and left
+        to the pieces."""
+        whole = SequenceGraphs(self.model, self.backend, self.pools, prefill,
+                               table_width=table_width(-(-max_model_len // kernel_block_size)),
+                               max_model_len=max_model_len, scratch_slot=self.scratch_slot,
+                               scratch_page=self.scratch_page, kernel_block_size=kernel_block_size)
+        with torch.inference_mode():
+            for size in reversed(prefill.sizes):
+                try:
+                    whole.capture(size)
+                except RuntimeError as error:
+                    logger.warning("whole-step graph of %d tokens not captured (such steps run piecewise): %r",
+                                   size, error)
+                    torch.cuda.synchronize(self.device)
+        if whole.graphs:
+            prefill.sequence = whole
+            logger.info("whole-step graphs of one-sequence steps: token buckets %s", tuple(sorted(whole.graphs)))
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of
