@@ -419,7 +419,8 @@ class SequenceGraphs:
 
     def capture(self, size: int) -> None:
         """Capture bucket `size` (CUDA): the static buffers are set to a `size`-token step on the scratch slot and
-        page (all the warm-up run writes), run once eagerly (compiles, autotuning), then captured."""
+        page (all the warm-up run and the first replay write), run once eagerly (compiles, autotuning), captured,
+        and replayed once."""
         self.cu_seqlens[1] = size
         self.context_lens.fill_(size)
         self.kv_rows.copy_(self.pad_kv_rows)
@@ -435,6 +436,8 @@ class SequenceGraphs:
             self.outputs[size] = self._forward(size)
         self.pool = graph.pool()
         self.graphs[size] = graph
+        graph.replay()  # the first launch uploads the graph to the device: at start-up, not in a request
+        torch.cuda.synchronize(self.device)
 
     def reset(self) -> None:
         for graph in self.graphs.values():
