@@ -307,9 +307,10 @@ def main() -> None:
     result: dict = {"model": args.model, "label": args.label, "prefix": args.prefix, "new": args.new,
                     "engine_s": time.perf_counter() - start,
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
-                    "prefill_graphs": list(getattr(llm.engine.runner, "prefill_graph_sizes", ()))}
-    print(f"{args.model} {args.label}: engine in {result['engine_s']:.1f} s, prefill graphs {result['prefill_graphs']}",
-          flush=True)
+                    "prefill_graphs": list(getattr(llm.engine.runner, "prefill_graph_sizes", ())),
+                    "whole_step_graphs": sorted(getattr(whole_graphs(llm), "graphs", ()))}
+    print(f"{args.model} {args.label}: engine in {result['engine_s']:.1f} s, prefill graphs "
+          f"{result['prefill_graphs']}, whole-step graphs {result['whole_step_graphs']}", flush=True)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"prefill_profile_{args.model}{'_' + args.label if args.label else ''}.json"
