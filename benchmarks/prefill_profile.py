@@ -45,6 +45,7 @@ import os
 import pstats
 import random
 import statistics
+import string
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -153,6 +154,29 @@ class PartTimer:
 
     def reset(self) -> None:
         self.times, self.calls = {}, {}
+
+
+def host_probe(llm: LLM) -> dict:
+    """How fast this process's host runs, apart from the engine: a fixed pure-Python loop and the tokeniser on a
+    fixed 16,200-letter text (medians of 5, ms), the load average and the CPUs' mean clock (MHz, /proc/cpuinfo).
+    Taken after start-up and at the end, so that a slow process (the first on a fresh machine) shows whether the
+    host itself or the engine's code is slow."""
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+    text = "".join(random.Random(7).choices(string.ascii_lowercase, k=16_200))  # (not `letters`: no --scale)
+    mhz = []
+    with contextlib.suppress(OSError):
+        mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("cpu MHz")]
+    return {"python_loop_ms": median_ms(lambda: sum(i * i for i in range(200_000))),
+            "tokenise_16200_ms": median_ms(lambda: llm.engine.tokenizer.encode(text)),
+            "loadavg": list(os.getloadavg()), "cpu_mhz_mean": statistics.fmean(mhz) if mhz else None}
 
 
 def generate_ms(llm: LLM, prompt: str, cached: list[int] | None = None) -> float:
@@ -321,6 +345,8 @@ def main() -> None:
         _, longer = pair(llm, rng, args.prefix, args.new)
         generate_ms(llm, longer)
     compiles.label = "profile"
+    result["host_probe_start"] = host_probe(llm)
+    print(f"host probe after start-up: {result['host_probe_start']}", flush=True)
     timer = PartTimer(device)
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
@@ -347,6 +373,8 @@ def main() -> None:
         if args.ab and whole_graphs(llm) is not None:
             with pieces_only(llm):
                 result["phase_a_pieces"] = phase_a_timed(llm)
+    result["host_probe_end"] = host_probe(llm)
+    print(f"host probe at the end: {result['host_probe_end']}", flush=True)
     result["kernels_compiled"] = compiles.by_label
     print(f"Triton compiles after start-up: {({k: len(v) for k, v in compiles.by_label.items()}) or 'none'}")
     out_path.write_text(json.dumps(result, indent=1))
