@@ -174,8 +174,16 @@ def host_probe(llm: LLM) -> dict:
     with contextlib.suppress(OSError):
         mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
                if line.startswith("cpu MHz")]
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # (read by tokenizers at each call)
+    serial = median_ms(lambda: llm.engine.tokenizer.encode(text))
+    if saved is None:
+        del os.environ["TOKENIZERS_PARALLELISM"]
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = saved
     return {"python_loop_ms": median_ms(lambda: sum(i * i for i in range(200_000))),
             "tokenise_16200_ms": median_ms(lambda: llm.engine.tokenizer.encode(text)),
+            "tokenise_16200_no_parallelism_ms": serial,
             "loadavg": list(os.getloadavg()), "cpu_mhz_mean": statistics.fmean(mhz) if mhz else None}
 
 
