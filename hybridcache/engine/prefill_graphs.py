@@ -60,9 +60,10 @@ from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.step import Core, StepContext
 from hybridcache.state_spec import DevicePools
 
-# The token buckets captured: a step of T tokens runs the smallest one >= T. Up to 1,024 so that phase A-like
-# requests (a cached prefix plus a few hundred new tokens) replay; more tokens are device-bound anyway.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024)
+# The token buckets captured: a step of T tokens runs the smallest one >= T. Up to 4,096: phase A-like requests
+# (a cached prefix plus a few hundred new tokens) and their cold first turns (prompts of 2,200-2,600 tokens, which
+# next-1b's device runs in ~15 ms against ~20 ms of eager launches) replay; longer steps are device-bound.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096)
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:

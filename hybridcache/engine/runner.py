@@ -31,9 +31,11 @@ the padding row a fresh 3-token sequence on the scratch slot, its draft rows and
 kind keep the final-norm hidden rows for the MTP head (`step_hidden`), whose drafting after a uniform step replays
 graphs of its own (`engine/draft_graphs.py`; one device only).
 
-Every other text step of up to 1,024 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
+Every other text step of up to 4,096 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
 the forward cut at its layers' cores (paged attention, the DeltaNet recurrence), the pieces between them replayed
-per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`).
+per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`); a step of one
+sequence that extends a context it holds replays all of it, cores included, as one graph per bucket
+(`prefill_graphs.SequenceGraphs`).
 """
 
 from __future__ import annotations
