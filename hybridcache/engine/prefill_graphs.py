@@ -298,10 +298,9 @@ class _CaptureCores:
 
 
 def is_sequence_step(batch: ForwardBatch) -> bool:
-    """One text sequence (`is_piecewise`) extending a context it already holds (context_len > query_len: a prefix
-    hit, a chunked prompt's later chunk), with no verify rows: the steps `SequenceGraphs` replay whole."""
-    return (is_piecewise(batch) and batch.num_seqs == 1 and batch.draft_rows is None
-            and batch.context_lens_cpu[0] > batch.query_lens_cpu[0])
+    """One text sequence (`is_piecewise`) with no verify rows, fresh or extending a context it holds: the steps
+    `SequenceGraphs` replay whole."""
+    return is_piecewise(batch) and batch.num_seqs == 1 and batch.draft_rows is None
 
 
 class _MaskPadding:
@@ -329,8 +328,10 @@ class SequenceGraphs:
     cu_seqlens[1] (the conv and fla through the sequence's bounds, the attention prefill kernel through its
     query length), so rows T..B-1 are padding: their KV rows point at the scratch page (chosen on the device,
     in the graph), their core outputs are zeroed (`_MaskPadding`), and they never reach the state slot.
-    Only steps whose sequence is not fresh run here: the graph's batch claims a context longer than its
-    rows, so the DeltaNet layers read the slot's state without the fresh mask (a fresh step runs piecewise).
+    The graph's batch claims a context of `max_model_len` on the host (the attention prefill's key splits are
+    sized for it; the kernels cut them from the device lengths) and a fresh sequence to the DeltaNet layers, whose
+    fresh mask is a buffer the graph fills from the device lengths (context_len == query_len: the slot's old
+    state is read as zeros), so one graph serves fresh sequences and prefix hits alike.
 
     Needs a backend whose cores mask by the device lengths (`CudaBackend`, `masks_padding_rows`); the reference
     kernels loop over the host lengths. `run(..., replay=False)` runs the very same work eagerly on the static
@@ -348,6 +349,7 @@ class SequenceGraphs:
         self.input_ids, self.positions = inputs.input_ids, inputs.positions  # shared with the pieces
         self.cu_seqlens = torch.tensor([0, biggest], dtype=torch.int32, device=device)
         self.cu_seqlens64 = torch.zeros(2, dtype=torch.int64, device=device)  # fla's copy, made in the graph
+        self.fresh = torch.zeros(1, dtype=torch.bool, device=device)  # the DeltaNet layers' mask, made in the graph
         self.context_lens = torch.full((1,), biggest, dtype=torch.int32, device=device)
         self.state_slots = torch.full((1,), scratch_slot, dtype=torch.int64, device=device)
         self.block_tables = torch.full((1, table_width), scratch_page, dtype=torch.int32, device=device)
@@ -382,8 +384,10 @@ class SequenceGraphs:
         self.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
 
     def _static_batch(self, size: int) -> ForwardBatch:
-        """The prepared batch of bucket `size`: one sequence of `size` rows claiming a longer context (not fresh;
-        the grids depend on `size` alone), fla's int64 cu_seqlens swapped for the buffer the graph fills."""
+        """The prepared batch of bucket `size`: one sequence of `size` rows (the grids depend on `size` alone)
+        prepared as a context of max_model_len (the attention's metadata), then claiming to the layers a fresh
+        sequence (its host context length `size`), with fla's int64 cu_seqlens and the fresh mask swapped for
+        the buffers the graph fills."""
         batch = ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size], cu_seqlens=self.cu_seqlens,
             context_lens=self.context_lens, block_tables=self.block_tables, kv_rows=self.write_rows[:size],
@@ -392,17 +396,16 @@ class SequenceGraphs:
         )
         prepared = self.backend.prepare(batch)
         metadata = prepared.metadata
-        if getattr(metadata, "fresh", None) is not None:
-            raise RuntimeError("a whole-step graph's batch must not build the fresh mask")
-        if hasattr(metadata, "cu_seqlens"):
-            prepared = dataclasses.replace(prepared, metadata=dataclasses.replace(metadata,
-                                                                                  cu_seqlens=self.cu_seqlens64))
-        return prepared
+        if not hasattr(metadata, "cu_seqlens") or not hasattr(metadata, "fresh"):
+            raise RuntimeError(f"whole-step graphs need the CUDA backend's metadata, got {type(metadata).__name__}")
+        metadata = dataclasses.replace(metadata, cu_seqlens=self.cu_seqlens64, fresh=self.fresh)
+        return dataclasses.replace(prepared, context_lens_cpu=(size,), metadata=metadata)
 
     def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What a graph holds: the device-side geometry (fla's cu_seqlens, the rows the cores write), then the
         layers on the static batch."""
         self.cu_seqlens64.copy_(self.cu_seqlens)
+        torch.eq(self.context_lens, self.cu_seqlens[1], out=self.fresh)
         padding = self.rows[:size] >= self.cu_seqlens[1]
         torch.where(padding, self.pad_kv_rows[:size], self.kv_rows[:size], out=self.write_rows[:size])
         return self.model.forward_layers(self.prepared[size], self.pools, self.backend,

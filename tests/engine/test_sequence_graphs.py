@@ -27,10 +27,10 @@ def batch_of(*chunks: SeqChunk, device: torch.device | str = "cpu"):
 
 
 def test_which_steps_are_sequence_steps():
-    """One text sequence extending what it holds: yes. Fresh, two sequences, given embeddings: no."""
+    """One text sequence, fresh or extending what it holds: yes. Two sequences, given embeddings: no."""
     ids = list(range(40))
     assert is_sequence_step(batch_of(SeqChunk(ids, 160, list(range(13)), 0)))
-    assert not is_sequence_step(batch_of(SeqChunk(ids, 0, list(range(3)), 0)))  # fresh
+    assert is_sequence_step(batch_of(SeqChunk(ids, 0, list(range(3)), 0)))  # fresh
     two = batch_of(SeqChunk(ids, 160, list(range(13)), 0), SeqChunk([1], 30, [20, 21], 1))
     assert not is_sequence_step(two)
     hit = batch_of(SeqChunk(ids, 160, list(range(13)), 0))
@@ -75,10 +75,11 @@ def _cuda_runner(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
                     reason="needs CUDA and the cuda extra")
 def test_cuda_sequence_graphs_equal_eager_and_pieces(tmp_path):
-    """A 160-token prompt (piecewise: fresh), then three steps extending it by 40, 64 and 100 tokens (buckets 64,
-    64 with no padding row, 128): each replayed whole, then (pools restored) the same static batch eagerly, then
-    the pieces. Whole replay == eager, logits and pools, bit for bit; == the pieces in logits and in every pool
-    row but the scratch page's (the padding rows' KV)."""
+    """A fresh 160-token prompt (bucket 256: its slot holds another sequence's state, which it must not read), then
+    three steps extending it by 40, 64 and 100 tokens (buckets 64, 64 with no padding row, 128): each replayed
+    whole, then (pools restored) the same static batch eagerly, then the pieces. Whole replay == eager, logits
+    and pools, bit for bit; == the pieces in logits and in every pool row but the scratch page's (the padding
+    rows' KV)."""
     runner = _cuda_runner(tmp_path)
     prefill = runner._prefill
     assert prefill is not None and prefill.sequence is not None
@@ -87,11 +88,11 @@ def test_cuda_sequence_graphs_equal_eager_and_pieces(tmp_path):
     device = runner.device
     gen = torch.Generator().manual_seed(0)
     blocks = list(range(25))
-    runner.execute(batch_of(SeqChunk(torch.randint(0, 300, (160,), generator=gen).tolist(), 0, blocks, 0),
-                            device=device))
-    start = 160
+    runner.execute(batch_of(SeqChunk(torch.randint(0, 300, (300,), generator=gen).tolist(), 0, blocks, 0),
+                            device=device))  # slot 0 and the pages now hold a sequence the next one replaces
+    start = 0
     pages = slice(0, runner.scratch_page)  # the pages a sequence can own (the scratch page is last)
-    for new in (40, 64, 100):
+    for new in (160, 40, 64, 100):
         batch = batch_of(SeqChunk(torch.randint(0, 300, (new,), generator=gen).tolist(), start, blocks, 0),
                          device=device)
         assert whole.bucket(batch) is not None
