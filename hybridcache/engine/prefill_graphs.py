@@ -43,7 +43,8 @@ give bit-identical results, and on the CPU, which has no graphs, that split forw
 with the unsplit one.
 
 Only text steps (no input embeddings given, no M-RoPE positions) of 1 to `max(sizes)` tokens that the decode or
-verify graphs did not take run here; anything else, and everything under `enforce_eager`, runs eagerly.
+verify graphs did not take run here; anything else, and everything under `enforce_eager`, runs eagerly. Of these, a
+step of one sequence (no drafts) replays a whole-step graph instead, cores included (`SequenceGraphs`, below).
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ graphs of its own (`engine/draft_graphs.py`; one device only).
 Every other text step of up to 4,096 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
 the forward cut at its layers' cores (paged attention, the DeltaNet recurrence), the pieces between them replayed
 per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`); a step of one
-sequence that extends a context it holds replays all of it, cores included, as one graph per bucket
-(`prefill_graphs.SequenceGraphs`).
+sequence replays all of it, cores included, as one graph per bucket (`prefill_graphs.SequenceGraphs`).
 """
 
 from __future__ import annotations
