@@ -6,7 +6,8 @@ its keys split across programs (`triton_paged.prefill_splits`, issue 32).
 One sequence of N new tokens over C keys (its cached context plus itself) in a bf16 pool of pages of `--page`,
 Qwen3-Next's attention (Hq 16, Hkv 2, D 256): the kernel alone, median device ms of `--reps` launches (CUDA events,
 after warm-up), with 1 split and with the count `prefill_splits` picks, and the largest difference of the two
-outputs (bf16 rounding of sums taken in another order). Shapes: phase C's + 200 request (200 over 16,200), phase A's
+outputs (bf16 rounding of sums taken in another order); for the first shape, every split count from 2 to
+MAX_PREFILL_SPLITS. Shapes: phase C's + 200 request (200 over 16,200), phase A's
 prefix hits (300-960 over 2,400-3,900), a 16-token step over 16,016, a 1,024-token chunk over 16,000.
 Prints a table; writes DIR/attention_prefill_bench.json (DIR: --out, else $OUT, else .).
 """
@@ -74,10 +75,16 @@ def main() -> None:
 
         one, split = time_ms(lambda: run(1), args.reps), time_ms(lambda fn=run, s=splits: fn(s), args.reps)
         diff = (run(1).float() - run(splits).float()).abs().max().item()
+        sweep = {}
+        if (new, context) == SHAPES[0]:  # the + 200 request: every split count up to the most
+            sweep = {n: time_ms(lambda fn=run, n=n: fn(n), args.reps)
+                     for n in range(2, triton_paged.MAX_PREFILL_SPLITS + 1)}
         rows.append({"new": new, "keys": context, "programs": programs, "splits": splits, "one_ms": one,
-                     "split_ms": split, "max_abs_diff": diff})
+                     "split_ms": split, "max_abs_diff": diff, "sweep_ms": sweep})
         print(f"| {new} | {context:,} | {programs} | {splits} | {one:.3f} | {split:.3f} | {one / split:.2f}x | "
               f"{diff:.2e} |")
+        if sweep:
+            print("  ms by split count: " + ", ".join(f"{n}: {ms:.3f}" for n, ms in sweep.items()))
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "attention_prefill_bench.json").write_text(json.dumps({"sms": sms, "page": args.page, "rows": rows},
