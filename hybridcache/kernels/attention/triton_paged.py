@@ -8,7 +8,10 @@ Prefill (`paged_prefill_attention`, any query lengths): a flash-attention loop. 
 (sequence, block of BLOCK_M queries, query head); it walks the sequence's keys in blocks of BLOCK_N,
 finding each key's row through the block table (so a chunk that starts mid-page, or a cached prefix of any
 length, needs nothing special), with an online softmax in fp32 (exp2). Key blocks wholly at or before the
-block's first query position skip the causal mask; the rest are masked (key <= query position).
+block's first query position skip the causal mask; the rest are masked (key <= query position). A short chunk over
+a long context (a few query blocks per head: 32 programs for 200 queries on 16 heads, 132 SMs) splits each
+program's keys into runs of whole blocks, one program each (`_prefill_split_kernel`, `prefill_splits` picks the
+count on the host; the runs are cut from the device lengths), whose partial sums the decode merge kernel combines.
 
 Decode (`paged_decode_attention`, one query per sequence): split-KV ("flash decoding"). One program per
 (sequence, kv head, split) handles all Hq/Hkv query heads of that kv head at once (the group is padded to 16
