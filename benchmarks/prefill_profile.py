@@ -1,8 +1,8 @@
 """Where the milliseconds of gpu_bench's + 200 request go (phase C's second request, issue 32).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/prefill_profile.py [--model next-1b] [--model-dir DIR]
-        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--ab] [--label NAME] [--out DIR]
-        [--load-format auto|dummy]
+        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--ab] [--check-graphs] [--quick]
+        [--label NAME] [--out DIR] [--load-format auto|dummy]
 
 The request: a cold `--prefix`-token prompt, then the same prompt + `--new` tokens through `LLM.generate` (one
 new token): it hits the checkpoint at the prefix's end and prefills `--new` tokens over the whole context. After a
@@ -26,8 +26,10 @@ The cycle collector's runs (count and ms by generation, `gc.callbacks`) are coun
 and every Triton compile after the engine's start-up is logged (gpu_bench's `CompileLog`: by part, in the JSON).
 `--phase-a`: then gpu_bench's phase A on the same engine (its p50 and the collector's runs; the cache cleared
 first), so that one engine start-up gives both of issue 32's small-prefill figures. `--ab`: the free-running runs
-(and phase A) also with the whole-step graphs of one-sequence steps off (`engine/prefill_graphs.SequenceGraphs`:
-the piecewise path), in the same process: whole, pieces, whole.
+and phase A also on main's path before issue 32's gpu7p work (`main_path`: no whole-step graphs of one-sequence
+steps, piecewise buckets up to 1,024 tokens, the attention prefill unsplit), in the same process: this tree's path,
+main's, this tree's again. `--check-graphs`: gpu_bench's prefill graph check on this engine. `--quick`: no synced
+run, no cProfile.
 
 Runs against any tree with the same `LLM` API (main's, for a same-call before). Prints tables; writes
 DIR/prefill_profile_<model>.json (DIR: --out, else $OUT, else .).
@@ -317,8 +319,12 @@ def main() -> None:
                              "without writing 33 GB)")
     parser.add_argument("--phase-a", action="store_true", help="then gpu_bench's phase A on the same engine")
     parser.add_argument("--ab", action="store_true",
-                        help="with whole-step graphs (one-sequence steps), also the free-running runs and phase A with "
-                             "them off (the piecewise path), in the same process: whole, pieces, whole")
+                        help="also the free-running runs and phase A on main's path (`main_path`: no whole-step "
+                             "graphs, pieces up to 1,024 tokens, unsplit attention), one process: this, main's, this")
+    parser.add_argument("--check-graphs", action="store_true",
+                        help="gpu_bench's prefill graph check on this engine (replay against without_replay, eager, "
+                             "and the pieces for one-sequence steps)")
+    parser.add_argument("--quick", action="store_true", help="skip the synced run and cProfile")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every length (the pair's and phase A's, as gpu_bench's --scale): smoke tests")
     parser.add_argument("--out", default=None)
@@ -356,36 +362,54 @@ def main() -> None:
     result["host_probe_start"] = host_probe(llm)
     print(f"host probe after start-up: {result['host_probe_start']}", flush=True)
     timer = PartTimer(device)
+    ab = args.ab and whole_graphs(llm) is not None
+
+    def save() -> None:
+        out_path.write_text(json.dumps(result, indent=1))
+
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
         print_parts("free-running", result["free"])
-        out_path.write_text(json.dumps(result, indent=1))
-        if args.ab and whole_graphs(llm) is not None:
-            with pieces_only(llm):
-                result["free_pieces"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
-            print_parts("free-running, whole-step graphs off (pieces)", result["free_pieces"])
+        save()
+        if ab:
+            with main_path(llm):
+                result["free_before"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+            print_parts("free-running, main's path (pieces up to 1,024 tokens, unsplit attention)",
+                        result["free_before"])
             result["free_again"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
-            print_parts("free-running, whole-step graphs on again", result["free_again"])
-            out_path.write_text(json.dumps(result, indent=1))
-        result["synced"] = timed_parts(llm, timer, rng, args, 1, sync=True) | {"new": args.new}
-        print_parts("each part synced", result["synced"])
-        out_path.write_text(json.dumps(result, indent=1))
-    if device.type == "cuda":
-        result["profiler"] = device_profile(llm, rng, args)
-        out_path.write_text(json.dumps(result, indent=1))
-    result["cprofile"] = host_profile(llm, rng, args)
-    out_path.write_text(json.dumps(result, indent=1))
+            print_parts("free-running, this tree's path again", result["free_again"])
+            save()
     if args.phase_a:
         compiles.label = "phase A"
         result["phase_a"] = phase_a_timed(llm)
-        if args.ab and whole_graphs(llm) is not None:
-            with pieces_only(llm):
-                result["phase_a_pieces"] = phase_a_timed(llm)
+        save()
+        if ab:
+            with main_path(llm):
+                result["phase_a_before"] = phase_a_timed(llm, "main's path")
+            result["phase_a_again"] = phase_a_timed(llm, "this tree's path again")
+            save()
+    if args.check_graphs:
+        from gpu_bench import check_prefill_graphs
+
+        compiles.label = "graph check"
+        result["graph_check"] = check_prefill_graphs(llm)
+        print(f"prefill graph check: {result['graph_check']}", flush=True)
+        save()
+    compiles.label = "profile"
+    if device.type == "cuda":
+        result["profiler"] = device_profile(llm, rng, args)
+        save()
+    if not args.quick:
+        with timer_installed(llm, timer):
+            result["synced"] = timed_parts(llm, timer, rng, args, 1, sync=True) | {"new": args.new}
+            print_parts("each part synced", result["synced"])
+        result["cprofile"] = host_profile(llm, rng, args)
+        save()
     result["host_probe_end"] = host_probe(llm)
     print(f"host probe at the end: {result['host_probe_end']}", flush=True)
     result["kernels_compiled"] = compiles.by_label
     print(f"Triton compiles after start-up: {({k: len(v) for k, v in compiles.by_label.items()}) or 'none'}")
-    out_path.write_text(json.dumps(result, indent=1))
+    save()
 
 
 def whole_graphs(llm: LLM):
@@ -394,14 +418,26 @@ def whole_graphs(llm: LLM):
     return getattr(getattr(llm.engine.runner, "_prefill", None), "sequence", None)
 
 
-def pieces_only(llm: LLM):
-    """Within the block one-sequence steps run piecewise, as before the whole-step graphs."""
+@contextlib.contextmanager
+def main_path(llm: LLM) -> Iterator[None]:
+    """Within the block, main's path before this tree's work (issue 32, gpu7p): no whole-step graphs (one-sequence
+    steps piecewise), piecewise buckets up to 1,024 tokens (longer steps eager) and the attention prefill unsplit."""
     from gpu_bench import sequence_graphs_off
 
-    return sequence_graphs_off(llm.engine.runner)
+    from hybridcache.kernels.attention import triton_paged
+
+    prefill = llm.engine.runner._prefill
+    sizes, splits = prefill.sizes, triton_paged.MAX_PREFILL_SPLITS
+    prefill.sizes = tuple(size for size in sizes if size <= 1024)
+    triton_paged.MAX_PREFILL_SPLITS = 1
+    try:
+        with sequence_graphs_off(llm.engine.runner):
+            yield
+    finally:
+        prefill.sizes, triton_paged.MAX_PREFILL_SPLITS = sizes, splits
 
 
-def phase_a_timed(llm: LLM) -> dict:
+def phase_a_timed(llm: LLM, label: str = "") -> dict:
     """gpu_bench's phase A (its prompts, seed 0) on this engine, with the cycle collector's pauses."""
     from gpu_bench import phase_a
 
@@ -409,7 +445,8 @@ def phase_a_timed(llm: LLM) -> dict:
     with GcPauses() as pauses:
         result = phase_a(llm, random.Random(0))
     result["gc"] = pauses.summary()
-    print(f"\nphase A: hit rate {result['hit_rate']:.3f}, p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f}, "
+    name = f"phase A ({label})" if label else "phase A"
+    print(f"\n{name}: hit rate {result['hit_rate']:.3f}, p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f}, "
           f"max {result['max_ms']:.1f}, total {result['total_s']:.2f} s; cycle collector {result['gc'] or 'none'}")
     return result
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, is_sequence_step
 from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.models import load_model
 
 from .model_folders import write_tiny_model
-from .test_decode_graphs import runner_state_pages, snapshot
+from .test_decode_graphs import snapshot
 
 BLOCK, PAGE = 16, 8
 
@@ -66,8 +67,9 @@ def _cuda_runner(tmp_path):
 
     device = torch.device("cuda")
     model = load_model(write_tiny_model(tmp_path, "qwen3_next"), device=device, dtype=torch.bfloat16)
+    kv, state = pool_bytes(model.state_specs(torch.bfloat16, torch.float32), BLOCK, model.slot_specs(torch.bfloat16))
     return ModelRunner(model, num_blocks=40, block_size=BLOCK, kernel_block_size=PAGE, num_slots=4,
-                       state_pages=runner_state_pages(model), dtype=torch.bfloat16, state_dtype=torch.float32,
+                       state_pages=state_pages(state, kv), dtype=torch.bfloat16, state_dtype=torch.float32,
                        device=device, backend=get_backend(device), max_num_seqs=4, max_model_len=400,
                        max_num_batched_tokens=256, cuda_graphs=True)
 

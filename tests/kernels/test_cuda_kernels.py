@@ -325,10 +325,10 @@ def test_interpreted_decode_splits() -> None:
 def test_interpreted_prefill_splits() -> None:
     from hybridcache.kernels.attention.triton_paged import prefill_splits
 
-    assert prefill_splits(32, 16_200, 132) == 8  # the docstring's examples
-    assert prefill_splits(128, 3_900, 132) == 2
-    assert prefill_splits(96, 100_000, 132) == 2  # 192 programs: within two waves
-    assert prefill_splits(132, 100_000, 132) == 1  # the programs already cover the SMs
+    assert prefill_splits(32, 16_200, 132) == 4  # the docstring's examples
+    assert prefill_splits(128, 3_900, 132) == 1
+    assert prefill_splits(48, 2_400, 132) == 2  # one wave: 96 programs
+    assert prefill_splits(67, 100_000, 132) == 1  # the programs already fill half the SMs
     assert prefill_splits(16, 2_047, 132) == 1  # a short context
     assert prefill_splits(1, 1_000_000, 132) == 16  # at most MAX_PREFILL_SPLITS
 

@@ -332,18 +332,20 @@ MAX_PREFILL_SPLITS = 16
 
 def prefill_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
     """Key splits per program of the prefill kernel (`paged_prefill_attention`'s num_splits): 1 when its
-    (query block, head) programs already cover the multiprocessors or the longest context is under two
-    MIN_SPLIT_KEYS; else as many as keep the programs within two waves (a bf16 program of 128 x 256 fp32
-    accumulators fills an SM's registers: one at a time per SM, so a third, partial wave would cost as much as a
-    full one), each split at least MIN_SPLIT_KEYS keys, at most MAX_PREFILL_SPLITS. Host arithmetic only.
+    (query block, head) programs already fill half the multiprocessors or the longest context is under two
+    MIN_SPLIT_KEYS; else as many as keep the programs within one wave (a bf16 program of 128 x 256 fp32
+    accumulators fills an SM's registers: one at a time per SM), each split at least MIN_SPLIT_KEYS keys, at most
+    MAX_PREFILL_SPLITS. Host arithmetic only. Measured on the H200 (docs/bench.md, issue 32, "split-K"): 32
+    programs over 16,200 keys 0.709 ms unsplit, 0.256 ms in 4 splits (2 to 16 splits: 0.256-0.428 ms); 128
+    programs in 2 splits were slower (0.202 -> 0.264 ms over 3,900 keys).
 
     Example: next-1b's + 200 request, 2 query blocks of 128 x 16 heads = 32 programs over 16,200 keys on 132 SMs:
-    min(264 // 32 = 8, 16,200 // 1,024 = 15, 16) = 8 splits of ~2,000 keys; phase A's 960 new tokens over 3,900
-    keys: 8 x 16 = 128 programs, min(2, 3) = 2.
+    min(132 // 32 = 4, 16,200 // 1,024 = 15, 16) = 4 splits of ~4,000 keys; phase A's 960 new tokens over 3,900
+    keys: 8 x 16 = 128 programs, 1.
     """
-    if num_programs >= num_sms or max_context_len < 2 * MIN_SPLIT_KEYS:
+    if 2 * num_programs > num_sms or max_context_len < 2 * MIN_SPLIT_KEYS:
         return 1
-    wanted = 2 * num_sms // max(1, num_programs)
+    wanted = num_sms // max(1, num_programs)
     return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
 
 
