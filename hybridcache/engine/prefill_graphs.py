@@ -349,7 +349,7 @@ class SequenceGraphs:
         biggest = self.sizes[-1]
         self.input_ids, self.positions = inputs.input_ids, inputs.positions  # shared with the pieces
         self.cu_seqlens = torch.tensor([0, biggest], dtype=torch.int32, device=device)
-        self.cu_seqlens64 = torch.zeros(2, dtype=torch.int64, device=device)  # fla's copy, made in the graph
+        self.cu_seqlens64: dict[int, torch.Tensor] = {}  # per bucket, fla's int64 copy, made in the graph
         self.fresh = torch.zeros(1, dtype=torch.bool, device=device)  # the DeltaNet layers' mask, made in the graph
         self.context_lens = torch.full((1,), biggest, dtype=torch.int32, device=device)
         self.state_slots = torch.full((1,), scratch_slot, dtype=torch.int64, device=device)
@@ -384,11 +384,11 @@ class SequenceGraphs:
         self.state_slots.copy_(batch.state_slots, non_blocking=True)
         self.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
 
-    def _static_batch(self, size: int) -> ForwardBatch:
+    def _static_batch(self, size: int, cu_seqlens64: torch.Tensor) -> ForwardBatch:
         """The prepared batch of bucket `size`: one sequence of `size` rows (the grids depend on `size` alone)
         prepared as a context of max_model_len (the attention's metadata), then claiming to the layers a fresh
-        sequence (its host context length `size`), with fla's int64 cu_seqlens and the fresh mask swapped for
-        the buffers the graph fills."""
+        sequence (its host context length `size`), with fla's int64 cu_seqlens (`cu_seqlens64`) and the fresh
+        mask swapped for the buffers `_forward` fills."""
         batch = ForwardBatch(
             input_ids=self.input_ids[:size], positions=self.positions[:size], cu_seqlens=self.cu_seqlens,
             context_lens=self.context_lens, block_tables=self.block_tables, kv_rows=self.write_rows[:size],
@@ -399,27 +399,32 @@ class SequenceGraphs:
         metadata = prepared.metadata
         if not hasattr(metadata, "cu_seqlens") or not hasattr(metadata, "fresh"):
             raise RuntimeError(f"whole-step graphs need the CUDA backend's metadata, got {type(metadata).__name__}")
-        metadata = dataclasses.replace(metadata, cu_seqlens=self.cu_seqlens64, fresh=self.fresh)
+        metadata = dataclasses.replace(metadata, cu_seqlens=cu_seqlens64, fresh=self.fresh)
         return dataclasses.replace(prepared, context_lens_cpu=(size,), metadata=metadata)
 
-    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a graph holds: the device-side geometry (fla's cu_seqlens, the rows the cores write), then the
-        layers on the static batch."""
-        self.cu_seqlens64.copy_(self.cu_seqlens)
+    def _forward(self, prepared: ForwardBatch, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph holds: the device-side geometry (fla's cu_seqlens, the fresh mask, the rows the cores
+        write), then the layers on the static batch `prepared` (`_static_batch`)."""
+        prepared.metadata.cu_seqlens.copy_(self.cu_seqlens)
         torch.eq(self.context_lens, self.cu_seqlens[1], out=self.fresh)
         padding = self.rows[:size] >= self.cu_seqlens[1]
         torch.where(padding, self.pad_kv_rows[:size], self.kv_rows[:size], out=self.write_rows[:size])
-        return self.model.forward_layers(self.prepared[size], self.pools, self.backend,
-                                         splitter=_MaskPadding(padding))
+        return self.model.forward_layers(prepared, self.pools, self.backend, splitter=_MaskPadding(padding))
+
+    def _fresh_batch(self, size: int) -> ForwardBatch:
+        """`_static_batch` on an int64 cu_seqlens fla has never seen. fla memoises what it derives from cu_seqlens
+        (its chunk offsets) by the tensor's identity: a capture that met a tensor an earlier call had used would
+        record no kernel for them and read that call's result, which nothing keeps up to date (or alive)."""
+        return self._static_batch(size, torch.zeros(2, dtype=torch.int64, device=self.device))
 
     def run(self, num_tokens: int, size: int, *, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The loaded step's (hidden, pending), its `num_tokens` rows; `replay`: the graph, else the same work
-        eagerly."""
+        eagerly (on a batch of its own: `_fresh_batch`)."""
         if replay:
             self.graphs[size].replay()
             hidden, pending = self.outputs[size]
         else:
-            hidden, pending = self._forward(size)
+            hidden, pending = self._forward(self._fresh_batch(size), size)
         return hidden[:num_tokens], None if pending is None else pending[:num_tokens]
 
     def capture(self, size: int) -> None:
@@ -431,14 +436,15 @@ class SequenceGraphs:
         self.kv_rows.copy_(self.pad_kv_rows)
         self.state_slots.fill_(self.scratch_slot)
         self.block_tables.fill_(self.scratch_page)
-        self.prepared[size] = self._static_batch(size)
-        self._forward(size)
+        self._forward(self._fresh_batch(size), size)
         torch.cuda.synchronize(self.device)
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
+        prepared = self.prepared[size] = self._fresh_batch(size)
+        self.cu_seqlens64[size] = prepared.metadata.cu_seqlens
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
-            self.outputs[size] = self._forward(size)
+            self.outputs[size] = self._forward(prepared, size)
         self.pool = graph.pool()
         self.graphs[size] = graph
         graph.replay()  # the first launch uploads the graph to the device: at start-up, not in a request
