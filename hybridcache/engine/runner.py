@@ -245,7 +245,7 @@ class ModelRunner:
         self.host_pool: HostPool | None = None  # the host tier's blocks (`attach_host_pool`)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
-            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
+            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size, num_blocks=num_blocks)
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
         self._draft_graphs: DraftGraphs | None = None  # speculative decoding: the head's drafting (uniform plans)
@@ -610,7 +610,7 @@ class ModelRunner:
                                   streams=CopyStreams(self.device) if cuda else None)
 
     @torch.inference_mode()
-    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
+    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int, num_blocks: int = 0) -> None:
         """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
         and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
         at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
@@ -618,11 +618,17 @@ class ModelRunner:
         compiled inside the first request), and decode graphs are not captured when steps run eagerly.
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
-        while serving (tests/engine/test_no_compile_after_start_up.py)."""
+        while serving (tests/engine/test_no_compile_after_start_up.py). Then, when `num_blocks` hold it, 16 tokens
+        over a context of 2,048 (the attention prefill's key splits start there: `triton_paged.prefill_splits`),
+        for engines whose one-sequence steps run eagerly or piecewise."""
         steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
             ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
             ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
         ]
+        long_start = 2048
+        if num_blocks * block_size >= long_start + 16:
+            blocks = list(range(-(-(long_start + 16) // block_size)))
+            steps.append(([SeqChunk(token_ids=[0] * 16, start=long_start, block_ids=blocks, slot=0)], []))
         k = self.num_speculative_tokens
         if k and k + 4 <= block_size:  # verify rows: alone (the full verify kernel), beside a prefill (states only)
             verify = SeqChunk(token_ids=[0] * (k + 1), start=3, block_ids=[0], slot=0)
