@@ -364,9 +364,11 @@ def main() -> None:
     timer = PartTimer(device)
     ab = args.ab and whole_graphs(llm) is not None
 
-    def save() -> None:
+    def save() -> None:  # (after each part: a run cut by a time limit keeps what it measured)
+        result["kernels_compiled"] = compiles.by_label
         out_path.write_text(json.dumps(result, indent=1))
 
+    # in the order of what a cut run should keep: the A/B of the request, the graph check, phase A, the repeats
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
         print_parts("free-running", result["free"])
@@ -376,17 +378,6 @@ def main() -> None:
                 result["free_before"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
             print_parts("free-running, main's path (pieces up to 1,024 tokens, unsplit attention)",
                         result["free_before"])
-            result["free_again"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
-            print_parts("free-running, this tree's path again", result["free_again"])
-            save()
-    if args.phase_a:
-        compiles.label = "phase A"
-        result["phase_a"] = phase_a_timed(llm)
-        save()
-        if ab:
-            with main_path(llm):
-                result["phase_a_before"] = phase_a_timed(llm, "main's path")
-            result["phase_a_again"] = phase_a_timed(llm, "this tree's path again")
             save()
     if args.check_graphs:
         from gpu_bench import check_prefill_graphs
@@ -395,6 +386,24 @@ def main() -> None:
         result["graph_check"] = check_prefill_graphs(llm)
         print(f"prefill graph check: {result['graph_check']}", flush=True)
         save()
+    if args.phase_a:
+        compiles.label = "phase A"
+        result["phase_a"] = phase_a_timed(llm)
+        save()
+        if ab:
+            with main_path(llm):
+                result["phase_a_before"] = phase_a_timed(llm, "main's path")
+            save()
+    if ab:
+        compiles.label = "profile"
+        with timer_installed(llm, timer):
+            result["free_again"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+        print_parts("free-running, this tree's path again", result["free_again"])
+        save()
+        if args.phase_a:
+            compiles.label = "phase A"
+            result["phase_a_again"] = phase_a_timed(llm, "this tree's path again")
+            save()
     compiles.label = "profile"
     if device.type == "cuda":
         result["profiler"] = device_profile(llm, rng, args)
