@@ -1,7 +1,7 @@
 """Whole-step graphs of one-sequence steps (`engine/prefill_graphs.SequenceGraphs`): which steps they take, what a
-step loads (CPU), and on CUDA (skipped without it and the cuda extra) a bf16 runner whose prefix-extending steps
-replay them: replay equals the same static batch run eagerly bit for bit, and equals the piecewise path (the
-cores on the step's own rows) in logits and every pool row the step owns."""
+step loads (CPU), and on CUDA (skipped without it and the cuda extra) a bf16 runner whose one-sequence steps replay
+them: replay equals the same static batch run eagerly bit for bit, and the piecewise path (the cores on the step's
+own rows) in greedy tokens, logits and every pool row the step owns up to bf16 rounding."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def test_cuda_sequence_graphs_equal_eager_and_pieces(tmp_path):
     """A fresh 160-token prompt (bucket 256: its slot holds another sequence's state, which it must not read), then
     three steps extending it by 40, 64 and 100 tokens (buckets 64, 64 with no padding row, 128): each replayed
     whole, then (pools restored) the same static batch eagerly, then the pieces. Whole replay == eager, logits
-    and pools, bit for bit; == the pieces in logits and in every pool row but the scratch page's (the padding
-    rows' KV)."""
+    and pools, bit for bit; the pieces give the same greedy tokens, logits and pool rows (but the scratch page's:
+    the padding rows' KV) up to bf16 rounding (printed: whether bit for bit)."""
     runner = _cuda_runner(tmp_path)
     prefill = runner._prefill
     assert prefill is not None and prefill.sequence is not None
@@ -118,12 +118,17 @@ def test_cuda_sequence_graphs_equal_eager_and_pieces(tmp_path):
         assert torch.isfinite(replayed).all()
         assert torch.equal(replayed, eager), new
         assert all(torch.equal(a, b) for a, b in zip(replay_pools, eager_pools)), new
-        assert torch.equal(replayed, pieces), new
+        # against the pieces: the same real rows, but the padding rows differ (zeros here, stale rows there), and a
+        # MoE expert's row count with them, which may change a grouped GEMM's kernel: equal up to bf16 rounding
+        torch.testing.assert_close(replayed, pieces, rtol=2e-2, atol=2e-2)
+        assert replayed.argmax(-1).tolist() == pieces.argmax(-1).tolist(), new
         kv_count = len(runner.pools.kv_groups)  # KV [layers, 2, pages, ...]: padding rows write the scratch page
         for a, b in zip(replay_pools[:kv_count], piece_pools[:kv_count]):
-            assert torch.equal(a[:, :, pages], b[:, :, pages]), new
+            torch.testing.assert_close(a[:, :, pages], b[:, :, pages], rtol=2e-2, atol=2e-2)
         for a, b in zip(replay_pools[kv_count:], piece_pools[kv_count:]):
-            assert torch.equal(a, b), new
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        print(f"+{new}: whole replay == pieces bit for bit: logits {torch.equal(replayed, pieces)}, pools "
+              f"{all(torch.equal(a, b) for a, b in zip(replay_pools[kv_count:], piece_pools[kv_count:]))}")
         for pool, saved in zip((*runner.pools.kv_groups, *runner.pools.state_groups), replay_pools):
             pool.copy_(saved)
         start += new
