@@ -368,7 +368,7 @@ def main() -> None:
         result["kernels_compiled"] = compiles.by_label
         out_path.write_text(json.dumps(result, indent=1))
 
-    # in the order of what a cut run should keep: the A/B of the request, the graph check, phase A, the repeats
+    # in the order of what a cut run should keep: the A/B of the request, of phase A, the graph check, repeats
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
         print_parts("free-running", result["free"])
@@ -379,13 +379,6 @@ def main() -> None:
             print_parts("free-running, main's path (pieces up to 1,024 tokens, unsplit attention)",
                         result["free_before"])
             save()
-    if args.check_graphs:
-        from gpu_bench import check_prefill_graphs
-
-        compiles.label = "graph check"
-        result["graph_check"] = check_prefill_graphs(llm)
-        print(f"prefill graph check: {result['graph_check']}", flush=True)
-        save()
     if args.phase_a:
         compiles.label = "phase A"
         result["phase_a"] = phase_a_timed(llm)
@@ -394,6 +387,13 @@ def main() -> None:
             with main_path(llm):
                 result["phase_a_before"] = phase_a_timed(llm, "main's path")
             save()
+    if args.check_graphs:
+        from gpu_bench import check_prefill_graphs
+
+        compiles.label = "graph check"
+        result["graph_check"] = check_prefill_graphs(llm)
+        print(f"prefill graph check: {result['graph_check']}", flush=True)
+        save()
     if ab:
         compiles.label = "profile"
         with timer_installed(llm, timer):
