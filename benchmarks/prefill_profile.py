@@ -236,7 +236,8 @@ def print_parts(name: str, result: dict) -> None:
 
 
 # kernel families of a prefill step that step_profile's FAMILIES (decode) files under "other"; first match wins
-PREFILL_FAMILIES = (("_prefill_kernel", "attention prefill"), ("_qkv_prep", "DeltaNet q/k/v prep"),
+PREFILL_FAMILIES = (("_prefill_kernel", "attention prefill"), ("_prefill_split_kernel", "attention prefill"),
+                    ("_qkv_prep", "DeltaNet q/k/v prep"),
                     ("l2norm", "DeltaNet q/k/v prep"))
 
 RUNTIME = {  # CUDA runtime / driver call name fragment -> kind (host-side counts of the profile)
