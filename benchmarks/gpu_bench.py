@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -62,6 +63,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -347,14 +349,17 @@ def check_graphs(llm: LLM, max_tokens: int) -> dict:
 def check_prefill_graphs(llm: LLM) -> dict:
     """Greedy tokens of prefix hits whose new tokens fit the piecewise prefill graphs' buckets, in the same three
     modes as `check_graphs`: 4 system prompts of 2,000 letters, then 24 requests one at a time, each a system
-    prompt + 20-900 new letters, 8 tokens each (every request's prefill step piecewise, its decode steps the
-    1-row decode graph), the cache cleared before each mode. Graph replay must equal `without_replay` (the same
-    pieces and cores eagerly) token for token."""
+    prompt + 20-900 new letters, 8 tokens each (every request's prefill step a one-sequence step: its whole-step
+    graph, or piecewise without them; its decode steps the 1-row decode graph), the cache cleared before each
+    mode. Graph replay must equal `without_replay` (the same work eagerly) token for token. With whole-step
+    graphs a fourth mode, "pieces", runs the prefill steps piecewise (`sequence_graphs_off`)."""
     rng = random.Random(2)
     systems = [letters(rng, 2000) for _ in range(4)]
     prompts = [systems[i % 4] + letters(rng, rng.randint(20, 900)) for i in range(24)]
     runner = llm.engine.runner
     modes = {"graph": contextlib.nullcontext, "without_replay": runner.without_replay, "eager": runner.eager}
+    if getattr(getattr(runner, "_prefill", None), "sequence", None) is not None:  # whole-step graphs: also pieces
+        modes["pieces"] = functools.partial(sequence_graphs_off, runner)
     tokens, result = {}, {"requests": len(prompts), "buckets": list(getattr(runner, "prefill_graph_sizes", ()))}
     for name, mode in modes.items():
         llm.engine.clear_cache()
@@ -363,9 +368,22 @@ def check_prefill_graphs(llm: LLM) -> dict:
             runs = [timed(llm, [prompt], 8) for prompt in prompts]
         result[f"{name}_s"] = sum(seconds for seconds, _ in runs)
         tokens[name] = [list(out[0].outputs[0].token_ids) for _, out in runs]
-    for name in ("without_replay", "eager"):
-        result[f"identical_{name}"] = sum(a == b for a, b in zip(tokens["graph"], tokens[name]))
+    for name in modes:
+        if name != "graph":
+            result[f"identical_{name}"] = sum(a == b for a, b in zip(tokens["graph"], tokens[name]))
     return result
+
+
+@contextlib.contextmanager
+def sequence_graphs_off(runner) -> Iterator[None]:
+    """Within the block one-sequence steps run on the piecewise graphs, not their whole-step graphs
+    (`engine/prefill_graphs.SequenceGraphs`)."""
+    prefill = runner._prefill
+    whole, prefill.sequence = prefill.sequence, None
+    try:
+        yield
+    finally:
+        prefill.sequence = whole
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Where the milliseconds of gpu_bench's + 200 request go (phase C's second request, issue 32).
 
     PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/prefill_profile.py [--model next-1b] [--model-dir DIR]
-        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--label NAME] [--out DIR]
-        [--load-format auto|dummy]
+        [--device cuda] [--prefix 16000] [--new 200] [--runs 5] [--phase-a] [--ab] [--check-graphs] [--quick]
+        [--label NAME] [--out DIR] [--load-format auto|dummy]
 
 The request: a cold `--prefix`-token prompt, then the same prompt + `--new` tokens through `LLM.generate` (one
 new token): it hits the checkpoint at the prefix's end and prefills `--new` tokens over the whole context. After a
@@ -25,7 +25,11 @@ fresh pairs are measured, each + 200 request three ways:
 The cycle collector's runs (count and ms by generation, `gc.callbacks`) are counted over the free-running requests,
 and every Triton compile after the engine's start-up is logged (gpu_bench's `CompileLog`: by part, in the JSON).
 `--phase-a`: then gpu_bench's phase A on the same engine (its p50 and the collector's runs; the cache cleared
-first), so that one engine start-up gives both of issue 32's small-prefill figures.
+first), so that one engine start-up gives both of issue 32's small-prefill figures. `--ab`: the free-running runs
+and phase A also on main's path before issue 32's gpu7p work (`main_path`: no whole-step graphs of one-sequence
+steps, piecewise buckets up to 1,024 tokens, the attention prefill unsplit), in the same process: this tree's path,
+main's, this tree's again. `--check-graphs`: gpu_bench's prefill graph check on this engine. `--quick`: no synced
+run, no cProfile.
 
 Runs against any tree with the same `LLM` API (main's, for a same-call before). Prints tables; writes
 DIR/prefill_profile_<model>.json (DIR: --out, else $OUT, else .).
@@ -43,6 +47,7 @@ import os
 import pstats
 import random
 import statistics
+import string
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -134,6 +139,10 @@ class PartTimer:
         prefill = getattr(runner, "_prefill", None)
         if prefill is not None:
             self.wrap(prefill, "run", "forward: layers (replays + eager cores)")
+            whole = getattr(prefill, "sequence", None)
+            if whole is not None:
+                self.wrap(whole, "load", "forward: load (whole-step graph)")
+                self.wrap(whole, "run", "forward: layers (whole-step graph)")
         self.wrap(runner.model, "forward_tail", "forward: tail (norm, logits)")
         self.wrap(engine, "_sample", "sample")
         self.wrap(engine, "_complete", "postprocess")
@@ -147,6 +156,37 @@ class PartTimer:
 
     def reset(self) -> None:
         self.times, self.calls = {}, {}
+
+
+def host_probe(llm: LLM) -> dict:
+    """How fast this process's host runs, apart from the engine: a fixed pure-Python loop and the tokeniser on a
+    fixed 16,200-letter text (medians of 5, ms), the load average and the CPUs' mean clock (MHz, /proc/cpuinfo).
+    Taken after start-up and at the end, so that a slow process (the first on a fresh machine) shows whether the
+    host itself or the engine's code is slow."""
+    def median_ms(fn) -> float:
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - start))
+        return statistics.median(times)
+
+    text = "".join(random.Random(7).choices(string.ascii_lowercase, k=16_200))  # (not `letters`: no --scale)
+    mhz = []
+    with contextlib.suppress(OSError):
+        mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("cpu MHz")]
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # (read by tokenizers at each call)
+    serial = median_ms(lambda: llm.engine.tokenizer.encode(text))
+    if saved is None:
+        del os.environ["TOKENIZERS_PARALLELISM"]
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = saved
+    return {"python_loop_ms": median_ms(lambda: sum(i * i for i in range(200_000))),
+            "tokenise_16200_ms": median_ms(lambda: llm.engine.tokenizer.encode(text)),
+            "tokenise_16200_no_parallelism_ms": serial,
+            "loadavg": list(os.getloadavg()), "cpu_mhz_mean": statistics.fmean(mhz) if mhz else None}
 
 
 def generate_ms(llm: LLM, prompt: str, cached: list[int] | None = None) -> float:
@@ -196,7 +236,8 @@ def print_parts(name: str, result: dict) -> None:
 
 
 # kernel families of a prefill step that step_profile's FAMILIES (decode) files under "other"; first match wins
-PREFILL_FAMILIES = (("_prefill_kernel", "attention prefill"), ("_qkv_prep", "DeltaNet q/k/v prep"),
+PREFILL_FAMILIES = (("_prefill_kernel", "attention prefill"), ("_prefill_split_kernel", "attention prefill"),
+                    ("_qkv_prep", "DeltaNet q/k/v prep"),
                     ("l2norm", "DeltaNet q/k/v prep"))
 
 RUNTIME = {  # CUDA runtime / driver call name fragment -> kind (host-side counts of the profile)
@@ -278,6 +319,13 @@ def main() -> None:
                         help="dummy: a folder of config.json + tokenizer, random weights drawn on the device (next-16b "
                              "without writing 33 GB)")
     parser.add_argument("--phase-a", action="store_true", help="then gpu_bench's phase A on the same engine")
+    parser.add_argument("--ab", action="store_true",
+                        help="also the free-running runs and phase A on main's path (`main_path`: no whole-step "
+                             "graphs, pieces up to 1,024 tokens, unsplit attention), one process: this, main's, this")
+    parser.add_argument("--check-graphs", action="store_true",
+                        help="gpu_bench's prefill graph check on this engine (replay against without_replay, eager, "
+                             "and the pieces for one-sequence steps)")
+    parser.add_argument("--quick", action="store_true", help="skip the synced run and cProfile")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every length (the pair's and phase A's, as gpu_bench's --scale): smoke tests")
     parser.add_argument("--out", default=None)
@@ -298,9 +346,10 @@ def main() -> None:
     result: dict = {"model": args.model, "label": args.label, "prefix": args.prefix, "new": args.new,
                     "engine_s": time.perf_counter() - start,
                     "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
-                    "prefill_graphs": list(getattr(llm.engine.runner, "prefill_graph_sizes", ()))}
-    print(f"{args.model} {args.label}: engine in {result['engine_s']:.1f} s, prefill graphs {result['prefill_graphs']}",
-          flush=True)
+                    "prefill_graphs": list(getattr(llm.engine.runner, "prefill_graph_sizes", ())),
+                    "whole_step_graphs": sorted(getattr(whole_graphs(llm), "graphs", ()))}
+    print(f"{args.model} {args.label}: engine in {result['engine_s']:.1f} s, prefill graphs "
+          f"{result['prefill_graphs']}, whole-step graphs {result['whole_step_graphs']}", flush=True)
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
     out_path = out_dir / f"prefill_profile_{args.model}{'_' + args.label if args.label else ''}.json"
@@ -311,28 +360,94 @@ def main() -> None:
         _, longer = pair(llm, rng, args.prefix, args.new)
         generate_ms(llm, longer)
     compiles.label = "profile"
+    result["host_probe_start"] = host_probe(llm)
+    print(f"host probe after start-up: {result['host_probe_start']}", flush=True)
     timer = PartTimer(device)
+    ab = args.ab and whole_graphs(llm) is not None
+
+    def save() -> None:  # (after each part: a run cut by a time limit keeps what it measured)
+        result["kernels_compiled"] = compiles.by_label
+        out_path.write_text(json.dumps(result, indent=1))
+
+    # in the order of what a cut run should keep: the A/B of the request, of phase A, the graph check, repeats
     with timer_installed(llm, timer):
         result["free"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
         print_parts("free-running", result["free"])
-        out_path.write_text(json.dumps(result, indent=1))
-        result["synced"] = timed_parts(llm, timer, rng, args, 1, sync=True) | {"new": args.new}
-        print_parts("each part synced", result["synced"])
-        out_path.write_text(json.dumps(result, indent=1))
-    if device.type == "cuda":
-        result["profiler"] = device_profile(llm, rng, args)
-        out_path.write_text(json.dumps(result, indent=1))
-    result["cprofile"] = host_profile(llm, rng, args)
-    out_path.write_text(json.dumps(result, indent=1))
+        save()
+        if ab:
+            with main_path(llm):
+                result["free_before"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+            print_parts("free-running, main's path (pieces up to 1,024 tokens, unsplit attention)",
+                        result["free_before"])
+            save()
     if args.phase_a:
         compiles.label = "phase A"
         result["phase_a"] = phase_a_timed(llm)
+        save()
+        if ab:
+            with main_path(llm):
+                result["phase_a_before"] = phase_a_timed(llm, "main's path")
+            save()
+    if args.check_graphs:
+        from gpu_bench import check_prefill_graphs
+
+        compiles.label = "graph check"
+        result["graph_check"] = check_prefill_graphs(llm)
+        print(f"prefill graph check: {result['graph_check']}", flush=True)
+        save()
+    if ab:
+        compiles.label = "profile"
+        with timer_installed(llm, timer):
+            result["free_again"] = timed_parts(llm, timer, rng, args, args.runs, sync=False) | {"new": args.new}
+        print_parts("free-running, this tree's path again", result["free_again"])
+        save()
+        if args.phase_a:
+            compiles.label = "phase A"
+            result["phase_a_again"] = phase_a_timed(llm, "this tree's path again")
+            save()
+    compiles.label = "profile"
+    if device.type == "cuda":
+        result["profiler"] = device_profile(llm, rng, args)
+        save()
+    if not args.quick:
+        with timer_installed(llm, timer):
+            result["synced"] = timed_parts(llm, timer, rng, args, 1, sync=True) | {"new": args.new}
+            print_parts("each part synced", result["synced"])
+        result["cprofile"] = host_profile(llm, rng, args)
+        save()
+    result["host_probe_end"] = host_probe(llm)
+    print(f"host probe at the end: {result['host_probe_end']}", flush=True)
     result["kernels_compiled"] = compiles.by_label
     print(f"Triton compiles after start-up: {({k: len(v) for k, v in compiles.by_label.items()}) or 'none'}")
-    out_path.write_text(json.dumps(result, indent=1))
+    save()
 
 
-def phase_a_timed(llm: LLM) -> dict:
+def whole_graphs(llm: LLM):
+    """The runner's whole-step graphs of one-sequence steps (`prefill_graphs.SequenceGraphs`), or None (eager, or
+    a tree without them)."""
+    return getattr(getattr(llm.engine.runner, "_prefill", None), "sequence", None)
+
+
+@contextlib.contextmanager
+def main_path(llm: LLM) -> Iterator[None]:
+    """Within the block, main's path before this tree's work (issue 32, gpu7p): no whole-step graphs (one-sequence
+    steps piecewise), piecewise buckets up to 1,024 tokens (longer steps eager) and the attention prefill unsplit."""
+    from gpu_bench import sequence_graphs_off
+
+    from hybridcache.kernels.attention import triton_paged
+
+    prefill = llm.engine.runner._prefill
+    sizes, splits = prefill.sizes, triton_paged.MAX_PREFILL_SPLITS
+    prefill.sizes = tuple(size for size in sizes if size <= 1024)
+    triton_paged.MAX_PREFILL_SPLITS = 1
+    try:
+        with sequence_graphs_off(llm.engine.runner):
+            yield
+    finally:
+        prefill.sizes, triton_paged.MAX_PREFILL_SPLITS = sizes, splits
+
+
+def phase_a_timed(llm: LLM, label: str = "") -> dict:
     """gpu_bench's phase A (its prompts, seed 0) on this engine, with the cycle collector's pauses."""
     from gpu_bench import phase_a
 
@@ -340,7 +455,8 @@ def phase_a_timed(llm: LLM) -> dict:
     with GcPauses() as pauses:
         result = phase_a(llm, random.Random(0))
     result["gc"] = pauses.summary()
-    print(f"\nphase A: hit rate {result['hit_rate']:.3f}, p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f}, "
+    name = f"phase A ({label})" if label else "phase A"
+    print(f"\n{name}: hit rate {result['hit_rate']:.3f}, p50 {result['p50_ms']:.1f} ms, p90 {result['p90_ms']:.1f}, "
           f"max {result['max_ms']:.1f}, total {result['total_s']:.2f} s; cycle collector {result['gc'] or 'none'}")
     return result
 

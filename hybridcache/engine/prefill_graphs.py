@@ -43,7 +43,8 @@ give bit-identical results, and on the CPU, which has no graphs, that split forw
 with the unsplit one.
 
 Only text steps (no input embeddings given, no M-RoPE positions) of 1 to `max(sizes)` tokens that the decode or
-verify graphs did not take run here; anything else, and everything under `enforce_eager`, runs eagerly.
+verify graphs did not take run here; anything else, and everything under `enforce_eager`, runs eagerly. Of these, a
+step of one sequence (no drafts) replays a whole-step graph instead, cores included (`SequenceGraphs`, below).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.step import Core, StepContext
 from hybridcache.state_spec import DevicePools
 
-# The token buckets captured: a step of T tokens runs the smallest one >= T. Up to 1,024 so that phase A-like
-# requests (a cached prefix plus a few hundred new tokens) replay; more tokens are device-bound anyway.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024)
+# The token buckets captured: a step of T tokens runs the smallest one >= T. Up to 4,096: phase A-like requests
+# (a cached prefix plus a few hundred new tokens) and their cold first turns (prompts of 2,200-2,600 tokens, which
+# next-1b's device runs in ~15 ms against ~20 ms of eager launches) replay; longer steps are device-bound.
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096)
 
 
 def prefill_graph_sizes(max_tokens: int) -> tuple[int, ...]:
@@ -114,6 +116,7 @@ class PrefillGraphs:
         self.captures: dict[int, _Capture] = {}
         self.pool = None  # the graphs' memory pool (shared with the decode graphs when given one)
         self.stream: torch.cuda.Stream | None = None  # the stream the buckets are captured on
+        self.sequence: SequenceGraphs | None = None  # whole-step graphs of one-sequence steps, when captured
 
     def bucket(self, batch: ForwardBatch) -> int | None:
         """The bucket that runs `batch`, or None when it runs eagerly (`is_piecewise`, `prefill_bucket`)."""
@@ -229,6 +232,9 @@ class PrefillGraphs:
             for piece in capture.pieces:
                 piece.reset()
         self.captures.clear()
+        if self.sequence is not None:
+            self.sequence.reset()
+            self.sequence = None
 
 
 class _EagerCores:
@@ -290,3 +296,161 @@ class _CaptureCores:
         self.cores.append((fn, staged, out))
         self.begin()
         return out[: self.size]
+
+
+def is_sequence_step(batch: ForwardBatch) -> bool:
+    """One text sequence (`is_piecewise`) with no verify rows, fresh or extending a context it holds: the steps
+    `SequenceGraphs` replay whole."""
+    return is_piecewise(batch) and batch.num_seqs == 1 and batch.draft_rows is None
+
+
+class _MaskPadding:
+    """Splitter of a whole-step graph: each core runs on all of the bucket's rows (its kernels read the sequence's
+    length from the device and leave rows past it unwritten), and its output's padding rows are zeroed, so that
+    the token-wise ops after it see finite values there (a padding row's output is discarded; what matters is
+    that it cannot reach the MoE routing as NaN)."""
+
+    def __init__(self, padding: torch.Tensor) -> None:
+        self.padding = padding  # [B] bool: rows past the sequence's query length
+
+    def __call__(self, fn: Core, step: StepContext, tokens: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        out = fn(step, *tokens)
+        return out.masked_fill(self.padding.view(-1, *(1,) * (out.dim() - 1)), 0)
+
+
+class SequenceGraphs:
+    """Whole-step graphs of one-sequence steps (`is_sequence_step`), one per token bucket: the embedding and every
+    layer, cores included, in one graph, so that such a step (phase C's + 200 request, phase A's prefix hits)
+    costs the host a few copies and one graph launch instead of the pieces' and cores' hundreds of launches.
+
+    A step of T tokens runs bucket B >= T on static buffers whose geometry is read on the device only:
+    cu_seqlens = [0, T], the context length, the state slot, the block table. The cores' kernels take their grids
+    from B alone (the chunk tables of one sequence of B rows, built once at capture) and mask every row past
+    cu_seqlens[1] (the conv and fla through the sequence's bounds, the attention prefill kernel through its
+    query length), so rows T..B-1 are padding: their KV rows point at the scratch page (chosen on the device,
+    in the graph), their core outputs are zeroed (`_MaskPadding`), and they never reach the state slot.
+    The graph's batch claims a context of `max_model_len` on the host (the attention prefill's key splits are
+    sized for it; the kernels cut them from the device lengths) and a fresh sequence to the DeltaNet layers, whose
+    fresh mask is a buffer the graph fills from the device lengths (context_len == query_len: the slot's old
+    state is read as zeros), so one graph serves fresh sequences and prefix hits alike.
+
+    Needs a backend whose cores mask by the device lengths (`CudaBackend`, `masks_padding_rows`); the reference
+    kernels loop over the host lengths. `run(..., replay=False)` runs the very same work eagerly on the static
+    buffers (bit-identical to the replay)."""
+
+    def __init__(self, model: torch.nn.Module, backend: KernelBackend, pools: DevicePools, inputs: PrefillGraphs,
+                 *, table_width: int, max_model_len: int, scratch_slot: int, scratch_page: int,
+                 kernel_block_size: int) -> None:
+        self.model, self.backend, self.pools = model, backend, pools
+        self.sizes = inputs.sizes
+        self.max_model_len = max_model_len
+        self.scratch_slot, self.scratch_page = scratch_slot, scratch_page
+        self.device = device = inputs.device
+        biggest = self.sizes[-1]
+        self.input_ids, self.positions = inputs.input_ids, inputs.positions  # shared with the pieces
+        self.cu_seqlens = torch.tensor([0, biggest], dtype=torch.int32, device=device)
+        self.cu_seqlens64: dict[int, torch.Tensor] = {}  # per bucket, fla's int64 copy, made in the graph
+        self.fresh = torch.zeros(1, dtype=torch.bool, device=device)  # the DeltaNet layers' mask, made in the graph
+        self.context_lens = torch.full((1,), biggest, dtype=torch.int32, device=device)
+        self.state_slots = torch.full((1,), scratch_slot, dtype=torch.int64, device=device)
+        self.block_tables = torch.full((1, table_width), scratch_page, dtype=torch.int32, device=device)
+        self.pad_kv_rows = torch.full((biggest,), scratch_page * kernel_block_size, dtype=torch.int64, device=device)
+        self.kv_rows = self.pad_kv_rows.clone()  # the step's rows, as loaded
+        self.write_rows = self.pad_kv_rows.clone()  # what the cores write: kv_rows, the scratch page past T
+        self.rows = torch.arange(biggest, device=device)
+        self.logits_indices = torch.zeros(1, dtype=torch.int64, device=device)  # (the tail reads the real batch)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.prepared: dict[int, ForwardBatch] = {}  # kept: the chunk tables the graphs read
+        self.pool = inputs.pool
+        self.stream = inputs.stream
+
+    def bucket(self, batch: ForwardBatch) -> int | None:
+        """The bucket whose whole-step graph runs `batch`, or None."""
+        if not is_sequence_step(batch) or batch.block_tables.shape[1] > self.block_tables.shape[1]:
+            return None
+        size = prefill_bucket(batch.query_lens_cpu[0], self.sizes)
+        return size if size in self.graphs else None
+
+    def load(self, batch: ForwardBatch) -> None:
+        """Copy the step (one sequence of T tokens) into the static buffers; rows T.. keep earlier values (valid
+        ids and positions whose rows are computed and discarded)."""
+        num_tokens = batch.query_lens_cpu[0]
+        self.input_ids[:num_tokens].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(batch.positions, non_blocking=True)
+        self.kv_rows[:num_tokens].copy_(batch.kv_rows, non_blocking=True)
+        self.cu_seqlens.copy_(batch.cu_seqlens, non_blocking=True)
+        self.context_lens.copy_(batch.context_lens, non_blocking=True)
+        self.state_slots.copy_(batch.state_slots, non_blocking=True)
+        self.block_tables[:, : batch.block_tables.shape[1]].copy_(batch.block_tables, non_blocking=True)
+
+    def _static_batch(self, size: int, cu_seqlens64: torch.Tensor) -> ForwardBatch:
+        """The prepared batch of bucket `size`: one sequence of `size` rows (the grids depend on `size` alone)
+        prepared as a context of max_model_len (the attention's metadata), then claiming to the layers a fresh
+        sequence (its host context length `size`), with fla's int64 cu_seqlens (`cu_seqlens64`) and the fresh
+        mask swapped for the buffers `_forward` fills."""
+        batch = ForwardBatch(
+            input_ids=self.input_ids[:size], positions=self.positions[:size], cu_seqlens=self.cu_seqlens,
+            context_lens=self.context_lens, block_tables=self.block_tables, kv_rows=self.write_rows[:size],
+            state_slots=self.state_slots, logits_indices=self.logits_indices, query_lens_cpu=(size,),
+            context_lens_cpu=(max(self.max_model_len, size + 1),),
+        )
+        prepared = self.backend.prepare(batch)
+        metadata = prepared.metadata
+        if not hasattr(metadata, "cu_seqlens") or not hasattr(metadata, "fresh"):
+            raise RuntimeError(f"whole-step graphs need the CUDA backend's metadata, got {type(metadata).__name__}")
+        metadata = dataclasses.replace(metadata, cu_seqlens=cu_seqlens64, fresh=self.fresh)
+        return dataclasses.replace(prepared, context_lens_cpu=(size,), metadata=metadata)
+
+    def _forward(self, prepared: ForwardBatch, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a graph holds: the device-side geometry (fla's cu_seqlens, the fresh mask, the rows the cores
+        write), then the layers on the static batch `prepared` (`_static_batch`)."""
+        prepared.metadata.cu_seqlens.copy_(self.cu_seqlens)
+        torch.eq(self.context_lens, self.cu_seqlens[1], out=self.fresh)
+        padding = self.rows[:size] >= self.cu_seqlens[1]
+        torch.where(padding, self.pad_kv_rows[:size], self.kv_rows[:size], out=self.write_rows[:size])
+        return self.model.forward_layers(prepared, self.pools, self.backend, splitter=_MaskPadding(padding))
+
+    def _fresh_batch(self, size: int) -> ForwardBatch:
+        """`_static_batch` on an int64 cu_seqlens fla has never seen. fla memoises what it derives from cu_seqlens
+        (its chunk offsets) by the tensor's identity: a capture that met a tensor an earlier call had used would
+        record no kernel for them and read that call's result, which nothing keeps up to date (or alive)."""
+        return self._static_batch(size, torch.zeros(2, dtype=torch.int64, device=self.device))
+
+    def run(self, num_tokens: int, size: int, *, replay: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The loaded step's (hidden, pending), its `num_tokens` rows; `replay`: the graph, else the same work
+        eagerly (on a batch of its own: `_fresh_batch`)."""
+        if replay:
+            self.graphs[size].replay()
+            hidden, pending = self.outputs[size]
+        else:
+            hidden, pending = self._forward(self._fresh_batch(size), size)
+        return hidden[:num_tokens], None if pending is None else pending[:num_tokens]
+
+    def capture(self, size: int) -> None:
+        """Capture bucket `size` (CUDA): the static buffers are set to a `size`-token step on the scratch slot and
+        page (all the warm-up run and the first replay write), run once eagerly (compiles, autotuning), captured,
+        and replayed once."""
+        self.cu_seqlens[1] = size
+        self.context_lens.fill_(size)
+        self.kv_rows.copy_(self.pad_kv_rows)
+        self.state_slots.fill_(self.scratch_slot)
+        self.block_tables.fill_(self.scratch_page)
+        self._forward(self._fresh_batch(size), size)
+        torch.cuda.synchronize(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        prepared = self.prepared[size] = self._fresh_batch(size)
+        self.cu_seqlens64[size] = prepared.metadata.cu_seqlens
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            self.outputs[size] = self._forward(prepared, size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        graph.replay()  # the first launch uploads the graph to the device: at start-up, not in a request
+        torch.cuda.synchronize(self.device)
+
+    def reset(self) -> None:
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()

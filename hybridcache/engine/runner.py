@@ -31,9 +31,10 @@ the padding row a fresh 3-token sequence on the scratch slot, its draft rows and
 kind keep the final-norm hidden rows for the MTP head (`step_hidden`), whose drafting after a uniform step replays
 graphs of its own (`engine/draft_graphs.py`; one device only).
 
-Every other text step of up to 1,024 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
+Every other text step of up to 4,096 tokens (prefills, mixed prefill + decode batches) replays piecewise graphs:
 the forward cut at its layers' cores (paged attention, the DeltaNet recurrence), the pieces between them replayed
-per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`).
+per token bucket and the cores run eagerly on the step's real rows (`engine/prefill_graphs.py`); a step of one
+sequence replays all of it, cores included, as one graph per bucket (`prefill_graphs.SequenceGraphs`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from hybridcache.engine.input_builder import SeqChunk, build_forward_batch, tabl
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
-from hybridcache.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes
+from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, prefill_graph_sizes
 from hybridcache.engine.spec_chain import ChainGraphs, ChainTables, next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
@@ -253,7 +254,7 @@ class ModelRunner:
         self.host_pool: HostPool | None = None  # the host tier's blocks (`attach_host_pool`)
         if device.type == "cuda":
             self._compile_copies(num_blocks=num_blocks + extra)
-            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size)
+            self._compile_on_pools(block_size=block_size, kernel_block_size=kernel_block_size, num_blocks=num_blocks)
         self._graphs: _DecodeGraphs | None = None
         self._verify_graphs: _DecodeGraphs | None = None  # speculative decoding: verify steps of k drafts per row
         self._draft_graphs: DraftGraphs | None = None  # speculative decoding: the head's drafting (uniform plans)
@@ -287,7 +288,7 @@ class ModelRunner:
                 self._capture_chain()
             self._prefill = self._capture_prefill(
                 min(max_model_len, num_blocks * block_size, max_num_batched_tokens), block_size=block_size,
-                kernel_block_size=kernel_block_size)
+                kernel_block_size=kernel_block_size, max_model_len=max_model_len)
 
     def _capture_drafting(self, *, max_num_seqs: int, max_model_len: int, num_slots: int, num_blocks: int,
                           kernel_block_size: int, dtype: torch.dtype) -> None:
@@ -546,9 +547,15 @@ class ModelRunner:
         """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within
         `without_replay`, run split and eagerly), then the model's tail eagerly on the step's rows."""
         prefill = self._prefill
-        prepared = self.backend.prepare(batch)
-        prefill.load(batch)
-        hidden, pending = prefill.run(prepared, size, replay=self._replay)
+        whole = prefill.sequence
+        if whole is not None and whole.bucket(batch) == size:  # one sequence, one graph (`SequenceGraphs`)
+            whole.load(batch)
+            hidden, pending = whole.run(batch.query_lens_cpu[0], size, replay=self._replay)
+            prepared = batch  # (the tail reads the step's rows and slot, no backend metadata)
+        else:
+            prepared = self.backend.prepare(batch)
+            prefill.load(batch)
+            hidden, pending = prefill.run(prepared, size, replay=self._replay)
         keep = self.mtp_head is not None
         logits, normed = self.model.forward_tail(hidden, pending, prepared, self.pools, self.backend,
                                                  keep_hidden=keep)
@@ -556,7 +563,8 @@ class ModelRunner:
             self.step_hidden = normed
         return logits
 
-    def _capture_prefill(self, max_tokens: int, *, block_size: int, kernel_block_size: int) -> PrefillGraphs | None:
+    def _capture_prefill(self, max_tokens: int, *, block_size: int, kernel_block_size: int,
+                         max_model_len: int | None = None) -> PrefillGraphs | None:
         """Capture the piecewise prefill graphs of every bucket up to `max_tokens` (the step budget, and what the
         pools hold of one sequence), largest first, in the decode graphs' memory pool; each bucket is warmed on
         a fresh sequence of its size on slot 0 and blocks 0.. (nothing holds them at start-up). Logs the device
@@ -585,11 +593,33 @@ class ModelRunner:
         prefill.keep_captured()
         if not prefill.sizes:
             return None
+        if max_model_len is not None and getattr(self.backend, "masks_padding_rows", False):
+            self._capture_sequence(prefill, max_model_len=max_model_len, kernel_block_size=kernel_block_size)
         torch.cuda.empty_cache()
         self.prefill_graph_bytes = torch.cuda.memory_reserved(self.device) - before
         logger.info("piecewise prefill graphs: token buckets %s, %.1f MiB of device memory", prefill.sizes,
                     self.prefill_graph_bytes / 2**20)
         return prefill
+
+    def _capture_sequence(self, prefill: PrefillGraphs, *, max_model_len: int, kernel_block_size: int) -> None:
+        """The whole-step graphs of one-sequence steps (`prefill_graphs.SequenceGraphs`) for the piecewise
+        buckets, largest first, on the scratch slot and page; a bucket whose capture raises is logged and left
+        to the pieces."""
+        whole = SequenceGraphs(self.model, self.backend, self.pools, prefill,
+                               table_width=table_width(-(-max_model_len // kernel_block_size)),
+                               max_model_len=max_model_len, scratch_slot=self.scratch_slot,
+                               scratch_page=self.scratch_page, kernel_block_size=kernel_block_size)
+        with torch.inference_mode():
+            for size in reversed(prefill.sizes):
+                try:
+                    whole.capture(size)
+                except Exception as error:  # noqa: BLE001 (any failure leaves the bucket to the pieces)
+                    logger.warning("whole-step graph of %d tokens not captured (such steps run piecewise): %r",
+                                   size, error)
+                    torch.cuda.synchronize(self.device)
+        if whole.graphs:
+            prefill.sequence = whole
+            logger.info("whole-step graphs of one-sequence steps: token buckets %s", tuple(sorted(whole.graphs)))
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of
@@ -649,7 +679,7 @@ class ModelRunner:
                                   streams=CopyStreams(self.device) if cuda else None)
 
     @torch.inference_mode()
-    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int) -> None:
+    def _compile_on_pools(self, *, block_size: int, kernel_block_size: int, num_blocks: int = 0) -> None:
         """Two eager forwards on these pools, a 2-token prefill then a 1-token decode of the same sequence (slot 0
         and block 0, which nothing holds yet), so that the kernels that take pool strides compile for these pools
         at start-up: the profiling forward ran on pools just big enough for it, whose KV stride fits in int32
@@ -658,11 +688,17 @@ class ModelRunner:
         With the MoE block's tiles and sort buckets (`moe/grouped.compile_tiles`), the copy kernels
         (`_compile_copies`) and the run-time counts left unspecialised (`do_not_specialize`), nothing compiles
         while serving (tests/engine/test_no_compile_after_start_up.py). The last forward's logits go through the
-        sampler's greedy argmax (its one variant per vocabulary)."""
+        sampler's greedy argmax (its one variant per vocabulary). Then, when `num_blocks` hold it, 16 tokens
+        over a context of 2,048 (the attention prefill's key splits start there: `triton_paged.prefill_splits`),
+        for engines whose one-sequence steps run eagerly or piecewise."""
         steps: list[tuple[list[SeqChunk], list[tuple[int, ...]]]] = [
             ([SeqChunk(token_ids=[0, 0], start=0, block_ids=[0], slot=0)], []),
             ([SeqChunk(token_ids=[0], start=2, block_ids=[0], slot=0)], []),
         ]
+        long_start = 2048
+        if num_blocks * block_size >= long_start + 16:
+            blocks = list(range(-(-(long_start + 16) // block_size)))
+            steps.append(([SeqChunk(token_ids=[0] * 16, start=long_start, block_ids=blocks, slot=0)], []))
         k = self.num_speculative_tokens
         if k and k + 4 <= block_size:  # verify rows: alone (the full verify kernel), beside a prefill (states only)
             verify = SeqChunk(token_ids=[0] * (k + 1), start=3, block_ids=[0], slot=0)

@@ -147,6 +147,13 @@ class CudaBackend:
         backend."""
         return dtype == torch.bfloat16 and self.attention_backend.graph_safe
 
+    @property
+    def masks_padding_rows(self) -> bool:
+        """Whether a one-sequence step may run on more rows than its query length (`prefill_graphs.SequenceGraphs`):
+        the conv, fla and a graph-safe attention backend's kernels read each sequence's length from cu_seqlens on
+        the device and leave the rows past it unwritten."""
+        return self.attention_backend.graph_safe
+
     def prepare(self, batch: ForwardBatch) -> ForwardBatch:
         all_decode = all(length == 1 for length in batch.query_lens_cpu)
         cu_seqlens = batch.cu_seqlens.long()

@@ -28,7 +28,7 @@ BLOCK, PAGE = 16, 8
 
 
 def test_buckets():
-    assert prefill_graph_sizes(16_384) == (16, 32, 64, 128, 256, 512, 768, 1024)
+    assert prefill_graph_sizes(16_384) == (16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 2560, 3072, 4096)
     assert prefill_graph_sizes(600) == (16, 32, 64, 128, 256, 512)
     assert prefill_graph_sizes(8) == ()
     sizes = prefill_graph_sizes(1024)

@@ -230,9 +230,9 @@ def paged_kv(batch: VarlenBatch, page: int, kv_heads: int, head_dim: int, dtype:
 
 def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
                     history: Sequence[int] = HISTORY, page: int = 16, heads: tuple[int, int] = (8, 2),
-                    head_dim: int = 128, seed: int = 0) -> dict[str, ErrorStats]:
-    """`write_kv` + `paged_attention` (prefill kernel, or decode kernel when every length is 1) against the
-    reference pair on the same pool."""
+                    head_dim: int = 128, seed: int = 0, num_splits: int = 1) -> dict[str, ErrorStats]:
+    """`write_kv` + `paged_attention` (prefill kernel, its keys in `num_splits` splits, or decode kernel when
+    every length is 1) against the reference pair on the same pool."""
     from hybridcache.kernels.attention.triton_paged import paged_attention, write_kv
 
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +248,7 @@ def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[
     write_kv(kv.kv_pool, keys, values, kv.kv_rows)
     scale = head_dim**-0.5
     out = paged_attention(q, kv.kv_pool, kv.block_tables, batch.cu_seqlens, batch.context_lens,
-                          batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
+                          batch.query_lens_cpu, batch.context_lens_cpu, scale=scale, num_splits=num_splits)
     # The reference's softmax probabilities are rounded to q's dtype before P @ V; upcast for an fp32 oracle.
     ref = attention_ref.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
                                     batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)

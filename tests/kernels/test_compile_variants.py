@@ -25,6 +25,7 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_route._route_kernel, "num_rows"),
     (triton_sort._sort_pairs_kernel, "num_pairs"),
     (triton_paged._decode_merge_kernel, "num_splits"),
+    (triton_paged._prefill_split_kernel, "num_splits"),
     (triton_block_fp8._fp8_gemm_kernel, "M"),
     (triton_quant._quantize_groups_kernel, "M"),
     (triton_quant._quantize_groups_kernel, "stride_sg"),

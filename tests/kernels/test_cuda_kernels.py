@@ -107,6 +107,23 @@ def test_cuda_attention(dtype: torch.dtype, page: int, heads: tuple[int, int], h
 
 @needs_cuda
 @DTYPES
+@pytest.mark.parametrize(("lengths", "history", "splits"), [
+    (None, None, 4), (None, None, 7), ((200,), (16_000,), 9), ((200, 3, 130), (16_000, 900, 5_000), 16),
+], ids=["varlen-4", "varlen-7", "long-9", "mixed-16"])
+def test_cuda_attention_prefill_splits(dtype: torch.dtype, lengths, history, splits: int,
+                                       cuda: torch.device) -> None:
+    """The prefill kernel with its keys split (`_prefill_split_kernel` + the merge): the varlen case (splits
+    past short contexts are empty; rows that see no key of a split) and short chunks over long contexts, as
+    phase C's + 200 request (200 new tokens over 16,000 cached)."""
+    from tests.kernels.cuda_checks import HISTORY, LENGTHS, check_attention
+
+    stats = check_attention(dtype, cuda, lengths or LENGTHS, history or HISTORY, page=16, heads=(16, 2),
+                            head_dim=256, num_splits=splits)
+    assert_within(stats, {"kv_write": EXACT, "out": OURS[dtype]})
+
+
+@needs_cuda
+@DTYPES
 @pytest.mark.parametrize("block_m", [None, 16, 64], ids=["grouped", "triton16", "triton64"])
 def test_cuda_moe(dtype: torch.dtype, block_m: int | None, cuda: torch.device) -> None:
     from tests.kernels.cuda_checks import check_moe
@@ -226,6 +243,18 @@ def test_interpreted_attention(decode: bool) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("splits", [2, 3])
+def test_interpreted_attention_prefill_splits(splits: int) -> None:
+    """Key splits (fp32 tiles of 32 keys): a one-token sequence (every split past key 0 empty), a chunk over 150
+    cached keys, and 40 rows over 100, whose first rows see no key of the last split."""
+    from tests.kernels.cuda_checks import check_attention
+
+    stats = check_attention(torch.float32, torch.device("cpu"), (1, 17, 5, 40), (0, 5, 150, 100), page=16,
+                            heads=(4, 2), head_dim=32, num_splits=splits)
+    assert_within(stats, {"kv_write": EXACT, "out": OURS[torch.float32]})
+
+
+@needs_interpreter
 def test_interpreted_norms() -> None:
     from tests.kernels.cuda_checks import check_norms
 
@@ -290,6 +319,18 @@ def test_interpreted_decode_splits() -> None:
     assert decode_splits(1, 2, 16000, 64, 132) == (125, 128)  # the docstring's example
     assert decode_splits(64, 2, 4096, 64, 132) == (3, 1408)  # 128 programs already: ceil(264/128) = 3 splits
     assert decode_splits(4, 2, 1, 64, 132) == (1, 64)  # never more splits than key blocks
+
+
+@needs_interpreter
+def test_interpreted_prefill_splits() -> None:
+    from hybridcache.kernels.attention.triton_paged import prefill_splits
+
+    assert prefill_splits(32, 16_200, 132) == 4  # the docstring's examples
+    assert prefill_splits(128, 3_900, 132) == 1
+    assert prefill_splits(48, 2_400, 132) == 2  # one wave: 96 programs
+    assert prefill_splits(67, 100_000, 132) == 1  # the programs already fill half the SMs
+    assert prefill_splits(16, 2_047, 132) == 1  # a short context
+    assert prefill_splits(1, 1_000_000, 132) == 16  # at most MAX_PREFILL_SPLITS
 
 
 def test_chunk_indices_and_fresh_mask() -> None:

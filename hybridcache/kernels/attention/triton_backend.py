@@ -1,4 +1,5 @@
-"""The "triton" attention backend (CUDA): the paged flash-attention prefill kernel and the split-KV decode kernel
+"""The "triton" attention backend (CUDA): the paged flash-attention prefill kernel (its keys split across programs
+when a short chunk's programs would leave multiprocessors idle over a long context) and the split-KV decode kernel
 of `triton_paged.py`, imported on first use so that registering this backend never imports Triton."""
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import torch
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.registry import ATTENTION
 from hybridcache.kernels.shapes import ModelShapes, is_power_of_two
-from hybridcache.kernels.varlen import chunk_indices
+from hybridcache.kernels.varlen import chunk_indices, num_chunks
 
 
 @dataclass(frozen=True)
 class TritonAttentionMetadata:
     """all_decode: every sequence feeds one token (the decode kernel); max_context_len: the longest context (sizes
-    the split-KV grid); chunks: [NT, 2] (sequence, block of the bf16 prefill kernel's rows), None when all-decode."""
+    the split-KV grids: decode, and the prefill kernel's key splits, `triton_paged.prefill_splits`); chunks:
+    [NT, 2] (sequence, block of the bf16 prefill kernel's rows), None when all-decode."""
 
     all_decode: bool
     max_context_len: int
@@ -33,6 +35,7 @@ class TritonAttention:
 
         self._kernels = triton_paged
         self._block_m = triton_paged.default_prefill_config(256, torch.bfloat16).block_m
+        self._sms: int | None = None
 
     @staticmethod
     def problems(shapes: ModelShapes) -> list[str]:
@@ -61,7 +64,16 @@ class TritonAttention:
             )
         config = self._kernels.default_prefill_config(query.shape[-1], query.dtype)
         table = metadata.chunks if config.block_m == self._block_m else None
+        blocks = table.shape[0] if table is not None else num_chunks(batch.query_lens_cpu, config.block_m)
+        splits = self._kernels.prefill_splits(blocks * query.shape[1], metadata.max_context_len,
+                                              self._num_sms(query.device))
         return self._kernels.paged_prefill_attention(
             query, kv_layer, batch.block_tables, batch.cu_seqlens, batch.context_lens, batch.query_lens_cpu,
-            scale=scale, config=config, chunk_indices=table, kv_scales=kv_scales,
+            scale=scale, config=config, chunk_indices=table, kv_scales=kv_scales, num_splits=splits,
         )
+
+    def _num_sms(self, device: torch.device) -> int:
+        """The device's multiprocessors (read once)."""
+        if self._sms is None:
+            self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
+        return self._sms

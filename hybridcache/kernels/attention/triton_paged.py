@@ -8,7 +8,10 @@ Prefill (`paged_prefill_attention`, any query lengths): a flash-attention loop. 
 (sequence, block of BLOCK_M queries, query head); it walks the sequence's keys in blocks of BLOCK_N,
 finding each key's row through the block table (so a chunk that starts mid-page, or a cached prefix of any
 length, needs nothing special), with an online softmax in fp32 (exp2). Key blocks wholly at or before the
-block's first query position skip the causal mask; the rest are masked (key <= query position).
+block's first query position skip the causal mask; the rest are masked (key <= query position). A short chunk over
+a long context (a few query blocks per head: 32 programs for 200 queries on 16 heads, 132 SMs) splits each
+program's keys into runs of whole blocks, one program each (`_prefill_split_kernel`, `prefill_splits` picks the
+count on the host; the runs are cut from the device lengths), whose partial sums the decode merge kernel combines.
 
 Decode (`paged_decode_attention`, one query per sequence): split-KV ("flash decoding"). One program per
 (sequence, kv head, split) handles all Hq/Hkv query heads of that kv head at once (the group is padded to 16
@@ -71,10 +74,12 @@ def _attend_block(
     acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims, kv_head_off,
     stride_kind, stride_page, stride_row,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr,
+    MAY_BE_EMPTY: tl.constexpr = False,
 ):
     """One key block of the online softmax; scores in log2 units (qk_scale = softmax scale * log2 e, times k_scale
     for an FP8 pool, whose keys and values are read as stored and converted to q's dtype; v_scale is applied to
-    the output by the caller)."""
+    the output by the caller). MAY_BE_EMPTY: a row may have seen no key yet after this block (a key split past
+    its position): its maximum stays -inf and its sums 0 instead of NaN."""
     keys_pos = start + tl.arange(0, BLOCK_N)
     key_ok = keys_pos < ctx
     page = tl.load(bt_row_ptr + keys_pos // PAGE, mask=key_ok, other=0).to(tl.int64)
@@ -86,8 +91,11 @@ def _attend_block(
         ok = (keys_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
         s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_base = m_new
+    if MAY_BE_EMPTY:
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(s - m_base[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
@@ -133,6 +141,59 @@ def _prefill_kernel(
     out = acc / l_i[:, None] * v_scale
     tl.store(out_ptr + (bos + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _prefill_split_kernel(
+    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale, num_splits,
+    stride_qt, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """`_prefill_kernel` over one of `num_splits` key ranges (program axis 2): the key blocks a query block sees,
+    [0, last), cut into equal runs of whole blocks from the device lengths (so a graph captured for a long context
+    serves any); unnormalised partials acc (times v_scale), m, l for `_prefill_merge_kernel`. A split past a
+    row's position leaves that row m = -inf, l = 0."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1)
+    seq = tl.load(chunk_ptr + 2 * pid_m).to(tl.int64)
+    block = tl.load(chunk_ptr + 2 * pid_m + 1)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1) - tl.load(cu_ptr + seq)
+    ctx = tl.load(ctx_ptr + seq)
+    first_pos = ctx - query_len + block * BLOCK_M
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < query_len
+    q_pos = first_pos + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + (bos + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    kv_head_off = (head // GROUP).to(tl.int64) * D
+    bt_row_ptr = bt_ptr + seq * stride_bt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    last = tl.minimum(first_pos + BLOCK_M, ctx)
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(last, BLOCK_N), num_splits) * BLOCK_N
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, last)
+    for start in range(lo, tl.minimum(unmasked_end, hi), BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
+                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
+                                      PRECISION, True)
+    for start in range(tl.maximum(unmasked_end, lo), hi, BLOCK_N):
+        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
+                                      kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, True,
+                                      PRECISION, True)
+    # partials: acc [T, Hq, splits, D], (m, l) [T, Hq, splits, 2]
+    part = ((bos + rows) * num_heads + head) * num_splits + split
+    tl.store(acc_ptr + part[:, None] * D + dims[None, :], acc * v_scale, mask=row_ok[:, None])
+    tl.store(ml_ptr + part * 2, m_i, mask=row_ok)
+    tl.store(ml_ptr + part * 2 + 1, l_i, mask=row_ok)
 
 
 @triton.jit
@@ -221,6 +282,7 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,
     chunk_indices: torch.Tensor | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Varlen causal attention: q [T, Hq, D] -> [T, Hq, D] in q's dtype (new K/V already in the pool).
 
@@ -228,6 +290,9 @@ def paged_prefill_attention(
 
     cu_seqlens [S+1], context_lens [S], block_tables [S, P] on the device; query_lens_cpu gives the grid;
     chunk_indices: `varlen.chunk_indices(cu_seqlens, query_lens_cpu, config.block_m)` if already built.
+    num_splits > 1: each (query block, head) program's keys are cut into that many runs, each its own program
+    (`_prefill_split_kernel`), and the partial softmax sums merged per row (`_decode_merge_kernel`): short queries
+    over a long context fill the multiprocessors (`prefill_splits` picks the count).
     """
     _check(q, kv_pool)
     num_tokens, num_heads, head_dim = q.shape
@@ -236,15 +301,52 @@ def paged_prefill_attention(
         return out
     cfg = config or default_prefill_config(head_dim, q.dtype)
     table = make_chunk_indices(cu_seqlens, query_lens_cpu, cfg.block_m) if chunk_indices is None else chunk_indices
-    _prefill_kernel[(table.shape[0], num_heads)](
-        q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0], kv_scales[1],
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
-        GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    geometry = dict(GROUP=num_heads // kv_pool.shape[3], PAGE=kv_pool.shape[2], D=head_dim, BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n, PRECISION=_precision(q.dtype), num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages)
+    if num_splits <= 1:
+        _prefill_kernel[(table.shape[0], num_heads)](
+            q, kv_pool, out, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0],
+            kv_scales[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
+        )
+        return out
+    partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    ml = torch.empty(num_tokens, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+    _prefill_split_kernel[(table.shape[0], num_heads, num_splits)](
+        q, kv_pool, partial, ml, block_tables, cu_seqlens, context_lens, table, scale * _LOG2E * kv_scales[0],
+        kv_scales[1], num_splits, q.stride(0), q.stride(1),
+        kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0), **geometry,
+    )
+    _decode_merge_kernel[(num_tokens, num_heads)](
+        partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
     )
     return out
+
+
+# A split of the prefill kernel's keys covers at least this many: shorter runs cost more in partial sums written and
+# merged than their programs gain (the attention of a chunk over a short context is small anyway).
+MIN_SPLIT_KEYS = 1024
+MAX_PREFILL_SPLITS = 16
+
+
+def prefill_splits(num_programs: int, max_context_len: int, num_sms: int) -> int:
+    """Key splits per program of the prefill kernel (`paged_prefill_attention`'s num_splits): 1 when its
+    (query block, head) programs already fill half the multiprocessors or the longest context is under two
+    MIN_SPLIT_KEYS; else as many as keep the programs within one wave (a bf16 program of 128 x 256 fp32
+    accumulators fills an SM's registers: one at a time per SM), each split at least MIN_SPLIT_KEYS keys, at most
+    MAX_PREFILL_SPLITS. Host arithmetic only. Measured on the H200 (docs/bench.md, issue 32, "split-K"): 32
+    programs over 16,200 keys 0.709 ms unsplit, 0.256 ms in 4 splits (2 to 16 splits: 0.256-0.428 ms); 128
+    programs in 2 splits were slower (0.202 -> 0.264 ms over 3,900 keys).
+
+    Example: next-1b's + 200 request, 2 query blocks of 128 x 16 heads = 32 programs over 16,200 keys on 132 SMs:
+    min(132 // 32 = 4, 16,200 // 1,024 = 15, 16) = 4 splits of ~4,000 keys; phase A's 960 new tokens over 3,900
+    keys: 8 x 16 = 128 programs, 1.
+    """
+    if 2 * num_programs > num_sms or max_context_len < 2 * MIN_SPLIT_KEYS:
+        return 1
+    wanted = num_sms // max(1, num_programs)
+    return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
 
 
 def decode_splits(
@@ -317,11 +419,12 @@ def paged_attention(
     *,
     scale: float,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Any batch (the reference `paged_attention` contract): all-decode batches take the split-KV decode
-    kernel, others the prefill kernel for every sequence."""
+    kernel, others the prefill kernel for every sequence (`num_splits` key splits)."""
     if all(length == 1 for length in query_lens_cpu):
         return paged_decode_attention(q, kv_pool, block_tables, context_lens, max(context_lens_cpu), scale=scale,
                                       kv_scales=kv_scales)
     return paged_prefill_attention(q, kv_pool, block_tables, cu_seqlens, context_lens, query_lens_cpu, scale=scale,
-                                   kv_scales=kv_scales)
+                                   kv_scales=kv_scales, num_splits=num_splits)
