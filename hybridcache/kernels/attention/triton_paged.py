@@ -102,14 +102,14 @@ def _attend_block(
 
 
 @triton.jit
-def _prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_kind, stride_page, stride_row, stride_bt,
-    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+def _query_block(
+    q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
+    """A prefill program's query block (chunk table entry `pid_m`: its sequence and block of BLOCK_M queries) for
+    query head `head`: q [BLOCK_M, D], the rows' positions, their row indices and which are real, the sequence's
+    context length, its kv head offset and block-table row, `last` (one past the last key any row sees) and
+    `unmasked_end` (keys before it are <= every row's position, so need no causal mask)."""
     seq = tl.load(chunk_ptr + 2 * pid_m).to(tl.int64)
     block = tl.load(chunk_ptr + 2 * pid_m + 1)
     bos = tl.load(cu_ptr + seq).to(tl.int64)
@@ -124,12 +124,26 @@ def _prefill_kernel(
                 mask=row_ok[:, None], other=0.0)
     kv_head_off = (head // GROUP).to(tl.int64) * D
     bt_row_ptr = bt_ptr + seq * stride_bt
+    last = tl.minimum(first_pos + BLOCK_M, ctx)
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    return q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end
 
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, out_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, qk_scale, v_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kind, stride_page, stride_row, stride_bt,
+    GROUP: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
+        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, BLOCK_M,
+        BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    last = tl.minimum(first_pos + BLOCK_M, ctx)  # one past the last key any row of the block sees
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys before this are <= every row's position
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, qk_scale, kv_ptr, bt_row_ptr, start, ctx, q_pos, dims,
                                       kv_head_off, stride_kind, stride_page, stride_row, PAGE, BLOCK_N, False,
@@ -158,26 +172,12 @@ def _prefill_split_kernel(
     head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1)
-    seq = tl.load(chunk_ptr + 2 * pid_m).to(tl.int64)
-    block = tl.load(chunk_ptr + 2 * pid_m + 1)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1) - tl.load(cu_ptr + seq)
-    ctx = tl.load(ctx_ptr + seq)
-    first_pos = ctx - query_len + block * BLOCK_M
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < query_len
-    q_pos = first_pos + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, D)
-    q = tl.load(q_ptr + (bos + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
-    kv_head_off = (head // GROUP).to(tl.int64) * D
-    bt_row_ptr = bt_ptr + seq * stride_bt
-
+    q, q_pos, dims, bos, rows, row_ok, ctx, kv_head_off, bt_row_ptr, last, unmasked_end = _query_block(
+        q_ptr, bt_ptr, cu_ptr, ctx_ptr, chunk_ptr, pid_m, head, stride_qt, stride_qh, stride_bt, GROUP, D, BLOCK_M,
+        BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    last = tl.minimum(first_pos + BLOCK_M, ctx)
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     split_len = tl.cdiv(tl.cdiv(last, BLOCK_N), num_splits) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, last)
