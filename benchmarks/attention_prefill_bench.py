@@ -17,30 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 import torch
+from rollback_bench import median_ms  # a sibling script: CUDA-event median after 3 warm-ups
 
 from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.varlen import chunk_indices, num_chunks
 
 SHAPES = ((200, 16_200), (960, 3_900), (300, 2_400), (16, 16_016), (1024, 16_000), (200, 4_200))
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 256
-
-
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -73,11 +59,11 @@ def main() -> None:
             return triton_paged.paged_prefill_attention(q, pool, table, cu, ctx, (new,), scale=HEAD_DIM**-0.5,
                                                         config=config, chunk_indices=chunks, num_splits=num_splits)
 
-        one, split = time_ms(lambda: run(1), args.reps), time_ms(lambda fn=run, s=splits: fn(s), args.reps)
+        one, split = median_ms(lambda: run(1), args.reps), median_ms(lambda fn=run, s=splits: fn(s), args.reps)
         diff = (run(1).float() - run(splits).float()).abs().max().item()
         sweep = {}
         if (new, context) == SHAPES[0]:  # the + 200 request: every split count up to the most
-            sweep = {n: time_ms(lambda fn=run, n=n: fn(n), args.reps)
+            sweep = {n: median_ms(lambda fn=run, n=n: fn(n), args.reps)
                      for n in range(2, triton_paged.MAX_PREFILL_SPLITS + 1)}
         rows.append({"new": new, "keys": context, "programs": programs, "splits": splits, "one_ms": one,
                      "split_ms": split, "max_abs_diff": diff, "sweep_ms": sweep})
