@@ -366,24 +366,14 @@ def test_interpreted_fp8_experts_of_the_model_against_the_reference_backend(fmt,
     """The CUDA backend's FP8 MoE path (experts stacked from `Fp8Linear` modules by `Fp8ExpertWeights.share`,
     per-channel scales as (1, 128) blocks) against the reference backend's (dequantised weights, activations not
     quantised): W8A8 within the activations' e4m3 rounding, 5e-2 relative; W8A16 to fp32 summation order."""
-    from torch import nn
-
     from hybridcache.kernels.backend import ReferenceBackend
     from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
-    from hybridcache.models.quant import quantize_linears_
+    from tests.kernels.test_fp8_rowwise_experts import block_experts
 
     torch_quantisation(monkeypatch)
     generator = torch.Generator().manual_seed(7)
     hidden, inter, num_experts, top_k, tokens = 128, 96, 4, 2, 9
-    experts = nn.ModuleList()
-    for _ in range(num_experts):
-        expert = nn.Module()
-        expert.gate_proj, expert.up_proj = nn.Linear(hidden, inter, bias=False), nn.Linear(hidden, inter, bias=False)
-        expert.down_proj = nn.Linear(inter, hidden, bias=False)
-        for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            proj.weight.data = torch.randn(proj.weight.shape, generator=generator) / proj.in_features**0.5
-        experts.append(expert)
-    quantize_linears_(experts, [n for n, m in experts.named_modules() if isinstance(m, nn.Linear)], fmt)
+    experts = block_experts(hidden, inter, num_experts, generator, fmt)
     x = torch.randn(tokens, hidden, generator=generator)
     top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
     top_weights = torch.rand(tokens, top_k, generator=generator)

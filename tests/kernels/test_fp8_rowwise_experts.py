@@ -94,7 +94,9 @@ def test_interpreted_swiglu_quantize_rows_equals_torch(inter):
         triton_quant.swiglu_quantize_rows(h[:, :-1])
 
 
-def block_experts(hidden: int, inter: int, num_experts: int, generator: torch.Generator) -> nn.ModuleList:
+def block_experts(hidden: int, inter: int, num_experts: int, generator: torch.Generator,
+                  fmt=BLOCK) -> nn.ModuleList:
+    """`num_experts` SwiGLU experts (weights at std 1/sqrt(fan_in)) quantised to `fmt` (`Fp8Linear` modules)."""
     from hybridcache.models.quant import quantize_linears_
 
     experts = nn.ModuleList()
@@ -105,7 +107,7 @@ def block_experts(hidden: int, inter: int, num_experts: int, generator: torch.Ge
         for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
             proj.weight.data = torch.randn(proj.weight.shape, generator=generator) / proj.in_features**0.5
         experts.append(expert)
-    quantize_linears_(experts, [n for n, m in experts.named_modules() if isinstance(m, nn.Linear)], BLOCK)
+    quantize_linears_(experts, [n for n, m in experts.named_modules() if isinstance(m, nn.Linear)], fmt)
     return experts
 
 
