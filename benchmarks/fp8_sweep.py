@@ -181,7 +181,9 @@ def dense_row(gen, name, n, k, m, ws, wbf, w32) -> list[dict]:
     return rows
 
 
-def expert_items(gen: torch.Generator):
+def block_experts(gen: torch.Generator) -> tuple[Fp8ExpertWeights, dict[str, torch.Tensor], int]:
+    """next-16b's routed experts on the GPU (a small set on the CPU): block-scaled FP8 weights, their fp32
+    dequantisation ("gu", "d") and top_k."""
     experts, top_k, hidden, inter = (32, 8, 4096, 1024) if DEVICE == "cuda" else (4, 2, 256, 128)
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5
     down = torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5
@@ -193,6 +195,11 @@ def expert_items(gen: torch.Generator):
     deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
            "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
     del q_gu, q_d
+    return fp8, deq, top_k
+
+
+def expert_items(gen: torch.Generator):
+    fp8, deq, top_k = block_experts(gen)
     items = [(0 if p[0] <= 64 else 3, lambda p=p: expert_row(gen, fp8, deq, top_k, *p)) for p in PLANS]
     items += [(4 + i, lambda tokens=tokens, tile=tile: prefill_row(gen, fp8, deq, top_k, tokens, tile))
               for i, tokens in enumerate(PREFILL_TOKENS) for tile in PREFILL_PLANS]
@@ -387,17 +394,7 @@ def per_channel_experts(fp8: Fp8ExpertWeights) -> Fp8ExpertWeights:
 
 def rowwise_items(gen: torch.Generator):
     """(priority, closure) items of `--rowwise` (above)."""
-    experts, top_k, hidden, inter = (32, 8, 4096, 1024) if DEVICE == "cuda" else (4, 2, 256, 128)
-    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5
-    down = torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5
-    q_gu = [reference.quantize(w, BLOCK) for w in gate_up]
-    q_d = [reference.quantize(w, BLOCK) for w in down]
-    del gate_up, down
-    fp8 = Fp8ExpertWeights(torch.stack([w for w, _ in q_gu]), torch.stack([s for _, s in q_gu]),
-                           torch.stack([w for w, _ in q_d]), torch.stack([s for _, s in q_d]), BLOCK.block)
-    deq = {"gu": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_gu]),
-           "d": torch.stack([reference.dequantize(w, s, BLOCK, torch.float32) for w, s in q_d])}
-    del q_gu, q_d
+    fp8, deq, top_k = block_experts(gen)
     channel = per_channel_experts(fp8)
     items = [(ROWWISE_PRIORITY.get(tokens, 9), lambda tokens=tokens: rowwise_row(gen, fp8, channel, deq, top_k,
                                                                                 tokens)) for tokens in ROWWISE_TOKENS]
