@@ -491,6 +491,15 @@ def fp8_quantize(weight: torch.Tensor, fmt: Fp8Format) -> tuple[torch.Tensor, to
     return quantize(weight, fmt)
 
 
+def fp8_requantize_rows(weight: torch.Tensor, scale: torch.Tensor,
+                        block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked block-scaled weights [E, N, K] -> the same weights per output channel (FP8 weights, scales [E, N])
+    (`kernels/gemm/reference.py::requantize_rows`)."""
+    from hybridcache.kernels.gemm.reference import requantize_rows
+
+    return requantize_rows(weight, scale, block)
+
+
 def encoder_attention(name: str | None, device_type: str, dtype: torch.dtype, head_dim: int) -> EncoderAttention:
     """The vision tower's encoder attention backend `name` (`kernels.registry.ENCODER_ATTENTION`; None: the
     device's default, `encoder_attention.default_encoder_attention`) for heads of `head_dim` in `dtype`; ValueError

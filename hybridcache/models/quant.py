@@ -255,17 +255,15 @@ _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
 @torch.no_grad()
 def requantize_experts_per_channel_(model: nn.Module) -> int:
     """Re-quantise every routed expert's block-scaled `Fp8Linear` (`...experts.{e}.{gate,up,down}_proj`) per output
-    channel in place (`reference.requantize_rows`: what `Fp8ExpertWeights.share` does on CUDA with
+    channel in place (`kernels.backend.fp8_requantize_rows`: what `Fp8ExpertWeights.share` does on CUDA with
     `fp8_tiles.EXPERTS_PER_CHANNEL`, so their prefill can run torch's row-wise scaled grouped GEMM); on any device,
     for measuring what the change of numerics costs (`benchmarks/fp8_quality.py`). Returns how many it changed."""
-    from hybridcache.kernels.gemm.reference import requantize_rows
-
     replaced: dict[int, Fp8Linear] = {}
     modules = dict(model.named_modules())
     for name, linear in modules.items():
         if not (isinstance(linear, Fp8Linear) and linear.fmt.kind == "block" and _ROUTED_EXPERT.search(name)):
             continue
-        weight, scale = requantize_rows(linear.weight[None], linear.scale[None], linear.fmt.block)
+        weight, scale = kernel_backend.fp8_requantize_rows(linear.weight[None], linear.scale[None], linear.fmt.block)
         with torch.device("meta"):
             new = Fp8Linear(linear.in_features, linear.out_features, CHANNEL)
         new.weight = nn.Parameter(weight[0], requires_grad=False)
