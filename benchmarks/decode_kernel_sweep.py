@@ -21,7 +21,6 @@ import argparse
 import itertools
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -30,12 +29,12 @@ import triton
 
 from hybridcache.kernels.conv import triton as conv_triton
 from hybridcache.kernels.gated_delta import triton_step
+from hybridcache.kernels.gemm.dense import replay_us
 from hybridcache.kernels.norm import triton as norm_triton
 from hybridcache.kernels.sampling import triton_argmax
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-CALLS = 16  # launches per captured graph
 # Candidate launches (each compiles once: the sweep must fit a round's two minutes with the profiles after it)
 GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), (32, 2, False), (32, 4, False),
                 (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
@@ -50,33 +49,14 @@ HK, HV, DK, DV, CONV_CHANNELS, CONV_TAPS = 16, 32, 128, 128, 8192, 4
 
 
 def graph_us(launch, copies: int) -> float:
-    """Device us per call of `launch(i)` (i: which input copy), from 5 replays of a graph of CALLS calls (without
-    CUDA: one call each, timed on the host: a dry run of the launches under TRITON_INTERPRET=1)."""
+    """Device us per call of `launch(i)` (i: which input copy), timed as the engine times its GEMM choices
+    (`kernels.gemm.dense.replay_us`: the median of 5 replays of one graph of many calls); without CUDA, one call
+    timed on the host (a dry run of the launches under TRITON_INTERPRET=1)."""
     if not torch.cuda.is_available():
         start = time.perf_counter()
         launch(0)
         return 1e6 * (time.perf_counter() - start)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):
-            launch(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            launch(i % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1000 * start.elapsed_time(end) / CALLS)
-    return statistics.median(times)
+    return replay_us(launch, list(range(copies)), torch.device("cuda"))
 
 
 def report(name: str, rows: list[dict], current: str) -> list[dict]:

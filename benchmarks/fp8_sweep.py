@@ -107,16 +107,23 @@ DENSE = {"80b o_proj": (2048, 4096), "80b shared gate_up": (1024, 2048), "next-1
          "28672x8192": (28672, 8192)}
 
 
+def dense_weights(gen: torch.Generator, n: int, k: int):
+    """A random [n, k] projection quantised to 128 x 128 blocks: (copies of (FP8 weight, scale) for cache-cold
+    timing, bf16 dequantised copies, the fp32 dequantisation the errors are taken against)."""
+    dense = torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5
+    w, s = reference.quantize(dense, BLOCK)
+    del dense
+    ws = [(w.clone(), s.clone()) for _ in range(copies(w.numel()))]
+    wbf = [reference.dequantize(a, b, BLOCK, torch.bfloat16) for a, b in ws[: copies(2 * w.numel())]]
+    w32 = reference.dequantize(w, s, BLOCK, torch.float32)
+    return ws, wbf, w32
+
+
 def dense_items(gen: torch.Generator):
     """(priority-ordered) closures, each returning one result row."""
     items = []
     for name, (n, k) in DENSE.items():
-        dense = torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5
-        w, s = reference.quantize(dense, BLOCK)
-        del dense
-        ws = [(w.clone(), s.clone()) for _ in range(copies(w.numel()))]
-        wbf = [reference.dequantize(a, b, BLOCK, torch.bfloat16) for a, b in ws[: copies(2 * w.numel())]]
-        w32 = reference.dequantize(w, s, BLOCK, torch.float32)
+        ws, wbf, w32 = dense_weights(gen, n, k)
         for m in ROWS:
             if name == "80b shared gate_up" and m == 8192 or name == "next-16b qkvz" and m > 64:
                 continue
@@ -439,12 +446,7 @@ def decode_shape_rows(gen, name, n, k) -> list[dict]:
     swap-AB decode tile (both with their quantisation launch), bf16's `F.linear` beside them."""
     from hybridcache.kernels.gemm.triton_block_fp8 import decode_config
 
-    dense = torch.randn(n, k, generator=gen, device=DEVICE) / k**0.5
-    w, s = reference.quantize(dense, BLOCK)
-    del dense
-    ws = [(w.clone(), s.clone()) for _ in range(copies(w.numel()))]
-    wbf = [reference.dequantize(a, b, BLOCK, torch.bfloat16) for a, b in ws[: copies(2 * w.numel())]]
-    w32 = reference.dequantize(w, s, BLOCK, torch.float32)
+    ws, wbf, w32 = dense_weights(gen, n, k)
     rows = []
     for m in DECODE_SHAPE_ROWS:
         x = torch.randn(m, k, generator=gen, device=DEVICE).to(torch.bfloat16)

@@ -158,7 +158,7 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
         runs = {"cublas": (None, lambda w, x=x: F.linear(x, w, bias))}
         for config in candidates(n, k, block_m, sms):
             runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))
-        times = {name: _replay_us(run, weights, device) for name, (_, run) in runs.items()}
+        times = {name: replay_us(run, weights, device) for name, (_, run) in runs.items()}
         best = min(times, key=times.get)
         if times[best] > MARGIN * times["cublas"]:
             best = "cublas"
@@ -167,7 +167,7 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
     torch.cuda.synchronize(device)
 
 
-def _replay_us(run, weights: list[torch.Tensor], device: torch.device) -> float:
+def replay_us(run, weights: list[torch.Tensor], device: torch.device) -> float:
     """Device microseconds per GEMM of `run` over the weight copies, captured in one CUDA graph of `REPS` calls
     (what a decode graph replays: no launch overhead), the median of 5 replays. `run` is called eagerly first."""
     stream = torch.cuda.Stream(device)
