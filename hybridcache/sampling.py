@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -337,7 +337,13 @@ def _min_tokens_bans(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence
     p = row.params
     if not p.min_tokens or len(row.token_ids) - row.prompt_len >= p.min_tokens:
         return set()
-    return set(p.stop_token_ids) | (set() if p.ignore_eos else set(stop_token_ids))
+    return stop_tokens(p, stop_token_ids)
+
+
+def stop_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -> set[int]:
+    """The tokens that end a sequence sampled with `params` when emitted: its `stop_token_ids`, and the model's EOS
+    ids unless `ignore_eos`."""
+    return set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
 
 
 def process_logits(

@@ -77,7 +77,7 @@ from hybridcache.models.builtin import ensure_builtin_model, model_display_name
 from hybridcache.models.quant import describe_weights
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import RequestOutput
-from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, to_device
+from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, stop_tokens, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Accepted, Scheduler
@@ -691,7 +691,7 @@ class LLMEngine:
 
     def _stop_tokens(self, seq: Seq) -> set[int]:
         """The tokens that end `seq` when emitted (`stop_token_ids`, and EOS unless `ignore_eos`)."""
-        return set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+        return stop_tokens(seq.params, self.eos_token_ids)
 
     def _complete_deferred(self, launched: _Launched, *, chained: bool) -> tuple[list[RequestOutput], list[int]]:
         """`_complete` of a deferred verify step: its verdicts and drafting from the host copy of its device
