@@ -23,9 +23,9 @@ rank; async scheduling on for MTP off's steps, as at N = 1 on CUDA; speculative 
 Where a chained step's time goes: `--chain-split` records, per chained step, the host's milliseconds in each of its
 phases and the device's span of the work it queued (CUDA events; `chain_split`), `--profile-batch B` runs batch B
 once more under torch.profiler (the device's busy time and the host's launches per step; `device_profile`), and
-`--ab-chain-graphs` captures the chained steps' glue in graphs (`spec_chain.ChainGraphs`, off unless
-`HYBRIDCACHE_CHAIN_GRAPHS=1`) and runs each batch size twice in the MTP engine, first with that glue eager
-(`ModelRunner.without_chain_graphs`), then in its graphs, and checks they give the same tokens. `--mtp-first`
+`--ab-chain-graphs` runs each batch size twice in the MTP engine, first with the chained steps' glue eager
+(`ModelRunner.without_chain_graphs`), then in its graphs (`spec_chain.ChainGraphs`, the default), and checks they
+give the same tokens. `--mtp-first`
 starts the MTP engines before MTP off's.
 """
 
@@ -37,7 +37,6 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import random
 import time
 import traceback
@@ -46,7 +45,6 @@ from pathlib import Path
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
-from hybridcache.engine.runner import CHAIN_GRAPHS_ENV
 from hybridcache.engine.spec_chain import DeviceVerdicts
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.sampling import SamplingParams
@@ -354,8 +352,6 @@ def main() -> None:
                         help="with MTP, one more run of these batch sizes under torch.profiler (`device_profile`)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if args.ab_chain_graphs:  # (the runner captures the chain's graphs only when asked: `CHAIN_GRAPHS_ENV`)
-        os.environ[CHAIN_GRAPHS_ENV] = "1"
     if args.log:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     model_dir = args.model_dir or ensure_builtin_model()

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -65,10 +64,6 @@ from hybridcache.scheduler.sequence import Seq
 from hybridcache.state_spec import DevicePools
 
 logger = logging.getLogger(__name__)
-
-# set to 1 to capture the async speculative steps' glue in graphs (`ModelRunner._capture_chain`)
-CHAIN_GRAPHS_ENV = "HYBRIDCACHE_CHAIN_GRAPHS"
-
 
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch sizes captured: powers of two from 1 up to the first one >= max_num_seqs.
@@ -305,12 +300,10 @@ class ModelRunner:
 
     def _capture_chain(self) -> None:
         """Capture the async speculative steps' glue graphs (`spec_chain.ChainGraphs`) per verify bucket, when
-        verify and drafting graphs of k drafts exist and `HYBRIDCACHE_CHAIN_GRAPHS=1` (`CHAIN_GRAPHS_ENV`: off by
-        default until a GPU run has checked them; chained steps then build their inputs eagerly). A capture that
-        raises is logged and left out, with the same fallback."""
+        verify and drafting graphs of k drafts exist. A capture that raises is logged and left out: chained steps
+        then build their inputs eagerly (`without_chain_graphs` does the same for an A/B)."""
         drafting, verify, k = self._draft_graphs, self._verify_graphs, self.num_speculative_tokens
-        if (drafting is None or verify is None or 1 + k not in drafting.catch
-                or os.environ.get(CHAIN_GRAPHS_ENV, "") in ("", "0")):
+        if drafting is None or verify is None or 1 + k not in drafting.catch:
             return
         chain = ChainGraphs(verify, drafting, self.chain_tables, self.pools.state_groups, k=k,
                             kernel_block_size=self.kernel_block_size, draft_base=self.draft_base,
