@@ -53,7 +53,7 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.mtp_draft import DraftPlan, identity, run_draft_plan
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, prefill_graph_sizes
-from hybridcache.engine.spec_chain import ChainGraphs, ChainTables, next_verify_batch, select_rows
+from hybridcache.engine.spec_chain import ChainGraphs, ChainTables, copy_state_rows, next_verify_batch, select_rows
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
@@ -489,8 +489,7 @@ class ModelRunner:
         if size is not None:
             return chain.prepare(prev, values, size, replay=self._replay)
         source = select_rows(prev.state_slots, values[:n], k=k, draft_base=self.draft_base)
-        for group in self.pools.state_groups:
-            group.index_copy_(1, prev.state_slots, group.index_select(1, source))
+        copy_state_rows(self.pools.state_groups, source, prev.state_slots)
         return next_verify_batch(prev, values, self.chain_tables.tables[:n], self.chain_tables.stops[:n], k=k,
                                  kernel_block_size=self.kernel_block_size, scratch_slot=self.scratch_slot,
                                  scratch_page=self.scratch_page,
@@ -654,10 +653,14 @@ class ModelRunner:
         rather than inside the first step that saves or restores a checkpoint (what that costs: docs/bench.md,
         "Start-up compiles"). The ids here are fresh tensors, 16-byte
         aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches.
-        Paged state copies are plain torch ops: nothing to compile."""
+        With speculative decoding, the same for the rollback's whole-row copy of each state group (the scratch
+        slot onto itself: a no-op). Paged state copies are plain torch ops: nothing to compile."""
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+        if self.num_speculative_tokens:
+            scratch = torch.tensor([self.scratch_slot], dtype=torch.int64, device=self.device)
+            copy_state_rows(self.pools.state_groups, scratch, scratch)
 
     @property
     def num_host_blocks(self) -> int:
@@ -755,9 +758,7 @@ def _host_load(runner: ModelRunner, op: DeviceCopyOp) -> None:
 def _rollback_state(runner: ModelRunner, op: DeviceCopyOp) -> None:
     """Draft states (`slot * k + j`, rows `draft_base + id` of every state group) -> runtime slots, whole rows
     (speculative decoding: the state after a verify row's last accepted position)."""
-    rows = op.src_ids + runner.draft_base
-    for group in runner.pools.state_groups:
-        group.index_copy_(1, op.dst_ids, group.index_select(1, rows))
+    copy_state_rows(runner.pools.state_groups, op.src_ids + runner.draft_base, op.dst_ids)
 
 
 # How the runner executes each copy kind (a kind's value is its (pool, phase, what)). A new kind (a host tier's

@@ -26,6 +26,7 @@ import torch
 
 from hybridcache.engine.speculative import Verdict
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels.copy.block_copy import copy_blocks
 from hybridcache.sampling import to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
@@ -94,6 +95,15 @@ def select_rows(state_slots: torch.Tensor, accepted: torch.Tensor, *, k: int, dr
     `slot * k + a` (pool row `draft_base + slot * k + a`) when it accepted a < k drafts, else its slot itself."""
     drafted = draft_base + state_slots * k + accepted.clamp(max=k - 1)
     return torch.where(accepted < k, drafted, state_slots)
+
+
+def copy_state_rows(state_groups: Sequence[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Every state group's row `src[i]` -> row `dst[i]` (groups [layers, rows, *state]), whole rows of every layer,
+    in place: the rollback of a verify step (`STATE_ROLLBACK`, and the chained step's select, where a row that
+    accepted every draft copies its slot onto itself). One `copy_blocks` launch per group on CUDA, no temporary of
+    all the rows (at Qwen3-Next-80B's shape an `index_select` of 64 slots' states would be ~6 GB)."""
+    for group in state_groups:
+        copy_blocks(group, src, dst, pages_per_block=1, page_dim=1)
 
 
 def next_verify_rows(positions: torch.Tensor, state_slots: torch.Tensor, draft_slots: torch.Tensor,
@@ -305,8 +315,7 @@ class ChainGraphs:
         k, q, v = self.k, 1 + self.k, self.verify
         values, slots = self.values[size], v.state_slots[:size]
         source = select_rows(slots, values[:size].clamp(0, k), k=k, draft_base=self.draft_base)
-        for group in self.state_groups:
-            group.index_copy_(1, slots, group.index_select(1, source))
+        copy_state_rows(self.state_groups, source, slots)
         rows = next_verify_rows(v.positions[: size * q], slots, v.draft_slots[: size * k], values,
                                 self.tables.tables[:size], self.tables.stops[:size], self.pad[:size], k=k,
                                 kernel_block_size=self.kernel_block_size, scratch_slot=self.scratch_slot,

@@ -118,6 +118,25 @@ def test_other_page_dim() -> None:
     assert torch.equal(pool, expected)
 
 
+def check_self_copies(impl: str) -> None:
+    """A pair may copy a block onto itself (a speculative step's select keeping a slot's own state) while other
+    pairs read that block: the others land, the block stays; a destination that another pair reads is refused."""
+    pool = random_pool((3, 10, 2, 4), torch.float32, 11)  # a state group: [layers, rows, *state]
+    src, dst = [5, 5, 8, 2], [5, 7, 1, 2]
+    expected = reference_copy(pool, src, dst, pages_per_block=1, page_dim=1)
+    assert not torch.equal(expected, pool)
+    copy_blocks(pool, torch.tensor(src), torch.tensor(dst), pages_per_block=1, page_dim=1, impl=impl)
+    assert torch.equal(pool, expected)
+    before = pool.clone()
+    with pytest.raises(ValueError, match=r"disjoint from src_ids; both hold \[5\]"):
+        copy_blocks(pool, torch.tensor([7, 5]), torch.tensor([5, 9]), pages_per_block=1, page_dim=1, impl=impl)
+    assert torch.equal(pool, before)
+
+
+def test_torch_self_copies() -> None:
+    check_self_copies("torch")
+
+
 @pytest.mark.parametrize("impl", ["torch", "auto"])
 def test_empty_plan_is_a_no_op(impl: str) -> None:
     pool = random_pool(kv_shape(8), torch.bfloat16, 7)
@@ -186,7 +205,7 @@ def test_errors_leave_the_pool_untouched() -> None:
     pool = random_pool(kv_shape(8), torch.float32, 8)
     before = pool.clone()
     with pytest.raises(ValueError, match="disjoint"):
-        copy_blocks(pool, torch.tensor([1, 2]), torch.tensor([3, 2]), pages_per_block=1, impl="torch")
+        copy_blocks(pool, torch.tensor([1, 2]), torch.tensor([3, 1]), pages_per_block=1, impl="torch")
     assert torch.equal(pool, before)
 
 
@@ -212,6 +231,11 @@ def test_triton_interpreter_in_subprocess() -> None:
 @pytest.mark.parametrize("pages_per_block", [1, 2, 4], ids=lambda n: f"ppb{n}")
 def test_triton_interpreted_copy_blocks(pages_per_block: int, dtype: torch.dtype) -> None:
     check_copy_blocks("triton", pages_per_block, dtype, seed=10 + pages_per_block)
+
+
+@needs_interpreter
+def test_triton_interpreted_self_copies() -> None:
+    check_self_copies("triton")
 
 
 @needs_interpreter

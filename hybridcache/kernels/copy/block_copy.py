@@ -58,8 +58,9 @@ def copy_blocks(
     dst_ids : [N] int32 or int64, same length.
     Block `b` is pages `b * pages_per_block ... b * pages_per_block + pages_per_block - 1`.
 
-    Contract: destinations are unique and disjoint from the sources; sources may repeat; nothing outside
-    the destination blocks changes. The ids live on the pool's device or on the CPU. Ids on the CPU are
+    Contract: destinations are unique and disjoint from the other pairs' sources (a pair may copy a block onto
+    itself: a no-op, as when a speculative step's select keeps a slot's own state); sources may repeat; nothing
+    outside the destination blocks changes. The ids live on the pool's device or on the CPU. Ids on the CPU are
     checked (range, unique destinations, disjointness) before anything runs; ids already on the device are
     not (that would synchronise with the host), so out-of-range ids there are undefined behaviour.
     `N == 0` is a no-op.

@@ -95,6 +95,7 @@ def _check_host_plan(src_ids: torch.Tensor, dst_ids: torch.Tensor, num_blocks: i
             raise ValueError(f"{name} must lie in [0, {num_blocks}), got values in [{low}, {high}]")
     if torch.unique(dst_ids).numel() != dst_ids.numel():
         raise ValueError("dst_ids must be unique (a destination written twice is a race)")
-    overlap = torch.isin(dst_ids, src_ids)
+    moving = src_ids != dst_ids  # (a block copied onto itself changes nothing)
+    overlap = torch.isin(dst_ids[moving], src_ids)
     if bool(overlap.any()):
-        raise ValueError(f"dst_ids must be disjoint from src_ids; both hold {dst_ids[overlap].tolist()}")
+        raise ValueError(f"dst_ids must be disjoint from src_ids; both hold {dst_ids[moving][overlap].tolist()}")

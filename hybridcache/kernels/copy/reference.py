@@ -22,8 +22,8 @@ def copy_blocks_torch(
 ) -> None:
     """index_select + index_copy_ over the page dim, in tiles of `[outer_rows, pages, page_numel]` whose
     temporary holds at most `max_workspace_bytes`. Tiles never overlap and destinations are disjoint from
-    sources, so the order of the tiles does not matter. A float8 pool is copied as bytes (torch has no
-    index_copy_ for float8 on the CPU)."""
+    the sources of other pairs, so the order of the tiles does not matter. A float8 pool is copied as bytes
+    (torch has no index_copy_ for float8 on the CPU)."""
     if pool.element_size() == 1:
         pool = pool.view(torch.uint8)
     flat = pool.view(geometry.num_outer, geometry.num_pages, geometry.page_numel)
