@@ -12,6 +12,8 @@ Variants (each a replay in one process, the first always the default order as bu
 
     default            `HostOrder` (what the engine runs)
     belady             the host's eviction is Belady's, everything demoted as built
+    whether            what is never used again goes first (the largest first), then the default order: the
+                       foresight of *which* returns without *when* (the reuse oracle's, on the host)
     belady+returns     also demote only checkpoints a later request uses (what is demoted, with foresight of which)
     belady+all         every save admitted on the device (`hybridcache+all`'s admission), Belady on the host
     inclusive-belady   a host of (R - 1) x the budget: what an inclusive tier (a promotion keeps its host copy,
@@ -41,17 +43,19 @@ from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.host_tier import _num_blocks, _num_pruned
 
-VARIANTS = ("default", "belady", "belady+returns", "belady+all", "inclusive-belady")
+VARIANTS = ("default", "belady", "whether", "belady+returns", "belady+all", "inclusive-belady")
 
 
 class BeladyHostOrder(HostOrder):
     """`HostOrder` whose victim is Belady's: the unpinned host checkpoint used next furthest in the future (never
-    first, the largest of those first). Next uses are kept per checkpoint, in a lazy max-heap, and every one the
-    replay has reached (`seen.now`, the index of the request being replayed) is looked up again before a pick."""
+    first, the largest of those first). `timing=False` knows only *whether* a checkpoint is used again: the never
+    used first (the largest first), then `HostOrder`'s own order (due first). Next uses are kept per checkpoint,
+    in a lazy max-heap, and every one the replay has reached (`seen.now`, the index of the request being
+    replayed) is looked up again before a pick."""
 
-    def __init__(self, protection: int, future: FutureIndex, seen: Seen) -> None:
+    def __init__(self, protection: int, future: FutureIndex, seen: Seen, timing: bool = True) -> None:
         super().__init__(protection)
-        self.future, self.seen = future, seen
+        self.future, self.seen, self.timing = future, seen, timing
         self._heap: list[tuple[int, int, int]] = []  # (-never, -(size if never else next use), ckpt id)
         self._uses: list[tuple[int, int]] = []  # (next use, ckpt id): looked up again once the replay passes it
         self._key: dict[int, tuple[int, int]] = {}
@@ -71,8 +75,11 @@ class BeladyHostOrder(HostOrder):
     def _push(self, ckpt: Checkpoint) -> None:
         anchor = ckpt.anchor
         j = self.future.next_use(anchor.hash, anchor.depth, ckpt.tail_ids, self.seen.now)
-        key = (1, _num_blocks(ckpt) + _num_pruned(ckpt)) if j is None else (0, j)
         cid = ckpt.ckpt_id
+        if j is None:
+            key = (1, _num_blocks(ckpt) + _num_pruned(ckpt))
+        else:
+            key = (0, j) if self.timing else (0, -self._due[cid])
         self._next[cid], self._key[cid] = j, key
         heapq.heappush(self._heap, (-key[0], -key[1], cid))
         if j is not None:
@@ -101,12 +108,12 @@ class BeladyHostOrder(HostOrder):
         return found
 
 
-def use_belady(replay: CacheReplay, future: FutureIndex, seen: Seen) -> None:
+def use_belady(replay: CacheReplay, future: FutureIndex, seen: Seen, timing: bool = True) -> None:
     """Give `replay`'s host tier Belady's order (it must be empty: call before the first request)."""
     host = replay.cache._life.host
     if host.order:
         raise ValueError("the host tier already holds checkpoints")
-    host.queues = BeladyHostOrder(host.queues.protection, future, seen)
+    host.queues = BeladyHostOrder(host.queues.protection, future, seen, timing)
 
 
 def demote_only_returns(replay: CacheReplay, future: FutureIndex, seen: Seen) -> None:
@@ -128,7 +135,7 @@ def build(variant: str, spec, cost, gpu: int, ratio: float, block_size: int, fut
     config = SimConfig(gpu, block_size, host_memory_bytes=int(host_ratio * gpu))
     replay = make_replay(replace(spec, admission="all") if variant == "belady+all" else spec, cost, config)
     if variant != "default":
-        use_belady(replay, future, seen)
+        use_belady(replay, future, seen, timing=variant != "whether")
     if variant == "belady+returns":
         demote_only_returns(replay, future, seen)
     return replay, seen

@@ -75,3 +75,17 @@ def test_the_script_runs_every_variant(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [row["variant"] for row in rows] == list(VARIANTS)
     assert all(0 <= row["hit_rate"] <= 1 for row in rows)
+
+
+def test_without_timing_the_never_used_go_first_then_the_default_order():
+    seen = Seen()
+    seen.now = 0
+    order = BeladyHostOrder(100, _Future({1: [5], 2: [9], 3: []}), seen, timing=False)
+    first, second, never = _ckpt(1, 1), _ckpt(2, 2), _ckpt(3, 3)
+    order.add(first, proven=False)
+    order.tick(10)
+    order.add(second, proven=False)
+    order.add(never, proven=True)
+    assert order.victim() is never
+    order.remove(never)
+    assert order.victim() is first  # due first (Belady would take `second`, used later)
