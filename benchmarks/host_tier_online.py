@@ -17,6 +17,8 @@ the host drops the unpinned one due first. `default` is `HostOrder` itself (prov
     reads        default, and a host checkpoint whose prefix and tail a later prompt reads (its match walks past
                  it: a deeper checkpoint served it) is re-dated as a proven one (frequency of reads since
                  demotion)
+    passed       the opposite: such a checkpoint goes first (a later turn went past it, as a shadowed turn end on
+                 the device: the next turn will use the deeper one)
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/host_tier_online.py --workload mooncake \\
         --trace /path/to/mooncake/conversation_trace.jsonl --num-requests 3000 --gib 1 [--rules default,gap]
@@ -41,7 +43,7 @@ from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.matching import walk_prompt
 from hybridcache.cache.request import SaveReason
 
-RULES = ("default", "gap", "gap-due", "cont", "gap-chunk", "reads")
+RULES = ("default", "gap", "gap-due", "cont", "gap-chunk", "reads", "passed")
 
 
 class DueOrder(HostOrder):
@@ -65,9 +67,9 @@ class DueOrder(HostOrder):
         super().remove(ckpt)
         del self._ckpts[ckpt.ckpt_id]
 
-    def touch(self, ckpt: Checkpoint) -> None:
-        """`ckpt` was read: due one protection from now."""
-        due = self.clock + self.protection
+    def touch(self, ckpt: Checkpoint, due: int | None = None) -> None:
+        """`ckpt` was read: due `due`, by default one protection from now."""
+        due = self.clock + self.protection if due is None else due
         self._due[ckpt.ckpt_id] = due
         heapq.heappush(self._heap, (due, 1, ckpt.ckpt_id))
 
@@ -129,7 +131,7 @@ def make_rule(rule: str, replay: CacheReplay, conts: Continuations, index_of: di
             return None
         return capacity if rule == "gap" else min(capacity, 2 * gap)
 
-    if rule == "reads":
+    if rule in ("reads", "passed"):
         host.queues = DueOrder(capacity, lambda ckpt: None)
         cache, match = replay.cache, replay.cache.match
 
@@ -146,7 +148,7 @@ def make_rule(rule: str, replay: CacheReplay, conts: Continuations, index_of: di
                     base = depth * size
                     if ckpt.step <= len(prompt) and prompt[base:ckpt.step] == ckpt.tail_ids and (
                             ckpt.ckpt_id != result.checkpoint_id):
-                        host.queues.touch(ckpt)
+                        host.queues.touch(ckpt, None if rule == "reads" else 0)
             return result
 
         cache.match = reading

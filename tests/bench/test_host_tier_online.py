@@ -24,7 +24,7 @@ def _run(script: str, *extra: str) -> str:
 def test_every_rule_runs_and_the_default_is_the_tier_as_built():
     out = _run("host_tier_online.py")
     rates = dict(re.findall(r"^\| ([\w-]+) \| ([\d.]+) \|", out, re.M))
-    assert set(rates) == {"default", "gap", "gap-due", "cont", "gap-chunk", "reads"}
+    assert set(rates) == {"default", "gap", "gap-due", "cont", "gap-chunk", "reads", "passed"}
     assert all(0 <= float(v) <= 1 for v in rates.values())
     built = re.search(r"^\| default \| ([\d.]+) \|", _run("host_tier_belady.py", "--variants", "default"), re.M)
     assert built.group(1) == rates["default"]
