@@ -14,6 +14,8 @@ Variants (each a replay in one process, the first always the default order as bu
     belady             the host's eviction is Belady's, everything demoted as built
     whether            what is never used again goes first (the largest first), then the default order: the
                        foresight of *which* returns without *when* (the reuse oracle's, on the host)
+    whether@P          `whether` wrong about a fixed random share 1 - P of the checkpoints (either way): what a
+                       predictor of returns of accuracy P would reach
     belady+returns     also demote only checkpoints a later request uses (what is demoted, with foresight of which)
     belady+all         every save admitted on the device (`hybridcache+all`'s admission), Belady on the host
     inclusive-belady   a host of (R - 1) x the budget: what an inclusive tier (a promotion keeps its host copy,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import random
 import sys
 import time
 from dataclasses import replace
@@ -53,9 +56,11 @@ class BeladyHostOrder(HostOrder):
     in a lazy max-heap, and every one the replay has reached (`seen.now`, the index of the request being
     replayed) is looked up again before a pick."""
 
-    def __init__(self, protection: int, future: FutureIndex, seen: Seen, timing: bool = True) -> None:
+    def __init__(
+        self, protection: int, future: FutureIndex, seen: Seen, timing: bool = True, accuracy: float = 1.0,
+    ) -> None:
         super().__init__(protection)
-        self.future, self.seen, self.timing = future, seen, timing
+        self.future, self.seen, self.timing, self.accuracy = future, seen, timing, accuracy
         self._heap: list[tuple[int, int, int]] = []  # (-never, -(size if never else next use), ckpt id)
         self._uses: list[tuple[int, int]] = []  # (next use, ckpt id): looked up again once the replay passes it
         self._key: dict[int, tuple[int, int]] = {}
@@ -76,7 +81,8 @@ class BeladyHostOrder(HostOrder):
         anchor = ckpt.anchor
         j = self.future.next_use(anchor.hash, anchor.depth, ckpt.tail_ids, self.seen.now)
         cid = ckpt.ckpt_id
-        if j is None:
+        wrong = self.accuracy < 1 and random.Random(cid).random() >= self.accuracy  # the same for its life
+        if (j is None) != wrong:
             key = (1, _num_blocks(ckpt) + _num_pruned(ckpt))
         else:
             key = (0, j) if self.timing else (0, -self._due[cid])
@@ -108,12 +114,14 @@ class BeladyHostOrder(HostOrder):
         return found
 
 
-def use_belady(replay: CacheReplay, future: FutureIndex, seen: Seen, timing: bool = True) -> None:
+def use_belady(
+    replay: CacheReplay, future: FutureIndex, seen: Seen, timing: bool = True, accuracy: float = 1.0,
+) -> None:
     """Give `replay`'s host tier Belady's order (it must be empty: call before the first request)."""
     host = replay.cache._life.host
     if host.order:
         raise ValueError("the host tier already holds checkpoints")
-    host.queues = BeladyHostOrder(host.queues.protection, future, seen, timing)
+    host.queues = BeladyHostOrder(host.queues.protection, future, seen, timing, accuracy)
 
 
 def demote_only_returns(replay: CacheReplay, future: FutureIndex, seen: Seen) -> None:
@@ -128,14 +136,24 @@ def demote_only_returns(replay: CacheReplay, future: FutureIndex, seen: Seen) ->
     life._demotable = deciding
 
 
+def _is_noisy(variant: str) -> bool:
+    """`whether@P`: `whether` with a predictor of accuracy P (0 <= P <= 1)."""
+    base, _, accuracy = variant.partition("@")
+    try:
+        return base == "whether" and 0 <= float(accuracy) <= 1
+    except ValueError:
+        return False
+
+
 def build(variant: str, spec, cost, gpu: int, ratio: float, block_size: int, future: FutureIndex):
     """(replay, seen) for one variant."""
     seen = Seen()
     host_ratio = ratio - 1 if variant == "inclusive-belady" else ratio
     config = SimConfig(gpu, block_size, host_memory_bytes=int(host_ratio * gpu))
     replay = make_replay(replace(spec, admission="all") if variant == "belady+all" else spec, cost, config)
+    base, _, accuracy = variant.partition("@")
     if variant != "default":
-        use_belady(replay, future, seen, timing=variant != "whether")
+        use_belady(replay, future, seen, timing=base != "whether", accuracy=float(accuracy or 1))
     if variant == "belady+returns":
         demote_only_returns(replay, future, seen)
     return replay, seen
@@ -146,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     workload_arguments(parser)
     parser.add_argument("--gib", type=float, required=True, help="the GPU budget, GiB")
     parser.add_argument("--ratio", type=float, default=4.0, help="the host tier as a multiple of the GPU budget")
-    parser.add_argument("--variants", default=",".join(VARIANTS[:3]), help=f"from {', '.join(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS[:3]),
+                        help=f"from {', '.join(VARIANTS)}, whether@P (0 <= P <= 1)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and not _is_noisy(v)]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
 

@@ -89,3 +89,13 @@ def test_without_timing_the_never_used_go_first_then_the_default_order():
     assert order.victim() is never
     order.remove(never)
     assert order.victim() is first  # due first (Belady would take `second`, used later)
+
+
+def test_a_predictor_of_accuracy_zero_gets_every_checkpoint_wrong():
+    seen = Seen()
+    seen.now = 0
+    order = BeladyHostOrder(100, _Future({1: [5], 2: []}), seen, timing=False, accuracy=0.0)
+    used, never = _ckpt(1, 1), _ckpt(2, 2)
+    order.add(used, proven=False)
+    order.add(never, proven=False)
+    assert order.victim() is used  # believed never used again
