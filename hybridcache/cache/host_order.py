@@ -8,7 +8,9 @@ promotes, so such a checkpoint was hit on the device or promoted and demoted aga
 a prompt left a prefix an earlier one had read: two requests read its prefix, the popularity a hit shows), and not
 shadowed (a turn end that a later turn of its chain went past has served what it was kept for). The victim is the
 unpinned checkpoint due first (ties: the unproven one); within each queue that is the oldest demotion, so only the
-two queues' heads are compared. (Why branch points: docs/cache.md, "Online rules measured".)
+two queues' heads are compared. (Why branch points: docs/cache.md, "Online rules measured"; what an offline-optimal
+host order reaches behind the same device policy, and the online orders screened against this one: "The ceiling of
+the tier as built" there.)
 
 Worked example (host of 100 blocks, so `protection` = 100): `a` (proven) is demoted at clock 0, due at 100; then
 `b` and `c` (unproven) at clock 10 and 20, due at 10 and 20. The host's eviction drops `b`, then `c`, then `a`
