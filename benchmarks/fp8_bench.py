@@ -130,7 +130,51 @@ STARTUP_PARTS = (
     ("hybridcache.engine.runner", "ModelRunner._compile_on_pools"),
     ("hybridcache.engine.runner", "ModelRunner._capture"),
     ("hybridcache.engine.runner", "ModelRunner._capture_prefill"),
+    ("triton.runtime.autotuner", "Autotuner._bench"),  # one config's compile + timing while a kernel autotunes
 )
+
+
+class CompileTimes:
+    """While entered, Triton's compilation listener (`triton.knobs.compilation.listener`, where this Triton has
+    one) records every kernel compiled or loaded from the disk cache: per kernel name, the compiles, the disk
+    cache hits and the seconds (Triton's own timer: IR, lowering stages, storing). `summary()` gives totals and
+    the `top` kernels by seconds. Restores the previous listener on exit."""
+
+    def __init__(self, top: int = 25) -> None:
+        self.top = top
+        self.by_kernel: dict[str, dict] = {}
+        self._knobs = None
+        self._saved = None
+
+    def __enter__(self) -> CompileTimes:
+        try:
+            import triton
+        except ImportError:
+            return self
+        compilation = getattr(getattr(triton, "knobs", None), "compilation", None)
+        if compilation is not None and hasattr(compilation, "listener"):
+            self._knobs, self._saved = compilation, compilation.listener
+            compilation.listener = self
+        return self
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        name = str(getattr(src, "name", None) or metadata.get("name", "?"))
+        entry = self.by_kernel.setdefault(name, {"compiled": 0, "disk_hits": 0, "s": 0.0})
+        entry["disk_hits" if cache_hit else "compiled"] += 1
+        entry["s"] += getattr(times, "total", 0) / 1e6  # microseconds
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.listener = self._saved
+
+    def summary(self) -> dict:
+        if self._knobs is None:
+            return {"error": "this Triton has no compilation listener"}
+        ranked = sorted(self.by_kernel.items(), key=lambda item: -item[1]["s"])
+        return {"compiled": sum(e["compiled"] for e in self.by_kernel.values()),
+                "disk_hits": sum(e["disk_hits"] for e in self.by_kernel.values()),
+                "s": round(sum(e["s"] for e in self.by_kernel.values()), 2),
+                "top": {name: {**e, "s": round(e["s"], 3)} for name, e in ranked[:self.top]}}
 
 
 class StartupParts:
@@ -231,13 +275,17 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     start = time.perf_counter()
     sampler = StackSampler((out_dir or Path(".")) / f"startup_stacks_{model}_{weights}.txt", stacks_every_s)
 
+    compiled = CompileTimes()
+
     def parts_so_far(parts: StartupParts) -> None:
         result["startup_parts"] = parts.summary()
+        result["startup_compiles"] = compiled.summary()
         save()
 
-    with sampler, StartupParts(cuda, parts_so_far) as parts:
+    with sampler, compiled, StartupParts(cuda, parts_so_far) as parts:
         llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
     result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
+                   "startup_compiles": compiled.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
                    "state_pages": llm.engine.memory_plan.state_pages,
@@ -250,6 +298,8 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     save()
     print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
     print(f"{model}:{weights}:{kv} start-up by part: {json.dumps(result['startup_parts'])}", flush=True)
+    print(f"{model}:{weights}:{kv} start-up's Triton compiles: {json.dumps(result['startup_compiles'])}",
+          flush=True)
     compiles = gpu_bench.CompileLog()  # from here on, every compile is one the engine's start-up did not do
     compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
