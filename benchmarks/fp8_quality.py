@@ -15,7 +15,7 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 | `bf16` (the baseline) | the folder's, in bf16 | bf16 |
 | `fp8-block` | `quantization="fp8"` (128 x 128) | bf16 |
 | `fp8-channel` | the folder written per-channel by `write_fp8_folder` | bf16 |
-| `fp8-block-rowexp` | 128 x 128, routed experts re-quantised per channel (their CUDA prefill: row-wise) | bf16 |
+| `fp8-block-rowexp` | 128 x 128, routed (and shared) experts re-quantised per channel (CUDA prefill: row-wise) | bf16 |
 | `kv-fp8` | bf16 | float8_e4m3fn, scales 1.0 |
 | `fp8-block+kv-fp8` | 128 x 128 | float8_e4m3fn |
 
@@ -24,7 +24,8 @@ exercised), on the device's kernel backend. Per variant: greedy agreement = the 
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
 (nats), plus the held-out loss of each; variants other than `fp8-block` the same against `fp8-block` too (what a
 change of format costs beside the block format's own error). `fp8-block-rowexp` is
-`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
+`models.quant.requantize_experts_per_channel_` after loading (the shared expert's too with
+`fp8_tiles.SHARED_AS_EXPERT`, which stacks it with them): what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
 (which this script turns off, so that `fp8-block` is the checkpoint format's arithmetic).
 Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
@@ -115,7 +116,8 @@ def main() -> None:
                 model_dir, channel_dir, "channel")
         model = load_model(folder, dtype=dtype, device=device,
                            quantization="fp8" if weights.startswith("block") else None, kv_fp8=kv_fp8)
-        requantized = requantize_experts_per_channel_(model) if weights == "block-rowexp" else 0
+        requantized = requantize_experts_per_channel_(model, shared=fp8_tiles.SHARED_AS_EXPERT) if (
+            weights == "block-rowexp") else 0
         logits[name] = [window_logits(model, backend, w[:-1], dtype, device).cpu() for w in windows]
         del model
         targets = torch.cat([torch.tensor(w[1:]) for w in windows])

@@ -179,7 +179,9 @@ class Fp8ExpertWeights:
     groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
     Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] and down_rows [E, H] fp32
     (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk) views
-    of them (a K stride of 0).
+    of them (a K stride of 0). `shared`: the stack's last expert is the MoE block's shared expert (`share(...,
+    shared=...)`), which every token picks once more with weight sigmoid(its gate) (`fp8_grouped_experts`'
+    `shared_gate`).
     """
 
     gate_up: torch.Tensor
@@ -189,10 +191,12 @@ class Fp8ExpertWeights:
     block: tuple[int, int]
     gate_up_rows: torch.Tensor | None = None
     down_rows: torch.Tensor | None = None
+    shared: bool = False
 
     @classmethod
     @torch.no_grad()
-    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None) -> Fp8ExpertWeights:
+    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None,
+              shared: nn.Module | None = None) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
         `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
         memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale read at every K group
@@ -200,7 +204,12 @@ class Fp8ExpertWeights:
         kernels, finer than per token), and stay rows (`gate_up_rows`, `down_rows`).
         Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
         output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
-        their modules become per-channel `Fp8Linear`s holding the new weights."""
+        their modules become per-channel `Fp8Linear`s holding the new weights. `shared` (a module like the
+        experts, `shared_fits` must hold): stacked last, as one more expert (re-quantised with the others)."""
+        if shared is not None and not shared_fits(experts, shared):
+            raise ValueError("Fp8ExpertWeights.share: the shared expert must have the routed experts' FP8 format "
+                             "and widths (shared_fits)")
+        experts = [*experts, shared] if shared is not None else list(experts)
         fmt = experts[0].gate_proj.fmt
         per_channel = fp8_tiles.EXPERTS_PER_CHANNEL if per_channel is None else per_channel
         requantize = fmt.kind == "block" and per_channel
@@ -230,13 +239,72 @@ class Fp8ExpertWeights:
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
         if block[0] != 1:
-            return cls(gate_up, gate_up_scale, down, down_scale, block)
+            return cls(gate_up, gate_up_scale, down, down_scale, block, shared=shared is not None)
 
         def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [E, N, K groups], a K stride of 0
             return rows[:, :, None].expand(-1, -1, -(-depth // bk))
 
         return cls(gate_up, blocks(gate_up_scale, gate_up.shape[2]), down, blocks(down_scale, down.shape[2]), block,
-                   gate_up_scale, down_scale)
+                   gate_up_scale, down_scale, shared=shared is not None)
+
+
+def shared_fits(experts: Sequence[nn.Module], shared: nn.Module) -> bool:
+    """Whether a MoE block's shared expert can run as one more routed expert (`fp8_tiles.SHARED_AS_EXPERT`):
+    every projection of the experts and of `shared` an FP8 linear (`fmt`) of one format, the shared expert as
+    wide as the routed ones (gate / up rows, down columns), and one more expert within the sort's limit."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS
+
+    projections = [getattr(m, name) for m in (experts[0], shared) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(hasattr(p, "fmt") for p in projections) or len({p.fmt for p in projections}) != 1:
+        return False
+    routed, own = experts[0], shared
+    return (fp8_tiles.SHARED_AS_EXPERT and len(experts) + 1 <= MAX_EXPERTS
+            and own.gate_proj.weight.shape == routed.gate_proj.weight.shape
+            and own.up_proj.weight.shape == routed.up_proj.weight.shape
+            and own.down_proj.weight.shape == routed.down_proj.weight.shape)
+
+
+@triton.jit(do_not_specialize=["T"])  # one compile for every token count
+def _with_shared_kernel(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_out_ptr, T, top_k, shared_id, stride_w,
+                        stride_ids, stride_gate, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    picks = tl.arange(0, BLOCK_K)
+    token_ok = tokens < T
+    routed = token_ok[:, None] & (picks[None, :] < top_k)
+    tokens64 = tokens.to(tl.int64)
+    w = tl.load(w_ptr + tokens64[:, None] * stride_w + picks[None, :], mask=routed, other=0.0)
+    ids = tl.load(ids_ptr + tokens64[:, None] * stride_ids + picks[None, :], mask=routed, other=0)
+    gate = tl.load(gate_ptr + tokens64 * stride_gate, mask=token_ok, other=0.0).to(tl.float32)
+    shared_w = tl.sigmoid(gate).to(w_out_ptr.dtype.element_ty)
+    is_shared = picks[None, :] == top_k
+    w = tl.where(is_shared, shared_w[:, None], w)
+    ids = tl.where(is_shared, shared_id, ids)
+    out = tokens64[:, None] * (top_k + 1) + picks[None, :]
+    keep = token_ok[:, None] & (picks[None, :] <= top_k)
+    tl.store(w_out_ptr + out, w, mask=keep)
+    tl.store(ids_out_ptr + out, ids.to(tl.int64), mask=keep)
+
+
+def with_shared(top_weights: torch.Tensor, top_ids: torch.Tensor, gate: torch.Tensor,
+                shared_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes with the shared expert as every token's last pick, in one launch: top_weights [T, k] (x's
+    dtype), top_ids [T, k] int64, gate [T, 1] (the shared expert's gate logits) -> (weights [T, k + 1]: the k
+    picks', then sigmoid(gate) computed in fp32 and rounded to the weights' dtype; ids [T, k + 1] int64: the k
+    picks', then `shared_id`)."""
+    tokens, top_k = top_ids.shape
+    if top_weights.shape != top_ids.shape or top_ids.dtype != torch.int64 or tuple(gate.shape) != (tokens, 1):
+        raise ValueError(f"with_shared: top_weights and top_ids [T, k] (int64 ids) and gate [T, 1] needed, got "
+                         f"{list(top_weights.shape)}, {list(top_ids.shape)} {top_ids.dtype}, {list(gate.shape)}")
+    if top_weights.stride(1) != 1 or top_ids.stride(1) != 1:
+        raise ValueError("with_shared needs unit stride over the picks")
+    weights = torch.empty((tokens, top_k + 1), dtype=top_weights.dtype, device=top_weights.device)
+    ids = torch.empty((tokens, top_k + 1), dtype=torch.int64, device=top_ids.device)
+    if tokens:
+        block_t = 64
+        _with_shared_kernel[(triton.cdiv(tokens, block_t),)](
+            top_weights, top_ids, gate, weights, ids, tokens, top_k, shared_id, top_weights.stride(0),
+            top_ids.stride(0), gate.stride(0), BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(top_k + 1))
+    return weights, ids
 
 
 def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
@@ -278,7 +346,8 @@ def rowwise_fits(x: torch.Tensor, experts: Fp8ExpertWeights) -> bool:
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
                         block_n: int | None = None, prefill: PrefillTile | None = None,
-                        rowwise: bool | None = None, **tile: int | bool) -> torch.Tensor:
+                        rowwise: bool | None = None, shared_gate: torch.Tensor | None = None,
+                        **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
@@ -290,18 +359,29 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
     W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
     `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
-    choice is made from shapes alone, so captured and eager runs agree."""
+    choice is made from shapes alone, so captured and eager runs agree.
+
+    A stack with the block's shared expert (`experts.shared`) needs `shared_gate` [T, 1] (x's dtype): the
+    shared expert is every token's pick k + 1 with weight sigmoid(shared_gate) (`with_shared`), and the result
+    is routed + shared as the unfused block's (rounded once, in the combine's fp32 sum); the path and the tiles
+    are chosen from the routed picks' rows per routed expert, as without it."""
     from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs, tile_rows
 
-    top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
+    routed_experts, routed_rows = num_experts, top_ids.numel()
+    if experts.shared != (shared_gate is not None):
+        raise ValueError("fp8_grouped_experts: shared_gate is needed exactly when the stack holds the shared expert")
+    if experts.shared:
+        routed_experts -= 1
+        top_weights, top_ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
+    top_k = top_ids.shape[1]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
-    decode_tile = tile_rows(order.numel(), num_experts)
+    decode_tile = tile_rows(routed_rows, routed_experts)
     if rowwise is None:
         rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
-                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or order.numel()
-                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * num_experts))
+                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or routed_rows
+                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * routed_experts))
     if rowwise:
         return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
     if decode_tile is not None and prefill is None:
@@ -310,7 +390,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
         down_options = options
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
     else:
-        chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(order.numel(), num_experts)]
+        chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(routed_rows, routed_experts)]
         options = dict(block_m=chosen.block_m, block_n=chosen.block_n, num_warps=chosen.num_warps,
                        num_stages=chosen.num_stages, group_m=chosen.group_m)
         down_options = options | dict(block_n=chosen.down_block_n)
@@ -332,19 +412,21 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
     `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
     with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
-    where it runs."""
+    where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for pairs in block_sizes():
             sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
-    ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
+    routed = num_experts - experts.shared
+    ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :]
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
+    gate = torch.zeros((1, 1), dtype=x.dtype, device=x.device) if experts.shared else None
     for block_m in (16, 32, 64):
-        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
+        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m, shared_gate=gate)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
-        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill)
+        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill, shared_gate=gate)
     if rowwise_fits(token, experts):
-        fp8_grouped_experts(token, weights, ids, experts, rowwise=True)
+        fp8_grouped_experts(token, weights, ids, experts, rowwise=True, shared_gate=gate)
