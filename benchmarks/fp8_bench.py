@@ -8,9 +8,10 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with the routed experts
-re-quantised per output channel (`fp8-rowexp`) or kept block-scaled with every dense decode GEMM on cuBLAS
-(`fp8-blockexp`: the FP8 kernels before session 41; `kernel_variant`) whatever the library's defaults; KV is
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with other kernel
+choices whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
+(`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared
+expert on its own), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`); KV is
 `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
 dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
 (FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
@@ -56,26 +57,39 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc")
+# the `fp8` variants' library choices while one run lasts (`kernel_variant`): (module, attribute) -> value
+KERNEL_VARIANTS = {
+    # the routed experts re-quantised per output channel (read when they are stacked at start-up)
+    "fp8-rowexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): True},
+    # the FP8 kernels before session 41: block-scaled experts, every dense decode GEMM on cuBLAS, the shared
+    # expert on its own
+    "fp8-blockexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): False, ("triton_block_fp8", "DECODE_TRITON_SHAPES"): {},
+                     ("fp8_tiles", "SHARED_AS_EXPERT"): False},
+    # session 41's kernels: the shared expert on its own (its dense GEMMs, SwiGLU and gated add)
+    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False},
+    # the row-wise expert GEMMs with Hopper's FP8 fast accumulation (then from every prefill size)
+    "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
+}
 
 
 @contextlib.contextmanager
 def kernel_variant(weights: str):
-    """While one run of `weights` lasts: `fp8-rowexp` re-quantises the routed experts per channel
-    (`fp8_tiles.EXPERTS_PER_CHANNEL`, read when they are stacked at start-up), `fp8-blockexp` keeps them
-    block-scaled and runs every dense FP8 decode GEMM on cuBLAS (`triton_block_fp8.DECODE_TRITON_SHAPES` empty,
-    read at every call): the FP8 kernels before session 41 in one process. The library's choices are restored."""
+    """While one run of `weights` lasts, the library choices of its `KERNEL_VARIANTS` entry (none for the other
+    runs: the library's defaults), so the FP8 kernels of several sessions run in one process. The library's
+    choices are restored."""
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
 
-    saved = fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES
-    if weights in ("fp8-rowexp", "fp8-blockexp"):
-        fp8_tiles.EXPERTS_PER_CHANNEL = weights == "fp8-rowexp"
-    if weights == "fp8-blockexp":
-        triton_block_fp8.DECODE_TRITON_SHAPES = {}
+    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8}
+    settings = KERNEL_VARIANTS.get(weights, {})
+    saved = {key: getattr(modules[key[0]], key[1]) for key in settings}
+    for (module, name), value in settings.items():
+        setattr(modules[module], name, value)
     try:
         yield
     finally:
-        fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES = saved
+        for (module, name), value in saved.items():
+            setattr(modules[module], name, value)
 
 
 def config_only_folder(model: str, path: Path) -> Path:
@@ -97,7 +111,7 @@ def config_only_folder(model: str, path: Path) -> Path:
 
 def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
     """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
-    weights = "fp8" if weights in ("fp8-rowexp", "fp8-blockexp") else weights
+    weights = "fp8" if weights in KERNEL_VARIANTS else weights
     if model == "80b" and weights != "fp8":
         raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
     if model == "80b" or (dummy and weights != "fp8-channel"):

@@ -166,16 +166,26 @@ def test_rows_that_name_their_weight_shape_choose_the_dense_kernel_per_shape() -
 
 def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them() -> None:
     """`fp8_bench.kernel_variant`: fp8-rowexp re-quantises the experts, fp8-blockexp keeps them block-scaled with
-    every dense decode GEMM on cuBLAS (the kernels before session 41); other runs keep the library's choices."""
+    every dense decode GEMM on cuBLAS and the shared expert on its own (the kernels before session 41),
+    fp8-unfused runs the shared expert on its own, fp8-fastacc the row-wise GEMMs with fast accumulation; other
+    runs keep the library's choices."""
     from benchmarks.fp8_bench import kernel_variant
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
 
-    library = fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES)
+    def choices():
+        return (fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES), fp8_tiles.SHARED_AS_EXPERT,
+                fp8_tiles.ROWWISE_FAST_ACCUM)
+
+    library = choices()
     with kernel_variant("fp8-blockexp"):
-        assert fp8_tiles.EXPERTS_PER_CHANNEL is False and triton_block_fp8.DECODE_TRITON_SHAPES == {}
+        assert choices()[:3] == (False, {}, False)
     with kernel_variant("fp8-rowexp"):
         assert fp8_tiles.EXPERTS_PER_CHANNEL is True
-        assert library[1] == triton_block_fp8.DECODE_TRITON_SHAPES
+        assert library[1:] == choices()[1:]
+    with kernel_variant("fp8-unfused"):
+        assert choices() == (library[0], library[1], False, library[3])
+    with kernel_variant("fp8-fastacc"):
+        assert choices() == (*library[:3], True)
     with kernel_variant("fp8"):
-        assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
-    assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
+        assert library == choices()
+    assert library == choices()
