@@ -196,10 +196,12 @@ def test_cuda_rowwise_experts_against_torch(tokens, monkeypatch):
     assert rel(got, triton_path) <= 1e-1  # per token against per token per 128 channels: e4m3 steps apart
 
 
-def test_requantize_experts_per_channel_changes_the_routed_experts_only():
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "routed-and-shared"])
+def test_requantize_experts_per_channel_changes_the_experts_only(shared):
     """`models.quant.requantize_experts_per_channel_` (fp8_quality's `fp8-block-rowexp`): every routed expert's
-    block-scaled linear becomes per-channel with `requantize_rows`' numbers; the shared expert and the other
-    FP8 linears keep their block format."""
+    block-scaled linear becomes per-channel with `requantize_rows`' numbers, and with `shared` the shared
+    expert's (as when it joins their stack, `fp8_tiles.SHARED_AS_EXPERT`); the other FP8 linears keep their
+    block format."""
     from hybridcache.layers.linear import Fp8Linear
     from hybridcache.models.quant import requantize_experts_per_channel_
 
@@ -209,14 +211,15 @@ def test_requantize_experts_per_channel_changes_the_routed_experts_only():
     mlp = model.layers[0].mlp = nn.Module()
     mlp.experts = block_experts(256, 128, 3, generator)
     mlp.shared_expert = block_experts(256, 128, 1, generator)[0]
+    mlp.other = block_experts(256, 128, 1, generator)[0]
     before = {name: (module.weight.clone(), module.scale.clone()) for name, module in model.named_modules()
               if isinstance(module, Fp8Linear)}
-    assert requantize_experts_per_channel_(model) == 9
+    assert requantize_experts_per_channel_(model, shared=shared) == 9 + 3 * shared
     for name, module in model.named_modules():
         if not isinstance(module, Fp8Linear):
             continue
         weight, scale = before[name]
-        if ".experts." not in name:
+        if ".experts." not in name and not (shared and ".shared_expert." in name):
             assert module.fmt == BLOCK and torch.equal(module.weight.view(torch.uint8), weight.view(torch.uint8))
             continue
         want, want_scale = requantize_rows(weight[None], scale[None], BLOCK.block)
