@@ -2,9 +2,9 @@
 interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
 here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
 (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
-down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row). The swap-AB tiles
-must reach Hopper's wgmma (the reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to
-mma.sync)."""
+down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row), the shared
+expert's routes (`with_shared`). The swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32
+rows on the MMA's M side Triton falls back to mma.sync)."""
 
 from __future__ import annotations
 
@@ -63,3 +63,12 @@ def test_swiglu_quantize_rows_compiles_for_hopper(block):
     compiled = compile_for_hopper(_swiglu_quantize_rows_kernel, pointers, ["M", "N", "stride_h", "stride_q"],
                                   dict(BLOCK=block, QMAX=448.0))
     assert "e4m3" in compiled.asm["ptx"]
+
+
+def test_with_shared_compiles_for_hopper():
+    from hybridcache.kernels.gemm.triton_fp8_moe import _with_shared_kernel
+
+    pointers = {"w_ptr": "*bf16", "ids_ptr": "*i64", "gate_ptr": "*bf16", "w_out_ptr": "*bf16", "ids_out_ptr": "*i64"}
+    ints = ["T", "top_k", "shared_id", "stride_w", "stride_ids", "stride_gate"]
+    compiled = compile_for_hopper(_with_shared_kernel, pointers, ints, dict(BLOCK_T=64, BLOCK_K=16))
+    assert "ex2" in compiled.asm["ptx"]  # the sigmoid's exponential
