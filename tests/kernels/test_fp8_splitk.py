@@ -1,0 +1,129 @@
+"""The split-K W8A8 decode GEMM (`triton_block_fp8.fp8_gemm_splitk`, `DECODE_SPLIT_K`; issue 29).
+
+- Interpreted (TRITON_INTERPRET=1 child, as test_fp8_kernels.py; activations quantised by torch): against the
+  dequantised product of the same FP8 numbers to fp32 summation order, for even and uneven splits (a part of
+  fewer K steps, more parts asked for than K steps), partial blocks, per-channel scales, 1 to 64 rows; a second
+  call gives the same bits (the counters are back at zero, the parts summed in a fixed order); `fp8_linear` takes
+  it on the shapes of `DECODE_SPLIT_K` up to `DECODE_ROWS` rows only; bad input is refused.
+- It compiles for sm90 on the CPU (`tests/kernels/hopper.py`), reaching wgmma, split and unsplit.
+- On CUDA (skipped without one): against `fp8_gemm`'s W8A8 decode tile on next-16b's projection shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
+from hybridcache.kernels.gemm.reference import dequantize, quantize, quantize_groups
+from tests.kernels.interpreter import run_interpreted
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+def test_fp8_splitk_in_a_triton_interpreter_subprocess() -> None:
+    pytest.importorskip("triton")
+    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+
+
+def operands(m: int, n: int, k: int, fmt: Fp8Format, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    group = fmt.block[1] if fmt.kind == "block" else 128
+    weight, scale = quantize(torch.randn(n, k, generator=generator), fmt)
+    xq, x_scale = quantize_groups(torch.randn(m, k, generator=generator) * 3, group)
+    dense = (xq.float() * x_scale.repeat_interleave(group, 1)[:, :k]) @ dequantize(weight, scale, fmt, torch.float32).T
+    return xq, x_scale, weight, scale, dense
+
+
+@needs_interpreter
+@pytest.mark.parametrize("m, n, k, fmt", [(5, 200, 300, BLOCK), (64, 96, 512, BLOCK), (1, 130, 384, CHANNEL),
+                                         (33, 64, 160, Fp8Format("block", (32, 32)))])
+@pytest.mark.parametrize("block_n, split_k", [(32, 1), (32, 2), (64, 3), (16, 8)])
+def test_interpreted_splitk_equals_the_dequantised_product(m, n, k, fmt, block_n, split_k):
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, fp8_gemm_splitk
+
+    xq, x_scale, weight, scale, dense = operands(m, n, k, fmt, m + n + k)
+    config = SplitK(block_n=block_n, split_k=split_k)
+    got = fp8_gemm_splitk(xq, x_scale, weight, scale, fmt, torch.float32, config)
+    assert got.shape == (m, n) and rel(got, dense) <= 1e-5
+    assert torch.equal(fp8_gemm_splitk(xq, x_scale, weight, scale, fmt, torch.float32, config), got)
+
+
+@needs_interpreter
+def test_interpreted_fp8_linear_takes_splitk_on_its_shapes_up_to_the_decode_rows(monkeypatch):
+    from hybridcache.kernels.gemm import triton_block_fp8
+
+    calls = []
+    original = triton_block_fp8.fp8_gemm_splitk
+    monkeypatch.setattr(triton_block_fp8, "fp8_gemm_splitk", lambda *a: calls.append(a[-1]) or original(*a))
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(64, 256): triton_block_fp8.SplitK(32, 2)})
+    generator = torch.Generator().manual_seed(2)
+    weight, scale = quantize(torch.randn(64, 256, generator=generator), BLOCK)
+    other, other_scale = quantize(torch.randn(128, 256, generator=generator), BLOCK)
+    for rows in (3, 64, 65):
+        x = torch.randn(rows, 256, generator=generator)
+        got = triton_block_fp8.fp8_linear(x, weight, scale, BLOCK)
+        triton_block_fp8.fp8_linear(x, other, other_scale, BLOCK)  # not in the table
+        xq, x_scale = triton_block_fp8.triton_quant.quantize_groups(x)
+        want = (xq.float() * x_scale.repeat_interleave(128, 1)) @ dequantize(weight, scale, BLOCK, torch.float32).T
+        assert rel(got, want) <= 1e-5
+    assert calls == [triton_block_fp8.SplitK(32, 2)] * 2  # 3 and 64 rows; not 65, not the other shape
+
+
+@needs_interpreter
+def test_interpreted_splitk_checks_its_inputs():
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, fp8_gemm_splitk
+
+    xq, x_scale, weight, scale, _ = operands(4, 64, 256, BLOCK, 0)
+    with pytest.raises(ValueError, match="W8A8 with at most 64 rows"):
+        fp8_gemm_splitk(xq.float(), x_scale, weight, scale, BLOCK, torch.float32, SplitK())
+    with pytest.raises(ValueError, match="W8A8 with at most 64 rows"):
+        fp8_gemm_splitk(torch.cat([xq] * 17), torch.cat([x_scale] * 17), weight, scale, BLOCK, torch.float32,
+                        SplitK())
+    with pytest.raises(ValueError, match="power-of-two block_n"):
+        fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.float32, SplitK(block_n=48))
+    with pytest.raises(ValueError, match="fp8_gemm_splitk: a_scale"):
+        fp8_gemm_splitk(xq, x_scale[:, :1], weight, scale, BLOCK, torch.float32, SplitK())
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "split_k", "num_warps"), [(64, 64, 4, 4), (16, 128, 2, 8),
+                                                                          (32, 64, 1, 4)])
+def test_splitk_compiles_for_hopper(block_m, block_n, split_k, num_warps):
+    pytest.importorskip("triton")
+    from hybridcache.kernels.gemm.triton_block_fp8 import _fp8_gemm_splitk_kernel
+    from tests.kernels.hopper import compile_for_hopper
+
+    pointers = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                "out_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32"}
+    ints = ["M", "N", "K", "k_part", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_wsn", "stride_wsk"]
+    constants = dict(GROUP_N=128, GROUP_K=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k)
+    compiled = compile_for_hopper(_fp8_gemm_splitk_kernel, pointers, ints, constants, num_warps)
+    assert "wgmma" in compiled.asm["ptx"]
+    assert ("atom" in compiled.asm["ptx"]) == (split_k > 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n, k", [(12288, 4096), (9216, 4096), (4096, 4096)])
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_cuda_splitk_equals_the_decode_tile(n, k, m):
+    """On the GPU against the W8A8 decode tile on the same quantised operands: fp32 summation order apart, then
+    one bf16 rounding each (2^-8 relative of an output); repeated calls give the same bits."""
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, decode_config, fp8_gemm, fp8_gemm_splitk
+
+    generator = torch.Generator().manual_seed(m)
+    weight, scale = (t.cuda() for t in quantize(torch.randn(n, k, generator=generator) / k**0.5, BLOCK))
+    xq, x_scale = quantize_groups(torch.randn(m, k, generator=generator).cuda().bfloat16())
+    want = fp8_gemm(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, decode_config(m))
+    for config in (SplitK(64, 4), SplitK(128, 2, num_warps=8), SplitK(64, 8, num_stages=3)):
+        got = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
+        assert rel(got, want) <= 1e-2, config
+        assert torch.equal(fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config), got)
