@@ -8,15 +8,15 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with other kernel
-choices whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
-(`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared
-expert on its own), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`); KV is
-`auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
-dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
-(FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
-layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB
-in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with other kernel choices
+whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
+(`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared expert
+on its own, no split-K), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`), no split-K dense decode
+GEMM (`fp8-nosplitk`); KV is `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run
+--kv-fp8-phases). With `--load-format dummy` (the default) a folder holds only config.json and the tokenizer and the
+engine draws the weights on the GPU (FP8 linears quantised from their draws): nothing is written to disk. `80b` is
+the Qwen3-Next-80B-A3B shape (48 layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512,
+vocabulary 151,936): about 80 GB in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
@@ -57,7 +57,7 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc", "fp8-nosplitk")
 # the `fp8` variants' library choices while one run lasts (`kernel_variant`): (module, attribute) -> value
 KERNEL_VARIANTS = {
     # the routed experts re-quantised per output channel (read when they are stacked at start-up)
@@ -65,11 +65,14 @@ KERNEL_VARIANTS = {
     # the FP8 kernels before session 41: block-scaled experts, every dense decode GEMM on cuBLAS, the shared
     # expert on its own
     "fp8-blockexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): False, ("triton_block_fp8", "DECODE_TRITON_SHAPES"): {},
-                     ("fp8_tiles", "SHARED_AS_EXPERT"): False},
-    # session 41's kernels: the shared expert on its own (its dense GEMMs, SwiGLU and gated add)
-    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False},
+                     ("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {}},
+    # session 41's kernels (main's): the shared expert on its own (its dense GEMMs, SwiGLU and gated add), no
+    # split-K dense decode GEMM
+    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {}},
     # the row-wise expert GEMMs with Hopper's FP8 fast accumulation (then from every prefill size)
     "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
+    # no split-K dense decode GEMM (whatever `--decode-kernels-from` or the library chose)
+    "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}},
 }
 
 
@@ -458,7 +461,8 @@ def decode_choices(rows: list[dict]) -> dict:
     16,384 alone if a cut-short sweep has fewer than two tiles at every size); "dense", the dense kernel at
     M <= 64 summed over the shapes and row counts
     (swap-AB tiles and cuBLAS), or, where the rows name their weight shape, "dense_shapes" instead
-    (`dense_shape_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
+    (`dense_shape_choices`); "dense_splitk", the split-K launch per shape from `--splitk` rows
+    (`splitk_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
@@ -485,8 +489,11 @@ def decode_choices(rows: list[dict]) -> dict:
     bf16 = {r["tokens"]: r["ms"] for r in rows if r.get("experts") and r["kernel"] == "bf16"}
     if bf16:
         chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
+    splitk = splitk_choices(rows)
+    if splitk:
+        chosen["dense_splitk"] = splitk
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
-             and (r.get("tile") or {}).get("swap_ab", True)]
+             and (r.get("tile") or {}).get("swap_ab", True) and not r.get("splitk_sweep")]
     shapes = dense_shape_choices(dense)
     if shapes:
         chosen["dense_shapes"] = shapes
@@ -495,6 +502,29 @@ def decode_choices(rows: list[dict]) -> dict:
     if found:
         (kernel,), sums, _ = found
         chosen["dense"] = {"kernel": kernel, "ms_sum": {k: ms for (k,), ms in sums.items()}}
+    return chosen
+
+
+def splitk_choices(rows: list[dict]) -> dict[str, dict]:
+    """Per weight shape ("NxK") of `fp8_sweep.py --splitk` rows: the split-K launch (`triton_block_fp8.SplitK`
+    fields) with the least ms summed over the row counts swept, where that sum is below the library's kernel's
+    ("library" rows) over the same row counts and every one of its rows has an error below MAX_SWEEP_ERR; shapes
+    where none beats the library are left out (`DECODE_SPLIT_K`)."""
+    per_shape: dict[str, dict] = {}
+    for r in rows:
+        if r.get("splitk_sweep") and "ms" in r and r["kernel"] in ("library", "w8a8-splitk"):
+            config = ("library",) if r["kernel"] == "library" else tuple(
+                r["tile"][f] for f in ("block_n", "split_k", "num_warps", "num_stages"))
+            per_shape.setdefault(f"{r['N']}x{r['K']}", []).append(r | {"config": config})
+    chosen = {}
+    for shape, shape_rows in sorted(per_shape.items()):
+        found = fastest(shape_rows, lambda r: r["config"], lambda r: r["M"])
+        if found is None:
+            continue
+        best, sums, sizes = found
+        if best != ("library",) and ("library",) in sums:
+            chosen[shape] = {**dict(zip(("block_n", "split_k", "num_warps", "num_stages"), best, strict=True)),
+                             "rows": sizes, "ms_sum": round(sums[best], 5), "library_ms_sum": sums[("library",)]}
     return chosen
 
 
@@ -521,7 +551,8 @@ def dense_shape_choices(rows: list[dict]) -> dict[str, int]:
 
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*`, `fp8_tiles.PREFILL_TILES`, `triton_block_fp8.
-    DECODE_W8A16`, `CUBLAS_ROWS_FROM` and `DECODE_TRITON_SHAPES`) to `decode_choices` of a `fp8_sweep.py` result;
+    DECODE_W8A16`, `CUBLAS_ROWS_FROM`, `DECODE_TRITON_SHAPES` and `DECODE_SPLIT_K`) to `decode_choices` of a
+    `fp8_sweep.py` result;
     a part the sweep has no rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8, triton_fp8_moe
 
@@ -544,6 +575,11 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_block_fp8.DECODE_TRITON_SHAPES = {tuple(map(int, shape.split("x"))): rows
                                                  for shape, rows in chosen["dense_shapes"].items()}
         chosen["dense"] = f"cuBLAS but the Triton W8A8 tile on {chosen['dense_shapes']} (shape: up to M rows)"
+    if "dense_splitk" in chosen:
+        triton_block_fp8.DECODE_SPLIT_K = {
+            tuple(map(int, shape.split("x"))): triton_block_fp8.SplitK(c["block_n"], c["split_k"], c["num_warps"],
+                                                                       c["num_stages"])
+            for shape, c in chosen["dense_splitk"].items()}
     if "dense" in chosen and isinstance(chosen["dense"], dict):
         kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"
