@@ -10,8 +10,8 @@
   both stay within the re-quantisation's error of the block-scaled experts.
 - On CUDA (skipped without one): the row-wise path against the same arithmetic in torch (x quantised per token,
   the GEMMs on the FP8 numbers, gate/up rounded to bf16, h quantised per row), with uneven expert counts and an
-  expert with no rows, with full accumulation (2e-2 of the largest output) and with fast accumulation (1e-1,
-  and 5e-2 in the Frobenius norm); `fp8_grouped_experts` takes it for per-channel experts
+  expert with no rows, with full accumulation (5e-2 of the largest output, 1.5e-2 in the Frobenius norm) and with
+  fast accumulation (1e-1, 5e-2); `fp8_grouped_experts` takes it for per-channel experts
   above the decode sizes.
 """
 
@@ -188,10 +188,16 @@ def test_cuda_rowwise_experts_against_torch(tokens, monkeypatch):
     got = fp8_grouped_experts(x, top_weights, top_ids, stacked)
     assert calls, "per-channel experts above the decode sizes take the row-wise scaled grouped GEMM"
     assert got.dtype == torch.bfloat16 and rel(got, want) <= 1e-1 and fro(got, want) <= 5e-2
-    # full accumulation (forced: by itself it starts at ROWWISE_FULL_ACCUM_ROWS rows per expert): the same FP8
-    # numbers, the GEMMs' fp32 sums in another order (on the CPU, 1e-6 relative noise there: 3e-3)
+    # full accumulation (forced: by itself it starts at ROWWISE_FULL_ACCUM_ROWS rows per expert): CUTLASS promotes
+    # the FP8 MMA's accumulator to fp32 every few K steps, but between promotions Hopper's FP8 MMA keeps about 14
+    # bits (DeepSeek-V3's report, 3.3.2): ~6e-5 relative on gate/up, not fp32 order alone (which the CPU puts at
+    # 3e-3); a 1e-4 perturbation is 2.3e-2 / 5.5e-3 above, and R1 on the H200 measured 2.7e-2 at the largest
+    # output (session 42), so the bounds are 5e-2 and 1.5e-2 in the Frobenius norm
     monkeypatch.setattr(fp8_tiles, "ROWWISE_FAST_ACCUM", False)
-    assert rel(fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True), want) <= 2e-2
+    full = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True)
+    print(f"full accumulation: {rel(full, want):.2e} of the largest output, {fro(full, want):.2e} Frobenius; "
+          f"fast: {rel(got, want):.2e}, {fro(got, want):.2e}")
+    assert rel(full, want) <= 5e-2 and fro(full, want) <= 1.5e-2
     triton_path = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=False)
     assert rel(got, triton_path) <= 1e-1  # per token against per token per 128 channels: e4m3 steps apart
 

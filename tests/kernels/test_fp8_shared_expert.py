@@ -23,7 +23,7 @@ from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
 from tests.kernels.interpreter import run_interpreted
-from tests.kernels.test_fp8_rowwise_experts import block_experts, emulated_rowwise, rel
+from tests.kernels.test_fp8_rowwise_experts import block_experts, emulated_rowwise, fro, rel
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
@@ -160,8 +160,8 @@ def test_interpreted_moe_block_runs_its_shared_expert_in_the_experts_launch(per_
 
 @needs_cuda
 def test_cuda_rowwise_experts_with_the_shared_expert_against_torch():
-    """Above the decode sizes (per channel, full accumulation forced): the row-wise path on the routes with the
-    shared expert appended, against the same arithmetic in torch on those routes."""
+    """Above the decode sizes (per channel, full accumulation): the row-wise path on the routes with the shared
+    expert appended, against the same arithmetic in torch on those routes; the decode tile too."""
     from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, compile_tiles, fp8_grouped_experts
 
     generator = torch.Generator().manual_seed(8)
@@ -176,7 +176,9 @@ def test_cuda_rowwise_experts_with_the_shared_expert_against_torch():
     compile_tiles(x[:1], stacked, top_k)
     want = emulated_rowwise(x, *torch_routes(top_weights, top_ids, gate, num_experts), stacked)
     got = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True, shared_gate=gate)
-    assert got.dtype == torch.bfloat16 and rel(got, want) <= 2e-2
+    # full accumulation's bounds (test_fp8_rowwise_experts: Hopper's FP8 MMA keeps ~14 bits between promotions)
+    print(f"row-wise with the shared expert: {rel(got, want):.2e} of the largest output, {fro(got, want):.2e}")
+    assert got.dtype == torch.bfloat16 and rel(got, want) <= 5e-2 and fro(got, want) <= 1.5e-2
     decode = fp8_grouped_experts(x[:16], top_weights[:16], top_ids[:16], stacked, shared_gate=gate[:16])
     want = emulated_rowwise(x[:16], *torch_routes(top_weights[:16], top_ids[:16], gate[:16], num_experts), stacked)
     assert rel(decode, want) <= 1e-1  # the decode tile: x per token per 128 channels, not per token
