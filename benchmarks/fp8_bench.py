@@ -508,8 +508,9 @@ def decode_choices(rows: list[dict]) -> dict:
 def splitk_choices(rows: list[dict]) -> dict[str, dict]:
     """Per weight shape ("NxK") of `fp8_sweep.py --splitk` rows: the split-K launch (`triton_block_fp8.SplitK`
     fields) with the least ms summed over the row counts swept, where that sum is below the library's kernel's
-    ("library" rows) over the same row counts and every one of its rows has an error below MAX_SWEEP_ERR; shapes
-    where none beats the library are left out (`DECODE_SPLIT_K`)."""
+    ("library" rows) over the same row counts and every one of its rows has an error below MAX_SWEEP_ERR, taken
+    from the first row count of the smallest swept size's BLOCK_M bucket (`min_rows`: 1, 17 or 33; a sweep at 64
+    rows alone says nothing of 16); shapes where none beats the library are left out (`DECODE_SPLIT_K`)."""
     per_shape: dict[str, dict] = {}
     for r in rows:
         if r.get("splitk_sweep") and "ms" in r and r["kernel"] in ("library", "w8a8-splitk"):
@@ -523,7 +524,9 @@ def splitk_choices(rows: list[dict]) -> dict[str, dict]:
             continue
         best, sums, sizes = found
         if best != ("library",) and ("library",) in sums:
+            smallest = min(sizes)  # from the first row count of the smallest size's BLOCK_M (`decode_config`)
             chosen[shape] = {**dict(zip(("block_n", "split_k", "num_warps", "num_stages"), best, strict=True)),
+                             "min_rows": 1 if smallest <= 16 else 17 if smallest <= 32 else 33,
                              "rows": sizes, "ms_sum": round(sums[best], 5), "library_ms_sum": sums[("library",)]}
     return chosen
 
@@ -578,7 +581,7 @@ def choose_decode_kernels(sweep_json: str) -> dict:
     if "dense_splitk" in chosen:
         triton_block_fp8.DECODE_SPLIT_K = {
             tuple(map(int, shape.split("x"))): triton_block_fp8.SplitK(c["block_n"], c["split_k"], c["num_warps"],
-                                                                       c["num_stages"])
+                                                                       c["num_stages"], c["min_rows"])
             for shape, c in chosen["dense_splitk"].items()}
     if "dense" in chosen and isinstance(chosen["dense"], dict):
         kernel = chosen["dense"]["kernel"]

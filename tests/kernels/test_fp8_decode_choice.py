@@ -205,7 +205,8 @@ def splitk_row(n: int, m: int, ms: float, config: tuple | None = None, err: floa
 def test_the_split_k_launch_is_chosen_per_shape_where_it_beats_the_library(tmp_path, monkeypatch) -> None:
     """`fp8_sweep.py --splitk` rows: per shape the split-K launch with the least ms summed over the row counts,
     kept where it beats the library's kernel's sum (and none with a large error); shapes where the library wins
-    are left out; the rows choose no dense kernel otherwise; `choose_decode_kernels` sets `DECODE_SPLIT_K`."""
+    are left out; the rows choose no dense kernel otherwise; `choose_decode_kernels` sets `DECODE_SPLIT_K`; a
+    sweep at 64 rows only chooses from 33 rows on."""
     import json
 
     from benchmarks.fp8_bench import choose_decode_kernels
@@ -221,8 +222,8 @@ def test_the_split_k_launch_is_chosen_per_shape_where_it_beats_the_library(tmp_p
     chosen = decode_choices(rows)
     assert list(chosen["dense_splitk"]) == ["4096x4096"]
     assert chosen["dense_splitk"]["4096x4096"] | {"library_ms_sum": 0} == {
-        "block_n": 64, "split_k": 4, "num_warps": 4, "num_stages": 4, "rows": [16, 64], "ms_sum": 0.017,
-        "library_ms_sum": 0}
+        "block_n": 64, "split_k": 4, "num_warps": 4, "num_stages": 4, "min_rows": 1, "rows": [16, 64],
+        "ms_sum": 0.017, "library_ms_sum": 0}
     assert "dense" not in chosen and "dense_shapes" not in chosen
     sweep = tmp_path / "fp8_sweep.json"
     sweep.write_text(json.dumps({"rows": rows}))
@@ -231,3 +232,5 @@ def test_the_split_k_launch_is_chosen_per_shape_where_it_beats_the_library(tmp_p
     choose_decode_kernels(str(sweep))
     want = {(4096, 4096): triton_block_fp8.SplitK(64, 4, 4, 4)}
     assert want == triton_block_fp8.DECODE_SPLIT_K
+    only_64 = [r for r in rows if r["M"] == 64]  # a sweep at 64 rows: from 33 (its BLOCK_M's first row count)
+    assert decode_choices(only_64)["dense_splitk"]["4096x4096"]["min_rows"] == 33

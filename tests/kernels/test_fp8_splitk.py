@@ -4,7 +4,7 @@
   dequantised product of the same FP8 numbers to fp32 summation order, for even and uneven splits (a part of
   fewer K steps, more parts asked for than K steps), partial blocks, per-channel scales, 1 to 64 rows; a second
   call gives the same bits (the counters are back at zero, the parts summed in a fixed order); `fp8_linear` takes
-  it on the shapes of `DECODE_SPLIT_K` up to `DECODE_ROWS` rows only; bad input is refused.
+  it on the shapes of `DECODE_SPLIT_K` from their `min_rows` up to `DECODE_ROWS` rows only; bad input is refused.
 - It compiles for sm90 on the CPU (`tests/kernels/hopper.py`), reaching wgmma, split and unsplit.
 - On CUDA (skipped without one): against `fp8_gemm`'s W8A8 decode tile on next-16b's projection shapes.
 """
@@ -59,24 +59,24 @@ def test_interpreted_splitk_equals_the_dequantised_product(m, n, k, fmt, block_n
 
 
 @needs_interpreter
-def test_interpreted_fp8_linear_takes_splitk_on_its_shapes_up_to_the_decode_rows(monkeypatch):
+def test_interpreted_fp8_linear_takes_splitk_on_its_shapes_from_its_min_rows_to_the_decode_rows(monkeypatch):
     from hybridcache.kernels.gemm import triton_block_fp8
 
     calls = []
     original = triton_block_fp8.fp8_gemm_splitk
     monkeypatch.setattr(triton_block_fp8, "fp8_gemm_splitk", lambda *a: calls.append(a[-1]) or original(*a))
-    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(64, 256): triton_block_fp8.SplitK(32, 2)})
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(64, 256): triton_block_fp8.SplitK(32, 2, min_rows=2)})
     generator = torch.Generator().manual_seed(2)
     weight, scale = quantize(torch.randn(64, 256, generator=generator), BLOCK)
     other, other_scale = quantize(torch.randn(128, 256, generator=generator), BLOCK)
-    for rows in (3, 64, 65):
+    for rows in (1, 3, 64, 65):
         x = torch.randn(rows, 256, generator=generator)
         got = triton_block_fp8.fp8_linear(x, weight, scale, BLOCK)
         triton_block_fp8.fp8_linear(x, other, other_scale, BLOCK)  # not in the table
         xq, x_scale = triton_block_fp8.triton_quant.quantize_groups(x)
         want = (xq.float() * x_scale.repeat_interleave(128, 1)) @ dequantize(weight, scale, BLOCK, torch.float32).T
         assert rel(got, want) <= 1e-5
-    assert calls == [triton_block_fp8.SplitK(32, 2)] * 2  # 3 and 64 rows; not 65, not the other shape
+    assert calls == [triton_block_fp8.SplitK(32, 2, min_rows=2)] * 2  # 3 and 64 rows: not 1, not 65, not the other
 
 
 @needs_interpreter

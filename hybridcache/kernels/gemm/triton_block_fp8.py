@@ -43,8 +43,8 @@ DECODE_SWAP_AB = True  # decode tiles: the weight tile on the MMA's M side
 DECODE_TRITON_SHAPES: dict[tuple[int, int], int] = {
     (12288, 4096): 16, (8192, 4096): 16, (4096, 4096): 16, (2048, 4096): 16, (1024, 4096): 16, (512, 4096): 16,
     (4096, 1024): 64}
-# (N, K) of a weight -> the split-K W8A8 decode tile (`SplitK`) `fp8_linear` runs on it up to `DECODE_ROWS` rows,
-# before any other choice; empty: not timed on a GPU yet (`benchmarks/fp8_sweep.py --splitk`, then
+# (N, K) of a weight -> the split-K W8A8 decode tile (`SplitK`) `fp8_linear` runs on it from its `min_rows` up to
+# `DECODE_ROWS` rows, before any other choice; empty: not timed on a GPU yet (`benchmarks/fp8_sweep.py --splitk`, then
 # `fp8_bench.py --decode-kernels-from`)
 DECODE_SPLIT_K: dict[tuple[int, int], SplitK] = {}
 
@@ -81,6 +81,7 @@ class SplitK:
     split_k: int = 4
     num_warps: int = 4
     num_stages: int = 4
+    min_rows: int = 1  # `fp8_linear` takes it from this many rows (up to `DECODE_ROWS`)
 
 
 @triton.jit
@@ -258,9 +259,13 @@ _SPLITK_BUFFERS: dict[tuple[str, int, int], tuple[torch.Tensor, torch.Tensor]] =
 def splitk_buffers(device: torch.device, floats: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The split-K workspace (`floats` fp32) and `tiles` zeroed int32 counters for launches of this size on
     `device`: one pair per size, reused by every launch (launches on one stream: each finishes with its
-    counters back at zero before the next starts)."""
+    counters back at zero before the next starts); made outside a CUDA graph capture only (RuntimeError)."""
     key = (str(device), floats, tiles)
     if key not in _SPLITK_BUFFERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # zeroed inside a capture they would be zeroed only when the graph replays
+            raise RuntimeError("fp8_gemm_splitk: its buffers are made by a first run outside a CUDA graph capture "
+                               "(the engine runs each graph eagerly before capturing it)")
         _SPLITK_BUFFERS[key] = (torch.empty(floats, dtype=torch.float32, device=device),
                                 torch.zeros(tiles, dtype=torch.int32, device=device))
     return _SPLITK_BUFFERS[key]
@@ -302,7 +307,7 @@ def fp8_gemm_splitk(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: on the shapes of `DECODE_SPLIT_K`
-    up to `DECODE_ROWS` rows the split-K W8A8 decode tile; else cuBLAS's block-scaled GEMM
+    from their `min_rows` up to `DECODE_ROWS` rows the split-K W8A8 decode tile; else cuBLAS's block-scaled GEMM
     (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
     N % 128 == K % 512 == 0), but not up to `DECODE_TRITON_SHAPES`' rows on its shapes; else this kernel, W8A8
     (or W8A16 with `DECODE_W8A16`) with `decode_config` up to `DECODE_ROWS` rows and `PREFILL_TILE` above (the
@@ -317,7 +322,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     group = fmt.block[1] if fmt.kind == "block" else 128
     shape = (weight.shape[0], weight.shape[1])
     cublas = m >= CUBLAS_ROWS_FROM and m > DECODE_TRITON_SHAPES.get(shape, 0)
-    if 0 < m <= DECODE_ROWS and shape in DECODE_SPLIT_K:
+    if shape in DECODE_SPLIT_K and DECODE_SPLIT_K[shape].min_rows <= m <= DECODE_ROWS and m:
         out = fp8_gemm_splitk(*triton_quant.quantize_groups(rows, group), weight, scale, fmt, x.dtype,
                               DECODE_SPLIT_K[shape])
     elif cublas and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
