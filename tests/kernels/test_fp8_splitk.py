@@ -127,3 +127,26 @@ def test_cuda_splitk_equals_the_decode_tile(n, k, m):
         got = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
         assert rel(got, want) <= 1e-2, config
         assert torch.equal(fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config), got)
+
+
+@needs_cuda
+def test_cuda_splitk_replays_in_a_cuda_graph():
+    """After an eager call (which makes its buffers), a captured launch replays to the eager call's bits, twice
+    (the counters are back at zero after each replay); the first call of a new size inside a capture is refused."""
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, fp8_gemm_splitk
+
+    generator = torch.Generator().manual_seed(3)
+    weight, scale = (t.cuda() for t in quantize(torch.randn(4096, 4096, generator=generator) / 64, BLOCK))
+    xq, x_scale = quantize_groups(torch.randn(64, 4096, generator=generator).cuda().bfloat16())
+    config = SplitK(64, 4)
+    eager = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    with pytest.raises(RuntimeError, match="outside a CUDA graph capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, SplitK(64, 3))
