@@ -546,11 +546,14 @@ def main() -> None:
                         "tokens; then next-16b's dense FP8 projections at 64 and 16 rows, cuBLAS against Triton")
     parser.add_argument("--splitk", action="store_true", help="next-16b's dense FP8 decode projections at 64 and 16 "
                         "rows: the split-K W8A8 tile's launches against the library's kernel (cuBLAS or Triton)")
+    parser.add_argument("--splitk-rows", default=None, help="--splitk's row counts, comma-separated (default 64,16)")
     parser.add_argument("--prefill", action="store_true", help="only the routed experts' W8A8 prefill tiles at "
                         "16,384 / 4,096 / 1,024 tokens (next-16b: 4,096 / 1,024 / 256 rows per expert), bf16's "
                         "experts there, and the gate/up GEMM alone against torch's grouped GEMMs")
     args = parser.parse_args()
     global DECODE_CUBLAS
+    if args.splitk_rows:
+        SPLITK_ROWS[:] = [int(m) for m in args.splitk_rows.split(",")]
     if args.prefill:
         DENSE.clear()
         PLANS[:] = []
