@@ -466,7 +466,7 @@ def decode_shape_rows(gen, name, n, k) -> list[dict]:
 # `fp8_bench.py --decode-kernels-from` takes a shape's fastest split-K launch where it beats the library's
 SPLITK_SHAPES = {"qkvz": (12288, 4096), "attn q+gate, k, v": (9216, 4096), "out_proj / o_proj": (4096, 4096)}
 SPLITK_ROWS = [64, 16]
-SPLITK_CONFIGS = [(64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8), (128, 8, 8)]  # block_n, split, warps
+SPLITK_CONFIGS = [(64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8)]  # block_n, split, warps
 
 
 def splitk_items(gen: torch.Generator):
