@@ -65,14 +65,16 @@ KERNEL_VARIANTS = {
     # the FP8 kernels before session 41: block-scaled experts, every dense decode GEMM on cuBLAS, the shared
     # expert on its own
     "fp8-blockexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): False, ("triton_block_fp8", "DECODE_TRITON_SHAPES"): {},
-                     ("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {}},
+                     ("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
+                     ("fp8_decode_choice", "MEASURE"): False},
     # session 41's kernels (main's): the shared expert on its own (its dense GEMMs, SwiGLU and gated add), no
     # split-K dense decode GEMM
-    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {}},
+    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
+                    ("fp8_decode_choice", "MEASURE"): False},
     # the row-wise expert GEMMs with Hopper's FP8 fast accumulation (then from every prefill size)
     "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
-    # no split-K dense decode GEMM (whatever `--decode-kernels-from` or the library chose)
-    "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}},
+    # no split-K dense decode GEMM (neither measured nor from `--decode-kernels-from`)
+    "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}, ("fp8_decode_choice", "MEASURE"): False},
 }
 
 
@@ -81,9 +83,9 @@ def kernel_variant(weights: str):
     """While one run of `weights` lasts, the library choices of its `KERNEL_VARIANTS` entry (none for the other
     runs: the library's defaults), so the FP8 kernels of several sessions run in one process. The library's
     choices are restored."""
-    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8
 
-    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8}
+    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8, "fp8_decode_choice": fp8_decode_choice}
     settings = KERNEL_VARIANTS.get(weights, {})
     saved = {key: getattr(modules[key[0]], key[1]) for key in settings}
     for (module, name), value in settings.items():
@@ -337,6 +339,10 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
         result["phases"][phase]["kernels_compiled"] = compiles.by_label.get(phase, [])
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
+    result["fp8_decode_choices"] = decode_choice_table()
+    if result["fp8_decode_choices"]:
+        print(f"{model}:{weights}:{kv} FP8 decode choices: {json.dumps(result['fp8_decode_choices'])}", flush=True)
+    save()
     if profile_dir is not None:
         try:
             result["prefix_hit_profile"] = profile_prefix_hit(
@@ -351,6 +357,15 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def decode_choice_table() -> dict:
+    """The process's measured FP8 decode choices so far (`fp8_decode_choice.choices()`): "NxK" -> the launch
+    chosen ("library" or the split-K launch's fields) and every candidate's microseconds."""
+    from hybridcache.kernels.gemm import fp8_decode_choice
+
+    return {f"{n}x{k}": {"chosen": "library" if c.config is None else c.config.__dict__, "times_us": dict(c.times_us)}
+            for (_, _, n, k, _), c in fp8_decode_choice.choices().items()}
 
 
 def profile_prefix_hit(llm, rng: random.Random, path: Path) -> dict:

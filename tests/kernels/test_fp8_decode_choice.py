@@ -170,25 +170,26 @@ def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(mo
     fp8-unfused runs the shared expert on its own without split-K, fp8-fastacc the row-wise GEMMs with fast
     accumulation, fp8-nosplitk no split-K; other runs keep the library's (or a sweep's) choices."""
     from benchmarks.fp8_bench import kernel_variant
-    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8
 
     def choices():
         return (fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES), fp8_tiles.SHARED_AS_EXPERT,
-                fp8_tiles.ROWWISE_FAST_ACCUM, dict(triton_block_fp8.DECODE_SPLIT_K))
+                fp8_tiles.ROWWISE_FAST_ACCUM, (dict(triton_block_fp8.DECODE_SPLIT_K), fp8_decode_choice.MEASURE))
 
     monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(64, 256): triton_block_fp8.SplitK()})  # as a sweep sets
     library = choices()
+    no_split = ({}, False)
     with kernel_variant("fp8-blockexp"):
-        assert choices()[:3] == (False, {}, False) and choices()[4] == {}
+        assert choices()[:3] == (False, {}, False) and choices()[4] == no_split
     with kernel_variant("fp8-rowexp"):
         assert fp8_tiles.EXPERTS_PER_CHANNEL is True
         assert library[1:] == choices()[1:]
     with kernel_variant("fp8-unfused"):
-        assert choices() == (library[0], library[1], False, library[3], {})
+        assert choices() == (library[0], library[1], False, library[3], no_split)
     with kernel_variant("fp8-fastacc"):
         assert choices() == (*library[:3], True, library[4])
     with kernel_variant("fp8-nosplitk"):
-        assert choices() == (*library[:4], {})
+        assert choices() == (*library[:4], no_split)
     with kernel_variant("fp8"):
         assert library == choices()
     assert library == choices()

@@ -6,7 +6,11 @@
   call gives the same bits (the counters are back at zero, the parts summed in a fixed order); `fp8_linear` takes
   it on the shapes of `DECODE_SPLIT_K` from their `min_rows` up to `DECODE_ROWS` rows only; bad input is refused.
 - It compiles for sm90 on the CPU (`tests/kernels/hopper.py`), reaching wgmma, split and unsplit.
-- On CUDA (skipped without one): against `fp8_gemm`'s W8A8 decode tile on next-16b's projection shapes.
+- `fp8_decode_choice`: its candidates fill the SMs within K's steps; `splitk_config` takes `DECODE_SPLIT_K`'s
+  launch from its `min_rows`, measures a shape once outside a capture (from `FROM_ROWS`, bf16 / fp16 on CUDA,
+  with `MEASURE`) and keeps the result; never measures in a capture.
+- On CUDA (skipped without one): against `fp8_gemm`'s W8A8 decode tile on next-16b's projection shapes, replayed
+  in a CUDA graph, and `decide` on a real shape (a choice recorded with every candidate's time).
 """
 
 from __future__ import annotations
@@ -150,3 +154,69 @@ def test_cuda_splitk_replays_in_a_cuda_graph():
         assert torch.equal(out, eager)
     with pytest.raises(RuntimeError, match="outside a CUDA graph capture"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, SplitK(64, 3))
+
+
+def test_decode_choice_candidates_fill_the_sms_within_the_k_steps():
+    pytest.importorskip("triton")
+    from hybridcache.kernels.gemm.fp8_decode_choice import FROM_ROWS, candidates
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK
+
+    # 4,096 x 4,096 on 132 SMs: 64 tiles of 64 -> 4 and 8 parts; 32 tiles of 128 -> 8 and 16 parts (of 32 K steps)
+    assert candidates(4096, 4096, 132) == [SplitK(64, 4, 4, 4, FROM_ROWS), SplitK(64, 8, 4, 4, FROM_ROWS),
+                                           SplitK(128, 8, 8, 3, FROM_ROWS), SplitK(128, 16, 8, 3, FROM_ROWS)]
+    # 12,288 rows: 192 tiles of 64 fill them unsplit; K of 256 has 2 steps: at most 2 parts
+    assert [(c.block_n, c.split_k) for c in candidates(12288, 4096, 132)] == [(64, 1), (64, 2), (128, 2), (128, 4)]
+    assert [(c.block_n, c.split_k) for c in candidates(256, 256, 132)] == [(64, 2), (128, 2)]
+
+
+def test_splitk_config_takes_the_table_else_measures_once_outside_a_capture(monkeypatch):
+    pytest.importorskip("triton")
+    from hybridcache.kernels.gemm import fp8_decode_choice, triton_block_fp8
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK
+
+    class Rows:  # what `splitk_config` reads of the rows: count, device, dtype
+        def __init__(self, m, cuda=True, dtype=torch.bfloat16):
+            self.shape, self.is_cuda, self.dtype, self.device = (m, 256), cuda, dtype, "cuda:0"
+
+    weight, scale = torch.zeros(128, 256, dtype=torch.float8_e4m3fn), torch.ones(1, 2)
+    monkeypatch.setattr(fp8_decode_choice, "_CHOICES", {})
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(128, 256): SplitK(32, 2, min_rows=8)})
+    assert fp8_decode_choice.splitk_config(Rows(8), weight, scale, BLOCK) == SplitK(32, 2, min_rows=8)
+    assert fp8_decode_choice.splitk_config(Rows(7), weight, scale, BLOCK) is None
+    assert fp8_decode_choice.splitk_config(Rows(65), weight, scale, BLOCK) is None
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {})
+    decided = []
+
+    def decide(w, s, fmt, dtype):
+        decided.append(dtype)
+        fp8_decode_choice._CHOICES[("cuda:0", dtype, 128, 256, fmt)] = fp8_decode_choice.Choice(SplitK(64, 4), ())
+
+    monkeypatch.setattr(fp8_decode_choice, "decide", decide)
+    capturing = [True]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert fp8_decode_choice.splitk_config(Rows(64), weight, scale, BLOCK) is None  # first met in a capture
+    capturing[0] = False
+    for m in (64, 33, 40):
+        assert fp8_decode_choice.splitk_config(Rows(m), weight, scale, BLOCK) == SplitK(64, 4)
+    assert decided == [torch.bfloat16]  # once
+    assert fp8_decode_choice.splitk_config(Rows(32), weight, scale, BLOCK) is None  # below FROM_ROWS
+    assert fp8_decode_choice.splitk_config(Rows(64, cuda=False), weight, scale, BLOCK) is None
+    assert fp8_decode_choice.splitk_config(Rows(64, dtype=torch.float32), weight, scale, BLOCK) is None
+    monkeypatch.setattr(fp8_decode_choice, "MEASURE", False)
+    assert fp8_decode_choice.splitk_config(Rows(64), weight, scale, BLOCK) is None
+
+
+@needs_cuda
+def test_cuda_decide_records_the_fastest_with_every_candidates_time(monkeypatch):
+    from hybridcache.kernels.gemm import fp8_decode_choice
+
+    monkeypatch.setattr(fp8_decode_choice, "_CHOICES", {})
+    generator = torch.Generator().manual_seed(4)
+    weight, scale = (t.cuda() for t in quantize(torch.randn(4096, 4096, generator=generator) / 64, BLOCK))
+    fp8_decode_choice.decide(weight, scale, BLOCK, torch.bfloat16)
+    (key, choice), = fp8_decode_choice.choices().items()
+    times = dict(choice.times_us)
+    print(f"4096 x 4096 at 64 rows, us: {times}")
+    assert key[1:] == (torch.bfloat16, 4096, 4096, BLOCK) and "library" in times and len(times) >= 3
+    if choice.config is not None:
+        assert min(times.values()) <= fp8_decode_choice.MARGIN * times["library"]

@@ -44,8 +44,8 @@ DECODE_TRITON_SHAPES: dict[tuple[int, int], int] = {
     (12288, 4096): 16, (8192, 4096): 16, (4096, 4096): 16, (2048, 4096): 16, (1024, 4096): 16, (512, 4096): 16,
     (4096, 1024): 64}
 # (N, K) of a weight -> the split-K W8A8 decode tile (`SplitK`) `fp8_linear` runs on it from its `min_rows` up to
-# `DECODE_ROWS` rows, before any other choice; empty: not timed on a GPU yet (`benchmarks/fp8_sweep.py --splitk`, then
-# `fp8_bench.py --decode-kernels-from`)
+# `DECODE_ROWS` rows, set by hand or from a sweep (`benchmarks/fp8_sweep.py --splitk`, then `fp8_bench.py
+# --decode-kernels-from`); other shapes: `fp8_decode_choice` measures on the device
 DECODE_SPLIT_K: dict[tuple[int, int], SplitK] = {}
 
 
@@ -306,32 +306,40 @@ def fp8_gemm_splitk(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: on the shapes of `DECODE_SPLIT_K`
-    from their `min_rows` up to `DECODE_ROWS` rows the split-K W8A8 decode tile; else cuBLAS's block-scaled GEMM
+    """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: the split-K W8A8 decode tile where
+    `fp8_decode_choice.splitk_config` gives one (`DECODE_SPLIT_K`, else measured on the device), else
+    `library_linear`."""
+    from hybridcache.kernels.gemm import fp8_decode_choice
+
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    split = fp8_decode_choice.splitk_config(rows, weight, scale, fmt)
+    if split is not None:
+        group = fmt.block[1] if fmt.kind == "block" else 128
+        out = fp8_gemm_splitk(*triton_quant.quantize_groups(rows, group), weight, scale, fmt, x.dtype, split)
+    else:
+        out = library_linear(rows, weight, scale, fmt)
+    out = out.reshape(*lead, weight.shape[0])
+    return out if bias is None else out + bias
+
+
+def library_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """rows [M, K] (unit stride on K) -> rows W^T [M, N] without split-K: cuBLAS's block-scaled GEMM
     (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
     N % 128 == K % 512 == 0), but not up to `DECODE_TRITON_SHAPES`' rows on its shapes; else this kernel, W8A8
     (or W8A16 with `DECODE_W8A16`) with `decode_config` up to `DECODE_ROWS` rows and `PREFILL_TILE` above (the
     choices measured: docs/kernels.md "Quantization")."""
     from hybridcache.kernels.gemm import scaled_mm
 
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
     m = rows.shape[0]
     group = fmt.block[1] if fmt.kind == "block" else 128
-    shape = (weight.shape[0], weight.shape[1])
-    cublas = m >= CUBLAS_ROWS_FROM and m > DECODE_TRITON_SHAPES.get(shape, 0)
-    if shape in DECODE_SPLIT_K and DECODE_SPLIT_K[shape].min_rows <= m <= DECODE_ROWS and m:
-        out = fp8_gemm_splitk(*triton_quant.quantize_groups(rows, group), weight, scale, fmt, x.dtype,
-                              DECODE_SPLIT_K[shape])
-    elif cublas and x.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
-        out = scaled_mm.block_fp8_linear(rows, weight, scale)
-    elif m <= DECODE_ROWS and DECODE_W8A16:
-        out = fp8_gemm(rows, None, weight, scale, fmt, x.dtype, decode_config(m))
-    else:
-        xq, x_scale = triton_quant.quantize_groups(rows, group)
-        out = fp8_gemm(xq, x_scale, weight, scale, fmt, x.dtype, decode_config(m) if m <= DECODE_ROWS
-                       else PREFILL_TILE)
-    out = out.reshape(*lead, weight.shape[0])
-    return out if bias is None else out + bias
+    cublas = m >= CUBLAS_ROWS_FROM and m > DECODE_TRITON_SHAPES.get((weight.shape[0], weight.shape[1]), 0)
+    if cublas and rows.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
+        return scaled_mm.block_fp8_linear(rows, weight, scale)
+    if m <= DECODE_ROWS and DECODE_W8A16:
+        return fp8_gemm(rows, None, weight, scale, fmt, rows.dtype, decode_config(m))
+    xq, x_scale = triton_quant.quantize_groups(rows, group)
+    return fp8_gemm(xq, x_scale, weight, scale, fmt, rows.dtype, decode_config(m) if m <= DECODE_ROWS
+                    else PREFILL_TILE)
