@@ -116,16 +116,16 @@ def test_splitk_compiles_for_hopper(block_m, block_n, split_k, num_warps):
 
 
 @needs_cuda
-@pytest.mark.parametrize("n, k", [(12288, 4096), (9216, 4096), (4096, 4096)])
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("n, k", [(12288, 4096), (4096, 4096)])
+@pytest.mark.parametrize("m", [1, 64])
 def test_cuda_splitk_equals_the_decode_tile(n, k, m):
     """On the GPU against the W8A8 decode tile on the same quantised operands: fp32 summation order apart, then
     one bf16 rounding each (2^-8 relative of an output); repeated calls give the same bits."""
     from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, decode_config, fp8_gemm, fp8_gemm_splitk
 
-    generator = torch.Generator().manual_seed(m)
-    weight, scale = (t.cuda() for t in quantize(torch.randn(n, k, generator=generator) / k**0.5, BLOCK))
-    xq, x_scale = quantize_groups(torch.randn(m, k, generator=generator).cuda().bfloat16())
+    generator = torch.Generator("cuda").manual_seed(m)
+    weight, scale = quantize(torch.randn(n, k, generator=generator, device="cuda") / k**0.5, BLOCK)
+    xq, x_scale = quantize_groups(torch.randn(m, k, generator=generator, device="cuda").bfloat16())
     want = fp8_gemm(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, decode_config(m))
     for config in (SplitK(64, 4), SplitK(128, 2, num_warps=8), SplitK(64, 8, num_stages=3)):
         got = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
@@ -139,9 +139,9 @@ def test_cuda_splitk_replays_in_a_cuda_graph():
     (the counters are back at zero after each replay); the first call of a new size inside a capture is refused."""
     from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, fp8_gemm_splitk
 
-    generator = torch.Generator().manual_seed(3)
-    weight, scale = (t.cuda() for t in quantize(torch.randn(4096, 4096, generator=generator) / 64, BLOCK))
-    xq, x_scale = quantize_groups(torch.randn(64, 4096, generator=generator).cuda().bfloat16())
+    generator = torch.Generator("cuda").manual_seed(3)
+    weight, scale = quantize(torch.randn(4096, 4096, generator=generator, device="cuda") / 64, BLOCK)
+    xq, x_scale = quantize_groups(torch.randn(64, 4096, generator=generator, device="cuda").bfloat16())
     config = SplitK(64, 4)
     eager = fp8_gemm_splitk(xq, x_scale, weight, scale, BLOCK, torch.bfloat16, config)
     graph = torch.cuda.CUDAGraph()
@@ -211,8 +211,8 @@ def test_cuda_decide_records_the_fastest_with_every_candidates_time(monkeypatch)
     from hybridcache.kernels.gemm import fp8_decode_choice
 
     monkeypatch.setattr(fp8_decode_choice, "_CHOICES", {})
-    generator = torch.Generator().manual_seed(4)
-    weight, scale = (t.cuda() for t in quantize(torch.randn(4096, 4096, generator=generator) / 64, BLOCK))
+    generator = torch.Generator("cuda").manual_seed(4)
+    weight, scale = quantize(torch.randn(4096, 4096, generator=generator, device="cuda") / 64, BLOCK)
     fp8_decode_choice.decide(weight, scale, BLOCK, torch.bfloat16)
     (key, choice), = fp8_decode_choice.choices().items()
     times = dict(choice.times_us)
