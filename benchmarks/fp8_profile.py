@@ -50,7 +50,10 @@ from hybridcache import LLM
 from hybridcache.sampling import SamplingParams
 
 # kernel-name fragment -> family, tried before `step_profile.FAMILIES` (first match wins)
-FP8_FAMILIES = (("_quantize_groups", "FP8 activation quantisation"),)
+# (`swiglu_quantize_rows`: the row-wise experts' SwiGLU with h's quantisation; `with_shared`: the shared expert
+# appended to every token's picks)
+FP8_FAMILIES = (("_quantize_groups", "FP8 activation quantisation"),
+                ("_swiglu_quantize_rows", "FP8 activation quantisation"), ("_with_shared", "MoE: routing"))
 PARTS = ("decode", "batch", "small")
 DECODE_STEPS, PROFILED_STEPS = 16, 5
 SMALL_PREFIX, SMALL_SIZES, HOST_PROFILED = 2000, (300, 600, 1000), 600
