@@ -11,12 +11,13 @@ block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folde
 per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with other kernel choices
 whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
 (`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared expert
-on its own, no split-K), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`), no split-K dense decode
-GEMM (`fp8-nosplitk`); KV is `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run
---kv-fp8-phases). With `--load-format dummy` (the default) a folder holds only config.json and the tokenizer and the
-engine draws the weights on the GPU (FP8 linears quantised from their draws): nothing is written to disk. `80b` is
-the Qwen3-Next-80B-A3B shape (48 layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512,
-vocabulary 151,936): about 80 GB in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
+on its own, no split-K, per-group decode scales), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`),
+no split-K dense decode GEMM (`fp8-nosplitk`), the decode expert tiles with per-group scales (`fp8-groupscale`); KV
+is `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
+dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
+(FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
+layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB in
+FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
@@ -57,7 +58,8 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc", "fp8-nosplitk")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc", "fp8-nosplitk",
+           "fp8-groupscale")
 # the `fp8` variants' library choices while one run lasts (`kernel_variant`): (module, attribute) -> value
 KERNEL_VARIANTS = {
     # the routed experts re-quantised per output channel (read when they are stacked at start-up)
@@ -66,11 +68,13 @@ KERNEL_VARIANTS = {
     # expert on its own
     "fp8-blockexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): False, ("triton_block_fp8", "DECODE_TRITON_SHAPES"): {},
                      ("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
-                     ("fp8_decode_choice", "MEASURE"): False},
+                     ("fp8_decode_choice", "MEASURE"): False, ("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
     # session 41's kernels (main's): the shared expert on its own (its dense GEMMs, SwiGLU and gated add), no
-    # split-K dense decode GEMM
+    # split-K dense decode GEMM, the decode experts' x and h per token per 128 channels
     "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
-                    ("fp8_decode_choice", "MEASURE"): False},
+                    ("fp8_decode_choice", "MEASURE"): False, ("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
+    # the decode expert tiles with x and h per token per 128 channels, scaled at every K step (session 41's)
+    "fp8-groupscale": {("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
     # the row-wise expert GEMMs with Hopper's FP8 fast accumulation (then from every prefill size)
     "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
     # no split-K dense decode GEMM (neither measured nor from `--decode-kernels-from`)
@@ -83,9 +87,10 @@ def kernel_variant(weights: str):
     """While one run of `weights` lasts, the library choices of its `KERNEL_VARIANTS` entry (none for the other
     runs: the library's defaults), so the FP8 kernels of several sessions run in one process. The library's
     choices are restored."""
-    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8
+    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8, triton_fp8_moe
 
-    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8, "fp8_decode_choice": fp8_decode_choice}
+    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8, "fp8_decode_choice": fp8_decode_choice,
+               "triton_fp8_moe": triton_fp8_moe}
     settings = KERNEL_VARIANTS.get(weights, {})
     saved = {key: getattr(modules[key[0]], key[1]) for key in settings}
     for (module, name), value in settings.items():

@@ -190,6 +190,13 @@ def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(mo
         assert choices() == (*library[:3], True, library[4])
     with kernel_variant("fp8-nosplitk"):
         assert choices() == (*library[:4], no_split)
+    from hybridcache.kernels.gemm import triton_fp8_moe
+
+    token_scales = triton_fp8_moe.DECODE_TOKEN_SCALES
+    for variant in ("fp8-groupscale", "fp8-unfused", "fp8-blockexp"):
+        with kernel_variant(variant):
+            assert triton_fp8_moe.DECODE_TOKEN_SCALES is False
+    assert token_scales is triton_fp8_moe.DECODE_TOKEN_SCALES
     with kernel_variant("fp8"):
         assert library == choices()
     assert library == choices()

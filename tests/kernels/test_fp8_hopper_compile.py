@@ -37,15 +37,17 @@ def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
     (False, 16, 64, True, True, 4, 0), (False, 32, 64, True, False, 4, 0), (True, 32, 64, True, True, 4, 0),
     (True, 64, 128, False, True, 8, 0), (True, 64, 128, False, False, 4, 0), (True, 64, 128, False, True, 8, 8),
     (True, 128, 64, False, True, 8, 8), (True, 128, 128, False, False, 8, 8), (True, 64, 256, False, False, 8, 8)])
-@pytest.mark.parametrize("group_n", [128, 1], ids=["block", "per-channel"])
+@pytest.mark.parametrize("group_n", [128, 1, "scale-once"], ids=["block", "per-channel", "per-channel-scale-once"])
 def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps, group_m, group_n):
+    scale_once = group_n == "scale-once" and a_fp8  # (per-token x, per-row weights: `DECODE_TOKEN_SCALES`)
+    group_n = 1 if group_n == "scale-once" else group_n
     pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
                 "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
     ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
             "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
     constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=group_n, GROUP_K=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
-                     GROUP_M=group_m)
+                     GROUP_M=group_m, SCALE_ONCE=scale_once)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]
 

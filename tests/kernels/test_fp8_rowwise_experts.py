@@ -232,3 +232,43 @@ def test_requantize_experts_per_channel_changes_the_experts_only(shared):
         assert module.fmt == CHANNEL and not hasattr(module, "weight_scale_inv")
         assert torch.equal(module.weight.view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(module.weight_scale, want_scale[0, :, None])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+def test_interpreted_decode_tile_with_token_scales_equals_its_arithmetic(shared, monkeypatch):
+    """Per-channel experts at decode sizes (`triton_fp8_moe.DECODE_TOKEN_SCALES`): x and h quantised per token
+    (torch's quantisation here, `test_fp8_kernels.torch_quantisation`), the K loop an unscaled MMA chain scaled
+    once after it (`scale_once`), against the same arithmetic in torch (fp32 order; h's e4m3 rounding may flip
+    a step: 1e-4), and within the activations' rounding of the per-group path (what it replaces)."""
+    from hybridcache.kernels.gemm import triton_fp8_moe, triton_quant
+    from hybridcache.kernels.gemm.reference import quantize_groups as torch_groups
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    monkeypatch.setattr(triton_quant, "quantize_groups", torch_groups)
+    generator = torch.Generator().manual_seed(13)
+    hidden, inter, num_experts, top_k, tokens = 256, 128, 4, 2, 6
+    experts = block_experts(hidden, inter, num_experts, generator)
+    shared_expert = block_experts(hidden, inter, 1, generator)[0] if shared else None
+    stacked = Fp8ExpertWeights.share(experts, per_channel=True, shared=shared_expert)
+    x = torch.randn(tokens, hidden, generator=generator)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_weights = torch.rand(tokens, top_k, generator=generator)
+    gate = torch.randn(tokens, 1, generator=generator) if shared else None
+    ids, weights = top_ids, top_weights
+    if shared:
+        weights = torch.cat([top_weights, torch.sigmoid(gate)], dim=1)
+        ids = torch.cat([top_ids, torch.full((tokens, 1), num_experts)], dim=1)
+    xq, xs = quantize_rows(x)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = (xq[t : t + 1].float() @ stacked.gate_up[e].float().T) * xs[t] * stacked.gate_up_rows[e]
+            hq, hs = quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
+            want[t] += weights[t, j] * ((hq.float() @ stacked.down[e].float().T) * hs * stacked.down_rows[e])[0]
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert rel(got, want) <= 1e-4
+    monkeypatch.setattr(triton_fp8_moe, "DECODE_TOKEN_SCALES", False)
+    per_group = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert 1e-4 < rel(per_group, got) <= 1e-1

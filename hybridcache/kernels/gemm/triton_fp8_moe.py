@@ -44,6 +44,31 @@ DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.t
 DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "FP8 on the H200")
+# decode tiles of per-channel experts: x and h quantised per token (`triton_quant.quantize_rows`), so both scales
+# are constant over K and the product is scaled once after the K loop (`fp8_expert_gemm`'s `scale_once`: a plain
+# MMA chain over K, as bf16's kernel runs), instead of per token per 128 channels scaled at every K step
+DECODE_TOKEN_SCALES = True
+
+
+@triton.jit
+def chained_dot(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a [BM, BK] . w [BN, BK]^T as [BM, BN] (fp32), or its transpose [BN, BM] with SWAP_AB: one link of an
+    unscaled MMA chain over K (FP8 operands, fp32 accumulator)."""
+    if SWAP_AB:  # one return statement: Triton wants one return type over both (constexpr) branches
+        out = tl.dot(w, tl.trans(a), acc, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def scale_tile(acc, a_scale, w_scale, SWAP_AB: tl.constexpr):
+    """acc ([BM, BN], or [BN, BM] with SWAP_AB) * a_scale[m] * w_scale[n]."""
+    if SWAP_AB:  # noqa: SIM108 (a constexpr branch)
+        out = acc * (w_scale[:, None] * a_scale[None, :])
+    else:
+        out = acc * (a_scale[:, None] * w_scale[None, :])
+    return out
 
 
 @triton.jit
@@ -53,7 +78,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
-                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False):
     # GROUP_M 0: a 2-D grid (row tiles, column tiles); else a 1-D grid walking GROUP_M row tiles across every
     # column tile before the next GROUP_M (their activation rows stay in L2 while the weight columns go by)
     if GROUP_M == 0:
@@ -91,22 +116,35 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
         group = k0 // GROUP_K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if A_FP8:  # noqa: SIM108 (a constexpr branch)
-            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
-        else:
-            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-        w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
-        if not A_FP8:
-            w = w.to(a.dtype)
-        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
-        if SWIGLU:
-            w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-            up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+        if SCALE_ONCE:  # per-token x, per-row weights: one MMA chain over K, scaled after the loop
+            acc = chained_dot(a, w, acc, SWAP_AB)
+            if SWIGLU:
+                w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = chained_dot(a, w_up, acc_up, SWAP_AB)
+        else:
+            if A_FP8:  # noqa: SIM108 (a constexpr branch)
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
+            else:
+                a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
             if not A_FP8:
-                w_up = w_up.to(a.dtype)
-            acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
+                w = w.to(a.dtype)
+            acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
+            if SWIGLU:
+                w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+                up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+                if not A_FP8:
+                    w_up = w_up.to(a.dtype)
+                acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
+    if SCALE_ONCE:
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=row_ok, other=0.0)
+        acc = scale_tile(acc, a_scale, tl.load(ws_base + gate_groups, mask=col_ok, other=0.0).to(tl.float32),
+                         SWAP_AB)
+        if SWIGLU:
+            acc_up = scale_tile(acc_up, a_scale, tl.load(ws_base + up_groups, mask=col_ok, other=0.0).to(tl.float32),
+                                SWAP_AB)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
@@ -120,19 +158,28 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    swap_ab: bool = False, group_m: int = 0) -> torch.Tensor:
+                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
     2 ceil(N/bn) with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted
     order or pair order when `scatter`. `group_m` 0: a 2-D grid (row tiles x column tiles); > 0: a 1-D grid in
     groups of `group_m` row tiles, each group across all column tiles (the dense kernel's L2 order). Shapes,
-    dtypes and strides are checked first."""
+    dtypes and strides are checked first. `scale_once`: a_scale [rows, 1] (per token) and per-row weight scales
+    (a K stride of 0, or one K group): the K loop is an unscaled MMA chain, scaled once after it (equal to the
+    per-step scaling but for fp32 rounding)."""
     bn, bk = block
     a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
     n = width // 2 if swiglu else width
     groups = -(-depth // bk)
+    if scale_once:
+        per_row = bn == 1 and (w_scale.stride(2) == 0 or w_scale.shape[2] == 1)
+        if not a_fp8 or tuple(a_scale.shape) != (a.shape[0], 1) or not per_row:
+            raise ValueError("fp8_expert_gemm: scale_once needs a_scale [rows, 1] (per token) and per-row weight "
+                             f"scales (K stride 0), got a_scale {None if a_scale is None else list(a_scale.shape)}, "
+                             f"w_scale strides {w_scale.stride()}, block {block}")
+        a_scale = a_scale.expand(-1, groups)  # the checks below see the per-group layout; the kernel reads column 0
     want_scale = (num_experts, 2 * -(-n // bn) if swiglu else -(-n // bn), groups)
     if weights.dtype != FP8_DTYPE or (a.dtype == FP8_DTYPE) != a_fp8:
         raise ValueError(f"fp8_expert_gemm: weights must be {FP8_DTYPE} and a too exactly when a_scale is given, "
@@ -147,7 +194,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     if counts.shape != (num_experts,) or counts.dtype != torch.int32:
         raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
                          f"{counts.dtype}")
-    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) > 1:
+    if (a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and not scale_once and a_scale.stride(1) != 1)
+            or w_scale.stride(2) > 1):
         raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales; the weight "
                          "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
@@ -165,7 +213,7 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
             w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), GATHER=gather, SCATTER=scatter,
             SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m, SCALE_ONCE=scale_once,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -351,15 +399,16 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
-    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
-    W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
-    launch); more: per-channel experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM
-    (`rowwise_expert_rows`; without fast accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert;
-    `rowwise` True / False forces it or the Triton kernels), else W8A8 with
-    `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
-    W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
-    `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
-    choice is made from shapes alone, so captured and eager runs agree.
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or W8A16
+    with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation launch;
+    per-channel experts with `DECODE_TOKEN_SCALES`: x and h per token, the product scaled once); more: per-channel
+    experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM (`rowwise_expert_rows`; without fast
+    accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert; `rowwise` True / False forces it or the
+    Triton kernels), else W8A8 with `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`,
+    when given). W8A8 quantises x and h per token per 128 channels (`triton_quant`; per token on the row-wise path
+    and with `DECODE_TOKEN_SCALES`). `w8a16`, `block_m`, `block_n` and `tile` (`fp8_expert_gemm`'s other settings)
+    override the choice for both GEMMs (benchmarks sweep them); the choice is made from shapes alone, so captured
+    and eager runs agree.
 
     A stack with the block's shared expert (`experts.shared`) needs `shared_gate` [T, 1] (x's dtype): the
     shared expert is every token's pick k + 1 with weight sigmoid(shared_gate) (`with_shared`), and the result
@@ -384,11 +433,13 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
                                                      >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * routed_experts))
     if rowwise:
         return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
+    token_scales = False
     if decode_tile is not None and prefill is None:
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
                        num_stages=DECODE_NUM_STAGES)
         down_options = options
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
+        token_scales = DECODE_TOKEN_SCALES and not w8a16 and experts.gate_up_rows is not None
     else:
         chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(routed_rows, routed_experts)]
         options = dict(block_m=chosen.block_m, block_n=chosen.block_n, num_warps=chosen.num_warps,
@@ -397,10 +448,18 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
         w8a16 = False if w8a16 is None else w8a16
     overrides = {key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value} | tile
     options, down_options = options | overrides, down_options | overrides
-    a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
+    if token_scales:  # per-channel experts at decode: x and h per token, scaled once (`DECODE_TOKEN_SCALES`)
+        options, down_options = options | dict(scale_once=True), down_options | dict(scale_once=True)
+
+    def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if w8a16:
+            return t, None
+        return triton_quant.quantize_rows(t) if token_scales else triton_quant.quantize_groups(t, bk)
+
+    a, a_scale = quantized(x)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)
-    a, a_scale = (h, None) if w8a16 else triton_quant.quantize_groups(h, bk)
+    a, a_scale = quantized(h)
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
                         x.dtype, gather=False, scatter=True, swiglu=False, **down_options)
     return combine(y, top_weights)
