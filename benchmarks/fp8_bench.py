@@ -344,10 +344,10 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
         result["phases"][phase]["kernels_compiled"] = compiles.by_label.get(phase, [])
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
-    result["fp8_decode_choices"] = decode_choice_table()
-    if result["fp8_decode_choices"]:
+    if weights.startswith("fp8"):  # (the table is the process's: a bf16 run would repeat an FP8 run's)
+        result["fp8_decode_choices"] = decode_choice_table()
         print(f"{model}:{weights}:{kv} FP8 decode choices: {json.dumps(result['fp8_decode_choices'])}", flush=True)
-    save()
+        save()
     if profile_dir is not None:
         try:
             result["prefix_hit_profile"] = profile_prefix_hit(
