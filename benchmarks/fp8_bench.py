@@ -8,14 +8,16 @@ Qwen3-Next-80B-A3B shape in FP8 on one GPU.
 
 A run is MODEL:WEIGHTS[:KV]. MODEL is a `gpu_bench.MODELS` name or `80b`; WEIGHTS is `bf16`, `fp8` (128 x 128
 block-scaled, quantised at load: `quantization="fp8"`) or `fp8-channel` (a folder written in compressed-tensors'
-per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with the routed experts
-re-quantised per output channel (`fp8-rowexp`) or kept block-scaled with every dense decode GEMM on cuBLAS
-(`fp8-blockexp`: the FP8 kernels before session 41; `kernel_variant`) whatever the library's defaults; KV is
-`auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
+per-channel format by `write_fp8_folder` from the random bf16 one, both on disk), or `fp8` with other kernel choices
+whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
+(`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared expert
+on its own, no split-K, per-group decode scales), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`),
+no split-K dense decode GEMM (`fp8-nosplitk`), the decode expert tiles with per-group scales (`fp8-groupscale`); KV
+is `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
 dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
 (FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
-layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB
-in FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
+layers 3:1, hidden 2048, 512 experts top-10 + a shared expert, expert width 512, vocabulary 151,936): about 80 GB in
+FP8, always dummy; in bf16 (~160 GB) it does not fit one H200 and is not run.
 
 Each run builds one engine (async scheduling and CUDA graphs as gpu_bench), records its start-up seconds, the
 memory plan (blocks, the blocks of one checkpoint state, how many checkpoint states the pool holds), then warms up
@@ -56,26 +58,48 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
-WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp")
+WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc", "fp8-nosplitk",
+           "fp8-groupscale")
+# the `fp8` variants' library choices while one run lasts (`kernel_variant`): (module, attribute) -> value
+KERNEL_VARIANTS = {
+    # the routed experts re-quantised per output channel (read when they are stacked at start-up)
+    "fp8-rowexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): True},
+    # the FP8 kernels before session 41: block-scaled experts, every dense decode GEMM on cuBLAS, the shared
+    # expert on its own
+    "fp8-blockexp": {("fp8_tiles", "EXPERTS_PER_CHANNEL"): False, ("triton_block_fp8", "DECODE_TRITON_SHAPES"): {},
+                     ("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
+                     ("fp8_decode_choice", "MEASURE"): False, ("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
+    # session 41's kernels (main's): the shared expert on its own (its dense GEMMs, SwiGLU and gated add), no
+    # split-K dense decode GEMM, the decode experts' x and h per token per 128 channels
+    "fp8-unfused": {("fp8_tiles", "SHARED_AS_EXPERT"): False, ("triton_block_fp8", "DECODE_SPLIT_K"): {},
+                    ("fp8_decode_choice", "MEASURE"): False, ("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
+    # the decode expert tiles with x and h per token per 128 channels, scaled at every K step (session 41's)
+    "fp8-groupscale": {("triton_fp8_moe", "DECODE_TOKEN_SCALES"): False},
+    # the row-wise expert GEMMs with Hopper's FP8 fast accumulation (then from every prefill size)
+    "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
+    # no split-K dense decode GEMM (neither measured nor from `--decode-kernels-from`)
+    "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}, ("fp8_decode_choice", "MEASURE"): False},
+}
 
 
 @contextlib.contextmanager
 def kernel_variant(weights: str):
-    """While one run of `weights` lasts: `fp8-rowexp` re-quantises the routed experts per channel
-    (`fp8_tiles.EXPERTS_PER_CHANNEL`, read when they are stacked at start-up), `fp8-blockexp` keeps them
-    block-scaled and runs every dense FP8 decode GEMM on cuBLAS (`triton_block_fp8.DECODE_TRITON_SHAPES` empty,
-    read at every call): the FP8 kernels before session 41 in one process. The library's choices are restored."""
-    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+    """While one run of `weights` lasts, the library choices of its `KERNEL_VARIANTS` entry (none for the other
+    runs: the library's defaults), so the FP8 kernels of several sessions run in one process. The library's
+    choices are restored."""
+    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8, triton_fp8_moe
 
-    saved = fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES
-    if weights in ("fp8-rowexp", "fp8-blockexp"):
-        fp8_tiles.EXPERTS_PER_CHANNEL = weights == "fp8-rowexp"
-    if weights == "fp8-blockexp":
-        triton_block_fp8.DECODE_TRITON_SHAPES = {}
+    modules = {"fp8_tiles": fp8_tiles, "triton_block_fp8": triton_block_fp8, "fp8_decode_choice": fp8_decode_choice,
+               "triton_fp8_moe": triton_fp8_moe}
+    settings = KERNEL_VARIANTS.get(weights, {})
+    saved = {key: getattr(modules[key[0]], key[1]) for key in settings}
+    for (module, name), value in settings.items():
+        setattr(modules[module], name, value)
     try:
         yield
     finally:
-        fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES = saved
+        for (module, name), value in saved.items():
+            setattr(modules[module], name, value)
 
 
 def config_only_folder(model: str, path: Path) -> Path:
@@ -97,7 +121,7 @@ def config_only_folder(model: str, path: Path) -> Path:
 
 def run_folder(model: str, weights: str, root: Path, dummy: bool) -> tuple[Path, dict]:
     """(the folder, the extra LLM options) of one run; `dummy`: random weights drawn on the GPU, no disk."""
-    weights = "fp8" if weights in ("fp8-rowexp", "fp8-blockexp") else weights
+    weights = "fp8" if weights in KERNEL_VARIANTS else weights
     if model == "80b" and weights != "fp8":
         raise ValueError("the 80B shape runs in fp8 only (bf16 does not fit one H200; no folder for channel)")
     if model == "80b" or (dummy and weights != "fp8-channel"):
@@ -130,7 +154,51 @@ STARTUP_PARTS = (
     ("hybridcache.engine.runner", "ModelRunner._compile_on_pools"),
     ("hybridcache.engine.runner", "ModelRunner._capture"),
     ("hybridcache.engine.runner", "ModelRunner._capture_prefill"),
+    ("triton.runtime.autotuner", "Autotuner._bench"),  # one config's compile + timing while a kernel autotunes
 )
+
+
+class CompileTimes:
+    """While entered, Triton's compilation listener (`triton.knobs.compilation.listener`, where this Triton has
+    one) records every kernel compiled or loaded from the disk cache: per kernel name, the compiles, the disk
+    cache hits and the seconds (Triton's own timer: IR, lowering stages, storing). `summary()` gives totals and
+    the `top` kernels by seconds. Restores the previous listener on exit."""
+
+    def __init__(self, top: int = 25) -> None:
+        self.top = top
+        self.by_kernel: dict[str, dict] = {}
+        self._knobs = None
+        self._saved = None
+
+    def __enter__(self) -> CompileTimes:
+        try:
+            import triton
+        except ImportError:
+            return self
+        compilation = getattr(getattr(triton, "knobs", None), "compilation", None)
+        if compilation is not None and hasattr(compilation, "listener"):
+            self._knobs, self._saved = compilation, compilation.listener
+            compilation.listener = self
+        return self
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        name = str(getattr(src, "name", None) or metadata.get("name", "?"))
+        entry = self.by_kernel.setdefault(name, {"compiled": 0, "disk_hits": 0, "s": 0.0})
+        entry["disk_hits" if cache_hit else "compiled"] += 1
+        entry["s"] += getattr(times, "total", 0) / 1e6  # microseconds
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.listener = self._saved
+
+    def summary(self) -> dict:
+        if self._knobs is None:
+            return {"error": "this Triton has no compilation listener"}
+        ranked = sorted(self.by_kernel.items(), key=lambda item: -item[1]["s"])
+        return {"compiled": sum(e["compiled"] for e in self.by_kernel.values()),
+                "disk_hits": sum(e["disk_hits"] for e in self.by_kernel.values()),
+                "s": round(sum(e["s"] for e in self.by_kernel.values()), 2),
+                "top": {name: {**e, "s": round(e["s"], 3)} for name, e in ranked[:self.top]}}
 
 
 class StartupParts:
@@ -231,13 +299,17 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     start = time.perf_counter()
     sampler = StackSampler((out_dir or Path(".")) / f"startup_stacks_{model}_{weights}.txt", stacks_every_s)
 
+    compiled = CompileTimes()
+
     def parts_so_far(parts: StartupParts) -> None:
         result["startup_parts"] = parts.summary()
+        result["startup_compiles"] = compiled.summary()
         save()
 
-    with sampler, StartupParts(cuda, parts_so_far) as parts:
+    with sampler, compiled, StartupParts(cuda, parts_so_far) as parts:
         llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
     result.update({"engine_init_s": time.perf_counter() - start, "startup_parts": parts.summary(),
+                   "startup_compiles": compiled.summary(),
                    "weight_format": llm.engine.weight_format, "kv_cache_dtype": llm.engine.kv_cache_dtype,
                    "memory": llm.engine.memory_plan.describe(), "num_blocks": llm.engine.memory_plan.num_blocks,
                    "state_pages": llm.engine.memory_plan.state_pages,
@@ -250,6 +322,8 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     save()
     print(f"{model}:{weights}:{kv} up in {result['engine_init_s']:.1f} s: {result['memory']}", flush=True)
     print(f"{model}:{weights}:{kv} start-up by part: {json.dumps(result['startup_parts'])}", flush=True)
+    print(f"{model}:{weights}:{kv} start-up's Triton compiles: {json.dumps(result['startup_compiles'])}",
+          flush=True)
     compiles = gpu_bench.CompileLog()  # from here on, every compile is one the engine's start-up did not do
     compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
@@ -270,6 +344,10 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
         result["phases"][phase]["kernels_compiled"] = compiles.by_label.get(phase, [])
         gpu_bench.print_row(f"{model}:{weights}:{kv} {phase}", result["phases"][phase])
         save()
+    if weights.startswith("fp8"):  # (the table is the process's: a bf16 run would repeat an FP8 run's)
+        result["fp8_decode_choices"] = decode_choice_table()
+        print(f"{model}:{weights}:{kv} FP8 decode choices: {json.dumps(result['fp8_decode_choices'])}", flush=True)
+        save()
     if profile_dir is not None:
         try:
             result["prefix_hit_profile"] = profile_prefix_hit(
@@ -284,6 +362,15 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
     if cuda:
         torch.cuda.empty_cache()
     return result
+
+
+def decode_choice_table() -> dict:
+    """The process's measured FP8 decode choices so far (`fp8_decode_choice.choices()`): "NxK" -> the launch
+    chosen ("library" or the split-K launch's fields) and every candidate's microseconds."""
+    from hybridcache.kernels.gemm import fp8_decode_choice
+
+    return {f"{n}x{k}": {"chosen": "library" if c.config is None else c.config.__dict__, "times_us": dict(c.times_us)}
+            for (_, _, n, k, _), c in fp8_decode_choice.choices().items()}
 
 
 def profile_prefix_hit(llm, rng: random.Random, path: Path) -> dict:
@@ -394,7 +481,8 @@ def decode_choices(rows: list[dict]) -> dict:
     16,384 alone if a cut-short sweep has fewer than two tiles at every size); "dense", the dense kernel at
     M <= 64 summed over the shapes and row counts
     (swap-AB tiles and cuBLAS), or, where the rows name their weight shape, "dense_shapes" instead
-    (`dense_shape_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
+    (`dense_shape_choices`); "dense_splitk", the split-K launch per shape from `--splitk` rows
+    (`splitk_choices`); "experts_bf16_ms", bf16's experts per token count (a reference, not a choice).
     Rows with an error of MAX_SWEEP_ERR or more are left out."""
     rows = [r for r in rows if "ms" in r]
     chosen: dict = {}
@@ -421,8 +509,11 @@ def decode_choices(rows: list[dict]) -> dict:
     bf16 = {r["tokens"]: r["ms"] for r in rows if r.get("experts") and r["kernel"] == "bf16"}
     if bf16:
         chosen["experts_bf16_ms"] = dict(sorted(bf16.items()))  # for reference: bf16's experts at each size
+    splitk = splitk_choices(rows)
+    if splitk:
+        chosen["dense_splitk"] = splitk
     dense = [r for r in rows if r.get("shape") and r.get("M", 0) <= 64 and r["kernel"] != "bf16"
-             and (r.get("tile") or {}).get("swap_ab", True)]
+             and (r.get("tile") or {}).get("swap_ab", True) and not r.get("splitk_sweep")]
     shapes = dense_shape_choices(dense)
     if shapes:
         chosen["dense_shapes"] = shapes
@@ -431,6 +522,32 @@ def decode_choices(rows: list[dict]) -> dict:
     if found:
         (kernel,), sums, _ = found
         chosen["dense"] = {"kernel": kernel, "ms_sum": {k: ms for (k,), ms in sums.items()}}
+    return chosen
+
+
+def splitk_choices(rows: list[dict]) -> dict[str, dict]:
+    """Per weight shape ("NxK") of `fp8_sweep.py --splitk` rows: the split-K launch (`triton_block_fp8.SplitK`
+    fields) with the least ms summed over the row counts swept, where that sum is below the library's kernel's
+    ("library" rows) over the same row counts and every one of its rows has an error below MAX_SWEEP_ERR, taken
+    from the first row count of the smallest swept size's BLOCK_M bucket (`min_rows`: 1, 17 or 33; a sweep at 64
+    rows alone says nothing of 16); shapes where none beats the library are left out (`DECODE_SPLIT_K`)."""
+    per_shape: dict[str, dict] = {}
+    for r in rows:
+        if r.get("splitk_sweep") and "ms" in r and r["kernel"] in ("library", "w8a8-splitk"):
+            config = ("library",) if r["kernel"] == "library" else tuple(
+                r["tile"][f] for f in ("block_n", "split_k", "num_warps", "num_stages"))
+            per_shape.setdefault(f"{r['N']}x{r['K']}", []).append(r | {"config": config})
+    chosen = {}
+    for shape, shape_rows in sorted(per_shape.items()):
+        found = fastest(shape_rows, lambda r: r["config"], lambda r: r["M"])
+        if found is None:
+            continue
+        best, sums, sizes = found
+        if best != ("library",) and ("library",) in sums:
+            smallest = min(sizes)  # from the first row count of the smallest size's BLOCK_M (`decode_config`)
+            chosen[shape] = {**dict(zip(("block_n", "split_k", "num_warps", "num_stages"), best, strict=True)),
+                             "min_rows": 1 if smallest <= 16 else 17 if smallest <= 32 else 33,
+                             "rows": sizes, "ms_sum": round(sums[best], 5), "library_ms_sum": sums[("library",)]}
     return chosen
 
 
@@ -457,7 +574,8 @@ def dense_shape_choices(rows: list[dict]) -> dict[str, int]:
 
 def choose_decode_kernels(sweep_json: str) -> dict:
     """Set the FP8 kernels' module choices (`triton_fp8_moe.DECODE_*`, `fp8_tiles.PREFILL_TILES`, `triton_block_fp8.
-    DECODE_W8A16`, `CUBLAS_ROWS_FROM` and `DECODE_TRITON_SHAPES`) to `decode_choices` of a `fp8_sweep.py` result;
+    DECODE_W8A16`, `CUBLAS_ROWS_FROM`, `DECODE_TRITON_SHAPES` and `DECODE_SPLIT_K`) to `decode_choices` of a
+    `fp8_sweep.py` result;
     a part the sweep has no rows for keeps the library's choice. Returns the choices (they go into the JSON)."""
     from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8, triton_fp8_moe
 
@@ -480,6 +598,11 @@ def choose_decode_kernels(sweep_json: str) -> dict:
         triton_block_fp8.DECODE_TRITON_SHAPES = {tuple(map(int, shape.split("x"))): rows
                                                  for shape, rows in chosen["dense_shapes"].items()}
         chosen["dense"] = f"cuBLAS but the Triton W8A8 tile on {chosen['dense_shapes']} (shape: up to M rows)"
+    if "dense_splitk" in chosen:
+        triton_block_fp8.DECODE_SPLIT_K = {
+            tuple(map(int, shape.split("x"))): triton_block_fp8.SplitK(c["block_n"], c["split_k"], c["num_warps"],
+                                                                       c["num_stages"], c["min_rows"])
+            for shape, c in chosen["dense_splitk"].items()}
     if "dense" in chosen and isinstance(chosen["dense"], dict):
         kernel = chosen["dense"]["kernel"]
         triton_block_fp8.DECODE_W8A16 = kernel == "w8a16"

@@ -5,9 +5,9 @@ shaped like phase D's prefill and the small prefills of phase A.
         [--parts decode,batch,small] [--out DIR]
     PYTHONPATH=. python benchmarks/fp8_profile.py --device cpu --runs tiny:fp8,tiny:bf16 --scale 0.05   # smoke
 
-Runs are `fp8_bench.py`'s (MODEL:WEIGHTS[:KV], random weights drawn on the device); one engine at a time, built
-with fp8_bench's options, then the parts (`profile_engine`; `fp8_bench.py --profile PARTS` runs the same parts
-on its engines before their phases):
+Runs are `fp8_bench.py`'s (MODEL:WEIGHTS[:KV], its kernel variants included; random weights drawn on the device);
+one engine at a time, built with fp8_bench's options, then the parts (`profile_engine`; `fp8_bench.py --profile
+PARTS` runs the same parts on its engines before their phases):
 
 - decode: `--seqs` prompts of 1,024 tokens decoding together (graphs), the free-running step timed over 16 steps
   (p50), then 5 steps under torch.profiler;
@@ -50,7 +50,10 @@ from hybridcache import LLM
 from hybridcache.sampling import SamplingParams
 
 # kernel-name fragment -> family, tried before `step_profile.FAMILIES` (first match wins)
-FP8_FAMILIES = (("_quantize_groups", "FP8 activation quantisation"),)
+# (`swiglu_quantize_rows`: the row-wise experts' SwiGLU with h's quantisation; `with_shared`: the shared expert
+# appended to every token's picks)
+FP8_FAMILIES = (("_quantize_groups", "FP8 activation quantisation"),
+                ("_swiglu_quantize_rows", "FP8 activation quantisation"), ("_with_shared", "MoE: routing"))
 PARTS = ("decode", "batch", "small")
 DECODE_STEPS, PROFILED_STEPS = 16, 5
 SMALL_PREFIX, SMALL_SIZES, HOST_PROFILED = 2000, (300, 600, 1000), 600
@@ -284,12 +287,13 @@ def main() -> None:
         result["runs"].append(run)
         try:
             folder, extra = fp8_bench.run_folder(model, weights, root, dummy=True)
-            start = time.perf_counter()
-            llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
-            run["engine_init_s"] = time.perf_counter() - start
-            print(f"{text} up in {run['engine_init_s']:.1f} s", flush=True)
-            profile_engine(llm, parts, run, save, out_dir / f"host_{model}_{weights}_{kv}.txt", args.seqs)
-            del llm
+            with fp8_bench.kernel_variant(weights):  # the variant's kernel choices (fp8_bench.KERNEL_VARIANTS)
+                start = time.perf_counter()
+                llm = LLM(folder, **options, **extra, kv_cache_dtype=kv)
+                run["engine_init_s"] = time.perf_counter() - start
+                print(f"{text} up in {run['engine_init_s']:.1f} s", flush=True)
+                profile_engine(llm, parts, run, save, out_dir / f"host_{model}_{weights}_{kv}.txt", args.seqs)
+                del llm
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)

@@ -15,7 +15,8 @@ weaker model). The windows are consecutive `--window-len`-byte pieces of the hel
 | `bf16` (the baseline) | the folder's, in bf16 | bf16 |
 | `fp8-block` | `quantization="fp8"` (128 x 128) | bf16 |
 | `fp8-channel` | the folder written per-channel by `write_fp8_folder` | bf16 |
-| `fp8-block-rowexp` | 128 x 128, routed experts re-quantised per channel (their CUDA prefill: row-wise) | bf16 |
+| `fp8-block-rowexp` | 128 x 128, routed (and shared) experts re-quantised per channel (CUDA prefill: row-wise) | bf16 |
+| `fp8-block-rowexp-fast` | the same, the row-wise GEMMs with fast accumulation (then at every prefill size) | bf16 |
 | `kv-fp8` | bf16 | float8_e4m3fn, scales 1.0 |
 | `fp8-block+kv-fp8` | 128 x 128 | float8_e4m3fn |
 
@@ -24,7 +25,8 @@ exercised), on the device's kernel backend. Per variant: greedy agreement = the 
 argmax equals the baseline's (target >= 99%), and the mean KL(baseline || variant) of the next-byte distributions
 (nats), plus the held-out loss of each; variants other than `fp8-block` the same against `fp8-block` too (what a
 change of format costs beside the block format's own error). `fp8-block-rowexp` is
-`models.quant.requantize_experts_per_channel_` after loading: what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
+`models.quant.requantize_experts_per_channel_` after loading (the shared expert's too with
+`fp8_tiles.SHARED_AS_EXPERT`, which stacks it with them): what `fp8_tiles.EXPERTS_PER_CHANNEL` does on CUDA
 (which this script turns off, so that `fp8-block` is the checkpoint format's arithmetic).
 Prints a table and writes DIR/fp8_quality.json (after each variant).
 """
@@ -56,9 +58,11 @@ VARIANTS = {  # name: (weights, kv_fp8)
     "fp8-block": ("block", False),
     "fp8-channel": ("channel", False),
     "fp8-block-rowexp": ("block-rowexp", False),
+    "fp8-block-rowexp-fast": ("block-rowexp", False),
     "kv-fp8": ("dense", True),
     "fp8-block+kv-fp8": ("block", True),
 }
+FAST_ACCUM = ("fp8-block-rowexp-fast",)  # variants run with `fp8_tiles.ROWWISE_FAST_ACCUM` (on CUDA)
 PIECE = 4096  # train_byte_lm's piece size; every 10th piece is held out
 
 
@@ -100,6 +104,7 @@ def main() -> None:
     # the block variants measure the checkpoint format's own arithmetic: no re-quantisation when the CUDA backend
     # stacks the experts (fp8-block-rowexp re-quantises them itself, on any device)
     fp8_tiles.EXPERTS_PER_CHANNEL = False
+    library_fast_accum = fp8_tiles.ROWWISE_FAST_ACCUM
     channel_dir = Path(tempfile.mkdtemp()) / "fp8-channel"
     backend = get_backend(device)
     logits: dict[str, list[torch.Tensor]] = {}
@@ -115,8 +120,11 @@ def main() -> None:
                 model_dir, channel_dir, "channel")
         model = load_model(folder, dtype=dtype, device=device,
                            quantization="fp8" if weights.startswith("block") else None, kv_fp8=kv_fp8)
-        requantized = requantize_experts_per_channel_(model) if weights == "block-rowexp" else 0
+        requantized = requantize_experts_per_channel_(model, shared=fp8_tiles.SHARED_AS_EXPERT) if (
+            weights == "block-rowexp") else 0
+        fp8_tiles.ROWWISE_FAST_ACCUM = name in FAST_ACCUM or library_fast_accum
         logits[name] = [window_logits(model, backend, w[:-1], dtype, device).cpu() for w in windows]
+        fp8_tiles.ROWWISE_FAST_ACCUM = library_fast_accum
         del model
         targets = torch.cat([torch.tensor(w[1:]) for w in windows])
         loss = F.cross_entropy(torch.cat(logits[name]), targets).item()

@@ -1,7 +1,8 @@
 """Tile sweep of the FP8 GEMMs on the GPU (issue 29): which configuration of `triton_block_fp8` (W8A16 for decode,
 W8A8 for prefill) and of `triton_fp8_moe` to pick per shape, each with its error against the reference.
 
-    PYTHONPATH=. python benchmarks/fp8_sweep.py [--out DIR] [--budget-s S]
+    PYTHONPATH=. python benchmarks/fp8_sweep.py [--out DIR] [--budget-s S] [--quick | --rowwise | --splitk |
+        --prefill] [--smoke]
 
 Dense shapes (N x K): the 80B's o_proj 2,048 x 4,096 and shared gate_up 1,024 x 2,048, next-16b's qkvz
 12,288 x 4,096 and 28,672 x 8,192; M = 1 and 64 (W8A16 tiles), 256 to 8,192 (W8A8 tiles, `torch._scaled_mm` with
@@ -458,6 +459,56 @@ def decode_shape_rows(gen, name, n, k) -> list[dict]:
     return rows
 
 
+# `--splitk`: the dense FP8 projections a next-16b decode step runs once the shared expert is one of the routed
+# experts (`fp8_tiles.SHARED_AS_EXPERT`; the attention's q + gate, k and v fused), at SPLITK_ROWS rows: the
+# library's choice without split-K ("library": `fp8_linear` with `DECODE_SPLIT_K` empty, cuBLAS or the Triton
+# swap-AB tile) against the split-K W8A8 tile at each SPLITK_CONFIGS launch, bf16's `F.linear` beside them;
+# `fp8_bench.py --decode-kernels-from` takes a shape's fastest split-K launch where it beats the library's
+SPLITK_SHAPES = {"qkvz": (12288, 4096), "attn q+gate, k, v": (9216, 4096), "out_proj / o_proj": (4096, 4096)}
+SPLITK_ROWS = [64, 16]
+SPLITK_CONFIGS = [(64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 2, 8), (128, 4, 8)]  # block_n, split, warps
+
+
+def splitk_items(gen: torch.Generator):
+    """(priority, closure) items of `--splitk` (above): a shape's rows at every M, shapes in order."""
+    return [(i, lambda name=name, shape=shape: splitk_rows(gen, name, *shape))
+            for i, (name, shape) in enumerate(SPLITK_SHAPES.items())]
+
+
+def splitk_rows(gen, name, n, k) -> list[dict]:
+    from hybridcache.kernels.gemm import triton_block_fp8
+    from hybridcache.kernels.gemm.triton_block_fp8 import SplitK, fp8_gemm_splitk, fp8_linear
+
+    ws, wbf, w32 = dense_weights(gen, n, k)
+    rows = []
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # (the interpreter's bf16 is wrong)
+    for m in SPLITK_ROWS:
+        x = torch.randn(m, k, generator=gen, device=DEVICE).to(dtype)
+        xq, xs = triton_quant.quantize_groups(x)
+        ref = (xq.float() * xs.repeat_interleave(128, 1)) @ w32.T
+        base = {"shape": f"next-16b {name}", "N": n, "K": k, "M": m, "splitk_sweep": True}
+        rows.append(base | {"kernel": "bf16", "ms": timed([lambda b=b, x=x: F.linear(x, b.to(x.dtype)) for b in wbf])})
+        saved, triton_block_fp8.DECODE_SPLIT_K = triton_block_fp8.DECODE_SPLIT_K, {}
+        try:
+            rows.append(base | {"kernel": "library", "err": rel(fp8_linear(x, *ws[0], BLOCK), ref),
+                                "ms": timed([lambda a=a, b=b, x=x: fp8_linear(x, a, b, BLOCK) for a, b in ws])})
+        finally:
+            triton_block_fp8.DECODE_SPLIT_K = saved
+        for block_n, split, warps in SPLITK_CONFIGS:
+            config = SplitK(block_n, split, warps)
+
+            def call(a, b, x=x, config=config) -> torch.Tensor:  # with its quantisation launch, as the engine
+                return fp8_gemm_splitk(*triton_quant.quantize_groups(x), a, b, BLOCK, dtype, config)
+
+            try:
+                rows.append(base | {"kernel": "w8a8-splitk", "tile": config.__dict__, "err": rel(call(*ws[0]), ref),
+                                    "ms": timed([lambda a=a, b=b: call(a, b) for a, b in ws])})
+            except Exception as error:
+                traceback.print_exc()
+                rows.append(base | {"kernel": "w8a8-splitk", "tile": config.__dict__, "error": repr(error)[:300]})
+    return rows
+
+
 def quant_check(gen: torch.Generator) -> dict:
     x = (torch.randn(300, 4096, generator=gen, device=DEVICE) * torch.logspace(-3, 3, 4096, device=DEVICE))
     x = x.to(torch.bfloat16)
@@ -470,7 +521,9 @@ def quant_check(gen: torch.Generator) -> dict:
 
 def tile_text(tile: dict) -> str:
     """A row's tile in the table: BLOCK_M x BLOCK_N, warps, stages, swap-AB; a prefill tile's group_m and down
-    GEMM width; "-" for a row without one."""
+    GEMM width; a split-K launch's width, parts and warps; "-" for a row without one."""
+    if "split_k" in tile:
+        return f"split-K {tile['block_n']} x {tile['split_k']} w{tile['num_warps']} s{tile['num_stages']}"
     if "block_m" not in tile:
         return "-"
     text = f"{tile['block_m']}x{tile['block_n']} w{tile['num_warps']} s{tile['num_stages']}"
@@ -491,11 +544,16 @@ def main() -> None:
     parser.add_argument("--rowwise", action="store_true", help="the routed experts re-quantised per channel (row-wise "
                         "scaled grouped GEMM for prefill) against the block-scaled ones and bf16 at 16,384 to 1 "
                         "tokens; then next-16b's dense FP8 projections at 64 and 16 rows, cuBLAS against Triton")
+    parser.add_argument("--splitk", action="store_true", help="next-16b's dense FP8 decode projections at 64 and 16 "
+                        "rows: the split-K W8A8 tile's launches against the library's kernel (cuBLAS or Triton)")
+    parser.add_argument("--splitk-rows", default=None, help="--splitk's row counts, comma-separated (default 64,16)")
     parser.add_argument("--prefill", action="store_true", help="only the routed experts' W8A8 prefill tiles at "
                         "16,384 / 4,096 / 1,024 tokens (next-16b: 4,096 / 1,024 / 256 rows per expert), bf16's "
                         "experts there, and the gate/up GEMM alone against torch's grouped GEMMs")
     args = parser.parse_args()
     global DECODE_CUBLAS
+    if args.splitk_rows:
+        SPLITK_ROWS[:] = [int(m) for m in args.splitk_rows.split(",")]
     if args.prefill:
         DENSE.clear()
         PLANS[:] = []
@@ -528,6 +586,11 @@ def main() -> None:
         for name in list(NEXT16B_DENSE)[1:]:
             del NEXT16B_DENSE[name]
         NEXT16B_DENSE[next(iter(NEXT16B_DENSE))] = (96, 256)
+        for name in list(SPLITK_SHAPES)[1:]:
+            del SPLITK_SHAPES[name]
+        SPLITK_SHAPES[next(iter(SPLITK_SHAPES))] = (256, 512)
+        SPLITK_ROWS[:] = [5]
+        SPLITK_CONFIGS[:] = [(32, 2, 4), (64, 3, 4)]
     start = time.perf_counter()
     gen = torch.Generator(DEVICE).manual_seed(0)
     out = Path(args.out or os.environ.get("OUT") or ".") / "fp8_sweep.json"
@@ -537,6 +600,8 @@ def main() -> None:
     print(result["quant"], flush=True)
     if args.rowwise:
         items = rowwise_items(gen)
+    elif args.splitk:
+        items = splitk_items(gen)
     else:
         items = sorted(dense_items(gen) + expert_items(gen), key=lambda item: item[0])
     for _, item in items:

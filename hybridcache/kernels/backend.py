@@ -196,17 +196,25 @@ class KernelBackend(Protocol):
         -> new rotated query and key; the first R channels of each head rotated, the rest unchanged."""
         ...
 
+    def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
+        """Whether `moe` takes this block's shared expert module itself (`shared` = (gate, module)) and runs it
+        with the routed experts, instead of its output. Decided from the modules alone (the same on every call)."""
+        ...
+
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | nn.Module] | None = None,
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
         x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
-        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate
+        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate;
+                    or, where `fuses_shared_expert` holds, (gate, the shared expert's module), its output
+                    computed here
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
-                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds)
+                    (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds; with
+                    the module, to float rounding)
         """
         ...
 
@@ -361,6 +369,9 @@ class ReferenceBackend:
             )
             ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
         return out
+
+    def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
+        return False  # the layer runs the shared expert and passes its output
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],

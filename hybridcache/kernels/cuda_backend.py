@@ -12,7 +12,8 @@
 |                  | same kernel writes only the draft states, then fla runs every sequence. Conv: the draft conv      |
 |                  | states (`conv/triton_verify.py`) before the varlen kernel                                       |
 | moe              | Triton expert GEMM (few rows per expert) or `torch._grouped_mm` (`moe/grouped.py`); the combine |
-|                  | of the routed rows adds the shared expert's sigmoid(gate) * shared in the same launch           |
+|                  | of the routed rows adds the shared expert's sigmoid(gate) * shared in the same launch; FP8    |
+|                  | experts: `gemm/triton_fp8_moe.py`, the shared expert as one more expert where it fits          |
 | rms_norm, gated_rms_norm, add_rms_norm | fused Triton kernels, 2,048 // width rows per program (`norm/triton.py`) |
 | delta_gates      | one Triton launch for g and beta (`gated_delta/triton_gates.py`)                               |
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
@@ -52,7 +53,7 @@ from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
-from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
@@ -240,23 +241,40 @@ class CudaBackend:
         g, beta = triton_gates.delta_gates(a, b, A_log, dt_bias)
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
 
+    def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
+        """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,
+        `fp8_tiles.SHARED_AS_EXPERT`): it runs as one more expert of their stack. Once the experts are stacked,
+        what their stack holds."""
+        stacked = self._experts.get(experts)
+        if stacked is not None:
+            return isinstance(stacked, Fp8ExpertWeights) and stacked.shared
+        return hasattr(experts[0].gate_proj, "fmt") and shared_fits(experts, shared_expert)
+
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | nn.Module] | None = None,
     ) -> torch.Tensor:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module. bf16 /
-        fp32 experts add `shared` in the combine's launch; FP8 experts with one launch more."""
+        fp32 experts add `shared` in the combine's launch; FP8 experts with one launch more, or, given the shared
+        expert's module (`fuses_shared_expert`), with it stacked as one more expert (`fp8_grouped_experts`'
+        `shared_gate`)."""
+        shared_module = shared[1] if shared is not None and isinstance(shared[1], nn.Module) else None
         stacked = self._experts.get(experts)
         if stacked is None:
             if hasattr(experts[0].gate_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
-                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts)
+                stacked = self._experts[experts] = Fp8ExpertWeights.share(experts, shared=shared_module)
                 if not torch.cuda.is_current_stream_capturing():
                     compile_fp8_tiles(x, stacked, top_ids.shape[1])
             else:
                 stacked = self._experts[experts] = ExpertWeights.share(experts)
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
                     compile_tiles(x, stacked, top_ids.shape[1])
+        if shared_module is not None and not (isinstance(stacked, Fp8ExpertWeights) and stacked.shared):
+            raise ValueError("moe: a shared expert module is taken only where fuses_shared_expert said so, on "
+                             "every call")
         if isinstance(stacked, Fp8ExpertWeights):
+            if stacked.shared:
+                return fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=shared[0])
             routed = fp8_grouped_experts(x, top_weights, top_ids, stacked)
             return routed if shared is None else triton_activation.sigmoid_gate_add(routed, *shared)
         return grouped_experts(x, top_weights, top_ids, stacked, shared)

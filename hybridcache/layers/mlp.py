@@ -67,7 +67,9 @@ class SparseMoeBlock(nn.Module):
     Routing (transformers' Qwen3-Next / Qwen3.5-MoE): probs = softmax(gate(x)) in fp32, keep the top-k,
     renormalise them to sum 1 when `norm_topk_prob`; out = sum_k w_k expert_k(x)
     + sigmoid(shared_expert_gate(x)) * shared_expert(x). The four projections of x (the shared expert's gate and
-    up, the router, the shared expert's gate) run as one GEMM where they fuse (`inputs`).
+    up, the router, the shared expert's gate) run as one GEMM where they fuse (`inputs`). Where they do not
+    (FP8 projections beside the bf16 router), a backend may run the shared expert with the routed experts
+    (`KernelBackend.fuses_shared_expert`: FP8 on CUDA, as one more expert of their stack).
     """
 
     def __init__(
@@ -103,6 +105,10 @@ class SparseMoeBlock(nn.Module):
             gate, up, router_logits, shared_gate = self.inputs(x)
         else:
             router_logits, shared_gate = self.gates(x)
+            if step.backend.fuses_shared_expert(self.experts, self.shared_expert):  # FP8 on CUDA: one more expert
+                top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)
+                return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts,
+                                                           (shared_gate, self.shared_expert)))
             gate, up = self.shared_expert.gate_up(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
         shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine

@@ -250,18 +250,22 @@ def set_kv_fp8(model: nn.Module, kv_fp8: bool, scales: Mapping[str, float]) -> n
 
 
 _ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
+_SHARED_EXPERT = re.compile(r"\.shared_expert\.(gate|up|down)_proj$")
 
 
 @torch.no_grad()
-def requantize_experts_per_channel_(model: nn.Module) -> int:
+def requantize_experts_per_channel_(model: nn.Module, shared: bool = False) -> int:
     """Re-quantise every routed expert's block-scaled `Fp8Linear` (`...experts.{e}.{gate,up,down}_proj`) per output
     channel in place (`kernels.backend.fp8_requantize_rows`: what `Fp8ExpertWeights.share` does on CUDA with
-    `fp8_tiles.EXPERTS_PER_CHANNEL`, so their prefill can run torch's row-wise scaled grouped GEMM); on any device,
-    for measuring what the change of numerics costs (`benchmarks/fp8_quality.py`). Returns how many it changed."""
+    `fp8_tiles.EXPERTS_PER_CHANNEL`, so their prefill can run torch's row-wise scaled grouped GEMM), and with
+    `shared` the shared experts' too (what it does when the shared expert joins the stack,
+    `fp8_tiles.SHARED_AS_EXPERT`); on any device, for measuring what the change of numerics costs
+    (`benchmarks/fp8_quality.py`). Returns how many it changed."""
     replaced: dict[int, Fp8Linear] = {}
     modules = dict(model.named_modules())
     for name, linear in modules.items():
-        if not (isinstance(linear, Fp8Linear) and linear.fmt.kind == "block" and _ROUTED_EXPERT.search(name)):
+        expert = _ROUTED_EXPERT.search(name) or (shared and _SHARED_EXPERT.search(name))
+        if not (isinstance(linear, Fp8Linear) and linear.fmt.kind == "block" and expert):
             continue
         weight, scale = kernel_backend.fp8_requantize_rows(linear.weight[None], linear.scale[None], linear.fmt.block)
         with torch.device("meta"):

@@ -164,18 +164,81 @@ def test_rows_that_name_their_weight_shape_choose_the_dense_kernel_per_shape() -
     assert "dense" not in chosen and "experts" not in chosen
 
 
-def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them() -> None:
+def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(monkeypatch) -> None:
     """`fp8_bench.kernel_variant`: fp8-rowexp re-quantises the experts, fp8-blockexp keeps them block-scaled with
-    every dense decode GEMM on cuBLAS (the kernels before session 41); other runs keep the library's choices."""
+    every dense decode GEMM on cuBLAS and the shared expert on its own (the kernels before session 41),
+    fp8-unfused runs the shared expert on its own without split-K, fp8-fastacc the row-wise GEMMs with fast
+    accumulation, fp8-nosplitk no split-K; other runs keep the library's (or a sweep's) choices."""
     from benchmarks.fp8_bench import kernel_variant
-    from hybridcache.kernels.gemm import fp8_tiles, triton_block_fp8
+    from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8
 
-    library = fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES)
+    def choices():
+        return (fp8_tiles.EXPERTS_PER_CHANNEL, dict(triton_block_fp8.DECODE_TRITON_SHAPES), fp8_tiles.SHARED_AS_EXPERT,
+                fp8_tiles.ROWWISE_FAST_ACCUM, (dict(triton_block_fp8.DECODE_SPLIT_K), fp8_decode_choice.MEASURE))
+
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {(64, 256): triton_block_fp8.SplitK()})  # as a sweep sets
+    library = choices()
+    no_split = ({}, False)
     with kernel_variant("fp8-blockexp"):
-        assert fp8_tiles.EXPERTS_PER_CHANNEL is False and triton_block_fp8.DECODE_TRITON_SHAPES == {}
+        assert choices()[:3] == (False, {}, False) and choices()[4] == no_split
     with kernel_variant("fp8-rowexp"):
         assert fp8_tiles.EXPERTS_PER_CHANNEL is True
-        assert library[1] == triton_block_fp8.DECODE_TRITON_SHAPES
+        assert library[1:] == choices()[1:]
+    with kernel_variant("fp8-unfused"):
+        assert choices() == (library[0], library[1], False, library[3], no_split)
+    with kernel_variant("fp8-fastacc"):
+        assert choices() == (*library[:3], True, library[4])
+    with kernel_variant("fp8-nosplitk"):
+        assert choices() == (*library[:4], no_split)
+    from hybridcache.kernels.gemm import triton_fp8_moe
+
+    token_scales = triton_fp8_moe.DECODE_TOKEN_SCALES
+    for variant in ("fp8-groupscale", "fp8-unfused", "fp8-blockexp"):
+        with kernel_variant(variant):
+            assert triton_fp8_moe.DECODE_TOKEN_SCALES is False
+    assert token_scales is triton_fp8_moe.DECODE_TOKEN_SCALES
     with kernel_variant("fp8"):
-        assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
-    assert library == (fp8_tiles.EXPERTS_PER_CHANNEL, triton_block_fp8.DECODE_TRITON_SHAPES)
+        assert library == choices()
+    assert library == choices()
+
+
+def splitk_row(n: int, m: int, ms: float, config: tuple | None = None, err: float = 0.003) -> dict:
+    row = {"shape": f"next-16b {n}", "N": n, "K": 4096, "M": m, "splitk_sweep": True, "err": err, "ms": ms,
+           "kernel": "library" if config is None else "w8a8-splitk"}
+    if config is not None:
+        row["tile"] = dict(zip(("block_n", "split_k", "num_warps", "num_stages"), config, strict=True))
+    return row
+
+
+def test_the_split_k_launch_is_chosen_per_shape_where_it_beats_the_library(tmp_path, monkeypatch) -> None:
+    """`fp8_sweep.py --splitk` rows: per shape the split-K launch with the least ms summed over the row counts,
+    kept where it beats the library's kernel's sum (and none with a large error); shapes where the library wins
+    are left out; the rows choose no dense kernel otherwise; `choose_decode_kernels` sets `DECODE_SPLIT_K`; a
+    sweep at 64 rows only chooses from 33 rows on."""
+    import json
+
+    from benchmarks.fp8_bench import choose_decode_kernels
+    from hybridcache.kernels.gemm import triton_block_fp8
+
+    rows = [splitk_row(4096, 64, 0.017), splitk_row(4096, 16, 0.015),
+            splitk_row(4096, 64, 0.008, (64, 4, 4, 4)), splitk_row(4096, 16, 0.009, (64, 4, 4, 4)),
+            splitk_row(4096, 64, 0.007, (128, 2, 8, 4)), splitk_row(4096, 16, 0.011, (128, 2, 8, 4)),
+            splitk_row(4096, 64, 0.001, (64, 8, 4, 4), err=0.5), splitk_row(4096, 16, 0.001, (64, 8, 4, 4)),
+            splitk_row(12288, 64, 0.019), splitk_row(12288, 16, 0.018),
+            splitk_row(12288, 64, 0.025, (64, 2, 4, 4)), splitk_row(12288, 16, 0.020, (64, 2, 4, 4)),
+            {**splitk_row(12288, 64, 0.0, None), "kernel": "bf16", "ms": 0.001}]
+    chosen = decode_choices(rows)
+    assert list(chosen["dense_splitk"]) == ["4096x4096"]
+    assert chosen["dense_splitk"]["4096x4096"] | {"library_ms_sum": 0} == {
+        "block_n": 64, "split_k": 4, "num_warps": 4, "num_stages": 4, "min_rows": 1, "rows": [16, 64],
+        "ms_sum": 0.017, "library_ms_sum": 0}
+    assert "dense" not in chosen and "dense_shapes" not in chosen
+    sweep = tmp_path / "fp8_sweep.json"
+    sweep.write_text(json.dumps({"rows": rows}))
+    monkeypatch.setattr(triton_block_fp8, "DECODE_SPLIT_K", {})
+    monkeypatch.setattr(triton_block_fp8, "DECODE_TRITON_SHAPES", dict(triton_block_fp8.DECODE_TRITON_SHAPES))
+    choose_decode_kernels(str(sweep))
+    want = {(4096, 4096): triton_block_fp8.SplitK(64, 4, 4, 4)}
+    assert want == triton_block_fp8.DECODE_SPLIT_K
+    only_64 = [r for r in rows if r["M"] == 64]  # a sweep at 64 rows: from 33 (its BLOCK_M's first row count)
+    assert decode_choices(only_64)["dense_splitk"]["4096x4096"]["min_rows"] == 33

@@ -2,9 +2,9 @@
 interpreter runs but the compiler rejects (one return type over two constexpr branches was such a case) fails
 here, not on the device. Every variant the engine can launch is compiled: the dense kernel's decode tiles
 (swap-AB, W8A16 and W8A8) and its prefill tile, the grouped expert kernel's decode and prefill tiles (gate/up and
-down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row). The swap-AB tiles
-must reach Hopper's wgmma (the reason for them: with 16 to 32 rows on the MMA's M side Triton falls back to
-mma.sync)."""
+down; block and per-channel scales), the quantisation kernels (per group; SwiGLU + per row), the shared
+expert's routes (`with_shared`). The swap-AB tiles must reach Hopper's wgmma (the reason for them: with 16 to 32
+rows on the MMA's M side Triton falls back to mma.sync)."""
 
 from __future__ import annotations
 
@@ -37,15 +37,17 @@ def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
     (False, 16, 64, True, True, 4, 0), (False, 32, 64, True, False, 4, 0), (True, 32, 64, True, True, 4, 0),
     (True, 64, 128, False, True, 8, 0), (True, 64, 128, False, False, 4, 0), (True, 64, 128, False, True, 8, 8),
     (True, 128, 64, False, True, 8, 8), (True, 128, 128, False, False, 8, 8), (True, 64, 256, False, False, 8, 8)])
-@pytest.mark.parametrize("group_n", [128, 1], ids=["block", "per-channel"])
+@pytest.mark.parametrize("group_n", [128, 1, "scale-once"], ids=["block", "per-channel", "per-channel-scale-once"])
 def test_fp8_expert_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab, swiglu, num_warps, group_m, group_n):
+    scale_once = group_n == "scale-once" and a_fp8  # (per-token x, per-row weights: `DECODE_TOKEN_SCALES`)
+    group_n = 1 if group_n == "scale-once" else group_n
     pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "order_ptr": "*i64",
                 "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32", "out_ptr": "*bf16", "counts_ptr": "*i32"}
     ints = ["num_experts", "top_k", "N", "K", "UP_GROUP", "stride_a", "stride_as", "stride_we", "stride_wn",
             "stride_wse", "stride_wsn", "stride_wsk", "stride_out"]
     constants = dict(GATHER=swiglu, SCATTER=not swiglu, SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=group_n, GROUP_K=128,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, BLOCK_E=32, SWAP_AB=swap_ab, PRECISION="tf32",
-                     GROUP_M=group_m)
+                     GROUP_M=group_m, SCALE_ONCE=scale_once)
     compiled = compile_for_hopper(_fp8_expert_gemm_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]
 
@@ -63,3 +65,12 @@ def test_swiglu_quantize_rows_compiles_for_hopper(block):
     compiled = compile_for_hopper(_swiglu_quantize_rows_kernel, pointers, ["M", "N", "stride_h", "stride_q"],
                                   dict(BLOCK=block, QMAX=448.0))
     assert "e4m3" in compiled.asm["ptx"]
+
+
+def test_with_shared_compiles_for_hopper():
+    from hybridcache.kernels.gemm.triton_fp8_moe import _with_shared_kernel
+
+    pointers = {"w_ptr": "*bf16", "ids_ptr": "*i64", "gate_ptr": "*bf16", "w_out_ptr": "*bf16", "ids_out_ptr": "*i64"}
+    ints = ["T", "top_k", "shared_id", "stride_w", "stride_ids", "stride_gate"]
+    compiled = compile_for_hopper(_with_shared_kernel, pointers, ints, dict(BLOCK_T=64, BLOCK_K=16))
+    assert "ex2" in compiled.asm["ptx"]  # the sigmoid's exponential

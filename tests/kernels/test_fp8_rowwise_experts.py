@@ -10,8 +10,8 @@
   both stay within the re-quantisation's error of the block-scaled experts.
 - On CUDA (skipped without one): the row-wise path against the same arithmetic in torch (x quantised per token,
   the GEMMs on the FP8 numbers, gate/up rounded to bf16, h quantised per row), with uneven expert counts and an
-  expert with no rows, with full accumulation (2e-2 of the largest output) and with fast accumulation (1e-1,
-  and 5e-2 in the Frobenius norm); `fp8_grouped_experts` takes it for per-channel experts
+  expert with no rows, with full accumulation (5e-2 of the largest output, 1.5e-2 in the Frobenius norm) and with
+  fast accumulation (1e-1, 5e-2); `fp8_grouped_experts` takes it for per-channel experts
   above the decode sizes.
 """
 
@@ -188,18 +188,26 @@ def test_cuda_rowwise_experts_against_torch(tokens, monkeypatch):
     got = fp8_grouped_experts(x, top_weights, top_ids, stacked)
     assert calls, "per-channel experts above the decode sizes take the row-wise scaled grouped GEMM"
     assert got.dtype == torch.bfloat16 and rel(got, want) <= 1e-1 and fro(got, want) <= 5e-2
-    # full accumulation (forced: by itself it starts at ROWWISE_FULL_ACCUM_ROWS rows per expert): the same FP8
-    # numbers, the GEMMs' fp32 sums in another order (on the CPU, 1e-6 relative noise there: 3e-3)
+    # full accumulation (forced: by itself it starts at ROWWISE_FULL_ACCUM_ROWS rows per expert): CUTLASS promotes
+    # the FP8 MMA's accumulator to fp32 every few K steps, but between promotions Hopper's FP8 MMA keeps about 14
+    # bits (DeepSeek-V3's report, 3.3.2): ~6e-5 relative on gate/up, not fp32 order alone (which the CPU puts at
+    # 3e-3); a 1e-4 perturbation is 2.3e-2 / 5.5e-3 above, and R1 on the H200 measured 2.7e-2 at the largest
+    # output (session 42), so the bounds are 5e-2 and 1.5e-2 in the Frobenius norm
     monkeypatch.setattr(fp8_tiles, "ROWWISE_FAST_ACCUM", False)
-    assert rel(fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True), want) <= 2e-2
+    full = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=True)
+    print(f"full accumulation: {rel(full, want):.2e} of the largest output, {fro(full, want):.2e} Frobenius; "
+          f"fast: {rel(got, want):.2e}, {fro(got, want):.2e}")
+    assert rel(full, want) <= 5e-2 and fro(full, want) <= 1.5e-2
     triton_path = fp8_grouped_experts(x, top_weights, top_ids, stacked, rowwise=False)
     assert rel(got, triton_path) <= 1e-1  # per token against per token per 128 channels: e4m3 steps apart
 
 
-def test_requantize_experts_per_channel_changes_the_routed_experts_only():
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "routed-and-shared"])
+def test_requantize_experts_per_channel_changes_the_experts_only(shared):
     """`models.quant.requantize_experts_per_channel_` (fp8_quality's `fp8-block-rowexp`): every routed expert's
-    block-scaled linear becomes per-channel with `requantize_rows`' numbers; the shared expert and the other
-    FP8 linears keep their block format."""
+    block-scaled linear becomes per-channel with `requantize_rows`' numbers, and with `shared` the shared
+    expert's (as when it joins their stack, `fp8_tiles.SHARED_AS_EXPERT`); the other FP8 linears keep their
+    block format."""
     from hybridcache.layers.linear import Fp8Linear
     from hybridcache.models.quant import requantize_experts_per_channel_
 
@@ -209,17 +217,58 @@ def test_requantize_experts_per_channel_changes_the_routed_experts_only():
     mlp = model.layers[0].mlp = nn.Module()
     mlp.experts = block_experts(256, 128, 3, generator)
     mlp.shared_expert = block_experts(256, 128, 1, generator)[0]
+    mlp.other = block_experts(256, 128, 1, generator)[0]
     before = {name: (module.weight.clone(), module.scale.clone()) for name, module in model.named_modules()
               if isinstance(module, Fp8Linear)}
-    assert requantize_experts_per_channel_(model) == 9
+    assert requantize_experts_per_channel_(model, shared=shared) == 9 + 3 * shared
     for name, module in model.named_modules():
         if not isinstance(module, Fp8Linear):
             continue
         weight, scale = before[name]
-        if ".experts." not in name:
+        if ".experts." not in name and not (shared and ".shared_expert." in name):
             assert module.fmt == BLOCK and torch.equal(module.weight.view(torch.uint8), weight.view(torch.uint8))
             continue
         want, want_scale = requantize_rows(weight[None], scale[None], BLOCK.block)
         assert module.fmt == CHANNEL and not hasattr(module, "weight_scale_inv")
         assert torch.equal(module.weight.view(torch.uint8), want[0].view(torch.uint8))
         assert torch.equal(module.weight_scale, want_scale[0, :, None])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+def test_interpreted_decode_tile_with_token_scales_equals_its_arithmetic(shared, monkeypatch):
+    """Per-channel experts at decode sizes (`triton_fp8_moe.DECODE_TOKEN_SCALES`): x and h quantised per token
+    (torch's quantisation here, `test_fp8_kernels.torch_quantisation`), the K loop an unscaled MMA chain scaled
+    once after it (`scale_once`), against the same arithmetic in torch (fp32 order; h's e4m3 rounding may flip
+    a step: 1e-4), and within the activations' rounding of the per-group path (what it replaces)."""
+    from hybridcache.kernels.gemm import triton_fp8_moe, triton_quant
+    from hybridcache.kernels.gemm.reference import quantize_groups as torch_groups
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    monkeypatch.setattr(triton_quant, "quantize_groups", torch_groups)
+    generator = torch.Generator().manual_seed(13)
+    hidden, inter, num_experts, top_k, tokens = 256, 128, 4, 2, 6
+    experts = block_experts(hidden, inter, num_experts, generator)
+    shared_expert = block_experts(hidden, inter, 1, generator)[0] if shared else None
+    stacked = Fp8ExpertWeights.share(experts, per_channel=True, shared=shared_expert)
+    x = torch.randn(tokens, hidden, generator=generator)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_weights = torch.rand(tokens, top_k, generator=generator)
+    gate = torch.randn(tokens, 1, generator=generator) if shared else None
+    ids, weights = top_ids, top_weights
+    if shared:
+        weights = torch.cat([top_weights, torch.sigmoid(gate)], dim=1)
+        ids = torch.cat([top_ids, torch.full((tokens, 1), num_experts)], dim=1)
+    xq, xs = quantize_rows(x)
+    want = torch.zeros_like(x)
+    for t in range(tokens):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gu = (xq[t : t + 1].float() @ stacked.gate_up[e].float().T) * xs[t] * stacked.gate_up_rows[e]
+            hq, hs = quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
+            want[t] += weights[t, j] * ((hq.float() @ stacked.down[e].float().T) * hs * stacked.down_rows[e])[0]
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert rel(got, want) <= 1e-4
+    monkeypatch.setattr(triton_fp8_moe, "DECODE_TOKEN_SCALES", False)
+    per_group = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert 1e-4 < rel(per_group, got) <= 1e-1

@@ -40,6 +40,11 @@ ROWWISE_PREFILL = True
 ROWWISE_FAST_ACCUM = False
 ROWWISE_FULL_ACCUM_ROWS = 2048  # without fast accumulation, row-wise from this many mean rows per expert only
 EXPERTS_PER_CHANNEL = True
+# A sparse MoE block's FP8 shared expert, when its projections have the routed experts' format and widths, runs as
+# one more expert of the routed experts' stack (`triton_fp8_moe.shared_fits`): every token picks it with weight
+# sigmoid(its gate), so x is quantised once for both, and a decode step runs no dense GEMMs, SwiGLU or gated add of
+# its own for it (its weights read in the experts' launch). Per-channel stacks re-quantise it as the routed ones.
+SHARED_AS_EXPERT = True
 
 PREFILL_SMALL_ROWS = 512
 # `fp8_sweep.py --prefill` on the H200 (next-16b's experts): 64 x 64 at 4 warps, 3 stages, grouped order, fastest

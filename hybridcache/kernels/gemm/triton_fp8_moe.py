@@ -44,6 +44,31 @@ DECODE_BLOCK_N = 64  # decode: weight rows per tile; BLOCK_M from `moe.grouped.t
 DECODE_SWAP_AB = True  # decode: the weight tile on the MMA's M side
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "FP8 on the H200")
+# decode tiles of per-channel experts: x and h quantised per token (`triton_quant.quantize_rows`), so both scales
+# are constant over K and the product is scaled once after the K loop (`fp8_expert_gemm`'s `scale_once`: a plain
+# MMA chain over K, as bf16's kernel runs), instead of per token per 128 channels scaled at every K step
+DECODE_TOKEN_SCALES = True
+
+
+@triton.jit
+def chained_dot(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a [BM, BK] . w [BN, BK]^T as [BM, BN] (fp32), or its transpose [BN, BM] with SWAP_AB: one link of an
+    unscaled MMA chain over K (FP8 operands, fp32 accumulator)."""
+    if SWAP_AB:  # one return statement: Triton wants one return type over both (constexpr) branches
+        out = tl.dot(w, tl.trans(a), acc, out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, tl.trans(w), acc, out_dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def scale_tile(acc, a_scale, w_scale, SWAP_AB: tl.constexpr):
+    """acc ([BM, BN], or [BN, BM] with SWAP_AB) * a_scale[m] * w_scale[n]."""
+    if SWAP_AB:  # noqa: SIM108 (a constexpr branch)
+        out = acc * (w_scale[:, None] * a_scale[None, :])
+    else:
+        out = acc * (a_scale[:, None] * w_scale[None, :])
+    return out
 
 
 @triton.jit
@@ -53,7 +78,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
-                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr):
+                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False):
     # GROUP_M 0: a 2-D grid (row tiles, column tiles); else a 1-D grid walking GROUP_M row tiles across every
     # column tile before the next GROUP_M (their activation rows stay in L2 while the weight columns go by)
     if GROUP_M == 0:
@@ -91,22 +116,35 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
         group = k0 // GROUP_K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if A_FP8:  # noqa: SIM108 (a constexpr branch)
-            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
-        else:
-            a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-        w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
-        if not A_FP8:
-            w = w.to(a.dtype)
-        acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
-        if SWIGLU:
-            w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
-            up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+        if SCALE_ONCE:  # per-token x, per-row weights: one MMA chain over K, scaled after the loop
+            acc = chained_dot(a, w, acc, SWAP_AB)
+            if SWIGLU:
+                w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+                acc_up = chained_dot(a, w_up, acc_up, SWAP_AB)
+        else:
+            if A_FP8:  # noqa: SIM108 (a constexpr branch)
+                a_scale = tl.load(a_scale_ptr + a_rows * stride_as + group, mask=row_ok, other=0.0)
+            else:
+                a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
+            w_scale = tl.load(ws_base + gate_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
             if not A_FP8:
-                w_up = w_up.to(a.dtype)
-            acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
+                w = w.to(a.dtype)
+            acc += scaled_dot(a, w, a_scale, w_scale, SWAP_AB, PRECISION)
+            if SWIGLU:
+                w_up = tl.load(w_base + up_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
+                up_scale = tl.load(ws_base + up_groups + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
+                if not A_FP8:
+                    w_up = w_up.to(a.dtype)
+                acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
+    if SCALE_ONCE:
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=row_ok, other=0.0)
+        acc = scale_tile(acc, a_scale, tl.load(ws_base + gate_groups, mask=col_ok, other=0.0).to(tl.float32),
+                         SWAP_AB)
+        if SWIGLU:
+            acc_up = scale_tile(acc_up, a_scale, tl.load(ws_base + up_groups, mask=col_ok, other=0.0).to(tl.float32),
+                                SWAP_AB)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
@@ -120,19 +158,28 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    swap_ab: bool = False, group_m: int = 0) -> torch.Tensor:
+                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
     2 ceil(N/bn) with swiglu), counts [E] int32 -> [R, N] in out_dtype (N = N_w, or N_w / 2 with swiglu), sorted
     order or pair order when `scatter`. `group_m` 0: a 2-D grid (row tiles x column tiles); > 0: a 1-D grid in
     groups of `group_m` row tiles, each group across all column tiles (the dense kernel's L2 order). Shapes,
-    dtypes and strides are checked first."""
+    dtypes and strides are checked first. `scale_once`: a_scale [rows, 1] (per token) and per-row weight scales
+    (a K stride of 0, or one K group): the K loop is an unscaled MMA chain, scaled once after it (equal to the
+    per-step scaling but for fp32 rounding)."""
     bn, bk = block
     a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
     n = width // 2 if swiglu else width
     groups = -(-depth // bk)
+    if scale_once:
+        per_row = bn == 1 and (w_scale.stride(2) == 0 or w_scale.shape[2] == 1)
+        if not a_fp8 or tuple(a_scale.shape) != (a.shape[0], 1) or not per_row:
+            raise ValueError("fp8_expert_gemm: scale_once needs a_scale [rows, 1] (per token) and per-row weight "
+                             f"scales (K stride 0), got a_scale {None if a_scale is None else list(a_scale.shape)}, "
+                             f"w_scale strides {w_scale.stride()}, block {block}")
+        a_scale = a_scale.expand(-1, groups)  # the checks below see the per-group layout; the kernel reads column 0
     want_scale = (num_experts, 2 * -(-n // bn) if swiglu else -(-n // bn), groups)
     if weights.dtype != FP8_DTYPE or (a.dtype == FP8_DTYPE) != a_fp8:
         raise ValueError(f"fp8_expert_gemm: weights must be {FP8_DTYPE} and a too exactly when a_scale is given, "
@@ -147,7 +194,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     if counts.shape != (num_experts,) or counts.dtype != torch.int32:
         raise ValueError(f"fp8_expert_gemm: counts [{num_experts}] int32 needed, got {list(counts.shape)} "
                          f"{counts.dtype}")
-    if a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and a_scale.stride(1) != 1) or w_scale.stride(2) > 1:
+    if (a.stride(1) != 1 or weights.stride(2) != 1 or (a_fp8 and not scale_once and a_scale.stride(1) != 1)
+            or w_scale.stride(2) > 1):
         raise ValueError("fp8_expert_gemm needs unit stride on K (activations, weights and both scales; the weight "
                          "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
@@ -165,7 +213,7 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
             w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), out.stride(0), GATHER=gather, SCATTER=scatter,
             SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m, SCALE_ONCE=scale_once,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -179,7 +227,9 @@ class Fp8ExpertWeights:
     groups, then up groups); down [E, H, I] fp8, down_scale [E, ceil(H/bn), ceil(I/bk)] fp32; block (bn, bk).
     Per-channel weights (one scale per row) keep it as gate_up_rows [E, 2I] and down_rows [E, H] fp32
     (`F.scaled_grouped_mm`'s row-wise scales; None for 128 x 128 blocks), their block scales being (1, bk) views
-    of them (a K stride of 0).
+    of them (a K stride of 0). `shared`: the stack's last expert is the MoE block's shared expert (`share(...,
+    shared=...)`), which every token picks once more with weight sigmoid(its gate) (`fp8_grouped_experts`'
+    `shared_gate`).
     """
 
     gate_up: torch.Tensor
@@ -189,10 +239,12 @@ class Fp8ExpertWeights:
     block: tuple[int, int]
     gate_up_rows: torch.Tensor | None = None
     down_rows: torch.Tensor | None = None
+    shared: bool = False
 
     @classmethod
     @torch.no_grad()
-    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None) -> Fp8ExpertWeights:
+    def share(cls, experts: Sequence[nn.Module], per_channel: bool | None = None,
+              shared: nn.Module | None = None) -> Fp8ExpertWeights:
         """Stack the FP8 experts (modules with `gate_proj`, `up_proj`, `down_proj` FP8 linears of one format:
         `weight`, `scale`, `fmt`) and re-point each expert's weights at their slices of the stack (one copy in
         memory). Per-channel scales [N, 1] become blocks of (1, 128): each row's scale read at every K group
@@ -200,7 +252,12 @@ class Fp8ExpertWeights:
         kernels, finer than per token), and stay rows (`gate_up_rows`, `down_rows`).
         Block-scaled experts with `per_channel` (default `fp8_tiles.EXPERTS_PER_CHANNEL`) are re-quantised per
         output channel (`reference.requantize_rows`; a change of numerics, docs/kernels.md "Quantization") and
-        their modules become per-channel `Fp8Linear`s holding the new weights."""
+        their modules become per-channel `Fp8Linear`s holding the new weights. `shared` (a module like the
+        experts, `shared_fits` must hold): stacked last, as one more expert (re-quantised with the others)."""
+        if shared is not None and not shared_fits(experts, shared):
+            raise ValueError("Fp8ExpertWeights.share: the shared expert must have the routed experts' FP8 format "
+                             "and widths (shared_fits)")
+        experts = [*experts, shared] if shared is not None else list(experts)
         fmt = experts[0].gate_proj.fmt
         per_channel = fp8_tiles.EXPERTS_PER_CHANNEL if per_channel is None else per_channel
         requantize = fmt.kind == "block" and per_channel
@@ -230,13 +287,72 @@ class Fp8ExpertWeights:
             expert.up_proj.weight.data = gate_up[e, inter:]
             expert.down_proj.weight.data = down[e]
         if block[0] != 1:
-            return cls(gate_up, gate_up_scale, down, down_scale, block)
+            return cls(gate_up, gate_up_scale, down, down_scale, block, shared=shared is not None)
 
         def blocks(rows: torch.Tensor, depth: int) -> torch.Tensor:  # [E, N, K groups], a K stride of 0
             return rows[:, :, None].expand(-1, -1, -(-depth // bk))
 
         return cls(gate_up, blocks(gate_up_scale, gate_up.shape[2]), down, blocks(down_scale, down.shape[2]), block,
-                   gate_up_scale, down_scale)
+                   gate_up_scale, down_scale, shared=shared is not None)
+
+
+def shared_fits(experts: Sequence[nn.Module], shared: nn.Module) -> bool:
+    """Whether a MoE block's shared expert can run as one more routed expert (`fp8_tiles.SHARED_AS_EXPERT`):
+    every projection of the experts and of `shared` an FP8 linear (`fmt`) of one format, the shared expert as
+    wide as the routed ones (gate / up rows, down columns), and one more expert within the sort's limit."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS
+
+    projections = [getattr(m, name) for m in (experts[0], shared) for name in ("gate_proj", "up_proj", "down_proj")]
+    if not all(hasattr(p, "fmt") for p in projections) or len({p.fmt for p in projections}) != 1:
+        return False
+    routed, own = experts[0], shared
+    return (fp8_tiles.SHARED_AS_EXPERT and len(experts) + 1 <= MAX_EXPERTS
+            and own.gate_proj.weight.shape == routed.gate_proj.weight.shape
+            and own.up_proj.weight.shape == routed.up_proj.weight.shape
+            and own.down_proj.weight.shape == routed.down_proj.weight.shape)
+
+
+@triton.jit(do_not_specialize=["T"])  # one compile for every token count
+def _with_shared_kernel(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_out_ptr, T, top_k, shared_id, stride_w,
+                        stride_ids, stride_gate, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    picks = tl.arange(0, BLOCK_K)
+    token_ok = tokens < T
+    routed = token_ok[:, None] & (picks[None, :] < top_k)
+    tokens64 = tokens.to(tl.int64)
+    w = tl.load(w_ptr + tokens64[:, None] * stride_w + picks[None, :], mask=routed, other=0.0)
+    ids = tl.load(ids_ptr + tokens64[:, None] * stride_ids + picks[None, :], mask=routed, other=0)
+    gate = tl.load(gate_ptr + tokens64 * stride_gate, mask=token_ok, other=0.0).to(tl.float32)
+    shared_w = tl.sigmoid(gate).to(w_out_ptr.dtype.element_ty)
+    is_shared = picks[None, :] == top_k
+    w = tl.where(is_shared, shared_w[:, None], w)
+    ids = tl.where(is_shared, shared_id, ids)
+    out = tokens64[:, None] * (top_k + 1) + picks[None, :]
+    keep = token_ok[:, None] & (picks[None, :] <= top_k)
+    tl.store(w_out_ptr + out, w, mask=keep)
+    tl.store(ids_out_ptr + out, ids.to(tl.int64), mask=keep)
+
+
+def with_shared(top_weights: torch.Tensor, top_ids: torch.Tensor, gate: torch.Tensor,
+                shared_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes with the shared expert as every token's last pick, in one launch: top_weights [T, k] (x's
+    dtype), top_ids [T, k] int64, gate [T, 1] (the shared expert's gate logits) -> (weights [T, k + 1]: the k
+    picks', then sigmoid(gate) computed in fp32 and rounded to the weights' dtype; ids [T, k + 1] int64: the k
+    picks', then `shared_id`)."""
+    tokens, top_k = top_ids.shape
+    if top_weights.shape != top_ids.shape or top_ids.dtype != torch.int64 or tuple(gate.shape) != (tokens, 1):
+        raise ValueError(f"with_shared: top_weights and top_ids [T, k] (int64 ids) and gate [T, 1] needed, got "
+                         f"{list(top_weights.shape)}, {list(top_ids.shape)} {top_ids.dtype}, {list(gate.shape)}")
+    if top_weights.stride(1) != 1 or top_ids.stride(1) != 1:
+        raise ValueError("with_shared needs unit stride over the picks")
+    weights = torch.empty((tokens, top_k + 1), dtype=top_weights.dtype, device=top_weights.device)
+    ids = torch.empty((tokens, top_k + 1), dtype=torch.int64, device=top_ids.device)
+    if tokens:
+        block_t = 64
+        _with_shared_kernel[(triton.cdiv(tokens, block_t),)](
+            top_weights, top_ids, gate, weights, ids, tokens, top_k, shared_id, top_weights.stride(0),
+            top_ids.stride(0), gate.stride(0), BLOCK_T=block_t, BLOCK_K=triton.next_power_of_2(top_k + 1))
+    return weights, ids
 
 
 def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
@@ -278,49 +394,72 @@ def rowwise_fits(x: torch.Tensor, experts: Fp8ExpertWeights) -> bool:
 def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor,
                         experts: Fp8ExpertWeights, block_m: int | None = None, w8a16: bool | None = None,
                         block_n: int | None = None, prefill: PrefillTile | None = None,
-                        rowwise: bool | None = None, **tile: int | bool) -> torch.Tensor:
+                        rowwise: bool | None = None, shared_gate: torch.Tensor | None = None,
+                        **tile: int | bool) -> torch.Tensor:
     """x [T, H] (bf16/fp16/fp32), top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) with FP8 expert weights.
 
-    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or
-    W8A16 with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation
-    launch); more: per-channel experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM
-    (`rowwise_expert_rows`; without fast accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert;
-    `rowwise` True / False forces it or the Triton kernels), else W8A8 with
-    `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`, when given).
-    W8A8 quantises x and h per token per 128 channels (`triton_quant`). `w8a16`, `block_m`, `block_n` and
-    `tile` (`fp8_expert_gemm`'s other settings) override the choice for both GEMMs (benchmarks sweep them); the
-    choice is made from shapes alone, so captured and eager runs agree."""
+    Few rows per expert (`moe.grouped.tile_rows` gives a tile: decode): the `DECODE_*` tile, W8A8 swap-AB (or W8A16
+    with `DECODE_W8A16`: x and h in x's dtype, the weights converted in the kernel, no quantisation launch;
+    per-channel experts with `DECODE_TOKEN_SCALES`: x and h per token, the product scaled once); more: per-channel
+    experts where `rowwise_fits` holds by torch's row-wise scaled grouped GEMM (`rowwise_expert_rows`; without fast
+    accumulation from `fp8_tiles.ROWWISE_FULL_ACCUM_ROWS` rows per expert; `rowwise` True / False forces it or the
+    Triton kernels), else W8A8 with `fp8_tiles.PREFILL_TILES[prefill_bucket(...)]` (or `prefill`, a `PrefillTile`,
+    when given). W8A8 quantises x and h per token per 128 channels (`triton_quant`; per token on the row-wise path
+    and with `DECODE_TOKEN_SCALES`). `w8a16`, `block_m`, `block_n` and `tile` (`fp8_expert_gemm`'s other settings)
+    override the choice for both GEMMs (benchmarks sweep them); the choice is made from shapes alone, so captured
+    and eager runs agree.
+
+    A stack with the block's shared expert (`experts.shared`) needs `shared_gate` [T, 1] (x's dtype): the
+    shared expert is every token's pick k + 1 with weight sigmoid(shared_gate) (`with_shared`), and the result
+    is routed + shared as the unfused block's (rounded once, in the combine's fp32 sum); the path and the tiles
+    are chosen from the routed picks' rows per routed expert, as without it."""
     from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs, tile_rows
 
-    top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
+    routed_experts, routed_rows = num_experts, top_ids.numel()
+    if experts.shared != (shared_gate is not None):
+        raise ValueError("fp8_grouped_experts: shared_gate is needed exactly when the stack holds the shared expert")
+    if experts.shared:
+        routed_experts -= 1
+        top_weights, top_ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
+    top_k = top_ids.shape[1]
     bk = experts.block[1]
     order, counts = sort_pairs(top_ids, num_experts)
-    decode_tile = tile_rows(order.numel(), num_experts)
+    decode_tile = tile_rows(routed_rows, routed_experts)
     if rowwise is None:
         rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
-                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or order.numel()
-                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * num_experts))
+                   and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or routed_rows
+                                                     >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * routed_experts))
     if rowwise:
         return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
+    token_scales = False
     if decode_tile is not None and prefill is None:
         options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
                        num_stages=DECODE_NUM_STAGES)
         down_options = options
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
+        token_scales = DECODE_TOKEN_SCALES and not w8a16 and experts.gate_up_rows is not None
     else:
-        chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(order.numel(), num_experts)]
+        chosen = prefill or fp8_tiles.PREFILL_TILES[prefill_bucket(routed_rows, routed_experts)]
         options = dict(block_m=chosen.block_m, block_n=chosen.block_n, num_warps=chosen.num_warps,
                        num_stages=chosen.num_stages, group_m=chosen.group_m)
         down_options = options | dict(block_n=chosen.down_block_n)
         w8a16 = False if w8a16 is None else w8a16
     overrides = {key: value for key, value in dict(block_m=block_m, block_n=block_n).items() if value} | tile
     options, down_options = options | overrides, down_options | overrides
-    a, a_scale = (x, None) if w8a16 else triton_quant.quantize_groups(x, bk)
+    if token_scales:  # per-channel experts at decode: x and h per token, scaled once (`DECODE_TOKEN_SCALES`)
+        options, down_options = options | dict(scale_once=True), down_options | dict(scale_once=True)
+
+    def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if w8a16:
+            return t, None
+        return triton_quant.quantize_rows(t) if token_scales else triton_quant.quantize_groups(t, bk)
+
+    a, a_scale = quantized(x)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)
-    a, a_scale = (h, None) if w8a16 else triton_quant.quantize_groups(h, bk)
+    a, a_scale = quantized(h)
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
                         x.dtype, gather=False, scatter=True, swiglu=False, **down_options)
     return combine(y, top_weights)
@@ -332,19 +471,21 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
     `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
     with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
-    where it runs."""
+    where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for pairs in block_sizes():
             sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
-    ids = torch.arange(top_k, device=x.device).remainder(num_experts)[None, :]
+    routed = num_experts - experts.shared
+    ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :]
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
+    gate = torch.zeros((1, 1), dtype=x.dtype, device=x.device) if experts.shared else None
     for block_m in (16, 32, 64):
-        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m)
+        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m, shared_gate=gate)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
-        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill)
+        fp8_grouped_experts(token, weights, ids, experts, prefill=prefill, shared_gate=gate)
     if rowwise_fits(token, experts):
-        fp8_grouped_experts(token, weights, ids, experts, rowwise=True)
+        fp8_grouped_experts(token, weights, ids, experts, rowwise=True, shared_gate=gate)
