@@ -52,30 +52,6 @@ from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.kernels.shapes import ModelShapes, refuse
 
 
-@dataclass(frozen=True)
-class SharedExpert:
-    """A sparse MoE block's gated shared expert before its down projection, for `KernelBackend.moe`, so that a
-    backend may run that projection inside its routed experts' launches.
-
-    gate               [T, 1]: the logit of the expert's sigmoid gate
-    act_gate, act_up   [T, I_s]: its gate and up projections of x (column views of one output allowed)
-    weight             [H, I_s]: its down projection's weight when a plain weight without bias (else None: not
-                       fusable; a backend then calls `down`)
-    down               () -> [T, H]: the expert's output, down(silu_mul(act_gate, act_up)), the block's own way
-    A backend's result with it is that of `output()` passed as (gate, shared), up to the down projection's float
-    rounding (another GEMM's order of sums)."""
-
-    gate: torch.Tensor
-    act_gate: torch.Tensor
-    act_up: torch.Tensor
-    weight: torch.Tensor | None
-    down: Callable[[], torch.Tensor]
-
-    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate, the expert's output [T, H]) by `down`: the `shared` pair of the unfused path."""
-        return self.gate, self.down()
-
-
 class KernelBackend(Protocol):
     """The ops layers call. All tensors live on the batch's device; ops never synchronise with the host
     except inside `ReferenceBackend`. Ops must be given the batch returned by `prepare`."""
@@ -222,14 +198,13 @@ class KernelBackend(Protocol):
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | SharedExpert | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
         x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
-        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate,
-                    or a `SharedExpert` (its inputs: as its `output()`, the down projection where the backend likes)
+        shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
                     (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds)
         """
@@ -389,10 +364,8 @@ class ReferenceBackend:
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | SharedExpert | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if isinstance(shared, SharedExpert):
-            shared = shared.output()
         routed = moe_ref.routed_experts(
             x,
             top_weights,

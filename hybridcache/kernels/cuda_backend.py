@@ -46,7 +46,6 @@ from torch import nn
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import SharedExpert
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
@@ -243,12 +242,10 @@ class CudaBackend:
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | SharedExpert | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module. bf16 /
-        fp32 experts add `shared` in the combine's launch (a `SharedExpert`'s down projection, on the Triton
-        expert GEMM's path, in the routed down GEMM's launch: `grouped.grouped_experts`); FP8 experts with one
-        launch more."""
+        fp32 experts add `shared` in the combine's launch; FP8 experts with one launch more."""
         stacked = self._experts.get(experts)
         if stacked is None:
             if hasattr(experts[0].gate_proj, "fmt"):  # FP8 experts (layers/linear.py::Fp8Linear)
@@ -258,11 +255,8 @@ class CudaBackend:
             else:
                 stacked = self._experts[experts] = ExpertWeights.share(experts)
                 if not torch.cuda.is_current_stream_capturing():  # the engine's profiling forward comes first
-                    compile_tiles(x, stacked, top_ids.shape[1],
-                                  shared if isinstance(shared, SharedExpert) else None)
+                    compile_tiles(x, stacked, top_ids.shape[1])
         if isinstance(stacked, Fp8ExpertWeights):
-            if isinstance(shared, SharedExpert):
-                shared = shared.output()
             routed = fp8_grouped_experts(x, top_weights, top_ids, stacked)
             return routed if shared is None else triton_activation.sigmoid_gate_add(routed, *shared)
         return grouped_experts(x, top_weights, top_ids, stacked, shared)

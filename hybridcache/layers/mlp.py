@@ -16,12 +16,9 @@ the same expert kernels.)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_swiglu_linear
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
@@ -70,9 +67,7 @@ class SparseMoeBlock(nn.Module):
     Routing (transformers' Qwen3-Next / Qwen3.5-MoE): probs = softmax(gate(x)) in fp32, keep the top-k,
     renormalise them to sum 1 when `norm_topk_prob`; out = sum_k w_k expert_k(x)
     + sigmoid(shared_expert_gate(x)) * shared_expert(x). The four projections of x (the shared expert's gate and
-    up, the router, the shared expert's gate) run as one GEMM where they fuse (`inputs`); the shared expert's down
-    projection is left to the backend (`kernels.backend.SharedExpert`: the CUDA backend runs it in the routed
-    experts' down launch at decode sizes).
+    up, the router, the shared expert's gate) run as one GEMM where they fuse (`inputs`).
     """
 
     def __init__(
@@ -110,9 +105,5 @@ class SparseMoeBlock(nn.Module):
             router_logits, shared_gate = self.gates(x)
             gate, up = self.shared_expert.gate_up(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
-        down = self.shared_expert.down_proj
-        plain = type(down) is nn.Linear and down.bias is None  # a weight the backend may multiply itself
-        # added with its gate in the routed experts' combine; its down projection where the backend likes
-        shared = kernel_backend.SharedExpert(shared_gate, gate, up, down.weight if plain else None,
-                              functools.partial(self.shared_expert.down, gate, up, step))
-        return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, shared))
+        shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine
+        return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))

@@ -49,11 +49,10 @@ def operands(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool
 
 
 def check_skinny(m: int, n: int, k: int, split: int, dtype: torch.dtype, device: str, bias: bool,
-                 block_n: int = 64, slack: float = 1.0, block_k: int = 128) -> None:
+                 block_n: int = 64, slack: float = 1.0) -> None:
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits, scratch, skinny_linear
 
-    stages = 8 if block_k == 64 else 4 if block_n == 64 else 3  # as `candidates`
-    config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_stages=stages)
+    config = SkinnyConfig(block_n=block_n, split_k=split, num_stages=4 if block_n == 64 else 3)  # as `candidates`
     assert fits(n, k, m, config)
     x, w, b = operands(m, n, k, dtype, device, bias)
     out = skinny_linear(x, w, b, config)
@@ -101,12 +100,6 @@ def test_interpreted_skinny_gemm_swiglu(dtype: torch.dtype, split: int) -> None:
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 def test_interpreted_skinny_gemm(m: int, n: int, k: int, dtype: torch.dtype, split: int) -> None:
     check_skinny(m, n, k, split, dtype, "cpu", bias=split == 2, slack=2.0)
-
-
-@needs_interpreter
-@pytest.mark.parametrize("split", [1, 3])
-def test_interpreted_skinny_gemm_half_depth_tiles(split: int) -> None:
-    check_skinny(64, 96, 384, split, torch.float16, "cpu", bias=False, slack=2.0, block_k=64)
 
 
 def test_skinny_gemm_in_a_triton_interpreter_subprocess() -> None:
@@ -158,9 +151,6 @@ def test_candidates_fit_their_shapes() -> None:
             assert any(c.split_k == 1 for c in found)
             assert len({c.describe() for c in found}) == len(found)
     assert {c.split_k for c in dense.candidates(2048, 4096, 64, sms=132)} >= {1, 8}  # 32 tiles of 64 fill 132 SMs
-    deep = [c for c in dense.candidates(2048, 4096, 64, sms=132) if c.block_k == 64]
-    assert [(c.split_k, c.num_stages) for c in deep] == [(1, 8), (8, 8)]  # above 32 rows only
-    assert not [c for c in dense.candidates(2048, 4096, 32, sms=132) if c.block_k == 64]
 
 
 @needs_cuda
@@ -171,9 +161,6 @@ def test_cuda_skinny_gemm_bf16(m: int, n: int, k: int) -> None:
     for block_n in (64, 128):
         for split in (1, 3):
             check_skinny(m, n, k, split, torch.bfloat16, "cuda", False, block_n=block_n)
-    if m > 32:  # the deeper pipeline of half-depth tiles, tried above 32 rows
-        for split in (1, 3):
-            check_skinny(m, n, k, split, torch.bfloat16, "cuda", False, block_k=64)
 
 
 @needs_cuda

@@ -121,21 +121,18 @@ def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def candidates(n: int, k: int, m: int, sms: int) -> list:
     """The skinny GEMM's tiles tried for [m, k] x [n, k]^T: 64 and 128 weight rows per tile, each unsplit and with
     the smallest power of two of K slices that fills the device's `sms` and twice that (1-2 waves), at most one
-    slice per K step; above 32 rows also 64 weight rows at half the depth (64) through a deeper pipeline (8 stages,
-    the shape of cuBLAS's kernel for these GEMMs: many small K tiles in flight), unsplit and filling the SMs."""
+    slice per K step."""
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits
 
     found = []
-    tiles_tried = [(64, 128, 4), (128, 128, 3)] + ([(64, 64, 8)] if m > 32 else [])  # (block_n, block_k, stages)
-    for block_n, block_k, stages in tiles_tried:
-        most = max(1, k // block_k)  # slices of at least one K step
+    most = max(1, k // SkinnyConfig().block_k)  # slices of at least one K step
+    for block_n, stages in ((64, 4), (128, 3)):
         tiles = -(-n // block_n)
         split = 1
         while tiles * split < sms and 2 * split <= most:
             split *= 2
-        splits = {1, split, min(2 * split, most)} if block_k == 128 else {1, split}
-        for s in sorted(splits):
-            config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_stages=stages)
+        for s in sorted({1, split, min(2 * split, most)}):
+            config = SkinnyConfig(block_n=block_n, split_k=s, num_stages=stages)
             if fits(n, k, m, config):
                 found.append(config)
     return found

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
-from hybridcache.kernels.moe.triton_experts import SharedDown, combine, expert_gemm
+from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
 
 
@@ -109,7 +108,6 @@ DEFAULT_TILE = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=
 MEASURED_TILES = {
     (1024, 2048, 32): dict(block_n=64, block_k=64, num_warps=4, num_stages=6, swap_ab=True),  # next-1b gate/up
     (2048, 512, 32): dict(block_n=128, block_k=64, num_warps=4, num_stages=4, swap_ab=True),  # next-1b down
-    (4096, 1024, 32): dict(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True),  # next-16b down
 }
 
 
@@ -121,16 +119,14 @@ def launch_tile(weights: torch.Tensor, block_m: int) -> dict:
 
 
 def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
-                       experts: ExpertWeights, block_m: int, shared: SharedDown | None = None,
-                       **tile: int) -> torch.Tensor:
+                       experts: ExpertWeights, block_m: int, **tile: int) -> torch.Tensor:
     """y [T*k, H] in pair order (row t*k + j): each pair's expert output, by the Triton expert GEMM (gather,
-    SiLU gate and un-permutation fused). `shared`: the shared expert's down projection too, in the down GEMM's
-    launch (into shared.out). `tile`: expert_gemm's other tile settings for both GEMMs (benchmarks sweep them);
-    by default each GEMM's `launch_tile`."""
+    SiLU gate and un-permutation fused). `tile`: expert_gemm's other tile settings for both GEMMs (benchmarks
+    sweep them); by default each GEMM's `launch_tile`."""
     h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True,
                     block_m=block_m, **(tile or launch_tile(experts.gate_up, block_m)))
     return expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False,
-                       block_m=block_m, shared=shared, **(tile or launch_tile(experts.down, block_m)))
+                       block_m=block_m, **(tile or launch_tile(experts.down, block_m)))
 
 
 def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
@@ -144,54 +140,30 @@ def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor
     return torch._grouped_mm(swiglu(gate, up), experts.down.transpose(1, 2), offs=ends)
 
 
-class SharedInputs(Protocol):
-    """A shared expert before its down projection (`kernels.backend.SharedExpert`): the logit of its sigmoid gate
-    [T, 1], its gate and up projections act_gate, act_up [T, I_s], its down weight [H, I_s] when plain (else
-    None), and output() -> (gate, the expert's output [T, H] computed the block's own way)."""
-
-    gate: torch.Tensor
-    act_gate: torch.Tensor
-    act_up: torch.Tensor
-    weight: torch.Tensor | None
-
-    def output(self) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
 def grouped_experts(
     x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights,
-    shared: tuple[torch.Tensor, torch.Tensor] | SharedInputs | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), plus sigmoid(gate[t]) * shared[t] in the
-    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`). `shared`
-    as `SharedInputs`: on the Triton expert GEMM's path with a plain down weight in x's dtype, the shared expert's
-    down projection runs in the routed down GEMM's launch (`triton_experts.SharedDown`); else its output()."""
+    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`)."""
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
-    down = None
-    if shared is not None and not isinstance(shared, tuple):
-        if block_m is not None and shared.weight is not None and shared.weight.dtype == x.dtype:
-            out = torch.empty((x.shape[0], shared.weight.shape[0]), dtype=x.dtype, device=x.device)
-            down = SharedDown(shared.act_gate, shared.act_up, shared.weight, out)
-            shared = (shared.gate, out)
-        else:
-            shared = shared.output()
     if block_m is None:
         ends = counts.cumsum(0, dtype=torch.int32)
         return combine(expert_rows_grouped(x, order, ends, top_k, experts), top_weights, pair_rows(order), shared)
-    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m, down), top_weights, shared=shared)
+    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights, shared=shared)
 
 
-def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int, shared: SharedInputs | None = None) -> None:
+def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     """Run every Triton variant the routed experts can launch for this block's shapes once, on x's dtype and
     device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
     the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
     each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
-    pick (with `shared`, a block's `SharedInputs` of this call, also the down GEMM with the shared expert's down
-    projection, on one row of its own tensors: the same strides and alignments as every later call), and the
-    combine of its output (alone and with the shared expert's gated add)."""
+    pick (each with its `launch_tile`), and the combine of its output (alone and with the shared expert's gated
+    add)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for block_n in block_sizes():
@@ -200,14 +172,8 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int, shared: S
     order, counts = sort_pairs(ids, num_experts)
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    fused = None
-    if shared is not None and shared.weight is not None and shared.weight.dtype == x.dtype:
-        out = torch.empty((1, shared.weight.shape[0]), dtype=x.dtype, device=x.device)
-        fused = SharedDown(shared.act_gate[:1], shared.act_up[:1], shared.weight, out)
     for block_m in (16, 32, 64):
         combine(expert_rows_triton(token, order, counts, top_k, experts, block_m), weights)
-        if fused is not None:
-            expert_rows_triton(token, order, counts, top_k, experts, block_m, fused)
     combine(token.repeat(top_k, 1), weights, shared=(token[:, :1], token))  # with the shared expert's gated add
 
 

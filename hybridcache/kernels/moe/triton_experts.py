@@ -24,13 +24,9 @@ sorted order, through pos (a pair's sorted row): the un-permutation and the weig
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
-
-from hybridcache.kernels.gemm.triton_skinny import _load_rows
 
 
 @triton.jit
@@ -71,47 +67,12 @@ def tile_indices(order_ptr, rows, row_ok, top_k, N, pid_n, GATHER: tl.constexpr,
 
 
 @triton.jit
-def _shared_down_tile(gate_ptr, up_ptr, w_ptr, out_ptr, num_tokens, N, K, stride_g, stride_u, stride_w, stride_out,
-                      pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PRECISION: tl.constexpr):
-    """Rows [pid_m * BLOCK_M, ...) and columns [pid_n * BLOCK_N, ...) of the shared expert's down projection
-    out = silu_mul(gate, up) W^T: its input tiles made from gate and up as they load, with `silu_mul`'s roundings
-    (`triton_skinny._load_rows`), fp32 sums rounded once to out's dtype."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_tokens
-    rows64 = rows.to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = _load_rows(gate_ptr + rows64[:, None] * stride_g + ks[None, :],
-                       up_ptr + rows64[:, None] * stride_u + ks[None, :], row_ok[:, None] & k_ok[None, :], True)
-        w = tl.load(w_ptr + cols[None, :].to(tl.int64) * stride_w + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    out = out_ptr + rows64[:, None] * stride_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["num_tokens"])  # the step's token count: one compiled variant for every batch
 def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_experts, top_k, N, K,
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False,
-                        sgate_ptr=None, sup_ptr=None, sw_ptr=None, sout_ptr=None, num_tokens=0, K_shared=0,
-                        stride_sg=0, stride_su=0, stride_sw=0, stride_so=0, SHARED: tl.constexpr = False):
-    pid_m = tl.program_id(0)
-    if SHARED:  # the first cdiv(num_tokens, BLOCK_M) row tiles are the shared expert's down projection
-        shared_tiles = tl.cdiv(num_tokens, BLOCK_M)
-        if pid_m < shared_tiles:
-            _shared_down_tile(sgate_ptr, sup_ptr, sw_ptr, sout_ptr, num_tokens, N, K_shared, stride_sg, stride_su,
-                              stride_sw, stride_so, pid_m, tl.program_id(1), BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-            return
-        pid_m -= shared_tiles
-    e, rows, row_ok = expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M, BLOCK_E)
+                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
     pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, tl.program_id(1), GATHER, SCATTER,
@@ -161,8 +122,7 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
 
 def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor, counts: torch.Tensor, *,
                 gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False,
-                shared: SharedDown | None = None) -> torch.Tensor:
+                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False) -> torch.Tensor:
     """The expert GEMM over the sorted rows of R = order.numel() (token, pick) pairs (module docstring).
 
     a: [T, K] token rows when `gather` (sorted row r reads row order[r] // top_k), else [R, K] in sorted order.
@@ -173,61 +133,25 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
     tf32), with a shallower depth tile (their tiles take twice the shared memory). `swap_ab`: the same products
     with the weight tile as the tensor cores' A operand (out^T = W a^T: a [block_n, block_k] weight tile fills the
     MMA's 64 rows whatever block_m is; `benchmarks/decode_kernel_sweep.py --only experts` times both).
-    `shared` (a plain down GEMM only: not gather / swiglu): the shared expert's down projection in the same launch,
-    written to shared.out (`SharedDown`; its row tiles come first in the grid, one per block_m tokens).
     """
     num_experts, width, depth = weights.shape
     if a.stride(-1) != 1 or weights.stride(-1) != 1:
         raise ValueError("expert_gemm needs unit stride on the reduced dim of a and of the weights")
     num_rows = order.numel()
     n = width // 2 if swiglu else width
-    if shared is not None:
-        shared.check(n, a.dtype)
-        if gather or swiglu:
-            raise ValueError("expert_gemm: the shared expert's down projection rides only on the plain down GEMM")
     if a.dtype == torch.float32:
         block_k = min(block_k, 32)
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
-    tokens = 0 if shared is None else shared.gate.shape[0]
-    if num_rows or tokens:
-        extra = {}
-        if shared is not None:
-            extra = dict(sgate_ptr=shared.gate, sup_ptr=shared.up, sw_ptr=shared.weight, sout_ptr=shared.out,
-                         num_tokens=tokens, K_shared=shared.weight.shape[1], stride_sg=shared.gate.stride(0),
-                         stride_su=shared.up.stride(0), stride_sw=shared.weight.stride(0),
-                         stride_so=shared.out.stride(0), SHARED=True)
-        grid = (triton.cdiv(num_rows, block_m) + num_experts + triton.cdiv(tokens, block_m), triton.cdiv(n, block_n))
+    if num_rows:
+        grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
         _expert_gemm_kernel[grid](
             a, order, weights, out, counts, num_experts, top_k, n, depth,
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
             GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages, **extra,
+            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
         )
     return out
-
-
-@dataclass(frozen=True)
-class SharedDown:
-    """A MoE block's shared expert at its down projection, for `expert_gemm(..., shared=)`: gate, up [T, I_s]
-    (column views of one projection's output allowed: unit stride on I_s), weight [H, I_s] (unit stride on I_s),
-    out [T, H] (unit stride on H), all in the routed experts' dtype. out = silu_mul(gate, up) weight^T."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    weight: torch.Tensor
-    out: torch.Tensor
-
-    def check(self, hidden: int, dtype: torch.dtype) -> None:
-        """ValueError unless the shapes, strides and dtypes above hold for an output width `hidden`."""
-        tokens, inner = self.gate.shape
-        ok = (tuple(self.up.shape) == (tokens, inner) and tuple(self.weight.shape) == (hidden, inner)
-              and tuple(self.out.shape) == (tokens, hidden)
-              and all(t.dtype == dtype and t.stride(-1) == 1 for t in (self.gate, self.up, self.weight, self.out)))
-        if not ok:
-            raise ValueError(f"SharedDown: gate, up [T, I], weight [{hidden}, I], out [T, {hidden}] in {dtype} with "
-                             f"unit stride on the last dim needed, got {list(self.gate.shape)}, "
-                             f"{list(self.up.shape)}, {list(self.weight.shape)}, {list(self.out.shape)}")
 
 
 @triton.jit
