@@ -1,6 +1,6 @@
 """Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
 
-    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill]
+    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill,experts]
 
 Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
 channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
@@ -12,12 +12,17 @@ and conv states: each layer's own); the norms' inputs come from the GEMM just be
 here too. "same as current": the variant's outputs (and states) equal the current launch's bit for bit (the step
 kernel's sums over Dk, and the norms' over the row, run in another order in another tile or warp count: a False
 there is fp32 rounding; the norms are compared within 1e-2 relative, their residual sums exactly), the argmax's
-tokens equal torch's. Writes DIR/decode_kernel_sweep.json (DIR: --out, else $OUT, else .).
+tokens equal torch's. `experts`: the routed experts' two GEMMs (`moe/triton_experts.expert_gemm`, gate/up with the
+SiLU gate, then down) at next-1b's and next-16b's expert shapes with `--seqs` tokens routed at random, by tile
+(columns, depth, warps, stages, swap-AB), the weights rotated over two copies; rate = every touched expert's
+weights once / time, and each launch's max difference from an fp32 torch reference (relative to its max).
+Writes DIR/decode_kernel_sweep.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -45,6 +50,11 @@ CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8)
 NORM_WARPS = (4, 8, 16)
 GATED_LAUNCHES = ((4, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))  # (rows per program, num_warps)
 ARGMAX_LAUNCHES = ((8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048))  # (splits, block)
+# the expert GEMM: (BLOCK_N, BLOCK_K, num_warps, num_stages, swap-AB); the first is the engine's launch before this
+EXPERT_LAUNCHES = ((64, 128, 4, 3, False), (64, 128, 4, 4, False), (32, 128, 4, 4, False), (128, 64, 4, 4, False),
+                   (64, 256, 4, 3, False), (64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 64, 4, 6, True),
+                   (128, 64, 4, 4, True), (128, 128, 4, 2, True), (64, 256, 4, 2, True))
+EXPERT_SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024)}  # (experts, top-k, hidden, width)
 HK, HV, DK, DV, CONV_CHANNELS, CONV_TAPS = 16, 32, 128, 128, 8192, 4
 
 
@@ -268,6 +278,58 @@ def argmax_vocab(seqs: int, vocab: int, device: str) -> list[dict]:
     return report(f"greedy argmax, {seqs} x {vocab} fp32", part, current)
 
 
+def sweep_experts(seqs: int) -> list[dict]:
+    """The routed experts' gate/up (gather + SiLU gate) and down (scatter) GEMMs by launch, per model shape."""
+    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
+    from hybridcache.kernels.moe.triton_experts import expert_gemm
+
+    device = DEVICE
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for model, (experts, top_k, hidden, width) in EXPERT_SHAPES.items():
+        ids = torch.rand(seqs, experts, generator=gen).argsort(dim=-1)[:, :top_k].to(device)
+        order, counts = sort_pairs(ids, experts)
+        block_m = tile_rows(order.numel(), experts)
+        touched = int(torch.unique(ids).numel())
+        x = (torch.randn(seqs, hidden, generator=gen) * 0.5).to(device, torch.bfloat16)
+        gate_up = [(torch.randn(experts, 2 * width, hidden, generator=gen) / hidden**0.5).to(device, torch.bfloat16)
+                   for _ in range(2)]
+        down = [(torch.randn(experts, hidden, width, generator=gen) / width**0.5).to(device, torch.bfloat16)
+                for _ in range(2)]
+        expert_of = ids.reshape(-1)[order]  # each sorted row's expert
+        tokens = order // top_k
+        g, u = torch.einsum("rh,rnh->rn", x[tokens].float(), gate_up[0][expert_of].float()).chunk(2, dim=-1)
+        h_ref = torch.nn.functional.silu(g) * u
+        h = h_ref.to(torch.bfloat16)  # the down GEMM's input, in sorted order
+        y_ref = torch.empty(order.numel(), hidden, device=device)
+        y_ref[order] = torch.einsum("rn,rhn->rh", h.float(), down[0][expert_of].float())
+        for kind, weights, nbytes, ref in (("gate/up + SiLU gate", gate_up, touched * 2 * width * hidden * 2, h_ref),
+                                           ("down", down, touched * hidden * width * 2, y_ref)):
+            part = []
+            for block_n, block_k, warps, stages, swap in EXPERT_LAUNCHES:
+                name = f"{block_m}x{block_n}x{block_k}, {warps} warps, {stages} stages" + (", swap-AB" if swap else "")
+
+                second = kind == "down"
+                launch = functools.partial(expert_gemm, h if second else x, order, top_k, gather=not second,
+                                           scatter=second, swiglu=not second, block_m=block_m, block_n=block_n,
+                                           block_k=block_k, num_warps=warps, num_stages=stages, swap_ab=swap)
+
+                def run(i: int, launch=launch, weights=weights, counts=counts) -> torch.Tensor:
+                    return launch(weights[i], counts)
+
+                try:
+                    out = run(0).float()
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    part.append({"launch": name, "us": graph_us(run, 2), "bytes": nbytes, "same": f"{err:.1e}",
+                                 "model": model, "gemm": kind})
+                except Exception as error:  # a launch past the shared memory must not cost the table
+                    print(f"{model} {kind} {name}: {type(error).__name__}: {str(error)[:120]}")
+            results += report(f"{model} experts ({experts} top-{top_k}, hidden {hidden}, width {width}, {touched} "
+                              f"touched): {kind}, {seqs} tokens (last column: max |diff| / max |ref|)", part,
+                              part[0]["launch"] if part else "")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=64)
@@ -275,7 +337,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms, "argmax": sweep_argmax,
-              "conv_prefill": sweep_conv_prefill}
+              "conv_prefill": sweep_conv_prefill, "experts": sweep_experts}
     found = {}
     for name in args.only.split(","):
         found[name] = sweeps[name](args.seqs)

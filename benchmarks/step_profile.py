@@ -18,8 +18,9 @@ in the same process (one start-up).
 On CUDA every profile also prints its device time and kernel launches by kernel family (GEMM, MoE, fla, attention,
 ...) and, for decode, per step by the groups of docs/bench.md's decode table (routed-expert GEMMs, other GEMMs, the
 DeltaNet step kernel, attention, everything else), also in the JSON (`device_per_step`).
-`--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`: seconds, not
-the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
+`--quick`: only the free-running steps and the graph-replay profile by kernel group (for a device call short of
+time). `--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`:
+seconds, not the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
 Every Triton kernel compiled after the engine's start-up is named at the end (`compiled_after_start_up` in the
 JSON: the engine means to compile none). Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else
 $OUT, else .).
@@ -270,6 +271,9 @@ def main() -> None:
                         help="after the decode profile, also --batch-prefill's steps in the same process")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model-dir", default=None, help="reuse the model folder there, or build it there")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the free-running steps and the device profile by kernel group (no phase-synced "
+                             "steps, no operators by input shape): a shorter run for a tight device call")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: a folder of config.json and the tokenizer, random weights drawn on the device")
     args = parser.parse_args()
@@ -295,8 +299,9 @@ def main() -> None:
     decode_steps(engine, prompts(), 8)  # warm-up: compile every shape once
     free = decode_steps(engine, prompts(), args.steps)
     times: dict[str, list[float]] = {}
-    instrument(engine, times)
-    timed_walls = decode_steps(engine, prompts(), args.steps)
+    if not args.quick:
+        instrument(engine, times)
+    timed_walls = free if args.quick else decode_steps(engine, prompts(), args.steps)
     n = args.steps
     parts = {key: 1000 * sum(values[-n:]) / n for key, values in times.items()}
     result = {
@@ -324,15 +329,17 @@ def main() -> None:
             for _ in range(PROFILED_STEPS):
                 engine.step()
         result["device_per_step"] = print_operators(prof, PROFILED_STEPS)
-        # the same batches without the graph (`without_replay`): a graph's kernels have no operator or shapes
-        with engine.runner.without_replay(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                                                     record_shapes=True) as eager:
-            for _ in range(2):
-                engine.step()
+        if not args.quick:
+            # the same batches without the graph (`without_replay`): a graph's kernels have no operator or shapes
+            with engine.runner.without_replay(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                                         record_shapes=True) as eager:
+                for _ in range(2):
+                    engine.step()
         while engine.has_unfinished_requests():
             engine.step()
-        print("\nTwo of the same decode steps without graph replay (their operators by input shape):")
-        result["copies_by_shape"] = print_copies(eager, 2)
+        if not args.quick:
+            print("\nTwo of the same decode steps without graph replay (their operators by input shape):")
+            result["copies_by_shape"] = print_copies(eager, 2)
         result["dense_choices"] = dense_choices()
     result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
     print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "

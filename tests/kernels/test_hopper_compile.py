@@ -95,11 +95,26 @@ def test_conv_state_kernels_compile_for_hopper(kernel):
     assert "mul.f32" not in ptx and "fma" not in ptx  # and are copies of inputs: no arithmetic on them
 
 
+EXPERT_POINTERS = {"a_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "counts_ptr": "*i32"}
+
+
 @pytest.mark.parametrize("block_m", [16, 32, 64])  # the tiles `moe.grouped.tile_rows` picks
 @pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
 def test_expert_gemm_compiles_for_hopper(block_m, gate_up):
-    table = {"a_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*bf16", "out_ptr": "*bf16", "counts_ptr": "*i32"}
     constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
-                     BLOCK_E=64, PRECISION="tf32")
-    compiled = compile_for_hopper(_expert_gemm_kernel, table, integers(_expert_gemm_kernel), constants)
+                     BLOCK_E=64, PRECISION="tf32", SWAP_AB=False)
+    compiled = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel), constants)
     assert "mma" in compiled.asm["ptx"]  # bf16 tiles on the tensor cores (wgmma, or mma.sync for few rows)
+
+
+@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
+def test_expert_gemm_swap_ab_compiles_to_wgmma_for_hopper(gate_up):
+    """swap-AB: the weight tile as the MMA's A side puts its 64 rows there, so Hopper's wgmma runs at 32 token rows
+    (the plain tile compiles to mma.sync there)."""
+    ptx = {}
+    for swap in (False, True):
+        constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
+                         BLOCK_E=16, PRECISION="tf32", SWAP_AB=swap)
+        ptx[swap] = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel),
+                                       constants).asm["ptx"]
+    assert "wgmma" in ptx[True] and "wgmma" not in ptx[False]

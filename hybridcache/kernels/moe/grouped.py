@@ -101,14 +101,32 @@ def tile_rows(num_rows: int, num_experts: int) -> int | None:
     return 16 if per_expert <= 8 else 32 if per_expert <= 16 else 64
 
 
+DEFAULT_TILE = dict(block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=False)
+# Launches measured faster than DEFAULT_TILE, by (the GEMM's weight rows N_w and depth K per expert, block_m): the
+# routed experts of a 64-sequence decode step (`benchmarks/decode_kernel_sweep.py --only experts`; figures in
+# docs/bench.md, "issue 32, seventh pass"). Others run DEFAULT_TILE.
+MEASURED_TILES = {
+    (1024, 2048, 32): dict(block_n=64, block_k=64, num_warps=4, num_stages=6, swap_ab=True),  # next-1b gate/up
+    (2048, 512, 32): dict(block_n=128, block_k=64, num_warps=4, num_stages=4, swap_ab=True),  # next-1b down
+}
+
+
+def launch_tile(weights: torch.Tensor, block_m: int) -> dict:
+    """The expert GEMM's launch settings (expert_gemm's keywords but block_m) for stacked weights [E, N_w, K] at
+    tiles of block_m rows: `MEASURED_TILES`' entry, else `DEFAULT_TILE`. From shapes alone (a captured graph and
+    an eager run of one batch launch the same kernels)."""
+    return MEASURED_TILES.get((weights.shape[1], weights.shape[2], block_m), DEFAULT_TILE)
+
+
 def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
                        experts: ExpertWeights, block_m: int, **tile: int) -> torch.Tensor:
     """y [T*k, H] in pair order (row t*k + j): each pair's expert output, by the Triton expert GEMM (gather,
-    SiLU gate and un-permutation fused). `tile`: expert_gemm's other tile settings (benchmarks sweep them)."""
+    SiLU gate and un-permutation fused). `tile`: expert_gemm's other tile settings for both GEMMs (benchmarks
+    sweep them); by default each GEMM's `launch_tile`."""
     h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True,
-                    block_m=block_m, **tile)
+                    block_m=block_m, **(tile or launch_tile(experts.gate_up, block_m)))
     return expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False,
-                       block_m=block_m, **tile)
+                       block_m=block_m, **(tile or launch_tile(experts.down, block_m)))
 
 
 def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
@@ -144,7 +162,8 @@ def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
     device, so that they compile when the engine starts (its profiling forward stacks the experts) and not inside
     the first request that needs one (what that costs: docs/bench.md, "Start-up compiles"): the one-launch sort at
     each of its pair-count buckets (`triton_sort.block_sizes`), the expert GEMM with each tile `tile_rows` can
-    pick, and the combine of its output (alone and with the shared expert's gated add)."""
+    pick (each with its `launch_tile`), and the combine of its output (alone and with the shared expert's gated
+    add)."""
     num_experts = experts.gate_up.shape[0]
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for block_n in block_sizes():

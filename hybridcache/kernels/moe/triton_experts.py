@@ -71,26 +71,45 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False):
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
     pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, tl.program_id(1), GATHER, SCATTER,
                                                BLOCK_N)
     w_base = w_ptr + e.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = k_ok[:, None] & col_ok[None, :]
-        w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        if SWIGLU:
-            w_up = tl.load(w_base + (cols[None, :] + N).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
-                           other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
+    if SWAP_AB:  # the weight tile is the MMA's A operand ([BLOCK_N, BLOCK_K], its rows K-contiguous), the rows its B
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + ks[:, None], mask=row_ok[None, :] & k_ok[:, None],
+                          other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            acc_t = tl.dot(w, a_t, acc_t, input_precision=PRECISION)
+            if SWIGLU:
+                w_up = tl.load(w_base + (cols[:, None] + N).to(tl.int64) * stride_wn + ks[None, :], mask=w_mask,
+                               other=0.0)
+                acc_up_t = tl.dot(w_up, a_t, acc_up_t, input_precision=PRECISION)
+        acc = tl.trans(acc_t)
+        acc_up = tl.trans(acc_up_t)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+            w = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if SWIGLU:
+                w_up = tl.load(w_base + (cols[None, :] + N).to(tl.int64) * stride_wn + ks[:, None], mask=w_mask,
+                               other=0.0)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
@@ -103,7 +122,7 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
 
 def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor, counts: torch.Tensor, *,
                 gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False) -> torch.Tensor:
     """The expert GEMM over the sorted rows of R = order.numel() (token, pick) pairs (module docstring).
 
     a: [T, K] token rows when `gather` (sorted row r reads row order[r] // top_k), else [R, K] in sorted order.
@@ -111,7 +130,9 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
     [N_w]; swiglu=True: the weights hold gate rows [0, N) and up rows [N, 2N) (N = N_w / 2), the row's
     silu(gate) * up [N] from fp32 accumulators, rounded once to a's dtype. Output [R, N] in sorted order, or in
     pair order (row order[r] for sorted row r) when `scatter`. fp32 inputs are multiplied in IEEE fp32 (not
-    tf32), with a shallower depth tile (their tiles take twice the shared memory).
+    tf32), with a shallower depth tile (their tiles take twice the shared memory). `swap_ab`: the same products
+    with the weight tile as the tensor cores' A operand (out^T = W a^T: a [block_n, block_k] weight tile fills the
+    MMA's 64 rows whatever block_m is; `benchmarks/decode_kernel_sweep.py --only experts` times both).
     """
     num_experts, width, depth = weights.shape
     if a.stride(-1) != 1 or weights.stride(-1) != 1:
@@ -128,7 +149,7 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
             GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            num_warps=num_warps, num_stages=num_stages,
+            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
