@@ -34,6 +34,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from host_tier_bound import Seen, replay_all  # sibling scripts
@@ -97,21 +98,28 @@ class BeladyHostOrder(HostOrder):
             j, cid = heapq.heappop(uses)
             if self._next.get(cid) == j:
                 self._push(self._ckpts[cid])
-        heap, aside, found = self._heap, [], None
-        while heap:
-            never, value, cid = heap[0]
-            if self._key.get(cid) != (-never, -value):  # removed, or re-keyed since
-                heapq.heappop(heap)
-                continue
-            ckpt = self._ckpts[cid]
-            if ckpt.num_pins:
-                aside.append(heapq.heappop(heap))
-                continue
-            found = ckpt
-            break
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        return found
+        # (an entry whose key differs was removed or re-keyed since)
+        return first_unpinned(self._heap, lambda entry: self._ckpts[entry[2]]
+                              if self._key.get(entry[2]) == (-entry[0], -entry[1]) else None)
+
+
+def first_unpinned(heap: list[tuple], live: Callable[[tuple], Checkpoint | None]) -> Checkpoint | None:
+    """The first checkpoint in `heap` order that is live (`live(entry)`: its checkpoint, or None for a stale entry)
+    and not pinned. Stale entries are popped for good; pinned ones are set aside and pushed back."""
+    aside, found = [], None
+    while heap:
+        ckpt = live(heap[0])
+        if ckpt is None:
+            heapq.heappop(heap)
+            continue
+        if ckpt.num_pins:
+            aside.append(heapq.heappop(heap))
+            continue
+        found = ckpt
+        break
+    for entry in aside:
+        heapq.heappush(heap, entry)
+    return found
 
 
 def use_belady(

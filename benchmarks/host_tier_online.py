@@ -33,7 +33,8 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable
 
-from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
+from host_tier_belady import first_unpinned  # sibling scripts
+from host_tier_sweep import load_cost_and_workload, workload_arguments
 
 from hybridcache.bench.oracles import FutureIndex
 from hybridcache.bench.replay import CacheReplay, cache_requests_of, parse_policies
@@ -74,21 +75,8 @@ class DueOrder(HostOrder):
         heapq.heappush(self._heap, (due, 1, ckpt.ckpt_id))
 
     def victim(self) -> Checkpoint | None:
-        heap, aside, found = self._heap, [], None
-        while heap:
-            due, _, cid = heap[0]
-            ckpt = self._ckpts.get(cid)
-            if ckpt is None or self._due[cid] != due:
-                heapq.heappop(heap)
-                continue
-            if ckpt.num_pins:
-                aside.append(heapq.heappop(heap))
-                continue
-            found = ckpt
-            break
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        return found
+        return first_unpinned(self._heap, lambda entry: self._ckpts.get(entry[2])
+                              if self._due.get(entry[2]) == entry[0] else None)
 
 
 class Continuations:
