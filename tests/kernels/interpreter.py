@@ -3,7 +3,7 @@
 Triton reads `TRITON_INTERPRET` when it is imported, so a test session that has already imported it cannot switch
 to the interpreter: the kernel test files each keep one parent test that calls `run_interpreted` with a `-k`
 selector matching only their interpreted tests (never the parent itself: a child that ran it would spawn children
-without end)."""
+without end). The markers every kernel test file uses live here too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (in the child process of `run_interpreted`)
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def run_interpreted(test_file: str, selector: str, timeout: float = 600) -> None:

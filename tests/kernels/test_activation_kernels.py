@@ -15,17 +15,12 @@ partial column blocks (one and two programs per row).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hybridcache.kernels.activation import reference
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 SHAPES = pytest.mark.parametrize("rows, width", [(37, 300), (3, 1500), (1, 64)])
 ULP = {torch.bfloat16: 2.0**-7, torch.float32: 1e-6}

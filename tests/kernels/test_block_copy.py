@@ -8,21 +8,13 @@ so the `test_triton_interpreted_*` tests run in a child pytest process started b
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
 from hybridcache.kernels.copy.block_copy import copy_blocks
-from tests.kernels.interpreter import run_interpreted
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED,
-    reason="runs in the TRITON_INTERPRET=1 child process of test_triton_interpreter_in_subprocess",
-)
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
 
 def reference_copy(

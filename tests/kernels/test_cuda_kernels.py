@@ -23,18 +23,11 @@ that a norm over thousands of rows would dilute.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_triton_interpreter_in_subprocess"
-)
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
 EXACT = (0.0, 0.0)

@@ -10,16 +10,11 @@ A operand) and the measured launch per shape (`moe/grouped.launch_tile`).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 TOL = {torch.bfloat16: 2.0**-6, torch.float32: 1e-5}
 
 

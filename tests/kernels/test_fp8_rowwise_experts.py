@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,11 +24,7 @@ from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
 from hybridcache.kernels.gemm.reference import dequantize, quantize, quantize_rows, requantize_rows
-from tests.kernels.interpreter import run_interpreted
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

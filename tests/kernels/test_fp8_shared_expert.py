@@ -15,19 +15,13 @@ shared=...)` and the CUDA backend's MoE block with it.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 from tests.kernels.test_fp8_rowwise_experts import block_experts, emulated_rowwise, fro, rel
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")

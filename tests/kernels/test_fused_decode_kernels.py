@@ -18,8 +18,6 @@ doubled. The residual sum of add_rms_norm is a single rounded add on both sides:
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -27,11 +25,8 @@ from hybridcache.kernels.activation import reference as activation_ref
 from hybridcache.kernels.norm import reference as norm_ref
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.layers.rotary import rotary_cos_sin
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 ULP = {torch.bfloat16: 2.0**-7, torch.float32: 1e-5}
 

@@ -11,16 +11,11 @@ all-greedy path) is checked in tests/engine/test_sampling.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 # (rows, columns, splits, block): the engine's launch (8 x 4,096) on a vocabulary of odd size; small launches
 # that put ties in other lanes, blocks and splits; more splits than whole blocks (empty splits)

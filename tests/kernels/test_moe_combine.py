@@ -16,17 +16,12 @@ E + 1 apart, as the layer passes it), bf16 and fp32.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from hybridcache.kernels.activation import reference as activation_ref
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 CASES = pytest.mark.parametrize(("tokens", "top_k", "hidden", "sorted_rows"),
                                 [(5, 3, 200, False), (37, 4, 1500, True), (5, 4, 1500, False), (37, 3, 200, True)])

@@ -6,16 +6,10 @@ rule then sees the very inputs it saw before)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels.interpreter import run_interpreted
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 
 
 def _views(tokens: int, heads_k: int, heads_v: int, dim_k: int, dim_v: int, dtype: torch.dtype, device: str,

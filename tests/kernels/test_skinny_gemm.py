@@ -24,18 +24,13 @@ fp16 / bf16 outputs are rounded once from an fp32 sum: one rounding step, 2^-10 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from hybridcache.kernels.gemm import dense
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 STEP = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
 SHAPES = [(1, 70, 300), (5, 130, 384), (17, 64, 520), (33, 200, 640), (64, 96, 384)]  # (M, N, K): K % 128 != 0 too
 

@@ -16,19 +16,12 @@ other pool row: exact (untouched).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from tests.kernels.interpreter import run_interpreted
+from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
 from tests.kernels.test_cuda_kernels import EXACT, OURS, _interpreter_runs_our_kernels, assert_within
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child of test_verify_interpreter_in_subprocess"
-)
 MODES = pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])
 BF16_STATE = (8e-3, 8e-3)
 
