@@ -101,15 +101,16 @@ class SparseMoeBlock(nn.Module):
                                       self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        shared: torch.Tensor | nn.Module | None = None  # the shared expert's output, or its module for `moe`
         if self.inputs.fused():
             gate, up, router_logits, shared_gate = self.inputs(x)
         else:
             router_logits, shared_gate = self.gates(x)
             if step.backend.fuses_shared_expert(self.experts, self.shared_expert):  # FP8 on CUDA: one more expert
-                top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)
-                return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts,
-                                                           (shared_gate, self.shared_expert)))
-            gate, up = self.shared_expert.gate_up(x)
+                shared = self.shared_expert
+            else:
+                gate, up = self.shared_expert.gate_up(x)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
-        shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine
+        if shared is None:
+            shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine
         return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))
