@@ -65,6 +65,7 @@ from hybridcache.state_spec import DevicePools
 
 logger = logging.getLogger(__name__)
 
+
 def graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The decode batch sizes captured: powers of two from 1 up to the first one >= max_num_seqs.
     Example: max_num_seqs 48 -> (1, 2, 4, 8, 16, 32, 64)."""
