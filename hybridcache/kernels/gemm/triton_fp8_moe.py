@@ -200,7 +200,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                          "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
-    block_k = min(block_k, bk, 32 if a.dtype == torch.float32 else bk)
+    # a K step never straddles two scale groups, but with scale_once the scales do not change over K
+    block_k = min(block_k, 32 if a.dtype == torch.float32 else block_k if scale_once else bk)
     num_rows = order.numel()
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
     if num_rows:
@@ -420,12 +421,13 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     routed_experts, routed_rows = num_experts, top_ids.numel()
     if experts.shared != (shared_gate is not None):
         raise ValueError("fp8_grouped_experts: shared_gate is needed exactly when the stack holds the shared expert")
+    # the sort reads the routed picks alone (`sort_pairs`' shared: the shared pairs' places are known)
+    order, counts = sort_pairs(top_ids, num_experts, shared=experts.shared)
     if experts.shared:
         routed_experts -= 1
-        top_weights, top_ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
-    top_k = top_ids.shape[1]
+        top_weights = with_shared(top_weights, top_ids, shared_gate, routed_experts)[0]
+    top_k = top_weights.shape[1]
     bk = experts.block[1]
-    order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(routed_rows, routed_experts)
     if rowwise is None:
         rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
@@ -475,10 +477,11 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
+    routed = num_experts - experts.shared
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for pairs in block_sizes():
-            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
-    routed = num_experts - experts.shared
+            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(routed)[:, None], num_experts,
+                              experts.shared)
     ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :]
     token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
     weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
