@@ -50,6 +50,14 @@ def block_sizes() -> tuple[int, ...]:
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])  # BLOCK_N and SHARED tell the variants apart
 def _sort_pairs_kernel(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k,
                        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr = False):
+    sort_block(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k, BLOCK_N, BLOCK_E, SHARED)
+
+
+@triton.jit
+def sort_block(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k, BLOCK_N: tl.constexpr,
+               BLOCK_E: tl.constexpr, SHARED: tl.constexpr):
+    """The sort of `_sort_pairs_kernel` in the calling program (module docstring; FP8's decode prologue,
+    `triton_fp8_moe.shared_prologue`, runs it beside other work in one launch)."""
     lanes = tl.arange(0, BLOCK_N)
     real = lanes < num_pairs
     experts = tl.load(ids_ptr + lanes, mask=real, other=BLOCK_E - 1).to(tl.int32)
