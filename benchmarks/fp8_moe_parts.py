@@ -9,7 +9,8 @@ the 80B-A3B shape (512 top-10 + shared, hidden 2,048), device us per call (the m
 - the pair sort: bf16's (the routed picks over the routed experts), the FP8 stack's before this change (the
   [T, k + 1] ids with the shared column over E + 1 experts: the next power-of-two bucket) and with `shared` (the
   routed picks alone, the shared run appended; `moe/triton_sort.py`);
-- `with_shared`, `triton_quant.quantize_rows` of x, the route kernel;
+- `with_shared`, `triton_quant.quantize_rows` of x, the route kernel, and `shared_prologue` (the sort with
+  `shared`, the shared pick's weights and x's quantisation in one launch: what the FP8 decode step runs);
 - the router and shared-gate GEMM (`SparseMoeBlock.gates`: [T, H] x [E + 1, H]^T in bf16) by cuBLAS at its width
   and padded to 40 / 48 / 64 rows, and the skinny Triton GEMM's candidates (`kernels.gemm.dense.candidates`).
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridcache.kernels.gemm import dense, triton_quant, triton_skinny
 from hybridcache.kernels.gemm.dense import replay_us
-from hybridcache.kernels.gemm.triton_fp8_moe import with_shared
+from hybridcache.kernels.gemm.triton_fp8_moe import shared_prologue, with_shared
 from hybridcache.kernels.moe.triton_route import route
 from hybridcache.kernels.moe.triton_sort import sort_pairs_triton
 
@@ -43,10 +44,10 @@ def timed(run) -> float:
 def parts(seqs: int, routed: int, top_k: int, hidden: int) -> dict[str, float]:
     device = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
-    ids = torch.rand(seqs, routed, generator=gen).argsort(dim=-1)[:, :top_k].to(device)
+    ids = torch.rand(seqs, routed, generator=gen).argsort(dim=-1)[:, :top_k].contiguous().to(device)
     plus = torch.cat([ids, torch.full((seqs, 1), routed, device=device)], dim=1)
     weights = torch.rand(seqs, top_k, generator=gen).to(device, torch.bfloat16)
-    gate = torch.randn(seqs, 1, generator=gen).to(device, torch.bfloat16)
+    gate = torch.randn(seqs, routed + 1, generator=gen).to(device, torch.bfloat16)[:, -1:]  # the router's column
     x = torch.randn(seqs, hidden, generator=gen).to(device, torch.bfloat16)
     logits = torch.randn(seqs, routed, generator=gen).to(device, torch.bfloat16)
     found = {
@@ -56,6 +57,8 @@ def parts(seqs: int, routed: int, top_k: int, hidden: int) -> dict[str, float]:
         "with_shared": timed(lambda: with_shared(weights, ids, gate, routed)),
         "quantize_rows(x)": timed(lambda: triton_quant.quantize_rows(x)),
         "route": timed(lambda: route(logits, top_k, True)),
+        "shared_prologue (sort with shared + weights + quantize_rows(x), one launch)": timed(
+            lambda: shared_prologue(x, weights, ids, gate, routed + 1)),
     }
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     copies = [(torch.randn(routed + 1, hidden, generator=gen) * hidden**-0.5).to(device, torch.bfloat16)
