@@ -13,6 +13,9 @@
   expert with no rows, with full accumulation (5e-2 of the largest output, 1.5e-2 in the Frobenius norm) and with
   fast accumulation (1e-1, 5e-2); `fp8_grouped_experts` takes it for per-channel experts
   above the decode sizes.
+- Decode tiles with per-token scales (interpreted against torch's arithmetic); with h quantised inside the expert
+  GEMMs (`DECODE_FUSED_H_QUANT`) equal bit for bit to h's own quantisation launch (interpreted, and on CUDA at 1
+  and 64 tokens).
 """
 
 from __future__ import annotations
@@ -266,3 +269,39 @@ def test_interpreted_decode_tile_with_token_scales_equals_its_arithmetic(shared,
     monkeypatch.setattr(triton_fp8_moe, "DECODE_TOKEN_SCALES", False)
     per_group = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
     assert 1e-4 < rel(per_group, got) <= 1e-1
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interpreted_decode_h_quantised_in_the_down_launch_equals_its_own_launch(shared, dtype, monkeypatch):
+    check_fused_h_quantisation(shared, dtype, 9, torch.device("cpu"), monkeypatch)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cuda_decode_h_quantised_in_the_down_launch_equals_its_own_launch(shared, tokens, monkeypatch):
+    check_fused_h_quantisation(shared, torch.bfloat16, tokens, torch.device("cuda"), monkeypatch)
+
+
+def check_fused_h_quantisation(shared: bool, dtype: torch.dtype, tokens: int, device: torch.device,
+                               monkeypatch) -> None:
+    """`DECODE_FUSED_H_QUANT`: h's per-token quantisation inside the expert GEMMs (the gate/up launch's row maxima,
+    the down launch quantising as it loads) gives the experts' output bit for bit as `quantize_rows`' launch."""
+    from hybridcache.kernels.gemm import triton_fp8_moe
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    generator = torch.Generator().manual_seed(17)
+    hidden, inter, num_experts, top_k = 256, 192, 4, 2  # 192: a partial last column tile of 64
+    experts = [expert.to(device) for expert in block_experts(hidden, inter, num_experts, generator)]
+    shared_expert = block_experts(hidden, inter, 1, generator)[0].to(device) if shared else None
+    stacked = Fp8ExpertWeights.share(experts, per_channel=True, shared=shared_expert)
+    x = (torch.randn(tokens, hidden, generator=generator) * 2).to(device, dtype)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_ids = top_ids.to(device)
+    top_weights = torch.rand(tokens, top_k, generator=generator).to(device, dtype)
+    gate = torch.randn(tokens, 1, generator=generator).to(device, dtype) if shared else None
+    fused = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    monkeypatch.setattr(triton_fp8_moe, "DECODE_FUSED_H_QUANT", False)
+    assert torch.equal(fused, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
