@@ -288,7 +288,8 @@ def test_cuda_decode_h_quantised_in_the_down_launch_equals_its_own_launch(shared
 def check_fused_h_quantisation(shared: bool, dtype: torch.dtype, tokens: int, device: torch.device,
                                monkeypatch) -> None:
     """`DECODE_FUSED_H_QUANT`: h's per-token quantisation inside the expert GEMMs (the gate/up launch's row maxima,
-    the down launch quantising as it loads) gives the experts' output bit for bit as `quantize_rows`' launch."""
+    the down launch quantising as it loads) gives the experts' output bit for bit as `quantize_rows`' launch, and
+    so do session 42's sort and separate launches (on CUDA: against `shared_prologue`)."""
     from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
 
@@ -304,4 +305,8 @@ def check_fused_h_quantisation(shared: bool, dtype: torch.dtype, tokens: int, de
     gate = torch.randn(tokens, 1, generator=generator).to(device, dtype) if shared else None
     fused = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
     monkeypatch.setattr(triton_fp8_moe, "DECODE_FUSED_H_QUANT", False)
+    assert torch.equal(fused, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
+    # and session 42's launches: the sort of the [T, k + 1] ids, with_shared and x's quantisation apart
+    monkeypatch.setattr(triton_fp8_moe, "SHARED_SORT", False)
+    monkeypatch.setattr(triton_fp8_moe, "DECODE_PROLOGUE", False)
     assert torch.equal(fused, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))

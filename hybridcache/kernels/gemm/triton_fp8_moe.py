@@ -23,6 +23,7 @@ gate/up GEMM gathers, h = silu(gate) * up (quantised again in W8A8), the down GE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,6 +55,11 @@ DECODE_TOKEN_SCALES = True
 # row's partial maxima, the down launch quantises h as it loads it: `fp8_expert_gemm`'s amax_out / a_amax), not a
 # launch of its own; the same values bit for bit
 DECODE_FUSED_H_QUANT = True
+# a stack holding the shared expert: the pair sort reads the routed picks alone and appends the shared run
+# (`moe.grouped.sort_pairs(..., shared=True)`: bf16's sort bucket, not the next power of two), and at decode with
+# DECODE_TOKEN_SCALES the sort, the shared pick's weights and x's quantisation run as one launch (`shared_prologue`)
+SHARED_SORT = True
+DECODE_PROLOGUE = True
 
 
 @triton.jit
@@ -546,9 +552,7 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     if rowwise:
         options = down_options = {}
     elif decode_tile is not None and prefill is None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
-                       num_stages=DECODE_NUM_STAGES)
-        down_options = options
+        options, down_options = decode_launch(experts.gate_up, decode_tile), decode_launch(experts.down, decode_tile)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
         token_scales = DECODE_TOKEN_SCALES and not w8a16 and experts.gate_up_rows is not None
     else:
@@ -567,13 +571,17 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
             return t, None
         return triton_quant.quantize_rows(t) if token_scales else triton_quant.quantize_groups(t, bk)
 
-    if experts.shared and token_scales and prologue_fits(x, top_ids, num_experts):
+    if experts.shared and token_scales and DECODE_PROLOGUE and SHARED_SORT and prologue_fits(x, top_ids, num_experts):
         order, counts, top_weights, a, a_scale = shared_prologue(x, top_weights, top_ids, shared_gate, num_experts)
     else:
-        # the sort reads the routed picks alone (`sort_pairs`' shared: the shared pairs' places are known)
-        order, counts = sort_pairs(top_ids, num_experts, shared=experts.shared)
-        if experts.shared:
+        if experts.shared and SHARED_SORT:  # the routed picks alone, the shared run appended
+            order, counts = sort_pairs(top_ids, num_experts, shared=True)
             top_weights = with_shared(top_weights, top_ids, shared_gate, routed_experts)[0]
+        elif experts.shared:
+            top_weights, ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
+            order, counts = sort_pairs(ids, num_experts)
+        else:
+            order, counts = sort_pairs(top_ids, num_experts)
         if rowwise:
             return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
         a, a_scale = quantized(x)
@@ -588,6 +596,16 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
                         x.dtype, gather=False, scatter=True, swiglu=False, a_amax=amax, **down_options)
     return combine(y, top_weights)
+
+
+def decode_launch(weights: torch.Tensor, block_m: int) -> dict:
+    """`fp8_expert_gemm`'s launch settings for stacked weights [E, N_w, K] at decode sizes, `tile_rows` having
+    chosen block_m: `fp8_tiles.DECODE_TILES`' entry, else the `DECODE_*` launch. From shapes alone."""
+    tile = fp8_tiles.DECODE_TILES.get((weights.shape[1], weights.shape[2], block_m))
+    if tile is None:
+        return dict(block_m=block_m, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
+                    num_stages=DECODE_NUM_STAGES)
+    return dataclasses.asdict(tile)
 
 
 def prologue_fits(x: torch.Tensor, top_ids: torch.Tensor, num_experts: int) -> bool:
