@@ -397,7 +397,6 @@ def sweep_fp8_experts(seqs: int) -> list[dict]:
         g, u = per_expert((xq.float() * x_scale)[tokens], expert_of, gate_up, gate_up_rows).chunk(2, dim=-1)
         h_ref = torch.nn.functional.silu(g) * u
         hq, h_scale = triton_quant.quantize_rows(h_ref.to(torch.bfloat16))
-        h_amax = h_ref.to(torch.bfloat16).float().abs().amax(dim=1, keepdim=True)  # one partial per row
         y_ref = torch.empty(order.numel(), hidden, device=device)
         y_ref[order] = per_expert(hq.float() * h_scale, expert_of, down, down_rows)
         for kind, a, a_scale, copies_, rows, nbytes, ref, first in (
@@ -421,21 +420,14 @@ def sweep_fp8_experts(seqs: int) -> list[dict]:
                 def run(i: int, launch=launch, copies_=copies_) -> torch.Tensor:
                     return launch(weights=copies_[i])
 
-                runs = {name: run}
-                if not first:  # h in bf16, quantised per row inside the launch (`DECODE_FUSED_H_QUANT`)
-                    fused = functools.partial(fp8_expert_gemm, h_ref.to(torch.bfloat16), None, order, top_k + 1,
-                                              a_amax=h_amax, **settings)
-                    runs[name + ", h quantised inside"] = lambda i, fused=fused, copies_=copies_: fused(
-                        weights=copies_[i])
-                for label, call in runs.items():
-                    try:
-                        out = call(0).float()
-                        err = float((out - ref).abs().max() / ref.abs().max())
-                        part.append({"launch": label, "us": graph_us(call, 2), "bytes": nbytes, "same": f"{err:.1e}",
-                                     "model": model, "gemm": kind, "block_m": block_m, "block_n": block_n,
-                                     "block_k": block_k, "num_warps": warps, "num_stages": stages, "swap_ab": swap})
-                    except Exception as error:  # a launch past the shared memory must not cost the table
-                        print(f"{model} FP8 {kind} {label}: {type(error).__name__}: {str(error)[:120]}")
+                try:
+                    out = run(0).float()
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    part.append({"launch": name, "us": graph_us(run, 2), "bytes": nbytes, "same": f"{err:.1e}",
+                                 "model": model, "gemm": kind, "block_m": block_m, "block_n": block_n,
+                                 "block_k": block_k, "num_warps": warps, "num_stages": stages, "swap_ab": swap})
+                except Exception as error:  # a launch past the shared memory must not cost the table
+                    print(f"{model} FP8 {kind} {name}: {type(error).__name__}: {str(error)[:120]}")
             results += report(f"{model} FP8 experts ({routed} + shared, top-{top_k} + 1, hidden {hidden}, width "
                               f"{width}, {touched} touched, rows per expert max {int(counts.max())}): {kind}, {seqs} "
                               "tokens (last column: max |diff| / max |ref|)", part,

@@ -81,10 +81,9 @@ KERNEL_VARIANTS = {
     # no split-K dense decode GEMM (neither measured nor from `--decode-kernels-from`)
     "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}, ("fp8_decode_choice", "MEASURE"): False},
     # session 42's FP8 MoE decode (main before session 43): the sort of the [T, k + 1] ids (the shared column
-    # included), with_shared, sort and x's quantisation as three launches, h quantised by a launch of its own, the
-    # `DECODE_*` expert tile at every shape
+    # included), with_shared, sort and x's quantisation as three launches, the `DECODE_*` expert tile at every shape
     "fp8-s42": {("triton_fp8_moe", "SHARED_SORT"): False, ("triton_fp8_moe", "DECODE_PROLOGUE"): False,
-                ("triton_fp8_moe", "DECODE_FUSED_H_QUANT"): False, ("fp8_tiles", "DECODE_TILES"): {}},
+                ("fp8_tiles", "DECODE_TILES"): {}},
 }
 
 

@@ -199,14 +199,13 @@ def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(mo
             assert triton_fp8_moe.DECODE_TOKEN_SCALES is False
     assert token_scales is triton_fp8_moe.DECODE_TOKEN_SCALES
     monkeypatch.setattr(fp8_tiles, "DECODE_TILES", {(2048, 4096, 32): fp8_tiles.DecodeTile(64)})  # as measured
-    s43 = (triton_fp8_moe.SHARED_SORT, triton_fp8_moe.DECODE_PROLOGUE, triton_fp8_moe.DECODE_FUSED_H_QUANT,
-           dict(fp8_tiles.DECODE_TILES))
+    def moe_decode():
+        return triton_fp8_moe.SHARED_SORT, triton_fp8_moe.DECODE_PROLOGUE, dict(fp8_tiles.DECODE_TILES)
+
+    s43 = moe_decode()
     with kernel_variant("fp8-s42"):  # session 42's MoE decode launches
-        assert (triton_fp8_moe.SHARED_SORT, triton_fp8_moe.DECODE_PROLOGUE, triton_fp8_moe.DECODE_FUSED_H_QUANT,
-                fp8_tiles.DECODE_TILES) == (False, False, False, {})
-        assert library == choices()
-    assert s43 == (triton_fp8_moe.SHARED_SORT, triton_fp8_moe.DECODE_PROLOGUE, triton_fp8_moe.DECODE_FUSED_H_QUANT,
-                   fp8_tiles.DECODE_TILES) and all(s43[:3])
+        assert moe_decode() == (False, False, {}) and library == choices()
+    assert moe_decode() == s43 and all(s43[:2]) and s43[2]
     with kernel_variant("fp8"):
         assert library == choices()
     assert library == choices()

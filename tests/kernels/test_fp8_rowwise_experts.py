@@ -13,9 +13,6 @@
   expert with no rows, with full accumulation (5e-2 of the largest output, 1.5e-2 in the Frobenius norm) and with
   fast accumulation (1e-1, 5e-2); `fp8_grouped_experts` takes it for per-channel experts
   above the decode sizes.
-- Decode tiles with per-token scales (interpreted against torch's arithmetic); with h quantised inside the expert
-  GEMMs (`DECODE_FUSED_H_QUANT`) equal bit for bit to h's own quantisation launch (interpreted, and on CUDA at 1
-  and 64 tokens).
 """
 
 from __future__ import annotations
@@ -274,22 +271,21 @@ def test_interpreted_decode_tile_with_token_scales_equals_its_arithmetic(shared,
 @needs_interpreter
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_interpreted_decode_h_quantised_in_the_down_launch_equals_its_own_launch(shared, dtype, monkeypatch):
-    check_fused_h_quantisation(shared, dtype, 9, torch.device("cpu"), monkeypatch)
+def test_interpreted_decode_launches_equal_session_42s(shared, dtype, monkeypatch):
+    check_decode_launches(shared, dtype, 9, torch.device("cpu"), monkeypatch)
 
 
 @needs_cuda
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_cuda_decode_h_quantised_in_the_down_launch_equals_its_own_launch(shared, tokens, monkeypatch):
-    check_fused_h_quantisation(shared, torch.bfloat16, tokens, torch.device("cuda"), monkeypatch)
+def test_cuda_decode_launches_equal_session_42s(shared, tokens, monkeypatch):
+    check_decode_launches(shared, torch.bfloat16, tokens, torch.device("cuda"), monkeypatch)
 
 
-def check_fused_h_quantisation(shared: bool, dtype: torch.dtype, tokens: int, device: torch.device,
-                               monkeypatch) -> None:
-    """`DECODE_FUSED_H_QUANT`: h's per-token quantisation inside the expert GEMMs (the gate/up launch's row maxima,
-    the down launch quantising as it loads) gives the experts' output bit for bit as `quantize_rows`' launch, and
-    so do session 42's sort and separate launches (on CUDA: against `shared_prologue`)."""
+def check_decode_launches(shared: bool, dtype: torch.dtype, tokens: int, device: torch.device, monkeypatch) -> None:
+    """The decode experts with the shared sort (`SHARED_SORT`) and, on CUDA, the one-launch prologue
+    (`DECODE_PROLOGUE`) give the output of session 42's launches (the sort of the [T, k + 1] ids, `with_shared`
+    and x's quantisation apart) bit for bit."""
     from hybridcache.kernels.gemm import triton_fp8_moe
     from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
 
@@ -303,10 +299,7 @@ def check_fused_h_quantisation(shared: bool, dtype: torch.dtype, tokens: int, de
     top_ids = top_ids.to(device)
     top_weights = torch.rand(tokens, top_k, generator=generator).to(device, dtype)
     gate = torch.randn(tokens, 1, generator=generator).to(device, dtype) if shared else None
-    fused = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
-    monkeypatch.setattr(triton_fp8_moe, "DECODE_FUSED_H_QUANT", False)
-    assert torch.equal(fused, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
-    # and session 42's launches: the sort of the [T, k + 1] ids, with_shared and x's quantisation apart
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
     monkeypatch.setattr(triton_fp8_moe, "SHARED_SORT", False)
     monkeypatch.setattr(triton_fp8_moe, "DECODE_PROLOGUE", False)
-    assert torch.equal(fused, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
+    assert torch.equal(got, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))

@@ -51,10 +51,6 @@ DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "
 # are constant over K and the product is scaled once after the K loop (`fp8_expert_gemm`'s `scale_once`: a plain
 # MMA chain over K, as bf16's kernel runs), instead of per token per 128 channels scaled at every K step
 DECODE_TOKEN_SCALES = True
-# with DECODE_TOKEN_SCALES: h's per-token quantisation inside the two GEMM launches (the gate/up launch writes each
-# row's partial maxima, the down launch quantises h as it loads it: `fp8_expert_gemm`'s amax_out / a_amax), not a
-# launch of its own; the same values bit for bit
-DECODE_FUSED_H_QUANT = True
 # a stack holding the shared expert: the pair sort reads the routed picks alone and appends the shared run
 # (`moe.grouped.sort_pairs(..., shared=True)`: bf16's sort bucket, not the next power of two), and at decode with
 # DECODE_TOKEN_SCALES the sort, the shared pick's weights and x's quantisation run as one launch (`shared_prologue`)
@@ -90,14 +86,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                             SWIGLU: tl.constexpr, A_FP8: tl.constexpr, GROUP_N: tl.constexpr,
                             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, SWAP_AB: tl.constexpr,
-                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False,
-                            amax_ptr=None, AMAX_TILES: tl.constexpr = 1, AMAX_BLOCK: tl.constexpr = 1,
-                            ROW_AMAX: tl.constexpr = False, QUANT_A: tl.constexpr = False,
-                            QMAX: tl.constexpr = 448.0):
-    # ROW_AMAX (gate/up): each program also writes max |out| of its rows over its columns, as rounded to out's
-    # dtype, at amax[row, pid_n] (AMAX_TILES per row). QUANT_A (down, SCALE_ONCE): a in bf16, quantised per row
-    # as it is loaded, the row's scale max(amax over its AMAX_TILES partials, 1e-12) / QMAX: `quantize_rows`'
-    # values bit for bit, without its launch
+                            PRECISION: tl.constexpr, GROUP_M: tl.constexpr, SCALE_ONCE: tl.constexpr = False):
     # GROUP_M 0: a 2-D grid (row tiles, column tiles); else a 1-D grid walking GROUP_M row tiles across every
     # column tile before the next GROUP_M (their activation rows stay in L2 while the weight columns go by)
     if GROUP_M == 0:
@@ -129,19 +118,12 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if QUANT_A:
-        parts = tl.arange(0, AMAX_BLOCK)
-        amax = tl.load(amax_ptr + a_rows[:, None] * AMAX_TILES + parts[None, :],
-                       mask=row_ok[:, None] & (parts[None, :] < AMAX_TILES), other=0.0)
-        a_scale = tl.maximum(tl.max(amax, axis=1), 1e-12) / QMAX
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         group = k0 // GROUP_K
         a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        if QUANT_A:
-            a = tl.clamp(tl.math.div_rn(a.to(tl.float32), a_scale[:, None]), -QMAX, QMAX).to(w_ptr.dtype.element_ty)
         w_mask = col_ok[:, None] & k_ok[None, :]
         w = tl.load(w_base + gate_rows[:, None] + ks[None, :], mask=w_mask, other=0.0)
         if SCALE_ONCE:  # per-token x, per-row weights: one MMA chain over K, scaled after the loop
@@ -165,8 +147,7 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                     w_up = w_up.to(a.dtype)
                 acc_up += scaled_dot(a, w_up, a_scale, up_scale, SWAP_AB, PRECISION)
     if SCALE_ONCE:
-        if not QUANT_A:
-            a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=row_ok, other=0.0)
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=row_ok, other=0.0)
         acc = scale_tile(acc, a_scale, tl.load(ws_base + gate_groups, mask=col_ok, other=0.0).to(tl.float32),
                          SWAP_AB)
         if SWIGLU:
@@ -174,13 +155,6 @@ def _fp8_expert_gemm_kernel(a_ptr, a_scale_ptr, order_ptr, w_ptr, w_scale_ptr, o
                                 SWAP_AB)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
-    if ROW_AMAX:
-        rounded = tl.abs(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
-        if SWAP_AB:  # noqa: SIM108 (a constexpr branch)
-            row_max = tl.max(rounded, axis=0)
-        else:
-            row_max = tl.max(rounded, axis=1)
-        tl.store(amax_ptr + rows * AMAX_TILES + pid_n, row_max, mask=row_ok)
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
@@ -192,8 +166,7 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                     weights: torch.Tensor, w_scale: torch.Tensor, counts: torch.Tensor, block: tuple[int, int],
                     out_dtype: torch.dtype, *, gather: bool, scatter: bool, swiglu: bool, block_m: int,
                     block_n: int = 64, block_k: int = 128, num_warps: int = 4, num_stages: int = 3,
-                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False,
-                    amax_out: torch.Tensor | None = None, a_amax: torch.Tensor | None = None) -> torch.Tensor:
+                    swap_ab: bool = False, group_m: int = 0, scale_once: bool = False) -> torch.Tensor:
     """The launcher (module docstring for the layout): a [T or R, K] float8_e4m3fn with a_scale [T or R,
     ceil(K/bk)] fp32 (W8A8), or bf16/fp16/fp32 with a_scale None (W8A16: each weight tile converted to a's dtype);
     order [R] int64, weights [E, N_w, K] fp8, w_scale [E, G_w, ceil(K/bk)] fp32 (G_w = ceil(N_w/bn), or
@@ -202,32 +175,15 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     groups of `group_m` row tiles, each group across all column tiles (the dense kernel's L2 order). Shapes,
     dtypes and strides are checked first. `scale_once`: a_scale [rows, 1] (per token) and per-row weight scales
     (a K stride of 0, or one K group): the K loop is an unscaled MMA chain, scaled once after it (equal to the
-    per-step scaling but for fp32 rounding).
-
-    The down GEMM's activation quantisation inside the launches (decode, per-token scales): `amax_out` [R,
-    cdiv(N, block_n)] fp32 (a GEMM with SWIGLU) is filled with each row's max |out| (as rounded to out_dtype) per
-    column tile; a GEMM given `a_amax` (that buffer) with a in bf16/fp16, a_scale None and `scale_once` quantises
-    a per row as it loads it, exactly as `triton_quant.quantize_rows(a)` would (the scale max(amax, 1e-12) / 448
-    from the row's partial maxima), one launch fewer."""
+    per-step scaling but for fp32 rounding)."""
     bn, bk = block
     a_fp8 = a_scale is not None
     num_experts, width, depth = weights.shape
     n = width // 2 if swiglu else width
     groups = -(-depth // bk)
-    quant_a = a_amax is not None
-    if quant_a:
-        if not scale_once or a_fp8 or a.dtype not in (torch.bfloat16, torch.float16) or a_amax.dtype != torch.float32 \
-                or a_amax.dim() != 2 or a_amax.shape[0] != a.shape[0] or not a_amax.is_contiguous():
-            raise ValueError(f"fp8_expert_gemm: a_amax [rows, tiles] fp32 needs scale_once, a in bf16/fp16 and "
-                             f"a_scale None, got a {a.dtype}, a_amax {list(a_amax.shape)} {a_amax.dtype}")
-        a_scale = torch.empty((a.shape[0], 1), dtype=torch.float32, device=a.device)  # the checks' stand-in
-    if amax_out is not None and (not swiglu or amax_out.dtype != torch.float32 or not amax_out.is_contiguous()
-                                 or tuple(amax_out.shape) != (order.numel(), -(-width // 2 // block_n))):
-        raise ValueError(f"fp8_expert_gemm: amax_out [rows, cdiv(N, block_n)] fp32 with swiglu needed, got "
-                         f"{list(amax_out.shape)} {amax_out.dtype}")
     if scale_once:
         per_row = bn == 1 and (w_scale.stride(2) == 0 or w_scale.shape[2] == 1)
-        if not (a_fp8 or quant_a) or tuple(a_scale.shape) != (a.shape[0], 1) or not per_row:
+        if not a_fp8 or tuple(a_scale.shape) != (a.shape[0], 1) or not per_row:
             raise ValueError("fp8_expert_gemm: scale_once needs a_scale [rows, 1] (per token) and per-row weight "
                              f"scales (K stride 0), got a_scale {None if a_scale is None else list(a_scale.shape)}, "
                              f"w_scale strides {w_scale.stride()}, block {block}")
@@ -256,7 +212,6 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
     block_k = min(block_k, 32 if a.dtype == torch.float32 else block_k if scale_once else bk)
     num_rows = order.numel()
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
-    amax_tiles = amax_out.shape[1] if amax_out is not None else a_amax.shape[1] if quant_a else 1
     if num_rows:
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
         if group_m:
@@ -268,9 +223,7 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
             SWIGLU=swiglu, A_FP8=a_fp8, GROUP_N=bn, GROUP_K=bk, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, BLOCK_E=triton.next_power_of_2(num_experts), SWAP_AB=swap_ab,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32", GROUP_M=group_m, SCALE_ONCE=scale_once,
-            amax_ptr=amax_out if amax_out is not None else a_amax, AMAX_TILES=amax_tiles,
-            AMAX_BLOCK=triton.next_power_of_2(amax_tiles), ROW_AMAX=amax_out is not None, QUANT_A=quant_a,
-            QMAX=FP8_MAX, num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
@@ -585,16 +538,11 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
         if rowwise:
             return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
         a, a_scale = quantized(x)
-    fuse_h = token_scales and DECODE_FUSED_H_QUANT and x.dtype in (torch.bfloat16, torch.float16)
-    amax = None
-    if fuse_h:  # h's per-row maxima from the gate/up launch; the down launch quantises h as it loads it
-        tiles = -(-(experts.gate_up.shape[1] // 2) // options["block_n"])
-        amax = torch.empty((order.numel(), tiles), dtype=torch.float32, device=x.device)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
-                        x.dtype, gather=True, scatter=False, swiglu=True, amax_out=amax, **options)
-    a, a_scale = (h, None) if fuse_h else quantized(h)
+                        x.dtype, gather=True, scatter=False, swiglu=True, **options)
+    a, a_scale = quantized(h)
     y = fp8_expert_gemm(a, a_scale, order, top_k, experts.down, experts.down_scale, counts, experts.block,
-                        x.dtype, gather=False, scatter=True, swiglu=False, a_amax=amax, **down_options)
+                        x.dtype, gather=False, scatter=True, swiglu=False, **down_options)
     return combine(y, top_weights)
 
 
