@@ -303,3 +303,30 @@ def check_decode_launches(shared: bool, dtype: torch.dtype, tokens: int, device:
     monkeypatch.setattr(triton_fp8_moe, "SHARED_SORT", False)
     monkeypatch.setattr(triton_fp8_moe, "DECODE_PROLOGUE", False)
     assert torch.equal(got, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
+
+
+@needs_interpreter
+def test_interpreted_decode_tiles_table_picks_the_launch_per_shape(monkeypatch):
+    """`fp8_tiles.DECODE_TILES`: a shape's entry (here a plain 64-row tile for gate/up, a 3-stage swap-AB tile
+    for down) is the launch each GEMM runs, and the result agrees with the `DECODE_*` launch's to fp32 order."""
+    from hybridcache.kernels.gemm import fp8_tiles, triton_fp8_moe
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    generator = torch.Generator().manual_seed(19)
+    hidden, inter, num_experts, top_k, tokens = 256, 128, 4, 2, 9
+    stacked = Fp8ExpertWeights.share(block_experts(hidden, inter, num_experts, generator), per_channel=True,
+                                     shared=block_experts(hidden, inter, 1, generator)[0])
+    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_weights = torch.rand(tokens, top_k, generator=generator).to(torch.bfloat16)
+    gate = torch.randn(tokens, 1, generator=generator).to(torch.bfloat16)
+    default = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    tiles = {(2 * inter, hidden, 16): fp8_tiles.DecodeTile(64, 64, 128, 4, 4, swap_ab=False),
+             (hidden, inter, 16): fp8_tiles.DecodeTile(32, 64, 128, 4, 3)}
+    monkeypatch.setattr(fp8_tiles, "DECODE_TILES", tiles)
+    launches = []
+    launch = triton_fp8_moe.fp8_expert_gemm
+    monkeypatch.setattr(triton_fp8_moe, "fp8_expert_gemm", lambda *a, **k: launches.append(k) or launch(*a, **k))
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert [(k["block_m"], k["swap_ab"], k["num_stages"]) for k in launches] == [(64, False, 4), (32, True, 3)]
+    assert rel(got.float(), default.float()) <= 2e-2

@@ -570,7 +570,8 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
-    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
+    `moe.grouped.compile_tiles`; with the shared expert, the decode prologue too), the decode launch of each tile
+    `moe.grouped.tile_rows` can pick (at a token count that picks it), the W8A8 prefill path
     with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
     where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks."""
     from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_size, block_sizes, sort_pairs_triton
@@ -588,12 +589,23 @@ def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> Non
                                 torch.ones((tokens, top_k), dtype=x.dtype, device=x.device), ids,
                                 torch.zeros((tokens, num_experts), dtype=x.dtype, device=x.device)[:, -1:],
                                 num_experts)  # the gate: a column of the router's output, as in the block
-    ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :]
-    token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
-    weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    gate = torch.zeros((1, 1), dtype=x.dtype, device=x.device) if experts.shared else None
-    for block_m in (16, 32, 64):
-        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m, shared_gate=gate)
+    from hybridcache.kernels.moe.grouped import tile_rows
+
+    def tokens_of(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, top_weights, top_ids, shared_gate) of `count` tokens: zeros, each token picking experts 0 .. k-1."""
+        ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :].expand(count, -1).contiguous()
+        gate = torch.zeros((count, 1), dtype=x.dtype, device=x.device) if experts.shared else None
+        return (torch.zeros((count, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
+                torch.ones((count, top_k), dtype=x.dtype, device=x.device), ids, gate)
+
+    # each decode bucket `tile_rows` can pick (16, 32, 64 rows) at a token count in it, so the launch chosen there
+    # (`decode_launch`: `fp8_tiles.DECODE_TILES` or the DECODE_* launch) compiles
+    for rows, most_per_expert in ((16, 8), (32, 16), (64, 64)):
+        count = max(1, most_per_expert * routed // top_k)
+        if tile_rows(count * top_k, routed) == rows:
+            token, weights, ids, gate = tokens_of(count)
+            fp8_grouped_experts(token, weights, ids, experts, shared_gate=gate)
+    token, weights, ids, gate = tokens_of(1)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
         fp8_grouped_experts(token, weights, ids, experts, prefill=prefill, shared_gate=gate)
     if rowwise_fits(token, experts):
