@@ -330,6 +330,112 @@ def sweep_experts(seqs: int) -> list[dict]:
     return results
 
 
+# the FP8 expert GEMM at decode (`gemm/triton_fp8_moe.fp8_expert_gemm`, per-channel experts with per-token x: the
+# engine's `scale_once` path): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap-AB); the first is the
+# engine's launch before this sweep (BLOCK_M from `tile_rows`, the `DECODE_*` settings)
+FP8_EXPERT_LAUNCHES = ((32, 64, 128, 4, 4, True), (32, 64, 128, 4, 3, True), (32, 64, 128, 4, 5, True),
+                       (32, 64, 128, 4, 6, True), (32, 64, 256, 4, 3, True), (32, 64, 256, 4, 4, True),
+                       (32, 128, 128, 4, 4, True), (32, 128, 128, 8, 4, True), (32, 128, 256, 8, 3, True),
+                       (32, 64, 128, 8, 4, True), (64, 64, 128, 4, 4, True), (64, 64, 256, 4, 3, True),
+                       (64, 128, 128, 8, 4, True), (64, 64, 128, 4, 4, False), (16, 64, 128, 4, 4, True),
+                       (16, 64, 256, 4, 3, True), (16, 128, 128, 4, 4, True))
+# (routed experts, top-k, hidden, width): the shared expert is one more expert of the stack, every token's pick k + 1
+FP8_EXPERT_SHAPES = ({"next-16b": (32, 8, 4096, 1024), "80b": (512, 10, 2048, 512)} if DEVICE == "cuda"
+                     else {"small": (8, 2, 256, 128)})  # on the CPU (a dry run under TRITON_INTERPRET=1)
+
+
+def fp8_rows(experts: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random per-channel FP8 expert weights on gen's device: ([E, n, k] float8_e4m3fn, scales [E, n] fp32)."""
+    from hybridcache.fp8_format import FP8_DTYPE
+
+    q = torch.empty(experts, n, k, dtype=FP8_DTYPE, device=gen.device)
+    scale = torch.empty(experts, n, device=gen.device)
+    for e in range(experts):  # one expert at a time: the 80B stack in fp32 would not fit
+        w = torch.randn(n, k, generator=gen, device=gen.device) / k**0.5
+        scale[e] = w.abs().amax(dim=1) / 448.0
+        q[e] = (w / scale[e, :, None]).to(FP8_DTYPE)
+    return q, scale
+
+
+def per_expert(a: torch.Tensor, expert_of: torch.Tensor, w: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
+    """[R, n] fp32: each sorted row a[r] times its expert's (expert_of[r]) dequantised weight, one expert at a time."""
+    out = torch.zeros(a.shape[0], w.shape[1], device=a.device)
+    for e in torch.unique(expert_of).tolist():
+        rows_e = (expert_of == e).nonzero().flatten()
+        out[rows_e] = a[rows_e] @ (w[e].float() * w_rows[e, :, None]).T
+    return out
+
+
+def sweep_fp8_experts(seqs: int) -> list[dict]:
+    """The FP8 routed experts' gate/up (gather + SiLU gate) and down (scatter) GEMMs by launch, at the engine's
+    decode layout: per-channel FP8 weights with the shared expert stacked last, x and h quantised per token, the
+    unscaled MMA chain scaled once (`scale_once`); rate = every touched expert's FP8 weights once / time."""
+    from hybridcache.kernels.gemm import triton_quant
+    from hybridcache.kernels.gemm.triton_fp8_moe import fp8_expert_gemm
+    from hybridcache.kernels.moe.grouped import sort_pairs, tile_rows
+
+    device = DEVICE
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for model, (routed, top_k, hidden, width) in FP8_EXPERT_SHAPES.items():
+        experts = routed + 1
+        picks = torch.rand(seqs, routed, generator=gen).argsort(dim=-1)[:, :top_k]
+        ids = torch.cat([picks, torch.full((seqs, 1), routed)], dim=1).to(device)
+        order, counts = sort_pairs(ids, experts)
+        engine_m = tile_rows(seqs * top_k, routed)
+        touched = int(torch.unique(ids).numel())
+
+        wgen = torch.Generator(device=device).manual_seed(1)
+        gate_up, gate_up_rows = fp8_rows(experts, 2 * width, hidden, wgen)
+        down, down_rows = fp8_rows(experts, hidden, width, wgen)
+        gate_up_copies = [gate_up, gate_up.clone()]
+        down_copies = [down, down.clone()]
+        x = (torch.randn(seqs, hidden, generator=gen) * 0.5).to(device, torch.bfloat16)
+        xq, x_scale = triton_quant.quantize_rows(x)
+        expert_of = ids.reshape(-1)[order]
+        tokens = order // (top_k + 1)
+        g, u = per_expert((xq.float() * x_scale)[tokens], expert_of, gate_up, gate_up_rows).chunk(2, dim=-1)
+        h_ref = torch.nn.functional.silu(g) * u
+        hq, h_scale = triton_quant.quantize_rows(h_ref.to(torch.bfloat16))
+        y_ref = torch.empty(order.numel(), hidden, device=device)
+        y_ref[order] = per_expert(hq.float() * h_scale, expert_of, down, down_rows)
+        for kind, a, a_scale, copies_, rows, nbytes, ref, first in (
+                ("gate/up + SiLU gate", xq, x_scale, gate_up_copies, gate_up_rows, touched * 2 * width * hidden,
+                 h_ref, True),
+                ("down", hq, h_scale, down_copies, down_rows, touched * hidden * width, y_ref, False)):
+            part = []
+            for block_m, block_n, block_k, warps, stages, swap in FP8_EXPERT_LAUNCHES:
+                # 64 tokens over 32 experts: 16-row tiles read an expert's weights more than once
+                if (model, block_m) in (("80b", 64), ("next-16b", 16)) or DEVICE == "cpu" and block_m != engine_m:
+                    continue
+                depth = copies_[0].shape[2]
+                scales = rows[:, :, None].expand(-1, -1, -(-depth // 128))
+                name = (f"{block_m}x{block_n}x{block_k}, {warps} warps, {stages} stages" + (", swap-AB" if swap else "")
+                        + (" (tile_rows')" if block_m == engine_m else ""))
+                settings = dict(w_scale=scales, counts=counts, block=(1, 128), out_dtype=torch.bfloat16,
+                                gather=first, scatter=not first, swiglu=first, block_m=block_m, block_n=block_n,
+                                block_k=block_k, num_warps=warps, num_stages=stages, swap_ab=swap, scale_once=True)
+                launch = functools.partial(fp8_expert_gemm, a, a_scale, order, top_k + 1, **settings)
+
+                def run(i: int, launch=launch, copies_=copies_) -> torch.Tensor:
+                    return launch(weights=copies_[i])
+
+                try:
+                    out = run(0).float()
+                    err = float((out - ref).abs().max() / ref.abs().max())
+                    part.append({"launch": name, "us": graph_us(run, 2), "bytes": nbytes, "same": f"{err:.1e}",
+                                 "model": model, "gemm": kind, "block_m": block_m, "block_n": block_n,
+                                 "block_k": block_k, "num_warps": warps, "num_stages": stages, "swap_ab": swap})
+                except Exception as error:  # a launch past the shared memory must not cost the table
+                    print(f"{model} FP8 {kind} {name}: {type(error).__name__}: {str(error)[:120]}")
+            results += report(f"{model} FP8 experts ({routed} + shared, top-{top_k} + 1, hidden {hidden}, width "
+                              f"{width}, {touched} touched, rows per expert max {int(counts.max())}): {kind}, {seqs} "
+                              "tokens (last column: max |diff| / max |ref|)", part,
+                              f"{engine_m}x64x128, 4 warps, 4 stages, swap-AB (tile_rows')")
+        del gate_up_copies, down_copies
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqs", type=int, default=64)
@@ -337,7 +443,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms, "argmax": sweep_argmax,
-              "conv_prefill": sweep_conv_prefill, "experts": sweep_experts}
+              "conv_prefill": sweep_conv_prefill, "experts": sweep_experts,
+              "fp8experts": sweep_fp8_experts}
     found = {}
     for name in args.only.split(","):
         found[name] = sweeps[name](args.seqs)

@@ -12,7 +12,8 @@ per-channel format by `write_fp8_folder` from the random bf16 one, both on disk)
 whatever the library's defaults (`KERNEL_VARIANTS`): the routed experts re-quantised per output channel
 (`fp8-rowexp`), the FP8 kernels before session 41 (`fp8-blockexp`), session 41's (`fp8-unfused`: the shared expert
 on its own, no split-K, per-group decode scales), the row-wise expert GEMMs with fast accumulation (`fp8-fastacc`),
-no split-K dense decode GEMM (`fp8-nosplitk`), the decode expert tiles with per-group scales (`fp8-groupscale`); KV
+no split-K dense decode GEMM (`fp8-nosplitk`), the decode expert tiles with per-group scales (`fp8-groupscale`),
+session 42's MoE decode launches (`fp8-s42`: main before session 43's fp8h); KV
 is `auto` (the model dtype) or `fp8` (`kv_cache_dtype="fp8"`; such runs run --kv-fp8-phases). With `--load-format
 dummy` (the default) a folder holds only config.json and the tokenizer and the engine draws the weights on the GPU
 (FP8 linears quantised from their draws): nothing is written to disk. `80b` is the Qwen3-Next-80B-A3B shape (48
@@ -59,7 +60,7 @@ QWEN3_NEXT_80B = dict(vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                       linear_key_head_dim=128, linear_value_head_dim=128, num_experts=512, num_experts_per_tok=10,
                       moe_intermediate_size=512, shared_expert_intermediate_size=512, intermediate_size=5120)
 WEIGHTS = ("bf16", "fp8", "fp8-channel", "fp8-rowexp", "fp8-blockexp", "fp8-unfused", "fp8-fastacc", "fp8-nosplitk",
-           "fp8-groupscale")
+           "fp8-groupscale", "fp8-s42")
 # the `fp8` variants' library choices while one run lasts (`kernel_variant`): (module, attribute) -> value
 KERNEL_VARIANTS = {
     # the routed experts re-quantised per output channel (read when they are stacked at start-up)
@@ -79,6 +80,10 @@ KERNEL_VARIANTS = {
     "fp8-fastacc": {("fp8_tiles", "ROWWISE_FAST_ACCUM"): True},
     # no split-K dense decode GEMM (neither measured nor from `--decode-kernels-from`)
     "fp8-nosplitk": {("triton_block_fp8", "DECODE_SPLIT_K"): {}, ("fp8_decode_choice", "MEASURE"): False},
+    # session 42's FP8 MoE decode (main before session 43): the sort of the [T, k + 1] ids (the shared column
+    # included), with_shared, sort and x's quantisation as three launches, the `DECODE_*` expert tile at every shape
+    "fp8-s42": {("triton_fp8_moe", "SHARED_SORT"): False, ("triton_fp8_moe", "DECODE_PROLOGUE"): False,
+                ("fp8_tiles", "DECODE_TILES"): {}},
 }
 
 

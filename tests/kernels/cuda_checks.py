@@ -453,18 +453,26 @@ def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
 def check_sort_pairs(device: torch.device, seed: int = 0) -> dict[str, int]:
     """The one-launch pair sort (`triton_sort.sort_pairs_triton`) against torch's stable argsort and bincount, for
     the models' routings (16 experts top 4, 32 top 8, 512 top 10), a token that picks one expert twice, one pair,
-    and `MAX_PAIRS` pairs: how many order entries and counts differ, per case (0 everywhere when exact)."""
+    and `MAX_PAIRS` pairs, and with `shared` (an FP8 stack's shared expert as every token's last pick: "+s", the
+    reference sorting the [T, k + 1] ids): how many order entries and counts differ, per case (0 everywhere when
+    exact)."""
     from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
 
     gen = torch.Generator().manual_seed(seed)
     cases = {"E16k4 T64": (64, 16, 4), "E32k8 T64": (64, 32, 8), "E512k10 T37": (37, 512, 10), "E4k1 T1": (1, 4, 1),
-             f"E32k8 T{MAX_PAIRS // 8}": (MAX_PAIRS // 8, 32, 8)}
+             f"E32k8 T{MAX_PAIRS // 8}": (MAX_PAIRS // 8, 32, 8), "E32k8+s T64": (64, 32, 8),
+             "E512k10+s T37": (37, 512, 10), "E4k1+s T1": (1, 4, 1), "E16k4+s T3": (3, 16, 4),
+             f"E32k8+s T{MAX_PAIRS // 8}": (MAX_PAIRS // 8, 32, 8)}
     misses = {}
     for name, (tokens, experts, top_k) in cases.items():
+        shared = "+s" in name
         ids = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k]
         if name.startswith("E16"):
             ids[::3, 1] = ids[::3, 0]  # a token picking one expert twice (a valid sum of two weights)
-        order, counts = sort_pairs_triton(ids.to(device), experts)
+        order, counts = sort_pairs_triton(ids.to(device), experts + shared, shared)
+        if shared:
+            ids = torch.cat([ids, torch.full((tokens, 1), experts)], dim=1)
+            experts += 1
         flat = ids.reshape(-1)
         ref_order = torch.argsort(flat, stable=True)
         ref_counts = torch.bincount(flat, minlength=experts).to(torch.int32)

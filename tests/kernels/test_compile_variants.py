@@ -9,7 +9,7 @@ from hybridcache.kernels.attention import triton_paged
 from hybridcache.kernels.conv import triton_verify as conv_verify
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta import triton_verify as gdn_verify
-from hybridcache.kernels.gemm import triton_block_fp8, triton_quant
+from hybridcache.kernels.gemm import triton_block_fp8, triton_fp8_moe, triton_quant
 from hybridcache.kernels.moe import triton_route, triton_sort
 from hybridcache.kernels.sampling import triton_argmax
 
@@ -24,6 +24,10 @@ def test_every_pair_count_sorts_with_a_block_start_up_compiles():
     (triton_gates._delta_gates_kernel, "num_rows"),
     (triton_route._route_kernel, "num_rows"),
     (triton_sort._sort_pairs_kernel, "num_pairs"),
+    (triton_sort._sort_pairs_kernel, "top_k"),
+    (triton_fp8_moe._shared_prologue_kernel, "T"),
+    (triton_fp8_moe._shared_prologue_kernel, "num_pairs"),
+    (triton_fp8_moe._shared_prologue_kernel, "stride_gate"),
     (triton_paged._decode_merge_kernel, "num_splits"),
     (triton_paged._prefill_split_kernel, "num_splits"),
     (triton_block_fp8._fp8_gemm_kernel, "M"),

@@ -168,7 +168,8 @@ def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(mo
     """`fp8_bench.kernel_variant`: fp8-rowexp re-quantises the experts, fp8-blockexp keeps them block-scaled with
     every dense decode GEMM on cuBLAS and the shared expert on its own (the kernels before session 41),
     fp8-unfused runs the shared expert on its own without split-K, fp8-fastacc the row-wise GEMMs with fast
-    accumulation, fp8-nosplitk no split-K; other runs keep the library's (or a sweep's) choices."""
+    accumulation, fp8-nosplitk no split-K, fp8-s42 session 42's MoE decode launches; other runs keep the
+    library's (or a sweep's) choices."""
     from benchmarks.fp8_bench import kernel_variant
     from hybridcache.kernels.gemm import fp8_decode_choice, fp8_tiles, triton_block_fp8
 
@@ -197,6 +198,14 @@ def test_kernel_variants_set_the_library_choices_for_one_run_and_restore_them(mo
         with kernel_variant(variant):
             assert triton_fp8_moe.DECODE_TOKEN_SCALES is False
     assert token_scales is triton_fp8_moe.DECODE_TOKEN_SCALES
+    monkeypatch.setattr(fp8_tiles, "DECODE_TILES", {(2048, 4096, 32): fp8_tiles.DecodeTile(64)})  # as measured
+    def moe_decode():
+        return triton_fp8_moe.SHARED_SORT, triton_fp8_moe.DECODE_PROLOGUE, dict(fp8_tiles.DECODE_TILES)
+
+    s43 = moe_decode()
+    with kernel_variant("fp8-s42"):  # session 42's MoE decode launches
+        assert moe_decode() == (False, False, {}) and library == choices()
+    assert moe_decode() == s43 and all(s43[:2]) and s43[2]
     with kernel_variant("fp8"):
         assert library == choices()
     assert library == choices()

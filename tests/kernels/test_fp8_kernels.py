@@ -340,9 +340,9 @@ def test_cuda_fp8_compile_tiles_covers_every_sort_bucket(monkeypatch):
     pair_counts: list[int] = []
     original = triton_sort.sort_pairs_triton
 
-    def recording(top_ids: torch.Tensor, num_experts: int):
+    def recording(top_ids: torch.Tensor, num_experts: int, shared: bool = False):
         pair_counts.append(top_ids.numel())
-        return original(top_ids, num_experts)
+        return original(top_ids, num_experts, shared)
 
     monkeypatch.setattr(triton_sort, "sort_pairs_triton", recording)
     generator = torch.Generator().manual_seed(0)

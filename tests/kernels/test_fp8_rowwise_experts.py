@@ -266,3 +266,67 @@ def test_interpreted_decode_tile_with_token_scales_equals_its_arithmetic(shared,
     monkeypatch.setattr(triton_fp8_moe, "DECODE_TOKEN_SCALES", False)
     per_group = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
     assert 1e-4 < rel(per_group, got) <= 1e-1
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_interpreted_decode_launches_equal_session_42s(shared, dtype, monkeypatch):
+    check_decode_launches(shared, dtype, 9, torch.device("cpu"), monkeypatch)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cuda_decode_launches_equal_session_42s(shared, tokens, monkeypatch):
+    check_decode_launches(shared, torch.bfloat16, tokens, torch.device("cuda"), monkeypatch)
+
+
+def check_decode_launches(shared: bool, dtype: torch.dtype, tokens: int, device: torch.device, monkeypatch) -> None:
+    """The decode experts with the shared sort (`SHARED_SORT`) and, on CUDA, the one-launch prologue
+    (`DECODE_PROLOGUE`) give the output of session 42's launches (the sort of the [T, k + 1] ids, `with_shared`
+    and x's quantisation apart) bit for bit."""
+    from hybridcache.kernels.gemm import triton_fp8_moe
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    generator = torch.Generator().manual_seed(17)
+    hidden, inter, num_experts, top_k = 256, 192, 4, 2  # 192: a partial last column tile of 64
+    experts = [expert.to(device) for expert in block_experts(hidden, inter, num_experts, generator)]
+    shared_expert = block_experts(hidden, inter, 1, generator)[0].to(device) if shared else None
+    stacked = Fp8ExpertWeights.share(experts, per_channel=True, shared=shared_expert)
+    x = (torch.randn(tokens, hidden, generator=generator) * 2).to(device, dtype)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_ids = top_ids.to(device)
+    top_weights = torch.rand(tokens, top_k, generator=generator).to(device, dtype)
+    gate = torch.randn(tokens, 1, generator=generator).to(device, dtype) if shared else None
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    monkeypatch.setattr(triton_fp8_moe, "SHARED_SORT", False)
+    monkeypatch.setattr(triton_fp8_moe, "DECODE_PROLOGUE", False)
+    assert torch.equal(got, fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate))
+
+
+@needs_interpreter
+def test_interpreted_decode_tiles_table_picks_the_launch_per_shape(monkeypatch):
+    """`fp8_tiles.DECODE_TILES`: a shape's entry (here a plain 64-row tile for gate/up, a 3-stage swap-AB tile
+    for down) is the launch each GEMM runs, and the result agrees with the `DECODE_*` launch's to fp32 order."""
+    from hybridcache.kernels.gemm import fp8_tiles, triton_fp8_moe
+    from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts
+
+    generator = torch.Generator().manual_seed(19)
+    hidden, inter, num_experts, top_k, tokens = 256, 128, 4, 2, 9
+    stacked = Fp8ExpertWeights.share(block_experts(hidden, inter, num_experts, generator), per_channel=True,
+                                     shared=block_experts(hidden, inter, 1, generator)[0])
+    x = torch.randn(tokens, hidden, generator=generator).to(torch.bfloat16)
+    top_ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    top_weights = torch.rand(tokens, top_k, generator=generator).to(torch.bfloat16)
+    gate = torch.randn(tokens, 1, generator=generator).to(torch.bfloat16)
+    default = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    tiles = {(2 * inter, hidden, 16): fp8_tiles.DecodeTile(64, 64, 128, 4, 4, swap_ab=False),
+             (hidden, inter, 16): fp8_tiles.DecodeTile(32, 64, 128, 4, 3)}
+    monkeypatch.setattr(fp8_tiles, "DECODE_TILES", tiles)
+    launches = []
+    launch = triton_fp8_moe.fp8_expert_gemm
+    monkeypatch.setattr(triton_fp8_moe, "fp8_expert_gemm", lambda *a, **k: launches.append(k) or launch(*a, **k))
+    got = fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=gate)
+    assert [(k["block_m"], k["swap_ab"], k["num_stages"]) for k in launches] == [(64, False, 4), (32, True, 3)]
+    assert rel(got.float(), default.float()) <= 2e-2

@@ -3,14 +3,16 @@ with_shared` (every token's last pick: the shared expert, weight sigmoid(gate)),
 shared=...)` and the CUDA backend's MoE block with it.
 
 - `shared_fits`: FP8 projections of one format and the routed experts' widths only.
-- Interpreted (TRITON_INTERPRET=1 child, as test_fp8_kernels.py): `with_shared` against torch exactly; the stack's
+- Interpreted (TRITON_INTERPRET=1 child, as test_fp8_kernels.py): `with_shared` against torch exactly;
+  `shared_prologue` (the decode step's sort, shared weights and x quantisation in one launch) equal to the three
+  launches' results bit for bit (the sort against torch's stable argsort of the [T, k + 1] ids); the stack's
   last expert is the shared module's weights (re-pointed, one copy), and the experts with it (W8A16: no activation
   rounding) equal the reference backend's routed experts + sigmoid(gate) * shared expert to fp32 summation order;
   `SparseMoeBlock` on the CUDA backend (which then never runs the shared expert's own projections) against the
   same block on the reference backend, block-scaled (to fp32 order) and re-quantised per channel (against the
   reference on the re-quantised modules, to fp32 order).
-- On CUDA (skipped without one): the row-wise prefill path with the shared expert against the same arithmetic in
-  torch on the extended routes (`test_fp8_rowwise_experts.emulated_rowwise`).
+- On CUDA (skipped without one): `shared_prologue` as interpreted; the row-wise prefill path with the shared
+  expert against the same arithmetic in torch on the extended routes (`test_fp8_rowwise_experts.emulated_rowwise`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,39 @@ def test_interpreted_with_shared_appends_the_shared_pick(tokens, top_k):
     assert torch.allclose(weights, want_weights, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="gate \\[T, 1\\]"):
         with_shared(top_weights, top_ids, gate[:, :0], 9)
+
+
+PROLOGUE_CASES = [(64, 8, 32), (3, 10, 512), (1, 1, 4), (128, 8, 32)]  # (tokens, routed top-k, routed experts)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens, top_k, routed", PROLOGUE_CASES)
+def test_interpreted_shared_prologue_equals_its_three_launches(tokens, top_k, routed):
+    check_shared_prologue(tokens, top_k, routed, torch.device("cpu"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens, top_k, routed", PROLOGUE_CASES)
+def test_cuda_shared_prologue_equals_its_three_launches(tokens, top_k, routed):
+    check_shared_prologue(tokens, top_k, routed, torch.device("cuda"))
+
+
+def check_shared_prologue(tokens: int, top_k: int, routed: int, device: torch.device) -> None:
+    from hybridcache.kernels.gemm import triton_quant
+    from hybridcache.kernels.gemm.triton_fp8_moe import shared_prologue, with_shared
+    from hybridcache.kernels.moe.grouped import sort_pairs_torch
+
+    generator = torch.Generator().manual_seed(tokens + top_k)
+    top_ids = torch.rand(tokens, routed, generator=generator).argsort(dim=-1)[:, :top_k].contiguous().to(device)
+    top_weights = torch.rand(tokens, top_k, generator=generator).to(device, torch.bfloat16)
+    gate = torch.randn(tokens, routed + 1, generator=generator).to(device, torch.bfloat16)[:, -1:]  # a router column
+    x = (torch.randn(tokens, 200, generator=generator) * 3).to(device, torch.bfloat16)
+    order, counts, weights, xq, x_scale = shared_prologue(x, top_weights, top_ids, gate, routed + 1)
+    want_order, want_counts = sort_pairs_torch(torch_routes(top_weights, top_ids, gate, routed)[1], routed + 1)
+    want_xq, want_scale = triton_quant.quantize_rows(x)
+    assert torch.equal(order, want_order) and torch.equal(counts, want_counts)
+    assert torch.equal(weights, with_shared(top_weights, top_ids, gate, routed)[0])
+    assert torch.equal(xq.view(torch.uint8), want_xq.view(torch.uint8)) and torch.equal(x_scale, want_scale)
 
 
 @needs_interpreter

@@ -55,3 +55,30 @@ PREFILL_TILES = {"small": PrefillTile(64, 64, 128, 4, 3, 8), "large": PrefillTil
 def prefill_bucket(num_rows: int, num_experts: int) -> str:
     """The `PREFILL_TILES` key of R = T*k rows over E experts."""
     return "small" if num_rows <= PREFILL_SMALL_ROWS * num_experts else "large"
+
+
+@dataclass(frozen=True)
+class DecodeTile:
+    """The launch of one FP8 expert GEMM at decode sizes (`moe.grouped.tile_rows` gives a tile): BLOCK_M rows
+    (which may differ from `tile_rows`' choice), `block_n` weight rows, `block_k`, warps, stages, swap-AB."""
+
+    block_m: int
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+    swap_ab: bool = True
+
+
+# (N_w, K, `tile_rows`' BLOCK_M) of an expert GEMM's stacked weight [E, N_w, K] -> its launch at decode sizes, where
+# `benchmarks/decode_kernel_sweep.py --only fp8experts` measured one faster than `triton_fp8_moe`'s `DECODE_*`
+# launch (docs/bench.md, "session 43, fp8h"); other shapes run that launch
+# (`decode_kernel_sweep.py --only fp8experts` on the H200, 64 tokens, the shared expert stacked, us per launch:
+# next-16b gate/up 80.2 -> 74.9, down 41.9 -> 40.8; the 80B shape's down 123.9 -> 111.6: its 4 K steps want fewer
+# stages, and 32-row tiles read the shared expert's 64 rows in two tiles instead of four)
+DECODE_TILES: dict[tuple[int, int, int], DecodeTile] = {
+    (2048, 4096, 32): DecodeTile(64, 64, 128, 4, 4, swap_ab=False),  # next-16b gate/up at 33-64 tokens
+    (4096, 1024, 32): DecodeTile(32, 64, 128, 4, 3),  # next-16b down
+    (2048, 512, 16): DecodeTile(32, 64, 128, 4, 3),  # the 80B shape's down (512 experts top-10), up to 409 tokens
+}
+

@@ -23,6 +23,7 @@ gate/up GEMM gathers, h = silu(gate) * up (quantised again in W8A8), the down GE
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,11 +33,13 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from hybridcache.fp8_format import CHANNEL, FP8_DTYPE
+from hybridcache.fp8_format import CHANNEL, FP8_DTYPE, FP8_MAX
 from hybridcache.kernels.gemm import fp8_tiles, reference, triton_quant
 from hybridcache.kernels.gemm.fp8_tiles import PrefillTile, prefill_bucket
 from hybridcache.kernels.gemm.triton_block_fp8 import scaled_dot, store_tile
+from hybridcache.kernels.gemm.triton_quant import quantize_tile
 from hybridcache.kernels.moe.triton_experts import combine, expert_tile, tile_indices
+from hybridcache.kernels.moe.triton_sort import sort_block
 
 # `fp8_grouped_experts`' choices (measured on the H200: `benchmarks/fp8_sweep.py`, docs/kernels.md)
 DECODE_W8A16 = False  # few rows per expert: W8A8 (x and h quantised per token per 128 channels), else W8A16
@@ -48,6 +51,11 @@ DECODE_NUM_STAGES = 4  # the sweep's fastest over T = 64 and 1 (docs/bench.md, "
 # are constant over K and the product is scaled once after the K loop (`fp8_expert_gemm`'s `scale_once`: a plain
 # MMA chain over K, as bf16's kernel runs), instead of per token per 128 channels scaled at every K step
 DECODE_TOKEN_SCALES = True
+# a stack holding the shared expert: the pair sort reads the routed picks alone and appends the shared run
+# (`moe.grouped.sort_pairs(..., shared=True)`: bf16's sort bucket, not the next power of two), and at decode with
+# DECODE_TOKEN_SCALES the sort, the shared pick's weights and x's quantisation run as one launch (`shared_prologue`)
+SHARED_SORT = True
+DECODE_PROLOGUE = True
 
 
 @triton.jit
@@ -200,7 +208,8 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, order: torch.
                          "scale's may be 0: one scale per row)")
     if bk < 16 or bk & (bk - 1):
         raise ValueError(f"fp8_expert_gemm: the K group {bk} must be a power of two >= 16")
-    block_k = min(block_k, bk, 32 if a.dtype == torch.float32 else bk)
+    # a K step never straddles two scale groups, but with scale_once the scales do not change over K
+    block_k = min(block_k, 32 if a.dtype == torch.float32 else block_k if scale_once else bk)
     num_rows = order.numel()
     out = torch.empty((num_rows, n), dtype=out_dtype, device=a.device)
     if num_rows:
@@ -315,22 +324,87 @@ def shared_fits(experts: Sequence[nn.Module], shared: nn.Module) -> bool:
 @triton.jit(do_not_specialize=["T"])  # one compile for every token count
 def _with_shared_kernel(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_out_ptr, T, top_k, shared_id, stride_w,
                         stride_ids, stride_gate, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    with_shared_tile(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_out_ptr, tl.program_id(0) * BLOCK_T, T, top_k,
+                     shared_id, stride_w, stride_ids, stride_gate, BLOCK_T, BLOCK_K, True)
+
+
+@triton.jit
+def with_shared_tile(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_out_ptr, first, T, top_k, shared_id, stride_w,
+                     stride_ids, stride_gate, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, WRITE_IDS: tl.constexpr):
+    """`with_shared` for tokens [first, first + BLOCK_T) in the calling program (the ids only when WRITE_IDS)."""
+    tokens = first + tl.arange(0, BLOCK_T)
     picks = tl.arange(0, BLOCK_K)
     token_ok = tokens < T
     routed = token_ok[:, None] & (picks[None, :] < top_k)
     tokens64 = tokens.to(tl.int64)
     w = tl.load(w_ptr + tokens64[:, None] * stride_w + picks[None, :], mask=routed, other=0.0)
-    ids = tl.load(ids_ptr + tokens64[:, None] * stride_ids + picks[None, :], mask=routed, other=0)
     gate = tl.load(gate_ptr + tokens64 * stride_gate, mask=token_ok, other=0.0).to(tl.float32)
     shared_w = tl.sigmoid(gate).to(w_out_ptr.dtype.element_ty)
     is_shared = picks[None, :] == top_k
     w = tl.where(is_shared, shared_w[:, None], w)
-    ids = tl.where(is_shared, shared_id, ids)
     out = tokens64[:, None] * (top_k + 1) + picks[None, :]
     keep = token_ok[:, None] & (picks[None, :] <= top_k)
     tl.store(w_out_ptr + out, w, mask=keep)
-    tl.store(ids_out_ptr + out, ids.to(tl.int64), mask=keep)
+    if WRITE_IDS:
+        ids = tl.load(ids_ptr + tokens64[:, None] * stride_ids + picks[None, :], mask=routed, other=0)
+        ids = tl.where(is_shared, shared_id, ids)
+        tl.store(ids_out_ptr + out, ids.to(tl.int64), mask=keep)
+
+
+_PROLOGUE_TOKENS = 64  # tokens per step of the prologue's weights loop
+
+
+# the step's token count and the strides of the router output's views: one compile for all
+@triton.jit(do_not_specialize=["T", "num_pairs", "top_k", "stride_w", "stride_gate"])
+def _shared_prologue_kernel(ids_ptr, w_ptr, gate_ptr, order_ptr, counts_ptr, w_out_ptr, x_ptr, q_ptr, s_ptr, T,
+                            num_pairs, num_experts, top_k, K, stride_w, stride_gate, stride_x, stride_q,
+                            BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid == 0:
+        sort_block(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k, BLOCK_N, BLOCK_E, True)
+    elif pid == 1:
+        for first in range(0, T, BLOCK_T):
+            with_shared_tile(w_ptr, ids_ptr, gate_ptr, w_out_ptr, ids_ptr, first, T, top_k, num_experts - 1,
+                             stride_w, 0, stride_gate, BLOCK_T, BLOCK_K, False)
+    else:
+        quantize_tile(x_ptr, q_ptr, s_ptr, (pid - 2).to(tl.int64), 0, T, K, 1, stride_x, stride_q, 1, 0, GROUP, 1,
+                      QMAX)
+
+
+def shared_prologue(x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, gate: torch.Tensor,
+                    num_experts: int) -> tuple[torch.Tensor, ...]:
+    """The decode prologue of a stack holding the shared expert (its last, E - 1), in one launch of 2 + T programs:
+    the pair sort of the routed picks with the shared run appended (`moe.grouped.sort_pairs(top_ids, E,
+    shared=True)`), the combine weights with the shared pick (`with_shared`'s weights) and x quantised per token
+    (`triton_quant.quantize_rows`), each equal to its own launch's result. x [T, H] (unit stride on H), top_weights
+    [T, k] (x's dtype, unit stride on k), top_ids [T, k] int64 contiguous (ids < E - 1), gate [T, 1], 1 <= T*k <=
+    `triton_sort.MAX_PAIRS`, E <= `MAX_EXPERTS` -> (order [T*(k + 1)] int64, counts [E] int32, weights
+    [T, k + 1], xq [T, H] float8_e4m3fn, x_scale [T, 1] fp32)."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_size
+
+    tokens, top_k = top_ids.shape
+    hidden = x.shape[1]
+    if not 0 < tokens * top_k <= MAX_PAIRS or num_experts > MAX_EXPERTS or x.shape[0] != tokens:
+        raise ValueError(f"shared_prologue: 1 to {MAX_PAIRS} routed pairs over at most {MAX_EXPERTS} experts and "
+                         f"x of their tokens, got {list(top_ids.shape)} over {num_experts}, x {list(x.shape)}")
+    if (not top_ids.is_contiguous() or top_ids.dtype != torch.int64 or top_weights.shape != top_ids.shape
+            or top_weights.stride(1) != 1 or x.stride(1) != 1 or tuple(gate.shape) != (tokens, 1)):
+        raise ValueError("shared_prologue: contiguous int64 top_ids [T, k], top_weights [T, k] and x [T, H] with "
+                         f"unit inner stride, gate [T, 1] needed, got {list(top_weights.shape)}, {top_ids.dtype}, "
+                         f"{list(gate.shape)}")
+    order = torch.empty(tokens * (top_k + 1), dtype=torch.int64, device=x.device)
+    counts = torch.empty(num_experts, dtype=torch.int32, device=x.device)
+    weights = torch.empty((tokens, top_k + 1), dtype=top_weights.dtype, device=x.device)
+    xq = torch.empty((tokens, hidden), dtype=FP8_DTYPE, device=x.device)
+    x_scale = torch.empty((tokens, 1), dtype=torch.float32, device=x.device)
+    _shared_prologue_kernel[(2 + tokens,)](
+        top_ids, top_weights, gate, order, counts, weights, x, xq, x_scale, tokens, tokens * top_k, num_experts, top_k,
+        hidden, top_weights.stride(0), gate.stride(0), x.stride(0), xq.stride(0),
+        BLOCK_N=block_size(tokens * top_k), BLOCK_E=triton.next_power_of_2(num_experts + 1),
+        BLOCK_T=_PROLOGUE_TOKENS, BLOCK_K=triton.next_power_of_2(top_k + 1),
+        GROUP=max(16, triton.next_power_of_2(hidden)), QMAX=FP8_MAX, num_warps=4)
+    return order, counts, weights, xq, x_scale
 
 
 def with_shared(top_weights: torch.Tensor, top_ids: torch.Tensor, gate: torch.Tensor,
@@ -417,27 +491,21 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs, tile_rows
 
     num_experts = experts.gate_up.shape[0]
-    routed_experts, routed_rows = num_experts, top_ids.numel()
+    routed_experts, routed_rows = num_experts - experts.shared, top_ids.numel()
     if experts.shared != (shared_gate is not None):
         raise ValueError("fp8_grouped_experts: shared_gate is needed exactly when the stack holds the shared expert")
-    if experts.shared:
-        routed_experts -= 1
-        top_weights, top_ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
-    top_k = top_ids.shape[1]
+    top_k = top_ids.shape[1] + experts.shared
     bk = experts.block[1]
-    order, counts = sort_pairs(top_ids, num_experts)
     decode_tile = tile_rows(routed_rows, routed_experts)
     if rowwise is None:
         rowwise = (decode_tile is None and prefill is None and not tile and block_m is None and w8a16 is None
                    and rowwise_fits(x, experts) and (fp8_tiles.ROWWISE_FAST_ACCUM or routed_rows
                                                      >= fp8_tiles.ROWWISE_FULL_ACCUM_ROWS * routed_experts))
-    if rowwise:
-        return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
     token_scales = False
-    if decode_tile is not None and prefill is None:
-        options = dict(block_m=decode_tile, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
-                       num_stages=DECODE_NUM_STAGES)
-        down_options = options
+    if rowwise:
+        options = down_options = {}
+    elif decode_tile is not None and prefill is None:
+        options, down_options = decode_launch(experts.gate_up, decode_tile), decode_launch(experts.down, decode_tile)
         w8a16 = DECODE_W8A16 if w8a16 is None else w8a16
         token_scales = DECODE_TOKEN_SCALES and not w8a16 and experts.gate_up_rows is not None
     else:
@@ -456,7 +524,20 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
             return t, None
         return triton_quant.quantize_rows(t) if token_scales else triton_quant.quantize_groups(t, bk)
 
-    a, a_scale = quantized(x)
+    if experts.shared and token_scales and DECODE_PROLOGUE and SHARED_SORT and prologue_fits(x, top_ids, num_experts):
+        order, counts, top_weights, a, a_scale = shared_prologue(x, top_weights, top_ids, shared_gate, num_experts)
+    else:
+        if experts.shared and SHARED_SORT:  # the routed picks alone, the shared run appended
+            order, counts = sort_pairs(top_ids, num_experts, shared=True)
+            top_weights = with_shared(top_weights, top_ids, shared_gate, routed_experts)[0]
+        elif experts.shared:
+            top_weights, ids = with_shared(top_weights, top_ids, shared_gate, routed_experts)
+            order, counts = sort_pairs(ids, num_experts)
+        else:
+            order, counts = sort_pairs(top_ids, num_experts)
+        if rowwise:
+            return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
+        a, a_scale = quantized(x)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)
     a, a_scale = quantized(h)
@@ -465,26 +546,66 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
     return combine(y, top_weights)
 
 
+def decode_launch(weights: torch.Tensor, block_m: int) -> dict:
+    """`fp8_expert_gemm`'s launch settings for stacked weights [E, N_w, K] at decode sizes, `tile_rows` having
+    chosen block_m: `fp8_tiles.DECODE_TILES`' entry, else the `DECODE_*` launch. From shapes alone."""
+    tile = fp8_tiles.DECODE_TILES.get((weights.shape[1], weights.shape[2], block_m))
+    if tile is None:
+        return dict(block_m=block_m, block_n=DECODE_BLOCK_N, swap_ab=DECODE_SWAP_AB, num_warps=DECODE_NUM_WARPS,
+                    num_stages=DECODE_NUM_STAGES)
+    return dataclasses.asdict(tile)
+
+
+def prologue_fits(x: torch.Tensor, top_ids: torch.Tensor, num_experts: int) -> bool:
+    """Whether `fp8_grouped_experts` runs a decode step's sort, shared weights and x quantisation as one launch
+    (`shared_prologue`): on CUDA (as `moe.grouped.sort_pairs`' Triton sort), within the sort's limits, x with unit
+    stride on H, top_ids contiguous."""
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS
+
+    return (x.is_cuda and 0 < top_ids.numel() <= MAX_PAIRS and num_experts <= MAX_EXPERTS and x.stride(1) == 1
+            and top_ids.is_contiguous())
+
+
 def compile_tiles(x: torch.Tensor, experts: Fp8ExpertWeights, top_k: int) -> None:
     """Run every expert-GEMM variant `fp8_grouped_experts` can launch for this block's shapes once, on one token of
     x's dtype and device, so that they compile when the engine starts (its profiling forward stacks the experts)
     and not inside the first request that needs one: the one-launch sort at each of its pair-count buckets (as
-    `moe.grouped.compile_tiles`), the decode tiles `moe.grouped.tile_rows` can pick, the W8A8 prefill path
+    `moe.grouped.compile_tiles`; with the shared expert, the decode prologue too), the decode launch of each tile
+    `moe.grouped.tile_rows` can pick (at a token count that picks it), the W8A8 prefill path
     with its quantisation at each `fp8_tiles.PREFILL_TILES` tile, and the row-wise path's two quantisations
     where it runs; with the shared expert in the stack, `with_shared` and the combine of k + 1 picks."""
-    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_sizes, sort_pairs_triton
+    from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, block_size, block_sizes, sort_pairs_triton
 
     num_experts = experts.gate_up.shape[0]
+    routed = num_experts - experts.shared
     if x.is_cuda and num_experts <= MAX_EXPERTS:
         for pairs in block_sizes():
-            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(num_experts)[:, None], num_experts)
-    routed = num_experts - experts.shared
-    ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :]
-    token = torch.zeros((1, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device)
-    weights = torch.ones((1, top_k), dtype=x.dtype, device=x.device)
-    gate = torch.zeros((1, 1), dtype=x.dtype, device=x.device) if experts.shared else None
-    for block_m in (16, 32, 64):
-        fp8_grouped_experts(token, weights, ids, experts, block_m=block_m, shared_gate=gate)
+            sort_pairs_triton(torch.arange(pairs, device=x.device).remainder(routed)[:, None], num_experts,
+                              experts.shared)
+            tokens = max(1, pairs // top_k)
+            if experts.shared and block_size(tokens * top_k) == pairs:  # the decode prologue at this sort bucket
+                ids = torch.arange(tokens * top_k, device=x.device).remainder(routed).view(tokens, top_k)
+                shared_prologue(torch.zeros((tokens, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
+                                torch.ones((tokens, top_k), dtype=x.dtype, device=x.device), ids,
+                                torch.zeros((tokens, num_experts), dtype=x.dtype, device=x.device)[:, -1:],
+                                num_experts)  # the gate: a column of the router's output, as in the block
+    from hybridcache.kernels.moe.grouped import tile_rows
+
+    def tokens_of(count: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x, top_weights, top_ids, shared_gate) of `count` tokens: zeros, each token picking experts 0 .. k-1."""
+        ids = torch.arange(top_k, device=x.device).remainder(routed)[None, :].expand(count, -1).contiguous()
+        gate = torch.zeros((count, 1), dtype=x.dtype, device=x.device) if experts.shared else None
+        return (torch.zeros((count, experts.gate_up.shape[2]), dtype=x.dtype, device=x.device),
+                torch.ones((count, top_k), dtype=x.dtype, device=x.device), ids, gate)
+
+    # each decode bucket `tile_rows` can pick (16, 32, 64 rows) at a token count in it, so the launch chosen there
+    # (`decode_launch`: `fp8_tiles.DECODE_TILES` or the DECODE_* launch) compiles
+    for rows, most_per_expert in ((16, 8), (32, 16), (64, 64)):
+        count = max(1, most_per_expert * routed // top_k)
+        if tile_rows(count * top_k, routed) == rows:
+            token, weights, ids, gate = tokens_of(count)
+            fp8_grouped_experts(token, weights, ids, experts, shared_gate=gate)
+    token, weights, ids, gate = tokens_of(1)
     for prefill in dict.fromkeys(fp8_tiles.PREFILL_TILES.values()):
         fp8_grouped_experts(token, weights, ids, experts, prefill=prefill, shared_gate=gate)
     if rowwise_fits(token, experts):

@@ -21,8 +21,16 @@ from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
 @triton.jit(do_not_specialize=["M", "stride_sg"])
 def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_x, stride_q, stride_sm, stride_sg,
                             GROUP: tl.constexpr, CHUNK: tl.constexpr, QMAX: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    groups = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    quantize_tile(x_ptr, q_ptr, s_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), M, K, num_groups, stride_x,
+                  stride_q, stride_sm, stride_sg, GROUP, CHUNK, QMAX)
+
+
+@triton.jit
+def quantize_tile(x_ptr, q_ptr, s_ptr, row, chunk, M, K, num_groups, stride_x, stride_q, stride_sm, stride_sg,
+                  GROUP: tl.constexpr, CHUNK: tl.constexpr, QMAX: tl.constexpr):
+    """Row `row`'s groups [chunk * CHUNK, ...) of `quantize_groups` in the calling program (row >= M: a padding
+    row of zeros)."""
+    groups = chunk * CHUNK + tl.arange(0, CHUNK)
     ks = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = (groups[:, None] < num_groups) & (ks < K)
     x = tl.load(x_ptr + tl.minimum(row, M - 1) * stride_x + ks, mask=ok, other=0.0).to(tl.float32)

@@ -65,14 +65,19 @@ class ExpertWeights:
         return stacked
 
 
-def sort_pairs(top_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs(top_ids: torch.Tensor, num_experts: int, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """top_ids [T, k] int64 -> (order [T*k]: the (token, pick) pairs stably sorted by expert, counts [E] int32),
     both on the device. Up to `triton_sort.MAX_PAIRS` pairs over at most `MAX_EXPERTS` experts on CUDA: one
-    Triton launch; else torch's radix sort (the same result, exactly)."""
+    Triton launch; else torch's radix sort (the same result, exactly). `shared`: top_ids are routed picks and
+    expert E - 1 is every token's pick k + 1 (a stack holding the shared expert): the sort of the [T, k + 1] ids
+    with that last column, order [T*(k + 1)] (`triton_sort`'s module docstring), the Triton launch as wide as the
+    routed picks."""
     if num_experts > torch.iinfo(torch.int16).max:
         raise ValueError(f"{num_experts} experts: the grouped MoE sorts expert ids as int16 (at most 32,767)")
     if top_ids.is_cuda and 0 < top_ids.numel() <= MAX_PAIRS and num_experts <= MAX_EXPERTS:
-        return sort_pairs_triton(top_ids, num_experts)
+        return sort_pairs_triton(top_ids, num_experts, shared)
+    if shared:
+        top_ids = torch.cat([top_ids, top_ids.new_full((top_ids.shape[0], 1), num_experts - 1)], dim=1)
     return sort_pairs_torch(top_ids, num_experts)
 
 
