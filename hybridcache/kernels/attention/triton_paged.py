@@ -59,14 +59,38 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
+@triton.jit
+def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, rows_ptr, stride_kind, stride_kt, stride_kh, stride_vt, stride_vh,
+                     D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t's key and value [Hkv, D] -> row rows[t] of the pool's keys and values (int64 offsets: a pool's K|V
+    halves may lie more than 2^31 elements apart)."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < HD
+    head, dim = offsets // D, offsets % D
+    key = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=inside)
+    value = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=inside)
+    tl.store(kv_ptr + row * HD + offsets, key, mask=inside)
+    tl.store(kv_ptr + stride_kind + row * HD + offsets, value, mask=inside)
+
+
 def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_rows: torch.Tensor) -> None:
-    """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place."""
-    flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
+    """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place: one launch for
+    both (converted to the pool's dtype first when they are not in it; an FP8 pool's bytes are copied as such)."""
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    if num_tokens == 0:
+        return
     keys, values = keys.to(kv_pool.dtype), values.to(kv_pool.dtype)
-    if kv_pool.element_size() == 1:  # float8: copied as bytes (index_copy_ has no float8 kernel)
-        flat, keys, values = flat.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
-    flat[0].index_copy_(0, kv_rows, keys)
-    flat[1].index_copy_(0, kv_rows, values)
+    if kv_pool.element_size() == 1:  # float8: moved as bytes
+        kv_pool, keys, values = kv_pool.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or not kv_pool.is_contiguous():
+        raise ValueError("keys and values need unit stride on their last dim and kv_pool must be contiguous")
+    hd = num_kv_heads * head_dim
+    _write_kv_kernel[(num_tokens,)](
+        kv_pool, keys, values, kv_rows, kv_pool.stride(0), keys.stride(0), keys.stride(1), values.stride(0),
+        values.stride(1), D=head_dim, HD=hd, BLOCK=triton.next_power_of_2(hd), num_warps=4,
+    )
 
 
 @triton.jit
