@@ -17,7 +17,9 @@ Decode (`paged_decode_attention`, one query per sequence): split-KV ("flash deco
 (sequence, kv head, split) handles all Hq/Hkv query heads of that kv head at once (the group is padded to 16
 rows for the tensor cores), so each key/value byte is read once; a second launch merges the splits'
 partial softmax sums. The number of splits is chosen on the host from the longest context so that the grid
-covers the multiprocessors about twice.
+covers the multiprocessors about twice; each sequence's own context is cut into that many runs of whole key
+blocks on the device (a CUDA graph, captured for max_model_len, splits a 1,000-token context as finely as an
+eager step would, instead of leaving all of it to the first split).
 
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
@@ -222,17 +224,21 @@ def _prefill_split_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale, split_len,
+    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale,
     stride_qn, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One (sequence, kv head, split) program: the split-th of num_splits equal runs of whole key blocks of this
+    sequence's own context (cut from its device length, so a graph captured for the longest context keeps every
+    split busy for any); partial sums for `_decode_merge_kernel` (a split past the context: m = -inf, l = 0)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     num_splits = tl.num_programs(2)
     ctx = tl.load(ctx_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     group = tl.arange(0, BLOCK_G)
@@ -377,7 +383,9 @@ def decode_splits(
     num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
 ) -> tuple[int, int]:
     """(num_splits, split_len): enough (sequence, kv head, split) programs to cover the multiprocessors about
-    twice, each split a whole number of key blocks. Host arithmetic only.
+    twice, each split a whole number of key blocks, split_len those of the longest context's (the kernel cuts
+    each sequence's own context into num_splits runs of whole blocks: split_len for the longest). Host arithmetic
+    only.
 
     Example: 1 sequence, 2 kv heads, 16,000 keys, blocks of 64, 132 SMs -> 132 splits wanted, 250 key blocks,
     so splits of 2 blocks (128 keys): (125, 128).
@@ -416,11 +424,11 @@ def paged_decode_attention(
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 64
-    num_splits, split_len = decode_splits(num, num_kv_heads, max_context_len, block_n, sms)
+    num_splits, _ = decode_splits(num, num_kv_heads, max_context_len, block_n, sms)
     partial = torch.empty(num, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num, num_kv_heads, num_splits)](
-        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1], split_len,
+        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
