@@ -132,6 +132,15 @@ class PagedStates:
             stop = start + self._tile_slots * self.k
             self._restore_tile(src_pages[start:stop], dst_chunks[start:stop])
 
+    def compile(self) -> None:
+        """Compile the Triton path's kernel (both directions) without copying anything; nothing to do on the
+        torch path."""
+        if self._table is not None:
+            from hybridcache.kernels.copy.triton_state import compile_state_pages
+
+            ids = torch.zeros(self.k, dtype=torch.int64, device=self._slots[0].device)
+            compile_state_pages(self._slots[0], self._table, ids, k=self.k, align=self._align)
+
     def _launch(self, chunks: torch.Tensor, pages: torch.Tensor, *, to_pages: bool) -> None:
         """The Triton path: one launch for every state of the op (ids moved to the pools' device as int64)."""
         from hybridcache.kernels.copy.triton_state import launch_state_pages

@@ -166,6 +166,18 @@ def test_round_trip_on_cuda(name, impl):
     check_round_trip(name, torch.device("cuda"), impl=impl)
 
 
+@needs_cuda
+def test_compile_on_cuda_copies_nothing():
+    """`PagedStates.compile` (the runner's start-up) compiles the Triton kernel without touching a pool."""
+    pools, ppb, k = make_pools("fp16-ppb2-bf16-state", torch.device("cuda"))
+    paged = PagedStates(pools, pages_per_block=ppb, num_blocks=NUM_BLOCKS, k=k, impl="triton")
+    before = snapshot(pools, paged, ppb)
+    paged.compile()
+    after = snapshot(pools, paged, ppb)
+    for name in before:
+        assert all(torch.equal(old, new) for old, new in zip(before[name], after[name], strict=True)), name
+
+
 def test_tile_table_of_the_worked_example():
     """`state_tiles`'s docstring example: 2 layers x 3 words of 4 slots against 2 rows x 2 words of 10 blocks."""
     from hybridcache.kernels.copy.state_tiles import Runs, state_tiles

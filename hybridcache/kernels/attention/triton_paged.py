@@ -379,20 +379,30 @@ def prefill_splits(num_programs: int, max_context_len: int, num_sms: int) -> int
     return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode split kernel's launch: warps, software-pipeline stages, and how many times over its (sequence,
+    kv head, split) programs cover the multiprocessors (`decode_splits`)."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+    coverage: int = 2
+
+
 def decode_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
+    num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int, coverage: int = 2,
 ) -> tuple[int, int]:
     """(num_splits, split_len): enough (sequence, kv head, split) programs to cover the multiprocessors about
-    twice, each split a whole number of key blocks, split_len those of the longest context's (the kernel cuts
-    each sequence's own context into num_splits runs of whole blocks: split_len for the longest). Host arithmetic
-    only.
+    `coverage` times, each split a whole number of key blocks, split_len those of the longest context's (the
+    kernel cuts each sequence's own context into num_splits runs of whole blocks: split_len for the longest). Host
+    arithmetic only.
 
     Example: 1 sequence, 2 kv heads, 16,000 keys, blocks of 64, 132 SMs -> 132 splits wanted, 250 key blocks,
     so splits of 2 blocks (128 keys): (125, 128).
     """
     sms = num_sms
     blocks = max(1, -(-max_context_len // block_n))
-    wanted = max(1, math.ceil(2 * sms / max(1, num_seqs * num_kv_heads)))
+    wanted = max(1, math.ceil(coverage * sms / max(1, num_seqs * num_kv_heads)))
     splits = min(wanted, blocks)
     split_len = -(-blocks // splits) * block_n
     return -(-max_context_len // split_len) if max_context_len else 1, split_len
@@ -408,11 +418,13 @@ def paged_decode_attention(
     scale: float,
     block_n: int = 64,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """One query per sequence: q [N, Hq, D] at position context_len - 1 -> [N, Hq, D] in q's dtype.
 
     max_context_len: the largest context_len, from the host (sets the number of splits). kv_pool in q's dtype, or
-    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale).
+    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale). launch: the split kernel's launch (None: the
+    default `DecodeLaunch`; `benchmarks/attention_decode_sweep.py` times others).
     """
     _check(q, kv_pool)
     num, num_heads, head_dim = q.shape
@@ -421,17 +433,18 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if num == 0:
         return out
+    launch = launch or DecodeLaunch()
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 64
-    num_splits, _ = decode_splits(num, num_kv_heads, max_context_len, block_n, sms)
+    num_splits, _ = decode_splits(num, num_kv_heads, max_context_len, block_n, sms, launch.coverage)
     partial = torch.empty(num, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num, num_kv_heads, num_splits)](
         q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _decode_merge_kernel[(num, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits,

@@ -63,6 +63,15 @@ def alignment(table: torch.Tensor, base: torch.Tensor, word: int) -> int:
     return words if aligned else 1
 
 
+def compile_state_pages(base: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, *, k: int, align: int) -> None:
+    """Compile both directions' variants of the kernel for these pools without running it (Triton's `warmup`):
+    `ids`, any int64 id tensor on the device (its values are not read)."""
+    with torch.cuda.device(base.device) if base.device.type == "cuda" else nullcontext():
+        for to_pages in (True, False):
+            _state_pages_kernel.warmup(base, table, ids, ids, K=k, TO_PAGES=to_pages, BLOCK=tile_words(
+                base.element_size()), ALIGN=align, COLS=COLUMNS, num_warps=4, grid=(1, 1))
+
+
 def launch_state_pages(base: torch.Tensor, table: torch.Tensor, chunk_ids: torch.Tensor, page_ids: torch.Tensor,
                        *, k: int, to_pages: bool, align: int) -> None:
     """One launch: every state of the op (chunk_ids, page_ids [N * k] int64 on the device, a state's k chunks
