@@ -15,6 +15,11 @@ again.
 In a decode step of 64 sequences each projection is a weight-bound GEMM of a few microseconds: one launch
 instead of two to four per layer, and one larger GEMM that streams the weights at a higher rate.
 
+The fused output has `padded_rows(sum N_i)` columns: plain weights get zero rows up to a multiple of `ROW_ALIGN`, so
+every output row starts 16 bytes after the one before. cuBLAS runs its Hopper GEMMs only on aligned rows; the
+MoE block's shared expert gate | up | router | shared gate is 2 x 1,024 + 32 + 1 = 2,081 wide on next-16b, and
+unpadded it ran an sm75 kernel (docs/bench.md, session 43). The views returned stop before the padding.
+
 FP8 projections (`layers/linear.py::Fp8Linear`) of one format are fused the same way, their scales concatenated
 with their weights, when every projection but the last fills whole scale blocks (block format: out_features a
 multiple of bn; channel format: always). A mix of formats, or unaligned blocks, runs one GEMM per projection.
@@ -27,6 +32,13 @@ from torch import nn
 
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.linear import Fp8Linear
+
+ROW_ALIGN = 8  # output columns per fused row, a multiple of: 16 bytes of bf16 (32 of fp32)
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up to a multiple of ROW_ALIGN: 2,081 -> 2,088, 2,048 -> 2,048."""
+    return -(-rows // ROW_ALIGN) * ROW_ALIGN
 
 
 class FusedProjection:
@@ -53,7 +65,7 @@ class FusedProjection:
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
         out = kernel_backend.dense_linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
-        return out.split(self.sizes, dim=-1)
+        return out[..., : sum(self.sizes)].split(self.sizes, dim=-1)
 
     def fused(self) -> bool:
         """Whether a call runs one GEMM (plain linears, or FP8 ones that `_fusable` accepts), else one per
@@ -76,14 +88,17 @@ class FusedProjection:
     def _fuse(self) -> None:
         fp8 = isinstance(self.linears[0], Fp8Linear)
         with torch.inference_mode(False):  # ordinary tensors even when the first call runs in inference mode
-            weight = torch.cat([linear.weight for linear in self.linears])
+            weights = [linear.weight for linear in self.linears]
+            pad = 0 if fp8 else padded_rows(sum(self.sizes)) - sum(self.sizes)  # FP8: the GEMM's own alignment
+            weight = torch.cat([*weights, weights[0].new_zeros(pad, weights[0].shape[1])])
             scale = torch.cat([linear.scale for linear in self.linears]) if fp8 else None
             biases = [linear.bias for linear in self.linears]
             bias = None
             if any(b is not None for b in biases):
                 bias_dtype = next(b.dtype for b in biases if b is not None)  # not an FP8 weight's dtype
-                bias = torch.cat([b if b is not None else weight.new_zeros(size, dtype=bias_dtype)
-                                  for b, size in zip(biases, self.sizes, strict=True)])
+                bias = torch.cat([*(b if b is not None else weight.new_zeros(size, dtype=bias_dtype)
+                                    for b, size in zip(biases, self.sizes, strict=True)),
+                                  weight.new_zeros(pad, dtype=bias_dtype)])
         start, scale_start = 0, 0
         for linear, size in zip(self.linears, self.sizes, strict=True):
             linear.weight.data = weight[start:start + size]

@@ -68,3 +68,22 @@ def test_rejects_mismatched_inputs() -> None:
         FusedProjection(nn.Linear(4, 2), nn.Linear(5, 2))
     with pytest.raises(ValueError, match="at least two"):
         FusedProjection(nn.Linear(4, 2))
+
+
+def test_fused_rows_are_padded_to_aligned_rows() -> None:
+    """16 + 8 + 3 = 27 outputs: the fused weight (and bias) gets 5 zero rows, so each output row of the one GEMM
+    starts 32 elements after the last (cuBLAS's Hopper kernels need 16-byte aligned rows); the views stop at 27."""
+    linears = _linears(bias=(True, False, True))
+    fused = FusedProjection(*linears)
+    x = torch.randn(5, 24)
+    outputs = fused(x)
+    assert fused.weight.shape == (32, 24) and fused.bias.shape == (32,)
+    assert torch.count_nonzero(fused.weight[27:]) == 0 and torch.count_nonzero(fused.bias[27:]) == 0
+    assert [o.shape for o in outputs] == [(5, 16), (5, 8), (5, 3)]
+    assert all(o.stride(0) == 32 for o in outputs)
+    for out, linear in zip(outputs, linears, strict=True):
+        torch.testing.assert_close(out, linear(x), rtol=1e-6, atol=1e-6)
+    aligned = [nn.Linear(24, 8), nn.Linear(24, 16)]
+    fused_aligned = FusedProjection(*aligned)
+    fused_aligned(x)
+    assert fused_aligned.weight.shape == (24, 24)
