@@ -1,5 +1,5 @@
-"""The split-KV decode attention kernel's launch (warps, pipeline stages, grid coverage), timed on CUDA at the
-decode step's shapes (issue 32).
+"""The split-KV decode attention kernel's launch (key block, warps, pipeline stages, grid coverage), timed on CUDA at
+the decode step's shapes (issue 32).
 
     PYTHONPATH=. python benchmarks/attention_decode_sweep.py [--max-model-len 262144]
 
@@ -30,8 +30,10 @@ from hybridcache.kernels.gemm.dense import replay_us
 
 PAGE, KV_HEADS, Q_HEADS, DIM = 64, 2, 16, 256
 CASES = {"64 x 1,050": (64, 1050), "64 x 4,100": (64, 4100), "1 x 16,000": (1, 16000)}
-LAUNCHES = [DecodeLaunch()] + [DecodeLaunch(w, s, c) for w, s, c in (
-    (4, 1, 2), (4, 3, 2), (8, 2, 2), (8, 1, 2), (4, 2, 4), (4, 1, 4), (8, 2, 4), (4, 2, 8))]
+# (key block, launch): the default first
+LAUNCHES = [(64, DecodeLaunch())] + [(64, DecodeLaunch(w, s, c)) for w, s, c in (
+    (4, 1, 2), (4, 3, 2), (8, 2, 2), (8, 1, 2), (4, 2, 4), (4, 1, 4), (8, 2, 4), (4, 2, 8))] + [
+    (32, DecodeLaunch(w, s, c)) for w, s, c in ((4, 2, 2), (4, 3, 2), (4, 2, 4), (2, 2, 4))]
 
 
 def case_tensors(num_seqs: int, context: int, device: torch.device, rng: random.Random):
@@ -52,15 +54,21 @@ def sweep_case(name: str, num_seqs: int, context: int, max_model_len: int, devic
     kv_bytes = int(lens.sum()) * 2 * KV_HEADS * DIM * 2
     want = reference.paged_decode_attention(q.float(), pool.float(), tables[0], lens, scale=DIM**-0.5)
     rows = []
-    for launch in LAUNCHES:
-        run = functools.partial(lambda table, launch: triton_paged.paged_decode_attention(
-            q, pool, table, lens, max_model_len, scale=DIM**-0.5, launch=launch), launch=launch)
-        diff = (run(tables[0]).float() - want).abs().max().item()
-        us = replay_us(run, tables, device)
-        label = f"{launch.num_warps}, {launch.num_stages}, {launch.coverage}" + (
-            " (default)" if launch == DecodeLaunch() else "")
-        rows.append({"case": name, "num_warps": launch.num_warps, "num_stages": launch.num_stages,
-                     "coverage": launch.coverage, "us": us, "gb_s": kv_bytes / us / 1e3, "max_diff": diff})
+    for block_n, launch in LAUNCHES:
+        run = functools.partial(lambda table, launch, block_n: triton_paged.paged_decode_attention(
+            q, pool, table, lens, max_model_len, scale=DIM**-0.5, block_n=block_n, launch=launch), launch=launch,
+            block_n=block_n)
+        try:
+            diff = (run(tables[0]).float() - want).abs().max().item()
+            us = replay_us(run, tables, device)
+        except Exception as error:  # noqa: BLE001 (a launch that does not compile or fit: named, the rest go on)
+            print(f"| {name} | {block_n}, {launch} | failed: {error!r} |"[:300], flush=True)
+            continue
+        label = f"{block_n}, {launch.num_warps}, {launch.num_stages}, {launch.coverage}" + (
+            " (default)" if (block_n, launch) == LAUNCHES[0] else "")
+        rows.append({"case": name, "block_n": block_n, "num_warps": launch.num_warps,
+                     "num_stages": launch.num_stages, "coverage": launch.coverage, "us": us,
+                     "gb_s": kv_bytes / us / 1e3, "max_diff": diff})
         print(f"| {name} | {label} | {us:.1f} | {kv_bytes / us / 1e3:.0f} | {diff:.2e} |", flush=True)
     return rows
 
@@ -73,7 +81,7 @@ def main() -> None:
     device = torch.device("cuda")
     rng = random.Random(0)
     records = []
-    print("| case | launch (warps, stages, coverage) | us per call | GB/s | max abs diff |\n"
+    print("| case | launch (key block, warps, stages, coverage) | us per call | GB/s | max abs diff |\n"
           "| --- | --- | --- | --- | --- |")
     for name, (num_seqs, context) in CASES.items():
         records += sweep_case(name, num_seqs, context, args.max_model_len, device, rng)
