@@ -1,6 +1,7 @@
 """`triton_paged.write_kv` (one Triton launch writes a layer's keys and values) against the reference `write_kv`:
 the same pool, bit for bit, for keys and values that are views of a wider projection output (row stride > Hkv x D,
-as the attention layer hands them over), in bf16, fp32 and into an FP8 pool (converted by torch, moved as bytes).
+as the attention layer hands them over), in bf16, fp32 and into an FP8 pool (converted by torch, moved as bytes);
+every fifth row negative (a graph's padding row: nothing written, the reference checked for it too).
 
 `test_interpreted_*` run in a child pytest under TRITON_INTERPRET=1 (`test_triton_interpreter_in_subprocess`);
 `test_cuda_*` on a CUDA device.
@@ -31,8 +32,17 @@ def check_write_kv(pool_dtype: torch.dtype, dtype: torch.dtype, device: torch.de
     projected = torch.randn(tokens, 3 * width, generator=gen).to(device, dtype)  # q | k | v of a fused projection
     keys = projected[:, width: 2 * width].view(tokens, kv_heads, head_dim)
     values = projected[:, 2 * width:].view(tokens, kv_heads, head_dim)
-    rows = torch.randperm(pages * page, generator=gen)[:tokens].to(device)
+    rows = torch.randperm(pages * page, generator=gen)[:tokens]
+    rows[::5] = -1  # padding rows: not written
+    rows = rows.to(device)
+    untouched = want.clone()
     reference.write_kv(want, keys, values, rows)
+    flat_want, flat_untouched = want.view(2, -1, kv_heads, head_dim), untouched.view(2, -1, kv_heads, head_dim)
+    written = rows[rows >= 0]
+    assert torch.equal(flat_want[0, written].view(torch.uint8), keys[rows >= 0].to(pool_dtype).view(torch.uint8))
+    others = torch.ones(pages * page, dtype=torch.bool, device=device)
+    others[written] = False
+    assert torch.equal(flat_want[:, others].view(torch.uint8), flat_untouched[:, others].view(torch.uint8))
     write_kv(pool, keys, values, rows)
     assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))  # written rows and untouched ones
     empty = torch.empty(0, kv_heads, head_dim, dtype=dtype, device=device)

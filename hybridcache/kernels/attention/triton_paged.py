@@ -65,11 +65,11 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, rows_ptr, stride_kind, stride_kt, stride_kh, stride_vt, stride_vh,
                      D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
     """Token t's key and value [Hkv, D] -> row rows[t] of the pool's keys and values (int64 offsets: a pool's K|V
-    halves may lie more than 2^31 elements apart)."""
+    halves may lie more than 2^31 elements apart); a negative row writes nothing."""
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + t).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
-    inside = offsets < HD
+    inside = offsets < HD * (row >= 0).to(tl.int32)  # (a negative row: no lane)
     head, dim = offsets // D, offsets % D
     key = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=inside)
     value = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=inside)
@@ -79,7 +79,8 @@ def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, rows_ptr, stride_kind, stride_kt, str
 
 def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_rows: torch.Tensor) -> None:
     """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place: one launch for
-    both (converted to the pool's dtype first when they are not in it; an FP8 pool's bytes are copied as such)."""
+    both (converted to the pool's dtype first when they are not in it; an FP8 pool's bytes are copied as such). A
+    negative row writes nothing (a graph's padding row)."""
     num_tokens, num_kv_heads, head_dim = keys.shape
     if num_tokens == 0:
         return
