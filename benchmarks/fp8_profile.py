@@ -10,7 +10,7 @@ one engine at a time, built with fp8_bench's options, then the parts (`profile_e
 PARTS` runs the same parts on its engines before their phases):
 
 - decode: `--seqs` prompts of 1,024 tokens decoding together (graphs), the free-running step timed over 16 steps
-  (p50), then 5 steps under torch.profiler;
+  (p50), then 5 steps under torch.profiler (and the copy ops they ran, by kind and id count: `copies`);
 - batch: one step of 16 fresh 1,024-token prompts (16,384 tokens: phase D's 64 prompts take four such steps),
   timed twice after a warm-up, then once profiled;
 - small: a 2,000-token prefix cached, then the prefix + about 300, 600 and 1,000 new tokens (phase A's requests,
@@ -130,19 +130,24 @@ def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int, tab
         engine.step()
         walls.append(1000 * (time.perf_counter() - start))
     batch = len(engine.scheduler.running)
+    copies: list[list[str]] = []  # the copy ops the profiled steps ran (`step_profile.log_copies`), per step
 
     def steps():
+        unwrap = _step_profile().log_copies(engine.runner, copies)
         start = time.perf_counter()
         for _ in range(PROFILED_STEPS):
+            copies.append([])
             engine.step()
+        unwrap()
         return 1000 * (time.perf_counter() - start) / PROFILED_STEPS
 
     profiled_ms, prof = _profiled(steps, engine.device.type == "cuda", tables, f"decode, {PROFILED_STEPS} steps")
     while engine.has_unfinished_requests():
         engine.step()
     out = {"seqs": batch, "step_ms_p50": statistics.median(walls), "profiled_step_ms": profiled_ms,
-           **kernel_groups(prof, PROFILED_STEPS)}
+           "copies": copies, **kernel_groups(prof, PROFILED_STEPS)}
     print_groups(f"decode step ({batch} sequences; free-running p50 {out['step_ms_p50']:.2f} ms)", profiled_ms, out)
+    print(f"  copy ops of the profiled steps: {copies}", flush=True)
     return out
 
 

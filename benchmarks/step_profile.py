@@ -21,6 +21,11 @@ DeltaNet step kernel, attention, everything else), also in the JSON (`device_per
 `--quick`: only the free-running steps and the graph-replay profile by kernel group (for a device call short of
 time). `--load-format dummy`: the folder holds only config.json and the tokenizer (`tp_bench.config_folder`:
 seconds, not the minutes a 9-16B random folder takes to write) and the engine draws random weights on the device.
+`--trace`: after the free-running steps, `TRACED_STEPS` more decode steps under torch.profiler with shapes and
+Python stacks: OUT/trace_<model>.json.gz (a chrome trace), OUT/launches_<model>.txt (every device kernel of the
+last traced step in launch order, with the torch op, shapes and Python frames that launched it, or "graph
+replay"), the step's copy ops by kind (`runner._copy`) and the eager torch ops that reach the device by stack
+(which eager work runs beside the graph, and who issues it).
 Every Triton kernel compiled after the engine's start-up is named at the end (`compiled_after_start_up` in the
 JSON: the engine means to compile none). Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else
 $OUT, else .).
@@ -195,6 +200,108 @@ def dense_choices() -> list[dict]:
 
 
 PROFILED_STEPS = 5  # decode steps under torch.profiler
+TRACED_STEPS = 2  # decode steps of `--trace`
+
+
+def log_copies(runner, log: list[list[str]]):
+    """Wrap `runner._copy` so each copy op appends "KIND xN" (N: its source ids) to `log[-1]` (a list per step
+    the caller opens); returns a function that unwraps it."""
+    inner = runner._copy
+
+    def logged(op):
+        if log:
+            log[-1].append(f"{op.kind.name} x{op.src_ids.numel()}")
+        return inner(op)
+
+    runner._copy = logged
+    return lambda: setattr(runner, "_copy", inner)
+
+
+def _frames(stack: list[str], limit: int = 4) -> str:
+    """The innermost `limit` frames of a profiler stack that lie in hybridcache or benchmarks."""
+    mine = [frame for frame in stack if "hybridcache" in frame or "benchmarks" in frame]
+    return " < ".join(frame.split("hybridcache/")[-1] for frame in mine[:limit])
+
+
+def launch_order(prof, path: Path, since_us: float, marker: str) -> dict[str, dict[str, float]]:
+    """Write every device kernel that started after `since_us` (the profile's clock) in launch order to `path`:
+    its name, device us, and the torch op (shapes, Python frames) that launched it; a kernel under no torch op but
+    the `marker` range is named by its runtime call (cudaGraphLaunch: a graph replay; cuLaunchKernel: a Triton
+    launch). Returns the device time of every kernel of the profile by launching op + frames (graph replays and
+    Triton launches by runtime call)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_async]
+    ops = {e.id: e for e in cpu if not e.name.startswith(("cuda", "cu"))}
+    runtime = {e.id: e for e in cpu if e.name.startswith(("cuda", "cu"))}
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    by_op: dict[str, dict[str, float]] = {}
+    lines = [f"{'#':>4} {'us':>8}  kernel | launched by"]
+    for kernel in kernels:
+        op = ops.get(getattr(kernel, "linked_correlation_id", 0) or -1)
+        call = runtime.get(kernel.id)
+        us = kernel.time_range.end - kernel.time_range.start
+        if op is None or op.name == marker:
+            key = who = f"[{call.name if call is not None else 'no runtime call'}]"
+        else:
+            key = f"{op.name} @ {_frames(op.stack, 3)}"
+            who = f"{op.name} {str(op.input_shapes)[:120]} @ {_frames(op.stack)}"
+        entry = by_op.setdefault(key, {"us": 0.0, "kernels": 0})
+        entry["us"] += us
+        entry["kernels"] += 1
+        if kernel.time_range.start >= since_us:
+            lines.append(f"{len(lines) - 1:>4} {us:>8.1f}  {kernel.name[:70]} | {who}")
+    path.write_text("\n".join(lines) + "\n")
+    return dict(sorted(by_op.items(), key=lambda item: -item[1]["us"]))
+
+
+def trace_decode(engine, prompts: list[str], out_dir: Path, model: str) -> dict:
+    """`TRACED_STEPS` decode steps of `prompts` under torch.profiler (shapes, stacks): the chrome trace (gzip),
+    the last step's kernels in launch order, the copy ops of every step, the eager ops' device time by stack."""
+    import gzip
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    params = SamplingParams(temperature=0, max_tokens=TRACED_STEPS + 8, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"trace{i}", prompt, params)
+    while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(2):
+        engine.step()
+    copies: list[list[str]] = []
+    unwrap = log_copies(engine.runner, copies)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_stack=True) as prof:
+        for _ in range(TRACED_STEPS):
+            copies.append([])
+            sync(engine.device)
+            with record_function("traced_step"):
+                engine.step()
+            sync(engine.device)
+    unwrap()
+    while engine.has_unfinished_requests():
+        engine.step()
+    raw = out_dir / f"trace_{model}.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(str(raw) + ".gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    # the last step: kernels that start after the last step's own start (the profile's clock)
+    starts = sorted(e.time_range.start for e in prof.events()
+                    if e.device_type == DeviceType.CPU and e.name == "traced_step")
+    since = starts[-1] if starts else 0.0
+    by_op = launch_order(prof, out_dir / f"launches_{model}.txt", since, "traced_step")
+    print(f"\ncopy ops per traced step: {copies}")
+    print("| launched by (torch op @ frames, or [runtime call]) | device us over the traced steps | kernels |\n"
+          "| --- | --- | --- |")
+    for key, entry in list(by_op.items())[:30]:
+        print(f"| {key[:200]} | {entry['us']:.1f} | {entry['kernels']:.0f} |")
+    by_stack = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cuda_time_total", row_limit=40)
+    (out_dir / f"ops_by_stack_{model}.txt").write_text(by_stack)
+    return {"copies": copies, "by_op": by_op}
 ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
@@ -274,6 +381,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="only the free-running steps and the device profile by kernel group (no phase-synced "
                              "steps, no operators by input shape): a shorter run for a tight device call")
+    parser.add_argument("--trace", action="store_true",
+                        help="also trace TRACED_STEPS decode steps (chrome trace, kernels in launch order, copy ops)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: a folder of config.json and the tokenizer, random weights drawn on the device")
     args = parser.parse_args()
@@ -298,6 +407,9 @@ def main() -> None:
     prompts = lambda: [letters(rng, args.prompt_len) for _ in range(args.seqs)]  # noqa: E731
     decode_steps(engine, prompts(), 8)  # warm-up: compile every shape once
     free = decode_steps(engine, prompts(), args.steps)
+    out_dir = Path(args.out or os.environ.get("OUT") or ".")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    traced = trace_decode(engine, prompts(), out_dir, args.model) if args.trace and device.type == "cuda" else None
     times: dict[str, list[float]] = {}
     if not args.quick:
         instrument(engine, times)
@@ -309,7 +421,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
         "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
         "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
-        "parts_ms": parts,
+        "parts_ms": parts, "trace": traced,
     }
     print(f"\n{args.model} on {result['device']}, {args.seqs} sequences decoding, graphs {result['cuda_graphs']}")
     print(f"free-running decode step p50: {result['free_step_ms_p50']:.2f} ms; phase-synced step p50 "
@@ -344,8 +456,6 @@ def main() -> None:
     result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
     print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "
           f"{[name.split(' key=')[0] for name in result['compiled_after_start_up']]}")
-    out_dir = Path(args.out or os.environ.get("OUT") or ".")
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))
     if args.and_batch_prefill:
         profile_batch_prefill(llm, rng, device, args.prompt_len)

@@ -22,18 +22,23 @@ read as bytes:
 A model without attention layers (P = 0) gets a page store of its own, [num_blocks, S] bytes, with k = 1: the
 cache's block ids then name rows of the store (its KV blocks hold nothing).
 
-All copies are batched torch ops on views of the pools (no host synchronisation, no loop over pairs; a loop over
-groups and over workspace tiles of slots), in words of the widest size (8, 4, 2 or 1 bytes) that divides every
-row, so they run the same on the CPU and on CUDA whatever the dtypes.
+All copies are in words of the widest size (8, 4, 2 or 1 bytes) that divides every row, so they run the same
+whatever the dtypes, with no host synchronisation and no loop over pairs. On CUDA a save or restore is one Triton
+launch straight between the state groups and the pages (`hybridcache.kernels.copy.triton_state`, int64 offsets:
+a next-16b pool's (layer, K|V) rows lie more than 2 GiB apart); the torch path (the reference, and the CPU's) is
+batched ops on views of the pools, a loop over groups and over workspace tiles of slots.
 """
 
 from __future__ import annotations
 
+import os
+from importlib.util import find_spec
 from math import prod
 
 import torch
 
 from hybridcache.engine.memory import state_pages
+from hybridcache.kernels.copy.state_tiles import group_runs, page_group_runs, state_tiles
 from hybridcache.state_spec import DevicePools
 
 DEFAULT_MAX_WORKSPACE_BYTES = 64 << 20
@@ -50,11 +55,13 @@ class PagedStates:
 
     pools: the runner's pools (updated in place); pages_per_block: kernel pages per scheduler block; num_blocks:
     scheduler blocks in the pool (checked against the KV groups; the page store's rows without them); k: pages
-    per state, >= `state_pages(slot_bytes, page_bytes)`. max_workspace_bytes: the temporary of one tile of
-    slots (a save or restore of n slots runs in tiles of max(1, max_workspace_bytes // (k * P)) slots)."""
+    per state, >= `state_pages(slot_bytes, page_bytes)`. max_workspace_bytes: the torch path's temporary of one
+    tile of slots (a save or restore of n slots runs in tiles of max(1, max_workspace_bytes // (k * P)) slots).
+    impl: "triton" (one launch per op; on CPU tensors only under TRITON_INTERPRET=1), "torch", or "auto" (Triton
+    on CUDA when it is installed, else torch)."""
 
     def __init__(self, pools: DevicePools, *, pages_per_block: int, num_blocks: int, k: int,
-                 max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES) -> None:
+                 max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES, impl: str = "auto") -> None:
         if not pools.state_groups:
             raise ValueError("the pools have no state groups: a runtime slot holds nothing to page")
         for kv in pools.kv_groups:
@@ -88,6 +95,16 @@ class PagedStates:
             self._pages = tuple(kv.view(kv.shape[0] * 2, num_blocks, -1).view(torch.uint8).view(dtype)
                                 for kv in pools.kv_groups)
         self._tile_slots = max(1, max_workspace_bytes // (k * self.page_bytes))
+        self._table: torch.Tensor | None = None  # the Triton path's tile table (`state_tiles`), None: torch
+        if _use_triton(impl, device):
+            from hybridcache.kernels.copy import triton_state
+
+            base = self._slots[0]
+            table = state_tiles([group_runs(g, base, word) for g in self._slots],
+                                [page_group_runs(pages, base, word) for pages in self._pages], k,
+                                triton_state.tile_words(word))
+            self._align = triton_state.alignment(table, base, word)
+            self._table = table.to(device)
 
     @staticmethod
     def state_pages(slot_bytes: int, page_bytes: int) -> int:
@@ -99,6 +116,8 @@ class PagedStates:
         the pools' device (as `DeviceCopyOp` carries them; ids elsewhere are copied there), the k chunks of a slot
         together, j in order; destinations unique. Only the destination pages change."""
         self._check(src_chunks, dst_pages)
+        if self._table is not None:
+            return self._launch(src_chunks, dst_pages, to_pages=True)
         for start in range(0, src_chunks.numel(), self._tile_slots * self.k):
             stop = start + self._tile_slots * self.k
             self._save_tile(src_chunks[start:stop], dst_pages[start:stop])
@@ -107,9 +126,29 @@ class PagedStates:
         """Page `src_pages[i]` -> chunk `dst_chunks[i]`, for every i (sources may repeat; the k chunks of a
         destination slot together, j in order; destination slots unique). Only the destination slots change."""
         self._check(src_pages, dst_chunks)
+        if self._table is not None:
+            return self._launch(dst_chunks, src_pages, to_pages=False)
         for start in range(0, dst_chunks.numel(), self._tile_slots * self.k):
             stop = start + self._tile_slots * self.k
             self._restore_tile(src_pages[start:stop], dst_chunks[start:stop])
+
+    def compile(self) -> None:
+        """Compile the Triton path's kernel (both directions) without copying anything; nothing to do on the
+        torch path."""
+        if self._table is not None:
+            from hybridcache.kernels.copy.triton_state import compile_state_pages
+
+            ids = torch.zeros(self.k, dtype=torch.int64, device=self._slots[0].device)
+            compile_state_pages(self._slots[0], self._table, ids, k=self.k, align=self._align)
+
+    def _launch(self, chunks: torch.Tensor, pages: torch.Tensor, *, to_pages: bool) -> None:
+        """The Triton path: one launch for every state of the op (ids moved to the pools' device as int64)."""
+        from hybridcache.kernels.copy.triton_state import launch_state_pages
+
+        device = self._slots[0].device
+        launch_state_pages(self._slots[0], self._table, chunks.to(device, torch.int64).contiguous(),
+                           pages.to(device, torch.int64).contiguous(), k=self.k, to_pages=to_pages,
+                           align=self._align)
 
     def _check(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The id counts (host-known shapes: no synchronisation): equal, whole states of k chunks."""
@@ -183,3 +222,15 @@ class PagedStates:
             part = streams[:, offset: offset + width].view(n, group.shape[0], group.shape[2])
             group.index_copy_(1, slots, part.transpose(0, 1))
             offset += width
+
+
+def _use_triton(impl: str, device: torch.device) -> bool:
+    """Whether `impl` ("auto", "torch" or "triton") runs the Triton path on `device` (ValueError for "triton" where
+    it cannot: a CPU device without TRITON_INTERPRET=1)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
+    if impl == "auto":
+        return device.type == "cuda" and find_spec("triton") is not None
+    if impl == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("impl='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return impl == "triton"

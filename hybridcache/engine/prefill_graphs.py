@@ -327,7 +327,7 @@ class SequenceGraphs:
     cu_seqlens = [0, T], the context length, the state slot, the block table. The cores' kernels take their grids
     from B alone (the chunk tables of one sequence of B rows, built once at capture) and mask every row past
     cu_seqlens[1] (the conv and fla through the sequence's bounds, the attention prefill kernel through its
-    query length), so rows T..B-1 are padding: their KV rows point at the scratch page (chosen on the device,
+    query length), so rows T..B-1 are padding: their KV rows are -1, which `write_kv` skips (chosen on the device,
     in the graph), their core outputs are zeroed (`_MaskPadding`), and they never reach the state slot.
     The graph's batch claims a context of `max_model_len` on the host (the attention prefill's key splits are
     sized for it; the kernels cut them from the device lengths) and a fresh sequence to the DeltaNet layers, whose
@@ -354,9 +354,10 @@ class SequenceGraphs:
         self.context_lens = torch.full((1,), biggest, dtype=torch.int32, device=device)
         self.state_slots = torch.full((1,), scratch_slot, dtype=torch.int64, device=device)
         self.block_tables = torch.full((1, table_width), scratch_page, dtype=torch.int32, device=device)
-        self.pad_kv_rows = torch.full((biggest,), scratch_page * kernel_block_size, dtype=torch.int64, device=device)
+        # padding rows write no KV (a negative row; all to one scratch row, which row won would be a race)
+        self.pad_kv_rows = torch.full((biggest,), -1, dtype=torch.int64, device=device)
         self.kv_rows = self.pad_kv_rows.clone()  # the step's rows, as loaded
-        self.write_rows = self.pad_kv_rows.clone()  # what the cores write: kv_rows, the scratch page past T
+        self.write_rows = self.pad_kv_rows.clone()  # what the cores write: kv_rows, nothing past T
         self.rows = torch.arange(biggest, device=device)
         self.logits_indices = torch.zeros(1, dtype=torch.int64, device=device)  # (the tail reads the real batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -655,10 +655,12 @@ class ModelRunner:
         "Start-up compiles"). The ids here are fresh tensors, 16-byte
         aligned like every id field of a step (`input_builder._to_device`), so the pointer specialisation matches.
         With speculative decoding, the same for the rollback's whole-row copy of each state group (the scratch
-        slot onto itself: a no-op). Paged state copies are plain torch ops: nothing to compile."""
+        slot onto itself: a no-op). The paged state copies' kernel is compiled without running
+        (`PagedStates.compile`)."""
         first, second = (torch.tensor([i], dtype=torch.int64, device=self.device) for i in (0, 1))
         if num_blocks >= 2:
             self._copy(DeviceCopyOp(CopyKind.KV_SAVE, first, second))
+        self.paged_states.compile()
         if self.num_speculative_tokens:
             scratch = torch.tensor([self.scratch_slot], dtype=torch.int64, device=self.device)
             copy_state_rows(self.pools.state_groups, scratch, scratch)

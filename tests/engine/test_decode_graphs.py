@@ -183,8 +183,8 @@ def test_graph_decode_equals_eager_on_cuda(tmp_path):
 
 def test_start_up_copies_touch_only_block_1(tmp_path):
     """The copy-kernel warm-up a CUDA runner runs at construction (`_compile_copies`): block 0 onto block 1 in
-    every KV group, nothing else; the state slots are untouched (paged state copies are torch ops, nothing to
-    compile). Run here on the CPU's torch copy path."""
+    every KV group, nothing else; the state slots are untouched (the paged state copies' kernel compiles without
+    running, `PagedStates.compile`). Run here on the CPU's torch copy path."""
     model = load_model(write_tiny_model(tmp_path, "qwen3_next"))
     runner = ModelRunner(model, num_blocks=4, block_size=BLOCK, kernel_block_size=PAGE, num_slots=3,
                          state_pages=runner_state_pages(model),

@@ -10,6 +10,7 @@ import torch
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.state_spec import AttentionSpec, DevicePools, RecurrentSpec, StateTensorSpec
+from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
 
 KBS = 4  # tokens per kernel page
 NUM_BLOCKS, NUM_SLOTS = 64, 6
@@ -86,9 +87,11 @@ def ids(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def check_round_trip(name: str, device: torch.device, max_workspace_bytes: int | None = None) -> None:
+def check_round_trip(name: str, device: torch.device, max_workspace_bytes: int | None = None,
+                     impl: str = "auto") -> None:
     pools, ppb, k = make_pools(name, device)
-    options = {} if max_workspace_bytes is None else {"max_workspace_bytes": max_workspace_bytes}
+    options = {"impl": impl} if max_workspace_bytes is None else {"max_workspace_bytes": max_workspace_bytes,
+                                                                   "impl": impl}
     paged = PagedStates(pools, pages_per_block=ppb, num_blocks=NUM_BLOCKS, k=k, **options)
     specs, slot_specs, _ = LAYOUTS[name]
     kv, state = pool_bytes(specs, KBS * ppb, slot_specs)
@@ -144,10 +147,52 @@ def test_round_trip_in_tiles_of_one_slot(name):
     check_round_trip(name, torch.device("cpu"), max_workspace_bytes=1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_interpreter
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_round_trip_on_cuda(name):
-    check_round_trip(name, torch.device("cuda"))
+def test_interpreted_triton_round_trip(name):
+    """The one-launch Triton path (`kernels/copy/triton_state.py`) lays out and restores the same bytes."""
+    check_round_trip(name, torch.device("cpu"), impl="triton")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests")
+def test_triton_interpreter_in_subprocess():
+    run_interpreted(__file__, "interpreted_triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_round_trip_on_cuda(name, impl):
+    check_round_trip(name, torch.device("cuda"), impl=impl)
+
+
+@needs_cuda
+def test_compile_on_cuda_copies_nothing():
+    """`PagedStates.compile` (the runner's start-up) compiles the Triton kernel without touching a pool."""
+    pools, ppb, k = make_pools("fp16-ppb2-bf16-state", torch.device("cuda"))
+    paged = PagedStates(pools, pages_per_block=ppb, num_blocks=NUM_BLOCKS, k=k, impl="triton")
+    before = snapshot(pools, paged, ppb)
+    paged.compile()
+    after = snapshot(pools, paged, ppb)
+    for name in before:
+        assert all(torch.equal(old, new) for old, new in zip(before[name], after[name], strict=True)), name
+
+
+def test_tile_table_of_the_worked_example():
+    """`state_tiles`'s docstring example: 2 layers x 3 words of 4 slots against 2 rows x 2 words of 10 blocks."""
+    from hybridcache.kernels.copy.state_tiles import Runs, state_tiles
+
+    table = state_tiles([Runs(100, 2, 3, 12)], [Runs(500, 2, 2, 20)], k=2, block=8).tolist()
+    assert table == [
+        [100, 3, 500, 2, 0, 2, 0],  # positions [0, 2): layer 0 words 0-1 -> row 0
+        [102, 3, 520, 2, 0, 1, 0],  # [2, 3): layer 0 word 2 -> row 1 word 0
+        [112, 3, 521, 2, 0, 1, 0],  # [3, 4): layer 1 word 0 -> row 1 word 1
+        [113, 3, 500, 2, 1, 2, 0],  # [4, 6): layer 1 words 1-2 -> chunk 1, row 0
+        [0, 0, 520, 2, 1, 2, 1],  # [6, 8): padding -> chunk 1, row 1
+    ]
+    assert len(state_tiles([Runs(0, 1, 20, 20)], [Runs(0, 1, 20, 20)], k=1, block=8)) == 3  # 8 + 8 + 4 words
+    with pytest.raises(ValueError, match="does not fit"):
+        state_tiles([Runs(0, 1, 9, 9)], [Runs(0, 1, 4, 4)], k=2, block=8)
 
 
 def test_layouts_cover_what_they_claim():

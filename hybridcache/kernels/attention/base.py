@@ -30,7 +30,8 @@ class AttentionBackend(Protocol):
         ...
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:
-        """Write the step's keys and values into one layer's paged pool at `batch.kv_rows`."""
+        """Write the step's keys and values into one layer's paged pool at `batch.kv_rows` (a negative row: that
+        token is not written)."""
         ...
 
     def attention(

@@ -17,11 +17,13 @@ def write_kv(
 
     kv_pool      [2, num_pages, kernel_block_size, Hkv, D]   (0 = keys, 1 = values)
     keys, values [T, Hkv, D]
-    kv_rows      [T] int64   flat row page * kernel_block_size + offset of each token
+    kv_rows      [T] int64   flat row page * kernel_block_size + offset of each token; a negative row: the token
+                             is not written (a graph's padding row)
     """
     flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
-    flat[0, kv_rows] = keys.to(kv_pool.dtype)
-    flat[1, kv_rows] = values.to(kv_pool.dtype)
+    keep = kv_rows >= 0
+    flat[0, kv_rows[keep]] = keys[keep].to(kv_pool.dtype)
+    flat[1, kv_rows[keep]] = values[keep].to(kv_pool.dtype)
 
 
 def dequantize_kv(kv: torch.Tensor, dtype: torch.dtype, kv_scales: tuple[float, float]) -> torch.Tensor:

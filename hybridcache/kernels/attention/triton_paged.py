@@ -17,7 +17,9 @@ Decode (`paged_decode_attention`, one query per sequence): split-KV ("flash deco
 (sequence, kv head, split) handles all Hq/Hkv query heads of that kv head at once (the group is padded to 16
 rows for the tensor cores), so each key/value byte is read once; a second launch merges the splits'
 partial softmax sums. The number of splits is chosen on the host from the longest context so that the grid
-covers the multiprocessors about twice.
+covers the multiprocessors about twice; each sequence's own context is cut into that many runs of whole key
+blocks on the device (a CUDA graph, captured for max_model_len, splits a 1,000-token context as finely as an
+eager step would, instead of leaving all of it to the first split).
 
 fp32 inputs use IEEE fp32 dot products (not tf32), so fp32 runs match the reference to fp32 rounding.
 """
@@ -59,14 +61,39 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
+@triton.jit
+def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, rows_ptr, stride_kind, stride_kt, stride_kh, stride_vt, stride_vh,
+                     D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+    """Token t's key and value [Hkv, D] -> row rows[t] of the pool's keys and values (int64 offsets: a pool's K|V
+    halves may lie more than 2^31 elements apart); a negative row writes nothing."""
+    t = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + t).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < HD * (row >= 0).to(tl.int32)  # (a negative row: no lane)
+    head, dim = offsets // D, offsets % D
+    key = tl.load(k_ptr + t * stride_kt + head * stride_kh + dim, mask=inside)
+    value = tl.load(v_ptr + t * stride_vt + head * stride_vh + dim, mask=inside)
+    tl.store(kv_ptr + row * HD + offsets, key, mask=inside)
+    tl.store(kv_ptr + stride_kind + row * HD + offsets, value, mask=inside)
+
+
 def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv_rows: torch.Tensor) -> None:
-    """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place."""
-    flat = kv_pool.view(2, -1, *kv_pool.shape[3:])
+    """keys, values [T, Hkv, D] -> kv_pool rows kv_rows [T] (page * page_size + offset), in place: one launch for
+    both (converted to the pool's dtype first when they are not in it; an FP8 pool's bytes are copied as such). A
+    negative row writes nothing (a graph's padding row)."""
+    num_tokens, num_kv_heads, head_dim = keys.shape
+    if num_tokens == 0:
+        return
     keys, values = keys.to(kv_pool.dtype), values.to(kv_pool.dtype)
-    if kv_pool.element_size() == 1:  # float8: copied as bytes (index_copy_ has no float8 kernel)
-        flat, keys, values = flat.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
-    flat[0].index_copy_(0, kv_rows, keys)
-    flat[1].index_copy_(0, kv_rows, values)
+    if kv_pool.element_size() == 1:  # float8: moved as bytes
+        kv_pool, keys, values = kv_pool.view(torch.uint8), keys.view(torch.uint8), values.view(torch.uint8)
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or not kv_pool.is_contiguous():
+        raise ValueError("keys and values need unit stride on their last dim and kv_pool must be contiguous")
+    hd = num_kv_heads * head_dim
+    _write_kv_kernel[(num_tokens,)](
+        kv_pool, keys, values, kv_rows, kv_pool.stride(0), keys.stride(0), keys.stride(1), values.stride(0),
+        values.stride(1), D=head_dim, HD=hd, BLOCK=triton.next_power_of_2(hd), num_warps=4,
+    )
 
 
 @triton.jit
@@ -198,17 +225,21 @@ def _prefill_split_kernel(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale, split_len,
+    q_ptr, kv_ptr, acc_ptr, ml_ptr, bt_ptr, ctx_ptr, qk_scale, v_scale,
     stride_qn, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    """One (sequence, kv head, split) program: the split-th of num_splits equal runs of whole key blocks of this
+    sequence's own context (cut from its device length, so a graph captured for the longest context keeps every
+    split busy for any); partial sums for `_decode_merge_kernel` (a split past the context: m = -inf, l = 0)."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     num_splits = tl.num_programs(2)
     ctx = tl.load(ctx_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(ctx, BLOCK_N), num_splits) * BLOCK_N
     lo = split * split_len
     hi = tl.minimum(lo + split_len, ctx)
     group = tl.arange(0, BLOCK_G)
@@ -349,18 +380,30 @@ def prefill_splits(num_programs: int, max_context_len: int, num_sms: int) -> int
     return max(1, min(wanted, max_context_len // MIN_SPLIT_KEYS, MAX_PREFILL_SPLITS))
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """The decode split kernel's launch: warps, software-pipeline stages, and how many times over its (sequence,
+    kv head, split) programs cover the multiprocessors (`decode_splits`)."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+    coverage: int = 2
+
+
 def decode_splits(
-    num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int
+    num_seqs: int, num_kv_heads: int, max_context_len: int, block_n: int, num_sms: int, coverage: int = 2,
 ) -> tuple[int, int]:
     """(num_splits, split_len): enough (sequence, kv head, split) programs to cover the multiprocessors about
-    twice, each split a whole number of key blocks. Host arithmetic only.
+    `coverage` times, each split a whole number of key blocks, split_len those of the longest context's (the
+    kernel cuts each sequence's own context into num_splits runs of whole blocks: split_len for the longest). Host
+    arithmetic only.
 
     Example: 1 sequence, 2 kv heads, 16,000 keys, blocks of 64, 132 SMs -> 132 splits wanted, 250 key blocks,
     so splits of 2 blocks (128 keys): (125, 128).
     """
     sms = num_sms
     blocks = max(1, -(-max_context_len // block_n))
-    wanted = max(1, math.ceil(2 * sms / max(1, num_seqs * num_kv_heads)))
+    wanted = max(1, math.ceil(coverage * sms / max(1, num_seqs * num_kv_heads)))
     splits = min(wanted, blocks)
     split_len = -(-blocks // splits) * block_n
     return -(-max_context_len // split_len) if max_context_len else 1, split_len
@@ -376,11 +419,13 @@ def paged_decode_attention(
     scale: float,
     block_n: int = 64,
     kv_scales: tuple[float, float] = (1.0, 1.0),
+    launch: DecodeLaunch | None = None,
 ) -> torch.Tensor:
     """One query per sequence: q [N, Hq, D] at position context_len - 1 -> [N, Hq, D] in q's dtype.
 
     max_context_len: the largest context_len, from the host (sets the number of splits). kv_pool in q's dtype, or
-    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale).
+    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale). launch: the split kernel's launch (None: the
+    default `DecodeLaunch`; `benchmarks/attention_decode_sweep.py` times others).
     """
     _check(q, kv_pool)
     num, num_heads, head_dim = q.shape
@@ -389,17 +434,18 @@ def paged_decode_attention(
     out = torch.empty_like(q)
     if num == 0:
         return out
+    launch = launch or DecodeLaunch()
     if q.dtype == torch.float32:
         block_n = min(block_n, 32)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 64
-    num_splits, split_len = decode_splits(num, num_kv_heads, max_context_len, block_n, sms)
+    num_splits, _ = decode_splits(num, num_kv_heads, max_context_len, block_n, sms, launch.coverage)
     partial = torch.empty(num, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     ml = torch.empty(num, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num, num_kv_heads, num_splits)](
-        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1], split_len,
+        q, kv_pool, partial, ml, block_tables, context_lens, scale * _LOG2E * kv_scales[0], kv_scales[1],
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
-        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     _decode_merge_kernel[(num, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits,
