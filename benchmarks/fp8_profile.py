@@ -10,7 +10,8 @@ one engine at a time, built with fp8_bench's options, then the parts (`profile_e
 PARTS` runs the same parts on its engines before their phases):
 
 - decode: `--seqs` prompts of 1,024 tokens decoding together (graphs), the free-running step timed over 16 steps
-  (p50), then 5 steps under torch.profiler (and the copy ops they ran, by kind and id count: `copies`);
+  (p50), then 5 steps under torch.profiler (and the copy ops they ran, by kind and id count: `copies`); no
+  sequence finishes before then (their finish saves would count as decode work), and all are aborted after;
 - batch: one step of 16 fresh 1,024-token prompts (16,384 tokens: phase D's 64 prompts take four such steps),
   timed twice after a warm-up, then once profiled;
 - small: a 2,000-token prefix cached, then the prefix + about 300, 600 and 1,000 new tokens (phase A's requests,
@@ -116,10 +117,12 @@ def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int, tab
     """`seqs` sequences of `prompt_len` tokens decoding together: the free-running step's p50 over DECODE_STEPS
     steps (after 4 untimed), then PROFILED_STEPS steps profiled (per-step groups)."""
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + PROFILED_STEPS + 8, ignore_eos=True)
-    for i in range(seqs):
-        engine.add_request(f"fp8prof-{time.perf_counter_ns()}-{i}", gpu_bench.letters(rng, prompt_len), params,
-                           final_only=True)
+    # no sequence finishes before the profiled steps end (a finish saves a checkpoint: not a decode step's work):
+    # the staggered prefill takes at most `seqs` steps, and the first prompts decode during it
+    params = SamplingParams(temperature=0, max_tokens=seqs + DECODE_STEPS + PROFILED_STEPS + 8, ignore_eos=True)
+    request_ids = [f"fp8prof-{time.perf_counter_ns()}-{i}" for i in range(seqs)]
+    for request_id in request_ids:
+        engine.add_request(request_id, gpu_bench.letters(rng, prompt_len), params, final_only=True)
     while any(s.num_computed < s.prompt_len for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(4):
@@ -142,6 +145,8 @@ def profile_decode(llm: LLM, rng: random.Random, seqs: int, prompt_len: int, tab
         return 1000 * (time.perf_counter() - start) / PROFILED_STEPS
 
     profiled_ms, prof = _profiled(steps, engine.device.type == "cuda", tables, f"decode, {PROFILED_STEPS} steps")
+    for request_id in request_ids:
+        engine.abort(request_id)
     while engine.has_unfinished_requests():
         engine.step()
     out = {"seqs": batch, "step_ms_p50": statistics.median(walls), "profiled_step_ms": profiled_ms,
