@@ -227,3 +227,24 @@ def test_cuda_split_k_on_a_norms_quantisation_equals_quantising_itself(m, monkey
     monkeypatch.setitem(triton_block_fp8.DECODE_SPLIT_K, (4096, 4096), triton_block_fp8.SplitK(64, 4))
     check_fp8_linear_on_norm_output(m, 4096, 4096, "cuda")
     check_gemms_read_column_major_scales(m, 4096, 4096, "cuda")
+
+
+@pytest.mark.parametrize("kernel_name, rows, block", [("_add_rms_norm_fp8_kernel", 1, 4096),
+                                                      ("_gated_rms_norm_fp8_kernel", 16, 128)])
+def test_fused_fp8_norms_compile_for_hopper(kernel_name, rows, block):
+    """Both kernels at next-16b's launches (a 4,096-wide row a program, 16 warps; 16 heads of 128 a program)
+    compile for sm90 on the CPU (`tests/kernels/hopper.py`), writing e4m3 and the step's varying sizes not
+    specialised."""
+    pytest.importorskip("triton")
+    from hybridcache.kernels.norm import triton as fused
+    from tests.kernels.hopper import compile_for_hopper
+
+    kernel = getattr(fused, kernel_name)
+    pointers = {p.name: "*bf16" for p in kernel.params if p.name.endswith("_ptr")}
+    pointers.update(q_ptr="*fp8e4nv", s_ptr="*fp32", w_ptr="*bf16")
+    ints = [p.name for p in kernel.params if not p.name.endswith("_ptr") and not p.is_constexpr and p.name != "eps"]
+    constants = dict(ROWS=rows, BLOCK=block, GROUP=128, QMAX=448.0)
+    compiled = compile_for_hopper(kernel, pointers, ints, constants, num_warps=16 if rows == 1 else 4,
+                                  floats=("eps",))
+    assert "cvt.rn.satfinite.e4m3x2" in compiled.asm["ptx"] or "e4m3" in compiled.asm["ptx"]
+    assert all(p.do_not_specialize for p in kernel.params if p.name in ("num_rows", "padded_rows", "stride_sg"))
