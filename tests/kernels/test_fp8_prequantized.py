@@ -9,6 +9,8 @@
 - the GEMMs read the activation scales through both strides: column-major scales give the bits of row-major ones
   (`fp8_gemm`, `fp8_gemm_splitk`), and `fp8_linear` on `quantized` gives the bits of `fp8_linear` quantising
   itself (the Triton W8A8 path here; on CUDA also cuBLAS's block-scaled GEMM and split-K at next-16b's shapes);
+- `triton_quant.quantize_rows_scatter` (the row-wise experts' x, each token quantised once and written to its
+  sorted rows) equals `quantize_rows` followed by the gather of both outputs in sorted order, bit for bit;
 - the CPU fallbacks (`layers/norm.py` off CUDA) and the module plumbing: an `Fp8Linear`, `module_linear` and a
   `FusedProjection` of an FP8 and a dense linear give the same output for `Fp8Rows` as for their x.
 
@@ -115,6 +117,20 @@ def check_fp8_linear_on_norm_output(m: int, n: int, k: int, device: str) -> None
         fp8_linear(normed, weight, scale, BLOCK, quantized=(q[:m], q_scale))
 
 
+def check_quantize_rows_scatter(tokens: int, cols: int, top_k: int, device: str) -> None:
+    from hybridcache.kernels.gemm import triton_quant
+    from hybridcache.kernels.moe.grouped import pair_rows
+
+    x = randn((tokens, cols + 8), 21, 3.0).to(device, torch.bfloat16)[:, :cols]  # a row stride past K
+    ids = torch.randint(0, 7, (tokens * top_k,), generator=torch.Generator().manual_seed(22)).to(device)
+    order = torch.argsort(ids, stable=True)  # pairs sorted by a made-up expert id
+    q, scale = triton_quant.quantize_rows_scatter(x, pair_rows(order), top_k)
+    want_q, want_scale = triton_quant.quantize_rows(x)
+    tokens_of = order // top_k
+    assert torch.equal(q.view(torch.uint8), want_q.index_select(0, tokens_of).view(torch.uint8))
+    assert torch.equal(scale, want_scale.reshape(-1).index_select(0, tokens_of))
+
+
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 ADD_SHAPES = pytest.mark.parametrize("rows, dim", [(37, 300), (3, 2048), (1, 64), (5, 2500), (6, 384)])
 GATED_SHAPES = pytest.mark.parametrize("rows, heads, head_dim", [(37, 4, 128), (2, 3, 256), (5, 1, 200),
@@ -145,6 +161,12 @@ def test_interpreted_gemms_read_column_major_activation_scales(m, n, k):
 @pytest.mark.parametrize("m, n, k", [(5, 200, 300), (3, 96, 256)])
 def test_interpreted_fp8_linear_on_a_norms_quantisation_equals_quantising_itself(m, n, k):
     check_fp8_linear_on_norm_output(m, n, k, "cpu")
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tokens, cols, top_k", [(7, 300, 3), (1, 64, 9), (12, 256, 1)])
+def test_interpreted_quantize_rows_scatter_equals_quantising_then_gathering(tokens, cols, top_k):
+    check_quantize_rows_scatter(tokens, cols, top_k, "cpu")
 
 
 @needs_interpreter
@@ -217,6 +239,12 @@ def test_cuda_gated_rms_norm_fp8_equals_the_norm_then_the_quantisation(rows, hea
 @pytest.mark.parametrize("n, k", [(12288, 4096), (4096, 4096), (9216, 4096), (200, 300)])
 def test_cuda_fp8_linear_on_a_norms_quantisation_equals_quantising_itself(m, n, k):
     check_fp8_linear_on_norm_output(m, n, k, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("tokens, cols, top_k", [(16384, 4096, 9), (37, 2048, 11), (1, 300, 3)])
+def test_cuda_quantize_rows_scatter_equals_quantising_then_gathering(tokens, cols, top_k):
+    check_quantize_rows_scatter(tokens, cols, top_k, "cuda")
 
 
 @needs_cuda
