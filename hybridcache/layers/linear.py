@@ -104,10 +104,8 @@ class Fp8Linear(nn.Module):
         if isinstance(x, Fp8Rows):
             rows = x.x
             if takes_fp8_rows(self) and rows.is_cuda and rows.dtype in _FAST_DTYPES:
-                from hybridcache.kernels.gemm import triton_block_fp8
-
-                return triton_block_fp8.fp8_linear(rows, self.weight, self.scale, self.fmt, self.bias,
-                                                   quantized=(x.xq, x.scale))
+                return kernel_backend.fp8_linear_quantized(rows, x.xq, x.scale, self.weight, self.scale, self.fmt,
+                                                           self.bias)
             x = rows
         return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, self.bias, gemm=self.gemm)
 

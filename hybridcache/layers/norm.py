@@ -8,8 +8,7 @@
 
 `fp8=True` (where `layers.linear.wants_fp8_rows` says the FP8 linear after the norm takes it): the output comes as
 `layers.linear.Fp8Rows`, the norm's output with its FP8 quantisation for that linear, written by the norm's own
-launch on CUDA (`kernels/norm/triton.py`, `*_fp8`); elsewhere, or where the kernel does not take the layout, the
-backend's norm followed by `triton_quant.quantize_groups` (CUDA) or its torch reference (the same values).
+launch on CUDA (`kernels.backend.add_rms_norm_fp8` / `gated_rms_norm_fp8`).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.linear import PREQUANTIZED_GROUP, PREQUANTIZED_PAD_ROWS, Fp8Rows
 
@@ -38,14 +38,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         norm in one op (`backend.add_rms_norm`). `fp8` (x [T, dim]): the norm as `Fp8Rows` (module docstring)."""
         if not fp8:
             return backend.add_rms_norm(x, residual, self.weight, self.eps)
-        if x.is_cuda and x.dim() == 2:
-            from hybridcache.kernels.norm import triton as norm_triton
-
-            total, normed, xq, scale = norm_triton.add_rms_norm_fp8(
-                x, residual, self.weight, self.eps, PREQUANTIZED_GROUP, PREQUANTIZED_PAD_ROWS)
-            return total, Fp8Rows(normed, xq, scale)
-        total, normed = backend.add_rms_norm(x, residual, self.weight, self.eps)
-        return total, quantized_rows(normed)
+        total, normed, xq, scale = kernel_backend.add_rms_norm_fp8(x, residual, self.weight, self.eps,
+                                                                   PREQUANTIZED_GROUP, PREQUANTIZED_PAD_ROWS)
+        return total, Fp8Rows(normed, xq, scale)
 
 
 class GatedRMSNorm(nn.Module):
@@ -61,28 +56,5 @@ class GatedRMSNorm(nn.Module):
         """`fp8` (x [T, heads, dim]): the output flattened to [T, heads * dim] as `Fp8Rows` (module docstring)."""
         if not fp8:
             return backend.gated_rms_norm(x, gate, self.weight, self.eps)
-        tokens = x.shape[0]
-        if x.is_cuda and x.dim() == 3 and x.shape[-1] % PREQUANTIZED_GROUP == 0:
-            from hybridcache.kernels.norm import triton as norm_triton
-
-            out, xq, scale = norm_triton.gated_rms_norm_fp8(x, gate, self.weight, self.eps, PREQUANTIZED_GROUP,
-                                                            PREQUANTIZED_PAD_ROWS)
-            return Fp8Rows(out.view(tokens, -1), xq, scale)
-        return quantized_rows(backend.gated_rms_norm(x, gate, self.weight, self.eps).reshape(tokens, -1))
-
-
-def quantized_rows(x: torch.Tensor) -> Fp8Rows:
-    """x [T, K] with its quantisation as `Fp8Rows` in separate launches: `triton_quant.quantize_groups` on CUDA,
-    else `gemm.reference.quantize_groups` padded and laid out the same way."""
-    if x.is_cuda:
-        from hybridcache.kernels.gemm import triton_quant
-
-        return Fp8Rows(x, *triton_quant.quantize_groups(x, PREQUANTIZED_GROUP, pad_rows=PREQUANTIZED_PAD_ROWS,
-                                                         column_major=True))
-    from hybridcache.kernels.gemm import reference
-
-    tokens = x.shape[0]
-    padded = -(-tokens // PREQUANTIZED_PAD_ROWS) * PREQUANTIZED_PAD_ROWS
-    xq, scale = reference.quantize_groups(torch.cat([x, x.new_zeros(padded - tokens, x.shape[1])]),
-                                          PREQUANTIZED_GROUP)
-    return Fp8Rows(x, xq, scale.t().contiguous().t())
+        return Fp8Rows(*kernel_backend.gated_rms_norm_fp8(x, gate, self.weight, self.eps, PREQUANTIZED_GROUP,
+                                                          PREQUANTIZED_PAD_ROWS))

@@ -11,7 +11,7 @@
   itself (the Triton W8A8 path here; on CUDA also cuBLAS's block-scaled GEMM and split-K at next-16b's shapes);
 - `triton_quant.quantize_rows_scatter` (the row-wise experts' x, each token quantised once and written to its
   sorted rows) equals `quantize_rows` followed by the gather of both outputs in sorted order, bit for bit;
-- the CPU fallbacks (`layers/norm.py` off CUDA) and the module plumbing: an `Fp8Linear`, `module_linear` and a
+- the CPU fallbacks (`kernels/norm/fp8.py` off CUDA, through `layers/norm.py`) and the module plumbing: an `Fp8Linear`, `module_linear` and a
   `FusedProjection` of an FP8 and a dense linear give the same output for `Fp8Rows` as for their x.
 
 Interpreted tests run in a TRITON_INTERPRET=1 child (`test_fp8_prequantized_in_a_triton_interpreter_subprocess`),
@@ -201,15 +201,15 @@ def test_cpu_fallbacks_equal_the_reference_norms_and_quantisation():
 
 
 def test_cpu_fp8_rows_reach_fp8_and_dense_linears_as_their_input():
+    from hybridcache.kernels.norm.fp8 import quantize_for_gemm
     from hybridcache.layers.fused import FusedProjection
-    from hybridcache.layers.linear import Fp8Linear, module_linear, wants_fp8_rows
-    from hybridcache.layers.norm import quantized_rows
+    from hybridcache.layers.linear import Fp8Linear, Fp8Rows, module_linear, wants_fp8_rows
 
     fp8 = Fp8Linear(256, 128, BLOCK)
     fp8.weight.data, fp8.weight_scale_inv.data = quantize(randn((128, 256), 19), BLOCK)
     dense = nn.Linear(256, 8, bias=False)
     x = randn((5, 256), 20)
-    rows = quantized_rows(x)
+    rows = Fp8Rows(x, *quantize_for_gemm(x, 128, 4))
     assert torch.equal(fp8(rows), fp8(x)) and torch.equal(module_linear(fp8, rows), module_linear(fp8, x))
     assert torch.equal(module_linear(dense, rows), module_linear(dense, x))
     fused = FusedProjection(fp8, dense)  # a mix of formats: one GEMM each
