@@ -2,17 +2,19 @@
 `gated_rms_norm_fp8`) and the FP8 GEMMs on such pre-quantised input (`layers.linear.Fp8Rows`,
 `triton_block_fp8.fp8_linear(..., quantized=...)`):
 
-- the fused norm equals the norm kernel followed by `triton_quant.quantize_groups(out, 128, pad_rows=4,
-  column_major=True)` bit for bit (the sum, the output, the FP8 bytes, every scale, the padding tokens), on a
-  ragged last group, a row narrower than a group, strided inputs (column slices of a wider tensor, head views)
-  and a row count that is not a multiple of 4; bf16 and fp32;
+- the fused norm's quantisation equals `triton_quant.quantize_groups(out, 128, pad_rows=4, column_major=True)` of
+  its own output bit for bit (the FP8 bytes, every scale, the padding tokens), its sum equals the plain kernel's,
+  its output the plain kernel's bit for bit in the interpreter and within one rounding step compiled (the sum of
+  squares reduced in the compiler's order), on a ragged last group, a row narrower than a group, strided inputs
+  (column slices of a wider tensor, head views) and a row count that is not a multiple of 4; bf16 and fp32;
 - the GEMMs read the activation scales through both strides: column-major scales give the bits of row-major ones
   (`fp8_gemm`, `fp8_gemm_splitk`), and `fp8_linear` on `quantized` gives the bits of `fp8_linear` quantising
   itself (the Triton W8A8 path here; on CUDA also cuBLAS's block-scaled GEMM and split-K at next-16b's shapes);
 - `triton_quant.quantize_rows_scatter` (the row-wise experts' x, each token quantised once and written to its
   sorted rows) equals `quantize_rows` followed by the gather of both outputs in sorted order, bit for bit;
-- the CPU fallbacks (`kernels/norm/fp8.py` off CUDA, through `layers/norm.py`) and the module plumbing: an `Fp8Linear`, `module_linear` and a
-  `FusedProjection` of an FP8 and a dense linear give the same output for `Fp8Rows` as for their x.
+- the CPU fallbacks (`kernels/norm/fp8.py` off CUDA, through `layers/norm.py`) and the module plumbing: an
+  `Fp8Linear`, `module_linear` and a `FusedProjection` of an FP8 and a dense linear give the same output for
+  `Fp8Rows` as for their x.
 
 Interpreted tests run in a TRITON_INTERPRET=1 child (`test_fp8_prequantized_in_a_triton_interpreter_subprocess`),
 both sides of each comparison interpreted (the interpreter truncates bf16 where CUDA rounds, alike on both).
@@ -49,6 +51,18 @@ def assert_same_quantization(got: tuple[torch.Tensor, torch.Tensor], want: tuple
     assert torch.equal(scale, want_scale)
 
 
+def assert_same_norm(got: torch.Tensor, want: torch.Tensor, device: str) -> None:
+    """The fused kernel's norm against the plain norm kernel's: the same bits in the interpreter; compiled, the
+    sum of squares may be reduced in another order (the compiler lays the fused kernel's tile out for its group
+    maxima), so within one rounding step of the output dtype (measured on the H200: fp32 at 64 x 4,096 differed;
+    bf16 equal at every shape tested)."""
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[got.dtype]
+        torch.testing.assert_close(got, want, rtol=step, atol=step * 1e-3)
+
+
 def check_add_rms_norm_fp8(rows: int, dim: int, dtype: torch.dtype, device: str) -> None:
     from hybridcache.kernels.gemm import triton_quant
     from hybridcache.kernels.norm import triton as fused
@@ -59,10 +73,10 @@ def check_add_rms_norm_fp8(rows: int, dim: int, dtype: torch.dtype, device: str)
     weight = randn((dim,), 3, 0.5).to(device, dtype)
     total, normed, q, scale = fused.add_rms_norm_fp8(x, residual, weight, 1e-6)
     want_total, want_normed = fused.add_rms_norm(x, residual, weight, 1e-6)
-    assert torch.equal(total, want_total) and torch.equal(normed, want_normed)
+    assert torch.equal(total, want_total)
+    assert_same_norm(normed, want_normed, device)
     assert q.shape == (-(-rows // 4) * 4, dim)
-    assert_same_quantization((q, scale), triton_quant.quantize_groups(want_normed, 128, pad_rows=4,
-                                                                      column_major=True))
+    assert_same_quantization((q, scale), triton_quant.quantize_groups(normed, 128, pad_rows=4, column_major=True))
 
 
 def check_gated_rms_norm_fp8(rows: int, heads: int, head_dim: int, dtype: torch.dtype, device: str) -> None:
@@ -77,8 +91,9 @@ def check_gated_rms_norm_fp8(rows: int, heads: int, head_dim: int, dtype: torch.
     weight = randn((head_dim,), 5, 0.5).to(device, dtype)
     out, q, scale = fused.gated_rms_norm_fp8(x, gate, weight, 1e-6)
     want = fused.gated_rms_norm(x, gate, weight, 1e-6)
-    assert torch.equal(out, want) and out.shape == x.shape
-    assert_same_quantization((q, scale), triton_quant.quantize_groups(want.reshape(rows, width), 128, pad_rows=4,
+    assert out.shape == x.shape
+    assert_same_norm(out, want, device)
+    assert_same_quantization((q, scale), triton_quant.quantize_groups(out.reshape(rows, width), 128, pad_rows=4,
                                                                       column_major=True))
 
 
