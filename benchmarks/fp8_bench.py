@@ -363,10 +363,19 @@ def one_run(model: str, weights: str, kv: str, root: Path, phases: list[str], op
             result["prefix_hit_profile"] = {"error": repr(error)}
         save()
     del llm
+    release_engines(cuda)
+    return result
+
+
+def release_engines(cuda: bool) -> None:
+    """Free what engines no longer referenced hold, before the next one starts. A CUDA engine moves the heap out of
+    the cycle collector's reach at start-up (`gc.freeze`, `engine._freeze_gc_heap`), so a reference cycle through
+    its objects made afterwards (a profile's wrapper of a runner method was one: its pools stayed allocated and
+    the next engine ran out of memory) survives `gc.collect()`: unfreeze, then collect."""
+    gc.unfreeze()
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return result
 
 
 def decode_choice_table() -> dict:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import json
 import os
@@ -295,6 +294,7 @@ def main() -> None:
         model, weights, kv = (text.split(":") + ["auto"])[:3]
         run: dict = {"model": model, "weights": weights, "kv": kv}
         result["runs"].append(run)
+        llm = None
         try:
             folder, extra = fp8_bench.run_folder(model, weights, root, dummy=True)
             with fp8_bench.kernel_variant(weights):  # the variant's kernel choices (fp8_bench.KERNEL_VARIANTS)
@@ -303,14 +303,12 @@ def main() -> None:
                 run["engine_init_s"] = time.perf_counter() - start
                 print(f"{text} up in {run['engine_init_s']:.1f} s", flush=True)
                 profile_engine(llm, parts, run, save, out_dir / f"host_{model}_{weights}_{kv}.txt", args.seqs)
-                del llm
         except Exception as error:
             traceback.print_exc()
             run["error"] = repr(error)
         save()
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        llm = None
+        fp8_bench.release_engines(cuda)
 
 
 if __name__ == "__main__":

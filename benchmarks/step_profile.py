@@ -205,7 +205,9 @@ TRACED_STEPS = 2  # decode steps of `--trace`
 
 def log_copies(runner, log: list[list[str]]):
     """Wrap `runner._copy` so each copy op appends "KIND xN" (N: its source ids) to `log[-1]` (a list per step
-    the caller opens); returns a function that unwraps it."""
+    the caller opens); returns a function that unwraps it (the runner as before: its class's method, no bound
+    method left in the instance, which would be a reference cycle that a frozen heap never collects)."""
+    own = "_copy" in vars(runner)
     inner = runner._copy
 
     def logged(op):
@@ -214,7 +216,7 @@ def log_copies(runner, log: list[list[str]]):
         return inner(op)
 
     runner._copy = logged
-    return lambda: setattr(runner, "_copy", inner)
+    return lambda: setattr(runner, "_copy", inner) if own else delattr(runner, "_copy")
 
 
 def _frames(stack: list[str], limit: int = 4) -> str:

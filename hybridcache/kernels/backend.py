@@ -467,6 +467,35 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: 
     return gemm_backend(gemm, x.device.type).linear(x, weight, scale, fmt, bias)
 
 
+def fp8_linear_quantized(x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         scale: torch.Tensor, fmt: Fp8Format, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`fp8_linear` of x [T, K] (bf16 / fp16 on CUDA, block format) by the "triton" backend's kernels on x already
+    quantised (`add_rms_norm_fp8` / `gated_rms_norm_fp8`: xq, x_scale), which then skip their quantisation launch
+    (`triton_block_fp8.fp8_linear(..., quantized=...)`; the same product)."""
+    from hybridcache.kernels.gemm.triton_block_fp8 import fp8_linear as triton_fp8_linear
+
+    return triton_fp8_linear(x, weight, scale, fmt, bias, quantized=(xq, x_scale))
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                     pad_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` of x, residual [T, dim] and its output's FP8 quantisation per token per `group` channels for
+    the FP8 linear after it: (sum, normed, xq [T', dim], scale [T', ceil(dim/group)] column-major), T' = T rounded up
+    to `pad_rows` (`kernels/norm/fp8.py`: one launch on CUDA)."""
+    from hybridcache.kernels.norm import fp8 as norm_fp8
+
+    return norm_fp8.add_rms_norm_fp8(x, residual, weight, eps, group, pad_rows)
+
+
+def gated_rms_norm_fp8(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int,
+                       pad_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_rms_norm` of x, gate [T, heads, dim] flattened to [T, heads * dim], and its FP8 quantisation as
+    `add_rms_norm_fp8`'s (`kernels/norm/fp8.py`: one launch on CUDA)."""
+    from hybridcache.kernels.norm import fp8 as norm_fp8
+
+    return norm_fp8.gated_rms_norm_fp8(x, gate, weight, eps, group, pad_rows)
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The GEMM of a dense (unquantised) linear layer: x [..., K] -> x W^T (+ bias) [..., N], as `F.linear`; on
     CUDA in bf16 / fp16 at up to 64 rows, cuBLAS or the skinny Triton GEMM, whichever was measured faster for the

@@ -63,6 +63,11 @@ class GatedAttention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
+    @property
+    def input_projection(self) -> FusedProjection:
+        """The projection of the layer's input (a norm before it may pre-quantise for it: `layers.linear.Fp8Rows`)."""
+        return self.qkv
+
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> this rank's part of the full parameter ({} unsharded)."""
         if self.tp.size == 1:

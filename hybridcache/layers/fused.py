@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import hybridcache.kernels.backend as kernel_backend
-from hybridcache.layers.linear import Fp8Linear
+from hybridcache.layers.linear import Fp8Linear, Fp8Rows, dense_input
 
 ROW_ALIGN = 8  # output columns per fused row, a multiple of: 16 bytes of bf16 (32 of fp32)
 
@@ -59,12 +59,15 @@ class FusedProjection:
         self._checked: tuple[nn.Module, ...] | None = None  # the linears `_fused` was decided for
         self._fused = True
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def __call__(self, x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, ...]:
+        """x [..., H], or `Fp8Rows` of x [T, H] (a norm's pre-quantised output: the FP8 GEMMs read it, the dense
+        ones its x)."""
         if not self.fused():
-            return tuple(linear(x) for linear in self.linears)
+            return tuple(linear(x if isinstance(linear, Fp8Linear) else dense_input(x)) for linear in self.linears)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
-        out = kernel_backend.dense_linear(x, self.weight, self.bias) if self.fp8 is None else self.fp8(x)
+        fp8 = self.fp8
+        out = kernel_backend.dense_linear(dense_input(x), self.weight, self.bias) if fp8 is None else fp8(x)
         return out[..., : sum(self.sizes)].split(self.sizes, dim=-1)
 
     def fused(self) -> bool:

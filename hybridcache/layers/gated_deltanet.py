@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from hybridcache.layers.fused import FusedProjection
-from hybridcache.layers.linear import module_linear
+from hybridcache.layers.linear import module_linear, wants_fp8_rows
 from hybridcache.layers.norm import GatedRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
@@ -68,6 +68,12 @@ class _GatedDeltaNetBase(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
         self.norm = GatedRMSNorm(v_head_dim, eps=eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    @property
+    def input_projection(self) -> FusedProjection:
+        """The projection of the layer's input, `in_proj` (a norm before it may pre-quantise for it:
+        `layers.linear.Fp8Rows`)."""
+        return self.in_proj
 
     def shards(self) -> dict[str, Shard]:
         """Parameter name -> this rank's part of the full checkpoint tensor, in the order held; unsharded, only the
@@ -116,8 +122,10 @@ class _GatedDeltaNetBase(nn.Module):
         state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
         core = step.core(functools.partial(self._recur, state), mixed_qkv, a, b)
-        core = self.norm(core, z, step.backend)
-        return self.tp.all_reduce(module_linear(self.out_proj, core.reshape(hidden.shape[0], self.value_dim)))
+        fp8 = wants_fp8_rows(self.out_proj, core)  # the norm quantises for an FP8 out_proj (Fp8Rows [T, value_dim])
+        core = self.norm(core, z, step.backend, fp8=fp8)
+        core = core if fp8 else core.reshape(hidden.shape[0], self.value_dim)
+        return self.tp.all_reduce(module_linear(self.out_proj, core))
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed_qkv: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor) -> torch.Tensor:

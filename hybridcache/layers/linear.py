@@ -12,11 +12,19 @@ registered in `kernels.registry.GEMM`; the default: the Triton block-scaled GEMM
 dequantise-then-matmul elsewhere). Casting the module
 (`model.to(dtype)`, `.half()`) moves the weight and its scale between devices but never changes their dtypes;
 only the bias follows the model dtype.
+
+An FP8 linear may take its input already quantised (`Fp8Rows`): the norm before it writes the FP8 activations and
+their scales in its own launch (`layers/norm.py`, `fp8=True`), so the GEMM skips its quantisation launch. A layer
+asks `wants_fp8_rows(projection, x)` first; `module_linear`, `FusedProjection` and `Fp8Linear` take either input.
+
+    normed = norm.add(x, residual, backend, fp8=wants_fp8_rows(proj, x))   # a tensor, or Fp8Rows
+    proj(normed)                                                           # the GEMM on normed.xq / normed.scale
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +32,50 @@ from torch import nn
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.fp8_format import FP8_DTYPE, Fp8Format
 from hybridcache.kernels.backend import KernelBackend
+
+PREQUANTIZED_GROUP = 128  # the activations' group of the block-scaled GEMMs (`triton_block_fp8.fp8_linear`)
+PREQUANTIZED_PAD_ROWS = 4  # tokens padded to a multiple of this (cuBLAS's block-scaled layout)
+_FAST_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class Fp8Rows(NamedTuple):
+    """An FP8 linear's input x [T, K] with its quantisation per token per `PREQUANTIZED_GROUP` channels, in the
+    layout `scaled_mm.block_fp8_linear` hands cuBLAS: exactly `triton_quant.quantize_groups(x, 128, pad_rows=4,
+    column_major=True)`.
+
+        x      [T, K] bf16 / fp16 (what a dense linear of the same input reads)
+        xq     [T', K] float8_e4m3fn, T' = T rounded up to a multiple of 4 (the rows past T zeros)
+        scale  [T', ceil(K/128)] fp32, stored column-major (stride (1, T'))
+    """
+
+    x: torch.Tensor
+    xq: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        """x's shape (a layer reads the token count from its input)."""
+        return self.x.shape
+
+
+def dense_input(x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+    """The input as a tensor: x itself, or an `Fp8Rows`' unquantised x."""
+    return x.x if isinstance(x, Fp8Rows) else x
+
+
+def takes_fp8_rows(linear: nn.Module) -> bool:
+    """Whether `linear` runs its GEMM on an `Fp8Rows` input's xq / scale: an `Fp8Linear` in the block format with
+    K blocks of `PREQUANTIZED_GROUP` on the default GEMM backend (the "triton" one on CUDA)."""
+    return (isinstance(linear, Fp8Linear) and linear.fmt.kind == "block"
+            and linear.fmt.block[1] == PREQUANTIZED_GROUP and linear.gemm in (None, "triton"))
+
+
+def wants_fp8_rows(projection: object, x: torch.Tensor) -> bool:
+    """Whether the norm before `projection` (a linear, a `FusedProjection`, or None) should hand it `Fp8Rows` of
+    its output x: x bf16 / fp16 on CUDA and one of the projection's linears `takes_fp8_rows`."""
+    if projection is None or not x.is_cuda or x.dtype not in _FAST_DTYPES:
+        return False
+    return any(takes_fp8_rows(linear) for linear in getattr(projection, "linears", (projection,)))
 
 
 class Fp8Linear(nn.Module):
@@ -46,7 +98,15 @@ class Fp8Linear(nn.Module):
         """The weight's scale tensor (`weight_scale_inv` or `weight_scale`)."""
         return getattr(self, self.fmt.scale_name)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x [..., K], or `Fp8Rows` of x [T, K]: then, where this linear `takes_fp8_rows` and x is bf16 / fp16 on
+        CUDA, the GEMM runs on its xq / scale (the same product as quantising x here), else on its x."""
+        if isinstance(x, Fp8Rows):
+            rows = x.x
+            if takes_fp8_rows(self) and rows.is_cuda and rows.dtype in _FAST_DTYPES:
+                return kernel_backend.fp8_linear_quantized(rows, x.xq, x.scale, self.weight, self.scale, self.fmt,
+                                                           self.bias)
+            x = rows
         return kernel_backend.fp8_linear(x, self.weight, self.scale, self.fmt, self.bias, gemm=self.gemm)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,12 +134,13 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.describe()}"
 
 
-def module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def module_linear(module: nn.Module, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
     """`module(x)`; a plain `nn.Linear` through the backend's dense GEMM (`kernels.backend.dense_linear`: cuBLAS or
-    a skinny Triton GEMM for a decode step's few rows, as measured per shape)."""
+    a skinny Triton GEMM for a decode step's few rows, as measured per shape). `Fp8Rows` go whole to an
+    `Fp8Linear`, as their x to anything else."""
     if type(module) is nn.Linear:
-        return kernel_backend.dense_linear(x, module.weight, module.bias)
-    return module(x)
+        return kernel_backend.dense_linear(dense_input(x), module.weight, module.bias)
+    return module(x) if isinstance(module, Fp8Linear) else module(dense_input(x))
 
 
 def module_swiglu_linear(module: nn.Module, gate: torch.Tensor, up: torch.Tensor, backend: KernelBackend

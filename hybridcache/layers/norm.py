@@ -5,6 +5,10 @@
   post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
 - `GatedRMSNorm`: y = (w * x / rms(x)) * silu(gate), `weight` initialised to 1 (NOT zero-centred). Used
   as `linear_attn.norm` on each DeltaNet value head, gated by z.
+
+`fp8=True` (where `layers.linear.wants_fp8_rows` says the FP8 linear after the norm takes it): the output comes as
+`layers.linear.Fp8Rows`, the norm's output with its FP8 quantisation for that linear, written by the norm's own
+launch on CUDA (`kernels.backend.add_rms_norm_fp8` / `gated_rms_norm_fp8`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.kernels.backend import KernelBackend
+from hybridcache.layers.linear import PREQUANTIZED_GROUP, PREQUANTIZED_PAD_ROWS, Fp8Rows
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -26,10 +32,15 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
         return backend.rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend) -> tuple[torch.Tensor, torch.Tensor]:
+    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend, fp8: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """(x + residual, this norm of it), both [..., dim] in x's dtype: the residual add before the norm and the
-        norm in one op (`backend.add_rms_norm`)."""
-        return backend.add_rms_norm(x, residual, self.weight, self.eps)
+        norm in one op (`backend.add_rms_norm`). `fp8` (x [T, dim]): the norm as `Fp8Rows` (module docstring)."""
+        if not fp8:
+            return backend.add_rms_norm(x, residual, self.weight, self.eps)
+        total, normed, xq, scale = kernel_backend.add_rms_norm_fp8(x, residual, self.weight, self.eps,
+                                                                   PREQUANTIZED_GROUP, PREQUANTIZED_PAD_ROWS)
+        return total, Fp8Rows(normed, xq, scale)
 
 
 class GatedRMSNorm(nn.Module):
@@ -40,5 +51,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: KernelBackend) -> torch.Tensor:
-        return backend.gated_rms_norm(x, gate, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, backend: KernelBackend, fp8: bool = False
+                ) -> torch.Tensor | Fp8Rows:
+        """`fp8` (x [T, heads, dim]): the output flattened to [T, heads * dim] as `Fp8Rows` (module docstring)."""
+        if not fp8:
+            return backend.gated_rms_norm(x, gate, self.weight, self.eps)
+        return Fp8Rows(*kernel_backend.gated_rms_norm_fp8(x, gate, self.weight, self.eps, PREQUANTIZED_GROUP,
+                                                          PREQUANTIZED_PAD_ROWS))

@@ -33,7 +33,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.gated_deltanet import GatedDeltaNet
-from hybridcache.layers.linear import module_linear
+from hybridcache.layers.linear import module_linear, wants_fp8_rows
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
@@ -75,7 +75,8 @@ class DecoderLayer(nn.Module):
         if pending is None:
             normed = self.input_layernorm(hidden, backend)
         else:
-            hidden, normed = self.input_layernorm.add(hidden, pending, backend)
+            fp8 = wants_fp8_rows(self.mixer.input_projection, hidden)  # the norm quantises for an FP8 projection
+            hidden, normed = self.input_layernorm.add(hidden, pending, backend, fp8=fp8)
         out = self.mixer(normed, step, state)
         if self.mlp is not None:
             hidden, normed = self.post_attention_layernorm.add(hidden, out, backend)

@@ -26,7 +26,8 @@ from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 def test_dense_fp8_gemm_compiles_for_hopper(a_fp8, block_m, block_n, swap_ab):
     pointers = {"a_ptr": "*fp8e4nv" if a_fp8 else "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv",
                 "w_scale_ptr": "*fp32", "out_ptr": "*bf16"}
-    ints = ["M", "N", "K", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_wsn", "stride_wsk"]
+    ints = ["M", "N", "K", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_asg", "stride_wsn",
+            "stride_wsk"]
     constants = dict(GROUP_N=128, GROUP_K=128, A_FP8=a_fp8, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
                      GROUP_M=8, SWAP_AB=swap_ab, PRECISION="tf32")
     compiled = compile_for_hopper(_fp8_gemm_kernel, pointers, ints, constants)

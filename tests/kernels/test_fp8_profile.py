@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 from benchmarks.fp8_profile import kernel_groups, parse_parts
@@ -37,3 +38,50 @@ def test_profile_parts_are_named_or_refused() -> None:
     assert parse_parts("") == []
     with pytest.raises(ValueError, match="prefil"):
         parse_parts("decode,prefil")
+
+
+class _Runner:
+    def _copy(self, op: object) -> object:
+        return op
+
+
+def test_copy_logging_unwraps_without_leaving_a_reference_cycle() -> None:
+    """The decode profile wraps `runner._copy`; unwrapped, the runner must be freed by reference counting alone (a
+    CUDA engine's heap is frozen, so a cycle through the runner kept its pools allocated: fp8_bench's second run
+    ran out of memory)."""
+    import weakref
+
+    from benchmarks.step_profile import log_copies
+
+    runner = _Runner()
+    log: list[list[str]] = [[]]
+    unwrap = log_copies(runner, log)
+    assert runner._copy(SimpleNamespace(kind=SimpleNamespace(name="D2D"), src_ids=torch.arange(3))) is not None
+    assert log == [["D2D x3"]]
+    unwrap()
+    assert "_copy" not in vars(runner) and runner._copy.__func__ is _Runner._copy
+    ref = weakref.ref(runner)
+    del runner, unwrap
+    assert ref() is None
+
+
+def test_release_engines_collects_a_cycle_through_a_frozen_heap() -> None:
+    """`fp8_bench.release_engines` unfreezes before it collects: a cycle from an object frozen at an engine's
+    start-up (`gc.freeze`) is freed, which `gc.collect()` alone leaves."""
+    import gc
+    import weakref
+
+    from benchmarks.fp8_bench import release_engines
+
+    runner = _Runner()
+    gc.freeze()
+    try:
+        runner.cycle = runner._copy  # made after the freeze, through a frozen object
+        ref = weakref.ref(runner)
+        del runner
+        gc.collect()
+        assert ref() is not None  # what fp8_bench's `gc.collect()` left
+        release_engines(cuda=False)
+        assert ref() is None
+    finally:
+        gc.unfreeze()

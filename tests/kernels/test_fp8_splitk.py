@@ -102,7 +102,8 @@ def test_splitk_compiles_for_hopper(block_m, block_n, split_k, num_warps):
 
     pointers = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
                 "out_ptr": "*bf16", "ws_ptr": "*fp32", "count_ptr": "*i32"}
-    ints = ["M", "N", "K", "k_part", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_wsn", "stride_wsk"]
+    ints = ["M", "N", "K", "k_part", "stride_am", "stride_wn", "stride_om", "stride_asm", "stride_asg", "stride_wsn",
+            "stride_wsk"]
     constants = dict(GROUP_N=128, GROUP_K=128, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128, SPLIT_K=split_k)
     compiled = compile_for_hopper(_fp8_gemm_splitk_kernel, pointers, ints, constants, num_warps)
     assert "wgmma" in compiled.asm["ptx"]

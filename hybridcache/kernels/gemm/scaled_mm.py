@@ -40,11 +40,13 @@ def block_scaled_mm_fits(weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Form
             and weight.shape[0] % 128 == 0 and weight.shape[1] % 512 == 0 and hasattr(F, "scaled_mm"))
 
 
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                     quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16, unit stride on K) -> x W^T [M, N] in x's dtype; weight [N, K] float8_e4m3fn with
-    scale_inv [N/128, K/128] fp32 (`block_scaled_mm_fits` must hold)."""
+    scale_inv [N/128, K/128] fp32 (`block_scaled_mm_fits` must hold). `quantized`: x already quantised as this
+    function would (`quantize_groups(x, 128, pad_rows=4, column_major=True)`, e.g. by the norm before it)."""
     rows = x.shape[0]
-    xq, x_scale = triton_quant.quantize_groups(x, 128, pad_rows=4, column_major=True)
+    xq, x_scale = quantized or triton_quant.quantize_groups(x, 128, pad_rows=4, column_major=True)
     out = F.scaled_mm(xq, weight.t(), x_scale, F.ScalingType.BlockWise1x128, scale.t(),
                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
     return out[:rows]

@@ -109,9 +109,11 @@ def store_tile(out_ptr, rows, cols, acc, row_ok, col_ok, stride_out, SWAP_AB: tl
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])  # one compile per tile for every M (decode batches vary)
+# one compile per tile for every M (decode batches vary); the activation scales' strides are (K groups, 1) or, in
+# cuBLAS's column-major layout of a norm's `Fp8Rows`, (1, M rounded up to 4): not specialised either
+@triton.jit(do_not_specialize=["M", "stride_asm", "stride_asg"])
 def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
-                     stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
+                     stride_am, stride_wn, stride_om, stride_asm, stride_asg, stride_wsn, stride_wsk,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, A_FP8: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      SWAP_AB: tl.constexpr, PRECISION: tl.constexpr):
@@ -144,7 +146,7 @@ def _fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, M, N, K,
                     other=0.0)
         w_scale = tl.load(w_scales + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
         if A_FP8:
-            a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
+            a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group * stride_asg, mask=row_ok, other=0.0)
         else:
             a_scale = tl.full((BLOCK_M,), 1.0, tl.float32)
             w = w.to(a.dtype)
@@ -172,8 +174,8 @@ def _checked(name: str, a: torch.Tensor, a_scale: torch.Tensor | None, weight: t
     if a_fp8 and (tuple(a_scale.shape) != (m, -(-k // group_k)) or a_scale.dtype != torch.float32):
         raise ValueError(f"{name}: a_scale [{m}, {-(-k // group_k)}] fp32 needed, got {list(a_scale.shape)} "
                          f"{a_scale.dtype}")
-    if a.stride(1) != 1 or weight.stride(1) != 1 or (a_fp8 and a_scale.stride(1) != 1):
-        raise ValueError(f"{name} needs unit stride on K (activations, weight and activation scales)")
+    if a.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{name} needs unit stride on K (activations and weight)")
     return group_n, group_k
 
 
@@ -196,7 +198,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
         grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
         _fp8_gemm_kernel[grid](
             a, a_scale if a_fp8 else a, weight, scale, out, m, n, k,
-            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0) if a_fp8 else 0, scale.stride(0),
+            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0) if a_fp8 else 0,
+            a_scale.stride(1) if a_fp8 else 0, scale.stride(0),
             scale.stride(1) if fmt.kind == "block" else 0,
             GROUP_N=group_n, GROUP_K=group_k, A_FP8=a_fp8, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
             BLOCK_K=block_k, GROUP_M=config.group_m, SWAP_AB=config.swap_ab,
@@ -206,9 +209,9 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor
     return out
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "stride_asm", "stride_asg"])  # (the scales' strides: `_fp8_gemm_kernel`'s)
 def _fp8_gemm_splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_part,
-                            stride_am, stride_wn, stride_om, stride_asm, stride_wsn, stride_wsk,
+                            stride_am, stride_wn, stride_om, stride_asm, stride_asg, stride_wsn, stride_wsk,
                             GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     # program (n, s): output columns [n * BLOCK_N, ...) over K [s * k_part, (s + 1) * k_part), swap-AB, W8A8
@@ -232,7 +235,7 @@ def _fp8_gemm_splitk_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, ws_
         w = tl.load(w_ptr + cols64[:, None] * stride_wn + ks[None, :], mask=col_ok[:, None] & k_ok[None, :],
                     other=0.0)
         w_scale = tl.load(w_scales + group * stride_wsk, mask=col_ok, other=0.0).to(tl.float32)
-        a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group, mask=row_ok, other=0.0)
+        a_scale = tl.load(a_scale_ptr + rows64 * stride_asm + group * stride_asg, mask=row_ok, other=0.0)
         acc += scaled_dot(a, w, a_scale, w_scale, True, "tf32")
     if SPLIT_K == 1:
         store_tile(out_ptr, rows64, cols64, acc, row_ok, col_ok, stride_om, True)
@@ -296,7 +299,7 @@ def fp8_gemm_splitk(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
         workspace, counts = splitk_buffers(a.device, tiles * split * config.block_n * block_m, tiles)
         _fp8_gemm_splitk_kernel[(tiles, split)](
             a, a_scale, weight, scale, out, workspace, counts, m, n, k, k_part,
-            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0), scale.stride(0),
+            a.stride(0), weight.stride(0), out.stride(0), a_scale.stride(0), a_scale.stride(1), scale.stride(0),
             scale.stride(1) if fmt.kind == "block" else 0,
             GROUP_N=group_n, GROUP_K=group_k, BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=block_k,
             SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages,
@@ -305,41 +308,68 @@ def fp8_gemm_splitk(a: torch.Tensor, a_scale: torch.Tensor, weight: torch.Tensor
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None,
+               quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) -> x W^T (+ bias) [..., N] in x's dtype: the split-K W8A8 decode tile where
     `fp8_decode_choice.splitk_config` gives one (`DECODE_SPLIT_K`, else measured on the device), else
-    `library_linear`."""
+    `library_linear`. `quantized`: x's activations already quantised (a norm's `layers.linear.Fp8Rows`: x [T, K]
+    bf16/fp16 and `quantize_groups(x, fmt.block[1], pad_rows=4, column_major=True)`, block format), which every
+    path then reads instead of quantising x (the same product)."""
     from hybridcache.kernels.gemm import fp8_decode_choice
 
     lead = x.shape[:-1]
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
+    if quantized is not None:
+        _check_quantized(rows, quantized, fmt)
     split = fp8_decode_choice.splitk_config(rows, weight, scale, fmt)
     if split is not None:
         group = fmt.block[1] if fmt.kind == "block" else 128
-        out = fp8_gemm_splitk(*triton_quant.quantize_groups(rows, group), weight, scale, fmt, x.dtype, split)
+        xq, x_scale = _rows_of(quantized, rows.shape[0]) or triton_quant.quantize_groups(rows, group)
+        out = fp8_gemm_splitk(xq, x_scale, weight, scale, fmt, x.dtype, split)
     else:
-        out = library_linear(rows, weight, scale, fmt)
+        out = library_linear(rows, weight, scale, fmt, quantized)
     out = out.reshape(*lead, weight.shape[0])
     return out if bias is None else out + bias
 
 
-def library_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+def _check_quantized(rows: torch.Tensor, quantized: tuple[torch.Tensor, torch.Tensor], fmt: Fp8Format) -> None:
+    """ValueError unless `quantized` is `fp8_linear`'s pre-quantised input for rows [M, K]."""
+    xq, x_scale = quantized
+    m, k = rows.shape
+    padded = -(-m // 4) * 4
+    groups = -(-k // fmt.block[1]) if fmt.kind == "block" else 0
+    if (fmt.kind != "block" or rows.dtype == torch.float32 or xq.dtype != FP8_DTYPE
+            or tuple(xq.shape) != (padded, k) or tuple(x_scale.shape) != (padded, groups)
+            or x_scale.stride() != (1, padded)):
+        raise ValueError(f"fp8_linear: quantized input for {list(rows.shape)} {rows.dtype} needs the block format, "
+                         f"xq [{padded}, {k}] {FP8_DTYPE} and a column-major scale [{padded}, {groups}], got "
+                         f"{fmt.describe()}, {xq.dtype} {list(xq.shape)}, {list(x_scale.shape)} {x_scale.stride()}")
+
+
+def _rows_of(quantized: tuple[torch.Tensor, torch.Tensor] | None, m: int
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The first m rows of a pre-quantised input (the padding rows dropped), or None."""
+    return None if quantized is None else (quantized[0][:m], quantized[1][:m])
+
+
+def library_linear(rows: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format,
+                   quantized: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """rows [M, K] (unit stride on K) -> rows W^T [M, N] without split-K: cuBLAS's block-scaled GEMM
     (`scaled_mm.block_fp8_linear`) from `CUBLAS_ROWS_FROM` rows where it applies (bf16/fp16, 128 x 128 blocks,
     N % 128 == K % 512 == 0), but not up to `DECODE_TRITON_SHAPES`' rows on its shapes; else this kernel, W8A8
     (or W8A16 with `DECODE_W8A16`) with `decode_config` up to `DECODE_ROWS` rows and `PREFILL_TILE` above (the
-    choices measured: docs/kernels.md "Quantization")."""
+    choices measured: docs/kernels.md "Quantization"). `quantized`: `fp8_linear`'s."""
     from hybridcache.kernels.gemm import scaled_mm
 
     m = rows.shape[0]
     group = fmt.block[1] if fmt.kind == "block" else 128
     cublas = m >= CUBLAS_ROWS_FROM and m > DECODE_TRITON_SHAPES.get((weight.shape[0], weight.shape[1]), 0)
     if cublas and rows.dtype != torch.float32 and scaled_mm.block_scaled_mm_fits(weight, scale, fmt):
-        return scaled_mm.block_fp8_linear(rows, weight, scale)
+        return scaled_mm.block_fp8_linear(rows, weight, scale, quantized)
     if m <= DECODE_ROWS and DECODE_W8A16:
         return fp8_gemm(rows, None, weight, scale, fmt, rows.dtype, decode_config(m))
-    xq, x_scale = triton_quant.quantize_groups(rows, group)
+    xq, x_scale = _rows_of(quantized, m) or triton_quant.quantize_groups(rows, group)
     return fp8_gemm(xq, x_scale, weight, scale, fmt, rows.dtype, decode_config(m) if m <= DECODE_ROWS
                     else PREFILL_TILE)

@@ -437,16 +437,16 @@ def _to_channel(linear: nn.Module, scale: torch.Tensor) -> None:
 
 
 def rowwise_expert_rows(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
-                        experts: Fp8ExpertWeights) -> torch.Tensor:
+                        experts: Fp8ExpertWeights, rows: torch.Tensor | None = None) -> torch.Tensor:
     """y [T*k, H] in sorted order (`combine` through `pair_rows`): per-channel experts by two of torch's row-wise
     scaled grouped GEMMs (`F.scaled_grouped_mm`, CUTLASS on sm90), as bf16's `moe.grouped.expert_rows_grouped`:
-    x quantised per token (`triton_quant.quantize_rows`) and its rows gathered in sorted order, then
-    silu(gate) * up quantised per row in one launch (`triton_quant.swiglu_quantize_rows`)."""
+    x quantised per token and written to its rows in sorted order in one launch (`triton_quant.
+    quantize_rows_scatter`; `rows`: `pair_rows(order)`, computed here when None), then silu(gate) * up quantised
+    per row in one launch (`triton_quant.swiglu_quantize_rows`)."""
+    from hybridcache.kernels.moe.grouped import pair_rows
+
     ends = counts.cumsum(0, dtype=torch.int32)
-    xq, x_scale = triton_quant.quantize_rows(x)
-    tokens = order // top_k
-    xq = xq.index_select(0, tokens)
-    x_scale = x_scale.reshape(-1).index_select(0, tokens)
+    xq, x_scale = triton_quant.quantize_rows_scatter(x, pair_rows(order) if rows is None else rows, top_k)
     rowwise = F.ScalingType.RowWise
     fast = {"use_fast_accum": True} if fp8_tiles.ROWWISE_FAST_ACCUM else {}
     gate_up = F.scaled_grouped_mm(xq, experts.gate_up.transpose(1, 2), x_scale, rowwise, experts.gate_up_rows,
@@ -536,7 +536,8 @@ def fp8_grouped_experts(x: torch.Tensor, top_weights: torch.Tensor, top_ids: tor
         else:
             order, counts = sort_pairs(top_ids, num_experts)
         if rowwise:
-            return combine(rowwise_expert_rows(x, order, counts, top_k, experts), top_weights, pair_rows(order))
+            rows = pair_rows(order)
+            return combine(rowwise_expert_rows(x, order, counts, top_k, experts, rows), top_weights, rows)
         a, a_scale = quantized(x)
     h = fp8_expert_gemm(a, a_scale, order, top_k, experts.gate_up, experts.gate_up_scale, counts, experts.block,
                         x.dtype, gather=True, scatter=False, swiglu=True, **options)

@@ -107,3 +107,38 @@ def swiglu_quantize_rows(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _swiglu_quantize_rows_kernel[(rows,)](h, q, scale, rows, n, h.stride(0), q.stride(0), BLOCK=block,
                                               QMAX=FP8_MAX, num_warps=4 if block <= 2048 else 8)
     return q, scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantize_rows_scatter_kernel(x_ptr, rows_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, TOP_K: tl.constexpr,
+                                  BLOCK: tl.constexpr, QMAX: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    x = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / QMAX
+    q = tl.clamp(tl.math.div_rn(x, scale), -QMAX, QMAX).to(q_ptr.dtype.element_ty)
+    for pick in tl.static_range(TOP_K):
+        row = tl.load(rows_ptr + token * TOP_K + pick).to(tl.int64)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=ok)
+        tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_scatter(x: torch.Tensor, rows: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (unit stride on K), rows [T * top_k] (a permutation: row rows[t * top_k + j] is token t's pick j,
+    `moe.grouped.pair_rows` of a sort) -> (xq [T * top_k, K] float8_e4m3fn, scale [T * top_k] fp32): each token
+    quantised per row as `quantize_rows` and written to each of its rows, in one launch; equal to
+    `quantize_rows(x)` followed by `index_select(0, order // top_k)` of both (`rows = pair_rows(order)`), with one
+    read of x instead of a gather of top_k copies (the row-wise experts' prefill, `triton_fp8_moe`)."""
+    if x.dim() != 2 or x.stride(1) != 1 or rows.shape != (x.shape[0] * top_k,):
+        raise ValueError(f"quantize_rows_scatter: x [T, K] with unit stride and rows [T * {top_k}] needed, got "
+                         f"{list(x.shape)} and {list(rows.shape)}")
+    tokens, cols = x.shape
+    q = torch.empty((tokens * top_k, cols), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((tokens * top_k,), dtype=torch.float32, device=x.device)
+    if tokens and cols:
+        block = max(16, triton.next_power_of_2(cols))
+        _quantize_rows_scatter_kernel[(tokens,)](x, rows, q, scale, tokens, cols, x.stride(0), q.stride(0),
+                                                 TOP_K=top_k, BLOCK=block, QMAX=FP8_MAX,
+                                                 num_warps=4 if block <= 2048 else 8)
+    return q, scale

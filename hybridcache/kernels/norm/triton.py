@@ -20,6 +20,13 @@ output (contiguous [T * H, D]) is (t, h) = divmod(r, H)::
     row r -> x_ptr + (r // 8) * 3072 + (r % 8) * 128 + [0, 128)
 No autotuning, so nothing compiles at run time beyond Triton's integer specialisations, which the engine's warm-up
 reaches.
+
+`add_rms_norm_fp8` and `gated_rms_norm_fp8` are those norms with the FP8 quantisation of their output for the FP8
+linear after them in the same launch: the output as it is stored (rounded to its dtype) quantised per token per
+group of channels exactly as `gemm.triton_quant.quantize_groups(out, group, pad_rows=..., column_major=True)`
+(the same amax, clamp, IEEE division and e4m3 rounding), a token being a row of the output flattened to
+[T, heads * dim] (a group never straddles two rows of the norm: heads == 1 or dim % group == 0). Programs past the
+last token write the padding tokens (zeros, scale 1e-12 / 448) and nothing else.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -92,6 +101,64 @@ def _l2norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], (x * rstd[:, None]).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _store_fp8_groups(y, rows, cols, padded_rows, heads, dim, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+    """Quantise the tile y [ROWS, BLOCK] (fp32 holding the stored output's values; +0 past dim and in the padding
+    tokens, where the norm's arithmetic may give -0) per GROUP columns: row r = token t * heads + h writes
+    q[t, h * dim + c] and one scale per group, at s_ptr + t * stride_sm + group * stride_sg (`quantize_groups`'
+    arithmetic)."""
+    groups = tl.reshape(y, (ROWS, BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(groups), axis=2), 1e-12) / QMAX
+    q = tl.clamp(tl.math.div_rn(groups, scale[:, :, None]), -QMAX, QMAX)
+    q = tl.reshape(q, (ROWS, BLOCK))
+    token = rows // heads
+    first = (rows % heads) * dim  # the row's first column in its token's flattened row
+    row_ok = rows < padded_rows
+    dest = q_ptr + token[:, None] * stride_q + first[:, None] + cols[None, :]
+    tl.store(dest, q.to(q_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < dim)[None, :])
+    group = tl.arange(0, BLOCK // GROUP)
+    scales = s_ptr + token[:, None] * stride_sm + (first[:, None] // GROUP + group[None, :]) * stride_sg
+    tl.store(scales, scale, mask=row_ok[:, None] & (group * GROUP < dim)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_sg"])
+def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
+                             r_stride_h, sum_ptr, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
+    dest = rows[:, None] * dim + cols[None, :]
+    total = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + dest, total, mask=ok)
+    s = total.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    y = (s * rstd[:, None] * (1.0 + w[None, :])).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + dest, y, mask=ok)
+    _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
+                      stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
+
+
+@triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_sg"])
+def _gated_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
+                               gate_stride_h, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+    rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    dtype = out_ptr.dtype.element_ty
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(dtype).to(tl.float32)
+    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
+    y = (scaled * (gate * tl.sigmoid(gate))).to(dtype)
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y, mask=ok)
+    _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
+                      stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -166,3 +233,59 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim: x [..., dim] -> contiguous [..., dim] in x's dtype."""
     return _launch(_l2norm_kernel, x, eps)
+
+
+def _launch_fp8(kernel, x: torch.Tensor, eps: float, group: int, pad_rows: int, *extra
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_launch` for the FP8 kernels: (out [..., dim] in x's dtype, q [T', heads * dim] float8_e4m3fn, scale
+    [T', ceil(heads * dim / group)] fp32 stored column-major (stride (1, T'))), T' = the tokens T (x [T, dim] or
+    [T, heads, dim]) rounded up to a multiple of `pad_rows`. Every program is launched over T' tokens' rows."""
+    if x.dim() not in (2, 3):
+        raise ValueError(f"FP8 norm: x [T, dim] or [T, heads, dim] needed, got {list(x.shape)}")
+    if group < 16 or group & (group - 1) or pad_rows < 1:
+        raise ValueError(f"FP8 norm: a power-of-two group >= 16 and pad_rows >= 1 needed, got {group}, {pad_rows}")
+    rows, stride_t, stride_h, heads = _rows(x)
+    tokens, dim = x.shape[0], x.shape[-1]
+    if heads > 1 and dim % group:
+        raise ValueError(f"FP8 norm: rows of {dim} channels in {heads} heads would cut a group of {group}")
+    padded = -(-tokens // pad_rows) * pad_rows
+    width = heads * dim
+    num_groups = -(-width // group)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    q = torch.empty((padded, width), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((num_groups, padded), dtype=torch.float32, device=x.device).t()
+    if padded and dim:
+        block = max(group, triton.next_power_of_2(dim))
+        per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
+        kernel[(triton.cdiv(padded * heads, per_program),)](
+            rows, out, tokens * heads, stride_t, stride_h, heads, dim, eps, *extra, padded * heads, q, scale,
+            q.stride(0), scale.stride(0), scale.stride(1), ROWS=per_program, BLOCK=block, GROUP=group, QMAX=FP8_MAX,
+            num_warps=_num_warps(per_program, block))
+    return out, q, scale
+
+
+def add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128,
+                     pad_rows: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` and the FP8 quantisation of its norm for the FP8 linear after it, in one launch: x, residual
+    [T, dim] -> (x + residual, normed, q, scale), q and scale equal to `triton_quant.quantize_groups(normed, group,
+    pad_rows=pad_rows, column_major=True)` (module docstring)."""
+    if residual.shape != x.shape or residual.dtype != x.dtype or x.dim() != 2:
+        raise ValueError(f"add_rms_norm_fp8: residual {tuple(residual.shape)} {residual.dtype} and x "
+                         f"{tuple(x.shape)} {x.dtype}: one [T, dim] shape and dtype needed")
+    residuals, r_stride_t, r_stride_h, _ = _rows(residual)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    normed, q, scale = _launch_fp8(_add_rms_norm_fp8_kernel, x, eps, group, pad_rows, residuals, r_stride_t,
+                                   r_stride_h, total, weight)
+    return total, normed, q, scale
+
+
+def gated_rms_norm_fp8(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group: int = 128,
+                       pad_rows: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_rms_norm` and the FP8 quantisation of its output, flattened to [T, heads * dim], in one launch: x,
+    gate [T, heads, dim] or [T, dim] -> (out, q, scale), q and scale equal to `triton_quant.quantize_groups(
+    out.reshape(T, -1), group, pad_rows=pad_rows, column_major=True)`; dim % group == 0 where heads > 1."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gated_rms_norm_fp8: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
+    gates, gate_stride_t, gate_stride_h, _ = _rows(gate)
+    return _launch_fp8(_gated_rms_norm_fp8_kernel, x, eps, group, pad_rows, gates, gate_stride_t, gate_stride_h,
+                       weight)
