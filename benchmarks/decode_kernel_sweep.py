@@ -45,11 +45,13 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
-# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, FUSE_CONV)
-GDN_FUSED_LAUNCHES = tuple((bv, w, pf, fuse) for fuse in (False, True)
-                           for bv, w, pf in ((64, 4, True), (64, 4, False), (32, 4, True), (32, 4, False),
-                                             (64, 8, True), (64, 8, False), (128, 8, True), (128, 8, False),
-                                             (32, 2, True)))
+# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, FUSE_CONV)
+GDN_FUSED_LAUNCHES = (
+    (64, 4, True, False, False), (64, 4, False, True, False), (32, 4, True, False, False), (32, 4, False, False, False),
+    (64, 8, True, False, False), (32, 2, True, False, False), (128, 8, True, False, False),
+    (64, 4, True, False, True), (64, 4, False, True, True), (64, 4, False, False, True), (32, 4, True, False, True),
+    (32, 4, True, True, True), (32, 4, False, False, True), (64, 8, True, False, True), (64, 8, False, True, True),
+    (32, 2, True, False, True), (128, 8, True, False, True), (16, 2, True, False, True))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
@@ -173,7 +175,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=triton_step._BLOCK_V, L2NORM=True, GATES=True,
             STREAM=triton_step._STREAM)
 
-    def fused(block_v: int, warps: int, prefetch: bool, fuse: bool, i: int, out: torch.Tensor) -> None:
+    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, fuse: bool, i: int, out: torch.Tensor) -> None:
         qkv = x if fuse else conv_out
         triton_conv_step._conv_gdn_step_kernel[(seqs, HK)](
             qkv, weight, weight, conv_pool, a, b, a_log, dt_bias, out, pool, slots[i], ctx,
@@ -181,7 +183,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             pool.stride(0), pool.stride(1), pool.stride(2),
             KEY_DIM=HK * DK, RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, K=CONV_TAPS,
             BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse,
-            PREFETCH=prefetch, STREAM=True, num_warps=warps)
+            PREFETCH=prefetch, UNROLL=unroll, STREAM=True, num_warps=warps)
 
     snapshot, conv_snapshot = pool.clone(), conv_pool.clone()
 
@@ -205,12 +207,12 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     conv_ready = conv_out.clone()
     conv_pool.copy_(conv_snapshot)
     results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
-    for block_v, warps, prefetch, fuse in GDN_FUSED_LAUNCHES:
+    for block_v, warps, prefetch, unroll, fuse in GDN_FUSED_LAUNCHES:
         conv_out.copy_(conv_ready)
         name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
-                + (", conv fused" if fuse else ""))
+                + (", unrolled" if unroll else "") + (", conv fused" if fuse else ""))
         try:
-            results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, fuse),
+            results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, unroll, fuse),
                                          state_bytes + (conv_bytes if fuse else 0)))
         except Exception as error:  # a launch past the registers or shared memory must not cost the table
             print(f"{name}: {type(error).__name__}: {str(error)[:120]}")

@@ -51,6 +51,8 @@ from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
+from hybridcache.kernels.gated_delta.reference import split_qkv
+from hybridcache.kernels.gated_delta.triton_conv_step import conv_gated_delta_decode
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
@@ -240,6 +242,20 @@ class CudaBackend:
                                            gates=(A_log, dt_bias))
         g, beta = triton_gates.delta_gates(a, b, A_log, dt_bias)
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
+
+    def conv_gated_delta(
+        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+        conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
+    ) -> torch.Tensor:
+        """All-decode: one launch for the conv's step, the gates and the rule (`triton_conv_step`); else
+        `causal_conv1d`, then `gated_delta`."""
+        if _metadata(batch).all_decode:
+            return conv_gated_delta_decode(mixed_qkv, conv_weight, conv_bias, conv_layer, a, b, (A_log, dt_bias),
+                                           ssm_layer, batch.state_slots, batch.context_lens, num_k_heads=num_k_heads)
+        conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
+        q, k, v = split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
+        return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,

@@ -31,10 +31,11 @@ from hybridcache.kernels.conv.triton import conv_step_channels
 from hybridcache.kernels.gated_delta.triton_gates import gate_values
 from hybridcache.kernels.gated_delta.triton_step import delta_rule_update
 
-# The engine's launch: [Dk, 64] tiles, the next tile prefetched, 4 warps, streaming hints as `triton_step`
-_BLOCK_V = 64
+# The engine's launch: [Dk, 32] tiles, the next tile prefetched, 4 warps, streaming hints as `triton_step`
+_BLOCK_V = 32
 _NUM_WARPS = 4
 _PREFETCH = True
+_UNROLL = False
 _STREAM = True
 
 
@@ -52,13 +53,40 @@ def key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, chans, width, stride_cc, s
 
 
 @triton.jit
+def tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr, a_ptr,
+              b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh, stride_cc,
+              stride_cw, stride_ph, KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DV: tl.constexpr,
+              BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr,
+              FUSE_CONV: tl.constexpr, STREAM: tl.constexpr):
+    """The program's tile t, its state [DK, BLOCK_V] already loaded: v's columns (conv'd when FUSE_CONV), the value
+    head's gates, the update; stores the output columns and the new state tile."""
+    NV: tl.constexpr = DV // BLOCK_V
+    head = key_head * RATIO + t // NV
+    vs = (t % NV) * BLOCK_V + cols
+    bv = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + head * DV + vs, width, stride_cc,
+                         stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+    bg, bb = gate_values(tl.load(a_ptr + seq * stride_an + head).to(tl.float32),
+                         tl.load(b_ptr + seq * stride_bn + head).to(tl.float32),
+                         tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
+    bb = bb.to(b_ptr.dtype.element_ty).to(tl.float32)
+    state = delta_rule_update(state.to(tl.float32), bk, bv, bg, bb)  # [DK, BLOCK_V]
+    out = tl.sum(state * bq[:, None], axis=0)
+    tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
+    state_ptrs = state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V
+    if STREAM:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), cache_modifier=".cs")
+    else:
+        tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _conv_gdn_step_kernel(
     x_ptr, w_ptr, bias_ptr, conv_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr, scale,
     stride_xn, stride_an, stride_bn, stride_on, stride_oh, stride_cs, stride_cc, stride_cw,
     stride_ps, stride_ph, stride_pk,
     KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
     K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
-    FUSE_CONV: tl.constexpr, PREFETCH: tl.constexpr, STREAM: tl.constexpr,
+    FUSE_CONV: tl.constexpr, PREFETCH: tl.constexpr, STREAM: tl.constexpr, UNROLL: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1)
@@ -87,30 +115,33 @@ def _conv_gdn_step_kernel(
         bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
     bq = bq * scale
 
-    for t in tl.static_range(NT):
-        head = key_head * RATIO + t // NV
-        vs = (t % NV) * BLOCK_V + cols
-        state_ptrs = state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V
-        if PREFETCH:
-            state = nxt
-            if t + 1 < NT:
-                nxt = tl.load(state_base + ((t + 1) // NV) * stride_ph + ((t + 1) % NV) * BLOCK_V, mask=load_mask,
-                              other=0.0, eviction_policy=evict)
-        else:
-            state = tl.load(state_ptrs, mask=load_mask, other=0.0, eviction_policy=evict)
-        bv = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + head * DV + vs, width, stride_cc,
-                             stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
-        bg, bb = gate_values(tl.load(a_ptr + seq * stride_an + head).to(tl.float32),
-                             tl.load(b_ptr + seq * stride_bn + head).to(tl.float32),
-                             tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
-        bb = bb.to(b_ptr.dtype.element_ty).to(tl.float32)
-        state = delta_rule_update(state.to(tl.float32), bk, bv, bg, bb)  # [DK, BLOCK_V]
-        out = tl.sum(state * bq[:, None], axis=0)
-        tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
-        if STREAM:
-            tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), cache_modifier=".cs")
-        else:
-            tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty))
+    if UNROLL:  # the tiles' code unrolled: the prefetch's last-tile test is resolved when compiling
+        for t in tl.static_range(NT):
+            if PREFETCH:
+                state = nxt
+                if t + 1 < NT:
+                    nxt = tl.load(state_base + ((t + 1) // NV) * stride_ph + ((t + 1) % NV) * BLOCK_V,
+                                  mask=load_mask, other=0.0, eviction_policy=evict)
+            else:
+                state = tl.load(state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V, mask=load_mask, other=0.0,
+                                eviction_policy=evict)
+            tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr,
+                      a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh,
+                      stride_cc, stride_cw, stride_ph, KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV,
+                      STREAM)
+    else:  # a loop: one tile's code (and registers) at a time
+        for t in range(NT):
+            if PREFETCH:  # the next tile's load before this one's update (none after the last: masked off)
+                state = nxt
+                nxt = tl.load(state_base + ((t + 1) // NV) * stride_ph + ((t + 1) % NV) * BLOCK_V,
+                              mask=load_mask & (t + 1 < NT), other=0.0, eviction_policy=evict)
+            else:
+                state = tl.load(state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V, mask=load_mask, other=0.0,
+                                eviction_policy=evict)
+            tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr,
+                      a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh,
+                      stride_cc, stride_cw, stride_ph, KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV,
+                      STREAM)
 
 
 def conv_gated_delta_decode(
@@ -168,6 +199,6 @@ def conv_gated_delta_decode(
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         KEY_DIM=key_dim, RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, K=kernel_size,
         BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=conv_bias is not None, L2NORM=use_qk_l2norm,
-        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, num_warps=_NUM_WARPS,
+        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, num_warps=_NUM_WARPS,
     )
     return out
