@@ -47,11 +47,9 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
 # the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, FUSE_CONV)
 GDN_FUSED_LAUNCHES = (  # the fused ones first (the engine's candidates), then the step alone
-    (32, 4, True, False, True), (64, 4, True, False, True), (64, 4, False, True, True), (64, 4, False, False, True),
-    (32, 4, True, True, True), (32, 4, False, False, True), (64, 8, True, False, True), (64, 8, False, True, True),
-    (32, 2, True, False, True), (128, 8, True, False, True), (16, 2, True, False, True),
-    (32, 4, True, False, False), (64, 4, True, False, False), (64, 4, False, True, False), (32, 4, False, False, False),
-    (64, 8, True, False, False), (32, 2, True, False, False), (128, 8, True, False, False))
+    (32, 4, True, False, True), (64, 4, True, False, True), (64, 4, False, True, True), (32, 4, True, True, True),
+    (64, 8, True, False, True), (32, 2, True, False, True), (128, 8, True, False, True),
+    (32, 4, True, False, False), (64, 4, True, False, False), (64, 4, False, True, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
