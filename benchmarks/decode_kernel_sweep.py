@@ -1,6 +1,7 @@
 """Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
 
     PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill,experts]
+    # also gdn_fused: the DeltaNet decode core by key head (`gated_delta/triton_conv_step`), the conv fused or not
 
 Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
 channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
@@ -45,11 +46,15 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
-# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, FUSE_CONV)
-GDN_FUSED_LAUNCHES = (  # the fused ones first (the engine's candidates), then the step alone
-    (32, 4, True, False, True), (64, 4, True, False, True), (64, 4, False, True, True), (32, 4, True, True, True),
-    (64, 8, True, False, True), (32, 2, True, False, True), (128, 8, True, False, True),
-    (32, 4, True, False, False), (64, 4, True, False, False), (64, 4, False, True, False))
+# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, STAGES, FUSE_CONV); the
+# fused ones first (the engine's candidates), then the step alone
+GDN_FUSED_LAUNCHES = (
+    (32, 4, True, False, 1, True), (64, 4, True, False, 1, True), (64, 4, False, True, 1, True),
+    (32, 4, False, False, 1, True), (32, 4, False, False, 2, True), (32, 4, False, False, 3, True),
+    (32, 4, True, True, 1, True), (64, 8, True, False, 1, True), (64, 8, False, False, 3, True),
+    (32, 2, True, False, 1, True), (128, 8, True, False, 1, True),
+    (32, 4, True, False, 1, False), (64, 4, True, False, 1, False), (64, 4, False, True, 1, False),
+    (32, 4, False, False, 3, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
@@ -133,7 +138,7 @@ def sweep_gdn(seqs: int) -> list[dict]:
 def sweep_gdn_fused(seqs: int) -> list[dict]:
     """The decode core by key head (`triton_conv_step._conv_gdn_step_kernel`: a program per sequence and key head
     walks its 2 value heads' [Dk, BLOCK_V] state tiles, the next tile's load issued before the current one's update
-    with PREFETCH) against the engine's launches before it: the step alone (`_gdn_step_kernel`, its launch as in
+    with PREFETCH, or copied ahead into shared memory by Triton's pipeliner with STAGES > 1) against the engine's launches before it: the step alone (`_gdn_step_kernel`, its launch as in
     the engine; conv output in, FUSE_CONV off) and, with the conv's step fused into the program's prologue, against
     the conv step kernel + the step kernel (two launches, one graph). Every model of gpu_bench has this shape.
     "same": outputs, recurrent and conv states equal to the two-launch path bit for bit."""
@@ -173,7 +178,8 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=triton_step._BLOCK_V, L2NORM=True, GATES=True,
             STREAM=triton_step._STREAM)
 
-    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, fuse: bool, i: int, out: torch.Tensor) -> None:
+    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, stages: int, fuse: bool, i: int,
+              out: torch.Tensor) -> None:
         qkv = x if fuse else conv_out
         triton_conv_step._conv_gdn_step_kernel[(seqs, HK)](
             qkv, weight, weight, conv_pool, a, b, a_log, dt_bias, out, pool, slots[i], ctx,
@@ -181,7 +187,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             pool.stride(0), pool.stride(1), pool.stride(2),
             KEY_DIM=HK * DK, RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, K=CONV_TAPS,
             BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse,
-            PREFETCH=prefetch, UNROLL=unroll, STREAM=True, num_warps=warps)
+            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, STREAM=True, num_warps=warps)
 
     snapshot, conv_snapshot = pool.clone(), conv_pool.clone()
 
@@ -206,12 +212,14 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     conv_ready = conv_out.clone()
     conv_pool.copy_(conv_snapshot)
     results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
-    for block_v, warps, prefetch, unroll, fuse in GDN_FUSED_LAUNCHES:
+    for block_v, warps, prefetch, unroll, stages, fuse in GDN_FUSED_LAUNCHES:
         conv_out.copy_(conv_ready)
         name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
-                + (", unrolled" if unroll else "") + (", conv fused" if fuse else ""))
+                + (", unrolled" if unroll else "") + (f", {stages} stages" if stages > 1 else "")
+                + (", conv fused" if fuse else ""))
         try:
-            results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, unroll, fuse),
+            results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, unroll, stages,
+                                                                 fuse),
                                          state_bytes + (conv_bytes if fuse else 0)))
         except Exception as error:  # a launch past the registers or shared memory must not cost the table
             print(f"{name}: {type(error).__name__}: {str(error)[:120]}")

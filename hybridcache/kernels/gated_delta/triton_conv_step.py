@@ -14,7 +14,8 @@ exactly once per channel with no ordering between programs (a grid over value he
 program could read the q/k rows after their writer shifted them). The program then walks its r * Dv / BLOCK_V
 state tiles [Dk, BLOCK_V] in order; with PREFETCH the next tile's load is issued before the current one's
 update and store (software pipelining by hand: two tiles in registers), so the loads of one tile overlap the
-arithmetic and the stores of the one before. Without FUSE_CONV the program reads q, k, v from a conv output of
+arithmetic and the stores of the one before; with STAGES > 1 Triton's pipeliner copies the next tiles into shared
+memory ahead instead (cp.async); UNROLL unrolls the tile loop. Without FUSE_CONV the program reads q, k, v from a conv output of
 the same layout instead (the step alone, for the launch sweep).
 
 Same math as `reference.gated_delta_rule_step` after `conv/reference.causal_conv1d_step` (see triton_step.py);
@@ -87,6 +88,7 @@ def _conv_gdn_step_kernel(
     KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
     K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     FUSE_CONV: tl.constexpr, PREFETCH: tl.constexpr, STREAM: tl.constexpr, UNROLL: tl.constexpr = False,
+    STAGES: tl.constexpr = 1,
 ):
     seq = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1)
@@ -129,8 +131,9 @@ def _conv_gdn_step_kernel(
                       a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh,
                       stride_cc, stride_cw, stride_ph, KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV,
                       STREAM)
-    else:  # a loop: one tile's code (and registers) at a time
-        for t in range(NT):
+    else:  # a loop: one tile's code (and registers) at a time; STAGES > 1: Triton's pipeliner copies the next
+        # tiles into shared memory ahead (cp.async) instead of PREFETCH's registers
+        for t in tl.range(NT, num_stages=STAGES):
             if PREFETCH:  # the next tile's load before this one's update (none after the last: masked off)
                 state = nxt
                 nxt = tl.load(state_base + ((t + 1) // NV) * stride_ph + ((t + 1) % NV) * BLOCK_V,
