@@ -138,10 +138,11 @@ def sweep_gdn(seqs: int) -> list[dict]:
 def sweep_gdn_fused(seqs: int) -> list[dict]:
     """The decode core by key head (`triton_conv_step._conv_gdn_step_kernel`: a program per sequence and key head
     walks its 2 value heads' [Dk, BLOCK_V] state tiles, the next tile's load issued before the current one's update
-    with PREFETCH, or copied ahead into shared memory by Triton's pipeliner with STAGES > 1) against the engine's launches before it: the step alone (`_gdn_step_kernel`, its launch as in
-    the engine; conv output in, FUSE_CONV off) and, with the conv's step fused into the program's prologue, against
-    the conv step kernel + the step kernel (two launches, one graph). Every model of gpu_bench has this shape.
-    "same": outputs, recurrent and conv states equal to the two-launch path bit for bit."""
+    with PREFETCH, or copied ahead into shared memory by Triton's pipeliner with STAGES > 1) against the engine's
+    launches before it: the step alone (`_gdn_step_kernel`, its launch as in the engine; conv output in, FUSE_CONV
+    off) and, with the conv's step fused into the program's prologue, against the conv step kernel + the step
+    kernel (two launches, one graph). Every model of gpu_bench has this shape. "same": outputs, recurrent and conv
+    states equal to the two-launch path bit for bit."""
     from hybridcache.kernels.gated_delta import triton_conv_step
 
     device = DEVICE

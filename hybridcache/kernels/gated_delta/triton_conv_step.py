@@ -15,8 +15,8 @@ program could read the q/k rows after their writer shifted them). The program th
 state tiles [Dk, BLOCK_V] in order; with PREFETCH the next tile's load is issued before the current one's
 update and store (software pipelining by hand: two tiles in registers), so the loads of one tile overlap the
 arithmetic and the stores of the one before; with STAGES > 1 Triton's pipeliner copies the next tiles into shared
-memory ahead instead (cp.async); UNROLL unrolls the tile loop. Without FUSE_CONV the program reads q, k, v from a conv output of
-the same layout instead (the step alone, for the launch sweep).
+memory ahead instead (cp.async); UNROLL unrolls the tile loop. Without FUSE_CONV the program reads q, k, v from
+a conv output of the same layout instead (the step alone, for the launch sweep).
 
 Same math as `reference.gated_delta_rule_step` after `conv/reference.causal_conv1d_step` (see triton_step.py);
 the conv output is rounded to x's dtype before use, as the two-launch path rounds it when it stores it.
@@ -37,6 +37,7 @@ _BLOCK_V = 32
 _NUM_WARPS = 4
 _PREFETCH = True
 _UNROLL = False
+_STAGES = 1
 _STREAM = True
 
 
@@ -202,6 +203,6 @@ def conv_gated_delta_decode(
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         KEY_DIM=key_dim, RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, K=kernel_size,
         BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=conv_bias is not None, L2NORM=use_qk_l2norm,
-        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, num_warps=_NUM_WARPS,
+        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, STAGES=_STAGES, num_warps=_NUM_WARPS,
     )
     return out
