@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from hybridcache.kernels.conv import triton as conv_triton
 from hybridcache.kernels.gated_delta import triton_step
@@ -46,15 +47,12 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
-# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, STAGES, FUSE_CONV); the
-# fused ones first (the engine's candidates), then the step alone
+# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, STAGES, HOIST, FUSE_CONV);
+# the fused ones first (the engine's candidates), then the step alone
 GDN_FUSED_LAUNCHES = (
-    (32, 4, True, False, 1, True), (64, 4, True, False, 1, True), (64, 4, False, True, 1, True),
-    (32, 4, False, False, 1, True), (32, 4, False, False, 2, True), (32, 4, False, False, 3, True),
-    (32, 4, True, True, 1, True), (64, 8, True, False, 1, True), (64, 8, False, False, 3, True),
-    (32, 2, True, False, 1, True), (128, 8, True, False, 1, True),
-    (32, 4, True, False, 1, False), (64, 4, True, False, 1, False), (64, 4, False, True, 1, False),
-    (32, 4, False, False, 3, False))
+    (64, 4, False, True, 1, True, True), (64, 4, False, True, 1, False, True), (64, 4, True, False, 1, True, True),
+    (32, 4, False, True, 1, True, True), (32, 4, True, False, 1, True, True), (64, 4, False, False, 1, True, True),
+    (64, 4, False, True, 1, True, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
@@ -135,6 +133,22 @@ def sweep_gdn(seqs: int) -> list[dict]:
     return report(f"gated delta step, {seqs} seqs x {HV} heads, fp32 state read + write", results, current)
 
 
+@triton.jit
+def _state_tile_copy(pool_ptr, slots_ptr, stride_ps, stride_ph, stride_pk, DK: tl.constexpr, BLOCK_V: tl.constexpr,
+                     V_MAJOR: tl.constexpr):
+    """The step kernel's memory traffic alone (a floor for its launch shape): each program loads its [DK, BLOCK_V]
+    state tile with the step kernel's hints and stores it back unchanged. V_MAJOR: grid (Dv / BLOCK_V, Hv, N), so the
+    two column blocks of a row are read by neighbouring programs."""
+    seq = tl.program_id(2 if V_MAJOR else 0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pid_v = tl.program_id(0 if V_MAJOR else 2)
+    ks = tl.arange(0, DK)
+    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
+    tl.store(ptrs, tl.load(ptrs, eviction_policy="evict_first"), cache_modifier=".cs")
+
+
 def sweep_gdn_fused(seqs: int) -> list[dict]:
     """The decode core by key head (`triton_conv_step._conv_gdn_step_kernel`: a program per sequence and key head
     walks its 2 value heads' [Dk, BLOCK_V] state tiles, the next tile's load issued before the current one's update
@@ -179,7 +193,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=triton_step._BLOCK_V, L2NORM=True, GATES=True,
             STREAM=triton_step._STREAM)
 
-    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, stages: int, fuse: bool, i: int,
+    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, stages: int, hoist: bool, fuse: bool, i: int,
               out: torch.Tensor) -> None:
         qkv = x if fuse else conv_out
         triton_conv_step._conv_gdn_step_kernel[(seqs, HK)](
@@ -188,7 +202,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             pool.stride(0), pool.stride(1), pool.stride(2),
             KEY_DIM=HK * DK, RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, K=CONV_TAPS,
             BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse,
-            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, STREAM=True, num_warps=warps)
+            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, HOIST=hoist, STREAM=True, num_warps=warps)
 
     snapshot, conv_snapshot = pool.clone(), conv_pool.clone()
 
@@ -213,21 +227,34 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     conv_ready = conv_out.clone()
     conv_pool.copy_(conv_snapshot)
     results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
-    for block_v, warps, prefetch, unroll, stages, fuse in GDN_FUSED_LAUNCHES:
+    for block_v, warps, prefetch, unroll, stages, hoist, fuse in GDN_FUSED_LAUNCHES:
         conv_out.copy_(conv_ready)
         name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
                 + (", unrolled" if unroll else "") + (f", {stages} stages" if stages > 1 else "")
-                + (", conv fused" if fuse else ""))
+                + (", v and gates hoisted" if hoist else "") + (", conv fused" if fuse else ""))
         try:
             results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, unroll, stages,
-                                                                 fuse),
+                                                                 hoist, fuse),
                                          state_bytes + (conv_bytes if fuse else 0)))
         except Exception as error:  # a launch past the registers or shared memory must not cost the table
             print(f"{name}: {type(error).__name__}: {str(error)[:120]}")
-    # the copy rate: the same state bytes read and written by torch's copy
+    # the copy rate: the same state bytes read and written by torch's copy; in place (read and written at the same
+    # addresses, as the step does); the step kernel's tiles copied in place by Triton with no arithmetic
     source, dest = pool[: seqs * copies].view(copies, seqs, -1), torch.empty(copies, seqs, HV * DK * DV, device=device)
     copy_row = {"launch": "torch copy_ of the state bytes (reference)", "same": True, "bytes": state_bytes,
                 "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)}
+    floor_rows = [{"launch": "torch in-place mul_(1) of the state bytes", "same": True, "bytes": state_bytes,
+                   "us": graph_us(lambda i: source[i].mul_(1.0), copies)}]
+    for v_major in (False, True):
+        grid = (DV // 64, HV, seqs) if v_major else (seqs, HV, DV // 64)
+        floor_rows.append({
+            "launch": "Triton: the step kernel's [Dk, 64] tiles copied in place, no arithmetic"
+                      + (" (column blocks fastest)" if v_major else ""), "same": True, "bytes": state_bytes,
+            "us": graph_us(lambda i, grid=grid, v_major=v_major: _state_tile_copy[grid](
+                pool, slots[i], pool.stride(0), pool.stride(1), pool.stride(2), DK=DK, BLOCK_V=64, V_MAJOR=v_major),
+                copies)})
+    for row in floor_rows:
+        print(f"~ {row['launch']}: {row['us']:.1f} us", flush=True)
     rows = []
     for fuse, part in results.items():
         ref = part[0]["got"]
@@ -235,8 +262,8 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
             got = row.pop("got")
             row["same"] = all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
         title = ("conv step + gated delta step" if fuse else "gated delta step alone (conv output in)")
-        rows += report(f"{title}, {seqs} seqs x {HV} heads, fp32 state read + write", part + [copy_row],
-                       part[0]["launch"])
+        rows += report(f"{title}, {seqs} seqs x {HV} heads, fp32 state read + write",
+                       part + [copy_row] + floor_rows, part[0]["launch"])
     return rows
 
 

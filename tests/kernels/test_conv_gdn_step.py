@@ -131,6 +131,28 @@ def check_step_alone(device: str) -> None:
     torch.testing.assert_close(out.float(), want_out.float(), rtol=2.0**-7, atol=1e-5)
 
 
+# (BLOCK_V, PREFETCH, UNROLL, HOIST): the kernel's code paths (the engine's launch is one of them; the launch sweep
+# times the others)
+LAUNCH_VARIANTS = ((16, True, False, False), (32, False, True, False), (16, False, False, True), (32, True, True, True))
+
+
+def check_launch_variants(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every code path of the kernel (tiles prefetched in registers or not, a loop or unrolled, v and the gates
+    loaded per tile or all in the prologue) gives the two launches' results."""
+    from hybridcache.kernels.gated_delta import triton_conv_step
+
+    args = inputs(2, 4, 32, 64, 4, True, torch.bfloat16, torch.float32, device)
+    want_out, want_conv, want_ssm = two_launches(args)
+    for block_v, prefetch, unroll, hoist in LAUNCH_VARIANTS:
+        for name, value in (("_BLOCK_V", block_v), ("_PREFETCH", prefetch), ("_UNROLL", unroll), ("_HOIST", hoist)):
+            monkeypatch.setattr(triton_conv_step, name, value)
+        conv_pool, ssm_pool = args["conv_pool"].clone(), args["ssm_pool"].clone()
+        out = triton_conv_step.conv_gated_delta_decode(**dict(args, conv_pool=conv_pool, ssm_pool=ssm_pool))
+        assert torch.equal(conv_pool, want_conv)
+        torch.testing.assert_close(ssm_pool, want_ssm, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.float(), want_out.float(), rtol=2.0**-7, atol=1e-5)
+
+
 def test_wrong_shapes_are_refused() -> None:
     from hybridcache.kernels.gated_delta.triton_conv_step import conv_gated_delta_decode
 
@@ -154,6 +176,11 @@ def test_cuda_decode_core_step_alone() -> None:
     check_step_alone("cuda")
 
 
+@needs_cuda
+def test_cuda_decode_core_launch_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_launch_variants("cuda", monkeypatch)
+
+
 @pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
 def test_conv_gdn_step_in_a_triton_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
@@ -169,3 +196,8 @@ def test_interpreted_fused_decode_core(hk, hv, dk, dv, taps, bias, dtype, pool_d
 @needs_interpreter
 def test_interpreted_decode_core_step_alone() -> None:
     check_step_alone("cpu")
+
+
+@needs_interpreter
+def test_interpreted_decode_core_launch_variants(monkeypatch: pytest.MonkeyPatch) -> None:
+    check_launch_variants("cpu", monkeypatch)

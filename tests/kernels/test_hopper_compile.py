@@ -76,7 +76,8 @@ def test_fused_decode_core_compiles_for_hopper():
     for fuse in (True, False):
         constants = dict(KEY_DIM=2048, RATIO=2, DK=128, DV=128, BLOCK_V=triton_conv_step._BLOCK_V, K=4, BLOCK_W=4,
                          HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse, PREFETCH=triton_conv_step._PREFETCH,
-                         UNROLL=triton_conv_step._UNROLL, STAGES=triton_conv_step._STAGES, STREAM=True)
+                         UNROLL=triton_conv_step._UNROLL, STAGES=triton_conv_step._STAGES,
+                         HOIST=triton_conv_step._HOIST, STREAM=True)
         ptx[fuse] = compile_for_hopper(kernel, pointers(kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}),
                                        integers(kernel), constants, num_warps=triton_conv_step._NUM_WARPS,
                                        floats=("scale",)).asm["ptx"]

@@ -33,11 +33,12 @@ from hybridcache.kernels.gated_delta.triton_gates import gate_values
 from hybridcache.kernels.gated_delta.triton_step import delta_rule_update
 
 # The engine's launch: [Dk, 32] tiles, the next tile prefetched, 4 warps, streaming hints as `triton_step`
-_BLOCK_V = 32
+_BLOCK_V = 64
 _NUM_WARPS = 4
-_PREFETCH = True
-_UNROLL = False
+_PREFETCH = False
+_UNROLL = True
 _STAGES = 1
+_HOIST = True
 _STREAM = True
 
 
@@ -55,25 +56,64 @@ def key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, chans, width, stride_cc, s
 
 
 @triton.jit
-def tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr, a_ptr,
-              b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh, stride_cc,
-              stride_cw, stride_ph, KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DV: tl.constexpr,
-              BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr,
-              FUSE_CONV: tl.constexpr, STREAM: tl.constexpr):
-    """The program's tile t, its state [DK, BLOCK_V] already loaded: v's columns (conv'd when FUSE_CONV), the value
-    head's gates, the update; stores the output columns and the new state tile."""
+def head_gates(a, b, a_log, dt_bias, b_ptr):
+    """A value head's gates from its loaded a, b, A_log, dt_bias (scalars or vectors): g in fp32 and beta rounded to
+    b's dtype, as the step kernel makes them (`triton_gates.gate_values`: the same bits)."""
+    g, beta = gate_values(a.to(tl.float32), b.to(tl.float32), a_log.to(tl.float32), dt_bias.to(tl.float32))
+    return g, beta.to(b_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def tile_values(t, key_head, seq, x_row, conv_row, width, cols, w_ptr, bias_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr,
+                stride_an, stride_bn, stride_cc, stride_cw, KEY_DIM: tl.constexpr, RATIO: tl.constexpr,
+                DV: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr,
+                HAS_BIAS: tl.constexpr, FUSE_CONV: tl.constexpr):
+    """Tile t's v columns [BLOCK_V] (conv'd when FUSE_CONV) and its value head's gates (g, beta)."""
     NV: tl.constexpr = DV // BLOCK_V
     head = key_head * RATIO + t // NV
-    vs = (t % NV) * BLOCK_V + cols
-    bv = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + head * DV + vs, width, stride_cc,
-                         stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
-    bg, bb = gate_values(tl.load(a_ptr + seq * stride_an + head).to(tl.float32),
-                         tl.load(b_ptr + seq * stride_bn + head).to(tl.float32),
-                         tl.load(alog_ptr + head).to(tl.float32), tl.load(dt_ptr + head).to(tl.float32))
-    bb = bb.to(b_ptr.dtype.element_ty).to(tl.float32)
+    bv = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + head * DV + (t % NV) * BLOCK_V + cols,
+                         width, stride_cc, stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+    bg, bb = head_gates(tl.load(a_ptr + seq * stride_an + head), tl.load(b_ptr + seq * stride_bn + head),
+                        tl.load(alog_ptr + head), tl.load(dt_ptr + head), b_ptr)
+    return bv, bg, bb
+
+
+@triton.jit
+def program_values(key_head, seq, x_row, conv_row, width, w_ptr, bias_ptr, a_ptr, b_ptr, alog_ptr, dt_ptr,
+                   stride_an, stride_bn, stride_cc, stride_cw, KEY_DIM: tl.constexpr, RATIO: tl.constexpr,
+                   DV: tl.constexpr, NT: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr,
+                   BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_CONV: tl.constexpr):
+    """All of the program's v columns at once, [NT, BLOCK_V] (row t: tile t's), and its RATIO value heads' gates
+    g, beta [RATIO] (HOIST: their loads issued together in the prologue, beside the first state tile's)."""
+    v = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + key_head * RATIO * DV
+                        + tl.arange(0, NT * BLOCK_V), width, stride_cc, stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+    heads = key_head * RATIO + tl.arange(0, RATIO)
+    g, beta = head_gates(tl.load(a_ptr + seq * stride_an + heads), tl.load(b_ptr + seq * stride_bn + heads),
+                         tl.load(alog_ptr + heads), tl.load(dt_ptr + heads), b_ptr)
+    return tl.reshape(v, (NT, BLOCK_V)), g, beta
+
+
+@triton.jit
+def pick_tile(v_all, g_all, beta_all, t, NT: tl.constexpr, NV: tl.constexpr, RATIO: tl.constexpr):
+    """Tile t's v columns and gates out of `program_values`' blocks (each a sum whose other terms are zeros: the
+    values themselves)."""
+    bv = tl.sum(tl.where((tl.arange(0, NT) == t)[:, None], v_all, 0.0), axis=0)
+    head = tl.arange(0, RATIO) == t // NV
+    return bv, tl.sum(tl.where(head, g_all, 0.0)), tl.sum(tl.where(head, beta_all, 0.0))
+
+
+@triton.jit
+def tile_update(state, t, key_head, seq, bq, bk, bv, bg, bb, state_base, cols, out_ptr, pool_ptr, stride_on,
+                stride_oh, stride_ph, RATIO: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+                STREAM: tl.constexpr):
+    """The program's tile t, its state [DK, BLOCK_V] loaded: the update; stores the output columns and the new
+    state tile."""
+    NV: tl.constexpr = DV // BLOCK_V
     state = delta_rule_update(state.to(tl.float32), bk, bv, bg, bb)  # [DK, BLOCK_V]
     out = tl.sum(state * bq[:, None], axis=0)
-    tl.store(out_ptr + seq * stride_on + head * stride_oh + vs, out.to(out_ptr.dtype.element_ty))
+    head = key_head * RATIO + t // NV
+    tl.store(out_ptr + seq * stride_on + head * stride_oh + (t % NV) * BLOCK_V + cols,
+             out.to(out_ptr.dtype.element_ty))
     state_ptrs = state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V
     if STREAM:
         tl.store(state_ptrs, state.to(pool_ptr.dtype.element_ty), cache_modifier=".cs")
@@ -89,7 +129,7 @@ def _conv_gdn_step_kernel(
     KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
     K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     FUSE_CONV: tl.constexpr, PREFETCH: tl.constexpr, STREAM: tl.constexpr, UNROLL: tl.constexpr = False,
-    STAGES: tl.constexpr = 1,
+    STAGES: tl.constexpr = 1, HOIST: tl.constexpr = False,
 ):
     seq = tl.program_id(0).to(tl.int64)
     key_head = tl.program_id(1)
@@ -113,6 +153,10 @@ def _conv_gdn_step_kernel(
                          BLOCK_W, HAS_BIAS, FUSE_CONV)
     bk = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, KEY_DIM + key_head * DK + ks, width, stride_cc,
                          stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+    if HOIST:
+        v_all, g_all, beta_all = program_values(key_head, seq, x_row, conv_row, width, w_ptr, bias_ptr, a_ptr, b_ptr,
+                                                alog_ptr, dt_ptr, stride_an, stride_bn, stride_cc, stride_cw, KEY_DIM,
+                                                RATIO, DV, NT, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
     if L2NORM:
         bq = bq / tl.sqrt(tl.sum(bq * bq) + 1e-6)
         bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
@@ -128,10 +172,14 @@ def _conv_gdn_step_kernel(
             else:
                 state = tl.load(state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V, mask=load_mask, other=0.0,
                                 eviction_policy=evict)
-            tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr,
-                      a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh,
-                      stride_cc, stride_cw, stride_ph, KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV,
-                      STREAM)
+            if HOIST:
+                bv, bg, bb = pick_tile(v_all, g_all, beta_all, t, NT, NV, RATIO)
+            else:
+                bv, bg, bb = tile_values(t, key_head, seq, x_row, conv_row, width, cols, w_ptr, bias_ptr, a_ptr,
+                                         b_ptr, alog_ptr, dt_ptr, stride_an, stride_bn, stride_cc, stride_cw,
+                                         KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+            tile_update(state, t, key_head, seq, bq, bk, bv, bg, bb, state_base, cols, out_ptr, pool_ptr, stride_on,
+                        stride_oh, stride_ph, RATIO, DV, BLOCK_V, STREAM)
     else:  # a loop: one tile's code (and registers) at a time; STAGES > 1: Triton's pipeliner copies the next
         # tiles into shared memory ahead (cp.async) instead of PREFETCH's registers
         for t in tl.range(NT, num_stages=STAGES):
@@ -142,10 +190,14 @@ def _conv_gdn_step_kernel(
             else:
                 state = tl.load(state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V, mask=load_mask, other=0.0,
                                 eviction_policy=evict)
-            tile_step(state, t, key_head, seq, bq, bk, x_row, conv_row, width, state_base, cols, w_ptr, bias_ptr,
-                      a_ptr, b_ptr, alog_ptr, dt_ptr, out_ptr, pool_ptr, stride_an, stride_bn, stride_on, stride_oh,
-                      stride_cc, stride_cw, stride_ph, KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV,
-                      STREAM)
+            if HOIST:
+                bv, bg, bb = pick_tile(v_all, g_all, beta_all, t, NT, NV, RATIO)
+            else:
+                bv, bg, bb = tile_values(t, key_head, seq, x_row, conv_row, width, cols, w_ptr, bias_ptr, a_ptr,
+                                         b_ptr, alog_ptr, dt_ptr, stride_an, stride_bn, stride_cc, stride_cw,
+                                         KEY_DIM, RATIO, DV, BLOCK_V, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
+            tile_update(state, t, key_head, seq, bq, bk, bv, bg, bb, state_base, cols, out_ptr, pool_ptr, stride_on,
+                        stride_oh, stride_ph, RATIO, DV, BLOCK_V, STREAM)
 
 
 def conv_gated_delta_decode(
@@ -196,13 +248,15 @@ def conv_gated_delta_decode(
     if num == 0:
         return out
     block_v = min(_BLOCK_V, v_dim)
+    ratio = num_v_heads // num_k_heads
     _conv_gdn_step_kernel[(num, num_k_heads)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_pool, a, b, a_log, dt_bias,
         out, ssm_pool, state_slots, context_lens, k_dim**-0.5,
         mixed_qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), out.stride(1), *conv_pool.stride(),
         ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
-        KEY_DIM=key_dim, RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, K=kernel_size,
+        KEY_DIM=key_dim, RATIO=ratio, DK=k_dim, DV=v_dim, BLOCK_V=block_v, K=kernel_size,
         BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=conv_bias is not None, L2NORM=use_qk_l2norm,
-        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, STAGES=_STAGES, num_warps=_NUM_WARPS,
+        FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, STAGES=_STAGES,
+        HOIST=_HOIST and ratio & (ratio - 1) == 0, num_warps=_NUM_WARPS,
     )
     return out
