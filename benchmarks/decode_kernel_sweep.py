@@ -51,8 +51,8 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
 # the fused ones first (the engine's candidates), then the step alone
 GDN_FUSED_LAUNCHES = (
     (64, 4, False, True, 1, True, True), (64, 4, False, True, 1, False, True), (64, 4, True, False, 1, True, True),
-    (32, 4, False, True, 1, True, True), (32, 4, True, False, 1, True, True), (64, 4, False, False, 1, True, True),
-    (64, 4, False, True, 1, True, False))
+    (32, 4, False, True, 1, True, True), (32, 4, True, False, 1, True, True), (32, 4, True, True, 1, True, True),
+    (64, 4, False, False, 1, True, True), (64, 4, False, True, 1, True, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
