@@ -50,8 +50,8 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
 # the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, STAGES, HOIST, FUSE_CONV);
 # the fused ones first (the engine's candidates), then the step alone
 GDN_FUSED_LAUNCHES = (
-    (64, 4, False, True, 1, True, True), (64, 4, False, True, 1, False, True), (64, 4, True, False, 1, True, True),
-    (32, 4, False, True, 1, True, True), (32, 4, True, False, 1, True, True), (32, 4, True, True, 1, True, True),
+    (64, 4, False, True, 1, True, True), (64, 4, False, True, 1, False, True), (32, 4, False, True, 1, True, True),
+    (64, 4, True, False, 1, True, True), (32, 4, True, True, 1, True, True), (32, 4, True, False, 1, True, True),
     (64, 4, False, False, 1, True, True), (64, 4, False, True, 1, True, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
@@ -177,7 +177,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     state_bytes = 2 * seqs * HV * DK * DV * 4
     conv_bytes = seqs * channels * 2 * (2 * (CONV_TAPS - 1) + 2)
 
-    def pair(i: int, out: torch.Tensor, conv: bool = True) -> None:
+    def pair(i: int, out: torch.Tensor, conv: bool = True, v_major: bool = False) -> None:
         """The engine's launches before this: the conv step kernel (unless `conv` is False), the step kernel."""
         if conv:
             conv_triton._conv_step_kernel[(seqs, triton.cdiv(channels, conv_triton._STEP_BLOCK_C))](
@@ -186,23 +186,25 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
                 HAS_BIAS=False, SILU=True, BLOCK_C=conv_triton._STEP_BLOCK_C)
         q, k, v = conv_out.split([HK * DK, HK * DK, HV * DV], dim=-1)
         q, k, v = q.view(seqs, HK, DK), k.view(seqs, HK, DK), v.view(seqs, HV, DV)
-        triton_step._gdn_step_kernel[(seqs, HV, DV // triton_step._BLOCK_V)](
+        blocks = DV // triton_step._BLOCK_V
+        triton_step._gdn_step_kernel[(blocks, HV, seqs) if v_major else (seqs, HV, blocks)](
             q, k, v, a, b, out, pool, slots[i], ctx, a_log, dt_bias, DK**-0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             out.stride(0), out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
             RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=triton_step._BLOCK_V, L2NORM=True, GATES=True,
-            STREAM=triton_step._STREAM)
+            STREAM=triton_step._STREAM, V_MAJOR=v_major)
 
     def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, stages: int, hoist: bool, fuse: bool, i: int,
-              out: torch.Tensor) -> None:
+              out: torch.Tensor, heads_first: bool = False) -> None:
         qkv = x if fuse else conv_out
-        triton_conv_step._conv_gdn_step_kernel[(seqs, HK)](
+        triton_conv_step._conv_gdn_step_kernel[(HK, seqs) if heads_first else (seqs, HK)](
             qkv, weight, weight, conv_pool, a, b, a_log, dt_bias, out, pool, slots[i], ctx,
             DK**-0.5, qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), out.stride(1), *conv_pool.stride(),
             pool.stride(0), pool.stride(1), pool.stride(2),
             KEY_DIM=HK * DK, RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, K=CONV_TAPS,
             BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse,
-            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, HOIST=hoist, STREAM=True, num_warps=warps)
+            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, HOIST=hoist, HEADS_FIRST=heads_first, STREAM=True,
+            num_warps=warps)
 
     snapshot, conv_snapshot = pool.clone(), conv_pool.clone()
 
@@ -227,6 +229,8 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     conv_ready = conv_out.clone()
     conv_pool.copy_(conv_snapshot)
     results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
+    results[False].append(measure("step kernel, column blocks fastest (grid Dv / BLOCK_V, Hv, N)",
+                                  lambda i, o: pair(i, o, conv=False, v_major=True), state_bytes))
     for block_v, warps, prefetch, unroll, stages, hoist, fuse in GDN_FUSED_LAUNCHES:
         conv_out.copy_(conv_ready)
         name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
@@ -238,6 +242,10 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
                                          state_bytes + (conv_bytes if fuse else 0)))
         except Exception as error:  # a launch past the registers or shared memory must not cost the table
             print(f"{name}: {type(error).__name__}: {str(error)[:120]}")
+    engine = (triton_conv_step._BLOCK_V, triton_conv_step._NUM_WARPS, triton_conv_step._PREFETCH,
+              triton_conv_step._UNROLL, triton_conv_step._STAGES, triton_conv_step._HOIST, True)
+    results[True].append(measure("the engine's launch, grid (Hk, N): a state's key heads in neighbouring programs",
+                                 functools.partial(fused, *engine, heads_first=True), state_bytes + conv_bytes))
     # the copy rate: the same state bytes read and written by torch's copy; in place (read and written at the same
     # addresses, as the step does); the step kernel's tiles copied in place by Triton with no arithmetic
     source, dest = pool[: seqs * copies].view(copies, seqs, -1), torch.empty(copies, seqs, HV * DK * DV, device=device)

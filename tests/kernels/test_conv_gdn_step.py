@@ -131,20 +131,22 @@ def check_step_alone(device: str) -> None:
     torch.testing.assert_close(out.float(), want_out.float(), rtol=2.0**-7, atol=1e-5)
 
 
-# (BLOCK_V, PREFETCH, UNROLL, HOIST): the kernel's code paths (the engine's launch is one of them; the launch sweep
-# times the others)
-LAUNCH_VARIANTS = ((16, True, False, False), (32, False, True, False), (16, False, False, True), (32, True, True, True))
+# (BLOCK_V, PREFETCH, UNROLL, HOIST, HEADS_FIRST): the kernel's code paths (the engine's launch is one of them; the
+# launch sweep times the others)
+LAUNCH_VARIANTS = ((16, True, False, False, False), (32, False, True, False, True), (16, False, False, True, False),
+                   (32, True, True, True, True))
 
 
 def check_launch_variants(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every code path of the kernel (tiles prefetched in registers or not, a loop or unrolled, v and the gates
-    loaded per tile or all in the prologue) gives the two launches' results."""
+    loaded per tile or all in the prologue, either grid order) gives the two launches' results."""
     from hybridcache.kernels.gated_delta import triton_conv_step
 
     args = inputs(2, 4, 32, 64, 4, True, torch.bfloat16, torch.float32, device)
     want_out, want_conv, want_ssm = two_launches(args)
-    for block_v, prefetch, unroll, hoist in LAUNCH_VARIANTS:
-        for name, value in (("_BLOCK_V", block_v), ("_PREFETCH", prefetch), ("_UNROLL", unroll), ("_HOIST", hoist)):
+    for block_v, prefetch, unroll, hoist, heads_first in LAUNCH_VARIANTS:
+        for name, value in (("_BLOCK_V", block_v), ("_PREFETCH", prefetch), ("_UNROLL", unroll), ("_HOIST", hoist),
+                            ("_HEADS_FIRST", heads_first)):
             monkeypatch.setattr(triton_conv_step, name, value)
         conv_pool, ssm_pool = args["conv_pool"].clone(), args["ssm_pool"].clone()
         out = triton_conv_step.conv_gated_delta_decode(**dict(args, conv_pool=conv_pool, ssm_pool=ssm_pool))

@@ -51,7 +51,7 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
     for gates in (False, True):
         table = {**GDN_POINTERS, "pool_ptr": "*fp32"} | ({"g_ptr": "*bf16"} if gates else {})
         ptx[gates] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False),
+                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False, V_MAJOR=False),
                                         floats=("scale",)).asm["ptx"]
         assert ("sqrt" in ptx[gates]) == l2norm  # q and k are l2-normalised only when asked
     assert ptx[True].count("ex2") > ptx[False].count("ex2")  # the gates' exponentials, only when fused
@@ -62,7 +62,7 @@ def test_gated_delta_step_streams_its_state_for_hopper():
     """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs)."""
     table = {**GDN_POINTERS, "pool_ptr": "*fp32", "g_ptr": "*bf16"}
     ptx = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                             dict(HEADS, BLOCK_V=64, DV=128, L2NORM=True, GATES=True, STREAM=True),
+                             dict(HEADS, BLOCK_V=64, DV=128, L2NORM=True, GATES=True, STREAM=True, V_MAJOR=False),
                              floats=("scale",)).asm["ptx"]
     assert "L1::evict_first" in ptx and "st.global.cs" in ptx
 
@@ -77,7 +77,7 @@ def test_fused_decode_core_compiles_for_hopper():
         constants = dict(KEY_DIM=2048, RATIO=2, DK=128, DV=128, BLOCK_V=triton_conv_step._BLOCK_V, K=4, BLOCK_W=4,
                          HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse, PREFETCH=triton_conv_step._PREFETCH,
                          UNROLL=triton_conv_step._UNROLL, STAGES=triton_conv_step._STAGES,
-                         HOIST=triton_conv_step._HOIST, STREAM=True)
+                         HOIST=triton_conv_step._HOIST, HEADS_FIRST=triton_conv_step._HEADS_FIRST, STREAM=True)
         ptx[fuse] = compile_for_hopper(kernel, pointers(kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}),
                                        integers(kernel), constants, num_warps=triton_conv_step._NUM_WARPS,
                                        floats=("scale",)).asm["ptx"]

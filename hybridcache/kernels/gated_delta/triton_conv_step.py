@@ -39,6 +39,7 @@ _PREFETCH = False
 _UNROLL = True
 _STAGES = 1
 _HOIST = True
+_HEADS_FIRST = False
 _STREAM = True
 
 
@@ -129,10 +130,10 @@ def _conv_gdn_step_kernel(
     KEY_DIM: tl.constexpr, RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
     K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, L2NORM: tl.constexpr,
     FUSE_CONV: tl.constexpr, PREFETCH: tl.constexpr, STREAM: tl.constexpr, UNROLL: tl.constexpr = False,
-    STAGES: tl.constexpr = 1, HOIST: tl.constexpr = False,
+    STAGES: tl.constexpr = 1, HOIST: tl.constexpr = False, HEADS_FIRST: tl.constexpr = False,
 ):
-    seq = tl.program_id(0).to(tl.int64)
-    key_head = tl.program_id(1)
+    seq = tl.program_id(1 if HEADS_FIRST else 0).to(tl.int64)  # HEADS_FIRST: grid (Hk, N), a state's key heads
+    key_head = tl.program_id(0 if HEADS_FIRST else 1)  # in neighbouring programs
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     old = (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence: both its states read as zeros
     rows_to_read = DK * old
@@ -249,7 +250,7 @@ def conv_gated_delta_decode(
         return out
     block_v = min(_BLOCK_V, v_dim)
     ratio = num_v_heads // num_k_heads
-    _conv_gdn_step_kernel[(num, num_k_heads)](
+    _conv_gdn_step_kernel[(num_k_heads, num) if _HEADS_FIRST else (num, num_k_heads)](
         mixed_qkv, conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_pool, a, b, a_log, dt_bias,
         out, ssm_pool, state_slots, context_lens, k_dim**-0.5,
         mixed_qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), out.stride(1), *conv_pool.stride(),
@@ -257,6 +258,6 @@ def conv_gated_delta_decode(
         KEY_DIM=key_dim, RATIO=ratio, DK=k_dim, DV=v_dim, BLOCK_V=block_v, K=kernel_size,
         BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=conv_bias is not None, L2NORM=use_qk_l2norm,
         FUSE_CONV=fuse_conv, PREFETCH=_PREFETCH, STREAM=_STREAM, UNROLL=_UNROLL, STAGES=_STAGES,
-        HOIST=_HOIST and ratio & (ratio - 1) == 0, num_warps=_NUM_WARPS,
+        HOIST=_HOIST and ratio & (ratio - 1) == 0, HEADS_FIRST=_HEADS_FIRST, num_warps=_NUM_WARPS,
     )
     return out

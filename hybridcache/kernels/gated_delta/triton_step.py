@@ -29,12 +29,13 @@ _STREAM = True
 
 
 @triton.jit
-def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on: returns (seq, its value head, that head's key
+def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr, V_MAJOR: tl.constexpr = False):
+    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on (V_MAJOR: grid (Dv / BLOCK_V, Hv, sequences),
+    the column blocks of a state's rows in neighbouring programs): returns (seq, its value head, that head's key
     head (RATIO value heads share one), the key entries ks [DK], the program's value entries vs [BLOCK_V])."""
-    seq = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(2 if V_MAJOR else 0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
+    pid_v = tl.program_id(0 if V_MAJOR else 2)
     key_head = head // RATIO
     ks = tl.arange(0, DK)
     vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -76,9 +77,9 @@ def _gdn_step_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-    GATES: tl.constexpr, STREAM: tl.constexpr = False,
+    GATES: tl.constexpr, STREAM: tl.constexpr = False, V_MAJOR: tl.constexpr = False,
 ):
-    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V, V_MAJOR)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
 
