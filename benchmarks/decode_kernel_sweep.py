@@ -220,6 +220,27 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
         print(f"~ {name}: {us:.1f} us", flush=True)  # as it comes (a call's time limit may cut the tables)
         return {"launch": name, "us": us, "bytes": nbytes, "got": got}
 
+    def floors() -> tuple[dict, list[dict]]:
+        """The copy rate: the same state bytes read and written by torch's copy; in place (read and written at the
+        same addresses, as the step does); the step kernel's tiles copied in place by Triton with no arithmetic."""
+        source = pool[: seqs * copies].view(copies, seqs, -1)
+        dest = torch.empty(copies, seqs, HV * DK * DV, device=device)
+        copy_row = {"launch": "torch copy_ of the state bytes (reference)", "same": True, "bytes": state_bytes,
+                    "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)}
+        rows = [{"launch": "torch in-place mul_(1) of the state bytes", "same": True, "bytes": state_bytes,
+                 "us": graph_us(lambda i: source[i].mul_(1.0), copies)}]
+        for v_major in (False, True):
+            grid = (DV // 64, HV, seqs) if v_major else (seqs, HV, DV // 64)
+            rows.append({
+                "launch": "Triton: the step kernel's [Dk, 64] tiles copied in place, no arithmetic"
+                          + (" (column blocks fastest)" if v_major else ""), "same": True, "bytes": state_bytes,
+                "us": graph_us(lambda i, grid=grid, v_major=v_major: _state_tile_copy[grid](
+                    pool, slots[i], pool.stride(0), pool.stride(1), pool.stride(2), DK=DK, BLOCK_V=64,
+                    V_MAJOR=v_major), copies)})
+        for row in [copy_row, *rows]:
+            print(f"~ {row['launch']}: {row['us']:.1f} us", flush=True)
+        return copy_row, rows
+
     results = {False: [], True: []}
     results[True].append(measure("conv step + step kernel (two launches, current)", pair, state_bytes + conv_bytes))
     # the conv output of the first copy's call, for the step-only variants
@@ -229,9 +250,7 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
     conv_ready = conv_out.clone()
     conv_pool.copy_(conv_snapshot)
     results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
-    results[False].append(measure("step kernel, column blocks fastest (grid Dv / BLOCK_V, Hv, N)",
-                                  lambda i, o: pair(i, o, conv=False, v_major=True), state_bytes))
-    for block_v, warps, prefetch, unroll, stages, hoist, fuse in GDN_FUSED_LAUNCHES:
+    for index, (block_v, warps, prefetch, unroll, stages, hoist, fuse) in enumerate(GDN_FUSED_LAUNCHES):
         conv_out.copy_(conv_ready)
         name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
                 + (", unrolled" if unroll else "") + (f", {stages} stages" if stages > 1 else "")
@@ -242,27 +261,14 @@ def sweep_gdn_fused(seqs: int) -> list[dict]:
                                          state_bytes + (conv_bytes if fuse else 0)))
         except Exception as error:  # a launch past the registers or shared memory must not cost the table
             print(f"{name}: {type(error).__name__}: {str(error)[:120]}")
+        if index == 0:  # the floors early (a call's time limit may cut the rest)
+            copy_row, floor_rows = floors()
     engine = (triton_conv_step._BLOCK_V, triton_conv_step._NUM_WARPS, triton_conv_step._PREFETCH,
               triton_conv_step._UNROLL, triton_conv_step._STAGES, triton_conv_step._HOIST, True)
     results[True].append(measure("the engine's launch, grid (Hk, N): a state's key heads in neighbouring programs",
                                  functools.partial(fused, *engine, heads_first=True), state_bytes + conv_bytes))
-    # the copy rate: the same state bytes read and written by torch's copy; in place (read and written at the same
-    # addresses, as the step does); the step kernel's tiles copied in place by Triton with no arithmetic
-    source, dest = pool[: seqs * copies].view(copies, seqs, -1), torch.empty(copies, seqs, HV * DK * DV, device=device)
-    copy_row = {"launch": "torch copy_ of the state bytes (reference)", "same": True, "bytes": state_bytes,
-                "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)}
-    floor_rows = [{"launch": "torch in-place mul_(1) of the state bytes", "same": True, "bytes": state_bytes,
-                   "us": graph_us(lambda i: source[i].mul_(1.0), copies)}]
-    for v_major in (False, True):
-        grid = (DV // 64, HV, seqs) if v_major else (seqs, HV, DV // 64)
-        floor_rows.append({
-            "launch": "Triton: the step kernel's [Dk, 64] tiles copied in place, no arithmetic"
-                      + (" (column blocks fastest)" if v_major else ""), "same": True, "bytes": state_bytes,
-            "us": graph_us(lambda i, grid=grid, v_major=v_major: _state_tile_copy[grid](
-                pool, slots[i], pool.stride(0), pool.stride(1), pool.stride(2), DK=DK, BLOCK_V=64, V_MAJOR=v_major),
-                copies)})
-    for row in floor_rows:
-        print(f"~ {row['launch']}: {row['us']:.1f} us", flush=True)
+    results[False].append(measure("step kernel, column blocks fastest (grid Dv / BLOCK_V, Hv, N)",
+                                  lambda i, o: pair(i, o, conv=False, v_major=True), state_bytes))
     rows = []
     for fuse, part in results.items():
         ref = part[0]["got"]

@@ -15,7 +15,9 @@ program could read the q/k rows after their writer shifted them). The program th
 state tiles [Dk, BLOCK_V] in order; with PREFETCH the next tile's load is issued before the current one's
 update and store (software pipelining by hand: two tiles in registers), so the loads of one tile overlap the
 arithmetic and the stores of the one before; with STAGES > 1 Triton's pipeliner copies the next tiles into shared
-memory ahead instead (cp.async); UNROLL unrolls the tile loop. Without FUSE_CONV the program reads q, k, v from
+memory ahead instead (cp.async); UNROLL unrolls the tile loop. HOIST issues the loads of every tile's v columns
+and gates (and, unrolled, of the first state tile) in the prologue, beside q's and k's: the conv state rows are
+cold, and their round trip would otherwise wait on the tile before. Without FUSE_CONV the program reads q, k, v from
 a conv output of the same layout instead (the step alone, for the launch sweep).
 
 Same math as `reference.gated_delta_rule_step` after `conv/reference.causal_conv1d_step` (see triton_step.py);
@@ -85,7 +87,7 @@ def program_values(key_head, seq, x_row, conv_row, width, w_ptr, bias_ptr, a_ptr
                    DV: tl.constexpr, NT: tl.constexpr, BLOCK_V: tl.constexpr, K: tl.constexpr,
                    BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, FUSE_CONV: tl.constexpr):
     """All of the program's v columns at once, [NT, BLOCK_V] (row t: tile t's), and its RATIO value heads' gates
-    g, beta [RATIO] (HOIST: their loads issued together in the prologue, beside the first state tile's)."""
+    g, beta [RATIO] (HOIST: their loads issued together in the prologue, after the first state tile's)."""
     v = key_head_inputs(x_row, w_ptr, bias_ptr, conv_row, 2 * KEY_DIM + key_head * RATIO * DV
                         + tl.arange(0, NT * BLOCK_V), width, stride_cc, stride_cw, K, BLOCK_W, HAS_BIAS, FUSE_CONV)
     heads = key_head * RATIO + tl.arange(0, RATIO)
@@ -144,8 +146,8 @@ def _conv_gdn_step_kernel(
     state_base = pool_ptr + slot * stride_ps + key_head * RATIO * stride_ph + ks[:, None] * stride_pk + cols[None, :]
     load_mask = (ks < rows_to_read)[:, None]
     evict: tl.constexpr = "evict_first" if STREAM else ""
-    if PREFETCH:
-        nxt = tl.load(state_base, mask=load_mask, other=0.0, eviction_policy=evict)
+    if PREFETCH or (UNROLL and HOIST):  # the first tile's load before the prologue (whose conv-state stores would
+        nxt = tl.load(state_base, mask=load_mask, other=0.0, eviction_policy=evict)  # hold it back)
 
     x_row = x_ptr + seq * stride_xn
     conv_row = conv_ptr + slot * stride_cs
@@ -163,13 +165,16 @@ def _conv_gdn_step_kernel(
         bk = bk / tl.sqrt(tl.sum(bk * bk) + 1e-6)
     bq = bq * scale
 
-    if UNROLL:  # the tiles' code unrolled: the prefetch's last-tile test is resolved when compiling
+    if UNROLL:  # the tiles' code unrolled: the prefetch's last-tile test is resolved when compiling (with HOIST the
+        # first tile is the one loaded above)
         for t in tl.static_range(NT):
             if PREFETCH:
                 state = nxt
                 if t + 1 < NT:
                     nxt = tl.load(state_base + ((t + 1) // NV) * stride_ph + ((t + 1) % NV) * BLOCK_V,
                                   mask=load_mask, other=0.0, eviction_policy=evict)
+            elif HOIST and t == 0:
+                state = nxt
             else:
                 state = tl.load(state_base + (t // NV) * stride_ph + (t % NV) * BLOCK_V, mask=load_mask, other=0.0,
                                 eviction_policy=evict)
