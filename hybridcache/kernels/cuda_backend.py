@@ -64,6 +64,13 @@ from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
 from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
 
+# The DeltaNet decode core in one launch (conv, gates and rule: `gated_delta/triton_conv_step.py`) instead of the
+# conv step kernel + the step kernel: measured at 78.6 against 79.8 us for the two (84.5 in the launch that the
+# engine measured, 80.1 against 77.0 us a layer in next-1b's step), while the step kernel's grid order alone gains
+# 1.8 us with the same bits (docs/bench.md, session 44, dec17a): off until the fused launch beats the two in the
+# engine's step.
+FUSED_DECODE_CORE = False
+
 
 @dataclass(frozen=True)
 class VerifyRows:
@@ -248,9 +255,9 @@ class CudaBackend:
         conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
         dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
     ) -> torch.Tensor:
-        """All-decode: one launch for the conv's step, the gates and the rule (`triton_conv_step`); else
-        `causal_conv1d`, then `gated_delta`."""
-        if _metadata(batch).all_decode:
+        """`causal_conv1d`, then `gated_delta` (all-decode: the conv step kernel and the step kernel making the
+        gates); with FUSED_DECODE_CORE an all-decode step runs the three in one launch (`triton_conv_step`)."""
+        if FUSED_DECODE_CORE and _metadata(batch).all_decode:
             return conv_gated_delta_decode(mixed_qkv, conv_weight, conv_bias, conv_layer, a, b, (A_log, dt_bias),
                                            ssm_layer, batch.state_slots, batch.context_lens, num_k_heads=num_k_heads)
         conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)

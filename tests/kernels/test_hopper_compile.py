@@ -18,7 +18,7 @@ from hybridcache.kernels.conv.triton import (  # noqa: E402
     _conv_varlen_kernel,
 )
 from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
-from hybridcache.kernels.gated_delta import triton_conv_step  # noqa: E402
+from hybridcache.kernels.gated_delta import triton_conv_step, triton_step  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
 from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
@@ -59,12 +59,18 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
 
 
 def test_gated_delta_step_streams_its_state_for_hopper():
-    """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs)."""
+    """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs); the
+    grid's order (V_MAJOR) moves only which program id names the sequence and which the column block."""
     table = {**GDN_POINTERS, "pool_ptr": "*fp32", "g_ptr": "*bf16"}
-    ptx = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                             dict(HEADS, BLOCK_V=64, DV=128, L2NORM=True, GATES=True, STREAM=True, V_MAJOR=False),
-                             floats=("scale",)).asm["ptx"]
-    assert "L1::evict_first" in ptx and "st.global.cs" in ptx
+    ptx = {}
+    for v_major in (False, True):
+        constants = dict(HEADS, BLOCK_V=triton_step._BLOCK_V, DV=128, L2NORM=True, GATES=True,
+                         STREAM=triton_step._STREAM, V_MAJOR=v_major)
+        ptx[v_major] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel), constants,
+                                          floats=("scale",)).asm["ptx"]
+        assert "L1::evict_first" in ptx[v_major] and "st.global.cs" in ptx[v_major]
+    assert "%ctaid.z" in ptx[True] and "%ctaid.z" in ptx[False]
+    assert ptx[True].count("ld.global") == ptx[False].count("ld.global")
 
 
 def test_fused_decode_core_compiles_for_hopper():

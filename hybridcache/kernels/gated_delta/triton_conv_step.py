@@ -34,11 +34,13 @@ from hybridcache.kernels.conv.triton import conv_step_channels
 from hybridcache.kernels.gated_delta.triton_gates import gate_values
 from hybridcache.kernels.gated_delta.triton_step import delta_rule_update
 
-# The engine's launch: [Dk, 32] tiles, the next tile prefetched, 4 warps, streaming hints as `triton_step`
+# The launch: [Dk, 64] tiles, 4 warps, the next tile prefetched in registers (a loop, not unrolled), v and the
+# gates loaded in the prologue, streaming hints as `triton_step`: 78.6 us for 64 x 32 heads, the fastest of nine
+# launches on the H200 (unrolled 80.6-84.5, [Dk, 32] tiles 89.6-94.4; docs/bench.md, session 44, dec17a)
 _BLOCK_V = 64
 _NUM_WARPS = 4
-_PREFETCH = False
-_UNROLL = True
+_PREFETCH = True
+_UNROLL = False
 _STAGES = 1
 _HOIST = True
 _HEADS_FIRST = False
