@@ -140,6 +140,27 @@ class KernelBackend(Protocol):
         fuse the gates into the rule's kernel; the results are those of the two ops)."""
         ...
 
+    def conv_gated_delta(
+        self,
+        mixed_qkv: torch.Tensor,
+        conv_weight: torch.Tensor,
+        conv_bias: torch.Tensor | None,
+        conv_layer: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,  # noqa: N803 (the checkpoint's name)
+        dt_bias: torch.Tensor,
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+        *,
+        num_k_heads: int,
+    ) -> torch.Tensor:
+        """Gated DeltaNet's core as one op: `causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer)`, its
+        output split into q, k [T, Hk, Dk] | v [T, Hv, Dv] (`gated_delta.reference.split_qkv`; Hk = num_k_heads, Dk
+        and Dv from ssm_layer), then `gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer)`. The results (output,
+        both state layers) are those of the three ops (a backend may fuse them: CUDA's decode step is one launch)."""
+        ...
+
     def delta_gates(
         self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -393,6 +414,15 @@ class ReferenceBackend:
     ) -> torch.Tensor:
         g, beta = self.delta_gates(a, b, A_log, dt_bias)
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
+
+    def conv_gated_delta(
+        self, mixed_qkv: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+        conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
+    ) -> torch.Tensor:
+        conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
+        q, k, v = delta_ref.split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
+        return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(delta_ref.delta_gates)

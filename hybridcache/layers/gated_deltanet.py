@@ -95,16 +95,6 @@ class _GatedDeltaNetBase(nn.Module):
         """hidden [T, hidden] -> mixed_qkv [T, C] (q | k | v), z [T, Hv, Dv], b [T, Hv], a [T, Hv]."""
         raise NotImplementedError
 
-    def _split_heads(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """conv_out [N, C] -> q, k [N, Hk, Dk], v [N, Hv, Dv]."""
-        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        num = conv_out.shape[0]
-        return (
-            q.reshape(num, self.num_k_heads, self.k_head_dim),
-            k.reshape(num, self.num_k_heads, self.k_head_dim),
-            v.reshape(num, self.num_v_heads, self.v_head_dim),
-        )
-
     def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
         """conv: the last K-1 pre-convolution inputs [C, K-1] (model dtype); ssm: S [Hv, Dk, Dv] (state dtype)."""
         conv_width = self.conv1d.kernel_size[0] - 1
@@ -131,11 +121,9 @@ class _GatedDeltaNetBase(nn.Module):
                b: torch.Tensor) -> torch.Tensor:
         """The layer's core (`StepContext.core`): mixed_qkv [T, C], a, b [T, Hv] -> o [T, Hv, Dv] (the conv, the
         gates and the gated delta rule, each sequence from its state row, the rows updated in place)."""
-        backend, batch = step.backend, step.batch
-        weight = self.conv1d.weight.squeeze(1)
-        conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], batch)
-        q, k, v = self._split_heads(conv_out)
-        return backend.gated_delta(q, k, v, a, b, self.A_log, self.dt_bias, state["ssm"], batch)  # gates + rule
+        return step.backend.conv_gated_delta(  # the conv, its output split into q | k | v, the gates and the rule
+            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, state["conv"], a, b, self.A_log, self.dt_bias,
+            state["ssm"], step.batch, num_k_heads=self.num_k_heads)
 
 
 class GatedDeltaNet(_GatedDeltaNetBase):

@@ -18,6 +18,7 @@ from hybridcache.kernels.conv.triton import (  # noqa: E402
     _conv_varlen_kernel,
 )
 from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
+from hybridcache.kernels.gated_delta import triton_conv_step, triton_step  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
 from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
@@ -25,7 +26,9 @@ from tests.kernels.hopper import compile_for_hopper  # noqa: E402
 
 HEADS = dict(RATIO=2, DK=128, BLOCK_V=32)  # 16 key heads, 32 value heads, head dims 128 (Qwen3-Next)
 GDN_POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*bf16",
-                "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32", "alog_ptr": "*bf16", "dt_ptr": "*bf16"}
+                "out_ptr": "*bf16", "slots_ptr": "*i64", "ctx_ptr": "*i32", "alog_ptr": "*bf16", "dt_ptr": "*bf16",
+                "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "conv_ptr": "*bf16", "a_ptr": "*bf16",
+                "b_ptr": "*bf16"}
 CONV_POINTERS = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "pool_ptr": "*bf16",
                  "slots_ptr": "*i64", "cu_ptr": "*i32", "ctx_ptr": "*i32", "chunk_ptr": "*i32",
                  "table_ptr": "*i64", "drafts_ptr": "*i32"}
@@ -48,7 +51,7 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
     for gates in (False, True):
         table = {**GDN_POINTERS, "pool_ptr": "*fp32"} | ({"g_ptr": "*bf16"} if gates else {})
         ptx[gates] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False),
+                                        dict(HEADS, DV=128, L2NORM=l2norm, GATES=gates, STREAM=False, V_MAJOR=False),
                                         floats=("scale",)).asm["ptx"]
         assert ("sqrt" in ptx[gates]) == l2norm  # q and k are l2-normalised only when asked
     assert ptx[True].count("ex2") > ptx[False].count("ex2")  # the gates' exponentials, only when fused
@@ -56,12 +59,37 @@ def test_gated_delta_step_compiles_for_hopper(l2norm):
 
 
 def test_gated_delta_step_streams_its_state_for_hopper():
-    """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs)."""
+    """STREAM (the engine's launch): the state's loads carry the evict-first hint and its stores stream (.cs); the
+    grid's order (V_MAJOR) moves only which program id names the sequence and which the column block."""
     table = {**GDN_POINTERS, "pool_ptr": "*fp32", "g_ptr": "*bf16"}
-    ptx = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel),
-                             dict(HEADS, BLOCK_V=64, DV=128, L2NORM=True, GATES=True, STREAM=True),
-                             floats=("scale",)).asm["ptx"]
-    assert "L1::evict_first" in ptx and "st.global.cs" in ptx
+    ptx = {}
+    for v_major in (False, True):
+        constants = dict(HEADS, BLOCK_V=triton_step._BLOCK_V, DV=128, L2NORM=True, GATES=True,
+                         STREAM=triton_step._STREAM, V_MAJOR=v_major)
+        ptx[v_major] = compile_for_hopper(_gdn_step_kernel, table, integers(_gdn_step_kernel), constants,
+                                          floats=("scale",)).asm["ptx"]
+        assert "L1::evict_first" in ptx[v_major] and "st.global.cs" in ptx[v_major]
+    assert "%ctaid.z" in ptx[True] and "%ctaid.z" in ptx[False]
+    assert ptx[True].count("ld.global") == ptx[False].count("ld.global")
+
+
+def test_fused_decode_core_compiles_for_hopper():
+    """`triton_conv_step`'s kernel in the engine's launch (tiles, prefetch, warps, streaming hints) on Qwen3-Next's
+    heads, with the conv fused in and without: the state streams as the step kernel's does; with the conv, the
+    program writes the conv state (bf16 stores beside the output's) and runs the conv's SiLU (more exponentials)."""
+    kernel = triton_conv_step._conv_gdn_step_kernel
+    ptx = {}
+    for fuse in (True, False):
+        constants = dict(KEY_DIM=2048, RATIO=2, DK=128, DV=128, BLOCK_V=triton_conv_step._BLOCK_V, K=4, BLOCK_W=4,
+                         HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse, PREFETCH=triton_conv_step._PREFETCH,
+                         UNROLL=triton_conv_step._UNROLL, STAGES=triton_conv_step._STAGES,
+                         HOIST=triton_conv_step._HOIST, HEADS_FIRST=triton_conv_step._HEADS_FIRST, STREAM=True)
+        ptx[fuse] = compile_for_hopper(kernel, pointers(kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}),
+                                       integers(kernel), constants, num_warps=triton_conv_step._NUM_WARPS,
+                                       floats=("scale",)).asm["ptx"]
+    assert all("L1::evict_first" in code and "st.global.cs" in code for code in ptx.values())
+    assert ptx[True].count("ex2") > ptx[False].count("ex2")
+    assert ptx[True].count("st.global.b16") > ptx[False].count("st.global.b16")
 
 
 @pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])

@@ -168,6 +168,16 @@ def gated_delta_rule_step(
     return out.to(out_dtype), state
 
 
+def split_qkv(
+    conv_out: torch.Tensor, num_k_heads: int, k_dim: int, v_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's conv output [T, C] (C = q of every key head | k | v of every value head) -> views q, k
+    [T, Hk, Dk] and v [T, Hv, Dv] (Hk = num_k_heads, Hv = the rest of C over Dv)."""
+    num, key_dim = conv_out.shape[0], num_k_heads * k_dim
+    q, k, v = torch.split(conv_out, [key_dim, key_dim, conv_out.shape[1] - 2 * key_dim], dim=-1)
+    return q.view(num, num_k_heads, k_dim), k.view(num, num_k_heads, k_dim), v.view(num, -1, v_dim)
+
+
 def delta_gates(
     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor  # noqa: N803 (checkpoint name)
 ) -> tuple[torch.Tensor, torch.Tensor]:

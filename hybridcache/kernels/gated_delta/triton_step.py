@@ -6,9 +6,11 @@ Same math as `gated_delta/reference.py::gated_delta_rule_step`, per sequence n a
 with S = ssm_pool[state_slots[n], h] (zeros when context_len == 1: a fresh sequence) and the new S written
 back to the same row. Key head h // (Hv / Hk) serves value head h.
 
-Grid (N, Hv, Dv / BLOCK_V): each program owns a [Dk, BLOCK_V] column block of one state, so the state is read
-once and written once (the bytes floor of decode), with no gather/scatter copies; with STREAM the state's load
-asks to be evicted first and its store streams (`.cs`): no cache keeps a state the step will not read again.
+Grid (Dv / BLOCK_V, Hv, N) (V_MAJOR; else (N, Hv, Dv / BLOCK_V)): each program owns a [Dk, BLOCK_V] column
+block of one state, so the state is read once and written once (the bytes floor of decode), with no
+gather/scatter copies; with V_MAJOR the column blocks of a state's rows are neighbouring programs (read close in
+time: fewer DRAM row openings); with STREAM the state's load asks to be evicted first and its store streams
+(`.cs`): no cache keeps a state the step will not read again.
 flash-linear-attention's fused recurrent kernel takes dense [N, Hv, Dk, Dv] states, which would need a gather and
 a scatter around it (three times the state traffic).
 """
@@ -23,18 +25,22 @@ from hybridcache.kernels.gated_delta.triton_gates import gate_values
 
 # [Dk, 64] state tiles with the streaming hints: 75 us a launch at dense-9b's 64 x 32 heads against 84 us with
 # [Dk, 32] tiles and no hints (3.57 against 3.21 TB/s; torch's copy of the same bytes 4.09), the fastest of 18
-# launches (docs/bench.md, issue 32's sixth pass: `benchmarks/decode_kernel_sweep.py`)
+# launches (docs/bench.md, issue 32's sixth pass: `benchmarks/decode_kernel_sweep.py`). V_MAJOR: the grid
+# (Dv / BLOCK_V, Hv, N), so the two column blocks of a state's rows are read by neighbouring programs: 72.5 against
+# 74.3 us, the same bits (docs/bench.md, session 44, dec17a)
 _BLOCK_V = 64
 _STREAM = True
+_V_MAJOR = True
 
 
 @triton.jit
-def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr):
-    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on: returns (seq, its value head, that head's key
+def program_heads(RATIO: tl.constexpr, DK: tl.constexpr, BLOCK_V: tl.constexpr, V_MAJOR: tl.constexpr = False):
+    """What a program of grid (sequences, Hv, Dv / BLOCK_V) works on (V_MAJOR: grid (Dv / BLOCK_V, Hv, sequences),
+    the column blocks of a state's rows in neighbouring programs): returns (seq, its value head, that head's key
     head (RATIO value heads share one), the key entries ks [DK], the program's value entries vs [BLOCK_V])."""
-    seq = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(2 if V_MAJOR else 0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(2)
+    pid_v = tl.program_id(0 if V_MAJOR else 2)
     key_head = head // RATIO
     ks = tl.arange(0, DK)
     vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -76,9 +82,9 @@ def _gdn_step_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-    GATES: tl.constexpr, STREAM: tl.constexpr = False,
+    GATES: tl.constexpr, STREAM: tl.constexpr = False, V_MAJOR: tl.constexpr = False,
 ):
-    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V)
+    seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V, V_MAJOR)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
 
@@ -139,11 +145,12 @@ def gated_delta_rule_decode(
     out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
     if num == 0:
         return out
-    _gdn_step_kernel[(num, num_v_heads, v_dim // block_v)](
+    blocks = v_dim // block_v
+    _gdn_step_kernel[(blocks, num_v_heads, num) if _V_MAJOR else (num, num_v_heads, blocks)](
         q, k, v, g, beta, out, ssm_pool, state_slots, context_lens, a_log, dt_bias, k_dim**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        GATES=gates is not None, STREAM=_STREAM,
+        GATES=gates is not None, STREAM=_STREAM, V_MAJOR=_V_MAJOR,
     )
     return out
