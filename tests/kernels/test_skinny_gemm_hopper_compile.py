@@ -36,7 +36,7 @@ def compile_aligned(constants: dict, num_stages: int):
 @pytest.mark.parametrize(("block_m", "block_n", "stages"), [(16, 64, 4), (64, 64, 4), (32, 128, 3)])
 def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int, split: bool) -> None:
     constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                     BLOCK_K=128, PRECISION="tf32")
+                     BLOCK_K=128, PRECISION="tf32", TMA=False)
     compiled = compile_aligned(constants, stages)
     ptx = compiled.asm["ptx"]
     assert ("atom.global" in ptx) == split  # the split-K counter, only when split
@@ -48,7 +48,7 @@ def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int
 def test_skinny_gemm_swiglu_compiles_for_hopper() -> None:
     """The down projection's variant: silu(gate) * up in the loads (the sigmoid's exponential), still on wgmma."""
     constants = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, SWIGLU=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
-                     PRECISION="tf32")
+                     PRECISION="tf32", TMA=False)
     ptx = compile_aligned(constants, 4).asm["ptx"]
     assert "ex2" in ptx and "wgmma.mma_async" in ptx and "ld.global.b16" not in ptx
 
@@ -56,3 +56,26 @@ def test_skinny_gemm_swiglu_compiles_for_hopper() -> None:
 def test_skinny_gemm_does_not_specialise_run_time_sizes() -> None:
     sizes = {p.name for p in _skinny_gemm_kernel.params if p.do_not_specialize}
     assert sizes == {"M", "N", "K", "slice_steps"}
+
+
+@pytest.mark.parametrize(("block_m", "block_n", "block_k", "warps", "split"),
+                         [(64, 64, 128, 4, True), (64, 128, 64, 4, False), (16, 64, 128, 4, False),
+                          (64, 256, 64, 8, True)])
+def test_skinny_gemm_tma_compiles_for_hopper(block_m: int, block_n: int, block_k: int, warps: int,
+                                             split: bool) -> None:
+    """The TMA variant (`SkinnyConfig.tma`): x's and the weight's tiles by bulk tensor copies (no `cp.async`) into
+    wgmma, the weight tile on the M side."""
+    kernel = _skinny_gemm_kernel
+    pointers = dict(POINTERS, x_ptr=f"tensordesc<bf16[{block_m}, {block_k}]>",
+                    w_ptr=f"tensordesc<bf16[{block_n}, {block_k}]>")
+    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                     BLOCK_K=block_k, PRECISION="tf32", TMA=True)
+    signature = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constants else "i32")
+                 for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if (p.name.endswith("_ptr") and p.name not in ("x_ptr", "w_ptr")) or p.name.startswith("stride")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    ptx = triton.compile(source, target=HOPPER, options={"num_warps": warps, "num_stages": 4}).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "cp.async.cg" not in ptx
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx
+    assert ("atom.global" in ptx) == split
