@@ -1,17 +1,25 @@
-"""Every launch of a decode step's dense GEMMs at 16-64 rows: cuBLAS against a grid of skinny Triton tiles (issue 32).
+"""The decode step's GEMM launches (issue 32): dense projections at 16-64 rows against cuBLAS; the routed experts.
 
-PYTHONPATH=. python benchmarks/skinny_launch_sweep.py [--model next-1b] [--model next-16b] [--rows 16,32,48,64]
+    PYTHONPATH=. python benchmarks/gemm_launch_sweep.py [--model next-1b] [--model next-16b] [--rows 16,32,48,64]
+        [--no-experts] [--workers 14]
 
-For each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`; the MoE block's
-input GEMM zero-padded to a multiple of 8 weight rows, as the engine loads it) and each row count: cuBLAS
+Dense: for each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`; the MoE
+block's input GEMM zero-padded to a multiple of 8 weight rows, as the engine loads it) and each row count: cuBLAS
 (`F.linear`), cuBLASLt's bias epilogue (`F.linear` with a zero bias: another heuristic query), and the skinny GEMM
-(`kernels/gemm/triton_skinny.py`) over a grid of tiles (`dense.TILES`: weight rows and depth per tile, stages, warps),
-each by pointer loads and by TMA descriptors, unsplit and split-K at 1/2x, 1x and 2x the slices that fill the SMs.
-Each launch is timed as `dense.replay_us` does (a CUDA graph of 20 GEMMs over weight copies beyond L2, the median of 5
-replays) and checked against `F.linear` in fp32 (max |diff| / max |ref|). Every variant is compiled first by
-`--workers` processes in parallel (the Triton cache is shared), so the sweep itself compiles nothing. "main" is the
-launch main's `dense.decide` would choose (its two tiles, unsplit and split; cuBLAS unless 5 % faster). Prints one row
-per (linear, rows); writes DIR/skinny_launch_sweep.json (DIR: --out, else $OUT, else .).
+(`kernels/gemm/triton_skinny.py`) over `dense.candidates` (the tiles of `dense.TILES`, each by pointer loads and by
+TMA descriptors, unsplit and split-K) and main's candidates. Each launch is timed as `dense.replay_us` does (a CUDA
+graph of 20 GEMMs over weight copies beyond L2, the median of 5 replays) and checked against `F.linear` in fp32
+(max |diff| / max |ref|). "main" is the launch main's `dense.decide` would choose (its two tiles, unsplit and split;
+cuBLAS unless 5 % faster); per model and row count, one step's dense GEMMs (each shape's time x its count) by
+cuBLAS, main's choice and the fastest launch, against the floor (the weights read at 4.3 TB/s).
+
+Experts: the routed experts' gate/up (gather + SiLU gate) and down (scatter) GEMMs (`moe/triton_experts.expert_gemm`)
+at next-1b's and next-16b's expert shapes, 64 tokens routed at random, by launch (`EXPERT_LAUNCHES`: swap-AB tiles
+by pointer loads and by TMA) against the engine's (`grouped.launch_tile`), the weights rotated over two copies;
+rate = every touched expert's weights once / time; max |diff| / max |ref| against an fp32 torch reference.
+
+Every variant is compiled first by `--workers` processes in parallel (the Triton cache is shared), so the timing
+compiles nothing. Prints tables; writes DIR/gemm_launch_sweep.json (DIR: --out, else $OUT, else .).
 """
 
 from __future__ import annotations
@@ -35,6 +43,11 @@ from hybridcache.kernels.gemm import dense  # noqa: E402
 from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fits, skinny_linear  # noqa: E402
 
 CUBLAS_ONLY_BYTES = 256 << 20  # a weight this large (next-16b's lm_head) is timed on cuBLAS only
+EXPERT_SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024)}  # (experts, top-k, hidden, width)
+# swap-AB launches of the expert GEMM: (block_n, block_k, num_warps, num_stages), each by pointer loads and by TMA
+EXPERT_LAUNCHES = ((64, 64, 4, 6), (64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 3),
+                   (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 2))
+SEQS = 64
 
 
 def main_candidates(n: int, k: int, m: int, sms: int) -> list[SkinnyConfig]:
@@ -87,6 +100,16 @@ def _compile_jobs(models: list[str], rows: list[int], sms: int) -> list[tuple[in
 
 
 def _compile_one(job) -> str | None:
+    if job[0] == "experts":
+        _, model, launch = job
+        try:
+            inputs = expert_inputs(model, copies=1)
+            for second in (False, True):
+                expert_run(inputs, second, launch)(0)
+            torch.cuda.synchronize()
+            return None
+        except Exception as e:  # noqa: BLE001
+            return f"experts {model} {launch}: {type(e).__name__}: {str(e)[:200]}"
     n, k, m, c = job
     try:
         x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
@@ -98,8 +121,93 @@ def _compile_one(job) -> str | None:
         return f"{c.describe()} m={m} n={n} k={k}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def precompile(models: list[str], rows: list[int], workers: int, sms: int) -> list[str]:
-    jobs = _compile_jobs(models, rows, sms)
+def expert_launches(model: str) -> list[dict]:
+    """The engine's launch (`grouped.launch_tile` for each GEMM: None here, resolved per GEMM) then the grid."""
+    found: list[dict | None] = [None]
+    for block_n, block_k, warps, stages in EXPERT_LAUNCHES:
+        for tma in (False, True):
+            found.append(dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, swap_ab=True,
+                              tma=tma))
+    return found
+
+
+def expert_inputs(model: str, copies: int = 2) -> dict:
+    """Routed experts of `model`'s shape at SEQS tokens: x, order, counts, weights (copies), fp32 references."""
+    from hybridcache.kernels.moe.grouped import sort_pairs_torch, tile_rows
+
+    experts, top_k, hidden, width = EXPERT_SHAPES[model]
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.rand(SEQS, experts, generator=gen).argsort(dim=-1)[:, :top_k].cuda()
+    order, counts = sort_pairs_torch(ids, experts)
+    x = (torch.randn(SEQS, hidden, generator=gen) * 0.5).cuda().to(torch.bfloat16)
+    gate_up = [(torch.randn(experts, 2 * width, hidden, device="cuda") / hidden**0.5).to(torch.bfloat16)
+               for _ in range(copies)]
+    down = [(torch.randn(experts, hidden, width, device="cuda") / width**0.5).to(torch.bfloat16)
+            for _ in range(copies)]
+    expert_of = ids.reshape(-1)[order]
+    h_ref = torch.empty(order.numel(), width, device="cuda")
+    y_ref = torch.empty(order.numel(), hidden, device="cuda")
+    h = torch.empty(order.numel(), width, device="cuda", dtype=torch.bfloat16)
+    for e in range(experts):  # one expert at a time (a gathered [R, 2N, H] fp32 stack would take 17 GB)
+        sel = (expert_of == e).nonzero().squeeze(1)
+        g, u = (x[order[sel] // top_k].float() @ gate_up[0][e].float().T).chunk(2, dim=-1)
+        h_ref[sel] = torch.nn.functional.silu(g) * u
+        h[sel] = h_ref[sel].to(torch.bfloat16)
+        y_ref[order[sel]] = h[sel].float() @ down[0][e].float().T
+    return dict(ids=ids, order=order, counts=counts, x=x, h=h, gate_up=gate_up, down=down, h_ref=h_ref, y_ref=y_ref,
+                top_k=top_k, block_m=tile_rows(order.numel(), experts), touched=int(torch.unique(ids).numel()),
+                experts=experts, hidden=hidden, width=width)
+
+
+def expert_run(inputs: dict, second: bool, launch: dict | None):
+    """A callable i -> the gate/up (second False) or down GEMM on weight copy i, with `launch`'s settings (None:
+    the engine's `launch_tile`)."""
+    from hybridcache.kernels.moe.grouped import launch_tile
+    from hybridcache.kernels.moe.triton_experts import expert_gemm
+
+    weights = inputs["down" if second else "gate_up"]
+    tile = launch if launch is not None else launch_tile(weights[0], inputs["block_m"])
+    a = inputs["h" if second else "x"]
+
+    def run(i: int) -> torch.Tensor:
+        return expert_gemm(a, inputs["order"], inputs["top_k"], weights[i], inputs["counts"], gather=not second,
+                           scatter=second, swiglu=not second, block_m=inputs["block_m"], **tile)
+    return run
+
+
+def sweep_experts(model: str) -> list[dict]:
+    inputs = expert_inputs(model)
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for second, kind in ((False, "gate/up + SiLU gate"), (True, "down")):
+        nbytes = inputs["touched"] * inputs["hidden"] * inputs["width"] * 2 * (1 if second else 2)
+        ref = inputs["y_ref" if second else "h_ref"]
+        for launch in expert_launches(model):
+            name = "engine's" if launch is None else (
+                f"{inputs['block_m']}x{launch['block_n']}x{launch['block_k']} w{launch['num_warps']} "
+                f"st{launch['num_stages']}{' tma' if launch['tma'] else ''}")
+            run = expert_run(inputs, second, launch)
+            try:
+                out = run(0).float()
+                err = float((out - ref).abs().max() / ref.abs().max())
+                us = dense.replay_us(run, [0, 1], device)
+                rows.append({"model": model, "gemm": kind, "launch": name, "us": us, "tb_s": nbytes / us / 1e6,
+                             "err": err})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"model": model, "gemm": kind, "launch": name, "failed": f"{type(e).__name__}: "
+                             f"{str(e)[:120]}"})
+        done = sorted((r for r in rows if r["gemm"] == kind and "us" in r), key=lambda r: r["us"])
+        engine = next((r for r in done if r["launch"] == "engine's"), None)
+        print(f"| {model} experts {kind} | engine's {engine['us'] if engine else float('nan'):.2f} us | " +
+              "; ".join(f"{r['launch']} {r['us']:.2f} ({r['tb_s']:.2f} TB/s, {r['err']:.1e})" for r in done[:5]) +
+              f" | {sum('failed' in r for r in rows if r['gemm'] == kind)} failed |", flush=True)
+    return rows
+
+
+def precompile(models: list[str], rows: list[int], workers: int, sms: int, experts: bool) -> list[str]:
+    jobs = [("experts", model, launch) for model in models if experts and model in EXPERT_SHAPES
+            for launch in expert_launches(model)]
+    jobs += _compile_jobs(models, rows, sms)
     start = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]
@@ -168,16 +276,17 @@ def main() -> None:
     parser.add_argument("--model", action="append", choices=list(MODELS), help="repeatable (default next-1b)")
     parser.add_argument("--rows", default="16,32,48,64")
     parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
+    parser.add_argument("--no-experts", dest="experts", action="store_false")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models = args.model or ["next-1b"]
     rows = [int(r) for r in args.rows.split(",")]
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "skinny_launch_sweep.json"
+    path = out_dir / "gemm_launch_sweep.json"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    result = {"compile_errors": precompile(models, rows, args.workers, sms) if args.workers > 0 else [],
-              "linears": []}
+    result = {"compile_errors": precompile(models, rows, args.workers, sms, args.experts) if args.workers > 0
+              else [], "linears": [], "experts": []}
     print("| linear | N x K | rows | cuBLAS | cuBLASLt bias0 | main's choice | best pointer tile | best TMA tile | "
           "best, rate | err | failed |\n" + "| --- " * 11 + "|", flush=True)
     for model, what, n, k, count in shapes(models):
@@ -196,6 +305,12 @@ def main() -> None:
             print(f"{model}, {m} rows, one step's dense GEMMs (us): cuBLAS {picked['cublas']:.0f}, main "
                   f"{picked['main']:.0f}, best {picked['best']:.0f}, floor {picked['floor']:.0f}", flush=True)
     path.write_text(json.dumps(result, indent=1))
+    if args.experts:
+        for model in models:
+            if model in EXPERT_SHAPES:
+                result["experts"] += sweep_experts(model)
+                path.write_text(json.dumps(result, indent=1))
+
 
 
 if __name__ == "__main__":
