@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/gemm_launch_sweep.py [--model next-1b] [--model next-16b] [--rows 16,32,48,64]
         [--no-experts] [--workers 14]
 
-Dense: for each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`; the MoE
+Dense: for each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`: the MoE
 block's input GEMM zero-padded to a multiple of 8 weight rows, as the engine loads it) and each row count: cuBLAS
 (`F.linear`), cuBLASLt's bias epilogue (`F.linear` with a zero bias: another heuristic query), and the skinny GEMM
 (`kernels/gemm/triton_skinny.py`) over `dense.candidates` (the tiles of `dense.TILES`, each by pointer loads and by
@@ -76,10 +76,7 @@ def configs(n: int, k: int, m: int, sms: int) -> list[SkinnyConfig]:
 def shapes(models: list[str]) -> list[tuple[str, str, int, int, int]]:
     out = []
     for model in models:
-        for what, n, k, count in step_linears(model):
-            if what.startswith("moe:"):
-                n = -(-n // 8) * 8
-            out.append((model, what, n, k, count))
+        out += [(model, what, n, k, count) for what, n, k, count in step_linears(model)]
     return out
 
 
