@@ -48,9 +48,11 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = False  # the weight's (and x's) tiles by TMA copies through descriptors (`_tma_loop`)
+    programs: int = 0  # > 0: a stream-K grid of this many programs (`_streamk_gemm_kernel`; split_k must be 1)
 
     def describe(self) -> str:
-        return (f"skinny{' tma' if self.tma else ''} n{self.block_n} k{self.block_k} s{self.split_k} "
+        split = f"sk{self.programs}" if self.programs else f"s{self.split_k}"
+        return (f"skinny{' tma' if self.tma else ''} n{self.block_n} k{self.block_k} {split} "
                 f"w{self.num_warps} st{self.num_stages}")
 
 
@@ -82,8 +84,11 @@ def scratch(device: torch.device) -> Scratch:
 
 def fits(n: int, k: int, m: int, config: SkinnyConfig) -> bool:
     """Whether `config` can run this shape: its workspace fits, its counters suffice, and every slice but the
-    last holds whole K steps and no slice is empty."""
+    last holds whole K steps and no slice is empty (stream-K: two partial tiles per program fit)."""
     tiles = triton.cdiv(n, config.block_n)
+    if config.programs:
+        return (m <= MAX_ROWS and tiles <= MAX_TILES and config.split_k == 1
+                and 2 * config.programs * config.block_n * block_rows(m) <= WORKSPACE_FLOATS)
     slice_k = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return (m <= MAX_ROWS and tiles <= MAX_TILES and (config.split_k - 1) * slice_k < k
             and (config.split_k == 1 or config.split_k * tiles * config.block_n * block_rows(m) <= WORKSPACE_FLOATS))
@@ -199,6 +204,66 @@ def _skinny_gemm_kernel(x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_p
         _store_out(out_ptr, bias_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
 
 
+@triton.jit
+def _program_of(unit, units, programs):
+    """The stream-K program whose range [p * units // programs, (p + 1) * units // programs) holds `unit`."""
+    return ((unit + 1) * programs - 1) // units
+
+
+@triton.jit(do_not_specialize=["M", "N", "K", "k_steps"])
+def _streamk_gemm_kernel(x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_steps,
+                         stride_xm, stride_um, stride_wn, stride_om,
+                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                         TMA: tl.constexpr = False):
+    """Stream-K: the N tiles' K steps laid end to end (unit u = tile * k_steps + step) and cut into one equal run per
+    program, so every program streams the same weight bytes whatever the tile count. A run covering a whole tile
+    stores it; a tile shared by several programs gets one fp32 partial from each (in the program's slot 2p for
+    the run's first segment, 2p + 1 for its last), and the last to arrive (the tile's counter) sums them in
+    program order (the same bits every launch) and stores the tile."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    units = tl.cdiv(N, BLOCK_N) * k_steps
+    start = pid * units // programs
+    end = (pid + 1) * units // programs
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    rows64 = rows.to(tl.int64)
+    size = BLOCK_N * BLOCK_M
+    tile_idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+    u = start
+    while u < end:
+        pid_n = u // k_steps
+        k0 = u - pid_n * k_steps
+        k1 = tl.minimum(k_steps, k0 + end - u)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        cols64 = cols.to(tl.int64)
+        if TMA:
+            acc = _tma_loop(x_ptr, up_ptr, w_ptr, k0 * BLOCK_K, k1 - k0, rows64, row_ok, K, stride_xm, stride_um,
+                            pid_n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        else:
+            acc = _pointer_loop(x_ptr, up_ptr, w_ptr, k0 * BLOCK_K, k1 - k0, rows64, cols64, row_ok, col_ok, K,
+                                stride_xm, stride_um, stride_wn, EVEN_K, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
+        if (k0 == 0) & (k1 == k_steps):
+            _store_out(out_ptr, bias_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
+        else:
+            slot = 2 * pid + (u != start).to(tl.int32)
+            tl.store(ws_ptr + slot.to(tl.int64) * size + tile_idx, acc)
+            tl.debug_barrier()  # every thread's partial stored before the counter says so
+            first = _program_of(pid_n * k_steps, units, programs)
+            last = _program_of(pid_n * k_steps + k_steps - 1, units, programs)
+            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == last - first:  # every other share of this tile is stored: sum in program order
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for p in range(first, last + 1):
+                    later = (p * units // programs < pid_n * k_steps).to(tl.int32)  # p's run began in a tile before
+                    total += tl.load(ws_ptr + (2 * p + later).to(tl.int64) * size + tile_idx, cache_modifier=".cg")
+                _store_out(out_ptr, bias_ptr, total, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
+                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+        u += k1 - k0
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
                   out: torch.Tensor | None = None, up: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] with M <= `MAX_ROWS` and unit stride on K, weight [N, K] (unit stride on K) and bias [N] in x's
@@ -239,14 +304,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                 x = x.clone()  # a fresh allocation: aligned base and rows (k * itemsize % 16 == 0 by the weight's)
             x_arg = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_rows(m), block_k])
         w_arg = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [config.block_n, block_k])
-    _skinny_gemm_kernel[grid](
-        x_arg, x if up is None else up, w_arg, bias if bias is not None else x, out, room.workspace, room.counters,
-        m, n, k, slice_k // block_k, x.stride(0), x.stride(0) if up is None else up.stride(0), weight.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, SPLIT=config.split_k > 1, EVEN_K=k % block_k == 0,
-        SWIGLU=up is not None, BLOCK_M=block_rows(m),
-        BLOCK_N=config.block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        TMA=config.tma, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
+    args = (x_arg, x if up is None else up, w_arg, bias if bias is not None else x, out, room.workspace,
+            room.counters, m, n, k)
+    strides = (x.stride(0), x.stride(0) if up is None else up.stride(0), weight.stride(0), out.stride(0))
+    meta = dict(HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SWIGLU=up is not None, BLOCK_M=block_rows(m),
+                BLOCK_N=config.block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                TMA=config.tma, num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.programs:
+        k_steps = triton.cdiv(k, block_k)
+        programs = min(config.programs, triton.cdiv(n, config.block_n) * k_steps)  # every program >= 1 unit
+        _streamk_gemm_kernel[(programs,)](*args, k_steps, *strides, **meta)
+    else:
+        _skinny_gemm_kernel[grid](*args, slice_k // block_k, *strides, SPLIT=config.split_k > 1, **meta)
     return out
 
 
