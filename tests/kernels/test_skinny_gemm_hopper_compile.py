@@ -79,3 +79,24 @@ def test_skinny_gemm_tma_compiles_for_hopper(block_m: int, block_n: int, block_k
     assert "cp.async.bulk.tensor" in ptx and "cp.async.cg" not in ptx
     assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx
     assert ("atom.global" in ptx) == split
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_skinny_gemm_stream_k_compiles_for_hopper(tma: bool) -> None:
+    """The stream-K kernel: its K loop (inside the loop over a program's tiles) still pipelined into wgmma, with the
+    shared tiles' counter atomics."""
+    from hybridcache.kernels.gemm.triton_skinny import _streamk_gemm_kernel
+
+    pointers = dict(POINTERS, x_ptr="tensordesc<bf16[64, 128]>", w_ptr="tensordesc<bf16[64, 128]>") if tma else POINTERS
+    constants = dict(HAS_BIAS=False, EVEN_K=True, SWIGLU=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
+                     TMA=tma)
+    signature = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constants else "i32")
+                 for p in _streamk_gemm_kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(_streamk_gemm_kernel.params)
+             if (p.name.endswith("_ptr") and not (tma and p.name in ("x_ptr", "w_ptr"))) or p.name.startswith("stride")}
+    compiled = triton.compile(ASTSource(fn=_streamk_gemm_kernel, signature=signature, constexprs=constants,
+                                        attrs=attrs), target=HOPPER, options={"num_warps": 4, "num_stages": 4})
+    ptx = compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and "atom.global" in ptx
+    assert ("cp.async.bulk.tensor" in ptx) == tma and ("cp.async.cg" in ptx) != tma
+    assert compiled.metadata.shared >= 4 * 2 * 128 * 128  # every stage of both tiles
