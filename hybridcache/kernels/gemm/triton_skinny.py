@@ -8,12 +8,22 @@ by the rows (swap-AB: the MMA computes out^T = W x^T, so the weight tile is the 
 wants 64 rows, and the few rows of x its N side, BLOCK_M = 16 to 64), accumulating in fp32.
 
 - SWIGLU: x's tiles are silu(gate) * up of two inputs (an MLP's down projection; `skinny_linear(..., up=)`).
+- TMA (`SkinnyConfig.tma`): the weight's tiles (and x's, but with SWIGLU) come by Hopper's tensor-memory copies
+  through descriptors made per launch on the host (rows and columns past a tensor's edge read as 0), instead of
+  pointer loads; the weight and x need 16-byte aligned rows (an unaligned x is copied first).
 - One slice (`SkinnyConfig.split_k == 1`): the program adds the bias and stores its tile rounded to x's dtype.
 - Several: every program stores its fp32 partial tile in a workspace, then increments its N tile's counter
   (an atomic with acquire-release order, after a barrier of the program's threads). The program that finds every
   other slice already counted sums the partial tiles in slice order 0, 1, ... (so the result does not depend on
   which program arrives last: the same inputs give the same bits), adds the bias, stores the tile and sets the
   counter back to 0 for the next launch. No second launch reduces the slices (cuBLAS's split-K GEMMs run one).
+- Stream-K (`SkinnyConfig.programs` > 0, `_streamk_gemm_kernel`): a grid of that many programs; the N tiles' K
+  steps laid end to end are cut into one equal run per program, so every program streams the same weight bytes
+  whatever the tile count (a split-K grid of T tiles x S slices on 132 SMs leaves a partial wave). A tile inside
+  one run is stored by it; a tile shared by runs gets each run's fp32 partial and the last to arrive sums them in
+  program order, as the split-K reduction does. Worked example: 3 tiles of 4 K steps on 5 programs: units 0-11
+  cut at 0, 2, 4, 7, 9, 12; tile 0 (units 0-3) is shared by programs 0 and 1, tile 1 (4-7) by 2 and 3, tile 2
+  (8-11) by 3 and 4; program 3's run (7-8) ends tile 1 and starts tile 2.
 
 Contract of the workspace and counters (`Scratch`): one per device, shared by every launch; launches on one stream
 run one after another, so they never overlap. A launch leaves every counter at 0. Do not launch this kernel on
