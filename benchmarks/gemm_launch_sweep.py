@@ -81,15 +81,15 @@ def shapes(models: list[str]) -> list[tuple[str, str, int, int, int]]:
 
 
 def _compile_jobs(models: list[str], rows: list[int], sms: int) -> list[tuple[int, int, int, SkinnyConfig]]:
-    """One (n, k, m, config) per distinct compile (tile, split or not, stream-K, TMA, the strides' alignment)."""
+    """One (n, k, m, config) per distinct compile (tile, split count, TMA, the strides' alignment)."""
     seen, jobs = set(), []
     for _, _, n, k, _ in shapes(models):
         if 2 * n * k > CUBLAS_ONLY_BYTES:
             continue
         for m in rows:
             for c in configs(n, k, m, sms):
-                key = (block_rows(m), c.block_n, c.block_k, c.num_stages, c.num_warps, c.split_k > 1,
-                       c.programs > 0, c.tma, n % 16 == 0, k % 16 == 0)
+                key = (block_rows(m), c.block_n, c.block_k, c.num_stages, c.num_warps, c.split_k, c.tma,
+                       n % 16 == 0, k % 16 == 0)
                 if key not in seen:
                     seen.add(key)
                     jobs.append((n, k, m, c))
@@ -204,7 +204,7 @@ def sweep_experts(model: str) -> list[dict]:
 def precompile(models: list[str], rows: list[int], workers: int, sms: int, experts: bool) -> list[str]:
     jobs = [("experts", model, launch) for model in models if experts and model in EXPERT_SHAPES
             for launch in expert_launches(model)]
-    jobs += _compile_jobs(models, rows, sms)
+    jobs += _compile_jobs(models, sorted({16, 32, 64} | set(rows)), sms)  # the engine's buckets too (`dense`)
     start = time.perf_counter()
     with mp.get_context("spawn").Pool(workers) as pool:
         errors = [e for e in pool.map(_compile_one, jobs, chunksize=1) if e]

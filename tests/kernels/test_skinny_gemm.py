@@ -44,13 +44,12 @@ def operands(m: int, n: int, k: int, dtype: torch.dtype, device: str, bias: bool
 
 
 def check_skinny(m: int, n: int, k: int, split: int, dtype: torch.dtype, device: str, bias: bool,
-                 block_n: int = 64, slack: float = 1.0, tma: bool = False, block_k: int = 128, num_warps: int = 4,
-                 programs: int = 0) -> None:
-    """`split` K slices, or a stream-K grid of `programs` programs when programs > 0."""
+                 block_n: int = 64, slack: float = 1.0, tma: bool = False, block_k: int = 128, num_warps: int = 4
+                 ) -> None:
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits, scratch, skinny_linear
 
-    config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=1 if programs else split, num_warps=num_warps,
-                          num_stages=4 if block_n == 64 else 3, tma=tma, programs=programs)  # as `candidates`
+    config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=split, num_warps=num_warps,
+                          num_stages=4 if block_n == 64 else 3, tma=tma)  # as `candidates`
     assert fits(n, k, m, config)
     x, w, b = operands(m, n, k, dtype, device, bias)
     out = skinny_linear(x, w, b, config)
@@ -133,18 +132,6 @@ def test_interpreted_skinny_gemm_tma_swiglu_and_unaligned_x(dtype: torch.dtype) 
     assert torch.equal(skinny_linear(wide[:, 5:], w, None, config), skinny_linear(x, w, None, config))
 
 
-@needs_interpreter
-@pytest.mark.parametrize("programs", [1, 3, 7, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
-def test_interpreted_skinny_gemm_stream_k(m: int, n: int, k: int, dtype: torch.dtype, programs: int) -> None:
-    """Stream-K grids: runs that start and end inside tiles (tiles shared by 2 or more programs), whole tiles, more
-    programs than K steps (clipped to one unit each); by pointer loads, and by TMA where the rows are aligned."""
-    check_skinny(m, n, k, 1, dtype, "cpu", bias=programs == 3, slack=2.0, programs=programs)
-    if k * dtype.itemsize % 16 == 0:
-        check_skinny(m, n, k, 1, dtype, "cpu", bias=False, slack=2.0, programs=programs, tma=True)
-
-
 def test_skinny_gemm_in_a_triton_interpreter_subprocess() -> None:
     pytest.importorskip("triton")
     run_interpreted(__file__, "interpreted")
@@ -218,17 +205,6 @@ def test_cuda_skinny_gemm_tma_bf16(m: int, n: int, k: int) -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize(("m", "n", "k"), [(5, 144, 384), (33, 1048, 2048), (64, 12352, 2048), (64, 2048, 4096),
-                                           (16, 2088, 4096), (64, 2048, 512)])
-def test_cuda_skinny_gemm_stream_k_bf16(m: int, n: int, k: int) -> None:
-    """Stream-K grids of one and two programs per SM (132 and 264 on the H200), by pointer loads and by TMA."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for programs in (sms, 2 * sms):
-        for tma in (False, True):
-            check_skinny(m, n, k, 1, torch.bfloat16, "cuda", False, tma=tma, programs=programs)
-
-
-@needs_cuda
 def test_cuda_skinny_gemm_odd_k_bias_and_fp32() -> None:
     check_skinny(17, 64, 520, 2, torch.bfloat16, "cuda", True)
     check_skinny(5, 70, 300, 2, torch.float32, "cuda", True)
@@ -261,8 +237,7 @@ def test_cuda_skinny_gemm_graph_replay_equals_eager() -> None:
 
     x, w, _ = operands(64, 2048, 4096, torch.bfloat16, "cuda", bias=False)
     configs = [SkinnyConfig(split_k=8), SkinnyConfig(block_n=128, split_k=1, num_stages=3),
-               SkinnyConfig(split_k=4, tma=True), SkinnyConfig(block_n=128, block_k=64, num_stages=5, tma=True),
-               SkinnyConfig(programs=132), SkinnyConfig(programs=264, tma=True)]
+               SkinnyConfig(split_k=4, tma=True), SkinnyConfig(block_n=128, block_k=64, num_stages=5, tma=True)]
     eager = [skinny_linear(x, w, None, c) for c in configs]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -35,8 +35,8 @@ def compile_aligned(constants: dict, num_stages: int):
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 @pytest.mark.parametrize(("block_m", "block_n", "stages"), [(16, 64, 4), (64, 64, 4), (32, 128, 3)])
 def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int, split: bool) -> None:
-    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                     BLOCK_K=128, PRECISION="tf32", TMA=False)
+    constants = dict(HAS_BIAS=False, SPLIT=3 if split else 1, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m,
+                     BLOCK_N=block_n, BLOCK_K=128, PRECISION="tf32", TMA=False)
     compiled = compile_aligned(constants, stages)
     ptx = compiled.asm["ptx"]
     assert ("atom.global" in ptx) == split  # the split-K counter, only when split
@@ -47,7 +47,7 @@ def test_skinny_gemm_compiles_for_hopper(block_m: int, block_n: int, stages: int
 
 def test_skinny_gemm_swiglu_compiles_for_hopper() -> None:
     """The down projection's variant: silu(gate) * up in the loads (the sigmoid's exponential), still on wgmma."""
-    constants = dict(HAS_BIAS=False, SPLIT=True, EVEN_K=True, SWIGLU=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
+    constants = dict(HAS_BIAS=False, SPLIT=3, EVEN_K=True, SWIGLU=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
                      PRECISION="tf32", TMA=False)
     ptx = compile_aligned(constants, 4).asm["ptx"]
     assert "ex2" in ptx and "wgmma.mma_async" in ptx and "ld.global.b16" not in ptx
@@ -68,8 +68,8 @@ def test_skinny_gemm_tma_compiles_for_hopper(block_m: int, block_n: int, block_k
     kernel = _skinny_gemm_kernel
     pointers = dict(POINTERS, x_ptr=f"tensordesc<bf16[{block_m}, {block_k}]>",
                     w_ptr=f"tensordesc<bf16[{block_n}, {block_k}]>")
-    constants = dict(HAS_BIAS=False, SPLIT=split, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m, BLOCK_N=block_n,
-                     BLOCK_K=block_k, PRECISION="tf32", TMA=True)
+    constants = dict(HAS_BIAS=False, SPLIT=3 if split else 1, EVEN_K=True, SWIGLU=False, BLOCK_M=block_m,
+                     BLOCK_N=block_n, BLOCK_K=block_k, PRECISION="tf32", TMA=True)
     signature = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constants else "i32")
                  for p in kernel.params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
@@ -80,23 +80,3 @@ def test_skinny_gemm_tma_compiles_for_hopper(block_m: int, block_n: int, block_k
     assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx
     assert ("atom.global" in ptx) == split
 
-
-@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
-def test_skinny_gemm_stream_k_compiles_for_hopper(tma: bool) -> None:
-    """The stream-K kernel: its K loop (inside the loop over a program's tiles) still pipelined into wgmma, with the
-    shared tiles' counter atomics."""
-    from hybridcache.kernels.gemm.triton_skinny import _streamk_gemm_kernel
-
-    pointers = dict(POINTERS, x_ptr="tensordesc<bf16[64, 128]>", w_ptr="tensordesc<bf16[64, 128]>") if tma else POINTERS
-    constants = dict(HAS_BIAS=False, EVEN_K=True, SWIGLU=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, PRECISION="tf32",
-                     TMA=tma)
-    signature = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constants else "i32")
-                 for p in _streamk_gemm_kernel.params}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(_streamk_gemm_kernel.params)
-             if (p.name.endswith("_ptr") and not (tma and p.name in ("x_ptr", "w_ptr"))) or p.name.startswith("stride")}
-    compiled = triton.compile(ASTSource(fn=_streamk_gemm_kernel, signature=signature, constexprs=constants,
-                                        attrs=attrs), target=HOPPER, options={"num_warps": 4, "num_stages": 4})
-    ptx = compiled.asm["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n64k16" in ptx and "atom.global" in ptx
-    assert ("cp.async.bulk.tensor" in ptx) == tma and ("cp.async.cg" in ptx) != tma
-    assert compiled.metadata.shared >= 4 * 2 * 128 * 128  # every stage of both tiles

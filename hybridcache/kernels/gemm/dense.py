@@ -138,10 +138,11 @@ def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 # The skinny GEMM's tiles tried per BLOCK_M: (weight rows, depth, stages, warps), each by pointer loads and by TMA.
 TILES = {
-    16: ((64, 128, 4, 4), (128, 128, 3, 4), (64, 64, 6, 4), (128, 64, 6, 4)),
-    32: ((64, 128, 4, 4), (128, 128, 3, 4), (64, 64, 6, 4), (128, 64, 5, 4)),
-    64: ((64, 128, 4, 4), (128, 128, 3, 4), (64, 64, 6, 4), (128, 64, 5, 4), (128, 64, 5, 8), (256, 64, 4, 8)),
+    16: ((64, 128, 4, 4), (64, 64, 6, 4)),
+    32: ((64, 128, 4, 4), (64, 64, 6, 4)),
+    64: ((64, 128, 4, 4), (64, 64, 6, 4), (64, 64, 4, 4), (128, 64, 4, 4)),
 }
+MAX_SPLIT = 16  # K slices at most (each count is its own compile)
 
 
 def split_counts(n: int, k: int, block_n: int, block_k: int, sms: int) -> list[int]:
@@ -151,25 +152,22 @@ def split_counts(n: int, k: int, block_n: int, block_k: int, sms: int) -> list[i
     split = 1
     while tiles * split < sms and 2 * split <= most:
         split *= 2
-    return sorted({s for s in (1, split // 2, split, 2 * split) if 1 <= s <= most})
+    return sorted({s for s in (1, split // 2, split, 2 * split) if 1 <= s <= min(most, MAX_SPLIT)})
 
 
 def candidates(n: int, k: int, m: int, sms: int) -> list:
     """The skinny GEMM's launches tried for [m, k] x [n, k]^T: `TILES[block_rows(m)]`, each by pointer loads and
-    by TMA, each at `split_counts` slices and as a stream-K grid of one and two programs per SM, where `fits`
-    holds (a weight over `LARGE_BYTES`: the first two tiles by pointer loads, split-K only)."""
+    by TMA, each at `split_counts` slices, where `fits` holds (a weight over `LARGE_BYTES`: the first two tiles by
+    pointer loads only)."""
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fits
 
     found = []
     large = 2 * n * k > LARGE_BYTES  # a vocabulary-sized lm_head: main's two pointer tiles only (start-up time)
     for block_n, block_k, stages, warps in TILES[block_rows(m)][:2] if large else TILES[block_rows(m)]:
         for tma in (False,) if large else (False, True):
-            shapes = [dict(split_k=s) for s in split_counts(n, k, block_n, block_k, sms)]
-            if not large:
-                shapes += [dict(programs=p) for p in (sms, 2 * sms)]  # stream-K: one or two programs per SM
-            for shape in shapes:
-                config = SkinnyConfig(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, tma=tma,
-                                      **shape)
+            for s in split_counts(n, k, block_n, block_k, sms):
+                config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_warps=warps,
+                                      num_stages=stages, tma=tma)
                 if fits(n, k, m, config):
                     found.append(config)
     return found

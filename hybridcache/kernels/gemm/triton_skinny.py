@@ -3,9 +3,10 @@ weight once, with split-K reduced inside the same launch.
 
     x [M, K] (bf16 / fp16 / fp32), W [N, K] in x's dtype, bias [N] or None  ->  out [M, N] in x's dtype
 
-The grid is (N tiles of BLOCK_N, SPLIT_K slices of K). Each program multiplies its weight tile [BLOCK_N, k slice]
-by the rows (swap-AB: the MMA computes out^T = W x^T, so the weight tile is the MMA's M side, where Hopper's wgmma
-wants 64 rows, and the few rows of x its N side, BLOCK_M = 16 to 64), accumulating in fp32.
+The grid is (N tiles of BLOCK_N, SPLIT slices of K: a compile-time constant, one compile per count). Each program
+multiplies its weight tile [BLOCK_N, k slice] by the rows (swap-AB: the MMA computes out^T = W x^T, so the weight
+tile is the MMA's M side, where Hopper's wgmma wants 64 rows, and the few rows of x its N side, BLOCK_M = 16 to 64),
+accumulating in fp32.
 
 - SWIGLU: x's tiles are silu(gate) * up of two inputs (an MLP's down projection; `skinny_linear(..., up=)`).
 - TMA (`SkinnyConfig.tma`): the weight's tiles (and x's, but with SWIGLU) come by Hopper's tensor-memory copies
@@ -15,16 +16,9 @@ wants 64 rows, and the few rows of x its N side, BLOCK_M = 16 to 64), accumulati
 - Several: every program stores its fp32 partial tile in a workspace, then increments its N tile's counter
   (an atomic with acquire-release order, after a barrier of the program's threads). The program that finds every
   other slice already counted sums the partial tiles in slice order 0, 1, ... (so the result does not depend on
-  which program arrives last: the same inputs give the same bits), adds the bias, stores the tile and sets the
+  which program arrives last: the same inputs give the same bits; the loop over slices is unrolled, so all their
+  loads are in flight together), adds the bias, stores the tile and sets the
   counter back to 0 for the next launch. No second launch reduces the slices (cuBLAS's split-K GEMMs run one).
-- Stream-K (`SkinnyConfig.programs` > 0, `_streamk_gemm_kernel`): a grid of that many programs; the N tiles' K
-  steps laid end to end are cut into one equal run per program, so every program streams the same weight bytes
-  whatever the tile count (a split-K grid of T tiles x S slices on 132 SMs leaves a partial wave). A tile inside
-  one run is stored by it; a tile shared by runs gets each run's fp32 partial and the last to arrive sums them in
-  program order, as the split-K reduction does. Worked example: 3 tiles of 4 K steps on 5 programs: units 0-11
-  cut at 0, 2, 4, 7, 9, 12; tile 0 (units 0-3) is shared by programs 0 and 1, tile 1 (4-7) by 2 and 3, tile 2
-  (8-11) by 3 and 4; program 3's run (7-8) ends tile 1 and starts tile 2.
-
 Contract of the workspace and counters (`Scratch`): one per device, shared by every launch; launches on one stream
 run one after another, so they never overlap. A launch leaves every counter at 0. Do not launch this kernel on
 two streams of one device at once.
@@ -58,11 +52,9 @@ class SkinnyConfig:
     num_warps: int = 4
     num_stages: int = 4
     tma: bool = False  # the weight's (and x's) tiles by TMA copies through descriptors (`_tma_loop`)
-    programs: int = 0  # > 0: a stream-K grid of this many programs (`_streamk_gemm_kernel`; split_k must be 1)
 
     def describe(self) -> str:
-        split = f"sk{self.programs}" if self.programs else f"s{self.split_k}"
-        return (f"skinny{' tma' if self.tma else ''} n{self.block_n} k{self.block_k} {split} "
+        return (f"skinny{' tma' if self.tma else ''} n{self.block_n} k{self.block_k} s{self.split_k} "
                 f"w{self.num_warps} st{self.num_stages}")
 
 
@@ -94,11 +86,8 @@ def scratch(device: torch.device) -> Scratch:
 
 def fits(n: int, k: int, m: int, config: SkinnyConfig) -> bool:
     """Whether `config` can run this shape: its workspace fits, its counters suffice, and every slice but the
-    last holds whole K steps and no slice is empty (stream-K: two partial tiles per program fit)."""
+    last holds whole K steps and no slice is empty."""
     tiles = triton.cdiv(n, config.block_n)
-    if config.programs:
-        return (m <= MAX_ROWS and tiles <= MAX_TILES and config.split_k == 1
-                and 2 * config.programs * config.block_n * block_rows(m) <= WORKSPACE_FLOATS)
     slice_k = triton.cdiv(triton.cdiv(k, config.split_k), config.block_k) * config.block_k
     return (m <= MAX_ROWS and tiles <= MAX_TILES and (config.split_k - 1) * slice_k < k
             and (config.split_k == 1 or config.split_k * tiles * config.block_n * block_rows(m) <= WORKSPACE_FLOATS))
@@ -196,82 +185,21 @@ def _skinny_gemm_kernel(x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_p
     else:
         acc = _pointer_loop(x_ptr, up_ptr, w_ptr, k_start, steps, rows64, cols64, row_ok, col_ok, K, stride_xm,
                             stride_um, stride_wn, EVEN_K, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-    if SPLIT:
+    if SPLIT > 1:
         tiles_n = tl.num_programs(0)
-        splits = tl.num_programs(1)
         tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
         size = BLOCK_N * BLOCK_M
         tl.store(ws_ptr + (pid_k * tiles_n + pid_n).to(tl.int64) * size + tile, acc)
         tl.debug_barrier()  # every thread's partial stored before the counter says so
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == splits - 1:  # the last slice of this N tile: reduce in slice order
+        if arrived == SPLIT - 1:  # the last slice of this N tile: reduce in slice order
             total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(0, splits):
+            for s in tl.static_range(SPLIT):  # unrolled: every slice's loads in flight at once
                 total += tl.load(ws_ptr + (s * tiles_n + pid_n).to(tl.int64) * size + tile, cache_modifier=".cg")
             _store_out(out_ptr, bias_ptr, total, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         _store_out(out_ptr, bias_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
-
-
-@triton.jit
-def _program_of(unit, units, programs):
-    """The stream-K program whose range [p * units // programs, (p + 1) * units // programs) holds `unit`."""
-    return ((unit + 1) * programs - 1) // units
-
-
-@triton.jit(do_not_specialize=["M", "N", "K", "k_steps"])
-def _streamk_gemm_kernel(x_ptr, up_ptr, w_ptr, bias_ptr, out_ptr, ws_ptr, count_ptr, M, N, K, k_steps,
-                         stride_xm, stride_um, stride_wn, stride_om,
-                         HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                         TMA: tl.constexpr = False):
-    """Stream-K: the N tiles' K steps laid end to end (unit u = tile * k_steps + step) and cut into one equal run per
-    program, so every program streams the same weight bytes whatever the tile count. A run covering a whole tile
-    stores it; a tile shared by several programs gets one fp32 partial from each (in the program's slot 2p for
-    the run's first segment, 2p + 1 for its last), and the last to arrive (the tile's counter) sums them in
-    program order (the same bits every launch) and stores the tile."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    units = tl.cdiv(N, BLOCK_N) * k_steps
-    start = pid * units // programs
-    end = (pid + 1) * units // programs
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < M
-    rows64 = rows.to(tl.int64)
-    size = BLOCK_N * BLOCK_M
-    tile_idx = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
-    u = start
-    while u < end:
-        pid_n = u // k_steps
-        k0 = u - pid_n * k_steps
-        k1 = tl.minimum(k_steps, k0 + end - u)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        cols64 = cols.to(tl.int64)
-        if TMA:
-            acc = _tma_loop(x_ptr, up_ptr, w_ptr, k0 * BLOCK_K, k1 - k0, rows64, row_ok, K, stride_xm, stride_um,
-                            pid_n, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        else:
-            acc = _pointer_loop(x_ptr, up_ptr, w_ptr, k0 * BLOCK_K, k1 - k0, rows64, cols64, row_ok, col_ok, K,
-                                stride_xm, stride_um, stride_wn, EVEN_K, SWIGLU, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
-        if (k0 == 0) & (k1 == k_steps):
-            _store_out(out_ptr, bias_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
-        else:
-            slot = 2 * pid + (u != start).to(tl.int32)
-            tl.store(ws_ptr + slot.to(tl.int64) * size + tile_idx, acc)
-            tl.debug_barrier()  # every thread's partial stored before the counter says so
-            first = _program_of(pid_n * k_steps, units, programs)
-            last = _program_of(pid_n * k_steps + k_steps - 1, units, programs)
-            arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if arrived == last - first:  # every other share of this tile is stored: sum in program order
-                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for p in range(first, last + 1):
-                    later = (p * units // programs < pid_n * k_steps).to(tl.int32)  # p's run began in a tile before
-                    total += tl.load(ws_ptr + (2 * p + later).to(tl.int64) * size + tile_idx, cache_modifier=".cg")
-                _store_out(out_ptr, bias_ptr, total, rows64, cols64, row_ok, col_ok, stride_om, HAS_BIAS)
-                tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-        u += k1 - k0
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: SkinnyConfig,
@@ -320,12 +248,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     meta = dict(HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, SWIGLU=up is not None, BLOCK_M=block_rows(m),
                 BLOCK_N=config.block_n, BLOCK_K=block_k, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                 TMA=config.tma, num_warps=config.num_warps, num_stages=config.num_stages)
-    if config.programs:
-        k_steps = triton.cdiv(k, block_k)
-        programs = min(config.programs, triton.cdiv(n, config.block_n) * k_steps)  # every program >= 1 unit
-        _streamk_gemm_kernel[(programs,)](*args, k_steps, *strides, **meta)
-    else:
-        _skinny_gemm_kernel[grid](*args, slice_k // block_k, *strides, SPLIT=config.split_k > 1, **meta)
+    _skinny_gemm_kernel[grid](*args, slice_k // block_k, *strides, SPLIT=config.split_k, **meta)
     return out
 
 
