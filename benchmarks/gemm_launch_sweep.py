@@ -67,10 +67,13 @@ def main_candidates(n: int, k: int, m: int, sms: int) -> list[SkinnyConfig]:
     return found
 
 
+MAIN = {"on": True}  # --no-main-candidates: main's launches are not timed ("main" is then cuBLAS)
+
+
 def configs(n: int, k: int, m: int, sms: int) -> list[SkinnyConfig]:
     """This branch's `dense.candidates` and main's."""
     found = dense.candidates(n, k, m, sms)
-    return found + [c for c in main_candidates(n, k, m, sms) if c not in found]
+    return found + [c for c in main_candidates(n, k, m, sms) if c not in found and MAIN["on"]]
 
 
 def shapes(models: list[str]) -> list[tuple[str, str, int, int, int]]:
@@ -274,9 +277,11 @@ def main() -> None:
     parser.add_argument("--rows", default="64,16,32,48", help="the first is measured on every shape before the others")
     parser.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1))
     parser.add_argument("--no-experts", dest="experts", action="store_false")
+    parser.add_argument("--no-main-candidates", dest="main_candidates", action="store_false")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     models = args.model or ["next-1b"]
+    MAIN["on"] = args.main_candidates
     rows = [int(r) for r in args.rows.split(",")]
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
     out_dir.mkdir(parents=True, exist_ok=True)
