@@ -1,7 +1,7 @@
 """The decode step's GEMM launches (issue 32): dense projections at 16-64 rows against cuBLAS; the routed experts.
 
-    PYTHONPATH=. python benchmarks/gemm_launch_sweep.py [--model next-1b] [--model next-16b] [--rows 16,32,48,64]
-        [--no-experts] [--workers 14]
+    PYTHONPATH=. python benchmarks/gemm_launch_sweep.py [--model next-1b] [--model next-16b] [--rows 64,16,32,48]
+        [--no-experts] [--no-main-candidates] [--workers 14]
 
 Dense: for each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`: the MoE
 block's input GEMM zero-padded to a multiple of 8 weight rows, as the engine loads it) and each row count: cuBLAS
@@ -14,9 +14,9 @@ cuBLAS unless 5 % faster); per model and row count, one step's dense GEMMs (each
 cuBLAS, main's choice and the fastest launch, against the floor (the weights read at 4.3 TB/s).
 
 Experts: the routed experts' gate/up (gather + SiLU gate) and down (scatter) GEMMs (`moe/triton_experts.expert_gemm`)
-at next-1b's and next-16b's expert shapes, 64 tokens routed at random, by launch (`EXPERT_LAUNCHES`: swap-AB tiles
-by pointer loads and by TMA) against the engine's (`grouped.launch_tile`), the weights rotated over two copies;
-rate = every touched expert's weights once / time; max |diff| / max |ref| against an fp32 torch reference.
+at next-1b's and next-16b's expert shapes, 64 tokens routed at random, by launch (`EXPERT_LAUNCHES`: swap-AB tiles)
+against the engine's (`grouped.launch_tile`), the weights rotated over two copies; rate = every touched expert's
+weights once / time; max |diff| / max |ref| against an fp32 torch reference.
 
 Every variant is compiled first by `--workers` processes in parallel (the Triton cache is shared), so the timing
 compiles nothing. Prints tables; writes DIR/gemm_launch_sweep.json (DIR: --out, else $OUT, else .).
@@ -44,7 +44,7 @@ from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fit
 
 CUBLAS_ONLY_BYTES = 256 << 20  # a weight this large (next-16b's lm_head) is timed on cuBLAS only
 EXPERT_SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024)}  # (experts, top-k, hidden, width)
-# swap-AB launches of the expert GEMM: (block_n, block_k, num_warps, num_stages), each by pointer loads and by TMA
+# swap-AB launches of the expert GEMM: (block_n, block_k, num_warps, num_stages)
 EXPERT_LAUNCHES = ((64, 64, 4, 6), (64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 4, 4), (128, 64, 4, 3),
                    (64, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 2))
 SEQS = 64
@@ -125,9 +125,7 @@ def expert_launches(model: str) -> list[dict]:
     """The engine's launch (`grouped.launch_tile` for each GEMM: None here, resolved per GEMM) then the grid."""
     found: list[dict | None] = [None]
     for block_n, block_k, warps, stages in EXPERT_LAUNCHES:
-        for tma in (False, True):
-            found.append(dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, swap_ab=True,
-                              tma=tma))
+        found.append(dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages, swap_ab=True))
     return found
 
 
@@ -185,7 +183,7 @@ def sweep_experts(model: str) -> list[dict]:
         for launch in expert_launches(model):
             name = "engine's" if launch is None else (
                 f"{inputs['block_m']}x{launch['block_n']}x{launch['block_k']} w{launch['num_warps']} "
-                f"st{launch['num_stages']}{' tma' if launch['tma'] else ''}")
+                f"st{launch['num_stages']}")
             run = expert_run(inputs, second, launch)
             try:
                 out = run(0).float()

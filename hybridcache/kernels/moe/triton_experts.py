@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit
@@ -72,16 +71,13 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False, TMA: tl.constexpr = False):
+                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False):
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
     pairs, a_rows, cols, col_ok = tile_indices(order_ptr, rows, row_ok, top_k, N, tl.program_id(1), GATHER, SCATTER,
                                                BLOCK_N)
-    if TMA:  # noqa: SIM108 (a constexpr branch)
-        w_base = w_ptr
-    else:
-        w_base = w_ptr + e.to(tl.int64) * stride_we
+    w_base = w_ptr + e.to(tl.int64) * stride_we
     if SWAP_AB:  # the weight tile is the MMA's A operand ([BLOCK_N, BLOCK_K], its rows K-contiguous), the rows its B
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         acc_up_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -90,19 +86,12 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
             k_ok = ks < K
             a_t = tl.load(a_ptr + a_rows[None, :] * stride_a + ks[:, None], mask=row_ok[None, :] & k_ok[:, None],
                           other=0.0)
-            if TMA:  # w_ptr: a descriptor of the stacked weights as [E * N_w, K]; rows past N are not stored
-                w_row = e * (stride_we // stride_wn) + tl.program_id(1) * BLOCK_N
-                w = w_ptr.load([w_row, k0])
-            else:
-                w_mask = col_ok[:, None] & k_ok[None, :]
-                w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=w_mask, other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_base + cols[:, None].to(tl.int64) * stride_wn + ks[None, :], mask=w_mask, other=0.0)
             acc_t = tl.dot(w, a_t, acc_t, input_precision=PRECISION)
             if SWIGLU:
-                if TMA:
-                    w_up = w_ptr.load([w_row + N, k0])
-                else:
-                    w_up = tl.load(w_base + (cols[:, None] + N).to(tl.int64) * stride_wn + ks[None, :],
-                                   mask=w_mask, other=0.0)
+                w_up = tl.load(w_base + (cols[:, None] + N).to(tl.int64) * stride_wn + ks[None, :], mask=w_mask,
+                               other=0.0)
                 acc_up_t = tl.dot(w_up, a_t, acc_up_t, input_precision=PRECISION)
         acc = tl.trans(acc_t)
         acc_up = tl.trans(acc_up_t)
@@ -133,7 +122,7 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
 
 def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor, counts: torch.Tensor, *,
                 gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False, tma: bool = False) -> torch.Tensor:
+                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False) -> torch.Tensor:
     """The expert GEMM over the sorted rows of R = order.numel() (token, pick) pairs (module docstring).
 
     a: [T, K] token rows when `gather` (sorted row r reads row order[r] // top_k), else [R, K] in sorted order.
@@ -143,9 +132,7 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
     pair order (row order[r] for sorted row r) when `scatter`. fp32 inputs are multiplied in IEEE fp32 (not
     tf32), with a shallower depth tile (their tiles take twice the shared memory). `swap_ab`: the same products
     with the weight tile as the tensor cores' A operand (out^T = W a^T: a [block_n, block_k] weight tile fills the
-    MMA's 64 rows whatever block_m is; `benchmarks/decode_kernel_sweep.py --only experts` times both). `tma`
-    (with `swap_ab` only; the weights contiguous, 16-byte aligned): the weight tiles by TMA copies through a
-    descriptor of the stack as [E * N_w, K] (a tile's rows past its expert's N are read but never stored).
+    MMA's 64 rows whatever block_m is; `benchmarks/decode_kernel_sweep.py --only experts` times both).
     """
     num_experts, width, depth = weights.shape
     if a.stride(-1) != 1 or weights.stride(-1) != 1:
@@ -155,19 +142,14 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
     if a.dtype == torch.float32:
         block_k = min(block_k, 32)
     out = torch.empty((num_rows, n), dtype=a.dtype, device=a.device)
-    w_arg = weights
-    if tma:
-        if not swap_ab or not weights.is_contiguous() or weights.data_ptr() % 16 or depth * weights.element_size() % 16:
-            raise ValueError("expert_gemm: tma needs swap_ab and contiguous, 16-byte aligned weight rows")
-        w_arg = TensorDescriptor(weights, [num_experts * width, depth], [depth, 1], [block_n, block_k])
     if num_rows:
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(n, block_n))
         _expert_gemm_kernel[grid](
-            a, order, w_arg, out, counts, num_experts, top_k, n, depth,
+            a, order, weights, out, counts, num_experts, top_k, n, depth,
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
             GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            SWAP_AB=swap_ab, TMA=tma, num_warps=num_warps, num_stages=num_stages,
+            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
         )
     return out
 
