@@ -5,18 +5,17 @@
                                      skinny GEMM runs (it makes silu(gate) * up as it loads its tiles)
 
 `linear` is `F.linear` except on CUDA in bf16 / fp16 for at most `triton_skinny.MAX_ROWS` rows (a decode step):
-there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
-whichever of cuBLAS (`F.linear`), cuBLASLt's bias epilogue with a zero bias (`CUBLASLT`, for a linear without
-a bias: cuBLASLt's own kernel heuristics) and the skinny Triton GEMM's candidate launches (`candidates`) replayed
-fastest in a CUDA graph (anything but cuBLAS only when faster by `MARGIN`) the first time that weight shape was
-seen outside a
-capture (`decide`: every bucket at once, the weight rotated with random copies beyond L2's size so each replay
-reads it from memory, as a decode step does). The engine runs each captured batch size eagerly before capturing
-it, so every shape is decided, and every tile compiled, at start-up (`swiglu_linear`'s fused variant too, every
-bucket at its first call); a shape first seen during a capture runs cuBLAS and is not recorded. The choice table
-is per process (`choices()`): a captured graph and an eager step of one process run the same kernels; two
-processes may choose differently where two kernels time within a few per cent of each other (bf16 results then
-differ in rounding between the processes), which `MARGIN` makes rarer.
+there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs whichever
+of cuBLAS (`F.linear`), cuBLASLt's bias epilogue with a zero bias (`CUBLASLT`, for a linear without a bias:
+cuBLASLt's own kernel heuristics) and the skinny Triton GEMM's candidate launches (`candidates`) replayed fastest in
+a CUDA graph (anything but cuBLAS only when faster by `MARGIN`) the first time that weight shape was seen outside a
+capture (`decide`: every bucket at once, the weight rotated with random copies beyond L2's size so each replay reads
+it from memory, as a decode step does). The engine runs each captured batch size eagerly before capturing it, so
+every shape is decided, and every tile compiled, at start-up (`swiglu_linear`'s fused variant too, every bucket at
+its first call); a shape first seen during a capture runs cuBLAS and is not recorded. The choice table is per
+process (`choices()`): a captured graph and an eager step of one process run the same kernels; two processes may
+choose differently where two kernels time within a few per cent of each other (bf16 results then differ in rounding
+between the processes), which `MARGIN` makes rarer.
 """
 
 from __future__ import annotations
