@@ -5,13 +5,14 @@
 
 Dense: for each dense linear of one decode step of a `gpu_bench.py` model (`dense_gemm_sweep.step_linears`: the MoE
 block's input GEMM zero-padded to a multiple of 8 weight rows, as the engine loads it) and each row count: cuBLAS
-(`F.linear`), cuBLASLt's bias epilogue (`F.linear` with a zero bias: another heuristic query), and the skinny GEMM
+(`F.linear`), cuBLASLt's bias epilogue (`F.linear` with a zero bias: another heuristic query), both also with x 16
+bytes past a 256-byte boundary ("x+16B": cuBLAS picks kernels by the operands' alignment), and the skinny GEMM
 (`kernels/gemm/triton_skinny.py`) over `dense.candidates` (the tiles of `dense.TILES`, each by pointer loads and by
 TMA descriptors, unsplit and split-K) and main's candidates. Each launch is timed as `dense.replay_us` does (a CUDA
-graph of 20 GEMMs over weight copies beyond L2, the median of 5 replays) and checked against `F.linear` in fp32
-(max |diff| / max |ref|). "main" is the launch main's `dense.decide` would choose (its two tiles, unsplit and split;
-cuBLAS unless 5 % faster); per model and row count, one step's dense GEMMs (each shape's time x its count) by
-cuBLAS, main's choice and the fastest launch, against the floor (the weights read at 4.3 TB/s).
+graph of 20 GEMMs over weight copies beyond L2, the median of 5 replays) and checked against `F.linear` in fp32 (max
+|diff| / max |ref|). "main" is the launch main's `dense.decide` would choose (its two tiles, unsplit and split;
+cuBLAS unless 5 % faster); per model and row count, one step's dense GEMMs (each shape's time x its count) by cuBLAS,
+main's choice and the fastest launch, against the floor (the weights read at 4.3 TB/s).
 
 Experts: the routed experts' gate/up (gather + SiLU gate) and down (scatter) GEMMs (`moe/triton_experts.expert_gemm`)
 at next-1b's and next-16b's expert shapes, 64 tokens routed at random, by launch (`EXPERT_LAUNCHES`: swap-AB tiles)
@@ -228,7 +229,11 @@ def measure(model: str, what: str, n: int, k: int, count: int, rows: list[int], 
     for m in rows:
         x = torch.randn(m, k, generator=gen, device=device).to(torch.bfloat16)
         ref = F.linear(x.float(), weights[0].float())
-        runs = {"cublas": lambda w, x=x: F.linear(x, w), "cublaslt bias0": lambda w, x=x: F.linear(x, w, zero)}
+        shifted = torch.empty(m * k + 8, device=device, dtype=torch.bfloat16)[8:].view(m, k)  # 16 B past 256 B
+        shifted.copy_(x)
+        runs = {"cublas": lambda w, x=x: F.linear(x, w), "cublaslt bias0": lambda w, x=x: F.linear(x, w, zero),
+                "cublas x+16B": lambda w, x=shifted: F.linear(x, w),
+                "cublaslt bias0 x+16B": lambda w, x=shifted: F.linear(x, w, zero)}
         if size <= CUBLAS_ONLY_BYTES:
             for c in configs(n, k, m, sms):
                 runs[c.describe()] = lambda w, x=x, c=c: skinny_linear(x, w, None, c)
@@ -247,7 +252,7 @@ def measure(model: str, what: str, n: int, k: int, count: int, rows: list[int], 
             best_main = min(main_skinny, key=main_skinny.get)
             if main_skinny[best_main] <= dense.MARGIN * times["cublas"]:
                 main_pick = best_main
-        best = min(times, key=times.get)
+        best = min((name for name in times if not name.endswith("x+16B")), key=times.get)
         row["rows"][m] = {"us": times, "err": errors, "failed": failed, "best": best, "main": main_pick}
         line(row, m)
     del weights
@@ -263,8 +268,10 @@ def line(row: dict, m: int) -> None:
         nm.startswith(pre) for nm in t) else (float("nan"), "-")
     ptr, tma = best_of("skinny n"), best_of("skinny tma")
     rate = size / (t[r["best"]] * 1e-6) / 1e12
+    nan = float("nan")
     print(f"| {row['model']} {row['what']} | {row['n']} x {row['k']} | {m} | {t['cublas']:.2f} | "
-          f"{t.get('cublaslt bias0', float('nan')):.2f} | {t[r['main']]:.2f} | {ptr[0]:.2f} {ptr[1][7:]} | "
+          f"{t.get('cublaslt bias0', nan):.2f} | {t.get('cublas x+16B', nan):.2f} / "
+          f"{t.get('cublaslt bias0 x+16B', nan):.2f} | {t[r['main']]:.2f} | {ptr[0]:.2f} {ptr[1][7:]} | "
           f"{tma[0]:.2f} {tma[1][11:]} | **{t[r['best']]:.2f}** {rate:.2f} TB/s | "
           f"{r['err'].get(r['best'], float('nan')):.1e} | {len(r['failed'])} |", flush=True)
 
@@ -287,8 +294,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {"compile_errors": precompile(models, rows, args.workers, sms, args.experts) if args.workers > 0
               else [], "linears": [], "experts": []}
-    print("| linear | N x K | rows | cuBLAS | cuBLASLt bias0 | main's choice | best pointer tile | best TMA tile | "
-          "best, rate | err | failed |\n" + "| --- " * 11 + "|", flush=True)
+    print("| linear | N x K | rows | cuBLAS | cuBLASLt bias0 | both, x+16B | main's choice | best pointer tile | "
+          "best TMA tile | best, rate | err | failed |\n" + "| --- " * 12 + "|", flush=True)
     linears = {}
     for group in ([rows[0]], rows[1:]):  # every shape at the first row count first (a run cut short keeps those)
         for model, what, n, k, count in shapes(models):
