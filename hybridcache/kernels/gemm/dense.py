@@ -137,35 +137,33 @@ def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return choice.config
 
 
-# The skinny GEMM's tiles tried per BLOCK_M: (weight rows, depth, stages, warps), each by pointer loads and by TMA.
-TILES = {
-    16: ((64, 128, 4, 4), (64, 64, 6, 4)),
-    32: ((64, 128, 4, 4), (64, 64, 6, 4)),
-    64: ((64, 128, 4, 4), (64, 64, 6, 4), (64, 64, 4, 4), (128, 64, 4, 4)),
-}
+# The skinny GEMM's tiles tried per BLOCK_M: (weight rows, depth, stages, warps), by pointer loads and by TMA.
+# Session 44's sweep (docs/bench.md, dec17b) timed 64 x 64, 128 x 64, 128 x 128 and 256 x 64 tiles and stream-K
+# grids too; none was chosen over these on next-1b's or next-16b's shapes.
+TILES = {16: ((64, 128, 4, 4),), 32: ((64, 128, 4, 4),), 64: ((64, 128, 4, 4),)}
 MAX_SPLIT = 16  # K slices at most (each count is its own compile)
 
 
 def split_counts(n: int, k: int, block_n: int, block_k: int, sms: int) -> list[int]:
-    """The K slices tried for a tile: unsplit, and half, once and twice the smallest power of two that fills the
-    device's `sms` (at most one slice per K step)."""
-    tiles, most = -(-n // block_n), max(1, k // block_k)
+    """The K slices tried for a tile: unsplit, and once and half the smallest power of two that fills the device's
+    `sms` (at most one slice per K step, `MAX_SPLIT`)."""
+    tiles, most = -(-n // block_n), min(MAX_SPLIT, max(1, k // block_k))
     split = 1
     while tiles * split < sms and 2 * split <= most:
         split *= 2
-    return sorted({s for s in (1, split // 2, split, 2 * split) if 1 <= s <= min(most, MAX_SPLIT)})
+    return sorted({s for s in (1, split // 2, split) if s >= 1})
 
 
 def candidates(n: int, k: int, m: int, sms: int) -> list:
     """The skinny GEMM's launches tried for [m, k] x [n, k]^T: `TILES[block_rows(m)]`, each by pointer loads and
-    by TMA, each at `split_counts` slices, where `fits` holds (a weight over `LARGE_BYTES`: the first two tiles by
-    pointer loads only)."""
+    by TMA (pointer loads only for a weight over `LARGE_BYTES` and at 64 rows), each at `split_counts` slices, where
+    `fits` holds."""
     from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fits
 
     found = []
-    large = 2 * n * k > LARGE_BYTES  # a vocabulary-sized lm_head: main's two pointer tiles only (start-up time)
-    for block_n, block_k, stages, warps in TILES[block_rows(m)][:2] if large else TILES[block_rows(m)]:
-        for tma in (False,) if large else (False, True):
+    pointers_only = 2 * n * k > LARGE_BYTES or block_rows(m) == 64  # (start-up compiles: TMA won neither case)
+    for block_n, block_k, stages, warps in TILES[block_rows(m)]:
+        for tma in (False,) if pointers_only else (False, True):
             for s in split_counts(n, k, block_n, block_k, sms):
                 config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_warps=warps,
                                       num_stages=stages, tma=tma)
