@@ -5,12 +5,17 @@
   wrong: bf16 is checked on CUDA), odd M, N, K, unsplit and split-K (2 and 3 slices, the last one short), with and
   without bias: against the fp32 product of the same rounded inputs; the same bits on a second launch; every split-K
   counter back at 0 after a launch.
+- The TMA variant (`SkinnyConfig.tma`), interpreted: the same shapes, unsplit and 3 slices, 64 x 128 and 128 x 64
+  tiles; a weight whose rows are not 16-byte aligned is refused; with `up` the weight comes by TMA and the gate / up
+  by pointer loads; an x whose rows are not aligned is copied first (the same result). On CUDA: bf16 at the models'
+  shapes (1,048 and 2,088 rows, 12,352 x 2,048, ...) with 64 x 128, 128 x 64 and 256 x 64 (8 warps) tiles, unsplit
+  and 3 slices, and in a graph replay.
 - `test_cuda_*` (skipped without a device): bf16 at next-1b's projection shapes and others (N not a multiple of
   the tile; N a multiple of 16 but for the router's 17, to keep the compiled variants few), 64 and 128 weight rows
   per tile, unsplit and 3 slices (a short last one), no bias (the variants a bf16 model compiles); an odd K with a
   bias in bf16 and fp32;
   a CUDA graph replay equals the eager launch bit for bit; `dense.linear` after its measurement equals the chosen
-  kernel and is within bf16 rounding of `F.linear`.
+  kernel (cuBLAS, cuBLASLt's zero-bias epilogue or a skinny launch) and is within bf16 rounding of `F.linear`.
 - With `up` (an MLP's down projection, `dense.swiglu_linear`): silu(gate) * up made as the tiles load equals the
   activation kernel's output fed to the plain kernel, bit for bit (interpreted in fp32 / fp16, bf16 on CUDA), and
   `dense.swiglu_linear` equals its two launches at 1 to 100 rows on CUDA.

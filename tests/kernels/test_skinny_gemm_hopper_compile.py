@@ -3,7 +3,9 @@ the variants the dense choice tries for a bf16 model: 16 to 64 rows, 64 or 128 w
 split-K. Compiled as the JIT specialises a launch on a model's tensors (pointers and strides multiples of 16), the
 K loop streams both tiles through shared memory with 16-byte asynchronous copies (`cp.async`, pipelined: the
 shared memory holds every stage) into wgmma; the split variant keeps its counter atomics and the unsplit one has
-none; the run-time sizes are not specialised (one compile per tile for every batch and shape)."""
+none; the run-time sizes are not specialised (one compile per tile and split count for every batch and shape).
+The TMA variant (x and weight tiles by descriptors) streams both by bulk tensor copies, with no `cp.async` left,
+into the same wgmma, split or not, at 64 to 256 weight rows."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ two streams of one device at once.
 
 The weight is read through unmasked K steps when K is a multiple of BLOCK_K (EVEN_K, the models' case: pipelined
 16-byte copies); M, N, K and the slice length (in K steps, so every slice starts aligned) are run-time integers
-(`do_not_specialize`: one compile per tile shape, whatever the batch).
+(`do_not_specialize`: one compile per tile shape and split count, whatever the batch).
 """
 
 from __future__ import annotations
