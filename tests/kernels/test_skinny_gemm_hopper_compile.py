@@ -5,7 +5,8 @@ K loop streams both tiles through shared memory with 16-byte asynchronous copies
 shared memory holds every stage) into wgmma; the split variant keeps its counter atomics and the unsplit one has
 none; the run-time sizes are not specialised (one compile per tile and split count for every batch and shape).
 The TMA variant (x and weight tiles by descriptors) streams both by bulk tensor copies, with no `cp.async` left,
-into the same wgmma, split or not, at 64 to 256 weight rows."""
+into the same wgmma, split or not, at 64 to 256 weight rows; with SWIGLU the weight by TMA and the gate / up by
+pointer loads."""
 
 from __future__ import annotations
 
@@ -82,3 +83,18 @@ def test_skinny_gemm_tma_compiles_for_hopper(block_m: int, block_n: int, block_k
     assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16" in ptx
     assert ("atom.global" in ptx) == split
 
+
+
+def test_skinny_gemm_tma_swiglu_compiles_for_hopper() -> None:
+    """The down projection's TMA variant: the weight by bulk tensor copies, silu(gate) * up by pointer loads."""
+    kernel = _skinny_gemm_kernel
+    pointers = dict(POINTERS, w_ptr="tensordesc<bf16[64, 128]>")
+    constants = dict(HAS_BIAS=False, SPLIT=2, EVEN_K=True, SWIGLU=True, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128,
+                     PRECISION="tf32", TMA=True)
+    signature = {p.name: pointers.get(p.name) or ("constexpr" if p.name in constants else "i32")
+                 for p in kernel.params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if (p.name.endswith("_ptr") and p.name != "w_ptr") or p.name.startswith("stride")}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    ptx = triton.compile(source, target=HOPPER, options={"num_warps": 4, "num_stages": 4}).asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx and "ex2" in ptx and "wgmma.mma_async" in ptx
