@@ -2,16 +2,16 @@
 
     PYTHONPATH=. python benchmarks/dense_gemm_sweep.py [--model next-1b] [--model next-16b ...] [--out DIR]
 
-For each dense linear of one decode step of a `gpu_bench.py` model (its shapes from the model's transformers
-config, nothing built or loaded: DeltaNet in_proj (q|k|v|z|b|a, one GEMM) and out_proj, attention q|k|v and o_proj,
-a MoE block's one GEMM of the shared expert's gate|up, the router and the shared-expert gate, then the shared
-expert's down, a dense MLP's gate|up and down, the lm_head), with a
-random bf16 weight: `kernels/gemm/dense.decide` (what the engine runs at start-up) times cuBLAS and every candidate
-tile at 16, 32 and 64 rows (CUDA-graph replays, the weight rotated with copies beyond L2), and the chosen kernel is
-checked against `F.linear` (max |diff| / max |ref|). Prints one table (device us per GEMM, the weight read rate of
-the best, the choice), then the step's dense GEMM total at 64 rows (each shape times its count per step) for
-cuBLAS, the choice and the floor (weight bytes at 4.3 TB/s, the H200's measured copy rate). Writes
-DIR/dense_gemm_sweep.json (DIR: --out, else $OUT, else .). `--device cpu` only lists the shapes.
+For each dense linear of one decode step of a `gpu_bench.py` model (its shapes from the model's transformers config,
+nothing built or loaded: DeltaNet in_proj (q|k|v|z|b|a, one GEMM) and out_proj, attention q|k|v and o_proj, a MoE
+block's one GEMM of the shared expert's gate|up, the router and the shared-expert gate (zero rows up to a multiple
+of 8, `layers/fused.padded_rows`, as the engine loads it), then the shared expert's down, a dense MLP's gate|up and
+down, the lm_head), with a random bf16 weight: `kernels/gemm/dense.decide` (what the engine runs at start-up) times
+cuBLAS and every candidate tile at 16, 32 and 64 rows (CUDA-graph replays, the weight rotated with copies beyond
+L2), and the chosen kernel is checked against `F.linear` (max |diff| / max |ref|). Prints one table (device us per
+GEMM, the weight read rate of the best, the choice), then the step's dense GEMM total at 64 rows (each shape times
+its count per step) for cuBLAS, the choice and the floor (weight bytes at 4.3 TB/s, the H200's measured copy rate).
+Writes DIR/dense_gemm_sweep.json (DIR: --out, else $OUT, else .). `--device cpu` only lists the shapes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import MODELS  # noqa: E402
 
 from hybridcache.kernels.gemm import dense  # noqa: E402
+from hybridcache.layers.fused import padded_rows  # noqa: E402
 
 COPY_RATE = 4.3e12  # bytes/s, the H200's measured device copy rate (docs/bench.md's floors)
 
@@ -50,7 +51,7 @@ def step_linears(name: str) -> list[tuple[str, int, int, int]]:
     layers = len(types)
     if getattr(c, "num_experts", 0):
         shared = c.shared_expert_intermediate_size
-        out += [("moe: shared gate|up, router, gate", 2 * shared + c.num_experts + 1, h, layers),
+        out += [("moe: shared gate|up, router, gate", padded_rows(2 * shared + c.num_experts + 1), h, layers),
                 ("shared expert down", h, shared, layers)]
     else:
         out += [("mlp gate|up", 2 * c.intermediate_size, h, layers), ("mlp down", h, c.intermediate_size, layers)]
@@ -62,7 +63,7 @@ def sweep(name: str, device: torch.device, result: dict, save) -> None:
     is measured and calling `save()` after each (a run cut short keeps what it measured)."""
     print(f"\n{name}: dense linears of one decode step (device us per GEMM, CUDA-graph replays)")
     print(f"{'linear':<30} {'N x K':>13} {'x/step':>6} {'rows':>4} {'cuBLAS':>8} {'skinny':>8} "
-          f"{'best tile':<26} {'TB/s':>5} {'chosen':<9} {'err':>8}", flush=True)
+          f"{'best tile':<26} {'TB/s':>5} {'chosen':<14} {'err':>8}", flush=True)
     for what, n, k, count in step_linears(name):
         row = {"what": what, "n": n, "k": k, "count": count, "buckets": {}}
         result["linears"].append(row)
@@ -72,7 +73,7 @@ def sweep(name: str, device: torch.device, result: dict, save) -> None:
             for block_m in (16, 32, 64):
                 choice = dense.choices()[(device, torch.bfloat16, n, k, False, block_m)]
                 times = dict(choice.times_us)
-                skinny = {key: t for key, t in times.items() if key != "cublas"}
+                skinny = {key: t for key, t in times.items() if key.startswith("skinny")}
                 best = min(skinny, key=skinny.get) if skinny else None
                 x = torch.randn(block_m, k, device=device).to(torch.bfloat16)
                 ref = F.linear(x.float(), weight.float())
@@ -107,7 +108,7 @@ def print_row(row: dict) -> None:
         skinny_us = b["best_skinny_us"] if b["best_skinny_us"] is not None else float("nan")
         print(f"{row['what']:<30} {f'{n} x {k}':>13} {count:>6} {block_m:>4} {b['cublas_us']:>8.2f} "
               f"{skinny_us:>8.2f} {str(b['best_skinny']):<26} {rate:>5.2f} "
-              f"{'cublas' if b['chosen'] == 'cublas' else 'skinny':<9} {b['max_rel_err']:>8.1e}", flush=True)
+              f"{b['chosen'].split(' n')[0]:<14} {b['max_rel_err']:>8.1e}", flush=True)
 
 
 def main() -> None:

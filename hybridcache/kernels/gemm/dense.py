@@ -5,16 +5,17 @@
                                      skinny GEMM runs (it makes silu(gate) * up as it loads its tiles)
 
 `linear` is `F.linear` except on CUDA in bf16 / fp16 for at most `triton_skinny.MAX_ROWS` rows (a decode step):
-there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs
-whichever of cuBLAS (`F.linear`) and the skinny Triton GEMM's candidate tiles (`candidates`) replayed fastest in
-a CUDA graph (the skinny GEMM only when faster by `MARGIN`) the first time that weight shape was seen outside a
-capture (`decide`: every bucket at once, the weight rotated with random copies beyond L2's size so each replay
-reads it from memory, as a decode step does). The engine runs each captured batch size eagerly before capturing
-it, so every shape is decided, and every tile compiled, at start-up (`swiglu_linear`'s fused variant too, every
-bucket at its first call); a shape first seen during a capture runs cuBLAS and is not recorded. The choice table
-is per process (`choices()`): a captured graph and an eager step of one process run the same kernels; two
-processes may choose differently where two kernels time within a few per cent of each other (bf16 results then
-differ in rounding between the processes), which `MARGIN` makes rarer.
+there, for each (N, K, bias, dtype) and each row bucket (16, 32, 64; `triton_skinny.block_rows`), it runs whichever
+of cuBLAS (`F.linear`), cuBLASLt's bias epilogue with a zero bias (`CUBLASLT`, for a linear without a bias:
+cuBLASLt's own kernel heuristics) and the skinny Triton GEMM's candidate launches (`candidates`) replayed fastest in
+a CUDA graph (anything but cuBLAS only when faster by `MARGIN`) the first time that weight shape was seen outside a
+capture (`decide`: every bucket at once, the weight rotated with random copies beyond L2's size so each replay reads
+it from memory, as a decode step does). The engine runs each captured batch size eagerly before capturing it, so
+every shape is decided, and every tile compiled, at start-up (`swiglu_linear`'s fused variant too, every bucket at
+its first call); a shape first seen during a capture runs cuBLAS and is not recorded. The choice table is per
+process (`choices()`): a captured graph and an eager step of one process run the same kernels; two processes may
+choose differently where two kernels time within a few per cent of each other (bf16 results then differ in rounding
+between the processes), which `MARGIN` makes rarer.
 """
 
 from __future__ import annotations
@@ -28,7 +29,20 @@ import torch.nn.functional as F
 REPS = 20  # GEMMs per timed graph replay
 MARGIN = 0.95  # the skinny GEMM replaces cuBLAS only when at least 5 % faster (a near tie would flip between runs)
 COLD_BYTES = 128 << 20  # the weight copies cycled in a timed replay: more than the H200's 50 MB L2
+LARGE_BYTES = 256 << 20  # a weight this large is tried on fewer skinny launches (`candidates`)
 _FAST = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class CublasLt:
+    """A `Choice.config`: `F.linear` with a zero bias, so cuBLASLt's bias epilogue picks the kernel (its own
+    heuristics; cuBLAS's `F.linear` without a bias may choose another)."""
+
+    def describe(self) -> str:
+        return "cublaslt bias0"
+
+
+CUBLASLT = CublasLt()
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class Choice:
 
 
 _CHOICES: dict[tuple, Choice] = {}
+_ZERO_BIAS: dict[tuple, torch.Tensor] = {}  # (device, dtype, N) -> zeros [N], for the CUBLASLT choice
 
 
 def choices() -> dict[tuple, Choice]:
@@ -53,6 +68,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     config = _skinny_choice(x, weight, bias)
     if config is None:
         return F.linear(x, weight, bias)
+    if config == CUBLASLT:
+        return F.linear(x, weight, _ZERO_BIAS[(weight.device, weight.dtype, weight.shape[0])])
     from hybridcache.kernels.gemm.triton_skinny import skinny_linear
 
     rows, (n, k) = x.numel() // x.shape[-1], weight.shape
@@ -67,7 +84,7 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bi
     fused gate|up output, `silu_mul` the backend's op): where `linear` would run the skinny GEMM, one launch that
     makes silu(gate) * up as it loads its tiles, with `activation.silu_mul`'s roundings (the same result)."""
     config = _skinny_choice(gate, weight, bias) if gate.dim() == 2 and up.stride(-1) == gate.stride(-1) == 1 else None
-    if config is None:
+    if config is None or config == CUBLASLT:
         return linear(silu_mul(gate, up), weight, bias)
     from hybridcache.kernels.gemm.triton_skinny import skinny_linear
 
@@ -83,14 +100,14 @@ def _compile_swiglu(weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     """Run the skinny GEMM's SWIGLU variant of every row bucket's choice once (on gate and up views of one
     [rows, 2K] tensor, the MLP's layout), so that the first call compiles them all, at start-up, not the first
     request of another bucket. Not while a graph is being captured (then it waits for an eager call)."""
-    from hybridcache.kernels.gemm.triton_skinny import MAX_ROWS, block_rows, skinny_linear
+    from hybridcache.kernels.gemm.triton_skinny import MAX_ROWS, SkinnyConfig, block_rows, skinny_linear
 
     if torch.cuda.is_current_stream_capturing():
         return
     n, k = weight.shape
     for rows in (16, 32, MAX_ROWS):
         choice = _CHOICES.get((weight.device, weight.dtype, n, k, bias is not None, block_rows(rows)))
-        if choice is not None and choice.config is not None:
+        if choice is not None and isinstance(choice.config, SkinnyConfig):
             gate, up = torch.zeros(rows, 2 * k, dtype=weight.dtype, device=weight.device).split([k, k], dim=-1)
             skinny_linear(gate, weight, bias, choice.config, up=up)
     _SWIGLU_COMPILED.add((weight.device, weight.dtype, n, k, bias is not None))
@@ -115,26 +132,43 @@ def _skinny_choice(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
             return None
         decide(weight, bias is not None)
         choice = _CHOICES[key]
+    if getattr(choice.config, "tma", False) and not triton_skinny.tma_ready(weight):
+        return None  # a weight view without TMA's alignment (a model's own weights have it)
     return choice.config
 
 
+# The skinny GEMM's tiles tried per BLOCK_M: (weight rows, depth, stages, warps), by pointer loads and by TMA.
+# Session 44's sweep (docs/bench.md, dec17b) timed 64 x 64, 128 x 64, 128 x 128 and 256 x 64 tiles and stream-K
+# grids too; none was chosen over these on next-1b's or next-16b's shapes.
+TILES = {16: ((64, 128, 4, 4),), 32: ((64, 128, 4, 4),), 64: ((64, 128, 4, 4),)}
+MAX_SPLIT = 16  # K slices at most (each count is its own compile)
+
+
+def split_counts(n: int, k: int, block_n: int, block_k: int, sms: int) -> list[int]:
+    """The K slices tried for a tile: unsplit, and once and half the smallest power of two that fills the device's
+    `sms` (at most one slice per K step, `MAX_SPLIT`)."""
+    tiles, most = -(-n // block_n), min(MAX_SPLIT, max(1, k // block_k))
+    split = 1
+    while tiles * split < sms and 2 * split <= most:
+        split *= 2
+    return sorted({s for s in (1, split // 2, split) if s >= 1})
+
+
 def candidates(n: int, k: int, m: int, sms: int) -> list:
-    """The skinny GEMM's tiles tried for [m, k] x [n, k]^T: 64 and 128 weight rows per tile, each unsplit and with
-    the smallest power of two of K slices that fills the device's `sms` and twice that (1-2 waves), at most one
-    slice per K step."""
-    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, fits
+    """The skinny GEMM's launches tried for [m, k] x [n, k]^T: `TILES[block_rows(m)]`, each by pointer loads and
+    by TMA (pointer loads only for a weight over `LARGE_BYTES` and at 64 rows), each at `split_counts` slices, where
+    `fits` holds."""
+    from hybridcache.kernels.gemm.triton_skinny import SkinnyConfig, block_rows, fits
 
     found = []
-    most = max(1, k // SkinnyConfig().block_k)  # slices of at least one K step
-    for block_n, stages in ((64, 4), (128, 3)):
-        tiles = -(-n // block_n)
-        split = 1
-        while tiles * split < sms and 2 * split <= most:
-            split *= 2
-        for s in sorted({1, split, min(2 * split, most)}):
-            config = SkinnyConfig(block_n=block_n, split_k=s, num_stages=stages)
-            if fits(n, k, m, config):
-                found.append(config)
+    pointers_only = 2 * n * k > LARGE_BYTES or block_rows(m) == 64  # (start-up compiles: TMA won neither case)
+    for block_n, block_k, stages, warps in TILES[block_rows(m)]:
+        for tma in (False,) if pointers_only else (False, True):
+            for s in split_counts(n, k, block_n, block_k, sms):
+                config = SkinnyConfig(block_n=block_n, block_k=block_k, split_k=s, num_warps=warps,
+                                      num_stages=stages, tma=tma)
+                if fits(n, k, m, config):
+                    found.append(config)
     return found
 
 
@@ -156,7 +190,12 @@ def decide(weight: torch.Tensor, has_bias: bool) -> None:
     for block_m in (16, 32, triton_skinny.MAX_ROWS):
         x = torch.randn(block_m, k, generator=gen, device=device).to(dtype)
         runs = {"cublas": (None, lambda w, x=x: F.linear(x, w, bias))}
+        if not has_bias:
+            zero = _ZERO_BIAS.setdefault((device, dtype, n), torch.zeros(n, dtype=dtype, device=device))
+            runs[CUBLASLT.describe()] = (CUBLASLT, lambda w, x=x, zero=zero: F.linear(x, w, zero))
         for config in candidates(n, k, block_m, sms):
+            if config.tma and not triton_skinny.tma_ready(weight):
+                continue
             runs[config.describe()] = (config, lambda w, x=x, c=config: triton_skinny.skinny_linear(x, w, bias, c))
         times = {name: replay_us(run, weights, device) for name, (_, run) in runs.items()}
         best = min(times, key=times.get)
