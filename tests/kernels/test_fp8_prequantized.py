@@ -52,14 +52,18 @@ def assert_same_quantization(got: tuple[torch.Tensor, torch.Tensor], want: tuple
 
 
 def assert_same_norm(got: torch.Tensor, want: torch.Tensor, device: str) -> None:
-    """The fused kernel's norm against the plain norm kernel's: the same bits in the interpreter; compiled, the
+    """The fused kernel's norm against the plain norm kernel's: the same bits in the interpreter. Compiled, the
     sum of squares may be reduced in another order (the compiler lays the fused kernel's tile out for its group
-    maxima), so within one rounding step of the output dtype (measured on the H200: fp32 at 64 x 4,096 differed;
-    bf16 equal at every shape tested)."""
+    maxima), so the two rstd differ by a few fp32 rounding steps (a tree reduction of n terms: at most log2(n)
+    roundings apart, <= 16 x 2^-24 for rows of up to 65,536): fp32 outputs within 2^-19 relative; in bf16 / fp16
+    that difference can flip each of the kernels' chained roundings to the output dtype (normed, w x normed and,
+    gated, the product with silu(gate)), so within three rounding steps. The H200 gave exactly that: fp32 at
+    64 x 4,096 and 16,385 x 4,096 apart by more than 2^-22, bf16 apart at 16,383 x 32 x 128 (gated), equal at every
+    smaller bf16 shape. What is checked bit for bit is the quantisation, against that of the kernel's own output."""
     if device == "cpu":
         assert torch.equal(got, want)
     else:
-        step = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-22}[got.dtype]
+        step = {torch.bfloat16: 3 * 2.0**-7, torch.float16: 3 * 2.0**-10, torch.float32: 2.0**-19}[got.dtype]
         torch.testing.assert_close(got, want, rtol=step, atol=step * 1e-3)
 
 
@@ -128,8 +132,8 @@ def check_fp8_linear_on_norm_output(m: int, n: int, k: int, device: str) -> None
     want = fp8_linear(normed, weight, scale, BLOCK, bias)
     got = fp8_linear(normed, weight, scale, BLOCK, bias, quantized=(q, q_scale))
     assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="quantized input"):
-        fp8_linear(normed, weight, scale, BLOCK, quantized=(q[:m], q_scale))
+    with pytest.raises(ValueError, match="quantized input"):  # one row short of the padded rows
+        fp8_linear(normed, weight, scale, BLOCK, quantized=(q[1:], q_scale))
 
 
 def check_quantize_rows_scatter(tokens: int, cols: int, top_k: int, device: str) -> None:
