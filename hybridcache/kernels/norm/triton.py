@@ -53,6 +53,22 @@ def _block(num_rows, dim, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # this prog
 
 # Every kernel: one program per ROWS rows; (x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps) first,
 # then its own. num_rows is not specialised on (a 1-row call must not compile another variant).
+@triton.jit
+def _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t, r_stride_h, heads,
+                  dim, eps):
+    """The rows' x + residual, stored at sum_ptr in its dtype, and the zero-centred RMSNorm of that stored sum in
+    fp32 (not yet rounded): returns (the rows' offsets in a contiguous [rows, dim] output, the norm)."""
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
+    dest = rows[:, None] * dim + cols[None, :]
+    total = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + dest, total, mask=ok)
+    s = total.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    return dest, s * rstd[:, None] * (1.0 + w[None, :])
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, w_ptr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -68,15 +84,8 @@ def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, e
 def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
                          r_stride_h, sum_ptr, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
-    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
-    r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
-    dest = rows[:, None] * dim + cols[None, :]
-    total = (x + r).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + dest, total, mask=ok)
-    s = total.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    y = s * rstd[:, None] * (1.0 + w[None, :])
+    dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
+                            r_stride_h, heads, dim, eps)
     tl.store(out_ptr + dest, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -129,15 +138,9 @@ def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads
                              r_stride_h, sum_ptr, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
                              ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
-    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
-    r = _load_rows(r_ptr, rows, r_stride_t, r_stride_h, heads, cols, ok)
-    dest = rows[:, None] * dim + cols[None, :]
-    total = (x + r).to(sum_ptr.dtype.element_ty)
-    tl.store(sum_ptr + dest, total, mask=ok)
-    s = total.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / dim + eps)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    y = (s * rstd[:, None] * (1.0 + w[None, :])).to(out_ptr.dtype.element_ty)
+    dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
+                            r_stride_h, heads, dim, eps)
+    y = y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + dest, y, mask=ok)
     _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
                       stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
