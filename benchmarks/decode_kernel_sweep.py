@@ -1,7 +1,6 @@
 """Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
 
     PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill,experts]
-    # also gdn_fused: the DeltaNet decode core by key head (`gated_delta/triton_conv_step`), the conv fused or not
 
 Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
 channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
@@ -32,7 +31,6 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 from hybridcache.kernels.conv import triton as conv_triton
 from hybridcache.kernels.gated_delta import triton_step
@@ -47,12 +45,6 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (32, 8, False), (64, 2, False), (64, 4, False), (64, 8, False), (128, 4, False), (128, 8, False),
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
-# the decode core by key head (`triton_conv_step`): (BLOCK_V, num_warps, PREFETCH, UNROLL, STAGES, HOIST, FUSE_CONV);
-# the fused ones first (the engine's candidates), then the step alone
-GDN_FUSED_LAUNCHES = (
-    (64, 4, False, True, 1, True, True), (64, 4, False, True, 1, False, True), (32, 4, False, True, 1, True, True),
-    (64, 4, True, False, 1, True, True), (32, 4, True, True, 1, True, True), (32, 4, True, False, 1, True, True),
-    (64, 4, False, False, 1, True, True), (64, 4, False, True, 1, True, False))
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
 CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
 NORM_WARPS = (4, 8, 16)
@@ -131,154 +123,6 @@ def sweep_gdn(seqs: int) -> list[dict]:
     results.append({"launch": "torch copy_ of the same bytes (reference)", "same": True, "bytes": nbytes,
                     "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)})
     return report(f"gated delta step, {seqs} seqs x {HV} heads, fp32 state read + write", results, current)
-
-
-@triton.jit
-def _state_tile_copy(pool_ptr, slots_ptr, stride_ps, stride_ph, stride_pk, DK: tl.constexpr, BLOCK_V: tl.constexpr,
-                     V_MAJOR: tl.constexpr):
-    """The step kernel's memory traffic alone (a floor for its launch shape): each program loads its [DK, BLOCK_V]
-    state tile with the step kernel's hints and stores it back unchanged. V_MAJOR: grid (Dv / BLOCK_V, Hv, N), so the
-    two column blocks of a row are read by neighbouring programs."""
-    seq = tl.program_id(2 if V_MAJOR else 0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    pid_v = tl.program_id(0 if V_MAJOR else 2)
-    ks = tl.arange(0, DK)
-    vs = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-    ptrs = pool_ptr + slot * stride_ps + head * stride_ph + ks[:, None] * stride_pk + vs[None, :]
-    tl.store(ptrs, tl.load(ptrs, eviction_policy="evict_first"), cache_modifier=".cs")
-
-
-def sweep_gdn_fused(seqs: int) -> list[dict]:
-    """The decode core by key head (`triton_conv_step._conv_gdn_step_kernel`: a program per sequence and key head
-    walks its 2 value heads' [Dk, BLOCK_V] state tiles, the next tile's load issued before the current one's update
-    with PREFETCH, or copied ahead into shared memory by Triton's pipeliner with STAGES > 1) against the engine's
-    launches before it: the step alone (`_gdn_step_kernel`, its launch as in the engine; conv output in, FUSE_CONV
-    off) and, with the conv's step fused into the program's prologue, against the conv step kernel + the step
-    kernel (two launches, one graph). Every model of gpu_bench has this shape. "same": outputs, recurrent and conv
-    states equal to the two-launch path bit for bit."""
-    from hybridcache.kernels.gated_delta import triton_conv_step
-
-    device = DEVICE
-    copies = 4  # 4 x 64 states of 2 MB (and conv states of 48 KB): past the L2
-    channels = 2 * HK * DK + HV * DV
-    pool = torch.randn(copies * seqs + 8, HV, DK, DV, device=device) * 0.1
-    conv_pool = torch.randn(copies * seqs + 8, channels, CONV_TAPS - 1, device=device, dtype=torch.bfloat16)
-    slots = [torch.arange(c * seqs, (c + 1) * seqs, device=device)[torch.randperm(seqs, device=device)]
-             for c in range(copies)]
-    ctx = torch.full((seqs,), 100, dtype=torch.int32, device=device)
-    projected = torch.randn(seqs, channels + HV * DV + 2 * HV, device=device, dtype=torch.bfloat16)  # qkv | z | b | a
-    x = projected[:, :channels]
-    b, a = projected[:, channels + HV * DV:].split([HV, HV], dim=-1)
-    weight = torch.randn(channels, CONV_TAPS, device=device, dtype=torch.bfloat16) * 0.5
-    a_log = torch.randn(HV, device=device) * 0.1
-    dt_bias = torch.randn(HV, device=device) * 0.1
-    conv_out = torch.empty_like(x)
-    state_bytes = 2 * seqs * HV * DK * DV * 4
-    conv_bytes = seqs * channels * 2 * (2 * (CONV_TAPS - 1) + 2)
-
-    def pair(i: int, out: torch.Tensor, conv: bool = True, v_major: bool = False) -> None:
-        """The engine's launches before this: the conv step kernel (unless `conv` is False), the step kernel."""
-        if conv:
-            conv_triton._conv_step_kernel[(seqs, triton.cdiv(channels, conv_triton._STEP_BLOCK_C))](
-                x, weight, weight, conv_out, conv_pool, slots[i], ctx, x.stride(0), conv_out.stride(0),
-                *conv_pool.stride(), channels, K=CONV_TAPS, BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1),
-                HAS_BIAS=False, SILU=True, BLOCK_C=conv_triton._STEP_BLOCK_C)
-        q, k, v = conv_out.split([HK * DK, HK * DK, HV * DV], dim=-1)
-        q, k, v = q.view(seqs, HK, DK), k.view(seqs, HK, DK), v.view(seqs, HV, DV)
-        blocks = DV // triton_step._BLOCK_V
-        triton_step._gdn_step_kernel[(blocks, HV, seqs) if v_major else (seqs, HV, blocks)](
-            q, k, v, a, b, out, pool, slots[i], ctx, a_log, dt_bias, DK**-0.5,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-            out.stride(0), out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
-            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=triton_step._BLOCK_V, L2NORM=True, GATES=True,
-            STREAM=triton_step._STREAM, V_MAJOR=v_major)
-
-    def fused(block_v: int, warps: int, prefetch: bool, unroll: bool, stages: int, hoist: bool, fuse: bool, i: int,
-              out: torch.Tensor, heads_first: bool = False) -> None:
-        qkv = x if fuse else conv_out
-        triton_conv_step._conv_gdn_step_kernel[(HK, seqs) if heads_first else (seqs, HK)](
-            qkv, weight, weight, conv_pool, a, b, a_log, dt_bias, out, pool, slots[i], ctx,
-            DK**-0.5, qkv.stride(0), a.stride(0), b.stride(0), out.stride(0), out.stride(1), *conv_pool.stride(),
-            pool.stride(0), pool.stride(1), pool.stride(2),
-            KEY_DIM=HK * DK, RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, K=CONV_TAPS,
-            BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse,
-            PREFETCH=prefetch, UNROLL=unroll, STAGES=stages, HOIST=hoist, HEADS_FIRST=heads_first, STREAM=True,
-            num_warps=warps)
-
-    snapshot, conv_snapshot = pool.clone(), conv_pool.clone()
-
-    def measure(name: str, launch, nbytes: int) -> dict:
-        out = torch.empty(seqs, HV, DV, device=device, dtype=torch.bfloat16)
-        pool.copy_(snapshot)
-        conv_pool.copy_(conv_snapshot)
-        launch(0, out)  # one call from the same start: its output and states for the check
-        got = (out.clone(), pool[slots[0]].clone(), conv_pool[slots[0]].clone())
-        pool.copy_(snapshot)
-        conv_pool.copy_(conv_snapshot)
-        us = graph_us(lambda i: launch(i, out), copies)
-        print(f"~ {name}: {us:.1f} us", flush=True)  # as it comes (a call's time limit may cut the tables)
-        return {"launch": name, "us": us, "bytes": nbytes, "got": got}
-
-    def floors() -> tuple[dict, list[dict]]:
-        """The copy rate: the same state bytes read and written by torch's copy; in place (read and written at the
-        same addresses, as the step does); the step kernel's tiles copied in place by Triton with no arithmetic."""
-        source = pool[: seqs * copies].view(copies, seqs, -1)
-        dest = torch.empty(copies, seqs, HV * DK * DV, device=device)
-        copy_row = {"launch": "torch copy_ of the state bytes (reference)", "same": True, "bytes": state_bytes,
-                    "us": graph_us(lambda i: dest[i].copy_(source[(i + 1) % copies]), copies)}
-        rows = [{"launch": "torch in-place mul_(1) of the state bytes", "same": True, "bytes": state_bytes,
-                 "us": graph_us(lambda i: source[i].mul_(1.0), copies)}]
-        for v_major in (False, True):
-            grid = (DV // 64, HV, seqs) if v_major else (seqs, HV, DV // 64)
-            rows.append({
-                "launch": "Triton: the step kernel's [Dk, 64] tiles copied in place, no arithmetic"
-                          + (" (column blocks fastest)" if v_major else ""), "same": True, "bytes": state_bytes,
-                "us": graph_us(lambda i, grid=grid, v_major=v_major: _state_tile_copy[grid](
-                    pool, slots[i], pool.stride(0), pool.stride(1), pool.stride(2), DK=DK, BLOCK_V=64,
-                    V_MAJOR=v_major), copies)})
-        for row in [copy_row, *rows]:
-            print(f"~ {row['launch']}: {row['us']:.1f} us", flush=True)
-        return copy_row, rows
-
-    results = {False: [], True: []}
-    results[True].append(measure("conv step + step kernel (two launches, current)", pair, state_bytes + conv_bytes))
-    # the conv output of the first copy's call, for the step-only variants
-    pool.copy_(snapshot)
-    conv_pool.copy_(conv_snapshot)
-    pair(0, torch.empty(seqs, HV, DV, device=device, dtype=torch.bfloat16))
-    conv_ready = conv_out.clone()
-    conv_pool.copy_(conv_snapshot)
-    results[False].append(measure("step kernel (current)", lambda i, o: pair(i, o, conv=False), state_bytes))
-    for index, (block_v, warps, prefetch, unroll, stages, hoist, fuse) in enumerate(GDN_FUSED_LAUNCHES):
-        conv_out.copy_(conv_ready)
-        name = (f"by key head, BLOCK_V {block_v}, {warps} warps" + (", prefetch" if prefetch else "")
-                + (", unrolled" if unroll else "") + (f", {stages} stages" if stages > 1 else "")
-                + (", v and gates hoisted" if hoist else "") + (", conv fused" if fuse else ""))
-        try:
-            results[fuse].append(measure(name, functools.partial(fused, block_v, warps, prefetch, unroll, stages,
-                                                                 hoist, fuse),
-                                         state_bytes + (conv_bytes if fuse else 0)))
-        except Exception as error:  # a launch past the registers or shared memory must not cost the table
-            print(f"{name}: {type(error).__name__}: {str(error)[:120]}")
-        if index == 0:  # the floors early (a call's time limit may cut the rest)
-            copy_row, floor_rows = floors()
-    engine = (triton_conv_step._BLOCK_V, triton_conv_step._NUM_WARPS, triton_conv_step._PREFETCH,
-              triton_conv_step._UNROLL, triton_conv_step._STAGES, triton_conv_step._HOIST, True)
-    results[True].append(measure("the engine's launch, grid (Hk, N): a state's key heads in neighbouring programs",
-                                 functools.partial(fused, *engine, heads_first=True), state_bytes + conv_bytes))
-    results[False].append(measure("step kernel, column blocks fastest (grid Dv / BLOCK_V, Hv, N)",
-                                  lambda i, o: pair(i, o, conv=False, v_major=True), state_bytes))
-    rows = []
-    for fuse, part in results.items():
-        ref = part[0]["got"]
-        for row in part:
-            got = row.pop("got")
-            row["same"] = all(torch.equal(g, r) for g, r in zip(got, ref, strict=True))
-        title = ("conv step + gated delta step" if fuse else "gated delta step alone (conv output in)")
-        rows += report(f"{title}, {seqs} seqs x {HV} heads, fp32 state read + write",
-                       part + [copy_row] + floor_rows, part[0]["launch"])
-    return rows
 
 
 def sweep_conv(seqs: int) -> list[dict]:
@@ -598,7 +442,7 @@ def main() -> None:
     parser.add_argument("--only", default="gdn,conv,norm,argmax,conv_prefill")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    sweeps = {"gdn": sweep_gdn, "gdn_fused": sweep_gdn_fused, "conv": sweep_conv, "norm": sweep_norms,
+    sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms,
               "argmax": sweep_argmax, "conv_prefill": sweep_conv_prefill, "experts": sweep_experts,
               "fp8experts": sweep_fp8_experts}
     found = {}

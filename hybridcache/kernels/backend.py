@@ -158,7 +158,7 @@ class KernelBackend(Protocol):
         """Gated DeltaNet's core as one op: `causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer)`, its
         output split into q, k [T, Hk, Dk] | v [T, Hv, Dv] (`gated_delta.reference.split_qkv`; Hk = num_k_heads, Dk
         and Dv from ssm_layer), then `gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer)`. The results (output,
-        both state layers) are those of the three ops (a backend may fuse them: CUDA's decode step is one launch)."""
+        both state layers) are those of the three ops (a backend may fuse them)."""
         ...
 
     def delta_gates(

@@ -52,7 +52,6 @@ from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
 from hybridcache.kernels.gated_delta.reference import split_qkv
-from hybridcache.kernels.gated_delta.triton_conv_step import conv_gated_delta_decode
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
@@ -63,13 +62,6 @@ from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
 from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
-
-# The DeltaNet decode core in one launch (conv, gates and rule: `gated_delta/triton_conv_step.py`) instead of the
-# conv step kernel + the step kernel: measured at 78.6 against 79.8 us for the two (84.5 in the launch that the
-# engine measured, 80.1 against 77.0 us a layer in next-1b's step), while the step kernel's grid order alone gains
-# 1.8 us with the same bits (docs/bench.md, session 44, dec17a): off until the fused launch beats the two in the
-# engine's step.
-FUSED_DECODE_CORE = False
 
 
 @dataclass(frozen=True)
@@ -255,11 +247,9 @@ class CudaBackend:
         conv_layer: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
         dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *, num_k_heads: int,
     ) -> torch.Tensor:
-        """`causal_conv1d`, then `gated_delta` (all-decode: the conv step kernel and the step kernel making the
-        gates); with FUSED_DECODE_CORE an all-decode step runs the three in one launch (`triton_conv_step`)."""
-        if FUSED_DECODE_CORE and _metadata(batch).all_decode:
-            return conv_gated_delta_decode(mixed_qkv, conv_weight, conv_bias, conv_layer, a, b, (A_log, dt_bias),
-                                           ssm_layer, batch.state_slots, batch.context_lens, num_k_heads=num_k_heads)
+        """`causal_conv1d`, then `gated_delta` (all-decode: the conv step kernel, then the step kernel making the
+        gates). One launch for the three was measured slower in the engine's step (docs/bench.md, session 44,
+        dec17a)."""
         conv_out = self.causal_conv1d(mixed_qkv, conv_weight, conv_bias, conv_layer, batch)
         q, k, v = split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
         return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)

@@ -18,7 +18,7 @@ from hybridcache.kernels.conv.triton import (  # noqa: E402
     _conv_varlen_kernel,
 )
 from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
-from hybridcache.kernels.gated_delta import triton_conv_step, triton_step  # noqa: E402
+from hybridcache.kernels.gated_delta import triton_step  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_step import _gdn_step_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta.triton_verify import _gdn_verify_kernel  # noqa: E402
 from hybridcache.kernels.moe.triton_experts import _expert_gemm_kernel  # noqa: E402
@@ -71,25 +71,6 @@ def test_gated_delta_step_streams_its_state_for_hopper():
         assert "L1::evict_first" in ptx[v_major] and "st.global.cs" in ptx[v_major]
     assert "%ctaid.z" in ptx[True] and "%ctaid.z" in ptx[False]
     assert ptx[True].count("ld.global") == ptx[False].count("ld.global")
-
-
-def test_fused_decode_core_compiles_for_hopper():
-    """`triton_conv_step`'s kernel in the engine's launch (tiles, prefetch, warps, streaming hints) on Qwen3-Next's
-    heads, with the conv fused in and without: the state streams as the step kernel's does; with the conv, the
-    program writes the conv state (bf16 stores beside the output's) and runs the conv's SiLU (more exponentials)."""
-    kernel = triton_conv_step._conv_gdn_step_kernel
-    ptx = {}
-    for fuse in (True, False):
-        constants = dict(KEY_DIM=2048, RATIO=2, DK=128, DV=128, BLOCK_V=triton_conv_step._BLOCK_V, K=4, BLOCK_W=4,
-                         HAS_BIAS=False, L2NORM=True, FUSE_CONV=fuse, PREFETCH=triton_conv_step._PREFETCH,
-                         UNROLL=triton_conv_step._UNROLL, STAGES=triton_conv_step._STAGES,
-                         HOIST=triton_conv_step._HOIST, HEADS_FIRST=triton_conv_step._HEADS_FIRST, STREAM=True)
-        ptx[fuse] = compile_for_hopper(kernel, pointers(kernel, {**GDN_POINTERS, "pool_ptr": "*fp32"}),
-                                       integers(kernel), constants, num_warps=triton_conv_step._NUM_WARPS,
-                                       floats=("scale",)).asm["ptx"]
-    assert all("L1::evict_first" in code and "st.global.cs" in code for code in ptx.values())
-    assert ptx[True].count("ex2") > ptx[False].count("ex2")
-    assert ptx[True].count("st.global.b16") > ptx[False].count("st.global.b16")
 
 
 @pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])

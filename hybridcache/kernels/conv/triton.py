@@ -135,8 +135,7 @@ def conv_step_channels(x_row, w_ptr, bias_ptr, state_row, chans, chan_ok, width,
     fresh sequence), the new input from x_row[chans]. Writes the shifted state (old entries 1.., then x) back in
     place and returns the output in fp32 (bias and SiLU applied, not yet rounded to x's dtype).
     The taps are summed one at a time in a fixed order (each picked out of its row by a sum whose other terms are
-    zeros: exact), so every kernel that calls this gives the same bits whatever its tile layout: the conv step
-    kernel and the fused conv + gated delta step (`gated_delta/triton_conv_step.py`)."""
+    zeros: exact), so any kernel that calls this gives the conv step kernel's bits whatever its tile layout."""
     cols = tl.arange(0, BLOCK_W)
     col_ok = cols < K - 1
     rows = state_row + chans[:, None] * stride_pc
