@@ -54,6 +54,20 @@ def _block(num_rows, dim, ROWS: tl.constexpr, BLOCK: tl.constexpr):  # this prog
 # Every kernel: one program per ROWS rows; (x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps) first,
 # then its own. num_rows is not specialised on (a 1-row call must not compile another variant).
 @triton.jit
+def _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim, eps,
+                dtype: tl.constexpr):
+    """The rows' gated RMSNorm in `dtype`, rounded as `layers.norm.GatedRMSNorm` rounds: the norm, then its product
+    with w, each rounded to `dtype`, then the product with silu(gate)."""
+    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
+    scaled = (w[None, :] * normed).to(dtype).to(tl.float32)
+    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
+    return (scaled * (gate * tl.sigmoid(gate))).to(dtype)
+
+
+@triton.jit
 def _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t, r_stride_h, heads,
                   dim, eps):
     """The rows' x + residual, stored at sum_ptr in its dtype, and the zero-centred RMSNorm of that stored sum in
@@ -93,14 +107,9 @@ def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, di
 def _gated_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
                            gate_stride_h, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
-    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
-    dtype = out_ptr.dtype.element_ty
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    scaled = (w[None, :] * normed).to(dtype).to(tl.float32)
-    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
-    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], (scaled * (gate * tl.sigmoid(gate))).to(dtype), mask=ok)
+    y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
+                    eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y, mask=ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -151,14 +160,8 @@ def _gated_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, hea
                                gate_stride_h, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
                                ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
-    x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
-    dtype = out_ptr.dtype.element_ty
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
-    scaled = (w[None, :] * normed).to(dtype).to(tl.float32)
-    gate = _load_rows(g_ptr, rows, gate_stride_t, gate_stride_h, heads, cols, ok)
-    y = (scaled * (gate * tl.sigmoid(gate))).to(dtype)
+    y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
+                    eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * dim + cols[None, :], y, mask=ok)
     _store_fp8_groups(tl.where(ok, y.to(tl.float32), 0.0), rows, cols, padded_rows, heads, dim, q_ptr, s_ptr,
                       stride_q, stride_sm, stride_sg, ROWS, BLOCK, GROUP, QMAX)
