@@ -128,39 +128,6 @@ def _conv_state_kernel(
 
 
 @triton.jit
-def conv_step_channels(x_row, w_ptr, bias_ptr, state_row, chans, chan_ok, width, stride_pc, stride_pw,
-                       K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """One decode token's conv over channels `chans` of one sequence: its K-1 old inputs come from the state row
-    `state_row` (a slot's [C, K-1] row of the conv pool; only the first `width` of them, zeros past it: 0 for a
-    fresh sequence), the new input from x_row[chans]. Writes the shifted state (old entries 1.., then x) back in
-    place and returns the output in fp32 (bias and SiLU applied, not yet rounded to x's dtype).
-    The taps are summed one at a time in a fixed order (each picked out of its row by a sum whose other terms are
-    zeros: exact), so any kernel that calls this gives the conv step kernel's bits whatever its tile layout."""
-    cols = tl.arange(0, BLOCK_W)
-    col_ok = cols < K - 1
-    rows = state_row + chans[:, None] * stride_pc
-    old = tl.load(rows + cols[None, :] * stride_pw, mask=chan_ok[:, None] & (cols < width)[None, :], other=0.0)
-    shifted = tl.load(rows + (cols + 1)[None, :] * stride_pw, mask=chan_ok[:, None] & (cols + 1 < width)[None, :],
-                      other=0.0)
-    xv = tl.load(x_row + chans, mask=chan_ok, other=0.0)
-    w_old = tl.load(w_ptr + chans[:, None] * K + cols[None, :], mask=chan_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
-    taps = old.to(tl.float32) * w_old
-    acc = tl.sum(tl.where((cols == 0)[None, :], taps, 0.0), axis=1)
-    for j in tl.static_range(1, K - 1):
-        acc += tl.sum(tl.where((cols == j)[None, :], taps, 0.0), axis=1)
-    acc += xv.to(tl.float32) * tl.load(w_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
-    new_state = tl.where((cols == K - 2)[None, :], xv[:, None].to(state_row.dtype.element_ty),
-                         shifted.to(state_row.dtype.element_ty))
-    tl.store(rows + cols[None, :] * stride_pw, new_state, mask=chan_ok[:, None] & col_ok[None, :])
-    return acc
-
-
-@triton.jit
 def _conv_step_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr,
     stride_xn, stride_on, stride_ps, stride_pc, stride_pw, num_channels,
@@ -172,9 +139,26 @@ def _conv_step_kernel(
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = chans < num_channels
-    acc = conv_step_channels(x_ptr + seq * stride_xn, w_ptr, bias_ptr, pool_ptr + slot * stride_ps, chans, chan_ok,
-                             width, stride_pc, stride_pw, K, BLOCK_W, HAS_BIAS, SILU)
+    cols = tl.arange(0, BLOCK_W)
+    col_ok = cols < K - 1
+    state_row = pool_ptr + slot * stride_ps + chans[:, None] * stride_pc
+    old = tl.load(state_row + cols[None, :] * stride_pw, mask=chan_ok[:, None] & (cols < width)[None, :],
+                  other=0.0).to(tl.float32)
+    shifted = tl.load(state_row + (cols + 1)[None, :] * stride_pw,
+                      mask=chan_ok[:, None] & (cols + 1 < width)[None, :], other=0.0)
+    xv = tl.load(x_ptr + seq * stride_xn + chans, mask=chan_ok, other=0.0)
+    w_old = tl.load(w_ptr + chans[:, None] * K + cols[None, :], mask=chan_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+    w_new = tl.load(w_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(old * w_old, axis=1) + xv.to(tl.float32) * w_new
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + seq * stride_on + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+    new_state = tl.where((cols == K - 2)[None, :], xv[:, None].to(pool_ptr.dtype.element_ty),
+                         shifted.to(pool_ptr.dtype.element_ty))
+    tl.store(state_row + cols[None, :] * stride_pw, new_state, mask=chan_ok[:, None] & col_ok[None, :])
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, activation: str | None) -> None:
