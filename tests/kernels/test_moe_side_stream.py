@@ -42,12 +42,13 @@ def make_blocks(device: str, seed: int = 0) -> list[SparseMoeBlock]:
     torch.manual_seed(seed)
     blocks = []
     for _ in range(BLOCKS):
-        block = SparseMoeBlock(HIDDEN, num_experts=EXPERTS, top_k=TOP_K, moe_intermediate_size=WIDTH,
-                               shared_expert_intermediate_size=SHARED, norm_topk_prob=True)
+        with torch.device(device):  # made there (next-1b's experts: seconds to draw on the CPU)
+            block = SparseMoeBlock(HIDDEN, num_experts=EXPERTS, top_k=TOP_K, moe_intermediate_size=WIDTH,
+                                   shared_expert_intermediate_size=SHARED, norm_topk_prob=True)
         with torch.no_grad():
             for param in block.parameters():
                 param.normal_(0, param.shape[-1] ** -0.5)
-        blocks.append(block.to(device, torch.bfloat16))
+        blocks.append(block.to(torch.bfloat16))
     return blocks
 
 
