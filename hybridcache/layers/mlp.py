@@ -9,7 +9,8 @@ Both blocks take `(x, step)` like every block of a decoder layer; the routed exp
 On CUDA the MoE block runs its shared expert on a second stream (`kernels/streams.py`), overlapping the routing and
 the routed experts: at a decode step's few rows its GEMMs are latency-bound (a few microseconds each, on the critical
 path of every MoE layer), while the routed experts stream their weights for tens to hundreds of microseconds.
-`MOE_SIDE_STREAM` says what runs there (docs/design.md, "The sparse MoE block").
+`MOE_SIDE_STREAM` says what runs there (docs/design.md, "The sparse MoE block runs its shared expert on a second CUDA
+stream").
 
 Tensor parallel (`tp`): every MLP, each routed expert and the shared expert included, is split on its
 intermediate dim (rows of gate_proj / up_proj, columns of down_proj), so a rank's output is a partial sum; the
@@ -42,7 +43,8 @@ MOE_SIDE_STREAM = os.environ.get("HYBRIDCACHE_MOE_SIDE_STREAM", "a")
 Blocks whose inputs do not fuse (FP8 beside the bf16 router) run the shared expert's gate | up and down there in
 "a" and "b" alike, unless the backend stacks it with the routed experts (`fuses_shared_expert`). Only where the backend
 has a side stream (`KernelBackend.side_stream`: CUDA); the reference backend runs everything inline. Read once, at
-import: `HYBRIDCACHE_MOE_SIDE_STREAM=off|a|b` is for A/B benchmarks (`benchmarks/moe_side_stream.py`)."""
+import: `HYBRIDCACHE_MOE_SIDE_STREAM=off|a|b` is for A/B benchmarks (`benchmarks/moe_side_stream.py`, and
+`benchmarks/step_profile.py` run under each value). Default "a" until the GPU A/B (docs/bench.md, session 45)."""
 if MOE_SIDE_STREAM not in ("off", "a", "b"):
     raise ValueError(f"HYBRIDCACHE_MOE_SIDE_STREAM={MOE_SIDE_STREAM!r}: expected off, a or b")
 
