@@ -28,7 +28,7 @@ replay"), the step's copy ops by kind (`runner._copy`) and the eager torch ops t
 (which eager work runs beside the graph, and who issues it).
 Every Triton kernel compiled after the engine's start-up is named at the end (`compiled_after_start_up` in the
 JSON: the engine means to compile none). Prints one table; writes DIR/step_profile_<model>.json (DIR: --out, else
-$OUT, else .).
+$OUT, else .; `_ssm-<dtype>` is added to the name with a `--mamba-ssm-cache-dtype` other than auto).
 """
 
 from __future__ import annotations
@@ -387,6 +387,8 @@ def main() -> None:
                         help="also trace TRACED_STEPS decode steps (chrome trace, kernels in launch order, copy ops)")
     parser.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                         help="dummy: a folder of config.json and the tokenizer, random weights drawn on the device")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the DeltaNet recurrent state's dtype (auto: float32 here; the models name none)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.load_format == "dummy":
@@ -397,7 +399,8 @@ def main() -> None:
         folder = model_folder(args.model, args.model_dir)
     llm = LLM(folder, dtype="bfloat16" if device.type == "cuda" else "float32", device=args.device,
               block_size=64, max_num_seqs=args.seqs, max_num_batched_tokens=16384, enforce_eager=args.enforce_eager,
-              max_model_len=17000 if args.prefill else None, load_format=args.load_format)
+              max_model_len=17000 if args.prefill else None, load_format=args.load_format,
+              mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     engine = llm.engine
     compiles = CompileLog()  # every Triton compile from here on is one the engine's start-up did not do
     compiles.label = "after start-up"
@@ -422,10 +425,12 @@ def main() -> None:
         "model": args.model, "load_format": args.load_format,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else args.device,
         "seqs": args.seqs, "prompt_len": args.prompt_len, "cuda_graphs": list(engine.runner.graph_batch_sizes),
+        "mamba_ssm_cache_dtype": engine.config.mamba_ssm_cache_dtype,
         "free_step_ms_p50": 1000 * statistics.median(free), "synced_step_ms_p50": 1000 * statistics.median(timed_walls),
         "parts_ms": parts, "trace": traced,
     }
-    print(f"\n{args.model} on {result['device']}, {args.seqs} sequences decoding, graphs {result['cuda_graphs']}")
+    print(f"\n{args.model} on {result['device']}, {args.seqs} sequences decoding, graphs {result['cuda_graphs']}, "
+          f"state {result['mamba_ssm_cache_dtype']}")
     print(f"free-running decode step p50: {result['free_step_ms_p50']:.2f} ms; phase-synced step p50 "
           f"{result['synced_step_ms_p50']:.2f} ms")
     print("| part | ms per step (own cost, synced) |\n| --- | --- |")
@@ -458,7 +463,8 @@ def main() -> None:
     result["compiled_after_start_up"] = compiles.by_label.get("after start-up", [])
     print(f"Triton compiled {len(result['compiled_after_start_up'])} kernels after start-up: "
           f"{[name.split(' key=')[0] for name in result['compiled_after_start_up']]}")
-    (out_dir / f"step_profile_{args.model}.json").write_text(json.dumps(result, indent=1))
+    suffix = "" if args.mamba_ssm_cache_dtype == "auto" else f"_ssm-{args.mamba_ssm_cache_dtype}"
+    (out_dir / f"step_profile_{args.model}{suffix}.json").write_text(json.dumps(result, indent=1))
     if args.and_batch_prefill:
         profile_batch_prefill(llm, rng, device, args.prompt_len)
 
