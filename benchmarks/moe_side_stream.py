@@ -1,4 +1,4 @@
-"""The sparse MoE block with its shared expert on the side CUDA stream or not (`layers/mlp.py::MOE_SIDE_STREAM`),
+"""The sparse MoE block with its shared expert on the side CUDA stream or not (`layers/mlp.py`, `kernels/streams.py`),
 per layer, by tokens per step.
 
     PYTHONPATH=. python benchmarks/moe_side_stream.py [--models next-16b,next-1b] [--tokens 1,16,64] [--out DIR]
@@ -6,16 +6,14 @@ per layer, by tokens per step.
 For each benchmark model's MoE shapes (`gpu_bench.MODELS`: next-16b hidden 4,096, 32 experts of 1,024, top-8, a
 shared expert of 1,024; next-1b hidden 2,048, 16 experts of 512, top-4, shared 512) builds `--layers` distinct
 bf16 blocks with random weights (distinct so that no layer's shared expert stays in L2 for the next one: 25 MB of
-weights each on next-16b) chained as x = x + block(x), and for each variant ("off": one stream; "a": SwiGLU + down
-on the side stream; "b": the shared expert's gate | up too) and T tokens times:
+weights each on next-16b) chained as x = x + block(x), and for each variant ("one": the CUDA backend with no side
+stream, every fork inline; "side": the shared expert's SwiGLU + down on the side stream) and T tokens times:
 - `graph`: the chain captured in one CUDA graph (as a decode graph holds it), the median of `--reps` replays timed
   by CUDA events, per layer (us): what the decode step pays;
 - `eager`: the chain run eagerly, the same way, per layer (us; host launch costs included).
-The variant is switched in-process (the module constant the env var HYBRIDCACHE_MOE_SIDE_STREAM sets at import);
-each is warmed up eagerly before its capture (the FusedProjections re-fuse on a switch, outside the capture). Each
-variant's graph output is checked against the one-stream ("off") output: equal bits for "a", max abs difference
-printed for "b" (other input GEMMs; not a failure). Prints one table; writes DIR/moe_side_stream.json (DIR: --out,
-else $OUT, else .).
+Each variant is warmed up eagerly before its capture. The side stream's graph output is checked against the one
+stream's: the same kernels, so equal bits. Prints one table; writes DIR/moe_side_stream.json (DIR: --out, else
+$OUT, else .).
 """
 
 from __future__ import annotations
@@ -33,15 +31,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import MODELS  # noqa: E402
 
 import hybridcache.kernels.backend as kernel_backend  # noqa: E402
-from hybridcache.layers import mlp  # noqa: E402
 from hybridcache.layers.mlp import SparseMoeBlock  # noqa: E402
 
-VARIANTS = ("off", "a", "b")
+VARIANTS = ("one", "side")
 
 
 class _Step:
     def __init__(self, backend: object) -> None:
         self.backend = backend
+
+
+class _OneStream:
+    """A backend as given, without a side stream: every fork runs inline, on the current stream."""
+
+    def __init__(self, backend: object) -> None:
+        self._backend = backend
+
+    def side_stream(self, device: torch.device) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
 
 
 def shapes(model: str) -> dict[str, int]:
@@ -87,7 +97,7 @@ def median_ms(run, reps: int) -> float:
 def measure(blocks: list[SparseMoeBlock], step: _Step, tokens: int, variant: str, reps: int
             ) -> tuple[float, float, torch.Tensor]:
     """(graph us per layer, eager us per layer, the graph's output) of `variant` at `tokens` rows."""
-    mlp.MOE_SIDE_STREAM = variant
+    step = _Step(_OneStream(step.backend)) if variant == "one" else step
     hidden = blocks[0].gate.in_features
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     static = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
@@ -120,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     step = _Step(kernel_backend.get_backend("cuda"))
     rows = []
-    print(f"{'model':9} {'T':>3} {'variant':7} {'graph us/layer':>15} {'eager us/layer':>15}  vs off")
+    print(f"{'model':9} {'T':>3} {'variant':7} {'graph us/layer':>15} {'eager us/layer':>15}  vs one stream")
     for model in args.models.split(","):
         size = shapes(model)
         blocks = make_blocks(size, args.layers)
@@ -130,10 +140,8 @@ def main() -> None:
                 graph_us, eager_us, out = measure(blocks, step, tokens, variant, args.reps)
                 if base is None:
                     base, check = out, "-"
-                elif variant == "a":
-                    check = "equal" if torch.equal(out, base) else "DIFFERENT BITS"
                 else:
-                    check = f"max abs diff {(out.float() - base.float()).abs().max().item():.3g}"
+                    check = "equal" if torch.equal(out, base) else "DIFFERENT BITS"
                 print(f"{model:9} {tokens:>3} {variant:7} {graph_us:15.2f} {eager_us:15.2f}  {check}")
                 rows.append(dict(model=model, tokens=tokens, variant=variant, graph_us_per_layer=graph_us,
                                  eager_us_per_layer=eager_us, check=check, **size))

@@ -8,9 +8,8 @@ Both blocks take `(x, step)` like every block of a decoder layer; the routed exp
 
 On CUDA the MoE block runs its shared expert on a second stream (`kernels/streams.py`), overlapping the routing and
 the routed experts: at a decode step's few rows its GEMMs are latency-bound (a few microseconds each, on the critical
-path of every MoE layer), while the routed experts stream their weights for tens to hundreds of microseconds.
-`MOE_SIDE_STREAM` says what runs there (docs/design.md, "The sparse MoE block runs its shared expert on a second CUDA
-stream").
+path of every MoE layer), while the routed experts stream their weights for tens to hundreds of microseconds
+(docs/design.md, "The sparse MoE block runs its shared expert on a second CUDA stream").
 
 Tensor parallel (`tp`): every MLP, each routed expert and the shared expert included, is split on its
 intermediate dim (rows of gate_proj / up_proj, columns of down_proj), so a rank's output is a partial sum; the
@@ -22,8 +21,6 @@ the same expert kernels.)
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
@@ -32,21 +29,6 @@ from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_swiglu_linear
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
 from hybridcache.layers.step import StepContext
-
-MOE_SIDE_STREAM = os.environ.get("HYBRIDCACHE_MOE_SIDE_STREAM", "a")
-"""What of the MoE block's shared expert runs on the device's side stream (CUDA only; elsewhere all runs inline):
-- "off": nothing (one stream, as before);
-- "a":   its SwiGLU and down projection; the one fused input GEMM (shared gate | up, router, shared gate) stays on the
-         main stream before the fork;
-- "b":   its gate | up GEMM too; the main stream runs only the router | shared-gate GEMM before the fork (one
-         launch more in all, a smaller GEMM before the fork).
-Blocks whose inputs do not fuse (FP8 beside the bf16 router) run the shared expert's gate | up and down there in
-"a" and "b" alike, unless the backend stacks it with the routed experts (`fuses_shared_expert`). Only where the backend
-has a side stream (`KernelBackend.side_stream`: CUDA); the reference backend runs everything inline. Read once, at
-import: `HYBRIDCACHE_MOE_SIDE_STREAM=off|a|b` is for A/B benchmarks (`benchmarks/moe_side_stream.py`, and
-`benchmarks/step_profile.py` run under each value). Default "a" until the GPU A/B (docs/bench.md, session 45)."""
-if MOE_SIDE_STREAM not in ("off", "a", "b"):
-    raise ValueError(f"HYBRIDCACHE_MOE_SIDE_STREAM={MOE_SIDE_STREAM!r}: expected off, a or b")
 
 
 class MLP(nn.Module):
@@ -125,17 +107,19 @@ class SparseMoeBlock(nn.Module):
                                       self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        """On CUDA the shared expert's output is computed on the side stream (`MOE_SIDE_STREAM`) and handed to
-        `moe` pending; `moe` makes the main stream wait for it right before the combine that adds it. The pending
-        result keeps the tensors the side stream reads (x, or the fused GEMM's gate and up) referenced until this
-        returns, after that join (`kernels/streams.py`: why the allocator's reuse of their memory is safe)."""
-        side = step.backend.side_stream(x.device) if MOE_SIDE_STREAM != "off" else None
+        """Where the backend has a side stream (CUDA), the shared expert's output is computed there and handed to
+        `moe` pending; `moe` makes the main stream wait for it right before the combine that adds it. With the one
+        fused input GEMM, its SwiGLU and down projection run there; with separate ones (FP8 beside the bf16 router),
+        its gate | up too, after the router's GEMM (no dense or FP8 linear may run on the main stream between a fork
+        and its join: `kernels/streams.py`, device scratch). The pending result keeps the tensors the side stream
+        reads (the fused GEMM's gate and up, or x) referenced until this returns, after that join
+        (`kernels/streams.py`: why the allocator's reuse of their memory is safe)."""
+        side = step.backend.side_stream(x.device)
         shared: torch.Tensor | kernel_backend.Pending | nn.Module  # the shared expert's output (pending), or its module
-        if self.inputs.fused() and not (side is not None and MOE_SIDE_STREAM == "b"):
+        if self.inputs.fused():
             gate, up, router_logits, shared_gate = self.inputs(x)
             shared = kernel_backend.fork(side, self.shared_expert.down, gate, up, step)
         else:
-            # before the fork: no GEMM on the main stream while the side stream runs (kernels/streams.py, scratch)
             router_logits, shared_gate = self.gates(x)
             if step.backend.fuses_shared_expert(self.experts, self.shared_expert):  # FP8 on CUDA: one more expert
                 shared = self.shared_expert

@@ -1,13 +1,12 @@
-"""The sparse MoE block's shared expert on the side CUDA stream (`kernels/streams.py`, `layers/mlp.py::
-MOE_SIDE_STREAM`) gives the bits of the same kernels run on one stream.
+"""The sparse MoE block's shared expert on the side CUDA stream (`kernels/streams.py`, `layers/mlp.py`) gives the
+bits of the same kernels run on one stream (every fork run inline).
 
 Next-1b's MoE shapes (hidden 2,048, 16 experts of 512, top-4, a shared expert of 512) in bf16 on `CudaBackend`,
 three blocks chained (x + block(x), so later forks reuse memory the earlier ones freed), at 1, 16 and 64 tokens:
-- eager: variant "a" (one fused input GEMM, SwiGLU + down on the side stream) == "off" (one stream, the same
-  kernels) bit for bit; variant "b" (the shared expert's gate | up on the side stream too) == "b" with every fork
-  inline (its kernels on one stream);
+- eager: the one fused input GEMM on the main stream, SwiGLU + down on the side stream == the same on one stream,
+  bit for bit, twice (the second time every side-stream allocation reuses memory the first freed);
 - in a captured CUDA graph: the forward captured once (after an eager warm-up, as the engine does) and replayed
-  twice with new inputs copied in, each replay == the same variant run eagerly on one stream, bit for bit;
+  twice with new inputs copied in, each replay == the forward run eagerly on one stream, bit for bit;
 - FP8 experts and shared expert with the shared expert not stacked with the experts (inputs that do not fuse):
   the shared expert's gate | up and down on the side stream, eagerly and replayed, == one stream.
 The forks really take the side stream (counted), and the CPU reference backend never does (it runs inline).
@@ -22,13 +21,11 @@ import torch
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.kernels import streams
 from hybridcache.kernels.backend import ReferenceBackend
-from hybridcache.layers import mlp
 from hybridcache.layers.mlp import SparseMoeBlock
 from tests.kernels.interpreter import needs_cuda
 
 HIDDEN, EXPERTS, TOP_K, WIDTH, SHARED, BLOCKS = 2048, 16, 4, 512, 512, 3
 TOKENS = pytest.mark.parametrize("tokens", [1, 16, 64])
-VARIANTS = pytest.mark.parametrize("variant", ["a", "b"])
 
 
 class _Step:
@@ -76,29 +73,24 @@ def counting_fork(monkeypatch: pytest.MonkeyPatch, *, inline: bool = False) -> l
     return taken
 
 
-def one_stream(blocks: list[SparseMoeBlock], x: torch.Tensor, step: _Step, variant: str,
-               monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    """The forward on one stream with the kernels `variant` runs: "off" for "a", "b" with its forks inline."""
+def one_stream(blocks: list[SparseMoeBlock], x: torch.Tensor, step: _Step, monkeypatch: pytest.MonkeyPatch
+               ) -> torch.Tensor:
+    """The forward with every fork run inline: the same kernels on one stream."""
     with monkeypatch.context() as patch:
-        if variant == "a":
-            patch.setattr(mlp, "MOE_SIDE_STREAM", "off")
-        else:
-            counting_fork(patch, inline=True)
+        counting_fork(patch, inline=True)
         out = forward(blocks, x, step)
     torch.cuda.synchronize()
     return out
 
 
 @needs_cuda
-@VARIANTS
 @TOKENS
 @torch.inference_mode()
-def test_side_stream_equals_one_stream_eagerly(variant: str, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_side_stream_equals_one_stream_eagerly(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     step = _Step(kernel_backend.get_backend("cuda"))
     blocks = make_blocks("cuda")
     x = inputs(tokens, seed=tokens)
-    want = one_stream(blocks, x, step, variant, monkeypatch)
-    monkeypatch.setattr(mlp, "MOE_SIDE_STREAM", variant)
+    want = one_stream(blocks, x, step, monkeypatch)
     taken = counting_fork(monkeypatch)
     for _ in range(2):  # the second time every side-stream allocation reuses memory the first freed
         got = forward(blocks, x, step)
@@ -108,13 +100,11 @@ def test_side_stream_equals_one_stream_eagerly(variant: str, tokens: int, monkey
 
 
 @needs_cuda
-@VARIANTS
 @TOKENS
 @torch.inference_mode()
-def test_side_stream_in_a_cuda_graph(variant: str, tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_side_stream_in_a_cuda_graph(tokens: int, monkeypatch: pytest.MonkeyPatch) -> None:
     step = _Step(kernel_backend.get_backend("cuda"))
     blocks = make_blocks("cuda", seed=1)
-    monkeypatch.setattr(mlp, "MOE_SIDE_STREAM", variant)
     taken = counting_fork(monkeypatch)
     static = inputs(tokens, seed=100)
     captured = capture(lambda: forward(blocks, static, step))
@@ -122,7 +112,7 @@ def test_side_stream_in_a_cuda_graph(variant: str, tokens: int, monkeypatch: pyt
     for seed in (7, 8):
         x = inputs(tokens, seed)
         got = replay(captured, static, x)
-        assert torch.equal(got, one_stream(blocks, x, step, variant, monkeypatch))
+        assert torch.equal(got, one_stream(blocks, x, step, monkeypatch))
 
 
 def capture(run) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -166,26 +156,23 @@ def test_an_unstacked_fp8_shared_expert_on_the_side_stream(tokens: int, monkeypa
         block = moe_block(BLOCK, torch.Generator().manual_seed(3)).to("cuda", torch.bfloat16)
     assert not block.inputs.fused()
     step = _Step(kernel_backend.get_backend("cuda"))
-    monkeypatch.setattr(mlp, "MOE_SIDE_STREAM", "a")
     with torch.inference_mode():
         static = torch.randn(tokens, 256, device="cuda").to(torch.bfloat16)
-        want = one_stream([block], static, step, "a", monkeypatch)
+        want = one_stream([block], static, step, monkeypatch)
         taken = counting_fork(monkeypatch)
         assert torch.equal(forward([block], static, step), want)
         captured = capture(lambda: forward([block], static, step))
         assert taken == [True] * 3
         x = torch.randn(tokens, 256, device="cuda").to(torch.bfloat16)
-        assert torch.equal(replay(captured, static, x), one_stream([block], x, step, "a", monkeypatch))
+        assert torch.equal(replay(captured, static, x), one_stream([block], x, step, monkeypatch))
 
 
-@VARIANTS
-def test_the_reference_backend_runs_the_shared_expert_inline(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_reference_backend_runs_the_shared_expert_inline(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     block = SparseMoeBlock(64, num_experts=6, top_k=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
                            norm_topk_prob=True)
-    monkeypatch.setattr(mlp, "MOE_SIDE_STREAM", variant)
     taken = counting_fork(monkeypatch)
     with torch.no_grad():
         out = block(torch.randn(5, 64), _Step(ReferenceBackend()))
     assert out.shape == (5, 64) and taken == [False]
-    assert block.inputs.weight is not None  # no side stream: the one fused input GEMM, whatever the variant
+    assert block.inputs.weight is not None  # the one fused input GEMM
