@@ -36,6 +36,7 @@ from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.fp8_format import Fp8Format
+from hybridcache.kernels import streams
 from hybridcache.kernels.activation import reference as activation_ref
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.attention.reference_backend import ReferenceAttention
@@ -50,6 +51,7 @@ from hybridcache.kernels.norm import reference as norm_ref
 from hybridcache.kernels.registry import ATTENTION, ENCODER_ATTENTION, GEMM
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.kernels.shapes import ModelShapes, refuse
+from hybridcache.kernels.streams import Pending, joined
 
 
 class KernelBackend(Protocol):
@@ -222,17 +224,26 @@ class KernelBackend(Protocol):
         with the routed experts, instead of its output. Decided from the modules alone (the same on every call)."""
         ...
 
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream a layer may run work on beside the current one (through `fork`: `kernels/streams.py`), or
+        None: run it inline. One per device, the same on every call."""
+        ...
+
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | nn.Module] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
         x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
         shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate;
-                    or, where `fuses_shared_expert` holds, (gate, the shared expert's module), its output
-                    computed here
+                    the output may be pending on the device's side stream (`kernels.streams.Pending`): then `moe`
+                    joins it (`streams.joined`: the current stream waits for the side stream) after launching the
+                    routed experts and before the first kernel that reads it, always, exactly once per call, and
+                    launches no dense or FP8 linear before that join (the side stream may be running one:
+                    `kernels/streams.py`, device scratch); or, where `fuses_shared_expert` holds, (gate, the shared
+                    expert's module), its output computed here
         returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
                     (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds; with
                     the module, to float rounding)
@@ -394,9 +405,12 @@ class ReferenceBackend:
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         return False  # the layer runs the shared expert and passes its output
 
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        return None  # one op after another, on any device
+
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None,
     ) -> torch.Tensor:
         routed = moe_ref.routed_experts(
             x,
@@ -406,7 +420,7 @@ class ReferenceBackend:
             _DenseWeights([e.up_proj for e in experts], x.dtype),
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
-        return routed if shared is None else activation_ref.sigmoid_gate_add(routed, *shared)
+        return routed if shared is None else activation_ref.sigmoid_gate_add(routed, shared[0], joined(shared[1]))
 
     def gated_delta(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -524,6 +538,12 @@ def gated_rms_norm_fp8(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     from hybridcache.kernels.norm import fp8 as norm_fp8
 
     return norm_fp8.gated_rms_norm_fp8(x, gate, weight, eps, group, pad_rows)
+
+
+def fork(stream: torch.cuda.Stream | None, fn: Callable[..., torch.Tensor], *args: object) -> Pending:
+    """`fn(*args)` on `stream` (a backend's `side_stream`) after the current stream's work so far, or inline when
+    None: `kernels/streams.py::fork`, for layers (they reach kernels through this module)."""
+    return streams.fork(stream, fn, *args)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
@@ -61,6 +62,7 @@ from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, groupe
 from hybridcache.kernels.norm import triton as fused_norm
 from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
+from hybridcache.kernels.streams import Pending, joined
 from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
 
 
@@ -265,12 +267,13 @@ class CudaBackend:
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | nn.Module] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
     ) -> torch.Tensor:
         """`experts` must be a module (the block's nn.ModuleList): its stacked weights are kept per module. bf16 /
-        fp32 experts add `shared` in the combine's launch; FP8 experts with one launch more, or, given the shared
-        expert's module (`fuses_shared_expert`), with it stacked as one more expert (`fp8_grouped_experts`'
-        `shared_gate`)."""
+        fp32 experts add `shared` in the combine's launch (a pending output joined right before it, after the
+        expert GEMMs were launched: `grouped_experts`); FP8 experts with one launch more (joined before it), or,
+        given the shared expert's module (`fuses_shared_expert`), with it stacked as one more expert
+        (`fp8_grouped_experts`' `shared_gate`)."""
         shared_module = shared[1] if shared is not None and isinstance(shared[1], nn.Module) else None
         stacked = self._experts.get(experts)
         if stacked is None:
@@ -289,12 +292,14 @@ class CudaBackend:
             if stacked.shared:
                 return fp8_grouped_experts(x, top_weights, top_ids, stacked, shared_gate=shared[0])
             routed = fp8_grouped_experts(x, top_weights, top_ids, stacked)
-            return routed if shared is None else triton_activation.sigmoid_gate_add(routed, *shared)
+            return routed if shared is None else triton_activation.sigmoid_gate_add(routed, shared[0],
+                                                                                     joined(shared[1]))
         return grouped_experts(x, top_weights, top_ids, stacked, shared)
 
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)
+    side_stream = staticmethod(streams.side_stream)
     rms_norm = staticmethod(fused_norm.rms_norm)
     add_rms_norm = staticmethod(fused_norm.add_rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)

@@ -6,6 +6,11 @@ weight [E, hidden]), `experts.{e}.{gate,up,down}_proj`, `shared_expert.*`, `shar
 
 Both blocks take `(x, step)` like every block of a decoder layer; the routed experts run on `step.backend.moe`.
 
+On CUDA the MoE block runs its shared expert on a second stream (`kernels/streams.py`), overlapping the routing and
+the routed experts: at a decode step's few rows its GEMMs are latency-bound (a few microseconds each, on the critical
+path of every MoE layer), while the routed experts stream their weights for tens to hundreds of microseconds
+(docs/design.md, "The sparse MoE block runs its shared expert on a second CUDA stream").
+
 Tensor parallel (`tp`): every MLP, each routed expert and the shared expert included, is split on its
 intermediate dim (rows of gate_proj / up_proj, columns of down_proj), so a rank's output is a partial sum; the
 router and the shared expert's gate are replicated, so every rank routes every token the same way and the MoE
@@ -19,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_swiglu_linear
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel, columns, rows
@@ -101,16 +107,24 @@ class SparseMoeBlock(nn.Module):
                                       self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        shared: torch.Tensor | nn.Module | None = None  # the shared expert's output, or its module for `moe`
+        """Where the backend has a side stream (CUDA), the shared expert's output is computed there and handed to
+        `moe` pending; `moe` makes the main stream wait for it right before the combine that adds it. With the one
+        fused input GEMM, its SwiGLU and down projection run there; with separate ones (FP8 beside the bf16 router),
+        its gate | up too, after the router's GEMM (no dense or FP8 linear may run on the main stream between a fork
+        and its join: `kernels/streams.py`, device scratch). The pending result keeps the tensors the side stream
+        reads (the fused GEMM's gate and up, or x) referenced until this returns, after that join
+        (`kernels/streams.py`: why the allocator's reuse of their memory is safe)."""
+        side = step.backend.side_stream(x.device)
+        shared: torch.Tensor | kernel_backend.Pending | nn.Module  # the shared expert's output (pending), or its module
         if self.inputs.fused():
             gate, up, router_logits, shared_gate = self.inputs(x)
+            shared = kernel_backend.fork(side, self.shared_expert.down, gate, up, step)
         else:
             router_logits, shared_gate = self.gates(x)
             if step.backend.fuses_shared_expert(self.experts, self.shared_expert):  # FP8 on CUDA: one more expert
                 shared = self.shared_expert
             else:
-                gate, up = self.shared_expert.gate_up(x)
+                shared = kernel_backend.fork(side, self.shared_expert, x, step)
         top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
-        if shared is None:
-            shared = self.shared_expert.down(gate, up, step)  # added with its gate in the routed experts' combine
+        # the shared expert's output is added with its gate in the routed experts' combine
         return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))

@@ -29,6 +29,7 @@ from torch import nn
 
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
+from hybridcache.kernels.streams import Pending, joined
 
 
 @dataclass(frozen=True)
@@ -147,19 +148,23 @@ def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor
 
 def grouped_experts(
     x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights,
-    shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+    shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), plus sigmoid(gate[t]) * shared[t] in the
-    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`)."""
+    combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`). A shared
+    output pending on the side stream (`kernels/streams.py`) is joined after the sort and the expert GEMMs were
+    launched, right before the combine: the side stream's work overlaps all of them."""
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
     order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
     if block_m is None:
         ends = counts.cumsum(0, dtype=torch.int32)
-        return combine(expert_rows_grouped(x, order, ends, top_k, experts), top_weights, pair_rows(order), shared)
-    return combine(expert_rows_triton(x, order, counts, top_k, experts, block_m), top_weights, shared=shared)
+        rows, pos = expert_rows_grouped(x, order, ends, top_k, experts), pair_rows(order)
+    else:
+        rows, pos = expert_rows_triton(x, order, counts, top_k, experts, block_m), None
+    return combine(rows, top_weights, pos, None if shared is None else (shared[0], joined(shared[1])))
 
 
 def compile_tiles(x: torch.Tensor, experts: ExpertWeights, top_k: int) -> None:
