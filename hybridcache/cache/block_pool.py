@@ -2,12 +2,14 @@
 
 A block's reference count is its number of holders: the trie node that owns it (at most one), every
 running sequence whose block list contains it, and the checkpoint whose frozen tail it is. A block with
-count 0 is on the free list; `allocate` returns a block with count 1.
+count 0 is on the free list; `allocate` returns a block with count 1. `on_free`, when set, is told each block
+that returns to the free list (the host tier cancels a load queued into it: host_tier.py, `cancel_load`).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 
 class BlockPool:
@@ -15,6 +17,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.on_free: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -48,3 +51,5 @@ class BlockPool:
         self.ref_counts[block_id] = count - 1
         if count == 1:
             self._free.append(block_id)
+            if self.on_free is not None:
+                self.on_free(block_id)

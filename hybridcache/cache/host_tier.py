@@ -227,7 +227,17 @@ class HostTier:
 
     def load(self, host_block: int, device_block: int) -> None:
         """Queue HOST_LOAD host_block -> device_block; the host block is freed once the step's plan is built."""
+        if device_block in self._loads:
+            raise RuntimeError(f"device block {device_block} is being loaded already (it was not freed since)")
         self._loads[device_block] = host_block
+
+    def cancel_load(self, device_block: int) -> None:
+        """`device_block` was freed: a load queued into it has no reader left, so it is dropped with its host block
+        (a promoted item released in the step that promoted it; else the block, allocated again, would be written
+        by a stale load, or loaded twice, losing the first host block)."""
+        host_block = self._loads.pop(device_block, None)
+        if host_block is not None:
+            self.pool.decref(host_block)
 
     def release(self, host_block: int) -> None:
         """Free a host block whose item was dropped (a save into it queued in this step is dropped too)."""
@@ -254,6 +264,10 @@ class HostTier:
     def loading(self) -> list[int]:
         """Host blocks read by this step's loads (held by no host item, freed at `end_step`)."""
         return list(self._loads.values())
+
+    def loading_into(self) -> list[int]:
+        """Device blocks written by this step's loads (each held by what it was loaded for)."""
+        return list(self._loads)
 
     def make_room(self, num_blocks: int) -> bool:
         """Drop unpinned host checkpoints, each the one due first (`HostOrder.victim`), until `num_blocks` host

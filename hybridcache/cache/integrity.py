@@ -293,6 +293,9 @@ def _check_host(life: Lifecycle, pins: Counter[int]) -> None:
     overlap = seen & set(life.checkpoints)
     if overlap:
         _fail(f"checkpoints {sorted(overlap)} are in both tiers")
+    dead = [device for device in host.loading_into() if life.blocks.ref_counts[device] == 0]
+    if dead:
+        _fail(f"host loads into free device blocks {sorted(dead)}")
     pool = host.pool
     for block in range(pool.num_blocks):
         if pool.ref_counts[block] != holders[block]:

@@ -64,6 +64,7 @@ class Lifecycle:
         self.events: CacheEventLog | None = None  # where trie and checkpoint changes are told (events.py)
         self.host = HostTier(config.host_blocks, trie) if config.host_blocks else None
         if self.host is not None:
+            self.blocks.on_free = self.host.cancel_load
             self.host.on_waste = lambda ckpt: self.on_waste(ckpt) if self.on_waste is not None else None
         self.clock = 0
         self._next_ckpt_id = 0

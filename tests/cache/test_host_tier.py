@@ -71,6 +71,31 @@ def test_a_demotion_is_a_host_save_before_anything_writes_the_freed_block():
     cache.check_integrity()
 
 
+def test_a_promotion_released_before_its_step_cancels_its_loads():
+    """A host hit promotes (HOST_LOADs queued for the next plan); the request is preempted before any step and a
+    large request evicts the promoted chain, freeing its device blocks. Their loads are dropped with their host
+    blocks: no load may write a free block, or one allocated again (a second load into it lost the first host block:
+    the state machine's "host block ref count 1 != 0 holders")."""
+    cache, driver = make(num_blocks=8, host_blocks=6)
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    match = driver.admit(CacheRequest("b", prompt + (50, 51)))
+    assert match.cached_len == 10 and len(cache._life.host.loading()) == 4  # 2 nodes, the page, the frozen tail
+    cache.preempt("b", keep_checkpoint=False)
+    big = CacheRequest("c", tuple(range(300, 300 + 6 * B)))
+    assert cache.admit(cache.match(big)) is not None and cache.ensure_capacity("c", 6 * B)
+    reused = set(cache.block_ids("c")) & {1, 3}  # the promoted state page and frozen tail, freed and reused by c
+    assert reused and not reused & set(cache._life.host.loading_into())
+    assert cache._life.host.loading_into() == [4]  # the chain's first node is still a device node: its load stays
+    cache.check_integrity()
+    cache.abort("c")
+    cache.check_integrity()
+    driver.run(CacheRequest("d", prompt + (60,)))
+    driver.device.check()  # every node, checkpoint and host item holds the bytes its ids claim
+    cache.check_integrity()
+
+
 def test_what_falls_out_of_the_host_tier_is_gone():
     cache, driver = make(num_blocks=8, host_blocks=4)  # room for one chain of 2 nodes + page + tail
     driver.run(CacheRequest("a", tuple(range(10))))
