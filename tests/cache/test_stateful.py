@@ -1,4 +1,5 @@
-"""Hypothesis stateful test: random admit / step / finish / preempt / abort / clear / pressure sequences.
+"""Hypothesis stateful test: random admit / step / finish / preempt / abort / clear / pressure sequences, and resends
+preempted before their first step (a host hit promoted, then evicted before its loads ran).
 
 After every operation: `check_integrity()` and the fake device (every running sequence, checkpoint and
 trie node holds exactly the KV and state its ids claim). Every reported hit is checked against a reference
@@ -257,6 +258,22 @@ class CacheMachine(RuleBasedStateMachine):
             assert fingerprint(self.cache) == before
         self.cache.abort(request.request_id)
         self._lossy_now()
+
+    @precondition(lambda self: bool(self.prompts) and self.cache._life.host is not None)
+    @rule(data=st.data(), num_blocks=st.integers(4, 24))
+    def resend_dropped_at_once(self, data, num_blocks):
+        """A resend (often a host hit, promoted at admission) preempted without a checkpoint before its first step,
+        then a request that wants many blocks: what the promotion brought back may be evicted before the plan that
+        loads it is built (its loads must go with it)."""
+        request = CacheRequest(("resend", self.next_id), data.draw(st.sampled_from(self.prompts)))
+        self.next_id += 1
+        match = self.cache.match(request)
+        if self.cache.admit(match) is None:
+            self.cache.release_match(match)
+            return
+        self.cache.preempt(request.request_id, keep_checkpoint=False)
+        self.cache.check_integrity()
+        self.pressure(num_blocks, roll=0)
 
     @invariant()
     def consistent(self):
