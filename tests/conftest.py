@@ -4,3 +4,16 @@ import tempfile
 # The built-in model is written once per test session into a private folder, never into ~/.cache.
 os.environ.setdefault("HYBRIDCACHE_HOME", tempfile.mkdtemp(prefix="hybridcache-test-home-"))
 os.environ.setdefault("HYBRIDCACHE_DEBUG", "1")  # the engine checks the cache whenever it goes idle
+
+
+def pytest_collection_modifyitems(config, items):
+    """The kernel tests' Triton-interpreter children run one ahead of their parents (tests/kernels/interpreter.py)."""
+    from tests.kernels.interpreter import plan_children
+
+    plan_children(items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests.kernels.interpreter import stop_children
+
+    stop_children()

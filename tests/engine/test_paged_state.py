@@ -10,7 +10,7 @@ import torch
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.engine.paged_state import PagedStates
 from hybridcache.state_spec import AttentionSpec, DevicePools, RecurrentSpec, StateTensorSpec
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 KBS = 4  # tokens per kernel page
 NUM_BLOCKS, NUM_SLOTS = 64, 6
@@ -154,9 +154,9 @@ def test_interpreted_triton_round_trip(name):
     check_round_trip(name, torch.device("cpu"), impl="triton")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests")
-def test_triton_interpreter_in_subprocess():
-    run_interpreted(__file__, "interpreted_triton")
+@interpreted_in_child("interpreted_triton")
+def test_triton_interpreter_in_subprocess() -> None:
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_cuda

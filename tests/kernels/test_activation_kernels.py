@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hybridcache.kernels.activation import reference
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 SHAPES = pytest.mark.parametrize("rows, width", [(37, 300), (3, 1500), (1, 64)])
@@ -84,10 +84,9 @@ def test_cuda_empty_and_wrong_shapes() -> None:
                                torch.zeros(4, 8, device="cuda"))
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_activation_kernels_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

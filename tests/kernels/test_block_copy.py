@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridcache.kernels.copy.block_copy import copy_blocks
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import INTERPRETED, interpreted_in_child, needs_cuda, needs_interpreter
 
 
 def reference_copy(
@@ -213,9 +213,9 @@ def test_triton_on_cpu_without_interpreter_is_refused() -> None:
 # ---- Triton kernel under the interpreter (child process) ----------------------------------------------
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the parent of the interpreted run")
+@interpreted_in_child("triton_interpreted", timeout=300)
 def test_triton_interpreter_in_subprocess() -> None:
-    run_interpreted(__file__, "triton_interpreted", timeout=300)
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

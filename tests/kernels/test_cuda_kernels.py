@@ -26,7 +26,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 
@@ -200,8 +200,9 @@ def _interpreter_runs_our_kernels() -> bool:
 
 
 @pytest.mark.skipif(not _interpreter_runs_our_kernels(), reason="this Triton's interpreter cannot run our kernels")
+@interpreted_in_child("interpreted")
 def test_triton_interpreter_in_subprocess() -> None:
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

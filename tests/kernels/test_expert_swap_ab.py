@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 TOL = {torch.bfloat16: 2.0**-6, torch.float32: 1e-5}
 
@@ -86,6 +86,6 @@ def test_interpreted_swap_ab() -> None:
     check_swap_ab(torch.float32, "cpu")
 
 
+@interpreted_in_child("interpreted")
 def test_swap_ab_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""

@@ -30,13 +30,12 @@ from torch import nn
 from hybridcache.fp8_format import BLOCK, FP8_DTYPE
 from hybridcache.kernels.gemm.reference import quantize
 from hybridcache.kernels.norm import reference as norm_ref
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_fp8_prequantized_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def randn(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
 from hybridcache.kernels.gemm.reference import dequantize, quantize, quantize_rows, requantize_rows
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,10 +35,9 @@ def fro(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_fp8_rowwise_kernels_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def test_requantize_rows_is_the_channel_quantisation_of_the_dequantised_blocks():

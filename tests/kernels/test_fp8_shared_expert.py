@@ -22,14 +22,13 @@ import torch
 from torch import nn
 
 from hybridcache.fp8_format import BLOCK, CHANNEL
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 from tests.kernels.test_fp8_rowwise_experts import block_experts, emulated_rowwise, fro, rel
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_fp8_shared_expert_kernels_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def torch_routes(top_weights, top_ids, gate, shared_id):

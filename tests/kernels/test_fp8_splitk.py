@@ -20,17 +20,16 @@ import torch
 
 from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
 from hybridcache.kernels.gemm.reference import dequantize, quantize, quantize_groups
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_fp8_splitk_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def operands(m: int, n: int, k: int, fmt: Fp8Format, seed: int):

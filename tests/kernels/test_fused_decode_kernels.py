@@ -25,7 +25,7 @@ from hybridcache.kernels.activation import reference as activation_ref
 from hybridcache.kernels.norm import reference as norm_ref
 from hybridcache.kernels.rotary import reference as rotary_ref
 from hybridcache.layers.rotary import rotary_cos_sin
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import INTERPRETED, interpreted_in_child, needs_cuda, needs_interpreter
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 ULP = {torch.bfloat16: 2.0**-7, torch.float32: 1e-5}
@@ -162,10 +162,9 @@ def test_cuda_wrong_shapes_are_refused() -> None:
     assert add_rms_norm(x[:0], x[:0], x[0], 1e-6)[1].shape == (0, 8)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests (never spawns itself)")
+@interpreted_in_child("test_interpreted_ and not subprocess")
 def test_fused_decode_kernels_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_ and not subprocess")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hybridcache.kernels.activation import reference as activation_ref
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 CASES = pytest.mark.parametrize(("tokens", "top_k", "hidden", "sorted_rows"),
@@ -68,9 +68,9 @@ def test_interpreted_combine_with_the_shared_expert(tokens: int, top_k: int, hid
     check_combine_shared(tokens, top_k, hidden, sorted_rows, dtype, "cpu", 2.0)
 
 
+@interpreted_in_child("test_interpreted_")
 def test_moe_combine_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "test_interpreted_")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def test_combine_refuses_a_misshapen_shared_expert() -> None:

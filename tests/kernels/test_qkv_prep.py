@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 
 def _views(tokens: int, heads_k: int, heads_v: int, dim_k: int, dim_v: int, dtype: torch.dtype, device: str,
@@ -37,8 +37,9 @@ def check(tokens: int, heads: tuple[int, int], dims: tuple[int, int], dtype: tor
         assert (got.float() - want).abs().max().item() <= bound * want.abs().max().item()
 
 
+@interpreted_in_child("interpreted")
 def test_interpreter_in_subprocess() -> None:
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridcache.kernels.gemm import dense
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 STEP = {torch.float32: 1e-5, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-8}
 SHAPES = [(1, 70, 300), (5, 130, 384), (17, 64, 520), (33, 200, 640), (64, 96, 384)]  # (M, N, K): K % 128 != 0 too
@@ -137,9 +137,9 @@ def test_interpreted_skinny_gemm_tma_swiglu_and_unaligned_x(dtype: torch.dtype) 
     assert torch.equal(skinny_linear(wide[:, 5:], w, None, config), skinny_linear(x, w, None, config))
 
 
+@interpreted_in_child("interpreted")
 def test_skinny_gemm_in_a_triton_interpreter_subprocess() -> None:
-    pytest.importorskip("triton")
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 def test_dense_linear_is_f_linear_on_the_cpu() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels.interpreter import needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 from tests.kernels.test_cuda_kernels import EXACT, OURS, _interpreter_runs_our_kernels, assert_within
 
 MODES = pytest.mark.parametrize("states_only", [False, True], ids=["full", "states_only"])
@@ -50,8 +50,9 @@ def test_cuda_verify(dtype: torch.dtype, state_dtype: torch.dtype, states_only: 
 
 
 @pytest.mark.skipif(not _interpreter_runs_our_kernels(), reason="this Triton's interpreter cannot run our kernels")
+@interpreted_in_child("interpreted")
 def test_verify_interpreter_in_subprocess() -> None:
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridcache.kernels.attention import reference
-from tests.kernels.interpreter import INTERPRETED, needs_cuda, needs_interpreter, run_interpreted
+from tests.kernels.interpreter import interpreted_in_child, needs_cuda, needs_interpreter
 
 CASES = pytest.mark.parametrize("pool_dtype, dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32,
                                                                                           torch.float32),
@@ -50,9 +50,9 @@ def check_write_kv(pool_dtype: torch.dtype, dtype: torch.dtype, device: torch.de
     assert torch.equal(pool.view(torch.uint8), want.view(torch.uint8))
 
 
-@pytest.mark.skipif(INTERPRETED, reason="the parent of the interpreted tests")
+@interpreted_in_child("interpreted")
 def test_triton_interpreter_in_subprocess() -> None:
-    run_interpreted(__file__, "interpreted")
+    """This file's interpreted tests, in a child process (tests/kernels/interpreter.py)."""
 
 
 @needs_interpreter
