@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import triton
 
+from hybridcache.kernels import pdl
 from hybridcache.kernels.conv import triton as conv_triton
 from hybridcache.kernels.gated_delta import triton_step
 from hybridcache.kernels.gemm.dense import replay_us
@@ -101,7 +102,8 @@ def sweep_gdn(seqs: int) -> list[dict]:
             q, k, v, a, b, out, pool, slots[i], ctx, a_log, dt_bias, DK**-0.5,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
             out.stride(0), out.stride(1), pool.stride(0), pool.stride(1), pool.stride(2),
-            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, L2NORM=True, GATES=True, STREAM=stream, num_warps=warps)
+            RATIO=HV // HK, DK=DK, DV=DV, BLOCK_V=block_v, L2NORM=True, GATES=True, STREAM=stream, num_warps=warps,
+            **pdl.options(q))
 
     snapshot = pool.clone()
     current = f"BLOCK_V {triton_step._BLOCK_V}, 4 warps" + (", streaming hints" if triton_step._STREAM else "")
@@ -143,7 +145,7 @@ def sweep_conv(seqs: int) -> list[dict]:
         conv_triton._conv_step_kernel[(seqs, triton.cdiv(CONV_CHANNELS, block_c))](
             x, weight, weight, out, pool, slots[i], ctx, x.stride(0), out.stride(0), *pool.stride(), CONV_CHANNELS,
             K=CONV_TAPS, BLOCK_W=triton.next_power_of_2(CONV_TAPS - 1), HAS_BIAS=False, SILU=True,
-            BLOCK_C=block_c, num_warps=warps)
+            BLOCK_C=block_c, num_warps=warps, **pdl.options(x))
 
     current = f"BLOCK_C {conv_triton._STEP_BLOCK_C}, 4 warps"
     for block_c, warps in CONV_LAUNCHES:
@@ -216,7 +218,7 @@ def sweep_norms(seqs: int) -> list[dict]:
         def run(warps: int, _i: int, o=out, t=total, x=x, r=r, w=w, block=block, rows=rows, hidden=hidden) -> None:
             norm_triton._add_rms_norm_kernel[(triton.cdiv(seqs, rows),)](
                 x, o, seqs, x.stride(0), 0, 1, hidden, 1e-6, r, r.stride(0), 0, t, w, ROWS=rows, BLOCK=block,
-                num_warps=warps)
+                num_warps=warps, **pdl.options(x))
 
         for warps in NORM_WARPS:
             run(warps, 0)
@@ -238,7 +240,7 @@ def sweep_norms(seqs: int) -> list[dict]:
         def run(_i: int, rows=rows, warps=warps) -> None:
             norm_triton._gated_rms_norm_kernel[(triton.cdiv(seqs * HV, rows),)](
                 x, out, seqs * HV, x.stride(0), x.stride(1), HV, DV, 1e-6, gate, gate.stride(0), gate.stride(1),
-                w, ROWS=rows, BLOCK=DV, num_warps=warps)
+                w, ROWS=rows, BLOCK=DV, num_warps=warps, **pdl.options(x))
 
         run(0)
         outputs[(rows, warps)] = out.clone()

@@ -20,11 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 _MAX_BLOCK = 1024  # columns per program
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -37,7 +40,8 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, width, gate_stride, up_stride, B
 
 @triton.jit
 def _sigmoid_gate_add_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, width, routed_stride, gate_stride,
-                             shared_stride, BLOCK: tl.constexpr):
+                             shared_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -51,7 +55,8 @@ def _sigmoid_gate_add_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, width, r
 
 @triton.jit
 def _sigmoid_mul_kernel(x_ptr, gate_ptr, out_ptr, num_heads, dim, stride_xt, stride_xh, stride_gt, stride_gh,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     chans = tl.arange(0, BLOCK_D)
@@ -84,7 +89,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, width), dtype=gate.dtype, device=gate.device)
     if num_rows and width:
         grid, block = _grid(num_rows, width)
-        _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block)
+        _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block,
+                                   **pdl.options(out))
     return out
 
 
@@ -98,7 +104,7 @@ def sigmoid_gate_add(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Ten
     if num_rows and width:
         grid, block = _grid(num_rows, width)
         _sigmoid_gate_add_kernel[grid](routed, gate, shared, out, width, routed.stride(0), gate.stride(0),
-                                       shared.stride(0), BLOCK=block)
+                                       shared.stride(0), BLOCK=block, **pdl.options(out))
     return out
 
 
@@ -119,5 +125,5 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         # a token's heads in one program: a warp per 256 elements, up to 16 (as the one-row norms, `norm/triton.py`)
         _sigmoid_mul_kernel[(num_tokens,)](x, gate, out, num_heads, dim, x.stride(0), x.stride(1), gate.stride(0),
                                            gate.stride(1), BLOCK_H=block_h, BLOCK_D=block_d,
-                                           num_warps=max(4, min(16, block_h * block_d // 256)))
+                                           num_warps=max(4, min(16, block_h * block_d // 256)), **pdl.options(out))
     return out

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _LOG2E = 1.4426950408889634
@@ -63,9 +64,10 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype) -> PrefillConfig:
 
 @triton.jit
 def _write_kv_kernel(kv_ptr, k_ptr, v_ptr, rows_ptr, stride_kind, stride_kt, stride_kh, stride_vt, stride_vh,
-                     D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr):
+                     D: tl.constexpr, HD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Token t's key and value [Hkv, D] -> row rows[t] of the pool's keys and values (int64 offsets: a pool's K|V
     halves may lie more than 2^31 elements apart); a negative row writes nothing."""
+    pdl.start(PDL)
     t = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + t).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
@@ -92,7 +94,7 @@ def write_kv(kv_pool: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kv
     hd = num_kv_heads * head_dim
     _write_kv_kernel[(num_tokens,)](
         kv_pool, keys, values, kv_rows, kv_pool.stride(0), keys.stride(0), keys.stride(1), values.stride(0),
-        values.stride(1), D=head_dim, HD=hd, BLOCK=triton.next_power_of_2(hd), num_warps=4,
+        values.stride(1), D=head_dim, HD=hd, BLOCK=triton.next_power_of_2(hd), num_warps=4, **pdl.options(kv_pool),
     )
 
 
@@ -229,10 +231,12 @@ def _decode_split_kernel(
     stride_qn, stride_qh, stride_kind, stride_page, stride_row, stride_bt,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One (sequence, kv head, split) program: the split-th of num_splits equal runs of whole key blocks of this
     sequence's own context (cut from its device length, so a graph captured for the longest context keeps every
     split busy for any); partial sums for `_decode_merge_kernel` (a split past the context: m = -inf, l = 0)."""
+    pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -265,8 +269,9 @@ def _decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])  # with a fixed BLOCK_S: one variant for every split count
 def _decode_merge_kernel(acc_ptr, ml_ptr, out_ptr, stride_on, stride_oh, num_heads, num_splits,
-                         D: tl.constexpr, BLOCK_S: tl.constexpr):
+                         D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s (empty splits: m = -inf)."""
+    pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     base = (seq * num_heads + head) * num_splits
@@ -351,6 +356,7 @@ def paged_prefill_attention(
     )
     _decode_merge_kernel[(num_tokens, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits, D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
+        **pdl.options(partial),
     )
     return out
 
@@ -446,10 +452,12 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), kv_pool.stride(0), kv_pool.stride(1), kv_pool.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), PAGE=kv_pool.shape[2], D=head_dim,
         BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=launch.num_warps, num_stages=launch.num_stages,
+        **pdl.options(q),
     )
     _decode_merge_kernel[(num, num_heads)](
         partial, ml, out, out.stride(0), out.stride(1), num_heads, num_splits,
         D=head_dim, BLOCK_S=_MERGE_BLOCK_S,
+        **pdl.options(partial),
     )
     return out
 

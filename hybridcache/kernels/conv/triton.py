@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 _BLOCK_T = 64
@@ -132,7 +133,9 @@ def _conv_step_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, ctx_ptr,
     stride_xn, stride_on, stride_ps, stride_pc, stride_pw, num_channels,
     K: tl.constexpr, BLOCK_W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.start(PDL)
     seq = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     width = (K - 1) * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # old entries to read: none when fresh
@@ -237,6 +240,6 @@ def causal_conv1d_decode(
         x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, context_lens,
         x.stride(0), out.stride(0), *conv_pool.stride(), channels,
         K=kernel_size, BLOCK_W=triton.next_power_of_2(kernel_size - 1), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_C=_STEP_BLOCK_C,
+        SILU=activation == "silu", BLOCK_C=_STEP_BLOCK_C, **pdl.options(x),
     )
     return out

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 _BLOCK_T = 32
 
 
@@ -31,7 +33,8 @@ def gate_values(a, b, a_log, dt_bias):
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all
 def _delta_gates_kernel(a_ptr, b_ptr, alog_ptr, dt_ptr, g_ptr, beta_ptr, num_rows, num_heads,
-                        stride_a, stride_b, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                        stride_a, stride_b, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     heads = tl.arange(0, BLOCK_H)
     ok = (rows[:, None] < num_rows) & (heads[None, :] < num_heads)
@@ -57,6 +60,6 @@ def delta_gates(
     if num_rows:
         _delta_gates_kernel[(triton.cdiv(num_rows, _BLOCK_T),)](
             a, b, A_log, dt_bias, g, beta, num_rows, num_heads, a.stride(0), b.stride(0),
-            BLOCK_T=_BLOCK_T, BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_T=_BLOCK_T, BLOCK_H=triton.next_power_of_2(num_heads), **pdl.options(a),
         )
     return g, beta

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
 from hybridcache.kernels.gated_delta.triton_gates import gate_values
 
 # [Dk, 64] state tiles with the streaming hints: 75 us a launch at dense-9b's 64 x 32 heads against 84 us with
@@ -82,8 +83,9 @@ def _gdn_step_kernel(
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_gn, stride_bn, stride_on, stride_oh,
     stride_ps, stride_ph, stride_pk,
     RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr, L2NORM: tl.constexpr,
-    GATES: tl.constexpr, STREAM: tl.constexpr = False, V_MAJOR: tl.constexpr = False,
+    GATES: tl.constexpr, PDL: tl.constexpr, STREAM: tl.constexpr = False, V_MAJOR: tl.constexpr = False,
 ):
+    pdl.start(PDL)
     seq, head, key_head, ks, vs = program_heads(RATIO, DK, BLOCK_V, V_MAJOR)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     rows_to_read = DK * (tl.load(ctx_ptr + seq) != 1).to(tl.int32)  # 0 for a fresh sequence
@@ -151,6 +153,6 @@ def gated_delta_rule_decode(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), ssm_pool.stride(0), ssm_pool.stride(1), ssm_pool.stride(2),
         RATIO=num_v_heads // num_k_heads, DK=k_dim, DV=v_dim, BLOCK_V=block_v, L2NORM=use_qk_l2norm,
-        GATES=gates is not None, STREAM=_STREAM, V_MAJOR=_V_MAJOR,
+        GATES=gates is not None, STREAM=_STREAM, V_MAJOR=_V_MAJOR, **pdl.options(q),
     )
     return out

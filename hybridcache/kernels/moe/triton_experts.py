@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 
 @triton.jit
 def expert_tile(counts_ptr, num_experts, pid_m, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -71,7 +73,8 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr, SWAP_AB: tl.constexpr = False):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False):
+    pdl.start(PDL)
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
         return
@@ -149,7 +152,7 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
             GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages,
+            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages, **pdl.options(a),
         )
     return out
 
@@ -157,7 +160,8 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
 @triton.jit
 def _combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, gate_ptr, shared_ptr, H, stride_y, stride_out, stride_gate,
                     stride_shared, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SORTED: tl.constexpr,
-                    GATED: tl.constexpr):
+                    GATED: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -199,6 +203,6 @@ def combine(y: torch.Tensor, top_weights: torch.Tensor, pos: torch.Tensor | None
         _combine_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
             y, y if pos is None else pos, top_weights.contiguous(), out, gate, extra, hidden, y.stride(0),
             out.stride(0), gate.stride(0), extra.stride(0),
-            TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None, GATED=shared is not None,
+            TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None, GATED=shared is not None, **pdl.options(y),
         )
     return out

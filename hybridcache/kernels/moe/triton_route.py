@@ -13,13 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 _BLOCK_T = 16
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for all
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_rows, num_experts, stride_l,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, BLOCK_E)
     row_ok = rows < num_rows
@@ -58,5 +61,6 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
         _route_kernel[(triton.cdiv(num_rows, _BLOCK_T),)](
             logits, weights, ids, num_rows, num_experts, logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
             BLOCK_T=_BLOCK_T, BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+            **pdl.options(logits),
         )
     return weights, ids

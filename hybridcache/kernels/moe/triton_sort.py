@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 MAX_PAIRS = 1024  # one program sorts them; more take torch's radix sort (`grouped.sort_pairs`)
 MAX_EXPERTS = 1024  # the histogram's bins live in one program too (benchmarked up to 512 experts)
 _MIN_BLOCK_N = 16
@@ -49,7 +51,8 @@ def block_sizes() -> tuple[int, ...]:
 
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])  # BLOCK_N and SHARED tell the variants apart
 def _sort_pairs_kernel(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k,
-                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, SHARED: tl.constexpr = False):
+                       BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr, SHARED: tl.constexpr = False):
+    pdl.start(PDL)
     sort_block(ids_ptr, order_ptr, counts_ptr, num_pairs, num_experts, top_k, BLOCK_N, BLOCK_E, SHARED)
 
 
@@ -91,5 +94,5 @@ def sort_pairs_triton(top_ids: torch.Tensor, num_experts: int,
     block_n = block_size(num_pairs)
     _sort_pairs_kernel[(1,)](flat, order, counts, num_pairs, num_experts, top_k, BLOCK_N=block_n,
                              BLOCK_E=triton.next_power_of_2(num_experts + 1), SHARED=shared,
-                             num_warps=4 if block_n <= 1024 else 8)
+                             num_warps=4 if block_n <= 1024 else 8, **pdl.options(flat))
     return order, counts

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from hybridcache.fp8_format import FP8_DTYPE, FP8_MAX
+from hybridcache.kernels import pdl
 
 
 @triton.jit
@@ -85,7 +86,8 @@ def _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, w_ptr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
@@ -96,7 +98,8 @@ def _rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, e
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
-                         r_stride_h, sum_ptr, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                         r_stride_h, sum_ptr, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
                             r_stride_h, heads, dim, eps)
@@ -105,7 +108,8 @@ def _add_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, di
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _gated_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
-                           gate_stride_h, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           gate_stride_h, w_ptr, ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
                     eps, out_ptr.dtype.element_ty)
@@ -114,7 +118,8 @@ def _gated_rms_norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _l2norm_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, ROWS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     x = _load_rows(x_ptr, rows, stride_t, stride_h, heads, cols, ok)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) + eps)
@@ -145,7 +150,9 @@ def _store_fp8_groups(y, rows, cols, padded_rows, heads, dim, q_ptr, s_ptr, stri
 @triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_sg"])
 def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, r_ptr, r_stride_t,
                              r_stride_h, sum_ptr, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
-                             ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
+                             PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     dest, y = _add_and_norm(x_ptr, r_ptr, sum_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, r_stride_t,
                             r_stride_h, heads, dim, eps)
@@ -158,7 +165,9 @@ def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads
 @triton.jit(do_not_specialize=["num_rows", "padded_rows", "stride_sg"])
 def _gated_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
                                gate_stride_h, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
-                               ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr):
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
+                             PDL: tl.constexpr):
+    pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
                     eps, out_ptr.dtype.element_ty)
@@ -206,7 +215,7 @@ def _launch(kernel, x: torch.Tensor, eps: float, *extra) -> torch.Tensor:
         per_program = max(1, _ELEMENTS_PER_PROGRAM // block)
         kernel[(triton.cdiv(num_rows, per_program),)](rows, out, num_rows, stride_t, stride_h, heads, dim, eps,
                                                       *extra, ROWS=per_program, BLOCK=block,
-                                                      num_warps=_num_warps(per_program, block))
+                                                      num_warps=_num_warps(per_program, block), **pdl.options(x))
     return out
 
 
@@ -266,7 +275,7 @@ def _launch_fp8(kernel, x: torch.Tensor, eps: float, group: int, pad_rows: int, 
         kernel[(triton.cdiv(padded * heads, per_program),)](
             rows, out, tokens * heads, stride_t, stride_h, heads, dim, eps, *extra, padded * heads, q, scale,
             q.stride(0), scale.stride(0), scale.stride(1), ROWS=per_program, BLOCK=block, GROUP=group, QMAX=FP8_MAX,
-            num_warps=_num_warps(per_program, block))
+            num_warps=_num_warps(per_program, block), **pdl.options(x))
     return out, q, scale
 
 

@@ -17,10 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, num_heads, stride_xt, stride_xh, stride_ot, stride_oh,
-                   stride_ct, HALF: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                   stride_ct, HALF: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
     chans = tl.arange(0, BLOCK_D)
@@ -63,7 +67,8 @@ def _norm_rotate_heads(x_ptr, out_ptr, w_ptr, cos, sin, token, num_heads, stride
 def _norm_rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, num_q_heads,
                         num_k_heads, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, eps,
                         HALF: tl.constexpr, DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     token = tl.program_id(0).to(tl.int64)
     chans = tl.arange(0, BLOCK_D)
     rotated = chans < 2 * HALF
@@ -103,7 +108,7 @@ def norm_rotary(query: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor, 
             query, key, q_out, k_out, q_weight, k_weight, cos, sin, num_q_heads, key.shape[1], query.stride(0),
             query.stride(1), key.stride(0), key.stride(1), cos.stride(0), eps, HALF=cos.shape[-1] // 2, DIM=dim,
             BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
-            BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_D=triton.next_power_of_2(dim), **pdl.options(query),
         )
     return q_out, k_out
 
@@ -117,7 +122,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(num_tokens,)](
             x, out, cos, sin, num_heads, x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
             HALF=rotary_dim // 2, DIM=dim, BLOCK_H=triton.next_power_of_2(num_heads),
-            BLOCK_D=triton.next_power_of_2(dim),
+            BLOCK_D=triton.next_power_of_2(dim), **pdl.options(x),
         )
     return out
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridcache.kernels import pdl
+
 # The launch: 8 programs per row (512 at a 64-row step) scanning 4,096 columns a step, the fastest of five on the
 # H200 (64 x 248,320 fp32: 20.7 us against torch.argmax's 32.2 and the sampler's former copy + argmax 65.0;
 # docs/bench.md, issue 32's sixth pass)
@@ -47,7 +49,8 @@ def _pick(value, column, other_value, other_column):  # tl.reduce's combine: the
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _argmax_partial_kernel(x_ptr, value_ptr, column_ptr, num_rows, num_cols, stride_row, span,
-                           SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+                           SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
@@ -68,7 +71,8 @@ def _argmax_partial_kernel(x_ptr, value_ptr, column_ptr, num_rows, num_cols, str
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _argmax_final_kernel(value_ptr, column_ptr, out_ptr, num_rows, SPLITS: tl.constexpr):
+def _argmax_final_kernel(value_ptr, column_ptr, out_ptr, num_rows, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.start(PDL)
     row = tl.program_id(0).to(tl.int64)
     splits = tl.arange(0, SPLITS)
     values = tl.load(value_ptr + row * SPLITS + splits)
@@ -95,6 +99,6 @@ def argmax_rows(x: torch.Tensor, *, splits: int = _SPLITS, block: int = _BLOCK) 
     span = triton.cdiv(triton.cdiv(num_cols, splits), block) * block  # whole blocks, so lanes stay aligned
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
         _argmax_partial_kernel[(num_rows, splits)](x, values, columns, num_rows, num_cols, x.stride(0), span,
-                                                   SPLITS=splits, BLOCK=block)
-        _argmax_final_kernel[(num_rows,)](values, columns, out, num_rows, SPLITS=splits)
+                                                   SPLITS=splits, BLOCK=block, **pdl.options(x))
+        _argmax_final_kernel[(num_rows,)](values, columns, out, num_rows, SPLITS=splits, **pdl.options(values))
     return out
