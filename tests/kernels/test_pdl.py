@@ -53,7 +53,8 @@ KERNELS = {
 def test_decode_kernels_compile_for_hopper_with_pdl(name):
     kernel, pointers, floats, constants = KERNELS[name]
     pointers = {p.name: pointers.get(p.name, "*bf16") for p in kernel.params if p.name.endswith("_ptr")}
-    ints = [p.name for p in kernel.params if not p.name.endswith("_ptr") and not p.is_constexpr and p.name not in floats]
+    ints = [p.name for p in kernel.params
+            if not p.name.endswith("_ptr") and not p.is_constexpr and p.name not in floats]
     compiled = compile_for_hopper(kernel, pointers, ints, constants, floats=floats)  # PDL=True, checked there
     assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 
