@@ -103,15 +103,15 @@ def analyse(kernels: list, steps: list, top: int = 15) -> dict:
             gaps.append({"us": start_b - end_a, "after": name_a[:60], "before": name_b[:60], "call": call})
     gaps.sort(key=lambda g: -g["us"])
 
-    def total(rows: list[dict], key: str) -> float:
-        return round(sum(r[key] for r in rows), 2)
+    def total(rows: list[dict]) -> dict:
+        return {"n": len(rows), "wall_ms": round(sum(r["wall_ms"] for r in rows), 2),
+                "idle_ms": round(sum(r["idle_ms"] for r in rows), 2)}
 
     prefill = [r for r in per_step if r["prefill_tokens"]]
     decode = [r for r in per_step if not r["prefill_tokens"]]
     return {"wall_ms": wall / 1e3, "device_busy_ms": busy_us / 1e3, "device_idle_ms": (wall - busy_us) / 1e3,
             "kernels": len(kernels), "calls": len(steps),
-            "prefill_calls": {"n": len(prefill), "wall_ms": total(prefill, "wall_ms"), "idle_ms": total(prefill, "idle_ms")},
-            "decode_calls": {"n": len(decode), "wall_ms": total(decode, "wall_ms"), "idle_ms": total(decode, "idle_ms")},
+            "prefill_calls": total(prefill), "decode_calls": total(decode),
             "per_step": per_step, "longest_gaps": gaps[:top]}
 
 
