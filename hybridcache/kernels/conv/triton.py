@@ -7,8 +7,11 @@ conv_pool [num_slots, C, K-1] (the last K-1 pre-convolution inputs of each slot,
 Prefill (`causal_conv1d_varlen`), two launches:
   1. one program per (sequence, block of BLOCK_T rows, block of BLOCK_C channels): output row t of a
      sequence reads inputs at positions t-K+1 .. t; a position < 0 comes from the slot's old state (or 0 for a
-     fresh sequence, context_len == query_len), which only a sequence's first block reads (a branch, so the
-     other blocks issue no strided state loads);
+     fresh sequence, context_len == query_len). For K <= 4 (every model here) `_conv_varlen_rows_kernel` walks
+     its rows one at a time and keeps the K - 1 inputs before the current row in registers, so each input row is
+     read once: e.g. K = 4, rows 64..127 of a sequence: it loads rows 61, 62, 63, then row 64 gives out[64] from
+     61..64, row 65 gives out[65] from 62..65 (61 dropped), and so on. `_conv_varlen_kernel` (any K) loads K
+     shifted [BLOCK_T, BLOCK_C] tiles instead, 1.8x slower at phase D's shape (docs/bench.md, session 47);
   2. one program per (sequence, channel block) writes the new state, the last K-1 of (old state ++ x), in place.
   The second launch runs after the first, so no program reads a state row another has already rewritten.
 Decode (`causal_conv1d_decode`): one token per sequence, one launch; each program owns its (slot, channels)
@@ -32,7 +35,7 @@ from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 _BLOCK_T = 64
 _BLOCK_C = 128
 _PREFILL_BLOCK_C, _PREFILL_WARPS = _BLOCK_C, 4  # the prefill conv's channels per program and warps
-_ROWS_BLOCK_C, _ROWS_WARPS = 1024, 4  # the row-at-a-time prefill conv's (K <= 4)
+_ROWS_BLOCK_C, _ROWS_WARPS = 512, 4  # the row-at-a-time prefill conv's (K <= 4): 210 us a phase-D layer (sweep)
 _STEP_BLOCK_C = 256  # the decode step's channels per program: 64 x 8,192 channels in 4.52 us against 4.94 at 128
 # (the fastest of 8 launches on the H200; docs/bench.md, issue 32's sixth pass)
 
