@@ -47,7 +47,11 @@ GDN_LAUNCHES = ((16, 1, False), (16, 2, False), (16, 4, False), (32, 1, False), 
                 (128, 16, False),  # BLOCK_V = Dv: one program per head (what a gated norm inside the kernel needs)
                 (16, 2, True), (32, 2, True), (32, 4, True), (64, 4, True))  # (BLOCK_V, num_warps, STREAM)
 CONV_LAUNCHES = ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4), (512, 8), (1024, 4))  # (BLOCK_C, warps)
-CONV_PREFILL_LAUNCHES = ((128, 4), (128, 8), (64, 4), (64, 2), (32, 2), (256, 8))  # (BLOCK_C, num_warps)
+# (kernel, BLOCK_C, num_warps): "tiles" `_conv_varlen_kernel` (K shifted tile loads), "rows" `_conv_varlen_rows_kernel`
+# (each row loaded once)
+CONV_PREFILL_LAUNCHES = (("tiles", 128, 4), ("tiles", 128, 8), ("tiles", 64, 4), ("tiles", 256, 8), ("rows", 256, 2),
+                         ("rows", 512, 4), ("rows", 1024, 4), ("rows", 1024, 8), ("rows", 2048, 8), ("rows", 2048, 16),
+                         ("rows", 4096, 16))
 NORM_WARPS = (4, 8, 16)
 GATED_LAUNCHES = ((4, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))  # (rows per program, num_warps)
 ARGMAX_LAUNCHES = ((8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048))  # (splits, block)
@@ -165,9 +169,9 @@ def sweep_conv(seqs: int) -> list[dict]:
 
 
 def sweep_conv_prefill(seqs: int) -> list[dict]:
-    """Phase D's prefill conv (`conv.triton._conv_varlen_kernel`, BLOCK_T 64 as the engine's chunk table): 16
-    fresh sequences of 1,024 tokens, x the conv's 8,192 columns of dense-9b's 12,352-wide in_proj output; BLOCK_C x
-    num_warps. (`seqs` unused: the step is phase D's.)"""
+    """Phase D's prefill conv (`conv.triton`'s two prefill kernels, BLOCK_T 64 as the engine's chunk table): 16
+    fresh sequences of 1,024 tokens, x the conv's 8,192 columns of dense-9b's 12,352-wide in_proj output; kernel x
+    BLOCK_C x num_warps. (`seqs` unused: the step is phase D's.)"""
     del seqs
     device = DEVICE
     lens = [1024] * 16
@@ -182,24 +186,26 @@ def sweep_conv_prefill(seqs: int) -> list[dict]:
     chunks = make_chunk_indices(cu, lens, conv_triton._BLOCK_T)
     nbytes = 2 * tokens * CONV_CHANNELS * 2
     results, outputs = [], {}
-    current = (conv_triton._PREFILL_BLOCK_C, conv_triton._PREFILL_WARPS)
-    for block_c, warps in CONV_PREFILL_LAUNCHES:
+    current = ("rows", conv_triton._ROWS_BLOCK_C, conv_triton._ROWS_WARPS)
+    kernels = {"tiles": conv_triton._conv_varlen_kernel, "rows": conv_triton._conv_varlen_rows_kernel}
+    for launch in CONV_PREFILL_LAUNCHES:
+        name, block_c, warps = launch
         out = torch.empty(tokens, CONV_CHANNELS, device=device, dtype=torch.bfloat16)
 
-        def run(_i: int, bc=block_c, w=warps, o=out) -> None:
-            conv_triton._conv_varlen_kernel[(chunks.shape[0], triton.cdiv(CONV_CHANNELS, bc))](
+        def run(_i: int, k=kernels[name], bc=block_c, w=warps, o=out) -> None:
+            k[(chunks.shape[0], triton.cdiv(CONV_CHANNELS, bc))](
                 x, weight, weight, o, pool, slots, cu, ctx, chunks, x.stride(0), o.stride(0), *pool.stride(),
                 CONV_CHANNELS, K=CONV_TAPS, HAS_BIAS=False, SILU=True, BLOCK_T=conv_triton._BLOCK_T, BLOCK_C=bc,
                 num_warps=w)
 
         run(0)
-        outputs[(block_c, warps)] = out.clone()
-        results.append({"launch": f"BLOCK_C {block_c}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
-                        "key": (block_c, warps)})
+        outputs[launch] = out.clone()
+        results.append({"launch": "{}, BLOCK_C {}, {} warps".format(*launch), "us": graph_us(run, 1),
+                        "bytes": nbytes, "key": launch})
     for row in results:
         row["same"] = bool(torch.equal(outputs[row.pop("key")], outputs[current]))
     return report(f"prefill conv, 16 x 1,024 tokens x {CONV_CHANNELS} channels", results,
-                  "BLOCK_C {}, {} warps".format(*current))
+                  "{}, BLOCK_C {}, {} warps".format(*current))
 
 
 def sweep_norms(seqs: int) -> list[dict]:

@@ -1,8 +1,8 @@
 """The recurrent layers' kernels and the bf16 expert GEMM compile for the H200 (sm90) without a GPU
 (`tests/kernels/hopper.py`; the FP8 kernels: test_fp8_hopper_compile.py): the gated delta rule's decode step and
-speculative verify kernel, the causal conv's prefill, state, decode-step and draft-state kernels, and the expert
-GEMM's gate/up and down tiles, in the variants the engine launches for a bf16 model (the SSM state pool fp32 or
-bf16, the conv pool bf16, Qwen3-Next's head sizes). Their numbers are checked under the interpreter
+speculative verify kernel, the causal conv's two prefill kernels, state, decode-step and draft-state kernels, and
+the expert GEMM's gate/up and down tiles, in the variants the engine launches for a bf16 model (the SSM state pool
+fp32 or bf16, the conv pool bf16, Qwen3-Next's head sizes). Their numbers are checked under the interpreter
 (test_cuda_kernels.py, test_verify_kernels.py); here, that the compiler takes them and that their compile-time
 branches keep or drop the code they should."""
 
@@ -16,6 +16,7 @@ from hybridcache.kernels.conv.triton import (  # noqa: E402
     _conv_state_kernel,
     _conv_step_kernel,
     _conv_varlen_kernel,
+    _conv_varlen_rows_kernel,
 )
 from hybridcache.kernels.conv.triton_verify import _conv_draft_states_kernel  # noqa: E402
 from hybridcache.kernels.gated_delta import triton_step  # noqa: E402
@@ -89,9 +90,12 @@ def test_conv_prefill_and_step_compile_for_hopper(has_bias, silu):
     varlen = compile_for_hopper(_conv_varlen_kernel, pointers(_conv_varlen_kernel, CONV_POINTERS),
                                 integers(_conv_varlen_kernel), dict(CONV, K=4, HAS_BIAS=has_bias, SILU=silu,
                                                                     BLOCK_T=64))
+    rows = compile_for_hopper(_conv_varlen_rows_kernel, pointers(_conv_varlen_rows_kernel, CONV_POINTERS),
+                              integers(_conv_varlen_rows_kernel), dict(K=4, HAS_BIAS=has_bias, SILU=silu, BLOCK_T=64,
+                                                                       BLOCK_C=1024))
     step = compile_for_hopper(_conv_step_kernel, pointers(_conv_step_kernel, CONV_POINTERS),
                               integers(_conv_step_kernel), dict(CONV, K=4, BLOCK_W=4, HAS_BIAS=has_bias, SILU=silu))
-    for compiled in (varlen, step):  # the SiLU's sigmoid is the kernels' only exponential
+    for compiled in (varlen, rows, step):  # the SiLU's sigmoid is the kernels' only exponential
         assert ("ex2" in compiled.asm["ptx"]) == silu
 
 

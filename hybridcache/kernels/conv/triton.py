@@ -7,8 +7,11 @@ conv_pool [num_slots, C, K-1] (the last K-1 pre-convolution inputs of each slot,
 Prefill (`causal_conv1d_varlen`), two launches:
   1. one program per (sequence, block of BLOCK_T rows, block of BLOCK_C channels): output row t of a
      sequence reads inputs at positions t-K+1 .. t; a position < 0 comes from the slot's old state (or 0 for a
-     fresh sequence, context_len == query_len), which only a sequence's first block reads (a branch, so the
-     other blocks issue no strided state loads);
+     fresh sequence, context_len == query_len). For K <= 4 (every model here) `_conv_varlen_rows_kernel` walks
+     its rows one at a time and keeps the K - 1 inputs before the current row in registers, so each input row is
+     read once: e.g. K = 4, rows 64..127 of a sequence: it loads rows 61, 62, 63, then row 64 gives out[64] from
+     61..64, row 65 gives out[65] from 62..65 (61 dropped), and so on. `_conv_varlen_kernel` (any K) loads K
+     shifted [BLOCK_T, BLOCK_C] tiles instead, 1.8x slower at phase D's shape (docs/bench.md, session 47);
   2. one program per (sequence, channel block) writes the new state, the last K-1 of (old state ++ x), in place.
   The second launch runs after the first, so no program reads a state row another has already rewritten.
 Decode (`causal_conv1d_decode`): one token per sequence, one launch; each program owns its (slot, channels)
@@ -32,6 +35,7 @@ from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 _BLOCK_T = 64
 _BLOCK_C = 128
 _PREFILL_BLOCK_C, _PREFILL_WARPS = _BLOCK_C, 4  # the prefill conv's channels per program and warps
+_ROWS_BLOCK_C, _ROWS_WARPS = 512, 4  # the row-at-a-time prefill conv's (K <= 4): 210 us a phase-D layer (sweep)
 _STEP_BLOCK_C = 256  # the decode step's channels per program: 64 x 8,192 channels in 4.52 us against 4.94 at 128
 # (the fastest of 8 launches on the H200; docs/bench.md, issue 32's sixth pass)
 
@@ -81,6 +85,82 @@ def _conv_varlen_kernel(
         acc.to(out_ptr.dtype.element_ty),
         mask=row_ok[:, None] & chan_ok[None, :],
     )
+
+
+@triton.jit
+def _tap_input(x_ptr, pool_ptr, bos, slot, src, query_len, state_lo, chans, chan_ok, stride_xt, stride_ps,
+               stride_pc, stride_pw, W: tl.constexpr):
+    """The conv input at sequence position `src` for the program's channels, fp32 [BLOCK_C]: x row bos + src
+    for 0 <= src < query_len, the slot's old state entry W + src for state_lo <= src < 0, else 0."""
+    src = src + 0 * chans  # a vector, so the masks below are per channel
+    from_x = (src >= 0) & (src < query_len)
+    xv = tl.load(x_ptr + (bos + src) * stride_xt + chans, mask=chan_ok & from_x, other=0.0)
+    from_state = (src < 0) & (src >= state_lo)
+    sv = tl.load(pool_ptr + slot * stride_ps + chans * stride_pc + (src + W) * stride_pw,
+                 mask=chan_ok & from_state, other=0.0)
+    return xv.to(tl.float32) + sv.to(tl.float32)
+
+
+@triton.jit
+def _conv_varlen_rows_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, chunk_ptr,
+    stride_xt, stride_ot, stride_ps, stride_pc, stride_pw, num_channels,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The prefill conv for K <= 4 taps, one input row at a time: a program owns BLOCK_T rows of one sequence
+    (a chunk table entry) and BLOCK_C channels, keeps the K - 1 inputs before the current row in registers and
+    reads each of its rows once (`_conv_varlen_kernel` reads each K times). Same sum order as it."""
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    seq = tl.load(chunk_ptr + 2 * pid_t).to(tl.int64)
+    block = tl.load(chunk_ptr + 2 * pid_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    state_lo = -(K - 1) * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    chan_ok = chans < num_channels
+    first = block * BLOCK_T
+    # p1, p2, p3: the inputs 1, 2 and 3 rows before the current one (only K - 1 of them are used)
+    p1 = _tap_input(x_ptr, pool_ptr, bos, slot, first - 1, query_len, state_lo, chans, chan_ok, stride_xt,
+                    stride_ps, stride_pc, stride_pw, K - 1)
+    p2 = p1
+    p3 = p1
+    if K >= 3:
+        p2 = _tap_input(x_ptr, pool_ptr, bos, slot, first - 2, query_len, state_lo, chans, chan_ok, stride_xt,
+                        stride_ps, stride_pc, stride_pw, K - 1)
+    if K >= 4:
+        p3 = _tap_input(x_ptr, pool_ptr, bos, slot, first - 3, query_len, state_lo, chans, chan_ok, stride_xt,
+                        stride_ps, stride_pc, stride_pw, K - 1)
+    w_last = tl.load(w_ptr + chans * K + (K - 1), mask=chan_ok, other=0.0).to(tl.float32)
+    w1 = tl.load(w_ptr + chans * K + (K - 2), mask=chan_ok, other=0.0).to(tl.float32)
+    w2 = w1
+    w3 = w1
+    if K >= 3:
+        w2 = tl.load(w_ptr + chans * K + (K - 3), mask=chan_ok, other=0.0).to(tl.float32)
+    if K >= 4:
+        w3 = tl.load(w_ptr + chans * K + (K - 4), mask=chan_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + chans, mask=chan_ok, other=0.0).to(tl.float32)
+    rows = tl.minimum(query_len - first, BLOCK_T)
+    for i in range(rows):
+        row = bos + first + i
+        cur = tl.load(x_ptr + row * stride_xt + chans, mask=chan_ok, other=0.0).to(tl.float32)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if K >= 4:
+            acc += p3 * w3
+        if K >= 3:
+            acc += p2 * w2
+        acc += p1 * w1
+        acc += cur * w_last
+        if HAS_BIAS:
+            acc += bias
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(out_ptr + row * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=chan_ok)
+        p3 = p2
+        p2 = p1
+        p1 = cur
 
 
 @triton.jit
@@ -203,11 +283,14 @@ def causal_conv1d_varlen(
         chunk_indices = make_chunk_indices(cu_seqlens, query_lens_cpu, _BLOCK_T)
     grid_c = triton.cdiv(channels, _BLOCK_C)
     pool_strides = conv_pool.stride()
-    _conv_varlen_kernel[(chunk_indices.shape[0], triton.cdiv(channels, _PREFILL_BLOCK_C))](
+    rows = kernel_size <= 4
+    block_c, warps = (_ROWS_BLOCK_C, _ROWS_WARPS) if rows else (_PREFILL_BLOCK_C, _PREFILL_WARPS)
+    kernel = _conv_varlen_rows_kernel if rows else _conv_varlen_kernel
+    kernel[(chunk_indices.shape[0], triton.cdiv(channels, block_c))](
         x, weight, bias if bias is not None else weight, out, conv_pool, state_slots, cu_seqlens, context_lens,
         chunk_indices, x.stride(0), out.stride(0), *pool_strides, channels,
         K=kernel_size, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_T=_BLOCK_T,
-        BLOCK_C=_PREFILL_BLOCK_C, num_warps=_PREFILL_WARPS,
+        BLOCK_C=block_c, num_warps=warps,
     )
     _conv_state_kernel[(len(query_lens_cpu), grid_c)](
         x, conv_pool, state_slots, cu_seqlens, context_lens, x.stride(0), *pool_strides, channels,
