@@ -41,21 +41,28 @@ _STEP_BLOCK_C = 256  # the decode step's channels per program: 64 x 8,192 channe
 
 
 @triton.jit
+def chunk_sequence(chunk_ptr, cu_ptr, ctx_ptr, slots_ptr, W: tl.constexpr):
+    """The rows of a program of grid (chunk table entries, C / BLOCK_C): returns (its row block within the
+    sequence, the sequence's first row bos in x, its query_len, state_lo, its slot). Old-state taps are positions
+    in [state_lo, 0): state_lo is -W, or 0 for a fresh sequence (context_len == query_len)."""
+    pid_t = tl.program_id(0)
+    seq = tl.load(chunk_ptr + 2 * pid_t).to(tl.int64)
+    block = tl.load(chunk_ptr + 2 * pid_t + 1).to(tl.int64)
+    bos = tl.load(cu_ptr + seq).to(tl.int64)
+    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
+    state_lo = -W * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    return block, bos, query_len, state_lo, slot
+
+
+@triton.jit
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, pool_ptr, slots_ptr, cu_ptr, ctx_ptr, chunk_ptr,
     stride_xt, stride_ot, stride_ps, stride_pc, stride_pw, num_channels,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    seq = tl.load(chunk_ptr + 2 * pid_t).to(tl.int64)
-    block = tl.load(chunk_ptr + 2 * pid_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
-    # Old-state taps are src in [state_lo, 0): none for a fresh sequence (context_len == query_len).
-    state_lo = -(K - 1) * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
-
+    block, bos, query_len, state_lo, slot = chunk_sequence(chunk_ptr, cu_ptr, ctx_ptr, slots_ptr, K - 1)
     rows = block * BLOCK_T + tl.arange(0, BLOCK_T)  # positions within the sequence
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     row_ok = rows < query_len
@@ -109,15 +116,11 @@ def _conv_varlen_rows_kernel(
 ):
     """The prefill conv for K <= 4 taps, one input row at a time: a program owns BLOCK_T rows of one sequence
     (a chunk table entry) and BLOCK_C channels, keeps the K - 1 inputs before the current row in registers and
-    reads each of its rows once (`_conv_varlen_kernel` reads each K times). Same sum order as it."""
-    pid_t = tl.program_id(0)
+    reads each of its rows once (`_conv_varlen_kernel` reads each K times). Taps are summed oldest first, as
+    there, so fresh sequences get its bits; a continuing sequence's first rows may differ in the last place (there
+    the old state's taps are added after the new inputs')."""
     pid_c = tl.program_id(1)
-    seq = tl.load(chunk_ptr + 2 * pid_t).to(tl.int64)
-    block = tl.load(chunk_ptr + 2 * pid_t + 1).to(tl.int64)
-    bos = tl.load(cu_ptr + seq).to(tl.int64)
-    query_len = tl.load(cu_ptr + seq + 1).to(tl.int64) - bos
-    state_lo = -(K - 1) * (tl.load(ctx_ptr + seq).to(tl.int64) != query_len).to(tl.int64)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    block, bos, query_len, state_lo, slot = chunk_sequence(chunk_ptr, cu_ptr, ctx_ptr, slots_ptr, K - 1)
     chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     chan_ok = chans < num_channels
     first = block * BLOCK_T
