@@ -2,6 +2,7 @@
 Each test runs on the CPU and, where there is one, on a CUDA device (skipped cleanly without CUDA)."""
 
 import dataclasses
+import importlib.util
 import json
 import re
 
@@ -14,6 +15,8 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec, fill_bitmask
 from hybridcache.sampling import SamplingParams
 
+# structured output is the `guided` extra: without xgrammar (a device with only the base install) its tests skip
+needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs xgrammar (guided)")
 SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_num_batched_tokens=64,
                      max_num_seqs=4)
 
@@ -63,6 +66,7 @@ def test_logprobs_equal_log_softmax_of_the_engines_logits(engine):
         assert [t for t, _ in entry.top] == top.indices.tolist()
 
 
+@needs_xgrammar
 def test_json_schema_constrains_every_completion_of_n(engine):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
               "required": ["a", "b"], "additionalProperties": False}
@@ -75,6 +79,7 @@ def test_json_schema_constrains_every_completion_of_n(engine):
     assert len(set(texts)) > 1  # each completion follows its own grammar state
 
 
+@needs_xgrammar
 def test_regex_and_choice(engine):
     pattern = "<think>[a-z]{2,6}</think>[0-9]{3}"
     params = SamplingParams(temperature=1.0, seed=2, max_tokens=30, guided=GuidedSpec(GuidedKind.REGEX, pattern))
@@ -85,6 +90,7 @@ def test_regex_and_choice(engine):
     assert run(engine, "ch", "x", params).outputs[0].text in ("yes", "no")
 
 
+@needs_xgrammar
 def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
     params = SamplingParams(guided=GuidedSpec(GuidedKind.REGEX, "(unclosed"))
     with pytest.raises(ValueError, match="regex"):
@@ -92,6 +98,7 @@ def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
     assert not engine.has_unfinished_requests()
 
 
+@needs_xgrammar
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_grammar_with_no_output_is_refused_and_a_dead_end_ends_the_choice(engine, temperature):
     """Issue 26: `root ::= x`, `x ::= x` allows nothing, and used to answer token 0 again and again; it is refused
