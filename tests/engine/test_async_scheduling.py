@@ -19,6 +19,7 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec
 from hybridcache.sampling import SamplingParams
 
+from . import needs_xgrammar
 from .test_cache_equivalence import assert_same, make_engine, run_workload, tokens
 
 
@@ -127,7 +128,6 @@ def test_early_stops_abort_and_follow_up_hits_match_sync(model_dir):
     assert hits[1] >= hits[0] >= len(follow_up) - 4
 
 
-NEEDS_XGRAMMAR = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs xgrammar (guided)")
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yz"]}},
           "required": ["a", "b"], "additionalProperties": False}
 
@@ -135,9 +135,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5),
     pytest.param(SamplingParams(temperature=0, max_tokens=12, guided=GuidedSpec(GuidedKind.REGEX, "[a-z]+")),
-                 marks=NEEDS_XGRAMMAR),
+                 marks=needs_xgrammar),
     pytest.param(SamplingParams(temperature=1.0, seed=1, max_tokens=60, n=2, guided=GuidedSpec.json_schema(SCHEMA)),
-                 marks=NEEDS_XGRAMMAR),
+                 marks=needs_xgrammar),
 ], ids=["penalties", "regex", "json-schema"])
 def test_steps_that_need_the_tokens_stay_async(model_dir, params, monkeypatch):
     """A request whose next sample depends on its tokens on the host (penalties read the output, a grammar its

@@ -2,7 +2,6 @@
 Each test runs on the CPU and, where there is one, on a CUDA device (skipped cleanly without CUDA)."""
 
 import dataclasses
-import importlib.util
 import json
 import re
 
@@ -14,9 +13,8 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec, fill_bitmask
 from hybridcache.sampling import SamplingParams
+from tests.engine import needs_xgrammar
 
-# structured output is the `guided` extra: without xgrammar (a device with only the base install) its tests skip
-needs_xgrammar = pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None, reason="needs xgrammar (guided)")
 SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_num_batched_tokens=64,
                      max_num_seqs=4)
 

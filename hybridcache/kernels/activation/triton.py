@@ -89,8 +89,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((num_rows, width), dtype=gate.dtype, device=gate.device)
     if num_rows and width:
         grid, block = _grid(num_rows, width)
-        _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block,
-                                   **pdl.options(out))
+        _silu_mul_kernel[grid](gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block, **pdl.options(out))
     return out
 
 

@@ -166,7 +166,7 @@ def _add_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads
 def _gated_rms_norm_fp8_kernel(x_ptr, out_ptr, num_rows, stride_t, stride_h, heads, dim, eps, g_ptr, gate_stride_t,
                                gate_stride_h, w_ptr, padded_rows, q_ptr, s_ptr, stride_q, stride_sm, stride_sg,
                                ROWS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, QMAX: tl.constexpr,
-                             PDL: tl.constexpr):
+                               PDL: tl.constexpr):
     pdl.start(PDL)
     rows, cols, ok = _block(num_rows, dim, ROWS, BLOCK)
     y = _gated_norm(x_ptr, g_ptr, w_ptr, rows, cols, ok, stride_t, stride_h, gate_stride_t, gate_stride_h, heads, dim,
