@@ -1,6 +1,7 @@
 """Launch shapes of the decode step's memory-bound kernels, timed on CUDA (issue 32: the decode step toward its floor).
 
     PYTHONPATH=. python benchmarks/decode_kernel_sweep.py [--seqs 64] [--only gdn,conv,norm,argmax,conv_prefill,experts]
+    PYTHONPATH=. python benchmarks/decode_kernel_sweep.py --only moe_prefill,prefill_gemm   # phase D's prefill step
 
 Every model of gpu_bench has the same DeltaNet shape (16 key heads, 32 value heads of 128, a conv of 8,192
 channels and 4 taps); hidden 2,048 (next-1b) or 4,096 (next-16b, dense-9b); vocabularies 151,936 (next-16b) and
@@ -16,6 +17,8 @@ tokens equal torch's. `experts`: the routed experts' two GEMMs (`moe/triton_expe
 SiLU gate, then down) at next-1b's and next-16b's expert shapes with `--seqs` tokens routed at random, by tile
 (columns, depth, warps, stages, swap-AB), the weights rotated over two copies; rate = every touched expert's
 weights once / time, and each launch's max difference from an fp32 torch reference (relative to its max).
+`moe_prefill` and `prefill_gemm`: next-16b's phase-D prefill step (16 x 1,024 tokens): the routed experts' parts
+between their grouped GEMMs by launch, and the dense projections' cuBLAS rates by shape (their docstrings).
 Writes DIR/decode_kernel_sweep.json (DIR: --out, else $OUT, else .).
 """
 
@@ -338,6 +341,122 @@ def sweep_experts(seqs: int) -> list[dict]:
     return results
 
 
+# phase D's routed experts between their grouped GEMMs: (BLOCK_H, num_warps) of `triton_experts.spread` and of the
+# combine, (num_warps,) of the SiLU gate (one program per row of 1,024 columns)
+SPREAD_LAUNCHES = ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
+COMBINE_LAUNCHES = ((512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8), (4096, 16))
+SILU_WARPS = (2, 4, 8)
+# next-16b's dense projections at M tokens: (name, N, K); the MoE block's fused input GEMM at its width (2,088:
+# the shared expert's gate | up 2 x 1,024, the router's 32 rows, the shared gate's 1, padded) and at widths around it
+PREFILL_GEMMS = (("in_proj q|k|v|z|b|a", 12352, 4096), ("attention q|gate|k|v", 9216, 4096),
+                 ("out_proj / o_proj", 4096, 4096), ("MoE input (engine's width)", 2088, 4096),
+                 ("MoE input, 2,048 wide", 2048, 4096), ("MoE input, 2,176 wide", 2176, 4096),
+                 ("MoE input, 2,304 wide", 2304, 4096), ("shared expert down", 4096, 1024))
+
+
+def sweep_moe_prefill(seqs: int) -> list[dict]:
+    """Phase D's prefill step on next-16b (16 x 1,024 tokens, 32 experts top-8 routed at random, hidden 4,096,
+    width 1,024): the routed experts' parts between the grouped GEMMs by launch, and the GEMMs themselves. The
+    token rows in sorted order (`x.index_select(0, order // k)` against `triton_experts.spread`, each token read
+    once), the SiLU gate (fla's `swiglu` against `activation.triton.silu_mul` on the gate/up halves), the combine
+    (`triton_experts.combine` through pos); rate = the bytes each must move at least (spread's for the gather)
+    / time. (`seqs` unused: the step is phase D's.)"""
+    from hybridcache.kernels.activation import triton as act_triton
+    from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs_torch
+    from hybridcache.kernels.moe.triton_experts import _combine_kernel, _spread_kernel
+
+    del seqs
+    device, bf16 = DEVICE, torch.bfloat16
+    tokens, experts, top_k, hidden, width = (16384, 32, 8, 4096, 1024) if device == "cuda" else (64, 8, 2, 256, 64)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.rand(tokens, experts, generator=gen).argsort(dim=-1)[:, :top_k].to(device)
+    order, counts = sort_pairs_torch(ids, experts)
+    pos, ends = pair_rows(order), counts.cumsum(0, dtype=torch.int32)
+    rows = tokens * top_k
+    x = torch.randn(tokens, hidden, device=device, dtype=bf16)
+    results = []
+
+    xs = torch.empty(rows, hidden, device=device, dtype=bf16)
+    want = x.index_select(0, order // top_k)
+    nbytes = (tokens + rows) * hidden * 2
+    part = [{"launch": "x.index_select(0, order // k)", "us": graph_us(
+        lambda _i: torch.index_select(x, 0, order // top_k, out=xs), 1), "bytes": nbytes, "same": True}]
+    for block_h, warps in SPREAD_LAUNCHES:
+        def run(_i: int, b=block_h, w=warps) -> None:
+            _spread_kernel[(tokens, triton.cdiv(hidden, b))](x, pos, xs, hidden, x.stride(0), xs.stride(0),
+                                                              TOP_K=top_k, BLOCK_H=b, num_warps=w, **pdl.options(x))
+        xs.zero_()
+        run(0)
+        part.append({"launch": f"spread: BLOCK_H {block_h}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
+                     "same": bool(torch.equal(xs, want))})
+    from hybridcache.kernels.moe.triton_experts import SPREAD_BLOCK_H, SPREAD_WARPS
+    results += report(f"token rows in sorted order, {tokens} x {hidden} bf16, top-{top_k}", part,
+                      f"spread: BLOCK_H {SPREAD_BLOCK_H}, {SPREAD_WARPS} warps")
+
+    gate_up = [(torch.randn(experts, 2 * width, hidden, generator=gen) / hidden**0.5).to(device, bf16)]
+    down = [(torch.randn(experts, hidden, width, generator=gen) / width**0.5).to(device, bf16)]
+    h2 = torch._grouped_mm(want, gate_up[0].transpose(1, 2), offs=ends)
+    gate, up = h2.chunk(2, dim=-1)
+    h = torch.empty(rows, width, device=device, dtype=bf16)
+    nbytes = rows * 3 * width * 2
+    part = []
+    if device == "cuda":
+        from fla.modules.activations import swiglu
+        part.append({"launch": "fla swiglu", "us": graph_us(lambda _i: swiglu(gate, up), 1), "bytes": nbytes,
+                     "same": "-"})
+    for warps in SILU_WARPS:
+        def run(_i: int, w=warps) -> None:
+            act_triton._silu_mul_kernel[(rows, 1)](gate, up, h, width, gate.stride(0), up.stride(0), BLOCK=width,
+                                                   num_warps=w, **pdl.options(h))
+        run(0)
+        part.append({"launch": f"silu_mul: {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
+                     "same": bool(torch.equal(h, act_triton.silu_mul(gate, up)))})
+    results += report(f"SiLU gate, {rows} x {width} of a {rows} x {2 * width} grouped GEMM output", part,
+                      "silu_mul: 4 warps")
+
+    y = torch._grouped_mm(h, down[0].transpose(1, 2), offs=ends)
+    weights = torch.rand(tokens, top_k, generator=gen).to(device, bf16)
+    out = torch.empty(tokens, hidden, device=device, dtype=bf16)
+    nbytes = (rows + tokens) * hidden * 2
+    ref = None
+    part = []
+    for block_h, warps in COMBINE_LAUNCHES:
+        def run(_i: int, b=block_h, w=warps) -> None:
+            _combine_kernel[(tokens, triton.cdiv(hidden, b))](
+                y, pos, weights, out, y, y, hidden, y.stride(0), out.stride(0), 0, 0, TOP_K=top_k, BLOCK_H=b,
+                SORTED=True, GATED=False, num_warps=w, **pdl.options(y))
+        run(0)
+        ref = out.clone() if ref is None else ref
+        part.append({"launch": f"combine: BLOCK_H {block_h}, {warps} warps", "us": graph_us(run, 1),
+                     "bytes": nbytes, "same": bool(torch.equal(out, ref))})
+    results += report(f"combine through pos, {rows} x {hidden} -> {tokens} x {hidden}", part,
+                      "combine: BLOCK_H 1024, 4 warps")
+
+    part = []
+    for name, a, w, n, k in (("gate/up", want, gate_up[0], 2 * width, hidden), ("down", h, down[0], hidden, width)):
+        us = graph_us(lambda _i, a=a, w=w: torch._grouped_mm(a, w.transpose(1, 2), offs=ends), 1)
+        part.append({"launch": f"grouped GEMM {name}: {2 * rows * n * k / us / 1e6:.0f} TFLOP/s", "us": us,
+                     "bytes": a.numel() * 2 + w.numel() * 2 + rows * n * 2, "same": "-"})
+    results += report("the routed experts' grouped GEMMs (torch._grouped_mm)", part, "")
+    return results
+
+
+def sweep_prefill_gemm(seqs: int) -> list[dict]:
+    """next-16b's dense projections at phase D's 16,384 prefill rows in cuBLAS (`F.linear`), TFLOP/s by shape: is
+    any shape far below the others (the MoE block's odd 2,088-wide fused input among them)? (`seqs` unused.)"""
+    del seqs
+    device, rows = DEVICE, 16384 if DEVICE == "cuda" else 64
+    x = torch.randn(rows, 4096, device=device, dtype=torch.bfloat16)
+    part = []
+    for name, n, k in PREFILL_GEMMS:
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        a = x[:, :k]
+        us = graph_us(lambda _i, a=a, w=w: torch.nn.functional.linear(a, w), 1)
+        part.append({"launch": f"{name}: {n} x {k}, {2 * rows * n * k / us / 1e6:.0f} TFLOP/s", "us": us,
+                     "bytes": (rows * k + n * k + rows * n) * 2, "same": "-"})
+    return report(f"dense prefill GEMMs (cuBLAS) at {rows} rows", part, "")
+
+
 # the FP8 expert GEMM at decode (`gemm/triton_fp8_moe.fp8_expert_gemm`, per-channel experts with per-token x: the
 # engine's `scale_once` path): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, swap-AB); the first is the
 # engine's launch before this sweep (BLOCK_M from `tile_rows`, the `DECODE_*` settings)
@@ -452,7 +571,7 @@ def main() -> None:
     args = parser.parse_args()
     sweeps = {"gdn": sweep_gdn, "conv": sweep_conv, "norm": sweep_norms,
               "argmax": sweep_argmax, "conv_prefill": sweep_conv_prefill, "experts": sweep_experts,
-              "fp8experts": sweep_fp8_experts}
+              "fp8experts": sweep_fp8_experts, "moe_prefill": sweep_moe_prefill, "prefill_gemm": sweep_prefill_gemm}
     found = {}
     for name in args.only.split(","):
         found[name] = sweeps[name](args.seqs)

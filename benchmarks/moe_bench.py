@@ -6,7 +6,7 @@ For the expert shapes of the benchmark models (next-1b: 16 experts top-4, hidden
 32 top-8, 4096, 1024; and Qwen3-Next-80B's 512 top-10, 2048, 512) and T tokens from one decode row to a 16k
 prefill chunk, times (the median of CUDA-graph replays) the routed-expert computation:
 - `before`: last stop's path (gather, two grouped GEMMs, F.silu * up, index_copy_ un-permutation, bmm combine)
-- `grouped`: the grouped GEMMs with fla's fused SiLU gate and the Triton combine
+- `grouped`: the grouped GEMMs (token rows spread to their sorted rows, the Triton SiLU gate) and the Triton combine
 - `triton bm/bn/bk/w[/s]`: the Triton expert GEMM (tile rows bm, columns bn, depth bk, warps w, pipeline stages s,
   3 when not named) and the combine
 and `auto` (what `grouped_experts` picks). Prints one table per model (ms, and GB/s of the weights read for
@@ -62,8 +62,9 @@ def before(x, weights, ids, experts):
 
 def with_grouped(x, weights, ids, experts):
     order, counts = sort_pairs(ids, experts.gate_up.shape[0])
-    y = expert_rows_grouped(x, order, counts.cumsum(0, dtype=torch.int32), ids.shape[1], experts)
-    return combine(y, weights, pair_rows(order))
+    pos = pair_rows(order)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    return combine(expert_rows_grouped(x, pos, ends, ids.shape[1], experts), weights, pos)
 
 
 def with_triton(tile):

@@ -13,7 +13,10 @@ and prints:
   after the last, and the traced run's wall against the untraced runs' (the profiler's own cost);
 - per step call (its range on the host): the call's wall ms, the prefill tokens it postprocessed, and the device
   idle time that falls inside it; summed over prefill and decode calls;
-- the longest idle gaps with the kernels on either side and the step call they fall in.
+- the longest idle gaps with the kernels on either side and the step call they fall in;
+- for each call of `--kernels-of-calls` (default 4,5,6: the last full prefill, the short mixed step after it and
+  the first decode step), the kernels that start inside it by device time (summed per name; a call's window holds
+  the step it launches and the end of the one before, so compare calls with each other, not with a step's time).
 A device that idles while the host plans, copies or samples shows here as idle time inside the calls; a phase
 bound by its kernels shows almost none. Writes DIR/phase_d_timeline_<model>.json (DIR: --out, else $OUT, else .).
 """
@@ -115,11 +118,22 @@ def analyse(kernels: list, steps: list, top: int = 15) -> dict:
             "per_step": per_step, "longest_gaps": gaps[:top]}
 
 
+def kernels_in(kernels: list, lo: float, hi: float, top: int = 12) -> list[dict]:
+    """The kernels that start in [lo, hi), summed by name: [{name, ms, n}], the `top` longest first."""
+    by_name: dict[str, list[float]] = {}
+    for start, end, name in kernels:
+        if lo <= start < hi:
+            by_name.setdefault(name[:70], []).append(end - start)
+    rows = [{"name": name, "ms": round(sum(d) / 1e3, 3), "n": len(d)} for name, d in by_name.items()]
+    return sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="next-16b", choices=[m for m in gpu_bench.MODELS if m != "tiny"])
     parser.add_argument("--runs", type=int, default=2, help="untraced phase D runs before the traced one")
     parser.add_argument("--mamba-ssm-cache-dtype", default="auto")
+    parser.add_argument("--kernels-of-calls", default="4,5,6", help="calls whose kernels to list (comma-separated)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out_dir = Path(args.out or os.environ.get("OUT") or ".")
@@ -143,6 +157,8 @@ def main() -> None:
     result["traced"] = {"output_tok_per_s": traced["output_tok_per_s"], "wall_s": time.perf_counter() - start,
                         **analyse(kernels, steps)}
     t = result["traced"]
+    t["kernels_of_calls"] = {int(c): kernels_in(kernels, steps[int(c)][0], steps[int(c)][1])
+                             for c in args.kernels_of_calls.split(",") if c and int(c) < len(steps)}
     print(f"traced: {t['output_tok_per_s']:.0f} out tok/s; wall {t['wall_ms']:.1f} ms, device busy "
           f"{t['device_busy_ms']:.1f} ms, idle {t['device_idle_ms']:.1f} ms ({t['kernels']} kernels, {t['calls']} "
           f"step calls)")
@@ -153,6 +169,11 @@ def main() -> None:
     print("| idle us | call | after | before |\n| --- | --- | --- | --- |")
     for gap in t["longest_gaps"]:
         print(f"| {gap['us']:.0f} | {gap['call']} | {gap['after']} | {gap['before']} |")
+    for call, rows in t["kernels_of_calls"].items():
+        total = sum(r["ms"] for r in kernels_in(kernels, steps[call][0], steps[call][1], top=10**6))
+        print(f"| call {call}: kernels starting in it ({total:.2f} ms in all) | ms | launches |\n| --- | --- | --- |")
+        for row in rows:
+            print(f"| {row['name']} | {row['ms']:.3f} | {row['n']} |")
     path = out_dir / f"phase_d_timeline_{args.model}.json"
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")

@@ -40,3 +40,13 @@ def test_analyse_splits_idle_time_by_step_call():
     assert result["decode_calls"] == {"n": 2, "wall_ms": 0.2, "idle_ms": 0.03}
     # the gaps between kernels (the idle start of a call before its first kernel is not a gap between two)
     assert result["longest_gaps"] == [{"us": 30, "after": "norm", "before": "argmax", "call": 2}]
+
+
+def test_kernels_in_sums_by_name_the_kernels_that_start_in_the_window():
+    from phase_d_timeline import kernels_in
+
+    kernels = [(100, 600, "gemm"), (550, 1000, "fla"), (700, 800, "gemm"), (1000, 1100, "step"), (990, 1500, "x")]
+    assert kernels_in(kernels, 0, 1000) == [{"name": "gemm", "ms": 0.6, "n": 2}, {"name": "x", "ms": 0.51, "n": 1},
+                                            {"name": "fla", "ms": 0.45, "n": 1}]
+    assert kernels_in(kernels, 0, 1000, top=1) == [{"name": "gemm", "ms": 0.6, "n": 2}]
+    assert kernels_in(kernels, 1000, 1200) == [{"name": "step", "ms": 0.1, "n": 1}]

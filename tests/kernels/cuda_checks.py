@@ -289,8 +289,8 @@ def check_moe(dtype: torch.dtype, device: torch.device, num_tokens: int = 300, h
     stacked = ExpertWeights.stack(list(gate), list(up), list(down))
     order, counts = sort_pairs(ids, experts)
     if block_m is None:
-        y = expert_rows_grouped(x, order, counts.cumsum(0, dtype=torch.int32), top_k, stacked)
-        out = combine(y, weights, pair_rows(order))
+        pos = pair_rows(order)
+        out = combine(expert_rows_grouped(x, pos, counts.cumsum(0, dtype=torch.int32), top_k, stacked), weights, pos)
     else:
         out = combine(expert_rows_triton(x, order, counts, top_k, stacked, block_m), weights)
     ref = moe_ref.routed_experts(x.float(), weights.float(), ids, list(gate.float()), list(up.float()),

@@ -12,6 +12,10 @@ E + 1 apart, as the layer passes it), bf16 and fp32.
   formula; relative to the sum's terms, not to the sum, which may cancel); bf16 three roundings (the routed sum,
   the product, the total): 2^-6 of that scale (doubled in the interpreter, which truncates).
 - The backends: `ReferenceBackend.moe(..., shared)` is its routed experts then `sigmoid_gate_add`, exactly.
+
+The combine's mirror on the grouped path, `spread` (each token row written to its k sorted rows), equals the gather
+it replaces, `x.index_select(0, order // k)`, bit for bit: top-1, top-3 and top-8, repeated picks, x a column view
+of a wider tensor, one and several column blocks per token.
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ def test_cuda_combine_with_the_shared_expert(tokens: int, top_k: int, hidden: in
 def test_interpreted_combine_with_the_shared_expert(tokens: int, top_k: int, hidden: int, sorted_rows: bool,
                                                    dtype: torch.dtype) -> None:
     check_combine_shared(tokens, top_k, hidden, sorted_rows, dtype, "cpu", 2.0)
+
+
+def check_spread(tokens: int, top_k: int, hidden: int, block_h: int, dtype: torch.dtype, device: str) -> None:
+    from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs_torch
+    from hybridcache.kernels.moe.triton_experts import spread
+
+    gen = torch.Generator().manual_seed(tokens * top_k + hidden)
+    ids = torch.randint(0, 6, (tokens, top_k), generator=gen).to(device)  # a token may pick an expert twice
+    order, _ = sort_pairs_torch(ids, 6)
+    x = torch.randn(tokens, hidden + 9, generator=gen).to(device, dtype)[:, 3:hidden + 3]  # rows hidden + 9 apart
+    got = spread(x, pair_rows(order), top_k, block_h=block_h)
+    assert got.shape == (tokens * top_k, hidden) and got.is_contiguous()
+    assert torch.equal(got, x.index_select(0, order // top_k))
+
+
+SPREAD_CASES = pytest.mark.parametrize(("tokens", "top_k", "hidden", "block_h"),
+                                       [(5, 1, 200, 1024), (37, 3, 1500, 512), (37, 8, 200, 64), (1, 8, 1500, 2048)])
+
+
+@needs_cuda
+@DTYPES
+@SPREAD_CASES
+def test_cuda_spread_equals_the_gather(tokens: int, top_k: int, hidden: int, block_h: int, dtype: torch.dtype) -> None:
+    check_spread(tokens, top_k, hidden, block_h, dtype, "cuda")
+
+
+@needs_interpreter
+@SPREAD_CASES
+def test_interpreted_spread_equals_the_gather(tokens: int, top_k: int, hidden: int, block_h: int) -> None:
+    check_spread(tokens, top_k, hidden, block_h, torch.float32, "cpu")
+
+
+def test_spread_refuses_strided_columns_and_a_wrong_pos() -> None:
+    pytest.importorskip("triton")
+    from hybridcache.kernels.moe.triton_experts import spread
+
+    with pytest.raises(ValueError, match="unit stride"):
+        spread(torch.zeros(16, 4).t(), torch.arange(8), 2)
+    with pytest.raises(ValueError, match="pos 8 rows"):
+        spread(torch.zeros(4, 16), torch.arange(6), 2)
 
 
 @interpreted_in_child("test_interpreted_")

@@ -8,9 +8,10 @@ Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing 
     few rows per expert (decode): the Triton expert GEMM (`triton_experts.expert_gemm`) reads x's rows through
         the sort and applies silu(gate) * up in its epilogue (h [T*k, I], sorted), then the down projection,
         written back in pair order (y [T*k, H])
-    many rows (prefill): ends = cumsum(counts) (int32 group ends); xs = x[token of each sorted pair];
-        h = swiglu(grouped_mm(xs, W_gate_up^T, ends)) (fla's fused SiLU gate); y = grouped_mm(h, W_down^T, ends),
-        sorted
+    many rows (prefill): ends = cumsum(counts) (int32 group ends); pos = each pair's sorted row; xs = x[token
+        of each sorted pair] (`triton_experts.spread`: each token row read once, written to its k sorted rows);
+        h = silu(gate) * up of grouped_mm(xs, W_gate_up^T, ends) (`activation.triton.silu_mul` on its two column
+        halves); y = grouped_mm(h, W_down^T, ends), sorted
     out[t] = sum over its k picks of weight * y[row of the pick]  (`triton_experts.combine`: fp32 sum)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridcache.kernels.moe.triton_experts import combine, expert_gemm
+from hybridcache.kernels.activation.triton import silu_mul
+from hybridcache.kernels.moe.triton_experts import combine, expert_gemm, spread
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
 from hybridcache.kernels.streams import Pending, joined
 
@@ -135,15 +137,12 @@ def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tenso
                        block_m=block_m, **(tile or launch_tile(experts.down, block_m)))
 
 
-def expert_rows_grouped(x: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, top_k: int,
+def expert_rows_grouped(x: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, top_k: int,
                         experts: ExpertWeights) -> torch.Tensor:
-    """y [T*k, H] in sorted order: each sorted row's expert output, by two grouped GEMMs and fla's fused SiLU
-    gate."""
-    from fla.modules.activations import swiglu  # CUDA-only dependency, imported on first use
-
-    xs = x.index_select(0, order // top_k)
-    gate, up = torch._grouped_mm(xs, experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    return torch._grouped_mm(swiglu(gate, up), experts.down.transpose(1, 2), offs=ends)
+    """y [T*k, H] in sorted order: each sorted row's expert output, by two grouped GEMMs with the token rows
+    spread to their sorted rows (pos: `pair_rows`) and the SiLU gate between them (module docstring)."""
+    gate, up = torch._grouped_mm(spread(x, pos, top_k), experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+    return torch._grouped_mm(silu_mul(gate, up), experts.down.transpose(1, 2), offs=ends)
 
 
 def grouped_experts(
@@ -160,8 +159,8 @@ def grouped_experts(
     order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
     if block_m is None:
-        ends = counts.cumsum(0, dtype=torch.int32)
-        rows, pos = expert_rows_grouped(x, order, ends, top_k, experts), pair_rows(order)
+        ends, pos = counts.cumsum(0, dtype=torch.int32), pair_rows(order)
+        rows = expert_rows_grouped(x, pos, ends, top_k, experts)
     else:
         rows, pos = expert_rows_triton(x, order, counts, top_k, experts, block_m), None
     return combine(rows, top_weights, pos, None if shared is None else (shared[0], joined(shared[1])))

@@ -20,6 +20,8 @@ SM streaming them.
 
 `combine`: out[t] = sum_j w[t, j] * y[t*k + j] in fp32, rounded once; on the grouped-GEMM path, whose y is in
 sorted order, through pos (a pair's sorted row): the un-permutation and the weighted sum in one read of y.
+`spread`, the grouped path's gather: xs[pos[t*k + j]] = x[t] for every pick j, each token row read once and
+written k times (a gather by sorted row, xs[r] = x[order[r] // k], would read every row k times).
 """
 
 from __future__ import annotations
@@ -205,4 +207,39 @@ def combine(y: torch.Tensor, top_weights: torch.Tensor, pos: torch.Tensor | None
             out.stride(0), gate.stride(0), extra.stride(0),
             TOP_K=top_k, BLOCK_H=block_h, SORTED=pos is not None, GATED=shared is not None, **pdl.options(y),
         )
+    return out
+
+
+@triton.jit
+def _spread_kernel(x_ptr, pos_ptr, out_ptr, H, stride_x, stride_out, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.start(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    row = tl.load(x_ptr + token * stride_x + cols, mask=ok, other=0.0)
+    for j in tl.static_range(TOP_K):
+        dest = tl.load(pos_ptr + token * TOP_K + j).to(tl.int64)
+        tl.store(out_ptr + dest * stride_out + cols, row, mask=ok)
+
+
+SPREAD_BLOCK_H = 1024  # columns per program (`benchmarks/decode_kernel_sweep.py --only moe_prefill`)
+SPREAD_WARPS = 4
+
+
+def spread(x: torch.Tensor, pos: torch.Tensor, top_k: int, block_h: int = SPREAD_BLOCK_H,
+           num_warps: int = SPREAD_WARPS) -> torch.Tensor:
+    """x [T, H] (unit stride on H), pos [T*k] (the sorted row of each (token, pick) pair, `grouped.pair_rows`) ->
+    xs [T*k, H] with xs[pos[t*k + j]] = x[t]: the token rows in sorted order, as x.index_select(0, order // k),
+    read once (module docstring). block_h, num_warps: the launch (benchmarks sweep them)."""
+    num_tokens, hidden = x.shape
+    if x.stride(1) != 1 or pos.numel() != num_tokens * top_k:
+        raise ValueError(f"spread: x [{num_tokens}, {hidden}] needs unit stride on H and pos {num_tokens * top_k} "
+                         f"rows, got strides {x.stride()} and {pos.numel()} rows")
+    out = torch.empty((num_tokens * top_k, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens and hidden:
+        block_h = min(block_h, triton.next_power_of_2(hidden))
+        _spread_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+            x, pos, out, hidden, x.stride(0), out.stride(0), TOP_K=top_k, BLOCK_H=block_h, num_warps=num_warps,
+            **pdl.options(x))
     return out
