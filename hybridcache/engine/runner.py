@@ -533,8 +533,9 @@ class ModelRunner:
         graphs.graphs[size].replay()
         if self.mtp_head is not None:
             self.step_hidden = graphs.hidden[size]
-        rows = graphs.rows(graphs.outputs[size], n, size)
-        return rows if graphs.num_drafts else rows.clone()  # (a verify step's rows are a new tensor already)
+        # the graph's output is the lm_head's (`HybridCausalLM.forward(raw=True)`): widened into a new fp32 tensor,
+        # which the next replay cannot overwrite
+        return graphs.rows(graphs.outputs[size], n, size).to(torch.float32, copy=True)
 
     def _run_pieces(self, batch: ForwardBatch, size: int) -> torch.Tensor:
         """A step in piecewise graphs of `size` tokens (`engine/prefill_graphs.py`): the layers replayed (or, within
@@ -614,12 +615,13 @@ class ModelRunner:
             prefill.sequence = whole
             logger.info("whole-step graphs of one-sequence steps: token buckets %s", tuple(sorted(whole.graphs)))
 
-    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's forward on a prepared batch; with an MTP head it also keeps the final-norm hidden state of
-        every row in `step_hidden` (what the head reads, `engine.speculative`)."""
+    def _run_model(self, batch: ForwardBatch, raw: bool = False) -> torch.Tensor:
+        """The model's forward on a prepared batch (`raw`: the lm_head's output, as `HybridCausalLM.forward`);
+        with an MTP head it also keeps the final-norm hidden state of every row in `step_hidden` (what the head
+        reads, `engine.speculative`)."""
         if self.mtp_head is None:
-            return self.model(batch, self.pools, self.backend)
-        logits, self.step_hidden = self.model.forward_with_hidden(batch, self.pools, self.backend)
+            return self.model(batch, self.pools, self.backend, raw=raw)
+        logits, self.step_hidden = self.model.forward_with_hidden(batch, self.pools, self.backend, raw=raw)
         return logits
 
     def _capture(self, graphs: _DecodeGraphs) -> None:
@@ -642,7 +644,7 @@ class ModelRunner:
                 batch = graphs.prepared[size] = self.backend.prepare(graphs.static_batch(size))
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=graphs.pool):
-                    graphs.outputs[size] = self._run_model(batch)
+                    graphs.outputs[size] = self._run_model(batch, raw=True)
                     graphs.hidden[size] = self.step_hidden
                 graphs.pool = graph.pool()
                 graphs.graphs[size] = graph
