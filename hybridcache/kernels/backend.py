@@ -175,15 +175,6 @@ class KernelBackend(Protocol):
         to sum 1 when `renormalize`; returns (weights [T, k] in logits' dtype, ids [T, k] int64)."""
         ...
 
-    def routed_moe(
-        self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-        experts: Sequence[nn.Module], shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
-    ) -> torch.Tensor:
-        """A sparse MoE block's routed experts from its router's logits, as one op: `route(router_logits, top_k,
-        renormalize)`, then `moe(x, weights, ids, experts, shared)`. The result is that of the two ops (a backend
-        may fuse the routing with the experts' first steps)."""
-        ...
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm over the last dim: x [..., dim], weight [dim] -> [..., dim] in x's dtype,
         y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in fp32 and rounded once."""
@@ -430,13 +421,6 @@ class ReferenceBackend:
             _DenseWeights([e.down_proj for e in experts], x.dtype),
         )
         return routed if shared is None else activation_ref.sigmoid_gate_add(routed, shared[0], joined(shared[1]))
-
-    def routed_moe(
-        self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-        experts: Sequence[nn.Module], shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
-    ) -> torch.Tensor:
-        top_weights, top_ids = self.route(router_logits, top_k, renormalize)
-        return self.moe(x, top_weights, top_ids, experts, shared)
 
     def gated_delta(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

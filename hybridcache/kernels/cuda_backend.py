@@ -296,24 +296,6 @@ class CudaBackend:
                                                                                      joined(shared[1]))
         return grouped_experts(x, top_weights, top_ids, stacked, shared)
 
-    def routed_moe(
-        self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int, renormalize: bool,
-        experts: Sequence[nn.Module], shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
-    ) -> torch.Tensor:
-        """`route`, then `moe`; for bf16 / fp32 experts already stacked and a decode step's few rows
-        (`triton_route.fits_route_sorted`), the routing and the pair sort in one launch (`route_sorted`)."""
-        stacked = self._experts.get(experts)
-        num_rows, num_experts = router_logits.shape
-        if isinstance(stacked, ExpertWeights) and triton_route.fits_route_sorted(num_rows, top_k, num_experts):
-            top_weights, top_ids, order, counts = triton_route.route_sorted(router_logits, top_k, renormalize)
-            return grouped_experts(x, top_weights, top_ids, stacked, shared, pairs=(order, counts))
-        top_weights, top_ids = self.route(router_logits, top_k, renormalize)
-        out = self.moe(x, top_weights, top_ids, experts, shared)
-        first = stacked is None and isinstance(self._experts[experts], ExpertWeights)  # `moe` stacked them just now
-        if first and router_logits.is_cuda and not torch.cuda.is_current_stream_capturing():  # compile as `moe` does
-            triton_route.compile_route_sorted(router_logits, top_k, renormalize)
-        return out
-
     # Element-wise and per-row ops need no step metadata: the kernel functions themselves.
     delta_gates = staticmethod(triton_gates.delta_gates)
     route = staticmethod(triton_route.route)

@@ -125,6 +125,6 @@ class SparseMoeBlock(nn.Module):
                 shared = self.shared_expert
             else:
                 shared = kernel_backend.fork(side, self.shared_expert, x, step)
+        top_weights, top_ids = step.backend.route(router_logits, self.top_k, self.norm_topk_prob)  # [N, k] each
         # the shared expert's output is added with its gate in the routed experts' combine
-        return self.tp.all_reduce(step.backend.routed_moe(x, router_logits, self.top_k, self.norm_topk_prob,
-                                                          self.experts, (shared_gate, shared)))
+        return self.tp.all_reduce(step.backend.moe(x, top_weights, top_ids, self.experts, (shared_gate, shared)))

@@ -480,28 +480,6 @@ def check_sort_pairs(device: torch.device, seed: int = 0) -> dict[str, int]:
     return misses
 
 
-def check_route_sorted(dtype: torch.dtype, device: torch.device, seed: int = 0) -> dict[str, int]:
-    """The routing and the pair sort in one launch (`triton_route.route_sorted`) against the two launches it
-    replaces (`route`, then `sort_pairs_triton` of its ids), for the models' routings (16 experts top 4, 32 top 8
-    without renormalising, 256 top 10), one token, a row count that is not a multiple of the routing's 16-row
-    blocks and the most rows that fit one sort, on strided logits with ties (repeated logit values): how many
-    weights, ids, order entries and counts differ, per case (0 everywhere: the same bits)."""
-    from hybridcache.kernels.moe.triton_route import route, route_sorted
-    from hybridcache.kernels.moe.triton_sort import MAX_PAIRS, sort_pairs_triton
-
-    gen = torch.Generator().manual_seed(seed)
-    misses = {}
-    for experts, top_k, renormalize, rows in ((16, 4, True, 64), (32, 8, False, 64), (256, 10, True, 37),
-                                              (32, 8, True, 1), (16, 4, True, 21), (32, 8, True, MAX_PAIRS // 8)):
-        logits = (2 * torch.randn(rows, 2 * experts, generator=gen)).round(decimals=1)  # ties between experts
-        logits = logits.to(device, dtype)[:, :experts]
-        got = route_sorted(logits, top_k, renormalize)
-        weights, ids = route(logits, top_k, renormalize)
-        want = (weights, ids, *sort_pairs_triton(ids, experts))
-        misses[f"E{experts}k{top_k} T{rows}"] = sum(int((a != b).sum()) for a, b in zip(got, want, strict=True))
-    return misses
-
-
 VERIFY_DRAFTS = (0, 1, 2, 3, 3, 0)  # drafts of each verify row (0: a plain decode row)
 VERIFY_HISTORY = (150, 151, 200, 0, 163, 1)  # 0: a fresh row (its slot's old contents must be ignored)
 

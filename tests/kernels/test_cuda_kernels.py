@@ -168,15 +168,6 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
 
 
 @needs_cuda
-@DTYPES
-def test_cuda_route_sorted_equals_routing_then_sorting(dtype: torch.dtype, cuda: torch.device) -> None:
-    from tests.kernels.cuda_checks import check_route_sorted
-
-    misses = check_route_sorted(dtype, cuda)
-    assert misses and all(count == 0 for count in misses.values()), misses
-
-
-@needs_cuda
 def test_cuda_sort_pairs(cuda: torch.device) -> None:
     from tests.kernels.cuda_checks import check_sort_pairs
 
@@ -289,18 +280,6 @@ def test_interpreted_route() -> None:
 
     stats = check_route(torch.float32, torch.device("cpu"), rows=20)
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
-
-
-@needs_interpreter
-def test_interpreted_route_sorted_equals_routing_then_sorting() -> None:
-    from hybridcache.kernels.moe.triton_route import MAX_ROUTE_EXPERTS, fits_route_sorted, route_sorted
-    from tests.kernels.cuda_checks import check_route_sorted
-
-    misses = check_route_sorted(torch.float32, torch.device("cpu"))
-    assert misses and all(count == 0 for count in misses.values()), misses
-    assert not fits_route_sorted(129, 8, 32) and fits_route_sorted(128, 8, 32)  # 1,024 pairs at most
-    with pytest.raises(ValueError, match="experts"):  # the engine routes such blocks in two launches
-        route_sorted(torch.zeros(2, MAX_ROUTE_EXPERTS + 1), 2, True)
 
 
 @needs_interpreter

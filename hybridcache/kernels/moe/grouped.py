@@ -148,17 +148,15 @@ def expert_rows_grouped(x: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, 
 def grouped_experts(
     x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: ExpertWeights,
     shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None,
-    pairs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [T, H], top_weights [T, k] (x's dtype), top_ids [T, k] int64 -> [T, H] in x's dtype:
     out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]), plus sigmoid(gate[t]) * shared[t] in the
     combine's launch when `shared` = (gate [T, 1], shared [T, H]) is given (`triton_experts.combine`). A shared
     output pending on the side stream (`kernels/streams.py`) is joined after the sort and the expert GEMMs were
-    launched, right before the combine: the side stream's work overlaps all of them. `pairs`: `sort_pairs(top_ids,
-    E)` when the caller has it (`triton_route.route_sorted` makes it in the routing's launch)."""
+    launched, right before the combine: the side stream's work overlaps all of them."""
     top_k = top_ids.shape[1]
     num_experts = experts.gate_up.shape[0]
-    order, counts = pairs if pairs is not None else sort_pairs(top_ids, num_experts)
+    order, counts = sort_pairs(top_ids, num_experts)
     block_m = tile_rows(order.numel(), num_experts)
     if block_m is None:
         ends, pos = counts.cumsum(0, dtype=torch.int32), pair_rows(order)
