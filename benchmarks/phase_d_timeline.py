@@ -84,7 +84,10 @@ def traced_phase_d(llm: LLM, rng: random.Random) -> tuple[dict, list, list]:
     finally:
         del engine.step
     events = prof.events()
-    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA]
+    # the device activity, less the `step_call_*` ranges the profiler also draws on the device's timeline (a range
+    # spans a call's kernels and the gaps between them: counted as busy, it would hide those gaps)
+    kernels = [(e.time_range.start, e.time_range.end, e.name) for e in events
+               if e.device_type == DeviceType.CUDA and not e.name.startswith("step_call_")]
     ranges = {e.name: (e.time_range.start, e.time_range.end) for e in events
               if e.device_type == DeviceType.CPU and e.name.startswith("step_call_")}
     steps = [(*ranges[f"step_call_{i}"], tokens) for i, tokens in enumerate(calls) if f"step_call_{i}" in ranges]
