@@ -363,7 +363,7 @@ def sweep_moe_prefill(seqs: int) -> list[dict]:
     / time. (`seqs` unused: the step is phase D's.)"""
     from hybridcache.kernels.activation import triton as act_triton
     from hybridcache.kernels.moe.grouped import pair_rows, sort_pairs_torch
-    from hybridcache.kernels.moe.triton_experts import _combine_kernel, _spread_kernel
+    from hybridcache.kernels.moe.triton_experts import SPREAD_BLOCK_H, SPREAD_WARPS, _combine_kernel, _spread_kernel
 
     del seqs
     device, bf16 = DEVICE, torch.bfloat16
@@ -389,7 +389,6 @@ def sweep_moe_prefill(seqs: int) -> list[dict]:
         run(0)
         part.append({"launch": f"spread: BLOCK_H {block_h}, {warps} warps", "us": graph_us(run, 1), "bytes": nbytes,
                      "same": bool(torch.equal(xs, want))})
-    from hybridcache.kernels.moe.triton_experts import SPREAD_BLOCK_H, SPREAD_WARPS
     results += report(f"token rows in sorted order, {tokens} x {hidden} bf16, top-{top_k}", part,
                       f"spread: BLOCK_H {SPREAD_BLOCK_H}, {SPREAD_WARPS} warps")
 

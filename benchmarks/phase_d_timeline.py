@@ -160,8 +160,9 @@ def main() -> None:
     result["traced"] = {"output_tok_per_s": traced["output_tok_per_s"], "wall_s": time.perf_counter() - start,
                         **analyse(kernels, steps)}
     t = result["traced"]
-    t["kernels_of_calls"] = {int(c): kernels_in(kernels, steps[int(c)][0], steps[int(c)][1])
-                             for c in args.kernels_of_calls.split(",") if c and int(c) < len(steps)}
+    listed = {int(c): kernels_in(kernels, steps[int(c)][0], steps[int(c)][1], top=len(kernels))
+              for c in args.kernels_of_calls.split(",") if c and int(c) < len(steps)}
+    t["kernels_of_calls"] = {call: rows[:12] for call, rows in listed.items()}
     print(f"traced: {t['output_tok_per_s']:.0f} out tok/s; wall {t['wall_ms']:.1f} ms, device busy "
           f"{t['device_busy_ms']:.1f} ms, idle {t['device_idle_ms']:.1f} ms ({t['kernels']} kernels, {t['calls']} "
           f"step calls)")
@@ -172,10 +173,10 @@ def main() -> None:
     print("| idle us | call | after | before |\n| --- | --- | --- | --- |")
     for gap in t["longest_gaps"]:
         print(f"| {gap['us']:.0f} | {gap['call']} | {gap['after']} | {gap['before']} |")
-    for call, rows in t["kernels_of_calls"].items():
-        total = sum(r["ms"] for r in kernels_in(kernels, steps[call][0], steps[call][1], top=10**6))
+    for call, rows in listed.items():
+        total = sum(r["ms"] for r in rows)
         print(f"| call {call}: kernels starting in it ({total:.2f} ms in all) | ms | launches |\n| --- | --- | --- |")
-        for row in rows:
+        for row in rows[:12]:
             print(f"| {row['name']} | {row['ms']:.3f} | {row['n']} |")
     path = out_dir / f"phase_d_timeline_{args.model}.json"
     path.write_text(json.dumps(result, indent=1))
