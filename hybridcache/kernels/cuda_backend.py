@@ -51,7 +51,13 @@ from hybridcache.kernels.attention.base import AttentionBackend
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
-from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
+from hybridcache.kernels.gated_delta.fla import (
+    CHUNK_SIZE,
+    LeadingDecodes,
+    chunk_gated_delta_rule_varlen,
+    leading_decodes,
+    mixed_gated_delta_rule,
+)
 from hybridcache.kernels.gated_delta.reference import split_qkv
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
@@ -116,6 +122,8 @@ class CudaMetadata:
     fresh            [S] bool: the sequences that start at step 0 (`varlen.fresh_mask`; every DeltaNet layer's
                      prefill reads it), or None in an all-decode step or one with no fresh sequence
                      (`varlen.any_fresh`: the layers then need no mask)
+    lead             a mixed step's leading decode rows, which the DeltaNet layers run in the step kernel
+                     (`fla.LeadingDecodes`), or None (no such run, or a verify step)
     """
 
     all_decode: bool
@@ -125,6 +133,7 @@ class CudaMetadata:
     attention: Any
     verify: VerifyRows | None = None
     fresh: torch.Tensor | None = None
+    lead: LeadingDecodes | None = None
 
 
 class CudaBackend:
@@ -166,14 +175,19 @@ class CudaBackend:
             chunks = chunk_indices(cu_seqlens, batch.query_lens_cpu, CHUNK_SIZE)
             if any_fresh(batch.context_lens_cpu, batch.query_lens_cpu):
                 fresh = fresh_mask(cu_seqlens, batch.context_lens)
+        verify = None if all_decode else VerifyRows.of(batch)
+        lead = None
+        if not all_decode and verify is None:
+            lead = leading_decodes(cu_seqlens, batch.context_lens, batch.state_slots, batch.query_lens_cpu)
         metadata = CudaMetadata(
             all_decode=all_decode,
             max_context_len=max(batch.context_lens_cpu, default=0),
             cu_seqlens=cu_seqlens,
             chunks=chunks,
             attention=self.attention_backend.prepare(batch),
-            verify=None if all_decode else VerifyRows.of(batch),
+            verify=verify,
             fresh=fresh,
+            lead=lead,
         )
         return dataclasses.replace(batch, metadata=metadata)
 
@@ -237,11 +251,16 @@ class CudaBackend:
         A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch,  # noqa: N803
     ) -> torch.Tensor:
         """All-decode: the step kernel makes the gates itself from a and b (one launch fewer per layer); else
-        `delta_gates`, then `gated_delta_rule`."""
-        if _metadata(batch).all_decode:
+        `delta_gates`, then `gated_delta_rule`; a mixed step's leading decode rows in the step kernel, as in a
+        decode step (`fla.mixed_gated_delta_rule`)."""
+        meta = _metadata(batch)
+        if meta.all_decode:
             return gated_delta_rule_decode(q, k, v, a, b, ssm_layer, batch.state_slots, batch.context_lens,
                                            gates=(A_log, dt_bias))
         g, beta = triton_gates.delta_gates(a, b, A_log, dt_bias)
+        if meta.lead is not None:
+            return mixed_gated_delta_rule(q, k, v, g, beta, ssm_layer, batch.state_slots, batch.context_lens,
+                                          meta.lead, raw_gates=(a, b, A_log, dt_bias))
         return self.gated_delta_rule(q, k, v, g, beta, ssm_layer, batch)
 
     def conv_gated_delta(

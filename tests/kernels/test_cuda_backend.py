@@ -41,11 +41,14 @@ def engine_batch(lengths: list[tuple[int, int]], slots: list[int]):
 
 MIXED = ([(0, 70), (130, 1), (37, 200), (0, 1), (63, 65), (5, 1)], [4, 0, 2, 5, 7, 1])
 DECODE = ([(130, 1), (0, 1), (63, 1), (200, 1)], [3, 6, 0, 1])
+# decode rows first (one of them a fresh 1-token prompt), then chunks, then a decode row: the DeltaNet layers run the
+# leading decode rows in the step kernel (`fla.LeadingDecodes`)
+LEADING = ([(130, 1), (0, 1), (5, 1), (37, 200), (0, 70), (63, 1)], [6, 3, 0, 2, 5, 7])
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("case", [MIXED, DECODE, LEADING], ids=["mixed", "decode", "leading-decodes"])
 def test_cuda_backend_matches_reference_backend(case, dtype: torch.dtype) -> None:
     backend = get_backend("cuda")
     assert type(backend).__name__ == "CudaBackend"
@@ -75,6 +78,15 @@ def test_cuda_backend_matches_reference_backend(case, dtype: torch.dtype) -> Non
     ssm_ref = ssm.clone()
     torch.testing.assert_close(backend.gated_delta_rule(q, k, v, g, beta, ssm, fast),
                                reference.gated_delta_rule(q, k, v, g, beta, ssm_ref, slow), **bf16_tol)
+    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-2, atol=1e-2)
+    # the gates from raw a, b (what the layer calls: in a decode step or for leading decode rows, inside the step
+    # kernel)
+    a, b = rand(tokens, 4), rand(tokens, 4)
+    a_log = torch.empty(4).uniform_(0.05, 1.0, generator=gen).log().to(dev, dtype)
+    dt_bias = torch.empty(4).uniform_(-1, 1, generator=gen).to(dev, dtype)
+    ssm, ssm_ref = ssm_ref.clone(), ssm_ref.clone()
+    torch.testing.assert_close(backend.gated_delta(q, k, v, a, b, a_log, dt_bias, ssm, fast),
+                               reference.gated_delta(q, k, v, a, b, a_log, dt_bias, ssm_ref, slow), **bf16_tol)
     torch.testing.assert_close(ssm, ssm_ref, rtol=1e-2, atol=1e-2)
 
     # paged attention (Hq 8, Hkv 2, D 256) over a pool with history

@@ -57,6 +57,10 @@ def test_cuda_gated_delta_chunk(dtype: torch.dtype, cuda: torch.device) -> None:
 
     stats = check_gated_delta(dtype, cuda)
     assert_within(stats, {"out": FLA[dtype], "final_state": FLA[dtype], "other_slots": EXACT})
+    # a mixed step's leading decode rows (one fresh) before prefill chunks: the step kernel writes them into fla's
+    # output, fla runs them as one throwaway sequence (`fla.mixed_gated_delta_rule`)
+    stats = check_gated_delta(dtype, cuda, lengths=(1, 1, 1, 1, 17, 63, 200), history=(40, 0, 7, 130, 5, 0, 37))
+    assert_within(stats, {"out": FLA[dtype], "final_state": FLA[dtype], "other_slots": EXACT})
 
 
 @needs_cuda

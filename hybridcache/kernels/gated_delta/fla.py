@@ -20,11 +20,22 @@ sequences):
 No host sync: the initial states are gathered and the final states scattered with device index ops, fresh rows
 are zeroed with a device mask (none when the host lengths show no fresh row), and fla's chunk table is built on
 the host from the host query lengths and copied without waiting (`varlen.chunk_indices`).
+
+A mixed step whose first D sequences are decode rows (one token each; the scheduler lists running sequences
+first) runs those rows in the step kernel, not as D one-token sequences of fla's, each of which costs fla a state
+gathered, a chunk of its state kernel and a state scattered (on next-16b 63 decode rows beside a short prefill made
+fla's state kernel 4x the step kernel's time). fla takes every row still, the D decode rows as one throwaway
+sequence from a zero state whose final state is dropped (`LeadingDecodes`), so its output covers the step and the
+step kernel then writes the D real rows into it: no copy of the output, whatever the prefill's size::
+
+    query lens (1, 1, 1, 40, 7), slots (5, 2, 9, 4, 8)   ->   D = 3: the step kernel on rows 0-2 (slots 5, 2, 9);
+    fla on query lens (3, 40, 7), slots (4, 4, 8), the first sequence fresh and its final state not written
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -34,6 +45,45 @@ from hybridcache.kernels.varlen import any_fresh, fresh_mask
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule
+
+
+@dataclass(frozen=True)
+class LeadingDecodes:
+    """fla's view of a mixed step whose first `count` sequences are decode rows (module docstring), built once per
+    step by `leading_decodes` and read by every DeltaNet layer.
+
+    count           D, the leading decode rows (0 < D < S)
+    slots           [1 + S - D] the state rows fla reads: sequence D's for the throwaway (zeroed by `fresh`, its
+                    final state dropped), then state_slots[D:]
+    cu_seqlens      [2 + S - D] int64: 0, then cu_seqlens[D:]
+    fresh           [1 + S - D] bool: True for the throwaway, then the fresh mask of sequences D..S-1
+    query_lens_cpu  (D, query_lens_cpu[D:])
+    chunks          fla's chunk table of that layout
+    """
+
+    count: int
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    fresh: torch.Tensor
+    query_lens_cpu: tuple[int, ...]
+    chunks: torch.Tensor
+
+
+def leading_decodes(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, state_slots: torch.Tensor,
+                    query_lens_cpu: Sequence[int]) -> LeadingDecodes | None:
+    """The step's `LeadingDecodes`, or None unless it starts with a decode row and has a longer chunk after its
+    run of decode rows (an all-decode step takes the step kernel alone; one that starts with a prefill chunk, fla
+    alone)."""
+    count = next((i for i, length in enumerate(query_lens_cpu) if length != 1), len(query_lens_cpu))
+    if count == 0 or count == len(query_lens_cpu):
+        return None
+    cu = cu_seqlens.long()
+    fla_cu = torch.cat([cu[:1], cu[count:]])
+    lens = (count, *query_lens_cpu[count:])
+    fresh = torch.cat([torch.ones(1, dtype=torch.bool, device=cu.device), fresh_mask(cu, context_lens)[count:]])
+    slots = torch.cat([state_slots[count: count + 1], state_slots[count:]])
+    return LeadingDecodes(count=count, slots=slots, cu_seqlens=fla_cu, fresh=fresh, query_lens_cpu=lens,
+                          chunks=make_chunk_indices(fla_cu, lens, CHUNK_SIZE))
 
 
 def chunk_gated_delta_rule_varlen(
@@ -52,6 +102,7 @@ def chunk_gated_delta_rule_varlen(
     chunk_indices: torch.Tensor | None = None,
     fresh: torch.Tensor | None = None,
     context_lens_cpu: Sequence[int] | None = None,
+    drop_first: bool = False,
 ) -> torch.Tensor:
     """fla's chunked gated delta rule over every sequence of the batch (see the module docstring).
 
@@ -60,7 +111,9 @@ def chunk_gated_delta_rule_varlen(
     context_lens)` one, when the caller already has them (computed once per step, not per layer).
     context_lens_cpu: context_lens on the host (the true ones, not a captured batch's claim), when the caller has
     them: a batch with no fresh sequence (`varlen.any_fresh`: prefix hits, decode rows) then reads its state rows
-    as they are, without the mask's launches. Returns out [T, Hv, Dv] in q's dtype.
+    as they are, without the mask's launches. `drop_first`: sequence 0 is a throwaway (`LeadingDecodes`): its
+    final state is not written back (its slot is read, so it must be a valid row; `fresh` must zero it).
+    Returns out [T, Hv, Dv] in q's dtype.
     """
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
@@ -88,8 +141,40 @@ def chunk_gated_delta_rule_varlen(
         cu_seqlens=cu,
         chunk_indices=chunk_indices.long(),
     )
+    if drop_first:
+        slots, final = slots[1:], final[1:]
     ssm_pool.index_copy_(0, slots, final.to(ssm_pool.dtype))
     return out[0].to(q.dtype)
+
+
+def mixed_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    context_lens: torch.Tensor,
+    lead: LeadingDecodes,
+    *,
+    use_qk_l2norm: bool = True,
+    raw_gates: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """A mixed step with `lead.count` leading decode rows (module docstring): fla over every row, the decode rows as
+    one throwaway sequence, then the step kernel writes their real outputs over its rows and updates their state
+    rows. Same contract and result as `chunk_gated_delta_rule_varlen` over the step (to fp32 rounding: the decode
+    rows' sums run in the step kernel's order). `raw_gates` (a, b [T, Hv], A_log, dt_bias [Hv]): the step kernel
+    makes the decode rows' gates itself from them, the launch a decode step compiles and runs (g and beta: fla's)."""
+    out = chunk_gated_delta_rule_varlen(
+        q, k, v, g, beta, ssm_pool, lead.slots, lead.cu_seqlens, context_lens, lead.query_lens_cpu,
+        use_qk_l2norm=use_qk_l2norm, chunk_indices=lead.chunks, fresh=lead.fresh, drop_first=True,
+    )
+    d = lead.count
+    rows = (g[:d], beta[:d], None) if raw_gates is None else (raw_gates[0][:d], raw_gates[1][:d], raw_gates[2:])
+    gated_delta_rule_decode(q[:d], k[:d], v[:d], rows[0], rows[1], ssm_pool, state_slots[:d], context_lens[:d],
+                            use_qk_l2norm=use_qk_l2norm, gates=rows[2], out=out[:d])
+    return out
 
 
 def gated_delta_rule_varlen(
@@ -107,12 +192,17 @@ def gated_delta_rule_varlen(
     use_qk_l2norm: bool = True,
     chunk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Any batch: all-decode batches (every query_len == 1) take the in-place step kernel, others fla's chunked
-    kernel for every sequence (decode rows included). Same contract as `chunk_gated_delta_rule_varlen`."""
+    """Any batch: all-decode batches (every query_len == 1) take the in-place step kernel, a run of leading decode
+    rows before a prefill chunk `mixed_gated_delta_rule`, others fla's chunked kernel for every sequence. Same
+    contract as `chunk_gated_delta_rule_varlen`."""
     if all(length == 1 for length in query_lens_cpu):
         return gated_delta_rule_decode(
             q, k, v, g, beta, ssm_pool, state_slots, context_lens, use_qk_l2norm=use_qk_l2norm
         )
+    lead = leading_decodes(cu_seqlens, context_lens, state_slots, query_lens_cpu)
+    if lead is not None:
+        return mixed_gated_delta_rule(q, k, v, g, beta, ssm_pool, state_slots, context_lens, lead,
+                                      use_qk_l2norm=use_qk_l2norm)
     return chunk_gated_delta_rule_varlen(
         q, k, v, g, beta, ssm_pool, state_slots, cu_seqlens, context_lens, query_lens_cpu,
         use_qk_l2norm=use_qk_l2norm, chunk_indices=chunk_indices,

@@ -122,6 +122,7 @@ def gated_delta_rule_decode(
     *,
     use_qk_l2norm: bool = True,
     gates: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token for each of N sequences; ssm_pool[state_slots] is updated in place.
 
@@ -132,7 +133,8 @@ def gated_delta_rule_decode(
     q, k [N, Hk, Dk]; v [N, Hv, Dv] (unit stride on the last dim; other strides free, e.g. views of the conv
     output); g, beta [N, Hv] (log decay, write strength); ssm_pool [num_slots, Hv, Dk, Dv] (fp32 normally);
     state_slots [N] distinct; context_lens [N] (1 = fresh). Dk and Dv must be powers of two.
-    Returns out [N, Hv, Dv] in q's dtype.
+    Returns out [N, Hv, Dv] in q's dtype: a new tensor, or `out` written (unit stride on Dv; a mixed step's
+    leading rows of fla's output, `fla.mixed_gated_delta_rule`).
     """
     num, num_k_heads, k_dim = q.shape
     num_v_heads, v_dim = v.shape[1], v.shape[2]
@@ -144,7 +146,11 @@ def gated_delta_rule_decode(
     if gates is None or g.stride(-1) != 1 or beta.stride(-1) != 1:
         g, beta = g.contiguous(), beta.contiguous()
     a_log, dt_bias = gates if gates is not None else (g, g)  # (unread without gates)
-    out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(num, num_v_heads, v_dim, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != (num, num_v_heads, v_dim) or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{num}, {num_v_heads}, {v_dim}] in {q.dtype} with unit stride on its last "
+                         f"dim, got {list(out.shape)} in {out.dtype}")
     if num == 0:
         return out
     blocks = v_dim // block_v
