@@ -241,6 +241,36 @@ def test_interpreted_attention(decode: bool) -> None:
 
 
 @needs_interpreter
+def test_interpreted_attention_backend_runs_leading_decode_rows_in_the_decode_kernel() -> None:
+    """The "triton" attention backend on a mixed step that starts with decode rows (one a fresh 1-token prompt)
+    and ends with one: the prefill kernel skips the leading rows' blocks and the decode kernel writes their rows
+    (`triton_backend`'s module docstring), against the reference backend."""
+    from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+    from hybridcache.kernels.attention.reference_backend import ReferenceAttention
+    from hybridcache.kernels.attention.triton_backend import TritonAttention
+    from tests.kernels.cuda_checks import error_stats
+
+    chunks, next_block = [], 30
+    for slot, (start, num) in enumerate([(130, 1), (0, 1), (5, 1), (37, 40), (0, 20), (63, 1)]):
+        blocks = -(-(start + num) // 16)
+        chunks.append(SeqChunk(token_ids=[1] * num, start=start,
+                               block_ids=list(range(next_block, next_block - blocks, -1)), slot=slot))
+        next_block -= blocks
+    batch = build_forward_batch(chunks, block_size=16, kernel_block_size=16)
+    gen = torch.Generator().manual_seed(0)
+    tokens = batch.input_ids.shape[0]
+    pool = torch.randn(2, 32, 16, 2, 32, generator=gen)
+    query, key, value = (torch.randn(tokens, heads, 32, generator=gen) for heads in (4, 2, 2))
+    fast, slow = TritonAttention(), ReferenceAttention()
+    meta = fast.prepare(batch)
+    assert meta.lead == 3
+    fast.write_kv(pool, key, value, batch)
+    got = fast.attention(query, pool, batch, meta, scale=32**-0.5)
+    want = slow.attention(query, pool, batch, slow.prepare(batch), scale=32**-0.5)
+    assert_within({"out": error_stats(got, want)}, {"out": OURS[torch.float32]})
+
+
+@needs_interpreter
 @pytest.mark.parametrize("splits", [2, 3])
 def test_interpreted_attention_prefill_splits(splits: int) -> None:
     """Key splits (fp32 tiles of 32 keys): a one-token sequence (every split past key 0 empty), a chunk over 150

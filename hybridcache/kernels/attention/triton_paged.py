@@ -426,18 +426,25 @@ def paged_decode_attention(
     block_n: int = 64,
     kv_scales: tuple[float, float] = (1.0, 1.0),
     launch: DecodeLaunch | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence: q [N, Hq, D] at position context_len - 1 -> [N, Hq, D] in q's dtype.
 
-    max_context_len: the largest context_len, from the host (sets the number of splits). kv_pool in q's dtype, or
-    float8_e4m3fn read as stored x kv_scales (k_scale, v_scale). launch: the split kernel's launch (None: the
-    default `DecodeLaunch`; `benchmarks/attention_decode_sweep.py` times others).
+    max_context_len: the largest context_len, from the host (sets the number of splits; an upper bound will do).
+    kv_pool in q's dtype, or float8_e4m3fn read as stored x kv_scales (k_scale, v_scale). launch: the split kernel's
+    launch (None: the default `DecodeLaunch`; `benchmarks/attention_decode_sweep.py` times others). out: written
+    instead of a new tensor (q's shape and dtype, unit stride on D: a mixed step's leading rows of the prefill
+    kernel's output, `triton_backend`).
     """
     _check(q, kv_pool)
     num, num_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[3]
     group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(q.shape)} in {q.dtype} with unit stride on its last dim, got "
+                         f"{list(out.shape)} in {out.dtype}")
     if num == 0:
         return out
     launch = launch or DecodeLaunch()
