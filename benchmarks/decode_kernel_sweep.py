@@ -61,7 +61,9 @@ ARGMAX_LAUNCHES = ((8, 4096), (16, 1024), (16, 2048), (32, 1024), (32, 2048))  #
 # the expert GEMM: (BLOCK_N, BLOCK_K, num_warps, num_stages, swap-AB); the first is the engine's launch before this
 EXPERT_LAUNCHES = ((64, 128, 4, 3, False), (64, 128, 4, 4, False), (32, 128, 4, 4, False), (128, 64, 4, 4, False),
                    (64, 256, 4, 3, False), (64, 128, 4, 3, True), (64, 128, 4, 4, True), (64, 64, 4, 6, True),
-                   (128, 64, 4, 4, True), (128, 128, 4, 2, True), (64, 256, 4, 2, True))
+                   (128, 64, 4, 4, True), (128, 128, 4, 2, True), (64, 256, 4, 2, True), (64, 64, 4, 4, False),
+                   (64, 64, 4, 6, False), (32, 128, 4, 3, False), (64, 128, 8, 3, False), (64, 128, 4, 2, False),
+                   (128, 64, 8, 3, True), (32, 128, 4, 4, True))
 EXPERT_SHAPES = {"next-1b": (16, 4, 2048, 512), "next-16b": (32, 8, 4096, 1024)}  # (experts, top-k, hidden, width)
 HK, HV, DK, DV, CONV_CHANNELS, CONV_TAPS = 16, 32, 128, 128, 8192, 4
 
