@@ -9,6 +9,8 @@ of config.json and the tokenizer, as `fp8_bench.py`), warms it up as gpu_bench d
 `--runs` times untraced (their out tok/s and step lists), and once more under torch.profiler (device activity and
 a range per `step()` call). From the traced run's kernels it computes the union of the device's busy intervals
 and prints:
+- the Triton kernels compiled (or loaded from the disk cache) after the engine's start-up, in the warm-up and in
+  the phase's runs (`gpu_bench.CompileLog`: the engine means to compile none);
 - the phase's wall time, the device's busy time and its idle time, before the first kernel, between kernels and
   after the last, and the traced run's wall against the untraced runs' (the profiler's own cost);
 - per step call (its range on the host): the call's wall ms, the prefill tokens it postprocessed, and the device
@@ -144,7 +146,10 @@ def main() -> None:
     folder, extra = run_folder(args.model, "bf16", Path(tempfile.mkdtemp()), dummy=True)
     llm = LLM(folder, dtype="bfloat16", device="cuda", block_size=64, max_num_seqs=64, max_num_batched_tokens=16384,
               mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, **extra)
+    compiles = gpu_bench.CompileLog()  # every Triton compile from here on is one the engine's start-up missed
+    compiles.label = "warm-up"
     gpu_bench.warm_up(llm, random.Random(99))
+    compiles.label = "phase D"
     rng = random.Random(0)
     result: dict = {"model": args.model, "device": torch.cuda.get_device_name(), "untraced": []}
     for _ in range(args.runs):
@@ -167,6 +172,9 @@ def main() -> None:
           f"{t['device_busy_ms']:.1f} ms, idle {t['device_idle_ms']:.1f} ms ({t['kernels']} kernels, {t['calls']} "
           f"step calls)")
     print(f"prefill calls: {t['prefill_calls']}; decode calls: {t['decode_calls']}")
+    result["kernels_compiled"] = compiles.by_label
+    print("Triton kernels compiled after start-up: "
+          + (", ".join(f"{label} {len(names)}: {names}" for label, names in compiles.by_label.items()) or "none"))
     print("| call | prefill tokens | wall ms | device idle ms |\n| --- | --- | --- | --- |")
     for row in t["per_step"][:8] + t["per_step"][-4:]:
         print(f"| {row['call']} | {row['prefill_tokens']} | {row['wall_ms']:.2f} | {row['idle_ms']:.2f} |")
