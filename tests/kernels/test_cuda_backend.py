@@ -98,6 +98,12 @@ def test_cuda_backend_matches_reference_backend(case, dtype: torch.dtype) -> Non
     torch.testing.assert_close(pool, pool_ref, rtol=0, atol=0)
     torch.testing.assert_close(backend.attention(query, pool, fast, scale=256**-0.5),
                                reference.attention(query, pool_ref, slow, scale=256**-0.5), **bf16_tol)
+    if dtype == torch.bfloat16:  # an FP8 pool (`kv_cache_dtype="fp8"`): both kernels read it as stored x its scales
+        scales = (0.05, 0.03)
+        fp8 = torch.stack([(pool[i].float() / scales[i]).clamp(-448, 448) for i in range(2)]).to(torch.float8_e4m3fn)
+        torch.testing.assert_close(backend.attention(query, fp8, fast, scale=256**-0.5, kv_scales=scales),
+                                   reference.attention(query, fp8.clone(), slow, scale=256**-0.5, kv_scales=scales),
+                                   **bf16_tol)
 
     # routed experts (8 experts of width 128, hidden 256, top-2)
     experts = torch.nn.ModuleList(MLP(256, 128) for _ in range(8)).to(dev, dtype)
