@@ -51,6 +51,22 @@ def test_decodes_and_new_prefills_share_a_step():
     assert [(c.seq.seq_id, c.num_tokens) for c in chunks] == [(0, 1), (1, 39)]
 
 
+def test_decode_rows_lead_every_step_of_a_younger_prompts_chunked_prefill():
+    # The CUDA backend runs a mixed step's leading decode rows in the decode kernels (docs/kernels.md, "A mixed
+    # step"): while a long prompt is prefilled chunk by chunk, the sequences already decoding come first each step.
+    scheduler = make_scheduler(max_num_batched_tokens=40, num_blocks=128)
+    decoding = [make_seq(0, 20), make_seq(1, 15, offset=300)]
+    for seq in decoding:
+        scheduler.add(seq)
+    run_step(scheduler)
+    long = make_seq(2, 150, offset=600)
+    scheduler.add(long)
+    layouts = []
+    while long.num_computed < long.prompt_len:
+        layouts.append([(c.seq.seq_id, c.num_tokens) for c in run_step(scheduler)])
+    assert layouts == [[(0, 1), (1, 1), (2, 38)]] * 3 + [[(0, 1), (1, 1), (2, 36)]]
+
+
 def test_max_num_seqs_limits_admission():
     scheduler = make_scheduler(num_slots=8, max_num_seqs=2, max_num_batched_tokens=1000)
     for i in range(3):
