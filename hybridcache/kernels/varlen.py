@@ -26,6 +26,12 @@ def num_chunks(query_lens_cpu: Sequence[int], chunk: int) -> int:
     return sum(-(-length // chunk) for length in query_lens_cpu)
 
 
+def leading_decode_rows(query_lens_cpu: Sequence[int]) -> int:
+    """How many sequences at the batch's start feed one token each (a mixed step's decode rows, which the CUDA
+    backend runs in the decode kernels): (1, 1, 40, 1) -> 2; all of them in an all-decode batch."""
+    return next((i for i, length in enumerate(query_lens_cpu) if length != 1), len(query_lens_cpu))
+
+
 def chunk_indices(cu_seqlens: torch.Tensor, query_lens_cpu: Sequence[int], chunk: int) -> torch.Tensor:
     """[NT, 2] (sequence id, block id within the sequence), on cu_seqlens' device and dtype.
 

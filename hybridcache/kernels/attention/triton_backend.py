@@ -17,7 +17,7 @@ import torch
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels.registry import ATTENTION
 from hybridcache.kernels.shapes import ModelShapes, is_power_of_two
-from hybridcache.kernels.varlen import chunk_indices, num_chunks
+from hybridcache.kernels.varlen import chunk_indices, leading_decode_rows, num_chunks
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class TritonAttention:
         lens = batch.query_lens_cpu
         all_decode = all(length == 1 for length in lens)
         chunks = None if all_decode else chunk_indices(batch.cu_seqlens.long(), lens, self._block_m)
-        lead = 0 if all_decode else next(i for i, length in enumerate(lens) if length != 1)
+        lead = 0 if all_decode else leading_decode_rows(lens)
         return TritonAttentionMetadata(all_decode, max(batch.context_lens_cpu, default=0), chunks, lead)
 
     def write_kv(self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: ForwardBatch) -> None:

@@ -41,7 +41,7 @@ import torch
 
 from hybridcache.kernels.gated_delta.qkv_prep import qkv_prep
 from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
-from hybridcache.kernels.varlen import any_fresh, fresh_mask
+from hybridcache.kernels.varlen import any_fresh, fresh_mask, leading_decode_rows
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
 CHUNK_SIZE = 64  # fla's chunk length for the gated delta rule
@@ -74,7 +74,7 @@ def leading_decodes(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, state_
     """The step's `LeadingDecodes`, or None unless it starts with a decode row and has a longer chunk after its
     run of decode rows (an all-decode step takes the step kernel alone; one that starts with a prefill chunk, fla
     alone)."""
-    count = next((i for i, length in enumerate(query_lens_cpu) if length != 1), len(query_lens_cpu))
+    count = leading_decode_rows(query_lens_cpu)
     if count == 0 or count == len(query_lens_cpu):
         return None
     cu = cu_seqlens.long()
