@@ -98,10 +98,10 @@ def draft_chain(batch: ForwardBatch, hidden: torch.Tensor, first: torch.Tensor,
     last = out.index_select(0, first)
     proposals = []
     for index, (step_batch, keep) in enumerate(steps, start=1):
-        tokens = agree(model._logits(last, fp32=False).argmax(dim=-1))
+        tokens = agree(model._logits(last, raw=True).argmax(dim=-1))
         proposals.append(tokens)
         if keep is not None:
             tokens, last = tokens.index_select(0, keep), last.index_select(0, keep)
         last = head(model.model.embed_tokens(tokens), last, step_batch, kv, backend, step=index)
-    proposals.append(model._logits(last, fp32=False).argmax(dim=-1))
+    proposals.append(model._logits(last, raw=True).argmax(dim=-1))
     return torch.cat(proposals)

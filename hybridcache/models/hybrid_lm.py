@@ -182,14 +182,14 @@ class HybridCausalLM(nn.Module):
                 out.update({f"{prefix}.{name}": shard for name, shard in module.shards().items()})
         return out
 
-    def _logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, raw: bool = False) -> torch.Tensor:
         """Logits over the whole vocabulary (the ranks' slices gathered, padding columns cut off): fp32, or with
-        `fp32=False` in the lm_head's dtype (the same values before their exact widening: what an argmax or a
-        caller that widens them itself needs)."""
+        `raw` in the lm_head's dtype (the same values before their exact widening: what an argmax or a caller
+        that widens them itself needs)."""
         logits = self.tp.all_gather_last(module_linear(self.lm_head, hidden))  # [.., size x ceil(vocab / size)]
         vocab = self.config.vocab_size
         logits = logits if logits.shape[-1] == vocab else logits[..., :vocab]
-        return logits.float() if fp32 else logits
+        return logits if raw else logits.float()
 
     def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
         """Each layer's device state spec, in layer order (pools: `DevicePools.allocate`)."""
@@ -215,7 +215,7 @@ class HybridCausalLM(nn.Module):
         inference tensor): a captured CUDA graph's output, which the runner widens into a new fp32 tensor after
         each replay (one pass over the logits instead of a widening, a clone in the graph and one after it)."""
         with torch.inference_mode():
-            logits, _ = self._forward(batch, pools, backend, fp32=not raw)
+            logits, _ = self._forward(batch, pools, backend, raw=raw)
         return logits if raw else logits.clone()
 
     def forward_with_hidden(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend, *,
@@ -223,13 +223,13 @@ class HybridCausalLM(nn.Module):
         """`forward`, also returning the final-norm hidden state of every row [T, hidden] (what an MTP head
         reads)."""
         with torch.inference_mode():
-            logits, hidden = self._forward(batch, pools, backend, keep_hidden=True, fp32=not raw)
+            logits, hidden = self._forward(batch, pools, backend, keep_hidden=True, raw=raw)
         return (logits if raw else logits.clone()), hidden
 
     def _forward(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
-                 keep_hidden: bool = False, fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 keep_hidden: bool = False, raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         hidden, pending = self.forward_layers(batch, pools, backend)
-        return self.forward_tail(hidden, pending, batch, pools, backend, keep_hidden, fp32)
+        return self.forward_tail(hidden, pending, batch, pools, backend, keep_hidden, raw)
 
     def forward_layers(self, batch: ForwardBatch, pools: DevicePools, backend: KernelBackend,
                        splitter: Splitter | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -256,10 +256,10 @@ class HybridCausalLM(nn.Module):
 
     def forward_tail(self, hidden: torch.Tensor, pending: torch.Tensor | None, batch: ForwardBatch,
                      pools: DevicePools, backend: KernelBackend, keep_hidden: bool = False,
-                     fp32: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     raw: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """After `forward_layers`: the final norm of the rows that give logits (and every row's when
         `keep_hidden`), each sequence's `last_hidden` slot state, and the logits (see `forward`; fp32, or the
-        lm_head's output when not `fp32`); returns (logits, the final-norm hidden rows or None)."""
+        lm_head's output when `raw`); returns (logits, the final-norm hidden rows or None)."""
         normed = None
         if pending is not None and keep_hidden:
             hidden, normed = self.model.norm.add(hidden, pending, backend)
@@ -281,4 +281,4 @@ class HybridCausalLM(nn.Module):
             if LAST_HIDDEN in pools.slot_state:
                 pools.slot_state[LAST_HIDDEN].index_copy_(0, batch.draft_slots, drafted)
             last = torch.cat([last, drafted])
-        return self._logits(last, fp32), normed
+        return self._logits(last, raw), normed

@@ -26,7 +26,7 @@ def test_bf16_raw_logits_keep_the_lm_heads_dtype_and_values():
     model = make_pair(MODEL_TYPES[0]).ours.to(torch.bfloat16)
     hidden = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with torch.inference_mode():
-        raw, wide = model._logits(hidden, fp32=False), model._logits(hidden)
+        raw, wide = model._logits(hidden, raw=True), model._logits(hidden)
     assert raw.dtype == torch.bfloat16 and wide.dtype == torch.float32
     assert torch.equal(raw.float(), wide)
     assert torch.equal(raw.argmax(dim=-1), wide.argmax(dim=-1))
