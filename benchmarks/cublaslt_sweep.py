@@ -9,9 +9,8 @@ cuBLASLt library is the one found). For each dense linear of one decode step of 
 random bf16 weight and its random copies past L2 (as `kernels/gemm/dense.decide` times its candidates):
 - `F.linear` (cuBLAS's heuristic: what the engine runs at 64 rows), timed as `dense.replay_us` times it (one CUDA
   graph of 20 GEMMs over the weight copies, the median of 5 replays);
-- nvmath's `Matmul` of x by the weight's transpose (the same GEMM in cuBLASLt, fp32 accumulation), planned with up
-  to `--limit` algorithms, each timed the same way (one planned object per weight copy; the algorithms are taken
-  by their index in each object's plan, which is the same list for the same problem);
+- the same GEMM through cuBLASLt's API (nvmath's raw bindings, `LtGemm`: fp32 accumulation, 32 MiB workspace),
+  once per algorithm of the heuristic's list for the shape (up to `--limit`), each timed the same way;
 - every algorithm's output is checked against `F.linear` in fp32 (max |diff| / max |ref|).
 Prints one row per (linear, rows): cuBLAS us, the best cuBLASLt algorithm's us and its index, how many algorithms
 ran, failed or were off, and writes DIR/cublaslt_sweep.json (DIR: --out, else $OUT, else .). Then the step's dense
@@ -50,43 +49,83 @@ def weight_copies(n: int, k: int, device: torch.device) -> list[torch.Tensor]:
     return [(torch.randn(n, k, generator=gen, device=device) * k**-0.5).to(torch.bfloat16) for _ in range(count)]
 
 
-def measure(n: int, k: int, m: int, device: torch.device, limit: int) -> dict:
-    """cuBLAS (`F.linear`) and every cuBLASLt algorithm nvmath plans for x [m, K] @ W^T, W [N, K]."""
-    import nvmath.linalg.advanced as adv
+class LtGemm:
+    """x [m, K] @ W^T for W [N, K] in bf16 (fp32 accumulation) through cuBLASLt's own API, posed as torch poses
+    `F.linear` in column-major terms: D [N, m] = op_T(W^T [K, N]) @ x^T [K, m]. `algorithms` is the heuristic's
+    list for the shape (up to `limit`); `run(x, w, index)` launches one of them on the current stream with a fixed
+    workspace and output, so it can be captured in a CUDA graph."""
 
+    def __init__(self, n: int, k: int, m: int, limit: int, device: torch.device) -> None:
+        import numpy as np
+        from nvmath.bindings import cublas
+        from nvmath.bindings import cublasLt as lt
+        from nvmath.linalg._internal import matmul_desc_ifc, matmul_pref_ifc
+
+        self.lt = lt
+        bf16, f32 = 14, 0  # cudaDataType: CUDA_R_16BF, CUDA_R_32F
+        workspace = 32 * 2**20
+        self.handle = lt.create()
+        self.desc = lt.matmul_desc_create(cublas.ComputeType.COMPUTE_32F, f32)
+        matmul_desc_ifc.MatmulDescInterface(self.desc).transa = cublas.Operation.T
+        self.a = lt.matrix_layout_create(bf16, rows=k, cols=n, ld=k)
+        self.b = lt.matrix_layout_create(bf16, rows=k, cols=m, ld=k)
+        self.d = lt.matrix_layout_create(bf16, rows=n, cols=m, ld=n)
+        self.pref = lt.matmul_preference_create()
+        matmul_pref_ifc.MatmulPreferenceInterface(self.pref).max_workspace_bytes = workspace
+        results = lt.MatmulHeuristicResult(limit)
+        count = np.zeros(1, dtype=np.int32)
+        lt.matmul_algo_get_heuristic(self.handle, self.desc, self.a, self.b, self.d, self.d, self.pref, limit,
+                                     results.ptr, count.ctypes.data)
+        # a plain structured array (a copy): its "algo" field's element i is the struct to pass by pointer
+        self.algorithms = np.frombuffer(bytes(memoryview(results)), dtype=lt.matmul_heuristic_result_dtype)
+        self.algorithms = self.algorithms[: int(count[0])]
+        self.workspace = torch.empty(workspace, dtype=torch.uint8, device=device)
+        self.alpha = np.ones(1, dtype=np.float32)
+        self.beta = np.zeros(1, dtype=np.float32)
+        self.out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+        self.device = device
+
+    def run(self, x: torch.Tensor, w: torch.Tensor, index: int) -> torch.Tensor:
+        algo = self.algorithms["algo"][index : index + 1]
+        self.lt.matmul(self.handle, self.desc, self.alpha.ctypes.data, w.data_ptr(), self.a, x.data_ptr(), self.b,
+                       self.beta.ctypes.data, self.out.data_ptr(), self.d, self.out.data_ptr(), self.d,
+                       algo.ctypes.data, self.workspace.data_ptr(), self.workspace.numel(),
+                       torch.cuda.current_stream(self.device).cuda_stream)
+        return self.out
+
+    def close(self) -> None:
+        for layout in (self.a, self.b, self.d):
+            self.lt.matrix_layout_destroy(layout)
+        self.lt.matmul_preference_destroy(self.pref)
+        self.lt.matmul_desc_destroy(self.desc)
+        self.lt.destroy(self.handle)
+
+
+def measure(n: int, k: int, m: int, device: torch.device, limit: int) -> dict:
+    """cuBLAS (`F.linear`) and every cuBLASLt algorithm of the heuristic's list for x [m, K] @ W^T, W [N, K]."""
     weights = weight_copies(n, k, device)
     x = (torch.randn(m, k, device=device) * 0.5).to(torch.bfloat16)
     ref = F.linear(x.float(), weights[0].float())
     row: dict = {"cublas_us": dense.replay_us(lambda w: F.linear(x, w), weights, device), "algorithms": []}
-    stream = torch.cuda.current_stream(device)
-    objects = []
+    gemm = None
     try:
-        preferences = adv.MatmulPlanPreferences(limit=limit)
-        for w in weights:
-            mm = adv.Matmul(x, w.t(), stream=stream)
-            mm.plan(preferences=preferences, stream=stream)
-            objects.append(mm)
-        count = min(len(mm.algorithms) for mm in objects)
-        by_weight = {w.data_ptr(): mm for w, mm in zip(weights, objects, strict=True)}
-        for index in range(count):
-            entry: dict = {"index": index}
+        gemm = LtGemm(n, k, m, limit, device)
+        for index in range(len(gemm.algorithms)):
+            entry: dict = {"index": index, "workspace": int(gemm.algorithms["workspace_size"][index]),
+                           "waves": float(gemm.algorithms["waves_count"][index])}
             try:
-                got = objects[0].execute(algorithm=objects[0].algorithms[index], stream=stream)
+                got = gemm.run(x, weights[0], index)
+                torch.cuda.synchronize(device)
                 entry["max_rel_err"] = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-
-                def run(w: torch.Tensor, index: int = index) -> torch.Tensor:
-                    mm = by_weight[w.data_ptr()]
-                    return mm.execute(algorithm=mm.algorithms[index], stream=torch.cuda.current_stream(device))
-
-                entry["us"] = dense.replay_us(run, weights, device)
+                entry["us"] = dense.replay_us(lambda w, index=index: gemm.run(x, w, index), weights, device)
             except Exception as error:  # an algorithm that fails (or cannot be captured) must not cost the table
                 entry["error"] = f"{type(error).__name__}: {str(error)[:160]}"
             row["algorithms"].append(entry)
     except Exception as error:
         row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     finally:
-        for mm in objects:
-            mm.free()
+        if gemm is not None:
+            gemm.close()
     timed = [a for a in row["algorithms"] if "us" in a and a["max_rel_err"] < 1e-2]
     best = min(timed, key=lambda a: a["us"]) if timed else None
     row["best"] = best
@@ -100,7 +139,7 @@ def main() -> None:
     parser.add_argument("--model", action="append", choices=[m for m in MODELS if m != "tiny"],
                         help="repeatable (default next-16b and dense-9b)")
     parser.add_argument("--rows", default="16,32,64")
-    parser.add_argument("--limit", type=int, default=64, help="the most algorithms nvmath's plan returns")
+    parser.add_argument("--limit", type=int, default=64, help="the most algorithms the heuristic returns")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
