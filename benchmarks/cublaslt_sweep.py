@@ -1,4 +1,4 @@
-"""The decode step's dense GEMMs: cuBLAS's default choice against every cuBLASLt algorithm for the shape (issue 32).
+"""The decode step's dense GEMMs: cuBLAS's choice against each algorithm of cuBLASLt's list per shape (issue 32).
 
     PYTHONPATH=. python benchmarks/cublaslt_sweep.py [--model next-16b] [--model dense-9b ...] [--rows 16,32,64]
         [--limit 64] [--out DIR]
