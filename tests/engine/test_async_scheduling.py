@@ -4,14 +4,12 @@ these tests check it against the synchronous engine: the same tokens, the cache 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
 
 import jsonschema
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +18,7 @@ from hybridcache.guided import GuidedKind, GuidedSpec
 from hybridcache.sampling import SamplingParams
 
 from . import needs_xgrammar
+from .markers import needs_cuda_engine
 from .test_cache_equivalence import assert_same, make_engine, run_workload, tokens
 
 
@@ -182,8 +181,7 @@ def test_steps_that_need_the_tokens_stay_async(model_dir, params, monkeypatch):
             jsonschema.validate(json.loads(completion.text), SCHEMA)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                    reason="needs CUDA and the cuda extra")
+@needs_cuda_engine
 def test_async_equals_sync_on_cuda_with_graphs(tmp_path):
     """On the GPU (bf16, CUDA graphs, the CUDA kernels): async scheduling runs the same batches as synchronous
     steps when every sequence ends by length, so the greedy tokens are identical; and with stop tokens (rows

@@ -3,18 +3,17 @@ checkpoints at block boundaries or at prompt ends alone would miss."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import read_engine_state
 
+from .markers import needs_cuda_engine
 from .model_folders import write_tiny_model
 
 REL_TOL = 1e-4
@@ -132,8 +131,7 @@ def test_cached_run_equals_uncached_run(model_dir, block_size, kernel_block_size
     assert stats.saves_by_reason["finish"] > 0 and stats.hits_by_reason["finish"] > 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                    reason="needs CUDA and the cuda extra")
+@needs_cuda_engine
 def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     """The same workload on CUDA's kernels (fla's chunked rule, the Triton decode step and attention kernels, the
     decode graphs) in fp32, which the engine runs as IEEE fp32 (`TRITON_F32_DEFAULT=ieee`; docs/kernels.md): the

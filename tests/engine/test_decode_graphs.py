@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import importlib.util
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from hybridcache.engine.runner import (
 from hybridcache.models import load_model
 
 from .graph_checks import replay_and_eager_tokens
+from .markers import needs_cuda_engine
 from .model_folders import write_tiny_model
 
 BLOCK, PAGE = 16, 8
@@ -159,8 +159,7 @@ def test_cpu_runner_never_captures(runner):
     assert runner.graph_batch_sizes == ()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                    reason="needs CUDA and the cuda extra")
+@needs_cuda_engine
 def test_graph_decode_equals_eager_on_cuda(tmp_path):
     """Graph replay must give exactly the tokens of the same captured batches run eagerly (`without_replay`,
     `graph_checks.replay_and_eager_tokens`); the plain

@@ -13,15 +13,11 @@ sequences) and fails on the first Triton compile it sees, naming the kernel and 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
+from .markers import needs_cuda_engine
 from .model_folders import prompts_of, write_tiny_model
-
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                                reason="needs CUDA and the cuda extra")
 
 
 class CompileRecorder:
@@ -75,7 +71,7 @@ def serve_mixed_shapes(llm) -> int:
     return served
 
 
-@needs_cuda
+@needs_cuda_engine
 def test_serving_compiles_no_kernel_after_start_up(tmp_path, compile_recorder):
     from hybridcache import LLM
     from hybridcache.kernels.norm import triton as fused_norm

@@ -6,9 +6,7 @@ own rows) in greedy tokens, logits and every pool row the step owns up to bf16 r
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
-import pytest
 import torch
 
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
@@ -17,6 +15,7 @@ from hybridcache.engine.prefill_graphs import PrefillGraphs, SequenceGraphs, is_
 from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.models import load_model
 
+from .markers import needs_cuda_engine
 from .model_folders import write_tiny_model
 from .test_decode_graphs import snapshot
 
@@ -74,8 +73,7 @@ def _cuda_runner(tmp_path):
                        max_num_batched_tokens=256, cuda_graphs=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("fla") is None,
-                    reason="needs CUDA and the cuda extra")
+@needs_cuda_engine
 def test_cuda_sequence_graphs_equal_eager_and_pieces(tmp_path):
     """A fresh 160-token prompt (bucket 256: its slot holds another sequence's state, which it must not read), then
     three steps extending it by 40, 64 and 100 tokens (buckets 64, 64 with no padding row, 128): each replayed

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
 import logging
 import random
@@ -40,6 +39,7 @@ from hybridcache.models.config import ModelConfig
 from hybridcache.models.registry import get_model_class
 from hybridcache.sampling import SamplingParams
 
+from .markers import needs_cuda_engine
 from .model_folders import load_hf_model, prompts_of, write_tiny_model
 from .test_cache_equivalence import finish_one, make_engine, run_workload, tokens
 
@@ -172,8 +172,7 @@ def test_the_same_budget_buys_about_twice_the_checkpoint_states():
 # ---------------------------------------------------------------------------------- the CPU reference path
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("fla") is None, reason="needs CUDA and the cuda extra"))
+CUDA = pytest.param("cuda", marks=needs_cuda_engine)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
