@@ -59,8 +59,10 @@ def inputs(length: int, heads: tuple[int, int], dim: int, gen: torch.Generator) 
 
 
 def main() -> None:
-    from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen
+    from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, chunk_gated_delta_rule_varlen, fla_chunk_forward
     from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
+
+    fla_chunk_forward()  # fla's solve in IEEE for both paths, before either compiles it
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="16,64,200,600,2000,16000")

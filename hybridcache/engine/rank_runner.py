@@ -88,7 +88,8 @@ def build_runner(
     if device.type == "cuda" and dtype == torch.float32:
         # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit
         # mantissa makes cached and uncached runs (different chunkings) differ like bf16 does. Read by Triton
-        # when a kernel compiles; a value the user set wins.
+        # when a kernel compiles; a value the user set wins. (fla's fused triangular solve names tf32 itself:
+        # `gated_delta/fla.fla_chunk_forward` sets it to IEEE for every dtype.)
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     backend.check_model(model_shapes(ModelConfig.from_model_dir(spec.model_path)))  # so does a shape it cannot run

@@ -34,7 +34,8 @@ step kernel then writes the D real rows into it: no copy of the output, whatever
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,26 @@ def leading_decodes(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, state_
                           chunks=make_chunk_indices(fla_cu, lens, CHUNK_SIZE))
 
 
+@functools.cache
+def fla_chunk_forward() -> Callable:
+    """fla's chunked forward (`chunk_gated_delta_rule_fwd`), the dots of its fused triangular solve set to IEEE fp32
+    first. fla 0.6 fixes them to tf32 on NVIDIA GPUs of compute capability >= 8 (`chunk_fwd.SOLVE_TRIL_DOT_PRECISION`,
+    whatever `TRITON_F32_DEFAULT` says), so an fp32 engine was not IEEE fp32 there: its outputs moved with the
+    chunking 30x more than the reference's do, and fp32 cached and uncached runs' logits parted by up to 5e-4
+    (docs/bench.md, session 51). The solve works on 16 x 16 fp32 tiles in every dtype (the inverse of the chunk's
+    fp32 K K^T blocks), so IEEE applies to bf16 models too; it costs FMA time on small tiles, no bytes.
+
+    Set once, before any caller in this process compiles the kernel: Triton refuses to launch a kernel whose
+    global changed after it compiled. Every caller of fla's chunked rule here comes through this function (the
+    engine's `chunk_gated_delta_rule_varlen`; benchmarks that call fla's public API call this first)."""
+    import triton.language as tl
+    from fla.ops.gated_delta_rule import chunk_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+
+    chunk_fwd.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+    return chunk_gated_delta_rule_fwd
+
+
 def chunk_gated_delta_rule_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -115,8 +136,7 @@ def chunk_gated_delta_rule_varlen(
     final state is not written back (its slot is read, so it must be a valid row; `fresh` must zero it).
     Returns out [T, Hv, Dv] in q's dtype.
     """
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
-
+    chunk_gated_delta_rule_fwd = fla_chunk_forward()
     cu = cu_seqlens.long()
     if chunk_indices is None:
         chunk_indices = make_chunk_indices(cu, query_lens_cpu, CHUNK_SIZE)
