@@ -11,6 +11,7 @@ import argparse
 import logging
 from pathlib import Path
 
+from hybridcache.arg_types import positive_float
 from hybridcache.config import (
     CACHE_MODES,
     DTYPES,
@@ -67,7 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="a disk tier behind the host tier: what falls out of the host tier is written under "
                              "DIR (per model) and a restarted engine on the same model finds it (needs "
                              "--host-cache-gib; default: none)")
-    parser.add_argument("--disk-cache-gib", type=float, default=64.0, metavar="GIB",
+    parser.add_argument("--disk-cache-gib", type=positive_float, default=64.0, metavar="GIB",
                         help="the disk tier's cap on its files, GiB (default: 64)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")

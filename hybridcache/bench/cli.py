@@ -8,8 +8,9 @@ import os
 import sys
 from pathlib import Path
 
+from hybridcache.arg_types import non_negative_int, positive_float, positive_int
 from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
-from hybridcache.engine_args import AUTO
+from hybridcache.engine_args import AUTO, HelpFormatter
 from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
 
@@ -18,18 +19,21 @@ _MODEL_FORMS = "a model folder, a Hugging Face snapshot folder, or a hub id held
 
 
 def register(subparsers) -> None:
-    sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies")
+    sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies",
+                                formatter_class=HelpFormatter)
     sim.add_argument("--workload", required=True,
                      help="sharegpt, mooncake, swe-agent, shared-prefix, group-sampling[-n]")
     sim.add_argument("--trace", default=None,
                      help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/; "
                      "sharegpt has none)")
-    sim.add_argument("--num-requests", type=int, default=None)
+    sim.add_argument("--num-requests", type=positive_int, default=None,
+                     help="requests taken from the workload, in order (default: all of it)")
     sim.add_argument("--policies", default="none,block-aligned,seed,hybridcache,hybridcache+flop,oracle",
                      help="comma-separated, of none, block-aligned, seed, hybridcache, hybridcache+flop, "
                      "hybridcache+all, oracle, bounded-oracle, reuse-oracle; NAME:B runs a policy at block size B "
                      "(e.g. block-aligned:528)")
-    sim.add_argument("--memory-gib", type=float, default=1.0, help="cache memory: KV blocks + checkpoint states")
+    sim.add_argument("--memory-gib", type=positive_float, default=1.0,
+                     help="cache memory: KV blocks + checkpoint states")
     sim.add_argument("--model", default=None, help=f"the model whose config.json sizes the cache: {_MODEL_FORMS} "
                      "(default: built-in)")
     sim.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
@@ -38,27 +42,27 @@ def register(subparsers) -> None:
     sim.add_argument("--host-memory-gib", default="0",
                      help="a host tier behind the cache memory of the engine's policies (hybridcache*; not the "
                           "oracles): GiB, or NX for N times the cache memory (4x); 0: none")
-    sim.add_argument("--host-bandwidth-gbs", type=float, default=None,
+    sim.add_argument("--host-bandwidth-gbs", type=positive_float, default=None,
                      help="host -> device copy bandwidth, GB/s: a promotion is skipped when its copy takes longer "
                           "than recomputing (default: copies are free)")
-    sim.add_argument("--device-tflops", type=float, default=400.0,
+    sim.add_argument("--device-tflops", type=positive_float, default=400.0,
                      help="the device's prefill rate, TFLOP/s (read with --host-bandwidth-gbs)")
-    sim.add_argument("--block-size", type=int, default=64)
-    sim.add_argument("--chunk-budget", type=int, default=8192, help="prefill tokens per chunk")
-    sim.add_argument("--kv-tokens-per-slot", type=int, default=2048,
+    sim.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: %(default)s)")
+    sim.add_argument("--chunk-budget", type=positive_int, default=8192, help="prefill tokens per chunk")
+    sim.add_argument("--kv-tokens-per-slot", type=positive_int, default=2048,
                      help="block-aligned and seed (engines with a separate state pool): the budget holds one "
                           "checkpoint slot per this many KV tokens; the hybridcache policies and the bounded oracles "
                           "keep checkpoint states in KV blocks, as the engine does")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=non_negative_int, default=0,
+                     help="seed of the workloads drawn at random (default: %(default)s)")
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
     sim.add_argument("--sweep", default=None, help="memory points of the sweep in GiB (default: budget x "
                      + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
-    sim.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (one group of policies per worker)"
-    )
-    sim.add_argument("--no-progress", action="store_true")
-    sim.add_argument("--replicas", type=int, default=None,
+    sim.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
+                     help="worker processes (one group of policies per worker)")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bar")
+    sim.add_argument("--replicas", type=positive_int, default=None,
                      help="simulate this many replicas of the hybridcache policy (each with --memory-gib) behind a "
                           "router instead of one cache (--policies is then ignored)")
     sim.add_argument("--routing", default="round-robin,session,kv-prefix,checkpoint",
@@ -66,36 +70,47 @@ def register(subparsers) -> None:
                           "checkpoint")
     sim.set_defaults(func=cmd_simulate)
 
-    bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes")
+    bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes",
+                                  formatter_class=HelpFormatter)
     bench.add_argument("--workload", default="swe-agent",
                        help="a workload name, as for simulate (default: %(default)s)")
     bench.add_argument("--trace", default=None,
                        help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
-    bench.add_argument("--modes", default="none,block-aligned,hybridcache")
+    bench.add_argument("--modes", default="none,block-aligned,hybridcache",
+                       help="comma-separated cache modes, of none, block-aligned, seed, hybridcache (default: "
+                       "%(default)s)")
     bench.add_argument("--model", default=None, help=f"{_MODEL_FORMS} (default: the built-in model)")
-    bench.add_argument("--num-sessions", type=int, default=8, help="chat workloads: sessions (default: %(default)s)")
-    bench.add_argument("--max-turns", type=int, default=3,
+    bench.add_argument("--num-sessions", type=positive_int, default=8,
+                       help="chat workloads: sessions (default: %(default)s)")
+    bench.add_argument("--max-turns", type=positive_int, default=3,
                        help="chat workloads: model calls per session (default: %(default)s)")
-    bench.add_argument("--max-message-chars", type=int, default=200,
+    bench.add_argument("--max-message-chars", type=positive_int, default=200,
                        help="chat workloads: characters kept of each message (default: %(default)s)")
-    bench.add_argument("--max-prompt-len", type=int, default=2048,
+    bench.add_argument("--max-prompt-len", type=positive_int, default=2048,
                        help="chat workloads: a session ends before a call whose prompt + reply would pass this "
                        "(default: %(default)s)")
-    bench.add_argument("--num-requests", type=int, default=None)
-    bench.add_argument("--max-reply-tokens", type=int, default=32)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--block-size", type=int, default=64)
-    bench.add_argument("--max-num-seqs", type=int, default=16)
-    bench.add_argument("--max-num-batched-tokens", type=int, default=512)
-    bench.add_argument("--num-blocks", type=int, default=None)
+    bench.add_argument("--num-requests", type=positive_int, default=None,
+                       help="model calls taken from the workload, in order (default: all of it)")
+    bench.add_argument("--max-reply-tokens", type=positive_int, default=32,
+                       help="new tokens per model call at most (default: %(default)s)")
+    bench.add_argument("--seed", type=non_negative_int, default=0,
+                       help="seed of the sessions drawn from the trace (default: %(default)s)")
+    bench.add_argument("--block-size", type=positive_int, default=64,
+                       help="tokens per KV block (default: %(default)s)")
+    bench.add_argument("--max-num-seqs", type=positive_int, default=16,
+                       help="sequences running at once (default: %(default)s)")
+    bench.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                       help="token budget of one step (default: %(default)s)")
+    bench.add_argument("--num-blocks", type=positive_int, default=None,
+                       help="blocks in the pool of KV and checkpoint states (default: the engine's)")
     bench.add_argument(
         "--server", default=None,
         help="URL of a running `hybridcache serve` to benchmark over HTTP instead of the offline engine "
         "(--modes is then ignored: the server runs one mode; --model must name the server's model)",
     )
-    bench.add_argument("--concurrency", type=int, default=64, help="with --server: requests in flight at most")
+    bench.add_argument("--concurrency", type=positive_int, default=64, help="with --server: requests in flight at most")
     bench.add_argument("--out-dir", default="results", help="where the JSON and PNGs go")
-    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 
 

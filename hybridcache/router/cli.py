@@ -20,11 +20,13 @@ REPLICA_START_TIMEOUT_S = 600.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hybridcache.engine_args import HelpFormatter
     from hybridcache.server.limits import add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
                                    description="Serve the OpenAI API in front of `hybridcache serve` replicas, "
-                                               "sending each request to the replica with the longest usable hit.")
+                                               "sending each request to the replica with the longest usable hit.",
+                                   formatter_class=HelpFormatter)
     router.add_argument("--replica", action="append", required=True, metavar="URL",
                         help="base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable)")
     router.add_argument("--model", default=None,
@@ -38,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--port", type=int, default=8000, help="port to bind")
     router.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
     add_connection_args(router)
-    router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="log level of the router and uvicorn")
     router.set_defaults(func=cmd_router)
     serve = subparsers.choices.get("serve")
     if serve is not None:

@@ -75,7 +75,7 @@ def test_model_is_positional_or_a_flag():
         model_argument(parse_args("org/a", "--model", "org/b"))
 
 
-@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("command", ["generate", "serve", "simulate", "bench", "router"])
 def test_every_flag_help_states_its_default(command):
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]

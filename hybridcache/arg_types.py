@@ -1,0 +1,43 @@
+"""Argparse types for the command lines' counts and sizes: a bad value is refused while the flags are parsed,
+with argparse's usage line and the flag's name (`argument --block-size: must be an integer >= 1, got '0'`),
+instead of a traceback or a silently empty run later.
+
+    parser.add_argument("--block-size", type=positive_int, default=64)
+    parser.add_argument("--memory-gib", type=positive_float, default=1.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def _integer(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (a count, a size in tokens)."""
+    return _integer(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (a seed)."""
+    return _integer(text, 0)
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a memory size, a bandwidth, a rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
