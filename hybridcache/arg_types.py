@@ -41,3 +41,11 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
+
+
+def port_number(text: str) -> int:
+    """A TCP port to bind: 0 (any free one) to 65535."""
+    value = _integer(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text!r}")
+    return value

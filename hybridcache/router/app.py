@@ -82,6 +82,11 @@ class RouterConfig:
         object.__setattr__(self, "replica_urls", tuple(u.rstrip("/") for u in self.replica_urls))
         if len(set(self.replica_urls)) != len(self.replica_urls):
             raise ValueError(f"replica URLs repeat: {self.replica_urls}")
+        for name in ("poll_interval_s", "poll_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
 
 class RouterState:

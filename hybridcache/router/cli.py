@@ -20,6 +20,7 @@ REPLICA_START_TIMEOUT_S = 600.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hybridcache.arg_types import port_number
     from hybridcache.engine_args import HelpFormatter
     from hybridcache.server.limits import add_connection_args
 
@@ -37,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the replicas' API key, for the router's own calls to them (default: "
                              "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
-    router.add_argument("--port", type=int, default=8000, help="port to bind")
+    router.add_argument("--port", type=port_number, default=8000, help="port to bind")
     router.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
     add_connection_args(router)
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -20,6 +20,7 @@ SHUTDOWN_RESERVE_S = 0.5
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
+    from hybridcache.arg_types import positive_float
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
@@ -55,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_generation_config_arg(serve)
     add_limit_args(serve)
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
-    serve.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+    serve.add_argument("--log-stats-interval", type=positive_float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
     serve.add_argument("--disable-log-stats", action="store_true", help="write no stats lines")
     add_media_flags(serve)

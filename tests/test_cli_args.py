@@ -1,7 +1,8 @@
-"""The command lines refuse bad counts and sizes while parsing their flags (`hybridcache/arg_types.py`): argparse's
-error names the flag and exits with status 2, where before some values raised a traceback later
-(`simulate --block-size 0`: ZeroDivisionError) or ran silently on nothing (`simulate --num-requests -3` took all
-but the last three requests; `bench --num-sessions 0` benchmarked no calls)."""
+"""The command lines (generate, serve, simulate, bench, router) refuse bad counts, sizes and ports while parsing
+their flags (`hybridcache/arg_types.py`): argparse's error names the flag and exits with status 2, where before some
+values raised a traceback later (`simulate --block-size 0`: ZeroDivisionError; `router --port -1`: OverflowError)
+or ran silently on nothing (`simulate --num-requests -3` took all but the last three requests; `bench
+--num-sessions 0` benchmarked no calls)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 
 import pytest
 
-from hybridcache.arg_types import non_negative_int, positive_float, positive_int
+from hybridcache.arg_types import non_negative_int, port_number, positive_float, positive_int
 from hybridcache.cli import main
 
 SIMULATE = ["simulate", "--workload", "swe-agent", "--no-progress"]
@@ -38,6 +39,9 @@ REFUSED = [
     (BENCH, "--block-size", "0"),
     (BENCH, "--concurrency", "0"),
     (["generate"], "--disk-cache-gib", "-1"),
+    (["serve"], "--log-stats-interval", "-1"),
+    (["router", "--replica", "http://127.0.0.1:9"], "--port", "-1"),
+    (["router", "--replica", "http://127.0.0.1:9"], "--port", "65536"),
 ]
 
 
@@ -53,9 +57,21 @@ def test_a_bad_count_or_size_is_refused_naming_its_flag(command, flag, value, ca
 def test_the_types_take_good_values_and_refuse_the_rest():
     assert positive_int("1") == 1 and positive_int("64") == 64
     assert non_negative_int("0") == 0
+    assert port_number("0") == 0 and port_number("65535") == 65535
     assert positive_float("0.25") == 0.25 and positive_float("1e3") == 1000.0
     for parse, bad in ((positive_int, "0"), (positive_int, "-5"), (positive_int, "1.5"), (positive_int, "x"),
                        (non_negative_int, "-1"), (positive_float, "0"), (positive_float, "-0.1"),
-                       (positive_float, "inf"), (positive_float, "nan"), (positive_float, "")):
+                       (positive_float, "inf"), (positive_float, "nan"), (positive_float, ""),
+                       (port_number, "-1"), (port_number, "65536")):
         with pytest.raises(argparse.ArgumentTypeError, match="must be"):
             parse(bad)
+
+
+@pytest.mark.parametrize("flag, value, named", [("--router-poll-interval", "0", "poll_interval_s"),
+                                                 ("--router-poll-interval", "-1", "poll_interval_s"),
+                                                 ("--max-request-bytes", "0", "max_request_bytes")])
+def test_the_router_refuses_a_busy_poll_or_an_empty_body_limit(flag, value, named, capsys):
+    """Before, a poll interval of 0 or below polled the replicas in a busy loop and a 0-byte limit refused every
+    request: the router now stops before it binds, naming the setting."""
+    assert main(["router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, value]) == 2
+    assert named in capsys.readouterr().err
