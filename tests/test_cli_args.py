@@ -75,3 +75,14 @@ def test_the_router_refuses_a_busy_poll_or_an_empty_body_limit(flag, value, name
     request: the router now stops before it binds, naming the setting."""
     assert main(["router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, value]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_command():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "hybridcache", "simulate", "--workload", "group-sampling",
+                           "--num-requests", "10", "--policies", "hybridcache", "--no-progress", "--jobs", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "hybridcache" in done.stdout and "hit rate" in done.stdout
