@@ -40,6 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
     "tokenizer": set(),
     "extras": set(),  # the optional dependency groups and the error naming a missing one
+    "arg_types": set(),  # argparse types of the command lines' counts, sizes and ports
     "images": set(),
     "mm_processor": {"images", "models", "multimodal"},
     "outputs": {"sampling"},
@@ -51,7 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"forward_batch", "fp8_format", "kernels", "state_spec"},
     "models": {"forward_batch", "fp8_format", "kernels", "layers", "state_spec"},
     "model_path": {"models"},
-    "engine_args": {"config", "models"},
+    "engine_args": {"arg_types", "config", "models"},
     "engine": {
         "cache", "config", "copy_kinds", "engine_args", "forward_batch", "guided", "kernels", "layers", "models",
         "mm_processor", "multimodal",
@@ -61,11 +62,12 @@ ALLOWED: dict[str, set[str]] = {
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
     "cli": {FACADE, "engine_args", "extras", "generation_config"},
-    "server": {"cache", "engine", "engine_args", "extras", "generation_config", "guided", "images", "mm_processor",
-               "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
-    "router": {"cache", "engine_args", "model_path", "server", "tokenizer"},
-    "bench": {FACADE, "cache", "config", "engine", "engine_args", "extras", "model_path", "models", "router",
-              "scheduler", "tokenizer"},
+    "__main__": {"cli"},
+    "server": {"arg_types", "cache", "engine", "engine_args", "extras", "generation_config", "guided", "images",
+               "mm_processor", "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
+    "router": {"arg_types", "cache", "engine_args", "model_path", "server", "tokenizer"},
+    "bench": {FACADE, "arg_types", "cache", "config", "engine", "engine_args", "extras", "model_path", "models",
+              "router", "scheduler", "tokenizer"},
 }
 
 
