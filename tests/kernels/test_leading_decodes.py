@@ -11,7 +11,6 @@ reference per sequence of the step (in a child process, `test_mixed_rule_in_a_tr
 from __future__ import annotations
 
 import sys
-import types
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ import torch
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, leading_decodes
 from hybridcache.kernels.varlen import chunk_indices
+from tests.kernels.fake_fla import install_fake_fla
 from tests.kernels.interpreter import interpreted_in_child, needs_interpreter
 
 
@@ -66,11 +66,7 @@ def _reference_fla_forward(q, k, v, g, beta, scale, initial_state, output_final_
 def test_interpreted_mixed_rule_equals_the_reference_per_sequence(monkeypatch) -> None:
     from hybridcache.kernels.gated_delta.fla import mixed_gated_delta_rule
 
-    fake = types.ModuleType("fla.ops.gated_delta_rule.chunk")
-    fake.chunk_gated_delta_rule_fwd = _reference_fla_forward
-    for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule.chunk", fake)
+    install_fake_fla(monkeypatch, _reference_fla_forward)
 
     lens, history = [1, 1, 1, 40, 7, 1], [12, 0, 30, 0, 9, 20]  # a fresh 1-token prompt; a decode row last
     ctx = [h + q for h, q in zip(history, lens, strict=True)]
@@ -87,6 +83,7 @@ def test_interpreted_mixed_rule_equals_the_reference_per_sequence(monkeypatch) -
     context_lens = torch.tensor(ctx, dtype=torch.int32)
     lead = leading_decodes(cu, context_lens, slots, lens)
     out = mixed_gated_delta_rule(q, k, v, g, beta, pool, slots, context_lens, lead)
+    assert sys.modules["fla.ops.gated_delta_rule.chunk_fwd"].SOLVE_TRIL_DOT_PRECISION.value == "ieee"
 
     bounds = cu.tolist()
     for i, hist in enumerate(history):

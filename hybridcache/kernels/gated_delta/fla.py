@@ -34,7 +34,6 @@ step kernel then writes the D real rows into it: no copy of the output, whatever
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -87,7 +86,6 @@ def leading_decodes(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, state_
                           chunks=make_chunk_indices(fla_cu, lens, CHUNK_SIZE))
 
 
-@functools.cache
 def fla_chunk_forward() -> Callable:
     """fla's chunked forward (`chunk_gated_delta_rule_fwd`), the dots of its fused triangular solve set to IEEE fp32
     first. fla 0.6 fixes them to tf32 on NVIDIA GPUs of compute capability >= 8 (`chunk_fwd.SOLVE_TRIL_DOT_PRECISION`,
@@ -96,14 +94,19 @@ def fla_chunk_forward() -> Callable:
     (docs/bench.md, session 51). The solve works on 16 x 16 fp32 tiles in every dtype (the inverse of the chunk's
     fp32 K K^T blocks), so IEEE applies to bf16 models too; it costs FMA time on small tiles, no bytes.
 
-    Set once, before any caller in this process compiles the kernel: Triton refuses to launch a kernel whose
-    global changed after it compiled. Every caller of fla's chunked rule here comes through this function (the
-    engine's `chunk_gated_delta_rule_varlen`; benchmarks that call fla's public API call this first)."""
-    import triton.language as tl
+    The setting must come before the kernel compiles (Triton refuses to launch a kernel whose global changed after
+    it compiled), so every caller of fla's chunked rule in this process comes through here: the engine's
+    `chunk_gated_delta_rule_varlen`, and benchmarks that also call fla's public API call this first. The value is
+    made with the class of the one it replaces (Triton's `constexpr`), so this module never imports Triton."""
     from fla.ops.gated_delta_rule import chunk_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    chunk_fwd.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+    current = getattr(chunk_fwd, "SOLVE_TRIL_DOT_PRECISION", None)
+    if current is None:  # setting it would do nothing: say so
+        raise ImportError("fla-core's chunk_fwd has no SOLVE_TRIL_DOT_PRECISION: hybridcache needs fla-core 0.6.x "
+                          "(pip install 'fla-core>=0.6,<0.7')")
+    if getattr(current, "value", current) != "ieee":
+        chunk_fwd.SOLVE_TRIL_DOT_PRECISION = type(current)("ieee")
     return chunk_gated_delta_rule_fwd
 
 
