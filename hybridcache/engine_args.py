@@ -29,11 +29,12 @@ _logger = logging.getLogger("hybridcache.engine_args")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default, unless the help already says what the default is."""
+    """Every flag's help ends with its default, unless the help already says what the default is or the flag is
+    required."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         help_text = action.help or ""
-        if "default" in help_text.lower() or action.default is argparse.SUPPRESS:
+        if "default" in help_text.lower() or action.default is argparse.SUPPRESS or action.required:
             return help_text
         return super()._get_help_string(action)
 

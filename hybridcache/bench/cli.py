@@ -47,14 +47,14 @@ def register(subparsers) -> None:
                           "than recomputing (default: copies are free)")
     sim.add_argument("--device-tflops", type=positive_float, default=400.0,
                      help="the device's prefill rate, TFLOP/s (read with --host-bandwidth-gbs)")
-    sim.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block (default: %(default)s)")
+    sim.add_argument("--block-size", type=positive_int, default=64, help="tokens per KV block")
     sim.add_argument("--chunk-budget", type=positive_int, default=8192, help="prefill tokens per chunk")
     sim.add_argument("--kv-tokens-per-slot", type=positive_int, default=2048,
                      help="block-aligned and seed (engines with a separate state pool): the budget holds one "
                           "checkpoint slot per this many KV tokens; the hybridcache policies and the bounded oracles "
                           "keep checkpoint states in KV blocks, as the engine does")
     sim.add_argument("--seed", type=non_negative_int, default=0,
-                     help="seed of the workloads drawn at random (default: %(default)s)")
+                     help="seed of the workloads drawn at random")
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
     sim.add_argument("--sweep", default=None, help="memory points of the sweep in GiB (default: budget x "
@@ -73,34 +73,32 @@ def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes",
                                   formatter_class=HelpFormatter)
     bench.add_argument("--workload", default="swe-agent",
-                       help="a workload name, as for simulate (default: %(default)s)")
+                       help="a workload name, as for simulate")
     bench.add_argument("--trace", default=None,
                        help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
     bench.add_argument("--modes", default="none,block-aligned,hybridcache",
-                       help="comma-separated cache modes, of none, block-aligned, seed, hybridcache (default: "
-                       "%(default)s)")
+                       help="comma-separated cache modes, of none, block-aligned, seed, hybridcache")
     bench.add_argument("--model", default=None, help=f"{_MODEL_FORMS} (default: the built-in model)")
     bench.add_argument("--num-sessions", type=positive_int, default=8,
-                       help="chat workloads: sessions (default: %(default)s)")
+                       help="chat workloads: sessions")
     bench.add_argument("--max-turns", type=positive_int, default=3,
-                       help="chat workloads: model calls per session (default: %(default)s)")
+                       help="chat workloads: model calls per session")
     bench.add_argument("--max-message-chars", type=positive_int, default=200,
-                       help="chat workloads: characters kept of each message (default: %(default)s)")
+                       help="chat workloads: characters kept of each message")
     bench.add_argument("--max-prompt-len", type=positive_int, default=2048,
-                       help="chat workloads: a session ends before a call whose prompt + reply would pass this "
-                       "(default: %(default)s)")
+                       help="chat workloads: a session ends before a call whose prompt + reply would pass this")
     bench.add_argument("--num-requests", type=positive_int, default=None,
                        help="model calls taken from the workload, in order (default: all of it)")
     bench.add_argument("--max-reply-tokens", type=positive_int, default=32,
-                       help="new tokens per model call at most (default: %(default)s)")
+                       help="new tokens per model call at most")
     bench.add_argument("--seed", type=non_negative_int, default=0,
-                       help="seed of the sessions drawn from the trace (default: %(default)s)")
+                       help="seed of the sessions drawn from the trace")
     bench.add_argument("--block-size", type=positive_int, default=64,
-                       help="tokens per KV block (default: %(default)s)")
+                       help="tokens per KV block")
     bench.add_argument("--max-num-seqs", type=positive_int, default=16,
-                       help="sequences running at once (default: %(default)s)")
+                       help="sequences running at once")
     bench.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
-                       help="token budget of one step (default: %(default)s)")
+                       help="token budget of one step")
     bench.add_argument("--num-blocks", type=positive_int, default=None,
                        help="blocks in the pool of KV and checkpoint states (default: the engine's)")
     bench.add_argument(
