@@ -49,3 +49,23 @@ def port_number(text: str) -> int:
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text!r}")
     return value
+
+
+def positive_floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of finite numbers > 0 (`"0.5,1,2"`: memory points of a sweep)."""
+    try:
+        return tuple(positive_float(part) for part in text.split(","))
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error} (in the list {text!r})") from None
+
+
+def gib_or_multiple(text: str) -> str:
+    """A size in GiB >= 0 (`"64"`) or a multiple >= 0 of another size (`"4x"`), checked and kept as written."""
+    number = text.strip().lower().removesuffix("x")
+    try:
+        value = float(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be GiB or a multiple such as 4x, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be GiB or a multiple such as 4x, >= 0, got {text!r}")
+    return text

@@ -29,6 +29,10 @@ REFUSED = [
     (SIMULATE, "--seed", "-1"),
     (SIMULATE, "--jobs", "0"),
     (SIMULATE, "--replicas", "0"),
+    (SIMULATE, "--sweep", "0.5,abc"),
+    (SIMULATE, "--sweep", "0,1"),
+    (SIMULATE, "--host-memory-gib", "abc"),
+    (SIMULATE, "--host-memory-gib", "infx"),
     (BENCH, "--num-sessions", "0"),
     (BENCH, "--max-turns", "-1"),
     (BENCH, "--max-message-chars", "0"),
@@ -86,3 +90,10 @@ def test_python_dash_m_runs_the_command():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "hybridcache" in done.stdout and "hit rate" in done.stdout
+
+
+def test_a_policy_s_own_block_size_must_be_a_positive_integer(capsys):
+    """`NAME:B` sets one policy's block size; `hybridcache:0` raised ZeroDivisionError before."""
+    for policies in ("hybridcache:0", "hybridcache:x", "seed:-64"):
+        assert main([*SIMULATE, "--num-requests", "5", "--policies", policies]) == 2
+        assert "block size after ':' must be an integer >= 1" in capsys.readouterr().err

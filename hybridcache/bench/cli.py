@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybridcache.arg_types import non_negative_int, positive_float, positive_int
+from hybridcache.arg_types import gib_or_multiple, non_negative_int, positive_float, positive_floats, positive_int
 from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO, HelpFormatter
 from hybridcache.extras import require_extra
@@ -39,7 +39,7 @@ def register(subparsers) -> None:
     sim.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
                      help="the recurrent state's dtype in the state slots (sizes each checkpoint), as the engine's "
                           "option of that name; auto: the model config's mamba_ssm_dtype, else float32")
-    sim.add_argument("--host-memory-gib", default="0",
+    sim.add_argument("--host-memory-gib", type=gib_or_multiple, default="0",
                      help="a host tier behind the cache memory of the engine's policies (hybridcache*; not the "
                           "oracles): GiB, or NX for N times the cache memory (4x); 0: none")
     sim.add_argument("--host-bandwidth-gbs", type=positive_float, default=None,
@@ -57,8 +57,9 @@ def register(subparsers) -> None:
                      help="seed of the workloads drawn at random")
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
-    sim.add_argument("--sweep", default=None, help="memory points of the sweep in GiB (default: budget x "
-                     + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
+    sim.add_argument("--sweep", type=positive_floats, default=None,
+                     help="memory points of the sweep in GiB (default: budget x "
+                          + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
     sim.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
                      help="worker processes (one group of policies per worker)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,7 +136,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     budget = int(args.memory_gib * GIB)
     memories = [budget]
     if args.plot:
-        factors = [float(x) / args.memory_gib for x in args.sweep.split(",")] if args.sweep else SWEEP_FACTORS
+        factors = [x / args.memory_gib for x in args.sweep] if args.sweep else SWEEP_FACTORS
         points = [args.memory_gib * f for f in factors]
         memories = sorted({int(g * GIB) for g in points} | {budget})
 

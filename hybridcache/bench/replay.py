@@ -55,6 +55,8 @@ def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpe
         mode = "hybridcache" if base in _HYBRID_POLICIES else base
         eviction = "flop_aware" if base == "hybridcache+flop" else "lru"
         admission = "all" if base == "hybridcache+all" else None
+        if size and not (size.isdigit() and int(size) >= 1):
+            raise ValueError(f"policy {name!r}: the block size after ':' must be an integer >= 1, got {size!r}")
         specs.append(PolicySpec(name, mode, int(size) if size else block_size, eviction, admission))
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"policies repeat: {names}")
