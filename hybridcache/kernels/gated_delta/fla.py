@@ -89,10 +89,10 @@ def leading_decodes(cu_seqlens: torch.Tensor, context_lens: torch.Tensor, state_
 def fla_chunk_forward() -> Callable:
     """fla's chunked forward (`chunk_gated_delta_rule_fwd`), the dots of its fused triangular solve set to IEEE fp32
     first. fla 0.6 fixes them to tf32 on NVIDIA GPUs of compute capability >= 8 (`chunk_fwd.SOLVE_TRIL_DOT_PRECISION`,
-    whatever `TRITON_F32_DEFAULT` says), so an fp32 engine was not IEEE fp32 there: its outputs moved with the
-    chunking 30x more than the reference's do, and fp32 cached and uncached runs' logits parted by up to 5e-4
-    (docs/bench.md, session 51). The solve works on 16 x 16 fp32 tiles in every dtype (the inverse of the chunk's
-    fp32 K K^T blocks), so IEEE applies to bf16 models too; it costs FMA time on small tiles, no bytes.
+    whatever `TRITON_F32_DEFAULT` says), so an fp32 engine was not IEEE fp32 there and its outputs moved with the
+    chunking, which is what prefix caching changes (measured: docs/bench.md, session 51). The solve works on
+    16 x 16 fp32 tiles in every dtype (the inverse of the chunk's fp32 K K^T blocks), so IEEE applies to bf16
+    models too; it costs FMA time on small tiles, no bytes.
 
     The setting must come before the kernel compiles (Triton refuses to launch a kernel whose global changed after
     it compiled), so every caller of fla's chunked rule in this process comes through here: the engine's
