@@ -8,6 +8,7 @@ parse back into the model."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import json
 from pathlib import Path
@@ -107,11 +108,17 @@ def check_arguments(call, tool):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_forced_call_with_defs_returns_valid_arguments(client, shape):
+    """`required` and the tool by name, the two requests at once (the engine batches them)."""
     tool = SHAPES[shape]()
-    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": tool["function"]["name"]}}]):
-        response = client.chat.completions.create(
-            model=MODEL, messages=USER, tools=[tool], tool_choice=choice,
-            max_tokens=600, temperature=0.7, seed=seed)
+    choices = ["required", {"type": "function", "function": {"name": tool["function"]["name"]}}]
+
+    def ask(seed: int):
+        return client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], tool_choice=choices[seed],
+                                              max_tokens=600, temperature=0.7, seed=seed)
+
+    with concurrent.futures.ThreadPoolExecutor(len(choices)) as pool:
+        responses = list(pool.map(ask, range(len(choices))))
+    for response in responses:
         message = response.choices[0].message
         assert response.choices[0].finish_reason == "tool_calls", message
         assert len(message.tool_calls) == 1
