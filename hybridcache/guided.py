@@ -54,8 +54,11 @@ def _xgrammar():
     try:
         import xgrammar
     except ImportError as error:
-        raise GuidedUnavailable("structured output needs the xgrammar package (pip install "
-                                "'hybridcache-llm[guided]')") from error
+        if error.name == "xgrammar":
+            raise GuidedUnavailable("structured output needs the xgrammar package (pip install "
+                                    "'hybridcache-llm[guided]')") from error
+        raise GuidedUnavailable(f"structured output needs xgrammar, which is installed but fails to import: "
+                                f"{error}") from error
     return xgrammar
 
 
