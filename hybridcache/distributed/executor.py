@@ -132,6 +132,7 @@ class TensorParallelExecutor:
         self.size = size
         device = rank_device(device, 0)
         self._workers: list[_Worker] = []
+        self._cpu_threads: int | None = None  # rank 0's intra-op threads before the group took its share
         self._failure: BaseException | None = None
         self._monitors: list[LivenessMonitor] = []  # one, once the group exists
         self._runners: list[ModelRunner] = []  # rank 0's, once built (its graphs go before the group does)
@@ -149,7 +150,8 @@ class TensorParallelExecutor:
                 self._workers.append(_Worker(rank, process, parent))
             for worker in self._workers:
                 self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
-            init_group(store_dir, 0, size, device)
+            threads = init_group(store_dir, 0, size, device)
+            self._cpu_threads = threads if device.type == "cpu" else None
             self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
             self._runners.append(self.runner)
@@ -242,8 +244,13 @@ class TensorParallelExecutor:
         self._run(None, None, lambda: None)
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the group (idempotent)."""
+        """Stop the workers and leave the group (idempotent). On the CPU the calling thread gets back the intra-op
+        thread count it had before the group (torch's count is per thread under OpenMP: call this from the thread
+        that built the engine)."""
         self._finalizer()
+        if self._cpu_threads is not None:
+            torch.set_num_threads(self._cpu_threads)
+            self._cpu_threads = None
 
     # ------------------------------------------------------------------------------ internals
     @contextlib.contextmanager

@@ -5,6 +5,11 @@ the lent machines require). Ranks meet through a file store in a folder the driv
 wait longer than `COLLECTIVE_TIMEOUT` fail (a rank that hangs cannot hang the others forever; a rank that dies
 fails gloo's collectives at once, its connections closing). On NCCL a rank that dies leaves its peers' collectives
 spinning: the driver's `LivenessMonitor` then calls `abort_group` (see `monitor.py`).
+
+On the CPU the ranks share one machine's cores, so joining the group gives each rank an equal share of the
+intra-op threads its process had (`torch.set_num_threads(max(1, threads // size))`): with every rank running a
+thread per core, their OpenMP threads fight for the cores, and a two-rank step on two cores ran about six times
+slower than with one thread each. The driver (rank 0) gets its count back when its executor shuts down.
 """
 
 from __future__ import annotations
@@ -27,11 +32,15 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> None:
-    """Join the group (blocks until all `size` ranks have joined)."""
+def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> int:
+    """Join the group (blocks until all `size` ranks have joined). Returns this thread's intra-op thread count
+    from before: on the CPU the rank now runs its share of them (the module docstring)."""
+    threads = torch.get_num_threads()
     if device.type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, threads // size))
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",
         init_method=f"file://{store_dir / 'store'}",
@@ -39,6 +48,7 @@ def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> N
         world_size=size,
         timeout=COLLECTIVE_TIMEOUT,
     )
+    return threads
 
 
 def broadcast_from_driver(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """The workers of a tensor-parallel engine go away when the engine's process exits or gets SIGTERM, or when its
-`LLM` is closed (a killed worker: `test_tensor_parallel.py`)."""
+`LLM` is closed (a killed worker: `test_tensor_parallel.py`); on the CPU rank 0 gets back its share of the threads
+when its executor shuts down."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridcache import LLM, SamplingParams
-from hybridcache.engine.engine import EngineDeadError
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import EngineDeadError, LLMEngine
 
 from .folders import write_folder
 
@@ -106,3 +109,20 @@ def test_a_tensor_parallel_llm_starts_from_a_script_read_on_stdin(model_dir):
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=300)
     assert done.returncode == 0 and "tokens 3" in done.stdout, done.stderr[-3000:]
+
+
+def test_rank_0_runs_its_share_of_the_cpu_threads_until_shutdown(model_dir):
+    """On the CPU the ranks share the cores: rank 0 (the engine's thread) runs half the intra-op threads it had
+    while the 2-rank group lives (every rank running all of them made a step about six times slower), and gets
+    them back when the executor shuts down."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # a known count, whatever the machine
+    try:
+        engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=2, tensor_parallel_size=2))
+        try:
+            assert torch.get_num_threads() == 2
+        finally:
+            engine.runner.shutdown()
+        assert torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
