@@ -4,6 +4,9 @@ import tempfile
 # The built-in model is written once per test session into a private folder, never into ~/.cache.
 os.environ.setdefault("HYBRIDCACHE_HOME", tempfile.mkdtemp(prefix="hybridcache-test-home-"))
 os.environ.setdefault("HYBRIDCACHE_DEBUG", "1")  # the engine checks the cache whenever it goes idle
+# The tests' models are tiny: one intra-op thread per process runs them faster than one per core, and the servers,
+# workers and interpreter children these tests start (they inherit it) then do not fight the test process for cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_collection_modifyitems(config, items):
