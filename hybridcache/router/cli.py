@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 REPLICA_START_TIMEOUT_S = 600.0
 
@@ -150,26 +150,43 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
+def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool) -> dict[str, str]:
+    """The environment of replica `index` of `size`: GPU replica i sees one device, the i-th of
+    CUDA_VISIBLE_DEVICES when set, else i. CPU replicas share the machine's cores: each runs an equal share of them
+    as intra-op threads (OMP_NUM_THREADS, unless set already), since N processes of a thread per core make their
+    OpenMP threads fight for the cores (a 2-rank tensor-parallel step on 2 cores ran 6x slower). A ValueError when
+    CUDA_VISIBLE_DEVICES lists fewer GPUs than replicas.
+
+    Example: 8 cores, size 2 on the CPU: each replica gets OMP_NUM_THREADS=4."""
+    env = dict(environ)
+    if on_cpu:
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // size)))
+        return env
+    devices = environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(size))).split(",")
+    if len(devices) < size:
+        raise ValueError(f"--data-parallel-size {size} needs {size} devices; CUDA_VISIBLE_DEVICES lists "
+                         f"{len(devices)}")
+    env["CUDA_VISIBLE_DEVICES"] = devices[index]
+    return env
+
+
 def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start `args.data_parallel_size` replicas of this `serve` command (one GPU each, from
-    CUDA_VISIBLE_DEVICES when set, else 0..N-1; CPU replicas ignore it) on ports --port + 1 ... --port + N,
+    """Start `args.data_parallel_size` replicas of this `serve` command (`replica_env`: one GPU each, or on the
+    CPU an equal share of the cores each) on ports --port + 1 ... --port + N,
     wait until all answer /health, then run the router on --host:--port. Ends the replicas on exit."""
     import httpx
 
-    from hybridcache.engine_args import model_argument
+    from hybridcache.engine_args import AUTO, auto_device, model_argument
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("hybridcache.router")
     size = args.data_parallel_size
-    devices = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(size))).split(",")
-    if len(devices) < size:
-        raise ValueError(f"--data-parallel-size {size} needs {size} devices; CUDA_VISIBLE_DEVICES lists "
-                         f"{len(devices)}")
+    on_cpu = (auto_device() if args.device == AUTO else args.device) == "cpu"
     ports = [args.port + 1 + i for i in range(size)]
     processes: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports):
-            env = {**os.environ, "CUDA_VISIBLE_DEVICES": devices[i]}
+            env = replica_env(os.environ, i, size, on_cpu)
             command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port)]
             processes.append(subprocess.Popen(command, env=env))
             log.info("replica %d: pid %d, port %d", i, processes[-1].pid, port)
