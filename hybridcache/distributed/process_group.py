@@ -8,8 +8,8 @@ spinning: the driver's `LivenessMonitor` then calls `abort_group` (see `monitor.
 
 On the CPU the ranks share one machine's cores, so joining the group gives each rank an equal share of the
 intra-op threads its process had (`torch.set_num_threads(max(1, threads // size))`): with every rank running a
-thread per core, their OpenMP threads fight for the cores, and a two-rank step on two cores ran about six times
-slower than with one thread each. The driver (rank 0) gets its count back when its executor shuts down.
+thread per core, their OpenMP threads would fight for the cores (docs/bench.md, "Tensor parallelism"). The driver
+(rank 0) gets its count back when its executor shuts down.
 """
 
 from __future__ import annotations

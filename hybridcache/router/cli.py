@@ -154,7 +154,7 @@ def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool)
     """The environment of replica `index` of `size`: GPU replica i sees one device, the i-th of
     CUDA_VISIBLE_DEVICES when set, else i. CPU replicas share the machine's cores: each runs an equal share of them
     as intra-op threads (OMP_NUM_THREADS, unless set already), since N processes of a thread per core make their
-    OpenMP threads fight for the cores (a 2-rank tensor-parallel step on 2 cores ran 6x slower). A ValueError when
+    OpenMP threads fight for the cores, as tensor-parallel ranks did (docs/bench.md). A ValueError when
     CUDA_VISIBLE_DEVICES lists fewer GPUs than replicas.
 
     Example: 8 cores, size 2 on the CPU: each replica gets OMP_NUM_THREADS=4."""
