@@ -95,7 +95,8 @@ class EngineConfig:
     most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
     capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory budget).
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
-    activations, KV blocks and state slots; None = 0.9); unused on the CPU. enforce_eager: never capture CUDA
+    activations, KV blocks and state slots; None = 0.9), its own share whatever other processes hold (as vLLM's);
+    unused on the CPU. enforce_eager: never capture CUDA
     graphs (decode steps are captured per batch-size bucket by default when the kernel backend supports it).
     async_scheduling: plan and queue step t+1 while the device runs step t (None = on for CUDA without tensor
     parallelism, off on the CPU, where it gains nothing, and under tensor parallelism, where it is asked for

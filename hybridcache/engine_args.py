@@ -97,8 +97,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=AUTO,
                         help="cpu, cuda or cuda:N; auto: cuda when a GPU is present, else cpu (default: auto)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
-                        help="CUDA: fraction of the device memory for weights, activations and the cache "
-                             "(default: 0.9)")
+                        help="CUDA: fraction of the device memory for this engine's weights, activations and "
+                             "cache, whatever other processes hold (default: 0.9)")
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: never capture CUDA graphs")
     parser.add_argument("--attention-backend", default=None,
                         help="attention kernels by registered name: reference or triton (CUDA) (default: triton on "

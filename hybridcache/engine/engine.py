@@ -63,7 +63,7 @@ from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
-from hybridcache.engine.rank_runner import DTYPES, RunnerSpec
+from hybridcache.engine.rank_runner import DTYPES, RunnerSpec, device_free_bytes
 from hybridcache.engine.spec_chain import STOP_WIDTH, DeviceVerdicts
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.token_feed import TokenFeed
@@ -231,12 +231,15 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
+        # before anything loads: on CUDA the engine's share is of what was free then (memory.engine_share)
+        free_at_start = device_free_bytes(self.device) if on_cuda else None
         # before the runner: on CUDA the pools are sized from the memory left after the vision weights
         self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device,
                                                    load_format=config.load_format)
         self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
                                 if self.vision is not None else None)
-        spec = RunnerSpec(self.model_path, config, self.max_model_len, encoder_bytes=self._encoder_reserve())
+        spec = RunnerSpec(self.model_path, config, self.max_model_len, encoder_bytes=self._encoder_reserve(),
+                          free_at_start=free_at_start)
         self.runner = make_executor(spec, self.device)
         plan = self.runner.memory_plan
         backend = self.runner.backend

@@ -5,8 +5,13 @@ Pure arithmetic (no torch): the engine measures the numbers on the device and ca
 The budget (CUDA; `budget_bytes`):
 
     budget = gpu_memory_utilization * total device memory
-             - memory in use after loading (weights, CUDA context, other processes)
+             - what this engine took since it started (free memory at start - free memory after loading:
+               weights, the vision tower, workspaces)
              - the activation peak of a profiling forward of max_num_batched_tokens tokens
+
+`gpu_memory_utilization` is this engine's share of the device, as in vLLM: what other processes held when it
+started is not counted against it, so two engines at 0.45 share one device. The share must fit in what was free
+then (`engine_share`).
 
 It buys, in this order:
 
@@ -42,6 +47,25 @@ from math import prod
 from typing import Any
 
 GIB = 1 << 30
+
+
+def engine_share(utilization: float, total: int, free_at_start: int) -> int:
+    """This engine's bytes of a CUDA device of `total` bytes: `utilization` x `total` (the module docstring). A
+    ValueError when that is more than was free when the engine started (`free_at_start`: other processes hold the
+    rest).
+
+    Example: 100 GiB device, another process holds 40 GiB: utilization 0.5 gives 50 GiB (60 GiB were free); 0.7
+    is refused (70 GiB asked, 60 GiB free). The pools then get the share less what the engine took since it
+    started (free at start - free after loading) and its activation peak: with 8 GiB of weights and a 2 GiB peak,
+    50 - 8 - 2 = 40 GiB."""
+    share = int(utilization * total)
+    if share > free_at_start:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} asks for {share / GIB:.2f} GiB of the device's {total / GIB:.2f} "
+            f"GiB, but only {free_at_start / GIB:.2f} GiB were free when the engine started (other processes hold "
+            "the rest): lower gpu_memory_utilization or free the device"
+        )
+    return share
 
 
 def state_pages(slot_bytes: int, page_bytes: int) -> int:

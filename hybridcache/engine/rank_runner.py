@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridcache.config import EngineConfig
-from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state_pages
+from hybridcache.engine.memory import MemoryPlan, engine_share, plan_memory, pool_bytes, state_pages
 from hybridcache.engine.runner import ModelRunner, measure_activation_bytes
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.shapes import ModelShapes
@@ -50,13 +50,22 @@ class RunnerSpec:
     ranks of a tensor-parallel group capture decode graphs (on CUDA, unless `enforce_eager`); one value for every
     rank, since a graph replays the collectives it captured and every rank must replay the same one.
     `encoder_bytes`: the vision encoder's reserve on CUDA, kept out of every rank's pools
-    (`hybridcache.engine.memory`)."""
+    (`hybridcache.engine.memory`). `free_at_start`: rank 0's free device memory when the engine started, before
+    it loaded anything (the vision tower loads before the runner); None: measured when the runner's build starts,
+    as every other rank does."""
 
     model_path: Path
     config: EngineConfig
     max_model_len: int
     tp_cuda_graphs: bool = field(default_factory=_tp_cuda_graphs)
     encoder_bytes: int = 0
+    free_at_start: int | None = None
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Free memory on a CUDA `device`, after this process's allocator gave back its unused cached blocks."""
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(device)[0]
 
 
 def model_shapes(config: ModelConfig) -> ModelShapes:
@@ -91,6 +100,12 @@ def build_runner(
         # when a kernel compiles; a value the user set wins. (fla's fused triangular solve names tf32 itself:
         # `gated_delta/fla.fla_chunk_forward` sets it to IEEE for every dtype.)
         os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    share = free_at_start = 0
+    if device.type == "cuda":  # an engine that cannot have its share fails before the weights load
+        free_at_start = spec.free_at_start if tp.rank == 0 and spec.free_at_start is not None else (
+            device_free_bytes(device))
+        utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
+        share = engine_share(utilization, torch.cuda.mem_get_info(device)[1], free_at_start)
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     backend.check_model(model_shapes(ModelConfig.from_model_dir(spec.model_path)))  # so does a shape it cannot run
     model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
@@ -109,7 +124,7 @@ def build_runner(
     )
     blocks_per_seq = -(-(spec.max_model_len + 2 * num_speculative) // config.block_size)  # (lookahead: scheduler)
     if device.type == "cuda":
-        budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device))
+        budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device, share, free_at_start))
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
@@ -171,14 +186,14 @@ def _cuda_budget(
     dtype: torch.dtype,
     state_dtype: torch.dtype,
     device: torch.device,
+    share: int,
+    free_at_start: int,
 ) -> int:
-    """Bytes left for the pools on a CUDA device: gpu_memory_utilization x total, minus what is in use after
-    the weights are loaded (weights, CUDA context, other processes) and minus the activation peak of one
-    forward of max_num_batched_tokens tokens (measured; see `hybridcache.engine.memory`)."""
+    """Bytes left for the pools on a CUDA device: the engine's `share` (`memory.engine_share`), less what it took
+    since it started (`free_at_start` - free now) and the activation peak of one forward of
+    max_num_batched_tokens tokens (measured)."""
     activation = measure_activation_bytes(
         model, backend, num_tokens=config.max_num_batched_tokens, block_size=config.block_size,
         kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
     )
-    free, total = torch.cuda.mem_get_info(device)
-    utilization = 0.9 if config.gpu_memory_utilization is None else config.gpu_memory_utilization
-    return int(utilization * total) - (total - free) - activation
+    return share - (free_at_start - torch.cuda.mem_get_info(device)[0]) - activation

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridcache.engine.memory import MemoryPlan, plan_memory, pool_bytes, state_pages
+from hybridcache.engine.memory import MemoryPlan, engine_share, plan_memory, pool_bytes, state_pages
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec, StateTensorSpec
 
 GIB = 1 << 30
@@ -149,3 +149,16 @@ def test_vision_encoder_reserve_is_taken_first():
         plan(10 * GIB, encoder_bytes=reserve, num_blocks=(10 * GIB - 64 * STATE) // KV)  # fits only without it
     with pytest.raises(ValueError, match="vision encoder's reserve .4.00 GiB"):
         plan(4 * GIB, encoder_bytes=4 * GIB)
+
+
+def test_the_engine_share_is_its_own_whatever_other_processes_hold():
+    """`gpu_memory_utilization` is this engine's share of the device (vLLM's meaning): the docstring's example, a
+    100 GiB device of which another process holds 40 GiB."""
+    assert engine_share(0.5, 100 * GIB, free_at_start=60 * GIB) == 50 * GIB
+    assert engine_share(0.6, 100 * GIB, free_at_start=60 * GIB) == int(0.6 * 100 * GIB)  # all of what is free
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization 0.7 asks for 70.00 GiB of the device's 100.00 "
+                                         r"GiB, but only 60.00 GiB were free when the engine started"):
+        engine_share(0.7, 100 * GIB, free_at_start=60 * GIB)
+    # two engines at 0.45 share one device: the second's share is not cut by the first's 45 GiB
+    first = engine_share(0.45, 100 * GIB, free_at_start=99 * GIB)
+    assert engine_share(0.45, 100 * GIB, free_at_start=99 * GIB - first) == first
