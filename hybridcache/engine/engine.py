@@ -75,6 +75,7 @@ from hybridcache.mm_processor import ImageProcessor
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.models.builtin import ensure_builtin_model, model_display_name
 from hybridcache.models.quant import describe_weights
+from hybridcache.models.vision_loader import has_vision_tower
 from hybridcache.multimodal import MultimodalInput, resolve_inputs
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, stop_tokens, to_device
@@ -231,8 +232,9 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(self.model_path)
-        # before anything loads: on CUDA the engine's share is of what was free then (memory.engine_share)
-        free_at_start = device_free_bytes(self.device) if on_cuda else None
+        # on CUDA the engine's share is of what was free before it loaded anything (memory.engine_share): the
+        # vision tower loads before the runner, so its start is measured here; else the runner measures it
+        free_at_start = device_free_bytes(self.device) if on_cuda and has_vision_tower(self.model_path) else None
         # before the runner: on CUDA the pools are sized from the memory left after the vision weights
         self.vision = VisionEncoder.from_model_dir(self.model_path, dtype=DTYPES[config.dtype], device=self.device,
                                                    load_format=config.load_format)

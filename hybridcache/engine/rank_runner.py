@@ -51,8 +51,8 @@ class RunnerSpec:
     rank, since a graph replays the collectives it captured and every rank must replay the same one.
     `encoder_bytes`: the vision encoder's reserve on CUDA, kept out of every rank's pools
     (`hybridcache.engine.memory`). `free_at_start`: rank 0's free device memory when the engine started, before
-    it loaded anything (the vision tower loads before the runner); None: measured when the runner's build starts,
-    as every other rank does."""
+    it loaded anything, for a model whose vision tower the engine loads before the runner; None: measured when
+    the runner's build starts, as every other rank does."""
 
     model_path: Path
     config: EngineConfig

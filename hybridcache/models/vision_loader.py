@@ -54,6 +54,11 @@ def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor])
         params[name].copy_(tensors[source])
 
 
+def has_vision_tower(model_dir: str | Path) -> bool:
+    """Whether the folder's config.json has a `vision_config` (`load_vision_tower` then loads a tower)."""
+    return VisionConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text())) is not None
+
+
 def load_vision_tower(
     model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
     load_format: str = "auto",
