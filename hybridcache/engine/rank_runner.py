@@ -93,6 +93,9 @@ def build_runner(
     captured by every rank in the same order (the bucket sizes follow from the spec alone), so the collectives
     inside them pair up at capture and at every replay."""
     config = spec.config
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA devices"
+                         + ("" if torch.cuda.is_available() else " (torch sees none: no GPU, or a CPU-only torch)"))
     dtype, state_dtype = DTYPES[config.dtype], DTYPES[config.mamba_ssm_cache_dtype]
     if device.type == "cuda" and dtype == torch.float32:
         # fp32 means IEEE fp32: Triton's dots (ours and flash-linear-attention's) default to tf32, whose 10-bit

@@ -44,3 +44,13 @@ def test_token_ids_outside_the_vocabulary_are_refused_and_change_nothing(params,
     llm.engine.check_integrity()
     last = SamplingParams(temperature=0, max_tokens=2, stop_token_ids=[vocab - 1], logit_bias={vocab - 1: -1.0})
     assert llm.generate("abc", last, use_tqdm=False)[0].outputs[0].token_ids  # the last id is a token id
+
+
+def test_a_cuda_device_the_machine_lacks_is_a_value_error_naming_it():
+    """It used to be torch's AssertionError ("Torch not compiled with CUDA enabled") or invalid device ordinal."""
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=f"^device {missing}: this machine has {torch.cuda.device_count()} CUDA "
+                                         "devices"):
+        LLM(device=missing, max_model_len=64, max_num_seqs=2)
