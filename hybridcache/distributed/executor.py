@@ -150,8 +150,7 @@ class TensorParallelExecutor:
                 self._workers.append(_Worker(rank, process, parent))
             for worker in self._workers:
                 self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
-            threads = init_group(store_dir, 0, size, device)
-            self._cpu_threads = threads if device.type == "cpu" else None
+            self._cpu_threads = init_group(store_dir, 0, size, device)
             self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
             self._runners.append(self.runner)

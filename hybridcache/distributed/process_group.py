@@ -32,14 +32,15 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
-def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> int:
-    """Join the group (blocks until all `size` ranks have joined). Returns this thread's intra-op thread count
-    from before: on the CPU the rank now runs its share of them (the module docstring)."""
-    threads = torch.get_num_threads()
+def init_group(store_dir: Path, rank: int, size: int, device: torch.device) -> int | None:
+    """Join the group (blocks until all `size` ranks have joined). On the CPU the rank then runs its share of this
+    thread's intra-op threads (the module docstring): returns the count from before, to give back; None on CUDA."""
+    threads = None
     if device.type == "cuda":
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         torch.cuda.set_device(device)
     else:
+        threads = torch.get_num_threads()
         torch.set_num_threads(max(1, threads // size))
     dist.init_process_group(
         backend="nccl" if device.type == "cuda" else "gloo",

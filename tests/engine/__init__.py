@@ -2,11 +2,13 @@
 
 import pytest
 
+from hybridcache.guided import GuidedUnavailable, _xgrammar
+
 
 def _xgrammar_imports() -> bool:
     try:
-        import xgrammar  # noqa: F401
-    except ImportError:
+        _xgrammar()
+    except GuidedUnavailable:
         return False
     return True
 
