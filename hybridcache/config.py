@@ -103,8 +103,8 @@ class EngineConfig:
     explicitly; `step()` then returns the outputs of the step before the one it launches; see
     `hybridcache.engine.engine`).
     tensor_parallel_size: ranks the model is split over (one process and one device each; CPU: gloo, CUDA:
-    NCCL on cuda:0..N-1 from the device's index on); the scheduler and the prefix cache run once, in the
-    engine's process. See `hybridcache.distributed`.
+    NCCL on N devices from the device's index on; "cuda" is the current device); the scheduler and the prefix
+    cache run once, in the engine's process. See `hybridcache.distributed`.
     attention_backend: the attention kernels, by registered name (`hybridcache.kernels.registry.ATTENTION`:
     "reference", "triton"; None = per device: "triton" with the CUDA backend, else "reference"); an unknown name,
     or one not for the device, is refused when the engine is built, before the weights load.

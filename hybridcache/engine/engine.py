@@ -63,7 +63,7 @@ from hybridcache.engine.host_pool import measure_copy_rates
 from hybridcache.engine.input_builder import build_forward_batch, device_copies
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine.output_processor import OutputProcessor, RequestState
-from hybridcache.engine.rank_runner import DTYPES, RunnerSpec, device_free_bytes
+from hybridcache.engine.rank_runner import DTYPES, RunnerSpec, device_free_bytes, engine_device
 from hybridcache.engine.spec_chain import STOP_WIDTH, DeviceVerdicts
 from hybridcache.engine.speculative import MtpDrafter, Verdict, judge
 from hybridcache.engine.token_feed import TokenFeed
@@ -211,11 +211,13 @@ class LLMEngine:
     """Continuously batched engine over one model folder (`model_path=None`: the built-in model)."""
 
     def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        config = config or EngineConfig()
+        self.device = engine_device(config.device)
+        # the config names the device every rank resolves the same way (a TP worker has its own current device)
+        self.config = config = dataclasses.replace(config, device=str(self.device))
         self.model_path = Path(model_path) if model_path is not None else ensure_builtin_model()
         self.model_config = ModelConfig.from_model_dir(self.model_path)
         get_model_class(self.model_config.architecture)  # an unknown architecture fails here, first
-        self.device = torch.device(config.device)
         on_cuda = self.device.type == "cuda"
         model_len_limit = self.model_config.max_position_embeddings
         default_len = model_len_limit if on_cuda else min(model_len_limit, _MAX_CPU_DEFAULT_MODEL_LEN)

@@ -62,6 +62,17 @@ class RunnerSpec:
     free_at_start: int | None = None
 
 
+def engine_device(name: str) -> torch.device:
+    """`name` as the engine's device: "cuda" without an index is the current CUDA device (torch's meaning), made
+    explicit so that tensor parallelism's ranks (which count from the index), the vision tower and the memory
+    measured at start all name one device. Anything else, and "cuda" on a machine without CUDA (refused later,
+    by `build_runner`), is `torch.device(name)`."""
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_free_bytes(device: torch.device) -> int:
     """Free memory on a CUDA `device`, after this process's allocator gave back its unused cached blocks."""
     torch.cuda.empty_cache()
