@@ -5,9 +5,10 @@
 1. None: the built-in model (written to its cache folder on first use);
 2. an existing folder: a model folder, or a Hugging Face snapshot folder (`.../snapshots/<hash>/`), used as is;
 3. a Hugging Face hub id (`org/name`): the snapshot that the local Hugging Face cache holds for its `main`
-   revision, found through `huggingface_hub` with `local_files_only=True` (nothing is downloaded, so it works
-   offline and with `HF_HUB_OFFLINE=1`). The cache is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
-   `~/.cache/huggingface/hub`, read when `resolve_model` is called.
+   revision, found through `huggingface_hub` with `local_files_only=True`; when the cache has none it is
+   downloaded into the cache, as vLLM does (the files a model folder is read from, `HUB_FILES`, with
+   huggingface_hub's progress bars), unless `HF_HUB_OFFLINE` is set. The cache is `$HF_HUB_CACHE`, else
+   `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called.
 
 Worked example: with `HF_HUB_CACHE=/data/hub` holding
 `/data/hub/models--Qwen--Qwen3.5-0.8B/refs/main` = `abc123` and `.../snapshots/abc123/config.json`,
@@ -17,9 +18,16 @@ name="Qwen/Qwen3.5-0.8B")`: the name is the argument as given (what a server rep
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+_logger = logging.getLogger(__name__)
+
+# what a download fetches: the configs, weights, tokenizer and chat template a model folder is read from (not the
+# original PyTorch `.bin` or GGUF copies some repositories also hold)
+HUB_FILES = ("*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken")
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
         raise FileNotFoundError(f"model {name!r} is a file; pass the folder that holds config.json")
     if not _looks_like_hub_id(name):
         raise FileNotFoundError(f"model folder {name!r} does not exist")
-    return ResolvedModel(_cached_snapshot(name), name)
+    return ResolvedModel(_hub_snapshot(name), name)
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -64,7 +72,14 @@ def _looks_like_hub_id(name: str) -> bool:
     return bool(name) and not name.startswith((".", "/", "~")) and name.count("/") <= 1 and "\\" not in name
 
 
-def _cached_snapshot(repo_id: str) -> Path:
+def _hub_offline() -> bool:
+    """`HF_HUB_OFFLINE` as huggingface_hub reads it, read now (huggingface_hub reads it once, at import)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of `repo_id` in the local Hugging Face cache, downloaded into it first when the cache has
+    none (unless offline). Raises FileNotFoundError naming the cache, the hub's answer and what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -75,11 +90,34 @@ def _cached_snapshot(repo_id: str) -> Path:
     except HFValidationError as error:
         raise FileNotFoundError(f"model {repo_id!r} is neither a folder nor a Hugging Face hub id: {error}") from None
     except LocalEntryNotFoundError:
-        raise FileNotFoundError(
-            f"model {repo_id!r} is not a folder, and the Hugging Face cache at {where} holds no snapshot of it; "
-            f"download it first (`hf download {repo_id}`) or pass the model folder"
-        ) from None
+        if _hub_offline():
+            raise FileNotFoundError(
+                f"model {repo_id!r} is not a folder, and the Hugging Face cache at {where} holds no snapshot of it "
+                f"(HF_HUB_OFFLINE is set, so it is not downloaded); download it first (`hf download {repo_id}`) "
+                "or pass the model folder"
+            ) from None
+        folder = _download(repo_id, cache, where)
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the cached snapshot of {repo_id!r} at {path} has no config.json")
     return path
+
+
+def _download(repo_id: str, cache: Path | None, where: str) -> str:
+    """Download `repo_id`'s `HUB_FILES` into the cache; its snapshot folder."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    _logger.warning("downloading %s from the Hugging Face hub into %s", repo_id, where)
+    try:
+        return snapshot_download(repo_id, cache_dir=cache, allow_patterns=list(HUB_FILES))
+    except RepositoryNotFoundError as error:  # also a gated or private repository without a token
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a folder, not in the Hugging Face cache at {where}, and the hub has no model "
+            f"of that name that this machine may read (a private or gated model needs `hf auth login`): {error}"
+        ) from None
+    except OSError as error:  # no connection, an HTTP error, a full disk
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the Hugging Face cache at {where} and could not be downloaded: "
+            f"{type(error).__name__}: {error}; download it with `hf download {repo_id}` or pass the model folder"
+        ) from None

@@ -7,6 +7,8 @@ os.environ.setdefault("HYBRIDCACHE_DEBUG", "1")  # the engine checks the cache w
 # The tests' models are tiny: one intra-op thread per process runs them faster than one per core, and the servers,
 # workers and interpreter children these tests start (they inherit it) then do not fight the test process for cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the Hugging Face hub: a hub id the (fake) local cache lacks is an error, not a download.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_collection_modifyitems(config, items):

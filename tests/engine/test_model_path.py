@@ -1,17 +1,21 @@
 """Model resolution: a folder, a Hugging Face snapshot folder, or a hub id found in a (fake) local Hugging Face
-cache laid out as huggingface_hub lays it out, offline; LLM(model=...) and `hybridcache generate MODEL` use it."""
+cache laid out as huggingface_hub lays it out, offline, or downloaded into it (a fake hub: no test reaches the
+network); LLM(model=...) and `hybridcache generate MODEL` use it."""
 
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
+import huggingface_hub
 import pytest
+from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
 from hybridcache import LLM, SamplingParams
 from hybridcache.cli import main
-from hybridcache.model_path import resolve_model
+from hybridcache.model_path import HUB_FILES, resolve_model
 from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -60,7 +64,7 @@ def test_hf_home_names_the_cache_when_hf_hub_cache_is_unset(tmp_path, monkeypatc
 
 
 def test_unknown_models_say_what_was_tried(hub, tmp_path):
-    with pytest.raises(FileNotFoundError, match="holds no snapshot.*hf download acme/other"):
+    with pytest.raises(FileNotFoundError, match="holds no snapshot.*HF_HUB_OFFLINE is set.*hf download acme/other"):
         resolve_model("acme/other")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         resolve_model(str(tmp_path / "nowhere"))
@@ -87,3 +91,60 @@ def test_llm_and_generate_take_a_hub_id(hub, capsys):
 def test_generate_reports_a_missing_model_as_an_error(hub, capsys):
     assert main(["generate", "acme/missing", "--prompt", "abc"]) == 2
     assert "acme/missing" in capsys.readouterr().err
+
+
+class FakeHub:
+    """`huggingface_hub.snapshot_download` against a hub that holds the built-in model as any repo id: a local
+    lookup finds what an earlier download laid into the cache; a download lays it out (or raises `fail`)."""
+
+    def __init__(self, fail: Exception | None = None) -> None:
+        self.downloads: list[tuple[str, list[str]]] = []
+        self.fail = fail
+
+    def __call__(self, repo_id, *, cache_dir=None, local_files_only=False, allow_patterns=None, **_):
+        snapshot = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
+        if local_files_only:
+            if not snapshot.is_dir():
+                raise LocalEntryNotFoundError(f"{repo_id} is not cached")
+            return str(snapshot)
+        self.downloads.append((repo_id, list(allow_patterns)))
+        if self.fail is not None:
+            raise self.fail
+        return str(fake_hub_cache(Path(cache_dir), repo_id))
+
+
+@pytest.fixture
+def online(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+def test_a_hub_id_the_cache_lacks_is_downloaded_into_it_once(online, tmp_path, monkeypatch):
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    first = resolve_model("acme/new-model")
+    assert first.path == tmp_path / "hub" / "models--acme--new-model" / "snapshots" / COMMIT
+    assert first.name == "acme/new-model"
+    assert hub.downloads == [("acme/new-model", list(HUB_FILES))]
+    assert {"*.json", "*.safetensors"} <= set(HUB_FILES)  # config.json, the weights, tokenizer.json
+    assert resolve_model("acme/new-model") == first  # cached now: no second download
+    assert len(hub.downloads) == 1
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert LLM("acme/new-model").generate("abc", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+ANSWER = SimpleNamespace(headers={}, request=None)  # what huggingface_hub's HTTP errors read of the hub's answer
+
+
+@pytest.mark.parametrize(("fail", "said"), [
+    (RepositoryNotFoundError("404 Client Error", response=ANSWER), "the hub has no model .*hf auth login"),
+    (GatedRepoError("403 Client Error: gated", response=ANSWER), "the hub has no model .*hf auth login.*gated"),
+    (LocalEntryNotFoundError("cannot reach huggingface.co"),
+     "could not be downloaded: LocalEntryNotFoundError: cannot reach huggingface.co; .*hf download acme/gone"),
+])
+def test_a_failed_download_names_its_cause(online, monkeypatch, fail, said):
+    hub = FakeHub(fail)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    with pytest.raises(FileNotFoundError, match=f"^model 'acme/gone' .*{said}"):
+        resolve_model("acme/gone")
+    assert len(hub.downloads) == 1
