@@ -7,7 +7,9 @@
 3. a Hugging Face hub id (`org/name`): the snapshot that the local Hugging Face cache holds for its `main`
    revision, found through `huggingface_hub` with `local_files_only=True`; when the cache has none it is
    downloaded into the cache, as vLLM does (the files a model folder is read from, `HUB_FILES`, with
-   huggingface_hub's progress bars), unless `HF_HUB_OFFLINE` is set. The cache is `$HF_HUB_CACHE`, else
+   huggingface_hub's progress bars), unless `HF_HUB_OFFLINE` is set. `weights=False` (the simulator, the router:
+   a config and a tokenizer) downloads all but the `*.safetensors`; a snapshot without them is completed when an
+   engine asks for it. The cache is `$HF_HUB_CACHE`, else
    `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called.
 
 Worked example: with `HF_HUB_CACHE=/data/hub` holding
@@ -47,9 +49,10 @@ def hf_hub_cache() -> Path | None:
     return None
 
 
-def resolve_model(model: str | Path | None) -> ResolvedModel:
-    """The model folder `model` names (see the module docstring). Raises FileNotFoundError, naming what was
-    tried, when it is neither a folder nor a hub id held by the local Hugging Face cache."""
+def resolve_model(model: str | Path | None, *, weights: bool = True) -> ResolvedModel:
+    """The model folder `model` names (see the module docstring; `weights`: whether the caller reads the weights,
+    which a hub id then downloads). Raises FileNotFoundError, naming what was tried, when it is neither a folder
+    nor a hub id the local Hugging Face cache holds or the hub gives."""
     if model is None:
         from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 
@@ -64,7 +67,7 @@ def resolve_model(model: str | Path | None) -> ResolvedModel:
         raise FileNotFoundError(f"model {name!r} is a file; pass the folder that holds config.json")
     if not _looks_like_hub_id(name):
         raise FileNotFoundError(f"model folder {name!r} does not exist")
-    return ResolvedModel(_hub_snapshot(name), name)
+    return ResolvedModel(_hub_snapshot(name, weights), name)
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -77,9 +80,10 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def _hub_snapshot(repo_id: str) -> Path:
+def _hub_snapshot(repo_id: str, weights: bool) -> Path:
     """The snapshot folder of `repo_id` in the local Hugging Face cache, downloaded into it first when the cache has
-    none (unless offline). Raises FileNotFoundError naming the cache, the hub's answer and what to do."""
+    none, or none with weights when `weights` (unless offline). Raises FileNotFoundError naming the cache, the
+    hub's answer and what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -96,21 +100,26 @@ def _hub_snapshot(repo_id: str) -> Path:
                 f"(HF_HUB_OFFLINE is set, so it is not downloaded); download it first (`hf download {repo_id}`) "
                 "or pass the model folder"
             ) from None
-        folder = _download(repo_id, cache, where)
+        folder = _download(repo_id, cache, where, weights)
+    else:
+        if weights and not any(Path(folder).glob("*.safetensors")) and not _hub_offline():
+            folder = _download(repo_id, cache, where, weights)  # cached without weights (by weights=False)
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the cached snapshot of {repo_id!r} at {path} has no config.json")
     return path
 
 
-def _download(repo_id: str, cache: Path | None, where: str) -> str:
-    """Download `repo_id`'s `HUB_FILES` into the cache; its snapshot folder."""
+def _download(repo_id: str, cache: Path | None, where: str, weights: bool) -> str:
+    """Download `repo_id`'s `HUB_FILES` (without `*.safetensors` unless `weights`) into the cache; its snapshot
+    folder."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
     _logger.warning("downloading %s from the Hugging Face hub into %s", repo_id, where)
     try:
-        return snapshot_download(repo_id, cache_dir=cache, allow_patterns=list(HUB_FILES))
+        patterns = [p for p in HUB_FILES if weights or p != "*.safetensors"]
+        return snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns)
     except RepositoryNotFoundError as error:  # also a gated or private repository without a token
         raise FileNotFoundError(
             f"model {repo_id!r} is not a folder, not in the Hugging Face cache at {where}, and the hub has no model "

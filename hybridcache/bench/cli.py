@@ -128,7 +128,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         require_extra("bench", "hybridcache simulate --plot")
     specs = parse_policies(args.policies, args.block_size)
-    model_dir = resolve_model(args.model).path if args.model is not None else None
+    model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_dir)
@@ -203,7 +203,7 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
     from hybridcache.engine.cost_model import load_model_cost
 
     policies = [p.strip() for p in args.routing.split(",") if p.strip()]
-    model_dir = resolve_model(args.model).path if args.model is not None else None
+    model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_dir)

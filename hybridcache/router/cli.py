@@ -112,7 +112,7 @@ def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None,
 
     config = router_config(args, urls)  # bad options fail before anything loads
     limits = limits_from_args(args)
-    tokenizer = Tokenizer(resolve_model(model).path)
+    tokenizer = Tokenizer(resolve_model(model, weights=False).path)
     app = build_router_app(config, tokenizer)
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
                                    lifespan="on", **uvicorn_options(limits.connection_cap(),

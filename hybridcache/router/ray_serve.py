@@ -263,7 +263,7 @@ class OpenAIIngress:
 
         args = parse_serve_args(serve_args)
         self.engine, self.index = engine, index
-        self.tokenizer = Tokenizer(resolve_model(model_argument(args)).path)
+        self.tokenizer = Tokenizer(resolve_model(model_argument(args), weights=False).path)
         template = chat_template(args)
         if template is not None:
             self.tokenizer.chat_template = template

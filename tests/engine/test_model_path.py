@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -110,7 +111,13 @@ class FakeHub:
         self.downloads.append((repo_id, list(allow_patterns)))
         if self.fail is not None:
             raise self.fail
-        return str(fake_hub_cache(Path(cache_dir), repo_id))
+        for file in ensure_builtin_model().iterdir():
+            if any(fnmatch(file.name, pattern) for pattern in allow_patterns):
+                snapshot.mkdir(parents=True, exist_ok=True)
+                shutil.copy(file, snapshot / file.name)
+        (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
+        (snapshot.parents[1] / "refs" / "main").write_text(COMMIT)
+        return str(snapshot)
 
 
 @pytest.fixture
@@ -129,6 +136,7 @@ def test_a_hub_id_the_cache_lacks_is_downloaded_into_it_once(online, tmp_path, m
     assert {"*.json", "*.safetensors"} <= set(HUB_FILES)  # config.json, the weights, tokenizer.json
     assert resolve_model("acme/new-model") == first  # cached now: no second download
     assert len(hub.downloads) == 1
+    assert any(first.path.glob("*.safetensors")) and (first.path / "tokenizer.json").is_file()
     params = SamplingParams(temperature=0, max_tokens=3)
     assert LLM("acme/new-model").generate("abc", params, use_tqdm=False)[0].outputs[0].token_ids
 
@@ -148,3 +156,19 @@ def test_a_failed_download_names_its_cause(online, monkeypatch, fail, said):
     with pytest.raises(FileNotFoundError, match=f"^model 'acme/gone' .*{said}"):
         resolve_model("acme/gone")
     assert len(hub.downloads) == 1
+
+
+def test_without_weights_a_download_skips_them_until_an_engine_asks(online, monkeypatch):
+    """The simulator and the router read a config and a tokenizer: an 80B model's weights are not fetched for them;
+    an engine asking for the same id later completes the snapshot."""
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    light = resolve_model("acme/big", weights=False)
+    assert (light.path / "config.json").is_file() and (light.path / "tokenizer.json").is_file()
+    assert not any(light.path.glob("*.safetensors"))
+    assert hub.downloads == [("acme/big", [p for p in HUB_FILES if p != "*.safetensors"])]
+    assert resolve_model("acme/big", weights=False) == light and len(hub.downloads) == 1
+    full = resolve_model("acme/big")
+    assert full.path == light.path and any(full.path.glob("*.safetensors"))
+    assert hub.downloads[1] == ("acme/big", list(HUB_FILES))
+    assert resolve_model("acme/big") == full and len(hub.downloads) == 2
