@@ -130,7 +130,8 @@ def build_runner(
         if not getattr(backend, "supports_verify_states", False):
             raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
                              f"states of verify rows; {type(backend).__name__} does not")
-        head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device, quantization=config.quantization)
+        head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device, quantization=config.quantization,
+                             kv_fp8=config.kv_fp8)
     head_specs = head.state_specs(dtype) if head is not None else ()
     num_speculative = speculative.num_speculative_tokens if speculative is not None else 0
     kv_per_block, state_per_slot = pool_bytes(

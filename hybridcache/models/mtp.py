@@ -155,7 +155,7 @@ def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | N
 
 
 def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
-                  device: torch.device | str, quantization: str | None = None) -> MtpHead:
+                  device: torch.device | str, quantization: str | None = None, kv_fp8: bool = False) -> MtpHead:
     """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes, and
     its `tp`: under tensor parallelism the rank's shard of the head, reading only the rank's part of each split
     tensor, checked against the full head's shapes).
@@ -167,6 +167,8 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     tensor parallelism each scale's part follows its weight's (`loader.checkpoint_shards`). `quantization="fp8"`
     on a checkpoint without a quantization_config quantises the head's linears after they are read, as
     `load_model` does the target's (all but `quant.keeps_dtype`: the router gates; each rank its own shard).
+    `kv_fp8`: the head's attention stores FP8 KV as the target's does (`quant.set_kv_fp8`, with the folder's
+    `mtp.*.k_scale` / `v_scale` where it has them), so that its KV shares the target's pool tensor.
 
     Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
     them, on float8 `mtp.*` tensors without their scale (or without a quantization_config), on a scale beside a
@@ -183,6 +185,12 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
     location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
     shapes = {name: shape for name, shape in shapes.items() if name in location}
+    kv_scales = {}
+    for name in [name for name in shapes if quant.is_kv_scale(name)]:
+        del shapes[name]
+        if kv_fp8:
+            with safe_open(str(location[name]), framework="pt") as handle:
+                kv_scales[name[len(MTP_PREFIX):]] = float(handle.get_tensor(name).float().reshape(-1)[0])
     num_layers = mtp_num_layers(model_dir, shapes)
     fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
     fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
@@ -207,7 +215,7 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
             copy_parameter(params[target_name], shards.get(target_name), source, read)
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(head, quant.quantizable_linears(head))
-    return head.eval()
+    return quant.set_kv_fp8(head, kv_fp8, kv_scales).eval()
 
 
 def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str, Fp8Format]:

@@ -95,3 +95,20 @@ def test_quantization_fp8_serves_a_dense_folder(tmp_path, caplog):
         EngineConfig(quantization="int8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+def test_the_mtp_head_keeps_fp8_kv_in_the_targets_pool(tmp_path):
+    """With `kv_cache_dtype="fp8"` the MTP head's attention stores e4m3 KV too, as vLLM's draft layers follow the
+    cache dtype: one KV tensor holds the target's attention layers and the head's (before, the head kept model-dtype
+    KV in a second tensor, as many bytes a block as two FP8 layers), and greedy MTP equals the same engine without
+    MTP."""
+    folder = write_tiny_model(tmp_path / "dense", "qwen3_next")
+    config = dict(block_size=16, kernel_block_size=8, max_num_batched_tokens=256, kv_cache_dtype="fp8")
+    plain = LLMEngine(folder, EngineConfig(**config))
+    mtp = LLMEngine(folder, EngineConfig(**config, speculative_config={"method": "mtp", "num_speculative_tokens": 2}))
+    (target_kv,) = plain.runner.pools.kv_groups
+    assert [(kv.dtype, kv.shape[0]) for kv in mtp.runner.pools.kv_groups] == [
+        (torch.float8_e4m3fn, target_kv.shape[0] + len(mtp.runner.mtp_head.layers))]
+    prompts = prompts_of([150, 170, 90], seed=5)
+    assert greedy_tokens(mtp, prompts, 16) == greedy_tokens(plain, prompts, 16)
+    assert mtp.drafter.stats.num_draft_tokens > 0

@@ -150,3 +150,24 @@ def test_the_head_equals_one_built_from_transformers_layers(tmp_path, model_type
         outs.append(head(embeds, target_hidden[start:end], backend.prepare(batch), pools.layers, backend))
     got = model._logits(torch.cat(outs))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max(), float((got - want).abs().max())
+
+
+def test_checkpoint_kv_scales_reach_the_target_and_the_head_with_fp8_kv(tmp_path):
+    """A folder's per-layer FP8 KV scales (`...self_attn.k_scale` / `v_scale`, vLLM's names) set the scales of the
+    target's attention layers and, for `mtp.*` ones, of the head's; without FP8 KV they are read past."""
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    model = load_model(folder)
+    attention = next(name for name, module in model.named_modules() if hasattr(module, "kv_dtype"))
+    head_attention = next(name for name, module in load_mtp_head(folder, model, dtype=torch.float32,
+                                                                  device="cpu").named_modules()
+                          if hasattr(module, "kv_dtype"))
+    scales = {f"{attention}.k_scale": 0.5, f"{attention}.v_scale": 0.25,
+              f"mtp.{head_attention}.k_scale": 2.0, f"mtp.{head_attention}.v_scale": 4.0}
+    save_file({name: torch.tensor(value) for name, value in scales.items()}, str(folder / "kv_scales.safetensors"))
+    target = load_model(folder, kv_fp8=True)
+    head = load_mtp_head(folder, target, dtype=torch.float32, device="cpu", kv_fp8=True)
+    for module, name, want in [(target, attention, (0.5, 0.25)), (head, head_attention, (2.0, 4.0))]:
+        layer = dict(module.named_modules())[name]
+        assert (layer.kv_dtype, layer.k_scale, layer.v_scale) == (torch.float8_e4m3fn, *want)
+    plain = load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu")
+    assert dict(plain.named_modules())[head_attention].kv_dtype is None
