@@ -22,19 +22,23 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @needs_cuda
-@pytest.mark.parametrize("k", [2, 3])
-def test_cuda_greedy_mtp_equals_no_mtp_fp32(tmp_path_factory, k):
+@pytest.mark.parametrize(("k", "kv"), [(2, "auto"), (3, "auto"), (2, "fp8")])
+def test_cuda_greedy_mtp_equals_no_mtp_fp32(tmp_path_factory, k, kv):
+    """(kv "fp8": the target's and the head's KV in e4m3, one pool tensor, on both sides.)"""
     folder = write_tiny_model(tmp_path_factory.mktemp("next"), "qwen3_next")
     # a pool of CPU size: check_integrity after every step walks every block in Python (a pool sized from the
     # GPU's memory, millions of blocks of this tiny model, takes seconds a step)
-    options = {"device": "cuda", "dtype": "float32", "enforce_eager": True, "num_blocks": 4096}
+    options = {"device": "cuda", "dtype": "float32", "enforce_eager": True, "num_blocks": 4096,
+               "kv_cache_dtype": kv}
     off = tokens_of(run_workload(make_engine(folder, None, enable_prefix_caching=False, **options)))
     engine = make_engine(folder, k, **options)
     oracle(engine, off, seed=k)
     assert tokens_of(run_workload(engine, check_every_step=True)) == off
     stats = engine.drafter.stats
-    print(f"k={k} fp32 CUDA: drafts {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, per position "
-          f"{stats.accepted_per_position}, cache hits {engine.stats()['cache'].num_hits}")
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.float32
+    assert [pool.dtype for pool in engine.runner.pools.kv_groups] == [kv_dtype]
+    print(f"k={k} kv {kv} fp32 CUDA: drafts {stats.num_draft_tokens}, accepted {stats.num_accepted_tokens}, "
+          f"per position {stats.accepted_per_position}, cache hits {engine.stats()['cache'].num_hits}")
     assert stats.num_accepted_tokens > 0 and all(n > 0 for n in stats.accepted_per_position), stats
     assert stats.num_accepted_tokens < stats.num_draft_tokens  # and some rejected: rollbacks ran
 
