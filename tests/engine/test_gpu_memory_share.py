@@ -20,9 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_the_share_ignores_another_process_and_is_kept():
     free, total = torch.cuda.mem_get_info()
     held = free // 2
+    # the holder lives until its stdin closes: killed with this test's process too, it does not outlive it
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import torch, time; x = torch.empty({held}, dtype=torch.uint8, device='cuda'); "
-         "print('held', flush=True); time.sleep(600)"], stdout=subprocess.PIPE, text=True)
+        [sys.executable, "-c", f"import sys, torch; x = torch.empty({held}, dtype=torch.uint8, device='cuda'); "
+         "print('held', flush=True); sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         left = torch.cuda.mem_get_info()[0]
