@@ -74,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + completion limit (default: the model's, capped at 8192)")
+                        help="prompt + completion limit (default: the model's; on the CPU at most 8192)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse computed prefixes across requests")
     parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",

@@ -205,7 +205,7 @@ class _EngineCollector(Collector):
             ("hybridcache_kv_blocks_total", "KV blocks in the pool", state.num_blocks),
             ("hybridcache_kv_cache_usage_percent", "KV blocks in use, percent of the pool (0-100)",
              usage_percent(state.num_blocks_used, state.num_blocks)),
-            ("hybridcache_state_slots_used", "State slots in use (running sequences and checkpoints)",
+            ("hybridcache_state_slots_used", "Runtime state slots in use (one per running sequence)",
              state.num_slots_used),
             ("hybridcache_state_slots_total", "State slots in the pool", state.num_slots),
             ("hybridcache_state_slot_usage_percent", "State slots in use, percent of the pool (0-100)",
