@@ -192,7 +192,8 @@ def test_worked_example_of_cache_md():
     assert plan.pairs(CopyKind.KV_SAVE) == [(2, 4)] and plan.pairs(CopyKind.STATE_SAVE) == [(0, 3)]
     cache.finish("a")
     match = cache.match(CacheRequest("b", tuple(range(100, 148))))
-    assert cache.admit(match, 48) is not None
+    admitted = cache.admit(match, 48)
+    assert admitted is not None and admitted.block_ids == (5, 2, 3)  # 3: freed by the demotion
     plan = driver.device.run_step({"b": list(range(100, 148))})
     assert [op.kind for op in plan.ops] == [CopyKind.HOST_SAVE]
     assert plan.pairs(CopyKind.HOST_SAVE) == [(1, 0), (3, 1), (4, 2)]
