@@ -46,8 +46,8 @@ def _eviction(value: str) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the model (positional MODEL or `--model`) and the `EngineConfig` options to a subcommand's parser."""
-    model_help = ("a model folder, a Hugging Face snapshot folder, or a hub id (org/name) held by the local "
-                  "Hugging Face cache")
+    model_help = ("a model folder, a Hugging Face snapshot folder, or a hub id (org/name): from the local "
+                  "Hugging Face cache, downloaded into it when missing unless HF_HUB_OFFLINE=1")
     parser.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                         help=f"{model_help} (default: the built-in model)")
     parser.add_argument("--model", default=None, help="the same as MODEL (give one of the two; default: MODEL)")

@@ -33,8 +33,8 @@ Message = dict[str, object]
 class LLM:
     """Offline batched generation.
 
-    `model`: a model folder, a Hugging Face snapshot folder, or a hub id held by the local Hugging Face cache
-    (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
+    `model`: a model folder, a Hugging Face snapshot folder, or a hub id, from the local Hugging Face cache or
+    downloaded into it (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
     `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, mamba_ssm_cache_dtype, ...); `dtype`,
     `device` and `mamba_ssm_cache_dtype` also take "auto", as on the command line (`LLM` itself defaults to
     EngineConfig's float32 on cpu, with a float32 recurrent state). A bad option is a ValueError raised before

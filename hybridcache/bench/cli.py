@@ -15,7 +15,8 @@ from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
 
 SWEEP_FACTORS = (0.125, 0.25, 0.5, 1.0, 2.0)
-_MODEL_FORMS = "a model folder, a Hugging Face snapshot folder, or a hub id held by the local Hugging Face cache"
+_MODEL_FORMS = ("a model folder, a Hugging Face snapshot folder, or a hub id (from the local Hugging Face cache, "
+                "downloaded into it when missing unless HF_HUB_OFFLINE=1)")
 
 
 def register(subparsers) -> None:
@@ -93,7 +94,7 @@ def register(subparsers) -> None:
     bench.add_argument("--max-reply-tokens", type=positive_int, default=32,
                        help="new tokens per model call at most")
     bench.add_argument("--seed", type=non_negative_int, default=0,
-                       help="seed of the sessions drawn from the trace")
+                       help="seed of the workload's random parts (sessions' start gaps and think times)")
     bench.add_argument("--block-size", type=positive_int, default=64,
                        help="tokens per KV block")
     bench.add_argument("--max-num-seqs", type=positive_int, default=16,
