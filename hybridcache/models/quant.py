@@ -150,8 +150,9 @@ def convert_linears(model: nn.Module, targets: Mapping[str, Fp8Format]) -> None:
 
 @torch.no_grad()
 def quantize_linears_(model: nn.Module, names: Iterable[str], fmt: Fp8Format = BLOCK) -> None:
-    """Quantise the loaded `nn.Linear`s `names` of `model` in place to `fmt` (`--quantization fp8`), one at a time
-    (peak memory: one layer's FP8 copy)."""
+    """Quantise the loaded `nn.Linear`s `names` of `model` in place to `fmt` (`--quantization fp8`), one at a time,
+    each dense weight let go as soon as its FP8 copy is in place (peak memory: the model as it is plus one layer's
+    FP8 copy; a dense weight that something else also holds, such as a tied embedding, stays with that)."""
     replaced: dict[int, Fp8Linear] = {}
     modules = dict(model.named_modules())
     for name in names:
@@ -165,6 +166,7 @@ def quantize_linears_(model: nn.Module, names: Iterable[str], fmt: Fp8Format = B
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, new)
         replaced[id(linear)] = new
+        linear.weight = None  # the old module lives on in `modules` and fused projections until they are repointed
     _repoint_fused(model, replaced)
 
 

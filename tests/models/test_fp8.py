@@ -125,6 +125,33 @@ def test_quantize_at_load_equals_the_block_checkpoint(dense_dir, tmp_path):
     assert "lm_head" in kept and all(keeps_dtype(n) for n in kept)
 
 
+def test_quantize_at_load_lets_each_dense_weight_go_as_it_goes(dense_dir, monkeypatch):
+    """`quantize_linears_` frees each dense weight once its FP8 copy is in place: when the i-th linear is
+    quantised, the dense weights of the ones before it are gone (peak memory: the model plus one layer's FP8
+    copy, not the dense model plus every FP8 copy)."""
+    import weakref
+
+    import hybridcache.kernels.backend as kernel_backend
+    from hybridcache.models import quant
+
+    model = load_model(dense_dir)
+    names = quant.quantizable_linears(model)
+    modules = dict(model.named_modules())
+    dense = [weakref.ref(modules[name].weight) for name in names]
+    del modules
+    alive_at_each_call = []
+    quantize_one = kernel_backend.fp8_quantize
+
+    def counting(weight, fmt):
+        alive_at_each_call.append(sum(ref() is not None for ref in dense))
+        return quantize_one(weight, fmt)
+
+    monkeypatch.setattr(kernel_backend, "fp8_quantize", counting)
+    quant.quantize_linears_(model, names)
+    assert alive_at_each_call == [len(names) - i for i in range(len(names))]
+    assert all(ref() is None for ref in dense)
+
+
 def test_dummy_weights_are_the_dense_dummy_quantised(dense_dir):
     """`load_format="dummy"` draws the same values with and without FP8: each FP8 weight is its dense twin's
     quantised (the 80B benchmark model is built this way on the device)."""
