@@ -15,7 +15,8 @@ any host hit::
 
 A block file is named by the chained hash the trie already computes (`trie.chain_hash`), a state file by its
 anchor's hash, its step and its tail's hash; each file's metadata holds what rebuilding the trie needs (parent
-hash and tokens; tail tokens, reason, pages) and an xxh64 checksum of its bytes. The model key (`model_key`)
+hash and tokens; tail tokens, reason, pages) and an xxh64 checksum of its bytes and that metadata (what a match
+trusts, the tail's tokens, is checked with the bytes before they are served). The model key (`model_key`)
 hashes config.json, the weights' identity, the block and page geometry and the dtypes, so another model (or the
 same one cut differently) never reads these files. A file that cannot be parsed, or whose bytes or metadata do not
 match, is skipped with a warning (and deleted), never served. Files are written to a temporary name and renamed,
@@ -49,7 +50,7 @@ from safetensors.torch import save_file
 from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
 from hybridcache.cache.trie import chain_hash, root_hash
 
-FORMAT = "hybridcache-disk-1"
+FORMAT = "hybridcache-disk-2"  # 2: the checksum covers the metadata too
 _logger = logging.getLogger("hybridcache.disk")
 
 
@@ -256,7 +257,7 @@ class DiskTier:
             if data.shape != (num_rows, self.page_words) or data.dtype != self.word_dtype:
                 raise ValueError(f"data {tuple(data.shape)} {data.dtype}, expected ({num_rows}, {self.page_words}) "
                                  f"{self.word_dtype}")
-            if metadata.get("checksum") != _checksum(data):
+            if metadata.get("checksum") != _checksum(data, metadata):
                 raise ValueError("checksum mismatch")
             return data
         except Exception as error:  # noqa: BLE001 (whatever is wrong with the file, it is not served)
@@ -404,8 +405,12 @@ class DiskTier:
                 self._remove_file(self._block_path(h))
 
 
-def _checksum(data: torch.Tensor) -> str:
-    return xxhash.xxh64(data.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+def _checksum(data: torch.Tensor, metadata: dict[str, str]) -> str:
+    """xxh64 of `data`'s bytes and of `metadata` (its "checksum" entry left out), so that a file whose header
+    was changed (a tail token, a parent hash) fails as one whose bytes were."""
+    digest = xxhash.xxh64(data.contiguous().view(torch.uint8).numpy().tobytes())
+    digest.update(json.dumps({k: v for k, v in metadata.items() if k != "checksum"}, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def _metadata(path: Path, kind: str) -> dict[str, str]:
@@ -420,5 +425,6 @@ def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
     """Write `path` atomically (a temporary name, then a rename), with the format and checksum in its metadata."""
     data = data.contiguous()
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    save_file({"data": data}, str(tmp), metadata={"format": FORMAT, "checksum": _checksum(data), **metadata})
+    metadata = {"format": FORMAT, **metadata}
+    save_file({"data": data}, str(tmp), metadata={**metadata, "checksum": _checksum(data, metadata)})
     os.replace(tmp, path)

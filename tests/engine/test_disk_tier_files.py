@@ -5,6 +5,7 @@ drops the least recently used states and the blocks only they needed."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import torch
@@ -98,6 +99,33 @@ def test_corrupt_and_partial_files_are_skipped_with_a_warning(tmp_path, caplog):
     assert again.stats.num_corrupt == 3
     assert sum("disk tier skips" in r.message for r in caplog.records) == 3
     assert not flipped.exists() and not truncated.exists()
+
+
+def test_a_file_whose_header_was_changed_is_not_served(tmp_path):
+    """The checksum covers the metadata: a state file whose tail tokens changed (bytes and name as written) would
+    match another prompt, and is skipped as corrupt when read. (A block file whose tokens or parent changed is a
+    miss anyway: `find` looks blocks up by the prompt's own chained hash and compares both.)"""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)  # 2 blocks + the tail PROMPT[8:11]
+    disk.close()
+
+    def rewrite(path, change):
+        with safe_open(str(path), "pt") as f:
+            metadata, data = dict(f.metadata()), f.get_tensor("data")
+        change(metadata)
+        save_file({"data": data}, str(path), metadata=metadata)
+
+    (state_file,) = (disk.dir / "states").glob("*.safetensors")
+    rewrite(state_file, lambda m: m.update(tail=json.dumps(PROMPT[8:10] + [99])))
+    other = PROMPT[:10] + [99] + PROMPT[11:]
+    again = make(tmp_path)
+    hit = again.find(other, B, len(other) - 1)
+    assert hit is not None and hit.state.step == 11  # the header says so
+    assert again.read(hit, (0, 1)) is None and again.stats.num_corrupt == 1  # the checksum says otherwise
+    assert again.find(other, B, len(other) - 1) is None and again.find(PROMPT, B, len(PROMPT) - 1) is None
 
 
 def test_a_failed_write_is_counted_and_logged(tmp_path, caplog, monkeypatch):
