@@ -198,6 +198,7 @@ class HostTier:
         self.adopt: Callable[[StoredCheckpoint, Callable[[tuple[int, ...]], bool]], Any] | None = None
         self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
         self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
+        self._finishes: set[int] = set()  # host blocks the plan being built writes by HOST_FINISH
         self._fresh: set[Node] = set()  # device nodes inserted since the last plan: their KV is not computed yet
 
     # ---- blocks and copies -------------------------------------------------------------------------------
@@ -239,6 +240,11 @@ class HostTier:
         if host_block is not None:
             self.pool.decref(host_block)
 
+    def finishing(self, host_block: int) -> None:
+        """`host_block` is written by a HOST_FINISH of the plan being built: until then its bytes are not the
+        checkpoint's, so a fall-out reading it is refused (`fall_out`)."""
+        self._finishes.add(host_block)
+
     def release(self, host_block: int) -> None:
         """Free a host block whose item was dropped (a save into it queued in this step is dropped too)."""
         self._saves.pop(host_block, None)
@@ -253,6 +259,7 @@ class HostTier:
         for host, _device in loads:
             self.pool.decref(host)
         self._saves, self._loads = {}, {}
+        self._finishes.clear()
         self._fresh.clear()
         return saves, loads
 
@@ -309,16 +316,17 @@ class HostTier:
         """What a tier behind this one needs to keep checkpoint `ckpt`, a host one (its bytes are read before the
         drop frees its blocks) or, at shutdown, a published device one: the chain of blocks from the root to its
         anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's or multimodal
-        content (not kept behind the host), a state not written yet (`unwritten`), a host block whose save is still
-        in the plan being built, a device state being loaded by it, or a device node inserted since the last plan
-        (its KV is computed by that plan's forward)."""
+        content (not kept behind the host), a state not written yet (`unwritten`, or its HOST_FINISH in the plan
+        being built), a host block whose save is still in the plan being built, a device state being loaded by it,
+        or a device node inserted since the last plan (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
         host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
         if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
-                or any(h in self._saves for h in host_ids) or any(n in self._fresh for n in device_nodes)
+                or any(h in self._saves or h in self._finishes for h in host_ids)
+                or any(n in self._fresh for n in device_nodes)
                 or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
             return None
         blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)

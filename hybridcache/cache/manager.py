@@ -435,6 +435,8 @@ class PrefixCache:
                 kind = CopyKind.HOST_FINISH if ckpt.on_host else CopyKind.STATE_FINISH  # demoted since: to the host
                 for chunk, page in self._state_pairs(slot, ckpt):
                     builder.add(kind, chunk, page)
+                    if ckpt.on_host:  # the host page holds the state only once this plan has run
+                        self._life.host.finishing(page)
                 if not ckpt.on_host:  # this plan's host ops run before its STATE_FINISH: no demotion until built
                     self._life.pin(ckpt)
                     finishing.append(ckpt)

@@ -4,6 +4,8 @@ and checks every host node and host checkpoint against what its ids claim."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
@@ -234,7 +236,9 @@ class FakeDisk:
                                   tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
                                   has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
         state_block = read._host_block if fall_out.state_on_host else read._device_block
-        self.kept.append((stored, blocks, [state_block(h) for h in fall_out.state_host_ids]))
+        # copies: the fake device's blocks are lists that later forwards change in place, as a disk file is not
+        state = [state_block(h) for h in fall_out.state_host_ids]
+        self.kept.append((stored, copy.deepcopy(blocks), copy.deepcopy(state)))
 
     def find(self, request, block_size, max_step):
         usable = [stored for stored, _, _ in self.kept if stored.step <= max_step
@@ -417,3 +421,24 @@ def test_the_host_keeps_what_a_hit_proved_longer(first_turn):
     assert (kept_a, kept_b) == ((True, False) if first_turn == "hit" else (False, True))
     assert host.queues.is_proven(ckpt_a) if kept_a else True
     cache.check_integrity()
+
+
+def test_a_fall_out_never_reads_a_host_page_its_plan_has_not_written():
+    """A checkpoint demoted before its finish copy ran gets HOST_FINISH in the next plan; until that plan has run
+    its host pages hold nothing of it, so a fall-out of it in the same step (its bytes read at once, for the
+    disk) is refused, as one whose HOST_SAVE is pending is; after the plan it is what a tier behind keeps."""
+    cache = PrefixCache(CacheConfig(block_size=16, num_blocks=6, num_slots=2, state_pages=1, host_blocks=8))
+    driver = Driver(cache)
+    driver.admit(CacheRequest("a", tuple(range(37))))
+    driver.step("a", list(range(37)), [("prefill_end",)])
+    cache.finish("a")
+    assert cache.admit(cache.match(CacheRequest("b", tuple(range(100, 148)))), 48) is not None
+    driver.device.run_step({"b": list(range(100, 148))})  # a's checkpoint demoted: HOST_SAVE ran
+    host = cache._life.host
+    (ckpt,) = host.order.values()
+    page = ckpt.pages[0]
+    assert host.fall_out(ckpt) is not None
+    host.finishing(page)
+    assert host.fall_out(ckpt) is None
+    host.end_step()
+    assert host.fall_out(ckpt) is not None
