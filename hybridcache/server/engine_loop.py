@@ -237,9 +237,10 @@ class EngineLoop:
             self._add(command)
         elif isinstance(command, _Abort):
             stream = self._streams.pop(command.request_id, None)
+            computed = stream is not None and self._computed(command.request_id, stream)
             output = engine.abort(command.request_id)
             if stream is not None and output is not None:
-                self._record_finish(stream, output)
+                self._record_finish(stream, output, computed=computed)
                 self._send(stream, output)
         elif isinstance(command, _Check):
             if engine.has_unfinished_requests():
@@ -317,13 +318,15 @@ class EngineLoop:
     def _abort_all(self, error: Exception | None) -> None:
         """Abort every request (engine failure, or shutdown when `error` is None) and tell its handler."""
         for request_id, stream in list(self._streams.items()):
+            computed = self._computed(request_id, stream)
             try:
                 output = self._engine.abort(request_id)
             except Exception:  # noqa: BLE001
                 logger.exception("abort of %s failed", request_id)
                 output = None
             if output is not None:
-                self._record_finish(stream, output, reason_override="error" if error is not None else None)
+                self._record_finish(stream, output, reason_override="error" if error is not None else None,
+                                    computed=computed)
             if error is not None:
                 self._send(stream, EngineFailure(f"the engine failed while running this request: {error}"))
             elif output is not None:
@@ -337,9 +340,19 @@ class EngineLoop:
                 logger.exception("the engine is inconsistent after a failure; reporting unhealthy")
                 self.healthy = False
 
-    def _record_finish(self, stream: _Stream, output: RequestOutput, reason_override: str | None = None) -> None:
-        if stream.last_output is None and stream.num_tokens == 0 and not output.finished:
-            # aborted before its prompt was computed: it queried nothing
+    def _computed(self, request_id: str, stream: _Stream) -> bool:
+        """Whether the engine began computing the request (asked before an abort releases it): one that never
+        left the queue queried nothing of the cache."""
+        if stream.started is not None or stream.num_tokens:
+            return True
+        has_started = getattr(self._engine, "has_started", None)
+        return has_started is None or has_started(request_id)
+
+    def _record_finish(self, stream: _Stream, output: RequestOutput, reason_override: str | None = None,
+                       computed: bool = True) -> None:
+        """Count an ended request: its prompt and cached tokens (as `usage` reports them) and its choices' finish
+        reasons; `computed` False (aborted before its prompt was computed): only the choices, as aborted."""
+        if not computed:  # it queried nothing
             if self._metrics is not None:
                 self._metrics.finished(reason_override or "abort").inc(len(output.outputs))
             return

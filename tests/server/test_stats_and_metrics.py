@@ -104,3 +104,40 @@ def test_disk_tier_metrics():
     assert metric_value(text, "hybridcache_disk_demotions_total", 'what="blocks"') == 7
     for why, count in (("evicted", 1), ("corrupt", 4), ("write_error", 6), ("not_kept", 8)):
         assert metric_value(text, "hybridcache_disk_lost_total", f'why="{why}"') == count
+
+
+def test_a_request_aborted_while_it_waits_counts_as_no_query():
+    """server.md: queries and hits are counted per request when it ends, and one aborted before its prompt was
+    computed counts as neither, so the counters agree with `usage`. (The abort's output is always `finished`,
+    which the check once read as "computed", so a waiting request's prompt was counted.)"""
+    import asyncio
+
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+    from hybridcache.sampling import SamplingParams
+    from hybridcache.server.engine_loop import EngineLoop
+
+    engine = LLMEngine(None, EngineConfig(max_num_seqs=1, max_model_len=512))
+    metrics = ServerMetrics(model_name="m")
+    loop = EngineLoop(engine, metrics)
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def main() -> list:
+        loop.start()
+        try:
+            running = await loop.add("running", list(range(1, 60)), long_params)
+            await loop.add("waiting", list(range(100, 300)), long_params)  # max_num_seqs 1: it waits
+            assert not await loop.call(lambda e: e.has_started("waiting"))
+            loop.abort("waiting")
+            outputs = []
+            while not (outputs and outputs[-1].finished):
+                outputs.append(await running.get())
+            return outputs
+        finally:
+            loop.stop()
+
+    outputs = asyncio.run(main())
+    text = metrics.render().decode()
+    assert metric_value(text, "hybridcache_prefix_cache_queries_tokens_total") == len(outputs[-1].prompt_token_ids)
+    assert metric_value(text, "hybridcache_prompt_tokens_total") == 59
+    assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="abort"') == 1
