@@ -82,6 +82,21 @@ def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
     return tuple(int(v) for v in values)
 
 
+def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path], read: bool,
+                  rename: Callable[[str], str]) -> dict[str, float]:
+    """Take the per-layer FP8 KV scale tensors (`quant.is_kv_scale`) out of `shapes` (they are no weights); with
+    `read`, their values by `rename(checkpoint name)`, else {}."""
+    from safetensors import safe_open
+
+    scales = {}
+    for name in [name for name in shapes if quant.is_kv_scale(name)]:
+        del shapes[name]
+        if read:
+            with safe_open(str(location[name]), framework="pt") as handle:
+                scales[rename(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
+    return scales
+
+
 def model_name(checkpoint_name: str) -> str:
     """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` applied)."""
     for old, new in RENAMED_PREFIXES:
@@ -291,13 +306,7 @@ def load_model(
         return quant.set_kv_fp8(model, kv_fp8, {})
     files = safetensors_files(model_dir)
     location, shapes, dtypes = _read_headers(files)
-    kv_scale_names = [name for name in shapes if quant.is_kv_scale(name)]
-    kv_scales = {}
-    for name in kv_scale_names:
-        del shapes[name]
-        if kv_fp8:
-            with safe_open(str(location[name]), framework="pt") as handle:
-                kv_scales[model_name(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
+    kv_scales = pop_kv_scales(shapes, location, kv_fp8, model_name)
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
     quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))

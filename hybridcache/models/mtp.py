@@ -179,18 +179,19 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
 
     from hybridcache.models import quant
     from hybridcache.models.loader import _copy_one as copy_parameter
-    from hybridcache.models.loader import _read_headers, checkpoint_shards, plan_weights_for, safetensors_files
+    from hybridcache.models.loader import (
+        _read_headers,
+        checkpoint_shards,
+        plan_weights_for,
+        pop_kv_scales,
+        safetensors_files,
+    )
 
     model_dir = Path(model_dir)
     location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
     location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
     shapes = {name: shape for name, shape in shapes.items() if name in location}
-    kv_scales = {}
-    for name in [name for name in shapes if quant.is_kv_scale(name)]:
-        del shapes[name]
-        if kv_fp8:
-            with safe_open(str(location[name]), framework="pt") as handle:
-                kv_scales[name[len(MTP_PREFIX):]] = float(handle.get_tensor(name).float().reshape(-1)[0])
+    kv_scales = pop_kv_scales(shapes, location, kv_fp8, lambda name: name[len(MTP_PREFIX):])
     num_layers = mtp_num_layers(model_dir, shapes)
     fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
     fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
