@@ -131,6 +131,20 @@ def test_cached_run_equals_uncached_run(model_dir, block_size, kernel_block_size
     assert stats.saves_by_reason["finish"] > 0 and stats.hits_by_reason["finish"] > 0
 
 
+def test_pool_slots_never_written_never_reach_the_logits(model_dir):
+    """Every KV slot starts as NaN in both engines: a recycled page's stale bytes (a freed checkpoint's fp32 state
+    read as bf16 KV holds NaN and inf) past a sequence's context, or in a padding page of the batch's block
+    table, must not reach the logits. The run still equals a clean uncached run exactly."""
+    clean = make_engine(model_dir, caching=False)
+    engines = [make_engine(model_dir, caching=caching) for caching in (False, True)]
+    for engine in engines:
+        for kv in engine.runner.pools.kv_groups:
+            kv.fill_(float("nan"))
+    want = run_workload(clean)
+    for engine in engines:
+        assert_same(engine, clean, run_workload(engine, check_every_step=True), want)
+
+
 @needs_cuda_engine
 def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     """The same workload on CUDA's kernels (fla's chunked rule, the Triton decode step and attention kernels, the

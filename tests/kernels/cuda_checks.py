@@ -213,18 +213,26 @@ class PagedKV:
 
 def paged_kv(batch: VarlenBatch, page: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
              device: torch.device, gen: torch.Generator) -> PagedKV:
-    """A pool with random history K/V already in place, pages handed out in shuffled order."""
+    """A pool with random history K/V already in place, pages handed out in shuffled order; every slot outside
+    the contexts holds NaN."""
     pages_per_seq = [-(-c // page) for c in batch.context_lens_cpu]
     num_pages = sum(pages_per_seq) + 3
     order = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 is never handed out
     table = torch.zeros(len(pages_per_seq), max(pages_per_seq), dtype=torch.int32)
-    rows = []
+    rows, covered = [], []
     for i, (count, ctx, qlen) in enumerate(zip(pages_per_seq, batch.context_lens_cpu, batch.query_lens_cpu,
                                                strict=True)):
         table[i, :count] = torch.tensor(order[:count])
         order = order[count:]
         rows += [int(table[i, p // page]) * page + p % page for p in range(ctx - qlen, ctx)]
-    kv_pool = torch.randn(2, num_pages, page, kv_heads, head_dim, generator=gen).to(device, dtype)
+        covered += [int(table[i, p // page]) * page + p % page for p in range(ctx)]
+    kv_pool = torch.randn(2, num_pages, page, kv_heads, head_dim, generator=gen)
+    # the slots no context covers (past a context, unused and padding pages) hold NaN, as a recycled page can
+    # (a freed checkpoint's state bytes read as KV): no kernel may let them reach its output
+    stale = torch.ones(num_pages * page, dtype=torch.bool)
+    stale[covered] = False
+    kv_pool.view(2, num_pages * page, -1)[:, stale] = float("nan")
+    kv_pool = kv_pool.to(device, dtype)
     return PagedKV(kv_pool, table.to(device), torch.tensor(rows, dtype=torch.int64, device=device))
 
 
@@ -252,7 +260,9 @@ def check_attention(dtype: torch.dtype, device: torch.device, lengths: Sequence[
     # The reference's softmax probabilities are rounded to q's dtype before P @ V; upcast for an fp32 oracle.
     ref = attention_ref.paged_attention(q.float(), ref_pool.float(), kv.block_tables, batch.cu_seqlens,
                                     batch.query_lens_cpu, batch.context_lens_cpu, scale=scale)
-    return {"kv_write": error_stats(kv.kv_pool, ref_pool), "out": error_stats(out, ref)}
+    # (the stale slots compare as 0 = 0 where both left them NaN; a write into one shows)
+    return {"kv_write": error_stats(kv.kv_pool.nan_to_num(0.0), ref_pool.nan_to_num(0.0)),
+            "out": error_stats(out, ref)}
 
 
 def routing(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype, device: torch.device,

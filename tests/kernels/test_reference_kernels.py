@@ -71,9 +71,12 @@ def test_causal_conv1d_with_state_equals_one_long_convolution():
 
 
 def test_paged_attention_equals_dense_causal_attention():
+    """Prefill and batched decode rows against dense attention, over a pool whose unwritten slots hold NaN."""
     gen = torch.Generator().manual_seed(4)
     num_pages, block, kv_heads, q_heads, dim = 40, 8, 2, 4, 16
-    pool = torch.randn(2, num_pages, block, kv_heads, dim, generator=gen)
+    # every slot no sequence has written holds NaN: the pool's pages are recycled (a freed checkpoint's state bytes
+    # read as KV can be NaN or inf), so a slot past a context or a padding page must never reach the output
+    pool = torch.full((2, num_pages, block, kv_heads, dim), float("nan"))
     # seq 0: 30 tokens of history + 5 new; seq 1: 12 history + 1 decode; seq 2: a fresh prefill of 9;
     # seq 3: 25 history + 1 decode (decodes of different lengths are batched together, with padding masked)
     query_lens, context_lens = (5, 1, 9, 1), (35, 13, 9, 26)

@@ -110,7 +110,8 @@ def paged_decode_attention(
 
     q [N, Hq, D] (the token at position context_len - 1 of each sequence); kv_pool [2, num_pages,
     kernel_block_size, Hkv, D]; block_tables [N, P]; context_lens [N] -> [N, Hq, D] in q's dtype.
-    Keys are gathered for P * kernel_block_size positions per sequence and those >= context_len masked.
+    Keys are gathered for P * kernel_block_size positions per sequence; those >= context_len are masked and their
+    values zeroed (whatever those slots hold, NaN included, never reaches the output).
     """
     num, num_q_heads, head_dim = q.shape
     num_kv_heads = kv_pool.shape[3]
@@ -123,4 +124,7 @@ def paged_decode_attention(
     beyond = torch.arange(keys.shape[2], device=q.device)[None, :] >= context_lens[:, None]  # [N, L]
     scores = scores.masked_fill(beyond[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # a zero probability times a NaN or inf is NaN: slots past a context (recycled pages: stale KV, or a freed
+    # checkpoint's state bytes read as KV) are zeroed, not only masked
+    values = values.masked_fill(beyond[:, None, :, None], 0)
     return (probs @ values).reshape(num, num_q_heads, head_dim)
