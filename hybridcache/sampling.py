@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -9,6 +10,28 @@ from typing import Protocol
 import torch
 
 _SEED_LIMIT = 1 << 63  # seeds are 64-bit signed integers (torch's generator takes seed + completion index)
+_INT_LIMIT = 1 << 31  # top_k goes into an int64 tensor; anything this large is "off" anyway
+
+
+def _integer(value: object) -> bool:
+    """An int that is not a bool (True is an int to Python, never a count or a token id to a user)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _bias_pairs(bias: object) -> tuple:
+    """`logit_bias` (a mapping of token id to bias, or (id, bias) pairs) as a tuple of pairs; a TypeError naming
+    the field for anything else."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    try:
+        return tuple((token, value) for token, value in pairs)
+    except (TypeError, ValueError):
+        raise TypeError(f"logit_bias must map token ids to biases (a dict), got {type(bias).__name__} "
+                        f"{bias!r}") from None
 
 
 def _as_tuple(name: str, value: object, expected: str) -> tuple:
@@ -44,7 +67,11 @@ class SamplingParams:
     first, its log-probability given the tokens before it, its rank, and the k most likely tokens there
     (`RequestOutput.prompt_logprobs`). Such a request computes its whole prompt: it takes nothing from the
     prefix cache (it still saves checkpoints for later requests).
-    `guided`: a structured-output constraint (see `hybridcache.guided`), or None.
+    `guided`: a structured-output constraint (see `hybridcache.guided`), or None. A completion ends when its
+    grammar is complete, even under `ignore_eos` or before `min_tokens` (the grammar allows nothing else).
+    `include_stop_str_in_output`: the text keeps the stop string that ended it (stop token ids never appear in the
+    text). `skip_special_tokens`: special tokens are left out of the text (as vLLM; their ids stay in `token_ids`).
+    Integer fields refuse bools and numeric ones non-finite values; numbers are stored as floats.
     """
 
     temperature: float = 1.0
@@ -65,6 +92,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     guided: object | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and dicts from callers but store tuples, so the object stays hashable and immutable.
@@ -72,49 +101,60 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop, "a list of strings")
         object.__setattr__(self, "stop", stop)
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple((token, value) for token, value in bias))
-        number = (int, float)
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         checks = [
-            (isinstance(self.temperature, number) and self.temperature >= 0,
-             f"temperature must be >= 0, got {self.temperature!r}"),
-            (isinstance(self.top_p, number) and 0 < self.top_p <= 1,
-             f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
-             f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}"),
-            (isinstance(self.min_p, number) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            (_real(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature!r}"),
+            (_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
+            (_integer(self.top_k) and (0 <= self.top_k < _INT_LIMIT or self.top_k == -1),
+             f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}"),
+            (_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
+            (_integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            (_integer(self.min_tokens) and self.min_tokens >= 0,
              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
-            (not isinstance(self.min_tokens, int) or not isinstance(self.max_tokens, int)
-             or self.min_tokens <= self.max_tokens,
+            (not _integer(self.min_tokens) or not _integer(self.max_tokens) or self.min_tokens <= self.max_tokens,
              f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens!r} and max_tokens "
              f"{self.max_tokens!r}"),
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.seed is None or (isinstance(self.seed, int) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
+            (_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (self.seed is None or (_integer(self.seed) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
              f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (all(_integer(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (all(isinstance(s, str) and s for s in stop), f"stop must hold non-empty strings, got {stop!r}"),
-            (isinstance(self.presence_penalty, number) and -2 <= self.presence_penalty <= 2,
+            (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
+            (isinstance(self.include_stop_str_in_output, bool),
+             f"include_stop_str_in_output must be true or false, got {self.include_stop_str_in_output!r}"),
+            (isinstance(self.skip_special_tokens, bool),
+             f"skip_special_tokens must be true or false, got {self.skip_special_tokens!r}"),
+            (_real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (isinstance(self.frequency_penalty, number) and -2 <= self.frequency_penalty <= 2,
+            (_real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (isinstance(self.repetition_penalty, number) and self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty!r}"),
-            (all(isinstance(t, int) and t >= 0 and isinstance(v, number) and -100 <= v <= 100
-                 for t, v in self.logit_bias),
+            (_real(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
+            (all(_integer(t) and t >= 0 and _real(v) and -100 <= v <= 100 for t, v in self.logit_bias),
              "logit_bias maps non-negative token ids to values in [-100, 100]"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            (self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
             (self.prompt_logprobs is None
-             or (type(self.prompt_logprobs) is int and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             or (_integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.guided is not None:
+            from hybridcache.guided import GuidedKind, GuidedSpec
+
+            if not (isinstance(self.guided, GuidedSpec) and isinstance(self.guided.kind, GuidedKind)
+                    and isinstance(self.guided.spec, str)):
+                raise TypeError(f"guided must be a hybridcache.guided.GuidedSpec (a GuidedKind and its spec text) "
+                                f"or None, got {self.guided!r}")
+        # the sampler builds fp32 tensors of these: an int such as 10**19 would not fit the int64 torch infers
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in self.logit_bias))
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError, naming the field, when `stop_token_ids` or a `logit_bias` key is not a token id of a
@@ -353,39 +393,55 @@ def process_logits(
     stop_token_ids: frozenset[int] | Sequence[int] = (),
     allowed_bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 copy of `logits` after logit_bias, min_tokens, the structured-output mask and the penalties (what
-    temperature and the filters of `sample` then act on)."""
+    """fp32 copy of `logits` after logit_bias, the structured-output mask, min_tokens and the penalties (what
+    temperature and the filters of `sample` then act on). Where min_tokens would ban every token the grammar
+    allows (a finished grammar allows only its stop tokens), the grammar wins: the row keeps its mask without the
+    ban, so a guided completion can end before min_tokens rather than emit a token of all -inf logits."""
     scores = logits.float().clone()
-    _apply_bias_and_min_tokens(scores, rows, stop_token_ids)
+    _apply_bias(scores, rows)
     if allowed_bitmask is not None:
         scores.masked_fill_(~_unpack_bitmask(_host_to(allowed_bitmask, scores.device), scores.shape[1]), float("-inf"))
+    _apply_min_tokens(scores, rows, stop_token_ids, guided=allowed_bitmask is not None)
     if any(row.params.penalized for row in rows):
         _apply_penalties(scores, rows)
     return scores
 
 
-def _apply_bias_and_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow],
-                               stop_token_ids: frozenset[int] | Sequence[int]) -> None:
-    """Add each row's logit_bias; mask EOS/stop tokens of rows still short of min_tokens (in place)."""
-    bias_rows, bias_cols, bias_values, ban_rows, ban_cols = [], [], [], [], []
+def _apply_bias(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Add each row's logit_bias (in place)."""
+    bias_rows, bias_cols, bias_values = [], [], []
     vocab = scores.shape[1]
     for i, row in enumerate(rows):
-        p = row.params
-        for token, value in p.logit_bias:
+        for token, value in row.params.logit_bias:
             if token < vocab:
                 bias_rows.append(i)
                 bias_cols.append(token)
                 bias_values.append(value)
+    if bias_rows:
+        device = scores.device
+        index = (to_device(bias_rows, device), to_device(bias_cols, device))
+        scores.index_put_(index, to_device(bias_values, device, scores.dtype), accumulate=True)
+
+
+def _apply_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow],
+                      stop_token_ids: frozenset[int] | Sequence[int], *, guided: bool) -> None:
+    """Mask EOS/stop tokens of rows still short of min_tokens (in place); with `guided`, a row the ban would leave
+    all -inf keeps its scores from before it (no host synchronisation: a `where` on the device)."""
+    ban_rows, ban_cols = [], []
+    vocab = scores.shape[1]
+    for i, row in enumerate(rows):
         for token in _min_tokens_bans(row, stop_token_ids):
             if token < vocab:
                 ban_rows.append(i)
                 ban_cols.append(token)
+    if not ban_rows:
+        return
     device = scores.device
-    if bias_rows:
-        index = (to_device(bias_rows, device), to_device(bias_cols, device))
-        scores.index_put_(index, to_device(bias_values, device, scores.dtype), accumulate=True)
-    if ban_rows:
-        scores[to_device(ban_rows, device), to_device(ban_cols, device)] = float("-inf")
+    before = scores.clone() if guided else None
+    scores[to_device(ban_rows, device), to_device(ban_cols, device)] = float("-inf")
+    if before is not None:
+        dead = torch.isneginf(scores).all(dim=1, keepdim=True)
+        scores.copy_(torch.where(dead, before, scores))
 
 
 def _unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -78,11 +78,16 @@ class Tokenizer:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def detokenizer(
-        self, stop: tuple[str, ...] = (), *, deferred: bool = False
+        self, stop: tuple[str, ...] = (), *, deferred: bool = False, skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> IncrementalDetokenizer | DeferredDetokenizer:
         """A fresh decoder of one completion's tokens (see `IncrementalDetokenizer`). `deferred` (for a text read
-        only at the end): with no stop strings to watch, a `DeferredDetokenizer`, which decodes once, when read."""
-        return DeferredDetokenizer(self) if deferred and not stop else IncrementalDetokenizer(self, stop)
+        only at the end): with no stop strings to watch, a `DeferredDetokenizer`, which decodes once, when read.
+        `skip_special_tokens` and `include_stop` (keep the stop string that ends the text): `SamplingParams`'
+        `skip_special_tokens` and `include_stop_str_in_output`."""
+        if deferred and not stop:
+            return DeferredDetokenizer(self, skip_special_tokens)
+        return IncrementalDetokenizer(self, stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
 
     def apply_chat_template(
         self,
@@ -119,8 +124,9 @@ class DeferredDetokenizer:
     `text` decodes all of them once (the engine uses it for `final_only` requests, whose text is read when they
     finish: one decode of n tokens instead of n incremental steps in every decode step's host time)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._text: str | None = ""
 
@@ -133,15 +139,16 @@ class DeferredDetokenizer:
     @property
     def text(self) -> str:
         if self._text is None:
-            self._text = self._tokenizer.decode(self._ids)
+            self._text = self._tokenizer.decode(self._ids, self._skip)
         return self._text
 
 
 class IncrementalDetokenizer:
     """The text of one growing completion, decoded a token at a time with tokenizers' `DecodeStream`.
 
-    Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids)` (special tokens
-    skipped) cut before the first occurrence of any `stop` string. A token costs a decode of the few tokens
+    Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids, skip_special_tokens)`
+    cut before the first occurrence of any `stop` string (after it with `include_stop`; of the stop strings
+    found at that position, the first in `stop`'s order). A token costs a decode of the few tokens
     since the last complete character, and the stop search looks only at the characters that can complete a
     stop string, so a completion of n tokens costs O(n), not O(n^2).
 
@@ -156,10 +163,13 @@ class IncrementalDetokenizer:
         add("E"), add("N"), add("D") -> the last returns True; text "a€" from then on
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._stop = stop
+        self._include_stop = include_stop
         self._emitted = ""
         self._pending: list[int] = []
         self._stop_at: int | None = None
@@ -173,13 +183,13 @@ class IncrementalDetokenizer:
         self._pending.clear()
         searched_to = len(self._emitted)
         self._emitted += piece
-        positions = []
+        cuts = []
         for stop in self._stop:  # an occurrence not found before must end inside the new piece
             position = self._emitted.find(stop, max(0, searched_to - len(stop) + 1))
             if position >= 0:
-                positions.append(position)
-        if positions and self._stop_at is None:
-            self._stop_at = min(positions)
+                cuts.append((position, position + len(stop) if self._include_stop else position))
+        if cuts and self._stop_at is None:
+            self._stop_at = min(cuts, key=lambda cut: cut[0])[1]
         return self._stop_at is not None
 
     @property
@@ -187,5 +197,5 @@ class IncrementalDetokenizer:
         if self._stop_at is not None:
             return self._emitted[: self._stop_at]
         if self._pending:
-            return self._emitted + self._tokenizer.decode(self._pending)
+            return self._emitted + self._tokenizer.decode(self._pending, self._skip)
         return self._emitted

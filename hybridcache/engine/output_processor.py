@@ -73,7 +73,9 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
         for _ in state.seqs:
-            state.texts.append(self.tokenizer.detokenizer(params.stop, deferred=final_only))
+            state.texts.append(self.tokenizer.detokenizer(
+                params.stop, deferred=final_only, skip_special_tokens=params.skip_special_tokens,
+                include_stop=params.include_stop_str_in_output))
             state.logprobs.append([])
             state.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
         return state
@@ -96,8 +98,11 @@ class OutputProcessor:
         matcher = state.matchers[seq.index]
         if matcher is not None and not matcher.is_terminated():
             matcher.accept_token(token)
-        return self._finish_reason(seq, token, state.texts[seq.index],
-                                   seq.num_tokens if num_tokens is None else num_tokens)
+        reason = self._finish_reason(seq, token, state.texts[seq.index],
+                                     seq.num_tokens if num_tokens is None else num_tokens)
+        if reason is None and matcher is not None and matcher.is_terminated():
+            return "stop"  # the grammar is complete (its stop token taken under ignore_eos): no token may follow
+        return reason
 
     def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer,
                        num_tokens: int) -> str | None:

@@ -197,6 +197,33 @@ def test_bad_new_sampling_params_raise(kwargs, needle):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, error, needle", [
+    # each of these passed validation and then failed inside a step (which kills the engine for every request)
+    ({"logprobs": True}, ValueError, "logprobs"), ({"logit_bias": {True: 5.0}}, ValueError, "logit_bias"),
+    ({"stop_token_ids": [True]}, ValueError, "stop_token_ids"), ({"top_k": 2**63}, ValueError, "top_k"),
+    # or sampled token 0 from rows of NaN (inf / inf)
+    ({"temperature": float("inf")}, ValueError, "temperature"),
+    ({"repetition_penalty": float("inf")}, ValueError, "repetition_penalty"),
+    # or were taken as something else
+    ({"n": True}, ValueError, "n must"), ({"max_tokens": True}, ValueError, "max_tokens"),
+    ({"seed": True}, ValueError, "seed"), ({"top_p": True}, ValueError, "top_p"),
+    ({"ignore_eos": "no"}, ValueError, "ignore_eos"), ({"skip_special_tokens": None}, ValueError, "skip_special"),
+    ({"include_stop_str_in_output": 1}, ValueError, "include_stop_str_in_output"),
+    ({"logit_bias": [1, 2]}, TypeError, "logit_bias"), ({"logit_bias": 5}, TypeError, "logit_bias"),
+    ({"guided": "regex"}, TypeError, "guided"), ({"guided": {"kind": "regex"}}, TypeError, "guided"),
+])
+def test_values_that_broke_a_step_are_refused_naming_the_field(kwargs, error, needle):
+    with pytest.raises(error, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_numbers_are_stored_as_floats():
+    """An int temperature or penalty too large for int64 (10**19) reaches the sampler's fp32 tensors as a float."""
+    params = SamplingParams(temperature=10**19, repetition_penalty=10**19, logit_bias={3: 2})
+    assert (params.temperature, params.repetition_penalty, params.logit_bias) == (1e19, 1e19, ((3, 2.0),))
+    assert all(type(v) is float for v in (params.temperature, params.repetition_penalty, params.logit_bias[0][1]))
+
+
 def test_tiny_temperatures_sample_greedily_instead_of_overflowing(device):
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]]).to(device)
     for temperature in (5.9e-109, 1e-6):

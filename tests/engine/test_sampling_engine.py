@@ -89,6 +89,38 @@ def test_regex_and_choice(engine):
 
 
 @needs_xgrammar
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("option", ["min_tokens", "ignore_eos"])
+def test_a_complete_grammar_ends_the_completion(engine, option, temperature):
+    """Once a choice is complete its grammar allows only EOS: min_tokens (which bans EOS) must not turn the row into
+    all -inf logits (token 0 sampled over and over), and ignore_eos must not leave the row unconstrained after it.
+    Either way the completion is the choice and finishes with "stop"."""
+    choice = GuidedSpec(GuidedKind.CHOICE, json.dumps(["yes"]))
+    extra = {"min_tokens": 8} if option == "min_tokens" else {"ignore_eos": True}
+    params = SamplingParams(temperature=temperature, seed=4, max_tokens=12, guided=choice, **extra)
+    output = run(engine, f"complete-{option}-{temperature}", "x", params).outputs[0]
+    assert (output.text, output.finish_reason) == ("yes", "stop")
+    assert 0 not in output.token_ids
+    engine.check_integrity()
+
+
+def test_integer_temperatures_and_penalties_beyond_int64_run_beside_float_ones(engine):
+    """An int temperature of 10**19 (once an int64 overflow inside the step, which killed the engine), alone and
+    beside an ordinary row: every request completes and the engine serves on."""
+    huge = SamplingParams(temperature=10**19, repetition_penalty=10**19, seed=1, max_tokens=4)
+    assert run(engine, "huge-alone", "hello", huge).finished
+    for request_id, params in (("huge", SamplingParams(temperature=10**19, repetition_penalty=10**19, seed=1)),
+                               ("plain", SamplingParams(temperature=0.7, seed=2))):
+        engine.add_request(request_id, "hello", params)
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {"huge", "plain"}
+    assert run(engine, "after", "hello", SamplingParams(max_tokens=3)).finished
+    engine.check_integrity()
+
+
+@needs_xgrammar
 def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
     params = SamplingParams(guided=GuidedSpec(GuidedKind.REGEX, "(unclosed"))
     with pytest.raises(ValueError, match="regex"):
