@@ -11,7 +11,7 @@ ValueError) naming the reason before anything is queued; video is not supported.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -118,16 +118,23 @@ class LLM:
         `get_default_sampling_params()`.
         """
         if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a prompt (text, token ids or a dict) or a list of them, got "
+                            f"{type(prompts).__name__}")
         prompts = list(prompts)
+        default = self.get_default_sampling_params()
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        else:
-            params_list = list(sampling_params)
+            params_list = [sampling_params or default] * len(prompts)
+        elif isinstance(sampling_params, (Sequence, Iterator)) and not isinstance(sampling_params, str):
+            params_list = [default if params is None else params for params in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        else:  # a dict is not a SamplingParams: vLLM's generate takes none either
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
+                            f"{type(sampling_params).__name__}")
         validated = [self._validate(prompt) for prompt in prompts]  # tokenized here, once
         validated = self._encode_images(validated)
         ids = []
@@ -177,6 +184,8 @@ class LLM:
         images = data.pop("image", None)
         if data:
             raise ImageError(f"multi_modal_data {sorted(data)} is not supported (only 'image'; no video)")
+        if "prompt" in prompt and "prompt_token_ids" in prompt:
+            raise ValueError("a prompt dict takes 'prompt' or 'prompt_token_ids', not both")
         text = prompt.get("prompt", prompt.get("prompt_token_ids"))
         valid = self.engine.validate_prompt(text)
         sources = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]

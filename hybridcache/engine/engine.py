@@ -358,6 +358,11 @@ class LLMEngine:
     def validate_prompt(self, prompt: str | list[int]) -> ValidPrompt:
         """The prompt tokenized and checked, or a ValueError naming what is wrong with it."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:  # a lone surrogate, e.g. from bytes decoded with surrogateescape
+                raise ValueError(f"the prompt is not valid Unicode text: {error.reason} at character "
+                                 f"{error.start}") from None
             prompt_ids = self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             prompt_ids = list(prompt)

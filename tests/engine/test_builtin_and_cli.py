@@ -73,3 +73,24 @@ def test_chat_rejects_what_is_not_messages():
     llm = LLM()
     with pytest.raises(TypeError, match="message dicts"):
         llm.chat(["hello"], use_tqdm=False)
+
+
+def test_generate_refuses_what_is_not_prompts_or_params_and_serves_on():
+    """Input the hunt found reaching deep errors (or running with the wrong parameters) is refused up front, naming
+    the argument; a None in the params list is the default; a tuple of ids is one prompt, as a list is."""
+    llm = LLM()
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate(["a"], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be"):
+        llm.generate(None, use_tqdm=False)
+    with pytest.raises(ValueError, match="not both"):
+        llm.generate({"prompt": "a", "prompt_token_ids": [1, 2]}, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+    default = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    llm.get_default_sampling_params = lambda: default  # (a generation_config.json's defaults, say)
+    outputs = llm.generate(["hi", "hi"], [greedy, None], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5]
+    as_tuple, as_list = (llm.generate(ids, greedy, use_tqdm=False) for ids in ((104, 105), [104, 105]))
+    assert len(as_tuple) == 1 and as_tuple[0].outputs[0].token_ids == as_list[0].outputs[0].token_ids

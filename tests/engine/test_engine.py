@@ -120,6 +120,7 @@ def test_max_model_len_ends_with_length(model_dir):
         ([1, "a"], "token ids must be integers"),
         ("", "empty"),
         (list(range(100)), "max_model_len is 64"),
+        ("a\udcffb", "not valid Unicode text"),  # a lone surrogate (the tokenizer's own error named no field)
     ],
 )
 def test_bad_prompts_raise_and_leave_the_engine_intact(model_dir, prompt, message):
