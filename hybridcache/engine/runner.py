@@ -222,6 +222,7 @@ class ModelRunner:
         self.memory_plan = memory_plan
         self.mtp_head = mtp_head
         self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
+        self._held_saves: list[DeviceCopyOp] = []  # with a head: the last step's KV_SAVEs (see `execute`)
         self.num_speculative_tokens = k = num_speculative_tokens
         self.device = device
         self.backend = backend if backend is not None else get_backend(device)
@@ -408,7 +409,14 @@ class ModelRunner:
         order (a `CopyPlan` lists its kinds in declaration order: STATE_FINISH first); returns fp32 logits
         [num_seqs + R, vocab]: row i at sequence i's last token, then one row per `batch.prompt_logits_rows`
         entry (R of them; none when it is None). `feed`: rows of `batch.input_ids` written first from the step
-        before's sampled tokens, on the device (async scheduling)."""
+        before's sampled tokens, on the device (async scheduling).
+
+        With an MTP head the step's KV_SAVEs (a checkpoint's frozen tail: a copy of a partial block, every layer's
+        rows) are held until the next `execute` or `execute_copies` runs them, first of all: the head writes its KV
+        at the step's positions after the forward (`draft`, `draft_after_verify`), and the copy must carry it. Safe:
+        until the next step's copies and forward nothing but the head writes the source blocks, and nothing reads a
+        frozen block before a later step restores it (BEFORE_FORWARD, after the held copies)."""
+        self._run_held_saves()
         if feed is not None:
             feed.write(batch.input_ids)
         for op in batch.copies:
@@ -417,13 +425,22 @@ class ModelRunner:
         logits = self._forward(batch)
         for op in batch.copies:
             if op.kind.phase is Phase.AFTER_FORWARD:
-                self._copy(op)
+                if op.kind is CopyKind.KV_SAVE and self.mtp_head is not None:
+                    self._held_saves.append(op)
+                else:
+                    self._copy(op)
         return logits
+
+    def _run_held_saves(self) -> None:
+        held, self._held_saves = self._held_saves, []
+        for op in held:
+            self._copy(op)
 
     @torch.inference_mode()
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
         """Copies without a forward, by phase (a step of only zero-prefill samples: BEFORE_FORWARD ones first;
-        a verify step's rollbacks: AFTER_VERIFY)."""
+        a verify step's rollbacks: AFTER_VERIFY), after the KV_SAVEs `execute` held."""
+        self._run_held_saves()
         for phase in Phase:
             for op in copies:
                 if op.kind.phase is phase:

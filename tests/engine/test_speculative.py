@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from hybridcache.config import EngineConfig, SpeculativeConfig
 from hybridcache.engine import speculative
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.engine.mtp_draft import head_kv
+from hybridcache.guided import GuidedKind, GuidedSpec
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
@@ -216,7 +218,8 @@ def test_unsupported_combinations_are_refused_clearly(small_dir):
     assert EngineConfig(speculative_config='{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'
                         ).speculative_config == SpeculativeConfig("qwen3_next_mtp", 3)
     engine = make_engine(small_dir, 2)
-    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(temperature=0, guided=object())):
+    guided = GuidedSpec(GuidedKind.REGEX, "a+")
+    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(temperature=0, guided=guided)):
         with pytest.raises(ValueError, match="not supported with speculative decoding"):
             engine.add_request("bad", [1, 2, 3], params)
     assert not engine.has_unfinished_requests()
@@ -253,3 +256,42 @@ def test_llm_takes_a_speculative_config_like_vllm(small_dir):
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
         if use_oracle:
             assert on.engine.drafter.stats.num_accepted_tokens > 0
+
+
+def test_a_restored_tail_block_holds_the_heads_kv(small_dir):
+    """A checkpoint's frozen tail block is copied (KV_SAVE) from the saving sequence's partial block; with MTP it must
+    hold the head's KV there too, which the head writes after the forward (its catch-up, `MtpDrafter.propose`).
+    The copy was taken right after the forward, before the head wrote: a request that hit restored a tail of stale
+    head KV (NaN in a recycled page: then every draft of that sequence was token 0). The pool starts as NaN, so
+    any slot of a context the head did not write shows."""
+    engine = make_engine(small_dir, 1)
+    for kv in engine.runner.pools.kv_groups:
+        kv.fill_(float("nan"))
+    head = head_kv(engine.runner.model, engine.runner.pools)
+    per_block = engine.config.block_size // engine.config.kernel_block_size
+    checked = []
+    propose = engine.drafter.propose
+
+    def checking_propose(chunks, drafting, *args):
+        propose(chunks, drafting, *args)
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.request_id.startswith("hit") and chunk.start < seq.prompt_len:
+                for layer in head:
+                    for p in range(seq.num_computed):
+                        page = chunk.block_ids[p // 16] * per_block + p % 16 // 8
+                        assert torch.isfinite(layer[:, page, p % 8]).all(), (seq.request_id, p)
+                checked.append(seq.request_id)
+
+    engine.drafter.propose = checking_propose
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]  # 40 = 2.5 blocks: the branch checkpoint has a frozen tail
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for request_id, extra in (("a", 10), ("b", 10), ("hit0", 7), ("hit1", 9)):
+        engine.add_request(request_id, shared + [rng.randrange(256) for _ in range(extra)], greedy)
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+        assert outputs[-1].finished
+        engine.check_integrity()
+    assert checked[:1] == ["hit0"] and "hit1" in checked
+    assert engine.stats()["cache"].num_hit_tokens >= 2 * 40
