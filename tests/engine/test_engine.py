@@ -1,5 +1,6 @@
 """End-to-end engine tests on tiny random models: batching, chunking, preemption, sampling, errors."""
 
+import dataclasses
 import json
 
 import pytest
@@ -102,6 +103,9 @@ def test_stop_string_cuts_the_text(model_dir):
     stopped = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[: text.find(needle)]
+    kept = llm.generate([prompt], dataclasses.replace(params, include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert (kept.text, kept.token_ids) == (text[: text.find(needle) + len(needle)], stopped.token_ids)
 
 
 def test_max_model_len_ends_with_length(model_dir):
