@@ -34,10 +34,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -63,6 +63,8 @@ from hybridcache.server.limits import (
     RequestTimeout,
     check_prompt_bytes,
     check_sequences,
+    context_length_message,
+    default_max_request_bytes,
     max_token_bytes,
     queue_full_error,
     read_body,
@@ -98,13 +100,16 @@ SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 class ServedModel:
     """What the routes need to know about the model: its tokenizer (the server's own instance, used only on
     the event loop; the engine has another), the prompt + completion limit, and the sampling defaults of fields
-    a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`)."""
+    a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`).
+    `vocab_size`: the model's vocabulary (token ids in [0, vocab_size) are accepted everywhere; ids past the
+    tokenizer's own decode to ""); None: the tokenizer's."""
 
     tokenizer: Any
     max_model_len: int
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
     media_limits: MediaLimits = field(default_factory=MediaLimits)
+    vocab_size: int | None = None
 
 
 def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
@@ -150,6 +155,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/ping", routes.ping, methods=["GET", "POST"])
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
@@ -178,6 +184,8 @@ class _Routes:
         self.created = int(time.time())
         limit = max_token_bytes(model.tokenizer)
         self.prompt_byte_limit = None if limit is None else model.max_model_len * limit
+        images = model.media_limits if model.image_processor is not None else None
+        self.max_request_bytes = config.max_request_bytes or default_max_request_bytes(self.prompt_byte_limit, images)
         # tokenizing a long prompt takes a while: it runs here, off the event loop (the tokenizer releases the
         # GIL); one warm-up call first sets the backend's options, which must not change under concurrent calls
         if model.tokenizer is not None:
@@ -192,9 +200,11 @@ class _Routes:
         body.check_n()
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.config.limits)
-        check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
+        if body.truncate_prompt_tokens is None:  # a truncated prompt may be of any length
+            check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
         tokenizer = self.model.tokenizer
-        prompt_ids = await self._encode(prompts)
+        encoded = await self._encode(prompts)
+        prompt_ids = [body.truncated(ids, self.model.max_model_len) for ids in encoded]
         longest = max(prompt_ids, key=len)
         defaults = self.model.sampling_defaults
         default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -202,8 +212,11 @@ class _Routes:
         requested = 1 if echo_only else body.max_tokens
         max_tokens = self._max_tokens(requested, len(longest), default_max, "prompt", body.n * len(prompts))
         params = body.sampling_params(max_tokens, body.guided(), defaults)
-        echo = tuple(p if isinstance(p, str) else tokenizer.decode(p) for p in prompts) if body.echo else None
-        rendering = Rendering(logprobs=params.logprobs is not None, top_logprobs=bool(params.logprobs),
+        # the echo is the prompt as given, or its (truncated) token ids decoded with special tokens kept, as vLLM
+        echo = tuple(p if isinstance(p, str) and len(ids) == len(whole) else
+                     tokenizer.decode(ids, skip_special_tokens=False)
+                     for p, ids, whole in zip(prompts, prompt_ids, encoded)) if body.echo else None
+        rendering = Rendering(logprobs=params.logprobs is not None,
                               num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
                               echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
                               return_token_ids=body.return_token_ids)
@@ -227,7 +240,7 @@ class _Routes:
         check_media_parts(messages, takes_images=self.model.image_processor is not None)
         messages, images = split_chat_images(messages)
         tools = body.tool_dicts()
-        template_kwargs = {**self.config.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
+        template_kwargs = body.template_kwargs(self.config.default_chat_template_kwargs)
         try:
             text = self.model.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
@@ -235,7 +248,8 @@ class _Routes:
         except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
-        check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
+        if body.truncate_prompt_tokens is None:  # a truncated prompt may be of any length
+            check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
         prompt_ids = (await self._encode([text]))[0]
         mm_inputs: tuple = ()
         if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
@@ -243,6 +257,11 @@ class _Routes:
                                                             images, self.model.media_limits)
         elif self.model.image_processor is not None:  # no images: no stray placeholder either
             prompt_ids, _ = image_request(self.model.image_processor, prompt_ids, (), self.model.media_limits)
+        kept = body.truncated(prompt_ids, self.model.max_model_len)
+        if mm_inputs and len(kept) < len(prompt_ids):
+            raise APIError(400, "truncate_prompt_tokens would cut a prompt that holds images; send fewer messages",
+                           param="truncate_prompt_tokens")
+        prompt_ids = kept
         defaults = self.model.sampling_defaults
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
                                       body.n)
@@ -286,8 +305,10 @@ class _Routes:
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         outputs = _merged([request_outputs(sink, rendering, deadline) for sink in sinks])
         if body.stream:
-            include_usage = body.include_usage() or self.config.force_include_usage
-            events = _events(meta, outputs, params, len(prompts), include_usage, rendering)
+            forced = self.config.force_include_usage
+            usage_mode = _UsageMode(body.include_usage(forced), body.continuous_usage(forced),
+                                    [len(p) for p in prompts])
+            events = _events(meta, outputs, params, len(prompts), usage_mode, rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
             return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
         try:
@@ -307,25 +328,27 @@ class _Routes:
 
     def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str,
                     n: int) -> int:
-        """The new-token limit of each of the `n` choices: `requested` if it fits the context and the request
-        budget (else 400), or the default (`default`, else all the room), cut to fit both."""
+        """The new-token limit of each of the `n` choices: `requested` if it fits the context (else 400, in vLLM's
+        words, which clients match), or the default (`default`, else all the room the prompt leaves), cut to fit.
+        With the opt-in `max_request_tokens` budget, n x max_tokens must also fit it."""
         limit = self.model.max_model_len
         if prompt_len >= limit:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; max_model_len is {limit}, which leaves no "
-                           "room for a completion", param=prompt_param, code="context_length_exceeded")
+            raise APIError(400, context_length_message(limit, prompt_len), param=prompt_param,
+                           code="context_length_exceeded")
         room = limit - prompt_len
-        budget = self.config.max_request_tokens
         n = max(n, 1)  # n < 1 is refused with the other sampling options
-        if n > budget:
-            raise APIError(400, f"n is {n}, but a request may generate at most {budget} tokens in all", param="n")
+        budget = self.config.max_request_tokens
+        if budget is not None and n > budget:
+            raise APIError(400, f"n is {n}, but a request may generate at most {budget} tokens in all "
+                           "(--max-request-tokens)", param="n")
         if requested is None:
-            return min(room if default is None else default, room, budget // n)
-        if requested >= 1 and n * requested > budget:
+            cap = room if budget is None else min(room, budget // n)
+            return min(room if default is None else default, cap)
+        if budget is not None and requested >= 1 and n * requested > budget:
             raise APIError(400, f"n x max_tokens is {n} x {requested} = {n * requested} tokens; a request may "
-                           f"generate at most {budget} tokens in all", param="max_tokens")
+                           f"generate at most {budget} tokens in all (--max-request-tokens)", param="max_tokens")
         if requested > room:
-            raise APIError(400, f"max_tokens is {requested}, but the prompt has {prompt_len} tokens and "
-                           f"max_model_len is {limit}: at most {room} new tokens fit", param="max_tokens",
+            raise APIError(400, context_length_message(limit, prompt_len, requested), param="max_tokens",
                            code="context_length_exceeded")
         return requested
 
@@ -344,6 +367,11 @@ class _Routes:
         if self._has_key(request):
             body.update(engine=loop.state.as_dict(), last_error=loop.last_error)
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def ping(self) -> Response:
+        """vLLM's (SageMaker's) liveness route: 200 with an empty body while the engine is healthy, else 503."""
+        loop = self.engine_loop
+        return Response(status_code=200 if loop.running and loop.healthy else 503)
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -403,7 +431,7 @@ class _Routes:
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
                            f"{media_type or 'no content type'!r}", param="content-type")
-        body = await read_body(request, self.config.max_request_bytes)
+        body = await read_body(request, self.max_request_bytes)
         try:
             return json.loads(body)
         except RecursionError:
@@ -465,11 +493,31 @@ async def _last(outputs: AsyncIterator[tuple[int, RequestOutput]], count: int) -
     return last
 
 
+class _UsageMode(NamedTuple):
+    """A stream's usage reporting: `final`: a last chunk with the response's usage (every chunk then carries
+    `usage`, null but for it); `continuous`: every chunk carries its choice's running usage (vLLM's
+    `continuous_usage_stats`), counted from `prompt_lens[prompt_index]`."""
+
+    final: bool
+    continuous: bool = False
+    prompt_lens: Sequence[int] = ()
+
+    def running(self, prompt_index: int, num_generated: int) -> dict[str, int] | None:
+        """The running usage of a choice of prompt `prompt_index` that generated `num_generated` tokens so far
+        (None: not reported)."""
+        if not self.continuous:
+            return None
+        prompt_len = self.prompt_lens[prompt_index]
+        return {"prompt_tokens": prompt_len, "completion_tokens": num_generated,
+                "total_tokens": prompt_len + num_generated}
+
+
 async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestOutput]], params: SamplingParams,
-                  num_prompts: int, include_usage: bool, rendering: Rendering) -> AsyncIterator[bytes]:
+                  num_prompts: int, usage_mode: _UsageMode, rendering: Rendering) -> AsyncIterator[bytes]:
     """The server-sent events of one streaming response, ending with `data: [DONE]`. Choice
     `prompt_index * n + i` is completion i of prompt `prompt_index`."""
     n = params.n
+    include_usage = usage_mode.final
     count = n * num_prompts
     chats = [ChoiceStream(rendering.chat, params.stop) for _ in range(count)]
     texts = [TextStream(params.stop) for _ in range(count)]
@@ -481,7 +529,8 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
     next_offset = [len(rendering.echo_texts[i // n]) if rendering.echo_texts else 0 for i in range(count)]
     if meta.chat:
         for index in range(count):
-            yield sse(chunk(meta, index, role=True, with_usage_field=include_usage))
+            yield sse(chunk(meta, index, role=True, with_usage_field=include_usage,
+                            usage=usage_mode.running(index // n, 0)))
     finals: list[RequestOutput | None] = [None] * num_prompts
     try:
         async for prompt_index, output in outputs:
@@ -515,7 +564,8 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
-                                with_usage_field=include_usage, token_ids=token_ids))
+                                with_usage_field=include_usage, token_ids=token_ids,
+                                usage=usage_mode.running(prompt_index, len(c.token_ids))))
     except RequestTimeout as error:
         yield sse(error_body(503, str(error), code="request_timeout"))
         yield sse("[DONE]")

@@ -32,20 +32,26 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
-    "truncate_prompt_tokens": (None,),
     "prompt_embeds": (None,),
     "audio": (None,),
     "prediction": (None,),
     "modalities": (None, ["text"]),
     "chat_template": (None,),
     "documents": (None,),
-    "reasoning_effort": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
+}
+
+# Why some of them are refused, where more can be said than "not implemented" (the 400's message adds it).
+UNSUPPORTED_REASONS: dict[str, str] = {
+    "chat_template": "a request may not bring its own chat template (vLLM too refuses one unless started with "
+                     "--trust-request-chat-template): the model folder's template, or the server's --chat-template, "
+                     "renders every request",
+    "bad_words": "not implemented; logit_bias of -100 on a word's token ids keeps it out",
+    "allowed_token_ids": "not implemented; logit_bias, or a guided_choice / guided_regex constraint, limits the "
+                         "tokens",
 }
 
 # Fields of a chat message this server does not implement (same rule).
@@ -80,8 +86,9 @@ def _refuse_unsupported(obj: dict[str, Any], fields: dict[str, tuple[Any, ...]],
     for name, neutral in fields.items():
         if name in obj and not _is_neutral(obj[name], neutral):
             shown = ", ".join(json.dumps(n) for n in neutral)
-            raise APIError(400, f"{prefix}{name} is not supported by this server (leave it out or send {shown})",
-                           param=f"{prefix}{name}", code="unsupported_parameter")
+            reason = f": {UNSUPPORTED_REASONS[name]}" if not prefix and name in UNSUPPORTED_REASONS else ""
+            raise APIError(400, f"{prefix}{name} is not supported by this server (leave it out or send {shown})"
+                           f"{reason}", param=f"{prefix}{name}", code="unsupported_parameter")
 
 
 def _check_strings_and_depth(data: Any) -> None:

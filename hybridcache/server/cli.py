@@ -38,9 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "else no key)")
     serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                        help="model ids clients may send; the first one is reported (default: MODEL as given)")
-    serve.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
-    serve.add_argument("--max-request-tokens", type=int, default=1 << 16,
-                       help="the most tokens one request may ask for (n x max_tokens)")
+    serve.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
+                       help="request body size limit (default: room for a max_model_len prompt as JSON plus the "
+                            "images one prompt may carry, at least 100 MiB)")
+    serve.add_argument("--max-request-tokens", type=int, default=None, metavar="N",
+                       help="an opt-in budget of the tokens one request may ask for, n x max_tokens (default: no "
+                            "budget beyond max_model_len, as vLLM)")
     serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
                        help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
     serve.add_argument("--shutdown-timeout", type=float, default=10.0,
@@ -153,7 +156,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
             "sampling defaults from the model's generation_config.json: %s (--generation-config vllm ignores "
             "the file)", defaults.as_dict())
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
-    metrics = ServerMetrics(model_name=names[0])
+    metrics = ServerMetrics(model_name=names[0], max_model_len=engine.max_model_len)
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
                              else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
@@ -161,7 +164,8 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     if template is not None:
         tokenizer.chat_template = template
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
-                        image_processor=engine.image_processor, media_limits=limits)
+                        image_processor=engine.image_processor, media_limits=limits,
+                        vocab_size=engine.model_config.vocab_size)
     return ServerParts(build_app(engine_loop, model, config, metrics), engine, engine_loop, config)
 
 

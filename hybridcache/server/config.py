@@ -16,12 +16,15 @@ class ServerConfig:
     host / port: where to listen (loopback by default). api_key: when set, every /v1 request must send
     `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model` (and responses
     report); served_model_aliases: further ids clients may pass for the same model (`served_model_names` is all).
-    max_request_bytes: request bodies above this are refused with 413. enable_debug_endpoints: serve
+    max_request_bytes: request bodies above this are refused with 413 (None: derived from the model, room for
+    a max_model_len prompt as JSON and the images one prompt may carry, at least 100 MiB;
+    `limits.default_max_request_bytes`). enable_debug_endpoints: serve
     `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
     is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
     (streams then end with an error event and `[DONE]`; `hybridcache serve` gives them all but the last 0.5 s,
-    so that its process is gone within it). max_request_tokens: the most tokens one request may
-    ask for, n x max_tokens (a request without max_tokens gets at most max_request_tokens // n per choice).
+    so that its process is gone within it). max_request_tokens: an opt-in budget of the tokens one request may
+    ask for, n x max_tokens (a request without max_tokens then gets at most max_request_tokens // n per choice);
+    None (the default, as vLLM): no budget beyond max_model_len.
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
     `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
@@ -37,10 +40,10 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str = "hybridcache"
     served_model_aliases: tuple[str, ...] = ()
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int | None = None
     enable_debug_endpoints: bool = False
     shutdown_timeout_s: float = 10.0
-    max_request_tokens: int = 1 << 16
+    max_request_tokens: int | None = None
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: ReasoningParser | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -59,13 +62,13 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.max_request_bytes < 1:
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")
         if self.shutdown_timeout_s < 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.max_request_tokens < 1:
+        if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise ValueError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))

@@ -364,7 +364,7 @@ class EngineLoop:
         self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
                                        time.perf_counter() - stream.arrival,
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
-                                       _phases(stream))
+                                       _phases(stream), [len(c.token_ids) for c in output.outputs])
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every

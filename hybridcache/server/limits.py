@@ -19,6 +19,7 @@ import resource
 from dataclasses import dataclass
 from typing import Any
 
+from hybridcache.images import MediaLimits
 from hybridcache.server.errors import APIError
 
 logger = logging.getLogger("hybridcache.server")
@@ -101,6 +102,29 @@ def max_token_bytes(tokenizer: Any) -> int | None:
     return max(1, *(len(piece.encode("utf-8")) for piece in backend.get_vocab(with_added_tokens=True)))
 
 
+def context_length_message(max_model_len: int, prompt_len: int, max_tokens: int | None = None) -> str:
+    """vLLM's words for a request that does not fit the context (clients such as litellm match the opening
+    "This model's maximum context length is"): the prompt alone (`max_tokens` None), or prompt + max_tokens."""
+    head = f"This model's maximum context length is {max_model_len} tokens. However, "
+    if max_tokens is None:
+        return head + f"your request has {prompt_len} input tokens. Please reduce the length of the input messages."
+    return head + (f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in "
+                   "the completion). Please reduce the length of the messages or completion.")
+
+
+MIN_REQUEST_BYTES = 100 << 20  # the least default body limit: long agent histories with tools
+JSON_BYTES_PER_TEXT_BYTE = 6  # JSON writes a character of up to 3 UTF-8 bytes as a 6-byte \uXXXX escape
+
+
+def default_max_request_bytes(prompt_byte_limit: int | None, images: MediaLimits | None) -> int:
+    """The request body limit when none is configured: room for a prompt text of `prompt_byte_limit` bytes (the
+    most that can fit max_model_len tokens) written as escaped JSON, plus the most images one prompt may carry
+    (`images`, None: the model takes none) as base64 data URIs; at least `MIN_REQUEST_BYTES`."""
+    text = JSON_BYTES_PER_TEXT_BYTE * (prompt_byte_limit or 0)
+    media = 0 if images is None else images.max_images * (-(-images.max_bytes // 3) * 4 + 1024)
+    return max(MIN_REQUEST_BYTES, text + media)
+
+
 def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, max_model_len: int,
                        param: str) -> None:
     """Refuse (400, `context_length_exceeded`) a prompt text that cannot fit `max_model_len` tokens, by its size
@@ -114,9 +138,11 @@ def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, 
             continue
         if len(text.encode("utf-8", "replace")) > limit_bytes:
             where = f"{param}.{i}" if len(prompts) > 1 else param
-            raise APIError(400, f"the prompt is too long: {len(text)} characters cannot fit in max_model_len "
-                           f"{max_model_len} tokens (no token of this model stands for more than "
-                           f"{limit_bytes // max_model_len} bytes)", param=where, code="context_length_exceeded")
+            raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                           f"request's prompt is too long: its {len(text)} characters cannot fit in {max_model_len} "
+                           f"tokens (no token of this model stands for more than {limit_bytes // max_model_len} "
+                           "bytes). Please reduce the length of the input messages.", param=where,
+                           code="context_length_exceeded")
 
 
 async def read_body(request: Any, limit_bytes: int) -> bytes:

@@ -35,9 +35,10 @@ def chat_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob]) -> dict[
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], text_offset: int = 0,
-                        with_top: bool = True) -> dict[str, Any]:
-    """`text_offset`: where the first token's text starts in the choice's text (after an echoed prompt)."""
+def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
+    """`text_offset`: where the first token's text starts in the choice's text (after an echoed prompt). Each
+    `top_logprobs` entry holds the sampled token first, then the k likeliest (as vLLM: k + 1 entries at most, k
+    when the sampled token is among them; `logprobs: 0` gives the sampled token alone)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
     for entry in entries:
@@ -46,11 +47,11 @@ def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], te
         token_logprobs.append(max(entry.logprob, -9999.0))
         offsets.append(offset)
         offset += len(text)
-        if with_top:
-            top = {tokenizer.decode([t], skip_special_tokens=False): max(lp, -9999.0) for t, lp in entry.top}
-            tops.append(top)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops if with_top else None,
-            "text_offset": offsets}
+        top = {text: max(entry.logprob, -9999.0)}
+        for t, lp in entry.top:
+            top.setdefault(tokenizer.decode([t], skip_special_tokens=False), max(lp, -9999.0))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def trim_prompt_entry(entry: dict[int, Logprob], k: int) -> dict[int, Logprob]:

@@ -74,7 +74,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The metric objects of one server; `render()` is the /metrics body. Thread-safe (prometheus-client)."""
 
-    def __init__(self, model_name: str = "hybridcache") -> None:
+    def __init__(self, model_name: str = "hybridcache", max_model_len: int | None = None) -> None:
         self.model_name = model_name
         self.registry = registry = CollectorRegistry()
         model = {"model_name": model_name}
@@ -86,7 +86,7 @@ class ServerMetrics:
             return Histogram(name, documentation, ["model_name"], buckets=_LATENCY_BUCKETS,
                              registry=registry).labels(**model)
 
-        self.vllm = vllm = VllmMetrics(registry, model_name)  # vLLM's names, for vLLM's dashboards
+        self.vllm = vllm = VllmMetrics(registry, model_name, max_model_len)  # vLLM's names, for vLLM's dashboards
         self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests")
         self.hit_tokens = counter(
             "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of finished requests whose computation the "
@@ -116,10 +116,10 @@ class ServerMetrics:
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
                          latency_s: float, drafts: list[tuple[int, int]] = (),
-                         phases: RequestPhases | None = None) -> None:
+                         phases: RequestPhases | None = None, generation_lens: list[int] = ()) -> None:
         """A request ended (finished or aborted after its prompt was computed). `drafts`: per completion,
         (draft tokens fed, accepted) with speculative decoding; `phases`: its queue, prefill and decode times
-        where known."""
+        where known; `generation_lens`: per completion, the tokens it generated."""
         for fed, accepted in drafts:
             if fed:
                 self.acceptance.observe(accepted / fed)
@@ -134,6 +134,7 @@ class ServerMetrics:
             vllm.success(reason).inc()
         self.e2e.observe(latency_s)
         vllm.e2e.observe(latency_s)
+        vllm.request_ended(num_prompt_tokens, list(generation_lens))
         if phases is not None:
             for histogram, value in ((vllm.queue_time, phases.queue_s), (vllm.prefill_time, phases.prefill_s),
                                      (vllm.decode_time, phases.decode_s)):

@@ -17,14 +17,15 @@ from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest
 def body_prompt_ids(body: dict[str, Any], tokenizer: Any, default_template_kwargs: dict[str, Any] | None = None,
                     check_text: Callable[[list, str], None] | None = None) -> list[list[int]]:
     """Every prompt of a decoded JSON body: a chat body (it has `messages`) renders through the chat template
-    with its tools, `chat_template_kwargs` (over `default_template_kwargs`), `add_generation_prompt` and
-    `continue_final_message`; a completions body's prompts are encoded (token-id prompts kept). `check_text(prompts,
-    param)` sees the prompts before they are encoded (the server refuses a text too long to fit). Raises
-    `APIError(400)` naming the problem."""
+    with its tools, `reasoning_effort` and `chat_template_kwargs` (over `default_template_kwargs`),
+    `add_generation_prompt` and `continue_final_message`; a completions body's prompts are encoded (token-id
+    prompts kept). `check_text(prompts, param)` sees the prompts before they are encoded (the server refuses a
+    text too long to fit). `truncate_prompt_tokens` is not applied here. Raises `APIError(400)` naming the
+    problem."""
     if isinstance(body, dict) and "messages" in body:
         chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, body)
         messages = [_text_only(m.as_template_input()) for m in chat.messages]
-        kwargs = {**(default_template_kwargs or {}), **(chat.chat_template_kwargs or {})}
+        kwargs = chat.template_kwargs(default_template_kwargs or {})
         try:
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=chat.add_generation_prompt, tools=chat.tool_dicts(),

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
@@ -43,14 +43,24 @@ _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(BaseModel):
+    """vLLM's `stream_options`: given at all, the stream ends with a usage chunk unless `include_usage` is false;
+    `continuous_usage_stats` (with usage) puts the running usage on every chunk."""
+
     model_config = _CONFIG
-    include_usage: bool = False
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+# vLLM's "reasoning_effort" values (OpenAI's): passed to the chat template as the variable `reasoning_effort`
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints. A field in `NULL_MEANS_DEFAULT` (vLLM declares it Optional) may be sent as
+    null, which means the same as leaving it out."""
 
     model_config = _CONFIG
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n", "stream", "return_token_ids"})
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -78,9 +88,40 @@ class _SamplingRequest(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Int64 | None = None  # vLLM's extension: logprobs of the prompt's tokens (not with stream)
+    # vLLM's extension: keep only the last k prompt tokens (-1: the last max_model_len); see `truncated`
+    truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
+    skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
 
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in cls.NULL_MEANS_DEFAULT):
+            return {key: value for key, value in data.items()
+                    if not (value is None and key in cls.NULL_MEANS_DEFAULT)}
+        return data
+
+    def include_usage(self, forced: bool = False) -> bool:
+        """Whether the stream ends with a usage chunk: `stream_options` given with `include_usage` not false
+        (vLLM's default true), or `forced` (the server's `force_include_usage`)."""
+        return forced or bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self, forced: bool = False) -> bool:
+        """Whether every chunk carries the running usage (`stream_options.continuous_usage_stats`, with usage)."""
+        options = self.stream_options
+        return self.include_usage(forced) and bool(options and options.continuous_usage_stats)
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """`prompt_ids` cut to their last `truncate_prompt_tokens` (-1: `max_model_len`) tokens, as vLLM; a value
+        over `max_model_len` or 0 is a 400."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt_ids
+        if k == 0 or k > max_model_len:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {max_model_len}], got "
+                           f"{k}", param="truncate_prompt_tokens")
+        keep = max_model_len if k == -1 else k
+        return prompt_ids[-keep:]
 
     def num_logprobs(self) -> int | None:
         """How many top logprobs each token carries, or None when logprobs are off (each endpoint names the
@@ -170,6 +211,8 @@ class _SamplingRequest(BaseModel):
                 logprobs=self.num_logprobs(),
                 prompt_logprobs=self.engine_prompt_logprobs(),
                 guided=guided,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as error:
             raise APIError(400, str(error), param=str(error).split(" ", 1)[0]) from None
@@ -177,6 +220,8 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     """`POST /v1/completions`: `prompt` is a string or a list of token ids (one prompt per request)."""
+
+    NULL_MEANS_DEFAULT = _SamplingRequest.NULL_MEANS_DEFAULT | {"echo"}
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: Int64 | None = None
@@ -322,6 +367,8 @@ def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
 class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`: messages rendered by the model folder's chat template."""
 
+    NULL_MEANS_DEFAULT = _SamplingRequest.NULL_MEANS_DEFAULT | {"logprobs", "parallel_tool_calls"}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
@@ -332,6 +379,13 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """The chat template's variables: the server's `defaults`, then `reasoning_effort` (as vLLM passes it),
+        then the request's own `chat_template_kwargs`, each overriding the one before."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**defaults, **effort, **(self.chat_template_kwargs or {})}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -37,7 +37,6 @@ class Rendering:
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
-    top_logprobs: bool = True
     tokenizer: Any = None
     num_logprobs: int = 0
     echo_texts: tuple[str, ...] | None = None
@@ -101,7 +100,7 @@ def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: in
     entries = c.logprobs[start:]
     if chat:
         return chat_logprobs(rendering.tokenizer, entries)
-    generated = completion_logprobs(rendering.tokenizer, entries, text_offset, rendering.top_logprobs)
+    generated = completion_logprobs(rendering.tokenizer, entries, text_offset)
     if echoed is None or echoed.prompt_logprobs is None:
         return generated
     prompt = echo_logprobs(rendering.tokenizer, echoed.prompt_token_ids, echoed.prompt_logprobs,
@@ -146,13 +145,13 @@ def _wants_prompt_logprobs(output: RequestOutput, rendering: Rendering) -> bool:
 def chunk(
     meta: ResponseMeta, index: int, *, text: str | None = None, role: bool = False,
     finish_reason: str | None = None, with_usage_field: bool = False, token_ids: list[int] | None = None,
-    delta: ChoiceDelta | None = None, logprobs: dict[str, Any] | None = None,
+    delta: ChoiceDelta | None = None, logprobs: dict[str, Any] | None = None, usage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk for choice `index`: a piece of text (or, for chat, a `ChoiceDelta`: reasoning,
     content and tool calls), the assistant role (chat's first chunk), or the finish reason.
     `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`. `token_ids`: every
     generated token id of the choice (on its finishing chunk, with `return_token_ids`). `logprobs`: those of the
-    tokens this chunk covers."""
+    tokens this chunk covers. `usage`: the choice's running usage (vLLM's `continuous_usage_stats`)."""
     if meta.chat:
         body: dict[str, Any] = {}
         if role:
@@ -173,8 +172,8 @@ def chunk(
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk_body = {**meta.header(streaming=True), "choices": [choice]}
-    if with_usage_field:
-        chunk_body["usage"] = None
+    if with_usage_field or usage is not None:
+        chunk_body["usage"] = usage
     return chunk_body
 
 

@@ -67,7 +67,7 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             tokens = (await routes._encode([body.prompt]))[0]
         else:
             chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, {**data, "stream": False})
-            template_kwargs = {**routes.config.default_chat_template_kwargs, **(chat.chat_template_kwargs or {})}
+            template_kwargs = chat.template_kwargs(routes.config.default_chat_template_kwargs)
             try:
                 text = tokenizer.apply_chat_template(
                     [m.as_template_input() for m in chat.messages], add_generation_prompt=chat.add_generation_prompt,
@@ -89,7 +89,7 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
         routes._authorize(request)
         body: DetokenizeRequest = parse_request(DetokenizeRequest, await routes._read_json(request))
         routes._check_model(body.model)
-        vocab = routes.model.tokenizer.vocab_size
+        vocab = routes.model.vocab_size or routes.model.tokenizer.vocab_size  # the range completions accepts
         bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {body.tokens[bad]} is outside the vocabulary [0, {vocab})",

@@ -14,6 +14,11 @@ served model name) and `engine` ("0": one engine).
     vllm:request_queue_time_seconds     arrival -> the first step that computes the request
     vllm:request_prefill_time_seconds   that step's start -> the first token
     vllm:request_decode_time_seconds    the first token -> the last
+    vllm:request_prompt_tokens          histogram, per completion: its prompt's tokens (vLLM counts each of n
+                                        completions as a request of its own)
+    vllm:request_generation_tokens      histogram, per completion: the tokens it generated
+    vllm:request_max_num_generation_tokens   histogram, per request: the most tokens one of its completions generated
+    (the token histograms have vLLM's 1-2-5 buckets up to max_model_len)
 """
 
 from __future__ import annotations
@@ -36,10 +41,26 @@ _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
                   40.0, 80.0, 160.0, 640.0, 2560.0)
 
 
-class VllmMetrics:
-    """vLLM's request-level metrics in `registry`; `watch_engine` adds the engine-level ones."""
+DEFAULT_MAX_TOKEN_BUCKET = 1_000_000  # the token histograms' top bucket when max_model_len is not given
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+
+def token_count_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's buckets for token counts: 1, 2, 5, 10, 20, 50, ... up to `max_value` (`build_1_2_5_buckets`)."""
+    buckets = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
+class VllmMetrics:
+    """vLLM's request-level metrics in `registry`; `watch_engine` adds the engine-level ones. `max_model_len`:
+    the top of the token histograms' buckets (None: `DEFAULT_MAX_TOKEN_BUCKET`)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int | None = None) -> None:
         self.model_name = model_name
         labels = {"model_name": model_name, "engine": ENGINE_LABEL}
 
@@ -65,6 +86,22 @@ class VllmMetrics:
                                       "the first token", _REQUEST_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "The first token to the last",
                                      _REQUEST_BUCKETS)
+        tokens = token_count_buckets(max_model_len or DEFAULT_MAX_TOKEN_BUCKET)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each ended "
+                                               "completion", tokens)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Tokens each ended completion "
+                                                   "generated", tokens)
+        self.request_max_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens", "Per ended request, the most tokens one of its completions "
+            "generated", tokens)
+
+    def request_ended(self, num_prompt_tokens: int, generation_lens: list[int]) -> None:
+        """Observe the token histograms of an ended request whose completions generated `generation_lens` tokens."""
+        for generated in generation_lens:
+            self.request_prompt_tokens.observe(num_prompt_tokens)
+            self.request_generation_tokens.observe(generated)
+        if generation_lens:
+            self.request_max_generation_tokens.observe(max(generation_lens))
 
     def success(self, finished_reason: str) -> Any:
         return self._success.labels(model_name=self.model_name, engine=ENGINE_LABEL, finished_reason=finished_reason)

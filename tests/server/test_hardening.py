@@ -22,7 +22,8 @@ ENGINE = ("--block-size", "16", "--max-model-len", "1024", "--num-blocks", "2048
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    args = (*ENGINE, "--api-key", API_KEY, "--enable-debug-endpoints")
+    # the token budget is opt-in (vLLM has none): turned on here, so that n-times-max-tokens tests it
+    args = (*ENGINE, "--api-key", API_KEY, "--enable-debug-endpoints", "--max-request-tokens", "65536")
     with running_server(*args, tmp_dir=tmp_path_factory.mktemp("hardening")) as server:
         yield server
 

@@ -1,0 +1,260 @@
+"""Where the server's API used to differ from vLLM's (a bug hunt compared the two): each test fails on the old
+behaviour. Routes run against one in-process server on the built-in model with max_model_len 256; the rest is in
+process without a server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from hybridcache.config import EngineConfig
+from hybridcache.images import MediaLimits
+from hybridcache.sampling import SamplingParams
+from hybridcache.server.app import ServedModel, _Routes
+from hybridcache.server.config import ServerConfig
+from hybridcache.server.errors import APIError
+from hybridcache.server.limits import MIN_REQUEST_BYTES, default_max_request_bytes
+from hybridcache.server.metrics import ServerMetrics
+from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from hybridcache.server.vllm_metrics import token_count_buckets
+from tests.server.conftest import MODEL
+from tests.server.inprocess_server import serving
+
+MAX_MODEL_LEN = 256
+ENGINE = EngineConfig(block_size=16, max_model_len=MAX_MODEL_LEN, num_blocks=512)
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    with serving(ENGINE) as url, httpx.Client(base_url=url, timeout=60) as http:
+        yield http
+
+
+def _error(response: httpx.Response, status: int = 400) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+# ------------------------------------------------------------------------------------ context length (vLLM's words)
+def test_a_prompt_that_fills_the_context_is_refused_in_vllm_words(client):
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * MAX_MODEL_LEN}))
+    assert error["message"] == (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
+                                f"request has {MAX_MODEL_LEN} input tokens. Please reduce the length of the input "
+                                "messages.")
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+
+
+def test_prompt_plus_max_tokens_over_the_context_is_refused_in_vllm_words(client):
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": [5] * 200, "max_tokens": 100}))
+    assert error["message"] == (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you "
+                                "requested 300 tokens (200 in the messages, 100 in the completion). Please reduce "
+                                "the length of the messages or completion.")
+    assert error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+
+
+def test_a_prompt_text_refused_by_its_size_opens_with_vllm_words(client):
+    error = _error(client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "word " * 200_000}]}))
+    assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However,")
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+
+
+# ------------------------------------------------------------------------------------ fields vLLM takes
+def test_reasoning_effort_reaches_the_chat_template_under_the_request_kwargs():
+    seen = []
+
+    class Recording:
+        backend = None
+
+        def encode(self, text: str) -> list[int]:
+            return [1, 2, 3]
+
+        def apply_chat_template(self, messages, **kwargs):
+            seen.append(kwargs["template_kwargs"])
+            return "text"
+
+    routes = _Routes(None, ServedModel(tokenizer=Recording(), max_model_len=64),
+                     ServerConfig(default_chat_template_kwargs={"a": 1, "reasoning_effort": "low"}), None)
+    for extra, wanted in (({"reasoning_effort": "high"}, {"a": 1, "reasoning_effort": "high"}),
+                          ({}, {"a": 1, "reasoning_effort": "low"}),
+                          ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "medium"}},
+                           {"a": 1, "reasoning_effort": "medium"})):
+        body = parse_request(ChatCompletionRequest, {"messages": CHAT, **extra})
+        asyncio.run(routes.prepare_chat(body))
+        assert seen[-1] == wanted
+    with pytest.raises(Exception, match="reasoning_effort"):
+        parse_request(ChatCompletionRequest, {"messages": CHAT, "reasoning_effort": "extreme"})
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 8)
+    assert len(ids) > 20
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "truncate_prompt_tokens": 20}
+    response = client.post("/v1/completions", json=body).raise_for_status().json()
+    assert response["usage"]["prompt_tokens"] == 20
+    assert response["choices"][0]["text"].startswith(tokenizer.decode(ids[-20:], skip_special_tokens=False))
+    # a text prompt too long for the context fits once truncated (-1: the last max_model_len tokens)
+    long_text = "word " * 1000
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1,
+            "truncate_prompt_tokens": 100}
+    assert client.post("/v1/chat/completions", json=chat).raise_for_status().json()["usage"]["prompt_tokens"] == 100
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": long_text,
+                                                         "truncate_prompt_tokens": -1}))
+    assert error["code"] == "context_length_exceeded"  # max_model_len tokens leave no room, as in vLLM
+    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                         "truncate_prompt_tokens": MAX_MODEL_LEN + 1}))
+    assert error["param"] == "truncate_prompt_tokens"
+
+
+@pytest.mark.parametrize("field, value, param_value", [
+    ("include_stop_str_in_output", True, True), ("skip_special_tokens", False, False)])
+def test_vllm_detokenizer_fields_pass_into_sampling_params(field, value, param_value):
+    for request_type, base in ((CompletionRequest, {"prompt": "hi"}), (ChatCompletionRequest, {"messages": CHAT})):
+        params = parse_request(request_type, {**base, field: value}).sampling_params(8)
+        assert isinstance(params, SamplingParams) and getattr(params, field) == param_value
+        assert getattr(parse_request(request_type, base).sampling_params(8), field) == (not param_value)
+
+
+@pytest.mark.parametrize("name, words", [("chat_template", "--trust-request-chat-template"),
+                                         ("bad_words", "logit_bias"), ("allowed_token_ids", "logit_bias")])
+def test_a_vllm_field_still_refused_says_why(name, words):
+    with pytest.raises(APIError) as info:
+        parse_request(ChatCompletionRequest, {"messages": CHAT, name: ["x"]})
+    assert info.value.param == name and words in info.value.message
+
+
+@pytest.mark.parametrize("request_type, base, nulls", [
+    (CompletionRequest, {"prompt": "hi"}, {"n": None, "stream": None, "echo": None, "return_token_ids": None}),
+    (ChatCompletionRequest, {"messages": CHAT},
+     {"n": None, "stream": None, "logprobs": None, "parallel_tool_calls": None, "return_token_ids": None}),
+])
+def test_null_means_the_default_where_vllm_declares_the_field_optional(request_type, base, nulls):
+    request = parse_request(request_type, {**base, **nulls})
+    default = parse_request(request_type, base)
+    assert {name: getattr(request, name) for name in nulls} == {name: getattr(default, name) for name in nulls}
+
+
+def test_null_n_and_stream_are_served(client):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "n": None, "stream": None, "logprobs": None,
+            "parallel_tool_calls": None}
+    assert len(client.post("/v1/chat/completions", json=body).raise_for_status().json()["choices"]) == 1
+
+
+# ------------------------------------------------------------------------------------ limits
+def test_the_default_body_limit_takes_the_images_the_docs_allow():
+    assert ServerConfig().max_request_bytes is None
+    images = MediaLimits()
+    limit = default_max_request_bytes(1 << 20, images)
+    assert limit >= MIN_REQUEST_BYTES and limit >= images.max_images * images.max_bytes * 4 // 3
+    assert default_max_request_bytes(None, None) == MIN_REQUEST_BYTES
+
+
+def test_a_two_megabyte_body_is_read(client):
+    # refused for its length (400), no longer for its body size (413)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "w" * (2 << 20)}]}
+    assert _error(client.post("/v1/chat/completions", json=body))["code"] == "context_length_exceeded"
+
+
+def test_no_token_budget_beyond_max_model_len_unless_asked_for():
+    long_context = 1 << 20
+    routes = _Routes(None, ServedModel(tokenizer=None, max_model_len=long_context), ServerConfig(), None)
+    assert routes._max_tokens(None, 10, None, "messages", 1) == long_context - 10  # all the room, as vLLM
+    assert routes._max_tokens(None, 10, None, "messages", 4) == long_context - 10
+    assert routes._max_tokens(100_000, 10, None, "messages", 128) == 100_000
+    budgeted = _Routes(None, ServedModel(tokenizer=None, max_model_len=long_context),
+                       ServerConfig(max_request_tokens=100), None)
+    assert budgeted._max_tokens(None, 10, None, "messages", 4) == 25
+
+
+# ------------------------------------------------------------------------------------ streaming usage
+def _chunks(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        response.raise_for_status()
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_stream_options_given_means_usage_by_default(client):
+    chunks = _chunks(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                 "stream_options": {}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+    chunks = _chunks(client, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 3,
+                                                 "stream_options": {"include_usage": False}})
+    assert all("usage" not in c for c in chunks)
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "hi"}),
+                                        ("/v1/chat/completions", {"messages": CHAT})])
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client, path, base):
+    body = {"model": MODEL, **base, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _chunks(client, path, body)
+    final = chunks[-1]["usage"]
+    assert final["completion_tokens"] == 4
+    running = [c["usage"] for c in chunks[:-1]]
+    assert all(u is not None and u["prompt_tokens"] == final["prompt_tokens"] for u in running)
+    counts = [u["completion_tokens"] for u in running]
+    assert counts == sorted(counts) and counts[-1] == 4
+    assert all(u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in running)
+
+
+# ------------------------------------------------------------------------------------ metrics
+def test_vllm_token_histograms_are_observed_when_a_request_ends():
+    assert token_count_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
+    metrics = ServerMetrics(model_name="m", max_model_len=256)
+    metrics.request_finished(7, 0, ["stop", "length"], 0.5, generation_lens=[3, 9])
+    registry = metrics.registry
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:request_prompt_tokens_count", labels) == 2
+    assert registry.get_sample_value("vllm:request_prompt_tokens_sum", labels) == 14
+    assert registry.get_sample_value("vllm:request_generation_tokens_sum", labels) == 12
+    assert registry.get_sample_value("vllm:request_max_num_generation_tokens_sum", labels) == 9
+    assert registry.get_sample_value("vllm:request_max_num_generation_tokens_bucket", {**labels, "le": "200.0"}) == 1
+
+
+def test_the_server_observes_the_vllm_token_histograms(client):
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2}).raise_for_status()
+    text = client.get("/metrics").text
+    for name in ("vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+                 "vllm:request_max_num_generation_tokens_count"):
+        line = next(line for line in text.splitlines() if line.startswith(name))
+        assert float(line.rsplit(" ", 1)[1]) >= 1, line
+
+
+# ------------------------------------------------------------------------------------ completions logprobs and echo
+def test_completion_top_logprobs_lead_with_the_sampled_token(client):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "logprobs": 2, "temperature": 1.0, "seed": 3}
+    logprobs = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
+    for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert next(iter(top.items())) == (token, lp) and 1 <= len(top) <= 3
+    body["logprobs"] = 0
+    logprobs = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
+    assert logprobs["top_logprobs"] == [{t: lp} for t, lp in zip(logprobs["tokens"], logprobs["token_logprobs"])]
+
+
+def test_echo_of_token_ids_keeps_special_tokens(client, tokenizer):
+    ids = tokenizer.encode("<|im_start|>user")
+    assert tokenizer.decode(ids) != tokenizer.decode(ids, skip_special_tokens=False)  # it holds a special token
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0}
+    choice = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]
+    assert choice["text"].startswith("<|im_start|>user")
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert all(choice["text"][o:o + len(t)] == t for o, t in zip(offsets, tokens))
+
+
+# ------------------------------------------------------------------------------------ other routes
+def test_ping_answers_get_and_post(client):
+    assert client.get("/ping").status_code == 200
+    assert client.post("/ping").status_code == 200  # no body, no content type: nothing is read
+
+
+def test_detokenize_takes_the_ids_completions_takes(client, tokenizer):
+    token = tokenizer.vocab_size + 3  # past the tokenizer's vocabulary, inside the model's
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": [5, token], "max_tokens": 1}).is_success
+    response = client.post("/detokenize", json={"model": MODEL, "tokens": [5, token]})
+    assert response.status_code == 200, response.text
