@@ -258,3 +258,30 @@ def test_detokenize_takes_the_ids_completions_takes(client, tokenizer):
     assert client.post("/v1/completions", json={"model": MODEL, "prompt": [5, token], "max_tokens": 1}).is_success
     response = client.post("/detokenize", json={"model": MODEL, "tokens": [5, token]})
     assert response.status_code == 200, response.text
+
+
+# ------------------------------------------------------------------------------------ detokenizer fields end to end
+@pytest.mark.parametrize("stream", [False, True])
+def test_include_stop_str_in_output_keeps_the_stop_string(client, tokenizer, stream):
+    x = tokenizer.encode("x")
+    assert len(x) == 1
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 8, "logit_bias": {str(x[0]): 100}, "stop": ["xx"]}
+
+    def text(extra: dict) -> str:
+        if stream:
+            chunks = _chunks(client, "/v1/completions", {**body, **extra})
+            return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        return client.post("/v1/completions", json={**body, **extra}).raise_for_status().json()["choices"][0]["text"]
+
+    assert text({}) == ""
+    assert text({"include_stop_str_in_output": True}) == "xx"
+
+
+def test_skip_special_tokens_false_shows_special_tokens(client, tokenizer):
+    special = tokenizer.encode("<|im_start|>")
+    assert len(special) == 1
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "logit_bias": {str(special[0]): 100}}
+    shown = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).raise_for_status().json()
+    assert shown["choices"][0]["text"] == "<|im_start|>" * 2
+    hidden = client.post("/v1/completions", json=body).raise_for_status().json()
+    assert hidden["choices"][0]["text"] == ""
