@@ -8,6 +8,7 @@
     POST /v1/responses          OpenAI's Responses API over the chat pipeline (responses_api.py)
     GET  /v1/models             the served model
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
+    GET|POST /ping              vLLM's (SageMaker's) liveness route: 200 while the engine is healthy, else 503
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
                                 and the last error only with the API key (when one is set)
     GET  /metrics               Prometheus text format
@@ -18,7 +19,8 @@
 Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
 `Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
 asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
-(body_checks.py); a request may ask for at most `max_request_tokens` tokens (n x max_tokens). /v1 routes
+(body_checks.py); with the opt-in `max_request_tokens`, a request may ask for at most that many tokens
+(n x max_tokens). /v1 routes
 and the debug route need the API key when one is configured. With `allowed_origins` set, CORS headers
 let those origins call the API from a browser. What one request or connection may hold is limited
 (limits.py, connections.py); a trailing slash is a 404, never a redirect (whose Location would echo the
