@@ -60,7 +60,7 @@ class _SamplingRequest(BaseModel):
     null, which means the same as leaving it out."""
 
     model_config = _CONFIG
-    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"n", "stream", "return_token_ids"})
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "return_token_ids"})
 
     model: str | None = None
     max_tokens: Int64 | None = None
@@ -367,7 +367,7 @@ def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
 class ChatCompletionRequest(_SamplingRequest):
     """`POST /v1/chat/completions`: messages rendered by the model folder's chat template."""
 
-    NULL_MEANS_DEFAULT = _SamplingRequest.NULL_MEANS_DEFAULT | {"logprobs", "parallel_tool_calls"}
+    NULL_MEANS_DEFAULT = _SamplingRequest.NULL_MEANS_DEFAULT | {"n", "logprobs", "parallel_tool_calls"}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = None
