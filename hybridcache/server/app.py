@@ -66,7 +66,6 @@ from hybridcache.server.limits import (
     check_prompt_bytes,
     check_sequences,
     context_length_message,
-    default_max_request_bytes,
     max_token_bytes,
     queue_full_error,
     read_body,
@@ -186,8 +185,6 @@ class _Routes:
         self.created = int(time.time())
         limit = max_token_bytes(model.tokenizer)
         self.prompt_byte_limit = None if limit is None else model.max_model_len * limit
-        images = model.media_limits if model.image_processor is not None else None
-        self.max_request_bytes = config.max_request_bytes or default_max_request_bytes(self.prompt_byte_limit, images)
         # tokenizing a long prompt takes a while: it runs here, off the event loop (the tokenizer releases the
         # GIL); one warm-up call first sets the backend's options, which must not change under concurrent calls
         if model.tokenizer is not None:
@@ -433,7 +430,7 @@ class _Routes:
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
                            f"{media_type or 'no content type'!r}", param="content-type")
-        body = await read_body(request, self.max_request_bytes)
+        body = await read_body(request, self.config.max_request_bytes)
         try:
             return json.loads(body)
         except RecursionError:

@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
-    from hybridcache.server.limits import add_limit_args
+    from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_limit_args
     from hybridcache.server.vllm_flags import add_vllm_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
@@ -38,9 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "else no key)")
     serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                        help="model ids clients may send; the first one is reported (default: MODEL as given)")
-    serve.add_argument("--max-request-bytes", type=int, default=None, metavar="BYTES",
-                       help="request body size limit (default: room for a max_model_len prompt as JSON plus the "
-                            "images one prompt may carry, at least 100 MiB)")
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                       help="request body size limit (default: 256 MiB, room for the default --limit-mm-per-prompt "
+                            "images at 20 MB each as base64 and a long history)")
     serve.add_argument("--max-request-tokens", type=int, default=None, metavar="N",
                        help="an opt-in budget of the tokens one request may ask for, n x max_tokens (default: no "
                             "budget beyond max_model_len, as vLLM)")
@@ -138,6 +138,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     from hybridcache.server.app import ServedModel, build_app
     from hybridcache.server.chat_images import media_limits
     from hybridcache.server.engine_loop import EngineLoop
+    from hybridcache.server.limits import media_request_bytes
     from hybridcache.server.metrics import ServerMetrics
     from hybridcache.server.vllm_flags import chat_template, check_vllm_args
     from hybridcache.tokenizer import Tokenizer
@@ -163,6 +164,11 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     tokenizer = Tokenizer(engine.model_path)
     if template is not None:
         tokenizer.chat_template = template
+    if engine.image_processor is not None and media_request_bytes(limits) > config.max_request_bytes:
+        logging.getLogger("hybridcache.server").warning(
+            "--max-request-bytes %d is less than the %d bytes that --limit-mm-per-prompt's %d images of up to %d "
+            "bytes take as base64: raise it, or such requests get 413", config.max_request_bytes,
+            media_request_bytes(limits), limits.max_images, limits.max_bytes)
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
                         image_processor=engine.image_processor, media_limits=limits,
                         vocab_size=engine.model_config.vocab_size)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridcache.server.limits import ServerLimits
+from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
 from hybridcache.server.reasoning import ReasoningParser
 
 
@@ -16,11 +16,11 @@ class ServerConfig:
     host / port: where to listen (loopback by default). api_key: when set, every /v1 request must send
     `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model` (and responses
     report); served_model_aliases: further ids clients may pass for the same model (`served_model_names` is all).
-    max_request_bytes: request bodies above this are refused with 413 (None: derived from the model, room for
-    a max_model_len prompt as JSON and the images one prompt may carry, at least 100 MiB;
-    `limits.default_max_request_bytes`). enable_debug_endpoints: serve
-    `GET /debug/engine` (integrity check and memory counters; off by default; it needs the API key when one
-    is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run before they are aborted
+    max_request_bytes: request bodies above this are refused with 413 (default 256 MiB: the images one prompt
+    may carry by default, as base64, and a long history; `limits.DEFAULT_MAX_REQUEST_BYTES`).
+    enable_debug_endpoints: serve `GET /debug/engine` (integrity check and memory counters; off by default; it
+    needs the API key when one is set). shutdown_timeout_s: on SIGTERM, how long in-flight requests may run
+    before they are aborted
     (streams then end with an error event and `[DONE]`; `hybridcache serve` gives them all but the last 0.5 s,
     so that its process is gone within it). max_request_tokens: an opt-in budget of the tokens one request may
     ask for, n x max_tokens (a request without max_tokens then gets at most max_request_tokens // n per choice);
@@ -40,7 +40,7 @@ class ServerConfig:
     api_key: str | None = None
     served_model_name: str = "hybridcache"
     served_model_aliases: tuple[str, ...] = ()
-    max_request_bytes: int | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     enable_debug_endpoints: bool = False
     shutdown_timeout_s: float = 10.0
     max_request_tokens: int | None = None
@@ -62,7 +62,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65536), got {self.port}")
-        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+        if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if not self.served_model_name:
             raise ValueError("served_model_name must not be empty")

@@ -112,17 +112,14 @@ def context_length_message(max_model_len: int, prompt_len: int, max_tokens: int 
                    "the completion). Please reduce the length of the messages or completion.")
 
 
-MIN_REQUEST_BYTES = 100 << 20  # the least default body limit: long agent histories with tools
-JSON_BYTES_PER_TEXT_BYTE = 6  # JSON writes a character of up to 3 UTF-8 bytes as a 6-byte \uXXXX escape
+# The default body limit: room for the images one prompt may carry by default (8 of at most 20 MB each, as
+# base64: 213 MiB) and a long agent history with tools. `media_request_bytes` says what a configuration needs.
+DEFAULT_MAX_REQUEST_BYTES = 256 << 20
 
 
-def default_max_request_bytes(prompt_byte_limit: int | None, images: MediaLimits | None) -> int:
-    """The request body limit when none is configured: room for a prompt text of `prompt_byte_limit` bytes (the
-    most that can fit max_model_len tokens) written as escaped JSON, plus the most images one prompt may carry
-    (`images`, None: the model takes none) as base64 data URIs; at least `MIN_REQUEST_BYTES`."""
-    text = JSON_BYTES_PER_TEXT_BYTE * (prompt_byte_limit or 0)
-    media = 0 if images is None else images.max_images * (-(-images.max_bytes // 3) * 4 + 1024)
-    return max(MIN_REQUEST_BYTES, text + media)
+def media_request_bytes(images: MediaLimits) -> int:
+    """The body bytes that the most images one prompt may carry take as base64 data URIs (each at its largest)."""
+    return images.max_images * (-(-images.max_bytes // 3) * 4 + 1024)
 
 
 def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, max_model_len: int,

@@ -16,7 +16,7 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.server.app import ServedModel, _Routes
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.errors import APIError
-from hybridcache.server.limits import MIN_REQUEST_BYTES, default_max_request_bytes
+from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, media_request_bytes
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from hybridcache.server.vllm_metrics import token_count_buckets
@@ -149,11 +149,8 @@ def test_null_n_and_stream_are_served(client):
 
 # ------------------------------------------------------------------------------------ limits
 def test_the_default_body_limit_takes_the_images_the_docs_allow():
-    assert ServerConfig().max_request_bytes is None
-    images = MediaLimits()
-    limit = default_max_request_bytes(1 << 20, images)
-    assert limit >= MIN_REQUEST_BYTES and limit >= images.max_images * images.max_bytes * 4 // 3
-    assert default_max_request_bytes(None, None) == MIN_REQUEST_BYTES
+    assert media_request_bytes(MediaLimits()) < ServerConfig().max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert MediaLimits().max_bytes >= 20 * 10**6  # docs/server.md: images of up to 20 MB
 
 
 def test_a_two_megabyte_body_is_read(client):
@@ -288,3 +285,4 @@ def test_skip_special_tokens_false_shows_special_tokens(client, tokenizer):
     assert shown["choices"][0]["text"] == "<|im_start|>" * 2
     hidden = client.post("/v1/completions", json=body).raise_for_status().json()
     assert hidden["choices"][0]["text"] == ""
+
