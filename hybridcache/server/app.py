@@ -89,6 +89,7 @@ from hybridcache.server.responses import (
     usage_chunk,
 )
 from hybridcache.server.responses_api import add_responses_routes
+from hybridcache.server.stop_reason import StopRule
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.text_stream import TextStream
 from hybridcache.server.tokenize_api import add_tokenize_routes
@@ -218,7 +219,7 @@ class _Routes:
         rendering = Rendering(logprobs=params.logprobs is not None,
                               num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
                               echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids)
+                              return_token_ids=body.return_token_ids, stops=StopRule.of(params))
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
@@ -272,7 +273,8 @@ class _Routes:
             tools=tools,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
-                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids)
+                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
+                              stops=StopRule.of(params))
         return prompt_ids, params, rendering, mm_inputs
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
@@ -564,7 +566,8 @@ async def _events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestO
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
                                 with_usage_field=include_usage, token_ids=token_ids,
-                                usage=usage_mode.running(prompt_index, len(c.token_ids))))
+                                usage=usage_mode.running(prompt_index, len(c.token_ids)),
+                                stop_reason=rendering.stop_reason(c) if finished else None))
     except RequestTimeout as error:
         yield sse(error_body(503, str(error), code="request_timeout"))
         yield sse("[DONE]")

@@ -22,6 +22,7 @@ from hybridcache.server.logprobs_format import (
     join_logprobs,
     prompt_logprobs_json,
 )
+from hybridcache.server.stop_reason import StopRule
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,8 @@ class Rendering:
     echo_only: `max_tokens: 0` with echo: the engine generated one token that no choice shows (not in the
     text, the logprobs, the token ids or the usage). prompt_logprobs: the `prompt_logprobs` the client asked
     for (None: the field is left out even where the engine computed them for echo).
-    return_token_ids: each finished choice carries its token ids."""
+    return_token_ids: each finished choice carries its token ids. stops: the request's stop conditions, for each
+    choice's vLLM `stop_reason`."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
@@ -43,6 +45,11 @@ class Rendering:
     echo_only: bool = False
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    stops: StopRule = field(default_factory=StopRule)
+
+    def stop_reason(self, c: CompletionOutput) -> str | int | None:
+        """vLLM's `stop_reason` of choice `c` (stop_reason.py)."""
+        return self.stops.reason(c, self.tokenizer)
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -119,13 +126,13 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                 message = final_message(c.text, rendering.chat)
                 reason = finish_reason(c.finish_reason, bool(message.get("tool_calls")))
                 choice = {"index": index, "message": message, "logprobs": logprobs_of(rendering, True, c),
-                          "finish_reason": reason}
+                          "finish_reason": reason, "stop_reason": rendering.stop_reason(c)}
             else:
                 echo = rendering.echo_texts[prompt_index] if rendering.echo_texts else ""
                 echoed = output if rendering.echoes_logprobs else None
                 choice = {"index": index, "text": echo + c.text,
                           "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo), echoed=echoed),
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": c.finish_reason, "stop_reason": rendering.stop_reason(c)}
                 if _wants_prompt_logprobs(output, rendering):  # vLLM puts them on each completion choice
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs,
                                                                      rendering.prompt_logprobs)
@@ -146,12 +153,14 @@ def chunk(
     meta: ResponseMeta, index: int, *, text: str | None = None, role: bool = False,
     finish_reason: str | None = None, with_usage_field: bool = False, token_ids: list[int] | None = None,
     delta: ChoiceDelta | None = None, logprobs: dict[str, Any] | None = None, usage: dict[str, Any] | None = None,
+    stop_reason: str | int | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk for choice `index`: a piece of text (or, for chat, a `ChoiceDelta`: reasoning,
     content and tool calls), the assistant role (chat's first chunk), or the finish reason.
     `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`. `token_ids`: every
     generated token id of the choice (on its finishing chunk, with `return_token_ids`). `logprobs`: those of the
-    tokens this chunk covers. `usage`: the choice's running usage (vLLM's `continuous_usage_stats`)."""
+    tokens this chunk covers. `usage`: the choice's running usage (vLLM's `continuous_usage_stats`).
+    `stop_reason`: vLLM's, on the finishing chunk (null on the others)."""
     if meta.chat:
         body: dict[str, Any] = {}
         if role:
@@ -166,9 +175,11 @@ def chunk(
                 body["content"] = delta.content
             if delta.tool_calls:
                 body["tool_calls"] = [call.as_openai(i) for i, call in delta.tool_calls]
-        choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk_body = {**meta.header(streaming=True), "choices": [choice]}

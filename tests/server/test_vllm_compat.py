@@ -12,6 +12,7 @@ import pytest
 
 from hybridcache.config import EngineConfig
 from hybridcache.images import MediaLimits
+from hybridcache.outputs import CompletionOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.app import ServedModel, _Routes
 from hybridcache.server.config import ServerConfig
@@ -19,6 +20,7 @@ from hybridcache.server.errors import APIError
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, media_request_bytes
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from hybridcache.server.stop_reason import StopRule
 from hybridcache.server.vllm_metrics import token_count_buckets
 from tests.server.conftest import MODEL
 from tests.server.inprocess_server import serving
@@ -286,3 +288,34 @@ def test_skip_special_tokens_false_shows_special_tokens(client, tokenizer):
     hidden = client.post("/v1/completions", json=body).raise_for_status().json()
     assert hidden["choices"][0]["text"] == ""
 
+
+
+# ------------------------------------------------------------------------------------ stop_reason
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "a"}),
+                                        ("/v1/chat/completions", {"messages": CHAT})])
+@pytest.mark.parametrize("stops, include, wanted", [
+    ({"stop": ["yy", "xx"]}, False, "xx"), ({"stop": ["yx", "xx"]}, True, "xx"),
+    ({"stop_token_ids": ["X"]}, False, "X"), ({}, False, None)])
+def test_stop_reason_names_the_stop_that_ended_a_choice(client, tokenizer, path, base, stops, include, wanted):
+    x = tokenizer.encode("x")[0]
+    stops = {key: [x if value == "X" else value for value in values] for key, values in stops.items()}
+    wanted = x if wanted == "X" else wanted
+    body = {"model": MODEL, **base, "max_tokens": 4, "logit_bias": {str(x): 100}, **stops,
+            "include_stop_str_in_output": include}
+    choice = client.post(path, json=body).raise_for_status().json()["choices"][0]
+    assert choice["stop_reason"] == wanted and choice["finish_reason"] == ("length" if wanted is None else "stop")
+    chunks = [c for c in _chunks(client, path, body) if c["choices"]]
+    assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [wanted]
+
+
+def test_stop_reason_with_the_stop_string_kept_is_the_one_found_first():
+    """Of stop strings the kept text ends with, the longest starts earliest: the detokenizer found it first."""
+
+    class Chars:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(ids)
+
+    rule = StopRule(stop=("b", "ab"), include_stop_str_in_output=True)
+    assert rule.reason(CompletionOutput(0, "zab", list("zab"), "stop"), Chars()) == "ab"
+    assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "stop"), Chars()) == "xx"
+    assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "length"), Chars()) is None
