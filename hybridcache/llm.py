@@ -97,11 +97,15 @@ class LLM:
                     raise TypeError(f"messages must be a list of message dicts or a list of such lists "
                                     f"(conversation {i} holds a {type(message).__name__})")
         prompts: list[Prompt] = []
+        suffixes: list[str] = []  # each prompt's generation prompt: the next turn parts from it there
         for conversation in conversations:
             rendered, images = split_chat_images(conversation)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+            bare = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=False) if (
+                add_generation_prompt) else text
+            suffixes.append(text[len(bare):] if text.startswith(bare) else "")
+        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, suffixes=suffixes)
 
     def generate(
         self,
@@ -117,6 +121,14 @@ class LLM:
         before any is queued, so a bad prompt raises without running the others. Without `sampling_params`,
         `get_default_sampling_params()`.
         """
+        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, *, use_tqdm: bool,
+                  suffixes: Sequence[str] | None = None) -> list[RequestOutput]:
+        """`generate`; `suffixes[i]`: the text that ends prompt i after the point where later prompts part from it
+        (`chat`'s generation prompt): a checkpoint is asked for there (`LLMEngine.add_request`'s
+        `checkpoints_at`)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -139,10 +151,12 @@ class LLM:
         validated = self._encode_images(validated)
         ids = []
         try:
-            for (prompt, mm_inputs), params in zip(validated, params_list):
+            for i, ((prompt, mm_inputs), params) in enumerate(zip(validated, params_list)):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True)
+                tail = self.tokenizer.suffix_tokens(prompt.token_ids, suffixes[i]) if suffixes else 0
+                hints = (len(prompt.token_ids) - tail,) if tail else ()
+                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints)
                 ids.append(request_id)
         except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued
             for request_id in ids:

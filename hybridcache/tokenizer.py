@@ -89,6 +89,13 @@ class Tokenizer:
             return DeferredDetokenizer(self, skip_special_tokens)
         return IncrementalDetokenizer(self, stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
 
+    def suffix_tokens(self, token_ids: Sequence[int], suffix: str) -> int:
+        """How many of `token_ids`' last tokens encode `suffix` (text that ends the prompt, e.g. a chat template's
+        generation prompt): the length of `encode(suffix)` when `token_ids` end with exactly those tokens, else 0
+        (the tokenizer merged across the boundary: no token step holds the text before the suffix)."""
+        tail = self.encode(suffix) if suffix else []
+        return len(tail) if tail and len(tail) < len(token_ids) and list(token_ids[-len(tail):]) == tail else 0
+
     def apply_chat_template(
         self,
         messages: list[dict],

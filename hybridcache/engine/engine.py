@@ -307,6 +307,7 @@ class LLMEngine:
         mm_inputs: SequenceOf[MultimodalInput] = (),
         *,
         final_only: bool = False,
+        checkpoints_at: SequenceOf[int] = (),
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
@@ -314,7 +315,11 @@ class LLMEngine:
         `pixel_values` (`mm_processor.ImageProcessor.expand`) are encoded here by the vision tower, or served by
         its encoder cache (a model without a vision tower refuses them). `final_only`: `step` returns
         this request's output only when it finishes (vLLM's FINAL_ONLY output kind; what `LLM.generate` uses:
-        building the cumulative output of every request at every step costs host time)."""
+        building the cumulative output of every request at every step costs host time). `checkpoints_at`: prompt
+        steps where later prompts are expected to part from this one (a chat's end before its generation prompt,
+        where the next turn's prompt, with this turn's reply in it, parts from this one): a prefill chunk ends at
+        each, and the prefix cache saves a checkpoint there as at a branch point (in the `hybridcache` cache mode;
+        none below `min_branch_point_step`; the other modes ignore them). Each must lie in [1, prompt length)."""
         self._raise_if_dead()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -329,11 +334,15 @@ class LLMEngine:
                 raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
+        hints = tuple(checkpoints_at)
+        if not all(isinstance(h, int) and not isinstance(h, bool) and 0 < h < len(prompt_ids) for h in hints):
+            raise ValueError(f"checkpoints_at must hold prompt steps in [1, {len(prompt_ids)}), got {hints}")
         if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
             if self.vision is None:
                 raise ValueError(f"the model {self.model_path.name} has no vision tower: it takes no images")
             mm_inputs = self.vision.encode(mm_inputs)
         mm = resolve_inputs(mm_inputs, len(prompt_ids), self.model_config.hidden_size)
+        hints = tuple(h for h in hints if not any(m.start < h < m.end for m in mm))  # a chunk never ends in an image
         seqs: list[Seq] = []
         for index in range(params.n):
             seqs.append(
@@ -347,6 +356,7 @@ class LLMEngine:
                     generator=make_generator(params, index, self.device),
                     arrival=next(self._arrivals),
                     mm_inputs=mm,
+                    hint_steps=hints,
                 )
             )
         request = self.output_processor.new_request(request_id, prompt.text, len(prompt_ids), params, seqs,

@@ -223,7 +223,8 @@ class Scheduler:
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
         if seq.params.prompt_logprobs is not None and start < seq.prompt_len:
             budget = min(budget, PROMPT_LOGPROBS_CHUNK)
-        stops = [s for s in (seq.branch_step, *seq.fork_steps) if s is not None and s > start]
+        hints = (s for s in seq.hint_steps if self.cache.saves_branch_point(s))
+        stops = [s for s in (seq.branch_step, *seq.fork_steps, *hints) if s is not None and s > start]
         return plan_chunk(
             self.policy,
             start=start,

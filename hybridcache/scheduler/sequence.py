@@ -35,7 +35,9 @@ class Seq:
     (the prompt as the cache sees it; more than `prompt_len` after a preemption). `branch_step`: where its
     prompt diverges from cached content (a chunk ends there, to save a branch-point checkpoint), or None.
     `fork_steps`: steps of its prompt where waiting sequences that share the prefix [0, step) with it will
-    fork from it (in-flight sharing): a chunk ends at each, saving a branch point.
+    fork from it (in-flight sharing): a chunk ends at each, saving a branch point. `hint_steps`: prompt steps
+    the caller expects later prompts to part from this one (`LLMEngine.add_request`'s `checkpoints_at`, e.g. a
+    chat's end before its generation prompt): a chunk ends at each that the cache would save as a branch point.
     `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
     `drafts`: speculative decoding: tokens proposed to follow `token_ids` (the engine's drafter sets them); its
     next decode step feeds them after its last token and keeps the prefix the verification accepts
@@ -57,6 +59,7 @@ class Seq:
     cache_prompt_len: int = 0
     branch_step: int | None = None
     fork_steps: set[int] = field(default_factory=set)
+    hint_steps: tuple[int, ...] = ()
     finish_reason: str | None = None
     mm_inputs: tuple[MultimodalInput, ...] = ()
     drafts: list[int] = field(default_factory=list)

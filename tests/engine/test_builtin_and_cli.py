@@ -86,6 +86,9 @@ def test_generate_refuses_what_is_not_prompts_or_params_and_serves_on():
         llm.generate(None, use_tqdm=False)
     with pytest.raises(ValueError, match="not both"):
         llm.generate({"prompt": "a", "prompt_token_ids": [1, 2]}, use_tqdm=False)
+    for steps in ([0], [3], [True], [1.5]):
+        with pytest.raises(ValueError, match="checkpoints_at must hold prompt steps in \\[1, 3\\)"):
+            llm.engine.add_request("hinted", [1, 2, 3], greedy, checkpoints_at=steps)
     assert not llm.engine.has_unfinished_requests()
     llm.engine.check_integrity()
     default = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
@@ -94,3 +97,27 @@ def test_generate_refuses_what_is_not_prompts_or_params_and_serves_on():
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 5]
     as_tuple, as_list = (llm.generate(ids, greedy, use_tqdm=False) for ids in ((104, 105), [104, 105]))
     assert len(as_tuple) == 1 and as_tuple[0].outputs[0].token_ids == as_list[0].outputs[0].token_ids
+
+
+THINKING_GENERATION_PROMPT = ("{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                              "{% endif -%}")
+
+
+def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drops_its_reply_prefix():
+    """Qwen3's and Qwen3.5's templates open a think block in the generation prompt (`<|im_start|>assistant\\n<think>
+    \\n`) and render earlier replies without it, so the next turn parts from this prompt right after
+    `<|im_start|>assistant\\n`: no checkpoint lay there (the prompt's end is past it), and turn 2 took nothing from
+    the cache. `chat` asks for a checkpoint at the conversation's end, before the generation prompt: turn 2 hits
+    all of turn 1's conversation."""
+    llm = LLM()
+    template = llm.tokenizer.chat_template
+    assert THINKING_GENERATION_PROMPT in template
+    llm.tokenizer.chat_template = template.replace(THINKING_GENERATION_PROMPT, "<think>\n")
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    turn1 = [{"role": "system", "content": "You answer briefly. " * 8}, {"role": "user", "content": "Why? " * 12}]
+    reply = llm.chat(turn1, greedy, use_tqdm=False)[0].outputs[0].text
+    turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
+    conversation = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(turn1, add_generation_prompt=False))
+    assert len(conversation) > 150
+    assert llm.chat(turn2, greedy, use_tqdm=False)[0].outputs[0].cached_tokens == len(conversation)
+    llm.engine.check_integrity()
