@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +32,14 @@ class GuidedKind(enum.Enum):
 
 @dataclass(frozen=True)
 class GuidedSpec:
+    """A constraint: `kind` and its `spec` text. `starts_after`: the constraint applies from the token after the
+    one with which the completion's text first contains this marker, and the completion is free until then (a
+    reasoning model's `</think>`: the answer is constrained, its reasoning is not, as vLLM does with a reasoning
+    parser); "" = from the first token."""
+
     kind: GuidedKind
     spec: str = ""
+    starts_after: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
@@ -79,11 +85,18 @@ class GrammarCache:
         """Compile `spec` now; raises ValueError (bad schema, regex or grammar) or GuidedUnavailable."""
         self._compile(spec)
 
-    def matcher(self, spec: GuidedSpec) -> Any:
-        """A fresh matcher at the start of `spec`'s grammar."""
-        return _xgrammar().GrammarMatcher(self._compile(spec))
+    def matcher(self, spec: GuidedSpec, decode: Callable[[int], str] | None = None) -> Any:
+        """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set
+        (`decode`: one token's text, special tokens included)."""
+        matcher = _xgrammar().GrammarMatcher(self._compile(spec))
+        if not spec.starts_after:
+            return matcher
+        if decode is None:
+            raise ValueError("a constraint that starts after a marker needs the tokens' text (decode)")
+        return MarkerGate(matcher, spec.starts_after, decode)
 
     def _compile(self, spec: GuidedSpec) -> Any:
+        spec = GuidedSpec(spec.kind, spec.spec)  # the grammar is the same whatever starts it
         compiled = self._compiled.get(spec)
         if compiled is not None:
             return compiled
@@ -101,6 +114,34 @@ class GrammarCache:
                              "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
         self._compiled[spec] = compiled
         return compiled
+
+
+class MarkerGate:
+    """A grammar matcher that stays closed (allows every token, accepts none) until the completion's text holds
+    `marker`, then passes everything to `matcher`, from the next token on. The marker is looked for in the last
+    tokens' texts (`decode`), so a marker split over tokens is found; the token that completes it is not fed to
+    the grammar. The interface `fill_bitmask` and `OutputProcessor` use: `is_terminated`, `accept_token`,
+    `fill_next_token_bitmask` (a closed gate leaves its row's bits all set)."""
+
+    def __init__(self, matcher: Any, marker: str, decode: Callable[[int], str]) -> None:
+        self.matcher, self.marker, self._decode = matcher, marker, decode
+        self._tail = ""
+        self.open = False
+
+    def is_terminated(self) -> bool:
+        return self.open and self.matcher.is_terminated()
+
+    def accept_token(self, token: int) -> bool:
+        if self.open:
+            return self.matcher.accept_token(token)
+        text = self._tail + self._decode(token)
+        self.open = self.marker in text
+        self._tail = text[len(text) - len(self.marker) + 1:]  # enough to find a marker the next token completes
+        return True
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.open:
+            self.matcher.fill_next_token_bitmask(bitmask, index)
 
 
 def _can_start(xgr: Any, compiled: Any, vocab_size: int) -> bool:

@@ -148,9 +148,9 @@ class SamplingParams:
             from hybridcache.guided import GuidedKind, GuidedSpec
 
             if not (isinstance(self.guided, GuidedSpec) and isinstance(self.guided.kind, GuidedKind)
-                    and isinstance(self.guided.spec, str)):
-                raise TypeError(f"guided must be a hybridcache.guided.GuidedSpec (a GuidedKind and its spec text) "
-                                f"or None, got {self.guided!r}")
+                    and isinstance(self.guided.spec, str) and isinstance(self.guided.starts_after, str)):
+                raise TypeError(f"guided must be a hybridcache.guided.GuidedSpec (a GuidedKind, its spec text and "
+                                f"the text it starts after) or None, got {self.guided!r}")
         # the sampler builds fp32 tensors of these: an int such as 10**19 would not fit the int64 torch infers
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))

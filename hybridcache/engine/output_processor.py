@@ -77,8 +77,11 @@ class OutputProcessor:
                 params.stop, deferred=final_only, skip_special_tokens=params.skip_special_tokens,
                 include_stop=params.include_stop_str_in_output))
             state.logprobs.append([])
-            state.matchers.append(self.grammars.matcher(params.guided) if params.guided is not None else None)
+            state.matchers.append(None if params.guided is None else self.grammars.matcher(params.guided, self._decode))
         return state
+
+    def _decode(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def allowed_bitmask(self, rows: Sequence[tuple[RequestState | None, Seq]],
                         vocab_size: int) -> torch.Tensor | None:

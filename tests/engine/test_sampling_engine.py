@@ -121,6 +121,22 @@ def test_integer_temperatures_and_penalties_beyond_int64_run_beside_float_ones(e
 
 
 @needs_xgrammar
+def test_a_constraint_that_starts_after_a_marker_leaves_the_text_before_it_free(engine):
+    """A reasoning model's constraint starts after `</think>` (vLLM applies it once the reasoning parser says the
+    reasoning ended): here the marker is "!", which a logit bias makes the likeliest token. The first token is the
+    marker, free; then the choice; the gate never opening leaves the whole completion free."""
+    bang = engine.tokenizer.encode("!")[0]
+    choice = GuidedSpec(GuidedKind.CHOICE, json.dumps(["yes"]), starts_after="!")
+    params = SamplingParams(temperature=0, max_tokens=10, logit_bias={bang: 100}, guided=choice)
+    output = run(engine, "gated", "x", params).outputs[0]
+    assert (output.text, output.finish_reason) == ("!yes", "stop")
+    never = dataclasses.replace(choice, starts_after="</think>")
+    free = run(engine, "never-opens", "x", dataclasses.replace(params, guided=never, ignore_eos=True)).outputs[0]
+    assert free.token_ids == [bang] * 10  # unconstrained: the bias wins every step
+    engine.check_integrity()
+
+
+@needs_xgrammar
 def test_bad_schema_is_a_value_error_and_changes_nothing(engine):
     params = SamplingParams(guided=GuidedSpec(GuidedKind.REGEX, "(unclosed"))
     with pytest.raises(ValueError, match="regex"):
