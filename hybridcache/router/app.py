@@ -52,7 +52,7 @@ from hybridcache.router.responses import (
     stores,
 )
 from hybridcache.server.errors import APIError, error_body
-from hybridcache.server.limits import read_body
+from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
 
 logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
@@ -66,7 +66,8 @@ class RouterConfig:
     polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins.
     api_key: the replicas' API key, sent with the router's own calls (events polls) and needed for /health's
     details; clients' requests are forwarded with their own `Authorization` header, which the replicas check.
-    max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole."""
+    max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole (default
+    the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`)."""
 
     replica_urls: tuple[str, ...]
     routing: RoutingConfig = RoutingConfig()
@@ -74,7 +75,7 @@ class RouterConfig:
     poll_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     api_key: str | None = None
-    max_request_bytes: int = 1 << 20
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
     def __post_init__(self) -> None:
         if not self.replica_urls:

@@ -22,7 +22,7 @@ REPLICA_START_TIMEOUT_S = 600.0
 def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.arg_types import port_number
     from hybridcache.engine_args import HelpFormatter
-    from hybridcache.server.limits import add_connection_args
+    from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
                                    description="Serve the OpenAI API in front of `hybridcache serve` replicas, "
@@ -39,7 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=port_number, default=8000, help="port to bind")
-    router.add_argument("--max-request-bytes", type=int, default=1 << 20, help="request body size limit")
+    router.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help="request body size limit (default: 256 MiB, as serve's: a replica's default body, "
+                             "images as base64 included, passes the router)")
     add_connection_args(router)
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level of the router and uvicorn")

@@ -11,6 +11,7 @@ from hybridcache.cli import build_parser
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.router import cli as router_cli
 from hybridcache.router.app import RouterConfig, build_router_app
+from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from tests.router.serving import serving_app
 from tests.router.test_faults import PROMPT, _fake_replica
 
@@ -55,3 +56,13 @@ def test_the_router_runs_with_the_connection_guard(monkeypatch):
     config = seen["config"]
     assert config.http.__name__ == "GuardedH11Protocol" and config.timeout_keep_alive == 5.0
     assert router_cli.router_config(args, args.replica).max_request_bytes == 4096
+
+
+def test_the_router_takes_the_bodies_a_replica_takes_by_default():
+    """The router's body limit was 1 MiB while `serve`'s is 256 MiB: an image request a replica takes got 413 at
+    the router. Both defaults are `DEFAULT_MAX_REQUEST_BYTES` now."""
+    args = build_parser().parse_args(["router", "--replica", "http://127.0.0.1:1"])
+    assert router_cli.router_config(args, args.replica).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert RouterConfig(("http://127.0.0.1:1",)).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    serve = build_parser().parse_args(["serve"])
+    assert serve.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 256 << 20
