@@ -89,6 +89,9 @@ from hybridcache.models.mtp import MtpHead, mtp_num_layers
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
 _STOP_WAIT_S = 5.0
+# a worker that dies before it answers at start-up (`_expect`) often re-ran its parent's script (spawn)
+_START_HINT = ("its output above says why; a script that starts a tensor-parallel engine must do so under "
+               "`if __name__ == '__main__':` (the workers are spawned and import the script)")
 LEAVE_TIMEOUT_S = 30.0  # rank 0's leaving of the group at shutdown is waited for this long
 _logger = logging.getLogger("hybridcache.distributed")
 
@@ -149,13 +152,13 @@ class TensorParallelExecutor:
                 child.close()
                 self._workers.append(_Worker(rank, process, parent))
             for worker in self._workers:
-                self._expect(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
+                expect_message(worker, Op.STARTED, timeout=STARTUP_TIMEOUT_S)
             self._cpu_threads = init_group(store_dir, 0, size, device)
             self._monitors.append(LivenessMonitor({w.rank: w.process for w in self._workers}, abort_group))
             self.runner, self.memory_plan = build_runner(spec, TensorParallel(0, size), device, self._agree)
             self._runners.append(self.runner)
             for worker in self._workers:
-                self._expect(worker, Op.READY)
+                expect_message(worker, Op.READY)
         except BaseException:
             for monitor in self._monitors:  # the group may have collectives pending that no worker will join
                 monitor.abort()
@@ -333,30 +336,36 @@ class TensorParallelExecutor:
                 return None
             time.sleep(0.05)
 
-    def _expect(self, worker: _Worker, op: Op, timeout: float | None = None) -> Any:
-        """The payload of the worker's next message, which must be `op`; WorkerError if it dies, reports an
-        exception or (with `timeout`) says nothing for `timeout` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not worker.conn.poll():
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise WorkerError(f"{worker.describe()} did not answer {op.value!r} within {timeout:.0f} s")
-            wait([worker.conn, worker.process.sentinel], timeout=left)
-            if not worker.conn.poll() and not worker.process.is_alive():
-                raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)})")
-        got, payload = receive(worker.conn)
-        if got is Op.ERROR:
-            raise WorkerError(f"{worker.describe()} raised:\n{payload}")
-        if got is not op:
-            raise WorkerError(f"{worker.describe()} sent {got.value!r}, expected {op.value!r}")
-        return payload
-
     def _agree(self, budget: int) -> int:
         """The smallest CUDA budget over the ranks, sent to every worker (each waits for it)."""
-        agreed = min([budget, *(self._expect(worker, Op.BUDGET) for worker in self._workers)])
+        agreed = min([budget, *(expect_message(worker, Op.BUDGET) for worker in self._workers)])
         for worker in self._workers:
             send(worker.conn, Op.BUDGET, agreed)
         return agreed
+
+
+def expect_message(worker: _Worker, op: Op, timeout: float | None = None) -> Any:
+    """The payload of the worker's next message, which must be `op`; WorkerError if it dies, reports an
+    exception or (with `timeout`) says nothing for `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not worker.conn.poll():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise WorkerError(f"{worker.describe()} did not answer {op.value!r} within {timeout:.0f} s")
+        wait([worker.conn, worker.process.sentinel], timeout=left)
+        if not worker.conn.poll() and not worker.process.is_alive():
+            raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}); {_START_HINT}")
+    try:
+        got, payload = receive(worker.conn)
+    except (EOFError, OSError):  # a closed pipe polls as readable: the worker died
+        worker.process.join(1)
+        raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}); {_START_HINT}"
+                          ) from None
+    if got is Op.ERROR:
+        raise WorkerError(f"{worker.describe()} raised:\n{payload}")
+    if got is not op:
+        raise WorkerError(f"{worker.describe()} sent {got.value!r}, expected {op.value!r}")
+    return payload
 
 
 def _exit_reason(code: int | None) -> str:

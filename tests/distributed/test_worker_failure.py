@@ -10,6 +10,7 @@ import importlib.util
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +21,8 @@ import torch.distributed as dist
 
 from hybridcache.cache import PENDING_TOKEN
 from hybridcache.config import EngineConfig
-from hybridcache.distributed.executor import WorkerError
+from hybridcache.distributed.executor import WorkerError, _Worker, expect_message
+from hybridcache.distributed.messages import Op
 from hybridcache.distributed.monitor import LivenessMonitor
 from hybridcache.distributed.worker import DRIVER_POLL_S, exit_with_parent
 from hybridcache.engine.engine import EngineDeadError, LLMEngine
@@ -274,3 +276,17 @@ def test_a_worker_killed_during_a_long_generate_fails_the_engine_within_seconds_
             engine.step()
 
     assert rank_1_death(engine, pid, timer, steps) - killed_at[0] < FAIL_WITHIN_S
+
+
+def test_a_worker_that_dies_before_it_answers_at_start_up_is_a_worker_error_naming_it():
+    """A worker that dies at start-up (e.g. re-running a script without a `__main__` guard) closes its pipe, which
+    then polls as readable: reading it raised a bare EOFError, naming nothing (found by a bug hunt)."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=sys.exit, args=(3,), daemon=True)
+    process.start()
+    theirs.close()  # as a dead worker's end is
+    process.join(10)
+    worker = _Worker(rank=1, process=process, conn=ours)
+    with pytest.raises(WorkerError, match=r"rank 1 \(pid \d+\) died \(exit code 3\).*__main__"):
+        expect_message(worker, Op.STARTED, timeout=10)
