@@ -33,8 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     FACADE: set(),  # imports its names lazily, by module path
     "copy_kinds": set(),
     "config": set(),
-    "sampling": set(),
     "guided": set(),
+    "sampling": {"guided"},  # a request's constraint is checked to be a GuidedSpec
     "multimodal": set(),
     "state_spec": set(),
     "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
