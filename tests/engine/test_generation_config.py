@@ -46,7 +46,7 @@ def test_pick_prefers_the_request(folder):
 
 
 @pytest.mark.parametrize("content, needle", [
-    ('{"temperature": -1}', "temperature must be >= 0"),
+    ('{"temperature": -1}', "temperature must be a finite number >= 0"),
     ('{"max_new_tokens": 0}', "max_tokens must be an integer >= 1"),
     ("{not json", "is not valid JSON"),
     ("[1]", "must hold a JSON object"),
