@@ -34,7 +34,8 @@ def oracle(engine: LLMEngine, reference: dict, seed: int, right: float = 0.7) ->
         for seq in drafting:
             want = reference.get(seq.request_id, [[]] * (seq.index + 1))[seq.index]
             done = seq.num_tokens - seq.prompt_len
-            seq.drafts = [want[done + j] if done + j < len(want) and rng.random() < right else (want[0] + 1) % 256
+            wrong = ((want[0] if want else 0) + 1) % 256  # (a reference cut by a stop string may be empty)
+            seq.drafts = [want[done + j] if done + j < len(want) and rng.random() < right else wrong
                           for j in range(len(seq.drafts))]
 
     drafter.propose = propose_from_reference
