@@ -239,31 +239,181 @@ class CacheReplay:
         )
         self.counters = Counters()
 
-    def _plan(self, seq: _Seq, prompt_len: int):
-        return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=self.config.chunk_budget,
+    def _plan(self, seq: _Seq, prompt_len: int, budget: int | None = None):
+        """The engine's plan of `seq`'s next prompt chunk under `budget` tokens (None: the whole chunk budget)."""
+        budget = self.config.chunk_budget if budget is None else budget
+        return plan_chunk(self.policy, start=seq.computed, num_tokens=prompt_len, budget=budget,
                           prompt_len=prompt_len, block_size=self.block_size, branch_step=seq.branch_step,
                           hit_len=seq.cached_len)
 
     def run(self, request: SimRequest, cache_requests: Sequence[CacheRequest] | None = None) -> None:
         """Replay `request`; `cache_requests[i]` (from `cache_requests_of`) is completion i's cache request,
-        shared by every policy so that its block hashes are computed once."""
+        shared by every policy so that its block hashes are computed once. With n > 1, a policy that shares
+        prompts in flight runs the engine's order (`_run_forked`); the others match and admit as many
+        completions as fit before any is fed (`_run_wave`), then the rest when those are done."""
         if request.n > self.max_running:
             raise ValueError(f"request {request.request_id} has n={request.n} > max_running {self.max_running}")
         self.counters.num_requests += 1
         pending = list(enumerate(request.outputs()))
         if cache_requests is None:
             cache_requests = cache_requests_of(request)
+        if self.policy.share_in_flight and request.n > 1:
+            self._run_forked(request, pending, cache_requests)
+            return
         while pending:
-            # in-flight sharing: the other completions wait for the first one's prefill, then fork from it
-            first_alone = self.policy.share_in_flight and len(pending) == request.n > 1
-            wave = self._admit(request, pending[:1] if first_alone else pending, cache_requests)
+            wave = self._admit(request, pending, cache_requests)
             if not wave:  # not even one sequence fits next to nothing: computed without the cache
                 pending.pop(0)
-                self.counters.num_uncacheable += 1
-                self.counters.add(request, 0, self.cost)
+                self._uncacheable(request)
                 continue
             pending = pending[len(wave):]
             self._run_wave(request, wave)
+
+    def _run_forked(
+        self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
+    ) -> None:
+        """The `n` completions of `request` in the engine's order when prompts are shared in flight
+        (`scheduler/in_flight.py`, the scheduler's steps with one token budget per step, steps synchronous):
+
+            step 0        completion 0 is admitted and plans its first chunk; the others wait for its prefill
+            ...           completion 0 prefills its prompt (the last chunk saves the prompt end and samples)
+            next step     completion 0 feeds its first output token, then the others are admitted: they hit
+                          the whole prompt and only sample (when completion 0 hit it all, in step 0 already)
+            then          all decode together, completion 0 one token ahead; each finishes (its finish
+                          checkpoint) at the end of the step that sampled its last token, in batch order
+
+        A completion with no room waits for one to finish; one that fits with nothing running only as a miss
+        runs as one, one that fits not even then runs without the cache (`uncacheable`). Steps in which
+        every running completion decodes and nothing can be admitted are fed in one commit up to the next
+        finish or block fill (`_decode_together`)."""
+        prompt_len = len(request.prompt_ids)
+        waiting = list(pending)
+        running: list[_Seq] = []
+        num_sampled: dict[Hashable, int] = {}
+        blocked = False  # a waiting completion found no room: only a finish (or a drop) makes room
+        while running or waiting:
+            before = [s.rid for s in running]
+            if running and (blocked or not waiting) and len(running) <= self.config.chunk_budget and all(
+                    s.computed >= prompt_len for s in running):
+                stepped, fed = self._decode_together(request, running, num_sampled)
+            else:
+                stepped, fed, blocked = self._forked_step(request, running, waiting, num_sampled, cache_requests,
+                                                          blocked)
+            if fed:
+                self._commit(fed)
+            self._end_step(request, running, stepped, num_sampled)
+            if len(before) > sum(s.rid in before for s in running):
+                blocked = False  # a completion finished or was dropped: there may be room now
+        if self.config.check_integrity:
+            self.cache.check_integrity()
+
+    def _forked_step(
+        self, request: SimRequest, running: list[_Seq], waiting: list[tuple[int, tuple[int, ...]]],
+        num_sampled: dict[Hashable, int], cache_requests: Sequence[CacheRequest], blocked: bool,
+    ) -> tuple[list[_Seq], dict, bool]:
+        """Plan one scheduler step of `_run_forked`: the running completions first (a prefill chunk or one decode
+        token each, while the budget lasts), then the waiting ones in order while the budget lasts and none of
+        the running ones is still prefilling its prompt (the scheduler's `find_leader`). Returns the completions
+        that compute or sample in the step, their fed tokens, and whether admission found no room."""
+        cache, prompt = self.cache, request.prompt_ids
+        prompt_len = len(prompt)
+        budget = self.config.chunk_budget
+        stepped: list[_Seq] = []
+        fed: dict = {}
+        prefilling = any(s.computed < prompt_len for s in running)  # as the scheduler sees it: before this step
+        for seq in list(running):
+            if budget == 0:
+                break
+            if seq.computed < prompt_len:
+                plan = self._plan(seq, prompt_len, budget)
+                end, reason = plan.end, plan.reason
+            else:
+                end, reason = seq.computed + 1, None
+            if not cache.ensure_capacity(seq.rid, end):
+                self._drop(request, seq, running)
+                continue
+            self._feed(prompt, seq, end, reason, fed)
+            budget = max(0, budget - (end - seq.computed))
+            seq.computed = end
+            stepped.append(seq)
+        while waiting and budget > 0 and not blocked:
+            index, output = waiting[0]
+            rid = (request.request_id, index)
+            if prefilling:  # it waits for the prompt being prefilled, unless its own hit covers the prompt
+                match = cache.match(cache_requests[index])
+                cache.release_match(match)
+                if match.cached_len < prompt_len:
+                    break
+            seq = self._admit_one(cache_requests[index], rid, output, prompt_len, None, budget)
+            if seq is None and not running:
+                seq = self._admit_one(cache_requests[index], rid, output, prompt_len, 0, budget)
+            if seq is None:
+                if running:
+                    blocked = True
+                    break
+                waiting.pop(0)
+                self._uncacheable(request)
+                continue
+            waiting.pop(0)
+            running.append(seq)
+            num_sampled[rid] = 0
+            prefilling = prefilling or seq.computed < prompt_len
+            if seq.computed < prompt_len:
+                plan = self._plan(seq, prompt_len, budget)
+                self._feed(prompt, seq, plan.end, plan.reason, fed)
+                budget = max(0, budget - (plan.end - seq.computed))
+                seq.computed = plan.end
+            stepped.append(seq)
+        return stepped, fed, blocked
+
+    def _decode_together(
+        self, request: SimRequest, running: list[_Seq], num_sampled: dict[Hashable, int],
+    ) -> tuple[list[_Seq], dict]:
+        """Every running completion decodes up to the step in which the first of them samples its last token or
+        fills a block: the steps' tokens in one commit. The same as one commit per step, since blocks are taken
+        only in a segment's first step and fill (joining the trie, where a completion's block that repeats
+        another's is swapped for it and freed) only in its last. Returns the completions fed and their tokens."""
+        prompt_len, size = len(request.prompt_ids), self.block_size
+        steps = min(min(len(s.output_ids) - num_sampled[s.rid], size - s.computed % size) for s in running)
+        stepped, fed = [], {}
+        for seq in list(running):
+            end = seq.computed + steps
+            if not self.cache.ensure_capacity(seq.rid, end):
+                self._drop(request, seq, running)
+                continue
+            fed[seq.rid] = seq.output_ids[seq.computed - prompt_len:end - prompt_len]
+            num_sampled[seq.rid] += steps - 1  # the last step's sample is counted by `_end_step`
+            seq.computed = end
+            stepped.append(seq)
+        return stepped, fed
+
+    def _end_step(
+        self, request: SimRequest, running: list[_Seq], stepped: list[_Seq], num_sampled: dict[Hashable, int],
+    ) -> None:
+        """After a step's commit: the stepped completions whose computed tokens reach their last known token
+        sampled one; those that sampled their whole output finish, in batch order."""
+        prompt_len = len(request.prompt_ids)
+        done = []
+        for seq in stepped:
+            if seq.computed == prompt_len + num_sampled[seq.rid]:
+                num_sampled[seq.rid] += 1
+                if num_sampled[seq.rid] == len(seq.output_ids):
+                    done.append(seq)
+        if done:
+            self._sample_memory()
+        for seq in done:
+            running.remove(seq)
+            self._finish(request, seq)
+
+    def _feed(self, prompt: tuple[int, ...], seq: _Seq, end: int, reason, fed: dict) -> None:
+        """Plan `seq`'s tokens [computed, end) into `fed` (reserving the chunk's save, if any, as the scheduler)."""
+        if reason is not None and self._wants_save(prompt, end):
+            self.cache.reserve_save(seq.rid, end, reason)
+        start, prompt_len = seq.computed, len(prompt)
+        if end <= prompt_len:
+            fed[seq.rid] = prompt[start:end]
+        else:
+            fed[seq.rid] = prompt[start:] + seq.output_ids[max(0, start - prompt_len):end - prompt_len]
 
     def _admit(
         self, request: SimRequest, pending: list[tuple[int, tuple[int, ...]]], cache_requests: Sequence[CacheRequest],
@@ -272,21 +422,23 @@ class CacheReplay:
         wave: list[_Seq] = []
         for index, output in pending:
             rid = (request.request_id, index)
-            seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=None)
+            seq = self._admit_one(cache_requests[index], rid, output, len(prompt), None, self.config.chunk_budget)
             if seq is None and not wave:  # a hit can need a block more than a miss (as the scheduler does)
-                seq = self._admit_one(cache_requests[index], rid, output, len(prompt), max_step=0)
+                seq = self._admit_one(cache_requests[index], rid, output, len(prompt), 0, self.config.chunk_budget)
             if seq is None:
                 break
             wave.append(seq)
         return wave
 
     def _admit_one(self, request: CacheRequest, rid: Hashable, output: tuple[int, ...], prompt_len: int,
-                   max_step: int | None) -> _Seq | None:
+                   max_step: int | None, budget: int) -> _Seq | None:
+        """Match (at most `max_step`) and admit with room for the first chunk under `budget`; None (the match
+        released, nothing changed) when there is no room."""
         match = self.cache.match(request, max_step)
         branch = match.divergence_len
         branch = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
         seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
-        if self.cache.admit(match, self._plan(seq, prompt_len).end) is None:
+        if self.cache.admit(match, self._plan(seq, prompt_len, budget).end) is None:
             self.cache.release_match(match)
             return None
         return seq
@@ -321,14 +473,23 @@ class CacheReplay:
             self._commit(decode)
         self._sample_memory()
         for seq in active:
-            fed = prompt + seq.output_ids[:-1]
-            if self.policy.finish and self._wants_save(fed, len(fed)):
-                cache.finish(seq.rid)
-            else:
-                cache.abort(seq.rid)
-            self.counters.add(request, seq.cached_len, self.cost)
+            self._finish(request, seq)
         if self.config.check_integrity:
             cache.check_integrity()
+
+    def _finish(self, request: SimRequest, seq: _Seq) -> None:
+        """`seq` sampled its last token: it leaves a finish checkpoint (policies that save one) or nothing."""
+        fed = request.prompt_ids + seq.output_ids[:-1]
+        if self.policy.finish and self._wants_save(fed, len(fed)):
+            self.cache.finish(seq.rid)
+        else:
+            self.cache.abort(seq.rid)
+        self.counters.add(request, seq.cached_len, self.cost)
+
+    def _uncacheable(self, request: SimRequest) -> None:
+        """A completion that fits not even next to nothing: computed without the cache."""
+        self.counters.num_uncacheable += 1
+        self.counters.add(request, 0, self.cost)
 
     def _commit(self, fed: dict) -> None:
         """`commit_step`, counting the host tier's copies (blocks each way)."""
@@ -346,8 +507,7 @@ class CacheReplay:
         """No room for the sequence's next blocks even after eviction: it runs without the cache."""
         self.cache.abort(seq.rid)
         active.remove(seq)
-        self.counters.num_uncacheable += 1
-        self.counters.add(request, 0, self.cost)
+        self._uncacheable(request)
 
     def _sample_memory(self) -> None:
         stats = self.cache.stats

@@ -14,12 +14,18 @@ Per request and policy (`CacheReplay.run`)::
     cache.commit_step({rid: output[:-1]})              all decode tokens but the last in one commit
     cache.finish(rid) if policy.finish else cache.abort(rid)
 
+The `n` > 1 completions of one request (`CacheReplay._run_forked`, the policies that share prompts in flight,
+as the engine's scheduler does): completion 0 prefills alone, the others wait for it, then hit its whole prompt
+(sample only) and decode beside it one token behind; each finishes in the step that samples its last token.
+Policies that do not share in flight (`block-aligned`, `seed`) match and admit all of them before any is fed.
+
 Simplifications (documented in docs/bench.md):
-- Requests are simulated one at a time in arrival order, even when they overlap in time; the `n`
-  completions of one request run together (matched and admitted before any is fed), as in the engine.
-- Decode tokens are fed in one commit: with decode checkpoints off (the default) only the blocks they fill
-  and the finish step matter to the cache, and both are the same as one commit per token.
-- Each sequence gets the whole chunk budget (`chunk_budget`, 8192 tokens by default).
+- Requests are simulated one at a time in arrival order, even when they overlap in time.
+- Decode tokens are fed in one commit (n > 1: one per run of steps up to the next finish or block fill):
+  with decode checkpoints off (the default) only the blocks they fill and the finish step matter to the
+  cache, and both are the same as one commit per token.
+- Each sequence gets the whole chunk budget (`chunk_budget`, 8192 tokens by default); n > 1 completions
+  that share in flight share it per step, as the engine's do.
 
 Policies (`parse_policies`): `none`; `block-aligned` (state only at block boundaries, one per anchor; a
 block size may follow a colon, `block-aligned:528` as vLLM forces for Qwen3.5-4B); `seed` (exact prefill

@@ -82,6 +82,45 @@ def test_hybridcache_predicts_the_engines_cached_tokens(model_dir):
     assert sum(engine_cached) > 0 and 0 in engine_cached
 
 
+@pytest.mark.parametrize(("n", "num_blocks", "seed"), [(2, 40, 3), (2, 50, 7), (3, 45, 1), (2, 96, 7)])
+def test_hybridcache_predicts_the_engine_with_n_completions(model_dir, n, num_blocks, seed):
+    """Requests with n completions through an engine of n running sequences: the followers wait for
+    completion 0's prefill, hit its whole prompt and decode beside it, so that completion 1 finishes a step
+    after completion 0 (and its blocks that repeat completion 0's are freed as they fill). The simulator
+    replays the engine's order and reports the same cached tokens for every request (summed over the
+    completions), the same saves and the same evictions, in pools tight enough to evict between them."""
+    cost = ModelCost.from_config(ModelConfig.from_model_dir(model_dir), "tiny")
+    llm = LLM(model_dir, block_size=BLOCK, kernel_block_size=8, max_num_batched_tokens=CHUNK, max_num_seqs=n,
+              max_model_len=MAX_MODEL_LEN, num_blocks=num_blocks)
+    engine = llm.engine
+    config = SimConfig(num_blocks * cost.block_bytes(BLOCK), BLOCK, CHUNK, check_integrity=True)
+    (spec,) = parse_policies("hybridcache", BLOCK)
+    replay = make_replay(spec, cost, config, max_running=n)
+    assert (replay.num_blocks, replay.state_pages) == (num_blocks, engine.memory_plan.state_pages)
+
+    rng = random.Random(seed)
+    history: dict[int, tuple[int, ...]] = {}
+    engine_cached, simulated_cached = [], []
+    for i, (session, new) in enumerate(_calls(rng)):
+        prompt = history.get(session, ()) + new
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(3, 9), ignore_eos=True, n=n)
+        out = llm.generate([list(prompt)], params, use_tqdm=False)[0]
+        outputs = [tuple(c.token_ids) for c in out.outputs]
+        engine.check_integrity()
+        before = replay.counters.hit_tokens
+        replay.run(SimRequest(f"c{i}", prompt, outputs[0], n=n, session_id=str(session),
+                              sibling_output_ids=tuple(outputs[1:])))
+        simulated_cached.append(replay.counters.hit_tokens - before)
+        engine_cached.append(sum(c.cached_tokens for c in out.outputs))
+        assert [c.cached_tokens for c in out.outputs][1:] == [len(prompt)] * (n - 1)  # the followers hit it all
+        history[session] = prompt + outputs[0]
+    assert simulated_cached == engine_cached
+    engine_stats, sim_stats = engine.scheduler.cache.stats, replay.cache.stats
+    assert sum(engine_stats.evictions_by_kind.values()) > 0, "the workload must evict"
+    assert sim_stats.evictions_by_kind == engine_stats.evictions_by_kind
+    assert sim_stats.saves_by_reason == engine_stats.saves_by_reason
+
+
 @pytest.mark.parametrize("gib", [1 / 32, 0.25, 1, 16])
 @pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
 def test_paged_sizing_is_the_engines_memory_plan(gib, ssm_dtype):
