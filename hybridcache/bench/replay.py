@@ -109,13 +109,22 @@ class Counters:
     bytes_peak: int = 0
     host_save_blocks: int = 0
     host_load_blocks: int = 0
+    host_hit_tokens: int = 0
+    hits_by_reason: dict[str, int] = field(default_factory=dict)
     hit_tokens_by_turn: dict[int, list[int]] = field(default_factory=dict)
 
-    def add(self, request: SimRequest, hit_tokens: int, cost: ModelCost) -> None:
-        """One completed sequence of `request` that skipped `hit_tokens` prompt tokens."""
+    def add(self, request: SimRequest, hit_tokens: int, cost: ModelCost, reason: str | None = None,
+            host_hit_tokens: int = 0) -> None:
+        """One completed sequence of `request` that skipped `hit_tokens` prompt tokens, restored from a
+        checkpoint saved for `reason` (None: a miss), `host_hit_tokens` of them from the host tier (0 or
+        `hit_tokens`). A sequence admitted with a hit and then run without the cache is added as a miss, so that
+        the hit tokens, the hits by reason and the host hit tokens count the same sequences."""
         self.num_sequences += 1
         self.prompt_tokens += request.prompt_len
         self.hit_tokens += hit_tokens
+        self.host_hit_tokens += host_hit_tokens
+        if reason is not None:
+            self.hits_by_reason[reason] = self.hits_by_reason.get(reason, 0) + 1
         self.flops_saved += cost.prefill_flops(hit_tokens)
         by_turn = self.hit_tokens_by_turn.setdefault(request.turn, [0, 0])
         by_turn[0] += hit_tokens
@@ -126,9 +135,11 @@ class Counters:
 class PolicyResult:
     """The simulator's report for one policy. `token_hit_rate` = hit tokens / prompt tokens (every
     completion counts its prompt); `bytes_peak` = the largest KV + checkpoint-state bytes held (for
-    `oracle`: the KV of every distinct fed token; its states are not counted). Host tier: `host_blocks` (None:
-    none), the hit tokens served from it, the bytes copied each way (demotions: device -> host, promotions:
-    host -> device) and the promotions skipped as not worth their copy."""
+    `oracle`: the KV of every distinct fed token; its states are not counted). `hits_by_reason`: the completions
+    whose hit `hit_tokens` counts, by the reason of the checkpoint restored (one admitted with a hit and then run
+    without the cache for want of room counts as a miss everywhere). Host tier: `host_blocks` (None: none), the
+    hit tokens served from it (within `hit_tokens`), the bytes copied each way (demotions: device -> host,
+    promotions: host -> device) and the promotions skipped as not worth their copy."""
 
     name: str
     token_hit_rate: float
@@ -200,6 +211,8 @@ class _Seq:
     cached_len: int
     branch_step: int | None
     computed: int
+    hit_reason: str | None = None  # the reason of the checkpoint its hit restored
+    host_hit_tokens: int = 0  # its hit tokens when that checkpoint came from the host tier
 
 
 class CacheReplay:
@@ -437,10 +450,14 @@ class CacheReplay:
         match = self.cache.match(request, max_step)
         branch = match.divergence_len
         branch = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
-        seq = _Seq(rid, output, match.cached_len, branch, match.cached_len)
+        reason = None if match.checkpoint_reason is None else match.checkpoint_reason.value
+        seq = _Seq(rid, output, match.cached_len, branch, match.cached_len, reason)
+        host_before = self.cache.stats.num_host_hit_tokens if self.host_blocks else 0
         if self.cache.admit(match, self._plan(seq, prompt_len, budget).end) is None:
             self.cache.release_match(match)
             return None
+        if self.host_blocks:
+            seq.host_hit_tokens = self.cache.stats.num_host_hit_tokens - host_before
         return seq
 
     def _run_wave(self, request: SimRequest, wave: list[_Seq]) -> None:
@@ -484,7 +501,7 @@ class CacheReplay:
             self.cache.finish(seq.rid)
         else:
             self.cache.abort(seq.rid)
-        self.counters.add(request, seq.cached_len, self.cost)
+        self.counters.add(request, seq.cached_len, self.cost, seq.hit_reason, seq.host_hit_tokens)
 
     def _uncacheable(self, request: SimRequest) -> None:
         """A completion that fits not even next to nothing: computed without the cache."""
@@ -523,8 +540,8 @@ class CacheReplay:
             checkpoints_saved=sum(stats.saves_by_reason.values()),
             evictions=sum(stats.evictions_by_kind.values()),
             num_blocks=self.num_blocks, num_slots=self.num_slots, state_pages=self.state_pages,
-            hits_by_reason=dict(stats.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
-            host_blocks=self.host_blocks or None, host_hit_tokens=stats.num_host_hit_tokens,
+            hits_by_reason=dict(self.counters.hits_by_reason), evictions_by_kind=dict(stats.evictions_by_kind),
+            host_blocks=self.host_blocks or None, host_hit_tokens=self.counters.host_hit_tokens,
             host_save_bytes=self.counters.host_save_blocks * self.cost.block_bytes(self.block_size),
             host_load_bytes=self.counters.host_load_blocks * self.cost.block_bytes(self.block_size),
             promotions_skipped=stats.num_promotions_skipped,

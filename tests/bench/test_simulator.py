@@ -281,3 +281,30 @@ def test_host_memory_option_takes_gib_or_a_multiple_of_the_budget():
     assert host_memory_bytes("0", 1000) == 0
     with pytest.raises(ValueError):
         host_memory_bytes("-1x", 1000)
+
+
+def test_hit_counts_leave_out_a_sequence_dropped_after_its_hit(monkeypatch):
+    """A sequence admitted with a hit that then finds no room for its blocks runs without the cache: its hit
+    counts nowhere. SWE-agent at 0.01 GiB with a 4x host tier drops 7 such sequences (10,825 hit tokens); the
+    host hit tokens had counted them (47,454 against 46,867 hit tokens). Now host hit tokens and hits by reason
+    count the sequences the hit tokens count."""
+    from hybridcache.bench.replay import Counters
+    from hybridcache.bench.workloads import load_workload
+
+    added: list[tuple[int, str | None]] = []
+    add = Counters.add
+
+    def recording_add(self, request, hit_tokens, cost, *args):
+        added.append((hit_tokens, args[0] if args else None))  # (hit tokens, the reason of its checkpoint)
+        add(self, request, hit_tokens, cost, *args)
+
+    monkeypatch.setattr(Counters, "add", recording_add)
+    memory = int(0.01 * GIB)
+    workload = load_workload("swe-agent", num_requests=40)
+    (spec,) = parse_policies("hybridcache", 64)
+    config = SimConfig(memory, 64, host_memory_bytes=4 * memory)
+    result = simulate(workload, [spec], load_model_cost(None, "auto"), config).policies["hybridcache"]
+    assert result.num_uncacheable > 0 and result.host_hit_tokens > 0
+    assert result.host_hit_tokens <= result.hit_tokens == sum(hit for hit, _ in added)
+    assert sum(result.hits_by_reason.values()) == sum(reason is not None for _, reason in added)
+    assert all(hit > 0 for hit, reason in added if reason is not None)
