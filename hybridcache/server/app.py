@@ -38,8 +38,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -57,6 +57,7 @@ from hybridcache.server import reasoning
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request
 from hybridcache.server.chat_output import ChatOutputOptions
+from hybridcache.server.chat_prompt import checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError, error_body
@@ -109,6 +110,17 @@ class ServedModel:
     image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     vocab_size: int | None = None
+
+
+class PreparedChat(NamedTuple):
+    """A chat request ready for the engine: its prompt ids (images expanded), sampling parameters, rendering
+    options, image spans, and the prompt steps where the next turn will part from it (`chat_prompt.py`)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    rendering: Rendering
+    mm_inputs: tuple
+    checkpoints_at: tuple[int, ...]
 
 
 def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig, metrics: ServerMetrics) -> FastAPI:
@@ -223,13 +235,14 @@ class _Routes:
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
         body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
-        prompt_ids, params, rendering, mm_inputs = await self.prepare_chat(body)
+        chat = await self.prepare_chat(body)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
-        return await self._respond(request, meta, [prompt_ids], params, body, rendering, mm_inputs)
+        return await self._respond(request, meta, [chat.prompt_ids], chat.params, body, chat.rendering,
+                                   chat.mm_inputs, chat.checkpoints_at)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> tuple[list[int], SamplingParams, Rendering, tuple]:
+    async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedChat:
         """A chat request's prompt (the messages and tools through the chat template), sampling parameters,
-        rendering options and image spans (`mm_inputs`); a bad request is an APIError."""
+        rendering options, image spans and checkpoint steps (`PreparedChat`); a bad request is an APIError."""
         self._check_model(body.model)
         body.check_n()
         check_sequences(1, body.n, self.config.limits)
@@ -237,14 +250,14 @@ class _Routes:
         check_media_parts(messages, takes_images=self.model.image_processor is not None)
         messages, images = split_chat_images(messages)
         tools = body.tool_dicts()
-        template_kwargs = body.template_kwargs(self.config.default_chat_template_kwargs)
         try:
-            text = self.model.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
-                continue_final_message=body.continue_final_message, template_kwargs=template_kwargs)
+            chat_prompt = render_chat(self.model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message, tools=tools,
+                                      template_kwargs=body.template_kwargs(self.config.default_chat_template_kwargs))
         except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
+        text = chat_prompt.text
         if body.truncate_prompt_tokens is None:  # a truncated prompt may be of any length
             check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
         prompt_ids = (await self._encode([text]))[0]
@@ -262,23 +275,29 @@ class _Routes:
         defaults = self.model.sampling_defaults
         max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
                                       body.n)
-        params = body.sampling_params(max_tokens, body.guided(), defaults)
+        split_reasoning = self.config.reasoning_parser is not None
+        in_reasoning = chat_prompt.in_reasoning
+        guided = body.guided()
+        if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
+            guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
+        params = body.sampling_params(max_tokens, guided, defaults)
         chat = ChatOutputOptions(
-            split_reasoning=self.config.reasoning_parser is not None,
-            in_reasoning=reasoning.starts_in_reasoning(text),
+            split_reasoning=split_reasoning,
+            in_reasoning=in_reasoning,
             parse_tools=bool(tools) and body.effective_tool_choice() != "none",
             tools=tools,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
                               stops=StopRule.of(params))
-        return prompt_ids, params, rendering, mm_inputs
+        checkpoints = checkpoint_steps(self.model.tokenizer, prompt_ids, chat_prompt.generation_prompt)
+        return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
                        body: CompletionRequest | ChatCompletionRequest, rendering: Rendering,
-                       mm_inputs: tuple = ()) -> Response:
+                       mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = ()) -> Response:
         """Run one engine request per prompt (ids `<response id>` or `<response id>-<i>` for a batch); `mm_inputs`:
-        the image spans of a single prompt."""
+        the image spans of a single prompt, `checkpoints_at` its checkpoint steps (`EngineLoop.add_many`)."""
         loop = self.engine_loop
         request_ids = [meta.response_id] if len(prompts) == 1 else [f"{meta.response_id}-{i}"
                                                                      for i in range(len(prompts))]
@@ -289,7 +308,8 @@ class _Routes:
 
         try:
             # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
-            sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts))
+            sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts),
+                                        [checkpoints_at] * len(prompts))
         except (ValueError, TypeError, OverflowError) as error:
             raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
         except QueueFull as error:

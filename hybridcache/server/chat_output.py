@@ -73,12 +73,13 @@ class ChoiceStream:
 
 def final_message(text: str, options: ChatOutputOptions) -> dict[str, Any]:
     """The non-streaming assistant message of a finished choice: role, content (None when the choice is only
-    tool calls), and `reasoning_content` / `tool_calls` where present."""
+    tool calls), `tool_calls` where present, and with a reasoning parser the reasoning (None when there is none)
+    as vLLM's `reasoning` and as `reasoning_content`, the name vLLM used before and many clients read."""
     stream = ChoiceStream(options)
     delta = stream.update(text, finished=True)
     message: dict[str, Any] = {"role": "assistant", "content": delta.content}
     if options.split_reasoning:
-        message["reasoning_content"] = delta.reasoning or None
+        message["reasoning"] = message["reasoning_content"] = delta.reasoning or None
     if delta.tool_calls:
         message["tool_calls"] = [call.as_openai() for _, call in delta.tool_calls]
         message["content"] = delta.content or None

@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
-                       help="split <think>...</think> into reasoning_content (default: off)")
+                       help="split <think>...</think> into reasoning (and reasoning_content) (default: off)")
     serve.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
                        help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
                             "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")

@@ -59,6 +59,7 @@ class _Add:
     sinks: list[asyncio.Queue]
     done: asyncio.Future
     mm_inputs: list[tuple]  # per prompt: its image spans (encoded on the engine thread), () for none
+    checkpoints_at: list[tuple[int, ...]]  # per prompt: `LLMEngine.add_request`'s checkpoints_at, () for none
 
 
 @dataclass
@@ -133,22 +134,26 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  mm_inputs: tuple = ()) -> asyncio.Queue:
-        """Queue one request (`mm_inputs`: its image spans); returns its output queue (see `add_many`)."""
-        return (await self.add_many([request_id], [prompt], params, [mm_inputs]))[0]
+                  mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = ()) -> asyncio.Queue:
+        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`: see `add_many`); returns its output
+        queue (see `add_many`)."""
+        return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at]))[0]
 
     async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
-                       mm_inputs: list[tuple] | None = None) -> list[asyncio.Queue]:
-        """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread), all
-        in the same command drain (so they join the same step); returns their output queues. All or nothing:
-        raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
-        `max_queued_requests`, EngineFailure when the engine is dead."""
+                       mm_inputs: list[tuple] | None = None,
+                       checkpoints_at: list[tuple[int, ...]] | None = None) -> list[asyncio.Queue]:
+        """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread;
+        `checkpoints_at[i]`: prompt i's steps where later prompts will part from it, `LLMEngine.add_request`'s
+        `checkpoints_at`), all in the same command drain (so they join the same step); returns their output
+        queues. All or nothing: raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting
+        sequences would pass `max_queued_requests`, EngineFailure when the engine is dead."""
         if not self.running:
             raise EngineFailure("the engine is not running")
         sinks: list[asyncio.Queue] = [asyncio.Queue() for _ in request_ids]
         done = self._loop.create_future()
         spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
-        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans))
+        hints = list(checkpoints_at) if checkpoints_at is not None else [() for _ in request_ids]
+        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans, hints))
         await done
         return sinks
 
@@ -266,8 +271,9 @@ class EngineLoop:
                 return
         added: list[str] = []
         try:
-            for request_id, prompt, spans in zip(command.request_ids, command.prompts, command.mm_inputs):
-                engine.add_request(request_id, prompt, command.params, spans)
+            for request_id, prompt, spans, hints in zip(command.request_ids, command.prompts, command.mm_inputs,
+                                                        command.checkpoints_at):
+                engine.add_request(request_id, prompt, command.params, spans, checkpoints_at=hints)
                 added.append(request_id)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             for request_id in added:

@@ -3,7 +3,9 @@
 Where the completion starts depends on the prompt: Qwen3 models open `<think>` themselves; Qwen3.5-style
 templates end the generation prompt with an open `<think>` (the completion starts inside the reasoning); with
 `enable_thinking: false` the prompt already holds an empty, closed think block (the completion is all content).
-`starts_in_reasoning(prompt_text)` tells which, from the rendered prompt.
+`starts_in_reasoning(tail)` tells which, from the prompt's tail where the reply begins (the generation prompt,
+`chat_prompt.py`): never from the whole prompt, where a user's text may hold a `<think>` of its own. A model that
+repeats the opening tag in a block the prompt opened has it dropped from the reasoning, as vLLM's qwen3 parser does.
 
 `split` is a pure function of the text so far and is monotonic: as the text grows, the reasoning and the
 content it returns only grow at their ends, so streaming sends each new suffix as a delta. To keep that true it
@@ -34,9 +36,15 @@ class ReasoningParser(enum.Enum):
     DEEPSEEK_R1 = "deepseek_r1"
 
 
-def starts_in_reasoning(prompt_text: str) -> bool:
-    """True when the prompt leaves a think block open (the completion begins with reasoning)."""
-    return prompt_text.rfind(THINK_START) > prompt_text.rfind(THINK_END)
+def starts_in_reasoning(tail: str) -> bool:
+    """True when `tail`, the text where the reply begins (a generation prompt), leaves a think block open."""
+    return tail.rfind(THINK_START) > tail.rfind(THINK_END)
+
+
+def ends_with_start(prompt_text: str) -> bool:
+    """True when the prompt ends with an opening tag (and white space): what is left to go on when the tail
+    where the reply begins is unknown."""
+    return prompt_text.rstrip().endswith(THINK_START)
 
 
 @dataclass(frozen=True)
@@ -56,14 +64,13 @@ def _partial_suffix(text: str, tag: str) -> int:
 def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     """Split a completion's text (see the module docstring). `in_reasoning`: the prompt left a think block
     open. `finished`: the text is final (nothing is held back)."""
-    if not in_reasoning:
-        stripped = text.lstrip()
-        if stripped.startswith(THINK_START):
-            text = stripped[len(THINK_START):]
-        elif not finished and THINK_START.startswith(stripped):
-            return ReasoningSplit(None, "")
-        else:
-            return ReasoningSplit(None, text)
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_START):  # the model opened the block, or repeated the prompt's opening tag
+        text = stripped[len(THINK_START):]
+    elif not finished and THINK_START.startswith(stripped):  # maybe a tag: held back
+        return ReasoningSplit("" if in_reasoning else None, "")
+    elif not in_reasoning:
+        return ReasoningSplit(None, text)
     end = text.find(THINK_END)
     if end < 0:
         reasoning = text.lstrip("\n")

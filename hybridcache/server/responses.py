@@ -169,8 +169,8 @@ def chunk(
         if text:
             body["content"] = text
         if delta is not None:
-            if delta.reasoning:
-                body["reasoning_content"] = delta.reasoning
+            if delta.reasoning:  # vLLM's `reasoning`, and the `reasoning_content` it used to send
+                body["reasoning"] = body["reasoning_content"] = delta.reasoning
             if delta.content:
                 body["content"] = delta.content
             if delta.tool_calls:

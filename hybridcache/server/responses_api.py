@@ -45,6 +45,7 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.server.chat_output import ChoiceStream, final_message
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
+from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
 from hybridcache.server.protocol import ChatCompletionRequest, Int64, parse_request
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 
@@ -106,6 +107,20 @@ def _text(content: Any, param: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its `content` parts' texts, else its `summary` parts'; a part must be an object
+    whose `text` is a string (400 naming it otherwise)."""
+    key = "content" if item.get("content") else "summary"
+    parts = item.get(key) or []
+    if not isinstance(parts, list):
+        raise APIError(400, f"a reasoning item's '{key}' must be a list of parts", param=f"{param}.{key}")
+    for j, part in enumerate(parts):
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise APIError(400, f"a reasoning item's {key} parts must be objects with a string 'text'",
+                           param=f"{param}.{key}.{j}.text")
+    return "".join(part["text"] for part in parts)
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's `input` as chat messages (the chat completions request's `messages`). Consecutive function
     calls join one assistant message (parallel calls); a reasoning item's text goes with the next assistant
@@ -145,8 +160,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item.get("output"), f"{param}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            reasoning.append("".join(p.get("text", "") for p in parts if isinstance(p, dict)))
+            reasoning.append(_reasoning_text(item, param))
         else:
             raise APIError(400, f"input items of type {kind!r} are not supported (message, function_call, "
                            "function_call_output and reasoning are)", param=f"{param}.type")
@@ -174,8 +188,11 @@ def chat_tool_choice(tool_choice: Any) -> Any:
 
 
 def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`text.format` as chat's `response_format`."""
+    """`text.format` as chat's `response_format`; a `format` that is not an object is a 400."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError(400, f"text.format must be an object such as {{\"type\": \"json_object\"}}, got "
+                       f"{json.dumps(fmt)[:80]}", param="text.format")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_schema":
@@ -296,18 +313,20 @@ class _Responses:
         conversation = history + input_messages(body.input)
         try:
             chat_body = parse_request(ChatCompletionRequest, chat_request(body, conversation))
-            prompt_ids, params, rendering, mm_inputs = await routes.prepare_chat(chat_body)
+            chat = await routes.prepare_chat(chat_body)
         except APIError as error:  # named as the chat request has it: rename to this request's field
             raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
                 from None
         response_id = _new_id("resp")
-        run = _Run(self, body, response_id, conversation, params, rendering)
+        run = _Run(self, body, response_id, conversation, chat.params, chat.rendering)
         loop = routes.engine_loop
         try:
-            sink = await loop.add(response_id, prompt_ids, params, mm_inputs)
+            sink = await loop.add(response_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at)
         except (ValueError, TypeError, OverflowError) as error:
             loop.abort(response_id)
             raise APIError(400, str(error), param="input") from None
+        except QueueFull as error:
+            raise queue_full_error(str(error)) from None
         except EngineFailure as error:
             raise APIError(503, str(error)) from None
         except asyncio.CancelledError:
@@ -315,7 +334,9 @@ class _Responses:
             raise
         from hybridcache.server.app import request_outputs  # app imports this module
 
-        outputs = request_outputs(sink, rendering)
+        timeout = routes.config.limits.request_timeout_s
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        outputs = request_outputs(sink, chat.rendering, deadline)
         if body.stream:
             shutdown = _sse("error", {"type": "error", "code": "server_shutdown", "param": None,
                                       "message": "the server shut down before this request finished",
@@ -326,6 +347,8 @@ class _Responses:
             final = await run_until_disconnect(request.receive, _last(outputs))
         except ClientGone:
             return Response(status_code=499)
+        except RequestTimeout as error:
+            raise APIError(503, str(error), code="request_timeout") from None
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
         finally:
@@ -496,6 +519,9 @@ class _Run:
                     yield self._event("response.output_item.done", output_index=index, item=item)
             for event in close():
                 yield event
+        except RequestTimeout as error:
+            yield self._event("error", code="request_timeout", message=str(error), param=None)
+            return
         except EngineFailure as error:
             yield self._event("error", code="engine_failure", message=str(error), param=None)
             return

@@ -89,8 +89,9 @@ def tool_choice_spec(tools: list[dict] | None, tool_choice: Any) -> GuidedSpec |
         raise APIError(400, f"tool_choice {json.dumps(tool_choice)} needs tools", param="tool_choice")
     if tool_choice == "required":
         return GuidedSpec.tool_calls(tools)
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
-    if name is None:
+    function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
         raise APIError(400, "tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", param="tool_choice")
     chosen = [tool for tool in tools if tool.get("function", {}).get("name") == name]

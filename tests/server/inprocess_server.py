@@ -28,14 +28,18 @@ ENGINE = EngineConfig(block_size=16, max_model_len=4096, num_blocks=2048)
 
 
 @contextlib.contextmanager
-def serving(engine_config: EngineConfig = ENGINE, **server_options) -> Iterator[str]:
-    """Serve the built-in model on a free loopback port; yields the base URL (`.../v1` is the API)."""
+def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = None, **server_options) -> Iterator[str]:
+    """Serve the built-in model on a free loopback port; yields the base URL (`.../v1` is the API).
+    `chat_template`: the server's chat template instead of the folder's (serve's `--chat-template`)."""
     config = ServerConfig(port=free_port(), served_model_name=BUILTIN_NAME, **server_options)
     engine = LLMEngine(None, engine_config)
     metrics = ServerMetrics(model_name=config.served_model_name, max_model_len=engine.max_model_len)
     loop = EngineLoop(engine, metrics, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: loop.state)
-    model = ServedModel(tokenizer=Tokenizer(engine.model_path), max_model_len=engine.max_model_len,
+    tokenizer = Tokenizer(engine.model_path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len,
                         vocab_size=engine.model_config.vocab_size)
     server = Server(uvicorn.Config(build_app(loop, model, config, metrics), host=config.host, port=config.port,
                                    log_level="warning", access_log=False, lifespan="on"))

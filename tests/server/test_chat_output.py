@@ -55,6 +55,9 @@ def test_plain_text_is_untouched():
     ("Hello", False, (None, "Hello")),
     ("<think>\nunfinished", False, ("unfinished", "")),
     ("  <think>x</think>y", False, ("x", "y")),
+    # the prompt opened the block and the model repeats the tag: dropped, as vLLM's qwen3 parser does
+    ("<think>\nplan it\n</think>\n\nHello", True, ("plan it", "Hello")),
+    ("\n<think>\nunfinished", True, ("unfinished", "")),
 ])
 def test_reasoning_split(text, in_reasoning, expected):
     parts = reasoning.split(text, in_reasoning=in_reasoning, finished=True)
@@ -70,6 +73,7 @@ def test_starts_in_reasoning_reads_the_prompt():
 CASES = [
     ("<think>\nI should call it.\n</think>\n\nSure.\n" + JSON_CALL + "\n" + XML_CALL, False),
     ("reasoning first\n</think>\n\n" + JSON_CALL, True),
+    ("<think>\nrepeated tag\n</think>\n\n" + JSON_CALL, True),
     ("<think>\n\n</think>\n\nJust text with a < sign and </think> later.", False),
     ("no think, a <tool_call> that is not one </tool_call> end", False),
 ]
