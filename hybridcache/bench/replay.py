@@ -20,6 +20,8 @@ DEFAULT_POLICIES = POLICY_NAMES[:-3]
 # the policies that run the `hybridcache` cache mode, with KV and states in one pool of blocks
 _HYBRID_POLICIES = ("hybridcache", "hybridcache+flop", "bounded-oracle", "hybridcache+all", "reuse-oracle")
 GIB = 1 << 30
+# blocks one simulated cache may hold (device + host): its pool keeps a list entry per block (8 bytes)
+MAX_SIM_BLOCKS = 1 << 26
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class PolicySpec:
 def parse_policies(text: str | Iterable[str], block_size: int) -> list[PolicySpec]:
     """`"none,block-aligned:528,hybridcache"` -> specs; `NAME:B` overrides the block size of one policy."""
     names = [p.strip() for p in (text.split(",") if isinstance(text, str) else text) if p.strip()]
+    if not names:
+        raise ValueError(f"no policy given; choose from {', '.join(POLICY_NAMES)}")
     specs = []
     for name in names:
         base, _, size = name.partition(":")
@@ -239,6 +243,7 @@ class CacheReplay:
         self.host_blocks = 0
         if spec.one_budget and self.uses_host_tier and config.host_memory_bytes:
             self.host_blocks = int(config.host_memory_bytes // cost.block_bytes(spec.block_size))
+        check_simulable(self.num_blocks, self.host_blocks, spec)
         cost_model = replace(cost.cache_cost_model(), host_bandwidth=config.host_bandwidth,
                              device_flops=config.device_flops)
         self.cache = PrefixCache(
@@ -546,6 +551,16 @@ class CacheReplay:
             host_load_bytes=self.counters.host_load_blocks * self.cost.block_bytes(self.block_size),
             promotions_skipped=stats.num_promotions_skipped,
         )
+
+
+def check_simulable(num_blocks: int, host_blocks: int, spec: PolicySpec) -> None:
+    """A ValueError when a cache of `num_blocks` device and `host_blocks` host blocks is beyond what the simulator
+    holds (`MAX_SIM_BLOCKS`: its pools keep a list entry per block; 2^26 blocks are 4 TiB of 64 KiB blocks)."""
+    for what, count in (("--memory-gib", num_blocks), ("--host-memory-gib", host_blocks)):
+        if count > MAX_SIM_BLOCKS:
+            raise ValueError(f"{what} makes {count:,} blocks of {spec.block_size} tokens; the simulator "
+                             f"holds at most {MAX_SIM_BLOCKS:,} (a list entry per block): give less memory or a "
+                             "larger block size")
 
 
 def min_branch_point_step(cost: CostModel, block_size: int, state_pages: int | None) -> int:

@@ -130,6 +130,8 @@ def simulate_routing(
     variants of these rules)."""
     if num_replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {num_replicas}")
+    if not policies:
+        raise ValueError(f"no routing policy given; choose from {', '.join(ROUTING_POLICIES)}")
     spec = spec or parse_policies("hybridcache", config.block_size)[0]
     requests = list(workload)
     max_running = max((r.n for r in requests), default=1)

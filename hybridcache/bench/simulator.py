@@ -204,7 +204,9 @@ def simulate_many(
     """Run each (policy, config) job over the workload; results in job order. The jobs are split into
     `num_workers` groups of about equal cost (`_split_jobs`); a group replays one rendering of the workload
     through all its jobs, in one forked process per group when `num_workers` > 1. `on_request()` is called
-    once per simulated request of any job (polled from a shared counter), for a progress bar."""
+    once per simulated request of any job (polled from a shared counter), for a progress bar. A ValueError in a
+    worker is raised here as a ValueError with its message, after the names of the group's policies; any other
+    error as a RuntimeError from it."""
     if num_workers <= 1 or len(jobs) <= 1:
         tick = None if on_request is None else lambda _: [on_request() for _ in jobs]
         return _simulate_jobs(workload, jobs, cost, tick)[0]
@@ -235,6 +237,8 @@ def simulate_many(
                 if proc.exitcode not in (None, 0):
                     raise RuntimeError(f"simulating {names(g)} died (exit code {proc.exitcode})") from None
             continue
+        if isinstance(result, ValueError):  # a bad input: the same error as in one process, naming the policies
+            raise ValueError(f"simulating {names(g)}: {result}") from result
         if isinstance(result, BaseException):
             raise RuntimeError(f"simulating {names(g)} failed") from result
         results.update(zip(groups[g], result, strict=True))

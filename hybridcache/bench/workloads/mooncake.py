@@ -16,7 +16,6 @@ collision of two 512-token blocks has probability 256^-512).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridcache.bench.workloads.base import SimRequest, Workload
+from hybridcache.bench.workloads.records import integer, items_of, json_records
 
 MOONCAKE_BLOCK_LEN = 512
 
@@ -37,20 +37,29 @@ class MooncakeRecord:
 
 
 def read_mooncake(path: str | Path, num_requests: int | None = None) -> list[MooncakeRecord]:
+    """The trace's first `num_requests` records; a malformed line is a ValueError `"{path}:{line}: ..."` naming
+    what is wrong (a missing field, a hash id or length that is not an integer, a length that does not fit)."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if num_requests is not None and len(records) >= num_requests:
-                break
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            hash_ids = tuple(int(h) for h in r["hash_ids"])
-            if not 0 < r["input_length"] <= len(hash_ids) * MOONCAKE_BLOCK_LEN:
-                raise ValueError(f"{path}: input_length {r['input_length']} does not fit {len(hash_ids)} blocks")
-            records.append(MooncakeRecord(float(r["timestamp"]), int(r["input_length"]),
-                                          max(1, int(r["output_length"])), hash_ids))
+    for where, r in json_records(path):
+        if num_requests is not None and len(records) >= num_requests:
+            break
+        hash_ids = tuple(_hash_id(h, where) for h in items_of(r, "hash_ids", where))
+        input_length = integer(r, "input_length", where, minimum=1)
+        if input_length > len(hash_ids) * MOONCAKE_BLOCK_LEN:
+            raise ValueError(f"{where}: input_length {input_length} does not fit {len(hash_ids)} blocks of "
+                             f"{MOONCAKE_BLOCK_LEN} tokens")
+        timestamp = r.get("timestamp")
+        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
+            raise ValueError(f"{where}: 'timestamp' must be a number, got {timestamp!r}")
+        records.append(MooncakeRecord(float(timestamp), input_length,
+                                      max(1, integer(r, "output_length", where, minimum=0)), hash_ids))
     return records
+
+
+def _hash_id(value, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: hash ids must be integers, got {value!r}")
+    return value
 
 
 class BlockTokens:

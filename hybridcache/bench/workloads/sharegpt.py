@@ -1,6 +1,7 @@
 """`sharegpt`: multi-turn chats from the ShareGPT V3 file, rendered with the model's chat template.
 
-Each line is `{"id", "conversations": [{"from": "human"|"gpt", "value": text}, ...]}`. Leading assistant
+Each line (or each element of a file that is one JSON array, as the V3 download has it) is
+`{"id", "conversations": [{"from": "human"|"gpt", "value": text}, ...]}`. Leading assistant
 messages are dropped (they have nothing before them); turn k's prompt is every message before the k-th
 assistant reply, with the generation prompt. Sessions arrive as a Poisson process (mean `session_gap_s`)
 and a session's next call follows after an exponential think time (mean `think_s`), both seeded.
@@ -8,12 +9,12 @@ and a session's next call follows after an exponential think time (mean `think_s
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from hybridcache.bench.workloads.base import ChatSession, session_arrivals
+from hybridcache.bench.workloads.records import items_of, json_records
 from hybridcache.bench.workloads.text import ChatEncoder
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant",
@@ -21,23 +22,24 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 
 
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
-    """(id, messages) per line, roles mapped to user/assistant/system, leading assistant messages dropped;
-    conversations left without a user message before an assistant message are skipped."""
+    """(id, messages) per record (one JSON object per line, or one JSON array of them as the ShareGPT V3 download
+    has it), roles mapped to user/assistant/system, leading assistant messages dropped; conversations left
+    without a user message before an assistant message are skipped. A record that is not an object with a list
+    of message objects under `conversations` is a ValueError `"{path}:{line}: ..."`."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            messages = [
-                {"role": _ROLES[m["from"]], "content": m["value"]}
-                for m in record.get("conversations", [])
-                if m.get("from") in _ROLES and isinstance(m.get("value"), str)
-            ]
-            while messages and messages[0]["role"] == "assistant":
-                messages.pop(0)
-            if any(m["role"] == "assistant" for m in messages):
-                out.append((str(record.get("id", len(out))), messages))
+    for where, record in json_records(path):
+        turns = items_of(record, "conversations", where)
+        if not all(isinstance(m, dict) for m in turns):
+            raise ValueError(f"{where}: 'conversations' must hold message objects ({{\"from\", \"value\"}})")
+        messages = [
+            {"role": _ROLES[m["from"]], "content": m["value"]}
+            for m in turns
+            if m.get("from") in _ROLES and isinstance(m.get("value"), str)
+        ]
+        while messages and messages[0]["role"] == "assistant":
+            messages.pop(0)
+        if any(m["role"] == "assistant" for m in messages):
+            out.append((str(record.get("id", len(out))), messages))
     return out
 
 

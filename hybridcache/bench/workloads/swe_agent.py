@@ -8,12 +8,12 @@ Message content that is a list of parts (`{"type": "text", "text": ...}`) is joi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from hybridcache.bench.workloads.base import ChatSession, session_arrivals
+from hybridcache.bench.workloads.records import items_of, json_file
 from hybridcache.bench.workloads.text import ChatEncoder
 
 
@@ -53,11 +53,14 @@ def load_swe_agent(
     for file in files:
         if num_sessions is not None and len(sessions) >= num_sessions:
             break
-        history = json.loads(file.read_text(encoding="utf-8")).get("history", [])
+        trajectory = json_file(file)
+        if not isinstance(trajectory, dict):
+            raise ValueError(f"{file}:1: expected a trajectory object, got {type(trajectory).__name__}")
+        history = items_of(trajectory, "history", f"{file}:1") if "history" in trajectory else []
         messages = [
             {"role": m["role"], "content": _text(m.get("content", ""))[:max_message_chars]}
             for m in history
-            if m.get("role") in ("system", "user", "assistant")
+            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
         ]
         calls = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
         if max_turns is not None and len(calls) > max_turns:
