@@ -59,14 +59,15 @@ def register(subparsers) -> None:
     sim.add_argument("--json", default=None, help="write the results as JSON here")
     sim.add_argument("--plot", default=None, help="write a PNG of hit rate vs memory (runs a sweep) here")
     sim.add_argument("--sweep", type=positive_floats, default=None,
-                     help="memory points of the sweep in GiB (default: budget x "
-                          + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
-    sim.add_argument("--jobs", type=positive_int, default=os.cpu_count() or 1,
-                     help="worker processes (one group of policies per worker)")
+                     help="run a sweep over these memory points in GiB (the JSON's `sweep`; with --plot, its "
+                          "points; default with --plot: budget x " + ",".join(str(f) for f in SWEEP_FACTORS) + ")")
+    sim.add_argument("--jobs", type=positive_int, default=None,
+                     help="worker processes (one group of policies per worker; default: the CPU count)")
     sim.add_argument("--no-progress", action="store_true", help="no progress bar")
     sim.add_argument("--replicas", type=positive_int, default=None,
-                     help="simulate this many replicas of the hybridcache policy (each with --memory-gib) behind a "
-                          "router instead of one cache (--policies is then ignored)")
+                     help="simulate this many replicas of the hybridcache policy (each with --memory-gib and "
+                          "--host-memory-gib) behind a router instead of one cache (--policies is then ignored; "
+                          "--plot, --sweep and --jobs are refused)")
     sim.add_argument("--routing", default="round-robin,session,kv-prefix,checkpoint",
                      help="with --replicas: comma-separated routing policies, of round-robin, session, kv-prefix, "
                           "checkpoint")
@@ -126,6 +127,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.replicas is not None:
         return cmd_simulate_routing(args)
+    num_jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
     if args.plot:
         require_extra("bench", "hybridcache simulate --plot")
     specs = parse_policies(args.policies, args.block_size)
@@ -136,7 +138,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     json_path, plot_path = fresh_paths(args.json, args.plot)
     budget = int(args.memory_gib * GIB)
     memories = [budget]
-    if args.plot:
+    if args.plot or args.sweep:
         factors = [x / args.memory_gib for x in args.sweep] if args.sweep else SWEEP_FACTORS
         points = [args.memory_gib * f for f in factors]
         memories = sorted({int(g * GIB) for g in points} | {budget})
@@ -152,7 +154,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     jobs = [(s, config(m)) for m in memories for s in specs if s.mode not in ("none", "oracle") or m == budget]
     bar = tqdm(total=len(jobs) * len(workload), desc=f"simulate {workload.name}", unit="req",
                disable=args.no_progress, file=sys.stderr, mininterval=1.0)
-    results = simulate_many(workload, jobs, cost, min(args.jobs, len(jobs)), bar.update)
+    results = simulate_many(workload, jobs, cost, min(num_jobs, len(jobs)), bar.update)
     bar.close()
     by_memory: dict[int, dict] = {m: {} for m in memories}
     for (spec, cfg), result in zip(jobs, results):
@@ -166,7 +168,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(format_sim_table(main))
     record = main.to_json()
     record["state_bytes"], record["mamba_ssm_cache_dtype"] = cost.state_bytes, cost.ssm_dtype
-    if len(memories) > 1:
+    if args.plot or args.sweep:
         record["sweep"] = [{"memory_gib": m / GIB, "token_hit_rate": {s.name: by_memory[m][s.name].token_hit_rate
                                                                          for s in specs}} for m in memories]
     if plot_path:
@@ -195,7 +197,9 @@ def host_memory_bytes(text: str, memory_bytes: int) -> int:
 
 
 def cmd_simulate_routing(args: argparse.Namespace) -> int:
-    """`simulate --replicas N`: every routing policy over N replicas (bench/routing.py)."""
+    """`simulate --replicas N`: every routing policy over N replicas (bench/routing.py), each replica with the
+    cache memory and host tier of one `simulate` run; the flags of a one-cache run that routing does not take
+    (--plot, --sweep, --jobs) are refused."""
     from tqdm.auto import tqdm
 
     from hybridcache.bench.routing import format_routing_table, simulate_routing
@@ -203,13 +207,21 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
     from hybridcache.bench.workloads import load_workload
     from hybridcache.engine.cost_model import load_model_cost
 
+    refused = [flag for flag, value in (("--plot", args.plot), ("--sweep", args.sweep), ("--jobs", args.jobs))
+               if value is not None]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}: not with --replicas (routing runs one process, at --memory-gib)")
     policies = [p.strip() for p in args.routing.split(",") if p.strip()]
     model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_dir)
     (json_path,) = fresh_paths(args.json)
-    config = SimConfig(int(args.memory_gib * GIB), args.block_size, args.chunk_budget, args.kv_tokens_per_slot)
+    memory = int(args.memory_gib * GIB)
+    bandwidth = float("inf") if args.host_bandwidth_gbs is None else args.host_bandwidth_gbs * 1e9
+    config = SimConfig(memory, args.block_size, args.chunk_budget, args.kv_tokens_per_slot,
+                       host_memory_bytes=host_memory_bytes(args.host_memory_gib, memory), host_bandwidth=bandwidth,
+                       device_flops=args.device_tflops * 1e12)
     bar = tqdm(total=len(workload), desc=f"route {workload.name}", unit="req", disable=args.no_progress,
                file=sys.stderr, mininterval=1.0)
     results = simulate_routing(workload, policies, args.replicas, cost, config, on_request=lambda _: bar.update())
@@ -217,7 +229,8 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
     print(format_routing_table(workload.name, results, args.memory_gib))
     if json_path:
         _write_json(json_path, {"workload": workload.name, "model": cost.name, "memory_gib_per_replica":
-                                args.memory_gib, "block_size": args.block_size, "num_requests": len(workload),
+                                args.memory_gib, "host_memory_bytes_per_replica": config.host_memory_bytes,
+                                "block_size": args.block_size, "num_requests": len(workload),
                                 "routing": {name: r.to_json() for name, r in results.items()}})
     return 0
 
