@@ -16,8 +16,9 @@ or the XML-style function block of Qwen3-Coder and Qwen3.5::
     </function>
     </tool_call>
 
-XML parameter values are text; they are converted to the type the tool's JSON schema declares for that parameter
-(integer, number, boolean, object, array, null), else kept as strings. The text outside the blocks is the
+XML parameter values are text; they are converted to the type the tool's JSON schema allows for that parameter
+(integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf` branches or `enum` values), else
+kept as strings; "null" is null, as in vLLM's qwen3_coder parser. The text outside the blocks is the
 message's `content`. A block that does not parse stays in the content, as text.
 
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
@@ -69,16 +70,39 @@ def _parameter_types(tools: list[dict] | None, name: str) -> dict[str, Any]:
     return {}
 
 
+_JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"))
+
+
+def _schema_kinds(schema: Any) -> set[str]:
+    """The JSON types a parameter's schema allows: its `type`, else its `anyOf` / `oneOf` branches' (pydantic's
+    `Optional[int]` is `anyOf: [{type: integer}, {type: null}]`), else the types of its `enum` / `const`
+    values; {"string"} when it says nothing."""
+    if not isinstance(schema, dict):
+        return {"string"}
+    kinds = schema.get("type")
+    if kinds is not None:
+        return {str(kind) for kind in (kinds if isinstance(kinds, list) else [kinds])}
+    branches = [b for key in ("anyOf", "oneOf") for b in schema.get(key) or [] if isinstance(b, dict)]
+    if branches:
+        return set().union(*(_schema_kinds(branch) for branch in branches))
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
+    found = {next((kind for cls, kind in _JSON_KINDS if isinstance(v, cls)), "object") for v in values}
+    return found or {"string"}
+
+
 def _convert(value: str, schema: dict[str, Any]) -> Any:
-    """An XML parameter's text as the type its schema names (the text itself when it does not parse)."""
-    kinds = schema.get("type", "string")
-    kinds = kinds if isinstance(kinds, list) else [kinds]
+    """An XML parameter's text as the type its schema allows (`_schema_kinds`): "null" (any case) is null, as
+    vLLM's qwen3_coder parser has it; a schema that allows strings keeps the text; otherwise the text as JSON
+    (or a boolean written True / False), the text itself when it does not parse."""
+    if value.strip().lower() == "null":
+        return None
+    kinds = _schema_kinds(schema)
     if "string" in kinds:
         return value
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError:
-        lowered = value.lower()
+        lowered = value.strip().lower()
         if "boolean" in kinds and lowered in ("true", "false"):
             return lowered == "true"
         return value

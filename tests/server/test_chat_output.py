@@ -32,6 +32,22 @@ def test_qwen3_coder_xml_block_converts_types_from_the_schema():
     assert json.loads(call.arguments) == {"city": "New York", "days": 3, "metric": True, "tags": ["a", "b"]}
 
 
+def test_xml_parameters_typed_by_any_of_enum_or_const_convert_and_null_is_null():
+    """Pydantic's Optional[int] is `anyOf` with no `type`, an enum of numbers has only `enum`: their values stayed
+    strings, and "null" stayed "null". vLLM's qwen3_coder parser converts them."""
+    properties = {"limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "level": {"enum": [1, 2, 3]},
+                  "mode": {"enum": ["fast", "slow"]}, "flag": {"const": True}, "note": {"type": "string"},
+                  "maybe": {"oneOf": [{"type": "string"}, {"type": "null"}]}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                          "properties": properties}}}]
+    params = {"limit": "5", "level": "2", "mode": "fast", "flag": "true", "note": "12", "maybe": "null",
+              "other": "NULL"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    (call,) = parse_tool_calls(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>", tools).tool_calls
+    assert json.loads(call.arguments) == {"limit": 5, "level": 2, "mode": "fast", "flag": True, "note": "12",
+                                          "maybe": None, "other": None}
+
+
 def test_two_calls_and_a_broken_block():
     parsed = parse_tool_calls(JSON_CALL + "\n" + XML_CALL, TOOLS)
     assert [c.name for c in parsed.tool_calls] == ["get_weather"] * 2 and parsed.content == ""
