@@ -11,7 +11,8 @@ ValueError) naming the reason before anything is queued; video is not supported.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -97,15 +98,14 @@ class LLM:
                     raise TypeError(f"messages must be a list of message dicts or a list of such lists "
                                     f"(conversation {i} holds a {type(message).__name__})")
         prompts: list[Prompt] = []
-        suffixes: list[str] = []  # each prompt's generation prompt: the next turn parts from it there
+        partings: list[Callable[[Sequence[int]], int | None]] = []  # where each next turn will part (its ids)
         for conversation in conversations:
             rendered, images = split_chat_images(conversation)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-            bare = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=False) if (
-                add_generation_prompt) else text
-            suffixes.append(text[len(bare):] if text.startswith(bare) else "")
-        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, suffixes=suffixes)
+            partings.append(functools.partial(self.tokenizer.parting_step, rendered, text) if add_generation_prompt
+                            else lambda ids: None)
+        return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, partings=partings)
 
     def generate(
         self,
@@ -125,9 +125,9 @@ class LLM:
 
     def _generate(self, prompts: Prompt | Sequence[Prompt],
                   sampling_params: SamplingParams | Sequence[SamplingParams] | None, *, use_tqdm: bool,
-                  suffixes: Sequence[str] | None = None) -> list[RequestOutput]:
-        """`generate`; `suffixes[i]`: the text that ends prompt i after the point where later prompts part from it
-        (`chat`'s generation prompt): a checkpoint is asked for there (`LLMEngine.add_request`'s
+                  partings: Sequence[Callable[[Sequence[int]], int | None]] | None = None) -> list[RequestOutput]:
+        """`generate`; `partings[i](ids)`: the step of prompt i's ids where later prompts will part from it
+        (`chat`'s `Tokenizer.parting_step`), or None: a checkpoint is asked for there (`LLMEngine.add_request`'s
         `checkpoints_at`)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts)
@@ -154,8 +154,8 @@ class LLM:
             for i, ((prompt, mm_inputs), params) in enumerate(zip(validated, params_list)):
                 request_id = str(self._next_id)
                 self._next_id += 1
-                tail = self.tokenizer.suffix_tokens(prompt.token_ids, suffixes[i]) if suffixes else 0
-                hints = (len(prompt.token_ids) - tail,) if tail else ()
+                step = partings[i](prompt.token_ids) if partings else None
+                hints = (step,) if step else ()
                 self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints)
                 ids.append(request_id)
         except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued

@@ -5,6 +5,7 @@ over its `tokenizers` backend."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 # The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
 # that converts its own vocabulary files (vocab.json + merges.txt, tokenizer.model, ...).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_PROBE_REPLY = "PROBE"  # `Tokenizer.parting_step`'s stand-in for a reply
 
 
 class Tokenizer:
@@ -95,6 +97,42 @@ class Tokenizer:
         (the tokenizer merged across the boundary: no token step holds the text before the suffix)."""
         tail = self.encode(suffix) if suffix else []
         return len(tail) if tail and len(tail) < len(token_ids) and list(token_ids[-len(tail):]) == tail else 0
+
+    def parting_step(self, messages: list[dict], prompt_text: str, prompt_ids: Sequence[int], *,
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> int | None:
+        """The step of `prompt_ids` (`prompt_text`: `messages` rendered with the generation prompt, then
+        tokenized, images expanded) where the conversation's next turn will part from this prompt, for
+        `LLMEngine.add_request`'s `checkpoints_at`; None when the next turn extends the whole prompt (its finish
+        checkpoint serves it) or no step can be told.
+
+        The next turn holds `messages` and this reply, so a probe reply is rendered after `messages` (no
+        generation prompt): the two renderings part where the next turn will. Qwen3 / Qwen3.5 templates open
+        `<think>\n` in the generation prompt and render earlier replies without it::
+
+            prompt   ...<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n
+            probe    ...<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nPROBE<|im_end|>\n
+                                                                       ^ the step: before <think>\n's tokens
+
+        Where the tokens do not break there (merged across it), the step before the whole generation prompt;
+        None as well when the template refuses the probe or parts before the generation prompt (it rewrites
+        earlier turns: no step serves the next turn). The generation prompt holds no image, so the tail's
+        tokens end the expanded ids."""
+        probe = [*messages, {"role": "assistant", "content": _PROBE_REPLY}]
+        try:
+            rendered = self.apply_chat_template(probe, add_generation_prompt=False, tools=tools,
+                                                template_kwargs=template_kwargs)
+            bare = self.apply_chat_template(messages, add_generation_prompt=False, tools=tools,
+                                            template_kwargs=template_kwargs)
+        except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends in a reply
+            return None
+        common = len(os.path.commonprefix([prompt_text, rendered]))
+        if common == len(prompt_text) or not prompt_text.startswith(bare) or common < len(bare):
+            return None
+        for tail in (prompt_text[common:], prompt_text[len(bare):]):
+            length = self.suffix_tokens(prompt_ids, tail)
+            if length:
+                return len(prompt_ids) - length
+        return None
 
     def apply_chat_template(
         self,

@@ -7,14 +7,16 @@ renders. It serves two ends:
 - where the reply starts: inside a think block or not (`reasoning.starts_in_reasoning(tail)`). Only the tail is
   looked at, so a `<think>` in a user's text changes nothing.
 - where the next turn parts from this prompt: the next request holds this conversation and the reply, which
-  templates render without the generation prompt (Qwen3 / Qwen3.5 templates open `<think>\\n` there and render
-  earlier replies without it). The server asks the engine for a checkpoint at the step before the generation
-  prompt (`LLMEngine.add_request`'s `checkpoints_at`), as `LLM.chat` does, so that turn hits all of this
-  conversation in the prefix cache::
+  templates may render otherwise than the generation prompt (Qwen3 / Qwen3.5 templates open `<think>\\n` there and
+  render earlier replies without it). The server asks the engine for a checkpoint where they part
+  (`Tokenizer.parting_step`, `LLMEngine.add_request`'s `checkpoints_at`), as `LLM.chat` does, so that turn hits
+  all of this conversation in the prefix cache::
 
-      turn 1   <|im_start|>user\\nHi<|im_end|>\\n | <|im_start|>assistant\\n<think>\\n
-      turn 2   <|im_start|>user\\nHi<|im_end|>\\n | <|im_start|>assistant\\nHello<|im_end|>\\n...
-                                                ^ checkpoint: turn 2 parts from turn 1 here
+      turn 1   <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n | <think>\\n
+      turn 2   <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n | Hello<|im_end|>\\n...
+                                                                  ^ checkpoint: turn 2 parts from turn 1 here
+
+  None where the next turn extends the whole prompt (its finish checkpoint serves it).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class ChatPrompt:
     text: str
     generation_prompt: str
     in_reasoning: bool
+    messages: list[dict[str, Any]] | None = None  # what was rendered, for `checkpoint_steps`
+    tools: list[dict] | None = None
+    template_kwargs: dict[str, Any] | None = None
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
@@ -54,7 +59,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, add_generatio
     else:
         tail = _continued_tail(text, messages, render) if continue_final_message else ""
     in_reasoning = reasoning.starts_in_reasoning(tail) if tail else reasoning.ends_with_start(text)
-    return ChatPrompt(text, generation_prompt, in_reasoning)
+    return ChatPrompt(text, generation_prompt, in_reasoning, messages, tools, template_kwargs)
 
 
 def _continued_tail(text: str, messages: list[dict[str, Any]], render: Any) -> str:
@@ -69,12 +74,13 @@ def _continued_tail(text: str, messages: list[dict[str, Any]], render: Any) -> s
     return text[len(before):] if text.startswith(before) else ""
 
 
-def checkpoint_steps(tokenizer: Any, prompt_ids: list[int], generation_prompt: str) -> tuple[int, ...]:
-    """The prompt step before the generation prompt, where the conversation's next turn parts from this prompt,
-    as `LLMEngine.add_request`'s `checkpoints_at`; () when the generation prompt's tokens do not end `prompt_ids`
-    as they stand (the tokenizer merged across the boundary, or the prompt was cut). Holds for a prompt with
-    images too: the generation prompt holds none, so its tokens end the expanded ids."""
-    if not generation_prompt:
+def checkpoint_steps(tokenizer: Any, prompt_ids: list[int], prompt: ChatPrompt) -> tuple[int, ...]:
+    """The step of `prompt_ids` (`prompt` tokenized, images expanded, perhaps cut at the front) where the
+    conversation's next turn parts from this prompt (`Tokenizer.parting_step`), as `LLMEngine.add_request`'s
+    `checkpoints_at`; () without a generation prompt, where the next turn extends the whole prompt, or where no
+    step can be told."""
+    if not prompt.generation_prompt or prompt.messages is None:
         return ()
-    tail_len = tokenizer.suffix_tokens(prompt_ids, generation_prompt)
-    return (len(prompt_ids) - tail_len,) if tail_len else ()
+    step = tokenizer.parting_step(prompt.messages, prompt.text, prompt_ids, tools=prompt.tools,
+                                  template_kwargs=prompt.template_kwargs)
+    return (step,) if step else ()

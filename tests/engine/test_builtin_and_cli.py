@@ -107,8 +107,8 @@ def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drop
     """Qwen3's and Qwen3.5's templates open a think block in the generation prompt (`<|im_start|>assistant\\n<think>
     \\n`) and render earlier replies without it, so the next turn parts from this prompt right after
     `<|im_start|>assistant\\n`: no checkpoint lay there (the prompt's end is past it), and turn 2 took nothing from
-    the cache. `chat` asks for a checkpoint at the conversation's end, before the generation prompt: turn 2 hits
-    all of turn 1's conversation."""
+    the cache. `chat` asks for a checkpoint where the next turn will part (`Tokenizer.parting_step`): turn 2 hits
+    all of turn 1's conversation and the reply's header."""
     llm = LLM()
     template = llm.tokenizer.chat_template
     assert THINKING_GENERATION_PROMPT in template
@@ -117,7 +117,9 @@ def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drop
     turn1 = [{"role": "system", "content": "You answer briefly. " * 8}, {"role": "user", "content": "Why? " * 12}]
     reply = llm.chat(turn1, greedy, use_tqdm=False)[0].outputs[0].text
     turn2 = [*turn1, {"role": "assistant", "content": reply}, {"role": "user", "content": "And then?"}]
-    conversation = llm.tokenizer.encode(llm.tokenizer.apply_chat_template(turn1, add_generation_prompt=False))
-    assert len(conversation) > 150
-    assert llm.chat(turn2, greedy, use_tqdm=False)[0].outputs[0].cached_tokens == len(conversation)
+    # turn 2 parts from turn 1's prompt after "<|im_start|>assistant\n", before "<think>\n"
+    prompt = llm.tokenizer.apply_chat_template(turn1)
+    parting = len(llm.tokenizer.encode(prompt[: prompt.rindex("<think>")]))
+    assert parting > 150
+    assert llm.chat(turn2, greedy, use_tqdm=False)[0].outputs[0].cached_tokens == parting
     llm.engine.check_integrity()

@@ -119,18 +119,26 @@ def test_the_tail_of_the_prompt_decides_where_the_reply_starts(tokenizer):
                                                 "continue_final_message": True}).in_reasoning
 
 
-def test_the_checkpoint_lies_before_the_generation_prompt(tokenizer):
-    prompt = render_chat(tokenizer, USER, add_generation_prompt=True, continue_final_message=False, tools=None,
-                         template_kwargs={})
-    ids = tokenizer.encode(prompt.text)
-    bare = tokenizer.encode(tokenizer.apply_chat_template(USER, add_generation_prompt=False))
-    assert prompt.generation_prompt and checkpoint_steps(tokenizer, ids, prompt.generation_prompt) == (len(bare),)
-    assert checkpoint_steps(tokenizer, ids, "") == ()
+def test_the_checkpoint_lies_where_the_next_turn_parts(tokenizer):
+    """The built-in template renders a reply after the very generation prompt it opens: the next turn extends the
+    whole prompt (its finish checkpoint serves it), no checkpoint is asked for. The think template's next turn
+    parts after `<|im_start|>assistant\\n`: the checkpoint lies before `<think>`."""
+    render = {"add_generation_prompt": True, "continue_final_message": False, "tools": None, "template_kwargs": {}}
+    plain = render_chat(tokenizer, USER, **render)
+    assert plain.generation_prompt and checkpoint_steps(tokenizer, tokenizer.encode(plain.text), plain) == ()
+    think = Tokenizer(builtin_model_dir())
+    think.chat_template = think_template(tokenizer)
+    prompt = render_chat(think, USER, **render)
+    ids = think.encode(prompt.text)
+    assert prompt.text.endswith("<|im_start|>assistant\n<think>")
+    assert checkpoint_steps(think, ids, prompt) == (len(think.encode(prompt.text[: -len("<think>")])),)
+    bare = render_chat(think, USER, **{**render, "add_generation_prompt": False})
+    assert checkpoint_steps(think, think.encode(bare.text), bare) == ()
 
 
 def test_the_next_turn_hits_the_whole_previous_conversation(think_server, tokenizer):
     """The template opens `<think>\\n` and renders earlier replies without it: turn 2 parts from turn 1's prompt
-    before its generation prompt, where no checkpoint lay (cached_tokens 0). The server asks the engine for one
+    inside its generation prompt, where no checkpoint lay (cached_tokens 0). The server asks the engine for one
     there, as `LLM.chat` does."""
     turn1 = [{"role": "system", "content": "You answer briefly. " * 8}, {"role": "user", "content": "Why? " * 12}]
     reply = _chat(think_server, messages=turn1, max_tokens=8, temperature=0, ignore_eos=True)
@@ -138,9 +146,13 @@ def test_the_next_turn_hits_the_whole_previous_conversation(think_server, tokeni
     assert message["reasoning"]  # dropped from the next turn, as Qwen3.5's templates drop earlier reasoning
     turn2 = [*turn1, {"role": "assistant", "content": message["content"]}, {"role": "user", "content": "And then?"}]
     second = _chat(think_server, messages=turn2, max_tokens=2, temperature=0)
-    conversation = tokenizer.encode(tokenizer.apply_chat_template(turn1, add_generation_prompt=False))
-    assert len(conversation) > 150
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == len(conversation)
+    # turn 2 parts from turn 1's prompt after "<|im_start|>assistant\n", before "<think>\n"
+    think = Tokenizer(builtin_model_dir())
+    think.chat_template = think_template(tokenizer)
+    prompt = think.apply_chat_template(turn1, add_generation_prompt=True)
+    parting = len(think.encode(prompt[: prompt.rindex("<think>")]))
+    assert parting > 150
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == parting
 
 
 def test_reasoning_goes_out_as_reasoning_and_reasoning_content(plain_server):
