@@ -53,13 +53,16 @@ class DraftPlan:
     to other ranks); `hidden_rows` [rows] int64: the row of the target's `step_hidden` each catch-up row reads;
     `first` int64: the rows of `batch` whose outputs propose the first drafts, one per proposing sequence;
     `steps`: the further positions, in order; `tokens_per_seq`: q of a uniform plan (module docstring), 0 for
-    any other."""
+    any other. `reads_prior`: some `hidden_rows` are past the step's rows: row (step rows + i) is the hidden
+    state sequence i of the step had before it (its slot's `last_hidden`: the position before its chunk), for a
+    catch-up row at that position (`MtpDrafter` after a hit; `ModelRunner.step_prior`)."""
 
     batch: ForwardBatch
     hidden_rows: torch.Tensor
     first: torch.Tensor
     steps: tuple[DraftStep, ...] = ()
     tokens_per_seq: int = 0
+    reads_prior: bool = False
 
 
 def identity(tokens: torch.Tensor) -> torch.Tensor:
@@ -68,12 +71,17 @@ def identity(tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def run_draft_plan(plan: DraftPlan, *, head: torch.nn.Module, model: torch.nn.Module, pools: DevicePools,
-                   backend: KernelBackend, hidden: torch.Tensor,
+                   backend: KernelBackend, hidden: torch.Tensor, prior: torch.Tensor | None = None,
                    agree: Callable[[torch.Tensor], torch.Tensor] = identity) -> torch.Tensor:
     """Run `plan` eagerly with the MTP `head` of `model` on `pools` (the head's KV: the layers after the target's)
-    from the target forward's final-norm hidden rows `hidden`; returns the proposed tokens, int64 on the device:
-    the first proposal of each row of `plan.first`, then each step's (empty when `first` is). `agree`: see the
-    module docstring (it is called, on every rank alike, on each proposal a further step embeds)."""
+    from the target forward's final-norm hidden rows `hidden` (and, for a plan that `reads_prior`, the step's
+    sequences' hidden states before it, `prior`); returns the proposed tokens, int64 on the device: the first
+    proposal of each row of `plan.first`, then each step's (empty when `first` is). `agree`: see the module
+    docstring (it is called, on every rank alike, on each proposal a further step embeds)."""
+    if plan.reads_prior:
+        if prior is None:
+            raise ValueError("the draft plan reads the step's prior hidden states, which the step did not keep")
+        hidden = torch.cat([hidden, prior.to(hidden.dtype)])
     steps = [(backend.prepare(step.batch), step.keep) for step in plan.steps]
     return draft_chain(backend.prepare(plan.batch), hidden.index_select(0, plan.hidden_rows), plan.first, steps,
                        head=head, model=model, kv=head_kv(model, pools), backend=backend, agree=agree)

@@ -59,6 +59,7 @@ from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.copy.block_copy import copy_blocks
 from hybridcache.kernels.sampling import greedy_tokens
+from hybridcache.models.hybrid_lm import LAST_HIDDEN
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 from hybridcache.state_spec import DevicePools
@@ -222,6 +223,8 @@ class ModelRunner:
         self.memory_plan = memory_plan
         self.mtp_head = mtp_head
         self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
+        # with a head: each sequence's last_hidden before the last forward (`DraftPlan.reads_prior`)
+        self.step_prior: torch.Tensor | None = None
         self._held_saves: list[DeviceCopyOp] = []  # with a head: the last step's KV_SAVEs (see `execute`)
         self.num_speculative_tokens = k = num_speculative_tokens
         self.device = device
@@ -458,7 +461,7 @@ class ModelRunner:
         if size is not None:
             return graphs.run(plan, self.step_hidden, size, replay=self._replay)
         return run_draft_plan(plan, head=self.mtp_head, model=self.model, pools=self.pools, backend=self.backend,
-                              hidden=self.step_hidden, agree=agree)
+                              hidden=self.step_hidden, prior=self.step_prior, agree=agree)
 
     def draft_after_verify(self, batch: ForwardBatch, logits: torch.Tensor,
                            near_pages: torch.Tensor) -> torch.Tensor | None:
@@ -537,6 +540,8 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs_for(batch)
         size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None else None
+        if self.mtp_head is not None:  # each sequence's last_hidden before the step (restored by its copies)
+            self.step_prior = self.pools.slot_state[LAST_HIDDEN].index_select(0, batch.state_slots)
         if size is None:
             tokens = self._prefill.bucket(batch) if self._prefill is not None else None
             if tokens is not None:

@@ -348,15 +348,18 @@ class MtpDrafter:
         caught: list[SeqChunk] = []
         hidden_rows: list[int] = []
         last_rows: list[int] = []
-        row = 0
-        for chunk in chunks:
+        row, step_rows, reads_prior = 0, sum(c.num_tokens for c in chunks), False
+        for index, chunk in enumerate(chunks):
             seq = chunk.seq
             if id(chunk) in owned:
                 valid = seq.num_computed - chunk.start  # positions of the chunk that hold the sequence's tokens
-                caught.append(SeqChunk(token_ids=seq.token_ids[chunk.start + 1: seq.num_computed + 1],
-                                       start=chunk.start, block_ids=chunk.block_ids, slot=chunk.slot))
-                last_rows.append(len(hidden_rows) + valid - 1)
-                hidden_rows += range(row, row + valid)
+                start, rows = chunk.start, list(range(row, row + valid))
+                if self._redo_before(chunk):  # the head's KV at start - 1 from this sequence's token at start
+                    start, rows, reads_prior = start - 1, [step_rows + index, *rows], True
+                caught.append(SeqChunk(token_ids=seq.token_ids[start + 1: seq.num_computed + 1],
+                                       start=start, block_ids=chunk.block_ids, slot=chunk.slot))
+                hidden_rows += rows
+                last_rows.append(len(hidden_rows) - 1)
             row += chunk.num_tokens
         first = [i for i, c in enumerate(owners) if wanted.get(c.seq.seq_id, 0) > 0]
         active = [owners[i] for i in first]
@@ -372,8 +375,19 @@ class MtpDrafter:
             steps.append(DraftStep(self._batch(rows, device), to_device(keep, device, torch.int64)))
             proposers.append(active)
         plan = DraftPlan(self._batch(caught, device), to_device(hidden_rows, device, torch.int64),
-                         to_device([last_rows[i] for i in first], device, torch.int64), tuple(steps))
+                         to_device([last_rows[i] for i in first], device, torch.int64), tuple(steps),
+                         reads_prior=reads_prior)
         return plan, proposers
+
+    def _redo_before(self, chunk: ScheduledChunk) -> bool:
+        """Whether the head's catch-up for `chunk` starts one position early: the chunk starts where its sequence
+        hit the cache, inside a block (a checkpoint's restored tail, the sequence's own block). The head's KV at
+        s - 1 reads the token at s, and the request that saved the checkpoint may have had another there (a branch
+        point is where two prompts part): it is written again from this sequence's token and the hidden state the
+        checkpoint restored (the runner's `step_prior`; `DraftPlan.reads_prior`). At a block boundary position
+        s - 1 is in a shared block, which stays as it is (the drafts then read the other request's KV there)."""
+        seq = chunk.seq
+        return bool(seq.num_cached) and chunk.start == seq.num_cached and chunk.start % self.block_size != 0
 
     def _batch(self, rows: Sequence[SeqChunk], device: torch.device) -> ForwardBatch:
         return build_forward_batch(rows, block_size=self.block_size, kernel_block_size=self.kernel_block_size,

@@ -295,3 +295,37 @@ def test_a_restored_tail_block_holds_the_heads_kv(small_dir):
         engine.check_integrity()
     assert checked[:1] == ["hit0"] and "hit1" in checked
     assert engine.stats()["cache"].num_hit_tokens >= 2 * 40
+
+
+def test_drafts_after_a_hit_at_a_parting_step_equal_an_uncached_run(small_dir):
+    """The head's KV at position s - 1 reads the token at s. A request that hits a checkpoint at s where it parts
+    from the request that saved it (a branch point) has another token at s than that request had, so the head's
+    KV there, restored with the tail block, was the other request's: its drafts parted from an uncached run's.
+    After a hit at a step inside a block (the tail block is the request's own) the head's catch-up starts at s - 1,
+    from the hidden state the checkpoint restored. fp32: the drafts are equal."""
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]  # 40 = 2.5 blocks: the branch point's tail block is private
+    prompts = [("a", shared + [rng.randrange(256) for _ in range(10)]),
+               ("b", shared + [rng.randrange(256) for _ in range(10)])]
+    prompts += [(f"hit{i}", shared + [rng.randrange(256) for _ in range(7 + i)]) for i in range(3)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    drafts = []
+    for caching in (True, False):
+        engine = make_engine(small_dir, 2, enable_prefix_caching=caching)
+        seen = {}
+        propose = engine.drafter.propose
+
+        def recording(chunks, drafting, *args, seen=seen, propose=propose):
+            propose(chunks, drafting, *args)
+            for seq in drafting:
+                seen[(seq.request_id, seq.num_tokens)] = list(seq.drafts)
+
+        engine.drafter.propose = recording
+        for request_id, prompt in prompts:
+            engine.add_request(request_id, prompt, greedy)
+            while engine.has_unfinished_requests():
+                engine.step()
+        if caching:
+            assert engine.stats()["cache"].num_hit_tokens >= 3 * 40
+        drafts.append(seen)
+    assert drafts[0] == drafts[1]
