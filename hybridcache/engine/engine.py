@@ -490,10 +490,12 @@ class LLMEngine:
         (its bytes are not trusted)."""
         handed = 0
         if self._failure is None:
+            copies = ()
             if not self.scheduler.has_work:  # (close aborted every request)
                 retired = self.scheduler.flush_retired_copies()
                 if not retired.is_empty:
-                    self.runner.execute_copies(device_copies(retired, self.runner.input_device))
+                    copies = device_copies(retired, self.runner.input_device)
+            self.runner.execute_copies(copies)  # (with an MTP head also the frozen tails it still holds)
             handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind)
         self.disk.close()
         stats = self.disk.stats()

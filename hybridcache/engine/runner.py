@@ -442,8 +442,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_copies(self, copies: tuple[DeviceCopyOp, ...]) -> None:
         """Copies without a forward, by phase (a step of only zero-prefill samples: BEFORE_FORWARD ones first;
-        a verify step's rollbacks: AFTER_VERIFY), after the KV_SAVEs `execute` held."""
-        self._run_held_saves()
+        a verify step's rollbacks: AFTER_VERIFY), after the KV_SAVEs `execute` held, but for a verify step's
+        rollbacks alone (they touch state slots only, and come before the head's catch-up, which the held copies
+        wait for). `()` runs the held copies alone (before the pools are read outside a step: the disk tier at
+        close)."""
+        if not copies or any(op.kind is not CopyKind.STATE_ROLLBACK for op in copies):
+            self._run_held_saves()
         for phase in Phase:
             for op in copies:
                 if op.kind.phase is phase:

@@ -258,12 +258,14 @@ def test_llm_takes_a_speculative_config_like_vllm(small_dir):
             assert on.engine.drafter.stats.num_accepted_tokens > 0
 
 
-def test_a_restored_tail_block_holds_the_heads_kv(small_dir):
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-a-decoding-request"])
+def test_a_restored_tail_block_holds_the_heads_kv(small_dir, beside):
     """A checkpoint's frozen tail block is copied (KV_SAVE) from the saving sequence's partial block; with MTP it must
     hold the head's KV there too, which the head writes after the forward (its catch-up, `MtpDrafter.propose`).
     The copy was taken right after the forward, before the head wrote: a request that hit restored a tail of stale
     head KV (NaN in a recycled page: then every draft of that sequence was token 0). The pool starts as NaN, so
-    any slot of a context the head did not write shows."""
+    any slot of a context the head did not write shows. Beside a decoding request, whose rejected drafts' rollback
+    runs in the same step before the head's catch-up, the copies still wait for the head."""
     engine = make_engine(small_dir, 1)
     for kv in engine.runner.pools.kv_groups:
         kv.fill_(float("nan"))
@@ -287,12 +289,17 @@ def test_a_restored_tail_block_holds_the_heads_kv(small_dir):
     rng = random.Random(5)
     shared = [rng.randrange(256) for _ in range(40)]  # 40 = 2.5 blocks: the branch checkpoint has a frozen tail
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    if beside:  # decodes (drafting, its drafts mostly rejected: rollbacks) through every request below
+        engine.add_request("x", [rng.randrange(256) for _ in range(20)],
+                           SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+        engine.step()
     for request_id, extra in (("a", 10), ("b", 10), ("hit0", 7), ("hit1", 9)):
         engine.add_request(request_id, shared + [rng.randrange(256) for _ in range(extra)], greedy)
-        while engine.has_unfinished_requests():
-            outputs = engine.step()
-        assert outputs[-1].finished
+        done = False
+        while not done:
+            done = any(o.request_id == request_id and o.finished for o in engine.step())
         engine.check_integrity()
+    assert not beside or engine.has_unfinished_requests()  # x still decoding
     assert checked[:1] == ["hit0"] and "hit1" in checked
     assert engine.stats()["cache"].num_hit_tokens >= 2 * 40
 
@@ -329,3 +336,32 @@ def test_drafts_after_a_hit_at_a_parting_step_equal_an_uncached_run(small_dir):
             assert engine.stats()["cache"].num_hit_tokens >= 3 * 40
         drafts.append(seen)
     assert drafts[0] == drafts[1]
+
+
+def test_a_frozen_tail_held_at_close_reaches_the_disk_tier(small_dir, tmp_path):
+    """Closed while a request's last chunk saved a checkpoint with a frozen tail, an MTP engine still held that
+    copy (the head writes its KV after the forward): the disk tier was handed a tail never written, and a
+    restarted engine that hit it produced garbage (token 0). The held copies run before the hand-over."""
+    rng = random.Random(5)
+    shared = [rng.randrange(256) for _ in range(40)]
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    options = {"host_cache_gib": 0.01, "disk_cache_dir": str(tmp_path), "max_num_batched_tokens": 48}
+    engine = make_engine(small_dir, 1, **options)
+    for kv in engine.runner.pools.kv_groups:
+        kv.fill_(float("nan"))
+    engine.add_request("a", shared + [rng.randrange(256) for _ in range(10)], greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("b", shared + [rng.randrange(256) for _ in range(100)], greedy)
+    engine.step()  # b's first chunk ends at the branch point 40 (its frozen tail: positions 32..39)
+    engine.close()
+    prompt = shared + [rng.randrange(256) for _ in range(9)]
+    results = []
+    for restarted in (make_engine(small_dir, None, enable_prefix_caching=False), make_engine(small_dir, 1, **options)):
+        restarted.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        while restarted.has_unfinished_requests():
+            outputs = restarted.step()
+        results.append((outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].cached_tokens))
+        restarted.close()
+    (want, _), (got, hit) = results
+    assert hit == 40 and got == want
