@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 # The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
 # that converts its own vocabulary files (vocab.json + merges.txt, tokenizer.model, ...).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-_PROBE_REPLY = "PROBE"  # `Tokenizer.parting_step`'s stand-in for a reply
+_PROBE_REPLY = "PROBE"  # `Tokenizer.parting_step`'s stand-in for a reply and the next message
 
 
 class Tokenizer:
@@ -105,19 +105,21 @@ class Tokenizer:
         `LLMEngine.add_request`'s `checkpoints_at`; None when the next turn extends the whole prompt (its finish
         checkpoint serves it) or no step can be told.
 
-        The next turn holds `messages` and this reply, so a probe reply is rendered after `messages` (no
-        generation prompt): the two renderings part where the next turn will. Qwen3 / Qwen3.5 templates open
-        `<think>\n` in the generation prompt and render earlier replies without it::
+        The next turn holds `messages`, this reply and a new message, so a probe reply and a probe user message
+        are rendered after `messages` (no generation prompt): the two renderings part where the next turn will
+        (the user message matters: Qwen3 templates render a reply after the last user message with its think
+        block, an earlier one without). Qwen3 / Qwen3.5 templates open `<think>\n` in the generation prompt and
+        render earlier replies without it::
 
             prompt   ...<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n
-            probe    ...<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nPROBE<|im_end|>\n
+            probe    ...<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nPROBE<|im_end|>\n<|im_start|>user...
                                                                        ^ the step: before <think>\n's tokens
 
         Where the tokens do not break there (merged across it), the step before the whole generation prompt;
         None as well when the template refuses the probe or parts before the generation prompt (it rewrites
         earlier turns: no step serves the next turn). The generation prompt holds no image, so the tail's
         tokens end the expanded ids."""
-        probe = [*messages, {"role": "assistant", "content": _PROBE_REPLY}]
+        probe = [*messages, {"role": "assistant", "content": _PROBE_REPLY}, {"role": "user", "content": _PROBE_REPLY}]
         try:
             rendered = self.apply_chat_template(probe, add_generation_prompt=False, tools=tools,
                                                 template_kwargs=template_kwargs)

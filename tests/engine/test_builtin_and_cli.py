@@ -103,16 +103,35 @@ THINKING_GENERATION_PROMPT = ("{% if enable_thinking is defined and enable_think
                               "{% endif -%}")
 
 
-def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drops_its_reply_prefix():
+LAST_REPLY_THINKS = """{%- for m in messages -%}
+{%- if m.role == 'assistant' and loop.last -%}<|im_start|>assistant
+<think>
+</think>
+
+{{ m.content }}<|im_end|>
+{% else -%}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|im_start|>assistant
+<think>
+{% endif -%}"""
+
+
+@pytest.mark.parametrize("template", ["builtin-think", "last-reply-thinks"])
+def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drops_its_reply_prefix(template):
     """Qwen3's and Qwen3.5's templates open a think block in the generation prompt (`<|im_start|>assistant\\n<think>
     \\n`) and render earlier replies without it, so the next turn parts from this prompt right after
     `<|im_start|>assistant\\n`: no checkpoint lay there (the prompt's end is past it), and turn 2 took nothing from
     the cache. `chat` asks for a checkpoint where the next turn will part (`Tokenizer.parting_step`): turn 2 hits
-    all of turn 1's conversation and the reply's header."""
+    all of turn 1's conversation and the reply's header. "last-reply-thinks" renders the reply after the last user
+    message with a think block and earlier ones without (Qwen3's rule), so the next turn's own rendering, with a user
+    message after the reply, is what tells where it parts."""
     llm = LLM()
-    template = llm.tokenizer.chat_template
-    assert THINKING_GENERATION_PROMPT in template
-    llm.tokenizer.chat_template = template.replace(THINKING_GENERATION_PROMPT, "<think>\n")
+    builtin = llm.tokenizer.chat_template
+    assert THINKING_GENERATION_PROMPT in builtin
+    llm.tokenizer.chat_template = (builtin.replace(THINKING_GENERATION_PROMPT, "<think>\n")
+                                   if template == "builtin-think" else LAST_REPLY_THINKS)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     turn1 = [{"role": "system", "content": "You answer briefly. " * 8}, {"role": "user", "content": "Why? " * 12}]
     reply = llm.chat(turn1, greedy, use_tqdm=False)[0].outputs[0].text
