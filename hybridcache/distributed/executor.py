@@ -348,19 +348,19 @@ def expect_message(worker: _Worker, op: Op, timeout: float | None = None) -> Any
     """The payload of the worker's next message, which must be `op`; WorkerError if it dies, reports an
     exception or (with `timeout`) says nothing for `timeout` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
+    hint = f"; {_START_HINT}" if op is Op.STARTED else ""  # (later deaths have other causes: memory, a kernel)
     while not worker.conn.poll():
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise WorkerError(f"{worker.describe()} did not answer {op.value!r} within {timeout:.0f} s")
         wait([worker.conn, worker.process.sentinel], timeout=left)
         if not worker.conn.poll() and not worker.process.is_alive():
-            raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}); {_START_HINT}")
+            raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}){hint}")
     try:
         got, payload = receive(worker.conn)
     except (EOFError, OSError):  # a closed pipe polls as readable: the worker died
         worker.process.join(1)
-        raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}); {_START_HINT}"
-                          ) from None
+        raise WorkerError(f"{worker.describe()} died ({_exit_reason(worker.process.exitcode)}){hint}") from None
     if got is Op.ERROR:
         raise WorkerError(f"{worker.describe()} raised:\n{payload}")
     if got is not op:
