@@ -30,7 +30,7 @@ import contextlib
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +58,25 @@ logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("authorization", "content-type")
 TAIL_BYTES = 1 << 16  # a stream's last bytes kept for its usage (a Responses stream's last event holds it all)
+
+
+def replica_verdict(status: int, headers: Mapping[str, str], content: bytes) -> str:
+    """What a replica's 502 / 503 / 504 means for the request: "answer" (its own outcome, passed to the client as it
+    is: a 503 with code `request_timeout`, the request ran past the replica's `--request-timeout` and was aborted),
+    "busy" (a 503 with `Retry-After`: the replica is up and its queue is full; another replica is tried and this
+    one stays up, its index kept) or "down" (anything else: a dead or stopping engine, a gateway error; the replica
+    is marked down and another tried)."""
+    if status == 503:
+        with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+            if json.loads(content)["error"]["code"] == "request_timeout":
+                return "answer"
+        if "retry-after" in {key.lower() for key in headers}:
+            return "busy"
+    return "down"
+
+
+def _passed_headers(upstream: httpx.Response) -> dict[str, str]:
+    return {"Retry-After": upstream.headers["retry-after"]} if "retry-after" in upstream.headers else {}
 
 
 @dataclass(frozen=True)
@@ -167,7 +186,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     async def forward(request: Request) -> Response:
         raw = await read_body(request, config.max_request_bytes)
@@ -185,6 +204,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         learn = path == RESPONSES_PATH and stores(body)
         tried: set[str] = set()
         last_error = "no replica is up"
+        busy: Response | None = None
         while True:
             if owner is not None:  # only the replica holding the conversation can continue it
                 ranked = [(owner, None)] if owner.up and owner.url not in tried else []
@@ -196,6 +216,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 ranked = state.ranked(prompts, tried)
             if not ranked:
                 state.num_failed += 1
+                if busy is not None:  # every replica left was busy: the last one's 503 and its Retry-After
+                    return busy
                 raise APIError(503, f"no replica could take the request: {last_error}")
             replica, predicted = ranked[0]
             tried.add(replica.url)
@@ -213,11 +235,25 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 replica.mark_down(last_error)
                 continue
             if upstream.status_code in RETRY_STATUSES:
-                await upstream.aclose()
+                try:
+                    content = await upstream.aread()
+                except httpx.HTTPError:
+                    content = b""
+                finally:
+                    await upstream.aclose()
                 replica.in_flight -= 1
+                verdict = replica_verdict(upstream.status_code, upstream.headers, content)
+                if verdict == "answer":  # the request's own outcome: another replica would only run it again
+                    replica.counters.routed += 1
+                    return Response(content, status_code=upstream.status_code, headers=_passed_headers(upstream),
+                                    media_type=upstream.headers.get("content-type", "application/json"))
                 replica.counters.retried_away += 1
                 last_error = f"{replica.url} answered {upstream.status_code}"
-                replica.mark_down(last_error)
+                if verdict == "busy":  # up, with a full queue: try another, keep it (and its index)
+                    busy = Response(content, status_code=upstream.status_code, headers=_passed_headers(upstream),
+                                    media_type=upstream.headers.get("content-type", "application/json"))
+                else:
+                    replica.mark_down(last_error)
                 continue
             replica.counters.routed += 1
             if stream and upstream.status_code == 200:

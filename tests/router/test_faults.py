@@ -21,7 +21,8 @@ PROMPT = list(range(1, 21))
 
 def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
     """A replica whose cache holds one checkpoint of PROMPT at `hit_step` (none for 0) and whose completions
-    answer as `mode` says: ok, 503, stream-cut (one chunk, then the connection drops)."""
+    answer as `mode` says: ok, 503, timeout (a request_timeout 503), busy (a 503 with Retry-After), stream-cut (one
+    chunk, then the connection drops)."""
     app = FastAPI()
     app.state.calls = 0
     app.state.epoch = epoch
@@ -46,6 +47,12 @@ def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
         app.state.calls += 1
         if mode == "503":
             return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
+        if mode == "timeout":  # `hybridcache serve --request-timeout`: this request's own outcome
+            return JSONResponse({"error": {"message": "ran past the timeout", "code": "request_timeout"}},
+                                status_code=503)
+        if mode == "busy":  # `--max-queued-requests`: a full queue
+            return JSONResponse({"error": {"message": "the server is busy"}}, status_code=503,
+                                headers={"Retry-After": "1"})
         if mode == "stream-cut":
             async def events_then_cut():
                 yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
@@ -81,6 +88,34 @@ def test_best_replica_failing_before_its_first_byte_is_retried_on_another():
         assert _metric(metrics, "hybridcache_router_retries_total") == 1
         health = httpx.get(f"{router}/health").json()
         assert [r["up"] for r in health["replicas"]] == [False, True]
+
+
+def test_a_replicas_request_timeout_is_the_answer_not_a_fault():
+    """A 503 for a request that ran past the replica's --request-timeout is that request's outcome: it reached the
+    client as the replica sent it, the replica stays up, nothing was run again elsewhere (it was retried on every
+    replica, doubling the wait, and marked each one down; found by a bug hunt)."""
+    slow, other = _fake_replica("timeout", hit_step=12), _fake_replica("ok")
+    with serving_app(slow) as first, serving_app(other) as second, serving_app(_router([first, second])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "request_timeout"
+        assert (slow.state.calls, other.state.calls) == (1, 0)
+        assert [r["up"] for r in httpx.get(f"{router}/health").json()["replicas"]] == [True, True]
+
+
+def test_a_busy_replica_is_passed_over_not_marked_down():
+    """A full queue (503 with Retry-After) sends the request to another replica and keeps the busy one up (and its
+    index); with every replica busy the client gets the 503 and its Retry-After."""
+    busy, other = _fake_replica("busy", hit_step=12), _fake_replica("ok")
+    with serving_app(busy) as first, serving_app(other) as second, serving_app(_router([first, second])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 200 and (busy.state.calls, other.state.calls) == (1, 1)
+        metrics = httpx.get(f"{router}/metrics").text
+        assert _metric(metrics, "hybridcache_router_replica_up", first) == 1
+        assert _metric(metrics, "hybridcache_router_indexed_checkpoints", first) == 1
+    with serving_app(_fake_replica("busy")) as only, serving_app(_router([only])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 503 and response.headers["retry-after"] == "1"
+        assert "busy" in response.json()["error"]["message"]
 
 
 def test_predicted_and_reported_hits_and_an_unreachable_replica():
