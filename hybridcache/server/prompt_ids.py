@@ -43,8 +43,16 @@ def body_prompt_ids(body: dict[str, Any], tokenizer: Any, default_template_kwarg
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
+IMAGE_STAND_IN = "\ufffc"  # OBJECT REPLACEMENT CHARACTER: where an image was, in a prompt predicted as text
+
+
 def _text_only(message: dict[str, Any]) -> dict[str, Any]:
+    """The message with its content as text: text parts as they are, any other part (an image) as
+    `IMAGE_STAND_IN`, so that no cached text-only prompt matches past an image (dropped, the texts around it met
+    and matched a prompt without the image: a false hit predicted)."""
     content = message.get("content")
     if isinstance(content, list):
-        message = {**message, "content": "".join(p.get("text", "") for p in content if p.get("type") == "text")}
+        text = "".join(p.get("text", "") if p.get("type") == "text" else IMAGE_STAND_IN
+                       for p in content if isinstance(p, dict))
+        message = {**message, "content": text}
     return message

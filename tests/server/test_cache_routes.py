@@ -86,3 +86,21 @@ def test_a_match_renders_and_tokenizes_on_the_tokenizer_threads(tokenizer):
     assert threads[0] == "MainThread" and len(threads) == 3  # the warm-up call, then the two prompts
     assert all(name.startswith("hybridcache-tokenize") for name in threads[1:]), threads
     routes.tokenizer_pool.shutdown()
+
+
+def test_an_image_is_no_text_in_a_predicted_prompt(tokenizer):
+    """A chat predicted as text (the router, /v1/cache/match) keeps a stand-in where an image was: dropped, the
+    texts around it met and matched a cached prompt without the image, a hit the replica then did not have (found
+    by a bug hunt: 394 tokens predicted, 0 hit)."""
+    from hybridcache.server.prompt_ids import IMAGE_STAND_IN, body_prompt_ids
+
+    def chat(*parts):
+        return {"messages": [{"role": "user", "content": list(parts)}]}
+
+    text = {"type": "text", "text": "look: "}, {"type": "text", "text": "what is in the picture?"}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    without = body_prompt_ids(chat(*text), tokenizer)[0]
+    with_image = body_prompt_ids(chat(text[0], image, text[1]), tokenizer)[0]
+    first = next(i for i, (a, b) in enumerate(zip(without, with_image, strict=False)) if a != b)
+    assert tokenizer.decode(with_image[first:]).startswith(IMAGE_STAND_IN)
+    assert with_image != without and len(with_image) > len(without)
