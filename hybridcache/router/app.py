@@ -39,6 +39,7 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridcache.router.policy import Chooser, RoutingConfig
 from hybridcache.router.replicas import Replica, ReplicaCounters
@@ -188,11 +189,18 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
+    @app.exception_handler(StarletteHTTPException)  # an unknown route or method: OpenAI's error shape, as a replica's
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+
     async def forward(request: Request) -> Response:
         raw = await read_body(request, config.max_request_bytes)
         try:
             body = json.loads(raw)
-        except (RecursionError, ValueError) as error:
+        except RecursionError:
+            raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
+        except ValueError as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         path = request.url.path
         # a long prompt: off the loop

@@ -153,6 +153,11 @@ def test_no_replica_up_is_a_clear_503():
         assert httpx.get(f"{router}/health").status_code == 503
         bad = httpx.post(f"{router}/v1/completions", content=b"{", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and "not valid JSON" in bad.text
+        deep = httpx.post(f"{router}/v1/completions", content=b"[" * 100_000,
+                          headers={"content-type": "application/json"})
+        assert deep.status_code == 400 and "nested too deeply" in deep.json()["error"]["message"]
+        unknown = httpx.get(f"{router}/v1/nope")  # OpenAI's error shape, as a replica answers it
+        assert unknown.status_code == 404 and unknown.json()["error"]["message"] == "GET /v1/nope: Not Found"
 
 
 def test_a_restarted_replica_is_indexed_again_from_a_snapshot():
