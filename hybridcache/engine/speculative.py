@@ -189,13 +189,14 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
 def assign_drafts(drafted: Sequence[int], proposers: Sequence[Sequence[ScheduledChunk]],
                   wanted: dict[int, int]) -> dict[int, list[int]]:
     """seq_id -> its drafts, from `runner.draft`'s tokens `drafted` (position by position: `proposers[j]` the chunks
-    whose sequences proposed at position j, in order), each cut at the sequence's `wanted` count."""
+    whose sequences proposed at position j, in order), each cut at the sequence's `wanted` count (a sequence that
+    wants none, e.g. one that finished, gets no entry)."""
     out: dict[int, list[int]] = {}
     for owners in proposers:
         for chunk, token in zip(owners, drafted, strict=False):
-            drafts = out.setdefault(chunk.seq.seq_id, [])
-            if len(drafts) < wanted.get(chunk.seq.seq_id, 0):
-                drafts.append(token)
+            seq_id = chunk.seq.seq_id
+            if len(out.get(seq_id, ())) < wanted.get(seq_id, 0):
+                out.setdefault(seq_id, []).append(token)
         drafted = drafted[len(owners):]
     return out
 
@@ -257,10 +258,10 @@ class MtpDrafter:
     def propose(self, chunks: Sequence[ScheduledChunk], drafting: Sequence[Seq],
                 predrafted: torch.Tensor | None = None) -> None:
         """After a step's tokens are settled (`Seq.token_ids` and `num_computed` advanced, the verdicts' drafts
-        accepted): run the head over every position the step computed for sequences still running (its KV
-        there), then set `seq.drafts` of each sequence in `drafting` (running, sampled in this step) to the
-        `budget(seq)` tokens the head proposes greedily (a uniform plan drafts k for every sequence: the
-        drafts past a budget are dropped here).
+        accepted): run the head over every position the step computed (its KV there; for a sequence that finished
+        in the step too, whose blocks and tail the cache keeps), then set `seq.drafts` of each sequence in
+        `drafting` (running, sampled in this step) to the `budget(seq)` tokens the head proposes greedily (a uniform
+        plan drafts k for every sequence: the drafts past a budget are dropped here).
 
         The head's KV goes into the blocks the step was planned with (`chunk.block_ids`, like the forward's), at
         positions the step computed and, for the further drafts, past them (private blocks: the scheduler's 3k of
@@ -301,11 +302,11 @@ class MtpDrafter:
              wanted: dict[int, int]) -> tuple[DraftPlan, list[list[ScheduledChunk]]] | None:
         """The head's work after the step (`propose`; `wanted`: seq_id -> drafts wanted, for the sequences that
         draft), built on the runner's `input_device`, and the chunks whose sequences propose at each position,
-        in the order of `runner.draft`'s tokens; None when no sequence still running computed a position.
+        in the order of `runner.draft`'s tokens; None when no sequence computed a position.
         Uniform (`mtp_draft` module docstring) when every such chunk fed the same q tokens, q = 1 (a plain
         decode row) or 1 + k (a verify row of k drafts)."""
-        owners = [c for c in chunks if not c.seq.is_finished and c.seq.num_computed > c.start
-                  and len(c.seq.token_ids) > c.seq.num_computed]
+        # (a sequence that finished in this step too: its blocks and tail go into the cache, the head's KV with them)
+        owners = [c for c in chunks if c.seq.num_computed > c.start and len(c.seq.token_ids) > c.seq.num_computed]
         if not owners:
             return None
         widths = {c.num_tokens for c in owners}

@@ -258,14 +258,17 @@ def test_llm_takes_a_speculative_config_like_vllm(small_dir):
             assert on.engine.drafter.stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside-a-decoding-request"])
-def test_a_restored_tail_block_holds_the_heads_kv(small_dir, beside):
+@pytest.mark.parametrize(("beside", "max_tokens"), [(False, 4), (True, 4), (False, 1)],
+                         ids=["alone", "beside-a-decoding-request", "finishing-in-its-prefill"])
+def test_a_restored_tail_block_holds_the_heads_kv(small_dir, beside, max_tokens):
     """A checkpoint's frozen tail block is copied (KV_SAVE) from the saving sequence's partial block; with MTP it must
     hold the head's KV there too, which the head writes after the forward (its catch-up, `MtpDrafter.propose`).
     The copy was taken right after the forward, before the head wrote: a request that hit restored a tail of stale
     head KV (NaN in a recycled page: then every draft of that sequence was token 0). The pool starts as NaN, so
     any slot of a context the head did not write shows. Beside a decoding request, whose rejected drafts' rollback
-    runs in the same step before the head's catch-up, the copies still wait for the head."""
+    runs in the same step before the head's catch-up, the copies still wait for the head. A request that finishes in
+    its prefill step (max_tokens 1) drafts nothing, but its blocks and tail go into the cache: the head writes there
+    too."""
     engine = make_engine(small_dir, 1)
     for kv in engine.runner.pools.kv_groups:
         kv.fill_(float("nan"))
@@ -288,7 +291,7 @@ def test_a_restored_tail_block_holds_the_heads_kv(small_dir, beside):
     engine.drafter.propose = checking_propose
     rng = random.Random(5)
     shared = [rng.randrange(256) for _ in range(40)]  # 40 = 2.5 blocks: the branch checkpoint has a frozen tail
-    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     if beside:  # decodes (drafting, its drafts mostly rejected: rollbacks) through every request below
         engine.add_request("x", [rng.randrange(256) for _ in range(20)],
                            SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
