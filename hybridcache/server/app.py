@@ -70,6 +70,7 @@ from hybridcache.server.limits import (
     max_token_bytes,
     queue_full_error,
     read_body,
+    truncation_tail,
 )
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.prompt_ids import body_prompt_ids
@@ -209,8 +210,12 @@ class _Routes:
         body.check_n()
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.config.limits)
-        if body.truncate_prompt_tokens is None:  # a truncated prompt may be of any length
+        keep = body.truncation(self.model.max_model_len)
+        if keep is None:
             check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
+        else:  # a truncated prompt may be of any length: only its end is tokenized
+            prompts = [truncation_tail(p, keep, self.prompt_byte_limit, self.model.max_model_len)
+                       if isinstance(p, str) else p for p in prompts]
         tokenizer = self.model.tokenizer
         encoded = await self._encode(prompts)
         prompt_ids = [body.truncated(ids, self.model.max_model_len) for ids in encoded]
@@ -258,8 +263,11 @@ class _Routes:
             raise APIError(400, f"the chat template could not render these messages: {error}",
                            param="messages") from None
         text = chat_prompt.text
-        if body.truncate_prompt_tokens is None:  # a truncated prompt may be of any length
+        keep = body.truncation(self.model.max_model_len)
+        if keep is None or images:  # (truncation may not cut a prompt with images: it is a 400 below)
             check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
+        else:  # a truncated prompt may be of any length: only its end is tokenized
+            text = truncation_tail(text, keep, self.prompt_byte_limit, self.model.max_model_len)
         prompt_ids = (await self._encode([text]))[0]
         mm_inputs: tuple = ()
         if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop

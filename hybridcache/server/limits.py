@@ -122,6 +122,22 @@ def media_request_bytes(images: MediaLimits) -> int:
     return images.max_images * (-(-images.max_bytes // 3) * 4 + 1024)
 
 
+TRUNCATION_MARGIN_TOKENS = 64  # tokens of text kept before a truncated prompt's last ones (`truncation_tail`)
+
+
+def truncation_tail(text: str, keep: int, limit_bytes: int | None, max_model_len: int) -> str:
+    """The end of `text` that holds its last `keep` tokens and `TRUNCATION_MARGIN_TOKENS` more, so that a prompt
+    truncated to `keep` tokens (`truncate_prompt_tokens`) is tokenized by its end only, not whole: it passes no size
+    check (it may be of any length), and a 32 MB prompt took 21 s and 5 GB to tokenize. A token stands for at most
+    `limit_bytes / max_model_len` bytes (`max_token_bytes`), a character is at least one byte, so that many
+    characters per token hold the last tokens; the margin's first tokens, which the cut may merge otherwise, are
+    dropped by the truncation. `limit_bytes` None (the tokenizer does not say): `text` whole."""
+    if limit_bytes is None:
+        return text
+    window = (keep + TRUNCATION_MARGIN_TOKENS) * max(1, limit_bytes // max_model_len)
+    return text if len(text) <= window else text[-window:]
+
+
 def check_prompt_bytes(prompts: list[str | list[int]], limit_bytes: int | None, max_model_len: int,
                        param: str) -> None:
     """Refuse (400, `context_length_exceeded`) a prompt text that cannot fit `max_model_len` tokens, by its size

@@ -111,17 +111,21 @@ class _SamplingRequest(BaseModel):
         options = self.stream_options
         return self.include_usage(forced) and bool(options and options.continuous_usage_stats)
 
-    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """`prompt_ids` cut to their last `truncate_prompt_tokens` (-1: `max_model_len`) tokens, as vLLM; a value
+    def truncation(self, max_model_len: int) -> int | None:
+        """How many prompt tokens `truncate_prompt_tokens` keeps (-1: `max_model_len`), or None without it; a value
         over `max_model_len` or 0 is a 400."""
         k = self.truncate_prompt_tokens
         if k is None:
-            return prompt_ids
+            return None
         if k == 0 or k > max_model_len:
             raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {max_model_len}], got "
                            f"{k}", param="truncate_prompt_tokens")
-        keep = max_model_len if k == -1 else k
-        return prompt_ids[-keep:]
+        return max_model_len if k == -1 else k
+
+    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """`prompt_ids` cut to their last `truncate_prompt_tokens` tokens (`truncation`), as vLLM."""
+        keep = self.truncation(max_model_len)
+        return prompt_ids if keep is None else prompt_ids[-keep:]
 
     def num_logprobs(self) -> int | None:
         """How many top logprobs each token carries, or None when logprobs are off (each endpoint names the

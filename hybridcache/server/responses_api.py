@@ -46,7 +46,7 @@ from hybridcache.server.chat_output import ChoiceStream, final_message
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
-from hybridcache.server.protocol import ChatCompletionRequest, Int64, parse_request
+from hybridcache.server.protocol import ChatCompletionRequest, Int64, ReasoningEffort, parse_request
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 
 if TYPE_CHECKING:
@@ -58,6 +58,14 @@ MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
 _OFF_VALUES = {"background": (None, False), "conversation": (None,), "prompt": (None,)}
+
+
+class ResponsesReasoning(BaseModel):
+    """`reasoning` of a Responses request: its `effort` reaches the chat template as `reasoning_effort`, as a chat
+    request's does (`summary` and the rest are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+    effort: ReasoningEffort | None = None
 
 
 class ResponsesRequest(BaseModel):
@@ -73,8 +81,9 @@ class ResponsesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
-    stream: bool = False
+    stream: bool | None = False  # (null: off, as vLLM's Optional[bool])
     store: bool = True
+    reasoning: ResponsesReasoning | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
@@ -208,7 +217,8 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
     chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
             "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
-            "response_format": response_format(body.text)}
+            "response_format": response_format(body.text),
+            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
     return {k: v for k, v in chat.items() if v is not None}
 
 

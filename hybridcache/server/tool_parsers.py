@@ -62,46 +62,64 @@ def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _parameter_types(tools: list[dict] | None, name: str) -> dict[str, Any]:
+def _parameter_types(tools: list[dict] | None, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The tool's parameter schemas by name, and its `$defs` (what a `$ref` names, as pydantic writes models)."""
     for tool in tools or []:
         function = tool.get("function", tool)
         if function.get("name") == name:
-            return (function.get("parameters") or {}).get("properties") or {}
-    return {}
+            parameters = function.get("parameters") or {}
+            return parameters.get("properties") or {}, parameters.get("$defs") or parameters.get("definitions") or {}
+    return {}, {}
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _strict_json(text: str, **options: Any) -> Any:
+    """`json.loads` without NaN / Infinity (Python's json takes and writes them; no strict JSON parser does)."""
+    return json.loads(text, parse_constant=_refuse_constant, **options)
 
 
 _JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"))
 
 
-def _schema_kinds(schema: Any) -> set[str]:
-    """The JSON types a parameter's schema allows: its `type`, else its `anyOf` / `oneOf` branches' (pydantic's
-    `Optional[int]` is `anyOf: [{type: integer}, {type: null}]`), else the types of its `enum` / `const`
-    values; {"string"} when it says nothing."""
-    if not isinstance(schema, dict):
+def _schema_kinds(schema: Any, defs: dict[str, Any] | None = None, depth: int = 0) -> set[str]:
+    """The JSON types a parameter's schema allows: its `type`, else what its `$ref` names in `defs` (pydantic's
+    `Optional[Model]` is `anyOf: [{$ref: "#/$defs/Model"}, {type: null}]`; an unknown name, or `properties`
+    without a type: an object), else its `anyOf` / `oneOf` branches' (pydantic's `Optional[int]` is `anyOf: [{type:
+    integer}, {type: null}]`), else the types of its `enum` / `const` values; {"string"} when it says nothing (as
+    vLLM's qwen3_coder parser)."""
+    if not isinstance(schema, dict) or depth > 16:
         return {"string"}
     kinds = schema.get("type")
     if kinds is not None:
         return {str(kind) for kind in (kinds if isinstance(kinds, list) else [kinds])}
+    if isinstance(schema.get("$ref"), str):
+        target = (defs or {}).get(schema["$ref"].rsplit("/", 1)[-1])
+        return _schema_kinds(target, defs, depth + 1) if isinstance(target, dict) else {"object"}
+    if "properties" in schema:
+        return {"object"}
     branches = [b for key in ("anyOf", "oneOf") for b in schema.get(key) or [] if isinstance(b, dict)]
     if branches:
-        return set().union(*(_schema_kinds(branch) for branch in branches))
+        return set().union(*(_schema_kinds(branch, defs, depth + 1) for branch in branches))
     values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
     found = {next((kind for cls, kind in _JSON_KINDS if isinstance(v, cls)), "object") for v in values}
     return found or {"string"}
 
 
-def _convert(value: str, schema: dict[str, Any]) -> Any:
+def _convert(value: str, schema: dict[str, Any], defs: dict[str, Any] | None = None) -> Any:
     """An XML parameter's text as the type its schema allows (`_schema_kinds`): "null" (any case) is null, as
     vLLM's qwen3_coder parser has it; a schema that allows strings keeps the text; otherwise the text as JSON
     (or a boolean written True / False), the text itself when it does not parse."""
     if value.strip().lower() == "null":
         return None
-    kinds = _schema_kinds(schema)
+    kinds = _schema_kinds(schema, defs)
     if "string" in kinds:
         return value
     try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
+        parsed = _strict_json(value)
+    except ValueError:  # (JSONDecodeError too; NaN / Infinity: kept as text, as JSON has no such number)
         lowered = value.strip().lower()
         if "boolean" in kinds and lowered in ("true", "false"):
             return lowered == "true"
@@ -115,16 +133,16 @@ def parse_block(body: str, tools: list[dict] | None = None) -> ToolCall | None:
     function = _FUNCTION.match(body)
     if function is not None:
         name = function.group(1).strip()
-        types = _parameter_types(tools, name)
+        types, defs = _parameter_types(tools, name)
         arguments = {}
         for parameter in _PARAMETER.finditer(function.group(2)):
             key = parameter.group(1).strip()
             value = parameter.group(2).strip("\n")
-            arguments[key] = _convert(value, types.get(key, {}))
-        return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False))
+            arguments[key] = _convert(value, types.get(key, {}), defs)
+        return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
     try:
-        data = json.loads(body, strict=False)  # grammars may let control characters through unescaped
-    except json.JSONDecodeError:
+        data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
+    except ValueError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None

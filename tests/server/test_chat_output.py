@@ -48,6 +48,23 @@ def test_xml_parameters_typed_by_any_of_enum_or_const_convert_and_null_is_null()
                                           "maybe": None, "other": None}
 
 
+def test_xml_arguments_are_strict_json_and_a_ref_names_its_model():
+    """A number parameter written NaN / Infinity came back as `{"h": NaN}`, which no strict JSON parser takes; a
+    pydantic Optional[Model] (`anyOf: [{$ref}, {type: null}]`) kept its object as a string (a review found both)."""
+    parameters = {"type": "object", "$defs": {"Box": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+                  "properties": {"h": {"type": "number"}, "g": {"anyOf": [{"$ref": "#/$defs/Box"}, {"type": "null"}]},
+                                 "p": {"properties": {"y": {}}}, "u": {"$ref": "#/$defs/Unknown"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    params = {"h": "NaN", "g": '{"x": 1}', "p": '{"y": 2}', "u": "[1, 2]"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    (call,) = parse_tool_calls(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>", tools).tool_calls
+    arguments = json.loads(call.arguments, parse_constant=lambda name: pytest.fail(f"{name} in the arguments"))
+    assert arguments == {"h": "NaN", "g": {"x": 1}, "p": {"y": 2}, "u": [1, 2]}
+    (nan_json,) = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"h": NaN}}\n</tool_call>',
+                                   tools).tool_calls or (None,)
+    assert nan_json is None  # not JSON: not a call
+
+
 def test_two_calls_and_a_broken_block():
     parsed = parse_tool_calls(JSON_CALL + "\n" + XML_CALL, TOOLS)
     assert [c.name for c in parsed.tool_calls] == ["get_weather"] * 2 and parsed.content == ""

@@ -266,3 +266,18 @@ def test_fuzzed_responses_requests_never_get_a_5xx(server):
             break
         time.sleep(0.2)
     assert check.status_code == 200 and check.json()["integrity"] == "ok", check.text
+
+
+def test_reasoning_effort_reaches_the_template_and_stream_may_be_null():
+    """A Responses request's `reasoning.effort` was dropped (a chat request's `reasoning_effort` reaches the chat
+    template as vLLM passes it), and `stream: null` was a 400 (vLLM's Optional[bool]); found by a review."""
+    from hybridcache.server.responses_api import ResponsesRequest, chat_request
+
+    body = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "high", "summary": "auto"},
+                                            "stream": None})
+    assert not body.stream
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_request(body, messages)["reasoning_effort"] == "high"
+    assert "reasoning_effort" not in chat_request(ResponsesRequest.model_validate({"input": "hi"}), messages)
+    with pytest.raises(ValueError, match="effort"):
+        ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "bogus"}})

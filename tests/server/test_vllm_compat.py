@@ -112,6 +112,26 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
     assert error["param"] == "truncate_prompt_tokens"
 
 
+def test_a_truncated_prompt_is_tokenized_by_its_end_only(client, tokenizer):
+    """With truncate_prompt_tokens a prompt passes no size check, and was tokenized whole before it was cut: a 32 MB
+    prompt took 21 s and 5 GB of memory (found by a review). Only its end is tokenized (`truncation_tail`), with the
+    same last tokens as the whole text's."""
+    from hybridcache.server.limits import TRUNCATION_MARGIN_TOKENS, max_token_bytes, truncation_tail
+
+    token_bytes = max_token_bytes(tokenizer)
+    text = "".join(f"w{i} é€ " for i in range(50_000))
+    for keep in (1, 7, 100):
+        tail = truncation_tail(text, keep, MAX_MODEL_LEN * token_bytes, MAX_MODEL_LEN)
+        assert len(tail) == (keep + TRUNCATION_MARGIN_TOKENS) * token_bytes
+        assert tokenizer.encode(tail)[-keep:] == tokenizer.encode(text)[-keep:]
+    assert truncation_tail("short", 7, MAX_MODEL_LEN * token_bytes, MAX_MODEL_LEN) == "short"
+    body = {"model": MODEL, "prompt": text, "max_tokens": 1, "truncate_prompt_tokens": 100, "echo": True}
+    response = client.post("/v1/completions", json=body).raise_for_status().json()
+    assert response["usage"]["prompt_tokens"] == 100
+    kept = tokenizer.decode(tokenizer.encode(text)[-100:], skip_special_tokens=False)
+    assert response["choices"][0]["text"].startswith(kept)
+
+
 @pytest.mark.parametrize("field, value, param_value", [
     ("include_stop_str_in_output", True, True), ("skip_special_tokens", False, False)])
 def test_vllm_detokenizer_fields_pass_into_sampling_params(field, value, param_value):
