@@ -76,8 +76,11 @@ def replica_verdict(status: int, headers: Mapping[str, str], content: bytes) -> 
     return "down"
 
 
-def _passed_headers(upstream: httpx.Response) -> dict[str, str]:
-    return {"Retry-After": upstream.headers["retry-after"]} if "retry-after" in upstream.headers else {}
+def _relayed(upstream: httpx.Response, content: bytes) -> Response:
+    """A replica's error answer as the router sends it on: its status, body, content type and `Retry-After`."""
+    headers = {"Retry-After": upstream.headers["retry-after"]} if "retry-after" in upstream.headers else {}
+    return Response(content, status_code=upstream.status_code, headers=headers,
+                    media_type=upstream.headers.get("content-type", "application/json"))
 
 
 @dataclass(frozen=True)
@@ -253,13 +256,11 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 verdict = replica_verdict(upstream.status_code, upstream.headers, content)
                 if verdict == "answer":  # the request's own outcome: another replica would only run it again
                     replica.counters.routed += 1
-                    return Response(content, status_code=upstream.status_code, headers=_passed_headers(upstream),
-                                    media_type=upstream.headers.get("content-type", "application/json"))
+                    return _relayed(upstream, content)
                 replica.counters.retried_away += 1
                 last_error = f"{replica.url} answered {upstream.status_code}"
                 if verdict == "busy":  # up, with a full queue: try another, keep it (and its index)
-                    busy = Response(content, status_code=upstream.status_code, headers=_passed_headers(upstream),
-                                    media_type=upstream.headers.get("content-type", "application/json"))
+                    busy = _relayed(upstream, content)
                 else:
                     replica.mark_down(last_error)
                 continue

@@ -298,7 +298,8 @@ class _Routes:
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
                               stops=StopRule.of(params))
-        checkpoints = checkpoint_steps(self.model.tokenizer, prompt_ids, chat_prompt)
+        checkpoints = await asyncio.get_running_loop().run_in_executor(  # (two more renders: off the event loop)
+            self.tokenizer_pool, checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
