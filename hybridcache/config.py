@@ -28,8 +28,9 @@ SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
 SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 
 
-def _integer(value: object) -> bool:
-    """An int that is not a bool (a float such as 100.5, or True, is no size)."""
+def is_integer(value: object) -> bool:
+    """An int that is not a bool (a float such as 100.5 is no size, True is no count or token id; Python counts bools
+    as ints). Shared by every check of user input that wants an integer."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -182,29 +183,29 @@ class EngineConfig:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
-            if not _integer(value) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         kbs = self.kernel_block_size
-        if not _integer(kbs) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
+        if not is_integer(kbs) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(
                 f"kernel_block_size must be a power of two that divides block_size {self.block_size}, got {kbs}"
             )
         utilization = self.gpu_memory_utilization
         if utilization is not None and not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
-        if self.num_blocks is not None and not (_integer(self.num_blocks) and self.num_blocks >= 1):
+        if self.num_blocks is not None and not (is_integer(self.num_blocks) and self.num_blocks >= 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
         if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
             raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
         self._check_disk_tier()
-        if self.max_model_len is not None and not (_integer(self.max_model_len) and self.max_model_len >= 2):
+        if self.max_model_len is not None and not (is_integer(self.max_model_len) and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {', '.join(CACHE_MODES)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         interval = self.decode_checkpoint_interval
-        if interval is not None and (not _integer(interval) or interval < 1 or interval % self.block_size):
+        if interval is not None and (not is_integer(interval) or interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "

@@ -9,13 +9,10 @@ from typing import Protocol
 
 import torch
 
+from hybridcache.config import is_integer
+
 _SEED_LIMIT = 1 << 63  # seeds are 64-bit signed integers (torch's generator takes seed + completion index)
 _INT_LIMIT = 1 << 31  # top_k goes into an int64 tensor; anything this large is "off" anyway
-
-
-def _integer(value: object) -> bool:
-    """An int that is not a bool (True is an int to Python, never a count or a token id to a user)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _real(value: object) -> bool:
@@ -106,20 +103,20 @@ class SamplingParams:
             (_real(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
             (_real(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (_integer(self.top_k) and (0 <= self.top_k < _INT_LIMIT or self.top_k == -1),
+            (is_integer(self.top_k) and (0 <= self.top_k < _INT_LIMIT or self.top_k == -1),
              f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}"),
             (_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (_integer(self.max_tokens) and self.max_tokens >= 1,
+            (is_integer(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (_integer(self.min_tokens) and self.min_tokens >= 0,
+            (is_integer(self.min_tokens) and self.min_tokens >= 0,
              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
-            (not _integer(self.min_tokens) or not _integer(self.max_tokens) or self.min_tokens <= self.max_tokens,
+            (not is_integer(self.min_tokens) or not is_integer(self.max_tokens) or self.min_tokens <= self.max_tokens,
              f"min_tokens must be at most max_tokens, got min_tokens {self.min_tokens!r} and max_tokens "
              f"{self.max_tokens!r}"),
-            (_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (self.seed is None or (_integer(self.seed) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
+            (is_integer(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (self.seed is None or (is_integer(self.seed) and -_SEED_LIMIT <= self.seed < _SEED_LIMIT),
              f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}"),
-            (all(_integer(t) and t >= 0 for t in self.stop_token_ids),
+            (all(is_integer(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (all(isinstance(s, str) and s for s in stop), f"stop must hold non-empty strings, got {stop!r}"),
             (isinstance(self.ignore_eos, bool), f"ignore_eos must be true or false, got {self.ignore_eos!r}"),
@@ -133,12 +130,12 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
             (_real(self.repetition_penalty) and self.repetition_penalty > 0,
              f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}"),
-            (all(_integer(t) and t >= 0 and _real(v) and -100 <= v <= 100 for t, v in self.logit_bias),
+            (all(is_integer(t) and t >= 0 and _real(v) and -100 <= v <= 100 for t, v in self.logit_bias),
              "logit_bias maps non-negative token ids to values in [-100, 100]"),
-            (self.logprobs is None or (_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            (self.logprobs is None or (is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"),
             (self.prompt_logprobs is None
-             or (_integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             or (is_integer(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
              f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:

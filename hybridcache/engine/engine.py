@@ -53,7 +53,7 @@ import torch
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.cache.host_tier import TierBehind
 from hybridcache.cache.plan import CopyPlan
-from hybridcache.config import EVICTION_POLICIES, EngineConfig
+from hybridcache.config import EVICTION_POLICIES, EngineConfig, is_integer
 from hybridcache.copy_kinds import CopyKind
 from hybridcache.engine.cost_model import engine_cost_model
 from hybridcache.engine.disk_keeper import DiskKeeper
@@ -335,7 +335,7 @@ class LLMEngine:
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         hints = tuple(checkpoints_at)
-        if not all(isinstance(h, int) and not isinstance(h, bool) and 0 < h < len(prompt_ids) for h in hints):
+        if not all(is_integer(h) and 0 < h < len(prompt_ids) for h in hints):
             raise ValueError(f"checkpoints_at must hold prompt steps in [1, {len(prompt_ids)}), got {hints}")
         if any(item.pixel_values is not None and item.embeds is None for item in mm_inputs):
             if self.vision is None:

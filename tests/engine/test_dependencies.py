@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "copy_kinds": set(),
     "config": set(),
     "guided": set(),
-    "sampling": {"guided"},  # a request's constraint is checked to be a GuidedSpec
+    "sampling": {"config", "guided"},  # is_integer; a request's constraint is checked to be a GuidedSpec
     "multimodal": set(),
     "state_spec": set(),
     "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
