@@ -34,7 +34,8 @@ class Rendering:
     echo_only: `max_tokens: 0` with echo: the engine generated one token that no choice shows (not in the
     text, the logprobs, the token ids or the usage). prompt_logprobs: the `prompt_logprobs` the client asked
     for (None: the field is left out even where the engine computed them for echo).
-    return_token_ids: each finished choice carries its token ids. stops: the request's stop conditions, for each
+    return_token_ids: each finished choice carries its token ids, and the response its prompt's (vLLM's places: each
+    completion choice, the chat response). stops: the request's stop conditions, for each
     choice's vLLM `stop_reason`."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
@@ -138,8 +139,12 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                                                                      rendering.prompt_logprobs)
             if rendering.return_token_ids:
                 choice["token_ids"] = list(c.token_ids)
+                if not meta.chat:  # vLLM: on each completion choice (a chat response carries them once, below)
+                    choice["prompt_token_ids"] = list(output.prompt_token_ids)
             choices.append(choice)
     body = {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
+    if meta.chat and rendering.return_token_ids:
+        body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
     if meta.chat and _wants_prompt_logprobs(outputs[0], rendering):  # vLLM puts them on the chat response
         body["prompt_logprobs"] = prompt_logprobs_json(outputs[0].prompt_logprobs, rendering.prompt_logprobs)
     return body

@@ -339,3 +339,17 @@ def test_stop_reason_with_the_stop_string_kept_is_the_one_found_first():
     assert rule.reason(CompletionOutput(0, "zab", list("zab"), "stop"), Chars()) == "ab"
     assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "stop"), Chars()) == "xx"
     assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "length"), Chars()) is None
+
+
+def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(client, tokenizer):
+    """vLLM's return_token_ids puts the prompt's ids on each completion choice and on the chat response, beside each
+    choice's `token_ids` (only the latter came back; found by a review)."""
+    ids = tokenizer.encode("The quick brown fox")
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 2, "n": 2, "return_token_ids": True, "ignore_eos": True}
+    response = client.post("/v1/completions", json=body).raise_for_status().json()
+    assert [c["prompt_token_ids"] for c in response["choices"]] == [ids, ids]
+    assert all(len(c["token_ids"]) == 2 for c in response["choices"])
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "return_token_ids": True, "ignore_eos": True}
+    response = client.post("/v1/chat/completions", json=chat).raise_for_status().json()
+    assert response["prompt_token_ids"] == tokenizer.encode(tokenizer.apply_chat_template(CHAT))
+    assert "prompt_token_ids" not in response["choices"][0] and len(response["choices"][0]["token_ids"]) == 2
