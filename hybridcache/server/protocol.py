@@ -185,6 +185,9 @@ class _SamplingRequest(BaseModel):
         if self.prompt_logprobs is not None and self.stream:
             raise APIError(400, "prompt_logprobs is not available with stream: true (as in vLLM)",
                            param="prompt_logprobs")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given with stream: true (as in vLLM)",
+                           param="stream_options")
 
     def sampling_params(self, max_tokens: int, guided: GuidedSpec | None = None,
                         defaults: SamplingDefaults | None = None) -> SamplingParams:

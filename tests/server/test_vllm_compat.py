@@ -353,3 +353,11 @@ def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(client, tokenizer
     response = client.post("/v1/chat/completions", json=chat).raise_for_status().json()
     assert response["prompt_token_ids"] == tokenizer.encode(tokenizer.apply_chat_template(CHAT))
     assert "prompt_token_ids" not in response["choices"][0] and len(response["choices"][0]["token_ids"]) == 2
+
+
+def test_stream_options_without_a_stream_is_refused_as_vllm_does(client):
+    for path, base in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
+        body = {"model": MODEL, "max_tokens": 1, **base, "stream_options": {"include_usage": True}}
+        error = _error(client.post(path, json=body))
+        assert error["param"] == "stream_options" and "stream: true" in error["message"]
+        assert client.post(path, json={**body, "stream": True}).status_code == 200
