@@ -223,7 +223,7 @@ class ModelRunner:
         self.memory_plan = memory_plan
         self.mtp_head = mtp_head
         self.step_hidden: torch.Tensor | None = None  # with a head: the last forward's final-norm hidden rows
-        # with a head: each sequence's last_hidden before the last forward (`DraftPlan.reads_prior`)
+        # with a head, after a step no graph replayed: each sequence's last_hidden before it (`DraftPlan.reads_prior`)
         self.step_prior: torch.Tensor | None = None
         self._held_saves: list[DeviceCopyOp] = []  # with a head: the last step's KV_SAVEs (see `execute`)
         self.num_speculative_tokens = k = num_speculative_tokens
@@ -544,9 +544,13 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         graphs = self._graphs_for(batch)
         size = graph_bucket(batch.num_seqs, graphs.sizes) if graphs is not None else None
-        if self.mtp_head is not None:  # each sequence's last_hidden before the step (restored by its copies)
-            self.step_prior = self.pools.slot_state[LAST_HIDDEN].index_select(0, batch.state_slots)
+        # each sequence's last_hidden before the step (restored by its copies), for a ragged draft plan's catch-up
+        # from a hit (`DraftPlan.reads_prior`); a step a decode or verify graph replays is one whose plan is uniform
+        # and reads none: no copy on that per-step path
+        self.step_prior = None
         if size is None:
+            if self.mtp_head is not None:
+                self.step_prior = self.pools.slot_state[LAST_HIDDEN].index_select(0, batch.state_slots)
             tokens = self._prefill.bucket(batch) if self._prefill is not None else None
             if tokens is not None:
                 return self._run_pieces(batch, tokens)
