@@ -36,7 +36,7 @@ import logging
 import os
 import queue
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +146,7 @@ class DiskTier:
         self._by_anchor: dict[int, list[DiskState]] = {}
         self._sizes: dict[Path, int] = {}
         self._queued: set[Any] = set()  # block hashes and state keys handed to the writer, not written yet
+        self._pinned: Counter[int] = Counter()  # the chains of queued fall-outs: blocks the cap must not drop
         self._scan()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="hybridcache-disk-writer", daemon=True)
@@ -169,6 +170,7 @@ class DiskTier:
         s = fall_out
         with self._lock:
             self._queued.update(s.blocks[i].hash for i in blocks)
+            self._pinned.update(b.hash for b in s.blocks)
             if state is not None:
                 self._queued.add((s.anchor_hash, s.step, s.tail_hash))
         self._queue.put((fall_out, blocks, state))
@@ -382,11 +384,14 @@ class DiskTier:
                 self._count(path)
             self._queued.difference_update(b.hash for b in s.blocks)
             self._queued.discard((s.anchor_hash, s.step, s.tail_hash))
+            self._pinned.subtract(b.hash for b in s.blocks)
+            self._pinned += Counter()  # drops the zero counts
             self._enforce_cap()
 
     def _enforce_cap(self) -> None:
         """Past `max_bytes`: drop the least recently used states, then the blocks no remaining state's chain
-        (nor a queued write) needs. Under the lock."""
+        nor a queued fall-out's chain (written or not: its blocks on disk are not queued again) needs. Under the
+        lock."""
         if self.stats.num_bytes <= self.max_bytes:
             return
         while self.stats.num_bytes > self.max_bytes and self._states:
@@ -394,7 +399,7 @@ class DiskTier:
             self._forget_state(key)
             self._remove_file(self._state_path(key))
             self.stats.num_evicted_states += 1
-            needed = set(self._queued)
+            needed = set(self._queued) | set(self._pinned)
             for state in self._states.values():
                 h = state.anchor_hash
                 while h in self._blocks and h not in needed:

@@ -168,3 +168,24 @@ def test_the_model_key_changes_with_the_weights_and_the_geometry(tmp_path):
     assert model_key(tmp_path, {"block_size": 32}) != key
     weights.write_bytes(b"\0" * 999 + b"\1")
     assert model_key(tmp_path, {"block_size": 64}) != key
+
+
+def test_the_size_cap_keeps_the_blocks_a_queued_state_chains_through(tmp_path):
+    """A state queued behind a write that goes past the cap: its chain's blocks are already on disk (so not queued
+    again) and belong to the state the cap drops first; they must stay, or the queued state is written unreachable."""
+    disk = make(tmp_path)
+    other = [7] * 30
+    keep(disk, fall_out(PROMPT, 9), seed=1)  # state A at 9 and PROMPT's two blocks
+    one = disk.stats.num_bytes
+    disk.close()
+    capped = make(tmp_path, max_bytes=int(1.5 * one))
+    deeper, filler = fall_out(PROMPT, 11), fall_out(other, 9)
+    wants_deeper, wants_filler = capped.wants(deeper), capped.wants(filler)
+    assert wants_deeper == (True, ())  # PROMPT's blocks are on disk: only the state is written
+    capped.put(filler, {i: rows(1, 10 + i)[0] for i in wants_filler[1]}, rows(3, 20))  # drops A when written
+    capped.put(deeper, {}, rows(3, 30))
+    capped.flush()
+    hit = capped.find(PROMPT, B, 29)
+    assert hit is not None and hit.state.step == 11
+    assert capped.read(hit, ()) is not None
+    capped.close()
