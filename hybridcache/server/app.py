@@ -103,7 +103,9 @@ class ServedModel:
     the event loop; the engine has another), the prompt + completion limit, and the sampling defaults of fields
     a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`).
     `vocab_size`: the model's vocabulary (token ids in [0, vocab_size) are accepted everywhere; ids past the
-    tokenizer's own decode to ""); None: the tokenizer's."""
+    tokenizer's own decode to ""); None: the tokenizer's. `eos_token_ids`: the ids the engine stops on as EOS
+    (config.json's and generation_config.json's), of which `primary_eos_token_id` is the tokenizer's: they decide
+    vLLM's `stop_reason` (`StopRule`)."""
 
     tokenizer: Any
     max_model_len: int
@@ -111,6 +113,12 @@ class ServedModel:
     image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     vocab_size: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    primary_eos_token_id: int | None = None
+
+    def stop_rule(self, params: SamplingParams) -> StopRule:
+        """The stop conditions of a request with `params`, for its choices' `stop_reason`."""
+        return StopRule.of(params, self.eos_token_ids, self.primary_eos_token_id)
 
 
 class PreparedChat(NamedTuple):
@@ -233,7 +241,7 @@ class _Routes:
         rendering = Rendering(logprobs=params.logprobs is not None,
                               num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
                               echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids, stops=StopRule.of(params))
+                              return_token_ids=body.return_token_ids, stops=self.model.stop_rule(params))
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
@@ -297,7 +305,7 @@ class _Routes:
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
-                              stops=StopRule.of(params))
+                              stops=self.model.stop_rule(params))
         checkpoints = await asyncio.get_running_loop().run_in_executor(  # (two more renders: off the event loop)
             self.tokenizer_pool, checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)

@@ -328,6 +328,27 @@ def test_stop_reason_names_the_stop_that_ended_a_choice(client, tokenizer, path,
     assert [c["choices"][0]["stop_reason"] for c in chunks] == [None] * (len(chunks) - 1) + [wanted]
 
 
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": "a"}),
+                                        ("/v1/chat/completions", {"messages": CHAT})])
+def test_stop_reason_is_null_on_the_tokenizer_eos_and_names_the_other_eos_ids(client, tokenizer, path, base):
+    """vLLM's scheduler checks the tokenizer's EOS before `stop_token_ids` (a stop on it has stop_reason null, listed
+    or not), and adds generation_config.json's other EOS ids to `stop_token_ids` (a stop on one names it). The
+    server named the EOS id when the client listed it, and said null for the others."""
+    eos = tokenizer.eos_token_id  # <|im_end|>
+    (other,) = tokenizer.encode("<|endoftext|>")  # generation_config.json's other EOS id
+    cases = [({"logit_bias": {str(eos): 100}, "stop_token_ids": [eos]}, None),
+             ({"logit_bias": {str(eos): 100}}, None),
+             ({"logit_bias": {str(other): 100}}, other),
+             ({"logit_bias": {str(other): 100}, "stop_token_ids": [other]}, other),
+             ({"logit_bias": {str(eos): 100}, "stop_token_ids": [eos], "ignore_eos": True}, eos)]
+    for extra, wanted in cases:
+        body = {"model": MODEL, **base, "max_tokens": 4, **extra}
+        choice = client.post(path, json=body).raise_for_status().json()["choices"][0]
+        assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", wanted), extra
+        last = [c for c in _chunks(client, path, body) if c["choices"]][-1]["choices"][0]
+        assert (last["finish_reason"], last["stop_reason"]) == ("stop", wanted), extra
+
+
 def test_stop_reason_with_the_stop_string_kept_is_the_one_found_first():
     """Of stop strings the kept text ends with, the longest starts earliest: the detokenizer found it first."""
 
