@@ -9,7 +9,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from hybridcache.bench.replay import CacheReplay, Counters, PolicyResult, PolicySpec, SimConfig, policy_result
+from hybridcache.bench.replay import CacheReplay
+from hybridcache.bench.results import Counters, PolicyResult, policy_result
+from hybridcache.bench.specs import PolicySpec, SimConfig
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheRequest
 from hybridcache.cache.policy import EvictionPolicy

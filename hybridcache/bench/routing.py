@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from hybridcache.bench.replay import CacheReplay, PolicySpec, SimConfig, cache_requests_of, parse_policies
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
+from hybridcache.bench.specs import PolicySpec, SimConfig, parse_policies
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.cache import PrefixCache
 from hybridcache.cache.matching import walk_prompt

@@ -14,7 +14,7 @@ Per request and policy (`CacheReplay.run`)::
     cache.commit_step({rid: output[:-1]})              all decode tokens but the last in one commit
     cache.finish(rid) if policy.finish else cache.abort(rid)
 
-The `n` > 1 completions of one request (`CacheReplay._run_forked`, the policies that share prompts in flight,
+The `n` > 1 completions of one request (forked.py's `ForkedRun`, the policies that share prompts in flight,
 as the engine's scheduler does): completion 0 prefills alone, the others wait for it, then hit its whole prompt
 (sample only) and decode beside it one token behind; each finishes in the step that samples its last token.
 Policies that do not share in flight (`block-aligned`, `seed`) match and admit all of them before any is fed.
@@ -53,18 +53,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hybridcache.bench.oracles import FUTURE_POLICIES, BoundedOracleReplay, FutureIndex, OracleReplay
-from hybridcache.bench.replay import (
-    DEFAULT_POLICIES,
-    GIB,
-    POLICY_NAMES,
-    CacheReplay,
-    NoCacheReplay,
-    PolicyResult,
-    PolicySpec,
-    SimConfig,
-    cache_requests_of,
-    parse_policies,
-)
+from hybridcache.bench.replay import CacheReplay, NoCacheReplay, cache_requests_of
+from hybridcache.bench.results import PolicyResult
+from hybridcache.bench.specs import DEFAULT_POLICIES, GIB, POLICY_NAMES, PolicySpec, SimConfig, parse_policies
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.engine.cost_model import ModelCost
 

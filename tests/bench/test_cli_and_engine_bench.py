@@ -102,7 +102,7 @@ def test_simulate_sizes_checkpoints_by_the_state_dtype(tmp_path):
     dtype (the conv state stays in the model's dtype), so the same budget holds more checkpoints in bf16 (two
     pools: more slots; paged: fewer blocks per state, at a block size where the rounding up to whole blocks
     shows it: B = 16, 8 blocks in fp32 and 5 in bf16)."""
-    from hybridcache.bench.replay import GIB, cache_sizing
+    from hybridcache.bench.specs import GIB, cache_sizing
     from hybridcache.engine.cost_model import load_model_cost
     from hybridcache.models.builtin import ensure_builtin_model
     from hybridcache.models.config import ModelConfig

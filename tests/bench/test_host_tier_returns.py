@@ -10,8 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hybridcache.bench.replay import cache_requests_of, parse_policies
-from hybridcache.bench.simulator import GIB, SimConfig, make_replay
+from hybridcache.bench.replay import cache_requests_of
+from hybridcache.bench.simulator import GIB, SimConfig, make_replay, parse_policies
 from hybridcache.bench.workloads import load_workload
 from hybridcache.engine.cost_model import load_model_cost
 

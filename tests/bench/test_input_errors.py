@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from hybridcache.bench.replay import MAX_SIM_BLOCKS
 from hybridcache.bench.routing import simulate_routing
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay, parse_policies, simulate_many
+from hybridcache.bench.specs import MAX_SIM_BLOCKS
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.bench.workloads.mooncake import mooncake_workload
 from hybridcache.bench.workloads.sharegpt import read_conversations

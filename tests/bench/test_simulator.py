@@ -3,8 +3,8 @@
 import pytest
 
 from hybridcache.bench.oracles import OracleIndex
-from hybridcache.bench.replay import cache_sizing
 from hybridcache.bench.simulator import GIB, SimConfig, parse_policies, simulate
+from hybridcache.bench.specs import cache_sizing
 from hybridcache.bench.workloads import SimRequest, Workload
 from hybridcache.engine.cost_model import ModelCost, load_model_cost
 
@@ -288,7 +288,7 @@ def test_hit_counts_leave_out_a_sequence_dropped_after_its_hit(monkeypatch):
     counts nowhere. SWE-agent at 0.01 GiB with a 4x host tier drops 7 such sequences (10,825 hit tokens); the
     host hit tokens had counted them (47,454 against 46,867 hit tokens). Now host hit tokens and hits by reason
     count the sequences the hit tokens count."""
-    from hybridcache.bench.replay import Counters
+    from hybridcache.bench.results import Counters
     from hybridcache.bench.workloads import load_workload
 
     added: list[tuple[int, str | None]] = []
