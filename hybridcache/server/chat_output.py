@@ -46,6 +46,7 @@ class ChoiceStream:
         self._reasoning_sent = ""
         self._content_seen = ""
         self._tools = ToolCallStream(options.tools) if options.parse_tools else None
+        self.has_reasoning = False  # the text has a think block (closed or not)
 
     @property
     def has_tool_calls(self) -> bool:
@@ -58,6 +59,7 @@ class ChoiceStream:
         content = stable
         if self.options.split_reasoning:
             parts = reasoning.split(stable, in_reasoning=self.options.in_reasoning, finished=finished)
+            self.has_reasoning = self.has_reasoning or parts.reasoning is not None
             if parts.reasoning is not None and parts.reasoning.startswith(self._reasoning_sent):
                 delta.reasoning = parts.reasoning[len(self._reasoning_sent):]
                 self._reasoning_sent = parts.reasoning
@@ -72,17 +74,19 @@ class ChoiceStream:
 
 
 def final_message(text: str, options: ChatOutputOptions) -> dict[str, Any]:
-    """The non-streaming assistant message of a finished choice: role, content (None when the choice is only
-    tool calls), `tool_calls` where present, and with a reasoning parser the reasoning (None when there is none)
-    as vLLM's `reasoning` and as `reasoning_content`, the name vLLM used before and many clients read."""
+    """The non-streaming assistant message of a finished choice: role, content, `tool_calls` where present, and
+    with a reasoning parser the reasoning (None when there is none) as vLLM's `reasoning` and as
+    `reasoning_content`, the name vLLM used before and many clients read. As vLLM, the content is None, not "",
+    when nothing follows the choice's think block (closed or not: a choice cut inside its reasoning) or its tool
+    calls."""
     stream = ChoiceStream(options)
     delta = stream.update(text, finished=True)
-    message: dict[str, Any] = {"role": "assistant", "content": delta.content}
+    empty_is_none = stream.has_reasoning or bool(delta.tool_calls)
+    message: dict[str, Any] = {"role": "assistant", "content": delta.content or (None if empty_is_none else "")}
     if options.split_reasoning:
         message["reasoning"] = message["reasoning_content"] = delta.reasoning or None
     if delta.tool_calls:
         message["tool_calls"] = [call.as_openai() for _, call in delta.tool_calls]
-        message["content"] = delta.content or None
     return message
 
 

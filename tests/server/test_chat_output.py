@@ -147,3 +147,16 @@ def test_final_message_shapes():
     assert finish_reason("stop", True) == "tool_calls" and finish_reason("length", True) == "length"
     plain = final_message("<think>a</think>b", ChatOutputOptions())
     assert plain == {"role": "assistant", "content": "<think>a</think>b"}
+
+
+@pytest.mark.parametrize("text, in_reasoning", [("<think>\ncut short", False), ("cut short", True),
+                                                ("<think>\ncut short\n</think>\n\n", False),
+                                                ("cut short</think>", True)])
+def test_nothing_after_the_reasoning_is_null_content_as_vllm(text, in_reasoning):
+    """vLLM's reasoning parsers give content None (null) for a reply cut inside its think block, or that ends with
+    it; the message had "". A reply with no think block keeps its text, "" included."""
+    options = ChatOutputOptions(split_reasoning=True, in_reasoning=in_reasoning)
+    message = final_message(text, options)
+    assert (message["reasoning"], message["content"]) == ("cut short", None)
+    assert final_message("", ChatOutputOptions(split_reasoning=True))["content"] == ""
+    assert final_message("", ChatOutputOptions())["content"] == ""

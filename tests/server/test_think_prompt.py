@@ -167,3 +167,18 @@ def test_reasoning_goes_out_as_reasoning_and_reasoning_content(plain_server):
     reasoning = [d for d in deltas if "reasoning" in d or "reasoning_content" in d]
     assert reasoning and all(d["reasoning"] == d["reasoning_content"] for d in reasoning)
     assert "".join(d["reasoning"] for d in reasoning) == "hm"
+
+
+@pytest.mark.parametrize("answer", ["<think>\nhm, still thinking", "<think>\nhm\n</think>\n\n"])
+def test_a_reply_with_nothing_after_its_reasoning_has_null_content(plain_server, answer):
+    """vLLM's qwen3 parser gives content null when the reply ends inside its think block (cut short) or right after
+    it; the server sent "". Streamed, only the role chunk carries a content (""), as in vLLM."""
+    body = {"messages": USER, "max_tokens": 40, "guided_choice": [answer]}
+    message = _chat(plain_server, **body)["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == ("hm, still thinking" if "still" in answer else "hm", None)
+    with httpx.stream("POST", f"{plain_server}/v1/chat/completions", json={"model": BUILTIN_NAME, **body,
+                                                                           "stream": True}, timeout=120) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert [d.get("content") for d in deltas if "content" in d] == [""] and "role" in deltas[0]
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]
