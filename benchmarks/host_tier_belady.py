@@ -41,8 +41,9 @@ from host_tier_bound import Seen, replay_all  # sibling scripts
 from host_tier_sweep import load_cost_and_workload, workload_arguments
 
 from hybridcache.bench.oracles import FutureIndex
-from hybridcache.bench.replay import CacheReplay, parse_policies
+from hybridcache.bench.replay import CacheReplay
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay
+from hybridcache.bench.specs import parse_policies
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.host_tier import _num_blocks, _num_pruned

@@ -34,8 +34,9 @@ from collections.abc import Callable
 from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
 
 from hybridcache.bench.oracles import FutureIndex
-from hybridcache.bench.replay import CacheReplay, cache_requests_of, parse_policies
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay
+from hybridcache.bench.specs import parse_policies
 
 RULES = ((0.0, None), (0.02, None), (0.05, None), (0.1, None), (0.0, 0.3), (0.05, 0.3))  # (release below, protect from)
 

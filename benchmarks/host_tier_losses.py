@@ -26,8 +26,9 @@ import sys
 from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
 
 from hybridcache.bench.oracles import FutureIndex
-from hybridcache.bench.replay import CacheReplay, SimConfig, cache_requests_of, parse_policies
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
 from hybridcache.bench.simulator import GIB, make_replay, prepare_oracles
+from hybridcache.bench.specs import SimConfig, parse_policies
 from hybridcache.cache.request import common_prefix_len
 
 

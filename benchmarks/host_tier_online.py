@@ -37,8 +37,9 @@ from host_tier_belady import first_unpinned  # sibling scripts
 from host_tier_sweep import load_cost_and_workload, workload_arguments
 
 from hybridcache.bench.oracles import FutureIndex
-from hybridcache.bench.replay import CacheReplay, cache_requests_of, parse_policies
+from hybridcache.bench.replay import CacheReplay, cache_requests_of
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay
+from hybridcache.bench.specs import parse_policies
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.matching import walk_prompt

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from host_tier_sweep import load_cost_and_workload, workload_arguments  # a sibling script
 
 from hybridcache.bench.oracles import FutureIndex
-from hybridcache.bench.replay import cache_requests_of, parse_policies
+from hybridcache.bench.replay import cache_requests_of
 from hybridcache.bench.simulator import GIB, SimConfig, make_replay
+from hybridcache.bench.specs import parse_policies
 
 
 @dataclass(frozen=True)

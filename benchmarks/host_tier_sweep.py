@@ -24,8 +24,8 @@ import argparse
 import json
 import sys
 
-from hybridcache.bench.replay import PolicySpec
 from hybridcache.bench.simulator import GIB, SimConfig, parse_policies, simulate_many
+from hybridcache.bench.specs import PolicySpec
 from hybridcache.bench.workloads import load_workload
 from hybridcache.engine.cost_model import load_model_cost
 from hybridcache.model_path import resolve_model

@@ -36,9 +36,10 @@ import time
 from itertools import islice
 from pathlib import Path
 
-from hybridcache.bench.replay import CacheReplay, SimConfig
+from hybridcache.bench.replay import CacheReplay
 from hybridcache.bench.routing import Balance, Router, chain_len, simulate_routing
 from hybridcache.bench.simulator import GIB
+from hybridcache.bench.specs import SimConfig
 from hybridcache.bench.workloads import default_trace_path, load_workload
 from hybridcache.bench.workloads.base import SimRequest
 from hybridcache.cache.request import CacheRequest

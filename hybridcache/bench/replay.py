@@ -12,7 +12,6 @@ from dataclasses import dataclass, replace
 from hybridcache.bench.forked import ForkedRun
 from hybridcache.bench.results import Counters, PolicyResult, policy_result
 from hybridcache.bench.specs import PolicySpec, SimConfig, cache_sizing, check_simulable
-from hybridcache.bench.specs import parse_policies as parse_policies  # benchmarks/ import it from here
 from hybridcache.bench.workloads import SimRequest
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
 from hybridcache.engine.cost_model import ModelCost
