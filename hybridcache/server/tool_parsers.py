@@ -18,8 +18,10 @@ or the XML-style function block of Qwen3-Coder and Qwen3.5::
 
 XML parameter values are text; they are converted to the type the tool's JSON schema allows for that parameter
 (integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf` branches or `enum` values), else
-kept as strings; "null" is null, as in vLLM's qwen3_coder parser. The text outside the blocks is the
-message's `content`. A block that does not parse stays in the content, as text.
+kept as strings; "null" is null, as in vLLM's qwen3_coder parser. A function block the model writes without the
+`<tool_call>` around it (`<function=get_weather>...</function>`) is a call too, as vLLM's qwen3_coder parser takes
+it. The text outside the blocks is the message's `content`. A block that does not parse stays in the content, as
+text.
 
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed.
@@ -35,6 +37,9 @@ from typing import Any
 
 CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
+FUNCTION_START = "<function="
+FUNCTION_END = "</function>"
+_BLOCKS = ((CALL_START, CALL_END), (FUNCTION_START, FUNCTION_END))  # a block's opening and closing tags
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
@@ -162,7 +167,8 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
 class ToolCallStream:
     """Incremental parsing of a growing text: `feed(text_so_far, finished)` returns the content to send now;
     new calls appear in `calls` (`new_calls()` returns those not yet taken). Content is held back from the
-    first character that may start a block (a partial `<tool_call>` at the end) until the block closes."""
+    first character that may start a block (a partial `<tool_call>` or `<function=` at the end) until the block
+    closes."""
 
     def __init__(self, tools: list[dict] | None = None) -> None:
         self.tools = tools
@@ -191,21 +197,24 @@ class ToolCallStream:
         content = []
         while True:
             rest = text[self._scanned:]
-            start = rest.find(CALL_START)
-            if start < 0:
-                keep = 0 if finished else _partial_suffix(rest, CALL_START)
+            starts = [(rest.find(opening), opening, closing) for opening, closing in _BLOCKS if opening in rest]
+            if not starts:
+                keep = 0 if finished else max(_partial_suffix(rest, opening) for opening, _ in _BLOCKS)
                 content.append(rest[: len(rest) - keep])
                 self._scanned += len(rest) - keep
                 return "".join(content)
+            start, opening, closing = min(starts)
             content.append(rest[:start])
-            body_from = start + len(CALL_START)
-            end = rest.find(CALL_END, body_from)
+            body_from = start + len(opening)
+            end = rest.find(closing, body_from)
             if end < 0 and not finished:
                 self._scanned += start
                 return "".join(content)
+            block_end = len(rest) if end < 0 else end + len(closing)
             body = rest[body_from:] if end < 0 else rest[body_from:end]
+            if opening == FUNCTION_START:  # a bare function block: parse_block reads its tags
+                body = rest[start:block_end]
             call = parse_block(body, self.tools)
-            block_end = len(rest) if end < 0 else end + len(CALL_END)
             if call is None:
                 content.append(rest[start:block_end])
             else:

@@ -78,8 +78,29 @@ def test_an_unclosed_final_block_is_parsed():
     assert call.name == "get_weather"
 
 
+BARE_CALL = ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+             "</function>")
+
+
+@pytest.mark.parametrize("text", [BARE_CALL, "Let me check.\n" + BARE_CALL, BARE_CALL[: -len("</function>")]])
+def test_a_function_block_without_tool_call_tags_is_a_call_streamed_and_not(text):
+    """vLLM's qwen3_coder parser takes a `<function=...>` block the model writes without the `<tool_call>` around it
+    as a call; it stayed in the content."""
+    options = ChatOutputOptions(parse_tools=True, tools=TOOLS)
+    message = final_message(text, options)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Paris", "days": 2})]
+    assert message["content"] == ("Let me check." if text.startswith("Let") else None)
+    stream = ChoiceStream(options)
+    deltas = [stream.update(text[:cut], finished=False) for cut in range(1, len(text) + 1)]
+    deltas.append(stream.update(text, finished=True))
+    assert "".join(d.content for d in deltas) == (message["content"] or "")
+    assert [c.name for d in deltas for _, c in d.tool_calls] == ["get_weather"]
+
+
 def test_plain_text_is_untouched():
     assert parse_tool_calls("a < b and <tool", TOOLS).content == "a < b and <tool"
+    assert parse_tool_calls("a <function= b", TOOLS).content == "a <function= b"
 
 
 @pytest.mark.parametrize("text, in_reasoning, expected", [
@@ -109,6 +130,7 @@ CASES = [
     ("<think>\nrepeated tag\n</think>\n\n" + JSON_CALL, True),
     ("<think>\n\n</think>\n\nJust text with a < sign and </think> later.", False),
     ("no think, a <tool_call> that is not one </tool_call> end", False),
+    ("<think>\nbare\n</think>\n\nSure.\n" + BARE_CALL, False),
 ]
 
 
