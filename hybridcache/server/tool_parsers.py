@@ -20,7 +20,8 @@ XML parameter values are text; they are converted to the type the tool's JSON sc
 (integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf` branches or `enum` values), else
 kept as strings; "null" is null, as in vLLM's qwen3_coder parser. A function block the model writes without the
 `<tool_call>` around it (`<function=get_weather>...</function>`) is a call too, as vLLM's qwen3_coder parser takes
-it. The text outside the blocks is the message's `content`. A block that does not parse stays in the content, as
+it. The text before the first call is the message's `content`; text after it (between or after the calls) is
+dropped, as vLLM's qwen3_coder and hermes parsers drop it. A block that does not parse stays in the content, as
 text.
 
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
@@ -157,8 +158,9 @@ def parse_block(body: str, tools: list[dict] | None = None) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
-    """Every well-formed block of `text` as a call; the rest (whitespace-trimmed) as content. An unclosed
-    block at the end is parsed as if closed (a completion cut by its stop token)."""
+    """Every well-formed block of `text` as a call; the text before the first one (whitespace-trimmed; all of it
+    when there is none) as content. An unclosed block at the end is parsed as if closed (a completion cut by its
+    stop token)."""
     stream = ToolCallStream(tools)
     content = stream.feed(text, finished=True)
     return ParsedText(content.strip() if stream.calls else content, tuple(stream.calls))
@@ -183,8 +185,8 @@ class ToolCallStream:
         return fresh
 
     def feed(self, text: str, finished: bool) -> str:
-        """The content to send now: text outside the blocks, except a possible block start and trailing
-        whitespace (which only goes out before more content, so the whitespace around calls is dropped)."""
+        """The content to send now: text before the first call, except a possible block start and trailing
+        whitespace (which only goes out before more content, so the whitespace before a call is dropped)."""
         content = self._held_space + self._scan(text, finished)
         if finished:
             self._held_space = ""
@@ -194,17 +196,23 @@ class ToolCallStream:
         return kept
 
     def _scan(self, text: str, finished: bool) -> str:
+        """The content in `text` from `_scanned` on (none after the first call), parsing the blocks there."""
         content = []
+
+        def add(piece: str) -> None:
+            if not self.calls:
+                content.append(piece)
+
         while True:
             rest = text[self._scanned:]
             starts = [(rest.find(opening), opening, closing) for opening, closing in _BLOCKS if opening in rest]
             if not starts:
                 keep = 0 if finished else max(_partial_suffix(rest, opening) for opening, _ in _BLOCKS)
-                content.append(rest[: len(rest) - keep])
+                add(rest[: len(rest) - keep])
                 self._scanned += len(rest) - keep
                 return "".join(content)
             start, opening, closing = min(starts)
-            content.append(rest[:start])
+            add(rest[:start])
             body_from = start + len(opening)
             end = rest.find(closing, body_from)
             if end < 0 and not finished:
@@ -216,7 +224,7 @@ class ToolCallStream:
                 body = rest[start:block_end]
             call = parse_block(body, self.tools)
             if call is None:
-                content.append(rest[start:block_end])
+                add(rest[start:block_end])
             else:
                 self.calls.append(call)
             self._scanned += block_end

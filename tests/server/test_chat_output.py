@@ -98,6 +98,25 @@ def test_a_function_block_without_tool_call_tags_is_a_call_streamed_and_not(text
     assert [c.name for d in deltas for _, c in d.tool_calls] == ["get_weather"]
 
 
+@pytest.mark.parametrize("before", ["", "Let me check.\n"])
+@pytest.mark.parametrize("after", ["\nThe weather follows.", "\n\n",
+                                   "\nmore\n" + XML_CALL + "\nand <tool_call>x</tool_call>"])
+def test_text_after_the_first_call_is_dropped_streamed_and_not(before, after):
+    """vLLM's qwen3_coder and hermes parsers give as content the text before the first call only; the text after a
+    call was kept, with its leading newline."""
+    text = before + JSON_CALL + after
+    options = ChatOutputOptions(parse_tools=True, tools=TOOLS)
+    message = final_message(text, options)
+    assert message["content"] == (before.strip() or None)
+    assert len(message["tool_calls"]) == 1 + ("more" in after)
+    assert parse_tool_calls(text, TOOLS).content == before.strip()
+    stream = ChoiceStream(options)
+    deltas = [stream.update(text[:cut], finished=False) for cut in range(1, len(text) + 1)]
+    deltas.append(stream.update(text, finished=True))
+    assert "".join(d.content for d in deltas) == before.strip()
+    assert len([call for d in deltas for call in d.tool_calls]) == len(message["tool_calls"])
+
+
 def test_plain_text_is_untouched():
     assert parse_tool_calls("a < b and <tool", TOOLS).content == "a < b and <tool"
     assert parse_tool_calls("a <function= b", TOOLS).content == "a <function= b"
