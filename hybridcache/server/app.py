@@ -343,7 +343,7 @@ class _Routes:
             forced = self.config.force_include_usage
             usage_mode = UsageMode(body.include_usage(forced), body.continuous_usage(forced),
                                    [len(p) for p in prompts])
-            events = stream_events(meta, outputs, params, len(prompts), usage_mode, rendering)
+            events = stream_events(meta, outputs, params, prompts, usage_mode, rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
             return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
         try:

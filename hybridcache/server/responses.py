@@ -35,8 +35,8 @@ class Rendering:
     text, the logprobs, the token ids or the usage). prompt_logprobs: the `prompt_logprobs` the client asked
     for (None: the field is left out even where the engine computed them for echo).
     return_token_ids: each finished choice carries its token ids, and the response its prompt's (vLLM's places: each
-    completion choice, the chat response). stops: the request's stop conditions, for each
-    choice's vLLM `stop_reason`."""
+    completion choice, the chat response; streamed, each choice's first chunk). stops: the request's stop
+    conditions, for each choice's vLLM `stop_reason`."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
@@ -158,14 +158,16 @@ def chunk(
     meta: ResponseMeta, index: int, *, text: str | None = None, role: bool = False,
     finish_reason: str | None = None, with_usage_field: bool = False, token_ids: list[int] | None = None,
     delta: ChoiceDelta | None = None, logprobs: dict[str, Any] | None = None, usage: dict[str, Any] | None = None,
-    stop_reason: str | int | None = None,
+    stop_reason: str | int | None = None, prompt_token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     """One streaming chunk for choice `index`: a piece of text (or, for chat, a `ChoiceDelta`: reasoning,
     content and tool calls), the assistant role (chat's first chunk), or the finish reason.
     `with_usage_field`: the client asked for usage, so every chunk carries `usage: null`. `token_ids`: every
     generated token id of the choice (on its finishing chunk, with `return_token_ids`). `logprobs`: those of the
     tokens this chunk covers. `usage`: the choice's running usage (vLLM's `continuous_usage_stats`).
-    `stop_reason`: vLLM's, on the finishing chunk (null on the others)."""
+    `stop_reason`: vLLM's, on the finishing chunk (null on the others). `prompt_token_ids`: the prompt's ids (on
+    the choice's first chunk, with `return_token_ids`), where vLLM puts them: on the chunk (chat), on its choice
+    (completions)."""
     if meta.chat:
         body: dict[str, Any] = {}
         if role:
@@ -185,9 +187,13 @@ def chunk(
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
                   "stop_reason": stop_reason}
+    if prompt_token_ids is not None and not meta.chat:
+        choice["prompt_token_ids"] = prompt_token_ids
     if token_ids is not None:
         choice["token_ids"] = token_ids
     chunk_body = {**meta.header(streaming=True), "choices": [choice]}
+    if prompt_token_ids is not None and meta.chat:
+        chunk_body["prompt_token_ids"] = prompt_token_ids
     if with_usage_field or usage is not None:
         chunk_body["usage"] = usage
     return chunk_body

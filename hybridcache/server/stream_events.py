@@ -37,11 +37,13 @@ class UsageMode(NamedTuple):
 
 
 async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, RequestOutput]],
-                        params: SamplingParams, num_prompts: int, usage_mode: UsageMode,
+                        params: SamplingParams, prompts: Sequence[Sequence[int]], usage_mode: UsageMode,
                         rendering: Rendering) -> AsyncIterator[bytes]:
     """The server-sent events of one streaming response, ending with `data: [DONE]`. Choice
-    `prompt_index * n + i` is completion i of prompt `prompt_index`."""
+    `prompt_index * n + i` is completion i of prompt `prompt_index` (whose ids are `prompts[prompt_index]`: a
+    choice's first chunk carries them with `return_token_ids`, as vLLM's)."""
     n = params.n
+    num_prompts = len(prompts)
     include_usage = usage_mode.final
     count = n * num_prompts
     chats = [ChoiceStream(rendering.chat, params.stop) for _ in range(count)]
@@ -49,13 +51,16 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
     done = [False] * count
     logprobs_sent = [0] * count
     echo_pending = [bool(rendering.echo_texts)] * count
+    prompt_ids_pending = [rendering.return_token_ids] * count
     echo_logprobs_pending = [rendering.echoes_logprobs] * count
     # completions: where the next token's text starts in the choice's text (after an echoed prompt)
     next_offset = [len(rendering.echo_texts[i // n]) if rendering.echo_texts else 0 for i in range(count)]
     if meta.chat:
         for index in range(count):
+            prompt_ids = list(prompts[index // n]) if prompt_ids_pending[index] else None
+            prompt_ids_pending[index] = False
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage,
-                            usage=usage_mode.running(index // n, 0)))
+                            usage=usage_mode.running(index // n, 0), prompt_token_ids=prompt_ids))
     finals: list[RequestOutput | None] = [None] * num_prompts
     try:
         async for prompt_index, output in outputs:
@@ -88,10 +93,13 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
                     next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
                 token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
+                prompt_ids = list(prompts[prompt_index]) if prompt_ids_pending[index] else None
+                prompt_ids_pending[index] = False
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
                                 with_usage_field=include_usage, token_ids=token_ids,
                                 usage=usage_mode.running(prompt_index, len(c.token_ids)),
-                                stop_reason=rendering.stop_reason(c) if finished else None))
+                                stop_reason=rendering.stop_reason(c) if finished else None,
+                                prompt_token_ids=prompt_ids))
     except RequestTimeout as error:
         yield sse(error_body(503, str(error), code="request_timeout"))
         yield sse("[DONE]")

@@ -376,6 +376,26 @@ def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(client, tokenizer
     assert "prompt_token_ids" not in response["choices"][0] and len(response["choices"][0]["token_ids"]) == 2
 
 
+def test_return_token_ids_streamed_sends_the_prompt_ids_on_each_choice_first_chunk(client, tokenizer):
+    """vLLM's streams send the prompt's ids once per choice, on its first chunk: in the choice (`prompt_token_ids`)
+    for completions, at the chunk's top level (beside `choices`) for chat; they were not sent at all."""
+    ids = tokenizer.encode("The quick brown fox")
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(CHAT))
+    for path, base, prompt_ids in (("/v1/completions", {"prompt": ids}, ids),
+                                   ("/v1/chat/completions", {"messages": CHAT}, chat_ids)):
+        body = {"model": MODEL, **base, "max_tokens": 3, "n": 2, "return_token_ids": True, "ignore_eos": True}
+        chunks = [c for c in _chunks(client, path, body) if c["choices"]]
+        for index in (0, 1):
+            mine = [c for c in chunks if c["choices"][0]["index"] == index]
+            sent = [c.get("prompt_token_ids") if "messages" in base else c["choices"][0].get("prompt_token_ids")
+                    for c in mine]
+            assert sent == [prompt_ids] + [None] * (len(mine) - 1), path
+        assert all("prompt_token_ids" not in c["choices"][0] for c in chunks if "messages" in base)
+        assert all("prompt_token_ids" not in c for c in chunks if "prompt" in base)
+        unasked = _chunks(client, path, {**body, "return_token_ids": False})
+        assert not any("prompt_token_ids" in c or "prompt_token_ids" in (c["choices"] or [{}])[0] for c in unasked)
+
+
 def test_stream_options_without_a_stream_is_refused_as_vllm_does(client):
     for path, base in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
         body = {"model": MODEL, "max_tokens": 1, **base, "stream_options": {"include_usage": True}}
