@@ -57,7 +57,8 @@ class SamplingParams:
     token that occurs in the prompt or the output; `frequency_penalty` f subtracts f x (times the token occurs
     in the output); `presence_penalty` p subtracts p once if it occurs in the output at all.
     `logit_bias` adds a fixed value to the logit of a token id. `min_tokens`: the EOS and stop tokens cannot be
-    sampled before the completion has that many tokens.
+    sampled before the completion has that many tokens, and stop strings are looked for only after them (none may
+    start in their text: vLLM's rule).
     `logprobs`: None (off) or k in [0, 20]: each sampled token carries its log-probability and the k most
     likely tokens with theirs (log_softmax of the model's fp32 logits, before any penalty or temperature).
     `prompt_logprobs`: None (off) or k in [0, 20]: the request's output carries, for every prompt token after the
@@ -66,8 +67,10 @@ class SamplingParams:
     prefix cache (it still saves checkpoints for later requests).
     `guided`: a structured-output constraint (see `hybridcache.guided`), or None. A completion ends when its
     grammar is complete, even under `ignore_eos` or before `min_tokens` (the grammar allows nothing else).
-    `include_stop_str_in_output`: the text keeps the stop string that ended it (stop token ids never appear in the
-    text). `skip_special_tokens`: special tokens are left out of the text (as vLLM; their ids stay in `token_ids`).
+    `include_stop_str_in_output`: the text keeps the stop string or the decoded stop token (EOS or one of
+    `stop_token_ids`; a special token only with `skip_special_tokens` off) that ended it; without it neither
+    appears in the text. `skip_special_tokens`: special tokens are left out of the text (as vLLM; their ids stay
+    in `token_ids`).
     Integer fields refuse bools and numeric ones non-finite values; numbers are stored as floats.
     """
 

@@ -1,7 +1,7 @@
 """The model folder's tokenizer, loaded by `transformers.AutoTokenizer` (as vLLM does): `tokenizer_config.json`
 picks the class, the special tokens and the chat template (or `chat_template.jinja`); without it, config.json's
-model type picks the class. It must be a fast tokenizer (`tokenizer.json`): the incremental detokenizer steps
-over its `tokenizers` backend."""
+model type picks the class. It must be a fast tokenizer (`tokenizer.json`): the incremental detokenizer
+(`detokenizer.py`) steps over its `tokenizers` backend."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import tokenizers
-from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
@@ -78,18 +77,6 @@ class Tokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-    def detokenizer(
-        self, stop: tuple[str, ...] = (), *, deferred: bool = False, skip_special_tokens: bool = True,
-        include_stop: bool = False,
-    ) -> IncrementalDetokenizer | DeferredDetokenizer:
-        """A fresh decoder of one completion's tokens (see `IncrementalDetokenizer`). `deferred` (for a text read
-        only at the end): with no stop strings to watch, a `DeferredDetokenizer`, which decodes once, when read.
-        `skip_special_tokens` and `include_stop` (keep the stop string that ends the text): `SamplingParams`'
-        `skip_special_tokens` and `include_stop_str_in_output`."""
-        if deferred and not stop:
-            return DeferredDetokenizer(self, skip_special_tokens)
-        return IncrementalDetokenizer(self, stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
 
     def suffix_tokens(self, token_ids: Sequence[int], suffix: str) -> int:
         """How many of `token_ids`' last tokens encode `suffix` (text that ends the prompt, e.g. a chat template's
@@ -165,84 +152,3 @@ class Tokenizer:
             continue_final_message=continue_final_message, **extra,
         )
 
-
-class DeferredDetokenizer:
-    """`IncrementalDetokenizer`'s contract with no stop strings, at no cost per token: `add` only keeps the id and
-    `text` decodes all of them once (the engine uses it for `final_only` requests, whose text is read when they
-    finish: one decode of n tokens instead of n incremental steps in every decode step's host time)."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._text: str | None = ""
-
-    def add(self, token_id: int) -> bool:
-        """Keep one more token; never a stop (there are no stop strings)."""
-        self._ids.append(token_id)
-        self._text = None
-        return False
-
-    @property
-    def text(self) -> str:
-        if self._text is None:
-            self._text = self._tokenizer.decode(self._ids, self._skip)
-        return self._text
-
-
-class IncrementalDetokenizer:
-    """The text of one growing completion, decoded a token at a time with tokenizers' `DecodeStream`.
-
-    Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids, skip_special_tokens)`
-    cut before the first occurrence of any `stop` string (after it with `include_stop`; of the stop strings
-    found at that position, the first in `stop`'s order). A token costs a decode of the few tokens
-    since the last complete character, and the stop search looks only at the characters that can complete a
-    stop string, so a completion of n tokens costs O(n), not O(n^2).
-
-    Tokens whose bytes do not yet form a complete character are `pending`: `DecodeStream` returns nothing for
-    them, and `text` appends their own decode (U+FFFD replacement characters), as a full decode would. Worked
-    example (byte-level tokens, stop = ("END",))::
-
-        add("a")   text "a"
-        add(0xE2)  text "a\ufffd"      (pending: the first byte of a 3-byte character)
-        add(0x82)  text "a\ufffd\ufffd"
-        add(0xAC)  text "a€"           (complete: the stream emits "€")
-        add("E"), add("N"), add("D") -> the last returns True; text "a€" from then on
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
-                 include_stop: bool = False) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._stop = stop
-        self._include_stop = include_stop
-        self._emitted = ""
-        self._pending: list[int] = []
-        self._stop_at: int | None = None
-
-    def add(self, token_id: int) -> bool:
-        """Decode one more token; True when the text now contains a stop string (it is then cut there)."""
-        piece = self._stream.step(self._tokenizer.backend, token_id)
-        if piece is None:
-            self._pending.append(token_id)
-            return False
-        self._pending.clear()
-        searched_to = len(self._emitted)
-        self._emitted += piece
-        cuts = []
-        for stop in self._stop:  # an occurrence not found before must end inside the new piece
-            position = self._emitted.find(stop, max(0, searched_to - len(stop) + 1))
-            if position >= 0:
-                cuts.append((position, position + len(stop) if self._include_stop else position))
-        if cuts and self._stop_at is None:
-            self._stop_at = min(cuts, key=lambda cut: cut[0])[1]
-        return self._stop_at is not None
-
-    @property
-    def text(self) -> str:
-        if self._stop_at is not None:
-            return self._emitted[: self._stop_at]
-        if self._pending:
-            return self._emitted + self._tokenizer.decode(self._pending, self._skip)
-        return self._emitted

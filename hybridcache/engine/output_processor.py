@@ -9,9 +9,9 @@ The engine's step loop (`engine.py`) owns the requests and the sequences; it cal
 - `record_prompt_logprobs(...)` after a forward whose chunks asked for prompt logprobs;
 - `accept(state, seq, token, logprob)` for each sampled token, in row order, once the token is in place in
   `seq.token_ids`: it records the logprob, advances the grammar, detokenizes and checks the stops; it returns
-  the finish reason ("stop": an EOS or stop token, not decoded into the text, or a stop string; "length":
-  `max_tokens` or `max_model_len` reached) or None. It never touches the scheduler: the engine finishes the
-  sequence when a reason comes back;
+  the finish reason ("stop": an EOS or stop token, decoded into the text only with `include_stop_str_in_output`,
+  or a stop string; "length": `max_tokens` or `max_model_len` reached) or None. It never touches the
+  scheduler: the engine finishes the sequence when a reason comes back;
 - `output(state)` for the cumulative output of a request (also after an abort).
 
 Nothing here reads the device beyond the prompt-logprob rows it is handed, and nothing here changes a sequence.
@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridcache.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, detokenizer_for
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, prompt_logprobs, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
-from hybridcache.tokenizer import DeferredDetokenizer, IncrementalDetokenizer, Tokenizer
+from hybridcache.tokenizer import Tokenizer
 
 
 @dataclass
@@ -73,9 +74,7 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
         for _ in state.seqs:
-            state.texts.append(self.tokenizer.detokenizer(
-                params.stop, deferred=final_only, skip_special_tokens=params.skip_special_tokens,
-                include_stop=params.include_stop_str_in_output))
+            state.texts.append(detokenizer_for(self.tokenizer, params, deferred=final_only))
             state.logprobs.append([])
             state.matchers.append(None if params.guided is None else self.grammars.matcher(params.guided, self._decode))
         return state
@@ -109,9 +108,11 @@ class OutputProcessor:
 
     def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer,
                        num_tokens: int) -> str | None:
-        """Why `seq` stops after sampling `token` (which makes it `num_tokens` long), or None. A stop token is not
-        decoded into the text."""
+        """Why `seq` stops after sampling `token` (which makes it `num_tokens` long), or None. A stop token is
+        decoded into the text only with `include_stop_str_in_output` (vLLM's rule)."""
         if self._is_stop_token(seq, token):
+            if seq.params.include_stop_str_in_output:
+                text.add(token)
             return "stop"
         if text.add(token):
             return "stop"

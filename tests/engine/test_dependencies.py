@@ -39,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "state_spec": set(),
     "fp8_format": set(),  # how an FP8 weight is scaled: read by kernels, layers and models
     "tokenizer": set(),
+    "detokenizer": {"sampling", "tokenizer"},  # a completion's text and stop strings, from its SamplingParams
     "extras": set(),  # the optional dependency groups and the error naming a missing one
     "arg_types": set(),  # argparse types of the command lines' counts, sizes and ports
     "images": set(),
@@ -54,8 +55,8 @@ ALLOWED: dict[str, set[str]] = {
     "model_path": {"models"},
     "engine_args": {"arg_types", "config", "models"},
     "engine": {
-        "cache", "config", "copy_kinds", "engine_args", "forward_batch", "guided", "kernels", "layers", "models",
-        "mm_processor", "multimodal",
+        "cache", "config", "copy_kinds", "detokenizer", "engine_args", "forward_batch", "guided", "kernels", "layers",
+        "models", "mm_processor", "multimodal",
         "outputs", "sampling", "scheduler", "state_spec", "tokenizer",
     },
     "distributed": {"engine", "forward_batch", "layers", "models"},

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
+from hybridcache.detokenizer import detokenizer_for
 from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.sampling import SamplingParams
 from hybridcache.tokenizer import Tokenizer
 
 
@@ -36,7 +38,7 @@ def test_text_equals_a_full_decode_at_every_token(tokenizer, seed, deferred, ski
     ids = [rng.randrange(tokenizer.vocab_size) for _ in range(200)]
     specials = set(tokenizer.hf.all_special_ids)
     assert specials & set(ids)
-    text = tokenizer.detokenizer(deferred=deferred, skip_special_tokens=skip_special)
+    text = detokenizer_for(tokenizer, SamplingParams(skip_special_tokens=skip_special), deferred=deferred)
     for i, token in enumerate(ids):
         assert not text.add(token)
         assert text.text == tokenizer.decode(ids[: i + 1], skip_special_tokens=skip_special), i
@@ -51,7 +53,7 @@ def test_stop_strings_cut_where_a_full_decode_finds_them_first(tokenizer, includ
     for _ in range(30):
         ids = tokenizer.encode("".join(rng.choice(words) for _ in range(12)))
         stop = ("END", "ta g", "€", "EN")
-        text = tokenizer.detokenizer(stop, include_stop=include)
+        text = detokenizer_for(tokenizer, SamplingParams(stop=stop, include_stop_str_in_output=include))
         for i, token in enumerate(ids):
             stopped = text.add(token)
             want, want_stopped = reference(tokenizer, ids[: i + 1], stop, include)
@@ -60,3 +62,34 @@ def test_stop_strings_cut_where_a_full_decode_finds_them_first(tokenizer, includ
             if stopped:
                 break
     assert checked > 30
+
+
+def test_stop_strings_wait_for_min_tokens_and_never_start_in_their_text(tokenizer):
+    """vLLM's rule: no stop string is looked for until the completion has more than `min_tokens` tokens, and none
+    may start in the text of its first `min_tokens` tokens."""
+    a = tokenizer.encode("a")
+    assert len(a) == 1
+    text = detokenizer_for(tokenizer, SamplingParams(stop=("a", "aa"), min_tokens=2))
+    assert [text.add(a[0]) for _ in range(3)] == [False, False, True]
+    assert text.text == "aa"
+    text = detokenizer_for(tokenizer, SamplingParams(stop=("ab",), min_tokens=1))  # "a" is min_tokens' text
+    assert [text.add(t) for t in tokenizer.encode("abab")] == [False, False, False, True]
+    assert text.text == "ab"
+
+
+def test_a_decoder_that_loses_its_prefix_starts_afresh(tmp_path):
+    """A byte-fallback decoder rewrites "r" into two replacement characters when an invalid byte follows it, which
+    tokenizers' DecodeStream reports as an invalid prefix: the detokenizer starts a fresh stream (vLLM's remedy)
+    instead of raising out of the engine's step."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "p": 257}
+    backend = Backend(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    ids = [1 + 0x72, 1 + 0x9B, 257]  # "r", an invalid continuation byte, "p"
+    text = detokenizer_for(Tokenizer(tmp_path), SamplingParams(stop=("zz",)))
+    assert [text.add(t) for t in ids] == [False, False, False]
+    assert text.text.endswith("p") and len(text.text) >= 2

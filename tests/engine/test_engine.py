@@ -108,6 +108,35 @@ def test_stop_string_cuts_the_text(model_dir):
     assert (kept.text, kept.token_ids) == (text[: text.find(needle) + len(needle)], stopped.token_ids)
 
 
+def test_min_tokens_holds_back_stop_strings(model_dir):
+    """vLLM's rule: a stop string ends a completion only after `min_tokens` tokens, and never one that starts in
+    their text. Every token is "a" (a logit bias) and "a" is a stop string: the completion is min_tokens of them."""
+    llm = small_llm(model_dir)
+    a = llm.tokenizer.encode("a")
+    assert len(a) == 1
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop=["a"], logit_bias={a[0]: 100.0})
+    out = llm.generate(prompts_of([20]), params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, len(out.token_ids), out.finish_reason) == ("aaaaa", 6, "stop")
+
+
+def test_include_stop_str_in_output_keeps_a_stop_tokens_text(model_dir):
+    """vLLM decodes the token that stopped a completion into its text when include_stop_str_in_output is set (a
+    special EOS only with skip_special_tokens off); without it, never."""
+    llm = small_llm(model_dir)
+    x = llm.tokenizer.encode("x")[0]
+    eos = min(llm.engine.eos_token_ids)
+    prompt = prompts_of([20])
+    by_id = SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[x], logit_bias={x: 100.0}, ignore_eos=True)
+    texts = [llm.generate(prompt, dataclasses.replace(by_id, include_stop_str_in_output=keep),
+                          use_tqdm=False)[0].outputs[0].text for keep in (False, True)]
+    assert texts == ["", "x"]
+    by_eos = SamplingParams(temperature=0, max_tokens=6, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    texts = [llm.generate(prompt, dataclasses.replace(by_eos, include_stop_str_in_output=keep),
+                          use_tqdm=False)[0].outputs[0].text for keep in (False, True)]
+    assert texts == ["", llm.tokenizer.decode([eos], skip_special_tokens=False)]
+    assert texts[1]
+
+
 def test_max_model_len_ends_with_length(model_dir):
     llm = small_llm(model_dir, max_model_len=40)
     out = llm.generate(prompts_of([35]), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
