@@ -3,9 +3,8 @@
 `load_image(source, limits)` returns a decoded RGB `PIL.Image.Image` or raises `ImageError` (a ValueError) with
 the reason: a source of an unknown kind, a local path outside `limits.allowed_local_media_path` (or any local path
 when none is allowed), an http(s) fetch that fails, times out or exceeds `limits.max_bytes`, bytes that are not
-an image Pillow decodes (a file cut short included, and a PNG whose pixel data ends before its last row, which
-Pillow, and so vLLM, fills with black without a word), an image of 0 pixels, or one of more than
-`limits.max_pixels` pixels (checked from the header, before the pixels are decoded).
+an image Pillow decodes, an image of 0 pixels, or one of more than `limits.max_pixels` pixels (checked from the
+header, before the pixels are decoded).
 
 Accepted sources:
 - `data:image/...;base64,<data>` URIs;
@@ -25,7 +24,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,56 +154,7 @@ def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
         image.load()
     except Exception as error:  # noqa: BLE001 - truncated or corrupt pixel data
         raise ImageError(f"{what} is a corrupt image ({type(error).__name__}: {error})") from None
-    if image.format == "PNG":
-        short = _png_short_pixel_data(data)
-        if short is not None:
-            raise ImageError(f"{what} is a truncated PNG: its pixel data ends after {short[0]} of the {short[1]} "
-                             "bytes its header promises")
     return image.convert("RGB")
-
-
-_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # color type -> samples per pixel
-_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-
-
-def _png_short_pixel_data(data: bytes) -> tuple[int, int] | None:
-    """(bytes found, bytes needed) when the PNG `data`'s IDAT stream inflates to fewer bytes than its header's
-    size, depth, color type and interlacing need (each row is a filter byte and its packed samples); else None,
-    also for what Pillow would have refused anyway (no header, a broken stream). Inflates at most the bytes needed.
-
-        64 x 64 RGB, 8 bits, not interlaced: needs 64 x (1 + 64 x 3) = 12,352 bytes; a stream that holds 10 rows
-        (1,930 bytes) -> (1930, 12352)
-    """
-    header, chunks, pos = None, [], 8
-    while pos + 8 <= len(data):
-        length, kind = int.from_bytes(data[pos:pos + 4], "big"), data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR" and len(body) >= 13:
-            header = body
-        elif kind == b"IDAT":
-            chunks.append(body)
-        elif kind == b"IEND":
-            break
-        pos += 12 + length
-    if header is None or header[9] not in _PNG_CHANNELS:
-        return None
-    width, height = int.from_bytes(header[0:4], "big"), int.from_bytes(header[4:8], "big")
-    bits = header[8] * _PNG_CHANNELS[header[9]]
-
-    def rows_size(w: int, h: int) -> int:
-        return 0 if w <= 0 or h <= 0 else h * (1 + (w * bits + 7) // 8)
-
-    passes = _ADAM7 if header[12] else ((0, 0, 1, 1),)
-    needed = sum(rows_size((width - x + dx - 1) // dx, (height - y + dy - 1) // dy) for x, y, dx, dy in passes)
-    inflater, found = zlib.decompressobj(), 0
-    try:
-        for chunk in chunks:
-            while chunk and found < needed:
-                found += len(inflater.decompress(chunk, min(needed - found, 1 << 20)))
-                chunk = inflater.unconsumed_tail
-    except zlib.error:
-        return None
-    return (found, needed) if found < needed else None
 
 
 def _checked(image: Any, limits: MediaLimits) -> Any:

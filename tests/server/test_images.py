@@ -32,21 +32,14 @@ def png_bytes(height: int, width: int, seed: int) -> bytes:
     return buffer.getvalue()
 
 
-def png_claiming(width: int, height: int, pixel_data: bytes = b"\0" * 10) -> bytes:
-    """A small PNG whose header claims width x height RGB pixels (a decompression bomb's shape), with `pixel_data`
-    (the rows, each a filter byte and its pixels) as its IDAT stream."""
+def png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims width x height pixels (a decompression bomb's shape)."""
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(pixel_data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 10))
             + chunk(b"IEND", b""))
-
-
-def png_rows_short(width: int, height: int, rows: int) -> bytes:
-    """A PNG whose pixel data, a whole zlib stream, holds `rows` of its `height` rows: Pillow fills the rest with
-    black and raises nothing, LOAD_TRUNCATED_IMAGES off or not."""
-    return png_claiming(width, height, (b"\0" + b"\x80" * 3 * width) * rows)
 
 
 def data_uri(data: bytes) -> str:
@@ -132,8 +125,6 @@ def test_concurrent_image_chats_match_their_answers_alone(client):
 @pytest.mark.parametrize("content, reason", [
     ([{"type": "image_url", "image_url": {"url": data_uri(b"not a png at all")}}], "not an image"),
     ([{"type": "image_url", "image_url": {"url": data_uri(png_bytes(40, 56, 1)[:80])}}], "corrupt"),
-    ([{"type": "image_url", "image_url": {"url": data_uri(png_rows_short(56, 40, 10))}}],
-     "truncated PNG: its pixel data ends after 1690 of the 6760 bytes"),
     ([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}], "base64"),
     ([{"type": "image_url", "image_url": {"url": data_uri(png_claiming(10_000, 10_000))}}], "more than the limit"),
     ([{"type": "image_url", "image_url": {"url": data_uri(png_claiming(20_000, 20_000))}}], "more pixels than"),
