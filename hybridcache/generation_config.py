@@ -3,8 +3,10 @@
 With `GenerationConfigSource.AUTO` (the default, `--generation-config auto`) the file's `temperature`, `top_p`,
 `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens` (as `max_tokens`) become the defaults of every
 request that does not set them itself; with `VLLM` (`--generation-config vllm`) the file is ignored and the
-defaults are `SamplingParams`' own. Other keys (`do_sample`, `eos_token_id`, ...) are not sampling defaults here,
-as in vLLM (EOS ids come from config.json).
+defaults are `SamplingParams`' own. Other keys (`do_sample`, ...) are not sampling defaults. The file's
+`eos_token_id` is no default either: whatever `--generation-config` says, its ids are stop tokens beside
+config.json's and the tokenizer's EOS token (`ModelConfig.from_model_dir`), as vLLM stops on the tokenizer's
+`eos_token_id` and the generation config's (unless a request sets `ignore_eos`).
 
 Worked example: the file holds `{"temperature": 0.6, "top_p": 0.95, "do_sample": true}`; a request that sets
 `temperature: 0` samples greedily with top_p 0.95; one that sets nothing samples at 0.6 with top_p 0.95.

@@ -14,11 +14,18 @@ Accepted layouts of config.json:
   `rope_scaling` at the top level). Only `rope_type == "default"` is supported. `mrope_section` (default
   (11, 11, 10), as transformers) lays out Qwen3.5's interleaved M-RoPE for image tokens; text-only input has
   equal position ids on the three axes, where M-RoPE is plain RoPE.
+
+A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
+model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`: `_DEFAULTS`), except the fields that
+size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`.
+A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
+`ValueError` naming config.json and the field.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
@@ -39,6 +46,22 @@ _TEXT_MODEL_TYPES = {
     "qwen3_5_moe": "qwen3_5_moe_text",
     "qwen3_5_moe_text": "qwen3_5_moe_text",
     "qwen3_next": "qwen3_next",
+}
+
+# transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
+# out; `tests/models/test_config.py` checks them against the installed transformers.
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "head_dim": 256, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
+    "partial_rotary_factor": 0.25, "rope_theta": 10000.0, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+}
+_MOE_DEFAULTS: dict[str, Any] = {"moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {**_COMMON_DEFAULTS, "num_key_value_heads": 4, "intermediate_size": 12288},
+    "qwen3_5_moe_text": {**_COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "num_experts": 256,
+                         "num_experts_per_tok": 8},
+    "qwen3_next": {**_COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "intermediate_size": 5632,
+                   "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
 }
 
 
@@ -168,16 +191,31 @@ class ModelConfig:
     # ---- parsing ------------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Parse a config.json dict. Raises `ValueError` for unsupported or inconsistent settings."""
+        """Parse a config.json dict. Raises `ValueError` naming config.json and the field for unsupported,
+        inconsistent or malformed settings."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"config.json must hold a JSON object, not {type(raw).__name__}")
+        try:
+            return cls._parse(raw)._validated()
+        except (TypeError, KeyError, AttributeError, ZeroDivisionError) as error:  # a field of a shape not checked
+            raise ValueError(f"config.json is malformed: {type(error).__name__}: {error}") from None
+
+    @classmethod
+    def _parse(cls, raw: Mapping[str, Any]) -> ModelConfig:
         architectures = raw.get("architectures") or []
         if not architectures:
             raise ValueError("config.json has no 'architectures' entry")
+        if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+            raise ValueError(f"config.json architectures {architectures!r} must be a list of class names")
         text = raw.get("text_config") or raw
-        model_type = _TEXT_MODEL_TYPES.get(text.get("model_type") or raw.get("model_type", ""))
+        if not isinstance(text, Mapping):
+            raise ValueError(f"config.json text_config must be an object, not {type(text).__name__}")
+        model_type = _TEXT_MODEL_TYPES.get(text.get("model_type") or raw.get("model_type") or "")
         if model_type is None:
             raise ValueError(
                 f"unsupported model_type {raw.get('model_type')!r}; supported: {sorted(_TEXT_MODEL_TYPES)}"
             )
+        fields = _Fields(text, _DEFAULTS[model_type])
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -185,14 +223,16 @@ class ModelConfig:
                 return raw[key]
             return text.get(key, default)
 
-        num_layers = int(text["num_hidden_layers"])
+        num_layers = fields.integer("num_hidden_layers")
         layer_types = text.get("layer_types")
         if layer_types is None:
-            interval = int(text.get("full_attention_interval", 4))
+            interval = fields.integer("full_attention_interval")
             layer_types = [
                 LayerKind.LINEAR_ATTENTION if (i + 1) % interval else LayerKind.FULL_ATTENTION
                 for i in range(num_layers)
             ]
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
         known = {kind.value for kind in LayerKind}
         if len(layer_types) != num_layers or set(layer_types) - known:
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers")
@@ -202,34 +242,34 @@ class ModelConfig:
         if hidden_act != "silu":
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
 
-        eos = pick("eos_token_id")
-        eos_ids = () if eos is None else (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
-
         return cls(
-            architecture=str(architectures[0]),
+            architecture=architectures[0],
             model_type=model_type,
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
+            vocab_size=fields.integer("vocab_size"),
+            hidden_size=fields.integer("hidden_size"),
             num_hidden_layers=num_layers,
             layer_types=layer_types,
-            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            eos_token_ids=eos_ids,
+            max_position_embeddings=fields.integer("max_position_embeddings"),
+            eos_token_ids=token_ids(pick("eos_token_id"), "config.json eos_token_id"),
             tie_word_embeddings=bool(pick("tie_word_embeddings", False)),
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=fields.number("rms_norm_eps"),
             hidden_act=hidden_act,
-            attention=_attention_config(text),
-            gated_delta=_gated_delta_config(text),
-            mlp=_feed_forward_config(text, model_type),
+            attention=_attention_config(fields),
+            gated_delta=_gated_delta_config(fields),
+            mlp=_feed_forward_config(fields, model_type),
             mamba_ssm_dtype=None if pick("mamba_ssm_dtype") is None else str(pick("mamba_ssm_dtype")),
-        )._validated()
+        )
 
     def _validated(self) -> ModelConfig:
-        attention, delta = self.attention, self.gated_delta
+        attention, delta, mlp = self.attention, self.gated_delta, self.mlp
         if attention.num_heads % attention.num_kv_heads:
             raise ValueError(f"{attention.num_heads} attention heads / {attention.num_kv_heads} kv heads")
         if delta.num_v_heads % delta.num_k_heads:
             raise ValueError(f"{delta.num_v_heads} DeltaNet value heads / {delta.num_k_heads} key heads")
+        if mlp.num_experts and not 1 <= mlp.num_experts_per_tok <= mlp.num_experts:
+            raise ValueError(f"config.json num_experts_per_tok {mlp.num_experts_per_tok} must be between 1 and "
+                             f"num_experts {mlp.num_experts}")
         needs_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         if needs_dense and not self.mlp.intermediate_size:
             raise ValueError("a dense MLP layer needs intermediate_size")
@@ -237,66 +277,150 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json`; eos ids from `generation_config.json` are added if present."""
+        """Read `<path>/config.json`. The ids generation stops on (`eos_token_ids`) are config.json's, then
+        `generation_config.json`'s and the tokenizer's EOS token (`tokenizer_eos_token_id`) where they add any,
+        as vLLM stops on all of them. A file that is not valid JSON, or an eos_token_id that is no token id, is a
+        ValueError naming the file."""
         path = Path(path)
         config_path = path / "config.json"
         if not config_path.is_file():
             raise ValueError(f"{config_path} does not exist")
-        config = cls.from_dict(json.loads(config_path.read_text()))
+        config = cls.from_dict(read_json_object(config_path))
         generation_path = path / "generation_config.json"
-        if generation_path.is_file():
-            eos = json.loads(generation_path.read_text()).get("eos_token_id")
-            extra = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-            merged = config.eos_token_ids + tuple(int(e) for e in extra if int(e) not in config.eos_token_ids)
-            config = replace(config, eos_token_ids=merged)
-        return config
+        generation_ids = token_ids(read_json_object(generation_path).get("eos_token_id"),
+                                   f"{generation_path} eos_token_id") if generation_path.is_file() else ()
+        tokenizer_eos = tokenizer_eos_token_id(path)
+        merged = (*config.eos_token_ids, *generation_ids, *(() if tokenizer_eos is None else (tokenizer_eos,)))
+        return replace(config, eos_token_ids=tuple(dict.fromkeys(merged)))
 
 
-def _attention_config(text: dict[str, Any]) -> AttentionConfig:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object `path` holds; ValueError naming the file when it is not valid JSON or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def token_ids(value: Any, field: str) -> tuple[int, ...]:
+    """An `eos_token_id` as written (null, a token id or a list of them) as a tuple of ids; ValueError naming
+    `field` (file and key) for anything else."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{field} {value!r} must be a token id or a list of token ids")
+    return tuple(ids)
+
+
+def tokenizer_eos_token_id(model_dir: Path) -> int | None:
+    """The id of the folder's tokenizer EOS token, as `AutoTokenizer`'s `eos_token_id` gives it for a folder whose
+    `tokenizer_config.json` (else `special_tokens_map.json`) names an `eos_token` found in `tokenizer.json`; None
+    when they name none (or cannot be read: the tokenizer's own loading reports that). Read with `tokenizers`, not
+    transformers: this module imports no torch."""
+    token = None
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        try:
+            token = read_json_object(model_dir / name).get("eos_token")
+        except (OSError, ValueError):
+            continue
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            break
+    if not isinstance(token, str) or not (model_dir / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(token)
+    except Exception:  # noqa: BLE001 - a tokenizer.json tokenizers cannot read: `Tokenizer` names the cause
+        return None
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """The text model's fields of config.json (`section`) read with transformers' `defaults` for those left out
+    or null; a value of the wrong type or range is a ValueError naming config.json and the field."""
+
+    section: Mapping[str, Any]
+    defaults: Mapping[str, Any]
+
+    def value(self, key: str) -> Any:
+        value = self.section.get(key)
+        return self.defaults.get(key) if value is None else value
+
+    def integer(self, key: str, minimum: int = 1) -> int:
+        value = self.value(key)
+        if value is None:
+            raise ValueError(f"config.json has no {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config.json {key} {value!r} is not an integer")
+        if value < minimum:
+            raise ValueError(f"config.json {key} {value} must be at least {minimum}")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self.value(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ValueError(f"config.json {key} {value!r} is not a number >= 0")
+        return float(value)
+
+
+def _attention_config(fields: _Fields) -> AttentionConfig:
     """The attention group of a text config (rotary settings in either layout, see the module docstring)."""
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    text = fields.section
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        raise ValueError(f"config.json rope_parameters {rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
-    rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
-    partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+    # rope_parameters' values win over the older top-level fields
+    rotary = _Fields({**text, **{k: v for k, v in rope.items() if v is not None}}, fields.defaults)
 
-    num_heads = int(text["num_attention_heads"])
+    num_heads = fields.integer("num_attention_heads")
     section = tuple(int(n) for n in rope.get("mrope_section") or (11, 11, 10))
     if len(section) != 3:
         raise ValueError(f"mrope_section {list(section)} must name 3 axes (temporal, height, width)")
+    # head_dim null (not left out): transformers' attention takes hidden_size / num_attention_heads
+    head_dim = (fields.integer("hidden_size") // num_heads if "head_dim" in text and text["head_dim"] is None
+                else fields.integer("head_dim"))
     return AttentionConfig(
         num_heads=num_heads,
-        num_kv_heads=int(text.get("num_key_value_heads", num_heads)),
-        head_dim=int(text.get("head_dim") or text["hidden_size"] // num_heads),
+        num_kv_heads=fields.integer("num_key_value_heads"),
+        head_dim=head_dim,
         bias=bool(text.get("attention_bias", False)),
-        rope_theta=rope_theta,
-        partial_rotary_factor=partial,
+        rope_theta=rotary.number("rope_theta"),
+        partial_rotary_factor=rotary.number("partial_rotary_factor"),
         mrope_section=section,
     )
 
 
-def _gated_delta_config(text: dict[str, Any]) -> GatedDeltaConfig:
+def _gated_delta_config(fields: _Fields) -> GatedDeltaConfig:
     return GatedDeltaConfig(
-        num_k_heads=int(text.get("linear_num_key_heads", 16)),
-        num_v_heads=int(text.get("linear_num_value_heads", 32)),
-        k_head_dim=int(text.get("linear_key_head_dim", 128)),
-        v_head_dim=int(text.get("linear_value_head_dim", 128)),
-        conv_kernel_size=int(text.get("linear_conv_kernel_dim", 4)),
+        num_k_heads=fields.integer("linear_num_key_heads"),
+        num_v_heads=fields.integer("linear_num_value_heads"),
+        k_head_dim=fields.integer("linear_key_head_dim"),
+        v_head_dim=fields.integer("linear_value_head_dim"),
+        conv_kernel_size=fields.integer("linear_conv_kernel_dim"),
     )
 
 
-def _feed_forward_config(text: dict[str, Any], model_type: str) -> FeedForwardConfig:
+def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
+    text = fields.section
     is_qwen3_next = model_type == "qwen3_next"
-    is_moe = model_type == "qwen3_5_moe_text" or (is_qwen3_next and int(text.get("num_experts", 512)) > 0)
+    is_moe = model_type == "qwen3_5_moe_text" or (is_qwen3_next and fields.integer("num_experts", minimum=0) > 0)
+    has_dense = fields.value("intermediate_size") is not None  # Qwen3.5-MoE has no dense MLP
     return FeedForwardConfig(
-        intermediate_size=int(text["intermediate_size"]) if text.get("intermediate_size") else None,
-        num_experts=int(text.get("num_experts", 0)) if is_moe else 0,
-        num_experts_per_tok=int(text.get("num_experts_per_tok", 0)) if is_moe else 0,
-        moe_intermediate_size=int(text.get("moe_intermediate_size", 0)) if is_moe else 0,
-        shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size", 0)) if is_moe else 0,
+        intermediate_size=fields.integer("intermediate_size") if has_dense else None,
+        num_experts=fields.integer("num_experts") if is_moe else 0,
+        num_experts_per_tok=fields.integer("num_experts_per_tok") if is_moe else 0,
+        moe_intermediate_size=fields.integer("moe_intermediate_size") if is_moe else 0,
+        shared_expert_intermediate_size=(fields.integer("shared_expert_intermediate_size", minimum=0)
+                                         if is_moe else 0),
         # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
         norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
-        decoder_sparse_step=int(text.get("decoder_sparse_step", 1)) if is_qwen3_next else 1,
+        decoder_sparse_step=fields.integer("decoder_sparse_step") if is_qwen3_next else 1,
         mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())) if is_qwen3_next else (),
     )

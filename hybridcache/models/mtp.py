@@ -47,7 +47,7 @@ from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.layers.rotary import rotary_cos_sin
 from hybridcache.layers.step import StepContext
-from hybridcache.models.config import ModelConfig
+from hybridcache.models.config import ModelConfig, read_json_object
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
 from hybridcache.state_spec import AttentionSpec, LayerState
 
@@ -146,7 +146,7 @@ def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | N
     if not shapes:
         raise ValueError(f"{model_dir} has no mtp.* tensors: speculative method 'mtp' needs the model's MTP head")
     num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, shapes) if m), default=-1)
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = read_json_object(model_dir / "config.json")
     text = raw.get("text_config") or raw
     declared = next((text[key] for key in MTP_LAYER_KEYS if text.get(key) is not None), None)
     if declared is not None and int(declared) != num_layers:

@@ -22,7 +22,6 @@ the blocks the rank's rows or columns cover, which must be whole (a split that c
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -36,6 +35,7 @@ from hybridcache.fp8_format import BLOCK, CHANNEL, Fp8Format
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import Fp8Linear
 from hybridcache.layers.parallel import Shard
+from hybridcache.models.config import read_json_object
 
 QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load
 # Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert).
@@ -48,9 +48,13 @@ def keeps_dtype(module_name: str) -> bool:
 
 
 def read_quantization_config(model_dir: str | Path) -> dict[str, Any] | None:
-    """`quantization_config` of `<model_dir>/config.json` (or of its `text_config`), None when absent."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
-    found = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    """`quantization_config` of `<model_dir>/config.json` (or of its `text_config`), None when absent; ValueError
+    naming config.json when it is not an object."""
+    raw = read_json_object(Path(model_dir) / "config.json")
+    text = raw.get("text_config")
+    found = raw.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None)
+    if found and not isinstance(found, dict):
+        raise ValueError(f"config.json quantization_config {found!r} must be an object")
     return found or None
 
 

@@ -68,6 +68,8 @@ class VisionConfig:
         vision = raw.get("vision_config")
         if not vision:
             return None
+        if not isinstance(vision, dict):
+            raise ValueError(f"config.json vision_config must be an object, not {type(vision).__name__}")
         rope = dict(vision.get("rope_parameters") or {})
         config = cls(
             depth=int(vision.get("depth", 27)),

@@ -9,12 +9,12 @@ drawn on the device (`randomize_`, seed 0).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from hybridcache.models.config import read_json_object
 from hybridcache.models.vision import VisionTower
 from hybridcache.models.vision_config import VisionConfig
 
@@ -56,7 +56,7 @@ def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor])
 
 def has_vision_tower(model_dir: str | Path) -> bool:
     """Whether the folder's config.json has a `vision_config` (`load_vision_tower` then loads a tower)."""
-    return VisionConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text())) is not None
+    return VisionConfig.from_dict(read_json_object(Path(model_dir) / "config.json")) is not None
 
 
 def load_vision_tower(
@@ -67,7 +67,7 @@ def load_vision_tower(
     default encoder attention ("flash_varlen" on CUDA in fp16 / bf16, else "reference"); None
     when config.json has no `vision_config` (a text model)."""
     model_dir = Path(model_dir)
-    config = VisionConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+    config = VisionConfig.from_dict(read_json_object(model_dir / "config.json"))
     if config is None:
         return None
     with torch.device("meta"):

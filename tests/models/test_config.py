@@ -133,3 +133,119 @@ def test_config_module_does_not_import_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env
     )
     assert result.stdout.strip() == "False"
+
+
+# the fields that size the model: config.json must give them (transformers' classes have defaults for them too)
+_REQUIRED = {"vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4}
+_TRANSFORMERS_CLASSES = {"qwen3_5_text": "Qwen3_5TextConfig", "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
+                         "qwen3_next": "Qwen3NextConfig"}
+
+
+@pytest.mark.parametrize("model_type", sorted(_TRANSFORMERS_CLASSES))
+def test_fields_left_out_take_transformers_defaults(model_type):
+    """A config.json that leaves out num_experts_per_tok (and the rest) routes as transformers' class does."""
+    import transformers
+
+    hf = getattr(transformers, _TRANSFORMERS_CLASSES[model_type])(**_REQUIRED)
+    ours = ModelConfig.from_dict({"architectures": ["X"], "model_type": model_type, **_REQUIRED})
+    attention, delta, mlp = ours.attention, ours.gated_delta, ours.mlp
+    assert ours.layer_types == tuple(hf.layer_types)
+    assert (ours.max_position_embeddings, ours.rms_norm_eps, ours.tie_word_embeddings) == (
+        hf.max_position_embeddings, hf.rms_norm_eps, hf.tie_word_embeddings)
+    assert (attention.num_kv_heads, attention.head_dim, attention.bias) == (
+        hf.num_key_value_heads, hf.head_dim, hf.attention_bias)
+    assert (attention.rope_theta, attention.partial_rotary_factor) == (
+        hf.rope_parameters["rope_theta"], hf.rope_parameters["partial_rotary_factor"])
+    assert (delta.num_k_heads, delta.num_v_heads, delta.k_head_dim, delta.v_head_dim, delta.conv_kernel_size) == (
+        hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim,
+        hf.linear_conv_kernel_dim)
+    assert mlp.intermediate_size == getattr(hf, "intermediate_size", None)
+    if model_type != "qwen3_5_text":
+        assert (mlp.num_experts, mlp.num_experts_per_tok, mlp.moe_intermediate_size,
+                mlp.shared_expert_intermediate_size) == (hf.num_experts, hf.num_experts_per_tok,
+                                                         hf.moe_intermediate_size, hf.shared_expert_intermediate_size)
+        assert mlp.num_experts_per_tok > 0
+
+
+def _write_folder(path: Path, config, generation=None) -> Path:
+    import json
+
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if generation is not None:
+        (path / "generation_config.json").write_text(
+            generation if isinstance(generation, str) else json.dumps(generation))
+    return path
+
+
+def _without(key: str) -> dict:
+    raw = base_dict()
+    del raw[key]
+    return raw
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{not json", r"config\.json is not valid JSON"),
+    ("[1, 2]", r"config\.json must hold a JSON object"),
+    (_without("num_hidden_layers"), "config.json has no 'num_hidden_layers'"),
+    (_without("num_attention_heads"), "config.json has no 'num_attention_heads'"),
+    (base_dict(num_hidden_layers="eight"), "config.json num_hidden_layers 'eight' is not an integer"),
+    (base_dict(num_key_value_heads=0), "config.json num_key_value_heads 0 must be at least 1"),
+    (base_dict(full_attention_interval=0), "config.json full_attention_interval 0 must be at least 1"),
+    (base_dict(eos_token_id=[2, None]), r"config.json eos_token_id \[2, None\] must be a token id"),
+    (base_dict(layer_types=[{"a": 1}] * 8), "config.json layer_types .* must be a list of layer type names"),
+    (base_dict(num_experts_per_tok=0), "config.json num_experts_per_tok 0 must be at least 1"),
+    (base_dict(num_experts_per_tok=5), "config.json num_experts_per_tok 5 must be between 1 and num_experts 4"),
+    (base_dict(rope_parameters=[1]), "config.json rope_parameters"),
+    ({"architectures": ["X"], "model_type": "qwen3_5", "text_config": [1]}, "config.json text_config"),
+], ids=["invalid-json", "a-list", "no-num_hidden_layers", "no-num_attention_heads", "layers-a-string", "kv-heads-0",
+        "interval-0", "eos-null", "layer_types-dicts", "top-k-0", "top-k-past-experts", "rope-a-list",
+        "text_config-a-list"])
+def test_a_malformed_config_json_is_a_value_error_naming_the_file_and_field(tmp_path, config, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_model_dir(_write_folder(tmp_path, config))
+
+
+def test_a_string_quantization_config_is_a_value_error(tmp_path):
+    from hybridcache.models.quant import read_quantization_config
+
+    _write_folder(tmp_path, base_dict(quantization_config="fp8"))
+    with pytest.raises(ValueError, match="config.json quantization_config 'fp8' must be an object"):
+        read_quantization_config(tmp_path)
+
+
+@pytest.mark.parametrize("generation,message", [
+    ({"eos_token_id": "abc"}, "generation_config.json eos_token_id 'abc' must be a token id"),
+    ({"eos_token_id": 2.7}, "generation_config.json eos_token_id 2.7 must be a token id"),
+    ({"eos_token_id": [2, None]}, r"generation_config.json eos_token_id \[2, None\] must be a token id"),
+    ("{oops", "generation_config.json is not valid JSON"),
+    ("[1]", "generation_config.json must hold a JSON object"),
+], ids=["a-string", "a-float", "a-null", "invalid-json", "a-list"])
+def test_a_malformed_generation_config_is_a_value_error_naming_the_file(tmp_path, generation, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_model_dir(_write_folder(tmp_path, base_dict(), generation))
+
+
+def test_the_tokenizers_eos_token_stops_generation_as_in_vllm(tmp_path):
+    """vLLM stops on the tokenizer's eos_token_id whatever config.json and generation_config.json say (and adds
+    their ids): a folder that names no eos id elsewhere still stops on the tokenizer's EOS."""
+    import shutil
+
+    from hybridcache.models.builtin import ensure_builtin_model
+    from hybridcache.tokenizer import Tokenizer
+
+    source = ensure_builtin_model()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, tmp_path / name)
+    _write_folder(tmp_path, base_dict(eos_token_id=None), {"eos_token_id": 7})
+    eos = Tokenizer(tmp_path).eos_token_id
+    assert eos is not None and eos != 7
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (7, eos)
+    (tmp_path / "generation_config.json").unlink()
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (eos,)
+
+
+def test_a_vision_config_that_is_not_an_object_is_a_value_error():
+    from hybridcache.models.vision_config import VisionConfig
+
+    with pytest.raises(ValueError, match="config.json vision_config must be an object"):
+        VisionConfig.from_dict({"vision_config": [1]})
