@@ -4,7 +4,10 @@ Tensor name rules, applied to every checkpoint tensor in this order:
 
 1. ignored: names starting with `mtp.` (the multi-token-prediction head: `models/mtp.py` loads it, on demand) or
    `model.visual.` (vision tower of the multimodal wrappers, loaded apart: `vision_loader.py`); and
-   `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead);
+   `lm_head.weight` when `tie_word_embeddings` is set (the embedding is used instead). As transformers does, a
+   tied config whose checkpoint holds an `lm_head.weight` that differs from the embedding is not tied (a warning
+   says so: both are loaded), and one whose checkpoint holds `lm_head.weight` without the embedding ties the
+   embedding to it;
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
@@ -13,8 +16,10 @@ Tensor name rules, applied to every checkpoint tensor in this order:
      (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I];
 4. every other name must equal one of our parameter names exactly.
 
-A missing tensor, an unexpected tensor, or a shape mismatch raises `ValueError` naming the tensor and
-the shapes; all checks read only safetensors headers, before any weight memory is allocated.
+A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
+beside `model.language_model.X`, per-expert beside stacked experts) or an integer / bool tensor where a float weight
+is expected raises `ValueError` naming the tensor (and its file, its shapes or dtype); so does a shard or index that
+cannot be read (naming the file). All checks read only safetensors headers, before any weight memory is allocated.
 
 FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
@@ -37,10 +42,10 @@ checks from config.json and the headers alone (a tensor-parallel engine, before 
 
 from __future__ import annotations
 
-import json
+import logging
 import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,7 +53,7 @@ import torch
 import hybridcache.kernels.backend as kernel_backend
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
 from hybridcache.models import quant
-from hybridcache.models.config import ModelConfig
+from hybridcache.models.config import ModelConfig, read_json_object
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.registry import get_model_class
 
@@ -56,6 +61,8 @@ LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_EMBEDDING = "model.embed_tokens.weight"
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,11 +118,22 @@ def plan_weights(
     """Match checkpoint tensors (name -> shape) to the model's parameters; raise `ValueError` on any
     missing, unexpected or mis-shaped tensor. Returns our parameter name -> its source."""
     tied = model.config.tie_word_embeddings
-    return plan_weights_for(
-        model, checkpoint_shapes, owner=type(model).__name__,
+    # transformers ties a missing embedding to the checkpoint's lm_head.weight
+    from_head = tied and "lm_head.weight" in checkpoint_shapes and _embedding_name(checkpoint_shapes) is None
+    plan = plan_weights_for(
+        model, {_EMBEDDING if from_head and name == "lm_head.weight" else name: shape
+                for name, shape in checkpoint_shapes.items()}, owner=type(model).__name__,
         ignored=lambda name: name.startswith(IGNORED_PREFIXES) or (tied and name == "lm_head.weight"),
         not_in_checkpoint=("lm_head.weight",) if tied else (),
     )
+    if from_head:
+        plan[_EMBEDDING] = _Source("lm_head.weight")
+    return plan
+
+
+def _embedding_name(checkpoint_names: Iterable[str]) -> str | None:
+    """The checkpoint's name of the input embedding (either layout), None when it has none."""
+    return next((name for name in checkpoint_names if model_name(name) == _EMBEDDING), None)
 
 
 def plan_weights_for(
@@ -149,6 +167,8 @@ def plan_weights_for(
                 f"shape mismatch for tensor {raw_name!r}: "
                 f"checkpoint {list(shape)}, model {list(expected[name])}"
             )
+        elif name in plan:
+            problems.append(f"tensor {name!r} given twice: as {plan[name].checkpoint_name!r} and {raw_name!r}")
         else:
             plan[name] = _Source(raw_name)
     problems += [
@@ -180,6 +200,12 @@ def _plan_stacked(
     want = (num_experts, 2 * inter, hidden) if kind == "gate_up_proj" else (num_experts, hidden, inter)
     if shape != want:
         return [f"shape mismatch for tensor {raw_name!r}: checkpoint {list(shape)}, model {list(want)}"]
+    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+    given = [plan[target].checkpoint_name for e in range(num_experts) for part in parts
+             if (target := f"{prefix}.{e}.{part}.weight") in plan]
+    if given:
+        return [f"tensor {prefix}.*.{'/'.join(parts)}.weight given twice: as {given[0]!r} (and "
+                f"{len(given) - 1} more) and {raw_name!r}"]
     for e in range(num_experts):
         if kind == "gate_up_proj":
             plan[f"{prefix}.{e}.gate_proj.weight"] = _Source(raw_name, e, (0, inter))
@@ -258,14 +284,20 @@ def _sharded_plan(
 def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Load in-memory tensors (e.g. a transformers model's `state_dict()`) with the rules above."""
     plan, shards = _sharded_plan(model, {name: _shape(t.shape) for name, t in tensors.items()})
+    for name in {source.checkpoint_name for source in plan.values()}:
+        if not tensors[name].is_floating_point():
+            raise ValueError(f"tensor {name!r} has dtype {tensors[name].dtype}; a weight must be a float tensor")
     _copy_planned(model, plan, shards, lambda name, index: tensors[name][index])
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a model folder (from its index when sharded)."""
+    """The safetensors files of a model folder (from its index when sharded); ValueError naming the index when
+    it is not JSON or has no `weight_map` of tensor name -> file name."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no 'weight_map' object of tensor name -> shard file name")
         return [model_dir / f for f in sorted(set(weight_map.values()))]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -307,10 +339,12 @@ def load_model(
     files = safetensors_files(model_dir)
     location, shapes, dtypes = _read_headers(files)
     kv_scales = pop_kv_scales(shapes, location, kv_fp8, model_name)
+    config = _tie_as_transformers(config, location, shapes)
     with torch.device("meta"):
         model = model_cls(config, tp).to(dtype=dtype)
     quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))
     plan, shards = _sharded_plan(model, shapes)
+    check_float_dtypes({source.checkpoint_name for source in plan.values()}, dtypes, location)
 
     model = model.to_empty(device=device)
     model.tie_weights()
@@ -342,19 +376,61 @@ def check_split(
 
 
 def _read_headers(files: list[Path]) -> tuple[dict[str, Path], dict[str, tuple[int, ...]], dict[str, str]]:
-    """Every tensor of the safetensors `files`: name -> (its file, its shape, its safetensors dtype), from headers."""
-    from safetensors import safe_open
+    """Every tensor of the safetensors `files`: name -> (its file, its shape, its safetensors dtype), from headers.
+    ValueError naming the file for one that is missing, not a file or not safetensors (unreadable or truncated),
+    and naming both files for a tensor two of them hold."""
+    from safetensors import SafetensorError, safe_open
 
     location: dict[str, Path] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                location[name] = file
-                shapes[name] = _shape(handle.get_slice(name).get_shape())
-                dtypes[name] = handle.get_slice(name).get_dtype()
+        if not file.is_file():
+            raise ValueError(f"safetensors file {file} {'is not a file' if file.exists() else 'does not exist'}")
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
+                    if name in location:
+                        raise ValueError(f"tensor {name!r} given twice: in {location[name]} and {file}")
+                    location[name] = file
+                    shapes[name] = _shape(handle.get_slice(name).get_shape())
+                    dtypes[name] = handle.get_slice(name).get_dtype()
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{file} is not a readable safetensors file: {error}") from None
     return location, shapes, dtypes
+
+
+def check_float_dtypes(names: Iterable[str], dtypes: Mapping[str, str], location: Mapping[str, Path]) -> None:
+    """ValueError naming the tensor, its dtype and its file when a checkpoint tensor of `names` (those read into
+    weights) is an integer or bool tensor (safetensors dtype not F* / BF16): `copy_` would cast it silently."""
+    for name in sorted(names):
+        if not dtypes[name].startswith(("F", "BF")):
+            raise ValueError(f"checkpoint tensor {name!r} in {location[name]} has dtype {dtypes[name]}; a weight "
+                             "must be a float tensor")
+
+
+def _tie_as_transformers(config: ModelConfig, location: Mapping[str, Path],
+                         shapes: Mapping[str, tuple[int, ...]]) -> ModelConfig:
+    """`config` untied when it ties the embeddings but the checkpoint holds an `lm_head.weight` that differs from
+    the embedding (transformers then warns and keeps both: `PreTrainedModel.tie_weights`), else `config`. Only
+    then are the two tensors read (in slices of rows) and compared."""
+    from safetensors import safe_open
+
+    embedding = _embedding_name(location)
+    if not config.tie_word_embeddings or "lm_head.weight" not in location or embedding is None:
+        return config
+    if shapes[embedding] == shapes["lm_head.weight"]:
+        with (safe_open(str(location[embedding]), framework="pt") as embedding_file,
+              safe_open(str(location["lm_head.weight"]), framework="pt") as head_file):
+            rows = shapes[embedding][0]
+            if all(torch.equal(embedding_file.get_slice(embedding)[start:start + 4096].float(),
+                               head_file.get_slice("lm_head.weight")[start:start + 4096].float())
+                   for start in range(0, rows, 4096)):
+                return config
+    _logger.warning("config.json ties the word embeddings, but the checkpoint holds an lm_head.weight that differs "
+                    "from %s: it is used, not tied (as transformers does); set tie_word_embeddings false in "
+                    "config.json to silence this warning", embedding)
+    return replace(config, tie_word_embeddings=False)
 
 
 def _checkpoint_fp8(fmt: quant.Fp8Format | None, dtypes: Mapping[str, str]) -> dict[str, quant.Fp8Format]:

@@ -125,17 +125,10 @@ def _mtp_layer(config: ModelConfig, layer_id: int, tp: TensorParallel) -> Decode
 
 def mtp_tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     """name -> shape of every `mtp.*` tensor of a model folder (safetensors headers only)."""
-    from safetensors import safe_open
+    from hybridcache.models.loader import _read_headers, safetensors_files
 
-    from hybridcache.models.loader import safetensors_files
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name.startswith(MTP_PREFIX):
-                    shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+    shapes = _read_headers(safetensors_files(model_dir))[1]
+    return {name: shape for name, shape in shapes.items() if name.startswith(MTP_PREFIX)}
 
 
 def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | None = None) -> int:
@@ -181,6 +174,7 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     from hybridcache.models.loader import _copy_one as copy_parameter
     from hybridcache.models.loader import (
         _read_headers,
+        check_float_dtypes,
         checkpoint_shards,
         plan_weights_for,
         pop_kv_scales,
@@ -202,6 +196,7 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
         quant.convert_linears(module, fp8)
     plan = plan_weights_for(full, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
                             owner="the MTP head")
+    check_float_dtypes({MTP_PREFIX + source.checkpoint_name for source in plan.values()}, dtypes, location)
     shards = checkpoint_shards(head, full)
     head = head.to_empty(device=device)
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}

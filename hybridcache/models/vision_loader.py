@@ -49,6 +49,9 @@ def _plan(tower: VisionTower, shapes: Mapping[str, tuple[int, ...]]) -> dict[str
 def load_vision_weights(tower: VisionTower, tensors: Mapping[str, torch.Tensor]) -> None:
     """Copy in-memory tensors (full checkpoint names, e.g. a transformers model's `state_dict()`) into `tower`."""
     plan = _plan(tower, {name: tuple(t.shape) for name, t in tensors.items()})
+    if integral := sorted(name for name in plan.values() if not tensors[name].is_floating_point()):
+        raise ValueError(f"tensor {integral[0]!r} has dtype {tensors[integral[0]].dtype}; a weight must be a float "
+                         "tensor")
     params = dict(tower.named_parameters())
     for name, source in plan.items():
         params[name].copy_(tensors[source])
@@ -87,17 +90,12 @@ def _read_weights(tower: VisionTower, model_dir: Path, dtype: torch.dtype, devic
     """The meta-device `tower` materialised on `device` in `dtype` with the folder's `model.visual.*` tensors."""
     from safetensors import safe_open
 
-    from hybridcache.models.loader import safetensors_files
+    from hybridcache.models.loader import _read_headers, check_float_dtypes, safetensors_files
 
-    location: dict[str, Path] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in safetensors_files(model_dir):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                if name.startswith(PREFIX):
-                    location[name] = file
-                    shapes[name] = tuple(handle.get_slice(name).get_shape())
-    plan = _plan(tower, shapes)
+    location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
+    location = {name: file for name, file in location.items() if name.startswith(PREFIX)}
+    plan = _plan(tower, {name: shapes[name] for name in location})
+    check_float_dtypes(plan.values(), dtypes, location)
     tower = tower.to(dtype=dtype).to_empty(device=device)
     params = dict(tower.named_parameters())
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}

@@ -207,3 +207,158 @@ def test_real_multimodal_folder_loads_its_language_model(tmp_path, model_type):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([tokens])).logits[0]
     assert rel_err(prefill_logits(model, tokens), ref) <= TOLERANCE
+
+
+def _two_shards(src: Path, dst: Path, extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """`src`'s single-file checkpoint split into two indexed shards: model.norm.weight (and `extra`) in the second,
+    the rest in the first (the index maps each name to one shard: `extra`'s to the first)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    save_file({n: t for n, t in tensors.items() if n != "model.norm.weight"}, str(dst / names[0]))
+    save_file({"model.norm.weight": tensors["model.norm.weight"], **(extra or {})}, str(dst / names[1]))
+    weight_map = {**dict.fromkeys(tensors, names[0]), "model.norm.weight": names[1]}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def test_a_tensor_two_shards_hold_is_given_twice(saved_pair, tmp_path):
+    _, src = saved_pair
+    dst = _two_shards(src, tmp_path, {"model.embed_tokens.weight": torch.zeros(256, 64)})
+    with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' given twice: in \S+model-00001-of-"
+                                         r"00002.safetensors and \S+model-00002-of-00002.safetensors"):
+        load_model(dst)
+
+
+def test_a_parameter_given_under_both_names_is_refused(saved_pair, tmp_path):
+    """`model.X` beside `model.language_model.X` (the multimodal name of the same parameter)."""
+    _, src = saved_pair
+
+    def add(tensors):
+        tensors["model.language_model.norm.weight"] = torch.zeros_like(tensors["model.norm.weight"])
+
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' given twice: as '") as error:
+        load_model(edited_copy(src, tmp_path, add))
+    assert "'model.language_model.norm.weight' and 'model.norm.weight'" in str(error.value)
+
+
+def test_per_expert_and_stacked_experts_side_by_side_are_refused(saved_pair, tmp_path):
+    pair, src = saved_pair
+    prefix = "model.layers.0.mlp.experts"
+
+    def add(tensors):
+        tensors[f"{prefix}.gate_up_proj"] = torch.zeros_like(pair.hf.state_dict()[f"{prefix}.gate_up_proj"])
+
+    with pytest.raises(ValueError, match=rf"tensor {prefix}.\*.gate_proj/up_proj.weight given twice: as "
+                                         rf"'{prefix}.0.gate_proj.weight' \(and 15 more\) and '{prefix}.gate_up_proj'"):
+        load_model(edited_copy(src, tmp_path, add))
+
+
+def _tied_config(path: Path) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_a_tied_config_with_a_distinct_lm_head_uses_it_as_transformers_does(tmp_path, caplog):
+    """transformers (PreTrainedModel.tie_weights) warns and does not tie when the checkpoint holds both tensors
+    with different values; an equal lm_head.weight is tied."""
+    import transformers
+
+    pair = make_pair("qwen3_5_text", seed=9)
+    path = save_pair(pair, tmp_path / "distinct")
+    _tied_config(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+    with caplog.at_level("WARNING", logger="hybridcache.models.loader"):
+        model = load_model(path)
+    assert "differs from model.embed_tokens.weight" in caplog.text
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, pair.hf.lm_head.weight)
+    tokens = random_tokens(100, seed=54)
+    assert rel_err(prefill_logits(model, tokens), pair.hf_logits(tokens)) <= TOLERANCE
+
+    same = edited_copy(path, tmp_path / "same",
+                       lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    model = load_model(same)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_a_tied_config_with_only_lm_head_ties_the_embedding_to_it(tmp_path):
+    """transformers swaps a tie whose source is missing: the checkpoint's lm_head.weight is the embedding too."""
+    import transformers
+
+    pair = make_pair("qwen3_5_text", seed=10)
+    path = edited_copy(save_pair(pair, tmp_path / "src"), tmp_path / "head_only",
+                       lambda t: t.pop("model.embed_tokens.weight"))
+    _tied_config(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_model(path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(model.model.embed_tokens.weight, pair.hf.lm_head.weight)
+
+
+@pytest.mark.parametrize("name,dtype", [
+    ("model.embed_tokens.weight", torch.int32), ("model.norm.weight", torch.bool),
+    ("model.layers.0.linear_attn.A_log", torch.int64),
+], ids=["embedding-int32", "norm-bool", "A_log-int64"])
+def test_an_integer_tensor_for_a_float_weight_is_refused(saved_pair, tmp_path, name, dtype):
+    _, src = saved_pair
+    dst = edited_copy(src, tmp_path, lambda tensors: tensors.update({name: tensors[name].to(dtype)}))
+    dtype_name = {torch.int32: "I32", torch.bool: "BOOL", torch.int64: "I64"}[dtype]
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' in \S+model.safetensors has dtype "
+                                         rf"{dtype_name}; a weight must be a float tensor"):
+        load_model(dst)
+
+
+def test_an_integer_tensor_in_memory_is_refused(saved_pair):
+    pair, _ = saved_pair
+    tensors = {**pair.hf.state_dict()}
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    with pytest.raises(ValueError, match="tensor 'model.norm.weight' has dtype torch.int32"):
+        load_weights(pair.ours, tensors)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("index-invalid-json", r"model.safetensors.index.json is not valid JSON"),
+    ("index-without-weight_map", r"model.safetensors.index.json has no 'weight_map'"),
+    ("garbage-shard", r"model-00002-of-00002.safetensors is not a readable safetensors file"),
+    ("truncated-shard", r"model-00002-of-00002.safetensors is not a readable safetensors file"),
+    ("shard-a-directory", r"model-00002-of-00002.safetensors is not a file"),
+    ("shard-missing", r"model-00002-of-00002.safetensors does not exist"),
+])
+def test_an_unreadable_index_or_shard_is_a_value_error_naming_the_file(saved_pair, tmp_path, damage, message):
+    _, src = saved_pair
+    dst = _two_shards(src, tmp_path)
+    index, shard = dst / "model.safetensors.index.json", dst / "model-00002-of-00002.safetensors"
+    if damage == "index-invalid-json":
+        index.write_text("{")
+    elif damage == "index-without-weight_map":
+        index.write_text(json.dumps({"metadata": {}}))
+    elif damage == "garbage-shard":
+        shard.write_bytes(b"hello world, no safetensors")
+    elif damage == "truncated-shard":
+        shard.write_bytes(shard.read_bytes()[:-10])
+    elif damage == "shard-a-directory":
+        shard.unlink()
+        shard.mkdir()
+    else:
+        shard.unlink()
+    with pytest.raises(ValueError, match=message):
+        load_model(dst)
+
+
+def test_an_integer_vision_tensor_is_refused(tmp_path):
+    from hybridcache.models.vision_loader import load_vision_tower
+    from hybridcache.models.vl_folders import write_tiny_vl_model
+
+    path = write_tiny_vl_model(tmp_path)
+    (shard,) = path.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    name = next(name for name in sorted(tensors) if name.startswith("model.visual."))
+    tensors[name] = tensors[name].to(torch.int32)
+    save_file(tensors, str(shard))
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' in \S+ has dtype I32"):
+        load_vision_tower(path)
