@@ -172,13 +172,20 @@ def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature):
 @pytest.fixture(scope="module")
 def tiny_vocab_dir(tmp_path_factory):
     import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from hybridcache.models.random_weights import randomize_, tiny_hf_config
 
     config = tiny_hf_config("qwen3_5_text", vocab_size=8, eos_token_id=None)
     model = transformers.Qwen3_5ForCausalLM(config).eval()
     randomize_(model, seed=3)
-    return save_model_folder(model, tmp_path_factory.mktemp("vocab8"))
+    folder = save_model_folder(model, tmp_path_factory.mktemp("vocab8"))
+    # a tokenizer of the model's 8 ids (one with more is refused: its ids past 8 would have no embedding)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:8]
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
 
 
 @pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])

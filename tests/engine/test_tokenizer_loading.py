@@ -103,3 +103,15 @@ def test_encode_gives_what_transformers_encode_gives(folder, tmp_path, kind):
     assert tokenizer.backend.truncation is not None
     assert tokenizer.encode(TEXTS[-1]) == hf.encode(TEXTS[-1], add_special_tokens=False)
     assert len(tokenizer.encode(TEXTS[-1])) > 3
+
+
+def test_a_tokenizer_with_ids_past_the_vocab_size_is_refused(folder):
+    """A prompt holding such an id would index past the embedding (and kill the engine): refused at start-up."""
+    config = json.loads((folder / "config.json").read_text())
+    num_ids = len(Tokenizer(folder).hf)
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": num_ids}))
+    Tokenizer(folder)  # exactly the tokenizer's ids
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": num_ids - 3}))
+    with pytest.raises(ValueError, match=rf"has token ids up to {num_ids - 1} \({num_ids} ids\), more than "
+                                         rf"config.json's vocab_size {num_ids - 3}"):
+        Tokenizer(folder)
