@@ -8,10 +8,12 @@ preprocessor_config.json: its min/max pixels, resizing to multiples of patch x m
 language-model tokens. Its content hash is the xxh3-128 of its pixel values and grid: two different images never
 share one (the prefix cache and the encoder cache tell images apart by it), the same image sent twice always does.
 
-`split_chat_images(messages)` turns OpenAI-style content parts into what chat templates take: text parts stay,
-`{"type": "image_url", "image_url": {"url": ...}}` and `{"type": "image", "image": ...}` parts become
-`{"type": "image"}` (the template renders `<|vision_start|><|image_pad|><|vision_end|>`) and their sources are
-returned in order; video parts raise `ImageError` (video input is not supported).
+`split_chat_images(messages)` turns OpenAI-style messages into what chat templates take, for `LLM.chat` and the
+server alike: each message must have one of `CHAT_ROLES`; its content goes through `template_content` (None is "",
+a list of text parts one string); in a list holding images, text parts stay, `{"type": "image_url", "image_url":
+{"url": ...}}` and `{"type": "image", "image": ...}` parts become `{"type": "image"}` (the template renders
+`<|vision_start|><|image_pad|><|vision_end|>`) and their sources are returned in order; video parts raise
+`ImageError` (video input is not supported).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from hybridcache.multimodal import MultimodalInput
 
 _VIDEO_PARTS = ("video_url", "video")
 _IMAGE_PARTS = ("image_url", "image", "image_pil")
+_TEXT_PART = "text"
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # the server's `ChatMessage.role` takes these
 
 
 @dataclass(frozen=True)
@@ -138,27 +142,57 @@ def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sou
     return processor.expand(token_ids, images)
 
 
+def template_content(content: object) -> str | list[dict[str, Any]]:
+    """A message's `content` as chat templates take it: a string as it is, None as "", a list of text parts as their
+    texts joined (`[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]` -> "ab", what Qwen templates
+    render of the parts themselves), a list holding an image or video part as the list. The server's
+    `ChatMessage.as_template_input` and `split_chat_images` both take content through here, so `LLM.chat` and
+    `/v1/chat/completions` render the same messages alike. ValueError for other content or an unknown part."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, (list, tuple)):
+        raise ValueError(f"a message's content is a string or a list of content parts, got {type(content).__name__}")
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in (_TEXT_PART, *_IMAGE_PARTS, *_VIDEO_PARTS):
+            raise ValueError(f"content part {j} must be a dict whose 'type' is 'text' or an image's ('image_url', "
+                             f"'image', 'image_pil'), got {part!r:.80}")
+        if kind == _TEXT_PART and not isinstance(part.get("text"), str):
+            raise ValueError(f"content part {j} (type 'text') has no 'text' string: {part!r:.80}")
+    if all(part["type"] == _TEXT_PART for part in content):
+        return "".join(part["text"] for part in content)
+    return list(content)
+
+
 def split_chat_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
     """OpenAI-style messages -> (messages for the chat template, image sources in order); see the module docstring.
-    Raises ImageError for a video part or an image part without a source."""
+    ValueError for a message without a role, with one not in `CHAT_ROLES` or with content `template_content`
+    refuses; ImageError for a video part or an image part without a source."""
     rendered, sources = [], []
-    for message in messages:
-        content = message.get("content")
-        if not isinstance(content, list):
-            rendered.append(message)
-            continue
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind in _VIDEO_PARTS:
-                raise ImageError("video input is not supported (only text and images)")
-            if kind in _IMAGE_PARTS:
-                sources.append(_image_source(part, kind))
-                parts.append({"type": "image"})
-            else:
-                parts.append(part)
-        rendered.append({**message, "content": parts})
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message {i} has no 'role'" if role is None else
+                             f"message {i} has role {role!r}; a role is one of {', '.join(CHAT_ROLES)}")
+        try:
+            content = template_content(message.get("content"))
+        except ValueError as error:
+            raise ValueError(f"message {i}: {error}") from None
+        if isinstance(content, list):
+            content = [_template_part(part, sources) for part in content]
+        rendered.append({**message, "content": content})
     return rendered, sources
+
+
+def _template_part(part: dict[str, Any], sources: list[Any]) -> dict[str, Any]:
+    """A content part as the template takes it; an image part's source is appended to `sources`."""
+    kind = part["type"]
+    if kind in _VIDEO_PARTS:
+        raise ImageError("video input is not supported (only text and images)")
+    if kind in _IMAGE_PARTS:
+        sources.append(_image_source(part, kind))
+        return {"type": "image"}
+    return part
 
 
 def _image_source(part: dict[str, Any], kind: str) -> Any:

@@ -303,15 +303,18 @@ class MtpDrafter:
         """The head's work after the step (`propose`; `wanted`: seq_id -> drafts wanted, for the sequences that
         draft), built on the runner's `input_device`, and the chunks whose sequences propose at each position,
         in the order of `runner.draft`'s tokens; None when no sequence computed a position.
-        Uniform (`mtp_draft` module docstring) when every such chunk fed the same q tokens, q = 1 (a plain
-        decode row) or 1 + k (a verify row of k drafts)."""
+        Uniform (`mtp_draft` module docstring) when every such chunk sampled and fed the same q tokens, q = 1 (a
+        plain decode row) or 1 + k (a verify row of k drafts): its further rows, one per chunk and step, lie in the
+        scheduler's lookahead blocks, which only a chunk that samples has (a prefill chunk that does not gets
+        catch-up rows alone, in the ragged plan)."""
         # (a sequence that finished in this step too: its blocks and tail go into the cache, the head's KV with them)
         owners = [c for c in chunks if c.seq.num_computed > c.start and len(c.seq.token_ids) > c.seq.num_computed]
         if not owners:
             return None
         widths = {c.num_tokens for c in owners}
         q = next(iter(widths))
-        if len(widths) == 1 and all(c.num_drafts == q - 1 for c in owners) and q - 1 in (0, self.k):
+        if (len(widths) == 1 and all(c.samples and c.num_drafts == q - 1 for c in owners)
+                and q - 1 in (0, self.k)):
             return self._uniform_plan(chunks, owners, q), [owners] * self.k
         return self._ragged_plan(chunks, owners, wanted)
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
+from hybridcache.mm_processor import template_content
 from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
@@ -340,10 +341,8 @@ class ChatMessage(BaseModel):
         """The message as chat templates take it; tool-call arguments as objects where they parse as JSON
         objects (templates that iterate over arguments need them so; `tojson` writes them back the same)."""
         content = self.content
-        if isinstance(content, list) and all(isinstance(part, ContentPart) for part in content):
-            content = "".join(part.text for part in content)
-        elif isinstance(content, list):  # image or video parts: kept as parts (server/chat_images.py)
-            content = [part.model_dump(exclude_none=True) for part in content]
+        if isinstance(content, list):  # text parts joined; with image or video parts kept (server/chat_images.py)
+            content = template_content([part.model_dump(exclude_none=True) for part in content])
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name

@@ -375,3 +375,33 @@ def test_a_frozen_tail_held_at_close_reaches_the_disk_tier(small_dir, tmp_path):
         restarted.close()
     (want, _), (got, hit) = results
     assert hit == 40 and got == want
+
+
+@pytest.mark.parametrize("shape", ["one-token-chunks", "branch-on-a-block-boundary"])
+def test_prefill_chunks_that_do_not_sample_get_no_further_draft_rows(small_dir, shape):
+    """A step whose rows are all one token wide, some of them prefill chunks that do not sample, is not a uniform
+    draft step: such a chunk has no lookahead blocks, so a further draft row past its last computed position fell
+    outside its blocks at a block boundary ("3 blocks cannot hold 49 tokens" raised inside step(): the engine was
+    dead) and wrote the head's KV ahead of the prefill inside one. Greedy tokens equal those without MTP."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    if shape == "one-token-chunks":  # every prefill chunk is one token: the budget is 1
+        options, requests = {"max_num_batched_tokens": 1, "block_size": 8}, [("a", list(range(20)))]
+    else:  # b parts from a at 48, one past a's prefill-end checkpoint at 47: b's first chunk is [47, 48)
+        options, a_prompt = {"max_num_batched_tokens": 256}, [(7 * i + 3) % 256 for i in range(47)]
+        requests = [("a", a_prompt), ("b", None)]
+    outputs = []
+    for k in (2, None):
+        engine = make_engine(small_dir, k, kernel_block_size=8, **options)
+        tokens = {}
+        for request_id, prompt in requests:
+            if prompt is None:
+                first = tokens["a"]
+                prompt = a_prompt + [first[0], (first[1] + 1) % 256] + [(5 * i) % 256 for i in range(6)]
+            engine.add_request(request_id, prompt, greedy)
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        tokens[request_id] = out.outputs[0].token_ids
+                engine.check_integrity()
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] and len(outputs[0]) == len(requests)

@@ -1,0 +1,63 @@
+"""`LLM`'s offline API in the shapes vLLM users write against: chat messages with content parts and chat options,
+`RequestOutput` / `CompletionOutput` fields, `get_tokenizer`, `SamplingParams(max_tokens=None)`."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from hybridcache import LLM, SamplingParams
+from hybridcache.mm_processor import CHAT_ROLES, split_chat_images, template_content
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(max_model_len=512) as llm:
+        yield llm
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+def test_text_parts_render_as_one_string_as_the_server_renders_them(llm):
+    """`content: [{"type": "text", ...}, ...]` put the Python repr of the list into the prompt; offline chat now takes
+    content through the server's own `template_content`, so both render the same prompt."""
+    protocol = pytest.importorskip("hybridcache.server.protocol")
+    parts = [{"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+             {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    plain = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    [out] = llm.chat(parts, GREEDY, use_tqdm=False)
+    assert out.prompt == llm.tokenizer.apply_chat_template(plain)
+    assert "'type'" not in out.prompt
+    body = protocol.parse_request(protocol.ChatCompletionRequest, {"messages": parts})
+    served, _ = split_chat_images([m.as_template_input() for m in body.messages])
+    assert llm.tokenizer.apply_chat_template(served) == out.prompt
+    [none] = llm.chat([{"role": "user", "content": None}], GREEDY, use_tqdm=False)
+    assert none.prompt == llm.tokenizer.apply_chat_template([{"role": "user", "content": ""}])
+
+
+def test_template_content_joins_text_parts_and_keeps_image_parts():
+    assert template_content(None) == template_content("") == template_content([]) == ""
+    assert template_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]) == "ab"
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    assert template_content([{"type": "text", "text": "a"}, image]) == [{"type": "text", "text": "a"}, image]
+    for bad in (5, [{"type": "audio"}], ["text"], [{"type": "text"}], [{"type": "text", "text": 3}]):
+        with pytest.raises(ValueError):
+            template_content(bad)
+
+
+def test_a_message_without_a_known_role_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="message 0 has no 'role'"):
+        llm.chat([{"content": "hi"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="message 1 has role 'wizard'; a role is one of system, user"):
+        llm.chat([{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="message 0: content part 0"):
+        llm.chat([{"role": "user", "content": [{"type": "audio_url"}]}], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_chat_roles_are_the_servers():
+    protocol = pytest.importorskip("hybridcache.server.protocol")
+    assert typing.get_args(protocol.ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
+
