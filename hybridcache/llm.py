@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -82,14 +83,24 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        add_generation_prompt: bool = True,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations: `messages` is one conversation (a list of `{"role", "content"}`
         dicts) or a list of them. Each is rendered with the model's chat template (`Tokenizer.apply_chat_template`,
         as the server does) and generated as that text, so `chat(m, p)` equals
-        `generate(tokenizer.apply_chat_template(m), p)`; each output's `prompt` is the rendered text. Image parts
-        render as one placeholder each and their images go with the prompt (`multi_modal_data`)."""
+        `generate(tokenizer.apply_chat_template(m), p)`; each output's `prompt` is the rendered text.
+
+        Messages are taken as the server takes them (`mm_processor.split_chat_images`): a role of
+        `CHAT_ROLES` (else ValueError), content a string or OpenAI-style parts, text parts joined into one
+        string; image parts render as one placeholder each and their images go with the prompt
+        (`multi_modal_data`). As vLLM's `LLM.chat`: `add_generation_prompt` (the assistant header after the
+        conversation), `continue_final_message` (leave the last message open to be continued; it takes the place
+        of the generation prompt, as on the server), `tools` (tool definitions the template renders) and
+        `chat_template_kwargs` (extra template variables, e.g. `{"enable_thinking": False}`)."""
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         for i, conversation in enumerate(conversations):
@@ -97,13 +108,16 @@ class LLM:
                 if not isinstance(message, dict):
                     raise TypeError(f"messages must be a list of message dicts or a list of such lists "
                                     f"(conversation {i} holds a {type(message).__name__})")
+        template = {"tools": tools, "template_kwargs": chat_template_kwargs}
+        opens_reply = add_generation_prompt and not continue_final_message
         prompts: list[Prompt] = []
         partings: list[Callable[[Sequence[int]], int | None]] = []  # where each next turn will part (its ids)
         for conversation in conversations:
             rendered, images = split_chat_images(conversation)
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **template)
             prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
-            partings.append(functools.partial(self.tokenizer.parting_step, rendered, text) if add_generation_prompt
+            partings.append(functools.partial(self.tokenizer.parting_step, rendered, text, **template) if opens_reply
                             else lambda ids: None)
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, partings=partings)
 

@@ -61,3 +61,24 @@ def test_the_chat_roles_are_the_servers():
     protocol = pytest.importorskip("hybridcache.server.protocol")
     assert typing.get_args(protocol.ChatMessage.model_fields["role"].annotation) == CHAT_ROLES
 
+
+def test_chat_takes_vllms_template_options(llm):
+    """`chat_template_kwargs`, `continue_final_message`, `tools` (and `add_generation_prompt`) as vLLM's `LLM.chat`
+    takes them (a TypeError before), each reaching the template as `Tokenizer.apply_chat_template` passes it."""
+    tok = llm.tokenizer
+    user = [{"role": "user", "content": "hi"}]
+    [no_think] = llm.chat(user, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert no_think.prompt == tok.apply_chat_template(user, template_kwargs={"enable_thinking": False})
+    assert no_think.prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    reply = [*user, {"role": "assistant", "content": "Hel"}]
+    [continued] = llm.chat(reply, GREEDY, use_tqdm=False, continue_final_message=True, add_generation_prompt=False)
+    assert continued.prompt.endswith("<|im_start|>assistant\nHel")
+    [same] = llm.chat(reply, GREEDY, use_tqdm=False, continue_final_message=True)  # (the server's rule too)
+    assert same.prompt == continued.prompt
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    [with_tools] = llm.chat(user, GREEDY, use_tqdm=False, tools=tools)
+    assert with_tools.prompt == tok.apply_chat_template(user, tools=tools) and "get_weather" in with_tools.prompt
+    [bare] = llm.chat(user, GREEDY, use_tqdm=False, add_generation_prompt=False)
+    assert bare.prompt == tok.apply_chat_template(user, add_generation_prompt=False)
+    with pytest.raises(ValueError, match="may not set 'tools'"):
+        llm.chat(user, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": []})
