@@ -263,7 +263,10 @@ class DiskTier:
                 raise ValueError("checksum mismatch")
             return data
         except Exception as error:  # noqa: BLE001 (whatever is wrong with the file, it is not served)
-            self._drop_corrupt(path, error)
+            with self._lock:
+                dropped = path not in self._sizes  # by the size cap, since the match found it: a plain miss
+            if not dropped:
+                self._drop_corrupt(path, error)
             return None
 
     def _drop_corrupt(self, path: Path, error: BaseException) -> None:

@@ -189,3 +189,20 @@ def test_the_size_cap_keeps_the_blocks_a_queued_state_chains_through(tmp_path):
     assert hit is not None and hit.state.step == 11
     assert capped.read(hit, ()) is not None
     capped.close()
+
+
+def test_a_hit_whose_files_the_size_cap_dropped_since_is_a_miss_not_corrupt(tmp_path):
+    """find() then read() of a state the writer's cap deleted in between: a plain miss (None), no corruption
+    counted, no warning."""
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 9), seed=1)
+    one = disk.stats.num_bytes
+    disk.close()
+    capped = make(tmp_path, max_bytes=int(1.5 * one))
+    hit = capped.find(PROMPT, B, 29)
+    assert hit is not None
+    keep(capped, fall_out([7] * 30, 9), seed=2)  # past the cap: the found state, least recently used, goes
+    assert capped.stats.num_evicted_states == 1
+    assert capped.read(hit, ()) is None
+    assert capped.stats.num_corrupt == 0
+    capped.close()
