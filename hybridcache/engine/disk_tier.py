@@ -223,7 +223,8 @@ class DiskTier:
     def read(self, hit: DiskHit, block_indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """([len(block_indices), page_words] the bytes of those blocks of `hit`'s chain, [k (+1), page_words] its
         state's), checked against their checksums and records; None when a file is missing or corrupt (it is
-        dropped from the index, with a warning). The state becomes the most recently used."""
+        dropped from the index, with a warning) or the size cap deleted it since the match (a plain miss). The
+        state becomes the most recently used."""
         blocks = []
         for i in block_indices:
             data = self._load(self._block_path(hit.blocks[i].hash), 1)
