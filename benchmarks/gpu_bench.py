@@ -139,7 +139,7 @@ def timed(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[float, list]:
 
 def summary(latencies: list[float], outputs: list, prompt_lens: list[int]) -> dict:
     """Hit rate, cached tokens, latency percentiles (ms), total (s) of a phase's requests."""
-    cached = [o.cached_tokens for o in outputs]
+    cached = [o.num_cached_tokens for o in outputs]
     ordered = sorted(latencies)
     pct = lambda q: 1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
     return {

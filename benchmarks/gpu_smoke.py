@@ -37,7 +37,7 @@ def main() -> None:
         out_uncached = run_workload(uncached)
         out_cached = run_workload(cached, check_every_step=True)
         assert_same(cached, uncached, out_cached, out_uncached)
-        hits = sum(o.cached_tokens for o in out_cached.values())
+        hits = sum(o.num_cached_tokens for o in out_cached.values())
         result[model_type] = {"equivalent": True, "hit_tokens": hits, "seconds": time.perf_counter() - start}
         print(f"{model_type}: cached == uncached on {args.device}, {hits} hit tokens")
     from hybridcache import LLM

@@ -179,7 +179,7 @@ def request(llm: LLM, prompt: str) -> dict:
     before, parts_before = host_counters(llm), parts.snapshot() if parts else {}
     seconds, out = timed(llm, [prompt], 1)
     after = host_counters(llm)
-    row = {"ms": 1000 * seconds, "cached": out[0].cached_tokens, "prompt": len(out[0].prompt_token_ids),
+    row = {"ms": 1000 * seconds, "cached": out[0].num_cached_tokens, "prompt": len(out[0].prompt_token_ids),
            "host": {name: after[name] - before[name] for name in HOST_COUNTERS if after[name] != before[name]}}
     if parts:
         row["parts_ms"] = {key: round(1000 * (value - parts_before[key]), 2) for key, value in parts.seconds.items()}

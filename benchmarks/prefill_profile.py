@@ -195,7 +195,7 @@ def generate_ms(llm: LLM, prompt: str, cached: list[int] | None = None) -> float
     outputs = llm.generate([prompt], ONE_TOKEN, use_tqdm=False)
     ms = 1000 * (time.perf_counter() - start)
     if cached is not None:
-        cached.append(outputs[0].cached_tokens)
+        cached.append(outputs[0].num_cached_tokens)
     return ms
 
 

@@ -127,10 +127,11 @@ def ttft(llm: LLM) -> dict:
     second = llm.chat(follow, one, use_tqdm=False)[0]
     warm = time.perf_counter() - start
     out = {"ttft_cold_ms": 1000 * cold, "ttft_second_turn_ms": 1000 * warm,
-           "prompt_tokens_second_turn": len(second.prompt_token_ids), "cached_tokens_second_turn": second.cached_tokens,
+           "prompt_tokens_second_turn": len(second.prompt_token_ids),
+           "cached_tokens_second_turn": second.num_cached_tokens,
            "images_encoded_second_turn": engine.vision.num_encoded_images - encoded}
     print(f"ttft cold {out['ttft_cold_ms']:.1f} ms, second turn {out['ttft_second_turn_ms']:.1f} ms "
-          f"(cached {second.cached_tokens} of {len(second.prompt_token_ids)}, "
+          f"(cached {second.num_cached_tokens} of {len(second.prompt_token_ids)}, "
           f"{out['images_encoded_second_turn']} images encoded)", flush=True)
     return out
 

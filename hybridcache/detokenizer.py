@@ -39,6 +39,7 @@ class DeferredDetokenizer:
         self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._text: str | None = ""
+        self.stop_reason: str | None = None  # (no stop strings: never one)
 
     def add(self, token_id: int) -> bool:
         """Keep one more token; never a stop (there are no stop strings)."""
@@ -58,10 +59,11 @@ class IncrementalDetokenizer:
 
     Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids, skip_special_tokens)`
     cut before the first occurrence of any `stop` string (after it with `include_stop`; of the stop strings
-    found at that position, the first in `stop`'s order). Stop strings are looked for only once more than
-    `min_tokens` tokens were added, and only from the end of the text the first `min_tokens` tokens completed
-    (vLLM's rule). A token costs a decode of the few tokens since the last complete character, and the stop
-    search looks only at the characters that can complete a stop string, so n tokens cost O(n), not O(n^2).
+    found at that position, the first in `stop`'s order), and `stop_reason` is that stop string (None before).
+    Stop strings are looked for only once more than `min_tokens` tokens were added, and only from the end of the
+    text the first `min_tokens` tokens completed (vLLM's rule). A token costs a decode of the few tokens since the
+    last complete character, and the stop search looks only at the characters that can complete a stop string, so
+    n tokens cost O(n), not O(n^2).
 
     Tokens whose bytes do not yet form a complete character are `pending`: `DecodeStream` returns nothing for
     them, and `text` appends their own decode (U+FFFD replacement characters), as a full decode would. Worked
@@ -94,6 +96,7 @@ class IncrementalDetokenizer:
         self._emitted = ""
         self._pending: list[int] = []
         self._stop_at: int | None = None
+        self.stop_reason: str | None = None  # the stop string found, once one is
 
     def add(self, token_id: int) -> bool:
         """Decode one more token; True when the text now contains a stop string (it is then cut there)."""
@@ -113,9 +116,9 @@ class IncrementalDetokenizer:
             for stop in self._stop:  # an occurrence not found before must end inside the new piece
                 position = self._emitted.find(stop, max(self._search_from, searched_to - len(stop) + 1))
                 if position >= 0:
-                    cuts.append((position, position + len(stop) if self._include_stop else position))
+                    cuts.append((position, position + len(stop) if self._include_stop else position, stop))
             if cuts and self._stop_at is None:
-                self._stop_at = min(cuts, key=lambda cut: cut[0])[1]
+                _, self._stop_at, self.stop_reason = min(cuts, key=lambda cut: cut[0])
         return self._stop_at is not None
 
     def _step(self, token_id: int) -> str | None:

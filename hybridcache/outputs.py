@@ -1,33 +1,41 @@
-"""What `LLM.generate` returns: one `RequestOutput` per prompt, holding `n` `CompletionOutput`s."""
+"""What `LLM.generate` returns: one `RequestOutput` per prompt, holding `n` `CompletionOutput`s (vLLM's fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridcache.sampling import PromptLogprobs, TokenLogprob
+from hybridcache.sampling import PromptLogprobs, SampleLogprobs
 
 
 @dataclass
 class CompletionOutput:
     """One sampled completion. finish_reason: 'stop' (EOS, stop token or stop string), 'length'
-    (max_tokens or the model length limit), 'abort', or None while it is still running. cached_tokens: prompt
-    tokens this completion's sequence took from the prefix cache when it was first admitted. logprobs: one
-    entry per token of `token_ids` when the request asked for logprobs, else None. num_draft_tokens /
-    num_accepted_tokens: speculative decoding: the draft tokens its steps fed and the ones accepted (0 when off)."""
+    (max_tokens or the model length limit), 'abort', or None while it is still running. stop_reason (vLLM's): the
+    stop string or stop token id that ended it; None for the tokenizer's EOS token (unless `ignore_eos`), a
+    completed grammar, 'length', 'abort' and while it runs. The model's other EOS ids count as stop tokens (vLLM's
+    `update_from_generation_config` adds them to `stop_token_ids`): a stop on one of them names it.
+    num_cached_tokens: prompt tokens this completion's sequence took from the prefix cache when it was first
+    admitted. logprobs (vLLM's shape, when the request asked for them, else None): per token of `token_ids`,
+    {token id: Logprob(logprob, rank, decoded_token)} holding the sampled token first, then the `logprobs` likeliest
+    tokens (ranks 1..k; the sampled token is not repeated). cumulative_logprob: the sum of the sampled tokens'
+    logprobs when logprobs were asked for, else None. num_draft_tokens / num_accepted_tokens: speculative decoding:
+    the draft tokens its steps fed and the ones accepted (0 when off)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: str | int | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
 
 @dataclass
 class RequestOutput:
-    """A request's result. `cached_tokens`: prompt tokens whose computation the prefix cache skipped
+    """A request's result. `num_cached_tokens`: prompt tokens whose computation the prefix cache skipped
     (for n > 1, the smallest over its completions, each of which runs the prompt as its own sequence).
     `prompt_logprobs` (when the request's `SamplingParams.prompt_logprobs` is set, as vLLM's): one entry per
     prompt token, None for the first, then {token id: Logprob} holding the prompt token and the k likeliest
@@ -37,6 +45,11 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
-    cached_tokens: int = 0
+    num_cached_tokens: int = 0
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """The older name of `num_cached_tokens` (vLLM's), kept for the `hybridcache generate` command's JSON."""
+        return self.num_cached_tokens

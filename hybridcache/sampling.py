@@ -198,15 +198,6 @@ class SamplingRow(Protocol):
 
 
 @dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability and the `logprobs` most likely tokens (id, logprob), best first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass(frozen=True)
 class Logprob:
     """One token's log-probability at a position and its rank there among the vocabulary (1 = the likeliest;
     tokens of equal logprob share the better rank), as vLLM's `Logprob`. `decoded_token`: the token's text."""
@@ -216,7 +207,36 @@ class Logprob:
     decoded_token: str | None = None
 
 
-PromptLogprobs = list[dict[int, Logprob] | None]
+PromptLogprobs = list[dict[int, Logprob] | None]  # vLLM's: None for the first prompt token
+SampleLogprobs = list[dict[int, Logprob]]  # vLLM's: one entry per sampled token
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """What the sampler copies to the host for a sampled token of a request that asked for logprobs: its
+    log-probability, its rank (as `Logprob.rank`) and the `logprobs` most likely tokens (id, logprob), best first.
+    `entry` turns it into vLLM's shape once its texts can be decoded."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+    def entry(self, decode: Callable[[int], str]) -> dict[int, Logprob]:
+        """vLLM's entry of this position: {sampled token: its Logprob, then the top tokens: theirs (rank 1..k)},
+        the sampled token first and not repeated, as `prompt_logprobs` builds a prompt position's."""
+        entry = {self.token_id: Logprob(self.logprob, self.rank, decode(self.token_id))}
+        for rank, (token, value) in enumerate(self.top, start=1):
+            if token not in entry:
+                entry[token] = Logprob(value, rank, decode(token))
+        return entry
+
+
+def top_logprobs(entry: dict[int, Logprob], token_id: int, k: int) -> list[tuple[int, Logprob]]:
+    """The k likeliest tokens of a `SampleLogprobs` entry whose sampled token is `token_id` (requested with
+    `logprobs=k`), best first: the entry holds k + 1 tokens when the sampled one is not among them, else k."""
+    items = [(token, lp) for token, lp in entry.items() if token != token_id or len(entry) <= k]
+    return sorted(items, key=lambda item: item[1].rank)
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
@@ -294,11 +314,11 @@ class PendingSample:
         tokens, *logprobs = (part.tolist() for part in self._host)
         if not self._want:
             return SamplerOutput(tokens, [None] * len(tokens))
-        chosen, values, ids = logprobs
+        chosen, ranks, values, ids = logprobs
         out: list[TokenLogprob | None] = [None] * len(tokens)
         for j, i in enumerate(self._want):
             count = self._params[i].logprobs
-            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(zip(ids[j][:count], values[j][:count])))
+            out[i] = TokenLogprob(tokens[i], chosen[j], ranks[j], tuple(zip(ids[j][:count], values[j][:count])))
         return SamplerOutput(tokens, out)
 
 
@@ -505,12 +525,13 @@ def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> to
 
 
 def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-                     want: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For rows in `want`, on the device: log_softmax(raw)[token] [W], and the top-k values and ids [W, k]
-    (k: the largest `logprobs` asked for)."""
+                     want: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows in `want`, on the device: log_softmax(raw)[token] [W] and its rank [W] (`Logprob.rank`), and the
+    top-k values and ids [W, k] (k: the largest `logprobs` asked for)."""
     index = to_device(want, raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)
-    chosen = logprobs.gather(1, tokens[index].unsqueeze(1)).squeeze(1)
+    chosen = logprobs.gather(1, tokens[index].unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1) + 1
     k = max(params[i].logprobs for i in want)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], index.new_zeros(len(want), 0))
-    return chosen, top_values, top_ids
+    return chosen.squeeze(1), ranks, top_values, top_ids

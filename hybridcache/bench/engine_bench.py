@@ -123,7 +123,7 @@ class _Driver:
                 for completion in out.outputs:
                     self.records.append(CallRecord(
                         key=f"{out.request_id}#{completion.index}", turn=turn,
-                        prompt_len=len(out.prompt_token_ids), cached_tokens=completion.cached_tokens,
+                        prompt_len=len(out.prompt_token_ids), cached_tokens=completion.num_cached_tokens,
                         output_ids=tuple(completion.token_ids), ttft_s=self.first[out.request_id] - start,
                         e2e_s=now - start,
                     ))

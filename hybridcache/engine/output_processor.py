@@ -10,8 +10,9 @@ The engine's step loop (`engine.py`) owns the requests and the sequences; it cal
 - `accept(state, seq, token, logprob)` for each sampled token, in row order, once the token is in place in
   `seq.token_ids`: it records the logprob, advances the grammar, detokenizes and checks the stops; it returns
   the finish reason ("stop": an EOS or stop token, decoded into the text only with `include_stop_str_in_output`,
-  or a stop string; "length": `max_tokens` or `max_model_len` reached) or None. It never touches the
-  scheduler: the engine finishes the sequence when a reason comes back;
+  or a stop string; "length": `max_tokens` or `max_model_len` reached) or None, and keeps vLLM's `stop_reason`
+  (the stop string or stop token id; None for the tokenizer's EOS). It never touches the scheduler: the engine
+  finishes the sequence when a reason comes back;
 - `output(state)` for the cumulative output of a request (also after an abort).
 
 Nothing here reads the device beyond the prompt-logprob rows it is handed, and nothing here changes a sequence.
@@ -27,7 +28,14 @@ import torch
 from hybridcache.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, detokenizer_for
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.sampling import PromptLogprobs, SamplingParams, TokenLogprob, prompt_logprobs, to_device
+from hybridcache.sampling import (
+    PromptLogprobs,
+    SampleLogprobs,
+    SamplingParams,
+    TokenLogprob,
+    prompt_logprobs,
+    to_device,
+)
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 from hybridcache.tokenizer import Tokenizer
@@ -37,9 +45,11 @@ from hybridcache.tokenizer import Tokenizer
 class RequestState:
     """One request: `seqs[i]` is completion i (each holds the prompt ids at the head of its `token_ids`),
     `texts[i]` its detokenizer (deferred for `final_only` requests without stop strings), `logprobs[i]` its
-    tokens' logprobs (when asked for), `matchers[i]` its own grammar state (structured output; None when
-    unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p for prompt token p, None for
-    p = 0 and until computed); `final_only`: `step` returns its output only once it has finished."""
+    tokens' logprobs (vLLM's entries, when asked for) and `cumulative_logprobs[i]` their sum, `stop_reasons[i]`
+    the stop string or stop token that ended it (vLLM's `stop_reason`), `matchers[i]` its own grammar state
+    (structured output; None when unconstrained), `prompt_logprobs` the prompt's logprobs when asked for (entry p
+    for prompt token p, None for p = 0 and until computed); `final_only`: `step` returns its output only once it
+    has finished."""
 
     request_id: str
     prompt: str | None
@@ -47,7 +57,9 @@ class RequestState:
     final_only: bool = False
     seqs: list[Seq] = field(default_factory=list)
     texts: list[IncrementalDetokenizer | DeferredDetokenizer] = field(default_factory=list)
-    logprobs: list[list[TokenLogprob]] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    cumulative_logprobs: list[float] = field(default_factory=list)
+    stop_reasons: list[str | int | None] = field(default_factory=list)
     matchers: list = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
 
@@ -76,6 +88,8 @@ class OutputProcessor:
         for _ in state.seqs:
             state.texts.append(detokenizer_for(self.tokenizer, params, deferred=final_only))
             state.logprobs.append([])
+            state.cumulative_logprobs.append(0.0)
+            state.stop_reasons.append(None)
             state.matchers.append(None if params.guided is None else self.grammars.matcher(params.guided, self._decode))
         return state
 
@@ -96,12 +110,16 @@ class OutputProcessor:
         `token` (default: its length now, `token` already in `seq.token_ids`; speculative steps pass the length
         each accepted token brings, before they are appended)."""
         if logprob is not None:
-            state.logprobs[seq.index].append(logprob)
+            state.logprobs[seq.index].append(logprob.entry(self._decode_token))
+            state.cumulative_logprobs[seq.index] += logprob.logprob
         matcher = state.matchers[seq.index]
         if matcher is not None and not matcher.is_terminated():
             matcher.accept_token(token)
-        reason = self._finish_reason(seq, token, state.texts[seq.index],
-                                     seq.num_tokens if num_tokens is None else num_tokens)
+        text = state.texts[seq.index]
+        reason = self._finish_reason(seq, token, text, seq.num_tokens if num_tokens is None else num_tokens)
+        if reason == "stop":
+            state.stop_reasons[seq.index] = (self._stop_token_reason(seq, token) if self._is_stop_token(seq, token)
+                                             else text.stop_reason)
         if reason is None and matcher is not None and matcher.is_terminated():
             return "stop"  # the grammar is complete (its stop token taken under ignore_eos): no token may follow
         return reason
@@ -122,6 +140,13 @@ class OutputProcessor:
 
     def _is_stop_token(self, seq: Seq, token: int) -> bool:
         return (not seq.params.ignore_eos and token in self.eos_token_ids) or token in seq.params.stop_token_ids
+
+    def _stop_token_reason(self, seq: Seq, token: int) -> int | None:
+        """vLLM's `stop_reason` of a stop on stop token `token`: None for the tokenizer's EOS (vLLM checks
+        it before `stop_token_ids`, so even when the request lists it) unless the request ignores EOS; else the id:
+        a listed stop token, or one of the model's other EOS ids (vLLM's `update_from_generation_config` makes them
+        stop tokens)."""
+        return None if not seq.params.ignore_eos and token == self.tokenizer.eos_token_id else token
 
     def record_prompt_logprobs(self, states: dict[str, RequestState], chunks: Sequence[ScheduledChunk],
                                flags: Sequence[bool], logits: torch.Tensor) -> None:
@@ -148,13 +173,16 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def output(self, state: RequestState) -> RequestOutput:
-        """The request's output so far: each completion's text, token ids, finish reason, cached tokens,
-        logprobs (when asked for) and speculative draft counts, and the prompt logprobs."""
+        """The request's output so far: each completion's text, token ids, finish and stop reasons, cached tokens,
+        logprobs and their sum (when asked for) and speculative draft counts, and the prompt logprobs."""
+        asked = state.params.logprobs is not None
         completions = [
             CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
-                             logprobs=list(logprobs) if seq.params.logprobs is not None else None,
+                             logprobs=list(state.logprobs[i]) if asked else None,
+                             cumulative_logprob=state.cumulative_logprobs[i] if asked else None,
+                             stop_reason=state.stop_reasons[i] if seq.finish_reason == "stop" else None,
                              num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens)
-            for seq, text, logprobs in zip(state.seqs, state.texts, state.logprobs)
+            for i, (seq, text) in enumerate(zip(state.seqs, state.texts))
         ]
         first = state.seqs[0]
         return RequestOutput(
@@ -162,7 +190,7 @@ class OutputProcessor:
             prompt=state.prompt,
             prompt_token_ids=first.token_ids[: first.prompt_len],
             outputs=completions,
-            cached_tokens=min(c.cached_tokens for c in completions),
+            num_cached_tokens=min(c.num_cached_tokens for c in completions),
             finished=state.finished,
             prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
         )

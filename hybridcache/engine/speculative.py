@@ -155,11 +155,15 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
 
 
 def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...]:
-    """Each token's log-probability under its row of raw logits [n, vocab] and the row's k likeliest tokens."""
+    """Each token's log-probability under its row of raw logits [n, vocab], its rank there and the row's k likeliest
+    tokens."""
     logprobs = torch.log_softmax(raw.float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen = chosen.squeeze(1).tolist()
     values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-    return tuple(TokenLogprob(token, chosen[j], tuple(zip(ids[j], values[j]))) for j, token in enumerate(tokens))
+    return tuple(TokenLogprob(token, chosen[j], ranks[j], tuple(zip(ids[j], values[j])))
+                 for j, token in enumerate(tokens))
 
 
 def _judge_row(seq: Seq, drafts: list[int], first: int, greedy: list[int], probs: torch.Tensor | None) -> tuple:

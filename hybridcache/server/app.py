@@ -88,7 +88,6 @@ from hybridcache.server.responses import (
     sse,
 )
 from hybridcache.server.responses_api import add_responses_routes
-from hybridcache.server.stop_reason import StopRule
 from hybridcache.server.stream_events import UsageMode, stream_events
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.tokenize_api import add_tokenize_routes
@@ -104,8 +103,8 @@ class ServedModel:
     a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`).
     `vocab_size`: the model's vocabulary (token ids in [0, vocab_size) are accepted everywhere; ids past the
     tokenizer's own decode to ""); None: the tokenizer's. `eos_token_ids`: the ids the engine stops on as EOS
-    (config.json's and generation_config.json's), of which `primary_eos_token_id` is the tokenizer's: they decide
-    vLLM's `stop_reason` (`StopRule`)."""
+    (config.json's and generation_config.json's), of which `primary_eos_token_id` is the tokenizer's (the engine
+    tells each choice's vLLM `stop_reason` from them: `CompletionOutput.stop_reason`)."""
 
     tokenizer: Any
     max_model_len: int
@@ -115,10 +114,6 @@ class ServedModel:
     vocab_size: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     primary_eos_token_id: int | None = None
-
-    def stop_rule(self, params: SamplingParams) -> StopRule:
-        """The stop conditions of a request with `params`, for its choices' `stop_reason`."""
-        return StopRule.of(params, self.eos_token_ids, self.primary_eos_token_id)
 
 
 class PreparedChat(NamedTuple):
@@ -241,7 +236,7 @@ class _Routes:
         rendering = Rendering(logprobs=params.logprobs is not None,
                               num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
                               echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids, stops=self.model.stop_rule(params))
+                              return_token_ids=body.return_token_ids)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
@@ -304,8 +299,8 @@ class _Routes:
             tools=tools,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
-                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
-                              stops=self.model.stop_rule(params))
+                              num_logprobs=params.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
+                              return_token_ids=body.return_token_ids)
         checkpoints = await asyncio.get_running_loop().run_in_executor(  # (two more renders: off the event loop)
             self.tokenizer_pool, checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)

@@ -363,11 +363,11 @@ class EngineLoop:
                 self._metrics.finished(reason_override or "abort").inc(len(output.outputs))
             return
         self._queried += len(output.prompt_token_ids)
-        self._hit += output.cached_tokens
+        self._hit += output.num_cached_tokens
         if self._metrics is None:
             return
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
-        self._metrics.request_finished(len(output.prompt_token_ids), output.cached_tokens, reasons,
+        self._metrics.request_finished(len(output.prompt_token_ids), output.num_cached_tokens, reasons,
                                        time.perf_counter() - stream.arrival,
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
                                        _phases(stream), [len(c.token_ids) for c in output.outputs])

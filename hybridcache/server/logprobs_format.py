@@ -1,4 +1,4 @@
-"""Token logprobs (`hybridcache.sampling.TokenLogprob`) in the two OpenAI shapes.
+"""Token logprobs (`CompletionOutput.logprobs`, vLLM's shape) in the two OpenAI shapes.
 
 Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}`.
@@ -14,42 +14,45 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from hybridcache.sampling import Logprob, PromptLogprobs, TokenLogprob
+from hybridcache.sampling import Logprob, PromptLogprobs, SampleLogprobs, top_logprobs
 
 
 class _Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-def _entry(tokenizer: _Decoder, token_id: int, logprob: float) -> dict[str, Any]:
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return {"token": text, "logprob": max(logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
+def _entry(lp: Logprob) -> dict[str, Any]:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, k: int) -> dict[str, Any]:
+    """`entries[i]`: token `token_ids[i]`'s entry, asked for with `logprobs=k` (`top_logprobs` holds the k
+    likeliest)."""
     content = []
-    for entry in entries:
-        item = _entry(tokenizer, entry.token_id, entry.logprob)
-        item["top_logprobs"] = [_entry(tokenizer, t, lp) for t, lp in entry.top]
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        item = _entry(entry[token_id])
+        item["top_logprobs"] = [_entry(lp) for _, lp in top_logprobs(entry, token_id, k)]
         content.append(item)
     return {"content": content}
 
 
-def completion_logprobs(tokenizer: _Decoder, entries: Sequence[TokenLogprob], text_offset: int = 0) -> dict[str, Any]:
-    """`text_offset`: where the first token's text starts in the choice's text (after an echoed prompt). Each
-    `top_logprobs` entry holds the sampled token first, then the k likeliest (as vLLM: k + 1 entries at most, k
-    when the sampled token is among them; `logprobs: 0` gives the sampled token alone)."""
+def completion_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, text_offset: int = 0) -> dict[str, Any]:
+    """`entries[i]`: token `token_ids[i]`'s entry. `text_offset`: where the first token's text starts in the
+    choice's text (after an echoed prompt). Each `top_logprobs` entry holds the sampled token first, then the k
+    likeliest (as vLLM: k + 1 entries at most, k when the sampled token is among them; `logprobs: 0` gives the
+    sampled token alone): the engine's entry, keyed by text."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
-    for entry in entries:
-        text = tokenizer.decode([entry.token_id], skip_special_tokens=False)
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = entry[token_id].decoded_token or ""
         tokens.append(text)
-        token_logprobs.append(max(entry.logprob, -9999.0))
+        token_logprobs.append(max(entry[token_id].logprob, -9999.0))
         offsets.append(offset)
         offset += len(text)
-        top = {text: max(entry.logprob, -9999.0)}
-        for t, lp in entry.top:
-            top.setdefault(tokenizer.decode([t], skip_special_tokens=False), max(lp, -9999.0))
+        top: dict[str, float] = {}
+        for lp in entry.values():
+            top.setdefault(lp.decoded_token or "", max(lp.logprob, -9999.0))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 

@@ -22,7 +22,6 @@ from hybridcache.server.logprobs_format import (
     join_logprobs,
     prompt_logprobs_json,
 )
-from hybridcache.server.stop_reason import StopRule
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,8 @@ class Rendering:
     text, the logprobs, the token ids or the usage). prompt_logprobs: the `prompt_logprobs` the client asked
     for (None: the field is left out even where the engine computed them for echo).
     return_token_ids: each finished choice carries its token ids, and the response its prompt's (vLLM's places: each
-    completion choice, the chat response; streamed, each choice's first chunk). stops: the request's stop
-    conditions, for each choice's vLLM `stop_reason`."""
+    completion choice, the chat response; streamed, each choice's first chunk). Each choice's vLLM `stop_reason` is
+    the engine's (`CompletionOutput.stop_reason`)."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
@@ -46,11 +45,6 @@ class Rendering:
     echo_only: bool = False
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
-    stops: StopRule = field(default_factory=StopRule)
-
-    def stop_reason(self, c: CompletionOutput) -> str | int | None:
-        """vLLM's `stop_reason` of choice `c` (stop_reason.py)."""
-        return self.stops.reason(c, self.tokenizer)
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -86,7 +80,7 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": sum(output.cached_tokens for output in outputs)},
+        "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)},
     }
 
 
@@ -105,10 +99,10 @@ def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: in
     `echoed`: `c`'s request, whose prompt's logprobs lead (echo; `text_offset` then counts the echoed text)."""
     if not rendering.logprobs or c.logprobs is None:
         return None
-    entries = c.logprobs[start:]
+    entries, token_ids = c.logprobs[start:], c.token_ids[start:]
     if chat:
-        return chat_logprobs(rendering.tokenizer, entries)
-    generated = completion_logprobs(rendering.tokenizer, entries, text_offset)
+        return chat_logprobs(token_ids, entries, rendering.num_logprobs)
+    generated = completion_logprobs(token_ids, entries, text_offset)
     if echoed is None or echoed.prompt_logprobs is None:
         return generated
     prompt = echo_logprobs(rendering.tokenizer, echoed.prompt_token_ids, echoed.prompt_logprobs,
@@ -127,13 +121,13 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                 message = final_message(c.text, rendering.chat)
                 reason = finish_reason(c.finish_reason, bool(message.get("tool_calls")))
                 choice = {"index": index, "message": message, "logprobs": logprobs_of(rendering, True, c),
-                          "finish_reason": reason, "stop_reason": rendering.stop_reason(c)}
+                          "finish_reason": reason, "stop_reason": c.stop_reason}
             else:
                 echo = rendering.echo_texts[prompt_index] if rendering.echo_texts else ""
                 echoed = output if rendering.echoes_logprobs else None
                 choice = {"index": index, "text": echo + c.text,
                           "logprobs": logprobs_of(rendering, False, c, text_offset=len(echo), echoed=echoed),
-                          "finish_reason": c.finish_reason, "stop_reason": rendering.stop_reason(c)}
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if _wants_prompt_logprobs(output, rendering):  # vLLM puts them on each completion choice
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs,
                                                                      rendering.prompt_logprobs)

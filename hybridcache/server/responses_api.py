@@ -404,7 +404,7 @@ class _Run:
             input_tokens = len(final.prompt_token_ids)
             output_tokens = sum(len(c.token_ids) for c in final.outputs)
             reasoning_tokens = len(self.owner.routes.model.tokenizer.encode(reasoning)) if reasoning else 0
-            usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": final.cached_tokens},
+            usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
                      "output_tokens": output_tokens,
                      "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
                      "total_tokens": input_tokens + output_tokens}

@@ -98,7 +98,7 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
                                 with_usage_field=include_usage, token_ids=token_ids,
                                 usage=usage_mode.running(prompt_index, len(c.token_ids)),
-                                stop_reason=rendering.stop_reason(c) if finished else None,
+                                stop_reason=c.stop_reason if finished else None,
                                 prompt_token_ids=prompt_ids))
     except RequestTimeout as error:
         yield sse(error_body(503, str(error), code="request_timeout"))

@@ -72,7 +72,7 @@ def test_hybridcache_predicts_the_engines_cached_tokens(model_dir):
         before = replay.counters.hit_tokens
         replay.run(SimRequest(f"c{i}", prompt, reply, session_id=str(session)))
         simulated_cached.append(replay.counters.hit_tokens - before)
-        engine_cached.append(out.cached_tokens)
+        engine_cached.append(out.num_cached_tokens)
         history[session] = prompt + reply
     assert simulated_cached == engine_cached
     engine_stats, sim_stats = engine.scheduler.cache.stats, replay.cache.stats
@@ -111,8 +111,8 @@ def test_hybridcache_predicts_the_engine_with_n_completions(model_dir, n, num_bl
         replay.run(SimRequest(f"c{i}", prompt, outputs[0], n=n, session_id=str(session),
                               sibling_output_ids=tuple(outputs[1:])))
         simulated_cached.append(replay.counters.hit_tokens - before)
-        engine_cached.append(sum(c.cached_tokens for c in out.outputs))
-        assert [c.cached_tokens for c in out.outputs][1:] == [len(prompt)] * (n - 1)  # the followers hit it all
+        engine_cached.append(sum(c.num_cached_tokens for c in out.outputs))
+        assert [c.num_cached_tokens for c in out.outputs][1:] == [len(prompt)] * (n - 1)  # the followers hit it all
         history[session] = prompt + outputs[0]
     assert simulated_cached == engine_cached
     engine_stats, sim_stats = engine.scheduler.cache.stats, replay.cache.stats

@@ -35,7 +35,7 @@ def test_host_tier_on_two_ranks_matches_one_rank_and_uncached(model_dir):
         assert_same(tp, uncached, out_tp, out_uncached)
         for request_id, output in out_single.items():
             assert [c.token_ids for c in out_tp[request_id].outputs] == [c.token_ids for c in output.outputs]
-            assert out_tp[request_id].cached_tokens == output.cached_tokens, request_id
+            assert out_tp[request_id].num_cached_tokens == output.num_cached_tokens, request_id
         stats = tp.stats()["cache"]
         assert stats.num_hits > 0 and stats.num_host_hits > stats.num_hits / 2, stats
         assert stats.num_demoted_blocks > 0 and stats.num_promoted_checkpoints == stats.num_host_hits

@@ -50,8 +50,8 @@ def test_image_chat_on_two_ranks_matches_one_rank(vl_dir):
     try:
         got = conversation(tp)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        assert [o.cached_tokens for o in got] == [o.cached_tokens for o in want]
-        assert got[1].cached_tokens >= len(got[0].prompt_token_ids)  # turn 2 hit through turn 1's images
+        assert [o.num_cached_tokens for o in got] == [o.num_cached_tokens for o in want]
+        assert got[1].num_cached_tokens >= len(got[0].prompt_token_ids)  # turn 2 hit through turn 1's images
         counts = (tp.vision.num_encoded_images, tp.vision.num_cache_hits)
         assert counts == (single.vision.num_encoded_images, single.vision.num_cache_hits) == (2, 2)  # no ViT in turn 2
         assert tp.logits.keys() == single.logits.keys()
@@ -62,6 +62,6 @@ def test_image_chat_on_two_ranks_matches_one_rank(vl_dir):
         tp.async_scheduling = True
         again = conversation(tp)
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
-        assert [o.cached_tokens for o in again] == [o.cached_tokens for o in want]
+        assert [o.num_cached_tokens for o in again] == [o.num_cached_tokens for o in want]
     finally:
         tp.runner.shutdown()

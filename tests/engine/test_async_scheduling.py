@@ -57,7 +57,7 @@ def test_async_cached_run_equals_sync_uncached_run(model_dir):
     out_reference = run_workload(reference)
     out = run_workload(engine, check_every_step=True)
     assert_same(engine, reference, out, out_reference)
-    assert sum(o.cached_tokens for o in out.values()) > 0
+    assert sum(o.num_cached_tokens for o in out.values()) > 0
     assert engine.num_prefill_tokens < reference.num_prefill_tokens
 
 
@@ -122,7 +122,7 @@ def test_early_stops_abort_and_follow_up_hits_match_sync(model_dir):
     hits = []
     for engine in (sync_engine, async_engine):
         engine.add_request("follow-up", follow_up, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        hits.append(run_all(engine)["follow-up"].cached_tokens)
+        hits.append(run_all(engine)["follow-up"].num_cached_tokens)
         engine.check_integrity()
     assert hits[1] >= hits[0] >= len(follow_up) - 4
 

@@ -35,7 +35,7 @@ def test_builtin_greedy_generate_is_deterministic():
     assert [o.outputs[0].token_ids for o in first] == [o.outputs[0].token_ids for o in again]
     assert first[0].prompt == "The quick brown fox"
     assert first[0].prompt_token_ids == llm.tokenizer.encode("The quick brown fox")
-    assert first[0].cached_tokens == 0
+    assert first[0].num_cached_tokens == 0
 
 
 def test_cli_generate_prints_one_json_line_per_completion(capsys):
@@ -140,5 +140,5 @@ def test_a_chat_turn_hits_the_whole_previous_conversation_when_the_template_drop
     prompt = llm.tokenizer.apply_chat_template(turn1)
     parting = len(llm.tokenizer.encode(prompt[: prompt.rindex("<think>")]))
     assert parting > 150
-    assert llm.chat(turn2, greedy, use_tqdm=False)[0].outputs[0].cached_tokens == parting
+    assert llm.chat(turn2, greedy, use_tqdm=False)[0].outputs[0].num_cached_tokens == parting
     llm.engine.check_integrity()

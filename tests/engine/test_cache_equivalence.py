@@ -123,12 +123,12 @@ def test_cached_run_equals_uncached_run(model_dir, block_size, kernel_block_size
     out_uncached = run_workload(uncached)
     out_cached = run_workload(cached, check_every_step=True)
     assert_same(cached, uncached, out_cached, out_uncached)
-    hit = sum(o.cached_tokens for o in out_cached.values())
-    assert hit > 0 and sum(o.cached_tokens for o in out_uncached.values()) == 0
+    hit = sum(o.num_cached_tokens for o in out_cached.values())
+    assert hit > 0 and sum(o.num_cached_tokens for o in out_uncached.values()) == 0
     assert cached.num_prefill_tokens < uncached.num_prefill_tokens
     stats = cached.stats()["cache"]
     assert cached.stats()["num_preemptions"] == 0
-    assert stats.num_hit_tokens == sum(c.cached_tokens for o in out_cached.values() for c in o.outputs)
+    assert stats.num_hit_tokens == sum(c.num_cached_tokens for o in out_cached.values() for c in o.outputs)
     assert stats.saves_by_reason["finish"] > 0 and stats.hits_by_reason["finish"] > 0
 
 
@@ -162,7 +162,7 @@ def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     out_uncached = run_workload(uncached)
     out_cached = run_workload(cached, check_every_step=True)
     assert_same(cached, uncached, out_cached, out_uncached)
-    assert sum(o.cached_tokens for o in out_cached.values()) > 0
+    assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
 
 
 def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
@@ -184,7 +184,7 @@ def test_pressure_evicts_and_preempts_and_still_matches(model_dir):
         cache.saves_by_reason, cache.hits_by_reason, cache.declined_saves, cache.evictions_by_kind)
     # every request that reports cached tokens restored a checkpoint; the n = 2 request's completions and a
     # preempted sequence's re-admission restore one each
-    assert sum(state.checkpoint_hits.values()) >= sum(o.cached_tokens > 0 for o in out_tight.values()) > 0
+    assert sum(state.checkpoint_hits.values()) >= sum(o.num_cached_tokens > 0 for o in out_tight.values()) > 0
     tight.clear_cache()
     tight.check_integrity()
     assert tight.stats()["num_blocks_used"] == 0 and tight.stats()["num_slots_used"] == 0
@@ -212,7 +212,7 @@ def test_multi_turn_reuses_the_whole_previous_conversation(model_dir):
         out = finish_one(engine, f"t{turn}", history, 6)
         ref = finish_one(reference, f"t{turn}", history, 6)
         assert out.outputs[0].token_ids == ref.outputs[0].token_ids
-        expected_hits.append(out.cached_tokens)
+        expected_hits.append(out.num_cached_tokens)
         reply = out.outputs[0].token_ids
         # The finish checkpoint is at every fed token: the prompt and all replies but the last token.
         fed = len(history) + len(reply) - 1
@@ -230,7 +230,7 @@ def test_shared_system_prompt_hits_the_third_request_at_the_divergence_step(mode
     rng = random.Random(4)
     system = tokens(rng, 53)
     suffixes = [[200 + i] + tokens(rng, 20) for i in range(3)]
-    hits = [finish_one(engine, f"r{i}", system + suffix, 3).cached_tokens for i, suffix in enumerate(suffixes)]
+    hits = [finish_one(engine, f"r{i}", system + suffix, 3).num_cached_tokens for i, suffix in enumerate(suffixes)]
     assert hits == [0, 0, 53]
     assert engine.stats()["cache"].hits_by_reason["branch_point"] == 1
 
@@ -253,7 +253,7 @@ def test_two_requests_restore_one_checkpoint_in_the_same_forward(model_dir):
             outs.update({o.request_id: o for o in e.step() if o.finished})
         results[e is engine] = outs
     for name in followups:
-        assert results[True][name].cached_tokens == 40 + 4 - 1
+        assert results[True][name].num_cached_tokens == 40 + 4 - 1
         assert results[True][name].outputs[0].token_ids == results[False][name].outputs[0].token_ids
     for key, want in reference.logits.items():
         if key[0] in followups:
@@ -266,5 +266,5 @@ def test_identical_resend_is_a_zero_prefill_hit_from_the_first_resend(model_dir)
     engine = make_engine(model_dir)
     prompt = tokens(random.Random(6), 50)
     outs = [finish_one(engine, f"r{i}", prompt, 3) for i in range(3)]
-    assert [o.cached_tokens for o in outs] == [0, 50, 50]
+    assert [o.num_cached_tokens for o in outs] == [0, 50, 50]
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1

@@ -93,3 +93,20 @@ def test_a_decoder_that_loses_its_prefix_starts_afresh(tmp_path):
     text = detokenizer_for(Tokenizer(tmp_path), SamplingParams(stop=("zz",)))
     assert [text.add(t) for t in ids] == [False, False, False]
     assert text.text.endswith("p") and len(text.text) >= 2
+
+
+@pytest.mark.parametrize("stop, include, text, wanted", [
+    (("b", "ab"), True, "zab", "ab"),  # the stop found first (it starts earliest), kept in the text
+    (("xx",), False, "ab", "xx"),
+    (("yy",), False, "abxxc", None),
+])
+def test_stop_reason_is_the_stop_string_that_cut_the_text(tokenizer, stop, include, text, wanted):
+    """vLLM's `stop_reason` comes from the detokenizer, which knows which stop string it cut at (the server
+    recovered it from the finished text before)."""
+    params = SamplingParams(stop=stop, include_stop_str_in_output=include)
+    detokenizer = detokenizer_for(tokenizer, params)
+    for char in "zabxxc" if include else "abxxc":
+        if detokenizer.add(tokenizer.encode(char)[0]):
+            break
+    assert (detokenizer.text, detokenizer.stop_reason) == (text, wanted)
+

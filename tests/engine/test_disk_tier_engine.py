@@ -143,7 +143,7 @@ def test_what_the_device_pool_holds_at_shutdown_is_kept(model_dir, uncached, tmp
     for rid, tokens in last_turns.items():
         got = continued[f"{rid}-next"]
         assert got.outputs[0].token_ids == want[f"{rid}-next"].outputs[0].token_ids, rid
-        assert got.cached_tokens == len(tokens) - 1, (rid, got.cached_tokens, len(tokens))
+        assert got.num_cached_tokens == len(tokens) - 1, (rid, got.num_cached_tokens, len(tokens))
     assert fresh.logits.keys() == engine.logits.keys()
     for key, logits in fresh.logits.items():
         assert (engine.logits[key] - logits).abs().max() / logits.abs().max() <= REL_TOL, key

@@ -42,7 +42,7 @@ def test_fp8_cached_run_equals_uncached_run(fp8_dir):
     out_uncached = run_workload(uncached)
     out_cached = run_workload(cached, check_every_step=True)
     assert_same(cached, uncached, out_cached, out_uncached)
-    assert sum(o.cached_tokens for o in out_cached.values()) > 0
+    assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
     assert read_engine_state(cached).weights.startswith("fp8-")
 
 

@@ -129,7 +129,7 @@ def test_chat_image_parts_equal_multi_modal_data_prompts(llm):
     direct = llm.generate({"prompt": rendered, "multi_modal_data": {"image": PIL.open(io.BytesIO(image))}}, params,
                           use_tqdm=False)[0]
     assert direct.outputs[0].token_ids == chat.outputs[0].token_ids
-    assert direct.cached_tokens == len(chat.prompt_token_ids)  # the same prompt, image included: a full hit
+    assert direct.num_cached_tokens == len(chat.prompt_token_ids)  # the same prompt, image included: a full hit
     # 24 x 40 pixels: 6 x 10 patches of 4, 15 merged tokens in place of the one placeholder
     assert len(chat.prompt_token_ids) == len(llm.tokenizer.encode(rendered)) - 1 + 15
 

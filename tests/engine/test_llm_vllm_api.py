@@ -82,3 +82,47 @@ def test_chat_takes_vllms_template_options(llm):
     assert bare.prompt == tok.apply_chat_template(user, add_generation_prompt=False)
     with pytest.raises(ValueError, match="may not set 'tools'"):
         llm.chat(user, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": []})
+
+
+def test_outputs_carry_vllms_fields(llm):
+    """`RequestOutput.num_cached_tokens`, `CompletionOutput.cumulative_logprob`, `stop_reason` and `logprobs` in
+    vLLM's shape (a list of {token id: Logprob(logprob, rank, decoded_token)}); before, the first three were missing
+    and logprobs were `TokenLogprob`s."""
+    tok = llm.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    first, again = llm.generate(["Hello there, friend", "Hello there, friend"], params, use_tqdm=False)
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
+    c = again.outputs[0]
+    assert len(c.logprobs) == len(c.token_ids) == 4
+    for token, entry in zip(c.token_ids, c.logprobs):
+        assert next(iter(entry)) == token and len(entry) in (2, 3)
+        assert entry[token].rank == 1  # greedy: the sampled token is the likeliest
+        assert entry[token].decoded_token == tok.decode([token], skip_special_tokens=False)
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2] or len(entry) == 3
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
+    assert (c.finish_reason, c.stop_reason) == ("length", None)
+    plain = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert plain.logprobs is None and plain.cumulative_logprob is None
+    assert llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=0), use_tqdm=False)[0].outputs[0].logprobs[0]
+
+
+def test_stop_reason_names_the_stop_string_or_stop_token(llm):
+    tok = llm.tokenizer
+    free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate("Hello", free, use_tqdm=False)[0].outputs[0]
+    ids, third = out.token_ids, out.text[2:4]
+    assert len(third) == 2
+    by_string = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                     stop=["\u2603\u2603", third]), use_tqdm=False)[0].outputs[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", third)
+    by_token = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                    stop_token_ids=[ids[1]]), use_tqdm=False)[0].outputs[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", ids[1])
+    eos = tok.eos_token_id
+    on_eos = llm.generate("Hello", SamplingParams(max_tokens=4, logit_bias={eos: 100}, stop_token_ids=[eos]),
+                          use_tqdm=False)[0].outputs[0]
+    assert (on_eos.finish_reason, on_eos.stop_reason) == ("stop", None)  # vLLM checks the EOS token first
+    ignored = llm.generate("Hello", SamplingParams(max_tokens=4, logit_bias={eos: 100}, stop_token_ids=[eos],
+                                                   ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert (ignored.finish_reason, ignored.stop_reason) == ("stop", eos)
+

@@ -77,9 +77,9 @@ def test_cache_hits_across_the_same_image_and_misses_across_a_different_one(mode
         want = run(uncached, {name: request})[name]
         assert results[name].outputs[0].token_ids == want.outputs[0].token_ids
     # b diverges from a right after the image: a branch point at 51 that c then hits.
-    assert results["c"].cached_tokens == 51
+    assert results["c"].num_cached_tokens == 51
     # d has the same token ids as c up to 51 but another image: nothing inside or past its span is reused.
-    assert results["d"].cached_tokens <= 21
+    assert results["d"].num_cached_tokens <= 21
 
 
 @pytest.mark.parametrize(

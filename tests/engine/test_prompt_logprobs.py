@@ -62,10 +62,10 @@ def test_a_request_with_prompt_logprobs_computes_its_whole_prompt(model_dir):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=1)
     first = llm.generate([prompt], params, use_tqdm=False)[0]
     plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-    assert plain.cached_tokens > 0  # the cache holds the prompt
+    assert plain.num_cached_tokens > 0  # the cache holds the prompt
     before = llm.engine.num_prefill_tokens
     again = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert again.cached_tokens == 0
+    assert again.num_cached_tokens == 0
     assert llm.engine.num_prefill_tokens - before == len(prompt)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids == plain.outputs[0].token_ids
     for a, b in zip(first.prompt_logprobs[1:], again.prompt_logprobs[1:]):

@@ -12,7 +12,7 @@ import torch
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec, fill_bitmask
-from hybridcache.sampling import SamplingParams
+from hybridcache.sampling import SamplingParams, top_logprobs
 from tests.engine import needs_xgrammar
 
 SMALL = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=256, max_num_batched_tokens=64,
@@ -56,12 +56,19 @@ def test_logprobs_equal_log_softmax_of_the_engines_logits(engine):
     assert len(output.logprobs) == len(output.token_ids) == 6
     # one sampled row per step: the last row of each step's logits is this request's
     steps = [logits[-1] for logits in recorded][-6:]
+    total = 0.0
     for token, entry, logits in zip(output.token_ids, output.logprobs, steps):
         expected = torch.log_softmax(logits, dim=-1)
-        assert entry.token_id == token
-        assert entry.logprob == pytest.approx(float(expected[token]), abs=1e-5)
+        assert next(iter(entry)) == token  # vLLM's shape: {token id: Logprob}, the sampled token first
+        assert entry[token].logprob == pytest.approx(float(expected[token]), abs=1e-5)
+        assert entry[token].rank == int((expected > expected[token]).sum()) + 1
+        assert entry[token].decoded_token == engine.tokenizer.decode([token], skip_special_tokens=False)
         top = expected.topk(4)
-        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [t for t, _ in top_logprobs(entry, token, 4)] == top.indices.tolist()
+        assert [lp.rank for _, lp in top_logprobs(entry, token, 4)] == [1, 2, 3, 4]
+        assert len(entry) == 4 + (token not in top.indices.tolist())
+        total += entry[token].logprob
+    assert output.cumulative_logprob == pytest.approx(total)
 
 
 @needs_xgrammar

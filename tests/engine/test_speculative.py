@@ -258,9 +258,10 @@ def test_llm_takes_a_speculative_config_like_vllm(small_dir):
         for mine, want in zip(got, off, strict=True):
             assert mine.outputs[0].token_ids == want.outputs[0].token_ids
             assert mine.outputs[0].num_draft_tokens > 0
-            for a, b in zip(mine.outputs[0].logprobs, want.outputs[0].logprobs, strict=True):
-                assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
-                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            for token, a, b in zip(mine.outputs[0].token_ids, mine.outputs[0].logprobs, want.outputs[0].logprobs,
+                                   strict=True):
+                assert list(a) == list(b) and next(iter(a)) == token  # the sampled token, then the top ids
+                assert abs(a[token].logprob - b[token].logprob) < 1e-4
         if use_oracle:
             assert on.engine.drafter.stats.num_accepted_tokens > 0
 
@@ -371,7 +372,7 @@ def test_a_frozen_tail_held_at_close_reaches_the_disk_tier(small_dir, tmp_path):
         restarted.add_request("c", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
         while restarted.has_unfinished_requests():
             outputs = restarted.step()
-        results.append((outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].cached_tokens))
+        results.append((outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].num_cached_tokens))
         restarted.close()
     (want, _), (got, hit) = results
     assert hit == 40 and got == want

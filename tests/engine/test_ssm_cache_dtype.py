@@ -208,7 +208,7 @@ def test_bf16_state_is_the_fp32_state_rounded_once_per_step(model_dir, device):
     emulated.runner._forward = forward_then_round
     out_bf16 = run_workload(bf16, check_every_step=True)
     out_emulated = run_workload(emulated)
-    assert sum(o.cached_tokens for o in out_bf16.values()) > 0
+    assert sum(o.num_cached_tokens for o in out_bf16.values()) > 0
     assert bf16.logits.keys() == emulated.logits.keys()
     for key, logits in bf16.logits.items():
         assert torch.equal(logits, emulated.logits[key]), key
@@ -269,7 +269,7 @@ def test_cached_equals_uncached_exactly_where_the_chunkings_agree(model_dir):
         finish_one(cached, "first", prompt, 1)
         hit = finish_one(cached, "second", prompt + suffix, 8)
         finish_one(uncached, "second", prompt + suffix, 8)
-        assert hit.cached_tokens == 64
+        assert hit.num_cached_tokens == 64
         keys = [key for key in uncached.logits if key[0] == "second"]
         assert len(keys) == 8 and set(keys) <= cached.logits.keys()
         return max(float((cached.logits[k] - uncached.logits[k]).abs().max()) for k in keys)
@@ -289,7 +289,7 @@ def test_cached_and_uncached_agree_on_the_workload(model_dir, block_size, kernel
     uncached, cached = make_engine(model_dir, caching=False, **options), make_engine(model_dir, **options)
     out_uncached = run_workload(uncached)
     out_cached = run_workload(cached, check_every_step=True)
-    assert sum(o.cached_tokens for o in out_cached.values()) > 0
+    assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
     assert out_cached.keys() == out_uncached.keys()
     same = total = 0
     for request_id, output in out_uncached.items():

@@ -29,7 +29,7 @@ def run(engine: LLMEngine, request_id: str, prompt: list[int]) -> int:
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
-                cached = output.outputs[0].cached_tokens
+                cached = output.outputs[0].num_cached_tokens
     return cached
 
 

@@ -160,7 +160,7 @@ def test_multi_turn_hits_through_the_image_and_skips_the_vit(dense_dir):
     ids2, spans2 = image_prompt(cached.image_processor, _collapse(follow, spans), [image], MediaLimits())
     assert ids2 == follow
     second = run(cached, "turn2", ids2, spans2, max_tokens=5)
-    assert second.cached_tokens >= len(ids)  # all of turn 1's prompt, image included
+    assert second.num_cached_tokens >= len(ids)  # all of turn 1's prompt, image included
     assert cached.vision.num_encoded_images == 1 and cached.vision.num_cache_hits == 1  # no ViT for turn 2
     assert cached.stats()["num_encoded_images"] == 1
     want = run(uncached, "turn2", ids2, image_prompt(uncached.image_processor, _collapse(follow, spans), [image],
@@ -171,7 +171,7 @@ def test_multi_turn_hits_through_the_image_and_skips_the_vit(dense_dir):
     ids3, spans3 = image_prompt(cached.image_processor, _collapse(follow, spans), [other], MediaLimits())
     assert ids3 == follow and spans3[0].content_hash != spans2[0].content_hash
     third = run(cached, "turn2-other", ids3, spans3, max_tokens=5)
-    assert third.cached_tokens <= spans3[0].start
+    assert third.num_cached_tokens <= spans3[0].start
     assert cached.vision.num_encoded_images == 2
     want = run(uncached, "turn2-other", ids3, image_prompt(uncached.image_processor, _collapse(follow, spans),
                                                            [other], MediaLimits())[1], max_tokens=5)
@@ -250,10 +250,10 @@ def test_in_flight_sharing_through_an_image_and_never_across_different_ones(dens
     hit, miss = results[True], results[False]
     for name in ("same", "other"):
         assert [c.token_ids for c in hit[name].outputs] == [c.token_ids for c in miss[name].outputs]
-    assert [c.cached_tokens for c in hit["same"].outputs][1:] == [len(ids)] * 2  # waited for the first one
-    assert hit["other"].cached_tokens <= spans[0].start
+    assert [c.num_cached_tokens for c in hit["same"].outputs][1:] == [len(ids)] * 2  # waited for the first one
+    assert hit["other"].num_cached_tokens <= spans[0].start
     # prompts computed: the first completion's whole prompt, and "other" from at most the image start
-    assert cached.num_prefill_tokens <= 2 * len(ids) - hit["other"].cached_tokens
+    assert cached.num_prefill_tokens <= 2 * len(ids) - hit["other"].num_cached_tokens
     assert uncached.num_prefill_tokens == 4 * len(ids)
 
 

@@ -37,7 +37,7 @@ def test_identical_resend_computes_no_prefill_token(model_dir):
     before = prefill_tokens(llm)
     assert before == 600
     second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert second.cached_tokens >= 599
+    assert second.num_cached_tokens >= 599
     assert prefill_tokens(llm) == before
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     uncached = make_llm(model_dir, enable_prefix_caching=False).generate([prompt], GREEDY, use_tqdm=False)[0]
@@ -62,7 +62,7 @@ def test_prefix_sharing_prompts_of_one_batch_fork_from_the_first(model_dir):
     llm = make_llm(model_dir)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert prefill_tokens(llm) == 500 + 150  # the shared 300 once, each rest once, the third only samples
-    assert [o.cached_tokens for o in outs] == [0, 300, 300]
+    assert [o.num_cached_tokens for o in outs] == [0, 300, 300]
     uncached = make_llm(model_dir, enable_prefix_caching=False).generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in uncached]
     llm.engine.check_integrity()
@@ -74,4 +74,4 @@ def test_seed_mode_keeps_the_old_rules(model_dir):
     llm = make_llm(model_dir, cache_mode="seed")
     llm.generate([prompt], GREEDY, use_tqdm=False)
     again = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    assert again.cached_tokens < 100
+    assert again.num_cached_tokens < 100

@@ -14,7 +14,7 @@ from benchmarks.train_byte_lm import CORPUS_FILE, RECORD_FILE, TrainOptions, cor
 from hybridcache import LLM
 from hybridcache.models import load_model
 from hybridcache.models.mtp import MTP_FILE, load_mtp_head
-from hybridcache.sampling import SamplingParams
+from hybridcache.sampling import SamplingParams, top_logprobs
 from tests.engine.model_folders import load_hf_model
 
 from .helpers import rel_err
@@ -50,10 +50,10 @@ def test_training_lowers_the_loss_and_the_folder_matches_transformers(tmp_path):
                     use_cache=False).logits[0].float()
     want = logits.log_softmax(dim=-1)
     # The first sampled token: its top 20 (ids and log-probabilities) against transformers' last position.
-    first = output.outputs[0].logprobs[0]
+    first = top_logprobs(output.outputs[0].logprobs[0], output.outputs[0].token_ids[0], 20)
     top = want[-1].topk(20)
-    assert [token for token, _ in first.top] == top.indices.tolist()
-    assert rel_err(torch.tensor([lp for _, lp in first.top]), top.values) <= 1e-4
+    assert [token for token, _ in first] == top.indices.tolist()
+    assert rel_err(torch.tensor([lp.logprob for _, lp in first]), top.values) <= 1e-4
     # Every prompt position: the log-probability of the next prompt byte and of the 20 likeliest.
     ours, ref = [], []
     for position in range(1, PROMPT_LEN):

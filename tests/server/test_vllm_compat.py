@@ -12,7 +12,6 @@ import pytest
 
 from hybridcache.config import EngineConfig
 from hybridcache.images import MediaLimits
-from hybridcache.outputs import CompletionOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.app import ServedModel, _Routes
 from hybridcache.server.config import ServerConfig
@@ -20,7 +19,6 @@ from hybridcache.server.errors import APIError
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, media_request_bytes
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from hybridcache.server.stop_reason import StopRule
 from hybridcache.server.vllm_metrics import token_count_buckets
 from tests.server.conftest import MODEL
 from tests.server.inprocess_server import serving
@@ -347,19 +345,6 @@ def test_stop_reason_is_null_on_the_tokenizer_eos_and_names_the_other_eos_ids(cl
         assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", wanted), extra
         last = [c for c in _chunks(client, path, body) if c["choices"]][-1]["choices"][0]
         assert (last["finish_reason"], last["stop_reason"]) == ("stop", wanted), extra
-
-
-def test_stop_reason_with_the_stop_string_kept_is_the_one_found_first():
-    """Of stop strings the kept text ends with, the longest starts earliest: the detokenizer found it first."""
-
-    class Chars:
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join(ids)
-
-    rule = StopRule(stop=("b", "ab"), include_stop_str_in_output=True)
-    assert rule.reason(CompletionOutput(0, "zab", list("zab"), "stop"), Chars()) == "ab"
-    assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "stop"), Chars()) == "xx"
-    assert StopRule(stop=("xx",)).reason(CompletionOutput(0, "ab", list("abxxc"), "length"), Chars()) is None
 
 
 def test_return_token_ids_gives_the_prompt_ids_where_vllm_does(client, tokenizer):
