@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -27,6 +27,9 @@ from hybridcache.model_path import resolve_model
 from hybridcache.multimodal import MultimodalInput
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int] | dict
 Message = dict[str, object]
@@ -72,6 +75,12 @@ class LLM:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's transformers tokenizer, as vLLM's `LLM.get_tokenizer()` returns it (`encode`, `decode`,
+        `apply_chat_template(..., tokenize=False)`, `eos_token_id`, ...). `llm.tokenizer` is hybridcache's own
+        `Tokenizer` around it (`encode` without special tokens, the chat template `chat` renders with)."""
+        return self.tokenizer.hf
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: the model folder's generation config

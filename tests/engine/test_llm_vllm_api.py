@@ -126,3 +126,17 @@ def test_stop_reason_names_the_stop_string_or_stop_token(llm):
                                                    ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert (ignored.finish_reason, ignored.stop_reason) == ("stop", eos)
 
+
+def test_get_tokenizer_is_the_transformers_tokenizer(llm):
+    """vLLM's `LLM.get_tokenizer()` (an AttributeError before) gives the transformers tokenizer vLLM users call
+    `encode`, `decode` and `apply_chat_template(..., tokenize=False)` on."""
+    from transformers import PreTrainedTokenizerBase
+
+    tok = llm.get_tokenizer()
+    assert isinstance(tok, PreTrainedTokenizerBase)
+    assert tok.decode(tok.encode("Hello there", add_special_tokens=False)) == "Hello there"
+    messages = [{"role": "user", "content": "hi"}]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == llm.chat(messages, GREEDY, use_tqdm=False)[0].prompt
+    assert tok.eos_token_id == llm.tokenizer.eos_token_id
+
