@@ -179,6 +179,7 @@ class LLM:
                 self._next_id += 1
                 step = partings[i](prompt.token_ids) if partings else None
                 hints = (step,) if step else ()
+                params = params.up_to(self.engine.max_model_len - len(prompt.token_ids))  # max_tokens=None: vLLM's
                 self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints)
                 ids.append(request_id)
         except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ class SamplingParams:
     temperature 0 means greedy (deterministic). `top_k` 0 or -1 disables top-k; `top_p` 1.0 disables
     nucleus sampling; `min_p` 0 disables min-p (drop tokens less likely than min_p x the likeliest one).
     `seed` makes random sampling reproducible (completion i of n uses seed + i).
-    `stop` holds strings that end a completion (the text is cut before the stop string).
+    `stop` holds strings that end a completion (the text is cut before the stop string). `max_tokens` None: up to
+    the model length (vLLM's meaning; `up_to` makes it a count once the prompt's length is known).
 
     Penalties, as vLLM defines them (applied to the raw logits, before temperature):
     `repetition_penalty` r (1 = off) divides a positive logit by r and multiplies a negative one by r, for every
@@ -78,7 +80,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -109,8 +111,8 @@ class SamplingParams:
             (is_integer(self.top_k) and (0 <= self.top_k < _INT_LIMIT or self.top_k == -1),
              f"top_k must be -1, 0 (off) or a positive integer below 2**31, got {self.top_k!r}"),
             (_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (is_integer(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
+            (self.max_tokens is None or (is_integer(self.max_tokens) and self.max_tokens >= 1),
+             f"max_tokens must be an integer >= 1 or None (up to the model length), got {self.max_tokens!r}"),
             (is_integer(self.min_tokens) and self.min_tokens >= 0,
              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"),
             (not is_integer(self.min_tokens) or not is_integer(self.max_tokens) or self.min_tokens <= self.max_tokens,
@@ -155,6 +157,11 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in self.logit_bias))
+
+    def up_to(self, room: int) -> SamplingParams:
+        """These parameters with `max_tokens=None` made `room` (the model length less the prompt's, as vLLM's input
+        processor does); themselves when `max_tokens` is set."""
+        return self if self.max_tokens is not None else dataclasses.replace(self, max_tokens=room)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError, naming the field, when `stop_token_ids` or a `logit_bias` key is not a token id of a

@@ -140,3 +140,13 @@ def test_get_tokenizer_is_the_transformers_tokenizer(llm):
     assert text == llm.chat(messages, GREEDY, use_tqdm=False)[0].prompt
     assert tok.eos_token_id == llm.tokenizer.eos_token_id
 
+
+def test_max_tokens_none_runs_up_to_the_model_length(llm):
+    """vLLM's `SamplingParams(max_tokens=None)`: up to `max_model_len` (a ValueError before)."""
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    assert params.max_tokens is None and params.up_to(7).max_tokens == 7 and SamplingParams().up_to(7).max_tokens == 16
+    prompt = [100 + i % 100 for i in range(500)]
+    [out] = llm.generate(prompt, params, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 512 - 500 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1 or None"):
+        SamplingParams(max_tokens=0)
