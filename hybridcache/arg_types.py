@@ -43,6 +43,55 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _finite(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (a size that may be 0, a timeout)."""
+    value = _finite(text, "a finite number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def unit_fraction(text: str) -> float:
+    """A number in [0, 1] (a fraction of a prompt)."""
+    value = _finite(text, "a number in [0, 1]")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
+    return value
+
+
+def ratio_at_least_one(text: str) -> float:
+    """A finite number >= 1 (how many times as much)."""
+    value = _finite(text, "a finite number >= 1")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
+    return value
+
+
+def http_url(text: str) -> str:
+    """An http:// or https:// URL with a host (a replica's base URL), kept as written."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(text)
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL such as http://127.0.0.1:8001, "
+                                         f"got {text!r}")
+    return text
+
+
 def port_number(text: str) -> int:
     """A TCP port to bind: 0 (any free one) to 65535."""
     value = _integer(text, 0)

@@ -10,7 +10,7 @@ import time
 from importlib import import_module
 from importlib.util import find_spec
 
-from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument
+from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument, model_options
 from hybridcache.extras import MissingExtra
 from hybridcache.generation_config import add_generation_config_arg
 
@@ -28,13 +28,18 @@ DEFAULT_PROMPTS = (
 def cmd_generate(args: argparse.Namespace) -> int:
     from hybridcache import LLM, SamplingParams
 
-    llm = LLM(model_argument(args), generation_config=args.generation_config, **engine_options(args))
+    model, hub = model_argument(args), model_options(args)
+    if any(value is not None for value in hub.values()):  # LLM takes no revision: resolve the model folder here
+        from hybridcache.model_path import resolve_model
+
+        model = resolve_model(model, **hub).path
+    llm = LLM(model, generation_config=args.generation_config, **engine_options(args))
     defaults = llm.sampling_defaults  # what a flag left unset takes, before the command's own defaults
     params = SamplingParams(
         temperature=defaults.pick("temperature", args.temperature, 0.0),
         top_p=defaults.pick("top_p", args.top_p, 1.0), top_k=defaults.pick("top_k", args.top_k, 0),
         min_p=defaults.pick("min_p", None, 0.0), repetition_penalty=defaults.pick("repetition_penalty", None, 1.0),
-        max_tokens=defaults.pick("max_tokens", args.max_tokens, 32), seed=args.seed, n=args.n,
+        max_tokens=defaults.pick("max_tokens", args.max_tokens, 32), n=args.n,
         ignore_eos=args.ignore_eos,
     )
     prompts = args.prompt or list(DEFAULT_PROMPTS)
@@ -63,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for prompts (offline)", description=(
         "Generate completions for prompts with one engine, and print one JSON line per completion."),
-        formatter_class=HelpFormatter)
+        formatter_class=HelpFormatter, allow_abbrev=False)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a few demo prompts)")
     from_file = "default: the model's generation_config.json (see --generation-config), else"
@@ -73,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help=f"nucleus sampling, 1.0 is off ({from_file} 1.0)")
     gen.add_argument("--top-k", type=int, default=None, help=f"top-k sampling, 0 is off ({from_file} 0)")
     add_generation_config_arg(gen)
-    gen.add_argument("--seed", type=int, default=None, help="seed of random sampling (default: unseeded)")
     gen.add_argument("-n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     gen.set_defaults(func=cmd_generate)

@@ -16,6 +16,10 @@ EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}
 # Older spellings still accepted (and stored as the current one).
 EVICTION_ALIASES: dict[str, str] = {"flop_aware": "flop-aware"}
 DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+# vLLM's other spellings of `dtype`, stored as the name they stand for.
+DTYPE_ALIASES: dict[str, str] = {"half": "float16", "float": "float32"}
+# `device`: "cpu", "cuda" (the current CUDA device) or "cuda:N"; "auto" is resolved by LLM and the command line.
+DEVICES: tuple[str, ...] = ("cpu", "cuda", "cuda:N")
 # `quantization`: quantise a dense checkpoint's linears at load (vLLM's --quantization); FP8 checkpoints need none.
 QUANTIZATIONS: tuple[str, ...] = ("fp8",)
 # `kv_cache_dtype`: auto = the model dtype; fp8 (= fp8_e4m3, vLLM's spellings) stores KV as float8_e4m3fn.
@@ -26,6 +30,14 @@ LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
 # Speculative methods (vLLM's `--speculative-config` "method"): all name the model's own MTP head.
 SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+
+
+def _is_device(name: object) -> bool:
+    """One of `DEVICES`: "cpu", "cuda" or "cuda:N" with N a non-negative integer."""
+    if name in ("cpu", "cuda"):
+        return True
+    index = name.removeprefix("cuda:") if isinstance(name, str) and name.startswith("cuda:") else ""
+    return index.isascii() and index.isdigit()
 
 
 def is_integer(value: object) -> bool:
@@ -131,6 +143,13 @@ class EngineConfig:
     (the attention KV pool in float8_e4m3fn with a per-layer k/v scale from the checkpoint, else 1.0: half the
     bytes per block). load_format: "auto" (the safetensors) or "dummy" (random weights drawn on the device, for
     benchmarks; the folder needs only config.json and the tokenizer).
+    seed: the engine's seed (vLLM's; None = 0, vLLM V1's default): every completion of a request without its own
+    `SamplingParams.seed` samples from a generator seeded by the engine's next draw from this seed, so a run
+    that adds the same requests in the same order samples the same tokens.
+    tokenizer: a folder with the tokenizer (tokenizer.json, tokenizer_config.json) to use instead of the model
+    folder's (vLLM's `tokenizer`; None = the model folder's).
+    A bool option (enable_prefix_caching, enforce_eager, async_scheduling) given None takes its default; any
+    other value that is not a bool is a ValueError (a string such as "no" is true in Python).
     """
 
     block_size: int = 64
@@ -158,6 +177,33 @@ class EngineConfig:
     load_format: str = "auto"
     attention_backend: str | None = None
     speculative_config: SpeculativeConfig | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+
+    @property
+    def prefix_caching(self) -> bool:
+        """The prefix cache keeps anything: enable_prefix_caching and a cache mode other than "none" (the scheduler,
+        the host tier and the disk tier all read this one property)."""
+        return self.enable_prefix_caching and self.cache_mode != "none"
+
+    def _check_bools(self) -> None:
+        """None takes the default (vLLM's `enable_prefix_caching=None` is on); anything else must be a bool."""
+        for name, default in (("enable_prefix_caching", True), ("enforce_eager", False), ("async_scheduling", None)):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (the default), got {value!r}")
+
+    def _check_host_tier(self) -> None:
+        if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
+            raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
+        if self.host_cache_gib and not self.prefix_caching:
+            without = ("enable_prefix_caching=False (--no-enable-prefix-caching)" if not self.enable_prefix_caching
+                       else 'cache_mode "none" (--cache-mode none)')
+            raise ValueError(f"host_cache_gib {self.host_cache_gib} (--host-cache-gib / --kv-offloading-size / "
+                             f"--hicache-size): a host tier keeps what the prefix cache evicts, and {without} keeps "
+                             "nothing; drop the host tier or turn the prefix cache on")
 
     def _check_disk_tier(self) -> None:
         if self.disk_cache_dir is None:
@@ -167,7 +213,7 @@ class EngineConfig:
         refused = [what for what, on in (
             ("without a host tier (host_cache_gib 0): the disk tier keeps what falls out of it",
              not self.host_cache_gib),
-            ("without the prefix cache", not self.enable_prefix_caching),
+            ("without the prefix cache (enable_prefix_caching False or cache_mode none)", not self.prefix_caching),
             ("with tensor parallelism", self.tensor_parallel_size != 1)) if on]
         if refused:
             raise ValueError(f"disk_cache_dir (a disk tier) is not supported {'; nor '.join(refused)}")
@@ -180,6 +226,19 @@ class EngineConfig:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))
         object.__setattr__(self, "eviction", EVICTION_ALIASES.get(self.eviction, self.eviction))
+        if type(self.dtype).__name__ == "dtype":  # a torch.dtype, as vLLM takes it (this module imports no torch)
+            object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        self._check_bools()
+        if self.seed is None:
+            object.__setattr__(self, "seed", 0)
+        if not is_integer(self.seed):
+            raise ValueError(f"seed must be an integer or None (0), got {self.seed!r}")
+        if not _is_device(self.device):
+            raise ValueError(f"device must be one of {', '.join(DEVICES)} ('auto' is resolved by LLM and the command "
+                             f"line), got {self.device!r}")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"tokenizer must be a folder name (str) or None, got {self.tokenizer!r}")
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
@@ -195,20 +254,19 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization!r}")
         if self.num_blocks is not None and not (is_integer(self.num_blocks) and self.num_blocks >= 1):
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
-        if not isinstance(self.host_cache_gib, (int, float)) or not 0 <= self.host_cache_gib < float("inf"):
-            raise ValueError(f"host_cache_gib must be a finite number >= 0, got {self.host_cache_gib!r}")
+        if self.cache_mode not in CACHE_MODES:
+            raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {', '.join(CACHE_MODES)}")
+        self._check_host_tier()
         self._check_disk_tier()
         if self.max_model_len is not None and not (is_integer(self.max_model_len) and self.max_model_len >= 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if self.cache_mode not in CACHE_MODES:
-            raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {', '.join(CACHE_MODES)}")
         if self.eviction not in EVICTION_POLICIES:
             raise ValueError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, got {self.eviction!r}")
         interval = self.decode_checkpoint_interval
         if interval is not None and (not is_integer(interval) or interval < 1 or interval % self.block_size):
             raise ValueError(f"decode_checkpoint_interval must be a multiple of block_size, got {interval}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r} "
+            raise ValueError(f"dtype must be float32, bfloat16 or float16 (or half, float), got {self.dtype!r} "
                              "('auto' is resolved by LLM and the command line, see engine_args.resolve_engine_config)")
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from hybridcache.arg_types import positive_float
+from hybridcache.arg_types import non_negative_float, positive_float
 from hybridcache.config import (
     CACHE_MODES,
+    DTYPE_ALIASES,
     DTYPES,
     EVICTION_ALIASES,
     EVICTION_POLICIES,
@@ -39,6 +42,83 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+@dataclass(frozen=True)
+class VllmOption:
+    """A vLLM engine option (an `LLM(...)` keyword and a `--flag`) with no `EngineConfig` field: `verdict(value)`
+    says what it does here for a value given (not None): a one-line note that is logged (it has no effect here), or
+    None (nothing to say), or raises ValueError naming the option (what cannot be done here). `flag`: argparse
+    keywords of its `--flag` (its default is None: not given)."""
+
+    name: str
+    help: str
+    verdict: Callable[[object], str | None]
+    flag: dict
+
+
+def _no_effect(why: str) -> Callable[[object], str | None]:
+    return lambda value: why
+
+
+def _refused_unless(accepted: Callable[[object], bool], why: str) -> Callable[[object], str | None]:
+    def verdict(value: object) -> None:
+        if not accepted(value):
+            raise ValueError(why.format(value=value))
+    return verdict
+
+
+def _chunked_prefill(value: object) -> str | None:
+    if value is False:
+        raise ValueError("enable_chunked_prefill=False (--no-enable-chunked-prefill): prefill is always chunked here "
+                         "(at most max_num_batched_tokens tokens a step) and cannot be turned off")
+    return "enable_chunked_prefill: prefill is always chunked here (max_num_batched_tokens a step)"
+
+
+def _as_number(value: object) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+# The vLLM options without a field of their own, in one table read by `add_engine_args` (the flags) and
+# `resolve_engine_config` (`LLM`'s keywords and the parsed flags). `seed`, `tokenizer`, and vLLM's dtype names
+# ("half", "float") are `EngineConfig`'s own; `revision` and `download_dir` choose the model folder, so the command
+# line passes them to `resolve_model` (`model_options`) and `LLM` refuses them until it does.
+VLLM_OPTIONS: tuple[VllmOption, ...] = (
+    VllmOption("trust_remote_code", "accepted, a no-op: no model code is loaded from the checkpoint",
+               _no_effect("trust_remote_code has no effect: hybridcache runs its own implementation of the model and "
+                          "loads only weights and configuration from the checkpoint"),
+               dict(action="store_true", default=None)),
+    VllmOption("swap_space", "accepted, ignored (as vLLM V1 ignores it): the host tier is --host-cache-gib",
+               _no_effect("swap_space is ignored (vLLM V1 ignores it too); the host tier behind the cache is "
+                          "host_cache_gib (--host-cache-gib / --kv-offloading-size)"),
+               dict(type=non_negative_float, metavar="GIB")),
+    VllmOption("disable_log_stats", "serve: write no stats lines; elsewhere accepted, a no-op (nothing logs stats)",
+               _no_effect("disable_log_stats: offline generation writes no stats lines"),
+               dict(action="store_true", default=None)),
+    VllmOption("enable_chunked_prefill", "accepted when on: prefill is always chunked; --no-enable-chunked-prefill "
+               "is refused", _chunked_prefill, dict(action=argparse.BooleanOptionalAction)),
+    VllmOption("tokenizer_mode", "auto or hf (a Hugging Face fast tokenizer, the only kind used); others are refused",
+               _refused_unless(lambda v: v in ("auto", "hf"), "tokenizer_mode {value!r} is not supported: the "
+                               "tokenizer is always the model folder's Hugging Face tokenizer.json (auto or hf)"),
+               dict(metavar="MODE")),
+    VllmOption("cpu_offload_gb", "0 only: weights are not offloaded to the CPU",
+               _refused_unless(lambda v: _as_number(v) == 0, "cpu_offload_gb {value!r}: offloading weights to the "
+                               "CPU is not supported (the KV cache's host tier is --host-cache-gib)"),
+               dict(type=float, metavar="GIB")),
+    VllmOption("max_logprobs", "20 only: the limit on logprobs and prompt_logprobs per token is fixed at 20",
+               _refused_unless(lambda v: _as_number(v) == 20, "max_logprobs {value!r}: the limit on logprobs (and "
+                               "prompt_logprobs) is fixed at 20 here, OpenAI's top_logprobs limit; only 20 is "
+                               "accepted"),
+               dict(type=int, metavar="N")),
+    VllmOption("revision", "the model's revision on the Hugging Face hub (a branch, tag or commit) when MODEL is a "
+               "hub id (default: main)", lambda value: None, dict(metavar="REV")),
+    VllmOption("download_dir", "the Hugging Face cache folder a hub id is read from and downloaded into (default: "
+               "$HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)", lambda value: None,
+               dict(metavar="DIR")),
+)
+_VLLM_OPTIONS = {option.name: option for option in VLLM_OPTIONS}
+# The options that choose the model folder, given to `resolve_model`.
+MODEL_OPTIONS = ("revision", "download_dir")
+
+
 def _eviction(value: str) -> str:
     """`--eviction`'s type: the old underscore spelling is accepted and means the same policy."""
     return EVICTION_ALIASES.get(value, value)
@@ -59,11 +139,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="blocks in the one pool of KV and prefix-cache checkpoint states (a state takes k "
                              "blocks); default: on the CPU twice what --max-num-seqs full sequences need plus 32 "
                              "states, on CUDA the rest of the memory budget")
-    parser.add_argument("--host-cache-gib", "--kv-offloading-size", type=float, default=0.0, metavar="GIB",
+    parser.add_argument("--host-cache-gib", "--kv-offloading-size", type=non_negative_float, default=0.0, metavar="GIB",
                         help="a host-memory tier behind the pool, GiB (vLLM's --kv-offloading-size): device "
                              "eviction moves blocks and checkpoint states there, a hit copies them back "
                              "(default: 0, none)")
-    parser.add_argument("--hicache-size", type=float, default=None, metavar="GB",
+    parser.add_argument("--hicache-size", type=non_negative_float, default=None, metavar="GB",
                         help="the host tier in GB (10^9 bytes; SGLang's spelling); overrides --host-cache-gib")
     parser.add_argument("--disk-cache-dir", default=None, metavar="DIR",
                         help="a disk tier behind the host tier: what falls out of the host tier is written under "
@@ -86,9 +166,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default: off)")
     parser.add_argument("--eviction", default="lru", type=_eviction, choices=list(EVICTION_POLICIES),
                         help="prefix-cache eviction policy (flop_aware is accepted for flop-aware)")
-    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES],
-                        help="weights and activations; auto: float32 on CPU, on CUDA the model's torch_dtype "
-                             "when it is bfloat16 or float16, else bfloat16 (default: auto)")
+    parser.add_argument("--dtype", default=AUTO, choices=[AUTO, *DTYPES, *DTYPE_ALIASES],
+                        help="weights and activations (half = float16, float = float32, as vLLM); auto: float32 on "
+                             "CPU, on CUDA the model's torch_dtype when it is bfloat16 or float16, else bfloat16 "
+                             "(default: auto)")
     parser.add_argument(SSM_DTYPE_FLAG, default=AUTO, choices=[AUTO, *DTYPES],
                         help="the DeltaNet recurrent state in the state slots; auto: the model config's "
                              "mamba_ssm_dtype when it has one, else float32. bfloat16 halves the state (about "
@@ -121,6 +202,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                         help="auto: read the safetensors; dummy: random weights drawn on the device (benchmarks; "
                              "the folder needs only config.json and the tokenizer)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the engine's seed, as vLLM's: a request without its own seed samples from the engine's "
+                             "next draw from it, so the same requests in the same order give the same tokens")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="a folder (or hub id) with the tokenizer to use instead of the model's (default: the "
+                             "model folder's)")
+    vllm = parser.add_argument_group("other vLLM engine options")
+    for option in VLLM_OPTIONS:
+        vllm.add_argument("--" + option.name.replace("_", "-"), help=f"{option.help} (default: not given)",
+                          **{"default": None, **option.flag})
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
@@ -160,7 +251,15 @@ def engine_options(args: argparse.Namespace) -> dict:
         load_format=args.load_format,
         attention_backend=args.attention_backend,
         speculative_config=args.speculative_config,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        **{option.name: getattr(args, option.name) for option in VLLM_OPTIONS if option.name not in MODEL_OPTIONS},
     )
+
+
+def model_options(args: argparse.Namespace) -> dict:
+    """The `resolve_model` keywords of parsed engine options (`--revision`, `--download-dir`)."""
+    return {name: getattr(args, name) for name in MODEL_OPTIONS}
 
 
 def auto_device() -> str:
@@ -199,12 +298,38 @@ def auto_ssm_dtype(model_ssm_dtype: str | None) -> str:
     return model_ssm_dtype
 
 
+def _take_vllm_options(options: dict) -> None:
+    """Remove the `VLLM_OPTIONS` from `options`, logging the note of each one given (not None) and raising the
+    ValueError of one that cannot be done; a keyword that is neither an `EngineConfig` field nor a vLLM option is a
+    TypeError naming it as `LLM`'s (the command line passes only known ones)."""
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(options) - known - set(_VLLM_OPTIONS))
+    if unknown:
+        raise TypeError(f"LLM() got an unexpected keyword argument {unknown[0]!r} (engine options: the fields of "
+                        f"EngineConfig and vLLM's {', '.join(_VLLM_OPTIONS)})")
+    for name in [name for name in options if name in _VLLM_OPTIONS]:
+        value = options.pop(name)
+        if value is None:
+            continue
+        if name in MODEL_OPTIONS and value != (None if name == "download_dir" else "main"):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"LLM({name}={value!r}) is not supported yet: pass the model's folder (`hf download "
+                             f"REPO --revision REV --cache-dir DIR` prints it); the command line takes {flag}")
+        note = _VLLM_OPTIONS[name].verdict(value)
+        if note:
+            _logger.info("%s", note)
+
+
 def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
     """`EngineConfig(**options)` with `device="auto"`, `dtype="auto"` and `mamba_ssm_cache_dtype="auto"`
     replaced by what they mean for the model in `model_dir` on this machine (see `auto_device`, `auto_dtype`,
-    `auto_ssm_dtype`). Raises ValueError for a bad option before anything is loaded; an explicit state dtype
-    other than the one the model's config names is allowed, with a warning (as vLLM does)."""
+    `auto_ssm_dtype`), vLLM's options without a field (`VLLM_OPTIONS`) taken out (each logged as a no-op or refused),
+    and `tokenizer` resolved to a folder. Raises ValueError for a bad option before anything is loaded; an explicit
+    state dtype other than the one the model's config names is allowed, with a warning (as vLLM does)."""
     options = dict(options)
+    _take_vllm_options(options)
+    if options.get("tokenizer") is not None:
+        options["tokenizer"] = str(_tokenizer_folder(options["tokenizer"]))
     ssm_given = "mamba_ssm_cache_dtype" in options
     ssm_dtype = options.get("mamba_ssm_cache_dtype")
     if ssm_given and ssm_dtype not in (AUTO, *DTYPES):
@@ -225,3 +350,18 @@ def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
             _logger.warning("the model's config.json sets mamba_ssm_dtype %s; %s %s overrides it",
                             model_config.mamba_ssm_dtype, SSM_DTYPE_FLAG, ssm_dtype)
     return EngineConfig(**options)
+
+
+def _tokenizer_folder(name: object) -> Path:
+    """The folder `tokenizer=` names: a folder holding tokenizer.json, or a hub id (resolved as a model is, without
+    weights). A ValueError naming it otherwise."""
+    from hybridcache.model_path import resolve_model
+
+    if not isinstance(name, (str, Path)):
+        raise ValueError(f"tokenizer must be a folder or a hub id, got {name!r}")
+    path = Path(name).expanduser()
+    if not path.is_dir() and not path.exists() and not str(name).startswith((".", "/", "~")):
+        path = resolve_model(str(name), weights=False).path
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {str(name)!r}: no tokenizer.json in {path}")
+    return path

@@ -10,7 +10,9 @@
    huggingface_hub's progress bars), unless `HF_HUB_OFFLINE` is set. `weights=False` (the simulator, the router:
    a config and a tokenizer) downloads all but the `*.safetensors`; a snapshot without them is completed when an
    engine asks for it. The cache is `$HF_HUB_CACHE`, else
-   `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called.
+   `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called; `download_dir` (vLLM's
+   `--download-dir`) replaces it. `revision` (vLLM's `--revision`: a branch, tag or commit) is looked up and
+   downloaded instead of `main`.
 
 Worked example: with `HF_HUB_CACHE=/data/hub` holding
 `/data/hub/models--Qwen--Qwen3.5-0.8B/refs/main` = `abc123` and `.../snapshots/abc123/config.json`,
@@ -49,10 +51,14 @@ def hf_hub_cache() -> Path | None:
     return None
 
 
-def resolve_model(model: str | Path | None, *, weights: bool = True) -> ResolvedModel:
+def resolve_model(model: str | Path | None, *, weights: bool = True, revision: str | None = None,
+                  download_dir: str | Path | None = None) -> ResolvedModel:
     """The model folder `model` names (see the module docstring; `weights`: whether the caller reads the weights,
-    which a hub id then downloads). Raises FileNotFoundError, naming what was tried, when it is neither a folder
-    nor a hub id the local Hugging Face cache holds or the hub gives."""
+    which a hub id then downloads; `revision`, `download_dir`: the hub revision and cache folder of a hub id).
+    Raises FileNotFoundError, naming what was tried, when it is neither a folder nor a hub id the local Hugging Face
+    cache holds or the hub gives."""
+    if model is None and (revision, download_dir) != (None, None):
+        raise ValueError("--revision and --download-dir choose a hub model's files: name a hub id as the model")
     if model is None:
         from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 
@@ -62,12 +68,15 @@ def resolve_model(model: str | Path | None, *, weights: bool = True) -> Resolved
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {name!r} has no config.json")
+        if (revision, download_dir) != (None, None):
+            _logger.warning("model %s is a folder: --revision and --download-dir (hub options) are ignored", name)
         return ResolvedModel(path, name)
     if path.exists():
         raise FileNotFoundError(f"model {name!r} is a file; pass the folder that holds config.json")
     if not _looks_like_hub_id(name):
         raise FileNotFoundError(f"model folder {name!r} does not exist")
-    return ResolvedModel(_hub_snapshot(name, weights), name)
+    cache = Path(download_dir).expanduser() if download_dir is not None else hf_hub_cache()
+    return ResolvedModel(_hub_snapshot(name, weights, revision, cache), name)
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -80,17 +89,18 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def _hub_snapshot(repo_id: str, weights: bool) -> Path:
-    """The snapshot folder of `repo_id` in the local Hugging Face cache, downloaded into it first when the cache has
-    none, or none with weights when `weights` (unless offline). Raises FileNotFoundError naming the cache, the
-    hub's answer and what to do."""
+def _hub_snapshot(repo_id: str, weights: bool, revision: str | None, cache: Path | None) -> Path:
+    """The snapshot folder of `repo_id` at `revision` (None: main) in the Hugging Face cache `cache` (None: the
+    default), downloaded into it first when the cache has none, or none with weights when `weights` (unless
+    offline). Raises FileNotFoundError naming the cache, the hub's answer and what to do."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    cache = hf_hub_cache()
     where = str(cache) if cache is not None else "the default Hugging Face cache (~/.cache/huggingface/hub)"
+    if revision is not None:
+        where += f" (revision {revision!r})"
     try:
-        folder = snapshot_download(repo_id, local_files_only=True, cache_dir=cache)
+        folder = snapshot_download(repo_id, local_files_only=True, cache_dir=cache, revision=revision)
     except HFValidationError as error:
         raise FileNotFoundError(f"model {repo_id!r} is neither a folder nor a Hugging Face hub id: {error}") from None
     except LocalEntryNotFoundError:
@@ -100,26 +110,26 @@ def _hub_snapshot(repo_id: str, weights: bool) -> Path:
                 f"(HF_HUB_OFFLINE is set, so it is not downloaded); download it first (`hf download {repo_id}`) "
                 "or pass the model folder"
             ) from None
-        folder = _download(repo_id, cache, where, weights)
+        folder = _download(repo_id, cache, where, weights, revision)
     else:
         if weights and not any(Path(folder).glob("*.safetensors")) and not _hub_offline():
-            folder = _download(repo_id, cache, where, weights)  # cached without weights (by weights=False)
+            folder = _download(repo_id, cache, where, weights, revision)  # cached without weights (by weights=False)
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the cached snapshot of {repo_id!r} at {path} has no config.json")
     return path
 
 
-def _download(repo_id: str, cache: Path | None, where: str, weights: bool) -> str:
-    """Download `repo_id`'s `HUB_FILES` (without `*.safetensors` unless `weights`) into the cache; its snapshot
-    folder."""
+def _download(repo_id: str, cache: Path | None, where: str, weights: bool, revision: str | None) -> str:
+    """Download `repo_id`'s `HUB_FILES` at `revision` (without `*.safetensors` unless `weights`) into the cache; its
+    snapshot folder."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import RepositoryNotFoundError
 
     _logger.warning("downloading %s from the Hugging Face hub into %s", repo_id, where)
     try:
         patterns = [p for p in HUB_FILES if weights or p != "*.safetensors"]
-        return snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns)
+        return snapshot_download(repo_id, cache_dir=cache, allow_patterns=patterns, revision=revision)
     except RepositoryNotFoundError as error:  # also a gated or private repository without a token
         raise FileNotFoundError(
             f"model {repo_id!r} is not a folder, not in the Hugging Face cache at {where}, and the hub has no model "

@@ -46,6 +46,22 @@ REFUSED = [
     (["serve"], "--log-stats-interval", "-1"),
     (["router", "--replica", "http://127.0.0.1:9"], "--port", "-1"),
     (["router", "--replica", "http://127.0.0.1:9"], "--port", "65536"),
+    # flags whose errors named an internal field (or a converted value), or that were taken
+    (["generate"], "--hicache-size", "-3"),  # said host_cache_gib ... -2.79
+    (["generate"], "--host-cache-gib", "nan"),
+    (["serve"], "--shutdown-timeout", "-5"),  # said shutdown_timeout_s
+    (["serve"], "--port", "70000"),
+    (["serve"], "--max-request-bytes", "0"),
+    (["router", "--replica", "http://127.0.0.1:9"], "--cache-threshold", "2"),  # said min_hit_fraction
+    (["router", "--replica", "http://127.0.0.1:9"], "--balance-abs-threshold", "-1"),
+    (["router", "--replica", "http://127.0.0.1:9"], "--balance-rel-threshold", "nan"),  # was taken
+    (["router", "--replica", "http://127.0.0.1:9"], "--balance-rel-threshold", "0.5"),
+    (["router", "--port", "0"], "--replica", "notaurl"),  # started, and answered 503 to everything
+    (["router", "--port", "0"], "--replica", "ftp://host:1"),
+    (BENCH, "--modes", ","),  # IndexError after loading the model
+    (BENCH, "--modes", ""),
+    (BENCH, "--modes", "none,none"),  # ran one row
+    (BENCH, "--modes", "none,foo"),
 ]
 
 
@@ -71,14 +87,15 @@ def test_the_types_take_good_values_and_refuse_the_rest():
             parse(bad)
 
 
-@pytest.mark.parametrize("flag, value, named", [("--router-poll-interval", "0", "poll_interval_s"),
-                                                 ("--router-poll-interval", "-1", "poll_interval_s"),
-                                                 ("--max-request-bytes", "0", "max_request_bytes")])
-def test_the_router_refuses_a_busy_poll_or_an_empty_body_limit(flag, value, named, capsys):
+@pytest.mark.parametrize("flag, value", [("--router-poll-interval", "0"), ("--router-poll-interval", "-1"),
+                                         ("--max-request-bytes", "0")])
+def test_the_router_refuses_a_busy_poll_or_an_empty_body_limit(flag, value, capsys):
     """Before, a poll interval of 0 or below polled the replicas in a busy loop and a 0-byte limit refused every
-    request: the router now stops before it binds, naming the setting."""
-    assert main(["router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, value]) == 2
-    assert named in capsys.readouterr().err
+    request: the router now stops before it binds, naming the flag (it named the field, poll_interval_s)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["router", "--replica", "http://127.0.0.1:9", "--port", "0", flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: must be" in capsys.readouterr().err
 
 
 def test_python_dash_m_runs_the_command():
@@ -97,3 +114,51 @@ def test_a_policy_s_own_block_size_must_be_a_positive_integer(capsys):
     for policies in ("hybridcache:0", "hybridcache:x", "seed:-64"):
         assert main([*SIMULATE, "--num-requests", "5", "--policies", policies]) == 2
         assert "block size after ':' must be an integer >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "--host", "0.0.0.0"], "--host"),  # an abbreviation of --host-cache-gib before
+    (["generate", "--max-tok", "3"], "--max-tok"),
+    ([*SIMULATE, "--mem", "1"], "--mem"),
+    ([*BENCH, "--work", "mooncake"], "--work"),
+])
+def test_subcommands_take_no_abbreviated_flags(argv, flag, capsys):
+    """generate, simulate and bench took a prefix of a flag for the flag (`generate --host 0.0.0.0` set the host
+    tier and failed on '0.0.0.0' as GiB); like the top-level parser and serve they now refuse it."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--workload", "mooncake", "--no-progress"], "the workload 'mooncake' has no requests"),
+    (["simulate", "--workload", "shared-prefix", "--no-progress"], "workload 'shared-prefix' is generated and reads "
+                                                                     "no trace"),
+    (["simulate", "--workload", "group-sampling", "--no-progress"], "workload 'group-sampling' is generated"),
+])
+def test_an_empty_trace_or_a_trace_for_a_generated_workload_is_refused(tmp_path, argv, message, capsys):
+    """An empty trace ran, printed a table of zeros and exited 0; a --trace given to a generated workload was
+    ignored without a word."""
+    trace = tmp_path / "empty.jsonl"
+    trace.write_text("")
+    assert main([*argv, "--trace", str(trace)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_refuses_a_workload_its_cuts_leave_empty_before_loading_the_model(tmp_path, capsys):
+    """--max-prompt-len 10 cuts every swe-agent call: the benchmark ran no call and exited 0."""
+    out = tmp_path / "res"
+    assert main([*BENCH, "--workload", "swe-agent", "--num-sessions", "1", "--max-turns", "1", "--modes", "none",
+                 "--max-prompt-len", "10", "--out-dir", str(out)]) == 2
+    assert "the workload 'swe-agent' has no requests" in capsys.readouterr().err
+
+
+def test_bench_checks_its_out_dir_before_the_run(tmp_path, capsys):
+    """--out-dir naming a file failed when the results were written, after the whole run."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out_dir, message in ((a_file, "is a file, not a folder"), (a_file / "sub", "cannot be created")):
+        assert main([*BENCH, "--modes", "none", "--num-sessions", "1", "--max-turns", "1",
+                     "--out-dir", str(out_dir)]) == 2
+        assert f"--out-dir {str(out_dir)!r} {message}" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybridcache.arg_types import gib_or_multiple, non_negative_int, positive_float, positive_floats, positive_int
-from hybridcache.config import DTYPES, SSM_DTYPE_FLAG
+from hybridcache.config import CACHE_MODES, DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO, HelpFormatter
 from hybridcache.extras import require_extra
 from hybridcache.model_path import resolve_model
@@ -21,7 +21,7 @@ _MODEL_FORMS = ("a model folder, a Hugging Face snapshot folder, or a hub id (fr
 
 def register(subparsers) -> None:
     sim = subparsers.add_parser("simulate", help="replay a workload through the prefix cache under several policies",
-                                formatter_class=HelpFormatter)
+                                formatter_class=HelpFormatter, allow_abbrev=False)
     sim.add_argument("--workload", required=True,
                      help="sharegpt, mooncake, swe-agent, shared-prefix, group-sampling[-n]")
     sim.add_argument("--trace", default=None,
@@ -74,12 +74,12 @@ def register(subparsers) -> None:
     sim.set_defaults(func=cmd_simulate)
 
     bench = subparsers.add_parser("bench", help="run a workload through the engine in several cache modes",
-                                  formatter_class=HelpFormatter)
+                                  formatter_class=HelpFormatter, allow_abbrev=False)
     bench.add_argument("--workload", default="swe-agent",
                        help="a workload name, as for simulate")
     bench.add_argument("--trace", default=None,
                        help="trace file or folder (default: the slice shipped in hybridcache/bench/traces/)")
-    bench.add_argument("--modes", default="none,block-aligned,hybridcache",
+    bench.add_argument("--modes", type=cache_modes, default="none,block-aligned,hybridcache",
                        help="comma-separated cache modes, of none, block-aligned, seed, hybridcache")
     bench.add_argument("--model", default=None, help=f"{_MODEL_FORMS} (default: the built-in model)")
     bench.add_argument("--num-sessions", type=positive_int, default=8,
@@ -110,9 +110,39 @@ def register(subparsers) -> None:
         "(--modes is then ignored: the server runs one mode; --model must name the server's model)",
     )
     bench.add_argument("--concurrency", type=positive_int, default=64, help="with --server: requests in flight at most")
-    bench.add_argument("--out-dir", default="results", help="where the JSON and PNGs go")
+    bench.add_argument("--out-dir", default="results",
+                       help="where the JSON and PNGs go (a folder, created if missing; checked before the run)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
+
+
+def cache_modes(text: str) -> tuple[str, ...]:
+    """`bench --modes`: a comma-separated list of distinct cache modes (at least one)."""
+    modes = tuple(m.strip() for m in text.split(","))
+    if not text.strip() or not all(modes):
+        raise argparse.ArgumentTypeError(f"must be a comma-separated list of cache modes ({', '.join(CACHE_MODES)}), "
+                                         f"got {text!r}")
+    unknown = [m for m in modes if m not in CACHE_MODES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"must be cache modes of {', '.join(CACHE_MODES)}, got {text!r} (unknown: "
+                                         f"{', '.join(unknown)})")
+    if len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"must be distinct cache modes (each runs once), got {text!r}")
+    return modes
+
+
+def check_out_dir(out_dir: str | Path) -> None:
+    """`--out-dir` is a folder this process can write, created now when missing: a ValueError naming it otherwise,
+    before a run whose results would be lost."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out-dir {str(out_dir)!r} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out-dir {str(out_dir)!r} cannot be created: {error.strerror or error}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"--out-dir {str(out_dir)!r} is not writable")
 
 
 # ---- simulate ---------------------------------------------------------------------------------------------
@@ -264,7 +294,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from hybridcache.bench.engine_bench import BenchConfig, count_calls, run_bench
     from hybridcache.bench.workloads import ChatOptions, load_workload
-    modes = ("server",) if args.server else tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    modes = ("server",) if args.server else args.modes
+    check_out_dir(args.out_dir)  # before the run: its results would be lost
     resolved = resolve_model(args.model)
     model_path = resolved.path
     chat = ChatOptions(args.num_sessions, args.max_turns, args.max_message_chars, args.max_prompt_len)

@@ -43,6 +43,7 @@ import gc
 import itertools
 import logging
 import os
+import random
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ def _make_scheduler(
     which FLOP-aware eviction ranks by, promotions from the host tier are weighed with, and which sets the shortest
     branch point worth its state (`CacheConfig.min_branch_point_step`); `tier_behind`: the disk tier behind the
     host tier (`DiskKeeper`), or None."""
-    policy = checkpoint_policy(config.cache_mode if config.enable_prefix_caching else "none")
+    policy = checkpoint_policy(config.cache_mode if config.prefix_caching else "none")
     cache_config = CacheConfig(
         block_size=config.block_size,
         full_prompt_hits=policy.full_prompt_hits if policy else False,
@@ -233,7 +234,7 @@ class LLMEngine:
                 f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
-        self.tokenizer = Tokenizer(self.model_path)
+        self.tokenizer = Tokenizer(config.tokenizer or self.model_path)
         # on CUDA the engine's share is of what was free before it loaded anything (memory.engine_share): the
         # vision tower loads before the runner, so its start is measured here; else the runner measures it
         free_at_start = device_free_bytes(self.device) if on_cuda and has_vision_tower(self.model_path) else None
@@ -262,7 +263,7 @@ class LLMEngine:
             "max_model_len %d, cache mode %s, %s, kernels %s, cuda graphs %s, async scheduling %s",
             model_display_name(self.model_path), self.model_config.architecture, config.dtype,
             config.mamba_ssm_cache_dtype, self.weight_format, self.kv_cache_dtype, self.device, self.max_model_len,
-            config.cache_mode if config.enable_prefix_caching else "off", plan.describe(),
+            config.cache_mode if config.prefix_caching else "off", plan.describe(),
             type(backend).__name__, self.runner.graph_batch_sizes or "off", "on" if self.async_scheduling else "off",
         )
         cost = engine_cost_model(self.model_config, plan, block_size=config.block_size,
@@ -280,6 +281,7 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
         self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)  # the seeds of completions without their own (vLLM's engine seed)
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
@@ -353,7 +355,7 @@ class LLMEngine:
                     token_ids=list(prompt_ids),
                     prompt_len=len(prompt_ids),
                     params=params,
-                    generator=make_generator(params, index, self.device),
+                    generator=self._generator(params, index),
                     arrival=next(self._arrivals),
                     mm_inputs=mm,
                     hint_steps=hints,
@@ -833,6 +835,14 @@ class LLMEngine:
         sequences; raises on any mismatch, and `EngineDeadError` once a committed step has failed."""
         self._raise_if_dead()
         self.scheduler.check_integrity()
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Completion `index`'s generator: seeded by the request's seed, else by the engine's next draw from
+        `config.seed` (so a run that adds the same requests in the same order samples the same tokens)."""
+        generator = make_generator(params, index, self.device)
+        if generator is not None and params.seed is None:
+            generator.manual_seed(self._seeds.getrandbits(63))
+        return generator
 
     def clear_cache(self) -> None:
         """Drop everything the prefix cache holds that no running sequence uses."""

@@ -66,8 +66,13 @@ def engine_device(name: str) -> torch.device:
     """`name` as the engine's device: "cuda" without an index is the current CUDA device (torch's meaning), made
     explicit so that tensor parallelism's ranks (which count from the index), the vision tower and the memory
     measured at start all name one device. Anything else, and "cuda" on a machine without CUDA (refused later,
-    by `build_runner`), is `torch.device(name)`."""
-    device = torch.device(name)
+    by `build_runner`), is `torch.device(name)`; a name torch does not know is a ValueError naming it."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r} is not a device: give cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {name!r} is not supported: give cpu, cuda or cuda:N")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -154,6 +159,8 @@ def build_runner(
             kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             num_speculative_tokens=num_speculative,
         )
+    host_bytes = host_tier_blocks(config, plan) * plan.block_bytes
+    check_host_memory(plan.budget_bytes if device.type == "cpu" else 0, host_bytes, config)
     if kv_per_block and state_per_slot > plan.state_pages * kv_per_block:
         raise AssertionError(
             f"rank {tp.rank}: a state slot of {state_per_slot} bytes does not fit the plan's {plan.state_pages} "
@@ -184,12 +191,44 @@ def build_runner(
     return runner, plan
 
 
+def available_host_bytes() -> int | None:
+    """The host memory the kernel says is available now (/proc/meminfo's MemAvailable), or None where it cannot
+    be read."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_host_memory(pool_bytes: int, host_bytes: int, config: EngineConfig) -> None:
+    """Refuse pools in host memory (the CPU's device pools, `pool_bytes`; the host tier, `host_bytes`) that need
+    more than the memory available, before they are allocated: a pool of far more than the RAM took minutes of
+    swapping or an allocation error out of torch (`--max-num-seqs 1000000` on the CPU). The CPU pools follow from
+    max_num_seqs x max_model_len (or num_blocks); vLLM's CPU backend sizes its KV cache from a setting of its own
+    (VLLM_CPU_KVCACHE_SPACE), here --num-blocks."""
+    available = available_host_bytes()
+    needed = pool_bytes + host_bytes
+    if available is None or needed <= available:
+        return
+    parts = [f"{what} {needed_part / (1 << 30):.3g} GiB" for what, needed_part in
+             (("the CPU pools (KV blocks, checkpoint states and runtime state slots)", pool_bytes),
+              ("the host tier", host_bytes)) if needed_part]
+    raise ValueError(f"{' + '.join(parts)} need {needed:,} bytes but {available:,} bytes of memory are available: "
+                     f"lower max_num_seqs (--max-num-seqs, {config.max_num_seqs}), max_model_len (--max-model-len), "
+                     f"num_blocks (--num-blocks) or host_cache_gib (--host-cache-gib)")
+
+
 def host_tier_blocks(config: EngineConfig, plan: MemoryPlan) -> int:
     """The host tier's blocks of every rank: `host_cache_gib` is the host memory of all ranks together (vLLM's
     `kv_offloading_size` under tensor parallelism), and each rank keeps its shard of every host block, so the count
     is host_cache_gib over (this rank's block bytes x ranks), the same on every rank (the cache's host ids are
-    valid on all of them) and, with heads split evenly, the same as with one rank. 0 without a prefix cache."""
-    if not config.enable_prefix_caching or not plan.block_bytes:
+    valid on all of them) and, with heads split evenly, the same as with one rank. 0 without a prefix cache
+    (`EngineConfig.prefix_caching`, which refuses a host tier without one)."""
+    if not config.prefix_caching or not plan.block_bytes:
         return 0
     return int(config.host_cache_gib * (1 << 30) // (plan.block_bytes * config.tensor_parallel_size))
 

@@ -20,7 +20,7 @@ REPLICA_START_TIMEOUT_S = 600.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hybridcache.arg_types import port_number
+    from hybridcache.arg_types import http_url, port_number, positive_int
     from hybridcache.engine_args import HelpFormatter
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description="Serve the OpenAI API in front of `hybridcache serve` replicas, "
                                                "sending each request to the replica with the longest usable hit.",
                                    formatter_class=HelpFormatter)
-    router.add_argument("--replica", action="append", required=True, metavar="URL",
+    router.add_argument("--replica", action="append", required=True, metavar="URL", type=http_url,
                         help="base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable)")
     router.add_argument("--model", default=None,
                         help="the replicas' model folder (its tokenizer and chat template predict hits; default: "
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=port_number, default=8000, help="port to bind")
-    router.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+    router.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help="request body size limit (default: 256 MiB, as serve's: a replica's default body, "
                              "images as base64 included, passes the router)")
     add_connection_args(router)
@@ -71,21 +71,22 @@ def _serve_or_data_parallel(cmd_serve):
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """The routing options `router` and `serve --data-parallel-size` share."""
+    from hybridcache.arg_types import non_negative_int, positive_float, ratio_at_least_one, unit_fraction
     from hybridcache.router.policy import ROUTER_POLICIES, RoutingConfig
 
     defaults = RoutingConfig()
     parser.add_argument("--routing", default=defaults.policy, choices=ROUTER_POLICIES,
                         help="checkpoint: longest usable hit (KV and a state); kv-prefix: most KV blocks; "
                              "round-robin (default: %(default)s)")
-    parser.add_argument("--balance-abs-threshold", type=int, default=defaults.abs_margin,
+    parser.add_argument("--balance-abs-threshold", type=non_negative_int, default=defaults.abs_margin,
                         help="the best replica is skipped for the least-loaded one when it has more than this many "
                              "requests in flight more ... (default: %(default)s)")
-    parser.add_argument("--balance-rel-threshold", type=float, default=defaults.rel_margin,
+    parser.add_argument("--balance-rel-threshold", type=ratio_at_least_one, default=defaults.rel_margin,
                         help="... and more than this many times as many (default: %(default)s)")
-    parser.add_argument("--cache-threshold", type=float, default=defaults.min_hit_fraction,
+    parser.add_argument("--cache-threshold", type=unit_fraction, default=defaults.min_hit_fraction,
                         help="the best replica's predicted hit must cover this fraction of the prompt, else the "
                              "least-loaded replica is taken (default: %(default)s)")
-    parser.add_argument("--router-poll-interval", type=float, default=0.5, metavar="SECONDS",
+    parser.add_argument("--router-poll-interval", type=positive_float, default=0.5, metavar="SECONDS",
                         help="seconds between polls of each replica's cache events (default: %(default)s)")
 
 

@@ -47,7 +47,7 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         if self.policy not in ROUTER_POLICIES:
             raise ValueError(f"unknown routing policy {self.policy!r}; choose from {', '.join(ROUTER_POLICIES)}")
-        if self.abs_margin < 0 or self.rel_margin < 1.0:
+        if not (self.abs_margin >= 0 and 1.0 <= self.rel_margin < float("inf")):  # a nan margin is refused too
             raise ValueError(f"balance margins must be abs >= 0 and rel >= 1, got {self.abs_margin}, "
                              f"{self.rel_margin}")
         if not 0.0 <= self.min_hit_fraction <= 1.0:

@@ -20,7 +20,7 @@ SHUTDOWN_RESERVE_S = 0.5
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
-    from hybridcache.arg_types import positive_float
+    from hybridcache.arg_types import non_negative_float, port_number, positive_float, positive_int
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
@@ -32,21 +32,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                   allow_abbrev=False)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind")
+    serve.add_argument("--port", type=port_number, default=8000, help="port to bind")
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} when set, "
                             "else no key)")
     serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                        help="model ids clients may send; the first one is reported (default: MODEL as given)")
-    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+    serve.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                        help="request body size limit (default: 256 MiB, room for the default --limit-mm-per-prompt "
                             "images at 20 MB each as base64 and a long history)")
-    serve.add_argument("--max-request-tokens", type=int, default=None, metavar="N",
+    serve.add_argument("--max-request-tokens", type=positive_int, default=None, metavar="N",
                        help="an opt-in budget of the tokens one request may ask for, n x max_tokens (default: no "
                             "budget beyond max_model_len, as vLLM)")
     serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
                        help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
-    serve.add_argument("--shutdown-timeout", type=float, default=10.0,
+    serve.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                        help="the process is gone this many seconds after SIGTERM: in-flight requests may run for "
                             f"all but the last {SHUTDOWN_RESERVE_S} s of it, then they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
@@ -61,7 +61,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
     serve.add_argument("--log-stats-interval", type=positive_float, default=10.0, metavar="SECONDS",
                        help="seconds between stats lines (throughput, cache hit rate, memory use)")
-    serve.add_argument("--disable-log-stats", action="store_true", help="write no stats lines")
     add_media_flags(serve)
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                        help="log level of the server and uvicorn")
@@ -132,7 +131,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     and files fail before the model loads. `cmd_serve` runs it under uvicorn; the Ray Serve replica
     (router/ray_serve.py) calls it in process."""
     from hybridcache.engine.engine import LLMEngine
-    from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
+    from hybridcache.engine_args import engine_options, model_argument, model_options, resolve_engine_config
     from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
     from hybridcache.server.app import ServedModel, build_app
@@ -146,11 +145,12 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     check_vllm_args(args)
     template = chat_template(args)  # a missing file fails before the model loads
     options = engine_options(args)
+    options.pop("disable_log_stats")  # the server's own: it turns the stats lines off (below)
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
     config = server_config(args, names)
     limits = media_limits(args)  # a bad flag fails before the model loads
-    resolved = resolve_model(model_arg)
+    resolved = resolve_model(model_arg, **model_options(args))
     defaults = SamplingDefaults.from_model_dir(resolved.path, args.generation_config)  # a bad file fails first
     if defaults.as_dict():
         logging.getLogger("hybridcache.server").info(
@@ -161,7 +161,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
                              else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
     metrics.watch_engine(lambda: engine_loop.state)
-    tokenizer = Tokenizer(engine.model_path)
+    tokenizer = Tokenizer(engine.config.tokenizer or engine.model_path)
     if template is not None:
         tokenizer.chat_template = template
     if engine.image_processor is not None and media_request_bytes(limits) > config.max_request_bytes:

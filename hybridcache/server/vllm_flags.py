@@ -11,8 +11,10 @@
     --uvicorn-log-level LEVEL      uvicorn's own log level (default: --log-level)
     --disable-log-requests         accepted: the server never logs request contents (--enable-access-log
                                    writes one line per HTTP request)
-    --trust-remote-code            accepted, a no-op: the engine runs its own model code, never a checkpoint's
     --enable-force-include-usage   every stream ends with a usage chunk, asked for or not
+
+The engine's vLLM options (--seed, --tokenizer, --revision, --trust-remote-code, --swap-space, ...) are every
+engine command's: `engine_args.VLLM_OPTIONS`.
 """
 
 from __future__ import annotations
@@ -46,19 +48,14 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="uvicorn's log level (default: --log-level)")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM command lines: request contents are never logged")
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted for vLLM command lines, a no-op: no model code is loaded from the checkpoint")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, even without stream_options.include_usage")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
-    """Refuse inconsistent flags (SystemExit with the reason) and log the notes of the no-ops."""
+    """Refuse inconsistent flags (SystemExit with the reason)."""
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
-    if args.trust_remote_code:
-        logger.info("--trust-remote-code has no effect: hybridcache runs its own implementation of the model and "
-                    "loads only weights and configuration from the checkpoint")
 
 
 def chat_template(args: argparse.Namespace) -> str | None:

@@ -96,9 +96,26 @@ def load_workload(
     chat: ChatOptions | None = None,
 ) -> Workload:
     """The workload `name` (see the module table). `model_dir` picks the tokenizer and chat template of
-    the chat workloads (None: the built-in model's); `vocab` bounds the generated token ids."""
+    the chat workloads (None: the built-in model's); `vocab` bounds the generated token ids. A ValueError for a
+    `trace` given to a generated workload and for a workload left with no requests (an empty trace, cuts that
+    leave nothing)."""
     if name not in WORKLOAD_NAMES:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")
+    if trace is not None and name not in TRACE_WORKLOADS:
+        raise ValueError(f"--trace {str(trace)!r}: workload {name!r} is generated and reads no trace (the trace "
+                         f"workloads are {', '.join(TRACE_WORKLOADS)})")
+    workload = _load(name, trace, num_requests, seed, model_dir, vocab, chat)
+    if len(workload) == 0:
+        raise ValueError(f"the workload {name!r} has no requests" + (
+            " (its trace holds none)" if name == "mooncake" else
+            " (an empty trace, or --max-prompt-len / --max-turns / --num-sessions cut every call)"
+            if name in TRACE_WORKLOADS else ""))
+    return workload
+
+
+def _load(name: str, trace: str | Path | None, num_requests: int | None, seed: int, model_dir: str | Path | None,
+          vocab: int, chat: ChatOptions | None) -> Workload:
+    """`load_workload` before its checks of the result."""
     if name in TRACE_WORKLOADS:
         path = Path(trace) if trace is not None else default_trace_path(name)
         if not path.exists():
