@@ -103,7 +103,8 @@ class EngineConfig:
     on the CPU enough for 2 x max_num_seqs sequences of max_model_len tokens plus 32 checkpoint states; on CUDA
     the rest of the memory budget, see `hybridcache.engine.memory`.
     host_cache_gib: a host-memory tier behind the pool, in GiB (0: none; pinned memory on CUDA): device eviction
-    demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier").
+    demotes blocks and checkpoint states there and a hit promotes them back (docs/cache.md, "The host tier"). Needs
+    the prefix cache (`prefix_caching`): refused with enable_prefix_caching False or cache_mode "none".
     disk_cache_dir: a disk tier behind the host tier (None: none): what the host tier's own eviction drops is
     written there, per model, and found again by a later engine on the same model and directory; at most
     disk_cache_gib GiB of files (its least recently used states go first). Needs a host tier; one rank only
