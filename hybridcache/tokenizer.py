@@ -22,9 +22,7 @@ class Tokenizer:
     """Encodes text, decodes token ids and renders chat messages with the folder's own chat template.
 
     A folder with none of tokenizer.json / tokenizer_config.json is a FileNotFoundError; one AutoTokenizer cannot
-    load, or that gives no fast tokenizer, a ValueError naming the folder and the cause; so is a tokenizer with ids
-    at or past config.json's `vocab_size` (real checkpoints pad `vocab_size` past the tokenizer's: a prompt holding
-    such an id would index past the model's embedding)."""
+    load, or that gives no fast tokenizer, a ValueError naming the folder and the cause."""
 
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
@@ -38,7 +36,6 @@ class Tokenizer:
         if not isinstance(getattr(tok, "backend_tokenizer", None), tokenizers.Tokenizer):
             raise ValueError(f"the tokenizer of {model_dir} ({type(tok).__name__}) is not a fast tokenizer; "
                              "add its tokenizer.json")
-        _check_vocab_size(model_dir, tok)
         self._tok = tok
         template = tok.chat_template
         if isinstance(template, dict):  # several named templates: the default one
@@ -58,6 +55,12 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @property
+    def num_ids(self) -> int:
+        """1 + the largest token id this tokenizer produces (added tokens included): the engine refuses a model
+        whose vocab_size is smaller."""
+        return 1 + max(self._tok.get_vocab().values(), default=-1)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -154,23 +157,3 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **extra,
         )
-
-
-
-def _check_vocab_size(model_dir: Path, tok: PreTrainedTokenizerBase) -> None:
-    """ValueError naming both numbers when `tok` holds an id >= the folder's config.json `vocab_size` (a folder
-    without a readable one is not checked here: `ModelConfig` reports a malformed config.json)."""
-    from hybridcache.models.config import read_json_object
-
-    try:
-        raw = read_json_object(model_dir / "config.json")
-    except (OSError, ValueError):
-        return
-    text = raw.get("text_config") or raw
-    vocab_size = text.get("vocab_size") if isinstance(text, dict) else None
-    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
-        return
-    num_ids = 1 + max(tok.get_vocab().values(), default=-1)
-    if num_ids > vocab_size:
-        raise ValueError(f"the tokenizer of {model_dir} has token ids up to {num_ids - 1} ({num_ids} ids), more than "
-                         f"config.json's vocab_size {vocab_size}: the model has no embedding for ids >= {vocab_size}")

@@ -235,6 +235,11 @@ class LLMEngine:
                 f"tokens hold {config.num_blocks * config.block_size} tokens, max_model_len is {self.max_model_len}"
             )
         self.tokenizer = Tokenizer(config.tokenizer or self.model_path)
+        if self.tokenizer.num_ids > self.model_config.vocab_size:  # a prompt holding such an id would index past
+            raise ValueError(  # the embedding (real checkpoints pad vocab_size past the tokenizer's ids)
+                f"the tokenizer of {config.tokenizer or self.model_path} has token ids up to "
+                f"{self.tokenizer.num_ids - 1} ({self.tokenizer.num_ids} ids), more than the model's vocab_size "
+                f"{self.model_config.vocab_size}: the model has no embedding for ids >= {self.model_config.vocab_size}")
         # on CUDA the engine's share is of what was free before it loaded anything (memory.engine_share): the
         # vision tower loads before the runner, so its start is measured here; else the runner measures it
         free_at_start = device_free_bytes(self.device) if on_cuda and has_vision_tower(self.model_path) else None
@@ -277,7 +282,9 @@ class LLMEngine:
             config, num_blocks=self.num_blocks, num_slots=plan.num_runtime_slots, state_pages=plan.state_pages,
             cost=cost, host_blocks=self.num_host_blocks, tier_behind=self.disk,
         )
-        self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        # vLLM stops on the tokenizer's EOS token and on config.json's and generation_config.json's eos ids
+        tokenizer_eos = () if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,)
+        self.eos_token_ids = frozenset((*self.model_config.eos_token_ids, *tokenizer_eos))
         self._requests: dict[str, RequestState] = {}
         self._seq_counter = itertools.count()
         self._arrivals = itertools.count()
@@ -336,6 +343,7 @@ class LLMEngine:
                 raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
+        params = params.up_to(self.max_model_len - len(prompt_ids))  # max_tokens=None: up to the model length
         hints = tuple(checkpoints_at)
         if not all(is_integer(h) and 0 < h < len(prompt_ids) for h in hints):
             raise ValueError(f"checkpoints_at must hold prompt steps in [1, {len(prompt_ids)}), got {hints}")

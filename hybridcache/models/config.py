@@ -278,9 +278,9 @@ class ModelConfig:
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ModelConfig:
         """Read `<path>/config.json`. The ids generation stops on (`eos_token_ids`) are config.json's, then
-        `generation_config.json`'s and the tokenizer's EOS token (`tokenizer_eos_token_id`) where they add any,
-        as vLLM stops on all of them. A file that is not valid JSON, or an eos_token_id that is no token id, is a
-        ValueError naming the file."""
+        `generation_config.json`'s where it adds any (the engine adds the tokenizer's EOS token: vLLM stops on
+        all of them). A file that is not valid JSON, or an eos_token_id that is no token id, is a ValueError naming
+        the file."""
         path = Path(path)
         config_path = path / "config.json"
         if not config_path.is_file():
@@ -289,9 +289,7 @@ class ModelConfig:
         generation_path = path / "generation_config.json"
         generation_ids = token_ids(read_json_object(generation_path).get("eos_token_id"),
                                    f"{generation_path} eos_token_id") if generation_path.is_file() else ()
-        tokenizer_eos = tokenizer_eos_token_id(path)
-        merged = (*config.eos_token_ids, *generation_ids, *(() if tokenizer_eos is None else (tokenizer_eos,)))
-        return replace(config, eos_token_ids=tuple(dict.fromkeys(merged)))
+        return replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *generation_ids))))
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -312,30 +310,6 @@ def token_ids(value: Any, field: str) -> tuple[int, ...]:
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"{field} {value!r} must be a token id or a list of token ids")
     return tuple(ids)
-
-
-def tokenizer_eos_token_id(model_dir: Path) -> int | None:
-    """The id of the folder's tokenizer EOS token, as `AutoTokenizer`'s `eos_token_id` gives it for a folder whose
-    `tokenizer_config.json` (else `special_tokens_map.json`) names an `eos_token` found in `tokenizer.json`; None
-    when they name none (or cannot be read: the tokenizer's own loading reports that). Read with `tokenizers`, not
-    transformers: this module imports no torch."""
-    token = None
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        try:
-            token = read_json_object(model_dir / name).get("eos_token")
-        except (OSError, ValueError):
-            continue
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            break
-    if not isinstance(token, str) or not (model_dir / "tokenizer.json").is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(token)
-    except Exception:  # noqa: BLE001 - a tokenizer.json tokenizers cannot read: `Tokenizer` names the cause
-        return None
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ ALLOWED: dict[str, set[str]] = {
     "layers": {"forward_batch", "fp8_format", "kernels", "state_spec"},
     "models": {"forward_batch", "fp8_format", "kernels", "layers", "state_spec"},
     "model_path": {"models"},
-    "engine_args": {"arg_types", "config", "models"},
+    "engine_args": {"arg_types", "config", "model_path", "models"},  # model_path: a `tokenizer=` hub id
     "engine": {
         "cache", "config", "copy_kinds", "detokenizer", "engine_args", "forward_batch", "guided", "kernels", "layers",
         "models", "mm_processor", "multimodal",
@@ -62,7 +62,7 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"engine", "forward_batch", "layers", "models"},
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
-    "cli": {FACADE, "engine_args", "extras", "generation_config"},
+    "cli": {FACADE, "engine_args", "extras", "generation_config", "model_path"},
     "__main__": {"cli"},
     "server": {"arg_types", "cache", "engine", "engine_args", "extras", "generation_config", "guided", "images",
                "mm_processor", "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},

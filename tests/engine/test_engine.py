@@ -144,6 +144,15 @@ def test_max_model_len_ends_with_length(model_dir):
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
+def test_an_engine_request_with_max_tokens_none_runs_to_the_model_length(model_dir):
+    """vLLM's max_tokens=None, sent to the engine directly (not through LLM.generate): up to max_model_len."""
+    llm = small_llm(model_dir, max_model_len=40)
+    engine = llm.engine
+    engine.add_request("r", prompts_of([35])[0], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert (len(outputs[0].outputs[0].token_ids), outputs[0].outputs[0].finish_reason) == (5, "length")
+
 @pytest.mark.parametrize(
     "prompt, message",
     [

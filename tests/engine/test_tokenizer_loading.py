@@ -105,13 +105,39 @@ def test_encode_gives_what_transformers_encode_gives(folder, tmp_path, kind):
     assert len(tokenizer.encode(TEXTS[-1])) > 3
 
 
-def test_a_tokenizer_with_ids_past_the_vocab_size_is_refused(folder):
-    """A prompt holding such an id would index past the embedding (and kill the engine): refused at start-up."""
+def test_a_tokenizer_with_ids_past_the_vocab_size_is_refused(tmp_path):
+    """A prompt holding such an id would index past the embedding (and kill the engine): the engine refuses the
+    model at start-up, before its weights load."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    from .model_folders import write_tiny_model
+
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")  # 320 embedding rows over the byte tokenizer's ids
+    num_ids = Tokenizer(folder).num_ids
+    assert num_ids < 320
+    LLMEngine(folder, EngineConfig()).close()
     config = json.loads((folder / "config.json").read_text())
-    num_ids = len(Tokenizer(folder).hf)
-    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": num_ids}))
-    Tokenizer(folder)  # exactly the tokenizer's ids
+    # the weights stay 320 rows: the refusal must come before they load
     (folder / "config.json").write_text(json.dumps({**config, "vocab_size": num_ids - 3}))
-    with pytest.raises(ValueError, match=rf"has token ids up to {num_ids - 1} \({num_ids} ids\), more than "
-                                         rf"config.json's vocab_size {num_ids - 3}"):
-        Tokenizer(folder)
+    with pytest.raises(ValueError, match=rf"has token ids up to {num_ids - 1} \({num_ids} ids\), more than the "
+                                         rf"model's vocab_size {num_ids - 3}"):
+        LLMEngine(folder, EngineConfig())
+
+
+def test_the_tokenizers_eos_token_stops_generation_as_in_vllm(tmp_path):
+    """vLLM stops on the tokenizer's eos_token_id whatever config.json and generation_config.json say (and on
+    their ids): a folder naming no eos id elsewhere still stops on the tokenizer's EOS."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    folder = tmp_path / "model"
+    shutil.copytree(ensure_builtin_model(), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
+    eos = Tokenizer(folder).eos_token_id
+    assert eos is not None and eos != 7
+    engine = LLMEngine(folder, EngineConfig())
+    assert engine.eos_token_ids == {7, eos}
+    engine.close()

@@ -225,23 +225,11 @@ def test_a_malformed_generation_config_is_a_value_error_naming_the_file(tmp_path
         ModelConfig.from_model_dir(_write_folder(tmp_path, base_dict(), generation))
 
 
-def test_the_tokenizers_eos_token_stops_generation_as_in_vllm(tmp_path):
-    """vLLM stops on the tokenizer's eos_token_id whatever config.json and generation_config.json say (and adds
-    their ids): a folder that names no eos id elsewhere still stops on the tokenizer's EOS."""
-    import shutil
-
-    from hybridcache.models.builtin import ensure_builtin_model
-    from hybridcache.tokenizer import Tokenizer
-
-    source = ensure_builtin_model()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(source / name, tmp_path / name)
-    _write_folder(tmp_path, base_dict(eos_token_id=None), {"eos_token_id": 7})
-    eos = Tokenizer(tmp_path).eos_token_id
-    assert eos is not None and eos != 7
-    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (7, eos)
-    (tmp_path / "generation_config.json").unlink()
-    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (eos,)
+def test_generation_config_eos_ids_join_config_jsons(tmp_path):
+    """The ids generation stops on are config.json's, then generation_config.json's (the engine adds the
+    tokenizer's EOS token)."""
+    _write_folder(tmp_path, base_dict(eos_token_id=3), {"eos_token_id": [7, 3]})
+    assert ModelConfig.from_model_dir(tmp_path).eos_token_ids == (3, 7)
 
 
 def test_a_vision_config_that_is_not_an_object_is_a_value_error():
