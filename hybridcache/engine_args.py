@@ -79,8 +79,8 @@ def _as_number(value: object) -> float | None:
 
 # The vLLM options without a field of their own, in one table read by `add_engine_args` (the flags) and
 # `resolve_engine_config` (`LLM`'s keywords and the parsed flags). `seed`, `tokenizer`, and vLLM's dtype names
-# ("half", "float") are `EngineConfig`'s own; `revision` and `download_dir` choose the model folder, so the command
-# line passes them to `resolve_model` (`model_options`) and `LLM` refuses them until it does.
+# ("half", "float") are `EngineConfig`'s own; `revision` and `download_dir` choose the model folder: the command
+# line (`model_options`) and `LLM` pass them to `resolve_model`.
 VLLM_OPTIONS: tuple[VllmOption, ...] = (
     VllmOption("trust_remote_code", "accepted, a no-op: no model code is loaded from the checkpoint",
                _no_effect("trust_remote_code has no effect: hybridcache runs its own implementation of the model and "
@@ -311,10 +311,6 @@ def _take_vllm_options(options: dict) -> None:
         value = options.pop(name)
         if value is None:
             continue
-        if name in MODEL_OPTIONS and value != (None if name == "download_dir" else "main"):
-            flag = "--" + name.replace("_", "-")
-            raise ValueError(f"LLM({name}={value!r}) is not supported yet: pass the model's folder (`hf download "
-                             f"REPO --revision REV --cache-dir DIR` prints it); the command line takes {flag}")
         note = _VLLM_OPTIONS[name].verdict(value)
         if note:
             _logger.info("%s", note)

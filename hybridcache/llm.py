@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm.auto import tqdm
 
 from hybridcache.engine.engine import LLMEngine, ValidPrompt
-from hybridcache.engine_args import resolve_engine_config
+from hybridcache.engine_args import MODEL_OPTIONS, resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
 from hybridcache.images import ImageError, media_limits
 from hybridcache.mm_processor import image_prompt, split_chat_images
@@ -39,7 +39,8 @@ class LLM:
     """Offline batched generation.
 
     `model`: a model folder, a Hugging Face snapshot folder, or a hub id, from the local Hugging Face cache or
-    downloaded into it (see `hybridcache.model_path`); None uses the built-in model. `engine_options` are the fields of
+    downloaded into it (see `hybridcache.model_path`; vLLM's `revision` and `download_dir` keywords choose a hub
+    id's revision and cache folder); None uses the built-in model. `engine_options` are the fields of
     `EngineConfig` (block_size, max_num_seqs, enable_prefix_caching, mamba_ssm_cache_dtype, ...); `dtype`,
     `device` and `mamba_ssm_cache_dtype` also take "auto", as on the command line (`LLM` itself defaults to
     EngineConfig's float32 on cpu, with a float32 recurrent state). A bad option is a ValueError raised before
@@ -58,7 +59,7 @@ class LLM:
                  allowed_local_media_path: str | Path | None = None,
                  **engine_options) -> None:
         self.media_limits = media_limits(limit_mm_per_prompt, allowed_local_media_path)
-        resolved = resolve_model(model)
+        resolved = resolve_model(model, **{name: engine_options.pop(name, None) for name in MODEL_OPTIONS})
         self.model_name = resolved.name
         self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))

@@ -150,8 +150,6 @@ def test_a_vllm_option_without_effect_here_is_accepted_and_logged(name, value, n
     ("max_logprobs", 5, "fixed at 20"),
     ("max_logprobs", -1, "fixed at 20"),
     ("tokenizer_mode", "slow", "tokenizer_mode 'slow' is not supported"),
-    ("revision", "v1", "LLM(revision='v1') is not supported yet"),
-    ("download_dir", "/tmp", "LLM(download_dir='/tmp') is not supported yet"),
 ])
 def test_a_vllm_option_that_cannot_be_done_is_refused_naming_it(name, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -193,7 +191,8 @@ def test_a_separate_tokenizer_folder(tmp_path):
 
 
 def test_revision_and_download_dir_choose_the_hub_snapshot(tmp_path, monkeypatch, capsys):
-    """`--revision` and `--download-dir` were refused; they now pick the snapshot and the cache folder."""
+    """`--revision` and `--download-dir` (and LLM's `revision=`, `download_dir=`) were refused; they now pick the
+    snapshot and the cache folder."""
     root = tmp_path / "elsewhere"
     main_snapshot = fake_hub_cache(root)
     repo = main_snapshot.parent.parent
@@ -209,6 +208,10 @@ def test_revision_and_download_dir_choose_the_hub_snapshot(tmp_path, monkeypatch
     assert main(["generate", "acme/tiny-hybrid", "--download-dir", str(root), "--revision", "v1", "--prompt", "a",
                  "--max-tokens", "1"]) == 0
     assert '"num_tokens": 1' in capsys.readouterr().out
+    with LLM("acme/tiny-hybrid", download_dir=str(root), revision="v1") as llm:  # LLM's keywords, as vLLM's
+        assert llm.engine.model_path == repo / "snapshots" / other
+    with pytest.raises(FileNotFoundError, match="revision 'v2'"):
+        LLM("acme/tiny-hybrid", download_dir=str(root), revision="v2")
 
 
 # ---- 10. pools larger than the memory -------------------------------------------------------------------------
