@@ -209,7 +209,7 @@ class EngineLoop:
                     logger.exception("engine step failed; aborting the running requests")
                     self._abort_all(error)
                 else:
-                    self._mark_started(step_start)
+                    self._mark_started(step_start, outputs)
                     self._dispatch(outputs)
             self._publish_state()
             self._log_stats()
@@ -287,13 +287,15 @@ class EngineLoop:
             self._streams[request_id] = _Stream(sink, now)
         self._resolve(command.done, None)
 
-    def _mark_started(self, step_start: float) -> None:
-        """Note the step that first computed each request (its queue time ends where that step began)."""
+    def _mark_started(self, step_start: float, outputs: list[RequestOutput]) -> None:
+        """Note the step that first computed each request (its queue time ends where that step began): those the
+        engine says have started, and those with an output from this step (one that finished in its first step
+        is no longer known to the engine, so `has_started` says False)."""
         has_started = getattr(self._engine, "has_started", None)
-        if has_started is None:
-            return
+        with_output = {output.request_id for output in outputs}
         for request_id, stream in self._streams.items():
-            if stream.started is None and has_started(request_id):
+            if stream.started is None and (request_id in with_output
+                                           or (has_started is not None and has_started(request_id))):
                 stream.started = step_start
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -360,7 +362,7 @@ class EngineLoop:
         reasons; `computed` False (aborted before its prompt was computed): only the choices, as aborted."""
         if not computed:  # it queried nothing
             if self._metrics is not None:
-                self._metrics.finished(reason_override or "abort").inc(len(output.outputs))
+                self._metrics.completions_ended([reason_override or "abort"] * len(output.outputs))
             return
         self._queried += len(output.prompt_token_ids)
         self._hit += output.num_cached_tokens

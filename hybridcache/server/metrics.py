@@ -129,9 +129,7 @@ class ServerMetrics:
                                 ((self.prompt_tokens, vllm.prompt_tokens), num_prompt_tokens)):
             for counter in counters:
                 counter.inc(value)
-        for reason in finish_reasons:
-            self.finished(reason).inc()
-            vllm.success(reason).inc()
+        self.completions_ended(finish_reasons)
         self.e2e.observe(latency_s)
         vllm.e2e.observe(latency_s)
         vllm.request_ended(num_prompt_tokens, list(generation_lens))
@@ -140,6 +138,14 @@ class ServerMetrics:
                                      (vllm.decode_time, phases.decode_s)):
                 if value is not None:
                     histogram.observe(value)
+
+    def completions_ended(self, finish_reasons: list[str]) -> None:
+        """Count ended completions by finish reason, in `hybridcache_request_finished_total` and vLLM's
+        `vllm:request_success_total` alike. A request aborted before its prompt was computed (still queued) counts
+        here only: it queried and computed nothing, so no token counter or latency histogram sees it."""
+        for reason in finish_reasons:
+            self.finished(reason).inc()
+            self.vllm.success(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

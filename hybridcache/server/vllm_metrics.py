@@ -8,7 +8,10 @@ served model name) and `engine` ("0": one engine).
     vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   prompt tokens of ended requests and their
                                     cached tokens (as in `usage`)
     vllm:prompt_tokens_total / vllm:generation_tokens_total
-    vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error)
+    vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error),
+                                    as hybridcache_request_finished_total: aborted ones whether queued or
+                                    running (vLLM declares `abort` but its client aborts never reach it,
+                                    vllm-project/vllm#31503)
     vllm:num_preemptions_total
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
     vllm:request_queue_time_seconds     arrival -> the first step that computes the request

@@ -141,3 +141,79 @@ def test_a_request_aborted_while_it_waits_counts_as_no_query():
     assert metric_value(text, "hybridcache_prefix_cache_queries_tokens_total") == len(outputs[-1].prompt_token_ids)
     assert metric_value(text, "hybridcache_prompt_tokens_total") == 59
     assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="abort"') == 1
+
+
+def _run_on_engine_loop(max_num_seqs: int, scenario) -> ServerMetrics:
+    """`scenario(loop)` (a coroutine function) on an EngineLoop over the built-in model; returns its metrics."""
+    import asyncio
+
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+    from hybridcache.server.engine_loop import EngineLoop
+
+    metrics = ServerMetrics(model_name="m")
+    loop = EngineLoop(LLMEngine(None, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512)), metrics)
+
+    async def main() -> None:
+        loop.start()
+        try:
+            await scenario(loop)
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
+    return metrics
+
+
+async def _until_finished(sink) -> list:
+    outputs = [await sink.get()]
+    while not outputs[-1].finished:
+        outputs.append(await sink.get())
+    return outputs
+
+
+def test_requests_that_finish_in_their_first_step_have_queue_and_prefill_times():
+    """vLLM observes vllm:request_queue_time_seconds and vllm:request_prefill_time_seconds for every finished
+    request. A request done in its first engine step (max_tokens 1) is unknown to the engine once the step
+    returns, so `has_started` said False and it was never observed (2 of 5 counted)."""
+    from hybridcache.sampling import SamplingParams
+
+    async def scenario(loop) -> None:
+        for i, max_tokens in enumerate((1, 1, 1, 3, 3)):
+            sink = await loop.add(f"r{i}", [5, 6, 7 + i], SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                         ignore_eos=True))
+            await _until_finished(sink)
+
+    text = _run_on_engine_loop(4, scenario).render().decode()
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+                 "vllm:request_prefill_time_seconds"):
+        assert metric_value(text, f"{name}_count") == 5, name
+
+
+def test_aborts_count_alike_in_both_finish_counters_queued_or_running():
+    """docs/server.md and vllm_metrics.py: vllm:request_success_total counts completions that ended, aborts
+    included, as hybridcache_request_finished_total does. A request aborted while queued counted in ours only
+    (2 running + 3 queued aborts: 5 against 2); now in both, and still in no token counter or latency
+    histogram (it computed nothing)."""
+    from hybridcache.sampling import SamplingParams
+
+    long_params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def scenario(loop) -> None:
+        running = [await loop.add(f"run{i}", list(range(1 + i, 40)), long_params) for i in range(2)]
+        for sink in running:
+            await sink.get()  # both have a token: running
+        for i in range(3):  # max_num_seqs 2: these wait
+            await loop.add(f"queued{i}", list(range(100 + i, 200)), long_params)
+            assert not await loop.call(lambda e, i=i: e.has_started(f"queued{i}"))
+        for request_id in ("queued0", "queued1", "queued2", "run0", "run1"):
+            loop.abort(request_id)
+        for sink in running:
+            await _until_finished(sink)
+        await loop.call(lambda e: None)  # the aborts are handled
+
+    text = _run_on_engine_loop(2, scenario).render().decode()
+    assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="abort"') == 5
+    assert metric_value(text, "vllm:request_success_total", 'finished_reason="abort"') == 5
+    assert metric_value(text, "vllm:e2e_request_latency_seconds_count") == 2  # the running two only
+    assert metric_value(text, "vllm:prompt_tokens_total") == 39 + 38
