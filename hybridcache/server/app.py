@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -57,10 +58,10 @@ from hybridcache.server import reasoning
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request
 from hybridcache.server.chat_output import ChatOutputOptions
-from hybridcache.server.chat_prompt import checkpoint_steps, render_chat
+from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
-from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.errors import APIError, ErrorResponse, error_body
 from hybridcache.server.limits import (
     QueueFull,
     RequestTimeout,
@@ -88,12 +89,15 @@ from hybridcache.server.responses import (
     sse,
 )
 from hybridcache.server.responses_api import add_responses_routes
+from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
 from hybridcache.server.stream_events import UsageMode, stream_events
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 from hybridcache.server.tokenize_api import add_tokenize_routes
 
 logger = logging.getLogger("hybridcache.server")
-SHUTDOWN_MESSAGE = "the server shut down before this request finished"
+T = TypeVar("T")
+TOKENIZER_THREADS = 2  # the threads that run requests' CPU work (`_Routes.in_pool`)
+INLINE_BODY_BYTES = 64 * 1024  # a body up to this size is decoded and validated on the event loop (a few ms)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,15 @@ class ServedModel:
     primary_eos_token_id: int | None = None
 
 
+def freeze_gc_heap() -> None:
+    """Move every object alive after start-up (the model, the libraries: millions) out of the garbage collector's
+    reach, as vLLM does once its server is up (`vllm.utils.gc_utils.freeze_gc_heap`). A full collection otherwise
+    walks them all, holding the GIL for a fifth of a second on the event loop or a tokenizer thread, as often as a
+    large request's objects set one off."""
+    gc.collect()
+    gc.freeze()
+
+
 class PreparedChat(NamedTuple):
     """A chat request ready for the engine: its prompt ids (images expanded), sampling parameters, rendering
     options, image spans, and the prompt steps where the next turn will part from it (`chat_prompt.py`)."""
@@ -136,6 +149,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
             logger.warning("listening on %s with no API key: anyone who can reach this address can use the "
                            "server (set an API key, or bind 127.0.0.1)", config.host)
         engine_loop.start()
+        freeze_gc_heap()
         yield
         await asyncio.to_thread(engine_loop.stop)
         routes.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
@@ -143,6 +157,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
     routes = _Routes(engine_loop, model, config, metrics)
+    app.add_middleware(ShutdownGuard)  # (added first, so innermost: CORS headers go on its 503 too)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -182,13 +197,6 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     return app
 
 
-class ErrorResponse(JSONResponse):
-    """An error body rendered as ASCII JSON, so that whatever text it quotes can always be encoded."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
-
-
 class _Routes:
     def __init__(self, engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
                  metrics: ServerMetrics) -> None:
@@ -203,12 +211,19 @@ class _Routes:
         # GIL); one warm-up call first sets the backend's options, which must not change under concurrent calls
         if model.tokenizer is not None:
             model.tokenizer.encode("warm-up")
-        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="hybridcache-tokenize")
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS,
+                                                                    thread_name_prefix="hybridcache-tokenize")
+
+    async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer threads, off the event loop: a request's CPU work (decoding and validating
+        a large body, rendering the chat template, tokenizing). The pool is bounded (`TOKENIZER_THREADS`, as vLLM
+        bounds its renderer's), so many large requests wait for a thread rather than take them all."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     # ------------------------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
-        body: CompletionRequest = parse_request(CompletionRequest, await self._read_json(request))
+        body: CompletionRequest = await self.read_request(request, CompletionRequest)
         self._check_model(body.model)
         body.check_n()
         prompts = body.prompts()
@@ -242,7 +257,7 @@ class _Routes:
 
     async def chat_completions(self, request: Request) -> Response:
         self._authorize(request)
-        body: ChatCompletionRequest = parse_request(ChatCompletionRequest, await self._read_json(request))
+        body: ChatCompletionRequest = await self.read_request(request, ChatCompletionRequest)
         chat = await self.prepare_chat(body)
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
         return await self._respond(request, meta, [chat.prompt_ids], chat.params, body, chat.rendering,
@@ -254,17 +269,7 @@ class _Routes:
         self._check_model(body.model)
         body.check_n()
         check_sequences(1, body.n, self.config.limits)
-        messages = [m.as_template_input() for m in body.messages]
-        check_media_parts(messages, takes_images=self.model.image_processor is not None)
-        messages, images = split_chat_images(messages)
-        tools = body.tool_dicts()
-        try:
-            chat_prompt = render_chat(self.model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
-                                      continue_final_message=body.continue_final_message, tools=tools,
-                                      template_kwargs=body.template_kwargs(self.config.default_chat_template_kwargs))
-        except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
-            raise APIError(400, f"the chat template could not render these messages: {error}",
-                           param="messages") from None
+        chat_prompt, images, tools = await self.in_pool(self._render_chat, body)
         text = chat_prompt.text
         keep = body.truncation(self.model.max_model_len)
         if keep is None or images:  # (truncation may not cut a prompt with images: it is a 400 below)
@@ -301,9 +306,24 @@ class _Routes:
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               num_logprobs=params.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
                               return_token_ids=body.return_token_ids)
-        checkpoints = await asyncio.get_running_loop().run_in_executor(  # (two more renders: off the event loop)
-            self.tokenizer_pool, checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
+        checkpoints = await self.in_pool(checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
+
+    def _render_chat(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, list, list[dict[str, Any]] | None]:
+        """The messages and tools through the chat template (on the tokenizer threads: a long conversation takes
+        seconds), with the messages' images split out; returns the prompt, the images and the tools."""
+        messages = [m.as_template_input() for m in body.messages]
+        check_media_parts(messages, takes_images=self.model.image_processor is not None)
+        messages, images = split_chat_images(messages)
+        tools = body.tool_dicts()
+        try:
+            chat_prompt = render_chat(self.model.tokenizer, messages, add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message, tools=tools,
+                                      template_kwargs=body.template_kwargs(self.config.default_chat_template_kwargs))
+        except Exception as error:  # noqa: BLE001 - template errors (bad roles, no template) are the client's
+            raise APIError(400, f"the chat template could not render these messages: {error}",
+                           param="messages") from None
+        return chat_prompt, images, tools
 
     async def _respond(self, request: Request, meta: ResponseMeta, prompts: list[list[int]], params: SamplingParams,
                        body: CompletionRequest | ChatCompletionRequest, rendering: Rendering,
@@ -349,10 +369,7 @@ class _Routes:
             raise APIError(503, str(error), code="request_timeout") from None
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
-        except asyncio.CancelledError:
-            # the server's shutdown grace period ended before this request finished
-            return ErrorResponse(error_body(503, SHUTDOWN_MESSAGE), status_code=503)
-        finally:
+        finally:  # (cancelled at the end of the shutdown grace period: a 503 from `ShutdownGuard`)
             abort_all()
         return JSONResponse(full_response(meta, finals, rendering))
 
@@ -435,8 +452,7 @@ class _Routes:
         if not any(isinstance(p, str) for p in prompts):
             return [list(p) for p in prompts]
         encode = self.model.tokenizer.encode
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_pool, lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
+        return await self.in_pool(lambda: [encode(p) if isinstance(p, str) else list(p) for p in prompts])
 
     def check_prompt_bytes(self, prompts: list[str | list[int]], param: str) -> None:
         """Refuse a prompt text too long to fit `max_model_len` tokens, by its size (limits.py)."""
@@ -446,8 +462,7 @@ class _Routes:
         """A completions or chat body's prompts as token ids (`prompt_ids.body_prompt_ids`), rendered and
         tokenized on the tokenizer threads; a text too long to fit is refused before it is tokenized."""
         kwargs = self.config.default_chat_template_kwargs
-        return await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer_pool, lambda: body_prompt_ids(body, self.model.tokenizer, kwargs, self.check_prompt_bytes))
+        return await self.in_pool(body_prompt_ids, body, self.model.tokenizer, kwargs, self.check_prompt_bytes)
 
     def _check_model(self, name: str | None) -> None:
         served = self.config.served_model_names
@@ -456,18 +471,36 @@ class _Routes:
                            f"{', '.join(repr(n) for n in served)}",
                            param="model", code="model_not_found")
 
+    async def read_request(self, request: Request, model: type[T]) -> T:
+        """A JSON body validated as `model` (`parse_request`); one of over `INLINE_BODY_BYTES` is decoded and
+        validated on the tokenizer threads (8 MB of short messages took 2 s of the event loop)."""
+        raw = await self._read_body(request)
+
+        def parse() -> T:
+            return parse_request(model, _decode_json(raw))
+
+        return parse() if len(raw) <= INLINE_BODY_BYTES else await self.in_pool(parse)
+
     async def _read_json(self, request: Request) -> Any:
+        """A JSON body, decoded (on the tokenizer threads when over `INLINE_BODY_BYTES`)."""
+        raw = await self._read_body(request)
+        return _decode_json(raw) if len(raw) <= INLINE_BODY_BYTES else await self.in_pool(_decode_json, raw)
+
+    async def _read_body(self, request: Request) -> bytes:
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"the request body must be sent as 'Content-Type: application/json', got "
                            f"{media_type or 'no content type'!r}", param="content-type")
-        body = await read_body(request, self.config.max_request_bytes)
-        try:
-            return json.loads(body)
-        except RecursionError:
-            raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
-        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
-            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        return await read_body(request, self.config.max_request_bytes)
+
+
+def _decode_json(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
+    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
+        raise APIError(400, f"the request body is not valid JSON: {error}") from None
 
 
 async def request_outputs(sink: asyncio.Queue, rendering: Rendering,

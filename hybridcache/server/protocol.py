@@ -9,11 +9,13 @@ internal union branch.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
@@ -429,19 +431,47 @@ class ChatCompletionRequest(_SamplingRequest):
         return forced or other
 
 
+MESSAGES_PER_VALIDATION = 1024  # a longer conversation is validated this many messages at a time (see below)
+
+
 def parse_request(model: type[BaseModel], data: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes an APIError(400) naming its field.
 
     Of several errors (a union reports one per branch) the one deepest in the body is reported, so a float in
-    a token-id prompt reports `prompt.1`, not the string branch's `prompt`."""
+    a token-id prompt reports `prompt.1`, not the string branch's `prompt`. A body of more than
+    `MESSAGES_PER_VALIDATION` messages is validated that many messages at a time: pydantic holds the GIL for a
+    whole call, so on a worker thread (app.py) the event loop then runs between two slices rather than waiting
+    out the whole conversation (230,000 messages: 0.7 s)."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     check_body(data)
+    messages = data.get("messages")
+    if "messages" not in model.model_fields or not isinstance(messages, list) \
+            or len(messages) <= MESSAGES_PER_VALIDATION:
+        return _validated(model.model_validate, data)
+    body = _validated(model.model_validate, {**data, "messages": messages[:MESSAGES_PER_VALIDATION]})
+    validate = _messages_validator(model)
+    rest = [_validated(validate, messages[start:start + MESSAGES_PER_VALIDATION], ("messages", start))
+            for start in range(MESSAGES_PER_VALIDATION, len(messages), MESSAGES_PER_VALIDATION)]
+    body.messages = [*body.messages, *(message for part in rest for message in part)]
+    return body
+
+
+@functools.cache
+def _messages_validator(model: type[BaseModel]) -> Callable[[Any], Any]:
+    return TypeAdapter(model.model_fields["messages"].annotation).validate_python
+
+
+def _validated(validate: Callable[[Any], Any], data: Any, at: tuple[str, int] | None = None) -> Any:
+    """`validate(data)`, its ValidationError an APIError(400); `at`: (field, offset) when `data` is the slice of
+    a list field that starts at that offset (the error then names the item in the whole list)."""
     try:
-        return model.model_validate(data)
+        return validate(data)
     except ValidationError as error:
         errors = error.errors(include_url=False)
         paths = [_client_path(e["loc"]) for e in errors]
+        if at is not None:
+            paths = [(at[0], at[1] + p[0], *p[1:]) if p and isinstance(p[0], int) else (at[0], *p) for p in paths]
         depth = max(len(p) for p in paths)
         first, path = next((e, p) for e, p in zip(errors, paths) if len(p) == depth)
         field = ".".join(str(part) for part in path) or None

@@ -47,6 +47,7 @@ from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
 from hybridcache.server.protocol import ChatCompletionRequest, Int64, ReasoningEffort, parse_request
+from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 
 if TYPE_CHECKING:
@@ -316,13 +317,17 @@ class _Responses:
     async def create(self, request: Request) -> Response:
         routes = self.routes
         routes._authorize(request)
-        body: ResponsesRequest = parse_request(ResponsesRequest, await routes._read_json(request))
+        body: ResponsesRequest = await routes.read_request(request, ResponsesRequest)
         body.check_unsupported()
         history = self.store.get(body.previous_response_id, "previous_response_id").messages \
             if body.previous_response_id else []
-        conversation = history + input_messages(body.input)
+
+        def as_chat() -> tuple[list[dict[str, Any]], ChatCompletionRequest]:
+            conversation = history + input_messages(body.input)
+            return conversation, parse_request(ChatCompletionRequest, chat_request(body, conversation))
+
         try:
-            chat_body = parse_request(ChatCompletionRequest, chat_request(body, conversation))
+            conversation, chat_body = await routes.in_pool(as_chat)  # (a long input: seconds, off the event loop)
             chat = await routes.prepare_chat(chat_body)
         except APIError as error:  # named as the chat request has it: rename to this request's field
             raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
@@ -349,7 +354,7 @@ class _Responses:
         outputs = request_outputs(sink, chat.rendering, deadline)
         if body.stream:
             shutdown = _sse("error", {"type": "error", "code": "server_shutdown", "param": None,
-                                      "message": "the server shut down before this request finished",
+                                      "message": SHUTDOWN_MESSAGE,
                                       "sequence_number": 0})
             return EventStreamResponse(run.events(outputs), on_close=lambda: loop.abort(response_id),
                                        final_events=(shutdown,))

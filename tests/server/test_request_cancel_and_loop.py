@@ -1,0 +1,144 @@
+"""The app called as uvicorn calls it, without a socket: a request cut short by the shutdown (uvicorn cancels the
+tasks still running when its grace period ends) gets a 503 error object on every route, and a large chat body
+is decoded, validated and rendered off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+
+import pytest
+
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
+from hybridcache.server.app import ServedModel, build_app, freeze_gc_heap
+from hybridcache.server.config import ServerConfig
+from hybridcache.server.engine_loop import EngineLoop
+from hybridcache.server.metrics import ServerMetrics
+
+
+def _app(tokenizer, engine_loop: EngineLoop | None, max_model_len: int = 1024):
+    return build_app(engine_loop, ServedModel(tokenizer=tokenizer, max_model_len=max_model_len), ServerConfig(),
+                     ServerMetrics())
+
+
+class _Call:
+    """One HTTP request to an ASGI `app` on a task of the running loop: the body arrives as `body_parts` (then
+    the client waits, connected); `sent` collects what the app sends."""
+
+    def __init__(self, app, path: str, body_parts: list[bytes], content_length: int) -> None:
+        self.sent: list[dict] = []
+        self._parts = list(body_parts)
+        self._received, self._length = 0, content_length
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(content_length).encode())],
+                 "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000), "state": {}}
+        self.task = asyncio.ensure_future(app(scope, self._receive, self._send))
+
+    async def _receive(self) -> dict:
+        if self._parts:
+            part = self._parts.pop(0)
+            self._received += len(part)
+            return {"type": "http.request", "body": part, "more_body": self._received < self._length}
+        await asyncio.Event().wait()  # the rest of the body (or the disconnect) never comes
+        raise AssertionError("unreachable")
+
+    async def _send(self, message: dict) -> None:
+        self.sent.append(message)
+
+    async def cancelled(self) -> tuple[int, dict]:
+        """Cancel the request as uvicorn does at the end of its grace period; the status and JSON body sent."""
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        starts = [m for m in self.sent if m["type"] == "http.response.start"]
+        assert starts, "no response was sent: uvicorn answers a bare 500 and logs the CancelledError"
+        body = b"".join(m.get("body", b"") for m in self.sent if m["type"] == "http.response.body")
+        headers = dict(starts[0]["headers"])
+        assert headers[b"content-type"] == b"application/json"
+        return starts[0]["status"], json.loads(body)
+
+
+def _engine_loop() -> EngineLoop:
+    return EngineLoop(LLMEngine(None, EngineConfig(block_size=16, max_model_len=1024, num_blocks=256)))
+
+
+def test_a_request_whose_body_is_still_arriving_at_shutdown_gets_a_503_error_object(tokenizer):
+    body = json.dumps({"prompt": "slow upload", "max_tokens": 5}).encode()
+
+    async def main() -> tuple[int, dict]:
+        call = _Call(_app(tokenizer, None), "/v1/completions", [body[:10]], len(body))
+        await asyncio.sleep(0.05)  # reading the body
+        assert not call.task.done()
+        return await call.cancelled()
+
+    status, error = asyncio.run(main())
+    assert status == 503
+    assert error["error"]["type"] == "service_unavailable" and "shut down" in error["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 500}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}),
+], ids=["responses", "chat"])
+def test_a_non_streaming_request_still_generating_at_shutdown_gets_a_503_error_object(tokenizer, path, body):
+    """/v1/responses used to let the CancelledError out (a bare 500, a traceback in the log) where chat
+    answered 503; both now get the one answer, from `ShutdownGuard`."""
+    raw = json.dumps({**body, "temperature": 0, "ignore_eos": True}).encode()
+    loop_engine = _engine_loop()
+
+    async def main() -> tuple[int, dict]:
+        loop_engine.start()
+        try:
+            call = _Call(_app(tokenizer, loop_engine), path, [raw], len(raw))
+            for _ in range(500):  # until the engine runs it
+                await asyncio.sleep(0.01)
+                if loop_engine.state.num_running:
+                    break
+            assert loop_engine.state.num_running == 1 and not call.task.done()
+            answer = await call.cancelled()
+            for _ in range(500):  # and the engine aborted it
+                if not loop_engine.state.num_running:
+                    break
+                await asyncio.sleep(0.01)
+            assert loop_engine.state.num_running == 0
+            return answer
+        finally:
+            await asyncio.to_thread(loop_engine.stop)
+
+    status, error = asyncio.run(main())
+    assert status == 503 and "shut down" in error["error"]["message"]
+
+
+def test_a_large_chat_body_is_validated_and_rendered_off_the_event_loop(tokenizer):
+    """One chat request of many short messages (8.6 MB, 230,000 messages) held the event loop for 7 s while its
+    body was validated and its messages rendered: every other stream stalled and /health did not answer. Now
+    that work runs on the tokenizer threads, pydantic a slice of messages at a time (it holds the GIL per call),
+    so the loop keeps running; measured here on 20,000 messages, refused in the end as too long."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(20_000)]
+    raw = json.dumps({"messages": [*messages, {"role": "user", "content": "x"}], "max_tokens": 1}).encode()
+
+    async def main() -> tuple[float, float, tuple[int, dict]]:
+        loop = asyncio.get_running_loop()
+        call = _Call(_app(tokenizer, None, max_model_len=256), "/v1/chat/completions", [raw], len(raw))
+        started, longest = loop.time(), 0.0
+        while not call.task.done():
+            tick = loop.time()
+            await asyncio.sleep(0.002)
+            longest = max(longest, loop.time() - tick)
+        await call.task
+        status = call.sent[0]["status"]
+        return loop.time() - started, longest, (status, json.loads(call.sent[1]["body"]))
+
+    freeze_gc_heap()  # as the server's start-up does: a full collection no longer walks the test process's heap
+    try:
+        took, longest_gap, (status, error) = asyncio.run(main())
+    finally:
+        gc.unfreeze()
+    assert status == 400 and error["error"]["code"] == "context_length_exceeded"
+    # before: one stretch of validation and rendering held the loop for nearly the whole request
+    assert longest_gap < 0.25 * took, (longest_gap, took)
