@@ -97,6 +97,11 @@ class ImageProcessor:
                              f"longest_edge, it has no max_pixels): {size}")
         return int(max_pixels) // self.vision.patch_size**2
 
+    @property
+    def max_image_tokens(self) -> int:
+        """Placeholder tokens of the largest image this processor emits (`max_patches` merged)."""
+        return self.max_patches // self.vision.merge_unit
+
     def num_tokens(self, grid: tuple[int, int, int]) -> int:
         t, h, w = grid
         return t * h * w // self.vision.merge_unit

@@ -248,8 +248,11 @@ class LLMEngine:
                                                    load_format=config.load_format)
         self.image_processor = (ImageProcessor(self.model_path, self.vision.tower.config)
                                 if self.vision is not None else None)
+        # a chunk never ends inside an image: a step may feed a whole image past the token budget
+        self.max_step_tokens = config.max_num_batched_tokens + (
+            self.image_processor.max_image_tokens - 1 if self.image_processor is not None else 0)
         spec = RunnerSpec(self.model_path, config, self.max_model_len, encoder_bytes=self._encoder_reserve(),
-                          free_at_start=free_at_start)
+                          free_at_start=free_at_start, max_step_tokens=self.max_step_tokens)
         self.runner = make_executor(spec, self.device)
         plan = self.runner.memory_plan
         backend = self.runner.backend

@@ -52,7 +52,9 @@ class RunnerSpec:
     `encoder_bytes`: the vision encoder's reserve on CUDA, kept out of every rank's pools
     (`hybridcache.engine.memory`). `free_at_start`: rank 0's free device memory when the engine started, before
     it loaded anything, for a model whose vision tower the engine loads before the runner; None: measured when
-    the runner's build starts, as every other rank does."""
+    the runner's build starts, as every other rank does. `max_step_tokens`: the most tokens one forward feeds,
+    whose activation peak is kept out of the pools on CUDA (None: `max_num_batched_tokens`; with images more,
+    `Engine.max_step_tokens`)."""
 
     model_path: Path
     config: EngineConfig
@@ -60,6 +62,7 @@ class RunnerSpec:
     tp_cuda_graphs: bool = field(default_factory=_tp_cuda_graphs)
     encoder_bytes: int = 0
     free_at_start: int | None = None
+    max_step_tokens: int | None = None
 
 
 def engine_device(name: str) -> torch.device:
@@ -144,7 +147,9 @@ def build_runner(
     )
     blocks_per_seq = -(-(spec.max_model_len + 2 * num_speculative) // config.block_size)  # (lookahead: scheduler)
     if device.type == "cuda":
-        budget = agree(_cuda_budget(model, backend, config, dtype, state_dtype, device, share, free_at_start))
+        step_tokens = spec.max_step_tokens or config.max_num_batched_tokens
+        budget = agree(_cuda_budget(model, backend, config, step_tokens, dtype, state_dtype, device, share,
+                                    free_at_start))
         plan = plan_memory(
             budget, kv_bytes_per_block=kv_per_block, state_bytes_per_slot=state_per_slot,
             max_num_seqs=config.max_num_seqs, block_size=config.block_size, min_blocks=blocks_per_seq,
@@ -237,6 +242,7 @@ def _cuda_budget(
     model: torch.nn.Module,
     backend: KernelBackend,
     config: EngineConfig,
+    step_tokens: int,
     dtype: torch.dtype,
     state_dtype: torch.dtype,
     device: torch.device,
@@ -244,10 +250,10 @@ def _cuda_budget(
     free_at_start: int,
 ) -> int:
     """Bytes left for the pools on a CUDA device: the engine's `share` (`memory.engine_share`), less what it took
-    since it started (`free_at_start` - free now) and the activation peak of one forward of
-    max_num_batched_tokens tokens (measured)."""
+    since it started (`free_at_start` - free now) and the activation peak of one forward of `step_tokens` tokens
+    (measured)."""
     activation = measure_activation_bytes(
-        model, backend, num_tokens=config.max_num_batched_tokens, block_size=config.block_size,
+        model, backend, num_tokens=step_tokens, block_size=config.block_size,
         kernel_block_size=config.kernel_block_size, dtype=dtype, state_dtype=state_dtype, device=device,
     )
     return share - (free_at_start - torch.cuda.mem_get_info(device)[0]) - activation

@@ -77,3 +77,51 @@ def test_cuda_engine_reserves_the_encoder_before_the_pool(tmp_path):
         assert vision.tower.attention_name == "flash_varlen"
         assert plan.encoder_bytes > vision.cache_bytes()  # the activation peak is not nothing
         assert "vision encoder" in plan.describe()
+
+
+def test_a_step_may_feed_a_whole_image_past_the_budget_and_the_plan_knows(tmp_path):
+    """A chunk never ends inside an image, so a step may feed up to max_num_batched_tokens - 1 tokens and then the
+    largest image whole: `max_step_tokens`, the forward whose activations a CUDA plan keeps out of the pools
+    (it took max_num_batched_tokens alone, and a 16,384-token image over a 512 budget could run out of memory)."""
+    import numpy as np
+    from PIL import Image
+
+    from hybridcache.llm import LLM
+    from hybridcache.models.vl_folders import write_tiny_vl_model
+    from hybridcache.sampling import SamplingParams
+
+    with LLM(write_tiny_vl_model(tmp_path), max_num_batched_tokens=16, max_num_seqs=2) as llm:
+        engine = llm.engine
+        assert engine.image_processor.max_image_tokens == 64  # 4,096 pixels in patches of 4, merged by 4
+        assert engine.max_step_tokens == 16 - 1 + 64
+        fed: list[int] = []
+        execute = engine.runner.execute
+
+        def counting(batch, *args, **kwargs):
+            fed.append(batch.positions.numel())
+            return execute(batch, *args, **kwargs)
+
+        engine.runner.execute = counting
+        image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+        chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]}]
+        llm.chat(chat, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        assert 16 < max(fed) <= engine.max_step_tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_plan_measures_the_activations_of_the_largest_step(tmp_path, monkeypatch):
+    from hybridcache.engine import rank_runner
+    from hybridcache.llm import LLM
+    from hybridcache.models.vl_folders import write_tiny_vl_model
+
+    measured: list[int] = []
+    measure = rank_runner.measure_activation_bytes
+
+    def recording(*args, num_tokens: int, **kwargs):
+        measured.append(num_tokens)
+        return measure(*args, num_tokens=num_tokens, **kwargs)
+
+    monkeypatch.setattr(rank_runner, "measure_activation_bytes", recording)
+    with LLM(write_tiny_vl_model(tmp_path), device="cuda", dtype="bfloat16", max_num_seqs=4,
+             max_num_batched_tokens=16) as llm:
+        assert measured == [llm.engine.max_step_tokens] == [16 - 1 + 64]
