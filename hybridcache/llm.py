@@ -126,7 +126,8 @@ class LLM:
             rendered, images = split_chat_images(conversation)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, **template)
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+            # a dict even without images: placeholders the text holds are then refused, as the server does
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
             partings.append(functools.partial(self.tokenizer.parting_step, rendered, text, **template) if opens_reply
                             else lambda ids: None)
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, partings=partings)

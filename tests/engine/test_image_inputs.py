@@ -163,3 +163,15 @@ def test_a_text_model_refuses_images(tmp_path):
     text_llm = LLM(write_tiny_model(tmp_path / "text", "qwen3_5_text"), block_size=16, kernel_block_size=8)
     with pytest.raises(ImageError, match="takes no images"):
         text_llm.generate({"prompt": "hi", "multi_modal_data": {"image": png(16, 16)}}, use_tqdm=False)
+
+
+def test_chat_text_holding_an_image_placeholder_is_refused_as_the_server_refuses_it(llm):
+    """A text-only message with the literal placeholder (`<|image_pad|>`) became a prompt holding the placeholder
+    id with no image (run as text); the server's chat route refuses it, and so does LLM.chat now."""
+    messages = [{"role": "user", "content": "what does <|image_pad|> mean?"}]
+    with pytest.raises(ValueError, match="placeholder"):
+        llm.chat(messages, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                   use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    llm.engine.check_integrity()
