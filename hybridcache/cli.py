@@ -51,7 +51,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             record = {
                 "prompt": output.prompt, "completion": completion.index, "text": completion.text,
                 "num_tokens": len(completion.token_ids), "finish_reason": completion.finish_reason,
-                "cached_tokens": output.cached_tokens,
+                "cached_tokens": output.num_cached_tokens,
             }
             print(json.dumps(record, ensure_ascii=False))
     engine = llm.engine

@@ -48,8 +48,3 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
-
-    @property
-    def cached_tokens(self) -> int:
-        """The older name of `num_cached_tokens` (vLLM's), kept for the `hybridcache generate` command's JSON."""
-        return self.num_cached_tokens

@@ -106,9 +106,7 @@ class ServedModel:
     the event loop; the engine has another), the prompt + completion limit, and the sampling defaults of fields
     a request leaves unset (from the folder's generation_config.json, see `hybridcache.generation_config`).
     `vocab_size`: the model's vocabulary (token ids in [0, vocab_size) are accepted everywhere; ids past the
-    tokenizer's own decode to ""); None: the tokenizer's. `eos_token_ids`: the ids the engine stops on as EOS
-    (config.json's and generation_config.json's), of which `primary_eos_token_id` is the tokenizer's (the engine
-    tells each choice's vLLM `stop_reason` from them: `CompletionOutput.stop_reason`)."""
+    tokenizer's own decode to ""); None: the tokenizer's."""
 
     tokenizer: Any
     max_model_len: int
@@ -116,8 +114,6 @@ class ServedModel:
     image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     vocab_size: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    primary_eos_token_id: int | None = None
 
 
 def freeze_gc_heap() -> None:

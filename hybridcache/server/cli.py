@@ -171,8 +171,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
             media_request_bytes(limits), limits.max_images, limits.max_bytes)
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len, sampling_defaults=defaults,
                         image_processor=engine.image_processor, media_limits=limits,
-                        vocab_size=engine.model_config.vocab_size, eos_token_ids=tuple(sorted(engine.eos_token_ids)),
-                        primary_eos_token_id=tokenizer.eos_token_id)
+                        vocab_size=engine.model_config.vocab_size)
     return ServerParts(build_app(engine_loop, model, config, metrics), engine, engine_loop, config)
 
 

@@ -40,8 +40,7 @@ def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = No
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len,
-                        vocab_size=engine.model_config.vocab_size, eos_token_ids=tuple(sorted(engine.eos_token_ids)),
-                        primary_eos_token_id=tokenizer.eos_token_id)
+                        vocab_size=engine.model_config.vocab_size)
     server = Server(uvicorn.Config(build_app(loop, model, config, metrics), host=config.host, port=config.port,
                                    log_level="warning", access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
