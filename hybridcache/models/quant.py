@@ -117,7 +117,12 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
 def check_fp8_dtypes(dtypes: Mapping[str, str], fp8: Iterable[str]) -> None:
     """ValueError naming the tensors when the checkpoint's float8 tensors (safetensors dtype `F8_E4M3`) are not
     exactly the weights of the `fp8` modules: an FP8 weight without a scale (or without a quantization_config)
-    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values."""
+    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values; and a
+    float8_e5m2 tensor (`F8_E5M2`) is refused, since the formats read here are e4m3 (a cast by value would
+    saturate past e4m3's 448)."""
+    if e5m2 := sorted(name for name, dtype in dtypes.items() if dtype == "F8_E5M2"):
+        raise ValueError(f"checkpoint tensors {e5m2[:5]} are float8_e5m2; the FP8 formats this engine reads hold "
+                         "float8_e4m3fn weights")
     want = {f"{name}.weight" for name in fp8}
     have = {name for name, dtype in dtypes.items() if dtype.startswith("F8")}
     if unscaled := sorted(have - want):

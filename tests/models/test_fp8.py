@@ -265,6 +265,19 @@ def test_float8_weights_without_their_scales_are_refused(dense_dir, tmp_path):
         load_model(folder)
 
 
+def test_float8_e5m2_weights_are_refused(dense_dir, tmp_path):
+    """The FP8 formats read here hold float8_e4m3fn weights; an e5m2 one was cast by value to e4m3 (past 448 it
+    saturates) without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_fp8_folder(dense_dir, tmp_path / "block", "block")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = next(name for name, t in tensors.items() if t.dtype == torch.float8_e4m3fn)
+    tensors[name] = tensors[name].to(torch.float8_e5m2)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=re.escape(name) + ".* float8_e5m2"):
+        load_model(folder)
+
 def test_fp8_tensors_of_ignored_modules_are_ignored(dense_dir, tmp_path):
     """An FP8 `mtp.*` head (and its scale) is skipped like any tensor of an ignored prefix."""
     from safetensors.torch import load_file, save_file
