@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 
 def _integer(text: str, least: int) -> int:
@@ -32,49 +33,34 @@ def non_negative_int(text: str) -> int:
     return _integer(text, 0)
 
 
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a memory size, a bandwidth, a rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
-
-
-def _finite(text: str, what: str) -> float:
+def _number(text: str, what: str, ok: Callable[[float], bool]) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if not math.isfinite(value):
+    if not math.isfinite(value) or not ok(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a memory size, a bandwidth, a rate)."""
+    return _number(text, "a finite number > 0", lambda value: value > 0)
+
+
 def non_negative_float(text: str) -> float:
     """A finite number >= 0 (a size that may be 0, a timeout)."""
-    value = _finite(text, "a finite number >= 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
+    return _number(text, "a finite number >= 0", lambda value: value >= 0)
 
 
 def unit_fraction(text: str) -> float:
     """A number in [0, 1] (a fraction of a prompt)."""
-    value = _finite(text, "a number in [0, 1]")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}")
-    return value
+    return _number(text, "a number in [0, 1]", lambda value: 0 <= value <= 1)
 
 
 def ratio_at_least_one(text: str) -> float:
     """A finite number >= 1 (how many times as much)."""
-    value = _finite(text, "a finite number >= 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
-    return value
+    return _number(text, "a finite number >= 1", lambda value: value >= 1)
 
 
 def http_url(text: str) -> str:
