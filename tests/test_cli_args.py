@@ -162,3 +162,24 @@ def test_bench_checks_its_out_dir_before_the_run(tmp_path, capsys):
         assert main([*BENCH, "--modes", "none", "--num-sessions", "1", "--max-turns", "1",
                      "--out-dir", str(out_dir)]) == 2
         assert f"--out-dir {str(out_dir)!r} {message}" in capsys.readouterr().err
+
+
+def test_the_command_line_parses_without_the_serve_extra():
+    """The Quickstart installs only the `bench` extra: building the parser (which registers `serve`) must not
+    import fastapi, starlette, uvicorn or httpx (a module-level starlette import in server/errors.py broke it)."""
+    import subprocess
+    import sys
+
+    script = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {"fastapi", "starlette", "uvicorn", "httpx", "prometheus_client"}:
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+from hybridcache.cli import build_parser
+args = build_parser().parse_args(["simulate", "--workload", "swe-agent"])
+print(args.command if hasattr(args, "command") else "parsed")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

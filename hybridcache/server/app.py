@@ -61,7 +61,8 @@ from hybridcache.server.chat_output import ChatOutputOptions
 from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
-from hybridcache.server.errors import APIError, ErrorResponse, error_body
+from hybridcache.server.error_response import ErrorResponse
+from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import (
     QueueFull,
     RequestTimeout,

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-from starlette.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error", 500: "internal_error",
@@ -34,9 +31,3 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
     return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
-
-class ErrorResponse(JSONResponse):
-    """An error body rendered as ASCII JSON, so that whatever text it quotes can always be encoded."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")

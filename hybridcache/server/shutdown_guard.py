@@ -13,7 +13,8 @@ import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridcache.server.errors import ErrorResponse, error_body
+from hybridcache.server.error_response import ErrorResponse
+from hybridcache.server.errors import error_body
 
 SHUTDOWN_MESSAGE = "the server shut down before this request finished"
 
