@@ -90,15 +90,16 @@ _MAX_CPU_DEFAULT_MODEL_LEN = 8192  # CPU pools are sized per sequence (2 x max_n
 _logger = logging.getLogger("hybridcache.engine")
 
 
-def _freeze_gc_heap() -> None:
+def freeze_gc_heap() -> None:
     """Collect what is garbage now, then move every object still alive (the model, the kernels and their caches,
     the libraries: hundreds of thousands of objects) out of the cycle collector's reach (`gc.freeze`), as vLLM
     does after its start-up. A full collection walks every tracked object (tenths of a second in an engine's
     process, docs/bench.md), and Python runs one whenever enough objects have survived since the last: without
     this, a request in which that happens stalls for it. Frozen objects are still freed by reference counting;
-    cycles among them are collected at the next engine's start-up, which unfreezes first. CUDA engines only (a
-    host-bound step is a GPU engine's concern; the CPU tests start many engines and would each pay the
-    collection)."""
+    cycles among them are collected at the next call, which unfreezes first. A CUDA engine calls it at the end
+    of its start-up (a host-bound step is a GPU engine's concern; the CPU tests start many engines and would each
+    pay the collection), and the server once it is up, on any device (a collection holds the GIL on the event
+    loop or a tokenizer thread)."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
@@ -301,7 +302,7 @@ class LLMEngine:
         self.grammars = GrammarCache(self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer, self.grammars, self.eos_token_ids, self.max_model_len)
         if on_cuda:
-            _freeze_gc_heap()
+            freeze_gc_heap()
 
     # ----------------------------------------------------------------------------------- requests
     def _encoder_reserve(self) -> int:

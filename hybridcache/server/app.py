@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import hmac
 import json
 import logging
@@ -49,6 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from hybridcache.engine.engine import freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.images import MediaLimits
 from hybridcache.mm_processor import split_chat_images
@@ -115,15 +115,6 @@ class ServedModel:
     image_processor: Any = None  # the engine's ImageProcessor; None for a model without a vision tower
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     vocab_size: int | None = None
-
-
-def freeze_gc_heap() -> None:
-    """Move every object alive after start-up (the model, the libraries: millions) out of the garbage collector's
-    reach, as vLLM does once its server is up (`vllm.utils.gc_utils.freeze_gc_heap`). A full collection otherwise
-    walks them all, holding the GIL for a fifth of a second on the event loop or a tokenizer thread, as often as a
-    large request's objects set one off."""
-    gc.collect()
-    gc.freeze()
 
 
 class PreparedChat(NamedTuple):

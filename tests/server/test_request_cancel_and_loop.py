@@ -12,8 +12,8 @@ import json
 import pytest
 
 from hybridcache.config import EngineConfig
-from hybridcache.engine.engine import LLMEngine
-from hybridcache.server.app import ServedModel, build_app, freeze_gc_heap
+from hybridcache.engine.engine import LLMEngine, freeze_gc_heap
+from hybridcache.server.app import ServedModel, build_app
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineLoop
 from hybridcache.server.metrics import ServerMetrics
