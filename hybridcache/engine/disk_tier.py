@@ -146,7 +146,7 @@ class DiskTier:
         self._by_anchor: dict[int, list[DiskState]] = {}
         self._sizes: dict[Path, int] = {}
         self._queued: set[Any] = set()  # block hashes and state keys handed to the writer, not written yet
-        self._pinned: Counter[int] = Counter()  # the chains of queued fall-outs: blocks the cap must not drop
+        self._pinned: Counter[int] = Counter()  # the chains of wanted fall-outs not written yet: the cap keeps them
         self._scan()
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="hybridcache-disk-writer", daemon=True)
@@ -155,13 +155,17 @@ class DiskTier:
     # ---- what the host tier drops ------------------------------------------------------------------------
 
     def wants(self, fall_out: FallOut) -> tuple[bool, tuple[int, ...]]:
-        """(whether its state is new to the disk, the indices of its blocks the disk neither holds nor queued)."""
+        """(whether its state is new to the disk, the indices of its blocks the disk neither holds nor queued).
+        When it wants anything, the fall-out's whole chain is pinned from then on (the size cap keeps the blocks
+        on disk that it did not ask for) until its write is done: the caller must `put` it."""
         s = fall_out
         with self._lock:
             key = (s.anchor_hash, s.step, s.tail_hash)
             new_state = key not in self._states and key not in self._queued
             blocks = tuple(i for i, b in enumerate(s.blocks)
                            if b.hash not in self._blocks and b.hash not in self._queued)
+            if new_state or blocks:
+                self._pinned.update(b.hash for b in s.blocks)
         return new_state, blocks
 
     def put(self, fall_out: FallOut, blocks: dict[int, torch.Tensor], state: torch.Tensor | None) -> None:
@@ -170,7 +174,6 @@ class DiskTier:
         s = fall_out
         with self._lock:
             self._queued.update(s.blocks[i].hash for i in blocks)
-            self._pinned.update(b.hash for b in s.blocks)
             if state is not None:
                 self._queued.add((s.anchor_hash, s.step, s.tail_hash))
         self._queue.put((fall_out, blocks, state))
