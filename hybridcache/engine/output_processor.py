@@ -94,6 +94,7 @@ class OutputProcessor:
         return state
 
     def _decode(self, token: int) -> str:
+        """One token's text, special tokens kept (grammar matchers, logprob entries)."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def allowed_bitmask(self, rows: Sequence[tuple[RequestState | None, Seq]],
@@ -110,7 +111,7 @@ class OutputProcessor:
         `token` (default: its length now, `token` already in `seq.token_ids`; speculative steps pass the length
         each accepted token brings, before they are appended)."""
         if logprob is not None:
-            state.logprobs[seq.index].append(logprob.entry(self._decode_token))
+            state.logprobs[seq.index].append(logprob.entry(self._decode))
             state.cumulative_logprobs[seq.index] += logprob.logprob
         matcher = state.matchers[seq.index]
         if matcher is not None and not matcher.is_terminated():
@@ -166,11 +167,8 @@ class OutputProcessor:
             count = min(chunk.end, seq.prompt_len - 1) - chunk.start
             targets = to_device(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], logits.device)
             entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
-                                      decode=self._decode_token)
+                                      decode=self._decode)
             states[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
-
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output so far: each completion's text, token ids, finish and stop reasons, cached tokens,
