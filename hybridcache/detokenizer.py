@@ -53,6 +53,10 @@ class DeferredDetokenizer:
             self._text = self._tokenizer.decode(self._ids, self._skip)
         return self._text
 
+    def shown(self, finished: bool) -> str:
+        """`text` (no stop strings: nothing is held back)."""
+        return self.text
+
 
 class IncrementalDetokenizer:
     """The text of one growing completion, decoded a token at a time with tokenizers' `DecodeStream`.
@@ -134,6 +138,16 @@ class IncrementalDetokenizer:
                 self._pending.clear()
             self._stream = DecodeStream(skip_special_tokens=self._skip)
             return self._stream.step(self._tokenizer.backend, token_id)
+
+    def shown(self, finished: bool) -> str:
+        """`text` as an output shows it: until the completion is `finished` (or a stop string is found), without
+        its last max(len(stop)) - 1 characters, so that the start of a stop string is never shown before the text
+        is cut there (vLLM's stop buffer; none with `include_stop`). Stop ("END",): texts "ab E", "ab EN" show as
+        "ab", "ab "; the final text "ab " follows each."""
+        text = self.text
+        if finished or self._stop_at is not None or self._include_stop or not self._stop:
+            return text
+        return text[: max(0, len(text) - (max(map(len, self._stop)) - 1))]
 
     @property
     def text(self) -> str:

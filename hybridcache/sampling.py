@@ -98,6 +98,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's "no seed" (clients send -1 for random)
+            object.__setattr__(self, "seed", None)
         # Accept lists and dicts from callers but store tuples, so the object stays hashable and immutable.
         stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
@@ -206,8 +208,9 @@ class SamplingRow(Protocol):
 
 @dataclass(frozen=True)
 class Logprob:
-    """One token's log-probability at a position and its rank there among the vocabulary (1 = the likeliest;
-    tokens of equal logprob share the better rank), as vLLM's `Logprob`. `decoded_token`: the token's text."""
+    """One token's log-probability at a position and its rank there among the vocabulary, as vLLM's `Logprob`:
+    the number of tokens whose logprob is at least its own (1 = the likeliest; a token tied with another for the
+    best takes rank 2, as in vLLM). `decoded_token`: the token's text."""
 
     logprob: float
     rank: int
@@ -258,7 +261,7 @@ def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1) + 1
+    ranks = logprob_ranks(logprobs, chosen)
     top_values, top_ids = logprobs.topk(k, dim=-1)
     targets_list, chosen_list, ranks_list, values, ids = (
         t.tolist() for t in (targets, chosen.squeeze(1), ranks, top_values, top_ids))
@@ -345,10 +348,10 @@ def sample_async(
     """Sample one token per row of `logits` [num_rows, vocab], the whole batch at once, without waiting for
     the device (see `PendingSample`).
 
-    Order (vLLM's): logit_bias and min_tokens (EOS/stop tokens masked), the structured-output mask
-    (`allowed_bitmask` [num_rows, ceil(vocab/32)] int32, bit v of a row set = token v allowed; rows that are
-    unconstrained have every bit set), penalties, then temperature, min_p, top-k and top-p (keeping at least
-    the likeliest token). Greedy rows take the argmax of the processed logits. Random rows draw by the
+    Order (vLLM's): the structured-output mask (`allowed_bitmask` [num_rows, ceil(vocab/32)] int32, bit v of a
+    row set = token v allowed; rows that are unconstrained have every bit set: the logprobs see it), logit_bias
+    and min_tokens (EOS/stop tokens masked), penalties, then temperature, min_p, top-k and top-p (keeping at
+    least the likeliest token). Greedy rows take the argmax of the processed logits. Random rows draw by the
     exponential race (argmax of probs / E with E ~ Exp(1) drawn from the row's own generator), so a row's draw
     does not depend on the other rows. Only the tokens (and the logprobs asked for) are copied to the host,
     once. `stop_token_ids`: the model's EOS ids (`min_tokens` masks them and the row's own stop_token_ids).
@@ -366,7 +369,10 @@ def sample_async(
     if allowed_bitmask is None and all(_plain_greedy(row, stop_token_ids) for row in rows):
         tokens = argmax(raw) if argmax is not None else raw.argmax(dim=-1)
         return _pending(raw, tokens, params)  # the common decode step: no fp32 copy processed
-    scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, allowed_bitmask=allowed_bitmask)
+    if allowed_bitmask is not None:  # logprobs, as vLLM's, see the grammar's mask (not the bias or penalties)
+        allowed = _unpack_bitmask(_host_to(allowed_bitmask, raw.device), raw.shape[1])
+        raw = raw.masked_fill(~allowed, float("-inf"))
+    scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, guided=allowed_bitmask is not None)
     tokens = scores.argmax(dim=-1)
     if not all(p.greedy for p in params):  # (an all-greedy batch copies nothing over)
         greedy = to_device([p.greedy for p in params], device)
@@ -399,12 +405,12 @@ def _plain_greedy(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence[in
 
 
 def _min_tokens_bans(row: SamplingRow, stop_token_ids: frozenset[int] | Sequence[int]) -> set[int]:
-    """The tokens that `min_tokens` masks in `row` now: its stop tokens (and EOS unless ignore_eos) while the row
-    is short of min_tokens output tokens, else none."""
+    """The tokens that `min_tokens` masks in `row` now: its stop tokens and EOS while the row is short of
+    min_tokens output tokens (EOS with `ignore_eos` too, as vLLM's `all_stop_token_ids`), else none."""
     p = row.params
     if not p.min_tokens or len(row.token_ids) - row.prompt_len >= p.min_tokens:
         return set()
-    return stop_tokens(p, stop_token_ids)
+    return set(p.stop_token_ids) | set(stop_token_ids)
 
 
 def stop_tokens(params: SamplingParams, eos_token_ids: Iterable[int]) -> set[int]:
@@ -418,17 +424,16 @@ def process_logits(
     rows: Sequence[SamplingRow],
     *,
     stop_token_ids: frozenset[int] | Sequence[int] = (),
-    allowed_bitmask: torch.Tensor | None = None,
+    guided: bool = False,
 ) -> torch.Tensor:
-    """fp32 copy of `logits` after logit_bias, the structured-output mask, min_tokens and the penalties (what
-    temperature and the filters of `sample` then act on). Where min_tokens would ban every token the grammar
-    allows (a finished grammar allows only its stop tokens), the grammar wins: the row keeps its mask without the
-    ban, so a guided completion can end before min_tokens rather than emit a token of all -inf logits."""
+    """fp32 copy of `logits` after logit_bias, min_tokens and the penalties (what temperature and the filters of
+    `sample` then act on). `guided`: `logits` are already masked by the rows' grammars (-inf where a grammar
+    forbids a token); where min_tokens would then ban every token the grammar allows (a finished grammar allows
+    only its stop tokens), the grammar wins: the row keeps its mask without the ban, so a guided completion can
+    end before min_tokens rather than emit a token of all -inf logits."""
     scores = logits.float().clone()
     _apply_bias(scores, rows)
-    if allowed_bitmask is not None:
-        scores.masked_fill_(~_unpack_bitmask(_host_to(allowed_bitmask, scores.device), scores.shape[1]), float("-inf"))
-    _apply_min_tokens(scores, rows, stop_token_ids, guided=allowed_bitmask is not None)
+    _apply_min_tokens(scores, rows, stop_token_ids, guided=guided)
     if any(row.params.penalized for row in rows):
         _apply_penalties(scores, rows)
     return scores
@@ -509,8 +514,8 @@ def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Per-row probabilities after temperature, min_p, top-k and top-p (greedy rows get temperature 1; their
-    probabilities are not used)."""
+    """Per-row probabilities after temperature, min_p, top-k and top-p, each row summing to 1 (greedy rows get
+    temperature 1; their probabilities are not used)."""
     device = scores.device
     vocab = scores.shape[1]
     temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
@@ -528,7 +533,14 @@ def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> to
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     drop |= sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
     sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)  # speculative acceptance reads p[draft]
     return torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+
+
+def logprob_ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Each row's rank of its chosen value `chosen` [R, 1] among `logprobs` [R, vocab]: how many values are at
+    least it (vLLM's `batched_count_greater_than`; ties take the worse rank)."""
+    return (logprobs >= chosen).sum(dim=1)
 
 
 def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
@@ -538,7 +550,7 @@ def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: Sequence[S
     index = to_device(want, raw.device)
     logprobs = torch.log_softmax(raw[index], dim=-1)
     chosen = logprobs.gather(1, tokens[index].unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1) + 1
+    ranks = logprob_ranks(logprobs, chosen)
     k = max(params[i].logprobs for i in want)
     top_values, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], index.new_zeros(len(want), 0))
     return chosen.squeeze(1), ranks, top_values, top_ids

@@ -171,11 +171,13 @@ class OutputProcessor:
             states[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
 
     def output(self, state: RequestState) -> RequestOutput:
-        """The request's output so far: each completion's text, token ids, finish and stop reasons, cached tokens,
+        """The request's output so far: each completion's text (until it finishes, without what may begin a stop
+        string: `IncrementalDetokenizer.shown`), token ids, finish and stop reasons, cached tokens,
         logprobs and their sum (when asked for) and speculative draft counts, and the prompt logprobs."""
         asked = state.params.logprobs is not None
         completions = [
-            CompletionOutput(seq.index, text.text, seq.output_ids, seq.finish_reason, seq.num_cached or 0,
+            CompletionOutput(seq.index, text.shown(seq.is_finished), seq.output_ids, seq.finish_reason,
+                             seq.num_cached or 0,
                              logprobs=list(state.logprobs[i]) if asked else None,
                              cumulative_logprob=state.cumulative_logprobs[i] if asked else None,
                              stop_reason=state.stop_reasons[i] if seq.finish_reason == "stop" else None,

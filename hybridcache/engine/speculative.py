@@ -35,7 +35,7 @@ import torch
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, process_logits, to_device
+from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, logprob_ranks, process_logits, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 
@@ -159,7 +159,7 @@ def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[Token
     tokens."""
     logprobs = torch.log_softmax(raw.float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=raw.device).unsqueeze(1))
-    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    ranks = logprob_ranks(logprobs, chosen).tolist()
     chosen = chosen.squeeze(1).tolist()
     values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
     return tuple(TokenLogprob(token, chosen[j], ranks[j], tuple(zip(ids[j], values[j])))

@@ -110,3 +110,48 @@ def test_stop_reason_is_the_stop_string_that_cut_the_text(tokenizer, stop, inclu
             break
     assert (detokenizer.text, detokenizer.stop_reason) == (text, wanted)
 
+
+
+@pytest.mark.parametrize("include", [False, True], ids=["cut-before", "include-stop"])
+def test_a_streaming_text_holds_back_what_may_begin_a_stop_string(tokenizer, include):
+    """`shown(finished=False)`: the text without its last max(len(stop)) - 1 characters (vLLM's stop buffer; none
+    with include_stop_str_in_output), so every text shown while the completion runs is a prefix of its final
+    text. Before, "ab E" and "ab EN" showed and the final text was "ab "."""
+    ids = tokenizer.encode("ab ENDxyz")
+    text = detokenizer_for(tokenizer, SamplingParams(stop=("END", "Q"), include_stop_str_in_output=include))
+    shown = []
+    for token in ids:
+        stopped = text.add(token)
+        shown.append(text.shown(finished=stopped))
+        if stopped:
+            break
+    final = shown[-1]
+    assert final == ("ab END" if include else "ab ")
+    assert all(final.startswith(s) for s in shown), shown
+    if not include:
+        assert shown[:-1] == ["", "", "a", "ab", "ab "][: len(shown) - 1]
+
+
+def test_engine_outputs_while_running_are_prefixes_of_the_final_text():
+    """`LLMEngine.step`'s outputs (the offline streaming API): a greedy completion on the built-in model, with a
+    stop string taken from its own text, shows at every step a prefix of the text it ends with."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+
+    engine = LLMEngine(None, EngineConfig(block_size=16, max_model_len=256, max_num_seqs=2))
+    engine.add_request("free", "hello there", SamplingParams(temperature=0, max_tokens=40))
+    free = _texts(engine)[-1]
+    # the first 3 whole characters (no replacement character of a byte not yet complete) not seen before them
+    at = next(i for i in range(4, len(free) - 3) if "\ufffd" not in free[i: i + 3] and free.find(free[i: i + 3]) == i)
+    stop = free[at: at + 3]
+    engine.add_request("r", "hello there", SamplingParams(temperature=0, max_tokens=40, stop=[stop]))
+    texts = _texts(engine)
+    assert texts[-1] == free[:at] and len(texts) > 4
+    assert all(texts[-1].startswith(t) for t in texts), texts
+
+
+def _texts(engine) -> list[str]:
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [o.outputs[0].text for o in engine.step()]
+    return texts

@@ -261,3 +261,73 @@ def test_all_greedy_batches_take_the_raw_argmax_unless_a_row_changes_its_scores(
     assert tokens([Row(eos_short)] + [Row(plain)] * 8, stop_token_ids=frozenset({17}))[0] != 17
     penalised = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert tokens([Row(penalised, output=(17,))] + [Row(plain)] * 8)[0] != 17
+
+
+# ------------------------------------------------------------------- vLLM's rules found missing by a bug hunt
+
+
+def test_seed_minus_one_means_no_seed_as_in_vllm(device):
+    """vLLM turns seed -1 into None (clients send -1 for "random"); before, -1 seeded every such request alike."""
+    params = SamplingParams(temperature=1.0, seed=-1)
+    assert params.seed is None
+    logits = torch.zeros(1, 1000).to(device)
+    draws = [tuple(sample_rows(logits, [Row(params, make_generator(params, 0, device))]).tokens for _ in range(8))
+             for _ in range(2)]
+    assert draws[0] != draws[1]
+
+
+def test_min_tokens_bans_eos_under_ignore_eos_as_in_vllm(device):
+    """vLLM's min_tokens masks all_stop_token_ids, which hold the model's EOS even with ignore_eos: EOS cannot come
+    before min_tokens. Before, ignore_eos left EOS open there."""
+    logits = torch.zeros(1, 6).to(device)
+    params = SamplingParams(temperature=0, min_tokens=3, ignore_eos=True, logit_bias={5: 100.0})
+    short = process_logits(logits, [Row(params, output=(1,))], stop_token_ids=frozenset({5}))
+    assert short[0, 5] == float("-inf")
+    assert sample_rows(logits, [Row(params, output=(1,))], stop_token_ids=frozenset({5})).tokens != [5]
+    long_enough = process_logits(logits, [Row(params, output=(1, 2, 3))], stop_token_ids=frozenset({5}))
+    assert long_enough[0, 5] == 100.0
+
+
+def test_logprobs_of_a_guided_row_see_the_grammars_mask_as_in_vllm(device):
+    """vLLM applies the grammar's bitmask to the logits before its sampler computes logprobs: the sampled token's
+    logprob is over the allowed tokens alone, and forbidden tokens are -inf. Before, they were the unmasked
+    distribution's (a token the grammar forced reported at rank 100)."""
+    torch.manual_seed(7)
+    logits = torch.randn(1, 40).to(device)
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+    mask[0, 0] = (1 << 2) | (1 << 7)  # tokens 2 and 7
+    out = sample_rows(logits, [Row(SamplingParams(temperature=0, logprobs=3))], allowed_bitmask=mask.to(device))
+    allowed = torch.log_softmax(logits[0, [2, 7]].float(), dim=-1).cpu()
+    entry = out.logprobs[0]
+    token = out.tokens[0]
+    assert token == (2 if allowed[0] > allowed[1] else 7)
+    assert entry.logprob == pytest.approx(float(allowed.max()), abs=1e-6) and entry.rank == 1
+    assert [t for t, _ in entry.top[:2]] == ([2, 7] if token == 2 else [7, 2])
+    assert entry.top[2][1] == float("-inf")
+
+
+def test_a_tied_token_takes_the_worse_rank_as_in_vllm(device):
+    """vLLM's rank counts the tokens whose logprob is at least the token's own (`batched_count_greater_than`): a
+    greedy token tied with another is rank 2, in the sampler, the prompt logprobs and the speculative judge."""
+    from hybridcache.engine.speculative import _logprobs
+    from hybridcache.sampling import prompt_logprobs
+
+    logits = torch.tensor([[3.0, 3.0, 1.0, 0.0]]).to(device)
+    out = sample_rows(logits, [Row(SamplingParams(temperature=0, logprobs=0))])
+    assert out.tokens == [0] and out.logprobs[0].rank == 2
+    assert prompt_logprobs(logits, torch.tensor([1]).to(device), 1)[0][1].rank == 2
+    assert _logprobs(logits, (0,), 1)[0].rank == 2
+    assert sample_rows(torch.tensor([[3.0, 2.0]]).to(device),
+                       [Row(SamplingParams(temperature=0, logprobs=0))]).logprobs[0].rank == 1
+
+
+@pytest.mark.parametrize("kwargs", [dict(top_p=0.6), dict(top_k=2), dict(min_p=0.3), dict(top_k=3, top_p=0.5)])
+def test_filtered_probabilities_sum_to_one(device, kwargs):
+    """The speculative judge accepts a draft with its probability under `filtered_probs`; before, a top-p cut left
+    the rows unnormalised (summing to about top_p)."""
+    from hybridcache.sampling import filtered_probs
+
+    torch.manual_seed(8)
+    scores = torch.randn(3, 30).to(device)
+    probs = filtered_probs(scores, [SamplingParams(temperature=0.9, **kwargs)] * 3)
+    assert torch.allclose(probs.sum(dim=-1), torch.ones(3, device=device), atol=1e-5)

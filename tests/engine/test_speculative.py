@@ -141,22 +141,38 @@ def verify_chunk(seq, drafts: list[int]) -> ScheduledChunk:
                           token_ids=(seq.token_ids[-1], *drafts), block_ids=(0,), slot=0, num_drafts=len(drafts))
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature):
+def filtered_target(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """vLLM's sampling distribution of each row: softmax at the temperature, the top_k likeliest kept, then the
+    smallest set of likeliest tokens whose mass reaches top_p, renormalised."""
+    probs = torch.softmax(logits / temperature, dim=-1)
+    out = torch.zeros_like(probs)
+    for i, row in enumerate(probs):
+        order = row.argsort(descending=True)[: top_k or None]
+        kept = row[order] / row[order].sum()
+        mass_before = kept.cumsum(0) - kept
+        order, kept = order[mass_before < top_p], kept[mass_before < top_p]
+        out[i, order] = kept / kept.sum()
+    return out
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.7, 0, 1.0), (1.0, 0, 1.0), (1.0, 0, 0.6), (0.8, 4, 0.9)])
+def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature, top_k, top_p):
     """`judge` on fixed logits over 6 tokens, drafts [d1, d2]: the first emitted token is distributed as p0, the
-    second (after an accepted d1) as p1, against the exact target distributions (softmax at the temperature)."""
+    second (after an accepted d1) as p1, against the exact target distributions (softmax at the temperature, then
+    top-k and top-p). Before the filtered probabilities were renormalised, a draft was accepted with its share of
+    the unfiltered mass (top_p 0.6: too rarely) and the outputs were biased against it."""
     from hybridcache.scheduler.sequence import Seq
 
     vocab = 6
     torch.manual_seed(0)
     logits = torch.randn(3, vocab) * 2  # rows: d1's position, d2's position, after d2
-    target = torch.softmax(logits / temperature, dim=-1)
-    params = SamplingParams(temperature=temperature, seed=1, max_tokens=8)
+    target = filtered_target(logits, temperature, top_k, top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=1, max_tokens=8)
     num = 5000
     generator = torch.Generator().manual_seed(11)
     seqs = [Seq(seq_id=i, request_id="r", index=i, token_ids=[1, 2], prompt_len=2, params=params,
                 generator=generator, arrival=i) for i in range(num)]
-    drafts = [2, 4]  # whether or not d1 is p0's likeliest token, any draft must do
+    drafts = [int(target[0].argmax()), int(target[1].argsort()[-2])]  # any draft in the support must do
     # the runner's rows: each chunk's last row first, then every chunk's draft rows (d1's and d2's judgement)
     rows = torch.cat([logits[2].expand(num, vocab), logits[:2].repeat(num, 1)])
     verdicts = speculative.judge([verify_chunk(seq, drafts) for seq in seqs], rows, [], None, stop_token_ids=())
@@ -165,7 +181,8 @@ def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature):
     for counts, p in ((firsts, target[0]), (seconds, target[1])):
         n = sum(counts.values())
         stat, df = chi_square(counts, {v: float(p[v]) * n for v in range(vocab)})
-        assert stat < CHI2_CRITICAL_999[df], (stat, counts)
+        assert df == 0 or stat < CHI2_CRITICAL_999[df], (stat, counts)
+        assert all(p[v] > 0 for v in counts), counts  # nothing drawn from outside the filtered support
     assert 0 < firsts[drafts[0]] < num  # both branches ran
 
 

@@ -39,7 +39,7 @@ def check(entries, prompt_ids, expected, k):
         assert {int(t) for t in entry} == set(row.topk(k).indices.tolist()) | {token}
         for t, value in entry.items():
             assert value["logprob"] == pytest.approx(row[int(t)].item(), abs=1e-4)
-            assert value["rank"] == int((row > row[int(t)]).sum()) + 1
+            assert value["rank"] == int((row >= row[int(t)]).sum())
             assert isinstance(value["decoded_token"], str)
 
 
