@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-# The cache modes (the `cache_mode` option); `scheduler.save_plan.CACHE_MODES` maps each to its policy.
+# The cache modes (the `cache_mode` option); `scheduler.save_plan.POLICIES` maps each to its policy.
 CACHE_MODES: tuple[str, ...] = ("none", "block-aligned", "seed", "hybridcache")
 # The eviction policies (the `eviction` option), each mapped to the prefix cache's name for it.
 EVICTION_POLICIES: dict[str, str] = {"lru": "lru", "flop-aware": "flop_aware"}

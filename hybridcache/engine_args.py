@@ -210,8 +210,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "model folder's)")
     vllm = parser.add_argument_group("other vLLM engine options")
     for option in VLLM_OPTIONS:
-        vllm.add_argument("--" + option.name.replace("_", "-"), help=f"{option.help} (default: not given)",
-                          **{"default": None, **option.flag})
+        shown = option.help if "default" in option.help else f"{option.help} (default: not given)"
+        vllm.add_argument("--" + option.name.replace("_", "-"), help=shown, **{"default": None, **option.flag})
 
 
 def model_argument(args: argparse.Namespace) -> str | None:
