@@ -377,7 +377,7 @@ def _gated_delta_config(fields: _Fields) -> GatedDeltaConfig:
         num_v_heads=fields.integer("linear_num_value_heads"),
         k_head_dim=fields.integer("linear_key_head_dim"),
         v_head_dim=fields.integer("linear_value_head_dim"),
-        conv_kernel_size=fields.integer("linear_conv_kernel_dim"),
+        conv_kernel_size=fields.integer("linear_conv_kernel_dim", minimum=2),  # (1: no conv state to keep)
     )
 
 

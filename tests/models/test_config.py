@@ -196,10 +196,12 @@ def _without(key: str) -> dict:
     (base_dict(num_experts_per_tok=0), "config.json num_experts_per_tok 0 must be at least 1"),
     (base_dict(num_experts_per_tok=5), "config.json num_experts_per_tok 5 must be between 1 and num_experts 4"),
     (base_dict(rope_parameters=[1]), "config.json rope_parameters"),
+    # a kernel of 1 keeps no conv state: transformers runs it, the engine crashed at start-up (a state of 0 bytes)
+    (base_dict(linear_conv_kernel_dim=1), "config.json linear_conv_kernel_dim 1 must be at least 2"),
     ({"architectures": ["X"], "model_type": "qwen3_5", "text_config": [1]}, "config.json text_config"),
 ], ids=["invalid-json", "a-list", "no-num_hidden_layers", "no-num_attention_heads", "layers-a-string", "kv-heads-0",
         "interval-0", "eos-null", "layer_types-dicts", "top-k-0", "top-k-past-experts", "rope-a-list",
-        "text_config-a-list"])
+        "conv-kernel-1", "text_config-a-list"])
 def test_a_malformed_config_json_is_a_value_error_naming_the_file_and_field(tmp_path, config, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_model_dir(_write_folder(tmp_path, config))
