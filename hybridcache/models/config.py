@@ -11,9 +11,13 @@ Accepted layouts of config.json:
   are read from the top level when present there, otherwise from `text_config`;
 - rotary settings either in transformers-5 style (`rope_parameters: {rope_type, rope_theta,
   partial_rotary_factor, ...}`) or in the older style (`rope_theta`, `partial_rotary_factor`,
-  `rope_scaling` at the top level). Only `rope_type == "default"` is supported. `mrope_section` (default
-  (11, 11, 10), as transformers) lays out Qwen3.5's interleaved M-RoPE for image tokens; text-only input has
-  equal position ids on the three axes, where M-RoPE is plain RoPE.
+  `rope_scaling` at the top level, its type under `rope_type` or `type`). `rope_type` is "default" or a scaled
+  RoPE whose frequencies transformers computes once (`SCALED_ROPE_TYPES`: "linear", "yarn", "llama3"; its keys,
+  e.g. `factor`, `original_max_position_embeddings`, kept as written in `AttentionConfig.rope_scaling`);
+  "dynamic" and "longrope", which rescale with the sequence length at run time, are refused, as is "proportional"
+  (it rotates the whole head). `mrope_section` (default (11, 11, 10), as transformers) lays out Qwen3.5's
+  interleaved M-RoPE for image tokens; text-only input has equal position ids on the three axes, where M-RoPE is
+  plain RoPE.
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`: `_DEFAULTS`), except the fields that
@@ -64,11 +68,32 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                    "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
 }
 
+# rope_type values whose inverse frequencies transformers' `ROPE_INIT_FUNCTIONS` computes from config.json alone,
+# each with the keys it needs, numbers > 0 (original_max_position_embeddings, left out, is max_position_embeddings,
+# as in transformers' `standardize_rope_params`).
+SCALED_ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Types transformers knows that hybridcache refuses, with the reason.
+_REFUSED_ROPE_TYPES = {
+    "dynamic": "rescales with the sequence length at run time",
+    "longrope": "rescales with the sequence length at run time",
+    "proportional": "rotates the whole head, not the first rotary_dim channels",
+}
+# The rope_parameters keys that are not scaling settings (read into AttentionConfig's own fields, or unused).
+_ROPE_BASE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
 
 @dataclass(frozen=True)
 class AttentionConfig:
     """Gated full attention: `num_heads` query heads (each with an output gate), `num_kv_heads` key/value
-    heads of `head_dim`, RoPE on the first `rotary_dim` channels of each head."""
+    heads of `head_dim`, RoPE on the first `rotary_dim` channels of each head.
+
+    `rope_scaling`: () for plain RoPE, else the sorted (key, value) items of a scaled RoPE, `rope_type` among them
+    (e.g. (("factor", 4.0), ("original_max_position_embeddings", 262144), ("rope_type", "yarn"))), lists as
+    tuples; `max_position_embeddings`: the model's, which YaRN may read (`layers.rotary.scaled_inv_freq`)."""
 
     num_heads: int
     num_kv_heads: int
@@ -77,6 +102,8 @@ class AttentionConfig:
     rope_theta: float
     partial_rotary_factor: float
     mrope_section: tuple[int, int, int] = (11, 11, 10)
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    max_position_embeddings: int = 32768
 
     @property
     def rotary_dim(self) -> int:
@@ -347,9 +374,6 @@ def _attention_config(fields: _Fields) -> AttentionConfig:
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"config.json rope_parameters {rope!r} must be an object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
     # rope_parameters' values win over the older top-level fields
     rotary = _Fields({**text, **{k: v for k, v in rope.items() if v is not None}}, fields.defaults)
 
@@ -368,7 +392,42 @@ def _attention_config(fields: _Fields) -> AttentionConfig:
         rope_theta=rotary.number("rope_theta"),
         partial_rotary_factor=rotary.number("partial_rotary_factor"),
         mrope_section=section,
+        rope_scaling=_rope_scaling(fields, rope),
+        max_position_embeddings=fields.integer("max_position_embeddings"),
     )
+
+
+def _rope_scaling(fields: _Fields, rope: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """`AttentionConfig.rope_scaling` of config.json's rope parameters `rope` (see the module docstring)."""
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type == "default":
+        return ()
+    if rope_type not in SCALED_ROPE_TYPES:
+        why = _REFUSED_ROPE_TYPES.get(rope_type, "is unknown")
+        raise ValueError(f"config.json rope_type {rope_type!r} {why}; supported: 'default', "
+                         f"{', '.join(repr(name) for name in SCALED_ROPE_TYPES)}")
+    scaling = {key: _frozen(value, key) for key, value in rope.items() if key not in _ROPE_BASE_KEYS}
+    needed = SCALED_ROPE_TYPES[rope_type]
+    if "original_max_position_embeddings" in needed:  # as transformers' standardize_rope_params: a top-level value
+        original = fields.section.get("original_max_position_embeddings")  # wins, max_position_embeddings defaults
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+        scaling.setdefault("original_max_position_embeddings", fields.integer("max_position_embeddings"))
+    for key in needed:
+        value = scaling.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ValueError(f"config.json rope_parameters {key} {value!r} (rope_type {rope_type!r}) must be a "
+                             "number > 0")
+    return tuple(sorted({**scaling, "rope_type": rope_type}.items()))
+
+
+def _frozen(value: Any, key: str) -> Any:
+    """A rope parameter as an immutable value (lists as tuples); ValueError naming config.json for an object."""
+    if isinstance(value, list):
+        return tuple(_frozen(item, key) for item in value)
+    if isinstance(value, Mapping):
+        raise ValueError(f"config.json rope_parameters {key} {value!r} must not be an object")
+    return value
 
 
 def _gated_delta_config(fields: _Fields) -> GatedDeltaConfig:

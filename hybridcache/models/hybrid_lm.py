@@ -244,9 +244,11 @@ class HybridCausalLM(nn.Module):
         attention = self.config.attention
         if batch.rope_positions is not None:  # image tokens: 3-D positions
             rope = mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta,
-                                 attention.mrope_section, hidden.dtype)
+                                 attention.mrope_section, hidden.dtype, attention.rope_scaling,
+                                 attention.max_position_embeddings)
         else:
-            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
+            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
+                                  attention.rope_scaling, attention.max_position_embeddings)
         step = StepContext(batch=batch, backend=backend, rope=rope, splitter=splitter)
         pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)
         # (pools.layers may go on with an MTP head's KV)

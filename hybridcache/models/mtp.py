@@ -101,7 +101,8 @@ class MtpHead(nn.Module):
                       dim=-1)
         hidden = self.fc(x)
         attention = self.config.attention
-        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype)
+        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
+                              attention.rope_scaling, attention.max_position_embeddings)
         index = step % len(self.layers)
         hidden = self.layers[index](hidden, StepContext(batch=batch, backend=backend, rope=rope), kv[index])
         return self.norm(hidden, backend)

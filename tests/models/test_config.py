@@ -106,7 +106,7 @@ def test_round_trip_of_a_transformers_config_gives_matching_state_specs():
     [
         ({"architectures": []}, "architectures"),
         ({"model_type": "mamba2"}, "unsupported model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "dynamic"),  # yarn: test_scaled_rope.py
         ({"hidden_act": "gelu"}, "gelu"),
         ({"layer_types": ["linear_attention"] * 7}, "layer_types"),
         ({"num_key_value_heads": 3}, "kv heads"),
