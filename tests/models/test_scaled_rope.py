@@ -170,3 +170,18 @@ def test_original_max_position_embeddings_defaults_as_in_transformers():
 def test_unsupported_or_malformed_scaling_is_a_value_error_naming_config_json(field, rope, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         ModelConfig.from_dict(base_dict(**{field: rope}))
+
+
+def test_the_scaled_table_is_kept_and_never_copied_inside_a_cuda_graph_capture(monkeypatch):
+    """The table is built once per device and kept (a step only multiplies); a capture that would have to copy it
+    from the host (the engine's eager warm-up runs always build it first) is a RuntimeError, not a broken graph."""
+    from hybridcache.layers import rotary
+
+    scaling = (("factor", 3.0), ("original_max_position_embeddings", 48), ("rope_type", "yarn"))
+    first = rotary.rope_table(8, 1000.0, torch.device("cpu"), scaling, MAX_POSITIONS)
+    assert rotary.rope_table(8, 1000.0, torch.device("cpu"), scaling, MAX_POSITIONS)[0] is first[0]
+    inv_freq, attention_scaling = scaled_inv_freq(8, 1000.0, scaling, MAX_POSITIONS)
+    assert torch.equal(first[0], torch.cat((inv_freq, inv_freq))) and first[1] == attention_scaling > 1.0
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before a CUDA graph capture"):
+        rotary.rope_table(8, 1000.0, torch.device("cuda", 0), scaling, MAX_POSITIONS)
