@@ -111,7 +111,7 @@ class EngineConfig:
     (docs/cache.md, "The disk tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
     max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
-    most this many tokens. max_model_len: prompt + output limit (None = the model's max_position_embeddings;
+    most this many tokens. max_model_len: prompt + output limit (None = the model's length, `ModelConfig.max_model_len`;
     capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory budget).
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
     activations, KV blocks and state slots; None = 0.9), its own share whatever other processes hold (as vLLM's);

@@ -221,13 +221,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_model_dir(self.model_path)
         get_model_class(self.model_config.architecture)  # an unknown architecture fails here, first
         on_cuda = self.device.type == "cuda"
-        model_len_limit = self.model_config.max_position_embeddings
+        model_len_limit = self.model_config.max_model_len
         default_len = model_len_limit if on_cuda else min(model_len_limit, _MAX_CPU_DEFAULT_MODEL_LEN)
         self.max_model_len = config.max_model_len or default_len
         if self.max_model_len > model_len_limit:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {model_len_limit}"
-            )
+                f"max_model_len {self.max_model_len} exceeds the model's length {model_len_limit} "
+                f"(max_position_embeddings {self.model_config.max_position_embeddings}, stretched by a YaRN or "
+                f"linear rope scaling's factor)")
         # a sequence also needs blocks for 3k positions past its end with speculative decoding (scheduler.py)
         blocks_per_seq = -(-(self.max_model_len + 3 * _speculative_tokens(config)) // config.block_size)
         if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading

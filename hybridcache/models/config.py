@@ -196,6 +196,19 @@ class ModelConfig:
 
     # ---- derived quantities -------------------------------------------------------------------------
     @property
+    def max_model_len(self) -> int:
+        """The longest prompt + output the model serves, as vLLM derives it: `max_position_embeddings`, or with a
+        scaled RoPE that stretches it, YaRN's original_max_position_embeddings x factor and linear's
+        max_position_embeddings x factor (llama3's scaling leaves it). Qwen3-Next with YaRN factor 4 over 262,144
+        original positions: 1,048,576."""
+        scaling = dict(self.attention.rope_scaling)
+        if scaling.get("rope_type") == "yarn":
+            return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        if scaling.get("rope_type") == "linear":
+            return int(self.max_position_embeddings * scaling["factor"])
+        return self.max_position_embeddings
+
+    @property
     def linear_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.LINEAR_ATTENTION)
 

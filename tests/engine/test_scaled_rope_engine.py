@@ -89,3 +89,25 @@ def test_speculative_decoding_with_the_mtp_head_keeps_the_greedy_tokens(yarn_dir
     plain = tokens_of(run_workload(make_spec_engine(yarn_dir, None)))
     speculative = make_spec_engine(yarn_dir, 2)
     assert tokens_of(run_workload(speculative)) == plain
+
+
+def test_the_model_length_is_stretched_as_vllm_derives_it(yarn_dir, tmp_path):
+    """vLLM derives the longest context from a scaled RoPE: YaRN's original_max_position_embeddings x factor
+    (64 x 4 = 256 here), linear's max_position_embeddings x factor. Before, max_position_embeddings capped it
+    whatever the scaling, so Qwen's card (YaRN factor 4 over 262,144, config.json's 262,144 left) gave no longer
+    context."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+    from hybridcache.models.config import ModelConfig
+
+    assert ModelConfig.from_model_dir(yarn_dir).max_model_len == 256
+    stretched = write_tiny_model(tmp_path / "stretched", "qwen3_next", max_position_embeddings=64,
+                                 rope_parameters={**YARN, "factor": 8.0})
+    assert ModelConfig.from_model_dir(stretched).max_model_len == 512
+    assert LLMEngine(stretched, EngineConfig(block_size=16, max_model_len=512, max_num_seqs=2)).max_model_len == 512
+    with pytest.raises(ValueError, match="max_model_len 513 exceeds the model's length 512"):
+        LLMEngine(stretched, EngineConfig(block_size=16, max_model_len=513, max_num_seqs=2))
+    linear = write_tiny_model(tmp_path / "linear", "qwen3_next", max_position_embeddings=64,
+                              rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.25})
+    assert ModelConfig.from_model_dir(linear).max_model_len == 128
