@@ -493,9 +493,11 @@ def _decode_json(body: bytes) -> Any:
 
 async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
                           deadline: float | None = None) -> AsyncIterator[RequestOutput]:
-    """A request's outputs as its choices show them (`responses.shown`); when several are waiting only the
-    newest is yielded (each holds all text so far). Raises EngineFailure when the engine failed while running
-    the request, RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never)."""
+    """A request's outputs as its choices show them (`responses.shown`; the engine loop keeps only the newest on
+    `sink`: each holds all text so far). Raises EngineFailure when the engine failed while running the request,
+    RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never; the engine loop
+    also aborts it past the server's timeout, when this handler is stuck writing to a client that stopped
+    reading)."""
     while True:
         if deadline is None:
             item = await sink.get()
@@ -505,8 +507,6 @@ async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
             except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
                 raise RequestTimeout("the request did not finish within the server's request timeout "
                                      "(--request-timeout); it was aborted") from None
-        while not sink.empty():
-            item = sink.get_nowait()
         if isinstance(item, Exception):
             raise item
         yield shown(item, rendering)

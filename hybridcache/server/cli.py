@@ -159,7 +159,8 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, options))
     metrics = ServerMetrics(model_name=names[0], max_model_len=engine.max_model_len)
     engine_loop = EngineLoop(engine, metrics, stats_interval_s=None if args.disable_log_stats
-                             else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests)
+                             else args.log_stats_interval, max_queued_requests=config.limits.max_queued_requests,
+                             request_timeout_s=config.limits.request_timeout_s)
     metrics.watch_engine(lambda: engine_loop.state)
     tokenizer = Tokenizer(engine.config.tokenizer or engine.model_path)
     if template is not None:

@@ -7,13 +7,17 @@
     await check(clear_cache)       --- _Check --->   engine.check_integrity (idle only)
     await call(fn)                 --- _Call ---->   fn(engine) between steps (reads of the prefix cache)
                                                      while requests are unfinished: engine.step()
-    per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(queue.put_nowait, output)
+    per-request asyncio.Queue      <-- outputs ---   loop.call_soon_threadsafe(_put_latest, queue, output)
 
 Commands are drained before every step, so every request that arrived meanwhile joins the next step's batch,
 and a batch of prompts (one `_Add`) is queued whole: all its prompts join the same step, or none is queued (a
 bad prompt, or `max_queued_requests` waiting sequences: `QueueFull`).
-Each item on a request's queue is a `RequestOutput` (the last one has `finished` set) or an `EngineFailure`
-(the engine raised; the request was aborted). After every step the thread publishes an `EngineState` snapshot
+Each item on a request's queue is a `RequestOutput` (the last one has `finished` set), an `EngineFailure` (the
+engine raised; the request was aborted) or a `RequestTimeout` (it ran past `request_timeout_s`; aborted). An output
+takes the place of those its handler has not taken yet (each holds everything so far, as vLLM's
+`RequestOutputCollector` merges them), so a handler that stopped reading (a stream whose client stopped reading
+blocks in its write) holds one output, not one per step; and the thread itself aborts a request past its
+deadline, whether or not its handler is listening. After every step the thread publishes an `EngineState` snapshot
 that any thread may read (`state`), and, every `stats_interval_s` seconds while something changes, logs the
 stats line (`server.stats_log`); an idle thread waits on its queue only as long as a pending line allows.
 """
@@ -33,7 +37,7 @@ from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
-from hybridcache.server.limits import QueueFull
+from hybridcache.server.limits import QueueFull, RequestTimeout
 from hybridcache.server.metrics import RequestPhases, ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 
@@ -90,6 +94,7 @@ class _Stream:
 
     sink: asyncio.Queue
     arrival: float
+    deadline: float | None = None  # (perf_counter) aborted with a RequestTimeout once a step ends past it
     num_tokens: int = 0
     started: float | None = None  # the start of the first step that computed it
     first_token_time: float | None = None
@@ -101,9 +106,11 @@ class EngineLoop:
     """Runs `engine` (an `LLMEngine`) in a dedicated thread; see the module docstring."""
 
     def __init__(self, engine: Any, metrics: ServerMetrics | None = None,
-                 stats_interval_s: float | None = None, max_queued_requests: int | None = None) -> None:
+                 stats_interval_s: float | None = None, max_queued_requests: int | None = None,
+                 request_timeout_s: float | None = None) -> None:
         self._engine = engine
         self._max_queued = max_queued_requests  # waiting sequences (None: no limit); see `add_many`
+        self._timeout_s = request_timeout_s  # a request still running this long after its add is aborted
         self._metrics = metrics
         self._stats = StatsLogger(stats_interval_s, time.monotonic()) if stats_interval_s else None
         self._generated = self._queried = self._hit = 0  # engine thread only: totals for the stats line
@@ -211,6 +218,7 @@ class EngineLoop:
                 else:
                     self._mark_started(step_start, outputs)
                     self._dispatch(outputs)
+                    self._expire()
             self._publish_state()
             self._log_stats()
 
@@ -283,8 +291,9 @@ class EngineLoop:
                           else error)
             return
         now = time.perf_counter()
+        deadline = None if self._timeout_s is None else now + self._timeout_s
         for request_id, sink in zip(command.request_ids, command.sinks):
-            self._streams[request_id] = _Stream(sink, now)
+            self._streams[request_id] = _Stream(sink, now, deadline)
         self._resolve(command.done, None)
 
     def _mark_started(self, step_start: float, outputs: list[RequestOutput]) -> None:
@@ -322,6 +331,19 @@ class EngineLoop:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
             self._send(stream, output)
+
+    def _expire(self) -> None:
+        """Abort the requests past their deadline and hand each handler a RequestTimeout."""
+        now = time.perf_counter()
+        for request_id, stream in list(self._streams.items()):
+            if stream.deadline is not None and now > stream.deadline:
+                del self._streams[request_id]
+                computed = self._computed(request_id, stream)
+                output = self._engine.abort(request_id)
+                if output is not None:
+                    self._record_finish(stream, output, computed=computed)
+                self._send(stream, RequestTimeout("the request did not finish within the server's request timeout "
+                                                  "(--request-timeout); it was aborted"))
 
     def _abort_all(self, error: Exception | None) -> None:
         """Abort every request (engine failure, or shutdown when `error` is None) and tell its handler."""
@@ -404,7 +426,7 @@ class EngineLoop:
                 logger.info(line)
 
     def _send(self, stream: _Stream, item: RequestOutput | Exception) -> None:
-        self._call_soon(stream.sink.put_nowait, item)
+        self._call_soon(_put_latest, stream.sink, item)
 
     def _call_soon(self, callback: Any, *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is listening any more
@@ -420,6 +442,16 @@ class EngineLoop:
                 future.set_result(value)
 
         self._call_soon(settle)
+
+
+def _put_latest(sink: asyncio.Queue, item: RequestOutput | Exception) -> None:
+    """Put `item` on a request's queue in place of what its handler has not taken yet (every output holds all so
+    far); an exception is the last item and is kept."""
+    while not sink.empty():
+        held = sink.get_nowait()
+        if isinstance(held, Exception):
+            item = held
+    sink.put_nowait(item)
 
 
 def _phases(stream: _Stream) -> RequestPhases:

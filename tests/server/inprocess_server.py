@@ -34,7 +34,8 @@ def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = No
     config = ServerConfig(port=free_port(), served_model_name=BUILTIN_NAME, **server_options)
     engine = LLMEngine(None, engine_config)
     metrics = ServerMetrics(model_name=config.served_model_name, max_model_len=engine.max_model_len)
-    loop = EngineLoop(engine, metrics, max_queued_requests=config.limits.max_queued_requests)
+    loop = EngineLoop(engine, metrics, max_queued_requests=config.limits.max_queued_requests,
+                      request_timeout_s=config.limits.request_timeout_s)
     metrics.watch_engine(lambda: loop.state)
     tokenizer = Tokenizer(engine.model_path)
     if chat_template is not None:

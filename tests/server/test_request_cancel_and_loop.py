@@ -142,3 +142,36 @@ def test_a_large_chat_body_is_validated_and_rendered_off_the_event_loop(tokenize
     assert status == 400 and error["error"]["code"] == "context_length_exceeded"
     # before: one stretch of validation and rendering held the loop for nearly the whole request
     assert longest_gap < 0.25 * took, (longest_gap, took)
+
+
+def test_a_handler_that_stops_reading_holds_one_output_and_its_request_still_times_out():
+    """A stream whose client stops reading blocks its handler in the write, so nothing takes the request's outputs
+    off its queue: the engine queued every step's output (each holding all text and token ids so far: +669 MB for
+    one n = 8 stream in a bug hunt), and the server's --request-timeout, checked only by the blocked handler,
+    never aborted it (it ran 55 s past a 20 s timeout). Now an output replaces those not yet taken, as vLLM's
+    RequestOutputCollector does, and the engine thread aborts a request past its deadline itself."""
+    from hybridcache.sampling import SamplingParams
+    from hybridcache.server.limits import RequestTimeout
+
+    loop_engine = EngineLoop(LLMEngine(None, EngineConfig(block_size=16, max_model_len=1024, num_blocks=256)),
+                             request_timeout_s=1.0)
+
+    async def main() -> None:
+        loop_engine.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, n=2)
+            sink = await loop_engine.add("r", "a stalled stream", params)
+            most = 0
+            for _ in range(150):  # the handler never reads; the engine steps on
+                await asyncio.sleep(0.02)
+                most = max(most, sink.qsize())
+                if not loop_engine.state.num_running and not sink.empty():
+                    break
+            assert loop_engine.state.num_running == 0  # aborted, not run to its 900 tokens
+            assert most == 1 and sink.qsize() == 1
+            assert isinstance(sink.get_nowait(), RequestTimeout)
+            await loop_engine.check()  # the engine and its cache are intact
+        finally:
+            await asyncio.to_thread(loop_engine.stop)
+
+    asyncio.run(main())
