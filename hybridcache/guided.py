@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,14 +73,20 @@ _TOJSON_SEPARATORS = (", ", ": ")  # how Jinja's tojson (and json.dumps) writes 
 
 
 class GrammarCache:
-    """Compiles specs for one tokenizer (compiled grammars are cached by spec) and makes matchers."""
+    """Compiles specs for one tokenizer and makes matchers. Compiled grammars are kept by spec, the least recently
+    used dropped once they pass `limit_bytes` together (vLLM keeps xgrammar's compiler cache at 512 MiB: a JSON
+    schema over a 150k vocabulary compiles to ~190 KB, and a server sees a new schema with every request of some
+    clients); the one just compiled is kept whatever its size."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
+                 limit_bytes: int = 512 << 20) -> None:
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler = None
-        self._compiled: dict[GuidedSpec, Any] = {}
+        self._compiled: OrderedDict[GuidedSpec, Any] = OrderedDict()  # least recently used first
+        self._limit_bytes = limit_bytes
+        self.num_bytes = 0  # the compiled grammars kept
 
     def check(self, spec: GuidedSpec) -> None:
         """Compile `spec` now; raises ValueError (bad schema, regex or grammar) or GuidedUnavailable."""
@@ -99,12 +106,13 @@ class GrammarCache:
         spec = GuidedSpec(spec.kind, spec.spec)  # the grammar is the same whatever starts it
         compiled = self._compiled.get(spec)
         if compiled is not None:
+            self._compiled.move_to_end(spec)
             return compiled
         xgr = _xgrammar()
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (this class keeps what is compiled)
         try:
             compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
         except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
@@ -113,7 +121,14 @@ class GrammarCache:
             raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
                              "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
         self._compiled[spec] = compiled
+        self.num_bytes += compiled.memory_size_bytes
+        while self.num_bytes > self._limit_bytes and len(self._compiled) > 1:
+            _, dropped = self._compiled.popitem(last=False)
+            self.num_bytes -= dropped.memory_size_bytes
         return compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
 
 
 class MarkerGate:
