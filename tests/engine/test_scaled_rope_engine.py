@@ -11,8 +11,9 @@ import torch
 
 from hybridcache.models.vl_folders import PREPROCESSOR, tiny_vl_hf_config, write_vl_model
 
+from .markers import needs_cuda_engine
 from .model_folders import load_hf_model, prompts_of, write_tiny_model
-from .test_cache_equivalence import REL_TOL, assert_same, make_engine, run_workload
+from .test_cache_equivalence import CUDA_FP32, REL_TOL, assert_same, make_engine, run_workload
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
         "partial_rotary_factor": 0.25}
@@ -25,8 +26,11 @@ def yarn_dir(request, tmp_path_factory):
                             rope_parameters=YARN, max_position_embeddings=MAX_POSITIONS)
 
 
-def test_greedy_logits_equal_transformers_past_the_original_length(yarn_dir):
-    engine = make_engine(yarn_dir, caching=False, max_num_batched_tokens=64)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_engine)])
+def test_greedy_logits_equal_transformers_past_the_original_length(yarn_dir, device):
+    """(On CUDA in fp32 with the decode graphs, which capture the scaled cos/sin table's use.)"""
+    engine = make_engine(yarn_dir, caching=False, max_num_batched_tokens=64,
+                         **({} if device == "cpu" else CUDA_FP32))
     (prompt,) = prompts_of([150], seed=5)
     engine.add_request("r", prompt, _greedy(8))
     while engine.has_unfinished_requests():
@@ -39,14 +43,16 @@ def test_greedy_logits_equal_transformers_past_the_original_length(yarn_dir):
                                          use_cache=False).logits[0].float()
     for step, token in enumerate(generated):
         want = logits[len(prompt) + step - 1]
-        ours = engine.logits[("r", 0, len(prompt) + step)]
+        ours = engine.logits[("r", 0, len(prompt) + step)].float().cpu()
         assert (ours - want).abs().max() / want.abs().max() <= REL_TOL, step
         assert int(want.argmax()) == token
 
 
-def test_cached_run_equals_uncached_run(yarn_dir):
-    uncached = make_engine(yarn_dir, caching=False)
-    cached = make_engine(yarn_dir)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_engine)])
+def test_cached_run_equals_uncached_run(yarn_dir, device):
+    options = {} if device == "cpu" else CUDA_FP32
+    uncached = make_engine(yarn_dir, caching=False, **options)
+    cached = make_engine(yarn_dir, **options)
     out_uncached = run_workload(uncached)
     out_cached = run_workload(cached, check_every_step=True)
     assert_same(cached, uncached, out_cached, out_uncached)
