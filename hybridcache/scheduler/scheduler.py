@@ -126,13 +126,18 @@ class Scheduler:
 
     def _plan_step(self) -> tuple[list[tuple[Seq, int]], list[Seq]]:
         """(sequence, chunk end) of each sequence that feeds tokens in the next forward, in batch order, and
-        the newly admitted sequences whose whole prompt was a hit (they only sample)."""
+        the newly admitted sequences whose whole prompt was a hit (they only sample).
+
+        Running sequences whose prompt is computed (decode and verify rows) are planned first, oldest first, then
+        those still prefilling take what the budget leaves, as vLLM puts decodes first: a younger sequence that
+        began decoding while an older prompt's chunk ended short of the budget (at a branch point or a fork step)
+        would otherwise get no token until that prompt's whole prefill was done."""
         budget = self.max_num_batched_tokens
         planned: list[tuple[Seq, int]] = []
         samples: list[Seq] = []
         followers: list[Seq] = []
         preempted = False
-        for seq in list(self.running):
+        for seq in sorted(self.running, key=lambda s: s.num_computed < s.cache_prompt_len):  # (a stable sort)
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop

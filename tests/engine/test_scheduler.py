@@ -134,3 +134,23 @@ def test_chunks_carry_the_blocks_read_before_the_commit_and_the_steps_copy_plan(
     assert chunk_b.block_ids[0] != chunk_a.block_ids[0]
     assert scheduler.cache.block_ids(b.seq_id)[0] == chunk_a.block_ids[0]
     assert not output.copies.is_empty  # seed mode saves at the prefill end of both
+
+
+def test_younger_decodes_lead_an_older_prompts_remaining_chunks():
+    """An older prompt whose chunk ended short of the budget (a branch point, a fork step) let younger prompts in;
+    once those decode they come first in every step while the older prompt's remaining chunks take what is left.
+    Before, the older prompt took the whole budget each step and the younger decodes got no token until its whole
+    prefill was done (22-23 steps in a bug hunt; a 100k-token prompt would freeze them for ~50 steps)."""
+    scheduler = make_scheduler(max_num_batched_tokens=40, num_blocks=128, num_slots=8, mode="hybridcache")
+    long = make_seq(0, 150)
+    long.fork_steps.add(8)  # its first chunk ends at step 8: 32 tokens of the budget left
+    young = [make_seq(1, 10, offset=300), make_seq(2, 10, offset=600)]
+    for seq in (long, *young):
+        scheduler.add(seq)
+    first = [(c.seq.seq_id, c.num_tokens) for c in run_step(scheduler)]
+    assert first == [(0, 8), (1, 10), (2, 10)]
+    layouts = []
+    while long.num_computed < long.prompt_len:
+        layouts.append([(c.seq.seq_id, c.num_tokens) for c in run_step(scheduler)])
+    assert all(layout[:2] == [(1, 1), (2, 1)] and layout[2][0] == 0 for layout in layouts), layouts
+    assert sum(layout[2][1] for layout in layouts) == 150 - 8
