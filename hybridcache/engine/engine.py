@@ -82,7 +82,7 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import PendingSample, SamplingParams, make_generator, sample_async, stop_tokens, to_device
 from hybridcache.scheduler.output import ScheduledChunk, SchedulerOutput
 from hybridcache.scheduler.save_plan import checkpoint_policy
-from hybridcache.scheduler.scheduler import Accepted, Scheduler
+from hybridcache.scheduler.scheduler import Accepted, Scheduler, blocks_per_sequence
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 from hybridcache.tokenizer import Tokenizer
 
@@ -229,8 +229,7 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's length {model_len_limit} "
                 f"(max_position_embeddings {self.model_config.max_position_embeddings}, stretched by a YaRN or "
                 f"linear rope scaling's factor)")
-        # a sequence also needs blocks for 3k positions past its end with speculative decoding (scheduler.py)
-        blocks_per_seq = -(-(self.max_model_len + 3 * _speculative_tokens(config)) // config.block_size)
+        blocks_per_seq = blocks_per_sequence(self.max_model_len, config.block_size, _speculative_tokens(config))
         if config.num_blocks is not None and config.num_blocks < blocks_per_seq:  # checked before loading
             raise ValueError(
                 f"the KV pool is too small for one sequence: {config.num_blocks} blocks of {config.block_size} "

@@ -29,6 +29,7 @@ from hybridcache.kernels.shapes import ModelShapes
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, load_model
 from hybridcache.models.mtp import load_mtp_head
+from hybridcache.scheduler.scheduler import blocks_per_sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_CHECKPOINT_STATES = 32
@@ -145,7 +146,7 @@ def build_runner(
     kv_per_block, state_per_slot = pool_bytes(
         (*model.state_specs(dtype, state_dtype), *head_specs), config.block_size, model.slot_specs(dtype)
     )
-    blocks_per_seq = -(-(spec.max_model_len + 2 * num_speculative) // config.block_size)  # (lookahead: scheduler)
+    blocks_per_seq = blocks_per_sequence(spec.max_model_len, config.block_size, num_speculative)
     if device.type == "cuda":
         step_tokens = spec.max_step_tokens or config.max_num_batched_tokens
         budget = agree(_cuda_budget(model, backend, config, step_tokens, dtype, state_dtype, device, share,

@@ -59,6 +59,13 @@ from hybridcache.scheduler.sequence import Seq, SeqStatus
 PROMPT_LOGPROBS_CHUNK = 1024
 
 
+def blocks_per_sequence(max_model_len: int, block_size: int, num_speculative_tokens: int) -> int:
+    """The blocks one sequence may hold at once: `max_model_len` positions and, with speculative decoding, the 3k
+    past its end that a chunk which samples asks for (`Scheduler._lookahead`). A pool with fewer cannot finish a
+    sequence that reaches `max_model_len`."""
+    return -(-(max_model_len + 3 * num_speculative_tokens) // block_size)
+
+
 @dataclass(frozen=True)
 class Accepted:
     """What a step made known for one sequence (`Scheduler.accept`): `kept`, for a verify row (one that fed

@@ -3,6 +3,8 @@ and the CPU engine's defaults."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -162,3 +164,33 @@ def test_the_engine_share_is_its_own_whatever_other_processes_hold():
     # two engines at 0.45 share one device: the second's share is not cut by the first's 45 GiB
     first = engine_share(0.45, 100 * GIB, free_at_start=99 * GIB)
     assert engine_share(0.45, 100 * GIB, free_at_start=99 * GIB - first) == first
+
+
+def test_a_pool_sized_per_sequence_holds_the_speculative_lookahead(tmp_path):
+    """With MTP (k drafts) a chunk that samples needs blocks 3k positions past its end (`Scheduler._lookahead`);
+    the runner sized its pools for 2k (`rank_runner`), so a pool planned to the minimum (a tight CUDA budget) was a
+    block short: a request near max_model_len was preempted and re-admitted forever (helper 101's hunt). One
+    `blocks_per_sequence` now serves the engine's check, the runner's plan and the scheduler's lookahead."""
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+    from hybridcache.sampling import SamplingParams
+    from hybridcache.scheduler.scheduler import blocks_per_sequence
+
+    from .model_folders import write_tiny_model
+    from .spec_helpers import spec
+
+    assert blocks_per_sequence(58, 16, 3) == 5 and blocks_per_sequence(58, 16, 0) == 4
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")
+    config = EngineConfig(block_size=16, kernel_block_size=8, max_model_len=58, max_num_seqs=1,
+                          enable_prefix_caching=False, speculative_config=spec(3))
+    engine = LLMEngine(folder, config)  # the CPU's default pool: 2 x max_num_seqs sequences + 32 states
+    states = engine.memory_plan.num_blocks - 2 * blocks_per_sequence(58, 16, 3)
+    assert states == 32 * engine.memory_plan.state_pages
+    tight = LLMEngine(folder, dataclasses.replace(config, num_blocks=blocks_per_sequence(58, 16, 3)))
+    tight.add_request("r", list(range(1, 41)), SamplingParams(temperature=0, max_tokens=18, ignore_eos=True))
+    steps = 0
+    while tight.has_unfinished_requests():
+        outputs = tight.step()
+        steps += 1
+        assert steps < 40
+    assert len(outputs[0].outputs[0].token_ids) == 18 and tight.scheduler.num_preemptions == 0
