@@ -460,6 +460,28 @@ def check_route(dtype: torch.dtype, device: torch.device, rows: int = 300, seed:
     return stats
 
 
+def check_route_of_bad_rows(dtype: torch.dtype, device: torch.device) -> None:
+    """Rows of NaN or inf logits (a diverged token) route to distinct experts in range, as torch.topk's picks, with
+    NaN weights, and leave the other rows' routing as the reference's (the pair sort indexes its counts with the
+    ids: an id out of range broke it, or put the token's pairs in the shared expert's run)."""
+    from hybridcache.kernels.moe.triton_route import route
+
+    for experts, top_k in ((8, 2), (16, 4), (12, 3)):
+        logits = torch.randn(6, experts, generator=torch.Generator().manual_seed(experts)).to(device, dtype)
+        logits[1, 3] = float("nan")
+        logits[3, 0] = float("inf")
+        logits[4] = float("nan")
+        logits[5, 2] = float("-inf")  # one expert ruled out: an ordinary row
+        weights, ids = route(logits, top_k, True)
+        assert ids.min() >= 0 and ids.max() < experts, ids
+        for row in (1, 3, 4):
+            assert len(set(ids[row].tolist())) == top_k and weights[row].isnan().all(), (row, ids[row], weights[row])
+        good = [0, 2, 5]
+        ref_weights, ref_ids = moe_ref.route(logits[good], top_k, True)
+        assert torch.equal(ids[good], ref_ids) and torch.allclose(weights[good].float(), ref_weights.float(),
+                                                                 rtol=1e-2, atol=1e-3)
+
+
 def check_sort_pairs(device: torch.device, seed: int = 0) -> dict[str, int]:
     """The one-launch pair sort (`triton_sort.sort_pairs_triton`) against torch's stable argsort and bincount, for
     the models' routings (16 experts top 4, 32 top 8, 512 top 10), a token that picks one expert twice, one pair,

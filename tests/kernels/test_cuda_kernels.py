@@ -169,6 +169,9 @@ def test_cuda_route(dtype: torch.dtype, cuda: torch.device) -> None:
     stats = check_route(dtype, cuda)
     # The same picks; fp32 softmax and renormalisation with another summation order, rounded once to the dtype.
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[dtype] for name in stats})
+    from tests.kernels.cuda_checks import check_route_of_bad_rows
+
+    check_route_of_bad_rows(dtype, cuda)
 
 
 @needs_cuda
@@ -314,6 +317,13 @@ def test_interpreted_route() -> None:
 
     stats = check_route(torch.float32, torch.device("cpu"), rows=20)
     assert_within(stats, {name: EXACT if name.startswith("ids") else OURS[torch.float32] for name in stats})
+
+
+@needs_interpreter
+def test_interpreted_route_of_nan_and_inf_rows() -> None:
+    from tests.kernels.cuda_checks import check_route_of_bad_rows
+
+    check_route_of_bad_rows(torch.float32, torch.device("cpu"))
 
 
 @needs_interpreter

@@ -4,7 +4,10 @@ kernels: softmax, topk's select and sort, the renormalising sum and division, th
 One program per block of rows. Each row's probabilities p = softmax(logits) in fp32; the k picks are made by k
 rounds of "take the largest, then mask it out" (ties go to the lowest expert id; torch.topk leaves their order
 unspecified), so they come out in descending order as torch.topk's do. Weights: the picked p, divided by their
-sum when renormalising, rounded once to the logits' dtype.
+sum when renormalising, rounded once to the logits' dtype. A row whose logits hold a NaN or an inf (its p all NaN)
+ranks NaN above every probability, as torch.topk does: its ids stay distinct experts in range, its weights NaN.
+(Picking "the largest" of a NaN row matched no expert and gave id BLOCK_E to every pick, which the pair sort then
+indexed past its counts with.)
 """
 
 from __future__ import annotations
@@ -33,15 +36,17 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_rows, num_experts, strid
     p = tl.exp(x - tl.max(x, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
     p = tl.where(ok, p, -1.0)  # padding experts are never picked
+    rank = tl.where(p != p, float("inf"), p)  # NaN above every probability, as torch.topk ranks it
     slots = tl.arange(0, BLOCK_K)
     picked_w = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.float32)
     picked_i = tl.zeros((BLOCK_T, BLOCK_K), dtype=tl.int64)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=1)
-        first = tl.min(tl.where(p == best[:, None], experts[None, :], BLOCK_E), axis=1)
-        picked_w = tl.where(slots[None, :] == j, best[:, None], picked_w)
+        best = tl.max(rank, axis=1)
+        first = tl.min(tl.where(rank == best[:, None], experts[None, :], BLOCK_E), axis=1)
+        hit = experts[None, :] == first[:, None]
+        picked_w = tl.where(slots[None, :] == j, tl.sum(tl.where(hit, p, 0.0), axis=1)[:, None], picked_w)
         picked_i = tl.where(slots[None, :] == j, first[:, None].to(tl.int64), picked_i)
-        p = tl.where(experts[None, :] == first[:, None], -1.0, p)
+        rank = tl.where(hit, -1.0, rank)
     if RENORMALIZE:
         picked_w = picked_w / tl.sum(tl.where(slots[None, :] < TOP_K, picked_w, 0.0), axis=1)[:, None]
     out = rows[:, None] * TOP_K + slots[None, :]
