@@ -144,6 +144,7 @@ class Scheduler:
         samples: list[Seq] = []
         followers: list[Seq] = []
         preempted = False
+        costs: dict[int, int] = {}  # seq_id -> what its planned chunk took of the budget
         for seq in sorted(self.running, key=lambda s: s.num_computed < s.cache_prompt_len):  # (a stable sort)
             if budget == 0:
                 break
@@ -151,33 +152,39 @@ class Scheduler:
                 continue
             plan = self._plan(seq, seq.num_computed, budget)
             while not self.cache.ensure_capacity(seq.seq_id, plan.end + self._lookahead(seq, plan)):
-                victim = self.running[-1]
-                self._preempt(victim)
+                victim = self.running[-1]  # the newest, even if planned above (a decode ahead of this prefill)
+                self._preempt(victim)  # (releases what it holds, what it was planned with too)
                 preempted = True
                 if victim is seq:
                     break
+                if victim.seq_id in costs:  # unplanned, its budget back (as vLLM's scheduler does)
+                    planned = [entry for entry in planned if entry[0] is not victim]
+                    budget += costs.pop(victim.seq_id)
             if seq.status is SeqStatus.RUNNING:
                 planned.append(self._reserve(seq, plan))
                 cost = plan.end - seq.num_computed + len(self._drafts(seq, plan))
+                costs[seq.seq_id] = min(cost, budget)
                 budget = max(0, budget - cost)  # a multimodal span or drafts may go over it
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            admission = self._admit(seq, budget)
-            if admission is _Admission.NO_ROOM:
-                break
-            self.waiting.popleft()
-            if admission is _Admission.WAITS_FOR_LEADER:
-                followers.append(seq)
-                continue
-            self.running.append(seq)
-            if seq.num_computed == seq.num_tokens:  # the whole prompt was a hit: sample only
-                samples.append(seq)
-                continue
-            self._note_forks(seq)
-            plan = self._plan(seq, seq.num_computed, budget)
-            planned.append(self._reserve(seq, plan))
-            budget = max(0, budget - (plan.end - seq.num_computed))
-        self.waiting.extendleft(reversed(followers))  # back to the front, in arrival order
+        try:
+            while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                admission = self._admit(seq, budget)
+                if admission is _Admission.NO_ROOM:
+                    break
+                self.waiting.popleft()
+                if admission is _Admission.WAITS_FOR_LEADER:
+                    followers.append(seq)
+                    continue
+                self.running.append(seq)
+                if seq.num_computed == seq.num_tokens:  # the whole prompt was a hit: sample only
+                    samples.append(seq)
+                    continue
+                self._note_forks(seq)
+                plan = self._plan(seq, seq.num_computed, budget)
+                planned.append(self._reserve(seq, plan))
+                budget = max(0, budget - (plan.end - seq.num_computed))
+        finally:  # (also when an admission raises: they must not be lost)
+            self.waiting.extendleft(reversed(followers))  # back to the front, in arrival order
         return planned, samples
 
     def _admit(self, seq: Seq, budget: int) -> _Admission:

@@ -154,3 +154,26 @@ def test_younger_decodes_lead_an_older_prompts_remaining_chunks():
         layouts.append([(c.seq.seq_id, c.num_tokens) for c in run_step(scheduler)])
     assert all(layout[:2] == [(1, 1), (2, 1)] and layout[2][0] == 0 for layout in layouts), layouts
     assert sum(layout[2][1] for layout in layouts) == 150 - 8
+
+
+def test_a_decode_planned_ahead_of_an_older_prefill_can_still_be_its_preemption_victim():
+    """Decodes are planned before prefills, so the newest running sequence (the preemption victim) may already be
+    planned when an older prompt's chunk cannot grow: it is unplanned and its budget given back, as vLLM's scheduler
+    does. Before, it was preempted but stayed in the step's plan: `schedule()` raised KeyError ('request 1 is not
+    running') out of `step()` (helper 100's hunt)."""
+    scheduler = make_scheduler(max_num_batched_tokens=60, num_blocks=10, mode="block-aligned")
+    old, young = make_seq(0, 150), make_seq(1, 10, offset=300)
+    scheduler.add(old)
+    scheduler.add(young)
+    wanted = {0: 158, 1: 150}
+    for _ in range(400):
+        if not scheduler.has_work:
+            break
+        chunks = run_step(scheduler)
+        ids = [c.seq.seq_id for c in chunks]
+        assert len(ids) == len(set(ids)) and all(c.seq in scheduler.running for c in chunks)
+        for seq in (old, young):
+            if seq in scheduler.running and seq.num_tokens >= wanted[seq.seq_id]:
+                seq.finish_reason = "length"
+                scheduler.finish(seq)
+    assert not scheduler.has_work and scheduler.num_preemptions >= 1
