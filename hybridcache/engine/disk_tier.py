@@ -274,15 +274,20 @@ class DiskTier:
             return None
 
     def _drop_corrupt(self, path: Path, error: BaseException) -> None:
+        """Skip a file that cannot be served: warn, count, forget it (a name that parses as no hash or key was in
+        no index) and delete it where the folder allows."""
         _logger.warning("hybridcache: disk tier skips %s (%s)", path, error)
         with self._lock:
             self.stats.num_corrupt += 1
             name = path.name.removesuffix(".safetensors")
-            if path.parent.name == "blocks":
-                self._blocks.pop(int(name, 16), None)
-            else:
-                anchor, step, tail = name.split("-")
-                self._forget_state((int(anchor, 16), int(step), int(tail, 16)))
+            try:
+                if path.parent.name == "blocks":
+                    self._blocks.pop(int(name, 16), None)
+                else:
+                    anchor, step, tail = name.split("-")
+                    self._forget_state((int(anchor, 16), int(step), int(tail, 16)))
+            except ValueError:  # a stray file (e.g. '._<hash>.safetensors' copied from a Mac)
+                pass
             self._remove_file(path)
 
     def _scan(self) -> None:
@@ -318,7 +323,10 @@ class DiskTier:
             self._count(path)
 
     def _count(self, path: Path) -> None:
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError:  # gone since it was written (another engine on the folder): not counted
+            return
         self._sizes[path] = size
         self.stats.num_bytes += size
         self.stats.num_block_files += path.parent.name == "blocks"
@@ -330,7 +338,10 @@ class DiskTier:
             self.stats.num_bytes -= size
             self.stats.num_block_files -= path.parent.name == "blocks"
             self.stats.num_state_files -= path.parent.name == "states"
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:  # a read-only folder: forgotten here, left on the disk
+            _logger.warning("hybridcache: disk tier cannot delete %s (%s)", path, error)
 
     def _add_state(self, state: DiskState) -> None:
         self._states[state.key] = state
@@ -347,12 +358,18 @@ class DiskTier:
     # ---- the writer thread -------------------------------------------------------------------------------
 
     def _write_loop(self) -> None:
+        """Write what falls out until `None` comes. No error ends the thread (a dead writer would leave every
+        later fall-out queued, unwritten, and `close` waiting for it forever)."""
         while True:
             item = self._queue.get()
             try:
                 if item is None:
                     return
                 self._write(*item)
+            except Exception:  # noqa: BLE001 (the write's own errors are counted in `_write`)
+                _logger.exception("hybridcache: disk tier's writer failed after a write; it goes on")
+                with self._lock:
+                    self.stats.num_write_errors += 1
             finally:
                 self._queue.task_done()
 

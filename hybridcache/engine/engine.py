@@ -880,7 +880,7 @@ class LLMEngine:
         geometry = {
             "block_size": config.block_size, "kernel_block_size": config.kernel_block_size, "dtype": config.dtype,
             "state_dtype": config.mamba_ssm_cache_dtype, "kv_cache_dtype": self.kv_cache_dtype,
-            "quantization": config.quantization, "load_format": config.load_format,
+            "quantization": config.quantization, "load_format": config.load_format, "cache_mode": config.cache_mode,
             "speculative_tokens": _speculative_tokens(config), "state_pages": self.memory_plan.state_pages,
             "page_words": paged.page_words, "word_dtype": str(paged.word_dtype),
         }

@@ -206,3 +206,48 @@ def test_a_hit_whose_files_the_size_cap_dropped_since_is_a_miss_not_corrupt(tmp_
     assert capped.read(hit, ()) is None
     assert capped.stats.num_corrupt == 0
     capped.close()
+
+
+def test_a_stray_file_in_the_folder_is_skipped_not_fatal(tmp_path, caplog):
+    """A file whose name is no hash or key ('._<hash>.safetensors', as a Mac leaves beside a copied file) is
+    skipped at start-up with a warning; parsing its name raised and the engine did not start (helper 100's hunt)."""
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)
+    disk.close()
+    block = next((disk.dir / "blocks").glob("*.safetensors"))
+    state = next((disk.dir / "states").glob("*.safetensors"))
+    (block.parent / f"._{block.name}").write_bytes(block.read_bytes())
+    (state.parent / f"copy of {state.name}").write_bytes(state.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        again = make(tmp_path)
+    assert again.stats.num_corrupt == 2 and again.find(PROMPT, B, 29) is not None
+    assert sum("disk tier skips" in r.message for r in caplog.records) == 2
+
+
+def test_the_writer_outlives_an_error_after_its_write_and_files_it_cannot_delete(tmp_path, caplog, monkeypatch):
+    """An error after a write (the cap deleting a file of a read-only folder, a file another engine removed before
+    it was counted) ended the writer thread: every later fall-out stayed queued and `close()` waited forever.
+    Now the writer logs it and goes on, and a file that cannot be deleted is forgotten with a warning."""
+    disk = make(tmp_path)
+    calls = []
+
+    def failing_cap():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("cap failed")
+
+    monkeypatch.setattr(disk, "_enforce_cap", failing_cap)
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        keep(disk, fall_out(PROMPT, 11), seed=1)
+        keep(disk, fall_out([5] * 30, 9), seed=2)  # written by the same thread after the error
+    assert disk.find([5] * 30, B, 29) is not None and disk.stats.num_write_errors == 1 and len(calls) == 2
+    path = next((disk.dir / "states").glob("*.safetensors"))
+
+    def read_only(self, missing_ok=False):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(type(path), "unlink", read_only)
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        disk._drop_corrupt(path, ValueError("checksum mismatch"))
+    assert "cannot delete" in caplog.text
+    disk.close()  # returns: the writer is alive
