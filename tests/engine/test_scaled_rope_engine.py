@@ -13,7 +13,7 @@ from hybridcache.models.vl_folders import PREPROCESSOR, tiny_vl_hf_config, write
 
 from .markers import needs_cuda_engine
 from .model_folders import load_hf_model, prompts_of, write_tiny_model
-from .test_cache_equivalence import CUDA_FP32, REL_TOL, assert_same, make_engine, run_workload
+from .test_cache_equivalence import CUDA_FP32, REL_TOL, check_cached_equals_uncached, make_engine, run_workload
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0,
         "partial_rotary_factor": 0.25}
@@ -50,13 +50,7 @@ def test_greedy_logits_equal_transformers_past_the_original_length(yarn_dir, dev
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda_engine)])
 def test_cached_run_equals_uncached_run(yarn_dir, device):
-    options = {} if device == "cpu" else CUDA_FP32
-    uncached = make_engine(yarn_dir, caching=False, **options)
-    cached = make_engine(yarn_dir, **options)
-    out_uncached = run_workload(uncached)
-    out_cached = run_workload(cached, check_every_step=True)
-    assert_same(cached, uncached, out_cached, out_uncached)
-    assert sum(o.num_cached_tokens for o in out_cached.values()) > 0
+    check_cached_equals_uncached(yarn_dir, **({} if device == "cpu" else CUDA_FP32))
 
 
 def test_image_prompt_with_yarn_equals_transformers(tmp_path):
