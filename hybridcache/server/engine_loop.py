@@ -334,6 +334,8 @@ class EngineLoop:
 
     def _expire(self) -> None:
         """Abort the requests past their deadline and hand each handler a RequestTimeout."""
+        if self._timeout_s is None:
+            return
         now = time.perf_counter()
         for request_id, stream in list(self._streams.items()):
             if stream.deadline is not None and now > stream.deadline:
