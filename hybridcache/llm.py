@@ -98,6 +98,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations: `messages` is one conversation (a list of `{"role", "content"}`
         dicts) or a list of them. Each is rendered with the model's chat template (`Tokenizer.apply_chat_template`,
@@ -110,7 +111,8 @@ class LLM:
         (`multi_modal_data`). As vLLM's `LLM.chat`: `add_generation_prompt` (the assistant header after the
         conversation), `continue_final_message` (leave the last message open to be continued; it takes the place
         of the generation prompt, as on the server), `tools` (tool definitions the template renders) and
-        `chat_template_kwargs` (extra template variables, e.g. `{"enable_thinking": False}`)."""
+        `chat_template_kwargs` (extra template variables, e.g. `{"enable_thinking": False}`) and `chat_template` (a
+        Jinja template to use instead of the folder's)."""
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         for i, conversation in enumerate(conversations):
@@ -118,7 +120,7 @@ class LLM:
                 if not isinstance(message, dict):
                     raise TypeError(f"messages must be a list of message dicts or a list of such lists "
                                     f"(conversation {i} holds a {type(message).__name__})")
-        template = {"tools": tools, "template_kwargs": chat_template_kwargs}
+        template = {"tools": tools, "template_kwargs": chat_template_kwargs, "chat_template": chat_template}
         opens_reply = add_generation_prompt and not continue_final_message
         prompts: list[Prompt] = []
         partings: list[Callable[[Sequence[int]], int | None]] = []  # where each next turn will part (its ids)

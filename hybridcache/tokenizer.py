@@ -92,7 +92,8 @@ class Tokenizer:
         return len(tail) if tail and len(tail) < len(token_ids) and list(token_ids[-len(tail):]) == tail else 0
 
     def parting_step(self, messages: list[dict], prompt_text: str, prompt_ids: Sequence[int], *,
-                     tools: list[dict] | None = None, template_kwargs: dict | None = None) -> int | None:
+                     tools: list[dict] | None = None, template_kwargs: dict | None = None,
+                     chat_template: str | None = None) -> int | None:
         """The step of `prompt_ids` (`prompt_text`: `messages` rendered with the generation prompt, then
         tokenized, images expanded) where the conversation's next turn will part from this prompt, for
         `LLMEngine.add_request`'s `checkpoints_at`; None when the next turn extends the whole prompt (its finish
@@ -115,9 +116,9 @@ class Tokenizer:
         probe = [*messages, {"role": "assistant", "content": _PROBE_REPLY}, {"role": "user", "content": _PROBE_REPLY}]
         try:
             rendered = self.apply_chat_template(probe, add_generation_prompt=False, tools=tools,
-                                                template_kwargs=template_kwargs)
+                                                template_kwargs=template_kwargs, chat_template=chat_template)
             bare = self.apply_chat_template(messages, add_generation_prompt=False, tools=tools,
-                                            template_kwargs=template_kwargs)
+                                            template_kwargs=template_kwargs, chat_template=chat_template)
         except Exception:  # noqa: BLE001 - a template may refuse a conversation that ends in a reply
             return None
         common = len(os.path.commonprefix([prompt_text, rendered]))
@@ -137,23 +138,27 @@ class Tokenizer:
         tools: list[dict] | None = None,
         continue_final_message: bool = False,
         template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> str:
-        """Render messages to the prompt text (tokenize it with `encode`) with the folder's own template.
+        """Render messages to the prompt text (tokenize it with `encode`) with `chat_template` (a Jinja template;
+        None: the folder's own, or the one set on `self.chat_template`).
 
         Messages are OpenAI-shaped dicts: assistant turns may carry `tool_calls` and `reasoning_content`, `tool`
         turns `tool_call_id`. `tools`: the request's tool definitions (the template renders them).
         `template_kwargs`: extra template variables (for example `enable_thinking`); they cannot override the
         arguments above. `continue_final_message`: leave the last (assistant) message open, to be continued.
         """
-        if self.chat_template is None:
-            raise ValueError("this model folder has no chat template (tokenizer_config.json 'chat_template')")
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError("this model folder has no chat template (tokenizer_config.json 'chat_template'); "
+                             "pass one (chat_template=)")
         extra = dict(template_kwargs or {})
         for name in ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
                      "tokenize"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs may not set '{name}'")
         return self._tok.apply_chat_template(
-            messages, tools=tools or None, chat_template=self.chat_template, tokenize=False,
+            messages, tools=tools or None, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **extra,
         )

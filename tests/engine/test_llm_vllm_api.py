@@ -84,6 +84,20 @@ def test_chat_takes_vllms_template_options(llm):
         llm.chat(user, GREEDY, use_tqdm=False, chat_template_kwargs={"tools": []})
 
 
+def test_chat_takes_a_chat_template_as_vllm(llm):
+    """vLLM's `LLM.chat(chat_template=...)`: a Jinja template used instead of the folder's (a TypeError before),
+    for every turn; the folder's template is left as it was."""
+    template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    user = [{"role": "user", "content": "hi"}]
+    [out] = llm.chat(user, GREEDY, use_tqdm=False, chat_template=template)
+    assert out.prompt == "<user>hi</user><assistant>"
+    assert llm.tokenizer.apply_chat_template(user).startswith("<|im_start|>user")
+    [turn2] = llm.chat([*user, {"role": "assistant", "content": "ho"}, {"role": "user", "content": "again"}],
+                       GREEDY, use_tqdm=False, chat_template=template)
+    assert turn2.prompt == "<user>hi</user><assistant>ho</assistant><user>again</user><assistant>"
+
+
 def test_outputs_carry_vllms_fields(llm):
     """`RequestOutput.num_cached_tokens`, `CompletionOutput.cumulative_logprob`, `stop_reason` and `logprobs` in
     vLLM's shape (a list of {token id: Logprob(logprob, rank, decoded_token)}); before, the first three were missing
