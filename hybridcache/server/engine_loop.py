@@ -94,7 +94,6 @@ class _Stream:
 
     sink: asyncio.Queue
     arrival: float
-    deadline: float | None = None  # (perf_counter) aborted with a RequestTimeout once a step ends past it
     num_tokens: int = 0
     started: float | None = None  # the start of the first step that computed it
     first_token_time: float | None = None
@@ -249,11 +248,8 @@ class EngineLoop:
         if isinstance(command, _Add):
             self._add(command)
         elif isinstance(command, _Abort):
-            stream = self._streams.pop(command.request_id, None)
-            computed = stream is not None and self._computed(command.request_id, stream)
-            output = engine.abort(command.request_id)
+            stream, output = self._abort(command.request_id)
             if stream is not None and output is not None:
-                self._record_finish(stream, output, computed=computed)
                 self._send(stream, output)
         elif isinstance(command, _Check):
             if engine.has_unfinished_requests():
@@ -291,9 +287,8 @@ class EngineLoop:
                           else error)
             return
         now = time.perf_counter()
-        deadline = None if self._timeout_s is None else now + self._timeout_s
         for request_id, sink in zip(command.request_ids, command.sinks):
-            self._streams[request_id] = _Stream(sink, now, deadline)
+            self._streams[request_id] = _Stream(sink, now)
         self._resolve(command.done, None)
 
     def _mark_started(self, step_start: float, outputs: list[RequestOutput]) -> None:
@@ -332,20 +327,26 @@ class EngineLoop:
                 self._record_finish(stream, output)
             self._send(stream, output)
 
+    def _abort(self, request_id: str) -> tuple[_Stream | None, RequestOutput | None]:
+        """Abort one request in the engine, forget its stream and count its end; its stream and the engine's
+        final output (None for an unknown or finished request)."""
+        stream = self._streams.pop(request_id, None)
+        computed = stream is not None and self._computed(request_id, stream)
+        output = self._engine.abort(request_id)
+        if stream is not None and output is not None:
+            self._record_finish(stream, output, computed=computed)
+        return stream, output
+
     def _expire(self) -> None:
-        """Abort the requests past their deadline and hand each handler a RequestTimeout."""
+        """Abort the requests still running `request_timeout_s` after their add; each handler gets a
+        RequestTimeout."""
         if self._timeout_s is None:
             return
-        now = time.perf_counter()
-        for request_id, stream in list(self._streams.items()):
-            if stream.deadline is not None and now > stream.deadline:
-                del self._streams[request_id]
-                computed = self._computed(request_id, stream)
-                output = self._engine.abort(request_id)
-                if output is not None:
-                    self._record_finish(stream, output, computed=computed)
-                self._send(stream, RequestTimeout("the request did not finish within the server's request timeout "
-                                                  "(--request-timeout); it was aborted"))
+        due = time.perf_counter() - self._timeout_s
+        for request_id in [r for r, stream in self._streams.items() if stream.arrival < due]:
+            stream, _ = self._abort(request_id)
+            self._send(stream, RequestTimeout("the request did not finish within the server's request timeout "
+                                              "(--request-timeout); it was aborted"))
 
     def _abort_all(self, error: Exception | None) -> None:
         """Abort every request (engine failure, or shutdown when `error` is None) and tell its handler."""
