@@ -110,9 +110,10 @@ class EngineConfig:
     disk_cache_gib GiB of files (its least recently used states go first). Needs a host tier; one rank only
     (docs/cache.md, "The disk tier").
     max_num_seqs: running sequences at once (one runtime state slot each, the only state slots outside the pool).
-    max_num_batched_tokens: the token budget of one forward step; long prompts are prefilled in chunks of at
-    most this many tokens. max_model_len: prompt + output limit (None = the model's length, `ModelConfig.max_model_len`;
-    capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory budget).
+    max_num_batched_tokens: the token budget of one forward step, at least max_num_seqs; long prompts are prefilled
+    in chunks of at most this many tokens. max_model_len: prompt + output limit (None = the model's length,
+    `ModelConfig.max_model_len`; capped at 8192 on the CPU, where the pool is sized per sequence, not from a memory
+    budget).
     gpu_memory_utilization: on CUDA, the fraction of the device's memory the engine may use in all (weights,
     activations, KV blocks and state slots; None = 0.9), its own share whatever other processes hold (as vLLM's);
     unused on the CPU. enforce_eager: never capture CUDA
@@ -245,6 +246,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's rule: a step must fit one token of each
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal "
+                             f"to max_num_seqs ({self.max_num_seqs})")
         kbs = self.kernel_block_size
         if not is_integer(kbs) or kbs < 1 or kbs & (kbs - 1) or self.block_size % kbs:
             raise ValueError(

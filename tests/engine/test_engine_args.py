@@ -97,6 +97,15 @@ def test_block_size_without_a_power_of_two_gets_a_fitting_kernel_page():
         EngineConfig(block_size=0)
 
 
+def test_a_step_budget_below_one_token_per_sequence_is_refused():
+    """As vLLM: a step that cannot hold one token of each running sequence starves decodes (they would wait
+    for one another's tokens); the error names both flags' values."""
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be greater than or equal to "
+                                         r"max_num_seqs \(16\)"):
+        EngineConfig(max_num_batched_tokens=8, max_num_seqs=16)
+    assert EngineConfig(max_num_batched_tokens=16, max_num_seqs=16).max_num_seqs == 16
+
+
 def test_checkpoint_slot_flags_are_gone(capsys):
     """Checkpoint states live in blocks of the one pool (--num-blocks): a separate count would mean nothing, so the
     old flags are refused rather than silently ignored."""

@@ -227,5 +227,6 @@ def test_cpu_pools_beyond_the_available_memory_are_refused_with_the_bytes(monkey
 
 def test_generate_with_a_million_sequences_on_the_cpu_is_refused_not_a_hang(capsys):
     """`--max-num-seqs 1000000` on the CPU sized a pool of 16 TB and hung allocating it."""
-    assert main(["generate", "--device", "cpu", "--max-num-seqs", "1000000", "--max-tokens", "1"]) == 2
+    assert main(["generate", "--device", "cpu", "--max-num-seqs", "1000000", "--max-num-batched-tokens", "1000000",
+                 "--max-tokens", "1"]) == 2
     assert "bytes of memory are available" in capsys.readouterr().err
