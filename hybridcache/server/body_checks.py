@@ -67,6 +67,11 @@ def check_body(data: dict[str, Any]) -> None:
     _check_strings_and_depth(data)
     _refuse_unsupported(data, UNSUPPORTED_FIELDS, "")
     messages = data.get("messages")
+    if messages is not None and data.get("continue_final_message") is True \
+            and data.get("add_generation_prompt") is True:  # vLLM's rule; either alone opens the reply its own way
+        raise APIError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to true: send "
+                       "add_generation_prompt: false (or leave it out) to continue the final message",
+                       param="add_generation_prompt")
     if isinstance(messages, list):
         for i, message in enumerate(messages):
             if not isinstance(message, dict):

@@ -387,3 +387,15 @@ def test_stream_options_without_a_stream_is_refused_as_vllm_does(client):
         error = _error(client.post(path, json=body))
         assert error["param"] == "stream_options" and "stream: true" in error["message"]
         assert client.post(path, json={**body, "stream": True}).status_code == 200
+
+
+def test_continue_final_message_with_an_explicit_generation_prompt_is_refused_as_vllm_does(client):
+    """vLLM refuses the pair when the client sends both true; `continue_final_message` alone (the generation
+    prompt's default left out) continues the final message, here and there."""
+    messages = [*CHAT, {"role": "assistant", "content": "Hel"}]
+    body = {"model": MODEL, "max_tokens": 1, "messages": messages, "continue_final_message": True}
+    for route in ("/v1/chat/completions", "/tokenize"):
+        error = _error(client.post(route, json={**body, "add_generation_prompt": True}))
+        assert error["param"] == "add_generation_prompt" and "continue_final_message" in error["message"], route
+        assert client.post(route, json=body).status_code == 200, route
+        assert client.post(route, json={**body, "add_generation_prompt": False}).status_code == 200, route
