@@ -13,8 +13,12 @@ Greedy rows accept while the draft equals the target's argmax. Random rows use r
 al. 2023; Chen et al. 2023) with the draft distribution a point mass (the head drafts greedily): draft d is
 accepted with probability p(d) under the target's processed distribution p at that position (temperature,
 top-k/p, min-p, logit bias, min_tokens), and a rejection samples from p with d removed, renormalised; after n
-accepted drafts the last token is drawn from p at the last position. Every output token is thereby distributed
-exactly as without speculation.
+accepted drafts the last token is drawn from p at the last position. For a point mass that rule is one draw:
+x ~ p at the position, the draft kept iff x == d, else x is the row's last token (P(keep) = p(d); given x != d, x
+is distributed as p without d, renormalised). Each position draws x as the sampler without drafts does
+(`sampling.sample_async`'s exponential race, one Exp(1) per vocabulary entry from the sequence's generator), so
+every emitted token costs its generator one draw whatever was drafted: a seeded request draws the same tokens
+with MTP on or off, after a zero-prefill hit, a preemption or a different batch (up to the logits' float noise).
 
 After the step (`MtpDrafter.propose`), the head runs once over every position the step computed (its KV there:
 row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
@@ -167,27 +171,31 @@ def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[Token
 
 
 def _judge_row(seq: Seq, drafts: list[int], first: int, greedy: list[int], probs: torch.Tensor | None) -> tuple:
-    """Accepted drafts then the final token of one sequence whose positions are rows first .. first + n."""
+    """Accepted drafts then the final token of one sequence whose positions are rows first .. first + n: at each
+    position the token the target takes there (greedy: the argmax; random: one draw from p, module docstring),
+    the draft kept while it equals that token."""
+    def take(row: int) -> int:
+        return greedy[row] if seq.params.greedy else _draw(probs[row], seq.generator)
+
     out: list[int] = []
     for j, draft in enumerate(drafts):
-        row = first + j
-        if seq.params.greedy:
-            if draft != greedy[row]:
-                return (*out, greedy[row])
-        else:
-            p = probs[row]
-            if torch.rand((), generator=seq.generator, device=p.device).item() >= p[draft].item():
-                residual = p.clone()
-                residual[draft] = 0.0
-                return (*out, _draw(residual, seq.generator))
-        out.append(draft)
-    row = first + len(drafts)
-    return (*out, greedy[row] if seq.params.greedy else _draw(probs[row], seq.generator))
+        token = take(first + j)
+        if token != draft:
+            return (*out, token)
+        out.append(token)
+    return (*out, take(first + len(drafts)))
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token drawn in proportion to `weights` [vocab] (not necessarily normalised)."""
-    return int(torch.multinomial(weights, 1, generator=generator).item())
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from `probs` [vocab] fp32 by `sample_async`'s exponential race (argmax of probs / E, E ~
+    Exp(1) per entry from `generator`): the same token, and the same use of the generator, as a step without
+    drafts."""
+    noise = torch.empty_like(probs)
+    if generator is None:
+        noise.exponential_()
+    else:
+        noise.exponential_(generator=generator)
+    return int((probs / noise).argmax().item())
 
 
 def assign_drafts(drafted: Sequence[int], proposers: Sequence[Sequence[ScheduledChunk]],

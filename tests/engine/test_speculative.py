@@ -186,6 +186,35 @@ def test_rejection_sampling_keeps_the_target_distribution_exactly(temperature, t
     assert 0 < firsts[drafts[0]] < num  # both branches ran
 
 
+def test_a_seeded_request_draws_the_same_tokens_with_mtp_and_after_a_zero_prefill_hit(small_dir):
+    """Each emitted token costs its sequence's generator one draw whatever was drafted (`speculative._draw`, the
+    sampler's own exponential race): seeded sampling with MTP equals MTP off, and a resend that hits its whole
+    prompt (it samples without a forward, then drafts one step later than its first send) draws the same tokens.
+    Before, a verify row drew a uniform per draft and one more on a rejection: the resend's tokens differed."""
+    prompt = [random.Random(0).randrange(256) for _ in range(170)]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, n=2)
+
+    def two_sends(engine: LLMEngine) -> list:
+        finished = []
+        for request_id in ("first", "again"):
+            engine.add_request(request_id, prompt, params)
+            while engine.has_unfinished_requests():
+                finished += [o for o in engine.step() if o.finished]
+        return finished
+
+    off = two_sends(make_engine(small_dir, None))
+    wanted = [c.token_ids for c in off[0].outputs]
+    assert [c.token_ids for c in off[1].outputs] == wanted and wanted[0] != wanted[1]
+    engine = make_engine(small_dir, 2)
+    oracle(engine, {o.request_id: [c.token_ids for c in o.outputs] for o in off}, seed=5)  # drafts partly right
+    on = two_sends(engine)
+    assert on[1].num_cached_tokens == len(prompt)  # the resend: a zero-prefill hit
+    assert [[c.token_ids for c in o.outputs] for o in on] == [wanted, wanted]
+    stats = engine.drafter.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts kept and drafts rejected
+    engine.check_integrity()
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_dir(tmp_path_factory):
     import transformers
@@ -403,7 +432,7 @@ def test_prefill_chunks_that_do_not_sample_get_no_further_draft_rows(small_dir, 
     dead) and wrote the head's KV ahead of the prefill inside one. Greedy tokens equal those without MTP."""
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     if shape == "one-token-chunks":  # every prefill chunk is one token: the budget is 1
-        options, requests = {"max_num_batched_tokens": 1, "block_size": 8}, [("a", list(range(20)))]
+        options, requests = {"max_num_batched_tokens": 1, "max_num_seqs": 1, "block_size": 8}, [("a", list(range(20)))]
     else:  # b parts from a at 48, one past a's prefill-end checkpoint at 47: b's first chunk is [47, 48)
         options, a_prompt = {"max_num_batched_tokens": 256}, [(7 * i + 3) % 256 for i in range(47)]
         requests = [("a", a_prompt), ("b", None)]
