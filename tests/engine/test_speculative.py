@@ -215,6 +215,28 @@ def test_a_seeded_request_draws_the_same_tokens_with_mtp_and_after_a_zero_prefil
     engine.check_integrity()
 
 
+def test_seeded_sampling_with_mtp_and_preemptions_equals_without_mtp(small_dir):
+    """Four seeded requests in a pool of 16 blocks (preempted and recomputed, the head's drafts rejected) draw
+    the same tokens as without MTP in a pool that holds them all."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(60)] for _ in range(4)]
+
+    def run(k: int | None, num_blocks: int | None) -> tuple[dict, int]:
+        engine = make_engine(small_dir, k, num_blocks=num_blocks, max_num_seqs=4, max_model_len=200)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, SamplingParams(temperature=1.0, seed=100 + i, max_tokens=40,
+                                                              ignore_eos=True))
+        tokens = {}
+        while engine.has_unfinished_requests():
+            tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+        engine.check_integrity()
+        return tokens, engine.stats()["num_preemptions"]
+
+    alone, _ = run(None, None)
+    squeezed, preemptions = run(2, 16)
+    assert preemptions > 0 and squeezed == alone
+
+
 @pytest.fixture(scope="module")
 def tiny_vocab_dir(tmp_path_factory):
     import transformers
