@@ -1,10 +1,10 @@
 """Reading images from what users send: OpenAI-style image URLs, local files, bytes or PIL images.
 
-`load_image(source, limits)` returns a decoded RGB `PIL.Image.Image` or raises `ImageError` (a ValueError) with
-the reason: a source of an unknown kind, a local path outside `limits.allowed_local_media_path` (or any local path
-when none is allowed), an http(s) fetch that fails, times out or exceeds `limits.max_bytes`, bytes that are not
-an image Pillow decodes, an image of 0 pixels, or one of more than `limits.max_pixels` pixels (checked from the
-header, before the pixels are decoded).
+`load_image(source, limits)` returns a decoded RGB `PIL.Image.Image` (transparency composited on white) or raises
+`ImageError` (a ValueError) with the reason: a source of an unknown kind, a local path outside
+`limits.allowed_local_media_path` (or any local path when none is allowed), an http(s) fetch that fails, times out
+or exceeds `limits.max_bytes`, bytes that are not an image Pillow decodes, an image of 0 pixels, or one of more
+than `limits.max_pixels` pixels (checked from the header, before the pixels are decoded).
 
 Accepted sources:
 - `data:image/...;base64,<data>` URIs;
@@ -48,10 +48,11 @@ class MediaLimits:
 def media_limits(limit_mm_per_prompt: dict[str, int] | None, allowed_local_media_path: str | Path | None
                  ) -> MediaLimits:
     """`MediaLimits` from vLLM-style options: `{"image": n}` (other modalities are refused) and a folder."""
-    limits = dict(limit_mm_per_prompt or {})
+    limits = {name: n for name, n in (limit_mm_per_prompt or {}).items() if not (name != "image" and n == 0)}
     images = limits.pop("image", MediaLimits.max_images)
-    if limits:
-        raise ValueError(f"limit_mm_per_prompt names {sorted(limits)}; only 'image' is supported")
+    if limits:  # (a zero limit turns a modality off, as vLLM's docs advise for video: that is the case here)
+        raise ValueError(f"limit_mm_per_prompt names {sorted(limits)}; only 'image' is supported (other "
+                         "modalities only with a limit of 0)")
     if isinstance(images, bool) or not isinstance(images, int) or images < 0:
         raise ValueError(f"limit_mm_per_prompt['image'] must be a non-negative integer, got {images!r}")
     root = None if allowed_local_media_path is None else Path(allowed_local_media_path)
@@ -154,12 +155,23 @@ def _decode(data: bytes, limits: MediaLimits, what: str) -> Any:
         image.load()
     except Exception as error:  # noqa: BLE001 - truncated or corrupt pixel data
         raise ImageError(f"{what} is a corrupt image ({type(error).__name__}: {error})") from None
-    return image.convert("RGB")
+    return _rgb(image)
 
 
 def _checked(image: Any, limits: MediaLimits) -> Any:
     _check_size(image, limits, "the image")
-    return image.convert("RGB")
+    return _rgb(image)
+
+
+def _rgb(image: Any) -> Any:
+    """`image` in RGB, any transparency composited onto white, as transformers' `convert_to_rgb` and vLLM's
+    image loader do (a bare `convert("RGB")` shows what transparent pixels hide, usually black)."""
+    from PIL import Image
+
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
 def _check_size(image: Any, limits: MediaLimits, what: str) -> None:

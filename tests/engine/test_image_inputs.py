@@ -105,6 +105,29 @@ def test_media_limits_options():
     assert media_limits({"image": 3}, None).max_images == 3
     with pytest.raises(ValueError, match="only 'image'"):
         media_limits({"video": 1}, None)
+    # a zero limit turns a modality off, as vLLM's docs advise (`{"video": 0}`): what this engine does anyway
+    assert media_limits({"image": 4, "video": 0}, None).max_images == 4
+    assert media_limits({"video": 0, "audio": 0}, None) == MediaLimits()
+
+
+def test_transparency_is_composited_on_white_as_transformers_and_vllm_do():
+    """A black glyph on a transparent background: `convert("RGB")` alone showed the transparent pixels' hidden
+    black (the model saw an all-black picture); transformers' `convert_to_rgb` and vLLM's loader composite onto
+    white. Also a palette image with a transparent index, and an opaque one unchanged."""
+    pixels = np.zeros((8, 8, 4), np.uint8)
+    pixels[2:6, 3:5] = (0, 0, 0, 255)
+    pixels[0, 0] = (200, 0, 0, 128)  # half transparent red over white
+    buffer = io.BytesIO()
+    PIL.fromarray(pixels, "RGBA").save(buffer, format="PNG")
+    for source in (buffer.getvalue(), PIL.fromarray(pixels, "RGBA")):
+        got = np.asarray(load_image(source, MediaLimits())).astype(int)
+        assert got[7, 7].tolist() == [255, 255, 255] and got[3, 3].tolist() == [0, 0, 0]
+        assert abs(got[0, 0] - [227, 127, 127]).max() <= 1
+    palette = PIL.fromarray(pixels[..., :3]).convert("P")
+    palette.info["transparency"] = palette.getpixel((7, 7))
+    assert np.asarray(load_image(palette, MediaLimits()))[7, 7].tolist() == [255, 255, 255]
+    opaque = PIL.fromarray(pixels[..., :3], "RGB")
+    assert np.array_equal(np.asarray(load_image(opaque, MediaLimits())), pixels[..., :3])
     with pytest.raises(ValueError, match="non-negative integer"):
         media_limits({"image": -1}, None)
     with pytest.raises(ValueError, match="not a folder"):
