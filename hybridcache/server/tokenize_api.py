@@ -1,7 +1,8 @@
 """vLLM's tokenizer routes and version route.
 
     POST /tokenize     {"prompt": text} or {"messages": [...], "tools", "add_generation_prompt", ...} (rendered by
-                       the chat template) -> {"count", "max_model_len", "tokens", "token_strs"}; `return_token_strs`
+                       the chat template, images expanded into their tokens, as a chat request's prompt) ->
+                       {"count", "max_model_len", "tokens", "token_strs"}; `return_token_strs`
                        adds each token's own decode. `add_special_tokens` is accepted (the tokenizer adds none).
     POST /detokenize   {"tokens": [...]} -> {"prompt": text}
     GET  /version      {"version": the package version}
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from hybridcache.server.chat_images import image_request
 from hybridcache.server.errors import APIError
 from hybridcache.server.protocol import ChatCompletionRequest, TokenId, parse_request
 
@@ -66,18 +68,15 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             routes.check_prompt_bytes([body.prompt], "prompt")
             tokens = (await routes._encode([body.prompt]))[0]
         else:
+            # rendered and its images expanded as a chat request's prompt is (vLLM's /tokenize runs the image
+            # processor too), so the count is what /v1/chat/completions bills
             chat: ChatCompletionRequest = parse_request(ChatCompletionRequest, {**data, "stream": False})
-            template_kwargs = chat.template_kwargs(routes.config.default_chat_template_kwargs)
-            try:
-                text = tokenizer.apply_chat_template(
-                    [m.as_template_input() for m in chat.messages], add_generation_prompt=chat.add_generation_prompt,
-                    tools=chat.tool_dicts(), continue_final_message=chat.continue_final_message,
-                    template_kwargs=template_kwargs)
-            except Exception as error:  # noqa: BLE001 - template errors are the client's
-                raise APIError(400, f"the chat template could not render these messages: {error}",
-                               param="messages") from None
-            routes.check_prompt_bytes([text], "messages")
-            tokens = (await routes._encode([text]))[0]
+            chat_prompt, images, _ = await routes.in_pool(routes._render_chat, chat)
+            routes.check_prompt_bytes([chat_prompt.text], "messages")
+            tokens = (await routes._encode([chat_prompt.text]))[0]
+            if images:
+                tokens, _ = await asyncio.to_thread(image_request, routes.model.image_processor, tokens, images,
+                                                    routes.model.media_limits)
         strs = None
         if body.return_token_strs:  # one decode per token: on the tokenizer threads too
             strs = await asyncio.get_running_loop().run_in_executor(

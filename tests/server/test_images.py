@@ -191,3 +191,12 @@ def vl_server_url(client) -> str:
 
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_tokenize_counts_an_image_chat_as_the_chat_bills_it(client, vl_server):
+    """/tokenize of messages holding an image expands the image into its tokens, as vLLM's does: the count equals
+    the chat's usage.prompt_tokens (it counted one placeholder per image)."""
+    messages = image_message(data_uri(png_bytes(48, 64, seed=3)), text="What is this?")
+    chat = client.chat.completions.create(model=model_name(client), messages=messages, max_tokens=1)
+    counted = httpx.post(f"{vl_server.base_url}/tokenize", json={"messages": messages}, timeout=60).json()
+    assert counted["count"] == chat.usage.prompt_tokens > 40
