@@ -4,8 +4,9 @@
     write_fp8_folder(dense_dir, out_dir, "channel")   compressed-tensors FP8_DYNAMIC (per-channel weights)
 
 Every 2-D `X.weight` of a linear layer is quantised (`kernels/gemm/reference.py::quantize`) except those Qwen's FP8
-checkpoints keep dense (`quant.keeps_dtype`: lm_head, the router and shared-expert gates, DeltaNet's in_proj_a/b/ba)
-and the embedding; `X.weight_scale_inv` (block) or `X.weight_scale` (channel) is written beside it, and
+checkpoints keep dense (`quant.keeps_dtype`: lm_head, the router and shared-expert gates, DeltaNet's in_proj_a/b/ba),
+the embedding and a VL folder's vision tower (`model.visual.*`, dense in Qwen's FP8 VL releases and read dense by
+`vision_loader.py`); `X.weight_scale_inv` (block) or `X.weight_scale` (channel) is written beside it, and
 `config.json` gets the matching `quantization_config` (with the kept modules in `modules_to_not_convert` or
 `ignore`). Other files (tokenizer, generation config) are copied.
 """
@@ -42,10 +43,13 @@ def quantized_config(fmt: Fp8Format, kept: list[str]) -> dict:
             "global_compression_ratio": None, "sparsity_config": {}}
 
 
+DENSE_PREFIXES = ("model.visual.",)  # the vision tower: Qwen's FP8 VL releases keep it dense, as vision_loader reads it
+
+
 def is_quantized_weight(name: str, tensor: torch.Tensor) -> bool:
-    """A linear layer's 2-D weight that the FP8 folders quantise."""
+    """A linear layer's 2-D weight that the FP8 folders quantise (not the vision tower's: `DENSE_PREFIXES`)."""
     return (name.endswith(".weight") and tensor.dim() == 2 and "embed_tokens" not in name
-            and not keeps_dtype(name[: -len(".weight")]))
+            and not name.startswith(DENSE_PREFIXES) and not keeps_dtype(name[: -len(".weight")]))
 
 
 def quantize_tensors(tensors: dict[str, torch.Tensor], fmt: Fp8Format) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -23,12 +23,12 @@ cannot be read (naming the file). All checks read only safetensors headers, befo
 
 FP8 checkpoints (`hybridcache.models.quant`): the linears whose checkpoint weight has a scale beside it become
 `Fp8Linear`s on the meta model before the checks, so their `weight` (float8_e4m3fn) and scale are planned and
-copied like any parameter; `quantization="fp8"` quantises a dense checkpoint's linears after they are read (under
-tensor parallelism each rank its own shard). `load_format="dummy"` reads no weights: random ones are drawn on the
-device (`randomize_`), FP8 linears quantised from their draws (a benchmark model that no disk could hold). With
-tensor parallelism each rank draws every full tensor of the one-rank model in `randomize_`'s order (an FP8 weight
-quantised whole, as `randomize_` does) and reads its shard of it as of a checkpoint tensor, so the ranks hold
-exactly the one-rank dummy model's shards.
+copied like any parameter (UE8M0 block scales, float8_e8m0fnu, as their fp32 values: exact); `quantization="fp8"`
+quantises a dense checkpoint's linears after they are read (under tensor parallelism each rank its own shard).
+`load_format="dummy"` reads no weights: random ones are drawn on the device (`randomize_`), FP8 linears quantised
+from their draws (a benchmark model that no disk could hold). With tensor parallelism each rank draws every full
+tensor of the one-rank model in `randomize_`'s order (an FP8 weight quantised whole, as `randomize_` does) and
+reads its shard of it as of a checkpoint tensor, so the ranks hold exactly the one-rank dummy model's shards.
 
 Tensor parallel (`tp`): the checks run against the full model's shapes (`one_rank_twin`); then each of our
 parameters named in `checkpoint_shards` is read as the rank's ranges of its checkpoint tensor only (safetensors
@@ -92,15 +92,36 @@ def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
 def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path], read: bool,
                   rename: Callable[[str], str]) -> dict[str, float]:
     """Take the per-layer FP8 KV scale tensors (`quant.is_kv_scale`) out of `shapes` (they are no weights); with
-    `read`, their values by `rename(checkpoint name)`, else {}."""
+    `read`, their values by `rename(checkpoint name)`, else {}.
+
+    A scale holds one number, or one per KV head (llm-compressor's `kv_cache_scheme.strategy: "attn_head"`,
+    shape [num_kv_heads]); our attention layers scale a whole layer's K (V) by one number, so per-head scales
+    are merged into their max, as vLLM does where its backend holds one scale per layer (compressed-tensors
+    `process_weights_after_loading`), with one warning per call saying so. ValueError naming the tensor for an
+    empty scale or one with a value that is not positive and finite."""
     from safetensors import safe_open
 
     scales = {}
+    per_head = []
     for name in [name for name in shapes if quant.is_kv_scale(name)]:
-        del shapes[name]
-        if read:
-            with safe_open(str(location[name]), framework="pt") as handle:
-                scales[rename(name)] = float(handle.get_tensor(name).float().reshape(-1)[0])
+        shape = shapes.pop(name)
+        if not read:
+            continue
+        with safe_open(str(location[name]), framework="pt") as handle:
+            values = handle.get_tensor(name).float().reshape(-1)
+        if values.numel() == 0:
+            raise ValueError(f"checkpoint FP8 KV scale {name!r} in {location[name]} is empty (shape {list(shape)}); "
+                             "it must hold one scale, or one per KV head")
+        if not bool(torch.isfinite(values).all() and (values > 0).all()):
+            raise ValueError(f"checkpoint FP8 KV scale {name!r} in {location[name]} (shape {list(shape)}) holds "
+                             f"{values.tolist()[:8]}: an FP8 KV scale must be positive and finite")
+        if values.numel() > 1:
+            per_head.append((name, shape))
+        scales[rename(name)] = float(values.max())
+    if per_head:
+        _logger.warning("%d FP8 KV scale tensors in %s hold one scale per KV head (e.g. %r, shape %s); each layer "
+                        "stores its K and V with one scale, so they are merged into their max (as vLLM does)",
+                        len(per_head), location[per_head[0][0]].parent, per_head[0][0], list(per_head[0][1]))
     return scales
 
 
@@ -236,6 +257,8 @@ def _copy_one(
 ) -> None:
     """Copy one planned parameter: its `shard`'s ranges of `source` (the whole tensor without a shard)."""
     parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
+    # UE8M0 block scales (powers of two) are read as fp32, exactly (`quant.check_fp8_dtypes`)
+    parts = [part.float() if part.dtype == torch.float8_e8m0fnu else part for part in parts]
     if shard is not None and shard.padding:  # rows past the checkpoint's: zeros
         param.narrow(shard.dim, shard.data_length, shard.padding).zero_()
         param = param.narrow(shard.dim, 0, shard.data_length)
@@ -323,7 +346,8 @@ def load_model(
     rank's shard of it (see `hybridcache.layers.parallel`), reading only the rank's part of each tensor.
     FP8 linears keep their FP8 weights and fp32 scales whatever `dtype` is. `quantization` ("fp8" or None) and
     `load_format` ("auto" or "dummy"): see the module docstring. `kv_fp8`: the attention layers store FP8 KV
-    with the checkpoint's per-layer `self_attn.k_scale` / `v_scale` (else 1.0); those tensors are read only then.
+    with the checkpoint's per-layer `self_attn.k_scale` / `v_scale` (else 1.0; per-head ones merged into their
+    max: `pop_kv_scales`); those tensors are read only then.
     """
     from safetensors import safe_open
 

@@ -8,7 +8,12 @@ Formats read from `config.json`'s `quantization_config` (`checkpoint_format`):
   `X.weight_scale_inv` [ceil(out/128), ceil(in/128)]; experts per expert (`mlp.experts.{e}.*_proj`).
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"`: every config group's weights 8-bit float,
   `strategy: "channel"`, symmetric, static; input activations absent or dynamic per token (FP8_DYNAMIC);
-  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1].
+  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1]. A group that targets attention modules only and
+  quantises no weights (llm-compressor's attention / KV quantisation, `targets: ["Qwen3_5Attention"]`) is skipped
+  with a warning, as vLLM does: FP8 KV comes from `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
+
+Block scales may be UE8M0 (float8_e8m0fnu, safetensors `F8_E8M0`: powers of two, as transformers' fine-grained FP8
+accepts for `weight_scale_inv`); they are read as fp32 (exact), so such a folder loads as its fp32-scale twin.
 
 Which linears are FP8 is read from the checkpoint itself: exactly those with a scale tensor beside their weight
 (`fp8_modules`), so `modules_to_not_convert` / `ignore` lists need not be interpreted. `--quantization fp8` on a
@@ -22,6 +27,7 @@ the blocks the rank's rows or columns cover, which must be whole (a split that c
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -37,6 +43,7 @@ from hybridcache.layers.linear import Fp8Linear
 from hybridcache.layers.parallel import Shard
 from hybridcache.models.config import read_json_object
 
+_logger = logging.getLogger(__name__)
 QUANTIZATIONS = ("fp8",)  # `--quantization` values: quantise a bf16 checkpoint at load
 # Linears that FP8 checkpoints keep in the model dtype (Qwen3-Next-80B-A3B-FP8's modules_to_not_convert).
 _KEEPS_DTYPE = re.compile(r"(^lm_head$|\.mlp\.gate$|\.shared_expert_gate$|\.in_proj_(a|b|ba)$)")
@@ -94,6 +101,11 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups")
     for name, group in groups.items():
+        if _attention_only(group):
+            _logger.warning("compressed-tensors group %r (targets %s) quantises attention, not linear weights: "
+                            "skipped, as vLLM does (FP8 KV is --kv-cache-dtype fp8, with the checkpoint's "
+                            "k_scale / v_scale)", name, group.get("targets"))
+            continue
         weights = group.get("weights") or {}
         wanted = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
         wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key, value) != value}
@@ -108,6 +120,15 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:
     return CHANNEL
 
 
+def _attention_only(group: Mapping[str, Any]) -> bool:
+    """A compressed-tensors config group that targets attention modules only (llm-compressor's attention / KV
+    quantisation, e.g. `targets: ["Qwen3_5Attention"]`) and quantises no weights: vLLM skips it
+    (`CompressedTensorsConfig.from_config`: attention quantisation is coupled with the KV cache's)."""
+    targets = group.get("targets") or []
+    return (not group.get("weights") and bool(targets)
+            and all(isinstance(target, str) and target.endswith("Attention") for target in targets))
+
+
 def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
     """The module names (checkpoint spelling) whose weight is FP8: those with `<name>.<fmt.scale_name>`."""
     suffix = "." + fmt.scale_name
@@ -117,19 +138,31 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
 def check_fp8_dtypes(dtypes: Mapping[str, str], fp8: Iterable[str]) -> None:
     """ValueError naming the tensors when the checkpoint's float8 tensors (safetensors dtype `F8_E4M3`) are not
     exactly the weights of the `fp8` modules: an FP8 weight without a scale (or without a quantization_config)
-    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values; and a
-    float8_e5m2 tensor (`F8_E5M2`) is refused, since the formats read here are e4m3 (a cast by value would
-    saturate past e4m3's 448)."""
+    would load as unscaled numbers, a scale beside a dense weight would be applied to the wrong values, a scale
+    whose weight is missing has nothing to scale; and a float8_e5m2 tensor (`F8_E5M2`) is refused, since the
+    formats read here are e4m3 (a cast by value would saturate past e4m3's 448). UE8M0 block scales
+    (float8_e8m0fnu, `F8_E8M0`: powers of two, which transformers' fine-grained FP8 also reads as
+    `weight_scale_inv`) are accepted there only; the loader reads them as their fp32 values (exact)."""
+    fp8 = list(fp8)
     if e5m2 := sorted(name for name, dtype in dtypes.items() if dtype == "F8_E5M2"):
         raise ValueError(f"checkpoint tensors {e5m2[:5]} are float8_e5m2; the FP8 formats this engine reads hold "
                          "float8_e4m3fn weights")
     want = {f"{name}.weight" for name in fp8}
-    have = {name for name, dtype in dtypes.items() if dtype.startswith("F8")}
-    if unscaled := sorted(have - want):
+    if missing := sorted(want - dtypes.keys()):
+        raise ValueError(f"checkpoint tensors {missing[:5]} are missing: the checkpoint holds their FP8 scales "
+                         "but not the weights they scale")
+    block_scales = {f"{name}.weight_scale_inv" for name in fp8}
+    have = {name for name, dtype in dtypes.items()
+            if dtype.startswith("F8") and not (dtype == "F8_E8M0" and name in block_scales)}
+    if unscaled := sorted(name for name in have - want if dtypes[name] != "F8_E8M0"):
         raise ValueError(f"checkpoint tensors {unscaled[:5]} are float8 without a scale this engine reads (a "
                          "`weight_scale_inv` / `weight_scale` beside them and a quantization_config naming the format)")
+    if ue8m0 := sorted(have - want):
+        raise ValueError(f"checkpoint tensors {ue8m0[:5]} are float8_e8m0fnu (UE8M0); this engine reads that dtype "
+                         "only as block scales (`weight_scale_inv` beside a float8_e4m3fn weight, quant_method fp8)")
     if dense := sorted(want - have):
-        raise ValueError(f"checkpoint tensors {dense[:5]} have an FP8 scale beside them but are not float8_e4m3fn")
+        raise ValueError(f"checkpoint tensors {dense[:5]} have an FP8 scale beside them but are not float8_e4m3fn "
+                         f"(they are {sorted({dtypes[name] for name in dense})})")
 
 
 def quantizable_linears(model: nn.Module) -> list[str]:

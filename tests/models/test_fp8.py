@@ -287,3 +287,173 @@ def test_fp8_tensors_of_ignored_modules_are_ignored(dense_dir, tmp_path):
     tensors["mtp.fc.weight"], tensors["mtp.fc.weight_scale_inv"] = quantize(torch.randn(64, 128), BLOCK)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     assert fp8_linears(load_model(folder))
+
+
+def _edit_tensors(folder, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+
+
+def _tensor_names(folder) -> list[str]:
+    from safetensors import safe_open
+
+    (shard,) = folder.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as handle:
+        return sorted(handle.keys())
+
+
+def _attention_prefixes(folder) -> list[str]:
+    """The checkpoint prefixes `...self_attn.` of the folder's attention layers."""
+    suffix = ".self_attn.v_proj.weight"
+    return [name[: -len("v_proj.weight")] for name in _tensor_names(folder) if name.endswith(suffix)]
+
+
+def test_per_head_kv_scales_are_merged_into_their_max(dense_dir, tmp_path, caplog):
+    """llm-compressor's `kv_cache_scheme.strategy: "attn_head"` stores k_scale / v_scale per KV head; our layers
+    hold one scale each, so they take the max, as vLLM does (the first head's alone was taken: wrong outputs);
+    one warning says so. A scalar scale beside them is read as it is."""
+    import shutil
+
+    folder = tmp_path / "kv"
+    shutil.copytree(dense_dir, folder)
+    num_kv_heads = json.loads((folder / "config.json").read_text())["num_key_value_heads"]
+    first, *others = _attention_prefixes(folder)
+    k_heads = torch.linspace(0.5, 2.0, num_kv_heads)  # head 0 smallest: its scale alone clips the others
+    v_heads = torch.linspace(3.0, 0.25, num_kv_heads)
+
+    def edit(tensors):
+        tensors[first + "k_scale"], tensors[first + "v_scale"] = k_heads, v_heads
+        for prefix in others:
+            tensors[prefix + "k_scale"], tensors[prefix + "v_scale"] = torch.tensor(0.75), torch.tensor([0.125])
+
+    _edit_tensors(folder, edit)
+    with caplog.at_level("WARNING", logger="hybridcache.models.loader"):
+        model = load_model(folder, kv_fp8=True)
+    modules = dict(model.named_modules())
+    assert (modules[first[:-1]].k_scale, modules[first[:-1]].v_scale) == (2.0, 3.0)
+    for prefix in others:
+        assert (modules[prefix[:-1]].k_scale, modules[prefix[:-1]].v_scale) == (0.75, 0.125)
+    warnings = [r.getMessage() for r in caplog.records if "per KV head" in r.getMessage()]
+    assert len(warnings) == 1 and "max" in warnings[0] and first + "k_scale" in warnings[0]
+
+
+@pytest.mark.parametrize("value, message", [
+    ([], r"is empty \(shape \[0\]\)"),
+    ([1.0, float("nan")], r"\(shape \[2\]\) holds \[1.0, nan\]"),
+    ([0.5, -1.0], r"\(shape \[2\]\) holds \[0.5, -1.0\]"),
+    (0.0, r"\(shape \[\]\) holds \[0.0\]"),
+    (float("inf"), r"\(shape \[\]\) holds \[inf\]"),
+], ids=["empty", "nan-head", "negative-head", "zero", "inf"])
+def test_malformed_kv_scales_are_refused_naming_the_tensor(dense_dir, tmp_path, value, message):
+    """An empty KV scale was an IndexError naming nothing; a bad value past head 0 loaded unseen. Without
+    kv_fp8 the scales are not read."""
+    import shutil
+
+    folder = tmp_path / "kv"
+    shutil.copytree(dense_dir, folder)
+    prefix = _attention_prefixes(folder)[0]
+    _edit_tensors(folder, lambda tensors: tensors.update({prefix + "k_scale": torch.tensor(value)}))
+    with pytest.raises(ValueError, match=re.escape(f"FP8 KV scale '{prefix}k_scale'") + ".*" + message):
+        load_model(folder, kv_fp8=True)
+    load_model(folder)
+
+
+def test_an_attention_only_compressed_tensors_group_is_skipped(dense_dir, tmp_path, caplog):
+    """llm-compressor's attention / KV quantisation group (targets one `...Attention` class, no weights, static
+    per-head input activations) beside the FP8_DYNAMIC group: vLLM skips it with a warning; it was refused."""
+    folder = write_fp8_folder(dense_dir, tmp_path / "channel", "channel")
+    config = json.loads((folder / "config.json").read_text())
+    acts = {"num_bits": 8, "type": "float", "strategy": "attn_head", "symmetric": True, "dynamic": False}
+    config["quantization_config"]["config_groups"]["group_1"] = {
+        "targets": ["Qwen3_5Attention"], "weights": None, "input_activations": acts, "output_activations": None}
+    config["quantization_config"]["kv_cache_scheme"] = acts
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="hybridcache.models.quant"):
+        model = load_model(folder)
+    assert any("'group_1'" in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    plain = load_model(write_fp8_folder(dense_dir, tmp_path / "plain", "channel"))
+    assert set(fp8_linears(model)) == set(fp8_linears(plain))
+    assert {m.fmt for m in fp8_linears(model).values()} == {CHANNEL}
+    config["quantization_config"]["config_groups"]["group_1"]["weights"] = {"num_bits": 4, "type": "int"}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="group 'group_1': weights"):  # a group with weights is still checked
+        load_model(folder)
+
+
+def test_a_missing_fp8_weight_beside_its_scale_is_named_missing(dense_dir, tmp_path):
+    folder = write_fp8_folder(dense_dir, tmp_path / "block", "block")
+    name = next(n for n in _tensor_names(folder) if n.endswith(".weight_scale_inv"))[: -len("_scale_inv")]
+    _edit_tensors(folder, lambda tensors: tensors.pop(name))
+    with pytest.raises(ValueError, match=re.escape(f"['{name}'] are missing")):  # was "are not float8_e4m3fn"
+        load_model(folder)
+
+
+def test_ue8m0_block_scales_load_as_their_fp32_twin(dense_dir, tmp_path):
+    """Block scales stored as float8_e8m0fnu (safetensors F8_E8M0, which transformers' fine-grained FP8 reads for
+    `weight_scale_inv`) are powers of two: read as fp32 they are exact, and the folder gives the logits of its twin
+    with the same scales in fp32 (they were refused as "float8 without a scale"). UE8M0 anywhere else is refused."""
+    import shutil
+
+    fp32 = write_fp8_folder(dense_dir, tmp_path / "fp32", "block")
+    _edit_tensors(fp32, lambda tensors: tensors.update({
+        name: torch.exp2(torch.log2(t).ceil()) for name, t in tensors.items() if name.endswith(".weight_scale_inv")}))
+    ue8m0 = tmp_path / "ue8m0"
+    shutil.copytree(fp32, ue8m0)
+    _edit_tensors(ue8m0, lambda tensors: tensors.update({
+        name: t.to(torch.float8_e8m0fnu) for name, t in tensors.items() if name.endswith(".weight_scale_inv")}))
+    twin, ours = load_model(fp32), load_model(ue8m0)
+    assert fp8_linears(ours) and all(m.scale.dtype == torch.float32 for m in fp8_linears(ours).values())
+    for (name, a), (_, b) in zip(fp8_linears(ours).items(), fp8_linears(twin).items(), strict=True):
+        assert torch.equal(a.scale, b.scale), name
+    tokens = random_tokens(40, 1)
+    assert torch.equal(PagedRunner(ours, 16, 8).step([(0, tokens)])[0], PagedRunner(twin, 16, 8).step([(0, tokens)])[0])
+
+    norm = next(n for n in _tensor_names(ue8m0) if n.endswith("norm.weight"))
+    _edit_tensors(ue8m0, lambda t: t.update({norm: torch.ones_like(t[norm]).to(torch.float8_e8m0fnu)}))
+    with pytest.raises(ValueError, match=re.escape(f"['{norm}'] are float8_e8m0fnu")):
+        load_model(ue8m0)
+
+
+@pytest.mark.parametrize("kind", ["block", "channel"])
+def test_fp8_twin_of_a_vl_folder_keeps_its_vision_tower_dense_and_runs(tmp_path, kind):
+    """`write_fp8_folder` of an image-text folder keeps `model.visual.*` dense, as Qwen's FP8 VL releases do (it
+    quantised them, and the vision loader, which reads dense weights, refused the folder); the twin's tower equals
+    the dense one's, its language model is FP8, and the engine answers a prompt with an image."""
+    from safetensors import safe_open
+
+    from hybridcache.config import EngineConfig
+    from hybridcache.engine.engine import LLMEngine
+    from hybridcache.models.vision_loader import load_vision_tower
+    from hybridcache.models.vl_folders import write_tiny_vl_model
+    from hybridcache.multimodal import MultimodalInput
+    from hybridcache.sampling import SamplingParams
+
+    dense = write_tiny_vl_model(tmp_path / "dense")
+    fp8 = write_fp8_folder(dense, tmp_path / kind, kind)
+    (shard,) = fp8.glob("*.safetensors")
+    with safe_open(str(shard), framework="pt") as handle:
+        visual = [name for name in handle.keys() if name.startswith("model.visual.")]  # noqa: SIM118
+        assert visual and not [n for n in visual if handle.get_slice(n).get_dtype().startswith("F8")]
+    ours, want = load_vision_tower(fp8), load_vision_tower(dense)
+    for (name, a), (_, b) in zip(ours.state_dict().items(), want.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert fp8_linears(load_model(fp8))
+
+    engine = LLMEngine(fp8, EngineConfig(block_size=16, kernel_block_size=8))
+    vision = engine.vision.tower.config
+    grid = (1, 4, 4)
+    pixels = torch.randn(16, vision.patch_dim, generator=torch.Generator().manual_seed(0))
+    start = 5
+    num_image_tokens = 4  # 16 patches merged 2 x 2
+    ids = (random_tokens(start - 1, 2) + [vision.vision_start_token_id] + [vision.image_token_id] * num_image_tokens
+           + [vision.vision_end_token_id] + random_tokens(6, 3))
+    span = MultimodalInput(start, start + num_image_tokens, "img", grid=grid, merge=2, pixel_values=pixels)
+    engine.add_request("r", ids, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), mm_inputs=[span])
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [output for output in engine.step() if output.finished]
+    assert len(finished) == 1 and len(finished[0].outputs[0].token_ids) == 3
