@@ -141,11 +141,14 @@ class IncrementalDetokenizer:
 
     def shown(self, finished: bool) -> str:
         """`text` as an output shows it: until the completion is `finished` (or a stop string is found), without
-        its last max(len(stop)) - 1 characters, so that the start of a stop string is never shown before the text
-        is cut there (vLLM's stop buffer; none with `include_stop`). Stop ("END",): texts "ab E", "ab EN" show as
-        "ab", "ab "; the final text "ab " follows each."""
-        text = self.text
-        if finished or self._stop_at is not None or self._include_stop or not self._stop:
+        the bytes of a character not yet complete (no U+FFFD that a later token replaces, as vLLM's detokenizer)
+        and without its last max(len(stop)) - 1 characters, so that the start of a stop string is never shown
+        before the text is cut there (vLLM's stop buffer; none with `include_stop`). Stop ("END",): texts "ab E",
+        "ab EN" show as "ab", "ab "; the final text "ab " follows each."""
+        if finished or self._stop_at is not None:
+            return self.text
+        text = self._emitted
+        if self._include_stop or not self._stop:
             return text
         return text[: max(0, len(text) - (max(map(len, self._stop)) - 1))]
 

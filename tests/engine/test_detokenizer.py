@@ -132,6 +132,24 @@ def test_a_streaming_text_holds_back_what_may_begin_a_stop_string(tokenizer, inc
         assert shown[:-1] == ["", "", "a", "ab", "ab "][: len(shown) - 1]
 
 
+@pytest.mark.parametrize("stop", [(), ("\u00e9",)], ids=["no-stop", "stop-at-the-split-character"])
+def test_a_streaming_text_never_shows_the_bytes_of_a_character_not_yet_complete(tokenizer, stop):
+    """"ab\u00e9cd" with a byte tokenizer: the first byte of "\u00e9" decodes to U+FFFD until the second comes.
+    Shown while running, that U+FFFD was later replaced ("ab\ufffd", then "ab\u00e9"), or with the stop string
+    "\u00e9" cut away ("ab\ufffd", then "ab"): a consumer of deltas kept U+FFFD and lost the character."""
+    ids = tokenizer.encode("ab\u00e9cd")
+    text = detokenizer_for(tokenizer, SamplingParams(stop=stop))
+    shown = []
+    for token in ids:
+        stopped = text.add(token)
+        shown.append(text.shown(finished=stopped))
+        if stopped:
+            break
+    final = shown[-1]
+    assert final == ("ab" if stop else "ab\u00e9cd")
+    assert all(final.startswith(s) and "\ufffd" not in s for s in shown), shown
+
+
 def test_engine_outputs_while_running_are_prefixes_of_the_final_text():
     """`LLMEngine.step`'s outputs (the offline streaming API): a greedy completion on the built-in model, with a
     stop string taken from its own text, shows at every step a prefix of the text it ends with."""
