@@ -290,6 +290,7 @@ class _Routes:
             in_reasoning=in_reasoning,
             parse_tools=bool(tools) and body.effective_tool_choice() != "none",
             tools=tools,
+            parallel_tool_calls=body.parallel_tool_calls,
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               num_logprobs=params.logprobs or 0, prompt_logprobs=body.prompt_logprobs,

@@ -19,12 +19,15 @@ from hybridcache.server.tool_parsers import ToolCall, ToolCallStream
 @dataclass(frozen=True)
 class ChatOutputOptions:
     """split_reasoning: a reasoning parser is on; in_reasoning: the prompt left a think block open.
-    parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions."""
+    parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions.
+    parallel_tool_calls: false keeps only the first call (index 0), whole or streamed, as vLLM's
+    `maybe_filter_parallel_tool_calls` (the rest are parsed, and dropped)."""
 
     split_reasoning: bool = False
     in_reasoning: bool = False
     parse_tools: bool = False
     tools: list[dict] | None = None
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -66,7 +69,8 @@ class ChoiceStream:
             content = parts.content
         if self._tools is not None:
             delta.content = self._tools.feed(content, finished)
-            delta.tool_calls = self._tools.new_calls()
+            calls = self._tools.new_calls()
+            delta.tool_calls = calls if self.options.parallel_tool_calls else [c for c in calls if c[0] == 0]
         elif content.startswith(self._content_seen):
             delta.content = content[len(self._content_seen):]
             self._content_seen = content

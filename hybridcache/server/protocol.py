@@ -297,9 +297,12 @@ class VideoURLPart(BaseModel):
 
 
 class FunctionCall(BaseModel):
+    """An earlier call's function; `arguments` null or "" (a call without arguments, as some clients send it back)
+    is `{}`, as vLLM reads it."""
+
     model_config = _CONFIG
     name: str
-    arguments: str | dict[str, Any] = "{}"
+    arguments: str | dict[str, Any] | None = "{}"
 
 
 class ToolCallMessage(BaseModel):
@@ -362,9 +365,14 @@ class ChatMessage(BaseModel):
         return message
 
 
-def _arguments(arguments: str | dict[str, Any]) -> str | dict[str, Any]:
+def _arguments(arguments: str | dict[str, Any] | None) -> str | dict[str, Any]:
+    """Arguments as a template takes them: an object where they are one or JSON text of one; none (null, "" or
+    blanks) is `{}`, as vLLM has it (the template wrote `"arguments": }`, or failed iterating over ""); other text
+    as it is."""
     if isinstance(arguments, dict):
         return arguments
+    if arguments is None or not arguments.strip():
+        return {}
     try:
         parsed = json.loads(arguments)
     except json.JSONDecodeError:

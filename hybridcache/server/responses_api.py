@@ -20,6 +20,7 @@ Streamed, the body is server-sent events `event: <type>` / `data: <json>`: `resp
 `response.content_part.done`, `response.function_call_arguments.delta` + `.done`) and
 `response.output_item.done`, and last `response.completed` with the whole response (as vLLM sends it, also when
 `max_output_tokens` cut the answer: its `status` is then "incomplete"); every event carries a `sequence_number`.
+A timeout, an engine failure or any other error mid-stream ends the stream with an `error` event instead.
 
 Usage: `input_tokens` (with `input_tokens_details.cached_tokens`: what the prefix cache skipped),
 `output_tokens` (with `output_tokens_details.reasoning_tokens`: the reasoning text's tokens, re-encoded),
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -55,6 +57,7 @@ if TYPE_CHECKING:
     from hybridcache.server.app import _Routes
     from hybridcache.server.responses import Rendering
 
+logger = logging.getLogger("hybridcache.server")
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
@@ -132,9 +135,11 @@ def _reasoning_text(item: dict[str, Any], param: str) -> str:
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The request's `input` as chat messages (the chat completions request's `messages`). Consecutive function
-    calls join one assistant message (parallel calls); a reasoning item's text goes with the next assistant
-    message."""
+    """The request's `input` as chat messages (the chat completions request's `messages`). A function call joins
+    the assistant message just before it (an assistant text's or an earlier call's: one turn's `[message,
+    function_call, ...]` output items are one assistant message, as vLLM merges them and as the chat request
+    sends that turn); a reasoning item's text goes with the next assistant message (a function call after one
+    starts a new message)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     messages: list[dict[str, Any]] = []
@@ -157,8 +162,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(call["function"]["name"], str) or not isinstance(call["id"], str):
                 raise APIError(400, "a function_call item needs 'call_id' and 'name'", param=param)
             last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            if last is not None and last["role"] == "assistant" and not reasoning:
+                last.setdefault("tool_calls", []).append(call)
             else:
                 message = {"role": "assistant", "content": None, "tool_calls": [call]}
                 if reasoning:
@@ -539,6 +544,11 @@ class _Run:
             return
         except EngineFailure as error:
             yield self._event("error", code="engine_failure", message=str(error), param=None)
+            return
+        except Exception as error:  # a bug while building an event: an error event, not a cut connection
+            logger.exception("streaming %s failed", self.response_id)
+            yield self._event("error", code="internal_error", message=f"internal error: {type(error).__name__}: "
+                              f"{error}", param=None)
             return
         if final is None:
             return

@@ -1,9 +1,12 @@
 """The server-sent events of one streaming completions or chat response (app.py runs the requests): a chunk per
 choice as its text grows, the finish reason and vLLM's `stop_reason` on its last chunk, usage as the client asked
-(`UsageMode`), and `data: [DONE]`; an engine failure or timeout mid-stream is a final error event."""
+(`UsageMode`), and `data: [DONE]`; an engine failure or timeout mid-stream is a final error event, and so is any
+other error raised while the stream runs (logged; a 500 event, as the non-streamed answer would be), so the client
+never sees a connection cut without `[DONE]`."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import NamedTuple
 
@@ -15,6 +18,8 @@ from hybridcache.server.errors import error_body
 from hybridcache.server.limits import RequestTimeout
 from hybridcache.server.responses import Rendering, ResponseMeta, chunk, logprobs_of, sse, usage_chunk
 from hybridcache.server.text_stream import TextStream
+
+logger = logging.getLogger("hybridcache.server")
 
 
 class UsageMode(NamedTuple):
@@ -106,6 +111,11 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
         return
     except EngineFailure as error:
         yield sse(error_body(500, str(error)))
+        yield sse("[DONE]")
+        return
+    except Exception as error:  # a bug while rendering a chunk: the client still gets a complete stream
+        logger.exception("streaming %s failed", meta.response_id)
+        yield sse(error_body(500, f"internal error: {type(error).__name__}: {error}"))
         yield sse("[DONE]")
         return
     if include_usage and all(f is not None for f in finals):

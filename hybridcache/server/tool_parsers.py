@@ -16,13 +16,15 @@ or the XML-style function block of Qwen3-Coder and Qwen3.5::
     </function>
     </tool_call>
 
-XML parameter values are text; they are converted to the type the tool's JSON schema allows for that parameter
-(integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf` branches or `enum` values), else
-kept as strings; "null" is null, as in vLLM's qwen3_coder parser. A function block the model writes without the
-`<tool_call>` around it (`<function=get_weather>...</function>`) is a call too, as vLLM's qwen3_coder parser takes
-it. The text before the first call is the message's `content`; text after it (between or after the calls) is
-dropped, as vLLM's qwen3_coder and hermes parsers drop it. A block that does not parse stays in the content, as
-text.
+XML parameter values are text, less the one newline the chat template writes on each side (a value's own leading or
+trailing newlines are kept, as vLLM's qwen3_coder parser keeps them); they are converted to the type the tool's JSON
+schema allows for that parameter (integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf`
+branches or `enum` values), else kept as strings; "null" is null, as in vLLM's qwen3_coder parser. A function block
+the model writes without the `<tool_call>` around it (`<function=get_weather>...</function>`) is a call too, as
+vLLM's qwen3_coder parser takes it, and so is each of several function blocks written in one `<tool_call>`. A tool
+whose `parameters.properties` (or `$defs`) is not an object has its values read as if it had no schema (strings).
+The text before the first call is the message's `content`; text after it (between or after the calls) is dropped, as
+vLLM's qwen3_coder and hermes parsers drop it. A block that does not parse stays in the content, as text.
 
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed.
@@ -69,12 +71,17 @@ def _new_id() -> str:
 
 
 def _parameter_types(tools: list[dict] | None, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tool's parameter schemas by name, and its `$defs` (what a `$ref` names, as pydantic writes models)."""
+    """The tool's parameter schemas by name, and its `$defs` (what a `$ref` names, as pydantic writes models); each
+    empty where the tool's schema has no object there (a client may send `properties` as a list)."""
     for tool in tools or []:
         function = tool.get("function", tool)
         if function.get("name") == name:
-            parameters = function.get("parameters") or {}
-            return parameters.get("properties") or {}, parameters.get("$defs") or parameters.get("definitions") or {}
+            parameters = function.get("parameters")
+            if not isinstance(parameters, dict):
+                return {}, {}
+            properties = parameters.get("properties")
+            defs = parameters.get("$defs") or parameters.get("definitions")
+            return (properties if isinstance(properties, dict) else {}), (defs if isinstance(defs, dict) else {})
     return {}, {}
 
 
@@ -133,28 +140,40 @@ def _convert(value: str, schema: dict[str, Any], defs: dict[str, Any] | None = N
     return parsed
 
 
-def parse_block(body: str, tools: list[dict] | None = None) -> ToolCall | None:
-    """One block's body (between the tags) as a call, or None when it is neither format."""
+def _xml_value(text: str) -> str:
+    """A parameter's text without the one newline the chat template writes on each side of a value, as vLLM's
+    qwen3_coder parser: a value's own leading or trailing newlines (a file's content) are kept."""
+    text = text[1:] if text.startswith("\n") else text
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _xml_call(function: re.Match[str], tools: list[dict] | None) -> ToolCall:
+    """One `<function=NAME>` block as a call, its parameters converted by the tool's schema (`_convert`)."""
+    name = function.group(1).strip()
+    types, defs = _parameter_types(tools, name)
+    arguments = {}
+    for parameter in _PARAMETER.finditer(function.group(2)):
+        key = parameter.group(1).strip()
+        arguments[key] = _convert(_xml_value(parameter.group(2)), types.get(key, {}), defs)
+    return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+
+
+def parse_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, ...]:
+    """One block's body (between the tags) as its calls: every `<function=...>` block in it (a model may write
+    several in one `<tool_call>`, as vLLM's qwen3_coder parser reads them), or its one JSON call; none when it is
+    neither format."""
     body = body.strip()
-    function = _FUNCTION.match(body)
-    if function is not None:
-        name = function.group(1).strip()
-        types, defs = _parameter_types(tools, name)
-        arguments = {}
-        for parameter in _PARAMETER.finditer(function.group(2)):
-            key = parameter.group(1).strip()
-            value = parameter.group(2).strip("\n")
-            arguments[key] = _convert(value, types.get(key, {}), defs)
-        return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    if body.startswith(FUNCTION_START):
+        return tuple(_xml_call(function, tools) for function in _FUNCTION.finditer(body))
     try:
         data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
     except ValueError:
-        return None
+        return ()
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
+        return ()
     arguments = data.get("arguments", data.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(_new_id(), data["name"], text)
+    return (ToolCall(_new_id(), data["name"], text),)
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
@@ -222,11 +241,10 @@ class ToolCallStream:
             body = rest[body_from:] if end < 0 else rest[body_from:end]
             if opening == FUNCTION_START:  # a bare function block: parse_block reads its tags
                 body = rest[start:block_end]
-            call = parse_block(body, self.tools)
-            if call is None:
+            calls = parse_block(body, self.tools)
+            if not calls:
                 add(rest[start:block_end])
-            else:
-                self.calls.append(call)
+            self.calls.extend(calls)
             self._scanned += block_end
 
 

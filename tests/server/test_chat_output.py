@@ -201,3 +201,80 @@ def test_nothing_after_the_reasoning_is_null_content_as_vllm(text, in_reasoning)
     assert (message["reasoning"], message["content"]) == ("cut short", None)
     assert final_message("", ChatOutputOptions(split_reasoning=True))["content"] == ""
     assert final_message("", ChatOutputOptions())["content"] == ""
+
+
+def _streamed_calls(options: ChatOutputOptions, text: str) -> list[tuple[int, str, dict]]:
+    """The (index, name, arguments) of every call a stream fed `text` one character at a time sends."""
+    stream = ChoiceStream(options)
+    deltas = [stream.update(text[:cut], finished=False) for cut in range(1, len(text) + 1)]
+    deltas.append(stream.update(text, finished=True))
+    return [(i, c.name, json.loads(c.arguments)) for d in deltas for i, c in d.tool_calls]
+
+
+WRITE_TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("content", ["\n\nimport os\nprint(os.getcwd())\n", "\n", "  indented\n\n", "plain"])
+def test_an_xml_value_loses_only_the_newline_the_template_writes_on_each_side(content):
+    """Qwen3.5's and Qwen3-Coder's templates write `<parameter=NAME>\\n` + value + `\\n</parameter>`; vLLM's
+    qwen3_coder parser removes exactly that one newline each side. Every leading and trailing newline was stripped,
+    so a file written through a tool lost its blank first lines and its final newline."""
+    sent = {"path": "a.py", "content": content}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in sent.items())
+    text = f"<tool_call>\n<function=write_file>\n{body}</function>\n</tool_call>"
+    options = ChatOutputOptions(parse_tools=True, tools=WRITE_TOOLS)
+    (call,) = final_message(text, options)["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == sent
+    assert _streamed_calls(options, text) == [(0, "write_file", sent)]
+    (bare,) = parse_tool_calls("<tool_call>\n<function=write_file>\n<parameter=path>a.py</parameter>\n</function>\n"
+                               "</tool_call>", WRITE_TOOLS).tool_calls
+    assert json.loads(bare.arguments) == {"path": "a.py"}  # no newline around the value: nothing removed
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_every_function_block_in_one_tool_call_is_a_call_streamed_and_not(closed):
+    """vLLM's qwen3_coder parser takes every `<function=...>` inside a `<tool_call>`; the second one was dropped."""
+    text = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+            "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+            "</function>\n" + ("</tool_call>" if closed else ""))
+    options = ChatOutputOptions(parse_tools=True, tools=TOOLS)
+    message = final_message(text, options)
+    want = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == want
+    assert message["content"] == "Let me look."
+    assert len({c["id"] for c in message["tool_calls"]}) == 2
+    assert _streamed_calls(options, text) == [(i, *call) for i, call in enumerate(want)]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_streamed_and_not():
+    """vLLM's `maybe_filter_parallel_tool_calls`: with `parallel_tool_calls: false`, only the first call (index 0)
+    is returned, whole or streamed; every call was returned."""
+    text = "Sure.\n" + JSON_CALL + "\n" + XML_CALL
+    options = ChatOutputOptions(parse_tools=True, tools=TOOLS, parallel_tool_calls=False)
+    message = final_message(text, options)
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris", "days": 2}]
+    assert message["content"] == "Sure."
+    assert _streamed_calls(options, text) == [(0, "get_weather", {"city": "Paris", "days": 2})]
+    stream = ChoiceStream(options)
+    stream.update(text, finished=True)
+    assert stream.has_tool_calls  # the finish reason is still "tool_calls"
+    assert len(final_message(text, ChatOutputOptions(parse_tools=True, tools=TOOLS))["tool_calls"]) == 2
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": ["a"]},
+    {"type": "object", "properties": "a"},
+    {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": ["A"]},
+    {"type": "object", "properties": {"a": {"$ref": "#/definitions/A"}}, "definitions": "A"},
+    "not a schema",
+])
+def test_a_tool_whose_properties_or_defs_are_not_objects_still_parses(parameters):
+    """`properties` (or `$defs`) that are not objects raised AttributeError in the XML parser: a 500, or a stream
+    cut with no error event. They are now ignored: values read as for a tool without a schema."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    text = "<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>"
+    (call,) = parse_tool_calls(text, tools).tool_calls
+    want = {"a": 1} if "$ref" in json.dumps(parameters) else {"a": "1"}  # an unknown `$ref` names an object
+    assert (call.name, json.loads(call.arguments)) == ("f", want)
+    assert _streamed_calls(ChatOutputOptions(parse_tools=True, tools=tools), text) == [(0, "f", want)]

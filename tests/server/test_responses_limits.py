@@ -1,7 +1,9 @@
 """/v1/responses under the server's limits, and bodies that used to answer 500: a full waiting queue is a 503
 with Retry-After and a request past --request-timeout is a 503 (or a final error event), as for chat
-completions; malformed `text.format`, reasoning items and `tool_choice` are 400s naming the field. In process,
-over an engine loop stand-in (no model runs)."""
+completions; malformed `text.format`, reasoning items and `tool_choice` are 400s naming the field. Tool calls
+through chat completions and /v1/responses alike: `parallel_tool_calls`, the prompt a conversation renders in either
+shape, calls sent back without arguments, and an error mid-stream. In process, over engine loop stand-ins (no model
+runs: `ScriptedLoop` answers a given text)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from hybridcache.models.builtin import builtin_model_dir
+from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.server.app import ServedModel, build_app
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, ServerLimits
 from hybridcache.server.protocol import ChatCompletionRequest, parse_request
 from hybridcache.server.responses_api import input_messages, response_format
+from hybridcache.tokenizer import Tokenizer
 
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 
@@ -101,3 +106,180 @@ def test_a_malformed_named_tool_choice_is_a_400(tool_choice):
     with pytest.raises(APIError) as info:
         body.guided()
     assert info.value.status == 400 and info.value.param == "tool_choice"
+
+
+class ScriptedLoop(StandInLoop):
+    """An engine loop that answers every request with `text` at once (finished), or with the start of it and then
+    `error` (what the engine loop puts on a request's queue when it fails); `prompts` records the prompt ids of
+    every request it took."""
+
+    def __init__(self, text: str, error: Exception | None = None) -> None:
+        super().__init__(full=False)
+        self.text = text
+        self.error = error
+        self.prompts: list[list[int]] = []
+
+    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None):
+        sinks = []
+        for request_id, prompt in zip(request_ids, prompts):
+            self.prompts.append(list(prompt))
+            sink: asyncio.Queue = asyncio.Queue()
+            finished = self.error is None
+            text = self.text if finished else self.text[: len(self.text) // 2]
+            completion = CompletionOutput(0, text, [1] * max(1, len(text) // 4), finish_reason="stop" if finished
+                                          else None)
+            sink.put_nowait(RequestOutput(request_id, None, list(prompt), [completion], finished=finished))
+            if not finished:
+                sink.put_nowait(self.error)
+            sinks.append(sink)
+        return sinks
+
+
+def _events(client: TestClient, path: str, body: dict) -> list[str]:
+    """The `data:` payloads of a streamed response, in order."""
+    with client.stream("POST", path, json={**body, "stream": True}) as streamed:
+        assert streamed.status_code == 200
+        return [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+
+
+def _chat_calls(client: TestClient, body: dict, stream: bool) -> list[tuple[int, dict]]:
+    """(index, arguments) of the tool calls of choice 0 of a chat completion, streamed or not."""
+    if not stream:
+        response = client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        calls = response.json()["choices"][0]["message"].get("tool_calls") or []
+        return [(i, json.loads(c["function"]["arguments"])) for i, c in enumerate(calls)]
+    events = _events(client, "/v1/chat/completions", body)
+    assert events[-1] == "[DONE]"
+    deltas = [call for e in events[:-1] for call in json.loads(e)["choices"][0]["delta"].get("tool_calls") or []]
+    return [(c["index"], json.loads(c["function"]["arguments"])) for c in deltas]
+
+
+def _response_calls(client: TestClient, body: dict, stream: bool) -> list[dict]:
+    """The arguments of a /v1/responses answer's function_call items, streamed (each `output_item.done`, and the
+    final response's output, which must agree) or not."""
+    if not stream:
+        response = client.post("/v1/responses", json=body)
+        assert response.status_code == 200, response.text
+        output = response.json()["output"]
+    else:
+        events = [json.loads(e) for e in _events(client, "/v1/responses", body)]
+        assert events[-1]["type"] == "response.completed"
+        done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+        output = events[-1]["response"]["output"]
+        assert [i["type"] for i in done] == [i["type"] for i in output]
+    return [json.loads(item["arguments"]) for item in output if item["type"] == "function_call"]
+
+
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}}
+TWO_CALLS = ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_only_the_first_call(tokenizer, parallel, stream):
+    """vLLM's `maybe_filter_parallel_tool_calls` (OpenAI: "at most one tool call"): with `parallel_tool_calls:
+    false` a chat message, a chat stream and a /v1/responses output hold the first call only; every call was kept."""
+    client = _client(tokenizer, ScriptedLoop("Checking.\n" + TWO_CALLS))
+    want = [{"zone": "utc"}, {"zone": "cet"}] if parallel else [{"zone": "utc"}]
+    chat = {"messages": [{"role": "user", "content": "time?"}], "parallel_tool_calls": parallel,
+            "tools": [{"type": "function", "function": {"name": "get_time", "parameters": ZONE}}]}
+    assert _chat_calls(client, chat, stream) == list(enumerate(want))
+    responses = {"input": "time?", "parallel_tool_calls": parallel,
+                 "tools": [{"type": "function", "name": "get_time", "parameters": ZONE}]}
+    assert _response_calls(client, responses, stream) == want
+
+
+def test_a_tool_whose_properties_are_not_an_object_answers_its_call(tokenizer):
+    """A tool with `properties: ["a"]` made the XML parser raise: the chat answer was a 500 and the stream broke
+    off without an error event or [DONE] (vLLM's parser survives such a schema)."""
+    client = _client(tokenizer, ScriptedLoop("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+                                             "</tool_call>"))
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": ["a"]}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert _chat_calls(client, body, stream=False) == _chat_calls(client, body, stream=True) == [(0, {"a": "1"})]
+
+
+def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(tokenizer):
+    """An error other than a timeout or an engine failure while a stream runs (a bug rendering a chunk) cut the
+    connection with no error event and no [DONE]; it is now a final error event, as the timeout's."""
+    client = _client(tokenizer, ScriptedLoop("Hello there, how are you", error=RuntimeError("boom")))
+    events = _events(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "internal_error" and "boom" in error["message"]
+    assert any(json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2])  # the text before it
+    events = [json.loads(e) for e in _events(client, "/v1/responses", {"input": "hi"})]
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "internal_error" and "boom" in events[-1]["message"]
+
+
+TIME_TOOL = {"type": "function", "name": "get_time", "parameters": ZONE}
+CHAT_TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": ZONE}}
+
+
+def _prompt(client: TestClient, loop: ScriptedLoop, path: str, body: dict) -> list[int]:
+    """The prompt ids a request hands the engine."""
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    return loop.prompts[-1]
+
+
+def test_a_turn_of_text_then_a_call_renders_the_same_prompt_as_chat_and_as_responses_items(tokenizer):
+    """A turn that wrote text and then called a tool is output items [message, function_call]; sent back as input
+    items (a stateless client's `input += response.output`) they became two assistant turns, so the prompt differed
+    from the same conversation sent to chat completions (and from the turn the model wrote: the prefix cache missed
+    from there). vLLM merges a function_call into the assistant message before it."""
+    loop = ScriptedLoop("It is noon.")
+    client = _client(tokenizer, loop)
+    call = {"name": "get_time", "arguments": '{"zone": "utc"}'}
+    items = [{"role": "user", "content": "time?"},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]},
+             {"type": "function_call", "call_id": "call_1", **call},
+             {"type": "function_call", "call_id": "call_2", **call},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+             {"type": "function_call_output", "call_id": "call_2", "output": "12:00"}]
+    messages = [{"role": "user", "content": "time?"},
+                {"role": "assistant", "content": "Let me check.", "tool_calls": [
+                    {"id": f"call_{i}", "type": "function", "function": call} for i in (1, 2)]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "12:00"}]
+    chat = _prompt(client, loop, "/v1/chat/completions", {"messages": messages, "tools": [CHAT_TIME_TOOL]})
+    responses = _prompt(client, loop, "/v1/responses", {"input": items, "tools": [TIME_TOOL], "store": False})
+    assert tokenizer.decode(responses) == tokenizer.decode(chat)
+    assert responses == chat
+    assert [m["role"] for m in input_messages(items)] == ["user", "assistant", "tool", "tool"]
+
+
+# Qwen3.5's / Qwen3-Coder's rendering of an earlier call (it iterates over the arguments), reduced to what matters
+ITEMS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+                  "{% for tc in m.tool_calls or [] %}<tool_call>\n<function={{ tc.function.name }}>\n"
+                  "{% for k, v in tc.function.arguments|items %}<parameter={{ k }}>\n{{ v }}\n</parameter>\n"
+                  "{% endfor %}</function>\n</tool_call>{% endfor %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("template", [None, ITEMS_TEMPLATE], ids=["builtin_template", "qwen35_style_template"])
+@pytest.mark.parametrize("arguments", ["", None, " "])
+def test_a_call_sent_back_without_arguments_renders_as_no_arguments(tokenizer, template, arguments):
+    """An earlier call sent back with `"arguments": ""` rendered `"arguments": }` (a template iterating over them:
+    a 400), and null was a 400; vLLM reads both as {}. The same for a /v1/responses function_call item."""
+    if template is not None:
+        tokenizer = Tokenizer(builtin_model_dir())
+        tokenizer.chat_template = template
+    loop = ScriptedLoop("It is noon.")
+    client = _client(tokenizer, loop)
+
+    def chat(sent) -> list[int]:
+        messages = [{"role": "user", "content": "time?"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": sent}}]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+        return _prompt(client, loop, "/v1/chat/completions", {"messages": messages, "tools": [CHAT_TIME_TOOL]})
+
+    expected = chat({})
+    assert chat(arguments) == expected
+    items = [{"role": "user", "content": "time?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": arguments},
+             {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
+    body = {"input": items, "tools": [TIME_TOOL], "store": False}
+    assert _prompt(client, loop, "/v1/responses", body) == expected
