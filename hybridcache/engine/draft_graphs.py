@@ -76,8 +76,13 @@ class _StaticRows:
         )
 
     def load(self, batch: ForwardBatch, size: int) -> None:
-        """Copy `batch` (n <= size sequences of q rows each) into the buffers; sequences n..size-1 become padding."""
-        self.write(batch.input_ids, batch.positions, batch.kv_rows, batch.state_slots, batch.context_lens,
+        """Copy `batch` (n <= size sequences of q rows each) into the buffers; sequences n..size-1 become padding.
+        The positions buffer holds the rows' rotary positions (the head reads it for nothing else): a uniform plan's
+        rows are text, so where the batch has M-RoPE positions (a sequence with images: the index moved by its
+        images) they are one row's, equal on the three axes, and the rotary of that row is the rotary of all three,
+        as in the runner's decode graphs."""
+        rotary = batch.positions if batch.rope_positions is None else batch.rope_positions[0]
+        self.write(batch.input_ids, rotary, batch.kv_rows, batch.state_slots, batch.context_lens,
                    batch.block_tables, size)
 
     def write(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
@@ -182,11 +187,13 @@ class DraftGraphs:
         proposing row is the last accepted, and the further steps sit right after it. Returns int64
         [n + k * n + n * (1 + k)]: each row's accepted count, then the drafts as `run` orders them (the caller
         checks the counts against its verdicts), then the target's argmax at each row's positions, row by row (the
-        row's accepted drafts and its final token: `spec_chain`)."""
+        row's accepted drafts and its final token: `spec_chain`). Rows of sequences with images rotate by their
+        M-RoPE positions (`batch.rope_positions`: verify rows are text, their index moved by the images before)."""
         k, q, n = self.k, 1 + self.k, batch.num_seqs
+        rotary = None if batch.rope_positions is None else batch.rope_positions[0]
         accepted, target, last = self.load_after_verify(
             batch.input_ids, batch.positions, batch.kv_rows, batch.state_slots, batch.context_lens,
-            batch.block_tables, logits, hidden, near_pages, size)
+            batch.block_tables, logits, hidden, near_pages, size, rotary=rotary)
 
         def host_lens() -> tuple[tuple[int, ...], list[tuple[int, ...]]]:  # (host-looping backends: a sync)
             ends = (last + 1).tolist()
@@ -198,28 +205,34 @@ class DraftGraphs:
     def load_after_verify(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_rows: torch.Tensor,
                           state_slots: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
                           logits: torch.Tensor, hidden: torch.Tensor, near_pages: torch.Tensor,
-                          size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          size: int, rotary: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                  torch.Tensor]:
         """`run_after_verify`'s inputs of the drafting graph (q = 1 + k, bucket `size`) from a verify step's n <=
         size rows (the `ForwardBatch` fields, `logits` its n last rows then n * k draft rows, `hidden`, `near_pages`),
         all on the device (what `spec_chain.ChainGraphs` captures with n = size); returns each row's accepted count,
-        the target's argmax at each of its positions [n, 1 + k] and its last accepted position."""
+        the target's argmax at each of its positions [n, 1 + k] and its last accepted position. `rotary`: the rows'
+        rotary positions where they are not `positions` (text rows of sequences with images: their M-RoPE index);
+        each row's further drafts then rotate at the same shift from their positions."""
         k, q, n = self.k, 1 + self.k, state_slots.shape[0]
         greedy = logits.argmax(dim=-1)
         target = torch.cat([greedy[n: n + n * k].view(n, k), greedy[:n, None]], dim=1)  # the argmax at each position
         accepted = (input_ids.view(n, q)[:, 1:] == target[:, :k]).cumprod(dim=1).sum(dim=1)
-        self.catch[q].write(target.reshape(-1), positions, kv_rows, state_slots, context_lens, block_tables, size)
+        self.catch[q].write(target.reshape(-1), positions if rotary is None else rotary, kv_rows, state_slots,
+                            context_lens, block_tables, size)
         self.hidden[q][: n * q].copy_(hidden[: n * q])
         self.first[q][:n] = self.pad_first[q][:n] - (q - 1) + accepted
         self.first[q][n:size] = self.pad_first[q][n:size]
         page_size = self.kernel_block_size
         first_page = positions.view(n, q)[:, 0] // page_size
         last = positions.view(n, q)[:, 0] + accepted  # each row's last accepted position
+        shift = None if rotary is None else (rotary - positions).view(n, q)[:, 0]
         for step, rows in enumerate(self.further, start=1):
             position = last + step
             column = (position // page_size)[:, None]
             page = near_pages.gather(1, column - first_page[:, None])
-            rows.write(torch.zeros_like(position), position, page.squeeze(1) * page_size + position % page_size,
-                       state_slots, (position + 1).int(), block_tables, size)
+            rows.write(torch.zeros_like(position), position if shift is None else position + shift,
+                       page.squeeze(1) * page_size + position % page_size, state_slots, (position + 1).int(),
+                       block_tables, size)
             rows.block_tables[:n].scatter_(1, column, page.int())  # (the page past the step's table, if it is)
         return accepted, target, last
 

@@ -16,8 +16,11 @@ plain decode step, 1 + k after a verify step of k drafts per row: rows past the 
 a placeholder and write head KV only at positions the next step's catch-up rewrites before anything reads them),
 every sequence drafts k tokens, and no step drops a row: its shapes are a function of the sequence count, so the
 runner replays it from a CUDA graph per batch bucket (`engine/draft_graphs.py`). Other plans (a step with prompt
-chunks or rows of different widths) list only the positions that hold tokens and drop sequences as their budgets
-run out, and run eagerly.
+chunks, rows of different widths or a row on an image) list only the positions that hold tokens and drop sequences
+as their budgets run out, and run eagerly.
+
+Every row rotates as the target's row at its position: rows of a sequence with images carry its M-RoPE positions
+(`SeqChunk.rope_positions` / `rope_shift`, the batch's `rope_positions`), which the head's rotary takes.
 
 Every id and position in a plan follows from host counts (budgets, `num_computed`), so the whole plan is built
 before the head runs and travels as one message. The proposals are argmaxes of the all-gathered logits; a proposal

@@ -39,6 +39,7 @@ import torch
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.forward_batch import ForwardBatch
+from hybridcache.multimodal import overlaps_image, rope_positions, rope_shift
 from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, logprob_ranks, process_logits, to_device
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
@@ -213,6 +214,27 @@ def assign_drafts(drafted: Sequence[int], proposers: Sequence[Sequence[Scheduled
     return out
 
 
+def _on_image(chunk: ScheduledChunk) -> bool:
+    """Whether `chunk`'s positions overlap an image span of its sequence (rows with 3-D M-RoPE positions)."""
+    spans = chunk.seq.mm_inputs
+    return bool(spans) and overlaps_image(spans, chunk.start, chunk.end)
+
+
+def _head_rows(seq: Seq, token_ids: Sequence[int], start: int, chunk: ScheduledChunk) -> SeqChunk:
+    """The head's rows at positions start .. start + len(token_ids) - 1 of `seq`, in `chunk`'s blocks and slot,
+    rotated as the target rotates those positions: a sequence with images gives them its M-RoPE positions (3-D
+    where they overlap an image, else the index moved by the images before it), as the scheduler's chunks do
+    (`ScheduledChunk.rope_positions` / `rope_shift`); vLLM's MTP proposer too passes the target's M-RoPE
+    positions to its draft model."""
+    spans = seq.mm_inputs
+    if not spans:
+        return SeqChunk(token_ids=token_ids, start=start, block_ids=chunk.block_ids, slot=chunk.slot)
+    end = start + len(token_ids)
+    return SeqChunk(token_ids=token_ids, start=start, block_ids=chunk.block_ids, slot=chunk.slot,
+                    rope_positions=rope_positions(spans, start, end) if overlaps_image(spans, start, end) else None,
+                    rope_shift=rope_shift(spans, start))
+
+
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy, and the greedy token is the raw logits' argmax, with no logprobs asked (`judge`)."""
     return (params.greedy and not params.logit_bias and not params.min_tokens and not params.penalized
@@ -318,7 +340,9 @@ class MtpDrafter:
         Uniform (`mtp_draft` module docstring) when every such chunk sampled and fed the same q tokens, q = 1 (a
         plain decode row) or 1 + k (a verify row of k drafts): its further rows, one per chunk and step, lie in the
         scheduler's lookahead blocks, which only a chunk that samples has (a prefill chunk that does not gets
-        catch-up rows alone, in the ragged plan)."""
+        catch-up rows alone, in the ragged plan), and no chunk overlaps an image (a uniform plan's rows are text:
+        their M-RoPE positions are one shifted index, which a drafting graph takes as its positions).
+        Every row rotates as the target's row at its position does (`_head_rows`)."""
         # (a sequence that finished in this step too: its blocks and tail go into the cache, the head's KV with them)
         owners = [c for c in chunks if c.seq.num_computed > c.start and len(c.seq.token_ids) > c.seq.num_computed]
         if not owners:
@@ -326,7 +350,7 @@ class MtpDrafter:
         widths = {c.num_tokens for c in owners}
         q = next(iter(widths))
         if (len(widths) == 1 and all(c.samples and c.num_drafts == q - 1 for c in owners)
-                and q - 1 in (0, self.k)):
+                and q - 1 in (0, self.k) and not any(_on_image(c) for c in owners)):
             return self._uniform_plan(chunks, owners, q), [owners] * self.k
         return self._ragged_plan(chunks, owners, wanted)
 
@@ -343,14 +367,12 @@ class MtpDrafter:
         for i, chunk in enumerate(owners):
             seq = chunk.seq
             tokens = seq.token_ids[chunk.start + 1: seq.num_computed + 1]
-            rows.append(SeqChunk(token_ids=[*tokens, *[0] * (q - len(tokens))], start=chunk.start,
-                                 block_ids=chunk.block_ids, slot=chunk.slot))
+            rows.append(_head_rows(seq, [*tokens, *[0] * (q - len(tokens))], chunk.start, chunk))
             hidden_rows += range(offsets[id(chunk)], offsets[id(chunk)] + q)
             first.append(i * q + len(tokens) - 1)
         steps = []
         for step in range(1, self.k):
-            further = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids,
-                                slot=c.slot) for c in owners]
+            further = [_head_rows(c.seq, [0], c.seq.num_computed + step - 1, c) for c in owners]
             steps.append(DraftStep(self._batch(further, device)))
         return DraftPlan(self._batch(rows, device), to_device(hidden_rows, device, torch.int64),
                          to_device(first, device, torch.int64), tuple(steps), tokens_per_seq=q)
@@ -372,8 +394,7 @@ class MtpDrafter:
                 start, rows = chunk.start, list(range(row, row + valid))
                 if self._redo_before(chunk):  # the head's KV at start - 1 from this sequence's token at start
                     start, rows, reads_prior = start - 1, [step_rows + index, *rows], True
-                caught.append(SeqChunk(token_ids=seq.token_ids[start + 1: seq.num_computed + 1],
-                                       start=start, block_ids=chunk.block_ids, slot=chunk.slot))
+                caught.append(_head_rows(seq, seq.token_ids[start + 1: seq.num_computed + 1], start, chunk))
                 hidden_rows += rows
                 last_rows.append(len(hidden_rows) - 1)
             row += chunk.num_tokens
@@ -386,7 +407,7 @@ class MtpDrafter:
             if not keep:
                 break
             active = [active[j] for j in keep]
-            rows = [SeqChunk(token_ids=[0], start=c.seq.num_computed + step - 1, block_ids=c.block_ids, slot=c.slot)
+            rows = [_head_rows(c.seq, [0], c.seq.num_computed + step - 1, c)
                     for c in active]  # (the token is the draft proposed before, embedded on the device)
             steps.append(DraftStep(self._batch(rows, device), to_device(keep, device, torch.int64)))
             proposers.append(active)

@@ -45,7 +45,7 @@ from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
-from hybridcache.layers.rotary import rotary_cos_sin
+from hybridcache.layers.rotary import mrope_cos_sin, rotary_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import ModelConfig, read_json_object
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
@@ -96,13 +96,20 @@ class MtpHead(nn.Module):
                 kv: tuple[LayerState, ...], backend: KernelBackend, step: int = 0) -> torch.Tensor:
         """embeds [T, H] (the embedding of the token after each row's position), target_hidden [T, H] (the
         final-norm hidden state at each row's position), `batch` the rows (prepared by `backend.prepare`; its
-        KV writes go to the MTP layers' pools `kv`) -> the head's final-norm hidden state [T, H]."""
+        KV writes go to the MTP layers' pools `kv`) -> the head's final-norm hidden state [T, H]. A row at position
+        p rotates as the target's row at p does: by `batch.rope_positions` (M-RoPE) where the batch has them (a
+        sequence with images), else by `batch.positions`."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds, backend), self.pre_fc_norm_hidden(target_hidden, backend)],
                       dim=-1)
         hidden = self.fc(x)
         attention = self.config.attention
-        rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
-                              attention.rope_scaling, attention.max_position_embeddings)
+        if batch.rope_positions is not None:  # a sequence with images: the target's M-RoPE positions of the rows
+            rope = mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta,
+                                 attention.mrope_section, hidden.dtype, attention.rope_scaling,
+                                 attention.max_position_embeddings)
+        else:
+            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
+                                  attention.rope_scaling, attention.max_position_embeddings)
         index = step % len(self.layers)
         hidden = self.layers[index](hidden, StepContext(batch=batch, backend=backend, rope=rope), kv[index])
         return self.norm(hidden, backend)
