@@ -141,13 +141,24 @@ class PrefixCache:
         )
 
     def probe(self, request: CacheRequest) -> Probe:
-        """What `match` would find for `request` now, as a dry run: no pin, no match entry, no recency change
-        (LRU order, stats and `check_integrity` are as before). `kv_len`: tokens of the prompt's full blocks
-        in the trie; `cached_len`: the step of the deepest usable checkpoint (what a hit would skip)."""
-        path = walk_prompt(self._trie, request, self.block_size)
-        ckpt = (find_deepest(self._trie, path, request, self.block_size, self.max_match_step(request))
-                if path and not request.skip_reading else None)
-        return Probe(kv_len=max(len(path) - 1, 0) * self.block_size, cached_len=0 if ckpt is None else ckpt.step)
+        """What `match` would find for `request` now, as a dry run: no pin, no hold, no match entry, no recency
+        change (LRU order, stats and `check_integrity` are as before). `kv_len`: tokens of the prompt's full
+        blocks in the device trie; `cached_len`: the step of the deepest usable checkpoint (what a hit would
+        skip), a host-tier one where `match` would take it (deeper than the device's and its promotion pays).
+        A tier behind the host (the disk) is not read: `match` may still find a deeper hit there."""
+        size = self.block_size
+        max_step = self.max_match_step(request)
+        path = walk_prompt(self._trie, request, size)
+        ckpt = find_deepest(self._trie, path, request, size, max_step) if path and not request.skip_reading else None
+        cached_len = 0 if ckpt is None else ckpt.step
+        host = self._life.host
+        if host is not None and path and not request.skip_reading:
+            # match's host step without `find`'s fault-in from the tier behind (which would change the host tier)
+            deeper = host._find(path, host.continuation(path, request, size), request, size, max_step)
+            if deeper is not None and deeper.step > cached_len and self.cost_model.promotion_pays(
+                    self._life.promote_need(deeper) * self._life.block_bytes, cached_len, deeper.step):
+                cached_len = deeper.step
+        return Probe(kv_len=max(len(path) - 1, 0) * size, cached_len=cached_len)
 
     def enable_events(self, capacity: int = 65536) -> CacheEventLog:
         """Start telling what the trie and the checkpoints store and drop into a new bounded log (events.py),

@@ -442,3 +442,47 @@ def test_a_fall_out_never_reads_a_host_page_its_plan_has_not_written():
     assert host.fall_out(ckpt) is None
     host.end_step()
     assert host.fall_out(ckpt) is not None
+
+
+# ---- probe (POST /v1/cache/match's dry run) with a host tier --------------------------------------------------
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["promotion-pays", "promotion-does-not-pay"])
+def test_probe_predicts_the_host_hit_the_request_then_gets(pays):
+    """A prompt whose chain and checkpoint were demoted: `probe` answers what the request then gets (the host hit
+    when its promotion pays, else the device's miss), and changes nothing: no pin, no hold, no recency change."""
+    cost = None if pays else CostModel(host_bandwidth=1.0, device_flops=1e12)
+    cache, driver = make(cost=cost)
+    prompt = tuple(range(10))  # 2 full blocks + 2 tail tokens: a prefill-end checkpoint at 10
+    driver.run(CacheRequest("a", prompt))
+    fill_device(driver)
+    assert cache.stats.num_host_checkpoints >= 1 and cache.probe(CacheRequest("q", prompt + (1,))).kv_len == 0
+    before = fingerprint(cache)
+    probe = cache.probe(CacheRequest("q", prompt + (1, 2)))
+    assert fingerprint(cache) == before
+    cache.check_integrity()
+    request = CacheRequest("b", prompt + (1, 2))
+    match = driver.admit(request)
+    assert probe.cached_len == match.cached_len == (10 if pays else 0)
+    assert cache.stats.num_host_hits == int(pays)
+    driver.step("b", request.prompt_ids[match.cached_len:])
+    cache.finish("b")
+    cache.check_integrity()
+
+
+def test_probe_does_not_fault_in_from_the_disk_tier():
+    """With a tier behind the host, `probe` reads neither it nor its host tier's state changes (a match would hang
+    the disk's checkpoint in the host tier first): it answers what the device and host tiers hold."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=12)
+    prompts = [tuple(range(i * 50, i * 50 + 10)) for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        driver.run(CacheRequest(("p", i), prompt))
+        fill_device(driver, first=1000 + 100 * i)
+    restarted, _ = with_disk(FakeDisk(list(disk.kept)), num_blocks=16, host_blocks=64)
+    stored = disk.kept[0][0]
+    prompt = tuple(t for _, tokens in stored.chain for t in tokens) + stored.tail_ids
+    before = fingerprint(restarted)
+    assert restarted.probe(CacheRequest("q", prompt + (7, 8))).cached_len == 0
+    assert fingerprint(restarted) == before
+    restarted.check_integrity()
