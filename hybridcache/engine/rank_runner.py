@@ -107,8 +107,9 @@ def build_runner(
     device: torch.device,
     agree: Callable[[int], int] = lambda budget: budget,
 ) -> tuple[ModelRunner, MemoryPlan]:
-    """This rank's runner and the memory plan its pools follow. `agree(budget)`: the CUDA budget in bytes all
-    ranks use, given this rank's (called on CUDA only; each rank must call its `agree` at the same point).
+    """This rank's runner and the memory plan its pools follow. `agree(value)`: the least of the ranks' values,
+    given this rank's (each rank must call its `agree` at the same points): the CUDA budget in bytes all ranks use,
+    and the host memory available before any rank allocates pools there.
     CUDA decode graphs (unless `enforce_eager`; under tensor parallelism only with `spec.tp_cuda_graphs`) are
     captured by every rank in the same order (the bucket sizes follow from the spec alone), so the collectives
     inside them pair up at capture and at every replay."""
@@ -140,7 +141,7 @@ def build_runner(
             raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
                              f"states of verify rows; {type(backend).__name__} does not")
         head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device, quantization=config.quantization,
-                             kv_fp8=config.kv_fp8)
+                             kv_fp8=config.kv_fp8, load_format=config.load_format)
     head_specs = head.state_specs(dtype) if head is not None else ()
     num_speculative = speculative.num_speculative_tokens if speculative is not None else 0
     kv_per_block, state_per_slot = pool_bytes(
@@ -166,7 +167,11 @@ def build_runner(
             num_speculative_tokens=num_speculative,
         )
     host_bytes = host_tier_blocks(config, plan) * plan.block_bytes
-    check_host_memory(plan.budget_bytes if device.type == "cpu" else 0, host_bytes, config)
+    cpu_pool_bytes = plan.budget_bytes if device.type == "cpu" else 0
+    if cpu_pool_bytes or host_bytes:  # the ranks share one host: the pools of all of them against its memory, as
+        # every rank saw it before any allocates (`agree` is a barrier: the least any rank saw; 0 = unknown)
+        available = agree(available_host_bytes() or 0)
+        check_host_memory(tp.size * cpu_pool_bytes, tp.size * host_bytes, config, available or None)
     if kv_per_block and state_per_slot > plan.state_pages * kv_per_block:
         raise AssertionError(
             f"rank {tp.rank}: a state slot of {state_per_slot} bytes does not fit the plan's {plan.state_pages} "
@@ -210,13 +215,13 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(pool_bytes: int, host_bytes: int, config: EngineConfig) -> None:
-    """Refuse pools in host memory (the CPU's device pools, `pool_bytes`; the host tier, `host_bytes`) that need
-    more than the memory available, before they are allocated: a pool of far more than the RAM took minutes of
-    swapping or an allocation error out of torch (`--max-num-seqs 1000000` on the CPU). The CPU pools follow from
-    max_num_seqs x max_model_len (or num_blocks); vLLM's CPU backend sizes its KV cache from a setting of its own
+def check_host_memory(pool_bytes: int, host_bytes: int, config: EngineConfig, available: int | None) -> None:
+    """Refuse pools in host memory (the CPU's device pools, `pool_bytes`; the host tier, `host_bytes`; of every
+    rank together) that need more than the memory `available` (`available_host_bytes`; None: unknown, nothing
+    refused), before they are allocated: a pool of far more than the RAM took minutes of swapping or an allocation
+    error out of torch (`--max-num-seqs 1000000` on the CPU). The CPU pools follow from max_num_seqs x
+    max_model_len (or num_blocks); vLLM's CPU backend sizes its KV cache from a setting of its own
     (VLLM_CPU_KVCACHE_SPACE), here --num-blocks."""
-    available = available_host_bytes()
     needed = pool_bytes + host_bytes
     if available is None or needed <= available:
         return

@@ -50,3 +50,23 @@ def test_host_tier_on_two_ranks_matches_one_rank_and_uncached(model_dir):
         assert tp.stats()["cache"].num_host_checkpoints == 0
     finally:
         tp.runner.shutdown()
+
+
+def test_host_memory_is_checked_for_every_rank_together(model_dir, monkeypatch):
+    """The ranks share one host: their CPU pools and host tiers together are checked against its memory (each
+    rank checked only its own share, so two ranks could take twice what the check allowed). Given 3/4 of what the
+    two ranks need (more than one rank's share), start-up is refused before any pool is allocated."""
+    from hybridcache.engine import rank_runner
+
+    needs = []
+    check = rank_runner.check_host_memory
+    monkeypatch.setattr(rank_runner, "check_host_memory",
+                        lambda pool, host, config, available: needs.append(pool + host) or check(pool, host, config,
+                                                                                                    available))
+    tp = make_engine(model_dir, host_cache_gib=HOST_GIB, tensor_parallel_size=2, **OPTIONS)
+    plan = tp.memory_plan
+    tp.close()
+    assert needs == [2 * (plan.budget_bytes + tp.num_host_blocks * plan.block_bytes)]
+    monkeypatch.setattr(rank_runner, "available_host_bytes", lambda: needs[0] * 3 // 4)  # the driver's rank 0
+    with pytest.raises(ValueError, match="bytes of memory are available"):
+        make_engine(model_dir, host_cache_gib=HOST_GIB, tensor_parallel_size=2, **OPTIONS)

@@ -217,11 +217,11 @@ def test_revision_and_download_dir_choose_the_hub_snapshot(tmp_path, monkeypatch
 # ---- 10. pools larger than the memory -------------------------------------------------------------------------
 
 
-def test_cpu_pools_beyond_the_available_memory_are_refused_with_the_bytes(monkeypatch):
-    monkeypatch.setattr(rank_runner, "available_host_bytes", lambda: 1 << 30)
-    check_host_memory(1 << 29, 1 << 28, EngineConfig())
+def test_cpu_pools_beyond_the_available_memory_are_refused_with_the_bytes():
+    check_host_memory(1 << 29, 1 << 28, EngineConfig(), available=1 << 30)
+    check_host_memory(1 << 40, 1 << 40, EngineConfig(), available=None)  # unknown: nothing refused
     with pytest.raises(ValueError, match=r"need 1,610,612,736 bytes but 1,073,741,824 bytes") as error:
-        check_host_memory(1 << 30, 1 << 29, EngineConfig())
+        check_host_memory(1 << 30, 1 << 29, EngineConfig(), available=1 << 30)
     assert "--max-num-seqs" in str(error.value) and "host tier" in str(error.value)
 
 
