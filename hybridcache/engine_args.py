@@ -108,6 +108,11 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                                "prompt_logprobs) is fixed at 20 here, OpenAI's top_logprobs limit; only 20 is "
                                "accepted"),
                dict(type=int, metavar="N")),
+    VllmOption("distributed_executor_backend", "mp or uni, a no-op: tensor-parallel ranks are always worker "
+               "processes on this machine (vLLM's single-node default, mp); ray and external_launcher are refused",
+               _refused_unless(lambda v: v in ("mp", "uni"), "distributed_executor_backend {value!r} is not "
+                               "supported: tensor-parallel ranks run as worker processes on this machine (mp)"),
+               dict(metavar="BACKEND")),
     VllmOption("revision", "the model's revision on the Hugging Face hub (a branch, tag or commit) when MODEL is a "
                "hub id (default: main)", lambda value: None, dict(metavar="REV")),
     VllmOption("download_dir", "the Hugging Face cache folder a hub id is read from and downloaded into (default: "

@@ -106,7 +106,8 @@ def test_every_vllm_option_is_a_flag_of_the_engine_commands():
     """The table gives generate and serve the flags vLLM command lines pass (they were 'unrecognized')."""
     args = parse("--seed", "0", "--enable-chunked-prefill", "--swap-space", "4", "--tokenizer", "x", "--revision",
                  "main", "--max-logprobs", "20", "--tokenizer-mode", "auto", "--download-dir", "/tmp",
-                 "--trust-remote-code", "--disable-log-stats", "--cpu-offload-gb", "0", "--dtype", "half")
+                 "--trust-remote-code", "--disable-log-stats", "--cpu-offload-gb", "0", "--dtype", "half",
+                 "--distributed-executor-backend", "mp")
     options = engine_options(args)
     assert (options["seed"], options["tokenizer"], options["dtype"]) == (0, "x", "half")
     assert (options["enable_chunked_prefill"], options["swap_space"], options["max_logprobs"]) == (True, 4.0, 20)
@@ -114,7 +115,8 @@ def test_every_vllm_option_is_a_flag_of_the_engine_commands():
     assert parse("--no-enable-chunked-prefill").enable_chunked_prefill is False
     assert {o.name for o in VLLM_OPTIONS} >= {"trust_remote_code", "swap_space", "disable_log_stats",
                                               "enable_chunked_prefill", "tokenizer_mode", "cpu_offload_gb",
-                                              "max_logprobs", "revision", "download_dir"}
+                                              "max_logprobs", "revision", "download_dir",
+                                              "distributed_executor_backend"}
     for command in ("generate", "serve"):
         with pytest.raises(SystemExit, match="0"):
             main([command, "--help"])
@@ -136,6 +138,8 @@ def test_vllm_dtype_names_mean_what_vllm_says():
     ("cpu_offload_gb", 0, None),
     ("max_logprobs", 20, None),
     ("revision", "main", None),
+    ("distributed_executor_backend", "mp", None),
+    ("distributed_executor_backend", "uni", None),
 ])
 def test_a_vllm_option_without_effect_here_is_accepted_and_logged(name, value, note, caplog):
     with caplog.at_level(logging.INFO, logger="hybridcache.engine_args"):
@@ -150,6 +154,7 @@ def test_a_vllm_option_without_effect_here_is_accepted_and_logged(name, value, n
     ("max_logprobs", 5, "fixed at 20"),
     ("max_logprobs", -1, "fixed at 20"),
     ("tokenizer_mode", "slow", "tokenizer_mode 'slow' is not supported"),
+    ("distributed_executor_backend", "ray", "distributed_executor_backend 'ray' is not supported"),
 ])
 def test_a_vllm_option_that_cannot_be_done_is_refused_naming_it(name, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
