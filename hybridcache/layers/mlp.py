@@ -33,15 +33,17 @@ from hybridcache.layers.step import StepContext
 
 class MLP(nn.Module):
     """x [N, hidden] -> down(silu(gate(x)) * up(x)) [N, hidden]; under tensor parallelism all-reduced when
-    `reduce` (else this rank's partial sum)."""
+    `reduce` (else this rank's partial sum). `field`: the config.json field of the width, named by the error of a
+    tensor-parallel size that does not divide it."""
 
     def __init__(
-        self, hidden_size: int, intermediate_size: int, tp: TensorParallel = UNSHARDED, *, reduce: bool = True
+        self, hidden_size: int, intermediate_size: int, tp: TensorParallel = UNSHARDED, *, reduce: bool = True,
+        field: str = "intermediate_size",
     ) -> None:
         super().__init__()
         self.tp = tp
         self.reduce = reduce
-        start, stop = tp.split(intermediate_size, "the MLP intermediate size")
+        start, stop = tp.split(intermediate_size, f"the MLP width (config.json's {field})")
         intermediate_size = stop - start
         self.inner = rows((start, stop)), columns((start, stop))
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -95,9 +97,11 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = nn.ModuleList(
-            MLP(hidden_size, moe_intermediate_size, tp, reduce=False) for _ in range(num_experts)
+            MLP(hidden_size, moe_intermediate_size, tp, reduce=False, field="moe_intermediate_size")
+            for _ in range(num_experts)
         )
-        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, tp, reduce=False)
+        self.shared_expert = MLP(hidden_size, shared_expert_intermediate_size, tp, reduce=False,
+                                 field="shared_expert_intermediate_size")
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.gates = FusedProjection(self.gate, self.shared_expert_gate)
         # every projection of x in one GEMM (the small ones cost a launch each whatever their size): the shared

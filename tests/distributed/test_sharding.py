@@ -31,6 +31,19 @@ def test_heads_split_and_groups_replicate_when_fewer_than_ranks():
         TensorParallel(0, 4).split_heads(12, 6, "q")
 
 
+def test_an_mlp_width_that_does_not_split_names_its_config_field():
+    """The dense, expert and shared-expert widths each name their config.json field (all three said "the MLP
+    intermediate size")."""
+    from hybridcache.layers.mlp import MLP, SparseMoeBlock
+
+    with pytest.raises(ValueError, match=r"does not divide the MLP width \(config.json's intermediate_size\) \(129\)"):
+        MLP(8, 129, TensorParallel(0, 2))
+    for moe, shared, field in ((33, 48, "moe_intermediate_size"), (32, 47, "shared_expert_intermediate_size")):
+        with pytest.raises(ValueError, match=f"config.json's {field}"):
+            SparseMoeBlock(8, num_experts=2, top_k=1, moe_intermediate_size=moe,
+                           shared_expert_intermediate_size=shared, norm_topk_prob=True, tp=TensorParallel(0, 2))
+
+
 def test_a_vocabulary_that_does_not_divide_is_padded_on_the_last_ranks():
     assert TensorParallel(0, 2).split_padded(321) == Shard(0, ((0, 161),), padding=0)
     assert TensorParallel(1, 2).split_padded(321) == Shard(0, ((161, 321),), padding=1)
