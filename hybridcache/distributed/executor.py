@@ -123,8 +123,8 @@ class TensorParallelExecutor:
                         load_format=spec.config.load_format)
         if spec.config.speculative_config is not None:  # so does an MTP head, or a folder without one
             with torch.device("meta"):
-                MtpHead(ModelConfig.from_model_dir(spec.model_path), mtp_num_layers(spec.model_path),
-                        TensorParallel(0, size))
+                MtpHead(ModelConfig.from_model_dir(spec.model_path),
+                        mtp_num_layers(spec.model_path, load_format=spec.config.load_format), TensorParallel(0, size))
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "

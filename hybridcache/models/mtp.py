@@ -14,6 +14,13 @@ embedding and its vocabulary rows of the lm_head, whose logits `HybridCausalLM._
 `mtp_num_hidden_layers` (Qwen3.5) or `num_nextn_predict_layers` (Qwen3-Next); the loader takes the layer count from
 the tensors and checks it.
 
+`load_format="dummy"` (the engine's load format applies to the head, as vLLM's drafter takes the engine's load
+config): no tensor is read, the layer count is config.json's and the weights are drawn on the device as the target's
+dummy weights are (`randomize_`, seed `DUMMY_SEED`: the head `write_random_mtp(seed=0)` writes; FP8 linears as the
+target's dummy ones). Under tensor parallelism each rank draws every full tensor of the one-rank head in
+`randomize_`'s order and keeps its shard (as `models/loader.py` does for the target), so the ranks hold exactly
+the one-rank dummy head's shards.
+
 A row of the head at position p reads the token at p + 1 and the target's hidden state at p and proposes the
 token at p + 2; its layer's KV at p lives in the KV pool like any attention layer's (one more layer of the
 pool, after the target's). A further draft step feeds the head's own output hidden state back with the draft it
@@ -56,6 +63,8 @@ MTP_FILE = "mtp.safetensors"
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 # config.json keys that count the MTP layers (Qwen3.5, Qwen3-Next)
 MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+# the seed of a random head (`write_random_mtp` adds it to its seed; `load_format="dummy"` draws with it)
+DUMMY_SEED = 7919
 
 
 class MtpHead(nn.Module):
@@ -139,24 +148,42 @@ def mtp_tensor_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
     return {name: shape for name, shape in shapes.items() if name.startswith(MTP_PREFIX)}
 
 
-def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | None = None) -> int:
+def declared_mtp_layers(model_dir: str | Path) -> int | None:
+    """The MTP layer count config.json declares (`MTP_LAYER_KEYS`, in its `text_config` where it has one); None
+    when it names none."""
+    raw = read_json_object(Path(model_dir) / "config.json")
+    text = raw.get("text_config") or raw
+    declared = next((text[key] for key in MTP_LAYER_KEYS if text.get(key) is not None), None)
+    return None if declared is None else int(declared)
+
+
+def mtp_num_layers(model_dir: str | Path, shapes: dict[str, tuple[int, ...]] | None = None, *,
+                   load_format: str = "auto") -> int:
     """The MTP layer count of a model folder (from its `mtp.*` tensors, `shapes` when already read); ValueError
-    when it has none or when config.json declares another count (headers and config.json only)."""
+    when it has none or when config.json declares another count (headers and config.json only). With
+    `load_format="dummy"` (no tensors read) config.json's count; ValueError when it declares none."""
     model_dir = Path(model_dir)
+    if load_format == "dummy":
+        declared = declared_mtp_layers(model_dir)
+        if declared is None or declared < 1:
+            keys = " or ".join(MTP_LAYER_KEYS)
+            raise ValueError(f"{model_dir / 'config.json'} declares {'no' if declared is None else declared} MTP "
+                             f"layers ({keys}): speculative method 'mtp' with load_format 'dummy' draws the head "
+                             "config.json describes")
+        return declared
     shapes = mtp_tensor_shapes(model_dir) if shapes is None else shapes
     if not shapes:
         raise ValueError(f"{model_dir} has no mtp.* tensors: speculative method 'mtp' needs the model's MTP head")
     num_layers = 1 + max((int(m[1]) for m in map(_LAYER.match, shapes) if m), default=-1)
-    raw = read_json_object(model_dir / "config.json")
-    text = raw.get("text_config") or raw
-    declared = next((text[key] for key in MTP_LAYER_KEYS if text.get(key) is not None), None)
-    if declared is not None and int(declared) != num_layers:
+    declared = declared_mtp_layers(model_dir)
+    if declared is not None and declared != num_layers:
         raise ValueError(f"config.json declares {declared} MTP layers, the checkpoint holds {num_layers}")
     return num_layers
 
 
 def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch.dtype,
-                  device: torch.device | str, quantization: str | None = None, kv_fp8: bool = False) -> MtpHead:
+                  device: torch.device | str, quantization: str | None = None, kv_fp8: bool = False,
+                  load_format: str = "auto") -> MtpHead:
     """The MTP head of a model folder, in `dtype` on `device`, for the loaded `target` (whose config it takes, and
     its `tp`: under tensor parallelism the rank's shard of the head, reading only the rank's part of each split
     tensor, checked against the full head's shapes).
@@ -171,16 +198,22 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     `kv_fp8`: the head's attention stores FP8 KV as the target's does (`quant.set_kv_fp8`, with the folder's
     `mtp.*.k_scale` / `v_scale` where it has them), so that its KV shares the target's pool tensor.
 
+    `load_format="dummy"` (the target's): no tensor is read; config.json's layer count, random weights drawn on
+    `device` (module docstring; FP8 linears where the target's dummy model has them: config.json's format, else the
+    block format under `quantization`), KV scales 1.
+
     Raises `ValueError` when the folder has no `mtp.*` tensors, when config.json's layer count disagrees with
     them, on float8 `mtp.*` tensors without their scale (or without a quantization_config), on a scale beside a
     dense weight, on a block split that cuts a scale block, or (through the loader's rules: names, shapes,
     per-expert or stacked experts) on any missing, unexpected or mis-shaped tensor. Only `mtp.*` tensors are
-    read; the target's loading ignores them."""
+    read; the target's loading ignores them (with `load_format="dummy"`: ValueError when config.json declares no
+    MTP layers)."""
     from safetensors import safe_open
 
     from hybridcache.models import quant
-    from hybridcache.models.loader import _copy_one as copy_parameter
     from hybridcache.models.loader import (
+        LOAD_FORMATS,
+        _dummy_format,
         _read_headers,
         check_float_dtypes,
         checkpoint_shards,
@@ -188,8 +221,15 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
         pop_kv_scales,
         safetensors_files,
     )
+    from hybridcache.models.loader import _copy_one as copy_parameter
 
     model_dir = Path(model_dir)
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    if load_format == "dummy":
+        fmt = _dummy_format(quant.checkpoint_format(quant.read_quantization_config(model_dir)), quantization)
+        head = _dummy_head(target, mtp_num_layers(model_dir, load_format="dummy"), fmt, dtype, device)
+        return quant.set_kv_fp8(head, kv_fp8, {}).eval()
     location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
     location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
     shapes = {name: shape for name, shape in shapes.items() if name in location}
@@ -222,6 +262,51 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     return quant.set_kv_fp8(head, kv_fp8, kv_scales).eval()
 
 
+@torch.no_grad()
+def _dummy_head(target: HybridCausalLM, num_layers: int, fmt: Fp8Format | None, dtype: torch.dtype,
+                device: torch.device | str) -> MtpHead:
+    """`load_format="dummy"`: the head of `num_layers` layers for `target` with random weights drawn on `device`
+    (`randomize_`, seed `DUMMY_SEED`), its linears FP8 in `fmt` where it is not None (`quant.quantizable_linears`,
+    as the target's dummy model). Under tensor parallelism (`target.tp`) the rank's shard of exactly the one-rank
+    dummy head: every full tensor drawn in `randomize_`'s order (an FP8 weight quantised whole), one at a time, and
+    read as a checkpoint tensor (`models/loader.py`'s `_dummy_shard` for the target), so a block-scaled split
+    refuses what an FP8 checkpoint's would."""
+    from hybridcache.kernels.backend import fp8_quantize
+    from hybridcache.models import quant
+    from hybridcache.models.loader import _checkpoint_order, _copy_one, checkpoint_shards, plan_weights_for
+    from hybridcache.models.random_weights import draw_parameter, randomize_
+
+    with torch.device("meta"):
+        full = MtpHead(target.config, num_layers).to(dtype=dtype)
+        head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp).to(dtype=dtype)
+    if fmt is not None:
+        for module in {id(full): full, id(head): head}.values():
+            quant.convert_linears(module, dict.fromkeys(quant.quantizable_linears(module), fmt))
+    full_shards = checkpoint_shards(full, full)
+    shards = checkpoint_shards(head, full)
+    plan = plan_weights_for(full, {name: tuple(p.shape) for name, p in full.named_parameters()},
+                            owner="the MTP head")
+    head = head.to_empty(device=device)
+    if target.tp.size == 1:
+        randomize_(head, seed=DUMMY_SEED, draw_device=device)
+        return head
+    params = dict(head.named_parameters())
+    fp8 = {f"{name}.weight": (name, linear_fmt) for name, linear_fmt in quant.fp8_linears(full).items()}
+    scales = {f"{module}.{linear_fmt.scale_name}" for module, linear_fmt in fp8.values()}
+    generator = torch.Generator(device).manual_seed(DUMMY_SEED)
+    for name, param in full.named_parameters():
+        if name in scales:  # drawn with their weight
+            continue
+        drawn = {name: draw_parameter(name, param.shape, generator)}
+        if name in fp8:
+            module, linear_fmt = fp8[name]
+            drawn[name], drawn[f"{module}.{linear_fmt.scale_name}"] = fp8_quantize(drawn[name], linear_fmt)
+        for drawn_name, value in drawn.items():
+            value = _checkpoint_order(value, full_shards.get(drawn_name))
+            _copy_one(params[drawn_name], shards.get(drawn_name), plan[drawn_name], lambda _, i, v=value: v[i])
+    return head
+
+
 def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str, Fp8Format]:
     """The head's module name -> `fmt` (the folder's FP8 format) for every linear whose weight is FP8 in the folder
     (`dtypes`: the head's tensors, `mtp.` taken off -> safetensors dtype); ValueError when its float8 tensors are
@@ -251,7 +336,7 @@ def write_random_mtp(model_dir: str | Path, seed: int = 0, num_layers: int = 1, 
     with torch.device("meta"):
         head = MtpHead(config, num_layers)
     head = head.to_empty(device=draw_device)
-    randomize_(head, seed=seed + 7919, draw_device=draw_device)
+    randomize_(head, seed=seed + DUMMY_SEED, draw_device=draw_device)
     tensors = {MTP_PREFIX + name: p.detach().to(dtype).cpu().contiguous() for name, p in head.named_parameters()}
     save_file(tensors, str(model_dir / MTP_FILE))
     index = model_dir / "model.safetensors.index.json"
