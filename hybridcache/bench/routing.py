@@ -15,9 +15,10 @@ routing policy picks the replica of every request, in arrival order, one request
 kv-prefix and checkpoint are the HTTP router's own rule (router/policy.py `Chooser`), after SGLang's
 cache-aware router: the best replica is taken when its score covers at least `min_hit_fraction` of the prompt
 (SGLang's cache threshold) and it has no more than `abs_margin` requests more than the least-loaded one or no
-more than `rel_margin` times as many (its balance thresholds); otherwise the least-loaded one is, lowest index
-first. (Without the threshold, a few tokens of a shared chat template pull every new conversation to one
-replica, and the balance rule then pushes the continuing ones away from their checkpoints.)
+more than `rel_margin` times as many (its balance thresholds); otherwise the least-loaded one is, among equals
+the one whose trie holds the fewest blocks (SGLang's smallest tree), then the lowest index. (Without the
+threshold, a few tokens of a shared chat template pull every new conversation to one replica, and the balance
+rule then pushes the continuing ones away from their checkpoints.)
 Load here is the number of requests routed so far (requests are replayed one at a time, so nothing is in
 flight); `max_over_mean` is the largest replica's count over the mean.
 """
@@ -94,7 +95,8 @@ class Router:
         else:
             probes = [replica.cache.probe(cache_request) for replica in self.replicas]
             choice = self.chooser.choose(probes, self.loads, cache_request.prompt_len,
-                                         lambda i, limit: chain_len(self.replicas[i].cache, cache_request, limit))
+                                         lambda i, limit: chain_len(self.replicas[i].cache, cache_request, limit),
+                                         [replica.cache._trie.num_nodes for replica in self.replicas])
         self.loads[choice] += 1
         return choice
 

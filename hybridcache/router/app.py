@@ -18,7 +18,11 @@ with the server's guarded protocol), and prompts tokenized on a thread, off the 
 
 Faults: a replica that cannot be reached, or answers 502/503/504, before the first byte of its response is
 marked down (router/replicas.py) and the request goes to the next-best replica, each replica at most once. A
-stream cut after its first byte ends with an error event and `data: [DONE]`. After each response the router
+stream cut after its first byte ends with an error event and `data: [DONE]`. A replica that took the request
+but sends nothing for `request_timeout_s` (a read or write timeout) is slow, not down: the request is closed
+(the replica aborts it) and answered 504, or its stream ends with a 504 error event; it is not sent again. A
+client that disconnects before its response, streamed or not, closes the request to the replica, which aborts
+it (the router logs a 499, as a replica does). After each response the router
 polls that replica's events before returning the last bytes, so the next turn of a conversation is routed
 with the checkpoint this one saved; a background task polls every replica every `poll_interval_s`.
 """
@@ -32,12 +36,13 @@ import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -54,11 +59,14 @@ from hybridcache.router.responses import (
 )
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
+from hybridcache.server.streaming import ClientGone, run_until_disconnect
 
 logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("authorization", "content-type")
 TAIL_BYTES = 1 << 16  # a stream's last bytes kept for its usage (a Responses stream's last event holds it all)
+# Past `request_timeout_s`, a replica that took the request is slow, not down: the request is not sent again
+_ACCEPTED_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout)
 
 
 def replica_verdict(status: int, headers: Mapping[str, str], content: bytes) -> str:
@@ -86,19 +94,27 @@ def _relayed(upstream: httpx.Response, content: bytes) -> Response:
 @dataclass(frozen=True)
 class RouterConfig:
     """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas. poll_interval_s: background events
-    polls. request_timeout_s: a forwarded request's read timeout. routing: the policy and balance margins.
+    polls. request_timeout_s: how long a forwarded request may wait for the replica's next bytes (and take to
+    send), None for no limit (the default, as a replica's `--request-timeout`); past it the router answers 504
+    (or ends a stream with a 504 error event), closing the request, which the replica then aborts; the replica
+    stays up and the request is not sent to another one. routing: the policy and balance margins.
     api_key: the replicas' API key, sent with the router's own calls (events polls) and needed for /health's
     details; clients' requests are forwarded with their own `Authorization` header, which the replicas check.
     max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole (default
-    the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`)."""
+    the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`). chat_template_kwargs: the replicas' default
+    `chat_template_kwargs` (their `--chat-template-kwargs`), so that a chat renders here as there.
+    allowed_origins: origins whose browser pages may call the router (CORS, as `hybridcache serve
+    --allowed-origins`; empty: no CORS headers)."""
 
     replica_urls: tuple[str, ...]
     routing: RoutingConfig = RoutingConfig()
     poll_interval_s: float = 0.5
     poll_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float | None = None
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.replica_urls:
@@ -107,8 +123,10 @@ class RouterConfig:
         if len(set(self.replica_urls)) != len(self.replica_urls):
             raise ValueError(f"replica URLs repeat: {self.replica_urls}")
         for name in ("poll_interval_s", "poll_timeout_s", "request_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (value is None and name == "request_timeout_s" or value is not None and value > 0):
+                raise ValueError(f"{name} must be > 0, got {value}")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
 
@@ -138,7 +156,8 @@ class RouterState:
             return []
         probes = [r.predict(prompts) for r in candidates]
         first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts),
-                                    lambda i, limit: candidates[i].chain(prompts, limit))
+                                    lambda i, limit: candidates[i].chain(prompts, limit),
+                                    [len(r.index.blocks) if r.index else 0 for r in candidates])
         order = [first] + sorted((i for i in range(len(candidates)) if i != first),
                                  key=lambda i: (-probes[i].cached_len, candidates[i].in_flight))
         return [(candidates[i], probes[i].cached_len) for i in order]
@@ -187,6 +206,9 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     app = FastAPI(title="hybridcache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
+    if config.allowed_origins:  # as a replica's (server/app.py)
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -205,11 +227,20 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
             raise APIError(400, "the request body is not valid JSON: it is nested too deeply") from None
         except ValueError as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
-        path = request.url.path
+        path = _route_path(request)
         # a long prompt: off the loop
-        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, state.tokenizer)
-        stream = isinstance(body, dict) and bool(body.get("stream"))
+        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, state.tokenizer,
+                                          dict(config.chat_template_kwargs))
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        try:  # a client gone before its response closes the upstream request: the replica aborts it
+            return await run_until_disconnect(request.receive, route(path, raw, body, headers, prompts))
+        except ClientGone:
+            logger.info("%s: the client disconnected before its response; its request was aborted", path)
+            return Response(status_code=499)
+
+    async def route(path: str, raw: bytes, body: Any, headers: dict[str, str], prompts: list[list[int]]) -> Response:
+        """Send the request to the best replica, and on to the next while one fails before its first byte."""
+        stream = isinstance(body, dict) and bool(body.get("stream"))
         stored_id = continued_id(path, body)
         owner = await state.owner_of(stored_id, headers) if stored_id else None
         learn = path == RESPONSES_PATH and stores(body)
@@ -235,48 +266,54 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
             if len(tried) > 1:
                 state.num_retries += 1
             replica.in_flight += 1
+            relayed = False  # a relayed stream drops the in-flight count itself, once it ends
             try:
-                upstream = await state.client.send(
-                    state.client.build_request("POST", f"{replica.url}{request.url.path}", content=raw,
-                                               headers=headers), stream=True)
-            except httpx.HTTPError as error:
-                replica.in_flight -= 1
-                replica.counters.retried_away += 1
-                last_error = f"{replica.url}: {type(error).__name__}: {error}"
-                replica.mark_down(last_error)
-                continue
-            if upstream.status_code in RETRY_STATUSES:
+                try:
+                    upstream = await state.client.send(
+                        state.client.build_request("POST", f"{replica.url}{path}", content=raw, headers=headers),
+                        stream=True)
+                except _ACCEPTED_TIMEOUTS as error:  # the replica took the request: it is slow, not down
+                    return _timed_out(state, replica, error)
+                except httpx.HTTPError as error:
+                    replica.counters.retried_away += 1
+                    last_error = f"{replica.url}: {type(error).__name__}: {error}"
+                    replica.mark_down(last_error)
+                    continue
+                if upstream.status_code in RETRY_STATUSES:
+                    try:
+                        content = await upstream.aread()
+                    except httpx.HTTPError:
+                        content = b""
+                    finally:
+                        await upstream.aclose()
+                    verdict = replica_verdict(upstream.status_code, upstream.headers, content)
+                    if verdict == "answer":  # the request's own outcome: another replica would only run it again
+                        replica.counters.routed += 1
+                        return _relayed(upstream, content)
+                    replica.counters.retried_away += 1
+                    last_error = f"{replica.url} answered {upstream.status_code}"
+                    if verdict == "busy":  # up, with a full queue: try another, keep it (and its index)
+                        busy = _relayed(upstream, content)
+                    else:
+                        replica.mark_down(last_error)
+                    continue
+                replica.counters.routed += 1
+                if stream and upstream.status_code == 200:
+                    relayed = True
+                    return _RelayResponse(state, replica, upstream, predicted, learn)
                 try:
                     content = await upstream.aread()
-                except httpx.HTTPError:
-                    content = b""
+                except _ACCEPTED_TIMEOUTS as error:
+                    return _timed_out(state, replica, error)
+                except httpx.HTTPError as error:
+                    replica.mark_down(f"{type(error).__name__}: {error}")
+                    state.num_failed += 1
+                    raise APIError(502, f"replica {replica.url} failed while answering: {error}") from None
                 finally:
                     await upstream.aclose()
-                replica.in_flight -= 1
-                verdict = replica_verdict(upstream.status_code, upstream.headers, content)
-                if verdict == "answer":  # the request's own outcome: another replica would only run it again
-                    replica.counters.routed += 1
-                    return _relayed(upstream, content)
-                replica.counters.retried_away += 1
-                last_error = f"{replica.url} answered {upstream.status_code}"
-                if verdict == "busy":  # up, with a full queue: try another, keep it (and its index)
-                    busy = _relayed(upstream, content)
-                else:
-                    replica.mark_down(last_error)
-                continue
-            replica.counters.routed += 1
-            if stream and upstream.status_code == 200:
-                return _RelayResponse(state, replica, upstream, predicted, learn)
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as error:
-                replica.in_flight -= 1
-                replica.mark_down(f"{type(error).__name__}: {error}")
-                state.num_failed += 1
-                raise APIError(502, f"replica {replica.url} failed while answering: {error}") from None
             finally:
-                await upstream.aclose()
-            replica.in_flight -= 1
+                if not relayed:
+                    replica.in_flight -= 1
             if upstream.status_code == 200:
                 if learn and (stored := response_id(content)) is not None:
                     state.owners.put(stored, replica.url)
@@ -335,6 +372,27 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     return app
 
 
+def _route_path(request: Request) -> str:
+    """The request's path as the replicas serve it: without the `--root-path` prefix uvicorn puts before it."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _timed_out(state: RouterState, replica: Replica, error: httpx.TimeoutException) -> JSONResponse:
+    """The 504 of a request that `replica` took and did not answer within the router's `request_timeout_s`. The
+    replica is not marked down and the request is not sent again: another replica would only run it again."""
+    state.num_failed += 1
+    return JSONResponse(_timeout_body(state, replica, error), status_code=504)
+
+
+def _timeout_body(state: RouterState, replica: Replica, error: httpx.TimeoutException) -> dict[str, Any]:
+    message = (f"replica {replica.url} did not answer within the router's request timeout of "
+               f"{state.config.request_timeout_s} s ({type(error).__name__}); the request was aborted, not retried")
+    body = error_body(504, message, code="replica_timeout")
+    body["error"]["type"] = "gateway_timeout"
+    return body
+
+
 def has_key(request: Request, key: str | None) -> bool:
     """Whether the request carries `key` as its bearer token (always true when there is no key)."""
     if key is None:
@@ -380,6 +438,10 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
             if head is not None and (stored := head.feed(chunk)) is not None:
                 state.owners.put(stored, replica.url)
             yield chunk
+    except _ACCEPTED_TIMEOUTS as error:  # slow, not down
+        state.num_failed += 1
+        yield f"data: {json.dumps(_timeout_body(state, replica, error))}\n\ndata: [DONE]\n\n".encode()
+        return
     except httpx.HTTPError as error:
         replica.mark_down(f"stream cut: {type(error).__name__}: {error}")
         state.num_failed += 1

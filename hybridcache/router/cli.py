@@ -17,11 +17,17 @@ import time
 from collections.abc import Mapping, Sequence
 
 REPLICA_START_TIMEOUT_S = 600.0
+# `serve --data-parallel-size N --request-timeout T`: the router waits T plus this for a replica, so that the
+# replica's own answer at T (a 503 `request_timeout`, relayed as it is) comes first
+REQUEST_TIMEOUT_GRACE_S = 5.0
+# The `serve` flags of the public endpoint: given to the router, not to the loopback replicas
+PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-origins")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hybridcache.arg_types import http_url, port_number, positive_int
+    from hybridcache.arg_types import http_url, port_number, positive_float, positive_int
     from hybridcache.engine_args import HelpFormatter
+    from hybridcache.server.cli import _json_object
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
@@ -33,7 +39,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--model", default=None,
                         help="the replicas' model folder (its tokenizer and chat template predict hits; default: "
                              "the built-in model)")
+    router.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="the replicas' --tokenizer, when they run with one (default: --model's)")
+    router.add_argument("--chat-template", default=None, metavar="PATH",
+                        help="the replicas' --chat-template, when they run with one (default: --model's)")
+    router.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                        help="the replicas' --chat-template-kwargs, when they run with them (default: none)")
     add_router_args(router)
+    router.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
+                        help="answer 504 when a replica sends nothing for this long, closing the request (the "
+                             "replica aborts it; it is not sent to another one) (default: no limit, as serve's)")
     router.add_argument("--api-key", default=None,
                         help="the replicas' API key, for the router's own calls to them (default: "
                              "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
@@ -43,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="request body size limit (default: 256 MiB, as serve's: a replica's default body, "
                              "images as base64 included, passes the router)")
     add_connection_args(router)
+    router.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
+                        help="origins whose browser pages may call the router (CORS; '*' for any; default: none)")
+    router.add_argument("--root-path", default="", metavar="PATH",
+                        help="the path prefix under which a reverse proxy serves the router")
+    router.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this key")
+    router.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level of the router and uvicorn")
     router.set_defaults(func=cmd_router)
@@ -90,44 +111,74 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         help="seconds between polls of each replica's cache events (default: %(default)s)")
 
 
-def router_config(args: argparse.Namespace, urls: Sequence[str]):
+def router_config(args: argparse.Namespace, urls: Sequence[str], request_timeout_s: float | None = None):
+    """The `RouterConfig` of the parsed `router` (or `serve --data-parallel-size`) options; `request_timeout_s`:
+    the router's read timeout (`router --request-timeout`; for `serve`, `router_request_timeout`)."""
     from hybridcache.router.app import RouterConfig
     from hybridcache.router.policy import RoutingConfig
     from hybridcache.server.cli import api_key
 
     routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
     return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args),
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, request_timeout_s=request_timeout_s,
+                        chat_template_kwargs=args.chat_template_kwargs or {},
+                        allowed_origins=tuple(args.allowed_origins or ()))
 
 
-def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None, host: str, port: int) -> None:
+def router_request_timeout(replica_timeout_s: float | None) -> float | None:
+    """The router's read timeout in front of replicas that abort a request at `replica_timeout_s` (their
+    `--request-timeout`): a little longer, so that the replica's own answer comes first; None for None."""
+    return None if replica_timeout_s is None else replica_timeout_s + REQUEST_TIMEOUT_GRACE_S
+
+
+def router_tokenizer(args: argparse.Namespace, model: str | None):
+    """The tokenizer and chat template the replicas render with (server/cli.py `build_server`): `--tokenizer`'s
+    folder, else the model's, with `--chat-template` over its own template. Bad flags fail before it loads."""
+    from hybridcache.engine_args import resolve_engine_config
+    from hybridcache.model_path import resolve_model
+    from hybridcache.server.vllm_flags import chat_template
+    from hybridcache.tokenizer import Tokenizer
+
+    template = chat_template(args)  # a missing file fails first
+    folder = resolve_model(model, weights=False).path
+    if args.tokenizer is not None:  # resolved as the replicas' engine resolves it (a folder, or a hub id)
+        folder = resolve_engine_config(folder, {"tokenizer": args.tokenizer, "device": "cpu"}).tokenizer
+    tokenizer = Tokenizer(folder)
+    if template is not None:
+        tokenizer.chat_template = template
+    return tokenizer
+
+
+def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None, host: str, port: int,
+               request_timeout_s: float | None = None) -> None:
     """Serve the router on host:port with the server's connection guard (server/connections.py: a read deadline
-    per request and a cap on open connections, from the parsed connection flags)."""
+    per request and a cap on open connections, from the parsed connection flags), HTTPS, root path and CORS
+    from the public-endpoint flags (`PUBLIC_FLAGS`), and the replicas' tokenizer and chat template."""
     import uvicorn
 
-    from hybridcache.model_path import resolve_model
     from hybridcache.router.app import build_router_app
     from hybridcache.server import log_limits
     from hybridcache.server.connections import uvicorn_options
     from hybridcache.server.limits import limits_from_args
     from hybridcache.server.uvicorn_server import Server
-    from hybridcache.tokenizer import Tokenizer
+    from hybridcache.server.vllm_flags import check_vllm_args
 
-    config = router_config(args, urls)  # bad options fail before anything loads
+    check_vllm_args(args)  # --ssl-keyfile and --ssl-certfile go together
+    config = router_config(args, urls, request_timeout_s)  # bad options fail before anything loads
     limits = limits_from_args(args)
-    tokenizer = Tokenizer(resolve_model(model, weights=False).path)
-    app = build_router_app(config, tokenizer)
+    app = build_router_app(config, router_tokenizer(args, model))
     server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
-                                   lifespan="on", **uvicorn_options(limits.connection_cap(),
-                                                                    limits.request_read_timeout_s,
-                                                                    limits.timeout_keep_alive_s)))
+                                   lifespan="on", root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+                                   ssl_certfile=args.ssl_certfile,
+                                   **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s,
+                                                     limits.timeout_keep_alive_s)))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run()
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_router(args, args.replica, args.model, args.host, args.port)
+    run_router(args, args.replica, args.model, args.host, args.port, args.request_timeout)
     return 0
 
 
@@ -136,18 +187,26 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
-    program) without --data-parallel-size, --host, --port and the routing options, plus a loopback port."""
+    program) without --data-parallel-size, --host, --port, the routing options and the public endpoint's
+    (`PUBLIC_FLAGS`: HTTPS, root path and CORS are the router's), plus a loopback port.
+
+    Example: `serve M --data-parallel-size 2 --ssl-keyfile k --allowed-origins a b --port 9000`, port 9001:
+    `serve M --host 127.0.0.1 --port 9001` (--allowed-origins takes every value up to the next flag)."""
     drop_with_value = {"--data-parallel-size", "--host", "--port", "--routing", "--balance-abs-threshold",
-                       "--balance-rel-threshold", "--cache-threshold", "--router-poll-interval"}
+                       "--balance-rel-threshold", "--cache-threshold", "--router-poll-interval", *PUBLIC_FLAGS}
+    many_values = {"--allowed-origins"}  # nargs="+": every value up to the next option
     out: list[str] = []
-    skip = False
+    skip = 0  # 1: skip the next argument; 2: skip arguments up to the next option
     for arg in argv:
-        if skip:
-            skip = False
+        if skip == 2 and not arg.startswith("-"):
             continue
+        if skip == 1:
+            skip = 0
+            continue
+        skip = 0
         name = arg.split("=", 1)[0]
         if name in drop_with_value:
-            skip = "=" not in arg
+            skip = 0 if "=" in arg else 2 if name in many_values else 1
             continue
         out.append(arg)
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
@@ -205,7 +264,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
                 if time.monotonic() > deadline:
                     raise OSError(f"replica {url} did not answer /health within {REPLICA_START_TIMEOUT_S:.0f} s")
                 time.sleep(0.2)
-        run_router(args, urls, model_argument(args), args.host, args.port)
+        run_router(args, urls, model_argument(args), args.host, args.port, router_request_timeout(args.request_timeout))
     finally:
         for process in processes:
             if process.poll() is None:

@@ -11,7 +11,9 @@ The prefix policies follow SGLang's cache-aware router: the best replica is take
 least `min_hit_fraction` of the prompt (SGLang's cache threshold) and its load (requests in flight through the
 router) exceeds the least-loaded replica's by no more than `abs_margin` or by no more than `rel_margin` times;
 otherwise the least-loaded one is (a miss everywhere too). The threshold keeps a few tokens of a shared chat
-template from pulling every new conversation to one replica (bench/routing.py measures both).
+template from pulling every new conversation to one replica (bench/routing.py measures both). Among replicas of
+equal load, the least-loaded one is the one whose index holds the fewest blocks (SGLang's smallest tree), then
+the first listed: new conversations on an idle fleet spread over the replicas instead of all going to the first.
 
 Why the checkpoint policy follows KV without a state, and only along the conversation's own chain: a request
 whose prompt matches a replica's KV past any state there saves a state where it parts from that KV (the engine's
@@ -55,21 +57,25 @@ class RoutingConfig:
 
 
 class Chooser:
-    """`choose(probes, loads, prompt_len, chain_of)`: the index of the replica to use among the candidates given
-    (module docstring); `prompt_len`: the tokens the probes were predicted for; `chain_of(i, limit)`: the tokens
-    of the stored chain candidate i's KV match sits on (`ReplicaIndex.chain_len`), asked only when no usable hit
-    passes the threshold (None: never follow KV without a state)."""
+    """`choose(probes, loads, prompt_len, chain_of, sizes)`: the index of the replica to use among the candidates
+    given (module docstring); `prompt_len`: the tokens the probes were predicted for; `chain_of(i, limit)`: the
+    tokens of the stored chain candidate i's KV match sits on (`ReplicaIndex.chain_len`), asked only when no usable
+    hit passes the threshold (None: never follow KV without a state); `sizes`: each candidate's indexed blocks,
+    which break ties of load (None: ties go to the first listed).
+
+    Example: three idle replicas indexing 40, 12 and 12 blocks; a miss goes to replica 1 (load 0, 12 blocks)."""
 
     def __init__(self, config: RoutingConfig) -> None:
         self.config = config
         self._turn = 0
 
     def choose(self, probes: Sequence[Probe], loads: Sequence[int], prompt_len: int,
-               chain_of: Callable[[int, int], int] | None = None) -> int:
-        if not probes or len(probes) != len(loads):
-            raise ValueError(f"need one probe per load and at least one, got {len(probes)} and {len(loads)}")
+               chain_of: Callable[[int, int], int] | None = None, sizes: Sequence[int] | None = None) -> int:
+        if not probes or len(probes) != len(loads) or sizes is not None and len(sizes) != len(loads):
+            raise ValueError(f"need one probe per load (and one size, if any) and at least one, got {len(probes)}, "
+                             f"{len(loads)} and {None if sizes is None else len(sizes)}")
         n = len(probes)
-        least = min(range(n), key=lambda r: (loads[r], r))
+        least = min(range(n), key=lambda r: (loads[r], 0 if sizes is None else sizes[r], r))
         if self.config.policy == "round-robin":
             self._turn += 1
             return (self._turn - 1) % n

@@ -4,8 +4,12 @@ another one; a stream cut mid-way ends with an error event and [DONE]; with no r
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -199,3 +203,104 @@ def test_the_router_polls_with_the_replicas_api_key():
                 headers = {"Authorization": f"Bearer {key}"} if key else {}
                 health = httpx.get(f"{router}/health", headers=headers).json()
                 assert [r["up"] for r in health["replicas"]] == [up], (key, health)
+
+
+def _slow_replica(work_s: float, stream_pause_s: float = 0.0) -> FastAPI:
+    """A replica whose completions take `work_s` seconds (watching for the client's disconnect, as `serve` does:
+    `state.log` records "aborted" or "finished"); a stream sends one chunk, then nothing for `stream_pause_s`."""
+    app = FastAPI()
+    app.state.log = []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int | None = None):
+        return {"block_size": 16, "full_prompt_hits": False, "reset": since is None, "next": 0, "events": [],
+                "epoch": "e0"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.log.append("start")
+        if body.get("stream"):
+            async def one_chunk_then_pause():
+                yield b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n'
+                try:
+                    await asyncio.sleep(stream_pause_s)
+                except asyncio.CancelledError:
+                    app.state.log.append("aborted")
+                    raise
+                yield b"data: [DONE]\n\n"
+            return StreamingResponse(one_chunk_then_pause(), media_type="text/event-stream")
+        deadline = asyncio.get_running_loop().time() + work_s
+        while asyncio.get_running_loop().time() < deadline:
+            if await request.is_disconnected():
+                app.state.log.append("aborted")
+                return JSONResponse({}, status_code=499)
+            await asyncio.sleep(0.02)
+        app.state.log.append("finished")
+        return {"choices": [{"index": 0, "text": "ok"}]}
+
+    return app
+
+
+def _wait_for(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_client_gone_before_its_non_streamed_response_aborts_it_on_the_replica():
+    """A client that gives up on a non-streamed request closes the router's request to the replica, which aborts
+    it (the router kept waiting for the whole answer, so the engine ran all max_tokens for no one; found by a bug
+    hunt); the replica's in-flight count drops once and it stays up."""
+    slow = _slow_replica(work_s=5.0)
+    with serving_app(slow) as replica, serving_app(_router([replica])) as router:
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000}, timeout=0.5)
+        assert _wait_for(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
+        assert slow.state.log == ["start", "aborted"]
+        health = httpx.get(f"{router}/health").json()["replicas"][0]
+        assert health["in_flight"] == 0 and health["up"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_replica_slower_than_the_request_timeout_is_a_504_not_a_fault(stream):
+    """Past the router's request_timeout_s, a replica that took the request is slow, not down: the client gets a
+    504 naming it (a stream: a 504 error event and [DONE]), the request is closed (the replica aborts it) and not
+    sent to another replica, and the replica stays up (it was marked down and the request run on every replica
+    in turn, then a 503; found by a bug hunt)."""
+    slow, other = _slow_replica(work_s=3.0, stream_pause_s=3.0), _slow_replica(work_s=0.0)
+    with serving_app(slow) as first, serving_app(other) as second:
+        config = RouterConfig((first, second), RoutingConfig("round-robin"), poll_interval_s=30.0,
+                              request_timeout_s=0.5)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            body = {"prompt": PROMPT, "max_tokens": 100, "stream": stream}
+            with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=30) as response:
+                text = response.read().decode()
+            if stream:
+                assert response.status_code == 200 and text.endswith("data: [DONE]\n\n")
+                error = json.loads(text.split("data: ")[-2])["error"]
+            else:
+                assert response.status_code == 504
+                error = json.loads(text)["error"]
+            assert first in error["message"] and error["code"] == "replica_timeout"
+            assert _wait_for(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
+            assert (slow.state.log, other.state.log) == (["start", "aborted"], [])
+            metrics = httpx.get(f"{router}/metrics").text
+            assert _metric(metrics, "hybridcache_router_replica_up", first) == 1
+            assert _metric(metrics, "hybridcache_router_retries_total") == 0
+            assert _metric(metrics, "hybridcache_router_failed_total") == 1
+            assert _metric(metrics, "hybridcache_router_in_flight", first) == 0
+
+
+def test_no_request_timeout_by_default():
+    """As a replica's `--request-timeout`, the router's default waits as long as the replica takes."""
+    assert RouterConfig(("http://127.0.0.1:1",)).request_timeout_s is None
+    with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
+        RouterConfig(("http://127.0.0.1:1",), request_timeout_s=0)
