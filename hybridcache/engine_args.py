@@ -354,8 +354,9 @@ def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
 
 
 def _tokenizer_folder(name: object) -> Path:
-    """The folder `tokenizer=` names: a folder holding tokenizer.json, or a hub id (resolved as a model is, without
-    weights). A ValueError naming it otherwise."""
+    """The folder `tokenizer=` names: a folder a tokenizer loads from (as a model folder's: tokenizer.json, or a
+    tokenizer_config.json whose class converts its own vocabulary files), or a hub id (resolved as a model is,
+    without weights). A ValueError naming it otherwise."""
     from hybridcache.model_path import resolve_model
 
     if not isinstance(name, (str, Path)):
@@ -363,6 +364,6 @@ def _tokenizer_folder(name: object) -> Path:
     path = Path(name).expanduser()
     if not path.is_dir() and not path.exists() and not str(name).startswith((".", "/", "~")):
         path = resolve_model(str(name), weights=False).path
-    if not (path / "tokenizer.json").is_file():
-        raise ValueError(f"tokenizer {str(name)!r}: no tokenizer.json in {path}")
+    if not any((path / file).is_file() for file in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"tokenizer {str(name)!r}: no tokenizer.json (nor tokenizer_config.json) in {path}")
     return path

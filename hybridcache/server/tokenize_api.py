@@ -4,7 +4,7 @@
                        the chat template, images expanded into their tokens, as a chat request's prompt) ->
                        {"count", "max_model_len", "tokens", "token_strs"}; `return_token_strs`
                        adds each token's own decode. `add_special_tokens` is accepted (the tokenizer adds none).
-    POST /detokenize   {"tokens": [...]} -> {"prompt": text}
+    POST /detokenize   {"tokens": [...]} -> {"prompt": text} (special tokens kept, as vLLM's)
     GET  /version      {"version": the package version}
 
 The tokenizer routes need the API key when one is set, as the /v1 routes do; /version does not. A prompt is
@@ -93,7 +93,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
         if bad is not None:
             raise APIError(400, f"token id {body.tokens[bad]} is outside the vocabulary [0, {vocab})",
                            param=f"tokens.{bad}")
-        return JSONResponse({"prompt": routes.model.tokenizer.decode(body.tokens)})
+        # special tokens kept, as vLLM's (a /tokenize -> /detokenize round trip of a chat prompt keeps its markers)
+        return JSONResponse({"prompt": routes.model.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     async def version_route() -> JSONResponse:
         return JSONResponse({"version": package_version()})

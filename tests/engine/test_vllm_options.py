@@ -6,6 +6,7 @@ and pools larger than the machine's memory are refused before anything is alloca
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 
@@ -20,6 +21,7 @@ from hybridcache.engine.rank_runner import check_host_memory, engine_device
 from hybridcache.engine_args import VLLM_OPTIONS, add_engine_args, engine_options, resolve_engine_config
 from hybridcache.model_path import resolve_model
 from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.tokenizer import Tokenizer
 
 from .test_model_path import fake_hub_cache
 
@@ -193,6 +195,19 @@ def test_a_separate_tokenizer_folder(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ensure_builtin_model() / name, folder / name)
     assert resolve(tokenizer=str(folder)).tokenizer == str(folder)
+
+
+def test_a_separate_tokenizer_folder_without_tokenizer_json(tmp_path):
+    """A folder of vocab.json + merges.txt and a tokenizer_config.json naming their class loads as a model folder's
+    tokenizer (transformers converts it); as `tokenizer=` it was refused for want of tokenizer.json."""
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    built = json.loads((ensure_builtin_model() / "tokenizer.json").read_text())
+    (folder / "vocab.json").write_text(json.dumps(built["model"]["vocab"]))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
+    assert resolve(tokenizer=str(folder)).tokenizer == str(folder)
+    assert Tokenizer(folder).encode("hi") == Tokenizer(ensure_builtin_model()).encode("hi")
 
 
 def test_revision_and_download_dir_choose_the_hub_snapshot(tmp_path, monkeypatch, capsys):

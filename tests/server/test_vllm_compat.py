@@ -280,6 +280,14 @@ def test_detokenize_takes_the_ids_completions_takes(client, tokenizer):
     assert response.status_code == 200, response.text
 
 
+def test_detokenize_keeps_special_tokens_as_vllm_does(client, tokenizer):
+    """vLLM decodes /detokenize's ids with special tokens kept: a chat prompt's round trip keeps its role markers
+    (they were dropped)."""
+    text = "<|im_start|>user\nhi there<|im_end|>\n"
+    ids = client.post("/tokenize", json={"model": MODEL, "prompt": text}).json()["tokens"]
+    assert client.post("/detokenize", json={"model": MODEL, "tokens": ids}).json() == {"prompt": text}
+
+
 # ------------------------------------------------------------------------------------ detokenizer fields end to end
 @pytest.mark.parametrize("stream", [False, True])
 def test_include_stop_str_in_output_keeps_the_stop_string(client, tokenizer, stream):
