@@ -61,9 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
                         help="origins whose browser pages may call the router (CORS; '*' for any; default: none)")
     router.add_argument("--root-path", default="", metavar="PATH",
-                        help="the path prefix under which a reverse proxy serves the router")
-    router.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this key")
-    router.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+                        help="the path prefix under which a reverse proxy serves the router (default: none)")
+    router.add_argument("--ssl-keyfile", default=None, metavar="PATH",
+                        help="serve HTTPS with this key (with --ssl-certfile; default: plain HTTP)")
+    router.add_argument("--ssl-certfile", default=None, metavar="PATH",
+                        help="serve HTTPS with this certificate (with --ssl-keyfile; default: plain HTTP)")
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level of the router and uvicorn")
     router.set_defaults(func=cmd_router)
