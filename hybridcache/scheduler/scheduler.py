@@ -55,7 +55,8 @@ from hybridcache.scheduler.save_plan import CheckpointPolicy, ChunkPlan, plan_ch
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 
 # A prompt chunk of a request with prompt logprobs gets logits [rows, vocab] in fp32 for every row, which the memory
-# plan does not hold: 1,024 rows of a 248k vocabulary are 1 GB. Its chunks are cut to at most this many tokens.
+# plan does not hold: 1,024 rows of a 248k vocabulary are 1 GB. A step's prompt chunks of such requests hold at most
+# this many tokens together.
 PROMPT_LOGPROBS_CHUNK = 1024
 
 
@@ -108,6 +109,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.num_preemptions = 0
+        self._prompt_rows = PROMPT_LOGPROBS_CHUNK  # the rows of prompt logits the step being planned may still take
 
     def add(self, seq: Seq) -> None:
         self.waiting.append(seq)
@@ -140,6 +142,7 @@ class Scheduler:
         began decoding while an older prompt's chunk ended short of the budget (at a branch point or a fork step)
         would otherwise get no token until that prompt's whole prefill was done."""
         budget = self.max_num_batched_tokens
+        self._prompt_rows = PROMPT_LOGPROBS_CHUNK
         planned: list[tuple[Seq, int]] = []
         samples: list[Seq] = []
         followers: list[Seq] = []
@@ -150,6 +153,8 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._prompt_rows == 0 and self._wants_prompt_rows(seq, seq.num_computed):
+                continue  # the step's prompt logits are taken: its next chunk waits a step
             plan = self._plan(seq, seq.num_computed, budget)
             while not self.cache.ensure_capacity(seq.seq_id, plan.end + self._lookahead(seq, plan)):
                 victim = self.running[-1]  # the newest, even if planned above (a decode ahead of this prefill)
@@ -161,6 +166,7 @@ class Scheduler:
                     planned = [entry for entry in planned if entry[0] is not victim]
                     budget += costs.pop(victim.seq_id)
             if seq.status is SeqStatus.RUNNING:
+                self._take_prompt_rows(seq, seq.num_computed, plan)
                 planned.append(self._reserve(seq, plan))
                 cost = plan.end - seq.num_computed + len(self._drafts(seq, plan))
                 costs[seq.seq_id] = min(cost, budget)
@@ -168,6 +174,8 @@ class Scheduler:
         try:
             while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
+                if self._prompt_rows == 0 and self._wants_prompt_rows(seq, 0):
+                    break  # (admitted in order: it waits for a step with room for its prompt logits)
                 admission = self._admit(seq, budget)
                 if admission is _Admission.NO_ROOM:
                     break
@@ -181,6 +189,7 @@ class Scheduler:
                     continue
                 self._note_forks(seq)
                 plan = self._plan(seq, seq.num_computed, budget)
+                self._take_prompt_rows(seq, seq.num_computed, plan)
                 planned.append(self._reserve(seq, plan))
                 budget = max(0, budget - (plan.end - seq.num_computed))
         finally:  # (also when an admission raises: they must not be lost)
@@ -239,9 +248,21 @@ class Scheduler:
             ):
                 leader.fork_steps.add(shared)
 
+    @staticmethod
+    def _wants_prompt_rows(seq: Seq, start: int) -> bool:
+        """Whether a chunk of `seq` from `start` computes rows of prompt logits (its request asks for prompt
+        logprobs, and its prompt is not all computed)."""
+        return seq.params.prompt_logprobs is not None and start < seq.prompt_len
+
+    def _take_prompt_rows(self, seq: Seq, start: int, plan: ChunkPlan) -> None:
+        """Count a planned chunk's rows of prompt logits against the step's `PROMPT_LOGPROBS_CHUNK` (a chunk of a
+        sequence preempted later in the step keeps its count: the step then plans fewer, never more)."""
+        if self._wants_prompt_rows(seq, start):
+            self._prompt_rows -= min(plan.end, seq.prompt_len) - start
+
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
-        if seq.params.prompt_logprobs is not None and start < seq.prompt_len:
-            budget = min(budget, PROMPT_LOGPROBS_CHUNK)
+        if self._wants_prompt_rows(seq, start):
+            budget = min(budget, self._prompt_rows)
         hints = (s for s in seq.hint_steps if self.cache.saves_branch_point(s))
         stops = [s for s in (seq.branch_step, *seq.fork_steps, *hints) if s is not None and s > start]
         return plan_chunk(

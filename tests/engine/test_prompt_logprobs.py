@@ -133,3 +133,27 @@ def test_prompt_logprobs_chunks_are_capped(model_dir, monkeypatch):
     assert max(step.get("q", 0) for step in fed) == 150  # the other request's prompt is not cut
     check_against(hf_log_softmax(load_hf_model(model_dir), prompt), prompt, outputs["p"].prompt_logprobs, 1)
     engine.check_integrity()
+
+
+def test_a_steps_prompt_logits_are_capped_over_all_its_requests(model_dir, monkeypatch):
+    """PROMPT_LOGPROBS_CHUNK bounds the rows of prompt logits of a whole step (none of them in the memory plan):
+    three concurrent prompt_logprobs requests under a budget of 512 put 40 rows each in one step (lm-eval sends such
+    requests together; at a 248k vocabulary 8,192 rows are 8 GB of fp32). Their logprobs are unchanged."""
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 40)
+    llm = LLM(model_dir, block_size=16, kernel_block_size=8, max_num_batched_tokens=512, max_num_seqs=4)
+    engine = llm.engine
+    prompts = prompts_of([157, 150, 161], seed=6)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True,
+                                                          prompt_logprobs=1))
+    seqs = [request.seqs[0] for request in engine._requests.values()]
+    rows, outputs = [], {}
+    while engine.has_unfinished_requests():
+        before = [min(seq.num_computed, seq.prompt_len) for seq in seqs]
+        outputs.update((output.request_id, output) for output in engine.step())
+        rows.append(sum(min(seq.num_computed, seq.prompt_len) - b for seq, b in zip(seqs, before, strict=True)))
+    assert max(rows) == 40 and sum(rows) == sum(map(len, prompts))
+    model = load_hf_model(model_dir)
+    for i, prompt in enumerate(prompts):
+        check_against(hf_log_softmax(model, prompt), prompt, outputs[str(i)].prompt_logprobs, 1)
+    engine.check_integrity()
