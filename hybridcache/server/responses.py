@@ -95,19 +95,22 @@ def shown(output: RequestOutput, rendering: Rendering) -> RequestOutput:
 
 def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: int = 0,
                 text_offset: int = 0, echoed: RequestOutput | None = None) -> dict[str, Any] | None:
-    """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for).
-    `echoed`: `c`'s request, whose prompt's logprobs lead (echo; `text_offset` then counts the echoed text)."""
+    """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for), the first
+    token's `text_offset` at `text_offset`. `echoed`: `c`'s request, whose prompt's logprobs lead (echo): the
+    offsets then run on from the prompt tokens' (as vLLM's: each the one before plus its token's text), whatever
+    `text_offset` says, so streamed and whole responses agree and offsets never go back (a token of part of a
+    character's bytes counts its U+FFFD)."""
     if not rendering.logprobs or c.logprobs is None:
         return None
     entries, token_ids = c.logprobs[start:], c.token_ids[start:]
     if chat:
         return chat_logprobs(token_ids, entries, rendering.num_logprobs)
-    generated = completion_logprobs(token_ids, entries, text_offset)
     if echoed is None or echoed.prompt_logprobs is None:
-        return generated
+        return completion_logprobs(token_ids, entries, text_offset)
     prompt = echo_logprobs(rendering.tokenizer, echoed.prompt_token_ids, echoed.prompt_logprobs,
                            rendering.num_logprobs)
-    return join_logprobs(prompt, generated)
+    end = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt["tokens"] else 0
+    return join_logprobs(prompt, completion_logprobs(token_ids, entries, end))
 
 
 def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], rendering: Rendering) -> dict[str, Any]:

@@ -97,6 +97,26 @@ def test_streamed_echo_logprobs_equal_the_whole_response(client, tokenizer):
     assert offsets == whole.logprobs.text_offset
 
 
+def test_echo_offsets_of_split_characters_run_on_and_streamed_equals_whole(client):
+    """A prompt whose characters the byte tokenizer splits (each piece decodes to one U+FFFD): the generated
+    tokens' offsets restarted at len(echo), below the prompt tokens' (offsets went back), and the stream's n = 2
+    second choice, whose first chunk held the echo alone, ran on from the prompt tokens' instead. Now, as vLLM's,
+    every offset is the one before plus its token's text, streamed or not."""
+    kwargs = dict(model=MODEL, prompt="naïve café ✓ " * 3, echo=True, logprobs=0, max_tokens=4, temperature=1.0,
+                  seed=5, n=2)
+    whole = {c.index: c.logprobs for c in client.completions.create(**kwargs).choices}
+    streamed = {0: [], 1: []}
+    for event in client.completions.create(stream=True, **kwargs):
+        for choice in event.choices:
+            if choice.logprobs is not None:
+                streamed[choice.index] += choice.logprobs.text_offset
+    for index, logprobs in whole.items():
+        offsets = [0]
+        for token in logprobs.tokens[:-1]:
+            offsets.append(offsets[-1] + len(token))
+        assert logprobs.text_offset == offsets == streamed[index], index
+
+
 def test_prompt_logprobs_field_keeps_its_own_k_next_to_echo(client, tokenizer):
     prompt_ids = tokenizer.encode(OTHER)
     response = client.completions.create(model=MODEL, prompt=OTHER, echo=True, logprobs=3, max_tokens=1,
