@@ -214,28 +214,32 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
-def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool) -> dict[str, str]:
-    """The environment of replica `index` of `size`: GPU replica i sees one device, the i-th of
-    CUDA_VISIBLE_DEVICES when set, else i. CPU replicas share the machine's cores: each runs an equal share of them
-    as intra-op threads (OMP_NUM_THREADS, unless set already), since N processes of a thread per core make their
-    OpenMP threads fight for the cores, as tensor-parallel ranks did (docs/bench.md). A ValueError when
-    CUDA_VISIBLE_DEVICES lists fewer GPUs than replicas.
+def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
+                tensor_parallel_size: int = 1) -> dict[str, str]:
+    """The environment of replica `index` of `size`: GPU replica i sees its `tensor_parallel_size` devices (one
+    per rank, as vLLM's data-parallel engines each own TP GPUs), the i-th group of CUDA_VISIBLE_DEVICES when set,
+    else of 0, 1, .... CPU replicas share the machine's cores: each runs an equal share of them as intra-op threads
+    (OMP_NUM_THREADS, unless set already), since N processes of a thread per core make their OpenMP threads fight
+    for the cores, as tensor-parallel ranks did (docs/bench.md). A ValueError when CUDA_VISIBLE_DEVICES lists fewer
+    GPUs than replicas x ranks.
 
-    Example: 8 cores, size 2 on the CPU: each replica gets OMP_NUM_THREADS=4."""
+    Examples: 8 cores, size 2 on the CPU: each replica gets OMP_NUM_THREADS=4. CUDA_VISIBLE_DEVICES=4,5,6,7, size 2,
+    tensor_parallel_size 2: replica 0 sees "4,5", replica 1 "6,7"."""
     env = dict(environ)
     if on_cpu:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // size)))
         return env
-    devices = environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(size))).split(",")
-    if len(devices) < size:
-        raise ValueError(f"--data-parallel-size {size} needs {size} devices; CUDA_VISIBLE_DEVICES lists "
-                         f"{len(devices)}")
-    env["CUDA_VISIBLE_DEVICES"] = devices[index]
+    needed = size * tensor_parallel_size
+    devices = environ.get("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(needed))).split(",")
+    if len(devices) < needed:
+        raise ValueError(f"--data-parallel-size {size} x --tensor-parallel-size {tensor_parallel_size} needs "
+                         f"{needed} devices; CUDA_VISIBLE_DEVICES lists {len(devices)}")
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[index * tensor_parallel_size: (index + 1) * tensor_parallel_size])
     return env
 
 
 def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start `args.data_parallel_size` replicas of this `serve` command (`replica_env`: one GPU each, or on the
+    """Start `args.data_parallel_size` replicas of this `serve` command (`replica_env`: one GPU per rank each, or on the
     CPU an equal share of the cores each) on ports --port + 1 ... --port + N,
     wait until all answer /health, then run the router on --host:--port. Ends the replicas on exit."""
     import httpx
@@ -250,7 +254,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     processes: list[subprocess.Popen] = []
     try:
         for i, port in enumerate(ports):
-            env = replica_env(os.environ, i, size, on_cpu)
+            env = replica_env(os.environ, i, size, on_cpu, args.tensor_parallel_size)
             command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port)]
             processes.append(subprocess.Popen(command, env=env))
             log.info("replica %d: pid %d, port %d", i, processes[-1].pid, port)

@@ -13,8 +13,20 @@ def test_gpu_replicas_each_see_one_device_of_the_visible_ones():
     assert replica_env({}, 1, 2, on_cpu=False)["CUDA_VISIBLE_DEVICES"] == "1"
     assert replica_env(base, 0, 3, on_cpu=False)["PATH"] == "/bin" and "OMP_NUM_THREADS" not in replica_env(
         base, 0, 3, on_cpu=False)
-    with pytest.raises(ValueError, match="--data-parallel-size 3 needs 3 devices; CUDA_VISIBLE_DEVICES lists 2"):
+    with pytest.raises(ValueError, match="--data-parallel-size 3 x --tensor-parallel-size 1 needs 3 devices; "
+                                         "CUDA_VISIBLE_DEVICES lists 2"):
         replica_env({"CUDA_VISIBLE_DEVICES": "0,1"}, 0, 3, on_cpu=False)
+
+
+def test_gpu_replicas_of_several_ranks_each_see_their_ranks_devices():
+    """--data-parallel-size 2 -tp 2 gave each replica one device while its engine asked for two (it could not
+    start: 'needs devices up to cuda:1; this machine has 1'); as vLLM's DP engines, each owns TP GPUs."""
+    base = {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
+    assert [replica_env(base, i, 2, False, tensor_parallel_size=2)["CUDA_VISIBLE_DEVICES"] for i in range(2)] == [
+        "4,5", "6,7"]
+    assert replica_env({}, 1, 2, False, tensor_parallel_size=2)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    with pytest.raises(ValueError, match="--data-parallel-size 2 x --tensor-parallel-size 2 needs 4 devices"):
+        replica_env({"CUDA_VISIBLE_DEVICES": "0,1,2"}, 0, 2, False, tensor_parallel_size=2)
 
 
 def test_cpu_replicas_share_the_cores_unless_told_otherwise(monkeypatch):
