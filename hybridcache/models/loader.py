@@ -519,8 +519,6 @@ def _dummy_shard(
     one-rank model's row order. A full tensor (an FP8 scale too) is put back in the checkpoint's row order (the
     inverse of the one-rank model's `checkpoint_shards`: Qwen3-Next's regrouped projections) and then read as a
     checkpoint tensor, so a block-scaled split refuses what an FP8 checkpoint's would."""
-    from hybridcache.models.random_weights import draw_parameter
-
     with torch.device("meta"):
         full = model_cls(config).to(dtype=dtype)
         model = model_cls(config, tp).to(dtype=dtype)
@@ -528,8 +526,6 @@ def _dummy_shard(
         for module in (full, model):
             quant.convert_linears(module, dict.fromkeys(quant.quantizable_linears(module), target))
     full.tie_weights()
-    full_shards = checkpoint_shards(full, full)
-    fp8 = {f"{name}.weight": (name, fmt) for name, fmt in quant.fp8_linears(full).items()}
     plan, shards = _sharded_plan(model, {name: _shape(p.shape) for name, p in full.named_parameters()})
     targets: dict[str, list[str]] = {}
     for name, source in plan.items():
@@ -537,8 +533,23 @@ def _dummy_shard(
     model = model.to_empty(device=device)
     model.tie_weights()
     params = dict(model.named_parameters())
+    for drawn_name, value in dummy_checkpoint(full, seed=0, device=device):
+        for name_held in targets.get(drawn_name, ()):
+            _copy_one(params[name_held], shards.get(name_held), plan[name_held], lambda _, i, v=value: v[i])
+    return model.eval()
+
+
+def dummy_checkpoint(full: torch.nn.Module, *, seed: int,
+                     device: torch.device | str) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint of the one-rank module `full` (a meta module) as `randomize_` draws its weights (`seed`, on
+    `device`), one tensor at a time, each named and in its checkpoint's row order: every parameter drawn in order
+    (an FP8 weight quantised whole, its scale given next to it), for ranks that keep their shard of each."""
+    from hybridcache.models.random_weights import draw_parameter
+
+    full_shards = checkpoint_shards(full, full)
+    fp8 = {f"{name}.weight": (name, fmt) for name, fmt in quant.fp8_linears(full).items()}
     scales = {f"{module}.{fmt.scale_name}" for module, fmt in fp8.values()}
-    generator = torch.Generator(device).manual_seed(0)
+    generator = torch.Generator(device).manual_seed(seed)
     for name, param in full.named_parameters():
         if name in scales:  # drawn with their weight
             continue
@@ -547,10 +558,7 @@ def _dummy_shard(
             module, fmt = fp8[name]
             drawn[name], drawn[f"{module}.{fmt.scale_name}"] = kernel_backend.fp8_quantize(drawn[name], fmt)
         for drawn_name, value in drawn.items():
-            value = _checkpoint_order(value, full_shards.get(drawn_name))
-            for name_held in targets.get(drawn_name, ()):
-                _copy_one(params[name_held], shards.get(name_held), plan[name_held], lambda _, i, v=value: v[i])
-    return model.eval()
+            yield drawn_name, _checkpoint_order(value, full_shards.get(drawn_name))
 
 
 def _checkpoint_order(value: torch.Tensor, shard: Shard | None) -> torch.Tensor:

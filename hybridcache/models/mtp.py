@@ -269,12 +269,11 @@ def _dummy_head(target: HybridCausalLM, num_layers: int, fmt: Fp8Format | None, 
     (`randomize_`, seed `DUMMY_SEED`), its linears FP8 in `fmt` where it is not None (`quant.quantizable_linears`,
     as the target's dummy model). Under tensor parallelism (`target.tp`) the rank's shard of exactly the one-rank
     dummy head: every full tensor drawn in `randomize_`'s order (an FP8 weight quantised whole), one at a time, and
-    read as a checkpoint tensor (`models/loader.py`'s `_dummy_shard` for the target), so a block-scaled split
-    refuses what an FP8 checkpoint's would."""
-    from hybridcache.kernels.backend import fp8_quantize
+    read as a checkpoint tensor (`loader.dummy_checkpoint`, as for the target), so a block-scaled split refuses
+    what an FP8 checkpoint's would."""
     from hybridcache.models import quant
-    from hybridcache.models.loader import _checkpoint_order, _copy_one, checkpoint_shards, plan_weights_for
-    from hybridcache.models.random_weights import draw_parameter, randomize_
+    from hybridcache.models.loader import _copy_one, checkpoint_shards, dummy_checkpoint, plan_weights_for
+    from hybridcache.models.random_weights import randomize_
 
     with torch.device("meta"):
         full = MtpHead(target.config, num_layers).to(dtype=dtype)
@@ -282,7 +281,6 @@ def _dummy_head(target: HybridCausalLM, num_layers: int, fmt: Fp8Format | None, 
     if fmt is not None:
         for module in {id(full): full, id(head): head}.values():
             quant.convert_linears(module, dict.fromkeys(quant.quantizable_linears(module), fmt))
-    full_shards = checkpoint_shards(full, full)
     shards = checkpoint_shards(head, full)
     plan = plan_weights_for(full, {name: tuple(p.shape) for name, p in full.named_parameters()},
                             owner="the MTP head")
@@ -291,19 +289,8 @@ def _dummy_head(target: HybridCausalLM, num_layers: int, fmt: Fp8Format | None, 
         randomize_(head, seed=DUMMY_SEED, draw_device=device)
         return head
     params = dict(head.named_parameters())
-    fp8 = {f"{name}.weight": (name, linear_fmt) for name, linear_fmt in quant.fp8_linears(full).items()}
-    scales = {f"{module}.{linear_fmt.scale_name}" for module, linear_fmt in fp8.values()}
-    generator = torch.Generator(device).manual_seed(DUMMY_SEED)
-    for name, param in full.named_parameters():
-        if name in scales:  # drawn with their weight
-            continue
-        drawn = {name: draw_parameter(name, param.shape, generator)}
-        if name in fp8:
-            module, linear_fmt = fp8[name]
-            drawn[name], drawn[f"{module}.{linear_fmt.scale_name}"] = fp8_quantize(drawn[name], linear_fmt)
-        for drawn_name, value in drawn.items():
-            value = _checkpoint_order(value, full_shards.get(drawn_name))
-            _copy_one(params[drawn_name], shards.get(drawn_name), plan[drawn_name], lambda _, i, v=value: v[i])
+    for name, value in dummy_checkpoint(full, seed=DUMMY_SEED, device=device):
+        _copy_one(params[name], shards.get(name), plan[name], lambda _, i, v=value: v[i])
     return head
 
 
