@@ -10,10 +10,10 @@ share one (the prefix cache and the encoder cache tell images apart by it), the 
 
 `split_chat_images(messages)` turns OpenAI-style messages into what chat templates take, for `LLM.chat` and the
 server alike: each message must have one of `CHAT_ROLES`; its content goes through `template_content` (None is "",
-a list of text parts one string); in a list holding images, text parts stay, `{"type": "image_url", "image_url":
-{"url": ...}}` and `{"type": "image", "image": ...}` parts become `{"type": "image"}` (the template renders
-`<|vision_start|><|image_pad|><|vision_end|>`) and their sources are returned in order; video parts raise
-`ImageError` (video input is not supported).
+a list of text parts one string, `TextParts`: the chat template's content format picks their separator); in a list
+holding images, text parts stay, `{"type": "image_url", "image_url": {"url": ...}}` and `{"type": "image", "image":
+...}` parts become `{"type": "image"}` (the template renders `<|vision_start|><|image_pad|><|vision_end|>`) and
+their sources are returned in order; video parts raise `ImageError` (video input is not supported).
 """
 
 from __future__ import annotations
@@ -147,10 +147,27 @@ def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sou
     return processor.expand(token_ids, images)
 
 
+class TextParts(str):
+    """A message's text parts as one string: their texts joined with "" (`[{"type": "text", "text": "a"},
+    {"type": "text", "text": "b"}]` -> "ab", what templates that iterate over the parts render, Qwen3.5's), the
+    texts kept in `parts`: `Tokenizer.apply_chat_template` joins them with "\\n" instead for a template that takes
+    a message's content as a string only (vLLM's "string" content format, the Qwen3 template's), as vLLM does."""
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts: Sequence[str]) -> TextParts:
+        text = super().__new__(cls, "".join(parts))
+        text.parts = tuple(parts)
+        return text
+
+    def __getnewargs__(self) -> tuple[tuple[str, ...]]:  # copy and pickle rebuild it from its parts
+        return (self.parts,)
+
+
 def template_content(content: object) -> str | list[dict[str, Any]]:
-    """A message's `content` as chat templates take it: a string as it is, None as "", a list of text parts as their
-    texts joined (`[{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]` -> "ab", what Qwen templates
-    render of the parts themselves), a list holding an image or video part as the list. The server's
+    """A message's `content` as chat templates take it: a string as it is, None as "", a list of text parts as
+    `TextParts` (their texts joined with "", or with "\\n" by `Tokenizer.apply_chat_template` for a template that
+    takes strings only), a list holding an image or video part as the list. The server's
     `ChatMessage.as_template_input` and `split_chat_images` both take content through here, so `LLM.chat` and
     `/v1/chat/completions` render the same messages alike. ValueError for other content or an unknown part."""
     if content is None or isinstance(content, str):
@@ -165,7 +182,7 @@ def template_content(content: object) -> str | list[dict[str, Any]]:
         if kind == _TEXT_PART and not isinstance(part.get("text"), str):
             raise ValueError(f"content part {j} (type 'text') has no 'text' string: {part!r:.80}")
     if all(part["type"] == _TEXT_PART for part in content):
-        return "".join(part["text"] for part in content)
+        return TextParts([part["text"] for part in content])
     return list(content)
 
 

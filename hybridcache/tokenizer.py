@@ -1,16 +1,31 @@
 """The model folder's tokenizer, loaded by `transformers.AutoTokenizer` (as vLLM does): `tokenizer_config.json`
 picks the class, the special tokens and the chat template (or `chat_template.jinja`); without it, config.json's
 model type picks the class. It must be a fast tokenizer (`tokenizer.json`): the incremental detokenizer
-(`detokenizer.py`) steps over its `tokenizers` backend."""
+(`detokenizer.py`) steps over its `tokenizers` backend.
+
+Chat templates, as vLLM renders them:
+
+- a folder may ship several named templates (tokenizer_config.json's list `[{"name": "default", "template": ...},
+  {"name": "tool_use", ...}]`, or `chat_template.jinja` + `additional_chat_templates/tool_use.jinja`): each call
+  picks one with transformers' `get_chat_template(None, tools=...)`, "tool_use" for a call with tools (where the
+  folder has it), else "default". A template set on the tokenizer (`--chat-template`) or passed to the call wins.
+- a template that never iterates over a message's content parts takes content as a string (vLLM's "string"
+  content format, `chat_content_format`): a message's text parts (`mm_processor.TextParts`) reach it joined with
+  "\\n"; one that iterates over them ("openai") renders the parts itself, and gets them joined with "" (the same).
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
+import jinja2.nodes
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from hybridcache.mm_processor import TextParts
 
 # The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
 # that converts its own vocabulary files (vocab.json + merges.txt, tokenizer.model, ...).
@@ -37,10 +52,24 @@ class Tokenizer:
             raise ValueError(f"the tokenizer of {model_dir} ({type(tok).__name__}) is not a fast tokenizer; "
                              "add its tokenizer.json")
         self._tok = tok
-        template = tok.chat_template
-        if isinstance(template, dict):  # several named templates: the default one
+        self._set_template: str | None = None  # `chat_template`'s setter (--chat-template)
+        self._content_formats: dict[str, ContentFormat] = {}  # `chat_content_format` of each template rendered
+
+    @property
+    def chat_template(self) -> str | None:
+        """The template a call without one renders with: the one set here (`--chat-template`; None gives the folder's
+        back), else the folder's own, its "default" one where it names several (a call with tools may then render
+        with "tool_use": module docstring); None when the folder has none (or names no "default")."""
+        if self._set_template is not None:
+            return self._set_template
+        template = self._tok.chat_template
+        if isinstance(template, dict):
             template = template.get("default")
-        self.chat_template: str | None = template if isinstance(template, str) else None
+        return template if isinstance(template, str) else None
+
+    @chat_template.setter
+    def chat_template(self, template: str | None) -> None:
+        self._set_template = template
 
     @property
     def hf(self) -> PreTrainedTokenizerBase:
@@ -141,24 +170,131 @@ class Tokenizer:
         chat_template: str | None = None,
     ) -> str:
         """Render messages to the prompt text (tokenize it with `encode`) with `chat_template` (a Jinja template;
-        None: the folder's own, or the one set on `self.chat_template`).
+        None: the one set on `self.chat_template`, else the folder's own, "tool_use" with tools where it names one:
+        module docstring). ValueError when there is none.
 
         Messages are OpenAI-shaped dicts: assistant turns may carry `tool_calls` and `reasoning_content`, `tool`
-        turns `tool_call_id`. `tools`: the request's tool definitions (the template renders them).
+        turns `tool_call_id`; content text parts (`TextParts`, or a list of text parts) reach a template that takes
+        strings only joined with "\\n". `tools`: the request's tool definitions (the template renders them).
         `template_kwargs`: extra template variables (for example `enable_thinking`); they cannot override the
         arguments above. `continue_final_message`: leave the last (assistant) message open, to be continued.
         """
-        template = chat_template if chat_template is not None else self.chat_template
-        if template is None:
-            raise ValueError("this model folder has no chat template (tokenizer_config.json 'chat_template'); "
-                             "pass one (chat_template=)")
+        tools = tools or None
+        template = self._template_for(chat_template, tools)
         extra = dict(template_kwargs or {})
         for name in ("messages", "tools", "add_generation_prompt", "continue_final_message", "chat_template",
                      "tokenize"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs may not set '{name}'")
+        if self.content_format(template) == "string":
+            messages = [_string_content(message) for message in messages]
         return self._tok.apply_chat_template(
-            messages, tools=tools or None, chat_template=template, tokenize=False,
+            messages, tools=tools, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **extra,
         )
+
+    def content_format(self, template: str) -> ContentFormat:
+        """`chat_content_format(template)`, parsed once per template."""
+        found = self._content_formats.get(template)
+        if found is None:
+            found = self._content_formats[template] = chat_content_format(template)
+        return found
+
+    def _template_for(self, chat_template: str | None, tools: list[dict] | None) -> str:
+        """The template a call renders with (`apply_chat_template`): `chat_template`, else the one set, else the
+        folder's for these tools; a name of one of the folder's named templates is that template (as transformers
+        takes it). ValueError when there is none."""
+        template = chat_template if chat_template is not None else self._set_template
+        try:
+            return self._tok.get_chat_template(template, tools=tools)
+        except ValueError as error:  # none at all, or named ones without "default" (nor "tool_use" with tools)
+            raise ValueError(f"this model folder has no chat template for this request ({error}); pass one "
+                             "(chat_template=, --chat-template)") from None
+
+
+ContentFormat = Literal["string", "openai"]
+
+
+def chat_content_format(template: str) -> ContentFormat:
+    """How `template` takes a message's content, found as vLLM finds it (`_detect_content_format`), by walking the
+    template's syntax tree: "openai" when a `for` loop iterates over a message's content (`message.content` or
+    `message['content']` of a loop over `messages`, perhaps filtered or sliced), over a variable named `content`,
+    or over a macro parameter that a call passes a message's content to (Qwen3.5's `render_content`); "string"
+    otherwise (the Qwen3 template), or when the template does not parse::
+
+        {% for message in messages %}{% for part in message.content %}{{ part.text }}{% endfor %}...  openai
+        {% for message in messages %}{{ message.content }}...                                         string
+    """
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:  # transformers' own environment (its `generation` tag and loop controls), as vLLM parses
+        root = _compile_jinja_template(template).environment.parse(template)
+    except Exception:  # noqa: BLE001 - jinja2 and transformers raise several types for a bad template
+        return "string"
+    message_names = {loop.target.name for loop in root.find_all(jinja2.nodes.For)
+                     if isinstance(loop.target, jinja2.nodes.Name) and _reads(loop.iter, _aliases(root, "messages"))}
+    content_names = {"content", *_content_parameters(root, message_names)}
+    for loop in root.find_all(jinja2.nodes.For):
+        if _reads(loop.iter, message_names, key="content") or _reads(loop.iter, content_names):
+            return "openai"
+    return "string"
+
+
+def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
+    """`node` reads one of the variables `names` (its item `key`: `x.key` or `x['key']`, when given), perhaps
+    through filters, tests or a slice (`messages|reverse`, `messages[1:]`)."""
+    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or (
+            isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
+        node = node.node
+        if node is None:  # a filter block's filter
+            return False
+    if key is not None:
+        attribute = isinstance(node, jinja2.nodes.Getattr) and node.attr == key
+        item = (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const)
+                and node.arg.value == key)
+        if not (attribute or item):
+            return False
+        node = node.node
+    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+
+
+def _aliases(root: jinja2.nodes.Template, name: str) -> set[str]:
+    """`name` and the variables set from it (`{% set loop_messages = messages[1:] %}`), transitively."""
+    names = {name}
+    while True:
+        more = {assign.target.name for assign in root.find_all(jinja2.nodes.Assign)
+                if isinstance(assign.target, jinja2.nodes.Name) and _reads(assign.node, names)} - names
+        if not more:
+            return names
+        names |= more
+
+
+def _content_parameters(root: jinja2.nodes.Template, message_names: set[str]) -> Iterator[str]:
+    """The parameters of macros that some call passes a message's content to, positionally or by name."""
+    macros = {macro.name: [arg.name for arg in macro.args] for macro in root.find_all(jinja2.nodes.Macro)}
+    for call in root.find_all(jinja2.nodes.Call):
+        params = macros.get(call.node.name) if isinstance(call.node, jinja2.nodes.Name) else None
+        if params is None:
+            continue
+        for param, arg in zip(params, call.args, strict=False):
+            if _reads(arg, message_names, key="content"):
+                yield param
+        for keyword in call.kwargs:
+            if keyword.key in params and _reads(keyword.value, message_names, key="content"):
+                yield keyword.key
+
+
+def _string_content(message: dict[str, Any]) -> dict[str, Any]:
+    """The message for a template that takes content as a string: its text parts (`TextParts`, or a list of only
+    text parts) joined with "\\n", as vLLM joins them; other content as it is."""
+    content = message.get("content")
+    if isinstance(content, TextParts):
+        parts = content.parts
+    elif isinstance(content, list) and content and all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content):
+        parts = [part["text"] for part in content]
+    else:
+        return message
+    return {**message, "content": "\n".join(parts)}

@@ -141,3 +141,133 @@ def test_the_tokenizers_eos_token_stops_generation_as_in_vllm(tmp_path):
     engine = LLMEngine(folder, EngineConfig())
     assert engine.eos_token_ids == {7, eos}
     engine.close()
+
+
+DEFAULT = "DEFAULT:{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+TOOL_USE = ("TOOLS {% for t in tools %}{{ t.function.name }} {% endfor %}:"
+            "{% for m in messages %}{{ m.content }}{% endfor %}")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def _named_templates(folder, layout, templates):
+    """`folder` with the named `templates` ({name: template}) as transformers reads them: tokenizer_config.json's
+    list, or chat_template.jinja (the default one) + additional_chat_templates/<name>.jinja."""
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    if layout == "config-list":
+        config["chat_template"] = [{"name": name, "template": text} for name, text in templates.items()]
+    else:
+        (folder / "additional_chat_templates").mkdir()
+        for name, text in templates.items():
+            path = folder / "chat_template.jinja" if name == "default" else folder / "additional_chat_templates"
+            (path if name == "default" else path / f"{name}.jinja").write_text(text)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer(folder)
+
+
+@pytest.mark.parametrize("layout", ["config-list", "template-files"])
+def test_a_call_with_tools_renders_the_folders_tool_use_template(folder, layout):
+    """Named templates were collapsed to "default" at load: a request with tools never saw its tools. Each call now
+    picks as transformers' `get_chat_template(tools=...)` (vLLM's choice): tool_use with tools, else default."""
+    tokenizer = _named_templates(folder, layout, {"default": DEFAULT, "tool_use": TOOL_USE})
+    assert tokenizer.apply_chat_template(HI, tools=TOOLS) == "TOOLS get_weather :hi"
+    assert tokenizer.apply_chat_template(HI) == tokenizer.apply_chat_template(HI, tools=[]) == "DEFAULT:[user] hi\n"
+    assert tokenizer.chat_template == DEFAULT
+
+
+def test_named_templates_without_a_default_serve_the_calls_they_can(folder):
+    tokenizer = _named_templates(folder, "config-list", {"tool_use": TOOL_USE, "rag": "RAG"})
+    assert tokenizer.chat_template is None
+    assert tokenizer.apply_chat_template(HI, tools=TOOLS) == "TOOLS get_weather :hi"
+    with pytest.raises(ValueError, match="no chat template for this request .*no default specified"):
+        tokenizer.apply_chat_template(HI)
+    assert tokenizer.apply_chat_template(HI, chat_template=TEMPLATE) == "[user] hi\n>"
+
+
+def test_a_set_or_passed_template_wins_over_the_named_ones(folder):
+    """`--chat-template` (the setter) and `chat_template=` (LLM.chat's) are used with or without tools."""
+    tokenizer = _named_templates(folder, "template-files", {"default": DEFAULT, "tool_use": TOOL_USE})
+    assert tokenizer.apply_chat_template(HI, tools=TOOLS, chat_template=TEMPLATE) == "[user] hi\n>"
+    tokenizer.chat_template = TEMPLATE
+    assert tokenizer.chat_template == TEMPLATE
+    assert tokenizer.apply_chat_template(HI, tools=TOOLS) == tokenizer.apply_chat_template(HI) == "[user] hi\n>"
+    tokenizer.chat_template = None  # the folder's again
+    assert tokenizer.apply_chat_template(HI, tools=TOOLS) == "TOOLS get_weather :hi"
+
+
+# A message's content parts iterated over (vLLM's "openai" content format), and the forms vLLM's detector follows.
+_PARTS_LOOP = "{% for p in CONTENT %}{{ p.text }}{% endfor %}"
+_OPENAI_TEMPLATES = {
+    "direct": "{% for m in messages %}" + _PARTS_LOOP.replace("CONTENT", "m.content") + "{% endfor %}",
+    "item-filtered": "{% for m in messages|reverse %}"
+                     + _PARTS_LOOP.replace("CONTENT", "m['content']|selectattr('type')") + "{% endfor %}",
+    "messages-alias": "{% set rest = messages[1:] %}{% for m in rest %}"
+                      + _PARTS_LOOP.replace("CONTENT", "m.content") + "{% endfor %}",
+    "named-content": "{% for m in messages %}{% set content = m.content %}{% if content is string %}{{ content }}"
+                     "{% else %}" + _PARTS_LOOP.replace("CONTENT", "content") + "{% endif %}{% endfor %}",
+    "macro-positional": "{% macro show(c, n) %}" + _PARTS_LOOP.replace("CONTENT", "c") + "{% endmacro %}"
+                        "{% for m in messages %}{% set x = show(m.content, 1)|trim %}{{ x }}{% endfor %}",
+    "macro-keyword": "{% macro show(n, c) %}" + _PARTS_LOOP.replace("CONTENT", "c") + "{% endmacro %}"
+                     "{% for m in messages %}{{ show(1, c=m.content) }}{% endfor %}",
+}
+_STRING_TEMPLATES = {
+    "content-read": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "other-macro-argument": "{% macro show(c) %}" + _PARTS_LOOP.replace("CONTENT", "c") + "{% endmacro %}"
+                            "{% for m in messages %}{{ show(m.tool_calls) }}{{ m.content }}{% endfor %}",
+    "loop-outside-messages": "{% for d in documents %}" + _PARTS_LOOP.replace("CONTENT", "d.content")
+                             + "{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}",
+    "unparsable": "{% for m in messages %}",
+}
+
+
+@pytest.mark.parametrize("name", [*_OPENAI_TEMPLATES, *_STRING_TEMPLATES])
+def test_the_content_format_is_found_as_vllm_finds_it(name):
+    from hybridcache.tokenizer import chat_content_format
+
+    assert chat_content_format({**_OPENAI_TEMPLATES, **_STRING_TEMPLATES}[name]) == (
+        "openai" if name in _OPENAI_TEMPLATES else "string")
+
+
+def test_the_builtin_and_vision_templates_content_formats():
+    from hybridcache.models.builtin import CHAT_TEMPLATE
+    from hybridcache.models.vl_folders import VL_CHAT_TEMPLATE
+    from hybridcache.tokenizer import chat_content_format
+
+    assert chat_content_format(CHAT_TEMPLATE) == "string"  # Qwen3's shape: content read as a string
+    assert chat_content_format(VL_CHAT_TEMPLATE) == "openai"  # it renders image parts itself
+
+
+def test_text_parts_reach_a_string_template_joined_with_newlines(folder):
+    """Two text parts fused ("French:Good") under every template; vLLM joins them with "\\n" for a template that
+    takes content as a string, and passes the parts to one that iterates over them (their join: as before)."""
+    from hybridcache.mm_processor import split_chat_images
+
+    parts = [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning"}]
+    image = {"type": "image_url", "image_url": {"url": "data:,"}}
+    messages, _ = split_chat_images([{"role": "user", "content": parts}])
+    tokenizer = Tokenizer(folder)
+    string_template = "{% for m in messages %}<{{ m.content }}>{% endfor %}"
+    assert tokenizer.apply_chat_template(messages, chat_template=string_template) == (
+        "<Translate to French:\nGood morning>")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": parts}], chat_template=string_template) == (
+        "<Translate to French:\nGood morning>")  # the parts as sent (Tokenizer users), as vLLM joins them
+    builtin = tokenizer.apply_chat_template(messages)
+    assert "Translate to French:\nGood morning<|im_end|>" in builtin
+    iterating = "{% for m in messages %}<{% if m.content is string %}{{ m.content }}{% else %}" + _PARTS_LOOP.replace(
+        "CONTENT", "m.content") + "{% endif %}>{% endfor %}"
+    assert tokenizer.apply_chat_template(messages, chat_template=iterating) == "<Translate to French:Good morning>"
+    with_image, sources = split_chat_images([{"role": "user", "content": [parts[0], image, parts[1]]}])
+    assert sources == ["data:,"] and with_image[0]["content"][1] == {"type": "image"}  # images still split out
+    assert tokenizer.apply_chat_template(with_image, chat_template=iterating) == "<Translate to French:Good morning>"
+
+
+def test_a_template_passed_by_name_is_the_named_one_and_its_content_format(folder):
+    """`chat_template="tool_use"` is the folder's tool_use template (transformers' reading): its content format,
+    not the name's, decides how text parts are joined."""
+    iterating = "{% for m in messages %}" + _PARTS_LOOP.replace("CONTENT", "m.content") + "|{% endfor %}"
+    tokenizer = _named_templates(folder, "config-list", {"default": DEFAULT, "tool_use": iterating})
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert tokenizer.apply_chat_template(parts, chat_template="tool_use") == "ab|"
+    assert tokenizer.apply_chat_template(parts, tools=TOOLS) == "ab|"
+    assert tokenizer.apply_chat_template(parts) == "DEFAULT:[user] a\nb\n"
