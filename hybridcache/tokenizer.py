@@ -226,9 +226,10 @@ def chat_content_format(template: str) -> ContentFormat:
         {% for message in messages %}{% for part in message.content %}{{ part.text }}{% endfor %}...  openai
         {% for message in messages %}{{ message.content }}...                                         string
     """
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    try:  # transformers' own environment (its `generation` tag and loop controls), as vLLM parses (a private
+        # function: where a transformers release lacks it, "string", as for a template that does not parse)
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
-    try:  # transformers' own environment (its `generation` tag and loop controls), as vLLM parses
         root = _compile_jinja_template(template).environment.parse(template)
     except Exception:  # noqa: BLE001 - jinja2 and transformers raise several types for a bad template
         return "string"
