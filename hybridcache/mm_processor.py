@@ -29,6 +29,7 @@ import xxhash
 from hybridcache.images import ImageError, MediaLimits, load_image
 from hybridcache.models.vision_config import VisionConfig
 from hybridcache.multimodal import MultimodalInput
+from hybridcache.tokenizer import TextParts
 
 _VIDEO_PARTS = ("video_url", "video")
 _IMAGE_PARTS = ("image_url", "image", "image_pil")
@@ -145,23 +146,6 @@ def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sou
                          "(--limit-mm-per-prompt)")
     images = processor.process([load_image(source, limits) for source in sources])
     return processor.expand(token_ids, images)
-
-
-class TextParts(str):
-    """A message's text parts as one string: their texts joined with "" (`[{"type": "text", "text": "a"},
-    {"type": "text", "text": "b"}]` -> "ab", what templates that iterate over the parts render, Qwen3.5's), the
-    texts kept in `parts`: `Tokenizer.apply_chat_template` joins them with "\\n" instead for a template that takes
-    a message's content as a string only (vLLM's "string" content format, the Qwen3 template's), as vLLM does."""
-
-    parts: tuple[str, ...]
-
-    def __new__(cls, parts: Sequence[str]) -> TextParts:
-        text = super().__new__(cls, "".join(parts))
-        text.parts = tuple(parts)
-        return text
-
-    def __getnewargs__(self) -> tuple[tuple[str, ...]]:  # copy and pickle rebuild it from its parts
-        return (self.parts,)
 
 
 def template_content(content: object) -> str | list[dict[str, Any]]:

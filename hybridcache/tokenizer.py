@@ -10,7 +10,7 @@ Chat templates, as vLLM renders them:
   picks one with transformers' `get_chat_template(None, tools=...)`, "tool_use" for a call with tools (where the
   folder has it), else "default". A template set on the tokenizer (`--chat-template`) or passed to the call wins.
 - a template that never iterates over a message's content parts takes content as a string (vLLM's "string"
-  content format, `chat_content_format`): a message's text parts (`mm_processor.TextParts`) reach it joined with
+  content format, `chat_content_format`): a message's text parts (`TextParts`) reach it joined with
   "\\n"; one that iterates over them ("openai") renders the parts itself, and gets them joined with "" (the same).
 """
 
@@ -25,12 +25,27 @@ import jinja2.nodes
 import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from hybridcache.mm_processor import TextParts
-
 # The files a folder needs for AutoTokenizer to build a fast tokenizer: tokenizer.json, or a config naming a class
 # that converts its own vocabulary files (vocab.json + merges.txt, tokenizer.model, ...).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _PROBE_REPLY = "PROBE"  # `Tokenizer.parting_step`'s stand-in for a reply and the next message
+
+
+class TextParts(str):
+    """A message's text parts as one string: their texts joined with "" (`[{"type": "text", "text": "a"},
+    {"type": "text", "text": "b"}]` -> "ab", what templates that iterate over the parts render, Qwen3.5's), the
+    texts kept in `parts`: `Tokenizer.apply_chat_template` joins them with "\\n" instead for a template that takes
+    a message's content as a string only (vLLM's "string" content format, the Qwen3 template's), as vLLM does."""
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts: Sequence[str]) -> TextParts:
+        text = super().__new__(cls, "".join(parts))
+        text.parts = tuple(parts)
+        return text
+
+    def __getnewargs__(self) -> tuple[tuple[str, ...]]:  # copy and pickle rebuild it from its parts
+        return (self.parts,)
 
 
 class Tokenizer:

@@ -43,7 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "extras": set(),  # the optional dependency groups and the error naming a missing one
     "arg_types": set(),  # argparse types of the command lines' counts, sizes and ports
     "images": set(),
-    "mm_processor": {"images", "models", "multimodal"},
+    "mm_processor": {"images", "models", "multimodal", "tokenizer"},  # tokenizer: TextParts
     "outputs": {"sampling"},
     "generation_config": {"sampling"},
     "cache": {"copy_kinds"},
