@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ class GuidedKind(enum.Enum):
     JSON_OBJECT = "json_object"  # any JSON object
     JSON_SCHEMA = "json_schema"  # `spec`: the schema as JSON text
     REGEX = "regex"
-    GRAMMAR = "grammar"  # EBNF (GBNF) text
+    GRAMMAR = "grammar"  # EBNF (GBNF) text, or Lark text (no `::=` rule: `is_lark`)
     CHOICE = "choice"  # `spec`: a JSON list of strings, the completion is one of them
     TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; one or more Qwen <tool_call> blocks
 
@@ -44,13 +45,15 @@ class GuidedSpec:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
-        return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True))
+        """The schema's keys keep their order: a schema's `properties` order is the order the output writes them
+        in (xgrammar's, OpenAI's and vLLM's rule), so two schemas that differ only in key order differ."""
+        return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema))
 
     @classmethod
     def tool_calls(cls, tools: Sequence[dict[str, Any]]) -> GuidedSpec:
         """Qwen3's tool-call format, one block: `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`
-        with N one of `tools`' names and A valid for that tool's `parameters` schema."""
-        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools), sort_keys=True))
+        with N one of `tools`' names and A valid for that tool's `parameters` schema (arguments in its order)."""
+        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools)))
 
 
 class GuidedUnavailable(ValueError):
@@ -76,7 +79,12 @@ class GrammarCache:
     """Compiles specs for one tokenizer and makes matchers. Compiled grammars are kept by spec, the least recently
     used dropped once they pass `limit_bytes` together (vLLM keeps xgrammar's compiler cache at 512 MiB: a JSON
     schema over a 150k vocabulary compiles to ~190 KB, and a server sees a new schema with every request of some
-    clients); the one just compiled is kept whatever its size."""
+    clients); the one just compiled is kept whatever its size.
+
+    Thread-safe: the server compiles a request's spec (`check`, seconds for a large schema) on a worker thread
+    while the engine thread steps on, and the engine thread's `matcher` then finds it compiled. A lock guards the
+    kept grammars and their byte count; compiling runs outside it (two threads that compile the same spec at once
+    both compile it, and the first kept is used)."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int],
                  limit_bytes: int = 512 << 20) -> None:
@@ -87,9 +95,11 @@ class GrammarCache:
         self._compiled: OrderedDict[GuidedSpec, Any] = OrderedDict()  # least recently used first
         self._limit_bytes = limit_bytes
         self.num_bytes = 0  # the compiled grammars kept
+        self._lock = threading.Lock()  # guards `_compiled`, `num_bytes` and the making of `_compiler`
 
     def check(self, spec: GuidedSpec) -> None:
-        """Compile `spec` now; raises ValueError (bad schema, regex or grammar) or GuidedUnavailable."""
+        """Compile `spec` now (and keep it); raises ValueError (bad schema, regex or grammar, or a schema keyword
+        xgrammar would not enforce) or GuidedUnavailable."""
         self._compile(spec)
 
     def matcher(self, spec: GuidedSpec, decode: Callable[[int], str] | None = None) -> Any:
@@ -104,28 +114,43 @@ class GrammarCache:
 
     def _compile(self, spec: GuidedSpec) -> Any:
         spec = GuidedSpec(spec.kind, spec.spec)  # the grammar is the same whatever starts it
-        compiled = self._compiled.get(spec)
-        if compiled is not None:
-            self._compiled.move_to_end(spec)
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        compiled = self._compile_new(spec)
+        with self._lock:
+            if spec in self._compiled:  # another thread compiled it meanwhile
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+            self._compiled[spec] = compiled
+            self.num_bytes += compiled.memory_size_bytes
+            while self.num_bytes > self._limit_bytes and len(self._compiled) > 1:
+                _, dropped = self._compiled.popitem(last=False)
+                self.num_bytes -= dropped.memory_size_bytes
+        return compiled
+
+    def _compile_new(self, spec: GuidedSpec) -> Any:
+        """`spec` compiled (no lock held: this is the slow part)."""
         xgr = _xgrammar()
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (this class keeps what is compiled)
+        compiler = self._tokenizer_compiler(xgr)
         try:
-            compiled = self._compiler.compile_grammar(_grammar(xgr, spec))
+            compiled = compiler.compile_grammar(_grammar(xgr, spec))
         except Exception as error:  # noqa: BLE001 - xgrammar raises assorted types for a bad spec
             raise ValueError(f"invalid {spec.kind.value} constraint: {_clean_message(error)}") from None
         if not _can_start(xgr, compiled, self.vocab_size):
             raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
                              "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
-        self._compiled[spec] = compiled
-        self.num_bytes += compiled.memory_size_bytes
-        while self.num_bytes > self._limit_bytes and len(self._compiled) > 1:
-            _, dropped = self._compiled.popitem(last=False)
-            self.num_bytes -= dropped.memory_size_bytes
         return compiled
+
+    def _tokenizer_compiler(self, xgr: Any) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._hf_tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # (this class keeps what is compiled)
+            return self._compiler
 
     def __len__(self) -> int:
         return len(self._compiled)
@@ -188,7 +213,7 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
     if kind is GuidedKind.REGEX:
         return xgr.Grammar.from_regex(spec.spec)
     if kind is GuidedKind.GRAMMAR:
-        return xgr.Grammar.from_ebnf(spec.spec)
+        return xgr.Grammar.from_lark(spec.spec) if is_lark(spec.spec) else xgr.Grammar.from_ebnf(spec.spec)
     if kind is GuidedKind.CHOICE:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
@@ -244,7 +269,12 @@ _STRICT_CHARACTERS = r'[^\0-\x1f\"\\]'
 
 
 def _json_schema(xgr: Any, schema: str | dict[str, Any]) -> Any:
-    """The schema's grammar, written the way `tojson` writes JSON, with no raw control characters in strings."""
+    """The schema's grammar, written the way `tojson` writes JSON, with no raw control characters in strings.
+    Raises ValueError for a keyword xgrammar would read and not enforce (`unenforced_keyword`)."""
+    unenforced = unenforced_keyword(json.loads(schema) if isinstance(schema, str) else schema)
+    if unenforced is not None:
+        raise ValueError(f"{unenforced} is not supported: xgrammar would not enforce it (remove it, or check the "
+                         "output yourself)")
     grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_TOJSON_SEPARATORS)
     text = str(grammar)
     return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS)) if _LOOSE_CHARACTERS in text \
@@ -252,8 +282,79 @@ def _json_schema(xgr: Any, schema: str | dict[str, Any]) -> Any:
 
 
 def _literal(xgr: Any, text: str) -> Any:
-    """A grammar matching exactly `text` (an EBNF string literal: JSON string escapes are EBNF's)."""
-    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+    """A grammar matching exactly `text` (an EBNF string literal: JSON string escapes are EBNF's). Characters past
+    ASCII are written as they are: EBNF reads each `\\uXXXX` escape as one code point, so a character outside the
+    BMP escaped as a UTF-16 surrogate pair would become two lone surrogates (invalid UTF-8)."""
+    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar's text is Lark rather than EBNF: it has no `::=` (vLLM's `grammar_is_likely_lark` rule).
+    `start: "yes" | "no"` is Lark (its root rule is `start`); `root ::= "yes" | "no"` is EBNF."""
+    return "::=" not in grammar
+
+
+# The string formats xgrammar writes a grammar for (0.2.x); it reads any other format as any string.
+_STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                             "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+_ARRAY_KEYWORDS = ("contains", "minContains", "maxContains")  # (and `uniqueItems: true`)
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if", "then",
+               "else", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def unenforced_keyword(schema: Any, at: str = "") -> str | None:
+    """The first keyword of a JSON schema that xgrammar reads without enforcing it (its grammar would let output
+    through that breaks it), named with its place (`uniqueItems (at /properties/tags)`), or None. As vLLM's
+    `has_xgrammar_unsupported_json_features`: `uniqueItems` (true), `contains`, `minContains`, `maxContains`;
+    `multipleOf` but on integers (by an integer); a string's `minLength` / `maxLength` next to its `pattern` or
+    `format`; a string format xgrammar does not know; `propertyNames` next to `properties` or
+    `additionalProperties`; `patternProperties` next to `properties`."""
+    if isinstance(schema, list):
+        return next((found for i, item in enumerate(schema) if (found := unenforced_keyword(item, f"{at}/{i}"))),
+                    None)
+    if not isinstance(schema, dict):
+        return None
+    found = _unenforced_here(schema)
+    if found is not None:
+        return f"{found} (at {at or 'the root'})"
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, subschema in schema[key].items():
+                if found := unenforced_keyword(subschema, f"{at}/{key}/{name}"):
+                    return found
+    for key in dict.fromkeys(_SUBSCHEMAS + _SUBSCHEMA_LISTS):
+        if key in schema and (found := unenforced_keyword(schema[key], f"{at}/{key}")):
+            return found
+    return None
+
+
+def _unenforced_here(schema: dict[str, Any]) -> str | None:
+    """The first keyword of this schema object alone (not its subschemas) that xgrammar would not enforce."""
+    types = schema.get("type")
+    types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    if schema.get("uniqueItems"):
+        return "uniqueItems"
+    found = next((key for key in _ARRAY_KEYWORDS if key in schema), None)
+    if found is not None:
+        return found
+    step = schema.get("multipleOf")
+    if "multipleOf" in schema and not ("integer" in types and types <= {"integer", "null"} and
+                                       isinstance(step, int) and not isinstance(step, bool)):
+        return "multipleOf"
+    string_format = schema.get("format") if "string" in types else None
+    if string_format is not None and string_format not in _STRING_FORMATS:
+        return f"format {string_format!r}"
+    bounds = [key for key in ("minLength", "maxLength") if key in schema]
+    if bounds and ("pattern" in schema or string_format is not None):
+        return f"{bounds[0]} next to {'pattern' if 'pattern' in schema else 'format'}"
+    beside = [key for key in ("properties", "additionalProperties") if key in schema]
+    if "propertyNames" in schema and beside:
+        return f"propertyNames next to {beside[0]}"
+    if "patternProperties" in schema and "properties" in schema:
+        return "patternProperties next to properties"
+    return None
 
 
 def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int,

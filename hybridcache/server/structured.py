@@ -35,8 +35,9 @@ def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec |
 
 def guided_spec(fields: dict[str, Any]) -> GuidedSpec | None:
     """vLLM's constraint fields: `guided_json` (a schema, object or text), `guided_regex`, `guided_choice` (a
-    list of strings), `guided_grammar` (EBNF), or the same as `structured_outputs.{json,regex,choice,grammar,
-    json_object}` (any other key of `structured_outputs` that is set is refused). At most one may be set."""
+    list of strings), `guided_grammar` (EBNF, or Lark when it has no `::=` rule), or the same as
+    `structured_outputs.{json,regex,choice,grammar,json_object}` (any other key of `structured_outputs` that is set
+    is refused). At most one may be set."""
     found: list[tuple[str, GuidedSpec]] = []
     nested = fields.get("structured_outputs") or {}
     if not isinstance(nested, dict):
