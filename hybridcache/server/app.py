@@ -50,6 +50,7 @@ from starlette.requests import ClientDisconnect
 
 from hybridcache.engine.engine import freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
+from hybridcache.guided import GrammarCache
 from hybridcache.images import MediaLimits
 from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
@@ -189,6 +190,9 @@ class _Routes:
     def __init__(self, engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
                  metrics: ServerMetrics) -> None:
         self.engine_loop = engine_loop
+        # the engine's grammar cache (thread-safe), where a request's constraint compiles off the engine thread
+        # (`compile_constraint`); None with a stand-in loop or engine: the engine compiles it
+        self.grammars: GrammarCache | None = getattr(getattr(engine_loop, "engine", None), "grammars", None)
         self.model = model
         self.config = config
         self.metrics = metrics
@@ -232,6 +236,7 @@ class _Routes:
         requested = 1 if echo_only else body.max_tokens
         max_tokens = self._max_tokens(requested, len(longest), default_max, "prompt", body.n * len(prompts))
         params = body.sampling_params(max_tokens, body.guided(), defaults)
+        await self.compile_constraint(params, body)
         # the echo is the prompt as given, or its (truncated) token ids decoded with special tokens kept, as vLLM
         echo = tuple(p if isinstance(p, str) and len(ids) == len(whole) else
                      tokenizer.decode(ids, skip_special_tokens=False)
@@ -285,6 +290,7 @@ class _Routes:
         if guided is not None and split_reasoning and in_reasoning:  # as vLLM: the answer is constrained, not the
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)
+        await self.compile_constraint(params, body)
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
@@ -297,6 +303,18 @@ class _Routes:
                               return_token_ids=body.return_token_ids)
         checkpoints = await self.in_pool(checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
+
+    async def compile_constraint(self, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Compile the request's structured-output grammar, if any, on a worker thread into the engine's grammar
+        cache (`self.grammars`), so that the engine thread's `add_request` finds it compiled: a schema
+        that takes seconds to compile no longer stalls every other stream meanwhile (vLLM compiles in a thread pool
+        too). A bad constraint is a 400 naming its field."""
+        if params.guided is None or self.grammars is None:
+            return
+        try:
+            await asyncio.to_thread(self.grammars.check, params.guided)
+        except ValueError as error:
+            raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
 
     def _render_chat(self, body: ChatCompletionRequest) -> tuple[ChatPrompt, list, list[dict[str, Any]] | None]:
         """The messages and tools through the chat template (on the tokenizer threads: a long conversation takes
