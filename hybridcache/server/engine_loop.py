@@ -19,7 +19,8 @@ takes the place of those its handler has not taken yet (each holds everything so
 blocks in its write) holds one output, not one per step; and the thread itself aborts a request past its
 deadline, whether or not its handler is listening. After every step the thread publishes an `EngineState` snapshot
 that any thread may read (`state`), and, every `stats_interval_s` seconds while something changes, logs the
-stats line (`server.stats_log`); an idle thread waits on its queue only as long as a pending line allows.
+stats line (`server.stats_log`); an idle thread waits on its queue only as long as a pending line allows, and
+when its wait ends the next line's interval starts there (a line covers at most one interval of activity).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class _Add:
     done: asyncio.Future
     mm_inputs: list[tuple]  # per prompt: its image spans (encoded on the engine thread), () for none
     checkpoints_at: list[tuple[int, ...]]  # per prompt: `LLMEngine.add_request`'s checkpoints_at, () for none
+    arrival: float  # perf_counter() when the event loop queued them (TTFT, e2e and the deadline count from here)
+    echo_only: bool = False  # `max_tokens: 0` with echo: the one token each asks for is no generated token
 
 
 @dataclass
@@ -89,16 +92,33 @@ class _Stop:
 
 
 @dataclass
+class _Completion:
+    """Engine-thread bookkeeping of one of a request's n completions (vLLM runs each as a child request of its
+    own, observed on its own in the latency histograms)."""
+
+    num_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
 class _Stream:
-    """Engine-thread bookkeeping of one request."""
+    """Engine-thread bookkeeping of one request. `arrival`: when the event loop queued it (vLLM's
+    `arrival_time`: TTFT, e2e and `request_timeout_s` count from here); `queued`: when this thread added it to
+    the engine (the queue time counts from here, as vLLM's QUEUED -> SCHEDULED)."""
 
     sink: asyncio.Queue
     arrival: float
-    num_tokens: int = 0
+    queued: float
+    echo_only: bool = False
     started: float | None = None  # the start of the first step that computed it
-    first_token_time: float | None = None
-    last_token_time: float | None = None
+    completions: list[_Completion] = field(default_factory=list)
     last_output: RequestOutput | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.completions)
 
 
 class EngineLoop:
@@ -140,26 +160,32 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                  mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = ()) -> asyncio.Queue:
-        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`: see `add_many`); returns its output
-        queue (see `add_many`)."""
-        return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at]))[0]
+                  mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = (),
+                  echo_only: bool = False) -> asyncio.Queue:
+        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`, `echo_only`: see `add_many`); returns
+        its output queue (see `add_many`)."""
+        return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at], echo_only))[0]
 
     async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
-                       mm_inputs: list[tuple] | None = None,
-                       checkpoints_at: list[tuple[int, ...]] | None = None) -> list[asyncio.Queue]:
+                       mm_inputs: list[tuple] | None = None, checkpoints_at: list[tuple[int, ...]] | None = None,
+                       echo_only: bool = False) -> list[asyncio.Queue]:
         """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread;
         `checkpoints_at[i]`: prompt i's steps where later prompts will part from it, `LLMEngine.add_request`'s
         `checkpoints_at`), all in the same command drain (so they join the same step); returns their output
-        queues. All or nothing: raises the engine's ValueError/TypeError for a bad one, QueueFull when the waiting
-        sequences would pass `max_queued_requests`, EngineFailure when the engine is dead."""
+        queues. `echo_only`: completions' `max_tokens: 0` with echo, whose one sampled token no choice shows: the
+        generation counters count 0 tokens for them, as `usage` does. Their arrival (TTFT, e2e, the request
+        timeout) is now, even when the engine thread is busy with a step. All or nothing: raises the engine's
+        ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
+        `max_queued_requests`, EngineFailure when the engine is dead."""
+        arrival = time.perf_counter()
         if not self.running:
             raise EngineFailure("the engine is not running")
         sinks: list[asyncio.Queue] = [asyncio.Queue() for _ in request_ids]
         done = self._loop.create_future()
         spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
         hints = list(checkpoints_at) if checkpoints_at is not None else [() for _ in request_ids]
-        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans, hints))
+        self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans, hints, arrival,
+                                echo_only))
         await done
         return sinks
 
@@ -196,6 +222,8 @@ class EngineLoop:
             if not engine.has_unfinished_requests():
                 with contextlib.suppress(queue.Empty):  # on a timeout, a stats line is due
                     commands.append(self._commands.get(timeout=self._stats_due_in()))
+                if self._stats is not None:  # an idle spell ends: the next line covers what comes from now on
+                    self._stats.rebase(time.monotonic(), self._stats_counters())
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -288,7 +316,7 @@ class EngineLoop:
             return
         now = time.perf_counter()
         for request_id, sink in zip(command.request_ids, command.sinks):
-            self._streams[request_id] = _Stream(sink, now)
+            self._streams[request_id] = _Stream(sink, command.arrival, now, command.echo_only)
         self._resolve(command.done, None)
 
     def _mark_started(self, step_start: float, outputs: list[RequestOutput]) -> None:
@@ -308,24 +336,37 @@ class EngineLoop:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue
-            num_tokens = sum(len(c.token_ids) for c in output.outputs)
-            if num_tokens > stream.num_tokens and self._metrics is not None:
-                if stream.last_token_time is None:
-                    self._metrics.ttft.observe(now - stream.arrival)
-                else:
-                    self._metrics.itl.observe(now - stream.last_token_time)
-                self._metrics.generation_tokens.inc(num_tokens - stream.num_tokens)
-            if num_tokens > stream.num_tokens:
-                self._generated += num_tokens - stream.num_tokens
-                stream.num_tokens = num_tokens
-                stream.last_token_time = now
-                if stream.first_token_time is None:
-                    stream.first_token_time = now
+            while len(stream.completions) < len(output.outputs):
+                stream.completions.append(_Completion())
+            for completion, produced in zip(stream.completions, output.outputs):
+                self._count_tokens(stream, completion, len(produced.token_ids), now)
+                if produced.finish_reason is not None and completion.finish_time is None:
+                    completion.finish_time = now
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
                 self._record_finish(stream, output)
             self._send(stream, output)
+
+    def _count_tokens(self, stream: _Stream, completion: _Completion, num_tokens: int, now: float) -> None:
+        """A completion's tokens after a step: its first token (TTFT from the request's arrival) or the time since
+        its previous token step (ITL), and the new tokens in the generation counters (none for echo-only)."""
+        num_new = num_tokens - completion.num_tokens
+        if num_new <= 0:
+            return
+        if self._metrics is not None:
+            if completion.last_token_time is None:
+                self._metrics.ttft.observe(now - stream.arrival)
+            else:
+                self._metrics.itl.observe(now - completion.last_token_time)
+            if not stream.echo_only:
+                self._metrics.generation_tokens.inc(num_new)
+        if not stream.echo_only:
+            self._generated += num_new
+        completion.num_tokens = num_tokens
+        completion.last_token_time = now
+        if completion.first_token_time is None:
+            completion.first_token_time = now
 
     def _abort(self, request_id: str) -> tuple[_Stream | None, RequestOutput | None]:
         """Abort one request in the engine, forget its stream and count its end; its stream and the engine's
@@ -338,8 +379,8 @@ class EngineLoop:
         return stream, output
 
     def _expire(self) -> None:
-        """Abort the requests still running `request_timeout_s` after their add; each handler gets a
-        RequestTimeout."""
+        """Abort the requests still running `request_timeout_s` after their arrival (`add_many`); each handler gets
+        a RequestTimeout."""
         if self._timeout_s is None:
             return
         due = time.perf_counter() - self._timeout_s
@@ -393,11 +434,15 @@ class EngineLoop:
         self._hit += output.num_cached_tokens
         if self._metrics is None:
             return
+        now = time.perf_counter()
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
+        completions = [stream.completions[i] if i < len(stream.completions) else _Completion()
+                       for i in range(len(output.outputs))]
         self._metrics.request_finished(len(output.prompt_token_ids), output.num_cached_tokens, reasons,
-                                       time.perf_counter() - stream.arrival,
+                                       [(c.finish_time or now) - stream.arrival for c in completions],
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
-                                       _phases(stream), [len(c.token_ids) for c in output.outputs])
+                                       [_phases(stream, c) for c in completions],
+                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs])
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every
@@ -457,11 +502,11 @@ def _put_latest(sink: asyncio.Queue, item: RequestOutput | Exception) -> None:
     sink.put_nowait(item)
 
 
-def _phases(stream: _Stream) -> RequestPhases:
-    """A finished request's queue, prefill and decode times (None for a phase it did not reach)."""
-    first, last, started = stream.first_token_time, stream.last_token_time, stream.started
+def _phases(stream: _Stream, completion: _Completion) -> RequestPhases:
+    """A finished completion's queue, prefill and decode times (None for a phase it did not reach)."""
+    first, last, started = completion.first_token_time, completion.last_token_time, stream.started
     return RequestPhases(
-        queue_s=None if started is None else max(started - stream.arrival, 0.0),
+        queue_s=None if started is None else max(started - stream.queued, 0.0),
         prefill_s=None if started is None or first is None else max(first - started, 0.0),
         decode_s=None if first is None or last is None else last - first,
     )

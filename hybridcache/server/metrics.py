@@ -7,12 +7,15 @@ metrics are recorded by the engine thread as outputs come out of `engine.step()`
     hybridcache_prefix_cache_queries_tokens_total   prompt tokens of finished requests (as in `usage`)
     hybridcache_prefix_cache_hit_tokens_total       their `cached_tokens` (as in `usage`), so the two move by
                                                     exactly what the responses reported
-    hybridcache_prompt_tokens_total / hybridcache_generation_tokens_total
+    hybridcache_prompt_tokens_total / hybridcache_generation_tokens_total   (generated: as `usage` reports them,
+                                                    0 for an echo-only request's one sampled token)
     hybridcache_request_finished_total{finish_reason}   completions (choices) that ended, by reason
                                                     (stop, length, abort, error); n choices count n
-    hybridcache_time_to_first_token_seconds         arrival -> first sampled token
-    hybridcache_inter_token_latency_seconds         time between a request's consecutive token steps
+    hybridcache_time_to_first_token_seconds         arrival (the server queued it for the engine thread) ->
+                                                    first sampled token
+    hybridcache_inter_token_latency_seconds         time between a completion's consecutive token steps
     hybridcache_e2e_request_latency_seconds         arrival -> finish
+                                                    (the three per completion: n completions, n observations)
     hybridcache_spec_decode_request_acceptance_rate per completion that fed drafts (speculative decoding): its
                                                     accepted / fed draft tokens
 
@@ -57,7 +60,7 @@ With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,11 +118,14 @@ class ServerMetrics:
         self.vllm.watch_engine(self.registry, engine_state)
 
     def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float, drafts: list[tuple[int, int]] = (),
-                         phases: RequestPhases | None = None, generation_lens: list[int] = ()) -> None:
-        """A request ended (finished or aborted after its prompt was computed). `drafts`: per completion,
-        (draft tokens fed, accepted) with speculative decoding; `phases`: its queue, prefill and decode times
-        where known; `generation_lens`: per completion, the tokens it generated."""
+                         latency_s: float | Sequence[float], drafts: list[tuple[int, int]] = (),
+                         phases: RequestPhases | Sequence[RequestPhases] | None = None,
+                         generation_lens: list[int] = ()) -> None:
+        """A request ended (finished or aborted after its prompt was computed). Its n completions are observed
+        each on its own in the latency histograms, as vLLM's n child requests: `latency_s` (arrival -> end) and
+        `phases` (queue, prefill and decode times where known) are per completion, or one value for all.
+        `drafts`: per completion, (draft tokens fed, accepted) with speculative decoding; `generation_lens`: per
+        completion, the tokens it generated."""
         for fed, accepted in drafts:
             if fed:
                 self.acceptance.observe(accepted / fed)
@@ -130,12 +136,17 @@ class ServerMetrics:
             for counter in counters:
                 counter.inc(value)
         self.completions_ended(finish_reasons)
-        self.e2e.observe(latency_s)
-        vllm.e2e.observe(latency_s)
+        num_completions = len(finish_reasons)
+        for latency in _per_completion(latency_s, num_completions):
+            self.e2e.observe(latency)
+            vllm.e2e.observe(latency)
         vllm.request_ended(num_prompt_tokens, list(generation_lens))
-        if phases is not None:
-            for histogram, value in ((vllm.queue_time, phases.queue_s), (vllm.prefill_time, phases.prefill_s),
-                                     (vllm.decode_time, phases.decode_s)):
+        for completion_phases in _per_completion(phases, num_completions):
+            if completion_phases is None:
+                continue
+            for histogram, value in ((vllm.queue_time, completion_phases.queue_s),
+                                     (vllm.prefill_time, completion_phases.prefill_s),
+                                     (vllm.decode_time, completion_phases.decode_s)):
                 if value is not None:
                     histogram.observe(value)
 
@@ -159,6 +170,16 @@ class RequestPhases:
     queue_s: float | None = None
     prefill_s: float | None = None
     decode_s: float | None = None
+
+
+def _per_completion(value: Any, num_completions: int) -> list:
+    """`value` for each of `num_completions` completions: a sequence is one per completion already, anything
+    else (a float, a `RequestPhases`, None) is the same for all."""
+    if isinstance(value, Sequence):
+        if len(value) != num_completions:
+            raise ValueError(f"{len(value)} values for {num_completions} completions")
+        return list(value)
+    return [value] * num_completions
 
 
 class _Both:

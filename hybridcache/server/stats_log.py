@@ -7,7 +7,9 @@ and the prefix-cache hit rate.
 (one line in the log). Prompt throughput counts prompt tokens computed (cache hits skip their computation);
 the hit rate is cached / prompt tokens of the requests that finished since the last line ("-" when none did).
 A line is written at most every `interval_s` seconds and only when something changed since the last one, so an
-idle server writes one line after its last request and then stays quiet.
+idle server writes one line after its last request and then stays quiet. A line covers at most one interval of
+activity: when an idle spell ends (`rebase`), the next line's interval starts there, so its throughput is not
+averaged over the idle time.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class StatsLogger:
         if counters == self._last:
             return None
         return max(0.0, self._last_time + self.interval_s - now)
+
+    def rebase(self, now: float, counters: StatsCounters) -> None:
+        """An idle spell ended at `now`: when nothing changed since the last line, the next one's interval starts
+        here (not at the last line, before the idle time)."""
+        if counters == self._last:
+            self._last_time = now
 
     def line(self, now: float, counters: StatsCounters, state: EngineState) -> str | None:
         if self.due_in(now, counters) != 0.0:

@@ -13,8 +13,16 @@ served model name) and `engine` ("0": one engine).
                                     running (vLLM declares `abort` but its client aborts never reach it,
                                     vllm-project/vllm#31503)
     vllm:num_preemptions_total
+    vllm:spec_decode_num_drafts_total, vllm:spec_decode_num_draft_tokens_total,
+    vllm:spec_decode_num_accepted_tokens_total, vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+                                    with speculative decoding (vLLM's SpecDecodingProm): verify rows, draft tokens
+                                    fed, accepted, and accepted by draft position (numbered from 0, as vLLM's)
     vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds
-    vllm:request_queue_time_seconds     arrival -> the first step that computes the request
+                                    with vLLM's buckets; TTFT and e2e count from the request's arrival (when the
+                                    server queued it for the engine thread, even while that thread runs a step).
+                                    These and the three below are observed per completion (n completions: n
+                                    observations, as vLLM's n child requests)
+    vllm:request_queue_time_seconds     the engine thread's pickup -> the first step that computes the request
     vllm:request_prefill_time_seconds   that step's start -> the first token
     vllm:request_decode_time_seconds    the first token -> the last
     vllm:request_prompt_tokens          histogram, per completion: its prompt's tokens (vLLM counts each of n
@@ -40,8 +48,11 @@ ENGINE_LABEL = "0"
 # vLLM's buckets for request latencies (seconds)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
+# vLLM's buckets for the time to first token, and for the inter-token latency (seconds)
 _TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                   40.0, 80.0, 160.0, 640.0, 2560.0)
+_INTER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                        40.0, 80.0)
 
 
 DEFAULT_MAX_TOKEN_BUCKET = 1_000_000  # the token histograms' top bucket when max_model_len is not given
@@ -81,7 +92,7 @@ class VllmMetrics:
                                 [*_LABELS, "finished_reason"], registry=registry)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TOKEN_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a request's token steps",
-                             _TOKEN_BUCKETS)
+                             _INTER_TOKEN_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish", _REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to the first step that computes "
                                     "the request", _REQUEST_BUCKETS)
@@ -141,3 +152,19 @@ class _VllmEngineCollector(Collector):
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Preempted sequences", labels=list(_LABELS))
         preemptions.add_metric(self._labels, state.num_preemptions)
         yield preemptions
+        if state.spec_decode is not None:
+            yield from self._spec_decode(state.spec_decode)
+
+    def _spec_decode(self, spec: dict) -> Iterator[Metric]:
+        """vLLM's `SpecDecodingProm` counters; `position` numbers the draft positions from 0, as vLLM's."""
+        for key, documentation in (("num_drafts", "Number of spec decoding drafts."),
+                                   ("num_draft_tokens", "Number of draft tokens."),
+                                   ("num_accepted_tokens", "Number of accepted tokens.")):
+            family = CounterMetricFamily(f"vllm:spec_decode_{key}", documentation, labels=list(_LABELS))
+            family.add_metric(self._labels, spec[key])
+            yield family
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
+        for position, count in enumerate(spec["accepted_per_position"]):
+            per_position.add_metric([*self._labels, str(position)], count)
+        yield per_position

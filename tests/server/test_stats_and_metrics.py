@@ -3,9 +3,15 @@ percentages, without a server."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from hybridcache.server.engine_state import EngineState
+from hybridcache.server.limits import RequestTimeout
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.stats_log import StatsCounters, StatsLogger
 from tests.server.server_process import metric_value
@@ -143,8 +149,10 @@ def test_a_request_aborted_while_it_waits_counts_as_no_query():
     assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="abort"') == 1
 
 
-def _run_on_engine_loop(max_num_seqs: int, scenario) -> ServerMetrics:
-    """`scenario(loop)` (a coroutine function) on an EngineLoop over the built-in model; returns its metrics."""
+def _run_on_engine_loop(max_num_seqs: int, scenario, step_sleep_s: float = 0.0, **loop_options) -> ServerMetrics:
+    """`scenario(loop)` (a coroutine function) on an EngineLoop (`loop_options`: its keyword arguments) over the
+    built-in model, each of whose steps first sleeps `step_sleep_s` (a long step of a big model); returns its
+    metrics."""
     import asyncio
 
     from hybridcache.config import EngineConfig
@@ -152,7 +160,16 @@ def _run_on_engine_loop(max_num_seqs: int, scenario) -> ServerMetrics:
     from hybridcache.server.engine_loop import EngineLoop
 
     metrics = ServerMetrics(model_name="m")
-    loop = EngineLoop(LLMEngine(None, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512)), metrics)
+    engine = LLMEngine(None, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512))
+    if step_sleep_s:
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_sleep_s)
+            return step()
+
+        engine.step = slow_step
+    loop = EngineLoop(engine, metrics, **loop_options)
 
     async def main() -> None:
         loop.start()
@@ -217,3 +234,181 @@ def test_aborts_count_alike_in_both_finish_counters_queued_or_running():
     assert metric_value(text, "vllm:request_success_total", 'finished_reason="abort"') == 5
     assert metric_value(text, "vllm:e2e_request_latency_seconds_count") == 2  # the running two only
     assert metric_value(text, "vllm:prompt_tokens_total") == 39 + 38
+
+
+def test_ttft_and_e2e_count_from_the_arrival_not_from_the_engine_threads_pickup():
+    """vLLM measures TTFT and e2e from the request's arrival at the frontend. A request that arrived while the
+    engine thread ran a long step was stamped when that thread picked it up, so the wait was lost from
+    vllm:time_to_first_token_seconds and vllm:e2e_request_latency_seconds (here ~0.5 s of B's ~1.1 s). The queue
+    time still counts from the pickup, as vLLM's QUEUED -> SCHEDULED."""
+    from hybridcache.sampling import SamplingParams
+
+    seen: dict[str, float] = {}
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    async def request(loop, request_id: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        start = time.perf_counter()
+        sink = await loop.add(request_id, [5, 6, 7, len(seen)], params)  # returns once the engine thread has it
+        await _until_finished(sink)
+        seen[request_id] = time.perf_counter() - start
+
+    async def scenario(loop) -> None:
+        await asyncio.gather(request(loop, "A", 0.0), request(loop, "B", 0.1))  # B arrives during A's step
+
+    text = _run_on_engine_loop(4, scenario, step_sleep_s=0.6).render().decode()
+    assert seen["B"] > 1.0  # it waited for A's step, then ran its own
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert metric_value(text, f"{name}_count") == 2
+        assert metric_value(text, f"{name}_sum") >= sum(seen.values()) - 0.2, name  # was ~0.5 s short
+    assert metric_value(text, "vllm:request_queue_time_seconds_sum") < 0.3
+
+
+def test_the_request_timeout_counts_from_the_arrival():
+    """`--request-timeout`'s deadline started when the engine thread picked the request up: one that waited for
+    a long step ran that much longer before it was aborted (B here: aborted after the step that ended 1.9 s
+    after its arrival, past its 1.5 s; it ran one more 1 s step)."""
+    from hybridcache.sampling import SamplingParams
+
+    long_params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    ended: dict[str, float] = {}
+
+    async def request(loop, request_id: str, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        start = time.perf_counter()
+        sink = await loop.add(request_id, [5, 6, 7, len(ended) + 8], long_params)
+        while True:
+            item = await sink.get()
+            if isinstance(item, Exception) or item.finished:
+                break
+        ended[request_id] = time.perf_counter() - start
+        assert isinstance(item, RequestTimeout), item
+
+    async def scenario(loop) -> None:
+        await asyncio.gather(request(loop, "A", 0.0), request(loop, "B", 0.1))
+
+    _run_on_engine_loop(4, scenario, step_sleep_s=1.0, request_timeout_s=1.5)
+    assert 1.5 <= ended["B"] < 2.5, ended  # was ~2.9 s: 1.5 s after its pickup, and a step more
+
+
+def test_n_completions_are_observed_each_in_the_latency_histograms():
+    """vLLM runs n > 1 as n child requests, each observed on its own: the latency histograms counted one
+    observation per request while vllm:request_success_total and the token histograms counted n."""
+    from hybridcache.sampling import SamplingParams
+
+    async def scenario(loop) -> None:
+        sink = await loop.add("n3", list(range(3, 30)), SamplingParams(n=3, temperature=1, seed=7, max_tokens=4,
+                                                                       ignore_eos=True))
+        outputs = await _until_finished(sink)
+        assert [len(c.token_ids) for c in outputs[-1].outputs] == [4, 4, 4]
+
+    text = _run_on_engine_loop(4, scenario).render().decode()
+    assert metric_value(text, "vllm:request_success_total") == 3
+    for name in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_generation_tokens",
+                 "hybridcache_e2e_request_latency_seconds", "hybridcache_time_to_first_token_seconds"):
+        assert metric_value(text, f"{name}_count") == 3, name
+    assert metric_value(text, "vllm:inter_token_latency_seconds_count") == 3 * 3  # 4 tokens: 3 gaps each
+    assert metric_value(text, "vllm:generation_tokens_total") == 12
+
+
+def test_echo_only_requests_count_no_generated_tokens():
+    """`max_tokens: 0` with echo asks the engine for one token that no choice shows and `usage` reports as 0; the
+    generation counters counted it."""
+    from hybridcache.sampling import SamplingParams
+
+    async def scenario(loop) -> None:
+        sink = await loop.add("echo", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=1),
+                              echo_only=True)
+        await _until_finished(sink)
+
+    text = _run_on_engine_loop(4, scenario).render().decode()
+    assert metric_value(text, "vllm:request_success_total") == 1
+    assert metric_value(text, "vllm:prompt_tokens_total") == 17
+    for name in ("vllm:generation_tokens_total", "hybridcache_generation_tokens_total",
+                 "vllm:request_generation_tokens_sum"):
+        assert metric_value(text, name) == 0, name
+
+
+def test_the_inter_token_latency_has_vllms_buckets():
+    """vllm:inter_token_latency_seconds had the TTFT buckets; vLLM's ITL buckets (vllm/v1/metrics/loggers.py)."""
+    metrics = ServerMetrics(model_name="m")
+    metrics.itl.observe(0.04)
+    bounds = [sample.labels["le"] for family in text_string_to_metric_families(metrics.render().decode())
+              for sample in family.samples if sample.name == "vllm:inter_token_latency_seconds_bucket"]
+    assert [float(b) for b in bounds] == [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                                          5.0, 7.5, 10.0, 20.0, 40.0, 80.0, float("inf")]
+
+
+def test_spec_decode_counters_under_vllms_names():
+    """With speculative decoding, vLLM's SpecDecodingProm counters (labels model_name and engine; per position,
+    numbered from 0 as vLLM's) next to ours; only ours were exported. None without speculative decoding."""
+    spec = {"num_drafts": 10, "num_draft_tokens": 20, "num_accepted_tokens": 7, "accepted_per_position": [5, 2]}
+    metrics = ServerMetrics(model_name="m")
+    metrics.watch_engine(lambda: EngineState(spec_decode=spec))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert samples[("vllm:spec_decode_num_drafts_total", labels)] == 10
+    assert samples[("vllm:spec_decode_num_draft_tokens_total", labels)] == 20
+    assert samples[("vllm:spec_decode_num_accepted_tokens_total", labels)] == 7
+    per_position = {dict(key)["position"]: value for (name, key), value in samples.items()
+                    if name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert per_position == {"0": 5, "1": 2}
+    assert samples[("hybridcache_spec_decode_num_accepted_tokens_per_pos_total",
+                    (("model_name", "m"), ("position", "1")))] == 5  # ours count from 1
+    plain = ServerMetrics(model_name="m")
+    plain.watch_engine(EngineState)
+    assert "vllm:spec_decode" not in plain.render().decode()
+
+
+def test_a_line_after_an_idle_spell_covers_only_the_activity():
+    """The first line after an idle spell divided its tokens by the whole idle time (its reference was the last
+    line, before the idle spell): `rebase` at the spell's end starts its interval there."""
+    stats = StatsLogger(interval_s=10.0, start_s=0.0)
+    busy = StatsCounters(prompt_tokens=100, generation_tokens=100, query_tokens=100, hit_tokens=0)
+    assert stats.line(10.0, busy, STATE) is not None
+    stats.rebase(500.0, busy)  # idle from 10 s to 500 s
+    again = StatsCounters(prompt_tokens=300, generation_tokens=200, query_tokens=300, hit_tokens=100)
+    assert stats.due_in(501.0, again) == 9.0  # not at once, in the first step after the spell
+    line = stats.line(510.0, again, STATE)
+    assert line.startswith("Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 10.0 tokens/s")
+    stats.rebase(520.0, StatsCounters(prompt_tokens=400))  # something changed since the line: nothing moves
+    assert stats.due_in(520.0, StatsCounters(prompt_tokens=400)) == 0.0
+
+
+def test_the_engine_loop_starts_a_stats_interval_when_an_idle_spell_ends(caplog):
+    """The engine loop rebases its stats logger when its idle wait ends: the first line after an idle spell came
+    in the new burst's first step, its throughput averaged over the idle time; now it comes an interval later."""
+    from hybridcache.sampling import SamplingParams
+
+    interval_s = 0.5
+    burst_start: list[float] = []
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def scenario(loop) -> None:
+        await _until_finished(await loop.add("first", list(range(3, 40)), params))
+        await asyncio.sleep(4 * interval_s)  # its line is written, then idle
+        burst_start.append(time.monotonic())
+        await _until_finished(await loop.add("second", list(range(50, 90)), params))
+        await asyncio.sleep(2 * interval_s)
+
+    times: list[float] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "Avg prompt throughput" in record.getMessage():
+                times.append(time.monotonic())
+
+    handler = Grab()
+    logger = logging.getLogger("hybridcache.server")
+    logger.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="hybridcache.server"):
+            _run_on_engine_loop(4, scenario, stats_interval_s=interval_s)
+    finally:
+        logger.removeHandler(handler)
+    after = [t for t in times if t >= burst_start[0]]
+    assert len(after) == 1, (burst_start, times)  # was 2: one in its first step, one an interval later
+    assert after[0] >= burst_start[0] + interval_s - 0.05  # was in the burst's first step

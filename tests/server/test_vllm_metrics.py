@@ -142,3 +142,20 @@ def test_kv_cache_usage_while_a_request_runs(server):
     assert running, "no scrape saw the request running"
     assert all(0.0 < usage <= 1.0 for usage in running)
     assert value(scrape(base_url), "vllm:kv_cache_usage_perc") == 0.0
+
+
+def test_echo_only_completions_generate_no_tokens(server):
+    """`max_tokens: 0` with echo: the engine samples one token that no choice shows and `usage` reports 0
+    completion tokens (docs/server.md); the generation counters counted that token."""
+    base_url, _ = server
+    before = scrape(base_url)
+    response = httpx.post(f"{base_url}/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "score this prompt " * 5, "max_tokens": 0, "echo": True,
+                                "logprobs": 1})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 0
+    after = scrape(base_url)
+    assert increase(before, after, "vllm:request_success_total") == 1
+    for name in ("vllm:generation_tokens_total", "hybridcache_generation_tokens_total",
+                 "vllm:request_generation_tokens_sum"):
+        assert increase(before, after, name) == 0, name
