@@ -75,7 +75,16 @@ class RecencyOrder:
         self._order.move_to_end(ckpt.ckpt_id)
 
     def remove(self, ckpt: Checkpoint) -> None:
+        """Drop `ckpt`; the step heaps are rebuilt from the entries left once their dropped entries outnumber
+        them (an entry below the deepest live step never reaches the top to be dropped lazily: over a server's
+        life they held every checkpoint ever published)."""
         del self._order[ckpt.ckpt_id]
+        if self._track_steps and sum(map(len, self._steps.values())) > 2 * len(self._order) + 64:
+            self._steps = {True: [], False: []}
+            for kept in self._order.values():
+                self._steps[kept.frozen_block is not None].append((-kept.step, kept.ckpt_id, kept))
+            for heap in self._steps.values():
+                heapq.heapify(heap)
 
     def oldest_first(self) -> Iterator[Checkpoint]:
         return iter(self._order.values())

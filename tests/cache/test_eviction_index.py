@@ -52,6 +52,28 @@ def test_recency_order_skips_pinned_and_tracks_touches_and_max_steps():
     assert order.max_step(True) is a and len(order) == 2
 
 
+def test_recency_orders_step_heaps_stay_bounded_by_the_live_entries():
+    """A released checkpoint whose step is below a live one never reaches a heap's top to be dropped lazily: with
+    one deep checkpoint kept, the step heaps held every shallower checkpoint ever added (a flop-aware server grew
+    about two entries a request, with their tails). Compacted, they stay within twice the live count (+ 64), and
+    `max_step` still finds the deepest live entry of each group."""
+    order = RecencyOrder(track_steps=True)
+    deep = _ckpt(0, 10_000, 0, False)
+    order.add(deep)
+    shallow = {}
+    for i in range(1, 2001):
+        shallow[i] = _ckpt(i, i, i, i % 2 == 0)
+        order.add(shallow[i])
+        if i > 5:  # the five newest shallow ones stay
+            gone = shallow.pop(i - 5)
+            order.remove(gone)
+            gone.state = CheckpointState.RELEASED
+    assert len(order) == 6
+    assert sum(map(len, order._steps.values())) <= 2 * len(order) + 64
+    live = [c for c in order.oldest_first() if c.frozen_block is not None]
+    assert order.max_step(False) is deep and order.max_step(True) is max(live, key=lambda c: c.step)
+
+
 def test_leaf_heap_drops_stale_entries_and_keeps_skipped_ones():
     trie = Trie()
     root = trie.root(None)
