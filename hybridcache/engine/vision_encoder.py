@@ -125,6 +125,8 @@ class VisionEncoder:
         num_tokens = embeds.shape[0]
         if num_tokens > self.capacity_tokens:
             return
+        if embeds.untyped_storage().nbytes() > embeds.numel() * embeds.element_size():
+            embeds = embeds.clone()  # a view of its tower call's output: kept alone, it would keep the whole call
         self._cache[key] = embeds
         self._cached_tokens += num_tokens
         while self._cached_tokens > self.capacity_tokens:

@@ -282,3 +282,7 @@ def test_encoder_batches_images_and_serves_repeats_from_its_cache(monkeypatch):
         assert torch.allclose(got.embeds, original(span.pixel_values, [span.grid])[0], atol=1e-5)
     again = encoder.encode([spans[2]])
     assert len(calls) == 2 and encoder.num_cache_hits == 1 and torch.equal(again[0].embeds, out[2].embeds)
+    # each cached image holds its own tokens' bytes: a view of the call's output kept the whole call's alive,
+    # past the cap that the memory plan reserves (`cache_bytes`)
+    for embeds in encoder._cache.values():
+        assert embeds.untyped_storage().nbytes() == embeds.numel() * embeds.element_size()
