@@ -26,14 +26,22 @@ DEFAULT_PROMPTS = (
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hybridcache import LLM, SamplingParams
+    from hybridcache import LLM
 
     model, hub = model_argument(args), model_options(args)
     if any(value is not None for value in hub.values()):  # LLM takes no revision: resolve the model folder here
         from hybridcache.model_path import resolve_model
 
         model = resolve_model(model, **hub).path
-    llm = LLM(model, generation_config=args.generation_config, **engine_options(args))
+    # closed at the end: a disk tier (--disk-cache-dir) is handed what the cache holds, so a rerun hits it
+    with LLM(model, generation_config=args.generation_config, **engine_options(args)) as llm:
+        return _generate(llm, args)
+
+
+def _generate(llm, args: argparse.Namespace) -> int:
+    """Sample the command's prompts with `llm` and print one JSON line per completion, then a summary line."""
+    from hybridcache import SamplingParams
+
     defaults = llm.sampling_defaults  # what a flag left unset takes, before the command's own defaults
     params = SamplingParams(
         temperature=defaults.pick("temperature", args.temperature, 0.0),

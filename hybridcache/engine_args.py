@@ -317,8 +317,8 @@ def _take_vllm_options(options: dict) -> None:
         if value is None:
             continue
         note = _VLLM_OPTIONS[name].verdict(value)
-        if note:
-            _logger.info("%s", note)
+        if note:  # a warning: an option the user gave does nothing here (`generate` shows no INFO lines)
+            _logger.warning("%s", note)
 
 
 def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
                                    description="Serve the OpenAI API in front of `hybridcache serve` replicas, "
                                                "sending each request to the replica with the longest usable hit.",
-                                   formatter_class=HelpFormatter)
+                                   formatter_class=HelpFormatter, allow_abbrev=False)
     router.add_argument("--replica", action="append", required=True, metavar="URL", type=http_url,
                         help="base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable)")
     router.add_argument("--model", default=None,
@@ -179,7 +179,7 @@ def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None,
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.log_level)
     run_router(args, args.replica, args.model, args.host, args.port, args.request_timeout)
     return 0
 
@@ -214,6 +214,14 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
     return [*out, "--host", "127.0.0.1", "--port", str(port)]
 
 
+def _configure_logging(level: str) -> None:
+    """The router's log at `level`; httpx's and httpcore's only from WARNING on (but at debug): they log every
+    request at INFO, and the router polls each replica's events twice a second, idle or not."""
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
+
+
 def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
                 tensor_parallel_size: int = 1) -> dict[str, str]:
     """The environment of replica `index` of `size`: GPU replica i sees its `tensor_parallel_size` devices (one
@@ -246,7 +254,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
     from hybridcache.engine_args import AUTO, auto_device, model_argument
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.log_level)
     log = logging.getLogger("hybridcache.router")
     size = args.data_parallel_size
     on_cpu = (auto_device() if args.device == AUTO else args.device) == "cpu"

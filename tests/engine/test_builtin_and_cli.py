@@ -46,6 +46,20 @@ def test_cli_generate_prints_one_json_line_per_completion(capsys):
     assert all(1 <= r["num_tokens"] <= 4 for r in lines)
 
 
+def test_cli_generate_hands_its_cache_to_the_disk_tier_so_a_rerun_hits(capsys, tmp_path):
+    """`generate --disk-cache-dir` never closed its engine: nothing was written at exit and a rerun hit nothing
+    (the docs: a restarted engine finds it)."""
+    prompt = "The disk tier keeps what the cache held when the engine closes. " * 5
+    run = ["generate", "--prompt", prompt, "--max-tokens", "2", "--temperature", "0", "--host-cache-gib", "0.01",
+           "--disk-cache-dir", str(tmp_path)]
+    cached = []
+    for _ in range(2):
+        assert main(run) == 0
+        cached.append(json.loads(capsys.readouterr().out.splitlines()[0])["cached_tokens"])
+    assert cached[0] == 0 and cached[1] > 64
+    assert list(tmp_path.rglob("*.safetensors"))
+
+
 def test_cli_reports_bad_input_as_an_error(capsys):
     assert main(["generate", "--prompt", "abc", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err

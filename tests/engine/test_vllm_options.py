@@ -146,8 +146,8 @@ def test_vllm_dtype_names_mean_what_vllm_says():
 def test_a_vllm_option_without_effect_here_is_accepted_and_logged(name, value, note, caplog):
     with caplog.at_level(logging.INFO, logger="hybridcache.engine_args"):
         assert resolve(**{name: value}) == resolve()
-    if note is not None:
-        assert note in caplog.text
+    if note is not None:  # a warning: `generate` shows no INFO lines, and the user gave an option that does nothing
+        assert any(note in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records), caplog.text
 
 
 @pytest.mark.parametrize("name, value, message", [

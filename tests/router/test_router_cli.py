@@ -141,3 +141,17 @@ def test_the_request_timeout_flags(built_router, monkeypatch):
     assert [c[3:] for c in seen["commands"]] == [
         ["serve", "--device", "cpu", "--request-timeout", "10", "--host", "127.0.0.1", "--port", str(port)]
         for port in (9001, 9002)]
+
+
+def test_router_flags_are_never_abbreviated_and_httpx_logs_only_warnings(capsys):
+    """As every other subcommand: `--api` is not `--api-key` (it was taken as one). httpx logs each of the
+    router's event polls at INFO (two a second per replica, idle or not): only its warnings are shown, but at
+    debug."""
+    import logging
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["router", "--replica", "http://127.0.0.1:1", "--api", "x"])
+    assert "unrecognized arguments: --api" in capsys.readouterr().err
+    for level, wanted in (("info", logging.WARNING), ("debug", logging.DEBUG)):
+        router_cli._configure_logging(level)
+        assert logging.getLogger("httpx").level == logging.getLogger("httpcore").level == wanted
