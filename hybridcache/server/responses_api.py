@@ -37,11 +37,11 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from hybridcache.outputs import RequestOutput
 from hybridcache.server.chat_output import ChoiceStream, final_message
@@ -61,6 +61,10 @@ logger = logging.getLogger("hybridcache.server")
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
+# OpenAI's metadata: at most 16 pairs of strings, keys of at most 64 characters, values of at most 512 (it is kept
+# with a stored response: unbounded, a client could hold the server's memory)
+_Metadata = Annotated[dict[Annotated[str, StringConstraints(max_length=64)],
+                           Annotated[str, StringConstraints(max_length=512)]], Field(max_length=16)]
 _OFF_VALUES = {"background": (None, False), "conversation": (None,), "prompt": (None,)}
 
 
@@ -90,7 +94,7 @@ class ResponsesRequest(BaseModel):
     reasoning: ResponsesReasoning | None = None
     previous_response_id: str | None = None
     text: dict[str, Any] | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: _Metadata | None = None
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
@@ -102,8 +106,10 @@ class ResponsesRequest(BaseModel):
                                code="unsupported_parameter")
 
 
-def _text(content: Any, param: str) -> str:
-    """An item's content as text: a string, or text parts (`input_text`, `output_text`)."""
+def _text(content: Any, param: str) -> str | list[dict[str, str]]:
+    """An item's content as the chat request takes it: a string, or its text parts (`input_text`,
+    `output_text`) as chat text parts (one part: its text), which the chat template joins as the chat endpoint's
+    own (with a newline for a template that takes strings: `tokenizer.TextParts`)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -117,7 +123,7 @@ def _text(content: Any, param: str) -> str:
             raise APIError(400, f"content parts must be text ('input_text' or 'output_text'), got {kind!r}",
                            param=f"{param}.{i}")
         texts.append(part["text"])
-    return "".join(texts)
+    return texts[0] if len(texts) == 1 else [{"type": "text", "text": text} for text in texts] if texts else ""
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:
@@ -357,12 +363,9 @@ class _Responses:
         timeout = routes.config.limits.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         outputs = request_outputs(sink, chat.rendering, deadline)
-        if body.stream:
-            shutdown = _sse("error", {"type": "error", "code": "server_shutdown", "param": None,
-                                      "message": SHUTDOWN_MESSAGE,
-                                      "sequence_number": 0})
+        if body.stream:  # a stream the shutdown cuts ends with an error event numbered after the last one sent
             return EventStreamResponse(run.events(outputs), on_close=lambda: loop.abort(response_id),
-                                       final_events=(shutdown,))
+                                       final_events=lambda: (run.error_event("server_shutdown", SHUTDOWN_MESSAGE),))
         try:
             final = await run_until_disconnect(request.receive, _last(outputs))
         except ClientGone:
@@ -457,6 +460,10 @@ class _Run:
         self.sequence_number += 1
         return _sse(kind, payload)
 
+    def error_event(self, code: str, message: str) -> bytes:
+        """The stream's `error` event, numbered after the events sent before it."""
+        return self._event("error", code=code, message=message, param=None)
+
     async def events(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed response (module docstring)."""
         yield self._event("response.created", response=self.response_body("in_progress", [], None))
@@ -540,15 +547,14 @@ class _Run:
             for event in close():
                 yield event
         except RequestTimeout as error:
-            yield self._event("error", code="request_timeout", message=str(error), param=None)
+            yield self.error_event("request_timeout", str(error))
             return
         except EngineFailure as error:
-            yield self._event("error", code="engine_failure", message=str(error), param=None)
+            yield self.error_event("engine_failure", str(error))
             return
         except Exception as error:  # a bug while building an event: an error event, not a cut connection
             logger.exception("streaming %s failed", self.response_id)
-            yield self._event("error", code="internal_error", message=f"internal error: {type(error).__name__}: "
-                              f"{error}", param=None)
+            yield self.error_event("internal_error", f"internal error: {type(error).__name__}: {error}")
             return
         if final is None:
             return

@@ -51,10 +51,11 @@ class EventStreamResponse(StreamingResponse):
     the stream ends, however it ends (finished, disconnected, failed or cancelled).
 
     Cancelled (the server's shutdown grace period ended while it still ran), it sends `final_events`
-    (an error event and `data: [DONE]`) and ends the body, so that the client sees a complete stream."""
+    (an error event and `data: [DONE]`; or a function giving them then, for events numbered in their stream) and
+    ends the body, so that the client sees a complete stream."""
 
     def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], Any],
-                 final_events: tuple[bytes, ...] = ()) -> None:
+                 final_events: tuple[bytes, ...] | Callable[[], tuple[bytes, ...]] = ()) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
@@ -92,6 +93,6 @@ class EventStreamResponse(StreamingResponse):
     async def _finish(self, send: Send, started: bool) -> None:
         if not started:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for event in self._final_events:
+        for event in self._final_events() if callable(self._final_events) else self._final_events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -40,7 +40,7 @@ class StandInLoop:
     async def add(self, request_id, prompt, params, mm_inputs=(), checkpoints_at=()) -> asyncio.Queue:
         return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at]))[0]
 
-    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None):
+    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False):
         if self.full:
             raise QueueFull("the server is busy (--max-queued-requests)")
         return [asyncio.Queue() for _ in request_ids]
@@ -119,7 +119,7 @@ class ScriptedLoop(StandInLoop):
         self.error = error
         self.prompts: list[list[int]] = []
 
-    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None):
+    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False):
         sinks = []
         for request_id, prompt in zip(request_ids, prompts):
             self.prompts.append(list(prompt))
@@ -212,6 +212,45 @@ def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(tokenizer):
     assert any(json.loads(e)["choices"][0]["delta"].get("content") for e in events[:-2])  # the text before it
     events = [json.loads(e) for e in _events(client, "/v1/responses", {"input": "hi"})]
     assert events[-1]["type"] == "error" and events[-1]["code"] == "internal_error" and "boom" in events[-1]["message"]
+
+
+def test_text_parts_render_as_the_chat_endpoints_and_metadata_is_bounded_as_openai(tokenizer):
+    """Several input_text parts of one message were glued with "" before the chat template saw them; the same parts
+    sent to chat completions join with a newline for a template that takes strings (vLLM's): the prompts differed.
+    `metadata` (kept with a stored response) took any size; OpenAI's: 16 pairs of strings, keys <= 64 characters,
+    values <= 512."""
+    loop = ScriptedLoop("ok")
+    client = _client(tokenizer, loop)
+    parts = [{"type": "input_text", "text": "Translate the next line."}, {"type": "input_text", "text": "Bonjour"}]
+    chat_parts = [{"type": "text", "text": part["text"]} for part in parts]
+    chat = _prompt(client, loop, "/v1/chat/completions", {"messages": [{"role": "user", "content": chat_parts}]})
+    responses = _prompt(client, loop, "/v1/responses", {"input": [{"role": "user", "content": parts}],
+                                                        "store": False})
+    assert responses == chat and "line.\nBonjour" in tokenizer.decode(responses)
+    for metadata in ({"k": "v" * 513}, {"k" * 65: "v"}, {str(i): "v" for i in range(17)}, {"k": {"nested": 1}}):
+        response = client.post("/v1/responses", json={"input": "hi", "metadata": metadata})
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("metadata"), metadata
+    assert client.post("/v1/responses", json={"input": "hi", "metadata": {"k" * 64: "v" * 512}}).status_code == 200
+
+
+def test_a_stream_cut_by_the_shutdown_numbers_its_error_event_after_the_last(tokenizer, monkeypatch):
+    """The shutdown's error event of a Responses stream was built before the stream began, numbered 0."""
+    from hybridcache.server import responses_api
+
+    captured = {}
+    original = responses_api.EventStreamResponse
+
+    def capture(events, on_close, final_events=()):
+        captured["final"] = final_events
+        return original(events, on_close=on_close, final_events=final_events)
+
+    monkeypatch.setattr(responses_api, "EventStreamResponse", capture)
+    events = [json.loads(e) for e in _events(_client(tokenizer, ScriptedLoop("Hello there")), "/v1/responses",
+                                             {"input": "hi"})]
+    [final] = captured["final"]()  # what a cut right after those events sends
+    shutdown = json.loads(final.decode().split("data: ", 1)[1])
+    assert shutdown["type"] == "error" and shutdown["code"] == "server_shutdown"
+    assert shutdown["sequence_number"] == events[-1]["sequence_number"] + 1
 
 
 TIME_TOOL = {"type": "function", "name": "get_time", "parameters": ZONE}
