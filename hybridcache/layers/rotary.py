@@ -116,3 +116,14 @@ def mrope_cos_sin(
         mixed[:, picked] = freqs[axis][:, picked]
     emb = torch.cat((mixed, mixed), dim=-1)
     return _cos_sin(emb, attention_scaling, dtype)
+
+
+def batch_cos_sin(batch: Any, attention: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos, sin of a forward batch's rows as the model rotates them (`attention`: its `AttentionConfig`):
+    M-RoPE from `batch.rope_positions` where the batch has them (rows of a sequence with images, 3-D where they
+    lie on an image), else from `batch.positions`."""
+    if batch.rope_positions is not None:
+        return mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta, attention.mrope_section,
+                             dtype, attention.rope_scaling, attention.max_position_embeddings)
+    return rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, dtype, attention.rope_scaling,
+                          attention.max_position_embeddings)

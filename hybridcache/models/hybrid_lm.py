@@ -37,7 +37,7 @@ from hybridcache.layers.linear import module_linear, wants_fp8_rows
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
-from hybridcache.layers.rotary import mrope_cos_sin, rotary_cos_sin
+from hybridcache.layers.rotary import batch_cos_sin
 from hybridcache.layers.step import Splitter, StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
 from hybridcache.state_spec import DevicePools, LayerSpec, LayerState, StateTensorSpec
@@ -241,14 +241,7 @@ class HybridCausalLM(nn.Module):
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
-        attention = self.config.attention
-        if batch.rope_positions is not None:  # image tokens: 3-D positions
-            rope = mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta,
-                                 attention.mrope_section, hidden.dtype, attention.rope_scaling,
-                                 attention.max_position_embeddings)
-        else:
-            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
-                                  attention.rope_scaling, attention.max_position_embeddings)
+        rope = batch_cos_sin(batch, self.config.attention, hidden.dtype)  # image tokens: 3-D positions
         step = StepContext(batch=batch, backend=backend, rope=rope, splitter=splitter)
         pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)
         # (pools.layers may go on with an MTP head's KV)

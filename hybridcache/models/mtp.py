@@ -52,7 +52,7 @@ from hybridcache.layers.attention import GatedAttention
 from hybridcache.layers.mlp import MLP, SparseMoeBlock
 from hybridcache.layers.norm import ZeroCenteredRMSNorm
 from hybridcache.layers.parallel import UNSHARDED, Shard, TensorParallel
-from hybridcache.layers.rotary import mrope_cos_sin, rotary_cos_sin
+from hybridcache.layers.rotary import batch_cos_sin
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import ModelConfig, read_json_object
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
@@ -111,14 +111,7 @@ class MtpHead(nn.Module):
         x = torch.cat([self.pre_fc_norm_embedding(embeds, backend), self.pre_fc_norm_hidden(target_hidden, backend)],
                       dim=-1)
         hidden = self.fc(x)
-        attention = self.config.attention
-        if batch.rope_positions is not None:  # a sequence with images: the target's M-RoPE positions of the rows
-            rope = mrope_cos_sin(batch.rope_positions, attention.rotary_dim, attention.rope_theta,
-                                 attention.mrope_section, hidden.dtype, attention.rope_scaling,
-                                 attention.max_position_embeddings)
-        else:
-            rope = rotary_cos_sin(batch.positions, attention.rotary_dim, attention.rope_theta, hidden.dtype,
-                                  attention.rope_scaling, attention.max_position_embeddings)
+        rope = batch_cos_sin(batch, self.config.attention, hidden.dtype)  # the target's rotation of these rows
         index = step % len(self.layers)
         hidden = self.layers[index](hidden, StepContext(batch=batch, backend=backend, rope=rope), kv[index])
         return self.norm(hidden, backend)

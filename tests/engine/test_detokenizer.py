@@ -117,14 +117,8 @@ def test_a_streaming_text_holds_back_what_may_begin_a_stop_string(tokenizer, inc
     """`shown(finished=False)`: the text without its last max(len(stop)) - 1 characters (vLLM's stop buffer; none
     with include_stop_str_in_output), so every text shown while the completion runs is a prefix of its final
     text. Before, "ab E" and "ab EN" showed and the final text was "ab "."""
-    ids = tokenizer.encode("ab ENDxyz")
-    text = detokenizer_for(tokenizer, SamplingParams(stop=("END", "Q"), include_stop_str_in_output=include))
-    shown = []
-    for token in ids:
-        stopped = text.add(token)
-        shown.append(text.shown(finished=stopped))
-        if stopped:
-            break
+    shown = _shown_while_running(tokenizer, "ab ENDxyz", SamplingParams(stop=("END", "Q"),
+                                                                     include_stop_str_in_output=include))
     final = shown[-1]
     assert final == ("ab END" if include else "ab ")
     assert all(final.startswith(s) for s in shown), shown
@@ -137,17 +131,24 @@ def test_a_streaming_text_never_shows_the_bytes_of_a_character_not_yet_complete(
     """"ab\u00e9cd" with a byte tokenizer: the first byte of "\u00e9" decodes to U+FFFD until the second comes.
     Shown while running, that U+FFFD was later replaced ("ab\ufffd", then "ab\u00e9"), or with the stop string
     "\u00e9" cut away ("ab\ufffd", then "ab"): a consumer of deltas kept U+FFFD and lost the character."""
-    ids = tokenizer.encode("ab\u00e9cd")
-    text = detokenizer_for(tokenizer, SamplingParams(stop=stop))
-    shown = []
-    for token in ids:
-        stopped = text.add(token)
-        shown.append(text.shown(finished=stopped))
-        if stopped:
-            break
+    shown = _shown_while_running(tokenizer, "ab\u00e9cd", SamplingParams(stop=stop))
     final = shown[-1]
     assert final == ("ab" if stop else "ab\u00e9cd")
     assert all(final.startswith(s) and "\ufffd" not in s for s in shown), shown
+
+
+def _shown_while_running(tokenizer: Tokenizer, text: str, params: SamplingParams) -> list[str]:
+    """What an output shows after each token of `text` (the last one: the final text, where a stop cut it or at
+    the end)."""
+    detokenizer = detokenizer_for(tokenizer, params)
+    ids = tokenizer.encode(text)
+    shown = []
+    for i, token in enumerate(ids):
+        stopped = detokenizer.add(token)
+        shown.append(detokenizer.shown(finished=stopped or i == len(ids) - 1))
+        if stopped:
+            break
+    return shown
 
 
 def test_engine_outputs_while_running_are_prefixes_of_the_final_text():

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import httpx
 import uvicorn
+from fastapi import FastAPI
 
 from hybridcache.server.uvicorn_server import Server
 from tests.server.server_process import free_port
@@ -36,3 +37,21 @@ def serving_app(app, health_path: str = "/health") -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+def replica_app(epoch: str = "e0") -> FastAPI:
+    """A fake replica's app to add routes to: /health answers ok, and /v1/cache/events serves
+    `app.state.events` (empty unless a test appends events to it) in the cache epoch `epoch`."""
+    app = FastAPI()
+    app.state.events = []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int | None = None):
+        return {"block_size": 16, "full_prompt_hits": False, "reset": since is None,
+                "next": len(app.state.events), "events": app.state.events[since or 0:], "epoch": epoch}
+
+    return app

@@ -17,7 +17,7 @@ from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.trie import chain_hash, root_hash
 from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.router.policy import RoutingConfig
-from tests.router.serving import serving_app
+from tests.router.serving import replica_app, serving_app
 from tests.server.server_process import free_port
 
 PROMPT = list(range(1, 21))
@@ -208,17 +208,8 @@ def test_the_router_polls_with_the_replicas_api_key():
 def _slow_replica(work_s: float, stream_pause_s: float = 0.0) -> FastAPI:
     """A replica whose completions take `work_s` seconds (watching for the client's disconnect, as `serve` does:
     `state.log` records "aborted" or "finished"); a stream sends one chunk, then nothing for `stream_pause_s`."""
-    app = FastAPI()
+    app = replica_app()
     app.state.log = []
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/cache/events")
-    async def cache_events(since: int | None = None):
-        return {"block_size": 16, "full_prompt_hits": False, "reset": since is None, "next": 0, "events": [],
-                "epoch": "e0"}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

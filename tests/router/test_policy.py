@@ -11,7 +11,7 @@ from hybridcache.cache.request import Probe
 from hybridcache.cache.trie import root_hash
 from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.router.policy import Chooser, RoutingConfig
-from tests.router.serving import serving_app
+from tests.router.serving import replica_app, serving_app
 
 
 def test_checkpoint_prefers_the_usable_hit_over_more_kv():
@@ -77,18 +77,7 @@ def test_the_router_spreads_new_conversations_over_idle_replicas():
     """Through the HTTP router: fake replicas that index what they serve (their events grow by a block per request)
     take the first turns of new conversations in turn, not all on replica 0."""
     def indexing_replica() -> FastAPI:
-        app = FastAPI()
-        app.state.events = []
-
-        @app.get("/health")
-        async def health():
-            return {"status": "ok"}
-
-        @app.get("/v1/cache/events")
-        async def cache_events(since: int | None = None):
-            events = app.state.events[since or 0:]
-            return {"block_size": 16, "full_prompt_hits": False, "reset": since is None,
-                    "next": len(app.state.events), "events": events, "epoch": "e0"}
+        app = replica_app()
 
         @app.post("/v1/completions")
         async def completions(request: Request):

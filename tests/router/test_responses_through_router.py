@@ -19,7 +19,7 @@ from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.router.policy import RoutingConfig
 from hybridcache.router.responses import ResponseOwners, StreamHead, response_id
 from hybridcache.tokenizer import Tokenizer
-from tests.router.serving import serving_app
+from tests.router.serving import replica_app, serving_app
 from tests.server.conftest import MODEL
 from tests.server.inprocess_server import serving
 from tests.server.server_process import metric_value
@@ -89,17 +89,8 @@ def test_a_continued_response_goes_to_the_replica_that_stored_it():
 def _fake_replica(name: str, stored: set[str], fail: bool = False) -> FastAPI:
     """A replica with an empty cache that stores `stored` responses and answers a Responses request with a new
     response (`fail`: 503 before its first byte)."""
-    app = FastAPI()
+    app = replica_app(epoch=name)
     app.state.calls = []
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/cache/events")
-    async def cache_events(since: int | None = None):
-        return {"block_size": 16, "full_prompt_hits": False, "reset": since is None, "next": 0, "events": [],
-                "epoch": name}
 
     @app.get("/v1/responses/{stored_id}")
     async def retrieve(stored_id: str):
