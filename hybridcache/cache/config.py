@@ -50,6 +50,9 @@ class CacheConfig:
     num_speculative_tokens     k: the most draft tokens a sequence may feed after its last token in one step
                                (speculative decoding; 0 = off). Names the draft states of `STATE_ROLLBACK`
                                (`slot * k + j`, plan.py).
+    keeps_blocks               False: prefix caching is off; a sequence's full blocks stay private (no trie
+                               node, no event) and are freed when it ends, so nothing is kept, matched or
+                               reported.
     """
 
     block_size: int = 64
@@ -65,6 +68,7 @@ class CacheConfig:
     min_branch_point_step: int = 0
     host_blocks: int = 0
     num_speculative_tokens: int = 0
+    keeps_blocks: bool = True
 
     @property
     def paged(self) -> bool:

@@ -189,7 +189,7 @@ def _check_sequences(
         if seq.slot in slot_owners:
             _fail(f"slot {seq.slot} of {rid!r} also held by {slot_owners[seq.slot]}")
         slot_owners[seq.slot] = seq.slot_owner
-        if len(seq.nodes) != seq.num_trie_blocks(size):
+        if len(seq.nodes) != (seq.num_trie_blocks(size) if life.config.keeps_blocks else 0):
             _fail(f"{rid!r} has {len(seq.nodes)} trie nodes for {seq.num_computed} computed tokens")
         if len(seq.block_ids) * size < seq.num_computed:
             _fail(f"{rid!r} has {len(seq.block_ids)} blocks for {seq.num_computed} computed tokens")

@@ -523,7 +523,10 @@ class PrefixCache:
                     raise ValueError(f"save at step {ckpt.step} of {rid!r} is not the end of its chunk")
 
     def _insert_full_blocks(self, seq: RunningSeq) -> None:
-        """Put every block of `seq` that became full into the trie (deduplicated onto identical nodes)."""
+        """Put every block of `seq` that became full into the trie (deduplicated onto identical nodes); none
+        when the cache keeps no blocks (`CacheConfig.keeps_blocks`: prefix caching off)."""
+        if not self.config.keeps_blocks:
+            return
         size, trie = self.block_size, self._trie
         request = seq.request
         parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)

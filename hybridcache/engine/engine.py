@@ -192,6 +192,7 @@ def _make_scheduler(
         eviction=EVICTION_POLICIES[config.eviction],
         min_branch_point_step=cost.state_tokens,
         num_speculative_tokens=_speculative_tokens(config),
+        keeps_blocks=policy is not None,
     )
     return Scheduler(
         PrefixCache(cache_config, cost, tier_behind=tier_behind),

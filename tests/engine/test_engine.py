@@ -79,6 +79,27 @@ def test_seeded_sampling_with_n(model_dir):
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1
 
 
+@pytest.mark.parametrize("off", [{"enable_prefix_caching": False}, {"cache_mode": "none"}])
+def test_with_caching_off_nothing_is_kept_matched_or_reported(model_dir, off):
+    """With prefix caching off, a finished request's full blocks stayed in the trie: an idle engine counted them
+    used, announced them as stored (a router sent conversations there) and /v1/cache/match reported KV tokens
+    that no request could hit. Now its blocks are private and freed when it ends; the outputs are unchanged."""
+    from hybridcache.cache import CacheRequest
+
+    prompt = prompts_of([200], seed=8)[0]
+    outputs = []
+    for options in (off, {"enable_prefix_caching": True}):
+        llm = small_llm(model_dir, max_model_len=300, **options)
+        cache = llm.engine.scheduler.cache
+        log = cache.enable_events(1000)
+        outputs.append(llm.generate([prompt, prompt], GREEDY, use_tqdm=False))
+        if options is off:
+            assert llm.engine.stats()["num_blocks_used"] == 0 and not log.since(0).events
+            assert cache.probe(CacheRequest("probe", tuple(prompt))).kv_len == 0
+            llm.engine.check_integrity()
+    assert [o.outputs[0].token_ids for o in outputs[0]] == [o.outputs[0].token_ids for o in outputs[1]]
+
+
 def test_stop_token_and_length(model_dir):
     llm = small_llm(model_dir)
     prompt = prompts_of([20])[0]
