@@ -83,6 +83,15 @@ class LLM:
         `Tokenizer` around it (`encode` without special tokens, the chat template `chat` renders with)."""
         return self.tokenizer.hf
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop everything the prefix cache holds (its host and disk tiers' entries too), as vLLM's
+        `LLM.reset_prefix_cache()` (benchmarks call it between runs); False, and nothing dropped, while requests
+        run (vLLM's: their blocks are not freed yet)."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.engine.clear_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no sampling params: the model folder's generation config
         defaults (unless `generation_config="vllm"`) over SamplingParams' own, as in vLLM."""

@@ -15,6 +15,8 @@
     GET  /v1/cache/events       POST /v1/cache/match: what the prefix cache holds, for a router (cache_routes.py)
     GET  /debug/engine          only with enable_debug_endpoints: integrity check of an idle engine;
                                 `?clear_cache=true` first drops what the prefix cache holds
+    POST /reset_prefix_cache    only with enable_debug_endpoints (vLLM's, in its dev mode): the same clear, 200
+                                on an idle engine, 409 while requests run
 
 Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
 `Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
@@ -178,6 +180,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+        app.add_api_route("/reset_prefix_cache", routes.reset_prefix_cache, methods=["POST"])
     cache = CacheRoutes(engine_loop, routes._authorize, routes._read_json, routes.body_prompt_ids)
     app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
     app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
@@ -439,6 +442,11 @@ class _Routes:
         except AssertionError as error:
             raise APIError(500, f"integrity check failed: {error}") from None
         return JSONResponse({"integrity": "ok", "engine": state.as_dict()})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's dev-mode route: drop what the prefix cache holds (`debug_engine`'s clear, integrity checked)."""
+        await self.debug_engine(request, clear_cache=True)
+        return Response(status_code=200)
 
     # ------------------------------------------------------------------------------------ checks
     def _authorize(self, request: Request) -> None:

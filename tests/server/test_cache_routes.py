@@ -60,6 +60,30 @@ def test_events_and_dry_run_match_agree_with_the_hit(tokenizer):
         assert client.get("/v1/cache/events", params={"since": 10**9}).status_code == 400
 
 
+def test_reset_prefix_cache_as_vllm_online_and_offline():
+    """vLLM's `POST /reset_prefix_cache` (its dev mode; here with --enable-debug-endpoints) and
+    `LLM.reset_prefix_cache()`: after it, a resend hits nothing."""
+    from hybridcache import LLM, SamplingParams
+
+    prompt = [(7 * i) % 250 for i in range(70)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    with serving(enable_debug_endpoints=True) as url, httpx.Client(base_url=url, timeout=60) as client:
+        client.post("/v1/completions", json=body).raise_for_status()
+        assert client.post("/reset_prefix_cache").status_code == 200
+        assert client.get("/debug/engine").json()["engine"]["num_blocks_used"] == 0
+        again = client.post("/v1/completions", json=body).raise_for_status().json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    with serving() as url:  # a debug route: not served by default
+        assert httpx.post(f"{url}/reset_prefix_cache", timeout=60).status_code == 404
+    with LLM(block_size=16, max_model_len=256) as llm:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert llm.reset_prefix_cache()
+        assert llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].num_cached_tokens == 0
+        llm.engine.add_request("running", prompt, params)
+        assert not llm.reset_prefix_cache()  # requests running: nothing dropped, as vLLM's
+
+
 def test_tokenize_and_match_refuse_a_text_too_long_before_tokenizing_it(tokenizer):
     limit = ENGINE.max_model_len * max_token_bytes(tokenizer)
     text = "a" * (limit + 1)  # over the bound by its size alone; under the 1 MiB body limit
