@@ -247,7 +247,8 @@ class _Routes:
         rendering = Rendering(logprobs=params.logprobs is not None,
                               num_logprobs=params.logprobs or 0, tokenizer=tokenizer, echo_texts=echo,
                               echo_only=echo_only, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids)
+                              return_token_ids=body.return_token_ids,
+                              tokens_as_ids=body.return_tokens_as_token_ids)
         meta = ResponseMeta.new(f"cmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=False)
         return await self._respond(request, meta, prompt_ids, params, body, rendering)
 
@@ -303,7 +304,8 @@ class _Routes:
         )
         rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
                               num_logprobs=params.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids)
+                              return_token_ids=body.return_token_ids,
+                              tokens_as_ids=body.return_tokens_as_token_ids)
         checkpoints = await self.in_pool(checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
 

@@ -6,7 +6,8 @@ Prompt logprobs (vLLM's shape, both endpoints): `[null, {"<token id>": {"logprob
 Echoed prompt logprobs (completions with `echo` and `logprobs`, as OpenAI's legacy API and vLLM): the prompt's tokens
 lead the completions shape, the first with `null` logprob and top logprobs (nothing precedes it).
 A token's text is its own decode (special tokens included); a token that is only part of a UTF-8 character
-decodes to U+FFFD, as in vLLM.
+decodes to U+FFFD, as in vLLM. With `as_ids` (vLLM's `return_tokens_as_token_ids`) every token is named
+"token_id:<id>" instead, text offsets counting those names, as vLLM's.
 """
 
 from __future__ import annotations
@@ -21,38 +22,44 @@ class _Decoder(Protocol):
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
-def _entry(lp: Logprob) -> dict[str, Any]:
-    text = lp.decoded_token or ""
+def _name(token_id: int, text: str | None, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or "token_id:<id>" (`as_ids`)."""
+    return f"token_id:{token_id}" if as_ids else text or ""
+
+
+def _entry(token_id: int, lp: Logprob, as_ids: bool) -> dict[str, Any]:
+    text = _name(token_id, lp.decoded_token, as_ids)
     return {"token": text, "logprob": max(lp.logprob, -9999.0), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, k: int) -> dict[str, Any]:
+def chat_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, k: int, as_ids: bool = False) -> dict[str, Any]:
     """`entries[i]`: token `token_ids[i]`'s entry, asked for with `logprobs=k` (`top_logprobs` holds the k
     likeliest)."""
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
-        item = _entry(entry[token_id])
-        item["top_logprobs"] = [_entry(lp) for _, lp in top_logprobs(entry, token_id, k)]
+        item = _entry(token_id, entry[token_id], as_ids)
+        item["top_logprobs"] = [_entry(t, lp, as_ids) for t, lp in top_logprobs(entry, token_id, k)]
         content.append(item)
     return {"content": content}
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, text_offset: int = 0,
+                        as_ids: bool = False) -> dict[str, Any]:
     """`entries[i]`: token `token_ids[i]`'s entry. `text_offset`: where the first token's text starts in the
     choice's text (after an echoed prompt). Each `top_logprobs` entry holds the sampled token first, then the k
     likeliest (as vLLM: k + 1 entries at most, k when the sampled token is among them; `logprobs: 0` gives the
-    sampled token alone): the engine's entry, keyed by text."""
+    sampled token alone): the engine's entry, keyed by text (by "token_id:<id>" with `as_ids`)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=True):
-        text = entry[token_id].decoded_token or ""
+        text = _name(token_id, entry[token_id].decoded_token, as_ids)
         tokens.append(text)
         token_logprobs.append(max(entry[token_id].logprob, -9999.0))
         offsets.append(offset)
         offset += len(text)
         top: dict[str, float] = {}
-        for lp in entry.values():
-            top.setdefault(lp.decoded_token or "", max(lp.logprob, -9999.0))
+        for top_id, lp in entry.items():
+            top.setdefault(_name(top_id, lp.decoded_token, as_ids), max(lp.logprob, -9999.0))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
@@ -74,7 +81,7 @@ def prompt_logprobs_json(entries: PromptLogprobs, k: int | None = None) -> list[
 
 
 def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: PromptLogprobs,
-                  k: int) -> dict[str, Any]:
+                  k: int, as_ids: bool = False) -> dict[str, Any]:
     """The prompt's part of an echoed completion's logprobs: `tokens` (each token's own decode),
     `token_logprobs` (`None` for the first token, then each prompt token's logprob given the tokens before it),
     `top_logprobs` (`None`, then `{token text: logprob}` of the prompt token and the k likeliest tokens, as vLLM
@@ -82,7 +89,7 @@ def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: Promp
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = 0
     for token_id, entry in zip(prompt_ids, entries):
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        text = _name(token_id, tokenizer.decode([token_id], skip_special_tokens=False), as_ids)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -91,7 +98,7 @@ def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: Promp
             tops.append(None)
             continue
         token_logprobs.append(max(entry[token_id].logprob, -9999.0))
-        tops.append({tokenizer.decode([t], skip_special_tokens=False): max(lp.logprob, -9999.0)
+        tops.append({_name(t, tokenizer.decode([t], skip_special_tokens=False), as_ids): max(lp.logprob, -9999.0)
                      for t, lp in trim_prompt_entry(entry, k).items()})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 

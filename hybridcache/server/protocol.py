@@ -78,6 +78,8 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False  # vLLM's extension: the generated token ids with each finished choice
+    # vLLM's extension: logprobs name each token "token_id:<id>" (a token that is not valid UTF-8 is then told apart)
+    return_tokens_as_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

@@ -35,7 +35,8 @@ class Rendering:
     for (None: the field is left out even where the engine computed them for echo).
     return_token_ids: each finished choice carries its token ids, and the response its prompt's (vLLM's places: each
     completion choice, the chat response; streamed, each choice's first chunk). Each choice's vLLM `stop_reason` is
-    the engine's (`CompletionOutput.stop_reason`)."""
+    the engine's (`CompletionOutput.stop_reason`). tokens_as_ids: logprobs name each token "token_id:<id>" (vLLM's
+    `return_tokens_as_token_ids`)."""
 
     chat: ChatOutputOptions = field(default_factory=ChatOutputOptions)
     logprobs: bool = False
@@ -45,6 +46,7 @@ class Rendering:
     echo_only: bool = False
     prompt_logprobs: int | None = None
     return_token_ids: bool = False
+    tokens_as_ids: bool = False
 
     @property
     def echoes_logprobs(self) -> bool:
@@ -103,14 +105,15 @@ def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: in
     if not rendering.logprobs or c.logprobs is None:
         return None
     entries, token_ids = c.logprobs[start:], c.token_ids[start:]
+    as_ids = rendering.tokens_as_ids
     if chat:
-        return chat_logprobs(token_ids, entries, rendering.num_logprobs)
+        return chat_logprobs(token_ids, entries, rendering.num_logprobs, as_ids)
     if echoed is None or echoed.prompt_logprobs is None:
-        return completion_logprobs(token_ids, entries, text_offset)
+        return completion_logprobs(token_ids, entries, text_offset, as_ids)
     prompt = echo_logprobs(rendering.tokenizer, echoed.prompt_token_ids, echoed.prompt_logprobs,
-                           rendering.num_logprobs)
+                           rendering.num_logprobs, as_ids)
     end = prompt["text_offset"][-1] + len(prompt["tokens"][-1]) if prompt["tokens"] else 0
-    return join_logprobs(prompt, completion_logprobs(token_ids, entries, end))
+    return join_logprobs(prompt, completion_logprobs(token_ids, entries, end, as_ids))
 
 
 def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], rendering: Rendering) -> dict[str, Any]:

@@ -407,3 +407,26 @@ def test_continue_final_message_with_an_explicit_generation_prompt_is_refused_as
         assert error["param"] == "add_generation_prompt" and "continue_final_message" in error["message"], route
         assert client.post(route, json=body).status_code == 200, route
         assert client.post(route, json={**body, "add_generation_prompt": False}).status_code == 200, route
+
+
+@pytest.mark.parametrize(("path", "base"), [("/v1/completions", {"prompt": "naïve", "echo": True, "logprobs": 2}),
+                                            ("/v1/chat/completions", {"messages": CHAT, "logprobs": True,
+                                                                      "top_logprobs": 2})])
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, tokenizer, path, base):
+    """vLLM's `return_tokens_as_token_ids`: a logprob's token is "token_id:<id>" (the part of a character that
+    decodes to U+FFFD is then told apart); the field was ignored."""
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0, **base}
+    plain = client.post(path, json=body).json()["choices"][0]
+    named = client.post(path, json={**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert named["text" if "prompt" in base else "message"] == plain["text" if "prompt" in base else "message"]
+    if "prompt" in base:
+        logprobs = named["logprobs"]
+        ids = tokenizer.encode(base["prompt"])
+        assert logprobs["tokens"][:len(ids)] == [f"token_id:{i}" for i in ids]
+        assert all(t.startswith("token_id:") for t in logprobs["tokens"])
+        assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"][1:] for k in top)
+        assert logprobs["text_offset"][1] == len(f"token_id:{ids[0]}")  # offsets count the names, as vLLM's
+    else:
+        content = named["logprobs"]["content"]
+        assert all(c["token"].startswith("token_id:") and c["bytes"] == list(c["token"].encode()) for c in content)
+        assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
