@@ -224,6 +224,9 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None and self.decode_checkpoint_interval is not None:
             raise ValueError("speculative decoding is not supported with decode_checkpoint_interval")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+            if getattr(self, name) is None:  # vLLM's None for these: let the engine choose (the default)
+                object.__setattr__(self, name, type(self).__dataclass_fields__[name].default)
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
             largest_power_of_two_divisor = self.block_size & -self.block_size
             object.__setattr__(self, "kernel_block_size", min(largest_power_of_two_divisor, 64))

@@ -102,7 +102,7 @@ class LLM:
         messages: Sequence[Message] | Sequence[Sequence[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
@@ -148,19 +148,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched together; outputs come in prompt order.
 
         A prompt is a string, a list of token ids, or `{"prompt": <either>, "multi_modal_data": {"image": ...}}`;
         a single prompt may be passed bare. Every prompt is validated (its images loaded, processed and encoded)
         before any is queued, so a bad prompt raises without running the others. Without `sampling_params`,
-        `get_default_sampling_params()`.
+        `get_default_sampling_params()`. `use_tqdm`: show a progress bar, or (as vLLM's) a callable that builds it
+        (tqdm's arguments).
         """
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _generate(self, prompts: Prompt | Sequence[Prompt],
-                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, *, use_tqdm: bool,
+                  sampling_params: SamplingParams | Sequence[SamplingParams] | None, *,
+                  use_tqdm: bool | Callable[..., Any],
                   partings: Sequence[Callable[[Sequence[int]], int | None]] | None = None) -> list[RequestOutput]:
         """`generate`; `partings[i](ids)`: the step of prompt i's ids where later prompts will part from it
         (`chat`'s `Tokenizer.parting_step`), or None: a checkpoint is asked for there (`LLMEngine.add_request`'s
@@ -180,6 +182,9 @@ class LLM:
             params_list = [default if params is None else params for params in sampling_params]
             if len(params_list) != len(prompts):
                 raise ValueError(f"{len(params_list)} sampling params for {len(prompts)} prompts")
+            for i, params in enumerate(params_list):
+                if not isinstance(params, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(params).__name__}")
         else:  # a dict is not a SamplingParams: vLLM's generate takes none either
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                             f"{type(sampling_params).__name__}")
@@ -200,7 +205,8 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        bar_class = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's: a callable builds the progress bar
+        with bar_class(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
             try:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():

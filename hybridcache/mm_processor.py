@@ -18,6 +18,7 @@ their sources are returned in order; video parts raise `ImageError` (video input
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,8 +187,38 @@ def split_chat_images(messages: Sequence[dict[str, Any]]) -> tuple[list[dict[str
             raise ValueError(f"message {i}: {error}") from None
         if isinstance(content, list):
             content = [_template_part(part, sources) for part in content]
-        rendered.append({**message, "content": content})
+        message = {**message, "content": content}
+        calls = message.pop("tool_calls", None)
+        if calls:  # as the server takes them (vLLM's LLM.chat too); an empty list is left out
+            message["tool_calls"] = [_template_call(call) for call in calls]
+        rendered.append(message)
     return rendered, sources
+
+
+def _template_call(call: Any) -> Any:
+    """An OpenAI tool call of an assistant message with its arguments as the template takes them
+    (`template_arguments`)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or "arguments" not in function:
+        return call
+    return {**call, "function": {**function, "arguments": template_arguments(function["arguments"])}}
+
+
+def template_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a template takes them: an object where they are one or JSON text of one; none (null,
+    "" or blanks) is `{}`, as vLLM has it (a template wrote `"arguments": }`, or failed iterating over ""); other
+    text as it is."""
+    if isinstance(arguments, dict):
+        return arguments
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 def _template_part(part: dict[str, Any], sources: list[Any]) -> dict[str, Any]:

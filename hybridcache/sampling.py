@@ -101,11 +101,12 @@ class SamplingParams:
         if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's "no seed" (clients send -1 for random)
             object.__setattr__(self, "seed", None)
         # Accept lists and dicts from callers but store tuples, so the object stays hashable and immutable.
-        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of integers")
+        # (None is the empty default, as vLLM's Optional fields)
+        stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids or (), "a list of integers")
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
-        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop, "a list of strings")
+        stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop or (), "a list of strings")
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias or ()))
         checks = [
             (_real(self.temperature) and self.temperature >= 0,
              f"temperature must be a finite number >= 0, got {self.temperature!r}"),
@@ -163,7 +164,10 @@ class SamplingParams:
     def up_to(self, room: int) -> SamplingParams:
         """These parameters with `max_tokens=None` made `room` (the model length less the prompt's, as vLLM's input
         processor does); themselves when `max_tokens` is set."""
-        return self if self.max_tokens is not None else dataclasses.replace(self, max_tokens=room)
+        if self.max_tokens is not None:
+            return self
+        # (not below min_tokens: such a request runs to the model length, "length", as vLLM's does)
+        return dataclasses.replace(self, max_tokens=max(room, self.min_tokens))
 
     def check_token_ids(self, vocab_size: int) -> None:
         """Raise ValueError, naming the field, when `stop_token_ids` or a `logit_bias` key is not a token id of a

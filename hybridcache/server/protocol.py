@@ -19,7 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
-from hybridcache.mm_processor import template_content
+from hybridcache.mm_processor import template_arguments, template_content
 from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
@@ -361,25 +361,10 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": call.id, "type": "function",
-                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                 "function": {"name": call.function.name, "arguments": template_arguments(call.function.arguments)}}
                 for call in self.tool_calls
             ]
         return message
-
-
-def _arguments(arguments: str | dict[str, Any] | None) -> str | dict[str, Any]:
-    """Arguments as a template takes them: an object where they are one or JSON text of one; none (null, "" or
-    blanks) is `{}`, as vLLM has it (the template wrote `"arguments": }`, or failed iterating over ""); other text
-    as it is."""
-    if isinstance(arguments, dict):
-        return arguments
-    if arguments is None or not arguments.strip():
-        return {}
-    try:
-        parsed = json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
-    return parsed if isinstance(parsed, dict) else arguments
 
 
 class ChatCompletionRequest(_SamplingRequest):

@@ -165,3 +165,52 @@ def test_max_tokens_none_runs_up_to_the_model_length(llm):
     assert len(out.outputs[0].token_ids) == 512 - 500 and out.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="max_tokens must be an integer >= 1 or None"):
         SamplingParams(max_tokens=0)
+
+
+def test_chat_takes_tool_call_arguments_as_json_text_as_the_server_does(llm):
+    """An agent's assistant turn sent back in OpenAI's shape carries `arguments` as JSON text (or "" for none):
+    offline chat passed it to the template as it was (a template iterating over the arguments failed; the built-in
+    one wrote `"arguments": }`), where the server (and vLLM's LLM.chat) parse it."""
+    from hybridcache.server.protocol import ChatCompletionRequest, parse_request
+
+    for arguments in ('{"city": "Paris"}', "", None):
+        messages = [{"role": "user", "content": "weather?"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+        [out] = llm.chat(messages, GREEDY, use_tqdm=False)
+        served = parse_request(ChatCompletionRequest, {"messages": messages})
+        rendered, _ = split_chat_images([m.as_template_input() for m in served.messages])
+        assert out.prompt == llm.tokenizer.apply_chat_template(rendered), arguments
+        assert '"arguments": }' not in out.prompt and ('"city": "Paris"' in out.prompt) == bool(arguments)
+    [out] = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x", "tool_calls": []}],
+                     GREEDY, use_tqdm=False)  # an empty list of calls is left out, as vLLM does
+
+
+def test_vllms_optional_values_progress_callable_and_a_bad_params_entry(llm):
+    """As vLLM's: `stop=None`, `stop_token_ids=None`, `logit_bias=None` are the empty defaults; LLM options of None
+    are the engine's choice; `use_tqdm` may be a callable that builds the bar; `max_tokens=None` with a
+    `min_tokens` beyond the room left runs to the model length ("length"; it raised); a params entry that is not a
+    SamplingParams is a TypeError naming it (an AttributeError)."""
+    from tqdm import tqdm
+
+    from hybridcache.config import EngineConfig
+
+    params = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (params.stop, params.stop_token_ids, params.logit_bias) == ((), (), ())
+    config = EngineConfig(max_num_seqs=None, max_num_batched_tokens=None, block_size=None)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.block_size) == (16, 512, 64)
+    bars = []
+
+    def make_bar(*args, **kwargs):
+        bars.append(kwargs)
+        return tqdm(*args, **kwargs)
+
+    llm.generate(["a", "b"], GREEDY, use_tqdm=make_bar)
+    assert len(bars) == 1 and bars[0]["total"] == 2
+    prompt = [100 + i % 100 for i in range(508)]
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=None, min_tokens=10, temperature=0), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 512 - 508 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be a SamplingParams, got dict"):
+        llm.generate(["a", "b"], [GREEDY, {"max_tokens": 1}], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
