@@ -526,13 +526,20 @@ async def request_outputs(sink: asyncio.Queue, rendering: Rendering,
     `sink`: each holds all text so far). Raises EngineFailure when the engine failed while running the request,
     RequestTimeout when it has not finished by `deadline` (the event loop's clock; None: never; the engine loop
     also aborts it past the server's timeout, when this handler is stuck writing to a client that stopped
-    reading)."""
+    reading). An output already on `sink` is taken whatever the clock says: the deadline bounds only waiting (on
+    Python <= 3.11 `wait_for(get(), 0)` dropped a finished answer queued while the handler was writing to a slow
+    client)."""
     while True:
-        if deadline is None:
+        if not sink.empty():
+            item = sink.get_nowait()
+        elif deadline is None:
             item = await sink.get()
         else:
+            remaining = deadline - asyncio.get_running_loop().time()
             try:
-                item = await asyncio.wait_for(sink.get(), max(0.0, deadline - asyncio.get_running_loop().time()))
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                item = await asyncio.wait_for(sink.get(), remaining)
             except asyncio.TimeoutError:  # not yet the builtin TimeoutError on Python 3.10
                 raise RequestTimeout("the request did not finish within the server's request timeout "
                                      "(--request-timeout); it was aborted") from None

@@ -164,3 +164,26 @@ def test_a_batch_joins_one_step_and_the_queue_cap_refuses_it_whole():
     assert engine.added_at[12:] == [engine.added_at[12]]  # "ok" was added, then taken back with the batch
     engine.check_integrity()
     assert not engine.has_unfinished_requests()
+
+
+def test_an_answer_queued_before_the_handler_reads_it_is_not_lost_to_its_deadline():
+    """A handler busy writing to a slow client reached its queue after its deadline, where the engine had put the
+    finished answer in time: `wait_for(get(), 0)` (Python <= 3.11) dropped it and the client got a request_timeout
+    error for a request the engine finished. The deadline bounds only waiting: a queued answer is taken."""
+    from hybridcache.outputs import CompletionOutput, RequestOutput
+    from hybridcache.server.app import request_outputs
+    from hybridcache.server.limits import RequestTimeout
+    from hybridcache.server.responses import Rendering
+
+    async def read(queued: bool) -> list:
+        sink: asyncio.Queue = asyncio.Queue()
+        if queued:
+            sink.put_nowait(RequestOutput("r", None, [1, 2], [CompletionOutput(0, "done", [3], "length")],
+                                          finished=True))
+        past = asyncio.get_running_loop().time() - 0.5
+        return [output async for output in request_outputs(sink, Rendering(), past)]
+
+    [output] = asyncio.run(read(queued=True))
+    assert output.finished and output.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestTimeout):
+        asyncio.run(read(queued=False))
