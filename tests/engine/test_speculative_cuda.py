@@ -44,6 +44,37 @@ def test_cuda_greedy_mtp_equals_no_mtp_fp32(tmp_path_factory, k, kv):
 
 
 @needs_cuda
+def test_cuda_seeded_sampling_with_mtp_equals_without_and_after_a_zero_prefill_hit(tmp_path_factory):
+    """fp32: a seeded request's tokens with MTP (oracle drafts, partly right) equal MTP off, and its resend (a
+    zero-prefill hit, which drafts a step later) draws the same: each emitted token costs the generator one draw,
+    the judge's `_draw` the same exponential race on the device generator as `sample_async`'s rows (the CPU twin
+    is test_speculative.py's)."""
+    from hybridcache.sampling import SamplingParams
+
+    folder = write_tiny_model(tmp_path_factory.mktemp("seeded"), "qwen3_5_text", seed=1)
+    options = {"device": "cuda", "dtype": "float32", "enforce_eager": True, "num_blocks": 4096}
+    prompt = [(37 * i + 11) % 256 for i in range(170)]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, n=2)
+
+    def two_sends(engine) -> list:
+        finished = []
+        for request_id in ("first", "again"):
+            engine.add_request(request_id, prompt, params)
+            while engine.has_unfinished_requests():
+                finished += [o for o in engine.step() if o.finished]
+        return finished
+
+    off = two_sends(make_engine(folder, None, **options))
+    wanted = [c.token_ids for c in off[0].outputs]
+    engine = make_engine(folder, 2, **options)
+    oracle(engine, {o.request_id: [c.token_ids for c in o.outputs] for o in off}, seed=5)
+    on = two_sends(engine)
+    assert on[1].num_cached_tokens == len(prompt)
+    assert [[c.token_ids for c in o.outputs] for o in on] == [wanted, wanted]
+    assert 0 < engine.drafter.stats.num_accepted_tokens < engine.drafter.stats.num_draft_tokens
+
+
+@needs_cuda
 def test_cuda_llm_bf16_with_graphs(tmp_path_factory):
     from hybridcache import LLM
     from hybridcache.sampling import SamplingParams
