@@ -28,6 +28,8 @@ KV_CACHE_DTYPES: tuple[str, ...] = ("auto", "fp8", "fp8_e4m3")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "dummy")
 # The option that sets the recurrent state's dtype, as vLLM spells it (`EngineConfig.mamba_ssm_cache_dtype`).
 SSM_DTYPE_FLAG = "--mamba-ssm-cache-dtype"
+# EngineConfig's sizes: positive integers; None (vLLM's "let the engine choose") is the default
+_SIZES = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
 # Speculative methods (vLLM's `--speculative-config` "method"): all name the model's own MTP head.
 SPECULATIVE_METHODS: tuple[str, ...] = ("mtp", "qwen3_next_mtp", "qwen3_5_mtp")
 
@@ -224,7 +226,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None and self.decode_checkpoint_interval is not None:
             raise ValueError("speculative decoding is not supported with decode_checkpoint_interval")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in _SIZES:
             if getattr(self, name) is None:  # vLLM's None for these: let the engine choose (the default)
                 object.__setattr__(self, name, type(self).__dataclass_fields__[name].default)
         if self.kernel_block_size is None and isinstance(self.block_size, int) and self.block_size > 0:
@@ -244,8 +246,7 @@ class EngineConfig:
                              f"line), got {self.device!r}")
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             raise ValueError(f"tokenizer must be a folder name (str) or None, got {self.tokenizer!r}")
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
-        for name in positive:
+        for name in _SIZES:
             value = getattr(self, name)
             if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

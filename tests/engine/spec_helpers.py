@@ -18,6 +18,17 @@ def make_engine(model_dir, k: int | None, **options) -> LLMEngine:
     return LLMEngine(model_dir, EngineConfig(**config, speculative_config=spec(k) if k else None))
 
 
+def send_twice(engine: LLMEngine, prompt: list[int], params) -> list:
+    """The finished outputs of `prompt` sent as request "first", run to the end, then again as "again" (a resend
+    that hits the first's cache)."""
+    finished = []
+    for request_id in ("first", "again"):
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            finished += [o for o in engine.step() if o.finished]
+    return finished
+
+
 def tokens_of(outputs: dict) -> dict:
     return {rid: [c.token_ids for c in out.outputs] for rid, out in outputs.items()}
 

@@ -22,7 +22,16 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
 from .model_folders import save_model_folder, write_tiny_model
-from .spec_helpers import alone_references, drive_traffic, make_engine, oracle, random_requests, spec, tokens_of
+from .spec_helpers import (
+    alone_references,
+    drive_traffic,
+    make_engine,
+    oracle,
+    random_requests,
+    send_twice,
+    spec,
+    tokens_of,
+)
 from .test_cache_equivalence import run_workload
 
 
@@ -194,20 +203,12 @@ def test_a_seeded_request_draws_the_same_tokens_with_mtp_and_after_a_zero_prefil
     prompt = [random.Random(0).randrange(256) for _ in range(170)]
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, n=2)
 
-    def two_sends(engine: LLMEngine) -> list:
-        finished = []
-        for request_id in ("first", "again"):
-            engine.add_request(request_id, prompt, params)
-            while engine.has_unfinished_requests():
-                finished += [o for o in engine.step() if o.finished]
-        return finished
-
-    off = two_sends(make_engine(small_dir, None))
+    off = send_twice(make_engine(small_dir, None), prompt, params)
     wanted = [c.token_ids for c in off[0].outputs]
     assert [c.token_ids for c in off[1].outputs] == wanted and wanted[0] != wanted[1]
     engine = make_engine(small_dir, 2)
     oracle(engine, {o.request_id: [c.token_ids for c in o.outputs] for o in off}, seed=5)  # drafts partly right
-    on = two_sends(engine)
+    on = send_twice(engine, prompt, params)
     assert on[1].num_cached_tokens == len(prompt)  # the resend: a zero-prefill hit
     assert [[c.token_ids for c in o.outputs] for o in on] == [wanted, wanted]
     stats = engine.drafter.stats

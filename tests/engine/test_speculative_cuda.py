@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .model_folders import write_tiny_model
-from .spec_helpers import make_engine, oracle, tokens_of
+from .spec_helpers import make_engine, oracle, send_twice, tokens_of
 from .test_cache_equivalence import run_workload
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -56,19 +56,11 @@ def test_cuda_seeded_sampling_with_mtp_equals_without_and_after_a_zero_prefill_h
     prompt = [(37 * i + 11) % 256 for i in range(170)]
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True, n=2)
 
-    def two_sends(engine) -> list:
-        finished = []
-        for request_id in ("first", "again"):
-            engine.add_request(request_id, prompt, params)
-            while engine.has_unfinished_requests():
-                finished += [o for o in engine.step() if o.finished]
-        return finished
-
-    off = two_sends(make_engine(folder, None, **options))
+    off = send_twice(make_engine(folder, None, **options), prompt, params)
     wanted = [c.token_ids for c in off[0].outputs]
     engine = make_engine(folder, 2, **options)
     oracle(engine, {o.request_id: [c.token_ids for c in o.outputs] for o in off}, seed=5)
-    on = two_sends(engine)
+    on = send_twice(engine, prompt, params)
     assert on[1].num_cached_tokens == len(prompt)
     assert [[c.token_ids for c in o.outputs] for o in on] == [wanted, wanted]
     assert 0 < engine.drafter.stats.num_accepted_tokens < engine.drafter.stats.num_draft_tokens
