@@ -48,7 +48,8 @@ def completion_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, text_
     """`entries[i]`: token `token_ids[i]`'s entry. `text_offset`: where the first token's text starts in the
     choice's text (after an echoed prompt). Each `top_logprobs` entry holds the sampled token first, then the k
     likeliest (as vLLM: k + 1 entries at most, k when the sampled token is among them; `logprobs: 0` gives the
-    sampled token alone): the engine's entry, keyed by text (by "token_id:<id>" with `as_ids`)."""
+    sampled token alone): the engine's entry, keyed by text (by "token_id:<id>" with `as_ids`). Two tokens that
+    decode alike share a key, which holds the later one's logprob (as vLLM's dict comprehension)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = text_offset
     for token_id, entry in zip(token_ids, entries, strict=True):
@@ -59,7 +60,7 @@ def completion_logprobs(token_ids: Sequence[int], entries: SampleLogprobs, text_
         offset += len(text)
         top: dict[str, float] = {}
         for top_id, lp in entry.items():
-            top.setdefault(_name(top_id, lp.decoded_token, as_ids), max(lp.logprob, -9999.0))
+            top[_name(top_id, lp.decoded_token, as_ids)] = max(lp.logprob, -9999.0)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
