@@ -2,7 +2,8 @@
 
     POST /v1/responses        `input` (a string, or message / function_call / function_call_output / reasoning
                               items), `instructions`, function `tools`, `tool_choice`, `text.format`,
-                              `max_output_tokens`, sampling fields, `stream`, `store`, `previous_response_id`
+                              `max_output_tokens`, sampling fields, `stream`, `store`, `previous_response_id`,
+                              `include: ["message.output_text.logprobs"]` with `top_logprobs`
     GET  /v1/responses/{id}   a stored response
 
 A request becomes a chat request: its items become chat messages (function calls an assistant message's
@@ -21,6 +22,12 @@ Streamed, the body is server-sent events `event: <type>` / `data: <json>`: `resp
 `response.output_item.done`, and last `response.completed` with the whole response (as vLLM sends it, also when
 `max_output_tokens` cut the answer: its `status` is then "incomplete"); every event carries a `sequence_number`.
 A timeout, an engine failure or any other error mid-stream ends the stream with an `error` event instead.
+
+Logprobs (asked for with `include: ["message.output_text.logprobs"]`, `top_logprobs` the likeliest tokens to list
+at each position, 0 by default, as vLLM): the message's `output_text` part carries `{"token", "logprob", "bytes",
+"top_logprobs"}` per token, the chat endpoint's entries. Non-streamed, they cover every output token (reasoning
+and tool-call tokens too, as vLLM's); streamed, each `response.output_text.delta` carries the tokens generated
+since the previous delta of any kind (a reasoning or tool-call delta takes its own tokens, which no event lists).
 
 Usage: `input_tokens` (with `input_tokens_details.cached_tokens`: what the prefix cache skipped),
 `output_tokens` (with `output_tokens_details.reasoning_tokens`: the reasoning text's tokens, re-encoded),
@@ -43,12 +50,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from hybridcache.outputs import RequestOutput
+from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.server.chat_output import ChoiceStream, final_message
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
 from hybridcache.server.protocol import ChatCompletionRequest, Int64, ReasoningEffort, parse_request
+from hybridcache.server.responses import logprobs_of
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
 
@@ -59,6 +67,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hybridcache.server")
 MAX_STORED = 1024
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
 # OpenAI's metadata: at most 16 pairs of strings, keys of at most 64 characters, values of at most 512 (it is kept
@@ -86,6 +95,8 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: Int64 | None = None
     temperature: float | None = None
     top_p: float | None = None
+    top_logprobs: Int64 | None = None
+    include: list[str] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -104,6 +115,11 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name) not in off:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name,
                                code="unsupported_parameter")
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Whether the output text's logprobs are asked for (`include`, as OpenAI's and vLLM's)."""
+        return OUTPUT_LOGPROBS in (self.include or ())
 
 
 def _text(content: Any, param: str) -> str | list[dict[str, str]]:
@@ -231,6 +247,8 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
             "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": response_format(body.text),
             "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
+    if body.wants_logprobs:
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     return {k: v for k, v in chat.items() if v is not None}
 
 
@@ -307,9 +325,10 @@ def reasoning_item(text: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(text: str, status: str = "completed", logprobs: list[dict[str, Any]] | None = None
+                 ) -> dict[str, Any]:
     return {"type": "message", "id": _new_id("msg"), "role": "assistant", "status": status,
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
 
 def call_item(call: dict[str, Any]) -> dict[str, Any]:
@@ -425,13 +444,18 @@ class _Run:
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
             "model": self.owner.routes.config.served_model_name, "output": output, "usage": usage,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "temperature": self.params.temperature, "top_p": self.params.top_p, "top_logprobs": body.top_logprobs,
             "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",
             "parallel_tool_calls": body.parallel_tool_calls, "previous_response_id": body.previous_response_id,
             "text": body.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": body.store,
             "metadata": body.metadata or {}, "background": False, "reasoning": None, "error": None,
             "incomplete_details": incomplete,
         }
+
+    def logprobs(self, c: CompletionOutput, start: int) -> list[dict[str, Any]]:
+        """The entries of `c`'s tokens from `start` on, as the output text's `logprobs` (none unless asked)."""
+        logprobs = logprobs_of(self.rendering, True, c, start)
+        return [] if logprobs is None else logprobs["content"]
 
     def output_from(self, final: RequestOutput) -> _Output:
         """The output items of a finished (non-streamed) response."""
@@ -440,7 +464,7 @@ class _Run:
         if out.reasoning:
             out.items.append(reasoning_item(out.reasoning))
         if out.content:
-            out.items.append(message_item(out.content))
+            out.items.append(message_item(out.content, logprobs=self.logprobs(final.outputs[0], 0)))
         for call in message.get("tool_calls") or []:
             item = call_item(call)
             out.calls.append(item)
@@ -472,6 +496,7 @@ class _Run:
         out = _Output()
         open_item: dict[str, Any] | None = None  # the reasoning or message item receiving deltas
         final = None
+        logprobs_sent = 0  # the tokens whose logprobs a delta carried (or that went to reasoning or a tool call)
 
         def close() -> list[bytes]:
             nonlocal open_item
@@ -487,7 +512,7 @@ class _Run:
             part = item["content"][0]
             item["status"] = "completed"
             return [self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                content_index=0, text=part["text"], logprobs=[]),
+                                content_index=0, text=part["text"], logprobs=part["logprobs"]),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=part),
                     self._event("response.output_item.done", output_index=index, item=item)]
@@ -513,6 +538,8 @@ class _Run:
                 final = output
                 c = output.outputs[0]
                 delta = stream.update(c.text, c.finish_reason is not None)
+                if delta:
+                    logprobs, logprobs_sent = self.logprobs(c, logprobs_sent), len(c.token_ids)
                 if delta.reasoning:
                     if open_item is None or open_item["type"] != "reasoning":
                         for event in open_new(reasoning_item("")):
@@ -526,10 +553,11 @@ class _Run:
                         for event in open_new(message_item("", status="in_progress")):
                             yield event
                     open_item["content"][0]["text"] += delta.content
+                    open_item["content"][0]["logprobs"] += logprobs
                     out.content += delta.content
                     yield self._event("response.output_text.delta", item_id=open_item["id"],
                                       output_index=len(out.items) - 1, content_index=0, delta=delta.content,
-                                      logprobs=[])
+                                      logprobs=logprobs)
                 for _, call in delta.tool_calls:
                     for event in close():
                         yield event

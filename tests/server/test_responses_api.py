@@ -87,6 +87,34 @@ def test_streamed_events_match_the_response(server):
     assert [i.type for i in rebuilt.output] == [i.type for i in whole.output]
 
 
+def test_output_text_logprobs_when_included(server):
+    _, client = server
+    kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
+    plain = client.responses.create(**kwargs)
+    assert all(not part.logprobs for item in plain.output if item.type == "message" for part in item.content)
+    whole = client.responses.create(include=["message.output_text.logprobs"], top_logprobs=3, **kwargs)
+    assert whole.output_text == plain.output_text
+    (message,) = [item for item in whole.output if item.type == "message"]
+    entries = message.content[0].logprobs
+    assert len(entries) == whole.usage.output_tokens  # every output token, as vLLM's (reasoning included)
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # the likeliest first
+        assert entry.bytes == list(entry.token.encode())
+    events = list(client.responses.create(stream=True, include=["message.output_text.logprobs"], top_logprobs=3,
+                                          **kwargs))
+    streamed = [e for event in events if event.type == "response.output_text.delta" for e in event.logprobs]
+    assert streamed  # the content's tokens; those of the reasoning before them are not listed
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries[-len(streamed):]]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [e.token for e in done.logprobs] == [e.token for e in streamed]
+    final = [item for item in events[-1].response.output if item.type == "message"][0]
+    assert [e.token for e in final.content[0].logprobs] == [e.token for e in streamed]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(include=["message.output_text.logprobs"], top_logprobs=-1, **kwargs)
+    assert error.value.body["param"] == "top_logprobs"
+
+
 def test_tool_call_and_its_result(server, tokenizer):
     _, client = server
     first = client.responses.create(model=MODEL, input=QUESTION, tools=[WEATHER], tool_choice="required",
