@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,12 +22,28 @@ def _real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+_NUMBER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed", "n", "presence_penalty",
+                  "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs")
+
+
+def _plain(value: object) -> object:
+    """A numpy (or other `numbers`-registered) integer or real as Python's int or float, as vLLM takes them; any
+    other value (bools included) as it is, for the checks to judge."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def _bias_pairs(bias: object) -> tuple:
     """`logit_bias` (a mapping of token id to bias, or (id, bias) pairs) as a tuple of pairs; a TypeError naming
     the field for anything else."""
     pairs = bias.items() if isinstance(bias, Mapping) else bias
     try:
-        return tuple((token, value) for token, value in pairs)
+        return tuple((_plain(token), _plain(value)) for token, value in pairs)
     except (TypeError, ValueError):
         raise TypeError(f"logit_bias must map token ids to biases (a dict), got {type(bias).__name__} "
                         f"{bias!r}") from None
@@ -73,7 +90,8 @@ class SamplingParams:
     `stop_token_ids`; a special token only with `skip_special_tokens` off) that ended it; without it neither
     appears in the text. `skip_special_tokens`: special tokens are left out of the text (as vLLM; their ids stay
     in `token_ids`).
-    Integer fields refuse bools and numeric ones non-finite values; numbers are stored as floats.
+    Integer fields refuse bools and numeric ones non-finite values; numbers are stored as floats. numpy scalars
+    (`np.int64`, `np.float32`, ...) are taken as the Python numbers they hold.
     """
 
     temperature: float = 1.0
@@ -98,11 +116,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        for name in _NUMBER_FIELDS:
+            object.__setattr__(self, name, _plain(getattr(self, name)))
         if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's "no seed" (clients send -1 for random)
             object.__setattr__(self, "seed", None)
         # Accept lists and dicts from callers but store tuples, so the object stays hashable and immutable.
         # (None is the empty default, as vLLM's Optional fields)
         stop_token_ids = _as_tuple("stop_token_ids", self.stop_token_ids or (), "a list of integers")
+        stop_token_ids = tuple(map(_plain, stop_token_ids))
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         stop = (self.stop,) if isinstance(self.stop, str) else _as_tuple("stop", self.stop or (), "a list of strings")
         object.__setattr__(self, "stop", stop)

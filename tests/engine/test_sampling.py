@@ -224,6 +224,25 @@ def test_numbers_are_stored_as_floats():
     assert all(type(v) is float for v in (params.temperature, params.repetition_penalty, params.logit_bias[0][1]))
 
 
+def test_numpy_scalars_are_taken_as_the_python_numbers_they_hold():
+    """vLLM's SamplingParams takes numpy scalars (a seed drawn with numpy, a temperature from an np.linspace);
+    they are stored as Python ints and floats, and a numpy float where an integer belongs is still refused."""
+    np = pytest.importorskip("numpy")
+    params = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(7), max_tokens=np.int32(5),
+                            n=np.int64(2), logprobs=np.int64(1), stop_token_ids=[np.int64(2)],
+                            logit_bias={np.int64(3): np.float32(1.5)})
+    assert (params.temperature, params.top_k, params.seed, params.max_tokens, params.n, params.logprobs) == (
+        0.5, 3, 7, 5, 2, 1)
+    assert params.stop_token_ids == (2,) and params.logit_bias == ((3, 1.5),)
+    assert all(type(v) is int for v in (params.top_k, params.seed, params.max_tokens, params.stop_token_ids[0],
+                                        params.logit_bias[0][0]))
+    assert SamplingParams(seed=np.int64(-1)).seed is None  # vLLM's "no seed"
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=np.float64(3.0))
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(ignore_eos=np.bool_(True))
+
+
 def test_tiny_temperatures_sample_greedily_instead_of_overflowing(device):
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]]).to(device)
     for temperature in (5.9e-109, 1e-6):
