@@ -23,7 +23,7 @@ from hybridcache.mm_processor import template_arguments, template_content
 from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
-from hybridcache.server.structured import guided_spec, response_format_spec, tool_choice_spec
+from hybridcache.server.structured import STRUCTURED_OUTPUT_KEYS, guided_spec, response_format_spec, tool_choice_spec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -170,7 +170,8 @@ class _SamplingRequest(BaseModel):
         for name in names:
             if getattr(self, name) is not None:
                 return name
-        return next((f"structured_outputs.{key}" for key, value in nested.items() if value), None)
+        return next((f"structured_outputs.{key}" for key, value in nested.items()
+                     if value and key in STRUCTURED_OUTPUT_KEYS), None)
 
     def _logit_bias(self) -> dict[int, float]:
         """The bias by token id. Keys are token ids written in ASCII digits (`"٥"` is a digit to `str.isdigit`

@@ -11,6 +11,11 @@ from hybridcache.server.errors import APIError
 
 # The keys of vLLM's `structured_outputs` this server implements; another key is refused unless it is null or false.
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM's options of how a constraint is enforced that hold here as they are, with the values that do: JSON grammars
+# never allow free whitespace (they write JSON as `tojson` does, whatever `disable_any_whitespace` says: valid
+# JSON either way), and xgrammar is the only backend, with no fallback.
+STRUCTURED_OUTPUT_OPTIONS = {"disable_any_whitespace": (True, False), "disable_fallback": (True, False),
+                             "backend": ("auto", "xgrammar")}
 
 
 def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec | None:
@@ -36,14 +41,19 @@ def response_format_spec(response_format: dict[str, Any] | None) -> GuidedSpec |
 def guided_spec(fields: dict[str, Any]) -> GuidedSpec | None:
     """vLLM's constraint fields: `guided_json` (a schema, object or text), `guided_regex`, `guided_choice` (a
     list of strings), `guided_grammar` (EBNF, or Lark when it has no `::=` rule), or the same as
-    `structured_outputs.{json,regex,choice,grammar,json_object}` (any other key of `structured_outputs` that is set
-    is refused). At most one may be set."""
+    `structured_outputs.{json,regex,choice,grammar,json_object}` (its options `STRUCTURED_OUTPUT_OPTIONS` are taken
+    with the values that hold here; any other key that is set is refused). At most one may be set."""
     found: list[tuple[str, GuidedSpec]] = []
     nested = fields.get("structured_outputs") or {}
     if not isinstance(nested, dict):
         raise APIError(400, "structured_outputs must be an object", param="structured_outputs")
     for key, value in nested.items():
-        if key not in STRUCTURED_OUTPUT_KEYS and value not in (None, False):
+        if key in STRUCTURED_OUTPUT_OPTIONS:
+            if value is not None and value not in STRUCTURED_OUTPUT_OPTIONS[key]:
+                raise APIError(400, f"structured_outputs.{key} must be one of "
+                               f"{', '.join(map(json.dumps, STRUCTURED_OUTPUT_OPTIONS[key]))}, got {json.dumps(value)}",
+                               param=f"structured_outputs.{key}")
+        elif key not in STRUCTURED_OUTPUT_KEYS and value not in (None, False):
             raise APIError(400, f"structured_outputs.{key} is not supported by this server (it understands "
                            f"{', '.join(STRUCTURED_OUTPUT_KEYS)})", param=f"structured_outputs.{key}",
                            code="unsupported_parameter")

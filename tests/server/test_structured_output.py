@@ -136,3 +136,30 @@ def test_the_schema_property_order_an_emoji_choice_and_a_lark_grammar(client):
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]
         assert (choice["message"]["content"] in allowed, choice["finish_reason"]) == (True, "stop"), choice
+
+
+@pytest.mark.parametrize("options", [{"disable_any_whitespace": True}, {"disable_any_whitespace": False},
+                                     {"backend": "xgrammar", "disable_fallback": True}])
+def test_vllm_options_that_hold_here_are_taken(client, options):
+    """vLLM clients send `structured_outputs: {"json": ..., "disable_any_whitespace": true}` for JSON without free
+    whitespace (what this server's JSON grammars always write, as `json.dumps` spaces it) or name the xgrammar
+    backend: the request runs, constrained."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    response = _chat(client, structured_outputs={"json": schema, **options})
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    if response.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text)["n"], int) and text == json.dumps(json.loads(text))
+    else:
+        assert text.startswith('{"n":')
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"backend": "outlines"}, "structured_outputs.backend"),
+    ({"disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace"),
+    ({"whitespace_pattern": r"[ ]?"}, "structured_outputs.whitespace_pattern"),
+])
+def test_vllm_options_that_do_not_hold_here_are_400s_naming_them(client, options, param):
+    response = _chat(client, structured_outputs={"regex": "[ab]+", **options})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
