@@ -9,6 +9,7 @@ instead of a traceback or a silently empty run later.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 
@@ -104,3 +105,14 @@ def gib_or_multiple(text: str) -> str:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"must be GiB or a multiple such as 4x, >= 0, got {text!r}")
     return text
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (`--chat-template-kwargs '{"enable_thinking": false}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value

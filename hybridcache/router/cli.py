@@ -25,9 +25,8 @@ PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-ori
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hybridcache.arg_types import http_url, port_number, positive_float, positive_int
+    from hybridcache.arg_types import http_url, json_object, port_number, positive_float, positive_int
     from hybridcache.engine_args import HelpFormatter
-    from hybridcache.server.cli import _json_object
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
@@ -43,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the replicas' --tokenizer, when they run with one (default: --model's)")
     router.add_argument("--chat-template", default=None, metavar="PATH",
                         help="the replicas' --chat-template, when they run with one (default: --model's)")
-    router.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    router.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                         help="the replicas' --chat-template-kwargs, when they run with them (default: none)")
     add_router_args(router)
     router.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ SHUTDOWN_RESERVE_S = 0.5
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the `serve` subcommand to the `hybridcache` command line."""
-    from hybridcache.arg_types import non_negative_float, port_number, positive_float, positive_int
+    from hybridcache.arg_types import json_object, non_negative_float, port_number, positive_float, positive_int
     from hybridcache.engine_args import HelpFormatter, add_engine_args
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
@@ -53,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /debug/engine (integrity check of an idle engine)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> into reasoning (and reasoning_content) (default: off)")
-    serve.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    serve.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
                        help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
                             "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
     add_generation_config_arg(serve)
@@ -66,17 +65,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="log level of the server and uvicorn")
     add_vllm_args(serve)
     serve.set_defaults(func=cmd_serve)
-
-
-def _json_object(text: str) -> dict:
-    """argparse type of `--chat-template-kwargs`: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def api_key(args: argparse.Namespace) -> str | None:
