@@ -16,6 +16,7 @@ Chat templates, as vLLM renders them:
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -68,7 +69,6 @@ class Tokenizer:
                              "add its tokenizer.json")
         self._tok = tok
         self._set_template: str | None = None  # `chat_template`'s setter (--chat-template)
-        self._content_formats: dict[str, ContentFormat] = {}  # `chat_content_format` of each template rendered
 
     @property
     def chat_template(self) -> str | None:
@@ -201,20 +201,13 @@ class Tokenizer:
                      "tokenize"):
             if name in extra:
                 raise ValueError(f"chat_template_kwargs may not set '{name}'")
-        if self.content_format(template) == "string":
+        if chat_content_format(template) == "string":
             messages = [_string_content(message) for message in messages]
         return self._tok.apply_chat_template(
             messages, tools=tools, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message, **extra,
         )
-
-    def content_format(self, template: str) -> ContentFormat:
-        """`chat_content_format(template)`, parsed once per template."""
-        found = self._content_formats.get(template)
-        if found is None:
-            found = self._content_formats[template] = chat_content_format(template)
-        return found
 
     def _template_for(self, chat_template: str | None, tools: list[dict] | None) -> str:
         """The template a call renders with (`apply_chat_template`): `chat_template`, else the one set, else the
@@ -231,6 +224,7 @@ class Tokenizer:
 ContentFormat = Literal["string", "openai"]
 
 
+@functools.lru_cache(maxsize=32)  # (the templates of recent calls: a client may send a new one with each request)
 def chat_content_format(template: str) -> ContentFormat:
     """How `template` takes a message's content, found as vLLM finds it (`_detect_content_format`), by walking the
     template's syntax tree: "openai" when a `for` loop iterates over a message's content (`message.content` or

@@ -238,6 +238,20 @@ def test_the_builtin_and_vision_templates_content_formats():
     assert chat_content_format(VL_CHAT_TEMPLATE) == "openai"  # it renders image parts itself
 
 
+def test_per_call_templates_are_not_kept_without_bound(folder):
+    """A client may send a new `chat_template` with every request: their content formats were kept per template
+    for the server's life. Only the recent ones are kept now, and every call still renders with its own."""
+    from hybridcache.tokenizer import chat_content_format
+
+    tokenizer = Tokenizer(folder)
+    for i in range(200):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], False,
+                                                 chat_template=f"{{{{ messages[0].content }}}}#{i}")
+        assert rendered == f"hi#{i}"
+    assert chat_content_format.cache_info().currsize <= chat_content_format.cache_info().maxsize == 32
+    assert all(len(value) < 200 for value in vars(tokenizer).values() if isinstance(value, dict))
+
+
 def test_text_parts_reach_a_string_template_joined_with_newlines(folder):
     """Two text parts fused ("French:Good") under every template; vLLM joins them with "\\n" for a template that
     takes content as a string, and passes the parts to one that iterates over them (their join: as before)."""
