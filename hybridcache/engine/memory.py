@@ -185,9 +185,11 @@ def plan_memory(
     available = budget_bytes - encoder_bytes
     blocks = num_blocks if num_blocks is not None else max(available - runtime_bytes, 0) // block
     if blocks < min_blocks:
+        lookahead = f" (with its {num_speculative_tokens} speculative tokens of lookahead)" \
+            if num_speculative_tokens else ""
         raise ValueError(
-            f"the pool holds {blocks:,} blocks of {block_size} tokens, but one sequence of max_model_len needs "
-            f"{min_blocks:,}: lower max_model_len or max_num_seqs, or raise gpu_memory_utilization or num_blocks"
+            f"the pool holds {blocks:,} blocks of {block_size} tokens, but one sequence of max_model_len{lookahead} "
+            f"needs {min_blocks:,}: lower max_model_len or max_num_seqs, or raise gpu_memory_utilization or num_blocks"
         )
     used = runtime_bytes + blocks * block
     if used > available:

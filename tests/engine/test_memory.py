@@ -70,6 +70,8 @@ def test_too_small_budgets_fail():
     assert plan(64 * STATE + 10 * KV).num_blocks == 10  # exactly one sequence of max_model_len
     with pytest.raises(ValueError, match="max_model_len"):
         plan(GIB, num_blocks=9)
+    with pytest.raises(ValueError, match=r"max_model_len \(with its 3 speculative tokens of lookahead\) needs 10"):
+        plan(GIB, num_blocks=9, num_speculative_tokens=3)  # (min_blocks counts the lookahead's blocks)
 
 
 def test_models_without_one_kind_of_layer():
