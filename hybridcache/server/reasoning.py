@@ -18,15 +18,28 @@ ones around a tag. Worked example (completion starts outside reasoning)::
     "<think>\\nplan\\n</thi"              "plan"          ""          (newline + partial tag held)
     "<think>\\nplan\\n</think>\\n\\nHi"     "plan"          "Hi"
     "Hello"                             None            "Hello"     (no think block at all)
+
+Qwen3.5 may write a tool call inside its think block without closing it first: a `<tool_call>` followed (past
+white space) by `<function=` or `<function ` ends the reasoning there too, and the content (which the tool parser
+reads) starts at the `<tool_call>`, as vLLM's qwen3 parser has it. Any other `<tool_call>` (one the reasoning
+mentions) stays reasoning; while what follows one could still become `<function`, it is held back::
+
+    "plan\n<tool_call>\n<func"           "plan"          ""          (maybe a call: held back)
+    "plan\n<tool_call>\n<function=f>"    "plan"          "<tool_call>\n<function=f>"
+    "a <tool_call> b"                    "a <tool_call> b" ""       (a mention: no function follows)
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+TOOL_CALL = "<tool_call>"
+_FUNCTION = "<function"
+_FUNCTION_OPEN = re.compile(r"<function[\s=]")
 
 
 class ReasoningParser(enum.Enum):
@@ -61,6 +74,21 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+def _call_inside(reasoning: str, finished: bool) -> tuple[int, bool]:
+    """Where a tool call written inside the think block starts (module docstring): (its `<tool_call>`'s index,
+    True) for the first genuine one; (index, False) for one that is not decided yet (unfinished text whose
+    continuation may still be `<function`); (-1, False) for none."""
+    start = 0
+    while (i := reasoning.find(TOOL_CALL, start)) >= 0:
+        after = reasoning[i + len(TOOL_CALL):].lstrip()
+        if _FUNCTION_OPEN.match(after):
+            return i, True
+        if not finished and _FUNCTION.startswith(after):
+            return i, False
+        start = i + 1
+    return -1, False
+
+
 def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     """Split a completion's text (see the module docstring). `in_reasoning`: the prompt left a think block
     open. `finished`: the text is final (nothing is held back)."""
@@ -72,10 +100,16 @@ def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     elif not in_reasoning:
         return ReasoningSplit(None, text)
     end = text.find(THINK_END)
+    call, genuine = _call_inside(text if end < 0 else text[:end], finished)
+    if genuine:
+        return ReasoningSplit(text[:call].strip("\n"), text[call:])
+    if call >= 0:
+        return ReasoningSplit(text[:call].strip("\n"), "")
     if end < 0:
         reasoning = text.lstrip("\n")
         if not finished:
-            reasoning = reasoning[: len(reasoning) - _partial_suffix(reasoning, THINK_END)].rstrip("\n")
+            held = max(_partial_suffix(reasoning, THINK_END), _partial_suffix(reasoning, TOOL_CALL))
+            reasoning = reasoning[: len(reasoning) - held].rstrip("\n")
         return ReasoningSplit(reasoning, "")
     content = text[end + len(THINK_END):].lstrip("\n")
     return ReasoningSplit(text[:end].strip("\n"), content)

@@ -1,0 +1,66 @@
+"""A tool call Qwen3.5 writes inside its think block without closing it: it ends the reasoning, as vLLM's qwen3
+parser (its `<tool_call>` + `<function` lookahead) has it, streamed and not."""
+
+import json
+import random
+
+import pytest
+
+from hybridcache.server import reasoning
+from hybridcache.server.chat_output import ChatOutputOptions, ChoiceStream, final_message
+
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}}}}]
+XML_CALL = "<tool_call>\n<function=get_time>\n<parameter=zone>\nutc\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("I need the time.\n" + XML_CALL, ("I need the time.", XML_CALL)),
+    ("plan <tool_call>  <function name=\"get_time\">", ("plan ", "<tool_call>  <function name=\"get_time\">")),
+    # a mention of the tag that no function follows stays reasoning (vLLM: "bare <tool_call> mentions")
+    ("the format is <tool_call> then JSON", ("the format is <tool_call> then JSON", "")),
+    ("mention <tool_call>\n{\"a\": 1}\nthen\n" + XML_CALL, ("mention <tool_call>\n{\"a\": 1}\nthen", XML_CALL)),
+    # a closed block is split at </think> as before; a call after it is content
+    ("plan\n</think>\n\n" + XML_CALL, ("plan", XML_CALL)),
+    ("cut short <tool_call>\n<func", ("cut short <tool_call>\n<func", "")),  # finished: never became a call
+])
+def test_a_call_inside_the_think_block_ends_the_reasoning(text, expected):
+    parts = reasoning.split(text, in_reasoning=True, finished=True)
+    assert (parts.reasoning, parts.content) == expected
+    opened = reasoning.split("<think>\n" + text, in_reasoning=False, finished=True)  # the model opened the block
+    assert (opened.reasoning, opened.content) == expected
+
+
+def test_the_call_is_a_tool_call_of_the_message_streamed_and_not():
+    text = "I need the time.\n" + XML_CALL
+    options = ChatOutputOptions(split_reasoning=True, in_reasoning=True, parse_tools=True, tools=TOOLS)
+    message = final_message(text, options)
+    assert message["reasoning_content"] == "I need the time."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_time", {"zone": "utc"})]
+    rng = random.Random(0)
+    for _ in range(50):
+        stream = ChoiceStream(options)
+        got_reasoning, calls, cut = "", [], 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 4))
+            delta = stream.update(text[:cut], finished=cut == len(text))
+            got_reasoning += delta.reasoning
+            calls += [(c.name, json.loads(c.arguments)) for _, c in delta.tool_calls]
+        assert got_reasoning == "I need the time."
+        assert calls == [("get_time", {"zone": "utc"})]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_streamed_splits_only_grow(seed):
+    """`split` stays monotonic with the lookahead: each prefix's reasoning and content extend the previous ones."""
+    rng = random.Random(seed)
+    pieces = ["plan", " ", "\n", "<tool_call>", "<tool_", "call>", "<function=f>", "<func", "tion ", "x", "</think>",
+              "{", "</tool_call>"]
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(3, 25)))
+    before = reasoning.ReasoningSplit("", "")
+    for cut in range(1, len(text) + 1):
+        now = reasoning.split(text[:cut], in_reasoning=True, finished=cut == len(text))
+        assert (now.reasoning or "").startswith(before.reasoning or ""), (text[:cut], before, now)
+        assert now.content.startswith(before.content), (text[:cut], before, now)
+        before = now
