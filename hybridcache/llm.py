@@ -7,6 +7,10 @@ Images (models with a vision tower, e.g. Qwen3.5): `chat` takes OpenAI-style con
 `{"prompt": ..., "multi_modal_data": {"image": <one or a list>}}`, whose prompt holds one `<|image_pad|>` per image.
 At most `limit_mm_per_prompt["image"]` images a prompt. A bad image raises `hybridcache.images.ImageError` (a
 ValueError) naming the reason before anything is queued; video is not supported.
+
+Cache salts (vLLM's `cache_salt`): a dict prompt of `generate` may carry `"cache_salt": "<non-empty string>"`, and
+`chat(..., cache_salt=...)` salts every conversation of the call; prompts share prefix-cache content only with
+prompts of the same salt (none: with unsalted ones). See docs/cache.md, "Cache salts".
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations: `messages` is one conversation (a list of `{"role", "content"}`
         dicts) or a list of them. Each is rendered with the model's chat template (`Tokenizer.apply_chat_template`,
@@ -121,7 +126,8 @@ class LLM:
         conversation), `continue_final_message` (leave the last message open to be continued; it takes the place
         of the generation prompt, as on the server), `tools` (tool definitions the template renders) and
         `chat_template_kwargs` (extra template variables, e.g. `{"enable_thinking": False}`) and `chat_template` (a
-        Jinja template to use instead of the folder's)."""
+        Jinja template to use instead of the folder's). `cache_salt`: every conversation's cache salt (as a
+        `generate` dict prompt's `"cache_salt"`; vLLM's server takes it on a chat request)."""
         messages = list(messages)
         conversations = [messages] if not messages or isinstance(messages[0], dict) else [list(c) for c in messages]
         for i, conversation in enumerate(conversations):
@@ -138,7 +144,8 @@ class LLM:
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, **template)
             # a dict even without images: placeholders the text holds are then refused, as the server does
-            prompts.append({"prompt": text, "multi_modal_data": {"image": images}})
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images},
+                            **({} if cache_salt is None else {"cache_salt": cache_salt})})
             partings.append(functools.partial(self.tokenizer.parting_step, rendered, text, **template) if opens_reply
                             else lambda ids: None)
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm, partings=partings)
@@ -152,11 +159,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched together; outputs come in prompt order.
 
-        A prompt is a string, a list of token ids, or `{"prompt": <either>, "multi_modal_data": {"image": ...}}`;
-        a single prompt may be passed bare. Every prompt is validated (its images loaded, processed and encoded)
-        before any is queued, so a bad prompt raises without running the others. Without `sampling_params`,
-        `get_default_sampling_params()`. `use_tqdm`: show a progress bar, or (as vLLM's) a callable that builds it
-        (tqdm's arguments).
+        A prompt is a string, a list of token ids, or `{"prompt": <either>, "multi_modal_data": {"image": ...},
+        "cache_salt": <a non-empty string>}` (vLLM's TextPrompt / TokensPrompt: `prompt_token_ids` for the ids;
+        each key but the prompt optional); a single prompt may be passed bare. Every prompt is validated (its
+        images loaded, processed and encoded; its salt checked) before any is queued, so a bad prompt raises without
+        running the others. Without `sampling_params`, `get_default_sampling_params()`. `use_tqdm`: show a progress
+        bar, or (as vLLM's) a callable that builds it (tqdm's arguments).
         """
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -189,6 +197,7 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), got "
                             f"{type(sampling_params).__name__}")
         validated = [self._validate(prompt) for prompt in prompts]  # tokenized here, once
+        salts = [_cache_salt(prompt) for prompt in prompts]
         validated = self._encode_images(validated)
         ids = []
         try:
@@ -198,7 +207,8 @@ class LLM:
                 step = partings[i](prompt.token_ids) if partings else None
                 hints = (step,) if step else ()
                 params = params.up_to(self.engine.max_model_len - len(prompt.token_ids))  # max_tokens=None: vLLM's
-                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints)
+                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints,
+                                        cache_salt=salts[i])
                 ids.append(request_id)
         except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued
             for request_id in ids:
@@ -233,10 +243,10 @@ class LLM:
         expanded); ValueError / ImageError naming what is wrong."""
         if not isinstance(prompt, dict):
             return self.engine.validate_prompt(prompt), ()
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data", "cache_salt"}
         if unknown:
-            raise ValueError(f"a prompt dict takes 'prompt' (or 'prompt_token_ids') and 'multi_modal_data', "
-                             f"not {sorted(unknown)}")
+            raise ValueError(f"a prompt dict takes 'prompt' (or 'prompt_token_ids'), 'multi_modal_data' and "
+                             f"'cache_salt', not {sorted(unknown)}")
         data = dict(prompt.get("multi_modal_data") or {})
         images = data.pop("image", None)
         if data:
@@ -249,3 +259,10 @@ class LLM:
         ids, spans = image_prompt(self.engine.image_processor, valid.token_ids, sources, self.media_limits)
         return ValidPrompt(valid.text, self.engine.validate_prompt(ids).token_ids), spans
 
+
+def _cache_salt(prompt: Prompt) -> str | None:
+    """A dict prompt's `"cache_salt"` (None when it has none); ValueError unless a non-empty string, as vLLM's."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("a prompt's cache_salt must be a non-empty string if provided")
+    return salt

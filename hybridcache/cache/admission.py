@@ -2,7 +2,7 @@
 
 Every published checkpoint ends in one outcome for its kind: a **use** (hit at least once before it is
 released; it counts the prefill tokens that first hit saved) or a **waste** (released unhit: evicted,
-replaced, cleared). A declined save leaves a **ghost** (its prefix identity: adapter, anchor depth and hash,
+replaced, cleared). A declined save leaves a **ghost** (its prefix identity: root, anchor depth and hash,
 step, tail tokens) in a bounded table; a later admission that would have hit a ghost deeper than what it
 got counts a ghost use for the ghost's kind (worth the ghost's step), and a ghost pushed out of the table
 unused counts a ghost waste. So a declined kind keeps being measured, and comes back when its saves would
@@ -34,9 +34,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from hybridcache.cache.request import SaveReason
+from hybridcache.cache.trie import RootKey
 
 Kind = tuple[SaveReason, str | None]
-GhostKey = tuple[str | None, int, Hashable]  # (adapter, anchor depth, anchor hash; 0 at depth 0)
+GhostKey = tuple[RootKey, int, Hashable]  # (root: adapter and cache salt, anchor depth, anchor hash; 0 at depth 0)
 
 
 @dataclass

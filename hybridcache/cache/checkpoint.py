@@ -7,7 +7,7 @@ Geometry (B = block_size): a checkpoint at step s has q = s // B full blocks and
                   state slot (or k pages) = recurrent state after tokens [0, s)
                   frozen block = private copy of the KV of tokens [3B, s)   (only when r > 0)
 
-    s = B - 1:    anchor = the adapter's root, tail = tokens [0, B - 1)
+    s = B - 1:    anchor = the root (of its adapter and cache salt), tail = tokens [0, B - 1)
     s = 2B:       anchor = the node of block 1, no tail, no frozen block
 
 Life: RESERVED (slot or pages, and frozen block taken, not visible to matches) -> PUBLISHED (hangs on its
@@ -21,7 +21,7 @@ from enum import Enum
 from typing import Any
 
 from hybridcache.cache.request import SaveReason
-from hybridcache.cache.trie import Node
+from hybridcache.cache.trie import Node, RootKey
 
 
 class CheckpointState(str, Enum):
@@ -39,6 +39,8 @@ class Checkpoint:
         Checkpoint(ckpt_id=7, adapter=None, step=3 * B + 17, reason=SaveReason.CHUNK_END, slot=12,
                    frozen_block=40, routed_experts=None, owner="req-1", last_access=now)
 
+    adapter / salt         the root it was saved under (`root_key`): only requests with the same adapter and
+                           cache salt may restore it.
     slot / pages           where the state is: a state slot (two pools; `pages` empty) or k KV blocks
                            (paged, `CacheConfig.state_pages`; `slot` None).
 
@@ -60,18 +62,19 @@ class Checkpoint:
     """
 
     __slots__ = (
-        "ckpt_id", "adapter", "step", "reason", "slot", "pages", "frozen_block", "tail_ids", "tail_spans", "tail_hash",
-        "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned", "was_hit",
-        "shadowed", "on_host", "unwritten",
+        "ckpt_id", "adapter", "salt", "step", "reason", "slot", "pages", "frozen_block", "tail_ids", "tail_spans",
+        "tail_hash", "routed_experts", "anchor", "state", "num_pins", "last_access", "owner", "release_when_unpinned",
+        "was_hit", "shadowed", "on_host", "unwritten",
     )
 
     def __init__(
         self, *, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int | None,
         frozen_block: int | None, routed_experts: Any, owner: Hashable, last_access: int,
-        pages: tuple[int, ...] = (),
+        pages: tuple[int, ...] = (), salt: str | None = None,
     ) -> None:
         self.ckpt_id = ckpt_id
         self.adapter = adapter
+        self.salt = salt
         self.step = step
         self.reason = reason
         self.slot = slot
@@ -101,6 +104,10 @@ class Checkpoint:
     def is_usable(self) -> bool:
         """Published, still hanging on an attached anchor, not released."""
         return self.state is CheckpointState.PUBLISHED and self.anchor is not None and self.anchor.attached
+
+    @property
+    def root_key(self) -> RootKey:
+        return RootKey(self.adapter, self.salt)
 
     @property
     def slot_owner(self) -> tuple[str, int]:

@@ -7,10 +7,13 @@ Four kinds, each identified by the hashes the trie already uses (trie.py: `chain
     checkpoint_stored   anchor_hash, step, tail_hash, adapter      a checkpoint was published (matchable)
     checkpoint_removed  anchor_hash, step, tail_hash               a published checkpoint was released
 
-`anchor_hash` is the hash of the node the checkpoint hangs on (`root_hash(adapter)` when step < B) and
+`anchor_hash` is the hash of the node the checkpoint hangs on (`root_hash(adapter, salt)` when step < B) and
 `tail_hash = chain_hash(anchor_hash, prompt[q*B:step], spans)`, so whoever holds a prompt's tokens can
 recompute every hash and ask "is there KV up to block q *and* a state at step s here?" without the tokens
 being sent (vLLM's BlockStored / BlockRemoved are the model; checkpoints are what hybrid models add).
+A cache salt (`CacheRequest.cache_salt`) is never told: a salted request's blocks chain from its salted root, so
+their hashes can be recomputed (and a hit predicted) only by a reader that holds the prompt *and* the salt (the
+router reads both from the request body).
 
 With a host tier (host_tier.py) the events describe the device tier: a demotion to the host is a removal, a
 promotion back a store, and what the host holds is not told (a router then under-predicts host hits).

@@ -49,7 +49,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.host_order import HostOrder
 from hybridcache.cache.matching import agreement_step, find_deepest
 from hybridcache.cache.request import CacheRequest
-from hybridcache.cache.trie import Node, Trie, path_to, prompt_block_hashes
+from hybridcache.cache.trie import Node, RootKey, Trie, path_to, prompt_block_hashes
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,10 @@ class FallOutBlock:
 class FallOut:
     """A checkpoint as a tier behind the host one needs it (`HostTier.fall_out`): one the host tier's own eviction
     is dropping, or at shutdown any the cache holds: the blocks from the root to its anchor (root's child first;
-    the base model's trie, no spans), its step, tail and tail hash (chained from `anchor_hash`), why it was saved
-    (`SaveReason` value), and the blocks of its k pages then its frozen tail (when the step is not block-aligned):
-    host blocks, or device blocks when `state_on_host` is False (a checkpoint still in the device pool)."""
+    the base model's unsalted trie, no spans), its step, tail and tail hash (chained from `anchor_hash`), why it was
+    saved (`SaveReason` value), and the blocks of its k pages then its frozen tail (when the step is not
+    block-aligned): host blocks, or device blocks when `state_on_host` is False (a checkpoint still in the device
+    pool)."""
 
     blocks: tuple[FallOutBlock, ...]
     anchor_hash: int
@@ -86,8 +87,8 @@ class FallOut:
 @dataclass(frozen=True)
 class StoredCheckpoint:
     """A checkpoint a tier behind the host keeps (the disk tier), as the cache takes it back (`Lifecycle.
-    adopt_stored`): its chain of (hash, tokens) blocks from the root's child to its anchor (the base model's trie,
-    no spans), its step, tail, why it was saved (`SaveReason` value), its k pages and whether it has a frozen
+    adopt_stored`): its chain of (hash, tokens) blocks from the root's child to its anchor (the base model's unsalted
+    trie, no spans), its step, tail, why it was saved (`SaveReason` value), its k pages and whether it has a frozen
     tail."""
 
     chain: tuple[tuple[int, tuple[int, ...]], ...]
@@ -108,7 +109,8 @@ class TierBehind(Protocol):
         """A host checkpoint is being dropped (its blocks are readable during the call); None: not keepable."""
 
     def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
-        """The deepest checkpoint it holds that `request` can use (step <= `max_step`), or None."""
+        """The deepest checkpoint it holds that `request` can use (step <= `max_step`), or None. Asked only for
+        requests under the base model's unsalted root (no adapter, no cache salt): what it keeps is theirs."""
 
     def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
         """Fetch and check the bytes of `stored`'s state and of its chain's blocks at indices `missing`."""
@@ -146,13 +148,13 @@ class Hanging:
 class HostNode(Hanging):
     """A trie node whose block's KV lives in host block `host_block`; `parent` is a device `Node` or a HostNode."""
 
-    __slots__ = ("adapter", "parent", "hash", "token_ids", "spans", "host_block", "depth", "attached")
+    __slots__ = ("root_key", "parent", "hash", "token_ids", "spans", "host_block", "depth", "attached")
 
     def __init__(
         self, parent: Node | HostNode, *, node_hash: int, token_ids: tuple[int, ...], spans: tuple, host_block: int,
     ) -> None:
         super().__init__()
-        self.adapter = parent.adapter
+        self.root_key = parent.root_key
         self.parent = parent
         self.hash = node_hash
         self.token_ids = token_ids
@@ -162,6 +164,10 @@ class HostNode(Hanging):
         self.attached = True
 
     is_root = False
+
+    @property
+    def adapter(self) -> str | None:
+        return self.root_key.adapter
 
     def __repr__(self) -> str:
         return f"HostNode(adapter={self.adapter!r}, depth={self.depth}, host_block={self.host_block})"
@@ -315,16 +321,16 @@ class HostTier:
     def fall_out(self, ckpt: Checkpoint) -> FallOut | None:
         """What a tier behind this one needs to keep checkpoint `ckpt`, a host one (its bytes are read before the
         drop frees its blocks) or, at shutdown, a published device one: the chain of blocks from the root to its
-        anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's or multimodal
-        content (not kept behind the host), a state not written yet (`unwritten`, or its HOST_FINISH in the plan
-        being built), a host block whose save is still in the plan being built, a device state being loaded by it,
-        or a device node inserted since the last plan (its KV is computed by that plan's forward)."""
+        anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's, a cache salt's
+        or multimodal content (not kept behind the host), a state not written yet (`unwritten`, or its HOST_FINISH
+        in the plan being built), a host block whose save is still in the plan being built, a device state being
+        loaded by it, or a device node inserted since the last plan (its KV is computed by that plan's forward)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
         host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
-        if (ckpt.adapter is not None or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
+        if (ckpt.root_key != RootKey() or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
                 or any(h in self._saves or h in self._finishes for h in host_ids)
                 or any(n in self._fresh for n in device_nodes)
                 or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
@@ -494,8 +500,10 @@ class HostTier:
     ) -> Checkpoint | None:
         """The deepest usable host checkpoint for `request`: on the device path's nodes, or on `hosts`, the host
         nodes that continue it (`continuation`). With a tier behind (`behind`), one it holds deeper than either
-        tier's is first brought into this tier (`_fault_in`)."""
-        if self.behind is not None and path and self._fault_in(path, hosts, request, block_size, max_step):
+        tier's is first brought into this tier (`_fault_in`; only for the base model's unsalted root, the one root
+        whose checkpoints go behind: `fall_out`)."""
+        if (self.behind is not None and path and request.root_key == RootKey()
+                and self._fault_in(path, hosts, request, block_size, max_step)):
             hosts = self.continuation(path, request, block_size)
         return self._find(path, hosts, request, block_size, max_step)
 

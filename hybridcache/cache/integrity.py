@@ -23,7 +23,7 @@ from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.host_tier import Hanging, HostNode
 from hybridcache.cache.lifecycle import Lifecycle
 from hybridcache.cache.sequence import PENDING_TOKEN, RunningSeq
-from hybridcache.cache.trie import Node
+from hybridcache.cache.trie import Node, root_hash
 
 
 class IntegrityError(AssertionError):
@@ -69,10 +69,14 @@ def _check_trie(life: Lifecycle, holders: Counter[int]) -> None:
     for node in trie.iter_nodes():
         if not node.attached:
             _fail(f"{node} reachable but detached")
-        if node.is_root:
-            if trie.roots.get(node.adapter) is not node:
-                _fail(f"root of {node.adapter!r} is not registered")
+        if node.is_root:  # the salt stays out of the messages (it guards a tenant's prompts)
+            if trie.roots.get(node.root_key) is not node:
+                _fail(f"root of {node.adapter!r} (salted: {node.root_key.salt is not None}) is not registered")
+            if node.hash != root_hash(*node.root_key):
+                _fail(f"root of {node.adapter!r} hash {node.hash} != its root hash")
         else:
+            if node.root_key != node.parent.root_key:
+                _fail(f"{node} is under another root (adapter or cache salt) than its parent {node.parent}")
             num_nodes += 1
             holders[node.block_id] += 1
             if len(node.token_ids) != size:
@@ -149,8 +153,8 @@ def _check_checkpoints(
             indexed -= 1
             if ckpt.anchor is None or ckpt.anchor.depth != q or len(ckpt.tail_ids) != r:
                 _fail(f"{ckpt} geometry: anchor {ckpt.anchor}, tail {len(ckpt.tail_ids)}, step {ckpt.step}")
-            if ckpt.anchor.adapter != ckpt.adapter:
-                _fail(f"{ckpt} of adapter {ckpt.adapter!r} on a node of {ckpt.anchor.adapter!r}")
+            if ckpt.anchor.root_key != ckpt.root_key:
+                _fail(f"{ckpt} of adapter {ckpt.adapter!r} on a node of {ckpt.anchor.adapter!r}, or of another salt")
         if ckpt.shadowed and ckpt.state is not CheckpointState.PUBLISHED:
             _fail(f"{ckpt} is shadowed before it is published")
         if ckpt.shadowed and not ckpt.reason.is_turn_end:
@@ -251,6 +255,8 @@ def _check_host(life: Lifecycle, pins: Counter[int]) -> None:
                 q, r = divmod(ckpt.step, size)
                 if ckpt.anchor is not owner or not ckpt.on_host or ckpt.state is not CheckpointState.PUBLISHED:
                     _fail(f"host {ckpt} hangs off {owner} but is anchored on {ckpt.anchor} (on_host {ckpt.on_host})")
+                if ckpt.root_key != owner.root_key:
+                    _fail(f"host {ckpt} hangs off {owner}, under another root (adapter or cache salt)")
                 if key != (ckpt.step, ckpt.tail_hash) or owner.depth != q or len(ckpt.tail_ids) != r:
                     _fail(f"host {ckpt} geometry: key {key}, anchor depth {owner.depth}, tail {len(ckpt.tail_ids)}")
                 if ckpt.tail_hash != trie.hash_fn(owner.hash, ckpt.tail_ids, ckpt.tail_spans):
@@ -280,6 +286,8 @@ def _check_host(life: Lifecycle, pins: Counter[int]) -> None:
         parent = hnode.parent
         if hnode.depth != parent.depth + 1 or hnode.hash != trie.hash_fn(parent.hash, hnode.token_ids, hnode.spans):
             _fail(f"{hnode} depth or hash does not chain from {parent}")
+        if hnode.root_key != parent.root_key:
+            _fail(f"{hnode} is under another root (adapter or cache salt) than its parent {parent}")
         if hnode.is_empty:
             _fail(f"{hnode} is a host leaf without a checkpoint (dead weight)")
         check_hanging(hnode, hnode)

@@ -40,7 +40,7 @@ from hybridcache.cache.policy import make_eviction_policy
 from hybridcache.cache.request import SaveReason
 from hybridcache.cache.state_pool import StatePool
 from hybridcache.cache.stats import DeclineCause, EvictionKind, StatsCounter
-from hybridcache.cache.trie import Node, Trie
+from hybridcache.cache.trie import Node, RootKey, Trie
 
 
 class Lifecycle:
@@ -129,10 +129,10 @@ class Lifecycle:
     # ---- reserve / adopt / publish / release -------------------------------------------------------------
 
     def reserve(
-        self, adapter: str | None, step: int, reason: SaveReason, routed_experts: Any, owner: Hashable,
+        self, root_key: RootKey, step: int, reason: SaveReason, routed_experts: Any, owner: Hashable,
     ) -> Checkpoint | None:
         """Take a slot or (paged) k pages, and a frozen block when `step % B != 0`, evicting under pressure;
-        None if no room.
+        None if no room. `root_key`: the saving request's root (adapter and cache salt).
 
         The checkpoint starts RESERVED with one save pin (dropped by the caller once the save is queued).
         """
@@ -143,12 +143,12 @@ class Lifecycle:
         slot = None if self.paged else self.slots.allocate(Checkpoint.slot_owner_of(ckpt_id))
         pages = tuple(self.take_blocks(self.state_pages)) if self.paged else ()
         frozen_block = self.blocks.allocate() if partial else None
-        ckpt = self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner, pages)
+        ckpt = self._register(ckpt_id, root_key, step, reason, slot, frozen_block, routed_experts, owner, pages)
         ckpt.num_pins = 1
         return ckpt
 
     def adopt(
-        self, adapter: str | None, step: int, reason: SaveReason, slot: int, frozen_block: int | None,
+        self, root_key: RootKey, step: int, reason: SaveReason, slot: int, frozen_block: int | None,
         routed_experts: Any, owner: Hashable,
     ) -> Checkpoint:
         """A RESERVED checkpoint that takes over a sequence's partial block and its slot (no copy, no pin).
@@ -162,9 +162,9 @@ class Lifecycle:
         ckpt_id = self._new_id()
         if self.paged:
             pages = tuple(self.take_blocks(self.state_pages))
-            return self._register(ckpt_id, adapter, step, reason, None, frozen_block, routed_experts, owner, pages)
+            return self._register(ckpt_id, root_key, step, reason, None, frozen_block, routed_experts, owner, pages)
         self.slots.transfer(slot, Checkpoint.slot_owner_of(ckpt_id))
-        return self._register(ckpt_id, adapter, step, reason, slot, frozen_block, routed_experts, owner)
+        return self._register(ckpt_id, root_key, step, reason, slot, frozen_block, routed_experts, owner)
 
     def _new_id(self) -> int:
         ckpt_id = self._next_ckpt_id
@@ -172,12 +172,12 @@ class Lifecycle:
         return ckpt_id
 
     def _register(
-        self, ckpt_id: int, adapter: str | None, step: int, reason: SaveReason, slot: int | None,
+        self, ckpt_id: int, root_key: RootKey, step: int, reason: SaveReason, slot: int | None,
         frozen_block: int | None, routed_experts: Any, owner: Hashable, pages: tuple[int, ...] = (),
     ) -> Checkpoint:
         ckpt = Checkpoint(
-            ckpt_id=ckpt_id, adapter=adapter, step=step, reason=reason, slot=slot, frozen_block=frozen_block,
-            routed_experts=routed_experts, owner=owner, last_access=self.tick(), pages=pages,
+            ckpt_id=ckpt_id, adapter=root_key.adapter, step=step, reason=reason, slot=slot, frozen_block=frozen_block,
+            routed_experts=routed_experts, owner=owner, last_access=self.tick(), pages=pages, salt=root_key.salt,
         )
         self.checkpoints[ckpt_id] = ckpt
         return ckpt
@@ -504,7 +504,7 @@ class Lifecycle:
         self.host.on_fall_out = tier.keep
         self.host.behind = tier
         self.host.adopt = self.adopt_stored
-        self.trie.root(None)  # a match walks from the base model's root: the first one asks the tier behind too
+        self.trie.root(None)  # a match walks from the base model's unsalted root: the first one asks the tier behind
 
     def adopt_stored(
         self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],

@@ -93,13 +93,13 @@ class PrefixCache:
     def match(self, request: CacheRequest, max_step: int | None = None) -> MatchResult:
         """Find the deepest usable checkpoint for `request` and pin it. Changes nothing else.
 
-        Walks the adapter's trie with the prompt's full blocks (exact tokens and spans), then takes the
-        deepest published checkpoint on that path with step <= `max_step` (default and upper bound:
-        `max_match_step(request)`), at a safe boundary, whose tail equals the prompt there. The result must
-        go to `admit` or `release_match` exactly once. With `full_prompt_hits`, `cached_len == prompt_len`
-        is a zero-prefill hit: the restored slot holds the last prompt position's hidden state, and the
-        caller samples from it. `max_step=0` asks for a miss (a caller whose hit found no room: a hit holds
-        its pinned path and frozen tail next to a private copy of the tail, so it can need one block more).
+        Walks the trie from the request's root (its adapter and cache salt) with the prompt's full blocks (exact
+        tokens and spans), then takes the deepest published checkpoint on that path with step <= `max_step`
+        (default and upper bound: `max_match_step(request)`), at a safe boundary, whose tail equals the prompt
+        there. The result must go to `admit` or `release_match` exactly once. With `full_prompt_hits`,
+        `cached_len == prompt_len` is a zero-prefill hit: the restored slot holds the last prompt position's hidden
+        state, and the caller samples from it. `max_step=0` asks for a miss (a caller whose hit found no room: a
+        hit holds its pinned path and frozen tail next to a private copy of the tail, so it can need one block more).
         `request.skip_reading`: always a miss (the divergence step is still found, for a branch-point save).
         """
         size = self.block_size
@@ -259,7 +259,7 @@ class PrefixCache:
             if ckpt.reason.is_turn_end:
                 seq.shadows = ckpt
         if self._learner is not None and path:
-            keys = [(request.adapter, d, node.hash if d else 0) for d, node in reversed(list(enumerate(path)))]
+            keys = [(request.root_key, d, node.hash if d else 0) for d, node in reversed(list(enumerate(path)))]
             self._learner.ghost_hit(keys, request.prompt_ids, self.block_size, cached_len,
                                     self.max_match_step(request))
         seq.block_ids.extend(life.take_blocks(num_blocks - len(seq.block_ids)))
@@ -342,7 +342,7 @@ class PrefixCache:
         else:
             cause = self._decline_cause(seq, step, reason, routed_experts, key_needed=True)
         if cause is None:
-            ckpt = self._life.reserve(request.adapter, step, reason, routed_experts, request.request_id)
+            ckpt = self._life.reserve(request.root_key, step, reason, routed_experts, request.request_id)
             if ckpt is not None:
                 seq.saves.append(ckpt)
                 return True
@@ -405,13 +405,13 @@ class PrefixCache:
             tokens = seq.token_ids
         else:
             return None
-        return (request.adapter, q, anchor), step, tuple(tokens[q * size:step])
+        return (request.root_key, q, anchor), step, tuple(tokens[q * size:step])
 
     def _prefix_key(self, request: CacheRequest, step: int) -> Hashable:
         """Identity of the prompt prefix [0, step) for admission bookkeeping (branch points only)."""
         h = xxhash.xxh64(array("q", request.prompt_ids[:step]).tobytes())
         h.update(repr(request.spans_in(0, step)).encode())
-        return (request.adapter, step, h.intdigest())
+        return (request.root_key, step, h.intdigest())
 
     def commit_step(
         self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int] | None = None,
@@ -529,7 +529,7 @@ class PrefixCache:
             return
         size, trie = self.block_size, self._trie
         request = seq.request
-        parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter)
+        parent = seq.nodes[-1] if seq.nodes else trie.root(request.adapter, request.cache_salt)
         num_full = seq.num_trie_blocks(size)
         if len(seq.nodes) >= num_full:  # no block became full (most decode steps): nothing to insert or re-index;
             return  # the last node is unchanged since it was inserted and indexed
@@ -599,7 +599,7 @@ class PrefixCache:
 
     def _anchor_and_tail(self, seq: RunningSeq, step: int) -> tuple[Node, tuple[int, ...], tuple]:
         q = step // self.block_size
-        anchor = seq.nodes[q - 1] if q else self._trie.root(seq.request.adapter)
+        anchor = seq.nodes[q - 1] if q else self._trie.root(seq.request.adapter, seq.request.cache_salt)
         base = q * self.block_size
         return anchor, tuple(seq.token_ids[base:step]), seq.request.spans_in(base, step)
 
@@ -702,7 +702,7 @@ class PrefixCache:
         if keep and step > 0:
             frozen = blocks[step // size] if step % size else None
             ckpt = life.adopt(
-                request.adapter, step, reason, seq.slot, frozen, routed_experts, request.request_id
+                request.root_key, step, reason, seq.slot, frozen, routed_experts, request.request_id
             )
             if ckpt is None:
                 self._stats.declined(DeclineCause.NO_ROOM)

@@ -16,9 +16,9 @@ from hybridcache.cache.trie import Node, Trie, prompt_block_hashes
 
 def walk_prompt(trie: Trie, request: CacheRequest, block_size: int) -> list[Node]:
     """The trie path of the prompt's full blocks: [root, node of block 0, ...] as far as they match
-    exactly; [] when the adapter has no root yet."""
+    exactly; [] when the request's root (its adapter and cache salt) does not exist yet."""
     size, prompt = block_size, request.prompt_ids
-    root = trie.roots.get(request.adapter)
+    root = trie.roots.get(request.root_key)
     if root is None:
         return []
     path = [root]
@@ -43,9 +43,9 @@ def find_deepest(
     """The deepest usable checkpoint for `request` on `path` (path[d] = node at depth d, path[0] = root).
 
     Candidates on a node are looked up by (step, tail hash of the request's tokens at that step) and then
-    verified exactly: tail tokens, tail spans, adapter, ownership, safe boundary, step <= max_step, and the
-    routed-expert history when the request asks for it and the tail is partial. Ties: most recently used.
-    Cost: one dict probe per path node plus O(B) per distinct candidate step.
+    verified exactly: tail tokens, tail spans, root (adapter and cache salt), ownership, safe boundary,
+    step <= max_step, and the routed-expert history when the request asks for it and the tail is partial.
+    Ties: most recently used. Cost: one dict probe per path node plus O(B) per distinct candidate step.
     """
     prompt = request.prompt_ids
     for depth in range(len(path) - 1, -1, -1):
@@ -62,7 +62,7 @@ def find_deepest(
             bucket = node.checkpoints.get((step, trie.hash_fn(node.hash, tail, spans)), ())
             valid = [
                 c for c in bucket
-                if c.is_usable and c.adapter == request.adapter
+                if c.is_usable and c.root_key == request.root_key
                 and c.tail_ids == tail and c.tail_spans == spans
                 and (step == base or not request.routed_experts or c.routed_experts is not None)
             ]

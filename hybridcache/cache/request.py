@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
+from hybridcache.cache.trie import RootKey
+
 
 class SaveReason(str, Enum):
     """Why a checkpoint was saved; counted in stats (saves and hits by reason)."""
@@ -48,6 +50,9 @@ class CacheRequest:
                    checkpoint's tail routed-expert history, and partial saves need it too.
     skip_reading   the caller must compute every prompt position (it wants the prompt's logits): `match` finds
                    no hit (cached_len 0, nothing pinned); its sequence still saves checkpoints for others.
+    cache_salt     vLLM's `cache_salt`: a non-empty string, or None. Part of the trie root with the adapter
+                   (`root_key`): requests share blocks and checkpoints only when both are equal, so a salted
+                   request never hits what another salt (or no salt) stored, nor leaves anything they can hit.
     memo           values the cache derives from the request alone (its chained block hashes), computed on
                    first use and reused by every match of this object (and by every cache it is given to).
     """
@@ -58,6 +63,7 @@ class CacheRequest:
     mm_spans: tuple[MultimodalSpan, ...] = ()
     routed_experts: bool = False
     skip_reading: bool = False
+    cache_salt: str | None = None
     _span_ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
     memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 
@@ -65,6 +71,8 @@ class CacheRequest:
         prompt = tuple(self.prompt_ids)
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if provided")
         spans = tuple(sorted(MultimodalSpan(*s) for s in self.mm_spans))
         prev_end = 0
         for span in spans:
@@ -78,6 +86,11 @@ class CacheRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def root_key(self) -> RootKey:
+        """The trie root this request's blocks hang from: its adapter and cache salt."""
+        return RootKey(self.adapter, self.cache_salt)
 
     def spans_in(self, start: int, end: int) -> tuple[MultimodalSpan, ...]:
         """The spans overlapping positions `[start, end)` (absolute offsets): the multimodal identity."""

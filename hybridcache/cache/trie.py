@@ -1,12 +1,17 @@
-"""The trie of full blocks: one root per adapter, chained xxhash identities, exact verification.
+"""The trie of full blocks: one root per (adapter, cache salt), chained xxhash identities, exact verification.
 
 A node is one full block of B tokens. Its identity is its parent, its tokens and the multimodal spans that
 overlap it (absolute offsets + content hash); the hash chains all three:
 
-    hash(node) = xxh64(hash(parent) | tokens | spans)          hash(root) = xxh64(adapter name)
+    hash(node) = xxh64(hash(parent) | tokens | spans)          hash(root) = xxh64(adapter name [, salt])
 
     root('lora-a') ── n1 [t0..t63] ── n2 [t64..t127] ── n3 [t128..t191]
                                   └── n2' [t64..t127 with another image]
+    root('lora-a', salt 's1') ── n1' [t0..t63]       same tokens, another root: shares nothing with n1
+
+A root is a `RootKey`: the LoRA adapter (None: the base model) and the request's cache salt (vLLM's `cache_salt`,
+None: unsalted). Requests share blocks and checkpoints only under the same root, so a salt keeps one tenant's
+prompts from hitting (or timing) another's; the unsalted root's hash is the adapter's alone, as before salts.
 
 Children are indexed by hash; a hash match is always followed by an exact comparison of tokens and spans,
 so a collision only costs a comparison (`hash_fn` can be replaced to force collisions in tests).
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -37,9 +42,9 @@ def prompt_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[
     """`hash_fn`-chained identities of every full block of `request.prompt_ids`, computed once per request,
     block size and hash function and kept on the request (`CacheRequest.memo`): the simulator's policies
     and repeated matches of one request reuse them. Entry i is the identity of the node of block i
-    (tokens `[i*B, (i+1)*B)`), chained from the adapter's root:
+    (tokens `[i*B, (i+1)*B)`), chained from the request's root (its adapter and cache salt):
 
-        hashes[0] = hash_fn(root_hash(adapter), prompt[0:B], spans in [0, B))
+        hashes[0] = hash_fn(root_hash(adapter, salt), prompt[0:B], spans in [0, B))
         hashes[i] = hash_fn(hashes[i - 1], prompt[i*B:(i+1)*B], spans in [i*B, (i+1)*B))
 
     With the default `chain_hash` the prompt is serialised once and each block hashes a slice of it
@@ -49,7 +54,7 @@ def prompt_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[
     if hashes is not None:
         return hashes
     prompt = request.prompt_ids
-    parent = root_hash(request.adapter)
+    parent = root_hash(request.adapter, request.cache_salt)
     hashes = []
     if hash_fn is chain_hash:
         data = memoryview(array("q", prompt).tobytes())
@@ -71,8 +76,19 @@ def prompt_block_hashes(request: Any, block_size: int, hash_fn: HashFn) -> list[
     return hashes
 
 
-def root_hash(adapter: str | None) -> int:
-    return xxhash.xxh64(repr(adapter).encode()).intdigest()
+class RootKey(NamedTuple):
+    """Which root a request's blocks hang from: its LoRA adapter (None: the base model) and its cache salt (None:
+    unsalted). Blocks and checkpoints are shared only between requests with equal keys."""
+
+    adapter: str | None = None
+    salt: str | None = None
+
+
+def root_hash(adapter: str | None, salt: str | None = None) -> int:
+    """The hash a root's first block chains from. Unsalted: the adapter's name alone; salted: the pair (a `repr`
+    of a tuple starts with "(", of a name with a quote, of None with "N": the inputs never coincide)."""
+    key = repr(adapter) if salt is None else repr((adapter, salt))
+    return xxhash.xxh64(key.encode()).intdigest()
 
 
 def path_to(node: Node) -> list[Node]:
@@ -88,6 +104,7 @@ def path_to(node: Node) -> list[Node]:
 class Node:
     """One full block in the trie (or a root: `block_id` None, depth 0, no tokens).
 
+    root_key     the `RootKey` of the root it hangs from (its adapter and cache salt).
     depth        number of full blocks from the root to this node inclusive: the node ends at step depth*B.
     checkpoints  published checkpoints anchored here, indexed by (step, tail hash) -> list (collisions).
     by_first     children indexed by their first token, kept only while the node has more than
@@ -96,15 +113,15 @@ class Node:
     """
 
     __slots__ = (
-        "adapter", "parent", "block_id", "token_ids", "spans", "hash", "depth", "children", "checkpoints",
+        "root_key", "parent", "block_id", "token_ids", "spans", "hash", "depth", "children", "checkpoints",
         "last_access", "attached", "by_first",
     )
 
     def __init__(
-        self, *, adapter: str | None, parent: Node | None, block_id: int | None, token_ids: tuple[int, ...],
+        self, *, root_key: RootKey, parent: Node | None, block_id: int | None, token_ids: tuple[int, ...],
         spans: tuple, node_hash: int, last_access: int,
     ) -> None:
-        self.adapter = adapter
+        self.root_key = root_key
         self.parent = parent
         self.block_id = block_id
         self.token_ids = token_ids
@@ -121,6 +138,10 @@ class Node:
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def adapter(self) -> str | None:
+        return self.root_key.adapter
+
     def num_checkpoints(self) -> int:
         return sum(len(v) for v in self.checkpoints.values())
 
@@ -129,7 +150,7 @@ class Node:
             yield from bucket
 
     def __repr__(self) -> str:
-        return f"Node(adapter={self.adapter!r}, depth={self.depth}, block={self.block_id})"
+        return f"Node(adapter={self.adapter!r}, depth={self.depth}, block={self.block_id})"  # no salt in logs
 
 
 class Trie:
@@ -137,18 +158,20 @@ class Trie:
 
     def __init__(self, hash_fn: HashFn = chain_hash) -> None:
         self.hash_fn = hash_fn
-        self.roots: dict[str | None, Node] = {}
+        self.roots: dict[RootKey, Node] = {}
         self.leaves: set[Node] = set()
         self.num_nodes = 0
 
-    def root(self, adapter: str | None) -> Node:
-        node = self.roots.get(adapter)
+    def root(self, adapter: str | None, salt: str | None = None) -> Node:
+        """The root of `adapter` and cache `salt` (made on first use)."""
+        key = RootKey(adapter, salt)
+        node = self.roots.get(key)
         if node is None:
             node = Node(
-                adapter=adapter, parent=None, block_id=None, token_ids=(), spans=(), node_hash=root_hash(adapter),
+                root_key=key, parent=None, block_id=None, token_ids=(), spans=(), node_hash=root_hash(adapter, salt),
                 last_access=0,
             )
-            self.roots[adapter] = node
+            self.roots[key] = node
         return node
 
     def find_child(
@@ -165,7 +188,7 @@ class Trie:
     ) -> Node:
         """A new child; the caller gives the node its reference on `block_id`."""
         node = Node(
-            adapter=parent.adapter, parent=parent, block_id=block_id, token_ids=token_ids, spans=spans,
+            root_key=parent.root_key, parent=parent, block_id=block_id, token_ids=token_ids, spans=spans,
             node_hash=node_hash, last_access=now,
         )
         parent.children.setdefault(node_hash, []).append(node)

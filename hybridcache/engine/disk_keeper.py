@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
 from hybridcache.cache.request import CacheRequest
-from hybridcache.cache.trie import chain_hash, prompt_block_hashes
+from hybridcache.cache.trie import RootKey, chain_hash, prompt_block_hashes
 from hybridcache.engine.disk_tier import DiskHit, DiskTier
 from hybridcache.engine.host_pool import HostPool
 from hybridcache.engine.paged_state import PagedStates
@@ -69,8 +69,9 @@ class DiskKeeper:
             0 if state is None else state.numel() * state.element_size())
 
     def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
-        """The base model's text prompts only (the disk keeps no adapter or multimodal content)."""
-        if request.adapter is not None or request.mm_spans:
+        """The base model's unsalted text prompts only (the disk keeps no adapter's, cache salt's or multimodal
+        content: `HostTier.fall_out` hands none of it here, and the host tier asks only for the unsalted root)."""
+        if request.root_key != RootKey() or request.mm_spans:
             return None
         hashes = prompt_block_hashes(request, block_size, chain_hash)  # memoized on the request
         hit = self.disk.find(request.prompt_ids, block_size, max_step, hashes)

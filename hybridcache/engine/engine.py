@@ -322,6 +322,7 @@ class LLMEngine:
         *,
         final_only: bool = False,
         checkpoints_at: SequenceOf[int] = (),
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (and changes nothing) on a bad prompt, bad multimodal spans or
         a duplicate id. `prompt`: text, token ids, or what `validate_prompt` returned (not checked again).
@@ -333,13 +334,18 @@ class LLMEngine:
         steps where later prompts are expected to part from this one (a chat's end before its generation prompt,
         where the next turn's prompt, with this turn's reply in it, parts from this one): a prefill chunk ends at
         each, and the prefix cache saves a checkpoint there as at a branch point (in the `hybridcache` cache mode;
-        none below `min_branch_point_step`; the other modes ignore them). Each must lie in [1, prompt length)."""
+        none below `min_branch_point_step`; the other modes ignore them). Each must lie in [1, prompt length).
+        `cache_salt` (vLLM's): a non-empty string, or None; the request shares prefix-cache content (blocks,
+        checkpoints, in-flight prefills) only with requests of the same salt, and a salted request's content is
+        never kept on disk (docs/cache.md, "Cache salts")."""
         self._raise_if_dead()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise ValueError("cache_salt must be a non-empty string if provided")  # as vLLM's; never echoes it
         params.check_token_ids(self.model_config.vocab_size)
         if self.drafter is not None:
             refused = [what for what, on in (("structured output", params.guided is not None),
@@ -372,6 +378,7 @@ class LLMEngine:
                     arrival=next(self._arrivals),
                     mm_inputs=mm,
                     hint_steps=hints,
+                    cache_salt=cache_salt,
                 )
             )
         request = self.output_processor.new_request(request_id, prompt.text, len(prompt_ids), params, seqs,

@@ -29,8 +29,10 @@ def worth_sharing(shared: int, cached_len: int, prompt_len: int, block_size: int
 def prompt_share(leader: Seq, follower: Seq) -> int:
     """How much of `follower`'s prompt `leader`'s prompt (as the cache sees it) covers. With multimodal spans,
     only up to the first span the two do not have alike (same place, same content hash), and never into a span:
-    an image that differs starts where the shared part ends."""
-    if not leader.token_ids or not follower.token_ids or leader.token_ids[0] != follower.token_ids[0]:
+    an image that differs starts where the shared part ends. Nothing across cache salts (their roots differ: the
+    follower could not restore what the leader saves, and its wait would tell it what another salt computes)."""
+    if (not leader.token_ids or not follower.token_ids or leader.token_ids[0] != follower.token_ids[0]
+            or leader.cache_salt != follower.cache_salt):
         return 0
     prompt = leader.token_ids[:leader.cache_prompt_len]
     shared = common_prefix_len(prompt, follower.token_ids)

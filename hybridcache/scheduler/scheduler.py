@@ -201,7 +201,8 @@ class Scheduler:
         change nothing in the cache (the leader is told where to save for it)."""
         spans = tuple((m.start, m.end, m.content_hash) for m in seq.mm_inputs)
         whole = seq.params.prompt_logprobs is not None  # its prompt's logits are wanted: compute every position
-        request = CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans, skip_reading=whole)
+        request = CacheRequest(seq.seq_id, tuple(seq.token_ids), mm_spans=spans, skip_reading=whole,
+                               cache_salt=seq.cache_salt)
         match = self.cache.match(request)
         if self.policy is not None and self.policy.share_in_flight and not whole:
             found = find_leader(seq, self.running, match.cached_len, self.cache.block_size)

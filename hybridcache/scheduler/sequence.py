@@ -38,7 +38,8 @@ class Seq:
     fork from it (in-flight sharing): a chunk ends at each, saving a branch point. `hint_steps`: prompt steps
     the caller expects later prompts to part from this one (`LLMEngine.add_request`'s `checkpoints_at`, e.g. a
     chat's end before its generation prompt): a chunk ends at each that the cache would save as a branch point.
-    `mm_inputs`: its multimodal spans (with embeddings), sorted by start.
+    `mm_inputs`: its multimodal spans (with embeddings), sorted by start. `cache_salt`: its request's cache salt
+    (`LLMEngine.add_request`), part of its prefix cache root: it shares cached content only with equal salts.
     `drafts`: speculative decoding: tokens proposed to follow `token_ids` (the engine's drafter sets them); its
     next decode step feeds them after its last token and keeps the prefix the verification accepts
     (`Scheduler.accept`). Empty otherwise. `num_draft_tokens` / `num_accepted_tokens`: how many drafts
@@ -62,6 +63,7 @@ class Seq:
     hint_steps: tuple[int, ...] = ()
     finish_reason: str | None = None
     mm_inputs: tuple[MultimodalInput, ...] = ()
+    cache_salt: str | None = None
     drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -67,6 +67,7 @@ class _Add:
     checkpoints_at: list[tuple[int, ...]]  # per prompt: `LLMEngine.add_request`'s checkpoints_at, () for none
     arrival: float  # perf_counter() when the event loop queued them (TTFT, e2e and the deadline count from here)
     echo_only: bool = False  # `max_tokens: 0` with echo: the one token each asks for is no generated token
+    cache_salt: str | None = None  # every prompt's `LLMEngine.add_request` cache_salt (the request body's)
 
 
 @dataclass
@@ -161,21 +162,23 @@ class EngineLoop:
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = (),
-                  echo_only: bool = False) -> asyncio.Queue:
-        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`, `echo_only`: see `add_many`); returns
-        its output queue (see `add_many`)."""
-        return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at], echo_only))[0]
+                  echo_only: bool = False, *, cache_salt: str | None = None) -> asyncio.Queue:
+        """Queue one request (`mm_inputs`: its image spans; `checkpoints_at`, `echo_only`, `cache_salt`: see
+        `add_many`); returns its output queue (see `add_many`)."""
+        return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at], echo_only,
+                                    cache_salt=cache_salt))[0]
 
     async def add_many(self, request_ids: list[str], prompts: list[str | list[int]], params: SamplingParams,
                        mm_inputs: list[tuple] | None = None, checkpoints_at: list[tuple[int, ...]] | None = None,
-                       echo_only: bool = False) -> list[asyncio.Queue]:
+                       echo_only: bool = False, *, cache_salt: str | None = None) -> list[asyncio.Queue]:
         """Queue one request per prompt (`mm_inputs[i]`: prompt i's image spans, encoded on the engine thread;
         `checkpoints_at[i]`: prompt i's steps where later prompts will part from it, `LLMEngine.add_request`'s
         `checkpoints_at`), all in the same command drain (so they join the same step); returns their output
         queues. `echo_only`: completions' `max_tokens: 0` with echo, whose one sampled token no choice shows: the
-        generation counters count 0 tokens for them, as `usage` does. Their arrival (TTFT, e2e, the request
-        timeout) is now, even when the engine thread is busy with a step. All or nothing: raises the engine's
-        ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
+        generation counters count 0 tokens for them, as `usage` does. `cache_salt`: the request body's (vLLM's
+        field), given to every prompt's `LLMEngine.add_request` (a bad one is its ValueError). Their arrival (TTFT,
+        e2e, the request timeout) is now, even when the engine thread is busy with a step. All or nothing: raises
+        the engine's ValueError/TypeError for a bad one, QueueFull when the waiting sequences would pass
         `max_queued_requests`, EngineFailure when the engine is dead."""
         arrival = time.perf_counter()
         if not self.running:
@@ -185,7 +188,7 @@ class EngineLoop:
         spans = list(mm_inputs) if mm_inputs is not None else [() for _ in request_ids]
         hints = list(checkpoints_at) if checkpoints_at is not None else [() for _ in request_ids]
         self._commands.put(_Add(list(request_ids), list(prompts), params, sinks, done, spans, hints, arrival,
-                                echo_only))
+                                echo_only, cache_salt))
         await done
         return sinks
 
@@ -305,7 +308,8 @@ class EngineLoop:
         try:
             for request_id, prompt, spans, hints in zip(command.request_ids, command.prompts, command.mm_inputs,
                                                         command.checkpoints_at):
-                engine.add_request(request_id, prompt, command.params, spans, checkpoints_at=hints)
+                engine.add_request(request_id, prompt, command.params, spans, checkpoints_at=hints,
+                                   cache_salt=command.cache_salt)
                 added.append(request_id)
         except Exception as error:  # noqa: BLE001 - handed to the caller
             for request_id in added:

@@ -1,13 +1,15 @@
 """A fake device and a tiny driver for cache tests: executes copy plans and "forwards" on ids.
 
 The fake device stores, for every KV position and every state slot, the identity of what a real model
-would hold there: KV at position p depends on the whole prefix [0, p] (adapter, tokens, spans), and the
-state at step s is the prefix [0, s). Executing the plan exactly as the engine would (restore copies,
-forward writes into the blocks the scheduler planned with, save copies) and then checking every running
-sequence, checkpoint and trie node against those identities catches wrong ids, wrong order, a block
-freed too early or a restore from the wrong place. With a host tier (`CacheConfig.host_blocks`) it also keeps
-host memory: HOST_SAVE and HOST_LOAD copy whole blocks between the two, and every host node and host checkpoint
-is checked like the device's (items whose copy the next plan carries are read where their bytes still are).
+would hold there: KV at position p depends on the whole prefix [0, p] (root: adapter and cache salt; tokens,
+spans), and the state at step s is the prefix [0, s). A cache salt changes nothing a real model computes; it is
+part of the identity here so that a request served another salt's KV or state is caught as holding wrong
+content. Executing the plan exactly as the engine would (restore copies, forward writes into the blocks the
+scheduler planned with, save copies) and then checking every running sequence, checkpoint and trie node against
+those identities catches wrong ids, wrong order, a block freed too early or a restore from the wrong place.
+With a host tier (`CacheConfig.host_blocks`) it also keeps host memory: HOST_SAVE and HOST_LOAD copy whole
+blocks between the two, and every host node and host checkpoint is checked like the device's (items whose copy
+the next plan carries are read where their bytes still are).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hybridcache.cache import CacheRequest, CopyKind, CopyPlan, PrefixCache
 
 def prefix_id(request: CacheRequest, token_ids: Sequence[int], end: int) -> tuple:
     """Identity of the prefix [0, end) of a sequence (what KV at end-1 / state at end depend on)."""
-    return (request.adapter, tuple(token_ids[:end]), request.spans_in(0, end))
+    return (request.root_key, tuple(token_ids[:end]), request.spans_in(0, end))
 
 
 def node_prefix(node) -> tuple[int, ...]:
@@ -173,7 +175,7 @@ class FakeDevice:
             prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
             spans = _spans_of(ckpt)
             if self.k is None:
-                assert self.state[ckpt.slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: state"
+                assert self.state[ckpt.slot] == (ckpt.root_key, prefix, spans), f"{ckpt}: state"
             else:  # a finish whose STATE_FINISH the next plan carries: still in the freed runtime slot
                 slot = self.cache_pending_finish().get(ckpt)
                 self._check_checkpoint(ckpt, prefix, spans, self._device_block, slot)
@@ -195,12 +197,13 @@ class FakeDevice:
         read through `read(block) -> content`."""
         size = self.cache.block_size
         if slot is not None:
-            assert self.state[slot] == (ckpt.adapter, prefix, spans), f"{ckpt}: finished state"
+            assert self.state[slot] == (ckpt.root_key, prefix, spans), f"{ckpt}: finished state"
         for j, page in enumerate(ckpt.pages if slot is None else ()):
-            assert self._page_state(page, j, read(page)) == (ckpt.adapter, prefix, spans), f"{ckpt}: state page {j}"
+            assert self._page_state(page, j, read(page)) == (ckpt.root_key, prefix, spans), f"{ckpt}: state page {j}"
         base = ckpt.anchor.depth * size
         for pos in range(base, ckpt.step):
-            assert read(ckpt.frozen_block)[pos - base][1] == prefix[: pos + 1], f"{ckpt}: tail KV"
+            entry = read(ckpt.frozen_block)[pos - base]
+            assert entry[0] == ckpt.root_key and entry[1] == prefix[: pos + 1], f"{ckpt}: tail KV"
 
     def _check_node(self, node, entries: list) -> None:
         """A trie node (device or host) whose block holds `entries`: the KV of its prefix."""
@@ -209,7 +212,7 @@ class FakeDevice:
         base = (node.depth - 1) * size
         for pos in range(base, base + size):
             got = entries[pos - base]
-            assert got is not None and got[0] == node.adapter and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
+            assert got is not None and got[0] == node.root_key and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
 
 
 def _spans_of(ckpt) -> tuple:

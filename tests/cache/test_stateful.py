@@ -5,6 +5,8 @@ After every operation: `check_integrity()` and the fake device (every running se
 trie node holds exactly the KV and state its ids claim). Every reported hit is checked against a reference
 model of what was saved (the prefix at the hit step was saved, with routed experts when asked), and, as
 long as nothing was ever evicted or cleared, the hit must be the deepest saved prefix the request allows.
+Requests draw an adapter and a cache salt: the reference model keys a saved prefix by its root (adapter and
+salt), so a hit across roots fails it, and the fake device's identities hold the root too.
 Paged runs draw a host tier too (`host_blocks`, 0 = none): device eviction demotes there, hits promote back,
 and the fake device checks every host node and host checkpoint as well (every id names live bytes in exactly
 one tier: integrity counts each block's holders in each tier).
@@ -75,7 +77,7 @@ class CacheMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------------------------
 
     def _key(self, request: CacheRequest, token_ids, step: int) -> tuple:
-        return (request.adapter, tuple(token_ids[:step]), request.spans_in(0, step))
+        return (request.root_key, tuple(token_ids[:step]), request.spans_in(0, step))
 
     def _record(self, request: CacheRequest, token_ids, step: int, routed: bool) -> None:
         key = self._key(request, token_ids, step)
@@ -121,6 +123,7 @@ class CacheMachine(RuleBasedStateMachine):
         request = CacheRequest(
             self.next_id, prompt, adapter=data.draw(st.sampled_from([None, None, "lora"])), mm_spans=spans,
             routed_experts=data.draw(st.integers(0, 3)) == 0,
+            cache_salt=data.draw(st.sampled_from([None, None, "tenant-a", "tenant-b"])),
         )
         self.next_id += 1
         before = fingerprint(self.cache)
