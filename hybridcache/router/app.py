@@ -54,6 +54,7 @@ from hybridcache.router.responses import (
     StreamHead,
     continued_id,
     response_id,
+    routed_cache_salt,
     routed_prompt_ids,
     stores,
 )
@@ -149,14 +150,15 @@ class RouterState:
         await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
                                for r in self.replicas))
 
-    def ranked(self, prompts: list[list[int]], exclude: set[str]) -> list[tuple[Replica, int]]:
-        """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction."""
+    def ranked(self, prompts: list[list[int]], exclude: set[str], salt: str | None = None) -> list[tuple[Replica, int]]:
+        """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction.
+        `salt`: the request's cache salt (its prompts hit only what that salt stored)."""
         candidates = [r for r in self.replicas if r.up and r.url not in exclude]
         if not candidates:
             return []
-        probes = [r.predict(prompts) for r in candidates]
+        probes = [r.predict(prompts, salt) for r in candidates]
         first = self.chooser.choose(probes, [r.in_flight for r in candidates], sum(len(p) for p in prompts),
-                                    lambda i, limit: candidates[i].chain(prompts, limit),
+                                    lambda i, limit: candidates[i].chain(prompts, limit, salt),
                                     [len(r.index.blocks) if r.index else 0 for r in candidates])
         order = [first] + sorted((i for i in range(len(candidates)) if i != first),
                                  key=lambda i: (-probes[i].cached_len, candidates[i].in_flight))
@@ -255,7 +257,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                     raise APIError(503, f"the replica that stored response {stored_id!r} ({owner.url}) cannot take "
                                         f"the request: {last_error if tried else 'it is down'}")
             else:
-                ranked = state.ranked(prompts, tried)
+                ranked = state.ranked(prompts, tried, routed_cache_salt(body))
             if not ranked:
                 state.num_failed += 1
                 if busy is not None:  # every replica left was busy: the last one's 503 and its Retry-After

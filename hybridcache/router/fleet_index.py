@@ -8,7 +8,7 @@ here for predictions::
                 loop (after each response it served, and every poll interval):
                     body  = its own GET /v1/cache/events?since=...   (a snapshot when since is None)
                     since = fleet.publish(r, body)                   (None: send a snapshot next time)
-    router:     probes = fleet.predict(prompts, [r1, r2, ...])        (kv_len, cached_len) per replica
+    router:     probes = fleet.predict(prompts, [r1, r2, ...], salt)  (kv_len, cached_len) per replica
 
 `publish` applies an answer exactly as the HTTP router's poll does (`Replica.apply`: a restarted replica's new
 epoch, or an index that lost its state, is answered with None, and the replica sends a snapshot). A replica this
@@ -47,14 +47,16 @@ class FleetIndex:
             return None
         return replica.next_seq
 
-    def predict(self, prompts: list[list[int]], replica_ids: Sequence[str]) -> list[Probe]:
-        """The summed (kv_len, cached_len) of `prompts` on each of `replica_ids`, in that order."""
-        return [self.replicas[r].predict(prompts) if r in self.replicas else Probe(0, 0) for r in replica_ids]
+    def predict(self, prompts: list[list[int]], replica_ids: Sequence[str], salt: str | None = None) -> list[Probe]:
+        """The summed (kv_len, cached_len) of `prompts` (of a request with cache salt `salt`) on each of
+        `replica_ids`, in that order."""
+        return [self.replicas[r].predict(prompts, salt) if r in self.replicas else Probe(0, 0) for r in replica_ids]
 
-    def chains(self, prompts: list[list[int]], probes: Sequence[Probe], replica_ids: Sequence[str]) -> list[int]:
-        """Each replica's `Replica.chain` of `prompts`, up to what the checkpoint policy needs to know
-        (`CHAIN_SHARE`: the limit is `kv_len / CHAIN_SHARE` of its probe, plus one)."""
-        return [self.replicas[r].chain(prompts, int(p.kv_len / CHAIN_SHARE) + 1) if r in self.replicas else 0
+    def chains(self, prompts: list[list[int]], probes: Sequence[Probe], replica_ids: Sequence[str],
+               salt: str | None = None) -> list[int]:
+        """Each replica's `Replica.chain` of `prompts` (cache salt `salt`), up to what the checkpoint policy needs
+        to know (`CHAIN_SHARE`: the limit is `kv_len / CHAIN_SHARE` of its probe, plus one)."""
+        return [self.replicas[r].chain(prompts, int(p.kv_len / CHAIN_SHARE) + 1, salt) if r in self.replicas else 0
                 for r, p in zip(replica_ids, probes, strict=True)]
 
     def drop(self, replica_ids: Iterable[str]) -> None:

@@ -5,14 +5,18 @@ checkpoints on each anchor (`anchor_hash` -> {(step, tail_hash): count}). A prom
 matches it, with hashes in place of tokens::
 
     hashes = prompt_block_hashes(prompt)           h_i = chain_hash(h_{i-1}, prompt[i*B:(i+1)*B])
-    kv_len = B * (number of leading h_i in blocks)
-    for depth q from deepest to 0, anchor = h_{q-1} (root_hash(adapter) for q = 0):
+    kv_len = B * (number of leading h_i in blocks)       h_{-1} = root_hash(adapter, salt)
+    for depth q from deepest to 0, anchor = h_{q-1} (root_hash(adapter, salt) for q = 0):
         for each (step, tail_hash) stored on anchor with step <= max_step, deepest first:
             hit when chain_hash(anchor, prompt[q*B:step]) == tail_hash      -> cached_len = step
 
 `chain_len` is how deep the stored content goes below the prompt's last matched block (the deepest block under
 it, walked through the blocks' parent hashes), which tells a later turn of the conversation stored there (its KV is
 most of the chain) from a sibling that shares a prefix with a longer one (router/policy.py).
+
+A request's cache salt (vLLM's `cache_salt`, cache.md "Cache salts") is part of its root: the events never carry
+it, so a salted prompt is predicted from the hashes chained from its salted root (`salt`), which only a router that
+read the salt from the request can compute, and it finds nothing another salt (or no salt) stored.
 
 The cache compares tokens exactly after a hash match; the index cannot, so a hash collision (2^-64 per
 probe) would make it predict a hit the replica does not give. Multimodal spans are not modelled: a prompt
@@ -84,18 +88,19 @@ class ReplicaIndex:
                         del self.checkpoints[event.anchor_hash]
 
     def predict(self, prompt_ids: Sequence[int], max_step: int | None = None, adapter: str | None = None,
-                block_hashes: Sequence[int] | None = None) -> Probe:
+                block_hashes: Sequence[int] | None = None, salt: str | None = None) -> Probe:
         """The (kv_len, cached_len) the replica's `PrefixCache.probe` would return for this text prompt now
-        (`max_step`: default prompt_len - 1, as an engine without full-prompt hits). `block_hashes`: the
-        prompt's chained block hashes when the caller has them (`prompt_hashes`), else computed here."""
+        (`max_step`: default prompt_len - 1, as an engine without full-prompt hits; `salt`: the request's cache
+        salt). `block_hashes`: the prompt's chained block hashes when the caller has them (`prompt_hashes`, with
+        the same adapter and salt), else computed here."""
         size = self.block_size
         prompt = tuple(prompt_ids)
         max_step = len(prompt) - 1 if max_step is None else max_step
-        hashes = prompt_hashes(prompt, size, adapter) if block_hashes is None else block_hashes
+        hashes = prompt_hashes(prompt, size, adapter, salt) if block_hashes is None else block_hashes
         depth = 0
         while depth < len(hashes) and hashes[depth] in self.blocks:
             depth += 1
-        root = root_hash(adapter)
+        root = root_hash(adapter, salt)
         for q in range(depth, -1, -1):
             anchor = hashes[q - 1] if q else root
             on_anchor = self.checkpoints.get(anchor)
@@ -109,12 +114,12 @@ class ReplicaIndex:
 
 
     def chain_len(self, prompt_ids: Sequence[int], limit: int, adapter: str | None = None,
-                  block_hashes: Sequence[int] | None = None) -> int:
+                  block_hashes: Sequence[int] | None = None, salt: str | None = None) -> int:
         """Tokens from the start to the deepest stored block under the prompt's last matched full block (0 when
         no block matches), up to `limit` tokens: the walk stops at the first block deeper than that, or after
         `MAX_CHAIN_NODES` blocks (then it answers `limit`)."""
         size = self.block_size
-        hashes = prompt_hashes(tuple(prompt_ids), size, adapter) if block_hashes is None else block_hashes
+        hashes = prompt_hashes(tuple(prompt_ids), size, adapter, salt) if block_hashes is None else block_hashes
         depth = 0
         while depth < len(hashes) and hashes[depth] in self.blocks:
             depth += 1
@@ -131,9 +136,11 @@ class ReplicaIndex:
         return min(deepest * size, limit)
 
 
-def prompt_hashes(prompt_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[int]:
-    """The chained hashes of the prompt's full blocks, as the trie computes them for a text prompt."""
-    parent = root_hash(adapter)
+def prompt_hashes(prompt_ids: Sequence[int], block_size: int, adapter: str | None = None,
+                  salt: str | None = None) -> list[int]:
+    """The chained hashes of the prompt's full blocks, as the trie computes them for a text prompt of this adapter
+    and cache salt."""
+    parent = root_hash(adapter, salt)
     hashes = []
     prompt = tuple(prompt_ids)
     for i in range(len(prompt) // block_size):

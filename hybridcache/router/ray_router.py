@@ -87,7 +87,8 @@ class CheckpointRequestRouter(RequestRouter):
             return [list(candidate_replicas)]
         ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
         try:
-            predicted = await asyncio.to_thread(self._call_index, "predict", prompts, ids)
+            salt = _arg(pending_request, "cache_salt")  # its prompts hit only what that salt stored
+            predicted = await asyncio.to_thread(self._call_index, "predict", prompts, ids, salt)
             probes = [Probe(kv, cached) for kv, cached, *_ in predicted]
             chains = [chain[0] if chain else 0 for _, _, *chain in predicted]
         except Exception as error:  # noqa: BLE001 - an index down or restarting must not stop routing
@@ -127,7 +128,7 @@ class CheckpointRequestRouter(RequestRouter):
 
 def _arg(pending_request: PendingRequest | None, field: str) -> Any:
     """A field of the request's first argument (an `EngineRequest`: its `prompt_ids`, `route_key`,
-    `replica_id`), None when it has none or it is empty."""
+    `replica_id`, `cache_salt`), None when it has none or it is empty."""
     if pending_request is None or not pending_request.args:
         return None
     return getattr(pending_request.args[0], field, None) or None

@@ -61,6 +61,7 @@ from hybridcache.router.responses import (
     StreamHead,
     continued_id,
     response_id,
+    routed_cache_salt,
     routed_prompt_ids,
     stores,
 )
@@ -86,6 +87,7 @@ class EngineRequest:
     prompt_ids: tuple[tuple[int, ...], ...] = ()
     route_key: str = ""  # set: the request router stores its predictions under it (ray_metrics.py)
     replica_id: str = ""  # set: only this replica may take the request while it runs (a scrape, a stored response)
+    cache_salt: str = ""  # the body's cache salt, which the prompts' hits are predicted under ("": none)
 
 
 def parse_serve_args(serve_args: Sequence[str]) -> Any:
@@ -194,10 +196,12 @@ class CacheIndex:
     async def publish(self, replica_id: str, body: dict) -> int | None:
         return self.fleet.publish(replica_id, body)
 
-    async def predict(self, prompts: list[list[int]], replica_ids: list[str]) -> list[tuple[int, int, int]]:
-        """(kv_len, cached_len, chain) per replica: its probe, and its chain (`FleetIndex.chains`)."""
-        probes = self.fleet.predict(prompts, replica_ids)
-        chains = self.fleet.chains(prompts, probes, replica_ids)
+    async def predict(self, prompts: list[list[int]], replica_ids: list[str],
+                      cache_salt: str | None = None) -> list[tuple[int, int, int]]:
+        """(kv_len, cached_len, chain) per replica: its probe, and its chain (`FleetIndex.chains`), of a request
+        with cache salt `cache_salt`."""
+        probes = self.fleet.predict(prompts, replica_ids, cache_salt)
+        chains = self.fleet.chains(prompts, probes, replica_ids, cache_salt)
         return [(p.kv_len, p.cached_len, c) for p, c in zip(probes, chains, strict=True)]
 
     async def drop(self, replica_ids: list[str]) -> None:
@@ -392,7 +396,8 @@ class OpenAIIngress:
         stored_id = continued_id(path, body)
         owner = await self._owner_of(stored_id, _headers(request)) if stored_id else None
         return await self._send(EngineRequest("POST", path, raw, _headers(request), tuple(tuple(p) for p in prompts),
-                                              uuid.uuid4().hex, replica_id=owner or ""),
+                                              uuid.uuid4().hex, replica_id=owner or "",
+                                              cache_salt=routed_cache_salt(body) or ""),
                                 learn=path == RESPONSES_PATH and stores(body))
 
     async def _send(self, request: EngineRequest, learn: bool = False) -> Response:

@@ -46,23 +46,26 @@ class Replica:
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def predict(self, prompts: list[list[int]]) -> Probe:
-        """The summed (kv_len, cached_len) of `prompts` here; (0, 0) while down or not yet indexed."""
+    def predict(self, prompts: list[list[int]], salt: str | None = None) -> Probe:
+        """The summed (kv_len, cached_len) of `prompts` (of a request with cache salt `salt`) here; (0, 0) while
+        down or not yet indexed."""
         if not self.up or self.index is None:
             return Probe(0, 0)
         kv = cached = 0
         for ids in prompts:
             max_step = len(ids) - (0 if self.full_prompt_hits else 1)
-            probe = self.index.predict(ids, max_step, block_hashes=prompt_hashes(ids, self.index.block_size))
+            hashes = prompt_hashes(ids, self.index.block_size, salt=salt)
+            probe = self.index.predict(ids, max_step, block_hashes=hashes, salt=salt)
             kv, cached = kv + probe.kv_len, cached + probe.cached_len
         return Probe(kv, cached)
 
-    def chain(self, prompts: list[list[int]], limit: int) -> int:
-        """The summed `ReplicaIndex.chain_len` of `prompts` here, up to `limit`; 0 while down or not indexed."""
+    def chain(self, prompts: list[list[int]], limit: int, salt: str | None = None) -> int:
+        """The summed `ReplicaIndex.chain_len` of `prompts` (cache salt `salt`) here, up to `limit`; 0 while down
+        or not indexed."""
         if not self.up or self.index is None:
             return 0
         size = self.index.block_size
-        return min(limit, sum(self.index.chain_len(ids, limit, block_hashes=prompt_hashes(ids, size))
+        return min(limit, sum(self.index.chain_len(ids, limit, block_hashes=prompt_hashes(ids, size, salt=salt))
                               for ids in prompts))
 
     def mark_down(self, reason: str) -> None:

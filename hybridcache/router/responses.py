@@ -53,6 +53,13 @@ def routed_prompt_ids(path: str, body: Any, tokenizer: Any,
     return body_prompt_ids(chat_request(request, input_messages(request.input)), tokenizer, template_kwargs)
 
 
+def routed_cache_salt(body: Any) -> str | None:
+    """The cache salt a request's hits are predicted under (vLLM's `cache_salt`: part of the replica's cache root,
+    cache.md "Cache salts"): the body's, when a non-empty string (anything else the replica refuses), else None."""
+    salt = body.get("cache_salt") if isinstance(body, dict) else None
+    return salt if isinstance(salt, str) and salt else None
+
+
 def stores(body: Any) -> bool:
     """Whether the replica stores the answer to this Responses body (`store` defaults to true)."""
     return not (isinstance(body, dict) and body.get("store") is False)

@@ -40,10 +40,10 @@ def _router(predictions: dict[str, tuple[int, int]], calls: list) -> tuple[Check
     return router, replicas
 
 
-def _choose(router, replicas, prompt_ids=(PROMPT,)) -> list[list[str]]:
+def _choose(router, replicas, prompt_ids=(PROMPT,), cache_salt: str = "") -> list[list[str]]:
     async def run():
-        request = PendingRequest(args=[EngineRequest("POST", "/v1/completions", prompt_ids=prompt_ids)], kwargs={},
-                                 metadata=None)
+        request = PendingRequest(args=[EngineRequest("POST", "/v1/completions", prompt_ids=prompt_ids,
+                                                     cache_salt=cache_salt)], kwargs={}, metadata=None)
         ranks = await router.choose_replicas(replicas, request)
         return [[r.replica_id.unique_id for r in rank] for rank in ranks]
 
@@ -56,11 +56,18 @@ def test_the_usable_hit_ranks_first_then_by_predicted_hit():
     router, replicas = _router({"a": (192, 0), "b": (144, 150), "c": (0, 0)}, calls)
     router.replica_queue_len_cache.update(replicas[0].replica_id, 1)
     assert _choose(router, replicas) == [["b"], ["c"], ["a"]]  # the rest: hit, then load (c is idle)
-    assert calls[0] == ("predict", (PROMPT,), [r.replica_id.to_full_id_str() for r in replicas])
+    assert calls[0] == ("predict", (PROMPT,), [r.replica_id.to_full_id_str() for r in replicas], None)
     router.replica_queue_len_cache.update(replicas[1].replica_id, 6)  # b: 6 in flight against c's 0
     assert _choose(router, replicas)[0] == ["c"]
     router.replica_queue_len_cache.update(replicas[1].replica_id, 2)  # within the margin again
     assert _choose(router, replicas)[0] == ["b"]
+
+
+def test_the_request_s_cache_salt_goes_to_the_index():
+    calls: list = []
+    router, replicas = _router({"a": (0, 0), "b": (144, 150), "c": (0, 0)}, calls)
+    assert _choose(router, replicas, cache_salt="tenant-a")[0] == ["b"]
+    assert calls[0] == ("predict", (PROMPT,), [r.replica_id.to_full_id_str() for r in replicas], "tenant-a")
 
 
 def test_a_miss_a_short_hit_no_prompt_or_no_index_leave_the_choice_to_load():
