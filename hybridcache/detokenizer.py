@@ -2,13 +2,17 @@
 
 `detokenizer_for(tokenizer, params)` picks the decoder of a completion: an `IncrementalDetokenizer`, or for a text
 read only at the end with no stop strings to watch a `DeferredDetokenizer` (one decode when read). Stop strings
-follow vLLM: none is looked for before the completion has more than `min_tokens` tokens, and none may start in
-the text of its first `min_tokens` tokens.
+follow vLLM's v1 detokenizer: none is looked for before the completion has more than `min_tokens` tokens (one may
+start in the text of those tokens, as long as it ends after it), and of those a token completes, the one that ends
+first wins (ties: the first in `stop`'s order). `token_text` is the text of a logprob entry's token (vLLM's
+`LogprobsProcessor`: a token that ends in part of a character is read with the tokens before it).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable, Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -17,6 +21,44 @@ from hybridcache.tokenizer import Tokenizer
 
 _logger = logging.getLogger("hybridcache.detokenizer")
 _INVALID_PREFIX = "Invalid prefix"  # tokenizers' DecodeStream, when a decoder rewrote text it already returned
+_REPLACEMENT = "\ufffd"  # what a decode gives for the bytes of a character not complete
+_MAX_CONTEXT = 4  # a UTF-8 character has at most 4 bytes, so at most 3 tokens before its last one
+
+
+def token_text(decode: Callable[[list[int]], str], token_id: int, context_ids: Sequence[int]) -> str:
+    """The text of `token_id` in a logprob entry (vLLM's `LogprobsProcessor._verify_tokens`), where the tokens
+    before its position end with `context_ids`. `decode`: ids -> text, special tokens kept.
+
+    A token's own decode, unless it ends in U+FFFD (the token holds bytes of a character that its decode alone
+    cannot complete): then it is read with the last 1, 2, .. 4 tokens of `context_ids` before it, and the first
+    such decode that no longer ends in U+FFFD, less the text of its leading context tokens that decode whole on
+    their own, is its text; "" while the character is still incomplete. So the texts of a completion's tokens add
+    up to its text, and a completion's `text_offset`s and a chat token's `bytes` are right. Only a token whose own
+    text ends in U+FFFD costs more than one decode. Worked example (byte-level tokens)::
+
+        tokens  "a"  0xE2  0x82  0xAC  "b"      (the 3 bytes of "€")
+        texts   "a"  ""    ""    "€"     "b"
+
+    vLLM's context: for a sampled token, the completion's sampled tokens before it (none for its first); for a
+    prompt token p >= 1, prompt tokens max(1, p - 4) .. p - 1 (its first prompt token has no entry, so it is never
+    context); every alternative at a position takes the same context."""
+    text = decode([token_id])
+    if not text.endswith(_REPLACEMENT):
+        return text
+    context_ids = list(context_ids[-_MAX_CONTEXT:])
+    for num_context in range(1, len(context_ids) + 1):
+        context = context_ids[-num_context:]
+        full = decode([*context, token_id])
+        if full.endswith(_REPLACEMENT):
+            continue
+        clean_end = len(context)  # the context tokens from here on hold bytes of the character this one completes
+        while clean_end > 0 and decode([context[clean_end - 1]]).endswith(_REPLACEMENT):
+            clean_end -= 1
+        prefix = decode(context[:clean_end]) if clean_end else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return full[len(os.path.commonprefix([prefix, full])):]  # (a decoder that normalizes across tokens)
+    return ""
 
 
 def detokenizer_for(tokenizer: Tokenizer, params: SamplingParams, *, deferred: bool = False
@@ -61,13 +103,14 @@ class DeferredDetokenizer:
 class IncrementalDetokenizer:
     """The text of one growing completion, decoded a token at a time with tokenizers' `DecodeStream`.
 
-    Contract: after `add(t)` for each token of `ids`, `text` equals `Tokenizer.decode(ids, skip_special_tokens)`
-    cut before the first occurrence of any `stop` string (after it with `include_stop`; of the stop strings
-    found at that position, the first in `stop`'s order), and `stop_reason` is that stop string (None before).
-    Stop strings are looked for only once more than `min_tokens` tokens were added, and only from the end of the
-    text the first `min_tokens` tokens completed (vLLM's rule). A token costs a decode of the few tokens since the
-    last complete character, and the stop search looks only at the characters that can complete a stop string, so
-    n tokens cost O(n), not O(n^2).
+    Contract (vLLM's v1 detokenizer, `update` and `check_stop_strings`): after `add(t)` for each token of `ids`,
+    `text` equals `Tokenizer.decode(ids, skip_special_tokens)` cut at the first stop string a token completed:
+    before it (after it with `include_stop`), and `stop_reason` is that stop string (None before). Of the stop
+    strings one token completes, the one that ends first wins (ties: the first in `stop`'s order). Stop strings
+    are looked for only once more than `min_tokens` tokens were added; the first search after them finds a stop
+    string that starts in their text and ends in the new token's. A token costs a decode of the few tokens since
+    the last complete character, and the stop search looks only at the characters that can complete a stop
+    string, so n tokens cost O(n), not O(n^2).
 
     Tokens whose bytes do not yet form a complete character are `pending`: `DecodeStream` returns nothing for
     them, and `text` appends their own decode (U+FFFD replacement characters), as a full decode would. Worked
@@ -79,8 +122,10 @@ class IncrementalDetokenizer:
         add(0xAC)  text "a€"           (complete: the stream emits "€")
         add("E"), add("N"), add("D") -> the last returns True; text "a€" from then on
 
-    With min_tokens = 2 and stop = ("a",), tokens "a", "a", "a": the first two are never searched (and an "a"
-    in their text never matches), the third returns True; text "aa".
+    With min_tokens = 2 and stop = ("a",), tokens "a", "a", "a": the first two are never searched, the third
+    returns True; text "aa". With min_tokens = 1 and stop = ("aa",), tokens "a", "a": the second returns True
+    (the stop string started in the first token's text); text "". With stop = ("User:", "\\nUser:") and the
+    piece "\\nUser:" in one token, both end at its end: "User:" (first in `stop`) wins; text "...\\n".
 
     Decoders that rewrite text they already returned (byte fallback, Metaspace) can make `DecodeStream` fail with
     "Invalid prefix"; the stream then starts afresh at the token (as vLLM does), and `text` may differ from a full
@@ -96,7 +141,6 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop
         self._min_tokens = min_tokens
         self._num_tokens = 0
-        self._search_from = 0  # no stop string starts before: the end of the first min_tokens tokens' text
         self._emitted = ""
         self._pending: list[int] = []
         self._stop_at: int | None = None
@@ -112,18 +156,22 @@ class IncrementalDetokenizer:
             self._pending.clear()
         searched_to = len(self._emitted)
         self._emitted += piece or ""
-        if self._num_tokens <= self._min_tokens:
-            self._search_from = len(self._emitted)
-            return False
-        if piece:
-            cuts = []
-            for stop in self._stop:  # an occurrence not found before must end inside the new piece
-                position = self._emitted.find(stop, max(self._search_from, searched_to - len(stop) + 1))
-                if position >= 0:
-                    cuts.append((position, position + len(stop) if self._include_stop else position, stop))
-            if cuts and self._stop_at is None:
-                _, self._stop_at, self.stop_reason = min(cuts, key=lambda cut: cut[0])
+        if piece and self._stop_at is None and self._num_tokens > self._min_tokens:
+            self._find_stop(searched_to)
         return self._stop_at is not None
+
+    def _find_stop(self, searched_to: int) -> None:
+        """Look for a stop string that ends after `searched_to` (an occurrence that ends before it was there
+        before, or lay in the text of the first `min_tokens` tokens); of those found, the one that ends first
+        (ties: the first in `stop`'s order) cuts the text."""
+        best_end, best = None, None
+        for stop in self._stop:
+            position = self._emitted.find(stop, max(0, searched_to - len(stop) + 1))
+            if position >= 0 and (best_end is None or position + len(stop) < best_end):
+                best_end, best = position + len(stop), (position, stop)
+        if best is not None:
+            position, self.stop_reason = best
+            self._stop_at = best_end if self._include_stop else position
 
     def _step(self, token_id: int) -> str | None:
         try:

@@ -11,24 +11,31 @@ The engine's step loop (`engine.py`) owns the requests and the sequences; it cal
   `seq.token_ids`: it records the logprob, advances the grammar, detokenizes and checks the stops; it returns
   the finish reason ("stop": an EOS or stop token, decoded into the text only with `include_stop_str_in_output`,
   or a stop string; "length": `max_tokens` or `max_model_len` reached) or None, and keeps vLLM's `stop_reason`
-  (the stop string or stop token id; None for the tokenizer's EOS). It never touches the scheduler: the engine
-  finishes the sequence when a reason comes back;
+  (the stop string, also when a stop token decoded with `include_stop_str_in_output` completes one; else the
+  stop token id; None for the tokenizer's EOS). It never touches the scheduler: the engine finishes the
+  sequence when a reason comes back;
 - `output(state)` for the cumulative output of a request (also after an abort).
+
+Logprob entries name their tokens as vLLM's `LogprobsProcessor` does (`detokenizer.token_text`): a token whose
+own text ends in part of a character is read with the tokens before its position (sampled tokens for a sample,
+prompt tokens for the prompt), so their texts add up to the text.
 
 Nothing here reads the device beyond the prompt-logprob rows it is handed, and nothing here changes a sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
-from hybridcache.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, detokenizer_for
+from hybridcache.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, detokenizer_for, token_text
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
+    Logprob,
     PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
@@ -94,8 +101,20 @@ class OutputProcessor:
         return state
 
     def _decode(self, token: int) -> str:
-        """One token's text, special tokens kept (grammar matchers, logprob entries)."""
+        """One token's text, special tokens kept (grammar matchers)."""
         return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _logprob_texts(self, context_ids: Sequence[int]) -> Callable[[int], str]:
+        """The text of a logprob entry's token at a position whose tokens before it end with `context_ids`."""
+        return partial(token_text, self._decode_ids, context_ids=context_ids)
+
+    def _named(self, entry: dict[int, Logprob], context_ids: Sequence[int]) -> dict[int, Logprob]:
+        """`entry` with its tokens' texts, at a position whose tokens before it end with `context_ids`."""
+        text = self._logprob_texts(context_ids)
+        return {token: Logprob(lp.logprob, lp.rank, text(token)) for token, lp in entry.items()}
 
     def allowed_bitmask(self, rows: Sequence[tuple[RequestState | None, Seq]],
                         vocab_size: int) -> torch.Tensor | None:
@@ -111,16 +130,18 @@ class OutputProcessor:
         `token` (default: its length now, `token` already in `seq.token_ids`; speculative steps pass the length
         each accepted token brings, before they are appended)."""
         if logprob is not None:
-            state.logprobs[seq.index].append(logprob.entry(self._decode))
+            entries = state.logprobs[seq.index]
+            context = [next(iter(entry)) for entry in entries[-4:]]  # the sampled tokens before (each entry's first)
+            entries.append(logprob.entry(self._logprob_texts(context)))
             state.cumulative_logprobs[seq.index] += logprob.logprob
         matcher = state.matchers[seq.index]
         if matcher is not None and not matcher.is_terminated():
             matcher.accept_token(token)
         text = state.texts[seq.index]
         reason = self._finish_reason(seq, token, text, seq.num_tokens if num_tokens is None else num_tokens)
-        if reason == "stop":
-            state.stop_reasons[seq.index] = (self._stop_token_reason(seq, token) if self._is_stop_token(seq, token)
-                                             else text.stop_reason)
+        if reason == "stop":  # the stop string, also one a stop token's decoded text completed
+            state.stop_reasons[seq.index] = (text.stop_reason if text.stop_reason is not None
+                                             else self._stop_token_reason(seq, token))
         if reason is None and matcher is not None and matcher.is_terminated():
             return "stop"  # the grammar is complete (its stop token taken under ignore_eos): no token may follow
         return reason
@@ -128,7 +149,8 @@ class OutputProcessor:
     def _finish_reason(self, seq: Seq, token: int, text: IncrementalDetokenizer | DeferredDetokenizer,
                        num_tokens: int) -> str | None:
         """Why `seq` stops after sampling `token` (which makes it `num_tokens` long), or None. A stop token is
-        decoded into the text only with `include_stop_str_in_output` (vLLM's rule)."""
+        decoded into the text only with `include_stop_str_in_output`, and its text is then searched for stop
+        strings like any token's (vLLM's rule: one it completes cuts the text and is the `stop_reason`)."""
         if self._is_stop_token(seq, token):
             if seq.params.include_stop_str_in_output:
                 text.add(token)
@@ -153,7 +175,8 @@ class OutputProcessor:
                                flags: Sequence[bool], logits: torch.Tensor) -> None:
         """Store the prompt logprobs of the flagged chunks (in `states[chunk.seq.request_id]`). `logits` is what
         the runner returned: row i at chunk i's last token, then each flagged chunk's other rows in chunk order.
-        The logits at position p give the logprob of prompt token p + 1.
+        The logits at position p give the logprob of prompt token p + 1. Entry p's token texts take prompt tokens
+        max(1, p - 4) .. p - 1 as context (vLLM's: the prompt tokens of the entries before; `token_text`).
 
         Worked example: 2 chunks, chunk 1 flagged, start 10, 4 tokens: rows [2, 3, 4, 1] hold positions
         10..13, i.e. prompt tokens 11..14 (a position at or past prompt_len - 1 predicts no prompt token)."""
@@ -166,9 +189,10 @@ class OutputProcessor:
             seq = chunk.seq
             count = min(chunk.end, seq.prompt_len - 1) - chunk.start
             targets = to_device(seq.token_ids[chunk.start + 1: chunk.start + 1 + count], logits.device)
-            entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs,
-                                      decode=self._decode)
-            states[seq.request_id].prompt_logprobs[chunk.start + 1: chunk.start + 1 + count] = entries
+            entries = prompt_logprobs(logits[rows[:count]], targets, seq.params.prompt_logprobs)
+            first = chunk.start + 1
+            states[seq.request_id].prompt_logprobs[first: first + count] = [
+                self._named(entry, seq.token_ids[max(1, p - 4): p]) for p, entry in enumerate(entries, start=first)]
 
     def output(self, state: RequestState) -> RequestOutput:
         """The request's output so far: each completion's text (until it finishes, without what may begin a stop
