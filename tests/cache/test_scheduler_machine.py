@@ -8,8 +8,9 @@ finishes come after that, so a finished sequence's row has already run one step 
 Speculative steps (k drafts, sync steps only): decoding sequences feed random drafts, keep a random prefix of
 them (`Scheduler.accept`, whose rollback the fake device runs) and the fake device checks that no rejected draft's KV
 or state is ever read as a sequence's, a checkpoint's or a trie node's.
-After every step: `check_integrity()`, the fake device (every id holds what it claims; a zero-prefill
-sample's slot holds its whole prompt's state), and no sequence waits forever.
+Requests draw a cache salt (the fake device's identities hold it: a sequence served another salt's KV or state
+fails them). After every step: `check_integrity()`, the fake device (every id holds what it claims; a
+zero-prefill sample's slot holds its whole prompt's state), and no sequence waits forever.
 """
 
 from __future__ import annotations
@@ -71,10 +72,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         doc = data.draw(st.sampled_from(DOCS))
         prompt = doc[: data.draw(st.integers(1, len(doc)))] + tuple(data.draw(st.lists(st.integers(0, 12),
                                                                                        max_size=6)))
+        salt = data.draw(st.sampled_from([None, None, "a", "b"]))  # the request's cache salt, its n completions'
         for index in range(n):
             seq = Seq(seq_id=len(self.seqs), request_id=str(len(self.seqs)), index=index, token_ids=list(prompt),
                       prompt_len=len(prompt), params=SamplingParams(temperature=0), generator=None,
-                      arrival=len(self.seqs))
+                      arrival=len(self.seqs), cache_salt=salt)
             self.seqs.append(seq)
             self.scheduler.add(seq)
 
@@ -286,7 +288,8 @@ def test_a_hit_that_needs_one_block_more_than_a_miss_runs_as_a_miss():
 
 
 class _Scripted:
-    """`data` for the machine's rules with the draws given in order (a found failure, replayed by hand)."""
+    """`data` for the machine's rules with the draws given in order (a found failure, replayed by hand; `add`
+    draws a document, a length, a suffix and a cache salt)."""
 
     def __init__(self, *values) -> None:
         self.values = list(values)
@@ -303,14 +306,14 @@ def test_a_finish_state_written_in_a_plan_is_not_demoted_by_that_plan():
     machine.setup(block_size=8, num_blocks=12, num_slots=4, budget=4, mode="hybridcache", eviction="lru",
                   learned=False, async_steps=True, state_pages=1, host_blocks=4, spec_k=0)
     first, second = DOCS
-    machine.add(_Scripted(first, 1, []), 1)
-    machine.add(_Scripted(first, 1, [1]), 1)
+    machine.add(_Scripted(first, 1, [], None), 1)
+    machine.add(_Scripted(first, 1, [1], None), 1)
     machine.step(_Scripted())
-    machine.add(_Scripted(first, 1, []), 1)
+    machine.add(_Scripted(first, 1, [], None), 1)
     machine.step(_Scripted(0, 0, 0, 0))  # both earlier sequences finish
     machine.abort(_Scripted(machine.seqs[2]))
-    machine.add(_Scripted(first, 2, []), 1)
-    machine.add(_Scripted(second, 1, []), 1)
+    machine.add(_Scripted(first, 2, [], None), 1)
+    machine.add(_Scripted(second, 1, [], None), 1)
     machine.step(_Scripted(*[0] * 8))  # the fake device checks every host page
     machine.consistent()
     assert machine.cache.stats.num_demoted_checkpoints >= 1
