@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from hybridcache import LLM, SamplingParams
+from hybridcache.detokenizer import token_text
 from hybridcache.mm_processor import CHAT_ROLES, split_chat_images, template_content
 
 
@@ -109,10 +110,12 @@ def test_outputs_carry_vllms_fields(llm):
     assert first.num_cached_tokens == 0 and again.num_cached_tokens > 0
     c = again.outputs[0]
     assert len(c.logprobs) == len(c.token_ids) == 4
-    for token, entry in zip(c.token_ids, c.logprobs):
+    for i, (token, entry) in enumerate(zip(c.token_ids, c.logprobs)):
         assert next(iter(entry)) == token and len(entry) in (2, 3)
         assert entry[token].rank == 1  # greedy: the sampled token is the likeliest
-        assert entry[token].decoded_token == tok.decode([token], skip_special_tokens=False)
+        # its text as vLLM's (a token inside a character decoded after the sampled tokens before it)
+        assert entry[token].decoded_token == token_text(lambda ids: tok.decode(ids, skip_special_tokens=False),
+                                                        token, c.token_ids[max(0, i - 4):i])
         assert sorted(lp.rank for lp in entry.values()) == [1, 2] or len(entry) == 3
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(c.token_ids, c.logprobs)))
     assert (c.finish_reason, c.stop_reason) == ("length", None)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridcache.config import EngineConfig
+from hybridcache.detokenizer import token_text
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.guided import GuidedKind, GuidedSpec, fill_bitmask
 from hybridcache.sampling import SamplingParams, top_logprobs
@@ -57,12 +58,13 @@ def test_logprobs_equal_log_softmax_of_the_engines_logits(engine):
     # one sampled row per step: the last row of each step's logits is this request's
     steps = [logits[-1] for logits in recorded][-6:]
     total = 0.0
-    for token, entry, logits in zip(output.token_ids, output.logprobs, steps):
+    decode = lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    for i, (token, entry, logits) in enumerate(zip(output.token_ids, output.logprobs, steps)):
         expected = torch.log_softmax(logits, dim=-1)
         assert next(iter(entry)) == token  # vLLM's shape: {token id: Logprob}, the sampled token first
         assert entry[token].logprob == pytest.approx(float(expected[token]), abs=1e-5)
         assert entry[token].rank == int((expected > expected[token]).sum()) + 1
-        assert entry[token].decoded_token == engine.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry[token].decoded_token == token_text(decode, token, output.token_ids[max(0, i - 4):i])
         top = expected.topk(4)
         assert [t for t, _ in top_logprobs(entry, token, 4)] == top.indices.tolist()
         assert [lp.rank for _, lp in top_logprobs(entry, token, 4)] == [1, 2, 3, 4]
