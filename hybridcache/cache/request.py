@@ -63,7 +63,7 @@ class CacheRequest:
     mm_spans: tuple[MultimodalSpan, ...] = ()
     routed_experts: bool = False
     skip_reading: bool = False
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a secret: kept out of reprs (logs, errors)
     _span_ends: tuple[int, ...] = field(init=False, repr=False, compare=False)
     memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)
 

@@ -83,6 +83,9 @@ class RootKey(NamedTuple):
     adapter: str | None = None
     salt: str | None = None
 
+    def __repr__(self) -> str:  # the salt is a secret: reprs land in logs and error messages
+        return f"RootKey(adapter={self.adapter!r}, salted={self.salt is not None})"
+
 
 def root_hash(adapter: str | None, salt: str | None = None) -> int:
     """The hash a root's first block chains from. Unsalted: the adapter's name alone; salted: the pair (a `repr`

@@ -63,7 +63,7 @@ class Seq:
     hint_steps: tuple[int, ...] = ()
     finish_reason: str | None = None
     mm_inputs: tuple[MultimodalInput, ...] = ()
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a secret: kept out of reprs
     drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -87,6 +87,19 @@ def test_a_salt_is_a_non_empty_string(salt):
         CacheRequest("r", (1, 2, 3), cache_salt=salt)
 
 
+def test_reprs_keep_the_salt_out():
+    """What lands in logs and error messages (reprs of requests, roots, nodes and the learner's ghost keys) never
+    shows a salt: it is what keeps another tenant from hitting the prompts it guards."""
+    driver = make_driver(block_size=B, admission="learned")
+    request = CacheRequest("r", tokens(2 * B + 1, seed=8), cache_salt="secret-salt")
+    driver.run(request)
+    cache = driver.cache
+    cache._learner.declined(SaveReason.CHUNK_END, None, (request.root_key, 0, 0), 3, request.prompt_ids[:3])
+    shown = [request, request.root_key, *cache._life.trie.iter_nodes(), *cache._life.published(), cache._learner]
+    assert all("secret-salt" not in repr(item) for item in shown)
+    assert repr(request.root_key) == "RootKey(adapter=None, salted=True)"
+
+
 def test_events_tell_salted_blocks_by_their_salted_hashes_and_never_the_salt():
     driver = make_driver(block_size=B)
     log = driver.cache.enable_events()
