@@ -21,7 +21,7 @@ from hybridcache.cache import CacheRequest, CopyKind, CopyPlan, PrefixCache
 
 def prefix_id(request: CacheRequest, token_ids: Sequence[int], end: int) -> tuple:
     """Identity of the prefix [0, end) of a sequence (what KV at end-1 / state at end depend on)."""
-    return (request.root_key, tuple(token_ids[:end]), request.spans_in(0, end))
+    return ((request.adapter, request.cache_salt), tuple(token_ids[:end]), request.spans_in(0, end))
 
 
 def node_prefix(node) -> tuple[int, ...]:
@@ -175,7 +175,7 @@ class FakeDevice:
             prefix = node_prefix(ckpt.anchor) + ckpt.tail_ids
             spans = _spans_of(ckpt)
             if self.k is None:
-                assert self.state[ckpt.slot] == (ckpt.root_key, prefix, spans), f"{ckpt}: state"
+                assert self.state[ckpt.slot] == ((ckpt.adapter, ckpt.salt), prefix, spans), f"{ckpt}: state"
             else:  # a finish whose STATE_FINISH the next plan carries: still in the freed runtime slot
                 slot = self.cache_pending_finish().get(ckpt)
                 self._check_checkpoint(ckpt, prefix, spans, self._device_block, slot)
@@ -197,13 +197,14 @@ class FakeDevice:
         read through `read(block) -> content`."""
         size = self.cache.block_size
         if slot is not None:
-            assert self.state[slot] == (ckpt.root_key, prefix, spans), f"{ckpt}: finished state"
+            assert self.state[slot] == ((ckpt.adapter, ckpt.salt), prefix, spans), f"{ckpt}: finished state"
         for j, page in enumerate(ckpt.pages if slot is None else ()):
-            assert self._page_state(page, j, read(page)) == (ckpt.root_key, prefix, spans), f"{ckpt}: state page {j}"
+            got = self._page_state(page, j, read(page))
+            assert got == ((ckpt.adapter, ckpt.salt), prefix, spans), f"{ckpt}: state page {j}"
         base = ckpt.anchor.depth * size
         for pos in range(base, ckpt.step):
             entry = read(ckpt.frozen_block)[pos - base]
-            assert entry[0] == ckpt.root_key and entry[1] == prefix[: pos + 1], f"{ckpt}: tail KV"
+            assert entry[0] == (ckpt.adapter, ckpt.salt) and entry[1] == prefix[: pos + 1], f"{ckpt}: tail KV"
 
     def _check_node(self, node, entries: list) -> None:
         """A trie node (device or host) whose block holds `entries`: the KV of its prefix."""
@@ -212,7 +213,8 @@ class FakeDevice:
         base = (node.depth - 1) * size
         for pos in range(base, base + size):
             got = entries[pos - base]
-            assert got is not None and got[0] == node.root_key and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
+            root = (node.root_key.adapter, node.root_key.salt)
+            assert got is not None and got[0] == root and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
 
 
 def _spans_of(ckpt) -> tuple:

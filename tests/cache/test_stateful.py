@@ -77,7 +77,7 @@ class CacheMachine(RuleBasedStateMachine):
     # -- helpers -------------------------------------------------------------------------------------------
 
     def _key(self, request: CacheRequest, token_ids, step: int) -> tuple:
-        return (request.root_key, tuple(token_ids[:step]), request.spans_in(0, step))
+        return ((request.adapter, request.cache_salt), tuple(token_ids[:step]), request.spans_in(0, step))
 
     def _record(self, request: CacheRequest, token_ids, step: int, routed: bool) -> None:
         key = self._key(request, token_ids, step)
