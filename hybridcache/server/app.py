@@ -9,6 +9,7 @@
     GET  /v1/models             the served model
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET|POST /ping              vLLM's (SageMaker's) liveness route: 200 while the engine is healthy, else 503
+    GET  /load                  vLLM's `{"server_load": N}`: generation requests in flight (`ServerLoad`)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
                                 and the last error only with the API key (when one is set)
     GET  /metrics               Prometheus text format
@@ -41,7 +42,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -49,6 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridcache.engine.engine import freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
@@ -60,7 +62,7 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request
-from hybridcache.server.chat_output import ChatOutputOptions
+from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
 from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
@@ -75,7 +77,6 @@ from hybridcache.server.limits import (
     max_token_bytes,
     queue_full_error,
     read_body,
-    truncation_tail,
 )
 from hybridcache.server.metrics import ServerMetrics
 from hybridcache.server.prompt_ids import body_prompt_ids
@@ -149,6 +150,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
                   redirect_slashes=False)
     routes = _Routes(engine_loop, model, config, metrics)
     app.add_middleware(ShutdownGuard)  # (added first, so innermost: CORS headers go on its 503 too)
+    app.add_middleware(LoadCounting, load=routes.load)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -177,6 +179,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.ping, methods=["GET", "POST"])
+    app.add_api_route("/load", routes.server_load, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     if config.enable_debug_endpoints:
         app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
@@ -189,10 +192,42 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     return app
 
 
+@dataclass
+class ServerLoad:
+    """vLLM's server load (`GET /load`): the generation requests (`GENERATION_ROUTES`) in flight, each counted
+    from the moment it reaches the server until its response, a stream included, has been sent, or has failed, or
+    its client has gone (`LoadCounting`), as vLLM's `load_aware_call` counts them. Only the event loop touches it."""
+
+    GENERATION_ROUTES: ClassVar[frozenset[str]] = frozenset({"/v1/completions", "/v1/chat/completions",
+                                                             "/v1/responses"})
+    num_requests: int = 0
+
+
+class LoadCounting:
+    """ASGI middleware: counts a POST to a generation route in `load` while the application runs it."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        counted = scope["type"] == "http" and scope["method"] == "POST" \
+            and scope["path"] in ServerLoad.GENERATION_ROUTES
+        if not counted:
+            await self.app(scope, receive, send)
+            return
+        self.load.num_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.num_requests -= 1
+
+
 class _Routes:
     def __init__(self, engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
                  metrics: ServerMetrics) -> None:
         self.engine_loop = engine_loop
+        self.load = ServerLoad()
         # the engine's grammar cache (thread-safe), where a request's constraint compiles off the engine thread
         # (`compile_constraint`); None with a stand-in loop or engine: the engine compiles it
         self.grammars: GrammarCache | None = getattr(getattr(engine_loop, "engine", None), "grammars", None)
@@ -206,6 +241,9 @@ class _Routes:
         # GIL); one warm-up call first sets the backend's options, which must not change under concurrent calls
         if model.tokenizer is not None:
             model.tokenizer.encode("warm-up")
+        # the think tags' token ids, for the reasoning token count in `usage` (with a reasoning parser)
+        self.think_markers = ThinkMarkers.of(model.tokenizer) \
+            if config.reasoning_parser is not None and model.tokenizer is not None else None
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS,
                                                                     thread_name_prefix="hybridcache-tokenize")
 
@@ -223,20 +261,20 @@ class _Routes:
         body.check_n()
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.config.limits)
-        keep = body.truncation(self.model.max_model_len)
-        if keep is None:
-            check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
-        else:  # a truncated prompt may be of any length: only its end is tokenized
-            prompts = [truncation_tail(p, keep, self.prompt_byte_limit, self.model.max_model_len)
-                       if isinstance(p, str) else p for p in prompts]
-        tokenizer = self.model.tokenizer
-        encoded = await self._encode(prompts)
-        prompt_ids = [body.truncated(ids, self.model.max_model_len) for ids in encoded]
-        longest = max(prompt_ids, key=len)
         defaults = self.model.sampling_defaults
         default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         echo_only = body.echo_only()  # max_tokens 0: the engine samples one token that no choice shows
         requested = 1 if echo_only else body.max_tokens
+        cut = body.truncation(self.model.max_model_len, default_max if requested is None else requested)
+        if cut is None:
+            check_prompt_bytes(prompts, self.prompt_byte_limit, self.model.max_model_len, "prompt")
+        else:  # a truncated prompt may be of any length: only the end it keeps is tokenized
+            prompts = [cut.text_window(p, self.prompt_byte_limit, self.model.max_model_len)
+                       if isinstance(p, str) else p for p in prompts]
+        tokenizer = self.model.tokenizer
+        encoded = await self._encode(prompts)
+        prompt_ids = encoded if cut is None else [cut.apply(ids) for ids in encoded]
+        longest = max(prompt_ids, key=len)
         max_tokens = self._max_tokens(requested, len(longest), default_max, "prompt", body.n * len(prompts))
         params = body.sampling_params(max_tokens, body.guided(), defaults)
         await self.compile_constraint(params, body)
@@ -268,11 +306,13 @@ class _Routes:
         check_sequences(1, body.n, self.config.limits)
         chat_prompt, images, tools = await self.in_pool(self._render_chat, body)
         text = chat_prompt.text
-        keep = body.truncation(self.model.max_model_len)
-        if keep is None or images:  # (truncation may not cut a prompt with images: it is a 400 below)
+        defaults = self.model.sampling_defaults
+        requested = body.requested_max_tokens()
+        cut = body.truncation(self.model.max_model_len, (defaults.max_tokens or 0) if requested is None else requested)
+        if cut is None or images:  # (truncation may not cut a prompt with images: it is a 400 below)
             check_prompt_bytes([text], self.prompt_byte_limit, self.model.max_model_len, "messages")
-        else:  # a truncated prompt may be of any length: only its end is tokenized
-            text = truncation_tail(text, keep, self.prompt_byte_limit, self.model.max_model_len)
+        else:  # a truncated prompt may be of any length: only the end it keeps is tokenized
+            text = cut.text_window(text, self.prompt_byte_limit, self.model.max_model_len)
         prompt_ids = (await self._encode([text]))[0]
         mm_inputs: tuple = ()
         if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
@@ -280,14 +320,14 @@ class _Routes:
                                                             images, self.model.media_limits)
         elif self.model.image_processor is not None:  # no images: no stray placeholder either
             prompt_ids, _ = image_request(self.model.image_processor, prompt_ids, (), self.model.media_limits)
-        kept = body.truncated(prompt_ids, self.model.max_model_len)
+        kept = prompt_ids if cut is None else cut.apply(prompt_ids)
         if mm_inputs and len(kept) < len(prompt_ids):
             raise APIError(400, "truncate_prompt_tokens would cut a prompt that holds images; send fewer messages",
                            param="truncate_prompt_tokens")
+        # the next turn parts from this prompt in its generation prompt, which a cut from the right drops
+        head_only = cut is not None and cut.side == "right" and len(kept) < len(prompt_ids)
         prompt_ids = kept
-        defaults = self.model.sampling_defaults
-        max_tokens = self._max_tokens(body.requested_max_tokens(), len(prompt_ids), defaults.max_tokens, "messages",
-                                      body.n)
+        max_tokens = self._max_tokens(requested, len(prompt_ids), defaults.max_tokens, "messages", body.n)
         split_reasoning = self.config.reasoning_parser is not None
         in_reasoning = chat_prompt.in_reasoning
         guided = body.guided()
@@ -295,18 +335,25 @@ class _Routes:
             guided = replace(guided, starts_after=reasoning.THINK_END)  # reasoning before it
         params = body.sampling_params(max_tokens, guided, defaults)
         await self.compile_constraint(params, body)
+        tool_choice = body.effective_tool_choice()
+        forced = "named" if isinstance(tool_choice, dict) else "required" if tool_choice == "required" else "auto"
         chat = ChatOutputOptions(
             split_reasoning=split_reasoning,
             in_reasoning=in_reasoning,
-            parse_tools=bool(tools) and body.effective_tool_choice() != "none",
+            include_reasoning=body.include_reasoning,
+            think_markers=self.think_markers,
+            parse_tools=bool(tools) and tool_choice != "none",
             tools=tools,
+            tool_choice=forced,
             parallel_tool_calls=body.parallel_tool_calls,
+            echo=body.echo_text(),
         )
-        rendering = Rendering(chat=chat, logprobs=params.logprobs is not None, tokenizer=self.model.tokenizer,
-                              num_logprobs=params.logprobs or 0, prompt_logprobs=body.prompt_logprobs,
-                              return_token_ids=body.return_token_ids,
+        rendering = Rendering(chat=chat, logprobs=params.logprobs is not None and not chat.hides_reasoning,
+                              tokenizer=self.model.tokenizer, num_logprobs=params.logprobs or 0,
+                              prompt_logprobs=body.prompt_logprobs, return_token_ids=body.return_token_ids,
                               tokens_as_ids=body.return_tokens_as_token_ids)
-        checkpoints = await self.in_pool(checkpoint_steps, self.model.tokenizer, prompt_ids, chat_prompt)
+        checkpoints = () if head_only else await self.in_pool(checkpoint_steps, self.model.tokenizer, prompt_ids,
+                                                               chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
 
     async def compile_constraint(self, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -431,6 +478,10 @@ class _Routes:
         """vLLM's (SageMaker's) liveness route: 200 with an empty body while the engine is healthy, else 503."""
         loop = self.engine_loop
         return Response(status_code=200 if loop.running and loop.healthy else 503)
+
+    async def server_load(self) -> JSONResponse:
+        """vLLM's `GET /load`: `{"server_load": N}`, the generation requests in flight (`ServerLoad`)."""
+        return JSONResponse({"server_load": self.load.num_requests})
 
     async def metrics_text(self) -> Response:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -42,6 +42,10 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "documents": (None,),
     "verbosity": (None,),
     "web_search_options": (None,),
+    "logprob_token_ids": (None,),
+    "priority": (None, 0),
+    "thinking_token_budget": (None, -1),
+    "repetition_detection": (None,),
 }
 
 # Why some of them are refused, where more can be said than "not implemented" (the 400's message adds it).
@@ -52,6 +56,14 @@ UNSUPPORTED_REASONS: dict[str, str] = {
     "bad_words": "not implemented; logit_bias of -100 on a word's token ids keeps it out",
     "allowed_token_ids": "not implemented; logit_bias, or a guided_choice / guided_regex constraint, limits the "
                          "tokens",
+    "priority": "this server has no priority scheduling (requests are served first come, first served); vLLM too "
+                "refuses a priority other than 0 unless started with --scheduling-policy priority",
+    "logprob_token_ids": "not implemented; logprobs with top_logprobs (chat) or logprobs k (completions) give the "
+                         "likeliest tokens' logprobs",
+    "thinking_token_budget": "not implemented; reasoning_effort \"none\" (or chat_template_kwargs "
+                             "{\"enable_thinking\": false}) turns thinking off, and max_tokens bounds the reasoning "
+                             "and the answer together",
+    "repetition_detection": "not implemented; max_tokens bounds a reply that repeats itself",
 }
 
 # Fields of a chat message this server does not implement (same rule).

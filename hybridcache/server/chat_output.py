@@ -4,12 +4,14 @@ Pipeline for one choice: the engine's text so far -> `TextStream` (what is safe 
 string, no partial character) -> `reasoning.split` (when a reasoning parser is on) -> `ToolCallStream` on the
 content (when the request's tools are parsed). `ChoiceStream.update` returns what is new at each step;
 `final_message` does the same on a finished text in one go. Both give the same message.
+`reasoning_tokens` counts a choice's reasoning tokens for `usage.completion_tokens_details`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hybridcache.server import reasoning
 from hybridcache.server.text_stream import TextStream
@@ -17,17 +19,52 @@ from hybridcache.server.tool_parsers import ToolCall, ToolCallStream
 
 
 @dataclass(frozen=True)
+class ThinkMarkers:
+    """The token ids of the think block's tags (`reasoning.THINK_START`, `THINK_END`) and of `reasoning.TOOL_CALL`
+    (a call written inside the block ends it) as the tokenizer encodes them: one added token each in Qwen3
+    tokenizers, several in a byte-level one (the built-in test model's)."""
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    call_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ThinkMarkers:
+        return cls(*(tuple(tokenizer.encode(tag)) for tag in (reasoning.THINK_START, reasoning.THINK_END,
+                                                               reasoning.TOOL_CALL)))
+
+
+@dataclass(frozen=True)
 class ChatOutputOptions:
-    """split_reasoning: a reasoning parser is on; in_reasoning: the prompt left a think block open.
+    """split_reasoning: a reasoning parser is on; in_reasoning: the prompt left a think block open;
+    include_reasoning: false drops the reasoning from the message, whole or streamed (vLLM's `include_reasoning`);
+    think_markers: the tags' token ids, for `reasoning_tokens` (None: no count).
     parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions.
+    tool_choice: "required" or "named" (a function named) force a call: as vLLM, the content is then "" rather
+    than null, and a named call finishes with the engine's reason ("stop"), not "tool_calls" (OpenAI's rule too).
     parallel_tool_calls: false keeps only the first call (index 0), whole or streamed, as vLLM's
-    `maybe_filter_parallel_tool_calls` (the rest are parsed, and dropped)."""
+    `maybe_filter_parallel_tool_calls` (the rest are parsed, and dropped).
+    echo: vLLM's chat `echo`, what the content starts with (`ChatCompletionRequest.echo_text`; None: no echo)."""
 
     split_reasoning: bool = False
     in_reasoning: bool = False
+    include_reasoning: bool = True
+    think_markers: ThinkMarkers | None = None
     parse_tools: bool = False
     tools: list[dict] | None = None
+    tool_choice: Literal["auto", "required", "named"] = "auto"
     parallel_tool_calls: bool = True
+    echo: str | None = None
+
+    @property
+    def hides_reasoning(self) -> bool:
+        """Reasoning is split off and dropped: as vLLM, choices then carry no logprobs or token ids either (they
+        would show it)."""
+        return self.split_reasoning and not self.include_reasoning
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return self.parse_tools and self.tool_choice != "auto"
 
 
 @dataclass
@@ -67,6 +104,8 @@ class ChoiceStream:
                 delta.reasoning = parts.reasoning[len(self._reasoning_sent):]
                 self._reasoning_sent = parts.reasoning
             content = parts.content
+            if not self.options.include_reasoning:
+                delta.reasoning = ""
         if self._tools is not None:
             delta.content = self._tools.feed(content, finished)
             calls = self._tools.new_calls()
@@ -79,14 +118,18 @@ class ChoiceStream:
 
 def final_message(text: str, options: ChatOutputOptions) -> dict[str, Any]:
     """The non-streaming assistant message of a finished choice: role, content, `tool_calls` where present, and
-    with a reasoning parser the reasoning (None when there is none) as vLLM's `reasoning` and as
-    `reasoning_content`, the name vLLM used before and many clients read. As vLLM, the content is None, not "",
-    when nothing follows the choice's think block (closed or not: a choice cut inside its reasoning) or its tool
-    calls."""
+    with a reasoning parser the reasoning (None when there is none, or with `include_reasoning` false) as vLLM's
+    `reasoning` and as `reasoning_content`, the name vLLM used before and many clients read. As vLLM, the content
+    is None, not "", when nothing follows the choice's think block (closed or not: a choice cut inside its
+    reasoning) or its tool calls, but "" for a forced call; with `echo` it starts with the echoed text (and is
+    never None)."""
     stream = ChoiceStream(options)
     delta = stream.update(text, finished=True)
-    empty_is_none = stream.has_reasoning or bool(delta.tool_calls)
-    message: dict[str, Any] = {"role": "assistant", "content": delta.content or (None if empty_is_none else "")}
+    empty_is_none = (stream.has_reasoning or bool(delta.tool_calls)) and not options.forced_tool_call
+    content = delta.content or (None if empty_is_none else "")
+    if options.echo is not None:
+        content = options.echo + (content or "")
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if options.split_reasoning:
         message["reasoning"] = message["reasoning_content"] = delta.reasoning or None
     if delta.tool_calls:
@@ -94,6 +137,42 @@ def final_message(text: str, options: ChatOutputOptions) -> dict[str, Any]:
     return message
 
 
-def finish_reason(reason: str | None, has_tool_calls: bool) -> str | None:
-    """OpenAI's finish reason: a choice that stopped with tool calls finished with "tool_calls"."""
-    return "tool_calls" if reason == "stop" and has_tool_calls else reason
+def finish_reason(reason: str | None, has_tool_calls: bool, options: ChatOutputOptions | None = None) -> str | None:
+    """OpenAI's finish reason: a choice that stopped with tool calls finished with "tool_calls", unless the request
+    named the function (`options.tool_choice` "named": then the engine's "stop", as OpenAI and vLLM)."""
+    named = options is not None and options.tool_choice == "named"
+    return "tool_calls" if reason == "stop" and has_tool_calls and not named else reason
+
+
+def reasoning_tokens(text: str, token_ids: Sequence[int], options: ChatOutputOptions) -> int:
+    """How many of a choice's generated `token_ids` (whose text is `text`) are its reasoning, as vLLM's think-tag
+    parsers count them (`count_reasoning_tokens`): the tokens inside the think block, its tags not counted. The
+    block is the one `reasoning.split` finds: opened by the prompt (`options.in_reasoning`) or by the tag the text
+    starts with; closed by the first closing tag after that, or by a tool call written inside it (the
+    `<tool_call>` is not counted), or running to the end (a choice cut inside its reasoning); 0 without a think
+    block or without `options.think_markers`. Worked example (Qwen3 tokens)::
+
+        <think>  \n  plan  \n  </think>  \n\n  Hi      ->  3  (\n plan \n)
+    """
+    markers = options.think_markers
+    parts = reasoning.split(text, in_reasoning=options.in_reasoning, finished=True)
+    if markers is None or parts.reasoning is None:
+        return 0
+    begin = 0
+    if text.lstrip().startswith(reasoning.THINK_START):
+        at = _find(token_ids, markers.start_ids, 0)
+        begin = 0 if at < 0 else at + len(markers.start_ids)
+    before_content = text[:len(text) - len(parts.content)]
+    closed_by_call = parts.content.startswith(reasoning.TOOL_CALL) and reasoning.THINK_END not in before_content
+    end = _find(token_ids, markers.call_ids if closed_by_call else markers.end_ids, begin)
+    return (len(token_ids) if end < 0 else end) - begin
+
+
+def _find(ids: Sequence[int], part: tuple[int, ...], start: int) -> int:
+    """Where `part` first occurs in `ids` at or after `start` (-1: nowhere)."""
+    if not part:
+        return -1
+    for i in range(start, len(ids) - len(part) + 1):
+        if ids[i] == part[0] and tuple(ids[i:i + len(part)]) == part:
+            return i
+    return -1

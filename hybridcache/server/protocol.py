@@ -13,7 +13,7 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -23,6 +23,7 @@ from hybridcache.mm_processor import template_arguments, template_content
 from hybridcache.sampling import MAX_LOGPROBS, SamplingParams
 from hybridcache.server.body_checks import check_body
 from hybridcache.server.errors import APIError
+from hybridcache.server.limits import truncation_tail
 from hybridcache.server.structured import STRUCTURED_OUTPUT_KEYS, guided_spec, response_format_spec, tool_choice_spec
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -56,6 +57,30 @@ class StreamOptions(BaseModel):
 
 # vLLM's "reasoning_effort" values (OpenAI's): passed to the chat template as the variable `reasoning_effort`
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
+class Truncation(NamedTuple):
+    """What `truncate_prompt_tokens` keeps of a prompt: `keep` tokens, its last ones (`side` "left", the default:
+    the start is cut) or its first ("right"), vLLM's `truncation_side`::
+
+        prompt ids       a b c d e f     keep 4
+        side "left"          c d e f
+        side "right"     a b c d
+    """
+
+    keep: int
+    side: Literal["left", "right"] = "left"
+
+    def apply(self, prompt_ids: list[int]) -> list[int]:
+        """`prompt_ids` cut to the `keep` tokens of `side`."""
+        return prompt_ids[-self.keep:] if self.side == "left" else prompt_ids[:self.keep]
+
+    def text_window(self, text: str, limit_bytes: int | None, max_model_len: int) -> str:
+        """The part of a prompt `text` to tokenize: its end that holds the kept tokens and a margin
+        (`limits.truncation_tail`), or for "right" as much of its start (the margin's last tokens, which the cut
+        may merge otherwise, are dropped by the truncation), so that a text of any length is not tokenized whole."""
+        tail = truncation_tail(text, self.keep, limit_bytes, max_model_len)
+        return tail if self.side == "left" else text[:len(tail)]
 
 
 class _SamplingRequest(BaseModel):
@@ -93,8 +118,9 @@ class _SamplingRequest(BaseModel):
     guided_grammar: Any = None
     structured_outputs: Any = None
     prompt_logprobs: Int64 | None = None  # vLLM's extension: logprobs of the prompt's tokens (not with stream)
-    # vLLM's extension: keep only the last k prompt tokens (-1: the last max_model_len); see `truncated`
+    # vLLM's extension: keep only k prompt tokens (-1: as many as the reply leaves room for); see `truncation`
     truncate_prompt_tokens: Annotated[Int64, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is cut (None: "left")
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
     skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
 
@@ -116,21 +142,24 @@ class _SamplingRequest(BaseModel):
         options = self.stream_options
         return self.include_usage(forced) and bool(options and options.continuous_usage_stats)
 
-    def truncation(self, max_model_len: int) -> int | None:
-        """How many prompt tokens `truncate_prompt_tokens` keeps (-1: `max_model_len`), or None without it; a value
-        over `max_model_len` or 0 is a 400."""
+    def truncation(self, max_model_len: int, num_output_tokens: int) -> Truncation | None:
+        """What `truncate_prompt_tokens` k keeps of the prompt (None without it), by vLLM's renderer's rule: the
+        prompt may hold at most `max_model_len - num_output_tokens` tokens (the room the reply leaves:
+        `max_tokens`, or its default when the request leaves it out), so -1 keeps that many, and a k over it, or 0,
+        is a 400. Worked example: max_model_len 256, max_tokens 16: -1 keeps 240 tokens, 241 is refused."""
         k = self.truncate_prompt_tokens
         if k is None:
             return None
-        if k == 0 or k > max_model_len:
-            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, max_model_len = {max_model_len}], got "
-                           f"{k}", param="truncate_prompt_tokens")
-        return max_model_len if k == -1 else k
-
-    def truncated(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
-        """`prompt_ids` cut to their last `truncate_prompt_tokens` tokens (`truncation`), as vLLM."""
-        keep = self.truncation(max_model_len)
-        return prompt_ids if keep is None else prompt_ids[-keep:]
+        room = max_model_len - num_output_tokens
+        if room < 1:
+            raise APIError(400, f"max_tokens {num_output_tokens} leaves no room for a prompt in max_model_len "
+                           f"{max_model_len} (truncate_prompt_tokens -1 keeps max_model_len - max_tokens tokens)",
+                           param="max_tokens", code="context_length_exceeded")
+        if k == 0 or k > room:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {room}] (max_model_len {max_model_len} "
+                           f"- max_tokens {num_output_tokens}: the prompt room the reply leaves, as vLLM), got {k}",
+                           param="truncate_prompt_tokens")
+        return Truncation(room if k == -1 else k, self.truncation_side or "left")
 
     def num_logprobs(self) -> int | None:
         """How many top logprobs each token carries, or None when logprobs are off (each endpoint names the
@@ -384,12 +413,29 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     reasoning_effort: ReasoningEffort | None = None
+    echo: bool = False  # vLLM's: the content starts with the last message's (`echo_text`)
+    include_reasoning: bool = True  # vLLM's: false drops the reasoning (with a reasoning parser)
 
     def template_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
-        """The chat template's variables: the server's `defaults`, then `reasoning_effort` (as vLLM passes it),
-        then the request's own `chat_template_kwargs`, each overriding the one before."""
-        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        """The chat template's variables: the server's `defaults`, then `reasoning_effort` as vLLM passes it (the
+        variable itself, and `enable_thinking`: false for "none", true for any other effort, since Qwen3 templates
+        read only that one), then the request's own `chat_template_kwargs`, each overriding the one before."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort,
+                                                           "enable_thinking": self.reasoning_effort != "none"}
         return {**defaults, **effort, **(self.chat_template_kwargs or {})}
+
+    def echo_text(self) -> str | None:
+        """With `echo`, what every choice's content starts with, as vLLM: the last message's text when the reply
+        continues that message's role (`add_generation_prompt` false, as with `continue_final_message`, or a last
+        message by the assistant), else ""; text parts joined with "\n". None without `echo`."""
+        if not self.echo:
+            return None
+        last = self.messages[-1]
+        if self.add_generation_prompt and last.role != "assistant":
+            return ""
+        if isinstance(last.content, list):
+            return "\n".join(part.text for part in last.content if isinstance(part, ContentPart))
+        return last.content or ""
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

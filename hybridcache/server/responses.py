@@ -14,7 +14,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.server.chat_output import ChatOutputOptions, ChoiceDelta, final_message, finish_reason
+from hybridcache.server.chat_output import (
+    ChatOutputOptions,
+    ChoiceDelta,
+    final_message,
+    finish_reason,
+    reasoning_tokens,
+)
 from hybridcache.server.logprobs_format import (
     chat_logprobs,
     completion_logprobs,
@@ -73,17 +79,22 @@ class ResponseMeta:
         return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model}
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage(outputs: Sequence[RequestOutput], chat: ChatOutputOptions | None = None) -> dict[str, Any]:
     """Token counts of a response's requests; `cached_tokens`: prompt tokens whose computation the prefix
-    cache skipped."""
+    cache skipped. With a reasoning parser (`chat.split_reasoning`), `completion_tokens_details.reasoning_tokens`:
+    the choices' reasoning tokens (`chat_output.reasoning_tokens`), as vLLM reports them."""
     prompt_tokens = sum(len(output.prompt_token_ids) for output in outputs)
     completion_tokens = sum(len(c.token_ids) for output in outputs for c in output.outputs)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": sum(output.num_cached_tokens for output in outputs)},
     }
+    if chat is not None and chat.split_reasoning:
+        counted = sum(reasoning_tokens(c.text, c.token_ids, chat) for output in outputs for c in output.outputs)
+        body["completion_tokens_details"] = {"reasoning_tokens": counted}
+    return body
 
 
 def shown(output: RequestOutput, rendering: Rendering) -> RequestOutput:
@@ -125,7 +136,7 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
             index = prompt_index * n + c.index
             if meta.chat:
                 message = final_message(c.text, rendering.chat)
-                reason = finish_reason(c.finish_reason, bool(message.get("tool_calls")))
+                reason = finish_reason(c.finish_reason, bool(message.get("tool_calls")), rendering.chat)
                 choice = {"index": index, "message": message, "logprobs": logprobs_of(rendering, True, c),
                           "finish_reason": reason, "stop_reason": c.stop_reason}
             else:
@@ -137,12 +148,13 @@ def full_response(meta: ResponseMeta, outputs: Sequence[RequestOutput], renderin
                 if _wants_prompt_logprobs(output, rendering):  # vLLM puts them on each completion choice
                     choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs,
                                                                      rendering.prompt_logprobs)
-            if rendering.return_token_ids:
-                choice["token_ids"] = list(c.token_ids)
+            if rendering.return_token_ids:  # (not when they would show hidden reasoning, as vLLM)
+                choice["token_ids"] = None if rendering.chat.hides_reasoning else list(c.token_ids)
                 if not meta.chat:  # vLLM: on each completion choice (a chat response carries them once, below)
                     choice["prompt_token_ids"] = list(output.prompt_token_ids)
             choices.append(choice)
-    body = {**meta.header(streaming=False), "choices": choices, "usage": usage(outputs)}
+    body = {**meta.header(streaming=False), "choices": choices,
+            "usage": usage(outputs, rendering.chat if meta.chat else None)}
     if meta.chat and rendering.return_token_ids:
         body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
     if meta.chat and _wants_prompt_logprobs(outputs[0], rendering):  # vLLM puts them on the chat response
@@ -199,10 +211,11 @@ def chunk(
     return chunk_body
 
 
-def usage_chunk(meta: ResponseMeta, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+def usage_chunk(meta: ResponseMeta, outputs: Sequence[RequestOutput], rendering: Rendering) -> dict[str, Any]:
     """The last chunk when `stream_options.include_usage` is set: no choices, the response's usage (`outputs`
     as `shown`)."""
-    return {**meta.header(streaming=True), "choices": [], "usage": usage(outputs)}
+    return {**meta.header(streaming=True), "choices": [],
+            "usage": usage(outputs, rendering.chat if meta.chat else None)}
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

@@ -1,8 +1,9 @@
 """The server-sent events of one streaming completions or chat response (app.py runs the requests): a chunk per
-choice as its text grows, the finish reason and vLLM's `stop_reason` on its last chunk, usage as the client asked
-(`UsageMode`), and `data: [DONE]`; an engine failure or timeout mid-stream is a final error event, and so is any
-other error raised while the stream runs (logged; a 500 event, as the non-streamed answer would be), so the client
-never sees a connection cut without `[DONE]`."""
+choice as its text grows (for chat: the role first, then vLLM's `echo` text, then the message's deltas), the finish
+reason and vLLM's `stop_reason` on its last chunk, usage as the client asked (`UsageMode`), and `data: [DONE]`; an
+engine failure or timeout mid-stream is a final error event, and so is any other error raised while the stream runs
+(logged; a 500 event, as the non-streamed answer would be), so the client never sees a connection cut without
+`[DONE]`."""
 
 from __future__ import annotations
 
@@ -66,6 +67,10 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
             prompt_ids_pending[index] = False
             yield sse(chunk(meta, index, role=True, with_usage_field=include_usage,
                             usage=usage_mode.running(index // n, 0), prompt_token_ids=prompt_ids))
+        if rendering.chat.echo:  # vLLM's chat echo: a chunk of the echoed text per choice, after the role chunks
+            for index in range(count):
+                yield sse(chunk(meta, index, text=rendering.chat.echo, with_usage_field=include_usage,
+                                usage=usage_mode.running(index // n, 0)))
     finals: list[RequestOutput | None] = [None] * num_prompts
     try:
         async for prompt_index, output in outputs:
@@ -96,8 +101,10 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
                 logprobs_sent[index] = len(c.token_ids)
                 if logprobs is not None and not meta.chat and logprobs["tokens"]:
                     next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
-                reason = finish_reason(c.finish_reason, chats[index].has_tool_calls) if meta.chat else c.finish_reason
-                token_ids = list(c.token_ids) if finished and rendering.return_token_ids else None
+                reason = (finish_reason(c.finish_reason, chats[index].has_tool_calls, rendering.chat) if meta.chat
+                          else c.finish_reason)
+                shows_ids = rendering.return_token_ids and not rendering.chat.hides_reasoning
+                token_ids = list(c.token_ids) if finished and shows_ids else None
                 prompt_ids = list(prompts[prompt_index]) if prompt_ids_pending[index] else None
                 prompt_ids_pending[index] = False
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,
@@ -119,5 +126,5 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
         yield sse("[DONE]")
         return
     if include_usage and all(f is not None for f in finals):
-        yield sse(usage_chunk(meta, finals))
+        yield sse(usage_chunk(meta, finals, rendering))
     yield sse("[DONE]")

@@ -79,10 +79,11 @@ def test_reasoning_effort_reaches_the_chat_template_under_the_request_kwargs():
 
     routes = _Routes(None, ServedModel(tokenizer=Recording(), max_model_len=64),
                      ServerConfig(default_chat_template_kwargs={"a": 1, "reasoning_effort": "low"}), None)
-    for extra, wanted in (({"reasoning_effort": "high"}, {"a": 1, "reasoning_effort": "high"}),
+    # (an effort also sets enable_thinking, as vLLM: `test_vllm_protocol_fields.py`)
+    for extra, wanted in (({"reasoning_effort": "high"}, {"a": 1, "reasoning_effort": "high", "enable_thinking": True}),
                           ({}, {"a": 1, "reasoning_effort": "low"}),
                           ({"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "medium"}},
-                           {"a": 1, "reasoning_effort": "medium"})):
+                           {"a": 1, "reasoning_effort": "medium", "enable_thinking": True})):
         body = parse_request(ChatCompletionRequest, {"messages": CHAT, **extra})
         asyncio.run(routes.prepare_chat(body))
         assert seen[-1] == wanted
@@ -97,14 +98,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tokenizer):
     response = client.post("/v1/completions", json=body).raise_for_status().json()
     assert response["usage"]["prompt_tokens"] == 20
     assert response["choices"][0]["text"].startswith(tokenizer.decode(ids[-20:], skip_special_tokens=False))
-    # a text prompt too long for the context fits once truncated (-1: the last max_model_len tokens)
+    # a text prompt too long for the context fits once truncated
     long_text = "word " * 1000
     chat = {"model": MODEL, "messages": [{"role": "user", "content": long_text}], "max_tokens": 1,
             "truncate_prompt_tokens": 100}
     assert client.post("/v1/chat/completions", json=chat).raise_for_status().json()["usage"]["prompt_tokens"] == 100
-    error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": long_text,
-                                                         "truncate_prompt_tokens": -1}))
-    assert error["code"] == "context_length_exceeded"  # max_model_len tokens leave no room, as in vLLM
+    # -1: as many as the reply leaves room for, max_model_len - max_tokens (16, the default), as vLLM's renderer
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": long_text, "truncate_prompt_tokens": -1})
+    assert response.raise_for_status().json()["usage"]["prompt_tokens"] == MAX_MODEL_LEN - 16
     error = _error(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
                                                          "truncate_prompt_tokens": MAX_MODEL_LEN + 1}))
     assert error["param"] == "truncate_prompt_tokens"
