@@ -5,8 +5,10 @@ Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "
 Prompt logprobs (vLLM's shape, both endpoints): `[null, {"<token id>": {"logprob", "rank", "decoded_token"}}, ...]`.
 Echoed prompt logprobs (completions with `echo` and `logprobs`, as OpenAI's legacy API and vLLM): the prompt's tokens
 lead the completions shape, the first with `null` logprob and top logprobs (nothing precedes it).
-A token's text is its own decode (special tokens included); a token that is only part of a UTF-8 character
-decodes to U+FFFD, as in vLLM. With `as_ids` (vLLM's `return_tokens_as_token_ids`) every token is named
+A token's text is the engine's `Logprob.decoded_token` (special tokens included; a token that holds bytes of a
+UTF-8 character is "" until the token that completes the character, which carries it whole, as vLLM's:
+`detokenizer.token_text`), so completions' `text_offset`s add up along the text and chat `bytes` join into it.
+With `as_ids` (vLLM's `return_tokens_as_token_ids`) every token is named
 "token_id:<id>" instead, text offsets counting those names, as vLLM's.
 """
 
@@ -83,14 +85,17 @@ def prompt_logprobs_json(entries: PromptLogprobs, k: int | None = None) -> list[
 
 def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: PromptLogprobs,
                   k: int, as_ids: bool = False) -> dict[str, Any]:
-    """The prompt's part of an echoed completion's logprobs: `tokens` (each token's own decode),
+    """The prompt's part of an echoed completion's logprobs: `tokens` (the first token's own decode, then each
+    entry's text, as the module docstring says),
     `token_logprobs` (`None` for the first token, then each prompt token's logprob given the tokens before it),
     `top_logprobs` (`None`, then `{token text: logprob}` of the prompt token and the k likeliest tokens, as vLLM
     gives them) and `text_offset` (from 0: the echoed prompt starts the choice's text)."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
     offset = 0
     for token_id, entry in zip(prompt_ids, entries):
-        text = _name(token_id, tokenizer.decode([token_id], skip_special_tokens=False), as_ids)
+        own = entry[token_id].decoded_token if entry is not None else \
+            tokenizer.decode([token_id], skip_special_tokens=False)
+        text = _name(token_id, own, as_ids)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -99,7 +104,7 @@ def echo_logprobs(tokenizer: _Decoder, prompt_ids: Sequence[int], entries: Promp
             tops.append(None)
             continue
         token_logprobs.append(max(entry[token_id].logprob, -9999.0))
-        tops.append({_name(t, tokenizer.decode([t], skip_special_tokens=False), as_ids): max(lp.logprob, -9999.0)
+        tops.append({_name(t, lp.decoded_token, as_ids): max(lp.logprob, -9999.0)
                      for t, lp in trim_prompt_entry(entry, k).items()})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 

@@ -111,8 +111,7 @@ def logprobs_of(rendering: Rendering, chat: bool, c: CompletionOutput, start: in
     """The logprobs of `c`'s tokens from `start` on, in the endpoint's shape (None when not asked for), the first
     token's `text_offset` at `text_offset`. `echoed`: `c`'s request, whose prompt's logprobs lead (echo): the
     offsets then run on from the prompt tokens' (as vLLM's: each the one before plus its token's text), whatever
-    `text_offset` says, so streamed and whole responses agree and offsets never go back (a token of part of a
-    character's bytes counts its U+FFFD)."""
+    `text_offset` says, so streamed and whole responses agree and offsets never go back."""
     if not rendering.logprobs or c.logprobs is None:
         return None
     entries, token_ids = c.logprobs[start:], c.token_ids[start:]

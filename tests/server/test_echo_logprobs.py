@@ -9,6 +9,7 @@ import pytest
 from openai import OpenAI
 
 from hybridcache.config import EngineConfig
+from hybridcache.detokenizer import token_text
 from hybridcache.models.builtin import BUILTIN_NAME
 
 from .inprocess_server import serving
@@ -29,7 +30,12 @@ def client():
 def check_prompt_part(logprobs, prompt_ids, expected, k, tokenizer):
     """The first len(prompt_ids) entries of a choice's logprobs are the echoed prompt's."""
     count = len(prompt_ids)
-    assert logprobs.tokens[:count] == [tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+
+    def text_of(p, t):  # vLLM's text of token t at prompt position p (detokenizer.token_text)
+        return decode([t]) if p == 0 else token_text(decode, t, prompt_ids[max(1, p - 4):p])
+
+    assert logprobs.tokens[:count] == [text_of(p, t) for p, t in enumerate(prompt_ids)]
     assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
     offsets = [0]
     for token in logprobs.tokens[:count - 1]:
@@ -38,8 +44,7 @@ def check_prompt_part(logprobs, prompt_ids, expected, k, tokenizer):
     for p in range(1, count):
         row, token = expected[p - 1], prompt_ids[p]
         assert logprobs.token_logprobs[p] == pytest.approx(row[token].item(), abs=1e-4)
-        wanted = {tokenizer.decode([t], skip_special_tokens=False): row[t].item()
-                  for t in [token, *row.topk(k).indices.tolist()]}
+        wanted = {text_of(p, t): row[t].item() for t in [token, *row.topk(k).indices.tolist()]}
         top = logprobs.top_logprobs[p]
         assert set(top) == set(wanted)
         for text, value in top.items():

@@ -249,10 +249,17 @@ def test_the_server_observes_the_vllm_token_histograms(client):
 
 # ------------------------------------------------------------------------------------ completions logprobs and echo
 def test_completion_top_logprobs_lead_with_the_sampled_token(client):
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "logprobs": 2, "temperature": 1.0, "seed": 3}
+    # named by id: tokens that decode alike (parts of characters, all "") would share a key, which holds the later
+    # one's logprob, as vLLM's dict comprehension (test_logprobs_format.py)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, "logprobs": 2, "temperature": 1.0, "seed": 3,
+            "return_tokens_as_token_ids": True}
     logprobs = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
     for token, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
-        assert next(iter(top.items())) == (token, lp) and 1 <= len(top) <= 3
+        assert next(iter(top.items())) == (token, lp) and 2 <= len(top) <= 3
+    del body["return_tokens_as_token_ids"]
+    logprobs = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
+    for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+        assert next(iter(top)) == token and 1 <= len(top) <= 3
     body["logprobs"] = 0
     logprobs = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
     assert logprobs["top_logprobs"] == [{t: lp} for t, lp in zip(logprobs["tokens"], logprobs["token_logprobs"])]
@@ -265,6 +272,16 @@ def test_echo_of_token_ids_keeps_special_tokens(client, tokenizer):
     choice = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]
     assert choice["text"].startswith("<|im_start|>user")
     offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert all(choice["text"][o:o + len(t)] == t for o, t in zip(offsets, tokens))
+
+
+def test_echoed_prompt_tokens_inside_a_character_add_up_to_the_text(client):
+    """"€" is three byte tokens of the built-in tokenizer: as vLLM's, the first two read "" and the third "€", so
+    the echoed tokens join into the text and each offset points at its token (each read "\ufffd" before)."""
+    body = {"model": MODEL, "prompt": "x€y", "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    choice = client.post("/v1/completions", json=body).raise_for_status().json()["choices"][0]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert tokens[:5] == ["x", "", "", "€", "y"] and offsets[:5] == [0, 1, 1, 1, 2]
     assert all(choice["text"][o:o + len(t)] == t for o, t in zip(offsets, tokens))
 
 
