@@ -400,7 +400,8 @@ class _Routes:
         try:
             # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
             sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts),
-                                        [checkpoints_at] * len(prompts), echo_only=rendering.echo_only)
+                                        [checkpoints_at] * len(prompts), echo_only=rendering.echo_only,
+                                        cache_salt=body.cache_salt)
         except (ValueError, TypeError, OverflowError) as error:
             raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
         except QueueFull as error:

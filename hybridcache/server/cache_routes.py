@@ -6,7 +6,8 @@
                                               with the log's `epoch` (numbers are only valid within one)
     POST /v1/cache/match                      a completions or chat body -> per prompt: prompt_tokens,
                                               kv_tokens (full blocks in the trie), cached_tokens (what a
-                                              request sent now would skip); generates nothing, changes nothing
+                                              request sent now would skip, under its `cache_salt`);
+                                              generates nothing, changes nothing
 
 Both read the cache on the engine thread (`EngineLoop.call`), between steps; a match's prompts are rendered and
 tokenized off the event loop, and a text too long to fit is refused before tokenizing, as for a completion. The
@@ -75,13 +76,18 @@ class CacheRoutes:
 
     async def match(self, request: Request) -> JSONResponse:
         self.authorize(request)
-        prompts = await self.prompt_ids(await self.read_json(request))
+        body = await self.read_json(request)
+        prompts = await self.prompt_ids(body)
         if not all(prompts):
             raise APIError(400, "a prompt is empty", param="prompt")
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise APIError(400, "cache_salt must be a non-empty string if provided", param="cache_salt")
 
         def probe(engine: Any) -> list:
             cache = engine.scheduler.cache
-            return [cache.probe(CacheRequest(f"probe-{i}", tuple(ids))) for i, ids in enumerate(prompts)]
+            return [cache.probe(CacheRequest(f"probe-{i}", tuple(ids), cache_salt=salt))
+                    for i, ids in enumerate(prompts)]
 
         probes = await self._call(probe)
         return JSONResponse({"matches": [

@@ -41,6 +41,7 @@ Int64 = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=-(2**63), le=2**63
 TokenId = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=0, lt=2**31)]
 # seed + i seeds choice i (i < MAX_N), and a torch generator takes seeds below 2**64
 Seed = Annotated[int, BeforeValidator(_not_a_bool), Field(ge=-(2**63), le=2**63 - 1)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=1024)]  # vLLM's bounds
 MAX_TOKEN_ID_DIGITS = 10  # a token id is below 2**31
 
 _CONFIG = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -123,6 +124,8 @@ class _SamplingRequest(BaseModel):
     truncation_side: Literal["left", "right"] | None = None  # vLLM's: which end is cut (None: "left")
     include_stop_str_in_output: bool = False  # vLLM's: the matched stop string stays in the text
     skip_special_tokens: bool = True  # vLLM's: special tokens are left out of the text
+    # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's secret)
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod

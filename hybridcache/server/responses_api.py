@@ -55,7 +55,7 @@ from hybridcache.server.chat_output import ChoiceStream, final_message
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
-from hybridcache.server.protocol import ChatCompletionRequest, Int64, ReasoningEffort, parse_request
+from hybridcache.server.protocol import CacheSalt, ChatCompletionRequest, Int64, ReasoningEffort, parse_request
 from hybridcache.server.responses import logprobs_of
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
 from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
@@ -97,6 +97,7 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = None
     top_logprobs: Int64 | None = None
     include: list[str] | None = None
+    cache_salt: CacheSalt | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -366,7 +367,8 @@ class _Responses:
         run = _Run(self, body, response_id, conversation, chat.params, chat.rendering)
         loop = routes.engine_loop
         try:
-            sink = await loop.add(response_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at)
+            sink = await loop.add(response_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at,
+                                  cache_salt=body.cache_salt)
         except (ValueError, TypeError, OverflowError) as error:
             loop.abort(response_id)
             raise APIError(400, str(error), param="input") from None
