@@ -30,7 +30,8 @@ and tool-call tokens too, as vLLM's); streamed, each `response.output_text.delta
 since the previous delta of any kind (a reasoning or tool-call delta takes its own tokens, which no event lists).
 
 Usage: `input_tokens` (with `input_tokens_details.cached_tokens`: what the prefix cache skipped),
-`output_tokens` (with `output_tokens_details.reasoning_tokens`: the reasoning text's tokens, re-encoded),
+`output_tokens` (with `output_tokens_details.reasoning_tokens`: the generated tokens inside the think block, as
+the chat endpoint counts them: `chat_output.reasoning_tokens`),
 `total_tokens`.
 """
 
@@ -51,7 +52,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
-from hybridcache.server.chat_output import ChoiceStream, final_message
+from hybridcache.server.chat_output import ChoiceStream, final_message, reasoning_tokens
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.errors import APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
@@ -429,18 +430,17 @@ class _Run:
         self.created_at = int(time.time())
         self.sequence_number = 0
 
-    def response_body(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None,
-                      reasoning: str = "") -> dict[str, Any]:
+    def response_body(self, status: str, output: list[dict[str, Any]], final: RequestOutput | None
+                      ) -> dict[str, Any]:
         body = self.body
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         usage = None
         if final is not None:
             input_tokens = len(final.prompt_token_ids)
             output_tokens = sum(len(c.token_ids) for c in final.outputs)
-            reasoning_tokens = len(self.owner.routes.model.tokenizer.encode(reasoning)) if reasoning else 0
+            thinking = sum(reasoning_tokens(c.text, c.token_ids, self.rendering.chat) for c in final.outputs)
             usage = {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
-                     "output_tokens": output_tokens,
-                     "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
+                     "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": thinking},
                      "total_tokens": input_tokens + output_tokens}
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at, "status": status,
@@ -476,7 +476,7 @@ class _Run:
     def finish(self, final: RequestOutput, out: _Output) -> dict[str, Any]:
         """The finished response's body; stored (with its conversation) unless `store` is false."""
         status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-        body = self.response_body(status, out.items, final, out.reasoning)
+        body = self.response_body(status, out.items, final)
         if self.body.store:
             self.owner.store.put(self.response_id, _Stored(self.conversation + [out.assistant_message()], body))
         return body

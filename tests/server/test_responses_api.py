@@ -56,6 +56,8 @@ def test_text_response_and_usage(server, tokenizer):
     assert response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert response.output_text == (chat.choices[0].message.content or "")
+    assert response.usage.output_tokens_details.reasoning_tokens == \
+        chat.usage.completion_tokens_details.reasoning_tokens  # one count for both endpoints
     assert [i.type for i in response.output if i.type != "reasoning"] == (["message"] if response.output_text else [])
     again = client.responses.create(model=MODEL, input=QUESTION, instructions="Be brief.", max_output_tokens=8,
                                     temperature=0)
