@@ -49,7 +49,7 @@ class ForkedRun:
                 stepped, fed = self._decode_together()
             else:
                 stepped, fed = self._step()
-            if fed:
+            if fed or stepped:  # a step that only samples (zero-prefill hits) still commits its restores
                 replay._commit(fed)
             self._end_step(stepped)
             if len(before) > sum(s.rid in before for s in running):
@@ -141,6 +141,7 @@ class ForkedRun:
                     done.append(seq)
         if done:
             self.replay._sample_memory()
+            self.blocked = False  # room may have been made (also by one admitted in this very step)
         for seq in done:
             self.running.remove(seq)
             self.replay._finish(self.request, seq)

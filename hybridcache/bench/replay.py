@@ -191,7 +191,7 @@ class CacheReplay:
                     self._drop(request, seq, active)
                     continue
                 decode[seq.rid] = seq.output_ids[:-1]
-        if decode:
+        if decode or any(s.cached_len >= prompt_len for s in active):  # a zero-prefill hit's restore: one step
             self._commit(decode)
         self._sample_memory()
         for seq in active:
