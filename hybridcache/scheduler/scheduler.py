@@ -257,9 +257,11 @@ class Scheduler:
 
     def _take_prompt_rows(self, seq: Seq, start: int, plan: ChunkPlan) -> None:
         """Count a planned chunk's rows of prompt logits against the step's `PROMPT_LOGPROBS_CHUNK` (a chunk of a
-        sequence preempted later in the step keeps its count: the step then plans fewer, never more)."""
+        sequence preempted later in the step keeps its count: the step then plans fewer, never more). A multimodal
+        span is fed whole, so a chunk may take more rows than were left: the count stops at 0 (none left), never
+        below, where a later chunk would be planned to end before it starts."""
         if self._wants_prompt_rows(seq, start):
-            self._prompt_rows -= min(plan.end, seq.prompt_len) - start
+            self._prompt_rows = max(0, self._prompt_rows - (min(plan.end, seq.prompt_len) - start))
 
     def _plan(self, seq: Seq, start: int, budget: int) -> ChunkPlan:
         if self._wants_prompt_rows(seq, start):

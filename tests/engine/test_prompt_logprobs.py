@@ -157,3 +157,37 @@ def test_a_steps_prompt_logits_are_capped_over_all_its_requests(model_dir, monke
     for i, prompt in enumerate(prompts):
         check_against(hf_log_softmax(model, prompt), prompt, outputs[str(i)].prompt_logprobs, 1)
     engine.check_integrity()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_span_longer_than_the_rows_left_does_not_stall_the_step(model_dir, monkeypatch, caching):
+    """A multimodal span is fed whole: a prompt-logprobs chunk that starts at a 60-token span took 60 rows of a
+    step that had 40, the count went to -20, and the next prompt-logprobs request was planned with a chunk ending
+    before it started: every step raised from then on. Both requests now finish, their logprobs unchanged."""
+    from hybridcache.multimodal import MultimodalInput
+
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 40)
+    llm = LLM(model_dir, block_size=16, kernel_block_size=8, max_num_batched_tokens=256, max_num_seqs=4,
+              enable_prefix_caching=caching)
+    engine = llm.engine
+    first, second = prompts_of([150, 160], seed=7)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    engine.add_request("span", first, params, [MultimodalInput(start=0, end=60, content_hash="span-a")])
+    engine.add_request("text", second, params)
+    outputs = {}
+    for _ in range(40):
+        if not engine.has_unfinished_requests():
+            break
+        outputs.update((output.request_id, output) for output in engine.step() if output.finished)
+    assert set(outputs) == {"span", "text"}
+    engine.check_integrity()
+    check_against(hf_log_softmax(load_hf_model(model_dir), second), second, outputs["text"].prompt_logprobs, 1)
+    # the span's embeddings are the placeholder encoder's (multimodal.py), so its reference is the request alone
+    alone = LLM(model_dir, block_size=16, kernel_block_size=8, enable_prefix_caching=caching).engine
+    alone.add_request("span", first, params, [MultimodalInput(start=0, end=60, content_hash="span-a")])
+    finished = []
+    while alone.has_unfinished_requests():
+        finished += [output for output in alone.step() if output.finished]
+    for got, want in zip(outputs["span"].prompt_logprobs[1:], finished[0].prompt_logprobs[1:], strict=True):
+        assert list(got) == list(want)
+        assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-4)
