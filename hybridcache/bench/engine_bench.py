@@ -12,9 +12,11 @@ prompt is built from the *generated* reply and queued at once (no think time)::
 
 Other workloads queue every request at the start, in arrival order (`n` completions per request).
 
-Reported per mode: token hit rate (cached prompt tokens / prompt tokens, every completion counted), prefill
-tokens computed (`engine.num_prefill_tokens`), TTFT p50/p95, end-to-end latency p50/p95, output tokens/s over
-the mode's wall time, and the hit rate per turn; plus whether every mode generated the same tokens.
+Reported per mode: token hit rate (cached prompt tokens / prompt tokens, each request's prompt counted once: its
+`n` completions share one prefill, and the request's cached tokens are `RequestOutput.num_cached_tokens`, the
+smallest over them, as a server's usage reports), prefill tokens computed (`engine.num_prefill_tokens`), TTFT
+p50/p95 and end-to-end latency p50/p95 per request, output tokens/s over the mode's wall time (every completion's),
+and the hit rate per turn; plus whether every mode generated the same tokens.
 """
 
 from __future__ import annotations
@@ -46,15 +48,21 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """One completion: its key (session/turn or request/index), lengths, cache hit and timings (seconds)."""
+    """One request (a model call): its key (session/turn or request id), turn, prompt length, the prompt tokens
+    its cache hit skipped (the request's: with `n` > 1 the smallest over its completions, which share one
+    prefill), each completion's generated ids (completion 0 first) and its timings (seconds)."""
 
     key: str
     turn: int
     prompt_len: int
     cached_tokens: int
-    output_ids: tuple[int, ...]
+    output_ids: tuple[tuple[int, ...], ...]
     ttft_s: float
     e2e_s: float
+
+    def completion_outputs(self) -> dict[str, tuple[int, ...]]:
+        """Each completion's generated ids by `KEY#INDEX`."""
+        return {f"{self.key}#{i}": ids for i, ids in enumerate(self.output_ids)}
 
 
 @dataclass(frozen=True)
@@ -120,16 +128,15 @@ class _Driver:
                 if not out.finished:
                     continue
                 start, turn, on_done = self.added.pop(out.request_id)
-                for completion in out.outputs:
-                    self.records.append(CallRecord(
-                        key=f"{out.request_id}#{completion.index}", turn=turn,
-                        prompt_len=len(out.prompt_token_ids), cached_tokens=completion.num_cached_tokens,
-                        output_ids=tuple(completion.token_ids), ttft_s=self.first[out.request_id] - start,
-                        e2e_s=now - start,
-                    ))
+                outputs = [tuple(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
+                self.records.append(CallRecord(
+                    key=out.request_id, turn=turn, prompt_len=len(out.prompt_token_ids),
+                    cached_tokens=out.num_cached_tokens, output_ids=tuple(outputs),
+                    ttft_s=self.first[out.request_id] - start, e2e_s=now - start,
+                ))
                 if on_progress is not None:
                     on_progress()
-                on_done([tuple(c.token_ids) for c in out.outputs])
+                on_done(outputs)
 
 
 def _queue_workload(driver: _Driver, workload: Workload) -> None:
@@ -176,11 +183,11 @@ def run_mode(model_path: str | Path | None, mode: str, workload: Workload, confi
     driver.run(on_progress)
     wall = time.perf_counter() - start
     result = summarize(mode, driver.records, wall, engine.num_prefill_tokens - prefill_before)
-    return result, {r.key: r.output_ids for r in driver.records}
+    return result, {key: ids for r in driver.records for key, ids in r.completion_outputs().items()}
 
 
 def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens: int) -> ModeResult:
-    """One mode's summary of its completions (shared by the offline and the server benchmark)."""
+    """One mode's summary of its requests (shared by the offline and the server benchmark)."""
     prompt = sum(r.prompt_len for r in records)
     cached = sum(r.cached_tokens for r in records)
     by_turn: dict[int, list[int]] = {}
@@ -196,7 +203,7 @@ def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens:
         prefill_tokens_computed=prefill_tokens,
         ttft_p50_s=_percentile(ttfts, 50), ttft_p95_s=_percentile(ttfts, 95),
         e2e_p50_s=_percentile(e2es, 50), e2e_p95_s=_percentile(e2es, 95),
-        output_tokens_per_s=sum(len(r.output_ids) for r in records) / wall if wall > 0 else 0.0,
+        output_tokens_per_s=sum(len(ids) for r in records for ids in r.output_ids) / wall if wall > 0 else 0.0,
         wall_s=wall,
         num_calls=len(records),
         hit_rate_by_turn={t: c / p if p else 0.0 for t, (c, p) in sorted(by_turn.items())},

@@ -6,8 +6,9 @@ benchmark); all sessions run at once, up to `concurrency` requests in flight. Ot
 request at once (up to `concurrency`). Each call is a streaming `POST /v1/completions` with the prompt as
 token ids, greedy, `ignore_eos`, `stream_options.include_usage` and `return_token_ids`, so that:
 time to first token = first streamed chunk; end-to-end = the `[DONE]` event; `cached_tokens` =
-`usage.prompt_tokens_details.cached_tokens`; the generated token ids (for the next turn's prompt) come with
-each choice's finishing chunk. The server runs one cache mode, so the result has one mode, named `server`.
+`usage.prompt_tokens_details.cached_tokens` (the request's, once for its `n` choices, as the offline benchmark
+counts it); the generated token ids (for the next turn's prompt) come with each choice's finishing chunk. The
+server runs one cache mode, so the result has one mode, named `server`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ServerError(ConnectionError):
 
 
 async def _call(client, url: str, model: str, prompt_ids: tuple[int, ...], max_tokens: int, n: int,
-                key: str, turn: int) -> list[CallRecord]:
+                key: str, turn: int) -> CallRecord:
     body = {
         "model": model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0.0, "n": n,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
@@ -52,11 +53,9 @@ async def _call(client, url: str, model: str, prompt_ids: tuple[int, ...], max_t
             if event.get("usage"):
                 cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
     end = time.perf_counter()
-    return [
-        CallRecord(key=f"{key}#{i}", turn=turn, prompt_len=len(prompt_ids), cached_tokens=cached,
-                   output_ids=tuple(token_ids.get(i, ())), ttft_s=(first or end) - start, e2e_s=end - start)
-        for i in range(n)
-    ]
+    outputs = tuple(tuple(token_ids.get(i, ())) for i in range(n))
+    return CallRecord(key=key, turn=turn, prompt_len=len(prompt_ids), cached_tokens=cached, output_ids=outputs,
+                      ttft_s=(first or end) - start, e2e_s=end - start)
 
 
 async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: int,
@@ -69,11 +68,11 @@ async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: i
         models = (await client.get(f"{url}/v1/models")).json()["data"]
         model = models[0]["id"]
 
-        async def call(key: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int) -> list[CallRecord]:
+        async def call(key: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int) -> CallRecord:
             async with limit:
                 max_tokens = max(1, min(reply_len, config.max_reply_tokens))
                 result = await _call(client, url, model, prompt_ids, max_tokens, n, key, turn)
-            records.extend(result)
+            records.append(result)
             if on_progress is not None:
                 on_progress()
             return result
@@ -82,7 +81,7 @@ async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: i
             prompt_ids = s.first_prompt_ids
             for k, turn in enumerate(s.turns):
                 result = await call(f"{s.session_id}/{k}", k, prompt_ids, len(turn.reply_ids) + 1, 1)
-                prompt_ids = prompt_ids + result[0].output_ids + turn.after_ids
+                prompt_ids = prompt_ids + result.output_ids[0] + turn.after_ids
 
         start = time.perf_counter()
         if workload.sessions is not None:
@@ -96,7 +95,7 @@ async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: i
 def run_server_bench(url: str, workload: Workload, config: BenchConfig, *, concurrency: int = 64,
                      on_progress: Callable[[], None] | None = None) -> BenchResult:
     """Run `workload` against the server at `url` (e.g. http://127.0.0.1:8000); one mode, `server`.
-    `prefill_tokens_computed` is the prompt tokens the server did not take from its cache."""
+    `prefill_tokens_computed` is the prompt tokens the server did not take from its cache (each request's once)."""
     import httpx
 
     try:
