@@ -104,6 +104,10 @@ def register(subparsers) -> None:
                        help="token budget of one step")
     bench.add_argument("--num-blocks", type=positive_int, default=None,
                        help="blocks in the pool of KV and checkpoint states (default: the engine's)")
+    bench.add_argument("--max-model-len", type=positive_int, default=None,
+                       help="the engine's max_model_len (default: the engine's: the model's length, at most 8,192 "
+                            "on the CPU); a call whose prompt + max_tokens passes it is dropped, and the table says "
+                            "how many (with --server: the server's, from /v1/models)")
     bench.add_argument(
         "--server", default=None,
         help="URL of a running `hybridcache serve` to benchmark over HTTP instead of the offline engine "
@@ -302,7 +306,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload, trace=args.trace, num_requests=args.num_requests, seed=args.seed,
                              model_dir=model_path, chat=chat)
     options = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
+                   max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+                   max_model_len=args.max_model_len)
     config = BenchConfig(modes, args.max_reply_tokens, options)
     bar = tqdm(total=count_calls(workload) * len(modes), desc=f"bench {workload.name}", unit="req",
                disable=args.no_progress, file=sys.stderr)
@@ -344,6 +349,10 @@ def format_bench_table(result, num_requests: int) -> str:
     if len(result.modes) > 1:
         same = "yes" if result.outputs_identical else f"NO ({len(result.mismatched_calls)} calls differ)"
         lines.append(f"greedy outputs identical across modes: {same}")
+    for mode, r in result.modes.items():
+        if r.num_dropped:
+            lines.append(f"{mode}: {r.num_dropped:,} of {num_requests:,} requests dropped: prompt + max_tokens over "
+                         f"max_model_len {r.max_model_len:,} (--max-model-len)")
     return "\n".join(lines)
 
 

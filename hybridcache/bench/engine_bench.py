@@ -12,6 +12,10 @@ prompt is built from the *generated* reply and queued at once (no think time)::
 
 Other workloads queue every request at the start, in arrival order (`n` completions per request).
 
+A call whose prompt + `max_tokens` passes the engine's `max_model_len` is dropped before it is queued (the engine
+refuses such a prompt, a server answers 400): a request is skipped, a session ends before that turn; the result
+counts them (`num_dropped`).
+
 Reported per mode: token hit rate (cached prompt tokens / prompt tokens, each request's prompt counted once: its
 `n` completions share one prefill, and the request's cached tokens are `RequestOutput.num_cached_tokens`, the
 smallest over them, as a server's usage reports), prefill tokens computed (`engine.num_prefill_tokens`), TTFT
@@ -79,6 +83,8 @@ class ModeResult:
     num_calls: int
     hit_rate_by_turn: dict[int, float]
     ttfts_s: tuple[float, ...]
+    max_model_len: int | None = None  # the engine's (the server's, when it says); None: unknown, nothing dropped
+    num_dropped: int = 0  # calls not run: prompt + max_tokens over max_model_len (a session's later turns with it)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -98,8 +104,19 @@ class BenchResult:
                 "modes": {m: r.to_json() for m, r in self.modes.items()}}
 
 
+def max_tokens_of(reply_len: int, max_reply_tokens: int) -> int:
+    """A call's `max_tokens`: the recorded reply length capped at `max_reply_tokens` (at least 1)."""
+    return max(1, min(reply_len, max_reply_tokens))
+
+
+def fits(prompt_len: int, max_tokens: int, max_model_len: int | None) -> bool:
+    """Whether a call of `prompt_len` tokens asking for `max_tokens` fits `max_model_len` (None: unknown, yes)."""
+    return max_model_len is None or prompt_len + max_tokens <= max_model_len
+
+
 class _Driver:
-    """Steps one engine, timing each request from `add` to its first and last token."""
+    """Steps one engine, timing each request from `add` to its first and last token; counts the calls that do not
+    fit its `max_model_len` (`num_dropped`)."""
 
     def __init__(self, engine, max_reply_tokens: int) -> None:
         from hybridcache import SamplingParams
@@ -110,10 +127,14 @@ class _Driver:
         self.added: dict[str, tuple[float, int, Callable]] = {}
         self.first: dict[str, float] = {}
         self.records: list[CallRecord] = []
+        self.num_dropped = 0
+
+    def fits(self, prompt_ids: tuple[int, ...], reply_len: int) -> bool:
+        return fits(len(prompt_ids), max_tokens_of(reply_len, self.max_reply_tokens), self.engine.max_model_len)
 
     def add(self, request_id: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int,
             on_done: Callable[[list[tuple[int, ...]]], None]) -> None:
-        params = self._params(temperature=0.0, max_tokens=max(1, min(reply_len, self.max_reply_tokens)),
+        params = self._params(temperature=0.0, max_tokens=max_tokens_of(reply_len, self.max_reply_tokens),
                               ignore_eos=True, n=n)
         self.engine.add_request(request_id, list(prompt_ids), params)
         self.added[request_id] = (time.perf_counter(), turn, on_done)
@@ -149,12 +170,18 @@ def _queue_workload(driver: _Driver, workload: Workload) -> None:
 
 
 def _queue_request(driver: _Driver, request: SimRequest) -> None:
+    if not driver.fits(request.prompt_ids, len(request.output_ids)):
+        driver.num_dropped += 1
+        return
     driver.add(request.request_id, request.turn, request.prompt_ids, len(request.output_ids), request.n,
                lambda outputs: None)
 
 
 def _queue_turn(driver: _Driver, session, k: int, prompt_ids: tuple[int, ...]) -> None:
     turn = session.turns[k]
+    if not driver.fits(prompt_ids, len(turn.reply_ids) + 1):
+        driver.num_dropped += len(session.turns) - k  # the session ends here
+        return
 
     def on_done(outputs: list[tuple[int, ...]]) -> None:
         if k + 1 < len(session.turns):
@@ -175,18 +202,22 @@ def run_mode(model_path: str | Path | None, mode: str, workload: Workload, confi
 
     llm = LLM(model_path, cache_mode=mode, **config.engine_options)
     engine = llm.engine
-    llm.generate([_WARMUP_PROMPT], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    warmup = _WARMUP_PROMPT[: max(1, engine.max_model_len - 8)]
+    llm.generate([warmup], SamplingParams(temperature=0.0, max_tokens=min(8, engine.max_model_len - len(warmup))),
+                 use_tqdm=False)
     prefill_before = engine.num_prefill_tokens
     driver = _Driver(engine, config.max_reply_tokens)
     start = time.perf_counter()
     _queue_workload(driver, workload)
     driver.run(on_progress)
     wall = time.perf_counter() - start
-    result = summarize(mode, driver.records, wall, engine.num_prefill_tokens - prefill_before)
+    result = summarize(mode, driver.records, wall, engine.num_prefill_tokens - prefill_before,
+                       max_model_len=engine.max_model_len, num_dropped=driver.num_dropped)
     return result, {key: ids for r in driver.records for key, ids in r.completion_outputs().items()}
 
 
-def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens: int) -> ModeResult:
+def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens: int, *,
+              max_model_len: int | None = None, num_dropped: int = 0) -> ModeResult:
     """One mode's summary of its requests (shared by the offline and the server benchmark)."""
     prompt = sum(r.prompt_len for r in records)
     cached = sum(r.cached_tokens for r in records)
@@ -208,6 +239,8 @@ def summarize(mode: str, records: list[CallRecord], wall: float, prefill_tokens:
         num_calls=len(records),
         hit_rate_by_turn={t: c / p if p else 0.0 for t, (c, p) in sorted(by_turn.items())},
         ttfts_s=tuple(sorted(ttfts)),
+        max_model_len=max_model_len,
+        num_dropped=num_dropped,
     )
 
 

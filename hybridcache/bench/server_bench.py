@@ -8,7 +8,9 @@ token ids, greedy, `ignore_eos`, `stream_options.include_usage` and `return_toke
 time to first token = first streamed chunk; end-to-end = the `[DONE]` event; `cached_tokens` =
 `usage.prompt_tokens_details.cached_tokens` (the request's, once for its `n` choices, as the offline benchmark
 counts it); the generated token ids (for the next turn's prompt) come with each choice's finishing chunk. The
-server runs one cache mode, so the result has one mode, named `server`.
+server runs one cache mode, so the result has one mode, named `server`. Calls whose prompt + `max_tokens` pass the
+server's `max_model_len` (its `/v1/models` card; it would answer 400) are dropped as the offline benchmark drops
+them (a session ends before such a turn).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import json
 import time
 from collections.abc import Callable
 
-from hybridcache.bench.engine_bench import BenchConfig, BenchResult, CallRecord, summarize
+from hybridcache.bench.engine_bench import BenchConfig, BenchResult, CallRecord, fits, max_tokens_of, summarize
 from hybridcache.bench.workloads import Workload
 
 
@@ -59,18 +61,24 @@ async def _call(client, url: str, model: str, prompt_ids: tuple[int, ...], max_t
 
 
 async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: int,
-               on_progress: Callable[[], None] | None) -> tuple[str, list[CallRecord], float]:
+               on_progress: Callable[[], None] | None) -> tuple[str, list[CallRecord], float, int | None, int]:
+    """The workload against the server: its model, the records, the wall time, its `max_model_len` (None when its
+    model card does not say) and the calls dropped for it."""
     import httpx
 
     limit = asyncio.Semaphore(concurrency)
     records: list[CallRecord] = []
+    num_dropped = 0
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         models = (await client.get(f"{url}/v1/models")).json()["data"]
-        model = models[0]["id"]
+        model, max_model_len = models[0]["id"], models[0].get("max_model_len")
+
+        def fit(prompt_ids: tuple[int, ...], reply_len: int) -> bool:
+            return fits(len(prompt_ids), max_tokens_of(reply_len, config.max_reply_tokens), max_model_len)
 
         async def call(key: str, turn: int, prompt_ids: tuple[int, ...], reply_len: int, n: int) -> CallRecord:
             async with limit:
-                max_tokens = max(1, min(reply_len, config.max_reply_tokens))
+                max_tokens = max_tokens_of(reply_len, config.max_reply_tokens)
                 result = await _call(client, url, model, prompt_ids, max_tokens, n, key, turn)
             records.append(result)
             if on_progress is not None:
@@ -78,8 +86,12 @@ async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: i
             return result
 
         async def session(s) -> None:
+            nonlocal num_dropped
             prompt_ids = s.first_prompt_ids
             for k, turn in enumerate(s.turns):
+                if not fit(prompt_ids, len(turn.reply_ids) + 1):
+                    num_dropped += len(s.turns) - k  # the session ends here
+                    return
                 result = await call(f"{s.session_id}/{k}", k, prompt_ids, len(turn.reply_ids) + 1, 1)
                 prompt_ids = prompt_ids + result.output_ids[0] + turn.after_ids
 
@@ -87,9 +99,11 @@ async def _run(url: str, workload: Workload, config: BenchConfig, concurrency: i
         if workload.sessions is not None:
             await asyncio.gather(*(session(s) for s in workload.sessions))
         else:
-            await asyncio.gather(*(call(r.request_id, r.turn, r.prompt_ids, len(r.output_ids), r.n)
-                                   for r in workload))
-        return model, records, time.perf_counter() - start
+            requests = list(workload)
+            kept = [r for r in requests if fit(r.prompt_ids, len(r.output_ids))]
+            num_dropped = len(requests) - len(kept)
+            await asyncio.gather(*(call(r.request_id, r.turn, r.prompt_ids, len(r.output_ids), r.n) for r in kept))
+        return model, records, time.perf_counter() - start, max_model_len, num_dropped
 
 
 def run_server_bench(url: str, workload: Workload, config: BenchConfig, *, concurrency: int = 64,
@@ -99,9 +113,10 @@ def run_server_bench(url: str, workload: Workload, config: BenchConfig, *, concu
     import httpx
 
     try:
-        model, records, wall = asyncio.run(_run(url.rstrip("/"), workload, config, concurrency, on_progress))
+        model, records, wall, max_model_len, num_dropped = asyncio.run(
+            _run(url.rstrip("/"), workload, config, concurrency, on_progress))
     except httpx.HTTPError as error:
         raise ServerError(f"cannot benchmark {url}: {error!r}") from error
     prefill = sum(r.prompt_len - r.cached_tokens for r in records)
-    result = summarize("server", records, wall, prefill)
+    result = summarize("server", records, wall, prefill, max_model_len=max_model_len, num_dropped=num_dropped)
     return BenchResult(workload.name, model, {"server": result}, True, ())
