@@ -43,7 +43,8 @@ def test_sharegpt_reads_a_json_array_and_names_a_bad_record(tmp_path):
     array.write_text(json.dumps([conversation, conversation]))
     lines = tmp_path / "sharegpt.jsonl"
     lines.write_text(json.dumps(conversation) + "\n")
-    assert read_conversations(array) == read_conversations(lines) * 2
+    ((conv_id, messages),) = read_conversations(lines)
+    assert read_conversations(array) == [(conv_id, messages), (f"{conv_id}~2", messages)]  # ids kept unique
     lines.write_text(json.dumps(conversation) + "\n" + json.dumps({"id": "b", "conversations": "oops"}) + "\n")
     with pytest.raises(ValueError, match=r"sharegpt.jsonl:2: 'conversations' must be a list, got str"):
         read_conversations(lines)

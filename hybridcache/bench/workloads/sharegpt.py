@@ -24,9 +24,12 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
 def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
     """(id, messages) per record (one JSON object per line, or one JSON array of them as the ShareGPT V3 download
     has it), roles mapped to user/assistant/system, leading assistant messages dropped; conversations left
-    without a user message before an assistant message are skipped. A record that is not an object with a list
-    of message objects under `conversations` is a ValueError `"{path}:{line}: ..."`."""
+    without a user message before an assistant message are skipped. Ids are unique: a record without one is
+    named by its position among those kept, a repeated one (two records of one id) gets `~2`, `~3`, ...
+    A record that is not an object with a list of message objects under `conversations` is a ValueError
+    `"{path}:{line}: ..."`."""
     out = []
+    used: set[str] = set()
     for where, record in json_records(path):
         turns = items_of(record, "conversations", where)
         if not all(isinstance(m, dict) for m in turns):
@@ -39,8 +42,18 @@ def read_conversations(path: str | Path) -> list[tuple[str, list[dict]]]:
         while messages and messages[0]["role"] == "assistant":
             messages.pop(0)
         if any(m["role"] == "assistant" for m in messages):
-            out.append((str(record.get("id", len(out))), messages))
+            out.append((_unique(str(record.get("id", len(out))), used), messages))
     return out
+
+
+def _unique(conv_id: str, used: set[str]) -> str:
+    """`conv_id`, or `conv_id~K` for the first K >= 2 not in `used` when it is; added to `used`."""
+    candidate, k = conv_id, 1
+    while candidate in used:
+        k += 1
+        candidate = f"{conv_id}~{k}"
+    used.add(candidate)
+    return candidate
 
 
 def load_sharegpt(
