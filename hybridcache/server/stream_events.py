@@ -55,7 +55,7 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
     chats = [ChoiceStream(rendering.chat, params.stop) for _ in range(count)]
     texts = [TextStream(params.stop) for _ in range(count)]
     done = [False] * count
-    logprobs_sent = [0] * count
+    sent = [0] * count  # the tokens of each choice whose logprobs and ids a chunk carried
     echo_pending = [bool(rendering.echo_texts)] * count
     prompt_ids_pending = [rendering.return_token_ids] * count
     echo_logprobs_pending = [rendering.echoes_logprobs] * count
@@ -96,15 +96,15 @@ async def stream_events(meta: ResponseMeta, outputs: AsyncIterator[tuple[int, Re
                 done[index] = finished
                 echoed = output if echo_logprobs_pending[index] else None
                 echo_logprobs_pending[index] = False
-                logprobs = logprobs_of(rendering, meta.chat, c, logprobs_sent[index], echoed=echoed,
+                logprobs = logprobs_of(rendering, meta.chat, c, sent[index], echoed=echoed,
                                        text_offset=next_offset[index])
-                logprobs_sent[index] = len(c.token_ids)
+                new_ids, sent[index] = c.token_ids[sent[index]:], len(c.token_ids)
                 if logprobs is not None and not meta.chat and logprobs["tokens"]:
                     next_offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                 reason = (finish_reason(c.finish_reason, chats[index].has_tool_calls, rendering.chat) if meta.chat
                           else c.finish_reason)
                 shows_ids = rendering.return_token_ids and not rendering.chat.hides_reasoning
-                token_ids = list(c.token_ids) if finished and shows_ids else None
+                token_ids = list(new_ids) if shows_ids else None  # as vLLM's: each chunk's new ids
                 prompt_ids = list(prompts[prompt_index]) if prompt_ids_pending[index] else None
                 prompt_ids_pending[index] = False
                 yield sse(chunk(meta, index, text=text, delta=delta, finish_reason=reason, logprobs=logprobs,

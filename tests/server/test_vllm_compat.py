@@ -407,6 +407,22 @@ def test_return_token_ids_streamed_sends_the_prompt_ids_on_each_choice_first_chu
         assert not any("prompt_token_ids" in c or "prompt_token_ids" in (c["choices"] or [{}])[0] for c in unasked)
 
 
+def test_return_token_ids_streamed_sends_each_chunks_new_ids(client):
+    """vLLM's stream chunks carry the ids generated since the choice's previous chunk (they came whole on the
+    finishing chunk): joined, each choice's ids equal the non-streamed choice's."""
+    for path, base in (("/v1/completions", {"prompt": "The quick brown fox"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        body = {"model": MODEL, **base, "max_tokens": 6, "n": 2, "seed": 5, "return_token_ids": True,
+                "ignore_eos": True, "structured_outputs": {"regex": "[a-z]{40}"}}  # (text at every token)
+        whole = client.post(path, json=body).raise_for_status().json()["choices"]
+        chunks = [c["choices"][0] for c in _chunks(client, path, body) if c["choices"]]
+        for index in (0, 1):
+            carried = [c.get("token_ids") for c in chunks if c["index"] == index]
+            streamed = [t for ids in carried if ids for t in ids]
+            assert streamed == whole[index]["token_ids"] and len(streamed) == 6, path
+            assert sum(1 for ids in carried if ids) > 1, path  # not all on one chunk
+
+
 def test_stream_options_without_a_stream_is_refused_as_vllm_does(client):
     for path, base in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": CHAT})):
         body = {"model": MODEL, "max_tokens": 1, **base, "stream_options": {"include_usage": True}}
