@@ -16,6 +16,8 @@ prompts of the same salt (none: with unsalted ones). See docs/cache.md, "Cache s
 from __future__ import annotations
 
 import functools
+import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -164,7 +166,9 @@ class LLM:
         each key but the prompt optional); a single prompt may be passed bare. Every prompt is validated (its
         images loaded, processed and encoded; its salt checked) before any is queued, so a bad prompt raises without
         running the others. Without `sampling_params`, `get_default_sampling_params()`. `use_tqdm`: show a progress
-        bar, or (as vLLM's) a callable that builds it (tqdm's arguments).
+        bar, or (as vLLM's) a callable that builds it (tqdm's arguments). A Ctrl-C is raised once the engine step
+        in progress ends: the call's requests are aborted and the engine stays usable (a second one is raised at
+        once; see `_InterruptsBetweenSteps`).
         """
         return self._generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -200,30 +204,29 @@ class LLM:
         salts = [_cache_salt(prompt) for prompt in prompts]
         validated = self._encode_images(validated)
         ids = []
-        try:
-            for i, ((prompt, mm_inputs), params) in enumerate(zip(validated, params_list)):
-                request_id = str(self._next_id)
-                self._next_id += 1
-                step = partings[i](prompt.token_ids) if partings else None
-                hints = (step,) if step else ()
-                params = params.up_to(self.engine.max_model_len - len(prompt.token_ids))  # max_tokens=None: vLLM's
-                self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True, checkpoints_at=hints,
-                                        cache_salt=salts[i])
-                ids.append(request_id)
-        except BaseException:  # e.g. an image the vision tower refuses: nothing of this call stays queued
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
         results: dict[str, RequestOutput] = {}
         bar_class = use_tqdm if callable(use_tqdm) else tqdm  # vLLM's: a callable builds the progress bar
-        with bar_class(total=len(ids), desc="generate", unit="req", disable=not use_tqdm) as bar:
+        # the bar comes first (a bar that fails queues nothing); Ctrl-C is raised between steps (see the class)
+        with (bar_class(total=len(validated), desc="generate", unit="req", disable=not use_tqdm) as bar,
+              _InterruptsBetweenSteps() as interrupts):
             try:
+                for i, ((prompt, mm_inputs), params) in enumerate(zip(validated, params_list)):
+                    request_id = str(self._next_id)
+                    self._next_id += 1
+                    step = partings[i](prompt.token_ids) if partings else None
+                    hints = (step,) if step else ()
+                    params = params.up_to(self.engine.max_model_len - len(prompt.token_ids))  # max_tokens=None
+                    self.engine.add_request(request_id, prompt, params, mm_inputs, final_only=True,
+                                            checkpoints_at=hints, cache_salt=salts[i])
+                    ids.append(request_id)
+                interrupts.raise_held()
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         if output.finished:
                             results[output.request_id] = output
                             bar.update(1)
-            except BaseException:
+                    interrupts.raise_held()
+            except BaseException:  # e.g. a refused image, or Ctrl-C: nothing of this call stays queued
                 for request_id in ids:
                     self.engine.abort(request_id)
                 raise
@@ -258,6 +261,41 @@ class LLM:
         sources = [] if images is None else list(images) if isinstance(images, (list, tuple)) else [images]
         ids, spans = image_prompt(self.engine.image_processor, valid.token_ids, sources, self.media_limits)
         return ValidPrompt(valid.text, self.engine.validate_prompt(ids).token_ids), spans
+
+
+class _InterruptsBetweenSteps:
+    """`generate`'s Ctrl-C: inside it, on the main thread under Python's default SIGINT handler, a Ctrl-C is held
+    until the engine step in progress (or the request being queued) is done, and `raise_held` raises it there as
+    KeyboardInterrupt, where `generate` aborts its requests and the engine stays usable (an interrupt inside a step
+    leaves the engine failed: `EngineDeadError`). A second Ctrl-C while one is held (a step that hangs) is raised
+    at once. The handler before is restored on the way out. Elsewhere (another thread, an application's own SIGINT
+    handler) it changes nothing."""
+
+    def __init__(self) -> None:
+        self.held = False
+        self._previous: Any = None
+
+    def __enter__(self) -> _InterruptsBetweenSteps:
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _hold(self, signum: int, frame: object) -> None:
+        if self.held:  # a second Ctrl-C: the step does not end, stop it here
+            raise KeyboardInterrupt
+        self.held = True
+
+    def raise_held(self) -> None:
+        """Raise the Ctrl-C held during the step that just ended, if any."""
+        if self.held:
+            self.held = False
+            raise KeyboardInterrupt
 
 
 def _cache_salt(prompt: Prompt) -> str | None:

@@ -37,14 +37,12 @@ and its sampling queued (`_Launched.logits`, `_sample_deferred`)::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
 import itertools
 import logging
 import os
 import random
-from collections.abc import Iterator
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,10 +104,12 @@ def freeze_gc_heap() -> None:
 
 
 class EngineDeadError(RuntimeError):
-    """A step failed after the scheduler had committed it to the prefix cache (a device error or a dead
-    tensor-parallel worker in the forward, an interrupt): the cache may now index KV blocks and states the
-    device never wrote, and the sequences did not advance. The engine then refuses every later step, request
-    and integrity check with this error (aborting requests still works); make a new engine."""
+    """A step failed after the scheduler had begun to change the prefix cache for it (a device error or a dead
+    tensor-parallel worker in the forward, an interrupt anywhere in the step, the plan included: it admits, pins,
+    promotes and commits in turn): the cache may now index KV blocks and states the device never wrote, and the
+    sequences did not advance. The engine then refuses every later step, request and integrity check with this
+    error (aborting requests still works); make a new engine. (`LLM.generate` holds a Ctrl-C until the step in
+    progress has ended: its interrupt then leaves the engine usable.)"""
 
 
 @dataclass(frozen=True)
@@ -297,6 +297,7 @@ class LLMEngine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self._failure: BaseException | None = None  # what broke a committed step (see EngineDeadError)
+        self._plan_error: Exception | None = None  # a plan's error held for the next step() (see step)
         self._closed = False  # close() was called
         self._launched: _Launched | None = None  # async scheduling: the step on the device, not postprocessed
         self.num_chained_steps = 0  # speculative steps queued before the step before was judged (`_step_chained`)
@@ -418,6 +419,8 @@ class LLMEngine:
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
+        if not self._requests:
+            self._plan_error = None  # (a plan's error held for the next call concerned the requests now gone)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -439,70 +442,77 @@ class LLMEngine:
         """Run one forward; returns the output so far of every request that sampled a token in it, except
         `final_only` requests still running (`finished` tells which are done; their memory is already released).
         With async scheduling a call launches one step and returns the outputs of the step before (the module
-        docstring); keep calling it while `has_unfinished_requests()`."""
+        docstring); keep calling it while `has_unfinished_requests()`.
+
+        Failures: an Exception from the scheduler's plan (raised before it changed anything) leaves the engine
+        usable; it is raised at once, or, when this call postprocessed the step before and has outputs to return,
+        at the next call (and dropped if every request is aborted before it). Anything else raised in a step (a
+        device error, a dead worker; an interrupt anywhere, the plan included) leaves the engine failed
+        (`EngineDeadError`)."""
         self._raise_if_dead()
+        held, self._plan_error = self._plan_error, None
+        if held is not None:
+            raise held
+        try:
+            outputs, plan_error = self._step()
+        except BaseException as error:  # the step's bookkeeping was cut short: see EngineDeadError
+            self._failure = error
+            raise
+        if plan_error is not None:
+            if not outputs:
+                raise plan_error  # nothing changed, nothing lost: the engine stays usable
+            self._plan_error = plan_error  # the outputs of the step before go out first
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], Exception | None]:
+        """`step()`'s work: its outputs, and the Exception the scheduler's plan raised (None: it planned)."""
         previous, self._launched = self._launched, None
         outputs: list[RequestOutput] = []
         speculate = self._speculating()  # (decided once: it picks how this step is launched and completed)
         if previous is not None and previous.deferred is not None and speculate and self._chainable(previous):
-            return self._step_chained(previous)
-        with self._fatal():
-            if previous is not None and (speculate or previous.deferred is not None
-                                         or not self._can_overlap(previous)):
-                outputs, previous = self._complete(previous), None
-            if previous is not None:
-                self._prepare(previous)
+            return self._step_chained(previous), None
+        if previous is not None and (speculate or previous.deferred is not None or not self._can_overlap(previous)):
+            outputs, previous = self._complete(previous), None
+        if previous is not None:
+            self._prepare(previous)
+        plan_error = None
         try:
-            scheduled = self.scheduler.schedule()  # raises before changing anything, or commits the step
-        except Exception:
-            if previous is None and not outputs:
-                raise  # nothing changed: the engine stays usable
-            scheduled = SchedulerOutput()  # finish `previous` first; the error comes back at the next call
-        except BaseException as error:  # an interrupt
-            if previous is not None:
-                self._failure = error
-            raise
-        with self._fatal():
-            launched = self._launch(scheduled, previous, speculate) if not scheduled.is_empty else None
-            if previous is not None:
-                outputs = self._complete(previous)
-            if launched is not None and launched.logits is not None:
-                self._sample_deferred(launched)
-            if launched is not None:
-                if self.async_scheduling and launched.verdicts is None:
-                    self._launched = launched
-                else:
-                    outputs += self._complete(launched)
-        return outputs
-
-    @contextlib.contextmanager
-    def _fatal(self) -> Iterator[None]:
-        """Any error inside kills the engine (`EngineDeadError` from then on): a committed step's bookkeeping
-        was interrupted."""
-        try:
-            yield
-        except BaseException as error:
-            self._failure = error
-            raise
+            scheduled = self.scheduler.schedule()  # raises an Exception before changing anything, or commits the step
+        except Exception as error:  # noqa: BLE001 - handed to step(); `previous` is finished first
+            scheduled, plan_error = SchedulerOutput(), error
+        launched = self._launch(scheduled, previous, speculate) if not scheduled.is_empty else None
+        if previous is not None:
+            outputs = self._complete(previous)
+        if launched is not None and launched.logits is not None:
+            self._sample_deferred(launched)
+        if launched is not None:
+            if self.async_scheduling and launched.verdicts is None:
+                self._launched = launched
+            else:
+                outputs += self._complete(launched)
+        return outputs, plan_error
 
     def close(self) -> None:
         """Abort every request, shut the executor down (a tensor-parallel one stops its workers and leaves its
         process group, so that another tensor-parallel engine can start in this process) and let go of the
         model, the vision tower and the pools. Idempotent; afterwards every step, request and check raises
-        `EngineDeadError`."""
+        `EngineDeadError`. When the hand-off to the disk tier fails or is interrupted (Ctrl-C on its progress bar),
+        the executor is shut down and the disk writer stopped all the same, and the error is raised."""
         if self._closed:
             return
-        for request_id in list(self._requests):
-            self.abort(request_id)
-        self._launched = None
         self._closed = True
-        if self.disk is not None:
-            self._close_disk_tier()
-        runner, self.runner, self.vision = self.runner, None, None
-        runner.shutdown()
-        del runner
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        try:
+            for request_id in list(self._requests):
+                self.abort(request_id)
+            self._launched = None
+            if self.disk is not None:
+                self._close_disk_tier()
+        finally:  # (a failed or interrupted hand-off to disk still shuts the executor down: close() runs once)
+            runner, self.runner, self.vision = self.runner, None, None
+            runner.shutdown()
+            del runner
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def _close_disk_tier(self) -> None:
         """Hand every checkpoint the cache holds, in the host tier and in the device pool, to the disk tier (so
@@ -511,15 +521,17 @@ class LLMEngine:
         checkpoints are written by the next step's plan, and there is none). Nothing is handed after a failed step
         (its bytes are not trusted)."""
         handed = 0
-        if self._failure is None:
-            copies = ()
-            if not self.scheduler.has_work:  # (close aborted every request)
-                retired = self.scheduler.flush_retired_copies()
-                if not retired.is_empty:
-                    copies = device_copies(retired, self.runner.input_device)
-            self.runner.execute_copies(copies)  # (with an MTP head also the frozen tails it still holds)
-            handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind)
-        self.disk.close()
+        try:
+            if self._failure is None:
+                copies = ()
+                if not self.scheduler.has_work:  # (close aborted every request)
+                    retired = self.scheduler.flush_retired_copies()
+                    if not retired.is_empty:
+                        copies = device_copies(retired, self.runner.input_device)
+                self.runner.execute_copies(copies)  # (with an MTP head also the frozen tails it still holds)
+                handed = self.disk.keep_at_shutdown(self.scheduler.keep_cache_behind)
+        finally:  # (a failed or interrupted hand-off still writes what it queued and stops the writer)
+            self.disk.close()
         stats = self.disk.stats()
         _logger.info("hybridcache: disk tier closed: %d checkpoints handed at shutdown, %d state files; not kept: "
                      "%d checkpoints", handed, stats["num_state_files"], stats["num_not_kept"])
@@ -718,13 +730,12 @@ class LLMEngine:
         (rollback, verify forward, drafting: `_launch_chained`), then judge and settle t from its host copy while
         the device runs t + 1, then let the scheduler plan t + 1 exactly as it ran (`_adopt_chained`)."""
         self.num_chained_steps += 1
-        with self._fatal():
-            queued = self._launch_chained(previous)
-            before = {c.seq.seq_id: c for c in previous.chunks}
-            fed = previous.deferred
-            outputs, values = self._complete_deferred(previous, chained=True)
-            scheduled = self.scheduler.schedule()
-            self._launched = self._adopt_chained(queued, scheduled, before, fed.next_inputs(values))
+        queued = self._launch_chained(previous)
+        before = {c.seq.seq_id: c for c in previous.chunks}
+        fed = previous.deferred
+        outputs, values = self._complete_deferred(previous, chained=True)
+        scheduled = self.scheduler.schedule()  # (any error here leaves the engine failed: a step is queued)
+        self._launched = self._adopt_chained(queued, scheduled, before, fed.next_inputs(values))
         return outputs
 
     def _launch_chained(self, previous: _Launched) -> DeviceVerdicts:
