@@ -142,6 +142,7 @@ class EngineLoop:
         self._running_blocks_at = time.monotonic()  # engine thread only: when num_blocks_running was counted
         self.healthy = True
         self.last_error: str | None = None
+        self._ended = False  # the thread is ending on an error (`_end`): `running` is False from here on
 
     # ---------------------------------------------------------------------------- event-loop side
     def start(self) -> None:
@@ -158,7 +159,7 @@ class EngineLoop:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and not self._ended
 
     async def add(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                   mm_inputs: tuple = (), checkpoints_at: tuple[int, ...] = (),
@@ -199,6 +200,8 @@ class EngineLoop:
     async def check(self, clear_cache: bool = False) -> EngineState:
         """Debug: recompute the engine's counts from scratch (raises on a mismatch; EngineBusy while requests
         run), optionally drop the prefix cache's contents, and return a fresh snapshot."""
+        if not self.running:
+            raise EngineFailure("the engine is not running")
         done = self._loop.create_future()
         self._commands.put(_Check(clear_cache, done))
         return await done
@@ -219,9 +222,44 @@ class EngineLoop:
 
     # ---------------------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        commands: list = []  # the drain being handled
+        try:
+            self._serve(commands)
+        except BaseException as error:  # (an Exception from a step is handled in `_serve`: the server goes on)
+            self._end(error, commands)
+            raise
+
+    def _end(self, error: BaseException, commands: list) -> None:
+        """The thread ends on `error` (a SystemExit, an error outside a step): report unhealthy with it, fail every
+        request with an EngineFailure, and every command waiting for an answer (those of the drain being handled,
+        those still queued, and, from the event loop, those queued until `running` turned False)."""
+        logger.critical("the engine thread ended: %s: %s", type(error).__name__, error, exc_info=error)
+        self._ended = True
+        self.healthy = False
+        self.last_error = f"{type(error).__name__}: {error}"
+        failure = EngineFailure(f"the engine thread ended: {self.last_error}")
+        try:
+            self._abort_all(error)
+        finally:
+            self._refuse_commands(commands, failure)
+            self._call_soon(self._refuse_commands, [], failure)
+
+    def _refuse_commands(self, commands: list, failure: EngineFailure) -> None:
+        """Resolve the futures of `commands` and of every command still queued with `failure`."""
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if isinstance(command, (_Add, _Check, _Call)):
+                self._resolve(command.done, error=failure)
+
+    def _serve(self, commands: list) -> None:
+        """The thread's loop (see the module docstring); `commands` holds each drain while it is handled."""
         engine = self._engine
         while True:
-            commands = []
+            commands.clear()
             if not engine.has_unfinished_requests():
                 with contextlib.suppress(queue.Empty):  # on a timeout, a stats line is due
                     commands.append(self._commands.get(timeout=self._stats_due_in()))
@@ -393,7 +431,7 @@ class EngineLoop:
             self._send(stream, RequestTimeout("the request did not finish within the server's request timeout "
                                               "(--request-timeout); it was aborted"))
 
-    def _abort_all(self, error: Exception | None) -> None:
+    def _abort_all(self, error: BaseException | None) -> None:
         """Abort every request (engine failure, or shutdown when `error` is None) and tell its handler."""
         for request_id, stream in list(self._streams.items()):
             computed = self._computed(request_id, stream)
