@@ -29,6 +29,11 @@ class OracleIndex:
 
         fed so far: [a b c d | e f g h | i j]          (B = 4)
         query:      [a b c d | e f x y | ...]  -> 4 (block) + 2 (common prefix with child "e f g h") = 6
+
+    `num_tokens` counts every distinct fed prefix once (the tokens of a token-level trie): a block or tail adds
+    its tokens beyond the longest prefix it shares with the blocks and tails already under its node::
+
+        fed [a b], then [a b c d | e]:  2, then + 2 (c d: "a b" was fed) + 1 (e) = 5
     """
 
     def __init__(self, block_size: int = 64) -> None:
@@ -56,20 +61,25 @@ class OracleIndex:
         size, node, pos = self.block_size, 0, 0
         while pos < len(token_ids):
             block = token_ids[pos:pos + size]
+            entries = self._by_first.setdefault(node, {}).setdefault(block[0], [])  # blocks and tails
             if len(block) == size:
                 child = self._nodes.get((node, block))
                 if child is None:
                     child = len(self._nodes) + 1
                     self._nodes[(node, block)] = child
-                    self._by_first.setdefault(node, {}).setdefault(block[0], []).append(block)
-                    self.num_tokens += size
+                    self.num_tokens += size - _longest_common_prefix(block, entries)
+                    entries.append(block)
                 node, pos = child, pos + size
             else:
-                tails = self._by_first.setdefault(node, {}).setdefault(block[0], [])
-                if not any(t[: len(block)] == block for t in tails):
-                    tails.append(block)
-                    self.num_tokens += len(block)
+                seen = _longest_common_prefix(block, entries)
+                if seen < len(block):
+                    entries.append(block)
+                    self.num_tokens += len(block) - seen
                 break
+
+
+def _longest_common_prefix(tokens: tuple[int, ...], others: Sequence[tuple[int, ...]]) -> int:
+    return max((common_prefix_len(tokens, other) for other in others), default=0)
 
 
 class OracleReplay:
