@@ -78,6 +78,8 @@ class CacheReplay:
         check_simulable(self.num_blocks, self.host_blocks, spec)
         cost_model = replace(cost.cache_cost_model(), host_bandwidth=config.host_bandwidth,
                              device_flops=config.device_flops)
+        if spec.one_budget:  # a state's bytes are its k pages, as the engine's cost model (`engine_cost_model`)
+            cost_model = replace(cost_model, state_bytes=float(self.state_pages * block_bytes))
         self.cache = PrefixCache(
             CacheConfig(block_size=spec.block_size, num_blocks=self.num_blocks, num_slots=self.num_slots,
                         max_checkpoints_per_anchor=self.policy.max_checkpoints_per_anchor,

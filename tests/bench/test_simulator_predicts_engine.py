@@ -133,3 +133,26 @@ def test_paged_sizing_is_the_engines_memory_plan(gib, ssm_dtype):
     (spec,) = parse_policies("hybridcache", 64)
     replay = make_replay(spec, cost, SimConfig(memory, 64), max_running=8)
     assert (replay.num_blocks, replay.state_pages) == (plan.num_blocks, plan.state_pages)
+
+
+@pytest.mark.parametrize("policy", ["hybridcache", "hybridcache+flop", "bounded-oracle"])
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
+def test_the_cache_costs_a_state_as_the_engine_does(policy, ssm_dtype):
+    """The simulator's cache ranks with the engine's cost model (`engine_cost_model`): a state costs the k pages it
+    occupies (2 x 65,536 B on the built-in model at B = 64), not its raw bytes (117,248 B in fp32), which
+    `hybridcache+flop`'s FLOPs-per-byte ranking reads (hunt 129: other evictions than the engine's)."""
+    from hybridcache.engine.cost_model import engine_cost_model
+    from hybridcache.models.builtin import ensure_builtin_model
+
+    cost = load_model_cost(None, ssm_dtype)
+    memory = 1 << 26
+    plan = plan_memory(memory + 8 * cost.state_bytes, kv_bytes_per_block=cost.block_bytes(64),
+                       state_bytes_per_slot=cost.state_bytes, max_num_seqs=8, block_size=64, min_blocks=1)
+    engine = engine_cost_model(ModelConfig.from_model_dir(ensure_builtin_model()), plan, block_size=64,
+                               ssm_dtype=ssm_dtype)
+    (spec,) = parse_policies(policy, 64)
+    simulated = make_replay(spec, cost, SimConfig(memory, 64), max_running=8).cache.cost_model
+    assert simulated.state_bytes == engine.state_bytes == plan.state_pages * plan.block_bytes != cost.state_bytes
+    assert simulated.kv_bytes_per_token == engine.kv_bytes_per_token
+    assert (simulated.flops_per_token, simulated.attn_flops_per_token_pair) == (
+        engine.flops_per_token, engine.attn_flops_per_token_pair)
