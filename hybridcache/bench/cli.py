@@ -135,18 +135,32 @@ def cache_modes(text: str) -> tuple[str, ...]:
     return modes
 
 
-def check_out_dir(out_dir: str | Path) -> None:
-    """`--out-dir` is a folder this process can write, created now when missing: a ValueError naming it otherwise,
-    before a run whose results would be lost."""
+def check_out_dir(out_dir: str | Path, flag: str = "--out-dir") -> None:
+    """`--out-dir` (or what `flag` names) is a folder this process can write, created now when missing: a
+    ValueError naming it otherwise, before a run whose results would be lost."""
     path = Path(out_dir)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--out-dir {str(out_dir)!r} is a file, not a folder")
+        raise ValueError(f"{flag} {str(out_dir)!r} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as error:
-        raise ValueError(f"--out-dir {str(out_dir)!r} cannot be created: {error.strerror or error}") from None
+        raise ValueError(f"{flag} {str(out_dir)!r} cannot be created: {error.strerror or error}") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"--out-dir {str(out_dir)!r} is not writable")
+        raise ValueError(f"{flag} {str(out_dir)!r} is not writable")
+
+
+def check_out_files(**paths: str | None) -> None:
+    """`simulate --json PATH --plot PATH` (keyword: the flag's name, `json`, `plot`): each a file path whose folder
+    this process can write (created now when missing), not a folder: a ValueError naming the flag otherwise,
+    before the replay whose results would be lost. None: not asked for."""
+    for name, value in paths.items():
+        if value is None:
+            continue
+        flag, path = f"--{name}", Path(value)
+        if path.is_dir():
+            example = path / ("sim.json" if name == "json" else "sim.png")
+            raise ValueError(f"{flag} {value!r} is a folder; give a file path (e.g. {str(example)!r})")
+        check_out_dir(path.parent, f"{flag} {value!r}: its folder")
 
 
 # ---- simulate ---------------------------------------------------------------------------------------------
@@ -161,6 +175,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     if args.replicas is not None:
         return cmd_simulate_routing(args)
+    check_out_files(json=args.json, plot=args.plot)  # before the replay: its results would be lost
     num_jobs = args.jobs if args.jobs is not None else os.cpu_count() or 1
     if args.plot:
         require_extra("bench", "hybridcache simulate --plot")
@@ -245,6 +260,7 @@ def cmd_simulate_routing(args: argparse.Namespace) -> int:
                if value is not None]
     if refused:
         raise ValueError(f"{', '.join(refused)}: not with --replicas (routing runs one process, at --memory-gib)")
+    check_out_files(json=args.json)
     policies = [p.strip() for p in args.routing.split(",") if p.strip()]
     model_dir = resolve_model(args.model, weights=False).path if args.model is not None else None
     cost = load_model_cost(model_dir, args.mamba_ssm_cache_dtype)

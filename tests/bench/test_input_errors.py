@@ -25,6 +25,8 @@ GOOD = json.dumps({"timestamp": 0, "input_length": 700, "output_length": 5, "has
     ('{"timestamp": 1, "input_length": 10', r"trace.jsonl:3: not a JSON line"),
     ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [0, "x"]}',
      r"trace.jsonl:3: hash ids must be integers, got 'x'"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [-1]}',
+     r"trace.jsonl:3: hash ids must be non-negative, got -1"),  # (numpy's "expected non-negative integer")
     ('{"timestamp": 1, "input_length": 100.5, "output_length": 2, "hash_ids": [0]}',
      r"trace.jsonl:3: 'input_length' must be an integer, got 100.5"),
     ('{"timestamp": 1, "input_length": 2000, "output_length": 2, "hash_ids": [0]}',

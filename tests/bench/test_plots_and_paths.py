@@ -49,3 +49,35 @@ def test_plots_have_integer_turn_ticks_and_a_log_ttft_axis(tmp_path):
     assert ticks and all(float(t).is_integer() for t in ticks)
     assert cdf_ax.get_xscale() == "log"
     plt.close("all")
+
+
+@pytest.mark.parametrize(("flag", "target", "message"), [
+    ("--json", "afile/sim.json", "--json '{}/afile/sim.json': its folder '{}/afile' is a file, not a folder"),
+    ("--json", "outdir", "--json '{}/outdir' is a folder; give a file path"),
+    ("--plot", "outdir", "--plot '{}/outdir' is a folder; give a file path"),
+], ids=["json-under-a-file", "json-a-folder", "plot-a-folder"])
+@pytest.mark.parametrize("replicas", [(), ("--replicas", "2", "--routing", "session")], ids=["one-cache", "replicas"])
+def test_simulate_checks_its_output_paths_before_the_replay(tmp_path, monkeypatch, capsys, flag, target, message,
+                                                             replicas):
+    """A --json or --plot path that cannot be written (under a file) or that is a folder is refused before the
+    replay (it failed after it with a bare "[Errno 17] File exists", or wrote FOLDER-2 beside the folder)."""
+    import hybridcache.bench.routing
+    import hybridcache.bench.simulator
+    from hybridcache.cli import main
+
+    if replicas and flag == "--plot":
+        pytest.skip("--replicas refuses --plot")
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "outdir").mkdir()
+
+    def replayed(*args, **kwargs):
+        raise AssertionError("the replay ran")
+
+    monkeypatch.setattr(hybridcache.bench.simulator, "simulate_many", replayed)
+    monkeypatch.setattr(hybridcache.bench.routing, "simulate_routing", replayed)
+    jobs = () if replicas else ("--jobs", "1")  # (--replicas refuses --jobs)
+    code = main(["simulate", "--workload", "shared-prefix", "--num-requests", "20", "--no-progress", *jobs, *replicas,
+                 flag, str(tmp_path / target)])
+    assert code == 2
+    assert message.format(tmp_path, tmp_path) in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "outdir"]  # nothing written beside them

@@ -59,6 +59,8 @@ def read_mooncake(path: str | Path, num_requests: int | None = None) -> list[Moo
 def _hash_id(value, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{where}: hash ids must be integers, got {value!r}")
+    if value < 0:  # (numpy's seed sequence, which draws the id's block, takes no negative entropy)
+        raise ValueError(f"{where}: hash ids must be non-negative, got {value}")
     return value
 
 
