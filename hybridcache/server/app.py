@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hybridcache.engine.engine import freeze_gc_heap
+from hybridcache.engine.engine import EngineDeadError, freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GrammarCache
 from hybridcache.images import MediaLimits
@@ -493,6 +493,8 @@ class _Routes:
             state = await self.engine_loop.check(clear_cache=clear_cache)
         except EngineBusy as error:
             raise APIError(409, str(error)) from None
+        except (EngineFailure, EngineDeadError) as error:  # (a failed engine: what /health says too)
+            raise APIError(503, str(error)) from None
         except AssertionError as error:
             raise APIError(500, f"integrity check failed: {error}") from None
         return JSONResponse({"integrity": "ok", "engine": state.as_dict()})

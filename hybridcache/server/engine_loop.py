@@ -452,6 +452,8 @@ class EngineLoop:
             self.last_error = f"{type(error).__name__}: {error}"
             try:
                 self._engine.check_integrity()
+            except EngineDeadError:  # (the failure killed it: already said, no second traceback)
+                self.healthy = False
             except Exception:  # noqa: BLE001
                 logger.exception("the engine is inconsistent after a failure; reporting unhealthy")
                 self.healthy = False

@@ -85,3 +85,32 @@ def test_a_command_that_ends_the_thread_gets_an_answer():
             await asyncio.to_thread(loop_engine.stop)
 
     asyncio.run(main())
+
+
+def test_a_failed_step_reports_the_dead_engine_once_and_the_debug_route_answers_503(monkeypatch, caplog):
+    """An Exception in a committed step kills the engine (docs/server.md): the loop used to log a second
+    traceback calling the dead engine "inconsistent", and /debug/engine answered a generic 500."""
+    import httpx
+
+    from hybridcache.models.builtin import BUILTIN_NAME
+
+    from .inprocess_server import serving
+
+    broken = []
+    original = LLMEngine._step
+
+    def step(self, *args, **kwargs):
+        if broken:
+            raise RuntimeError("injected: a kernel failed")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "_step", step)
+    with serving(enable_debug_endpoints=True) as base_url, httpx.Client(base_url=base_url, timeout=60) as client:
+        body = {"model": BUILTIN_NAME, "prompt": "hello", "max_tokens": 4}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        broken.append(1)
+        assert client.post("/v1/completions", json=body).status_code == 500
+        response = client.get("/debug/engine")
+        assert response.status_code == 503 and "injected" in response.json()["error"]["message"]
+        assert client.get("/health").status_code == 503
+    assert not [r for r in caplog.records if "inconsistent" in r.getMessage()]
