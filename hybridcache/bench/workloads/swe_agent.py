@@ -1,5 +1,7 @@
 """`swe-agent`: SWE-agent trajectories (`*.traj` JSON); each assistant message of `history` is one model
-call whose prompt is every message before it (rendered with the chat template).
+call whose prompt is every message before it (rendered with the chat template): system, user, assistant and tool
+messages (the function-calling agents' observations come as role "tool"). An assistant message's `tool_calls`
+(the function-calling agents' actions) are rendered by the template and are part of its reply.
 
 Runs are sessions in sorted path order; they start `session_gap_s` apart (seeded exponential gaps) and a
 run's next call follows after an exponential tool time of mean `think_s`, so concurrent agents interleave.
@@ -23,6 +25,17 @@ def _text(content) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
+
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _message(m: dict, max_chars: int | None) -> dict:
+    """A history message as the chat template takes it: role, content (cut to `max_chars`), tool calls."""
+    message = {"role": m["role"], "content": _text(m.get("content", ""))[:max_chars]}
+    if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+        message["tool_calls"] = m["tool_calls"]
+    return message
 
 
 def trajectory_files(path: str | Path) -> list[Path]:
@@ -57,11 +70,7 @@ def load_swe_agent(
         if not isinstance(trajectory, dict):
             raise ValueError(f"{file}:1: expected a trajectory object, got {type(trajectory).__name__}")
         history = items_of(trajectory, "history", f"{file}:1") if "history" in trajectory else []
-        messages = [
-            {"role": m["role"], "content": _text(m.get("content", ""))[:max_message_chars]}
-            for m in history
-            if isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-        ]
+        messages = [_message(m, max_message_chars) for m in history if isinstance(m, dict) and m.get("role") in _ROLES]
         calls = [j for j, m in enumerate(messages) if m["role"] == "assistant"]
         if max_turns is not None and len(calls) > max_turns:
             messages = messages[: calls[max_turns - 1] + 1]

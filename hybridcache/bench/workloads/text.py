@@ -6,6 +6,12 @@ assistant message, the next messages, the next generation prompt) becomes the tu
 
     render(history + [assistant: MARKER] + next messages, add_generation_prompt=True)
         = prompt_k text | MARKER | after_k text
+
+An assistant message with `tool_calls` is rendered twice, with the marker and no calls (prompt_k and after_k
+text) and as it is: the reply is what the second rendering holds between those two (its content and calls)::
+
+    render(history + [assistant: content + tool_calls] + next messages, ...)
+        = prompt_k text | content, tool call blocks | after_k text
 """
 
 from __future__ import annotations
@@ -64,13 +70,21 @@ class ChatEncoder:
         prompt_len = len(first)
         turns: list[ChatTurn] = []
         for k, j in enumerate(calls):
-            reply = self.encode(messages[j]["content"])
             nxt = calls[k + 1] if k + 1 < len(calls) else None
-            masked = [*messages[:j], {**messages[j], "content": _MARKER}, *messages[j + 1 : nxt]]
+            reply_message = {key: value for key, value in messages[j].items() if key != "tool_calls"}
+            masked = [*messages[:j], {**reply_message, "content": _MARKER}, *messages[j + 1 : nxt]]
             text = self.render(masked, add_generation_prompt=nxt is not None)
             before, sep, after = text.partition(_MARKER)
             if not sep or not after:
                 raise ValueError(f"the chat template does not render assistant content verbatim ({session_id})")
+            reply_text = messages[j]["content"]
+            if messages[j].get("tool_calls"):
+                full = self.render(messages[: nxt], add_generation_prompt=nxt is not None)
+                if not (full.startswith(before) and full.endswith(after)) or len(full) < len(before) + len(after):
+                    raise ValueError(f"the chat template renders an assistant message's tool calls elsewhere than "
+                                     f"after its content ({session_id})")
+                reply_text = full[len(before): len(full) - len(after)]
+            reply = self.encode(reply_text)
             after_ids = self.encode(after)
             if max_prompt_len is not None and prompt_len + len(reply) + 1 > max_prompt_len:
                 break
