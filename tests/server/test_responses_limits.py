@@ -37,10 +37,12 @@ class StandInLoop:
         self.full = full
         self.aborted: list[str] = []
 
-    async def add(self, request_id, prompt, params, mm_inputs=(), checkpoints_at=()) -> asyncio.Queue:
+    async def add(self, request_id, prompt, params, mm_inputs=(), checkpoints_at=(), *, cache_salt=None
+                  ) -> asyncio.Queue:
         return (await self.add_many([request_id], [prompt], params, [mm_inputs], [checkpoints_at]))[0]
 
-    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False):
+    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False, *,
+                       cache_salt=None):
         if self.full:
             raise QueueFull("the server is busy (--max-queued-requests)")
         return [asyncio.Queue() for _ in request_ids]
@@ -119,7 +121,8 @@ class ScriptedLoop(StandInLoop):
         self.error = error
         self.prompts: list[list[int]] = []
 
-    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False):
+    async def add_many(self, request_ids, prompts, params, mm_inputs=None, checkpoints_at=None, echo_only=False, *,
+                       cache_salt=None):
         sinks = []
         for request_id, prompt in zip(request_ids, prompts):
             self.prompts.append(list(prompt))
