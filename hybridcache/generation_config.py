@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import enum
 import json
+import logging
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from hybridcache.sampling import SamplingParams
 
 FILE_NAME = "generation_config.json"
+_logger = logging.getLogger(__name__)
 
 
 class GenerationConfigSource(enum.Enum):
@@ -52,8 +54,9 @@ class SamplingDefaults:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path,
                        source: GenerationConfigSource | str = GenerationConfigSource.AUTO) -> SamplingDefaults:
-        """The defaults `source` gives for the folder: none for VLLM or when the file is absent. A value that
-        SamplingParams refuses is a ValueError naming the file and the key."""
+        """The defaults `source` gives for the folder: none for VLLM or when the file is absent. A file that is
+        not a JSON object gives none either, with a warning naming it (vLLM's try_get_generation_config falls back
+        to the model config); a value that SamplingParams refuses is a ValueError naming the file and the key."""
         source = GenerationConfigSource(source)
         path = Path(model_dir) / FILE_NAME
         if source is GenerationConfigSource.VLLM or not path.is_file():
@@ -61,9 +64,12 @@ class SamplingDefaults:
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is not valid JSON: {error}") from None
+            _logger.warning("%s is not valid JSON (%s): no sampling defaults from it", path, error)
+            return cls()
         if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object")
+            _logger.warning("%s must hold a JSON object, not %s: no sampling defaults from it", path,
+                            type(data).__name__)
+            return cls()
         values = {field: data[key] for key, field in _KEYS.items() if data.get(key) is not None}
         from hybridcache.sampling import SamplingParams  # here: the command line parses without torch
 

@@ -29,11 +29,14 @@ A malformed file (not JSON, not an object, a field of the wrong type, a count of
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+_logger = logging.getLogger(__name__)
 
 
 class LayerKind(StrEnum):
@@ -250,11 +253,11 @@ class ModelConfig:
         text = raw.get("text_config") or raw
         if not isinstance(text, Mapping):
             raise ValueError(f"config.json text_config must be an object, not {type(text).__name__}")
-        model_type = _TEXT_MODEL_TYPES.get(text.get("model_type") or raw.get("model_type") or "")
+        field = "text_config.model_type" if text is not raw and text.get("model_type") else "model_type"
+        written = text.get("model_type") or raw.get("model_type")
+        model_type = _TEXT_MODEL_TYPES.get(written or "")
         if model_type is None:
-            raise ValueError(
-                f"unsupported model_type {raw.get('model_type')!r}; supported: {sorted(_TEXT_MODEL_TYPES)}"
-            )
+            raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
         fields = _Fields(text, _DEFAULTS[model_type])
 
         def pick(key: str, default: Any = None) -> Any:
@@ -291,7 +294,7 @@ class ModelConfig:
             layer_types=layer_types,
             max_position_embeddings=fields.integer("max_position_embeddings"),
             eos_token_ids=token_ids(pick("eos_token_id"), "config.json eos_token_id"),
-            tie_word_embeddings=bool(pick("tie_word_embeddings", False)),
+            tie_word_embeddings=boolean(pick("tie_word_embeddings"), "tie_word_embeddings", default=False),
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
             rms_norm_eps=fields.number("rms_norm_eps"),
             hidden_act=hidden_act,
@@ -319,16 +322,21 @@ class ModelConfig:
     def from_model_dir(cls, path: str | Path) -> ModelConfig:
         """Read `<path>/config.json`. The ids generation stops on (`eos_token_ids`) are config.json's, then
         `generation_config.json`'s where it adds any (the engine adds the tokenizer's EOS token: vLLM stops on
-        all of them). A file that is not valid JSON, or an eos_token_id that is no token id, is a ValueError naming
-        the file."""
+        all of them). A generation_config.json that is not valid JSON, or whose eos_token_id is no token id, is a
+        warning naming the file, and config.json's ids are used (vLLM falls back to the model config)."""
         path = Path(path)
         config_path = path / "config.json"
         if not config_path.is_file():
             raise ValueError(f"{config_path} does not exist")
         config = cls.from_dict(read_json_object(config_path))
         generation_path = path / "generation_config.json"
-        generation_ids = token_ids(read_json_object(generation_path).get("eos_token_id"),
-                                   f"{generation_path} eos_token_id") if generation_path.is_file() else ()
+        generation_ids: tuple[int, ...] = ()
+        if generation_path.is_file():
+            try:
+                generation_ids = token_ids(read_json_object(generation_path).get("eos_token_id"),
+                                           f"{generation_path} eos_token_id")
+            except ValueError as error:  # as vLLM's try_get_generation_config: fall back to config.json's
+                _logger.warning("%s; stopping on config.json's EOS ids %s only", error, list(config.eos_token_ids))
         return replace(config, eos_token_ids=tuple(dict.fromkeys((*config.eos_token_ids, *generation_ids))))
 
 
@@ -350,6 +358,16 @@ def token_ids(value: Any, field: str) -> tuple[int, ...]:
     if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"{field} {value!r} must be a token id or a list of token ids")
     return tuple(ids)
+
+
+def boolean(value: Any, key: str, default: bool) -> bool:
+    """A config.json boolean field: true or false, `default` for null or left out; anything else (the string
+    "false", 0) is a ValueError naming config.json and the field, as transformers' strict configuration refuses."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json {key} {value!r} must be true or false")
+    return value
 
 
 @dataclass(frozen=True)
@@ -374,6 +392,9 @@ class _Fields:
             raise ValueError(f"config.json {key} {value} must be at least {minimum}")
         return value
 
+    def boolean(self, key: str, default: bool) -> bool:
+        return boolean(self.section.get(key), key, default)
+
     def number(self, key: str) -> float:
         value = self.value(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
@@ -397,13 +418,20 @@ def _attention_config(fields: _Fields) -> AttentionConfig:
     # head_dim null (not left out): transformers' attention takes hidden_size / num_attention_heads
     head_dim = (fields.integer("hidden_size") // num_heads if "head_dim" in text and text["head_dim"] is None
                 else fields.integer("head_dim"))
+    rope_theta = rotary.number("rope_theta")
+    if rope_theta <= 0:
+        raise ValueError(f"config.json rope_theta {rope_theta} must be > 0 (the RoPE base)")
+    partial_rotary_factor = rotary.number("partial_rotary_factor")
+    if partial_rotary_factor > 1:
+        raise ValueError(f"config.json partial_rotary_factor {partial_rotary_factor} must be between 0 and 1 (RoPE "
+                         f"rotates at most the head_dim {head_dim} channels of a head)")
     return AttentionConfig(
         num_heads=num_heads,
         num_kv_heads=fields.integer("num_key_value_heads"),
         head_dim=head_dim,
-        bias=bool(text.get("attention_bias", False)),
-        rope_theta=rotary.number("rope_theta"),
-        partial_rotary_factor=rotary.number("partial_rotary_factor"),
+        bias=fields.boolean("attention_bias", default=False),
+        rope_theta=rope_theta,
+        partial_rotary_factor=partial_rotary_factor,
         mrope_section=section,
         rope_scaling=_rope_scaling(fields, rope),
         max_position_embeddings=fields.integer("max_position_embeddings"),
@@ -466,7 +494,7 @@ def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
         shared_expert_intermediate_size=(fields.integer("shared_expert_intermediate_size", minimum=0)
                                          if is_moe else 0),
         # Qwen3.5-MoE always renormalises the top-k weights and puts an MoE block in every layer.
-        norm_topk_prob=bool(text.get("norm_topk_prob", True)) if is_qwen3_next else True,
+        norm_topk_prob=fields.boolean("norm_topk_prob", default=True) if is_qwen3_next else True,
         decoder_sparse_step=fields.integer("decoder_sparse_step") if is_qwen3_next else 1,
         mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())) if is_qwen3_next else (),
     )

@@ -48,15 +48,31 @@ def test_pick_prefers_the_request(folder):
 @pytest.mark.parametrize("content, needle", [
     ('{"temperature": -1}', "temperature must be a finite number >= 0"),
     ('{"max_new_tokens": 0}', "max_tokens must be an integer >= 1"),
-    ("{not json", "is not valid JSON"),
-    ("[1]", "must hold a JSON object"),
 ])
-def test_a_bad_file_is_an_error_naming_it(folder, content, needle):
+def test_a_bad_value_is_an_error_naming_it(folder, content, needle):
     (folder / "generation_config.json").write_text(content)
     with pytest.raises(ValueError, match=needle) as error:
         SamplingDefaults.from_model_dir(folder)
     assert "generation_config.json" in str(error.value)
     assert SamplingDefaults.from_model_dir(folder, "vllm") == SamplingDefaults()
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{not json", "is not valid JSON"),
+    ("[1]", "must hold a JSON object"),
+    ('{"temperature": 0.6, "top_p": 0.95,}', "is not valid JSON"),
+])
+def test_an_unreadable_file_is_a_warning_and_no_defaults(folder, content, needle, caplog):
+    """As vLLM's try_get_generation_config (an OSError falls back to the model config): the folder still serves,
+    in auto and in vllm mode, with SamplingParams' defaults and config.json's EOS ids."""
+    (folder / "generation_config.json").write_text(content)
+    with caplog.at_level("WARNING"):
+        assert SamplingDefaults.from_model_dir(folder) == SamplingDefaults()
+    assert "generation_config.json" in caplog.text and needle in caplog.text
+    for source in ("auto", "vllm"):
+        llm = LLM(folder, generation_config=source, **SMALL)
+        assert llm.get_default_sampling_params() == SamplingParams()
+        assert llm.generate([5, 6, 7], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_offline_defaults_apply_only_without_sampling_params(folder):

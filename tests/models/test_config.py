@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,10 +222,49 @@ def test_a_string_quantization_config_is_a_value_error(tmp_path):
     ({"eos_token_id": [2, None]}, r"generation_config.json eos_token_id \[2, None\] must be a token id"),
     ("{oops", "generation_config.json is not valid JSON"),
     ("[1]", "generation_config.json must hold a JSON object"),
-], ids=["a-string", "a-float", "a-null", "invalid-json", "a-list"])
-def test_a_malformed_generation_config_is_a_value_error_naming_the_file(tmp_path, generation, message):
+    ({"eos_token_id": "258"}, "generation_config.json eos_token_id '258' must be a token id"),
+], ids=["a-string", "a-float", "a-null", "invalid-json", "a-list", "a-numeric-string"])
+def test_a_malformed_generation_config_is_a_warning_naming_the_file(tmp_path, generation, message, caplog):
+    """As vLLM's try_get_generation_config (which falls back to the model config): the folder loads, stopping on
+    config.json's EOS ids, and a warning names the file and the problem."""
+    with caplog.at_level("WARNING", logger="hybridcache.models.config"):
+        config = ModelConfig.from_model_dir(_write_folder(tmp_path, base_dict(), generation))
+    assert config.eos_token_ids == (5, 6)
+    assert re.search(message, caplog.text) and "config.json's EOS ids [5, 6]" in caplog.text
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"rope_theta": 0}, "config.json rope_theta 0.0 must be > 0"),
+    ({"rope_parameters": {"rope_theta": 0}}, "config.json rope_theta 0.0 must be > 0"),
+    ({"partial_rotary_factor": 2.0}, "config.json partial_rotary_factor 2.0 must be between 0 and 1"),
+    ({"rope_parameters": {"partial_rotary_factor": 1.5}}, "config.json partial_rotary_factor 1.5 must be between"),
+    ({"partial_rotary_factor": -0.5}, "config.json partial_rotary_factor -0.5 is not a number >= 0"),
+    ({"norm_topk_prob": "false"}, "config.json norm_topk_prob 'false' must be true or false"),
+    ({"norm_topk_prob": 0}, "config.json norm_topk_prob 0 must be true or false"),
+    ({"tie_word_embeddings": "true"}, "config.json tie_word_embeddings 'true' must be true or false"),
+    ({"attention_bias": "no"}, "config.json attention_bias 'no' must be true or false"),
+], ids=["theta-0", "theta-0-rope-parameters", "prf-2", "prf-1.5-rope-parameters", "prf-negative",
+        "norm_topk_prob-string", "norm_topk_prob-0", "tie-string", "attention_bias-string"])
+def test_rope_and_boolean_fields_out_of_range_are_value_errors_naming_the_field(changes, message):
+    """rope_theta 0 gave NaN outputs, partial_rotary_factor > 1 killed the engine at the first request, and a
+    boolean read with bool() took "false" as true (transformers' strict configuration refuses these)."""
     with pytest.raises(ValueError, match=message):
-        ModelConfig.from_model_dir(_write_folder(tmp_path, base_dict(), generation))
+        ModelConfig.from_dict(base_dict(**changes))
+
+
+def test_boolean_fields_take_true_false_and_null():
+    assert not ModelConfig.from_dict(base_dict(norm_topk_prob=False)).mlp.norm_topk_prob
+    assert ModelConfig.from_dict(base_dict(norm_topk_prob=None)).mlp.norm_topk_prob  # transformers' default
+    config = ModelConfig.from_dict(base_dict(tie_word_embeddings=True, attention_bias=None, partial_rotary_factor=1))
+    assert config.tie_word_embeddings and not config.attention.bias
+    assert config.attention.rotary_dim == config.attention.head_dim
+
+
+def test_an_unknown_text_config_model_type_is_named_as_such():
+    raw = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "text_config": {**base_dict(), "model_type": "qwen3_next_text"}}
+    with pytest.raises(ValueError, match="unsupported text_config.model_type 'qwen3_next_text' in config.json"):
+        ModelConfig.from_dict(raw)
 
 
 def test_generation_config_eos_ids_join_config_jsons(tmp_path):
