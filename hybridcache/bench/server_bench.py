@@ -7,10 +7,11 @@ request at once (up to `concurrency`). Each call is a streaming `POST /v1/comple
 token ids, greedy, `ignore_eos`, `stream_options.include_usage` and `return_token_ids`, so that:
 time to first token = first streamed chunk; end-to-end = the `[DONE]` event; `cached_tokens` =
 `usage.prompt_tokens_details.cached_tokens` (the request's, once for its `n` choices, as the offline benchmark
-counts it); the generated token ids (for the next turn's prompt) come with each choice's finishing chunk. The
-server runs one cache mode, so the result has one mode, named `server`. Calls whose prompt + `max_tokens` pass the
-server's `max_model_len` (its `/v1/models` card; it would answer 400) are dropped as the offline benchmark drops
-them (a session ends before such a turn).
+counts it); the generated token ids (for the next turn's prompt) are each choice's chunks' `token_ids` joined (a
+chunk carries the ids generated since the choice's previous one, as vLLM's). The server runs one cache mode, so
+the result has one mode, named `server`. Calls whose prompt + `max_tokens` pass the server's `max_model_len` (its
+`/v1/models` card; it would answer 400) are dropped as the offline benchmark drops them (a session ends before
+such a turn).
 """
 
 from __future__ import annotations
@@ -49,9 +50,8 @@ async def _call(client, url: str, model: str, prompt_ids: tuple[int, ...], max_t
                 raise ServerError(f"{url} failed the request: {event['error']}")
             if event.get("choices") and first is None:
                 first = time.perf_counter()
-            for choice in event.get("choices", []):
-                if "token_ids" in choice:
-                    token_ids[choice["index"]] = choice["token_ids"]
+            for choice in event.get("choices", []):  # each chunk carries the ids since the choice's last one
+                token_ids.setdefault(choice["index"], []).extend(choice.get("token_ids") or ())
             if event.get("usage"):
                 cached = event["usage"]["prompt_tokens_details"]["cached_tokens"]
     end = time.perf_counter()

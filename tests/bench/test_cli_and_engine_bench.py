@@ -75,6 +75,8 @@ def test_server_bench_matches_the_offline_engine_and_reports_hits(tmp_path, shar
     assert served.hit_rate_by_turn[1] > 0.5
     assert served.ttft_p50_s > 0 and served.e2e_p50_s >= served.ttft_p50_s
     assert served.token_hit_rate == pytest.approx(offline.modes["hybridcache"].token_hit_rate)
+    # turn 1's prompts hold turn 0's generated ids, joined from the streamed chunks (each carries its new ids)
+    assert served.prefill_tokens_computed == offline.modes["hybridcache"].prefill_tokens_computed
 
 
 def test_server_bench_names_an_unreachable_server(capsys):
