@@ -87,10 +87,14 @@ def _fine_grained(qc: Mapping[str, Any]) -> Fp8Format:
     if scheme != "dynamic":
         raise ValueError(f"quantization_config.activation_scheme {scheme!r} is not supported (only dynamic)")
     block = qc.get("weight_block_size")
-    if block is None or len(block) != 2:
-        raise ValueError(f"quantization_config.weight_block_size must be [rows, cols], got {block!r} (per-tensor "
-                         "FP8 is not supported)")
-    return Fp8Format("block", (int(block[0]), int(block[1])))
+    if block is None:
+        raise ValueError("config.json quantization_config.weight_block_size must be [rows, cols], got None "
+                         "(per-tensor FP8 is not supported)")
+    if (not isinstance(block, list) or len(block) != 2
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in block)):
+        raise ValueError(f"config.json quantization_config.weight_block_size {block!r} must be [rows, cols], two "
+                         "integers >= 1")
+    return Fp8Format("block", (block[0], block[1]))
 
 
 def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:

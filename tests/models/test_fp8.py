@@ -202,6 +202,18 @@ def test_unsupported_quantization_configs_are_refused(dense_dir, tmp_path, chang
         load_model(folder)
 
 
+@pytest.mark.parametrize("block", [128, ["128", "x"], [128], [0, 128], [128.0, 128], [True, 128]],
+                         ids=["an-int", "strings", "one-entry", "zero", "floats", "a-bool"])
+def test_a_malformed_weight_block_size_names_config_json_and_the_field(block):
+    """Was a bare TypeError ('object of type int has no len()') or int()'s ValueError naming neither."""
+    from hybridcache.models.quant import checkpoint_format
+
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": block}
+    with pytest.raises(ValueError, match=r"config\.json quantization_config\.weight_block_size .* must be \[rows"):
+        checkpoint_format(config)
+    assert checkpoint_format({**config, "weight_block_size": [128, 64]}).block == (128, 64)
+
+
 def test_unsupported_compressed_tensors_and_options_are_refused(dense_dir, tmp_path):
     folder = write_fp8_folder(dense_dir, tmp_path / "channel", "channel")
     config = json.loads((folder / "config.json").read_text())
