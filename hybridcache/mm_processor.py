@@ -47,9 +47,13 @@ class ProcessedImage:
     content_hash: str
 
 
+def _sizes(sizes: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {value}" for name, value in sizes.items())
+
+
 class ImageProcessor:
     """The folder's image processor and its image tokens (module docstring). ValueError when the folder has no
-    preprocessor_config.json or its patch / merge sizes disagree with the vision tower's."""
+    preprocessor_config.json or its patch / merge / temporal patch sizes disagree with the vision tower's."""
 
     def __init__(self, model_dir: str | Path, vision: VisionConfig) -> None:
         from transformers import AutoImageProcessor
@@ -59,10 +63,12 @@ class ImageProcessor:
             raise ValueError(f"{model_dir} has a vision tower but no preprocessor_config.json")
         self.vision = vision
         self._hf = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
-        patch, merge = getattr(self._hf, "patch_size", None), getattr(self._hf, "merge_size", None)
-        if (patch, merge) != (vision.patch_size, vision.spatial_merge_size):
-            raise ValueError(f"preprocessor_config.json has patch_size {patch} and merge_size {merge}; the vision "
-                             f"tower has {vision.patch_size} and {vision.spatial_merge_size}")
+        sizes = {name: getattr(self._hf, name, None) for name in ("patch_size", "merge_size", "temporal_patch_size")}
+        tower = {"patch_size": vision.patch_size, "merge_size": vision.spatial_merge_size,
+                 "temporal_patch_size": vision.temporal_patch_size}
+        if sizes != tower:
+            raise ValueError(f"{model_dir / 'preprocessor_config.json'} has {_sizes(sizes)}; the vision tower "
+                             f"(config.json vision_config) has {_sizes(tower)}")
 
     @property
     def image_token_id(self) -> int:

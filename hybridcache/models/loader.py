@@ -43,6 +43,7 @@ checks from config.json and the headers alone (a tensor-parallel engine, before 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -321,7 +322,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ValueError(f"{index} has no 'weight_map' object of tensor name -> shard file name")
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
+        # one file spelt two ways ("./model-00001-..." and "model-00001-...") is read once
+        return sorted({Path(os.path.normpath(model_dir / f)) for f in weight_map.values()})
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {model_dir}")

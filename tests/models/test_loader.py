@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from hybridcache.models import SUPPORTED_ARCHITECTURES, load_model, load_weights
+from hybridcache.models.loader import safetensors_files
 
 from .helpers import MODEL_TYPES, TOLERANCE, PagedRunner, make_pair, random_tokens, rel_err
 
@@ -229,6 +230,20 @@ def test_a_tensor_two_shards_hold_is_given_twice(saved_pair, tmp_path):
     with pytest.raises(ValueError, match=r"tensor 'model.embed_tokens.weight' given twice: in \S+model-00001-of-"
                                          r"00002.safetensors and \S+model-00002-of-00002.safetensors"):
         load_model(dst)
+
+
+def test_a_shard_the_index_spells_two_ways_is_read_once(saved_pair, tmp_path):
+    """"./model-00001-..." beside "model-00001-...": one file (was read twice, "given twice: in X and X")."""
+    pair, src = saved_pair
+    dst = _two_shards(src, tmp_path)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for name in list(index["weight_map"])[:3]:
+        index["weight_map"][name] = "./" + index["weight_map"][name]
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [f.name for f in safetensors_files(dst)] == ["model-00001-of-00002.safetensors",
+                                                        "model-00002-of-00002.safetensors"]
+    tokens = random_tokens(40, seed=7)
+    assert rel_err(prefill_logits(load_model(dst), tokens), prefill_logits(load_model(src), tokens)) == 0
 
 
 def test_a_parameter_given_under_both_names_is_refused(saved_pair, tmp_path):
