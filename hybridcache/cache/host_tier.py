@@ -29,7 +29,8 @@ Rules (each checked by `integrity.check_host`):
 Behind it (the disk tier, `engine/disk_tier.py`): `on_fall_out` hears of every checkpoint `make_room` drops before
 its blocks are freed (`fall_out`: its chain and state as a tier behind needs them; at shutdown `hand_behind` tells
 it of every checkpoint the cache holds, the device pool's too), and `Lifecycle.adopt_stored` hangs a
-`StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds.
+`StoredCheckpoint` from there back in this tier, with the host nodes of its chain that neither tier holds, once its
+bytes are in host blocks (`_fault_in`: the deepest one the host tier has room for).
 
 Copies: a demotion queues `HOST_SAVE (device block -> host block)` and a promotion `HOST_LOAD (host block ->
 device block)`; `end_step` hands them to the step's plan, saves first (plan.py says why that order is safe).
@@ -40,8 +41,9 @@ from, with no copy either way.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from hybridcache.cache.block_pool import BlockPool
@@ -101,22 +103,30 @@ class StoredCheckpoint:
 
 class TierBehind(Protocol):
     """A tier behind the host one (the engine's disk tier, `engine/disk_keeper.py`), given to `PrefixCache`. The
-    host tier tells it what its own eviction drops (`keep`), and asks it on a match (`find`) for a checkpoint
-    deeper than both tiers hold; one it has is hung in the host tier (`Lifecycle.adopt_stored`) once `read` has the
-    bytes, which `placed` then puts in the host blocks it was given (before the plan that promotes it runs)."""
+    host tier tells it what its own eviction drops (`keep`), and asks it on a match (`find`) for checkpoints
+    deeper than both tiers hold; the deepest one the host tier has room for is hung there (`Lifecycle.
+    adopt_stored`) once `read` has fetched its bytes and `placed` has put them in the host blocks it was given
+    (before the plan that promotes it runs; nothing is hung when either fails). `clear` drops what it keeps (the
+    cache was cleared: `PrefixCache.clear`)."""
 
     def keep(self, fall_out: FallOut | None) -> None:
         """A host checkpoint is being dropped (its blocks are readable during the call); None: not keepable."""
 
-    def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
-        """The deepest checkpoint it holds that `request` can use (step <= `max_step`), or None. Asked only for
-        requests under the base model's unsalted root (no adapter, no cache salt): what it keeps is theirs."""
+    def find(self, request: CacheRequest, block_size: int, max_step: int) -> Iterable[StoredCheckpoint]:
+        """The checkpoints it holds that `request` can use (step <= `max_step`), deepest first (the host tier takes
+        the deepest it has room for, and stops there). Asked only for requests under the base model's unsalted root
+        (no adapter, no cache salt): what it keeps is theirs."""
 
     def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
-        """Fetch and check the bytes of `stored`'s state and of its chain's blocks at indices `missing`."""
+        """Fetch and check the bytes of `stored` (one `find` gave) of its state and of its chain's blocks at indices
+        `missing`; False: not served (a miss)."""
 
     def placed(self, stored: StoredCheckpoint, block_ids: dict[int, int], state_ids: tuple[int, ...]) -> None:
-        """Write what `read` fetched: chain block i into host block `block_ids[i]`, the state into `state_ids`."""
+        """Write what `read` fetched: chain block i into host block `block_ids[i]`, the state into `state_ids`. An
+        exception leaves the host tier as it was (the blocks are freed, nothing is hung) and goes to the caller."""
+
+    def clear(self) -> None:
+        """Drop everything it keeps."""
 
 
 class Hanging:
@@ -201,7 +211,7 @@ class HostTier:
         # what the host's own eviction drops, told before its blocks are freed (None: it cannot be kept behind)
         self.on_fall_out: Callable[[FallOut | None], None] | None = None
         self.behind: TierBehind | None = None  # asked on a match (`find`); set with `adopt` by the lifecycle
-        self.adopt: Callable[[StoredCheckpoint, Callable[[tuple[int, ...]], bool]], Any] | None = None
+        self.adopt: Callable[..., bool] | None = None  # `Lifecycle.adopt_stored`
         self._saves: dict[int, int] = {}  # host block -> device block it is saved from (this step)
         self._loads: dict[int, int] = {}  # device block -> host block it is loaded from (this step)
         self._finishes: set[int] = set()  # host blocks the plan being built writes by HOST_FINISH
@@ -324,7 +334,9 @@ class HostTier:
         anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's, a cache salt's
         or multimodal content (not kept behind the host), a state not written yet (`unwritten`, or its HOST_FINISH
         in the plan being built), a host block whose save is still in the plan being built, a device state being
-        loaded by it, or a device node inserted since the last plan (its KV is computed by that plan's forward)."""
+        loaded by it, a device node inserted since the last plan (its KV is computed by that plan's forward), or one
+        promoted since the last plan from a host block whose own save is in that plan too (demoted and promoted
+        again in one scheduling pass: the host block holds nothing of it until the plan runs)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
@@ -332,7 +344,7 @@ class HostTier:
         host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
         if (ckpt.root_key != RootKey() or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
                 or any(h in self._saves or h in self._finishes for h in host_ids)
-                or any(n in self._fresh for n in device_nodes)
+                or any(n in self._fresh or self._loads.get(n.block_id) in self._saves for n in device_nodes)
                 or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
             return None
         blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
@@ -522,20 +534,23 @@ class HostTier:
     def _fault_in(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
     ) -> bool:
-        """Hang the tier behind's deepest checkpoint for `request` in this tier when it is deeper than what the
-        device path and this tier hold; whether it did."""
-        stored = self.behind.find(request, block_size, max_step)
-        if stored is None:
-            return False
-        held = [c.step for c in (find_deepest(self.trie, path, request, block_size, max_step),
-                                 self._find(path, hosts, request, block_size, max_step)) if c is not None]
-        if stored.step <= max(held, default=0):
-            return False
-        placed = self.adopt(stored, lambda missing: self.behind.read(stored, missing))
-        if placed is None:
-            return False
-        self.behind.placed(stored, *placed)
-        return True
+        """Hang in this tier the deepest checkpoint the tier behind holds for `request` that is deeper than what the
+        device path and this tier hold, that agrees with the prompt (`_agrees`) and that this tier has room for
+        (a deeper one whose chain and state do not fit, or whose read fails, gives way to the next); whether it
+        did. An exception from the tier behind's `placed` goes to the caller with nothing hung."""
+        held = None
+        for stored in self.behind.find(request, block_size, max_step):
+            if held is None:  # what the device path and this tier hold (asked once there is a candidate)
+                held = max((c.step for c in (find_deepest(self.trie, path, request, block_size, max_step),
+                                             self._find(path, hosts, request, block_size, max_step))
+                            if c is not None), default=0)
+            if stored.step <= held:
+                return False
+            if not _agrees(stored, request, block_size, self.trie.hash_fn):
+                continue
+            if self.adopt(stored, partial(self.behind.read, stored), partial(self.behind.placed, stored)):
+                return True
+        return False
 
     def divergence(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
@@ -608,6 +623,20 @@ class HostTier:
             self._detach(owner)
             owner = parent
         self._forget_if_empty(owner)
+
+
+def _agrees(stored: StoredCheckpoint, request: CacheRequest, block_size: int, hash_fn: Callable) -> bool:
+    """Whether `stored` is a checkpoint of `request`'s prompt: its chain's blocks are the prompt's full blocks, hash
+    and tokens, its tail the prompt's next tokens (as the device trie verifies tokens after a hash match: what a
+    tier behind answers is checked, not trusted)."""
+    depth = len(stored.chain)
+    if depth != stored.step // block_size or len(stored.tail_ids) != stored.step % block_size:
+        return False
+    prompt = request.prompt_ids
+    hashes = prompt_block_hashes(request, block_size, hash_fn)
+    return (len(hashes) >= depth and prompt[depth * block_size:stored.step] == stored.tail_ids
+            and all(node_hash == hashes[i] and token_ids == prompt[i * block_size:(i + 1) * block_size]
+                    for i, (node_hash, token_ids) in enumerate(stored.chain)))
 
 
 def _find(hanging: Hanging, node_hash: int, token_ids: tuple[int, ...], spans: tuple) -> HostNode | None:

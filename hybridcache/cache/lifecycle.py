@@ -21,7 +21,8 @@ checkpoints; it reads the trie (to match) but changes it only through this class
   newer decode checkpoint replaced, it is released as before. `promote` brings a host checkpoint and its chain
   back. A device insert or publish absorbs its host twin (identity is unique across the tiers).
 - A tier behind the host (`attach_behind`, host_tier.py's `TierBehind`: the disk tier) keeps what the host's own
-  eviction drops; `adopt_stored` hangs a checkpoint it gives back in the host tier.
+  eviction drops; `adopt_stored` hangs a checkpoint it gives back in the host tier once its bytes are written
+  there; `clear` clears it too.
 """
 
 from __future__ import annotations
@@ -508,33 +509,41 @@ class Lifecycle:
 
     def adopt_stored(
         self, stored: StoredCheckpoint, read: Callable[[tuple[int, ...]], bool],
-    ) -> tuple[dict[int, int], tuple[int, ...]] | None:
+        write: Callable[[dict[int, int], tuple[int, ...]], None],
+    ) -> bool:
         """Hang `stored` in the host tier, with the host nodes of its chain that neither tier holds, so that a match
         finds it there and promotes it as any host hit. Host room is made first (the host's own eviction), then
         `read(missing)` is asked for the bytes of the chain's blocks at indices `missing` (and of the state): False
-        stops here. Returns ({chain index: host block} of the new host nodes, the state's host blocks: k pages then
-        the frozen tail), which the caller fills before the next plan runs; None, with no item added, when it is
-        held already, the host cannot make room, or `read` failed."""
+        stops here. Then host blocks are taken and `write({chain index: host block}, the state's host blocks: k
+        pages then the frozen tail)` fills them (before the next plan runs); only then are the nodes and the
+        checkpoint hung, so that an exception from `write` frees the blocks, hangs nothing and goes to the caller
+        (a checkpoint hung before its bytes were written would be served from whatever the blocks held). False,
+        with no item added, when it is held already, the host cannot make room, or `read` failed."""
         host = self.host
         state_blocks = stored.num_pages + stored.has_frozen
         while True:
             walk = self._walk_stored(stored)
             if walk is None:
-                return None
+                return False
             owner, missing = walk
             need = len(missing) + state_blocks
             if host.num_free >= need:
                 break
             if not host.make_room(need):
-                return None
+                return False
         if not read(missing):
-            return None
-        placed = {}
+            return False
+        placed = {i: host.allocate() for i in missing}
+        state_ids = tuple(host.allocate() for _ in range(state_blocks))
+        try:
+            write(placed, state_ids)
+        except BaseException:
+            for host_block in (*placed.values(), *state_ids):
+                host.release(host_block)
+            raise
         for i in missing:
             node_hash, token_ids = stored.chain[i]
-            placed[i] = host.allocate()
             owner = host.add_node(owner, node_hash, token_ids, placed[i])
-        state_ids = tuple(host.allocate() for _ in range(state_blocks))
         ckpt = Checkpoint(ckpt_id=self._next_ckpt_id, adapter=None, step=stored.step,
                           reason=SaveReason(stored.reason), slot=None,
                           frozen_block=state_ids[-1] if stored.has_frozen else None, routed_experts=None,
@@ -544,7 +553,7 @@ class Lifecycle:
         ckpt.tail_ids, ckpt.tail_hash = stored.tail_ids, self.checkpoint_key(owner, stored.step, stored.tail_ids, ())[1]
         ckpt.state = CheckpointState.PUBLISHED
         host.hang_checkpoint(ckpt, owner)
-        return placed, state_ids
+        return True
 
     def _walk_stored(self, stored: StoredCheckpoint) -> tuple[Node | HostNode, tuple[int, ...]] | None:
         """(the deepest node of `stored`'s chain either tier holds, the chain indices below it); None when the
@@ -580,9 +589,11 @@ class Lifecycle:
 
     def clear(self) -> None:
         """Release every unpinned checkpoint and every trie node no sequence or pinned checkpoint needs (the host
-        tier's too)."""
+        tier's too), and drop what a tier behind the host keeps (`TierBehind.clear`: the disk tier's files)."""
         if self.host is not None:
             self.host.clear()
+            if self.host.behind is not None:
+                self.host.behind.clear()
         for ckpt in self.published():
             if ckpt.num_pins == 0:
                 self.release(ckpt, None)

@@ -9,15 +9,20 @@ the engine's process (tensor_parallel_size 1):
   device-to-host copy, which on CUDA waits for the queued steps), and handed to the disk tier's writer thread.
   At shutdown the same for every checkpoint the cache holds, device-resident ones included (their state is read
   from the device pool).
-- `find`, `read`, `placed`: on a match, the prompt's deepest usable state on disk, when it is deeper than what
-  the device and host tiers hold, is read (and checked), hung in the host tier with the chain blocks neither tier
-  holds, and its bytes written into the host pool at once, so the match promotes it as any host hit, in its
-  step's plan.
+- `find`, `read`, `placed`: on a match, the prompt's usable states on disk, deepest first; the deepest one that is
+  deeper than what the device and host tiers hold and fits in the host tier (its state and the chain blocks
+  neither tier holds) is read (and checked), its bytes written into the host pool at once, and it is hung in the
+  host tier, so the match promotes it as any host hit, in its step's plan.
+- `clear`: the prefix cache was cleared (`LLM.reset_prefix_cache`): the disk tier's files go too.
+
+A host tier smaller than one state's pages and a block can never take a checkpoint back: the keeper says so at
+start-up (the disk would only be written).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -30,6 +35,7 @@ from hybridcache.engine.host_pool import HostPool
 from hybridcache.engine.paged_state import PagedStates
 
 SHUTDOWN_WRITE_BYTES = 1 << 30  # at shutdown, the writer is waited for whenever this much is queued
+_logger = logging.getLogger("hybridcache.disk")
 
 
 class DiskKeeper:
@@ -39,8 +45,13 @@ class DiskKeeper:
         self.disk, self.paged, self.host_pool = disk, paged, host_pool
         self.num_not_kept = 0  # host fall-outs that could not be kept (`HostTier.fall_out` is None)
         self.num_put_bytes = 0  # bytes handed to the writer thread
-        self._hits: dict[StoredCheckpoint, DiskHit] = {}  # found, until placed (or not)
+        self._hits: dict[StoredCheckpoint, DiskHit] = {}  # the last match's, until the next one
         self._read: dict[StoredCheckpoint, tuple[torch.Tensor, torch.Tensor]] = {}
+        if host_pool.num_blocks < paged.k + 1:
+            _logger.warning(
+                "hybridcache: a host tier of %d blocks cannot take back any disk checkpoint (one needs its %d state "
+                "pages and a block of its chain or its frozen tail in the host tier at once): the disk tier at %s "
+                "will be written, never read; raise host_cache_gib", host_pool.num_blocks, paged.k, disk.dir)
 
     def keep(self, fall_out: FallOut | None) -> None:
         if fall_out is None:
@@ -68,21 +79,21 @@ class DiskKeeper:
         self.num_put_bytes += sum(b.numel() * b.element_size() for b in blocks.values()) + (
             0 if state is None else state.numel() * state.element_size())
 
-    def find(self, request: CacheRequest, block_size: int, max_step: int) -> StoredCheckpoint | None:
-        """The base model's unsalted text prompts only (the disk keeps no adapter's, cache salt's or multimodal
-        content: `HostTier.fall_out` hands none of it here, and the host tier asks only for the unsalted root)."""
+    def find(self, request: CacheRequest, block_size: int, max_step: int) -> Iterator[StoredCheckpoint]:
+        """Deepest first, each made when the host tier asks for the next. The base model's unsalted text prompts
+        only (the disk keeps no adapter's, cache salt's or multimodal content: `HostTier.fall_out` hands none of it
+        here, and the host tier asks only for the unsalted root)."""
+        self._hits, self._read = {}, {}
         if request.root_key != RootKey() or request.mm_spans:
-            return None
+            return
         hashes = prompt_block_hashes(request, block_size, chain_hash)  # memoized on the request
-        hit = self.disk.find(request.prompt_ids, block_size, max_step, hashes)
-        if hit is None:
-            return None
-        stored = hit.stored()
-        self._hits = {stored: hit}
-        return stored
+        for hit in self.disk.hits(request.prompt_ids, block_size, max_step, hashes):
+            stored = hit.stored()
+            self._hits[stored] = hit
+            yield stored
 
     def read(self, stored: StoredCheckpoint, missing: tuple[int, ...]) -> bool:
-        data = self.disk.read(self._hits.pop(stored), missing)
+        data = self.disk.read(self._hits[stored], missing)
         if data is not None:
             self._read = {stored: data}
         return data is not None
@@ -92,6 +103,10 @@ class DiskKeeper:
         if block_ids:
             self.host_pool.write([block_ids[i] for i in sorted(block_ids)], blocks)
         self.host_pool.write(state_ids, state)
+
+    def clear(self) -> None:
+        self._hits, self._read = {}, {}
+        self.disk.clear()
 
     def stats(self) -> dict:
         """The disk tier's counters (`DiskStats`) with the host tier's fall-outs it could not keep."""

@@ -3,9 +3,9 @@
 Behind the host tier (`EngineConfig.disk_cache_dir`; docs/cache.md, "The disk tier"). When the host tier's own
 eviction drops a checkpoint (`HostTier.fall_out`), its state and every block of its chain that the disk does not
 hold yet are read (host blocks from the host pool, device blocks from the pool) and handed to a writer thread;
-a match whose deepest usable checkpoint is on disk, deeper than what the device and host tiers hold, gets it read
-back into the host tier (`Lifecycle.adopt_stored`, through `engine/disk_keeper.DiskKeeper`), and promotes it as
-any host hit::
+a match whose usable checkpoints on disk (`hits`, deepest first) are deeper than what the device and host tiers
+hold gets the deepest one the host tier has room for read back into the host tier (`Lifecycle.adopt_stored`,
+through `engine/disk_keeper.DiskKeeper`), and promotes it as any host hit::
 
     DIR/<model key>/model.json                       what the key was made of (for people; never read back)
     DIR/<model key>/blocks/<hash>.safetensors        one full block: "data" [1, page_words]
@@ -18,9 +18,12 @@ anchor's hash, its step and its tail's hash; each file's metadata holds what reb
 hash and tokens; tail tokens, reason, pages) and an xxh64 checksum of its bytes and that metadata (what a match
 trusts, the tail's tokens, is checked with the bytes before they are served). The model key (`model_key`)
 hashes config.json, the weights' identity, the block and page geometry and the dtypes, so another model (or the
-same one cut differently) never reads these files. A file that cannot be parsed, or whose bytes or metadata do not
-match, is skipped with a warning (and deleted), never served. Files are written to a temporary name and renamed,
-so a crash leaves no partial file under a real name.
+same one cut differently) never reads these files. A file that cannot be parsed, whose bytes or metadata do not
+match, or that is not the record the match found under its name, is skipped with a warning (and deleted), never
+served. Files are written to a temporary name unique to the write (`_temp_name`) and renamed, so a crash leaves no
+partial file under a real name; the start-up scan deletes only the temporary files of writes cut short
+(`_is_stale`), so that engines sharing the folder leave each other's writes in flight alone. A read-only folder is
+read (what cannot be written or deleted is a warning). `clear` drops everything (the cache's reset).
 
 The writer thread takes one fall-out at a time (its blocks, then its state) and indexes it once written; a write
 that fails is logged and counted (`num_write_errors`), never dropped silently; the queue is unbounded (the engine
@@ -35,7 +38,11 @@ import json
 import logging
 import os
 import queue
+import re
+import socket
 import threading
+import time
+import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +58,8 @@ from hybridcache.cache.host_tier import FallOut, StoredCheckpoint
 from hybridcache.cache.trie import chain_hash, root_hash
 
 FORMAT = "hybridcache-disk-2"  # 2: the checksum covers the metadata too
+STALE_TEMP_SECONDS = 3600  # a temporary file older than this is a write cut short, whoever's it was
+_TEMP = re.compile(r"\.tmp(?P<pid>\d+)-[0-9a-f]{32}@(?P<host>.+)$")
 _logger = logging.getLogger("hybridcache.disk")
 
 
@@ -137,7 +146,10 @@ class DiskTier:
         self.dir = Path(root) / key
         (self.dir / "blocks").mkdir(parents=True, exist_ok=True)
         (self.dir / "states").mkdir(parents=True, exist_ok=True)
-        (self.dir / "model.json").write_text(json.dumps({"key": key, **(describe or {})}, indent=1, default=str))
+        try:
+            (self.dir / "model.json").write_text(json.dumps({"key": key, **(describe or {})}, indent=1, default=str))
+        except OSError as error:  # a read-only folder (a pre-filled cache): it is read, its writes fail and are counted
+            _logger.warning("hybridcache: disk tier cannot write %s (%s)", self.dir / "model.json", error)
         self.page_words, self.word_dtype, self.max_bytes = page_words, word_dtype, max_bytes
         self.stats = DiskStats()
         self._lock = threading.Lock()  # the index and stats: the writer thread adds, the engine's thread reads
@@ -190,16 +202,18 @@ class DiskTier:
 
     # ---- what a prompt finds -----------------------------------------------------------------------------
 
-    def find(self, prompt_ids: Sequence[int], block_size: int, max_step: int,
-             hashes: Sequence[int] | None = None) -> DiskHit | None:
-        """The deepest state on disk usable by a prompt of the base model without multimodal spans: its chain is
-        the prompt's full blocks (exact tokens), its tail the prompt's next tokens, its step <= `max_step`.
-        `hashes`: the chained hashes of the prompt's full blocks when the caller has them (else computed)."""
+    def hits(self, prompt_ids: Sequence[int], block_size: int, max_step: int,
+             hashes: Sequence[int] | None = None) -> list[DiskHit]:
+        """The states on disk usable by a prompt of the base model without multimodal spans, deepest first: each
+        one's chain is the prompt's full blocks (exact tokens), its tail the prompt's next tokens, its step <=
+        `max_step`. `hashes`: the chained hashes of the prompt's full blocks when the caller has them (else
+        computed)."""
         if hashes is None:
             hashes, parent = [], root_hash(None)
             for i in range(len(prompt_ids) // block_size):
                 parent = chain_hash(parent, tuple(prompt_ids[i * block_size:(i + 1) * block_size]), ())
                 hashes.append(parent)
+        found = []
         with self._lock:
             chain: list[DiskBlock] = []
             anchor = root_hash(None)
@@ -213,29 +227,33 @@ class DiskTier:
                 anchor = h
             for depth in range(len(chain), -1, -1):
                 anchor = chain[depth - 1].hash if depth else root_hash(None)
-                best = None
-                for state in self._by_anchor.get(anchor, ()):
-                    if (state.step // block_size == depth and state.step <= max_step
-                            and (best is None or state.step > best.step)
-                            and tuple(prompt_ids[depth * block_size:state.step]) == state.tail_ids):
-                        best = state
-                if best is not None:
-                    return DiskHit(tuple(chain[:depth]), best)
-        return None
+                usable = [state for state in self._by_anchor.get(anchor, ())
+                          if state.step // block_size == depth and state.step <= max_step
+                          and tuple(prompt_ids[depth * block_size:state.step]) == state.tail_ids]
+                found += [DiskHit(tuple(chain[:depth]), state)
+                          for state in sorted(usable, key=lambda state: -state.step)]
+        return found
+
+    def find(self, prompt_ids: Sequence[int], block_size: int, max_step: int,
+             hashes: Sequence[int] | None = None) -> DiskHit | None:
+        """The deepest of `hits`, or None."""
+        return next(iter(self.hits(prompt_ids, block_size, max_step, hashes)), None)
 
     def read(self, hit: DiskHit, block_indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """([len(block_indices), page_words] the bytes of those blocks of `hit`'s chain, [k (+1), page_words] its
-        state's), checked against their checksums and records; None when a file is missing or corrupt (it is
-        dropped from the index, with a warning) or the size cap deleted it since the match (a plain miss). The
-        state becomes the most recently used."""
+        state's), checked against their checksums and against the records `hit` matched (a file is served only
+        when it is the record its name says: hash, parent and tokens; anchor, step, tail and pages); None when a
+        file is missing, corrupt or another record's (it is dropped from the index, with a warning) or the size
+        cap deleted it since the match (a plain miss). The state becomes the most recently used."""
         blocks = []
         for i in block_indices:
-            data = self._load(self._block_path(hit.blocks[i].hash), 1)
+            b = hit.blocks[i]
+            data = self._load(self._block_path(b.hash), 1, _block_metadata(b))
             if data is None:
                 return None
             blocks.append(data)
         state = hit.state
-        data = self._load(self._state_path(state.key), state.num_pages + state.has_frozen)
+        data = self._load(self._state_path(state.key), state.num_pages + state.has_frozen, _state_metadata(state))
         if data is None:
             return None
         with self._lock:
@@ -246,6 +264,19 @@ class DiskTier:
         empty = torch.empty((0, self.page_words), dtype=self.word_dtype)
         return (torch.cat(blocks) if blocks else empty), data
 
+    def clear(self) -> None:
+        """Drop everything this tier holds (`LLM.reset_prefix_cache`, through `PrefixCache.clear`): wait for the
+        writer, then forget every state and block and delete their files (a file the folder does not let go is
+        forgotten with a warning, left on the disk). Files another engine on the folder wrote since this one
+        started are not this one's (it never indexed them) and stay."""
+        self.flush()
+        with self._lock:
+            for path in list(self._sizes):
+                self._remove_file(path)
+            self._blocks.clear()
+            self._states.clear()
+            self._by_anchor.clear()
+
     # ---- files -------------------------------------------------------------------------------------------
 
     def _block_path(self, node_hash: int) -> Path:
@@ -255,7 +286,9 @@ class DiskTier:
         anchor, step, tail = key
         return self.dir / "states" / f"{anchor:016x}-{step}-{tail:016x}.safetensors"
 
-    def _load(self, path: Path, num_rows: int) -> torch.Tensor | None:
+    def _load(self, path: Path, num_rows: int, record: dict[str, str]) -> torch.Tensor | None:
+        """The data of `path`, when its shape, checksum and metadata are right: `record`, the metadata of the
+        record a match found under that name (a valid file of another record is not it)."""
         try:
             with safe_open(str(path), "pt") as f:
                 metadata = f.metadata() or {}
@@ -265,6 +298,8 @@ class DiskTier:
                                  f"{self.word_dtype}")
             if metadata.get("checksum") != _checksum(data, metadata):
                 raise ValueError("checksum mismatch")
+            if any(metadata.get(name) != value for name, value in record.items()):
+                raise ValueError("its record is not the one matched")
             return data
         except Exception as error:  # noqa: BLE001 (whatever is wrong with the file, it is not served)
             with self._lock:
@@ -291,9 +326,12 @@ class DiskTier:
             self._remove_file(path)
 
     def _scan(self) -> None:
-        """Index the files a previous engine left (headers only); skip (and delete) what cannot be parsed."""
+        """Index the files a previous engine left (headers only); skip (and delete) what cannot be parsed, and the
+        temporary files of writes cut short (`_is_stale`; another engine's write in flight stays)."""
+        now = time.time()
         for path in sorted((self.dir / "blocks").glob("*.tmp*")) + sorted((self.dir / "states").glob("*.tmp*")):
-            path.unlink(missing_ok=True)  # a write cut short
+            if _is_stale(path, now):
+                self._remove_file(path)
         for path in sorted((self.dir / "blocks").glob("*.safetensors")):
             try:
                 meta = _metadata(path, "block")
@@ -381,17 +419,13 @@ class DiskTier:
                 b = s.blocks[i]
                 record = DiskBlock(b.hash, b.parent_hash, b.token_ids)
                 path = self._block_path(b.hash)
-                _save(path, data.reshape(1, -1), {"kind": "block", "hash": str(b.hash), "parent": str(b.parent_hash),
-                                                  "tokens": json.dumps(list(b.token_ids))})
+                _save(path, data.reshape(1, -1), _block_metadata(record))
                 written.append((path, record))
             if state is not None:
                 record = DiskState(s.anchor_hash, s.step, s.tail_ids, s.tail_hash, s.reason, s.num_pages,
                                    len(s.state_host_ids) > s.num_pages)
                 path = self._state_path(record.key)
-                _save(path, state, {"kind": "state", "anchor": str(s.anchor_hash), "step": str(s.step),
-                                    "tail": json.dumps(list(s.tail_ids)), "tail_hash": str(s.tail_hash),
-                                    "reason": s.reason, "num_pages": str(s.num_pages),
-                                    "frozen": "1" if record.has_frozen else "0"})
+                _save(path, state, _state_metadata(record))
                 written.append((path, record))
         except Exception as error:  # noqa: BLE001 (counted and logged, never silent; the engine goes on)
             _logger.warning("hybridcache: disk tier failed to write a checkpoint at step %d: %s", s.step, error)
@@ -442,6 +476,19 @@ def _checksum(data: torch.Tensor, metadata: dict[str, str]) -> str:
     return digest.hexdigest()
 
 
+def _block_metadata(block: DiskBlock) -> dict[str, str]:
+    """A block file's metadata of its record (`_write` writes it, `read` checks it; `_save` adds the rest)."""
+    return {"kind": "block", "hash": str(block.hash), "parent": str(block.parent_hash),
+            "tokens": json.dumps(list(block.token_ids))}
+
+
+def _state_metadata(state: DiskState) -> dict[str, str]:
+    """A state file's metadata of its record (`_write` writes it, `read` checks it; `_save` adds the rest)."""
+    return {"kind": "state", "anchor": str(state.anchor_hash), "step": str(state.step),
+            "tail": json.dumps(list(state.tail_ids)), "tail_hash": str(state.tail_hash), "reason": state.reason,
+            "num_pages": str(state.num_pages), "frozen": "1" if state.has_frozen else "0"}
+
+
 def _metadata(path: Path, kind: str) -> dict[str, str]:
     with safe_open(str(path), "pt") as f:
         metadata = f.metadata() or {}
@@ -451,9 +498,41 @@ def _metadata(path: Path, kind: str) -> dict[str, str]:
 
 
 def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
-    """Write `path` atomically (a temporary name, then a rename), with the format and checksum in its metadata."""
+    """Write `path` atomically (a temporary name, `_temp_name`, then a rename), with the format and checksum in its
+    metadata."""
     data = data.contiguous()
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(_temp_name(path.name))
     metadata = {"format": FORMAT, **metadata}
     save_file({"data": data}, str(tmp), metadata={**metadata, "checksum": _checksum(data, metadata)})
     os.replace(tmp, path)
+
+
+def _temp_name(name: str) -> str:
+    """The temporary name a write of file `name` goes to: `<name>.tmp<pid>-<uuid>@<host>`, unique to the write (two
+    engines of one process, or of two machines on a shared folder, never share one) and telling `_is_stale` whose
+    write it is."""
+    return f"{name}.tmp{os.getpid()}-{uuid.uuid4().hex}@{socket.gethostname()}"
+
+
+def _is_stale(path: Path, now: float) -> bool:
+    """Whether temporary file `path` is a write cut short, to delete at start-up: its writer's process is gone (a
+    process of this machine: `_temp_name`'s pid and host), or it is older than `STALE_TEMP_SECONDS` (any other:
+    another machine's, or a name of an older version). Another engine's write in flight on a shared folder (Ray
+    Serve replicas) stays."""
+    match = _TEMP.search(path.name)
+    if match is not None and match["host"] == socket.gethostname() and not _process_alive(int(match["pid"])):
+        return True
+    try:
+        return now - path.stat().st_mtime > STALE_TEMP_SECONDS
+    except OSError:  # renamed or deleted by its writer since the listing
+        return False
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -9,14 +9,18 @@ scheduler planned with, save copies) and then checking every running sequence, c
 those identities catches wrong ids, wrong order, a block freed too early or a restore from the wrong place.
 With a host tier (`CacheConfig.host_blocks`) it also keeps host memory: HOST_SAVE and HOST_LOAD copy whole
 blocks between the two, and every host node and host checkpoint is checked like the device's (items whose copy
-the next plan carries are read where their bytes still are).
+the next plan carries are read where their bytes still are). `FakeDisk` is a tier behind the host tier on it (the
+engine's disk tier as the cache sees it): it reads what it keeps as memory holds it at that moment, as the
+engine's does, and checks it against the fall-out's records.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Sequence
 
 from hybridcache.cache import CacheRequest, CopyKind, CopyPlan, PrefixCache
+from hybridcache.cache.host_tier import StoredCheckpoint
 
 
 def prefix_id(request: CacheRequest, token_ids: Sequence[int], end: int) -> tuple:
@@ -208,13 +212,92 @@ class FakeDevice:
 
     def _check_node(self, node, entries: list) -> None:
         """A trie node (device or host) whose block holds `entries`: the KV of its prefix."""
-        size = self.cache.block_size
-        prefix = node_prefix(node)
-        base = (node.depth - 1) * size
-        for pos in range(base, base + size):
-            got = entries[pos - base]
-            root = (node.root_key.adapter, node.root_key.salt)
-            assert got is not None and got[0] == root and got[1] == prefix[: pos + 1], f"{node}: KV at {pos}"
+        _check_kv(entries, (node.root_key.adapter, node.root_key.salt), node_prefix(node),
+                  (node.depth - 1) * self.cache.block_size, self.cache.block_size, node)
+
+    def check_stored(self, stored: StoredCheckpoint, blocks: list, state: list) -> None:
+        """`blocks` (the contents of `stored`'s chain blocks) and `state` (of its pages, then its frozen tail) hold
+        what `stored` claims: the KV of the chain's prefixes, the state of its prefix and tail (the base model's
+        unsalted root: what goes behind the host tier)."""
+        size, root = self.cache.block_size, (None, None)
+        prefix = tuple(t for _, tokens in stored.chain for t in tokens)
+        for i, entries in enumerate(blocks):
+            _check_kv(entries, root, prefix[:(i + 1) * size], i * size, size, f"{stored} block {i}")
+        full = prefix + stored.tail_ids
+        for j, entries in enumerate(state[:stored.num_pages]):
+            got = self._page_state(None, j, entries)
+            assert got[0] == root and got[1] == full, f"{stored}: state page {j}"
+        if stored.has_frozen:
+            _check_kv(state[-1], root, full, len(prefix), len(stored.tail_ids), f"{stored} frozen tail")
+
+
+def _check_kv(entries: list, root: tuple, prefix: tuple, base: int, count: int, what) -> None:
+    """`entries` (a block's content) hold the KV of `prefix` at positions base .. base + count - 1."""
+    for pos in range(base, base + count):
+        got = entries[pos - base]
+        assert got is not None and got[0] == root and got[1] == prefix[: pos + 1], f"{what}: KV at {pos}"
+
+
+class FakeDisk:
+    """A `TierBehind` on the fake device (as the engine's disk tier is one; `attach` it to the cache's device):
+    `keep` records each fall-out with its bytes read as memory holds them at that moment, as the engine's keeper
+    reads them (host blocks from host memory, device blocks from the device; a copy in the plan being built has not
+    run), and checks them against the fall-out's records (`FakeDevice.check_stored`), so a fall-out that points at
+    bytes not written yet fails there; `find` offers the recorded checkpoints a prompt can use, deepest first;
+    `placed` writes one's bytes into host memory (raising `fail_placed` once when set); `clear` forgets all."""
+
+    def __init__(self, kept: list | None = None) -> None:
+        self.kept = kept if kept is not None else []
+        self.device: FakeDevice | None = None  # the fake device of the cache this is given to
+        self.asked: list[tuple] = []
+        self.num_not_kept = 0
+        self.fail_placed: BaseException | None = None
+
+    def attach(self, device: FakeDevice) -> FakeDisk:
+        self.device = device
+        return self
+
+    def keep(self, fall_out) -> None:
+        if fall_out is None:
+            self.num_not_kept += 1
+            return
+        device = self.device
+
+        def read(block_id: int, on_host: bool) -> list:
+            # copies: the fake device's blocks are lists that later forwards change in place, as a disk file is not
+            return copy.deepcopy(device.host[block_id] if on_host else device.kv[block_id])
+
+        blocks = [read(b.block_id, b.on_host) for b in fall_out.blocks]
+        stored = StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in fall_out.blocks), step=fall_out.step,
+                                  tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
+                                  has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
+        state = [read(h, fall_out.state_on_host) for h in fall_out.state_host_ids]
+        device.check_stored(stored, blocks, state)
+        self.kept.append((stored, blocks, state))
+
+    def find(self, request, block_size, max_step) -> list[StoredCheckpoint]:
+        usable = dict.fromkeys(stored for stored, _, _ in self.kept if stored.step <= max_step
+                               and request.prompt_ids[:stored.step] == tuple(t for _, tokens in stored.chain
+                                                                             for t in tokens) + stored.tail_ids)
+        return sorted(usable, key=lambda stored: -stored.step)
+
+    def read(self, stored, missing) -> bool:
+        self.asked.append(missing)
+        return True
+
+    def placed(self, stored, block_ids, state_ids) -> None:
+        if self.fail_placed is not None:
+            error, self.fail_placed = self.fail_placed, None
+            raise error
+        _, blocks, state = next(item for item in self.kept if item[0] == stored)
+        assert sorted(block_ids) == list(self.asked[-1])
+        for i, host_block in block_ids.items():
+            self.device.host[host_block] = list(blocks[i])
+        for host_block, data in zip(state_ids, state, strict=True):
+            self.device.host[host_block] = list(data)
+
+    def clear(self) -> None:
+        self.kept.clear()
 
 
 def _spans_of(ckpt) -> tuple:

@@ -180,12 +180,16 @@ def test_salted_checkpoints_never_fall_out_to_a_tier_behind():
 
         def find(self, request, block_size, max_step):
             asked.append(request.cache_salt)
+            return []
 
         def read(self, stored, missing):
             return False
 
         def placed(self, stored, block_ids, state_ids):
             raise AssertionError("nothing is found")
+
+        def clear(self):
+            kept.clear()
 
     cache._life.attach_behind(Behind())
     driver.run(CacheRequest("s", tuple(range(10)), cache_salt="a"))

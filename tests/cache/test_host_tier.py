@@ -4,17 +4,14 @@ and checks every host node and host checkpoint against what its ids claim."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, CopyKind, CostModel, PrefixCache
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.host_order import HostOrder, proven_at_demotion
-from hybridcache.cache.host_tier import StoredCheckpoint
 from hybridcache.cache.request import SaveReason
 from tests.cache.checked_evictor import check_picks
-from tests.cache.fake_engine import Driver, fingerprint
+from tests.cache.fake_engine import Driver, FakeDisk, fingerprint
 
 B = 4
 
@@ -214,56 +211,11 @@ def test_worked_example_of_cache_md():
     assert (stats.num_host_checkpoints, stats.num_host_nodes) == (0, 0)
 
 
-class FakeDisk:
-    """A `TierBehind` on the fake device: `keep` records each fall-out with its bytes as the fake device holds them
-    (its state from host or device blocks, `FallOut.state_on_host`);
-    `find` offers the deepest recorded checkpoint a prompt can use, `placed` writes its bytes into host memory."""
-
-    def __init__(self, kept: list | None = None) -> None:
-        self.kept = kept if kept is not None else []
-        self.device = None  # the fake device of the cache this is given to
-        self.asked: list[tuple] = []
-        self.num_not_kept = 0
-
-    def keep(self, fall_out) -> None:
-        if fall_out is None:
-            self.num_not_kept += 1
-            return
-        read = self.device
-        blocks = [read._host_block(b.block_id) if b.on_host else read._device_block(b.block_id)
-                  for b in fall_out.blocks]
-        stored = StoredCheckpoint(chain=tuple((b.hash, b.token_ids) for b in fall_out.blocks), step=fall_out.step,
-                                  tail_ids=fall_out.tail_ids, reason=fall_out.reason, num_pages=fall_out.num_pages,
-                                  has_frozen=len(fall_out.state_host_ids) > fall_out.num_pages)
-        state_block = read._host_block if fall_out.state_on_host else read._device_block
-        # copies: the fake device's blocks are lists that later forwards change in place, as a disk file is not
-        state = [state_block(h) for h in fall_out.state_host_ids]
-        self.kept.append((stored, copy.deepcopy(blocks), copy.deepcopy(state)))
-
-    def find(self, request, block_size, max_step):
-        usable = [stored for stored, _, _ in self.kept if stored.step <= max_step
-                  and request.prompt_ids[:stored.step] == tuple(t for _, tokens in stored.chain for t in tokens)
-                  + stored.tail_ids]
-        return max(usable, key=lambda stored: stored.step, default=None)
-
-    def read(self, stored, missing) -> bool:
-        self.asked.append(missing)
-        return True
-
-    def placed(self, stored, block_ids, state_ids) -> None:
-        _, blocks, state = next(item for item in self.kept if item[0] == stored)
-        assert sorted(block_ids) == list(self.asked[-1])
-        for i, host_block in block_ids.items():
-            self.device.host[host_block] = list(blocks[i])
-        for host_block, data in zip(state_ids, state, strict=True):
-            self.device.host[host_block] = list(data)
-
-
 def with_disk(disk: FakeDisk, num_blocks: int, host_blocks: int) -> tuple[PrefixCache, Driver]:
     cache = PrefixCache(CacheConfig(block_size=B, num_blocks=num_blocks, num_slots=2, state_pages=1,
                                     host_blocks=host_blocks), tier_behind=disk)
     driver = Driver(cache)
-    disk.device = driver.device
+    disk.attach(driver.device)
     return cache, driver
 
 
@@ -285,7 +237,7 @@ def test_what_the_host_drops_comes_back_into_another_cache_with_its_bytes():
     for i, (stored, _, _) in enumerate(disk.kept):
         prompt = tuple(t for _, tokens in stored.chain for t in tokens) + stored.tail_ids
         request = CacheRequest(("back", i), prompt + (7, 8))
-        deepest = again_disk.find(request, B, len(request.prompt_ids) - 1).step  # this one, or one deeper
+        deepest = again_disk.find(request, B, len(request.prompt_ids) - 1)[0].step  # this one, or one deeper
         match = again.run(request, decode=[3])  # checks every block's and state's bytes at every step
         assert match.cached_len >= deepest >= stored.step, i
     assert restarted.stats.num_host_hits > 0 and restarted.stats.num_promoted_checkpoints > 0
@@ -486,3 +438,104 @@ def test_probe_does_not_fault_in_from_the_disk_tier():
     assert restarted.probe(CacheRequest("q", prompt + (7, 8))).cached_len == 0
     assert fingerprint(restarted) == before
     restarted.check_integrity()
+
+
+def test_a_fall_out_never_reads_a_host_block_a_promotion_in_its_pass_is_loaded_from_before_its_save():
+    """In one scheduling pass a node is demoted (HOST_SAVE device -> host block h queued), promoted back (HOST_LOAD
+    h -> device queued), then the host's own eviction drops an older host checkpoint whose chain runs through it:
+    h holds nothing of the node until the plan runs, so that fall-out is not kept (a tier behind that reads h at
+    once, as the engine's does, would write stale bytes under a valid checksum). After the plan it is kept, with
+    the right bytes (`FakeDisk` checks every fall-out it is handed). Found by the scheduler state machine with a
+    tier behind the host (hunt 128)."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    host = cache._life.host
+    shared = (0, 1, 2, 3)
+    driver.run(CacheRequest("x", shared + (10, 11, 12, 13, 20, 21)))  # x's checkpoint at 10 chains through `shared`
+    driver.run(CacheRequest("a", shared + (30, 31)))  # a's at 6 hangs on `shared` itself
+    driver.run(CacheRequest("filler", tuple(range(100, 109))))  # demotes x's chain below `shared`
+    (ckpt_x,) = (c for c in host.order.values() if c.step == 10)
+    assert cache.admit(cache.match(CacheRequest("q", tuple(range(200, 210))))) is not None
+    assert cache.ensure_capacity("q", 10)  # demotes `shared` (a's checkpoint with it)
+    (node,) = (n for n in host.iter_nodes() if n.token_ids == shared)
+    assert node.host_block in host._saves
+    match = cache.match(CacheRequest("b", shared + (30, 31, 40)))
+    assert match.cached_len == 6 and cache.admit(match) is not None  # promotes `shared` back from that host block
+    disk.keep(host.fall_out(ckpt_x))  # what the host's own eviction would hand it now
+    assert disk.num_not_kept == 1 and not disk.kept
+    driver.device.run_step({"q": list(range(200, 210)), "b": [40]})
+    driver.device.check()
+    cache.check_integrity()
+    assert host.make_room(host.num_free + 1)  # drops x's checkpoint, the one due first
+    assert ckpt_x.ckpt_id not in host.order
+    assert [stored.step for stored, _, _ in disk.kept] == [10]  # kept, its bytes checked
+
+
+def test_a_disk_checkpoint_too_large_for_the_host_tier_gives_way_to_a_shallower_one():
+    """The tier behind offers a prompt's checkpoints deepest first; one whose chain and state do not fit in the host
+    tier at once gives way to the next (a host tier smaller than the deepest one's need made the disk tier
+    write-only for long prompts: no hit at all after a restart)."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=24, host_blocks=32)
+    prompt = tuple(range(26))  # 6 blocks + a 2-token tail
+    driver.run(CacheRequest("a", prompt), chunk=8)  # chunk ends at 8, 16, 24, then the prompt's end at 26
+    assert cache.keep_behind() >= 4
+    assert sorted(stored.step for stored, _, _ in disk.kept) == [8, 16, 24, 26]
+    # a restart with 4 host blocks: 26 needs 6 chain blocks + a page + its frozen tail, 16 needs 4 + 1; 8 needs 3
+    restarted, again = with_disk(FakeDisk(list(disk.kept)), num_blocks=24, host_blocks=4)
+    match = again.run(CacheRequest("b", prompt + (7,)), decode=[3])  # checks every block's bytes
+    assert match.cached_len == 8 and restarted.stats.num_promoted_checkpoints == 1
+    restarted.check_integrity()
+
+
+def test_a_record_of_another_prompt_from_the_tier_behind_is_not_adopted():
+    """What the tier behind answers is checked against the prompt (chain hashes and tokens, tail), as the device
+    trie checks tokens after a hash match: a record that disagrees is not hung in the host tier, nor read."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    driver.run(CacheRequest("a", tuple(range(10))))
+    assert cache.keep_behind() == 1
+    (stored, blocks, state), = disk.kept
+    prompt = tuple(range(10, 20))  # another prompt: the record claims its chain anyway
+    other = CacheRequest("b", prompt + (1,))
+    restarted, again = with_disk(FakeDisk([(stored, blocks, state)]), num_blocks=8, host_blocks=16)
+    restarted._life.host.behind.find = lambda request, block_size, max_step: [stored]
+    before = fingerprint(restarted)
+    match = restarted.match(other)
+    assert match.cached_len == 0
+    restarted.release_match(match)
+    assert fingerprint(restarted) == before and not restarted._life.host.behind.asked
+
+
+def test_a_failed_write_of_a_disk_checkpoint_into_host_memory_hangs_nothing():
+    """The tier behind's `placed` (the engine's HostPool.write of a disk checkpoint's bytes) raising: the error goes
+    to the caller and the host tier holds nothing of that checkpoint (it was hung before its bytes were written,
+    so the same prompt was then served from host blocks holding garbage); the next match faults it in again."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    assert cache.keep_behind() == 1
+    restarted, again = with_disk(FakeDisk(list(disk.kept)), num_blocks=8, host_blocks=16)
+    before = fingerprint(restarted)
+    restarted._life.host.behind.fail_placed = MemoryError("host memory")
+    with pytest.raises(MemoryError, match="host memory"):
+        restarted.match(CacheRequest("b", prompt + (1,)))
+    assert fingerprint(restarted) == before  # no host node, no checkpoint, every host block free
+    again.device.check()
+    restarted.check_integrity()
+    match = again.run(CacheRequest("b", prompt + (1,)), decode=[3])  # checks the bytes it is served
+    assert match.cached_len == 10 and restarted.stats.num_promoted_checkpoints == 1
+
+
+def test_clearing_the_cache_clears_the_tier_behind():
+    """`PrefixCache.clear` (`LLM.reset_prefix_cache`) drops what the tier behind keeps too: the same prompt is then
+    a miss in every tier."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    prompt = tuple(range(10))
+    driver.run(CacheRequest("a", prompt))
+    assert cache.keep_behind() == 1 and disk.kept
+    cache.clear()
+    assert not disk.kept
+    assert cache.match(CacheRequest("b", prompt + (1,))).cached_len == 0

@@ -1,7 +1,8 @@
 """Hypothesis stateful test of the scheduler over the cache and the fake device: requests with `n`
 completions, identical and prefix-sharing prompts arriving together (in-flight sharing), zero-prefill hits,
-finishes, aborts and memory pressure (two pools or one budget in bytes, with or without a host tier behind it;
-learned admission or the mode's),
+finishes, aborts and memory pressure (two pools or one budget in bytes, with or without a host tier behind it,
+and with or without a tier behind that, `FakeDisk`, which checks the bytes of every fall-out it is handed as
+memory holds them then and hands checkpoints back on matches; learned admission or the mode's),
 with synchronous or async steps (as `LLMEngine` runs them: the next step is planned with `PENDING_TOKEN` for
 each token the previous one sampled, the tokens are filled in after the commit, and the previous step's
 finishes come after that, so a finished sequence's row has already run one step more).
@@ -25,7 +26,7 @@ from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Accepted, Scheduler
 from hybridcache.scheduler.sequence import Seq, SeqStatus
 from tests.cache.checked_evictor import check_picks
-from tests.cache.fake_engine import FakeDevice
+from tests.cache.fake_engine import FakeDevice, FakeDisk
 
 DOCS = [tuple((d * 5 + i * 3) % 13 for i in range(48)) for d in range(2)]
 
@@ -43,9 +44,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         state_pages=st.one_of(st.none(), st.integers(1, 3)),
         host_blocks=st.sampled_from([0, 4, 16, 64]),
         spec_k=st.sampled_from([0, 0, 1, 3]),
+        behind=st.booleans(),
     )
     def setup(self, block_size, num_blocks, num_slots, budget, mode, eviction, learned, async_steps, state_pages,
-              host_blocks, spec_k):
+              host_blocks, spec_k, behind=False):
         policy = checkpoint_policy(mode)
         # two pools, or paged (the engine's way): checkpoint states in `state_pages` blocks, 3 runtime slots
         config = CacheConfig(block_size=block_size, num_blocks=num_blocks,
@@ -55,11 +57,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                              admission="learned" if learned else policy.admission,
                              state_pages=state_pages, host_blocks=host_blocks if state_pages else 0,
                              num_speculative_tokens=spec_k)
-        self.cache = PrefixCache(config)
+        self.disk = FakeDisk() if behind and config.host_blocks else None
+        self.cache = PrefixCache(config, tier_behind=self.disk)
         check_picks(self.cache)
         self.scheduler = Scheduler(self.cache, policy, max_num_seqs=3, max_num_batched_tokens=budget,
                                    num_speculative_tokens=spec_k)
         self.device = FakeDevice(self.cache)
+        if self.disk is not None:
+            self.disk.attach(self.device)
         self.seqs: list[Seq] = []
         self.idle_steps = 0
         self.spec_k = spec_k

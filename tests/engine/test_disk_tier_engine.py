@@ -203,3 +203,48 @@ def test_corrupt_state_files_are_skipped_never_served(model_dir, uncached, writt
 def test_a_disk_tier_is_refused_where_it_cannot_work(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(disk_cache_dir=str(tmp_path), **options)
+
+
+def test_resetting_the_prefix_cache_drops_the_disk_tier(model_dir, uncached, written, tmp_path):
+    """`LLMEngine.clear_cache` (`LLM.reset_prefix_cache`, `POST /reset_prefix_cache`) drops the disk tier's entries
+    and files too, as its docstring promises (benchmarks reset between runs): the same workload then hits exactly
+    what the first run, which started with nothing on disk, hit. (The disk tier was left as it was: the next
+    identical prompt was a disk hit.)"""
+    disk_dir = tmp_path / "disk"
+    shutil.copytree(written[0], disk_dir)
+    engine = disk_engine(model_dir, disk_dir, uncached[0].memory_plan.block_bytes)
+    assert engine.stats()["disk"]["num_state_files"] > 0
+    engine.clear_cache()
+    disk = engine.stats()["disk"]
+    assert (disk["num_state_files"], disk["num_block_files"], disk["num_bytes"]) == (0, 0, 0)
+    assert not list(disk_dir.glob("*/*/*.safetensors"))
+    out = run_workload(engine, seed=1, reply_lens=REPLY_LENS)
+    assert_same(engine, uncached[0], out, uncached[1])
+    assert engine.stats()["cache"].num_hit_tokens == written[1]
+    engine.close()
+
+
+def test_a_prompt_whose_deepest_disk_checkpoint_exceeds_the_host_tier_hits_a_shallower_one(model_dir, tmp_path):
+    """After a restart, a long prompt's deepest state on disk needs more host blocks than the host tier has (its
+    chain and its state at once): the match takes the deepest one that fits (it got no disk hit at all), with the
+    tokens of an uncached run."""
+    block_bytes = make_engine(model_dir, caching=False, num_blocks=40, max_model_len=400).memory_plan.block_bytes
+    prompt = [(7 * i + 3) % 251 for i in range(250)]
+
+    def engine_on_disk() -> LLMEngine:  # chunks of 96 tokens: states at 96 and 192 (6 and 12 blocks), then 250
+        return make_engine(model_dir, num_blocks=100, max_model_len=400, max_num_batched_tokens=96,
+                           host_cache_gib=12 * block_bytes / (1 << 30), disk_cache_dir=str(tmp_path / "disk"))
+
+    first = engine_on_disk()
+    run_requests(first, {"a": prompt})
+    first.close()
+    engine = engine_on_disk()
+    assert engine.num_host_blocks == 12
+    steps = sorted(state.step for state in engine.disk.disk._states.values())
+    assert steps[0] == 96 and steps[-1] >= 250
+    got = run_requests(engine, {"b": prompt + [1, 2, 3]})["b"]
+    assert got.num_cached_tokens == 96 and engine.stats()["disk"]["num_promoted_checkpoints"] == 1
+    engine.check_integrity()
+    engine.close()
+    want = run_requests(make_engine(model_dir, caching=False, max_model_len=400), {"b": prompt + [1, 2, 3]})["b"]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids

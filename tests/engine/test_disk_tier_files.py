@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import torch
 
 from hybridcache.cache.host_tier import FallOut, FallOutBlock
 from hybridcache.cache.trie import chain_hash, root_hash
 from hybridcache.engine import disk_tier
+from hybridcache.engine.disk_keeper import DiskKeeper
 from hybridcache.engine.disk_tier import DiskTier, model_key
 
 B = 4
@@ -251,3 +260,149 @@ def test_the_writer_outlives_an_error_after_its_write_and_files_it_cannot_delete
         disk._drop_corrupt(path, ValueError("checksum mismatch"))
     assert "cannot delete" in caplog.text
     disk.close()  # returns: the writer is alive
+
+
+def test_hits_are_the_usable_states_deepest_first(tmp_path):
+    """`hits`: every state a prompt can use, deepest first (the host tier takes the deepest it has room for);
+    `find` is the first of them."""
+    disk = make(tmp_path)
+    for step, seed in ((9, 1), (11, 2), (16, 3), (22, 4)):
+        keep(disk, fall_out(PROMPT, step), seed)
+    hits = disk.hits(PROMPT, B, max_step=20)
+    assert [hit.state.step for hit in hits] == [16, 11, 9] and [len(hit.blocks) for hit in hits] == [4, 2, 2]
+    assert disk.find(PROMPT, B, 20) == hits[0]
+    assert disk.hits(PROMPT[:10] + [99] * 10, B, 19) == [hits[2]]  # the tail at 11 differs
+    disk.close()
+
+
+def test_clear_deletes_every_file_and_resets_the_counters(tmp_path):
+    """`clear` (the cache's reset: `LLM.reset_prefix_cache`) waits for the writer, forgets every state and block
+    and deletes their files: a restarted tier finds nothing either."""
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)
+    item = fall_out([5] * 30, 9)
+    new_state, missing = disk.wants(item)
+    disk.put(item, {i: rows(1, i)[0] for i in missing}, rows(3, 9))  # queued, not waited for
+    disk.clear()
+    assert disk.find(PROMPT, B, 29) is None and disk.find([5] * 30, B, 29) is None
+    stats = disk.stats
+    assert (stats.num_bytes, stats.num_block_files, stats.num_state_files) == (0, 0, 0)
+    assert not list(disk.dir.glob("*/*.safetensors*"))
+    assert disk.wants(fall_out(PROMPT, 11)) == (True, (0, 1))  # written again when it falls out again
+    disk.close()
+    assert make(tmp_path).stats.num_state_files == 0
+
+
+def test_a_file_replaced_by_another_records_file_is_not_served(tmp_path, caplog):
+    """A read checks that each file is the record the match found (the metadata the name stands for), not only its
+    checksum: a valid file of another record under a matched name (copied or renamed in the folder after the
+    start-up scan) is a miss with a warning, never served."""
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)
+    keep(disk, fall_out(PROMPT[:8] + [7] * 22, 11), seed=2)  # the same 2 blocks, another tail
+    keep(disk, fall_out([5] * 30, 9), seed=3)
+    hit = disk.find(PROMPT, B, 29)
+    state_file = disk._state_path(hit.state.key)
+    state_file.write_bytes(disk._state_path(disk.find(PROMPT[:8] + [7] * 22, B, 29).state.key).read_bytes())
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        assert disk.read(hit, ()) is None
+    assert "not the one matched" in caplog.text and disk.stats.num_corrupt == 1
+    assert disk.find(PROMPT, B, 29) is None  # dropped from the index
+    other = disk.find([5] * 30, B, 29)
+    block_file = disk._block_path(other.blocks[0].hash)
+    block_file.write_bytes(disk._block_path(other.blocks[1].hash).read_bytes())  # [5]*4 twice: the parent differs
+    assert disk.read(other, (0, 1)) is None and disk.stats.num_corrupt == 2
+    disk.close()
+
+
+def test_a_read_only_folder_is_read_with_warnings(tmp_path, caplog, monkeypatch):
+    """A folder the engine may read but not write (a pre-filled cache on a read-only volume): `model.json` cannot be
+    rewritten and a stale temporary file cannot be deleted; both are warnings, not a failed start (the engine did
+    not start), and what is there is served."""
+    disk = make(tmp_path)
+    keep(disk, fall_out(PROMPT, 11), seed=1)
+    disk.close()
+    stale = disk.dir / "states" / "0123456789abcdef-11-0123456789abcdef.safetensors.tmp4242"
+    stale.write_bytes(b"cut short")
+    os.utime(stale, (0, 0))  # long ago: a write cut short
+
+    def read_only(*_args, **_kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", read_only)
+    monkeypatch.setattr(pathlib.Path, "unlink", read_only)
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        again = make(tmp_path)
+    assert "cannot write" in caplog.text and "cannot delete" in caplog.text
+    hit = again.find(PROMPT, B, 29)
+    assert hit is not None and again.read(hit, (0, 1)) is not None
+    again.close()
+
+
+def test_a_second_tier_on_the_folder_leaves_a_write_in_flight_alone(tmp_path, monkeypatch):
+    """Two engines on one folder (Ray Serve replicas share --disk-cache-dir; here two in one process): one starting
+    while the other writes deleted the writer's temporary file (every '*.tmp*' was taken for a write cut short, and
+    the temporary name was only the process id), so the write failed and the checkpoint was lost. Temporary names
+    are unique to a write; the start-up scan deletes only those of a dead process of this machine, or old ones."""
+    a = make(tmp_path)
+    in_write, go_on = threading.Event(), threading.Event()
+    real = disk_tier.save_file
+
+    def slow_save_file(tensors, path, metadata=None):  # a's writer thread, part-way through a write
+        real(tensors, path, metadata=metadata)
+        in_write.set()
+        assert go_on.wait(30)
+
+    monkeypatch.setattr(disk_tier, "save_file", slow_save_file)
+    item = fall_out(PROMPT, 11)
+    _, missing = a.wants(item)
+    a.put(item, {i: rows(1, i)[0] for i in missing}, rows(3, 100))
+    try:
+        assert in_write.wait(30)
+        (temporary,) = (a.dir / "blocks").glob("*.tmp*")
+        b = make(tmp_path)
+        assert temporary.exists()
+    finally:
+        monkeypatch.setattr(disk_tier, "save_file", real)
+        go_on.set()
+    a.flush()
+    assert a.stats.num_write_errors == 0 and a.find(PROMPT, B, 29).state.step == 11
+    a.close()
+    b.close()
+
+
+def test_the_scan_deletes_temporary_files_of_dead_writers_and_old_ones(tmp_path):
+    disk = make(tmp_path)
+    disk.close()
+    blocks = disk.dir / "blocks"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    here = socket.gethostname()
+    files = {
+        "dead": f"0000000000000001.safetensors.tmp{gone.pid}-{'a' * 32}@{here}",  # its writer exited
+        "alive": f"0000000000000002.safetensors.tmp{os.getpid()}-{'b' * 32}@{here}",  # this process writes it
+        "elsewhere": f"0000000000000003.safetensors.tmp{gone.pid}-{'c' * 32}@another-host",  # unknown: young
+        "old": f"0000000000000004.safetensors.tmp{gone.pid}-{'d' * 32}@another-host",
+        "old format": "0000000000000005.safetensors.tmp4242",
+    }
+    for name in files.values():
+        (blocks / name).write_bytes(b"partial")
+    for old in ("old", "old format"):
+        past = time.time() - disk_tier.STALE_TEMP_SECONDS - 60
+        os.utime(blocks / files[old], (past, past))
+    make(tmp_path).close()
+    assert sorted(p.name for p in blocks.iterdir()) == sorted([files["alive"], files["elsewhere"]])
+
+
+def test_a_host_tier_too_small_for_any_disk_checkpoint_is_warned_of(tmp_path, caplog):
+    """A checkpoint comes back from disk only with its k state pages and a block (of its chain, or its frozen tail)
+    in the host tier at once: a smaller host tier makes the disk tier write-only, which the keeper says at start-up
+    (it was accepted silently)."""
+    disk = make(tmp_path)
+    paged = SimpleNamespace(k=3)
+    with caplog.at_level(logging.WARNING, logger="hybridcache.disk"):
+        DiskKeeper(disk, paged, SimpleNamespace(num_blocks=4))
+        assert "cannot take back" not in caplog.text
+        DiskKeeper(disk, paged, SimpleNamespace(num_blocks=3))
+    assert "a host tier of 3 blocks cannot take back any disk checkpoint" in caplog.text
+    disk.close()
