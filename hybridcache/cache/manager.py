@@ -745,7 +745,8 @@ class PrefixCache:
         return list(self._seqs)
 
     def clear(self) -> None:
-        """Drop every cached thing that is not pinned and not held by a running sequence."""
+        """Drop every cached thing that is not pinned and not held by a running sequence, and what the tier behind
+        the host keeps (the disk tier's files: `TierBehind.clear`)."""
         self._life.clear()
 
     def keep_behind(self, progress: Callable[[int, int], None] | None = None) -> int:
