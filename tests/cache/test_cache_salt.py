@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import xxhash
 
-from hybridcache.cache import CacheConfig, CacheRequest, EventKind, PrefixCache, SaveReason
+from hybridcache.cache import CacheRequest, EventKind, PrefixCache, SaveReason
 from hybridcache.cache.trie import RootKey, chain_hash, prompt_block_hashes, root_hash
-from tests.cache.checked_evictor import check_picks
 from tests.cache.conftest import make_driver, tokens
 from tests.cache.fake_engine import Driver
+from tests.cache.test_host_tier import fill_device
+from tests.cache.test_host_tier import make as make_host_tiered
 
 B = 16
 
@@ -132,23 +133,8 @@ def test_admission_keys_are_per_root():
 
 # ---- the host tier and what may go behind it ----------------------------------------------------------------
 
-H = 4
-
-
-def make_tiered(num_blocks: int = 8, host_blocks: int = 16) -> tuple[PrefixCache, Driver]:
-    cache = PrefixCache(CacheConfig(block_size=H, num_blocks=num_blocks, num_slots=2, state_pages=1,
-                                    host_blocks=host_blocks))
-    check_picks(cache)
-    return cache, Driver(cache)
-
-
-def fill_device(driver: Driver, first: int = 100) -> None:
-    """A request of unrelated tokens that needs most of the device pool: evicts (demotes) the older chains."""
-    driver.run(CacheRequest(("filler", first), tuple(range(first, first + 5 * H))), decode=[7])
-
-
 def test_a_demoted_salted_checkpoint_hits_only_its_salt():
-    cache, driver = make_tiered()
+    cache, driver = make_host_tiered()
     prompt = tuple(range(10))
     driver.run(CacheRequest("a", prompt, cache_salt="a"))
     fill_device(driver)
@@ -171,7 +157,7 @@ def test_a_demoted_salted_checkpoint_hits_only_its_salt():
 def test_salted_checkpoints_never_fall_out_to_a_tier_behind():
     """The disk tier keeps the base model's unsalted text only: a salted checkpoint the host drops is not handed
     to it (`fall_out` None), and it is never asked for a salted request."""
-    cache, driver = make_tiered(host_blocks=6)
+    cache, driver = make_host_tiered(host_blocks=6)
     kept, asked = [], []
 
     class Behind:
