@@ -9,7 +9,9 @@
    downloaded into the cache, as vLLM does (the files a model folder is read from, `HUB_FILES`, with
    huggingface_hub's progress bars), unless `HF_HUB_OFFLINE` is set. `weights=False` (the simulator, the router:
    a config and a tokenizer) downloads all but the `*.safetensors`; a snapshot without them is completed when an
-   engine asks for it. The cache is `$HF_HUB_CACHE`, else
+   engine asks for it, as is one an interrupted download left incomplete (`_missing_files`: a shard the index or a
+   `-0000i-of-0000n` series names, config.json, a tokenizer file), as vLLM's `download_weights_from_hf` calls
+   `snapshot_download` online; offline an incomplete snapshot is an error saying to run `hf download`. The cache is `$HF_HUB_CACHE`, else
    `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called; `download_dir` (vLLM's
    `--download-dir`) replaces it. `revision` (vLLM's `--revision`: a branch, tag or commit) is looked up and
    downloaded instead of `main`.
@@ -22,8 +24,10 @@ name="Qwen/Qwen3.5-0.8B")`: the name is the argument as given (what a server rep
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,12 +116,60 @@ def _hub_snapshot(repo_id: str, weights: bool, revision: str | None, cache: Path
             ) from None
         folder = _download(repo_id, cache, where, weights, revision)
     else:
-        if weights and not any(Path(folder).glob("*.safetensors")) and not _hub_offline():
-            folder = _download(repo_id, cache, where, weights, revision)  # cached without weights (by weights=False)
+        missing = _missing_files(Path(folder), weights)
+        if missing and not _hub_offline():  # an interrupted download, or one without weights (by weights=False):
+            _logger.warning("the cached snapshot of %s at %s is incomplete (%s)", repo_id, folder, "; ".join(missing))
+            folder = _download(repo_id, cache, where, weights, revision)  # fetches what it lacks, as vLLM's
+        elif missing and any(not m.startswith(_NO_TOKENIZER) for m in missing):  # download_weights_from_hf
+            command = " ".join(["hf download", repo_id, *(["--revision", revision] if revision else []),
+                                *(["--cache-dir", str(cache)] if cache is not None else [])])
+            raise FileNotFoundError(
+                f"incomplete snapshot of {repo_id!r} at {folder} ({'; '.join(missing)}; HF_HUB_OFFLINE is set, so "
+                f"it is not completed): run `{command}` to complete it, or pass a complete model folder")
+        elif missing:
+            _logger.warning("the cached snapshot of %s at %s has %s", repo_id, folder, missing[0])
     path = Path(folder)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"the cached snapshot of {repo_id!r} at {path} has no config.json")
     return path
+
+
+_NO_TOKENIZER = "no tokenizer file"
+# files any of which makes a tokenizer (transformers' fast, sentencepiece, BPE vocabularies)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d+)-of-(?P<count>\d+)\.safetensors$")
+
+
+def _missing_files(folder: Path, weights: bool) -> list[str]:
+    """What a hub snapshot folder lacks (an interrupted download keeps only the files it finished), one line each:
+    config.json; a tokenizer file (`_TOKENIZER_FILES`); with `weights`, any *.safetensors, a shard the index names,
+    or a shard of a `-0000i-of-0000n` series. [] when complete as far as these tell."""
+    missing = [] if (folder / "config.json").is_file() else ["no config.json"]
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append(f"{_NO_TOKENIZER} ({', '.join(_TOKENIZER_FILES)})")
+    if not weights:
+        return missing
+    present = {path.name for path in folder.glob("*.safetensors") if path.is_file()}
+    if not present:
+        return [*missing, "no *.safetensors"]
+    wanted = set()
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+            wanted = {os.path.normpath(f) for f in weight_map.values()} if isinstance(weight_map, dict) else set()
+        except (ValueError, AttributeError, TypeError):  # the loader names a malformed index
+            wanted = set()
+    for name in present:
+        shard = _SHARD.match(name)
+        if shard:
+            count, width = int(shard["count"]), len(shard["index"])
+            wanted |= {f"{shard['stem']}-{i:0{width}d}-of-{shard['count']}.safetensors" for i in range(1, count + 1)}
+    absent = sorted(name for name in wanted if not (folder / name).is_file())
+    if absent:
+        more = ", ..." if len(absent) > 3 else ""
+        missing.append(f"{len(absent)} weight file(s) missing: {', '.join(absent[:3])}{more}")
+    return missing
 
 
 def _download(repo_id: str, cache: Path | None, where: str, weights: bool, revision: str | None) -> str:

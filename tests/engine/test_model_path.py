@@ -98,9 +98,10 @@ class FakeHub:
     """`huggingface_hub.snapshot_download` against a hub that holds the built-in model as any repo id: a local
     lookup finds what an earlier download laid into the cache; a download lays it out (or raises `fail`)."""
 
-    def __init__(self, fail: Exception | None = None) -> None:
+    def __init__(self, fail: Exception | None = None, source: Path | None = None) -> None:
         self.downloads: list[tuple[str, list[str]]] = []
         self.fail = fail
+        self.source = source  # the repository's files (default: the built-in model's)
 
     def __call__(self, repo_id, *, cache_dir=None, local_files_only=False, allow_patterns=None, **_):
         snapshot = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
@@ -111,8 +112,8 @@ class FakeHub:
         self.downloads.append((repo_id, list(allow_patterns)))
         if self.fail is not None:
             raise self.fail
-        for file in ensure_builtin_model().iterdir():
-            if any(fnmatch(file.name, pattern) for pattern in allow_patterns):
+        for file in (self.source or ensure_builtin_model()).iterdir():
+            if any(fnmatch(file.name, pattern) for pattern in allow_patterns) and not (snapshot / file.name).is_file():
                 snapshot.mkdir(parents=True, exist_ok=True)
                 shutil.copy(file, snapshot / file.name)
         (snapshot.parents[1] / "refs").mkdir(exist_ok=True)
@@ -172,3 +173,76 @@ def test_without_weights_a_download_skips_them_until_an_engine_asks(online, monk
     assert full.path == light.path and any(full.path.glob("*.safetensors"))
     assert hub.downloads[1] == ("acme/big", list(HUB_FILES))
     assert resolve_model("acme/big") == full and len(hub.downloads) == 2
+
+
+def sharded_repo(root: Path) -> Path:
+    """The built-in model with its weights in two indexed shards (what the hub holds)."""
+    from safetensors.torch import load_file, save_file
+
+    repo = shutil.copytree(ensure_builtin_model(), root)
+    tensors = load_file(str(repo / "model.safetensors"))
+    (repo / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({name: tensors[name] for name in part}, str(repo / file))
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (repo / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return repo
+
+
+def interrupted_snapshot(root: Path, repo: Path, lost: tuple[str, ...]) -> Path:
+    """A cache snapshot of `repo` as an interrupted download leaves it: every file but those `lost` matches."""
+    snapshot = root / "models--acme--sharded" / "snapshots" / COMMIT
+    shutil.copytree(repo, snapshot, ignore=lambda folder, names: [n for n in names
+                                                                  if any(fnmatch(n, pattern) for pattern in lost)])
+    (root / "models--acme--sharded" / "refs").mkdir()
+    (root / "models--acme--sharded" / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def test_an_interrupted_download_is_completed_online(online, tmp_path, monkeypatch):
+    """The cache holds shard 1 of 2 (the download stopped): it was taken as complete (some *.safetensors) and the
+    engine failed on the missing shard; as vLLM's download_weights_from_hf (snapshot_download online) the hub now
+    completes it, once."""
+    repo = sharded_repo(tmp_path / "repo")
+    snapshot = interrupted_snapshot(tmp_path / "hub", repo, ("model-00002-of-00002.safetensors",))
+    hub = FakeHub(source=repo)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
+    resolved = resolve_model("acme/sharded")
+    assert resolved.path == snapshot and (snapshot / "model-00002-of-00002.safetensors").is_file()
+    assert hub.downloads == [("acme/sharded", list(HUB_FILES))]
+    assert resolve_model("acme/sharded") == resolved and len(hub.downloads) == 1  # complete now
+    params = SamplingParams(temperature=0, max_tokens=3)
+    assert LLM("acme/sharded").generate("abc", params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize(("lost", "said"), [
+    (("model-00002-of-00002.safetensors",), "1 weight file.s. missing: model-00002-of-00002.safetensors"),
+    (("model-00002-of-00002.safetensors", "model.safetensors.index.json"),  # the index not there either: the
+     "1 weight file.s. missing: model-00002-of-00002.safetensors"),  # -of-00002 names tell
+    (("*.safetensors",), "no \\*.safetensors"),
+    (("config.json",), "no config.json"),
+], ids=["a-shard-the-index-names", "a-shard-of-a-series", "no-weights", "no-config"])
+def test_offline_an_incomplete_snapshot_says_how_to_complete_it(tmp_path, monkeypatch, lost, said):
+    repo = sharded_repo(tmp_path / "repo")
+    interrupted_snapshot(tmp_path / "hub", repo, lost)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=f"incomplete snapshot of 'acme/sharded' .*{said}.*HF_HUB_OFFLINE.*"
+                                                f"run `hf download acme/sharded --cache-dir {tmp_path / 'hub'}`"):
+        resolve_model("acme/sharded")
+
+
+def test_offline_a_snapshot_without_a_tokenizer_file_is_a_warning(tmp_path, monkeypatch, caplog):
+    """A tokenizer may come from `tokenizer=`: offline a snapshot without one resolves, with a warning (online the
+    hub is asked for it, as for any missing file)."""
+    repo = sharded_repo(tmp_path / "repo")
+    lost = tuple(f.name for f in repo.iterdir() if f.name.startswith(("tokenizer", "vocab")))
+    snapshot = interrupted_snapshot(tmp_path / "hub", repo, lost)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with caplog.at_level("WARNING", logger="hybridcache.model_path"):
+        assert resolve_model("acme/sharded").path == snapshot
+    assert "has no tokenizer file" in caplog.text
