@@ -82,9 +82,8 @@ from hybridcache.engine.runner import ModelRunner
 from hybridcache.engine.token_feed import TokenFeed
 from hybridcache.forward_batch import DeviceCopyOp, ForwardBatch
 from hybridcache.layers.parallel import TensorParallel
-from hybridcache.models import ModelConfig
 from hybridcache.models.loader import check_split
-from hybridcache.models.mtp import MtpHead, mtp_num_layers
+from hybridcache.models.mtp import check_mtp_head
 
 STARTUP_TIMEOUT_S = 300.0  # a worker's interpreter start and imports, before it joins the group
 FAILURE_GRACE_S = 5.0  # after a failed collective, how long to wait for the worker at fault to show itself
@@ -122,9 +121,8 @@ class TensorParallelExecutor:
             check_split(spec.model_path, TensorParallel(rank, size), quantization=spec.config.quantization,
                         load_format=spec.config.load_format)
         if spec.config.speculative_config is not None:  # so does an MTP head, or a folder without one
-            with torch.device("meta"):
-                MtpHead(ModelConfig.from_model_dir(spec.model_path),
-                        mtp_num_layers(spec.model_path, load_format=spec.config.load_format), TensorParallel(0, size))
+            check_mtp_head(spec.model_path, TensorParallel(0, size), load_format=spec.config.load_format,
+                           kv_fp8=spec.config.kv_fp8)
         last = rank_device(device, size - 1)
         if last.type == "cuda" and last.index >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {size} from {device} needs devices up to {last}; this machine "

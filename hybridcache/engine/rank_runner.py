@@ -28,7 +28,7 @@ from hybridcache.kernels.backend import KernelBackend, get_backend
 from hybridcache.kernels.shapes import ModelShapes
 from hybridcache.layers.parallel import TensorParallel
 from hybridcache.models import ModelConfig, load_model
-from hybridcache.models.mtp import load_mtp_head
+from hybridcache.models.mtp import check_mtp_head, load_mtp_head
 from hybridcache.scheduler.scheduler import blocks_per_sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,14 +132,16 @@ def build_runner(
         share = engine_share(utilization, torch.cuda.mem_get_info(device)[1], free_at_start)
     backend = get_backend(device, attention=config.attention_backend)  # a bad name fails before the weights load
     backend.check_model(model_shapes(ModelConfig.from_model_dir(spec.model_path)))  # so does a shape it cannot run
-    model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
-                       load_format=config.load_format, kv_fp8=config.kv_fp8)
     speculative = config.speculative_config
-    head = None
-    if speculative is not None:
+    if speculative is not None:  # and a backend or a folder MTP cannot run with (no head, a broken one)
         if not getattr(backend, "supports_verify_states", False):
             raise ValueError(f"speculative decoding needs a kernel backend that keeps per-position recurrent "
                              f"states of verify rows; {type(backend).__name__} does not")
+        check_mtp_head(spec.model_path, tp, load_format=config.load_format, kv_fp8=config.kv_fp8)
+    model = load_model(spec.model_path, dtype=dtype, device=device, tp=tp, quantization=config.quantization,
+                       load_format=config.load_format, kv_fp8=config.kv_fp8)
+    head = None
+    if speculative is not None:
         head = load_mtp_head(spec.model_path, model, dtype=dtype, device=device, quantization=config.quantization,
                              kv_fp8=config.kv_fp8, load_format=config.load_format)
     head_specs = head.state_specs(dtype) if head is not None else ()

@@ -165,10 +165,16 @@ def plan_weights_for(
     owner: str,
     ignored: Callable[[str], bool] = lambda name: False,
     not_in_checkpoint: tuple[str, ...] = (),
+    name_prefix: str = "",
 ) -> dict[str, _Source]:
     """Rules 2-4 above for any module (the model, or the MTP head with its `mtp.` prefix taken off): checkpoint
     names for which `ignored` holds are skipped, parameters in `not_in_checkpoint` are not expected. Raises
-    `ValueError` naming `owner` on any missing, unexpected or mis-shaped tensor."""
+    `ValueError` naming `owner` on any missing, unexpected or mis-shaped tensor, each named as the checkpoint
+    names it (`name_prefix`, e.g. "mtp.", put back in front)."""
+
+    def quoted(name: str) -> str:
+        return repr(name_prefix + name)
+
     expected = {name: _shape(p.shape) for name, p in module.named_parameters(remove_duplicate=True)}
     for name in not_in_checkpoint:
         expected.pop(name, None)
@@ -181,20 +187,22 @@ def plan_weights_for(
         name = model_name(raw_name)
         stacked = _STACKED_EXPERTS.match(name)
         if stacked:
-            problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan)
+            problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan,
+                                    name_prefix)
         elif name not in expected:
-            problems.append(f"unexpected tensor {raw_name!r} with shape {list(shape)}")
+            problems.append(f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}")
         elif shape != expected[name]:
             problems.append(
-                f"shape mismatch for tensor {raw_name!r}: "
+                f"shape mismatch for tensor {quoted(raw_name)}: "
                 f"checkpoint {list(shape)}, model {list(expected[name])}"
             )
         elif name in plan:
-            problems.append(f"tensor {name!r} given twice: as {plan[name].checkpoint_name!r} and {raw_name!r}")
+            problems.append(f"tensor {quoted(name)} given twice: as {quoted(plan[name].checkpoint_name)} and "
+                            f"{quoted(raw_name)}")
         else:
             plan[name] = _Source(raw_name)
     problems += [
-        f"missing tensor {name!r} (model shape {list(shape)})"
+        f"missing tensor {quoted(name)} (model shape {list(shape)})"
         for name, shape in expected.items()
         if name not in plan
     ]
@@ -212,22 +220,28 @@ def _plan_stacked(
     shape: tuple[int, ...],
     expected: Mapping[str, tuple[int, ...]],
     plan: dict[str, _Source],
+    name_prefix: str = "",
 ) -> list[str]:
-    """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]."""
+    """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]; problems name
+    tensors with `name_prefix` in front."""
+
+    def quoted(name: str) -> str:
+        return repr(name_prefix + name)
+
     num_experts = sum(1 for n in expected if n.startswith(prefix + ".") and n.endswith(".down_proj.weight"))
     if num_experts == 0:
-        return [f"unexpected tensor {raw_name!r} with shape {list(shape)}"]
+        return [f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}"]
     down = expected[f"{prefix}.0.down_proj.weight"]  # [H, I]
     hidden, inter = down
     want = (num_experts, 2 * inter, hidden) if kind == "gate_up_proj" else (num_experts, hidden, inter)
     if shape != want:
-        return [f"shape mismatch for tensor {raw_name!r}: checkpoint {list(shape)}, model {list(want)}"]
+        return [f"shape mismatch for tensor {quoted(raw_name)}: checkpoint {list(shape)}, model {list(want)}"]
     parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
     given = [plan[target].checkpoint_name for e in range(num_experts) for part in parts
              if (target := f"{prefix}.{e}.{part}.weight") in plan]
     if given:
-        return [f"tensor {prefix}.*.{'/'.join(parts)}.weight given twice: as {given[0]!r} (and "
-                f"{len(given) - 1} more) and {raw_name!r}"]
+        return [f"tensor {name_prefix}{prefix}.*.{'/'.join(parts)}.weight given twice: as {quoted(given[0])} (and "
+                f"{len(given) - 1} more) and {quoted(raw_name)}"]
     for e in range(num_experts):
         if kind == "gate_up_proj":
             plan[f"{prefix}.{e}.gate_proj.weight"] = _Source(raw_name, e, (0, inter))

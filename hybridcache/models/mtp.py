@@ -40,7 +40,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -204,16 +206,7 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     from safetensors import safe_open
 
     from hybridcache.models import quant
-    from hybridcache.models.loader import (
-        LOAD_FORMATS,
-        _dummy_format,
-        _read_headers,
-        check_float_dtypes,
-        checkpoint_shards,
-        plan_weights_for,
-        pop_kv_scales,
-        safetensors_files,
-    )
+    from hybridcache.models.loader import LOAD_FORMATS, _dummy_format, checkpoint_shards
     from hybridcache.models.loader import _copy_one as copy_parameter
 
     model_dir = Path(model_dir)
@@ -223,23 +216,10 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
         fmt = _dummy_format(quant.checkpoint_format(quant.read_quantization_config(model_dir)), quantization)
         head = _dummy_head(target, mtp_num_layers(model_dir, load_format="dummy"), fmt, dtype, device)
         return quant.set_kv_fp8(head, kv_fp8, {}).eval()
-    location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
-    location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
-    shapes = {name: shape for name, shape in shapes.items() if name in location}
-    kv_scales = pop_kv_scales(shapes, location, kv_fp8, lambda name: name[len(MTP_PREFIX):])
-    num_layers = mtp_num_layers(model_dir, shapes)
-    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
-    fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
-    with torch.device("meta"):
-        full = MtpHead(target.config, num_layers).to(dtype=dtype)
-        head = full if target.tp.size == 1 else MtpHead(target.config, num_layers, target.tp).to(dtype=dtype)
-    for module in {id(full): full, id(head): head}.values():
-        quant.convert_linears(module, fp8)
-    plan = plan_weights_for(full, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
-                            owner="the MTP head")
-    check_float_dtypes({MTP_PREFIX + source.checkpoint_name for source in plan.values()}, dtypes, location)
-    shards = checkpoint_shards(head, full)
-    head = head.to_empty(device=device)
+    planned = _plan_head(model_dir, target.config, target.tp, dtype=dtype, kv_fp8=kv_fp8)
+    location, plan, fmt, kv_scales = planned.location, planned.plan, planned.fmt, planned.kv_scales
+    shards = checkpoint_shards(planned.head, planned.full)
+    head = planned.head.to_empty(device=device)
     handles = {file: safe_open(str(file), framework="pt", device="cpu") for file in set(location.values())}
     params = dict(head.named_parameters())
 
@@ -253,6 +233,71 @@ def load_mtp_head(model_dir: str | Path, target: HybridCausalLM, *, dtype: torch
     if quantization == "fp8" and fmt is None:
         quant.quantize_linears_(head, quant.quantizable_linears(head))
     return quant.set_kv_fp8(head, kv_fp8, kv_scales).eval()
+
+
+@dataclass(frozen=True)
+class _HeadPlan:
+    """What `load_mtp_head` reads, planned from the safetensors headers and config.json alone: the `mtp.*` tensors'
+    files (`location`), the meta one-rank head (`full`) and this rank's (`head`, `full` itself unsharded), the
+    parameter name -> checkpoint source `plan`, the folder's FP8 format and the KV scales (read only with kv_fp8)."""
+
+    location: dict[str, Path]
+    full: MtpHead
+    head: MtpHead
+    plan: dict[str, Any]
+    fmt: Fp8Format | None
+    kv_scales: dict[str, float]
+
+
+def _plan_head(model_dir: Path, config: ModelConfig, tp: TensorParallel, *, dtype: torch.dtype,
+               kv_fp8: bool) -> _HeadPlan:
+    """The header-only part of `load_mtp_head` (its ValueErrors, every tensor named as the checkpoint names it:
+    `mtp.fc.weight`), on meta-device heads."""
+    from hybridcache.models import quant
+    from hybridcache.models.loader import (
+        _read_headers,
+        check_float_dtypes,
+        plan_weights_for,
+        pop_kv_scales,
+        safetensors_files,
+    )
+
+    location, shapes, dtypes = _read_headers(safetensors_files(model_dir))
+    location = {name: file for name, file in location.items() if name.startswith(MTP_PREFIX)}
+    shapes = {name: shape for name, shape in shapes.items() if name in location}
+    kv_scales = pop_kv_scales(shapes, location, kv_fp8, lambda name: name[len(MTP_PREFIX):])
+    num_layers = mtp_num_layers(model_dir, shapes)
+    fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
+    fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
+    with torch.device("meta"):
+        full = MtpHead(config, num_layers).to(dtype=dtype)
+        head = full if tp.size == 1 else MtpHead(config, num_layers, tp).to(dtype=dtype)
+    for module in {id(full): full, id(head): head}.values():
+        quant.convert_linears(module, fp8)
+    plan = plan_weights_for(full, {name[len(MTP_PREFIX):]: shape for name, shape in shapes.items()},
+                            owner="the MTP head", name_prefix=MTP_PREFIX)
+    check_float_dtypes({MTP_PREFIX + source.checkpoint_name for source in plan.values()}, dtypes, location)
+    return _HeadPlan(location, full, head, plan, fmt, kv_scales)
+
+
+def check_mtp_head(model_dir: str | Path, tp: TensorParallel = UNSHARDED, *, load_format: str = "auto",
+                   kv_fp8: bool = False) -> None:
+    """Raise the ValueError `load_mtp_head` would (no MTP tensors, a layer count config.json disagrees with, a
+    missing, unexpected or mis-shaped `mtp.*` tensor, an FP8 head without scales, a head `tp` cannot split) from
+    config.json and the safetensors headers alone: the engine calls it before the target model's weights load
+    (minutes for a large checkpoint), on one rank as under tensor parallelism. With `load_format="dummy"`: only
+    that config.json declares a head `tp` can split."""
+    from hybridcache.models.loader import checkpoint_shards
+
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_model_dir(model_dir)
+    if load_format == "dummy":
+        with torch.device("meta"):
+            MtpHead(config, mtp_num_layers(model_dir, load_format="dummy"), tp)
+        return
+    planned = _plan_head(model_dir, config, tp, dtype=torch.float32, kv_fp8=kv_fp8)
+    if tp.size > 1:
+        checkpoint_shards(planned.head, planned.full)
 
 
 @torch.no_grad()

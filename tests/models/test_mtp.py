@@ -4,6 +4,7 @@ loader's errors, and its KV: a chunked run over a sequence equals one forward ov
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.models import load_model
-from hybridcache.models.mtp import MTP_FILE, load_mtp_head
+from hybridcache.models.mtp import MTP_FILE, check_mtp_head, load_mtp_head
 from hybridcache.state_spec import DevicePools
 from tests.engine.model_folders import write_tiny_model
 
@@ -64,9 +65,9 @@ def test_stacked_experts_load_like_per_expert_ones(tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("drop", "missing tensor 'layers.0.self_attn.q_proj.weight'"),
-    ("shape", "shape mismatch for tensor 'fc.weight'"),
-    ("extra", "unexpected tensor 'layers.0.bogus.weight'"),
+    ("drop", "missing tensor 'mtp.layers.0.self_attn.q_proj.weight'"),
+    ("shape", "shape mismatch for tensor 'mtp.fc.weight'"),
+    ("extra", "unexpected tensor 'mtp.layers.0.bogus.weight'"),
     ("count", "declares 2 MTP layers, the checkpoint holds 1"),
     ("integer", r"checkpoint tensor 'mtp.fc.weight' in \S+mtp.safetensors has dtype I32; a weight must be a float"),
 ])
@@ -86,8 +87,49 @@ def test_a_damaged_head_is_refused_with_the_tensor_named(tmp_path, damage, messa
         config["mtp_num_hidden_layers"] = 2
         (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(folder / MTP_FILE))
-    with pytest.raises(ValueError, match=message if damage == "integer" else message.replace("(", r"\(")):
+    pattern = message if damage == "integer" else message.replace("(", r"\(")
+    with pytest.raises(ValueError, match=pattern):
         load_mtp_head(folder, load_model(folder), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=pattern):  # the same error from the headers alone (before the target loads)
+        check_mtp_head(folder)
+
+
+def test_the_tensor_parallel_pre_check_is_the_same_header_check(tmp_path):
+    """The tensor-parallel executor checks the head before starting its ranks with `check_mtp_head` too: a broken
+    head (not only a missing one or a layer count that does not split) is refused there."""
+    from hybridcache.layers.parallel import TensorParallel
+
+    folder = write_tiny_model(tmp_path, "qwen3_next")
+    tensors = load_file(str(folder / MTP_FILE))
+    tensors["mtp.fc.weight"] = tensors["mtp.fc.weight"][:, :-1].contiguous()
+    save_file(tensors, str(folder / MTP_FILE))
+    with pytest.raises(ValueError, match="shape mismatch for tensor 'mtp.fc.weight'"):
+        check_mtp_head(folder, TensorParallel(0, 2))
+
+
+@pytest.mark.parametrize("damage", ["no-head", "broken-head"])
+def test_an_mtp_engine_refuses_a_folder_before_the_target_loads(tmp_path, monkeypatch, damage):
+    """speculative method "mtp" on one rank: a folder without an MTP head, or with a broken one, was refused only
+    after the target model's weights were read in full (minutes for an 80B checkpoint)."""
+    import hybridcache.engine.rank_runner as rank_runner
+    from hybridcache import LLM
+
+    folder = write_tiny_model(tmp_path, "qwen3_5_text")
+    if damage == "no-head":
+        (folder / MTP_FILE).unlink()
+        message = "has no mtp.* tensors: speculative method 'mtp' needs the model's MTP head"
+    else:
+        tensors = load_file(str(folder / MTP_FILE))
+        del tensors["mtp.fc.weight"]
+        save_file(tensors, str(folder / MTP_FILE))
+        message = "missing tensor 'mtp.fc.weight'"
+
+    def load_model_not_expected(*args, **kwargs):
+        raise AssertionError("the target model loaded before the MTP head was checked")
+
+    monkeypatch.setattr(rank_runner, "load_model", load_model_not_expected)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(model=str(folder), device="cpu", speculative_config={"method": "mtp", "num_speculative_tokens": 1})
 
 
 def test_the_head_over_chunks_equals_one_forward(folder):
