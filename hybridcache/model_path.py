@@ -11,10 +11,10 @@
    a config and a tokenizer) downloads all but the `*.safetensors`; a snapshot without them is completed when an
    engine asks for it, as is one an interrupted download left incomplete (`_missing_files`: a shard the index or a
    `-0000i-of-0000n` series names, config.json, a tokenizer file), as vLLM's `download_weights_from_hf` calls
-   `snapshot_download` online; offline an incomplete snapshot is an error saying to run `hf download`. The cache is `$HF_HUB_CACHE`, else
-   `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is called; `download_dir` (vLLM's
-   `--download-dir`) replaces it. `revision` (vLLM's `--revision`: a branch, tag or commit) is looked up and
-   downloaded instead of `main`.
+   `snapshot_download` online; offline an incomplete snapshot is an error saying to run `hf download`. The cache
+   is `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, read when `resolve_model` is
+   called; `download_dir` (vLLM's `--download-dir`) replaces it. `revision` (vLLM's `--revision`: a branch, tag
+   or commit) is looked up and downloaded instead of `main`.
 
 Worked example: with `HF_HUB_CACHE=/data/hub` holding
 `/data/hub/models--Qwen--Qwen3.5-0.8B/refs/main` = `abc123` and `.../snapshots/abc123/config.json`,
