@@ -268,7 +268,7 @@ def _plan_head(model_dir: Path, config: ModelConfig, tp: TensorParallel, *, dtyp
     kv_scales = pop_kv_scales(shapes, location, kv_fp8, lambda name: name[len(MTP_PREFIX):])
     num_layers = mtp_num_layers(model_dir, shapes)
     fmt = quant.checkpoint_format(quant.read_quantization_config(model_dir))
-    fp8 = _fp8_head_linears(fmt, {name[len(MTP_PREFIX):]: dtypes[name] for name in location})
+    fp8 = _fp8_head_linears(fmt, {name: dtypes[name] for name in location})
     with torch.device("meta"):
         full = MtpHead(config, num_layers).to(dtype=dtype)
         head = full if tp.size == 1 else MtpHead(config, num_layers, tp).to(dtype=dtype)
@@ -334,8 +334,9 @@ def _dummy_head(target: HybridCausalLM, num_layers: int, fmt: Fp8Format | None, 
 
 def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str, Fp8Format]:
     """The head's module name -> `fmt` (the folder's FP8 format) for every linear whose weight is FP8 in the folder
-    (`dtypes`: the head's tensors, `mtp.` taken off -> safetensors dtype); ValueError when its float8 tensors are
-    not exactly those weights (`quant.check_fp8_dtypes`, as for the target's tensors)."""
+    (`dtypes`: the head's tensors, as the checkpoint names them -> safetensors dtype); ValueError naming them with
+    their `mtp.` prefix when its float8 tensors are not exactly those weights (`quant.check_fp8_dtypes`, as for the
+    target's tensors)."""
     from hybridcache.models import quant
 
     names = quant.fp8_modules(dtypes, fmt) if fmt is not None else []
@@ -343,7 +344,7 @@ def _fp8_head_linears(fmt: Fp8Format | None, dtypes: dict[str, str]) -> dict[str
         quant.check_fp8_dtypes(dtypes, names)
     except ValueError as error:
         raise ValueError(f"the MTP head (mtp.*): {error}") from None
-    return dict.fromkeys(names, fmt)
+    return dict.fromkeys((name[len(MTP_PREFIX):] for name in names), fmt)
 
 
 def write_random_mtp(model_dir: str | Path, seed: int = 0, num_layers: int = 1, *,

@@ -109,7 +109,7 @@ def test_float8_head_tensors_without_their_scale_are_refused(tmp_path):
     del tensors["mtp.fc.weight_scale_inv"]
     save_file(tensors, str(folder / MTP_FILE))
     model = load_model(folder)  # the target's loading ignores mtp.*
-    with pytest.raises(ValueError, match=re.escape("the MTP head (mtp.*): checkpoint tensors ['fc.weight'] are "
+    with pytest.raises(ValueError, match=re.escape("the MTP head (mtp.*): checkpoint tensors ['mtp.fc.weight'] are "
                                                    "float8 without a scale")):
         load_mtp_head(folder, model, dtype=torch.float32, device="cpu")
 
