@@ -31,7 +31,7 @@ Workload (prompts are random lowercase letters under the byte tokenizer: one tok
 - D: 64 distinct 1,024-token prompts, 128 new tokens each, all submitted together.
 - DSYNC: phase D on the same engine with async scheduling off (each step postprocessed before the next is
   planned), to measure what async scheduling gives within one process.
-- SWE: the shipped SWE-agent slice replayed call by call from an empty cache (118 model calls of up to 16,000
+- SWE: the shipped SWE-agent slice replayed call by call from an empty cache (100 model calls of up to 16,000
   tokens, each call's prompt every message before it, 1 new token each; `phase_swe`).
 
 Every Triton kernel compiled (or loaded from the disk cache) after the engine's start-up is logged by phase,
