@@ -11,22 +11,37 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import NoReturn
 
 REPLICA_START_TIMEOUT_S = 600.0
 # `serve --data-parallel-size N --request-timeout T`: the router waits T plus this for a replica, so that the
 # replica's own answer at T (a 503 `request_timeout`, relayed as it is) comes first
 REQUEST_TIMEOUT_GRACE_S = 5.0
 # The `serve` flags of the public endpoint: given to the router, not to the loopback replicas
-PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-origins")
+PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-origins", "--uds")
+# `serve --data-parallel-size N --shutdown-timeout T`: the replicas get T less this, so that the streams they cut
+# at the end of their grace period, with a final error event, reach the router before the end of its own
+REPLICA_SHUTDOWN_MARGIN_S = 0.5
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from hybridcache.arg_types import http_url, json_object, port_number, positive_float, positive_int
+    from hybridcache.arg_types import (
+        http_url,
+        json_object,
+        non_negative_float,
+        port_number,
+        positive_float,
+        positive_int,
+    )
     from hybridcache.engine_args import HelpFormatter
+    from hybridcache.server.cli import SHUTDOWN_RESERVE_S
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
@@ -65,6 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="serve HTTPS with this key (with --ssl-certfile; default: plain HTTP)")
     router.add_argument("--ssl-certfile", default=None, metavar="PATH",
                         help="serve HTTPS with this certificate (with --ssl-keyfile; default: plain HTTP)")
+    router.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0, metavar="SECONDS",
+                        help="the router is gone this many seconds after SIGTERM: requests in flight may run for all "
+                             f"but the last {SHUTDOWN_RESERVE_S} s of it, then they are cut (as serve's)")
     router.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="log level of the router and uvicorn")
     router.set_defaults(func=cmd_router)
@@ -86,7 +104,7 @@ def _serve_or_data_parallel(cmd_serve):
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.data_parallel_size == 1:
             return cmd_serve(args)
-        return serve_data_parallel(args, sys.argv[1:])
+        _exit_now(serve_data_parallel(args, sys.argv[1:]))
 
     return run
 
@@ -151,50 +169,70 @@ def router_tokenizer(args: argparse.Namespace, model: str | None):
 
 
 def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None, host: str, port: int,
-               request_timeout_s: float | None = None) -> None:
-    """Serve the router on host:port with the server's connection guard (server/connections.py: a read deadline
-    per request and a cap on open connections, from the parsed connection flags), HTTPS, root path and CORS
-    from the public-endpoint flags (`PUBLIC_FLAGS`), and the replicas' tokenizer and chat template."""
+               request_timeout_s: float | None = None, sock: socket.socket | None = None,
+               on_shutdown: Callable[[], None] | None = None) -> None:
+    """Serve the router on `sock` (bound here to host:port, or serve's --uds, when None) with the server's
+    connection guard (server/connections.py: a read deadline per request and a cap on open connections, from the
+    parsed connection flags), HTTPS, root path and CORS from the public-endpoint flags (`PUBLIC_FLAGS`), the
+    replicas' tokenizer and chat template, and serve's graceful shutdown (--shutdown-timeout less
+    `SHUTDOWN_RESERVE_S`); `on_shutdown` is called as the shutdown begins."""
     import uvicorn
 
     from hybridcache.router.app import build_router_app
     from hybridcache.server import log_limits
+    from hybridcache.server.cli import SHUTDOWN_RESERVE_S
     from hybridcache.server.connections import uvicorn_options
     from hybridcache.server.limits import limits_from_args
-    from hybridcache.server.uvicorn_server import Server
+    from hybridcache.server.uvicorn_server import Server, listen_socket
     from hybridcache.server.vllm_flags import check_vllm_args
 
-    check_vllm_args(args)  # --ssl-keyfile and --ssl-certfile go together
+    uds = getattr(args, "uds", None)  # serve's flag (`router` has none)
+    if sock is None:
+        sock = listen_socket(host, port, uds)  # a busy port fails before the tokenizer loads
+    check_vllm_args(args)  # --ssl-keyfile and --ssl-certfile go together, and load
     config = router_config(args, urls, request_timeout_s)  # bad options fail before anything loads
     limits = limits_from_args(args)
     app = build_router_app(config, router_tokenizer(args, model))
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=args.log_level, access_log=False,
+    server = Server(uvicorn.Config(app, host=host, port=port, uds=uds, log_level=args.log_level, access_log=False,
                                    lifespan="on", root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
+                                   timeout_graceful_shutdown=max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S),
                                    **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s,
-                                                     limits.timeout_keep_alive_s)))
+                                                     limits.timeout_keep_alive_s)), on_shutdown=on_shutdown)
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
-    server.run()
+    server.run(sockets=[sock])
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level)
     run_router(args, args.replica, args.model, args.host, args.port, args.request_timeout)
-    return 0
+    _exit_now(0)
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Exit with `status` once the router has shut down, the logs flushed, without the interpreter's teardown
+    (as serve's, server/cli.py `_exit_now`): with torch loaded it takes about a second, past --shutdown-timeout."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # ---- serve --data-parallel-size N ---------------------------------------------------------------------------
 
 
-def replica_argv(argv: Sequence[str], port: int) -> list[str]:
+def replica_argv(argv: Sequence[str], port: int, shutdown_timeout_s: float) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
-    program) without --data-parallel-size, --host, --port, the routing options and the public endpoint's
-    (`PUBLIC_FLAGS`: HTTPS, root path and CORS are the router's), plus a loopback port.
+    program) without --data-parallel-size, --host, --port, --shutdown-timeout, the routing options and the public
+    endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a Unix socket are the router's), plus a loopback port and
+    `shutdown_timeout_s` (`replica_shutdown_timeout`).
 
-    Example: `serve M --data-parallel-size 2 --ssl-keyfile k --allowed-origins a b --port 9000`, port 9001:
-    `serve M --host 127.0.0.1 --port 9001` (--allowed-origins takes every value up to the next flag)."""
-    drop_with_value = {"--data-parallel-size", "--host", "--port", "--routing", "--balance-abs-threshold",
-                       "--balance-rel-threshold", "--cache-threshold", "--router-poll-interval", *PUBLIC_FLAGS}
+    Example: `serve M --data-parallel-size 2 --ssl-keyfile k --allowed-origins a b --port 9000`, port 9001, 9.5 s:
+    `serve M --host 127.0.0.1 --port 9001 --shutdown-timeout 9.5` (--allowed-origins takes every value up to the
+    next flag)."""
+    drop_with_value = {"--data-parallel-size", "--host", "--port", "--shutdown-timeout", "--routing",
+                       "--balance-abs-threshold", "--balance-rel-threshold", "--cache-threshold",
+                       "--router-poll-interval", *PUBLIC_FLAGS}
     many_values = {"--allowed-origins"}  # nargs="+": every value up to the next option
     out: list[str] = []
     skip = 0  # 1: skip the next argument; 2: skip arguments up to the next option
@@ -210,7 +248,18 @@ def replica_argv(argv: Sequence[str], port: int) -> list[str]:
             skip = 0 if "=" in arg else 2 if name in many_values else 1
             continue
         out.append(arg)
-    return [*out, "--host", "127.0.0.1", "--port", str(port)]
+    return [*out, "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", str(shutdown_timeout_s)]
+
+
+def replica_shutdown_timeout(shutdown_timeout_s: float) -> float:
+    """The replicas' --shutdown-timeout behind a router given `shutdown_timeout_s`: `REPLICA_SHUTDOWN_MARGIN_S`
+    less, so that they cut their streams (with a final error event) while the router still relays them, and are
+    gone before the router's own deadline.
+
+    Example: serve --data-parallel-size 2 --shutdown-timeout 3, SIGTERM at t = 0: the router stops accepting and
+    sends each replica SIGTERM; the replicas cut their streams at 2 s and are gone by 2.5 s; the router cuts
+    what is left at 2.5 s; the process is gone by 3 s."""
+    return max(0.0, shutdown_timeout_s - REPLICA_SHUTDOWN_MARGIN_S)
 
 
 def _configure_logging(level: str) -> None:
@@ -245,46 +294,123 @@ def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
     return env
 
 
-def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Start `args.data_parallel_size` replicas of this `serve` command (`replica_env`: one GPU per rank each, or on the
-    CPU an equal share of the cores each) on ports --port + 1 ... --port + N,
-    wait until all answer /health, then run the router on --host:--port. Ends the replicas on exit."""
-    import httpx
+class Replicas:
+    """The replica processes of `serve --data-parallel-size N`. Each gets SIGTERM when this process dies, by
+    SIGKILL too (`_die_with_parent`); `terminate` sends them all SIGTERM at once (each then runs its own graceful
+    shutdown) and sets the one deadline, `wait_s` on, by which `end` has them gone: SIGKILL to any left then."""
 
+    def __init__(self, wait_s: float) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self.wait_s = wait_s
+        self.deadline: float | None = None
+
+    def start(self, command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
+        process = subprocess.Popen(list(command), env=dict(env), preexec_fn=_die_with_parent(os.getpid()))
+        self.processes.append(process)
+        return process
+
+    def terminate(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.wait_s
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+
+    def end(self) -> None:
+        self.terminate()
+        while any(process.poll() is None for process in self.processes) and time.monotonic() < self.deadline:
+            time.sleep(0.02)
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
+    """A `preexec_fn` after which the child gets SIGTERM when `parent_pid` (the process that starts it) dies, or
+    at once when it has died already: Linux's PR_SET_PDEATHSIG. None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def set_parent_death_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+        if os.getppid() != parent_pid:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_parent_death_signal
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread (as vLLM's setup_server), but while uvicorn serves
+    (its own handler). With the default handler, a SIGTERM while the replicas started ended this process at once,
+    without the `finally` that ends them."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Bind --host:--port (or --uds), start `args.data_parallel_size` replicas of this `serve` command
+    (`replica_env`: one GPU per rank each, or on the CPU an equal share of the cores each) on ports
+    --port + 1 ... --port + N, wait until all answer /health, then run the router. On SIGTERM the router's
+    graceful shutdown and the replicas' run together (`replica_shutdown_timeout`); the replicas are gone within
+    --shutdown-timeout less `SHUTDOWN_RESERVE_S`, and end with this process however it ends."""
     from hybridcache.engine_args import AUTO, auto_device, model_argument
+    from hybridcache.server.cli import SHUTDOWN_RESERVE_S
+    from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket
 
     _configure_logging(args.log_level)
     log = logging.getLogger("hybridcache.router")
     size = args.data_parallel_size
     on_cpu = (auto_device() if args.device == AUTO else args.device) == "cpu"
     ports = [args.port + 1 + i for i in range(size)]
-    processes: list[subprocess.Popen] = []
+    if args.uds:
+        remove_stale_socket(args.uds)
+    sock = listen_socket(args.host, args.port, args.uds)  # a busy port fails before the replicas start
+    replicas = Replicas(max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S))
+    replica_timeout_s = replica_shutdown_timeout(args.shutdown_timeout)
     try:
-        for i, port in enumerate(ports):
-            env = replica_env(os.environ, i, size, on_cpu, args.tensor_parallel_size)
-            command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port)]
-            processes.append(subprocess.Popen(command, env=env))
-            log.info("replica %d: pid %d, port %d", i, processes[-1].pid, port)
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-        deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
-        for process, url in zip(processes, urls):
-            while True:
-                if process.poll() is not None:
-                    raise OSError(f"replica {url} exited with code {process.returncode} while starting")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise OSError(f"replica {url} did not answer /health within {REPLICA_START_TIMEOUT_S:.0f} s")
-                time.sleep(0.2)
-        run_router(args, urls, model_argument(args), args.host, args.port, router_request_timeout(args.request_timeout))
+        with _sigterm_interrupts():
+            for i, port in enumerate(ports):
+                env = replica_env(os.environ, i, size, on_cpu, args.tensor_parallel_size)
+                command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port, replica_timeout_s)]
+                log.info("replica %d: pid %d, port %d", i, replicas.start(command, env).pid, port)
+            urls = [f"http://127.0.0.1:{port}" for port in ports]
+            _wait_healthy(replicas.processes, urls)
+            run_router(args, urls, model_argument(args), args.host, args.port,
+                       router_request_timeout(args.request_timeout), sock=sock, on_shutdown=replicas.terminate)
+    except KeyboardInterrupt:
+        log.info("interrupted: ending the replicas")
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in processes:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                process.wait(timeout=30)
-            if process.poll() is None:
-                process.kill()
+        replicas.end()
+        if args.uds:
+            remove_stale_socket(args.uds)
     return 0
+
+
+def _wait_healthy(processes: Sequence[subprocess.Popen], urls: Sequence[str]) -> None:
+    """Return once every replica answers /health; an OSError when one exits or does not answer within
+    `REPLICA_START_TIMEOUT_S`."""
+    import httpx
+
+    deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+    for process, url in zip(processes, urls):
+        while True:
+            if process.poll() is not None:
+                raise OSError(f"replica {url} exited with code {process.returncode} while starting")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise OSError(f"replica {url} did not answer /health within {REPLICA_START_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)

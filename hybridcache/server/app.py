@@ -50,6 +50,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from hybridcache.engine.engine import EngineDeadError, freeze_gc_heap
@@ -212,7 +213,7 @@ class LoadCounting:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         counted = scope["type"] == "http" and scope["method"] == "POST" \
-            and scope["path"] in ServerLoad.GENERATION_ROUTES
+            and get_route_path(scope) in ServerLoad.GENERATION_ROUTES  # (under --root-path, path has the prefix)
         if not counted:
             await self.app(scope, receive, send)
             return

@@ -172,22 +172,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hybridcache.server import log_limits
     from hybridcache.server.connections import uvicorn_options as connection_options
-    from hybridcache.server.uvicorn_server import Server
+    from hybridcache.server.uvicorn_server import Server, listen_socket, remove_stale_socket
     from hybridcache.server.vllm_flags import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.uds:
+        remove_stale_socket(args.uds)
+    sock = listen_socket(args.host, args.port, args.uds)  # a busy port or a bad host fails before the model loads
     parts = build_server(args)
     config = parts.config
     guard = config.limits
     server = Server(uvicorn.Config(
-        parts.app, host=config.host, port=config.port, access_log=args.enable_access_log,
+        parts.app, host=config.host, port=config.port,
         timeout_graceful_shutdown=max(0.0, config.shutdown_timeout_s - SHUTDOWN_RESERVE_S), lifespan="on",
         **uvicorn_options(args),
         **connection_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
-    server.run()
+    server.run(sockets=[sock])
     parts.engine_loop.stop()  # a no-op once the app's lifespan has stopped it
+    if args.uds:
+        remove_stale_socket(args.uds)  # as uvicorn.run does
     _exit_now(parts.engine)
 
 

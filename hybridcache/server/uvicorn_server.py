@@ -1,14 +1,17 @@
 """uvicorn's server with a clean exit status on SIGINT/SIGTERM, and whose shutdown lets the requests it cancelled
-send their last bytes (imported only by `serve`)."""
+send their last bytes; and its listening socket, bound before the model loads (imported only by `serve` and the
+router)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
+import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -20,9 +23,22 @@ class Server(uvicorn.Server):
     after its graceful shutdown, so the process would report death by signal), and that its shutdown waits up to
     `FLUSH_S` for the requests cancelled at the end of the grace period to finish and for every connection's
     write buffer to empty: uvicorn returns right after cancelling them, and the process then exits at once
-    (`server.cli._exit_now`), which cut a stream's final error event and `[DONE]` mid-line on a busy machine."""
+    (`server.cli._exit_now`), which cut a stream's final error event and `[DONE]` mid-line on a busy machine.
+    `on_shutdown`, when given, is called as the shutdown begins (the data-parallel router sends its replicas SIGTERM
+    there, so that their grace periods run alongside its own)."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Callable[[], None] | None = None) -> None:
+        super().__init__(config)
+        self.on_shutdown = on_shutdown
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets is not None and self.started:  # uvicorn logs where it listens only on sockets it bound itself
+            self._log_started_message(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         await super().shutdown(sockets)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + FLUSH_S
@@ -42,6 +58,35 @@ class Server(uvicorn.Server):
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+
+def listen_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """The server's socket, bound to `host`:`port` (IPv6 when `host` has a colon), or to the Unix socket path `uds`,
+    for `Server.run(sockets=[...])`: bound first, so that a busy port or a host that cannot be bound is an
+    OSError (`cannot listen on HOST:PORT: ...`) before the model loads, as vLLM binds before it builds the engine.
+    Not listening yet: uvicorn listens once the application has started."""
+    if uds is not None:
+        sock, address, name = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), uds, f"unix socket {uds}"
+    else:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        address, name = (host, port), f"{host}:{port}"
+    try:
+        sock.bind(address)
+        if uds is not None:
+            os.chmod(uds, 0o666)  # as uvicorn's --uds
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {name}: {error.strerror or error}") from error
+    return sock
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove the Unix socket at `path`, if there is one (a file of another kind is left for `listen_socket` to
+    refuse), as asyncio's `create_unix_server` does before it binds and `uvicorn.run` after the server stops."""
+    with contextlib.suppress(OSError):
+        if stat.S_ISSOCK(os.stat(path).st_mode):
+            os.remove(path)
 
 
 def _buffered(connection: object) -> int:

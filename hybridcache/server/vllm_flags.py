@@ -7,10 +7,14 @@
     --chat-template PATH           a Jinja template file (or the template text itself, as vLLM takes it) that
                                    replaces the model folder's chat template
     --root-path PATH               the path prefix a reverse proxy serves the API under (uvicorn's root_path)
-    --ssl-keyfile / --ssl-certfile serve HTTPS (both or neither)
+    --ssl-keyfile / --ssl-certfile serve HTTPS (both or neither; a file that cannot be loaded is refused, naming
+                                   both, before the model loads)
+    --uds PATH                     serve on this Unix socket instead of --host/--port (uvicorn's uds)
     --uvicorn-log-level LEVEL      uvicorn's own log level (default: --log-level)
     --disable-log-requests         accepted: the server never logs request contents (--enable-access-log
                                    writes one line per HTTP request)
+    --disable-uvicorn-access-log   accepted: the access log is off unless --enable-access-log, and this turns it
+                                   off even then
     --enable-force-include-usage   every stream ends with a usage chunk, asked for or not
 
 The engine's vLLM options (--seed, --tokenizer, --revision, --trust-remote-code, --swap-space, ...) are every
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +49,33 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="the path prefix under which a reverse proxy serves the API")
     group.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="serve HTTPS with this key")
     group.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate")
+    group.add_argument("--uds", default=None, metavar="PATH",
+                       help="serve on this Unix domain socket instead of --host and --port")
     group.add_argument("--uvicorn-log-level", default=None, choices=_LOG_LEVELS,
                        help="uvicorn's log level (default: --log-level)")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="accepted for vLLM command lines: request contents are never logged")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no access log, even with --enable-access-log (it is off by default)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, even without stream_options.include_usage")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
-    """Refuse inconsistent flags (SystemExit with the reason)."""
+    """Refuse inconsistent flags (SystemExit with the reason), and a key and certificate that do not load (a
+    ValueError naming both files), before the model loads: uvicorn loads them only once the engine is up."""
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_certfile:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except ssl.SSLError as error:  # (an OSError too) not PEM, or the key is not the certificate's
+            reason = f"not a PEM certificate and its private key ({error})"
+        except OSError as error:
+            reason = f"cannot read them: {error.strerror or error}"
+        else:
+            return
+        raise ValueError(f"--ssl-certfile {args.ssl_certfile!r} with --ssl-keyfile {args.ssl_keyfile!r}: {reason}")
 
 
 def chat_template(args: argparse.Namespace) -> str | None:
@@ -73,6 +93,7 @@ def chat_template(args: argparse.Namespace) -> str | None:
 
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `uvicorn.Config` keywords these flags set."""
+    """The `uvicorn.Config` keywords these flags set (and serve's --enable-access-log)."""
     return {"root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
-            "log_level": args.uvicorn_log_level or args.log_level}
+            "log_level": args.uvicorn_log_level or args.log_level, "uds": args.uds,
+            "access_log": args.enable_access_log and not args.disable_uvicorn_access_log}

@@ -53,8 +53,8 @@ def test_replica_command_line_drops_the_router_options():
 
     argv = ["serve", "MODEL", "--data-parallel-size", "3", "--port=9000", "--host", "0.0.0.0", "--routing",
             "kv-prefix", "--cache-threshold=0.5", "--block-size", "16"]
-    assert replica_argv(argv, 9001) == ["serve", "MODEL", "--block-size", "16", "--host", "127.0.0.1",
-                                        "--port", "9001"]
+    assert replica_argv(argv, 9001, 9.5) == ["serve", "MODEL", "--block-size", "16", "--host", "127.0.0.1",
+                                             "--port", "9001", "--shutdown-timeout", "9.5"]
 
 
 def test_load_ties_go_to_the_smallest_index_then_the_first():

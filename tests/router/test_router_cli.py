@@ -15,6 +15,7 @@ from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
 from hybridcache.router import cli as router_cli
 from tests.router.serving import serving_app
 from tests.router.test_faults import PROMPT, _fake_replica
+from tests.server.test_lifecycle_server import self_signed_pair
 
 TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
@@ -29,11 +30,15 @@ def built_router(monkeypatch):
     seen = {}
     monkeypatch.setattr("hybridcache.server.log_limits.install", lambda: None)  # global: not in the test process
 
+    def served(server, sockets=None):
+        for sock in sockets or ():
+            sock.close()
+        seen.update(config=server.config)
+
     def run(argv: list[str], urls: list[str], timeout_s: float | None = None):
         args = build_parser().parse_args(argv)
         with monkeypatch.context() as patch:  # (serving_app runs the same Server class)
-            patch.setattr("hybridcache.server.uvicorn_server.Server.run",
-                          lambda server: seen.update(config=server.config))
+            patch.setattr("hybridcache.server.uvicorn_server.Server.run", served)
             router_cli.run_router(args, urls, None, "127.0.0.1", 0, timeout_s)
         return seen["config"].app, seen["config"]
 
@@ -62,19 +67,21 @@ def test_the_data_parallel_router_renders_with_the_replicas_chat_template_and_to
 
 
 @pytest.mark.parametrize("command", ["serve", "router"])
-def test_https_root_path_and_cors_are_the_routers(built_router, command):
+def test_https_root_path_and_cors_are_the_routers(built_router, command, tmp_path):
     """`serve --data-parallel-size 2 --ssl-keyfile K --ssl-certfile C --root-path P --allowed-origins O`: the
     replicas got those flags and the router none (TLS never came up, the parent polling replicas over http, and a
     browser's preflight got 405; found by a bug hunt). Now the router serves them; the replicas run plain on
     loopback."""
-    public = ["--ssl-keyfile", "k.pem", "--ssl-certfile=c.pem", "--root-path", "/api", "--allowed-origins", ORIGIN,
+    key, cert = self_signed_pair(tmp_path)  # (loaded before the router starts)
+    public = ["--ssl-keyfile", key, f"--ssl-certfile={cert}", "--root-path", "/api", "--allowed-origins", ORIGIN,
               "http://other.example"]
     head = ["serve", "--data-parallel-size", "2"] if command == "serve" else ["router", "--replica", "http://r:1"]
     app, config = built_router([*head, *public], ["http://127.0.0.1:1"])
-    assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == ("k.pem", "c.pem", "/api")
+    assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
     if command == "serve":
-        assert router_cli.replica_argv([*head, "--block-size", "16", *public, "--seed", "3"], 9001) == [
-            "serve", "--block-size", "16", "--seed", "3", "--host", "127.0.0.1", "--port", "9001"]
+        assert router_cli.replica_argv([*head, "--block-size", "16", *public, "--seed", "3"], 9001, 9.5) == [
+            "serve", "--block-size", "16", "--seed", "3", "--host", "127.0.0.1", "--port", "9001",
+            "--shutdown-timeout", "9.5"]
     with serving_app(_fake_replica("ok")) as replica:
         app, _ = built_router([*head, "--allowed-origins", ORIGIN], [replica])
         with serving_app(app) as router:
@@ -128,19 +135,20 @@ def test_the_request_timeout_flags(built_router, monkeypatch):
             return 0
 
     seen = {"commands": []}
-    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env: seen["commands"].append(command)
-                        or Started())
+    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env, preexec_fn: seen["commands"].append(
+        command) or Started())
     monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200))
-    monkeypatch.setattr(router_cli, "run_router", lambda args, urls, model, host, port, timeout_s: seen.update(
-        urls=urls, timeout_s=timeout_s))
+    monkeypatch.setattr("hybridcache.server.uvicorn_server.listen_socket", lambda host, port, uds: None)
+    monkeypatch.setattr(router_cli, "run_router", lambda args, urls, model, host, port, timeout_s, sock, on_shutdown:
+                        seen.update(urls=urls, timeout_s=timeout_s))
     argv = ["serve", "--data-parallel-size", "2", "--device", "cpu", "--request-timeout", "10", "--port", "9000",
             "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
     assert router_cli.serve_data_parallel(build_parser().parse_args(argv), argv) == 0
     assert seen["timeout_s"] == 10.0 + router_cli.REQUEST_TIMEOUT_GRACE_S
     assert seen["urls"] == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
     assert [c[3:] for c in seen["commands"]] == [
-        ["serve", "--device", "cpu", "--request-timeout", "10", "--host", "127.0.0.1", "--port", str(port)]
-        for port in (9001, 9002)]
+        ["serve", "--device", "cpu", "--request-timeout", "10", "--host", "127.0.0.1", "--port", str(port),
+         "--shutdown-timeout", "9.5"] for port in (9001, 9002)]
 
 
 def test_router_flags_are_never_abbreviated_and_httpx_logs_only_warnings(capsys):

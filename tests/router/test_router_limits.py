@@ -45,7 +45,9 @@ def test_the_router_runs_with_the_connection_guard(monkeypatch):
     ensure_builtin_model()
     seen = {}
 
-    def capture(server) -> None:
+    def capture(server, sockets=None) -> None:
+        for sock in sockets or ():
+            sock.close()
         seen["config"] = server.config
 
     monkeypatch.setattr("hybridcache.server.uvicorn_server.Server.run", capture)

@@ -57,7 +57,7 @@ def test_flags_parse_as_vllm_spells_them(tmp_path):
                  "--ssl-certfile", "c.pem", "--root-path", "/api", "--uvicorn-log-level", "debug")
     assert args.enable_auto_tool_choice and args.tool_call_parser == "qwen3_coder"
     assert uvicorn_options(args) == {"root_path": "/api", "ssl_keyfile": "k.pem", "ssl_certfile": "c.pem",
-                                     "log_level": "debug"}
+                                     "log_level": "debug", "uds": None, "access_log": False}
     assert uvicorn_options(parse("--log-level", "warning"))["log_level"] == "warning"
     for name in ("hermes", "qwen3_xml", "qwen25"):
         assert parse("--tool-call-parser", name).tool_call_parser == name
