@@ -43,6 +43,8 @@ from hybridcache.cache.state_pool import StatePool
 from hybridcache.cache.stats import DeclineCause, EvictionKind, StatsCounter
 from hybridcache.cache.trie import Node, RootKey, Trie
 
+ROOTS_SWEEP_AT = 64  # roots (adapters x cache salts) below which `Lifecycle.prune_roots` does not sweep
+
 
 class Lifecycle:
     """Pools (`blocks`, `slots`), every checkpoint (`checkpoints`: id -> RESERVED or PUBLISHED checkpoint),
@@ -69,6 +71,7 @@ class Lifecycle:
             self.host.on_waste = lambda ckpt: self.on_waste(ckpt) if self.on_waste is not None else None
         self.clock = 0
         self._next_ckpt_id = 0
+        self._roots_swept_at = ROOTS_SWEEP_AT  # sweep the roots when they grow past this (`prune_roots`)
 
     def tick(self) -> int:
         """Advance the logical clock (LRU time) and return it."""
@@ -608,6 +611,22 @@ class Lifecycle:
                 break
             for node in victims:
                 self._remove_leaf(node, None)
+        self.prune_roots(force=True)
+
+    def prune_roots(self, force: bool = False) -> None:
+        """Forget the roots that hold nothing (no child, no checkpoint, nothing in the host tier), but the base
+        model's unsalted one: each adapter and cache salt gets a root on first insert, and a client may send a new
+        salt with every request, so emptied roots would pile up for the process's life. `Trie.root` makes one
+        again on the next insert; a match finds none and misses, as it would on an empty root. Amortized: a sweep
+        runs when the roots have doubled since the last one (`force`: now)."""
+        roots = self.trie.roots
+        if not force and len(roots) <= self._roots_swept_at:
+            return
+        for key, root in list(roots.items()):
+            if key != RootKey() and not root.children and not root.checkpoints and (
+                    self.host is None or root not in self.host.under):
+                del roots[key]
+        self._roots_swept_at = max(ROOTS_SWEEP_AT, 2 * len(roots))
 
 
 def _num_blocks(ckpt: Checkpoint) -> int:

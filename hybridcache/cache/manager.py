@@ -481,6 +481,7 @@ class PrefixCache:
                 builder.add(CopyKind.HOST_SAVE, device_block, host_block)
             for host_block, device_block in loads:
                 builder.add(CopyKind.HOST_LOAD, host_block, device_block)
+        self._life.prune_roots()
         return builder.build()
 
     def _check_fed(self, fed: Mapping[Hashable, Sequence[int]], drafts: Mapping[Hashable, int]) -> None:

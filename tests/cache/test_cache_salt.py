@@ -191,3 +191,29 @@ def test_salted_checkpoints_never_fall_out_to_a_tier_behind():
     cache.release_match(cache.match(CacheRequest("q", tuple(range(10)))))
     assert asked == [None]  # the unsalted request only
     cache.check_integrity()
+
+
+def test_roots_emptied_of_their_salts_things_are_forgotten():
+    """A client may send a new salt with every request: each salt's root stayed in the trie for good, its blocks
+    and checkpoints long evicted (2,000 salts: 2,001 roots, after a reset too). Emptied roots are swept once
+    they double, and a reset forgets them all; the base model's unsalted root stays, and a salt whose things are
+    still cached keeps its root and its hits."""
+    driver = make_driver(block_size=B, num_blocks=24, num_slots=4)
+    cache = driver.cache
+    kept = tokens(2 * B + 3, seed=99)
+    driver.run(CacheRequest("kept", kept, cache_salt="kept"))
+    most = 0
+    for i in range(500):
+        driver.run(CacheRequest(f"r{i}", tokens(2 * B + 1, seed=i), cache_salt=f"salt-{i}"))
+        most = max(most, len(cache._trie.roots))
+        if i % 50 == 0:
+            cache.check_integrity()
+    assert most <= 2 * 64 + 2
+    cache.check_integrity()
+    cache.clear()
+    assert set(cache._trie.roots) <= {RootKey(), RootKey(None, "kept")}
+    again = CacheRequest("again", tokens(2 * B + 1, seed=7), cache_salt="salt-7")
+    assert found(cache, again)[0] == 0  # a forgotten root: a miss, as on an empty one
+    driver.run(again)
+    assert found(cache, CacheRequest("third", (*tokens(2 * B + 1, seed=7), 5), cache_salt="salt-7"))[0] > 0
+    cache.check_integrity()
