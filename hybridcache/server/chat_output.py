@@ -165,6 +165,13 @@ def reasoning_tokens(text: str, token_ids: Sequence[int], options: ChatOutputOpt
     before_content = text[:len(text) - len(parts.content)]
     closed_by_call = parts.content.startswith(reasoning.TOOL_CALL) and reasoning.THINK_END not in before_content
     end = _find(token_ids, markers.call_ids if closed_by_call else markers.end_ids, begin)
+    if closed_by_call and end >= 0:  # the call that closes it comes after the reasoning's mentions of the tag
+        hits = [end]
+        while (at := _find(token_ids, markers.call_ids, hits[-1] + len(markers.call_ids))) >= 0:
+            hits.append(at)
+        mentions = before_content.count(reasoning.TOOL_CALL)
+        if len(hits) == text.count(reasoning.TOOL_CALL) > mentions:  # (each tag in the text is one in the ids)
+            end = hits[mentions]
     return (len(token_ids) if end < 0 else end) - begin
 
 

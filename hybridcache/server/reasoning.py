@@ -38,8 +38,9 @@ from dataclasses import dataclass
 THINK_START = "<think>"
 THINK_END = "</think>"
 TOOL_CALL = "<tool_call>"
-_FUNCTION = "<function"
-_FUNCTION_OPEN = re.compile(r"<function[\s=]")
+_GENUINE_CALL = re.compile(r"<tool_call>\s*<function[\s=]")
+# what may still follow the last `<tool_call>` of unfinished text and become a genuine call
+_MAYBE_CALL = re.compile(r"\s*(?:<(?:f(?:u(?:n(?:c(?:t(?:i(?:o(?:n)?)?)?)?)?)?)?)?)?\Z")
 
 
 class ReasoningParser(enum.Enum):
@@ -78,14 +79,12 @@ def _call_inside(reasoning: str, finished: bool) -> tuple[int, bool]:
     """Where a tool call written inside the think block starts (module docstring): (its `<tool_call>`'s index,
     True) for the first genuine one; (index, False) for one that is not decided yet (unfinished text whose
     continuation may still be `<function`); (-1, False) for none."""
-    start = 0
-    while (i := reasoning.find(TOOL_CALL, start)) >= 0:
-        after = reasoning[i + len(TOOL_CALL):].lstrip()
-        if _FUNCTION_OPEN.match(after):
-            return i, True
-        if not finished and _FUNCTION.startswith(after):
-            return i, False
-        start = i + 1
+    genuine = _GENUINE_CALL.search(reasoning)
+    if genuine is not None:
+        return genuine.start(), True
+    last = reasoning.rfind(TOOL_CALL)  # (only the last mention can still be undecided)
+    if not finished and last >= 0 and _MAYBE_CALL.match(reasoning, last + len(TOOL_CALL)):
+        return last, False
     return -1, False
 
 

@@ -64,3 +64,42 @@ def test_streamed_splits_only_grow(seed):
         assert (now.reasoning or "").startswith(before.reasoning or ""), (text[:cut], before, now)
         assert now.content.startswith(before.content), (text[:cut], before, now)
         before = now
+
+
+def _reference_call_inside(text: str, finished: bool) -> tuple[int, bool]:
+    """The rule spelled out: the first `<tool_call>` followed (past white space) by `<function` + space or "="
+    is a call; else, while unfinished, one whose rest may still become that is undecided."""
+    start = 0
+    while (i := text.find("<tool_call>", start)) >= 0:
+        after = text[i + len("<tool_call>"):].lstrip()
+        if after.startswith("<function") and len(after) > len("<function") and after[9] in " \t\n\r=":
+            return i, True
+        if not finished and "<function".startswith(after):
+            return i, False
+        start = i + 1
+    return -1, False
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_call_search_agrees_with_the_rule(seed):
+    rng = random.Random(seed)
+    pieces = ["a", " ", "\n", "<tool_call>", "<function", "=", " x", "<func", "tion", "\t"]
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+    for cut in range(len(text) + 1):
+        for finished in (False, True):
+            assert reasoning._call_inside(text[:cut], finished) == _reference_call_inside(text[:cut], finished), (
+                text[:cut], finished)
+
+
+def test_reasoning_tokens_run_to_the_call_that_ends_the_block_not_to_a_mention():
+    """The count stopped at the first `<tool_call>` token, a mention the split keeps in the reasoning (21 of 51)."""
+    from hybridcache.models.builtin import ensure_builtin_model
+    from hybridcache.server.chat_output import ThinkMarkers, reasoning_tokens
+    from hybridcache.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(ensure_builtin_model())
+    options = ChatOutputOptions(split_reasoning=True, in_reasoning=True, think_markers=ThinkMarkers.of(tokenizer))
+    thought = "I will answer with a <tool_call> block, then stop.\n"
+    text = thought + XML_CALL
+    assert reasoning.split(text, in_reasoning=True, finished=True).reasoning == thought.strip("\n")
+    assert reasoning_tokens(text, tokenizer.encode(text), options) == len(tokenizer.encode(thought))
