@@ -55,3 +55,13 @@ def replica_app(epoch: str = "e0") -> FastAPI:
                 "next": len(app.state.events), "events": app.state.events[since or 0:], "epoch": epoch}
 
     return app
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    """Poll `condition` every 20 ms until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -22,6 +22,7 @@ from hybridcache.cli import build_parser
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.router import cli as router_cli
 from hybridcache.server.uvicorn_server import Server, listen_socket
+from tests.router.serving import wait_until
 from tests.server.server_process import REPO, free_port
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
@@ -55,15 +56,6 @@ def running(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])

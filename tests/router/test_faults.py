@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 
 import httpx
 import pytest
@@ -17,7 +16,7 @@ from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.trie import chain_hash, root_hash
 from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.router.policy import RoutingConfig
-from tests.router.serving import replica_app, serving_app
+from tests.router.serving import replica_app, serving_app, wait_until
 from tests.server.server_process import free_port
 
 PROMPT = list(range(1, 21))
@@ -237,15 +236,6 @@ def _slow_replica(work_s: float, stream_pause_s: float = 0.0) -> FastAPI:
     return app
 
 
-def _wait_for(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_a_client_gone_before_its_non_streamed_response_aborts_it_on_the_replica():
     """A client that gives up on a non-streamed request closes the router's request to the replica, which aborts
     it (the router kept waiting for the whole answer, so the engine ran all max_tokens for no one; found by a bug
@@ -254,7 +244,7 @@ def test_a_client_gone_before_its_non_streamed_response_aborts_it_on_the_replica
     with serving_app(slow) as replica, serving_app(_router([replica])) as router:
         with contextlib.suppress(httpx.ReadTimeout):
             httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1000}, timeout=0.5)
-        assert _wait_for(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
+        assert wait_until(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
         assert slow.state.log == ["start", "aborted"]
         health = httpx.get(f"{router}/health").json()["replicas"][0]
         assert health["in_flight"] == 0 and health["up"]
@@ -281,7 +271,7 @@ def test_a_replica_slower_than_the_request_timeout_is_a_504_not_a_fault(stream):
                 assert response.status_code == 504
                 error = json.loads(text)["error"]
             assert first in error["message"] and error["code"] == "replica_timeout"
-            assert _wait_for(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
+            assert wait_until(lambda: "aborted" in slow.state.log, 3.0), slow.state.log
             assert (slow.state.log, other.state.log) == (["start", "aborted"], [])
             metrics = httpx.get(f"{router}/metrics").text
             assert _metric(metrics, "hybridcache_router_replica_up", first) == 1
