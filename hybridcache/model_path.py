@@ -117,10 +117,13 @@ def _hub_snapshot(repo_id: str, weights: bool, revision: str | None, cache: Path
         folder = _download(repo_id, cache, where, weights, revision)
     else:
         missing = _missing_files(Path(folder), weights)
-        if missing and not _hub_offline():  # an interrupted download, or one without weights (by weights=False):
+        # (a tokenizer may come from `tokenizer=`: a snapshot without one is used as it is, with a warning, online
+        # too: asking the hub would make every start wait on it)
+        needed = [m for m in missing if not m.startswith(_NO_TOKENIZER)]
+        if needed and not _hub_offline():  # an interrupted download, or one without weights (by weights=False):
             _logger.warning("the cached snapshot of %s at %s is incomplete (%s)", repo_id, folder, "; ".join(missing))
             folder = _download(repo_id, cache, where, weights, revision)  # fetches what it lacks, as vLLM's
-        elif missing and any(not m.startswith(_NO_TOKENIZER) for m in missing):  # download_weights_from_hf
+        elif needed:  # download_weights_from_hf
             command = " ".join(["hf download", repo_id, *(["--revision", revision] if revision else []),
                                 *(["--cache-dir", str(cache)] if cache is not None else [])])
             raise FileNotFoundError(
