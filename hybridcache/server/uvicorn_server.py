@@ -32,7 +32,18 @@ class Server(uvicorn.Server):
         self.on_shutdown = on_shutdown
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        """uvicorn's; on sockets bound before (`listen_socket`), a failure to listen (another server that bound the
+        same port at the same time listened first: `SO_REUSEADDR` lets both bind) shuts the application down and
+        raises `cannot listen on ADDRESS: ...`, as a busy port found at the bind."""
+        try:
+            await super().startup(sockets)
+        except OSError as error:
+            if sockets is None:
+                raise
+            await self.lifespan.shutdown()
+            address = sockets[0].getsockname()
+            name = address if isinstance(address, str) else f"{address[0]}:{address[1]}"
+            raise OSError(f"cannot listen on {name}: {error.strerror or error}") from error
         if sockets is not None and self.started:  # uvicorn logs where it listens only on sockets it bound itself
             self._log_started_message(sockets)
 
@@ -82,11 +93,23 @@ def listen_socket(host: str, port: int, uds: str | None = None) -> socket.socket
 
 
 def remove_stale_socket(path: str) -> None:
-    """Remove the Unix socket at `path`, if there is one (a file of another kind is left for `listen_socket` to
-    refuse), as asyncio's `create_unix_server` does before it binds and `uvicorn.run` after the server stops."""
-    with contextlib.suppress(OSError):
-        if stat.S_ISSOCK(os.stat(path).st_mode):
-            os.remove(path)
+    """Remove the Unix socket at `path` if no server listens on it (one left by a server that ended without
+    removing it); a file of another kind is left for `listen_socket` to refuse. A socket a live server listens on
+    is an OSError (`cannot listen on unix socket PATH: ...`), as vLLM refuses it: taking it over would cut that
+    server off from its clients."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return
+    except OSError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:  # nobody listens (ECONNREFUSED): stale
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            return
+    raise OSError(f"cannot listen on unix socket {path}: a server is listening on it")
 
 
 def _buffered(connection: object) -> int:

@@ -163,3 +163,54 @@ def test_serve_on_a_unix_socket_under_a_root_path_counts_load_and_logs_no_access
         if process.poll() is None:
             process.kill()
             process.wait(timeout=30)
+
+
+def test_a_unix_socket_a_live_server_listens_on_is_refused_and_a_stale_one_replaced(tmp_path):
+    """`--uds` removed any socket file at its path: a second server took over a live one's socket (its clients cut
+    off, nothing said). A live one is refused now, as vLLM's; a stale one (nobody listens) is still replaced."""
+    from hybridcache.server.uvicorn_server import remove_stale_socket
+
+    path = str(tmp_path / "hc.sock")
+    live = listen_socket("", 0, path)
+    live.listen()
+    with pytest.raises(OSError, match=f"cannot listen on unix socket {path}: a server is listening on it"):
+        remove_stale_socket(path)
+    assert Path(path).exists()
+    live.close()  # the server ended without removing its socket: stale
+    remove_stale_socket(path)
+    assert not Path(path).exists()
+    listen_socket("", 0, path).close()
+
+
+def test_a_port_another_server_listened_on_first_is_refused_after_a_clean_shutdown():
+    """Two servers binding one port at once both bind (SO_REUSEADDR); the one that listens second failed with raw
+    tracebacks and no application shutdown. It now shuts its application down and says `cannot listen on`."""
+    import uvicorn
+
+    from hybridcache.server.uvicorn_server import Server
+
+    events = []
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                events.append(message["type"])
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    first = listen_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    second = listen_socket("127.0.0.1", port)  # (both bound: neither listens yet)
+    first.listen()
+    try:
+        server = Server(uvicorn.Config(app, lifespan="on", log_level="critical"))
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(server.serve(sockets=[second]))
+        assert events == ["lifespan.startup", "lifespan.shutdown"]
+    finally:
+        first.close()
+        second.close()
