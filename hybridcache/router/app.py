@@ -25,6 +25,10 @@ client that disconnects before its response, streamed or not, closes the request
 it (the router logs a 499, as a replica does). After each response the router
 polls that replica's events before returning the last bytes, so the next turn of a conversation is routed
 with the checkpoint this one saved; a background task polls every replica every `poll_interval_s`.
+
+Shutdown (`--shutdown-timeout`), as serve's: what still runs when the grace period ends is cancelled; a stream
+ends with the final error event ("the server shut down before this request finished") and `data: [DONE]`, any
+other request not yet answered gets 503 with that message (`ShutdownGuard`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from hybridcache.router.responses import (
 )
 from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
+from hybridcache.server.responses import sse
+from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
 from hybridcache.server.streaming import ClientGone, run_until_disconnect
 
 logger = logging.getLogger("hybridcache.router")
@@ -208,6 +214,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     app = FastAPI(title="hybridcache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
+    app.add_middleware(ShutdownGuard)  # a request cut by the shutdown before its response: 503, as serve's
     if config.allowed_origins:  # as a replica's (server/app.py)
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
@@ -421,10 +428,31 @@ class _RelayResponse(StreamingResponse):
             await self._upstream.aclose()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def watched_send(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            # the router's shutdown grace period ended while the stream ran: end it as serve's
+            # `EventStreamResponse` does, with the final error event and `[DONE]`, so that the client sees a
+            # complete stream (it used to be cut with neither)
+            with contextlib.suppress(Exception):
+                await self.release()
+                await self._finish(send, started)
         finally:
             await self.release()
+
+    async def _finish(self, send: Any, started: bool) -> None:
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for event in (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]")):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
