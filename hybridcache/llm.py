@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from hybridcache.cache.request import check_cache_salt
 from hybridcache.engine.engine import LLMEngine, ValidPrompt
 from hybridcache.engine_args import MODEL_OPTIONS, resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
@@ -301,6 +302,5 @@ class _InterruptsBetweenSteps:
 def _cache_salt(prompt: Prompt) -> str | None:
     """A dict prompt's `"cache_salt"` (None when it has none); ValueError unless a non-empty string, as vLLM's."""
     salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-    if salt is not None and not (isinstance(salt, str) and salt):
-        raise ValueError("a prompt's cache_salt must be a non-empty string if provided")
+    check_cache_salt(salt)
     return salt

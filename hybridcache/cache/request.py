@@ -11,6 +11,12 @@ from typing import Any, NamedTuple
 from hybridcache.cache.trie import RootKey
 
 
+def check_cache_salt(salt: object) -> None:
+    """ValueError unless `salt` is None or a non-empty string (vLLM's rule; the message never echoes the salt)."""
+    if salt is not None and not (isinstance(salt, str) and salt):
+        raise ValueError("cache_salt must be a non-empty string if provided")
+
+
 class SaveReason(str, Enum):
     """Why a checkpoint was saved; counted in stats (saves and hits by reason)."""
 
@@ -71,8 +77,7 @@ class CacheRequest:
         prompt = tuple(self.prompt_ids)
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and self.cache_salt):
-            raise ValueError("cache_salt must be a non-empty string if provided")
+        check_cache_salt(self.cache_salt)
         spans = tuple(sorted(MultimodalSpan(*s) for s in self.mm_spans))
         prev_end = 0
         for span in spans:

@@ -52,6 +52,7 @@ import torch
 from hybridcache.cache import PENDING_TOKEN, CacheConfig, CostModel, PrefixCache
 from hybridcache.cache.host_tier import TierBehind
 from hybridcache.cache.plan import CopyPlan
+from hybridcache.cache.request import check_cache_salt
 from hybridcache.config import EVICTION_POLICIES, EngineConfig, is_integer
 from hybridcache.copy_kinds import CopyKind
 from hybridcache.engine.cost_model import engine_cost_model
@@ -345,8 +346,7 @@ class LLMEngine:
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-            raise ValueError("cache_salt must be a non-empty string if provided")  # as vLLM's; never echoes it
+        check_cache_salt(cache_salt)
         params.check_token_ids(self.model_config.vocab_size)
         if self.drafter is not None:
             refused = [what for what, on in (("structured output", params.guided is not None),

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from hybridcache.cache import CacheRequest
+from hybridcache.cache.request import check_cache_salt
 from hybridcache.server.engine_loop import EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError
 
@@ -81,8 +82,10 @@ class CacheRoutes:
         if not all(prompts):
             raise APIError(400, "a prompt is empty", param="prompt")
         salt = body.get("cache_salt") if isinstance(body, dict) else None
-        if salt is not None and not (isinstance(salt, str) and salt):
-            raise APIError(400, "cache_salt must be a non-empty string if provided", param="cache_salt")
+        try:
+            check_cache_salt(salt)
+        except ValueError as error:
+            raise APIError(400, str(error), param="cache_salt") from None
 
         def probe(engine: Any) -> list:
             cache = engine.scheduler.cache
