@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from hybridcache.cache.request import check_cache_salt
-from hybridcache.engine.engine import LLMEngine, ValidPrompt
+from hybridcache.engine.engine import LLMEngine, ValidPrompt, check_cache_salt  # (the engine's rule for its cache_salt)
 from hybridcache.engine_args import MODEL_OPTIONS, resolve_engine_config
 from hybridcache.generation_config import GenerationConfigSource, SamplingDefaults
 from hybridcache.images import ImageError, media_limits
