@@ -157,7 +157,8 @@ class CacheReplay:
         released, nothing changed) when there is no room."""
         match = self.cache.match(request, max_step)
         branch = match.divergence_len
-        branch = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
+        worth = self.cache.saves_branch_point(branch, match.divergence_count)
+        branch = branch if branch > match.cached_len and worth else None
         reason = None if match.checkpoint_reason is None else match.checkpoint_reason.value
         seq = ReplaySeq(rid, output, match.cached_len, branch, match.cached_len, reason)
         host_before = self.cache.stats.num_host_hit_tokens if self.host_blocks else 0
@@ -256,7 +257,8 @@ class CacheReplay:
 
 
 def min_branch_point_step(cost: CostModel, block_size: int, state_pages: int | None) -> int:
-    """The shortest branch point worth a checkpoint, as the engine sets it (`engine._make_scheduler`:
+    """The prefill a branch point must have saved the prompts seen leaving there (step x count, see
+    `PrefixCache.saves_branch_point`) to be worth a checkpoint, as the engine sets it (`engine._make_scheduler`:
     `CostModel.state_tokens` of the engine's cost model, whose state bytes are the k pages a paged state occupies):
     k x B tokens when paged, else the tokens whose KV takes as many bytes as one state."""
     return state_pages * block_size if state_pages else cost.state_tokens

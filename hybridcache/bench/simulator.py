@@ -5,7 +5,9 @@ feeds the workload and collects results; replay.py drives the cache for one poli
 Per request and policy (`CacheReplay.run`)::
 
     m = cache.match(CacheRequest(rid, prompt))        branch = m.divergence_len when > m.cached_len and
-                                                       >= min_branch_point_step (as the engine: k x B tokens)
+                                                       divergence_len x divergence_count (the cached continuations
+                                                       leaving the prompt there) >= min_branch_point_step (as the
+                                                       engine: k x B tokens; `PrefixCache.saves_branch_point`)
     plan = plan_chunk(policy, start=m.cached_len, ...) the engine's own chunk/save planner (save_plan.py)
     cache.admit(m, plan.end)                           None: no room even after eviction -> uncacheable
     repeat until the prompt is fed:

@@ -34,12 +34,14 @@ class CacheConfig:
                                (when a save would evict something, a save reason is admitted per adapter
                                only while its checkpoints save enough prefill tokens for their bytes;
                                admission.py; the engine's `hybridcache` mode uses it).
-    min_branch_point_step      a prompt's divergence from cached content is a branch point worth a checkpoint
-                               only at a step >= this (0: at any step; `PrefixCache.saves_branch_point`, which
-                               the scheduler asks). The engine sets it to `CostModel.state_tokens` of its real
-                               cost model: a prefix whose KV is smaller than the state its checkpoint occupies
-                               is worth less than that state (two prompts sharing their first letters must not
-                               cost a state each).
+    min_branch_point_step      a prompt's divergence from cached content at step d, left there by n cached
+                               continuations (`MatchResult.divergence_count`), is a branch point worth a
+                               checkpoint only when d x n >= this (0: always; `PrefixCache.saves_branch_point`,
+                               which the scheduler asks). The engine sets it to `CostModel.state_tokens` of its
+                               real cost model: the prefill a branch point would have saved the prompts already
+                               seen leaving there must add up to the state its checkpoint occupies (two prompts
+                               sharing their first letters must not cost a state each; a system prompt shared by
+                               enough conversations is worth one).
     full_prompt_hits           checkpoints hold the last position's final hidden state (the device keeps it
                                in the slot), so `match` may return step == prompt_len: a zero-prefill hit,
                                where the engine computes only the sample (ARCHITECTURE 4.4). Off: step <=

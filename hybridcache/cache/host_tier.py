@@ -49,7 +49,7 @@ from typing import Any, Protocol
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.host_order import HostOrder
-from hybridcache.cache.matching import agreement_step, find_deepest
+from hybridcache.cache.matching import Divergence, divergence_at, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, RootKey, Trie, path_to, prompt_block_hashes
 
@@ -554,21 +554,18 @@ class HostTier:
 
     def divergence(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
-    ) -> int:
-        """How far the prompt agrees with what the host tier holds below the device path (0 when nothing hangs
-        there): the host nodes that continue it, then the longest common prefix with a host child block or a
-        host checkpoint tail of the deepest of them (or of the path's last node), as `divergence_len` on the
-        device. A prompt that shares a demoted prefix thus still finds its branch point there."""
+    ) -> Divergence:
+        """How far the prompt agrees with what the host tier holds below the device path (step 0 when nothing
+        hangs there): the host nodes that continue it, then the longest common prefix with a host child block or
+        a host checkpoint tail of the deepest of them (or of the path's last node), and how many of those leave
+        the prompt there, as `matching.divergence` on the device. A prompt that shares a demoted prefix thus still
+        finds its branch point there, and what was demoted still counts towards its worth."""
         owner: Hanging | None = hosts[-1] if hosts else (self.under.get(path[-1]) if path else None)
         if owner is None:
-            return 0
+            return Divergence(0, 0)
         base = (len(path) - 1 + len(hosts)) * block_size
-        rest = request.prompt_ids[base:base + block_size]
-        if not rest:
-            return min(base, max_step)
-        others = [(c.token_ids, c.spans) for c in owner.iter_children() if c.token_ids[0] == rest[0]]
-        others += [(c.tail_ids, c.tail_spans) for c in owner.iter_checkpoints()]
-        return agreement_step(request, base, block_size, others, max_step)
+        return divergence_at(request, base, block_size, owner,
+                             lambda token: [c for c in owner.iter_children() if c.token_ids[0] == token], max_step)
 
     def clear(self) -> None:
         """Drop every unpinned host checkpoint (and the host nodes left dead)."""

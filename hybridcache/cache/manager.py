@@ -42,7 +42,7 @@ from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.cache.host_tier import TierBehind
 from hybridcache.cache.integrity import check_integrity
 from hybridcache.cache.lifecycle import Lifecycle, checkpoint_event
-from hybridcache.cache.matching import divergence_len, find_deepest, walk_prompt
+from hybridcache.cache.matching import divergence, find_deepest, walk_prompt
 from hybridcache.cache.plan import CopyKind, CopyPlan, PlanBuilder
 from hybridcache.cache.policy import make_admission_policy
 from hybridcache.cache.request import Admitted, CacheRequest, MatchResult, Probe, SaveReason
@@ -123,9 +123,11 @@ class PrefixCache:
                 else:
                     self._skips.add(match_id)
         cached_len = ckpt.step if ckpt is not None else 0
-        divergence = max(divergence_len(self._trie, path, request, size, max_step), cached_len)
+        found = [divergence(self._trie, path, request, size, max_step)]
         if host is not None:
-            divergence = max(divergence, host.divergence(path, hosts, request, size, max_step))
+            found.append(host.divergence(path, hosts, request, size, max_step))
+        branch_len = max(cached_len, *(d.step for d in found))
+        branch_count = max(1, sum(d.num_continuations for d in found if d.step == branch_len))
         if ckpt is not None:
             self._life.pin(ckpt)
         self._matches[match_id] = (request, ckpt, path)
@@ -136,7 +138,8 @@ class PrefixCache:
             block_ids=tuple(n.block_id for n in path[1:cached_len // size + 1]),
             checkpoint_id=None if ckpt is None else ckpt.ckpt_id,
             checkpoint_reason=None if ckpt is None else ckpt.reason,
-            divergence_len=divergence,
+            divergence_len=branch_len,
+            divergence_count=branch_count,
             routed_experts=None if ckpt is None else ckpt.routed_experts,
         )
 
@@ -378,11 +381,15 @@ class PrefixCache:
             return DeclineCause.POLICY
         return None
 
-    def saves_branch_point(self, step: int) -> bool:
+    def saves_branch_point(self, step: int, count: int = 1) -> bool:
         """Whether a branch point at `step` (where a prompt diverges from cached content) is worth a checkpoint:
-        `step >= config.min_branch_point_step`. The scheduler ends no chunk (and saves nothing) at one that is
-        not; in-flight forks, which a waiting sequence will restore, are not judged by it."""
-        return step >= self.config.min_branch_point_step
+        when the prefill it would have saved the `count` cached continuations that leave the prompt there
+        (`MatchResult.divergence_count`), `step x count`, reaches `config.min_branch_point_step`, the tokens whose
+        KV weighs one state. A 1,000-token system prompt is saved by the fourth conversation on it when a state
+        weighs 3,200 tokens; `count` 1 (a hint step, or one cached continuation) asks for `step` alone to reach
+        it. The scheduler ends no chunk (and saves nothing) at one that is not; in-flight forks, which a waiting
+        sequence will restore, are not judged by it."""
+        return step * count >= self.config.min_branch_point_step
 
     def _fits_free_memory(self) -> bool:
         """Whether one more checkpoint fits without evicting: k free pages and a frozen block (two pools: a

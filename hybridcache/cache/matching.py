@@ -3,11 +3,15 @@ and how far the prompt agrees with cached content (the branch point).
 
     path = walk_prompt(trie, request, B)        [root, node of block 0, node of block 1, ...] (exact match)
     ckpt = find_deepest(trie, path, request, B, request.prompt_len - 1)   (prompt_len: zero-prefill hits)
-    divergence_len(trie, path, request, B, request.prompt_len - 1)
-                                                >= the matched full blocks; see `MatchResult.divergence_len`
+    divergence(trie, path, request, B, request.prompt_len - 1)
+                                                (step, num_continuations): step >= the matched full blocks;
+                                                see `MatchResult.divergence_len` and `divergence_count`
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 from hybridcache.cache.checkpoint import Checkpoint
 from hybridcache.cache.request import CacheRequest, common_prefix_len
@@ -71,43 +75,89 @@ def find_deepest(
     return None
 
 
-def divergence_len(trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> int:
+class Divergence(NamedTuple):
+    """Where a prompt leaves cached content below one owner (a trie node or a host-tier `Hanging`).
+
+    step            the divergence step (`MatchResult.divergence_len` is the deepest over the device and host).
+    num_continuations  the owner's child blocks and checkpoint tails that agree with the prompt up to `step`
+                    (a tail that is a prefix of another one or of a child block is the same continuation, counted
+                    once); 0 when none does (the path's own blocks still pass there: callers count at least 1).
+    """
+
+    step: int
+    num_continuations: int
+
+
+def divergence(trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> Divergence:
     """How far the prompt agrees with cached content: the matched full blocks, then the longest common
     prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
-    `max_step` (the deepest step a match may return) and moved down to a safe boundary."""
+    `max_step` (the deepest step a match may return) and moved down to a safe boundary. With it, how many
+    cached continuations leave the prompt there (`divergence_at`)."""
     if not path:
-        return 0
+        return Divergence(0, 0)
     node = path[-1]
-    base = node.depth * block_size
-    rest = request.prompt_ids[base:base + block_size]
-    if not rest:
-        return min(base, max_step)
     # a child whose first token differs agrees on 0 tokens: only those sharing it can raise the agreement
-    others = [(c.token_ids, c.spans) for c in trie.children_starting_with(node, rest[0])]
-    others += [(c.tail_ids, c.tail_spans) for c in node.iter_checkpoints()]
-    return agreement_step(request, base, block_size, others, max_step)
+    return divergence_at(request, node.depth * block_size, block_size, node,
+                         lambda token: trie.children_starting_with(node, token), max_step)
 
 
-def agreement_step(
-    request: CacheRequest, base: int, block_size: int, others: list[tuple[tuple[int, ...], tuple]], max_step: int,
-) -> int:
-    """`base` plus the longest common prefix of the prompt's next block from `base` with any of `others`
-    ((tokens, spans) of child blocks or checkpoint tails that start at `base`; a span that one side has and the
-    other lacks ends the agreement at its start), clamped to `max_step` and moved down to a safe boundary."""
+def divergence_at(
+    request: CacheRequest, base: int, block_size: int, owner: Any,
+    starting_with: Callable[[int], Iterable[Any]], max_step: int,
+) -> Divergence:
+    """The prompt against what hangs off `owner` at step `base`: its child blocks (`children`, hash -> list of
+    nodes with `token_ids` and `spans`; `starting_with(t)`: those whose first token is t) and its checkpoint
+    tails (`iter_checkpoints()`, with `tail_ids` and `tail_spans`). The step is `base` plus the longest common
+    prefix of the prompt's next block with any of them (a span that one side has and the other lacks ends the
+    agreement at its start), clamped to `max_step` and moved down to a safe boundary; the continuations are
+    those that agree with the prompt up to the step. B = 8, from `base`::
+
+        prompt   a b c d e f g h
+        child 1  a b c x . . . .     agrees on 3
+        child 2  a b c d e z . .     agrees on 5  -+- one continuation (the tail is a checkpoint that
+        tail     a b c d e z         agrees on 5  -+  child 2's sequence saved on its way)
+        child 3  a b c d e y . .     agrees on 5      -> Divergence(base + 5, 2)
+
+    At the block boundary (`base`: nothing shares the prompt's next token) every child block and every
+    non-empty tail leaves the prompt there."""
     rest = request.prompt_ids[base:base + block_size]
-    best = 0
-    for tokens, spans in others:
-        agree = common_prefix_len(tokens, rest)
-        if agree <= best:
-            continue
+    if rest:
+        blocks = [(_agreement(request, base, rest, c.token_ids, c.spans), c.token_ids) for c in starting_with(rest[0])]
+        tails = [(_agreement(request, base, rest, c.tail_ids, c.tail_spans), c.tail_ids)
+                 for c in owner.iter_checkpoints()]
+        step = min(base + max((agree for agree, _ in blocks + tails), default=0), max_step)
+        for span in request.spans_in(step - 1, step + 1):
+            if span.start < step < span.end:
+                step = span.start
+    else:
+        step = min(base, max_step)
+    if step <= base:
+        num_blocks = sum(map(len, owner.children.values()))
+        return Divergence(step, num_blocks + _num_own_tails([c.tail_ids for c in owner.iter_checkpoints()
+                                                             if c.tail_ids], starting_with))
+    num_blocks = sum(agree >= step - base for agree, _ in blocks)
+    return Divergence(step, num_blocks + _num_own_tails([t for a, t in tails if a >= step - base], starting_with))
+
+
+def _agreement(request: CacheRequest, base: int, rest: tuple[int, ...], tokens: tuple[int, ...], spans: tuple) -> int:
+    """How many tokens from `base` on the prompt (whose next block is `rest`) shares with `tokens` and `spans`."""
+    agree = common_prefix_len(tokens, rest)
+    if agree:
         mine = set(request.spans_in(base, base + agree))
         theirs = {s for s in spans if s.start < base + agree and s.end > base}
         differing = mine ^ theirs
         if differing:
             agree = max(0, min(s.start for s in differing) - base)
-        best = max(best, agree)
-    step = min(base + best, max_step)
-    for span in request.spans_in(step - 1, step + 1):
-        if span.start < step < span.end:
-            step = span.start
-    return step
+    return agree
+
+
+def _num_own_tails(tails: list[tuple[int, ...]], starting_with: Callable[[int], Iterable[Any]]) -> int:
+    """The checkpoint tails among `tails` that are continuations of their own: not a prefix of a child block
+    (`starting_with`) nor of another tail in `tails` (a checkpoint saved on the way of a sequence that went on);
+    equal tails count once."""
+    distinct = set(tails)
+    num = 0
+    for tail in distinct:
+        longer = [c.token_ids for c in starting_with(tail[0])] + [t for t in distinct if len(t) > len(tail)]
+        num += not any(t[:len(tail)] == tail for t in longer)
+    return num

@@ -125,6 +125,11 @@ class MatchResult(NamedTuple):
                      tails), clamped to the deepest step a match may return and down to a safe boundary;
                      >= cached_len. When it
                      is larger, ending a chunk there and saving a BRANCH_POINT makes the next such prompt hit.
+    divergence_count how many cached continuations leave the prompt at divergence_len (>= 1): the child blocks and
+                     checkpoint tails there, on the device and in the host tier, that agree with it up to that step
+                     and no further (a tail on the way of another one or of a child block counted with it). The
+                     branch point is worth a checkpoint when divergence_len x divergence_count reaches the state's
+                     worth (`PrefixCache.saves_branch_point`).
     routed_experts   the checkpoint's tail routed-expert history (opaque), or None.
     """
 
@@ -135,6 +140,7 @@ class MatchResult(NamedTuple):
     checkpoint_id: int | None
     checkpoint_reason: SaveReason | None
     divergence_len: int
+    divergence_count: int = 1
     routed_experts: Any = None
 
 

@@ -230,7 +230,8 @@ class Scheduler:
     def _admit_match(self, seq: Seq, match: MatchResult, budget: int) -> bool:
         """Admit `seq` from `match` with room for its first chunk; False (match released) when there is none."""
         branch = match.divergence_len
-        seq.branch_step = branch if branch > match.cached_len and self.cache.saves_branch_point(branch) else None
+        worth = self.cache.saves_branch_point(branch, match.divergence_count)
+        seq.branch_step = branch if branch > match.cached_len and worth else None
         plan = self._plan(seq, match.cached_len, budget)
         if self.cache.admit(match, plan.end + self._lookahead(seq, plan), seq.token_ids) is None:
             self.cache.release_match(match)
