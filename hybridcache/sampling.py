@@ -540,20 +540,22 @@ def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 def filtered_probs(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Per-row probabilities after temperature, min_p, top-k and top-p, each row summing to 1 (greedy rows get
-    temperature 1; their probabilities are not used)."""
+    temperature 1; their probabilities are not used). Top-k keeps every token whose score is at least the k-th
+    largest (ties with it included, as vLLM's and transformers'): scores [3, 2, 2, 1] with top_k 2 keep three."""
     device = scores.device
     vocab = scores.shape[1]
     temperature = to_device([p.temperature if not p.greedy else 1.0 for p in params], device)
     scores = scores / temperature.unsqueeze(1)
     if not any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params):
         return torch.softmax(scores, dim=-1)
-    top_k = to_device([p.top_k if p.top_k > 0 else vocab for p in params], device).unsqueeze(1)
+    top_k = to_device([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device).unsqueeze(1)
     top_p = to_device([float(p.top_p) for p in params], device).unsqueeze(1)
     min_p = to_device([float(p.min_p) for p in params], device).unsqueeze(1)
     sorted_scores, order = scores.sort(dim=-1, descending=True)
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     drop = sorted_probs < min_p * sorted_probs[:, :1]
-    drop |= torch.arange(vocab, device=device).unsqueeze(0) >= top_k
+    # top-k by value, as vLLM's and transformers': a token tied with the k-th largest score stays
+    drop |= sorted_scores < sorted_scores.gather(1, top_k - 1)
     sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
     sorted_probs = torch.softmax(sorted_scores, dim=-1)
     drop |= sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p

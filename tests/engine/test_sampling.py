@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hybridcache.sampling import SamplingParams, make_generator, process_logits
+from hybridcache.sampling import SamplingParams, filtered_probs, make_generator, process_logits
 from hybridcache.sampling import sample as sample_rows
 
 # Every sampler test runs on the CPU and, where there is one, on a CUDA device (the sampler runs there in a GPU
@@ -80,6 +80,21 @@ def test_top_k_restricts_support(device):
     generator = make_generator(params, 0, device)
     drawn = {sample(logits, [params], [generator])[0] for _ in range(200)}
     assert drawn <= {0, 1, 2} and len(drawn) > 1
+
+
+def test_top_k_keeps_the_tokens_tied_with_the_kth_score_as_vllm_and_transformers(device):
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    scores = torch.tensor([[3.0, 2.0, 2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0, 0.0]])
+    params = [SamplingParams(temperature=1, top_k=2), SamplingParams(temperature=1, top_k=1)]
+    got = filtered_probs(scores.to(device), params).cpu()
+    expected = torch.stack([torch.softmax(TopKLogitsWarper(k)(None, row[None]), -1)[0]
+                            for k, row in zip((2, 1), scores)])
+    torch.testing.assert_close(got, expected)
+    assert got[0, 2] > 0 and got[1, :4].tolist() == [0.25] * 4
+    # a top_k above the vocabulary keeps everything
+    wide = filtered_probs(scores.to(device), [SamplingParams(temperature=1, top_k=1000)] * 2).cpu()
+    torch.testing.assert_close(wide, torch.softmax(scores, -1))
 
 
 def test_penalties_follow_vllm_formulas_exactly(device):
