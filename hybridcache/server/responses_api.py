@@ -111,6 +111,22 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # vLLM's sampling and rendering fields, handed to the chat request as they are (it checks them)
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
+    ignore_eos: Any = None
+    logit_bias: Any = None
+    skip_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    structured_outputs: Any = None
+    chat_template_kwargs: Any = None
+    priority: Any = None
 
     def check_unsupported(self) -> None:
         for name, off in _OFF_VALUES.items():
@@ -239,16 +255,27 @@ def response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return fmt
 
 
+# the Responses fields that vLLM's ResponsesRequest takes into its SamplingParams (and `min_p`), and its
+# chat_template_kwargs and priority: the chat request has each under the same name
+PASSED_TO_CHAT = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+                  "ignore_eos", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+                  "structured_outputs", "chat_template_kwargs", "priority")
+
+
 def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completions body a Responses request runs as: `conversation` (a stored conversation's messages,
     then `input_messages(body.input)`) after the instructions as a system message, with the request's sampling
-    fields, tools and output format (fields left unset are absent)."""
+    fields (`PASSED_TO_CHAT` too), tools and output format (fields left unset are absent); `truncation: "auto"`
+    keeps the prompt's last tokens that fit, as vLLM's."""
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     chat = {"model": body.model, "messages": messages, "temperature": body.temperature, "top_p": body.top_p,
             "max_completion_tokens": body.max_output_tokens, "tools": chat_tools(body.tools),
             "tool_choice": chat_tool_choice(body.tool_choice), "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": response_format(body.text),
             "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None}
+    chat.update((name, getattr(body, name)) for name in PASSED_TO_CHAT)
+    if body.truncation == "auto":  # as vLLM's: drop the oldest tokens to fit, not a 400
+        chat["truncate_prompt_tokens"] = -1
     if body.wants_logprobs:
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     return {k: v for k, v in chat.items() if v is not None}

@@ -65,6 +65,43 @@ def test_text_response_and_usage(server, tokenizer):
     assert client.responses.retrieve(response.id).output_text == response.output_text
 
 
+def test_vllm_sampling_fields_act_as_in_a_chat_request(server):
+    """vLLM's ResponsesRequest takes seed, stop, top_k, logit_bias, penalties, ignore_eos, ... into its sampling:
+    each acts here as in the chat request the response runs as (they were ignored)."""
+    base_url, _ = server
+    messages = [{"role": "user", "content": QUESTION}]
+
+    def both(**fields):
+        chat = httpx.post(f"{base_url}/v1/chat/completions", json={
+            "model": MODEL, "messages": messages, "max_tokens": 12, **fields}, timeout=120).json()
+        response = httpx.post(f"{base_url}/v1/responses", json={
+            "model": MODEL, "input": QUESTION, "max_output_tokens": 12, **fields}, timeout=120).json()
+        message = [i for i in response["output"] if i["type"] == "message"]
+        return chat["choices"][0]["message"]["content"] or "", message[0]["content"][0]["text"] if message else ""
+
+    plain, _ = both(temperature=0, ignore_eos=True)
+    cases = [dict(temperature=1.0, seed=1234), dict(temperature=0, logit_bias={"33": 100}),
+             dict(temperature=2.0, top_k=1, seed=5), dict(temperature=0, ignore_eos=True, repetition_penalty=1.5,
+                                                           presence_penalty=1.0, frequency_penalty=0.5),
+             dict(temperature=0, ignore_eos=True, stop=[plain[3:5]], include_stop_str_in_output=True)]
+    for fields in cases:
+        chat, response = both(**fields)
+        assert response == chat, fields
+    assert both(temperature=0, logit_bias={"33": 100})[1].startswith("B")  # the bias took hold
+    assert both(temperature=0, ignore_eos=True, stop=[plain[3:5]])[1] == plain[:plain.index(plain[3:5])]
+
+
+def test_truncation_auto_keeps_the_last_tokens_that_fit(server):
+    base_url, _ = server
+    long_input = "many words here " * 2000
+    body = {"model": MODEL, "input": long_input, "max_output_tokens": 4, "temperature": 0}
+    refused = httpx.post(f"{base_url}/v1/responses", json=body, timeout=120)
+    assert refused.status_code == 400, refused.text
+    kept = httpx.post(f"{base_url}/v1/responses", json={**body, "truncation": "auto"}, timeout=120)
+    assert kept.status_code == 200, kept.text
+    assert 0 < kept.json()["usage"]["input_tokens"] <= 4096
+
+
 def test_streamed_events_match_the_response(server):
     _, client = server
     kwargs = dict(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
@@ -219,6 +256,9 @@ def test_tokenize_detokenize_version(server, tokenizer):
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
+    ({"input": "hi", "top_k": -5}, "top_k"),
+    ({"input": "hi", "seed": "x"}, "seed"),
+    ({"input": "hi", "truncation": "sometimes"}, "truncation"),
 ])
 def test_bad_responses_bodies_are_400s_naming_the_field(server, body, param):
     base_url, _ = server
