@@ -402,12 +402,31 @@ class _Fields:
         return float(value)
 
 
+def _check_one_rope_layout(text: Mapping) -> None:
+    """A config with both `rope_parameters` (transformers 5's layout) and an older `rope_scaling` that says
+    something else is refused: transformers lets `rope_scaling` replace `rope_parameters` whole (so its
+    `rope_theta` falls back to the default), the layout here reads `rope_parameters`; either way one of them is
+    silently dropped. Qwen's YaRN recipe for a config that has `rope_parameters` puts the keys there."""
+    parameters, scaling = text.get("rope_parameters"), text.get("rope_scaling")
+    if not isinstance(parameters, Mapping) or not parameters or not isinstance(scaling, Mapping) or not scaling:
+        return
+    differing = sorted(
+        key for key, value in scaling.items()
+        if value is not None and parameters.get("rope_type" if key == "type" else key) != value)
+    if differing:
+        raise ValueError(
+            f"config.json has both rope_parameters and rope_scaling, and they differ in {differing}: put the "
+            f"rotary settings (e.g. the YaRN keys rope_type, factor, original_max_position_embeddings) in "
+            f"rope_parameters alone")
+
+
 def _attention_config(fields: _Fields) -> AttentionConfig:
     """The attention group of a text config (rotary settings in either layout, see the module docstring)."""
     text = fields.section
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
         raise ValueError(f"config.json rope_parameters {rope!r} must be an object")
+    _check_one_rope_layout(text)
     # rope_parameters' values win over the older top-level fields
     rotary = _Fields({**text, **{k: v for k, v in rope.items() if v is not None}}, fields.defaults)
 

@@ -47,7 +47,7 @@ def draw_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> 
         return normal(1.0)
     if len(shape) <= 1:
         return normal(0.1)
-    return normal(1.0 / math.sqrt(shape[-1]))
+    return normal(1.0 / math.sqrt(max(shape[-1], 1)))  # (an empty matrix: a zero-width shared expert)
 
 
 @torch.no_grad()

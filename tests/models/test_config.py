@@ -252,6 +252,22 @@ def test_rope_and_boolean_fields_out_of_range_are_value_errors_naming_the_field(
         ModelConfig.from_dict(base_dict(**changes))
 
 
+def test_rope_scaling_beside_rope_parameters_is_refused_when_it_says_something_else():
+    """transformers lets rope_scaling replace rope_parameters whole (rope_theta back to its default); this parser
+    read rope_parameters alone, so a YaRN recipe added as rope_scaling to a Qwen3.5 config was silently dropped
+    (logits 2-26% off transformers'). Both present and differing: refused, naming the keys."""
+    parameters = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match=r"both rope_parameters and rope_scaling.*\['factor', "
+                                         r"'original_max_position_embeddings', 'rope_type'\]"):
+        ModelConfig.from_dict(base_dict(rope_parameters=parameters, rope_scaling=yarn))
+    # the same settings in both (or an empty rope_scaling) are one layout
+    agreeing = ModelConfig.from_dict(base_dict(rope_parameters={**parameters, **yarn}, rope_scaling={**yarn}))
+    assert agreeing.attention.rope_scaling == ModelConfig.from_dict(
+        base_dict(rope_parameters={**parameters, **yarn})).attention.rope_scaling
+    ModelConfig.from_dict(base_dict(rope_parameters=parameters, rope_scaling={"type": "default"}))
+
+
 def test_boolean_fields_take_true_false_and_null():
     assert not ModelConfig.from_dict(base_dict(norm_topk_prob=False)).mlp.norm_topk_prob
     assert ModelConfig.from_dict(base_dict(norm_topk_prob=None)).mlp.norm_topk_prob  # transformers' default

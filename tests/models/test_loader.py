@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from hybridcache.models import SUPPORTED_ARCHITECTURES, load_model, load_weights
 from hybridcache.models.loader import safetensors_files
+from hybridcache.models.random_weights import tiny_hf_config
 
 from .helpers import MODEL_TYPES, TOLERANCE, PagedRunner, make_pair, random_tokens, rel_err
 
@@ -377,3 +378,12 @@ def test_an_integer_vision_tensor_is_refused(tmp_path):
     save_file(tensors, str(shard))
     with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' in \S+ has dtype I32"):
         load_vision_tower(path)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_dummy_weights_for_a_moe_without_a_shared_expert(tmp_path, model_type):
+    """shared_expert_intermediate_size 0 is a valid config (the model runs it), but drawing its dummy weights
+    divided by the zero fan-in of the empty shared expert (ZeroDivisionError)."""
+    tiny_hf_config(model_type, shared_expert_intermediate_size=0).save_pretrained(tmp_path)
+    model = load_model(tmp_path, load_format="dummy")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
