@@ -385,10 +385,10 @@ class PrefixCache:
         """Whether a branch point at `step` (where a prompt diverges from cached content) is worth a checkpoint:
         when the prefill it would have saved the `count` cached continuations that leave the prompt there
         (`MatchResult.divergence_count`), `step x count`, reaches `config.min_branch_point_step`, the tokens whose
-        KV weighs one state. A 1,000-token system prompt is saved by the fourth conversation on it when a state
-        weighs 3,200 tokens; `count` 1 (a hint step, or one cached continuation) asks for `step` alone to reach
-        it. The scheduler ends no chunk (and saves nothing) at one that is not; in-flight forks, which a waiting
-        sequence will restore, are not judged by it."""
+        KV weighs one state. A 1,000-token system prompt is saved by the fifth conversation on it when a state
+        weighs 3,200 tokens (4 x 1,000 >= 3,200); `count` 1 (a hint step, or one cached continuation) asks for
+        `step` alone to reach it. The scheduler ends no chunk (and saves nothing) at one that is not; in-flight
+        forks, which a waiting sequence will restore, are not judged by it."""
         return step * count >= self.config.min_branch_point_step
 
     def _fits_free_memory(self) -> bool:
