@@ -99,7 +99,7 @@ def split(text: str, *, in_reasoning: bool, finished: bool) -> ReasoningSplit:
     elif not in_reasoning:
         return ReasoningSplit(None, text)
     end = text.find(THINK_END)
-    call, genuine = _call_inside(text if end < 0 else text[:end], finished)
+    call, genuine = _call_inside(text if end < 0 else text[:end], finished or end >= 0)  # closed: decided
     if genuine:
         return ReasoningSplit(text[:call].strip("\n"), text[call:])
     if call >= 0:

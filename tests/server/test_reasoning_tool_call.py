@@ -31,6 +31,19 @@ def test_a_call_inside_the_think_block_ends_the_reasoning(text, expected):
     assert (opened.reasoning, opened.content) == expected
 
 
+def test_a_mention_just_before_the_end_of_the_block_does_not_hold_back_what_follows():
+    """A `<tool_call>` that `</think>` follows can no longer become a call: the content after the block streams
+    (it was held back to the finishing chunk, also in /v1/responses)."""
+    parts = reasoning.split("x <tool_call></think>\n\nHi", in_reasoning=True, finished=False)
+    assert (parts.reasoning, parts.content) == ("x <tool_call>", "Hi")
+    stream = ChoiceStream(ChatOutputOptions(split_reasoning=True, in_reasoning=True), ())
+    text, content = "", ""
+    for piece in ["I will emit a ", "<tool_call>", "\n</think>", "\n\nThe answer", " is four", "."]:
+        text += piece
+        content += stream.update(text, False).content or ""
+    assert content == "The answer is four."  # every piece streamed before the end
+
+
 def test_the_call_is_a_tool_call_of_the_message_streamed_and_not():
     text = "I need the time.\n" + XML_CALL
     options = ChatOutputOptions(split_reasoning=True, in_reasoning=True, parse_tools=True, tools=TOOLS)
