@@ -49,7 +49,7 @@ from typing import Any, Protocol
 from hybridcache.cache.block_pool import BlockPool
 from hybridcache.cache.checkpoint import Checkpoint, CheckpointState
 from hybridcache.cache.host_order import HostOrder
-from hybridcache.cache.matching import Divergence, divergence_at, find_deepest
+from hybridcache.cache.matching import Below, Divergence, below_node, divergence_at, find_deepest
 from hybridcache.cache.request import CacheRequest
 from hybridcache.cache.trie import Node, RootKey, Trie, path_to, prompt_block_hashes
 
@@ -555,17 +555,21 @@ class HostTier:
     def divergence(
         self, path: list[Node], hosts: list[HostNode], request: CacheRequest, block_size: int, max_step: int,
     ) -> Divergence:
-        """How far the prompt agrees with what the host tier holds below the device path (step 0 when nothing
-        hangs there): the host nodes that continue it, then the longest common prefix with a host child block or
-        a host checkpoint tail of the deepest of them (or of the path's last node), and how many of those leave
-        the prompt there, as `matching.divergence` on the device. A prompt that shares a demoted prefix thus still
-        finds its branch point there, and what was demoted still counts towards its worth."""
-        owner: Hanging | None = hosts[-1] if hosts else (self.under.get(path[-1]) if path else None)
-        if owner is None:
+        """How far the prompt agrees with cached content below the device path's last node, the host tier's part
+        included, as `matching.divergence` on the device: the host nodes that continue the path, then the longest
+        common prefix with a child block or a checkpoint tail of the deepest of them, or, when none continues it,
+        of the path's last node in both tiers (its device children and tails and the host ones hanging off it:
+        one trie position, so a tail in one tier on the way of a continuation in the other is counted with it);
+        and how many of those leave the prompt there. A prompt that shares a demoted prefix thus still finds its
+        branch point there, and what was demoted still counts towards its worth."""
+        if hosts:
+            owners = [_below_host(hosts[-1])]
+        elif path:
+            hanging = self.under.get(path[-1])
+            owners = [below_node(self.trie, path[-1])] + ([_below_host(hanging)] if hanging is not None else [])
+        else:
             return Divergence(0, 0)
-        base = (len(path) - 1 + len(hosts)) * block_size
-        return divergence_at(request, base, block_size, owner,
-                             lambda token: [c for c in owner.iter_children() if c.token_ids[0] == token], max_step)
+        return divergence_at(request, (len(path) - 1 + len(hosts)) * block_size, block_size, owners, max_step)
 
     def clear(self) -> None:
         """Drop every unpinned host checkpoint (and the host nodes left dead)."""
@@ -634,6 +638,11 @@ def _agrees(stored: StoredCheckpoint, request: CacheRequest, block_size: int, ha
     return (len(hashes) >= depth and prompt[depth * block_size:stored.step] == stored.tail_ids
             and all(node_hash == hashes[i] and token_ids == prompt[i * block_size:(i + 1) * block_size]
                     for i, (node_hash, token_ids) in enumerate(stored.chain)))
+
+
+def _below_host(owner: Hanging) -> Below:
+    """What hangs off `owner` in the host tier (its children have no first-token index: filtered)."""
+    return Below(owner, lambda token: [c for c in owner.iter_children() if c.token_ids[0] == token])
 
 
 def _find(hanging: Hanging, node_hash: int, token_ids: tuple[int, ...], spans: tuple) -> HostNode | None:

@@ -123,9 +123,13 @@ class PrefixCache:
                 else:
                     self._skips.add(match_id)
         cached_len = ckpt.step if ckpt is not None else 0
-        found = [divergence(self._trie, path, request, size, max_step)]
-        if host is not None:
-            found.append(host.divergence(path, hosts, request, size, max_step))
+        if host is None:
+            found = [divergence(self._trie, path, request, size, max_step)]
+        elif hosts:  # the host nodes continue the path: the host tier's divergence lies deeper
+            found = [divergence(self._trie, path, request, size, max_step),
+                     host.divergence(path, hosts, request, size, max_step)]
+        else:  # the path's last node in both tiers
+            found = [host.divergence(path, hosts, request, size, max_step)]
         branch_len = max(cached_len, *(d.step for d in found))
         branch_count = max(1, sum(d.num_continuations for d in found if d.step == branch_len))
         if ckpt is not None:

@@ -76,40 +76,48 @@ def find_deepest(
 
 
 class Divergence(NamedTuple):
-    """Where a prompt leaves cached content below one owner (a trie node or a host-tier `Hanging`).
+    """Where a prompt leaves cached content below one trie position (a device node, the host tier's `Hanging`
+    off it, or both).
 
-    step            the divergence step (`MatchResult.divergence_len` is the deepest over the device and host).
-    num_continuations  the owner's child blocks and checkpoint tails that agree with the prompt up to `step`
-                    (a tail that is a prefix of another one or of a child block is the same continuation, counted
-                    once); 0 when none does (the path's own blocks still pass there: callers count at least 1).
+    step               the divergence step (`MatchResult.divergence_len` is the deepest over the device and host).
+    num_continuations  the child blocks and checkpoint tails there that agree with the prompt up to `step` (a
+                       tail that is a prefix of another one or of a child block is the same continuation, counted
+                       once); 0 when none does (the path's own blocks still pass there: callers count at least 1).
     """
 
     step: int
     num_continuations: int
 
 
+class Below(NamedTuple):
+    """What hangs off one owner (a trie node or a host-tier `Hanging`): `owner.children` (hash -> list of nodes
+    with `token_ids` and `spans`), `owner.iter_checkpoints()` (with `tail_ids` and `tail_spans`), and
+    `starting_with(t)`: its children whose first token is t (a divergence search needs only those)."""
+
+    owner: Any
+    starting_with: Callable[[int], Iterable[Any]]
+
+
+def below_node(trie: Trie, node: Node) -> Below:
+    """What hangs off a device trie node (its children found through the trie's first-token index)."""
+    return Below(node, lambda token: trie.children_starting_with(node, token))
+
+
 def divergence(trie: Trie, path: list[Node], request: CacheRequest, block_size: int, max_step: int) -> Divergence:
-    """How far the prompt agrees with cached content: the matched full blocks, then the longest common
-    prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
+    """How far the prompt agrees with cached content on the device: the matched full blocks, then the longest
+    common prefix with a child block or a checkpoint tail of the deepest node (spans compared too); clamped to
     `max_step` (the deepest step a match may return) and moved down to a safe boundary. With it, how many
-    cached continuations leave the prompt there (`divergence_at`)."""
+    cached continuations leave the prompt there (`divergence_at`; `HostTier.divergence` adds the host tier's)."""
     if not path:
         return Divergence(0, 0)
-    node = path[-1]
-    # a child whose first token differs agrees on 0 tokens: only those sharing it can raise the agreement
-    return divergence_at(request, node.depth * block_size, block_size, node,
-                         lambda token: trie.children_starting_with(node, token), max_step)
+    return divergence_at(request, path[-1].depth * block_size, block_size, [below_node(trie, path[-1])], max_step)
 
 
-def divergence_at(
-    request: CacheRequest, base: int, block_size: int, owner: Any,
-    starting_with: Callable[[int], Iterable[Any]], max_step: int,
-) -> Divergence:
-    """The prompt against what hangs off `owner` at step `base`: its child blocks (`children`, hash -> list of
-    nodes with `token_ids` and `spans`; `starting_with(t)`: those whose first token is t) and its checkpoint
-    tails (`iter_checkpoints()`, with `tail_ids` and `tail_spans`). The step is `base` plus the longest common
-    prefix of the prompt's next block with any of them (a span that one side has and the other lacks ends the
-    agreement at its start), clamped to `max_step` and moved down to a safe boundary; the continuations are
+def divergence_at(request: CacheRequest, base: int, block_size: int, owners: list[Below], max_step: int) -> Divergence:
+    """The prompt against the child blocks and checkpoint tails that hang off `owners` at step `base` (one trie
+    position: a device node and the host tier's part of it are two owners). The step is `base` plus the longest
+    common prefix of the prompt's next block with any of them (a span that one side has and the other lacks ends
+    the agreement at its start), clamped to `max_step` and moved down to a safe boundary; the continuations are
     those that agree with the prompt up to the step. B = 8, from `base`::
 
         prompt   a b c d e f g h
@@ -121,22 +129,23 @@ def divergence_at(
     At the block boundary (`base`: nothing shares the prompt's next token) every child block and every
     non-empty tail leaves the prompt there."""
     rest = request.prompt_ids[base:base + block_size]
+    ckpts = [c for below in owners for c in below.owner.iter_checkpoints()]
     if rest:
-        blocks = [(_agreement(request, base, rest, c.token_ids, c.spans), c.token_ids) for c in starting_with(rest[0])]
-        tails = [(_agreement(request, base, rest, c.tail_ids, c.tail_spans), c.tail_ids)
-                 for c in owner.iter_checkpoints()]
-        step = min(base + max((agree for agree, _ in blocks + tails), default=0), max_step)
+        # a child whose first token differs agrees on 0 tokens: only those sharing it can raise the agreement
+        blocks = [_agreement(request, base, rest, c.token_ids, c.spans)
+                  for below in owners for c in below.starting_with(rest[0])]
+        tails = [(_agreement(request, base, rest, c.tail_ids, c.tail_spans), c.tail_ids) for c in ckpts]
+        step = min(base + max([*blocks, *(agree for agree, _ in tails)], default=0), max_step)
         for span in request.spans_in(step - 1, step + 1):
             if span.start < step < span.end:
                 step = span.start
     else:
         step = min(base, max_step)
     if step <= base:
-        num_blocks = sum(map(len, owner.children.values()))
-        return Divergence(step, num_blocks + _num_own_tails([c.tail_ids for c in owner.iter_checkpoints()
-                                                             if c.tail_ids], starting_with))
-    num_blocks = sum(agree >= step - base for agree, _ in blocks)
-    return Divergence(step, num_blocks + _num_own_tails([t for a, t in tails if a >= step - base], starting_with))
+        num_blocks = sum(len(bucket) for below in owners for bucket in below.owner.children.values())
+        return Divergence(step, num_blocks + _num_own_tails([c.tail_ids for c in ckpts if c.tail_ids], owners))
+    num_blocks = sum(agree >= step - base for agree in blocks)
+    return Divergence(step, num_blocks + _num_own_tails([t for a, t in tails if a >= step - base], owners))
 
 
 def _agreement(request: CacheRequest, base: int, rest: tuple[int, ...], tokens: tuple[int, ...], spans: tuple) -> int:
@@ -151,13 +160,14 @@ def _agreement(request: CacheRequest, base: int, rest: tuple[int, ...], tokens: 
     return agree
 
 
-def _num_own_tails(tails: list[tuple[int, ...]], starting_with: Callable[[int], Iterable[Any]]) -> int:
-    """The checkpoint tails among `tails` that are continuations of their own: not a prefix of a child block
-    (`starting_with`) nor of another tail in `tails` (a checkpoint saved on the way of a sequence that went on);
-    equal tails count once."""
+def _num_own_tails(tails: list[tuple[int, ...]], owners: list[Below]) -> int:
+    """The checkpoint tails among `tails` that are continuations of their own: not a prefix of a child block of
+    `owners` nor of another tail in `tails` (a checkpoint saved on the way of a sequence that went on, whichever
+    tier each is in); equal tails count once."""
     distinct = set(tails)
     num = 0
     for tail in distinct:
-        longer = [c.token_ids for c in starting_with(tail[0])] + [t for t in distinct if len(t) > len(tail)]
+        longer = [c.token_ids for below in owners for c in below.starting_with(tail[0])]
+        longer += [t for t in distinct if len(t) > len(tail)]
         num += not any(t[:len(tail)] == tail for t in longer)
     return num

@@ -8,9 +8,12 @@ state's tokens never saved it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hybridcache.cache import CacheConfig, CacheRequest, PrefixCache
+from hybridcache.cache.matching import Below, Divergence, divergence_at
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.save_plan import checkpoint_policy
 from hybridcache.scheduler.scheduler import Scheduler
@@ -100,3 +103,31 @@ def test_continuations_in_the_host_tier_count_too():
     driver.run(CacheRequest("c", tuple(range(6)) + (70, 71, 72, 73, 74)))
     assert divergence(cache, tuple(range(6)) + (99, 98, 97)) == (0, 6, 2)
     cache.check_integrity()
+
+
+class _Owner:
+    """A stand-in for a trie node or a host `Hanging`: child blocks by hash, checkpoints with tails."""
+
+    def __init__(self, blocks: list[tuple[int, ...]], tails: list[tuple[int, ...]]) -> None:
+        self.children = {i: [SimpleNamespace(token_ids=b, spans=())] for i, b in enumerate(blocks)}
+        self.tails = [SimpleNamespace(tail_ids=t, tail_spans=()) for t in tails]
+
+    def iter_checkpoints(self):
+        return iter(self.tails)
+
+    def below(self) -> Below:
+        return Below(self, lambda token: [c for b in self.children.values() for c in b if c.token_ids[0] == token])
+
+
+def test_a_tail_in_one_tier_on_the_way_of_a_block_in_the_other_is_one_continuation():
+    """One trie position in both tiers (a device node and the host tier's part of it): a branch point's checkpoint
+    still on the device whose sequence's next block was demoted is one continuation, not two."""
+    device, host = _Owner([], [(4, 5)]), _Owner([(4, 5, 6, 7)], [])
+    request = CacheRequest("p", (0, 1, 2, 3, 4, 9, 9, 9))
+    assert divergence_at(request, 4, 4, [device.below(), host.below()], max_step=7) == Divergence(5, 1)
+    assert divergence_at(request, 4, 4, [device.below()], max_step=7) == Divergence(5, 1)
+    other = _Owner([(4, 8, 8, 8)], [(4, 7)])  # two more continuations leaving the prompt at 5
+    assert divergence_at(request, 4, 4, [device.below(), host.below(), other.below()], 7) == Divergence(5, 3)
+    # at the block boundary: every block and non-empty tail, a tail on the way of a block counted with it
+    request = CacheRequest("q", (0, 1, 2, 3, 9, 9, 9, 9))
+    assert divergence_at(request, 4, 4, [device.below(), host.below(), other.below()], 7) == Divergence(4, 3)
