@@ -263,7 +263,8 @@ class _Routes:
         prompts = body.prompts()
         check_sequences(len(prompts), body.n, self.config.limits)
         defaults = self.model.sampling_defaults
-        default_max = defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        # vLLM's: the request's max_tokens defaults to 16, which the generation config may lower, never raise
+        default_max = min(COMPLETIONS_DEFAULT_MAX_TOKENS, defaults.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
         echo_only = body.echo_only()  # max_tokens 0: the engine samples one token that no choice shows
         requested = 1 if echo_only else body.max_tokens
         cut = body.truncation(self.model.max_model_len, default_max if requested is None else requested)

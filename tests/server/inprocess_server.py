@@ -14,6 +14,7 @@ import uvicorn
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
+from hybridcache.generation_config import SamplingDefaults
 from hybridcache.models.builtin import BUILTIN_NAME
 from hybridcache.server.app import ServedModel, build_app
 from hybridcache.server.config import ServerConfig
@@ -28,9 +29,11 @@ ENGINE = EngineConfig(block_size=16, max_model_len=4096, num_blocks=2048)
 
 
 @contextlib.contextmanager
-def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = None, **server_options) -> Iterator[str]:
+def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = None,
+            sampling_defaults: SamplingDefaults | None = None, **server_options) -> Iterator[str]:
     """Serve the built-in model on a free loopback port; yields the base URL (`.../v1` is the API).
-    `chat_template`: the server's chat template instead of the folder's (serve's `--chat-template`)."""
+    `chat_template`: the server's chat template instead of the folder's (serve's `--chat-template`);
+    `sampling_defaults`: as a generation_config.json would give them (none by default)."""
     config = ServerConfig(port=free_port(), served_model_name=BUILTIN_NAME, **server_options)
     engine = LLMEngine(None, engine_config)
     metrics = ServerMetrics(model_name=config.served_model_name, max_model_len=engine.max_model_len)
@@ -41,7 +44,8 @@ def serving(engine_config: EngineConfig = ENGINE, chat_template: str | None = No
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     model = ServedModel(tokenizer=tokenizer, max_model_len=engine.max_model_len,
-                        vocab_size=engine.model_config.vocab_size)
+                        vocab_size=engine.model_config.vocab_size,
+                        sampling_defaults=sampling_defaults or SamplingDefaults())
     server = Server(uvicorn.Config(build_app(loop, model, config, metrics), host=config.host, port=config.port,
                                    log_level="warning", access_log=False, lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)

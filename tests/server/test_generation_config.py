@@ -4,12 +4,14 @@ field (`--generation-config auto`, the default), or from the server's own defaul
 import json
 import shutil
 
+import httpx
 import pytest
 from openai import OpenAI
 
 from hybridcache.generation_config import SamplingDefaults
-from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.models.builtin import BUILTIN_NAME, ensure_builtin_model
 from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from tests.server.inprocess_server import serving
 from tests.server.server_process import SMALL_ENGINE, running_servers
 
 
@@ -56,3 +58,16 @@ def test_the_server_takes_unset_fields_from_the_file(servers):
     assert chat.usage.completion_tokens == 3
     plain = ignored.completions.create(model=model, prompt="Once upon", extra_body=extra)
     assert plain.usage.completion_tokens == 16  # the completions endpoint's own default
+
+
+def test_a_completions_default_is_16_tokens_whatever_a_larger_max_new_tokens_says():
+    """vLLM's completions max_tokens defaults to 16, which the generation config's max_new_tokens may lower but
+    not raise (a base checkpoint's max_new_tokens 2048 made every completion without max_tokens 2048 long)."""
+    with serving(sampling_defaults=SamplingDefaults(max_tokens=40)) as base_url:
+        body = {"model": BUILTIN_NAME, "prompt": "Once upon", "ignore_eos": True}
+        completion = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()
+        assert completion["usage"]["completion_tokens"] == 16
+        chat = httpx.post(f"{base_url}/v1/chat/completions", json={
+            "model": BUILTIN_NAME, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True},
+            timeout=120).json()
+        assert chat["usage"]["completion_tokens"] == 40  # chat: the generation config's, as vLLM
