@@ -3,7 +3,8 @@
     POST /tokenize     {"prompt": text} or {"messages": [...], "tools", "add_generation_prompt", ...} (rendered by
                        the chat template, images expanded into their tokens, as a chat request's prompt) ->
                        {"count", "max_model_len", "tokens", "token_strs"}; `return_token_strs`
-                       adds each token's own decode. `add_special_tokens` is accepted (the tokenizer adds none).
+                       adds the tokens' vocabulary strings (`convert_ids_to_tokens`, as vLLM's: "Ġa" for " a").
+                       `add_special_tokens` is accepted (the tokenizer adds none).
     POST /detokenize   {"tokens": [...]} -> {"prompt": text} (special tokens kept, as vLLM's)
     GET  /version      {"version": the package version}
 
@@ -77,10 +78,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             if images:
                 tokens, _ = await asyncio.to_thread(image_request, routes.model.image_processor, tokens, images,
                                                     routes.model.media_limits)
-        strs = None
-        if body.return_token_strs:  # one decode per token: on the tokenizer threads too
-            strs = await asyncio.get_running_loop().run_in_executor(
-                routes.tokenizer_pool, lambda: [tokenizer.decode([t], skip_special_tokens=False) for t in tokens])
+        # vLLM's: the vocabulary's token strings (byte-level pieces such as "Ġa", not decoded text)
+        strs = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
                              "token_strs": strs})
 

@@ -92,9 +92,9 @@ def test_reasoning_effort_sets_enable_thinking_as_vllm(extra, defaults, thinking
 
 def test_reasoning_effort_none_renders_the_prompt_without_thinking(server):
     def prompt(extra: dict) -> tuple[str, int]:
-        body = {"messages": USER, "return_token_strs": True, **extra}
-        tokenized = _ok(server.post("/tokenize", json=body))
-        return "".join(tokenized["token_strs"]), tokenized["count"]
+        tokenized = _ok(server.post("/tokenize", json={"messages": USER, **extra}))
+        text = _ok(server.post("/detokenize", json={"tokens": tokenized["tokens"]}))["prompt"]
+        return text, tokenized["count"]
 
     off, num_off = prompt({"chat_template_kwargs": {"enable_thinking": False}})
     assert off.endswith("<think>\n\n</think>\n\n") and off != prompt({})[0]
