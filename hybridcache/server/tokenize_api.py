@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from hybridcache.server.chat_images import image_request
 from hybridcache.server.errors import APIError
@@ -44,7 +44,7 @@ class TokenizeRequest(_Request):
 
 
 class DetokenizeRequest(_Request):
-    tokens: list[TokenId] = Field(default_factory=list)
+    tokens: list[TokenId]  # required, as vLLM's (an empty list is an empty prompt)
 
 
 def package_version() -> str:

@@ -243,6 +243,9 @@ def test_tokenize_detokenize_version(server, tokenizer):
     chat = httpx.post(f"{base_url}/tokenize", json={"messages": messages}).json()
     assert chat["tokens"] == tokenizer.encode(tokenizer.apply_chat_template(messages))
     assert httpx.post(f"{base_url}/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": text}
+    missing = httpx.post(f"{base_url}/detokenize", json={})  # vLLM's DetokenizeRequest requires tokens
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "tokens"
+    assert httpx.post(f"{base_url}/detokenize", json={"tokens": []}).json() == {"prompt": ""}
     bad = httpx.post(f"{base_url}/detokenize", json={"tokens": [1, 10**9]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens.1"
     assert httpx.post(f"{base_url}/tokenize", json={}).status_code == 400
