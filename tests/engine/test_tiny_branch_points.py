@@ -43,20 +43,20 @@ def test_the_engine_sets_the_shortest_branch_point_from_its_state_bytes(model_di
 
 
 @pytest.mark.parametrize("extra", [-1, 0])
-def test_a_branch_point_shorter_than_a_state_is_not_saved(model_dir, extra):
+def test_a_branch_point_shorter_than_a_state_is_saved_only_once_two_prompts_left_there(model_dir, extra):
+    """The value rule (`PrefixCache.saves_branch_point`: step x the cached continuations leaving the prompt there
+    >= a state's tokens): one token short of a state's worth, r1 (one continuation, r0's) saves nothing, and r2
+    (two: r0's and r1's) saves it, so r3 hits; exactly a state's worth, r1 saves it and r2 and r3 hit."""
     engine = LLMEngine(model_dir, EngineConfig(block_size=BLOCK, kernel_block_size=8))
     cache = engine.scheduler.cache
-    shared = cache.config.min_branch_point_step + extra  # one token short of a state's worth, or exactly it
+    shared = cache.config.min_branch_point_step + extra
     rng = random.Random(7)
     system = [rng.randrange(256) for _ in range(shared)]
-    hits = [run(engine, f"r{i}", system + [200 + i] + [rng.randrange(256) for _ in range(20)]) for i in range(3)]
+    hits = [run(engine, f"r{i}", system + [200 + i] + [rng.randrange(256) for _ in range(20)]) for i in range(4)]
     stats = cache.stats
-    if extra < 0:  # r1 diverges from r0 at `shared`: too short to be worth a state, so nothing is saved there
-        assert hits == [0, 0, 0]
-        assert stats.saves_by_reason.get("branch_point", 0) == 0
-    else:  # worth a state: r1's first chunk ends there, the checkpoint is saved and r2 hits it
-        assert hits == [0, 0, shared]
-        assert stats.saves_by_reason["branch_point"] == 1 and stats.hits_by_reason["branch_point"] == 1
+    assert hits == ([0, 0, 0, shared] if extra < 0 else [0, 0, shared, shared])
+    assert stats.saves_by_reason["branch_point"] == 1
+    assert stats.hits_by_reason["branch_point"] == (1 if extra < 0 else 2)
     engine.check_integrity()
 
 
