@@ -141,6 +141,8 @@ def divergence_at(request: CacheRequest, base: int, block_size: int, owners: lis
                 step = span.start
     else:
         step = min(base, max_step)
+    if step == 0:  # no branch point at step 0: not counted (the root's children are every distinct first block)
+        return Divergence(0, 0)
     if step <= base:
         num_blocks = sum(len(bucket) for below in owners for bucket in below.owner.children.values())
         return Divergence(step, num_blocks + _num_own_tails([c.tail_ids for c in ckpts if c.tail_ids], owners))
