@@ -14,7 +14,8 @@
 
 What a client may make the router hold is bounded as for a replica (server/limits.py, connections.py): bodies
 of at most `max_request_bytes`, read with a deadline, a capped number of connections (`run_router` runs uvicorn
-with the server's guarded protocol), and prompts tokenized on a thread, off the event loop.
+with the server's guarded protocol), and prompts rendered and tokenized on the router's own threads, off the
+event loop (router/prompts.py): a prompt text the replicas would refuse by its size is not tokenized at all.
 
 Faults: a replica that cannot be reached, or answers 502/503/504, before the first byte of its response is
 marked down (router/replicas.py) and the request goes to the next-best replica, each replica at most once. A
@@ -34,7 +35,9 @@ other request not yet answered gets 503 with that message (`ShutdownGuard`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -51,6 +54,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridcache.router.policy import Chooser, RoutingConfig
+from hybridcache.router.prompts import PromptLimits, routed_prompt_ids
 from hybridcache.router.replicas import Replica, ReplicaCounters
 from hybridcache.router.responses import (
     RESPONSES_PATH,
@@ -59,11 +63,10 @@ from hybridcache.router.responses import (
     continued_id,
     response_id,
     routed_cache_salt,
-    routed_prompt_ids,
     stores,
 )
 from hybridcache.server.errors import APIError, error_body
-from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, read_body
+from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, read_body
 from hybridcache.server.responses import sse
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
 from hybridcache.server.streaming import ClientGone, run_until_disconnect
@@ -71,6 +74,7 @@ from hybridcache.server.streaming import ClientGone, run_until_disconnect
 logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("authorization", "content-type")
+TOKENIZE_THREADS = 2  # the router's own threads that render and tokenize prompts (as a replica's TOKENIZER_THREADS)
 TAIL_BYTES = 1 << 16  # a stream's last bytes kept for its usage (a Responses stream's last event holds it all)
 # Past `request_timeout_s`, a replica that took the request is slow, not down: the request is not sent again
 _ACCEPTED_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout)
@@ -151,10 +155,47 @@ class RouterState:
         self.num_retries = 0
         self.num_failed = 0
         self.owners = ResponseOwners()
+        self.token_bytes = max_token_bytes(tokenizer)
+        self.models: dict[str, list[dict]] = {}  # each up replica's /v1/models cards, learned once it is up
+        # prompts are rendered and tokenized on these threads, not asyncio's default pool (which httpx and the
+        # event loop's other work share): a few long prompts cannot hold up anything but other prompts
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS,
+                                                                   thread_name_prefix="router-tokenize")
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
                                for r in self.replicas))
+
+    async def learn_models(self) -> None:
+        """Ask each up replica whose model cards are not known for its `GET /v1/models` (within the poll
+        timeout); forget a down replica's (it may come back with another model)."""
+        for replica in self.replicas:
+            if not replica.up:
+                self.models.pop(replica.url, None)
+        await asyncio.gather(*(self._learn_models(r) for r in self.replicas if r.up and r.url not in self.models))
+
+    async def _learn_models(self, replica: Replica) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+            answer = await self.client.get(f"{replica.url}/v1/models", headers=self.poll_headers,
+                                           timeout=self.config.poll_timeout_s)
+            if answer.status_code == 200:
+                self.models[replica.url] = [card for card in answer.json()["data"] if isinstance(card, dict)]
+
+    def prompt_limits(self) -> PromptLimits:
+        """The replicas' prompt limits as far as known: the largest `max_model_len` of their cards (a prompt that
+        one replica takes is predicted), the tokenizer's bytes per token."""
+        lens = [card["max_model_len"] for cards in self.models.values() for card in cards
+                if isinstance(card.get("max_model_len"), int) and card["max_model_len"] > 0]
+        return PromptLimits(max(lens) if lens else None, self.token_bytes)
+
+    async def prompt_ids(self, path: str, body: Any) -> list[list[int]]:
+        """The prompts `body` is predicted by (router/prompts.py), rendered and tokenized on the router's own
+        tokenizer threads; a replica up whose limits are not known yet is asked for them first."""
+        if not self.models and any(r.up for r in self.replicas):
+            await self.learn_models()
+        work = functools.partial(routed_prompt_ids, path, body, self.tokenizer, dict(self.config.chat_template_kwargs),
+                                 self.prompt_limits())
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
 
     def ranked(self, prompts: list[list[int]], exclude: set[str], salt: str | None = None) -> list[tuple[Replica, int]]:
         """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction.
@@ -197,6 +238,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         while True:
             await asyncio.sleep(config.poll_interval_s)
             await state.poll_all()
+            await state.learn_models()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -205,12 +247,14 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                                          limits=limits)
         state.poll_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         await state.poll_all()
+        await state.learn_models()
         poller = asyncio.create_task(poll_forever())
         yield
         poller.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await poller
         await state.client.aclose()
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybridcache router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = state
@@ -237,9 +281,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         except ValueError as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         path = _route_path(request)
-        # a long prompt: off the loop
-        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, state.tokenizer,
-                                          dict(config.chat_template_kwargs))
+        prompts = await state.prompt_ids(path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         try:  # a client gone before its response closes the upstream request: the replica aborts it
             return await run_until_disconnect(request.receive, route(path, raw, body, headers, prompts))

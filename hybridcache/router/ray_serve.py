@@ -33,6 +33,7 @@ router (app.py).
 # No `from __future__ import annotations`: FastAPI must see the routes' `Request` annotations as classes (Serve's
 # ingress wraps the methods, and strings would no longer resolve).
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import json
@@ -50,10 +51,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from hybridcache.router import ray_metrics
-from hybridcache.router.app import TAIL_BYTES, has_key, record_usage, stream_usage
+from hybridcache.router.app import TAIL_BYTES, TOKENIZE_THREADS, has_key, record_usage, stream_usage
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
+from hybridcache.router.prompts import PromptLimits, routed_prompt_ids
 from hybridcache.router.ray_router import INDEX_DEPLOYMENT, CheckpointRequestRouter
 from hybridcache.router.responses import (
     RESPONSES_PATH,
@@ -62,11 +64,10 @@ from hybridcache.router.responses import (
     continued_id,
     response_id,
     routed_cache_salt,
-    routed_prompt_ids,
     stores,
 )
 from hybridcache.server.errors import APIError, error_body
-from hybridcache.server.limits import read_body
+from hybridcache.server.limits import max_token_bytes, read_body
 
 logger = logging.getLogger("hybridcache.router")
 ENGINE_DEPLOYMENT = "HybridcacheEngine"
@@ -274,8 +275,12 @@ class OpenAIIngress:
         self.template_kwargs = args.chat_template_kwargs or {}
         self.max_request_bytes = args.max_request_bytes
         self.api_key = api_key(args)
+        self._key = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
         self.counters = ray_metrics.IngressCounters()
         self.owners = ResponseOwners()
+        self.limits = PromptLimits(None, max_token_bytes(self.tokenizer))  # max_model_len: `_prompt_limits`
+        self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS,
+                                                                   thread_name_prefix="ingress-tokenize")
 
     @ingress_app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -392,13 +397,30 @@ class OpenAIIngress:
         except (RecursionError, ValueError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         path = request.url.path
-        prompts = await asyncio.to_thread(routed_prompt_ids, path, body, self.tokenizer, self.template_kwargs)
+        work = functools.partial(routed_prompt_ids, path, body, self.tokenizer, self.template_kwargs,
+                                 await self._prompt_limits())
+        # on the ingress's own tokenizer threads: long prompts hold up only other prompts (as app.py's)
+        prompts = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
         stored_id = continued_id(path, body)
         owner = await self._owner_of(stored_id, _headers(request)) if stored_id else None
         return await self._send(EngineRequest("POST", path, raw, _headers(request), tuple(tuple(p) for p in prompts),
                                               uuid.uuid4().hex, replica_id=owner or "",
                                               cache_salt=routed_cache_salt(body) or ""),
                                 learn=path == RESPONSES_PATH and stores(body))
+
+    async def _prompt_limits(self) -> PromptLimits:
+        """The replicas' prompt limits: `max_model_len` from a replica's /v1/models card (asked once, when first
+        needed; every replica runs with the same options), so that a prompt text they would refuse by its size is
+        not tokenized here (router/prompts.py)."""
+        if self.limits.max_model_len is None:
+            with contextlib.suppress(Exception):
+                answer = await asyncio.wait_for(self._send(EngineRequest("GET", "/v1/models", headers=self._key)),
+                                                METRICS_TIMEOUT_S)
+                lens = [card.get("max_model_len") for card in json.loads(answer.body)["data"]]
+                lens = [n for n in lens if isinstance(n, int) and n > 0]
+                if lens:
+                    self.limits = PromptLimits(max(lens), self.limits.token_bytes)
+        return self.limits
 
     async def _send(self, request: EngineRequest, learn: bool = False) -> Response:
         """Send `request` to a replica and relay its answer, trying again (at most `MAX_ATTEMPTS` calls) when

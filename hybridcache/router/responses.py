@@ -13,8 +13,8 @@ and the Ray Serve ingress, ray_serve.py) therefore
               (no side effects); an id no replica has goes to any replica, which answers 404 itself.
 
 A Responses request that continues nothing is routed as a chat request: its prompt is the chat body the replica
-will run (`chat_request`), rendered and predicted as any chat prompt. One that continues a stored response has no
-prompt here (the conversation is on its replica) and no prediction.
+will run (`chat_request`), rendered and predicted as any chat prompt (router/prompts.py). One that continues a
+stored response has no prompt here (the conversation is on its replica) and no prediction.
 """
 
 from __future__ import annotations
@@ -22,10 +22,6 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from typing import Any
-
-from hybridcache.server.prompt_ids import body_prompt_ids
-from hybridcache.server.protocol import parse_request
-from hybridcache.server.responses_api import ResponsesRequest, chat_request, input_messages
 
 RESPONSES_PATH = "/v1/responses"
 MAX_OWNERS = 65536  # ids remembered (each replica keeps its newest 1,024: responses_api.MAX_STORED)
@@ -38,19 +34,6 @@ def continued_id(path: str, body: Any) -> str | None:
         return None
     previous = body.get("previous_response_id")
     return previous if isinstance(previous, str) and previous else None
-
-
-def routed_prompt_ids(path: str, body: Any, tokenizer: Any,
-                      template_kwargs: dict[str, Any] | None = None) -> list[list[int]]:
-    """The prompts a router predicts hits for: a completions or chat body's (server/prompt_ids.py), a Responses
-    body's chat rendering, and none for a Responses body that continues a stored response. Raises
-    `APIError(400)` for a body the replica would refuse."""
-    if path != RESPONSES_PATH:
-        return body_prompt_ids(body, tokenizer, template_kwargs)
-    request: ResponsesRequest = parse_request(ResponsesRequest, body)
-    if request.previous_response_id:
-        return []
-    return body_prompt_ids(chat_request(request, input_messages(request.input)), tokenizer, template_kwargs)
 
 
 def routed_cache_salt(body: Any) -> str | None:
