@@ -19,7 +19,8 @@ event loop (router/prompts.py): a prompt text the replicas would refuse by its s
 
 Faults: a replica that cannot be reached, or answers 502/503/504, before the first byte of its response is
 marked down (router/replicas.py) and the request goes to the next-best replica, each replica at most once. A
-stream cut after its first byte ends with an error event and `data: [DONE]`. A replica that took the request
+stream cut after its first byte ends with an error event and `data: [DONE]` after its last whole event
+(`EventRelay`). A replica that took the request
 but sends nothing for `request_timeout_s` (a read or write timeout) is slow, not down: the request is closed
 (the replica aborts it) and answered 504, or its stream ends with a 504 error event; it is not sent again. A
 client that disconnects before its response, streamed or not, closes the request to the replica, which aborts
@@ -41,6 +42,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -75,7 +77,9 @@ logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
 FORWARDED_HEADERS = ("authorization", "content-type")
 TOKENIZE_THREADS = 2  # the router's own threads that render and tokenize prompts (as a replica's TOKENIZER_THREADS)
-TAIL_BYTES = 1 << 16  # a stream's last bytes kept for its usage (a Responses stream's last event holds it all)
+MAX_HELD_EVENT_BYTES = 16 << 20  # an unfinished event held back longer than this is passed on as it is
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends a server-sent event
+_USAGE = re.compile(rb'"usage":\s*\{')  # an event that carries a usage object (not `"usage": null`)
 # Past `request_timeout_s`, a replica that took the request is slow, not down: the request is not sent again
 _ACCEPTED_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout)
 
@@ -499,17 +503,20 @@ class _RelayResponse(StreamingResponse):
 
 async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
                  release: Any, learn: bool = False) -> AsyncIterator[bytes]:
-    """Pass a stream through; a cut after the first byte ends it with an error event and `[DONE]`. `release()`
-    once the upstream has ended, before the replica's events are polled. `learn`: a Responses stream whose id
-    (its first event's) is remembered as stored on `replica`."""
-    tail = b""
+    """Pass a stream through, whole events at a time (`EventRelay`); a cut after the first byte ends it with an
+    error event and `[DONE]`, after the last whole event (an incomplete one is dropped). `release()` once the
+    upstream has ended, before the replica's events are polled. `learn`: a Responses stream whose id (its first
+    event's) is remembered as stored on `replica`."""
+    events = EventRelay()
     head = StreamHead() if learn else None
     try:
         async for chunk in upstream.aiter_raw():
-            tail = (tail + chunk)[-TAIL_BYTES:]
             if head is not None and (stored := head.feed(chunk)) is not None:
                 state.owners.put(stored, replica.url)
-            yield chunk
+            if whole := events.feed(chunk):
+                yield whole
+        if rest := events.rest():
+            yield rest
     except _ACCEPTED_TIMEOUTS as error:  # slow, not down
         state.num_failed += 1
         yield f"data: {json.dumps(_timeout_body(state, replica, error))}\n\ndata: [DONE]\n\n".encode()
@@ -522,13 +529,60 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
         return
     finally:
         await release()
-    _record_usage(replica, stream_usage(tail), predicted)
+    _record_usage(replica, stream_usage(events.usage_event), predicted)
     await replica.poll(state.client, state.config.poll_timeout_s, state.poll_headers)
 
 
+class EventRelay:
+    """A replica's event stream cut at event boundaries, as a relay passes it on: `feed(chunk)` returns the
+    events the chunk completes (up to the blank line that ends the last of them; b"" while none) and holds back
+    the start of the next one, so that an error event the relay adds when the stream is cut follows a whole event,
+    never half of one (it was glued onto it: `data: {"choices": [{"index": 0, "tedata: {"error": ...`, which no
+    client parses). An event held back past `MAX_HELD_EVENT_BYTES` is passed on as it is. `rest()`: what is held
+    when the stream ends (a last event without its blank line). `usage_event`: the last whole event that carries a
+    usage object (a chunk of `stream_options.include_usage`, a Responses stream's `response.completed`, of any
+    size), for `stream_usage`.
+
+        feed(b'data: {"a": 1}\n\ndata: {"b"')   ->  b'data: {"a": 1}\n\n'    (b'data: {"b"' held)
+        feed(b': 2}\n\n')                      ->  b'data: {"b": 2}\n\n'
+    """
+
+    def __init__(self) -> None:
+        self._held = b""
+        self.usage_event = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        start = max(0, len(self._held) - 3)  # a boundary may begin in the held bytes' last 3
+        self._held += chunk
+        end = None
+        for match in _EVENT_END.finditer(self._held, start):
+            end = match.end()
+        if end is None:
+            if len(self._held) <= MAX_HELD_EVENT_BYTES:
+                return b""
+            end = len(self._held)
+        whole, self._held = self._held[:end], self._held[end:]
+        self._note_usage(whole)
+        return whole
+
+    def rest(self) -> bytes:
+        rest, self._held = self._held, b""
+        self._note_usage(rest)
+        return rest
+
+    def _note_usage(self, events: bytes) -> None:
+        for match in reversed(list(_USAGE.finditer(events))):
+            starts = [m.end() for m in _EVENT_END.finditer(events, 0, match.start())]
+            ends = _EVENT_END.search(events, match.end())
+            event = events[starts[-1] if starts else 0:ends.end() if ends else len(events)]
+            if stream_usage(event) is not None:
+                self.usage_event = event
+                return
+
+
 def stream_usage(tail: bytes) -> dict | None:
-    """The `usage` of the last event that has one (sent with stream_options.include_usage; a Responses stream's
-    `response.completed` holds it in its `response`), if any."""
+    """The `usage` of the last event in `tail` that has one (sent with stream_options.include_usage; a
+    Responses stream's `response.completed` holds it in its `response`), if any."""
     for line in reversed(tail.decode(errors="replace").splitlines()):
         if line.startswith("data: {") and '"usage"' in line:
             with contextlib.suppress(ValueError, AttributeError):

@@ -51,7 +51,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 
 from hybridcache.router import ray_metrics
-from hybridcache.router.app import TAIL_BYTES, TOKENIZE_THREADS, has_key, record_usage, stream_usage
+from hybridcache.router.app import TOKENIZE_THREADS, EventRelay, has_key, record_usage, stream_usage
 from hybridcache.router.asgi_call import asgi_request
 from hybridcache.router.fleet_index import FleetIndex
 from hybridcache.router.policy import RoutingConfig
@@ -214,16 +214,21 @@ class CacheIndex:
 
 async def _relay(stream: Any, done: Callable[[bytes | None], None],
                  head: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
-    """A replica's event stream passed through; a cut ends it with an error event and `[DONE]`. `done(tail)`
-    once, however it ends: the stream's last bytes, None when the replica cut it, b"" when the client left.
-    `head(piece)`: called with every piece before it is passed on."""
+    """A replica's event stream passed through, whole events at a time (app.py's `EventRelay`); a cut ends it
+    with an error event and `[DONE]` after the last whole event (an incomplete one is dropped). `done(tail)` once,
+    however it ends: the last event that carries a usage object (b"" for none), None when the replica cut it, b""
+    when the client left. `head(piece)`: called with every piece before it is passed on."""
     tail: bytes | None = b""
+    events = EventRelay()
     try:
         async for piece in stream:
-            tail = (tail + piece)[-TAIL_BYTES:]
             if head is not None:
                 head(piece)
-            yield piece
+            if whole := events.feed(piece):
+                yield whole
+        if rest := events.rest():
+            yield rest
+        tail = events.usage_event
     except (RayActorError, ActorUnavailableError) as error:
         tail = None
         message = f"the engine replica failed mid-stream: {type(error).__name__}: {error}"
