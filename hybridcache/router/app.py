@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import httpx
 from fastapi import FastAPI, Request
@@ -106,9 +106,40 @@ def _relayed(upstream: httpx.Response, content: bytes) -> Response:
                     media_type=upstream.headers.get("content-type", "application/json"))
 
 
+def display_url(url: str) -> str:
+    """`url` without its userinfo (`http://user:secret@host:8001` -> `http://host:8001`): the name a replica is
+    shown by in errors, logs, /health and /metrics labels; the credentials go to the HTTP client only
+    (`ReplicaCredentials`)."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+class ReplicaCredentials(httpx.Auth):
+    """HTTP basic auth for the replicas whose URL carries userinfo, as httpx applies a URL's own (the router's
+    requests go to the URL without it, `display_url`): each request to such a replica's origin gets its
+    credentials."""
+
+    def __init__(self, urls: tuple[str, ...]) -> None:
+        self._by_origin: dict[tuple[str, str, int | None], httpx.BasicAuth] = {}
+        for url in urls:
+            parts = urlsplit(url)
+            if parts.username is not None or parts.password is not None:
+                origin = httpx.URL(display_url(url))
+                self._by_origin[(origin.scheme, origin.host, origin.port)] = httpx.BasicAuth(
+                    unquote(parts.username or ""), unquote(parts.password or ""))
+
+    def auth_flow(self, request: httpx.Request):
+        auth = self._by_origin.get((request.url.scheme, request.url.host, request.url.port))
+        if auth is None:
+            yield request
+        else:
+            yield from auth.auth_flow(request)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas. poll_interval_s: background events
+    """replica_urls: base URLs (no /v1) of `hybridcache serve` replicas (userinfo in one is sent as basic auth,
+    and never shown: `display_url`). poll_interval_s: background events
     polls. request_timeout_s: how long a forwarded request may wait for the replica's next bytes (and take to
     send), None for no limit (the default, as a replica's `--request-timeout`); past it the router answers 504
     (or ends a stream with a 504 error event), closing the request, which the replica then aborts; the replica
@@ -135,8 +166,9 @@ class RouterConfig:
         if not self.replica_urls:
             raise ValueError("the router needs at least one --replica URL")
         object.__setattr__(self, "replica_urls", tuple(u.rstrip("/") for u in self.replica_urls))
-        if len(set(self.replica_urls)) != len(self.replica_urls):
-            raise ValueError(f"replica URLs repeat: {self.replica_urls}")
+        shown = tuple(display_url(u) for u in self.replica_urls)
+        if len(set(shown)) != len(shown):
+            raise ValueError(f"replica URLs repeat: {shown}")
         for name in ("poll_interval_s", "poll_timeout_s", "request_timeout_s"):
             value = getattr(self, name)
             if not (value is None and name == "request_timeout_s" or value is not None and value > 0):
@@ -152,7 +184,7 @@ class RouterState:
     def __init__(self, config: RouterConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.replicas = [Replica(url) for url in config.replica_urls]
+        self.replicas = [Replica(display_url(url)) for url in config.replica_urls]  # credentials: `client`'s
         self.chooser = Chooser(config.routing)
         self.client: httpx.AsyncClient | None = None
         self.poll_headers: dict[str, str] = {}
@@ -248,7 +280,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         state.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
-                                         limits=limits)
+                                         limits=limits, auth=ReplicaCredentials(config.replica_urls))
         state.poll_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         await state.poll_all()
         await state.learn_models()

@@ -49,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "sending each request to the replica with the longest usable hit.",
                                    formatter_class=HelpFormatter, allow_abbrev=False)
     router.add_argument("--replica", action="append", required=True, metavar="URL", type=http_url,
-                        help="base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable)")
+                        help="base URL of a replica, e.g. http://127.0.0.1:8001 (repeatable; user:password@ in it is "
+                             "sent as basic auth and never shown)")
     router.add_argument("--model", default=None,
                         help="the replicas' model folder (its tokenizer and chat template predict hits; default: "
                              "the built-in model)")

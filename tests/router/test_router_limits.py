@@ -14,6 +14,7 @@ from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from tests.router.serving import serving_app
 from tests.router.test_faults import PROMPT, _fake_replica
+from tests.server.server_process import free_port
 
 
 def test_a_body_over_the_limit_is_refused_before_any_replica_sees_it():
@@ -68,3 +69,31 @@ def test_the_router_takes_the_bodies_a_replica_takes_by_default():
     assert RouterConfig(("http://127.0.0.1:1",)).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
     serve = build_parser().parse_args(["serve"])
     assert serve.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 256 << 20
+
+
+def test_credentials_in_a_replica_url_are_sent_never_shown():
+    """`--replica http://admin:s3cret@host:port`: the router authenticates with them (basic auth, as httpx does
+    with a URL's userinfo) but shows the replica as http://host:port in errors, /health and /metrics labels (the
+    secret reached every client in 502/503 messages and the open /metrics)."""
+    replica = _fake_replica("ok")
+    seen = []
+
+    @replica.middleware("http")
+    async def record(request, call_next):
+        if request.url.path != "/health":  # (the test's own wait for the replica)
+            seen.append(request.headers.get("authorization"))
+        return await call_next(request)
+
+    dead = f"http://admin:s3cret@127.0.0.1:{free_port()}"
+    with serving_app(replica) as url:
+        keyed = url.replace("http://", "http://admin:s3cret@")
+        config = RouterConfig((keyed, dead), poll_interval_s=30.0)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+            assert response.status_code == 200
+            texts = [httpx.get(f"{router}/metrics").text, httpx.get(f"{router}/health").text]
+            assert f'replica="{url}"' in texts[0]
+        with serving_app(build_router_app(RouterConfig((dead,), poll_interval_s=30.0), tokenizer=None)) as router:
+            texts.append(httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT}, timeout=30).text)
+    assert all("s3cret" not in text for text in texts), texts
+    assert seen and all(header == "Basic YWRtaW46czNjcmV0" for header in seen), seen
