@@ -327,7 +327,6 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     async def route(path: str, raw: bytes, body: Any, headers: dict[str, str], prompts: list[list[int]]) -> Response:
         """Send the request to the best replica, and on to the next while one fails before its first byte."""
-        stream = isinstance(body, dict) and bool(body.get("stream"))
         stored_id = continued_id(path, body)
         owner = await state.owner_of(stored_id, headers) if stored_id else None
         learn = path == RESPONSES_PATH and stores(body)
@@ -385,7 +384,9 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                         replica.mark_down(last_error)
                     continue
                 replica.counters.routed += 1
-                if stream and upstream.status_code == 200:
+                # a stream by what the replica answered, not by the body's `stream` (whose "false", a string,
+                # the replica's parser reads as false)
+                if upstream.status_code == 200 and _is_event_stream(upstream):
                     relayed = True
                     return _RelayResponse(state, replica, upstream, predicted, learn)
                 try:
@@ -463,6 +464,10 @@ def _route_path(request: Request) -> str:
     """The request's path as the replicas serve it: without the `--root-path` prefix uvicorn puts before it."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _is_event_stream(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").split(";")[0].strip().lower() == "text/event-stream"
 
 
 def _timed_out(state: RouterState, replica: Replica, error: httpx.TimeoutException) -> JSONResponse:

@@ -90,3 +90,19 @@ def test_event_relay_keeps_the_last_usage_object_not_a_null():
     relay = EventRelay()
     relay.feed(b'data: {"usage": {"n": 1}}\n\ndata: {"usage": null}\n\n')
     assert stream_usage(relay.usage_event) == {"n": 1}
+
+
+@pytest.mark.parametrize("value", ["false", "0", None])
+def test_stream_false_as_a_string_is_answered_as_json(value):
+    """`"stream": "false"` (a string) is false to the replica's parser, which answers JSON: the router passes it on
+    as JSON and counts its usage (it relayed it as text/event-stream, by `bool("false")`)."""
+    app = replica_app()
+
+    @app.post("/v1/completions")
+    async def completions():
+        return {"choices": [{"index": 0, "text": "ok"}], "usage": USAGE}
+
+    with _through_router(app) as (url, router):
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "stream": value}, timeout=30)
+        assert response.headers["content-type"] == "application/json" and response.json()["usage"] == USAGE
+        assert _metric(httpx.get(f"{router}/metrics").text, "hybridcache_router_prompt_tokens_total", url) == 20
