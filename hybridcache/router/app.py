@@ -419,9 +419,12 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         if not replicas or not replicas[0].up:
             where = f" ({owner.url}) is down" if owner is not None else ": no replica is up"
             raise APIError(503, f"the replica that stored response {stored_id!r}{where}")
-        try:
+        try:  # a lookup in the replica's memory: within the poll timeout, as the router's other own calls
             answer = await state.client.get(f"{replicas[0].url}{RESPONSES_PATH}/{quote(stored_id, safe='')}",
-                                            headers=headers)
+                                            headers=headers, timeout=config.poll_timeout_s)
+        except httpx.TimeoutException as error:
+            raise APIError(504, f"replica {replicas[0].url} did not answer within {config.poll_timeout_s} s "
+                                f"({type(error).__name__})") from None
         except httpx.HTTPError as error:
             raise APIError(502, f"replica {replicas[0].url} failed while answering: {error}") from None
         return Response(answer.content, status_code=answer.status_code,
@@ -432,8 +435,9 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         for replica in state.replicas:
             if not replica.up:
                 continue
-            with contextlib.suppress(httpx.HTTPError):
-                response = await state.client.get(f"{replica.url}/v1/models", headers=headers)
+            with contextlib.suppress(httpx.HTTPError):  # a replica slower than the poll timeout: the next one
+                response = await state.client.get(f"{replica.url}/v1/models", headers=headers,
+                                                  timeout=config.poll_timeout_s)
                 return Response(response.content, status_code=response.status_code, media_type="application/json")
         raise APIError(503, "no replica is up")
 

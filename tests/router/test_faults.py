@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 
 import httpx
 import pytest
@@ -285,3 +286,31 @@ def test_no_request_timeout_by_default():
     assert RouterConfig(("http://127.0.0.1:1",)).request_timeout_s is None
     with pytest.raises(ValueError, match="request_timeout_s must be > 0"):
         RouterConfig(("http://127.0.0.1:1",), request_timeout_s=0)
+
+
+def test_models_and_stored_responses_do_not_wait_on_a_hung_replica():
+    """A replica whose /v1/models and /v1/responses/{id} hang: /v1/models comes from the next replica and the
+    stored response is a 504 naming the replica, both within the poll timeout (both waited with no limit)."""
+    hung, other = replica_app(), replica_app()
+
+    @hung.get("/v1/models")
+    async def hung_models():
+        await asyncio.sleep(3)
+
+    @hung.get("/v1/responses/{stored_id}")
+    async def hung_response(stored_id: str):
+        await asyncio.sleep(3)
+
+    @other.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    with serving_app(hung) as first, serving_app(other) as second:
+        config = RouterConfig((first, second), poll_interval_s=30.0, poll_timeout_s=0.5)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            start = time.monotonic()
+            models = httpx.get(f"{router}/v1/models", timeout=30)
+            assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"
+            stored = httpx.get(f"{router}/v1/responses/resp_x", timeout=30)
+            assert stored.status_code == 504 and first in stored.json()["error"]["message"]
+            assert time.monotonic() - start < 2.5
