@@ -338,6 +338,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 ranked = [(owner, None)] if owner.up and owner.url not in tried else []
                 if not ranked:
                     state.num_failed += 1
+                    if busy is not None:  # its queue is full: its 503 and Retry-After, as for any request
+                        return busy
                     raise APIError(503, f"the replica that stored response {stored_id!r} ({owner.url}) cannot take "
                                         f"the request: {last_error if tried else 'it is down'}")
             else:

@@ -314,3 +314,24 @@ def test_models_and_stored_responses_do_not_wait_on_a_hung_replica():
             stored = httpx.get(f"{router}/v1/responses/resp_x", timeout=30)
             assert stored.status_code == 504 and first in stored.json()["error"]["message"]
             assert time.monotonic() - start < 2.5
+
+
+def test_a_continuation_on_a_busy_owner_gets_its_retry_after():
+    """A `previous_response_id` turn whose replica is busy gets that replica's 503 and its Retry-After, as any
+    request on a busy fleet does (it got the router's own 503 without Retry-After)."""
+    app = replica_app()
+
+    @app.get("/v1/responses/{stored_id}")
+    async def stored(stored_id: str):
+        return {"object": "response", "id": stored_id}
+
+    @app.post("/v1/responses")
+    async def responses():
+        return JSONResponse({"error": {"message": "the server is busy"}}, status_code=503,
+                            headers={"Retry-After": "7"})
+
+    with serving_app(app) as url, serving_app(_router([url])) as router:
+        body = {"model": "m", "input": "hi", "previous_response_id": "resp_1"}
+        response = httpx.post(f"{router}/v1/responses", json=body, timeout=30)
+        assert response.status_code == 503 and response.headers.get("retry-after") == "7"
+        assert response.json()["error"]["message"] == "the server is busy"
