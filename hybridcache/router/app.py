@@ -8,6 +8,9 @@
                                                  response, alone (router/responses.py)
     GET  /v1/responses/{id}                      from the replica that stored it
     GET  /v1/models                              from the first replica that answers
+    POST /tokenize, /detokenize; GET /version    from the first up replica that answers (as sent)
+    POST /v1/cache/match                         from the replica the body would be routed to
+    GET|POST /ping; GET /load                    200 while a replica is up; the requests in flight here
     GET  /health                                 200 while a replica is up; each one's state with the API key
     GET  /metrics                                Prometheus text (docs/server.md, "Several replicas"); open,
                                                  as a replica's (and vLLM's) /metrics is
@@ -443,6 +446,47 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 return Response(response.content, status_code=response.status_code, media_type="application/json")
         raise APIError(503, "no replica is up")
 
+    async def pass_through(request: Request) -> Response:
+        """A request any replica answers alike (/tokenize, /detokenize, /version): sent as it came to the first
+        up replica that takes it (one that cannot be reached, or answers 502/503/504, passes it to the next)."""
+        raw = await read_body(request, config.max_request_bytes) if request.method == "POST" else b""
+        return await send_first(request, raw, [r for r in state.replicas if r.up])
+
+    async def cache_match(request: Request) -> Response:
+        """`POST /v1/cache/match` (a dry run of a completions or chat body): answered by the replica the request
+        would be routed to (then the next-best, as `pass_through`)."""
+        raw = await read_body(request, config.max_request_bytes)
+        try:
+            body = json.loads(raw)
+        except (RecursionError, ValueError) as error:
+            raise APIError(400, f"the request body is not valid JSON: {error}") from None
+        prompts = await state.prompt_ids(_route_path(request), body)
+        return await send_first(request, raw, [r for r, _ in state.ranked(prompts, set(), routed_cache_salt(body))])
+
+    async def send_first(request: Request, raw: bytes, replicas: list[Replica]) -> Response:
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        last_error = "no replica is up"
+        for replica in replicas:
+            try:
+                answer = await state.client.request(request.method, f"{replica.url}{_route_path(request)}",
+                                                    content=raw, headers=headers, params=request.query_params)
+            except httpx.HTTPError as error:
+                last_error = f"{replica.url}: {type(error).__name__}: {error}"
+                continue
+            if answer.status_code in RETRY_STATUSES and replica is not replicas[-1]:
+                last_error = f"{replica.url} answered {answer.status_code}"
+                continue
+            return _relayed(answer, answer.content)
+        raise APIError(503, f"no replica could take the request: {last_error}")
+
+    async def ping(request: Request) -> Response:
+        """vLLM's liveness route, as a replica's: 200 with an empty body while a replica is up, else 503."""
+        return Response(status_code=200 if any(r.up for r in state.replicas) else 503)
+
+    async def server_load() -> JSONResponse:
+        """vLLM's `GET /load`, as a replica's: `{"server_load": N}`, the requests in flight through the router."""
+        return JSONResponse({"server_load": sum(r.in_flight for r in state.replicas)})
+
     async def health(request: Request) -> JSONResponse:
         ok = any(r.up for r in state.replicas)
         body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
@@ -461,6 +505,12 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.add_api_route(RESPONSES_PATH, forward, methods=["POST"])
     app.add_api_route(RESPONSES_PATH + "/{stored_id}", stored_response, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/v1/cache/match", cache_match, methods=["POST"])
+    app.add_api_route("/tokenize", pass_through, methods=["POST"])
+    app.add_api_route("/detokenize", pass_through, methods=["POST"])
+    app.add_api_route("/version", pass_through, methods=["GET"])
+    app.add_api_route("/ping", ping, methods=["GET", "POST"])
+    app.add_api_route("/load", server_load, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     return app

@@ -1,0 +1,65 @@
+"""The router serves the routes `serve` has besides generation (so that `serve --data-parallel-size N` is the same
+API): /tokenize, /detokenize and /version from a replica that is up, /v1/cache/match from the replica the body
+would be routed to, /ping and /load its own (each was a 404)."""
+
+from __future__ import annotations
+
+import httpx
+from fastapi import Request
+
+from hybridcache.cache.events import CacheEvent, EventKind
+from hybridcache.cache.trie import chain_hash, root_hash
+from hybridcache.router.app import RouterConfig, build_router_app
+from tests.router.serving import replica_app, serving_app
+from tests.router.test_faults import PROMPT
+from tests.server.server_process import free_port
+
+
+def _replica(name: str, hit_step: int = 0):
+    """A replica whose routes name it; its cache holds a checkpoint of PROMPT at `hit_step` (none for 0)."""
+    app = replica_app()
+    if hit_step:
+        root = root_hash(None)
+        app.state.events.append(CacheEvent(EventKind.CHECKPOINT_STORED, anchor_hash=root, step=hit_step,
+                                           tail_hash=chain_hash(root, tuple(PROMPT[:hit_step]), ())).to_json())
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return {"tokens": [1, 2], "from": name, "auth": request.headers.get("authorization")}
+
+    @app.post("/detokenize")
+    async def detokenize():
+        return {"prompt": "hi", "from": name}
+
+    @app.get("/version")
+    async def version():
+        return {"version": "1.0"}
+
+    @app.post("/v1/cache/match")
+    async def match():
+        return {"from": name}
+
+    return app
+
+
+def test_the_serve_routes_through_the_router():
+    dead = f"http://127.0.0.1:{free_port()}"
+    with serving_app(_replica("a")) as first, serving_app(_replica("b", hit_step=12)) as second:
+        config = RouterConfig((dead, first, second), poll_interval_s=30.0)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            tokenized = httpx.post(f"{router}/tokenize", json={"prompt": "hi"},
+                                   headers={"Authorization": "Bearer k"}, timeout=30)
+            assert tokenized.status_code == 200
+            assert tokenized.json() == {"tokens": [1, 2], "from": "a", "auth": "Bearer k"}
+            assert httpx.post(f"{router}/detokenize", json={"tokens": [1]}, timeout=30).json()["from"] == "a"
+            assert httpx.get(f"{router}/version", timeout=30).json() == {"version": "1.0"}
+            # the replica holding PROMPT's checkpoint answers its dry run
+            match = httpx.post(f"{router}/v1/cache/match", json={"prompt": PROMPT}, timeout=30)
+            assert match.status_code == 200 and match.json() == {"from": "b"}
+            for method in ("GET", "POST"):
+                ping = httpx.request(method, f"{router}/ping", timeout=30)
+                assert ping.status_code == 200 and ping.content == b""
+            assert httpx.get(f"{router}/load", timeout=30).json() == {"server_load": 0}
+    with serving_app(build_router_app(RouterConfig((dead,), poll_interval_s=30.0), tokenizer=None)) as router:
+        assert httpx.get(f"{router}/ping", timeout=30).status_code == 503
+        assert httpx.post(f"{router}/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 503
