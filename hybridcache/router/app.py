@@ -7,7 +7,7 @@
                                                  `previous_response_id` goes to the replica that stored that
                                                  response, alone (router/responses.py)
     GET  /v1/responses/{id}                      from the replica that stored it
-    GET  /v1/models                              from the first replica that answers
+    GET  /v1/models                              every up replica's cards, merged
     POST /tokenize, /detokenize; GET /version    from the first up replica that answers (as sent)
     POST /v1/cache/match                         from the replica the body would be routed to
     GET|POST /ping; GET /load                    200 while a replica is up; the requests in flight here
@@ -219,6 +219,17 @@ class RouterState:
                                            timeout=self.config.poll_timeout_s)
             if answer.status_code == 200:
                 self.models[replica.url] = [card for card in answer.json()["data"] if isinstance(card, dict)]
+                others = {url: self.model_ids(url) for url in self.models if url != replica.url}
+                if any(ids != self.model_ids(replica.url) for ids in others.values()):
+                    logger.warning("the replicas serve different models (%s): a request goes to a replica that "
+                                   "serves its `model`, and a prompt is predicted with the router's tokenizer "
+                                   "(--model), right for one model only",
+                                   "; ".join(f"{url}: {', '.join(sorted(self.model_ids(url)))}"
+                                             for url in sorted(self.models)))
+
+    def model_ids(self, url: str) -> set[str]:
+        """The model names the replica at `url` serves (its cards' ids; empty while not known)."""
+        return {card["id"] for card in self.models.get(url, ()) if isinstance(card.get("id"), str)}
 
     def prompt_limits(self) -> PromptLimits:
         """The replicas' prompt limits as far as known: the largest `max_model_len` of their cards (a prompt that
@@ -236,10 +247,14 @@ class RouterState:
                                  self.prompt_limits())
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
 
-    def ranked(self, prompts: list[list[int]], exclude: set[str], salt: str | None = None) -> list[tuple[Replica, int]]:
+    def ranked(self, prompts: list[list[int]], exclude: set[str], salt: str | None = None,
+               model: str | None = None) -> list[tuple[Replica, int]]:
         """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction.
-        `salt`: the request's cache salt (its prompts hit only what that salt stored)."""
+        `salt`: the request's cache salt (its prompts hit only what that salt stored). `model`: the request's
+        model; when a replica's cards name it, only replicas that serve it (or whose cards are not known yet)."""
         candidates = [r for r in self.replicas if r.up and r.url not in exclude]
+        if model is not None and any(model in self.model_ids(url) for url in self.models):
+            candidates = [r for r in candidates if r.url not in self.models or model in self.model_ids(r.url)]
         if not candidates:
             return []
         probes = [r.predict(prompts, salt) for r in candidates]
@@ -346,7 +361,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                     raise APIError(503, f"the replica that stored response {stored_id!r} ({owner.url}) cannot take "
                                         f"the request: {last_error if tried else 'it is down'}")
             else:
-                ranked = state.ranked(prompts, tried, routed_cache_salt(body))
+                ranked = state.ranked(prompts, tried, routed_cache_salt(body), _model(body))
             if not ranked:
                 state.num_failed += 1
                 if busy is not None:  # every replica left was busy: the last one's 503 and its Retry-After
@@ -436,14 +451,27 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                         media_type=answer.headers.get("content-type", "application/json"))
 
     async def models(request: Request) -> Response:
+        """Every up replica's cards, asked with the client's headers (each within the poll timeout), merged by
+        id in the replicas' order; the first replica's own answer when none answers 200 (a 401, say)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
-        for replica in state.replicas:
-            if not replica.up:
-                continue
-            with contextlib.suppress(httpx.HTTPError):  # a replica slower than the poll timeout: the next one
-                response = await state.client.get(f"{replica.url}/v1/models", headers=headers,
-                                                  timeout=config.poll_timeout_s)
-                return Response(response.content, status_code=response.status_code, media_type="application/json")
+
+        async def ask(replica: Replica) -> httpx.Response | None:
+            with contextlib.suppress(httpx.HTTPError):  # a replica slower than the poll timeout: left out
+                return await state.client.get(f"{replica.url}/v1/models", headers=headers,
+                                              timeout=config.poll_timeout_s)
+            return None
+
+        answers = [a for a in await asyncio.gather(*(ask(r) for r in state.replicas if r.up)) if a is not None]
+        cards: dict[str, dict] = {}
+        for answer in answers:
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                if answer.status_code == 200:
+                    for card in answer.json()["data"]:
+                        cards.setdefault(card["id"], card)
+        if cards:
+            return JSONResponse({"object": "list", "data": list(cards.values())})
+        if answers:
+            return Response(answers[0].content, status_code=answers[0].status_code, media_type="application/json")
         raise APIError(503, "no replica is up")
 
     async def pass_through(request: Request) -> Response:
@@ -461,7 +489,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         except (RecursionError, ValueError) as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         prompts = await state.prompt_ids(_route_path(request), body)
-        return await send_first(request, raw, [r for r, _ in state.ranked(prompts, set(), routed_cache_salt(body))])
+        ranked = state.ranked(prompts, set(), routed_cache_salt(body), _model(body))
+        return await send_first(request, raw, [r for r, _ in ranked])
 
     async def send_first(request: Request, raw: bytes, replicas: list[Replica]) -> Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
@@ -520,6 +549,12 @@ def _route_path(request: Request) -> str:
     """The request's path as the replicas serve it: without the `--root-path` prefix uvicorn puts before it."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _model(body: Any) -> str | None:
+    """The model a request names (None: none, or not a string, which the replica refuses)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
 
 
 def _is_event_stream(upstream: httpx.Response) -> bool:

@@ -4,8 +4,11 @@ would be routed to, /ping and /load its own (each was a 404)."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 from fastapi import Request
+from fastapi.responses import JSONResponse
 
 from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.trie import chain_hash, root_hash
@@ -63,3 +66,41 @@ def test_the_serve_routes_through_the_router():
     with serving_app(build_router_app(RouterConfig((dead,), poll_interval_s=30.0), tokenizer=None)) as router:
         assert httpx.get(f"{router}/ping", timeout=30).status_code == 503
         assert httpx.post(f"{router}/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 503
+
+
+def _model_replica(model: str):
+    """A replica serving `model` whose completions name the model they ran (404 for another, as serve's)."""
+    app = replica_app()
+    app.state.calls = 0
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 64}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        app.state.calls += 1
+        asked = (await request.json()).get("model")
+        if asked not in (None, model):
+            return JSONResponse({"error": {"message": f"the model '{asked}' does not exist"}}, status_code=404)
+        return {"model": model, "choices": [{"index": 0, "text": "ok"}]}
+
+    return app
+
+
+def test_a_mixed_model_fleet_routes_by_model_and_lists_every_model(caplog):
+    """Replicas of model-a and model-b: a request for model-b reaches a model-b replica (all went to the first
+    replica, whose 404 came back), /v1/models lists both (it listed the first replica's), the router warns."""
+    caplog.set_level(logging.WARNING, logger="hybridcache.router")
+    a, b = _model_replica("model-a"), _model_replica("model-b")
+    with serving_app(a) as first, serving_app(b) as second:
+        config = RouterConfig((first, second), poll_interval_s=30.0)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            for model in ("model-b", "model-a", "model-b", None):
+                body = {"prompt": PROMPT} if model is None else {"prompt": PROMPT, "model": model}
+                response = httpx.post(f"{router}/v1/completions", json=body, timeout=30)
+                assert response.status_code == 200 and response.json()["model"] in (model or "model-a", "model-b")
+            assert (a.state.calls, b.state.calls) in ((1, 3), (2, 2))
+            ids = [card["id"] for card in httpx.get(f"{router}/v1/models", timeout=30).json()["data"]]
+            assert ids == ["model-a", "model-b"]
+    assert any("serve different models" in r.getMessage() for r in caplog.records)
