@@ -128,3 +128,31 @@ def test_an_image_is_no_text_in_a_predicted_prompt(tokenizer):
     first = next(i for i, (a, b) in enumerate(zip(without, with_image, strict=False)) if a != b)
     assert tokenizer.decode(with_image[first:]).startswith(IMAGE_STAND_IN)
     assert with_image != without and len(with_image) > len(without)
+
+
+def test_a_paged_snapshot_equals_the_whole_one():
+    """`paged=true`: the snapshot comes in pages of `limit` events, each but the last with a cursor to the next;
+    together they are the whole snapshot (taken once, so its `next` holds across pages). A cursor read to its end,
+    or made up, is refused."""
+    prompts = [[(7 * i + k) % 250 for i in range(70)] for k in range(3)]
+    with serving() as url, httpx.Client(base_url=url, timeout=60) as client:
+        client.get("/v1/cache/events").raise_for_status()  # enables the log
+        for prompt in prompts:
+            client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}).raise_for_status()
+        whole = client.get("/v1/cache/events").raise_for_status().json()
+        assert whole["reset"] and len(whole["events"]) > 12 and "cursor" not in whole
+        page = client.get("/v1/cache/events", params={"paged": "true", "limit": 5}).raise_for_status().json()
+        pages = [page]
+        while "cursor" in page:
+            last_cursor = page["cursor"]
+            page = client.get("/v1/cache/events", params={"cursor": last_cursor, "limit": 5}).raise_for_status().json()
+            pages.append(page)
+        assert [p["reset"] for p in pages] == [True] + [False] * (len(pages) - 1)
+        assert all(len(p["events"]) == 5 for p in pages[:-1]) and 0 < len(pages[-1]["events"]) <= 5
+        assert {(p["next"], p["epoch"], p["block_size"]) for p in pages} == {(whole["next"], whole["epoch"], 16)}
+        assert [e for p in pages for e in p["events"]] == whole["events"]
+        gone = client.get("/v1/cache/events", params={"cursor": last_cursor})
+        assert gone.status_code == 409 and gone.json()["error"]["code"] == "snapshot_gone"
+        assert client.get("/v1/cache/events", params={"cursor": "nonsense"}).status_code == 400
+        small = client.get("/v1/cache/events", params={"paged": "true"}).raise_for_status().json()
+        assert small["events"] == whole["events"] and "cursor" not in small  # one page holds it all
