@@ -31,7 +31,13 @@ from functools import partial
 
 import torch
 
-from hybridcache.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, detokenizer_for, token_text
+from hybridcache.detokenizer import (
+    PROMPT_CONTEXT,
+    DeferredDetokenizer,
+    IncrementalDetokenizer,
+    detokenizer_for,
+    token_text,
+)
 from hybridcache.guided import GrammarCache, fill_bitmask
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.sampling import (
@@ -87,13 +93,17 @@ class OutputProcessor:
 
     def new_request(self, request_id: str, prompt: str | None, prompt_len: int, params: SamplingParams,
                     seqs: Sequence[Seq], *, final_only: bool) -> RequestState:
-        """The state of a new request whose completions are `seqs`: a detokenizer, an empty logprob list and a
-        grammar matcher (when guided) per completion, room for the prompt logprobs when asked for."""
+        """The state of a new request whose completions are `seqs`: a detokenizer (primed with the prompt's last
+        tokens, as vLLM's: a character begun in the prompt is completed by the completion's first token), an empty
+        logprob list and a grammar matcher (when guided) per completion, room for the prompt logprobs when asked
+        for."""
         state = RequestState(request_id, prompt, params, final_only=final_only, seqs=list(seqs))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * prompt_len
+        first = state.seqs[0]
+        prompt_tail = first.token_ids[max(0, first.prompt_len - PROMPT_CONTEXT): first.prompt_len]
         for _ in state.seqs:
-            state.texts.append(detokenizer_for(self.tokenizer, params, deferred=final_only))
+            state.texts.append(detokenizer_for(self.tokenizer, params, deferred=final_only, prompt_ids=prompt_tail))
             state.logprobs.append([])
             state.cumulative_logprobs.append(0.0)
             state.stop_reasons.append(None)
