@@ -142,10 +142,12 @@ class DeferredDetokenizer:
             return self._tokenizer.decode(self._ids, self._skip)
         primed = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=self._skip).primed(self._prime)
         text = self._tokenizer.decode([*self._prime, *self._ids], self._skip)
-        own = self._tokenizer.decode(self._ids, self._skip)
-        if text.startswith(primed):
-            return without_prompt_residue(text[len(primed):], own)
-        return own  # (a decoder that rewrites text across tokens)
+        if not text.startswith(primed):  # (a decoder that rewrites text across tokens)
+            return self._tokenizer.decode(self._ids, self._skip)
+        text = text[len(primed):]
+        if not text.startswith(_REPLACEMENT):  # no prompt residue possible: one decode, not two
+            return text
+        return without_prompt_residue(text, self._tokenizer.decode(self._ids, self._skip))
 
     def shown(self, finished: bool) -> str:
         """`text` (no stop strings: nothing is held back)."""
