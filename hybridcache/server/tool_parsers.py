@@ -26,8 +26,23 @@ whose `parameters.properties` (or `$defs`) is not an object has its values read 
 The text before the first call is the message's `content`; text after it (between or after the calls) is dropped, as
 vLLM's qwen3_coder and hermes parsers drop it. A block that does not parse stays in the content, as text.
 
+A closing tag inside an argument (a file about tool calls, HTML, this very parser) does not end the call: a block
+ends at the first closing tag after which its body is a whole call (`_read_block`). An XML value ends at the first
+`</parameter>` followed, past white space, by `<parameter=NAME>` with NAME one of the tool's parameters, or by the
+function's end (`</function>` that the block's end or another function follows), once the `</parameter>` that close
+the `<parameter=` beginning a line inside the value (a literal call) are skipped, as vLLM's qwen3_coder parser
+(`_find_true_param_end`); a JSON body is a whole call when it parses::
+
+    <tool_call><function=write_file><parameter=content>END = "</tool_call>"</parameter></function></tool_call>
+                                                              ^ not whole here           the end: ^
+    (newlines left out)
+
+A block no closing tag makes whole ends at the first one followed by another block or by the end of the text (read
+as before: values end at their first `</parameter>`), else at its first one; one never closed is read to the end.
+
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
-block may start and each call once its block is closed.
+block may start and each call once its block is closed (a closing tag that does not make the block whole is
+decided by the next character that is not white space, or by the end of the text).
 """
 
 from __future__ import annotations
@@ -42,7 +57,11 @@ CALL_START = "<tool_call>"
 CALL_END = "</tool_call>"
 FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
+PARAMETER_START = "<parameter="
+PARAMETER_END = "</parameter>"
 _BLOCKS = ((CALL_START, CALL_END), (FUNCTION_START, FUNCTION_END))  # a block's opening and closing tags
+_OPENINGS = (CALL_START, FUNCTION_START)
+_SPACE = re.compile(r"\s*")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
@@ -147,33 +166,110 @@ def _xml_value(text: str) -> str:
     return text[:-1] if text.endswith("\n") else text
 
 
-def _xml_call(function: re.Match[str], tools: list[dict] | None) -> ToolCall:
-    """One `<function=NAME>` block as a call, its parameters converted by the tool's schema (`_convert`)."""
-    name = function.group(1).strip()
+def _xml_call(name: str, values: list[tuple[str, str]], tools: list[dict] | None) -> ToolCall:
+    """One `<function=NAME>` block as a call: its (key, text) values converted by the tool's schema (`_convert`)."""
     types, defs = _parameter_types(tools, name)
-    arguments = {}
-    for parameter in _PARAMETER.finditer(function.group(2)):
-        key = parameter.group(1).strip()
-        arguments[key] = _convert(_xml_value(parameter.group(2)), types.get(key, {}), defs)
+    arguments = {key: _convert(_xml_value(text), types.get(key, {}), defs) for key, text in values}
     return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+
+
+def _tag_name(text: str, at: int, prefix: str) -> tuple[str, int] | None:
+    """The NAME of a `<prefix NAME>` tag at `at` and where the tag ends; None when there is none (no `>` on the
+    line, or an empty name)."""
+    if not text.startswith(prefix, at):
+        return None
+    close = text.find(">", at)
+    name = text[at + len(prefix):close].strip()
+    return (name, close + 1) if close >= 0 and name and "\n" not in name else None
+
+
+def _value_end(text: str, start: int, names: set[str] | None) -> int:
+    """Where the XML value that starts at `start` ends: its closing `</parameter>`, or -1. A `</parameter>` closes
+    the value when it is followed, past white space, by `<parameter=NAME>` with NAME in `names` (any NAME when None)
+    or by a `</function>` that the next function block or the end of `text` follows, and does not close a
+    `<parameter=` that begins a line inside the value (a literal call in a file), as vLLM's qwen3_coder parser
+    (`_find_true_param_end`, `_find_true_function_end`)."""
+    depth, at = 0, start
+    while (close := text.find(PARAMETER_END, at)) >= 0:
+        nested = text.find("\n" + PARAMETER_START, at, close)
+        if nested >= 0:
+            depth, at = depth + 1, nested + 1 + len(PARAMETER_START)
+            continue
+        at = close + len(PARAMETER_END)
+        if depth:
+            depth -= 1
+            continue
+        after = _SPACE.match(text, at).end()
+        parameter = _tag_name(text, after, PARAMETER_START)
+        if parameter and (names is None or parameter[0] in names):
+            return close
+        if text.startswith(FUNCTION_END, after):
+            following = _SPACE.match(text, after + len(FUNCTION_END)).end()
+            if following == len(text) or text.startswith(FUNCTION_START, following):
+                return close
+    return -1
+
+
+def _whole_xml(text: str, tools: list[dict] | None) -> tuple[ToolCall, ...] | None:
+    """The calls of `text` when it is nothing but closed `<function=...>` blocks (white space between them), each
+    holding nothing but closed parameters (`_value_end`); None otherwise."""
+    calls = []
+    at = _SPACE.match(text).end()
+    while at < len(text):
+        function = _tag_name(text, at, FUNCTION_START)
+        if function is None:
+            return None
+        name, at = function
+        names = set(_parameter_types(tools, name)[0]) or None
+        values = []
+        while not text.startswith(FUNCTION_END, at := _SPACE.match(text, at).end()):
+            parameter = _tag_name(text, at, PARAMETER_START)
+            end = -1 if parameter is None else _value_end(text, parameter[1], names)
+            if end < 0:
+                return None
+            values.append((parameter[0], text[parameter[1]:end]))
+            at = end + len(PARAMETER_END)
+        calls.append(_xml_call(name, values, tools))
+        at = _SPACE.match(text, at + len(FUNCTION_END)).end()
+    return tuple(calls) or None
+
+
+def _json_call(body: str) -> ToolCall | None:
+    """A JSON body's call (`{"name": ..., "arguments": {...}}`), or None."""
+    try:
+        data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return None
+    arguments = data.get("arguments", data.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(_new_id(), data["name"], text)
+
+
+def whole_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, ...] | None:
+    """A block's body (between the tags) as its calls when it is a whole call: nothing but closed function blocks
+    (`_whole_xml`), or one JSON call; None otherwise."""
+    if body.lstrip().startswith(FUNCTION_START):
+        return _whole_xml(body, tools)
+    call = _json_call(body)
+    return None if call is None else (call,)
 
 
 def parse_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, ...]:
     """One block's body (between the tags) as its calls: every `<function=...>` block in it (a model may write
     several in one `<tool_call>`, as vLLM's qwen3_coder parser reads them), or its one JSON call; none when it is
-    neither format."""
+    neither format. A body that is not whole (`whole_block`: unclosed, cut short) is read as far as it goes, each
+    value ending at its first `</parameter>`."""
+    calls = whole_block(body, tools)
+    if calls is not None:
+        return calls
     body = body.strip()
     if body.startswith(FUNCTION_START):
-        return tuple(_xml_call(function, tools) for function in _FUNCTION.finditer(body))
-    try:
-        data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
-    except ValueError:
-        return ()
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return ()
-    arguments = data.get("arguments", data.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return (ToolCall(_new_id(), data["name"], text),)
+        return tuple(_xml_call(function.group(1).strip(), [(p.group(1).strip(), p.group(2)) for p in
+                                                            _PARAMETER.finditer(function.group(2))], tools)
+                     for function in _FUNCTION.finditer(body))
+    return ()
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
@@ -232,20 +328,46 @@ class ToolCallStream:
                 return "".join(content)
             start, opening, closing = min(starts)
             add(rest[:start])
-            body_from = start + len(opening)
-            end = rest.find(closing, body_from)
-            if end < 0 and not finished:
+            block = _read_block(rest, start, opening, closing, self.tools, finished)
+            if block is None:
                 self._scanned += start
                 return "".join(content)
-            block_end = len(rest) if end < 0 else end + len(closing)
-            body = rest[body_from:] if end < 0 else rest[body_from:end]
-            if opening == FUNCTION_START:  # a bare function block: parse_block reads its tags
-                body = rest[start:block_end]
-            calls = parse_block(body, self.tools)
+            block_end, calls = block
             if not calls:
                 add(rest[start:block_end])
             self.calls.extend(calls)
             self._scanned += block_end
+
+
+def _read_block(rest: str, start: int, opening: str, closing: str, tools: list[dict] | None,
+                finished: bool) -> tuple[int, tuple[ToolCall, ...]] | None:
+    """The block that opens at `start`: where it ends and its calls (none: it is text), or None while the text so
+    far cannot tell. It ends at the first closing tag that makes it a whole call (`whole_block`), else at the first
+    one followed, past white space, by another block or by the end of the text, else (finished) the whole rest if
+    that is a whole call, else its first closing tag; one never closed is read to the end of the text."""
+
+    def body(end: int) -> str:  # a bare function block is read with its tags
+        return rest[start + len(opening):end] if opening == CALL_START else rest[start:end + len(closing)]
+
+    first, at = -1, start + len(opening)
+    while (end := rest.find(closing, at)) >= 0:
+        first = end if first < 0 else first
+        at = end + len(closing)
+        calls = whole_block(body(end), tools)
+        if calls is not None:
+            return at, calls
+        after = rest[_SPACE.match(rest, at).end():]
+        if after.startswith(_OPENINGS) or (finished and not after):
+            return at, parse_block(body(end), tools)
+        if not finished and any(tag.startswith(after) for tag in _OPENINGS):  # ("" too)
+            return None
+    if not finished:
+        return None
+    unclosed = rest[start + len(opening):] if opening == CALL_START else rest[start:]
+    calls = whole_block(unclosed, tools)
+    if calls is not None or first < 0:
+        return len(rest), calls or parse_block(unclosed, tools)
+    return first + len(closing), parse_block(body(first), tools)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
