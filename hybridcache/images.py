@@ -71,7 +71,7 @@ def load_image(source: Any, limits: MediaLimits) -> Any:
         return _decode(bytes(source), limits, "the image bytes")
     if not isinstance(source, str):
         raise ImageError(f"an image is a URL, a path, bytes or a PIL image, not {type(source).__name__}")
-    if source.startswith("data:"):
+    if source[:5].lower() == "data:":  # schemes are case-insensitive (RFC 3986 3.1)
         return _decode(_data_uri(source, limits), limits, "the data: URI")
     scheme = urllib.parse.urlsplit(source).scheme.lower()
     if scheme in ("http", "https"):
@@ -88,7 +88,7 @@ def _data_uri(uri: str, limits: MediaLimits) -> bytes:
     header, sep, data = uri[len("data:"):].partition(",")
     if not sep or not header.endswith(";base64"):
         raise ImageError("a data: image URI must be data:<media type>;base64,<data>")
-    if not header.startswith("image/"):
+    if not header.lower().startswith("image/"):  # media types are too (RFC 2045)
         raise ImageError(f"a data: URI of type {header[:-len(';base64')]!r} is not an image")
     if len(data) * 3 // 4 > limits.max_bytes:
         raise ImageError(f"the data: image is larger than {limits.max_bytes} bytes")

@@ -15,7 +15,17 @@ import re
 from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
 
 from hybridcache.generation_config import SamplingDefaults
 from hybridcache.guided import GuidedSpec
@@ -331,6 +341,25 @@ class VideoURLPart(BaseModel):
     video_url: Any = None
 
 
+_PART_TAGS = {"text": "ContentPart", "image_url": "ImageURLPart", "video_url": "VideoURLPart"}
+
+
+def _part_tag(part: Any) -> str | None:
+    """The content part class a part's `type` names (a tag `_client_path` leaves out of error locations)."""
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return _PART_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# A part is validated against the one class its `type` names, so a malformed image part's error names its
+# `image_url` field, not the text part's `type` literal; a `type` outside the three is an error of its own.
+MessagePart = Annotated[
+    Annotated[ContentPart, Tag("ContentPart")] | Annotated[ImageURLPart, Tag("ImageURLPart")]
+    | Annotated[VideoURLPart, Tag("VideoURLPart")],
+    Discriminator(_part_tag, custom_error_type="part_type",
+                  custom_error_message="a content part must be an object whose type is 'text', 'image_url' or "
+                                       "'video_url'")]
+
+
 class FunctionCall(BaseModel):
     """An earlier call's function; `arguments` null or "" (a call without arguments, as some clients send it back)
     is `{}`, as vLLM reads it."""
@@ -370,7 +399,7 @@ class ChatMessage(BaseModel):
 
     model_config = _CONFIG
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart | ImageURLPart | VideoURLPart] | None = ""
+    content: str | list[MessagePart] | None = ""
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None
     tool_call_id: str | None = None
@@ -514,7 +543,8 @@ def _validated(validate: Callable[[Any], Any], data: Any, at: tuple[str, int] | 
         return validate(data)
     except ValidationError as error:
         errors = error.errors(include_url=False)
-        paths = [_client_path(e["loc"]) for e in errors]
+        paths = [(*_client_path(e["loc"]), "type") if e["type"] == "part_type" else _client_path(e["loc"])
+                 for e in errors]
         if at is not None:
             paths = [(at[0], at[1] + p[0], *p[1:]) if p and isinstance(p[0], int) else (at[0], *p) for p in paths]
         depth = max(len(p) for p in paths)

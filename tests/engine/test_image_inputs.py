@@ -73,8 +73,10 @@ def test_sources_load_and_bad_ones_name_the_reason(tmp_path, http_images):
     (tmp_path / "a.png").write_bytes(png(20, 30))
     limits = MediaLimits(allowed_local_media_path=tmp_path, fetch_timeout_s=0.5, max_bytes=size + 10)
     want = load_image(png(20, 30), limits)
+    encoded = base64.b64encode(png(20, 30)).decode()
     for source in (data_uri(png(20, 30)), str(tmp_path / "a.png"), f"file://{tmp_path / 'a.png'}",
-                   f"{base}/ok.png", PIL.open(io.BytesIO(png(20, 30)))):
+                   f"{base}/ok.png", PIL.open(io.BytesIO(png(20, 30))),
+                   f"DATA:image/png;base64,{encoded}", f"Data:IMAGE/PNG;base64,{encoded}"):  # case-insensitive
         got = load_image(source, limits)
         assert got.size == (30, 20) and np.array_equal(np.asarray(got), np.asarray(want))
     bad = [

@@ -56,6 +56,22 @@ def test_bad_field_is_a_400_naming_it(body, chat, param):
     assert error.param == param, error.message
 
 
+@pytest.mark.parametrize("part, param, reason", [
+    ({"type": "image_url"}, "messages.0.content.0.image_url", "required"),
+    ({"type": "image_url", "image_url": "data:image/png;base64,AAAA"}, "messages.0.content.0.image_url",
+     "dictionary"),
+    ({"type": "image_url", "image_url": {}}, "messages.0.content.0.image_url.url", "required"),
+    ({"type": "text"}, "messages.0.content.0.text", "required"),
+    ({"type": "input_audio"}, "messages.0.content.0.type", "'text', 'image_url' or 'video_url'"),
+    ("hi", "messages.0.content.0.type", "an object"),
+])
+def test_a_malformed_content_part_is_named_by_its_own_field(part, param, reason):
+    # a part is checked against the class its type names: an image part missing its image_url was reported as
+    # the text part's type literal ("Input should be 'text'"), as if image parts were refused
+    error = _refused({"messages": [{"role": "user", "content": [part]}]}, True)
+    assert error.param == param and reason in error.message, error.message
+
+
 def test_deep_nesting_names_where_it_is_too_deep():
     error = _refused({"prompt": "hi", "extra": _nested(MAX_JSON_DEPTH + 5)})
     assert error.param == "extra" and "extra.a.a.a" in error.message and str(MAX_JSON_DEPTH) in error.message
