@@ -17,7 +17,9 @@ twice) and coalesce, so that K responses finishing together wait for at most two
 A snapshot is read in pages (`paged=true`, then the answer's `cursor` until none is left) and built into a new
 index off the event loop, which replaces the old one once complete; an answer's JSON is parsed off the event
 loop when large, so a replica with a big cache neither stalls the streams relayed meanwhile nor runs past the
-poll timeout (which bounds each page's request).
+poll timeout (which bounds each page's request). A replica that cannot give a snapshot now (a 409 `snapshot_gone`
+on a page, a 503 with `Retry-After`: other readers hold its snapshots, `snapshot_later`) is not down: the poll
+ends changing nothing, and the next one asks again.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ class EventsAnswer:
     @classmethod
     def decode(cls, content: bytes) -> EventsAnswer:
         return cls.parse(json.loads(content))
+
+
+def snapshot_later(response: httpx.Response) -> bool:
+    """Whether an events answer says "read the snapshot at a later poll", not that the replica is down: a 409 (the
+    snapshot being read is no longer held: `snapshot_gone`) or a 503 with `Retry-After` (as many snapshots as the
+    replica holds are being read by others). The replica keeps its state (`up`, and its index while up)."""
+    return response.status_code == 409 or response.status_code == 503 and "retry-after" in response.headers
 
 
 @dataclass
@@ -151,6 +160,9 @@ class Replica:
                 await self._take_snapshot(answer, client, timeout_s, headers)
             else:
                 self.apply_answer(answer)
+        except httpx.HTTPStatusError as error:
+            if not snapshot_later(error.response):
+                self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
 

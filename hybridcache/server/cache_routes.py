@@ -5,7 +5,8 @@
                                               snapshot of everything held, to replace what the reader had;
                                               with the log's `epoch` (numbers are only valid within one).
                                               `paged=true`: a snapshot comes in pages of at most M events,
-                                              each but the last with a `cursor` for the next
+                                              each but the last with a `cursor` for the next; 503 with
+                                              `Retry-After` while `MAX_HELD_SNAPSHOTS` are being read
     GET  /v1/cache/events?cursor=C[&limit=M]  the snapshot's next page: `reset: false`, its `next` and
                                               `epoch`; 409 `snapshot_gone` when the snapshot is no longer
                                               held (ask for a new one)
@@ -24,9 +25,12 @@ A snapshot is taken on the engine thread and held, to be read page by page::
     snapshot (next = S, events e_0 .. e_n-1)     page 1: e_0 .. e_M-1, cursor "<id>.M"
                                                  page 2: e_M .. e_2M-1, cursor "<id>.2M"   ...   last: no cursor
 
-Each reader who asks gets a snapshot of its own, held until its last page is served, the log lost some event
-numbered S or later (the reader could not catch up from it), no one read it for `SNAPSHOT_KEEP_S` seconds, or
-`MAX_HELD_SNAPSHOTS` newer ones are held.
+Each paged reader gets a snapshot of its own, held from its first page until its last page is served, the log
+lost some event numbered S or later (the reader could not catch up from it), or no one read it for
+`SNAPSHOT_KEEP_S` seconds; a snapshot that one answer holds whole (unpaged, or a single page) is never held. A
+snapshot being read is never dropped for a new one: while `MAX_HELD_SNAPSHOTS` are held, a new paged reader gets 503
+with `Retry-After`, before a snapshot is taken (five routers starting together used to evict each other's, each
+evicted one's next page a 409, every retry a walk of the whole cache).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ from hybridcache.server.errors import APIError
 
 EVENT_LOG_CAPACITY = 1 << 16
 MAX_EVENTS_PER_POLL = 1 << 14
-SNAPSHOT_KEEP_S = 30.0  # a held snapshot no one read for this long is dropped
+SNAPSHOT_KEEP_S = 10.0  # a held snapshot no one read for this long is dropped (its reader gave up on it)
 MAX_HELD_SNAPSHOTS = 4
+SNAPSHOTS_BUSY_RETRY_S = 1  # the Retry-After of a paged reader refused while MAX_HELD_SNAPSHOTS are held
 
 
 @dataclass
@@ -78,7 +83,8 @@ class CacheRoutes:
         self.read_json = read_json
         self.log: Any = None  # the cache's CacheEventLog, once enabled
         self.head: dict[str, Any] = {}  # block_size, full_prompt_hits: what a reader needs to match prompts
-        self.snapshots: dict[str, Snapshot] = {}  # the held ones by id, oldest first (module docstring)
+        self.snapshots: dict[str, Snapshot] = {}  # the held ones by id (module docstring)
+        self.num_taking = 0  # paged snapshots being taken on the engine thread, not held yet
 
     async def events(self, request: Request, since: int | None = None, limit: int = MAX_EVENTS_PER_POLL,
                      paged: bool = False, cursor: str | None = None) -> JSONResponse:
@@ -98,8 +104,23 @@ class CacheRoutes:
                 raise APIError(400, str(error), param="since") from None
             if not batch.lost:
                 return await run_in_threadpool(self._answer, False, batch.next_seq, batch.events)
-        snapshot = await self._new_snapshot()
-        return await self._page(snapshot, 0, limit if paged else None, True)
+        if not paged:
+            return await self._page(await self._new_snapshot(), 0, None, True)
+        self._check_room()
+        self.num_taking += 1  # counted as held while taken: readers arriving together cannot pass the cap
+        try:
+            snapshot = await self._new_snapshot()
+        finally:
+            self.num_taking -= 1
+        return await self._page(snapshot, 0, limit, True)
+
+    def _check_room(self) -> None:
+        """Raise 503 with `Retry-After` while `MAX_HELD_SNAPSHOTS` snapshots are held (or being taken) and read."""
+        if self.log is not None:
+            self._drop_old_snapshots()
+        if len(self.snapshots) + self.num_taking >= MAX_HELD_SNAPSHOTS:
+            raise APIError(503, f"{MAX_HELD_SNAPSHOTS} cache snapshots are being read, the most held at a time: ask "
+                           "again shortly", headers={"Retry-After": str(SNAPSHOTS_BUSY_RETRY_S)})
 
     def _drop_old_snapshots(self) -> None:
         """Drop the held snapshots that are stale or were not read for `SNAPSHOT_KEEP_S`."""
@@ -118,12 +139,7 @@ class CacheRoutes:
                 self.log = log
             return Snapshot(uuid.uuid4().hex, self.log.next_seq, cache.snapshot_events(), time.monotonic())
 
-        snapshot = await self._call(take)
-        self._drop_old_snapshots()
-        self.snapshots[snapshot.snapshot_id] = snapshot
-        while len(self.snapshots) > MAX_HELD_SNAPSHOTS:
-            del self.snapshots[next(iter(self.snapshots))]
-        return snapshot
+        return await self._call(take)
 
     def _page_start(self, cursor: str) -> tuple[Snapshot, int]:
         snapshot_id, _, offset = cursor.partition(".")
@@ -133,7 +149,7 @@ class CacheRoutes:
         snapshot = self.snapshots.get(snapshot_id)
         if snapshot is None:
             raise APIError(409, "the snapshot this cursor reads is no longer held (read to its end, the event log "
-                           "moved past it, unread for a while, or newer ones replaced it): ask for a new one",
+                           "moved past it, or unread for a while): ask for a new one",
                            param="cursor", code="snapshot_gone")
         if int(offset) > len(snapshot.events):
             raise APIError(400, f"snapshot cursor {cursor!r} is past the snapshot's end", param="cursor")
@@ -141,11 +157,13 @@ class CacheRoutes:
 
     async def _page(self, snapshot: Snapshot, offset: int, limit: int | None, reset: bool) -> JSONResponse:
         """Events [offset, offset + limit) of `snapshot` (to its end when `limit` is None), with the cursor of the
-        next page when there is one."""
+        next page when there is one; held while there is (module docstring)."""
         snapshot.read_at = time.monotonic()
         end = len(snapshot.events) if limit is None else min(len(snapshot.events), offset + limit)
         more = {"cursor": f"{snapshot.snapshot_id}.{end}"} if end < len(snapshot.events) else {}
-        if not more:  # its last page: no one reads it again
+        if more:
+            self.snapshots[snapshot.snapshot_id] = snapshot
+        else:  # its last page: no one reads it again
             self.snapshots.pop(snapshot.snapshot_id, None)
         return await run_in_threadpool(self._answer, reset, snapshot.next_seq, snapshot.events[offset:end], more)
 

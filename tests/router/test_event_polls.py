@@ -14,12 +14,14 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 
 from hybridcache.cache.events import CacheEvent, CacheEventLog, EventKind
 from hybridcache.router import replicas
 from hybridcache.router.index import ReplicaIndex
 from hybridcache.router.replicas import Replica
-from hybridcache.server.cache_routes import MAX_EVENTS_PER_POLL, CacheRoutes
+from hybridcache.server.cache_routes import MAX_EVENTS_PER_POLL, MAX_HELD_SNAPSHOTS, CacheRoutes
+from hybridcache.server.errors import APIError
 
 
 def _checkpoint(i: int) -> CacheEvent:
@@ -104,8 +106,15 @@ def _served_cache(events: list[CacheEvent], threads: set[str]) -> tuple[FastAPI,
             return super().to_json()
 
     stored = [Recorded(**{**e.to_json(), "kind": e.kind}) for e in events]
+    app = FastAPI()
+    app.state.num_snapshots = 0  # snapshots taken (each a walk of the whole cache on the engine thread)
+
+    def snapshot_events() -> list[CacheEvent]:
+        app.state.num_snapshots += 1
+        return list(stored)
+
     cache = SimpleNamespace(events=None, block_size=16, config=SimpleNamespace(full_prompt_hits=False),
-                            snapshot_events=lambda: list(stored))
+                            snapshot_events=snapshot_events)
     cache.enable_events = lambda capacity: setattr(cache, "events", CacheEventLog(capacity)) or cache.events
     engine = SimpleNamespace(scheduler=SimpleNamespace(cache=cache))
 
@@ -117,7 +126,11 @@ def _served_cache(events: list[CacheEvent], threads: set[str]) -> tuple[FastAPI,
         return None
 
     routes = CacheRoutes(EngineLoop(), lambda request: None, no_body, no_body)
-    app = FastAPI()
+
+    @app.exception_handler(APIError)  # as server/app.py
+    async def api_error(request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
     app.add_api_route("/v1/cache/events", routes.events, methods=["GET"])
     return app, routes
 
@@ -183,7 +196,95 @@ def test_a_snapshot_replaces_the_index_only_once_its_last_page_is_read():
             return [*seen, replica.up, len(replica.index.blocks)]
 
     assert asyncio.run(run()) == [False, None, True, MAX_EVENTS_PER_POLL + 1]
-    assert len(routes.snapshots) <= 1  # the abandoned one is held until it goes stale or unread (30 s)
+    assert len(routes.snapshots) <= 1  # the abandoned one is held until it goes stale or unread (10 s)
+
+
+class _SmallPages(httpx.AsyncBaseTransport):
+    """`inner` asked for pages of `limit` events; counts the answers by status in `statuses`."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, limit: int) -> None:
+        self.inner, self.limit, self.statuses = inner, limit, {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        request.url = request.url.copy_merge_params({"limit": str(self.limit)})
+        response = await self.inner.handle_async_request(request)
+        self.statuses[response.status_code] = self.statuses.get(response.status_code, 0) + 1
+        return response
+
+
+def test_routers_reading_snapshots_together_do_not_evict_each_other():
+    """Eight routers reading a multi-page snapshot of one healthy replica together (found by a bug hunt: a fifth
+    reader's snapshot evicted the oldest one being read, whose next page got a 409 that marked the replica down; 8
+    routers polling for 20 s saw it up 0% of the time and made it walk its cache 116 times). Now a reader past the
+    cap gets 503 with Retry-After before a snapshot is taken, which its router reads as "at the next poll"."""
+    num_readers = 2 * MAX_HELD_SNAPSHOTS
+    app, routes = _served_cache([_block(i) for i in range(100)], set())
+
+    async def run() -> tuple[list[Replica], int, _SmallPages]:
+        transport = _SmallPages(httpx.ASGITransport(app=app), limit=10)
+        readers = [Replica("http://replica") for _ in range(num_readers)]
+        async with httpx.AsyncClient(transport=transport) as client:
+
+            async def poll_until_up(replica: Replica) -> int:
+                for polls in range(1, 51):
+                    await replica.poll(client, 5.0)
+                    if replica.up:
+                        return polls
+                    await asyncio.sleep(0.01)
+                return 0
+
+            polls = await asyncio.gather(*(poll_until_up(r) for r in readers))
+            return readers, min(polls), transport
+
+    readers, fewest_polls, transport = asyncio.run(run())
+    assert fewest_polls > 0 and all(r.up and len(r.index.blocks) == 100 for r in readers)
+    assert 409 not in transport.statuses and transport.statuses[503] >= 1  # some waited their turn
+    assert app.state.num_snapshots == num_readers and routes.snapshots == {}  # one walk each, none left held
+
+
+def test_a_single_page_or_unpaged_snapshot_is_never_held():
+    """Only a reader with pages to come holds a snapshot: the unpaged ones (the Ray replicas' pushes) and single
+    pages took room under the cap (and were dropped from it at once)."""
+    app, routes = _served_cache([_block(i) for i in range(30)], set())
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as client:
+            for _ in range(2 * MAX_HELD_SNAPSHOTS):
+                assert (await client.get("/v1/cache/events")).status_code == 200
+                assert (await client.get("/v1/cache/events", params={"paged": "true"})).status_code == 200
+            held = len(routes.snapshots)
+            pages = [await client.get("/v1/cache/events", params={"paged": "true", "limit": 10})
+                     for _ in range(MAX_HELD_SNAPSHOTS + 1)]
+            taken = app.state.num_snapshots
+            return [held, *(p.status_code for p in pages), int(pages[-1].headers["retry-after"]) > 0,
+                    app.state.num_snapshots - taken]
+
+    assert asyncio.run(run()) == [0, *[200] * MAX_HELD_SNAPSHOTS, 503, True, 0]  # refused before taking one
+
+
+@pytest.mark.parametrize("status,headers,stays_up", [(409, {}, True), (503, {"Retry-After": "1"}, True),
+                                                     (503, {}, False), (500, {}, False)],
+                         ids=["snapshot_gone", "busy_retry_after", "503_down", "500_down"])
+def test_an_events_answer_to_ask_later_keeps_the_replica_up(status, headers, stays_up):
+    app = FastAPI()
+    answer = {"status": 200}
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int | None = None):
+        if answer["status"] != 200:
+            return JSONResponse({"error": {"message": "later", "code": None}}, status_code=status, headers=headers)
+        return {"block_size": 16, "full_prompt_hits": False, "reset": since is None, "next": 1,
+                "events": [] if since is not None else [_block(0).to_json()], "epoch": "e"}
+
+    async def run() -> tuple[bool, bool]:
+        replica = Replica("http://replica")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as client:
+            await replica.poll(client, 5.0)
+            answer["status"] = status
+            await replica.poll(client, 5.0)
+            return replica.up, replica.index is not None and len(replica.index.blocks) == 1
+
+    assert asyncio.run(run()) == (stays_up, stays_up)
 
 
 def test_an_unpaged_reader_still_gets_the_whole_snapshot_and_apply_refuses_a_page():
