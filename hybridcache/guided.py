@@ -17,7 +17,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ class GuidedKind(enum.Enum):
     REGEX = "regex"
     GRAMMAR = "grammar"  # EBNF (GBNF) text, or Lark text (no `::=` rule: `is_lark`)
     CHOICE = "choice"  # `spec`: a JSON list of strings, the completion is one of them
-    TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; one or more Qwen <tool_call> blocks
+    TOOL_CALLS = "tool_calls"  # `spec`: a JSON list of tool schemas; Qwen <tool_call> blocks (one unless `parallel`)
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,13 @@ class GuidedSpec:
     """A constraint: `kind` and its `spec` text. `starts_after`: the constraint applies from the token after the
     one with which the completion's text first contains this marker, and the completion is free until then (a
     reasoning model's `</think>`: the answer is constrained, its reasoning is not, as vLLM does with a reasoning
-    parser); "" = from the first token."""
+    parser); "" = from the first token. `parallel` (TOOL_CALLS only): one or more calls, a newline between two (as
+    Qwen's chat templates write them), rather than exactly one."""
 
     kind: GuidedKind
     spec: str = ""
     starts_after: str = ""
+    parallel: bool = False
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any]) -> GuidedSpec:
@@ -50,10 +52,11 @@ class GuidedSpec:
         return cls(GuidedKind.JSON_SCHEMA, json.dumps(schema))
 
     @classmethod
-    def tool_calls(cls, tools: Sequence[dict[str, Any]]) -> GuidedSpec:
+    def tool_calls(cls, tools: Sequence[dict[str, Any]], parallel: bool = False) -> GuidedSpec:
         """Qwen3's tool-call format, one block: `<tool_call>\\n{"name": N, "arguments": A}\\n</tool_call>`
-        with N one of `tools`' names and A valid for that tool's `parameters` schema (arguments in its order)."""
-        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools)))
+        with N one of `tools`' names and A valid for that tool's `parameters` schema (arguments in its order);
+        `parallel`: one or more such blocks, a newline between two."""
+        return cls(GuidedKind.TOOL_CALLS, json.dumps(list(tools)), parallel=parallel)
 
 
 class GuidedUnavailable(ValueError):
@@ -113,7 +116,7 @@ class GrammarCache:
         return MarkerGate(matcher, spec.starts_after, decode)
 
     def _compile(self, spec: GuidedSpec) -> Any:
-        spec = GuidedSpec(spec.kind, spec.spec)  # the grammar is the same whatever starts it
+        spec = replace(spec, starts_after="")  # the grammar is the same whatever starts it
         with self._lock:
             compiled = self._compiled.get(spec)
             if compiled is not None:
@@ -218,7 +221,17 @@ def _grammar(xgr: Any, spec: GuidedSpec) -> Any:
         choices = json.loads(spec.spec)
         return xgr.Grammar.union(*(_literal(xgr, choice) for choice in choices))
     calls = [_tool_call_grammar(xgr, tool) for tool in json.loads(spec.spec)]
-    return calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    return _one_or_more(xgr, call, "\n") if spec.parallel else call
+
+
+def _one_or_more(xgr: Any, grammar: Any, separator: str) -> Any:
+    """`grammar` one or more times, `separator` between two: `calls ::= root (separator root)*` over its rules."""
+    text = str(grammar)
+    names = {line.split("::=", 1)[0].strip() for line in text.splitlines() if "::=" in line}
+    name = next(f"repeated{i}" for i in range(len(names) + 1) if f"repeated{i}" not in names)
+    separator = json.dumps(separator, ensure_ascii=False)
+    return xgr.Grammar.from_ebnf(f"{text}\n{name} ::= root ({separator} root)*\n", root_rule_name=name)
 
 
 def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:

@@ -91,15 +91,17 @@ def _one(name: str, kind: str, value: Any) -> GuidedSpec:
     return GuidedSpec(GuidedKind.REGEX if kind == "regex" else GuidedKind.GRAMMAR, value)
 
 
-def tool_choice_spec(tools: list[dict] | None, tool_choice: Any) -> GuidedSpec | None:
-    """`tool_choice` "required" (some tool) or `{"type": "function", "function": {"name": N}}` (tool N) forces
-    a tool call in Qwen3's `<tool_call>` JSON format; "auto" and "none" constrain nothing."""
+def tool_choice_spec(tools: list[dict] | None, tool_choice: Any,
+                     parallel_tool_calls: bool = False) -> GuidedSpec | None:
+    """`tool_choice` "required" (some tool: one or more calls when the request's `parallel_tool_calls` is true, as
+    OpenAI and vLLM have it, else exactly one) or `{"type": "function", "function": {"name": N}}` (one call of tool
+    N) forces tool calls in Qwen3's `<tool_call>` JSON format; "auto" and "none" constrain nothing."""
     if tool_choice in (None, "auto", "none"):
         return None
     if not tools:
         raise APIError(400, f"tool_choice {json.dumps(tool_choice)} needs tools", param="tool_choice")
     if tool_choice == "required":
-        return GuidedSpec.tool_calls(tools)
+        return GuidedSpec.tool_calls(tools, parallel=parallel_tool_calls)
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):

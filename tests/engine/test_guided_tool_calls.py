@@ -1,0 +1,75 @@
+"""tool_choice "required" with parallel_tool_calls: one or more calls (hunt 162), as OpenAI ("one or more tools") and
+vLLM ("one or more tool calls") define it; exactly one without parallel calls, and for a named function."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hybridcache.guided import GrammarCache, GuidedSpec
+from hybridcache.models.builtin import ensure_builtin_model
+from hybridcache.server.structured import tool_choice_spec
+from hybridcache.tokenizer import Tokenizer
+from tests.engine import needs_xgrammar
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+def _call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+ONE = _call("get_weather", {"city": "Paris"})
+TWO = ONE + "\n" + _call("get_time", {})
+THREE = TWO + "\n" + _call("get_weather", {"city": "Rome"})
+
+
+@pytest.fixture(scope="module")
+def cache_and_tokenizer() -> tuple[GrammarCache, Tokenizer]:
+    tokenizer = Tokenizer(ensure_builtin_model())
+    return GrammarCache(tokenizer.hf, tokenizer.vocab_size, [tokenizer.eos_token_id]), tokenizer
+
+
+def _accepts(cache_and_tokenizer: tuple[GrammarCache, Tokenizer], spec: GuidedSpec, text: str) -> bool:
+    """Whether `spec`'s grammar takes exactly `text` (its tokens, then EOS)."""
+    cache, tokenizer = cache_and_tokenizer
+    matcher = cache.matcher(spec)
+    return all(matcher.accept_token(t) for t in tokenizer.encode(text)) and matcher.accept_token(
+        tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_allows_several_calls_only_with_parallel_tool_calls(cache_and_tokenizer, parallel):
+    """The grammar of "required" was one block whatever `parallel_tool_calls` said: a second call was never
+    allowed. With parallel calls it is one or more blocks, a newline between two (as Qwen's templates write
+    them); without, exactly one."""
+    spec = tool_choice_spec([WEATHER, TIME], "required", parallel_tool_calls=parallel)
+    assert _accepts(cache_and_tokenizer, spec, ONE)
+    assert _accepts(cache_and_tokenizer, spec, TWO) is parallel
+    assert _accepts(cache_and_tokenizer, spec, THREE) is parallel
+    assert not _accepts(cache_and_tokenizer, spec, "")
+    assert not _accepts(cache_and_tokenizer, spec, ONE + ONE)  # (no newline between)
+    assert not _accepts(cache_and_tokenizer, spec, ONE + "\n")
+
+
+@needs_xgrammar
+def test_a_named_function_is_one_call_and_parallel_is_part_of_the_spec(cache_and_tokenizer):
+    """A named tool_choice forces one call of that tool, parallel calls or not. The one-or-more grammar and the
+    one-call grammar are distinct specs (cached apart), also once a reasoning marker starts them."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    spec = tool_choice_spec([WEATHER, TIME], named, parallel_tool_calls=True)
+    assert _accepts(cache_and_tokenizer, spec, ONE)
+    assert not _accepts(cache_and_tokenizer, spec, ONE + "\n" + ONE)
+    several = GuidedSpec.tool_calls([WEATHER], parallel=True)
+    one = GuidedSpec.tool_calls([WEATHER])
+    assert several != one and hash(several) != hash(one)
+    assert _accepts(cache_and_tokenizer, several, ONE + "\n" + ONE)
+    assert not _accepts(cache_and_tokenizer, one, ONE + "\n" + ONE)
+    cache, _ = cache_and_tokenizer
+    gated = dataclasses.replace(several, starts_after="</think>")
+    assert cache._compile(gated) is cache._compile(several) is not cache._compile(one)
