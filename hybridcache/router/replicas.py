@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -66,18 +67,29 @@ class EventsAnswer:
     cursor: str | None = None
 
     @classmethod
-    def parse(cls, body: dict) -> EventsAnswer:
-        """Raises ValueError, KeyError or TypeError for a malformed answer."""
+    def parse(cls, body: Any) -> EventsAnswer:
+        """Raises ValueError, KeyError or TypeError for a malformed answer (ValueError for one that is no JSON
+        object, `[]` or `null` from a URL that points at another service, and for a number past a float's range)."""
+        if not isinstance(body, dict):
+            raise ValueError(f"an events answer is a JSON object, not {type(body).__name__}")
         cursor = body.get("cursor")
         if cursor is not None and not isinstance(cursor, str):
             raise ValueError(f"malformed snapshot cursor {cursor!r}")
-        return cls(bool(body["reset"]), int(body["next"]), int(body["block_size"]), body.get("epoch"),
-                   bool(body.get("full_prompt_hits", False)), [CacheEvent.from_json(e) for e in body["events"]],
-                   cursor)
+        try:
+            return cls(bool(body["reset"]), int(body["next"]), int(body["block_size"]), body.get("epoch"),
+                       bool(body.get("full_prompt_hits", False)), [CacheEvent.from_json(e) for e in body["events"]],
+                       cursor)
+        except OverflowError as error:  # int(1e999)
+            raise ValueError(f"malformed events answer: {error}") from None
 
     @classmethod
     def decode(cls, content: bytes) -> EventsAnswer:
-        return cls.parse(json.loads(content))
+        """`parse` of an answer's bytes; raises ValueError for JSON nested too deeply to parse."""
+        try:
+            body = json.loads(content)
+        except RecursionError:
+            raise ValueError("an events answer nested too deeply to parse") from None
+        return cls.parse(body)
 
 
 def snapshot_later(response: httpx.Response) -> bool:
@@ -164,6 +176,9 @@ class Replica:
             if not snapshot_later(error.response):
                 self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
+        except Exception as error:  # noqa: BLE001 - a poll must end in up or down: not end the poll loop, fail a request
+            logger.exception("events poll of %s failed unexpectedly", self.url)
             self.mark_down(f"events poll failed: {type(error).__name__}: {error}")
 
     async def _get(self, client: httpx.AsyncClient, params: dict, timeout_s: float,
