@@ -48,6 +48,7 @@ decided by the next character that is not white space, or by the end of the text
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -108,9 +109,31 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is too large for a float")
+    return number
+
+
 def _strict_json(text: str, **options: Any) -> Any:
-    """`json.loads` without NaN / Infinity (Python's json takes and writes them; no strict JSON parser does)."""
-    return json.loads(text, parse_constant=_refuse_constant, **options)
+    """`json.loads` without NaN / Infinity, written or reached by a number too large for a float (`1e400`): Python's
+    json takes and writes them, no strict JSON parser does. Nesting too deep to parse is a ValueError too."""
+    try:
+        return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite, **options)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _dumps(value: Any) -> str:
+    """`value` as JSON text: characters as they are, but escaped when the text holds a lone surrogate (JSON's
+    `"\\ud800"` parses to one), which UTF-8 cannot encode."""
+    text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(value, allow_nan=False)
+    return text
 
 
 _JSON_KINDS = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (type(None), "null"))
@@ -151,7 +174,7 @@ def _convert(value: str, schema: dict[str, Any], defs: dict[str, Any] | None = N
         return value
     try:
         parsed = _strict_json(value)
-    except ValueError:  # (JSONDecodeError too; NaN / Infinity: kept as text, as JSON has no such number)
+    except ValueError:  # (JSONDecodeError too; NaN, Infinity, 1e400: kept as text, as JSON has no such number)
         lowered = value.strip().lower()
         if "boolean" in kinds and lowered in ("true", "false"):
             return lowered == "true"
@@ -170,7 +193,7 @@ def _xml_call(name: str, values: list[tuple[str, str]], tools: list[dict] | None
     """One `<function=NAME>` block as a call: its (key, text) values converted by the tool's schema (`_convert`)."""
     types, defs = _parameter_types(tools, name)
     arguments = {key: _convert(_xml_value(text), types.get(key, {}), defs) for key, text in values}
-    return ToolCall(_new_id(), name, json.dumps(arguments, ensure_ascii=False, allow_nan=False))
+    return ToolCall(_new_id(), name, _dumps(arguments))
 
 
 def _tag_name(text: str, at: int, prefix: str) -> tuple[str, int] | None:
@@ -243,7 +266,11 @@ def _json_call(body: str) -> ToolCall | None:
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    text = arguments if isinstance(arguments, str) else _dumps(arguments)
+    try:
+        (data["name"] + text).encode()
+    except UnicodeEncodeError:  # a lone surrogate in a name or in arguments sent as text: not a call
+        return None
     return ToolCall(_new_id(), data["name"], text)
 
 

@@ -88,3 +88,48 @@ def _assert_streams_as_whole(text: str, tools: list[dict], rounds: int = 12) -> 
         assert [(c.name, c.arguments) for _, c in calls] == want
         assert [i for i, _ in calls] == list(range(len(calls)))
         assert content == (message["content"] or "")
+
+
+NUMBER_TOOLS = [{"type": "function", "function": {"name": "set_limit", "parameters": {"type": "object", "properties": {
+    "value": {"type": "number"}, "box": {"type": "object"}, "note": {"type": "string"}}}}}]
+
+
+def _set_limit_xml(**values: str) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"Setting it.\n<tool_call>\n<function=set_limit>\n{body}</function>\n</tool_call>"
+
+
+OVERFLOW_TEXTS = [
+    _set_limit_xml(value="1e400"),
+    _set_limit_xml(value="-1E400", box='{"a": [1, 2e999]}'),
+    'Setting it.\n<tool_call>\n{"name": "set_limit", "arguments": {"value": 1e400}}\n</tool_call>',
+    'Setting it.\n<tool_call>\n{"name": "set_limit", "arguments": {"note": "a\\ud800b"}}\n</tool_call>',
+    'Setting it.\n<tool_call>\n{"name": "set_\\udfff", "arguments": {}}\n</tool_call>',
+    'Setting it.\n<tool_call>\n{"name": "set_limit", "arguments": "{\\"note\\": \\"\\ud800\\"}"}\n</tool_call>',
+    'Setting it.\n<tool_call>\n{"name": "set_limit", "arguments": {"box": ' + "[" * 5_000 + "]" * 5_000 +
+    "}}\n</tool_call>",
+]
+
+
+@pytest.mark.parametrize("text", OVERFLOW_TEXTS, ids=["xml-1e400", "xml-in-object", "json-1e400", "json-surrogate",
+                                                      "json-surrogate-name", "json-surrogate-text", "json-deep"])
+def test_numbers_too_large_and_lone_surrogates_give_strict_utf8_json_not_an_error(text):
+    """A number too large for a float (1e400) raised from json.dumps(allow_nan=False): a 500, or a stream cut with
+    an error event (XML); JSON arguments came back as `{"value": Infinity}`, which is not JSON; a lone surrogate
+    escape (`"a\\ud800b"`) raised UnicodeEncodeError when the answer was sent: a 500. Now an XML number too large
+    stays text, a JSON call holding one is not a call (its text stays content, as NaN), a lone surrogate in the
+    arguments is escaped (`\\ud800`), one in a name or in arguments sent as text makes the block text; a JSON body
+    nested too deeply to parse is text too."""
+    message = final_message(text, ChatOutputOptions(parse_tools=True, tools=NUMBER_TOOLS))
+    json.dumps(message, ensure_ascii=False).encode()  # what the server sends
+    calls = message.get("tool_calls", [])
+    strict = {"parse_constant": lambda name: pytest.fail(f"{name} in the arguments")}
+    arguments = [json.loads(c["function"]["arguments"], **strict) for c in calls]
+    if "<function=" in text:
+        assert arguments[0]["value"] in ("1e400", "-1E400")
+        assert arguments[0].get("box", '{"a": [1, 2e999]}') == '{"a": [1, 2e999]}'
+    elif "\\ud800b" in text:
+        assert arguments == [{"note": "a\ud800b"}] and message["content"] == "Setting it."
+    else:
+        assert calls == [] and message["content"] == text
+    _assert_streams_as_whole(text, NUMBER_TOOLS)
