@@ -29,7 +29,7 @@ but sends nothing for `request_timeout_s` (a read or write timeout) is slow, not
 client that disconnects before its response, streamed or not, closes the request to the replica, which aborts
 it (the router logs a 499, as a replica does). After each response the router
 polls that replica's events before returning the last bytes, so the next turn of a conversation is routed
-with the checkpoint this one saved; a background task polls every replica every `poll_interval_s`.
+with the checkpoint this one saved; a background task per replica polls it every `poll_interval_s`.
 
 Shutdown (`--shutdown-timeout`), as serve's: what still runs when the grace period ends is cancelled; a stream
 ends with the final error event ("the server shut down before this request finished") and `data: [DONE]`, any
@@ -201,17 +201,27 @@ class RouterState:
         self.tokenize_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZE_THREADS,
                                                                    thread_name_prefix="router-tokenize")
 
-    async def poll_all(self) -> None:
-        await asyncio.gather(*(r.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
-                               for r in self.replicas))
+    async def poll_forever(self, replica: Replica, first_done: asyncio.Event) -> None:
+        """`replica`'s background polls, every `poll_interval_s`, and its models once it is up: a loop of its own,
+        so that a large snapshot of one replica holds up no other's polls (nor the router's start, which waits for
+        `first_done` at most the poll timeout). An error is logged and the loop goes on."""
+        while True:
+            try:
+                await replica.poll(self.client, self.config.poll_timeout_s, self.poll_headers)
+                await self.learn_models([replica])
+            except Exception:  # noqa: BLE001 - one failed poll must not end a replica's polls for good
+                logger.exception("the background poll of replica %s failed", replica.url)
+            first_done.set()
+            await asyncio.sleep(self.config.poll_interval_s)
 
-    async def learn_models(self) -> None:
-        """Ask each up replica whose model cards are not known for its `GET /v1/models` (within the poll
-        timeout); forget a down replica's (it may come back with another model)."""
-        for replica in self.replicas:
+    async def learn_models(self, replicas: list[Replica] | None = None) -> None:
+        """Ask each up replica (of `replicas`, default all) whose model cards are not known for its
+        `GET /v1/models` (within the poll timeout); forget a down replica's (it may come back with another model)."""
+        replicas = self.replicas if replicas is None else replicas
+        for replica in replicas:
             if not replica.up:
                 self.models.pop(replica.url, None)
-        await asyncio.gather(*(self._learn_models(r) for r in self.replicas if r.up and r.url not in self.models))
+        await asyncio.gather(*(self._learn_models(r) for r in replicas if r.up and r.url not in self.models))
 
     async def _learn_models(self, replica: Replica) -> None:
         with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
@@ -288,25 +298,22 @@ class RouterState:
 def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     state = RouterState(config, tokenizer)
 
-    async def poll_forever() -> None:
-        while True:
-            await asyncio.sleep(config.poll_interval_s)
-            await state.poll_all()
-            await state.learn_models()
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
         state.client = httpx.AsyncClient(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0),
                                          limits=limits, auth=ReplicaCredentials(config.replica_urls))
         state.poll_headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        await state.poll_all()
-        await state.learn_models()
-        poller = asyncio.create_task(poll_forever())
+        first_done = [asyncio.Event() for _ in state.replicas]
+        pollers = [asyncio.create_task(state.poll_forever(r, done)) for r, done in zip(state.replicas, first_done)]
+        # start once every replica's first poll has ended, or after the poll timeout: a snapshot of many pages
+        # is read on after the start (it held the start up for as long as it took)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(done.wait() for done in first_done)), config.poll_timeout_s)
         yield
-        poller.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await poller
+        for poller in pollers:
+            poller.cancel()
+        await asyncio.gather(*pollers, return_exceptions=True)
         await state.client.aclose()
         state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 

@@ -74,3 +74,74 @@ def test_the_poll_loop_outlives_an_odd_answer_of_one_replica():
             odd.state.odd = None
             assert wait_until(lambda: state.replicas[0].index is not None and len(state.replicas[0].index.blocks) == 5
                               and state.replicas[1].up, 5.0)
+
+
+def _big_replica(num_pages: int, page_s: float) -> FastAPI:
+    """A replica whose snapshot comes in `num_pages` pages, each after `page_s`; `app.state.pages_read`."""
+    app = FastAPI()
+    app.state.pages_read = 0
+    head = {"block_size": 16, "full_prompt_hits": False, "epoch": "big", "next": 0, "events": []}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/cache/events")
+    async def cache_events(since: int | None = None, cursor: str | None = None):
+        if cursor is None:
+            return {**head, "reset": since is None, **({"cursor": "1"} if since is None else {})}
+        await asyncio.sleep(page_s)
+        app.state.pages_read += 1
+        return {**head, "reset": False, **({"cursor": str(int(cursor) + 1)} if int(cursor) + 1 < num_pages else {})}
+
+    return app
+
+
+def _blipping_replica() -> FastAPI:
+    """An empty replica whose next `app.state.fail` events polls answer 500."""
+    app = replica_app("small")
+    app.state.fail = 0
+
+    @app.middleware("http")
+    async def blip(request, call_next):
+        if request.url.path == "/v1/cache/events" and app.state.fail:
+            app.state.fail -= 1
+            return Response(b"{}", status_code=500, media_type="application/json")
+        return await call_next(request)
+
+    return app
+
+
+def test_a_large_snapshot_holds_up_neither_the_start_nor_another_replicas_polls():
+    """Found by a bug hunt: the background loop polled all replicas together and waited for the slowest, and the
+    start waited for every first poll, so a big replica's snapshot (8 pages of 1 s) held the start up for 7 s and
+    kept a small replica down for 8 s after one failed poll. Each replica now has a loop of its own, and the start
+    waits for the first polls at most the poll timeout."""
+    num_pages, page_s = 10, 0.3
+    big, small = _big_replica(num_pages, page_s), _blipping_replica()
+    with serving_app(big) as a, serving_app(small) as b:
+        app = build_router_app(RouterConfig((a, b), poll_interval_s=0.05, poll_timeout_s=0.6), tokenizer=None)
+        with serving_app(app, "/ping"):
+            started_at_page = big.state.pages_read
+            big_replica, small_replica = app.state.router.replicas
+            assert small_replica.up and not big_replica.up
+            small.state.fail = 1  # a blip: down until its next poll, 0.05 s later
+            assert wait_until(lambda: not small_replica.up, 2.0)
+            assert wait_until(lambda: small_replica.up, 2.0)
+            back_at_page = big.state.pages_read
+    assert started_at_page <= 3 and back_at_page < num_pages - 1  # was: both after the big snapshot's last page
+
+
+def test_a_poll_loop_survives_an_error_of_any_kind(monkeypatch):
+    poll, failures = Replica.poll, [RuntimeError("a bug"), AttributeError("another")]
+
+    async def failing_poll(self, *args, **kwargs):
+        if failures:
+            raise failures.pop()
+        await poll(self, *args, **kwargs)
+
+    monkeypatch.setattr(Replica, "poll", failing_poll)
+    with serving_app(replica_app()) as a:
+        app = build_router_app(RouterConfig((a,), poll_interval_s=0.05), tokenizer=None)
+        with serving_app(app, "/ping"):
+            assert wait_until(lambda: app.state.router.replicas[0].up, 3.0) and not failures
