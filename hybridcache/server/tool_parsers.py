@@ -19,12 +19,14 @@ or the XML-style function block of Qwen3-Coder and Qwen3.5::
 XML parameter values are text, less the one newline the chat template writes on each side (a value's own leading or
 trailing newlines are kept, as vLLM's qwen3_coder parser keeps them); they are converted to the type the tool's JSON
 schema allows for that parameter (integer, number, boolean, object, array, null; by its `type`, `anyOf` / `oneOf`
-branches or `enum` values), else kept as strings; "null" is null, as in vLLM's qwen3_coder parser. A function block
-the model writes without the `<tool_call>` around it (`<function=get_weather>...</function>`) is a call too, as
-vLLM's qwen3_coder parser takes it, and so is each of several function blocks written in one `<tool_call>`. A tool
-whose `parameters.properties` (or `$defs`) is not an object has its values read as if it had no schema (strings).
-The text before the first call is the message's `content`; text after it (between or after the calls) is dropped, as
-vLLM's qwen3_coder and hermes parsers drop it. A block that does not parse stays in the content, as text.
+branches or `enum` values), else kept as strings; "null" is null where the schema allows null or no string, as in
+vLLM's qwen3_coder parser (a string parameter keeps the text "null", and so does a parameter the schema does not
+name). A function block the model writes without the `<tool_call>` around it
+(`<function=get_weather>...</function>`) is a call too, as vLLM's qwen3_coder parser takes it, and so is each of
+several function blocks written in one `<tool_call>`. A tool whose `parameters.properties` (or `$defs`) is not an
+object has its values read as if it had no schema (strings). The text before the first call is the message's
+`content`; text after it (between or after the calls) is dropped, as vLLM's qwen3_coder and hermes parsers drop it.
+A block that does not parse stays in the content, as text.
 
 A closing tag inside an argument (a file about tool calls, HTML, this very parser) does not end the call: a block
 ends at the first closing tag after which its body is a whole call (`_read_block`). An XML value ends at the first
@@ -164,12 +166,13 @@ def _schema_kinds(schema: Any, defs: dict[str, Any] | None = None, depth: int = 
 
 
 def _convert(value: str, schema: dict[str, Any], defs: dict[str, Any] | None = None) -> Any:
-    """An XML parameter's text as the type its schema allows (`_schema_kinds`): "null" (any case) is null, as
-    vLLM's qwen3_coder parser has it; a schema that allows strings keeps the text; otherwise the text as JSON
-    (or a boolean written True / False), the text itself when it does not parse."""
-    if value.strip().lower() == "null":
-        return None
+    """An XML parameter's text as the type its schema allows (`_schema_kinds`), as vLLM's qwen3_coder parser:
+    "null" or "None" (any case) is null where the schema allows null or no string; a schema that allows strings
+    keeps the text (a string "null" too); otherwise the text as JSON (or a boolean written True / False), the text
+    itself when it does not parse."""
     kinds = _schema_kinds(schema, defs)
+    if value.strip().lower() in ("null", "none") and ("null" in kinds or "string" not in kinds):
+        return None
     if "string" in kinds:
         return value
     try:
@@ -190,9 +193,11 @@ def _xml_value(text: str) -> str:
 
 
 def _xml_call(name: str, values: list[tuple[str, str]], tools: list[dict] | None) -> ToolCall:
-    """One `<function=NAME>` block as a call: its (key, text) values converted by the tool's schema (`_convert`)."""
+    """One `<function=NAME>` block as a call: its (key, text) values converted by the tool's schema (`_convert`);
+    a key the schema does not name keeps its text, as vLLM's qwen3_coder parser."""
     types, defs = _parameter_types(tools, name)
-    arguments = {key: _convert(_xml_value(text), types.get(key, {}), defs) for key, text in values}
+    arguments = {key: _convert(_xml_value(text), types[key], defs) if key in types else _xml_value(text)
+                 for key, text in values}
     return ToolCall(_new_id(), name, _dumps(arguments))
 
 

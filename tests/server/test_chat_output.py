@@ -34,7 +34,8 @@ def test_qwen3_coder_xml_block_converts_types_from_the_schema():
 
 def test_xml_parameters_typed_by_any_of_enum_or_const_convert_and_null_is_null():
     """Pydantic's Optional[int] is `anyOf` with no `type`, an enum of numbers has only `enum`: their values stayed
-    strings, and "null" stayed "null". vLLM's qwen3_coder parser converts them."""
+    strings, and "null" stayed "null". vLLM's qwen3_coder parser converts them; "null" is null where the schema
+    allows null, and a parameter the schema does not name keeps its text, as vLLM's parser now has it."""
     properties = {"limit": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "level": {"enum": [1, 2, 3]},
                   "mode": {"enum": ["fast", "slow"]}, "flag": {"const": True}, "note": {"type": "string"},
                   "maybe": {"oneOf": [{"type": "string"}, {"type": "null"}]}}
@@ -45,7 +46,7 @@ def test_xml_parameters_typed_by_any_of_enum_or_const_convert_and_null_is_null()
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
     (call,) = parse_tool_calls(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>", tools).tool_calls
     assert json.loads(call.arguments) == {"limit": 5, "level": 2, "mode": "fast", "flag": True, "note": "12",
-                                          "maybe": None, "other": None}
+                                          "maybe": None, "other": "NULL"}
 
 
 def test_xml_arguments_are_strict_json_and_a_ref_names_its_model():

@@ -133,3 +133,25 @@ def test_numbers_too_large_and_lone_surrogates_give_strict_utf8_json_not_an_erro
     else:
         assert calls == [] and message["content"] == text
     _assert_streams_as_whole(text, NUMBER_TOOLS)
+
+
+EDIT_TOOLS = [{"type": "function", "function": {"name": "edit_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "old_string": {"type": "string"}, "new_string": {"type": "string"},
+    "default": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "nullable": {"type": ["string", "null"]},
+    "limit": {"type": "integer"}, "flag": {"type": "boolean"}, "mode": {"enum": ["null", "fast"]}}}}}]
+
+
+def test_a_string_parameter_written_null_stays_the_string_null():
+    """A string parameter whose text is `null` (an SQL file, a sentence) came back as JSON null: an edit_file
+    call replacing `NULL` lost its old_string. As vLLM's qwen3_coder parser now has it, a schema that allows
+    strings keeps the text unless it allows null too; a non-string type takes "null" and "None" as null; a
+    parameter the schema does not name keeps its text."""
+    values = {"path": "schema.sql", "old_string": "NULL", "new_string": "null", "default": "null", "nullable": "None",
+              "limit": "None", "flag": "NULL", "mode": "null", "unnamed": "null"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    text = f"<tool_call>\n<function=edit_file>\n{body}</function>\n</tool_call>"
+    (call,) = parse_tool_calls(text, EDIT_TOOLS).tool_calls
+    assert json.loads(call.arguments) == {"path": "schema.sql", "old_string": "NULL", "new_string": "null",
+                                          "default": None, "nullable": None, "limit": None, "flag": None,
+                                          "mode": "null", "unnamed": "null"}
+    _assert_streams_as_whole(text, EDIT_TOOLS)
