@@ -8,7 +8,7 @@
                                                  response, alone (router/responses.py)
     GET  /v1/responses/{id}                      from the replica that stored it
     GET  /v1/models                              every up replica's cards, merged
-    POST /tokenize, /detokenize; GET /version    from the first up replica that answers (as sent)
+    POST /tokenize, /detokenize; GET /version    from the first up replica (of the body's `model`) that answers
     POST /v1/cache/match                         from the replica the body would be routed to
     GET|POST /ping; GET /load                    200 while a replica is up; the requests in flight here
     GET  /health                                 200 while a replica is up; each one's state with the API key
@@ -257,14 +257,19 @@ class RouterState:
                                  self.prompt_limits())
         return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, work)
 
+    def serving(self, replicas: list[Replica], model: str | None) -> list[Replica]:
+        """Those of `replicas` that serve `model` (or whose cards are not known yet) when some replica's cards name
+        it; all of them when none does, or `model` is None (the replica answers for itself)."""
+        if model is None or not any(model in self.model_ids(url) for url in self.models):
+            return replicas
+        return [r for r in replicas if r.url not in self.models or model in self.model_ids(r.url)]
+
     def ranked(self, prompts: list[list[int]], exclude: set[str], salt: str | None = None,
                model: str | None = None) -> list[tuple[Replica, int]]:
         """Up replicas not yet tried, the chosen one first, then by predicted hit; with each one's prediction.
         `salt`: the request's cache salt (its prompts hit only what that salt stored). `model`: the request's
         model; when a replica's cards name it, only replicas that serve it (or whose cards are not known yet)."""
-        candidates = [r for r in self.replicas if r.up and r.url not in exclude]
-        if model is not None and any(model in self.model_ids(url) for url in self.models):
-            candidates = [r for r in candidates if r.url not in self.models or model in self.model_ids(r.url)]
+        candidates = self.serving([r for r in self.replicas if r.up and r.url not in exclude], model)
         if not candidates:
             return []
         probes = [r.predict(prompts, salt) for r in candidates]
@@ -482,10 +487,14 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         raise APIError(503, "no replica is up")
 
     async def pass_through(request: Request) -> Response:
-        """A request any replica answers alike (/tokenize, /detokenize, /version): sent as it came to the first
-        up replica that takes it (one that cannot be reached, or answers 502/503/504, passes it to the next)."""
+        """A request any replica of its model answers alike (/tokenize, /detokenize, /version): sent as it came to
+        the first up replica that serves the JSON body's `model` (`RouterState.serving`) and takes it (one that
+        cannot be reached, or answers 502/503/504, passes it to the next)."""
         raw = await read_body(request, config.max_request_bytes) if request.method == "POST" else b""
-        return await send_first(request, raw, [r for r in state.replicas if r.up])
+        model = None
+        with contextlib.suppress(ValueError, RecursionError):  # not JSON: the replica answers its 400
+            model = _model(json.loads(raw)) if raw else None
+        return await send_first(request, raw, state.serving([r for r in state.replicas if r.up], model))
 
     async def cache_match(request: Request) -> Response:
         """`POST /v1/cache/match` (a dry run of a completions or chat body): answered by the replica the request

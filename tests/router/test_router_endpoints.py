@@ -77,13 +77,23 @@ def _model_replica(model: str):
     async def models():
         return {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 64}]}
 
+    def refused(asked: str | None) -> JSONResponse | None:  # serve's _check_model
+        if asked not in (None, model):
+            return JSONResponse({"error": {"message": f"the model '{asked}' does not exist"}}, status_code=404)
+        return None
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         app.state.calls += 1
-        asked = (await request.json()).get("model")
-        if asked not in (None, model):
-            return JSONResponse({"error": {"message": f"the model '{asked}' does not exist"}}, status_code=404)
-        return {"model": model, "choices": [{"index": 0, "text": "ok"}]}
+        return refused((await request.json()).get("model")) or {"model": model, "choices": [{"index": 0, "text": "ok"}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return refused((await request.json()).get("model")) or {"tokens": [1, 2], "model": model}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return refused((await request.json()).get("model")) or {"prompt": "hi", "model": model}
 
     return app
 
@@ -104,3 +114,16 @@ def test_a_mixed_model_fleet_routes_by_model_and_lists_every_model(caplog):
             ids = [card["id"] for card in httpx.get(f"{router}/v1/models", timeout=30).json()["data"]]
             assert ids == ["model-a", "model-b"]
     assert any("serve different models" in r.getMessage() for r in caplog.records)
+
+
+def test_tokenize_and_detokenize_go_to_a_replica_of_their_model():
+    """Found by a bug hunt: /tokenize and /detokenize went to the first up replica whatever their `model`, and a
+    replica of another model answered 404 model_not_found."""
+    with serving_app(_model_replica("model-a")) as first, serving_app(_model_replica("model-b")) as second:
+        config = RouterConfig((first, second), poll_interval_s=30.0)
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            for route, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+                for model in ("model-b", "model-a", None):
+                    sent = body if model is None else {**body, "model": model}
+                    answer = httpx.post(f"{router}{route}", json=sent, timeout=30)
+                    assert answer.status_code == 200 and answer.json()["model"] == (model or "model-a"), route
