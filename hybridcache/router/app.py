@@ -119,20 +119,28 @@ def display_url(url: str) -> str:
 
 class ReplicaCredentials(httpx.Auth):
     """HTTP basic auth for the replicas whose URL carries userinfo, as httpx applies a URL's own (the router's
-    requests go to the URL without it, `display_url`): each request to such a replica's origin gets its
-    credentials."""
+    requests go to the URL without it, `display_url`): a request gets the credentials of the replica whose base URL
+    it is under, the longest when several are (replicas behind one proxy under path prefixes, each with its own
+    user, shared the last one's when they were keyed by origin)::
+
+        http://alice:a@proxy:8080/replica-a   <-  GET http://proxy:8080/replica-a/v1/cache/events   (alice)
+        http://bob:b@proxy:8080/replica-b     <-  GET http://proxy:8080/replica-b/v1/cache/events   (bob)
+    """
 
     def __init__(self, urls: tuple[str, ...]) -> None:
-        self._by_origin: dict[tuple[str, str, int | None], httpx.BasicAuth] = {}
+        self._bases: list[tuple[tuple[str, str, int | None], str, httpx.BasicAuth | None]] = []
         for url in urls:
-            parts = urlsplit(url)
+            parts, base = urlsplit(url), httpx.URL(display_url(url))
+            auth = None
             if parts.username is not None or parts.password is not None:
-                origin = httpx.URL(display_url(url))
-                self._by_origin[(origin.scheme, origin.host, origin.port)] = httpx.BasicAuth(
-                    unquote(parts.username or ""), unquote(parts.password or ""))
+                auth = httpx.BasicAuth(unquote(parts.username or ""), unquote(parts.password or ""))
+            self._bases.append(((base.scheme, base.host, base.port), base.path.rstrip("/"), auth))
 
     def auth_flow(self, request: httpx.Request):
-        auth = self._by_origin.get((request.url.scheme, request.url.host, request.url.port))
+        origin, path = (request.url.scheme, request.url.host, request.url.port), request.url.path
+        under = [(len(base), auth) for base_origin, base, auth in self._bases
+                 if base_origin == origin and (path == base or path.startswith(base + "/"))]
+        auth = max(under, key=lambda match: match[0])[1] if under else None
         if auth is None:
             yield request
         else:

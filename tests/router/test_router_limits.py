@@ -5,12 +5,14 @@ connection cap), and /health shows the replicas' addresses and loads only with t
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 
 from hybridcache.cli import build_parser
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.router import cli as router_cli
-from hybridcache.router.app import RouterConfig, build_router_app
+from hybridcache.router.app import ReplicaCredentials, RouterConfig, build_router_app
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from tests.router.serving import serving_app
 from tests.router.test_faults import PROMPT, _fake_replica
@@ -97,3 +99,22 @@ def test_credentials_in_a_replica_url_are_sent_never_shown():
             texts.append(httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT}, timeout=30).text)
     assert all("s3cret" not in text for text in texts), texts
     assert seen and all(header == "Basic YWRtaW46czNjcmV0" for header in seen), seen
+
+
+def test_replicas_behind_one_proxy_each_get_their_own_credentials():
+    """Found by a bug hunt: credentials were keyed by origin, so two replicas behind one proxy under path prefixes
+    (each location with its own user) both got the last one's, and the first one's polls failed (401). A request
+    now gets the credentials of the longest replica base URL it is under, none when that replica has none."""
+    urls = ("http://alice:a@proxy:8080/replica-a", "http://bob:b@proxy:8080/replica-b",
+            "http://root:r@proxy:8080", "http://proxy:8080/open", "http://carol:c@other:8080/replica-a")
+    auth = ReplicaCredentials(urls)
+
+    def sent(url: str) -> str | None:
+        header = next(auth.auth_flow(httpx.Request("GET", url))).headers.get("authorization")
+        return base64.b64decode(header.split()[1]).decode() if header else None
+
+    assert [sent(url) for url in ("http://proxy:8080/replica-a/v1/cache/events", "http://proxy:8080/replica-b/ping",
+                                  "http://proxy:8080/replica-ab/v1/models", "http://proxy:8080/v1/models",
+                                  "http://proxy:8080/open/v1/cache/events", "http://other:8080/replica-a/health",
+                                  "http://other:8080/health")] == ["alice:a", "bob:b", "root:r", "root:r", None,
+                                                                   "carol:c", None]
