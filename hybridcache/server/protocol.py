@@ -497,7 +497,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return super().guided_field()
 
     def guided(self) -> GuidedSpec | None:
-        forced = tool_choice_spec(self.tool_dicts(), self.effective_tool_choice())
+        forced = tool_choice_spec(self.tool_dicts(), self.effective_tool_choice(), self.parallel_tool_calls)
         other = super().guided()
         if forced is not None and other is not None:
             raise APIError(400, "tool_choice 'required' or a named function cannot be combined with "

@@ -73,3 +73,17 @@ def test_a_named_function_is_one_call_and_parallel_is_part_of_the_spec(cache_and
     cache, _ = cache_and_tokenizer
     gated = dataclasses.replace(several, starts_after="</think>")
     assert cache._compile(gated) is cache._compile(several) is not cache._compile(one)
+
+
+@pytest.mark.parametrize("parallel", [True, False, None])
+def test_a_chat_request_passes_parallel_tool_calls_to_required(parallel):
+    """The request's `parallel_tool_calls` (default true, as OpenAI's) reaches the "required" grammar; a named
+    function is one call either way."""
+    from hybridcache.server.protocol import ChatCompletionRequest, parse_request
+
+    fields = {} if parallel is None else {"parallel_tool_calls": parallel}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, TIME], **fields}
+    required = parse_request(ChatCompletionRequest, {**body, "tool_choice": "required"}).guided()
+    assert required.parallel is (parallel is not False)
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert parse_request(ChatCompletionRequest, {**body, "tool_choice": named}).guided().parallel is False

@@ -69,7 +69,7 @@ def _stream_message(stream):
 
 def test_tool_round_trip(client):
     first = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                           max_tokens=120, temperature=0.8, seed=1)
+                                           parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=1)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -86,7 +86,8 @@ def test_tool_round_trip(client):
 
 def test_tool_round_trip_streamed(client):
     stream = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
-                                            max_tokens=120, temperature=0.8, seed=2, stream=True)
+                                            parallel_tool_calls=False, max_tokens=120, temperature=0.8, seed=2,
+                                            stream=True)
     content, _, calls, finish = _stream_message(stream)
     assert finish == "tool_calls" and len(calls) == 1 and content == ""
     call = calls[0]
@@ -283,7 +284,8 @@ def test_five_turn_agent_conversation_keeps_hitting_the_cache(client):
     previous_total = 0
     for turn in range(5):
         response = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
-                                                  tool_choice="required", max_tokens=120, temperature=1.0, seed=turn)
+                                                  tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+                                                  temperature=1.0, seed=turn)
         (call,) = response.choices[0].message.tool_calls
         if turn:
             # everything before this turn's new tool result: the previous prompt and the call it generated, except

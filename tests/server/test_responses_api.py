@@ -214,7 +214,7 @@ def test_openai_agents_default_client(server):
 
     tool_agent = agents.Agent(name="weather", model=model, tools=[get_weather], tool_use_behavior="stop_on_first_tool",
                               model_settings=agents.ModelSettings(tool_choice="required", max_tokens=150,
-                                                                           temperature=0))
+                                                                           temperature=0, parallel_tool_calls=False))
     # structured output (text.format json_schema): the grammar ends the answer, so it completes
     report_agent = agents.Agent(name="report", model=model, output_type=Report,
                                 model_settings=agents.ModelSettings(max_tokens=150, temperature=0))

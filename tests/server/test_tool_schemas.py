@@ -114,7 +114,7 @@ def test_forced_call_with_defs_returns_valid_arguments(client, shape):
 
     def ask(seed: int):
         return client.chat.completions.create(model=MODEL, messages=USER, tools=[tool], tool_choice=choices[seed],
-                                              max_tokens=600, temperature=0.7, seed=seed)
+                                              parallel_tool_calls=False, max_tokens=600, temperature=0.7, seed=seed)
 
     with concurrent.futures.ThreadPoolExecutor(len(choices)) as pool:
         responses = list(pool.map(ask, range(len(choices))))

@@ -254,7 +254,8 @@ def test_a_named_tool_call_finishes_with_stop_and_empty_content(server):
     events = _streamed(server, NAMED)
     assert [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]] == ["stop"]
     assert _deltas(events, "tool_calls")
-    required = _ok(server.post("/v1/chat/completions", json={**NAMED, "tool_choice": "required"}))["choices"][0]
+    required = _ok(server.post("/v1/chat/completions", json={**NAMED, "tool_choice": "required",
+                                                                        "parallel_tool_calls": False}))["choices"][0]
     assert required["finish_reason"] == "tool_calls" and required["message"]["content"] == ""  # (vLLM's "")
 
 
