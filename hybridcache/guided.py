@@ -106,14 +106,16 @@ class GrammarCache:
         self._compile(spec)
 
     def matcher(self, spec: GuidedSpec, decode: Callable[[int], str] | None = None) -> Any:
-        """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set
-        (`decode`: one token's text, special tokens included)."""
+        """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set.
+        The gate decodes its last tokens together with this cache's tokenizer (special tokens kept), so a marker
+        character that spans tokens is found; `decode` (one token's text) is not needed and no longer used."""
         matcher = _xgrammar().GrammarMatcher(self._compile(spec))
         if not spec.starts_after:
             return matcher
-        if decode is None:
-            raise ValueError("a constraint that starts after a marker needs the tokens' text (decode)")
-        return MarkerGate(matcher, spec.starts_after, decode)
+        return MarkerGate(matcher, spec.starts_after, self._decode_ids)
+
+    def _decode_ids(self, token_ids: list[int]) -> str:
+        return self._hf_tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _compile(self, spec: GuidedSpec) -> Any:
         spec = replace(spec, starts_after="")  # the grammar is the same whatever starts it
@@ -162,13 +164,18 @@ class GrammarCache:
 class MarkerGate:
     """A grammar matcher that stays closed (allows every token, accepts none) until the completion's text holds
     `marker`, then passes everything to `matcher`, from the next token on. The marker is looked for in the last
-    tokens' texts (`decode`), so a marker split over tokens is found; the token that completes it is not fed to
-    the grammar. The interface `fill_bitmask` and `OutputProcessor` use: `is_terminated`, `accept_token`,
-    `fill_next_token_bitmask` (a closed gate leaves its row's bits all set)."""
+    tokens decoded together (`decode_ids`), as many as the marker has UTF-8 bytes (a token holds at least one), so
+    a marker split over tokens is found, a character past ASCII split over tokens included; the token that
+    completes it is not fed to the grammar. The interface `fill_bitmask` and `OutputProcessor` use:
+    `is_terminated`, `accept_token`, `fill_next_token_bitmask` (a closed gate leaves its row's bits all set).
 
-    def __init__(self, matcher: Any, marker: str, decode: Callable[[int], str]) -> None:
-        self.matcher, self.marker, self._decode = matcher, marker, decode
-        self._tail = ""
+        marker "</think>" (8 bytes), tokens "ok", ".</", "th", "ink", ">"
+        window after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open"""
+
+    def __init__(self, matcher: Any, marker: str, decode_ids: Callable[[list[int]], str]) -> None:
+        self.matcher, self.marker, self._decode_ids = matcher, marker, decode_ids
+        self._window_len = max(1, len(marker.encode()))
+        self._recent_ids: list[int] = []
         self.open = False
 
     def is_terminated(self) -> bool:
@@ -177,9 +184,8 @@ class MarkerGate:
     def accept_token(self, token: int) -> bool:
         if self.open:
             return self.matcher.accept_token(token)
-        text = self._tail + self._decode(token)
-        self.open = self.marker in text
-        self._tail = text[len(text) - len(self.marker) + 1:]  # enough to find a marker the next token completes
+        self._recent_ids = [*self._recent_ids, token][-self._window_len:]
+        self.open = self.marker in self._decode_ids(self._recent_ids)
         return True
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:

@@ -197,3 +197,27 @@ def test_one_spec_compiled_by_two_threads_at_once_is_kept_and_counted_once(monke
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         list(pool.map(small.check, [_schema(i) for i in range(24)]))
     assert len(small) == 3 and small.num_bytes == sum(g.memory_size_bytes for g in small._compiled.values())
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("completion,marker", [
+    ("</think>", "</think>"), ("\n</think>", "</think>"), ("ok.</think>", "</think>"),
+    ("thinking...</think>", "</think>"), ("答", "答"), ("想好了答", "答"), ("x</思考>", "</思考>"),
+], ids=["marker-first", "after-1", "after-3", "after-11", "non-ascii-only", "non-ascii-after", "non-ascii-inside"])
+def test_a_gate_opens_on_a_marker_split_over_tokens_wherever_it_starts(completion, marker):
+    """Hunt 166, bug 3: the gate kept a negative slice of a short text (its tail stuck at 3 characters), so a
+    `</think>` that began in the first 6 characters was missed and the answer never constrained; and it decoded
+    each token alone, so a marker character past ASCII spanning tokens (U+FFFD halves) was never found. The
+    built-in tokenizer writes one token per byte: each marker here spans several tokens."""
+    cache, tokenizer = _cache()
+    spec = GuidedSpec(GuidedKind.JSON_OBJECT, starts_after=marker)
+    gate = cache.matcher(spec)
+    ids = tokenizer.encode(completion)
+    assert len(tokenizer.encode(marker)) > 1
+    for token in ids[:-1]:
+        gate.accept_token(token)
+        assert not gate.open
+    gate.accept_token(ids[-1])
+    assert gate.open
+    assert not gate.accept_token(tokenizer.encode("]")[0])  # the grammar now holds: a JSON object starts with {
+    assert gate.accept_token(tokenizer.encode("{")[0])
