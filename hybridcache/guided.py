@@ -321,6 +321,29 @@ _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "d
 _SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames", "not", "if", "then",
                "else", "unevaluatedItems", "unevaluatedProperties")
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# Keywords that say nothing about what is valid: xgrammar may drop them with no harm.
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                          "writeOnly", "discriminator", "$defs", "definitions", "$schema", "$id", "$anchor",
+                          "nullable", "contentMediaType", "contentEncoding"})
+# xgrammar builds a schema holding one of these from it alone, dropping every other keyword beside it.
+_ALONE_KEYWORDS = ("$ref", "allOf", "anyOf", "oneOf", "const", "enum")
+_IGNORED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
+# Keywords of one type that xgrammar reads only where the schema says its type ("type", or for objects and arrays a
+# keyword that implies it); with neither it takes any JSON value.
+_TYPED_KEYWORDS = {
+    "string": ("pattern", "format", "minLength", "maxLength"),
+    "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
+    "object": ("required", "minProperties", "maxProperties", "patternProperties", "propertyNames"),
+    "array": ("minItems", "maxItems"),
+}
+_TYPE_IMPLIED_BY = {"object": ("properties", "additionalProperties", "unevaluatedProperties"),
+                    "array": ("items", "prefixItems")}
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda v: isinstance(v, str), "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "integer": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and float(v).is_integer(),
+}
 
 
 def unenforced_keyword(schema: Any, at: str = "") -> str | None:
@@ -329,7 +352,13 @@ def unenforced_keyword(schema: Any, at: str = "") -> str | None:
     `has_xgrammar_unsupported_json_features`: `uniqueItems` (true), `contains`, `minContains`, `maxContains`;
     `multipleOf` but on integers (by an integer); a string's `minLength` / `maxLength` next to its `pattern` or
     `format`; a string format xgrammar does not know; `propertyNames` next to `properties` or
-    `additionalProperties`; `patternProperties` next to `properties`."""
+    `additionalProperties`; `patternProperties` next to `properties`. Beyond vLLM (xgrammar 0.2.9 drops these):
+    a keyword that constrains beside `$ref`, `allOf`, `anyOf`, `oneOf`, `const` or `enum` (annotations such as
+    `title`, `description`, `default` may stand there, and a `type` that every branch or value keeps to);
+    `allOf` of more than one branch; `not`, `if` / `then` / `else`, `dependentRequired`, `dependentSchemas`; a
+    `required` name without a `properties` entry; a type's keyword (`pattern`, `minimum`, `minItems`...) where the
+    schema names no type; a `pattern` that can match `"`, `\\` or a control character (xgrammar matches it
+    against the JSON text, unescaped)."""
     if isinstance(schema, list):
         return next((found for i, item in enumerate(schema) if (found := unenforced_keyword(item, f"{at}/{i}"))),
                     None)
@@ -344,7 +373,10 @@ def unenforced_keyword(schema: Any, at: str = "") -> str | None:
                 if found := unenforced_keyword(subschema, f"{at}/{key}/{name}"):
                     return found
     for key in dict.fromkeys(_SUBSCHEMAS + _SUBSCHEMA_LISTS):
-        if key in schema and (found := unenforced_keyword(schema[key], f"{at}/{key}")):
+        subschema = schema.get(key)
+        if key == "propertyNames" and isinstance(subschema, dict) and "type" not in subschema:
+            subschema = {**subschema, "type": "string"}  # (a property name is a string: xgrammar reads it so)
+        if key in schema and (found := unenforced_keyword(subschema, f"{at}/{key}")):
             return found
     return None
 
@@ -353,6 +385,24 @@ def _unenforced_here(schema: dict[str, Any]) -> str | None:
     """The first keyword of this schema object alone (not its subschemas) that xgrammar would not enforce."""
     types = schema.get("type")
     types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+    found = _dropped_beside(schema, types) or next((key for key in _IGNORED_KEYWORDS if key in schema), None)
+    if found is not None:
+        return found
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        return f"allOf of {len(schema['allOf'])} branches"
+    if not types and not any(key in schema for key in _ALONE_KEYWORDS):
+        found = next((f"{key} with no type" for kind, keys in _TYPED_KEYWORDS.items() for key in keys
+                      if key in schema and not any(k in schema for k in _TYPE_IMPLIED_BY.get(kind, ()))), None)
+        if found is not None:
+            return found
+    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    missing = [name for name in schema.get("required") or () if name not in properties]
+    if missing:
+        return f"required {missing[0]!r} with no properties entry"
+    for place, pattern in [("pattern", schema.get("pattern")), *(
+            ("patternProperties", key) for key in schema.get("patternProperties") or ())]:
+        if isinstance(pattern, str) and (character := _json_escaped_in(pattern)):
+            return f"{place} {pattern!r} (it can match {character}, which JSON escapes)"
     if schema.get("uniqueItems"):
         return "uniqueItems"
     found = next((key for key in _ARRAY_KEYWORDS if key in schema), None)
@@ -374,6 +424,87 @@ def _unenforced_here(schema: dict[str, Any]) -> str | None:
     if "patternProperties" in schema and "properties" in schema:
         return "patternProperties next to properties"
     return None
+
+
+def _dropped_beside(schema: dict[str, Any], types: set[str]) -> str | None:
+    """`<keyword> next to <alone keyword>` for a constraining keyword xgrammar drops beside `$ref`, `allOf`,
+    `anyOf`, `oneOf`, `const` or `enum` (it builds the schema from that one alone), or None."""
+    alone = next((key for key in _ALONE_KEYWORDS if key in schema), None)
+    if alone is None:
+        return None
+    beside = [key for key in schema if key != alone and key not in _ANNOTATIONS]
+    if beside == ["type"] and types and _keeps_to(schema[alone], alone, types):
+        return None
+    beside = [key for key in beside if key != "type"] or beside  # (the keyword that says the most)
+    return f"{beside[0]} next to {alone}" if beside else None
+
+
+def _keeps_to(value: Any, alone: str, types: set[str]) -> bool:
+    """Whether what `alone` (`allOf`, `anyOf`, `oneOf`, `const`, `enum`) allows is all of `types`, so the `type`
+    xgrammar drops beside it says nothing more: every branch names a type among them, every value is of one of them."""
+    if alone in ("allOf", "anyOf", "oneOf"):
+        branch_types = [branch.get("type") if isinstance(branch, dict) else None for branch in value or ()]
+        return all(isinstance(t, (str, list)) and set([t] if isinstance(t, str) else t) <= types
+                   for t in branch_types)
+    values = [value] if alone == "const" else value if isinstance(value, list) else []
+    return alone in ("const", "enum") and all(any(_JSON_TYPES.get(t, lambda v: False)(v) for t in types)
+                                              for v in values)
+
+
+# Escapes in a regular expression of a character JSON writes escaped: `"`, `\`, and the control characters.
+_ESCAPED_BY_JSON = {"\\\\": "a backslash", '\\"': 'a "', "\\n": "a newline", "\\r": "a carriage return",
+                    "\\t": "a tab", "\\f": "a form feed", "\\v": "a vertical tab", "\\0": "a NUL",
+                    "\\a": "a bell", "\\e": "an escape", "\\b": "a backspace"}
+
+
+def _json_escaped_in(pattern: str) -> str | None:
+    """What a `pattern` names (a literal or an escape, in a class or not) that JSON writes escaped (`"`, `\\`, a
+    control character), or None. xgrammar matches a string's pattern against its JSON text as is: such a
+    character comes out raw (invalid JSON) or escaped (then the decoded value breaks the pattern). Classes it
+    fills itself (`.`, `[^a]`, `\\s`, ranges) leave them out, so those are taken."""
+    i = 0
+    while i < len(pattern):
+        character = pattern[i]
+        if character == '"':
+            return 'a "'
+        if ord(character) < 0x20:
+            return f"the control character U+{ord(character):04X}"
+        if character == "\\" and i + 1 < len(pattern):
+            escape = pattern[i:i + 2]
+            if escape == "\\b" and not _in_class(pattern, i):
+                i += 2
+                continue  # (a word boundary outside a class)
+            if escape in _ESCAPED_BY_JSON:
+                return _ESCAPED_BY_JSON[escape]
+            code = _escaped_code(pattern, i)
+            if code is not None and (code < 0x20 or code in (0x22, 0x5C)):
+                return f"U+{code:04X}"
+            i += 2
+            continue
+        i += 1
+    return None
+
+
+def _escaped_code(pattern: str, i: int) -> int | None:
+    """The code point of a `\\xHH`, `\\uHHHH`, `\\u{H...}` or `\\cX` escape at `pattern[i]`, or None."""
+    kind, rest = pattern[i + 1], pattern[i + 2:]
+    match = (re.match(r"[0-9a-fA-F]{2}", rest) if kind == "x" else
+             re.match(r"\{([0-9a-fA-F]+)\}|[0-9a-fA-F]{4}", rest) if kind == "u" else None)
+    if match is not None:
+        return int(match.group(0).strip("{}"), 16)
+    return ord(rest[0]) % 32 if kind == "c" and rest[:1].isalpha() else None
+
+
+def _in_class(pattern: str, i: int) -> bool:
+    """Whether `pattern[i]` is inside a `[...]` character class."""
+    inside, j = False, 0
+    while j < i:
+        if pattern[j] == "\\":
+            j += 2
+            continue
+        inside = True if pattern[j] == "[" else False if pattern[j] == "]" else inside
+        j += 1
+    return inside
 
 
 def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int,

@@ -221,3 +221,93 @@ def test_a_gate_opens_on_a_marker_split_over_tokens_wherever_it_starts(completio
     assert gate.open
     assert not gate.accept_token(tokenizer.encode("]")[0])  # the grammar now holds: a JSON object starts with {
     assert gate.accept_token(tokenizer.encode("{")[0])
+
+
+_XY = {"x": {"type": "integer"}, "y": {"type": "integer"}}
+_INT_DEF = {"$defs": {"X": {"type": "integer"}}}
+
+# Hunt 166, bugs 1 and 2: shapes xgrammar 0.2.9 compiles looser than the schema; each with a text its own grammar
+# takes that breaks the schema (or is not JSON).
+_LOOSENED = [
+    pytest.param({**_OBJECT, "properties": _XY, "anyOf": [{"required": ["x"]}, {"required": ["y"]}]}, "[]",
+                 "properties next to anyOf", id="anyOf-beside-object-keywords"),
+    pytest.param({**_OBJECT, "properties": _XY, "oneOf": [{"required": ["x"]}, {"required": ["y"]}]}, "null",
+                 "properties next to oneOf", id="oneOf-beside-object-keywords"),
+    pytest.param({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string"}]}, '"a"',
+                 "type next to anyOf", id="type-wider-than-a-branch"),
+    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "allOf": [{**_OBJECT, "properties": {"b": {"type": "string"}}}]}, "{}", "properties next to allOf",
+                 id="allOf-beside-properties"),
+    pytest.param({"allOf": [{"type": "integer"}, {"minimum": 3}]}, '"a"', "allOf of 2 branches", id="allOf-of-two"),
+    pytest.param({**_INT_DEF, "$ref": "#/$defs/X", "minimum": 3}, "1", "minimum next to $ref", id="ref-beside-minimum"),
+    pytest.param({"type": "string", "enum": ["a", 1]}, "1", "type next to enum", id="enum-outside-its-type"),
+    pytest.param({"type": "integer", "const": 1, "minimum": 3}, "1", "minimum next to const", id="const-beside-range"),
+    pytest.param({"type": "integer", "not": {"const": 3}}, "3", "not (at the root)", id="not"),
+    pytest.param({"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}}, "9", "if (at the root)",
+                 id="if-then"),
+    pytest.param({**_OBJECT, "properties": _XY, "dependentRequired": {"x": ["y"]}}, '{"x": 1}', "dependentRequired",
+                 id="dependentRequired"),
+    pytest.param({**_OBJECT, "properties": _XY, "dependentSchemas": {"x": {"required": ["y"]}}}, '{"x": 1}',
+                 "dependentSchemas", id="dependentSchemas"),
+    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a", "c"]}, '{"a": 1}',
+                 "required 'c' with no properties entry", id="required-without-property"),
+    pytest.param({**_OBJECT, "additionalProperties": True, "required": ["a"]}, "{}",
+                 "required 'a' with no properties entry", id="required-with-additional-properties"),
+    pytest.param({"pattern": "^a+$"}, "1", "pattern with no type", id="pattern-without-type"),
+    pytest.param({"minimum": 3}, "1", "minimum with no type", id="minimum-without-type"),
+    pytest.param({"maxLength": 2}, '"abc"', "maxLength with no type", id="maxLength-without-type"),
+    pytest.param({"maxItems": 1}, "[1, 2]", "maxItems with no type", id="maxItems-without-type"),
+    pytest.param({"type": "string", "pattern": '^say "hi"$'}, '"say "hi""', "it can match a \"", id="pattern-quote"),
+    pytest.param({"type": "string", "pattern": r"^one\ntwo$"}, '"one\ntwo"', "a newline", id="pattern-newline"),
+    pytest.param({"type": "string", "pattern": r"^C:\\tmp$"}, r'"C:\tmp"', "a backslash", id="pattern-backslash"),
+    pytest.param({"type": "string", "pattern": r"^[\n]$"}, '"\n"', "a newline", id="pattern-newline-in-class"),
+    pytest.param({"type": "string", "pattern": r"^\x22$"}, '"""', "U+0022", id="pattern-hex-escape"),
+    pytest.param({"type": "string", "pattern": "^a\tb$"}, '"a\tb"', "U+0009", id="pattern-raw-tab"),
+    pytest.param({**_OBJECT, "patternProperties": {'^a"$': {"type": "integer"}}}, '{"a"": 1}', "patternProperties",
+                 id="patternProperties-quote"),
+    pytest.param({**_OBJECT, "propertyNames": {"pattern": '^a"$'}}, '{"a"": 1}', "pattern '^a\"$'",
+                 id="propertyNames-quote"),
+]
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("schema, breaking, keyword", _LOOSENED)
+def test_schema_shapes_xgrammar_loosens_are_refused_with_the_keyword(schema, breaking, keyword):
+    """Hunt 166: xgrammar builds a schema with `$ref` / `allOf` / `anyOf` / `oneOf` / `const` / `enum` from that
+    keyword alone (an anyOf beside `type: object` took `[]`), makes allOf of 2+ branches any JSON, ignores `not`,
+    `if`, `dependentRequired`, `dependentSchemas`, `required` names with no `properties` entry, and a type's
+    keywords where the schema names no type; and it matches a string `pattern` against the JSON text, so a `"`,
+    `\\` or control character in it gives invalid JSON or a value that breaks it. Each is now a ValueError naming
+    the keyword (the server's 400); its own grammar (the check bypassed) does take `breaking`."""
+    cache, tokenizer = _cache()
+    with pytest.raises(ValueError, match=re.escape(keyword) + ".* not supported"):
+        cache.check(GuidedSpec.json_schema(schema))
+    xgr = guided._xgrammar()
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+    matcher = xgr.GrammarMatcher(cache._tokenizer_compiler(xgr).compile_grammar(raw))
+    assert all(matcher.accept_token(t) for t in tokenizer.encode(breaking))
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("schema, good, bad", [
+    pytest.param({"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "T",
+                  "description": "d"}, "null", '"a"', id="anyOf-beside-annotations"),
+    pytest.param({**_INT_DEF, "$ref": "#/$defs/X", "description": "d"}, "1", '"a"', id="ref-beside-annotations"),
+    pytest.param({**_INT_DEF, "allOf": [{"$ref": "#/$defs/X"}], "default": 1}, "1", '"a"', id="allOf-of-one"),
+    pytest.param({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "integer",
+                  "maximum": -5}]}, "6", "0", id="type-that-every-branch-keeps"),
+    pytest.param({"type": ["string", "null"], "enum": ["a", None]}, "null", '"b"', id="enum-within-its-type"),
+    pytest.param({"properties": {"b": {"type": "integer"}}, "required": ["b"]}, '{"b": 1}', "{}",
+                 id="object-implied-by-properties"),
+    pytest.param({"items": {"type": "integer"}, "maxItems": 1}, "[1]", "[1, 2]", id="array-implied-by-items"),
+    pytest.param({"type": "string", "pattern": "^a-b c$"}, '"a-b c"', '"a-bc"', id="pattern-of-plain-characters"),
+    pytest.param({"type": "string", "pattern": r"^[^@\s]+@\w+\.[a-z]{2,}$"}, '"me@x.io"', '"m e@x.io"',
+                 id="pattern-of-classes"),
+])
+def test_schema_shapes_xgrammar_enforces_stay_accepted(schema, good, bad):
+    """The shapes next to those refused above that xgrammar does enforce (pydantic writes the first three)."""
+    cache, tokenizer = _cache()
+    spec = GuidedSpec.json_schema(schema)
+    assert _accepts(cache, tokenizer, spec, good)
+    assert not _accepts(cache, tokenizer, spec, bad)

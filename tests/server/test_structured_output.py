@@ -163,3 +163,19 @@ def test_vllm_options_that_do_not_hold_here_are_400s_naming_them(client, options
     response = _chat(client, structured_outputs={"regex": "[ab]+", **options})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    pytest.param({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                  "anyOf": [{"required": ["x"]}, {"required": ["y"]}]}, "properties next to anyOf (at the root)",
+                 id="anyOf-beside-properties"),
+    pytest.param({"type": "object", "properties": {"q": {"type": "string", "pattern": '^say "hi"$'}}},
+                 "pattern '^say \"hi\"$' (it can match a \"", id="pattern-with-a-quote"),
+])
+def test_a_schema_shape_xgrammar_loosens_is_a_400_naming_it(client, schema, keyword):
+    """Hunt 166, bugs 1 and 2: such schemas were taken and "stop" outputs broke them (`[]` for the anyOf, invalid
+    JSON for the quote)."""
+    response = _chat(client, response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": schema}})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "response_format" and keyword in error["message"] and "not supported" in error["message"]
