@@ -299,6 +299,21 @@ def responses_param(param: str | None) -> str | None:
     return param
 
 
+# chat's response_format fields as `text.format` spells them, most specific first
+_FORMAT_FIELDS = (("response_format.json_schema.schema", "text.format.schema"),
+                  ("response_format.json_schema", "text.format"), ("response_format", "text.format"))
+
+
+def responses_message(message: str, param: str | None) -> str:
+    """A chat request's error message about its `response_format` with the fields named as `text.format` has
+    them (`response_format.json_schema.schema must be ...` is `text.format.schema must be ...`)."""
+    if param is None or not (param == "response_format" or param.startswith("response_format.")):
+        return message
+    for chat, responses in _FORMAT_FIELDS:
+        message = message.replace(chat, responses)
+    return message
+
+
 @dataclass
 class _Stored:
     messages: list[dict[str, Any]]  # the conversation without instructions, this response's output included
@@ -389,8 +404,8 @@ class _Responses:
             conversation, chat_body = await routes.in_pool(as_chat)  # (a long input: seconds, off the event loop)
             chat = await routes.prepare_chat(chat_body)
         except APIError as error:  # named as the chat request has it: rename to this request's field
-            raise APIError(error.status, error.message, param=responses_param(error.param), code=error.code) \
-                from None
+            raise APIError(error.status, responses_message(error.message, error.param),
+                           param=responses_param(error.param), code=error.code) from None
         response_id = _new_id("resp")
         run = _Run(self, body, response_id, conversation, chat.params, chat.rendering)
         loop = routes.engine_loop

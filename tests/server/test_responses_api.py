@@ -278,6 +278,22 @@ def test_bad_responses_bodies_are_400s_naming_the_field(server, body, param):
     assert httpx.get(f"{base_url}/health").status_code == 200
 
 
+@pytest.mark.parametrize("fmt, words", [
+    ({"type": "json_schema", "name": "x"}, "text.format.schema must be a JSON schema object"),
+    ({"type": "grammar"}, "text.format.type must be 'text', 'json_object' or 'json_schema', got 'grammar'"),
+])
+def test_a_bad_text_format_message_names_the_responses_fields(server, fmt, words):
+    """Hunt 166, bug 4: the message quoted the chat fields it became (`response_format.json_schema.schema`,
+    `response_format.type`), which this request never sent."""
+    base_url, _ = server
+    response = httpx.post(f"{base_url}/v1/responses", json={"model": MODEL, "input": "hi", "text": {"format": fmt}},
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "text.format" and words in error["message"]
+    assert "response_format" not in error["message"]
+
+
 _PLAIN = st.text(st.characters(codec="utf-8"), min_size=1, max_size=20)
 _EDGE = st.sampled_from([
     None, True, 0, -1, 2**31, 2**64, 0.5, float("nan"), float("inf"), "", "x", "\ud800", [], [None], {}, [5],
