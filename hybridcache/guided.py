@@ -107,8 +107,8 @@ class GrammarCache:
 
     def matcher(self, spec: GuidedSpec, decode: Callable[[int], str] | None = None) -> Any:
         """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set.
-        The gate decodes its last tokens together with this cache's tokenizer (special tokens kept), so a marker
-        character that spans tokens is found; `decode` (one token's text) is not needed and no longer used."""
+        The gate decodes tokens with this cache's tokenizer (special tokens kept), several together where a
+        character spans them; `decode` (one token's text) is not needed and no longer used (callers may drop it)."""
         matcher = _xgrammar().GrammarMatcher(self._compile(spec))
         if not spec.starts_after:
             return matcher
@@ -164,18 +164,19 @@ class GrammarCache:
 class MarkerGate:
     """A grammar matcher that stays closed (allows every token, accepts none) until the completion's text holds
     `marker`, then passes everything to `matcher`, from the next token on. The marker is looked for in the last
-    tokens decoded together (`decode_ids`), as many as the marker has UTF-8 bytes (a token holds at least one), so
-    a marker split over tokens is found, a character past ASCII split over tokens included; the token that
-    completes it is not fed to the grammar. The interface `fill_bitmask` and `OutputProcessor` use:
-    `is_terminated`, `accept_token`, `fill_next_token_bitmask` (a closed gate leaves its row's bits all set).
+    tokens' texts, as many tokens as the marker has UTF-8 bytes (a token holds at least one), so a marker split over
+    tokens is found wherever it starts; where a token alone decodes to a broken character (U+FFFD: part of a
+    character past ASCII) those tokens are decoded together (`decode_ids`). The token that completes the marker is
+    not fed to the grammar. The interface `fill_bitmask` and `OutputProcessor` use: `is_terminated`,
+    `accept_token`, `fill_next_token_bitmask` (a closed gate leaves its row's bits all set).
 
         marker "</think>" (8 bytes), tokens "ok", ".</", "th", "ink", ">"
-        window after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open"""
+        texts kept after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open"""
 
     def __init__(self, matcher: Any, marker: str, decode_ids: Callable[[list[int]], str]) -> None:
         self.matcher, self.marker, self._decode_ids = matcher, marker, decode_ids
         self._window_len = max(1, len(marker.encode()))
-        self._recent_ids: list[int] = []
+        self._recent: list[tuple[int, str]] = []  # (token, its text alone), the last `_window_len`
         self.open = False
 
     def is_terminated(self) -> bool:
@@ -184,8 +185,11 @@ class MarkerGate:
     def accept_token(self, token: int) -> bool:
         if self.open:
             return self.matcher.accept_token(token)
-        self._recent_ids = [*self._recent_ids, token][-self._window_len:]
-        self.open = self.marker in self._decode_ids(self._recent_ids)
+        self._recent = [*self._recent, (token, self._decode_ids([token]))][-self._window_len:]
+        text = "".join(piece for _, piece in self._recent)
+        if "\ufffd" in text:  # (a character split over tokens: decode them together)
+            text = self._decode_ids([token for token, _ in self._recent])
+        self.open = self.marker in text
         return True
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
