@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import signal
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,9 +55,11 @@ class LLM:
     `generation_config`: "auto" takes the sampling defaults of calls without sampling params from the model
     folder's generation_config.json, "vllm" ignores the file (see `hybridcache.generation_config`).
     `limit_mm_per_prompt` (e.g. `{"image": 4}`) and `allowed_local_media_path`: see the module docstring.
-    `close()`, or leaving a `with LLM(...) as llm:` block, frees the model and the pools and stops
+    `close()`, or leaving a `with LLM(...) as llm:` block, frees the model and the pools, stops
     tensor-parallel workers (a process runs one tensor-parallel group at a time: close one `LLM` before the
-    next); the `LLM` refuses work afterwards.
+    next) and hands the cache to the disk tier when there is one (`disk_cache_dir`); the `LLM` refuses work
+    afterwards. An `LLM` that is garbage-collected, or still open when the interpreter exits, is closed then
+    (vLLM's `LLM` has no `close()`: a script written for it hands its cache to the disk tier too).
     """
 
     def __init__(self, model: str | Path | None = None, *,
@@ -69,13 +72,14 @@ class LLM:
         self.model_name = resolved.name
         self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
+        self._close = weakref.finalize(self, self.engine.close)  # (also at exit: atexit runs it)
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     def close(self) -> None:
-        """Free the engine: abort what runs, stop tensor-parallel workers, drop the model and pools (idempotent;
-        `generate` and `chat` then raise `EngineDeadError`)."""
-        self.engine.close()
+        """Free the engine: abort what runs, stop tensor-parallel workers, hand the cache to the disk tier, drop
+        the model and pools (idempotent; `generate` and `chat` then raise `EngineDeadError`)."""
+        self._close()
 
     def __enter__(self) -> LLM:
         return self

@@ -32,6 +32,10 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
+    def finished(self) -> bool:
+        """Whether the completion has ended (vLLM's method)."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -39,7 +43,8 @@ class RequestOutput:
     (for n > 1, the smallest over its completions, each of which runs the prompt as its own sequence).
     `prompt_logprobs` (when the request's `SamplingParams.prompt_logprobs` is set, as vLLM's): one entry per
     prompt token, None for the first, then {token id: Logprob} holding the prompt token and the k likeliest
-    tokens at that position."""
+    tokens at that position. `metrics`, `lora_request`, `encoder_prompt`, `encoder_prompt_token_ids` and
+    `kv_transfer_params` are vLLM's members for what this engine does not do: always None."""
 
     request_id: str
     prompt: str | None
@@ -48,3 +53,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+    metrics: None = None
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None

@@ -124,6 +124,49 @@ def test_outputs_carry_vllms_fields(llm):
     assert llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=0), use_tqdm=False)[0].outputs[0].logprobs[0]
 
 
+def test_outputs_have_vllms_other_members(llm):
+    """vLLM scripts filter on `CompletionOutput.finished()` and log `RequestOutput.metrics` (None unless stats are
+    on): both raised AttributeError, as did the members for what this engine does not do."""
+    out = llm.generate("Hello", GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].finished() is True
+    assert (out.metrics, out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
+            out.kv_transfer_params) == (None,) * 5
+
+
+_DISK_SCRIPT = """
+import sys
+from hybridcache import LLM, SamplingParams
+llm = LLM(block_size=16, host_cache_gib=0.01, disk_cache_dir=sys.argv[1])
+prompt = "The quick brown fox jumps over the lazy dog. " * 4
+out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+print("cached", out.num_cached_tokens)
+if sys.argv[2] == "del":
+    del llm, out
+    import gc
+    gc.collect()
+    print("collected")
+"""
+
+
+@pytest.mark.parametrize("ending", ["exit", "del"])
+def test_an_llm_never_closed_hands_its_cache_to_the_disk_tier(tmp_path, ending):
+    """vLLM's `LLM` has no close(): a script that just ends (or drops its `LLM`) lost what the device pool and the
+    host tier held, so every run of it missed. Its `LLM` is now closed when collected or at exit."""
+    import os
+    import subprocess
+    import sys
+
+    def run() -> int:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-c", _DISK_SCRIPT, str(tmp_path / "disk"), ending],
+                              capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split("cached ")[1].split()[0])
+
+    assert run() == 0
+    assert run() > 0
+
+
 def test_stop_reason_names_the_stop_string_or_stop_token(llm):
     tok = llm.tokenizer
     free = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
