@@ -105,10 +105,10 @@ class GrammarCache:
         xgrammar would not enforce) or GuidedUnavailable."""
         self._compile(spec)
 
-    def matcher(self, spec: GuidedSpec, decode: Callable[[int], str] | None = None) -> Any:
+    def matcher(self, spec: GuidedSpec) -> Any:
         """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set.
         The gate decodes tokens with this cache's tokenizer (special tokens kept), several together where a
-        character spans them; `decode` (one token's text) is not needed and no longer used (callers may drop it)."""
+        character spans them."""
         matcher = _xgrammar().GrammarMatcher(self._compile(spec))
         if not spec.starts_after:
             return matcher

@@ -107,12 +107,8 @@ class OutputProcessor:
             state.logprobs.append([])
             state.cumulative_logprobs.append(0.0)
             state.stop_reasons.append(None)
-            state.matchers.append(None if params.guided is None else self.grammars.matcher(params.guided, self._decode))
+            state.matchers.append(None if params.guided is None else self.grammars.matcher(params.guided))
         return state
-
-    def _decode(self, token: int) -> str:
-        """One token's text, special tokens kept (grammar matchers)."""
-        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _decode_ids(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
