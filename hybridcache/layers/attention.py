@@ -47,7 +47,8 @@ class GatedAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.split = tp.split_heads(num_heads, num_kv_heads, "attention")
+        self.split = tp.split_heads(num_heads, num_kv_heads, "attention heads (num_attention_heads)",
+                                    "KV heads (num_key_value_heads)")
         num_heads, num_kv_heads = self.split.num_heads, self.split.num_groups
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

@@ -45,7 +45,8 @@ class _GatedDeltaNetBase(nn.Module):
     ) -> None:
         super().__init__()
         self.tp = tp
-        self.split = tp.split_heads(num_v_heads, num_k_heads, "DeltaNet value")
+        self.split = tp.split_heads(num_v_heads, num_k_heads, "DeltaNet value heads (linear_num_value_heads)",
+                                    "DeltaNet key heads (linear_num_key_heads)")
         self.total_key_dim = num_k_heads * k_head_dim  # of the full layer (the checkpoint's layout)
         num_k_heads, num_v_heads = self.split.num_groups, self.split.num_heads
         self.hidden_size = hidden_size

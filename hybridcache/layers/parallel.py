@@ -123,14 +123,13 @@ class TensorParallel:
         start, stop = min(self.rank * share, total), min((self.rank + 1) * share, total)
         return Shard(0, ((start, stop),), padding=share - (stop - start))
 
-    def split_heads(self, num_heads: int, num_groups: int, what: str) -> HeadSplit:
+    def split_heads(self, num_heads: int, num_groups: int, heads: str, groups: str) -> HeadSplit:
         """This rank's heads and the groups they read; groups are replicated when there are fewer than ranks
-        (the rank count must then be a multiple of the group count)."""
-        start, stop = self.split(num_heads, f"{what} heads")
+        (the rank count must then be a multiple of the group count). `heads` and `groups` name the two counts
+        in errors (e.g. "attention heads", "KV heads")."""
+        start, stop = self.split(num_heads, heads)
         if num_groups % self.size and self.size % num_groups:
-            raise ValueError(
-                f"tensor_parallel_size {self.size} and {num_groups} {what} groups: one must divide the other"
-            )
+            raise ValueError(f"tensor_parallel_size {self.size} and {num_groups} {groups}: one must divide the other")
         ratio = num_heads // num_groups
         return HeadSplit(start, stop, start // ratio, (stop - 1) // ratio + 1, ratio)
 

@@ -92,7 +92,8 @@ def _shape(values: torch.Size | tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path], read: bool,
                   rename: Callable[[str], str]) -> dict[str, float]:
-    """Take the per-layer FP8 KV scale tensors (`quant.is_kv_scale`) out of `shapes` (they are no weights); with
+    """Take the per-layer FP8 KV scale tensors (`quant.is_kv_scale`) out of `shapes` (they are no weights), and
+    the query scales (`quant.is_query_scale`, never read); with
     `read`, their values by `rename(checkpoint name)`, else {}.
 
     A scale holds one number, or one per KV head (llm-compressor's `kv_cache_scheme.strategy: "attn_head"`,
@@ -102,6 +103,8 @@ def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path],
     empty scale or one with a value that is not positive and finite."""
     from safetensors import safe_open
 
+    for name in [name for name in shapes if quant.is_query_scale(name)]:
+        del shapes[name]
     scales = {}
     per_head = []
     for name in [name for name in shapes if quant.is_kv_scale(name)]:
@@ -180,6 +183,7 @@ def plan_weights_for(
         expected.pop(name, None)
     plan: dict[str, _Source] = {}
     problems: list[str] = []
+    mismatched = set()  # (reported as mis-shaped, not again as missing)
     for raw_name, raw_shape in checkpoint_shapes.items():
         shape = _shape(raw_shape)
         if ignored(raw_name):
@@ -192,6 +196,7 @@ def plan_weights_for(
         elif name not in expected:
             problems.append(f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}")
         elif shape != expected[name]:
+            mismatched.add(name)
             problems.append(
                 f"shape mismatch for tensor {quoted(raw_name)}: "
                 f"checkpoint {list(shape)}, model {list(expected[name])}"
@@ -204,7 +209,7 @@ def plan_weights_for(
     problems += [
         f"missing tensor {quoted(name)} (model shape {list(shape)})"
         for name, shape in expected.items()
-        if name not in plan
+        if name not in plan and name not in mismatched
     ]
     if problems:
         shown = "\n  ".join(problems[:20])

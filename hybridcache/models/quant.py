@@ -71,6 +71,8 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Forma
     if not quantization_config:
         return None
     method = quantization_config.get("quant_method")
+    if isinstance(method, str):  # vLLM's spellings: any case, compressed_tensors
+        method = method.lower().replace("compressed_tensors", "compressed-tensors")
     if method == "fp8":
         return _fine_grained(quantization_config)
     if method == "compressed-tensors":
@@ -273,11 +275,19 @@ def describe_weights(model_dir: str | Path, config: Any) -> str:
 
 
 _KV_SCALE = re.compile(r"\.self_attn\.(k_scale|v_scale)$")
+_QUERY_SCALE = re.compile(r"\.self_attn\.q_(scale|zero_point)$")
 
 
 def is_kv_scale(checkpoint_name: str) -> bool:
     """A per-layer FP8 KV scale tensor (`...self_attn.k_scale` / `v_scale`, vLLM's and compressed-tensors' names)."""
     return bool(_KV_SCALE.search(checkpoint_name))
+
+
+def is_query_scale(checkpoint_name: str) -> bool:
+    """A query quantisation tensor (`...self_attn.q_scale` / `q_zero_point`: llm-compressor's attention scheme
+    writes them beside the KV scales); queries are not quantised here, so they are not read (vLLM loads them
+    only for FP8 attention backends)."""
+    return bool(_QUERY_SCALE.search(checkpoint_name))
 
 
 def set_kv_fp8(model: nn.Module, kv_fp8: bool, scales: Mapping[str, float]) -> nn.Module:

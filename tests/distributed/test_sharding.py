@@ -22,13 +22,30 @@ from .folders import MODEL_TYPES, write_config_folder, write_folder
 
 
 def test_heads_split_and_groups_replicate_when_fewer_than_ranks():
-    assert TensorParallel(1, 2).split_heads(8, 4, "q") == HeadSplit(4, 8, 2, 4, 2)
-    assert TensorParallel(1, 2).split_heads(8, 1, "q") == HeadSplit(4, 8, 0, 1, 8)
-    assert TensorParallel(3, 4).split_heads(8, 2, "q") == HeadSplit(6, 8, 1, 2, 4)
+    assert TensorParallel(1, 2).split_heads(8, 4, "q heads", "kv heads") == HeadSplit(4, 8, 2, 4, 2)
+    assert TensorParallel(1, 2).split_heads(8, 1, "q heads", "kv heads") == HeadSplit(4, 8, 0, 1, 8)
+    assert TensorParallel(3, 4).split_heads(8, 2, "q heads", "kv heads") == HeadSplit(6, 8, 1, 2, 4)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide q heads"):
-        TensorParallel(0, 3).split_heads(8, 2, "q")
+        TensorParallel(0, 3).split_heads(8, 2, "q heads", "kv heads")
     with pytest.raises(ValueError, match="one must divide the other"):
-        TensorParallel(0, 4).split_heads(12, 6, "q")
+        TensorParallel(0, 4).split_heads(12, 6, "q heads", "kv heads")
+
+
+def test_head_counts_that_do_not_split_name_their_config_fields():
+    """A DeltaNet's key heads were called "value groups" (hunt 168)."""
+    from hybridcache.layers.attention import GatedAttention
+    from hybridcache.layers.gated_deltanet import GatedDeltaNet
+
+    def deltanet(k_heads: int, v_heads: int) -> GatedDeltaNet:
+        return GatedDeltaNet(64, num_k_heads=k_heads, num_v_heads=v_heads, k_head_dim=16, v_head_dim=16,
+                             conv_kernel_size=4, eps=1e-6, tp=TensorParallel(0, 2))
+
+    with pytest.raises(ValueError, match=r"and 3 DeltaNet key heads \(linear_num_key_heads\): one must divide"):
+        deltanet(3, 6)
+    with pytest.raises(ValueError, match=r"does not divide DeltaNet value heads \(linear_num_value_heads\) \(3\)"):
+        deltanet(3, 3)
+    with pytest.raises(ValueError, match=r"and 3 KV heads \(num_key_value_heads\): one must divide"):
+        GatedAttention(64, num_heads=6, num_kv_heads=3, head_dim=16, bias=False, eps=1e-6, tp=TensorParallel(0, 2))
 
 
 def test_an_mlp_width_that_does_not_split_names_its_config_field():

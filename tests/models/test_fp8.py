@@ -396,6 +396,39 @@ def test_an_attention_only_compressed_tensors_group_is_skipped(dense_dir, tmp_pa
         load_model(folder)
 
 
+def test_an_attention_quantisation_checkpoints_query_scales_are_not_read(dense_dir, tmp_path):
+    """llm-compressor's attention scheme saves `self_attn.q_scale` (one per head) beside k_scale / v_scale: the
+    folder was refused ("unexpected tensor ...q_scale"), with or without an FP8 KV cache. Queries are not
+    quantised here; the KV scales are read as before."""
+    folder = write_fp8_folder(dense_dir, tmp_path / "channel", "channel")
+    config = json.loads((folder / "config.json").read_text())
+    text = config.get("text_config", config)
+    heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
+
+    def add(tensors: dict) -> None:
+        for prefix in _attention_prefixes(folder):
+            tensors[prefix + "q_scale"] = torch.full((heads, 1, 1), 0.5)
+            tensors[prefix + "k_scale"] = torch.full((kv_heads, 1, 1), 0.25)
+            tensors[prefix + "v_scale"] = torch.full((kv_heads, 1, 1), 0.125)
+
+    _edit_tensors(folder, add)
+    load_model(folder)
+    model = load_model(folder, kv_fp8=True)
+    scales = {(m.k_scale, m.v_scale) for m in model.modules() if hasattr(m, "kv_dtype")}
+    assert scales == {(0.25, 0.125)}
+
+
+@pytest.mark.parametrize("method", ["FP8", "Compressed_Tensors"])
+def test_quant_method_spellings_vllm_takes_load(dense_dir, tmp_path, method):
+    """vLLM lower-cases quant_method and reads compressed_tensors as compressed-tensors; both were refused."""
+    fmt = "block" if method == "FP8" else "channel"
+    folder = write_fp8_folder(dense_dir, tmp_path / fmt, fmt)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = method
+    (folder / "config.json").write_text(json.dumps(config))
+    assert fp8_linears(load_model(folder))
+
+
 def test_a_missing_fp8_weight_beside_its_scale_is_named_missing(dense_dir, tmp_path):
     folder = write_fp8_folder(dense_dir, tmp_path / "block", "block")
     name = next(n for n in _tensor_names(folder) if n.endswith(".weight_scale_inv"))[: -len("_scale_inv")]
