@@ -168,15 +168,20 @@ class MarkerGate:
     tokens is found wherever it starts; where a token alone decodes to a broken character (U+FFFD: part of a
     character past ASCII) those tokens are decoded together (`decode_ids`). The token that completes the marker is
     not fed to the grammar. The interface `fill_bitmask` and `OutputProcessor` use: `is_terminated`,
-    `accept_token`, `fill_next_token_bitmask` (a closed gate leaves its row's bits all set).
+    `accept_token`, `fill_next_token_bitmask` (a closed gate leaves its row's bits all set), and `rollback` (as
+    xgrammar's matcher: speculative decoding accepts drafts to fill their masks, then takes them back).
 
         marker "</think>" (8 bytes), tokens "ok", ".</", "th", "ink", ">"
-        texts kept after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open"""
+        texts kept after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open
+
+    The gate keeps every token it took while closed (its id and text: what a rollback into them restores) and the
+    count of tokens it has fed the grammar since it opened."""
 
     def __init__(self, matcher: Any, marker: str, decode_ids: Callable[[list[int]], str]) -> None:
         self.matcher, self.marker, self._decode_ids = matcher, marker, decode_ids
         self._window_len = max(1, len(marker.encode()))
-        self._recent: list[tuple[int, str]] = []  # (token, its text alone), the last `_window_len`
+        self._seen: list[tuple[int, str]] = []  # (token, its text alone) of each token taken while closed
+        self._num_fed = 0  # tokens the grammar has accepted since the gate opened
         self.open = False
 
     def is_terminated(self) -> bool:
@@ -184,13 +189,30 @@ class MarkerGate:
 
     def accept_token(self, token: int) -> bool:
         if self.open:
-            return self.matcher.accept_token(token)
-        self._recent = [*self._recent, (token, self._decode_ids([token]))][-self._window_len:]
-        text = "".join(piece for _, piece in self._recent)
+            accepted = self.matcher.accept_token(token)
+            self._num_fed += bool(accepted)
+            return accepted
+        self._seen.append((token, self._decode_ids([token])))
+        recent = self._seen[-self._window_len:]
+        text = "".join(piece for _, piece in recent)
         if "\ufffd" in text:  # (a character split over tokens: decode them together)
-            text = self._decode_ids([token for token, _ in self._recent])
+            text = self._decode_ids([token for token, _ in recent])
         self.open = self.marker in text
         return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` accepted tokens: those the grammar accepted, then (closing the gate)
+        those it took while closed, the one that opened it first."""
+        fed = min(num_tokens, self._num_fed)
+        closed = num_tokens - fed
+        if closed > len(self._seen):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: the gate has taken {fed + len(self._seen)}")
+        if fed:
+            self.matcher.rollback(fed)
+            self._num_fed -= fed
+        if closed:
+            del self._seen[len(self._seen) - closed:]
+            self.open = False
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         if self.open:

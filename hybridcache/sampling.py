@@ -395,8 +395,7 @@ def sample_async(
         tokens = argmax(raw) if argmax is not None else raw.argmax(dim=-1)
         return _pending(raw, tokens, params)  # the common decode step: no fp32 copy processed
     if allowed_bitmask is not None:  # logprobs, as vLLM's, see the grammar's mask (not the bias or penalties)
-        allowed = _unpack_bitmask(_host_to(allowed_bitmask, raw.device), raw.shape[1])
-        raw = raw.masked_fill(~allowed, float("-inf"))
+        raw = masked(raw, allowed_bitmask)
     scores = process_logits(raw, rows, stop_token_ids=stop_token_ids, guided=allowed_bitmask is not None)
     tokens = scores.argmax(dim=-1)
     if not all(p.greedy for p in params):  # (an all-greedy batch copies nothing over)
@@ -499,6 +498,13 @@ def _apply_min_tokens(scores: torch.Tensor, rows: Sequence[SamplingRow],
     if before is not None:
         dead = torch.isneginf(scores).all(dim=1, keepdim=True)
         scores.copy_(torch.where(dead, before, scores))
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [rows, vocab] with -inf where the rows' grammar bitmask [rows, ceil(vocab/32)] int32 (bit v set =
+    token v allowed; host or device) forbids a token."""
+    allowed = _unpack_bitmask(_host_to(bitmask, logits.device), logits.shape[1])
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def _unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:

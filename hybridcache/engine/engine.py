@@ -348,11 +348,6 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_cache_salt(cache_salt)
         params.check_token_ids(self.model_config.vocab_size)
-        if self.drafter is not None:
-            refused = [what for what, on in (("structured output", params.guided is not None),
-                                             ("penalties", params.penalized)) if on]
-            if refused:
-                raise ValueError(f"{' and '.join(refused)} are not supported with speculative decoding yet")
         prompt = prompt if isinstance(prompt, ValidPrompt) else self.validate_prompt(prompt)
         prompt_ids = prompt.token_ids
         params = params.up_to(self.max_model_len - len(prompt_ids))  # max_tokens=None: up to the model length
@@ -633,8 +628,13 @@ class LLMEngine:
                                                                   self.runner.input_device))
         chunks = scheduled.chunks
         verdicts = judge(chunks, logits if logits is not None else torch.empty(0), only, only_logits,
-                         stop_token_ids=sorted(self.eos_token_ids))
+                         stop_token_ids=sorted(self.eos_token_ids), grammar_masks=self._grammar_masks)
         return _Launched(chunks, [v.seq for v in verdicts], None, verdicts=verdicts, predrafted=predrafted)
+
+    def _grammar_masks(self, seq: Seq, drafts: SequenceOf[int], vocab_size: int) -> torch.Tensor | None:
+        """`judge`'s structured-output masks of `seq`'s verify row (`OutputProcessor.draft_bitmask`; a sequence
+        whose request is gone is unconstrained, as in `_sample`)."""
+        return self.output_processor.draft_bitmask(self._requests.get(seq.request_id), seq, drafts, vocab_size)
 
     def _complete_verified(self, launched: _Launched, chained: bool = False) -> list[RequestOutput]:
         """`_complete` of a speculative step: each sampled sequence emits its accepted drafts and the token after

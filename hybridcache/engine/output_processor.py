@@ -130,6 +130,31 @@ class OutputProcessor:
         return fill_bitmask([None if state is None else state.matchers[seq.index] for state, seq in rows],
                             vocab_size, dead_end_tokens=sorted(self.eos_token_ids))
 
+    def draft_bitmask(self, state: RequestState | None, seq: Seq, drafts: Sequence[int],
+                      vocab_size: int) -> torch.Tensor | None:
+        """The grammar bitmask [len(drafts) + 1, ceil(vocab/32)] of a verify row of `seq` (speculative decoding):
+        row j is the grammar's state after drafts d1..dj, as `allowed_bitmask` would give it had they been emitted;
+        None when `seq` is unconstrained. The drafts are accepted one by one in the matcher, then rolled back (vLLM's
+        structured-output manager does the same). A draft the grammar refuses ends the walk: the positions after it
+        are never reached (its own position's mask cannot choose it), and they repeat that position's mask.
+
+            drafts ["{", "x", "}"], schema {"a": int}: row 0 = the state at the start (allows "{"), row 1 after
+            "{" (allows '"'), "x" refused at row 1 -> rows 2 and 3 copy row 1"""
+        matcher = None if state is None else state.matchers[seq.index]
+        if matcher is None:
+            return None
+        rows, taken = [], 0
+        for draft in (*drafts, None):
+            rows.append(self.allowed_bitmask([(state, seq)], vocab_size))
+            allowed = draft is not None and int(rows[-1][0, draft // 32]) >> draft % 32 & 1
+            if not allowed or matcher.is_terminated() or not matcher.accept_token(draft):
+                break  # (the mask asked first: xgrammar logs a warning for every token it refuses)
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        rows += rows[-1:] * (len(drafts) + 1 - len(rows))
+        return torch.cat(rows)
+
     def accept(self, state: RequestState, seq: Seq, token: int, logprob: TokenLogprob | None,
                num_tokens: int | None = None) -> str | None:
         """Process `seq`'s sampled `token`; its finish reason, or None. `num_tokens`: the sequence's length with

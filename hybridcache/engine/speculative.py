@@ -20,6 +20,11 @@ is distributed as p without d, renormalised). Each position draws x as the sampl
 every emitted token costs its generator one draw whatever was drafted: a seeded request draws the same tokens
 with MTP on or off, after a zero-prefill hit, a preemption or a different batch (up to the logits' float noise).
 
+Position j of a row is processed as a row without drafts whose tokens end with d1..dj: penalties and min_tokens
+count those drafts (`_PositionRow`), and a structured-output row is masked with its grammar's state after them
+(`judge`'s `grammar_masks`, `OutputProcessor.draft_bitmask`) before anything else, as `sampling.sample_async`
+masks it; a draft the grammar refuses can never be taken, so the positions after it are not reached.
+
 After the step (`MtpDrafter.propose`), the head runs once over every position the step computed (its KV there:
 row p reads the token at p + 1 and the target's final hidden state at p) and then drafts greedily, one position
 per step, feeding its own output hidden state back (the plan is built here, on the host, and run by the executor:
@@ -31,7 +36,7 @@ greedy, the engine queues that drafting on the device before judging (`greedy_ve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +45,15 @@ from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.forward_batch import ForwardBatch
 from hybridcache.multimodal import overlaps_image, rope_positions, rope_shift
-from hybridcache.sampling import SamplingParams, TokenLogprob, filtered_probs, logprob_ranks, process_logits, to_device
+from hybridcache.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    filtered_probs,
+    logprob_ranks,
+    masked,
+    process_logits,
+    to_device,
+)
 from hybridcache.scheduler.output import ScheduledChunk
 from hybridcache.scheduler.sequence import Seq
 
@@ -74,7 +87,11 @@ class _Prefix(Sequence[int]):
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return [self[i] for i in range(start, stop, step)]
+            head = self.tokens[start: min(stop, self.end)] if start < self.end else []
+            return head + list(self.drafts[max(start - self.end, 0): max(stop - self.end, 0)])
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
@@ -85,7 +102,7 @@ class _Prefix(Sequence[int]):
 @dataclass
 class _PositionRow:
     """A `SamplingRow` for position j of a verify row: the sequence's tokens with its first j drafts after them
-    (min_tokens counts them)."""
+    (min_tokens counts them, the penalties count them as output tokens)."""
 
     params: SamplingParams
     generator: torch.Generator | None
@@ -113,12 +130,20 @@ class SpecDecodeStats:
             self.accepted_per_position[j] += 1
 
 
+GrammarMasks = Callable[[Seq, Sequence[int], int], torch.Tensor | None]
+"""(sequence, its drafts, vocabulary size) -> the grammar bitmask of its verify row's positions, [drafts + 1,
+ceil(vocab/32)] int32 (`OutputProcessor.draft_bitmask`), or None when the sequence is unconstrained."""
+
+
 def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: Sequence[Seq],
-          sample_only_logits: torch.Tensor | None, *, stop_token_ids: Sequence[int]) -> list[Verdict]:
+          sample_only_logits: torch.Tensor | None, *, stop_token_ids: Sequence[int],
+          grammar_masks: GrammarMasks | None = None) -> list[Verdict]:
     """The tokens of every sequence a step samples: the chunks that sample, in order, then `sample_only` (zero-
     prefill hits, one row each of `sample_only_logits`). `logits`: the runner's rows (row i at chunk i's last
     token, then prompt-logprob rows, then the draft rows of every verify row in chunk order: its positions
-    before the last)."""
+    before the last). `grammar_masks`: the structured-output masks of a sequence's positions; the raw logits are
+    masked with them before anything else, as `sample_async` masks them (the tokens, and the logprobs, are those of
+    the masked logits)."""
     total_drafts = sum(c.num_drafts for c in chunks)
     draft_row = logits.shape[0] - total_drafts
     rows: list[int] = []
@@ -146,7 +171,10 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
     if not parts:
         return []
     raw = torch.cat(parts) if len(parts) > 1 else parts[0]
-    scores = process_logits(raw, views, stop_token_ids=stop_token_ids)
+    bitmask = _grammar_bitmask(spans, raw, grammar_masks) if grammar_masks is not None else None
+    if bitmask is not None:
+        raw = masked(raw.float(), bitmask)
+    scores = process_logits(raw, views, stop_token_ids=stop_token_ids, guided=bitmask is not None)
     params = [v.params for v in views]
     greedy = scores.argmax(dim=-1).tolist()
     probs = filtered_probs(scores, params) if not all(p.greedy for p in params) else None
@@ -157,6 +185,21 @@ def judge(chunks: Sequence[ScheduledChunk], logits: torch.Tensor, sample_only: S
                                                                       seq.params.logprobs)
         verdicts.append(Verdict(seq, tokens, len(drafts), logprobs))
     return verdicts
+
+
+def _grammar_bitmask(spans: list[tuple[Seq, list[int], int]], raw: torch.Tensor,
+                     grammar_masks: GrammarMasks) -> torch.Tensor | None:
+    """The bitmask of every row of `raw` (all bits set in the rows of unconstrained sequences), or None when no
+    sequence is constrained."""
+    vocab = raw.shape[1]
+    masks = [(first, grammar_masks(seq, drafts, vocab)) for seq, drafts, first in spans]
+    if all(mask is None for _, mask in masks):
+        return None
+    bitmask = torch.full((raw.shape[0], (vocab + 31) // 32), -1, dtype=torch.int32)
+    for first, mask in masks:
+        if mask is not None:
+            bitmask[first: first + mask.shape[0]] = mask
+    return bitmask
 
 
 def _logprobs(raw: torch.Tensor, tokens: tuple[int, ...], k: int) -> tuple[TokenLogprob, ...]:
@@ -236,9 +279,10 @@ def _head_rows(seq: Seq, token_ids: Sequence[int], start: int, chunk: ScheduledC
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy, and the greedy token is the raw logits' argmax, with no logprobs asked (`judge`)."""
-    return (params.greedy and not params.logit_bias and not params.min_tokens and not params.penalized
-            and params.logprobs is None)
+    """Greedy, and the greedy token is the raw logits' argmax (no grammar, bias, min_tokens or penalties), with no
+    logprobs asked (`judge`)."""
+    return (params.greedy and params.guided is None and not params.logit_bias and not params.min_tokens
+            and not params.penalized and params.logprobs is None)
 
 
 class MtpDrafter:
@@ -271,7 +315,7 @@ class MtpDrafter:
     def greedy_verify(self, chunks: Sequence[ScheduledChunk]) -> bool:
         """Whether a step's drafting can be planned on the device before its verdicts
         (`runner.draft_after_verify`): every chunk a verify row of k drafts that samples, greedily with nothing
-        that changes the argmax or asks for more than it (logit bias, min_tokens, penalties, logprobs)."""
+        that changes the argmax or asks for more than it (a grammar, logit bias, min_tokens, penalties, logprobs)."""
         return bool(chunks) and all(
             c.num_drafts == self.k and c.num_tokens == 1 + self.k and c.samples and _plain_greedy(c.seq.params)
             for c in chunks)

@@ -17,7 +17,6 @@ from hybridcache.config import EngineConfig, SpeculativeConfig
 from hybridcache.engine import speculative
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine.mtp_draft import head_kv
-from hybridcache.guided import GuidedKind, GuidedSpec
 from hybridcache.sampling import SamplingParams
 from hybridcache.scheduler.output import ScheduledChunk
 
@@ -293,13 +292,7 @@ def test_unsupported_combinations_are_refused_clearly(small_dir):
         EngineConfig(speculative_config={"method": "eagle", "num_speculative_tokens": 2})
     assert EngineConfig(speculative_config='{"method": "qwen3_next_mtp", "num_speculative_tokens": 3}'
                         ).speculative_config == SpeculativeConfig("qwen3_next_mtp", 3)
-    engine = make_engine(small_dir, 2)
-    guided = GuidedSpec(GuidedKind.REGEX, "a+")
-    for params in (SamplingParams(repetition_penalty=1.2), SamplingParams(temperature=0, guided=guided)):
-        with pytest.raises(ValueError, match="not supported with speculative decoding"):
-            engine.add_request("bad", [1, 2, 3], params)
-    assert not engine.has_unfinished_requests()
-    engine.check_integrity()
+    # (structured output and penalties, refused here before, are served: test_speculative_guided.py)
 
 
 def test_a_model_without_an_mtp_head_is_refused(tmp_path):
