@@ -174,8 +174,11 @@ class MarkerGate:
         marker "</think>" (8 bytes), tokens "ok", ".</", "th", "ink", ">"
         texts kept after ">": ["ok", ".</", "th", "ink", ">"] -> "ok.</think>" holds it: open
 
-    The gate keeps every token it took while closed (its id and text: what a rollback into them restores) and the
-    count of tokens it has fed the grammar since it opened."""
+    The gate keeps the last tokens it took while closed (its id and text: what a rollback into them restores), as
+    many as its window plus `MAX_ROLLBACK` (a rollback takes back at most a verify row's drafts), and the count of
+    tokens it has fed the grammar since it opened."""
+
+    MAX_ROLLBACK = 64  # more than any speculative decoding's drafts per row (num_speculative_tokens <= 8)
 
     def __init__(self, matcher: Any, marker: str, decode_ids: Callable[[list[int]], str]) -> None:
         self.matcher, self.marker, self._decode_ids = matcher, marker, decode_ids
@@ -193,6 +196,8 @@ class MarkerGate:
             self._num_fed += bool(accepted)
             return accepted
         self._seen.append((token, self._decode_ids([token])))
+        if len(self._seen) > 2 * (self._window_len + self.MAX_ROLLBACK):  # (trimmed in batches: amortised O(1))
+            del self._seen[: len(self._seen) - self._window_len - self.MAX_ROLLBACK]
         recent = self._seen[-self._window_len:]
         text = "".join(piece for _, piece in recent)
         if "\ufffd" in text:  # (a character split over tokens: decode them together)

@@ -205,6 +205,26 @@ def test_a_marker_gate_rolls_back_through_its_opening(grammars):
         gate.rollback(len(tokens) + 1)
 
 
+def test_a_closed_gate_keeps_a_bounded_history_and_still_rolls_back(grammars):
+    """A reasoning that never writes the marker: the gate keeps its window and MAX_ROLLBACK tokens (amortised),
+    not every token of the reasoning, and a rollback of a row's drafts after that still restores the marker's
+    detection."""
+    tokenizer = grammars._hf_tokenizer
+    gate = grammars.matcher(GuidedSpec(GuidedKind.REGEX, "[0-9]{2,4}", starts_after="!"))
+    filler = tokenizer.encode("a", add_special_tokens=False)[0]
+    for _ in range(5000):
+        gate.accept_token(filler)
+    assert len(gate._seen) <= 2 * (gate._window_len + gate.MAX_ROLLBACK)
+    (bang,) = tokenizer.encode("!", add_special_tokens=False)
+    gate.accept_token(bang)
+    assert gate.open
+    gate.rollback(8)  # the bang and seven fillers
+    assert not gate.open
+    for token in [filler] * 7 + [bang]:
+        gate.accept_token(token)
+    assert gate.open
+
+
 def test_draft_masks_follow_the_drafts_and_leave_the_matcher_as_it_was(grammars):
     """`OutputProcessor.draft_bitmask`: row j is the mask after drafts 1..j; a refused draft repeats its
     position's mask after it; the matcher ends where it began."""
