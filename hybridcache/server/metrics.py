@@ -11,6 +11,7 @@ metrics are recorded by the engine thread as outputs come out of `engine.step()`
                                                     0 for an echo-only request's one sampled token)
     hybridcache_request_finished_total{finish_reason}   completions (choices) that ended, by reason
                                                     (stop, length, abort, error); n choices count n
+                                                    (every reason's series exists, at 0, from the start)
     hybridcache_time_to_first_token_seconds         arrival (the server queued it for the engine thread) ->
                                                     first sampled token
     hybridcache_inter_token_latency_seconds         time between a completion's consecutive token steps
@@ -28,6 +29,8 @@ Engine-level metrics are read from the latest `EngineState` snapshot at scrape t
                                                     declined it: the pool was full and its kind pays too
                                                     little), no_room, duplicate, anchor_full, ...
     hybridcache_checkpoint_evictions_total{kind}    evictions, by kind
+                                                    (these four: a series per reason / cause / kind from the start,
+                                                    at 0 until its first event, so rate() sees that one)
     hybridcache_kv_blocks_used / _total, hybridcache_state_slots_used / _total (cache contents included)
     hybridcache_kv_cache_usage_percent / hybridcache_state_slot_usage_percent   the same as percentages (0-100)
     hybridcache_checkpoints, hybridcache_num_requests_running / _waiting, hybridcache_preemptions_total,
@@ -60,6 +63,7 @@ With speculative decoding (vLLM's spec_decode counters, under our prefix):
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +72,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hybridcache.cache.request import SaveReason
+from hybridcache.cache.stats import DeclineCause, EvictionKind
 from hybridcache.server.engine_state import EngineState
-from hybridcache.server.vllm_metrics import VllmMetrics
+from hybridcache.server.vllm_metrics import FINISH_REASONS, VllmMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -99,6 +105,8 @@ class ServerMetrics:
                                        vllm.generation_tokens)
         self._finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
                                  ["model_name", "finish_reason"], registry=registry)
+        for reason in FINISH_REASONS:  # a series per reason from the start, so rate() sees the first one
+            self.finished(reason)
         self.ttft = _Both(histogram("hybridcache_time_to_first_token_seconds", "Time to first token"), vllm.ttft)
         self.itl = _Both(histogram("hybridcache_inter_token_latency_seconds", "Time between a request's token steps"),
                          vllm.itl)
@@ -208,13 +216,13 @@ class _EngineCollector(Collector):
         state = self._engine_state()
         model = self._model_name
         yield _by_label("hybridcache_checkpoint_saves", "Published state checkpoints, by reason", "reason",
-                        state.checkpoint_saves, model)
+                        _every(SaveReason, state.checkpoint_saves), model)
         yield _by_label("hybridcache_checkpoint_hits", "Prefix-cache hits, by the reason of the checkpoint restored",
-                        "reason", state.checkpoint_hits, model)
+                        "reason", _every(SaveReason, state.checkpoint_hits), model)
         yield _by_label("hybridcache_checkpoint_saves_declined", "Checkpoint saves not made, by cause", "cause",
-                        state.declined_saves, model)
+                        _every(DeclineCause, state.declined_saves), model)
         yield _by_label("hybridcache_checkpoint_evictions", "Cache evictions, by kind", "kind",
-                        state.checkpoint_evictions, model)
+                        _every(EvictionKind, state.checkpoint_evictions), model)
         preemptions = CounterMetricFamily("hybridcache_preemptions", "Preempted sequences", labels=["model_name"])
         preemptions.add_metric([model], state.num_preemptions)
         yield preemptions
@@ -307,6 +315,12 @@ def _disk_metrics(disk: dict[str, int], model: str) -> Iterator[Metric]:
     yield _by_label("hybridcache_disk_lost", "What the disk tier did not keep or serve", "why",
                     {"evicted": disk["num_evicted_states"], "corrupt": disk["num_corrupt"],
                      "write_error": disk["num_write_errors"], "not_kept": disk["num_not_kept"]}, model)
+
+
+def _every(values: type[enum.Enum], counts: dict[str, int]) -> dict[str, int]:
+    """`counts` with every value of the enum `values` present (0 where none happened yet), so each labelled series
+    exists from the start and rate() / increase() see its first event."""
+    return {**{value.value: 0 for value in values}, **counts}
 
 
 def _by_label(name: str, documentation: str, label: str, counts: dict[str, int], model: str) -> Metric:

@@ -8,7 +8,8 @@ served model name) and `engine` ("0": one engine).
     vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   prompt tokens of ended requests and their
                                     cached tokens (as in `usage`)
     vllm:prompt_tokens_total / vllm:generation_tokens_total
-    vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error),
+    vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error;
+                                    each at 0 from the start, as vLLM's),
                                     as hybridcache_request_finished_total: aborted ones whether queued or
                                     running (vLLM declares `abort` but its client aborts never reach it,
                                     vllm-project/vllm#31503)
@@ -45,6 +46,8 @@ from hybridcache.server.engine_state import EngineState
 
 _LABELS = ("model_name", "engine")
 ENGINE_LABEL = "0"
+# every finish reason a completion can end with (vLLM's FinishReason): their counters exist, at 0, from the start
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # vLLM's buckets for request latencies (seconds)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
@@ -90,6 +93,8 @@ class VllmMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self._success = Counter("vllm:request_success", "Completions that ended, by finish reason",
                                 [*_LABELS, "finished_reason"], registry=registry)
+        for reason in FINISH_REASONS:  # as vLLM: a series per reason from the start, so rate() sees the first one
+            self.success(reason)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", _TOKEN_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a request's token steps",
                              _INTER_TOKEN_BUCKETS)

@@ -76,6 +76,31 @@ def test_every_metric_carries_the_model_name_and_usage_is_in_percent():
     assert metric_value(empty.render().decode(), "hybridcache_kv_cache_usage_percent") == 0.0
 
 
+def test_labelled_counters_have_every_series_at_zero_on_a_fresh_server():
+    """vLLM creates a request_success child per FinishReason at start: a counter series that first appears with
+    its first event is invisible to rate() / increase(), so an alert on the first burst of errors missed it. Every
+    finish reason, save / hit reason, decline cause and eviction kind now has its series, at 0, from the start."""
+    from hybridcache.cache.request import SaveReason
+    from hybridcache.cache.stats import DeclineCause, EvictionKind
+
+    metrics = ServerMetrics(model_name="m")
+    metrics.watch_engine(lambda: EngineState(declined_saves={"policy": 2}))
+    families = {family.name: family for family in text_string_to_metric_families(metrics.render().decode())}
+
+    def values(name: str, label: str) -> dict[str, float]:
+        return {s.labels[label]: s.value for s in families[name].samples if s.name.endswith("_total")}
+
+    reasons = {"stop": 0, "length": 0, "abort": 0, "error": 0}
+    assert values("hybridcache_request_finished", "finish_reason") == reasons
+    assert values("vllm:request_success", "finished_reason") == reasons
+    for name, label, enum in (("hybridcache_checkpoint_saves", "reason", SaveReason),
+                              ("hybridcache_checkpoint_hits", "reason", SaveReason),
+                              ("hybridcache_checkpoint_evictions", "kind", EvictionKind)):
+        assert values(name, label) == {value.value: 0 for value in enum}, name
+    assert values("hybridcache_checkpoint_saves_declined", "cause") == {
+        cause.value: 2 if cause is DeclineCause.POLICY else 0 for cause in DeclineCause}
+
+
 def test_per_tier_metrics_split_hits_and_bytes_between_device_and_host():
     metrics = ServerMetrics(model_name="m")
     metrics.watch_engine(lambda: EngineState(num_blocks=8, num_blocks_used=2, block_bytes=1024, num_hits=5,
