@@ -114,6 +114,7 @@ class _Stream:
     queued: float
     echo_only: bool = False
     started: float | None = None  # the start of the first step that computed it
+    prompt_counted: bool = False  # its prompt and cached tokens are in the counters (`_count_prompt`)
     completions: list[_Completion] = field(default_factory=list)
     last_output: RequestOutput | None = field(default=None, repr=False)
 
@@ -384,6 +385,8 @@ class EngineLoop:
                 self._count_tokens(stream, completion, len(produced.token_ids), now)
                 if produced.finish_reason is not None and completion.finish_time is None:
                     completion.finish_time = now
+            if not stream.prompt_counted and all(c.num_tokens for c in stream.completions):
+                self._count_prompt(stream, output)
             stream.last_output = output
             if output.finished:
                 del self._streams[output.request_id]
@@ -409,6 +412,15 @@ class EngineLoop:
         completion.last_token_time = now
         if completion.first_token_time is None:
             completion.first_token_time = now
+
+    def _count_prompt(self, stream: _Stream, output: RequestOutput) -> None:
+        """Count the request's prompt and cached tokens (as `usage` reports them) in the metrics, as vLLM does at
+        its first token: here once every completion has its first token (each of `n` was admitted, so the cached
+        tokens, the least of theirs, are final), or at the end of a request that ended before. (The stats line's
+        hit rate still counts requests that ended.)"""
+        stream.prompt_counted = True
+        if self._metrics is not None:
+            self._metrics.prompt_computed(len(output.prompt_token_ids), output.num_cached_tokens)
 
     def _abort(self, request_id: str) -> tuple[_Stream | None, RequestOutput | None]:
         """Abort one request in the engine, forget its stream and count its end; its stream and the engine's
@@ -476,6 +488,8 @@ class EngineLoop:
             return
         self._queried += len(output.prompt_token_ids)
         self._hit += output.num_cached_tokens
+        if not stream.prompt_counted:  # it ended before its first token
+            self._count_prompt(stream, output)
         if self._metrics is None:
             return
         now = time.perf_counter()
@@ -486,7 +500,8 @@ class EngineLoop:
                                        [(c.finish_time or now) - stream.arrival for c in completions],
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
                                        [_phases(stream, c) for c in completions],
-                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs])
+                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs],
+                                       prompt_counted=True)
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every

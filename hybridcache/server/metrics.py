@@ -4,7 +4,9 @@ Every metric carries a `model_name` label (the first served model name), as vLLM
 show several servers. vLLM's own metrics (`vllm:*`, vllm_metrics.py) are recorded next to these. Request-level
 metrics are recorded by the engine thread as outputs come out of `engine.step()`:
 
-    hybridcache_prefix_cache_queries_tokens_total   prompt tokens of finished requests (as in `usage`)
+    hybridcache_prefix_cache_queries_tokens_total   prompt tokens of computed requests (as in `usage`), counted
+                                                    when every completion has its first token (or at the end
+                                                    of one that ended before)
     hybridcache_prefix_cache_hit_tokens_total       their `cached_tokens` (as in `usage`), so the two move by
                                                     exactly what the responses reported
     hybridcache_prompt_tokens_total / hybridcache_generation_tokens_total   (generated: as `usage` reports them,
@@ -96,11 +98,11 @@ class ServerMetrics:
                              registry=registry).labels(**model)
 
         self.vllm = vllm = VllmMetrics(registry, model_name, max_model_len)  # vLLM's names, for vLLM's dashboards
-        self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of finished requests")
+        self.query_tokens = counter("hybridcache_prefix_cache_queries_tokens", "Prompt tokens of computed requests")
         self.hit_tokens = counter(
-            "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of finished requests whose computation the "
+            "hybridcache_prefix_cache_hit_tokens", "Prompt tokens of computed requests whose computation the "
             "prefix cache skipped (usage.prompt_tokens_details.cached_tokens)")
-        self.prompt_tokens = counter("hybridcache_prompt_tokens", "Prompt tokens of finished requests")
+        self.prompt_tokens = counter("hybridcache_prompt_tokens", "Prompt tokens of computed requests")
         self.generation_tokens = _Both(counter("hybridcache_generation_tokens", "Generated tokens"),
                                        vllm.generation_tokens)
         self._finished = Counter("hybridcache_request_finished", "Completions (choices) that ended, by reason",
@@ -125,24 +127,33 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine_state, self.model_name))
         self.vllm.watch_engine(self.registry, engine_state)
 
-    def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
-                         latency_s: float | Sequence[float], drafts: list[tuple[int, int]] = (),
-                         phases: RequestPhases | Sequence[RequestPhases] | None = None,
-                         generation_lens: list[int] = ()) -> None:
-        """A request ended (finished or aborted after its prompt was computed). Its n completions are observed
-        each on its own in the latency histograms, as vLLM's n child requests: `latency_s` (arrival -> end) and
-        `phases` (queue, prefill and decode times where known) are per completion, or one value for all.
-        `drafts`: per completion, (draft tokens fed, accepted) with speculative decoding; `generation_lens`: per
-        completion, the tokens it generated."""
-        for fed, accepted in drafts:
-            if fed:
-                self.acceptance.observe(accepted / fed)
+    def prompt_computed(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count a request's prompt tokens and its cached tokens (as `usage` reports them) once its prompt has been
+        computed, as vLLM counts them at the request's first token, not at its end."""
         vllm = self.vllm
         for counters, value in (((self.query_tokens, vllm.prefix_cache_queries), num_prompt_tokens),
                                 ((self.hit_tokens, vllm.prefix_cache_hits), num_cached_tokens),
                                 ((self.prompt_tokens, vllm.prompt_tokens), num_prompt_tokens)):
             for counter in counters:
                 counter.inc(value)
+
+    def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
+                         latency_s: float | Sequence[float], drafts: list[tuple[int, int]] = (),
+                         phases: RequestPhases | Sequence[RequestPhases] | None = None,
+                         generation_lens: list[int] = (), prompt_counted: bool = False) -> None:
+        """A request ended (finished or aborted after its prompt was computed). Its n completions are observed
+        each on its own in the latency histograms, as vLLM's n child requests: `latency_s` (arrival -> end) and
+        `phases` (queue, prefill and decode times where known) are per completion, or one value for all.
+        `drafts`: per completion, (draft tokens fed, accepted) with speculative decoding; `generation_lens`: per
+        completion, the tokens it generated. Its prompt is counted here (`prompt_computed`) unless
+        `prompt_counted`: the engine loop counts it at the first token, and here only for a request that ended
+        before that."""
+        for fed, accepted in drafts:
+            if fed:
+                self.acceptance.observe(accepted / fed)
+        vllm = self.vllm
+        if not prompt_counted:
+            self.prompt_computed(num_prompt_tokens, num_cached_tokens)
         self.completions_ended(finish_reasons)
         num_completions = len(finish_reasons)
         for latency in _per_completion(latency_s, num_completions):

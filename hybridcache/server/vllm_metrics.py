@@ -5,9 +5,10 @@ served model name) and `engine` ("0": one engine).
     vllm:num_requests_running / vllm:num_requests_waiting   gauges: sequences running / waiting
     vllm:kv_cache_usage_perc        gauge in [0, 1]: the pool's blocks held by running requests (0 when idle);
                                     what the prefix cache alone holds is hybridcache_prefix_cache_usage_perc
-    vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   prompt tokens of ended requests and their
-                                    cached tokens (as in `usage`)
-    vllm:prompt_tokens_total / vllm:generation_tokens_total
+    vllm:prefix_cache_queries_total / vllm:prefix_cache_hits_total   prompt tokens of computed requests and their
+                                    cached tokens (as in `usage`), counted at the first token (as vLLM's), or at
+                                    the end of a request that ended before it
+    vllm:prompt_tokens_total / vllm:generation_tokens_total   (prompt tokens: as the two above)
     vllm:request_success_total{finished_reason}   completions that ended, by reason (stop, length, abort, error;
                                     each at 0 from the start, as vLLM's),
                                     as hybridcache_request_finished_total: aborted ones whether queued or
@@ -89,7 +90,7 @@ class VllmMetrics:
 
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries", "Prompt tokens queried in the prefix cache")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache skipped")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of ended requests")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of computed requests")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         self._success = Counter("vllm:request_success", "Completions that ended, by finish reason",
                                 [*_LABELS, "finished_reason"], registry=registry)

@@ -174,17 +174,18 @@ def test_a_request_aborted_while_it_waits_counts_as_no_query():
     assert metric_value(text, "hybridcache_request_finished_total", 'finish_reason="abort"') == 1
 
 
-def _run_on_engine_loop(max_num_seqs: int, scenario, step_sleep_s: float = 0.0, **loop_options) -> ServerMetrics:
+def _run_on_engine_loop(max_num_seqs: int, scenario, step_sleep_s: float = 0.0, metrics: ServerMetrics | None = None,
+                        **loop_options) -> ServerMetrics:
     """`scenario(loop)` (a coroutine function) on an EngineLoop (`loop_options`: its keyword arguments) over the
     built-in model, each of whose steps first sleeps `step_sleep_s` (a long step of a big model); returns its
-    metrics."""
+    metrics (`metrics`, or new ones)."""
     import asyncio
 
     from hybridcache.config import EngineConfig
     from hybridcache.engine.engine import LLMEngine
     from hybridcache.server.engine_loop import EngineLoop
 
-    metrics = ServerMetrics(model_name="m")
+    metrics = metrics or ServerMetrics(model_name="m")
     engine = LLMEngine(None, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=512))
     if step_sleep_s:
         step = engine.step
@@ -212,6 +213,48 @@ async def _until_finished(sink) -> list:
     while not outputs[-1].finished:
         outputs.append(await sink.get())
     return outputs
+
+
+def test_prompt_and_cached_tokens_count_at_the_first_token_not_at_the_end():
+    """vLLM adds a request's prompt tokens (and its prefix-cache queries and hits) at its first token. They were
+    counted when it ended, so a long stream showed its generated tokens and a prompt of 0. Now they count once
+    every completion has its first token, once: the totals still equal the sum of `usage`, aborts included."""
+    from hybridcache.sampling import SamplingParams
+
+    prompt = list(range(1, 41))
+    seen = {}
+    names = ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+             "hybridcache_prompt_tokens_total", "hybridcache_prefix_cache_queries_tokens_total",
+             "hybridcache_prefix_cache_hit_tokens_total", "vllm:generation_tokens_total")
+
+    async def scenario(loop) -> None:
+        first = await _until_finished(await loop.add("first", prompt, SamplingParams(temperature=0, max_tokens=2)))
+        sink = await loop.add("long", prompt + [50, 51], SamplingParams(temperature=0, max_tokens=300, n=2,
+                                                                         ignore_eos=True))
+        output = await sink.get()
+        while not all(c.token_ids for c in output.outputs):
+            output = await sink.get()
+        text = metrics.render().decode()
+        seen["running"] = {name: metric_value(text, name) for name in names}
+        seen["usage"] = (first[-1].num_cached_tokens, output.num_cached_tokens)
+        loop.abort("long")
+        await _until_finished(sink)
+        await loop.call(lambda e: None)
+
+    metrics = ServerMetrics(model_name="m")
+    _run_on_engine_loop(4, scenario, metrics=metrics)
+    first_cached, long_cached = seen["usage"]
+    assert long_cached > 0  # the second request hit the first's prompt
+    running = seen["running"]
+    assert running["vllm:generation_tokens_total"] > 2
+    for name in ("vllm:prompt_tokens_total", "vllm:prefix_cache_queries_total", "hybridcache_prompt_tokens_total",
+                 "hybridcache_prefix_cache_queries_tokens_total"):
+        assert running[name] == 40 + 42, name
+    for name in ("vllm:prefix_cache_hits_total", "hybridcache_prefix_cache_hit_tokens_total"):
+        assert running[name] == first_cached + long_cached, name
+    text = metrics.render().decode()
+    for name in names[:-1]:  # the abort counted nothing twice
+        assert metric_value(text, name) == running[name], name
 
 
 def test_requests_that_finish_in_their_first_step_have_queue_and_prefill_times():
