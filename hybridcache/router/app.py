@@ -13,7 +13,8 @@
     GET|POST /ping; GET /load                    200 while a replica is up; the requests in flight here
     GET  /health                                 200 while a replica is up; each one's state with the API key
     GET  /metrics                                Prometheus text (docs/server.md, "Several replicas"); open,
-                                                 as a replica's (and vLLM's) /metrics is
+                                                 as a replica's (and vLLM's) /metrics is; under serve
+                                                 --data-parallel-size with every replica's own (`engine_metrics`)
 
 What a client may make the router hold is bounded as for a replica (server/limits.py, connections.py): bodies
 of at most `max_request_bytes`, read with a deadline, a capped number of connections (`run_router` runs uvicorn
@@ -161,7 +162,9 @@ class RouterConfig:
     the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`). chat_template_kwargs: the replicas' default
     `chat_template_kwargs` (their `--chat-template-kwargs`), so that a chat renders here as there.
     allowed_origins: origins whose browser pages may call the router (CORS, as `hybridcache serve
-    --allowed-origins`; empty: no CORS headers)."""
+    --allowed-origins`; empty: no CORS headers). engine_metrics: /metrics also carries every up replica's own
+    metrics, each series labelled `engine` with the replica's index, as vLLM's data-parallel server has every
+    engine's on its one /metrics (`serve --data-parallel-size`, whose replicas listen on loopback only)."""
 
     replica_urls: tuple[str, ...]
     routing: RoutingConfig = RoutingConfig()
@@ -172,6 +175,7 @@ class RouterConfig:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     allowed_origins: tuple[str, ...] = ()
+    engine_metrics: bool = False
 
     def __post_init__(self) -> None:
         if not self.replica_urls:
@@ -551,7 +555,10 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def metrics() -> Response:
-        return Response(render_metrics(state), media_type="text/plain; version=0.0.4")
+        text = render_metrics(state)
+        if config.engine_metrics:
+            text += await engine_metrics(state)
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     app.add_api_route("/v1/completions", forward, methods=["POST"])
     app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
@@ -783,6 +790,30 @@ def render_metrics(state: RouterState) -> str:
     views = [ReplicaView(r.url, r.counters, r.in_flight, r.up, r.index.num_checkpoints if r.index else 0,
                          r.counters.retried_away) for r in state.replicas]
     return render_router_metrics(views, state.num_retries, state.num_failed)
+
+
+async def engine_metrics(state: RouterState) -> str:
+    """Every up replica's own /metrics, asked of all at once (each within `poll_timeout_s`), as one Prometheus
+    text whose every series is labelled `engine` with the replica's index (replacing a replica's own `engine="0"`),
+    as vLLM's data-parallel server labels each engine's. A replica that does not answer 200 in time is left out of
+    this scrape."""
+    from hybridcache.router.ray_metrics import merge_replica_metrics  # (it imports this module)
+
+    async def fetch(replica: Replica) -> str | None:
+        try:
+            answer = await state.client.get(f"{replica.url}/metrics", timeout=state.config.poll_timeout_s)
+        except httpx.HTTPError as error:
+            logger.warning("no metrics from replica %s: %s: %s", replica.url, type(error).__name__, error)
+            return None
+        if answer.status_code != 200:
+            logger.warning("no metrics from replica %s: it answered %d", replica.url, answer.status_code)
+            return None
+        return answer.text
+
+    up = [(str(i), replica) for i, replica in enumerate(state.replicas) if replica.up]
+    texts = await asyncio.gather(*(fetch(replica) for _, replica in up))
+    return merge_replica_metrics({engine: text for (engine, _), text in zip(up, texts) if text is not None},
+                                 label="engine")
 
 
 def render_router_metrics(views: list[ReplicaView], num_retries: int, num_failed: int) -> str:

@@ -133,7 +133,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 def router_config(args: argparse.Namespace, urls: Sequence[str], request_timeout_s: float | None = None):
     """The `RouterConfig` of the parsed `router` (or `serve --data-parallel-size`) options; `request_timeout_s`:
-    the router's read timeout (`router --request-timeout`; for `serve`, `router_request_timeout`)."""
+    the router's read timeout (`router --request-timeout`; for `serve`, `router_request_timeout`). Under `serve`,
+    /metrics carries the replicas' own (`engine_metrics`): they listen on loopback only, where no Prometheus on
+    another host reaches them."""
     from hybridcache.router.app import RouterConfig
     from hybridcache.router.policy import RoutingConfig
     from hybridcache.server.cli import api_key
@@ -142,7 +144,8 @@ def router_config(args: argparse.Namespace, urls: Sequence[str], request_timeout
     return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args),
                         max_request_bytes=args.max_request_bytes, request_timeout_s=request_timeout_s,
                         chat_template_kwargs=args.chat_template_kwargs or {},
-                        allowed_origins=tuple(args.allowed_origins or ()))
+                        allowed_origins=tuple(args.allowed_origins or ()),
+                        engine_metrics=hasattr(args, "data_parallel_size"))  # serve's flag (`router` has none)
 
 
 def router_request_timeout(replica_timeout_s: float | None) -> float | None:

@@ -82,15 +82,16 @@ class IngressCounters:
         return render_router_metrics(views, self.num_retries, self.num_failed)
 
 
-def merge_replica_metrics(texts: Mapping[str, str]) -> str:
-    """The Prometheus texts of several replicas as one, each sample labelled `replica` (its key); a family
-    keeps its first replica's type and help. Raises ValueError for text that is not Prometheus's format."""
+def merge_replica_metrics(texts: Mapping[str, str], label: str = "replica") -> str:
+    """The Prometheus texts of several replicas as one, each sample labelled `label` with its key (replacing a
+    label of that name it had: the standalone router's `engine`, app.py `engine_metrics`); a family keeps its first
+    replica's type and help. Raises ValueError for text that is not Prometheus's format."""
     families: dict[str, Metric] = {}
     for replica, text in texts.items():
         for family in text_string_to_metric_families(text):
             merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type,
                                                              family.unit))
-            merged.samples += [s._replace(labels={"replica": replica, **s.labels}) for s in family.samples]
+            merged.samples += [s._replace(labels={**s.labels, label: replica}) for s in family.samples]
     return generate_latest(_Families(families.values())).decode() if families else ""
 
 
