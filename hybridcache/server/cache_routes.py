@@ -12,7 +12,9 @@
                                               held (ask for a new one)
     POST /v1/cache/match                      a completions or chat body -> per prompt: prompt_tokens,
                                               kv_tokens (full blocks in the trie), cached_tokens (what a
-                                              request sent now would skip, under its `cache_salt`);
+                                              request sent now would skip, under its `cache_salt`: 0 for
+                                              one that asks for prompt logprobs, or echo with logprobs,
+                                              which computes every prompt position);
                                               generates nothing, changes nothing
 
 Both read the cache on the engine thread (`EngineLoop.call`), between steps; a match's prompts are rendered and
@@ -50,6 +52,7 @@ from hybridcache.cache.events import CacheEvent
 from hybridcache.cache.request import check_cache_salt
 from hybridcache.server.engine_loop import EngineFailure, EngineLoop
 from hybridcache.server.errors import APIError
+from hybridcache.server.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 EVENT_LOG_CAPACITY = 1 << 16
 MAX_EVENTS_PER_POLL = 1 << 14
@@ -179,6 +182,9 @@ class CacheRoutes:
         prompts = await self.prompt_ids(body)
         if not all(prompts):
             raise APIError(400, "a prompt is empty", param="prompt")
+        chat = isinstance(body, dict) and "messages" in body
+        parsed = await run_in_threadpool(parse_request, ChatCompletionRequest if chat else CompletionRequest, body)
+        skips_cache = parsed.engine_prompt_logprobs() is not None  # computes every prompt position, as vLLM's
         salt = body.get("cache_salt") if isinstance(body, dict) else None
         try:
             check_cache_salt(salt)
@@ -192,7 +198,7 @@ class CacheRoutes:
 
         probes = await self._call(probe)
         return JSONResponse({"matches": [
-            {"prompt_tokens": len(ids), "kv_tokens": p.kv_len, "cached_tokens": p.cached_len}
+            {"prompt_tokens": len(ids), "kv_tokens": p.kv_len, "cached_tokens": 0 if skips_cache else p.cached_len}
             for ids, p in zip(prompts, probes)]})
 
     async def _call(self, fn: Callable[[Any], Any]) -> Any:

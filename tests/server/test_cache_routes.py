@@ -101,6 +101,26 @@ def test_tokenize_and_match_refuse_a_text_too_long_before_tokenizing_it(tokenize
         assert fits["tokens"] == tokenizer.encode("hello there")
 
 
+def test_a_match_predicts_no_hit_for_a_request_that_computes_its_prompt_logprobs():
+    """A request with prompt_logprobs (or echo with logprobs) computes every prompt position, so it gets 0 cached
+    tokens, as in vLLM; the match predicted the full hit, not what the request then got (hunt 170). The router's
+    predictor already knew (router/prompts.py)."""
+    prompt = [(7 * i) % 250 for i in range(70)]
+    with serving() as url, httpx.Client(base_url=url, timeout=60) as client:
+        client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}).raise_for_status()
+        plain = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        hit = client.post("/v1/cache/match", json=plain).raise_for_status().json()["matches"][0]
+        assert hit["cached_tokens"] > 0
+        for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+            body = {**plain, **extra}
+            match = client.post("/v1/cache/match", json=body).raise_for_status().json()["matches"][0]
+            usage = client.post("/v1/completions", json=body).raise_for_status().json()["usage"]
+            assert match == {**hit, "cached_tokens": 0}, extra
+            assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0, extra
+        echo_only = {**plain, "echo": True}  # echo without logprobs still reads the cache
+        assert client.post("/v1/cache/match", json=echo_only).raise_for_status().json()["matches"][0] == hit
+
+
 def test_a_match_renders_and_tokenizes_on_the_tokenizer_threads(tokenizer):
     recording = ThreadRecordingTokenizer(tokenizer)
     threads = recording.threads
