@@ -138,9 +138,10 @@ def test_disk_tier_metrics():
 
 
 def test_a_request_aborted_while_it_waits_counts_as_no_query():
-    """server.md: queries and hits are counted per request when it ends, and one aborted before its prompt was
-    computed counts as neither, so the counters agree with `usage`. (The abort's output is always `finished`,
-    which the check once read as "computed", so a waiting request's prompt was counted.)"""
+    """server.md: queries and hits are counted per request (at its first token, or when it ends before), and one
+    aborted before its prompt was computed counts as neither, so the counters agree with `usage`. (The abort's
+    output is always `finished`, which the check once read as "computed", so a waiting request's prompt was
+    counted.)"""
     import asyncio
 
     from hybridcache.config import EngineConfig
