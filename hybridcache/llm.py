@@ -15,6 +15,7 @@ prompts of the same salt (none: with unsalted ones). See docs/cache.md, "Cache s
 
 from __future__ import annotations
 
+import atexit
 import functools
 import signal
 import threading
@@ -42,6 +43,14 @@ Prompt = str | list[int] | dict
 Message = dict[str, object]
 
 
+def _close_at_exit(engine: weakref.ref[LLMEngine]) -> None:
+    """Close an `LLM`'s engine that is still alive at the interpreter's exit (`close` is idempotent). A weak
+    reference: `LLM(...).engine` is a user's engine, kept while they hold it, not closed with its wrapper."""
+    alive = engine()
+    if alive is not None:
+        alive.close()
+
+
 class LLM:
     """Offline batched generation.
 
@@ -58,8 +67,8 @@ class LLM:
     `close()`, or leaving a `with LLM(...) as llm:` block, frees the model and the pools, stops
     tensor-parallel workers (a process runs one tensor-parallel group at a time: close one `LLM` before the
     next) and hands the cache to the disk tier when there is one (`disk_cache_dir`); the `LLM` refuses work
-    afterwards. An `LLM` that is garbage-collected, or still open when the interpreter exits, is closed then
-    (vLLM's `LLM` has no `close()`: a script written for it hands its cache to the disk tier too).
+    afterwards. An engine still open when the interpreter exits is closed then (vLLM's `LLM` has no `close()`: a
+    script written for it hands its cache to the disk tier too); one dropped earlier without `close()` is not.
     """
 
     def __init__(self, model: str | Path | None = None, *,
@@ -72,14 +81,14 @@ class LLM:
         self.model_name = resolved.name
         self.sampling_defaults = SamplingDefaults.from_model_dir(resolved.path, generation_config)
         self.engine = LLMEngine(resolved.path, resolve_engine_config(resolved.path, engine_options))
-        self._close = weakref.finalize(self, self.engine.close)  # (also at exit: atexit runs it)
+        atexit.register(_close_at_exit, weakref.ref(self.engine))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     def close(self) -> None:
         """Free the engine: abort what runs, stop tensor-parallel workers, hand the cache to the disk tier, drop
         the model and pools (idempotent; `generate` and `chat` then raise `EngineDeadError`)."""
-        self._close()
+        self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
