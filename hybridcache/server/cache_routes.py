@@ -37,6 +37,7 @@ evicted one's next page a 409, every retry a walk of the whole cache).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -95,6 +96,7 @@ class CacheRoutes:
         if limit < 1:
             raise APIError(400, f"limit must be >= 1, got {limit}", param="limit")
         limit = min(limit, MAX_EVENTS_PER_POLL)
+        self._drop_old_snapshots()  # (on every request: a reader that gave up frees its snapshot in time)
         if cursor is not None:
             if since is not None:
                 raise APIError(400, "cursor continues a snapshot: leave since out", param="since")
@@ -119,14 +121,13 @@ class CacheRoutes:
 
     def _check_room(self) -> None:
         """Raise 503 with `Retry-After` while `MAX_HELD_SNAPSHOTS` snapshots are held (or being taken) and read."""
-        if self.log is not None:
-            self._drop_old_snapshots()
         if len(self.snapshots) + self.num_taking >= MAX_HELD_SNAPSHOTS:
             raise APIError(503, f"{MAX_HELD_SNAPSHOTS} cache snapshots are being read, the most held at a time: ask "
                            "again shortly", headers={"Retry-After": str(SNAPSHOTS_BUSY_RETRY_S)})
 
     def _drop_old_snapshots(self) -> None:
-        """Drop the held snapshots that are stale or were not read for `SNAPSHOT_KEEP_S`."""
+        """Drop the held snapshots that are stale or were not read for `SNAPSHOT_KEEP_S` (run on every events
+        request, and `SNAPSHOT_KEEP_S` after each page of a held snapshot: one is dropped with no request after it)."""
         now = time.monotonic()
         for snapshot in list(self.snapshots.values()):
             if now - snapshot.read_at > SNAPSHOT_KEEP_S or self.log.since(snapshot.next_seq, 0).lost:
@@ -148,7 +149,6 @@ class CacheRoutes:
         snapshot_id, _, offset = cursor.partition(".")
         if not offset.isdigit():
             raise APIError(400, f"malformed snapshot cursor {cursor!r}", param="cursor")
-        self._drop_old_snapshots()
         snapshot = self.snapshots.get(snapshot_id)
         if snapshot is None:
             raise APIError(409, "the snapshot this cursor reads is no longer held (read to its end, the event log "
@@ -166,6 +166,7 @@ class CacheRoutes:
         more = {"cursor": f"{snapshot.snapshot_id}.{end}"} if end < len(snapshot.events) else {}
         if more:
             self.snapshots[snapshot.snapshot_id] = snapshot
+            asyncio.get_running_loop().call_later(SNAPSHOT_KEEP_S + 1, self._drop_old_snapshots)
         else:  # its last page: no one reads it again
             self.snapshots.pop(snapshot.snapshot_id, None)
         return await run_in_threadpool(self._answer, reset, snapshot.next_seq, snapshot.events[offset:end], more)

@@ -5,11 +5,13 @@ match refuse a text too long to fit by its size, and tokenize off the event loop
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 
 from hybridcache.cache import CacheEvent
 from hybridcache.router.index import ReplicaIndex
+from hybridcache.server import cache_routes
 from hybridcache.server.app import ServedModel, _Routes
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.limits import max_token_bytes
@@ -176,3 +178,36 @@ def test_a_paged_snapshot_equals_the_whole_one():
         assert client.get("/v1/cache/events", params={"cursor": "nonsense"}).status_code == 400
         small = client.get("/v1/cache/events", params={"paged": "true"}).raise_for_status().json()
         assert small["events"] == whole["events"] and "cursor" not in small  # one page holds it all
+
+
+def test_a_snapshot_whose_reader_gave_up_is_dropped_in_time(monkeypatch):
+    """A paged snapshot read to its first page only (its reader timed out or restarted) is dropped SNAPSHOT_KEEP_S
+    after its last read: at the next events request of any kind, or by a timer with no request at all. It was held
+    until the next paged snapshot or cursor read, which a router polling with `since` never sends (hunt 171: up to
+    four 70 MB snapshots held for good)."""
+    monkeypatch.setattr(cache_routes, "SNAPSHOT_KEEP_S", 0.3)
+    made, init = [], cache_routes.CacheRoutes.__init__
+
+    def record(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(cache_routes.CacheRoutes, "__init__", record)
+    prompts = [[(7 * i + k) % 250 for i in range(70)] for k in range(3)]
+    with serving() as url, httpx.Client(base_url=url, timeout=60) as client:
+        client.get("/v1/cache/events").raise_for_status()  # enables the log
+        for prompt in prompts:
+            client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}).raise_for_status()
+        first = client.get("/v1/cache/events", params={"paged": "true", "limit": 2}).raise_for_status().json()
+        assert "cursor" in first
+        (routes,) = made
+        assert len(routes.snapshots) == 1
+        time.sleep(0.5)
+        client.get("/v1/cache/events", params={"since": first["next"]}).raise_for_status()
+        assert not routes.snapshots  # an incremental poll dropped it
+        client.get("/v1/cache/events", params={"paged": "true", "limit": 2}).raise_for_status()
+        assert len(routes.snapshots) == 1
+        deadline = time.monotonic() + 5
+        while routes.snapshots and time.monotonic() < deadline:  # no request: the timer drops it (0.3 + 1 s)
+            time.sleep(0.1)
+        assert not routes.snapshots
