@@ -263,6 +263,7 @@ _LOOSENED = [
     pytest.param({"type": "string", "pattern": r"^[\n]$"}, '"\n"', "a newline", id="pattern-newline-in-class"),
     pytest.param({"type": "string", "pattern": r"^\x22$"}, '"""', "U+0022", id="pattern-hex-escape"),
     pytest.param({"type": "string", "pattern": "^a\tb$"}, '"a\tb"', "U+0009", id="pattern-raw-tab"),
+    pytest.param({"type": "string", "pattern": r"^[\t-\r]+$"}, '"\t"', "a tab", id="pattern-class-of-controls-only"),
     pytest.param({**_OBJECT, "patternProperties": {'^a"$': {"type": "integer"}}}, '{"a"": 1}', "patternProperties",
                  id="patternProperties-quote"),
     pytest.param({**_OBJECT, "propertyNames": {"pattern": '^a"$'}}, '{"a"": 1}', "pattern '^a\"$'",
@@ -311,3 +312,48 @@ def test_schema_shapes_xgrammar_enforces_stay_accepted(schema, good, bad):
     spec = GuidedSpec.json_schema(schema)
     assert _accepts(cache, tokenizer, spec, good)
     assert not _accepts(cache, tokenizer, spec, bad)
+
+
+_COLOR_DEF = {"$defs": {"Color": {"enum": ["red", "green"], "title": "Color", "type": "string"}}}
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("schema, good, bad", [
+    pytest.param({"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "example": "x"}, ['"x"', "null"],
+                 ["1"], id="anyOf-beside-example"),
+    pytest.param({**_COLOR_DEF, "properties": {
+        "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "example": "leave at door"},
+        "color": {"$ref": "#/$defs/Color", "example": "red"}}, "required": ["color"], "title": "Order",
+        "type": "object"}, ['{"note": "x", "color": "red"}', '{"note": null, "color": "green"}'],
+        ['{"note": 1, "color": "red"}', '{"note": "x", "color": "blue"}'], id="pydantic-model-with-examples"),
+    pytest.param({"type": "string", "enum": ["a", "b"], "example": "a"}, ['"a"', '"b"'], ['"c"', "1"],
+                 id="enum-beside-example"),
+    pytest.param({"anyOf": [{"type": "integer"}, {"type": "null"}], "x-nullable": True, "x-order": 2}, ["1", "null"],
+                 ['"a"'], id="anyOf-beside-vendor-keys"),
+    pytest.param({"type": "string", "enum": ["r", "g"], "enumNames": ["Red", "Green"]}, ['"r"'], ['"b"'],
+                 id="enum-beside-enumNames"),
+    pytest.param({"type": "string", "oneOf": [{"const": "#FF0000", "title": "Red"}, {"const": "#00FF00",
+                  "title": "Green"}]}, ['"#FF0000"', '"#00FF00"'], ['"#0000FF"', "1"], id="titled-enum-of-consts"),
+    pytest.param({"type": "object", "oneOf": [
+        {"properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False},
+        {"properties": {"b": {"type": "string"}}, "required": ["b"], "additionalProperties": False}]},
+        ['{"a": 1}', '{"b": "x"}'], ["[]", '"a"', '{"a": "x"}'], id="object-beside-untyped-property-branches"),
+    pytest.param({"type": "string", "pattern": r"^[^\n]+$"}, ['"one line"'], [r'"a\nb"', '"a\nb"', '""'],
+                 id="pattern-negated-newline"),
+    pytest.param({"type": "string", "pattern": r'^[^"]+$'}, ['"ab"'], [r'"a\"b"', '"a"b"'], id="pattern-negated-quote"),
+    pytest.param({"type": "string", "pattern": r"^[\x00-\x7F]+$"}, ['"ab c"'], ['"\u00e9"', '"a\nb"', r'"a\u0001"'],
+                 id="pattern-range-from-a-control"),
+])
+def test_everyday_schemas_xgrammar_enforces_are_accepted(schema, good, bad):
+    """Hunt 174: 67b1f19 refused these (a 400) though xgrammar enforces them exactly. An unknown keyword beside
+    `anyOf` / `enum` is an annotation (pydantic's `json_schema_extra` example, OpenAPI's `example`, `x-*`,
+    `enumNames`); a branch without a `type` keeps to one through its const values or its `properties` (MCP's titled
+    enums); a quote, backslash or control character in a class that holds others is left out of it by xgrammar
+    (only a class of such characters alone, refused above, is matched raw)."""
+    cache, tokenizer = _cache()
+    spec = GuidedSpec.json_schema(schema)
+    cache.check(spec)
+    for text in good:
+        assert _accepts(cache, tokenizer, spec, text), text
+    for text in bad:
+        assert not _accepts(cache, tokenizer, spec, text), text
