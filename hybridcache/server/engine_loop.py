@@ -496,12 +496,11 @@ class EngineLoop:
         reasons = [reason_override or c.finish_reason or "abort" for c in output.outputs]
         completions = [stream.completions[i] if i < len(stream.completions) else _Completion()
                        for i in range(len(output.outputs))]
-        self._metrics.request_finished(len(output.prompt_token_ids), output.num_cached_tokens, reasons,
+        self._metrics.request_finished(len(output.prompt_token_ids), reasons,
                                        [(c.finish_time or now) - stream.arrival for c in completions],
                                        [(c.num_draft_tokens, c.num_accepted_tokens) for c in output.outputs],
                                        [_phases(stream, c) for c in completions],
-                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs],
-                                       prompt_counted=True)
+                                       [0 if stream.echo_only else len(c.token_ids) for c in output.outputs])
 
     def _publish_state(self) -> None:
         # The blocks running sequences hold (vllm:kv_cache_usage_perc) are recounted at most every

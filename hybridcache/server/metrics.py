@@ -137,23 +137,19 @@ class ServerMetrics:
             for counter in counters:
                 counter.inc(value)
 
-    def request_finished(self, num_prompt_tokens: int, num_cached_tokens: int, finish_reasons: list[str],
+    def request_finished(self, num_prompt_tokens: int, finish_reasons: list[str],
                          latency_s: float | Sequence[float], drafts: list[tuple[int, int]] = (),
                          phases: RequestPhases | Sequence[RequestPhases] | None = None,
-                         generation_lens: list[int] = (), prompt_counted: bool = False) -> None:
-        """A request ended (finished or aborted after its prompt was computed). Its n completions are observed
-        each on its own in the latency histograms, as vLLM's n child requests: `latency_s` (arrival -> end) and
-        `phases` (queue, prefill and decode times where known) are per completion, or one value for all.
-        `drafts`: per completion, (draft tokens fed, accepted) with speculative decoding; `generation_lens`: per
-        completion, the tokens it generated. Its prompt is counted here (`prompt_computed`) unless
-        `prompt_counted`: the engine loop counts it at the first token, and here only for a request that ended
-        before that."""
+                         generation_lens: list[int] = ()) -> None:
+        """A request ended (finished or aborted after its prompt was computed; its prompt's tokens were counted by
+        `prompt_computed`). Its n completions are observed each on its own in the latency histograms, as vLLM's n
+        child requests: `latency_s` (arrival -> end) and `phases` (queue, prefill and decode times where known) are
+        per completion, or one value for all. `drafts`: per completion, (draft tokens fed, accepted) with
+        speculative decoding; `generation_lens`: per completion, the tokens it generated."""
         for fed, accepted in drafts:
             if fed:
                 self.acceptance.observe(accepted / fed)
         vllm = self.vllm
-        if not prompt_counted:
-            self.prompt_computed(num_prompt_tokens, num_cached_tokens)
         self.completions_ended(finish_reasons)
         num_completions = len(finish_reasons)
         for latency in _per_completion(latency_s, num_completions):

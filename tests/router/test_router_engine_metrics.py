@@ -25,7 +25,8 @@ def _replica_with_metrics(num_prompt_tokens: int | None):
     metrics = ServerMetrics(model_name="m")
     metrics.watch_engine(lambda: EngineState(num_running=1, num_blocks=8, num_blocks_used=2))
     if num_prompt_tokens is not None:
-        metrics.request_finished(num_prompt_tokens, 0, ["stop"], 0.5, generation_lens=[3])
+        metrics.prompt_computed(num_prompt_tokens, 0)
+        metrics.request_finished(num_prompt_tokens, ["stop"], 0.5, generation_lens=[3])
 
     @app.get("/metrics")
     async def render():

@@ -56,7 +56,8 @@ def test_every_metric_carries_the_model_name_and_usage_is_in_percent():
     metrics.watch_engine(lambda: EngineState(num_blocks=8, num_blocks_used=2, num_slots=5, num_slots_used=5,
                                              checkpoint_saves={"prefill_end": 3}, checkpoint_hits={"finish": 2},
                                              declined_saves={"policy": 5, "no_room": 1}))
-    metrics.request_finished(10, 4, ["stop", "length"], 0.5)
+    metrics.prompt_computed(10, 4)
+    metrics.request_finished(10, ["stop", "length"], 0.5)
     metrics.ttft.observe(0.1)
     text = metrics.render().decode()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]

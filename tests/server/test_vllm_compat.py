@@ -228,7 +228,7 @@ def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client, pat
 def test_vllm_token_histograms_are_observed_when_a_request_ends():
     assert token_count_buckets(256) == (1, 2, 5, 10, 20, 50, 100, 200)
     metrics = ServerMetrics(model_name="m", max_model_len=256)
-    metrics.request_finished(7, 0, ["stop", "length"], 0.5, generation_lens=[3, 9])
+    metrics.request_finished(7, ["stop", "length"], 0.5, generation_lens=[3, 9])
     registry = metrics.registry
     labels = {"model_name": "m", "engine": "0"}
     assert registry.get_sample_value("vllm:request_prompt_tokens_count", labels) == 2
