@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Callable
 
 
@@ -32,6 +33,31 @@ def positive_int(text: str) -> int:
 def non_negative_int(text: str) -> int:
     """An integer >= 0 (a seed)."""
     return _integer(text, 0)
+
+
+_HUMAN = re.compile(r"(\d+(?:\.\d+)?)([kmgKMG])")
+_SCALE = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer >= 1, also written as vLLM writes token counts: 32k = 32,000, 32K = 32,768, 25.6k = 25,600 (a
+    decimal only with a lower-case suffix, as vLLM's `human_readable_int`)."""
+    found = _HUMAN.fullmatch(text.strip())
+    if found is None:
+        return positive_int(text)
+    number, suffix = found.groups()
+    if "." in number and suffix.isupper():
+        raise argparse.ArgumentTypeError(f"a binary suffix ({suffix}) takes a whole number, got {text!r}")
+    value = float(number) * _SCALE[suffix]
+    if value != int(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of tokens >= 1, got {text!r}")
+    return int(value)
+
+
+def model_len(text: str) -> int | None:
+    """`--max-model-len`: `human_readable_int`, or "auto" / -1 (vLLM's "as much as fits"; here None: the model's
+    own length, the default)."""
+    return None if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
 
 
 def _number(text: str, what: str, ok: Callable[[float], bool]) -> float:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from hybridcache.arg_types import non_negative_float, positive_float
+from hybridcache.arg_types import human_readable_int, model_len, non_negative_float, positive_float
 from hybridcache.config import (
     CACHE_MODES,
     DTYPE_ALIASES,
@@ -157,9 +157,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-cache-gib", type=positive_float, default=64.0, metavar="GIB",
                         help="the disk tier's cap on its files, GiB (default: 64)")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="sequences running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    parser.add_argument("--max-model-len", type=int, default=None,
-                        help="prompt + completion limit (default: the model's; on the CPU at most 8192)")
+    parser.add_argument("--max-num-batched-tokens", type=human_readable_int, default=512,
+                        help="token budget of one step (8k = 8,000, 8K = 8,192, as vLLM)")
+    parser.add_argument("--max-model-len", type=model_len, default=None,
+                        help="prompt + completion limit (32k = 32,000, 32K = 32,768, as vLLM; default and auto: the "
+                             "model's; on the CPU at most 8192)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse computed prefixes across requests")
     parser.add_argument("--no-prefix-cache", dest="enable_prefix_caching", action="store_false",

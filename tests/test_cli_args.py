@@ -10,7 +10,14 @@ import argparse
 
 import pytest
 
-from hybridcache.arg_types import non_negative_int, port_number, positive_float, positive_int
+from hybridcache.arg_types import (
+    human_readable_int,
+    model_len,
+    non_negative_int,
+    port_number,
+    positive_float,
+    positive_int,
+)
 from hybridcache.cli import main
 
 SIMULATE = ["simulate", "--workload", "swe-agent", "--no-progress"]
@@ -85,6 +92,24 @@ def test_the_types_take_good_values_and_refuse_the_rest():
                        (port_number, "-1"), (port_number, "65536")):
         with pytest.raises(argparse.ArgumentTypeError, match="must be"):
             parse(bad)
+
+
+def test_token_counts_take_vllms_human_readable_forms():
+    """vLLM parses --max-model-len and --max-num-batched-tokens with its human_readable_int: a copied `32k` was
+    refused here ("invalid int value")."""
+    from hybridcache.engine_args import add_engine_args
+
+    assert [human_readable_int(t) for t in ("512", "32k", "32K", "25.6k", "1m", "1M", "2g")] == \
+        [512, 32_000, 32_768, 25_600, 10**6, 2**20, 2 * 10**9]
+    assert [model_len(t) for t in ("auto", "-1", "8K")] == [None, None, 8192]
+    for bad in ("0", "1.5K", "0.0001k", "k", "32kb", "-3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            human_readable_int(bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-model-len", "32k", "--max-num-batched-tokens", "8K"])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (32_000, 8192)
+    assert parser.parse_args(["--max-model-len", "auto"]).max_model_len is None
 
 
 @pytest.mark.parametrize("flag, value", [("--router-poll-interval", "0"), ("--router-poll-interval", "-1"),
