@@ -54,6 +54,17 @@ def test_every_call_prompt_is_the_rendering_of_the_history_before_it(tmp_path):
     assert requests[0].output_ids == first_reply
 
 
+def test_a_null_content_renders_as_no_text(tmp_path):
+    """OpenAI's shape of a message that only calls tools, `"content": null`, rendered as the text "None" (in its
+    recorded reply and every later prompt); it is empty, as the server renders it."""
+    history = [{**m, "content": None} if m.get("content") == "" else m for m in HISTORY]
+    (tmp_path / "run.traj").write_text(json.dumps({"history": history}))
+    encoder = ChatEncoder()
+    requests = list(load_swe_agent(tmp_path, encoder)[0].recorded_requests())
+    (tmp_path / "run.traj").write_text(json.dumps({"history": HISTORY}))
+    assert requests == list(load_swe_agent(tmp_path, encoder)[0].recorded_requests())
+
+
 def test_the_shipped_function_calling_trajectory_keeps_observations_and_actions():
     path = default_trace_path("swe-agent") / "demonstrations" / "function_calling_simple.traj"
     history = json.loads(path.read_text())["history"]

@@ -20,6 +20,8 @@ from hybridcache.bench.workloads.text import ChatEncoder
 
 
 def _text(content) -> str:
+    if content is None:  # (an assistant message that only calls tools: OpenAI's null content)
+        return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
