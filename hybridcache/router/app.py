@@ -103,6 +103,13 @@ def replica_verdict(status: int, headers: Mapping[str, str], content: bytes) -> 
     return "down"
 
 
+def _shut_down(content: bytes) -> bool:
+    """Whether a replica's error answer is its shutdown's: the request ran when the replica shut down."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+        return json.loads(content)["error"]["message"] == SHUTDOWN_MESSAGE
+    return False
+
+
 def _relayed(upstream: httpx.Response, content: bytes) -> Response:
     """A replica's error answer as the router sends it on: its status, body, content type and `Retry-After`."""
     headers = {"Retry-After": upstream.headers["retry-after"]} if "retry-after" in upstream.headers else {}
@@ -375,13 +382,14 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         tried: set[str] = set()
         last_error = "no replica is up"
         busy: Response | None = None
+        cut: Response | None = None  # a replica's 503 for a request its shutdown cut
         while True:
             if owner is not None:  # only the replica holding the conversation can continue it
                 ranked = [(owner, None)] if owner.up and owner.url not in tried else []
                 if not ranked:
                     state.num_failed += 1
-                    if busy is not None:  # its queue is full: its 503 and Retry-After, as for any request
-                        return busy
+                    if busy is not None or cut is not None:  # its queue is full (its Retry-After) or it shut down
+                        return busy or cut
                     raise APIError(503, f"the replica that stored response {stored_id!r} ({owner.url}) cannot take "
                                         f"the request: {last_error if tried else 'it is down'}")
             else:
@@ -390,6 +398,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 state.num_failed += 1
                 if busy is not None:  # every replica left was busy: the last one's 503 and its Retry-After
                     return busy
+                if cut is not None:  # (the fleet shuts down: the replica's own "the server shut down ...")
+                    return cut
                 raise APIError(503, f"no replica could take the request: {last_error}")
             replica, predicted = ranked[0]
             tried.add(replica.url)
@@ -426,6 +436,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                         busy = _relayed(upstream, content)
                     else:
                         replica.mark_down(last_error)
+                        if _shut_down(content):  # another replica may take it; if none can, this is the answer
+                            cut = _relayed(upstream, content)
                     continue
                 replica.counters.routed += 1
                 # a stream by what the replica answered, not by the body's `stream` (whose "false", a string,

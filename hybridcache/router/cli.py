@@ -300,13 +300,18 @@ def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
 
 class Replicas:
     """The replica processes of `serve --data-parallel-size N`. Each gets SIGTERM when this process dies, by
-    SIGKILL too (`_die_with_parent`); `terminate` sends them all SIGTERM at once (each then runs its own graceful
-    shutdown) and sets the one deadline, `wait_s` on, by which `end` has them gone: SIGKILL to any left then."""
+    SIGKILL too (`_die_with_parent`); `terminate` sends them all SIGTERM at once, once each (each then runs its own
+    graceful shutdown: a second SIGTERM, once its server has stopped, would kill it in its disk hand-off) and sets
+    the one deadline, `wait_s` on, by which `end` has them gone: SIGKILL to any left then. With `hand_off` (the
+    replicas have a disk tier) there is no deadline: a replica's hand-off of its cache to disk comes after its
+    shutdown timeout and is not bounded by it, as a single `serve`'s."""
 
-    def __init__(self, wait_s: float) -> None:
+    def __init__(self, wait_s: float, hand_off: bool = False) -> None:
         self.processes: list[subprocess.Popen] = []
         self.wait_s = wait_s
+        self.hand_off = hand_off
         self.deadline: float | None = None
+        self._signalled: list[subprocess.Popen] = []  # the processes sent SIGTERM
 
     def start(self, command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
         process = subprocess.Popen(list(command), env=dict(env), preexec_fn=_die_with_parent(os.getpid()))
@@ -315,9 +320,10 @@ class Replicas:
 
     def terminate(self) -> None:
         if self.deadline is None:
-            self.deadline = time.monotonic() + self.wait_s
+            self.deadline = float("inf") if self.hand_off else time.monotonic() + self.wait_s
         for process in self.processes:
-            if process.poll() is None:
+            if process.poll() is None and process not in self._signalled:
+                self._signalled.append(process)
                 process.terminate()
 
     def end(self) -> None:
@@ -368,7 +374,8 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     (`replica_env`: one GPU per rank each, or on the CPU an equal share of the cores each) on ports
     --port + 1 ... --port + N, wait until all answer /health, then run the router. On SIGTERM the router's
     graceful shutdown and the replicas' run together (`replica_shutdown_timeout`); the replicas are gone within
-    --shutdown-timeout less `SHUTDOWN_RESERVE_S`, and end with this process however it ends."""
+    --shutdown-timeout less `SHUTDOWN_RESERVE_S` (with --disk-cache-dir: once their hand-off to disk is written, as
+    a single serve's), and end with this process however it ends."""
     from hybridcache.engine_args import AUTO, auto_device, model_argument
     from hybridcache.server.cli import SHUTDOWN_RESERVE_S
     from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket
@@ -381,7 +388,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.uds:
         remove_stale_socket(args.uds)
     sock = listen_socket(args.host, args.port, args.uds)  # a busy port fails before the replicas start
-    replicas = Replicas(max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S))
+    replicas = Replicas(max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S), hand_off=bool(args.disk_cache_dir))
     replica_timeout_s = replica_shutdown_timeout(args.shutdown_timeout)
     try:
         with _sigterm_interrupts():

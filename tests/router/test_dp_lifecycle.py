@@ -107,6 +107,32 @@ def test_replicas_end_together_against_one_deadline(tmp_path):
                 process.wait()
 
 
+def test_replicas_get_one_sigterm_and_with_a_disk_tier_no_deadline(tmp_path):
+    """A replica in its disk hand-off (after its server stopped, SIGTERM back to its default) was killed by the
+    second SIGTERM `end` sent after `terminate`, or by SIGKILL at the deadline, which the hand-off is not bounded by
+    (hunt 180: a restarted serve --data-parallel-size missed what a single serve kept). Now each replica gets SIGTERM
+    once, and with `hand_off` `end` waits for them to finish."""
+    counting = ("import pathlib, signal, sys, time; out = pathlib.Path(sys.argv[1]); "
+                "signal.signal(signal.SIGTERM, lambda *a: out.write_text(out.read_text() + 'T')); "
+                "out.write_text(''); deadline = time.monotonic() + 1.5\n"
+                "while time.monotonic() < deadline: time.sleep(0.02)")
+    replicas = router_cli.Replicas(wait_s=0.2, hand_off=True)
+    for i in range(2):
+        replicas.start([sys.executable, "-c", counting, str(tmp_path / str(i))], os.environ)
+    try:
+        assert wait_until(lambda: len(list(tmp_path.iterdir())) == 2, 30)
+        replicas.terminate()
+        time.sleep(0.1)
+        replicas.end()  # past wait_s: with a hand-off, no SIGKILL; each exits by itself, signalled once
+        assert [p.returncode for p in replicas.processes] == [0, 0]
+        assert [(tmp_path / str(i)).read_text() for i in range(2)] == ["T", "T"]
+    finally:
+        for process in replicas.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
 def test_the_router_drains_for_the_shutdown_timeout_and_signals_the_replicas_as_its_shutdown_begins(monkeypatch):
     """`router --shutdown-timeout T` (new) and `serve --data-parallel-size N --shutdown-timeout T`: the router's
     graceful shutdown lasts T less serve's reserve (it had none: uvicorn waited for every request in flight); the

@@ -17,6 +17,7 @@ from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.trie import chain_hash, root_hash
 from hybridcache.router.app import RouterConfig, build_router_app
 from hybridcache.router.policy import RoutingConfig
+from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
 from tests.router.serving import replica_app, serving_app, wait_until
 from tests.server.server_process import free_port
 
@@ -54,6 +55,8 @@ def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
         if mode == "timeout":  # `hybridcache serve --request-timeout`: this request's own outcome
             return JSONResponse({"error": {"message": "ran past the timeout", "code": "request_timeout"}},
                                 status_code=503)
+        if mode == "shut-down":  # the replica's shutdown cut the request (`ShutdownGuard`)
+            return JSONResponse({"error": {"message": SHUTDOWN_MESSAGE}}, status_code=503)
         if mode == "busy":  # `--max-queued-requests`: a full queue
             return JSONResponse({"error": {"message": "the server is busy"}}, status_code=503,
                                 headers={"Retry-After": "1"})
@@ -120,6 +123,22 @@ def test_a_busy_replica_is_passed_over_not_marked_down():
         response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert "busy" in response.json()["error"]["message"]
+
+
+def test_a_request_every_replicas_shutdown_cut_gets_the_shutdown_answer():
+    """serve --data-parallel-size shutting down: each replica answers a request it was running with its 503 "the
+    server shut down before this request finished"; the router tried the next, and when none could take it answered
+    its own "no replica could take the request: ... answered 503" (hunt 180). One replica cut it and another is up:
+    the other runs it."""
+    first, second = _fake_replica("shut-down", hit_step=12), _fake_replica("shut-down")
+    with serving_app(first) as a, serving_app(second) as b, serving_app(_router([a, b])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 503 and response.json()["error"]["message"] == SHUTDOWN_MESSAGE
+        assert (first.state.calls, second.state.calls) == (1, 1)
+    cut, other = _fake_replica("shut-down", hit_step=12), _fake_replica("ok")
+    with serving_app(cut) as a, serving_app(other) as b, serving_app(_router([a, b])) as router:
+        response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
+        assert response.status_code == 200 and (cut.state.calls, other.state.calls) == (1, 1)
 
 
 def test_predicted_and_reported_hits_and_an_unreachable_replica():
