@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     FACADE: set(),  # imports its names lazily, by module path
     "copy_kinds": set(),
     "config": set(),
-    "guided": set(),
+    "schema_checks": set(),  # which JSON schemas xgrammar would read without enforcing
+    "guided": {"schema_checks"},
     "sampling": {"config", "guided"},  # is_integer; a request's constraint is checked to be a GuidedSpec
     "multimodal": set(),
     "state_spec": set(),
