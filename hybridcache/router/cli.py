@@ -313,8 +313,21 @@ class Replicas:
         self.deadline: float | None = None
         self._signalled: list[subprocess.Popen] = []  # the processes sent SIGTERM
 
-    def start(self, command: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen:
-        process = subprocess.Popen(list(command), env=dict(env), preexec_fn=_die_with_parent(os.getpid()))
+    def start(self, command: Sequence[str], env: Mapping[str, str],
+              sock: socket.socket | None = None) -> subprocess.Popen:
+        """Start `command`; with `sock` (its listening socket, bound here) the process inherits it as the file
+        descriptor $HYBRIDCACHE_LISTEN_FD names (`server.uvicorn_server.inherited_socket`) and this process closes
+        its own copy, so that the port closes when the replica ends."""
+        from hybridcache.server.uvicorn_server import LISTEN_FD_ENV
+
+        env, fds = dict(env), ()
+        if sock is not None:
+            env[LISTEN_FD_ENV], fds = str(sock.fileno()), (sock.fileno(),)
+        try:
+            process = subprocess.Popen(list(command), env=env, pass_fds=fds, preexec_fn=_die_with_parent(os.getpid()))
+        finally:
+            if sock is not None:
+                sock.close()
         self.processes.append(process)
         return process
 
@@ -388,6 +401,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     if args.uds:
         remove_stale_socket(args.uds)
     sock = listen_socket(args.host, args.port, args.uds)  # a busy port fails before the replicas start
+    replica_socks = _replica_sockets(ports)  # bound here, so that no other server can answer in a replica's place
     replicas = Replicas(max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S), hand_off=bool(args.disk_cache_dir))
     replica_timeout_s = replica_shutdown_timeout(args.shutdown_timeout)
     try:
@@ -395,7 +409,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
             for i, port in enumerate(ports):
                 env = replica_env(os.environ, i, size, on_cpu, args.tensor_parallel_size)
                 command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port, replica_timeout_s)]
-                log.info("replica %d: pid %d, port %d", i, replicas.start(command, env).pid, port)
+                log.info("replica %d: pid %d, port %d", i, replicas.start(command, env, replica_socks[i]).pid, port)
             urls = [f"http://127.0.0.1:{port}" for port in ports]
             _wait_healthy(replicas.processes, urls)
             run_router(args, urls, model_argument(args), args.host, args.port,
@@ -403,10 +417,34 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     except KeyboardInterrupt:
         log.info("interrupted: ending the replicas")
     finally:
+        for replica_sock in replica_socks:
+            replica_sock.close()  # those of replicas never started (closing twice is a no-op)
         replicas.end()
         if args.uds:
             remove_stale_socket(args.uds)
     return 0
+
+
+def _replica_sockets(ports: Sequence[int]) -> list[socket.socket]:
+    """Listening sockets on 127.0.0.1 at `ports`, one per replica; an OSError naming the replica whose port is
+    taken (`serve --data-parallel-size 2 --port 8000` with another server on 8001 started replica 0, which could
+    not bind and exited, while the parent's wait for /health took the other server's answer for replica 0's)."""
+    from hybridcache.server.uvicorn_server import listen_socket
+
+    socks: list[socket.socket] = []
+    try:
+        for i, port in enumerate(ports):
+            try:
+                socks.append(listen_socket("127.0.0.1", port))
+            except OSError as error:
+                raise OSError(f"{error} (replica {i}'s port: --data-parallel-size's replicas listen on --port + 1 "
+                              f"... --port + {len(ports)})") from error
+            socks[-1].listen()
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def _wait_healthy(processes: Sequence[subprocess.Popen], urls: Sequence[str]) -> None:

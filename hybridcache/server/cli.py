@@ -172,13 +172,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hybridcache.server import log_limits
     from hybridcache.server.connections import uvicorn_options as connection_options
-    from hybridcache.server.uvicorn_server import Server, listen_socket, remove_stale_socket
+    from hybridcache.server.uvicorn_server import Server, inherited_socket, listen_socket, remove_stale_socket
     from hybridcache.server.vllm_flags import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.uds:
-        remove_stale_socket(args.uds)
-    sock = listen_socket(args.host, args.port, args.uds)  # a busy port or a bad host fails before the model loads
+    sock = inherited_socket()  # a data-parallel replica's, bound by its parent
+    if sock is None:
+        if args.uds:
+            remove_stale_socket(args.uds)
+        sock = listen_socket(args.host, args.port, args.uds)  # a busy port or a bad host fails before the model loads
     parts = build_server(args)
     config = parts.config
     guard = config.limits

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 FLUSH_S = 0.25  # the most the shutdown waits, after uvicorn's, for cancelled requests' last bytes to leave
+LISTEN_FD_ENV = "HYBRIDCACHE_LISTEN_FD"  # a data-parallel replica's socket, bound by its parent
 
 
 class Server(uvicorn.Server):
@@ -90,6 +91,14 @@ def listen_socket(host: str, port: int, uds: str | None = None) -> socket.socket
         sock.close()
         raise OSError(f"cannot listen on {name}: {error.strerror or error}") from error
     return sock
+
+
+def inherited_socket() -> socket.socket | None:
+    """The socket `serve --data-parallel-size`'s parent bound for this replica and passed as the file descriptor
+    named by $HYBRIDCACHE_LISTEN_FD (`router.cli.serve_data_parallel`), or None when there is none. The parent
+    binding each replica's port means a replica cannot lose its port to another server and be replaced by it."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    return None if fd is None else socket.socket(fileno=int(fd))
 
 
 def remove_stale_socket(path: str) -> None:

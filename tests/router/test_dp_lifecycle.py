@@ -5,9 +5,11 @@ process (SIGTERM while they start, or SIGKILL, left them running with ppid 1).""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ import uvicorn
 from hybridcache.cli import build_parser
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.router import cli as router_cli
-from hybridcache.server.uvicorn_server import Server, listen_socket
+from hybridcache.server.uvicorn_server import Server, inherited_socket, listen_socket
 from tests.router.serving import wait_until
 from tests.server.server_process import REPO, free_port
 
@@ -163,10 +165,10 @@ def test_the_router_drains_for_the_shutdown_timeout_and_signals_the_replicas_as_
             self.returncode = -signal.SIGTERM
 
     commands, started = [], []
-    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env, preexec_fn: commands.append(command)
-                        or started.append(Started()) or started[-1])
+    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env, preexec_fn, pass_fds:
+                        commands.append(command) or started.append(Started()) or started[-1])
     monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200))
-    monkeypatch.setattr("hybridcache.server.uvicorn_server.listen_socket", lambda host, port, uds: None)
+    monkeypatch.setattr("hybridcache.server.uvicorn_server.listen_socket", lambda host, port, uds=None: socket.socket())
 
     def router(args, urls, model, host, port, timeout_s, sock, on_shutdown):
         assert [p.returncode for p in started] == [None, None]
@@ -250,3 +252,55 @@ def test_sigterm_ends_the_router_and_its_replicas_within_the_shutdown_timeout(tm
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
         parent.wait(timeout=30)
+
+
+def test_a_replica_port_in_use_is_an_error_not_another_server_adopted():
+    """Another server on a replica's port (--port + 1): replica 0 could not bind it and exited, while the parent's
+    wait for /health took the other server's 200 for replica 0's and routed requests to it (hunt 180). Now the
+    parent binds every replica's port before any replica starts, and a taken one ends it at once, named."""
+    port = free_port()
+
+    class Other(http.server.BaseHTTPRequestHandler):  # answers 200 to everything, as another serve's /health
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.HTTPServer(("127.0.0.1", port + 1), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    command = [sys.executable, "-c", STARTING, "serve", "--data-parallel-size", "2", "--device", "cpu", "--port",
+               str(port), "--log-level", "warning"]
+    try:
+        done = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                              text=True, timeout=90)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port + 1}" in done.stderr and "replica 0's port" in done.stderr
+
+
+def test_a_replica_serves_on_the_socket_its_parent_bound(tmp_path):
+    """`Replicas.start` hands the replica its bound socket (`inherited_socket` in the replica) and closes its own
+    copy: the replica accepts on it, and once the replica has ended the port is closed, not held by the parent."""
+    sock = listen_socket("127.0.0.1", 0)
+    sock.listen()
+    port = sock.getsockname()[1]
+    child = ("from hybridcache.server.uvicorn_server import inherited_socket\n"
+             "sock = inherited_socket()\nconnection, _ = sock.accept()\nconnection.sendall(b'replica')\n"
+             "connection.close()")
+    replicas = router_cli.Replicas(wait_s=1.0)
+    replicas.start([sys.executable, "-c", child], {**os.environ, "PYTHONPATH": str(REPO)}, sock)
+    try:
+        assert sock.fileno() == -1  # the parent's copy is closed
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as client:
+            client.settimeout(30)
+            assert client.recv(16) == b"replica"
+        assert replicas.processes[0].wait(timeout=30) == 0
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5)
+    finally:
+        replicas.end()
+    assert inherited_socket() is None  # no descriptor handed to this process
