@@ -8,7 +8,15 @@ import os
 import sys
 from pathlib import Path
 
-from hybridcache.arg_types import gib_or_multiple, non_negative_int, positive_float, positive_floats, positive_int
+from hybridcache.arg_types import (
+    gib_or_multiple,
+    human_readable_int,
+    model_len,
+    non_negative_int,
+    positive_float,
+    positive_floats,
+    positive_int,
+)
 from hybridcache.config import CACHE_MODES, DTYPES, SSM_DTYPE_FLAG
 from hybridcache.engine_args import AUTO, HelpFormatter
 from hybridcache.extras import require_extra
@@ -100,12 +108,13 @@ def register(subparsers) -> None:
                        help="tokens per KV block")
     bench.add_argument("--max-num-seqs", type=positive_int, default=16,
                        help="sequences running at once")
-    bench.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
-                       help="token budget of one step")
+    bench.add_argument("--max-num-batched-tokens", type=human_readable_int, default=512,
+                       help="token budget of one step (also 2k, 2K)")
     bench.add_argument("--num-blocks", type=positive_int, default=None,
                        help="blocks in the pool of KV and checkpoint states (default: the engine's)")
-    bench.add_argument("--max-model-len", type=positive_int, default=None,
-                       help="the engine's max_model_len (default: the engine's: the model's length, at most 8,192 "
+    bench.add_argument("--max-model-len", type=model_len, default=None,
+                       help="the engine's max_model_len, as serve's: 32k, 32K, auto (default: the engine's: the "
+                            "model's length, at most 8,192 "
                             "on the CPU); a call whose prompt + max_tokens passes it is dropped, and the table says "
                             "how many (with --server: the server's, from /v1/models)")
     bench.add_argument(

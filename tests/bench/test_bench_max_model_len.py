@@ -70,3 +70,13 @@ def test_a_session_ends_before_the_turn_that_passes_max_model_len(sharegpt_trace
     result = run_bench(None, workload, config).modes["hybridcache"]
     assert result.num_dropped >= 1
     assert result.num_calls + result.num_dropped == len(workload)
+
+
+def test_bench_takes_serves_spellings_of_token_counts():
+    """`bench --max-model-len 8k` / `--max-num-batched-tokens 1K` were refused (plain integers only) while `serve`
+    takes them, as vLLM's flags do."""
+    from hybridcache.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--max-model-len", "8k", "--max-num-batched-tokens", "1K"])
+    assert (args.max_model_len, args.max_num_batched_tokens) == (8000, 1024)
+    assert build_parser().parse_args(["bench", "--max-model-len", "auto"]).max_model_len is None
