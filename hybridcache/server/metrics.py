@@ -79,7 +79,9 @@ from hybridcache.cache.stats import DeclineCause, EvictionKind
 from hybridcache.server.engine_state import EngineState
 from hybridcache.server.vllm_metrics import FINISH_REASONS, VllmMetrics
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# seconds; up to vLLM's top request bucket (7,680 s): an agent's long generation or a queued request takes minutes
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+                    300.0, 600.0, 1800.0, 7680.0)
 
 
 class ServerMetrics:

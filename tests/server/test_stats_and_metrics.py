@@ -482,3 +482,15 @@ def test_the_engine_loop_starts_a_stats_interval_when_an_idle_spell_ends(caplog)
     after = [t for t in times if t >= burst_start[0]]
     assert len(after) == 1, (burst_start, times)  # was 2: one in its first step, one an interval later
     assert after[0] >= burst_start[0] + interval_s - 0.05  # was in the burst's first step
+
+
+def test_latency_histograms_tell_minutes_apart():
+    """The hybridcache_* latency histograms topped out at 60 s: a 2-minute and a 20-minute request fell in the same
+    +Inf bucket, so a p99 of a slow deployment read as "over 60 s". Their buckets now reach vLLM's top, 7,680 s."""
+    metrics = ServerMetrics(model_name="m")
+    for seconds in (90.0, 1200.0):
+        metrics.e2e.observe(seconds)
+    text = metrics.render().decode()
+    assert metric_value(text, "hybridcache_e2e_request_latency_seconds_bucket", 'le="60.0"') == 0
+    assert metric_value(text, "hybridcache_e2e_request_latency_seconds_bucket", 'le="120.0"') == 1
+    assert metric_value(text, "hybridcache_e2e_request_latency_seconds_bucket", 'le="1800.0"') == 2
