@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hybridcache.server")
 MAX_STORED = 1024
+MAX_STORED_BYTES = 1 << 30  # the stored responses' text at most (a body may be up to --max-request-bytes)
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
@@ -319,25 +320,47 @@ class _Stored:
     messages: list[dict[str, Any]]  # the conversation without instructions, this response's output included
     body: dict[str, Any]
 
+    def size(self) -> int:
+        """About the bytes it holds: its strings' lengths plus 8 per other value."""
+        return _size(self.messages) + _size(self.body)
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_size(key) + _size(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(_size(item) for item in value)
+    return 8
+
 
 class ResponseStore:
-    """The newest `capacity` stored responses, by id (event-loop side only)."""
+    """The newest stored responses, by id (event-loop side only): at most `capacity` of them and `max_bytes` of
+    their text (`_Stored.size`), the oldest dropped first; the newest is kept whatever its size. Bounded by count
+    alone, 1,024 responses of 20 MB each (text a prompt never renders, such as a function_call's call_id, passes
+    the prompt-length check) held 20 GB."""
 
-    def __init__(self, capacity: int = MAX_STORED) -> None:
+    def __init__(self, capacity: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._items: OrderedDict[str, tuple[_Stored, int]] = OrderedDict()
 
     def put(self, response_id: str, stored: _Stored) -> None:
-        self._items[response_id] = stored
-        self._items.move_to_end(response_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        if response_id in self._items:
+            self.num_bytes -= self._items.pop(response_id)[1]
+        size = stored.size()
+        self._items[response_id] = (stored, size)
+        self.num_bytes += size
+        while len(self._items) > 1 and (len(self._items) > self.capacity or self.num_bytes > self.max_bytes):
+            self.num_bytes -= self._items.popitem(last=False)[1][1]
 
     def get(self, response_id: str, param: str) -> _Stored:
         stored = self._items.get(response_id)
         if stored is None:
             raise APIError(404, f"no stored response has the id {response_id!r}", param=param)
-        return stored
+        return stored[0]
 
 
 def _new_id(prefix: str) -> str:

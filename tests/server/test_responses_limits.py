@@ -325,3 +325,26 @@ def test_a_call_sent_back_without_arguments_renders_as_no_arguments(tokenizer, t
              {"type": "function_call_output", "call_id": "call_1", "output": "12:00"}]
     body = {"input": items, "tools": [TIME_TOOL], "store": False}
     assert _prompt(client, loop, "/v1/responses", body) == expected
+
+
+def test_stored_responses_are_bounded_by_their_bytes_too():
+    """The store kept the newest 1,024 responses whatever their size: 20 MB bodies (text a prompt never renders,
+    e.g. a function_call's call_id, passes the prompt-length check) held 421 MB after 20 requests, up to 256 GiB
+    at the default --max-request-bytes (hunt 181). Now also at most `max_bytes` of text, the oldest dropped first,
+    and the newest kept whatever its size."""
+    from hybridcache.server.responses_api import ResponseStore, _Stored
+
+    store = ResponseStore(capacity=100, max_bytes=10_000)
+    for i in range(5):
+        store.put(f"r{i}", _Stored([{"role": "user", "content": "x" * 3_000}], {"id": f"r{i}"}))
+    assert store.num_bytes <= 10_000
+    for i in (0, 1):
+        with pytest.raises(APIError, match="r" + str(i)):
+            store.get(f"r{i}", "previous_response_id")
+    assert [store.get(f"r{i}", "p").body["id"] for i in (2, 3, 4)] == ["r2", "r3", "r4"]
+    store.put("big", _Stored([{"role": "user", "content": "y" * 50_000}], {}))  # alone over the budget: kept
+    assert store.get("big", "p").messages[0]["content"] == "y" * 50_000
+    with pytest.raises(APIError):
+        store.get("r4", "p")
+    store.put("big", _Stored([], {}))  # stored again under its id: its old size is not counted twice
+    assert store.num_bytes < 100
