@@ -164,7 +164,8 @@ class RouterConfig:
     (or ends a stream with a 504 error event), closing the request, which the replica then aborts; the replica
     stays up and the request is not sent to another one. routing: the policy and balance margins.
     api_key: the replicas' API key, sent with the router's own calls (events polls) and needed for /health's
-    details; clients' requests are forwarded with their own `Authorization` header, which the replicas check.
+    details; clients' requests are forwarded with their own `Authorization` header, which the replicas check;
+    the router refuses one without it (401) before it reads the body.
     max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole (default
     the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`). chat_template_kwargs: the replicas' default
     `chat_template_kwargs` (their `--chat-template-kwargs`), so that a chat renders here as there.
@@ -346,7 +347,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.add_middleware(ShutdownGuard)  # a request cut by the shutdown before its response: 503, as serve's
     if config.allowed_origins:  # as a replica's (server/app.py)
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])  # as vLLM's --allowed-headers: the OpenAI JS SDK's X-Stainless-*
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
@@ -357,7 +358,15 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         message = f"{request.method} {request.url.path}: {error.detail}"
         return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
 
+    def authorize(request: Request) -> None:
+        """A request without the API key is refused here, as a replica refuses it, before its body is read,
+        rendered and tokenized: keyless clients' large chats held up keyed ones on the tokenizer threads."""
+        if not has_key(request, config.api_key):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
     async def forward(request: Request) -> Response:
+        authorize(request)
         raw = await read_body(request, config.max_request_bytes)
         try:
             body = json.loads(raw)
@@ -514,6 +523,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         """A request any replica of its model answers alike (/tokenize, /detokenize, /version): sent as it came to
         the first up replica that serves the JSON body's `model` (`RouterState.serving`) and takes it (one that
         cannot be reached, or answers 502/503/504, passes it to the next)."""
+        if request.method == "POST":  # /tokenize and /detokenize need the key (/version does not)
+            authorize(request)
         raw = await read_body(request, config.max_request_bytes) if request.method == "POST" else b""
         model = None
         with contextlib.suppress(ValueError, RecursionError):  # not JSON: the replica answers its 400
@@ -523,6 +534,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def cache_match(request: Request) -> Response:
         """`POST /v1/cache/match` (a dry run of a completions or chat body): answered by the replica the request
         would be routed to (then the next-best, as `pass_through`)."""
+        authorize(request)
         raw = await read_body(request, config.max_request_bytes)
         try:
             body = json.loads(raw)

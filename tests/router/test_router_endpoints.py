@@ -127,3 +127,27 @@ def test_tokenize_and_detokenize_go_to_a_replica_of_their_model():
                     sent = body if model is None else {**body, "model": model}
                     answer = httpx.post(f"{router}{route}", json=sent, timeout=30)
                     assert answer.status_code == 200 and answer.json()["model"] == (model or "model-a"), route
+
+
+def test_a_keyless_request_is_refused_before_the_router_reads_it():
+    """The router parsed, rendered and tokenized a request before the replica answered 401: keyless clients' big
+    chats held up keyed ones on its tokenizer threads (hunt 181). With `api_key` it now answers 401 first, as a
+    replica does; /version needs no key, as a replica's. CORS allows any request header (the OpenAI JS SDK sends
+    X-Stainless-*), as vLLM's --allowed-headers default."""
+    with serving_app(_replica("a")) as replica:
+        config = RouterConfig((replica,), poll_interval_s=30.0, api_key="k", allowed_origins=("http://app",))
+        with serving_app(build_router_app(config, tokenizer=None)) as router:
+            keyed = {"Authorization": "Bearer k"}
+            for path in ("/v1/chat/completions", "/v1/completions", "/v1/cache/match", "/tokenize", "/detokenize"):
+                refused = httpx.post(f"{router}{path}", content=b"{not json", timeout=30)
+                assert refused.status_code == 401, (path, refused.text)
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+            assert httpx.post(f"{router}/tokenize", json={"prompt": "hi"}, timeout=30).status_code == 401
+            tokenized = httpx.post(f"{router}/tokenize", json={"prompt": "hi"}, headers=keyed, timeout=30)
+            assert tokenized.json()["from"] == "a"
+            assert httpx.post(f"{router}/v1/cache/match", content=b"{", headers=keyed, timeout=30).status_code == 400
+            assert httpx.get(f"{router}/version", timeout=30).json() == {"version": "1.0"}
+            preflight = httpx.options(f"{router}/v1/chat/completions", timeout=30, headers={
+                "Origin": "http://app", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type,x-stainless-lang,x-stainless-os"})
+            assert preflight.status_code == 200, preflight.text
