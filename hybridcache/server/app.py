@@ -23,11 +23,11 @@ Every error is an OpenAI error object (errors.py), never a 500 for a bad request
 `Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
 asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
 (body_checks.py); with the opt-in `max_request_tokens`, a request may ask for at most that many tokens
-(n x max_tokens). /v1 routes
-and the debug route need the API key when one is configured. With `allowed_origins` set, CORS headers
-let those origins call the API from a browser. What one request or connection may hold is limited
-(limits.py, connections.py); a trailing slash is a 404, never a redirect (whose Location would echo the
-client's Host header).
+(n x max_tokens). /v1 routes and the debug route need the API key when one is configured (checked before a query
+parameter is; a bad one is a 400 error object too). With `allowed_origins` set, CORS headers let those origins
+call the API from a browser, whatever request headers they send (the OpenAI JS SDK sends `X-Stainless-*` ones;
+vLLM's default too). What one request or connection may hold is limited (limits.py, connections.py); a trailing
+slash is a 404, never a redirect (whose Location would echo the client's Host header).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, NamedTuple, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -62,7 +63,7 @@ from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import reasoning
 from hybridcache.server.cache_routes import CacheRoutes
-from hybridcache.server.chat_images import check_media_parts, image_request
+from hybridcache.server.chat_images import check_media_parts, image_request, image_request_async
 from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
 from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_chat
 from hybridcache.server.config import ServerConfig
@@ -103,6 +104,8 @@ from hybridcache.server.tokenize_api import add_tokenize_routes
 logger = logging.getLogger("hybridcache.server")
 T = TypeVar("T")
 TOKENIZER_THREADS = 2  # the threads that run requests' CPU work (`_Routes.in_pool`)
+MEDIA_THREADS = 2  # the threads that decode and process requests' images (`_Routes.media_pool`)
+GRAMMAR_THREADS = 4  # the threads that compile requests' structured-output grammars (`_Routes.grammar_pool`)
 INLINE_BODY_BYTES = 64 * 1024  # a body up to this size is decoded and validated on the event loop (a few ms)
 
 
@@ -144,8 +147,11 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         engine_loop.start()
         freeze_gc_heap()
         yield
-        await asyncio.to_thread(engine_loop.stop)
-        routes.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        # (on a thread of its own: never queued behind requests' work, nor behind asyncio's default executor)
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hybridcache-stop") as stopper:
+            await asyncio.get_running_loop().run_in_executor(stopper, engine_loop.stop)
+        for pool in (routes.tokenizer_pool, routes.media_pool, routes.grammar_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="hybridcache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   redirect_slashes=False)
@@ -153,12 +159,25 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_middleware(ShutdownGuard)  # (added first, so innermost: CORS headers go on its 503 too)
     app.add_middleware(LoadCounting, load=routes.load)
     if config.allowed_origins:
+        # any request header, as vLLM's default (`--allowed-headers '*'`): the origins decide who gets in, and the
+        # OpenAI JS SDK sends X-Stainless-* headers on every request
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["*"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
         return ErrorResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_parameter(request: Request, error: RequestValidationError) -> JSONResponse:
+        """A bad query parameter (`?limit=abc`): a 400 naming it, as vLLM's, not FastAPI's bare 422. (Routes that
+        need the API key check it first: `keyed` below.)"""
+        first = error.errors()[0] if error.errors() else {}
+        where = [str(part) for part in first.get("loc", ())]
+        name = where[-1] if where else None
+        kind = f"{where[0]} parameter" if len(where) > 1 else "parameter"
+        message = f"invalid {kind} {name!r}: {first.get('msg', 'invalid value')}"
+        return ErrorResponse(error_body(400, message, param=name), status_code=400)
 
     @app.exception_handler(ClientDisconnect)
     async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
@@ -182,11 +201,12 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/ping", routes.ping, methods=["GET", "POST"])
     app.add_api_route("/load", routes.server_load, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
+    keyed = [Depends(routes.require_key)]  # for routes with query parameters: the key is checked before them
     if config.enable_debug_endpoints:
-        app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"])
+        app.add_api_route("/debug/engine", routes.debug_engine, methods=["GET"], dependencies=keyed)
         app.add_api_route("/reset_prefix_cache", routes.reset_prefix_cache, methods=["POST"])
     cache = CacheRoutes(engine_loop, routes._authorize, routes._read_json, routes.body_prompt_ids)
-    app.add_api_route("/v1/cache/events", cache.events, methods=["GET"])
+    app.add_api_route("/v1/cache/events", cache.events, methods=["GET"], dependencies=keyed)
     app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
     add_responses_routes(app, routes)
     add_tokenize_routes(app, routes)
@@ -247,6 +267,11 @@ class _Routes:
             if config.reasoning_parser is not None and model.tokenizer is not None else None
         self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS,
                                                                     thread_name_prefix="hybridcache-tokenize")
+        # images are fetched on the event loop (no thread waits on a slow server), then decoded here; grammars
+        # compile on their own threads: neither queues behind the other, nor behind asyncio's default executor
+        self.media_pool = concurrent.futures.ThreadPoolExecutor(MEDIA_THREADS, thread_name_prefix="hybridcache-media")
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                                  thread_name_prefix="hybridcache-grammar")
 
     async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` on the tokenizer threads, off the event loop: a request's CPU work (decoding and validating
@@ -317,9 +342,8 @@ class _Routes:
             text = cut.text_window(text, self.prompt_byte_limit, self.model.max_model_len)
         prompt_ids = (await self._encode([text]))[0]
         mm_inputs: tuple = ()
-        if images:  # loaded (maybe fetched), processed, placeholders expanded: off the event loop
-            prompt_ids, mm_inputs = await asyncio.to_thread(image_request, self.model.image_processor, prompt_ids,
-                                                            images, self.model.media_limits)
+        if images:  # fetched (URLs), then decoded, processed and placeholders expanded off the event loop
+            prompt_ids, mm_inputs = await self.image_request(prompt_ids, images)
         elif self.model.image_processor is not None:  # no images: no stray placeholder either
             prompt_ids, _ = image_request(self.model.image_processor, prompt_ids, (), self.model.media_limits)
         kept = prompt_ids if cut is None else cut.apply(prompt_ids)
@@ -358,6 +382,11 @@ class _Routes:
                                                                chat_prompt)
         return PreparedChat(prompt_ids, params, rendering, mm_inputs, checkpoints)
 
+    async def image_request(self, prompt_ids: list[int], images: list) -> tuple[list[int], tuple]:
+        """`chat_images.image_request_async` with the model's processor and limits, decoding on `media_pool`."""
+        return await image_request_async(self.model.image_processor, prompt_ids, images, self.model.media_limits,
+                                         self.media_pool)
+
     async def compile_constraint(self, params: SamplingParams, body: CompletionRequest | ChatCompletionRequest) -> None:
         """Compile the request's structured-output grammar, if any, on a worker thread into the engine's grammar
         cache (`self.grammars`), so that the engine thread's `add_request` finds it compiled: a schema
@@ -366,7 +395,7 @@ class _Routes:
         if params.guided is None or self.grammars is None:
             return
         try:
-            await asyncio.to_thread(self.grammars.check, params.guided)
+            await asyncio.get_running_loop().run_in_executor(self.grammar_pool, self.grammars.check, params.guided)
         except ValueError as error:
             raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
 
@@ -507,6 +536,10 @@ class _Routes:
         return Response(status_code=200)
 
     # ------------------------------------------------------------------------------------ checks
+    async def require_key(self, request: Request) -> None:
+        """`_authorize` as a route dependency: FastAPI runs it before it reads the query parameters."""
+        self._authorize(request)
+
     def _authorize(self, request: Request) -> None:
         if not self._has_key(request):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",

@@ -1,10 +1,12 @@
 """Images in chat requests: the `image_url` content parts of `/v1/chat/completions`, and the server's media flags.
 
 `check_media_parts(messages, takes_images)` refuses, with a 400 naming the part (`messages.i.content.j.type`), a
-video part (not supported) and an image part sent to a model without a vision tower. `image_request(...)` (run off
-the event loop: it may fetch URLs) loads, processes and places the images of a rendered prompt: the placeholders
-expanded and one `MultimodalInput` span per image, or a 400 with the reason (corrupt bytes, 0 pixels, too many
-pixels or bytes, a refused local path, a failed fetch, more images than `--limit-mm-per-prompt`).
+video part (not supported) and an image part sent to a model without a vision tower. `image_request(...)` loads,
+processes and places the images of a rendered prompt: the placeholders expanded and one `MultimodalInput` span per
+image, or a 400 with the reason (corrupt bytes, 0 pixels, too many pixels or bytes, a refused local path, a failed
+fetch, more images than `--limit-mm-per-prompt`). The server awaits `image_request_async(...)`: it fetches the
+http(s) URLs on the event loop (each within the fetch timeout in all: a slow server holds no thread), then runs
+`image_request` on the media threads it is given.
 
 Flags (`add_media_flags`): `--limit-mm-per-prompt '{"image": N}'` and `--allowed-local-media-path DIR`, as vLLM
 spells them.
@@ -13,11 +15,13 @@ spells them.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hybridcache.images import ImageError, MediaLimits
+from hybridcache.images import ImageError, MediaLimits, fetch_urls
 from hybridcache.images import media_limits as build_limits
 from hybridcache.server.errors import APIError
 
@@ -54,6 +58,21 @@ def image_request(processor: ImageProcessor | None, prompt_ids: Sequence[int], s
         return image_prompt(processor, prompt_ids, sources, limits)
     except (ImageError, ValueError) as error:
         raise APIError(400, str(error), param="messages") from None
+
+
+async def image_request_async(processor: ImageProcessor | None, prompt_ids: Sequence[int], sources: Sequence[Any],
+                              limits: MediaLimits, pool: concurrent.futures.Executor
+                              ) -> tuple[list[int], tuple[MultimodalInput, ...]]:
+    """`image_request`, its http(s) URLs fetched first on the event loop (`images.fetch_urls`: all at once, each
+    within `limits.fetch_timeout_s` in all), then the decoding and processing on `pool`. Nothing is fetched for a
+    prompt refused anyway (a model without a vision tower, more images than `limits.max_images`)."""
+    if processor is not None and len(sources) <= limits.max_images:
+        try:
+            sources = await fetch_urls(sources, limits)
+        except ImageError as error:
+            raise APIError(400, str(error), param="messages") from None
+    return await asyncio.get_running_loop().run_in_executor(pool, image_request, processor, prompt_ids, sources,
+                                                            limits)
 
 
 def add_media_flags(parser: argparse.ArgumentParser) -> None:

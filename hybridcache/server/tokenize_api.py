@@ -15,7 +15,6 @@ for a completion (limits.py).
 
 from __future__ import annotations
 
-import asyncio
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from hybridcache.server.chat_images import image_request
 from hybridcache.server.errors import APIError
 from hybridcache.server.protocol import ChatCompletionRequest, TokenId, parse_request
 
@@ -75,9 +73,8 @@ def add_tokenize_routes(app: FastAPI, routes: _Routes) -> None:
             chat_prompt, images, _ = await routes.in_pool(routes._render_chat, chat)
             routes.check_prompt_bytes([chat_prompt.text], "messages")
             tokens = (await routes._encode([chat_prompt.text]))[0]
-            if images:
-                tokens, _ = await asyncio.to_thread(image_request, routes.model.image_processor, tokens, images,
-                                                    routes.model.media_limits)
+            if images:  # (URLs fetched on the event loop, the images decoded on the media threads)
+                tokens, _ = await routes.image_request(tokens, images)
         # vLLM's: the vocabulary's token strings (byte-level pieces such as "Ġa", not decoded text)
         strs = tokenizer.hf.convert_ids_to_tokens(tokens) if body.return_token_strs else None
         return JSONResponse({"count": len(tokens), "max_model_len": routes.model.max_model_len, "tokens": tokens,
