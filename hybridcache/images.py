@@ -19,7 +19,7 @@ A server fetches on its event loop, so that no thread waits on a slow server: `a
 turns every http(s) URL among a prompt's sources into a `FetchedImage` (its URL and body), which `load_image` then
 decodes on a worker thread. `load_image` given a URL fetches it itself (on an event loop of its own).
 
-Needs Pillow (the `vision` extra) and httpx.
+Needs Pillow (the `vision` extra), and httpx (the `serve` extra's) for http(s) URLs.
 """
 
 from __future__ import annotations
@@ -137,6 +137,10 @@ async def fetch_image(url: str, limits: MediaLimits) -> bytes:
     """The body at the http(s) `url`: connected to, its headers and its body read within `fetch_timeout_s` in all
     (a server that trickles its headers or its body times out too), at most `max_bytes` long. ImageError
     otherwise, naming the reason but never quoting what the server sent."""
+    try:
+        import httpx  # noqa: F401 - (the `serve` extra's; the `vision` extra has Pillow only)
+    except ImportError:
+        raise ImageError(f"fetching {url} needs httpx (pip install httpx)") from None
     try:
         return await asyncio.wait_for(_get(url, limits), limits.fetch_timeout_s)
     except asyncio.TimeoutError:  # (not yet the builtin TimeoutError on Python 3.10)

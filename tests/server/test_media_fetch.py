@@ -10,6 +10,7 @@ import base64
 import io
 import socket
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -171,3 +172,10 @@ def test_only_formats_sized_before_decoding_are_accepted():
         load_image(bomb, limits)
     with pytest.raises(ImageError, match="accepted formats"):
         load_image(_ico(_zero_png(16, 16)), limits)
+
+
+def test_without_httpx_a_url_is_an_image_error_naming_it(monkeypatch):
+    """httpx comes with the `serve` extra, not with `vision`: offline, a URL without it is a clear ImageError."""
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    with pytest.raises(ImageError, match="needs httpx"):
+        load_image("http://127.0.0.1:9/a.png", MediaLimits(fetch_timeout_s=1))
