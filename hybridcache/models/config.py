@@ -32,15 +32,19 @@ import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from enum import StrEnum
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 _logger = logging.getLogger(__name__)
 
 
-class LayerKind(StrEnum):
-    """The token mixer of a decoder layer, spelled as in config.json's `layer_types`."""
+class LayerKind(str, Enum):
+    """The token mixer of a decoder layer, spelled as in config.json's `layer_types` (a str; `str()` and
+    formatting give the value, as Python 3.11's StrEnum, which 3.10 lacks)."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
 
     LINEAR_ATTENTION = "linear_attention"  # gated DeltaNet
     FULL_ATTENTION = "full_attention"  # gated attention over the paged KV cache

@@ -64,6 +64,7 @@ RENAMED_PREFIXES = (("model.language_model.", "model."),)
 _STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _EMBEDDING = "model.embed_tokens.weight"
 _logger = logging.getLogger(__name__)
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (torch >= 2.7)
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def _copy_one(
     """Copy one planned parameter: its `shard`'s ranges of `source` (the whole tensor without a shard)."""
     parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
     # UE8M0 block scales (powers of two) are read as fp32, exactly (`quant.check_fp8_dtypes`)
-    parts = [part.float() if part.dtype == torch.float8_e8m0fnu else part for part in parts]
+    parts = [part.float() if part.dtype == _E8M0 else part for part in parts]
     if shard is not None and shard.padding:  # rows past the checkpoint's: zeros
         param.narrow(shard.dim, shard.data_length, shard.padding).zero_()
         param = param.narrow(shard.dim, 0, shard.data_length)

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NoReturn
 
+from hybridcache.extras import require_extra
+
 REPLICA_START_TIMEOUT_S = 600.0
 # `serve --data-parallel-size N --request-timeout T`: the router waits T plus this for a replica, so that the
 # replica's own answer at T (a 503 `request_timeout`, relayed as it is) comes first
@@ -208,6 +210,7 @@ def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None,
 
 
 def cmd_router(args: argparse.Namespace) -> int:
+    require_extra("serve", "hybridcache router")
     _configure_logging(args.log_level)
     run_router(args, args.replica, args.model, args.host, args.port, args.request_timeout)
     _exit_now(0)
@@ -389,6 +392,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     graceful shutdown and the replicas' run together (`replica_shutdown_timeout`); the replicas are gone within
     --shutdown-timeout less `SHUTDOWN_RESERVE_S` (with --disk-cache-dir: once their hand-off to disk is written, as
     a single serve's), and end with this process however it ends."""
+    require_extra("serve", "hybridcache serve --data-parallel-size")
     from hybridcache.engine_args import AUTO, auto_device, model_argument
     from hybridcache.server.cli import SHUTDOWN_RESERVE_S
     from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket

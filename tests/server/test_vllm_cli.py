@@ -97,6 +97,24 @@ def test_missing_extra_names_the_distribution(monkeypatch, capsys):
     assert "pip install 'hybridcache-llm[serve]'" in capsys.readouterr().err
 
 
+def test_router_and_data_parallel_serve_name_the_missing_extra(monkeypatch, capsys):
+    """`hybridcache router` and `serve --data-parallel-size 2` without the serve extra ended in a traceback
+    (ModuleNotFoundError: uvicorn) where `serve` names the extra (hunt 182)."""
+    import sys
+
+    import hybridcache.extras as extras
+    from hybridcache.cli import main
+
+    real = extras.find_spec
+    monkeypatch.setattr(extras, "find_spec", lambda module: None if module == "uvicorn" else real(module))
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # `import uvicorn` fails, as when it is not installed
+    monkeypatch.delitem(sys.modules, "hybridcache.server.uvicorn_server", raising=False)
+    for argv in (["router", "--replica", "http://127.0.0.1:1"],
+                 ["serve", "--data-parallel-size", "2", "--device", "cpu", "--port", "1"]):
+        assert main(argv) == 2, argv
+        assert "pip install 'hybridcache-llm[serve]'" in capsys.readouterr().err, argv
+
+
 def test_logs_name_the_builtin_model_as_it_is_served(tmp_path):
     from hybridcache.models.builtin import builtin_model_dir, model_display_name
 
