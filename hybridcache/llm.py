@@ -68,7 +68,8 @@ class LLM:
     tensor-parallel workers (a process runs one tensor-parallel group at a time: close one `LLM` before the
     next) and hands the cache to the disk tier when there is one (`disk_cache_dir`); the `LLM` refuses work
     afterwards. An engine still open when the interpreter exits is closed then (vLLM's `LLM` has no `close()`: a
-    script written for it hands its cache to the disk tier too); one dropped earlier without `close()` is not.
+    script written for it hands its cache to the disk tier too), and one with a disk tier dropped earlier without
+    `close()` (an `LLM` made in a function that returned) when it is collected.
     """
 
     def __init__(self, model: str | Path | None = None, *,

@@ -509,6 +509,16 @@ class LLMEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    def __del__(self) -> None:
+        """An engine with a disk tier dropped without `close()` (an `LLM` made inside a script's `main()`, which
+        vLLM's API never closes) is closed as it is collected, so its cache reaches the disk tier: the close at
+        the interpreter's exit (`llm._close_at_exit`) finds only engines still alive then."""
+        if getattr(self, "disk", None) is not None and not getattr(self, "_closed", True):
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - (nothing to raise to: the collector ignores it)
+                _logger.exception("hybridcache: closing a dropped engine's disk tier failed")
+
     def _close_disk_tier(self) -> None:
         """Hand every checkpoint the cache holds, in the host tier and in the device pool, to the disk tier (so
         that a restarted engine hits all of it; `DiskKeeper.keep_at_shutdown`), write what is queued and stop the

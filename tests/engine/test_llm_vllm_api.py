@@ -134,12 +134,23 @@ def test_outputs_have_vllms_other_members(llm):
 
 
 _DISK_SCRIPT = """
-import sys
+import pathlib, sys
 from hybridcache import LLM, SamplingParams
-llm = LLM(block_size=16, host_cache_gib=0.01, disk_cache_dir=sys.argv[1])
 prompt = "The quick brown fox jumps over the lazy dog. " * 4
-out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
-print("cached", out.num_cached_tokens)
+
+
+def main():
+    llm = LLM(block_size=16, host_cache_gib=0.01, disk_cache_dir=sys.argv[1])
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    print("cached", out.num_cached_tokens)
+    return llm, out
+
+
+if sys.argv[2] == "in-function":
+    main()  # the LLM is dropped as main() returns: its cache is on disk before the script goes on
+    assert any(pathlib.Path(sys.argv[1]).rglob("states/*.safetensors")), "nothing on disk after main() returned"
+    sys.exit(0)
+llm, out = main()
 if sys.argv[2] == "keep-engine":
     engine = llm.engine
     del llm, out
@@ -151,11 +162,12 @@ if sys.argv[2] == "keep-engine":
 """
 
 
-@pytest.mark.parametrize("ending", ["exit", "keep-engine"])
+@pytest.mark.parametrize("ending", ["exit", "keep-engine", "in-function"])
 def test_an_llm_never_closed_hands_its_cache_to_the_disk_tier(tmp_path, ending):
     """vLLM's `LLM` has no close(): a script that just ends lost what the device pool and the host tier held, so
     every run of it missed. Its engine is now closed at exit; one whose `LLM` wrapper was dropped while its engine
-    is kept (`LLM(...).engine`) keeps working until then."""
+    is kept (`LLM(...).engine`) keeps working until then; one made in a function (a script's `main()`) is closed
+    as it is dropped (it was freed before exit, so the close at exit found nothing: hunt 184)."""
     import os
     import subprocess
     import sys
