@@ -21,9 +21,11 @@ hashes config.json, the weights' identity, the block and page geometry and the d
 same one cut differently) never reads these files. A file that cannot be parsed, whose bytes or metadata do not
 match, or that is not the record the match found under its name, is skipped with a warning (and deleted), never
 served. Files are written to a temporary name unique to the write (`_temp_name`) and renamed, so a crash leaves no
-partial file under a real name; the start-up scan deletes only the temporary files of writes cut short
-(`_is_stale`), so that engines sharing the folder leave each other's writes in flight alone. A read-only folder is
-read (what cannot be written or deleted is a warning). `clear` drops everything (the cache's reset).
+partial file under a real name; the writer holds an flock on the temporary file while it writes, and the start-up
+scan deletes only the temporary files of writes cut short (`_is_stale`: one of this machine that no process holds
+locked, even when a live process has the writer's pid, as a restarted container's PID 1 has), so that engines
+sharing the folder leave each other's writes in flight alone. A read-only folder is read (what cannot be written or
+deleted is a warning). `clear` drops everything (the cache's reset).
 
 The writer thread takes one fall-out at a time (its blocks, then its state) and indexes it once written; a write
 that fails is logged and counted (`num_write_errors`), never dropped silently; the queue is unbounded (the engine
@@ -33,6 +35,9 @@ blocks no remaining state's chain needs. Tensor parallelism is not supported (ea
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -59,7 +64,12 @@ from hybridcache.cache.trie import chain_hash, root_hash
 
 FORMAT = "hybridcache-disk-2"  # 2: the checksum covers the metadata too
 STALE_TEMP_SECONDS = 3600  # a temporary file older than this is a write cut short, whoever's it was
-_TEMP = re.compile(r"\.tmp(?P<pid>\d+)-[0-9a-f]{32}@(?P<host>.+)$")
+# `_temp_name`'s `<name>.tmp<pid>.<process token>-<uuid>[.locked]@<host>`; no token and no lock mark: an older
+# version's name (`.locked`: the writer holds an flock on the file while it writes; not on a file system without it)
+_TEMP = re.compile(r"\.tmp(?P<pid>\d+)(?:\.(?P<token>[0-9a-f]{8}))?-[0-9a-f]{32}(?P<locked>\.locked)?@(?P<host>.+)$")
+# this process instance among those that have its pid (a restarted container's PID 1 has the killed one's): made
+# once at import and never changed
+_PROCESS_TOKEN = uuid.uuid4().hex[:8]
 _logger = logging.getLogger("hybridcache.disk")
 
 
@@ -499,33 +509,86 @@ def _metadata(path: Path, kind: str) -> dict[str, str]:
 
 def _save(path: Path, data: torch.Tensor, metadata: dict[str, str]) -> None:
     """Write `path` atomically (a temporary name, `_temp_name`, then a rename), with the format and checksum in its
-    metadata."""
+    metadata; the temporary file is held under an flock until renamed (`_is_stale`: a lock no process holds is a
+    write cut short), and deleted when the write fails."""
     data = data.contiguous()
-    tmp = path.with_name(_temp_name(path.name))
     metadata = {"format": FORMAT, **metadata}
-    save_file({"data": data}, str(tmp), metadata={**metadata, "checksum": _checksum(data, metadata)})
-    os.replace(tmp, path)
+    tmp, fd = _create_temp(path)
+    try:
+        save_file({"data": data}, str(tmp), metadata={**metadata, "checksum": _checksum(data, metadata)})
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # (a read-only folder: the write's own error goes on)
+            tmp.unlink()
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock (after the rename: the temporary name is gone by then)
 
 
-def _temp_name(name: str) -> str:
-    """The temporary name a write of file `name` goes to: `<name>.tmp<pid>-<uuid>@<host>`, unique to the write (two
-    engines of one process, or of two machines on a shared folder, never share one) and telling `_is_stale` whose
-    write it is."""
-    return f"{name}.tmp{os.getpid()}-{uuid.uuid4().hex}@{socket.gethostname()}"
+def _create_temp(path: Path) -> tuple[Path, int | None]:
+    """The temporary file a write of `path` goes to, created and locked (`LOCK_EX`) under `_temp_name(name, True)`,
+    with the descriptor that holds the lock; on a file system without flock, the name without the lock's mark and
+    no descriptor (`_is_stale` then goes by the writer's pid and process token)."""
+    tmp = path.with_name(_temp_name(path.name, locked=True))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh name: no one else holds it
+    except OSError:
+        os.close(fd)
+        os.unlink(tmp)
+        return path.with_name(_temp_name(path.name, locked=False)), None
+    return tmp, fd
+
+
+def _temp_name(name: str, locked: bool) -> str:
+    """The temporary name a write of file `name` goes to: `<name>.tmp<pid>.<process token>-<uuid>[.locked]@<host>`,
+    unique to the write (two engines of one process, or of two machines on a shared folder, never share one) and
+    telling `_is_stale` which process instance writes it (its pid and `_PROCESS_TOKEN`, on which host) and whether
+    it holds an flock on it while it writes."""
+    lock_mark = ".locked" if locked else ""
+    return f"{name}.tmp{os.getpid()}.{_PROCESS_TOKEN}-{uuid.uuid4().hex}{lock_mark}@{socket.gethostname()}"
 
 
 def _is_stale(path: Path, now: float) -> bool:
-    """Whether temporary file `path` is a write cut short, to delete at start-up: its writer's process is gone (a
-    process of this machine: `_temp_name`'s pid and host), or it is older than `STALE_TEMP_SECONDS` (any other:
-    another machine's, or a name of an older version). Another engine's write in flight on a shared folder (Ray
-    Serve replicas) stays."""
+    """Whether temporary file `path` is a write cut short, to delete at start-up. Of this machine (`_temp_name`'s
+    host), unless it is this process's own (pid and process token): one written under a lock that no process holds
+    now (the kernel drops a killed writer's locks, whatever process has its pid since: the PID 1 of a restarted
+    container, same pid and hostname, holds none), or, where the lock cannot tell (a name without the lock's mark,
+    a file system without flock, an empty file), one whose writer's pid is this process's under another token (a
+    previous life of this pid) or no live process. Any other (another machine's, held locked, a name of an older
+    version with a live pid): older than `STALE_TEMP_SECONDS`. Another engine's write in flight on a shared folder
+    (Ray Serve replicas; an engine of this process too) stays."""
     match = _TEMP.search(path.name)
-    if match is not None and match["host"] == socket.gethostname() and not _process_alive(int(match["pid"])):
-        return True
+    if match is not None and match["host"] == socket.gethostname():
+        pid, token = int(match["pid"]), match["token"]
+        own = pid == os.getpid() and token == _PROCESS_TOKEN
+        unheld = None if own or not match["locked"] else _lock_unheld(path)
+        if unheld or (unheld is None and not own and (
+                (pid == os.getpid() and token is not None) or not _process_alive(pid))):
+            return True
     try:
         return now - path.stat().st_mtime > STALE_TEMP_SECONDS
     except OSError:  # renamed or deleted by its writer since the listing
         return False
+
+
+def _lock_unheld(path: Path) -> bool | None:
+    """Whether no process holds an flock on `path` (True: its writer is gone); None when that cannot be told (a
+    file system without flock; an empty file, which its writer may have created and not locked yet)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # renamed or deleted by its writer since the listing
+        return False
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        return False if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    finally:
+        os.close(fd)  # (releases the lock it took)
+    return True
 
 
 def _process_alive(pid: int) -> bool:

@@ -406,3 +406,71 @@ def test_a_host_tier_too_small_for_any_disk_checkpoint_is_warned_of(tmp_path, ca
         DiskKeeper(disk, paged, SimpleNamespace(num_blocks=3))
     assert "a host tier of 3 blocks cannot take back any disk checkpoint" in caplog.text
     disk.close()
+
+
+_WRITER = """
+import os, sys, time
+from pathlib import Path
+from hybridcache.engine import disk_tier
+tmp, fd = disk_tier._create_temp(Path(sys.argv[1]) / "0000000000000007.safetensors")
+os.write(fd, b"partial")
+print(tmp.name, flush=True)
+time.sleep(60)
+"""
+
+
+def test_the_scan_deletes_a_killed_writers_temporary_file_whatever_process_has_its_pid_since(tmp_path):
+    """A server killed mid-write (SIGKILL) and restarted in its container has the same pid (PID 1) and hostname: the
+    scan took the pid's live process for the writer and kept the partial file (a state file, ~75 MB, per kill) for
+    an hour. A temporary file is held under an flock while written and names its writer's process instance (pid and
+    process token): one no process holds locked is deleted, whoever has the pid now (here: this process, and a live
+    process that is not the writer); the write in flight of a live process, or of this one, stays."""
+    disk = make(tmp_path)
+    disk.close()
+    blocks = disk.dir / "blocks"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(blocks)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        in_flight = writer.stdout.readline().strip()  # the live writer holds its lock
+        assert in_flight.endswith(f".locked@{socket.gethostname()}")
+        own = disk_tier._create_temp(blocks / "0000000000000008.safetensors")  # this process's write in flight
+        os.write(own[1], b"partial")
+        here, token = socket.gethostname(), "0123abcd"
+        assert token != disk_tier._PROCESS_TOKEN
+        pid = os.getpid()
+        files = {  # as a killed writer named them
+            "this pid's previous life": f"0000000000000001.safetensors.tmp{pid}.{token}-{'a' * 32}.locked@{here}",
+            "unlocked, this pid's previous life": f"0000000000000002.safetensors.tmp{pid}.{token}-{'b' * 32}@{here}",
+            "a live pid, not the writer": f"0000000000000003.safetensors.tmp{writer.pid}.{token}-{'c' * 32}.locked@"
+                                          f"{here}",
+        }
+        for name in files.values():
+            (blocks / name).write_bytes(b"partial")
+        make(tmp_path).close()
+        assert sorted(p.name for p in blocks.iterdir()) == sorted([in_flight, own[0].name])
+        writer.kill()  # SIGKILL: its lock goes with it
+        writer.wait()
+        os.close(own[1])  # (this process's write ended without its rename: its file stays an hour, as any)
+        make(tmp_path).close()
+        assert sorted(p.name for p in blocks.iterdir()) == [own[0].name]
+    finally:
+        writer.kill()
+        writer.wait()
+        writer.stdout.close()
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    disk = make(tmp_path)
+
+    def failing(tensors, path, metadata=None):
+        pathlib.Path(path).write_bytes(b"partial")
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(disk_tier, "save_file", failing)
+    item = fall_out(PROMPT, 11)
+    _, missing = disk.wants(item)
+    disk.put(item, {i: rows(1, i)[0] for i in missing}, rows(3, 100))
+    disk.flush()
+    assert disk.stats.num_write_errors == 1
+    assert not list((disk.dir / "blocks").iterdir()) and not list((disk.dir / "states").iterdir())
+    disk.close()
