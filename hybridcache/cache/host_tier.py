@@ -333,21 +333,29 @@ class HostTier:
         drop frees its blocks) or, at shutdown, a published device one: the chain of blocks from the root to its
         anchor, in either tier, and its state's blocks. None when it cannot be kept: an adapter's, a cache salt's
         or multimodal content (not kept behind the host), a state not written yet (`unwritten`, or its HOST_FINISH
-        in the plan being built), a host block whose save is still in the plan being built, a device state being
+        in the plan being built), a host state whose save is still in the plan being built, a device state being
         loaded by it, a device node inserted since the last plan (its KV is computed by that plan's forward), or one
         promoted since the last plan from a host block whose own save is in that plan too (demoted and promoted
-        again in one scheduling pass: the host block holds nothing of it until the plan runs)."""
+        again in one scheduling pass: the host block holds nothing of it until the plan runs).
+
+        Read at once (the tier behind reads the blocks during `on_fall_out`), so a block whose copy is in the plan
+        being built is read where its bytes are now: a device node promoted since the last plan from the host
+        block it is loaded from, a host node demoted since then from the device block its HOST_SAVE reads (the
+        plan's first copies, so nothing writes that block before the save; allocated again since, it is written
+        by that plan only)."""
         frontier, host_nodes = self.chain(ckpt)
         device_nodes = path_to(frontier)
         nodes = [*device_nodes, *host_nodes]
         state_ids = (*ckpt.pages, *(() if ckpt.frozen_block is None else (ckpt.frozen_block,)))
-        host_ids = (*(state_ids if ckpt.on_host else ()), *(n.host_block for n in host_nodes))
         if (ckpt.root_key != RootKey() or ckpt.unwritten or ckpt.tail_spans or any(n.spans for n in nodes)
-                or any(h in self._saves or h in self._finishes for h in host_ids)
+                or (ckpt.on_host and any(h in self._saves or h in self._finishes for h in state_ids))
+                or any(n.host_block in self._finishes for n in host_nodes)
                 or any(n in self._fresh or self._loads.get(n.block_id) in self._saves for n in device_nodes)
                 or (not ckpt.on_host and any(b in self._loads for b in state_ids))):
             return None
-        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, True, n.host_block) for n in host_nodes)
+        # a host node demoted since the last plan: its bytes are still in the device block its save reads
+        blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, n.host_block not in self._saves,
+                                    self._saves.get(n.host_block, n.host_block)) for n in host_nodes)
         # a device node promoted since the last plan: its bytes are still in the host block it is loaded from
         blocks = tuple(FallOutBlock(n.hash, n.parent.hash, n.token_ids, n.block_id in self._loads,
                                     self._loads.get(n.block_id, n.block_id)) for n in device_nodes) + blocks

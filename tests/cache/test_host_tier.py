@@ -471,6 +471,41 @@ def test_a_fall_out_never_reads_a_host_block_a_promotion_in_its_pass_is_loaded_f
     assert [stored.step for stored, _, _ in disk.kept] == [10]  # kept, its bytes checked
 
 
+def test_a_fall_out_through_a_node_demoted_in_its_pass_reads_it_from_the_device_block_its_save_reads():
+    """In one scheduling pass a node is demoted (HOST_SAVE device block d -> host block h queued), then the host's
+    own eviction drops an older host checkpoint whose chain runs through it. Such a fall-out was not kept (up to a
+    quarter of the host's drops on small pools, hunt 184); h holds nothing yet, but d still holds the node's KV
+    (the save is the plan's first copy: nothing writes d before it), so the fall-out names d for that block and is
+    kept with the right bytes (`FakeDisk` reads memory as it is at that moment, as the engine's keeper does, and
+    checks it), and a restarted cache serves it."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    host = cache._life.host
+    shared = (0, 1, 2, 3)
+    x_prompt = shared + (10, 11, 12, 13, 20, 21)
+    driver.run(CacheRequest("x", x_prompt))  # x's checkpoint at 10 chains through `shared`
+    driver.run(CacheRequest("a", shared + (30, 31)))  # a's at 6 hangs on `shared` itself
+    driver.run(CacheRequest("filler", tuple(range(100, 109))))  # demotes x's chain below `shared`
+    (ckpt_x,) = (c for c in host.order.values() if c.step == 10)
+    assert cache.admit(cache.match(CacheRequest("q", tuple(range(200, 210))))) is not None
+    assert cache.ensure_capacity("q", 10)  # demotes `shared` (a's checkpoint with it)
+    (node,) = (n for n in host.iter_nodes() if n.token_ids == shared)
+    device_block = host._saves[node.host_block]  # the save is in the plan being built
+    fall_out = host.fall_out(ckpt_x)
+    assert fall_out is not None and (fall_out.blocks[0].on_host, fall_out.blocks[0].block_id) == (False, device_block)
+    assert host.make_room(host.num_free + 1)  # drops x's checkpoint, the one due first, in the same pass
+    assert ckpt_x.ckpt_id not in host.order
+    assert disk.num_not_kept == 0 and [stored.step for stored, _, _ in disk.kept] == [10]  # its bytes checked
+    driver.device.run_step({"q": list(range(200, 210))})
+    driver.device.check()
+    cache.check_integrity()
+
+    restarted, again = with_disk(FakeDisk(list(disk.kept)), num_blocks=16, host_blocks=64)
+    match = again.run(CacheRequest("back", x_prompt + (7, 8)), decode=[3])  # checks every block's bytes
+    assert match.cached_len == 10 and restarted.stats.num_promoted_checkpoints == 1
+    restarted.check_integrity()
+
+
 def test_a_disk_checkpoint_too_large_for_the_host_tier_gives_way_to_a_shallower_one():
     """The tier behind offers a prompt's checkpoints deepest first; one whose chain and state do not fit in the host
     tier at once gives way to the next (a host tier smaller than the deepest one's need made the disk tier

@@ -11,8 +11,10 @@ import shutil
 
 import pytest
 
+from hybridcache.cache.host_tier import HostTier
 from hybridcache.config import EngineConfig
 from hybridcache.engine import disk_keeper
+from hybridcache.engine.disk_tier import DiskTier
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 
@@ -248,3 +250,56 @@ def test_a_prompt_whose_deepest_disk_checkpoint_exceeds_the_host_tier_hits_a_sha
     engine.close()
     want = run_requests(make_engine(model_dir, caching=False, max_model_len=400), {"b": prompt + [1, 2, 3]})["b"]
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_a_fall_out_through_a_node_demoted_in_its_pass_is_kept_and_served_with_the_uncached_outputs(
+        model_dir, tmp_path, monkeypatch):
+    """The host tier's own eviction drops a checkpoint whose chain runs through a node demoted in the same
+    scheduling pass (its HOST_SAVE still in the plan being built): it was not kept (hunt 184). It is now, that
+    block read from the device block the save reads; four workloads on one engine keep such fall-outs and write
+    such blocks, and a restarted engine serves one of them, each workload with the tokens and logits of an
+    uncached run (deterministic on this workload; `test_host_tier.py` checks the bytes themselves on the fake
+    device)."""
+    seeds = range(4)
+    uncached = make_engine(model_dir, caching=False)
+    want = []
+    for seed in seeds:
+        uncached.logits = {}
+        want.append((run_workload(uncached, seed=seed, reply_lens=REPLY_LENS), uncached.logits))
+    pending, written, served = set(), set(), set()  # block hashes
+    fall_out, put, read = HostTier.fall_out, DiskTier.put, DiskTier.read
+
+    def fall_out_seen(host, ckpt):
+        result = fall_out(host, ckpt)
+        if result is not None:
+            pending.update(n.hash for n in host.chain(ckpt)[1] if n.host_block in host._saves)
+        return result
+
+    def put_seen(disk, item, blocks, state):
+        written.update(item.blocks[i].hash for i in blocks if item.blocks[i].hash in pending)
+        return put(disk, item, blocks, state)
+
+    def read_seen(disk, hit, block_indices):
+        served.update(hit.blocks[i].hash for i in block_indices)
+        return read(disk, hit, block_indices)
+
+    monkeypatch.setattr(HostTier, "fall_out", fall_out_seen)
+    monkeypatch.setattr(DiskTier, "put", put_seen)
+    monkeypatch.setattr(DiskTier, "read", read_seen)
+
+    def run(engine: LLMEngine, check: bool) -> None:
+        for seed, (out_uncached, logits) in zip(seeds, want, strict=True):
+            engine.logits, uncached.logits = {}, logits
+            out = run_workload(engine, seed=seed, check_every_step=check, reply_lens=REPLY_LENS)
+            assert_same(engine, uncached, out, out_uncached)
+        engine.check_integrity()
+
+    first = disk_engine(model_dir, tmp_path / "disk", uncached.memory_plan.block_bytes)
+    run(first, check=False)
+    first.close()
+    assert pending, "no fall-out through a node demoted in its pass was kept"
+    assert written, "none of their blocks was new to the disk"
+    engine = disk_engine(model_dir, tmp_path / "disk", uncached.memory_plan.block_bytes)
+    run(engine, check=True)
+    assert written & served, "no block read from a pending save's device block was served after the restart"
+    engine.close()
