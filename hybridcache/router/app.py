@@ -71,7 +71,7 @@ from hybridcache.router.responses import (
     routed_cache_salt,
     stores,
 )
-from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.errors import NO_RETRY, APIError, error_body
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, read_body
 from hybridcache.server.responses import sse
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
@@ -111,8 +111,9 @@ def _shut_down(content: bytes) -> bool:
 
 
 def _relayed(upstream: httpx.Response, content: bytes) -> Response:
-    """A replica's error answer as the router sends it on: its status, body, content type and `Retry-After`."""
-    headers = {"Retry-After": upstream.headers["retry-after"]} if "retry-after" in upstream.headers else {}
+    """A replica's error answer as the router sends it on: its status, body, content type, `Retry-After` and
+    `x-should-retry` (`errors.NO_RETRY`)."""
+    headers = {name: upstream.headers[name] for name in ("retry-after", "x-should-retry") if name in upstream.headers}
     return Response(content, status_code=upstream.status_code, headers=headers,
                     media_type=upstream.headers.get("content-type", "application/json"))
 
@@ -620,7 +621,7 @@ def _timed_out(state: RouterState, replica: Replica, error: httpx.TimeoutExcepti
     """The 504 of a request that `replica` took and did not answer within the router's `request_timeout_s`. The
     replica is not marked down and the request is not sent again: another replica would only run it again."""
     state.num_failed += 1
-    return JSONResponse(_timeout_body(state, replica, error), status_code=504)
+    return JSONResponse(_timeout_body(state, replica, error), status_code=504, headers=NO_RETRY)
 
 
 def _timeout_body(state: RouterState, replica: Replica, error: httpx.TimeoutException) -> dict[str, Any]:

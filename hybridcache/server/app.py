@@ -69,7 +69,7 @@ from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.error_response import ErrorResponse
-from hybridcache.server.errors import APIError, error_body
+from hybridcache.server.errors import NO_RETRY, APIError, error_body
 from hybridcache.server.limits import (
     QueueFull,
     RequestTimeout,
@@ -457,7 +457,7 @@ class _Routes:
         except ClientGone:
             return Response(status_code=499)
         except RequestTimeout as error:
-            raise APIError(503, str(error), code="request_timeout") from None
+            raise APIError(503, str(error), code="request_timeout", headers=NO_RETRY) from None
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
         finally:  # (cancelled at the end of the shutdown grace period: a 503 from `ShutdownGuard`)

@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 from hybridcache.outputs import CompletionOutput, RequestOutput
 from hybridcache.server.chat_output import ChoiceStream, final_message, reasoning_tokens
 from hybridcache.server.engine_loop import EngineFailure
-from hybridcache.server.errors import APIError
+from hybridcache.server.errors import NO_RETRY, APIError
 from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
 from hybridcache.server.protocol import CacheSalt, ChatCompletionRequest, Int64, ReasoningEffort, parse_request
 from hybridcache.server.responses import logprobs_of
@@ -458,7 +458,7 @@ class _Responses:
         except ClientGone:
             return Response(status_code=499)
         except RequestTimeout as error:
-            raise APIError(503, str(error), code="request_timeout") from None
+            raise APIError(503, str(error), code="request_timeout", headers=NO_RETRY) from None
         except EngineFailure as error:
             raise APIError(500, str(error)) from None
         finally:

@@ -54,7 +54,7 @@ def _fake_replica(mode: str, hit_step: int = 0, epoch: str = "e0") -> FastAPI:
             return JSONResponse({"error": {"message": "engine dead"}}, status_code=503)
         if mode == "timeout":  # `hybridcache serve --request-timeout`: this request's own outcome
             return JSONResponse({"error": {"message": "ran past the timeout", "code": "request_timeout"}},
-                                status_code=503)
+                                status_code=503, headers={"x-should-retry": "false"})
         if mode == "shut-down":  # the replica's shutdown cut the request (`ShutdownGuard`)
             return JSONResponse({"error": {"message": SHUTDOWN_MESSAGE}}, status_code=503)
         if mode == "busy":  # `--max-queued-requests`: a full queue
@@ -105,6 +105,7 @@ def test_a_replicas_request_timeout_is_the_answer_not_a_fault():
     with serving_app(slow) as first, serving_app(other) as second, serving_app(_router([first, second])) as router:
         response = httpx.post(f"{router}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, timeout=30)
         assert response.status_code == 503 and response.json()["error"]["code"] == "request_timeout"
+        assert response.headers["x-should-retry"] == "false"  # relayed: the SDKs must not send it again either
         assert (slow.state.calls, other.state.calls) == (1, 0)
         assert [r["up"] for r in httpx.get(f"{router}/health").json()["replicas"]] == [True, True]
 
@@ -288,7 +289,7 @@ def test_a_replica_slower_than_the_request_timeout_is_a_504_not_a_fault(stream):
                 assert response.status_code == 200 and text.endswith("data: [DONE]\n\n")
                 error = json.loads(text.split("data: ")[-2])["error"]
             else:
-                assert response.status_code == 504
+                assert response.status_code == 504 and response.headers["x-should-retry"] == "false"
                 error = json.loads(text)["error"]
             assert first in error["message"] and error["code"] == "replica_timeout"
             assert wait_until(lambda: "aborted" in slow.state.log, 3.0), slow.state.log

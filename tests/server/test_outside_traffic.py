@@ -223,6 +223,8 @@ def test_a_request_past_the_request_timeout_is_aborted():
         long = {"prompt": "never ending", "max_tokens": 4000, "ignore_eos": True}
         response = httpx.post(f"{base_url}/v1/completions", json=long, timeout=60)
         assert response.status_code == 503 and response.json()["error"]["code"] == "request_timeout", response.text
+        # the OpenAI SDKs retry a 503 twice unless told not to: each try ran the request to the timeout again
+        assert response.headers["x-should-retry"] == "false"
         with httpx.stream("POST", f"{base_url}/v1/completions", json={**long, "stream": True}, timeout=60) as r:
             lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert lines[-1] == "[DONE]" and json.loads(lines[-2])["error"]["code"] == "request_timeout"

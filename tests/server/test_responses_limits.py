@@ -70,6 +70,7 @@ def test_a_response_past_the_request_timeout_is_a_503_and_aborted(tokenizer):
     client = _client(tokenizer, loop, request_timeout_s=0.2)
     response = client.post("/v1/responses", json={"input": "hi"})
     assert response.status_code == 503 and response.json()["error"]["code"] == "request_timeout", response.text
+    assert response.headers["x-should-retry"] == "false"  # (the OpenAI SDKs' retries would run it twice more)
     assert len(loop.aborted) == 1
     with client.stream("POST", "/v1/responses", json={"input": "hi", "stream": True}) as streamed:
         events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
