@@ -67,7 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
     "server": {"arg_types", "cache", "engine", "engine_args", "extras", "generation_config", "guided", "images",
                "mm_processor", "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
-    "router": {"arg_types", "cache", "engine_args", "model_path", "server", "tokenizer"},
+    "router": {"arg_types", "cache", "engine_args", "extras", "model_path", "server", "tokenizer"},
     "bench": {FACADE, "arg_types", "cache", "config", "engine", "engine_args", "extras", "model_path", "models",
               "router", "scheduler", "tokenizer"},
 }

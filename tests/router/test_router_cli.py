@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 
 import httpx
 import pytest
@@ -135,10 +136,10 @@ def test_the_request_timeout_flags(built_router, monkeypatch):
             return 0
 
     seen = {"commands": []}
-    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env, preexec_fn: seen["commands"].append(
-        command) or Started())
+    monkeypatch.setattr(router_cli.subprocess, "Popen", lambda command, env, preexec_fn, pass_fds:
+                        seen["commands"].append(command) or Started())
     monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200))
-    monkeypatch.setattr("hybridcache.server.uvicorn_server.listen_socket", lambda host, port, uds: None)
+    monkeypatch.setattr("hybridcache.server.uvicorn_server.listen_socket", lambda host, port, uds=None: socket.socket())
     monkeypatch.setattr(router_cli, "run_router", lambda args, urls, model, host, port, timeout_s, sock, on_shutdown:
                         seen.update(urls=urls, timeout_s=timeout_s))
     argv = ["serve", "--data-parallel-size", "2", "--device", "cpu", "--request-timeout", "10", "--port", "9000",
