@@ -1,5 +1,6 @@
 """The `hybridcache` command line: generate (offline), serve (OpenAI-compatible HTTP), simulate (the cache
-simulator) and bench (the engine benchmark)."""
+simulator) and bench (the engine benchmark). vLLM's other spellings of the flags (`--max_model_len`,
+`--speculative-config.method mtp`, `--config FILE`) are rewritten before argparse reads them: `vllm_argv`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from importlib import import_module
 from importlib.util import find_spec
+from typing import NoReturn
 
 from hybridcache.engine_args import HelpFormatter, add_engine_args, engine_options, model_argument, model_options
 from hybridcache.extras import MissingExtra
@@ -92,11 +95,181 @@ def build_parser() -> argparse.ArgumentParser:
     for name in _SUBCOMMAND_MODULES:
         if find_spec(name.rsplit(".", 1)[0]) is not None and find_spec(name) is not None:
             import_module(name).register(sub)
+    for command in sub.choices.values():  # read by `vllm_argv` before argparse: shown in --help only
+        command.add_argument("--config", default=None, metavar="YAML",
+                             help="a YAML file of long flag names and values, as vLLM's (`max-model-len: 4096`); "
+                                  "the command line's flags win (default: none)")
     return parser
 
 
+# ---- vLLM's command-line spellings ----------------------------------------------------------------------------
+
+
+def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """`argv` (a `hybridcache SUBCOMMAND ...` command line without the program) as argparse takes it, with vLLM's
+    other spellings (its FlexibleArgumentParser's) rewritten to this parser's, the one place that does so:
+
+    - `--config FILE`: the YAML file's items (long flag names) go before the command line's, `key: value` as
+      `--key value`, `true` as `--key`, `false` as `--no-key` (a flag with a --no- form), a list as several values
+      (`--key a b`, or `--key a --key b` for a repeatable flag), a dict as JSON text; a flag the command line also
+      gives is taken from the command line alone (it wins).
+    - `--max_model_len 4096`: `_` in a known flag's name (up to the first `.` or `=`) is `-`.
+    - `--speculative-config.method mtp --speculative-config.num_speculative_tokens 1`: a flag's dotted keys
+      (`--flag.key value` or `--flag.key=value`, the value JSON or else text) are folded into one JSON dict,
+      `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`, put at the end (it wins over the
+      flag's own JSON, as in vLLM).
+
+    Arguments after `--`, and flags this parser does not know, are left as they are (argparse then names them).
+    A bad --config file or key is a ValueError naming both."""
+    if not argv or argv[0] not in _subparsers(parser):
+        return list(argv)
+    sub = _subparsers(parser)[argv[0]]
+    known = sub._option_string_actions
+    args, rest = _split_at_double_dash(list(argv[1:]))
+    args = _expand_config(sub, args)
+    out: list[str] = []
+    folded: dict[str, dict] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--") or len(arg) < 3:
+            out.append(arg)
+            continue
+        name, has_value, value = arg.partition("=")
+        head, dotted, keys = name.partition(".")
+        flag = "--" + head[2:].replace("_", "-")
+        if flag not in known:
+            out.append(arg)
+        elif not dotted:
+            out.append(flag + (f"={value}" if has_value else ""))
+        elif not has_value and i == len(args):
+            raise ValueError(f"{name}: expected a value")
+        else:
+            if not has_value:
+                value, i = args[i], i + 1
+            _merge(folded.setdefault(flag, {}), keys.split("."), _json_or_text(value))
+    for flag, value in folded.items():
+        out += [flag, json.dumps(value)]
+    return [argv[0], *out, *rest]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(action.choices for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+
+
+def _split_at_double_dash(args: list[str]) -> tuple[list[str], list[str]]:
+    return (args[:args.index("--")], args[args.index("--"):]) if "--" in args else (args, [])
+
+
+def _json_or_text(value: str) -> object:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _merge(into: dict, keys: list[str], value: object) -> None:
+    for key in keys[:-1]:
+        into = into.setdefault(key, {})
+    into[keys[-1]] = value
+
+
+def _expand_config(sub: argparse.ArgumentParser, args: list[str]) -> list[str]:
+    """`args` with `--config FILE` replaced by the file's items, before the rest (see `vllm_argv`)."""
+    for i, arg in enumerate(args):
+        if arg == "--config" or arg.startswith("--config="):
+            if arg == "--config" and i + 1 == len(args):
+                raise ValueError("--config: expected a YAML file")
+            path = arg.partition("=")[2] if "=" in arg else args[i + 1]
+            rest = args[:i] + args[i + (1 if "=" in arg else 2):]
+            return [*_config_items(sub, path, _given_dests(sub, rest)), *rest]
+    return args
+
+
+def _given_dests(sub: argparse.ArgumentParser, args: list[str]) -> set[str]:
+    """The destinations of the flags in `args` (underscores or dots in their names included)."""
+    known = sub._option_string_actions
+    names = ("--" + arg.partition("=")[0].partition(".")[0][2:].replace("_", "-") if arg.startswith("--") else arg
+             for arg in args if arg.startswith("-"))
+    return {known[name].dest for name in names if name in known}
+
+
+def _config_items(sub: argparse.ArgumentParser, path: str, given: set[str]) -> list[str]:
+    """The command-line arguments of the YAML file at `path` (see `vllm_argv`), leaving out the flags whose
+    destination is in `given` (the command line's own)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = yaml.safe_load(file)
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: cannot read it as YAML: {error}") from None
+    if config is None:
+        return []
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: expected a mapping of long flag names to values, got "
+                         f"{type(config).__name__}")
+    known = sub._option_string_actions
+    items: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).removeprefix("--").replace("_", "-")
+        action = known.get(flag)
+        if action is None or flag == "--help":
+            raise ValueError(f"--config {path}: unknown key {key!r} (no {flag} flag; keys are long flag names)")
+        if action.dest in given:
+            continue
+        items += _config_item(path, key, flag, action, value)
+    return items
+
+
+def _config_item(path: str, key: object, flag: str, action: argparse.Action, value: object) -> list[str]:
+    def refuse(why: str) -> NoReturn:
+        raise ValueError(f"--config {path}: key {key!r}: {why}")
+
+    if action.nargs == 0:  # a switch: store_true, or --flag / --no-flag
+        if value is True:
+            return [flag]
+        if value is False and isinstance(action, argparse.BooleanOptionalAction):
+            return ["--no-" + flag[2:]]
+        refuse(f"{flag} is a switch that takes true" + (" or false" if isinstance(
+            action, argparse.BooleanOptionalAction) else " (leave the key out for off)") + f", got {value!r}")
+    if value is None or isinstance(value, bool):
+        refuse(f"{flag} takes a value, got {value!r}")
+    if isinstance(value, list):
+        texts = [_config_text(v) for v in value]
+        if isinstance(action, argparse._AppendAction):
+            return [part for text in texts for part in (flag, text)]
+        if action.nargs in ("+", "*") and texts:
+            return [flag, *texts]
+        refuse(f"{flag} takes one value, got a list")
+    return [flag, _config_text(value)]
+
+
+def _config_text(value: object) -> str:
+    if isinstance(value, (dict, list)):
+        return json.dumps(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The parsed command line (`sys.argv[1:]` by default) after `vllm_argv`; `args.argv` is the command line
+    argparse took (`serve --data-parallel-size` gives it to its replicas)."""
+    parser = build_parser()
+    argv = vllm_argv(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as error:  # a bad --config file
+        print(f"hybridcache: error: {error}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (ValueError, OSError, MissingExtra) as error:  # bad input, missing files, an unreachable server

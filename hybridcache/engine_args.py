@@ -13,7 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from hybridcache.arg_types import human_readable_int, model_len, non_negative_float, positive_float
+from hybridcache.arg_types import (
+    human_readable_int,
+    json_object,
+    model_len,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+)
 from hybridcache.config import (
     CACHE_MODES,
     DTYPE_ALIASES,
@@ -47,12 +54,13 @@ class VllmOption:
     """A vLLM engine option (an `LLM(...)` keyword and a `--flag`) with no `EngineConfig` field: `verdict(value)`
     says what it does here for a value given (not None): a one-line note that is logged (it has no effect here), or
     None (nothing to say), or raises ValueError naming the option (what cannot be done here). `flag`: argparse
-    keywords of its `--flag` (its default is None: not given)."""
+    keywords of its `--flag` (its default is None: not given); `aliases`: its other option strings (vLLM's)."""
 
     name: str
     help: str
     verdict: Callable[[object], str | None]
     flag: dict
+    aliases: tuple[str, ...] = ()
 
 
 def _no_effect(why: str) -> Callable[[object], str | None]:
@@ -113,6 +121,36 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                _refused_unless(lambda v: v in ("mp", "uni"), "distributed_executor_backend {value!r} is not "
                                "supported: tensor-parallel ranks run as worker processes on this machine (mp)"),
                dict(metavar="BACKEND")),
+    VllmOption("enable_expert_parallel", "accepted, a no-op: under tensor parallelism each rank holds its share "
+               "of every expert (no expert parallelism; the same tokens)",
+               _no_effect("enable_expert_parallel has no effect: under tensor parallelism each rank holds its share "
+                          "of every expert (there is no expert parallelism here); the outputs are the same"),
+               dict(action="store_true", default=None)),
+    VllmOption("optimization_level", "vLLM's -O0 ... -O3, accepted, a no-op: there is no torch.compile here (CUDA "
+               "graphs: --enforce-eager)",
+               _no_effect("optimization_level (-O) has no effect: hybridcache does not use torch.compile; its CUDA "
+                          "graphs are its own (--enforce-eager turns them off)"),
+               dict(type=int, choices=range(4), metavar="LEVEL"), aliases=("-O",)),
+    VllmOption("compilation_config", "a JSON object, accepted, a no-op: there is no torch.compile here (CUDA graphs: "
+               "--enforce-eager)",
+               _no_effect("compilation_config has no effect: hybridcache does not use torch.compile; its CUDA graphs "
+                          "are its own (--enforce-eager turns them off)"),
+               dict(type=json_object, metavar="JSON")),
+    VllmOption("max_cudagraph_capture_size", "accepted, a no-op: CUDA graphs are captured for the batch sizes "
+               "--max-num-seqs allows",
+               _no_effect("max_cudagraph_capture_size has no effect: CUDA graphs are captured for the batch sizes "
+                          "max_num_seqs allows"),
+               dict(type=non_negative_int, metavar="N")),
+    VllmOption("mm_encoder_tp_mode", "weights or data, accepted, a no-op: under tensor parallelism the vision "
+               "encoder runs as hybridcache runs it, whichever is named (the same outputs)",
+               _no_effect("mm_encoder_tp_mode has no effect: under tensor parallelism the vision encoder runs as "
+                          "hybridcache runs it, whichever mode is named; the outputs are the same"),
+               dict(choices=("weights", "data"), metavar="MODE")),
+    VllmOption("mm_processor_cache_type", "lru or shm, accepted, a no-op: processed images are not cached across "
+               "requests here",
+               _no_effect("mm_processor_cache_type has no effect: processed images are not cached across requests "
+                          "here"),
+               dict(choices=("lru", "shm"), metavar="TYPE")),
     VllmOption("revision", "the model's revision on the Hugging Face hub (a branch, tag or commit) when MODEL is a "
                "hub id (default: main)", lambda value: None, dict(metavar="REV")),
     VllmOption("download_dir", "the Hugging Face cache folder a hub id is read from and downloaded into (default: "
@@ -218,7 +256,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm = parser.add_argument_group("other vLLM engine options")
     for option in VLLM_OPTIONS:
         shown = option.help if "default" in option.help else f"{option.help} (default: not given)"
-        vllm.add_argument("--" + option.name.replace("_", "-"), help=shown, **{"default": None, **option.flag})
+        vllm.add_argument("--" + option.name.replace("_", "-"), *option.aliases, help=shown,
+                          **{"default": None, **option.flag})
 
 
 def model_argument(args: argparse.Namespace) -> str | None:

@@ -47,7 +47,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,9 +164,10 @@ class RouterConfig:
     send), None for no limit (the default, as a replica's `--request-timeout`); past it the router answers 504
     (or ends a stream with a 504 error event), closing the request, which the replica then aborts; the replica
     stays up and the request is not sent to another one. routing: the policy and balance margins.
-    api_key: the replicas' API key, sent with the router's own calls (events polls) and needed for /health's
-    details; clients' requests are forwarded with their own `Authorization` header, which the replicas check;
-    the router refuses one without it (401) before it reads the body.
+    api_key: the replicas' API key, sent with the router's own calls (events polls) and needed (it or one of
+    `other_api_keys`, the replicas' further keys) for /health's details; clients' requests are forwarded with
+    their own `Authorization` header, which the replicas check; the router refuses one without any of the keys
+    (401) before it reads the body.
     max_request_bytes: a larger request body is refused (413) while it arrives, before it is read whole (default
     the replicas' own, `limits.DEFAULT_MAX_REQUEST_BYTES`). chat_template_kwargs: the replicas' default
     `chat_template_kwargs` (their `--chat-template-kwargs`), so that a chat renders here as there.
@@ -181,6 +182,7 @@ class RouterConfig:
     poll_timeout_s: float = 2.0
     request_timeout_s: float | None = None
     api_key: str | None = None
+    other_api_keys: tuple[str, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     allowed_origins: tuple[str, ...] = ()
@@ -198,8 +200,16 @@ class RouterConfig:
             if not (value is None and name == "request_timeout_s" or value is not None and value > 0):
                 raise ValueError(f"{name} must be > 0, got {value}")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        object.__setattr__(self, "other_api_keys", tuple(self.other_api_keys))
+        if self.other_api_keys and self.api_key is None:
+            raise ValueError("other_api_keys need an api_key")
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key a client may send, `api_key` (the one the router polls with) first; empty: none needed."""
+        return () if self.api_key is None else (self.api_key, *self.other_api_keys)
 
 
 class RouterState:
@@ -362,7 +372,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     def authorize(request: Request) -> None:
         """A request without the API key is refused here, as a replica refuses it, before its body is read,
         rendered and tokenized: keyless clients' large chats held up keyed ones on the tokenizer threads."""
-        if not has_key(request, config.api_key):
+        if not has_key(request, config.api_keys):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
 
@@ -572,7 +582,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def health(request: Request) -> JSONResponse:
         ok = any(r.up for r in state.replicas)
         body: dict[str, Any] = {"status": "ok" if ok else "unhealthy"}
-        if has_key(request, config.api_key):  # the replicas' addresses and loads: only with the key
+        if has_key(request, config.api_keys):  # the replicas' addresses and loads: only with the key
             body["replicas"] = [{"url": r.url, "up": r.up, "in_flight": r.in_flight, "routed": r.counters.routed,
                                  "indexed_blocks": len(r.index.blocks) if r.index else 0,
                                  "indexed_checkpoints": r.index.num_checkpoints if r.index else 0}
@@ -632,12 +642,16 @@ def _timeout_body(state: RouterState, replica: Replica, error: httpx.TimeoutExce
     return body
 
 
-def has_key(request: Request, key: str | None) -> bool:
-    """Whether the request carries `key` as its bearer token (always true when there is no key)."""
-    if key is None:
+def has_key(request: Request, key: str | Sequence[str] | None) -> bool:
+    """Whether the request carries `key`, or one of the keys, as its bearer token (always true when there is
+    none); every key is compared, in constant time each."""
+    keys = () if key is None else (key,) if isinstance(key, str) else tuple(key)
+    if not keys:
         return True
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+    sent = token.strip().encode()
+    matches = [hmac.compare_digest(sent, one.encode()) for one in keys]
+    return scheme.lower() == "bearer" and any(matches)
 
 
 class _RelayResponse(StreamingResponse):

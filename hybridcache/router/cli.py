@@ -43,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         positive_int,
     )
     from hybridcache.engine_args import HelpFormatter
-    from hybridcache.server.cli import SHUTDOWN_RESERVE_S
+    from hybridcache.server.cli import SHUTDOWN_RESERVE_S, add_allowed_origins_arg
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_connection_args
 
     router = subparsers.add_parser("router", help="route OpenAI requests over replicas by where their checkpoints are",
@@ -66,17 +66,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.add_argument("--request-timeout", type=positive_float, default=None, metavar="SECONDS",
                         help="answer 504 when a replica sends nothing for this long, closing the request (the "
                              "replica aborts it; it is not sent to another one) (default: no limit, as serve's)")
-    router.add_argument("--api-key", default=None,
-                        help="the replicas' API key, for the router's own calls to them (default: "
-                             "$HYBRIDCACHE_API_KEY when set); clients' keys are forwarded as sent")
+    router.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                        help="the replicas' API keys: clients must send one of them, and the router's own calls "
+                             "to the replicas send the first (default: $HYBRIDCACHE_API_KEY when set); clients' keys "
+                             "are forwarded as sent")
     router.add_argument("--host", default="127.0.0.1", help="address to bind")
     router.add_argument("--port", type=port_number, default=8000, help="port to bind")
     router.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help="request body size limit (default: 256 MiB, as serve's: a replica's default body, "
                              "images as base64 included, passes the router)")
     add_connection_args(router)
-    router.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
-                        help="origins whose browser pages may call the router (CORS; '*' for any; default: none)")
+    add_allowed_origins_arg(router, "the router")
     router.add_argument("--root-path", default="", metavar="PATH",
                         help="the path prefix under which a reverse proxy serves the router (default: none)")
     router.add_argument("--ssl-keyfile", default=None, metavar="PATH",
@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     router.set_defaults(func=cmd_router)
     serve = subparsers.choices.get("serve")
     if serve is not None:
-        serve.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+        serve.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                            help="run N engine processes (one device each; CPU ok) on ports PORT+1..PORT+N behind the "
                                 "checkpoint-aware router on PORT (default: %(default)s: one engine, no router)")
         add_router_args(serve)
@@ -100,14 +100,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _serve_or_data_parallel(cmd_serve):
     """`serve`'s handler: `cmd_serve` for one engine, `serve_data_parallel` for several (the command line is
-    this process's own: `sys.argv`)."""
+    the one argparse read, `args.argv` (cli.py `parse_args`), else this process's own: `sys.argv`)."""
 
     def run(args: argparse.Namespace) -> int:
         if args.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
         if args.data_parallel_size == 1:
             return cmd_serve(args)
-        _exit_now(serve_data_parallel(args, sys.argv[1:]))
+        _exit_now(serve_data_parallel(args, getattr(args, "argv", None) or sys.argv[1:]))
 
     return run
 
@@ -140,10 +140,12 @@ def router_config(args: argparse.Namespace, urls: Sequence[str], request_timeout
     another host reaches them."""
     from hybridcache.router.app import RouterConfig
     from hybridcache.router.policy import RoutingConfig
-    from hybridcache.server.cli import api_key
+    from hybridcache.server.cli import api_keys
 
+    keys = api_keys(args)
     routing = RoutingConfig(args.routing, args.balance_abs_threshold, args.balance_rel_threshold, args.cache_threshold)
-    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval, api_key=api_key(args),
+    return RouterConfig(tuple(urls), routing, poll_interval_s=args.router_poll_interval,
+                        api_key=keys[0] if keys else None, other_api_keys=keys[1:],
                         max_request_bytes=args.max_request_bytes, request_timeout_s=request_timeout_s,
                         chat_template_kwargs=args.chat_template_kwargs or {},
                         allowed_origins=tuple(args.allowed_origins or ()),
@@ -230,14 +232,15 @@ def _exit_now(status: int) -> NoReturn:
 
 def replica_argv(argv: Sequence[str], port: int, shutdown_timeout_s: float) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
-    program) without --data-parallel-size, --host, --port, --shutdown-timeout, the routing options and the public
-    endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a Unix socket are the router's), plus a loopback port and
-    `shutdown_timeout_s` (`replica_shutdown_timeout`).
+    program, vLLM's spellings rewritten: cli.py `vllm_argv`) without --data-parallel-size (or -dp), --host, --port,
+    --shutdown-timeout, the routing options and the public endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a
+    Unix socket are the router's), plus a loopback port and `shutdown_timeout_s` (`replica_shutdown_timeout`).
+    Every --api-key value is kept: the replicas take the same keys.
 
     Example: `serve M --data-parallel-size 2 --ssl-keyfile k --allowed-origins a b --port 9000`, port 9001, 9.5 s:
     `serve M --host 127.0.0.1 --port 9001 --shutdown-timeout 9.5` (--allowed-origins takes every value up to the
     next flag)."""
-    drop_with_value = {"--data-parallel-size", "--host", "--port", "--shutdown-timeout", "--routing",
+    drop_with_value = {"--data-parallel-size", "-dp", "--host", "--port", "--shutdown-timeout", "--routing",
                        "--balance-abs-threshold", "--balance-rel-threshold", "--cache-threshold",
                        "--router-poll-interval", *PUBLIC_FLAGS}
     many_values = {"--allowed-origins"}  # nargs="+": every value up to the next option
@@ -394,10 +397,11 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     a single serve's), and end with this process however it ends."""
     require_extra("serve", "hybridcache serve --data-parallel-size")
     from hybridcache.engine_args import AUTO, auto_device, model_argument
-    from hybridcache.server.cli import SHUTDOWN_RESERVE_S
+    from hybridcache.server.cli import SHUTDOWN_RESERVE_S, api_keys
     from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket
 
     _configure_logging(args.log_level)
+    api_keys(args)  # MODEL taken for a key fails before the port is bound and the replicas start
     log = logging.getLogger("hybridcache.router")
     size = args.data_parallel_size
     on_cpu = (auto_device() if args.device == AUTO else args.device) == "cpu"

@@ -546,12 +546,15 @@ class _Routes:
                            code="invalid_api_key")
 
     def _has_key(self, request: Request) -> bool:
-        """Whether the request carries the API key (always true when none is configured)."""
-        key = self.config.api_key
-        if key is None:
+        """Whether the request carries one of the API keys (always true when none is configured); every key is
+        compared, in constant time each."""
+        keys = self.config.api_keys
+        if not keys:
             return True
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+        sent = token.strip().encode()
+        matches = [hmac.compare_digest(sent, key.encode()) for key in keys]
+        return scheme.lower() == "bearer" and any(matches)
 
     async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of every prompt (text is tokenized on the tokenizer threads, off the event loop)."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -12,6 +15,8 @@ if TYPE_CHECKING:
     from hybridcache.server.config import ServerConfig
 
 API_KEY_ENV = "HYBRIDCACHE_API_KEY"
+VLLM_API_KEY_ENV = "VLLM_API_KEY"  # not read: named in a warning (`api_keys`)
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
 # Of the shutdown grace period, what the end takes after in-flight requests are cancelled (uvicorn's pauses, the
 # engine's last step and aborts), so that the process is gone within --shutdown-timeout of the signal.
 SHUTDOWN_RESERVE_S = 0.5
@@ -32,9 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     serve.add_argument("--port", type=port_number, default=8000, help="port to bind")
-    serve.add_argument("--api-key", default=None,
-                       help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} when set, "
-                            "else no key)")
+    serve.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on /v1 routes, any one of the keys given (as vLLM; "
+                            f"give MODEL before it) (default: ${API_KEY_ENV} when set, else no key)")
     serve.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
                        help="model ids clients may send; the first one is reported (default: MODEL as given)")
     serve.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
@@ -43,8 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-request-tokens", type=positive_int, default=None, metavar="N",
                        help="an opt-in budget of the tokens one request may ask for, n x max_tokens (default: no "
                             "budget beyond max_model_len, as vLLM)")
-    serve.add_argument("--allowed-origins", nargs="+", action="extend", default=None, metavar="ORIGIN",
-                       help="origins whose browser pages may call the API (CORS; '*' for any; default: none)")
+    add_allowed_origins_arg(serve, "the API")
     serve.add_argument("--shutdown-timeout", type=non_negative_float, default=10.0,
                        help="the process is gone this many seconds after SIGTERM: in-flight requests may run for "
                             f"all but the last {SHUTDOWN_RESERVE_S} s of it, then they are aborted")
@@ -52,9 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="serve GET /debug/engine (integrity check of an idle engine)")
     serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                        help="split <think>...</think> into reasoning (and reasoning_content) (default: off)")
-    serve.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
-                       help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
-                            "'{\"enable_thinking\": false}' (default: none; a request's own keys win)")
+    serve.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", type=json_object, default=None,
+                       metavar="JSON", help="default chat_template_kwargs for every chat request, a JSON object, e.g. "
+                       "'{\"enable_thinking\": false}' (vLLM's --default-chat-template-kwargs) (default: none; a "
+                       "request's own keys win)")
     add_generation_config_arg(serve)
     add_limit_args(serve)
     serve.add_argument("--enable-access-log", action="store_true", help="log one line per HTTP request")
@@ -67,16 +72,71 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=cmd_serve)
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """`--api-key`, else $HYBRIDCACHE_API_KEY, else None. An empty value counts as unset, with a warning when no
-    key is left: an empty key given on purpose would otherwise turn authentication off without a word."""
-    given = (("--api-key", args.api_key), (f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV)))
-    key = next((value for _, value in given if value and value.strip()), None)
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--api-key`'s keys (several, as vLLM's: a request may send any one), else $HYBRIDCACHE_API_KEY's one key,
+    else none. An empty value counts as unset, with a warning when no key is left: an empty key given on purpose
+    would otherwise turn authentication off without a word. vLLM's $VLLM_API_KEY is not read (it may be a vLLM
+    server's on the same machine): set with no key given, it is named in a warning. With no MODEL, a second key
+    that names an existing file or folder or looks like a hub id (org/name) is a ValueError that does not show
+    it: `serve --api-key K MODEL` takes MODEL for a key."""
+    flag = [args.api_key] if isinstance(args.api_key, str) else list(args.api_key or ())
+    given = [("--api-key", value) for value in flag] + [(f"${API_KEY_ENV}", os.environ.get(API_KEY_ENV))]
+    keys = tuple(value for value in flag if value.strip())
+    if not keys and given[-1][1] and given[-1][1].strip():
+        keys = (given[-1][1],)
     empty = [name for name, value in given if value is not None and not value.strip()]
-    if key is None and empty:
-        logging.getLogger("hybridcache.server").warning(
-            "%s is empty: the server runs WITHOUT an API key (anyone who can connect may use it)", empty[0])
-    return key
+    log = logging.getLogger("hybridcache.server")
+    if not keys and empty:
+        log.warning("%s is empty: the server runs WITHOUT an API key (anyone who can connect may use it)", empty[0])
+    elif not keys and os.environ.get(VLLM_API_KEY_ENV):
+        log.warning("$%s is set but not read: the server runs WITHOUT an API key (give --api-key or $%s)",
+                    VLLM_API_KEY_ENV, API_KEY_ENV)
+    no_model = getattr(args, "model_arg", None) is None and getattr(args, "model", None) is None
+    for number, key in enumerate(keys[1:] if no_model else (), start=2):
+        if os.path.exists(os.path.expanduser(key)) or _HUB_ID.fullmatch(key):
+            raise ValueError(f"--api-key's value {number} looks like MODEL (a folder or a hub id): --api-key takes "
+                             "every value up to the next flag (several keys, as vLLM's); give MODEL before "
+                             "--api-key, or as --model")
+    return keys
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The first of `api_keys` (the one the router polls its replicas with), else None."""
+    keys = api_keys(args)
+    return keys[0] if keys else None
+
+
+def allowed_origin_list(text: str) -> list[str]:
+    """`--allowed-origins`' type: one origin, or vLLM's form, a JSON list of origins (`'["https://a.example"]'`);
+    a value starting with `[` that is not a JSON list of strings is refused."""
+    if not text.lstrip().startswith("["):
+        return [text]
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(origin, str) for origin in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of origins: {text!r} (e.g. '[\"https://a.example\"]', or "
+                                         "the origins as separate values)")
+    return value
+
+
+class _ExtendEach(argparse.Action):
+    """`nargs="+"` whose type gives a list per value: the lists are joined, across repeats of the flag too."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        joined = list(getattr(namespace, self.dest) or ())
+        for value in values:
+            joined.extend(value)
+        setattr(namespace, self.dest, joined)
+
+
+def add_allowed_origins_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--allowed-origins` of `serve` and `router` (`what`: what the pages may call)."""
+    parser.add_argument("--allowed-origins", nargs="+", action=_ExtendEach, type=allowed_origin_list, default=None,
+                        metavar="ORIGIN",
+                        help=f"origins whose browser pages may call {what} (CORS; '*' for any), as separate values "
+                             "or vLLM's JSON list '[\"https://a.example\"]' (default: none)")
 
 
 def served_model_names(args: argparse.Namespace, model: str | None) -> tuple[str, ...]:
@@ -93,14 +153,25 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
     from hybridcache.server.config import ServerConfig
     from hybridcache.server.limits import limits_from_args
 
+    keys = api_keys(args)
     return ServerConfig(
-        host=args.host, port=args.port, api_key=api_key(args), served_model_name=names[0],
+        host=args.host, port=args.port, api_key=keys[0] if keys else None, other_api_keys=keys[1:],
+        served_model_name=names[0],
         served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
         reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
         force_include_usage=args.enable_force_include_usage, limits=limits_from_args(args),
     )
+
+
+def served_media_limits(args: argparse.Namespace):
+    """The `MediaLimits` of the parsed flags (ValueError naming a bad one): `--limit-mm-per-prompt`'s, no image at
+    all with `--language-model-only` (vLLM's: every modality's limit 0)."""
+    from hybridcache.server.chat_images import media_limits
+
+    limits = media_limits(args)
+    return dataclasses.replace(limits, max_images=0) if args.language_model_only else limits
 
 
 @dataclass(frozen=True)
@@ -123,7 +194,6 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     from hybridcache.generation_config import SamplingDefaults
     from hybridcache.model_path import resolve_model
     from hybridcache.server.app import ServedModel, build_app
-    from hybridcache.server.chat_images import media_limits
     from hybridcache.server.engine_loop import EngineLoop
     from hybridcache.server.limits import media_request_bytes
     from hybridcache.server.metrics import ServerMetrics
@@ -137,7 +207,7 @@ def build_server(args: argparse.Namespace) -> ServerParts:
     model_arg = model_argument(args)
     names = served_model_names(args, model_arg)
     config = server_config(args, names)
-    limits = media_limits(args)  # a bad flag fails before the model loads
+    limits = served_media_limits(args)  # a bad flag fails before the model loads
     resolved = resolve_model(model_arg, **model_options(args))
     defaults = SamplingDefaults.from_model_dir(resolved.path, args.generation_config)  # a bad file fails first
     if defaults.as_dict():
@@ -176,6 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.server.vllm_flags import uvicorn_options
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_keys(args)  # MODEL taken for a key fails before the port is bound
     sock = inherited_socket()  # a data-parallel replica's, bound by its parent
     if sock is None:
         if args.uds:

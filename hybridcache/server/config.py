@@ -14,7 +14,8 @@ class ServerConfig:
     """How the HTTP server runs.
 
     host / port: where to listen (loopback by default). api_key: when set, every /v1 request must send
-    `Authorization: Bearer <api_key>`. served_model_name: the model id clients pass as `model` (and responses
+    `Authorization: Bearer <api_key>`, or one of `other_api_keys` (vLLM's --api-key takes several; `api_keys` is
+    all). served_model_name: the model id clients pass as `model` (and responses
     report); served_model_aliases: further ids clients may pass for the same model (`served_model_names` is all).
     max_request_bytes: request bodies above this are refused with 413 (default 256 MiB: the images one prompt
     may carry by default, as base64, and a long history; `limits.DEFAULT_MAX_REQUEST_BYTES`).
@@ -38,6 +39,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    other_api_keys: tuple[str, ...] = ()
     served_model_name: str = "hybridcache"
     served_model_aliases: tuple[str, ...] = ()
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -55,6 +57,11 @@ class ServerConfig:
         """Every model id clients may send, the reported one first."""
         return (self.served_model_name, *self.served_model_aliases)
 
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every key a request may send, `api_key` first; empty when no key is needed."""
+        return () if self.api_key is None else (self.api_key, *self.other_api_keys)
+
     def binds_loopback_only(self) -> bool:
         """Whether `host` is a loopback address (only this machine can connect)."""
         return self.host in ("localhost", "::1") or self.host.startswith("127.")
@@ -70,6 +77,9 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_request_tokens is not None and self.max_request_tokens < 1:
             raise ValueError(f"max_request_tokens must be >= 1, got {self.max_request_tokens}")
+        object.__setattr__(self, "other_api_keys", tuple(self.other_api_keys))
+        if self.other_api_keys and self.api_key is None:
+            raise ValueError("other_api_keys need an api_key")
         object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         object.__setattr__(self, "served_model_aliases", tuple(self.served_model_aliases))
         if not all(self.served_model_aliases):

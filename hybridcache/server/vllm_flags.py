@@ -16,6 +16,9 @@
     --disable-uvicorn-access-log   accepted: the access log is off unless --enable-access-log, and this turns it
                                    off even then
     --enable-force-include-usage   every stream ends with a usage chunk, asked for or not
+    --enable-log-requests          accepted, a no-op (logged): request contents are never logged
+    --language-model-only          text only, as vLLM's: a request with an image is refused (--limit-mm-per-prompt
+                                   image 0); the vision tower's weights are still loaded
 
 The engine's vLLM options (--seed, --tokenizer, --revision, --trust-remote-code, --swap-space, ...) are every
 engine command's: `engine_args.VLLM_OPTIONS`.
@@ -59,11 +62,20 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="no access log, even with --enable-access-log (it is off by default)")
     group.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream ends with a usage chunk, even without stream_options.include_usage")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="accepted for vLLM command lines, a no-op (logged): request contents are never logged")
+    group.add_argument("--language-model-only", action="store_true",
+                       help="text only (vLLM's): requests with images are refused, as with --limit-mm-per-prompt "
+                            "'{\"image\": 0}' (the vision tower's weights are still loaded)")
 
 
 def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse inconsistent flags (SystemExit with the reason), and a key and certificate that do not load (a
-    ValueError naming both files), before the model loads: uvicorn loads them only once the engine is up."""
+    ValueError naming both files), before the model loads: uvicorn loads them only once the engine is up. A flag
+    accepted as a no-op is logged (INFO), naming it."""
+    if getattr(args, "enable_log_requests", False):
+        logger.info("--enable-log-requests has no effect: the server never logs request contents "
+                    "(--enable-access-log writes one line per HTTP request)")
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
     if args.ssl_certfile:
