@@ -109,7 +109,7 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
     """`argv` (a `hybridcache SUBCOMMAND ...` command line without the program) as argparse takes it, with vLLM's
     other spellings (its FlexibleArgumentParser's) rewritten to this parser's, the one place that does so:
 
-    - `--config FILE`: the YAML file's items (long flag names) go before the command line's, `key: value` as
+    - `--config FILE`: the YAML file's items (long flag names) go after the command line's, `key: value` as
       `--key value`, `true` as `--key`, `false` as `--no-key` (a flag with a --no- form), a list as several values
       (`--key a b`, or `--key a --key b` for a repeatable flag), a dict as JSON text; a flag the command line also
       gives is taken from the command line alone (it wins).
@@ -118,6 +118,8 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
       (`--flag.key value` or `--flag.key=value`, the value JSON or else text) are folded into one JSON dict,
       `--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`, put at the end (it wins over the
       flag's own JSON, as in vLLM).
+    - `-O '{"level": 3}'`, `-O.key value`, `-cc ...`: vLLM's short names of `--compilation-config` (`-O3` / `-O 3`
+      stay the optimisation level).
 
     Arguments after `--`, and flags this parser does not know, are left as they are (argparse then names them).
     A bad --config file or key is a ValueError naming both."""
@@ -127,6 +129,8 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
     known = sub._option_string_actions
     args, rest = _split_at_double_dash(list(argv[1:]))
     args = _expand_config(sub, args)
+    if "--compilation-config" in known:
+        args = _compilation_config_short_forms(args)
     out: list[str] = []
     folded: dict[str, dict] = {}
     i = 0
@@ -154,6 +158,25 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
     return [argv[0], *out, *rest]
 
 
+def _compilation_config_short_forms(args: list[str]) -> list[str]:
+    """vLLM's short names of --compilation-config as the long one: `-cc X` / `-cc.key v`, `-O.key v` and `-O` with
+    a JSON object (`-O '{"level": 3}'`, `-O{...}`); `-O3` and `-O 3` are left as the optimisation level."""
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else ""
+        if arg == "-cc" or arg.startswith(("-cc.", "-cc=")):
+            out.append("--compilation-config" + arg[3:])
+        elif arg.startswith("-O."):
+            out.append("--compilation-config" + arg[2:])
+        elif arg.startswith("-O{") or arg.startswith("-O={"):
+            out += ["--compilation-config", arg[2:].removeprefix("=")]
+        elif arg == "-O" and following.lstrip().startswith("{"):
+            out.append("--compilation-config")
+        else:
+            out.append(arg)
+    return out
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     return next(action.choices for action in parser._actions if isinstance(action, argparse._SubParsersAction))
 
@@ -176,14 +199,16 @@ def _merge(into: dict, keys: list[str], value: object) -> None:
 
 
 def _expand_config(sub: argparse.ArgumentParser, args: list[str]) -> list[str]:
-    """`args` with `--config FILE` replaced by the file's items, before the rest (see `vllm_argv`)."""
+    """`args` with `--config FILE` replaced by the file's items, after the rest (see `vllm_argv`)."""
     for i, arg in enumerate(args):
         if arg == "--config" or arg.startswith("--config="):
             if arg == "--config" and i + 1 == len(args):
                 raise ValueError("--config: expected a YAML file")
             path = arg.partition("=")[2] if "=" in arg else args[i + 1]
             rest = args[:i] + args[i + (1 if "=" in arg else 2):]
-            return [*_config_items(sub, path, _given_dests(sub, rest)), *rest]
+            # after the command line (whose own flags were left out of them): a multi-value flag of the file put
+            # before a positional MODEL took MODEL for one of its values (vLLM keeps the positional first too)
+            return [*rest, *_config_items(sub, path, _given_dests(sub, rest))]
     return args
 
 

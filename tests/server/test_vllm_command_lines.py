@@ -156,6 +156,33 @@ def test_a_yaml_config_gives_flags_and_the_command_line_wins(tmp_path):
     assert replica_argv(args.argv, 8002, 9.5).count("--data-parallel-size") == 0
 
 
+@pytest.mark.parametrize("last", ["served-model-name: my-model", "allowed-origins: ['https://a.example']",
+                                  "api-key: sk-x"])
+def test_a_config_files_multi_value_flag_does_not_take_the_positional_model(tmp_path, last):
+    """`serve MODEL --config cfg.yaml` (vLLM's documented form) with a multi-value flag last in the file: its items
+    went before MODEL, so `--served-model-name my-model MODEL` took MODEL for a second name and the built-in model
+    was served under the user's names (hunt 189). The file's items now come after the command line's."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"port: 9000\n{last}\n")
+    args = serve("Qwen/Qwen3.5-0.8B", "--config", str(config))
+    assert args.model_arg == "Qwen/Qwen3.5-0.8B" and args.port == 9000
+    assert "Qwen/Qwen3.5-0.8B" not in (*(args.served_model_name or ()), *(args.allowed_origins or ()),
+                                        *(args.api_key or ()))
+
+
+@pytest.mark.parametrize("argv, wanted", [
+    (["-O", '{"level": 3}'], {"level": 3}), (["-O.cudagraph_mode=FULL"], {"cudagraph_mode": "FULL"}),
+    (["-O.level", "3"], {"level": 3}), (["-cc", '{"a": 1}'], {"a": 1}), (["-cc.mode=FULL"], {"mode": "FULL"}),
+    (["-O3"], None), (["-O", "3"], None),
+])
+def test_vllms_short_names_of_the_compilation_config(argv, wanted):
+    """vLLM's `-O` with a JSON object or dotted keys, and `-cc`, name --compilation-config (refused before: `-O`
+    took an int only, `-cc` was unknown; hunt 189); `-O3` / `-O 3` stay the optimisation level."""
+    args = serve("M", *argv)
+    assert args.compilation_config == wanted
+    assert args.optimization_level == (3 if wanted is None else None)
+
+
 @pytest.mark.parametrize("text, message", [
     ("max-model-len: [1, 2]\n", "key 'max-model-len': --max-model-len takes one value, got a list"),
     ("no-such-flag: 1\n", "unknown key 'no-such-flag'"),
