@@ -440,6 +440,27 @@ def test_probe_does_not_fault_in_from_the_disk_tier():
     restarted.check_integrity()
 
 
+X_TAIL = (10, 11, 12, 13, 20, 21)
+
+
+def _shared_demoted_in_this_pass():
+    """x's checkpoint at 10 chains through `shared` (0..3) and is on the host; in the pass being planned, q's
+    allocation demotes `shared` itself (a's checkpoint at 6 with it): its HOST_SAVE is in the plan. Returns
+    (disk, cache, driver, shared, x's host checkpoint, the host node of `shared`)."""
+    disk = FakeDisk()
+    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    host = cache._life.host
+    shared = (0, 1, 2, 3)
+    driver.run(CacheRequest("x", shared + X_TAIL))
+    driver.run(CacheRequest("a", shared + (30, 31)))
+    driver.run(CacheRequest("filler", tuple(range(100, 109))))  # demotes x's chain below `shared`
+    (ckpt_x,) = (c for c in host.order.values() if c.step == 10)
+    assert cache.admit(cache.match(CacheRequest("q", tuple(range(200, 210))))) is not None
+    assert cache.ensure_capacity("q", 10)
+    (node,) = (n for n in host.iter_nodes() if n.token_ids == shared)
+    return disk, cache, driver, shared, ckpt_x, node
+
+
 def test_a_fall_out_never_reads_a_host_block_a_promotion_in_its_pass_is_loaded_from_before_its_save():
     """In one scheduling pass a node is demoted (HOST_SAVE device -> host block h queued), promoted back (HOST_LOAD
     h -> device queued), then the host's own eviction drops an older host checkpoint whose chain runs through it:
@@ -447,17 +468,8 @@ def test_a_fall_out_never_reads_a_host_block_a_promotion_in_its_pass_is_loaded_f
     once, as the engine's does, would write stale bytes under a valid checksum). After the plan it is kept, with
     the right bytes (`FakeDisk` checks every fall-out it is handed). Found by the scheduler state machine with a
     tier behind the host (hunt 128)."""
-    disk = FakeDisk()
-    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    disk, cache, driver, shared, ckpt_x, node = _shared_demoted_in_this_pass()
     host = cache._life.host
-    shared = (0, 1, 2, 3)
-    driver.run(CacheRequest("x", shared + (10, 11, 12, 13, 20, 21)))  # x's checkpoint at 10 chains through `shared`
-    driver.run(CacheRequest("a", shared + (30, 31)))  # a's at 6 hangs on `shared` itself
-    driver.run(CacheRequest("filler", tuple(range(100, 109))))  # demotes x's chain below `shared`
-    (ckpt_x,) = (c for c in host.order.values() if c.step == 10)
-    assert cache.admit(cache.match(CacheRequest("q", tuple(range(200, 210))))) is not None
-    assert cache.ensure_capacity("q", 10)  # demotes `shared` (a's checkpoint with it)
-    (node,) = (n for n in host.iter_nodes() if n.token_ids == shared)
     assert node.host_block in host._saves
     match = cache.match(CacheRequest("b", shared + (30, 31, 40)))
     assert match.cached_len == 6 and cache.admit(match) is not None  # promotes `shared` back from that host block
@@ -478,18 +490,9 @@ def test_a_fall_out_through_a_node_demoted_in_its_pass_reads_it_from_the_device_
     (the save is the plan's first copy: nothing writes d before it), so the fall-out names d for that block and is
     kept with the right bytes (`FakeDisk` reads memory as it is at that moment, as the engine's keeper does, and
     checks it), and a restarted cache serves it."""
-    disk = FakeDisk()
-    cache, driver = with_disk(disk, num_blocks=8, host_blocks=16)
+    disk, cache, driver, shared, ckpt_x, node = _shared_demoted_in_this_pass()
     host = cache._life.host
-    shared = (0, 1, 2, 3)
-    x_prompt = shared + (10, 11, 12, 13, 20, 21)
-    driver.run(CacheRequest("x", x_prompt))  # x's checkpoint at 10 chains through `shared`
-    driver.run(CacheRequest("a", shared + (30, 31)))  # a's at 6 hangs on `shared` itself
-    driver.run(CacheRequest("filler", tuple(range(100, 109))))  # demotes x's chain below `shared`
-    (ckpt_x,) = (c for c in host.order.values() if c.step == 10)
-    assert cache.admit(cache.match(CacheRequest("q", tuple(range(200, 210))))) is not None
-    assert cache.ensure_capacity("q", 10)  # demotes `shared` (a's checkpoint with it)
-    (node,) = (n for n in host.iter_nodes() if n.token_ids == shared)
+    x_prompt = shared + X_TAIL
     device_block = host._saves[node.host_block]  # the save is in the plan being built
     fall_out = host.fall_out(ckpt_x)
     assert fall_out is not None and (fall_out.blocks[0].on_host, fall_out.blocks[0].block_id) == (False, device_block)
