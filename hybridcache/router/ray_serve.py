@@ -267,7 +267,7 @@ class OpenAIIngress:
     def __init__(self, engine: Any, index: Any, serve_args: Sequence[str]) -> None:
         from hybridcache.engine_args import model_argument
         from hybridcache.model_path import resolve_model
-        from hybridcache.server.cli import api_key
+        from hybridcache.server.cli import api_keys
         from hybridcache.server.vllm_flags import chat_template
         from hybridcache.tokenizer import Tokenizer
 
@@ -279,8 +279,8 @@ class OpenAIIngress:
             self.tokenizer.chat_template = template
         self.template_kwargs = args.chat_template_kwargs or {}
         self.max_request_bytes = args.max_request_bytes
-        self.api_key = api_key(args)
-        self._key = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        self.api_keys = api_keys(args)  # any one opens /health's details, as the replicas take any one
+        self._key = (("authorization", f"Bearer {self.api_keys[0]}"),) if self.api_keys else ()
         self.counters = ray_metrics.IngressCounters()
         self.owners = ResponseOwners()
         self.limits = PromptLimits(None, max_token_bytes(self.tokenizer))  # max_model_len: `_prompt_limits`
@@ -329,7 +329,7 @@ class OpenAIIngress:
     @ingress_app.get("/health")
     async def health(self, request: Request) -> JSONResponse:
         body: dict[str, Any] = {"status": "ok"}
-        if has_key(request, self.api_key):  # what the index holds of each replica: only with the key
+        if has_key(request, self.api_keys):  # what the index holds of each replica: only with the key
             body["replicas"] = await self.index.stats.remote()
         return JSONResponse(body)
 
