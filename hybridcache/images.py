@@ -11,7 +11,8 @@ Accepted sources:
 - `data:image/...;base64,<data>` URIs;
 - `http://` and `https://` URLs (fetched within `limits.fetch_timeout_s` in all: connecting, the headers and the
   body under one deadline, as vLLM's aiohttp `ClientTimeout(total=...)`; at most `max_bytes`, at most
-  `MAX_REDIRECTS` redirects);
+  `MAX_REDIRECTS` redirects; as urllib did: certificates checked against the system's CA store, through the
+  http_proxy / https_proxy of the URL's scheme unless no_proxy names its host, ALL_PROXY ignored);
 - `file://` URLs and plain paths, only under `limits.allowed_local_media_path`;
 - raw `bytes` and `PIL.Image.Image` objects (the offline API), and `FetchedImage`s.
 
@@ -32,6 +33,7 @@ import functools
 import io
 import ssl
 import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,18 @@ from typing import Any, NamedTuple
 
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # Pillow's names (JPEG includes MPO)
 MAX_REDIRECTS = 10  # as urllib's
+LOOP_EXECUTOR_THREADS = 64  # the server's default executor: each fetch resolves its host on one (see below)
+
+
+class DetachedThreadPool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool whose `shutdown` never waits for its threads. The server makes one of
+    `LOOP_EXECUTOR_THREADS` its event loop's default executor, on which anyio resolves the hosts of image URLs
+    (`loop.getaddrinfo`): asyncio's own has min(32, cpus + 4) threads, which a DNS server that never answers holds
+    for the resolver's timeout (starving the other fetches), and `asyncio.run` joins it at exit (a shutdown would
+    wait for them past --shutdown-timeout; the server's process ends with os._exit, so nothing needs the join)."""
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        super().shutdown(wait=False, cancel_futures=cancel_futures)
 
 
 class ImageError(ValueError):
@@ -94,7 +108,7 @@ def load_image(source: Any, limits: MediaLimits) -> Any:
         raise ImageError(f"an image is a URL, a path, bytes or a PIL image, not {type(source).__name__}")
     if source[:5].lower() == "data:":  # schemes are case-insensitive (RFC 3986 3.1)
         return _decode(_data_uri(source, limits), limits, "the data: URI")
-    scheme = urllib.parse.urlsplit(source).scheme.lower()
+    scheme = _scheme(source)
     if scheme in ("http", "https"):
         return _decode(_fetch(source, limits), limits, source)
     if scheme == "file":
@@ -142,6 +156,10 @@ async def fetch_image(url: str, limits: MediaLimits) -> bytes:
     except ImportError:
         raise ImageError(f"fetching {url} needs httpx (pip install httpx)") from None
     try:
+        urllib.parse.urlsplit(url).port  # noqa: B018 - (raises for a port out of range: anyio would, in a group)
+    except ValueError as error:
+        raise ImageError(f"{url} is not a valid URL ({error})") from None
+    try:
         return await asyncio.wait_for(_get(url, limits), limits.fetch_timeout_s)
     except asyncio.TimeoutError:  # (not yet the builtin TimeoutError on Python 3.10)
         raise ImageError(f"fetching {url} timed out after {limits.fetch_timeout_s} s") from None
@@ -162,11 +180,20 @@ async def _get(url: str, limits: MediaLimits) -> bytes:
     import httpx
 
     failed = f"could not fetch {url}"
-    # one client per fetch (no cookies or connections shared between requests); the TLS context is shared: making
-    # one takes ~50 ms. The raw body, not decoded: a gzip-encoded 20 MB could be gigabytes
-    client = httpx.AsyncClient(verify=_tls_context(), follow_redirects=True, max_redirects=MAX_REDIRECTS,
-                               timeout=limits.fetch_timeout_s,
-                               headers={"User-Agent": "hybridcache", "Accept-Encoding": "identity"})
+    proxy = _proxy(url)
+    try:
+        # one client per fetch (no cookies or connections shared between requests); the TLS context is shared:
+        # making one takes ~50 ms. The raw body, not decoded: a gzip-encoded 20 MB could be gigabytes. No settings
+        # from the environment but the proxy (as urllib's): httpx's trust_env would build a transport for ALL_PROXY
+        # too, and one for a SOCKS proxy needs an extra, whatever the host
+        client = httpx.AsyncClient(verify=_tls_context(), proxy=proxy, trust_env=False, follow_redirects=True,
+                                   max_redirects=MAX_REDIRECTS, timeout=limits.fetch_timeout_s,
+                                   headers={"User-Agent": "hybridcache", "Accept-Encoding": "identity"})
+    except ImportError:  # (the proxy itself is not quoted: it may hold a password)
+        raise ImageError(f"{failed}: its proxy cannot be used (a SOCKS proxy needs httpx[socks]: pip install "
+                         "'httpx[socks]')") from None
+    except ValueError as error:
+        raise ImageError(f"{failed}: its proxy URL is not valid ({type(error).__name__})") from None
     chunks: list[bytes] = []
     size = 0
     try:
@@ -199,14 +226,36 @@ async def _get(url: str, limits: MediaLimits) -> bytes:
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """httpx's default TLS context (certifi's roots, or SSL_CERT_FILE / SSL_CERT_DIR), made once per process."""
-    import httpx
+    """The system's default TLS context (its CA store, as urllib's and vLLM's aiohttp: a CA installed with
+    update-ca-certificates is trusted; OpenSSL reads SSL_CERT_FILE / SSL_CERT_DIR itself), made once per process."""
+    return ssl.create_default_context()
 
-    return httpx.create_ssl_context()
+
+def _proxy(url: str) -> str | None:
+    """The proxy for `url`, as urllib picks it: its scheme's from `urllib.request.getproxies()` (http_proxy,
+    https_proxy; not ALL_PROXY), none for a host that `proxy_bypass` names (NO_PROXY). A proxy without a scheme is
+    an http one, as urllib takes it."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname or ""
+    except ValueError:  # (a bad URL: httpx refuses it, naming the reason)
+        return None
+    proxy = urllib.request.getproxies().get(parts.scheme.lower())
+    if not proxy or urllib.request.proxy_bypass(host):
+        return None
+    return proxy if "://" in proxy else f"http://{proxy}"
 
 
 def _is_http(source: str) -> bool:
-    return urllib.parse.urlsplit(source).scheme.lower() in ("http", "https")
+    return _scheme(source) in ("http", "https")
+
+
+def _scheme(source: str) -> str:
+    """The scheme of the URL `source`, lowercase ("" for a path); ImageError for a URL urllib cannot split."""
+    try:
+        return urllib.parse.urlsplit(source).scheme.lower()
+    except ValueError as error:  # ("http://[::1/": an unclosed IPv6 address)
+        raise ImageError(f"{source} is not a valid URL ({error})") from None
 
 
 def _read_local(path: Path, limits: MediaLimits) -> bytes:

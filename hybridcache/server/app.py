@@ -141,6 +141,11 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        from hybridcache.images import LOOP_EXECUTOR_THREADS, DetachedThreadPool
+
+        # the default executor resolves image URLs' hosts: more threads, and a shutdown that does not join them
+        asyncio.get_running_loop().set_default_executor(
+            DetachedThreadPool(LOOP_EXECUTOR_THREADS, thread_name_prefix="hybridcache-loop"))
         if config.api_key is None and not config.binds_loopback_only():
             logger.warning("listening on %s with no API key: anyone who can reach this address can use the "
                            "server (set an API key, or bind 127.0.0.1)", config.host)

@@ -1,12 +1,15 @@
 """Fetching and decoding image URLs (`hybridcache.images`), against loopback servers that misbehave: one deadline
 over connecting, the headers and the body (a server that trickles its headers times out too), a non-HTTP answer
 refused without quoting it, the size cap checked on Content-Length before the body, the redirect limit, and only
-formats whose size Pillow reads before decoding (an ICO is decoded whole when opened)."""
+formats whose size Pillow reads before decoding (an ICO is decoded whole when opened). As urllib before httpx: the
+system's CA store, the proxy of the URL's scheme (NO_PROXY honoured, ALL_PROXY ignored); the server's event loop
+gets a default executor (host lookups) of 64 threads that its shutdown does not join."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import socket
 import struct
@@ -179,3 +182,207 @@ def test_without_httpx_a_url_is_an_image_error_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "httpx", None)
     with pytest.raises(ImageError, match="needs httpx"):
         load_image("http://127.0.0.1:9/a.png", MediaLimits(fetch_timeout_s=1))
+
+
+def png_answer(body: bytes) -> Callable[[socket.socket], None]:
+    return lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                                     % len(body) + body)
+
+
+@pytest.fixture
+def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """monkeypatch, with no proxy variable of the machine's left in the environment."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+def test_all_proxy_is_ignored_as_by_urllib(raw_server, no_proxy_env):
+    """ALL_PROXY=socks5://... (common on dev machines) made every image URL a 500 (ImportError: socksio): httpx's
+    trust_env built a SOCKS transport for the client whatever the host, NO_PROXY ones included."""
+    no_proxy_env.setenv("ALL_PROXY", "socks5://127.0.0.1:9")
+    no_proxy_env.setenv("NO_PROXY", "127.0.0.1")
+    assert load_image(raw_server(png_answer(png(8, 6))), MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+    no_proxy_env.delenv("NO_PROXY")
+    assert load_image(raw_server(png_answer(png(8, 6))), MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+
+
+def test_a_socks_proxy_without_its_extra_is_an_image_error_naming_it(no_proxy_env):
+    no_proxy_env.setenv("HTTPS_PROXY", "socks5://user:secret@127.0.0.1:9")
+    with pytest.raises(ImageError, match=r"could not fetch https://127.0.0.1:9/a.png: .*httpx\[socks\]") as caught:
+        load_image("https://127.0.0.1:9/a.png", MediaLimits(fetch_timeout_s=5))
+    assert "secret" not in str(caught.value)
+
+
+def test_the_proxy_of_the_url_scheme_is_used_unless_no_proxy_names_the_host(raw_server, no_proxy_env):
+    body = png(8, 6)
+    requests: list[bytes] = []
+    proxy = socket.create_server(("127.0.0.1", 0))
+
+    def serve_proxy() -> None:
+        with proxy:
+            while True:
+                try:
+                    conn, _ = proxy.accept()
+                except OSError:
+                    return
+                with conn:
+                    requests.append(conn.recv(65536))
+                    png_answer(body)(conn)
+
+    threading.Thread(target=serve_proxy, daemon=True).start()
+    try:
+        no_proxy_env.setenv("http_proxy", f"127.0.0.1:{proxy.getsockname()[1]}")  # no scheme: http, as urllib's
+        no_proxy_env.setenv("https_proxy", "http://127.0.0.1:9")  # (another scheme's: not used)
+        assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+        assert requests and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n"), requests
+        # a host no_proxy names is fetched directly, not through the (here dead) proxy
+        no_proxy_env.setenv("http_proxy", "http://127.0.0.1:9")
+        no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
+        assert load_image(raw_server(png_answer(body)), MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+        assert len(requests) == 1
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
+def fresh_tls_context() -> Iterator[None]:
+    """`images._tls_context` made anew in the test and after it (it is made once per process)."""
+    from hybridcache.images import _tls_context
+
+    _tls_context.cache_clear()
+    yield
+    _tls_context.cache_clear()
+
+
+def _tls_files(folder) -> tuple[str, str, str]:
+    """A self-signed CA and a certificate for 127.0.0.1 it signed: (CA pem, server cert pem, server key pem)."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def certificate(subject: str, key, issuer: str, issuer_key, ca: bool, san=None):
+        builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
+                                                                                        subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            builder = builder.add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+                                            critical=True)
+            builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                                            critical=False)
+        else:
+            builder = builder.add_extension(san, critical=False).add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = certificate("hybridcache test CA", ca_key, "hybridcache test CA", ca_key, True)
+    server = certificate("127.0.0.1", server_key, "hybridcache test CA", ca_key, False,
+                         x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]))
+    paths = (folder / "ca.pem", folder / "server.pem", folder / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(server_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
+    return tuple(str(path) for path in paths)
+
+
+def test_https_urls_trust_the_system_ca_store(tmp_path, monkeypatch, fresh_tls_context):
+    """The system's default TLS context, as urllib's (a CA installed with update-ca-certificates is trusted; OpenSSL
+    reads SSL_CERT_FILE itself), not httpx's certifi-only one."""
+    import ssl
+
+    ca, cert, key = _tls_files(tmp_path)
+    listener = socket.create_server(("127.0.0.1", 0))
+    server_context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_context.load_cert_chain(cert, key)
+    body = png(8, 6)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                with server_context.wrap_socket(conn, server_side=True) as tls:
+                    tls.recv(65536)
+                    png_answer(body)(tls)
+            except OSError:  # (a client that refused the certificate)
+                pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    calls: list[tuple] = []
+    default_context = ssl.create_default_context
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return default_context(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", recording)
+    monkeypatch.setenv("SSL_CERT_FILE", ca)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    for name in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    try:
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}/cat.png"
+        assert load_image(url, MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+        assert calls == [((), {})], calls  # the system default context: no CA file of its own (certifi's)
+    finally:
+        listener.close()
+
+
+def test_the_server_loop_default_executor_is_large_and_not_joined_at_shutdown():
+    """The app's startup gives its event loop a default executor (on which anyio resolves image URLs' hosts) of
+    more threads than asyncio's min(32, cpus + 4), whose shutdown does not wait for them: a DNS server that never
+    answers held them all, starving other fetches, and asyncio.run joined them past --shutdown-timeout."""
+    from types import SimpleNamespace
+
+    from hybridcache.server.app import ServedModel, build_app
+    from hybridcache.server.config import ServerConfig
+
+    engine_loop = SimpleNamespace(start=lambda: None, stop=lambda: None, running=True, healthy=True,
+                                  last_error=None, state=None)
+    app = build_app(engine_loop, ServedModel(tokenizer=None, max_model_len=64), ServerConfig(), metrics=None)
+    release = threading.Event()
+    answers: list[int] = []
+
+    async def serve() -> None:
+        async with app.router.lifespan_context(app):
+            loop = asyncio.get_running_loop()
+            for _ in range(60):  # as many lookups of a DNS server that never answers (asyncio's pool: <= 32)
+                loop.run_in_executor(None, release.wait, 30)
+            with contextlib.suppress(asyncio.TimeoutError):
+                answers.append(await asyncio.wait_for(loop.run_in_executor(None, sum, (1, 2)), 2))
+
+    releaser = threading.Timer(8, release.set)  # (before the fix, asyncio.run waited for the blocked jobs)
+    releaser.start()
+    start = time.monotonic()
+    try:
+        asyncio.run(serve())
+        took = time.monotonic() - start
+    finally:
+        releaser.cancel()
+        release.set()
+    assert answers == [3], "another job waited behind the blocked ones"
+    assert took < 5, f"the loop's shutdown waited {took:.1f} s for its default executor's jobs"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999/a.png", "http://[::1/a.png"], ids=["port", "ipv6"])
+def test_a_url_that_cannot_be_parsed_is_an_image_error(url):
+    """A port out of range failed deep in anyio (an ExceptionGroup: a 500), an unclosed IPv6 address in urllib (a
+    bare ValueError from `fetch_urls`: a 500 too)."""
+    with pytest.raises(ImageError, match="is not a valid URL"):
+        asyncio.run(fetch_urls([url], MediaLimits(fetch_timeout_s=2)))
+    with pytest.raises(ImageError, match="is not a valid URL"):
+        load_image(url, MediaLimits(fetch_timeout_s=2))
