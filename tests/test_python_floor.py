@@ -1,7 +1,8 @@
 """The package runs on every Python its metadata accepts (requires-python >= 3.10): no standard-library name that
-came in 3.11 or later, and no syntax of 3.11 (`except*`). `enum.StrEnum` (3.11) broke every import of the model
-config on 3.10 (hunt 182). A static check, since CI runs one Python; the list is of the 3.11-3.13 names a project
-like this one would reach for."""
+came in 3.11 or later, no syntax of 3.11 (`except*`), and no builtin TimeoutError caught for asyncio's (the same
+class only from 3.11: the router did not start on 3.10 when a replica's first poll timed out, hunt 194).
+`enum.StrEnum` (3.11) broke every import of the model config on 3.10 (hunt 182). A static check, since CI runs one
+Python; the list is of the 3.11-3.13 names a project like this one would reach for."""
 
 from __future__ import annotations
 
@@ -52,7 +53,21 @@ def uses_of_newer_names(tree: ast.AST) -> list[str]:
             found.append(node.id)
         elif type(node).__name__ == "TryStar":
             found.append("except*")
+        elif "asyncio" in modules.values() and _catches_builtin_timeout(node):
+            found.append("TimeoutError caught where asyncio's is meant (3.10: asyncio.TimeoutError is another class)")
     return found
+
+
+def _catches_builtin_timeout(node: ast.AST) -> bool:
+    """`except TimeoutError` or `contextlib.suppress(TimeoutError)` in a module that uses asyncio: on 3.10 an
+    asyncio timeout (`wait_for`) raises asyncio.TimeoutError, which the builtin does not catch."""
+    if isinstance(node, ast.ExceptHandler) and node.type is not None:
+        types = node.type.elts if isinstance(node.type, ast.Tuple) else [node.type]
+    elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "suppress":
+        types = node.args
+    else:
+        return False
+    return any(isinstance(t, ast.Name) and t.id == "TimeoutError" for t in types)
 
 
 def test_requires_python_is_3_10():
@@ -70,6 +85,9 @@ def test_the_package_uses_nothing_newer_than_python_3_10():
 
 def test_the_check_finds_what_it_looks_for():
     source = ("import asyncio\nfrom enum import StrEnum\nimport tomllib\nasync def f():\n    async with "
-              "asyncio.timeout(1):\n        pass\ntry:\n    pass\nexcept* ValueError:\n    pass\n")
+              "asyncio.timeout(1):\n        pass\ntry:\n    pass\nexcept* ValueError:\n    pass\n"
+              "with contextlib.suppress(TimeoutError):\n    pass\ntry:\n    pass\nexcept (OSError, TimeoutError):\n"
+              "    pass\n")
+    timeout = "TimeoutError caught where asyncio's is meant (3.10: asyncio.TimeoutError is another class)"
     assert sorted(uses_of_newer_names(ast.parse(source))) == sorted([
-        "from enum import StrEnum", "import tomllib", "asyncio.timeout", "except*"])
+        "from enum import StrEnum", "import tomllib", "asyncio.timeout", "except*", timeout, timeout])

@@ -344,7 +344,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         pollers = [asyncio.create_task(state.poll_forever(r, done)) for r, done in zip(state.replicas, first_done)]
         # start once every replica's first poll has ended, or after the poll timeout: a snapshot of many pages
         # is read on after the start (it held the start up for as long as it took)
-        with contextlib.suppress(TimeoutError):
+        with contextlib.suppress(asyncio.TimeoutError):  # (on 3.10 not the builtin TimeoutError)
             await asyncio.wait_for(asyncio.gather(*(done.wait() for done in first_done)), config.poll_timeout_s)
         yield
         for poller in pollers:
