@@ -110,7 +110,8 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
     other spellings (its FlexibleArgumentParser's) rewritten to this parser's, the one place that does so:
 
     - `--config FILE`: the YAML file's items (long flag names) go after the command line's, `key: value` as
-      `--key value`, `true` as `--key`, `false` as `--no-key` (a flag with a --no- form), a list as several values
+      `--key value`, `true` as `--key`, `false` as `--no-key` (a flag with a --no- form; a plain switch is left
+      off), a list as several values
       (`--key a b`, or `--key a --key b` for a repeatable flag), a dict as JSON text; a flag the command line also
       gives is taken from the command line alone (it wins).
     - `--max_model_len 4096`: `_` in a known flag's name (up to the first `.` or `=`) is `-`.
@@ -138,6 +139,7 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
         arg = args[i]
         i += 1
         if not arg.startswith("--") or len(arg) < 3:
+            _refuse_abbreviated(known, arg)
             out.append(arg)
             continue
         name, has_value, value = arg.partition("=")
@@ -156,6 +158,22 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
     for flag, value in folded.items():
         out += [flag, json.dumps(value)]
     return [argv[0], *out, *rest]
+
+
+def _refuse_abbreviated(known: dict[str, argparse.Action], arg: str) -> None:
+    """A ValueError for a single-dash argument that only starts a flag's name (`-d` for `-dp`): argparse (3.11)
+    matches such prefixes even with allow_abbrev=False, so `serve -d 2` ran data parallelism and each replica,
+    given `-d 2` again, tried to run its own. A flag with its value attached (`-O3`, `-tp=2`) and a negative
+    number are arguments as they are."""
+    if not arg.startswith("-") or arg.startswith("--") or len(arg) < 2 or arg[1].isdigit() or arg[1] == ".":
+        return
+    name = arg.partition("=")[0]
+    if name in known or arg[:2] in known:
+        return
+    meant = sorted(option for option in known if option.startswith(name) and not option.startswith("--"))
+    if meant:
+        raise ValueError(f"unrecognized argument {name}: flags are never abbreviated (did you mean "
+                         f"{' or '.join(meant)}?)")
 
 
 def _compilation_config_short_forms(args: list[str]) -> list[str]:
@@ -215,9 +233,17 @@ def _expand_config(sub: argparse.ArgumentParser, args: list[str]) -> list[str]:
 def _given_dests(sub: argparse.ArgumentParser, args: list[str]) -> set[str]:
     """The destinations of the flags in `args` (underscores or dots in their names included)."""
     known = sub._option_string_actions
-    names = ("--" + arg.partition("=")[0].partition(".")[0][2:].replace("_", "-") if arg.startswith("--") else arg
-             for arg in args if arg.startswith("-"))
-    return {known[name].dest for name in names if name in known}
+    dests = set()
+    for arg in args:
+        if arg.startswith("--"):
+            name = "--" + arg.partition("=")[0].partition(".")[0][2:].replace("_", "-")
+        elif arg.startswith("-"):  # `-tp 2`, `-tp=2`, or a value attached to a short flag (`-O3`)
+            name = arg.partition("=")[0] if arg.partition("=")[0] in known else arg[:2]
+        else:
+            continue
+        if name in known:
+            dests.add(known[name].dest)
+    return dests
 
 
 def _config_items(sub: argparse.ArgumentParser, path: str, given: set[str]) -> list[str]:
@@ -255,10 +281,9 @@ def _config_item(path: str, key: object, flag: str, action: argparse.Action, val
     if action.nargs == 0:  # a switch: store_true, or --flag / --no-flag
         if value is True:
             return [flag]
-        if value is False and isinstance(action, argparse.BooleanOptionalAction):
-            return ["--no-" + flag[2:]]
-        refuse(f"{flag} is a switch that takes true" + (" or false" if isinstance(
-            action, argparse.BooleanOptionalAction) else " (leave the key out for off)") + f", got {value!r}")
+        if value is False:  # (a plain switch: left off, as vLLM's config files list switches as false)
+            return ["--no-" + flag[2:]] if isinstance(action, argparse.BooleanOptionalAction) else []
+        refuse(f"{flag} is a switch that takes true or false, got {value!r}")
     if value is None or isinstance(value, bool):
         refuse(f"{flag} takes a value, got {value!r}")
     if isinstance(value, list):

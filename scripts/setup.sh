@@ -17,7 +17,7 @@ fi
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   case "${TORCH_INDEX_URL:-}" in
     "") .venv/bin/python -m pip install -q "torch==2.13.0" ;;
-    pypi) .venv/bin/python -m pip install -q "torch>=2.4" ;;
+    pypi) .venv/bin/python -m pip install -q "torch>=2.6" ;;
     *) .venv/bin/python -m pip install -q torch --index-url "$TORCH_INDEX_URL" ;;
   esac
 fi

@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 import uuid
 from collections import OrderedDict
@@ -68,8 +69,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hybridcache.server")
 MAX_STORED = 1024
-MAX_STORED_BYTES = 1 << 30  # the stored responses' text at most (a body may be up to --max-request-bytes)
+MAX_STORED_BYTES = 1 << 30  # the stored responses' text at most, in memory (a body may be up to --max-request-bytes)
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
+_EMPTY_STR_BYTES = sys.getsizeof("")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose "off" value is all this endpoint implements (a 400 names them otherwise).
 # OpenAI's metadata: at most 16 pairs of strings, keys of at most 64 characters, values of at most 512 (it is kept
@@ -321,13 +323,14 @@ class _Stored:
     body: dict[str, Any]
 
     def size(self) -> int:
-        """About the bytes it holds: its strings' lengths plus 8 per other value."""
+        """About the bytes it holds: its strings' memory (1, 2 or 4 bytes a character, as CPython stores them)
+        plus 8 per other value."""
         return _size(self.messages) + _size(self.body)
 
 
 def _size(value: Any) -> int:
     if isinstance(value, str):
-        return len(value)
+        return sys.getsizeof(value) - _EMPTY_STR_BYTES
     if isinstance(value, dict):
         return sum(_size(key) + _size(item) for key, item in value.items())
     if isinstance(value, (list, tuple)):

@@ -349,3 +349,16 @@ def test_stored_responses_are_bounded_by_their_bytes_too():
         store.get("r4", "p")
     store.put("big", _Stored([], {}))  # stored again under its id: its old size is not counted twice
     assert store.num_bytes < 100
+
+
+def test_stored_responses_count_the_memory_of_wide_text():
+    """The byte bound counted characters: 30 MiB of emoji held 120 MiB under a 40 MiB bound (CPython keeps 4 bytes
+    a character for such text; hunt 194). Each string now counts what it takes in memory."""
+    from hybridcache.server.responses_api import ResponseStore, _Stored
+
+    store = ResponseStore(capacity=100, max_bytes=10_000)
+    store.put("wide", _Stored([{"role": "user", "content": "\U0001F600" * 3_000}], {}))
+    assert store.num_bytes >= 12_000  # over the bound alone: the newest is kept, but counted as it is
+    store.put("next", _Stored([{"role": "user", "content": "x"}], {}))
+    with pytest.raises(APIError):
+        store.get("wide", "p")

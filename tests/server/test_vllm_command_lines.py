@@ -186,7 +186,7 @@ def test_vllms_short_names_of_the_compilation_config(argv, wanted):
 @pytest.mark.parametrize("text, message", [
     ("max-model-len: [1, 2]\n", "key 'max-model-len': --max-model-len takes one value, got a list"),
     ("no-such-flag: 1\n", "unknown key 'no-such-flag'"),
-    ("enforce-eager: false\n", "key 'enforce-eager': --enforce-eager is a switch"),
+    ("enforce-eager: 3\n", "key 'enforce-eager': --enforce-eager is a switch that takes true or false, got 3"),
     ("port:\n", "key 'port': --port takes a value"),
     ("- a list\n", "expected a mapping"),
     ("a: [\n", "cannot read it as YAML"),
@@ -224,3 +224,23 @@ def test_vllm_performance_flags_are_logged_no_ops(caplog):
 def test_language_model_only_refuses_images():
     assert served_media_limits(serve("--limit-mm-per-prompt", '{"image": 2}')).max_images == 2
     assert served_media_limits(serve("--language-model-only", "--limit-mm-per-prompt", '{"image": 2}')).max_images == 0
+
+
+def test_a_config_files_false_leaves_a_plain_switch_off_and_short_flags_on_the_command_line_win(tmp_path):
+    """vLLM's config files list switches as `false`: vLLM leaves such a switch off, here it was refused; and a
+    flag the command line gave as `-tp=2`, `-dp=2` or `-O3` lost to the file's value (only `--` spellings were
+    seen as given; hunt 194)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("enforce-eager: false\ntrust-remote-code: false\ntensor-parallel-size: 1\n"
+                      "data-parallel-size: 1\noptimization-level: 0\n")
+    args = serve("M", "--config", str(config), "-tp=2", "-dp=2", "-O3")
+    assert (args.enforce_eager, args.tensor_parallel_size, args.data_parallel_size) == (False, 2, 2)
+    assert args.optimization_level == 3
+
+
+@pytest.mark.parametrize("argv, meant", [(["-d", "2"], "-dp"), (["-t", "2"], "-tp"), (["-d=2"], "-dp")])
+def test_a_single_dash_prefix_is_not_taken_for_a_flag(argv, meant, capsys):
+    """argparse matched `-d` to `-dp` and `-t` to `-tp` even with allow_abbrev=False: `serve -d 2` ran data
+    parallelism and every replica, given `-d 2` again, tried to run its own (hunt 194). Refused, naming the flag."""
+    assert main(["serve", "M", *argv]) == 2
+    assert f"flags are never abbreviated (did you mean {meant}?)" in capsys.readouterr().err
