@@ -76,6 +76,7 @@ class MediaLimits:
     max_pixels: int = 8192 * 8192
     fetch_timeout_s: float = 10.0
     allowed_local_media_path: Path | None = None
+    images_limited_by: str = "--limit-mm-per-prompt"  # what set `max_images`, for the error past it
 
 
 def media_limits(limit_mm_per_prompt: dict[str, int] | None, allowed_local_media_path: str | Path | None

@@ -150,7 +150,7 @@ def image_prompt(processor: ImageProcessor | None, token_ids: Sequence[int], sou
         return list(token_ids), ()
     if len(sources) > limits.max_images:
         raise ImageError(f"{len(sources)} images in one prompt; the limit is {limits.max_images} "
-                         "(--limit-mm-per-prompt)")
+                         f"({limits.images_limited_by})")
     images = processor.process([load_image(source, limits) for source in sources])
     return processor.expand(token_ids, images)
 

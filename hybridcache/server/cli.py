@@ -171,7 +171,9 @@ def served_media_limits(args: argparse.Namespace):
     from hybridcache.server.chat_images import media_limits
 
     limits = media_limits(args)
-    return dataclasses.replace(limits, max_images=0) if args.language_model_only else limits
+    if args.language_model_only:
+        return dataclasses.replace(limits, max_images=0, images_limited_by="--language-model-only: no images")
+    return limits
 
 
 @dataclass(frozen=True)

@@ -222,8 +222,15 @@ def test_vllm_performance_flags_are_logged_no_ops(caplog):
 
 
 def test_language_model_only_refuses_images():
+    """...and says so (the refusal named --limit-mm-per-prompt, which the user had set to 2; hunt 194)."""
+    from hybridcache.images import ImageError
+    from hybridcache.mm_processor import image_prompt
+
     assert served_media_limits(serve("--limit-mm-per-prompt", '{"image": 2}')).max_images == 2
-    assert served_media_limits(serve("--language-model-only", "--limit-mm-per-prompt", '{"image": 2}')).max_images == 0
+    limits = served_media_limits(serve("--language-model-only", "--limit-mm-per-prompt", '{"image": 2}'))
+    assert limits.max_images == 0
+    with pytest.raises(ImageError, match=r"the limit is 0 \(--language-model-only: no images\)"):
+        image_prompt(object(), [1, 2], [b"not read"], limits)
 
 
 def test_a_config_files_false_leaves_a_plain_switch_off_and_short_flags_on_the_command_line_win(tmp_path):
