@@ -20,7 +20,9 @@ chunks, rows of different widths or a row on an image) list only the positions t
 as their budgets run out, and run eagerly.
 
 Every row rotates as the target's row at its position: rows of a sequence with images carry its M-RoPE positions
-(`SeqChunk.rope_positions` / `rope_shift`, the batch's `rope_positions`), which the head's rotary takes.
+(`SeqChunk.rope_positions` / `rope_shift`, the batch's `rope_positions`), which the head's rotary takes. A catch-up
+row whose p + 1 is an image position reads the image's embedding there, as the target did (the batch's `embeds`
+at `embed_rows`, written over the embedded tokens in `draft_chain`; vLLM's MTP model embeds its inputs so too).
 
 Every id and position in a plan follows from host counts (budgets, `num_computed`), so the whole plan is built
 before the head runs and travels as one message. The proposals are argmaxes of the all-gathered logits; a proposal
@@ -103,7 +105,10 @@ def draft_chain(batch: ForwardBatch, hidden: torch.Tensor, first: torch.Tensor,
     row per row of it), the proposals of rows `first`, then per further step (its prepared batch, its `keep`)
     argmax -> embed -> head, all on the device with no host read (what a draft graph captures). Returns the
     proposals in `run_draft_plan`'s order."""
-    out = head(model.model.embed_tokens(batch.input_ids), hidden, batch, kv, backend)
+    embeds = model.model.embed_tokens(batch.input_ids)
+    if batch.embeds is not None:  # rows reading an image position: the image's embedding, as the target read it
+        embeds[batch.embed_rows] = batch.embeds.to(embeds.dtype)
+    out = head(embeds, hidden, batch, kv, backend)
     if not first.numel():
         return torch.empty(0, dtype=torch.int64, device=out.device)
     last = out.index_select(0, first)

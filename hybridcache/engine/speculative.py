@@ -44,7 +44,7 @@ import torch
 from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
 from hybridcache.engine.mtp_draft import DraftPlan, DraftStep
 from hybridcache.forward_batch import ForwardBatch
-from hybridcache.multimodal import overlaps_image, rope_positions, rope_shift
+from hybridcache.multimodal import chunk_embeds, overlaps_image, rope_positions, rope_shift
 from hybridcache.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -268,12 +268,15 @@ def _head_rows(seq: Seq, token_ids: Sequence[int], start: int, chunk: ScheduledC
     rotated as the target rotates those positions: a sequence with images gives them its M-RoPE positions (3-D
     where they overlap an image, else the index moved by the images before it), as the scheduler's chunks do
     (`ScheduledChunk.rope_positions` / `rope_shift`); vLLM's MTP proposer too passes the target's M-RoPE
-    positions to its draft model."""
+    positions to its draft model. Row p reads the token at p + 1, so a row whose p + 1 is an image position is
+    fed the image's embedding there (`SeqChunk.embeds`: the spans' rows shifted by one), as the target was fed
+    it; vLLM's MTP model embeds its inputs with the image embeddings too (gathered one position on)."""
     spans = seq.mm_inputs
     if not spans:
         return SeqChunk(token_ids=token_ids, start=start, block_ids=chunk.block_ids, slot=chunk.slot)
     end = start + len(token_ids)
     return SeqChunk(token_ids=token_ids, start=start, block_ids=chunk.block_ids, slot=chunk.slot,
+                    embeds=chunk_embeds(spans, start + 1, end + 1),
                     rope_positions=rope_positions(spans, start, end) if overlaps_image(spans, start, end) else None,
                     rope_shift=rope_shift(spans, start))
 
