@@ -28,7 +28,8 @@ stream cut after its first byte ends with an error event and `data: [DONE]` afte
 but sends nothing for `request_timeout_s` (a read or write timeout) is slow, not down: the request is closed
 (the replica aborts it) and answered 504, or its stream ends with a 504 error event; it is not sent again. A
 client that disconnects before its response, streamed or not, closes the request to the replica, which aborts
-it (the router logs a 499, as a replica does). After each response the router
+it (the router logs a 499, as a replica does); one gone while sending its body is logged in one INFO line (a 499),
+not uvicorn's traceback. After each response the router
 polls that replica's events before returning the last bytes, so the next turn of a conversation is routed
 with the checkpoint this one saved; a background task per replica polls it every `poll_interval_s`.
 
@@ -58,6 +59,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hybridcache.router.policy import Chooser, RoutingConfig
 from hybridcache.router.prompts import PromptLimits, routed_prompt_ids
@@ -368,6 +370,11 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {error.detail}"
         return JSONResponse(error_body(error.status_code, message), status_code=error.status_code)
+
+    @app.exception_handler(ClientDisconnect)  # a client gone while sending its body: one line, as a replica's
+    async def _client_gone(request: Request, error: ClientDisconnect) -> Response:
+        logger.info("%s %s: the client disconnected while sending its request", request.method, request.url.path)
+        return Response(status_code=499)
 
     def authorize(request: Request) -> None:
         """A request without the API key is refused here, as a replica refuses it, before its body is read,

@@ -27,6 +27,10 @@ REPLICA_START_TIMEOUT_S = 600.0
 REQUEST_TIMEOUT_GRACE_S = 5.0
 # The `serve` flags of the public endpoint: given to the router, not to the loopback replicas
 PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-origins", "--uds")
+# The `serve` switches of the front's access log (`front_log_options`): the replicas' would log the router's polls
+FRONT_SWITCHES = ("--enable-access-log", "--disable-uvicorn-access-log")
+# The environment variable that tells a replica of `serve --data-parallel-size` its index (for its log lines)
+REPLICA_INDEX_ENV = "HYBRIDCACHE_REPLICA_INDEX"
 # `serve --data-parallel-size N --shutdown-timeout T`: the replicas get T less this, so that the streams they cut
 # at the end of their grace period, with a final error event, reach the router before the end of its own
 REPLICA_SHUTDOWN_MARGIN_S = 0.5
@@ -201,14 +205,33 @@ def run_router(args: argparse.Namespace, urls: Sequence[str], model: str | None,
     config = router_config(args, urls, request_timeout_s)  # bad options fail before anything loads
     limits = limits_from_args(args)
     app = build_router_app(config, router_tokenizer(args, model))
-    server = Server(uvicorn.Config(app, host=host, port=port, uds=uds, log_level=args.log_level, access_log=False,
-                                   lifespan="on", root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
+    warn_without_key(config.api_key, host, uds)
+    server = Server(uvicorn.Config(app, host=host, port=port, uds=uds, **front_log_options(args), lifespan="on",
+                                   root_path=args.root_path, ssl_keyfile=args.ssl_keyfile,
                                    ssl_certfile=args.ssl_certfile,
                                    timeout_graceful_shutdown=max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S),
                                    **uvicorn_options(limits.connection_cap(), limits.request_read_timeout_s,
                                                      limits.timeout_keep_alive_s)), on_shutdown=on_shutdown)
     log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
     server.run(sockets=[sock])
+
+
+def front_log_options(args: argparse.Namespace) -> dict[str, object]:
+    """The router's uvicorn log level and access log: serve's --uvicorn-log-level (default --log-level),
+    --enable-access-log and --disable-uvicorn-access-log under `serve --data-parallel-size` (where the replicas
+    get neither access flag, `replica_argv`: the access log is the front's, one line per client request with the
+    client's address, not the replicas' lines of the router's own polls); `router`'s --log-level, no access log."""
+    access_log = getattr(args, "enable_access_log", False) and not getattr(args, "disable_uvicorn_access_log", False)
+    return {"log_level": getattr(args, "uvicorn_log_level", None) or args.log_level, "access_log": access_log}
+
+
+def warn_without_key(api_key: str | None, host: str, uds: str | None = None) -> None:
+    """Warn, as serve does (server/app.py), when the router listens on an address other than loopback with no API
+    key: anyone who can reach it can use the replicas behind it."""
+    if api_key is None and uds is None and not (host in ("localhost", "::1") or host.startswith("127.")):
+        logging.getLogger("hybridcache.router").warning(
+            "listening on %s with no API key: anyone who can reach this address can use the server (set an API key, "
+            "or bind 127.0.0.1)", host)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -233,8 +256,9 @@ def _exit_now(status: int) -> NoReturn:
 def replica_argv(argv: Sequence[str], port: int, shutdown_timeout_s: float) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
     program, vLLM's spellings rewritten: cli.py `vllm_argv`) without --data-parallel-size (or -dp), --host, --port,
-    --shutdown-timeout, the routing options and the public endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a
-    Unix socket are the router's), plus a loopback port and `shutdown_timeout_s` (`replica_shutdown_timeout`).
+    --shutdown-timeout, the routing options, the public endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a
+    Unix socket are the router's) and the access log's switches (`FRONT_SWITCHES`: the front logs the clients'
+    requests), plus a loopback port and `shutdown_timeout_s` (`replica_shutdown_timeout`).
     Every --api-key value is kept: the replicas take the same keys.
 
     Example: `serve M --data-parallel-size 2 --ssl-keyfile k --allowed-origins a b --port 9000`, port 9001, 9.5 s:
@@ -254,6 +278,8 @@ def replica_argv(argv: Sequence[str], port: int, shutdown_timeout_s: float) -> l
             continue
         skip = 0
         name = arg.split("=", 1)[0]
+        if name in FRONT_SWITCHES:
+            continue
         if name in drop_with_value:
             skip = 0 if "=" in arg else 2 if name in many_values else 1
             continue
@@ -286,12 +312,13 @@ def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
     per rank, as vLLM's data-parallel engines each own TP GPUs), the i-th group of CUDA_VISIBLE_DEVICES when set,
     else of 0, 1, .... CPU replicas share the machine's cores: each runs an equal share of them as intra-op threads
     (OMP_NUM_THREADS, unless set already), since N processes of a thread per core make their OpenMP threads fight
-    for the cores, as tensor-parallel ranks did (docs/bench.md). A ValueError when CUDA_VISIBLE_DEVICES lists fewer
-    GPUs than replicas x ranks.
+    for the cores, as tensor-parallel ranks did (docs/bench.md). Each gets its index in `REPLICA_INDEX_ENV`, which
+    its log lines show. A ValueError when CUDA_VISIBLE_DEVICES lists fewer GPUs than replicas x ranks.
 
     Examples: 8 cores, size 2 on the CPU: each replica gets OMP_NUM_THREADS=4. CUDA_VISIBLE_DEVICES=4,5,6,7, size 2,
     tensor_parallel_size 2: replica 0 sees "4,5", replica 1 "6,7"."""
     env = dict(environ)
+    env[REPLICA_INDEX_ENV] = str(index)
     if on_cpu:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // size)))
         return env

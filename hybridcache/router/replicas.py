@@ -3,8 +3,10 @@ what was routed to it.
 
 A replica is *up* while its last events poll succeeded. A failed poll, or a request that cannot reach it,
 marks it down: its index is dropped (it predicts nothing) and it gets no requests; the next successful poll
-(a `reset` snapshot, since its cache may have restarted) brings it back. A poll that finds another event log
-(its `epoch` changed: the replica restarted between two polls) drops the index; the next poll takes a snapshot.
+(a `reset` snapshot, since its cache may have restarted) brings it back. Going down is logged with its reason,
+and so is each new reason while down (`mark_down`): a replica that never comes up is named too. A poll that finds
+another event log (its `epoch` changed: the replica restarted between two polls) drops the index; the next poll
+takes a snapshot.
 
 Polls of one replica run one at a time (two polls asking with the same `since` would apply the same events
 twice) and coalesce, so that K responses finishing together wait for at most two polls, not K in a row::
@@ -109,6 +111,7 @@ class Replica:
     epoch: str | None = None
     full_prompt_hits: bool = False
     counters: ReplicaCounters = field(default_factory=ReplicaCounters)
+    down_reason: str | None = field(default=None, init=False, compare=False)  # the last one logged while down
     _running: asyncio.Task | None = field(default=None, init=False, repr=False, compare=False)
     _pending: asyncio.Task | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -135,8 +138,12 @@ class Replica:
                               for ids in prompts))
 
     def mark_down(self, reason: str) -> None:
-        if self.up:
+        """Mark the replica down, dropping its index. Logged (WARNING) when it was up, and while down whenever the
+        reason changes, the first failure included: a replica that never comes up (a wrong port, a 401 for the
+        router's key) is named in the log once, not at every poll, nor never."""
+        if self.up or reason != self.down_reason:
             logger.warning("replica %s is down: %s", self.url, reason)
+        self.down_reason = reason
         self.up = False
         self.index = None
         self.next_seq = None
@@ -236,4 +243,4 @@ class Replica:
         if not self.up:
             logger.info("replica %s is up (%d blocks, %d checkpoints indexed)", self.url,
                         len(self.index.blocks), self.index.num_checkpoints)
-        self.up = True
+        self.up, self.down_reason = True, None

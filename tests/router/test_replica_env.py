@@ -37,3 +37,9 @@ def test_cpu_replicas_share_the_cores_unless_told_otherwise(monkeypatch):
     assert replica_env({"OMP_NUM_THREADS": "3"}, 0, 2, on_cpu=True)["OMP_NUM_THREADS"] == "3"
     # CUDA_VISIBLE_DEVICES means nothing to a CPU replica: neither set nor checked
     assert replica_env({"CUDA_VISIBLE_DEVICES": "0"}, 1, 2, on_cpu=True)["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_each_replica_is_told_its_index_for_its_log_lines():
+    """Replicas' log lines could not be told apart: each gets its index in $HYBRIDCACHE_REPLICA_INDEX."""
+    assert [replica_env({}, i, 2, on_cpu=False)["HYBRIDCACHE_REPLICA_INDEX"] for i in range(2)] == ["0", "1"]
+    assert [replica_env({}, i, 3, on_cpu=True)["HYBRIDCACHE_REPLICA_INDEX"] for i in range(3)] == ["0", "1", "2"]

@@ -36,11 +36,11 @@ def built_router(monkeypatch):
             sock.close()
         seen.update(config=server.config)
 
-    def run(argv: list[str], urls: list[str], timeout_s: float | None = None):
+    def run(argv: list[str], urls: list[str], timeout_s: float | None = None, host: str = "127.0.0.1"):
         args = build_parser().parse_args(argv)
         with monkeypatch.context() as patch:  # (serving_app runs the same Server class)
             patch.setattr("hybridcache.server.uvicorn_server.Server.run", served)
-            router_cli.run_router(args, urls, None, "127.0.0.1", 0, timeout_s)
+            router_cli.run_router(args, urls, None, host, 0, timeout_s)
         return seen["config"].app, seen["config"]
 
     return run
@@ -164,3 +164,43 @@ def test_router_flags_are_never_abbreviated_and_httpx_logs_only_warnings(capsys)
     for level, wanted in (("info", logging.WARNING), ("debug", logging.DEBUG)):
         router_cli._configure_logging(level)
         assert logging.getLogger("httpx").level == logging.getLogger("httpcore").level == wanted
+
+
+def test_the_front_logs_client_requests_at_the_uvicorn_log_level(built_router):
+    """`serve --data-parallel-size 2 --enable-access-log`: the access log was the replicas' (the front had none):
+    ~2 lines a second per replica of the router's own polls, clients shown with the router's loopback address.
+    Now the front writes it, honours --uvicorn-log-level and --disable-uvicorn-access-log, and the replicas get
+    neither access switch."""
+    head = ["serve", "--data-parallel-size", "2"]
+    urls = ["http://127.0.0.1:1"]
+    _, config = built_router([*head, "--enable-access-log", "--uvicorn-log-level", "warning"], urls)
+    assert config.access_log and config.log_level == "warning"
+    _, config = built_router([*head, "--enable-access-log", "--disable-uvicorn-access-log"], urls)
+    assert not config.access_log and config.log_level == "info"
+    _, config = built_router([*head, "--log-level", "debug"], urls)
+    assert not config.access_log and config.log_level == "debug"
+    _, config = built_router(["router", "--replica", "http://r:1", "--log-level", "error"], urls)
+    assert not config.access_log and config.log_level == "error"
+    argv = [*head, "--enable-access-log", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+    assert router_cli.replica_argv(argv, 9001, 9.5) == [
+        "serve", "--uvicorn-log-level", "warning", "--host", "127.0.0.1", "--port", "9001", "--shutdown-timeout", "9.5"]
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+def test_no_api_key_on_an_open_address_is_warned(built_router, command, caplog, monkeypatch):
+    """As serve warns (server/app.py): the router, or serve --data-parallel-size's front, on a non-loopback address
+    with no API key is open to anyone who reaches it (it said nothing)."""
+    import logging
+
+    monkeypatch.delenv("HYBRIDCACHE_API_KEY", raising=False)
+    head = ["serve", "--data-parallel-size", "2"] if command == "serve" else ["router", "--replica", "http://r:1"]
+    urls = ["http://127.0.0.1:1"]
+    with caplog.at_level(logging.WARNING, logger="hybridcache.router"):
+        built_router(head, urls, host="0.0.0.0")
+        warned = [r.getMessage() for r in caplog.records if "no API key" in r.getMessage()]
+        assert warned == ["listening on 0.0.0.0 with no API key: anyone who can reach this address can use the "
+                          "server (set an API key, or bind 127.0.0.1)"]
+        caplog.clear()
+        built_router(head, urls)  # loopback
+        built_router([*head, "--api-key", "k"], urls, host="0.0.0.0")
+    assert not [r for r in caplog.records if "no API key" in r.getMessage()]
