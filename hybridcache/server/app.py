@@ -61,7 +61,7 @@ from hybridcache.images import MediaLimits
 from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
-from hybridcache.server import reasoning
+from hybridcache.server import log_limits, reasoning
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request, image_request_async
 from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
@@ -196,7 +196,10 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+        """Logged here, with the request, once: Starlette re-raises the error after this handler, and uvicorn's
+        record of it is dropped (`log_limits.LoggedOnceFilter`)."""
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
+        log_limits.mark_logged(error)
         return ErrorResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
 
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])

@@ -247,7 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from hybridcache.server.uvicorn_server import Server, inherited_socket, listen_socket, remove_stale_socket
     from hybridcache.server.vllm_flags import uvicorn_options
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_limits.configure_logging(args.log_level)  # httpx's INFO lines name every image URL fetched: muted
     api_keys(args)  # MODEL taken for a key fails before the port is bound
     sock = inherited_socket()  # a data-parallel replica's, bound by its parent
     if sock is None:

@@ -37,6 +37,7 @@ from typing import Any
 from hybridcache.engine.engine import EngineDeadError
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
+from hybridcache.server import log_limits
 from hybridcache.server.engine_state import EngineState, check_engine, read_engine_state
 from hybridcache.server.limits import QueueFull, RequestTimeout
 from hybridcache.server.metrics import RequestPhases, ServerMetrics
@@ -133,7 +134,8 @@ class EngineLoop:
         self._max_queued = max_queued_requests  # waiting sequences (None: no limit); see `add_many`
         self._timeout_s = request_timeout_s  # a request still running this long after its add is aborted
         self._metrics = metrics
-        self._stats = StatsLogger(stats_interval_s, time.monotonic()) if stats_interval_s else None
+        self._stats = (StatsLogger(stats_interval_s, time.monotonic(), log_limits.replica_index())
+                       if stats_interval_s else None)  # a data-parallel replica's lines name it: Engine 00N
         self._generated = self._queried = self._hit = 0  # engine thread only: totals for the stats line
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only

@@ -9,7 +9,8 @@ the hit rate is cached / prompt tokens of the requests that finished since the l
 A line is written at most every `interval_s` seconds and only when something changed since the last one, so an
 idle server writes one line after its last request and then stays quiet. A line covers at most one interval of
 activity: when an idle spell ends (`rebase`), the next line's interval starts there, so its throughput is not
-averaged over the idle time.
+averaged over the idle time. A data-parallel replica's lines start with its index, as vLLM's
+(`Engine 001: Avg prompt throughput: ...`), so that the replicas' lines in one log can be told apart.
 """
 
 from __future__ import annotations
@@ -34,12 +35,14 @@ class StatsCounters:
 class StatsLogger:
     """Decides when to log and formats the line. The caller owns the clock: `due_in(now, counters)` says how
     long to wait before the next line (None: nothing to report), `line(now, counters, state)` returns the line
-    when one is due (and takes it as the new reference) or None."""
+    when one is due (and takes it as the new reference) or None. `engine_index`: the data-parallel replica's index,
+    which starts each line (`Engine 00N: `), or None."""
 
-    def __init__(self, interval_s: float, start_s: float) -> None:
+    def __init__(self, interval_s: float, start_s: float, engine_index: int | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"the stats interval must be > 0 seconds, got {interval_s}")
         self.interval_s = interval_s
+        self._prefix = f"Engine {engine_index:03d}: " if engine_index is not None else ""
         self._last_time = start_s
         self._last = StatsCounters()
 
@@ -64,6 +67,7 @@ class StatsLogger:
         hit_rate = f"{100.0 * (counters.hit_tokens - last.hit_tokens) / queries:.1f}%" if queries else "-"
         self._last, self._last_time = counters, now
         return (
+            f"{self._prefix}"
             f"Avg prompt throughput: {(counters.prompt_tokens - last.prompt_tokens) / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {(counters.generation_tokens - last.generation_tokens) / elapsed:.1f} "
             f"tokens/s, Running: {state.num_running} reqs, Waiting: {state.num_waiting} reqs, "

@@ -17,6 +17,8 @@
                                    off even then
     --enable-force-include-usage   every stream ends with a usage chunk, asked for or not
     --enable-log-requests          accepted, a no-op (logged): request contents are never logged
+    --enable-log-outputs           the same
+    --max-log-len N                the same (vLLM's cut of logged prompts: nothing to cut)
     --language-model-only          text only, as vLLM's: a request with an image is refused (--limit-mm-per-prompt
                                    image 0); the vision tower's weights are still loaded
 
@@ -64,6 +66,10 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="every stream ends with a usage chunk, even without stream_options.include_usage")
     group.add_argument("--enable-log-requests", action="store_true",
                        help="accepted for vLLM command lines, a no-op (logged): request contents are never logged")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="accepted for vLLM command lines, a no-op (logged): outputs are never logged")
+    group.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="accepted for vLLM command lines, a no-op (logged): request contents are never logged")
     group.add_argument("--language-model-only", action="store_true",
                        help="text only (vLLM's): requests with images are refused, as with --limit-mm-per-prompt "
                             "'{\"image\": 0}' (the vision tower's weights are still loaded)")
@@ -73,9 +79,12 @@ def check_vllm_args(args: argparse.Namespace) -> None:
     """Refuse inconsistent flags (SystemExit with the reason), and a key and certificate that do not load (a
     ValueError naming both files), before the model loads: uvicorn loads them only once the engine is up. A flag
     accepted as a no-op is logged (INFO), naming it."""
-    if getattr(args, "enable_log_requests", False):
-        logger.info("--enable-log-requests has no effect: the server never logs request contents "
-                    "(--enable-access-log writes one line per HTTP request)")
+    for flag, given in (("--enable-log-requests", getattr(args, "enable_log_requests", False)),
+                        ("--enable-log-outputs", getattr(args, "enable_log_outputs", False)),
+                        ("--max-log-len", getattr(args, "max_log_len", None) is not None)):
+        if given:
+            logger.info("%s has no effect: the server never logs request contents or outputs "
+                        "(--enable-access-log writes one line per HTTP request)", flag)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
     if args.ssl_certfile:
