@@ -263,7 +263,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         **uvicorn_options(args),
         **connection_options(guard.connection_cap(), guard.request_read_timeout_s, guard.timeout_keep_alive_s),
     ))
-    log_limits.install()  # after uvicorn.Config, which sets up uvicorn's log handlers
+    log_limits.tag_replica_lines()  # after uvicorn.Config, which sets up uvicorn's log handlers
+    log_limits.install()
     server.run(sockets=[sock])
     parts.engine_loop.stop()  # a no-op once the app's lifespan has stopped it
     if args.uds:

@@ -6,7 +6,7 @@ dropped has ended, one line says how many and since when:
     t=0 s    warning #1 ... #5   logged
     t=0-9 s  warning #6 ... #97  dropped (the window's first drop starts a timer)
     t=10 s   "92 more warnings like 'closed connection %d' not logged since 09:53:10"   (the timer, or the
-             next warning of the kind if it comes first: the count is never lost)
+             next warning of the kind if it comes first; a process that exits before then loses it)
 
 A flood (ten thousand half-open connections, "Too many open files" from the accept loop, a client retrying a
 refused request) otherwise writes one line per event: megabytes a minute. A kind is the logger plus the
@@ -17,8 +17,9 @@ business).
 `LoggedOnceFilter` drops uvicorn's "Exception in ASGI application" record for an error the app's 500 handler has
 logged already (`mark_logged`): Starlette re-raises after the handler, so each failure was two tracebacks.
 
-A data-parallel replica is told its index by `REPLICA_INDEX_ENV`; its log lines then carry `[replica N]` (and its
-stats lines start with `Engine 00N: `, as vLLM's), so the replicas' lines in one stream can be told apart.
+A data-parallel replica is told its index by `REPLICA_INDEX_ENV`; its log lines then carry `[replica N]` (uvicorn's
+too: `tag_replica_lines`), and its stats lines start with `Engine 00N: `, as vLLM's, so the replicas' lines in one
+stream can be told apart.
 """
 
 from __future__ import annotations
@@ -57,6 +58,30 @@ def configure_logging(level: str, environ: Mapping[str, str] | None = None) -> N
     logging.basicConfig(level=level.upper(), format=log_format(replica_index(environ)))
     for name in ("httpx", "httpcore"):
         logging.getLogger(name).setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
+
+
+class _Tagged(logging.Formatter):
+    """Another formatter's lines, each started with `tag`."""
+
+    def __init__(self, inner: logging.Formatter, tag: str) -> None:
+        super().__init__()
+        self._inner, self._tag = inner, tag
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self._tag + self._inner.format(record)
+
+
+def tag_replica_lines(logger_names: tuple[str, ...] = ("uvicorn", "uvicorn.access"),
+                      environ: Mapping[str, str] | None = None) -> None:
+    """In a data-parallel replica, start the lines of these loggers' handlers (uvicorn's own, in its own format,
+    set up by `uvicorn.Config`) with `[replica N] `, as `log_format` does the others'; elsewhere a no-op."""
+    replica = replica_index(environ)
+    if replica is None:
+        return
+    for name in logger_names:
+        for handler in logging.getLogger(name).handlers:
+            if not isinstance(handler.formatter, _Tagged):
+                handler.setFormatter(_Tagged(handler.formatter or logging.Formatter(), f"[replica {replica}] "))
 
 
 def _start_timer(delay_s: float, callback: Callable[[], None]) -> None:

@@ -87,6 +87,22 @@ def test_a_replicas_log_format_and_index():
     assert "INFO hybridcache.server: listening" in logging.Formatter(log_format(None)).format(record)
 
 
+def test_a_replicas_uvicorn_lines_are_tagged_too():
+    logger = logging.getLogger("logs_test.uvicorn")
+    handler = Collect()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))  # uvicorn's default, in short
+    logger.addHandler(handler)
+    record = logging.LogRecord(logger.name, logging.INFO, __file__, 1, "Uvicorn running", (), None)
+    try:
+        log_limits.tag_replica_lines((logger.name,), environ={})
+        assert handler.format(record) == "INFO:     Uvicorn running"
+        for _ in range(2):  # once
+            log_limits.tag_replica_lines((logger.name,), environ={REPLICA_INDEX_ENV: "1"})
+        assert handler.format(record) == "[replica 1] INFO:     Uvicorn running"
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_a_replicas_stats_line_starts_with_its_engine_index():
     busy = StatsCounters(prompt_tokens=10, generation_tokens=2, query_tokens=10, hit_tokens=0)
     assert StatsLogger(1.0, 0.0, engine_index=1).line(5.0, busy, STATE).startswith(
