@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NoReturn
 
 from hybridcache.extras import require_extra
+from hybridcache.server.log_limits import REPLICA_INDEX_ENV, configure_logging
 
 REPLICA_START_TIMEOUT_S = 600.0
 # `serve --data-parallel-size N --request-timeout T`: the router waits T plus this for a replica, so that the
@@ -29,8 +30,6 @@ REQUEST_TIMEOUT_GRACE_S = 5.0
 PUBLIC_FLAGS = ("--ssl-keyfile", "--ssl-certfile", "--root-path", "--allowed-origins", "--uds")
 # The `serve` switches of the front's access log (`front_log_options`): the replicas' would log the router's polls
 FRONT_SWITCHES = ("--enable-access-log", "--disable-uvicorn-access-log")
-# The environment variable that tells a replica of `serve --data-parallel-size` its index (for its log lines)
-REPLICA_INDEX_ENV = "HYBRIDCACHE_REPLICA_INDEX"
 # `serve --data-parallel-size N --shutdown-timeout T`: the replicas get T less this, so that the streams they cut
 # at the end of their grace period, with a final error event, reach the router before the end of its own
 REPLICA_SHUTDOWN_MARGIN_S = 0.5
@@ -236,7 +235,7 @@ def warn_without_key(api_key: str | None, host: str, uds: str | None = None) -> 
 
 def cmd_router(args: argparse.Namespace) -> int:
     require_extra("serve", "hybridcache router")
-    _configure_logging(args.log_level)
+    configure_logging(args.log_level)
     run_router(args, args.replica, args.model, args.host, args.port, args.request_timeout)
     _exit_now(0)
 
@@ -296,14 +295,6 @@ def replica_shutdown_timeout(shutdown_timeout_s: float) -> float:
     sends each replica SIGTERM; the replicas cut their streams at 2 s and are gone by 2.5 s; the router cuts
     what is left at 2.5 s; the process is gone by 3 s."""
     return max(0.0, shutdown_timeout_s - REPLICA_SHUTDOWN_MARGIN_S)
-
-
-def _configure_logging(level: str) -> None:
-    """The router's log at `level`; httpx's and httpcore's only from WARNING on (but at debug): they log every
-    request at INFO, and the router polls each replica's events twice a second, idle or not."""
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("httpx", "httpcore"):
-        logging.getLogger(name).setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
 
 
 def replica_env(environ: Mapping[str, str], index: int, size: int, on_cpu: bool,
@@ -427,7 +418,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from hybridcache.server.cli import SHUTDOWN_RESERVE_S, api_keys
     from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket
 
-    _configure_logging(args.log_level)
+    configure_logging(args.log_level)
     api_keys(args)  # MODEL taken for a key fails before the port is bound and the replicas start
     log = logging.getLogger("hybridcache.router")
     size = args.data_parallel_size

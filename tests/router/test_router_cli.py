@@ -162,7 +162,7 @@ def test_router_flags_are_never_abbreviated_and_httpx_logs_only_warnings(capsys)
         build_parser().parse_args(["router", "--replica", "http://127.0.0.1:1", "--api", "x"])
     assert "unrecognized arguments: --api" in capsys.readouterr().err
     for level, wanted in (("info", logging.WARNING), ("debug", logging.DEBUG)):
-        router_cli._configure_logging(level)
+        router_cli.configure_logging(level)
         assert logging.getLogger("httpx").level == logging.getLogger("httpcore").level == wanted
 
 
