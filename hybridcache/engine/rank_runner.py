@@ -204,16 +204,49 @@ def build_runner(
     return runner, plan
 
 
-def available_host_bytes() -> int | None:
-    """The host memory the kernel says is available now (/proc/meminfo's MemAvailable), or None where it cannot
-    be read."""
+def available_host_bytes(proc: str = "/proc", cgroup_fs: str = "/sys/fs/cgroup") -> int | None:
+    """The host memory available now: /proc/meminfo's MemAvailable, and no more than what this process's memory
+    cgroup leaves (its limit less its usage: a container's `resources.limits.memory`, which MemAvailable, the
+    machine's, does not show; a pool past it was killed by the OOM killer without a word instead of refused).
+    None where neither can be read."""
+    found = [value for value in (_mem_available(proc), _cgroup_memory_left(proc, cgroup_fs)) if value is not None]
+    return min(found) if found else None
+
+
+def _mem_available(proc: str) -> int | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
+        with open(f"{proc}/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def _cgroup_memory_left(proc: str, cgroup_fs: str) -> int | None:
+    """The memory cgroup's limit less its usage, from /proc/self/cgroup's path: cgroup v2 (`0::/path`:
+    memory.max, memory.current) or v1 (`N:memory:/path`: memory.limit_in_bytes, memory.usage_in_bytes). None
+    without a limit ("max", or v1's huge "unlimited") or where the files cannot be read."""
+    try:
+        with open(f"{proc}/self/cgroup", encoding="ascii") as cgroups:
+            lines = [line.rstrip("\n").split(":", 2) for line in cgroups]
+    except OSError:
+        return None
+    for _, controllers, path in (line for line in lines if len(line) == 3):
+        if controllers == "":
+            files = (f"{cgroup_fs}{path.rstrip('/')}/memory.max", f"{cgroup_fs}{path.rstrip('/')}/memory.current")
+        elif "memory" in controllers.split(","):
+            root = f"{cgroup_fs}/memory{path.rstrip('/')}"
+            files = (f"{root}/memory.limit_in_bytes", f"{root}/memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, usage = (int(Path(name).read_text(encoding="ascii")) for name in files)
+        except (OSError, ValueError):
+            continue  # "max", or a path not mounted here
+        if limit < 1 << 60:  # (v1 writes "unlimited" as about 2**63)
+            return max(0, limit - usage)
     return None
 
 

@@ -245,6 +245,30 @@ def test_cpu_pools_beyond_the_available_memory_are_refused_with_the_bytes():
     assert "--max-num-seqs" in str(error.value) and "host tier" in str(error.value)
 
 
+@pytest.mark.parametrize("version", ["v1", "v2", "unlimited"])
+def test_the_memory_available_is_bounded_by_the_containers_cgroup(tmp_path, version):
+    """In a container MemAvailable is the machine's: a pool past the cgroup's limit passed the check and was killed
+    by the OOM killer with no log line (hunt 196). The memory cgroup's limit less its usage bounds it now."""
+    proc, fs = tmp_path / "proc", tmp_path / "cgroup"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 33554432 kB\nMemAvailable: 25165824 kB\n")  # 24 GiB
+    if version == "v2":
+        (proc / "self" / "cgroup").write_text("0::/kubepods/pod1/c1\n")
+        (fs / "kubepods/pod1/c1").mkdir(parents=True)
+        (fs / "kubepods/pod1/c1/memory.max").write_text(f"{3 << 30}\n")
+        (fs / "kubepods/pod1/c1/memory.current").write_text(f"{1 << 30}\n")
+    else:
+        (proc / "self" / "cgroup").write_text("9:cpu,cpuacct:/c1\n5:memory:/c1\n1:name=systemd:/\n")
+        (fs / "memory/c1").mkdir(parents=True)
+        limit = (1 << 63) - 4096 if version == "unlimited" else 3 << 30
+        (fs / "memory/c1/memory.limit_in_bytes").write_text(f"{limit}\n")
+        (fs / "memory/c1/memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    wanted = 24 << 30 if version == "unlimited" else 2 << 30
+    assert rank_runner.available_host_bytes(str(proc), str(fs)) == wanted
+    (proc / "meminfo").unlink()  # MemAvailable unreadable: the cgroup's alone
+    assert rank_runner.available_host_bytes(str(proc), str(fs)) == (None if version == "unlimited" else 2 << 30)
+
+
 def test_generate_with_a_million_sequences_on_the_cpu_is_refused_not_a_hang(capsys):
     """`--max-num-seqs 1000000` on the CPU sized a pool of 16 TB and hung allocating it."""
     assert main(["generate", "--device", "cpu", "--max-num-seqs", "1000000", "--max-num-batched-tokens", "1000000",
