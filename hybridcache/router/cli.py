@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from hybridcache.extras import require_extra
@@ -390,22 +390,6 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the main thread (as vLLM's setup_server), but while uvicorn serves
-    (its own handler). With the default handler, a SIGTERM while the replicas started ended this process at once,
-    without the `finally` that ends them."""
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     """Bind --host:--port (or --uds), start `args.data_parallel_size` replicas of this `serve` command
     (`replica_env`: one GPU per rank each, or on the CPU an equal share of the cores each) on ports
@@ -416,7 +400,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     require_extra("serve", "hybridcache serve --data-parallel-size")
     from hybridcache.engine_args import AUTO, auto_device, model_argument
     from hybridcache.server.cli import SHUTDOWN_RESERVE_S, api_keys
-    from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket
+    from hybridcache.server.uvicorn_server import listen_socket, remove_stale_socket, sigterm_interrupts
 
     configure_logging(args.log_level)
     api_keys(args)  # MODEL taken for a key fails before the port is bound and the replicas start
@@ -431,7 +415,7 @@ def serve_data_parallel(args: argparse.Namespace, argv: Sequence[str]) -> int:
     replicas = Replicas(max(0.0, args.shutdown_timeout - SHUTDOWN_RESERVE_S), hand_off=bool(args.disk_cache_dir))
     replica_timeout_s = replica_shutdown_timeout(args.shutdown_timeout)
     try:
-        with _sigterm_interrupts():
+        with sigterm_interrupts():
             for i, port in enumerate(ports):
                 env = replica_env(os.environ, i, size, on_cpu, args.tensor_parallel_size)
                 command = [sys.executable, "-m", "hybridcache.cli", *replica_argv(argv, port, replica_timeout_s)]

@@ -244,7 +244,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hybridcache.server import log_limits
     from hybridcache.server.connections import uvicorn_options as connection_options
-    from hybridcache.server.uvicorn_server import Server, inherited_socket, listen_socket, remove_stale_socket
+    from hybridcache.server.uvicorn_server import (
+        Server,
+        inherited_socket,
+        listen_socket,
+        remove_stale_socket,
+        sigterm_interrupts,
+    )
     from hybridcache.server.vllm_flags import uvicorn_options
 
     log_limits.configure_logging(args.log_level)  # httpx's INFO lines name every image URL fetched: muted
@@ -254,7 +260,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.uds:
             remove_stale_socket(args.uds)
         sock = listen_socket(args.host, args.port, args.uds)  # a busy port or a bad host fails before the model loads
-    parts = build_server(args)
+    try:
+        with sigterm_interrupts():  # SIGTERM (or Ctrl-C) while the model loads ends the process, as PID 1 too
+            parts = build_server(args)
+    except KeyboardInterrupt:
+        sock.close()
+        if args.uds:
+            remove_stale_socket(args.uds)
+        logging.getLogger("hybridcache.server").info("interrupted while starting: exiting")
+        return 0
     config = parts.config
     guard = config.limits
     server = Server(uvicorn.Config(

@@ -93,6 +93,25 @@ def listen_socket(host: str, port: int, uds: str | None = None) -> socket.socket
     return sock
 
 
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the main thread while the block runs (as vLLM's setup_server, "interrupt
+    server on sigterm while initializing"), before uvicorn's own handler: `serve` loading its model, and
+    `serve --data-parallel-size` starting its replicas (the default handler ended that process at once, without the
+    `finally` that ends them). As PID 1 of a container (no init), a signal left at its default action is ignored:
+    a SIGTERM while the model loaded did nothing, the server started, and only the SIGKILL at the end of the grace
+    period ended it."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def inherited_socket() -> socket.socket | None:
     """The socket `serve --data-parallel-size`'s parent bound for this replica and passed as the file descriptor
     named by $HYBRIDCACHE_LISTEN_FD (`router.cli.serve_data_parallel`), or None when there is none. The parent
