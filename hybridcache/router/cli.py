@@ -254,7 +254,7 @@ def _exit_now(status: int) -> NoReturn:
 
 def replica_argv(argv: Sequence[str], port: int, shutdown_timeout_s: float) -> list[str]:
     """The `serve` command line of one replica: `argv` (a `hybridcache serve ...` command line without the
-    program, vLLM's spellings rewritten: cli.py `vllm_argv`) without --data-parallel-size (or -dp), --host, --port,
+    program, vLLM's spellings rewritten: `vllm_argv`) without --data-parallel-size (or -dp), --host, --port,
     --shutdown-timeout, the routing options, the public endpoint's (`PUBLIC_FLAGS`: HTTPS, root path, CORS and a
     Unix socket are the router's) and the access log's switches (`FRONT_SWITCHES`: the front logs the clients'
     requests), plus a loopback port and `shutdown_timeout_s` (`replica_shutdown_timeout`).

@@ -146,13 +146,6 @@ class RateLimitFilter(logging.Filter):
             self._report(ended)  # before this record: the timer has not run yet
         return passed
 
-    def flush(self) -> None:
-        """Report every window's drops now (at shutdown)."""
-        with self._lock:
-            windows = list(self._windows.values())
-        for window in windows:
-            self._report(window)
-
     def _report(self, window: _Window) -> None:
         with self._lock:
             dropped, window.dropped = window.dropped, 0

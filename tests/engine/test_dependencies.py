@@ -63,7 +63,8 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"engine", "forward_batch", "layers", "models"},
     "llm": {"engine", "engine_args", "generation_config", "images", "mm_processor", "model_path", "multimodal",
             "outputs", "sampling"},
-    "cli": {FACADE, "engine_args", "extras", "generation_config", "model_path"},
+    "cli": {FACADE, "engine_args", "extras", "generation_config", "model_path", "vllm_argv"},
+    "vllm_argv": set(),  # vLLM's spellings of the flags, rewritten before argparse (a leaf)
     "__main__": {"cli"},
     "server": {"arg_types", "cache", "engine", "engine_args", "extras", "generation_config", "guided", "images",
                "mm_processor", "model_path", "models", "multimodal", "outputs", "sampling", "tokenizer"},
