@@ -99,9 +99,11 @@ BUILTIN_CONFIG = dict(
 
 
 def builtin_model_dir() -> Path:
-    """Where the built-in model lives: $HYBRIDCACHE_HOME (default ~/.cache/hybridcache) / name-vVERSION."""
-    home = Path(os.environ.get("HYBRIDCACHE_HOME", Path.home() / ".cache" / "hybridcache"))
-    return home / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
+    """Where the built-in model lives: $HYBRIDCACHE_HOME, else $XDG_CACHE_HOME/hybridcache, else
+    ~/.cache/hybridcache (as huggingface_hub places its cache), / name-vVERSION."""
+    home = os.environ.get("HYBRIDCACHE_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                                      "hybridcache")
+    return Path(home) / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
 
 
 def model_display_name(model_dir: Path) -> str:
@@ -115,8 +117,12 @@ def ensure_builtin_model(seed: int = 0) -> Path:
     target = builtin_model_dir()
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=target.parent))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=target.parent))
+    except OSError as error:  # a read-only HOME in a container
+        raise OSError(f"cannot write the built-in model under {target.parent}: {error.strerror or error} (set "
+                      "HYBRIDCACHE_HOME or XDG_CACHE_HOME to a writable folder)") from error
     try:
         write_builtin_model(tmp, seed=seed)
         try:
