@@ -227,10 +227,10 @@ def front_log_options(args: argparse.Namespace) -> dict[str, object]:
 def warn_without_key(api_key: str | None, host: str, uds: str | None = None) -> None:
     """Warn, as serve does (server/app.py), when the router listens on an address other than loopback with no API
     key: anyone who can reach it can use the replicas behind it."""
-    if api_key is None and uds is None and not (host in ("localhost", "::1") or host.startswith("127.")):
-        logging.getLogger("hybridcache.router").warning(
-            "listening on %s with no API key: anyone who can reach this address can use the server (set an API key, "
-            "or bind 127.0.0.1)", host)
+    from hybridcache.server.config import NO_KEY_WARNING, is_loopback
+
+    if api_key is None and uds is None and not is_loopback(host):
+        logging.getLogger("hybridcache.router").warning(NO_KEY_WARNING, host)
 
 
 def cmd_router(args: argparse.Namespace) -> int:

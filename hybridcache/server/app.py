@@ -66,7 +66,7 @@ from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request, image_request_async
 from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
 from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_chat
-from hybridcache.server.config import ServerConfig
+from hybridcache.server.config import NO_KEY_WARNING, ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.error_response import ErrorResponse
 from hybridcache.server.errors import NO_RETRY, APIError, error_body
@@ -147,8 +147,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         asyncio.get_running_loop().set_default_executor(
             DetachedThreadPool(LOOP_EXECUTOR_THREADS, thread_name_prefix="hybridcache-loop"))
         if config.api_key is None and not config.binds_loopback_only():
-            logger.warning("listening on %s with no API key: anyone who can reach this address can use the "
-                           "server (set an API key, or bind 127.0.0.1)", config.host)
+            logger.warning(NO_KEY_WARNING, config.host)
         engine_loop.start()
         freeze_gc_heap()
         yield

@@ -8,6 +8,15 @@ from typing import Any
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, ServerLimits
 from hybridcache.server.reasoning import ReasoningParser
 
+# logged at start-up by serve and the router when they listen beyond loopback with no API key (the host: %s)
+NO_KEY_WARNING = ("listening on %s with no API key: anyone who can reach this address can use the server (set an API "
+                  "key, or bind 127.0.0.1)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (only this machine can connect)."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -64,7 +73,7 @@ class ServerConfig:
 
     def binds_loopback_only(self) -> bool:
         """Whether `host` is a loopback address (only this machine can connect)."""
-        return self.host in ("localhost", "::1") or self.host.startswith("127.")
+        return is_loopback(self.host)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
