@@ -254,7 +254,8 @@ class DiskTier:
         state's), checked against their checksums and against the records `hit` matched (a file is served only
         when it is the record its name says: hash, parent and tokens; anchor, step, tail and pages); None when a
         file is missing, corrupt or another record's (it is dropped from the index, with a warning) or the size
-        cap deleted it since the match (a plain miss). The state becomes the most recently used."""
+        cap deleted it since the match (a plain miss). The state becomes the most recently used, here and for a
+        restarted tier (its file's mtime is set to now)."""
         blocks = []
         for i in block_indices:
             b = hit.blocks[i]
@@ -270,6 +271,8 @@ class DiskTier:
             if state.key in self._states:
                 self._states.move_to_end(state.key)
             self.stats.num_promoted_checkpoints += 1
+            with contextlib.suppress(OSError):  # the start-up scan's LRU order is the files' mtimes
+                os.utime(self._state_path(state.key))
             self.stats.num_promoted_blocks += len(blocks)
         empty = torch.empty((0, self.page_words), dtype=self.word_dtype)
         return (torch.cat(blocks) if blocks else empty), data

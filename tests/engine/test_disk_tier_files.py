@@ -168,6 +168,24 @@ def test_the_size_cap_drops_the_least_recently_used_states_and_their_blocks(tmp_
     capped.close()
 
 
+def test_a_restarted_tier_keeps_the_order_of_use_not_of_writing(tmp_path):
+    disk = make(tmp_path)
+    prompts = [[i] * 30 for i in range(3)]
+    keep(disk, fall_out(prompts[0], 9), seed=1)
+    one = disk.stats.num_bytes
+    old = time.time() - 3600
+    for path in (tmp_path / "model-a" / "states").iterdir():
+        os.utime(path, (old, old))  # written an hour ago
+    keep(disk, fall_out(prompts[1], 9), seed=2)
+    assert disk.read(disk.find(prompts[0], B, 29), ()) is not None  # the oldest write, used last
+    disk.close()
+    capped = make(tmp_path, max_bytes=int(2.5 * one))
+    keep(capped, fall_out(prompts[2], 9), seed=3)  # past the cap: the least recently used goes, prompts[1]'s
+    assert capped.stats.num_evicted_states == 1
+    assert capped.find(prompts[1], B, 29) is None and capped.find(prompts[0], B, 29) is not None
+    capped.close()
+
+
 def test_the_model_key_changes_with_the_weights_and_the_geometry(tmp_path):
     (tmp_path / "config.json").write_text('{"a": 1}')
     weights = tmp_path / "model.safetensors"
