@@ -6,6 +6,8 @@
                                 options, tool_choice, chat_template_kwargs; the output's tool calls and
                                 reasoning parsed out of its text (chat_output.py)
     POST /v1/responses          OpenAI's Responses API over the chat pipeline (responses_api.py)
+    POST /v1/messages           Anthropic's Messages API over the chat pipeline, and /v1/messages/count_tokens
+                                (anthropic_api.py); the key may come as `x-api-key` too
     GET  /v1/models             the served model
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET|POST /ping              vLLM's (SageMaker's) liveness route: 200 while the engine is healthy, else 503
@@ -62,6 +64,8 @@ from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import log_limits, reasoning
+from hybridcache.server.anthropic_api import add_anthropic_routes
+from hybridcache.server.anthropic_protocol import sent_keys
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request, image_request_async
 from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
@@ -216,6 +220,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/v1/cache/events", cache.events, methods=["GET"], dependencies=keyed)
     app.add_api_route("/v1/cache/match", cache.match, methods=["POST"])
     add_responses_routes(app, routes)
+    add_anthropic_routes(app, routes)
     add_tokenize_routes(app, routes)
     return app
 
@@ -227,7 +232,7 @@ class ServerLoad:
     its client has gone (`LoadCounting`), as vLLM's `load_aware_call` counts them. Only the event loop touches it."""
 
     GENERATION_ROUTES: ClassVar[frozenset[str]] = frozenset({"/v1/completions", "/v1/chat/completions",
-                                                             "/v1/responses"})
+                                                             "/v1/responses", "/v1/messages"})
     num_requests: int = 0
 
 
@@ -553,15 +558,13 @@ class _Routes:
                            code="invalid_api_key")
 
     def _has_key(self, request: Request) -> bool:
-        """Whether the request carries one of the API keys (always true when none is configured); every key is
-        compared, in constant time each."""
+        """Whether the request carries one of the API keys, as its bearer token or its `x-api-key` header
+        (`sent_keys`; always true when none is configured); every key is compared, in constant time each."""
         keys = self.config.api_keys
         if not keys:
             return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        sent = token.strip().encode()
-        matches = [hmac.compare_digest(sent, key.encode()) for key in keys]
-        return scheme.lower() == "bearer" and any(matches)
+        matches = [hmac.compare_digest(sent, key.encode()) for sent in sent_keys(request.headers) for key in keys]
+        return any(matches)
 
     async def _encode(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """Token ids of every prompt (text is tokenized on the tokenizer threads, off the event loop)."""
