@@ -18,7 +18,8 @@ Backends may not change results beyond float rounding; the reference backend def
 
 Notation: T tokens of the step, S sequences, Hq / Hkv attention query / kv heads, D attention head dim,
 C conv channels, K conv kernel size, Hk / Hv DeltaNet key / value heads, Dk / Dv their head dims,
-H hidden size, k experts per token, E experts, I expert width.
+H hidden size, k experts per token, E experts, I expert width; Mamba2: Hm heads of Pm channels, G groups, N state
+size.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from hybridcache.kernels.encoder_attention.base import EncoderAttention
 from hybridcache.kernels.gated_delta import reference as delta_ref
 from hybridcache.kernels.gemm import dense as dense_gemm
 from hybridcache.kernels.gemm.base import GemmBackend
+from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import reference as moe_ref
 from hybridcache.kernels.norm import reference as norm_ref
 from hybridcache.kernels.registry import ATTENTION, ENCODER_ATTENTION, GEMM
@@ -161,6 +163,36 @@ class KernelBackend(Protocol):
         output split into q, k [T, Hk, Dk] | v [T, Hv, Dv] (`gated_delta.reference.split_qkv`; Hk = num_k_heads, Dk
         and Dv from ssm_layer), then `gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer)`. The results (output,
         both state layers) are those of the three ops (a backend may fuse them)."""
+        ...
+
+    def ssd_scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        B: torch.Tensor,  # noqa: N803 (Mamba2's names)
+        C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor,  # noqa: N803
+        dt_bias: torch.Tensor,
+        D: torch.Tensor,  # noqa: N803
+        ssm_layer: torch.Tensor,
+        batch: ForwardBatch,
+        *,
+        dt_limit: tuple[float, float],
+    ) -> torch.Tensor:
+        """Mamba2's selective scan per sequence, continuing from its recurrent state (`kernels/mamba2/reference.py`).
+
+        x         [T, Hm, Pm];  dt [T, Hm] raw (before dt_bias, softplus and the dt_limit clamp);  B, C [T, G, N]
+        A_log, dt_bias, D [Hm]   (A = -exp(A_log))
+        ssm_layer [num_slots, Hm, Pm, N]   state S of each slot (fp32 by default); updated in place for every
+                  sequence (fresh sequences start from zeros)
+        returns   [T, Hm, Pm] fp32. Per token: S = exp(dt A) S + dt x (x) B; y = S C + D x
+        """
+        ...
+
+    def gated_group_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                             group_size: int) -> torch.Tensor:
+        """Mamba2's gated RMSNorm (gate before the norm, the norm per group of `group_size` channels): x, gate
+        [T, I], weight [I] -> weight * norm(x * silu(gate)) [T, I] in gate's dtype, in fp32 and rounded once."""
         ...
 
     def delta_gates(
@@ -402,6 +434,14 @@ class ReferenceBackend:
             ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
         return out
 
+    def ssd_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor,  # noqa: N803
+        batch: ForwardBatch, *, dt_limit: tuple[float, float],
+    ) -> torch.Tensor:
+        return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit,
+                           decode=_metadata(batch).state_decode)
+
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         return False  # the layer runs the shared expert and passes its output
 
@@ -444,6 +484,7 @@ class ReferenceBackend:
     rms_norm = staticmethod(norm_ref.rms_norm)
     add_rms_norm = staticmethod(norm_ref.add_rms_norm)
     gated_rms_norm = staticmethod(norm_ref.gated_rms_norm)
+    gated_group_rms_norm = staticmethod(mamba2_ref.gated_group_rms_norm)
     silu_mul = staticmethod(activation_ref.silu_mul)
     sigmoid_gate_add = staticmethod(activation_ref.sigmoid_gate_add)
     sigmoid_mul = staticmethod(activation_ref.sigmoid_mul)
@@ -482,6 +523,43 @@ def _sequence_rows(batch: ForwardBatch, meta: ReferenceMetadata) -> list[tuple[i
         for i, (start, query_len) in enumerate(zip(meta.seq_starts, batch.query_lens_cpu, strict=True))
         if i not in batched
     ]
+
+
+def mamba2_scan(
+    x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor, A_log: torch.Tensor,  # noqa: N803
+    dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor, batch: ForwardBatch, *,  # noqa: N803
+    dt_limit: tuple[float, float], decode: DecodeRows | None,
+) -> torch.Tensor:
+    """`KernelBackend.ssd_scan` on the torch reference kernels, for either backend (no host sync: the state rows
+    are indexed with `batch.state_slots` on the device, the rows found from the host lengths). The sequences of
+    `decode` (one token each, continuing a state) run together through `ssd_step`, every other one alone through
+    `ssd_chunk_scan` (a verify row, `batch.draft_slots_cpu`, token by token through `ssd_states_after`, keeping the
+    state after each of its first n positions in its draft rows)."""
+    A = -torch.exp(A_log.float())  # noqa: N806
+    dt = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    batched = set() if decode is None else set(decode.seq_ids)
+    start = 0
+    for i, (query_len, context_len) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu, strict=True)):
+        rows, start = slice(start, start + query_len), start + query_len
+        if i in batched:
+            continue
+        slot = batch.state_slots[i : i + 1]
+        initial = None if query_len == context_len else ssm_layer.index_select(0, slot)[0]
+        drafts = batch.draft_slots_cpu[i] if batch.draft_slots_cpu else ()
+        if drafts:  # a verify row: one position at a time, keeping each position's state
+            initial = torch.zeros_like(ssm_layer[0]) if initial is None else initial
+            out[rows], states = mamba2_ref.ssd_states_after(x[rows], dt[rows], A, B[rows], C[rows], D, initial)
+            ssm_layer[list(drafts)] = states[: len(drafts)].to(ssm_layer.dtype)
+            final = states[-1]
+        else:
+            out[rows], final = mamba2_ref.ssd_chunk_scan(x[rows], dt[rows], A, B[rows], C[rows], D, initial)
+        ssm_layer.index_copy_(0, slot, final[None].to(ssm_layer.dtype))
+    if decode is not None:
+        rows = decode.rows
+        out[rows], state = mamba2_ref.ssd_step(x[rows], dt[rows], A, B[rows], C[rows], D, ssm_layer[decode.slots])
+        ssm_layer.index_copy_(0, decode.slots, state.to(ssm_layer.dtype))
+    return out
 
 
 def get_backend(device: torch.device | str, *, attention: str | None = None) -> KernelBackend:

@@ -19,6 +19,9 @@
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
 |                  | of delta_gates); else delta_gates, then gated_delta_rule                                       |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
+| ssd_scan (Mamba2) | the torch reference scan (`kernels/mamba2/reference.py`; no Triton SSD kernel yet, logged once):|
+|                  | all-decode, `ssd_step` over every row on the device (graph-safe); else each sequence alone     |
+| gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 | norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
 | sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
@@ -36,6 +39,7 @@ CUDA devices when both are installed (`pip install 'hybridcache-llm[cuda]'`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +52,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
+from hybridcache.kernels.backend import mamba2_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
@@ -63,6 +68,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
+from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
 from hybridcache.kernels.norm import triton as fused_norm
@@ -70,6 +76,8 @@ from hybridcache.kernels.rotary import triton as triton_rotary
 from hybridcache.kernels.shapes import ModelShapes, check_cuda_model
 from hybridcache.kernels.streams import Pending, joined
 from hybridcache.kernels.varlen import any_fresh, chunk_indices, fresh_mask
+
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,7 @@ class CudaBackend:
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights | Fp8ExpertWeights] = (
             weakref.WeakKeyDictionary()
         )
+        self._said_reference_scan = False  # the one log line of the first Mamba2 scan
 
     def check_model(self, shapes: ModelShapes) -> None:
         """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
@@ -275,6 +284,28 @@ class CudaBackend:
         q, k, v = split_qkv(conv_out, num_k_heads, ssm_layer.shape[2], ssm_layer.shape[3])
         return self.gated_delta(q, k, v, a, b, A_log, dt_bias, ssm_layer, batch)
 
+    def ssd_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor,  # noqa: N803
+        batch: ForwardBatch, *, dt_limit: tuple[float, float],
+    ) -> torch.Tensor:
+        """The torch reference scan (no Triton SSD kernel yet; flash-linear-attention ships none): correct, slow at
+        prefill. All-decode: `ssd_step` over every row at once, slots and fresh rows (context_len 1) read on the
+        device (no host sync: a decode graph may capture it); else `backend.mamba2_scan`, each sequence alone."""
+        if not self._said_reference_scan:
+            self._said_reference_scan = True
+            _logger.info("Mamba2 layers run the torch reference scan on CUDA (no SSD kernel yet): correct, slower "
+                         "prefill")
+        if not _metadata(batch).all_decode:
+            return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit, decode=None)
+        slots = batch.state_slots
+        state = ssm_layer.index_select(0, slots)
+        state = torch.where((batch.context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
+        y, state = mamba2_ref.ssd_step(x, mamba2_ref.discretized_dt(dt, dt_bias, dt_limit), -torch.exp(A_log.float()),
+                                       B, C, D, state)
+        ssm_layer.index_copy_(0, slots, state.to(ssm_layer.dtype))
+        return y
+
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,
         `fp8_tiles.SHARED_AS_EXPERT`): it runs as one more expert of their stack. Once the experts are stacked,
@@ -322,6 +353,7 @@ class CudaBackend:
     rms_norm = staticmethod(fused_norm.rms_norm)
     add_rms_norm = staticmethod(fused_norm.add_rms_norm)
     gated_rms_norm = staticmethod(fused_norm.gated_rms_norm)
+    gated_group_rms_norm = staticmethod(mamba2_ref.gated_group_rms_norm)
     silu_mul = staticmethod(triton_activation.silu_mul)
     sigmoid_gate_add = staticmethod(triton_activation.sigmoid_gate_add)
     sigmoid_mul = staticmethod(triton_activation.sigmoid_mul)

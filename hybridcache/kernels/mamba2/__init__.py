@@ -1,0 +1,5 @@
+"""Mamba2 kernels: the selective state space scan (SSD) with its carried state [H, P, N] and the gated group RMSNorm.
+
+`reference.py`: `ssd_chunk_scan` (one sequence, chunked SSD form), `ssd_step` (one token of N sequences),
+`ssd_states_after` (one sequence, every state kept), `gated_group_rms_norm` (torch). The short convolution before
+the scan is the shared `kernels/conv`."""

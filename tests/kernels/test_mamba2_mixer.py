@@ -1,0 +1,189 @@
+"""The Mamba2 mixer (`layers/mamba2.py`) and its scan (`kernels/mamba2/reference.py`) against transformers' torch path
+(`GraniteMoeHybridMambaLayer`, `mamba2_chunk_scan`, `mamba2_selective_state_update`) on random weights (std
+1/sqrt(fan_in)), fp32.
+
+rel_err(a, ref) = max|a - ref| / max|ref|. Several sequences of different lengths run in one varlen step, from slots
+that hold garbage (a fresh sequence must not read its row); state continuation: prefill A, then B from A's state,
+equals prefill A+B; decode steps equal the full prefill's last rows.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
+from hybridcache.kernels.backend import ReferenceBackend
+from hybridcache.kernels.mamba2 import reference as ref
+from hybridcache.layers.mamba2 import Mamba2Mixer
+from hybridcache.layers.step import StepContext
+from hybridcache.models.random_weights import randomize_
+from hybridcache.state_spec import DevicePools
+
+TOLERANCE = 1e-4
+HIDDEN = 48
+GEOMETRIES = {  # heads, head dim, groups, state size, conv kernel (heads x head dim = 2 x HIDDEN: mamba_expand 2)
+    "H8-P12-G2-N16-K4": (8, 12, 2, 16, 4),
+    "H4-P24-G1-N8-K3": (4, 24, 1, 8, 3),
+}
+
+
+def rel_err(ours: torch.Tensor, want: torch.Tensor) -> float:
+    return ((ours.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+def hf_layer(heads: int, head_dim: int, groups: int, state: int, kernel: int, seed: int = 0):
+    import transformers
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
+
+    config = transformers.GraniteMoeHybridConfig(
+        hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, layer_types=["mamba"], mamba_n_heads=heads,
+        mamba_d_head=head_dim, mamba_expand=heads * head_dim // HIDDEN, mamba_n_groups=groups, mamba_d_state=state,
+        mamba_d_conv=kernel, mamba_chunk_size=32, rms_norm_eps=1e-5)
+    layer = GraniteMoeHybridMambaLayer(config, 0).eval()
+    randomize_(layer, seed)
+    with torch.no_grad():
+        layer.norm.weight.copy_(1 + 0.1 * torch.randn(layer.norm.weight.shape))
+    return config, layer
+
+
+def our_mixer(config, layer) -> Mamba2Mixer:
+    mixer = Mamba2Mixer(
+        HIDDEN, num_heads=config.mamba_n_heads, head_dim=config.mamba_d_head, num_groups=config.mamba_n_groups,
+        state_size=config.mamba_d_state, conv_kernel_size=config.mamba_d_conv, conv_bias=config.mamba_conv_bias,
+        proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps)
+    mixer.load_state_dict(layer.state_dict())
+    return mixer.eval().requires_grad_(False)
+
+
+class MixerRunner:
+    """Feeds our mixer varlen steps the way the engine does: each sequence its own state slot (garbage at first)."""
+
+    def __init__(self, mixer: Mamba2Mixer, num_seqs: int) -> None:
+        self.mixer = mixer
+        self.backend = ReferenceBackend()
+        self.pools = DevicePools.allocate([mixer.state_spec(torch.float32, torch.float32)], num_pages=1,
+                                          kernel_block_size=16, num_slots=num_seqs + 2)
+        generator = torch.Generator().manual_seed(7)
+        for pool in self.pools.state_groups:
+            pool.copy_(torch.randn(pool.shape, generator=generator))
+        self.fed = [0] * num_seqs
+
+    def step(self, feeds: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """(seq, hidden [n, HIDDEN]) pairs in one step -> each feed's output [n, HIDDEN]."""
+        chunks = []
+        for seq, hidden in feeds:
+            chunks.append(SeqChunk([0] * hidden.shape[0], self.fed[seq], [0] * 64, seq + 1))
+            self.fed[seq] += hidden.shape[0]
+        batch = self.backend.prepare(build_forward_batch(chunks, block_size=16, kernel_block_size=16))
+        step = StepContext(batch=batch, backend=self.backend, rope=(torch.empty(0), torch.empty(0)))
+        with torch.inference_mode():
+            out = self.mixer(torch.cat([hidden for _, hidden in feeds]), step, self.pools.layers[0])
+        bounds = batch.cu_seqlens.tolist()
+        return [out[bounds[i] : bounds[i + 1]] for i in range(len(feeds))]
+
+
+@pytest.fixture(scope="module", params=list(GEOMETRIES), ids=list(GEOMETRIES))
+def pair(request):
+    config, layer = hf_layer(*GEOMETRIES[request.param])
+    return layer, our_mixer(config, layer)
+
+
+@torch.no_grad()
+def hf_out(layer, hidden: torch.Tensor) -> torch.Tensor:
+    return layer(hidden[None])[0]
+
+
+def inputs(length: int, seed: int) -> torch.Tensor:
+    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def test_state_spec_declares_conv_and_ssm_in_transformers_layout():
+    config, layer = hf_layer(*GEOMETRIES["H8-P12-G2-N16-K4"])
+    spec = our_mixer(config, layer).state_spec(torch.bfloat16, torch.float32)
+    (conv, ssm) = spec.tensors
+    assert (conv.name, conv.shape, conv.dtype) == ("conv", (layer.conv_dim, 3), torch.bfloat16)
+    assert (ssm.name, ssm.shape, ssm.dtype) == ("ssm", (8, 12, 16), torch.float32)
+
+
+def test_varlen_step_of_several_sequences_equals_transformers(pair):
+    layer, mixer = pair
+    lengths = (157, 1, 64, 90)  # a single-token prompt, a chunk-aligned one, longer than the 64-token chunk
+    hidden = [inputs(n, seed=i) for i, n in enumerate(lengths)]
+    outputs = MixerRunner(mixer, len(lengths)).step(list(enumerate(hidden)))
+    for i, (ours, x) in enumerate(zip(outputs, hidden, strict=True)):
+        assert rel_err(ours, hf_out(layer, x)) <= TOLERANCE, f"sequence {i}"
+
+
+def test_prefill_from_a_saved_state_equals_the_whole_prefill(pair):
+    layer, mixer = pair
+    x = inputs(170, seed=3)
+    want = hf_out(layer, x)
+    runner = MixerRunner(mixer, 2)
+    first, _ = runner.step([(0, x[:77]), (1, inputs(20, seed=4))])
+    (second,) = runner.step([(0, x[77:])])
+    assert rel_err(first, want[:77]) <= TOLERANCE
+    assert rel_err(second, want[77:]) <= TOLERANCE
+
+
+def test_decode_steps_equal_the_whole_prefill(pair):
+    layer, mixer = pair
+    x, other = inputs(160, seed=5), inputs(160, seed=6)
+    want, want_other = hf_out(layer, x), hf_out(layer, other)
+    runner = MixerRunner(mixer, 2)
+    runner.step([(0, x[:150]), (1, other[:150])])
+    for pos in range(150, 158):  # two decode rows batched through the step kernel
+        ours, ours_other = runner.step([(0, x[pos : pos + 1]), (1, other[pos : pos + 1])])
+        assert rel_err(ours, want[pos : pos + 1]) <= TOLERANCE, pos
+        assert rel_err(ours_other, want_other[pos : pos + 1]) <= TOLERANCE, pos
+    ours, ours_other = runner.step([(0, x[158:]), (1, other[158:])])  # 2-token chunks, continuing
+    assert rel_err(ours, want[158:]) <= TOLERANCE and rel_err(ours_other, want_other[158:]) <= TOLERANCE
+
+
+def test_the_comparison_notices_a_lost_state(pair):
+    """Sanity check of the set-up: wiping the recurrent state between two chunks moves the output far past the
+    tolerance, so a broken state could not pass the tests above."""
+    layer, mixer = pair
+    x = inputs(150, seed=8)
+    want = hf_out(layer, x)
+    runner = MixerRunner(mixer, 1)
+    runner.step([(0, x[:100])])
+    runner.pools.layers[0]["ssm"].zero_()
+    (ours,) = runner.step([(0, x[100:])])
+    assert rel_err(ours, want[100:]) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.05, 0.5)], ids=["no-limit", "clamped"])
+def test_chunk_scan_equals_transformers_scan_and_the_step_form(limit):
+    """`ssd_chunk_scan` vs transformers' `mamba2_chunk_scan` (its own chunk size, from an initial state) and vs
+    `ssd_step` token by token: outputs and final states."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
+
+    g = torch.Generator().manual_seed(0)
+    length, heads, head_dim, groups, state = 150, 6, 5, 3, 7
+    x = torch.randn(length, heads, head_dim, generator=g)
+    dt_raw = torch.randn(length, heads, generator=g)
+    dt_bias, D = torch.rand(heads, generator=g) - 0.5, torch.randn(heads, generator=g)  # noqa: N806
+    A = -torch.empty(heads).uniform_(0.05, 1.0, generator=g)  # noqa: N806
+    B, C = torch.randn(length, groups, state, generator=g), torch.randn(length, groups, state, generator=g)  # noqa: N806
+    initial = torch.randn(heads, head_dim, state, generator=g)
+    dt = ref.discretized_dt(dt_raw, dt_bias, limit)
+    y, final = ref.ssd_chunk_scan(x, dt, A, B, C, D, initial)
+    want_y, want_final = mamba2_chunk_scan(x[None], dt_raw[None], A, B[None], C[None], chunk_size=32, D=D,
+                                           dt_bias=dt_bias, initial_states=initial[None], dt_softplus=True,
+                                           dt_limit=limit, return_final_states=True)
+    assert rel_err(y, want_y[0]) <= TOLERANCE and rel_err(final, want_final[0]) <= TOLERANCE
+    steps_y, states = ref.ssd_states_after(x, dt, A, B, C, D, initial)
+    assert rel_err(steps_y, y) <= TOLERANCE and rel_err(states[-1], final) <= TOLERANCE
+
+
+def test_gated_norm_puts_the_gate_before_a_per_group_norm():
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
+
+    g = torch.Generator().manual_seed(1)
+    x, gate = torch.randn(5, 24, generator=g), torch.randn(5, 24, generator=g)
+    norm = GraniteMoeHybridRMSNormGated(24, group_size=8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24, generator=g))
+        want = norm(x, gate)
+    assert rel_err(ref.gated_group_rms_norm(x, gate, norm.weight, 1e-5, 8), want) <= 1e-6
