@@ -11,8 +11,8 @@ Accepted sources:
 - `data:image/...;base64,<data>` URIs;
 - `http://` and `https://` URLs (fetched within `limits.fetch_timeout_s` in all: connecting, the headers and the
   body under one deadline, as vLLM's aiohttp `ClientTimeout(total=...)`; at most `max_bytes`, at most
-  `MAX_REDIRECTS` redirects; as urllib did: certificates checked against the system's CA store, through the
-  http_proxy / https_proxy of the URL's scheme unless no_proxy names its host, ALL_PROXY ignored);
+  `MAX_REDIRECTS` redirects; as urllib did: certificates checked against the system's CA store, each hop through
+  the http_proxy / https_proxy of its URL's scheme unless no_proxy names its host, ALL_PROXY ignored);
 - `file://` URLs and plain paths, only under `limits.allowed_local_media_path`;
 - raw `bytes` and `PIL.Image.Image` objects (the offline API), and `FetchedImage`s.
 
@@ -178,51 +178,63 @@ def _fetch(url: str, limits: MediaLimits) -> bytes:
 
 
 async def _get(url: str, limits: MediaLimits) -> bytes:
+    """The body at `url`, following at most `MAX_REDIRECTS` redirects, each hop through the proxy of its own URL
+    (`_proxy`: a redirect to a host NO_PROXY names is fetched directly, one from it to an outside host through the
+    proxy)."""
     import httpx
 
     failed = f"could not fetch {url}"
-    proxy = _proxy(url)
-    try:
-        # one client per fetch (no cookies or connections shared between requests); the TLS context is shared:
-        # making one takes ~50 ms. The raw body, not decoded: a gzip-encoded 20 MB could be gigabytes. No settings
-        # from the environment but the proxy (as urllib's): httpx's trust_env would build a transport for ALL_PROXY
-        # too, and one for a SOCKS proxy needs an extra, whatever the host
-        client = httpx.AsyncClient(verify=_tls_context(), proxy=proxy, trust_env=False, follow_redirects=True,
-                                   max_redirects=MAX_REDIRECTS, timeout=limits.fetch_timeout_s,
-                                   headers={"User-Agent": "hybridcache", "Accept-Encoding": "identity"})
-    except ImportError:  # (the proxy itself is not quoted: it may hold a password)
-        raise ImageError(f"{failed}: its proxy cannot be used (a SOCKS proxy needs httpx[socks]: pip install "
-                         "'httpx[socks]')") from None
-    except ValueError as error:
-        raise ImageError(f"{failed}: its proxy URL is not valid ({type(error).__name__})") from None
     chunks: list[bytes] = []
     size = 0
+    hop = url
     try:
-        async with client, client.stream("GET", url) as response:
-            if not response.is_success:  # (the standard phrase: the server's own is its text)
-                raise ImageError(f"{failed}: HTTP {response.status_code} "
-                                 f"{httpx.codes.get_reason_phrase(response.status_code)}")
-            length = response.headers.get("content-length", "")
-            if length.isdigit() and int(length) > limits.max_bytes:
-                raise ImageError(f"the image at {url} is larger than {limits.max_bytes} bytes")
-            async for chunk in response.aiter_raw():
-                chunks.append(chunk)
-                size += len(chunk)
-                if size > limits.max_bytes:
+        for _ in range(MAX_REDIRECTS + 1):
+            async with _client(hop, failed, limits) as client, client.stream("GET", hop) as response:
+                if response.next_request is not None:  # a redirect: the next hop, with its own proxy
+                    hop = str(response.next_request.url)
+                    continue
+                if not response.is_success:  # (the standard phrase: the server's own is its text)
+                    raise ImageError(f"{failed}: HTTP {response.status_code} "
+                                     f"{httpx.codes.get_reason_phrase(response.status_code)}")
+                length = response.headers.get("content-length", "")
+                if length.isdigit() and int(length) > limits.max_bytes:
                     raise ImageError(f"the image at {url} is larger than {limits.max_bytes} bytes")
+                async for chunk in response.aiter_raw():
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    if size > limits.max_bytes:
+                        raise ImageError(f"the image at {url} is larger than {limits.max_bytes} bytes")
+                return b"".join(chunks)
+        raise ImageError(f"{failed}: more than {MAX_REDIRECTS} redirects")
     except ImageError:
         raise
     except httpx.TimeoutException:
         raise ImageError(f"fetching {url} timed out after {limits.fetch_timeout_s} s") from None
-    except httpx.TooManyRedirects:
-        raise ImageError(f"{failed}: more than {MAX_REDIRECTS} redirects") from None
     except httpx.ConnectError as error:  # (the local reason: refused, unknown host, a certificate not trusted)
         raise ImageError(f"{failed}: could not connect ({error})") from None
     except httpx.ProtocolError as error:  # an SSH banner, too many headers, a line too long, ... (not quoted)
         raise ImageError(f"{failed}: the server did not answer with valid HTTP ({type(error).__name__})") from None
     except (httpx.HTTPError, httpx.InvalidURL, OSError, ValueError) as error:  # a read failed, a bad URL, ...
         raise ImageError(f"{failed}: {type(error).__name__}") from None
-    return b"".join(chunks)
+
+
+def _client(url: str, failed: str, limits: MediaLimits) -> Any:
+    """An `httpx.AsyncClient` for one GET of `url` through its proxy, redirects not followed (the caller follows
+    them, choosing each hop's proxy). One client per hop: no cookies or connections shared between requests; the
+    TLS context is shared (making one takes ~50 ms). The raw body, not decoded: a gzip-encoded 20 MB could be
+    gigabytes. No settings from the environment but the proxy (as urllib's): httpx's trust_env would build a
+    transport for ALL_PROXY too, and one for a SOCKS proxy needs an extra, whatever the host."""
+    import httpx
+
+    try:
+        return httpx.AsyncClient(verify=_tls_context(), proxy=_proxy(url), trust_env=False, follow_redirects=False,
+                                 timeout=limits.fetch_timeout_s,
+                                 headers={"User-Agent": "hybridcache", "Accept-Encoding": "identity"})
+    except ImportError:  # (the proxy itself is not quoted: it may hold a password)
+        raise ImageError(f"{failed}: its proxy cannot be used (a SOCKS proxy needs httpx[socks]: pip install "
+                         "'httpx[socks]')") from None
+    except ValueError as error:
+        raise ImageError(f"{failed}: its proxy URL is not valid ({type(error).__name__})") from None
 
 
 @functools.cache

@@ -246,6 +246,38 @@ def test_the_proxy_of_the_url_scheme_is_used_unless_no_proxy_names_the_host(raw_
         proxy.close()
 
 
+def test_each_redirect_hop_takes_the_proxy_of_its_own_url(raw_server, no_proxy_env):
+    """A proxied URL redirecting to a host no_proxy names was fetched through the first hop's proxy (one client
+    for every hop): an internal image server behind NO_PROXY was asked for through the outside proxy."""
+    direct = raw_server(png_answer(png(8, 6)))  # 127.0.0.1: no_proxy names it
+    requests: list[bytes] = []
+    proxy = socket.create_server(("127.0.0.1", 0))
+
+    def serve_proxy() -> None:
+        with proxy:
+            while True:
+                try:
+                    conn, _ = proxy.accept()
+                except OSError:
+                    return
+                with conn:
+                    requests.append(conn.recv(65536))
+                    if len(requests) == 1:
+                        conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n"
+                                     b"Connection: close\r\n\r\n" % direct.encode())
+                    else:
+                        conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    threading.Thread(target=serve_proxy, daemon=True).start()
+    try:
+        no_proxy_env.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
+        no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
+        assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+        assert len(requests) == 1 and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n")
+    finally:
+        proxy.close()
+
+
 @pytest.fixture
 def fresh_tls_context() -> Iterator[None]:
     """`images._tls_context` made anew in the test and after it (it is made once per process)."""
