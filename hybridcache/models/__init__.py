@@ -22,6 +22,7 @@ _LAZY = {
     "Qwen3_5ForCausalLM": "hybridcache.models.qwen3_5",
     "Qwen3_5MoeForCausalLM": "hybridcache.models.qwen3_5",
     "Qwen3NextForCausalLM": "hybridcache.models.qwen3_next",
+    "GraniteMoeHybridForCausalLM": "hybridcache.models.granite",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",
 }

@@ -4,8 +4,8 @@ This module imports no torch: the cache simulator sizes caches from it.
 
 Accepted layouts of config.json:
 
-- a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`): every field at the
-  top level;
+- a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
+  `GraniteMoeHybridForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -20,8 +20,19 @@ Accepted layouts of config.json:
   plain RoPE.
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
-model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`: `_DEFAULTS`), except the fields that
-size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`, `num_attention_heads`.
+model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`: `_DEFAULTS`),
+except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
+`num_attention_heads`.
+
+Granite-4.0-H (`granitemoehybrid`): Mamba2 and attention layers, named in `layer_types` (or the older
+`layers_block_type`) as "mamba" / "attention" or transformers 5's "linear_attention" / "full_attention" (there, a
+"linear_attention" layer is Mamba2); the `mamba_*` fields make the `Mamba2Config` group (`mamba_d_head` "auto":
+mamba_expand * hidden_size / mamba_n_heads; `time_step_limit` a pair, its bound written as a number, "Infinity" or
+transformers' {"__float__": "Infinity"}); `embedding_multiplier`, `residual_multiplier`, `logits_scaling` and
+`attention_multiplier` (the attention's softmax scale) are read into `multipliers` and `AttentionConfig.scale`;
+`position_embedding_type` "rope" rotates the whole head, anything else ("nope", null) gives attention without RoPE;
+the feed-forward block is `shared_mlp` (width `shared_intermediate_size`) plus, when `num_local_experts` > 0, routed
+experts of width `intermediate_size` (top `num_experts_per_tok`, softmax over the top-k logits).
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -47,7 +58,14 @@ class LayerKind(str, Enum):
     __format__ = str.__format__
 
     LINEAR_ATTENTION = "linear_attention"  # gated DeltaNet
-    FULL_ATTENTION = "full_attention"  # gated attention over the paged KV cache
+    FULL_ATTENTION = "full_attention"  # (gated) attention over the paged KV cache
+    MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
+
+
+# The layer kinds of each text model type, by their config.json spellings.
+_QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
+_MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2, "attention": LayerKind.FULL_ATTENTION,
+                "full_attention": LayerKind.FULL_ATTENTION}
 
 
 # model_type of the text model each supported model_type stands for.
@@ -57,6 +75,7 @@ _TEXT_MODEL_TYPES = {
     "qwen3_5_moe": "qwen3_5_moe_text",
     "qwen3_5_moe_text": "qwen3_5_moe_text",
     "qwen3_next": "qwen3_next",
+    "granitemoehybrid": "granitemoehybrid",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -73,6 +92,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                          "num_experts_per_tok": 8},
     "qwen3_next": {**_COMMON_DEFAULTS, **_MOE_DEFAULTS, "num_key_value_heads": 2, "intermediate_size": 5632,
                    "num_experts": 512, "num_experts_per_tok": 10, "decoder_sparse_step": 1},
+    # (head_dim: hidden_size / num_attention_heads and num_key_value_heads: num_attention_heads, set when parsed)
+    "granitemoehybrid": {
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "intermediate_size": 11008, "shared_intermediate_size": 1024, "num_local_experts": 8,
+        "num_experts_per_tok": 2, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+        "attention_multiplier": 1.0, "logits_scaling": 1.0, "mamba_n_heads": 128, "mamba_n_groups": 1,
+        "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    },
 }
 
 # rope_type values whose inverse frequencies transformers' `ROPE_INIT_FUNCTIONS` computes from config.json alone,
@@ -100,7 +127,8 @@ class AttentionConfig:
 
     `rope_scaling`: () for plain RoPE, else the sorted (key, value) items of a scaled RoPE, `rope_type` among them
     (e.g. (("factor", 4.0), ("original_max_position_embeddings", 262144), ("rope_type", "yarn"))), lists as
-    tuples; `max_position_embeddings`: the model's, which YaRN may read (`layers.rotary.scaled_inv_freq`)."""
+    tuples; `max_position_embeddings`: the model's, which YaRN may read (`layers.rotary.scaled_inv_freq`).
+    `use_rope` False: no rotary embedding at all (Granite-4.0-H's "nope"); `scale`: see `softmax_scale`."""
 
     num_heads: int
     num_kv_heads: int
@@ -111,6 +139,14 @@ class AttentionConfig:
     mrope_section: tuple[int, int, int] = (11, 11, 10)
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     max_position_embeddings: int = 32768
+    use_rope: bool = True
+    scale: float | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's scale of q.k: `scale` when config.json sets one (Granite's attention_multiplier), else
+        1 / sqrt(head_dim)."""
+        return self.head_dim**-0.5 if self.scale is None else self.scale
 
     @property
     def rotary_dim(self) -> int:
@@ -149,6 +185,47 @@ class GatedDeltaConfig:
 
 
 @dataclass(frozen=True)
+class Mamba2Config:
+    """Mamba2: `num_heads` heads of `head_dim` channels, `num_groups` groups of B and C with `state_size` each, a
+    depthwise causal convolution of `conv_kernel_size` over x | B | C; dt clamped to `time_step_limit` after its
+    softplus; `chunk_size`: the checkpoint's scan chunk (kept for reference; results do not depend on it)."""
+
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel_size: int
+    conv_bias: bool
+    proj_bias: bool
+    chunk_size: int
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: x | B | C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def conv_width(self) -> int:
+        """Past pre-convolution inputs kept per channel: kernel size - 1."""
+        return self.conv_kernel_size - 1
+
+
+@dataclass(frozen=True)
+class Multipliers:
+    """Granite's scalings: the embedding times `embedding`, each block's output times `residual` before its residual
+    add, the logits divided by `logits_scaling` (all 1 for the other models)."""
+
+    embedding: float = 1.0
+    residual: float = 1.0
+    logits_scaling: float = 1.0
+
+
+@dataclass(frozen=True)
 class FeedForwardConfig:
     """The feed-forward block after each mixer: a dense SiLU-gated MLP of `intermediate_size`, or a sparse
     MoE block (`num_experts` routed experts, top `num_experts_per_tok`, plus a gated shared expert) where
@@ -175,8 +252,9 @@ class FeedForwardConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one hybrid decoder-only model: the model-wide fields, then one group per layer
-    family (`attention`, `gated_delta`) and the feed-forward group (`mlp`). A new family (say Mamba2) is a
-    new group, a new `LayerKind` and a new mixer.
+    family (`attention`, `gated_delta`, `mamba2`) and the feed-forward group (`mlp`). A new family is a new group,
+    a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the model has no
+    DeltaNet layer (nothing reads it then); `mamba2` is None where the model has no Mamba2 layer.
 
     `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`) even when
     config.json describes a multimodal wrapper; `architecture` is the config.json entry as written.
@@ -200,6 +278,8 @@ class ModelConfig:
     gated_delta: GatedDeltaConfig
     mlp: FeedForwardConfig
     mamba_ssm_dtype: str | None = None
+    mamba2: Mamba2Config | None = None
+    multipliers: Multipliers = Multipliers()
 
     # ---- derived quantities -------------------------------------------------------------------------
     @property
@@ -222,6 +302,15 @@ class ModelConfig:
     @property
     def attention_layer_ids(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.FULL_ATTENTION)
+
+    @property
+    def mamba2_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA2)
+
+    @property
+    def recurrent_layer_ids(self) -> tuple[int, ...]:
+        """Layers with a fixed-size state (gated DeltaNet and Mamba2)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t is not LayerKind.FULL_ATTENTION)
 
     @property
     def num_linear_layers(self) -> int:
@@ -262,7 +351,8 @@ class ModelConfig:
         model_type = _TEXT_MODEL_TYPES.get(written or "")
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
-        fields = _Fields(text, _DEFAULTS[model_type])
+        granite = model_type == "granitemoehybrid"
+        fields = _Fields(text, _granite_defaults(text) if granite else _DEFAULTS[model_type])
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -272,6 +362,8 @@ class ModelConfig:
 
         num_layers = fields.integer("num_hidden_layers")
         layer_types = text.get("layer_types")
+        if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
+            layer_types = text.get("layers_block_type") or ["mamba"] * num_layers
         if layer_types is None:
             interval = fields.integer("full_attention_interval")
             layer_types = [
@@ -280,10 +372,11 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        known = {kind.value for kind in LayerKind}
-        if len(layer_types) != num_layers or set(layer_types) - known:
-            raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers")
-        layer_types = tuple(LayerKind(t) for t in layer_types)
+        kinds = _MAMBA_KINDS if granite else _QWEN_KINDS
+        if len(layer_types) != num_layers or set(layer_types) - set(kinds):
+            raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
+                             f"(layer types of {written!r}: {sorted(kinds)})")
+        layer_types = tuple(kinds[t] for t in layer_types)
 
         hidden_act = text.get("hidden_act", "silu")
         if hidden_act != "silu":
@@ -302,10 +395,12 @@ class ModelConfig:
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
             rms_norm_eps=fields.number("rms_norm_eps"),
             hidden_act=hidden_act,
-            attention=_attention_config(fields),
-            gated_delta=_gated_delta_config(fields),
-            mlp=_feed_forward_config(fields, model_type),
+            attention=_attention_config(fields, granite),
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite else fields),
+            mlp=_granite_feed_forward_config(fields) if granite else _feed_forward_config(fields, model_type),
             mamba_ssm_dtype=None if pick("mamba_ssm_dtype") is None else str(pick("mamba_ssm_dtype")),
+            mamba2=_mamba2_config(fields) if granite else None,
+            multipliers=_multipliers(fields) if granite else Multipliers(),
         )
 
     def _validated(self) -> ModelConfig:
@@ -424,8 +519,9 @@ def _check_one_rope_layout(text: Mapping) -> None:
             f"rope_parameters alone")
 
 
-def _attention_config(fields: _Fields) -> AttentionConfig:
-    """The attention group of a text config (rotary settings in either layout, see the module docstring)."""
+def _attention_config(fields: _Fields, granite: bool = False) -> AttentionConfig:
+    """The attention group of a text config (rotary settings in either layout, see the module docstring); `granite`:
+    its `position_embedding_type` and `attention_multiplier` too."""
     text = fields.section
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
@@ -458,7 +554,18 @@ def _attention_config(fields: _Fields) -> AttentionConfig:
         mrope_section=section,
         rope_scaling=_rope_scaling(fields, rope),
         max_position_embeddings=fields.integer("max_position_embeddings"),
+        use_rope=not granite or _granite_rope(text.get("position_embedding_type")),
+        scale=fields.number("attention_multiplier") if granite else None,
     )
+
+
+def _granite_rope(position_embedding_type: Any) -> bool:
+    """Whether Granite's attention rotates: "rope" yes; "nope" or null no (transformers builds its rotary embedding
+    for "rope" alone); anything else is refused."""
+    if position_embedding_type not in (None, "nope", "rope"):
+        raise ValueError(f"config.json position_embedding_type {position_embedding_type!r} is not supported "
+                         "('rope', 'nope' or null)")
+    return position_embedding_type == "rope"
 
 
 def _rope_scaling(fields: _Fields, rope: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -521,3 +628,94 @@ def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
         decoder_sparse_step=fields.integer("decoder_sparse_step") if is_qwen3_next else 1,
         mlp_only_layers=tuple(int(i) for i in (text.get("mlp_only_layers") or ())) if is_qwen3_next else (),
     )
+
+
+def _granite_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+    """`GraniteMoeHybridConfig`'s defaults, with those it derives from other fields: head_dim = hidden_size /
+    num_attention_heads (its attention's), num_key_value_heads = num_attention_heads."""
+    defaults = dict(_DEFAULTS["granitemoehybrid"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        defaults.update(head_dim=hidden // heads, num_key_value_heads=heads)
+    return defaults
+
+
+def _time_step_limit(value: Any) -> tuple[float, float]:
+    """config.json's `time_step_limit`: null (no limit), or [low, high] with each bound a number, "Infinity" or
+    transformers' {"__float__": "Infinity"}; 0 <= low <= high."""
+    if value is None:
+        return (0.0, float("inf"))
+
+    def bound(item: Any) -> float:
+        if isinstance(item, Mapping) and set(item) == {"__float__"}:
+            item = item["__float__"]
+        if isinstance(item, str) and item.lower() in ("infinity", "inf"):
+            return float("inf")
+        if isinstance(item, bool) or not isinstance(item, int | float):
+            raise ValueError(f"config.json time_step_limit {value!r} must be a pair of numbers")
+        return float(item)
+
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise ValueError(f"config.json time_step_limit {value!r} must be a pair of numbers")
+    low, high = bound(value[0]), bound(value[1])
+    if not 0 <= low <= high:
+        raise ValueError(f"config.json time_step_limit {value!r} must be 0 <= low <= high")
+    return (low, high)
+
+
+def _mamba2_config(fields: _Fields) -> Mamba2Config:
+    """Granite-4.0-H's `mamba_*` fields (as transformers' `GraniteMoeHybridConfig` checks them)."""
+    heads = fields.integer("mamba_n_heads")
+    inner = fields.integer("mamba_expand") * fields.integer("hidden_size")
+    if fields.value("mamba_d_head") == "auto":
+        if inner % heads:
+            raise ValueError(f"config.json mamba_n_heads {heads} must divide mamba_expand * hidden_size {inner}")
+        head_dim = inner // heads
+    else:
+        head_dim = fields.integer("mamba_d_head")
+    if head_dim * heads != inner:
+        raise ValueError(f"config.json mamba_d_head {head_dim} x mamba_n_heads {heads} must be mamba_expand * "
+                         f"hidden_size {inner}")
+    groups = fields.integer("mamba_n_groups")
+    if heads % groups:
+        raise ValueError(f"config.json mamba_n_groups {groups} must divide mamba_n_heads {heads}")
+    return Mamba2Config(
+        num_heads=heads,
+        head_dim=head_dim,
+        num_groups=groups,
+        state_size=fields.integer("mamba_d_state"),
+        conv_kernel_size=fields.integer("mamba_d_conv", minimum=2),  # (1: no conv state to keep)
+        conv_bias=fields.boolean("mamba_conv_bias", default=True),
+        proj_bias=fields.boolean("mamba_proj_bias", default=False),
+        chunk_size=fields.integer("mamba_chunk_size"),
+        time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+    )
+
+
+def _granite_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
+    """Granite's `shared_mlp` (every layer) as the dense MLP, or beside `num_local_experts` routed experts as the
+    shared expert (ungated: its output is added as it is)."""
+    num_experts = fields.integer("num_local_experts", minimum=0)
+    shared = fields.integer("shared_intermediate_size")
+    if not num_experts:
+        return FeedForwardConfig(intermediate_size=shared, num_experts=0, num_experts_per_tok=0,
+                                 moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=True,
+                                 decoder_sparse_step=1, mlp_only_layers=())
+    return FeedForwardConfig(
+        intermediate_size=None,
+        num_experts=num_experts,
+        num_experts_per_tok=fields.integer("num_experts_per_tok"),
+        moe_intermediate_size=fields.integer("intermediate_size"),
+        shared_expert_intermediate_size=shared,
+        norm_topk_prob=True,  # softmax over the top-k logits: the top-k of the softmax, renormalised
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+    )
+
+
+def _multipliers(fields: _Fields) -> Multipliers:
+    logits_scaling = fields.number("logits_scaling")
+    if logits_scaling <= 0:
+        raise ValueError(f"config.json logits_scaling {logits_scaling} must be > 0 (the logits are divided by it)")
+    return Multipliers(embedding=fields.number("embedding_multiplier"), residual=fields.number("residual_multiplier"),
+                       logits_scaling=logits_scaling)

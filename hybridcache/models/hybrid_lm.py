@@ -1,4 +1,5 @@
-"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE and Qwen3-Next.
+"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next and (its layers its own: `models/granite.py`)
+Granite-4.0-H.
 
 Module tree (names equal the checkpoint tensor names)::
 
@@ -12,7 +13,10 @@ Module tree (names equal the checkpoint tensor names)::
     lm_head                                 [vocab, hidden] (the embedding itself when tied)
 
 A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
-checkpoint name. Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
+checkpoint name. A model whose layers or norms differ (Granite) overrides `_layer` and `_norm`: the skeleton needs of
+a layer only `mixer` (whose `state_spec` it reads) and `forward_split`, of a norm `forward(x, backend)` and
+`add(x, residual, backend)`. `config.multipliers` scales the embedding and divides the logits (1 but for Granite).
+Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
 them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`.
 
 Tensor parallel (`HybridCausalLM(config, tp)`, see `hybridcache.layers.parallel`): each mixer and feed-forward
@@ -87,11 +91,11 @@ class DecoderLayer(nn.Module):
 class _Backbone(nn.Module):
     """Holds `embed_tokens`, `layers`, `norm` so that their names start with `model.`."""
 
-    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], norm: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = norm
 
 
 class HybridCausalLM(nn.Module):
@@ -104,6 +108,9 @@ class HybridCausalLM(nn.Module):
 
     deltanet_cls: type[nn.Module] = GatedDeltaNet
     supported_model_types: tuple[str, ...] = ()
+    # What the model has besides text generation in the model dtype (a loader or engine option asking for one it
+    # lacks is refused with a ValueError naming the architecture)
+    supports_fp8: bool = True
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
@@ -115,11 +122,8 @@ class HybridCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.vocab_shard = tp.split_padded(config.vocab_size)
-        layers = [
-            DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), config.hidden_size, config.rms_norm_eps)
-            for layer_id in range(config.num_hidden_layers)
-        ]
-        self.model = _Backbone(config, layers)
+        layers = [self._layer(layer_id) for layer_id in range(config.num_hidden_layers)]
+        self.model = _Backbone(config, layers, self._norm(config.hidden_size))
         self.lm_head = nn.Linear(config.hidden_size, self.vocab_shard.length, bias=False)
         self.tie_weights()
         self.eval()
@@ -130,6 +134,15 @@ class HybridCausalLM(nn.Module):
         tensor parallelism the lm_head is the rank's slice of the embedding, loaded as a copy (see `shards`)."""
         if self.config.tie_word_embeddings and self.tp.size == 1:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _layer(self, layer_id: int) -> nn.Module:
+        """Decoder layer `layer_id`: a `DecoderLayer` of `_mixer` and `_mlp`."""
+        c = self.config
+        return DecoderLayer(*self._mixer(layer_id), self._mlp(layer_id), c.hidden_size, c.rms_norm_eps)
+
+    def _norm(self, dim: int) -> nn.Module:
+        """The final norm: zero-centred RMSNorm."""
+        return ZeroCenteredRMSNorm(dim, eps=self.config.rms_norm_eps)
 
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         """(checkpoint name, module) of layer `layer_id`'s token mixer."""
@@ -189,6 +202,8 @@ class HybridCausalLM(nn.Module):
         logits = self.tp.all_gather_last(module_linear(self.lm_head, hidden))  # [.., size x ceil(vocab / size)]
         vocab = self.config.vocab_size
         logits = logits if logits.shape[-1] == vocab else logits[..., :vocab]
+        scaling = self.config.multipliers.logits_scaling
+        logits = logits if scaling == 1.0 else logits / scaling  # (Granite; in the lm_head's dtype, as transformers)
         return logits if raw else logits.float()
 
     def state_specs(self, dtype: torch.dtype, state_dtype: torch.dtype) -> tuple[LayerSpec, ...]:
@@ -241,6 +256,8 @@ class HybridCausalLM(nn.Module):
         hidden = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         if batch.embeds is not None:
             hidden[batch.embed_rows] = batch.embeds.to(hidden.dtype)
+        if self.config.multipliers.embedding != 1.0:  # (Granite)
+            hidden = hidden * self.config.multipliers.embedding
         rope = batch_cos_sin(batch, self.config.attention, hidden.dtype)  # image tokens: 3-D positions
         step = StepContext(batch=batch, backend=backend, rope=rope, splitter=splitter)
         pending = None  # the last layer's output not yet added to hidden (`DecoderLayer.forward_split`)

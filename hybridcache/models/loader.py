@@ -8,12 +8,15 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    tied config whose checkpoint holds an `lm_head.weight` that differs from the embedding is not tied (a warning
    says so: both are loaded), and one whose checkpoint holds `lm_head.weight` without the embedding ties the
    embedding to it;
-2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
+2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there); Granite's
+   MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
+   `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
+   -> `router.weight`;
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
    - stacked, as transformers' in-memory modules hold them: `...mlp.experts.gate_up_proj` [E, 2I, H]
-     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I];
+     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` too);
 4. every other name must equal one of our parameter names exactly.
 
 A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
@@ -61,7 +64,12 @@ from hybridcache.models.registry import get_model_class
 LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."),)
-_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping renames it
+    (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
+    (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+    (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe)\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
 _EMBEDDING = "model.embed_tokens.weight"
 _logger = logging.getLogger(__name__)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (torch >= 2.7)
@@ -131,10 +139,14 @@ def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path],
 
 
 def model_name(checkpoint_name: str) -> str:
-    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` applied)."""
+    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` and `RENAMED_SUFFIXES` applied)."""
     for old, new in RENAMED_PREFIXES:
         if checkpoint_name.startswith(old):
-            return new + checkpoint_name[len(old) :]
+            checkpoint_name = new + checkpoint_name[len(old) :]
+            break
+    for old, new in RENAMED_SUFFIXES:
+        if checkpoint_name.endswith(old):
+            return checkpoint_name[: -len(old)] + new
     return checkpoint_name
 
 
@@ -377,6 +389,7 @@ def load_model(
     config = ModelConfig.from_model_dir(model_dir)
     model_cls = get_model_class(config.architecture)
     fmt = _check_quantization(model_dir, quantization, load_format)
+    _check_fp8_support(model_cls, config, fmt is not None or quantization is not None, kv_fp8)
     if load_format == "dummy":
         target = _dummy_format(fmt, quantization)
         model = (_dummy_model(model_cls, config, target, dtype, device) if tp.size == 1
@@ -411,6 +424,8 @@ def check_split(
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
     fmt = _check_quantization(model_dir, quantization, load_format)
+    _check_fp8_support(get_model_class(config.architecture), config, fmt is not None or quantization is not None,
+                       kv_fp8=False)
     with torch.device("meta"):
         model = get_model_class(config.architecture)(config, tp)
     if load_format == "dummy":
@@ -491,6 +506,16 @@ def _checkpoint_fp8(fmt: quant.Fp8Format | None, dtypes: Mapping[str, str]) -> d
 def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quant.Fp8Format | None:
     """The FP8 format of a dummy model's linears: the config's, else the block format under `quantization`."""
     return fmt if fmt is not None else (quant.BLOCK if quantization is not None else None)
+
+
+def _check_fp8_support(model_cls: type[HybridCausalLM], config: ModelConfig, fp8_weights: bool, kv_fp8: bool) -> None:
+    """ValueError naming the architecture when FP8 weights (an FP8 checkpoint or `quantization`) or FP8 KV are asked
+    of a model class without them (`HybridCausalLM.supports_fp8`: Granite-4.0-H)."""
+    if model_cls.supports_fp8 or not (fp8_weights or kv_fp8):
+        return
+    asked = "FP8 weights (an FP8 checkpoint or --quantization fp8)" if fp8_weights else "an FP8 KV cache"
+    raise ValueError(f"{config.architecture} does not support {asked} in hybridcache yet; serve it in bf16 "
+                     f"(no --quantization, --kv-cache-dtype auto)")
 
 
 def _check_quantization(model_dir: Path, quantization: str | None, load_format: str) -> quant.Fp8Format | None:

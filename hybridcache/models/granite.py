@@ -1,0 +1,207 @@
+"""IBM Granite-4.0-H (`GraniteMoeHybridForCausalLM`, model_type `granitemoehybrid`): Mamba2 and attention layers,
+dense or MoE.
+
+Module tree (names equal the checkpoint tensor names; the loader renames three MoE tensors, `loader.RENAMED_SUFFIXES`)::
+
+    model.embed_tokens                                 [vocab, hidden], times embedding_multiplier
+    model.layers.{i}.input_layernorm                   RMSNorm (y = w * x / rms(x), not zero-centred)
+    model.layers.{i}.mamba                             Mamba2Mixer        (layer_types[i] "mamba")
+    model.layers.{i}.self_attn                         GraniteAttention   (layer_types[i] "attention")
+    model.layers.{i}.post_attention_layernorm
+    model.layers.{i}.shared_mlp.input_linear           [2 Is, hidden]  gate rows, then up rows
+    model.layers.{i}.shared_mlp.output_linear          [hidden, Is]
+    model.layers.{i}.block_sparse_moe.router           [E, hidden]     (checkpoint: router.layer.weight)
+    model.layers.{i}.block_sparse_moe.experts.{e}.*    gate_proj / up_proj / down_proj (checkpoint: input_linear
+                                                       [E, 2I, hidden] and output_linear [E, hidden, I], stacked)
+    model.norm, lm_head                                (logits divided by logits_scaling)
+
+A layer: h = h + m * mixer(norm(h)); h = h + m * ffn(norm(h)) with m = residual_multiplier and
+ffn = shared_mlp (+ the routed experts, top-k softmax over the top-k router logits, when num_local_experts > 0).
+The attention is plain GQA (no gate, no q/k norm) with softmax scale attention_multiplier, rotary only when
+position_embedding_type is "rope" (Granite-4.0-H: "nope").
+
+The RMSNorms run as torch ops on every device (transformers' rounding: normalised in fp32, rounded to the input
+dtype, then times the weight). Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from hybridcache.kernels.backend import KernelBackend
+from hybridcache.layers.fused import FusedProjection
+from hybridcache.layers.linear import module_linear, module_swiglu_linear
+from hybridcache.layers.mamba2 import Mamba2Mixer
+from hybridcache.layers.mlp import MLP
+from hybridcache.layers.parallel import UNSHARDED, TensorParallel
+from hybridcache.layers.step import StepContext
+from hybridcache.models.config import LayerKind, ModelConfig
+from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.state_spec import AttentionSpec, LayerState
+
+
+class RMSNorm(nn.Module):
+    """x [..., dim] -> weight * round(x / rms(x)) [..., dim] (`weight` initialised to 1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
+            fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it)."""
+        del fp8  # (FP8 is refused for Granite)
+        total = x + residual
+        return total, self.forward(total)
+
+
+class GraniteAttention(nn.Module):
+    """Causal GQA over the paged KV pool: q, k, v projections, RoPE on the whole head when `use_rope`, softmax
+    scale `scale`, o_proj."""
+
+    def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
+                 scale: float, use_rope: bool) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.use_rope = use_rope
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.qkv = FusedProjection(self.q_proj, self.k_proj, self.v_proj)
+
+    @property
+    def input_projection(self) -> FusedProjection:
+        return self.qkv
+
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> AttentionSpec:
+        """Paged KV in the model dtype (`state_dtype` is for recurrent state)."""
+        del state_dtype
+        return AttentionSpec(num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
+        """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] (updated in place)."""
+        num_tokens = hidden.shape[0]
+        query, key, value = self.qkv(hidden)
+        query = query.reshape(num_tokens, self.num_heads, self.head_dim)
+        key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.use_rope:
+            query, key = step.backend.rotary(query, key, *step.rope)
+        attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
+        return module_linear(self.o_proj, attn.reshape(num_tokens, -1))
+
+    def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """The layer's core (`StepContext.core`): key and value written to the pool, then the attention."""
+        step.backend.write_kv(kv_layer, key, value, step.batch)
+        return step.backend.attention(query, kv_layer, step.batch, scale=self.scale)
+
+
+class SharedMLP(nn.Module):
+    """x [N, hidden] -> output_linear(silu(gate) * up) with gate | up = input_linear(x) (the checkpoint's layout)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        gate, up = module_linear(self.input_linear, x).chunk(2, dim=-1)
+        return module_swiglu_linear(self.output_linear, gate, up, step.backend)
+
+
+class GraniteMoE(nn.Module):
+    """The routed experts (no shared expert: the layer adds `shared_mlp`): probs = softmax over the top-k router
+    logits (= the top-k of the softmax, renormalised: `backend.route`), out = sum_k w_k expert_k(x)."""
+
+    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        top_weights, top_ids = step.backend.route(module_linear(self.router, x).float(), self.top_k, True)
+        return step.backend.moe(x, top_weights.to(x.dtype), top_ids, self.experts)
+
+
+class GraniteDecoderLayer(nn.Module):
+    """h + m * mixer(input_layernorm(h)), then h + m * (shared_mlp + block_sparse_moe)(post_attention_layernorm(h))
+    (m: residual_multiplier); `forward_split` as `hybrid_lm.DecoderLayer`'s."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        c, mlp = config, config.mlp
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.residual_multiplier = c.multipliers.residual
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        moe = c.is_moe_layer(layer_id)
+        width = mlp.shared_expert_intermediate_size if moe else mlp.intermediate_size
+        self.shared_mlp = SharedMLP(c.hidden_size, width)
+        self.block_sparse_moe = GraniteMoE(c.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
+                                           intermediate_size=mlp.moe_intermediate_size) if moe else None
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward_split(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepContext,
+                      state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on hidden + pending, returned as (residual, out) whose sum is its output."""
+        if pending is None:
+            normed = self.input_layernorm(hidden)
+        else:
+            hidden, normed = self.input_layernorm.add(hidden, pending)
+        out = self._scaled(self.mixer(normed, step, state))
+        hidden, normed = self.post_attention_layernorm.add(hidden, out)
+        ffn = self.shared_mlp(normed, step)
+        if self.block_sparse_moe is not None:
+            ffn = self.block_sparse_moe(normed, step) + ffn
+        return hidden, self._scaled(ffn)
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
+
+
+class GraniteMoeHybridForCausalLM(HybridCausalLM):
+    supported_model_types = ("granitemoehybrid",)
+    supports_fp8 = False
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
+        if tp.size > 1:
+            raise ValueError(f"{config.architecture} does not run under tensor parallelism yet (tensor_parallel_size "
+                             f"{tp.size}): its Mamba2 layers are not split across ranks")
+        super().__init__(config, tp)
+
+    def _layer(self, layer_id: int) -> nn.Module:
+        return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)
+
+    def _norm(self, dim: int) -> nn.Module:
+        return RMSNorm(dim, self.config.rms_norm_eps)
+
+    def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
+        c = self.config
+        if c.layer_types[layer_id] is LayerKind.MAMBA2:
+            m = c.mamba2
+            return "mamba", Mamba2Mixer(
+                c.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
+                state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
+                proj_bias=m.proj_bias, eps=c.rms_norm_eps, time_step_limit=m.time_step_limit)
+        a = c.attention
+        return "self_attn", GraniteAttention(
+            c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, bias=a.bias,
+            scale=a.softmax_scale, use_rope=a.use_rope)
