@@ -198,6 +198,36 @@ def no_proxy_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     return monkeypatch
 
 
+@pytest.fixture
+def fake_proxy() -> Iterator[Callable[[Callable[[socket.socket, int], None]], tuple[str, list[bytes]]]]:
+    """`start(answer)`: a loopback HTTP proxy that records each request it reads and hands the connection and the
+    request's index to `answer`; returns (its URL, the requests so far)."""
+    listeners: list[socket.socket] = []
+
+    def start(answer: Callable[[socket.socket, int], None]) -> tuple[str, list[bytes]]:
+        proxy = socket.create_server(("127.0.0.1", 0))
+        listeners.append(proxy)
+        requests: list[bytes] = []
+
+        def serve() -> None:
+            with proxy:
+                while True:
+                    try:
+                        conn, _ = proxy.accept()
+                    except OSError:
+                        return
+                    with conn:
+                        requests.append(conn.recv(65536))
+                        answer(conn, len(requests) - 1)
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"http://127.0.0.1:{proxy.getsockname()[1]}", requests
+
+    yield start
+    for proxy in listeners:
+        proxy.close()
+
+
 def test_all_proxy_is_ignored_as_by_urllib(raw_server, no_proxy_env):
     """ALL_PROXY=socks5://... (common on dev machines) made every image URL a 500 (ImportError: socksio): httpx's
     trust_env built a SOCKS transport for the client whatever the host, NO_PROXY ones included."""
@@ -215,67 +245,37 @@ def test_a_socks_proxy_without_its_extra_is_an_image_error_naming_it(no_proxy_en
     assert "secret" not in str(caught.value)
 
 
-def test_the_proxy_of_the_url_scheme_is_used_unless_no_proxy_names_the_host(raw_server, no_proxy_env):
+def test_the_proxy_of_the_url_scheme_is_used_unless_no_proxy_names_the_host(raw_server, no_proxy_env, fake_proxy):
     body = png(8, 6)
-    requests: list[bytes] = []
-    proxy = socket.create_server(("127.0.0.1", 0))
-
-    def serve_proxy() -> None:
-        with proxy:
-            while True:
-                try:
-                    conn, _ = proxy.accept()
-                except OSError:
-                    return
-                with conn:
-                    requests.append(conn.recv(65536))
-                    png_answer(body)(conn)
-
-    threading.Thread(target=serve_proxy, daemon=True).start()
-    try:
-        no_proxy_env.setenv("http_proxy", f"127.0.0.1:{proxy.getsockname()[1]}")  # no scheme: http, as urllib's
-        no_proxy_env.setenv("https_proxy", "http://127.0.0.1:9")  # (another scheme's: not used)
-        assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
-        assert requests and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n"), requests
-        # a host no_proxy names is fetched directly, not through the (here dead) proxy
-        no_proxy_env.setenv("http_proxy", "http://127.0.0.1:9")
-        no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
-        assert load_image(raw_server(png_answer(body)), MediaLimits(fetch_timeout_s=5)).size == (8, 6)
-        assert len(requests) == 1
-    finally:
-        proxy.close()
+    proxy, requests = fake_proxy(lambda conn, _: png_answer(body)(conn))
+    no_proxy_env.setenv("http_proxy", proxy.removeprefix("http://"))  # no scheme: http, as urllib's
+    no_proxy_env.setenv("https_proxy", "http://127.0.0.1:9")  # (another scheme's: not used)
+    assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+    assert requests and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n"), requests
+    # a host no_proxy names is fetched directly, not through the (here dead) proxy
+    no_proxy_env.setenv("http_proxy", "http://127.0.0.1:9")
+    no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
+    assert load_image(raw_server(png_answer(body)), MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+    assert len(requests) == 1
 
 
-def test_each_redirect_hop_takes_the_proxy_of_its_own_url(raw_server, no_proxy_env):
+def test_each_redirect_hop_takes_the_proxy_of_its_own_url(raw_server, no_proxy_env, fake_proxy):
     """A proxied URL redirecting to a host no_proxy names was fetched through the first hop's proxy (one client
     for every hop): an internal image server behind NO_PROXY was asked for through the outside proxy."""
     direct = raw_server(png_answer(png(8, 6)))  # 127.0.0.1: no_proxy names it
-    requests: list[bytes] = []
-    proxy = socket.create_server(("127.0.0.1", 0))
 
-    def serve_proxy() -> None:
-        with proxy:
-            while True:
-                try:
-                    conn, _ = proxy.accept()
-                except OSError:
-                    return
-                with conn:
-                    requests.append(conn.recv(65536))
-                    if len(requests) == 1:
-                        conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\n"
-                                     b"Connection: close\r\n\r\n" % direct.encode())
-                    else:
-                        conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+    def answer(conn: socket.socket, index: int) -> None:
+        if index == 0:
+            conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                         % direct.encode())
+        else:
+            conn.sendall(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
 
-    threading.Thread(target=serve_proxy, daemon=True).start()
-    try:
-        no_proxy_env.setenv("http_proxy", f"http://127.0.0.1:{proxy.getsockname()[1]}")
-        no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
-        assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
-        assert len(requests) == 1 and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n")
-    finally:
-        proxy.close()
+    proxy, requests = fake_proxy(answer)
+    no_proxy_env.setenv("http_proxy", proxy)
+    no_proxy_env.setenv("no_proxy", "localhost,127.0.0.1")
+    assert load_image("http://images.invalid/cat.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+    assert len(requests) == 1 and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n")
 
 
 @pytest.fixture
