@@ -100,12 +100,6 @@ def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
     return keys
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The first of `api_keys` (the one the router polls its replicas with), else None."""
-    keys = api_keys(args)
-    return keys[0] if keys else None
-
-
 def allowed_origin_list(text: str) -> list[str]:
     """`--allowed-origins`' type: one origin, or vLLM's form, a JSON list of origins (`'["https://a.example"]'`);
     a value starting with `[` that is not a JSON list of strings is refused."""

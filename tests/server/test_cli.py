@@ -12,7 +12,7 @@ import pytest
 
 from hybridcache.cli import build_parser
 from hybridcache.models.builtin import BUILTIN_NAME
-from hybridcache.server.cli import api_key, served_model_names, server_config
+from hybridcache.server.cli import api_keys, served_model_names, server_config
 from hybridcache.server.reasoning import ReasoningParser
 from tests.engine.test_model_path import fake_hub_cache
 from tests.server.server_process import SMALL_ENGINE, metric_value, running_server
@@ -33,12 +33,12 @@ def test_served_names_default_to_the_model_argument_as_given():
 
 def test_api_key_flag_then_environment(monkeypatch):
     monkeypatch.delenv("HYBRIDCACHE_API_KEY", raising=False)
-    assert api_key(parse()) is None
+    assert api_keys(parse()) == ()
     monkeypatch.setenv("HYBRIDCACHE_API_KEY", "from-env")
-    assert api_key(parse()) == "from-env"
-    assert api_key(parse("--api-key", "flag")) == "flag"
+    assert api_keys(parse()) == ("from-env",)
+    assert api_keys(parse("--api-key", "flag")) == ("flag",)
     monkeypatch.setenv("HYBRIDCACHE_API_KEY", "")
-    assert api_key(parse()) is None
+    assert api_keys(parse()) == ()
 
 
 def test_allowed_origins_and_request_token_cap_reach_the_server_config():

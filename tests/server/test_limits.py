@@ -14,7 +14,7 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.sampling import SamplingParams
 from hybridcache.server.app import ServedModel, _Routes
-from hybridcache.server.cli import api_key
+from hybridcache.server.cli import api_keys
 from hybridcache.server.config import ServerConfig
 from hybridcache.server.engine_loop import EngineLoop
 from hybridcache.server.errors import APIError
@@ -57,17 +57,17 @@ def test_an_empty_api_key_warns(monkeypatch, caplog, flag, env):
     else:
         monkeypatch.setenv("HYBRIDCACHE_API_KEY", env)
     with caplog.at_level(logging.WARNING, logger="hybridcache.server"):
-        assert api_key(argparse.Namespace(api_key=flag)) is None
+        assert api_keys(argparse.Namespace(api_key=flag)) == ()
     assert any("WITHOUT an API key" in r.getMessage() for r in caplog.records)
 
 
 def test_a_key_given_or_absent_does_not_warn(monkeypatch, caplog):
     monkeypatch.setenv("HYBRIDCACHE_API_KEY", "from-env")
     with caplog.at_level(logging.WARNING, logger="hybridcache.server"):
-        assert api_key(argparse.Namespace(api_key="")) == "from-env"  # the environment's key still holds
-        assert api_key(argparse.Namespace(api_key="k")) == "k"
+        assert api_keys(argparse.Namespace(api_key="")) == ("from-env",)  # the environment's key still holds
+        assert api_keys(argparse.Namespace(api_key="k")) == ("k",)
         monkeypatch.delenv("HYBRIDCACHE_API_KEY")
-        assert api_key(argparse.Namespace(api_key=None)) is None  # no key asked for: nothing to warn about
+        assert api_keys(argparse.Namespace(api_key=None)) == ()  # no key asked for: nothing to warn about
     assert not caplog.records
 
 
