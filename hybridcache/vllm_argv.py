@@ -19,7 +19,8 @@ def vllm_argv(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]
       `--key value`, `true` as `--key`, `false` as `--no-key` (a flag with a --no- form; a plain switch is left
       off), a list as several values
       (`--key a b`, or `--key a --key b` for a repeatable flag), a dict as JSON text; a flag the command line also
-      gives is taken from the command line alone (it wins).
+      gives is taken from the command line alone (it wins; a MODEL first on the command line wins over the file's
+      `model:`, as in vLLM).
     - `--max_model_len 4096`: `_` in a known flag's name (up to the first `.` or `=`) is `-`.
     - `--speculative-config.method mtp --speculative-config.num_speculative_tokens 1`: a flag's dotted keys
       (`--flag.key value` or `--flag.key=value`, the value JSON or else text) are folded into one JSON dict,
@@ -132,7 +133,10 @@ def _expand_config(sub: argparse.ArgumentParser, args: list[str]) -> list[str]:
             rest = args[:i] + args[i + (1 if "=" in arg else 2):]
             # after the command line (whose own flags were left out of them): a multi-value flag of the file put
             # before a positional MODEL took MODEL for one of its values (vLLM keeps the positional first too)
-            return [*rest, *_config_items(sub, path, _given_dests(sub, rest))]
+            given = _given_dests(sub, rest)
+            if rest and not rest[0].startswith("-"):  # `serve MODEL --config f`: MODEL wins over the file's
+                given.add("model")                    # `model:`, as in vLLM (its model tag comes first)
+            return [*rest, *_config_items(sub, path, given)]
     return args
 
 

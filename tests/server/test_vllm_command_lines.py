@@ -13,7 +13,7 @@ import pytest
 from starlette.requests import Request
 
 from hybridcache.cli import main, parse_args
-from hybridcache.engine_args import engine_options, resolve_engine_config
+from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
 from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
 from hybridcache.router.app import RouterConfig, has_key
 from hybridcache.router.cli import replica_argv, router_config
@@ -154,6 +154,18 @@ def test_a_yaml_config_gives_flags_and_the_command_line_wins(tmp_path):
     assert json.loads(args.speculative_config) == {"method": "mtp", "num_speculative_tokens": 1}
     assert args.allowed_origins == ["https://a.example"] and args.data_parallel_size == 2
     assert replica_argv(args.argv, 8002, 9.5).count("--data-parallel-size") == 0
+
+
+def test_a_positional_model_wins_over_the_config_files_model(tmp_path):
+    """vLLM serves MODEL when both `serve MODEL` and the --config file's `model:` name one (its model tag first);
+    here that was "the model is given twice" (a config file shared by deployments could not be reused)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("model: from/file\nport: 9000\n")
+    args = serve("from/cli", "--config", str(config))
+    assert (model_argument(args), args.port) == ("from/cli", 9000)
+    assert model_argument(serve("--config", str(config))) == "from/file"
+    with pytest.raises(ValueError, match="given twice"):  # both on the command line: still refused
+        model_argument(serve("from/cli", "--model", "other/cli"))
 
 
 @pytest.mark.parametrize("last", ["served-model-name: my-model", "allowed-origins: ['https://a.example']",
