@@ -7,6 +7,10 @@
                                                  `previous_response_id` goes to the replica that stored that
                                                  response, alone (router/responses.py)
     GET  /v1/responses/{id}                      from the replica that stored it
+    POST /v1/messages                            Anthropic's Messages API: the same, rendered as the chat request
+                                                 it runs as (server/anthropic_protocol.py); its errors, the
+                                                 router's own included, in Anthropic's shape
+    POST /v1/messages/count_tokens               from the first up replica (of the body's `model`) that answers
     GET  /v1/models                              every up replica's cards, merged
     POST /tokenize, /detokenize; GET /version    from the first up replica (of the body's `model`) that answers
     POST /v1/cache/match                         from the replica the body would be routed to
@@ -73,6 +77,7 @@ from hybridcache.router.responses import (
     routed_cache_salt,
     stores,
 )
+from hybridcache.server.anthropic_protocol import COUNT_TOKENS_PATH, MESSAGES_PATH, anthropic_error_body, sent_keys
 from hybridcache.server.errors import NO_RETRY, APIError, error_body
 from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, max_token_bytes, read_body
 from hybridcache.server.responses import sse
@@ -81,7 +86,7 @@ from hybridcache.server.streaming import ClientGone, run_until_disconnect
 
 logger = logging.getLogger("hybridcache.router")
 RETRY_STATUSES = (502, 503, 504)
-FORWARDED_HEADERS = ("authorization", "content-type")
+FORWARDED_HEADERS = ("authorization", "x-api-key", "content-type")
 TOKENIZE_THREADS = 2  # the router's own threads that render and tokenize prompts (as a replica's TOKENIZER_THREADS)
 MAX_HELD_EVENT_BYTES = 16 << 20  # an unfinished event held back longer than this is passed on as it is
 _EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")  # the blank line that ends a server-sent event
@@ -364,6 +369,9 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        if _is_anthropic(_route_path(request)):  # as the replica answers on these routes
+            body = anthropic_error_body(error.status, error.message, error.param)
+            return JSONResponse(body, status_code=error.status, headers=error.headers)
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(StarletteHTTPException)  # an unknown route or method: OpenAI's error shape, as a replica's
@@ -380,7 +388,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         """A request without the API key is refused here, as a replica refuses it, before its body is read,
         rendered and tokenized: keyless clients' large chats held up keyed ones on the tokenizer threads."""
         if not has_key(request, config.api_keys):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
                            code="invalid_api_key")
 
     async def forward(request: Request) -> Response:
@@ -471,7 +479,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
                 # the replica's parser reads as false)
                 if upstream.status_code == 200 and _is_event_stream(upstream):
                     relayed = True
-                    return _RelayResponse(state, replica, upstream, predicted, learn)
+                    return _RelayResponse(state, replica, upstream, predicted, learn, _is_anthropic(path))
                 try:
                     content = await upstream.aread()
                 except _ACCEPTED_TIMEOUTS as error:
@@ -538,10 +546,11 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         raise APIError(503, "no replica is up")
 
     async def pass_through(request: Request) -> Response:
-        """A request any replica of its model answers alike (/tokenize, /detokenize, /version): sent as it came to
-        the first up replica that serves the JSON body's `model` (`RouterState.serving`) and takes it (one that
-        cannot be reached, or answers 502/503/504, passes it to the next)."""
-        if request.method == "POST":  # /tokenize and /detokenize need the key (/version does not)
+        """A request any replica of its model answers alike (/tokenize, /detokenize, /version,
+        /v1/messages/count_tokens): sent as it came to the first up replica that serves the JSON body's `model`
+        (`RouterState.serving`) and takes it (one that cannot be reached, or answers 502/503/504, passes it to the
+        next)."""
+        if request.method == "POST":  # the POST routes need the key (/version does not)
             authorize(request)
         raw = await read_body(request, config.max_request_bytes) if request.method == "POST" else b""
         model = None
@@ -606,6 +615,8 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.add_api_route("/v1/chat/completions", forward, methods=["POST"])
     app.add_api_route(RESPONSES_PATH, forward, methods=["POST"])
     app.add_api_route(RESPONSES_PATH + "/{stored_id}", stored_response, methods=["GET"])
+    app.add_api_route(MESSAGES_PATH, forward, methods=["POST"])
+    app.add_api_route(COUNT_TOKENS_PATH, pass_through, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/cache/match", cache_match, methods=["POST"])
     app.add_api_route("/tokenize", pass_through, methods=["POST"])
@@ -622,6 +633,11 @@ def _route_path(request: Request) -> str:
     """The request's path as the replicas serve it: without the `--root-path` prefix uvicorn puts before it."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+def _is_anthropic(path: str) -> bool:
+    """Whether `path` is one of Anthropic's routes, whose errors are Anthropic's error objects."""
+    return path in (MESSAGES_PATH, COUNT_TOKENS_PATH)
 
 
 def _model(body: Any) -> str | None:
@@ -650,15 +666,14 @@ def _timeout_body(state: RouterState, replica: Replica, error: httpx.TimeoutExce
 
 
 def has_key(request: Request, key: str | Sequence[str] | None) -> bool:
-    """Whether the request carries `key`, or one of the keys, as its bearer token (always true when there is
-    none); every key is compared, in constant time each."""
+    """Whether the request carries `key`, or one of the keys, as its bearer token or its `x-api-key` header
+    (`sent_keys`, as a replica reads them; always true when there is none); every key is compared, in constant time
+    each."""
     keys = () if key is None else (key,) if isinstance(key, str) else tuple(key)
     if not keys:
         return True
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    sent = token.strip().encode()
-    matches = [hmac.compare_digest(sent, one.encode()) for one in keys]
-    return scheme.lower() == "bearer" and any(matches)
+    matches = [hmac.compare_digest(sent, one.encode()) for sent in sent_keys(request.headers) for one in keys]
+    return any(matches)
 
 
 class _RelayResponse(StreamingResponse):
@@ -666,9 +681,10 @@ class _RelayResponse(StreamingResponse):
     even before its first chunk), the replica's in-flight count drops once and the upstream stream is closed."""
 
     def __init__(self, state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
-                 learn: bool = False) -> None:
+                 learn: bool = False, anthropic: bool = False) -> None:
         self._replica, self._upstream, self._open = replica, upstream, True
-        super().__init__(_relay(state, replica, upstream, predicted, self.release, learn),
+        self._anthropic = anthropic
+        super().__init__(_relay(state, replica, upstream, predicted, self.release, learn, anthropic),
                          media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -701,17 +717,20 @@ class _RelayResponse(StreamingResponse):
     async def _finish(self, send: Any, started: bool) -> None:
         if not started:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        for event in (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]")):
+        body = error_body(503, SHUTDOWN_MESSAGE)
+        events = (stream_error(body, 503, anthropic=True),) if self._anthropic else (sse(body), sse("[DONE]"))
+        for event in events:
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response, predicted: int | None,
-                 release: Any, learn: bool = False) -> AsyncIterator[bytes]:
+                 release: Any, learn: bool = False, anthropic: bool = False) -> AsyncIterator[bytes]:
     """Pass a stream through, whole events at a time (`EventRelay`); a cut after the first byte ends it with an
     error event and `[DONE]`, after the last whole event (an incomplete one is dropped). `release()` once the
     upstream has ended, before the replica's events are polled. `learn`: a Responses stream whose id (its first
-    event's) is remembered as stored on `replica`."""
+    event's) is remembered as stored on `replica`. `anthropic`: a Messages stream, whose error event is Anthropic's
+    (`stream_error`)."""
     events = EventRelay()
     head = StreamHead() if learn else None
     try:
@@ -724,18 +743,27 @@ async def _relay(state: RouterState, replica: Replica, upstream: httpx.Response,
             yield rest
     except _ACCEPTED_TIMEOUTS as error:  # slow, not down
         state.num_failed += 1
-        yield f"data: {json.dumps(_timeout_body(state, replica, error))}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error(_timeout_body(state, replica, error), 504, anthropic)
         return
     except httpx.HTTPError as error:
         replica.mark_down(f"stream cut: {type(error).__name__}: {error}")
         state.num_failed += 1
         message = f"replica {replica.url} failed mid-stream: {type(error).__name__}: {error}"
-        yield f"data: {json.dumps(error_body(502, message))}\n\ndata: [DONE]\n\n".encode()
+        yield stream_error(error_body(502, message), 502, anthropic)
         return
     finally:
         await release()
     _record_usage(replica, stream_usage(events.usage_event), predicted)
     await replica.poll(state.client, state.config.poll_timeout_s, state.poll_headers)
+
+
+def stream_error(body: dict[str, Any], status: int, anthropic: bool) -> bytes:
+    """The events that end a relayed stream the router cuts: the OpenAI error `body` and `data: [DONE]`, or on a
+    Messages stream (`anthropic`) Anthropic's `event: error` with the same message (as the replica ends its own)."""
+    if not anthropic:
+        return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    error = anthropic_error_body(status, body["error"]["message"])
+    return f"event: error\ndata: {json.dumps(error)}\n\n".encode()
 
 
 class EventRelay:
@@ -804,13 +832,20 @@ def _record_usage(replica: Replica, usage: dict | None, predicted: int | None) -
 
 def record_usage(name: str, counters: ReplicaCounters, usage: dict | None, predicted: int | None) -> None:
     """Add a response's `usage` (if it has one: completions' and chat's `prompt_tokens`, the Responses API's
-    `input_tokens`) and the router's prediction for it to a replica's counters; nothing without a prediction
-    (a request continuing a stored response)."""
+    `input_tokens`, the Messages API's `input_tokens` + `cache_read_input_tokens` + `cache_creation_input_tokens`)
+    and the router's prediction for it to a replica's counters; nothing without a prediction (a request continuing
+    a stored response)."""
     if not usage or predicted is None:
         return
-    responses = "input_tokens" in usage
-    details = usage.get("input_tokens_details" if responses else "prompt_tokens_details") or {}
-    prompt_tokens = usage.get("input_tokens" if responses else "prompt_tokens")
+    if "cache_read_input_tokens" in usage:  # Anthropic's: input_tokens are the uncached ones
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        details = {"cached_tokens": cached}
+        prompt_tokens = int(usage.get("input_tokens") or 0) + cached + \
+            int(usage.get("cache_creation_input_tokens") or 0)
+    else:
+        responses = "input_tokens" in usage
+        details = usage.get("input_tokens_details" if responses else "prompt_tokens_details") or {}
+        prompt_tokens = usage.get("input_tokens" if responses else "prompt_tokens")
     logger.debug("%s: predicted %d hit tokens, reported %s of %s", name, predicted, details.get("cached_tokens"),
                  prompt_tokens)
     counters.reported_hit_tokens += int(details.get("cached_tokens") or 0)

@@ -5,6 +5,7 @@
                             tools, ...)
     POST /v1/responses      the chat request it runs as; one that continues a stored response: none (its
                             conversation is on its replica, router/responses.py)
+    POST /v1/messages       the chat request it runs as (server/anthropic_protocol.py)
 
 then, as the replica treats them:
 
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridcache.router.responses import RESPONSES_PATH
+from hybridcache.server.anthropic_protocol import MESSAGES_PATH, MessagesRequest
+from hybridcache.server.anthropic_protocol import chat_request as anthropic_chat_request
 from hybridcache.server.prompt_ids import body_prompt_ids
 from hybridcache.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -75,6 +78,8 @@ def routed_prompt_ids(path: str, body: Any, tokenizer: Any, template_kwargs: dic
         if request.previous_response_id:
             return []
         body = chat_request(request, input_messages(request.input))
+    elif path == MESSAGES_PATH:  # (an image block is let through: `body_prompt_ids` predicts it as a stand-in)
+        body = anthropic_chat_request(parse_request(MessagesRequest, body), takes_images=True)
     try:
         body_prompt_ids(body, tokenizer, template_kwargs, _stop_before_encoding)
     except _Rendered as rendered:
