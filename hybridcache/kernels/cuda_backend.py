@@ -291,19 +291,35 @@ class CudaBackend:
     ) -> torch.Tensor:
         """The torch reference scan (no Triton SSD kernel yet; flash-linear-attention ships none): correct, slow at
         prefill. All-decode: `ssd_step` over every row at once, slots and fresh rows (context_len 1) read on the
-        device (no host sync: a decode graph may capture it); else `backend.mamba2_scan`, each sequence alone."""
+        device (no host sync: a decode graph may capture it). One sequence (no verify rows): `ssd_chunk_scan` over
+        every row, its length, freshness and slot read on the device, the rows past its length made inert (dt, x,
+        B, C zero: the state passes them unchanged), as a whole-step graph (`prefill_graphs.SequenceGraphs`, which
+        `masks_padding_rows` allows) captures it on a bucket of rows. Else `backend.mamba2_scan`, each sequence
+        alone from the host lengths (the piecewise graphs run cores eagerly on the step's own rows)."""
         if not self._said_reference_scan:
             self._said_reference_scan = True
             _logger.info("Mamba2 layers run the torch reference scan on CUDA (no SSD kernel yet): correct, slower "
                          "prefill")
-        if not _metadata(batch).all_decode:
+        if not _metadata(batch).all_decode and (batch.num_seqs > 1 or batch.draft_rows is not None):
             return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit, decode=None)
-        slots = batch.state_slots
-        state = ssm_layer.index_select(0, slots)
-        state = torch.where((batch.context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
-        y, state = mamba2_ref.ssd_step(x, mamba2_ref.discretized_dt(dt, dt_bias, dt_limit), -torch.exp(A_log.float()),
-                                       B, C, D, state)
-        ssm_layer.index_copy_(0, slots, state.to(ssm_layer.dtype))
+        A = -torch.exp(A_log.float())  # noqa: N806
+        steps = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
+        if _metadata(batch).all_decode:
+            slots = batch.state_slots
+            state = ssm_layer.index_select(0, slots)
+            state = torch.where((batch.context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
+            y, state = mamba2_ref.ssd_step(x, steps, A, B, C, D, state)
+            ssm_layer.index_copy_(0, slots, state.to(ssm_layer.dtype))
+            return y
+        length = batch.cu_seqlens[1] - batch.cu_seqlens[0]
+        valid = torch.arange(x.shape[0], device=x.device) < length  # [T]
+        x, steps, B, C = (torch.where(valid.view(-1, *(1,) * (t.dim() - 1)), t.float(), 0.0)  # noqa: N806
+                          for t in (x, steps, B, C))
+        slot = batch.state_slots[:1]
+        state = ssm_layer.index_select(0, slot)[0]
+        state = torch.where(batch.context_lens[0] == length, torch.zeros_like(state), state)  # fresh
+        y, state = mamba2_ref.ssd_chunk_scan(x, steps, A, B, C, D, state)
+        ssm_layer.index_copy_(0, slot, state[None].to(ssm_layer.dtype))
         return y
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:

@@ -6,6 +6,7 @@ op on the GPU, the conv on its Triton kernels."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -22,6 +23,9 @@ HEADS, HEAD_DIM, GROUPS, STATE = 8, 16, 2, 32
 
 MIXED = ([(0, 70), (130, 1), (37, 200), (0, 1), (63, 65), (5, 1)], [4, 0, 2, 5, 7, 1])
 DECODE = ([(130, 1), (0, 1), (63, 1), (200, 1)], [3, 6, 0, 1])  # one fresh 1-token prompt among them
+FRESH = ([(0, 150)], [3])  # one sequence: the path a whole-step graph captures
+CONTINUING = ([(37, 90)], [5])
+CASES = {"mixed": MIXED, "decode": DECODE, "one-fresh": FRESH, "one-continuing": CONTINUING}
 
 
 def engine_batch(lengths: list[tuple[int, int]], slots: list[int], device: str):
@@ -59,7 +63,7 @@ def compare_scans(fast_backend, device: str, dtype: torch.dtype, case, tol: dict
         torch.testing.assert_close(ssm, ssm_ref, **tol)  # every slot, the untouched ones included
 
 
-@pytest.mark.parametrize("case", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_cuda_backend_scan_paths_match_the_reference_on_cpu(case, caplog) -> None:
     from hybridcache.kernels.cuda_backend import CudaBackend
 
@@ -70,9 +74,34 @@ def test_cuda_backend_scan_paths_match_the_reference_on_cpu(case, caplog) -> Non
     assert len(said) == 1, said  # one log line, on the first scan only
 
 
+@pytest.mark.parametrize("case", [FRESH, CONTINUING], ids=["fresh", "continuing"])
+def test_one_sequence_scan_reads_its_geometry_on_the_device(case) -> None:
+    """As a whole-step graph runs it (`prefill_graphs.SequenceGraphs`): the rows of a bucket bigger than the
+    sequence, the padding rows NaN (unwritten conv output), the host lengths those of the capture; the real rows'
+    outputs and the state equal the reference's on the real step, and the padding rows' outputs are finite."""
+    from hybridcache.kernels.cuda_backend import CudaBackend
+
+    backend, bucket = CudaBackend(ReferenceAttention()), 256
+    raw = engine_batch(*case, device="cpu")
+    rows = raw.input_ids.shape[0]
+    inputs = scan_inputs(rows, "cpu", torch.float32)
+    padded = {name: torch.cat([t, torch.full((bucket - rows, *t.shape[1:]), float("nan"))])
+              if t.shape[0] == rows and name not in ("A_log", "dt_bias", "D") else t for name, t in inputs.items()}
+    captured = dataclasses.replace(raw, query_lens_cpu=(bucket,), context_lens_cpu=(bucket,))  # (a fresh capture)
+    ssm = torch.randn(NUM_SLOTS, HEADS, HEAD_DIM, STATE, generator=torch.Generator().manual_seed(1))
+    ssm_ref = ssm.clone()
+    limit = (0.0, float("inf"))
+    got = backend.ssd_scan(**padded, ssm_layer=ssm, batch=backend.prepare(captured), dt_limit=limit)
+    want = ReferenceBackend().ssd_scan(**inputs, ssm_layer=ssm_ref, batch=ReferenceBackend().prepare(raw),
+                                       dt_limit=limit)
+    torch.testing.assert_close(got[:rows], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ssm, ssm_ref, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got[rows:]).all()
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", [MIXED, DECODE], ids=["mixed", "decode"])
+@pytest.mark.parametrize("case", list(CASES.values()), ids=list(CASES))
 def test_cuda_backend_mamba2_ops_match_the_reference_on_cuda(case, dtype: torch.dtype) -> None:
     from hybridcache.kernels.backend import get_backend
 
