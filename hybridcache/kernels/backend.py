@@ -317,11 +317,12 @@ class ReferenceBackend:
     """The torch reference kernels behind the `KernelBackend` ops (any device; the CPU ground truth).
 
     Recurrent ops: sequences decoding one token from a saved state go through the batched step kernels
-    (`causal_conv1d_step`, `gated_delta_rule_step`); every other sequence runs alone through the
-    sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
-    fresh token); a verify row of speculative decoding (`batch.draft_slots_cpu`) runs its positions as decode
-    steps (`gated_delta_rule_verify`) and keeps the conv and recurrent state after each of its first n positions
-    in its draft rows. Attention: its `attention_backend` (default `ReferenceAttention`: `paged_attention`).
+    (`causal_conv1d_step`, `gated_delta_rule_step`, Mamba2's `ssd_step`); every other sequence runs alone through
+    the sequence kernels (`causal_conv1d`, `chunk_gated_delta_rule`, or `recurrent_gated_delta_rule` for one
+    fresh token; Mamba2's `ssd_chunk_scan`); a verify row of speculative decoding (`batch.draft_slots_cpu`) runs
+    its positions as decode steps (`gated_delta_rule_verify`, `ssd_states_after`) and keeps the conv and recurrent
+    state after each of its first n positions in its draft rows. Attention: its `attention_backend` (default
+    `ReferenceAttention`: `paged_attention`).
     """
 
     supports_verify_states = True  # speculative decoding's verify rows (a backend without it is refused)
