@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridcache.config import EngineConfig
 from hybridcache.engine.engine import LLMEngine
@@ -19,6 +20,7 @@ from tests.models.granite_helpers import granite_model
 
 from .markers import needs_cuda_engine
 from .test_cache_equivalence import CUDA_FP32, assert_same, finish_one, make_engine, run_workload, tokens
+from .test_prefill_graphs import make_runner, split_and_unsplit, steps
 
 
 def write_tiny_granite(path: Path, variant: str, seed: int = 0) -> Path:
@@ -85,6 +87,27 @@ def test_llm_generate_with_and_without_the_prefix_cache(model_dir):
         llm.close()
     assert outputs[True] == outputs[False]
     assert hits[True][0] == 0 and sum(hits[True]) > 0 and hits[False] == [0, 0, 0]
+
+
+def test_split_forward_equals_unsplit_on_cpu(model_dir):
+    """Piecewise prefill graphs cut Granite's forward at its cores (the Mamba2 conv + scan, the attention) like
+    Qwen's: the split forward (pieces on a bucket's padded rows, cores eagerly) equals the unsplit one, logits and
+    every pool, bit for bit where no row is padding (as `test_prefill_graphs`)."""
+    from hybridcache.engine.prefill_graphs import PrefillGraphs
+
+    device = torch.device("cpu")
+    runner = make_runner(model_dir, device)
+    sizes = (41, 190, 256)
+    runner._prefill = PrefillGraphs(runner.model, runner.backend, runner.pools, sizes, device)
+    for index, (want, got, unsplit_pools, split_pools) in enumerate(split_and_unsplit(runner, sizes, replay=False)):
+        assert got.shape == want.shape == (len(steps(device)[index].query_lens_cpu), 320)
+        if index < 2:
+            assert torch.equal(got, want), index
+            assert all(torch.equal(a, b) for a, b in zip(unsplit_pools, split_pools, strict=True)), index
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            for a, b in zip(unsplit_pools, split_pools, strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
 
 
 @needs_cuda_engine
