@@ -144,12 +144,13 @@ class _Messages:
         takes_images = self.routes.model.image_processor is not None
 
         def build() -> ChatCompletionRequest:
-            return parse_request(ChatCompletionRequest, chat_request(body, takes_images))
+            chat = chat_request(body, takes_images)  # (its errors name this request's fields)
+            try:
+                return parse_request(ChatCompletionRequest, chat)
+            except APIError as error:
+                raise _renamed(error) from None
 
-        try:
-            return await self.routes.in_pool(build)
-        except APIError as error:
-            raise _renamed(error) from None
+        return await self.routes.in_pool(build)
 
     async def create(self, request: Request) -> Response:
         routes = self.routes
