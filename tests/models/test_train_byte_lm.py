@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.train_byte_lm import CORPUS_FILE, RECORD_FILE, TrainOptions, corpus_bytes, train
+from benchmarks.train_byte_lm import CORPUS_FILE, RECORD_FILE, TrainOptions, train
 from hybridcache import LLM
 from hybridcache.models import load_model
 from hybridcache.models.mtp import MTP_FILE, load_mtp_head
@@ -20,12 +20,15 @@ from tests.engine.model_folders import load_hf_model
 from .helpers import rel_err
 
 PROMPT_LEN = 200
+# The first 60,000 bytes of this repository's README.md and docs/*.md as they once were: the checkout's would change
+# with every documentation edit (what 8 steps can learn; which windows a test draws, and their rounding)
+FROZEN_CORPUS = Path(__file__).parent / "data" / "byte_lm_corpus.txt"
 
 
 def test_training_lowers_the_loss_and_the_folder_matches_transformers(tmp_path):
     # A frozen corpus (the first 60,000 bytes of this repository's README.md and docs/*.md as they once were), not
     # the checkout's: a documentation edit changes what 8 steps can learn, and with it the loss this test bounds.
-    corpus = (Path(__file__).parent / "data" / "byte_lm_corpus.txt").read_bytes()
+    corpus = FROZEN_CORPUS.read_bytes()
     options = TrainOptions(steps=8, batch=4, seq_len=256, log_every=4, seed=1, mtp_steps=4)
     record = train(tmp_path, options, corpus=corpus, shape={})  # tiny_hf_config's shape: hidden 64
     assert record["held_out_loss"] < record["held_out_loss_before"] - 1.0, record
@@ -80,7 +83,7 @@ def test_the_head_trains_on_cached_hidden_states_equal_to_a_fresh_forward(monkey
     options = TrainOptions(batch=4, seq_len=256, seed=3, mtp_steps=5)
     model = getattr(transformers, HF_CLASSES["qwen3_next"])(byte_config("qwen3_next")).eval().requires_grad_(False)
     randomize_(model, seed=5)
-    train_bytes, _ = split(corpus_bytes()[:40_000])
+    train_bytes, _ = split(FROZEN_CORPUS.read_bytes()[:40_000])  # (the checkout's docs would move the windows)
     got = list(training_windows(model, train_bytes, options))
     assert len(got) == options.mtp_steps
     generator = torch.Generator().manual_seed(options.seed + 1)
