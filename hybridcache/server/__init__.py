@@ -2,6 +2,8 @@
 
     app.py           FastAPI routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
     responses_api.py /v1/responses (OpenAI's Responses API over the chat pipeline)
+    anthropic_api.py /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API over the chat pipeline);
+                     anthropic_protocol.py: its request shapes and their translation to a chat request
     tokenize_api.py  vLLM's /tokenize, /detokenize and /version
     engine_loop.py   the one thread that owns the engine; handlers reach it only through its command queue
     engine_state.py  the one adapter that reads the engine's memory and cache counters
