@@ -6,9 +6,12 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
     state_bytes        = DeltaNet layers * (conv_dim * (kernel - 1) * dtype bytes          (conv state)
                                             + v_heads * k_head_dim * v_head_dim * ssm bytes)  (recurrent state:
                                               4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
+                         + Mamba2 layers * (conv_dim * (kernel - 1) * dtype bytes + heads * head_dim * state_size
+                                            * ssm bytes)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
+                         + Mamba2 layers * 6 * heads * head_dim * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
     prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
 
@@ -30,7 +33,7 @@ from pathlib import Path
 from hybridcache.cache import CostModel
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
-from hybridcache.models.config import ModelConfig
+from hybridcache.models.config import LayerKind, ModelConfig
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
@@ -64,39 +67,59 @@ class ModelCost:
     @classmethod
     def from_config(cls, config: ModelConfig, name: str = "", ssm_dtype: str = "float32") -> ModelCost:
         """`ssm_dtype`: the recurrent state's dtype in the state slots (the engine's `mamba_ssm_cache_dtype`)."""
-        c, attention, delta, mlp = config, config.attention, config.gated_delta, config.mlp
+        c, attention, mlp = config, config.attention, config.mlp
         dtype_bytes = _DTYPE_BYTES.get(c.torch_dtype, 2)
         ssm_bytes = _DTYPE_BYTES[ssm_dtype]
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
-        attn_params = h * 2 * q_dim + 2 * h * kv_dim + q_dim * h  # q + output gate, k, v, o
-        vh = delta.num_v_heads
-        linear_params = (
-            h * (2 * delta.key_dim + 2 * delta.value_dim)  # q, k, v, z
-            + h * 2 * vh  # b, a
-            + delta.conv_dim * delta.conv_kernel_size
-            + delta.value_dim * h
-        )
+        granite = c.model_type == "granitemoehybrid"  # plain attention, an ungated shared expert
+        attn_params = h * (1 if granite else 2) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ output gate), k, v, o
+        # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
+        recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
+                     for kind in set(c.layer_types) - {LayerKind.FULL_ATTENTION}}
         params = h * c.vocab_size  # lm_head
+        flops = 0
+        state_bytes = h * dtype_bytes  # the last hidden state
         for layer_id, kind in enumerate(c.layer_types):
-            params += attn_params if kind == "full_attention" else linear_params
+            if kind is LayerKind.FULL_ATTENTION:
+                params += attn_params
+            else:
+                params += recurrent[kind][0]
+                flops += recurrent[kind][1]
+                state_bytes += recurrent[kind][2]
             if c.is_moe_layer(layer_id):
                 params += h * mlp.num_experts + mlp.num_experts_per_tok * 3 * h * mlp.moe_intermediate_size
-                params += 3 * h * mlp.shared_expert_intermediate_size + h
+                params += 3 * h * mlp.shared_expert_intermediate_size + (0 if granite else h)
             else:
                 params += 3 * h * (mlp.intermediate_size or 0)
-        recurrent = c.num_linear_layers * 6 * vh * delta.k_head_dim * delta.v_head_dim
         return cls(
             name=name or c.architecture,
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,
-            state_bytes=c.num_linear_layers * (
-                delta.conv_dim * delta.conv_width * dtype_bytes + vh * delta.k_head_dim * delta.v_head_dim * ssm_bytes
-            ) + h * dtype_bytes,
-            flops_per_token=float(2 * params + recurrent),
+            state_bytes=state_bytes,
+            flops_per_token=float(2 * params + flops),
             attn_flops_per_token_pair=float(4 * c.num_attention_layers * q_dim),
             ssm_dtype=ssm_dtype,
         )
+
+
+def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes: int) -> tuple[int, int, int]:
+    """(parameters, state update + readout FLOPs per token, state bytes) of one recurrent layer of `kind`."""
+    h = c.hidden_size
+    if kind is LayerKind.MAMBA2:
+        m = c.mamba2
+        assert m is not None
+        state = m.num_heads * m.head_dim * m.state_size
+        params = (h * (m.intermediate_size + m.conv_dim + m.num_heads)  # in_proj: z, x | B | C, dt
+                  + m.conv_dim * m.conv_kernel_size + m.intermediate_size * h)  # conv, out_proj
+        return params, 6 * state, m.conv_dim * m.conv_width * dtype_bytes + state * ssm_bytes
+    delta = c.gated_delta
+    vh = delta.num_v_heads
+    state = vh * delta.k_head_dim * delta.v_head_dim
+    params = (h * (2 * delta.key_dim + 2 * delta.value_dim)  # q, k, v, z
+              + h * 2 * vh  # b, a
+              + delta.conv_dim * delta.conv_kernel_size + delta.value_dim * h)
+    return params, 6 * state, delta.conv_dim * delta.conv_width * dtype_bytes + state * ssm_bytes
 
 
 def builtin_model_config() -> ModelConfig:

@@ -3,8 +3,10 @@ config, bytes from the state specs as the memory plan sized them, not `CostModel
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hybridcache.cache import CostModel
@@ -13,6 +15,9 @@ from hybridcache.config import EngineConfig
 from hybridcache.engine.cost_model import ModelCost
 from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine.memory import pool_bytes, state_pages
+from hybridcache.models import ModelConfig, get_model_class
+from hybridcache.state_spec import AttentionSpec, RecurrentSpec
+from tests.models.granite_helpers import granite_model
 
 from .model_folders import write_tiny_model
 
@@ -58,3 +63,35 @@ def test_flop_aware_eviction_ranks_with_the_models_real_state_bytes(tmp_path):
     tail = checkpoint(3, 2000, 0, True)
     assert policy.efficiency(tail) / policy.efficiency(deep) == k * kv_block / ((k + 1) * kv_block)
     assert placeholder.efficiency(tail) / placeholder.efficiency(deep) == 64 / 80
+
+
+def spec_bytes(tensors) -> int:
+    return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
+
+
+@pytest.mark.parametrize("variant", ["dense-rope", "moe-nope"])
+def test_granite_costs_count_its_mamba2_layers(variant):
+    """A Granite-4.0-H model's cost: its state bytes are its Mamba2 layers' state specs (they were counted as
+    DeltaNet layers with Qwen's default sizes), its FLOPs per token twice its active matmul parameters plus the
+    Mamba2 scans'."""
+    hf = granite_model(variant)
+    config = ModelConfig.from_dict(hf.config.to_dict())
+    model = get_model_class("GraniteMoeHybridForCausalLM")(config)
+    cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
+
+    specs = model.state_specs(torch.float32, torch.bfloat16)
+    recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec)]
+    assert len(recurrent) == len(config.mamba2_layer_ids) == 3
+    hidden = spec_bytes(model.slot_specs(torch.float32))
+    assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
+    kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
+    assert cost.kv_bytes_per_token == sum(2 * s.num_kv_heads * s.head_dim * 4 for s in kv)
+
+    m, mlp = config.mamba2, config.mlp
+    matmuls = sum(p.numel() for name, p in model.named_parameters()
+                  if p.ndim >= 2 and "embed_tokens" not in name and "experts" not in name)
+    if mlp.num_experts:  # only the top-k experts' weights are read per token
+        per_expert = 3 * config.hidden_size * mlp.moe_intermediate_size
+        matmuls += len(config.layer_types) * mlp.num_experts_per_tok * per_expert
+    scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size
+    assert cost.flops_per_token == 2 * matmuls + scans
