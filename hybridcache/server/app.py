@@ -23,7 +23,7 @@
 
 Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
 `Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
-asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 32 levels, with no lone surrogates
+asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 128 levels, with no lone surrogates
 (body_checks.py); with the opt-in `max_request_tokens`, a request may ask for at most that many tokens
 (n x max_tokens). /v1 routes and the debug route need the API key when one is configured (checked before a query
 parameter is; a bad one is a 400 error object too). With `allowed_origins` set, CORS headers let those origins

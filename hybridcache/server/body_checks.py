@@ -20,7 +20,7 @@ from typing import Any
 
 from hybridcache.server.errors import APIError
 
-MAX_JSON_DEPTH = 32
+MAX_JSON_DEPTH = 128
 
 # Request fields this server does not implement, with the values that mean "off" (sending one of those is
 # the same as leaving the field out). Implementing a field = removing its entry here and handling it in

@@ -64,7 +64,7 @@ RAW_CASES = [
     ("surrogate-model", "/v1/completions", '{"model": "a\\ud800b", "prompt": "hi"}', "application/json", 400,
      "model", "surrogate"),
     ("nested-100000", "/v1/completions", _nested_body(100_000), "application/json", 400, None, "nested"),
-    ("nested-40", "/v1/completions", _nested_body(40), "application/json", 400, "x", "nested"),
+    ("nested-140", "/v1/completions", _nested_body(140), "application/json", 400, "x", "nested"),
     ("huge-integer", "/v1/completions", '{"prompt": "hi", "seed": 1' + "0" * 5000 + "}", "application/json", 400,
      None, "valid JSON"),
     ("nan", "/v1/completions", '{"prompt": "hi", "temperature": NaN}', "application/json", 400, "temperature",
@@ -169,7 +169,7 @@ def _nest(depth: int) -> object:
     return value
 
 
-# Deep nesting: around and well past the 32-level limit of body_checks.py.
+# Deep nesting: around and well past the 128-level limit of body_checks.py.
 _DEEP = st.integers(min_value=20, max_value=400).map(_nest)
 
 # A request is a valid body with up to three fields, known or not, replaced by an edge value (out of range, of

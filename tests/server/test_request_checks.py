@@ -77,6 +77,17 @@ def test_deep_nesting_names_where_it_is_too_deep():
     assert error.param == "extra" and "extra.a.a.a" in error.message and str(MAX_JSON_DEPTH) in error.message
 
 
+def test_a_tool_schema_as_deep_as_client_libraries_write_them_passes():
+    """LangChain's bind_tools inlines a pydantic model's $defs: a tool of models eight deep (lists and Optionals
+    between) is ~33 levels of body, past the old limit of 32 (a 400 where vLLM, which has no limit, serves it)."""
+    schema: dict = {"type": "string"}
+    for _ in range(30):  # 60 levels: 30 nested objects, each `properties` -> its field
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required"}
+    assert parse_request(ChatCompletionRequest, body).tool_dicts()[0]["function"]["parameters"] == schema
+
+
 @pytest.mark.parametrize("name", sorted(UNSUPPORTED_FIELDS))
 def test_every_unsupported_field_is_refused_by_name_unless_neutral(name):
     neutral = UNSUPPORTED_FIELDS[name]
