@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -36,6 +37,8 @@ from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
 class GroupGatedRMSNorm(nn.Module):
     """Mamba2's gated RMSNorm: x, gate [T, I] -> weight * group_rms_norm(x * silu(gate)) [T, I] in gate's dtype
     (`backend.gated_group_rms_norm`), the norm over each group of `group_size` channels; `weight` initialised to 1."""
+
+    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
 
     def __init__(self, dim: int, group_size: int, eps: float) -> None:
         super().__init__()

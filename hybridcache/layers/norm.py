@@ -13,6 +13,8 @@ launch on CUDA (`kernels.backend.add_rms_norm_fp8` / `gated_rms_norm_fp8`).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -45,6 +47,8 @@ class ZeroCenteredRMSNorm(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """x, gate [..., dim] -> [..., dim] in x's dtype: norm first, then multiply by silu(gate)."""
+
+    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()

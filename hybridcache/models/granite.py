@@ -27,6 +27,7 @@ dtype, then times the weight). Not supported (a ValueError says so): tensor para
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -45,6 +46,8 @@ from hybridcache.state_spec import AttentionSpec, LayerState
 
 class RMSNorm(nn.Module):
     """x [..., dim] -> weight * round(x / rms(x)) [..., dim] (`weight` initialised to 1)."""
+
+    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()

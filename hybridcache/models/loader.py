@@ -591,16 +591,17 @@ def dummy_checkpoint(full: torch.nn.Module, *, seed: int,
     """The checkpoint of the one-rank module `full` (a meta module) as `randomize_` draws its weights (`seed`, on
     `device`), one tensor at a time, each named and in its checkpoint's row order: every parameter drawn in order
     (an FP8 weight quantised whole, its scale given next to it), for ranks that keep their shard of each."""
-    from hybridcache.models.random_weights import draw_parameter
+    from hybridcache.models.random_weights import centred_on_one, draw_parameter
 
     full_shards = checkpoint_shards(full, full)
     fp8 = {f"{name}.weight": (name, fmt) for name, fmt in quant.fp8_linears(full).items()}
     scales = {f"{module}.{fmt.scale_name}" for module, fmt in fp8.values()}
     generator = torch.Generator(device).manual_seed(seed)
+    on_one = centred_on_one(full)
     for name, param in full.named_parameters():
         if name in scales:  # drawn with their weight
             continue
-        drawn = {name: draw_parameter(name, param.shape, generator)}
+        drawn = {name: draw_parameter(name, param.shape, generator, name in on_one)}
         if name in fp8:
             module, fmt = fp8[name]
             drawn[name], drawn[f"{module}.{fmt.scale_name}"] = kernel_backend.fp8_quantize(drawn[name], fmt)

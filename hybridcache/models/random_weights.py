@@ -21,14 +21,24 @@ from hybridcache.layers.linear import Fp8Linear
 #   *.A_log                    log(uniform(0.05, 1.0))   decay rates: slow and fast heads
 #   *.dt_bias                  uniform(-1, 1)
 #   *linear_attn.norm.weight   1 + N(0, 0.1)             gated RMSNorm, centred on 1
+#   the weight of a module whose class says `centred_on_one` (Granite's and Mamba2's norms)
+#                              1 + N(0, 0.1)
 #   other 1-D *norm*.weight    N(0, 0.1)                 zero-centred RMSNorm (scale 1 + w)
 #   *embed_tokens.weight       N(0, 1)
 #   other 1-D parameters       N(0, 0.1)                 biases
 #   any tensor with ndim >= 2  N(0, 1/fan_in), fan_in = shape[-1]
 
 
-def draw_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
-    """The fp32 value `randomize_` gives parameter `name` of `shape`, drawn from `generator` on its device."""
+def centred_on_one(module: nn.Module) -> frozenset[str]:
+    """The names of `module`'s parameters that scale by their value, not by 1 + it: the `weight` of each submodule
+    whose class sets `centred_on_one` (a norm initialised to 1)."""
+    return frozenset(f"{name}.weight" if name else "weight" for name, m in module.named_modules()
+                     if getattr(m, "centred_on_one", False))
+
+
+def draw_parameter(name: str, shape: torch.Size, generator: torch.Generator, on_one: bool = False) -> torch.Tensor:
+    """The fp32 value `randomize_` gives parameter `name` of `shape`, drawn from `generator` on its device;
+    `on_one`: the parameter is in `centred_on_one` of its model."""
     device = generator.device
 
     def normal(std: float) -> torch.Tensor:
@@ -41,7 +51,7 @@ def draw_parameter(name: str, shape: torch.Size, generator: torch.Generator) -> 
         return uniform(0.05, 1.0).log()
     if name.endswith("dt_bias"):
         return uniform(-1.0, 1.0)
-    if name.endswith("linear_attn.norm.weight"):
+    if on_one or name.endswith("linear_attn.norm.weight"):
         return 1.0 + normal(0.1)
     if "embed_tokens" in name:
         return normal(1.0)
@@ -64,10 +74,11 @@ def randomize_(module: nn.Module, seed: int, draw_device: torch.device | str = "
     generator = torch.Generator(draw_device).manual_seed(seed)
     fp8 = {f"{name}.weight": m for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
     scales = {f"{name}.{m.fmt.scale_name}" for name, m in module.named_modules() if isinstance(m, Fp8Linear)}
+    on_one = centred_on_one(module)
     for name, param in module.named_parameters():
         if name in scales:
             continue
-        value = draw_parameter(name, param.shape, generator)
+        value = draw_parameter(name, param.shape, generator, name in on_one)
         if name in fp8:
             weight, scale = kernel_backend.fp8_quantize(value, fp8[name].fmt)
             param.copy_(weight)

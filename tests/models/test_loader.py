@@ -388,3 +388,16 @@ def test_dummy_weights_for_a_moe_without_a_shared_expert(tmp_path, model_type):
     tiny_hf_config(model_type, shared_expert_intermediate_size=0).save_pretrained(tmp_path)
     model = load_model(tmp_path, load_format="dummy")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_dummy_granite_weights_draw_its_norms_around_one(tmp_path):
+    """Granite's RMSNorms and Mamba2's gated norm scale by their weight, not by 1 + it: dummy weights drew them
+    around 0 as for Qwen's zero-centred norms, so a `--load-format dummy` Granite scaled every block to ~0.1."""
+    from .granite_helpers import granite_config
+
+    granite_config("moe-nope").save_pretrained(tmp_path)
+    model = load_model(tmp_path, load_format="dummy")
+    norms = {name: p for name, p in model.named_parameters() if name.endswith("norm.weight")}
+    assert any(".mamba.norm." in name for name in norms) and "model.norm.weight" in norms
+    for name, weight in norms.items():
+        assert 0.5 < weight.float().mean() < 1.5, name
