@@ -1,12 +1,20 @@
 """Structured output: a constraint on what a completion may be (JSON, a JSON schema, a regex, a grammar, a
-choice or a Qwen-format tool call), enforced token by token with xgrammar.
+choice or a Qwen-format tool call), enforced token by token with xgrammar, or with llguidance for a JSON schema
+that xgrammar would read without enforcing (`schema_checks.unenforced_keyword`: `HttpUrl`'s `format: uri` with
+`minLength`, `constr(min_length=..., pattern=...)`, `confloat(multiple_of=0.5)`...), as vLLM's `auto` backend falls
+back from xgrammar to guidance. What llguidance refuses too (`uniqueItems`: pydantic's `set[...]`; a `format` it
+does not know: `uuid4`, `binary`, `password`, `ipvanyaddress`) is refused, as vLLM refuses it.
+
+    spec -- unenforced_keyword: None ---> xgrammar (`_grammar`)
+         -- unenforced_keyword: "..." --> llguidance (`LLGuidanceCompiler`), or a ValueError naming both
 
 `GuidedSpec` is what a request asks for (hashable, it rides in `SamplingParams.guided`). `GrammarCache` turns
-specs into xgrammar matchers for one tokenizer; each completion of a request (n > 1) gets its own matcher, so
-the grammar state forks: every completion advances only by its own tokens. The sampler applies
+specs into matchers for one tokenizer (both libraries' behind one interface: `accept_token`,
+`fill_next_token_bitmask`, `rollback`, `is_terminated`); each completion of a request (n > 1) gets its own
+matcher, so the grammar state forks: every completion advances only by its own tokens. The sampler applies
 `fill_bitmask`'s allowed-token bitmask; the engine calls `accept` with each sampled token.
 
-xgrammar is imported only when a constrained request arrives (it is the `guided` extra).
+xgrammar and llguidance are imported only when a constrained request needs them (the `guided` extra).
 """
 
 from __future__ import annotations
@@ -97,21 +105,25 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._compiler = None
-        self._compiled: OrderedDict[GuidedSpec, Any] = OrderedDict()  # least recently used first
+        self._fallback = LLGuidanceCompiler(hf_tokenizer, vocab_size, stop_token_ids)
+        # xgrammar's CompiledGrammar or an LLGuidanceGrammar, the least recently used first
+        self._compiled: OrderedDict[GuidedSpec, Any] = OrderedDict()
         self._limit_bytes = limit_bytes
         self.num_bytes = 0  # the compiled grammars kept
         self._lock = threading.Lock()  # guards `_compiled`, `num_bytes` and the making of `_compiler`
 
     def check(self, spec: GuidedSpec) -> None:
         """Compile `spec` now (and keep it); raises ValueError (bad schema, regex or grammar, or a schema keyword
-        xgrammar would not enforce) or GuidedUnavailable."""
+        neither xgrammar nor llguidance would enforce) or GuidedUnavailable."""
         self._compile(spec)
 
     def matcher(self, spec: GuidedSpec) -> Any:
         """A fresh matcher at the start of `spec`'s grammar; behind a `MarkerGate` when `spec.starts_after` is set.
         The gate decodes tokens with this cache's tokenizer (special tokens kept), several together where a
         character spans them."""
-        matcher = _xgrammar().GrammarMatcher(self._compile(spec))
+        compiled = self._compile(spec)
+        matcher = (compiled.matcher() if isinstance(compiled, LLGuidanceGrammar) else
+                   _xgrammar().GrammarMatcher(compiled))
         if not spec.starts_after:
             return matcher
         return MarkerGate(matcher, spec.starts_after, self._decode_ids)
@@ -139,7 +151,11 @@ class GrammarCache:
         return compiled
 
     def _compile_new(self, spec: GuidedSpec) -> Any:
-        """`spec` compiled (no lock held: this is the slow part)."""
+        """`spec` compiled (no lock held: this is the slow part): with llguidance where it holds a schema keyword
+        xgrammar would not enforce (`_unenforced_in`), else with xgrammar."""
+        unenforced = _unenforced_in(spec)
+        if unenforced is not None:
+            return self._compile_fallback(spec, unenforced)
         xgr = _xgrammar()
         compiler = self._tokenizer_compiler(xgr)
         try:
@@ -149,6 +165,27 @@ class GrammarCache:
         if not _can_start(xgr, compiled, self.vocab_size):
             raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
                              "match it (a rule that only refers to itself, such as `x ::= x`, matches nothing)")
+        return compiled
+
+    def _compile_fallback(self, spec: GuidedSpec, unenforced: str) -> LLGuidanceGrammar:
+        """`spec` (a JSON schema or tool calls) compiled with llguidance; a ValueError naming the keyword xgrammar
+        would not enforce where llguidance is missing or refuses the schema (as vLLM's guidance backend does)."""
+        prefix = f"invalid {spec.kind.value} constraint: {unenforced} is not supported"
+        try:
+            if spec.kind is GuidedKind.JSON_SCHEMA:
+                compiled = self._fallback.json_schema(json.loads(spec.spec))
+            else:
+                compiled = self._fallback.tool_calls([_call_schema(tool) for tool in json.loads(spec.spec)],
+                                                     spec.parallel)
+        except LLGuidanceMissing as error:
+            raise ValueError(f"{prefix} by xgrammar (it would not enforce it); llguidance, which does, is needed: "
+                             f"{error}") from None
+        except ValueError as error:
+            raise ValueError(f"{prefix}: xgrammar would not enforce it, and llguidance refuses the schema "
+                             f"({error}) (remove it, or check the output yourself)") from None
+        if not _llguidance_can_start(compiled, self.vocab_size):
+            raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
+                             "match it")
         return compiled
 
     def _tokenizer_compiler(self, xgr: Any) -> Any:
@@ -226,6 +263,30 @@ class MarkerGate:
             self.matcher.fill_next_token_bitmask(bitmask, index)
 
 
+def _unenforced_in(spec: GuidedSpec) -> str | None:
+    """The first keyword xgrammar would not enforce in a JSON-schema or tool-calls spec's schemas, or None."""
+    if spec.kind is GuidedKind.JSON_SCHEMA:
+        return unenforced_keyword(json.loads(spec.spec))
+    if spec.kind is GuidedKind.TOOL_CALLS:
+        return next((found for tool in json.loads(spec.spec) if (found := unenforced_keyword(_call_schema(tool)))),
+                    None)
+    return None
+
+
+def _llguidance_can_start(compiled: LLGuidanceGrammar, vocab_size: int) -> bool:
+    """`_can_start` for an llguidance grammar."""
+    matcher = compiled.matcher()
+    bitmask = _allocate_bitmask(1, vocab_size)
+    matcher.fill_next_token_bitmask(bitmask, 0)
+    return bool(bitmask.any())
+
+
+def _allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+    """An allowed-token bitmask, every bit set: [num_rows, ceil(vocab_size / 32)] int32 (xgrammar's and
+    llguidance's layout: token t is bit t % 32 of word t // 32)."""
+    return torch.full((num_rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
 def _can_start(xgr: Any, compiled: Any, vocab_size: int) -> bool:
     """Whether a fresh matcher of `compiled` allows some token (or accepts the empty output): a grammar whose
     start allows nothing would leave every logit masked, and the sampler would emit token 0 forever."""
@@ -275,9 +336,14 @@ def _one_or_more(xgr: Any, grammar: Any, separator: str) -> Any:
 
 def _tool_call_grammar(xgr: Any, tool: dict[str, Any]) -> Any:
     """`<tool_call>\\n{"name": "<name>", "arguments": <args>}\\n</tool_call>` for one tool."""
-    function = tool.get("function", tool)
-    body = _json_schema(xgr, tool_call_schema(function["name"], function.get("parameters")))
+    body = _json_schema(xgr, _call_schema(tool))
     return xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
+
+
+def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
+    """`tool_call_schema` of a tool (OpenAI's `{"type": "function", "function": {...}}`, or the function alone)."""
+    function = tool.get("function", tool)
+    return tool_call_schema(function["name"], function.get("parameters"))
 
 
 _DEFINITIONS = ("$defs", "definitions")
@@ -354,8 +420,7 @@ def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int,
     instead (the engine passes its EOS ids, so the choice ends rather than emit token 0 again and again)."""
     if all(m is None for m in matchers):
         return None
-    xgr = _xgrammar()
-    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
+    bitmask = _allocate_bitmask(len(matchers), vocab_size)
     for i, matcher in enumerate(matchers):
         if matcher is not None and not matcher.is_terminated():
             matcher.fill_next_token_bitmask(bitmask, i)
@@ -364,3 +429,168 @@ def fill_bitmask(matchers: Sequence[Any | None], vocab_size: int,
                     bit = 1 << (token % 32)
                     bitmask[i, token // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit  # int32 words
     return bitmask
+
+
+# ------------------------------------------------------------------------------------------------- llguidance
+# The fallback compiler of JSON schemas xgrammar cannot enforce (as vLLM's `auto` backend falls back from xgrammar to
+# guidance). llguidance enforces every keyword it accepts and refuses the rest (`Unimplemented keys: ["uniqueItems"]`,
+# `Unknown format: uuid4`). A JSON schema is written the way `tojson` writes JSON, as the xgrammar grammars write
+# it; a forced tool call is a Lark grammar around the call's schema (`%json {...}`).
+
+# How the xgrammar grammars write JSON (`tojson`'s separators, no free whitespace); `lenient: False` overrides a
+# schema's own `x-guidance` that would have llguidance skip what it does not know (unenforced, silently).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
+                 "coerce_one_of": False}
+
+
+# Where subschemas sit (`strict`'s walk): maps of name to schema, single schemas, lists of schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+            "contains", "propertyNames", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def strict(schema: Any, closed: bool = True) -> Any:
+    """`schema` read as xgrammar reads it (its `strict_mode`, which the xgrammar grammars use): an object schema
+    with `properties` but no `additionalProperties` / `unevaluatedProperties` allows no other property, an array
+    schema with `prefixItems` but no `items` / `additionalItems` / `unevaluatedItems` no other item. llguidance
+    reads the JSON Schema default (anything more), so that a pydantic model's schema would take `{"word": "an",
+    "": "", "": ""}`; vLLM's `disable_additional_properties` closes objects likewise. An `allOf` branch and the
+    object beside an `allOf` stay open (`closed`: False): their properties add up, and closing one would refuse
+    the others' (`{"properties": {"a": ...}, "allOf": [{"properties": {"b": ...}}]}` takes both); so does an
+    object whose `required` names a property that `properties` does not (it says there are others).
+
+        {"properties": {"a": {}}}  ->  {"properties": {"a": {}}, "additionalProperties": false}"""
+    if isinstance(schema, list):
+        return [strict(item, closed) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+    for key in dict.fromkeys(_SCHEMAS + _SCHEMA_LISTS):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict(out[key], closed=key != "allOf")
+    properties = out.get("properties")
+    if closed and isinstance(properties, dict) and "allOf" not in out and not (
+            "additionalProperties" in out or "unevaluatedProperties" in out) and all(
+            name in properties for name in out.get("required") or ()):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not any(key in out for key in ("items", "additionalItems", "unevaluatedItems")):
+        out["items"] = False
+    return out
+
+
+class LLGuidanceMissing(ValueError):
+    """A schema needs llguidance (xgrammar would not enforce it) and llguidance does not import."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as error:
+        raise LLGuidanceMissing(f"llguidance does not import ({error}); pip install llguidance (it is in "
+                                "'hybridcache-llm[guided]')") from error
+    return llguidance
+
+
+class LLGuidanceMatcher:
+    """One completion's state in an llguidance grammar, with xgrammar's `GrammarMatcher` interface (what
+    `fill_bitmask`, `MarkerGate` and `OutputProcessor` call): `accept_token` (False, the state unchanged, for a
+    token the grammar refuses), `fill_next_token_bitmask` (the same int32 row layout), `rollback` (speculative
+    decoding takes drafts back), `is_terminated` (a stop token was accepted where the grammar is complete).
+
+    Stop tokens are not fed to llguidance (once its grammar can take nothing more it takes EOS without counting
+    it, so a rollback would go one token too far): the matcher keeps `_terminated` itself, and a rollback takes
+    that token back first."""
+
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
+        self._matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._terminated = False
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def accept_token(self, token: int) -> bool:
+        if self._terminated:
+            return False
+        if token in self._stop_token_ids:
+            self._terminated = self._matcher.is_accepting()
+            return self._terminated
+        return self._matcher.try_consume_tokens([token]) == 1  # (consume_token would leave it in an error state)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        _llguidance().torch.fill_next_token_bitmask(self._matcher, bitmask, index)
+
+
+class LLGuidanceGrammar:
+    """A compiled grammar: a matcher at its start, copied for each completion (llguidance builds a grammar in the
+    matcher's constructor: 100 ms and more for a large schema). `memory_size_bytes`: an estimate, the grammar's
+    text (`GrammarCache` counts it towards its limit; llguidance's lexer states grow as the matchers are used)."""
+
+    def __init__(self, start: Any, grammar: str, stop_token_ids: frozenset[int]) -> None:
+        self._start = start
+        self._stop_token_ids = stop_token_ids
+        self.memory_size_bytes = len(grammar.encode())
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids)
+
+
+class LLGuidanceCompiler:
+    """Compiles JSON schemas and tool calls with llguidance for one tokenizer (built on first use: about a second
+    over a 150k vocabulary). Thread-safe: compiling holds no lock; the tokenizer is made under one."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def json_schema(self, schema: dict[str, Any]) -> LLGuidanceGrammar:
+        """The grammar of `schema` (read as `strict` says); ValueError (llguidance's message) where llguidance
+        refuses it."""
+        llg = _llguidance()
+        return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
+
+    def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool) -> LLGuidanceGrammar:
+        """Qwen3's tool-call blocks, `<tool_call>\\n<call>\\n</tool_call>`, a call valid for one of `call_schemas`
+        (`tool_call_schema`: name and arguments; read as `strict` says); `parallel`: one or more blocks, a newline
+        between two."""
+        bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
+                  for i, schema in enumerate(call_schemas)]
+        lark = "\n".join([
+            'start: block ("\\n" block)*' if parallel else "start: block",
+            'block: "<tool_call>\\n" call "\\n</tool_call>"',
+            "call: " + " | ".join(f"call{i}" for i in range(len(bodies))),
+            *bodies, ""])
+        return self._compile(_llguidance(), lark)
+
+    def _compile(self, llg: Any, grammar: str) -> LLGuidanceGrammar:
+        tokenizer = self._llg_tokenizer(llg)
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise ValueError(error.strip())
+        start = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if start.is_error():
+            raise ValueError(start.get_error())
+        return LLGuidanceGrammar(start, grammar, self._stop_token_ids)
+
+    def _llg_tokenizer(self, llg: Any) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
+                                                        eos_token=sorted(self._stop_token_ids))
+            return self._tokenizer

@@ -5,10 +5,12 @@ without limit. vLLM keeps xgrammar's compiler cache at 512 MiB."""
 from __future__ import annotations
 
 import concurrent.futures
+import importlib.util
 import json
 import re
 import threading
 
+import jsonschema
 import pytest
 
 from hybridcache import guided
@@ -16,6 +18,9 @@ from hybridcache.guided import GrammarCache, GuidedKind, GuidedSpec
 from hybridcache.models.builtin import ensure_builtin_model
 from hybridcache.tokenizer import Tokenizer
 from tests.engine import needs_xgrammar
+
+needs_llguidance = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                      reason="needs llguidance (guided)")
 
 
 def _schema(i: int) -> GuidedSpec:
@@ -105,18 +110,11 @@ _OBJECT = {"type": "object"}
     pytest.param({"type": "array", "contains": {"const": 5}}, "contains", id="contains"),
     pytest.param({"type": "array", "minContains": 2}, "minContains", id="minContains"),
     pytest.param({"type": "array", "maxContains": 2}, "maxContains", id="maxContains"),
-    pytest.param({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "maxLength next to pattern",
-                 id="maxLength-next-to-pattern"),
-    pytest.param({"type": "string", "format": "email", "minLength": 8}, "minLength next to format",
-                 id="minLength-next-to-format"),
     pytest.param({"type": "string", "format": "credit-card"}, "format 'credit-card'", id="unknown-format"),
     pytest.param({**_OBJECT, "properties": {"A": {"type": "integer"}}, "propertyNames": {"pattern": "^[a-z]+$"}},
                  "propertyNames next to properties", id="propertyNames-next-to-properties"),
     pytest.param({**_OBJECT, "propertyNames": {"pattern": "^[a-z]+$"}, "additionalProperties": False},
                  "propertyNames next to additionalProperties", id="propertyNames-next-to-additionalProperties"),
-    pytest.param({**_OBJECT, "properties": {"x1": {"type": "integer"}}, "patternProperties": {"^x": {"minimum": 5}}},
-                 "patternProperties next to properties", id="patternProperties-next-to-properties"),
-    pytest.param({"type": "number", "multipleOf": 0.5}, "multipleOf", id="multipleOf-of-a-number"),
     pytest.param({**_OBJECT, "properties": {"tags": {"type": "array", "uniqueItems": True}}},
                  "uniqueItems (at /properties/tags)", id="nested-in-properties"),
     pytest.param({"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/S"}],
@@ -124,9 +122,10 @@ _OBJECT = {"type": "object"}
                  id="nested-in-defs"),
 ])
 def test_schema_keywords_xgrammar_would_not_enforce_are_refused(schema, keyword):
-    """xgrammar reads these and lets output through that breaks them (`[1, 1]` for uniqueItems, `"abcdefgh"` for a
-    pattern with maxLength 3): the schema is refused with the keyword and its place, as vLLM refuses them
-    (`has_xgrammar_unsupported_json_features`), rather than silently loosened."""
+    """xgrammar reads these and lets output through that breaks them (`[1, 1]` for uniqueItems): the schema is
+    refused with the keyword and its place, rather than silently loosened, as vLLM refuses them (its xgrammar check,
+    `has_xgrammar_unsupported_json_features`, then guidance: llguidance refuses them too, `Unimplemented keys`,
+    `Unknown format`). Those llguidance enforces are served: `test_schema_keywords_llguidance_enforces_are_served`."""
     cache, _ = _cache()
     with pytest.raises(ValueError, match=re.escape(keyword) + ".* not supported"):
         cache.check(GuidedSpec.json_schema(schema))
@@ -226,21 +225,12 @@ def test_a_gate_opens_on_a_marker_split_over_tokens_wherever_it_starts(completio
 _XY = {"x": {"type": "integer"}, "y": {"type": "integer"}}
 _INT_DEF = {"$defs": {"X": {"type": "integer"}}}
 
-# Hunt 166, bugs 1 and 2: shapes xgrammar 0.2.9 compiles looser than the schema; each with a text its own grammar
-# takes that breaks the schema (or is not JSON).
+# Hunt 166, bugs 1 and 2: shapes xgrammar 0.2.9 compiles looser than the schema, which llguidance refuses too
+# (`Unimplemented keys`, or oneOf branches it cannot prove disjoint, or an unsatisfiable const); each with a text
+# xgrammar's own grammar takes that breaks the schema (or is not JSON). Those llguidance enforces: `_ENFORCED`.
 _LOOSENED = [
-    pytest.param({**_OBJECT, "properties": _XY, "anyOf": [{"required": ["x"]}, {"required": ["y"]}]}, "[]",
-                 "properties next to anyOf", id="anyOf-beside-object-keywords"),
     pytest.param({**_OBJECT, "properties": _XY, "oneOf": [{"required": ["x"]}, {"required": ["y"]}]}, "null",
                  "properties next to oneOf", id="oneOf-beside-object-keywords"),
-    pytest.param({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string"}]}, '"a"',
-                 "type next to anyOf", id="type-wider-than-a-branch"),
-    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                  "allOf": [{**_OBJECT, "properties": {"b": {"type": "string"}}}]}, "{}", "properties next to allOf",
-                 id="allOf-beside-properties"),
-    pytest.param({"allOf": [{"type": "integer"}, {"minimum": 3}]}, '"a"', "allOf of 2 branches", id="allOf-of-two"),
-    pytest.param({**_INT_DEF, "$ref": "#/$defs/X", "minimum": 3}, "1", "minimum next to $ref", id="ref-beside-minimum"),
-    pytest.param({"type": "string", "enum": ["a", 1]}, "1", "type next to enum", id="enum-outside-its-type"),
     pytest.param({"type": "integer", "const": 1, "minimum": 3}, "1", "minimum next to const", id="const-beside-range"),
     pytest.param({"type": "integer", "not": {"const": 3}}, "3", "not (at the root)", id="not"),
     pytest.param({"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}}, "9", "if (at the root)",
@@ -249,23 +239,6 @@ _LOOSENED = [
                  id="dependentRequired"),
     pytest.param({**_OBJECT, "properties": _XY, "dependentSchemas": {"x": {"required": ["y"]}}}, '{"x": 1}',
                  "dependentSchemas", id="dependentSchemas"),
-    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a", "c"]}, '{"a": 1}',
-                 "required 'c' with no properties entry", id="required-without-property"),
-    pytest.param({**_OBJECT, "additionalProperties": True, "required": ["a"]}, "{}",
-                 "required 'a' with no properties entry", id="required-with-additional-properties"),
-    pytest.param({"pattern": "^a+$"}, "1", "pattern with no type", id="pattern-without-type"),
-    pytest.param({"minimum": 3}, "1", "minimum with no type", id="minimum-without-type"),
-    pytest.param({"maxLength": 2}, '"abc"', "maxLength with no type", id="maxLength-without-type"),
-    pytest.param({"maxItems": 1}, "[1, 2]", "maxItems with no type", id="maxItems-without-type"),
-    pytest.param({"type": "string", "pattern": '^say "hi"$'}, '"say "hi""', "it can match a \"", id="pattern-quote"),
-    pytest.param({"type": "string", "pattern": r"^one\ntwo$"}, '"one\ntwo"', "a newline", id="pattern-newline"),
-    pytest.param({"type": "string", "pattern": r"^C:\\tmp$"}, r'"C:\tmp"', "a backslash", id="pattern-backslash"),
-    pytest.param({"type": "string", "pattern": r"^[\n]$"}, '"\n"', "a newline", id="pattern-newline-in-class"),
-    pytest.param({"type": "string", "pattern": r"^\x22$"}, '"""', "U+0022", id="pattern-hex-escape"),
-    pytest.param({"type": "string", "pattern": "^a\tb$"}, '"a\tb"', "U+0009", id="pattern-raw-tab"),
-    pytest.param({"type": "string", "pattern": r"^[\t-\r]+$"}, '"\t"', "a tab", id="pattern-class-of-controls-only"),
-    pytest.param({**_OBJECT, "patternProperties": {'^a"$': {"type": "integer"}}}, '{"a"": 1}', "patternProperties",
-                 id="patternProperties-quote"),
     pytest.param({**_OBJECT, "propertyNames": {"pattern": '^a"$'}}, '{"a"": 1}', "pattern '^a\"$'",
                  id="propertyNames-quote"),
 ]
@@ -275,11 +248,10 @@ _LOOSENED = [
 @pytest.mark.parametrize("schema, breaking, keyword", _LOOSENED)
 def test_schema_shapes_xgrammar_loosens_are_refused_with_the_keyword(schema, breaking, keyword):
     """Hunt 166: xgrammar builds a schema with `$ref` / `allOf` / `anyOf` / `oneOf` / `const` / `enum` from that
-    keyword alone (an anyOf beside `type: object` took `[]`), makes allOf of 2+ branches any JSON, ignores `not`,
-    `if`, `dependentRequired`, `dependentSchemas`, `required` names with no `properties` entry, and a type's
-    keywords where the schema names no type; and it matches a string `pattern` against the JSON text, so a `"`,
-    `\\` or control character in it gives invalid JSON or a value that breaks it. Each is now a ValueError naming
-    the keyword (the server's 400); its own grammar (the check bypassed) does take `breaking`."""
+    keyword alone (a oneOf beside `type: object` took `null`), ignores `not`, `if`, `dependentRequired`,
+    `dependentSchemas`; and it matches a `propertyNames` pattern against the JSON text. Where llguidance, the
+    fallback, refuses them too, each is a ValueError naming the keyword (the server's 400); xgrammar's own grammar
+    (the check bypassed) does take `breaking`."""
     cache, tokenizer = _cache()
     with pytest.raises(ValueError, match=re.escape(keyword) + ".* not supported"):
         cache.check(GuidedSpec.json_schema(schema))
@@ -288,6 +260,91 @@ def test_schema_shapes_xgrammar_loosens_are_refused_with_the_keyword(schema, bre
     matcher = xgr.GrammarMatcher(cache._tokenizer_compiler(xgr).compile_grammar(raw))
     assert all(matcher.accept_token(t) for t in tokenizer.encode(breaking))
     assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+
+
+_EMAIL_CHECKED = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+# Keywords and shapes xgrammar would not enforce (each with a text its own grammar takes that breaks the schema,
+# first in `bad`), compiled with llguidance instead (as vLLM's `auto` falls back to guidance), which enforces them.
+_ENFORCED = [
+    pytest.param({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ['"abc"', '"a"'],
+                 ['"abcd"', '"ab1"', '""'], id="maxLength-next-to-pattern"),
+    pytest.param({"type": "string", "format": "email", "minLength": 8}, ['"ab@cd.io"'], ['"a@b.io"', '"abcdefgh"'],
+                 id="minLength-next-to-format"),
+    pytest.param({**_OBJECT, "properties": {"x1": {"type": "integer"}}, "patternProperties": {"^x": {"minimum": 5}}},
+                 ['{"x1": 7}', '{"x1": 6, "x2": 5}'], ['{"x1": 1}', '{"x2": 4}'],
+                 id="patternProperties-next-to-properties"),
+    # (llguidance writes a multiple of a fraction without a sign: tighter than the schema, never looser)
+    pytest.param({"type": "number", "multipleOf": 0.5}, ["1.5", "2", "0"], ["1.25", "0.3"],
+                 id="multipleOf-of-a-number"),
+    pytest.param({**_OBJECT, "properties": _XY, "anyOf": [{"required": ["x"]}, {"required": ["y"]}]},
+                 ['{"x": 1}', '{"y": 2}'], ["[]", "{}", '{"x": "a"}'], id="anyOf-beside-object-keywords"),
+    pytest.param({"type": "integer", "anyOf": [{"type": "integer", "minimum": 5}, {"type": "string"}]}, ["5"],
+                 ['"a"', "4"], id="type-wider-than-a-branch"),
+    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                  "allOf": [{**_OBJECT, "properties": {"b": {"type": "string"}}}]}, ['{"a": 1}', '{"a": 1, "b": "x"}'],
+                 ["{}", '{"a": 1, "b": 2}'], id="allOf-beside-properties"),
+    pytest.param({"allOf": [{"type": "integer"}, {"minimum": 3}]}, ["3"], ['"a"', "2"], id="allOf-of-two"),
+    pytest.param({**_INT_DEF, "$ref": "#/$defs/X", "minimum": 3}, ["3"], ["1", '"a"'], id="ref-beside-minimum"),
+    pytest.param({"type": "string", "enum": ["a", 1]}, ['"a"'], ["1", '"b"'], id="enum-outside-its-type"),
+    pytest.param({**_OBJECT, "properties": {"a": {"type": "integer"}}, "required": ["a", "c"]}, ['{"a": 1, "c": 2}'],
+                 ['{"a": 1}'], id="required-without-property"),
+    pytest.param({**_OBJECT, "additionalProperties": True, "required": ["a"]}, ['{"a": null}'], ["{}"],
+                 id="required-with-additional-properties"),
+    pytest.param({"pattern": "^a+$"}, ['"aa"', "1"], ['"b"'], id="pattern-without-type"),
+    pytest.param({"minimum": 3}, ["3", '"a"'], ["1"], id="minimum-without-type"),
+    pytest.param({"maxLength": 2}, ['"ab"', "1"], ['"abc"'], id="maxLength-without-type"),
+    pytest.param({"maxItems": 1}, ["[1]", "{}"], ["[1, 2]"], id="maxItems-without-type"),
+    pytest.param({"type": "string", "pattern": '^say "hi"$'}, [r'"say \"hi\""'], ['"say "hi""', '"say hi"'],
+                 id="pattern-quote"),
+    pytest.param({"type": "string", "pattern": r"^one\ntwo$"}, [r'"one\ntwo"'], ['"one\ntwo"', '"onetwo"'],
+                 id="pattern-newline"),
+    pytest.param({"type": "string", "pattern": r"^C:\\tmp$"}, [r'"C:\\tmp"'], [r'"C:\tmp"'], id="pattern-backslash"),
+    pytest.param({"type": "string", "pattern": r"^[\n]$"}, [r'"\n"'], ['"\n"', '"n"'], id="pattern-newline-in-class"),
+    pytest.param({"type": "string", "pattern": r"^\x22$"}, [r'"\""'], ['"""'], id="pattern-hex-escape"),
+    pytest.param({"type": "string", "pattern": "^a\tb$"}, [r'"a\tb"'], ['"a\tb"', '"ab"'], id="pattern-raw-tab"),
+    pytest.param({"type": "string", "pattern": r"^[\t-\r]+$"}, [r'"\t\n"'], ['"\t"', '"a"'],
+                 id="pattern-class-of-controls-only"),
+    pytest.param({**_OBJECT, "patternProperties": {'^a"$': {"type": "integer"}}}, [r'{"a\"": 1}', "{}"],
+                 ['{"a"": 1}', r'{"a\"": "x"}'], id="patternProperties-quote"),
+]
+
+
+def _valid(schema: dict, text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return jsonschema.Draft202012Validator(schema, format_checker=_EMAIL_CHECKED).is_valid(value)
+
+
+@needs_xgrammar
+@needs_llguidance
+@pytest.mark.parametrize("schema, good, bad", _ENFORCED)
+def test_schema_keywords_llguidance_enforces_are_served(schema, good, bad):
+    """Hunts 166 and 202: these were refused (a 400 for pydantic's `HttpUrl`, `constr(min_length=..., pattern=...)`,
+    `confloat(multiple_of=0.5)`), since xgrammar's grammar takes `bad[0]`. vLLM serves what llguidance serves, and
+    so does this engine now, with llguidance's grammar: it takes every `good` text and no `bad` one, as jsonschema
+    judges them; so does a forced tool call with the schema as its parameters (wrapped in an object)."""
+    cache, tokenizer = _cache()
+    xgr = guided._xgrammar()
+    raw = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "))
+    loose = xgr.GrammarMatcher(cache._tokenizer_compiler(xgr).compile_grammar(raw))
+    assert all(loose.accept_token(t) for t in tokenizer.encode(bad[0])) and loose.accept_token(tokenizer.eos_token_id)
+    spec = GuidedSpec.json_schema(schema)
+    cache.check(spec)
+    for text in good:
+        assert _valid(schema, text) and _accepts(cache, tokenizer, spec, text), text
+    for text in bad:
+        assert not _valid(schema, text) and not _accepts(cache, tokenizer, spec, text), text
+    inner = {key: value for key, value in schema.items() if key != "$defs"}  # (its $defs stay at the root)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        **{key: schema[key] for key in ("$defs",) if key in schema}, **_OBJECT, "properties": {"v": inner},
+        "required": ["v"]}}}
+    call = GuidedSpec.tool_calls([tool])
+    text = '<tool_call>\n{"name": "f", "arguments": {"v": %s}}\n</tool_call>'
+    assert _accepts(cache, tokenizer, call, text % good[0])
+    assert not _accepts(cache, tokenizer, call, text % bad[0])
 
 
 @needs_xgrammar
