@@ -106,10 +106,14 @@ def stop_reason(c: CompletionOutput, has_tool_use: bool, stop: tuple[str, ...]) 
 
 
 def _tool_use(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A `tool_use` block; its `input` is always an object (Anthropic's type, and what the request side takes back):
+    the call's arguments when they are one, {} for none or null, else {"arguments": what the model wrote}."""
     try:
-        parsed = json.loads(arguments)
+        parsed = json.loads(arguments) if arguments.strip() else None
     except ValueError:  # (the tool parser gives JSON text; kept whole if not)
-        parsed = {"arguments": arguments}
+        parsed = arguments
+    if not isinstance(parsed, dict):
+        parsed = {} if parsed is None else {"arguments": parsed}
     return {"type": "tool_use", "id": call_id, "name": name, "input": parsed}
 
 

@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from hybridcache.server.errors import APIError
-from hybridcache.server.protocol import CacheSalt, Int64, ReasoningEffort
+from hybridcache.server.protocol import CacheSalt, Int64
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
@@ -90,8 +90,10 @@ class OutputFormat(BaseModel):
 
 
 class OutputConfig(BaseModel):
+    """`effort`: Anthropic's levels; "max" is the chat route's highest, "xhigh"."""
+
     model_config = _CONFIG
-    effort: ReasoningEffort | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
 
@@ -157,7 +159,7 @@ def chat_request(body: CountTokensRequest, takes_images: bool) -> dict[str, Any]
             chat["parallel_tool_calls"] = False
     config = body.output_config
     if config is not None:
-        chat["reasoning_effort"] = config.effort
+        chat["reasoning_effort"] = "xhigh" if config.effort == "max" else config.effort
         if config.format is not None:
             chat["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": config.format.json_schema}}
@@ -192,7 +194,7 @@ def _blocks(content: str | list[dict[str, Any]], param: str) -> list[tuple[str, 
         return [(param, {"type": "text", "text": content})]
     out = []
     for j, block in enumerate(content):
-        if not isinstance(block.get("type"), str):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             raise APIError(400, "a content block must be an object with a 'type'", param=f"{param}.{j}.type")
         out.append((f"{param}.{j}", block))
     return out
@@ -290,7 +292,8 @@ def _assistant_message(content: str | list[dict[str, Any]], param: str) -> dict[
             if isinstance(block.get("thinking"), str):
                 reasoning.append(block["thinking"])
         elif kind == "tool_use":
-            name, call_id, arguments = block.get("name"), block.get("id"), block.get("input", {})
+            name, call_id, arguments = block.get("name"), block.get("id"), block.get("input")
+            arguments = {} if arguments is None else arguments  # (vLLM reads a missing or null input as {})
             if not isinstance(name, str) or not isinstance(call_id, str) or not isinstance(arguments, dict):
                 raise APIError(400, "a tool_use block needs an 'id', a 'name' and an 'input' object", param=where)
             calls.append({"id": call_id, "type": "function",

@@ -57,12 +57,15 @@ def test_messages_turns_hit_as_predicted():
             bad = client.post("/v1/messages", json=body | {"messages": []})
             bad_block = client.post("/v1/messages", json=body | {"messages": [
                 {"role": "user", "content": [{"type": "document"}]}]})
+            bad_result = client.post("/v1/messages", json=body | {"messages": [  # (a plain-text 500 before)
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": ["a.txt"]}]}]})
     assert reported[0] == 0 and reported[1] > 0 and reported[2] > reported[1]
     assert metric_value(metrics, "hybridcache_router_predicted_hit_tokens_total") == sum(reported)
     assert metric_value(metrics, "hybridcache_router_reported_hit_tokens_total") == sum(reported)
     assert keyless.status_code == 401 and keyless.json()["error"]["type"] == "authentication_error"
     assert "x-api-key" in keyless.json()["error"]["message"]
-    for answer, field in ((bad, "messages"), (bad_block, "messages.0.content.0.type")):
+    for answer, field in ((bad, "messages"), (bad_block, "messages.0.content.0.type"),
+                          (bad_result, "messages.0.content.0.content.0")):
         assert answer.status_code == 400 and answer.json()["type"] == "error", answer.text
         assert field in answer.json()["error"]["message"]
 

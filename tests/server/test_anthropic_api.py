@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import time
 
 import httpx
@@ -327,6 +328,39 @@ def _png_base64() -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+@pytest.mark.parametrize("arguments, wanted", [("null", {}), ("[]", {"arguments": []}), ("3", {"arguments": 3}),
+                                               ("{}", {})])
+def test_a_tool_use_input_is_always_an_object_the_next_turn_takes_back(server, arguments, wanted):
+    """A tool call whose arguments are null or not an object (a model calling a tool without parameters) became a
+    tool_use block with input None or [] (Anthropic's type is an object); sent back as the SDK returned it, every
+    later turn of the conversation was a 400."""
+    base_url, client = server
+    tool = {"name": "get_time", "description": "current time", "input_schema": {"type": "object", "properties": {}}}
+    out = '<tool_call>\n{"name": "get_time", "arguments": ' + arguments + '}\n</tool_call>'
+    forced = {"structured_outputs": {"regex": re.escape(out)}, "temperature": 0}
+    history = [{"role": "user", "content": "what time is it?"}]
+    first = client.messages.create(model=MODEL, max_tokens=100, messages=history, tools=[tool], extra_body=forced)
+    (call,) = [b for b in first.content if b.type == "tool_use"]
+    assert call.input == wanted and first.stop_reason == "tool_use"
+    with client.messages.stream(model=MODEL, max_tokens=100, messages=history, tools=[tool],
+                                extra_body=forced) as stream:
+        assert [b.input for b in stream.get_final_message().content if b.type == "tool_use"] == [wanted]
+    history += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "12:00"}]}]
+    assert client.messages.create(model=MODEL, max_tokens=2, messages=history, tools=[tool]).content is not None
+    history[1]["content"] = [{**b, "input": None} if b["type"] == "tool_use" else b for b in history[1]["content"]]
+    assert client.messages.count_tokens(model=MODEL, messages=history, tools=[tool]).input_tokens > 0  # null: {}
+
+
+def test_output_config_effort_takes_anthropics_levels(server):
+    """`max` (Anthropic's and vLLM's highest level) was a 400: the chat route's levels stop at xhigh."""
+    _, client = server
+    for effort in ("low", "medium", "high", "xhigh", "max"):
+        reply = client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"output_config": {"effort": effort}})
+        assert reply.usage.output_tokens == 2
+
+
 LONG = "word " * 6000
 MISSING = object()
 BOTH, MESSAGES_ONLY = ("/v1/messages", "/v1/messages/count_tokens"), ("/v1/messages",)
@@ -350,6 +384,9 @@ BOTH, MESSAGES_ONLY = ("/v1/messages", "/v1/messages/count_tokens"), ("/v1/messa
      "messages.0.content.0.tool_use_id", BOTH),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "a"}]}]}, 400,
      "messages.0.content.0.type", BOTH),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": ["a.txt"]}]}]},
+     400, "messages.0.content.0.content.0", BOTH),  # (a 500 before: a plain string where a block goes)
+    ({"output_config": {"effort": "extreme"}}, 400, "output_config.effort", MESSAGES_ONLY),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": _png_base64()}}]}]}, 400, "messages.0.content.0.type",
      BOTH),
@@ -403,7 +440,8 @@ _ANY = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats
 _BLOCK = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": _PLAIN}),
     st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.just("call_1"),
-                           "content": st.one_of(_PLAIN, st.just([{"type": "text", "text": "ok"}]))}),
+                           "content": st.one_of(_PLAIN, st.just([{"type": "text", "text": "ok"}]),
+                                                st.lists(_ANY, max_size=2))}),
 )
 _MESSAGE = st.one_of(
     st.fixed_dictionaries({"role": st.just("user"), "content": st.one_of(_PLAIN, st.lists(_BLOCK, min_size=1,
