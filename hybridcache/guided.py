@@ -178,8 +178,7 @@ class GrammarCache:
                 compiled = self._fallback.tool_calls([_call_schema(tool) for tool in json.loads(spec.spec)],
                                                      spec.parallel)
         except LLGuidanceMissing as error:
-            raise ValueError(f"{prefix} by xgrammar (it would not enforce it); llguidance, which does, is needed: "
-                             f"{error}") from None
+            raise ValueError(f"{prefix} by xgrammar (it would not enforce it), and {error}") from None
         except ValueError as error:
             raise ValueError(f"{prefix}: xgrammar would not enforce it, and llguidance refuses the schema "
                              f"({error}) (remove it, or check the output yourself)") from None
@@ -492,8 +491,8 @@ def _llguidance() -> Any:
         import llguidance.hf
         import llguidance.torch
     except ImportError as error:
-        raise LLGuidanceMissing(f"llguidance does not import ({error}); pip install llguidance (it is in "
-                                "'hybridcache-llm[guided]')") from error
+        raise LLGuidanceMissing(f"llguidance, which would, does not import ({error}): pip install llguidance (it is "
+                                "in 'hybridcache-llm[guided]')") from error
     return llguidance
 
 
@@ -507,9 +506,10 @@ class LLGuidanceMatcher:
     it, so a rollback would go one token too far): the matcher keeps `_terminated` itself, and a rollback takes
     that token back first."""
 
-    def __init__(self, matcher: Any, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int], fill: Callable[..., None]) -> None:
         self._matcher = matcher
         self._stop_token_ids = stop_token_ids
+        self._fill = fill  # llguidance.torch.fill_next_token_bitmask
         self._terminated = False
 
     def is_terminated(self) -> bool:
@@ -531,7 +531,7 @@ class LLGuidanceMatcher:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
-        _llguidance().torch.fill_next_token_bitmask(self._matcher, bitmask, index)
+        self._fill(self._matcher, bitmask, index)
 
 
 class LLGuidanceGrammar:
@@ -545,7 +545,8 @@ class LLGuidanceGrammar:
         self.memory_size_bytes = len(grammar.encode())
 
     def matcher(self) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids)
+        return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids,
+                                 _llguidance().torch.fill_next_token_bitmask)
 
 
 class LLGuidanceCompiler:

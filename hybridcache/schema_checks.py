@@ -1,7 +1,8 @@
 """Which JSON schemas xgrammar 0.2.9 would read without enforcing: `unenforced_keyword` names the first keyword
-of a schema that xgrammar drops, loosens or ignores (so a structured-output request with it is refused, naming the
-keyword and its place, rather than given a grammar that lets outputs break the schema). Pure Python; `guided`
-calls it before compiling a JSON-schema grammar."""
+of a schema that xgrammar drops, loosens or ignores (so `guided` compiles such a schema with llguidance instead, as
+vLLM's `auto` backend falls back to guidance, or refuses it, naming the keyword and its place, where llguidance
+refuses it too; never a grammar that lets outputs break the schema). Pure Python; `guided` calls it before
+compiling a JSON-schema grammar."""
 
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 
 def unenforced_keyword(schema: Any, at: str = "") -> str | None:
     """The first keyword of a JSON schema that xgrammar reads without enforcing it (its grammar would let output
-    through that breaks it), named with its place (`uniqueItems (at /properties/tags)`), or None. As vLLM's
+    through that breaks it; `guided` then takes llguidance), named with its place (`uniqueItems (at
+    /properties/tags)`), or None. As vLLM's
     `has_xgrammar_unsupported_json_features`: `uniqueItems` (true), `contains`, `minContains`, `maxContains`;
     `multipleOf` but on integers (by an integer); a string's `minLength` / `maxLength` next to its `pattern` or
     `format`; a string format xgrammar does not know; `propertyNames` next to `properties` or

@@ -24,8 +24,9 @@ from tests.engine import needs_xgrammar
 
 from .inprocess_server import serving
 
-pytestmark = [needs_xgrammar, pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
-                                                 reason="needs llguidance (guided)")]
+pytestmark = needs_xgrammar
+needs_llguidance = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                      reason="needs llguidance (guided)")
 
 SLOW = {"enum": ["slow to compile"]}
 
@@ -173,6 +174,7 @@ def test_vllm_options_that_do_not_hold_here_are_400s_naming_them(client, options
     assert response.json()["error"]["param"] == param
 
 
+@needs_llguidance
 @pytest.mark.parametrize("schema, keyword", [
     pytest.param({"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
                   "oneOf": [{"required": ["x"]}, {"required": ["y"]}]}, "properties next to oneOf (at the root)",
@@ -222,6 +224,7 @@ def _check_served(text: str) -> None:
     assert 2 <= len(word) <= 4 and word.isalpha() and fields["half"] % 0.5 == 0
 
 
+@needs_llguidance
 def test_pydantic_types_vllm_serves_are_served_through_response_format(client):
     """`HttpUrl`, `AnyUrl` (`format: uri` with `minLength`), `constr(min_length, max_length, pattern)`,
     `confloat(multiple_of=0.5)` were a 400 from every client library's structured output; vLLM serves them (its
@@ -234,6 +237,7 @@ def test_pydantic_types_vllm_serves_are_served_through_response_format(client):
     _check_served(choice["message"]["content"])
 
 
+@needs_llguidance
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "save"}}])
 def test_pydantic_types_vllm_serves_are_served_in_a_forced_tool_call(client, tool_choice):
     """pydantic-ai forces `tool_choice: required` over all tools: one tool taking an `HttpUrl` made every run
@@ -254,6 +258,7 @@ def test_pydantic_types_vllm_serves_are_served_in_a_forced_tool_call(client, too
             assert call["function"]["name"] == "fetch_page" and _URI.fullmatch(json.loads(arguments)["url"])
 
 
+@needs_llguidance
 @pytest.mark.parametrize("annotation, reason", [
     pytest.param(UUID4, "Unknown format: uuid4", id="UUID4"),
     pytest.param(bytes, "Unknown format: binary", id="bytes"),
