@@ -157,6 +157,8 @@ class LLM:
         partings: list[Callable[[Sequence[int]], int | None]] = []  # where each next turn will part (its ids)
         for conversation in conversations:
             rendered, images = split_chat_images(conversation)
+            if images and self.engine.image_processor is None:  # refused before a text-only template meets them
+                image_prompt(None, [], images, self.media_limits)
             text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message, **template)
             # a dict even without images: placeholders the text holds are then refused, as the server does

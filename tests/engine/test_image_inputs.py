@@ -188,6 +188,12 @@ def test_a_text_model_refuses_images(tmp_path):
     text_llm = LLM(write_tiny_model(tmp_path / "text", "qwen3_5_text"), block_size=16, kernel_block_size=8)
     with pytest.raises(ImageError, match="takes no images"):
         text_llm.generate({"prompt": "hi", "multi_modal_data": {"image": png(16, 16)}}, use_tqdm=False)
+    # chat: refused before the chat template renders the part (a template that joins content as a string raised
+    # "TypeError: can only concatenate str (not "list") to str")
+    text_llm.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}{% endfor %}"
+    with pytest.raises(ImageError, match="takes no images"):
+        text_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}],
+                      use_tqdm=False)
 
 
 def test_chat_text_holding_an_image_placeholder_is_refused_as_the_server_refuses_it(llm):
