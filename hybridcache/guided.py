@@ -481,6 +481,15 @@ def strict(schema: Any, closed: bool = True) -> Any:
     return out
 
 
+_LARK_PLACE = re.compile(r"^at \d+\(\d+\): (?:failed to compile JSON schema: )?")
+
+
+def _llguidance_reason(error: str) -> str:
+    """llguidance's error without the Lark grammar it quotes (a tool call's): `at 4(8): failed to compile JSON
+    schema: Unimplemented keys: ["uniqueItems"]` and the grammar's lines -> `Unimplemented keys: ["uniqueItems"]`."""
+    return _LARK_PLACE.sub("", error.strip().splitlines()[0]) if error.strip() else "an llguidance error"
+
+
 class LLGuidanceMissing(ValueError):
     """A schema needs llguidance (xgrammar would not enforce it) and llguidance does not import."""
 
@@ -582,11 +591,9 @@ class LLGuidanceCompiler:
     def _compile(self, llg: Any, grammar: str) -> LLGuidanceGrammar:
         tokenizer = self._llg_tokenizer(llg)
         error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error:
-            raise ValueError(error.strip())
-        start = llg.LLMatcher(tokenizer, grammar, log_level=0)
-        if start.is_error():
-            raise ValueError(start.get_error())
+        start = None if error else llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if error or start.is_error():
+            raise ValueError(_llguidance_reason(error or start.get_error()))
         return LLGuidanceGrammar(start, grammar, self._stop_token_ids)
 
     def _llg_tokenizer(self, llg: Any) -> Any:
