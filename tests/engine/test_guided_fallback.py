@@ -17,6 +17,7 @@ Measured with vLLM's decision (its xgrammar check, then `LLMatcher.grammar_from_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -215,3 +216,19 @@ def test_the_matcher_rolls_back_through_its_stop_token(cache):
     refused = tokenizer.encode("x", add_special_tokens=False)[0]
     fresh = cache.matcher(GuidedSpec.json_schema(_schema_of(Word)))
     assert not fresh.accept_token(refused) and fresh.accept_token(tokens[0])  # a refusal leaves the state as it was
+
+
+def test_a_fallback_grammar_behind_a_reasoning_marker(cache):
+    """A reasoning model's answer (`starts_after`: vLLM's reasoning parser) with a schema llguidance compiles: free
+    until the marker, then the grammar holds, and a rollback through the marker closes the gate again."""
+    tokenizer = cache._hf_tokenizer
+    spec = dataclasses.replace(GuidedSpec.json_schema(_schema_of(Word)), starts_after="!")
+    gate = cache.matcher(spec)
+    thinking = tokenizer.encode("no json here!", add_special_tokens=False)
+    assert all(gate.accept_token(t) for t in thinking) and gate.open
+    answer = tokenizer.encode('{"x": "a', add_special_tokens=False)
+    assert all(gate.accept_token(t) for t in answer)
+    (quote,) = tokenizer.encode('"', add_special_tokens=False)
+    assert not gate.accept_token(quote)  # one letter: minLength 2 holds
+    gate.rollback(len(answer) + 1)  # the answer and the "!"
+    assert not gate.open and gate.accept_token(quote)  # closed: anything goes
