@@ -13,7 +13,9 @@ from hybridcache.server.errors import APIError
 STRUCTURED_OUTPUT_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's options of how a constraint is enforced that hold here as they are, with the values that do: JSON grammars
 # never allow free whitespace (they write JSON as `tojson` does, whatever `disable_any_whitespace` says: valid
-# JSON either way), and xgrammar is the only backend, with no fallback.
+# JSON either way), and the backend is always vLLM's `auto`: xgrammar, or llguidance for a JSON schema xgrammar would
+# not enforce (hybridcache.guided; "xgrammar" named here is taken as `auto` too, where vLLM would refuse such a
+# schema).
 STRUCTURED_OUTPUT_OPTIONS = {"disable_any_whitespace": (True, False), "disable_fallback": (True, False),
                              "backend": ("auto", "xgrammar")}
 
