@@ -6,6 +6,7 @@
                      anthropic_protocol.py: its request shapes and their translation to a chat request
     tokenize_api.py  vLLM's /tokenize, /detokenize and /version
     engine_loop.py   the one thread that owns the engine; handlers reach it only through its command queue
+    admission.py     around the engine, for every generation route: queueing errors, the wait for the final output
     engine_state.py  the one adapter that reads the engine's memory and cache counters
     protocol.py      request bodies (pydantic) and their translation into SamplingParams
     responses.py     response bodies and server-sent-event chunks

@@ -42,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
+from hybridcache.server.admission import admission_errors, until_final
 from hybridcache.server.anthropic_protocol import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
@@ -54,11 +55,11 @@ from hybridcache.server.anthropic_protocol import (
 from hybridcache.server.chat_output import ChoiceStream, final_message
 from hybridcache.server.engine_loop import EngineFailure
 from hybridcache.server.error_response import ErrorResponse
-from hybridcache.server.errors import NO_RETRY, APIError
-from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
+from hybridcache.server.errors import APIError
+from hybridcache.server.limits import RequestTimeout
 from hybridcache.server.protocol import ChatCompletionRequest, parse_request
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
-from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
+from hybridcache.server.streaming import EventStreamResponse
 
 if TYPE_CHECKING:
     from hybridcache.server.app import PreparedChat, _Routes
@@ -167,19 +168,10 @@ class _Messages:
             raise _renamed(error) from None
         message_id = f"msg_{uuid.uuid4().hex}"
         loop = routes.engine_loop
-        try:
+        with admission_errors(lambda: loop.abort(message_id),
+                              lambda message: messages_param(chat_body.engine_error_param(message))):
             sink = await loop.add(message_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at,
                                   cache_salt=chat_body.cache_salt)
-        except (ValueError, TypeError, OverflowError) as error:
-            loop.abort(message_id)
-            raise APIError(400, str(error), param=messages_param(chat_body.engine_error_param(str(error)))) from None
-        except QueueFull as error:
-            raise queue_full_error(str(error)) from None
-        except EngineFailure as error:
-            raise APIError(503, str(error)) from None
-        except asyncio.CancelledError:
-            loop.abort(message_id)
-            raise
         from hybridcache.server.app import request_outputs  # app imports this module
 
         timeout = routes.config.limits.request_timeout_s
@@ -189,16 +181,9 @@ class _Messages:
         if body.stream:
             return EventStreamResponse(run.events(outputs), on_close=lambda: loop.abort(message_id),
                                        final_events=(error_event(503, SHUTDOWN_MESSAGE),))
-        try:
-            final = await run_until_disconnect(request.receive, _last(outputs))
-        except ClientGone:
+        final = await until_final(request, _last(outputs), lambda: loop.abort(message_id))
+        if final is None:
             return Response(status_code=499)
-        except RequestTimeout as error:
-            raise APIError(503, str(error), code="request_timeout", headers=NO_RETRY) from None
-        except EngineFailure as error:
-            raise APIError(500, str(error)) from None
-        finally:
-            loop.abort(message_id)
         return JSONResponse(run.message(final))
 
     async def count_tokens(self, request: Request) -> JSONResponse:

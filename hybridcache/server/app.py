@@ -64,6 +64,7 @@ from hybridcache.mm_processor import split_chat_images
 from hybridcache.outputs import RequestOutput
 from hybridcache.sampling import SamplingParams
 from hybridcache.server import log_limits, reasoning
+from hybridcache.server.admission import admission_errors, until_final
 from hybridcache.server.anthropic_api import add_anthropic_routes
 from hybridcache.server.anthropic_protocol import sent_keys
 from hybridcache.server.cache_routes import CacheRoutes
@@ -73,15 +74,13 @@ from hybridcache.server.chat_prompt import ChatPrompt, checkpoint_steps, render_
 from hybridcache.server.config import NO_KEY_WARNING, ServerConfig
 from hybridcache.server.engine_loop import EngineBusy, EngineFailure, EngineLoop
 from hybridcache.server.error_response import ErrorResponse
-from hybridcache.server.errors import NO_RETRY, APIError, error_body
+from hybridcache.server.errors import APIError, error_body
 from hybridcache.server.limits import (
-    QueueFull,
     RequestTimeout,
     check_prompt_bytes,
     check_sequences,
     context_length_message,
     max_token_bytes,
-    queue_full_error,
     read_body,
 )
 from hybridcache.server.metrics import ServerMetrics
@@ -102,7 +101,7 @@ from hybridcache.server.responses import (
 from hybridcache.server.responses_api import add_responses_routes
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE, ShutdownGuard
 from hybridcache.server.stream_events import UsageMode, stream_events
-from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
+from hybridcache.server.streaming import EventStreamResponse
 from hybridcache.server.tokenize_api import add_tokenize_routes
 
 logger = logging.getLogger("hybridcache.server")
@@ -440,20 +439,11 @@ class _Routes:
             for request_id in request_ids:
                 loop.abort(request_id)  # a no-op once it has finished
 
-        try:
+        with admission_errors(abort_all, body.engine_error_param):
             # all join one step, or none is queued (`mm_inputs`: a chat's images, so of its one prompt)
             sinks = await loop.add_many(request_ids, prompts, params, [mm_inputs] * len(prompts),
                                         [checkpoints_at] * len(prompts), echo_only=rendering.echo_only,
                                         cache_salt=body.cache_salt)
-        except (ValueError, TypeError, OverflowError) as error:
-            raise APIError(400, str(error), param=body.engine_error_param(str(error))) from None
-        except QueueFull as error:
-            raise queue_full_error(str(error)) from None
-        except EngineFailure as error:
-            raise APIError(503, str(error)) from None
-        except asyncio.CancelledError:
-            abort_all()
-            raise
         timeout = self.config.limits.request_timeout_s
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         outputs = _merged([request_outputs(sink, rendering, deadline) for sink in sinks])
@@ -464,16 +454,9 @@ class _Routes:
             events = stream_events(meta, outputs, params, prompts, usage_mode, rendering)
             final_events = (sse(error_body(503, SHUTDOWN_MESSAGE)), sse("[DONE]"))
             return EventStreamResponse(events, on_close=abort_all, final_events=final_events)
-        try:
-            finals = await run_until_disconnect(request.receive, _last(outputs, len(prompts)))
-        except ClientGone:
+        finals = await until_final(request, _last(outputs, len(prompts)), abort_all)
+        if finals is None:
             return Response(status_code=499)
-        except RequestTimeout as error:
-            raise APIError(503, str(error), code="request_timeout", headers=NO_RETRY) from None
-        except EngineFailure as error:
-            raise APIError(500, str(error)) from None
-        finally:  # (cancelled at the end of the shutdown grace period: a 503 from `ShutdownGuard`)
-            abort_all()
         return JSONResponse(full_response(meta, finals, rendering))
 
     def _max_tokens(self, requested: int | None, prompt_len: int, default: int | None, prompt_param: str,

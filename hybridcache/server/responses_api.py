@@ -53,14 +53,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from hybridcache.outputs import CompletionOutput, RequestOutput
+from hybridcache.server.admission import admission_errors, until_final
 from hybridcache.server.chat_output import ChoiceStream, final_message, reasoning_tokens
 from hybridcache.server.engine_loop import EngineFailure
-from hybridcache.server.errors import NO_RETRY, APIError
-from hybridcache.server.limits import QueueFull, RequestTimeout, queue_full_error
+from hybridcache.server.errors import APIError
+from hybridcache.server.limits import RequestTimeout
 from hybridcache.server.protocol import CacheSalt, ChatCompletionRequest, Int64, ReasoningEffort, parse_request
 from hybridcache.server.responses import logprobs_of
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
-from hybridcache.server.streaming import ClientGone, EventStreamResponse, run_until_disconnect
+from hybridcache.server.streaming import EventStreamResponse
 
 if TYPE_CHECKING:
     from hybridcache.sampling import SamplingParams
@@ -435,19 +436,9 @@ class _Responses:
         response_id = _new_id("resp")
         run = _Run(self, body, response_id, conversation, chat.params, chat.rendering)
         loop = routes.engine_loop
-        try:
+        with admission_errors(lambda: loop.abort(response_id), lambda _: "input"):
             sink = await loop.add(response_id, chat.prompt_ids, chat.params, chat.mm_inputs, chat.checkpoints_at,
                                   cache_salt=body.cache_salt)
-        except (ValueError, TypeError, OverflowError) as error:
-            loop.abort(response_id)
-            raise APIError(400, str(error), param="input") from None
-        except QueueFull as error:
-            raise queue_full_error(str(error)) from None
-        except EngineFailure as error:
-            raise APIError(503, str(error)) from None
-        except asyncio.CancelledError:
-            loop.abort(response_id)
-            raise
         from hybridcache.server.app import request_outputs  # app imports this module
 
         timeout = routes.config.limits.request_timeout_s
@@ -456,16 +447,9 @@ class _Responses:
         if body.stream:  # a stream the shutdown cuts ends with an error event numbered after the last one sent
             return EventStreamResponse(run.events(outputs), on_close=lambda: loop.abort(response_id),
                                        final_events=lambda: (run.error_event("server_shutdown", SHUTDOWN_MESSAGE),))
-        try:
-            final = await run_until_disconnect(request.receive, _last(outputs))
-        except ClientGone:
+        final = await until_final(request, _last(outputs), lambda: loop.abort(response_id))
+        if final is None:
             return Response(status_code=499)
-        except RequestTimeout as error:
-            raise APIError(503, str(error), code="request_timeout", headers=NO_RETRY) from None
-        except EngineFailure as error:
-            raise APIError(500, str(error)) from None
-        finally:
-            loop.abort(response_id)
         return JSONResponse(run.finish(final, run.output_from(final)))
 
     async def retrieve(self, request: Request, response_id: str) -> JSONResponse:
