@@ -153,6 +153,8 @@ def chat_request(body: CountTokensRequest, takes_images: bool) -> dict[str, Any]
     if choice is not None:
         if choice.type == "tool" and not choice.name:
             raise APIError(400, "tool_choice of type 'tool' needs the tool's 'name'", param="tool_choice.name")
+        if choice.type in ("any", "tool") and not body.tools:
+            raise APIError(400, f"tool_choice of type {choice.type!r} needs tools", param="tool_choice")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
             {"type": "function", "function": {"name": choice.name}}
         if choice.disable_parallel_tool_use:
@@ -276,8 +278,10 @@ def _user_messages(content: str | list[dict[str, Any]], param: str, takes_images
             raise APIError(400, _unknown_block(kind, "text, image, tool_result"), param=f"{where}.type")
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    if not parts:  # only tool results (as vLLM: no empty user message after them)
+    if not parts and tool_messages:  # only tool results (as vLLM: no empty user message after them)
         return tool_messages
+    if not parts:  # only empty text: an empty user turn, as content "" is (dropped, a last one made the reply a
+        return [{"role": "user", "content": ""}]  # prefill of the assistant message before it)
     text_only = len(parts) == 1 and parts[0]["type"] == "text"
     return [*tool_messages, {"role": "user", "content": parts[0]["text"] if text_only else parts}]
 

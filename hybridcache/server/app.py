@@ -66,7 +66,7 @@ from hybridcache.sampling import SamplingParams
 from hybridcache.server import log_limits, reasoning
 from hybridcache.server.admission import admission_errors, until_final
 from hybridcache.server.anthropic_api import add_anthropic_routes
-from hybridcache.server.anthropic_protocol import sent_keys
+from hybridcache.server.anthropic_protocol import MESSAGES_PATH, anthropic_error_body, sent_keys
 from hybridcache.server.cache_routes import CacheRoutes
 from hybridcache.server.chat_images import check_media_parts, image_request, image_request_async
 from hybridcache.server.chat_output import ChatOutputOptions, ThinkMarkers
@@ -191,10 +191,16 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         logger.info("%s %s: the client disconnected while sending its request", request.method, request.url.path)
         return Response(status_code=499)
 
+    def shaped(request: Request, status: int, message: str) -> JSONResponse:
+        """An error in the shape of the API the path belongs to: Anthropic's under /v1/messages, else OpenAI's."""
+        path = get_route_path(request)
+        anthropic = path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+        body = anthropic_error_body(status, message) if anthropic else error_body(status, message)
+        return ErrorResponse(body, status_code=status)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        message = f"{request.method} {request.url.path}: {error.detail}"
-        return ErrorResponse(error_body(error.status_code, message), status_code=error.status_code)
+        return shaped(request, error.status_code, f"{request.method} {request.url.path}: {error.detail}")
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, error: Exception) -> JSONResponse:
@@ -202,7 +208,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
         record of it is dropped (`log_limits.LoggedOnceFilter`)."""
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         log_limits.mark_logged(error)
-        return ErrorResponse(error_body(500, f"internal error: {type(error).__name__}: {error}"), status_code=500)
+        return shaped(request, 500, f"internal error: {type(error).__name__}: {error}")
 
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])

@@ -387,6 +387,7 @@ BOTH, MESSAGES_ONLY = ("/v1/messages", "/v1/messages/count_tokens"), ("/v1/messa
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "a", "content": ["a.txt"]}]}]},
      400, "messages.0.content.0.content.0", BOTH),  # (a 500 before: a plain string where a block goes)
     ({"output_config": {"effort": "extreme"}}, 400, "output_config.effort", MESSAGES_ONLY),
+    ({"tool_choice": {"type": "any"}}, 400, "tool_choice of type 'any' needs tools", BOTH),  # (said "required")
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "base64", "media_type": "image/png", "data": _png_base64()}}]}]}, 400, "messages.0.content.0.type",
      BOTH),
@@ -416,6 +417,30 @@ def test_bad_requests_are_anthropic_errors_naming_the_field(server, body, status
         assert error["error"]["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
         assert field in error["error"]["message"], error
     assert_engine_intact(base_url)
+
+
+def test_unknown_methods_and_paths_under_messages_are_anthropic_errors(server):
+    """A GET of /v1/messages (405) and an unknown /v1/messages/... path (404) answered in OpenAI's error shape."""
+    base_url, _ = server
+    for response, status in ((httpx.get(f"{base_url}/v1/messages", headers=KEYED, timeout=30), 405),
+                             (post(base_url, "/v1/messages/batches", {}), 404)):
+        assert response.status_code == status
+        assert response.json()["type"] == "error" and set(response.json()["error"]) == {"type", "message"}
+    elsewhere = httpx.get(f"{base_url}/v1/nothing", timeout=30).json()  # other paths keep OpenAI's shape
+    assert "type" not in elsewhere and {"message", "type", "param", "code"} == set(elsewhere["error"])
+
+
+def test_a_user_message_of_empty_text_stays_a_user_turn(server, tokenizer):
+    """A user message whose only block is empty text was dropped; a last one then made the reply a prefill of
+    the assistant message before it. It is an empty user turn, as content "" is."""
+    base_url, _ = server
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    as_blocks = [*history, {"role": "user", "content": [{"type": "text", "text": ""}]}]
+    as_text = [*history, {"role": "user", "content": ""}]
+    counted = [post(base_url, "/v1/messages/count_tokens", {"model": MODEL, "messages": m}).json()["input_tokens"]
+               for m in (as_blocks, as_text)]
+    rendered = tokenizer.apply_chat_template(as_text, add_generation_prompt=True)
+    assert counted == [len(tokenizer.encode(rendered))] * 2
 
 
 def test_a_body_that_is_not_json_is_an_anthropic_error(server):
