@@ -23,6 +23,7 @@ _LAZY = {
     "Qwen3_5MoeForCausalLM": "hybridcache.models.qwen3_5",
     "Qwen3NextForCausalLM": "hybridcache.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "hybridcache.models.granite",
+    "NemotronHForCausalLM": "hybridcache.models.nemotron_h",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",
 }

@@ -5,7 +5,7 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -20,7 +20,8 @@ Accepted layouts of config.json:
   plain RoPE.
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
-model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`: `_DEFAULTS`),
+model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
+`NemotronHConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -33,6 +34,15 @@ transformers' {"__float__": "Infinity"}); `embedding_multiplier`, `residual_mult
 `position_embedding_type` "rope" rotates the whole head, anything else ("nope", null) gives attention without RoPE;
 the feed-forward block is `shared_mlp` (width `shared_intermediate_size`) plus, when `num_local_experts` > 0, routed
 experts of width `intermediate_size` (top `num_experts_per_tok`, softmax over the top-k logits).
+Nemotron-H (`nemotron_h`): each layer one block, its kind from `layers_block_type` ("mamba" / "linear_attention",
+"attention" / "full_attention", "mlp"; a layer with no mixer state, `LayerKind.MLP`) or the older
+`hybrid_override_pattern` (one letter a layer: M, *, -); `num_hidden_layers`, when written, must equal their count.
+The Mamba2 group reads `mamba_num_heads` x `mamba_head_dim`, `n_groups`, `ssm_state_size`, `conv_kernel`,
+`use_conv_bias`, `use_bias` (in_proj and out_proj, as transformers), `chunk_size`, `time_step_limit` (the older
+`mamba_n_groups`, `mamba_d_conv`, `mamba_conv_bias`, `mamba_chunk_size`, `mamba_dt_limit` win where written, as in
+`NemotronHConfig`); `layer_norm_epsilon` is the norms' eps; `mamba_ssm_cache_dtype` (default float32) is
+`mamba_ssm_dtype`; the MLP layers are `intermediate_size` wide, `mlp_hidden_act` "relu2" (non-gated); the attention
+has no rotary embedding. Refused: "moe" layers (E), `mlp_bias` or `attention_bias` true, another activation.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -60,12 +70,16 @@ class LayerKind(str, Enum):
     LINEAR_ATTENTION = "linear_attention"  # gated DeltaNet
     FULL_ATTENTION = "full_attention"  # (gated) attention over the paged KV cache
     MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
+    MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-")
 
 
 # The layer kinds of each text model type, by their config.json spellings.
 _QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
 _MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2, "attention": LayerKind.FULL_ATTENTION,
                 "full_attention": LayerKind.FULL_ATTENTION}
+# Nemotron-H: transformers 5's names, the older ones it remaps, and `hybrid_override_pattern`'s letters
+_NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP}
+_NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 # model_type of the text model each supported model_type stands for.
@@ -76,6 +90,7 @@ _TEXT_MODEL_TYPES = {
     "qwen3_5_moe_text": "qwen3_5_moe_text",
     "qwen3_next": "qwen3_next",
     "granitemoehybrid": "granitemoehybrid",
+    "nemotron_h": "nemotron_h",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -99,6 +114,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 2, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
         "attention_multiplier": 1.0, "logits_scaling": 1.0, "mamba_n_heads": 128, "mamba_n_groups": 1,
         "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    },
+    # (`NemotronHConfig`; rope_theta and partial_rotary_factor unused: its attention has no rotary embedding)
+    "nemotron_h": {
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, "layer_norm_epsilon": 1e-5,
+        "intermediate_size": 21504, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "mamba_num_heads": 128,
+        "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
+        "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
     },
 }
 
@@ -229,7 +251,8 @@ class Multipliers:
 class FeedForwardConfig:
     """The feed-forward block after each mixer: a dense SiLU-gated MLP of `intermediate_size`, or a sparse
     MoE block (`num_experts` routed experts, top `num_experts_per_tok`, plus a gated shared expert) where
-    `is_moe_layer`. `num_experts == 0` means dense everywhere."""
+    `is_moe_layer`. `num_experts == 0` means dense everywhere. `in_own_layers` (Nemotron-H): no block after the
+    mixers; the dense blocks (non-gated, `ModelConfig.hidden_act` "relu2") are the layers of kind `LayerKind.MLP`."""
 
     intermediate_size: int | None
     num_experts: int
@@ -239,11 +262,14 @@ class FeedForwardConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+    in_own_layers: bool = False
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """True where layer `layer_id` has a sparse MoE block (the transformers rule)."""
+        """True where layer `layer_id` has a sparse MoE block (the transformers rule; never where the feed-forward
+        blocks are layers of their own, `in_own_layers`: `ModelConfig.is_moe_layer` reads the layer kind there)."""
         return (
-            layer_id not in self.mlp_only_layers
+            not self.in_own_layers
+            and layer_id not in self.mlp_only_layers
             and self.num_experts > 0
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
@@ -310,7 +336,12 @@ class ModelConfig:
     @property
     def recurrent_layer_ids(self) -> tuple[int, ...]:
         """Layers with a fixed-size state (gated DeltaNet and Mamba2)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t is not LayerKind.FULL_ATTENTION)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in (LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2))
+
+    def has_feed_forward(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` runs a feed-forward block: every layer, or (`mlp.in_own_layers`) those of
+        kind MLP."""
+        return not self.mlp.in_own_layers or self.layer_types[layer_id] is LayerKind.MLP
 
     @property
     def num_linear_layers(self) -> int:
@@ -351,7 +382,9 @@ class ModelConfig:
         model_type = _TEXT_MODEL_TYPES.get(written or "")
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
-        granite = model_type == "granitemoehybrid"
+        granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
+        if nemotron:
+            text = _nemotron_section(text)
         fields = _Fields(text, _granite_defaults(text) if granite else _DEFAULTS[model_type])
 
         def pick(key: str, default: Any = None) -> Any:
@@ -360,8 +393,9 @@ class ModelConfig:
                 return raw[key]
             return text.get(key, default)
 
-        num_layers = fields.integer("num_hidden_layers")
-        layer_types = text.get("layer_types")
+        layer_types = _nemotron_layer_types(text) if nemotron else text.get("layer_types")
+        num_layers = len(layer_types) if nemotron and text.get("num_hidden_layers") is None else (
+            fields.integer("num_hidden_layers"))
         if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
             layer_types = text.get("layers_block_type") or ["mamba"] * num_layers
         if layer_types is None:
@@ -372,15 +406,33 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        kinds = _MAMBA_KINDS if granite else _QWEN_KINDS
+        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _QWEN_KINDS
+        if nemotron and "moe" in layer_types:
+            raise ValueError(f"layer_types {tuple(layer_types)}: Nemotron-H's MoE layers (\"moe\", pattern letter "
+                             "'E') are not supported yet; its dense layers are (\"mamba\", \"attention\", \"mlp\")")
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
         layer_types = tuple(kinds[t] for t in layer_types)
 
-        hidden_act = text.get("hidden_act", "silu")
-        if hidden_act != "silu":
+        hidden_act = _nemotron_activation(fields) if nemotron else text.get("hidden_act", "silu")
+        if hidden_act != "silu" and not nemotron:
             raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        if granite:
+            attention = _attention_config(fields, use_rope=_granite_rope(text.get("position_embedding_type")),
+                                          scale=fields.number("attention_multiplier"))
+        else:
+            attention = _attention_config(fields, use_rope=not nemotron)
+        if nemotron and attention.bias:
+            raise ValueError("config.json attention_bias true is not supported for Nemotron-H (transformers' "
+                             "NemotronHAttention has no biases)")
+        if nemotron:
+            mlp, mamba2 = _nemotron_feed_forward_config(fields), _nemotron_mamba2_config(fields)
+        elif granite:
+            mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        else:
+            mlp, mamba2 = _feed_forward_config(fields, model_type), None
+        ssm_dtype = fields.value("mamba_ssm_cache_dtype") if nemotron else pick("mamba_ssm_dtype")
 
         return cls(
             architecture=architectures[0],
@@ -393,13 +445,13 @@ class ModelConfig:
             eos_token_ids=token_ids(pick("eos_token_id"), "config.json eos_token_id"),
             tie_word_embeddings=boolean(pick("tie_word_embeddings"), "tie_word_embeddings", default=False),
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
-            rms_norm_eps=fields.number("rms_norm_eps"),
+            rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
-            attention=_attention_config(fields, granite),
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite else fields),
-            mlp=_granite_feed_forward_config(fields) if granite else _feed_forward_config(fields, model_type),
-            mamba_ssm_dtype=None if pick("mamba_ssm_dtype") is None else str(pick("mamba_ssm_dtype")),
-            mamba2=_mamba2_config(fields) if granite else None,
+            attention=attention,
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields),
+            mlp=mlp,
+            mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
+            mamba2=mamba2,
             multipliers=_multipliers(fields) if granite else Multipliers(),
         )
 
@@ -412,7 +464,7 @@ class ModelConfig:
         if mlp.num_experts and not 1 <= mlp.num_experts_per_tok <= mlp.num_experts:
             raise ValueError(f"config.json num_experts_per_tok {mlp.num_experts_per_tok} must be between 1 and "
                              f"num_experts {mlp.num_experts}")
-        needs_dense = any(not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        needs_dense = any(self.has_feed_forward(i) and not self.is_moe_layer(i) for i in range(self.num_hidden_layers))
         if needs_dense and not self.mlp.intermediate_size:
             raise ValueError("a dense MLP layer needs intermediate_size")
         return self
@@ -519,9 +571,10 @@ def _check_one_rope_layout(text: Mapping) -> None:
             f"rope_parameters alone")
 
 
-def _attention_config(fields: _Fields, granite: bool = False) -> AttentionConfig:
-    """The attention group of a text config (rotary settings in either layout, see the module docstring); `granite`:
-    its `position_embedding_type` and `attention_multiplier` too."""
+def _attention_config(fields: _Fields, *, use_rope: bool = True, scale: float | None = None) -> AttentionConfig:
+    """The attention group of a text config (rotary settings in either layout, see the module docstring); `use_rope`
+    False: no rotary embedding (Granite's "nope", Nemotron-H); `scale`: the softmax scale where config.json sets one
+    (Granite's attention_multiplier)."""
     text = fields.section
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rope, Mapping):
@@ -554,8 +607,8 @@ def _attention_config(fields: _Fields, granite: bool = False) -> AttentionConfig
         mrope_section=section,
         rope_scaling=_rope_scaling(fields, rope),
         max_position_embeddings=fields.integer("max_position_embeddings"),
-        use_rope=not granite or _granite_rope(text.get("position_embedding_type")),
-        scale=fields.number("attention_multiplier") if granite else None,
+        use_rope=use_rope,
+        scale=scale,
     )
 
 
@@ -719,3 +772,67 @@ def _multipliers(fields: _Fields) -> Multipliers:
         raise ValueError(f"config.json logits_scaling {logits_scaling} must be > 0 (the logits are divided by it)")
     return Multipliers(embedding=fields.number("embedding_multiplier"), residual=fields.number("residual_multiplier"),
                        logits_scaling=logits_scaling)
+
+
+# Nemotron-H's older config.json names and the names `NemotronHConfig` reads them into (the older name wins, as there)
+_NEMOTRON_ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+                     "mamba_dt_limit": "time_step_limit", "mamba_conv_bias": "use_conv_bias",
+                     "mamba_chunk_size": "chunk_size"}
+
+
+def _nemotron_section(text: Mapping[str, Any]) -> dict[str, Any]:
+    """Nemotron-H's config.json fields under the names `NemotronHConfig` keeps (`_NEMOTRON_ALIASES` applied)."""
+    section = dict(text)
+    for old, new in _NEMOTRON_ALIASES.items():
+        if old in section:
+            section[new] = section.pop(old)
+    return section
+
+
+def _nemotron_layer_types(text: Mapping[str, Any]) -> list[str]:
+    """Nemotron-H's layer kinds as written: `layers_block_type` (or `layer_types`), else `hybrid_override_pattern`
+    one letter a layer (M Mamba2, * attention, - MLP, E MoE)."""
+    written = text.get("layers_block_type") or text.get("layer_types")
+    if written is not None:
+        return written
+    pattern = text.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern or set(pattern) - set(_NEMOTRON_PATTERN):
+        raise ValueError(f"config.json needs layers_block_type, or hybrid_override_pattern as a string of the letters "
+                         f"{''.join(_NEMOTRON_PATTERN)} (one a layer), not {pattern!r}")
+    return [_NEMOTRON_PATTERN[letter] for letter in pattern]
+
+
+def _nemotron_activation(fields: _Fields) -> str:
+    """Nemotron-H's MLP activation, "relu2" (relu(x)^2) only; its Mamba2 activation must be "silu"."""
+    for key, supported in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if fields.value(key) != supported:
+            raise ValueError(f"config.json {key} {fields.value(key)!r} is not supported (only {supported!r})")
+    return "relu2"
+
+
+def _nemotron_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
+    """Nemotron-H's dense layers: up_proj -> relu^2 -> down_proj of `intermediate_size`, layers of their own."""
+    if fields.boolean("mlp_bias", default=False):
+        raise ValueError("config.json mlp_bias true is not supported for Nemotron-H (its checkpoints have none)")
+    return FeedForwardConfig(intermediate_size=fields.integer("intermediate_size"), num_experts=0,
+                             num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), in_own_layers=True)
+
+
+def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:
+    """Nemotron-H's Mamba2 fields (`NemotronHConfig`'s names): heads mamba_num_heads x mamba_head_dim (`expand`
+    sizes nothing there), n_groups, ssm_state_size, conv_kernel, use_conv_bias, use_bias (in_proj and out_proj)."""
+    heads, groups = fields.integer("mamba_num_heads"), fields.integer("n_groups")
+    if heads % groups:
+        raise ValueError(f"config.json n_groups {groups} must divide mamba_num_heads {heads}")
+    return Mamba2Config(
+        num_heads=heads,
+        head_dim=fields.integer("mamba_head_dim"),
+        num_groups=groups,
+        state_size=fields.integer("ssm_state_size"),
+        conv_kernel_size=fields.integer("conv_kernel", minimum=2),  # (1: no conv state to keep)
+        conv_bias=fields.boolean("use_conv_bias", default=True),
+        proj_bias=fields.boolean("use_bias", default=False),
+        chunk_size=fields.integer("chunk_size"),
+        time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+    )

@@ -1,5 +1,5 @@
-"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next and (its layers its own: `models/granite.py`)
-Granite-4.0-H.
+"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next and (their layers their own: `models/granite.py`,
+`models/nemotron_h.py`) Granite-4.0-H and Nemotron-H.
 
 Module tree (names equal the checkpoint tensor names)::
 
@@ -13,9 +13,11 @@ Module tree (names equal the checkpoint tensor names)::
     lm_head                                 [vocab, hidden] (the embedding itself when tied)
 
 A decoder layer is a token mixer plus an optional feed-forward block; the mixer is registered under its
-checkpoint name. A model whose layers or norms differ (Granite) overrides `_layer` and `_norm`: the skeleton needs of
-a layer only `mixer` (whose `state_spec` it reads) and `forward_split`, of a norm `forward(x, backend)` and
-`add(x, residual, backend)`. `config.multipliers` scales the embedding and divides the logits (1 but for Granite).
+checkpoint name. A model whose layers or norms differ (Granite, Nemotron-H) overrides `_layer` and `_norm`: the
+skeleton needs of a layer only `mixer` (whose `state_spec` it reads) and `forward_split`, of a norm
+`forward(x, backend)` and `add(x, residual, backend)`. A layer without state (Nemotron-H's MLP layers) declares a
+`RecurrentSpec` of no tensors: the pools hold an empty mapping for it. `config.multipliers` scales the embedding
+and divides the logits (1 but for Granite).
 Device state: each layer's mixer declares a spec (`state_spec`); `state_specs()` lists
 them in layer order, `DevicePools.allocate` makes the pools, and layer i reads `pools.layers[i]`.
 

@@ -8,7 +8,9 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    tied config whose checkpoint holds an `lm_head.weight` that differs from the embedding is not tied (a warning
    says so: both are loaded), and one whose checkpoint holds `lm_head.weight` without the embedding ties the
    embedding to it;
-2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there); Granite's
+2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
+   Nemotron-H's `backbone.X` -> `model.X`, and its `model.embeddings.weight` -> `model.embed_tokens.weight`,
+   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix); Granite's
    MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
    -> `router.weight`;
@@ -63,7 +65,9 @@ from hybridcache.models.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
-RENAMED_PREFIXES = (("model.language_model.", "model."),)
+RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
+# Whole names, after the prefixes (Nemotron-H's embedding and final norm)
+RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
 RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping renames it
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
@@ -139,11 +143,12 @@ def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path],
 
 
 def model_name(checkpoint_name: str) -> str:
-    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES` and `RENAMED_SUFFIXES` applied)."""
+    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES`, `RENAMED_NAMES` and `RENAMED_SUFFIXES` applied)."""
     for old, new in RENAMED_PREFIXES:
         if checkpoint_name.startswith(old):
             checkpoint_name = new + checkpoint_name[len(old) :]
             break
+    checkpoint_name = RENAMED_NAMES.get(checkpoint_name, checkpoint_name)
     for old, new in RENAMED_SUFFIXES:
         if checkpoint_name.endswith(old):
             return checkpoint_name[: -len(old)] + new

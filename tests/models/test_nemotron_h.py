@@ -1,0 +1,212 @@
+"""Nemotron-H (`NemotronHForCausalLM`) vs transformers on tiny random models (Mamba2, attention without RoPE and
+relu^2 MLP layers; one or two Mamba2 groups, with and without projection biases), fp32, and its config parsing and
+refusals.
+
+Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
+sequence (explicit position_ids), read at the positions our step computed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridcache.layers.parallel import TensorParallel
+from hybridcache.models import ModelConfig, get_model_class, load_model
+from hybridcache.models.config import LayerKind
+
+from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
+from .nemotron_helpers import VARIANTS, make_nemotron_pair, nemotron_config, nemotron_model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
+def pair(request):
+    return make_nemotron_pair(request.param)
+
+
+def test_single_prefill_and_chunked_prefill(pair):
+    tokens = random_tokens(157, seed=1)
+    ref = pair.hf_logits(tokens)
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, ref) <= TOLERANCE
+    runner, start = PagedRunner(pair.ours, 64, 64), 0
+    for length in (37, 50, 70):  # uneven, not block aligned; the last one crosses the 64-token chunk
+        (ours,) = runner.step([(0, tokens[start : start + length])])
+        assert rel_err(ours, ref[start : start + length]) <= TOLERANCE, f"chunk at {start}"
+        start += length
+
+
+def test_decode_after_prefill_matches_full_and_incremental_forward(pair):
+    from transformers import DynamicCache
+
+    tokens = random_tokens(158, seed=3)
+    prompt_len = 152
+    ref = pair.hf_logits(tokens)
+    runner = PagedRunner(pair.ours, 16, 8)
+    runner.step([(0, tokens[:prompt_len])])
+    cache = DynamicCache(config=pair.hf_config)
+    with torch.no_grad():
+        pair.hf(input_ids=torch.tensor([tokens[:prompt_len]]), position_ids=torch.arange(prompt_len)[None],
+                cache=cache, use_cache=True)
+    for pos in range(prompt_len, len(tokens)):
+        (ours,) = runner.step([(0, [tokens[pos]])])
+        with torch.no_grad():
+            incremental = pair.hf(input_ids=torch.tensor([[tokens[pos]]]), position_ids=torch.tensor([[pos]]),
+                                  cache=cache, use_cache=True).logits[0].float()
+        assert rel_err(ours, ref[pos : pos + 1]) <= TOLERANCE, f"decode at {pos} vs full forward"
+        assert rel_err(ours, incremental) <= TOLERANCE, f"decode at {pos} vs incremental forward"
+
+
+def test_mixed_batch_of_prefill_chunks_and_decodes(pair):
+    """Four sequences step together; every step mixes prefill chunks, decode tokens and a new arrival."""
+    seqs = {0: random_tokens(170, seed=10), 1: random_tokens(110, seed=11), 2: random_tokens(70, seed=12),
+            3: random_tokens(10, seed=13)}
+    refs = {seq: pair.hf_logits(tokens) for seq, tokens in seqs.items()}
+    schedule = [[(0, 70), (1, 100)], [(0, 1), (1, 1), (2, 45)], [(2, 15), (1, 1), (0, 80), (3, 5)],
+                [(0, 19), (1, 1), (2, 1), (3, 1)]]
+    runner = PagedRunner(pair.ours, 16, 8, max_seqs=4)
+    for step_id, plan in enumerate(schedule):
+        feeds = [(seq, seqs[seq][runner.fed[seq] : runner.fed[seq] + count]) for seq, count in plan]
+        starts = {seq: runner.fed[seq] for seq, _ in feeds}
+        for (seq, tokens), ours in zip(feeds, runner.step(feeds), strict=True):
+            expected = refs[seq][starts[seq] : starts[seq] + len(tokens)]
+            assert rel_err(ours, expected) <= TOLERANCE, f"step {step_id}, seq {seq}"
+
+
+def test_the_comparison_notices_a_lost_mamba_state(pair):
+    tokens = random_tokens(157, seed=4)
+    ref = pair.hf_logits(tokens)
+    runner = PagedRunner(pair.ours, 16, 8)
+    runner.step([(0, tokens[:100])])
+    for layer_id in pair.ours.config.mamba2_layer_ids:
+        runner.pools.layers[layer_id]["ssm"].zero_()
+    (ours,) = runner.step([(0, tokens[100:])])
+    assert rel_err(ours, ref[100:]) > 100 * TOLERANCE
+
+
+def test_mlp_layers_hold_no_state(pair):
+    """An MLP layer's spec has no tensors: its pool entry is empty, and a slot holds the Mamba2 layers' state alone
+    (the runner's pools have no per-slot last_hidden)."""
+    config = pair.ours.config
+    specs = pair.ours.state_specs(torch.float32, torch.float32)
+    runner = PagedRunner(pair.ours, 16, 8)
+    for layer_id, kind in enumerate(config.layer_types):
+        if kind is LayerKind.MLP:
+            assert specs[layer_id].tensors == () and dict(runner.pools.layers[layer_id]) == {}
+    m = config.mamba2
+    slot_floats = sum(t.numel() // t.shape[1] for t in runner.pools.state_groups)  # per slot, every group
+    assert slot_floats == len(config.mamba2_layer_ids) * (m.conv_dim * m.conv_width + m.num_heads * m.head_dim
+                                                          * m.state_size)
+
+
+def test_config_reads_the_nemotron_fields():
+    config = ModelConfig.from_dict(nemotron_config("groups2").to_dict())
+    mamba, attention, mlp = LayerKind.MAMBA2, LayerKind.FULL_ATTENTION, LayerKind.MLP
+    assert config.layer_types == (mamba, mlp, attention, mamba, mlp, attention)
+    assert config.mamba2_layer_ids == (0, 3) and config.recurrent_layer_ids == (0, 3)
+    assert config.attention_layer_ids == (2, 5) and config.linear_layer_ids == ()
+    assert [config.has_feed_forward(i) for i in range(6)] == [False, True, False, False, True, False]
+    assert not any(config.is_moe_layer(i) for i in range(6))
+    m = config.mamba2
+    assert (m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_dim) == (8, 12, 2, 16, 96 + 2 * 2 * 16)
+    assert m.conv_bias and not m.proj_bias and m.time_step_limit == (0.0, float("inf"))
+    a = config.attention
+    assert not a.use_rope and a.head_dim == 24 and a.num_kv_heads == 2 and a.softmax_scale == 24**-0.5
+    assert config.hidden_act == "relu2" and config.mlp.intermediate_size == 96 and config.mlp.in_own_layers
+    assert config.rms_norm_eps == 1e-5 and config.mamba_ssm_dtype == "float32"
+
+
+def test_config_reads_hub_spellings():
+    """As the published config.json files write them: hybrid_override_pattern (no layers_block_type), older layer
+    names, the mamba_* aliases transformers remaps (they win, as there), time_step_limit with JSON's Infinity."""
+    raw = nemotron_config("groups2").to_dict()
+    del raw["layers_block_type"]
+    raw.update(hybrid_override_pattern="M-*M-*", num_hidden_layers=6, mamba_n_groups=4, n_groups=2,
+               mamba_d_conv=3, time_step_limit=json.loads("[0.0, Infinity]"), rms_norm_eps=0.5)
+    config = ModelConfig.from_dict(raw)
+    assert config.layer_types == ModelConfig.from_dict(nemotron_config("groups2").to_dict()).layer_types
+    assert config.mamba2.num_groups == 4 and config.mamba2.conv_kernel_size == 3
+    assert config.mamba2.time_step_limit == (0.0, float("inf")) and config.rms_norm_eps == 1e-5  # layer_norm_eps
+    raw.update(layers_block_type=["mamba", "mlp", "attention", "mamba", "mlp", "attention"])
+    assert ModelConfig.from_dict(raw).layer_types == config.layer_types
+    raw.pop("mamba_ssm_cache_dtype")  # transformers' default then: float32
+    assert ModelConfig.from_dict(raw).mamba_ssm_dtype == "float32"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("layers_block_type", ["mamba", "moe", "attention", "mamba", "mlp", "attention"], "MoE layers"),
+    ("layers_block_type", ["mamba", "gated_deltanet", "attention", "mamba", "mlp", "attention"], "layer_types"),
+    ("num_hidden_layers", 5, "layer_types"),
+    ("mlp_hidden_act", "silu", "mlp_hidden_act"),
+    ("mamba_hidden_act", "gelu", "mamba_hidden_act"),
+    ("n_groups", 3, "n_groups"),
+    ("attention_bias", True, "attention_bias"),
+    ("mlp_bias", True, "mlp_bias"),
+    ("time_step_limit", [1.0, 0.5], "time_step_limit"),
+])
+def test_config_refuses_what_it_cannot_run(field, value, message):
+    raw = {**nemotron_config("groups2").to_dict(), field: value}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_config_needs_a_layer_layout():
+    raw = nemotron_config("groups2").to_dict()
+    del raw["layers_block_type"]
+    for pattern in (None, "M-X*"):
+        with pytest.raises(ValueError, match="hybrid_override_pattern"):
+            ModelConfig.from_dict({**raw, "hybrid_override_pattern": pattern})
+    with pytest.raises(ValueError, match="MoE layers"):
+        ModelConfig.from_dict({**raw, "hybrid_override_pattern": "ME*M-*"})
+
+
+def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
+    config = ModelConfig.from_dict(nemotron_config("groups2").to_dict())
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        get_model_class(config.architecture)(config, TensorParallel(rank=0, size=2))
+    nemotron_model("groups2").save_pretrained(tmp_path)
+    for options, message in (({"quantization": "fp8"}, "FP8 weights"), ({"kv_fp8": True}, "an FP8 KV cache")):
+        with pytest.raises(ValueError, match=f"NemotronHForCausalLM does not support {message}"):
+            load_model(tmp_path, **options)
+
+
+def test_folder_loads_from_the_checkpoint_tensor_names(tmp_path):
+    """save_pretrained writes the hub checkpoints' names (backbone.embeddings, backbone.layers.N.mixer,
+    backbone.norm_f); an `mtp.` tensor beside them (Nemotron 3's MTP head) is not loaded."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    hf = nemotron_model("pattern-bias")
+    hf.save_pretrained(tmp_path)
+    path = tmp_path / "model.safetensors"
+    with safe_open(str(path), framework="pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    assert {"backbone.embeddings.weight", "backbone.norm_f.weight", "backbone.layers.2.mixer.up_proj.weight",
+            "backbone.layers.0.mixer.in_proj.bias"} <= set(tensors)
+    save_file({**tensors, "mtp.layers.0.norm.weight": torch.ones(64)}, str(path), metadata={"format": "pt"})
+    ours = load_model(tmp_path)
+    assert type(ours).__name__ == "NemotronHForCausalLM"
+    tokens = random_tokens(40, seed=7)
+    (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens]), position_ids=torch.arange(40)[None]).logits[0]
+    assert rel_err(logits, want) <= TOLERANCE
+
+
+def test_defaults_are_transformers_defaults():
+    """The fields config.json may leave out take `NemotronHConfig`'s defaults."""
+    import transformers
+
+    from hybridcache.models.config import _DEFAULTS
+
+    hf = transformers.NemotronHConfig()
+    for key, value in _DEFAULTS["nemotron_h"].items():
+        if key not in ("rope_theta", "partial_rotary_factor"):  # (no rotary embedding: unused)
+            assert value == getattr(hf, key), key
+    minimal = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256,
+               "hidden_size": 64, "num_attention_heads": 16, "hybrid_override_pattern": "M-*"}
+    config = ModelConfig.from_dict(minimal)
+    assert config.num_hidden_layers == 3 and config.attention.head_dim == hf.head_dim
+    assert config.mamba2.num_groups == hf.n_groups and config.mamba2.head_dim == hf.mamba_head_dim
