@@ -1,0 +1,184 @@
+"""llguidance: the fallback compiler of `guided` for JSON schemas xgrammar cannot enforce (as vLLM's `auto` backend
+falls back from xgrammar to guidance). llguidance enforces every keyword it accepts and refuses the rest
+(`Unimplemented keys: ["uniqueItems"]`, `Unknown format: uuid4`). A JSON schema is written the way `tojson` writes
+JSON, as the xgrammar grammars write it; a forced tool call is a Lark grammar around the call's schema
+(`%json {...}`). `LLGuidanceCompiler` compiles, `LLGuidanceGrammar` hands out matchers with xgrammar's
+`GrammarMatcher` interface. llguidance is imported on first use (the `guided` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# How the xgrammar grammars write JSON (`tojson`'s separators, no free whitespace); `lenient: False` overrides a
+# schema's own `x-guidance` that would have llguidance skip what it does not know (unenforced, silently).
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
+                 "coerce_one_of": False}
+
+
+# Where subschemas sit (`strict`'s walk): maps of name to schema, single schemas, lists of schemas.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+            "contains", "propertyNames", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def strict(schema: Any, closed: bool = True) -> Any:
+    """`schema` read as xgrammar reads it (its `strict_mode`, which the xgrammar grammars use): an object schema
+    with `properties` but no `additionalProperties` / `unevaluatedProperties` allows no other property, an array
+    schema with `prefixItems` but no `items` / `additionalItems` / `unevaluatedItems` no other item. llguidance
+    reads the JSON Schema default (anything more), so that a pydantic model's schema would take `{"word": "an",
+    "": "", "": ""}`; vLLM's `disable_additional_properties` closes objects likewise. An `allOf` branch and the
+    object beside an `allOf` stay open (`closed`: False): their properties add up, and closing one would refuse
+    the others' (`{"properties": {"a": ...}, "allOf": [{"properties": {"b": ...}}]}` takes both); so does an
+    object whose `required` names a property that `properties` does not (it says there are others).
+
+        {"properties": {"a": {}}}  ->  {"properties": {"a": {}}, "additionalProperties": false}"""
+    if isinstance(schema, list):
+        return [strict(item, closed) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+    for key in dict.fromkeys(_SCHEMAS + _SCHEMA_LISTS):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict(out[key], closed=key != "allOf")
+    properties = out.get("properties")
+    if closed and isinstance(properties, dict) and "allOf" not in out and not (
+            "additionalProperties" in out or "unevaluatedProperties" in out) and all(
+            name in properties for name in out.get("required") or ()):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and not any(key in out for key in ("items", "additionalItems", "unevaluatedItems")):
+        out["items"] = False
+    return out
+
+
+_LARK_PLACE = re.compile(r"^at \d+\(\d+\): (?:failed to compile JSON schema: )?")
+
+
+def _llguidance_reason(error: str) -> str:
+    """llguidance's error without the Lark grammar it quotes (a tool call's): `at 4(8): failed to compile JSON
+    schema: Unimplemented keys: ["uniqueItems"]` and the grammar's lines -> `Unimplemented keys: ["uniqueItems"]`."""
+    return _LARK_PLACE.sub("", error.strip().splitlines()[0]) if error.strip() else "an llguidance error"
+
+
+class LLGuidanceMissing(ValueError):
+    """A schema needs llguidance (xgrammar would not enforce it) and llguidance does not import."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as error:
+        raise LLGuidanceMissing(f"llguidance, which would, does not import ({error}): pip install llguidance (it is "
+                                "in 'hybridcache-llm[guided]')") from error
+    return llguidance
+
+
+class LLGuidanceMatcher:
+    """One completion's state in an llguidance grammar, with xgrammar's `GrammarMatcher` interface (what
+    `fill_bitmask`, `MarkerGate` and `OutputProcessor` call): `accept_token` (False, the state unchanged, for a
+    token the grammar refuses), `fill_next_token_bitmask` (the same int32 row layout), `rollback` (speculative
+    decoding takes drafts back), `is_terminated` (a stop token was accepted where the grammar is complete).
+
+    Stop tokens are not fed to llguidance (once its grammar can take nothing more it takes EOS without counting
+    it, so a rollback would go one token too far): the matcher keeps `_terminated` itself, and a rollback takes
+    that token back first."""
+
+    def __init__(self, matcher: Any, stop_token_ids: frozenset[int], fill: Callable[..., None]) -> None:
+        self._matcher = matcher
+        self._stop_token_ids = stop_token_ids
+        self._fill = fill  # llguidance.torch.fill_next_token_bitmask
+        self._terminated = False
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def accept_token(self, token: int) -> bool:
+        if self._terminated:
+            return False
+        if token in self._stop_token_ids:
+            self._terminated = self._matcher.is_accepting()
+            return self._terminated
+        return self._matcher.try_consume_tokens([token]) == 1  # (consume_token would leave it in an error state)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._fill(self._matcher, bitmask, index)
+
+
+class LLGuidanceGrammar:
+    """A compiled grammar: a matcher at its start, copied for each completion (llguidance builds a grammar in the
+    matcher's constructor: 100 ms and more for a large schema). `memory_size_bytes`: an estimate, the grammar's
+    text (`GrammarCache` counts it towards its limit; llguidance's lexer states grow as the matchers are used)."""
+
+    def __init__(self, start: Any, grammar: str, stop_token_ids: frozenset[int]) -> None:
+        self._start = start
+        self._stop_token_ids = stop_token_ids
+        self.memory_size_bytes = len(grammar.encode())
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids,
+                                 _llguidance().torch.fill_next_token_bitmask)
+
+
+class LLGuidanceCompiler:
+    """Compiles JSON schemas and tool calls with llguidance for one tokenizer (built on first use: about a second
+    over a 150k vocabulary). Thread-safe: compiling holds no lock; the tokenizer is made under one."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._vocab_size = vocab_size
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def json_schema(self, schema: dict[str, Any]) -> LLGuidanceGrammar:
+        """The grammar of `schema` (read as `strict` says); ValueError (llguidance's message) where llguidance
+        refuses it."""
+        llg = _llguidance()
+        return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
+
+    def tool_calls(self, call_schemas: Sequence[dict[str, Any]], parallel: bool) -> LLGuidanceGrammar:
+        """Qwen3's tool-call blocks, `<tool_call>\\n<call>\\n</tool_call>`, a call valid for one of `call_schemas`
+        (`tool_call_schema`: name and arguments; read as `strict` says); `parallel`: one or more blocks, a newline
+        between two."""
+        bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
+                  for i, schema in enumerate(call_schemas)]
+        lark = "\n".join([
+            'start: block ("\\n" block)*' if parallel else "start: block",
+            'block: "<tool_call>\\n" call "\\n</tool_call>"',
+            "call: " + " | ".join(f"call{i}" for i in range(len(bodies))),
+            *bodies, ""])
+        return self._compile(_llguidance(), lark)
+
+    def _compile(self, llg: Any, grammar: str) -> LLGuidanceGrammar:
+        tokenizer = self._llg_tokenizer(llg)
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        start = None if error else llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if error or start.is_error():
+            raise ValueError(_llguidance_reason(error or start.get_error()))
+        return LLGuidanceGrammar(start, grammar, self._stop_token_ids)
+
+    def _llg_tokenizer(self, llg: Any) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
+                                                        eos_token=sorted(self._stop_token_ids))
+            return self._tokenizer
