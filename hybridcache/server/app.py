@@ -11,6 +11,7 @@
     GET  /v1/models             the served model
     POST /tokenize, /detokenize vLLM's tokenizer routes; GET /version (tokenize_api.py)
     GET|POST /ping              vLLM's (SageMaker's) liveness route: 200 while the engine is healthy, else 503
+    POST /invocations           SageMaker's: a chat completion (`messages`) or completion (`prompt`) request
     GET  /load                  vLLM's `{"server_load": N}`: generation requests in flight (`ServerLoad`)
     GET  /health                200 while the engine thread runs and is consistent, else 503; memory details
                                 and the last error only with the API key (when one is set)
@@ -54,7 +55,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import get_route_path
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridcache.engine.engine import EngineDeadError, freeze_gc_heap
 from hybridcache.generation_config import SamplingDefaults
@@ -215,6 +216,7 @@ def build_app(engine_loop: EngineLoop, model: ServedModel, config: ServerConfig,
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/ping", routes.ping, methods=["GET", "POST"])
+    app.add_api_route("/invocations", routes.invocations, methods=["POST"])
     app.add_api_route("/load", routes.server_load, methods=["GET"])
     app.add_api_route("/metrics", routes.metrics_text, methods=["GET"])
     keyed = [Depends(routes.require_key)]  # for routes with query parameters: the key is checked before them
@@ -237,7 +239,7 @@ class ServerLoad:
     its client has gone (`LoadCounting`), as vLLM's `load_aware_call` counts them. Only the event loop touches it."""
 
     GENERATION_ROUTES: ClassVar[frozenset[str]] = frozenset({"/v1/completions", "/v1/chat/completions",
-                                                             "/v1/responses", "/v1/messages"})
+                                                             "/v1/responses", "/v1/messages", "/invocations"})
     num_requests: int = 0
 
 
@@ -341,6 +343,29 @@ class _Routes:
         meta = ResponseMeta.new(f"chatcmpl-{uuid.uuid4().hex}", self.config.served_model_name, chat=True)
         return await self._respond(request, meta, [chat.prompt_ids], chat.params, body, chat.rendering,
                                    chat.mm_inputs, chat.checkpoints_at)
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's route, as vLLM serves it: a chat completion request (a body with `messages`) or a completion
+        request (with `prompt`), answered as /v1/chat/completions or /v1/completions would answer it."""
+        self._authorize(request)
+        raw = await self._read_body(request)
+        body = _decode_json(raw) if len(raw) <= INLINE_BODY_BYTES else await self.in_pool(_decode_json, raw)
+        route = None
+        if isinstance(body, dict):
+            route = self.chat_completions if "messages" in body else self.completions if "prompt" in body else None
+        if route is None:
+            raise APIError(400, "/invocations takes a chat completion request (with 'messages') or a completion "
+                           "request (with 'prompt')")
+        replayed = False
+
+        async def receive() -> Message:  # the body again for the route, then the client's own messages
+            nonlocal replayed
+            if replayed:
+                return await request.receive()
+            replayed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        return await route(Request(request.scope, receive))
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> PreparedChat:
         """A chat request's prompt (the messages and tools through the chat template), sampling parameters,

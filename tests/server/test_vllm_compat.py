@@ -464,3 +464,24 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client, t
         content = named["logprobs"]["content"]
         assert all(c["token"].startswith("token_id:") and c["bytes"] == list(c["token"].encode()) for c in content)
         assert all(t["token"].startswith("token_id:") for c in content for t in c["top_logprobs"])
+
+
+# ------------------------------------------------------------------------------------ SageMaker's /invocations
+def test_invocations_answers_as_the_chat_or_completions_route(client):
+    """vLLM's SageMaker route (POST /invocations): a chat request (`messages`) or a completion request (`prompt`),
+    answered as its own route answers it; it was a 404 here."""
+    greedy = {"model": MODEL, "max_tokens": 5, "temperature": 0, "seed": 0}
+    for path, body in (("/v1/chat/completions", {**greedy, "messages": CHAT}),
+                       ("/v1/completions", {**greedy, "prompt": "hello there"})):
+        direct = client.post(path, json=body)
+        invoked = client.post("/invocations", json=body)
+        assert direct.status_code == invoked.status_code == 200, invoked.text
+        a, b = direct.json(), invoked.json()
+        assert (a["object"], a["choices"], a["usage"]["completion_tokens"]) == \
+               (b["object"], b["choices"], b["usage"]["completion_tokens"])
+    streamed = client.post("/invocations", json={**greedy, "messages": CHAT, "stream": True})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+    neither = _error(client.post("/invocations", json={"model": MODEL, "input": "hi"}))
+    assert "messages" in neither["message"] and "prompt" in neither["message"]
+    assert _error(client.post("/invocations", json={"model": MODEL, "messages": []}))["param"] == "messages"
+    assert client.get("/load").json()["server_load"] == 0
