@@ -9,7 +9,9 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                          + Mamba2 layers * (conv_dim * (kernel - 1) * dtype bytes + heads * head_dim * state_size
                                             * ssm bytes)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
-    flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included)
+    flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
+                                                 block where it has one: every layer, or Nemotron-H's MLP layers,
+                                                 which have no state and 2 matrices, relu^2, not 3)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -74,25 +76,29 @@ class ModelCost:
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         granite = c.model_type == "granitemoehybrid"  # plain attention, an ungated shared expert
-        attn_params = h * (1 if granite else 2) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ output gate), k, v, o
+        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h")
+        attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
+        mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
         recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
-                     for kind in set(c.layer_types) - {LayerKind.FULL_ATTENTION}}
+                     for kind in set(c.layer_types) & {LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2}}
         params = h * c.vocab_size  # lm_head
         flops = 0
         state_bytes = h * dtype_bytes  # the last hidden state
         for layer_id, kind in enumerate(c.layer_types):
             if kind is LayerKind.FULL_ATTENTION:
                 params += attn_params
-            else:
+            elif kind in recurrent:
                 params += recurrent[kind][0]
                 flops += recurrent[kind][1]
                 state_bytes += recurrent[kind][2]
+            if not c.has_feed_forward(layer_id):  # (Nemotron-H: only its MLP layers)
+                continue
             if c.is_moe_layer(layer_id):
                 params += h * mlp.num_experts + mlp.num_experts_per_tok * 3 * h * mlp.moe_intermediate_size
                 params += 3 * h * mlp.shared_expert_intermediate_size + (0 if granite else h)
             else:
-                params += 3 * h * (mlp.intermediate_size or 0)
+                params += mlp_matrices * h * (mlp.intermediate_size or 0)
         return cls(
             name=name or c.architecture,
             kv_bytes_per_token=c.num_attention_layers * 2 * kv_dim * dtype_bytes,

@@ -65,6 +65,9 @@ MTP_FILE = "mtp.safetensors"
 _LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 # config.json keys that count the MTP layers (Qwen3.5, Qwen3-Next)
 MTP_LAYER_KEYS = ("mtp_num_hidden_layers", "num_nextn_predict_layers")
+# The text model types whose MTP heads this module builds (Nemotron-H's MTP layers, `num_nextn_predict_layers`, are
+# another design: refused)
+MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 # the seed of a random head (`write_random_mtp` adds it to its seed; `load_format="dummy"` draws with it)
 DUMMY_SEED = 7919
 
@@ -77,6 +80,10 @@ class MtpHead(nn.Module):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head has at least one layer, got {num_layers}")
+        if config.model_type not in MTP_MODEL_TYPES:
+            raise ValueError(f"speculative method 'mtp' is not supported for {config.architecture}: this head is "
+                             f"Qwen3.5's / Qwen3-Next's (model_type {', '.join(MTP_MODEL_TYPES)}), not the MTP "
+                             f"layers of model_type {config.model_type!r}")
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.tp = tp

@@ -18,6 +18,7 @@ from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 from tests.models.granite_helpers import granite_model
+from tests.models.nemotron_helpers import nemotron_model
 
 from .model_folders import write_tiny_model
 
@@ -69,19 +70,21 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-@pytest.mark.parametrize("variant", ["dense-rope", "moe-nope"])
-def test_granite_costs_count_its_mamba2_layers(variant):
-    """A Granite-4.0-H model's cost: its state bytes are its Mamba2 layers' state specs (they were counted as
-    DeltaNet layers with Qwen's default sizes), its FLOPs per token twice its active matmul parameters plus the
-    Mamba2 scans'."""
-    hf = granite_model(variant)
+@pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
+                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias")])
+def test_granite_costs_count_its_mamba2_layers(family, variant):
+    """A Granite-4.0-H or Nemotron-H model's cost: its state bytes are its Mamba2 layers' state specs (they were
+    counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
+    its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention, relu^2 MLP layers of two
+    matrices, no feed-forward block after its mixers) plus the Mamba2 scans'."""
+    hf = granite_model(variant) if family == "granite" else nemotron_model(variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
-    model = get_model_class("GraniteMoeHybridForCausalLM")(config)
+    model = get_model_class(config.architecture)(config)
     cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
-    recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec)]
-    assert len(recurrent) == len(config.mamba2_layer_ids) == 3
+    recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
+    assert len(recurrent) == len(config.mamba2_layer_ids) == {"groups2": 2}.get(variant, 3)
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
