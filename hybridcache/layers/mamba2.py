@@ -16,7 +16,7 @@ context_len == query_len starts from zero state whatever the row holds; every se
 back to its row.
 
 The time_step_limit clamp applies to prefill and decode alike (transformers' torch decode path leaves it out, so the
-two agree only with the default limits (0, inf), which every published Granite-4.0-H config keeps).
+two agree only with the default limits (0, inf), which every published Granite-4.0-H and Nemotron-H config keeps).
 """
 
 from __future__ import annotations
