@@ -19,8 +19,8 @@
 | gated_delta      | the gates and the rule: all-decode, the step kernel makes the gates from a, b itself (the code |
 |                  | of delta_gates); else delta_gates, then gated_delta_rule                                       |
 | route            | one Triton launch: softmax, top-k, renormalisation (`moe/triton_route.py`)                     |
-| ssd_scan (Mamba2) | the torch reference scan (`kernels/mamba2/reference.py`; no Triton SSD kernel yet, logged once):|
-|                  | all-decode, `ssd_step` over every row on the device (graph-safe); else each sequence alone     |
+| ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
+|                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
 | gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 | norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
@@ -68,6 +68,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
+from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import triton_route
 from hybridcache.kernels.moe.grouped import ExpertWeights, compile_tiles, grouped_experts
@@ -155,7 +156,7 @@ class CudaBackend:
         self._experts: weakref.WeakKeyDictionary[nn.Module, ExpertWeights | Fp8ExpertWeights] = (
             weakref.WeakKeyDictionary()
         )
-        self._said_reference_scan = False  # the one log line of the first Mamba2 scan
+        self._said_scan = False  # the one log line of the first Mamba2 scan
 
     def check_model(self, shapes: ModelShapes) -> None:
         """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
@@ -289,38 +290,33 @@ class CudaBackend:
         A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, ssm_layer: torch.Tensor,  # noqa: N803
         batch: ForwardBatch, *, dt_limit: tuple[float, float],
     ) -> torch.Tensor:
-        """The torch reference scan (no Triton SSD kernel yet; flash-linear-attention ships none): correct, slow at
-        prefill. All-decode: `ssd_step` over every row at once, slots and fresh rows (context_len 1) read on the
-        device (no host sync: a decode graph may capture it). One sequence (no verify rows): `ssd_chunk_scan` over
-        every row, its length, freshness and slot read on the device, the rows past its length made inert (dt, x,
-        B, C zero: the state passes them unchanged), as a whole-step graph (`prefill_graphs.SequenceGraphs`, which
-        `masks_padding_rows` allows) captures it on a bucket of rows. Else `backend.mamba2_scan`, each sequence
-        alone from the host lengths (the piecewise graphs run cores eagerly on the step's own rows)."""
-        if not self._said_reference_scan:
-            self._said_reference_scan = True
-            _logger.info("Mamba2 layers run the torch reference scan on CUDA (no SSD kernel yet): correct, slower "
-                         "prefill")
-        if not _metadata(batch).all_decode and (batch.num_seqs > 1 or batch.draft_rows is not None):
+        """All-decode: `mamba2/fla.ssd_decode`, the torch step over every row at once, slots and fresh rows
+        (context_len 1) read on the device (no host sync: a decode graph may capture it). A step with prefill rows
+        on CUDA: fla's chunked simple-GLA kernels (`mamba2/fla.py`) over every sequence, a mixed step's leading
+        decode rows in the step (`mixed_ssd_scan`, the DeltaNet layers' `LeadingDecodes`); its lengths, freshness
+        and slots are read on the device and the rows past cu_seqlens[-1] left unwritten, so a whole-step graph
+        (`prefill_graphs.SequenceGraphs`, which `masks_padding_rows` allows) captures a one-sequence step on a
+        bucket of rows. Verify rows (speculative decoding), and prefill rows on CPU tensors (fla is Triton on CUDA
+        only): `backend.mamba2_scan`, the torch reference per sequence from the host lengths."""
+        meta, fla = _metadata(batch), mamba2_fla.runs_on(x)
+        if not self._said_scan:
+            self._said_scan = True
+            _logger.info("Mamba2 layers run flash-linear-attention's chunked simple-GLA kernels for prefill and the "
+                         "torch step for decode rows" if fla else "Mamba2 layers run the torch reference scan (fla "
+                         "runs on CUDA only)")
+        if not meta.all_decode and (batch.draft_rows is not None or not fla):
             return mamba2_scan(x, dt, B, C, A_log, dt_bias, D, ssm_layer, batch, dt_limit=dt_limit, decode=None)
         A = -torch.exp(A_log.float())  # noqa: N806
         steps = mamba2_ref.discretized_dt(dt, dt_bias, dt_limit)
-        if _metadata(batch).all_decode:
-            slots = batch.state_slots
-            state = ssm_layer.index_select(0, slots)
-            state = torch.where((batch.context_lens == 1)[:, None, None, None], torch.zeros_like(state), state)
-            y, state = mamba2_ref.ssd_step(x, steps, A, B, C, D, state)
-            ssm_layer.index_copy_(0, slots, state.to(ssm_layer.dtype))
-            return y
-        length = batch.cu_seqlens[1] - batch.cu_seqlens[0]
-        valid = torch.arange(x.shape[0], device=x.device) < length  # [T]
-        x, steps, B, C = (torch.where(valid.view(-1, *(1,) * (t.dim() - 1)), t.float(), 0.0)  # noqa: N806
-                          for t in (x, steps, B, C))
-        slot = batch.state_slots[:1]
-        state = ssm_layer.index_select(0, slot)[0]
-        state = torch.where(batch.context_lens[0] == length, torch.zeros_like(state), state)  # fresh
-        y, state = mamba2_ref.ssd_chunk_scan(x, steps, A, B, C, D, state)
-        ssm_layer.index_copy_(0, slot, state[None].to(ssm_layer.dtype))
-        return y
+        if meta.all_decode:
+            return mamba2_fla.ssd_decode(x, steps, A, B, C, D, ssm_layer, batch.state_slots, batch.context_lens)
+        if meta.lead is not None:
+            return mamba2_fla.mixed_ssd_scan(x, steps, A, B, C, D, ssm_layer, batch.state_slots, batch.context_lens,
+                                             meta.lead)
+        return mamba2_fla.ssd_chunk_scan_varlen(
+            x, steps, A, B, C, D, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
+            batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh, context_lens_cpu=batch.context_lens_cpu,
+        )
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,
