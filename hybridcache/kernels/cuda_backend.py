@@ -32,8 +32,8 @@
 `CudaMetadata`: whether the step is all-decode, the longest context, int64 cu_seqlens for fla, the (sequence,
 block) tables of the varlen kernels, built on the device, and its attention backend's metadata. No op
 synchronises with the host (bf16; fp32 MoE goes through torch's grouped-GEMM fallback, which does). This module
-imports Triton; fla is imported on first use inside `gated_delta/fla.py`. `get_backend` picks this backend for
-CUDA devices when both are installed (`pip install 'hybridcache-llm[cuda]'`).
+imports Triton; fla is imported on first use inside `gated_delta/fla.py` and `mamba2/fla.py`. `get_backend` picks
+this backend for CUDA devices when both are installed (`pip install 'hybridcache-llm[cuda]'`).
 """
 
 from __future__ import annotations

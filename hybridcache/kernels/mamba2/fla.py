@@ -47,12 +47,13 @@ from types import SimpleNamespace
 
 import torch
 
-from hybridcache.kernels.gated_delta.fla import LeadingDecodes
+from hybridcache.kernels.gated_delta.fla import CHUNK_SIZE, LeadingDecodes
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.varlen import any_fresh, fresh_mask
 from hybridcache.kernels.varlen import chunk_indices as make_chunk_indices
 
-CHUNK_SIZE = 64  # fla's chunk length (the chunk table of `gated_delta.fla` is shared: same length)
+# CHUNK_SIZE (64) is the gated delta rule's: `CudaBackend.prepare` builds one chunk table per step
+# (`CudaMetadata.chunks`, `LeadingDecodes.chunks`) that both recurrent families' fla kernels read.
 
 
 def fla_kernels() -> SimpleNamespace:
