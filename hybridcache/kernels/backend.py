@@ -263,12 +263,16 @@ class KernelBackend(Protocol):
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | Pending | nn.Module] | None = None, activation: str = "silu_gated",
     ) -> torch.Tensor:
         """The routed experts of a sparse MoE block (routing is done by the layer).
 
-        x           [T, H];  top_weights [T, k] in x's dtype;  top_ids [T, k] int64 in [0, E)
+        x           [T, H];  top_weights [T, k] in x's dtype (or float32: each weighted expert output is then
+                    formed in float32 before it is rounded and summed);  top_ids [T, k] int64 in [0, E)
         experts     E modules with `gate_proj.weight`, `up_proj.weight` [I, H] and `down_proj.weight` [H, I]
+                    ("relu2": no `gate_proj`); one block's experts always come with the same activation
+        activation  the experts' MLP (`moe.reference.EXPERT_ACTIVATIONS`): "silu_gated" down(silu(gate(x)) * up(x))
+                    (Qwen, Granite), or "relu2" down(relu(up(x))^2) (Nemotron-H's ungated experts)
         shared      None, or (gate [T, 1], shared [T, H]) in x's dtype: the shared expert's output and its gate;
                     the output may be pending on the device's side stream (`kernels.streams.Pending`): then `moe`
                     joins it (`streams.joined`: the current stream waits for the side stream) after launching the
@@ -276,7 +280,7 @@ class KernelBackend(Protocol):
                     launches no dense or FP8 linear before that join (the side stream may be running one:
                     `kernels/streams.py`, device scratch); or, where `fuses_shared_expert` holds, (gate, the shared
                     expert's module), its output computed here
-        returns     [T, H]: out[t] = sum_j top_weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert top_ids[t, j]
+        returns     [T, H]: out[t] = sum_j top_weights[t, j] * expert_{top_ids[t, j]}(x[t]) (the activation's MLP)
                     (+ `sigmoid_gate_add`'s sigmoid(gate[t]) * shared[t] with `shared`, rounded as it rounds; with
                     the module, to float rounding)
         """
@@ -451,15 +455,17 @@ class ReferenceBackend:
 
     def moe(
         self, x: torch.Tensor, top_weights: torch.Tensor, top_ids: torch.Tensor, experts: Sequence[nn.Module],
-        shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None,
+        shared: tuple[torch.Tensor, torch.Tensor | Pending] | None = None, activation: str = "silu_gated",
     ) -> torch.Tensor:
+        gated = activation != moe_ref.RELU2
         routed = moe_ref.routed_experts(
             x,
             top_weights,
             top_ids,
-            _DenseWeights([e.gate_proj for e in experts], x.dtype),
+            _DenseWeights([e.gate_proj for e in experts], x.dtype) if gated else None,
             _DenseWeights([e.up_proj for e in experts], x.dtype),
             _DenseWeights([e.down_proj for e in experts], x.dtype),
+            activation,
         )
         return routed if shared is None else activation_ref.sigmoid_gate_add(routed, shared[0], joined(shared[1]))
 

@@ -112,10 +112,11 @@ EXPERT_POINTERS = {"a_ptr": "*bf16", "order_ptr": "*i64", "w_ptr": "*bf16", "out
 
 
 @pytest.mark.parametrize("block_m", [16, 32, 64])  # the tiles `moe.grouped.tile_rows` picks
-@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up", "down"])
-def test_expert_gemm_compiles_for_hopper(block_m, gate_up):
-    constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128,
-                     BLOCK_E=64, PRECISION="tf32", SWAP_AB=False)
+@pytest.mark.parametrize("gate_up, relu2", [(True, False), (False, False), (True, True)],
+                         ids=["gate_up", "down", "up_relu2"])
+def test_expert_gemm_compiles_for_hopper(block_m, gate_up, relu2):
+    constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up and not relu2, BLOCK_M=block_m, BLOCK_N=64,
+                     BLOCK_K=128, BLOCK_E=64, PRECISION="tf32", SWAP_AB=False, RELU2=relu2)
     compiled = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel), constants)
     assert "mma" in compiled.asm["ptx"]  # bf16 tiles on the tensor cores (wgmma, or mma.sync for few rows)
 
@@ -127,7 +128,7 @@ def test_expert_gemm_swap_ab_compiles_to_wgmma_for_hopper(gate_up):
     ptx = {}
     for swap in (False, True):
         constants = dict(GATHER=gate_up, SCATTER=not gate_up, SWIGLU=gate_up, BLOCK_M=32, BLOCK_N=64, BLOCK_K=64,
-                         BLOCK_E=16, PRECISION="tf32", SWAP_AB=swap)
+                         BLOCK_E=16, PRECISION="tf32", SWAP_AB=swap, RELU2=False)
         ptx[swap] = compile_for_hopper(_expert_gemm_kernel, EXPERT_POINTERS, integers(_expert_gemm_kernel),
                                        constants).asm["ptx"]
     assert "wgmma" in ptx[True] and "wgmma" not in ptx[False]

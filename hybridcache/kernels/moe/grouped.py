@@ -6,12 +6,13 @@ Steps for T tokens, E experts, top-k (every tensor stays on the device; nothing 
     order = stable sort of the T*k (token, pick) pairs by expert, counts per expert (`sort_pairs`: one Triton
         launch up to 1,024 pairs, triton_sort.py; else an int16 radix argsort and a scatter_add)
     few rows per expert (decode): the Triton expert GEMM (`triton_experts.expert_gemm`) reads x's rows through
-        the sort and applies silu(gate) * up in its epilogue (h [T*k, I], sorted), then the down projection,
-        written back in pair order (y [T*k, H])
+        the sort and applies the activation in its epilogue (silu(gate) * up, or relu(up)^2 for ungated experts;
+        h [T*k, I], sorted), then the down projection, written back in pair order (y [T*k, H])
     many rows (prefill): ends = cumsum(counts) (int32 group ends); pos = each pair's sorted row; xs = x[token
         of each sorted pair] (`triton_experts.spread`: each token row read once, written to its k sorted rows);
         h = silu(gate) * up of grouped_mm(xs, W_gate_up^T, ends) (`activation.triton.silu_mul` on its two column
-        halves); y = grouped_mm(h, W_down^T, ends), sorted
+        halves), or relu(.)^2 of grouped_mm(xs, W_up^T, ends) (torch, in place); y = grouped_mm(h, W_down^T,
+        ends), sorted
     out[t] = sum over its k picks of weight * y[row of the pick]  (`triton_experts.combine`: fp32 sum)
 
 `torch._grouped_mm` runs CUTLASS's Hopper grouped GEMM for bf16 (sm90); other dtypes take torch's
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from hybridcache.kernels.activation.triton import silu_mul
+from hybridcache.kernels.moe.reference import RELU2, SILU_GATED, check_activation
 from hybridcache.kernels.moe.triton_experts import combine, expert_gemm, spread
 from hybridcache.kernels.moe.triton_sort import MAX_EXPERTS, MAX_PAIRS, block_sizes, sort_pairs_triton
 from hybridcache.kernels.streams import Pending, joined
@@ -36,14 +38,16 @@ from hybridcache.kernels.streams import Pending, joined
 
 @dataclass(frozen=True)
 class ExpertWeights:
-    """Expert weights stacked for the grouped GEMM.
+    """Expert weights stacked for the grouped GEMM, and the experts' activation (`reference.EXPERT_ACTIVATIONS`).
 
-    gate_up [E, 2I, H]: rows [0, I) of expert e are gate_proj.weight, rows [I, 2I) up_proj.weight
+    gate_up [E, 2I, H]: rows [0, I) of expert e are gate_proj.weight, rows [I, 2I) up_proj.weight ("silu_gated");
+            [E, I, H]: up_proj.weight alone ("relu2": ungated experts have no gate_proj)
     down    [E, H, I]: down_proj.weight
     """
 
     gate_up: torch.Tensor
     down: torch.Tensor
+    activation: str = SILU_GATED
 
     @classmethod
     def stack(
@@ -55,9 +59,18 @@ class ExpertWeights:
 
     @classmethod
     @torch.no_grad()
-    def share(cls, experts: Sequence[nn.Module]) -> ExpertWeights:
+    def share(cls, experts: Sequence[nn.Module], activation: str = SILU_GATED) -> ExpertWeights:
         """Stack the experts' weights and re-point each expert's parameters at its slices of the stack, so
-        the modules and the grouped GEMM share one copy of the weights (no doubled memory)."""
+        the modules and the grouped GEMM share one copy of the weights (no doubled memory). "relu2" experts have
+        `up_proj` and `down_proj` only."""
+        check_activation(activation)
+        if activation == RELU2:
+            stacked = cls(gate_up=torch.stack([e.up_proj.weight for e in experts]).contiguous(),
+                          down=torch.stack([e.down_proj.weight for e in experts]).contiguous(), activation=RELU2)
+            for e, expert in enumerate(experts):
+                expert.up_proj.weight.data = stacked.gate_up[e]
+                expert.down_proj.weight.data = stacked.down[e]
+            return stacked
         stacked = cls.stack([e.gate_proj.weight for e in experts], [e.up_proj.weight for e in experts],
                             [e.down_proj.weight for e in experts])
         inter = stacked.gate_up.shape[1] // 2
@@ -129,10 +142,11 @@ def launch_tile(weights: torch.Tensor, block_m: int) -> dict:
 def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, top_k: int,
                        experts: ExpertWeights, block_m: int, **tile: int) -> torch.Tensor:
     """y [T*k, H] in pair order (row t*k + j): each pair's expert output, by the Triton expert GEMM (gather,
-    SiLU gate and un-permutation fused). `tile`: expert_gemm's other tile settings for both GEMMs (benchmarks
+    activation and un-permutation fused). `tile`: expert_gemm's other tile settings for both GEMMs (benchmarks
     sweep them); by default each GEMM's `launch_tile`."""
-    h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=True,
-                    block_m=block_m, **(tile or launch_tile(experts.gate_up, block_m)))
+    gated = experts.activation == SILU_GATED
+    h = expert_gemm(x, order, top_k, experts.gate_up, counts, gather=True, scatter=False, swiglu=gated,
+                    relu2=not gated, block_m=block_m, **(tile or launch_tile(experts.gate_up, block_m)))
     return expert_gemm(h, order, top_k, experts.down, counts, gather=False, scatter=True, swiglu=False,
                        block_m=block_m, **(tile or launch_tile(experts.down, block_m)))
 
@@ -140,9 +154,10 @@ def expert_rows_triton(x: torch.Tensor, order: torch.Tensor, counts: torch.Tenso
 def expert_rows_grouped(x: torch.Tensor, pos: torch.Tensor, ends: torch.Tensor, top_k: int,
                         experts: ExpertWeights) -> torch.Tensor:
     """y [T*k, H] in sorted order: each sorted row's expert output, by two grouped GEMMs with the token rows
-    spread to their sorted rows (pos: `pair_rows`) and the SiLU gate between them (module docstring)."""
-    gate, up = torch._grouped_mm(spread(x, pos, top_k), experts.gate_up.transpose(1, 2), offs=ends).chunk(2, dim=-1)
-    return torch._grouped_mm(silu_mul(gate, up), experts.down.transpose(1, 2), offs=ends)
+    spread to their sorted rows (pos: `pair_rows`) and the activation between them (module docstring)."""
+    h = torch._grouped_mm(spread(x, pos, top_k), experts.gate_up.transpose(1, 2), offs=ends)
+    h = torch.relu_(h).square_() if experts.activation == RELU2 else silu_mul(*h.chunk(2, dim=-1))
+    return torch._grouped_mm(h, experts.down.transpose(1, 2), offs=ends)
 
 
 def grouped_experts(

@@ -1,5 +1,6 @@
 """Triton kernels of the routed experts: an expert GEMM that reads its rows in the sorted-by-expert order (with
-the token gather and the SiLU gate fused in), and the weighted combine of each token's k expert outputs.
+the token gather and the expert's activation fused in: the SiLU gate, or relu(x)^2 of ungated experts), and the
+weighted combine of each token's k expert outputs.
 
 Layout, for T tokens, top-k picks, E experts, R = T*k (token, pick) pairs (see `moe/grouped.py` for the steps):
     order [R]       the pairs sorted by expert (stable); sorted row r holds pair order[r] = t*k + j
@@ -75,7 +76,8 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
                         stride_a, stride_we, stride_wn, stride_out,
                         GATHER: tl.constexpr, SCATTER: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False):
+                        PRECISION: tl.constexpr, PDL: tl.constexpr, SWAP_AB: tl.constexpr = False,
+                        RELU2: tl.constexpr = False):
     pdl.start(PDL)
     e, rows, row_ok = expert_tile(counts_ptr, num_experts, tl.program_id(0), BLOCK_M, BLOCK_E)
     if e >= num_experts:
@@ -117,6 +119,9 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if RELU2:  # ungated experts (Nemotron-H): relu(x)^2 of the up projection
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     if SCATTER:  # noqa: SIM108 (a constexpr branch)
         out_rows = pairs
     else:
@@ -127,19 +132,22 @@ def _expert_gemm_kernel(a_ptr, order_ptr, w_ptr, out_ptr, counts_ptr, num_expert
 
 def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch.Tensor, counts: torch.Tensor, *,
                 gather: bool, scatter: bool, swiglu: bool, block_m: int, block_n: int = 64, block_k: int = 128,
-                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False) -> torch.Tensor:
+                num_warps: int = 4, num_stages: int = 3, swap_ab: bool = False, relu2: bool = False) -> torch.Tensor:
     """The expert GEMM over the sorted rows of R = order.numel() (token, pick) pairs (module docstring).
 
     a: [T, K] token rows when `gather` (sorted row r reads row order[r] // top_k), else [R, K] in sorted order.
     weights [E, N_w, K] (unit stride on K); counts [E] int32 rows per expert. swiglu=False: each row's W_e a_r
     [N_w]; swiglu=True: the weights hold gate rows [0, N) and up rows [N, 2N) (N = N_w / 2), the row's
-    silu(gate) * up [N] from fp32 accumulators, rounded once to a's dtype. Output [R, N] in sorted order, or in
+    silu(gate) * up [N] from fp32 accumulators, rounded once to a's dtype; relu2=True (not with swiglu): the row's
+    relu(W_e a_r)^2 [N_w], from the fp32 accumulator, rounded once. Output [R, N] in sorted order, or in
     pair order (row order[r] for sorted row r) when `scatter`. fp32 inputs are multiplied in IEEE fp32 (not
     tf32), with a shallower depth tile (their tiles take twice the shared memory). `swap_ab`: the same products
     with the weight tile as the tensor cores' A operand (out^T = W a^T: a [block_n, block_k] weight tile fills the
     MMA's 64 rows whatever block_m is; `benchmarks/decode_kernel_sweep.py --only experts` times both).
     """
     num_experts, width, depth = weights.shape
+    if swiglu and relu2:
+        raise ValueError("expert_gemm: swiglu and relu2 are two activations; pick one")
     if a.stride(-1) != 1 or weights.stride(-1) != 1:
         raise ValueError("expert_gemm needs unit stride on the reduced dim of a and of the weights")
     num_rows = order.numel()
@@ -154,7 +162,7 @@ def expert_gemm(a: torch.Tensor, order: torch.Tensor, top_k: int, weights: torch
             a.stride(0), weights.stride(0), weights.stride(1), out.stride(0),
             GATHER=gather, SCATTER=scatter, SWIGLU=swiglu, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             BLOCK_E=triton.next_power_of_2(num_experts), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            SWAP_AB=swap_ab, num_warps=num_warps, num_stages=num_stages, **pdl.options(a),
+            SWAP_AB=swap_ab, RELU2=relu2, num_warps=num_warps, num_stages=num_stages, **pdl.options(a),
         )
     return out
 
