@@ -169,8 +169,9 @@ class GrammarCache:
         return compiled
 
     def _compile_fallback(self, spec: GuidedSpec, unenforced: str) -> LLGuidanceGrammar:
-        """`spec` (a JSON schema or tool calls) compiled with llguidance; a ValueError naming the keyword xgrammar
-        would not enforce where llguidance is missing or refuses the schema (as vLLM's guidance backend does)."""
+        """`spec` (a JSON schema or tool calls) compiled with llguidance; a ValueError where llguidance is missing
+        (naming the keyword xgrammar would not enforce) or refuses the schema (its reason first, as vLLM's guidance
+        backend refuses it)."""
         prefix = f"invalid {spec.kind.value} constraint: {unenforced} is not supported"
         try:
             if spec.kind is GuidedKind.JSON_SCHEMA:
@@ -180,9 +181,10 @@ class GrammarCache:
                                                      spec.parallel)
         except LLGuidanceMissing as error:
             raise ValueError(f"{prefix} by xgrammar (it would not enforce it), and {error}") from None
-        except ValueError as error:
-            raise ValueError(f"{prefix}: xgrammar would not enforce it, and llguidance refuses the schema "
-                             f"({error}) (remove it, or check the output yourself)") from None
+        except ValueError as error:  # (llguidance's reason first: it names what no backend here enforces)
+            raise ValueError(f"invalid {spec.kind.value} constraint: llguidance refuses the schema ({error}), and "
+                             f"{unenforced} is not supported by xgrammar (it would not enforce it): remove what "
+                             "llguidance names, or check the output yourself") from None
         if not _llguidance_can_start(compiled, self.vocab_size):
             raise ValueError(f"invalid {spec.kind.value} constraint: it allows no first token, so no output can "
                              "match it")

@@ -29,30 +29,41 @@ _SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedItem
 _SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
-def strict(schema: Any, closed: bool = True) -> Any:
+def strict(schema: Any, closed: bool = True, open_defs: frozenset[str] | None = None) -> Any:
     """`schema` read as xgrammar reads it (its `strict_mode`, which the xgrammar grammars use): an object schema
     with `properties` but no `additionalProperties` / `unevaluatedProperties` allows no other property, an array
     schema with `prefixItems` but no `items` / `additionalItems` / `unevaluatedItems` no other item. llguidance
     reads the JSON Schema default (anything more), so that a pydantic model's schema would take `{"word": "an",
-    "": "", "": ""}`; vLLM's `disable_additional_properties` closes objects likewise. An `allOf` branch and the
-    object beside an `allOf` stay open (`closed`: False): their properties add up, and closing one would refuse
-    the others' (`{"properties": {"a": ...}, "allOf": [{"properties": {"b": ...}}]}` takes both); so does an
-    object whose `required` names a property that `properties` does not (it says there are others).
+    "": "", "": ""}`; vLLM's `disable_additional_properties` closes objects likewise.
 
-        {"properties": {"a": {}}}  ->  {"properties": {"a": {}}, "additionalProperties": false}"""
+    What combines with other schemas stays open (`closed`: False), since their properties add up and closing one
+    would refuse the others': an `allOf` branch; an `anyOf` / `oneOf` branch beside `properties`; an object beside
+    `allOf`, `anyOf`, `oneOf` or `$ref`; a `$defs` / `definitions` entry that an `allOf` branch or a `$ref` beside
+    `properties` names (`open_defs`, found at the root: `_combined_defs`); and an object whose `required` names a
+    property that `properties` does not (it says there are others).
+
+        {"properties": {"a": {}}}  ->  {"properties": {"a": {}}, "additionalProperties": false}
+        {"allOf": [{"$ref": "#/$defs/Pet"}, {"properties": {"bark": {}}}], "$defs": {"Pet": {"properties": ...}}}
+            ->  nothing closed: {"name": "rex", "bark": true} is valid"""
+    if open_defs is None:
+        open_defs = _combined_defs(schema)
     if isinstance(schema, list):
-        return [strict(item, closed) for item in schema]
+        return [strict(item, closed, open_defs) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: strict(sub) for name, sub in out[key].items()}
+            defs = key in ("$defs", "definitions")
+            out[key] = {name: strict(sub, not (defs and name in open_defs), open_defs)
+                        for name, sub in out[key].items()}
+    beside_properties = isinstance(out.get("properties"), dict)
     for key in dict.fromkeys(_SCHEMAS + _SCHEMA_LISTS):
         if isinstance(out.get(key), (dict, list)):
-            out[key] = strict(out[key], closed=key != "allOf")
+            combined = key == "allOf" or (key in ("anyOf", "oneOf") and beside_properties)
+            out[key] = strict(out[key], not combined, open_defs)
     properties = out.get("properties")
-    if closed and isinstance(properties, dict) and "allOf" not in out and not (
+    if closed and isinstance(properties, dict) and not any(key in out for key in _COMBINERS) and not (
             "additionalProperties" in out or "unevaluatedProperties" in out) and all(
             name in properties for name in out.get("required") or ()):
         out["additionalProperties"] = False
@@ -61,13 +72,60 @@ def strict(schema: Any, closed: bool = True) -> Any:
     return out
 
 
+_COMBINERS = ("allOf", "anyOf", "oneOf", "$ref")
+
+
+def _combined_defs(schema: Any) -> frozenset[str]:
+    """The `$defs` / `definitions` names that something combines with: named by an `allOf` branch's `$ref`, or by a
+    `$ref` beside `properties` (`strict` leaves them open)."""
+    found: set[str] = set()
+
+    def walk(node: Any, in_all_of: bool = False) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item, in_all_of)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and (in_all_of or "properties" in node):
+                found.add(ref.rsplit("/", 1)[-1])
+            for key, value in node.items():
+                walk(value, key == "allOf")
+
+    walk(schema)
+    return frozenset(found)
+
+
+def negative_only_multiple(schema: Any, at: str = "") -> str | None:
+    """Where a `multipleOf` number can only be negative (`maximum` < 0 or `exclusiveMaximum` <= 0), or None.
+    llguidance writes multiples without a sign (guidance-ai/llguidance#222), so such a grammar dead-ends in the
+    middle of the JSON: it is refused instead."""
+    if isinstance(schema, list):
+        return next((found for i, item in enumerate(schema) if (found := negative_only_multiple(item, f"{at}/{i}"))),
+                    None)
+    if not isinstance(schema, dict):
+        return None
+    number = (int, float)
+    if isinstance(schema.get("multipleOf"), number) and (
+            (isinstance(schema.get("maximum"), number) and schema["maximum"] < 0)
+            or (isinstance(schema.get("exclusiveMaximum"), number) and schema["exclusiveMaximum"] <= 0)):
+        return at or "the root"
+    return next((found for key, value in schema.items() if isinstance(value, (dict, list))
+                 and (found := negative_only_multiple(value, f"{at}/{key}"))), None)
+
+
 _LARK_PLACE = re.compile(r"^at \d+\(\d+\): (?:failed to compile JSON schema: )?")
 
 
 def _llguidance_reason(error: str) -> str:
     """llguidance's error without the Lark grammar it quotes (a tool call's): `at 4(8): failed to compile JSON
-    schema: Unimplemented keys: ["uniqueItems"]` and the grammar's lines -> `Unimplemented keys: ["uniqueItems"]`."""
-    return _LARK_PLACE.sub("", error.strip().splitlines()[0]) if error.strip() else "an llguidance error"
+    schema: Unimplemented keys: ["uniqueItems"]` and the grammar's lines -> `Unimplemented keys: ["uniqueItems"]`; a
+    first line that only opens the reason (`regex parse error:`, then the regex, a caret, `error: unclosed group`)
+    gets the last line's."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if not lines:
+        return "an llguidance error"
+    first = _LARK_PLACE.sub("", lines[0])
+    return f"{first} {lines[-1]}" if first.endswith(":") and len(lines) > 1 else first
 
 
 class LLGuidanceMissing(ValueError):
@@ -125,13 +183,16 @@ class LLGuidanceMatcher:
 
 class LLGuidanceGrammar:
     """A compiled grammar: a matcher at its start, copied for each completion (llguidance builds a grammar in the
-    matcher's constructor: 100 ms and more for a large schema). `memory_size_bytes`: an estimate, the grammar's
-    text (`GrammarCache` counts it towards its limit; llguidance's lexer states grow as the matchers are used)."""
+    matcher's constructor: 100 ms and more for a large schema). `memory_size_bytes`: an estimate for
+    `GrammarCache`'s limit, `MATCHER_BYTES` plus the grammar's text (a kept grammar measured ~108 kB of RSS over a
+    100k vocabulary once a matcher had run: its lexer states grow as matchers use it)."""
+
+    MATCHER_BYTES = 128 << 10
 
     def __init__(self, start: Any, grammar: str, stop_token_ids: frozenset[int]) -> None:
         self._start = start
         self._stop_token_ids = stop_token_ids
-        self.memory_size_bytes = len(grammar.encode())
+        self.memory_size_bytes = self.MATCHER_BYTES + len(grammar.encode())
 
     def matcher(self) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(self._start.deep_copy(), self._stop_token_ids,
@@ -152,6 +213,7 @@ class LLGuidanceCompiler:
     def json_schema(self, schema: dict[str, Any]) -> LLGuidanceGrammar:
         """The grammar of `schema` (read as `strict` says); ValueError (llguidance's message) where llguidance
         refuses it."""
+        _refuse_negative_only_multiples(schema)
         llg = _llguidance()
         return self._compile(llg, llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=_JSON_OPTIONS))
 
@@ -159,6 +221,8 @@ class LLGuidanceCompiler:
         """Qwen3's tool-call blocks, `<tool_call>\\n<call>\\n</tool_call>`, a call valid for one of `call_schemas`
         (`tool_call_schema`: name and arguments; read as `strict` says); `parallel`: one or more blocks, a newline
         between two."""
+        for schema in call_schemas:
+            _refuse_negative_only_multiples(schema)
         bodies = [f"call{i}: %json {json.dumps({**strict(schema), 'x-guidance': _JSON_OPTIONS})}"
                   for i, schema in enumerate(call_schemas)]
         lark = "\n".join([
@@ -182,3 +246,9 @@ class LLGuidanceCompiler:
                 self._tokenizer = llg.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self._vocab_size,
                                                         eos_token=sorted(self._stop_token_ids))
             return self._tokenizer
+
+
+def _refuse_negative_only_multiples(schema: Any) -> None:
+    if (at := negative_only_multiple(schema)) is not None:
+        raise ValueError(f"a multipleOf over negative numbers only (at {at}) cannot be written: llguidance writes "
+                         "multiples without a sign")

@@ -54,8 +54,8 @@ def unenforced_keyword(schema: Any, at: str = "") -> str | None:
     through that breaks it; `guided` then takes llguidance), named with its place (`uniqueItems (at
     /properties/tags)`), or None. As vLLM's
     `has_xgrammar_unsupported_json_features`: `uniqueItems` (true), `contains`, `minContains`, `maxContains`;
-    `multipleOf` but on integers (by an integer); a string's `minLength` / `maxLength` next to its `pattern` or
-    `format`; a string format xgrammar does not know; `propertyNames` next to `properties` or
+    `multipleOf` (an integer one too: xgrammar drops it beside a range); a string's `minLength` / `maxLength` next
+    to its `pattern` or `format`; a string format xgrammar does not know; `propertyNames` next to `properties` or
     `additionalProperties`; `patternProperties` next to `properties`. Beyond vLLM (xgrammar 0.2.9 drops these):
     a keyword that constrains (`_CONSTRAINING`) beside `$ref`, `allOf`, `anyOf`, `oneOf`, `const` or `enum` (any
     other keyword is an annotation and may stand there: `title`, `example`, `x-*`; so may a `type` that every
@@ -63,12 +63,15 @@ def unenforced_keyword(schema: Any, at: str = "") -> str | None:
     `dependentSchemas`; a `required` name without a `properties` entry; a type's keyword (`pattern`, `minimum`,
     `minItems`...) where the schema names no type; a `pattern` that names `"`, `\\` or a control character outside
     a class, or a class of nothing else (xgrammar then matches it against the JSON text, unescaped:
-    `_json_escaped_in`)."""
+    `_json_escaped_in`). A `required` that is not a list of names is a ValueError (the schema is malformed)."""
     if isinstance(schema, list):
         return next((found for i, item in enumerate(schema) if (found := unenforced_keyword(item, f"{at}/{i}"))),
                     None)
     if not isinstance(schema, dict):
         return None
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+        raise ValueError(f"invalid JSON schema: 'required' must be a list of property names (at {at or 'the root'})")
     found = _unenforced_here(schema)
     if found is not None:
         return f"{found} (at {at or 'the root'})"
@@ -113,9 +116,7 @@ def _unenforced_here(schema: dict[str, Any]) -> str | None:
     found = next((key for key in _ARRAY_KEYWORDS if key in schema), None)
     if found is not None:
         return found
-    step = schema.get("multipleOf")
-    if "multipleOf" in schema and not ("integer" in types and types <= {"integer", "null"} and
-                                       isinstance(step, int) and not isinstance(step, bool)):
+    if "multipleOf" in schema:  # (as vLLM: xgrammar 0.2.9 drops even an integer one beside a range)
         return "multipleOf"
     string_format = schema.get("format") if "string" in types else None
     if string_format is not None and string_format not in _STRING_FORMATS:
