@@ -11,6 +11,8 @@
                                                  it runs as (server/anthropic_protocol.py); its errors, the
                                                  router's own included, in Anthropic's shape
     POST /v1/messages/count_tokens               from the first up replica (of the body's `model`) that answers
+    POST /invocations                            SageMaker's: predicted as the chat or completion request its body
+                                                 is (`messages` or `prompt`), sent on as /invocations
     GET  /v1/models                              every up replica's cards, merged
     POST /tokenize, /detokenize; GET /version    from the first up replica (of the body's `model`) that answers
     POST /v1/cache/match                         from the replica the body would be routed to
@@ -401,7 +403,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
         except ValueError as error:
             raise APIError(400, f"the request body is not valid JSON: {error}") from None
         path = _route_path(request)
-        prompts = await state.prompt_ids(path, body)
+        prompts = await state.prompt_ids(_invoked_path(body) if path == INVOCATIONS_PATH else path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         try:  # a client gone before its response closes the upstream request: the replica aborts it
             return await run_until_disconnect(request.receive, route(path, raw, body, headers, prompts))
@@ -616,6 +618,7 @@ def build_router_app(config: RouterConfig, tokenizer: Any) -> FastAPI:
     app.add_api_route(RESPONSES_PATH, forward, methods=["POST"])
     app.add_api_route(RESPONSES_PATH + "/{stored_id}", stored_response, methods=["GET"])
     app.add_api_route(MESSAGES_PATH, forward, methods=["POST"])
+    app.add_api_route(INVOCATIONS_PATH, forward, methods=["POST"])
     app.add_api_route(COUNT_TOKENS_PATH, pass_through, methods=["POST"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/cache/match", cache_match, methods=["POST"])
@@ -633,6 +636,20 @@ def _route_path(request: Request) -> str:
     """The request's path as the replicas serve it: without the `--root-path` prefix uvicorn puts before it."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
     return path[len(root):] if root and path.startswith(root + "/") else path
+
+
+INVOCATIONS_PATH = "/invocations"  # SageMaker's: a chat or completion request, by its body (server/app.py)
+
+
+def _invoked_path(body: Any) -> str:
+    """The route an /invocations body runs as on a replica (predicted as that route's request), or a 400 as the
+    replica's."""
+    if isinstance(body, dict) and "messages" in body:
+        return "/v1/chat/completions"
+    if isinstance(body, dict) and "prompt" in body:
+        return "/v1/completions"
+    raise APIError(400, "/invocations takes a chat completion request (with 'messages') or a completion request "
+                   "(with 'prompt')")
 
 
 def _is_anthropic(path: str) -> bool:

@@ -46,3 +46,29 @@ def test_chat_turns_hit_as_predicted():
     assert reported[0] == 0 and reported[1] > 0 and reported[2] > reported[1]
     assert metric_value(metrics, "hybridcache_router_predicted_hit_tokens_total") == sum(reported)
     assert metric_value(metrics, "hybridcache_router_reported_hit_tokens_total") == sum(reported)
+
+
+def test_invocations_through_the_router_hit_as_predicted():
+    """SageMaker's /invocations was a 404 at the router: it is predicted as the chat or completion request its body
+    is, and sent on as /invocations."""
+    ensure_builtin_model()
+    tokenizer = Tokenizer(builtin_model_dir())
+    messages = [{"role": "system", "content": "You answer in one short line. " * 6},
+                {"role": "user", "content": "What is a recurrent state?"}]
+    with serving() as replica:
+        router_app = build_router_app(RouterConfig((replica,)), tokenizer)
+        with serving_app(router_app) as router, httpx.Client(base_url=router, timeout=120) as client:
+            reported = []
+            for body in ({"model": MODEL, "messages": messages, "max_tokens": 2},
+                         {"model": MODEL, "messages": messages, "max_tokens": 2},
+                         {"model": MODEL, "prompt": "A recurrent state is " * 12, "max_tokens": 2},
+                         {"model": MODEL, "prompt": "A recurrent state is " * 12, "max_tokens": 2}):
+                answer = client.post("/invocations", json=body)
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["object"] == ("chat.completion" if "messages" in body else "text_completion")
+                reported.append(answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+            neither = client.post("/invocations", json={"model": MODEL, "input": "hi"})
+            metrics = client.get("/metrics").text
+    assert reported[1] > 0 and reported[3] > 0
+    assert metric_value(metrics, "hybridcache_router_predicted_hit_tokens_total") == sum(reported)
+    assert neither.status_code == 400 and "messages" in neither.json()["error"]["message"]
