@@ -151,6 +151,11 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                _no_effect("mm_processor_cache_type has no effect: processed images are not cached across requests "
                           "here"),
                dict(choices=("lru", "shm"), metavar="TYPE")),
+    VllmOption("mamba_cache_dtype", "auto or float32 / bfloat16 / float16: as vLLM's, the recurrent (ssm) state's "
+               "dtype where --mamba-ssm-cache-dtype is auto; the conv state stays in the model dtype here",
+               _refused_unless(lambda v: v in (AUTO, *DTYPES), "mamba_cache_dtype {value!r} must be one of "
+                               + ", ".join((AUTO, *DTYPES))),
+               dict(metavar="DTYPE")),
     VllmOption("revision", "the model's revision on the Hugging Face hub (a branch, tag or commit) when MODEL is a "
                "hub id (default: main)", lambda value: None, dict(metavar="REV")),
     VllmOption("download_dir", "the Hugging Face cache folder a hub id is read from and downloaded into (default: "
@@ -369,7 +374,10 @@ def resolve_engine_config(model_dir: str | Path, options: dict) -> EngineConfig:
     and `tokenizer` resolved to a folder. Raises ValueError for a bad option before anything is loaded; an explicit
     state dtype other than the one the model's config names is allowed, with a warning (as vLLM does)."""
     options = dict(options)
+    cache_dtype = options.get("mamba_cache_dtype")
     _take_vllm_options(options)
+    if cache_dtype in DTYPES and options.get("mamba_ssm_cache_dtype", AUTO) == AUTO:  # vLLM's: the ssm state follows
+        options["mamba_ssm_cache_dtype"] = cache_dtype                                 # mamba_cache_dtype
     if options.get("tokenizer") is not None:
         options["tokenizer"] = str(_tokenizer_folder(options["tokenizer"]))
     ssm_given = "mamba_ssm_cache_dtype" in options

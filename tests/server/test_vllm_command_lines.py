@@ -263,3 +263,19 @@ def test_a_single_dash_prefix_is_not_taken_for_a_flag(argv, meant, capsys):
     parallelism and every replica, given `-d 2` again, tried to run its own (hunt 194). Refused, naming the flag."""
     assert main(["serve", "M", *argv]) == 2
     assert f"flags are never abbreviated (did you mean {meant}?)" in capsys.readouterr().err
+
+
+def test_vllms_mamba_cache_dtype_sets_the_ssm_state_where_its_own_flag_is_auto():
+    """`--mamba-cache-dtype` (vLLM's dtype of conv and ssm state) was an unknown flag: a deployment line with it did
+    not start. The ssm state follows it unless --mamba-ssm-cache-dtype names one (vLLM's rule); the conv state
+    stays in the model dtype here."""
+    ensure_builtin_model()
+
+    def ssm_dtype(*argv: str) -> str:
+        return resolve_engine_config(builtin_model_dir(), engine_options(serve(*argv))).mamba_ssm_cache_dtype
+
+    assert ssm_dtype("--mamba-cache-dtype", "bfloat16") == "bfloat16"
+    assert ssm_dtype("--mamba-cache-dtype", "bfloat16", "--mamba-ssm-cache-dtype", "float16") == "float16"
+    assert ssm_dtype("--mamba-cache-dtype", "auto") == ssm_dtype() == "float32"
+    with pytest.raises(ValueError, match="mamba_cache_dtype 'fp8' must be one of auto, float32"):
+        ssm_dtype("--mamba-cache-dtype", "fp8")
