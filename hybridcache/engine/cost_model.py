@@ -10,8 +10,11 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                             * ssm bytes)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
-                                                 block where it has one: every layer, or Nemotron-H's MLP layers,
-                                                 which have no state and 2 matrices, relu^2, not 3)
+                                                 block where it has one: every layer, or Nemotron-H's MLP and MoE
+                                                 layers, which have no state and 2 matrices an MLP, relu^2, not 3;
+                                                 an MoE block: its router, its top-k experts, its shared expert
+                                                 (+ its gate but for Granite and Nemotron-H), Nemotron-H's latent
+                                                 projections)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -75,7 +78,7 @@ class ModelCost:
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
-        granite = c.model_type == "granitemoehybrid"  # plain attention, an ungated shared expert
+        ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
         gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h")
         attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
@@ -95,8 +98,11 @@ class ModelCost:
             if not c.has_feed_forward(layer_id):  # (Nemotron-H: only its MLP layers)
                 continue
             if c.is_moe_layer(layer_id):
-                params += h * mlp.num_experts + mlp.num_experts_per_tok * 3 * h * mlp.moe_intermediate_size
-                params += 3 * h * mlp.shared_expert_intermediate_size + (0 if granite else h)
+                width = mlp.moe_latent_size or h  # the experts' input and output (Nemotron-H's latent projections)
+                expert = mlp_matrices * width * mlp.moe_intermediate_size
+                params += h * mlp.num_experts + mlp.num_experts_per_tok * expert
+                params += mlp_matrices * h * mlp.shared_expert_intermediate_size + (0 if ungated_shared else h)
+                params += 2 * h * width if mlp.moe_latent_size else 0
             else:
                 params += mlp_matrices * h * (mlp.intermediate_size or 0)
         return cls(

@@ -42,7 +42,14 @@ The Mamba2 group reads `mamba_num_heads` x `mamba_head_dim`, `n_groups`, `ssm_st
 `mamba_n_groups`, `mamba_d_conv`, `mamba_conv_bias`, `mamba_chunk_size`, `mamba_dt_limit` win where written, as in
 `NemotronHConfig`); `layer_norm_epsilon` is the norms' eps; `mamba_ssm_cache_dtype` (default float32) is
 `mamba_ssm_dtype`; the MLP layers are `intermediate_size` wide, `mlp_hidden_act` "relu2" (non-gated); the attention
-has no rotary embedding. Refused: "moe" layers (E), `mlp_bias` or `attention_bias` true, another activation.
+has no rotary embedding. Its MoE layers ("moe", pattern letter E; `LayerKind.MLP` too, `is_moe_layer` true): ungated
+relu^2 experts, `n_routed_experts` of `moe_intermediate_size`, top `num_experts_per_tok`, routed by sigmoid scores
+plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups (`GroupedRouting`:
+`norm_topk_prob`, `routed_scaling_factor`), one ungated relu^2 shared expert of
+`moe_shared_expert_intermediate_size` (transformers builds one whatever `n_shared_experts` says), the experts inside
+`moe_latent_size` projections when it is set. Refused: `mlp_bias` or `attention_bias` true, another activation, a
+grouping the router cannot run (n_group not dividing the experts, fewer than 2 experts a group, topk_group out of
+[1, n_group], more picks than the kept groups hold).
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -70,7 +77,8 @@ class LayerKind(str, Enum):
     LINEAR_ATTENTION = "linear_attention"  # gated DeltaNet
     FULL_ATTENTION = "full_attention"  # (gated) attention over the paged KV cache
     MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
-    MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-")
+    MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-" and, with
+    # `is_moe_layer` true, its MoE layers "E")
 
 
 # The layer kinds of each text model type, by their config.json spellings.
@@ -78,7 +86,7 @@ _QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention":
 _MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2, "attention": LayerKind.FULL_ATTENTION,
                 "full_attention": LayerKind.FULL_ATTENTION}
 # Nemotron-H: transformers 5's names, the older ones it remaps, and `hybrid_override_pattern`'s letters
-_NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP}
+_NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
 _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
@@ -121,6 +129,8 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "intermediate_size": 21504, "mlp_hidden_act": "relu2", "mamba_hidden_act": "silu", "mamba_num_heads": 128,
         "mamba_head_dim": 64, "n_groups": 8, "ssm_state_size": 128, "conv_kernel": 4, "chunk_size": 128,
         "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
+        "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
     },
 }
 
@@ -248,11 +258,26 @@ class Multipliers:
 
 
 @dataclass(frozen=True)
+class GroupedRouting:
+    """Nemotron-H's router (DeepSeek-V3's "noaux_tc"), in fp32: scores = sigmoid(logits); the choice reads
+    scores + e_score_correction_bias (a per-expert tensor of the checkpoint), in which each of `num_groups` groups
+    of E / num_groups experts ranks by the sum of its two best, the `topk_groups` best groups are kept and the top
+    k experts of those picked; the weights are the picks' uncorrected scores, divided by their sum (+ 1e-20) when
+    `norm_topk_prob`, times `scaling_factor` (`routed_scaling_factor`)."""
+
+    num_groups: int
+    topk_groups: int
+    scaling_factor: float
+
+
+@dataclass(frozen=True)
 class FeedForwardConfig:
     """The feed-forward block after each mixer: a dense SiLU-gated MLP of `intermediate_size`, or a sparse
     MoE block (`num_experts` routed experts, top `num_experts_per_tok`, plus a gated shared expert) where
     `is_moe_layer`. `num_experts == 0` means dense everywhere. `in_own_layers` (Nemotron-H): no block after the
-    mixers; the dense blocks (non-gated, `ModelConfig.hidden_act` "relu2") are the layers of kind `LayerKind.MLP`."""
+    mixers; the dense blocks (non-gated, `ModelConfig.hidden_act` "relu2") are the layers of kind `LayerKind.MLP`,
+    and so are its MoE layers, `moe_layer_ids` (ungated relu^2 experts and shared expert, routed by
+    `grouped_routing`, the experts inside `moe_latent_size` projections when set)."""
 
     intermediate_size: int | None
     num_experts: int
@@ -263,13 +288,17 @@ class FeedForwardConfig:
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
     in_own_layers: bool = False
+    moe_layer_ids: tuple[int, ...] = ()
+    grouped_routing: GroupedRouting | None = None
+    moe_latent_size: int | None = None
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """True where layer `layer_id` has a sparse MoE block (the transformers rule; never where the feed-forward
-        blocks are layers of their own, `in_own_layers`: `ModelConfig.is_moe_layer` reads the layer kind there)."""
+        """True where layer `layer_id` has a sparse MoE block (the transformers rule; where the feed-forward blocks
+        are layers of their own, `in_own_layers`, the layers of `moe_layer_ids`)."""
+        if self.in_own_layers:
+            return layer_id in self.moe_layer_ids
         return (
-            not self.in_own_layers
-            and layer_id not in self.mlp_only_layers
+            layer_id not in self.mlp_only_layers
             and self.num_experts > 0
             and (layer_id + 1) % self.decoder_sparse_step == 0
         )
@@ -407,12 +436,10 @@ class ModelConfig:
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
         kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _QWEN_KINDS
-        if nemotron and "moe" in layer_types:
-            raise ValueError(f"layer_types {tuple(layer_types)}: Nemotron-H's MoE layers (\"moe\", pattern letter "
-                             "'E') are not supported yet; its dense layers are (\"mamba\", \"attention\", \"mlp\")")
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
+        moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")  # (Nemotron-H's)
         layer_types = tuple(kinds[t] for t in layer_types)
 
         hidden_act = _nemotron_activation(fields) if nemotron else text.get("hidden_act", "silu")
@@ -427,7 +454,7 @@ class ModelConfig:
             raise ValueError("config.json attention_bias true is not supported for Nemotron-H (transformers' "
                              "NemotronHAttention has no biases)")
         if nemotron:
-            mlp, mamba2 = _nemotron_feed_forward_config(fields), _nemotron_mamba2_config(fields)
+            mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
         else:
@@ -810,13 +837,33 @@ def _nemotron_activation(fields: _Fields) -> str:
     return "relu2"
 
 
-def _nemotron_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
-    """Nemotron-H's dense layers: up_proj -> relu^2 -> down_proj of `intermediate_size`, layers of their own."""
+def _nemotron_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
+    """Nemotron-H's dense layers (up_proj -> relu^2 -> down_proj of `intermediate_size`) and MoE layers
+    (`moe_layer_ids`), layers of their own."""
     if fields.boolean("mlp_bias", default=False):
         raise ValueError("config.json mlp_bias true is not supported for Nemotron-H (its checkpoints have none)")
-    return FeedForwardConfig(intermediate_size=fields.integer("intermediate_size"), num_experts=0,
-                             num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), in_own_layers=True)
+    dense = FeedForwardConfig(intermediate_size=fields.integer("intermediate_size"), num_experts=0,
+                              num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), in_own_layers=True)
+    if not moe_layer_ids:
+        return dense
+    num_experts, top_k = fields.integer("n_routed_experts"), fields.integer("num_experts_per_tok")
+    groups, kept = fields.integer("n_group"), fields.integer("topk_group")
+    if num_experts % groups or num_experts // groups < 2:
+        raise ValueError(f"config.json n_group {groups} must divide n_routed_experts {num_experts} into groups of at "
+                         "least 2 experts (a group ranks by its two best scores)")
+    if kept > groups or top_k > kept * (num_experts // groups):
+        raise ValueError(f"config.json topk_group {kept} must be at most n_group {groups}, and its groups must hold "
+                         f"num_experts_per_tok {top_k} experts ({num_experts // groups} a group)")
+    latent = fields.value("moe_latent_size")
+    return replace(
+        dense, num_experts=num_experts, num_experts_per_tok=top_k,
+        moe_intermediate_size=fields.integer("moe_intermediate_size"),
+        shared_expert_intermediate_size=fields.integer("moe_shared_expert_intermediate_size"),
+        norm_topk_prob=fields.boolean("norm_topk_prob", default=True), moe_layer_ids=moe_layer_ids,
+        grouped_routing=GroupedRouting(num_groups=groups, topk_groups=kept,
+                                       scaling_factor=fields.number("routed_scaling_factor")),
+        moe_latent_size=None if latent is None else fields.integer("moe_latent_size"))
 
 
 def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:

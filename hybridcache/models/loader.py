@@ -19,6 +19,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
    - stacked, as transformers' in-memory modules hold them: `...mlp.experts.gate_up_proj` [E, 2I, H]
      (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` too);
+     Nemotron-H's ungated experts `...mixer.experts.up_proj` [E, I, H] and `...mixer.experts.down_proj` [E, H, I]
+     (its checkpoints write them per expert, `mixer.experts.{e}.up_proj.weight`);
 4. every other name must equal one of our parameter names exactly.
 
 A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
@@ -73,7 +75,8 @@ RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
 )
-_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe)\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_STACKED_EXPERTS = re.compile(
+    r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer)\.experts)\.(?P<kind>gate_up_proj|up_proj|down_proj)$")
 _EMBEDDING = "model.embed_tokens.weight"
 _logger = logging.getLogger(__name__)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (torch >= 2.7)
@@ -245,8 +248,8 @@ def _plan_stacked(
     plan: dict[str, _Source],
     name_prefix: str = "",
 ) -> list[str]:
-    """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I]; problems name
-    tensors with `name_prefix` in front."""
+    """Plan the per-expert slices of a stacked `gate_up_proj` [E, 2I, H], `up_proj` [E, I, H] (ungated experts) or
+    `down_proj` [E, H, I]; problems name tensors with `name_prefix` in front."""
 
     def quoted(name: str) -> str:
         return repr(name_prefix + name)
@@ -256,10 +259,11 @@ def _plan_stacked(
         return [f"unexpected tensor {quoted(raw_name)} with shape {list(shape)}"]
     down = expected[f"{prefix}.0.down_proj.weight"]  # [H, I]
     hidden, inter = down
-    want = (num_experts, 2 * inter, hidden) if kind == "gate_up_proj" else (num_experts, hidden, inter)
+    want = {"gate_up_proj": (num_experts, 2 * inter, hidden), "up_proj": (num_experts, inter, hidden),
+            "down_proj": (num_experts, hidden, inter)}[kind]
     if shape != want:
         return [f"shape mismatch for tensor {quoted(raw_name)}: checkpoint {list(shape)}, model {list(want)}"]
-    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+    parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else (kind,)
     given = [plan[target].checkpoint_name for e in range(num_experts) for part in parts
              if (target := f"{prefix}.{e}.{part}.weight") in plan]
     if given:
@@ -270,7 +274,7 @@ def _plan_stacked(
             plan[f"{prefix}.{e}.gate_proj.weight"] = _Source(raw_name, e, (0, inter))
             plan[f"{prefix}.{e}.up_proj.weight"] = _Source(raw_name, e, (inter, 2 * inter))
         else:
-            plan[f"{prefix}.{e}.down_proj.weight"] = _Source(raw_name, e)
+            plan[f"{prefix}.{e}.{kind}.weight"] = _Source(raw_name, e)
     return []
 
 

@@ -9,15 +9,28 @@ the loader renames them, `loader.RENAMED_PREFIXES` / `RENAMED_NAMES`)::
     model.layers.{i}.mixer                Mamba2Mixer   (layer_types[i] "mamba" / "linear_attention", "M")
                                           attention     ("attention" / "full_attention", "*"): GQA, no RoPE, no gate
                                           ReluSquaredMLP ("mlp", "-"): down_proj(relu(up_proj(x))^2)
+                                          NemotronHMoE  ("moe", "E"), below
     model.norm                            RMSNorm
     lm_head                               [vocab, hidden] (the embedding itself when tied)
 
-A layer: h = h + mixer(norm(h)). An MLP layer has no state: its spec is a `RecurrentSpec` of no tensors, which the
-pools hold as an empty mapping (no slot bytes, no copies), so the engine and the prefix cache need no change.
+An MoE layer's mixer (checkpoint names; transformers' in-memory stacked `experts.up_proj` [E, I, L] and
+`experts.down_proj` [E, L, I] load too, `loader._STACKED_EXPERTS`)::
+
+    mixer.gate.weight [E, hidden], .e_score_correction_bias [E]        the router, float32 whatever the dtype
+    mixer.fc1_latent_proj [L, hidden], .fc2_latent_proj [hidden, L]   only with moe_latent_size L (else L = hidden)
+    mixer.experts.{e}.up_proj [I, L], .down_proj [L, I]               ungated relu^2 experts
+    mixer.shared_experts.up_proj [S, hidden], .down_proj [hidden, S]  the shared expert, relu^2, ungated
+
+    out = fc2(sum_j w_j * down_j(relu(up_j(fc1(x)))^2)) + shared_experts(x)
+    (w, j) = the router's weights and picks (`config.GroupedRouting`), computed in float32 from x
+
+A layer: h = h + mixer(norm(h)). MLP and MoE layers have no state: their spec is a `RecurrentSpec` of no tensors,
+which the pools hold as an empty mapping (no slot bytes, no copies), so the engine and the prefix cache need no
+change.
 
 The residual stream stays in the model dtype (`residual_in_fp32` is read by neither transformers' NemotronH nor
-here). Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, the MoE layers ("moe", "E"),
-MTP (`num_nextn_predict_layers`: its `mtp.` tensors are not loaded).
+here). Not supported (a ValueError says so): tensor parallelism, FP8 weights or KV, MTP (`num_nextn_predict_layers`:
+its `mtp.` tensors are not loaded).
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ from hybridcache.layers.linear import module_linear
 from hybridcache.layers.mamba2 import Mamba2Mixer
 from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
-from hybridcache.models.config import LayerKind, ModelConfig
+from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.state_spec import LayerState, RecurrentSpec
@@ -82,7 +95,84 @@ class ReluSquaredMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
         del step, state
+        return self.mlp(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return module_linear(self.down_proj, torch.square(F.relu(module_linear(self.up_proj, x))))
+
+
+class GroupedTopKRouter(nn.Module):
+    """x [N, hidden] -> (weights [N, k] float32, ids [N, k] int64), transformers' NemotronHTopkRouter in torch
+    (`config.GroupedRouting` says the rule). `weight` [E, hidden] and `e_score_correction_bias` [E] stay float32
+    whatever dtype the model is cast to (as transformers keeps them: a bf16 bias would change the picks).
+
+    Worked example, E = 8 experts in 4 groups, topk_groups 2, k = 2: choice scores (.9 .1 | .85 .05 | .8 .7 | .2 .3)
+    rank the groups by the sum of their two best, 1.0 .9 1.5 .5, so groups 2 and 0 are kept and experts 0 and 4
+    (.9, .8) picked: expert 2 (.85) is in a dropped group."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, routing: GroupedRouting,
+                 norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k, self.routing, self.norm_topk_prob = top_k, routing, norm_topk_prob
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        r = self.routing
+        if r.num_groups > 1:  # (one group keeps every expert)
+            grouped = choice.view(choice.shape[0], r.num_groups, -1)
+            kept = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_groups, dim=-1, sorted=False)[1]
+            mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, kept, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[2], dim=1), float("-inf"))
+        top_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        top_weights = scores.gather(1, top_ids)
+        if self.norm_topk_prob:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return top_weights * r.scaling_factor, top_ids
+
+    def _apply(self, fn, recurse: bool = True) -> GroupedTopKRouter:  # noqa: ANN001 (nn.Module's signature)
+        """Device moves and `to_empty` apply; dtype casts do not (both tensors stay float32)."""
+        del recurse
+        for name, param in list(self.named_parameters(recurse=False)):
+            moved = fn(param.data)
+            if moved.dtype != torch.float32:
+                moved = moved.float() if moved.is_meta else param.data.to(device=moved.device, dtype=torch.float32)
+            setattr(self, name, nn.Parameter(moved, requires_grad=param.requires_grad))
+        return self
+
+
+class NemotronHMoE(nn.Module):
+    """An MoE layer's mixer (module docstring): x [N, hidden] -> routed relu^2 experts (inside the latent
+    projections when there are any) + the shared expert; no state."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c, mlp = config, config.mlp
+        assert mlp.grouped_routing is not None
+        self.gate = GroupedTopKRouter(c.hidden_size, mlp.num_experts, mlp.num_experts_per_tok, mlp.grouped_routing,
+                                      mlp.norm_topk_prob)
+        width = mlp.moe_latent_size or c.hidden_size
+        self.experts = nn.ModuleList(ReluSquaredMLP(width, mlp.moe_intermediate_size) for _ in range(mlp.num_experts))
+        self.shared_experts = ReluSquaredMLP(c.hidden_size, mlp.shared_expert_intermediate_size)
+        latent = mlp.moe_latent_size is not None
+        self.fc1_latent_proj = nn.Linear(c.hidden_size, width, bias=False) if latent else None
+        self.fc2_latent_proj = nn.Linear(width, c.hidden_size, bias=False) if latent else None
+
+    def state_spec(self, dtype: torch.dtype, state_dtype: torch.dtype) -> RecurrentSpec:
+        """No state: a spec of no tensors (the pools give the layer an empty mapping)."""
+        del dtype, state_dtype
+        return RecurrentSpec(tensors=())
+
+    def forward(self, x: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
+        del state
+        top_weights, top_ids = self.gate(x)  # float32 weights: each weighted expert output formed in float32
+        latent = x if self.fc1_latent_proj is None else module_linear(self.fc1_latent_proj, x)
+        routed = step.backend.moe(latent, top_weights, top_ids, self.experts, activation="relu2")
+        if self.fc2_latent_proj is not None:
+            routed = module_linear(self.fc2_latent_proj, routed)
+        return routed + self.shared_experts.mlp(x)
 
 
 class NemotronHBlock(nn.Module):
@@ -128,6 +218,8 @@ class NemotronHForCausalLM(HybridCausalLM):
                 c.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
                 state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
                 proj_bias=m.proj_bias, eps=c.rms_norm_eps, time_step_limit=m.time_step_limit)
+        if c.is_moe_layer(layer_id):
+            return NemotronHMoE(c)
         if kind is LayerKind.MLP:
             return ReluSquaredMLP(c.hidden_size, c.mlp.intermediate_size)
         a = c.attention

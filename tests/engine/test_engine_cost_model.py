@@ -71,12 +71,14 @@ def spec_bytes(tensors) -> int:
 
 
 @pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
-                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias")])
+                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
+                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent")])
 def test_granite_costs_count_its_mamba2_layers(family, variant):
     """A Granite-4.0-H or Nemotron-H model's cost: its state bytes are its Mamba2 layers' state specs (they were
     counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
     its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention, relu^2 MLP layers of two
-    matrices, no feed-forward block after its mixers) plus the Mamba2 scans'."""
+    matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
+    matrices, the ungated shared expert, the latent projections) plus the Mamba2 scans'."""
     hf = granite_model(variant) if family == "granite" else nemotron_model(variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
@@ -84,7 +86,8 @@ def test_granite_costs_count_its_mamba2_layers(family, variant):
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
-    assert len(recurrent) == len(config.mamba2_layer_ids) == {"groups2": 2}.get(variant, 3)
+    assert len(recurrent) == len(config.mamba2_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2}.get(
+        variant, 3)
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
@@ -92,9 +95,8 @@ def test_granite_costs_count_its_mamba2_layers(family, variant):
 
     m, mlp = config.mamba2, config.mlp
     matmuls = sum(p.numel() for name, p in model.named_parameters()
-                  if p.ndim >= 2 and "embed_tokens" not in name and "experts" not in name)
-    if mlp.num_experts:  # only the top-k experts' weights are read per token
-        per_expert = 3 * config.hidden_size * mlp.moe_intermediate_size
-        matmuls += len(config.layer_types) * mlp.num_experts_per_tok * per_expert
+                  if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name)  # (routed experts)
+    # only the top-k experts' weights are read per token: each MoE layer's expert 0 counted top-k times
+    matmuls += mlp.num_experts_per_tok * sum(p.numel() for name, p in model.named_parameters() if ".experts.0." in name)
     scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size
     assert cost.flops_per_token == 2 * matmuls + scans

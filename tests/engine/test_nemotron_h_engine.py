@@ -34,7 +34,7 @@ def write_tiny_nemotron(path: Path, variant: str, seed: int = 0) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["groups2", "pattern-bias"])
+@pytest.fixture(scope="module", params=["groups2", "pattern-bias", "moe-groups", "moe-latent"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_nemotron(tmp_path_factory.mktemp(request.param), request.param)
 

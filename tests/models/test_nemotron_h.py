@@ -1,6 +1,7 @@
 """Nemotron-H (`NemotronHForCausalLM`) vs transformers on tiny random models (Mamba2, attention without RoPE and
-relu^2 MLP layers; one or two Mamba2 groups, with and without projection biases), fp32, and its config parsing and
-refusals.
+relu^2 MLP layers; one or two Mamba2 groups, with and without projection biases; MoE layers of ungated relu^2
+experts with a shared expert, group-limited routing with a nonzero correction bias, or one group inside latent
+projections), fp32, and its config parsing and refusals.
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
@@ -136,7 +137,6 @@ def test_config_reads_hub_spellings():
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("layers_block_type", ["mamba", "moe", "attention", "mamba", "mlp", "attention"], "MoE layers"),
     ("layers_block_type", ["mamba", "gated_deltanet", "attention", "mamba", "mlp", "attention"], "layer_types"),
     ("num_hidden_layers", 5, "layer_types"),
     ("mlp_hidden_act", "silu", "mlp_hidden_act"),
@@ -158,8 +158,8 @@ def test_config_needs_a_layer_layout():
     for pattern in (None, "M-X*"):
         with pytest.raises(ValueError, match="hybrid_override_pattern"):
             ModelConfig.from_dict({**raw, "hybrid_override_pattern": pattern})
-    with pytest.raises(ValueError, match="MoE layers"):
-        ModelConfig.from_dict({**raw, "hybrid_override_pattern": "ME*M-*"})
+    config = ModelConfig.from_dict({**raw, "hybrid_override_pattern": "ME*M-*"})
+    assert config.layer_types[1] is LayerKind.MLP and config.is_moe_layer(1) and not config.is_moe_layer(4)
 
 
 def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
@@ -210,3 +210,111 @@ def test_defaults_are_transformers_defaults():
     config = ModelConfig.from_dict(minimal)
     assert config.num_hidden_layers == 3 and config.attention.head_dim == hf.head_dim
     assert config.mamba2.num_groups == hf.n_groups and config.mamba2.head_dim == hf.mamba_head_dim
+
+
+def test_config_reads_the_moe_fields():
+    config = ModelConfig.from_dict(nemotron_config("moe-groups").to_dict())
+    assert [config.is_moe_layer(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert [config.has_feed_forward(i) for i in range(6)] == [False, True, False, True, False, True]
+    mlp = config.mlp
+    assert (mlp.num_experts, mlp.num_experts_per_tok, mlp.moe_intermediate_size) == (8, 3, 32)
+    assert mlp.shared_expert_intermediate_size == 48 and mlp.norm_topk_prob and mlp.intermediate_size == 96
+    routing = mlp.grouped_routing
+    assert (routing.num_groups, routing.topk_groups, routing.scaling_factor) == (4, 2, 2.5)
+    assert mlp.moe_latent_size is None
+    latent = ModelConfig.from_dict(nemotron_config("moe-latent").to_dict())
+    assert latent.mlp.moe_latent_size == 40 and not latent.mlp.norm_topk_prob
+    assert latent.mlp.moe_layer_ids == (1, 4) and latent.mlp.grouped_routing.num_groups == 1
+    dense = ModelConfig.from_dict(nemotron_config("groups2").to_dict())
+    assert dense.mlp.grouped_routing is None and dense.mlp.num_experts == 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"n_group": 3}, "n_group 3 must divide n_routed_experts 8"),
+    ({"n_group": 8, "topk_group": 1}, "groups of at least 2"),
+    ({"topk_group": 5}, "topk_group 5 must be at most n_group 4"),
+    ({"topk_group": 1}, "num_experts_per_tok 3"),  # one kept group of 2 experts cannot give 3 picks
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok 9"),
+])
+def test_config_refuses_a_routing_it_cannot_run(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**nemotron_config("moe-groups").to_dict(), **overrides})
+
+
+def test_router_equals_transformers_and_its_bias_and_groups_change_the_picks():
+    """Our router against transformers' NemotronHTopkRouter on 300 tokens (same picks, same weights); the correction
+    bias and the group limit each change some tokens' picks (so the model comparisons above exercise them)."""
+    pair = make_nemotron_pair("moe-groups")
+    theirs, ours = pair.hf.model.layers[1].mixer.gate, pair.ours.model.layers[1].mixer.gate
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, want_weights, want_ids = theirs(x)
+        weights, ids = ours(x)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64
+        assert torch.equal(ids.sort(-1)[0], want_ids.sort(-1)[0])
+        torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)),
+                                   rtol=1e-6, atol=1e-7)
+
+        def picks(router) -> set:
+            return {(t, e) for t, row in enumerate(router(x)[1].tolist()) for e in row}
+
+        bias = ours.e_score_correction_bias.detach().clone()
+        assert bias.abs().min() > 0
+        ours.e_score_correction_bias.zero_()
+        unbiased = picks(ours)
+        ours.e_score_correction_bias.copy_(bias)
+        routing = ours.routing
+        ours.routing = type(routing)(num_groups=1, topk_groups=1, scaling_factor=routing.scaling_factor)
+        ungrouped = picks(ours)
+        ours.routing = routing
+        chosen = picks(ours)
+    assert len(chosen - unbiased) >= 10 and len(chosen - ungrouped) >= 10
+
+
+def test_router_stays_float32_in_a_bf16_model():
+    """The router's weight and correction bias stay float32 when the model is cast to bf16 (as transformers keeps
+    them: `_keep_in_fp32_modules_strict`); the bias keeps its fp32 value (not rounded through bf16)."""
+    pair = make_nemotron_pair("moe-groups")
+    gate = pair.ours.model.layers[1].mixer.gate
+    bias = gate.e_score_correction_bias.detach().clone()
+    bf16 = pair.ours.to(torch.bfloat16)
+    gate = bf16.model.layers[1].mixer.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert torch.equal(gate.e_score_correction_bias, bias)
+    assert bf16.model.layers[1].mixer.experts[0].up_proj.weight.dtype == torch.bfloat16
+
+
+def test_moe_folder_loads_from_the_per_expert_checkpoint_names(tmp_path):
+    """save_pretrained writes the experts one by one (backbone.layers.N.mixer.experts.{e}.up_proj.weight), the router
+    as mixer.gate.weight and mixer.gate.e_score_correction_bias, and the latent projections; load_model reads them
+    (the in-memory stacked form is what the other tests load)."""
+    from safetensors import safe_open
+
+    hf = nemotron_model("moe-latent")
+    hf.save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
+        names = set(handle.keys())
+    assert {"backbone.layers.1.mixer.experts.5.up_proj.weight", "backbone.layers.4.mixer.experts.0.down_proj.weight",
+            "backbone.layers.1.mixer.gate.e_score_correction_bias", "backbone.layers.1.mixer.gate.weight",
+            "backbone.layers.1.mixer.fc1_latent_proj.weight", "backbone.layers.4.mixer.shared_experts.up_proj.weight",
+            } <= names
+    assert not any(name.endswith("experts.up_proj") for name in names)
+    ours = load_model(tmp_path)
+    tokens = random_tokens(40, seed=7)
+    (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([tokens]), position_ids=torch.arange(40)[None]).logits[0]
+    assert rel_err(logits, want) <= TOLERANCE
+
+
+def test_the_comparison_notices_a_lost_correction_bias():
+    """Loading the MoE model with its routers' correction bias left at zero moves the logits well past the
+    tolerance: the model tests above do check the bias."""
+    pair = make_nemotron_pair("moe-groups")
+    tokens = random_tokens(157, seed=8)
+    ref = pair.hf_logits(tokens)
+    with torch.no_grad():
+        for layer_id in pair.ours.config.mlp.moe_layer_ids:
+            pair.ours.model.layers[layer_id].mixer.gate.e_score_correction_bias.zero_()
+    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
+    assert rel_err(ours, ref) > 100 * TOLERANCE
