@@ -156,6 +156,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
                _refused_unless(lambda v: v in (AUTO, *DTYPES), "mamba_cache_dtype {value!r} must be one of "
                                + ", ".join((AUTO, *DTYPES))),
                dict(metavar="DTYPE")),
+    VllmOption("hf_overrides", "a JSON object of config.json items to use instead of the folder's (nested objects "
+               "merged), as vLLM's", lambda value: None, dict(type=json_object, metavar="JSON")),
     VllmOption("revision", "the model's revision on the Hugging Face hub (a branch, tag or commit) when MODEL is a "
                "hub id (default: main)", lambda value: None, dict(metavar="REV")),
     VllmOption("download_dir", "the Hugging Face cache folder a hub id is read from and downloaded into (default: "
@@ -164,7 +166,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
 )
 _VLLM_OPTIONS = {option.name: option for option in VLLM_OPTIONS}
 # The options that choose the model folder, given to `resolve_model`.
-MODEL_OPTIONS = ("revision", "download_dir")
+MODEL_OPTIONS = ("revision", "download_dir", "hf_overrides")
 
 
 def _eviction(value: str) -> str:
@@ -309,7 +311,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def model_options(args: argparse.Namespace) -> dict:
-    """The `resolve_model` keywords of parsed engine options (`--revision`, `--download-dir`)."""
+    """The `resolve_model` keywords of parsed engine options (`--revision`, `--download-dir`, `--hf-overrides`)."""
     return {name: getattr(args, name) for name in MODEL_OPTIONS}
 
 

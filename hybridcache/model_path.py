@@ -24,12 +24,14 @@ name="Qwen/Qwen3.5-0.8B")`: the name is the argument as given (what a server rep
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 _logger = logging.getLogger(__name__)
 
@@ -56,7 +58,53 @@ def hf_hub_cache() -> Path | None:
 
 
 def resolve_model(model: str | Path | None, *, weights: bool = True, revision: str | None = None,
-                  download_dir: str | Path | None = None) -> ResolvedModel:
+                  download_dir: str | Path | None = None, hf_overrides: dict | None = None) -> ResolvedModel:
+    """The model folder `model` names (see the module docstring), seen through `hf_overrides` when given
+    (`with_hf_overrides`)."""
+    resolved = _resolve(model, weights=weights, revision=revision, download_dir=download_dir)
+    if hf_overrides is None:
+        return resolved
+    return ResolvedModel(with_hf_overrides(resolved.path, hf_overrides), resolved.name)
+
+
+def with_hf_overrides(folder: Path, overrides: Any) -> Path:
+    """`folder` with its config.json's items replaced by `overrides` (vLLM's `--hf-overrides`, a JSON object;
+    a nested object is merged into the config's: `{"text_config": {"rope_parameters": ...}}` replaces one item of
+    `text_config`): a folder of the same name under `$HYBRIDCACHE_HOME/overrides/<hash>/` (hash of the folder's path
+    and the overrides) holding the merged config.json and a link to every other file of `folder`, so everything that
+    reads the model folder (the config, the weights, the tokenizer, the disk tier's model key) sees one model.
+
+        {"max_position_embeddings": 1010000}  ->  .../overrides/3f2a.../Qwen3.5-0.8B/config.json with that item"""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object of config.json items, got {type(overrides).__name__}")
+    from hybridcache.models.builtin import cache_home
+
+    config = json.loads((folder / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / 'config.json'} is not a JSON object")
+    merged = _merged(config, overrides)
+    digest = hashlib.sha256(json.dumps([str(folder.resolve()), overrides], sort_keys=True).encode()).hexdigest()
+    overlay = cache_home() / "overrides" / digest[:16] / folder.name
+    overlay.mkdir(parents=True, exist_ok=True)
+    for entry in folder.iterdir():
+        link = overlay / entry.name
+        if entry.name != "config.json" and not link.exists():
+            link.symlink_to(entry.resolve())
+    (overlay / "config.json").write_text(json.dumps(merged, indent=2))
+    _logger.info("model %s: config.json items overridden (--hf-overrides): %s; the folder used is %s", folder,
+                 ", ".join(sorted(overrides)), overlay)
+    return overlay
+
+
+def _merged(config: dict, overrides: dict) -> dict:
+    out = dict(config)
+    for key, value in overrides.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _resolve(model: str | Path | None, *, weights: bool, revision: str | None,
+             download_dir: str | Path | None) -> ResolvedModel:
     """The model folder `model` names (see the module docstring; `weights`: whether the caller reads the weights,
     which a hub id then downloads; `revision`, `download_dir`: the hub revision and cache folder of a hub id).
     Raises FileNotFoundError, naming what was tried, when it is neither a folder nor a hub id the local Hugging Face

@@ -98,12 +98,17 @@ BUILTIN_CONFIG = dict(
 )
 
 
-def builtin_model_dir() -> Path:
-    """Where the built-in model lives: $HYBRIDCACHE_HOME, else $XDG_CACHE_HOME/hybridcache, else
-    ~/.cache/hybridcache (as huggingface_hub places its cache), / name-vVERSION."""
+def cache_home() -> Path:
+    """hybridcache's own cache folder: $HYBRIDCACHE_HOME, else $XDG_CACHE_HOME/hybridcache, else
+    ~/.cache/hybridcache (as huggingface_hub places its cache)."""
     home = os.environ.get("HYBRIDCACHE_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
                                                       "hybridcache")
-    return Path(home) / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
+    return Path(home)
+
+
+def builtin_model_dir() -> Path:
+    """Where the built-in model lives: `cache_home()` / name-vVERSION."""
+    return cache_home() / f"{BUILTIN_NAME}-v{BUILTIN_VERSION}"
 
 
 def model_display_name(model_dir: Path) -> str:

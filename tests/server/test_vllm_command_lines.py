@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 
 import pytest
 from starlette.requests import Request
 
 from hybridcache.cli import main, parse_args
-from hybridcache.engine_args import engine_options, model_argument, resolve_engine_config
+from hybridcache.engine_args import engine_options, model_argument, model_options, resolve_engine_config
 from hybridcache.models.builtin import builtin_model_dir, ensure_builtin_model
 from hybridcache.router.app import RouterConfig, has_key
 from hybridcache.router.cli import replica_argv, router_config
@@ -279,3 +280,28 @@ def test_vllms_mamba_cache_dtype_sets_the_ssm_state_where_its_own_flag_is_auto()
     assert ssm_dtype("--mamba-cache-dtype", "auto") == ssm_dtype() == "float32"
     with pytest.raises(ValueError, match="mamba_cache_dtype 'fp8' must be one of auto, float32"):
         ssm_dtype("--mamba-cache-dtype", "fp8")
+
+
+def test_hf_overrides_replace_config_items_for_everything_that_reads_the_folder(tmp_path, monkeypatch):
+    """vLLM's `--hf-overrides JSON` (Qwen's long-context recipes pass rope parameters and max_position_embeddings
+    with it) was an unknown flag. The folder is seen with the merged config.json (nested objects merged), through an
+    overlay under $HYBRIDCACHE_HOME that links every other file; the original folder is untouched."""
+    from hybridcache.model_path import resolve_model
+    from hybridcache.models import ModelConfig
+
+    monkeypatch.setenv("HYBRIDCACHE_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "tiny"
+    shutil.copytree(ensure_builtin_model(), folder)
+    original = json.loads((folder / "config.json").read_text())
+    args = serve(str(folder), "--hf-overrides", '{"max_position_embeddings": 123456, "rope_parameters": {"x": 1}}')
+    resolved = resolve_model(args.model_arg, **model_options(args))
+    assert resolved.path != folder and resolved.path.name == folder.name and resolved.name == str(folder)
+    merged = json.loads((resolved.path / "config.json").read_text())
+    assert merged["max_position_embeddings"] == 123456
+    assert merged["rope_parameters"] == {**original.get("rope_parameters", {}), "x": 1}
+    assert ModelConfig.from_model_dir(resolved.path).attention.max_position_embeddings == 123456
+    assert {p.name for p in resolved.path.iterdir()} == {p.name for p in folder.iterdir()}
+    assert json.loads((folder / "config.json").read_text()) == original
+    assert resolve_model(str(folder)).path == folder  # without overrides: the folder itself
+    with pytest.raises(SystemExit):
+        serve(str(folder), "--hf-overrides", "[1, 2]")  # not an object
