@@ -125,7 +125,8 @@ class GroupedTopKRouter(nn.Module):
             grouped = choice.view(choice.shape[0], r.num_groups, -1)
             kept = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(r.topk_groups, dim=-1, sorted=False)[1]
             mask = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, kept, True)
-            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[2], dim=1), float("-inf"))
+            keep = mask[:, :, None].expand(grouped.shape).reshape(choice.shape)  # (no host sync: graph-safe)
+            choice = choice.masked_fill(~keep, float("-inf"))
         top_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         top_weights = scores.gather(1, top_ids)
         if self.norm_topk_prob:
