@@ -99,11 +99,14 @@ _ACCEPTED_TIMEOUTS = (httpx.ReadTimeout, httpx.WriteTimeout)
 
 def replica_verdict(status: int, headers: Mapping[str, str], content: bytes) -> str:
     """What a replica's 502 / 503 / 504 means for the request: "answer" (its own outcome, passed to the client as it
-    is: a 503 with code `request_timeout`, the request ran past the replica's `--request-timeout` and was aborted),
+    is: a 503 marked `x-should-retry: false` (`errors.NO_RETRY`), or with code `request_timeout`: the request ran
+    past the replica's `--request-timeout` and was aborted; Anthropic's error object has no code, hence the header),
     "busy" (a 503 with `Retry-After`: the replica is up and its queue is full; another replica is tried and this
     one stays up, its index kept) or "down" (anything else: a dead or stopping engine, a gateway error; the replica
     is marked down and another tried)."""
     if status == 503:
+        if {key.lower(): value for key, value in headers.items()}.get("x-should-retry", "").lower() == "false":
+            return "answer"
         with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
             if json.loads(content)["error"]["code"] == "request_timeout":
                 return "answer"

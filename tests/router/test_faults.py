@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from hybridcache.cache.events import CacheEvent, EventKind
 from hybridcache.cache.trie import chain_hash, root_hash
-from hybridcache.router.app import RouterConfig, build_router_app
+from hybridcache.router.app import RouterConfig, build_router_app, replica_verdict
 from hybridcache.router.policy import RoutingConfig
 from hybridcache.server.shutdown_guard import SHUTDOWN_MESSAGE
 from tests.router.serving import replica_app, serving_app, wait_until
@@ -108,6 +108,17 @@ def test_a_replicas_request_timeout_is_the_answer_not_a_fault():
         assert response.headers["x-should-retry"] == "false"  # relayed: the SDKs must not send it again either
         assert (slow.state.calls, other.state.calls) == (1, 0)
         assert [r["up"] for r in httpx.get(f"{router}/health").json()["replicas"]] == [True, True]
+
+
+def test_a_request_timeout_in_anthropics_shape_is_the_answer_too():
+    """Anthropic's error object has no `code`: a /v1/messages request past a replica's --request-timeout was read
+    as the replica being down, sent again to every replica and marked each one down (hunt 210). The replica's
+    `x-should-retry: false` says it is the request's own outcome, whatever the body's shape."""
+    body = json.dumps({"type": "error", "error": {"type": "overloaded_error", "message": "ran past the timeout"}})
+    assert replica_verdict(503, {"x-should-retry": "false"}, body.encode()) == "answer"
+    assert replica_verdict(503, {"X-Should-Retry": "false"}, body.encode()) == "answer"
+    assert replica_verdict(503, {}, body.encode()) == "down"
+    assert replica_verdict(503, {"retry-after": "1"}, body.encode()) == "busy"
 
 
 def test_a_busy_replica_is_passed_over_not_marked_down():
