@@ -187,11 +187,14 @@ async def _get(url: str, limits: MediaLimits) -> bytes:
     chunks: list[bytes] = []
     size = 0
     hop = url
+    cookies = httpx.Cookies()  # carried across the hops (a server may set one and redirect to check it)
     try:
         for _ in range(MAX_REDIRECTS + 1):
-            async with _client(hop, failed, limits) as client, client.stream("GET", hop) as response:
+            async with _client(hop, failed, limits, cookies) as client, client.stream("GET", hop) as response:
                 if response.next_request is not None:  # a redirect: the next hop, with its own proxy
                     hop = str(response.next_request.url)
+                    cookies = httpx.Cookies(client.cookies)
+                    _check_port(hop, failed)
                     continue
                 if not response.is_success:  # (the standard phrase: the server's own is its text)
                     raise ImageError(f"{failed}: HTTP {response.status_code} "
@@ -218,17 +221,25 @@ async def _get(url: str, limits: MediaLimits) -> bytes:
         raise ImageError(f"{failed}: {type(error).__name__}") from None
 
 
-def _client(url: str, failed: str, limits: MediaLimits) -> Any:
+def _check_port(url: str, failed: str) -> None:
+    """An ImageError for a URL whose port is out of range (anyio would raise in an exception group)."""
+    try:
+        urllib.parse.urlsplit(url).port  # noqa: B018
+    except ValueError as error:
+        raise ImageError(f"{failed}: it redirects to {url}, which is not a valid URL ({error})") from None
+
+
+def _client(url: str, failed: str, limits: MediaLimits, cookies: Any = None) -> Any:
     """An `httpx.AsyncClient` for one GET of `url` through its proxy, redirects not followed (the caller follows
-    them, choosing each hop's proxy). One client per hop: no cookies or connections shared between requests; the
-    TLS context is shared (making one takes ~50 ms). The raw body, not decoded: a gzip-encoded 20 MB could be
-    gigabytes. No settings from the environment but the proxy (as urllib's): httpx's trust_env would build a
+    them, choosing each hop's proxy). One client per hop, `cookies` those the fetch's earlier hops set (nothing is
+    shared between requests); the TLS context is shared (making one takes ~50 ms). The raw body, not decoded: a
+    gzip-encoded 20 MB could be gigabytes. No settings from the environment but the proxy (as urllib's): httpx's trust_env would build a
     transport for ALL_PROXY too, and one for a SOCKS proxy needs an extra, whatever the host."""
     import httpx
 
     try:
         return httpx.AsyncClient(verify=_tls_context(), proxy=_proxy(url), trust_env=False, follow_redirects=False,
-                                 timeout=limits.fetch_timeout_s,
+                                 timeout=limits.fetch_timeout_s, cookies=cookies,
                                  headers={"User-Agent": "hybridcache", "Accept-Encoding": "identity"})
     except ImportError:  # (the proxy itself is not quoted: it may hold a password)
         raise ImageError(f"{failed}: its proxy cannot be used (a SOCKS proxy needs httpx[socks]: pip install "

@@ -278,6 +278,33 @@ def test_each_redirect_hop_takes_the_proxy_of_its_own_url(raw_server, no_proxy_e
     assert len(requests) == 1 and requests[0].startswith(b"GET http://images.invalid/cat.png HTTP/1.1\r\n")
 
 
+def test_cookies_set_by_a_hop_go_with_the_next_hop(no_proxy_env, fake_proxy):
+    """A server that sets a cookie and redirects to check it (a common anti-bot step) was redirected forever: each
+    hop had a fresh client, so the cookie was dropped (hunt 210; vLLM's aiohttp session keeps it)."""
+    body = png(8, 6)
+    seen: list[bytes] = []
+
+    def answer(conn: socket.socket, index: int) -> None:
+        if b"cookie: session=ok" in seen[index].lower():
+            png_answer(body)(conn)
+        else:
+            conn.sendall(b"HTTP/1.1 302 Found\r\nSet-Cookie: session=ok; Path=/\r\nLocation: /cat.png\r\n"
+                         b"Content-Length: 0\r\nConnection: close\r\n\r\n")
+
+    origin, requests = fake_proxy(answer)
+    seen = requests
+    assert load_image(f"{origin}/start.png", MediaLimits(fetch_timeout_s=5)).size == (8, 6)
+    assert len(requests) == 2
+
+
+def test_a_redirect_to_a_port_out_of_range_is_an_image_error(raw_server):
+    """A Location with a port out of range was a 500 (anyio's OverflowError in an exception group; hunt 210)."""
+    bad = raw_server(lambda conn: conn.sendall(b"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:99999/a.png\r\n"
+                                               b"Content-Length: 0\r\nConnection: close\r\n\r\n"))
+    with pytest.raises(ImageError, match=r"redirects to http://127.0.0.1:99999/a.png, which is not a valid URL"):
+        load_image(bad, MediaLimits(fetch_timeout_s=5))
+
+
 @pytest.fixture
 def fresh_tls_context() -> Iterator[None]:
     """`images._tls_context` made anew in the test and after it (it is made once per process)."""
