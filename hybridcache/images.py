@@ -233,8 +233,9 @@ def _client(url: str, failed: str, limits: MediaLimits, cookies: Any = None) -> 
     """An `httpx.AsyncClient` for one GET of `url` through its proxy, redirects not followed (the caller follows
     them, choosing each hop's proxy). One client per hop, `cookies` those the fetch's earlier hops set (nothing is
     shared between requests); the TLS context is shared (making one takes ~50 ms). The raw body, not decoded: a
-    gzip-encoded 20 MB could be gigabytes. No settings from the environment but the proxy (as urllib's): httpx's trust_env would build a
-    transport for ALL_PROXY too, and one for a SOCKS proxy needs an extra, whatever the host."""
+    gzip-encoded 20 MB could be gigabytes. No settings from the environment but the proxy (as urllib's): httpx's
+    trust_env would build a transport for ALL_PROXY too, and one for a SOCKS proxy needs an extra, whatever the
+    host."""
     import httpx
 
     try:
