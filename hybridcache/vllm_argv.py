@@ -134,10 +134,34 @@ def _expand_config(sub: argparse.ArgumentParser, args: list[str]) -> list[str]:
             # after the command line (whose own flags were left out of them): a multi-value flag of the file put
             # before a positional MODEL took MODEL for one of its values (vLLM keeps the positional first too)
             given = _given_dests(sub, rest)
-            if rest and not rest[0].startswith("-"):  # `serve MODEL --config f`: MODEL wins over the file's
-                given.add("model")                    # `model:`, as in vLLM (its model tag comes first)
+            if _has_positional(sub, rest):  # `serve MODEL --config f`: MODEL wins over the file's `model:`, as
+                given.add("model")          # vLLM's model tag does, wherever it stands
             return [*rest, *_config_items(sub, path, given)]
     return args
+
+
+def _has_positional(sub: argparse.ArgumentParser, args: list[str]) -> bool:
+    """Whether `args` hold a positional argument: one that no flag before it takes as its value (each flag, in any
+    of vLLM's spellings, takes what its `nargs` says; `--flag=value` and a short flag's attached value take none)."""
+    known = sub._option_string_actions
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("-") or arg == "-":
+            return True
+        name = "--" + arg[2:].partition("=")[0].partition(".")[0].replace("_", "-") if arg.startswith("--") else arg
+        action = known.get(name)
+        if action is None or "=" in arg:
+            continue  # (an unknown flag or one with its value attached: argparse names the problem later)
+        if action.nargs in ("+", "*"):
+            while i < len(args) and not args[i].startswith("-"):
+                i += 1
+        elif action.nargs == "?":
+            i += 1 if i < len(args) and not args[i].startswith("-") else 0
+        elif action.nargs != 0:
+            i += action.nargs if isinstance(action.nargs, int) else 1
+    return False
 
 
 def _given_dests(sub: argparse.ArgumentParser, args: list[str]) -> set[str]:

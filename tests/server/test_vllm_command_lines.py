@@ -165,6 +165,16 @@ def test_a_positional_model_wins_over_the_config_files_model(tmp_path):
     args = serve("from/cli", "--config", str(config))
     assert (model_argument(args), args.port) == ("from/cli", 9000)
     assert model_argument(serve("--config", str(config))) == "from/file"
+    # wherever MODEL stands (hunt 210: after a flag, or a flag's value, it was "given twice")
+    for argv in (("--host", "0.0.0.0", "from/cli", "--config", str(config)),
+                 ("--trust-remote-code", "from/cli", "--config", str(config)),
+                 ("--config", str(config), "--port", "1", "from/cli"),
+                 ("--api-key", "k1", "--max_model_len", "4096", "from/cli", "--config", str(config))):
+        assert model_argument(serve(*argv)) == "from/cli", argv
+    for argv in (("--max_model_len", "4096", "--config", str(config)),  # a flag's value is not MODEL
+                 ("--served-model-name", "a", "b", "--config", str(config)),
+                 ("--speculative-config.method", "mtp", "--config", str(config))):
+        assert model_argument(serve(*argv)) == "from/file", argv
     with pytest.raises(ValueError, match="given twice"):  # both on the command line: still refused
         model_argument(serve("from/cli", "--model", "other/cli"))
 
