@@ -222,7 +222,7 @@ def template_arguments(arguments: Any) -> Any:
         return arguments
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # (nested past Python's parser: kept as text)
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 

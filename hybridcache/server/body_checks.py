@@ -108,6 +108,12 @@ def _refuse_unsupported(obj: dict[str, Any], fields: dict[str, tuple[Any, ...]],
                            f"{reason}", param=f"{prefix}{name}", code="unsupported_parameter")
 
 
+def check_nested_value(name: str, value: Any) -> None:
+    """The body's checks (encodable strings, at most `MAX_JSON_DEPTH` levels) on a value a field held as JSON text
+    and the server decoded (`guided_json` sent as a string): an APIError(400) naming `name`."""
+    _check_strings_and_depth({name: value})
+
+
 def _check_strings_and_depth(data: Any) -> None:
     stack: list[tuple[Any, str, int]] = [(data, "", 0)]
     while stack:

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from hybridcache.guided import GuidedKind, GuidedSpec
+from hybridcache.server.body_checks import check_nested_value
 from hybridcache.server.errors import APIError
 
 # The keys of vLLM's `structured_outputs` this server implements; another key is refused unless it is null or false.
@@ -81,6 +82,9 @@ def _one(name: str, kind: str, value: Any) -> GuidedSpec:
                 value = json.loads(value)
             except json.JSONDecodeError as error:
                 raise APIError(400, f"{name} is not valid JSON: {error}", param=name) from None
+            except RecursionError:
+                raise APIError(400, f"{name} is not valid JSON: it is nested too deeply", param=name) from None
+            check_nested_value(name, value)  # (as the schema would have been checked, sent as an object)
         if not isinstance(value, dict):
             raise APIError(400, f"{name} must be a JSON schema object", param=name)
         return GuidedSpec.json_schema(value)

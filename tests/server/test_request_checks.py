@@ -149,3 +149,22 @@ def test_text_plain_is_refused_before_anything_runs():
     client = TestClient(_app(ServerConfig()))
     response = client.post("/v1/completions", content='{"prompt": "hi"}', headers={"content-type": "text/plain"})
     assert response.status_code == 415 and response.json()["error"]["param"] == "content-type"
+
+
+@pytest.mark.parametrize("levels, words", [(200, "nested more than 128 levels"), (5000, "nested too deeply")])
+def test_a_schema_sent_as_json_text_is_checked_as_one_sent_as_an_object(levels, words):
+    """`guided_json` as a string skipped the body's depth limit: 900 levels compiled for seconds, 5000 were a 500
+    (RecursionError; hunt 210). It is decoded and checked as the body is."""
+    schema = '{"type": "array", "items": ' * levels + '{"type": "string"}' + "}" * levels
+    request = parse_request(CompletionRequest, {"prompt": "hi", "guided_json": schema})
+    with pytest.raises(APIError) as refused:
+        request.guided()
+    assert refused.value.status == 400 and refused.value.param == "guided_json" and words in refused.value.message
+
+
+def test_tool_call_arguments_nested_past_the_parser_stay_text():
+    from hybridcache.mm_processor import template_arguments
+
+    deep = '{"a": ' * 5000 + "1" + "}" * 5000
+    assert template_arguments(deep) == deep  # (a RecursionError before: a 500 from the chat route)
+    assert template_arguments('{"a": 1}') == {"a": 1}
