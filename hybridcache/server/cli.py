@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from hybridcache.generation_config import add_generation_config_arg
     from hybridcache.server.chat_images import add_media_flags
     from hybridcache.server.limits import DEFAULT_MAX_REQUEST_BYTES, add_limit_args
+    from hybridcache.server.reasoning import ReasoningParser
     from hybridcache.server.vllm_flags import add_vllm_args
 
     serve = subparsers.add_parser("serve", help="serve an OpenAI-compatible HTTP API", formatter_class=HelpFormatter,
@@ -54,7 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             f"all but the last {SHUTDOWN_RESERVE_S} s of it, then they are aborted")
     serve.add_argument("--enable-debug-endpoints", action="store_true",
                        help="serve GET /debug/engine (integrity check of an idle engine)")
-    serve.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+    serve.add_argument("--reasoning-parser", default=None, choices=[parser.value for parser in ReasoningParser],
                        help="split <think>...</think> into reasoning (and reasoning_content) (default: off)")
     serve.add_argument("--chat-template-kwargs", "--default-chat-template-kwargs", type=json_object, default=None,
                        metavar="JSON", help="default chat_template_kwargs for every chat request, a JSON object, e.g. "

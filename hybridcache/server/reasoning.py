@@ -44,10 +44,14 @@ _MAYBE_CALL = re.compile(r"\s*(?:<(?:f(?:u(?:n(?:c(?:t(?:i(?:o(?:n)?)?)?)?)?)?)?
 
 
 class ReasoningParser(enum.Enum):
-    """`--reasoning-parser`: how reasoning is marked. Both Qwen3 and Qwen3.5 use <think>...</think>."""
+    """`--reasoning-parser`: how reasoning is marked, by vLLM's names. Every one is <think>...</think> with the rules
+    of this module: Qwen3 and Qwen3.5, DeepSeek-R1, and NVIDIA Nemotron 3 (`nemotron_v3`, vLLM's; `nano_v3`, the
+    name NVIDIA's recipes give their plugin), whose format is Qwen3's."""
 
     QWEN3 = "qwen3"
     DEEPSEEK_R1 = "deepseek_r1"
+    NEMOTRON_V3 = "nemotron_v3"
+    NANO_V3 = "nano_v3"
 
 
 def starts_in_reasoning(tail: str) -> bool:

@@ -19,6 +19,9 @@
     --enable-log-requests          accepted, a no-op (logged): request contents are never logged
     --enable-log-outputs           the same
     --max-log-len N                the same (vLLM's cut of logged prompts: nothing to cut)
+    --reasoning-parser-plugin PATH, --tool-parser-plugin PATH
+                                   accepted, no-ops (logged): no parser code is loaded; the names this server
+                                   knows (--reasoning-parser nano_v3, NVIDIA's plugin name) are built in
     --language-model-only          text only, as vLLM's: a request with an image is refused (--limit-mm-per-prompt
                                    image 0); the vision tower's weights are still loaded
 
@@ -70,6 +73,10 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
                        help="accepted for vLLM command lines, a no-op (logged): outputs are never logged")
     group.add_argument("--max-log-len", type=int, default=None, metavar="N",
                        help="accepted for vLLM command lines, a no-op (logged): request contents are never logged")
+    group.add_argument("--reasoning-parser-plugin", "--tool-parser-plugin", default=None, metavar="PATH",
+                       dest="parser_plugin", help="accepted for vLLM command lines, a no-op (logged): no parser code "
+                       "is loaded; the parser names this server knows are built in (--reasoning-parser nano_v3: "
+                       "Qwen3's <think> rules)")
     group.add_argument("--language-model-only", action="store_true",
                        help="text only (vLLM's): requests with images are refused, as with --limit-mm-per-prompt "
                             "'{\"image\": 0}' (the vision tower's weights are still loaded)")
@@ -85,6 +92,10 @@ def check_vllm_args(args: argparse.Namespace) -> None:
         if given:
             logger.info("%s has no effect: the server never logs request contents or outputs "
                         "(--enable-access-log writes one line per HTTP request)", flag)
+    if getattr(args, "parser_plugin", None):
+        logger.info("--reasoning-parser-plugin / --tool-parser-plugin %s: not loaded (no parser code is loaded "
+                    "here); --reasoning-parser and --tool-call-parser take the names this server has built in",
+                    args.parser_plugin)
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         raise SystemExit("hybridcache serve: error: --ssl-keyfile and --ssl-certfile go together")
     if args.ssl_certfile:

@@ -315,3 +315,17 @@ def test_hf_overrides_replace_config_items_for_everything_that_reads_the_folder(
     assert resolve_model(str(folder)).path == folder  # without overrides: the folder itself
     with pytest.raises(SystemExit):
         serve(str(folder), "--hf-overrides", "[1, 2]")  # not an object
+
+
+def test_nvidias_nemotron_3_recipe_starts(caplog):
+    """NVIDIA's vLLM recipe for Nemotron 3 Nano (`--reasoning-parser-plugin nano_v3_reasoning_parser.py
+    --reasoning-parser nano_v3 --tool-call-parser qwen3_coder`) did not start: the plugin flag was unknown and
+    nano_v3 / nemotron_v3 not a choice. Nemotron 3's format is Qwen3's; the plugin file is not loaded (logged)."""
+    for name in ("nano_v3", "nemotron_v3"):
+        args = serve("--reasoning-parser-plugin", "nano_v3_reasoning_parser.py", "--reasoning-parser", name,
+                     "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder")
+        assert server_config(args, ("m",)).reasoning_parser.value == name
+        with caplog.at_level(logging.INFO, logger="hybridcache.server"):
+            check_vllm_args(args)
+        assert any("nano_v3_reasoning_parser.py: not loaded" in r.getMessage() for r in caplog.records)
+    assert serve("--tool-parser-plugin", "p.py").parser_plugin == "p.py"
