@@ -6,7 +6,7 @@ I = Hm * Pm channels (Hm heads of Pm), G groups and state size N::
     z [T, I] | xBC [T, C] | dt [T, Hm]  = in_proj(hidden)           C = I + 2 G N
     xBC = silu(causal depthwise conv(xBC) + conv bias)              conv state: last K-1 inputs per channel
     x [T, Hm, Pm] | B [T, G, N] | C [T, G, N] = xBC
-    y = ssd_scan(x, dt, B, C, A_log, dt_bias, D)                    recurrent state [Hm, Pm, N] (fp32)
+    y = ssd_scan(x, dt, B, C, A_log, dt_bias, D)                    recurrent state [Hm, Pm, N] (the state dtype)
         (dt = clamp(softplus(dt + dt_bias), time_step_limit), A = -exp(A_log), y = S C + D x: `kernels/mamba2`)
     out = out_proj(weight * group_rms_norm(y * silu(z)))             the gate before the norm, G norm groups
 
