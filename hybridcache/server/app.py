@@ -412,6 +412,7 @@ class _Routes:
             think_markers=self.think_markers,
             parse_tools=bool(tools) and tool_choice != "none",
             tools=tools,
+            tool_call_parser=self.config.tool_call_parser,
             tool_choice=forced,
             parallel_tool_calls=body.parallel_tool_calls,
             echo=body.echo_text(),

@@ -40,6 +40,9 @@ class ChatOutputOptions:
     include_reasoning: false drops the reasoning from the message, whole or streamed (vLLM's `include_reasoning`);
     think_markers: the tags' token ids, for `reasoning_tokens` (None: no count).
     parse_tools: the request has tools and tool_choice is not "none"; tools: their definitions.
+    tool_call_parser: the server's `--tool-call-parser` (ServerConfig's): nemotron_json reads NVIDIA's
+    `<TOOLCALL>[...]` lists besides the Qwen blocks (`tool_parsers.blocks_of`); any other name, or None, the Qwen
+    blocks only.
     tool_choice: "required" or "named" (a function named) force a call: as vLLM, the content is then "" rather
     than null, and a named call finishes with the engine's reason ("stop"), not "tool_calls" (OpenAI's rule too).
     parallel_tool_calls: false keeps only the first call (index 0), whole or streamed, as vLLM's
@@ -52,6 +55,7 @@ class ChatOutputOptions:
     think_markers: ThinkMarkers | None = None
     parse_tools: bool = False
     tools: list[dict] | None = None
+    tool_call_parser: str | None = None
     tool_choice: Literal["auto", "required", "named"] = "auto"
     parallel_tool_calls: bool = True
     echo: str | None = None
@@ -85,7 +89,7 @@ class ChoiceStream:
         self._text = TextStream(stop)
         self._reasoning_sent = ""
         self._content_seen = ""
-        self._tools = ToolCallStream(options.tools) if options.parse_tools else None
+        self._tools = ToolCallStream(options.tools, options.tool_call_parser) if options.parse_tools else None
         self.has_reasoning = False  # the text has a think block (closed or not)
 
     @property

@@ -155,7 +155,8 @@ def server_config(args: argparse.Namespace, names: tuple[str, ...]) -> ServerCon
         served_model_aliases=names[1:], max_request_bytes=args.max_request_bytes,
         enable_debug_endpoints=args.enable_debug_endpoints, shutdown_timeout_s=args.shutdown_timeout,
         max_request_tokens=args.max_request_tokens, allowed_origins=tuple(args.allowed_origins or ()),
-        reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=args.chat_template_kwargs or {},
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        default_chat_template_kwargs=args.chat_template_kwargs or {},
         force_include_usage=args.enable_force_include_usage, limits=limits_from_args(args),
     )
 

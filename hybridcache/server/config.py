@@ -37,7 +37,9 @@ class ServerConfig:
     None (the default, as vLLM): no budget beyond max_model_len.
     allowed_origins: origins whose browser pages may call the API (CORS; empty: no CORS headers, so
     browsers keep other origins out); "*" allows every origin. reasoning_parser: split chat completions'
-    `<think>...</think>` into `reasoning_content` (None: the text stays in `content`).
+    `<think>...</think>` into `reasoning_content` (None: the text stays in `content`). tool_call_parser: serve's
+    `--tool-call-parser` (vLLM's name): "nemotron_json" reads NVIDIA's `<TOOLCALL>[...]` tool calls besides the Qwen
+    formats, which every name (and None) reads (`tool_parsers.blocks_of`).
     default_chat_template_kwargs: template variables every chat request gets (`enable_thinking`, ...); a
     request's own `chat_template_kwargs` override them. force_include_usage: every stream ends with a usage
     chunk, as if it had asked with `stream_options.include_usage` (vLLM's `--enable-force-include-usage`).
@@ -57,6 +59,7 @@ class ServerConfig:
     max_request_tokens: int | None = None
     allowed_origins: tuple[str, ...] = ()
     reasoning_parser: ReasoningParser | None = None
+    tool_call_parser: str | None = None
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     force_include_usage: bool = False
     limits: ServerLimits = field(default_factory=ServerLimits)

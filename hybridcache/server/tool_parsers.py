@@ -42,6 +42,16 @@ the `<parameter=` beginning a line inside the value (a literal call) are skipped
 A block no closing tag makes whole ends at the first one followed by another block or by the end of the text (read
 as before: values end at their first `</parameter>`), else at its first one; one never closed is read to the end.
 
+With `--tool-call-parser nemotron_json` (and only then: other models' text is left as it is), NVIDIA's
+Nemotron-Nano-9B-v2 format is read too: one `<TOOLCALL>` block holding a JSON list of calls, each its own call::
+
+    <TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]</TOOLCALL>
+
+A body without its `[` or `]` is read as if it had them, as NVIDIA's parser reads it; a body that is not a list of
+calls (each an object with a string `name`) stays text, and so does an empty list. The Qwen blocks are still read
+with this parser: a forced call (`tool_choice` "required" or named) is written in Qwen3's JSON format
+(`guided.GuidedSpec.tool_calls`).
+
 `parse_tool_calls` reads a whole text; `ToolCallStream` feeds a streaming text, emitting content up to where a
 block may start and each call once its block is closed (a closing tag that does not make the block whole is
 decided by the next character that is not white space, or by the end of the text).
@@ -62,8 +72,11 @@ FUNCTION_START = "<function="
 FUNCTION_END = "</function>"
 PARAMETER_START = "<parameter="
 PARAMETER_END = "</parameter>"
-_BLOCKS = ((CALL_START, CALL_END), (FUNCTION_START, FUNCTION_END))  # a block's opening and closing tags
-_OPENINGS = (CALL_START, FUNCTION_START)
+TOOLCALL_START = "<TOOLCALL>"
+TOOLCALL_END = "</TOOLCALL>"
+NEMOTRON_PARSER = "nemotron_json"
+QWEN_BLOCKS = ((CALL_START, CALL_END), (FUNCTION_START, FUNCTION_END))  # a block's opening and closing tags
+NEMOTRON_BLOCKS = (*QWEN_BLOCKS, (TOOLCALL_START, TOOLCALL_END))
 _SPACE = re.compile(r"\s*")
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
@@ -262,12 +275,23 @@ def _whole_xml(text: str, tools: list[dict] | None) -> tuple[ToolCall, ...] | No
     return tuple(calls) or None
 
 
+def blocks_of(parser: str | None) -> tuple[tuple[str, str], ...]:
+    """The (opening, closing) tags of the blocks a `--tool-call-parser` reads: the Qwen formats, and with
+    nemotron_json NVIDIA's `<TOOLCALL>` list besides."""
+    return NEMOTRON_BLOCKS if parser == NEMOTRON_PARSER else QWEN_BLOCKS
+
+
 def _json_call(body: str) -> ToolCall | None:
     """A JSON body's call (`{"name": ..., "arguments": {...}}`), or None."""
     try:
         data = _strict_json(body, strict=False)  # grammars may let control characters through unescaped
     except ValueError:
         return None
+    return _call_of(data)
+
+
+def _call_of(data: Any) -> ToolCall | None:
+    """A parsed JSON call (an object with a string `name`, its `arguments` or `parameters`) as a call, or None."""
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
         return None
     arguments = data.get("arguments", data.get("parameters", {}))
@@ -277,6 +301,29 @@ def _json_call(body: str) -> ToolCall | None:
     except UnicodeEncodeError:  # a lone surrogate in a name or in arguments sent as text: not a call
         return None
     return ToolCall(_new_id(), data["name"], text)
+
+
+def _call_list(body: str) -> tuple[ToolCall, ...] | None:
+    """A `<TOOLCALL>` body's calls: a JSON list of calls, read with a missing `[` or `]` added (NVIDIA's parser adds
+    them); None unless it parses to a list of at least one item and every item is a call (`_call_of`)."""
+    text = body.strip()
+    text = ("" if text.startswith("[") else "[") + text + ("" if text.endswith("]") else "]")
+    try:
+        items = _strict_json(text, strict=False)
+    except ValueError:
+        return None
+    calls = tuple(_call_of(item) for item in items) if isinstance(items, list) else ()
+    return calls if calls and None not in calls else None
+
+
+def _whole(opening: str, body: str, tools: list[dict] | None) -> tuple[ToolCall, ...] | None:
+    """`whole_block` for a block that opens with `opening` (a `<TOOLCALL>` body is a list: `_call_list`)."""
+    return _call_list(body) if opening == TOOLCALL_START else whole_block(body, tools)
+
+
+def _parse(opening: str, body: str, tools: list[dict] | None) -> tuple[ToolCall, ...]:
+    """`parse_block` for a block that opens with `opening` (a `<TOOLCALL>` body is whole or text)."""
+    return (_call_list(body) or ()) if opening == TOOLCALL_START else parse_block(body, tools)
 
 
 def whole_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, ...] | None:
@@ -304,11 +351,11 @@ def parse_block(body: str, tools: list[dict] | None = None) -> tuple[ToolCall, .
     return ()
 
 
-def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
+def parse_tool_calls(text: str, tools: list[dict] | None = None, parser: str | None = None) -> ParsedText:
     """Every well-formed block of `text` as a call; the text before the first one (whitespace-trimmed; all of it
     when there is none) as content. An unclosed block at the end is parsed as if closed (a completion cut by its
-    stop token)."""
-    stream = ToolCallStream(tools)
+    stop token). `parser`: the server's `--tool-call-parser` (`blocks_of`)."""
+    stream = ToolCallStream(tools, parser)
     content = stream.feed(text, finished=True)
     return ParsedText(content.strip() if stream.calls else content, tuple(stream.calls))
 
@@ -316,11 +363,12 @@ def parse_tool_calls(text: str, tools: list[dict] | None = None) -> ParsedText:
 class ToolCallStream:
     """Incremental parsing of a growing text: `feed(text_so_far, finished)` returns the content to send now;
     new calls appear in `calls` (`new_calls()` returns those not yet taken). Content is held back from the
-    first character that may start a block (a partial `<tool_call>` or `<function=` at the end) until the block
-    closes."""
+    first character that may start a block (a partial `<tool_call>` or `<function=` at the end, or `<TOOLCALL>`
+    with the nemotron_json `parser`: `blocks_of`) until the block closes."""
 
-    def __init__(self, tools: list[dict] | None = None) -> None:
+    def __init__(self, tools: list[dict] | None = None, parser: str | None = None) -> None:
         self.tools = tools
+        self._blocks = blocks_of(parser)
         self.calls: list[ToolCall] = []
         self._taken = 0
         self._scanned = 0  # text[:_scanned] is decided (content sent or blocks parsed)
@@ -352,15 +400,15 @@ class ToolCallStream:
 
         while True:
             rest = text[self._scanned:]
-            starts = [(rest.find(opening), opening, closing) for opening, closing in _BLOCKS if opening in rest]
+            starts = [(rest.find(opening), opening, closing) for opening, closing in self._blocks if opening in rest]
             if not starts:
-                keep = 0 if finished else max(_partial_suffix(rest, opening) for opening, _ in _BLOCKS)
+                keep = 0 if finished else max(_partial_suffix(rest, opening) for opening, _ in self._blocks)
                 add(rest[: len(rest) - keep])
                 self._scanned += len(rest) - keep
                 return "".join(content)
             start, opening, closing = min(starts)
             add(rest[:start])
-            block = _read_block(rest, start, opening, closing, self.tools, finished)
+            block = _read_block(rest, start, (opening, closing), self._blocks, self.tools, finished)
             if block is None:
                 self._scanned += start
                 return "".join(content)
@@ -371,35 +419,38 @@ class ToolCallStream:
             self._scanned += block_end
 
 
-def _read_block(rest: str, start: int, opening: str, closing: str, tools: list[dict] | None,
-                finished: bool) -> tuple[int, tuple[ToolCall, ...]] | None:
+def _read_block(rest: str, start: int, tags: tuple[str, str], blocks: tuple[tuple[str, str], ...],
+                tools: list[dict] | None, finished: bool) -> tuple[int, tuple[ToolCall, ...]] | None:
     """The block that opens at `start`: where it ends and its calls (none: it is text), or None while the text so
     far cannot tell. It ends at the first closing tag that makes it a whole call (`whole_block`), else at the first
     one followed, past white space, by another block or by the end of the text, else (finished) the whole rest if
-    that is a whole call, else its first closing tag; one never closed is read to the end of the text."""
+    that is a whole call, else its first closing tag; one never closed is read to the end of the text. `tags`: its
+    opening and closing tags; `blocks`: every block the parser reads (`blocks_of`)."""
+    opening, closing = tags
+    openings = tuple(tag for tag, _ in blocks)
 
     def body(end: int) -> str:  # a bare function block is read with its tags
-        return rest[start + len(opening):end] if opening == CALL_START else rest[start:end + len(closing)]
+        return rest[start:end + len(closing)] if opening == FUNCTION_START else rest[start + len(opening):end]
 
     first, at = -1, start + len(opening)
     while (end := rest.find(closing, at)) >= 0:
         first = end if first < 0 else first
         at = end + len(closing)
-        calls = whole_block(body(end), tools)
+        calls = _whole(opening, body(end), tools)
         if calls is not None:
             return at, calls
         after = rest[_SPACE.match(rest, at).end():]
-        if after.startswith(_OPENINGS) or (finished and not after):
-            return at, parse_block(body(end), tools)
-        if not finished and any(tag.startswith(after) for tag in _OPENINGS):  # ("" too)
+        if after.startswith(openings) or (finished and not after):
+            return at, _parse(opening, body(end), tools)
+        if not finished and any(tag.startswith(after) for tag in openings):  # ("" too)
             return None
     if not finished:
         return None
-    unclosed = rest[start + len(opening):] if opening == CALL_START else rest[start:]
-    calls = whole_block(unclosed, tools)
+    unclosed = rest[start:] if opening == FUNCTION_START else rest[start + len(opening):]
+    calls = _whole(opening, unclosed, tools)
     if calls is not None or first < 0:
-        return len(rest), calls or parse_block(unclosed, tools)
-    return first + len(closing), parse_block(body(first), tools)
+        return len(rest), calls or _parse(opening, unclosed, tools)
+    return first + len(closing), _parse(opening, body(first), tools)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -2,8 +2,10 @@
 
     --enable-auto-tool-choice      accepted: with tools, tool calls are always parsed ("auto" is the default)
     --tool-call-parser NAME        hermes, qwen3_coder, qwen3_xml (or qwen25): the Qwen `<tool_call>` formats,
-                                   which are all recognised in any output (tool_parsers.py), so the flag only
-                                   checks that the name is one of them
+                                   which are all recognised in any output (tool_parsers.py), so these names only
+                                   check the flag; nemotron_json (NVIDIA's Nemotron-Nano-9B-v2 recipe) reads
+                                   `<TOOLCALL>[{"name": ..., "arguments": ...}, ...]</TOOLCALL>` too, which is
+                                   text without it (a forced call is still written as a Qwen block)
     --chat-template PATH           a Jinja template file (or the template text itself, as vLLM takes it) that
                                    replaces the model folder's chat template
     --root-path PATH               the path prefix a reverse proxy serves the API under (uvicorn's root_path)
@@ -37,7 +39,7 @@ import ssl
 from pathlib import Path
 from typing import Any
 
-TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen3_coder", "qwen3_xml")
+TOOL_CALL_PARSERS = ("hermes", "nemotron_json", "qwen25", "qwen3_coder", "qwen3_xml")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 logger = logging.getLogger("hybridcache.server")
@@ -49,8 +51,8 @@ def add_vllm_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM command lines: tool calls are always parsed when a request has tools")
     group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                       help="accepted for vLLM command lines: every Qwen <tool_call> format (JSON or XML "
-                            "function blocks) is recognised whichever is named")
+                       help="every Qwen <tool_call> format (JSON or XML function blocks) is recognised whichever "
+                            "is named; nemotron_json reads NVIDIA's <TOOLCALL>[...] lists (Nemotron-Nano-9B-v2) too")
     group.add_argument("--chat-template", default=None, metavar="PATH",
                        help="a Jinja chat template file (or the template text) that replaces the model folder's")
     group.add_argument("--root-path", default="", metavar="PATH",
