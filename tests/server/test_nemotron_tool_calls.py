@@ -149,8 +149,10 @@ def test_parallel_tool_calls_false_keeps_the_first_call_streamed_and_not():
     assert [c[:2] for c in _streamed(TEXT, options, seed=3)[1]] == [(0, "get_weather")]
 
 
-def test_the_flag_reaches_the_server_config():
-    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", NEMOTRON])
+def test_nvidias_command_line_reaches_the_server_config():
+    """NVIDIA's vLLM recipe for Nemotron-Nano-9B-v2 (the plugin file is not loaded: the parser is built in)."""
+    args = build_parser().parse_args(["serve", "--enable-auto-tool-choice", "--tool-parser-plugin",
+                                      "nemotron_toolcall_parser_no_streaming.py", "--tool-call-parser", NEMOTRON])
     assert server_config(args, ("m",)).tool_call_parser == NEMOTRON
     assert server_config(build_parser().parse_args(["serve"]), ("m",)).tool_call_parser is None
 
