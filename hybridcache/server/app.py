@@ -22,15 +22,16 @@
     POST /reset_prefix_cache    only with enable_debug_endpoints (vLLM's, in its dev mode): the same clear, 200
                                 on an idle engine, 409 while requests run
 
-Every error is an OpenAI error object (errors.py), never a 500 for a bad request: bodies must be
-`Content-Type: application/json` (415 otherwise: a browser can POST text/plain across origins without
-asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 128 levels, with no lone surrogates
-(body_checks.py); with the opt-in `max_request_tokens`, a request may ask for at most that many tokens
-(n x max_tokens). /v1 routes and the debug route need the API key when one is configured (checked before a query
-parameter is; a bad one is a 400 error object too). With `allowed_origins` set, CORS headers let those origins
-call the API from a browser, whatever request headers they send (the OpenAI JS SDK sends `X-Stainless-*` ones;
-vLLM's default too). What one request or connection may hold is limited (limits.py, connections.py); a trailing
-slash is a 404, never a redirect (whose Location would echo the client's Host header).
+Every error is an OpenAI error object (errors.py), or Anthropic's under /v1/messages (anthropic_protocol.py), never a
+500 for a bad request: bodies must be `Content-Type: application/json` (415 otherwise: a browser can POST text/plain
+across origins without asking), at most `max_request_bytes`, valid UTF-8 JSON nested at most 128 levels, with no
+lone surrogates (body_checks.py); with the opt-in `max_request_tokens`, a request may ask for at most that many
+tokens (n x max_tokens). /v1 routes, /invocations and the debug route need the API key when one is configured, as
+`Authorization: Bearer` or `x-api-key` (checked before a query parameter is; a bad one is a 400 error object too).
+With `allowed_origins` set, CORS headers let those origins call the API from a browser, whatever request headers they
+send (the OpenAI JS SDK sends `X-Stainless-*` ones; vLLM's default too). What one request or connection may hold is
+limited (limits.py, connections.py); a trailing slash is a 404, never a redirect (whose Location would echo the client's
+Host header).
 """
 
 from __future__ import annotations
