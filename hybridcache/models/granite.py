@@ -35,12 +35,10 @@ from torch import nn
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
-from hybridcache.layers.mamba2 import Mamba2Mixer
 from hybridcache.layers.mlp import MLP
-from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
 
 
@@ -180,15 +178,8 @@ class GraniteDecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(HybridCausalLM):
+class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
     supported_model_types = ("granitemoehybrid",)
-    supports_fp8 = False
-
-    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} does not run under tensor parallelism yet (tensor_parallel_size "
-                             f"{tp.size}): its Mamba2 layers are not split across ranks")
-        super().__init__(config, tp)
 
     def _layer(self, layer_id: int) -> nn.Module:
         return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)
@@ -199,11 +190,7 @@ class GraniteMoeHybridForCausalLM(HybridCausalLM):
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         c = self.config
         if c.layer_types[layer_id] is LayerKind.MAMBA2:
-            m = c.mamba2
-            return "mamba", Mamba2Mixer(
-                c.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
-                state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
-                proj_bias=m.proj_bias, eps=c.rms_norm_eps, time_step_limit=m.time_step_limit)
+            return "mamba", mamba2_mixer(c)
         a = c.attention
         return "self_attn", GraniteAttention(
             c.hidden_size, num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, bias=a.bias,

@@ -43,12 +43,10 @@ from torch import nn
 
 from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.linear import module_linear
-from hybridcache.layers.mamba2 import Mamba2Mixer
-from hybridcache.layers.parallel import UNSHARDED, TensorParallel
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
 from hybridcache.state_spec import LayerState, RecurrentSpec
 
 
@@ -194,15 +192,8 @@ class NemotronHBlock(nn.Module):
         return hidden, self.mixer(normed, step, state)
 
 
-class NemotronHForCausalLM(HybridCausalLM):
+class NemotronHForCausalLM(Mamba2HybridLM):
     supported_model_types = ("nemotron_h",)
-    supports_fp8 = False
-
-    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
-        if tp.size > 1:
-            raise ValueError(f"{config.architecture} does not run under tensor parallelism yet (tensor_parallel_size "
-                             f"{tp.size}): its Mamba2 layers are not split across ranks")
-        super().__init__(config, tp)
 
     def _layer(self, layer_id: int) -> nn.Module:
         return NemotronHBlock(self._block_mixer(layer_id), self.config.hidden_size, self.config.rms_norm_eps)
@@ -214,11 +205,7 @@ class NemotronHForCausalLM(HybridCausalLM):
         c = self.config
         kind = c.layer_types[layer_id]
         if kind is LayerKind.MAMBA2:
-            m = c.mamba2
-            return Mamba2Mixer(
-                c.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
-                state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
-                proj_bias=m.proj_bias, eps=c.rms_norm_eps, time_step_limit=m.time_step_limit)
+            return mamba2_mixer(c)
         if c.is_moe_layer(layer_id):
             return NemotronHMoE(c)
         if kind is LayerKind.MLP:

@@ -1,0 +1,30 @@
+"""What the Mamba2 hybrids (Granite-4.0-H: `granite.py`, Nemotron-H: `nemotron_h.py`) share: their Mamba2 mixer built
+from `ModelConfig.mamba2`, and a model base that runs on one rank without FP8 (a ValueError says so)."""
+
+from __future__ import annotations
+
+from hybridcache.layers.mamba2 import Mamba2Mixer
+from hybridcache.layers.parallel import UNSHARDED, TensorParallel
+from hybridcache.models.config import ModelConfig
+from hybridcache.models.hybrid_lm import HybridCausalLM
+
+
+def mamba2_mixer(config: ModelConfig) -> Mamba2Mixer:
+    """A Mamba2 layer of `config` (its `mamba2` group; the gated norm's eps is the model's)."""
+    m = config.mamba2
+    assert m is not None
+    return Mamba2Mixer(config.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
+                       state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
+                       proj_bias=m.proj_bias, eps=config.rms_norm_eps, time_step_limit=m.time_step_limit)
+
+
+class Mamba2HybridLM(HybridCausalLM):
+    """A hybrid of Mamba2 layers: one rank only (its Mamba2 layers are not split across ranks), no FP8."""
+
+    supports_fp8 = False
+
+    def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
+        if tp.size > 1:
+            raise ValueError(f"{config.architecture} does not run under tensor parallelism yet (tensor_parallel_size "
+                             f"{tp.size}): its Mamba2 layers are not split across ranks")
+        super().__init__(config, tp)
