@@ -27,41 +27,17 @@ dtype, then times the weight). Not supported (a ValueError says so): tensor para
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
 
 import torch
 from torch import nn
 
-from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, RMSNorm, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
-
-
-class RMSNorm(nn.Module):
-    """x [..., dim] -> weight * round(x / rms(x)) [..., dim] (`weight` initialised to 1)."""
-
-    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
-            fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it)."""
-        del fp8  # (FP8 is refused for Granite)
-        total = x + residual
-        return total, self.forward(total)
 
 
 class GraniteAttention(nn.Module):

@@ -35,42 +35,16 @@ its `mtp.` tensors are not loaded).
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from hybridcache.kernels.backend import KernelBackend
 from hybridcache.layers.linear import module_linear
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, RMSNorm, mamba2_mixer
 from hybridcache.state_spec import LayerState, RecurrentSpec
-
-
-class RMSNorm(nn.Module):
-    """x [..., dim] -> round(weight * x / rms(x)) [..., dim], weight and product in fp32 (transformers'
-    NemotronHRMSNorm: unlike Granite's, the normalised x is not rounded before the weight); `weight` starts at 1."""
-
-    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
-        wide = x.float()
-        return (self.weight.float() * wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
-    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
-            fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + residual, this norm of it)."""
-        del fp8  # (FP8 is refused for Nemotron-H)
-        total = x + residual
-        return total, self.forward(total)
 
 
 class ReluSquaredMLP(nn.Module):
@@ -179,7 +153,7 @@ class NemotronHBlock(nn.Module):
 
     def __init__(self, mixer: nn.Module, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, weight_in_fp32=True)
         self.mixer = mixer
 
     def forward_split(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepContext,
@@ -199,7 +173,7 @@ class NemotronHForCausalLM(Mamba2HybridLM):
         return NemotronHBlock(self._block_mixer(layer_id), self.config.hidden_size, self.config.rms_norm_eps)
 
     def _norm(self, dim: int) -> nn.Module:
-        return RMSNorm(dim, self.config.rms_norm_eps)
+        return RMSNorm(dim, self.config.rms_norm_eps, weight_in_fp32=True)
 
     def _block_mixer(self, layer_id: int) -> nn.Module:
         c = self.config
