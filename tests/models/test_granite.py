@@ -18,71 +18,17 @@ from hybridcache.models.config import LayerKind
 
 from .granite_helpers import VARIANTS, granite_config, granite_model, make_granite_pair
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
+from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
+    test_decode_after_prefill_matches_full_and_incremental_forward,
+    test_mixed_batch_of_prefill_chunks_and_decodes,
+    test_single_prefill_and_chunked_prefill,
+    test_the_comparison_notices_a_lost_mamba_state,
+)
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS), ids=list(VARIANTS))
 def pair(request):
     return make_granite_pair(request.param)
-
-
-def test_single_prefill_and_chunked_prefill(pair):
-    tokens = random_tokens(157, seed=1)
-    ref = pair.hf_logits(tokens)
-    (ours,) = PagedRunner(pair.ours, 16, 8).step([(0, tokens)])
-    assert rel_err(ours, ref) <= TOLERANCE
-    runner, start = PagedRunner(pair.ours, 64, 64), 0
-    for length in (37, 50, 70):  # uneven, not block aligned; the last one crosses the 64-token chunk
-        (ours,) = runner.step([(0, tokens[start : start + length])])
-        assert rel_err(ours, ref[start : start + length]) <= TOLERANCE, f"chunk at {start}"
-        start += length
-
-
-def test_decode_after_prefill_matches_full_and_incremental_forward(pair):
-    from transformers import DynamicCache
-
-    tokens = random_tokens(158, seed=3)
-    prompt_len = 152
-    ref = pair.hf_logits(tokens)
-    runner = PagedRunner(pair.ours, 16, 8)
-    runner.step([(0, tokens[:prompt_len])])
-    cache = DynamicCache(config=pair.hf_config)
-    with torch.no_grad():
-        pair.hf(input_ids=torch.tensor([tokens[:prompt_len]]), position_ids=torch.arange(prompt_len)[None],
-                cache=cache, use_cache=True)
-    for pos in range(prompt_len, len(tokens)):
-        (ours,) = runner.step([(0, [tokens[pos]])])
-        with torch.no_grad():
-            incremental = pair.hf(input_ids=torch.tensor([[tokens[pos]]]), position_ids=torch.tensor([[pos]]),
-                                  cache=cache, use_cache=True).logits[0].float()
-        assert rel_err(ours, ref[pos : pos + 1]) <= TOLERANCE, f"decode at {pos} vs full forward"
-        assert rel_err(ours, incremental) <= TOLERANCE, f"decode at {pos} vs incremental forward"
-
-
-def test_mixed_batch_of_prefill_chunks_and_decodes(pair):
-    """Four sequences step together; every step mixes prefill chunks, decode tokens and a new arrival."""
-    seqs = {0: random_tokens(170, seed=10), 1: random_tokens(110, seed=11), 2: random_tokens(70, seed=12),
-            3: random_tokens(10, seed=13)}
-    refs = {seq: pair.hf_logits(tokens) for seq, tokens in seqs.items()}
-    schedule = [[(0, 70), (1, 100)], [(0, 1), (1, 1), (2, 45)], [(2, 15), (1, 1), (0, 80), (3, 5)],
-                [(0, 19), (1, 1), (2, 1), (3, 1)]]
-    runner = PagedRunner(pair.ours, 16, 8, max_seqs=4)
-    for step_id, plan in enumerate(schedule):
-        feeds = [(seq, seqs[seq][runner.fed[seq] : runner.fed[seq] + count]) for seq, count in plan]
-        starts = {seq: runner.fed[seq] for seq, _ in feeds}
-        for (seq, tokens), ours in zip(feeds, runner.step(feeds), strict=True):
-            expected = refs[seq][starts[seq] : starts[seq] + len(tokens)]
-            assert rel_err(ours, expected) <= TOLERANCE, f"step {step_id}, seq {seq}"
-
-
-def test_the_comparison_notices_a_lost_mamba_state(pair):
-    tokens = random_tokens(157, seed=4)
-    ref = pair.hf_logits(tokens)
-    runner = PagedRunner(pair.ours, 16, 8)
-    runner.step([(0, tokens[:100])])
-    for layer_id in pair.ours.config.mamba2_layer_ids:
-        runner.pools.layers[layer_id]["ssm"].zero_()
-    (ours,) = runner.step([(0, tokens[100:])])
-    assert rel_err(ours, ref[100:]) > 100 * TOLERANCE
 
 
 def test_config_reads_the_granite_fields():
