@@ -14,7 +14,9 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                                  layers, which have no state and 2 matrices an MLP, relu^2, not 3;
                                                  an MoE block: its router, its top-k experts, its shared expert
                                                  (+ its gate but for Granite and Nemotron-H), Nemotron-H's latent
-                                                 projections)
+                                                 projections; attention with Qwen's output gate, but for Granite,
+                                                 Nemotron-H and OLMo Hybrid; OLMo Hybrid's DeltaNet projections, q k v
+                                                 g a b, are Qwen's q k v z a b)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -79,7 +81,7 @@ class ModelCost:
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
-        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h")
+        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h", "olmo_hybrid")  # Qwen's output gate
         attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)

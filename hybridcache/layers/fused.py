@@ -11,6 +11,9 @@ again.
     qkv = FusedProjection(q_proj, k_proj, v_proj)      # weights [Nq, H], [Nk, H], [Nv, H]
     q, k, v = qkv(x)                                    # x [T, H]: one F.linear with [Nq + Nk + Nv, H];
                                                         # q, k, v: column views [T, Nq], [T, Nk], [T, Nv]
+    FusedProjection(q_proj, k_proj, v_proj, g_proj, groups=(3, 1))(x)   # (qkv [T, Nq + Nk + Nv], g [T, Ng]):
+                                                        # consecutive projections as one view (OLMo Hybrid's conv
+                                                        # input q | k | v, without a copy)
 
 In a decode step of 64 sequences each projection is a weight-bound GEMM of a few microseconds: one launch
 instead of two to four per layer, and one larger GEMM that streams the weights at a higher rate.
@@ -42,16 +45,22 @@ def padded_rows(rows: int) -> int:
 
 
 class FusedProjection:
-    """Callable: x [..., H] -> one output view [..., N_i] per projection, in the order given. Not an
-    `nn.Module`, so it adds no parameters or state-dict entries to the layer that holds it."""
+    """Callable: x [..., H] -> one output view [..., N_i] per projection, in the order given; with `groups` (counts
+    of consecutive projections, summing to their number) one view per group instead, its projections' columns side
+    by side. Not an `nn.Module`, so it adds no parameters or state-dict entries to the layer that holds it."""
 
-    def __init__(self, *linears: nn.Linear) -> None:
+    def __init__(self, *linears: nn.Linear, groups: tuple[int, ...] | None = None) -> None:
         if len(linears) < 2:
             raise ValueError("FusedProjection needs at least two projections")
         if len({linear.in_features for linear in linears}) != 1:
             raise ValueError("fused projections must read inputs of one size")
+        groups = groups or (1,) * len(linears)
+        if sum(groups) != len(linears) or min(groups) < 1:
+            raise ValueError(f"groups {groups} must be counts >= 1 of the {len(linears)} projections")
         self.linears = linears
         self.sizes = [linear.out_features for linear in linears]
+        bounds = [sum(groups[:i]) for i in range(len(groups) + 1)]
+        self.out_sizes = [sum(self.sizes[start:stop]) for start, stop in zip(bounds, bounds[1:])]
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.fp8: Fp8Linear | None = None  # the fused FP8 projection, when the projections are FP8
@@ -63,12 +72,15 @@ class FusedProjection:
         """x [..., H], or `Fp8Rows` of x [T, H] (a norm's pre-quantised output: the FP8 GEMMs read it, the dense
         ones its x)."""
         if not self.fused():
-            return tuple(linear(x if isinstance(linear, Fp8Linear) else dense_input(x)) for linear in self.linears)
+            outs = [linear(x if isinstance(linear, Fp8Linear) else dense_input(x)) for linear in self.linears]
+            if len(self.out_sizes) == len(outs):
+                return tuple(outs)
+            return torch.cat(outs, dim=-1).split(self.out_sizes, dim=-1)
         if tuple(linear.weight.data_ptr() for linear in self.linears) != self._pointers:
             self._fuse()
         fp8 = self.fp8
         out = kernel_backend.dense_linear(dense_input(x), self.weight, self.bias) if fp8 is None else fp8(x)
-        return out[..., : sum(self.sizes)].split(self.sizes, dim=-1)
+        return out[..., : sum(self.sizes)].split(self.out_sizes, dim=-1)
 
     def fused(self) -> bool:
         """Whether a call runs one GEMM (plain linears, or FP8 ones that `_fusable` accepts), else one per

@@ -1,11 +1,20 @@
-"""Gated DeltaNet token mixer of Qwen3.5 (separate input projections) and Qwen3-Next (packed ones).
+"""Gated DeltaNet token mixer of Qwen3.5 (separate input projections), Qwen3-Next (packed ones) and OLMo Hybrid
+(one projection each for q, k, v, the gate, a and b; beta up to 2).
 
 Over the whole batch (T new tokens, hidden [T, hidden]; the backend runs each sequence from its own state):
     q|k|v (pre-conv) [T, C], z [T, Hv, Dv], b, a [T, Hv]      <- input projections
     q|k|v = silu(causal depthwise conv(q|k|v))                 conv state: last K-1 inputs per channel
-    beta = sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
+    beta = beta_scale * sigmoid(b);  g = -exp(A_log) * softplus(a + dt_bias)
     o = gated delta rule(q, k, v, g, beta)                     recurrent state [Hv, Dk, Dv] (fp32)
     out = out_proj(GatedRMSNorm(o, z))                         norm over Dv, per value head
+
+`beta_scale` is 1 but for OLMo Hybrid's `allow_neg_eigval` (2: beta in (0, 2), so I - beta k k^T, with k
+l2-normalised, may have the eigenvalue 1 - beta < 0). The scaling happens before the rule (`backend.delta_gates`, the
+product, `backend.gated_delta_rule`), whose kernels take any beta: the reference's chunked form solves the unit
+lower-triangular system (I + tril(beta K K^T, -1)), invertible whatever beta is; fla's chunked kernel solves the same
+system (fla's own GatedDeltaNet layer scales beta by 2 before it, its `allow_neg_eigval`); the Triton step and verify
+kernels apply the delta rule token by token. In bf16, beta = 2 sigmoid(b) rounds as transformers' (the doubling is
+exact).
 
 State (`state_spec`): `conv` [num_slots, C, K-1] in the model dtype and `ssm` [num_slots, Hv, Dk, Dv] in the
 state dtype; sequence i uses row batch.state_slots[i]. A sequence with context_len == query_len starts
@@ -16,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -29,7 +39,11 @@ from hybridcache.state_spec import RecurrentSpec, StateTensorSpec
 
 
 class _GatedDeltaNetBase(nn.Module):
-    """Shared parameters and forward; subclasses define the input projections and `_project`."""
+    """Shared parameters and forward; subclasses define the input projections and `_project`, and may rename the
+    output projection and the gated norm (`out_name`, `norm_name`: their checkpoint names)."""
+
+    out_name: ClassVar[str] = "out_proj"
+    norm_name: ClassVar[str] = "norm"
 
     def __init__(
         self,
@@ -42,9 +56,11 @@ class _GatedDeltaNetBase(nn.Module):
         conv_kernel_size: int,
         eps: float,
         tp: TensorParallel = UNSHARDED,
+        beta_scale: float = 1.0,
     ) -> None:
         super().__init__()
         self.tp = tp
+        self.beta_scale = beta_scale
         self.split = tp.split_heads(num_v_heads, num_k_heads, "DeltaNet value heads (linear_num_value_heads)",
                                     "DeltaNet key heads (linear_num_key_heads)")
         self.total_key_dim = num_k_heads * k_head_dim  # of the full layer (the checkpoint's layout)
@@ -67,8 +83,16 @@ class _GatedDeltaNetBase(nn.Module):
         )
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(num_v_heads))
-        self.norm = GatedRMSNorm(v_head_dim, eps=eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.add_module(self.norm_name, GatedRMSNorm(v_head_dim, eps=eps))
+        self.add_module(self.out_name, nn.Linear(self.value_dim, hidden_size, bias=False))
+
+    @property
+    def gated_norm(self) -> GatedRMSNorm:
+        return getattr(self, self.norm_name)
+
+    @property
+    def output_projection(self) -> nn.Linear:
+        return getattr(self, self.out_name)
 
     @property
     def input_projection(self) -> FusedProjection:
@@ -86,7 +110,7 @@ class _GatedDeltaNetBase(nn.Module):
                    (2 * key_dim + s.start * dv, 2 * key_dim + s.stop * dv))
         heads = rows((s.start, s.stop))
         return {"conv1d.weight": qkv, "dt_bias": heads, "A_log": heads,
-                "out_proj.weight": columns((s.start * dv, s.stop * dv)), **self._projection_shards(qkv)}
+                f"{self.out_name}.weight": columns((s.start * dv, s.stop * dv)), **self._projection_shards(qkv)}
 
     def _projection_shards(self, qkv: Shard | None) -> dict[str, Shard]:
         """The input projections' shards; `qkv`: the rows of the q | k | v channels (None unsharded)."""
@@ -113,18 +137,28 @@ class _GatedDeltaNetBase(nn.Module):
         state["ssm"] [num_slots, Hv, Dk, Dv] of this layer are updated in place."""
         mixed_qkv, z, b, a = self._project(hidden)
         core = step.core(functools.partial(self._recur, state), mixed_qkv, a, b)
-        fp8 = wants_fp8_rows(self.out_proj, core)  # the norm quantises for an FP8 out_proj (Fp8Rows [T, value_dim])
-        core = self.norm(core, z, step.backend, fp8=fp8)
+        out_proj = self.output_projection
+        fp8 = wants_fp8_rows(out_proj, core)  # the norm quantises for an FP8 out_proj (Fp8Rows [T, value_dim])
+        core = self.gated_norm(core, z, step.backend, fp8=fp8)
         core = core if fp8 else core.reshape(hidden.shape[0], self.value_dim)
-        return self.tp.all_reduce(module_linear(self.out_proj, core))
+        return self.tp.all_reduce(module_linear(out_proj, core))
 
     def _recur(self, state: Mapping[str, torch.Tensor], step: StepContext, mixed_qkv: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor) -> torch.Tensor:
         """The layer's core (`StepContext.core`): mixed_qkv [T, C], a, b [T, Hv] -> o [T, Hv, Dv] (the conv, the
-        gates and the gated delta rule, each sequence from its state row, the rows updated in place)."""
-        return step.backend.conv_gated_delta(  # the conv, its output split into q | k | v, the gates and the rule
-            mixed_qkv, self.conv1d.weight.squeeze(1), self.conv1d.bias, state["conv"], a, b, self.A_log, self.dt_bias,
-            state["ssm"], step.batch, num_k_heads=self.num_k_heads)
+        gates and the gated delta rule, each sequence from its state row, the rows updated in place). With a
+        `beta_scale` the ops one at a time, beta scaled between the gates and the rule (module docstring)."""
+        backend, weight = step.backend, self.conv1d.weight.squeeze(1)
+        if self.beta_scale == 1.0:  # the conv, its output split into q | k | v, the gates and the rule: one op
+            return backend.conv_gated_delta(mixed_qkv, weight, self.conv1d.bias, state["conv"], a, b, self.A_log,
+                                            self.dt_bias, state["ssm"], step.batch, num_k_heads=self.num_k_heads)
+        conv_out = backend.causal_conv1d(mixed_qkv, weight, self.conv1d.bias, state["conv"], step.batch)
+        q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        heads = (self.num_k_heads, self.k_head_dim)
+        g, beta = backend.delta_gates(a, b, self.A_log, self.dt_bias)
+        return backend.gated_delta_rule(q.unflatten(-1, heads), k.unflatten(-1, heads),
+                                        v.unflatten(-1, (self.num_v_heads, self.v_head_dim)), g,
+                                        beta * self.beta_scale, state["ssm"], step.batch)
 
 
 class GatedDeltaNet(_GatedDeltaNetBase):
@@ -196,3 +230,33 @@ class PackedGatedDeltaNet(_GatedDeltaNetBase):
         b, a = ba.split([self.num_v_heads, self.num_v_heads], dim=-1)
         return mixed_qkv, z.view(-1, self.num_v_heads, self.v_head_dim), b, a
 
+
+class SeparateGatedDeltaNet(_GatedDeltaNetBase):
+    """OLMo Hybrid: one projection each, `q_proj`, `k_proj` [Hk*Dk, hidden], `v_proj`, `g_proj` [Hv*Dv, hidden] (g:
+    the norm's gate, Qwen's z), `b_proj`, `a_proj` [Hv, hidden]; the output projection `o_proj`, the gated norm
+    `o_norm`; beta scaled by `beta_scale` (2 with `linear_allow_neg_eigval`). The checkpoints hold the conv as
+    `q_conv1d`, `k_conv1d`, `v_conv1d`, which the loader concatenates into `conv1d` (transformers does too)."""
+
+    out_name = "o_proj"
+    norm_name = "o_norm"
+
+    def __init__(self, hidden_size: int, **kwargs: int | float | TensorParallel) -> None:
+        super().__init__(hidden_size, **kwargs)
+        self.q_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.g_proj = nn.Linear(hidden_size, self.value_dim, bias=False)
+        self.b_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        self.a_proj = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        # one GEMM; its q | k | v columns one view (the conv input, no copy)
+        self.in_proj = FusedProjection(self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.a_proj,
+                                       groups=(3, 1, 1, 1))
+
+    def _projection_shards(self, qkv: Shard | None) -> dict[str, Shard]:
+        if qkv is not None:  # (OlmoHybridForCausalLM refuses tensor parallelism before it builds a layer)
+            raise ValueError("OLMo Hybrid's DeltaNet layers are not split across ranks")
+        return {}  # unsharded: read in the checkpoint's order
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        mixed_qkv, gate, b, a = self.in_proj(hidden)
+        return mixed_qkv, gate.view(-1, self.num_v_heads, self.v_head_dim), b, a

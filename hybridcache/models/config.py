@@ -5,7 +5,7 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -21,7 +21,7 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`: `_DEFAULTS`),
+`NemotronHConfig`, `OlmoHybridConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -50,6 +50,14 @@ plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups 
 `moe_latent_size` projections when it is set. Refused: `mlp_bias` or `attention_bias` true, another activation, a
 grouping the router cannot run (n_group not dividing the experts, fewer than 2 experts a group, topk_group out of
 [1, n_group], more picks than the kept groups hold).
+OLMo Hybrid (`olmo_hybrid`): gated DeltaNet ("linear_attention") and attention ("full_attention") layers, at least
+one of each (as transformers checks; left out, every fourth layer attends); the DeltaNet group's fields as Qwen's
+(`linear_*`; left out: as many key and value heads as attention heads, key head dim 0.75 * hidden_size / key heads,
+value head dim twice that), `linear_allow_neg_eigval` (default true: beta = 2 sigmoid(b),
+`GatedDeltaConfig.beta_scale`); the attention's head_dim hidden_size / num_attention_heads unless written, RoPE on the
+whole head only where `rope_theta` is not written as null (the released checkpoints write `rope_parameters:
+{"rope_theta": null}`: no rotary embedding; `rope_parameters: null` is transformers' default RoPE, theta 10,000);
+`partial_rotary_factor` other than 1 is refused (transformers' OLMo rotary rotates the whole head).
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -99,6 +107,7 @@ _TEXT_MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
     "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "nemotron_h",
+    "olmo_hybrid": "olmo_hybrid",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -131,6 +140,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
         "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    },
+    # (`OlmoHybridConfig`; the head counts and dims it derives from other fields: `_olmo_defaults`)
+    "olmo_hybrid": {
+        "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "intermediate_size": 11008, "rope_theta": 10000.0,
+        "partial_rotary_factor": 1.0, "linear_conv_kernel_dim": 4,
     },
 }
 
@@ -189,13 +203,21 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class GatedDeltaConfig:
     """Gated DeltaNet: `num_k_heads` query/key heads of `k_head_dim`, `num_v_heads` value heads of
-    `v_head_dim`, a depthwise causal convolution of `conv_kernel_size` over q | k | v."""
+    `v_head_dim`, a depthwise causal convolution of `conv_kernel_size` over q | k | v. `allow_neg_eigval` (OLMo
+    Hybrid's `linear_allow_neg_eigval`): beta = 2 sigmoid(b), in (0, 2), so the state's transition I - beta k k^T
+    may have a negative eigenvalue."""
 
     num_k_heads: int
     num_v_heads: int
     k_head_dim: int
     v_head_dim: int
     conv_kernel_size: int
+    allow_neg_eigval: bool = False
+
+    @property
+    def beta_scale(self) -> float:
+        """What sigmoid(b) is multiplied by to give beta: 2 with `allow_neg_eigval`, else 1."""
+        return 2.0 if self.allow_neg_eigval else 1.0
 
     @property
     def key_dim(self) -> int:
@@ -412,9 +434,11 @@ class ModelConfig:
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
         granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
+        olmo = model_type == "olmo_hybrid"
         if nemotron:
             text = _nemotron_section(text)
-        fields = _Fields(text, _granite_defaults(text) if granite else _DEFAULTS[model_type])
+        defaults = _granite_defaults(text) if granite else _olmo_defaults(text) if olmo else _DEFAULTS[model_type]
+        fields = _Fields(text, defaults)
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -427,6 +451,8 @@ class ModelConfig:
             fields.integer("num_hidden_layers"))
         if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
             layer_types = text.get("layers_block_type") or ["mamba"] * num_layers
+        if layer_types is None and olmo:
+            layer_types = _olmo_layer_types(num_layers)
         if layer_types is None:
             interval = fields.integer("full_attention_interval")
             layer_types = [
@@ -441,6 +467,9 @@ class ModelConfig:
                              f"(layer types of {written!r}: {sorted(kinds)})")
         moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")  # (Nemotron-H's)
         layer_types = tuple(kinds[t] for t in layer_types)
+        if olmo and len(set(layer_types)) < 2:  # (transformers' OlmoHybridConfig.validate_architecture)
+            raise ValueError(f"config.json layer_types {[str(t) for t in layer_types]}: OLMo Hybrid needs at least "
+                             "one 'linear_attention' and one 'full_attention' layer")
 
         hidden_act = _nemotron_activation(fields) if nemotron else text.get("hidden_act", "silu")
         if hidden_act != "silu" and not nemotron:
@@ -448,6 +477,8 @@ class ModelConfig:
         if granite:
             attention = _attention_config(fields, use_rope=_granite_rope(text.get("position_embedding_type")),
                                           scale=fields.number("attention_multiplier"))
+        elif olmo:
+            attention = _olmo_attention_config(fields)
         else:
             attention = _attention_config(fields, use_rope=not nemotron)
         if nemotron and attention.bias:
@@ -475,7 +506,8 @@ class ModelConfig:
             rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
             attention=attention,
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields),
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields,
+                                            allow_neg_eigval=olmo and fields.boolean("linear_allow_neg_eigval", True)),
             mlp=mlp,
             mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
             mamba2=mamba2,
@@ -681,14 +713,57 @@ def _frozen(value: Any, key: str) -> Any:
     return value
 
 
-def _gated_delta_config(fields: _Fields) -> GatedDeltaConfig:
+def _gated_delta_config(fields: _Fields, allow_neg_eigval: bool = False) -> GatedDeltaConfig:
     return GatedDeltaConfig(
         num_k_heads=fields.integer("linear_num_key_heads"),
         num_v_heads=fields.integer("linear_num_value_heads"),
         k_head_dim=fields.integer("linear_key_head_dim"),
         v_head_dim=fields.integer("linear_value_head_dim"),
         conv_kernel_size=fields.integer("linear_conv_kernel_dim", minimum=2),  # (1: no conv state to keep)
+        allow_neg_eigval=allow_neg_eigval,
     )
+
+
+def _olmo_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+    """`OlmoHybridConfig`'s defaults, with those it derives from other fields (where those are integers > 0):
+    num_key_value_heads, linear_num_key_heads and linear_num_value_heads = num_attention_heads, head_dim =
+    hidden_size / num_attention_heads (its attention's, `getattr(config, "head_dim", ...)`), linear_key_head_dim =
+    int(0.75 * hidden_size / linear_num_key_heads), linear_value_head_dim = 2 * linear_key_head_dim."""
+    defaults = dict(_DEFAULTS["olmo_hybrid"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if not (isinstance(heads, int) and isinstance(hidden, int) and heads > 0):
+        return defaults
+    key_heads = text.get("linear_num_key_heads") or heads
+    key_dim = text.get("linear_key_head_dim")
+    if key_dim is None and isinstance(key_heads, int) and key_heads > 0:
+        key_dim = int(0.75 * hidden / key_heads)
+    defaults.update(num_key_value_heads=heads, head_dim=hidden // heads, linear_num_key_heads=heads,
+                    linear_num_value_heads=heads, linear_key_head_dim=key_dim,
+                    linear_value_head_dim=2 * key_dim if isinstance(key_dim, int) else None)
+    return defaults
+
+
+def _olmo_layer_types(num_layers: int) -> list[str]:
+    """`OlmoHybridConfig`'s layer_types when config.json leaves them out: every fourth layer attention, the last
+    one too when there would be none."""
+    kinds = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(num_layers)]
+    if "full_attention" not in kinds:
+        kinds[-1] = "full_attention"
+    return kinds
+
+
+def _olmo_attention_config(fields: _Fields) -> AttentionConfig:
+    """OLMo Hybrid's attention: RoPE on the whole head unless `rope_theta` is written as null (in rope_parameters,
+    or at the top level without rope_parameters): then none, as transformers builds no rotary embedding."""
+    text = fields.section
+    rope = text.get("rope_parameters")
+    written = rope if isinstance(rope, Mapping) and "rope_theta" in rope else text
+    use_rope = "rope_theta" not in written or written["rope_theta"] is not None
+    attention = _attention_config(fields, use_rope=use_rope)
+    if attention.partial_rotary_factor != 1.0:
+        raise ValueError(f"config.json partial_rotary_factor {attention.partial_rotary_factor} is not supported for "
+                         "OLMo Hybrid (its rotary embedding rotates the whole head)")
+    return attention
 
 
 def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:

@@ -34,9 +34,10 @@ from torch import nn
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
 from hybridcache.layers.mlp import MLP
+from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, RMSNorm, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
 
 
@@ -70,7 +71,7 @@ class GraniteAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, step: StepContext, kv_layer: torch.Tensor) -> torch.Tensor:
         """hidden [T, hidden] -> [T, hidden]; kv_layer [2, num_pages, kernel_block_size, Hkv, D] (updated in place)."""
         num_tokens = hidden.shape[0]
-        query, key, value = self.qkv(hidden)
+        query, key, value = self._project(hidden)
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -78,6 +79,11 @@ class GraniteAttention(nn.Module):
             query, key = step.backend.rotary(query, key, *step.rope)
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
         return module_linear(self.o_proj, attn.reshape(num_tokens, -1))
+
+    def _project(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> query [T, Hq * D], key, value [T, Hkv * D] (a subclass may normalise them here:
+        OLMo Hybrid's q_norm / k_norm)."""
+        return self.qkv(hidden)
 
     def _attend(self, kv_layer: torch.Tensor, step: StepContext, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ layer keeps in another row order than the checkpoint's). The state specs are the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -53,16 +55,18 @@ LAST_HIDDEN = "last_hidden"
 
 class DecoderLayer(nn.Module):
     """hidden + mixer(input_layernorm(hidden)); then, when the layer has a feed-forward block,
-    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name. The model runs its
-    layers through `forward_split`, so each residual add is fused with the norm that follows it."""
+    hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name; `norm` makes the
+    two norms, `norm(hidden_size, eps=eps)` (Qwen's zero-centred RMSNorm, or OLMo Hybrid's `layers.norm.RMSNorm`).
+    The model runs its layers through `forward_split`, so each residual add is fused with the norm that follows it."""
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float):
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float,
+                 norm: Callable[..., nn.Module] = ZeroCenteredRMSNorm):
         super().__init__()
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
         self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps) if mlp is not None else None
+        self.input_layernorm = norm(hidden_size, eps=eps)
+        self.post_attention_layernorm = norm(hidden_size, eps=eps) if mlp is not None else None
 
     @property
     def mixer(self) -> nn.Module:
@@ -109,10 +113,13 @@ class HybridCausalLM(nn.Module):
     """
 
     deltanet_cls: type[nn.Module] = GatedDeltaNet
+    deltanet_norm_eps: float | None = None  # the DeltaNet's gated norm's eps where it is not rms_norm_eps
     supported_model_types: tuple[str, ...] = ()
     # What the model has besides text generation in the model dtype (a loader or engine option asking for one it
     # lacks is refused with a ValueError naming the architecture)
     supports_fp8: bool = True
+    # Why the model runs on one rank only (None: it runs under tensor parallelism); a ValueError says it
+    single_rank_reason: str | None = None
 
     def __init__(self, config: ModelConfig, tp: TensorParallel = UNSHARDED) -> None:
         super().__init__()
@@ -121,6 +128,9 @@ class HybridCausalLM(nn.Module):
                 f"{type(self).__name__} supports model_type {self.supported_model_types}, "
                 f"not {config.model_type!r}"
             )
+        if tp.size > 1 and self.single_rank_reason is not None:
+            raise ValueError(f"{config.architecture} does not run under tensor parallelism yet (tensor_parallel_size "
+                             f"{tp.size}): {self.single_rank_reason}")
         self.config = config
         self.tp = tp
         self.vocab_shard = tp.split_padded(config.vocab_size)
@@ -148,21 +158,30 @@ class HybridCausalLM(nn.Module):
 
     def _mixer(self, layer_id: int) -> tuple[str, nn.Module]:
         """(checkpoint name, module) of layer `layer_id`'s token mixer."""
+        if self.config.layer_types[layer_id] is LayerKind.LINEAR_ATTENTION:
+            return "linear_attn", self._deltanet()
+        return "self_attn", self._attention()
+
+    def _deltanet(self) -> nn.Module:
+        """A gated DeltaNet mixer of `deltanet_cls` (its gated norm's eps: `deltanet_norm_eps`, else the model's)."""
+        c, delta = self.config, self.config.gated_delta
+        return self.deltanet_cls(
+            c.hidden_size,
+            num_k_heads=delta.num_k_heads,
+            num_v_heads=delta.num_v_heads,
+            k_head_dim=delta.k_head_dim,
+            v_head_dim=delta.v_head_dim,
+            conv_kernel_size=delta.conv_kernel_size,
+            eps=c.rms_norm_eps if self.deltanet_norm_eps is None else self.deltanet_norm_eps,
+            tp=self.tp,
+            beta_scale=delta.beta_scale,
+        )
+
+    def _attention(self) -> nn.Module:
+        """An attention mixer: Qwen's gated attention."""
         c = self.config
-        if c.layer_types[layer_id] is LayerKind.LINEAR_ATTENTION:
-            delta = c.gated_delta
-            return "linear_attn", self.deltanet_cls(
-                c.hidden_size,
-                num_k_heads=delta.num_k_heads,
-                num_v_heads=delta.num_v_heads,
-                k_head_dim=delta.k_head_dim,
-                v_head_dim=delta.v_head_dim,
-                conv_kernel_size=delta.conv_kernel_size,
-                eps=c.rms_norm_eps,
-                tp=self.tp,
-            )
         attention = c.attention
-        return "self_attn", GatedAttention(
+        return GatedAttention(
             c.hidden_size,
             num_heads=attention.num_heads,
             num_kv_heads=attention.num_kv_heads,

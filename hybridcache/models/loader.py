@@ -13,7 +13,9 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix); Granite's
    MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
-   -> `router.weight`;
+   -> `router.weight`; OLMo Hybrid's `attention_layer_norm.weight` -> `input_layernorm.weight`,
+   `feedforward_layer_norm.weight` -> `post_attention_layernorm.weight` (as transformers' conversion mapping reads
+   them; its `save_pretrained` writes them);
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
@@ -21,7 +23,11 @@ Tensor name rules, applied to every checkpoint tensor in this order:
      (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` too);
      Nemotron-H's ungated experts `...mixer.experts.up_proj` [E, I, H] and `...mixer.experts.down_proj` [E, H, I]
      (its checkpoints write them per expert, `mixer.experts.{e}.up_proj.weight`);
-4. every other name must equal one of our parameter names exactly.
+4. row blocks of one parameter (`CONCATENATED_SUFFIXES`): OLMo Hybrid's `linear_attn.q_conv1d.weight`,
+   `k_conv1d.weight` and `v_conv1d.weight` (as its checkpoints write them) are the rows of our
+   `linear_attn.conv1d.weight`, in that order (transformers concatenates them the same way); the one tensor
+   `linear_attn.conv1d.weight` (transformers' in-memory name) loads too;
+5. every other name must equal one of our parameter names exactly.
 
 A missing tensor, an unexpected tensor, a shape mismatch, a parameter given twice (one name in two shards, `model.X`
 beside `model.language_model.X`, per-expert beside stacked experts) or an integer / bool tensor where a float weight
@@ -70,11 +76,18 @@ IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
 # Whole names, after the prefixes (Nemotron-H's embedding and final norm)
 RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
-RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping renames it
+RENAMED_SUFFIXES = (  # Granite's MoE block and OLMo Hybrid's norms, as transformers' conversion mapping renames them
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+    (".attention_layer_norm.weight", ".input_layernorm.weight"),
+    (".feedforward_layer_norm.weight", ".post_attention_layernorm.weight"),
 )
+# Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's short convolutions)
+CONCATENATED_SUFFIXES = {
+    ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
+                                   ".linear_attn.v_conv1d.weight"),
+}
 _STACKED_EXPERTS = re.compile(
     r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer)\.experts)\.(?P<kind>gate_up_proj|up_proj|down_proj)$")
 _EMBEDDING = "model.embed_tokens.weight"
@@ -84,11 +97,18 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (tor
 
 @dataclass(frozen=True)
 class _Source:
-    """Where one of our parameters comes from: a checkpoint tensor, optionally one expert's slice of it."""
+    """Where one of our parameters comes from: a checkpoint tensor, optionally one expert's slice of it; or, with
+    `more`, that tensor's rows followed by those of each tensor of `more` (whole, not sharded: rule 4)."""
 
     checkpoint_name: str
     expert: int | None = None
     rows: tuple[int, int] | None = None  # row range inside the expert's matrix (gate / up halves)
+    more: tuple[str, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every checkpoint tensor read."""
+        return (self.checkpoint_name, *self.more)
 
     def indices(self, shard: Shard | None) -> list[tuple[int | slice, ...]]:
         """Index tuples into the checkpoint tensor whose results, concatenated along `shard.dim`, are our
@@ -205,13 +225,17 @@ def plan_weights_for(
     plan: dict[str, _Source] = {}
     problems: list[str] = []
     mismatched = set()  # (reported as mis-shaped, not again as missing)
+    blocks: dict[str, dict[int, tuple[str, tuple[int, ...]]]] = {}  # rule 4: parameter -> part -> (tensor, shape)
     for raw_name, raw_shape in checkpoint_shapes.items():
         shape = _shape(raw_shape)
         if ignored(raw_name):
             continue
         name = model_name(raw_name)
         stacked = _STACKED_EXPERTS.match(name)
-        if stacked:
+        block = _row_block(name)
+        if block is not None and block[0] in expected:
+            blocks.setdefault(block[0], {})[block[1]] = (raw_name, shape)
+        elif stacked:
             problems += _plan_stacked(stacked["prefix"], stacked["kind"], raw_name, shape, expected, plan,
                                     name_prefix)
         elif name not in expected:
@@ -227,6 +251,11 @@ def plan_weights_for(
                             f"{quoted(raw_name)}")
         else:
             plan[name] = _Source(raw_name)
+    for name, parts in blocks.items():
+        problem = _plan_row_blocks(name, parts, expected[name], plan, quoted)
+        if problem:
+            mismatched.add(name)
+            problems.append(problem)
     problems += [
         f"missing tensor {quoted(name)} (model shape {list(shape)})"
         for name, shape in expected.items()
@@ -237,6 +266,35 @@ def plan_weights_for(
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
         raise ValueError(f"checkpoint does not match {owner}:\n  {shown}{more}")
     return plan
+
+
+def _row_block(name: str) -> tuple[str, int] | None:
+    """(our parameter, the part's index) of a checkpoint name that is a row block of one (rule 4), else None."""
+    for target, parts in CONCATENATED_SUFFIXES.items():
+        for index, suffix in enumerate(parts):
+            if name.endswith(suffix):
+                return name[: -len(suffix)] + target, index
+    return None
+
+
+def _plan_row_blocks(name: str, parts: Mapping[int, tuple[str, tuple[int, ...]]], want: tuple[int, ...],
+                     plan: dict[str, _Source], quoted: Callable[[str], str]) -> str | None:
+    """Plan parameter `name` (shape `want`) from its row blocks `parts` (part index -> checkpoint tensor, shape);
+    the problem, or None."""
+    target = next(target for target in CONCATENATED_SUFFIXES if name.endswith(target))
+    prefix, suffixes = name[: -len(target)], CONCATENATED_SUFFIXES[target]
+    given = [parts[index][0] for index in sorted(parts)]
+    if name in plan:
+        return f"tensor {quoted(name)} given twice: as {quoted(plan[name].checkpoint_name)} and {quoted(given[0])}"
+    missing = [prefix + suffix for index, suffix in enumerate(suffixes) if index not in parts]
+    if missing:
+        return f"missing tensor {quoted(missing[0])} (with {quoted(given[0])}: the rows of {quoted(name)})"
+    shapes = [parts[index][1] for index in range(len(suffixes))]
+    if any(shape[1:] != want[1:] for shape in shapes) or sum(shape[0] for shape in shapes) != want[0]:
+        return (f"shape mismatch for tensors {', '.join(quoted(n) for n in given)}: checkpoint "
+                f"{[list(shape) for shape in shapes]}, concatenated the model's {quoted(name)} {list(want)}")
+    plan[name] = _Source(given[0], more=tuple(given[1:]))
+    return None
 
 
 def _plan_stacked(
@@ -298,6 +356,11 @@ def _copy_one(
     read: Callable[[str, tuple[int | slice, ...]], torch.Tensor],
 ) -> None:
     """Copy one planned parameter: its `shard`'s ranges of `source` (the whole tensor without a shard)."""
+    if source.more:  # row blocks (rule 4), read whole
+        if shard is not None:
+            raise ValueError(f"{source.names} are row blocks of one parameter: they cannot be split across ranks")
+        param.copy_(torch.cat([read(name, (slice(None),)) for name in source.names]))
+        return
     parts = [read(source.checkpoint_name, index) for index in source.indices(shard)]
     # UE8M0 block scales (powers of two) are read as fp32, exactly (`quant.check_fp8_dtypes`)
     parts = [part.float() if part.dtype == _E8M0 else part for part in parts]
@@ -349,7 +412,7 @@ def _sharded_plan(
 def load_weights(model: HybridCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Load in-memory tensors (e.g. a transformers model's `state_dict()`) with the rules above."""
     plan, shards = _sharded_plan(model, {name: _shape(t.shape) for name, t in tensors.items()})
-    for name in {source.checkpoint_name for source in plan.values()}:
+    for name in {name for source in plan.values() for name in source.names}:
         if not tensors[name].is_floating_point():
             raise ValueError(f"tensor {name!r} has dtype {tensors[name].dtype}; a weight must be a float tensor")
     _copy_planned(model, plan, shards, lambda name, index: tensors[name][index])
@@ -412,7 +475,7 @@ def load_model(
         model = model_cls(config, tp).to(dtype=dtype)
     quant.convert_linears(model, _checkpoint_fp8(fmt, dtypes))
     plan, shards = _sharded_plan(model, shapes)
-    check_float_dtypes({source.checkpoint_name for source in plan.values()}, dtypes, location)
+    check_float_dtypes({name for source in plan.values() for name in source.names}, dtypes, location)
 
     model = model.to_empty(device=device)
     model.tie_weights()

@@ -1,8 +1,10 @@
-"""The engine checks every Mamba2 hybrid's test file runs on its own `model_dir` fixture (a tiny random folder from
+"""The engine checks every hybrid family's test file runs on its own `model_dir` fixture (a tiny random folder from
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
-`LLM.generate` with and without the prefix cache, the piecewise prefill split, and cached == uncached on CUDA. A test
-file imports them by name (pytest collects them there, with that file's `model_dir`): test_granite_engine.py,
-test_nemotron_h_engine.py. A new recurrent family needs no change of the cache for them to pass."""
+`LLM.generate` with and without the prefix cache, the piecewise prefill split, cached == uncached on CUDA, and the
+refusal of the options that do not apply to a family without MTP, FP8, images or tensor parallelism. A test file
+imports them by name (pytest collects them there, with that file's `model_dir`): test_granite_engine.py,
+test_nemotron_h_engine.py, test_olmo_hybrid_engine.py. A new recurrent family needs no change of the cache for them to
+pass. (Written for the Mamba2 hybrids first, hence the file's name.)"""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
+from hybridcache.config import EngineConfig
+from hybridcache.engine.engine import LLMEngine
 from hybridcache.llm import LLM
 from hybridcache.models.builtin import build_byte_tokenizer
 from hybridcache.sampling import SamplingParams
@@ -105,3 +110,22 @@ def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
     the uncached one."""
     uncached, cached = make_engine(model_dir, caching=False, **CUDA_FP32), make_engine(model_dir, **CUDA_FP32)
     assert_same(cached, uncached, run_workload(cached, check_every_step=True), run_workload(uncached))
+
+
+def test_options_that_do_not_apply_are_clear_errors(model_dir):
+    """MTP, FP8 weights or KV and tensor parallelism are refused naming the reason (before any worker starts), and an
+    image is refused by the running engine."""
+    for options, message in (
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "mtp|MTP"),
+        ({"quantization": "fp8"}, "does not support FP8 weights"),
+        ({"kv_cache_dtype": "fp8"}, "does not support an FP8 KV cache"),
+        ({"tensor_parallel_size": 2}, "does not run under tensor parallelism"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LLMEngine(model_dir, EngineConfig(**options))
+    from PIL import Image
+
+    llm = LLM(str(model_dir))
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": Image.new("RGB", (32, 32))}})
+    llm.close()

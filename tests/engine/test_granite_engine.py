@@ -8,15 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from hybridcache.config import EngineConfig
-from hybridcache.engine.engine import LLMEngine
-from hybridcache.llm import LLM
 from tests.models.granite_helpers import granite_model
 
 from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
     test_cached_run_equals_uncached_run,
     test_cuda_fp32_cached_run_equals_uncached_run,
     test_llm_generate_with_and_without_the_prefix_cache,
+    test_options_that_do_not_apply_are_clear_errors,
     test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
     test_split_forward_equals_unsplit_on_cpu,
     write_tiny_folder,
@@ -31,19 +29,3 @@ def write_tiny_granite(path: Path, variant: str, seed: int = 0) -> Path:
 @pytest.fixture(scope="module", params=["moe-nope", "dense-rope"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_granite(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def test_options_that_do_not_apply_are_clear_errors(model_dir):
-    for options, message in (
-        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "mtp|MTP"),
-        ({"quantization": "fp8"}, "does not support FP8 weights"),
-        ({"kv_cache_dtype": "fp8"}, "does not support an FP8 KV cache"),
-    ):
-        with pytest.raises(ValueError, match=message):
-            LLMEngine(model_dir, EngineConfig(**options))
-    from PIL import Image
-
-    llm = LLM(str(model_dir))
-    with pytest.raises(ValueError, match="takes no images"):
-        llm.generate({"prompt": "hi", "multi_modal_data": {"image": Image.new("RGB", (32, 32))}})
-    llm.close()

@@ -57,9 +57,10 @@ def our_mixer(config, layer) -> Mamba2Mixer:
 
 
 class MixerRunner:
-    """Feeds our mixer varlen steps the way the engine does: each sequence its own state slot (garbage at first)."""
+    """Feeds a recurrent mixer (Mamba2, OLMo Hybrid's DeltaNet: `test_olmo_deltanet_mixer.py`) varlen steps the way the
+    engine does: each sequence its own state slot (garbage at first)."""
 
-    def __init__(self, mixer: Mamba2Mixer, num_seqs: int) -> None:
+    def __init__(self, mixer: torch.nn.Module, num_seqs: int) -> None:
         self.mixer = mixer
         self.backend = ReferenceBackend()
         self.pools = DevicePools.allocate([mixer.state_spec(torch.float32, torch.float32)], num_pages=1,

@@ -1,7 +1,8 @@
-"""The model-vs-transformers checks every Mamba2 hybrid's test file runs on its own `pair` fixture (a `ModelPair`:
+"""The model-vs-transformers checks every hybrid family's test file runs on its own `pair` fixture (a `ModelPair`:
 tests/models/helpers.py): single and chunked prefill, decode against the full and the incremental forward, a mixed
-batch, and that the comparison notices a lost Mamba2 state. A test file imports them by name (pytest collects
-them there, with that file's `pair`): test_granite.py, test_nemotron_h.py.
+batch, and that the comparison notices a lost recurrent state (every state tensor of every recurrent layer zeroed).
+A test file imports them by name (pytest collects them there, with that file's `pair`): test_granite.py,
+test_nemotron_h.py, test_olmo_hybrid.py. (Written for the Mamba2 hybrids first, hence the file's name.)
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
@@ -63,12 +64,13 @@ def test_mixed_batch_of_prefill_chunks_and_decodes(pair):
             assert rel_err(ours, expected) <= TOLERANCE, f"step {step_id}, seq {seq}"
 
 
-def test_the_comparison_notices_a_lost_mamba_state(pair):
+def test_the_comparison_notices_a_lost_recurrent_state(pair):
     tokens = random_tokens(157, seed=4)
     ref = pair.hf_logits(tokens)
     runner = PagedRunner(pair.ours, 16, 8)
     runner.step([(0, tokens[:100])])
-    for layer_id in pair.ours.config.mamba2_layer_ids:
-        runner.pools.layers[layer_id]["ssm"].zero_()
+    for layer_id in pair.ours.config.recurrent_layer_ids:
+        for state in runner.pools.layers[layer_id].values():
+            state.zero_()
     (ours,) = runner.step([(0, tokens[100:])])
     assert rel_err(ours, ref[100:]) > 100 * TOLERANCE

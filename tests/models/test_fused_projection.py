@@ -87,3 +87,18 @@ def test_fused_rows_are_padded_to_aligned_rows() -> None:
     fused_aligned = FusedProjection(*aligned)
     fused_aligned(x)
     assert fused_aligned.weight.shape == (24, 24)
+
+
+def test_groups_give_consecutive_projections_as_one_view() -> None:
+    """groups=(2, 1): the first two projections' columns side by side in one view of the fused output (OLMo Hybrid's
+    conv input q | k | v without a copy); wrong counts are refused."""
+    linears = _linears()
+    x = torch.randn(5, 24)
+    first, last = FusedProjection(*linears, groups=(2, 1))(x)
+    assert first.shape == (5, 24) and last.shape == (5, 3)
+    assert first.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+    torch.testing.assert_close(first, torch.cat([linears[0](x), linears[1](x)], dim=-1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(last, linears[2](x), rtol=1e-6, atol=1e-6)
+    for groups in ((2, 2), (3, 0), (1, 1)):
+        with pytest.raises(ValueError, match="groups"):
+            FusedProjection(*linears, groups=groups)

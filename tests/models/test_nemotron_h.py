@@ -23,7 +23,7 @@ from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
     test_single_prefill_and_chunked_prefill,
-    test_the_comparison_notices_a_lost_mamba_state,
+    test_the_comparison_notices_a_lost_recurrent_state,
 )
 from .nemotron_helpers import VARIANTS, make_nemotron_pair, nemotron_config, nemotron_model
 

@@ -1,0 +1,103 @@
+"""OLMo Hybrid's gated DeltaNet (`layers/gated_deltanet.SeparateGatedDeltaNet`: Qwen's mixer with separate q, k, v,
+g, a, b projections, beta = 2 sigmoid(b), its gated norm's eps 1e-5) against transformers' `OlmoHybridGatedDeltaNet`
+on random weights (std 1/sqrt(fan_in)), fp32, through the reference backend.
+
+rel_err(a, ref) = max|a - ref| / max|ref|. Several sequences of different lengths in one varlen step from slots that
+hold garbage; a prefill continued from its saved state; decode steps; and the allow_neg_eigval flag both ways.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridcache.layers.gated_deltanet import SeparateGatedDeltaNet
+from hybridcache.models.random_weights import randomize_
+
+from .test_mamba2_mixer import MixerRunner, rel_err
+
+TOLERANCE = 1e-4
+HIDDEN = 48
+GEOMETRIES = {  # key heads, value heads, key head dim, value head dim, conv kernel
+    "Hk2-Hv4-Dk16-Dv8-K4": (2, 4, 16, 8, 4),
+    "Hk3-Hv3-Dk12-Dv24-K3": (3, 3, 12, 24, 3),  # OLMo's own shape: value head dim 2 x key head dim, not powers of 2
+}
+
+
+def hf_layer(key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int, neg_eigval: bool):
+    import transformers
+    from transformers.models.olmo_hybrid.modeling_olmo_hybrid import OlmoHybridGatedDeltaNet
+
+    config = transformers.OlmoHybridConfig(
+        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, layer_types=["linear_attention",
+        "full_attention"], linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=key_dim, linear_value_head_dim=value_dim, linear_conv_kernel_dim=kernel,
+        linear_allow_neg_eigval=neg_eigval, vocab_size=32, pad_token_id=0, eos_token_id=1)
+    layer = OlmoHybridGatedDeltaNet(config, 0).eval()
+    randomize_(layer, 0)
+    with torch.no_grad():
+        layer.o_norm.weight.copy_(1 + 0.1 * torch.randn(layer.o_norm.weight.shape))
+    mixer = SeparateGatedDeltaNet(HIDDEN, num_k_heads=key_heads, num_v_heads=value_heads, k_head_dim=key_dim,
+                                  v_head_dim=value_dim, conv_kernel_size=kernel, eps=1e-5,
+                                  beta_scale=2.0 if neg_eigval else 1.0)
+    mixer.load_state_dict(layer.state_dict())
+    return layer, mixer.eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module", params=[(g, n) for g in GEOMETRIES for n in (True, False)],
+                ids=[f"{g}-{'neg' if n else 'pos'}" for g in GEOMETRIES for n in (True, False)])
+def pair(request):
+    geometry, neg_eigval = request.param
+    return hf_layer(*GEOMETRIES[geometry], neg_eigval)
+
+
+@torch.no_grad()
+def hf_out(layer, hidden: torch.Tensor) -> torch.Tensor:
+    return layer(hidden[None])[0]
+
+
+def inputs(length: int, seed: int) -> torch.Tensor:
+    return torch.randn(length, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def test_varlen_step_of_several_sequences_equals_transformers(pair):
+    layer, mixer = pair
+    lengths = (157, 1, 64, 90)
+    hidden = [inputs(n, seed=i) for i, n in enumerate(lengths)]
+    outputs = MixerRunner(mixer, len(lengths)).step(list(enumerate(hidden)))
+    for i, (ours, x) in enumerate(zip(outputs, hidden, strict=True)):
+        assert rel_err(ours, hf_out(layer, x)) <= TOLERANCE, f"sequence {i}"
+
+
+def test_prefill_from_a_saved_state_and_decode_steps_equal_the_whole_prefill(pair):
+    layer, mixer = pair
+    x, other = inputs(170, seed=3), inputs(160, seed=4)
+    want, want_other = hf_out(layer, x), hf_out(layer, other)
+    runner = MixerRunner(mixer, 2)
+    first, _ = runner.step([(0, x[:77]), (1, other[:150])])
+    assert rel_err(first, want[:77]) <= TOLERANCE
+    (second,) = runner.step([(0, x[77:])])
+    assert rel_err(second, want[77:]) <= TOLERANCE
+    for pos in range(150, 156):  # decode rows
+        (ours,) = runner.step([(1, other[pos : pos + 1])])
+        assert rel_err(ours, want_other[pos : pos + 1]) <= TOLERANCE, pos
+
+
+def test_the_flag_decides_beta():
+    """The same weights with and without allow_neg_eigval give different outputs (beta in (0, 2) vs (0, 1)), and
+    ours follows the flag: a beta left unscaled would fail the comparisons above."""
+    layer, mixer = hf_layer(*GEOMETRIES["Hk2-Hv4-Dk16-Dv8-K4"], True)
+    x = inputs(150, seed=9)
+    (scaled,) = MixerRunner(mixer, 1).step([(0, x)])
+    mixer.beta_scale = 1.0
+    (unscaled,) = MixerRunner(mixer, 1).step([(0, x)])
+    layer.allow_neg_eigval = False
+    assert rel_err(unscaled, hf_out(layer, x)) <= TOLERANCE
+    assert rel_err(scaled, unscaled) > 100 * TOLERANCE
+
+
+def test_state_spec_is_qwens():
+    _, mixer = hf_layer(*GEOMETRIES["Hk2-Hv4-Dk16-Dv8-K4"], True)
+    conv, ssm = mixer.state_spec(torch.bfloat16, torch.float32).tensors
+    assert (conv.name, conv.shape, conv.dtype) == ("conv", (2 * 32 + 32, 3), torch.bfloat16)
+    assert (ssm.name, ssm.shape, ssm.dtype) == ("ssm", (4, 16, 8), torch.float32)
