@@ -121,7 +121,8 @@ class KernelBackend(Protocol):
     ) -> torch.Tensor:
         """The gated delta rule per sequence, continuing from its recurrent state (q, k l2-normalised here).
 
-        q, k      [T, Hk, Dk];  v [T, Hv, Dv];  g [T, Hv] fp32 log decay (<= 0);  beta [T, Hv] in (0, 1)
+        q, k      [T, Hk, Dk];  v [T, Hv, Dv];  g [T, Hv] fp32 log decay (<= 0);  beta [T, Hv] in (0, 1), or in
+                  (0, 2) (OLMo Hybrid's allow_neg_eigval: `delta_gates`' beta doubled before this op)
         ssm_layer [num_slots, Hv, Dk, Dv]   state S of each slot (fp32 by default); updated in place for every
                   sequence (fresh sequences start from zeros)
         returns   [T, Hv, Dv] in q's dtype. Per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(Dk)

@@ -24,8 +24,11 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 
 def write_tiny_olmo(path: Path, variant: str, seed: int = 0) -> Path:
     """A tiny random OLMo Hybrid folder over the byte tokenizer's 320 ids (transformers `save_pretrained`, which writes
-    the conv as the checkpoints' q_conv1d / k_conv1d / v_conv1d)."""
-    return write_tiny_folder(olmo_model(variant, seed, vocab_size=320, eos_token_id=258), path)
+    the conv as the checkpoints' q_conv1d / k_conv1d / v_conv1d). The DeltaNet head dims are powers of two (16 and
+    32; "rope-bias" would derive 12 and 24), which the CUDA backend's Triton decode step needs
+    (`kernels.shapes.cuda_problems`) for the CUDA check here."""
+    dims = {"linear_key_head_dim": 16, "linear_value_head_dim": 32}
+    return write_tiny_folder(olmo_model(variant, seed, vocab_size=320, eos_token_id=258, **dims), path)
 
 
 @pytest.fixture(scope="module", params=["nope-gva", "rope-bias"])
