@@ -8,6 +8,7 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                               4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
                          + Mamba2 layers * (conv_dim * (kernel - 1) * dtype bytes + heads * head_dim * state_size
                                             * ssm bytes)
+                         + short-conv layers * hidden_size * (kernel - 1) * dtype bytes   (LFM2: a conv state only)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
                                                  block where it has one: every layer, or Nemotron-H's MLP and MoE
@@ -15,8 +16,9 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                                  an MoE block: its router, its top-k experts, its shared expert
                                                  (+ its gate but for Granite and Nemotron-H), Nemotron-H's latent
                                                  projections; attention with Qwen's output gate, but for Granite,
-                                                 Nemotron-H and OLMo Hybrid; OLMo Hybrid's DeltaNet projections, q k v
-                                                 g a b, are Qwen's q k v z a b)
+                                                 Nemotron-H, OLMo Hybrid and LFM2; OLMo Hybrid's DeltaNet projections,
+                                                 q k v g a b, are Qwen's q k v z a b; an LFM2 short conv: in_proj
+                                                 (B | C | x), the conv's taps, out_proj)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
@@ -81,12 +83,13 @@ class ModelCost:
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
-        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h", "olmo_hybrid")  # Qwen's output gate
+        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h", "olmo_hybrid", "lfm2")  # Qwen's gate
         attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
         recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
-                     for kind in set(c.layer_types) & {LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2}}
+                     for kind in set(c.layer_types) & {LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2,
+                                                       LayerKind.SHORT_CONV}}
         params = h * c.vocab_size  # lm_head
         flops = 0
         state_bytes = h * dtype_bytes  # the last hidden state
@@ -120,6 +123,10 @@ class ModelCost:
 def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes: int) -> tuple[int, int, int]:
     """(parameters, state update + readout FLOPs per token, state bytes) of one recurrent layer of `kind`."""
     h = c.hidden_size
+    if kind is LayerKind.SHORT_CONV:  # its state is the conv's inputs: the conv's taps are all it computes
+        conv = c.short_conv
+        assert conv is not None
+        return 3 * h * h + h * conv.conv_kernel_size + h * h, 0, h * conv.conv_width * dtype_bytes
     if kind is LayerKind.MAMBA2:
         m = c.mamba2
         assert m is not None

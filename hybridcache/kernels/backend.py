@@ -98,8 +98,11 @@ class KernelBackend(Protocol):
         bias: torch.Tensor | None,
         conv_layer: torch.Tensor,
         batch: ForwardBatch,
+        *,
+        activation: str | None = "silu",
     ) -> torch.Tensor:
-        """Depthwise causal convolution with SiLU, per sequence, continuing from its conv state.
+        """Depthwise causal convolution with SiLU (`activation` None: without, LFM2's short convolution), per
+        sequence, continuing from its conv state.
 
         x          [T, C]   pre-convolution inputs
         weight     [C, K];  bias [C] or None
@@ -381,6 +384,8 @@ class ReferenceBackend:
         bias: torch.Tensor | None,
         conv_layer: torch.Tensor,
         batch: ForwardBatch,
+        *,
+        activation: str | None = "silu",
     ) -> torch.Tensor:
         meta = _metadata(batch)
         out = torch.empty_like(x)
@@ -391,12 +396,12 @@ class ReferenceBackend:
                 after = conv_ref.conv_states_after(x[rows], conv_layer[slot])
                 conv_layer[list(drafts)] = after[: len(drafts)]
             out[rows], conv_layer[slot] = conv_ref.causal_conv1d(
-                x[rows], weight, bias, None if meta.fresh[i] else conv_layer[slot]
+                x[rows], weight, bias, None if meta.fresh[i] else conv_layer[slot], activation=activation
             )
         decode = meta.state_decode
         if decode is not None:
             out[decode.rows], state = conv_ref.causal_conv1d_step(
-                x[decode.rows], weight, bias, conv_layer[decode.slots]
+                x[decode.rows], weight, bias, conv_layer[decode.slots], activation=activation
             )
             conv_layer.index_copy_(0, decode.slots, state)
         return out

@@ -218,16 +218,19 @@ class CudaBackend:
         bias: torch.Tensor | None,
         conv_layer: torch.Tensor,
         batch: ForwardBatch,
+        *,
+        activation: str | None = "silu",
     ) -> torch.Tensor:
         meta = _metadata(batch)
         if meta.all_decode:
-            return causal_conv1d_decode(x, weight, bias, conv_layer, batch.state_slots, batch.context_lens)
+            return causal_conv1d_decode(x, weight, bias, conv_layer, batch.state_slots, batch.context_lens,
+                                        activation=activation)
         if meta.verify is not None:  # before the varlen kernel rewrites the slots it reads
             conv_draft_states(x, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
                               meta.verify.draft_table, meta.verify.num_drafts)
         return causal_conv1d_varlen(
             x, weight, bias, conv_layer, batch.state_slots, batch.cu_seqlens, batch.context_lens,
-            batch.query_lens_cpu, chunk_indices=meta.chunks,
+            batch.query_lens_cpu, chunk_indices=meta.chunks, activation=activation,
         )
 
     def gated_delta_rule(

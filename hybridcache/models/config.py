@@ -5,7 +5,8 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`): every field
+  at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -21,7 +22,7 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`, `OlmoHybridConfig`: `_DEFAULTS`),
+`NemotronHConfig`, `OlmoHybridConfig`, `Lfm2Config`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -58,6 +59,15 @@ value head dim twice that), `linear_allow_neg_eigval` (default true: beta = 2 si
 whole head only where `rope_theta` is not written as null (the released checkpoints write `rope_parameters:
 {"rope_theta": null}`: no rotary embedding; `rope_parameters: null` is transformers' default RoPE, theta 10,000);
 `partial_rotary_factor` other than 1 is refused (transformers' OLMo rotary rotates the whole head).
+LFM2 (`lfm2`): short-convolution ("conv", `LayerKind.SHORT_CONV`) and attention ("full_attention") layers, from
+`layer_types` or else `full_attn_idxs` (both left out: every layer attends, as transformers); `Lfm2Config`'s names:
+`norm_eps` (not rms_norm_eps, which transformers does not read), `block_ff_dim` (wins over intermediate_size) and
+`tie_embedding` (wins over tie_word_embeddings, default true) as transformers' aliases, `conv_L_cache` (the conv's
+kernel size) and `conv_bias` (the short conv's in_proj, conv and out_proj) in the `ShortConvConfig` group; the MLP
+width as `Lfm2MLP` adjusts it (`block_auto_adjust_ff_dim`: 2/3 of it, times `block_ffn_dim_multiplier`, rounded up
+to a multiple of `block_multiple_of`); RoPE on the whole head (`partial_rotary_factor` other than 1 and
+`attention_bias` true are refused; transformers reads neither); `conv_dim` / `conv_dim_out` are not read (transformers'
+short conv is hidden_size wide).
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -87,6 +97,7 @@ class LayerKind(str, Enum):
     MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
     MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-" and, with
     # `is_moe_layer` true, its MoE layers "E")
+    SHORT_CONV = "conv"  # LFM2's gated short convolution: a conv state only
 
 
 # The layer kinds of each text model type, by their config.json spellings.
@@ -96,6 +107,7 @@ _MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2,
 # Nemotron-H: transformers 5's names, the older ones it remaps, and `hybrid_override_pattern`'s letters
 _NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
 _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_LFM2_KINDS = {"conv": LayerKind.SHORT_CONV, "full_attention": LayerKind.FULL_ATTENTION}
 
 
 # model_type of the text model each supported model_type stands for.
@@ -108,6 +120,7 @@ _TEXT_MODEL_TYPES = {
     "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "nemotron_h",
     "olmo_hybrid": "olmo_hybrid",
+    "lfm2": "lfm2",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -145,6 +158,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo_hybrid": {
         "max_position_embeddings": 65536, "rms_norm_eps": 1e-6, "intermediate_size": 11008, "rope_theta": 10000.0,
         "partial_rotary_factor": 1.0, "linear_conv_kernel_dim": 4,
+    },
+    # (`Lfm2Config`; head_dim: hidden_size / num_attention_heads, set when parsed; rms_norm_eps is its norm_eps)
+    "lfm2": {
+        "max_position_embeddings": 128000, "rms_norm_eps": 1e-5, "intermediate_size": 12288, "num_key_value_heads": 8,
+        "rope_theta": 1000000.0, "partial_rotary_factor": 1.0, "conv_L_cache": 3, "block_multiple_of": 256,
+        "block_ffn_dim_multiplier": 1.0,
     },
 }
 
@@ -270,6 +289,21 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True)
+class ShortConvConfig:
+    """LFM2's gated short convolution over the hidden_size channels: B | C | x = in_proj(h), y = C * conv(B * x)
+    (depthwise, causal, `conv_kernel_size` taps, no activation), out_proj(y); `bias` on in_proj, the conv and
+    out_proj (`conv_bias`)."""
+
+    conv_kernel_size: int
+    bias: bool
+
+    @property
+    def conv_width(self) -> int:
+        """Past pre-convolution inputs kept per channel: kernel size - 1."""
+        return self.conv_kernel_size - 1
+
+
+@dataclass(frozen=True)
 class Multipliers:
     """Granite's scalings: the embedding times `embedding`, each block's output times `residual` before its residual
     add, the logits divided by `logits_scaling` (all 1 for the other models)."""
@@ -357,6 +391,7 @@ class ModelConfig:
     mamba_ssm_dtype: str | None = None
     mamba2: Mamba2Config | None = None
     multipliers: Multipliers = Multipliers()
+    short_conv: ShortConvConfig | None = None
 
     # ---- derived quantities -------------------------------------------------------------------------
     @property
@@ -386,8 +421,9 @@ class ModelConfig:
 
     @property
     def recurrent_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a fixed-size state (gated DeltaNet and Mamba2)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2))
+        """Layers with a fixed-size state (gated DeltaNet, Mamba2, LFM2's short convolution)."""
+        recurrent = (LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2, LayerKind.SHORT_CONV)
+        return tuple(i for i, t in enumerate(self.layer_types) if t in recurrent)
 
     def has_feed_forward(self, layer_id: int) -> bool:
         """Whether layer `layer_id` runs a feed-forward block: every layer, or (`mlp.in_own_layers`) those of
@@ -434,10 +470,15 @@ class ModelConfig:
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
         granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
-        olmo = model_type == "olmo_hybrid"
+        olmo, lfm2 = model_type == "olmo_hybrid", model_type == "lfm2"
         if nemotron:
             text = _nemotron_section(text)
-        defaults = _granite_defaults(text) if granite else _olmo_defaults(text) if olmo else _DEFAULTS[model_type]
+        if lfm2:
+            text = _lfm2_section(text)
+        if granite:
+            defaults = _granite_defaults(text)
+        else:
+            defaults = _olmo_defaults(text) if olmo else _lfm2_defaults(text) if lfm2 else _DEFAULTS[model_type]
         fields = _Fields(text, defaults)
 
         def pick(key: str, default: Any = None) -> Any:
@@ -461,7 +502,7 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _QWEN_KINDS
+        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _LFM2_KINDS if lfm2 else _QWEN_KINDS
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
@@ -477,17 +518,21 @@ class ModelConfig:
         if granite:
             attention = _attention_config(fields, use_rope=_granite_rope(text.get("position_embedding_type")),
                                           scale=fields.number("attention_multiplier"))
-        elif olmo:
-            attention = _olmo_attention_config(fields)
+        elif olmo or lfm2:
+            attention = _whole_head_rope_attention_config(fields, "OLMo Hybrid" if olmo else "LFM2")
         else:
             attention = _attention_config(fields, use_rope=not nemotron)
-        if nemotron and attention.bias:
-            raise ValueError("config.json attention_bias true is not supported for Nemotron-H (transformers' "
-                             "NemotronHAttention has no biases)")
+        if (nemotron or lfm2) and attention.bias:
+            family = "Nemotron-H" if nemotron else "LFM2"
+            raise ValueError(f"config.json attention_bias true is not supported for {family} (transformers' attention "
+                             "has no biases there)")
         if nemotron:
             mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        elif lfm2:
+            mlp, mamba2 = _feed_forward_config(_Fields({**text, "intermediate_size": _lfm2_mlp_width(fields)},
+                                                       defaults), model_type), None
         else:
             mlp, mamba2 = _feed_forward_config(fields, model_type), None
         ssm_dtype = fields.value("mamba_ssm_cache_dtype") if nemotron else pick("mamba_ssm_dtype")
@@ -501,17 +546,20 @@ class ModelConfig:
             layer_types=layer_types,
             max_position_embeddings=fields.integer("max_position_embeddings"),
             eos_token_ids=token_ids(pick("eos_token_id"), "config.json eos_token_id"),
-            tie_word_embeddings=boolean(pick("tie_word_embeddings"), "tie_word_embeddings", default=False),
+            tie_word_embeddings=boolean(text.get("tie_word_embeddings") if lfm2 else pick("tie_word_embeddings"),
+                                        "tie_word_embeddings", default=lfm2),
             torch_dtype=str(pick("dtype") or pick("torch_dtype") or "bfloat16"),
             rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
             attention=attention,
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields,
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron or lfm2 else fields,
                                             allow_neg_eigval=olmo and fields.boolean("linear_allow_neg_eigval", True)),
             mlp=mlp,
             mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
             mamba2=mamba2,
             multipliers=_multipliers(fields) if granite else Multipliers(),
+            short_conv=ShortConvConfig(conv_kernel_size=fields.integer("conv_L_cache", minimum=2),  # (1: no state)
+                                       bias=fields.boolean("conv_bias", default=False)) if lfm2 else None,
         )
 
     def _validated(self) -> ModelConfig:
@@ -752,18 +800,61 @@ def _olmo_layer_types(num_layers: int) -> list[str]:
     return kinds
 
 
-def _olmo_attention_config(fields: _Fields) -> AttentionConfig:
-    """OLMo Hybrid's attention: RoPE on the whole head unless `rope_theta` is written as null (in rope_parameters,
-    or at the top level without rope_parameters): then none, as transformers builds no rotary embedding."""
+def _whole_head_rope_attention_config(fields: _Fields, family: str) -> AttentionConfig:
+    """OLMo Hybrid's and LFM2's attention: RoPE on the whole head (their rotary embeddings read no
+    partial_rotary_factor: another value is refused, naming `family`); OLMo Hybrid's none where `rope_theta` is
+    written as null (in rope_parameters, or at the top level without rope_parameters), as transformers then builds no
+    rotary embedding."""
     text = fields.section
     rope = text.get("rope_parameters")
     written = rope if isinstance(rope, Mapping) and "rope_theta" in rope else text
-    use_rope = "rope_theta" not in written or written["rope_theta"] is not None
+    use_rope = family == "LFM2" or "rope_theta" not in written or written["rope_theta"] is not None
     attention = _attention_config(fields, use_rope=use_rope)
     if attention.partial_rotary_factor != 1.0:
         raise ValueError(f"config.json partial_rotary_factor {attention.partial_rotary_factor} is not supported for "
-                         "OLMo Hybrid (its rotary embedding rotates the whole head)")
+                         f"{family} (its rotary embedding rotates the whole head)")
     return attention
+
+
+def _lfm2_section(text: Mapping[str, Any]) -> dict[str, Any]:
+    """LFM2's config.json fields under the names read here, as `Lfm2Config` takes them: `block_ff_dim` wins over
+    intermediate_size, `tie_embedding` over tie_word_embeddings, `norm_eps` is the norms' eps (rms_norm_eps is not
+    read), and layer_types, left out, come from `full_attn_idxs` (left out too: every layer attends)."""
+    section = dict(text)
+    for old, new in (("block_ff_dim", "intermediate_size"), ("tie_embedding", "tie_word_embeddings")):
+        if section.get(old) is not None:
+            section[new] = section[old]
+    section["rms_norm_eps"] = section.get("norm_eps")
+    if section.get("layer_types") is None:
+        layers, attending = section.get("num_hidden_layers"), section.get("full_attn_idxs")
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            if attending is not None and (not isinstance(attending, list) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) for i in attending)):
+                raise ValueError(f"config.json full_attn_idxs {attending!r} must be a list of layer indices")
+            attending = range(layers) if attending is None else attending
+            section["layer_types"] = ["full_attention" if i in attending else "conv" for i in range(layers)]
+    return section
+
+
+def _lfm2_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+    """`Lfm2Config`'s defaults, with head_dim = hidden_size / num_attention_heads (its attention's)."""
+    defaults = dict(_DEFAULTS["lfm2"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        defaults.update(head_dim=hidden // heads)
+    return defaults
+
+
+def _lfm2_mlp_width(fields: _Fields) -> int:
+    """`Lfm2MLP`'s width: intermediate_size, or with `block_auto_adjust_ff_dim` (default true) int(2/3 of it) times
+    `block_ffn_dim_multiplier`, rounded up to a multiple of `block_multiple_of` (LFM2-1.2B: block_ff_dim 12,288 ->
+    8,192)."""
+    width = fields.integer("intermediate_size")
+    if not fields.boolean("block_auto_adjust_ff_dim", default=True):
+        return width
+    multiple = fields.integer("block_multiple_of")
+    width = int(fields.number("block_ffn_dim_multiplier") * int(2 * width / 3))
+    return multiple * -(-width // multiple)
 
 
 def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:

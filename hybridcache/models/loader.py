@@ -15,7 +15,10 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
    -> `router.weight`; OLMo Hybrid's `attention_layer_norm.weight` -> `input_layernorm.weight`,
    `feedforward_layer_norm.weight` -> `post_attention_layernorm.weight` (as transformers' conversion mapping reads
-   them; its `save_pretrained` writes them);
+   them; its `save_pretrained` writes them); LFM2's names onto the shared decoder layer's: `operator_norm` ->
+   `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `feed_forward.w1 / w3 / w2` -> `mlp.gate_proj /
+   up_proj / down_proj`, `self_attn.out_proj` -> `self_attn.o_proj`, `self_attn.q_layernorm / k_layernorm` ->
+   `self_attn.q_norm / k_norm`, and `model.embedding_norm.weight` (its final norm) -> `model.norm.weight`;
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
@@ -75,13 +78,23 @@ LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
 # Whole names, after the prefixes (Nemotron-H's embedding and final norm)
-RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
+RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight",
+                 "model.embedding_norm.weight": "model.norm.weight"}  # (LFM2's final norm)
 RENAMED_SUFFIXES = (  # Granite's MoE block and OLMo Hybrid's norms, as transformers' conversion mapping renames them
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
     (".attention_layer_norm.weight", ".input_layernorm.weight"),
     (".feedforward_layer_norm.weight", ".post_attention_layernorm.weight"),
+    # LFM2's layers (`models/lfm2.py`)
+    (".operator_norm.weight", ".input_layernorm.weight"),
+    (".ffn_norm.weight", ".post_attention_layernorm.weight"),
+    (".feed_forward.w1.weight", ".mlp.gate_proj.weight"),
+    (".feed_forward.w3.weight", ".mlp.up_proj.weight"),
+    (".feed_forward.w2.weight", ".mlp.down_proj.weight"),
+    (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
+    (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
+    (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
 )
 # Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's short convolutions)
 CONCATENATED_SUFFIXES = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.lfm2 import Lfm2ForCausalLM
 from hybridcache.models.nemotron_h import NemotronHForCausalLM
 from hybridcache.models.olmo_hybrid import OlmoHybridForCausalLM
 from hybridcache.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -21,6 +22,7 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Granite-4.0-H, dense and MoE
         "NemotronHForCausalLM": NemotronHForCausalLM,  # Nemotron-H (Mamba2, attention and MLP layers)
         "OlmoHybridForCausalLM": OlmoHybridForCausalLM,  # OLMo Hybrid (gated DeltaNet and attention layers)
+        "Lfm2ForCausalLM": Lfm2ForCausalLM,  # LFM2 (gated short-convolution and attention layers)
     }
 
 

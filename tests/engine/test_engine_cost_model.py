@@ -18,6 +18,7 @@ from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 from tests.models.granite_helpers import granite_model
+from tests.models.lfm2_helpers import lfm2_model
 from tests.models.nemotron_helpers import nemotron_model
 from tests.models.olmo_hybrid_helpers import olmo_model
 
@@ -71,20 +72,22 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "olmo": olmo_model}
+_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "olmo": olmo_model, "lfm2": lfm2_model}
 
 
 @pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
                                              ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
                                              ("nemotron", "moe-groups"), ("nemotron", "moe-latent"),
-                                             ("olmo", "nope-gva"), ("olmo", "rope-bias")])
+                                             ("olmo", "nope-gva"), ("olmo", "rope-bias"), ("lfm2", "bias-k3"),
+                                             ("lfm2", "idxs-k4")])
 def test_hybrid_costs_count_their_recurrent_layers(family, variant):
     """A Granite-4.0-H, Nemotron-H or OLMo Hybrid model's cost: its state bytes are its recurrent layers' state specs
     (Mamba2 layers were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as
     DeltaNet layers too), its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention,
     relu^2 MLP layers of two matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k
     ungated experts of two matrices, the ungated shared expert, the latent projections; OLMo Hybrid: ungated
-    attention, DeltaNet layers of six projections) plus the recurrent updates' (Mamba2 scans, the delta rule)."""
+    attention, DeltaNet layers of six projections; LFM2: ungated attention, short convs of in_proj, taps and out_proj,
+    a tied lm_head) plus the recurrent updates' (Mamba2 scans, the delta rule; none for a short conv)."""
     hf = _FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
@@ -94,6 +97,7 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
     assert len(recurrent) == len(config.recurrent_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2}.get(
         variant, 3)
+    assert all(len(spec.tensors) == (1 if family == "lfm2" else 2) for spec in recurrent)
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
@@ -102,6 +106,7 @@ def test_hybrid_costs_count_their_recurrent_layers(family, variant):
     mlp, delta = config.mlp, config.gated_delta
     matmuls = sum(p.numel() for name, p in model.named_parameters()
                   if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name)  # (routed experts)
+    matmuls += model.lm_head.weight.numel() if config.tie_word_embeddings else 0  # (named as the embedding)
     # only the top-k experts' weights are read per token: each MoE layer's expert 0 counted top-k times
     matmuls += mlp.num_experts_per_tok * sum(p.numel() for name, p in model.named_parameters() if ".experts.0." in name)
     m = config.mamba2

@@ -142,9 +142,9 @@ def _conv_inputs(num_tokens: int, channels: int, kernel: int, dtype: torch.dtype
 
 def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] = LENGTHS,
                history: Sequence[int] = HISTORY, channels: int = 320, kernel: int = 4, with_bias: bool = True,
-               seed: int = 0) -> dict[str, ErrorStats]:
+               seed: int = 0, activation: str | None = "silu") -> dict[str, ErrorStats]:
     """`causal_conv1d_varlen` against `conv/reference.py` per sequence (channels not a multiple of the
-    kernel's channel block, to exercise its masks)."""
+    kernel's channel block, to exercise its masks); `activation` None: LFM2's conv, without SiLU."""
     from hybridcache.kernels.conv.triton import causal_conv1d_varlen
 
     gen = torch.Generator().manual_seed(seed)
@@ -154,13 +154,14 @@ def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] 
     pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
     before = pool.clone()
     out = causal_conv1d_varlen(x, weight, bias, pool, batch.state_slots, batch.cu_seqlens, batch.context_lens,
-                               batch.query_lens_cpu)
+                               batch.query_lens_cpu, activation=activation)
     ref_out, ref_states = torch.empty_like(out, dtype=torch.float32), []
     starts = batch.cu_seqlens.tolist()
     for i, (length, hist) in enumerate(zip(lengths, history, strict=True)):
         rows = slice(starts[i], starts[i] + length)
         initial = None if hist == 0 else before[batch.state_slots[i]].float()
-        ref_out[rows], state = conv_ref.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial)
+        ref_out[rows], state = conv_ref.causal_conv1d(x[rows].float(), weight.float(), _float(bias), initial,
+                                                      activation=activation)
         ref_states.append(state)
     return {
         "out": error_stats(out, ref_out),
@@ -171,9 +172,9 @@ def check_conv(dtype: torch.dtype, device: torch.device, lengths: Sequence[int] 
 
 def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Sequence[int] = LENGTHS,
                       heads: tuple[int, int] = (2, 4), dims: tuple[int, int] = (128, 128), channels: int = 320,
-                      kernel: int = 4, seed: int = 0) -> dict[str, ErrorStats]:
-    """The decode kernels (one token per sequence; context_len 1 = fresh): conv step and gated delta step
-    against the conv and gated delta references."""
+                      kernel: int = 4, seed: int = 0, activation: str | None = "silu") -> dict[str, ErrorStats]:
+    """The decode kernels (one token per sequence; context_len 1 = fresh): conv step (`activation` None: LFM2's,
+    without SiLU) and gated delta step against the conv and gated delta references."""
     from hybridcache.kernels.conv.triton import causal_conv1d_decode
     from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 
@@ -184,9 +185,11 @@ def check_decode_step(dtype: torch.dtype, device: torch.device, context_lens: Se
     x, weight, bias = _conv_inputs(num, channels, kernel, dtype, device, gen)
     conv_pool = torch.randn(batch.num_slots, channels, kernel - 1, generator=gen).to(device, dtype)
     conv_before = conv_pool.clone()
-    conv_out = causal_conv1d_decode(x, weight, bias, conv_pool, batch.state_slots, batch.context_lens)
+    conv_out = causal_conv1d_decode(x, weight, bias, conv_pool, batch.state_slots, batch.context_lens,
+                                    activation=activation)
     conv_init = conv_before[batch.state_slots].masked_fill(fresh[:, None, None], 0)
-    ref_conv, ref_conv_state = conv_ref.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float())
+    ref_conv, ref_conv_state = conv_ref.causal_conv1d_step(x.float(), weight.float(), bias.float(), conv_init.float(),
+                                                           activation=activation)
 
     q, k, v, g, beta = _gdn_inputs(num, heads, dims, dtype, device, gen)
     ssm_pool = (0.1 * torch.randn(batch.num_slots, heads[1], *dims, generator=gen)).to(device)

@@ -87,6 +87,18 @@ def test_cuda_conv(dtype: torch.dtype, with_bias: bool, cuda: torch.device) -> N
 
 @needs_cuda
 @DTYPES
+def test_cuda_conv_without_activation(dtype: torch.dtype, cuda: torch.device) -> None:
+    """LFM2's short conv (3 taps, no SiLU): the varlen and the decode kernels."""
+    from tests.kernels.cuda_checks import check_conv, check_decode_step
+
+    stats = check_conv(dtype, cuda, kernel=3, activation=None)
+    assert_within(stats, {"out": OURS[dtype], "final_state": EXACT, "other_slots": EXACT})
+    stats = check_decode_step(dtype, cuda, kernel=3, activation=None)
+    assert_within(stats, {"conv_out": OURS[dtype], "conv_state": EXACT, "conv_other_slots": EXACT})
+
+
+@needs_cuda
+@DTYPES
 @pytest.mark.parametrize(("page", "heads", "head_dim"), [(16, (16, 2), 256), (64, (8, 2), 128)],
                          ids=["page16-d256", "page64-d128"])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
@@ -214,13 +226,25 @@ def test_triton_interpreter_in_subprocess() -> None:
 
 @needs_interpreter
 @DTYPES
-def test_interpreted_conv(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("kernel", "activation"), [(4, "silu"), (3, None)], ids=["silu-k4", "none-k3"])
+def test_interpreted_conv(dtype: torch.dtype, kernel: int, activation: str | None) -> None:
+    """DeltaNet's / Mamba2's conv (SiLU) and LFM2's short conv (3 taps, no activation)."""
     from tests.kernels.cuda_checks import check_conv
 
-    stats = check_conv(dtype, torch.device("cpu"), SMALL_LENGTHS, SMALL_HISTORY, channels=200)
+    stats = check_conv(dtype, torch.device("cpu"), SMALL_LENGTHS, SMALL_HISTORY, channels=200, kernel=kernel,
+                       activation=activation)
     # The interpreter emulates bf16 by truncation, so its bf16 rounding step is twice the hardware's.
     bound = OURS[dtype] if dtype == torch.float32 else (2e-2, 4e-2)
     assert_within(stats, {"out": bound, "final_state": EXACT, "other_slots": EXACT})
+
+
+@needs_interpreter
+def test_interpreted_conv_step_without_activation() -> None:
+    from tests.kernels.cuda_checks import check_decode_step
+
+    stats = check_decode_step(torch.float32, torch.device("cpu"), (1, 2, 17, 40), heads=(1, 2), dims=(32, 16),
+                              channels=100, kernel=3, activation=None)
+    assert_within(stats, {name: OURS[torch.float32] for name in stats})
 
 
 @needs_interpreter

@@ -1,0 +1,33 @@
+"""LFM2 (gated short convolutions + attention) through the engine: a short-conv layer's state is one tensor, its conv's
+last inputs, which joins the slot like DeltaNet's and Mamba2's, so the pools, the checkpoints and the prefix cache need
+no change; cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps; options that do
+not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_checks`, run here on LFM2 folders)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.models.lfm2_helpers import lfm2_model
+
+from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on this file's `model_dir`
+    test_cached_run_equals_uncached_run,
+    test_cuda_fp32_cached_run_equals_uncached_run,
+    test_llm_generate_with_and_without_the_prefix_cache,
+    test_options_that_do_not_apply_are_clear_errors,
+    test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step,
+    test_split_forward_equals_unsplit_on_cpu,
+    write_tiny_folder,
+)
+
+
+def write_tiny_lfm2(path: Path, variant: str, seed: int = 0) -> Path:
+    """A tiny random LFM2 folder over the byte tokenizer's 320 ids (transformers `save_pretrained`: LFM2's own tensor
+    names)."""
+    return write_tiny_folder(lfm2_model(variant, seed, vocab_size=320, eos_token_id=258), path)
+
+
+@pytest.fixture(scope="module", params=["bias-k3", "idxs-k4"])
+def model_dir(request, tmp_path_factory):
+    return write_tiny_lfm2(tmp_path_factory.mktemp(request.param), request.param)
