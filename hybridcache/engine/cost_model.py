@@ -14,9 +14,10 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                                  block where it has one: every layer, or Nemotron-H's MLP and MoE
                                                  layers, which have no state and 2 matrices an MLP, relu^2, not 3;
                                                  an MoE block: its router, its top-k experts, its shared expert
-                                                 (+ its gate but for Granite and Nemotron-H), Nemotron-H's latent
-                                                 projections; attention with Qwen's output gate, but for Granite,
-                                                 Nemotron-H, OLMo Hybrid and LFM2; OLMo Hybrid's DeltaNet projections,
+                                                 (+ its gate but for Granite and Nemotron-H; LFM2-MoE has none),
+                                                 Nemotron-H's latent
+                                                 projections; attention with an output gate for the Qwen models
+                                                 alone; OLMo Hybrid's DeltaNet projections,
                                                  q k v g a b, are Qwen's q k v z a b; an LFM2 short conv: in_proj
                                                  (B | C | x), the conv's taps, out_proj)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
@@ -82,8 +83,8 @@ class ModelCost:
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
-        ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
-        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h", "olmo_hybrid", "lfm2")  # Qwen's gate
+        ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h", "lfm2_moe")  # no shared expert gate
+        gated_attention = c.model_type in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # Qwen's output gate
         attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)

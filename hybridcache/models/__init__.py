@@ -26,6 +26,7 @@ _LAZY = {
     "NemotronHForCausalLM": "hybridcache.models.nemotron_h",
     "OlmoHybridForCausalLM": "hybridcache.models.olmo_hybrid",
     "Lfm2ForCausalLM": "hybridcache.models.lfm2",
+    "Lfm2MoeForCausalLM": "hybridcache.models.lfm2",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",
 }

@@ -5,8 +5,8 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`): every field
-  at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `OlmoHybridForCausalLM`, `Lfm2ForCausalLM`,
+  `Lfm2MoeForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -22,7 +22,7 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`, `OlmoHybridConfig`, `Lfm2Config`: `_DEFAULTS`),
+`NemotronHConfig`, `OlmoHybridConfig`, `Lfm2Config`, `Lfm2MoeConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -68,6 +68,11 @@ width as `Lfm2MLP` adjusts it (`block_auto_adjust_ff_dim`: 2/3 of it, times `blo
 to a multiple of `block_multiple_of`); RoPE on the whole head (`partial_rotary_factor` other than 1 and
 `attention_bias` true are refused; transformers reads neither); `conv_dim` / `conv_dim_out` are not read (transformers'
 short conv is hidden_size wide).
+LFM2-MoE (`lfm2_moe`): LFM2's layers (`layer_types` required, as transformers' Lfm2MoeConfig; no block_ff_dim alias and
+no width adjustment: `Lfm2MoeMLP` is intermediate_size wide) whose first `num_dense_layers` MLPs are dense and the rest
+MoE blocks: `num_experts` SiLU-gated experts of `moe_intermediate_size`, top `num_experts_per_tok` of sigmoid scores
+plus `expert_bias` (`use_expert_bias`; false is refused), their scores renormalised (+ 1e-6) when `norm_topk_prob`,
+times `routed_scaling_factor`; no shared expert (`GroupedRouting` with one group).
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -121,6 +126,7 @@ _TEXT_MODEL_TYPES = {
     "nemotron_h": "nemotron_h",
     "olmo_hybrid": "olmo_hybrid",
     "lfm2": "lfm2",
+    "lfm2_moe": "lfm2_moe",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -164,6 +170,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 128000, "rms_norm_eps": 1e-5, "intermediate_size": 12288, "num_key_value_heads": 8,
         "rope_theta": 1000000.0, "partial_rotary_factor": 1.0, "conv_L_cache": 3, "block_multiple_of": 256,
         "block_ffn_dim_multiplier": 1.0,
+    },
+    "lfm2_moe": {
+        "max_position_embeddings": 128000, "rms_norm_eps": 1e-5, "intermediate_size": 7168, "num_key_value_heads": 8,
+        "rope_theta": 1000000.0, "partial_rotary_factor": 1.0, "conv_L_cache": 3, "moe_intermediate_size": 1792,
+        "num_dense_layers": 2, "num_experts_per_tok": 4, "num_experts": 32, "routed_scaling_factor": 1.0,
     },
 }
 
@@ -318,12 +329,14 @@ class GroupedRouting:
     """Nemotron-H's router (DeepSeek-V3's "noaux_tc"), in fp32: scores = sigmoid(logits); the choice reads
     scores + e_score_correction_bias (a per-expert tensor of the checkpoint), in which each of `num_groups` groups
     of E / num_groups experts ranks by the sum of its two best, the `topk_groups` best groups are kept and the top
-    k experts of those picked; the weights are the picks' uncorrected scores, divided by their sum (+ 1e-20) when
-    `norm_topk_prob`, times `scaling_factor` (`routed_scaling_factor`)."""
+    k experts of those picked; the weights are the picks' uncorrected scores, divided by their sum (+ `renorm_eps`)
+    when `norm_topk_prob`, times `scaling_factor` (`routed_scaling_factor`). LFM2-MoE's router is the one-group case
+    with its `expert_bias` as the correction bias and a renorm_eps of 1e-6."""
 
     num_groups: int
     topk_groups: int
     scaling_factor: float
+    renorm_eps: float = 1e-20
 
 
 @dataclass(frozen=True)
@@ -470,15 +483,16 @@ class ModelConfig:
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
         granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
-        olmo, lfm2 = model_type == "olmo_hybrid", model_type == "lfm2"
+        olmo, lfm2, lfm2_moe = model_type == "olmo_hybrid", model_type in ("lfm2", "lfm2_moe"), model_type == "lfm2_moe"
         if nemotron:
             text = _nemotron_section(text)
         if lfm2:
-            text = _lfm2_section(text)
+            text = _lfm2_section(text, moe=lfm2_moe)
         if granite:
             defaults = _granite_defaults(text)
         else:
-            defaults = _olmo_defaults(text) if olmo else _lfm2_defaults(text) if lfm2 else _DEFAULTS[model_type]
+            defaults = _olmo_defaults(text) if olmo else _lfm2_defaults(text, model_type) if lfm2 else (
+                _DEFAULTS[model_type])
         fields = _Fields(text, defaults)
 
         def pick(key: str, default: Any = None) -> Any:
@@ -530,6 +544,8 @@ class ModelConfig:
             mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        elif lfm2_moe:
+            mlp, mamba2 = _lfm2_moe_feed_forward_config(fields), None
         elif lfm2:
             mlp, mamba2 = _feed_forward_config(_Fields({**text, "intermediate_size": _lfm2_mlp_width(fields)},
                                                        defaults), model_type), None
@@ -816,15 +832,20 @@ def _whole_head_rope_attention_config(fields: _Fields, family: str) -> Attention
     return attention
 
 
-def _lfm2_section(text: Mapping[str, Any]) -> dict[str, Any]:
+def _lfm2_section(text: Mapping[str, Any], moe: bool) -> dict[str, Any]:
     """LFM2's config.json fields under the names read here, as `Lfm2Config` takes them: `block_ff_dim` wins over
     intermediate_size, `tie_embedding` over tie_word_embeddings, `norm_eps` is the norms' eps (rms_norm_eps is not
-    read), and layer_types, left out, come from `full_attn_idxs` (left out too: every layer attends)."""
+    read), and layer_types, left out, come from `full_attn_idxs` (left out too: every layer attends). LFM2-MoE
+    (`moe`, `Lfm2MoeConfig`): tie_embedding alone, and layer_types must be written."""
     section = dict(text)
-    for old, new in (("block_ff_dim", "intermediate_size"), ("tie_embedding", "tie_word_embeddings")):
+    aliases = {"tie_embedding": "tie_word_embeddings", **({} if moe else {"block_ff_dim": "intermediate_size"})}
+    for old, new in aliases.items():
         if section.get(old) is not None:
             section[new] = section[old]
     section["rms_norm_eps"] = section.get("norm_eps")
+    if moe and section.get("layer_types") is None:
+        raise ValueError("config.json has no layer_types (LFM2-MoE names each layer's kind there: 'conv' or "
+                         "'full_attention')")
     if section.get("layer_types") is None:
         layers, attending = section.get("num_hidden_layers"), section.get("full_attn_idxs")
         if isinstance(layers, int) and not isinstance(layers, bool):
@@ -836,13 +857,35 @@ def _lfm2_section(text: Mapping[str, Any]) -> dict[str, Any]:
     return section
 
 
-def _lfm2_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
-    """`Lfm2Config`'s defaults, with head_dim = hidden_size / num_attention_heads (its attention's)."""
-    defaults = dict(_DEFAULTS["lfm2"])
+def _lfm2_defaults(text: Mapping[str, Any], model_type: str) -> dict[str, Any]:
+    """`Lfm2Config`'s or `Lfm2MoeConfig`'s defaults, with head_dim = hidden_size / num_attention_heads (its
+    attention's)."""
+    defaults = dict(_DEFAULTS[model_type])
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
     if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
         defaults.update(head_dim=hidden // heads)
     return defaults
+
+
+def _lfm2_moe_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
+    """LFM2-MoE's MLPs: dense (`intermediate_size`) in the first `num_dense_layers` layers, MoE blocks after them
+    (`GroupedRouting` of one group: sigmoid scores + expert_bias pick, renormalised with + 1e-6)."""
+    if not fields.boolean("use_expert_bias", default=True):
+        raise ValueError("config.json use_expert_bias false is not supported for LFM2-MoE (the released models route "
+                         "with their expert_bias)")
+    num_experts = fields.integer("num_experts")
+    return FeedForwardConfig(
+        intermediate_size=fields.integer("intermediate_size"),
+        num_experts=num_experts,
+        num_experts_per_tok=fields.integer("num_experts_per_tok"),
+        moe_intermediate_size=fields.integer("moe_intermediate_size"),
+        shared_expert_intermediate_size=0,
+        norm_topk_prob=fields.boolean("norm_topk_prob", default=True),
+        decoder_sparse_step=1,
+        mlp_only_layers=tuple(range(fields.integer("num_dense_layers", minimum=0))),
+        grouped_routing=GroupedRouting(num_groups=1, topk_groups=1,
+                                       scaling_factor=fields.number("routed_scaling_factor"), renorm_eps=1e-6),
+    )
 
 
 def _lfm2_mlp_width(fields: _Fields) -> int:

@@ -1,5 +1,6 @@
 """Liquid AI LFM2 (`Lfm2ForCausalLM`, model_type `lfm2`; LFM2-350M / 700M / 1.2B / 2.6B): gated short-convolution
-layers ("conv") and GQA attention layers ("full_attention"), each pre-norm with a SwiGLU MLP.
+layers ("conv") and GQA attention layers ("full_attention"), each pre-norm with a SwiGLU MLP; and LFM2-MoE
+(`Lfm2MoeForCausalLM`, model_type `lfm2_moe`; LFM2-8B-A1B), whose MLPs past its first `num_dense_layers` are MoE blocks.
 
 Module tree (our names; the checkpoints' in brackets, renamed by the loader: `loader.RENAMED_SUFFIXES` /
 `RENAMED_NAMES`)::
@@ -12,10 +13,20 @@ Module tree (our names; the checkpoints' in brackets, renamed by the loader: `lo
                                                 [q_layernorm, k_layernorm] (layer_types[i] "full_attention")
     model.layers.{i}.post_attention_layernorm   [ffn_norm]
     model.layers.{i}.mlp                        gate_proj [feed_forward.w1], up_proj [w3], down_proj [w2]
+    LFM2-MoE's MoE layers:
+    model.layers.{i}.mlp.gate                   weight [E, H] [feed_forward.gate], e_score_correction_bias [E]
+                                                [feed_forward.expert_bias], both float32 (`GroupedTopKRouter`)
+    model.layers.{i}.mlp.experts.{e}.*          gate_proj [feed_forward.experts.{e}.w1], up_proj [w3],
+                                                down_proj [w2] (transformers' stacked experts.gate_up_proj /
+                                                down_proj load too)
     model.norm                                  [model.embedding_norm: applied after the last layer, as transformers]
     lm_head                                     the embedding itself (tie_embedding, true in the released configs)
 
-A layer: h = h + mixer(norm1(h)); h = h + mlp(norm2(h)) (`hybrid_lm.DecoderLayer`). The attention is plain GQA
+A layer: h = h + mixer(norm1(h)); h = h + mlp(norm2(h)) (`hybrid_lm.DecoderLayer`). An MoE block: scores =
+sigmoid(gate(x)), the top k of scores + expert_bias picked, their scores renormalised (+ 1e-6) and times
+routed_scaling_factor, the SiLU-gated experts through the backend's `moe`; no shared expert (Nemotron-H's router with
+one group, in float32 where transformers computes LFM2-MoE's in the model dtype: equal in fp32, a rounding apart in
+bf16, where a near tie may pick another expert). The attention is plain GQA
 (`GraniteAttention`: no output gate, softmax scale head_dim^-1/2) whose q_norm / k_norm are RMSNorms over each head
 (`norm_eps`), then RoPE on the whole head. The norms round x / rms(x) to the model dtype before the weight multiplies
 (transformers' Lfm2RMSNorm, Granite's).
@@ -33,9 +44,11 @@ from torch import nn
 from hybridcache.layers.mlp import MLP
 from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.short_conv import ShortConv
-from hybridcache.models.config import LayerKind
+from hybridcache.layers.step import StepContext
+from hybridcache.models.config import GroupedRouting, LayerKind
 from hybridcache.models.granite import GraniteAttention
 from hybridcache.models.hybrid_lm import DecoderLayer, HybridCausalLM
+from hybridcache.models.nemotron_h import GroupedTopKRouter
 
 Lfm2RMSNorm = functools.partial(RMSNorm, weight_in_fp32=False)
 
@@ -57,6 +70,20 @@ class Lfm2Attention(GraniteAttention):
                 value)
 
 
+class Lfm2MoE(nn.Module):
+    """LFM2-MoE's MoE block (module docstring): x [N, H] -> the routed SiLU-gated experts' weighted sum [N, H]."""
+
+    def __init__(self, hidden_size: int, *, num_experts: int, top_k: int, intermediate_size: int,
+                 routing: GroupedRouting, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.gate = GroupedTopKRouter(hidden_size, num_experts, top_k, routing, norm_topk_prob)
+        self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, reduce=False) for _ in range(num_experts))
+
+    def forward(self, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        top_weights, top_ids = self.gate(x)  # (float32 weights: each weighted expert output formed in float32)
+        return step.backend.moe(x, top_weights, top_ids, self.experts)
+
+
 class Lfm2ForCausalLM(HybridCausalLM):
     supported_model_types = ("lfm2",)
     supports_fp8 = False
@@ -66,8 +93,17 @@ class Lfm2ForCausalLM(HybridCausalLM):
         c = self.config
         name, mixer = ("conv", self._short_conv()) if c.layer_types[layer_id] is LayerKind.SHORT_CONV else (
             "self_attn", self._attention())
-        return DecoderLayer(name, mixer, MLP(c.hidden_size, c.mlp.intermediate_size), c.hidden_size, c.rms_norm_eps,
-                            norm=Lfm2RMSNorm)
+        return DecoderLayer(name, mixer, self._mlp(layer_id), c.hidden_size, c.rms_norm_eps, norm=Lfm2RMSNorm)
+
+    def _mlp(self, layer_id: int) -> nn.Module:
+        """A dense SwiGLU MLP, or (LFM2-MoE, `config.is_moe_layer`) an `Lfm2MoE` block."""
+        c, mlp = self.config, self.config.mlp
+        if not c.is_moe_layer(layer_id):
+            return MLP(c.hidden_size, mlp.intermediate_size)
+        assert mlp.grouped_routing is not None
+        return Lfm2MoE(c.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
+                       intermediate_size=mlp.moe_intermediate_size, routing=mlp.grouped_routing,
+                       norm_topk_prob=mlp.norm_topk_prob)
 
     def _short_conv(self) -> nn.Module:
         conv = self.config.short_conv
@@ -81,3 +117,7 @@ class Lfm2ForCausalLM(HybridCausalLM):
 
     def _norm(self, dim: int) -> nn.Module:
         return Lfm2RMSNorm(dim, self.config.rms_norm_eps)
+
+
+class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
+    supported_model_types = ("lfm2_moe",)

@@ -19,6 +19,9 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    `input_layernorm`, `ffn_norm` -> `post_attention_layernorm`, `feed_forward.w1 / w3 / w2` -> `mlp.gate_proj /
    up_proj / down_proj`, `self_attn.out_proj` -> `self_attn.o_proj`, `self_attn.q_layernorm / k_layernorm` ->
    `self_attn.q_norm / k_norm`, and `model.embedding_norm.weight` (its final norm) -> `model.norm.weight`;
+   LFM2-MoE's `feed_forward.gate.weight` / `expert_bias` -> `mlp.gate.weight` / `e_score_correction_bias`, its experts
+   `feed_forward.experts.{e}.w1 / w3 / w2` -> `mlp.experts.{e}.gate_proj / up_proj / down_proj` (`RENAMED_EXPERTS`)
+   and its stacked `feed_forward.experts.gate_up_proj / down_proj` -> `mlp.experts.*`;
 3. MoE experts are accepted in either form, mapped onto our per-expert modules:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
@@ -92,10 +95,19 @@ RENAMED_SUFFIXES = (  # Granite's MoE block and OLMo Hybrid's norms, as transfor
     (".feed_forward.w1.weight", ".mlp.gate_proj.weight"),
     (".feed_forward.w3.weight", ".mlp.up_proj.weight"),
     (".feed_forward.w2.weight", ".mlp.down_proj.weight"),
+    (".feed_forward.gate.weight", ".mlp.gate.weight"),  # (LFM2-MoE's router, its bias, its stacked experts)
+    (".feed_forward.expert_bias", ".mlp.gate.e_score_correction_bias"),
+    (".feed_forward.experts.gate_up_proj", ".mlp.experts.gate_up_proj"),
+    (".feed_forward.experts.down_proj", ".mlp.experts.down_proj"),
     (".self_attn.out_proj.weight", ".self_attn.o_proj.weight"),
     (".self_attn.q_layernorm.weight", ".self_attn.q_norm.weight"),
     (".self_attn.k_layernorm.weight", ".self_attn.k_norm.weight"),
 )
+# LFM2-MoE's experts one by one: feed_forward.experts.{e}.w1 / w3 / w2 -> mlp.experts.{e}.gate_proj / up_proj /
+# down_proj
+RENAMED_EXPERTS = (re.compile(r"\.feed_forward\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.weight$"),
+                   {"w1": ".mlp.experts.{}.gate_proj.weight", "w3": ".mlp.experts.{}.up_proj.weight",
+                    "w2": ".mlp.experts.{}.down_proj.weight"})
 # Our parameter -> the checkpoint tensors that are its row blocks, in order (OLMo Hybrid's short convolutions)
 CONCATENATED_SUFFIXES = {
     ".linear_attn.conv1d.weight": (".linear_attn.q_conv1d.weight", ".linear_attn.k_conv1d.weight",
@@ -179,7 +191,8 @@ def pop_kv_scales(shapes: dict[str, tuple[int, ...]], location: dict[str, Path],
 
 
 def model_name(checkpoint_name: str) -> str:
-    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES`, `RENAMED_NAMES` and `RENAMED_SUFFIXES` applied)."""
+    """Our name of a checkpoint tensor (the `RENAMED_PREFIXES`, `RENAMED_NAMES`, `RENAMED_SUFFIXES` and
+    `RENAMED_EXPERTS` applied)."""
     for old, new in RENAMED_PREFIXES:
         if checkpoint_name.startswith(old):
             checkpoint_name = new + checkpoint_name[len(old) :]
@@ -188,7 +201,7 @@ def model_name(checkpoint_name: str) -> str:
     for old, new in RENAMED_SUFFIXES:
         if checkpoint_name.endswith(old):
             return checkpoint_name[: -len(old)] + new
-    return checkpoint_name
+    return RENAMED_EXPERTS[0].sub(lambda m: RENAMED_EXPERTS[1][m["w"]].format(m["e"]), checkpoint_name)
 
 
 def plan_weights(

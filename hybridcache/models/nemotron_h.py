@@ -76,8 +76,9 @@ class ReluSquaredMLP(nn.Module):
 
 class GroupedTopKRouter(nn.Module):
     """x [N, hidden] -> (weights [N, k] float32, ids [N, k] int64), transformers' NemotronHTopkRouter in torch
-    (`config.GroupedRouting` says the rule). `weight` [E, hidden] and `e_score_correction_bias` [E] stay float32
-    whatever dtype the model is cast to (as transformers keeps them: a bf16 bias would change the picks).
+    (`config.GroupedRouting` says the rule; one group: LFM2-MoE's router, `models/lfm2.py`). `weight` [E, hidden] and
+    `e_score_correction_bias` [E] stay float32 whatever dtype the model is cast to (as transformers keeps them: a bf16
+    bias would change the picks).
 
     Worked example, E = 8 experts in 4 groups, topk_groups 2, k = 2: choice scores (.9 .1 | .85 .05 | .8 .7 | .2 .3)
     rank the groups by the sum of their two best, 1.0 .9 1.5 .5, so groups 2 and 0 are kept and experts 0 and 4
@@ -103,7 +104,7 @@ class GroupedTopKRouter(nn.Module):
         top_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
         top_weights = scores.gather(1, top_ids)
         if self.norm_topk_prob:
-            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + r.renorm_eps)
         return top_weights * r.scaling_factor, top_ids
 
     def _apply(self, fn, recurse: bool = True) -> GroupedTopKRouter:  # noqa: ANN001 (nn.Module's signature)

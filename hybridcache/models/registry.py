@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
-from hybridcache.models.lfm2 import Lfm2ForCausalLM
+from hybridcache.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridcache.models.nemotron_h import NemotronHForCausalLM
 from hybridcache.models.olmo_hybrid import OlmoHybridForCausalLM
 from hybridcache.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -23,6 +23,7 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "NemotronHForCausalLM": NemotronHForCausalLM,  # Nemotron-H (Mamba2, attention and MLP layers)
         "OlmoHybridForCausalLM": OlmoHybridForCausalLM,  # OLMo Hybrid (gated DeltaNet and attention layers)
         "Lfm2ForCausalLM": Lfm2ForCausalLM,  # LFM2 (gated short-convolution and attention layers)
+        "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,  # LFM2-MoE (LFM2's layers, MoE blocks past the first dense ones)
     }
 
 

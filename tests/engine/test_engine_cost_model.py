@@ -79,7 +79,7 @@ _FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "olmo": olmo_
                                              ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
                                              ("nemotron", "moe-groups"), ("nemotron", "moe-latent"),
                                              ("olmo", "nope-gva"), ("olmo", "rope-bias"), ("lfm2", "bias-k3"),
-                                             ("lfm2", "idxs-k4")])
+                                             ("lfm2", "idxs-k4"), ("lfm2", "moe-norm"), ("lfm2", "moe-raw")])
 def test_hybrid_costs_count_their_recurrent_layers(family, variant):
     """A Granite-4.0-H, Nemotron-H or OLMo Hybrid model's cost: its state bytes are its recurrent layers' state specs
     (Mamba2 layers were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as

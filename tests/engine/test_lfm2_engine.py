@@ -1,7 +1,8 @@
-"""LFM2 (gated short convolutions + attention) through the engine: a short-conv layer's state is one tensor, its conv's
-last inputs, which joins the slot like DeltaNet's and Mamba2's, so the pools, the checkpoints and the prefix cache need
-no change; cached and uncached runs compute the same thing, the cache hits at non-block-aligned steps; options that do
-not apply to it (MTP, FP8, images, TP) are clear errors (`mamba2_hybrid_engine_checks`, run here on LFM2 folders)."""
+"""LFM2 and LFM2-MoE (gated short convolutions + attention; MoE blocks) through the engine: a short-conv layer's
+state is one tensor, its conv's last inputs, which joins the slot like DeltaNet's and Mamba2's, so the pools, the
+checkpoints and the prefix cache need no change; cached and uncached runs compute the same thing, the cache hits at
+non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP) are clear errors
+(`mamba2_hybrid_engine_checks`, run here on LFM2 folders)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,11 @@ from .mamba2_hybrid_engine_checks import (  # noqa: F401 - collected here, on th
 
 
 def write_tiny_lfm2(path: Path, variant: str, seed: int = 0) -> Path:
-    """A tiny random LFM2 folder over the byte tokenizer's 320 ids (transformers `save_pretrained`: LFM2's own tensor
-    names)."""
+    """A tiny random LFM2 or LFM2-MoE folder over the byte tokenizer's 320 ids (transformers `save_pretrained`: LFM2's
+    own tensor names, the experts one by one)."""
     return write_tiny_folder(lfm2_model(variant, seed, vocab_size=320, eos_token_id=258), path)
 
 
-@pytest.fixture(scope="module", params=["bias-k3", "idxs-k4"])
+@pytest.fixture(scope="module", params=["bias-k3", "idxs-k4", "moe-norm"])
 def model_dir(request, tmp_path_factory):
     return write_tiny_lfm2(tmp_path_factory.mktemp(request.param), request.param)

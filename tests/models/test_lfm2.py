@@ -1,6 +1,7 @@
-"""LFM2 (`Lfm2ForCausalLM`) vs transformers on tiny random models (3-tap convs with biases and tied embeddings; 4-tap
-convs from full_attn_idxs, untied), fp32, and its config parsing (transformers' aliases and MLP width), checkpoint
-names and refusals.
+"""LFM2 (`Lfm2ForCausalLM`) and LFM2-MoE (`Lfm2MoeForCausalLM`) vs transformers on tiny random models (3-tap convs
+with biases and tied embeddings; 4-tap convs from full_attn_idxs, untied; MoE blocks after one or two dense layers,
+weights renormalised and scaled or not, a nonzero expert_bias), fp32, and their config parsing (transformers' aliases
+and MLP width), checkpoint names and refusals.
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
@@ -16,7 +17,7 @@ from hybridcache.models import ModelConfig, get_model_class, load_model
 from hybridcache.models.config import LayerKind
 
 from .helpers import TOLERANCE, PagedRunner, random_tokens, rel_err
-from .lfm2_helpers import VARIANTS, lfm2_config, lfm2_model, make_lfm2_pair
+from .lfm2_helpers import MOE_VARIANTS, VARIANTS, lfm2_config, lfm2_model, make_lfm2_pair
 from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file's `pair`
     test_decode_after_prefill_matches_full_and_incremental_forward,
     test_mixed_batch_of_prefill_chunks_and_decodes,
@@ -53,6 +54,16 @@ def test_config_reads_the_lfm2_fields():
     older = ModelConfig.from_dict(lfm2_config("idxs-k4").to_dict())
     assert older.layer_types == (CONV, ATTENTION, CONV, ATTENTION, CONV)
     assert older.mlp.intermediate_size == 80 and not older.tie_word_embeddings and not older.short_conv.bias
+    moe = ModelConfig.from_dict(lfm2_config("moe-norm").to_dict())
+    assert moe.model_type == "lfm2_moe" and [moe.is_moe_layer(i) for i in range(5)] == [False] + [True] * 4
+    mlp = moe.mlp
+    assert (mlp.intermediate_size, mlp.num_experts, mlp.num_experts_per_tok) == (96, 8, 3)
+    assert mlp.moe_intermediate_size == 32
+    assert mlp.norm_topk_prob and mlp.shared_expert_intermediate_size == 0
+    routing = mlp.grouped_routing
+    assert (routing.num_groups, routing.topk_groups, routing.scaling_factor, routing.renorm_eps) == (1, 1, 2.5, 1e-6)
+    raw = ModelConfig.from_dict(lfm2_config("moe-raw").to_dict())
+    assert [raw.is_moe_layer(i) for i in range(5)] == [False, False, True, True, True] and not raw.mlp.norm_topk_prob
 
 
 @pytest.mark.parametrize("changes", [
@@ -125,41 +136,102 @@ def test_config_refuses_what_it_cannot_run(field, value, message):
         ModelConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("layer_types", None, "config.json has no layer_types"),
+    ("use_expert_bias", False, "use_expert_bias false is not supported for LFM2-MoE"),
+    ("num_experts_per_tok", 9, "num_experts_per_tok 9 must be between 1 and num_experts 8"),
+    ("num_dense_layers", -1, "num_dense_layers -1 must be at least 0"),
+])
+def test_moe_config_refuses_what_it_cannot_run(field, value, message):
+    raw = {**lfm2_config("moe-norm").to_dict(), field: value}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(raw)
+
+
+def test_moe_defaults_are_transformers_defaults():
+    """The fields an LFM2-MoE config.json may leave out take `Lfm2MoeConfig`'s defaults; no width adjustment, no
+    block_ff_dim alias (Lfm2MoeMLP is intermediate_size wide)."""
+    import transformers
+
+    from hybridcache.models.config import _DEFAULTS
+
+    hf = transformers.Lfm2MoeConfig()
+    for key, value in _DEFAULTS["lfm2_moe"].items():
+        if key not in ("rope_theta", "partial_rotary_factor"):
+            assert value == getattr(hf, "norm_eps" if key == "rms_norm_eps" else key), key
+    assert _DEFAULTS["lfm2_moe"]["rope_theta"] == hf.rope_parameters["rope_theta"]
+    minimal = {"architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "vocab_size": 256,
+               "hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 16, "layer_types": ["conv"] * 3,
+               "block_ff_dim": 99}
+    config = ModelConfig.from_dict(minimal)
+    assert config.mlp.intermediate_size == hf.intermediate_size and config.mlp.num_experts == hf.num_experts
+    assert config.mlp.mlp_only_layers == (0, 1) and config.tie_word_embeddings is hf.tie_word_embeddings
+    assert config.mlp.grouped_routing.scaling_factor == hf.routed_scaling_factor
+
+
+def test_moe_router_equals_transformers_and_its_bias_changes_the_picks():
+    """Our router (Nemotron-H's, one group) against transformers' Lfm2MoeTopKRouter with the block's expert_bias, on
+    300 tokens: the same picks and weights; the bias changes some tokens' picks (so the model comparisons exercise
+    it)."""
+    pair = make_lfm2_pair("moe-norm")
+    block = pair.hf.model.layers[1].feed_forward
+    ours = pair.ours.model.layers[1].mlp.gate
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        _, want_weights, want_ids = block.gate(x, block.expert_bias)
+        weights, ids = ours(x)
+        assert torch.equal(ids.sort(-1)[0], want_ids.sort(-1)[0])
+        torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), want_weights.gather(1, want_ids.argsort(-1)),
+                                   rtol=1e-6, atol=1e-7)
+        picks = {(t, e) for t, row in enumerate(ids.tolist()) for e in row}
+        bias = ours.e_score_correction_bias.detach().clone()
+        ours.e_score_correction_bias.zero_()
+        unbiased = {(t, e) for t, row in enumerate(ours(x)[1].tolist()) for e in row}
+        ours.e_score_correction_bias.copy_(bias)
+    assert picks != unbiased
+
+
 def test_full_attn_idxs_must_be_layer_indices():
     raw = {k: v for k, v in LFM2_1_2B.items()}
     with pytest.raises(ValueError, match="full_attn_idxs"):
         ModelConfig.from_dict({**raw, "full_attn_idxs": "2,5"})
 
 
-def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path):
-    config = ModelConfig.from_dict(lfm2_config("bias-k3").to_dict())
-    with pytest.raises(ValueError, match="Lfm2ForCausalLM does not run under tensor parallelism"):
-        get_model_class(config.architecture)(config, TensorParallel(rank=0, size=2))
-    lfm2_model("bias-k3").save_pretrained(tmp_path)
+@pytest.mark.parametrize("variant", ["bias-k3", "moe-norm"])
+def test_tensor_parallelism_and_fp8_are_refused_with_a_clear_error(tmp_path, variant):
+    config = ModelConfig.from_dict(lfm2_config(variant).to_dict())
+    arch = config.architecture
+    with pytest.raises(ValueError, match=f"{arch} does not run under tensor parallelism"):
+        get_model_class(arch)(config, TensorParallel(rank=0, size=2))
+    lfm2_model(variant).save_pretrained(tmp_path)
     for options, message in (({"quantization": "fp8"}, "FP8 weights"), ({"kv_fp8": True}, "an FP8 KV cache")):
-        with pytest.raises(ValueError, match=f"Lfm2ForCausalLM does not support {message}"):
+        with pytest.raises(ValueError, match=f"{arch} does not support {message}"):
             load_model(tmp_path, **options)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_folder_loads_from_the_checkpoint_tensor_names(tmp_path, variant):
     """save_pretrained writes LFM2's names (operator_norm, ffn_norm, feed_forward.w1/w2/w3, self_attn.out_proj,
-    q_layernorm / k_layernorm, conv.in_proj / conv / out_proj, model.embedding_norm), which the loader reads onto
-    ours."""
+    q_layernorm / k_layernorm, conv.in_proj / conv / out_proj, model.embedding_norm; LFM2-MoE's feed_forward.gate,
+    expert_bias and experts one by one, feed_forward.experts.{e}.w1/w3/w2), which the loader reads onto ours."""
     from safetensors import safe_open
 
     hf = lfm2_model(variant)
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as handle:
         names = set(handle.keys())  # noqa: SIM118
-    attention = hf.config.layer_types.index("full_attention")
+    attention, conv = hf.config.layer_types.index("full_attention"), hf.config.layer_types.index("conv")
     assert {"model.embedding_norm.weight", "model.layers.0.operator_norm.weight", "model.layers.0.ffn_norm.weight",
-            "model.layers.0.feed_forward.w3.weight", "model.layers.0.conv.in_proj.weight",
-            "model.layers.0.conv.conv.weight", f"model.layers.{attention}.self_attn.out_proj.weight",
+            "model.layers.0.feed_forward.w3.weight", f"model.layers.{conv}.conv.in_proj.weight",
+            f"model.layers.{conv}.conv.conv.weight", f"model.layers.{attention}.self_attn.out_proj.weight",
             f"model.layers.{attention}.self_attn.q_layernorm.weight"} <= names
     assert ("lm_head.weight" in names) is not hf.config.tie_word_embeddings
+    if variant in MOE_VARIANTS:
+        moe = hf.config.num_dense_layers
+        assert {f"model.layers.{moe}.feed_forward.gate.weight", f"model.layers.{moe}.feed_forward.expert_bias",
+                f"model.layers.{moe}.feed_forward.experts.1.w3.weight"} <= names
     ours = load_model(tmp_path)
-    assert type(ours).__name__ == "Lfm2ForCausalLM"
+    assert type(ours).__name__ == hf.config.architectures[0]
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) is hf.config.tie_word_embeddings
     tokens = random_tokens(90, seed=7)
     (logits,) = PagedRunner(ours, 16, 8).step([(0, tokens)])
