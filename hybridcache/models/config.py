@@ -376,12 +376,13 @@ class FeedForwardConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of one hybrid decoder-only model: the model-wide fields, then one group per layer
-    family (`attention`, `gated_delta`, `mamba2`) and the feed-forward group (`mlp`). A new family is a new group,
-    a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the model has no
-    DeltaNet layer (nothing reads it then); `mamba2` is None where the model has no Mamba2 layer.
+    family (`attention`, `gated_delta`, `mamba2`, `short_conv`) and the feed-forward group (`mlp`). A new family is a
+    new group, a new `LayerKind` and a new mixer. `gated_delta` holds transformers' Qwen defaults where the model has
+    no DeltaNet layer (nothing reads it then); `mamba2` and `short_conv` are None where the model has no such layer.
 
-    `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text` or `qwen3_next`) even when
-    config.json describes a multimodal wrapper; `architecture` is the config.json entry as written.
+    `model_type` is the text model's type (`qwen3_5_text`, `qwen3_5_moe_text`, `qwen3_next`, `granitemoehybrid`,
+    `nemotron_h`, `olmo_hybrid`, `lfm2`, `lfm2_moe`) even when config.json describes a multimodal wrapper;
+    `architecture` is the config.json entry as written.
     `mamba_ssm_dtype`: the recurrent state dtype config.json names (Qwen3.5 checkpoints say "float32"), None
     when it names none; what `--mamba-ssm-cache-dtype auto` resolves to (see `engine_args.auto_ssm_dtype`).
     """
