@@ -22,6 +22,8 @@
 | ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
 |                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
 | gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
+| selective_scan (Mamba1) | the torch step (`mamba1/device.py`) | one sequence: the torch scan, geometry read on the |
+|                  | device (`mamba1/device.py`); several sequences or verify rows: the torch reference per sequence |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 | norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
 | sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
@@ -52,7 +54,7 @@ from hybridcache.forward_batch import ForwardBatch
 from hybridcache.kernels import streams
 from hybridcache.kernels.activation import triton as triton_activation
 from hybridcache.kernels.attention.base import AttentionBackend
-from hybridcache.kernels.backend import mamba2_scan
+from hybridcache.kernels.backend import mamba1_scan, mamba2_scan
 from hybridcache.kernels.conv.triton import causal_conv1d_decode, causal_conv1d_varlen
 from hybridcache.kernels.conv.triton_verify import conv_draft_states
 from hybridcache.kernels.gated_delta import triton_gates
@@ -68,6 +70,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
+from hybridcache.kernels.mamba1 import device as mamba1_device
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import triton_route
@@ -157,6 +160,7 @@ class CudaBackend:
             weakref.WeakKeyDictionary()
         )
         self._said_scan = False  # the one log line of the first Mamba2 scan
+        self._said_selective_scan = False  # and of the first Mamba1 scan
 
     def check_model(self, shapes: ModelShapes) -> None:
         """UnsupportedModelError naming every reason this backend's kernels (and its attention backend's)
@@ -317,6 +321,33 @@ class CudaBackend:
             x, steps, A, B, C, D, ssm_layer, batch.state_slots, meta.cu_seqlens, batch.context_lens,
             batch.query_lens_cpu, chunk_indices=meta.chunks, fresh=meta.fresh, context_lens_cpu=batch.context_lens_cpu,
         )
+
+    def selective_scan(
+        self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,  # noqa: N803
+        A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, z: torch.Tensor | None,  # noqa: N803
+        ssm_layer: torch.Tensor, batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """The torch reference scan on CUDA (no fused Mamba1 kernel yet): correct, slow at prefill (a few launches
+        per token and layer). All-decode: `mamba1/device.selective_decode` over every row at once, slots and fresh
+        rows read on the device (a decode graph may capture it). One sequence without verify rows:
+        `mamba1/device.selective_scan_one`, its length, freshness and slot read on the device and the rows past its
+        length inert, as a whole-step graph (`prefill_graphs.SequenceGraphs`) captures it on a bucket of rows. Any
+        other step (several sequences, verify rows): `backend.mamba1_scan`, each sequence alone from the host
+        lengths (the piecewise graphs run their cores eagerly on the step's own rows)."""
+        meta = _metadata(batch)
+        if not self._said_selective_scan:
+            self._said_selective_scan = True
+            _logger.info("Mamba1 layers run the torch reference selective scan on CUDA (no fused kernel yet): "
+                         "correct, slower prefill")
+        if not meta.all_decode and (batch.num_seqs > 1 or batch.draft_rows is not None):
+            return mamba1_scan(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch, decode=None)
+        A = -torch.exp(A_log.float())  # noqa: N806
+        steps = mamba2_ref.discretized_dt(dt, dt_bias, (0.0, float("inf")))
+        if meta.all_decode:
+            return mamba1_device.selective_decode(x, steps, A, B, C, D, z, ssm_layer, batch.state_slots,
+                                                  batch.context_lens)
+        return mamba1_device.selective_scan_one(x, steps, A, B, C, D, z, ssm_layer, batch.state_slots,
+                                                batch.cu_seqlens, batch.context_lens)
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,

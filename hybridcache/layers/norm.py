@@ -5,6 +5,8 @@
   post_attention_layernorm, the final norm, and the attention q_norm / k_norm.
 - `GatedRMSNorm`: y = (w * x / rms(x)) * silu(gate), `weight` initialised to 1 (NOT zero-centred). Used
   as `linear_attn.norm` on each DeltaNet value head, gated by z.
+- `RMSNorm`: y = w * x / rms(x), `weight` initialised to 1, in torch ops (the Mamba hybrids' norms: Granite-4.0-H,
+  Nemotron-H, Jamba, and Jamba's dt / B / C norms inside its Mamba1 layers).
 
 `fp8=True` (where `layers.linear.wants_fp8_rows` says the FP8 linear after the norm takes it): the output comes as
 `layers.linear.Fp8Rows`, the norm's output with its FP8 quantisation for that linear, written by the norm's own
@@ -62,3 +64,32 @@ class GatedRMSNorm(nn.Module):
             return backend.gated_rms_norm(x, gate, self.weight, self.eps)
         return Fp8Rows(*kernel_backend.gated_rms_norm_fp8(x, gate, self.weight, self.eps, PREQUANTIZED_GROUP,
                                                           PREQUANTIZED_PAD_ROWS))
+
+
+class RMSNorm(nn.Module):
+    """x [..., dim] -> weight * x / rms(x) [..., dim] in x's dtype, normalised in fp32 (`weight` starts at 1). Where it
+    rounds is transformers' of each model: Granite's rounds x / rms(x) to x's dtype, then multiplies by the weight;
+    Nemotron-H's (`weight_in_fp32`) multiplies in fp32, then rounds."""
+
+    centred_on_one: ClassVar[bool] = True  # its weight scales as it is (random weights draw it around 1)
+
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, backend: KernelBackend | None = None) -> torch.Tensor:
+        """(`backend` unread: torch ops on every device.)"""
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight.float() * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
+            fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, this norm of it)."""
+        del fp8  # (FP8 is refused for the models that use this norm)
+        total = x + residual
+        return total, self.forward(total)

@@ -34,9 +34,10 @@ from torch import nn
 from hybridcache.layers.fused import FusedProjection
 from hybridcache.layers.linear import module_linear, module_swiglu_linear
 from hybridcache.layers.mlp import MLP
+from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import LayerKind, ModelConfig
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, RMSNorm, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import AttentionSpec, LayerState
 
 
@@ -154,7 +155,7 @@ class GraniteDecoderLayer(nn.Module):
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
-class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
+class GraniteMoeHybridForCausalLM(MambaHybridLM):
     supported_model_types = ("granitemoehybrid",)
 
     def _layer(self, layer_id: int) -> nn.Module:

@@ -40,10 +40,11 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from hybridcache.layers.linear import module_linear
+from hybridcache.layers.norm import RMSNorm
 from hybridcache.layers.step import StepContext
 from hybridcache.models.config import GroupedRouting, LayerKind, ModelConfig
 from hybridcache.models.granite import GraniteAttention
-from hybridcache.models.mamba2_hybrid import Mamba2HybridLM, RMSNorm, mamba2_mixer
+from hybridcache.models.mamba2_hybrid import MambaHybridLM, mamba2_mixer
 from hybridcache.state_spec import LayerState, RecurrentSpec
 
 
@@ -166,7 +167,7 @@ class NemotronHBlock(nn.Module):
         return hidden, self.mixer(normed, step, state)
 
 
-class NemotronHForCausalLM(Mamba2HybridLM):
+class NemotronHForCausalLM(MambaHybridLM):
     supported_model_types = ("nemotron_h",)
 
     def _layer(self, layer_id: int) -> nn.Module:

@@ -12,13 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridcache.engine.input_builder import SeqChunk, build_forward_batch
-from hybridcache.kernels.backend import ReferenceBackend
 from hybridcache.kernels.mamba2 import reference as ref
 from hybridcache.layers.mamba2 import Mamba2Mixer
-from hybridcache.layers.step import StepContext
 from hybridcache.models.random_weights import randomize_
-from hybridcache.state_spec import DevicePools
+from tests.kernels.mixer_runner import MixerRunner
 
 TOLERANCE = 1e-4
 HIDDEN = 48
@@ -54,33 +51,6 @@ def our_mixer(config, layer) -> Mamba2Mixer:
         proj_bias=config.mamba_proj_bias, eps=config.rms_norm_eps)
     mixer.load_state_dict(layer.state_dict())
     return mixer.eval().requires_grad_(False)
-
-
-class MixerRunner:
-    """Feeds our mixer varlen steps the way the engine does: each sequence its own state slot (garbage at first)."""
-
-    def __init__(self, mixer: Mamba2Mixer, num_seqs: int) -> None:
-        self.mixer = mixer
-        self.backend = ReferenceBackend()
-        self.pools = DevicePools.allocate([mixer.state_spec(torch.float32, torch.float32)], num_pages=1,
-                                          kernel_block_size=16, num_slots=num_seqs + 2)
-        generator = torch.Generator().manual_seed(7)
-        for pool in self.pools.state_groups:
-            pool.copy_(torch.randn(pool.shape, generator=generator))
-        self.fed = [0] * num_seqs
-
-    def step(self, feeds: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-        """(seq, hidden [n, HIDDEN]) pairs in one step -> each feed's output [n, HIDDEN]."""
-        chunks = []
-        for seq, hidden in feeds:
-            chunks.append(SeqChunk([0] * hidden.shape[0], self.fed[seq], [0] * 64, seq + 1))
-            self.fed[seq] += hidden.shape[0]
-        batch = self.backend.prepare(build_forward_batch(chunks, block_size=16, kernel_block_size=16))
-        step = StepContext(batch=batch, backend=self.backend, rope=(torch.empty(0), torch.empty(0)))
-        with torch.inference_mode():
-            out = self.mixer(torch.cat([hidden for _, hidden in feeds]), step, self.pools.layers[0])
-        bounds = batch.cu_seqlens.tolist()
-        return [out[bounds[i] : bounds[i + 1]] for i in range(len(feeds))]
 
 
 @pytest.fixture(scope="module", params=list(GEOMETRIES), ids=list(GEOMETRIES))
