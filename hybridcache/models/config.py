@@ -79,7 +79,10 @@ class LayerKind(str, Enum):
     MAMBA2 = "mamba"  # Mamba2 (Granite-4.0-H's spelling; transformers 5 writes "linear_attention" there)
     MLP = "mlp"  # a feed-forward block as a layer of its own, no token mixer, no state (Nemotron-H's "-" and, with
     # `is_moe_layer` true, its MoE layers "E")
+    MAMBA1 = "mamba1"  # Mamba1 with Jamba's inner norms (Jamba writes "mamba", which for Granite means Mamba2)
 
+
+RECURRENT_KINDS = frozenset({LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2, LayerKind.MAMBA1})  # layers with a state
 
 # The layer kinds of each text model type, by their config.json spellings.
 _QWEN_KINDS = {"linear_attention": LayerKind.LINEAR_ATTENTION, "full_attention": LayerKind.FULL_ATTENTION}
@@ -88,6 +91,7 @@ _MAMBA_KINDS = {"mamba": LayerKind.MAMBA2, "linear_attention": LayerKind.MAMBA2,
 # Nemotron-H: transformers 5's names, the older ones it remaps, and `hybrid_override_pattern`'s letters
 _NEMOTRON_KINDS = {**_MAMBA_KINDS, "mlp": LayerKind.MLP, "moe": LayerKind.MLP}  # (MoE: `is_moe_layer` says it)
 _NEMOTRON_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+_JAMBA_KINDS = {"mamba": LayerKind.MAMBA1, "attention": LayerKind.FULL_ATTENTION}
 
 
 # model_type of the text model each supported model_type stands for.
@@ -99,6 +103,7 @@ _TEXT_MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
     "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "nemotron_h",
+    "jamba": "jamba",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -131,6 +136,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
         "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    },
+    # (`JambaConfig`; head_dim: hidden_size / num_attention_heads, set when parsed; rope_theta and
+    # partial_rotary_factor unused: its attention has no rotary embedding)
+    "jamba": {
+        "num_key_value_heads": 8, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "intermediate_size": 14336,
+        "num_experts": 16, "num_experts_per_tok": 2, "expert_layer_period": 2, "expert_layer_offset": 1,
+        "attn_layer_period": 8, "attn_layer_offset": 4, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+        "mamba_dt_rank": "auto", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
     },
 }
 
@@ -248,6 +261,30 @@ class Mamba2Config:
 
 
 @dataclass(frozen=True)
+class Mamba1Config:
+    """Mamba1 (Jamba's): `intermediate_size` channels (mamba_expand * hidden_size), each with `state_size` state
+    entries of their own decay; dt of rank `dt_rank` before dt_proj; a depthwise causal convolution of
+    `conv_kernel_size` over the channels; `conv_bias` on it, `proj_bias` on in_proj and out_proj."""
+
+    intermediate_size: int
+    state_size: int
+    dt_rank: int
+    conv_kernel_size: int
+    conv_bias: bool
+    proj_bias: bool
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: x."""
+        return self.intermediate_size
+
+    @property
+    def conv_width(self) -> int:
+        """Past pre-convolution inputs kept per channel: kernel size - 1."""
+        return self.conv_kernel_size - 1
+
+
+@dataclass(frozen=True)
 class Multipliers:
     """Granite's scalings: the embedding times `embedding`, each block's output times `residual` before its residual
     add, the logits divided by `logits_scaling` (all 1 for the other models)."""
@@ -294,8 +331,8 @@ class FeedForwardConfig:
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """True where layer `layer_id` has a sparse MoE block (the transformers rule; where the feed-forward blocks
-        are layers of their own, `in_own_layers`, the layers of `moe_layer_ids`)."""
-        if self.in_own_layers:
+        are layers of their own, `in_own_layers`, or where `moe_layer_ids` lists them (Jamba), those layers)."""
+        if self.in_own_layers or self.moe_layer_ids:
             return layer_id in self.moe_layer_ids
         return (
             layer_id not in self.mlp_only_layers
@@ -335,6 +372,7 @@ class ModelConfig:
     mamba_ssm_dtype: str | None = None
     mamba2: Mamba2Config | None = None
     multipliers: Multipliers = Multipliers()
+    mamba1: Mamba1Config | None = None
 
     # ---- derived quantities -------------------------------------------------------------------------
     @property
@@ -363,9 +401,13 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA2)
 
     @property
+    def mamba1_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t is LayerKind.MAMBA1)
+
+    @property
     def recurrent_layer_ids(self) -> tuple[int, ...]:
-        """Layers with a fixed-size state (gated DeltaNet and Mamba2)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t in (LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2))
+        """Layers with a fixed-size state (gated DeltaNet, Mamba2 and Mamba1)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t in RECURRENT_KINDS)
 
     def has_feed_forward(self, layer_id: int) -> bool:
         """Whether layer `layer_id` runs a feed-forward block: every layer, or (`mlp.in_own_layers`) those of
@@ -411,10 +453,11 @@ class ModelConfig:
         model_type = _TEXT_MODEL_TYPES.get(written or "")
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
-        granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
+        granite, nemotron, jamba = model_type == "granitemoehybrid", model_type == "nemotron_h", model_type == "jamba"
         if nemotron:
             text = _nemotron_section(text)
-        fields = _Fields(text, _granite_defaults(text) if granite else _DEFAULTS[model_type])
+        defaults = _granite_defaults(text) if granite else _jamba_defaults(text) if jamba else _DEFAULTS[model_type]
+        fields = _Fields(text, defaults)
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -422,7 +465,13 @@ class ModelConfig:
                 return raw[key]
             return text.get(key, default)
 
-        layer_types = _nemotron_layer_types(text) if nemotron else text.get("layer_types")
+        moe_layer_ids: tuple[int, ...] = ()
+        if nemotron:
+            layer_types = _nemotron_layer_types(text)
+        elif jamba:
+            layer_types, moe_layer_ids = _jamba_layout(fields)
+        else:
+            layer_types = text.get("layer_types")
         num_layers = len(layer_types) if nemotron and text.get("num_hidden_layers") is None else (
             fields.integer("num_hidden_layers"))
         if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
@@ -435,11 +484,12 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _QWEN_KINDS
+        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _JAMBA_KINDS if jamba else _QWEN_KINDS
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
-        moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")  # (Nemotron-H's)
+        if nemotron:
+            moe_layer_ids = tuple(i for i, t in enumerate(layer_types) if t == "moe")
         layer_types = tuple(kinds[t] for t in layer_types)
 
         hidden_act = _nemotron_activation(fields) if nemotron else text.get("hidden_act", "silu")
@@ -449,14 +499,17 @@ class ModelConfig:
             attention = _attention_config(fields, use_rope=_granite_rope(text.get("position_embedding_type")),
                                           scale=fields.number("attention_multiplier"))
         else:
-            attention = _attention_config(fields, use_rope=not nemotron)
-        if nemotron and attention.bias:
-            raise ValueError("config.json attention_bias true is not supported for Nemotron-H (transformers' "
-                             "NemotronHAttention has no biases)")
+            attention = _attention_config(fields, use_rope=not (nemotron or jamba))
+        if (nemotron or jamba) and attention.bias:
+            raise ValueError(f"config.json attention_bias true is not supported for {architectures[0]} (transformers' "
+                             "attention of this model has no biases)")
+        mamba1 = None
         if nemotron:
             mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        elif jamba:
+            mlp, mamba2, mamba1 = _jamba_feed_forward_config(fields, moe_layer_ids), None, _mamba1_config(fields)
         else:
             mlp, mamba2 = _feed_forward_config(fields, model_type), None
         ssm_dtype = fields.value("mamba_ssm_cache_dtype") if nemotron else pick("mamba_ssm_dtype")
@@ -475,11 +528,12 @@ class ModelConfig:
             rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
             attention=attention,
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields),
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron or jamba else fields),
             mlp=mlp,
             mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
             mamba2=mamba2,
             multipliers=_multipliers(fields) if granite else Multipliers(),
+            mamba1=mamba1,
         )
 
     def _validated(self) -> ModelConfig:
@@ -882,4 +936,73 @@ def _nemotron_mamba2_config(fields: _Fields) -> Mamba2Config:
         proj_bias=fields.boolean("use_bias", default=False),
         chunk_size=fields.integer("chunk_size"),
         time_step_limit=_time_step_limit(fields.section.get("time_step_limit")),
+    )
+
+
+def _jamba_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
+    """`JambaConfig`'s defaults, with head_dim = hidden_size / num_attention_heads (its attention's, read where
+    config.json writes a head_dim)."""
+    defaults = dict(_DEFAULTS["jamba"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
+        defaults.update(head_dim=hidden // heads)
+    return defaults
+
+
+def _period_layers(fields: _Fields, name: str, num_layers: int) -> tuple[int, ...]:
+    """The layers i with i % {name}_layer_period == {name}_layer_offset (offset < period, as transformers checks)."""
+    period, offset = fields.integer(f"{name}_layer_period"), fields.integer(f"{name}_layer_offset", minimum=0)
+    if offset >= period:
+        raise ValueError(f"config.json {name}_layer_offset {offset} must be smaller than {name}_layer_period {period}")
+    return tuple(i for i in range(num_layers) if i % period == offset)
+
+
+def _jamba_layout(fields: _Fields) -> tuple[list[str], tuple[int, ...]]:
+    """Jamba's layer kinds ("attention" where i % attn_layer_period == attn_layer_offset, else "mamba") and its MoE
+    layers (i % expert_layer_period == expert_layer_offset, when num_experts > 1), as `JambaConfig` derives them. A
+    `layers_block_type` written in config.json (transformers ignores it: its property is derived) must agree."""
+    num_layers = fields.integer("num_hidden_layers")
+    attention = _period_layers(fields, "attn", num_layers)
+    layer_types = ["attention" if i in attention else "mamba" for i in range(num_layers)]
+    written = fields.section.get("layers_block_type")
+    if written is not None and written != layer_types:
+        raise ValueError(f"config.json layers_block_type {written!r} disagrees with attn_layer_period / "
+                         f"attn_layer_offset, which give {layer_types} (transformers reads those)")
+    experts = _period_layers(fields, "expert", num_layers)
+    return layer_types, experts if fields.integer("num_experts") > 1 else ()
+
+
+def _jamba_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...]) -> FeedForwardConfig:
+    """Jamba's feed-forward block after every mixer: a SiLU-gated MLP of `intermediate_size`, or in `moe_layer_ids`
+    `num_experts` routed experts of that width (top `num_experts_per_tok` of the softmax, not renormalised), no
+    shared expert."""
+    moe = bool(moe_layer_ids)
+    return FeedForwardConfig(
+        intermediate_size=fields.integer("intermediate_size"),
+        num_experts=fields.integer("num_experts") if moe else 0,
+        num_experts_per_tok=fields.integer("num_experts_per_tok") if moe else 0,
+        moe_intermediate_size=fields.integer("intermediate_size") if moe else 0,
+        shared_expert_intermediate_size=0,
+        norm_topk_prob=False,  # (transformers' JambaTopKRouter keeps the softmax's top-k weights as they are)
+        decoder_sparse_step=1,
+        mlp_only_layers=(),
+        moe_layer_ids=moe_layer_ids,
+    )
+
+
+def _mamba1_config(fields: _Fields) -> Mamba1Config:
+    """Jamba's `mamba_*` fields (`mamba_dt_rank` "auto": ceil(hidden_size / 16)); `mamba_inner_layernorms` (older
+    configs) must not be false: transformers' Jamba always has the dt / B / C norms."""
+    if fields.section.get("mamba_inner_layernorms") is False:
+        raise ValueError("config.json mamba_inner_layernorms false is not supported (transformers' Jamba always "
+                         "normalises dt, B and C)")
+    hidden = fields.integer("hidden_size")
+    rank = -(-hidden // 16) if fields.value("mamba_dt_rank") == "auto" else fields.integer("mamba_dt_rank")
+    return Mamba1Config(
+        intermediate_size=fields.integer("mamba_expand") * hidden,
+        state_size=fields.integer("mamba_d_state"),
+        dt_rank=rank,
+        conv_kernel_size=fields.integer("mamba_d_conv", minimum=2),  # (1: no conv state to keep)
+        conv_bias=fields.boolean("mamba_conv_bias", default=True),
+        proj_bias=fields.boolean("mamba_proj_bias", default=False),
     )

@@ -32,6 +32,8 @@ layer keeps in another row order than the checkpoint's). The state specs are the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -54,19 +56,33 @@ LAST_HIDDEN = "last_hidden"
 class DecoderLayer(nn.Module):
     """hidden + mixer(input_layernorm(hidden)); then, when the layer has a feed-forward block,
     hidden + mlp(post_attention_layernorm(hidden)). `mixer_name` is the mixer's checkpoint name. The model runs its
-    layers through `forward_split`, so each residual add is fused with the norm that follows it."""
+    layers through `forward_split`, so each residual add is fused with the norm that follows it.
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float):
+    `norm` makes the two norms (Qwen's zero-centred RMSNorm by default); `mlp_name` and `post_norm_name` are the
+    checkpoint names of the feed-forward block and the norm before it (Jamba: `feed_forward`, `pre_ff_layernorm`)."""
+
+    def __init__(self, mixer_name: str, mixer: nn.Module, mlp: nn.Module | None, hidden_size: int, eps: float, *,
+                 norm: Callable[[int, float], nn.Module] = ZeroCenteredRMSNorm, mlp_name: str = "mlp",
+                 post_norm_name: str = "post_attention_layernorm") -> None:
         super().__init__()
-        self.mixer_name = mixer_name
-        self.add_module(mixer_name, mixer)
-        self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden_size, eps=eps) if mlp is not None else None
+        self.mixer_name, self.mlp_name, self.post_norm_name = mixer_name, mlp_name, post_norm_name
+        # registered under their checkpoint names (directly: `add_module` refuses a name the properties below hold)
+        self._modules[mixer_name] = mixer
+        self._modules[mlp_name] = mlp
+        self.input_layernorm = norm(hidden_size, eps)
+        self._modules[post_norm_name] = norm(hidden_size, eps) if mlp is not None else None
 
     @property
     def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_name)
+        return self._modules[self.mixer_name]
+
+    @property
+    def mlp(self) -> nn.Module | None:
+        return self._modules[self.mlp_name]
+
+    @property
+    def post_attention_layernorm(self) -> nn.Module | None:
+        return self._modules[self.post_norm_name]
 
     def forward(self, hidden: torch.Tensor, step: StepContext, state: LayerState) -> torch.Tensor:
         residual, out = self.forward_split(hidden, None, step, state)

@@ -10,7 +10,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    embedding to it;
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
    Nemotron-H's `backbone.X` -> `model.X`, and its `model.embeddings.weight` -> `model.embed_tokens.weight`,
-   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix); Granite's
+   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix), and Jamba's
+   `model.final_layernorm.weight` -> `model.norm.weight`; Granite's
    MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
    -> `router.weight`;
@@ -18,7 +19,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    - per expert, as hub checkpoints and transformers 5.24 `save_pretrained` write them:
      `...mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj.weight` [I, H], `down_proj.weight` [H, I];
    - stacked, as transformers' in-memory modules hold them: `...mlp.experts.gate_up_proj` [E, 2I, H]
-     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` too);
+     (gate rows first, then up rows) and `...mlp.experts.down_proj` [E, H, I] (`block_sparse_moe.experts` and
+     Jamba's `feed_forward.experts` too);
      Nemotron-H's ungated experts `...mixer.experts.up_proj` [E, I, H] and `...mixer.experts.down_proj` [E, H, I]
      (its checkpoints write them per expert, `mixer.experts.{e}.up_proj.weight`);
 4. every other name must equal one of our parameter names exactly.
@@ -69,14 +71,15 @@ LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
 # Whole names, after the prefixes (Nemotron-H's embedding and final norm)
-RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
+RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight",
+                 "model.final_layernorm.weight": "model.norm.weight"}  # (Jamba's final norm)
 RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping renames it
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
 )
 _STACKED_EXPERTS = re.compile(
-    r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer)\.experts)\.(?P<kind>gate_up_proj|up_proj|down_proj)$")
+    r"^(?P<prefix>.*\.(?:mlp|block_sparse_moe|mixer|feed_forward)\.experts)\.(?P<kind>gate_up_proj|up_proj|down_proj)$")
 _EMBEDDING = "model.embed_tokens.weight"
 _logger = logging.getLogger(__name__)
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # UE8M0 block scales' dtype (torch >= 2.7)

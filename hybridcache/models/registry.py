@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
+from hybridcache.models.jamba import JambaForCausalLM
 from hybridcache.models.nemotron_h import NemotronHForCausalLM
 from hybridcache.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
 from hybridcache.models.qwen3_next import Qwen3NextForCausalLM
@@ -19,6 +20,7 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
         "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Granite-4.0-H, dense and MoE
         "NemotronHForCausalLM": NemotronHForCausalLM,  # Nemotron-H (Mamba2, attention and MLP layers)
+        "JambaForCausalLM": JambaForCausalLM,  # Jamba (Mamba1 and attention layers, dense and MoE)
     }
 
 
