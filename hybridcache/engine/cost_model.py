@@ -8,15 +8,16 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                               4 for the default fp32, 2 with --mamba-ssm-cache-dtype bfloat16)
                          + Mamba2 layers * (conv_dim * (kernel - 1) * dtype bytes + heads * head_dim * state_size
                                             * ssm bytes)
+                         + Mamba1 layers * (d_inner * (kernel - 1) * dtype bytes + d_inner * state_size * ssm bytes)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
                                                  block where it has one: every layer, or Nemotron-H's MLP and MoE
                                                  layers, which have no state and 2 matrices an MLP, relu^2, not 3;
                                                  an MoE block: its router, its top-k experts, its shared expert
-                                                 (+ its gate but for Granite and Nemotron-H), Nemotron-H's latent
-                                                 projections)
+                                                 (+ its gate: Qwen's only), Nemotron-H's latent projections)
                          + DeltaNet layers * 6 * v_heads * k_head_dim * v_head_dim        (state update, readout)
                          + Mamba2 layers * 6 * heads * head_dim * state_size
+                         + Mamba1 layers * 6 * d_inner * state_size
     attention pairs    = 4 * attention layers * heads * head_dim FLOPs per (query, key) pair (QK^T and PV)
     prefill_flops(n)   = flops_per_token * n + pair FLOPs * n (n + 1) / 2
 
@@ -38,8 +39,9 @@ from pathlib import Path
 from hybridcache.cache import CostModel
 from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
-from hybridcache.models.config import LayerKind, ModelConfig
+from hybridcache.models.config import RECURRENT_KINDS, LayerKind, ModelConfig
 
+_QWEN_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -78,13 +80,12 @@ class ModelCost:
         h = c.hidden_size
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
-        ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
-        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h")
-        attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
+        qwen = c.model_type in _QWEN_TYPES  # gated attention, a gated shared expert (the others: neither)
+        attn_params = h * (2 if qwen else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
         recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
-                     for kind in set(c.layer_types) & {LayerKind.LINEAR_ATTENTION, LayerKind.MAMBA2}}
+                     for kind in set(c.layer_types) & RECURRENT_KINDS}
         params = h * c.vocab_size  # lm_head
         flops = 0
         state_bytes = h * dtype_bytes  # the last hidden state
@@ -101,7 +102,7 @@ class ModelCost:
                 width = mlp.moe_latent_size or h  # the experts' input and output (Nemotron-H's latent projections)
                 expert = mlp_matrices * width * mlp.moe_intermediate_size
                 params += h * mlp.num_experts + mlp.num_experts_per_tok * expert
-                params += mlp_matrices * h * mlp.shared_expert_intermediate_size + (0 if ungated_shared else h)
+                params += mlp_matrices * h * mlp.shared_expert_intermediate_size + (h if qwen else 0)
                 params += 2 * h * width if mlp.moe_latent_size else 0
             else:
                 params += mlp_matrices * h * (mlp.intermediate_size or 0)
@@ -118,6 +119,14 @@ class ModelCost:
 def _recurrent_cost(c: ModelConfig, kind: LayerKind, dtype_bytes: int, ssm_bytes: int) -> tuple[int, int, int]:
     """(parameters, state update + readout FLOPs per token, state bytes) of one recurrent layer of `kind`."""
     h = c.hidden_size
+    if kind is LayerKind.MAMBA1:
+        m1 = c.mamba1
+        assert m1 is not None
+        inner, rank = m1.intermediate_size, m1.dt_rank
+        state = inner * m1.state_size
+        params = (h * 2 * inner + inner * m1.conv_kernel_size  # in_proj: x, gate; conv
+                  + inner * (rank + 2 * m1.state_size) + rank * inner + inner * h)  # x_proj, dt_proj, out_proj
+        return params, 6 * state, inner * m1.conv_width * dtype_bytes + state * ssm_bytes
     if kind is LayerKind.MAMBA2:
         m = c.mamba2
         assert m is not None

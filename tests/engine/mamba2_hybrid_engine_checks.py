@@ -1,8 +1,9 @@
-"""The engine checks every Mamba2 hybrid's test file runs on its own `model_dir` fixture (a tiny random folder from
+"""The engine checks every Mamba hybrid's test file runs on its own `model_dir` fixture (a tiny random folder from
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
 `LLM.generate` with and without the prefix cache, the piecewise prefill split, and cached == uncached on CUDA. A test
 file imports them by name (pytest collects them there, with that file's `model_dir`): test_granite_engine.py,
-test_nemotron_h_engine.py. A new recurrent family needs no change of the cache for them to pass."""
+test_nemotron_h_engine.py (Mamba2), test_jamba_engine.py (Mamba1). A new recurrent family needs no change of the
+cache for them to pass."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_cached_run_equals_uncached_run(model_dir):
 
 def test_shared_prefixes_of_unaligned_lengths_hit_at_the_divergence_step(model_dir):
     """Prompts sharing a 133-token prefix (16-token blocks; past the step where a branch point is worth its state,
-    `CacheConfig.min_branch_point_step`, which the Mamba2 state sets here): the third hits exactly at 133, a
+    `CacheConfig.min_branch_point_step`, which the recurrent state sets here): the third hits exactly at 133, a
     partial block past its anchor, saved when the second diverged there; a multi-turn follow-up hits at the
     previous turn's last fed token. Greedy tokens equal an uncached engine's."""
     engine, reference = make_engine(model_dir), make_engine(model_dir, caching=False)
@@ -80,9 +81,10 @@ def test_llm_generate_with_and_without_the_prefix_cache(model_dir):
     assert hits[True][0] == 0 and sum(hits[True]) > 0 and hits[False] == [0, 0, 0]
 
 def test_split_forward_equals_unsplit_on_cpu(model_dir):
-    """Piecewise prefill graphs cut the forward at its cores (the Mamba2 conv + scan, the attention; a Nemotron-H
-    MLP layer has none) like Qwen's: the split forward (pieces on a bucket's padded rows, cores eagerly) equals the
-    unsplit one, logits and every pool, bit for bit where no row is padding (as `test_prefill_graphs`)."""
+    """Piecewise prefill graphs cut the forward at its cores (the Mamba2 conv + scan, Mamba1's conv and its scan, the
+    attention; a Nemotron-H MLP layer has none) like Qwen's: the split forward (pieces on a bucket's padded rows,
+    cores eagerly) equals the unsplit one, logits and every pool, bit for bit where no row is padding (as
+    `test_prefill_graphs`)."""
     from hybridcache.engine.prefill_graphs import PrefillGraphs
 
     device = torch.device("cpu")
@@ -101,7 +103,7 @@ def test_split_forward_equals_unsplit_on_cpu(model_dir):
 
 @needs_cuda_engine
 def test_cuda_fp32_cached_run_equals_uncached_run(model_dir):
-    """On CUDA (the Mamba2 scan on fla's kernels, the conv and attention on theirs) the cached run still equals
-    the uncached one."""
+    """On CUDA (the Mamba2 scan on fla's kernels, Mamba1's on the torch reference, the conv and attention on theirs)
+    the cached run still equals the uncached one."""
     uncached, cached = make_engine(model_dir, caching=False, **CUDA_FP32), make_engine(model_dir, **CUDA_FP32)
     assert_same(cached, uncached, run_workload(cached, check_every_step=True), run_workload(uncached))

@@ -18,6 +18,7 @@ from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 from tests.models.granite_helpers import granite_model
+from tests.models.jamba_helpers import jamba_model
 from tests.models.nemotron_helpers import nemotron_model
 
 from .model_folders import write_tiny_model
@@ -70,33 +71,44 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
+MAMBA_MODELS = {"granite": granite_model, "nemotron": nemotron_model, "jamba": jamba_model}
+
+
 @pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
                                              ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
-                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent")])
+                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent"),
+                                             ("jamba", "dense"), ("jamba", "moe")])
 def test_granite_costs_count_its_mamba2_layers(family, variant):
-    """A Granite-4.0-H or Nemotron-H model's cost: its state bytes are its Mamba2 layers' state specs (they were
+    """A Granite-4.0-H, Nemotron-H or Jamba model's cost: its state bytes are its Mamba layers' state specs (they were
     counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
     its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention, relu^2 MLP layers of two
     matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
-    matrices, the ungated shared expert, the latent projections) plus the Mamba2 scans'."""
-    hf = granite_model(variant) if family == "granite" else nemotron_model(variant)
+    matrices, the ungated shared expert, the latent projections; Jamba: ungated attention, MoE blocks without a
+    shared expert, Mamba1's x_proj and dt_proj) plus the scans' (Mamba1's A_log [I, N] is no matmul)."""
+    hf = MAMBA_MODELS[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
     cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
-    assert len(recurrent) == len(config.mamba2_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2}.get(
-        variant, 3)
+    assert len(recurrent) == len(config.recurrent_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2,
+                                                                 "dense": 4, "moe": 4}.get(variant, 3)
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
     assert cost.kv_bytes_per_token == sum(2 * s.num_kv_heads * s.head_dim * 4 for s in kv)
 
-    m, mlp = config.mamba2, config.mlp
-    matmuls = sum(p.numel() for name, p in model.named_parameters()
-                  if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name)  # (routed experts)
+    mlp = config.mlp
+    matmuls = sum(p.numel() for name, p in model.named_parameters(remove_duplicate=False)  # (a tied lm_head too)
+                  if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name  # (routed experts)
+                  and not name.endswith("A_log"))
     # only the top-k experts' weights are read per token: each MoE layer's expert 0 counted top-k times
     matmuls += mlp.num_experts_per_tok * sum(p.numel() for name, p in model.named_parameters() if ".experts.0." in name)
-    scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size
+    if family == "jamba":
+        assert config.mamba2 is None and config.mamba1_layer_ids
+        scans = len(config.mamba1_layer_ids) * 6 * config.mamba1.intermediate_size * config.mamba1.state_size
+    else:
+        m = config.mamba2
+        scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size
     assert cost.flops_per_token == 2 * matmuls + scans
