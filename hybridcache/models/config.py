@@ -5,7 +5,7 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `JambaForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -21,7 +21,7 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`: `_DEFAULTS`),
+`NemotronHConfig`, `JambaConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -50,6 +50,15 @@ plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups 
 `moe_latent_size` projections when it is set. Refused: `mlp_bias` or `attention_bias` true, another activation, a
 grouping the router cannot run (n_group not dividing the experts, fewer than 2 experts a group, topk_group out of
 [1, n_group], more picks than the kept groups hold).
+Jamba (`jamba`): Mamba1 layers (`LayerKind.MAMBA1`, the `Mamba1Config` group: `mamba_expand` * hidden_size channels,
+`mamba_d_state`, `mamba_dt_rank` ("auto": ceil(hidden_size / 16)), `mamba_d_conv`, `mamba_conv_bias`,
+`mamba_proj_bias`) and attention layers without RoPE where i % attn_layer_period == attn_layer_offset (a written
+`layers_block_type`, which transformers ignores, must agree); a SiLU-gated MLP of `intermediate_size` after every
+mixer, or, where i % expert_layer_period == expert_layer_offset and `num_experts` > 1, `num_experts` routed experts of
+that width (top `num_experts_per_tok` of the softmax, not renormalised); `head_dim` read where written, else
+hidden_size / num_attention_heads. Refused: an offset not below its period, `attention_bias` true,
+`mamba_inner_layernorms` false, another activation; `use_mamba_kernels` and `sliding_window` (transformers' Jamba reads
+neither) are not read.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """

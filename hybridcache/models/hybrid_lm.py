@@ -1,5 +1,5 @@
-"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next and (their layers their own: `models/granite.py`,
-`models/nemotron_h.py`) Granite-4.0-H and Nemotron-H.
+"""The decoder skeleton shared by Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Jamba (its own norms and names: `models/jamba.py`)
+and (their layers their own: `models/granite.py`, `models/nemotron_h.py`) Granite-4.0-H and Nemotron-H.
 
 Module tree (names equal the checkpoint tensor names)::
 
