@@ -22,8 +22,8 @@
 | ssd_scan (Mamba2) | the torch step (`mamba2/fla.ssd_decode`) | fla's chunked simple-GLA kernels (`mamba2/fla.py`), |
 |                  | leading decode rows in the torch step; verify rows: the torch reference per sequence           |
 | gated_group_rms_norm | the torch reference (Mamba2's gated norm)                                                  |
-| selective_scan (Mamba1) | the torch step (`mamba1/device.py`) | one sequence: the torch scan, geometry read on the |
-|                  | device (`mamba1/device.py`); several sequences or verify rows: the torch reference per sequence |
+| selective_scan (Mamba1) | the Triton scan (`mamba1/triton.py`): one launch for every sequence, a program per        |
+|                  | (sequence, channel block) walking its tokens; verify rows: the torch reference per sequence    |
 | rotary           | one Triton launch per tensor: partial rotate-half RoPE (`rotary/triton.py`)                    |
 | norm_rotary      | one Triton launch: the attention layer's q_norm, k_norm and RoPE of both (`rotary/triton.py`)  |
 | sigmoid_mul      | one Triton launch: the attention output gate, reading the strided gate in place (`activation/`)|
@@ -70,7 +70,7 @@ from hybridcache.kernels.gated_delta.triton_step import gated_delta_rule_decode
 from hybridcache.kernels.gated_delta.triton_verify import gated_delta_rule_verify
 from hybridcache.kernels.gemm.triton_fp8_moe import Fp8ExpertWeights, fp8_grouped_experts, shared_fits
 from hybridcache.kernels.gemm.triton_fp8_moe import compile_tiles as compile_fp8_tiles
-from hybridcache.kernels.mamba1 import device as mamba1_device
+from hybridcache.kernels.mamba1 import triton as mamba1_triton
 from hybridcache.kernels.mamba2 import fla as mamba2_fla
 from hybridcache.kernels.mamba2 import reference as mamba2_ref
 from hybridcache.kernels.moe import triton_route
@@ -327,27 +327,20 @@ class CudaBackend:
         A_log: torch.Tensor, dt_bias: torch.Tensor, D: torch.Tensor, z: torch.Tensor | None,  # noqa: N803
         ssm_layer: torch.Tensor, batch: ForwardBatch,
     ) -> torch.Tensor:
-        """The torch reference scan on CUDA (no fused Mamba1 kernel yet): correct, slow at prefill (a few launches
-        per token and layer). All-decode: `mamba1/device.selective_decode` over every row at once, slots and fresh
-        rows read on the device (a decode graph may capture it). One sequence without verify rows:
-        `mamba1/device.selective_scan_one`, its length, freshness and slot read on the device and the rows past its
-        length inert, as a whole-step graph (`prefill_graphs.SequenceGraphs`) captures it on a bucket of rows. Any
-        other step (several sequences, verify rows): `backend.mamba1_scan`, each sequence alone from the host
-        lengths (the piecewise graphs run their cores eagerly on the step's own rows)."""
-        meta = _metadata(batch)
+        """Every step but verify rows: the Triton scan (`mamba1/triton.py`), decode and prefill rows of every
+        sequence in one launch, lengths, freshness and slots read on the device and rows past cu_seqlens[-1] left
+        unwritten (a decode graph captures it, and a whole-step graph, `prefill_graphs.SequenceGraphs`, a
+        one-sequence step on a bucket of rows). Verify rows (speculative decoding), and CPU tensors (Triton runs on
+        CUDA only): `backend.mamba1_scan`, the torch reference per sequence from the host lengths."""
+        fused = mamba1_triton.runs_on(x)
         if not self._said_selective_scan:
             self._said_selective_scan = True
-            _logger.info("Mamba1 layers run the torch reference selective scan on CUDA (no fused kernel yet): "
-                         "correct, slower prefill")
-        if not meta.all_decode and (batch.num_seqs > 1 or batch.draft_rows is not None):
+            _logger.info("Mamba1 layers run the Triton selective scan" if fused else "Mamba1 layers run the torch "
+                         "reference selective scan (the Triton scan runs on CUDA only)")
+        if not fused or (not _metadata(batch).all_decode and batch.draft_rows is not None):
             return mamba1_scan(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch, decode=None)
-        A = -torch.exp(A_log.float())  # noqa: N806
-        steps = mamba2_ref.discretized_dt(dt, dt_bias, (0.0, float("inf")))
-        if meta.all_decode:
-            return mamba1_device.selective_decode(x, steps, A, B, C, D, z, ssm_layer, batch.state_slots,
-                                                  batch.context_lens)
-        return mamba1_device.selective_scan_one(x, steps, A, B, C, D, z, ssm_layer, batch.state_slots,
-                                                batch.cu_seqlens, batch.context_lens)
+        return mamba1_triton.selective_scan_varlen(x, dt, B, C, A_log, dt_bias, D, z, ssm_layer, batch.state_slots,
+                                                   batch.cu_seqlens, batch.context_lens)
 
     def fuses_shared_expert(self, experts: Sequence[nn.Module], shared_expert: nn.Module) -> bool:
         """FP8 experts whose block's shared expert has their format and widths (`triton_fp8_moe.shared_fits`,
