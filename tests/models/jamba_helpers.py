@@ -33,7 +33,7 @@ TINY_JAMBA: dict[str, Any] = {
     "architectures": ["JambaForCausalLM"],
 }
 VARIANTS: dict[str, dict[str, Any]] = {
-    # one expert: a dense MLP after every mixer (as Jamba Reasoning 3B); head_dim not hidden / heads; biases on
+    # one expert: a dense MLP after every mixer; head_dim not hidden / heads; biases on
     # in_proj / out_proj, none on the conv
     "dense": {"num_experts": 1, "head_dim": 24, "mamba_proj_bias": True, "mamba_conv_bias": False,
               "tie_word_embeddings": False},

@@ -25,8 +25,8 @@ from .mamba2_hybrid_checks import (  # noqa: F401 - collected here, on this file
 )
 
 MAMBA, ATTENTION = LayerKind.MAMBA1, LayerKind.FULL_ATTENTION
-# ai21labs/Jamba-v0.1's config.json as published (AI21-Jamba-1.5-Mini and Jamba-Mini-1.6 / 1.7 write the same
-# fields, 1.5 with eos_token_id [2, 518])
+# ai21labs/Jamba-v0.1's config.json as published (AI21-Jamba-1.5-Mini's writes the same fields, with eos_token_id
+# [2, 518])
 JAMBA_V01 = {
     "architectures": ["JambaForCausalLM"], "attention_dropout": 0.0, "attn_layer_offset": 4, "attn_layer_period": 8,
     "bos_token_id": 1, "eos_token_id": 2, "expert_layer_offset": 1, "expert_layer_period": 2, "hidden_act": "silu",
@@ -93,6 +93,7 @@ def test_config_reads_the_published_configs():
     assert ModelConfig.from_dict(older).layer_types == config.layer_types
     assert ModelConfig.from_dict(older).mamba1.dt_rank == 256
     assert ModelConfig.from_dict({**older, "hidden_size": 2600}).mamba1.dt_rank == 163
+    assert ModelConfig.from_dict({**JAMBA_V01, "eos_token_id": [2, 518]}).eos_token_ids == (2, 518)
     one_expert = ModelConfig.from_dict({**JAMBA_V01, "num_experts": 1})
     assert not any(one_expert.is_moe_layer(i) for i in range(32))
 
