@@ -40,6 +40,8 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
 from hybridcache.models.config import LayerKind, ModelConfig
 
+# The model types whose attention has no output gate (Qwen's has one: q_proj twice as wide)
+_PLAIN_ATTENTION = ("granitemoehybrid", "nemotron_h", "bamba")
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -79,7 +81,7 @@ class ModelCost:
         q_dim = attention.num_heads * attention.head_dim
         kv_dim = attention.num_kv_heads * attention.head_dim
         ungated_shared = c.model_type in ("granitemoehybrid", "nemotron_h")  # a shared expert without a gate
-        gated_attention = c.model_type not in ("granitemoehybrid", "nemotron_h")
+        gated_attention = c.model_type not in _PLAIN_ATTENTION
         attn_params = h * (2 if gated_attention else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)

@@ -24,6 +24,7 @@ _LAZY = {
     "Qwen3NextForCausalLM": "hybridcache.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "hybridcache.models.granite",
     "NemotronHForCausalLM": "hybridcache.models.nemotron_h",
+    "BambaForCausalLM": "hybridcache.models.bamba",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",
 }

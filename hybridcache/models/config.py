@@ -5,7 +5,7 @@ This module imports no torch: the cache simulator sizes caches from it.
 Accepted layouts of config.json:
 
 - a text model (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`,
-  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`): every field at the top level;
+  `GraniteMoeHybridForCausalLM`, `NemotronHForCausalLM`, `BambaForCausalLM`): every field at the top level;
 - a multimodal wrapper (`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`): the
   language model's fields live in `text_config`; `architectures`, `tie_word_embeddings` and `eos_token_id`
   are read from the top level when present there, otherwise from `text_config`;
@@ -21,7 +21,7 @@ Accepted layouts of config.json:
 
 A field config.json leaves out (or sets to null) takes the default of transformers' configuration class of the
 model type (`Qwen3_5TextConfig`, `Qwen3_5MoeTextConfig`, `Qwen3NextConfig`, `GraniteMoeHybridConfig`,
-`NemotronHConfig`: `_DEFAULTS`),
+`NemotronHConfig`, `BambaConfig`: `_DEFAULTS`),
 except the fields that size the model, which must be present: `vocab_size`, `hidden_size`, `num_hidden_layers`,
 `num_attention_heads`.
 
@@ -50,6 +50,11 @@ plus `e_score_correction_bias` within the best `topk_group` of `n_group` groups 
 `moe_latent_size` projections when it is set. Refused: `mlp_bias` or `attention_bias` true, another activation, a
 grouping the router cannot run (n_group not dividing the experts, fewer than 2 experts a group, topk_group out of
 [1, n_group], more picks than the kept groups hold).
+Bamba (`bamba`): Granite's `mamba_*` fields; attention layers at `attn_layer_indices` (the others Mamba2); RoPE on
+head_dim x partial_rotary_factor channels, the factor 0.5 unless `rope_parameters` names one (transformers' BambaConfig
+sets 0.5 over a top-level value), `attn_rotary_emb` where written equal to that count; a dense MLP of
+`intermediate_size`. Refused: `mlp_bias` true, `attn_layer_indices` naming no layer, a `layers_block_type` that
+disagrees with them.
 A malformed file (not JSON, not an object, a field of the wrong type, a count of 0 that would divide) is a
 `ValueError` naming config.json and the field.
 """
@@ -99,6 +104,7 @@ _TEXT_MODEL_TYPES = {
     "qwen3_next": "qwen3_next",
     "granitemoehybrid": "granitemoehybrid",
     "nemotron_h": "nemotron_h",
+    "bamba": "bamba",
 }
 
 # transformers' defaults (its configuration classes of each text model type) for the fields config.json may leave
@@ -131,6 +137,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mamba_ssm_cache_dtype": "float32", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
         "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 7688,
         "moe_shared_expert_intermediate_size": 7688, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    },
+    # (`BambaConfig`: partial_rotary_factor 0.5 whatever the top level says, as transformers sets it; head_dim:
+    # hidden_size / num_attention_heads, set when parsed)
+    "bamba": {
+        "num_key_value_heads": 8, "max_position_embeddings": 262144, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5, "intermediate_size": 14336, "mamba_n_heads": 128, "mamba_n_groups": 1,
+        "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
     },
 }
 
@@ -292,6 +305,13 @@ class FeedForwardConfig:
     grouped_routing: GroupedRouting | None = None
     moe_latent_size: int | None = None
 
+    @classmethod
+    def dense(cls, intermediate_size: int, in_own_layers: bool = False) -> FeedForwardConfig:
+        """A dense SiLU-gated MLP of `intermediate_size` (no experts) after every mixer, or in layers of its own."""
+        return cls(intermediate_size=intermediate_size, num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0,
+                   shared_expert_intermediate_size=0, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(),
+                   in_own_layers=in_own_layers)
+
     def is_moe_layer(self, layer_id: int) -> bool:
         """True where layer `layer_id` has a sparse MoE block (the transformers rule; where the feed-forward blocks
         are layers of their own, `in_own_layers`, the layers of `moe_layer_ids`)."""
@@ -412,9 +432,12 @@ class ModelConfig:
         if model_type is None:
             raise ValueError(f"unsupported {field} {written!r} in config.json; supported: {sorted(_TEXT_MODEL_TYPES)}")
         granite, nemotron = model_type == "granitemoehybrid", model_type == "nemotron_h"
+        bamba = model_type == "bamba"
         if nemotron:
             text = _nemotron_section(text)
-        fields = _Fields(text, _granite_defaults(text) if granite else _DEFAULTS[model_type])
+        if bamba:  # (BambaConfig sets partial_rotary_factor 0.5 over the top-level one; rope_parameters' wins)
+            text = {**text, "partial_rotary_factor": None}
+        fields = _Fields(text, _derived_defaults(model_type, text))
 
         def pick(key: str, default: Any = None) -> Any:
             """A wrapper-level setting wins over the text config's (they are the same in practice)."""
@@ -425,6 +448,8 @@ class ModelConfig:
         layer_types = _nemotron_layer_types(text) if nemotron else text.get("layer_types")
         num_layers = len(layer_types) if nemotron and text.get("num_hidden_layers") is None else (
             fields.integer("num_hidden_layers"))
+        if bamba:
+            layer_types = _bamba_layer_types(text, num_layers)
         if layer_types is None and granite:  # the older key; neither: every layer Mamba2 (as transformers)
             layer_types = text.get("layers_block_type") or ["mamba"] * num_layers
         if layer_types is None:
@@ -435,7 +460,7 @@ class ModelConfig:
             ]
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise ValueError(f"config.json layer_types {layer_types!r} must be a list of layer type names")
-        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite else _QWEN_KINDS
+        kinds = _NEMOTRON_KINDS if nemotron else _MAMBA_KINDS if granite or bamba else _QWEN_KINDS
         if len(layer_types) != num_layers or set(layer_types) - set(kinds):
             raise ValueError(f"layer_types {tuple(layer_types)} do not describe {num_layers} supported layers "
                              f"(layer types of {written!r}: {sorted(kinds)})")
@@ -453,10 +478,14 @@ class ModelConfig:
         if nemotron and attention.bias:
             raise ValueError("config.json attention_bias true is not supported for Nemotron-H (transformers' "
                              "NemotronHAttention has no biases)")
+        if bamba:
+            _check_bamba_rotary(text, attention)
         if nemotron:
             mlp, mamba2 = _nemotron_feed_forward_config(fields, moe_layer_ids), _nemotron_mamba2_config(fields)
         elif granite:
             mlp, mamba2 = _granite_feed_forward_config(fields), _mamba2_config(fields)
+        elif bamba:
+            mlp, mamba2 = _dense_feed_forward_config(fields, "Bamba"), _mamba2_config(fields)
         else:
             mlp, mamba2 = _feed_forward_config(fields, model_type), None
         ssm_dtype = fields.value("mamba_ssm_cache_dtype") if nemotron else pick("mamba_ssm_dtype")
@@ -475,7 +504,7 @@ class ModelConfig:
             rms_norm_eps=fields.number("layer_norm_epsilon" if nemotron else "rms_norm_eps"),
             hidden_act=hidden_act,
             attention=attention,
-            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if granite or nemotron else fields),
+            gated_delta=_gated_delta_config(_Fields({}, _COMMON_DEFAULTS) if mamba2 is not None else fields),
             mlp=mlp,
             mamba_ssm_dtype=None if ssm_dtype is None else str(ssm_dtype),
             mamba2=mamba2,
@@ -710,14 +739,52 @@ def _feed_forward_config(fields: _Fields, model_type: str) -> FeedForwardConfig:
     )
 
 
-def _granite_defaults(text: Mapping[str, Any]) -> dict[str, Any]:
-    """`GraniteMoeHybridConfig`'s defaults, with those it derives from other fields: head_dim = hidden_size /
-    num_attention_heads (its attention's), num_key_value_heads = num_attention_heads."""
-    defaults = dict(_DEFAULTS["granitemoehybrid"])
+def _derived_defaults(model_type: str, text: Mapping[str, Any]) -> dict[str, Any]:
+    """The defaults of `model_type` (`_DEFAULTS`), with those Granite's and Bamba's configurations derive from other
+    fields: head_dim = hidden_size / num_attention_heads (their attention's, where config.json writes none);
+    num_key_value_heads = num_attention_heads (Granite's default; Bamba's when written null, its default being 8)."""
+    defaults = dict(_DEFAULTS[model_type])
     heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
-    if isinstance(heads, int) and isinstance(hidden, int) and heads > 0:
-        defaults.update(head_dim=hidden // heads, num_key_value_heads=heads)
+    if model_type not in ("granitemoehybrid", "bamba") or not (
+            isinstance(heads, int) and isinstance(hidden, int) and heads > 0):
+        return defaults
+    defaults["head_dim"] = hidden // heads
+    if model_type == "granitemoehybrid" or ("num_key_value_heads" in text and text["num_key_value_heads"] is None):
+        defaults["num_key_value_heads"] = heads
     return defaults
+
+
+def _dense_feed_forward_config(fields: _Fields, family: str) -> FeedForwardConfig:
+    """A dense SiLU-gated MLP of `intermediate_size` after every mixer (Bamba's `feed_forward`), without biases."""
+    if fields.boolean("mlp_bias", default=False):
+        raise ValueError(f"config.json mlp_bias true is not supported for {family} (its checkpoints have none)")
+    return FeedForwardConfig.dense(fields.integer("intermediate_size"))
+
+
+def _bamba_layer_types(text: Mapping[str, Any], num_layers: int) -> list[str]:
+    """Bamba's layer kinds: "attention" at the `attn_layer_indices`, "mamba" elsewhere (none: every layer Mamba2, as
+    transformers' `BambaConfig.layers_block_type`). A written `layers_block_type` / `layer_types` must agree."""
+    indices = text.get("attn_layer_indices") or []
+    if not isinstance(indices, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in indices) or (
+            any(not 0 <= i < num_layers for i in indices)):
+        raise ValueError(f"config.json attn_layer_indices {indices!r} must list layer indices in [0, {num_layers})")
+    kinds = ["attention" if i in indices else "mamba" for i in range(num_layers)]
+    written = text.get("layers_block_type") or text.get("layer_types")
+    if written is not None and (not isinstance(written, list) or [_MAMBA_KINDS.get(t) for t in written] != [
+            _MAMBA_KINDS[t] for t in kinds]):
+        raise ValueError(f"config.json layers_block_type {written!r} disagrees with attn_layer_indices {indices!r}")
+    return kinds
+
+
+def _check_bamba_rotary(text: Mapping[str, Any], attention: AttentionConfig) -> None:
+    """Bamba's checkpoints name the rotated channels of a head twice: `attn_rotary_emb` (the original training code's
+    count) and head_dim x partial_rotary_factor (transformers', 0.5 unless rope_parameters says otherwise); a config
+    where they differ is ambiguous and refused."""
+    written = text.get("attn_rotary_emb")
+    if written is not None and written != attention.rotary_dim:
+        raise ValueError(f"config.json attn_rotary_emb {written!r} is not head_dim {attention.head_dim} x "
+                         f"partial_rotary_factor {attention.partial_rotary_factor} = {attention.rotary_dim}, the "
+                         "channels transformers' Bamba rotates")
 
 
 def _time_step_limit(value: Any) -> tuple[float, float]:
@@ -778,9 +845,7 @@ def _granite_feed_forward_config(fields: _Fields) -> FeedForwardConfig:
     num_experts = fields.integer("num_local_experts", minimum=0)
     shared = fields.integer("shared_intermediate_size")
     if not num_experts:
-        return FeedForwardConfig(intermediate_size=shared, num_experts=0, num_experts_per_tok=0,
-                                 moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=True,
-                                 decoder_sparse_step=1, mlp_only_layers=())
+        return FeedForwardConfig.dense(shared)
     return FeedForwardConfig(
         intermediate_size=None,
         num_experts=num_experts,
@@ -842,9 +907,7 @@ def _nemotron_feed_forward_config(fields: _Fields, moe_layer_ids: tuple[int, ...
     (`moe_layer_ids`), layers of their own."""
     if fields.boolean("mlp_bias", default=False):
         raise ValueError("config.json mlp_bias true is not supported for Nemotron-H (its checkpoints have none)")
-    dense = FeedForwardConfig(intermediate_size=fields.integer("intermediate_size"), num_experts=0,
-                              num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=(), in_own_layers=True)
+    dense = FeedForwardConfig.dense(fields.integer("intermediate_size"), in_own_layers=True)
     if not moe_layer_ids:
         return dense
     num_experts, top_k = fields.integer("n_routed_experts"), fields.integer("num_experts_per_tok")

@@ -1,7 +1,7 @@
 """The model-vs-transformers checks every Mamba2 hybrid's test file runs on its own `pair` fixture (a `ModelPair`:
 tests/models/helpers.py): single and chunked prefill, decode against the full and the incremental forward, a mixed
 batch, and that the comparison notices a lost Mamba2 state. A test file imports them by name (pytest collects
-them there, with that file's `pair`): test_granite.py, test_nemotron_h.py.
+them there, with that file's `pair`): test_granite.py, test_nemotron_h.py, test_bamba.py.
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
