@@ -41,17 +41,19 @@ from hybridcache.state_spec import AttentionSpec, LayerState
 
 
 class GraniteAttention(nn.Module):
-    """Causal GQA over the paged KV pool: q, k, v projections, RoPE when `use_rope` (on the channels of the step's
-    cos / sin: the whole head for Granite, half of it for Bamba), softmax scale `scale`, o_proj."""
+    """Causal GQA over the paged KV pool: q, k, v projections, the keys times `key_multiplier` (Falcon-H1's), RoPE when
+    `use_rope` (on the channels of the step's cos / sin: the whole head for Granite and Falcon-H1, half of it for
+    Bamba), softmax scale `scale`, o_proj."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 scale: float, use_rope: bool) -> None:
+                 scale: float, use_rope: bool, key_multiplier: float = 1.0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.use_rope = use_rope
+        self.key_multiplier = key_multiplier
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -74,6 +76,8 @@ class GraniteAttention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            key = key * self.key_multiplier
         if self.use_rope:
             query, key = step.backend.rotary(query, key, *step.rope)
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)

@@ -18,6 +18,7 @@ from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
 from tests.models.bamba_helpers import bamba_model
+from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.granite_helpers import granite_model
 from tests.models.nemotron_helpers import nemotron_model
 
@@ -71,20 +72,23 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-MAMBA2_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model}
+MAMBA2_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model,
+                   "falcon": falcon_model}
 # (family, variant) -> its Mamba2 layers
 MAMBA2_VARIANTS = {("granite", "dense-rope"): 3, ("granite", "moe-nope"): 3, ("nemotron", "groups2"): 2,
                    ("nemotron", "pattern-bias"): 3, ("nemotron", "moe-groups"): 2, ("nemotron", "moe-latent"): 2,
-                   ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4}
+                   ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4, ("falcon", "norm-first"): 3,
+                   ("falcon", "gate-first"): 3, ("falcon", "no-norm"): 3}
 
 
 @pytest.mark.parametrize("family, variant", list(MAMBA2_VARIANTS))
 def test_granite_costs_count_its_mamba2_layers(family, variant):
-    """A Granite-4.0-H, Nemotron-H or Bamba model's cost: its state bytes are its Mamba2 layers' state specs (they were
-    counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
-    its FLOPs per token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers of two
-    matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
-    matrices, the ungated shared expert, the latent projections) plus the Mamba2 scans'."""
+    """A Granite-4.0-H, Nemotron-H, Bamba or Falcon-H1 model's cost: its state bytes are its Mamba2 layers' state
+    specs (they were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as
+    DeltaNet layers too), its KV bytes its attention layers' (a Falcon-H1 layer has both, and an MLP), its FLOPs per
+    token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers of two matrices, no
+    feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two matrices, the
+    ungated shared expert, the latent projections) plus the Mamba2 scans'."""
     hf = MAMBA2_FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
