@@ -41,17 +41,19 @@ from hybridcache.state_spec import AttentionSpec, LayerState
 
 
 class GraniteAttention(nn.Module):
-    """Causal GQA over the paged KV pool: q, k, v projections, RoPE on the whole head when `use_rope`, softmax
-    scale `scale`, o_proj."""
+    """Causal GQA over the paged KV pool: q, k, v projections, the keys times `key_multiplier` (Falcon-H1's), RoPE when
+    `use_rope` (on the channels of the step's cos / sin: the whole head for Granite and Falcon-H1, half of it for
+    Bamba), softmax scale `scale`, o_proj."""
 
     def __init__(self, hidden_size: int, *, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool,
-                 scale: float, use_rope: bool) -> None:
+                 scale: float, use_rope: bool, key_multiplier: float = 1.0) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.use_rope = use_rope
+        self.key_multiplier = key_multiplier
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
@@ -74,6 +76,8 @@ class GraniteAttention(nn.Module):
         query = query.reshape(num_tokens, self.num_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.key_multiplier != 1.0:
+            key = key * self.key_multiplier
         if self.use_rope:
             query, key = step.backend.rotary(query, key, *step.rope)
         attn = step.core(functools.partial(self._attend, kv_layer), query, key, value)
@@ -115,26 +119,37 @@ class GraniteMoE(nn.Module):
 
 
 class GraniteDecoderLayer(nn.Module):
-    """h + m * mixer(input_layernorm(h)), then h + m * (shared_mlp + block_sparse_moe)(post_attention_layernorm(h))
-    (m: residual_multiplier); `forward_split` as `hybrid_lm.DecoderLayer`'s."""
+    """h + m * mixer(input_layernorm(h)), then h + m * (ffn + block_sparse_moe)(ffn norm(h)) (m: residual_multiplier);
+    `forward_split` as `hybrid_lm.DecoderLayer`'s. The mixer, the feed-forward block and its norm are registered
+    under the checkpoint's names: Granite's `shared_mlp` after `post_attention_layernorm`, Bamba's `feed_forward` (a
+    gate_proj / up_proj / down_proj MLP) after `pre_ff_layernorm`."""
 
-    def __init__(self, mixer_name: str, mixer: nn.Module, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, mixer: tuple[str, nn.Module], ffn: tuple[str, nn.Module], config: ModelConfig, layer_id: int,
+                 ffn_norm_name: str = "post_attention_layernorm") -> None:
         super().__init__()
         c, mlp = config, config.mlp
-        self.mixer_name = mixer_name
-        self.add_module(mixer_name, mixer)
+        (self.mixer_name, mixer_module), (self.ffn_name, ffn_module) = mixer, ffn
+        self.ffn_norm_name = ffn_norm_name
+        self.add_module(self.mixer_name, mixer_module)
         self.residual_multiplier = c.multipliers.residual
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.add_module(ffn_norm_name, RMSNorm(c.hidden_size, c.rms_norm_eps))
+        self.add_module(self.ffn_name, ffn_module)
         moe = c.is_moe_layer(layer_id)
-        width = mlp.shared_expert_intermediate_size if moe else mlp.intermediate_size
-        self.shared_mlp = SharedMLP(c.hidden_size, width)
         self.block_sparse_moe = GraniteMoE(c.hidden_size, num_experts=mlp.num_experts, top_k=mlp.num_experts_per_tok,
                                            intermediate_size=mlp.moe_intermediate_size) if moe else None
 
     @property
     def mixer(self) -> nn.Module:
         return getattr(self, self.mixer_name)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return getattr(self, self.ffn_name)
+
+    @property
+    def ffn_norm(self) -> RMSNorm:
+        return getattr(self, self.ffn_norm_name)
 
     def forward_split(self, hidden: torch.Tensor, pending: torch.Tensor | None, step: StepContext,
                       state: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,8 +159,8 @@ class GraniteDecoderLayer(nn.Module):
         else:
             hidden, normed = self.input_layernorm.add(hidden, pending)
         out = self._scaled(self.mixer(normed, step, state))
-        hidden, normed = self.post_attention_layernorm.add(hidden, out)
-        ffn = self.shared_mlp(normed, step)
+        hidden, normed = self.ffn_norm.add(hidden, out)
+        ffn = self.ffn(normed, step)
         if self.block_sparse_moe is not None:
             ffn = self.block_sparse_moe(normed, step) + ffn
         return hidden, self._scaled(ffn)
@@ -158,7 +173,9 @@ class GraniteMoeHybridForCausalLM(Mamba2HybridLM):
     supported_model_types = ("granitemoehybrid",)
 
     def _layer(self, layer_id: int) -> nn.Module:
-        return GraniteDecoderLayer(*self._mixer(layer_id), self.config, layer_id)
+        c = self.config
+        width = c.mlp.shared_expert_intermediate_size if c.is_moe_layer(layer_id) else c.mlp.intermediate_size
+        return GraniteDecoderLayer(self._mixer(layer_id), ("shared_mlp", SharedMLP(c.hidden_size, width)), c, layer_id)
 
     def _norm(self, dim: int) -> nn.Module:
         return RMSNorm(dim, self.config.rms_norm_eps)

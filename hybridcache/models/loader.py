@@ -10,7 +10,8 @@ Tensor name rules, applied to every checkpoint tensor in this order:
    embedding to it;
 2. renamed: `model.language_model.X` -> `model.X` (multimodal wrappers store the language model there);
    Nemotron-H's `backbone.X` -> `model.X`, and its `model.embeddings.weight` -> `model.embed_tokens.weight`,
-   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix); Granite's
+   `model.norm_f.weight` -> `model.norm.weight` (`RENAMED_NAMES`, in either prefix), Bamba's and Falcon-H1's
+   `model.final_layernorm.weight` -> `model.norm.weight`; Granite's
    MoE tensors as transformers renames them (`RENAMED_SUFFIXES`): `block_sparse_moe.input_linear.weight` ->
    `block_sparse_moe.experts.gate_up_proj`, `output_linear.weight` -> `experts.down_proj`, `router.layer.weight`
    -> `router.weight`;
@@ -68,8 +69,9 @@ from hybridcache.models.registry import get_model_class
 LOAD_FORMATS = ("auto", "dummy")
 IGNORED_PREFIXES = ("mtp.", "model.visual.")
 RENAMED_PREFIXES = (("model.language_model.", "model."), ("backbone.", "model."))
-# Whole names, after the prefixes (Nemotron-H's embedding and final norm)
-RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight"}
+# Whole names, after the prefixes (Nemotron-H's embedding and final norm; Bamba's and Falcon-H1's final norm)
+RENAMED_NAMES = {"model.embeddings.weight": "model.embed_tokens.weight", "model.norm_f.weight": "model.norm.weight",
+                 "model.final_layernorm.weight": "model.norm.weight"}
 RENAMED_SUFFIXES = (  # Granite's MoE block, as transformers' conversion mapping renames it
     (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
     (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),

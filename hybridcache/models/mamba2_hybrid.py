@@ -50,7 +50,9 @@ def mamba2_mixer(config: ModelConfig) -> Mamba2Mixer:
     assert m is not None
     return Mamba2Mixer(config.hidden_size, num_heads=m.num_heads, head_dim=m.head_dim, num_groups=m.num_groups,
                        state_size=m.state_size, conv_kernel_size=m.conv_kernel_size, conv_bias=m.conv_bias,
-                       proj_bias=m.proj_bias, eps=config.rms_norm_eps, time_step_limit=m.time_step_limit)
+                       proj_bias=m.proj_bias, eps=config.rms_norm_eps, time_step_limit=m.time_step_limit,
+                       rms_norm=m.rms_norm, norm_before_gate=m.norm_before_gate, out_proj_bias=m.out_proj_bias,
+                       in_multipliers=m.in_multipliers)
 
 
 class Mamba2HybridLM(HybridCausalLM):

@@ -72,6 +72,14 @@ MTP_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 DUMMY_SEED = 7919
 
 
+def check_mtp_model_type(config: ModelConfig) -> None:
+    """ValueError naming the architecture unless this head is its MTP head (a model type of `MTP_MODEL_TYPES`)."""
+    if config.model_type not in MTP_MODEL_TYPES:
+        raise ValueError(f"speculative method 'mtp' is not supported for {config.architecture}: this head is "
+                         f"Qwen3.5's / Qwen3-Next's (model_type {', '.join(MTP_MODEL_TYPES)}), not the MTP "
+                         f"layers of model_type {config.model_type!r}")
+
+
 class MtpHead(nn.Module):
     """`num_layers` MTP layers (the head uses layer `step % num_layers` at draft step `step`, as vLLM does).
     Parameter names are the checkpoint's without the `mtp.` prefix. `tp`: this rank's shard (module docstring)."""
@@ -80,10 +88,7 @@ class MtpHead(nn.Module):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"an MTP head has at least one layer, got {num_layers}")
-        if config.model_type not in MTP_MODEL_TYPES:
-            raise ValueError(f"speculative method 'mtp' is not supported for {config.architecture}: this head is "
-                             f"Qwen3.5's / Qwen3-Next's (model_type {', '.join(MTP_MODEL_TYPES)}), not the MTP "
-                             f"layers of model_type {config.model_type!r}")
+        check_mtp_model_type(config)
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.config = config
         self.tp = tp
@@ -298,6 +303,7 @@ def check_mtp_head(model_dir: str | Path, tp: TensorParallel = UNSHARDED, *, loa
 
     model_dir = Path(model_dir)
     config = ModelConfig.from_model_dir(model_dir)
+    check_mtp_model_type(config)  # (before the tensors: a Bamba folder has none, but that is not the reason)
     if load_format == "dummy":
         with torch.device("meta"):
             MtpHead(config, mtp_num_layers(model_dir, load_format="dummy"), tp)

@@ -17,6 +17,8 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
+from tests.models.bamba_helpers import bamba_model
+from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.granite_helpers import granite_model
 from tests.models.nemotron_helpers import nemotron_model
 
@@ -70,24 +72,31 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-@pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
-                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
-                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent")])
+MAMBA2_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model,
+                   "falcon": falcon_model}
+# (family, variant) -> its Mamba2 layers
+MAMBA2_VARIANTS = {("granite", "dense-rope"): 3, ("granite", "moe-nope"): 3, ("nemotron", "groups2"): 2,
+                   ("nemotron", "pattern-bias"): 3, ("nemotron", "moe-groups"): 2, ("nemotron", "moe-latent"): 2,
+                   ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4, ("falcon", "norm-first"): 3,
+                   ("falcon", "gate-first"): 3, ("falcon", "no-norm"): 3}
+
+
+@pytest.mark.parametrize("family, variant", list(MAMBA2_VARIANTS))
 def test_granite_costs_count_its_mamba2_layers(family, variant):
-    """A Granite-4.0-H or Nemotron-H model's cost: its state bytes are its Mamba2 layers' state specs (they were
-    counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
-    its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention, relu^2 MLP layers of two
-    matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
-    matrices, the ungated shared expert, the latent projections) plus the Mamba2 scans'."""
-    hf = granite_model(variant) if family == "granite" else nemotron_model(variant)
+    """A Granite-4.0-H, Nemotron-H, Bamba or Falcon-H1 model's cost: its state bytes are its Mamba2 layers' state
+    specs (they were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as
+    DeltaNet layers too), its KV bytes its attention layers' (a Falcon-H1 layer has both, and an MLP), its FLOPs per
+    token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers of two matrices, no
+    feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two matrices, the
+    ungated shared expert, the latent projections) plus the Mamba2 scans'."""
+    hf = MAMBA2_FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
     cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
-    assert len(recurrent) == len(config.mamba2_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2}.get(
-        variant, 3)
+    assert len(recurrent) == len(config.mamba2_layer_ids) == MAMBA2_VARIANTS[family, variant]
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]
@@ -98,5 +107,6 @@ def test_granite_costs_count_its_mamba2_layers(family, variant):
                   if p.ndim >= 2 and "embed_tokens" not in name and ".experts." not in name)  # (routed experts)
     # only the top-k experts' weights are read per token: each MoE layer's expert 0 counted top-k times
     matmuls += mlp.num_experts_per_tok * sum(p.numel() for name, p in model.named_parameters() if ".experts.0." in name)
+    matmuls += model.lm_head.weight.numel() if config.tie_word_embeddings else 0  # (listed as the embedding)
     scans = len(config.mamba2_layer_ids) * 6 * m.num_heads * m.head_dim * m.state_size
     assert cost.flops_per_token == 2 * matmuls + scans

@@ -1,0 +1,36 @@
+"""IBM Bamba (`BambaForCausalLM`, model_type `bamba`; Bamba-9B, Bamba-9B-v2): Mamba2 layers with attention layers at
+`attn_layer_indices`, a dense MLP after every mixer. Granite-4.0-H's decoder layer (`granite.GraniteDecoderLayer`)
+under Bamba's names, without its multipliers or experts.
+
+Module tree (names equal the checkpoint tensor names; the loader renames `model.final_layernorm` to `model.norm`,
+`loader.RENAMED_NAMES`)::
+
+    model.embed_tokens                          [vocab, hidden]
+    model.layers.{i}.input_layernorm            RMSNorm (y = w * x / rms(x), not zero-centred)
+    model.layers.{i}.mamba                      Mamba2Mixer        (i not in attn_layer_indices)
+    model.layers.{i}.self_attn                  GraniteAttention   (i in attn_layer_indices): GQA, softmax scale
+                                                head_dim^-0.5, RoPE on the first head_dim x partial_rotary_factor
+                                                (0.5) channels of each head
+    model.layers.{i}.pre_ff_layernorm
+    model.layers.{i}.feed_forward               MLP: down_proj(silu(gate_proj(x)) * up_proj(x))
+    model.norm (checkpoint: final_layernorm), lm_head
+
+A layer: h = h + mixer(input_layernorm(h)); h = h + feed_forward(pre_ff_layernorm(h)). Not supported (a ValueError
+says so): tensor parallelism, FP8 weights or KV, MTP.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from hybridcache.layers.mlp import MLP
+from hybridcache.models.granite import GraniteDecoderLayer, GraniteMoeHybridForCausalLM
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    supported_model_types = ("bamba",)
+
+    def _layer(self, layer_id: int) -> nn.Module:
+        c = self.config
+        ffn = ("feed_forward", MLP(c.hidden_size, c.mlp.intermediate_size))
+        return GraniteDecoderLayer(self._mixer(layer_id), ffn, c, layer_id, ffn_norm_name="pre_ff_layernorm")
