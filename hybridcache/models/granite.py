@@ -21,10 +21,10 @@ The attention is plain GQA (no gate, no q/k norm) with softmax scale attention_m
 position_embedding_type is "rope" (Granite-4.0-H: "nope").
 
 The RMSNorms run as torch ops on every device (transformers' rounding: normalised in fp32, rounded to the input
-dtype, then times the weight). FP8: per-channel or per-tensor FP8 checkpoints (compressed-tensors, as
-llm-compressor's Granite-4.0-H recipe writes them: the stacked experts' `input_linear.weight_scale` [E, 2I, 1] split
-per expert by the loader; the router dense), `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`). Not
-supported (a ValueError says so): tensor parallelism, MTP.
+dtype, then times the weight). FP8: compressed-tensors FP8_DYNAMIC checkpoints as llm-compressor's Granite-4.0-H
+recipe writes them (the stacked experts' `input_linear.weight_scale` [E, 2I, 1] split per expert by the loader; the
+router dense), the other FP8 layouts the loader reads, `--quantization fp8`, FP8 KV (`GraniteAttention.kv_dtype`).
+Not supported (a ValueError says so): tensor parallelism, MTP.
 """
 
 from __future__ import annotations

@@ -7,13 +7,12 @@ Formats read from `config.json`'s `quantization_config` (`checkpoint_format`):
   `weight_block_size: [128, 128]`; each quantized linear `X` stores `X.weight` (float8_e4m3fn) and
   `X.weight_scale_inv` [ceil(out/128), ceil(in/128)]; experts per expert (`mlp.experts.{e}.*_proj`).
 - `quant_method: "compressed-tensors"`, `format: "float-quantized"`: every config group's weights 8-bit float,
-  `strategy: "channel"` (FP8_DYNAMIC) or `"tensor"` (the FP8 scheme), symmetric, static; input activations absent,
-  dynamic per token, or static per tensor; `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1] (per tensor:
-  one number). Stacked experts (llm-compressor's Granite-4.0-H recipe) hold `input_linear.weight` [E, 2I, H] with
-  `input_linear.weight_scale` [E, 2I, 1] and `output_linear.*` likewise (the loader splits them per expert). A
-  group that targets attention modules only and quantises no weights (llm-compressor's attention / KV
-  quantisation, `targets: ["Qwen3_5Attention"]`) is skipped with a warning, as vLLM does: FP8 KV comes from
-  `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
+  `strategy: "channel"`, symmetric, static; input activations absent or dynamic per token (FP8_DYNAMIC);
+  `X.weight` (float8_e4m3fn) and `X.weight_scale` [out, 1]. Stacked experts (llm-compressor's Granite-4.0-H
+  recipe) hold `input_linear.weight` [E, 2I, H] with `input_linear.weight_scale` [E, 2I, 1] and `output_linear.*`
+  likewise (the loader splits them per expert). A group that targets attention modules only and quantises no
+  weights (llm-compressor's attention / KV quantisation, `targets: ["Qwen3_5Attention"]`) is skipped with a
+  warning, as vLLM does: FP8 KV comes from `--kv-cache-dtype fp8` and the `k_scale` / `v_scale` tensors.
 - `quant_method: "modelopt"` (NVIDIA ModelOpt; Nemotron-H / Nemotron 3 FP8), in config.json's flat spelling
   (`quant_algo`, `kv_cache_scheme`, `ignore`, `config_groups`) or `hf_quant_config.json`'s nested one
   (`{"producer", "quantization": {"quant_algo", "kv_cache_quant_algo", "exclude_modules"}}`, read when config.json
@@ -107,7 +106,7 @@ def checkpoint_format(quantization_config: Mapping[str, Any] | None) -> Fp8Forma
     if method == "modelopt":
         return _modelopt(quantization_config)
     raise ValueError(f"quantization_config.quant_method {method!r} is not supported; this engine loads 'fp8' "
-                     "(Qwen's fine-grained FP8), 'compressed-tensors' (FP8, per-channel or per-tensor weights) and "
+                     "(Qwen's fine-grained FP8), 'compressed-tensors' (FP8, per-channel weights) and "
                      "'modelopt' (NVIDIA ModelOpt FP8)")
 
 
@@ -143,21 +142,16 @@ def _compressed_tensors(qc: Mapping[str, Any]) -> Fp8Format:
                             "k_scale / v_scale)", name, group.get("targets"))
             continue
         weights = group.get("weights") or {}
-        wanted = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+        wanted = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False}
         wrong = {key: weights.get(key) for key, value in wanted.items() if weights.get(key, value) != value}
-        if weights.get("strategy", "channel") not in ("channel", "tensor"):
-            wrong["strategy"] = weights.get("strategy")
         if wrong:
             raise ValueError(f"compressed-tensors group {name!r}: weights {wrong} not supported (FP8 e4m3, "
-                             "per-channel or per-tensor, symmetric, static scales only)")
+                             "per-channel, symmetric, static scales only)")
         acts = group.get("input_activations")
-        fp8 = bool(acts) and acts.get("num_bits") == 8 and acts.get("type") == "float"
-        per_token = fp8 and acts.get("dynamic") is True and acts.get("strategy") == "token"
-        static = fp8 and acts.get("dynamic") is False and acts.get("strategy") == "tensor"
-        if acts and not (per_token or static):
+        if acts and not (acts.get("dynamic") and acts.get("strategy") == "token" and acts.get("num_bits") == 8
+                         and acts.get("type") == "float"):
             raise ValueError(f"compressed-tensors group {name!r}: input_activations {acts} not supported (only "
-                             "absent, dynamic FP8 per token, or static FP8 per tensor, whose scale is not read: "
-                             "activations are quantised per token)")
+                             "absent or dynamic FP8 per token)")
     return CHANNEL
 
 
@@ -205,8 +199,8 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
 
 
 def pop_input_scales(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str]) -> list[str]:
-    """Take the static activation scales of the FP8 linears `fp8` (checkpoint names), `X.input_scale` (ModelOpt FP8,
-    compressed-tensors' static per-tensor scheme), out of `shapes` and return their names: they are not read, the
+    """Take the static activation scales of the FP8 linears `fp8` (checkpoint names), `X.input_scale` (ModelOpt FP8),
+    out of `shapes` and return their names: they are not read, the
     activations being quantised per token at run time (module docstring). An `input_scale` beside a weight without
     a scale stays in `shapes` (the loader then names it an unexpected tensor)."""
     names = [f"{module}.input_scale" for module in fp8 if f"{module}.input_scale" in shapes]
@@ -218,8 +212,8 @@ def pop_input_scales(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str]) -> 
 def channel_scale_shapes(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str], fmt: Fp8Format
                          ) -> dict[str, tuple[int, ...]]:
     """The per-channel scales of the FP8 linears `fp8` (checkpoint names; `fmt` "channel") that the checkpoint holds
-    in another shape than the linear's [N, 1]: one number (per tensor: ModelOpt FP8, compressed-tensors' `strategy:
-    tensor`), read as that number for each of the N rows, or [N] (ModelOpt FP8_PER_CHANNEL_PER_TOKEN). `shapes` is
+    in another shape than the linear's [N, 1]: one number (per tensor: ModelOpt FP8), read as that number for each
+    of the N rows, or [N] (ModelOpt FP8_PER_CHANNEL_PER_TOKEN). `shapes` is
     updated to [N, 1] for them; returns their names -> [N, 1] (`expand_channel_scale` reads them). Other shapes
     are left for the loader to name as mismatched."""
     if fmt.kind != "channel":
