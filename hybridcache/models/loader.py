@@ -564,7 +564,7 @@ def _dummy_format(fmt: quant.Fp8Format | None, quantization: str | None) -> quan
 
 def _check_fp8_support(model_cls: type[HybridCausalLM], config: ModelConfig, fp8_weights: bool, kv_fp8: bool) -> None:
     """ValueError naming the architecture when FP8 weights (an FP8 checkpoint or `quantization`) or FP8 KV are asked
-    of a model class without them (`HybridCausalLM.supports_fp8`: Granite-4.0-H)."""
+    of a model class without them (`HybridCausalLM.supports_fp8` false: a Mamba2 hybrid that does not declare it)."""
     if model_cls.supports_fp8 or not (fp8_weights or kv_fp8):
         return
     asked = "FP8 weights (an FP8 checkpoint or --quantization fp8)" if fp8_weights else "an FP8 KV cache"
