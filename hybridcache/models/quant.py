@@ -200,9 +200,9 @@ def fp8_modules(checkpoint_names: Iterable[str], fmt: Fp8Format) -> list[str]:
 
 def pop_input_scales(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str]) -> list[str]:
     """Take the static activation scales of the FP8 linears `fp8` (checkpoint names), `X.input_scale` (ModelOpt FP8),
-    out of `shapes` and return their names: they are not read, the
-    activations being quantised per token at run time (module docstring). An `input_scale` beside a weight without
-    a scale stays in `shapes` (the loader then names it an unexpected tensor)."""
+    out of `shapes` and return their names: they are not read, the activations being quantised per token at run
+    time (module docstring). An `input_scale` beside a weight without a scale stays in `shapes` (the loader then
+    names it an unexpected tensor)."""
     names = [f"{module}.input_scale" for module in fp8 if f"{module}.input_scale" in shapes]
     for name in names:
         del shapes[name]
@@ -213,9 +213,9 @@ def channel_scale_shapes(shapes: dict[str, tuple[int, ...]], fp8: Iterable[str],
                          ) -> dict[str, tuple[int, ...]]:
     """The per-channel scales of the FP8 linears `fp8` (checkpoint names; `fmt` "channel") that the checkpoint holds
     in another shape than the linear's [N, 1]: one number (per tensor: ModelOpt FP8), read as that number for each
-    of the N rows, or [N] (ModelOpt FP8_PER_CHANNEL_PER_TOKEN). `shapes` is
-    updated to [N, 1] for them; returns their names -> [N, 1] (`expand_channel_scale` reads them). Other shapes
-    are left for the loader to name as mismatched."""
+    of the N rows, or [N] (ModelOpt FP8_PER_CHANNEL_PER_TOKEN). `shapes` is updated to [N, 1] for them; returns
+    their names -> [N, 1] (`expand_channel_scale` reads them). Other shapes are left for the loader to name as
+    mismatched."""
     if fmt.kind != "channel":
         return {}
     out = {}
