@@ -29,6 +29,7 @@ from hybridcache.models.granite import GraniteDecoderLayer, GraniteMoeHybridForC
 
 class BambaForCausalLM(GraniteMoeHybridForCausalLM):
     supported_model_types = ("bamba",)
+    supports_fp8 = False  # (Granite-4.0-H's FP8 is not inherited: no Bamba FP8 layout is known or tested)
 
     def _layer(self, layer_id: int) -> nn.Module:
         c = self.config

@@ -1,6 +1,6 @@
 """What the Mamba2 hybrids (Granite-4.0-H: `granite.py`, Nemotron-H: `nemotron_h.py`) share: their RMSNorm (centred on
 1, as transformers' for both), their Mamba2 mixer built from `ModelConfig.mamba2`, and a model base that runs on one
-rank without FP8 (a ValueError says so)."""
+rank (a ValueError says so), without FP8 unless a model declares it (`supports_fp8`: Granite-4.0-H, Nemotron-H)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, residual: torch.Tensor, backend: KernelBackend | None = None,
             fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + residual, this norm of it)."""
-        del fp8  # (FP8 is refused for the Mamba2 hybrids)
+        del fp8  # (not asked here: an FP8 linear after this norm quantises its own input)
         total = x + residual
         return total, self.forward(total)
 
@@ -56,7 +56,8 @@ def mamba2_mixer(config: ModelConfig) -> Mamba2Mixer:
 
 
 class Mamba2HybridLM(HybridCausalLM):
-    """A hybrid of Mamba2 layers: one rank only (its Mamba2 layers are not split across ranks), no FP8."""
+    """A hybrid of Mamba2 layers: one rank only (its Mamba2 layers are not split across ranks), no FP8 unless the
+    model class sets `supports_fp8`."""
 
     supports_fp8 = False
 
