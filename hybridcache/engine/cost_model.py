@@ -10,6 +10,7 @@ Read from a model folder's config.json through `ModelConfig` (only that file is 
                                             * ssm bytes)
                          + Mamba1 layers * (d_inner * (kernel - 1) * dtype bytes + d_inner * state_size * ssm bytes)
                          + hidden_size * dtype bytes           (the last hidden state, for zero-prefill hits)
+    (a Falcon-H1 layer, attention and Mamba2 side by side, counts as an attention layer and a Mamba2 layer)
     flops_per_token    = 2 * active parameters (embeddings excluded, lm_head included; a layer's feed-forward
                                                  block where it has one: every layer, or Nemotron-H's MLP and MoE
                                                  layers, which have no state and 2 matrices an MLP, relu^2, not 3;
@@ -41,7 +42,11 @@ from hybridcache.engine.memory import MemoryPlan
 from hybridcache.engine_args import AUTO, auto_ssm_dtype
 from hybridcache.models.config import RECURRENT_KINDS, LayerKind, ModelConfig
 
+# The model types whose attention has an output gate (q_proj twice as wide) and whose shared expert has a gate (the
+# others: neither)
 _QWEN_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+# The recurrent mixer of a layer kind whose layer holds one beside its attention (Falcon-H1's parallel layer)
+_RECURRENT_MIXER = {LayerKind.HYBRID: LayerKind.MAMBA2}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float8_e4m3fn": 1}
 
 
@@ -84,15 +89,15 @@ class ModelCost:
         attn_params = h * (2 if qwen else 1) * q_dim + 2 * h * kv_dim + q_dim * h  # q (+ gate), k, v, o
         mlp_matrices = 2 if c.hidden_act == "relu2" else 3  # up, down (Nemotron-H's relu^2) or gate, up, down
         # per recurrent layer: (parameters, state update and readout FLOPs per token, state bytes)
-        recurrent = {kind: _recurrent_cost(c, kind, dtype_bytes, ssm_bytes)
+        recurrent = {kind: _recurrent_cost(c, _RECURRENT_MIXER.get(kind, kind), dtype_bytes, ssm_bytes)
                      for kind in set(c.layer_types) & RECURRENT_KINDS}
         params = h * c.vocab_size  # lm_head
         flops = 0
         state_bytes = h * dtype_bytes  # the last hidden state
         for layer_id, kind in enumerate(c.layer_types):
-            if kind is LayerKind.FULL_ATTENTION:
+            if kind in (LayerKind.FULL_ATTENTION, LayerKind.HYBRID):  # (Falcon-H1's: attention and Mamba2 both)
                 params += attn_params
-            elif kind in recurrent:
+            if kind in recurrent:
                 params += recurrent[kind][0]
                 flops += recurrent[kind][1]
                 state_bytes += recurrent[kind][2]

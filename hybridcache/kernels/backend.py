@@ -215,9 +215,10 @@ class KernelBackend(Protocol):
         ...
 
     def gated_group_rms_norm(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
-                             group_size: int) -> torch.Tensor:
-        """Mamba2's gated RMSNorm (gate before the norm, the norm per group of `group_size` channels): x, gate
-        [T, I], weight [I] -> weight * norm(x * silu(gate)) [T, I] in gate's dtype, in fp32 and rounded once."""
+                             group_size: int, norm_before_gate: bool = False) -> torch.Tensor:
+        """Mamba2's gated RMSNorm (the norm per group of `group_size` channels): x, gate [T, I], weight [I] ->
+        weight * norm(x * silu(gate)) [T, I] (the gate first), or with `norm_before_gate` weight * norm(x) *
+        silu(gate) (Falcon-H1's), in gate's dtype, in fp32 and rounded once."""
         ...
 
     def delta_gates(

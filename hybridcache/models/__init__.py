@@ -24,6 +24,8 @@ _LAZY = {
     "Qwen3NextForCausalLM": "hybridcache.models.qwen3_next",
     "GraniteMoeHybridForCausalLM": "hybridcache.models.granite",
     "NemotronHForCausalLM": "hybridcache.models.nemotron_h",
+    "BambaForCausalLM": "hybridcache.models.bamba",
+    "FalconH1ForCausalLM": "hybridcache.models.falcon_h1",
     "JambaForCausalLM": "hybridcache.models.jamba",
     "SUPPORTED_ARCHITECTURES": "hybridcache.models.registry",
     "get_model_class": "hybridcache.models.registry",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from hybridcache.models.bamba import BambaForCausalLM
+from hybridcache.models.falcon_h1 import FalconH1ForCausalLM
 from hybridcache.models.granite import GraniteMoeHybridForCausalLM
 from hybridcache.models.hybrid_lm import HybridCausalLM
 from hybridcache.models.jamba import JambaForCausalLM
@@ -20,6 +22,8 @@ def _model_classes() -> dict[str, type[HybridCausalLM]]:
         "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
         "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # Granite-4.0-H, dense and MoE
         "NemotronHForCausalLM": NemotronHForCausalLM,  # Nemotron-H (Mamba2, attention and MLP layers)
+        "BambaForCausalLM": BambaForCausalLM,  # Bamba (Mamba2 and attention layers)
+        "FalconH1ForCausalLM": FalconH1ForCausalLM,  # Falcon-H1 (attention and Mamba2 side by side in every layer)
         "JambaForCausalLM": JambaForCausalLM,  # Jamba (Mamba1 and attention layers, dense and MoE)
     }
 

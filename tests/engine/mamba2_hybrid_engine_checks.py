@@ -2,8 +2,8 @@
 `write_tiny_folder`): cached == uncached on the randomized workload, hits at non-block-aligned divergence steps,
 `LLM.generate` with and without the prefix cache, the piecewise prefill split, and cached == uncached on CUDA. A test
 file imports them by name (pytest collects them there, with that file's `model_dir`): test_granite_engine.py,
-test_nemotron_h_engine.py (Mamba2), test_jamba_engine.py (Mamba1). A new recurrent family needs no change of the
-cache for them to pass."""
+test_nemotron_h_engine.py, test_bamba_engine.py, test_falcon_h1_engine.py (Mamba2), test_jamba_engine.py (Mamba1). A
+new recurrent family needs no change of the cache for them to pass."""
 
 from __future__ import annotations
 

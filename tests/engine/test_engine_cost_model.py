@@ -17,6 +17,8 @@ from hybridcache.engine.engine import LLMEngine
 from hybridcache.engine.memory import pool_bytes, state_pages
 from hybridcache.models import ModelConfig, get_model_class
 from hybridcache.state_spec import AttentionSpec, RecurrentSpec
+from tests.models.bamba_helpers import bamba_model
+from tests.models.falcon_h1_helpers import falcon_model
 from tests.models.granite_helpers import granite_model
 from tests.models.jamba_helpers import jamba_model
 from tests.models.nemotron_helpers import nemotron_model
@@ -71,29 +73,33 @@ def spec_bytes(tensors) -> int:
     return sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
 
 
-MAMBA_MODELS = {"granite": granite_model, "nemotron": nemotron_model, "jamba": jamba_model}
+MAMBA_FAMILIES = {"granite": granite_model, "nemotron": nemotron_model, "bamba": bamba_model,
+                  "falcon": falcon_model, "jamba": jamba_model}
+# (family, variant) -> its Mamba layers (Mamba2; Jamba's: Mamba1)
+MAMBA_VARIANTS = {("granite", "dense-rope"): 3, ("granite", "moe-nope"): 3, ("nemotron", "groups2"): 2,
+                  ("nemotron", "pattern-bias"): 3, ("nemotron", "moe-groups"): 2, ("nemotron", "moe-latent"): 2,
+                  ("bamba", "groups2"): 3, ("bamba", "bias-rope"): 4, ("falcon", "norm-first"): 3,
+                  ("falcon", "gate-first"): 3, ("falcon", "no-norm"): 3, ("jamba", "dense"): 4, ("jamba", "moe"): 4}
 
 
-@pytest.mark.parametrize("family, variant", [("granite", "dense-rope"), ("granite", "moe-nope"),
-                                             ("nemotron", "groups2"), ("nemotron", "pattern-bias"),
-                                             ("nemotron", "moe-groups"), ("nemotron", "moe-latent"),
-                                             ("jamba", "dense"), ("jamba", "moe")])
+@pytest.mark.parametrize("family, variant", list(MAMBA_VARIANTS))
 def test_granite_costs_count_its_mamba2_layers(family, variant):
-    """A Granite-4.0-H, Nemotron-H or Jamba model's cost: its state bytes are its Mamba layers' state specs (they were
-    counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as DeltaNet layers too),
-    its FLOPs per token twice its active matmul parameters (Nemotron-H: ungated attention, relu^2 MLP layers of two
-    matrices, no feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two
-    matrices, the ungated shared expert, the latent projections; Jamba: ungated attention, MoE blocks without a
-    shared expert, Mamba1's x_proj and dt_proj) plus the scans' (Mamba1's A_log [I, N] is no matmul)."""
-    hf = MAMBA_MODELS[family](variant)
+    """A Granite-4.0-H, Nemotron-H, Bamba, Falcon-H1 or Jamba model's cost: its state bytes are its Mamba layers'
+    state specs (they were counted as DeltaNet layers with Qwen's default sizes; Nemotron-H's stateless MLP layers as
+    DeltaNet layers too), its KV bytes its attention layers' (a Falcon-H1 layer has both, and an MLP), its FLOPs per
+    token twice its active matmul parameters (ungated attention; Nemotron-H: relu^2 MLP layers of two matrices, no
+    feed-forward block after its mixers; its MoE layers: the router, top-k ungated experts of two matrices, the
+    ungated shared expert, the latent projections; Jamba: MoE blocks without a shared expert, Mamba1's x_proj and
+    dt_proj) plus the scans' (Mamba1's A_log [I, N] is no matmul)."""
+    hf = MAMBA_FAMILIES[family](variant)
     config = ModelConfig.from_dict(hf.config.to_dict())
     model = get_model_class(config.architecture)(config)
     cost = ModelCost.from_config(config, ssm_dtype="bfloat16")
 
     specs = model.state_specs(torch.float32, torch.bfloat16)
     recurrent = [spec for spec in specs if isinstance(spec, RecurrentSpec) and spec.tensors]
-    assert len(recurrent) == len(config.recurrent_layer_ids) == {"groups2": 2, "moe-groups": 2, "moe-latent": 2,
-                                                                 "dense": 4, "moe": 4}.get(variant, 3)
+    mamba_ids = config.mamba1_layer_ids if family == "jamba" else config.mamba2_layer_ids
+    assert len(recurrent) == len(config.recurrent_layer_ids) == len(mamba_ids) == MAMBA_VARIANTS[family, variant]
     hidden = spec_bytes(model.slot_specs(torch.float32))
     assert cost.state_bytes == sum(spec_bytes(s.tensors) for s in recurrent) + hidden
     kv = [spec for spec in specs if isinstance(spec, AttentionSpec)]

@@ -66,8 +66,8 @@ def test_dummy_weights_serve(model_dir):
 
 def test_options_that_do_not_apply_are_clear_errors(model_dir):
     for options, message in (
-        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "'mtp' is not supported for "
-                                                                                 "JambaForCausalLM"),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
+         "'mtp' needs a model with MTP layers; JambaForCausalLM has none"),
         ({"quantization": "fp8"}, "does not support FP8 weights"),
         ({"kv_cache_dtype": "fp8"}, "does not support an FP8 KV cache"),
         ({"tensor_parallel_size": 2}, "tensor parallelism"),

@@ -1,7 +1,7 @@
 """Nemotron-H (Mamba2, attention and stateless MLP layers) through the engine: its MLP layers hold no state (an
 empty spec), so the pools, the checkpoints and the prefix cache need no change; cached and uncached runs compute
-the same thing, the cache hits at non-block-aligned steps; options that do not apply to it (MTP, FP8, images, TP)
-are clear errors."""
+the same thing, the cache hits at non-block-aligned steps; options that do not apply to it (MTP, images, TP)
+are clear errors (FP8: test_fp8_mamba2_hybrids_engine.py)."""
 
 from __future__ import annotations
 
@@ -79,8 +79,6 @@ def test_mtp_is_refused_where_the_folder_has_nemotron_mtp_layers(model_dir, tmp_
 def test_options_that_do_not_apply_are_clear_errors(model_dir):
     for options, message in (
         ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}, "mtp|MTP"),
-        ({"quantization": "fp8"}, "does not support FP8 weights"),
-        ({"kv_cache_dtype": "fp8"}, "does not support an FP8 KV cache"),
     ):
         with pytest.raises(ValueError, match=message):
             LLMEngine(model_dir, EngineConfig(**options))

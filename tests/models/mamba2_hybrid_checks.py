@@ -1,7 +1,8 @@
 """The model-vs-transformers checks every Mamba hybrid's test file runs on its own `pair` fixture (a `ModelPair`:
 tests/models/helpers.py): single and chunked prefill, decode against the full and the incremental forward, a mixed
 batch, and that the comparison notices a lost recurrent state. A test file imports them by name (pytest collects
-them there, with that file's `pair`): test_granite.py, test_nemotron_h.py (Mamba2), test_jamba.py (Mamba1).
+them there, with that file's `pair`): test_granite.py, test_nemotron_h.py, test_bamba.py, test_falcon_h1.py (Mamba2),
+test_jamba.py (Mamba1).
 
 Every comparison: rel_err = max|ours - hf| / max|hf| <= 1e-4, with hf = transformers' full forward over the whole
 sequence (explicit position_ids), read at the positions our step computed.
@@ -68,7 +69,12 @@ def test_the_comparison_notices_a_lost_mamba_state(pair):
     ref = pair.hf_logits(tokens)
     runner = PagedRunner(pair.ours, 16, 8)
     runner.step([(0, tokens[:100])])
-    for layer_id in pair.ours.config.recurrent_layer_ids:
-        runner.pools.layers[layer_id]["ssm"].zero_()
+    k, recurrent = pair.ours.states_per_layer, pair.ours.config.recurrent_layer_ids
+    # (every ssm state is a recurrent layer's; Falcon-H1: decoder layer i holds state layers 2i, its KV, and 2i + 1)
+    assert sum(isinstance(state, dict) and "ssm" in state for state in runner.pools.layers) == len(recurrent)
+    for layer_id in recurrent:
+        (ssm,) = [state["ssm"] for state in runner.pools.layers[k * layer_id : k * (layer_id + 1)]
+                  if isinstance(state, dict) and "ssm" in state]
+        ssm.zero_()
     (ours,) = runner.step([(0, tokens[100:])])
     assert rel_err(ours, ref[100:]) > 100 * TOLERANCE
